@@ -1,0 +1,91 @@
+"""The protocol every inference engine speaks: token ids in, token ids and log-probs out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(RuntimeError):
+    """The engine failed (crashed, unreachable, out of memory): an infrastructure error."""
+
+
+class InvalidRequest(ValueError):
+    """The request itself is wrong (empty prompt, token id out of vocabulary, too long)."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one generation.
+
+    ``logprobs`` returned by engines are log-probabilities of the chosen tokens under the
+    distribution actually sampled from: logits divided by ``temperature``, then restricted
+    to the top-p nucleus and renormalised.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature <= 0:
+            raise InvalidRequest(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Generation:
+    """One engine response: the new tokens with their sampling log-probs and versions."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    engine: str = ""
+
+
+@dataclass
+class EngineStats:
+    """Counters since the engine started."""
+
+    prefill_computed: int = 0
+    prefill_reused: int = 0
+    decode_tokens: int = 0
+    queue_depth: int = 0
+    requests: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine replica.
+
+    ``generate`` is a coroutine so that many rollouts can wait on one engine at once;
+    engines batch concurrent requests internally.
+    """
+
+    name: str
+    version: int
+
+    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+
+    async def load_version(self, version: int, path: str) -> None:
+        """Load weight version ``version`` from the local directory ``path``."""
+
+    def end_session(self, session_id: str) -> None:
+        """Forget any cache kept for ``session_id``."""
+
+    def stats(self) -> EngineStats: ...
+
+    async def health(self) -> bool: ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,120 @@
+"""Where a run's data lives: a local folder or any fsspec URL (``s3://bucket/prefix``)."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from functools import cached_property
+
+import fsspec
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+
+class StorageConfig(BaseModel):
+    """Object storage for shards, Delta tables and weight versions.
+
+    Credentials come from this config or from the standard environment variables
+    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``); they are never logged: the
+    secret fields are ``SecretStr`` and ``repr`` hides them.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    root: str = Field("./runs", description="Local folder or fsspec URL (s3://bucket/prefix) that holds every run.")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint for MinIO-compatible stores, e.g. http://127.0.0.1:9000."
+    )
+    region: str | None = Field(None, description="S3 region; defaults to AWS_REGION or us-east-1.")
+    access_key_id: SecretStr | None = Field(None, description="S3 key id; defaults to AWS_ACCESS_KEY_ID.")
+    secret_access_key: SecretStr | None = Field(None, description="S3 secret; defaults to AWS_SECRET_ACCESS_KEY.")
+    connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for an S3 connection before failing.")
+    retries: int = Field(3, ge=0, description="Attempts for an S3 request before the error is raised.")
+
+    @field_validator("root")
+    @classmethod
+    def _root_not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("root must name a folder or URL")
+        return value.rstrip("/") if "://" in value else value
+
+    @property
+    def is_s3(self) -> bool:
+        return self.root.startswith(("s3://", "s3a://"))
+
+    def _credentials(self) -> tuple[str | None, str | None, str]:
+        key = self.access_key_id.get_secret_value() if self.access_key_id else os.environ.get("AWS_ACCESS_KEY_ID")
+        secret = (
+            self.secret_access_key.get_secret_value()
+            if self.secret_access_key
+            else os.environ.get("AWS_SECRET_ACCESS_KEY")
+        )
+        region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        return key, secret, region
+
+    def filesystem(self) -> fsspec.AbstractFileSystem:
+        """A fresh fsspec filesystem for ``root`` (local or s3fs)."""
+        if not self.is_s3:
+            return fsspec.filesystem("file", auto_mkdir=True)
+        key, secret, region = self._credentials()
+        client_kwargs = {"region_name": region}
+        if self.endpoint_url:
+            client_kwargs["endpoint_url"] = self.endpoint_url
+        return fsspec.filesystem(
+            "s3",
+            key=key,
+            secret=secret,
+            client_kwargs=client_kwargs,
+            config_kwargs={
+                "connect_timeout": self.connect_timeout,
+                "read_timeout": 60,
+                "retries": {"max_attempts": self.retries, "mode": "standard"},
+            },
+            skip_instance_cache=True,
+            use_listings_cache=False,
+        )
+
+    def delta_options(self) -> dict[str, str]:
+        """``storage_options`` for deltalake (object_store keys)."""
+        if not self.is_s3:
+            return {}
+        key, secret, region = self._credentials()
+        options = {"AWS_REGION": region, "AWS_S3_ALLOW_UNSAFE_RENAME": "true"}
+        if key and secret:
+            options |= {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+        if self.endpoint_url:
+            options["AWS_ENDPOINT_URL"] = self.endpoint_url
+            if self.endpoint_url.startswith("http://"):
+                options["AWS_ALLOW_HTTP"] = "true"
+        return options
+
+
+class RunStore:
+    """The storage of one run: ``<root>/<run_id>/…`` (see DESIGN.md, storage layout)."""
+
+    def __init__(self, config: StorageConfig, run_id: str):
+        if not run_id or "/" in run_id:
+            raise ValueError(f"run_id must be a non-empty name without '/', got {run_id!r}")
+        self.config = config
+        self.run_id = run_id
+
+    @cached_property
+    def fs(self) -> fsspec.AbstractFileSystem:
+        return self.config.filesystem()
+
+    @property
+    def uri(self) -> str:
+        if self.config.is_s3:
+            return f"{self.config.root}/{self.run_id}"
+        return os.path.abspath(os.path.join(self.config.root, self.run_id))
+
+    def path(self, *parts: str) -> str:
+        """Filesystem path (no scheme for s3fs) of ``parts`` inside the run."""
+        base = self.uri.split("://", 1)[1] if self.config.is_s3 else self.uri
+        return posixpath.join(base, *parts)
+
+    def url(self, *parts: str) -> str:
+        """Full URL of ``parts`` inside the run (what deltalake and people are given)."""
+        return posixpath.join(self.uri, *parts)
+
+    def __repr__(self) -> str:
+        return f"RunStore({self.uri!r})"
