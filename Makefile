@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev,ray]'
+	$(PIP) install -q -e '.[dev,ray]' torch==2.13.0
 	touch $(STAMP)
 
 demo: setup
