@@ -1,0 +1,110 @@
+"""Supervised warm start: next-token cross-entropy on demonstration actions.
+
+Demonstrations arrive as token sequences with a loss mask (true on the tokens the
+policy should learn to produce), built by the caller exactly as the gateway builds
+rollouts, so the warm-started policy sees the same token layout in RL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SFTConfig(BaseModel):
+    """Supervised warm-start settings."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    batch_size: int = Field(64, ge=1, description="Demonstrations per optimizer step.")
+    max_steps: int = Field(400, ge=1, description="Optimizer steps at most.")
+    max_seconds: float = Field(60.0, gt=0, description="Wall-clock budget; training stops when it runs out.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    seed: int = Field(0, description="Seed of the batch order.")
+
+
+def pad_batch(
+    sequences: Sequence[Sequence[int]], masks: Sequence[Sequence[bool]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad token sequences.
+
+    Returns:
+        input_ids: (B, T) int64, attention_mask: (B, T) bool, loss_mask: (B, T) bool.
+    """
+    length = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), length), dtype=torch.bool)
+    loss_mask = torch.zeros((len(sequences), length), dtype=torch.bool)
+    for row, (tokens, mask) in enumerate(zip(sequences, masks, strict=True)):
+        input_ids[row, : len(tokens)] = torch.as_tensor(tokens, dtype=torch.long)
+        attention_mask[row, : len(tokens)] = True
+        loss_mask[row, : len(tokens)] = torch.as_tensor(mask, dtype=torch.bool)
+    return input_ids, attention_mask, loss_mask
+
+
+def masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of the masked tokens.
+
+    Args:
+        logits: (B, T, V) model outputs; position t predicts token t + 1.
+        input_ids: (B, T) token ids.
+        loss_mask: (B, T) true on tokens whose prediction is trained.
+    Returns:
+        scalar loss (0 when nothing is masked in).
+    """
+    target_mask = loss_mask[:, 1:]
+    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    token_logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    count = target_mask.sum().clamp(min=1)
+    return -(token_logp * target_mask).sum() / count
+
+
+def supervised_warm_start(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    masks: Sequence[Sequence[bool]],
+    pad_id: int,
+    config: SFTConfig,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train ``model`` on demonstrations; return the loss of every step.
+
+    Args:
+        sequences: token ids of each demonstration (prompt, actions, observations).
+        masks: per-token loss mask of each demonstration, true on action tokens.
+    """
+    if not sequences:
+        raise ValueError("no demonstrations to train on")
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    device = next(model.parameters()).device
+    model.train()
+    losses: list[float] = []
+    started = time.monotonic()
+    order = torch.randperm(len(sequences), generator=generator)
+    cursor = 0
+    for step in range(config.max_steps):
+        if time.monotonic() - started > config.max_seconds:
+            break
+        if cursor + config.batch_size > len(order):
+            order, cursor = torch.randperm(len(sequences), generator=generator), 0
+        picked = order[cursor : cursor + config.batch_size].tolist()
+        cursor += config.batch_size
+        input_ids, attention_mask, loss_mask = pad_batch(
+            [sequences[i] for i in picked], [masks[i] for i in picked], pad_id
+        )
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+        loss = masked_nll(logits, input_ids.to(device), loss_mask.to(device))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1])
+    model.eval()
+    return losses
