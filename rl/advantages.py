@@ -1,0 +1,222 @@
+"""Advantage estimators: observation-skip GAE (SAO), plain GAE, GRPO group advantages.
+
+All tensors are ``(B, T)`` over the whole token sequence (prompt, actions, observations,
+padding) unless stated otherwise. Sources are cited per function; see PAPERS.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+
+def carry_rewards_to_actions(rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+    """Move every reward onto the closest action token at or before its position.
+
+    A reward on an action token stays where it is; a reward on an observation (or
+    padding) position is added to the nearest preceding action token; rewards before
+    the first action token of a row are dropped.
+
+    Args:
+        rewards: ``(B, T)`` float.
+        action_mask: ``(B, T)`` bool, true on tokens the policy generated.
+
+    Returns:
+        ``(B, T)`` rewards, zero on every non-action position.
+    """
+    batch, length = rewards.shape
+    positions = torch.arange(length, device=rewards.device).expand(batch, length)
+    # index of the last action token at or before each position (-1 when there is none)
+    last_action = torch.where(action_mask, positions, torch.full_like(positions, -1)).cummax(dim=1).values
+    has_owner = last_action >= 0
+    carried = torch.zeros_like(rewards)
+    carried.scatter_add_(
+        1, last_action.clamp(min=0), torch.where(has_owner, rewards, torch.zeros_like(rewards))
+    )
+    return carried
+
+
+def _as_row_tensor(value: float | torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
+    """``value`` as a ``(B,)`` tensor on ``like``'s device and dtype."""
+    batch = like.shape[0]
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return value.to(like).expand(batch)
+        if value.shape != (batch,):
+            raise ValueError(
+                f"{name} must be a float or a (B,) tensor with B={batch}, got shape {tuple(value.shape)}"
+            )
+        return value.to(like)
+    return torch.full((batch,), float(value), dtype=like.dtype, device=like.device)
+
+
+def _check_shapes(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+    if rewards.dim() != 2 or rewards.shape != values.shape or rewards.shape != mask.shape:
+        raise ValueError(
+            "rewards, values and mask must all be (B, T); got "
+            f"{tuple(rewards.shape)}, {tuple(values.shape)}, {tuple(mask.shape)}"
+        )
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {mask.dtype}")
+
+
+@torch.no_grad()
+def skip_observation_gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    action_mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-level GAE over action tokens only, linking actions across observations (SAO).
+
+    Inside a run of consecutive action tokens this is ordinary GAE. From the last token
+    of action ``i`` to the first token of action ``i+1`` it links directly, skipping the
+    observation tokens between them (SAO, PAPERS.md "Observation-skip GAE")::
+
+        δ(a_i,N)  = r + γ·V(a_{i+1},0) − V(a_i,N)
+        A(a_i,N)  = δ(a_i,N) + γλ·A(a_{i+1},0)
+
+    A reward on a non-action position is first carried to the closest preceding action
+    token (:func:`carry_rewards_to_actions`). After the last action token the next value
+    is 0. The scan runs backwards over ``T`` and is vectorized across the batch.
+
+    Args:
+        rewards: ``(B, T)`` float, per-token rewards (typically the final reward on the
+            last token).
+        values: ``(B, T)`` float, the critic's value of each token's state.
+        action_mask: ``(B, T)`` bool, true on action tokens; padding is false.
+        gamma: discount γ.
+        lam: GAE λ, a float or a ``(B,)`` tensor (length-adaptive λ, see
+            :func:`adaptive_lambda`).
+
+    Returns:
+        ``(advantages, returns)``, both ``(B, T)``, zero on non-action tokens;
+        ``returns = advantages + values`` on action tokens.
+    """
+    _check_shapes(rewards, values, action_mask)
+    values = values.detach()
+    lam_rows = _as_row_tensor(lam, values, "lam")
+    carried = carry_rewards_to_actions(rewards.to(values.dtype), action_mask)
+    batch, length = values.shape
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(length)):
+        is_action = action_mask[:, t]
+        delta = carried[:, t] + gamma * next_value - values[:, t]
+        advantage_t = delta + gamma * lam_rows * next_advantage
+        advantages[:, t] = torch.where(is_action, advantage_t, torch.zeros_like(advantage_t))
+        # observation tokens leave the chain untouched, so action i links to action i+1
+        next_value = torch.where(is_action, values[:, t], next_value)
+        next_advantage = torch.where(is_action, advantage_t, next_advantage)
+    returns = torch.where(action_mask, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+@torch.no_grad()
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float | torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain GAE (Schulman et al. 2016, eq. 11–16) over the masked tokens, for comparison.
+
+    Every masked position is one step of the chain and links to the very next position
+    ``t+1``; an unmasked position ends the episode (its value counts as 0), so with
+    ``mask = attention_mask`` observation tokens take part in the chain, unlike
+    :func:`skip_observation_gae`. Rewards on unmasked positions are ignored::
+
+        δ_t = r_t + γ·V_{t+1}·m_{t+1} − V_t
+        A_t = δ_t + γλ·m_{t+1}·A_{t+1}
+
+    Args:
+        rewards: ``(B, T)`` float.
+        values: ``(B, T)`` float.
+        mask: ``(B, T)`` bool, the tokens that take part.
+        gamma: discount γ.
+        lam: GAE λ, a float or a ``(B,)`` tensor.
+
+    Returns:
+        ``(advantages, returns)``, both ``(B, T)``, zero where ``mask`` is false.
+    """
+    _check_shapes(rewards, values, mask)
+    values = values.detach()
+    lam_rows = _as_row_tensor(lam, values, "lam")
+    rewards = rewards.to(values.dtype)
+    batch, length = values.shape
+    advantages = torch.zeros_like(values)
+    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
+    next_advantage = torch.zeros_like(next_value)
+    for t in reversed(range(length)):
+        is_step = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage_t = torch.where(is_step, delta + gamma * lam_rows * next_advantage, torch.zeros_like(delta))
+        advantages[:, t] = advantage_t
+        next_value = torch.where(is_step, values[:, t], torch.zeros_like(next_value))
+        next_advantage = advantage_t
+    returns = torch.where(mask, advantages + values, torch.zeros_like(values))
+    return advantages, returns
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    group_ids: Sequence[Hashable] | torch.Tensor,
+    normalize_std: bool = False,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO advantages (Shao et al. 2024, DeepSeekMath §4.1.2): reward minus its group's mean.
+
+    ``A_i = (R_i − mean_{g(i)} R) / (std_{g(i)} R + eps)`` when ``normalize_std``, else
+    ``A_i = R_i − mean_{g(i)} R``. The std is the unbiased sample std; a group of one has
+    advantage 0.
+
+    Args:
+        rewards: ``(N,)`` float, one reward per trajectory.
+        group_ids: ``N`` hashable group ids (or an ``(N,)`` integer tensor).
+        normalize_std: divide by the group's std.
+        eps: added to the std.
+
+    Returns:
+        ``(N,)`` advantages.
+    """
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be (N,), got shape {tuple(rewards.shape)}")
+    keys = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    if len(keys) != rewards.shape[0]:
+        raise ValueError(f"got {len(keys)} group ids for {rewards.shape[0]} rewards")
+    index_of: dict[Hashable, int] = {}
+    index = torch.tensor([index_of.setdefault(key, len(index_of)) for key in keys], device=rewards.device)
+    num_groups = len(index_of)
+    rewards = rewards.float()
+    counts = torch.zeros(num_groups, device=rewards.device).index_add_(0, index, torch.ones_like(rewards))
+    sums = torch.zeros(num_groups, device=rewards.device).index_add_(0, index, rewards)
+    means = sums / counts
+    centered = rewards - means[index]
+    if not normalize_std:
+        return centered
+    squares = torch.zeros(num_groups, device=rewards.device).index_add_(0, index, centered**2)
+    stds = torch.sqrt(squares / (counts - 1).clamp(min=1))
+    return centered / (stds[index] + eps)
+
+
+def adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Length-adaptive GAE λ (VAPO, Yue et al. 2025, eq. 7): ``λ = 1 − 1/(α·L)``.
+
+    Long responses get λ near 1 (less bias from the critic over many tokens), short ones
+    a smaller λ. Clamped to ``[0, 1]``.
+
+    Args:
+        lengths: ``(B,)`` number of action tokens of each row.
+        alpha: α > 0.
+
+    Returns:
+        ``(B,)`` float λ per row, ready for ``skip_observation_gae(..., lam=λ)``.
+    """
+    if alpha <= 0:
+        raise ValueError(f"alpha must be > 0, got {alpha}")
+    lengths = lengths.float().clamp(min=1.0)
+    return (1.0 - 1.0 / (alpha * lengths)).clamp(0.0, 1.0)

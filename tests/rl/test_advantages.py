@@ -1,0 +1,205 @@
+"""Advantage estimators against slow pure-Python references written out here."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rl.advantages import (
+    adaptive_lambda,
+    carry_rewards_to_actions,
+    gae,
+    group_advantages,
+    skip_observation_gae,
+)
+
+
+def reference_skip_gae(rewards, values, mask, gamma, lam):
+    """One row at a time, list by list, exactly as the SAO text says."""
+    advantages, returns = [], []
+    for row_r, row_v, row_m, row_lam in zip(rewards, values, mask, lam, strict=True):
+        actions = [t for t, m in enumerate(row_m) if m]
+        carried = [0.0] * len(row_r)
+        for t, r in enumerate(row_r):
+            owners = [a for a in actions if a <= t]
+            if owners:
+                carried[owners[-1]] += r
+        adv = [0.0] * len(row_r)
+        nxt_adv = 0.0
+        for k in range(len(actions) - 1, -1, -1):
+            t = actions[k]
+            next_value = row_v[actions[k + 1]] if k + 1 < len(actions) else 0.0
+            delta = carried[t] + gamma * next_value - row_v[t]
+            nxt_adv = delta + gamma * row_lam * nxt_adv
+            adv[t] = nxt_adv
+        advantages.append(adv)
+        returns.append([adv[t] + row_v[t] if row_m[t] else 0.0 for t in range(len(row_r))])
+    return advantages, returns
+
+
+def reference_gae(rewards, values, mask, gamma, lam):
+    advantages, returns = [], []
+    for row_r, row_v, row_m, row_lam in zip(rewards, values, mask, lam, strict=True):
+        n = len(row_r)
+        adv = [0.0] * n
+        last = 0.0
+        for t in range(n - 1, -1, -1):
+            if not row_m[t]:
+                last = 0.0
+                continue
+            next_ok = t + 1 < n and row_m[t + 1]
+            next_value = row_v[t + 1] if next_ok else 0.0
+            delta = row_r[t] + gamma * next_value - row_v[t]
+            last = delta + gamma * row_lam * (last if next_ok else 0.0)
+            adv[t] = last
+        advantages.append(adv)
+        returns.append([adv[t] + row_v[t] if row_m[t] else 0.0 for t in range(n)])
+    return advantages, returns
+
+
+def random_case(rng: random.Random, batch: int, length: int):
+    """Rows of prompt / alternating action and observation runs / padding, with rewards
+    scattered anywhere (also on observations, prompts and padding)."""
+    mask, rewards, values = [], [], []
+    for row in range(batch):
+        kind = row % 4
+        m = [False] * length
+        if kind != 3:  # kind 3: an all-masked row
+            t = rng.randint(0, max(0, length // 4))
+            end = rng.randint(t, length)
+            while t < end:
+                run = 1 if kind == 1 else rng.randint(1, 4)  # kind 1: single-token actions
+                for i in range(t, min(t + run, end)):
+                    m[i] = True
+                t += run + rng.randint(0, 3)  # observation gap; may also leave trailing observations
+        mask.append(m)
+        rewards.append([rng.gauss(0, 1) if rng.random() < 0.3 else 0.0 for _ in range(length)])
+        values.append([rng.gauss(0, 1) for _ in range(length)])
+    return rewards, values, mask
+
+
+def as_tensors(rewards, values, mask):
+    return (
+        torch.tensor(rewards, dtype=torch.float64),
+        torch.tensor(values, dtype=torch.float64),
+        torch.tensor(mask, dtype=torch.bool),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**31),
+    batch=st.integers(1, 6),
+    length=st.integers(1, 24),
+    gamma=st.sampled_from([1.0, 0.99, 0.5]),
+    per_row_lambda=st.booleans(),
+)
+def test_skip_observation_gae_matches_reference(seed, batch, length, gamma, per_row_lambda):
+    rng = random.Random(seed)
+    rewards, values, mask = random_case(rng, batch, length)
+    lam_rows = [rng.uniform(0, 1) for _ in range(batch)] if per_row_lambda else [0.95] * batch
+    lam = torch.tensor(lam_rows, dtype=torch.float64) if per_row_lambda else 0.95
+
+    advantages, returns = skip_observation_gae(*as_tensors(rewards, values, mask), gamma, lam)
+    want_adv, want_ret = reference_skip_gae(rewards, values, mask, gamma, lam_rows)
+
+    torch.testing.assert_close(advantages, torch.tensor(want_adv, dtype=torch.float64))
+    torch.testing.assert_close(returns, torch.tensor(want_ret, dtype=torch.float64))
+
+
+def test_skip_gae_hand_example_links_across_observations():
+    # prompt, action(2 tokens), observation(2), action(1), trailing observation with the reward
+    mask = torch.tensor([[False, True, True, False, False, True, False]])
+    values = torch.tensor([[9.0, 1.0, 2.0, 9.0, 9.0, 3.0, 9.0]])
+    rewards = torch.tensor([[5.0, 0.0, 0.0, 0.5, 0.0, 0.0, 1.0]])
+    adv, ret = skip_observation_gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    # carried rewards: 0.5 -> token 2, 1.0 -> token 5; the prompt reward 5.0 is dropped
+    # token 5: δ = 1 + 0 − 3 = −2;  token 2: δ = 0.5 + 3 − 2 = 1.5, A = 1.5 − 2 = −0.5
+    # token 1: δ = 0 + 2 − 1 = 1, A = 1 − 0.5 = 0.5
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.5, -0.5, 0.0, 0.0, -2.0, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 1.5, 1.5, 0.0, 0.0, 1.0, 0.0]]))
+
+
+def test_all_masked_row_is_zero_and_carry_drops_leading_rewards():
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [1.0, 0.0, 2.0]])
+    mask = torch.tensor([[False, False, False], [False, True, False]])
+    carried = carry_rewards_to_actions(rewards, mask)
+    torch.testing.assert_close(carried, torch.tensor([[0.0, 0.0, 0.0], [0.0, 2.0, 0.0]]))
+    adv, ret = skip_observation_gae(rewards, torch.ones(2, 3), mask, 1.0, 0.95)
+    assert torch.all(adv[0] == 0) and torch.all(ret[0] == 0)
+    assert adv[1, 1].item() == pytest.approx(1.0)
+
+
+def test_skip_gae_rejects_bad_lambda_shape():
+    with pytest.raises(ValueError, match="lam must be"):
+        skip_observation_gae(
+            torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), 1.0, torch.ones(3)
+        )
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), batch=st.integers(1, 5), length=st.integers(1, 20))
+def test_plain_gae_matches_reference(seed, batch, length):
+    rng = random.Random(seed)
+    rewards, values, mask = random_case(rng, batch, length)
+    lam_rows = [rng.uniform(0, 1) for _ in range(batch)]
+    advantages, returns = gae(
+        *as_tensors(rewards, values, mask), 0.9, torch.tensor(lam_rows, dtype=torch.float64)
+    )
+    want_adv, want_ret = reference_gae(rewards, values, mask, 0.9, lam_rows)
+    torch.testing.assert_close(advantages, torch.tensor(want_adv, dtype=torch.float64))
+    torch.testing.assert_close(returns, torch.tensor(want_ret, dtype=torch.float64))
+
+
+def test_skip_gae_equals_plain_gae_without_observations():
+    rng = random.Random(3)
+    values = torch.tensor([[rng.gauss(0, 1) for _ in range(10)] for _ in range(3)], dtype=torch.float64)
+    rewards = torch.zeros(3, 10, dtype=torch.float64)
+    rewards[:, 7] = torch.tensor([1.0, -1.0, 0.5], dtype=torch.float64)
+    mask = torch.zeros(3, 10, dtype=torch.bool)
+    mask[:, 2:8] = True
+    skip = skip_observation_gae(rewards, values, mask, 0.99, 0.9)
+    plain = gae(rewards, values, mask, 0.99, 0.9)
+    torch.testing.assert_close(skip[0], plain[0])
+    torch.testing.assert_close(skip[1], plain[1])
+
+
+@pytest.mark.parametrize("normalize_std", [False, True])
+@pytest.mark.parametrize("seed", range(5))
+def test_group_advantages_match_reference(seed, normalize_std):
+    rng = random.Random(seed)
+    n = rng.randint(1, 20)
+    groups = [f"g{rng.randint(0, 4)}" for _ in range(n)]
+    rewards = [rng.choice([0.0, 1.0, rng.gauss(0, 1)]) for _ in range(n)]
+    want = []
+    for i in range(n):
+        members = [rewards[j] for j in range(n) if groups[j] == groups[i]]
+        mean = sum(members) / len(members)
+        centered = rewards[i] - mean
+        if normalize_std:
+            var = sum((x - mean) ** 2 for x in members) / max(len(members) - 1, 1)
+            centered /= math.sqrt(var) + 1e-6
+        want.append(centered)
+    got = group_advantages(torch.tensor(rewards), groups, normalize_std=normalize_std)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_group_advantages_accepts_tensor_ids_and_checks_length():
+    got = group_advantages(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([7, 7, 2]))
+    torch.testing.assert_close(got, torch.tensor([0.5, -0.5, 0.0]))
+    with pytest.raises(ValueError, match="group ids"):
+        group_advantages(torch.tensor([1.0, 0.0]), ["a"])
+
+
+def test_adaptive_lambda_formula():
+    lengths = torch.tensor([1, 20, 100, 1000])
+    got = adaptive_lambda(lengths, alpha=0.05)
+    want = [max(0.0, 1 - 1 / (0.05 * n)) for n in (1, 20, 100, 1000)]
+    torch.testing.assert_close(got, torch.tensor(want))
+    with pytest.raises(ValueError, match="alpha"):
+        adaptive_lambda(lengths, alpha=0.0)
