@@ -1,0 +1,344 @@
+"""The weight-version store: ``weights/v000042/`` directories that Hugging Face can load.
+
+A version directory holds ``model.safetensors``, ``config.json``, the tokenizer files, any
+extra files (optimizer state, consumed shard ids) and ``manifest.json`` with the sha256 of
+every other file. Files are written first, the manifest after them and ``weights/LATEST``
+last (temp file + rename on a local folder, a single PUT on S3), so a reader never sees a
+version that is still being written: a directory without a manifest does not exist.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from storage.config import RunStore
+
+MODEL_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+LATEST_FILE = "LATEST"
+RESERVED_FILES = frozenset({MODEL_FILE, CONFIG_FILE, MANIFEST_FILE})
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_HASH_CHUNK = 1 << 20
+
+
+class CorruptVersion(RuntimeError):
+    """A weight version's files do not match its manifest (or the manifest is unreadable)."""
+
+
+def version_dir_name(version: int) -> str:
+    """``42 -> "v000042"``."""
+    return f"v{version:06d}"
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a local file, read in 1 MiB chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors, each with its own storage.
+
+    safetensors refuses tensors that share memory (tied embeddings); a clone per repeated
+    storage keeps every name, and ``from_pretrained`` re-ties them from the config.
+    """
+    seen_storages: set[tuple[int, int]] = set()
+    ready: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
+        tensor = tensor.detach().to("cpu")
+        storage_key = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
+        if storage_key in seen_storages or not tensor.is_contiguous():
+            tensor = tensor.clone().contiguous()
+        seen_storages.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+        ready[name] = tensor
+    return ready
+
+
+def _check_extra_name(name: str) -> None:
+    parts = name.split("/")
+    if not name or name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+        raise ValueError(f"extra file name {name!r} must be a relative path without '.' or '..' parts")
+    if name in RESERVED_FILES:
+        raise ValueError(f"extra file name {name!r} is reserved for the store")
+
+
+class WeightStore:
+    """Weight versions of one run, under ``<run>/weights/``.
+
+    Args:
+        store: the run's storage (local folder or S3).
+        cache_dir: where versions from a remote store are downloaded for loading;
+            defaults to ``$TREADLE_CACHE`` or ``~/.cache/treadle``.
+    """
+
+    def __init__(self, store: RunStore, cache_dir: str | os.PathLike | None = None):
+        self.store = store
+        self.fs = store.fs
+        self.root = store.path("weights")
+        default_cache = os.environ.get("TREADLE_CACHE") or os.path.join(Path.home(), ".cache", "treadle")
+        run_key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+        self.cache_dir = Path(cache_dir or default_cache) / "weights" / run_key
+
+    def version_path(self, version: int) -> str:
+        """Store path (no scheme) of a version's directory."""
+        return posixpath.join(self.root, version_dir_name(version))
+
+    def version_url(self, version: int) -> str:
+        """Full URL of a version's directory (what the ``weights`` Delta table records)."""
+        return self.store.url("weights", version_dir_name(version))
+
+    # -- writing -------------------------------------------------------------------------
+
+    def publish(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        model_config: dict,
+        tokenizer_dir: str | os.PathLike | None,
+        *,
+        step: int = 0,
+        parent: int | None = None,
+        metadata: dict | None = None,
+        extra_files: Mapping[str, bytes] | None = None,
+        tag: str | None = None,
+    ) -> int:
+        """Write a new version and point ``LATEST`` at it; returns its number.
+
+        Args:
+            state_dict: parameter name -> tensor (tied tensors are stored once per name).
+            model_config: the Hugging Face config as a dict (``config.to_dict()``).
+            tokenizer_dir: a local folder whose files (``tokenizer.json`` …) are copied in.
+            step: optimizer step that produced these weights.
+            parent: the version these weights were trained from.
+            metadata: JSON-serialisable data kept in the manifest (e.g. consumed shard ids).
+            extra_files: relative name -> bytes, stored beside the weights and checksummed.
+            tag: a name that protects the version from ``retain``.
+        """
+        extra_files = dict(extra_files or {})
+        for name in extra_files:
+            _check_extra_name(name)
+        try:
+            metadata_json = json.loads(json.dumps(metadata or {}))
+        except TypeError as error:
+            raise ValueError(f"metadata must be JSON-serialisable: {error}") from error
+        version = self._next_version()
+        target = self.version_path(version)
+        with tempfile.TemporaryDirectory(prefix="treadle-publish-") as staging:
+            save_file(
+                _safetensors_ready(state_dict), os.path.join(staging, MODEL_FILE), metadata={"format": "pt"}
+            )
+            Path(staging, CONFIG_FILE).write_text(json.dumps(model_config, indent=2, sort_keys=True))
+            if tokenizer_dir is not None:
+                self._stage_tokenizer(Path(tokenizer_dir), Path(staging))
+            for name, payload in extra_files.items():
+                Path(staging, name).parent.mkdir(parents=True, exist_ok=True)
+                Path(staging, name).write_bytes(payload)
+            files = {
+                path.relative_to(staging).as_posix(): sha256_file(path)
+                for path in sorted(Path(staging).rglob("*"))
+                if path.is_file()
+            }
+            for name in files:
+                self.fs.put_file(os.path.join(staging, name), posixpath.join(target, name))
+        manifest = {
+            "version": version,
+            "step": int(step),
+            "parent": parent,
+            "tag": tag,
+            "created_at": datetime.now(UTC).isoformat(),
+            "files": files,
+            "metadata": metadata_json,
+        }
+        self._write_atomic(posixpath.join(target, MANIFEST_FILE), json.dumps(manifest, indent=2).encode())
+        self._write_atomic(posixpath.join(self.root, LATEST_FILE), f"{version}\n".encode())
+        return version
+
+    def _stage_tokenizer(self, source: Path, staging: Path) -> None:
+        if not source.is_dir():
+            raise FileNotFoundError(f"tokenizer_dir {str(source)!r} is not a directory")
+        for path in sorted(source.iterdir()):
+            if path.is_file() and path.name not in RESERVED_FILES:
+                shutil.copyfile(path, staging / path.name)
+
+    def _next_version(self) -> int:
+        """One past every version directory present, complete or not (never reuse a name)."""
+        numbers = [int(match.group(1)) for match in map(_VERSION_DIR.match, self._dir_names()) if match]
+        latest = self.latest()
+        if latest is not None:
+            numbers.append(latest)
+        return max(numbers) + 1 if numbers else 0
+
+    def _dir_names(self) -> list[str]:
+        if not self.fs.exists(self.root):
+            return []
+        return [posixpath.basename(entry.rstrip("/")) for entry in self.fs.ls(self.root, detail=False)]
+
+    def _write_atomic(self, path: str, payload: bytes) -> None:
+        if self.store.config.is_s3:
+            self.fs.pipe_file(path, payload)
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(temp, "wb") as handle:
+            handle.write(payload)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temp, path)
+
+    # -- reading -------------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest complete version named by ``LATEST``, or None when nothing is published."""
+        path = posixpath.join(self.root, LATEST_FILE)
+        try:
+            text = self.fs.cat_file(path).decode().strip()
+        except FileNotFoundError:
+            return None
+        if not text.isdigit():
+            raise CorruptVersion(
+                f"{self.store.url('weights', LATEST_FILE)} holds {text!r}, not a version number"
+            )
+        return int(text)
+
+    def list(self) -> list[int]:
+        """Complete versions (those with a manifest), ascending."""
+        versions = []
+        for name in self._dir_names():
+            match = _VERSION_DIR.match(name)
+            if match and self.fs.exists(posixpath.join(self.root, name, MANIFEST_FILE)):
+                versions.append(int(match.group(1)))
+        return sorted(versions)
+
+    def manifest(self, version: int) -> dict:
+        """The parsed manifest of ``version``; ``KeyError`` if it was never completed."""
+        path = posixpath.join(self.version_path(version), MANIFEST_FILE)
+        try:
+            raw = self.fs.cat_file(path)
+        except FileNotFoundError:
+            raise KeyError(
+                f"weight version {version} does not exist in {self.store.url('weights')}"
+            ) from None
+        return self._parse_manifest(raw, version)
+
+    def _parse_manifest(self, raw: bytes, version: int) -> dict:
+        try:
+            manifest = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise CorruptVersion(
+                f"weight version {version}: {MANIFEST_FILE} is not valid JSON ({error})"
+            ) from None
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            raise CorruptVersion(f"weight version {version}: {MANIFEST_FILE} has no 'files' table")
+        return manifest
+
+    def load(self, version: int | None = None) -> str:
+        """A local directory holding ``version`` (default: latest), every file verified.
+
+        On a local store that is the version directory itself; on a remote store the files
+        are downloaded into ``cache_dir`` (re-used on the next call if they still verify).
+        Raises ``CorruptVersion`` naming the first file whose sha256 differs or that is
+        missing; other versions are unaffected.
+        """
+        if version is None:
+            version = self.latest()
+            if version is None:
+                raise FileNotFoundError(f"no weight version published in {self.store.url('weights')}")
+        manifest = self.manifest(version)
+        if not self.store.config.is_s3:
+            local = self.version_path(version)
+            self._verify(local, manifest, version)
+            return local
+        return self._download(version, manifest)
+
+    def _download(self, version: int, manifest: dict) -> str:
+        final = self.cache_dir / version_dir_name(version)
+        if final.is_dir():
+            try:
+                self._verify(str(final), manifest, version)
+                return str(final)
+            except CorruptVersion:
+                shutil.rmtree(final)
+        self.cache_dir.mkdir(parents=True, exist_ok=True)
+        staging = self.cache_dir / f".{version_dir_name(version)}.tmp-{uuid.uuid4().hex}"
+        try:
+            for name in manifest["files"]:
+                remote = posixpath.join(self.version_path(version), name)
+                (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    self.fs.get_file(remote, str(staging / name))
+                except FileNotFoundError:
+                    raise CorruptVersion(
+                        f"weight version {version}: file {name!r} listed in the manifest is missing"
+                    ) from None
+            Path(staging, MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+            self._verify(str(staging), manifest, version)
+            try:
+                os.replace(staging, final)
+            except OSError:
+                if not final.is_dir():  # another process may have won the same download
+                    raise
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return str(final)
+
+    @staticmethod
+    def _verify(local_dir: str, manifest: dict, version: int) -> None:
+        for name, expected in manifest["files"].items():
+            path = os.path.join(local_dir, name)
+            if not os.path.isfile(path):
+                raise CorruptVersion(
+                    f"weight version {version}: file {name!r} listed in the manifest is missing"
+                )
+            actual = sha256_file(path)
+            if actual != expected:
+                raise CorruptVersion(
+                    f"weight version {version}: file {name!r} is corrupt "
+                    f"(sha256 {actual[:12]}… does not match the manifest's {expected[:12]}…)"
+                )
+
+    # -- retention -----------------------------------------------------------------------
+
+    def retain(self, keep_last: int) -> list[int]:
+        """Delete all but the newest ``keep_last`` versions; tagged versions and LATEST stay.
+
+        Incomplete directories older than the newest complete version (left by a crashed
+        publish) are deleted too. Returns the version numbers removed, ascending.
+        """
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        complete = self.list()
+        keep = set(complete[-keep_last:])
+        latest = self.latest()
+        if latest is not None:
+            keep.add(latest)
+        for version in complete:
+            if version not in keep and self.manifest(version).get("tag"):
+                keep.add(version)
+        newest = max(complete, default=-1)
+        present = {int(m.group(1)) for m in map(_VERSION_DIR.match, self._dir_names()) if m}
+        doomed = sorted(v for v in present if v not in keep and (v in complete or v < newest))
+        for version in doomed:
+            path = self.version_path(version)
+            manifest_path = posixpath.join(path, MANIFEST_FILE)
+            if self.fs.exists(manifest_path):
+                self.fs.rm_file(manifest_path)  # the version disappears before its files do
+            self.fs.rm(path, recursive=True)
+        return doomed

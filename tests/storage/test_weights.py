@@ -1,0 +1,270 @@
+"""The weight-version store on a local folder and on a real S3-compatible server."""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import boto3
+import botocore.exceptions
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+from storage.config import RunStore, StorageConfig
+from storage.weights import CorruptVersion, WeightStore, sha256_file
+
+
+@pytest.fixture
+def weights(store, tmp_path) -> WeightStore:
+    return WeightStore(store, cache_dir=tmp_path / "cache")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory) -> str:
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3} | {c: i + 4 for i, c in enumerate("abcdefgh")}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>"
+    )
+    path = tmp_path_factory.mktemp("tokenizer")
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def tiny_llama(seed: int, tie: bool = True) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=12,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def publish_model(weights: WeightStore, model, tokenizer_dir, **kwargs) -> int:
+    return weights.publish(model.state_dict(), model.config.to_dict(), tokenizer_dir, **kwargs)
+
+
+def logits_of(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def corrupt(weights: WeightStore, version: int, name: str) -> None:
+    path = posixpath.join(weights.version_path(version), name)
+    payload = bytearray(weights.fs.cat_file(path))
+    payload[len(payload) // 2] ^= 0xFF
+    weights.fs.pipe_file(path, bytes(payload))
+
+
+def test_publish_load_is_hugging_face_loadable(weights, tokenizer_dir):
+    model = tiny_llama(seed=0, tie=True)
+    version = publish_model(weights, model, tokenizer_dir, step=7, metadata={"consumed_shards": ["a", "b"]})
+    assert version == 0 and weights.latest() == 0 and weights.list() == [0]
+
+    local = weights.load()
+    loaded = AutoModelForCausalLM.from_pretrained(local).eval()
+    ids = torch.tensor([[1, 4, 5, 6, 7]])
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(model, ids), rtol=0, atol=0)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    tokenizer = AutoTokenizer.from_pretrained(local)
+    assert tokenizer.convert_tokens_to_ids(["a", "h"]) == [4, 11]
+
+    manifest = weights.manifest(0)
+    assert manifest["step"] == 7 and manifest["parent"] is None
+    assert manifest["metadata"] == {"consumed_shards": ["a", "b"]}
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(manifest["files"])
+    for name, digest in manifest["files"].items():
+        assert sha256_file(posixpath.join(local, name)) == digest
+
+
+def test_versions_advance_with_parent_extra_files_and_untied_weights(weights, tokenizer_dir):
+    first = publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    untied = tiny_llama(seed=1, tie=False)
+    optimizer_state = b"\x00optimizer" * 100
+    second = publish_model(
+        weights, untied, None, step=3, parent=first, extra_files={"optimizer/state.pt": optimizer_state}
+    )
+    assert (first, second) == (0, 1)
+    assert weights.latest() == 1 and weights.list() == [0, 1]
+    assert weights.manifest(1)["parent"] == 0
+
+    local = weights.load(1)
+    assert Path(local, "optimizer/state.pt").read_bytes() == optimizer_state
+    loaded = AutoModelForCausalLM.from_pretrained(local).eval()
+    ids = torch.tensor([[2, 3, 9]])
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(untied, ids), rtol=0, atol=0)
+    assert json.loads(Path(local, "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_corrupt_file_is_refused_by_name_and_previous_version_still_loads(weights, tokenizer_dir, tmp_path):
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    publish_model(weights, tiny_llama(seed=1), tokenizer_dir)
+    corrupt(weights, 1, "model.safetensors")
+
+    with pytest.raises(CorruptVersion, match=r"weight version 1: file 'model.safetensors' is corrupt"):
+        weights.load()
+    previous = weights.load(0)
+    AutoModelForCausalLM.from_pretrained(previous)
+
+    weights.fs.rm_file(posixpath.join(weights.version_path(0), "tokenizer.json"))
+    uncached = WeightStore(weights.store, cache_dir=tmp_path / "uncached")
+    with pytest.raises(CorruptVersion, match=r"'tokenizer.json' listed in the manifest is missing"):
+        uncached.load(0)
+
+
+def test_unreadable_manifest_and_missing_versions_give_clear_errors(weights, tokenizer_dir):
+    with pytest.raises(FileNotFoundError, match="no weight version published"):
+        weights.load()
+    assert weights.latest() is None and weights.list() == []
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    with pytest.raises(KeyError, match="weight version 5 does not exist"):
+        weights.manifest(5)
+    weights.fs.pipe_file(posixpath.join(weights.version_path(0), "manifest.json"), b"{not json")
+    with pytest.raises(CorruptVersion, match="manifest.json is not valid JSON"):
+        weights.load(0)
+
+
+def test_remote_cache_is_reverified_and_repaired(store, tmp_path, tokenizer_dir):
+    if not store.config.is_s3:
+        pytest.skip("the download cache exists only for a remote store")
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    local = weights.load(0)
+    assert local.startswith(str(tmp_path / "cache"))
+    original = Path(local, "config.json").read_text()
+    with open(posixpath.join(local, "config.json"), "a") as handle:
+        handle.write(" ")
+    assert weights.load(0) == local
+    assert Path(local, "config.json").read_text() == original
+    AutoModelForCausalLM.from_pretrained(local)
+
+    corrupt(weights, 0, "config.json")
+    assert weights.load(0) == local  # the cached copy still matches the manifest
+    with pytest.raises(CorruptVersion, match="'config.json' is corrupt"):
+        WeightStore(store, cache_dir=tmp_path / "uncached").load(0)
+    assert not list((tmp_path / "uncached").rglob("*.json"))
+
+
+def test_version_being_written_is_invisible(weights, tokenizer_dir, monkeypatch):
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    real_put = weights.fs.put_file
+    uploaded = []
+
+    def put_then_fail(source, target, *args, **kwargs):
+        if uploaded:
+            raise OSError("connection dropped (injected)")
+        uploaded.append(target)
+        return real_put(source, target, *args, **kwargs)
+
+    monkeypatch.setattr(weights.fs, "put_file", put_then_fail)
+    with pytest.raises(OSError, match="injected"):
+        publish_model(weights, tiny_llama(seed=1), tokenizer_dir)
+    monkeypatch.undo()
+
+    assert uploaded and uploaded[0].startswith(weights.version_path(1))
+    assert weights.latest() == 0 and weights.list() == [0]
+    with pytest.raises(KeyError):
+        weights.manifest(1)
+    assert publish_model(weights, tiny_llama(seed=2), tokenizer_dir) == 2
+    assert weights.retain(keep_last=5) == [1]
+    assert weights.list() == [0, 2]
+    assert not weights.fs.exists(weights.version_path(1))
+
+
+def test_retain_keeps_last_and_tagged(weights, tokenizer_dir):
+    model = tiny_llama(seed=0)
+    for version in range(6):
+        publish_model(weights, model, tokenizer_dir, tag="best" if version == 1 else None)
+    assert weights.retain(keep_last=2) == [0, 2, 3]
+    assert weights.list() == [1, 4, 5]
+    assert weights.latest() == 5
+    AutoModelForCausalLM.from_pretrained(weights.load(1))
+    assert not weights.fs.exists(weights.version_path(0))
+    with pytest.raises(ValueError, match="keep_last must be >= 1"):
+        weights.retain(0)
+
+
+def test_bad_publish_arguments(weights, tokenizer_dir, tmp_path):
+    state = tiny_llama(seed=0).state_dict()
+    config = tiny_llama(seed=0).config.to_dict()
+    with pytest.raises(ValueError, match="'../escape' must be a relative path"):
+        weights.publish(state, config, None, extra_files={"../escape": b""})
+    with pytest.raises(ValueError, match="'manifest.json' is reserved"):
+        weights.publish(state, config, None, extra_files={"manifest.json": b""})
+    with pytest.raises(ValueError, match="metadata must be JSON-serialisable"):
+        weights.publish(state, config, None, metadata={"x": object()})
+    with pytest.raises(FileNotFoundError, match="is not a directory"):
+        weights.publish(state, config, str(tmp_path / "nope"))
+    with pytest.raises(TypeError, match=r"state_dict\['w'\] is a str"):
+        weights.publish({"w": "not a tensor"}, config, None)
+    assert weights.list() == [] and weights.latest() is None
+
+
+def test_two_stores_on_one_run_see_the_same_versions(store, tokenizer_dir, tmp_path):
+    writer = WeightStore(store, cache_dir=tmp_path / "a")
+    reader = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "b")
+    assert reader.latest() is None
+    publish_model(writer, tiny_llama(seed=0), tokenizer_dir)
+    assert reader.latest() == 0
+    AutoModelForCausalLM.from_pretrained(reader.load())
+
+
+# Temporary until tests/conftest.py provides the shared `store` fixture (local and S3).
+@pytest.fixture(scope="module")
+def _s3_endpoint():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(
+        [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    client = boto3.client(
+        "s3", endpoint_url=url, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1"
+    )
+    for _ in range(200):
+        try:
+            client.create_bucket(Bucket="treadle-test")
+            break
+        except botocore.exceptions.EndpointConnectionError:
+            time.sleep(0.05)
+    yield url
+    server.kill()
+    server.wait()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path) -> RunStore:
+    if request.param == "local":
+        return RunStore(StorageConfig(root=str(tmp_path / "runs")), "run")
+    config = StorageConfig(
+        root=f"s3://treadle-test/{uuid.uuid4().hex}",
+        endpoint_url=request.getfixturevalue("_s3_endpoint"),
+        access_key_id="k",
+        secret_access_key="s",
+    )
+    return RunStore(config, "run")
