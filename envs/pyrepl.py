@@ -1,0 +1,167 @@
+"""A persistent Python interpreter inside a sandbox.
+
+A small server (:data:`SERVER`, stdlib only) runs in the sandbox and reads one JSON request per
+line on stdin (``{"code": "..."}``); it executes the code in one persistent namespace, echoes the
+value of a final expression like a REPL, and answers one JSON line (``{"output", "error",
+"truncated"}``) on its original stdout. Output is captured from ``sys.stdout``/``sys.stderr`` and
+capped inside the server; bytes that child processes write straight to file descriptors are
+discarded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+
+from envs.sandbox import ExecResult, Sandbox, SandboxError, kill_group, python_in_sandbox, read_some
+
+SERVER = r"""
+import ast, io, json, os, sys, traceback
+proto = os.fdopen(os.dup(1), "w")
+null = os.open(os.devnull, os.O_WRONLY)
+os.dup2(null, 1); os.dup2(null, 2)
+CAP = int(sys.argv[1])
+
+class OutputLimit(BaseException):
+    pass
+
+class Capped(io.TextIOBase):
+    def __init__(self):
+        self.parts, self.size = [], 0
+    def writable(self):
+        return True
+    def write(self, s):
+        self.parts.append(s); self.size += len(s)
+        if self.size > CAP:
+            raise OutputLimit()
+        return len(s)
+    def value(self):
+        return "".join(self.parts)[:CAP]
+
+namespace = {"__name__": "__main__"}
+for line in sys.stdin:
+    code = json.loads(line)["code"]
+    out = Capped(); sys.stdout = sys.stderr = out
+    error = None; truncated = False
+    try:
+        tree = ast.parse(code, "<action>")
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        exec(compile(tree, "<action>", "exec"), namespace)
+        if last is not None:
+            value = eval(compile(ast.Expression(last.value), "<action>", "eval"), namespace)
+            if value is not None:
+                print(repr(value))
+    except OutputLimit:
+        truncated = True
+    except BaseException as exc:
+        error = type(exc).__name__
+        try:
+            traceback.print_exc(limit=-3)
+        except OutputLimit:
+            truncated = True
+    finally:
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    proto.write(json.dumps({"output": out.value(), "error": error, "truncated": truncated}) + "\n")
+    proto.flush()
+"""
+
+
+@dataclass
+class ReplResult:
+    """Output of one ``run``: the captured text, the exception name if the code raised, and truncation."""
+
+    output: str
+    error: str | None
+    truncated: bool
+
+
+class PythonRepl:
+    """A Python interpreter that keeps its namespace between :meth:`run` calls (blocking)."""
+
+    def __init__(self, sandbox: Sandbox):
+        self.sandbox = sandbox
+        cap = sandbox.config.max_output_bytes
+        argv = sandbox.argv([python_in_sandbox(sandbox.config), "-I", "-u", "-c", SERVER, str(cap)])
+        try:
+            self.proc = subprocess.Popen(
+                argv,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                **sandbox.popen_kwargs(),
+            )
+        except OSError as exc:
+            raise SandboxError("start_failed", f"could not start the Python interpreter: {exc}") from exc
+        sandbox.adopt(self.proc)
+        self._buffer = b""
+
+    @property
+    def alive(self) -> bool:
+        return not self.sandbox.closed and self.proc.poll() is None
+
+    def run(self, code: str, timeout: float | None = None) -> ReplResult:
+        """Execute ``code``; a timeout or a dead interpreter kills it and raises :class:`SandboxError`.
+
+        An exception raised by the code is not an error of the sandbox: it comes back as
+        ``error`` with its traceback in ``output`` — unless it shows the isolation stopped the
+        code (``MemoryError``, a refused connection, ...) and ``violations_are_errors`` is set.
+        """
+        if not self.alive:
+            raise SandboxError("died", "the Python interpreter is not running")
+        config = self.sandbox.config
+        timeout = config.timeout_s if timeout is None else timeout
+        started = time.monotonic()
+        try:
+            self.proc.stdin.write(json.dumps({"code": code}).encode() + b"\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            self._died(started)
+        deadline = started + timeout
+        limit = 4 * config.max_output_bytes + 1024
+        while b"\n" not in self._buffer:
+            chunk = read_some(self.proc.stdout.fileno(), deadline)
+            if chunk is None:
+                self.close()
+                raise SandboxError(
+                    "timeout", f"code ran past its {timeout:g} s wall-clock limit; interpreter killed"
+                )
+            if not chunk:
+                self._died(started)
+            self._buffer += chunk
+            if len(self._buffer) > limit:
+                self.close()
+                raise SandboxError("output_limit", "the interpreter answered more than its output cap")
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        reply = json.loads(line)
+        result = ReplResult(reply["output"], reply["error"], reply["truncated"])
+        if result.truncated:
+            raise SandboxError(
+                "output_limit", f"code printed more than {config.max_output_bytes} bytes", result.output
+            )
+        if result.error:
+            self.sandbox.check(ExecResult(1, result.output, False, time.monotonic() - started))
+        return result
+
+    def _died(self, started: float) -> None:
+        try:
+            status = self.proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            status = -1
+        self.close()
+        self.sandbox.check(ExecResult(status, "", False, time.monotonic() - started))
+        raise SandboxError("died", f"the Python interpreter exited with status {status}")
+
+    def close(self) -> None:
+        """Kill the interpreter and everything it started."""
+        kill_group(self.proc.pid)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                stream.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, 9)

@@ -1,0 +1,476 @@
+"""Sandboxes: a process group with its own working directory, limits, no network.
+
+A :class:`Sandbox` owns one private working directory and turns a command into an argv that runs
+it isolated under one of three backends (see ``docs/sandboxes.md``):
+
+- ``bwrap`` (bubblewrap): read-only system directories, the working directory the only writable
+  path, new PID/network/IPC/UTS namespaces, a new session, killed with its parent;
+- ``apptainer`` (Apptainer/Singularity, for HPC clusters): ``exec --containall --no-privs
+  --net --network none`` of a user-chosen image with the working directory bound;
+- ``process`` (fallback, used only when bwrap is missing, with a loud warning): rlimits, a new
+  process group and ``unshare -n`` where permitted. It does not stop writes outside the working
+  directory.
+
+Every backend runs the command under rlimits (CPU seconds, address space, file size, process
+count) with a scrubbed environment; callers add a wall-clock timeout and an output cap. When the
+worker runs as root, each sandbox also gets its own unprivileged uid, so that the process-count
+limit counts that sandbox alone.
+
+Failures the sandbox contains are raised as :class:`SandboxError` with a ``kind`` the rollout
+service maps to the ``env_error`` status.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from functools import cache
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "bwrap", "process", "apptainer"]
+ErrorKind = Literal[
+    "timeout",
+    "cpu_limit",
+    "memory_limit",
+    "process_limit",
+    "file_size_limit",
+    "output_limit",
+    "write_outside",
+    "network",
+    "died",
+    "start_failed",
+]
+
+SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+UID_BASE = 2_000_000_000
+UID_RANGE = 1 << 20
+
+# Output patterns that show a command ran into the isolation rather than failing on its own.
+VIOLATION_PATTERNS: tuple[tuple[ErrorKind, re.Pattern[bytes]], ...] = (
+    (
+        "process_limit",
+        re.compile(rb"fork: (retry: )?Resource temporarily unavailable|BlockingIOError.*Errno 11"),
+    ),
+    ("memory_limit", re.compile(rb"MemoryError|[Cc]annot allocate memory|xmalloc|std::bad_alloc")),
+    ("write_outside", re.compile(rb"Read-only file system")),
+    (
+        "network",
+        re.compile(
+            rb"Network is unreachable|Connection refused|Temporary failure in name resolution"
+            rb"|Could not resolve host|Name or service not known"
+        ),
+    ),
+)
+
+
+class SandboxError(RuntimeError):
+    """A command was stopped or ran into the sandbox's isolation.
+
+    ``kind`` names what happened (one of ``ErrorKind``); the rollout service reports it as the
+    ``env_error`` status with ``reason``.
+    """
+
+    def __init__(self, kind: ErrorKind, reason: str, output: str = ""):
+        super().__init__(f"{kind}: {reason}")
+        self.kind = kind
+        self.reason = reason
+        self.output = output
+
+
+class SandboxConfig(BaseModel):
+    """Isolation backend and limits of one sandbox."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Backend = Field(
+        "auto",
+        description="Isolation backend: auto (bwrap, else process with a warning), bwrap, process, apptainer.",
+    )
+    cpu_seconds: int = Field(30, ge=1, description="RLIMIT_CPU: CPU seconds per process before it is killed.")
+    memory_mb: int = Field(1024, ge=32, description="RLIMIT_AS: address space per process, in MiB.")
+    file_size_mb: int = Field(64, ge=1, description="RLIMIT_FSIZE: largest file a process may write, in MiB.")
+    max_processes: int = Field(64, ge=4, description="RLIMIT_NPROC: processes the sandbox may run at once.")
+    timeout_s: float = Field(
+        30.0, gt=0, description="Wall-clock limit of one command (one action), in seconds."
+    )
+    max_output_bytes: int = Field(
+        64 * 1024, ge=256, description="Output kept from one command; more kills the command (output_limit)."
+    )
+    violations_are_errors: bool = Field(
+        True,
+        description="Raise SandboxError when output shows a command ran into the isolation (read-only "
+        "file system, no network, process or memory limit); false hands it to the model as plain output.",
+    )
+    apptainer_image: str | None = Field(
+        None, description="Image (.sif, directory or docker://) for the apptainer backend; required there."
+    )
+    apptainer_bin: str = Field("apptainer", description="Apptainer or Singularity executable.")
+    ro_binds: list[str] = Field(
+        default_factory=list,
+        description="Extra host paths made visible read-only inside (e.g. a virtualenv).",
+    )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Variables set inside, on top of the scrubbed PATH/HOME/LANG/TMPDIR.",
+    )
+    python: str = Field(
+        "python3",
+        description="Python interpreter inside the sandbox (the REPL server and code tests use it).",
+    )
+    root_dir: str | None = Field(
+        None,
+        description="Host folder under which working directories are made; the system temp dir if unset.",
+    )
+
+
+@dataclass
+class ExecResult:
+    """Outcome of one command: exit status (negative: killed by that signal) and its output."""
+
+    exit_code: int
+    output: str
+    truncated: bool
+    seconds: float
+
+
+@cache
+def bwrap_path() -> str | None:
+    """The bubblewrap executable, if it exists and can create namespaces here."""
+    path = shutil.which("bwrap")
+    if path is None:
+        return None
+    probe = subprocess.run(
+        [path, "--ro-bind", "/", "/", "--unshare-all", "--die-with-parent", "true"],
+        capture_output=True,
+        timeout=10,
+    )
+    if probe.returncode != 0:
+        log.warning(
+            "bwrap exists but cannot create namespaces: %s", probe.stderr.decode(errors="replace")[:200]
+        )
+        return None
+    return path
+
+
+@cache
+def _unshare_net_prefix() -> tuple[str, ...]:
+    """The ``unshare`` prefix that drops the network for the process backend, if permitted."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    for prefix in ((unshare, "-n"), (unshare, "-r", "-n")):
+        if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+            return prefix
+    return ()
+
+
+def resolve_backend(backend: Backend) -> Literal["bwrap", "process", "apptainer"]:
+    """Pick the backend ``auto`` means here; a named backend that cannot run raises."""
+    if backend == "apptainer":
+        return "apptainer"
+    if bwrap_path() is not None and backend in ("auto", "bwrap"):
+        return "bwrap"
+    if backend == "bwrap":
+        raise SandboxError("start_failed", "backend 'bwrap' was requested but bwrap is missing or cannot run")
+    if backend == "auto":
+        log.warning(
+            "!!! bubblewrap (bwrap) is not available: sandboxes fall back to plain processes with rlimits "
+            "only; commands can read and write anything this user can. Install bubblewrap. !!!"
+        )
+    return "process"
+
+
+class Sandbox:
+    """One private working directory and the way to run commands isolated inside it.
+
+    ``argv(cmd)`` wraps an argv for the backend; :meth:`run` runs one command to completion;
+    :mod:`envs.shell` and :mod:`envs.pyrepl` keep a process alive inside. ``close()`` kills
+    everything started here and removes the directory.
+    """
+
+    def __init__(self, config: SandboxConfig | None = None, workdir: str | None = None):
+        self.config = config or SandboxConfig()
+        self.backend = resolve_backend(self.config.backend)
+        if self.backend == "apptainer" and not self.config.apptainer_image:
+            raise SandboxError("start_failed", "the apptainer backend needs apptainer_image")
+        self._owns_dir = workdir is None
+        self.workdir = os.path.realpath(
+            workdir or tempfile.mkdtemp(prefix="treadle-sbx-", dir=self.config.root_dir)
+        )
+        self.uid: int | None = None
+        if os.geteuid() == 0 and self.backend != "apptainer":
+            self.uid = UID_BASE + secrets.randbelow(UID_RANGE)
+            os.chown(self.workdir, self.uid, self.uid)
+        self._procs: list[subprocess.Popen | object] = []
+        self.closed = False
+
+    def env(self) -> dict[str, str]:
+        """The scrubbed environment every command starts with."""
+        base = {
+            "PATH": SANDBOX_PATH,
+            "HOME": self.workdir,
+            "TMPDIR": self.workdir,
+            "LANG": "C.UTF-8",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        return base | self.config.env
+
+    def _limits(self) -> list[str]:
+        cfg = self.config
+        nproc = cfg.max_processes
+        if self.uid is None and os.geteuid() != 0:
+            # RLIMIT_NPROC counts every process of the real uid, the worker's own included.
+            nproc += len(_uid_pids(os.getuid()))
+        return [
+            "prlimit",
+            f"--cpu={cfg.cpu_seconds}:{cfg.cpu_seconds + 1}",
+            f"--as={cfg.memory_mb * 1024 * 1024}",
+            f"--fsize={cfg.file_size_mb * 1024 * 1024}",
+            f"--nproc={nproc}",
+            "--core=0",
+            "--",
+        ]
+
+    def _user(self) -> list[str]:
+        if self.uid is None:
+            return []
+        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--"]
+
+    def _bwrap(self) -> list[str]:
+        args = [bwrap_path() or "bwrap"]
+        for path in SYSTEM_DIRS:
+            if os.path.islink(path):
+                args += ["--symlink", os.readlink(path), path]
+            elif os.path.isdir(path):
+                args += ["--ro-bind", path, path]
+        for path in self.config.ro_binds:
+            args += ["--ro-bind", path, path]
+        args += [
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--bind",
+            self.workdir,
+            self.workdir,
+            "--remount-ro",
+            "/",
+        ]
+        args += ["--chdir", self.workdir, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+        for key, value in self.env().items():
+            args += ["--setenv", key, value]
+        return [*args, "--"]
+
+    def _apptainer(self) -> list[str]:
+        cfg = self.config
+        args = [
+            cfg.apptainer_bin,
+            "exec",
+            "--containall",
+            "--no-privs",
+            "--no-home",
+            "--net",
+            "--network",
+            "none",
+        ]
+        args += ["--bind", f"{self.workdir}:{self.workdir}:rw", "--pwd", self.workdir]
+        for path in cfg.ro_binds:
+            args += ["--bind", f"{path}:{path}:ro"]
+        for key, value in self.env().items():
+            args += ["--env", f"{key}={value}"]
+        # Limits go inside the image: the Go runtime of apptainer itself reserves more address
+        # space than a sandbox is allowed.
+        return [*args, str(cfg.apptainer_image), *self._limits()]
+
+    def argv(self, cmd: list[str]) -> list[str]:
+        """The full argv that runs ``cmd`` inside this sandbox."""
+        if self.closed:
+            raise SandboxError("died", "the sandbox is closed")
+        if self.backend == "bwrap":
+            return [*self._user(), *self._limits(), *self._bwrap(), *cmd]
+        if self.backend == "apptainer":
+            return [*self._apptainer(), *cmd]
+        return [*self._user(), *self._limits(), *_unshare_net_prefix(), *cmd]
+
+    def popen_kwargs(self) -> dict:
+        """Keyword arguments for ``subprocess.Popen`` of an :meth:`argv` (cwd, env, own session)."""
+        env = self.env() if self.backend == "process" else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        return {"cwd": self.workdir, "env": env, "start_new_session": True, "close_fds": True}
+
+    def run(
+        self, command: str | list[str], timeout: float | None = None, stdin: bytes | None = None
+    ) -> ExecResult:
+        """Run one command to completion (``bash -c`` when given a string); blocking.
+
+        Raises :class:`SandboxError` on timeout, too much output, a CPU/file-size kill, or (with
+        ``violations_are_errors``) output that shows the isolation stopped it.
+        """
+        cmd = ["bash", "-c", command] if isinstance(command, str) else list(command)
+        timeout = self.config.timeout_s if timeout is None else timeout
+        started = time.monotonic()
+        try:
+            proc = subprocess.Popen(
+                self.argv(cmd),
+                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                **self.popen_kwargs(),
+            )
+        except OSError as exc:
+            raise SandboxError("start_failed", f"could not start {cmd[0]!r}: {exc}") from exc
+        self._procs.append(proc)
+        try:
+            if stdin is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    proc.stdin.write(stdin)
+                    proc.stdin.close()
+            output, stopped = read_capped(
+                proc.stdout.fileno(), self.config.max_output_bytes, started + timeout
+            )
+            if stopped:
+                kill_group(proc.pid)
+            exit_code = proc.wait()
+        finally:
+            kill_group(proc.pid)
+            proc.stdout.close()
+            self._procs.remove(proc)
+        result = ExecResult(
+            exit_code, output.decode(errors="replace"), stopped == "output", time.monotonic() - started
+        )
+        self.check(result, stopped)
+        return result
+
+    def check(self, result: ExecResult, stopped: str | None = None) -> None:
+        """Raise the :class:`SandboxError` that ``result`` shows, if any."""
+        cap = self.config.max_output_bytes
+        if stopped == "timeout":
+            raise SandboxError(
+                "timeout", f"command ran past its {self.config.timeout_s:g} s wall-clock limit", result.output
+            )
+        if stopped == "output":
+            raise SandboxError(
+                "output_limit", f"command printed more than {cap} bytes; it was killed", result.output
+            )
+        if result.exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or (
+            result.exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL)
+            and result.seconds >= self.config.cpu_seconds
+        ):
+            raise SandboxError(
+                "cpu_limit", f"command used its {self.config.cpu_seconds} CPU seconds", result.output
+            )
+        if result.exit_code in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
+            raise SandboxError(
+                "file_size_limit", f"a file grew past {self.config.file_size_mb} MiB", result.output
+            )
+        if self.config.violations_are_errors and result.exit_code != 0:
+            raw = result.output.encode()
+            for kind, pattern in VIOLATION_PATTERNS:
+                match = pattern.search(raw)
+                if match:
+                    raise SandboxError(
+                        kind, f"stopped by the sandbox: {match.group(0).decode()}", result.output
+                    )
+
+    def adopt(self, handle: object) -> None:
+        """Track a long-lived process (shell, interpreter) so :meth:`close` kills it."""
+        self._procs.append(handle)
+
+    def leftover_processes(self) -> int:
+        """Processes still running as this sandbox's uid (0 when it has no uid of its own)."""
+        return 0 if self.uid is None else len(_uid_pids(self.uid))
+
+    def close(self) -> None:
+        """Kill every process started here and remove the working directory (if made here)."""
+        if self.closed:
+            return
+        self.closed = True
+        for handle in list(self._procs):
+            pid = getattr(handle, "pid", None)
+            if pid:
+                kill_group(pid)
+        self._procs.clear()
+        if self.uid is not None:
+            for pid in _uid_pids(self.uid):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        if self._owns_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, str | None]:
+    """Read ``fd`` until EOF, ``cap`` bytes, or ``deadline``; says which stopped it (None: EOF)."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return b"".join(chunks), "timeout"
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return b"".join(chunks), None
+        chunks.append(chunk)
+        size += len(chunk)
+        if size > cap:
+            return b"".join(chunks)[:cap], "output"
+
+
+def read_some(fd: int, deadline: float) -> bytes | None:
+    """What ``fd`` has ready once something arrives: ``b""`` at EOF, None if ``deadline`` passes first."""
+    left = deadline - time.monotonic()
+    if left <= 0 or not select.select([fd], [], [], left)[0]:
+        return None
+    try:
+        return os.read(fd, 65536)
+    except OSError:  # EIO: the other side of a pty closed
+        return b""
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL the process group led by ``pid`` (every sandbox command leads its own)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+
+
+def _uid_pids(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{entry}").st_uid == uid:
+                    pids.append(int(entry))
+    return pids
+
+
+def python_in_sandbox(config: SandboxConfig) -> str:
+    """The interpreter to run inside: ``config.python``, resolved to a path the sandbox can see."""
+    path = shutil.which(config.python, path=SANDBOX_PATH) or config.python
+    if not os.path.isabs(path):
+        raise SandboxError("start_failed", f"python interpreter {config.python!r} not found")
+    return path

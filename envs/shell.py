@@ -1,0 +1,130 @@
+"""A persistent bash on a pseudo-terminal inside a sandbox.
+
+The shell survives between actions (``cd``, exported variables and files persist). Each command
+is sent as one ``eval $'…'`` line with stdin from ``/dev/null``, followed by a ``printf`` of an
+end marker that holds a fresh random nonce and the exit status, so neither the command's output
+nor a guess can fake the end of a command. The terminal is switched to non-canonical mode with
+echo off (no line-length limit, no echoed input) and bash runs without readline.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import termios
+import time
+
+from ptyprocess import PtyProcess
+
+from envs.sandbox import ExecResult, Sandbox, SandboxError, kill_group, read_some
+
+_MARK = b"\x1eTRD"
+
+
+def ansi_c_quote(text: str) -> str:
+    """``text`` as a bash ``$'…'`` literal: every byte that is not plain printable ASCII escaped."""
+    out = []
+    for byte in text.encode():
+        char = chr(byte)
+        if 0x20 <= byte < 0x7F and char not in "\\'":
+            out.append(char)
+        else:
+            out.append(f"\\x{byte:02x}")
+    return "$'" + "".join(out) + "'"
+
+
+class Shell:
+    """A bash that lives as long as its sandbox; :meth:`run` executes one command in it (blocking)."""
+
+    def __init__(self, sandbox: Sandbox):
+        self.sandbox = sandbox
+        kwargs = sandbox.popen_kwargs()
+        argv = sandbox.argv(["bash", "--norc", "--noprofile", "--noediting", "-i"])
+        try:
+            self.proc = PtyProcess.spawn(
+                argv, cwd=kwargs["cwd"], env=kwargs["env"], echo=False, dimensions=(50, 200)
+            )
+        except OSError as exc:
+            raise SandboxError("start_failed", f"could not start bash: {exc}") from exc
+        sandbox.adopt(self.proc)
+        self.fd = self.proc.fd
+        attrs = termios.tcgetattr(self.fd)
+        attrs[1] &= ~termios.OPOST
+        attrs[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG)
+        attrs[6][termios.VMIN] = 1
+        attrs[6][termios.VTIME] = 0
+        termios.tcsetattr(self.fd, termios.TCSANOW, attrs)
+        self.run("PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m", wrap=False)
+
+    @property
+    def alive(self) -> bool:
+        return not self.sandbox.closed and self.proc.isalive()
+
+    def run(self, command: str, timeout: float | None = None, wrap: bool = True) -> ExecResult:
+        """Run ``command`` in the shell; returns its output and exit status.
+
+        A timeout, too much output, or the shell dying kills the shell and raises
+        :class:`SandboxError`; so does output that shows the isolation stopped the command
+        (with ``violations_are_errors``).
+        """
+        if not self.alive:
+            raise SandboxError("died", "the shell is not running")
+        config = self.sandbox.config
+        timeout = config.timeout_s if timeout is None else timeout
+        nonce = secrets.token_hex(8)
+        body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
+        line = f"{body}\nprintf '\\036TRD{nonce}:%s\\036' \"$?\"\n"
+        started = time.monotonic()
+        os.write(self.fd, line.encode())
+        end = re.compile(re.escape(_MARK + nonce.encode()) + rb":(\d+)\x1e")
+        buffer = bytearray()
+        cap = config.max_output_bytes
+        while True:
+            match = end.search(buffer, max(0, len(buffer) - 65536 - 64))
+            if match:
+                output = bytes(buffer[: match.start()])
+                result = ExecResult(
+                    int(match.group(1)), output.decode(errors="replace"), False, time.monotonic() - started
+                )
+                self.sandbox.check(result)
+                return result
+            if len(buffer) > cap + 64:
+                self._kill()
+                raise SandboxError(
+                    "output_limit", f"command printed more than {cap} bytes; the shell was killed"
+                )
+            left = started + timeout - time.monotonic()
+            if left <= 0:
+                self._kill()
+                raise SandboxError(
+                    "timeout", f"command ran past its {timeout:g} s wall-clock limit; the shell was killed"
+                )
+            chunk = read_some(self.fd, started + timeout)
+            if chunk == b"":
+                status = self._exit_status()
+                output = bytes(buffer[:cap]).decode(errors="replace")
+                self._kill()
+                self.sandbox.check(ExecResult(status, output, False, time.monotonic() - started))
+                raise SandboxError("died", f"the shell exited with status {status}", output) from None
+            buffer += chunk or b""
+
+    def _exit_status(self) -> int:
+        """Exit status of the exited shell (negative: the signal that killed it)."""
+        deadline = time.monotonic() + 2.0
+        while self.proc.isalive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.proc.isalive():
+            return -1
+        return -self.proc.signalstatus if self.proc.signalstatus else self.proc.exitstatus
+
+    def _kill(self) -> None:
+        kill_group(self.proc.pid)
+        self.close()
+
+    def close(self) -> None:
+        """Kill the shell and everything it started."""
+        kill_group(self.proc.pid)
+        if self.proc.isalive():
+            self.proc.terminate(force=True)
+        self.proc.close(force=True)
