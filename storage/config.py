@@ -20,14 +20,20 @@ class StorageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    root: str = Field("./runs", description="Local folder or fsspec URL (s3://bucket/prefix) that holds every run.")
+    root: str = Field(
+        "./runs", description="Local folder or fsspec URL (s3://bucket/prefix) that holds every run."
+    )
     endpoint_url: str | None = Field(
         None, description="S3 endpoint for MinIO-compatible stores, e.g. http://127.0.0.1:9000."
     )
     region: str | None = Field(None, description="S3 region; defaults to AWS_REGION or us-east-1.")
     access_key_id: SecretStr | None = Field(None, description="S3 key id; defaults to AWS_ACCESS_KEY_ID.")
-    secret_access_key: SecretStr | None = Field(None, description="S3 secret; defaults to AWS_SECRET_ACCESS_KEY.")
-    connect_timeout: float = Field(5.0, gt=0, description="Seconds to wait for an S3 connection before failing.")
+    secret_access_key: SecretStr | None = Field(
+        None, description="S3 secret; defaults to AWS_SECRET_ACCESS_KEY."
+    )
+    connect_timeout: float = Field(
+        5.0, gt=0, description="Seconds to wait for an S3 connection before failing."
+    )
     retries: int = Field(3, ge=0, description="Attempts for an S3 request before the error is raised.")
 
     @field_validator("root")
@@ -42,13 +48,19 @@ class StorageConfig(BaseModel):
         return self.root.startswith(("s3://", "s3a://"))
 
     def _credentials(self) -> tuple[str | None, str | None, str]:
-        key = self.access_key_id.get_secret_value() if self.access_key_id else os.environ.get("AWS_ACCESS_KEY_ID")
+        key = (
+            self.access_key_id.get_secret_value()
+            if self.access_key_id
+            else os.environ.get("AWS_ACCESS_KEY_ID")
+        )
         secret = (
             self.secret_access_key.get_secret_value()
             if self.secret_access_key
             else os.environ.get("AWS_SECRET_ACCESS_KEY")
         )
-        region = self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        region = (
+            self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        )
         return key, secret, region
 
     def filesystem(self) -> fsspec.AbstractFileSystem:
@@ -78,7 +90,14 @@ class StorageConfig(BaseModel):
         if not self.is_s3:
             return {}
         key, secret, region = self._credentials()
-        options = {"AWS_REGION": region, "AWS_S3_ALLOW_UNSAFE_RENAME": "true"}
+        # Conditional put (If-None-Match) makes each Delta commit a put-if-absent, so
+        # concurrent writers cannot overwrite each other's commit; unsafe rename could.
+        options = {
+            "AWS_REGION": region,
+            "AWS_CONDITIONAL_PUT": "etag",
+            "connect_timeout": f"{round(self.connect_timeout * 1000)}ms",
+            "max_retries": str(self.retries),
+        }
         if key and secret:
             options |= {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
         if self.endpoint_url:

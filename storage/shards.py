@@ -1,0 +1,296 @@
+"""Arrow IPC shards of trajectory records, committed through the Delta ``shards`` table.
+
+A writer buffers validated records and flushes them as one compressed Arrow IPC file: it
+writes ``shards/tmp/…``, moves it to ``shards/<kind>/<worker>/<seq>.arrow`` and then
+appends the shard's row to the ``shards`` table. Readers list shards only through that
+table's commit log, so a shard is visible whole or not at all; a file left behind by a
+writer that died before its commit is never listed, and the next writer of that worker
+reuses its sequence number.
+
+One writer per ``(kind, worker)`` at a time: the sequence number resumes from the
+shards committed before.
+"""
+
+from __future__ import annotations
+
+import logging
+import posixpath
+import re
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage.config import RunStore
+from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError, cast, to_table, validate
+from storage.tables import Tables
+
+log = logging.getLogger(__name__)
+
+SHARD_SCHEMAS: dict[str, pa.Schema] = {"raw": TRAJECTORY_SCHEMA, "processed": PROCESSED_SCHEMA}
+"""Default record schema of each shard kind."""
+
+COMPRESSION = "zstd"
+"""Codec of the Arrow IPC buffers in every shard."""
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One committed shard: a row of the ``shards`` table. ``path`` is relative to the run;
+    versions are over generated tokens (−1 when the shard has none)."""
+
+    shard_id: str
+    kind: str
+    path: str
+    worker: str
+    seq: int
+    num_rows: int
+    num_tokens: int
+    min_version: int
+    max_version: int
+
+
+class ShardWriter:
+    """Buffers trajectory records and commits them as shards of at most a few
+    ``flush_records`` rows, or whatever is buffered once ``flush_seconds`` have passed
+    since the first buffered record (checked on each write).
+
+    Each ``write``/``write_table`` is cast and validated at once, so a bad record raises
+    :class:`SchemaError` at the call that gave it and never poisons the buffer.
+    """
+
+    def __init__(
+        self,
+        store: RunStore,
+        worker: str,
+        kind: str = "raw",
+        flush_records: int = 256,
+        flush_seconds: float = 30.0,
+        schema: pa.Schema | None = None,
+        tables: Tables | None = None,
+    ):
+        _check_name("worker", worker)
+        _check_name("kind", kind)
+        if flush_records < 1:
+            raise ValueError(f"flush_records must be ≥ 1, got {flush_records}")
+        if flush_seconds <= 0:
+            raise ValueError(f"flush_seconds must be > 0, got {flush_seconds}")
+        self.store = store
+        self.worker = worker
+        self.kind = kind
+        self.flush_records = flush_records
+        self.flush_seconds = flush_seconds
+        self.schema = _schema_for(kind, schema)
+        self.tables = tables or Tables(store)
+        self._buffer: list[pa.Table] = []
+        self._buffered_rows = 0
+        self._first_buffered_at = 0.0
+        self._closed = False
+        self._seq = self._next_seq()
+
+    def write(self, record: Mapping[str, Any]) -> ShardInfo | None:
+        """Buffer one record; returns the shard it completed, if this write flushed one."""
+        return self.write_table(to_table([record], self.schema))
+
+    def write_table(self, table: pa.Table) -> ShardInfo | None:
+        """Buffer every row of ``table`` (never split across shards); returns the shard
+        this write flushed, if any."""
+        if self._closed:
+            raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
+        table = validate(cast(table, self.schema))
+        if table.num_rows == 0:
+            return None
+        if not self._buffer:
+            self._first_buffered_at = time.monotonic()
+        self._buffer.append(table)
+        self._buffered_rows += table.num_rows
+        due = time.monotonic() - self._first_buffered_at >= self.flush_seconds
+        if self._buffered_rows >= self.flush_records or due:
+            return self.flush()
+        return None
+
+    def flush(self) -> ShardInfo | None:
+        """Write and commit everything buffered as one shard (None when nothing is).
+
+        On failure the buffer is kept and the next flush retries the same sequence number.
+        """
+        if not self._buffer:
+            return None
+        table = pa.concat_tables(self._buffer).combine_chunks()
+        seq = self._seq
+        path = posixpath.join("shards", self.kind, self.worker, f"{seq:08d}.arrow")
+        tmp = posixpath.join("shards", "tmp", self.kind, self.worker, f"{seq:08d}-{uuid.uuid4().hex}.arrow")
+        _write_ipc(self.store, tmp, table)
+        self.store.fs.mv(self.store.path(tmp), self.store.path(path))
+        info = ShardInfo(
+            shard_id=f"{self.kind}/{self.worker}/{seq:08d}",
+            kind=self.kind,
+            path=path,
+            worker=self.worker,
+            seq=seq,
+            num_rows=table.num_rows,
+            num_tokens=int(pc.sum(pc.list_value_length(table.column("tokens"))).as_py() or 0),
+            **_version_range(table),
+        )
+        self.tables.append("shards", [asdict(info) | {"committed_at": datetime.now(UTC)}])
+        self._seq += 1
+        self._buffer.clear()
+        self._buffered_rows = 0
+        return info
+
+    def close(self) -> ShardInfo | None:
+        """Flush what is buffered and refuse further writes."""
+        info = self.flush()
+        self._closed = True
+        return info
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _next_seq(self) -> int:
+        shards = self.tables.read("shards")
+        mine = shards.filter(
+            pc.and_(
+                pc.equal(shards.column("kind"), self.kind), pc.equal(shards.column("worker"), self.worker)
+            )
+        )
+        return 0 if mine.num_rows == 0 else int(pc.max(mine.column("seq")).as_py()) + 1
+
+
+class ShardReader:
+    """Lists committed shards of one kind through the Delta commit log and reads them
+    validated; a shard that cannot be read or is invalid is quarantined, not raised."""
+
+    def __init__(
+        self,
+        store: RunStore,
+        kind: str = "raw",
+        schema: pa.Schema | None = None,
+        tables: Tables | None = None,
+    ):
+        _check_name("kind", kind)
+        self.store = store
+        self.kind = kind
+        self.schema = _schema_for(kind, schema)
+        self.tables = tables or Tables(store)
+
+    def poll(self, after: int = -1) -> tuple[list[ShardInfo], int]:
+        """Shards of this kind committed in Delta log versions > ``after``, in commit
+        order, and the offset to pass next time."""
+        rows, latest = self.tables.changes("shards", after)
+        rows = rows.filter(pc.equal(rows.column("kind"), self.kind))
+        fields = ShardInfo.__dataclass_fields__
+        shards = [ShardInfo(**{k: v for k, v in row.items() if k in fields}) for row in rows.to_pylist()]
+        return shards, latest
+
+    def read(self, shard: ShardInfo) -> pa.Table | None:
+        """The shard's records, validated; None (and the shard quarantined with a
+        ``.reason`` file, and a warning logged) when it is missing, corrupt or invalid."""
+        try:
+            table = _read_ipc(self.store, shard.path)
+        except FileNotFoundError:
+            reason_path = self.store.path(quarantine_path(shard.path) + ".reason")
+            if self.store.fs.exists(reason_path):
+                log.warning("shard %s was quarantined before; skipping it", shard.shard_id)
+            else:
+                log.warning("shard %s is committed but its file %s is missing", shard.shard_id, shard.path)
+            return None
+        except (pa.ArrowInvalid, OSError, EOFError) as exc:
+            self._quarantine(shard, f"cannot read the Arrow IPC file: {exc}")
+            return None
+        try:
+            if not table.schema.equals(self.schema, check_metadata=False):
+                raise SchemaError(
+                    f"schema differs from the canonical {self.kind} schema: {_schema_diff(table.schema, self.schema)}"
+                )
+            if table.num_rows != shard.num_rows:
+                raise SchemaError(f"holds {table.num_rows} rows but its commit says {shard.num_rows}")
+            return validate(table)
+        except SchemaError as exc:
+            self._quarantine(shard, str(exc))
+            return None
+
+    def _quarantine(self, shard: ShardInfo, reason: str) -> None:
+        target = quarantine_path(shard.path)
+        fs = self.store.fs
+        fs.mv(self.store.path(shard.path), self.store.path(target))
+        with fs.open(self.store.path(target + ".reason"), "w") as out:
+            out.write(f"shard {shard.shard_id}: {reason}\n")
+        log.warning("quarantined shard %s to %s: %s", shard.shard_id, target, reason)
+
+
+def quarantine_path(path: str) -> str:
+    """Where a bad shard at ``path`` (``shards/<kind>/…``) is moved: ``shards/quarantine/<kind>/…``."""
+    return posixpath.join("shards", "quarantine", posixpath.relpath(path, "shards"))
+
+
+def _write_ipc(store: RunStore, path: str, table: pa.Table) -> None:
+    options = pa.ipc.IpcWriteOptions(compression=COMPRESSION)
+    if store.config.is_s3:
+        with (
+            store.fs.open(store.path(path), "wb") as sink,
+            pa.ipc.new_file(sink, table.schema, options=options) as out,
+        ):
+            out.write_table(table)
+        return
+    store.fs.makedirs(posixpath.dirname(store.path(path)), exist_ok=True)
+    with (
+        pa.OSFile(store.path(path), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema, options=options) as out,
+    ):
+        out.write_table(table)
+
+
+def _read_ipc(store: RunStore, path: str) -> pa.Table:
+    if store.config.is_s3:
+        with store.fs.open(store.path(path), "rb") as source:
+            return pa.ipc.open_file(pa.py_buffer(source.read())).read_all()
+    with pa.OSFile(store.path(path), "rb") as source:
+        return pa.ipc.open_file(source).read_all()
+
+
+def _version_range(table: pa.Table) -> dict[str, int]:
+    versions = pc.list_flatten(table.column("versions"))
+    generated = pc.filter(versions, pc.greater_equal(versions, 0))
+    if len(generated) == 0:
+        return {"min_version": -1, "max_version": -1}
+    bounds = pc.min_max(generated)
+    return {"min_version": bounds["min"].as_py(), "max_version": bounds["max"].as_py()}
+
+
+def _schema_for(kind: str, schema: pa.Schema | None) -> pa.Schema:
+    if schema is not None:
+        return schema
+    if kind not in SHARD_SCHEMAS:
+        raise ValueError(
+            f"shard kind {kind!r} has no default schema; pass schema= (known: {sorted(SHARD_SCHEMAS)})"
+        )
+    return SHARD_SCHEMAS[kind]
+
+
+def _schema_diff(actual: pa.Schema, expected: pa.Schema) -> str:
+    missing = [n for n in expected.names if n not in actual.names]
+    extra = [n for n in actual.names if n not in expected.names]
+    changed = [
+        f"{f.name}: {actual.field(f.name).type} (nullable={actual.field(f.name).nullable}) "
+        f"instead of {f.type} (nullable={f.nullable})"
+        for f in expected
+        if f.name in actual.names and not actual.field(f.name).equals(f)
+    ]
+    parts = [f"missing {missing}"] * bool(missing) + [f"unexpected {extra}"] * bool(extra) + changed
+    return "; ".join(parts) or "column order differs"
+
+
+def _check_name(what: str, value: str) -> None:
+    if not isinstance(value, str) or not _NAME.match(value):
+        raise ValueError(f"{what} must be a non-empty name of letters, digits, '_', '.', '-'; got {value!r}")

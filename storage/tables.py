@@ -1,0 +1,244 @@
+"""The Delta tables of a run (DESIGN.md, storage layout): one canonical schema each.
+
+Every write is cast to the table's schema first. Appends are safe with several writers
+at once: on S3 each commit is a conditional put (see ``StorageConfig.delta_options``),
+deltalake rebases an append onto commits that landed meanwhile, and a commit that still
+conflicts (e.g. two writers creating the table at once) is retried here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake.exceptions import CommitFailedError, TableNotFoundError
+
+from storage.config import RunStore
+from storage.schema import SchemaError
+
+log = logging.getLogger(__name__)
+
+UTC_MICROS = pa.timestamp("us", tz="UTC")
+
+TABLE_SCHEMAS: dict[str, pa.Schema] = {
+    "shards": pa.schema(
+        [
+            pa.field("shard_id", pa.string(), nullable=False),
+            pa.field("kind", pa.string(), nullable=False),
+            pa.field("path", pa.string(), nullable=False),
+            pa.field("worker", pa.string(), nullable=False),
+            pa.field("seq", pa.int64(), nullable=False),
+            pa.field("num_rows", pa.int64(), nullable=False),
+            pa.field("num_tokens", pa.int64(), nullable=False),
+            pa.field("min_version", pa.int32(), nullable=False),
+            pa.field("max_version", pa.int32(), nullable=False),
+            pa.field("committed_at", UTC_MICROS, nullable=False),
+        ]
+    ),
+    "trajectories": pa.schema(
+        [
+            pa.field("trajectory_id", pa.string(), nullable=False),
+            pa.field("execution_id", pa.string(), nullable=False),
+            pa.field("parent_id", pa.string()),
+            pa.field("task", pa.string(), nullable=False),
+            pa.field("prompt_id", pa.string(), nullable=False),
+            pa.field("group_id", pa.string()),
+            pa.field("shard_id", pa.string(), nullable=False),
+            pa.field("reward", pa.float32()),
+            pa.field("progress", pa.float32()),
+            pa.field("status", pa.string(), nullable=False),
+            pa.field("num_tokens", pa.int32(), nullable=False),
+            pa.field("num_action_tokens", pa.int32(), nullable=False),
+            pa.field("num_train_tokens", pa.int32(), nullable=False),
+            pa.field("num_turns", pa.int16(), nullable=False),
+            pa.field("min_version", pa.int32(), nullable=False),
+            pa.field("max_version", pa.int32(), nullable=False),
+            pa.field("selected", pa.bool_(), nullable=False),
+            pa.field("drop_reason", pa.string()),
+            pa.field("text", pa.string()),
+            pa.field("engine", pa.string()),
+            pa.field("processed_at", UTC_MICROS, nullable=False),
+        ]
+    ),
+    "train_steps": pa.schema(
+        [
+            pa.field("step", pa.int64(), nullable=False),
+            pa.field("version", pa.int32(), nullable=False),
+            pa.field("policy_loss", pa.float32(), nullable=False),
+            pa.field("value_loss", pa.float32(), nullable=False),
+            pa.field("masked_fraction", pa.float32(), nullable=False),
+            pa.field("mean_ratio", pa.float32(), nullable=False),
+            pa.field("kl", pa.float32(), nullable=False),
+            pa.field("staleness_mean", pa.float32(), nullable=False),
+            pa.field("staleness_max", pa.int32(), nullable=False),
+            pa.field("num_samples", pa.int32(), nullable=False),
+            pa.field("num_tokens", pa.int64(), nullable=False),
+            pa.field("tokens_per_s", pa.float32(), nullable=False),
+            pa.field("reward_mean", pa.float32(), nullable=False),
+            pa.field("dropped_stale", pa.int32(), nullable=False),
+            pa.field("step_seconds", pa.float32(), nullable=False),
+            pa.field("time", UTC_MICROS, nullable=False),
+            pa.field("extra", pa.string()),
+        ]
+    ),
+    "weights": pa.schema(
+        [
+            pa.field("version", pa.int32(), nullable=False),
+            pa.field("step", pa.int64(), nullable=False),
+            pa.field("parent", pa.int32()),
+            pa.field("path", pa.string(), nullable=False),
+            pa.field("num_consumed_shards", pa.int32(), nullable=False),
+            pa.field("created_at", UTC_MICROS, nullable=False),
+            pa.field("tag", pa.string()),
+        ]
+    ),
+}
+"""Canonical schema of each Delta table; a field marked not-nullable must be given."""
+
+TABLE_CONFIGURATION = {"delta.enableChangeDataFeed": "true"}
+"""Set when a table is created (ignored by later appends): the change feed is how
+:meth:`Tables.changes` reads what each commit appended, from version 0 on."""
+
+COMMIT_ATTEMPTS = 8
+"""Appends that still fail with a commit conflict after deltalake's own retries are
+retried this many times in all."""
+
+
+class Tables:
+    """The Delta tables of one run, under ``<run>/tables/<name>``."""
+
+    def __init__(self, store: RunStore):
+        self.store = store
+        self._options = store.config.delta_options()
+
+    def uri(self, name: str) -> str:
+        """URL of table ``name`` (what deltalake, duckdb or Spark are given)."""
+        schema_of(name)
+        return self.store.url("tables", name)
+
+    def append(self, name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> None:
+        """Cast ``rows`` (dicts or a table) to the schema of ``name`` and append them in
+        one commit. Raises :class:`SchemaError` naming the table and column on bad rows."""
+        table = conform(name, rows)
+        if table.num_rows == 0:
+            return
+        uri = self.uri(name)
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                write_deltalake(
+                    uri,
+                    table,
+                    mode="append",
+                    configuration=TABLE_CONFIGURATION,
+                    storage_options=self._options,
+                    commit_properties=CommitProperties(max_commit_retries=50),
+                )
+                return
+            except CommitFailedError as exc:
+                if attempt == COMMIT_ATTEMPTS:
+                    raise
+                log.info("commit to table %s conflicted (attempt %d): %s; retrying", name, attempt, exc)
+                time.sleep(0.05 * 2**attempt)
+
+    def read(self, name: str) -> pa.Table:
+        """The whole table ``name`` as Arrow, in its canonical schema (empty if never written)."""
+        table = self._open(name)
+        if table is None:
+            return schema_of(name).empty_table()
+        return _cast_read(name, pa.table(table.scan()))
+
+    def version(self, name: str) -> int | None:
+        """Latest Delta log version of ``name``, or None when the table does not exist yet."""
+        table = self._open(name)
+        return None if table is None else table.version()
+
+    def changes(self, name: str, after: int = -1) -> tuple[pa.Table, int]:
+        """Rows appended by commits with log version > ``after``, in commit order, with a
+        ``_commit_version`` column; and the latest version (the next ``after``).
+
+        Compaction commits add no data and are not returned. Versions removed by
+        ``vacuum`` can no longer be read.
+        """
+        table = self._open(name)
+        if table is None:
+            return _with_commit_version(schema_of(name).empty_table()), after
+        latest = table.version()
+        if latest <= after:
+            return _with_commit_version(schema_of(name).empty_table()), after
+        feed = pa.table(table.load_cdf(starting_version=after + 1, ending_version=latest))
+        inserted = pc.equal(pc.cast(feed.column("_change_type"), pa.string()), "insert")
+        data = _cast_read(name, feed).append_column(
+            "_commit_version", pc.cast(feed.column("_commit_version"), pa.int64())
+        )
+        data = data.filter(inserted)
+        return data.take(pc.sort_indices(data.column("_commit_version"))), latest
+
+    def optimize(self, name: str) -> dict[str, Any]:
+        """Compact the small files of ``name``; returns deltalake's metrics (nothing if absent)."""
+        table = self._open(name)
+        return {} if table is None else table.optimize.compact()
+
+    def vacuum(self, name: str, retention_hours: int = 168) -> list[str]:
+        """Delete files of ``name`` no longer referenced and older than ``retention_hours``;
+        returns the deleted paths."""
+        table = self._open(name)
+        if table is None:
+            return []
+        return table.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False)
+
+    def _open(self, name: str) -> DeltaTable | None:
+        try:
+            return DeltaTable(self.uri(name), storage_options=self._options)
+        except TableNotFoundError:
+            return None
+
+
+def schema_of(name: str) -> pa.Schema:
+    """Canonical schema of table ``name``."""
+    try:
+        return TABLE_SCHEMAS[name]
+    except KeyError:
+        raise ValueError(f"unknown table {name!r}; expected one of {sorted(TABLE_SCHEMAS)}") from None
+
+
+def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table:
+    """``rows`` as a table of ``name``'s schema: cast, extra columns dropped, required
+    columns checked for nulls."""
+    schema = schema_of(name)
+    if isinstance(rows, pa.Table):
+        missing = [f.name for f in schema if f.name not in rows.column_names and not f.nullable]
+        if missing:
+            raise SchemaError(f"table {name!r}: missing columns {missing}")
+        columns = [
+            rows.column(f.name) if f.name in rows.column_names else pa.nulls(rows.num_rows, f.type)
+            for f in schema
+        ]
+        source = pa.table(columns, names=schema.names)
+    else:
+        try:
+            source = pa.Table.from_pylist(list(rows), schema=schema.with_metadata(None))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+            raise SchemaError(f"table {name!r}: cannot convert rows: {exc}") from exc
+    for field in schema:
+        if not field.nullable and source.column(field.name).null_count:
+            raise SchemaError(f"table {name!r}: column {field.name!r} is required but has null values")
+    try:
+        return source.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+        raise SchemaError(f"table {name!r}: cannot cast to the canonical schema: {exc}") from exc
+
+
+def _cast_read(name: str, table: pa.Table) -> pa.Table:
+    """Delta gives back e.g. ``string_view`` and nullable fields; restore the canonical schema."""
+    schema = schema_of(name)
+    columns = [pc.cast(table.column(f.name), f.type) for f in schema]
+    return pa.Table.from_arrays(columns, schema=schema)
+
+
+def _with_commit_version(table: pa.Table) -> pa.Table:
+    return table.append_column("_commit_version", pa.array([], pa.int64()))
