@@ -1,0 +1,260 @@
+"""Sticky routing of rollout sessions over engine replicas.
+
+Every turn of one session goes to the same replica, so that replica's prefix cache holds
+the conversation and a turn prefills only its new tokens (GLM-5's DP-aware routing).
+Three policies:
+
+- ``sticky`` (default): consistent hashing of the session id over a ring of virtual nodes,
+  with bounded loads (Mirrokni et al., 2018): a new session goes to the first replica
+  clockwise from its hash whose load is below ``ceil((1 + ε) · average)``; once assigned
+  it stays there.
+- ``least_loaded``: a min-heap of (active sessions, replica), sticky once assigned
+  (ProRL Agent's backend balancing).
+- ``round_robin``: every request goes to the next replica; no stickiness (the baseline).
+
+A replica that fails a health check is taken out; its sessions are assigned afresh on
+their next turn and that turn is prefilled in full on the new replica (the gateway holds
+every token, so nothing is lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import hashlib
+import heapq
+import itertools
+import logging
+import math
+from collections import Counter
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.engines.base import Engine, EngineError, Generation, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Policy = Literal["sticky", "least_loaded", "round_robin"]
+
+
+class RouterConfig(BaseModel):
+    """How sessions are spread over engine replicas."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Policy = Field("sticky", description="sticky (consistent hashing), least_loaded or round_robin.")
+    virtual_nodes: int = Field(160, ge=1, description="Points each replica takes on the hash ring.")
+    load_epsilon: float = Field(
+        0.25, gt=0, description="Bounded-load slack ε: a replica takes at most ceil((1+ε)·average) sessions."
+    )
+    failover: bool = Field(
+        True,
+        description="On an engine error, probe the replica; if it is down, take it out and retry the "
+        "request once on the session's new replica.",
+    )
+
+
+class NoReplicas(EngineError):
+    """No healthy engine replica is left to serve a request."""
+
+
+def _hash(key: str) -> int:
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """A consistent-hash ring of replica names, each placed at ``virtual_nodes`` points."""
+
+    def __init__(self, names: Iterable[str] = (), virtual_nodes: int = 160):
+        self.virtual_nodes = virtual_nodes
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        for name in names:
+            self.add(name)
+
+    def add(self, name: str) -> None:
+        """Place ``name`` on the ring (its points depend only on its name)."""
+        if name in self._owners:
+            raise ValueError(f"replica {name!r} is already on the ring")
+        for i in range(self.virtual_nodes):
+            point = _hash(f"{name}#{i}")
+            at = bisect.bisect(self._points, point)
+            self._points.insert(at, point)
+            self._owners.insert(at, name)
+
+    def remove(self, name: str) -> None:
+        """Take ``name`` off the ring."""
+        if name not in self._owners:
+            raise KeyError(f"replica {name!r} is not on the ring")
+        keep = [(p, o) for p, o in zip(self._points, self._owners, strict=True) if o != name]
+        self._points = [p for p, _ in keep]
+        self._owners = [o for _, o in keep]
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(set(self._owners))
+
+    def walk(self, key: str) -> list[str]:
+        """Distinct replicas in ring order starting at ``key``'s hash (the first is its owner)."""
+        if not self._points:
+            return []
+        start = bisect.bisect(self._points, _hash(key)) % len(self._points)
+        seen: dict[str, None] = {}
+        for i in range(len(self._points)):
+            seen.setdefault(self._owners[(start + i) % len(self._points)])
+            if len(seen) == len(set(self._owners)):
+                break
+        return list(seen)
+
+    def owner(self, key: str) -> str:
+        """The replica that owns ``key`` when loads are ignored."""
+        walk = self.walk(key)
+        if not walk:
+            raise NoReplicas("the hash ring is empty")
+        return walk[0]
+
+
+class Router:
+    """Assigns sessions to engine replicas and forwards their generation requests.
+
+    ``load`` of a replica is the number of sessions assigned to it that have not ended;
+    call :meth:`end_session` when a rollout finishes.
+    """
+
+    def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
+        self.config = config or RouterConfig()
+        self._engines: dict[str, Engine] = {}
+        self._down: dict[str, Engine] = {}
+        self._ring = HashRing(virtual_nodes=self.config.virtual_nodes)
+        self._assigned: dict[str, str] = {}
+        self._load: Counter[str] = Counter()
+        self._heap: list[tuple[int, int, str]] = []
+        self._tiebreak = itertools.count()
+        self._rr = 0
+        for engine in engines:
+            self.add(engine)
+
+    @property
+    def replicas(self) -> list[str]:
+        """Names of the replicas in service."""
+        return list(self._engines)
+
+    def engine(self, name: str) -> Engine:
+        return self._engines[name]
+
+    def load(self, name: str) -> int:
+        """Sessions currently assigned to replica ``name``."""
+        return self._load[name]
+
+    def assignment(self, session_id: str) -> str | None:
+        """The replica ``session_id`` is pinned to, if any."""
+        return self._assigned.get(session_id)
+
+    def add(self, engine: Engine) -> None:
+        """Put a replica in service; sessions already assigned stay where they are."""
+        if engine.name in self._engines:
+            raise ValueError(f"replica {engine.name!r} is already in service")
+        self._down.pop(engine.name, None)
+        self._engines[engine.name] = engine
+        self._ring.add(engine.name)
+        heapq.heappush(self._heap, (self._load[engine.name], next(self._tiebreak), engine.name))
+
+    def remove(self, name: str) -> Engine:
+        """Take a replica out of service; its sessions are reassigned on their next turn."""
+        if name not in self._engines:
+            raise KeyError(f"replica {name!r} is not in service")
+        engine = self._engines.pop(name)
+        self._ring.remove(name)
+        for session_id in [s for s, r in self._assigned.items() if r == name]:
+            del self._assigned[session_id]
+        self._load.pop(name, None)
+        return engine
+
+    def route(self, session_id: str) -> Engine:
+        """The replica that serves ``session_id``'s next request (assigning it if new)."""
+        if not self._engines:
+            raise NoReplicas("no engine replica is in service")
+        if self.config.policy == "round_robin":
+            names = list(self._engines)
+            name = names[self._rr % len(names)]
+            self._rr += 1
+            return self._engines[name]
+        name = self._assigned.get(session_id)
+        if name is None:
+            name = self._pick_sticky(session_id) if self.config.policy == "sticky" else self._pick_least_loaded()
+            self._assigned[session_id] = name
+            self._load[name] += 1
+            if self.config.policy == "least_loaded":
+                heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
+        return self._engines[name]
+
+    def _pick_sticky(self, session_id: str) -> str:
+        total = sum(self._load[n] for n in self._engines) + 1
+        capacity = math.ceil((1 + self.config.load_epsilon) * total / len(self._engines))
+        walk = self._ring.walk(session_id)
+        for name in walk:
+            if self._load[name] < capacity:
+                return name
+        return walk[0]
+
+    def _pick_least_loaded(self) -> str:
+        while self._heap:
+            load, _, name = self._heap[0]
+            if name in self._engines and load == self._load[name]:
+                return name
+            heapq.heappop(self._heap)
+        for name in self._engines:
+            heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
+        return self._heap[0][2]
+
+    def end_session(self, session_id: str) -> None:
+        """Release ``session_id``'s assignment and let its replica drop its cache."""
+        name = self._assigned.pop(session_id, None)
+        if name is None:
+            return
+        self._load[name] -= 1
+        if self.config.policy == "least_loaded":
+            heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
+        if name in self._engines:
+            self._engines[name].end_session(session_id)
+
+    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Generate on ``session_id``'s replica; with ``failover``, a replica found down is
+        taken out and the request is retried once on the session's new replica."""
+        engine = self.route(session_id)
+        try:
+            return await engine.generate(session_id, prompt_ids, params)
+        except EngineError as exc:
+            if not self.config.failover or await _healthy(engine):
+                raise
+            logger.warning("replica %s failed (%s); taking it out and retrying elsewhere", engine.name, exc)
+            self._take_down(engine.name)
+            retry = self.route(session_id)
+            return await retry.generate(session_id, prompt_ids, params)
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every replica: take out those that fail, bring back those that recovered."""
+        names = [*self._engines, *self._down]
+        engines = [self._engines.get(n) or self._down[n] for n in names]
+        results = await asyncio.gather(*(_healthy(e) for e in engines))
+        for name, engine, ok in zip(names, engines, results, strict=True):
+            if not ok and name in self._engines:
+                logger.warning("replica %s failed its health check; taking it out", name)
+                self._take_down(name)
+            elif ok and name in self._down:
+                logger.info("replica %s is healthy again; putting it back", name)
+                self.add(engine)
+        return dict(zip(names, results, strict=True))
+
+    def _take_down(self, name: str) -> None:
+        if name in self._engines:
+            self._down[name] = self.remove(name)
+
+
+async def _healthy(engine: Engine) -> bool:
+    try:
+        return bool(await engine.health())
+    except Exception:  # a probe that raises means the replica is down, whatever the error
+        return False
