@@ -82,21 +82,26 @@ def _check_extra_name(name: str) -> None:
 
 
 class WeightStore:
-    """Weight versions of one run, under ``<run>/weights/``.
+    """Weight versions of one run, under ``<run>/<prefix>/``.
 
     Args:
         store: the run's storage (local folder or S3).
+        prefix: folder inside the run: ``weights`` for the policy; another name (e.g.
+            ``value``) keeps a second model's versions and ``LATEST`` apart.
         cache_dir: where versions from a remote store are downloaded for loading;
             defaults to ``$TREADLE_CACHE`` or ``~/.cache/treadle``.
     """
 
-    def __init__(self, store: RunStore, cache_dir: str | os.PathLike | None = None):
+    def __init__(self, store: RunStore, cache_dir: str | os.PathLike | None = None, prefix: str = "weights"):
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix) or prefix in (".", ".."):
+            raise ValueError(f"prefix must be one folder name, got {prefix!r}")
         self.store = store
         self.fs = store.fs
-        self.root = store.path("weights")
+        self.prefix = prefix
+        self.root = store.path(prefix)
         default_cache = os.environ.get("TREADLE_CACHE") or os.path.join(Path.home(), ".cache", "treadle")
         run_key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
-        self.cache_dir = Path(cache_dir or default_cache) / "weights" / run_key
+        self.cache_dir = Path(cache_dir or default_cache) / prefix / run_key
 
     def version_path(self, version: int) -> str:
         """Store path (no scheme) of a version's directory."""
@@ -104,7 +109,7 @@ class WeightStore:
 
     def version_url(self, version: int) -> str:
         """Full URL of a version's directory (what the ``weights`` Delta table records)."""
-        return self.store.url("weights", version_dir_name(version))
+        return self.store.url(self.prefix, version_dir_name(version))
 
     # -- writing -------------------------------------------------------------------------
 
@@ -214,7 +219,7 @@ class WeightStore:
             return None
         if not text.isdigit():
             raise CorruptVersion(
-                f"{self.store.url('weights', LATEST_FILE)} holds {text!r}, not a version number"
+                f"{self.store.url(self.prefix, LATEST_FILE)} holds {text!r}, not a version number"
             )
         return int(text)
 
@@ -234,7 +239,7 @@ class WeightStore:
             raw = self.fs.cat_file(path)
         except FileNotFoundError:
             raise KeyError(
-                f"weight version {version} does not exist in {self.store.url('weights')}"
+                f"weight version {version} does not exist in {self.store.url(self.prefix)}"
             ) from None
         return self._parse_manifest(raw, version)
 
@@ -260,7 +265,7 @@ class WeightStore:
         if version is None:
             version = self.latest()
             if version is None:
-                raise FileNotFoundError(f"no weight version published in {self.store.url('weights')}")
+                raise FileNotFoundError(f"no weight version published in {self.store.url(self.prefix)}")
         manifest = self.manifest(version)
         if not self.store.config.is_s3:
             local = self.version_path(version)

@@ -220,6 +220,8 @@ def test_bad_publish_arguments(weights, tokenizer_dir, tmp_path):
     with pytest.raises(TypeError, match=r"state_dict\['w'\] is a str"):
         weights.publish({"w": "not a tensor"}, config, None)
     assert weights.list() == [] and weights.latest() is None
+    with pytest.raises(ValueError, match="prefix must be one folder name"):
+        WeightStore(weights.store, prefix="../elsewhere")
 
 
 def test_two_stores_on_one_run_see_the_same_versions(store, tokenizer_dir, tmp_path):

@@ -1,0 +1,219 @@
+"""Policy and value models.
+
+The policy is any Hugging Face causal LM in a local directory (a weight version from the
+store, or a real checkpoint such as Qwen3): ``load_policy`` is the one code path for both.
+The embedded default is a tiny Llama/Qwen model built from ``TinyModelConfig`` with the
+locally trained tokenizer of ``rl.tokenizer``, published as version 0.
+
+The value model (SAO) is the policy's backbone with a scalar head per token; its attention
+can be frozen so only the MLP blocks, norms and the head train.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import tempfile
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from safetensors.torch import load_file
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+from rl.tokenizer import train_tokenizer
+from storage.weights import MODEL_FILE, WeightStore
+
+_CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+_ATTENTION_MARKERS = ("self_attn", "attention")
+
+
+class TinyModelConfig(BaseModel):
+    """The embedded default policy: a tiny decoder built from scratch on the CPU."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    arch: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="Hugging Face architecture family.")
+    hidden_size: int = Field(96, ge=8, description="Width of the residual stream.")
+    num_layers: int = Field(3, ge=1, description="Number of decoder blocks.")
+    num_heads: int = Field(4, ge=1, description="Attention heads; must divide hidden_size.")
+    num_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); defaults to num_heads."
+    )
+    intermediate_size: int = Field(256, ge=8, description="Width of each MLP block.")
+    vocab_size: int = Field(
+        512,
+        ge=260,
+        description="Target size of the locally trained BPE vocabulary (the result may be smaller).",
+    )
+    max_position_embeddings: int = Field(1024, ge=16, description="Longest sequence (prompt + generation).")
+    tie_word_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
+    seed: int = Field(0, description="Seed for the weight initialisation and the tokenizer corpus.")
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        kv_heads = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv_heads:
+            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({self.num_heads})")
+        return self
+
+
+def build_tiny_model(config: TinyModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A freshly initialised tiny causal LM and its tokenizer (deterministic in ``config.seed``)."""
+    tokenizer = train_tokenizer(config.vocab_size, seed=config.seed)
+    hf_config = _CONFIG_CLASSES[config.arch](
+        vocab_size=len(tokenizer),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads or config.num_heads,
+        head_dim=config.hidden_size // config.num_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(config.seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model.config.architectures = [type(model).__name__]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model.eval(), tokenizer
+
+
+def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
+    """The tokenizer saved in a local model directory."""
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def load_policy(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any Hugging Face causal LM and its tokenizer from a local directory, in eval mode."""
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device).eval(), load_tokenizer(path)
+
+
+def publish_policy(
+    weights: WeightStore, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **publish_kwargs
+) -> int:
+    """Publish a policy with its tokenizer; ``publish_kwargs`` go to ``WeightStore.publish``."""
+    with tempfile.TemporaryDirectory(prefix="treadle-tokenizer-") as tokenizer_dir:
+        tokenizer.save_pretrained(tokenizer_dir)
+        return weights.publish(model.state_dict(), model.config.to_dict(), tokenizer_dir, **publish_kwargs)
+
+
+def ensure_base_version(weights: WeightStore, config: TinyModelConfig) -> int:
+    """Publish the tiny model as version 0 (tagged ``base``) when the store is empty.
+
+    Returns the latest version: 0 right after publishing, or whatever a previous run left.
+    """
+    latest = weights.latest()
+    if latest is not None:
+        return latest
+    model, tokenizer = build_tiny_model(config)
+    return publish_policy(
+        weights, model, tokenizer, step=0, metadata={"tiny_model": config.model_dump()}, tag="base"
+    )
+
+
+def _is_attention_parameter(name: str) -> bool:
+    return any(marker in name.split(".") for marker in _ATTENTION_MARKERS)
+
+
+class ValueModel(nn.Module):
+    """A decoder backbone with a scalar value head on every token.
+
+    Args:
+        backbone: a Hugging Face base model (``AutoModel``: no LM head) returning
+            ``last_hidden_state``.
+    """
+
+    def __init__(self, backbone: PreTrainedModel):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.config.hidden_size, 1)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        return self.backbone.config
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> ValueModel:
+        """A randomly initialised value model with the architecture of ``config``."""
+        return cls(AutoModel.from_config(config))
+
+    @classmethod
+    def from_policy(cls, policy: PreTrainedModel) -> ValueModel:
+        """A value model whose backbone is a copy of the policy's (the head starts at zero)."""
+        backbone = copy.deepcopy(policy.base_model)
+        backbone.config.architectures = [type(backbone).__name__]
+        return cls(backbone)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Values of every position.
+
+        Args:
+            input_ids: (B, T) token ids; padding may be on either side.
+            attention_mask: (B, T) 1 on real tokens, 0 on padding (default: all ones).
+
+        Returns:
+            (B, T) values; entries at padding positions are meaningless.
+        """
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T)
+        hidden = self.backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state  # (B, T, H)
+        return self.head(hidden).squeeze(-1)
+
+    def freeze_attention(self) -> list[str]:
+        """Stop gradients to every attention parameter (SAO); returns the names frozen."""
+        frozen = []
+        for name, parameter in self.named_parameters():
+            if _is_attention_parameter(name):
+                parameter.requires_grad_(False)
+                frozen.append(name)
+        if not frozen:
+            raise ValueError(
+                f"no attention parameters found in {type(self.backbone).__name__} "
+                f"(looked for modules named {', '.join(_ATTENTION_MARKERS)})"
+            )
+        return frozen
+
+    def publish(self, weights: WeightStore, **publish_kwargs) -> int:
+        """Store this value model as a version of ``weights`` (use a store with its own prefix)."""
+        return weights.publish(self.state_dict(), self.config.to_dict(), None, **publish_kwargs)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> ValueModel:
+        """A value model from a local version directory written by ``publish``."""
+        with open(os.path.join(path, "config.json")) as handle:
+            config_dict = json.load(handle)
+        config = AutoConfig.for_model(**config_dict)
+        model = cls.from_config(config)
+        model.load_state_dict(load_file(os.path.join(path, MODEL_FILE)))
+        return model.to(device=device, dtype=dtype)

@@ -1,0 +1,187 @@
+"""The tiny default policy, its tokenizer, loading through the weight store, the value model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from rl.models import (
+    TinyModelConfig,
+    ValueModel,
+    build_tiny_model,
+    ensure_base_version,
+    load_policy,
+    load_tokenizer,
+)
+from rl.tokenizer import IM_END, IM_START
+from storage.config import RunStore, StorageConfig
+from storage.weights import WeightStore
+
+SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(SMALL)
+
+
+@pytest.fixture
+def weights(tmp_path) -> WeightStore:
+    return WeightStore(
+        RunStore(StorageConfig(root=str(tmp_path / "runs")), "run"), cache_dir=tmp_path / "cache"
+    )
+
+
+def test_default_config_is_in_the_calibrated_size_range():
+    model, tokenizer = build_tiny_model(TinyModelConfig())
+    parameters = sum(p.numel() for p in model.parameters())
+    assert 300_000 <= parameters <= 2_000_000
+    assert model.config.vocab_size == len(tokenizer) <= 512
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_each_architecture_builds_and_runs(arch):
+    model, tokenizer = build_tiny_model(SMALL.model_copy(update={"arch": arch}))
+    assert model.config.model_type == arch
+    ids = torch.tensor([tokenizer.encode("12+7=19", add_special_tokens=False)])
+    assert model(ids).logits.shape == (1, ids.shape[1], len(tokenizer))
+
+
+def test_build_is_deterministic_in_the_seed():
+    first, _ = build_tiny_model(SMALL)
+    second, _ = build_tiny_model(SMALL)
+    third, _ = build_tiny_model(SMALL.model_copy(update={"seed": 1}))
+    for (name, a), b, c in zip(
+        first.state_dict().items(), second.state_dict().values(), third.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, c) for a, c in zip(first.parameters(), third.parameters(), strict=True))
+
+
+def test_every_digit_is_its_own_token(tiny):
+    _, tokenizer = tiny
+    digit_ids = [tokenizer.convert_tokens_to_ids(str(d)) for d in range(10)]
+    assert tokenizer.unk_token_id not in digit_ids and len(set(digit_ids)) == 10
+    for text in ["1234567890", "x 42+58=100", "What is 999*999? 998001", "guess: 50"]:
+        tokens = tokenizer.convert_ids_to_tokens(tokenizer.encode(text, add_special_tokens=False))
+        digits_in_tokens = [t for t in tokens if any(ch.isdigit() for ch in t)]
+        assert all(len(t) == 1 for t in digits_in_tokens), tokens
+        assert "".join(digits_in_tokens) == "".join(ch for ch in text if ch.isdigit())
+
+
+def test_any_text_round_trips(tiny):
+    _, tokenizer = tiny
+    for text in ["Too high, go lower.", "$ ls -la | wc -l\n  3", "def f(x):\n\treturn x", "ünïcødé ✓ 日本"]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(ids) == text
+
+
+def test_special_tokens_and_chat_template(tiny):
+    model, tokenizer = tiny
+    assert (tokenizer.pad_token_id, tokenizer.bos_token_id) == (0, 1)
+    assert tokenizer.eos_token == IM_END and model.config.eos_token_id == tokenizer.eos_token_id
+    messages = [{"role": "user", "content": "What is 2+3?"}]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert ids[0] == tokenizer.convert_tokens_to_ids(IM_START)
+    assert tokenizer.decode(ids) == f"{IM_START}user\nWhat is 2+3?{IM_END}\n{IM_START}assistant\n"
+    assert tokenizer.convert_tokens_to_ids(IM_END) in ids
+
+
+def test_base_version_is_published_once_and_loads_like_a_checkpoint(tiny, weights):
+    model, tokenizer = build_tiny_model(SMALL)
+    assert ensure_base_version(weights, SMALL) == 0
+    assert ensure_base_version(weights, SMALL) == 0
+    assert weights.list() == [0] and weights.manifest(0)["tag"] == "base"
+
+    loaded, loaded_tokenizer = load_policy(weights.load(0))
+    ids = torch.tensor([tokenizer.encode("What is 12+30? 42", add_special_tokens=False)])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    text = "guess: 17 higher"
+    assert loaded_tokenizer.encode(text, add_special_tokens=False) == tokenizer.encode(
+        text, add_special_tokens=False
+    )
+    assert loaded_tokenizer.chat_template == tokenizer.chat_template
+    assert load_tokenizer(weights.load(0)).eos_token == IM_END
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_bad_tiny_config_names_the_field():
+    with pytest.raises(ValidationError, match=r"num_heads \(5\) must divide hidden_size \(32\)"):
+        TinyModelConfig(hidden_size=32, num_heads=5)
+    with pytest.raises(ValidationError, match="arch"):
+        TinyModelConfig(arch="gpt2")
+    with pytest.raises(ValidationError, match="vocab_size"):
+        TinyModelConfig(vocab_size=10)
+
+
+def test_value_model_copies_the_policy_backbone_independently(tiny):
+    policy, tokenizer = tiny
+    value = ValueModel.from_policy(policy)
+    for name, tensor in policy.model.state_dict().items():
+        assert torch.equal(value.backbone.state_dict()[name], tensor), name
+    with torch.no_grad():
+        value.backbone.embed_tokens.weight.add_(1.0)
+    assert not torch.equal(value.backbone.embed_tokens.weight, policy.model.embed_tokens.weight)
+
+    ids = torch.tensor([tokenizer.encode("What is 1+1? 2", add_special_tokens=False)])
+    assert value(ids).shape == ids.shape
+    assert torch.equal(value(ids), torch.zeros(ids.shape))  # the head starts at zero
+
+
+def test_value_model_handles_padding_on_either_side(tiny):
+    policy, _ = tiny
+    value = ValueModel.from_policy(policy)
+    torch.nn.init.normal_(value.head.weight)
+    short, long = [5, 6, 7], [8, 9, 10, 11, 12]
+    with torch.no_grad():
+        alone = [value(torch.tensor([row]))[0] for row in (short, long)]
+        right = value(torch.tensor([short + [0, 0], long]), torch.tensor([[1, 1, 1, 0, 0], [1] * 5]))
+        left = value(torch.tensor([[0, 0] + short, long]), torch.tensor([[0, 0, 1, 1, 1], [1] * 5]))
+    torch.testing.assert_close(right[0, :3], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(left[0, 2:], alone[0], rtol=0, atol=1e-5)
+    torch.testing.assert_close(right[1], alone[1], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_freeze_attention_trains_only_mlp_norms_and_head(arch):
+    policy, _ = build_tiny_model(SMALL.model_copy(update={"arch": arch}))
+    value = ValueModel.from_policy(policy)
+    frozen = value.freeze_attention()
+    trainable = {name for name, p in value.named_parameters() if p.requires_grad}
+    assert frozen and all(".self_attn." in name for name in frozen)
+    assert {name for name, _ in value.named_parameters()} == trainable | set(frozen)
+    assert all(".self_attn." not in name for name in trainable)
+    assert {"head.weight", "head.bias", "backbone.norm.weight"} <= trainable
+    assert any(".mlp." in name for name in trainable)
+    if arch == "qwen3":
+        assert any("q_norm" in name for name in frozen)
+
+    torch.nn.init.normal_(value.head.weight)  # a zero head would pass no gradient to the backbone
+    before = {name: p.detach().clone() for name, p in value.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in value.parameters() if p.requires_grad], lr=0.1)
+    ids = torch.randint(4, 100, (2, 6))
+    (value(ids) - 1.0).pow(2).sum().backward()
+    optimizer.step()
+    changed = {name for name, p in value.named_parameters() if not torch.equal(p, before[name])}
+    assert changed and changed <= trainable
+    assert "head.weight" in changed and any(".mlp." in name for name in changed)
+
+
+def test_value_model_round_trips_through_its_own_weight_store(tiny, tmp_path):
+    policy, tokenizer = tiny
+    run = RunStore(StorageConfig(root=str(tmp_path / "runs")), "run")
+    policy_weights = WeightStore(run)
+    value_weights = WeightStore(run, prefix="value")
+    value = ValueModel.from_policy(policy)
+    torch.nn.init.normal_(value.head.weight)
+    assert value.publish(value_weights, step=3) == 0
+    assert policy_weights.latest() is None and value_weights.latest() == 0
+
+    loaded = ValueModel.load(value_weights.load())
+    ids = torch.tensor([tokenizer.encode("Too low, go higher.", add_special_tokens=False)])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), value(ids), rtol=0, atol=0)
