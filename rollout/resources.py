@@ -1,0 +1,220 @@
+"""Resource managers behind the action scheduler (ARL-Tangram's CPU and GPU managers).
+
+``CpuManager`` allocates on execution: a sandbox process keeps its memory between actions
+but runs on granted cores only while an action runs (``sched_setaffinity`` of every thread
+of the process, or a cgroup-v2 cpuset where one is writable), then is parked back on a small
+parking set and the cores return to the pool.
+
+``ServiceManager`` evicts on execution: reward-model services stay parked in CPU memory as
+state dicts and are loaded onto the device when called, evicting the least recently used
+idle services while the device-memory budget would be exceeded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import torch
+
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _cgroup_v2_cpuset_writable(root: Path = _CGROUP_ROOT) -> bool:
+    controllers = root / "cgroup.controllers"
+    try:
+        return "cpuset" in controllers.read_text().split() and os.access(root, os.W_OK)
+    except OSError:
+        return False
+
+
+def _threads(pid: int) -> list[int]:
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except FileNotFoundError:
+        return [pid]
+
+
+class CpuManager:
+    """A pool of core ids granted to actions and reclaimed after.
+
+    Args:
+        cores: the cores this manager hands out (default: this process's affinity).
+        parking: cores a sandbox sits on between actions (default: the lowest pool core).
+        backend: ``"affinity"``, ``"cgroup"`` (cgroup-v2 cpuset) or ``"auto"`` (cgroup when
+            writable, else affinity).
+    """
+
+    def __init__(
+        self,
+        cores: Iterable[int] | None = None,
+        parking: Iterable[int] | None = None,
+        backend: str = "auto",
+    ):
+        self.pool = frozenset(os.sched_getaffinity(0) if cores is None else cores)
+        if not self.pool:
+            raise ValueError("CpuManager needs at least one core")
+        self.parking = frozenset(parking) if parking is not None else frozenset({min(self.pool)})
+        if not self.parking:
+            raise ValueError("CpuManager parking set must not be empty")
+        if backend == "auto":
+            backend = "cgroup" if _cgroup_v2_cpuset_writable() else "affinity"
+        if backend not in ("affinity", "cgroup"):
+            raise ValueError(f"CpuManager backend must be 'affinity', 'cgroup' or 'auto', got {backend!r}")
+        self.backend = backend
+        self._free = set(self.pool)
+
+    @property
+    def available(self) -> frozenset[int]:
+        """Cores not granted to any action."""
+        return frozenset(self._free)
+
+    def allocate(self, n: int) -> frozenset[int]:
+        """Take ``n`` free cores (lowest ids first)."""
+        if n < 1:
+            raise ValueError(f"CpuManager.allocate needs n >= 1, got {n}")
+        if n > len(self._free):
+            raise ValueError(
+                f"CpuManager.allocate({n}): only {len(self._free)} of {len(self.pool)} cores free"
+            )
+        cores = frozenset(sorted(self._free)[:n])
+        self._free -= cores
+        return cores
+
+    def free(self, cores: Iterable[int]) -> None:
+        """Return cores to the pool."""
+        cores = set(cores)
+        if not cores <= self.pool:
+            raise ValueError(f"CpuManager.free: cores {sorted(cores - self.pool)} are not in the pool")
+        if cores & self._free:
+            raise ValueError(f"CpuManager.free: cores {sorted(cores & self._free)} are already free")
+        self._free |= cores
+
+    def bind(self, pid: int, cores: Iterable[int]) -> None:
+        """Run process ``pid`` (all its threads) on ``cores`` only."""
+        cores = frozenset(cores)
+        if self.backend == "cgroup":
+            group = _CGROUP_ROOT / f"treadle-{pid}"
+            group.mkdir(exist_ok=True)
+            (group / "cpuset.cpus").write_text(",".join(map(str, sorted(cores))))
+            (group / "cgroup.procs").write_text(str(pid))
+            return
+        for tid in _threads(pid):
+            try:
+                os.sched_setaffinity(tid, cores)
+            except ProcessLookupError:
+                continue
+
+    def park(self, pid: int) -> None:
+        """Move process ``pid`` back to the parking cores between actions."""
+        self.bind(pid, self.parking)
+
+    def affinity(self, pid: int) -> frozenset[int]:
+        """The cores process ``pid`` may run on now."""
+        return frozenset(os.sched_getaffinity(pid))
+
+
+def _state_bytes(module: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+
+
+class ServiceManager:
+    """Reward-model services loaded onto a device on demand, LRU-evicted under a memory budget.
+
+    On a CUDA machine the device is the GPU and the default budget is its free memory;
+    on CPU the "device" is CPU memory under a configured budget (``budget_bytes`` required).
+    Parked services keep a CPU state dict; loading materialises the module on the device
+    from it, evicting moves the module to the ``meta`` device so its memory is freed.
+    """
+
+    def __init__(self, device: str | None = None, budget_bytes: int | None = None):
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if budget_bytes is None:
+            if self.device.type != "cuda":
+                raise ValueError("ServiceManager on CPU needs budget_bytes (the emulated device memory)")
+            budget_bytes = torch.cuda.mem_get_info(self.device)[0]
+        if budget_bytes <= 0:
+            raise ValueError(f"ServiceManager budget_bytes must be > 0, got {budget_bytes}")
+        self.budget_bytes = int(budget_bytes)
+        self._modules: dict[str, torch.nn.Module] = {}
+        self._parked: dict[str, dict[str, torch.Tensor]] = {}
+        self._sizes: dict[str, int] = {}
+        self._resident: OrderedDict[str, None] = OrderedDict()
+        self._in_use: dict[str, int] = {}
+        self._changed = asyncio.Condition()
+        self.evictions: list[str] = []
+        self.loads: list[str] = []
+
+    def register(self, name: str, module: torch.nn.Module) -> None:
+        """Park ``module`` in CPU memory under ``name``."""
+        if name in self._modules:
+            raise ValueError(f"service {name!r} is already registered")
+        size = _state_bytes(module)
+        if size > self.budget_bytes:
+            raise ValueError(f"service {name!r} needs {size} bytes, more than the budget {self.budget_bytes}")
+        pin = self.device.type == "cuda"
+        parked = {}
+        for key, tensor in module.state_dict().items():
+            copy = tensor.detach().to("cpu", copy=True)
+            parked[key] = copy.pin_memory() if pin else copy
+        module.to("meta")
+        module.eval()
+        self._modules[name] = module
+        self._parked[name] = parked
+        self._sizes[name] = size
+
+    @property
+    def resident(self) -> list[str]:
+        """Services on the device, least recently used first."""
+        return list(self._resident)
+
+    @property
+    def used_bytes(self) -> int:
+        """Device bytes held by resident services."""
+        return sum(self._sizes[n] for n in self._resident)
+
+    def _load(self, name: str) -> None:
+        module = self._modules[name]
+        module.to_empty(device=self.device)
+        module.load_state_dict(self._parked[name])
+        self._resident[name] = None
+        self.loads.append(name)
+
+    def _evict(self, name: str) -> None:
+        self._modules[name].to("meta")
+        del self._resident[name]
+        self.evictions.append(name)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _make_room(self, size: int) -> bool:
+        """Evict idle LRU services until ``size`` more bytes fit; False if in-use services block it."""
+        while self.used_bytes + size > self.budget_bytes:
+            idle = next((n for n in self._resident if not self._in_use.get(n)), None)
+            if idle is None:
+                return False
+            self._evict(idle)
+        return True
+
+    @asynccontextmanager
+    async def use(self, name: str) -> AsyncIterator[torch.nn.Module]:
+        """The service's module on the device for the body (loaded, and others evicted, as needed)."""
+        if name not in self._modules:
+            raise KeyError(f"unknown service {name!r}; registered: {sorted(self._modules)}")
+        async with self._changed:
+            while name not in self._resident and not self._make_room(self._sizes[name]):
+                await self._changed.wait()
+            if name not in self._resident:
+                self._load(name)
+            self._resident.move_to_end(name)
+            self._in_use[name] = self._in_use.get(name, 0) + 1
+        try:
+            yield self._modules[name]
+        finally:
+            async with self._changed:
+                self._in_use[name] -= 1
+                self._changed.notify_all()

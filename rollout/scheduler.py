@@ -1,0 +1,664 @@
+"""Action-level resource scheduling (ARL-Tangram, arXiv 2603.13019).
+
+Every tool call, test run and reward call asks for a resource vector for the length of
+that one action instead of holding resources for a trajectory's whole life. An elastic
+action also says how its duration scales with the units of one resource it gets:
+``T(m) = T_1 / (E(m) * m)`` with efficiency ``0 < E(m) <= 1``.
+
+``decide`` is the pure decision function: given the queue, the free resources and the
+running actions it returns which queued actions start now and with how many units. It
+takes queued actions first-come-first-served while they fit, spreads the spare units of
+elastic resources where they shorten durations most, then greedily evicts the last
+candidate while that lowers the total action completion time (queueing + execution),
+estimating the rest of the queue with a completion-time heap.
+
+``ActionPolicy`` (ours) and ``StaticPolicy`` (per-trajectory reservation, the baseline)
+are clock-free state machines used both by the asyncio fronts ``ActionScheduler`` /
+``StaticReservation`` and by the discrete-event cluster in ``rollout.simcluster``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from heapq import heappop, heappush
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from rollout.resources import CpuManager
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class ResourceRequest:
+    """What one action needs.
+
+    ``demand`` holds the fixed amount of each resource (``{"mem_gb": 2, "gpu": 1}``). An
+    elastic action names one resource in ``elastic`` and gets between ``min_units`` and
+    ``max_units`` of it; ``efficiency[m - 1]`` is ``E(m)`` (empty means perfect scaling).
+    ``duration`` is the estimated single-unit time ``T_1`` in seconds (``None``: the
+    scheduler's running estimate for ``kind``).
+    """
+
+    demand: Mapping[str, float] = field(default_factory=dict)
+    elastic: str | None = None
+    min_units: int = 1
+    max_units: int = 1
+    duration: float | None = None
+    efficiency: tuple[float, ...] = ()
+    kind: str = "tool"
+    trajectory_id: str = ""
+
+    def __post_init__(self):
+        for name, amount in self.demand.items():
+            if amount < 0:
+                raise ValueError(f"ResourceRequest.demand[{name!r}] must be >= 0, got {amount}")
+        if self.elastic is not None:
+            if self.elastic in self.demand:
+                raise ValueError(
+                    f"ResourceRequest: elastic resource {self.elastic!r} must not also be in demand"
+                )
+            if not 1 <= self.min_units <= self.max_units:
+                raise ValueError(
+                    f"ResourceRequest needs 1 <= min_units <= max_units, got {self.min_units}, {self.max_units}"
+                )
+            if self.efficiency and len(self.efficiency) < self.max_units:
+                raise ValueError(
+                    f"ResourceRequest.efficiency has {len(self.efficiency)} entries, needs max_units={self.max_units}"
+                )
+            if any(not 0 < e <= 1 for e in self.efficiency):
+                raise ValueError(
+                    f"ResourceRequest.efficiency values must be in (0, 1], got {self.efficiency}"
+                )
+        if self.duration is not None and self.duration < 0:
+            raise ValueError(f"ResourceRequest.duration must be >= 0, got {self.duration}")
+
+    def duration_on(self, units: int, t1: float | None = None) -> float:
+        """``T(m) = T_1 / (E(m) * m)``; a non-elastic action always takes ``T_1``."""
+        t1 = self.duration if t1 is None else t1
+        if t1 is None:
+            raise ValueError("ResourceRequest.duration_on needs a duration (T_1)")
+        if self.elastic is None:
+            return t1
+        efficiency = self.efficiency[units - 1] if self.efficiency else 1.0
+        return t1 / (efficiency * units)
+
+
+def amdahl_efficiency(serial_fraction: float, max_units: int) -> tuple[float, ...]:
+    """``E(m)`` for Amdahl's law: ``T(m) = T_1 * (s + (1 - s) / m)``, for ``m = 1..max_units``."""
+    if not 0 <= serial_fraction < 1:
+        raise ValueError(f"serial_fraction must be in [0, 1), got {serial_fraction}")
+    return tuple(1.0 / (m * (serial_fraction + (1 - serial_fraction) / m)) for m in range(1, max_units + 1))
+
+
+@dataclass
+class Pending:
+    """A queued action in the form ``decide`` reads: vectors aligned to the resource names.
+
+    ``fixed[r]`` is the fixed demand on resource ``r``; ``elastic`` the index of the elastic
+    resource (-1 if none); ``times[m]`` the duration on ``m`` units (``times[0]`` unused;
+    a non-elastic action has ``times == (t, t)`` and ``min_units == max_units == 1``).
+    """
+
+    fixed: list[float]
+    elastic: int
+    min_units: int
+    max_units: int
+    times: list[float]
+    enqueued_at: float = 0.0
+    need: list[float] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.need = _holding(self, self.min_units)
+
+
+@dataclass(frozen=True)
+class Running:
+    """A running action as ``decide`` sees it: when it should finish and what it holds."""
+
+    finish_at: float
+    holds: list[float]
+
+
+def _holding(p: Pending, units: int) -> list[float]:
+    if p.elastic < 0:
+        return p.fixed
+    holds = list(p.fixed)
+    holds[p.elastic] += units
+    return holds
+
+
+def _fits(need: list[float], free: list[float]) -> bool:
+    # a plain loop: this is the innermost call of the decision path and all() with a generator is ~2x slower
+    for r in range(len(need)):  # noqa: SIM110
+        if need[r] > free[r] + _EPS:
+            return False
+    return True
+
+
+def _gains(cands: list[Pending], units: list[int]) -> list[tuple[float, int]]:
+    """Heap of (duration change from one more unit, candidate index) for growable candidates."""
+    gains = [
+        (p.times[m + 1] - p.times[m], k)
+        for k, (p, m) in enumerate(zip(cands, units, strict=True))
+        if p.elastic >= 0 and m < p.max_units
+    ]
+    heapq.heapify(gains)
+    return gains
+
+
+def _spread(
+    cands: list[Pending], units: list[int], spare: list[float], gains: list[tuple[float, int]]
+) -> None:
+    """Give spare elastic units, one at a time, where they cut the duration most (in place).
+
+    ``gains`` is a heap of (duration change from one more unit, candidate index). Durations
+    are convex in the units, so continuing this greedy from any greedy state stays optimal.
+    """
+    while gains:
+        gain, k = gains[0]
+        if gain >= 0:
+            break
+        heapq.heappop(gains)
+        p = cands[k]
+        if spare[p.elastic] < 1 - _EPS:
+            continue
+        spare[p.elastic] -= 1
+        units[k] += 1
+        m = units[k]
+        if m < p.max_units:
+            heapq.heappush(gains, (p.times[m + 1] - p.times[m], k))
+
+
+def _queue_estimate(
+    rest: list[Pending], events: list[tuple[float, int, list[float]]], free: list[float], now: float
+) -> float:
+    """Sum of completion times (from ``now``) of ``rest`` run FCFS as resources free up.
+
+    ``events`` is a heap of (finish time, tie-breaker, held vector) of everything running
+    (consumed); each queued action starts when the earliest finishes leave room and takes
+    all the free units of its elastic resource up to its maximum.
+    """
+    tie = len(events)
+    total = 0.0
+    t = now
+    size = range(len(free))
+    for p in rest:
+        need = p.need
+        while not _fits(need, free):
+            if not events:
+                return float("inf")
+            t_done, _, holds = heappop(events)
+            if t_done > t:
+                t = t_done
+            for r in size:
+                free[r] += holds[r]
+        units = p.min_units
+        if p.elastic >= 0:
+            units = max(units, min(p.max_units, int(free[p.elastic] + _EPS)))
+            holds = _holding(p, units)
+        else:
+            holds = need
+        for r in size:
+            free[r] -= holds[r]
+        finish = t + p.times[units]
+        total += finish - now
+        tie += 1
+        heappush(events, (finish, tie, holds))
+    return total
+
+
+def _plan_cost(
+    cands: list[Pending],
+    units: list[int],
+    spare: list[float],
+    rest: list[Pending],
+    running_events: list[tuple[float, int, list[float]]],
+    now: float,
+) -> float:
+    """Total completion time of ``cands`` started now on ``units`` plus the heap estimate of ``rest``."""
+    events = list(running_events)
+    tie = len(events)
+    cost = 0.0
+    for p, m in zip(cands, units, strict=True):
+        duration = p.times[m]
+        cost += duration
+        events.append((now + duration, tie, _holding(p, m)))
+        tie += 1
+    heapq.heapify(events)
+    return cost + _queue_estimate(rest, events, list(spare), now)
+
+
+def decide(
+    queue: Sequence[Pending],
+    free: Sequence[float],
+    running: Sequence[Running] = (),
+    now: float = 0.0,
+    *,
+    window: int = 32,
+) -> list[tuple[int, int]]:
+    """Which queued actions start now, and on how many elastic units.
+
+    Args:
+        queue: queued actions, oldest first.
+        free: free amount of each resource, aligned with ``Pending.fixed``.
+        running: the running actions (their expected finish and what they hold).
+        now: the current time (same clock as ``Running.finish_at``).
+        window: how many of the actions left in the queue the completion-time heap
+            estimates; later ones are affected alike by every choice and are ignored.
+
+    Returns:
+        ``[(queue index, units), ...]`` in queue order; ``units`` is 1 for a non-elastic action.
+    """
+    spare = list(free)
+    blocked = [False] * len(spare)
+    cand_idx: list[int] = []
+    rest_idx: list[int] = []
+    for i, p in enumerate(queue):
+        need = p.need
+        uses = [r for r, n in enumerate(need) if n > 0]
+        if not any(blocked[r] for r in uses) and _fits(need, spare):
+            cand_idx.append(i)
+            for r in uses:
+                spare[r] -= need[r]
+        else:
+            for r in uses:
+                blocked[r] = True
+            rest_idx.append(i)
+            if len(rest_idx) >= window:
+                break
+    if not cand_idx:
+        return []
+    cands = [queue[i] for i in cand_idx]
+    units = [p.min_units for p in cands]
+    _spread(cands, units, spare, _gains(cands, units))
+    running_events = [(a.finish_at, i, a.holds) for i, a in enumerate(running)]
+    rest = [queue[i] for i in rest_idx]
+    best = _plan_cost(cands, units, spare, rest, running_events, now)
+    while len(cands) > 1:
+        last = len(cands) - 1
+        trial_units = units[:last]
+        trial_spare = list(spare)
+        for r, h in enumerate(_holding(cands[last], units[last])):
+            trial_spare[r] += h
+        _spread(cands[:last], trial_units, trial_spare, _gains(cands[:last], trial_units))
+        trial_rest_idx = sorted([*rest_idx, cand_idx[last]])
+        trial_rest = [queue[i] for i in trial_rest_idx]
+        trial = _plan_cost(cands[:last], trial_units, trial_spare, trial_rest, running_events, now)
+        if trial >= best - _EPS:
+            break
+        cand_idx.pop()
+        cands.pop()
+        rest_idx, units, spare, best = trial_rest_idx, trial_units, trial_spare, trial
+    return list(zip(cand_idx, units, strict=True))
+
+
+@dataclass
+class Grant:
+    """Resources granted to one action until ``release``."""
+
+    ticket: int
+    request: ResourceRequest
+    units: int
+    allocation: dict[str, float]
+    enqueued_at: float
+    started_at: float
+    expected_finish: float
+    cores: frozenset[int] = frozenset()
+
+
+class Policy(Protocol):
+    """A clock-free admission policy: the asyncio fronts and the simulated cluster drive it."""
+
+    capacity: Mapping[str, float]
+
+    def submit(self, request: ResourceRequest, now: float) -> int: ...
+
+    def cancel(self, ticket: int) -> bool: ...
+
+    def dispatch(self, now: float) -> list[Grant]: ...
+
+    def release(self, grant: Grant, now: float) -> None: ...
+
+    def end_trajectory(self, trajectory_id: str, now: float) -> None: ...
+
+
+class _DurationEstimates:
+    """Running mean of the single-unit duration ``T_1`` observed per action kind."""
+
+    def __init__(self, default: float, alpha: float = 0.2):
+        self.default = default
+        self.alpha = alpha
+        self._t1: dict[str, float] = {}
+
+    def t1(self, request: ResourceRequest) -> float:
+        if request.duration is not None:
+            return request.duration
+        return self._t1.get(request.kind, self.default)
+
+    def observe(self, grant: Grant, now: float) -> None:
+        request = grant.request
+        ran = now - grant.started_at
+        speedup = request.duration_on(1, 1.0) / request.duration_on(grant.units, 1.0)
+        sample = ran * speedup
+        old = self._t1.get(request.kind)
+        self._t1[request.kind] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
+
+
+def _check_capacity(capacity: Mapping[str, float]) -> dict[str, float]:
+    if not capacity:
+        raise ValueError("scheduler capacity must name at least one resource")
+    for name, amount in capacity.items():
+        if amount < 0:
+            raise ValueError(f"scheduler capacity[{name!r}] must be >= 0, got {amount}")
+    return dict(capacity)
+
+
+class ActionPolicy:
+    """Per-action admission with elastic units and greedy eviction (ours)."""
+
+    def __init__(self, capacity: Mapping[str, float], *, window: int = 32, default_duration: float = 1.0):
+        self.capacity = _check_capacity(capacity)
+        self.names = tuple(self.capacity)
+        self._index = {name: r for r, name in enumerate(self.names)}
+        self.free = [float(self.capacity[n]) for n in self.names]
+        self.window = window
+        self.estimates = _DurationEstimates(default_duration)
+        self._queue: dict[int, tuple[ResourceRequest, Pending]] = {}
+        self._running: dict[int, tuple[Grant, Running]] = {}
+        self._tickets = itertools.count()
+
+    def _pending(self, request: ResourceRequest, now: float) -> Pending:
+        fixed = [0.0] * len(self.names)
+        for name, amount in request.demand.items():
+            if name not in self._index:
+                raise ValueError(f"ResourceRequest demands unknown resource {name!r}; known: {self.names}")
+            fixed[self._index[name]] = float(amount)
+        t1 = self.estimates.t1(request)
+        if request.elastic is None:
+            elastic, lo, hi, times = -1, 1, 1, [t1, t1]
+        else:
+            if request.elastic not in self._index:
+                raise ValueError(
+                    f"ResourceRequest elastic resource {request.elastic!r} unknown; known: {self.names}"
+                )
+            elastic = self._index[request.elastic]
+            lo = request.min_units
+            hi = min(request.max_units, int(self.capacity[request.elastic] - fixed[elastic]))
+            times = [0.0] + [request.duration_on(m, t1) for m in range(1, hi + 1)]
+        pending = Pending(fixed, elastic, lo, hi, times, now)
+        if hi < lo or not _fits(_holding(pending, lo), [float(self.capacity[n]) for n in self.names]):
+            raise ValueError(f"ResourceRequest {dict(request.demand)} can never fit capacity {self.capacity}")
+        return pending
+
+    def submit(self, request: ResourceRequest, now: float) -> int:
+        """Queue an action; returns its ticket."""
+        pending = self._pending(request, now)
+        ticket = next(self._tickets)
+        self._queue[ticket] = (request, pending)
+        return ticket
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a queued action; False if it is not queued (already granted or unknown)."""
+        return self._queue.pop(ticket, None) is not None
+
+    def dispatch(self, now: float) -> list[Grant]:
+        """Start whatever ``decide`` picks; returns the new grants."""
+        if not self._queue:
+            return []
+        tickets = list(self._queue)
+        pendings = [self._queue[t][1] for t in tickets]
+        running = [r for _, r in self._running.values()]
+        grants = []
+        for i, units in decide(pendings, self.free, running, now, window=self.window):
+            ticket = tickets[i]
+            request, pending = self._queue.pop(ticket)
+            holds = _holding(pending, units)
+            for r, h in enumerate(holds):
+                self.free[r] -= h
+            allocation = {self.names[r]: h for r, h in enumerate(holds) if h > 0}
+            finish = now + pending.times[units]
+            grant = Grant(ticket, request, units, allocation, pending.enqueued_at, now, finish)
+            self._running[ticket] = (grant, Running(finish, holds))
+            grants.append(grant)
+        return grants
+
+    def release(self, grant: Grant, now: float) -> None:
+        """Give back a grant's resources."""
+        entry = self._running.pop(grant.ticket, None)
+        if entry is None:
+            raise ValueError(f"grant {grant.ticket} is not running (released twice?)")
+        for r, h in enumerate(entry[1].holds):
+            self.free[r] += h
+        self.estimates.observe(grant, now)
+
+    def end_trajectory(self, trajectory_id: str, now: float) -> None:
+        """Nothing is held per trajectory."""
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+
+class StaticPolicy:
+    """Baseline: each key (a trajectory, or a service) reserves a fixed vector for its whole life.
+
+    The first action of a key waits FCFS until the reservation fits; later actions of the
+    key run inside the reservation (FIFO among themselves), an elastic one on as many
+    reserved units as it can use. ``end_trajectory`` returns the reservation.
+    """
+
+    def __init__(
+        self,
+        capacity: Mapping[str, float],
+        reservation: Mapping[str, float],
+        *,
+        key: Callable[[ResourceRequest], str] = lambda request: request.trajectory_id,
+        default_duration: float = 1.0,
+    ):
+        self.capacity = _check_capacity(capacity)
+        for name, amount in reservation.items():
+            if name not in self.capacity:
+                raise ValueError(f"StaticPolicy reservation names unknown resource {name!r}")
+            if not 0 <= amount <= self.capacity[name]:
+                raise ValueError(f"StaticPolicy reservation[{name!r}]={amount} is outside [0, capacity]")
+        self.reservation = dict(reservation)
+        self.free = dict(self.capacity)
+        self.key = key
+        self.estimates = _DurationEstimates(default_duration)
+        self._tickets = itertools.count()
+        self._waiting_keys: deque[str] = deque()
+        self._queues: dict[str, deque[tuple[int, ResourceRequest, float]]] = {}
+        self._reserved: dict[str, dict[str, float]] = {}
+        self._running: dict[int, tuple[str, dict[str, float]]] = {}
+
+    def submit(self, request: ResourceRequest, now: float) -> int:
+        """Queue an action under its key; returns its ticket."""
+        need = dict(request.demand)
+        if request.elastic is not None:
+            need[request.elastic] = request.min_units
+        for name, amount in need.items():
+            if amount > self.reservation.get(name, 0) + _EPS:
+                raise ValueError(
+                    f"ResourceRequest needs {amount} {name!r}, more than the static reservation {self.reservation}"
+                )
+        k = self.key(request)
+        if not k:
+            raise ValueError("StaticPolicy: ResourceRequest has an empty key (set trajectory_id)")
+        ticket = next(self._tickets)
+        if k not in self._queues:
+            self._queues[k] = deque()
+            if k not in self._reserved:
+                self._waiting_keys.append(k)
+        self._queues[k].append((ticket, request, now))
+        return ticket
+
+    def cancel(self, ticket: int) -> bool:
+        """Drop a queued action; False if it is not queued."""
+        for q in self._queues.values():
+            for item in q:
+                if item[0] == ticket:
+                    q.remove(item)
+                    return True
+        return False
+
+    def dispatch(self, now: float) -> list[Grant]:
+        """Admit waiting keys FCFS while reservations fit, then start actions inside reservations."""
+        while self._waiting_keys:
+            k = self._waiting_keys[0]
+            if not all(self.free[n] + _EPS >= a for n, a in self.reservation.items()):
+                break
+            self._waiting_keys.popleft()
+            for n, a in self.reservation.items():
+                self.free[n] -= a
+            self._reserved[k] = dict(self.reservation)
+        grants = []
+        for k, left in self._reserved.items():
+            q = self._queues.get(k)
+            while q:
+                ticket, request, enqueued = q[0]
+                need = dict(request.demand)
+                units = 1
+                if request.elastic is not None:
+                    units = min(request.max_units, int(left.get(request.elastic, 0) + _EPS))
+                    if units < request.min_units:
+                        break
+                    need[request.elastic] = units
+                if not all(left.get(n, 0) + _EPS >= a for n, a in need.items()):
+                    break
+                q.popleft()
+                for n, a in need.items():
+                    left[n] -= a
+                self._running[ticket] = (k, need)
+                duration = request.duration_on(units, self.estimates.t1(request))
+                grants.append(Grant(ticket, request, units, need, enqueued, now, now + duration))
+        return grants
+
+    def release(self, grant: Grant, now: float) -> None:
+        """Return an action's share to its key's reservation (not to the pool)."""
+        entry = self._running.pop(grant.ticket, None)
+        if entry is None:
+            raise ValueError(f"grant {grant.ticket} is not running (released twice?)")
+        k, need = entry
+        for n, a in need.items():
+            self._reserved[k][n] += a
+        self.estimates.observe(grant, now)
+
+    def end_trajectory(self, trajectory_id: str, now: float) -> None:
+        """Return the trajectory's reservation to the pool once its actions are done."""
+        if any(k == trajectory_id for k, _ in self._running.values()):
+            raise ValueError(f"trajectory {trajectory_id!r} still has a running action")
+        self._queues.pop(trajectory_id, None)
+        if trajectory_id in self._waiting_keys:
+            self._waiting_keys.remove(trajectory_id)
+        held = self._reserved.pop(trajectory_id, None)
+        if held is not None:
+            for n, a in self.reservation.items():
+                self.free[n] += a
+
+
+class _AsyncFront:
+    """asyncio face of a policy: ``await acquire(request)``, ``release(grant)``, ``async with run(...)``."""
+
+    def __init__(self, policy: Policy, cpu: CpuManager | None = None, cpu_resource: str = "cpu"):
+        if cpu is not None and policy.capacity.get(cpu_resource) != len(cpu.pool):
+            raise ValueError(
+                f"capacity[{cpu_resource!r}]={policy.capacity.get(cpu_resource)} must equal the CPU pool size {len(cpu.pool)}"
+            )
+        self.policy = policy
+        self.cpu = cpu
+        self.cpu_resource = cpu_resource
+        self._waiters: dict[int, asyncio.Future[Grant]] = {}
+
+    @staticmethod
+    def _now() -> float:
+        return time.monotonic()
+
+    def _dispatch(self) -> None:
+        for grant in self.policy.dispatch(self._now()):
+            if self.cpu is not None and grant.allocation.get(self.cpu_resource):
+                grant.cores = self.cpu.allocate(int(grant.allocation[self.cpu_resource]))
+            waiter = self._waiters.pop(grant.ticket)
+            if waiter.done():
+                self._give_back(grant)
+            else:
+                waiter.set_result(grant)
+
+    def _give_back(self, grant: Grant) -> None:
+        if grant.cores and self.cpu is not None:
+            self.cpu.free(grant.cores)
+            grant.cores = frozenset()
+        self.policy.release(grant, self._now())
+
+    async def acquire(self, request: ResourceRequest) -> Grant:
+        """Wait until the action is granted its resources."""
+        ticket = self.policy.submit(request, self._now())
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters[ticket] = waiter
+        self._dispatch()
+        try:
+            return await waiter
+        except asyncio.CancelledError:
+            if self.policy.cancel(ticket):
+                self._waiters.pop(ticket, None)
+            elif waiter.done() and not waiter.cancelled():
+                self.release(waiter.result())
+            raise
+
+    def release(self, grant: Grant) -> None:
+        """Give the grant's resources back and start whatever can run now."""
+        self._give_back(grant)
+        self._dispatch()
+
+    def end_trajectory(self, trajectory_id: str) -> None:
+        """The trajectory is finished (frees its reservation in static mode)."""
+        self.policy.end_trajectory(trajectory_id, self._now())
+        self._dispatch()
+
+    @asynccontextmanager
+    async def run(self, request: ResourceRequest, pid: int | None = None) -> AsyncIterator[Grant]:
+        """Hold a grant for the body; with ``pid`` (and a CPU manager) pin that process to the granted cores."""
+        grant = await self.acquire(request)
+        try:
+            if pid is not None and self.cpu is not None and grant.cores:
+                self.cpu.bind(pid, grant.cores)
+            yield grant
+        finally:
+            if pid is not None and self.cpu is not None and grant.cores:
+                self.cpu.park(pid)
+            self.release(grant)
+
+
+class ActionScheduler(_AsyncFront):
+    """Per-action scheduling with elastic units and greedy eviction, for asyncio code."""
+
+    def __init__(
+        self,
+        capacity: Mapping[str, float],
+        *,
+        cpu: CpuManager | None = None,
+        window: int = 32,
+        default_duration: float = 1.0,
+    ):
+        super().__init__(ActionPolicy(capacity, window=window, default_duration=default_duration), cpu)
+
+
+class StaticReservation(_AsyncFront):
+    """Baseline with the same interface: a fixed reservation per trajectory for its whole life."""
+
+    def __init__(
+        self,
+        capacity: Mapping[str, float],
+        reservation: Mapping[str, float],
+        *,
+        cpu: CpuManager | None = None,
+        default_duration: float = 1.0,
+    ):
+        super().__init__(StaticPolicy(capacity, reservation, default_duration=default_duration), cpu)

@@ -1,0 +1,395 @@
+"""A discrete-event simulated cluster that drives the real scheduler and elastic controller.
+
+``simulate_actions`` replays an agent-action workload (bursts of trajectories that think,
+then call tools, run tests, and finally call a reward model) through a ``Policy`` from
+``rollout.scheduler`` on a virtual clock. ``simulate_elastic`` runs a rollout/training
+pipeline whose capacity units are split either fixed or by ``rollout.elastic``.
+Nothing here reimplements a decision: the policies and the controller are the same
+objects the asyncio services use.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from rollout.elastic import ElasticController, PolicyInputs
+from rollout.scheduler import ActionPolicy, Grant, Policy, ResourceRequest, StaticPolicy, amdahl_efficiency
+
+
+class ActionWorkload(BaseModel):
+    """A bursty agentic-RL action workload (each RL step launches a burst of trajectories)."""
+
+    bursts: int = Field(4, ge=1, description="RL steps, each launching one burst of trajectories.")
+    trajectories_per_burst: int = Field(
+        128, ge=1, description="Trajectories launched at the start of each step."
+    )
+    burst_interval_s: float = Field(900.0, gt=0, description="Seconds between bursts.")
+    turns_min: int = Field(4, ge=1, description="Fewest tool-using turns per trajectory.")
+    turns_max: int = Field(24, ge=1, description="Most tool-using turns per trajectory.")
+    think_median_s: float = Field(
+        8.0, gt=0, description="Median LLM generation time before each action (lognormal)."
+    )
+    think_sigma: float = Field(0.6, ge=0, description="Log-space spread of the generation time.")
+    p_test: float = Field(
+        0.3,
+        ge=0,
+        le=1,
+        description="Probability an action is a test run (elastic CPU), else a shell/tool call.",
+    )
+    tool_median_s: float = Field(1.0, gt=0, description="Median single-core duration of a shell/tool call.")
+    tool_sigma: float = Field(0.8, ge=0, description="Log-space spread of tool-call durations.")
+    test_median_s: float = Field(40.0, gt=0, description="Median single-core duration T_1 of a test run.")
+    test_sigma: float = Field(0.8, ge=0, description="Log-space spread of test-run T_1.")
+    serial_min: float = Field(0.05, ge=0, lt=1, description="Smallest Amdahl serial fraction of a test run.")
+    serial_max: float = Field(0.3, ge=0, lt=1, description="Largest Amdahl serial fraction of a test run.")
+    test_max_units: int = Field(16, ge=1, description="Most cores a test run can use.")
+    estimate_sigma: float = Field(
+        0.3, ge=0, description="Log-space error of the duration estimate the scheduler is given."
+    )
+    reward_median_s: float = Field(3.0, gt=0, description="Median reward-model call time on a loaded GPU.")
+    services: int = Field(10, ge=1, description="Distinct reward-model services.")
+    service_zipf: float = Field(1.0, ge=0, description="Zipf exponent of service popularity (0: uniform).")
+    load_s: float = Field(
+        4.0, ge=0, description="Seconds to load a parked service onto a GPU (evict-on-execution)."
+    )
+    services_per_gpu: int = Field(2, ge=1, description="Services a GPU keeps resident (LRU) when pooled.")
+    seed: int = Field(0, description="Random seed of the replayed workload.")
+
+
+@dataclass
+class _Action:
+    think_s: float
+    request: ResourceRequest
+    true_t1: float
+    service: int = -1
+
+
+@dataclass
+class _Trajectory:
+    tid: str
+    start: float
+    actions: list[_Action]
+    next: int = 0
+
+
+def action_trajectories(w: ActionWorkload) -> list[_Trajectory]:
+    """The replayed trajectories of workload ``w`` (deterministic in ``w.seed``)."""
+    rng = random.Random(w.seed)
+    weights = [1.0 / (s + 1) ** w.service_zipf for s in range(w.services)]
+    trajs = []
+    for b in range(w.bursts):
+        for j in range(w.trajectories_per_burst):
+            tid = f"b{b}t{j}"
+            actions = []
+            for _ in range(rng.randint(w.turns_min, w.turns_max)):
+                think = rng.lognormvariate(math.log(w.think_median_s), w.think_sigma)
+                noise = rng.lognormvariate(0.0, w.estimate_sigma)
+                if rng.random() < w.p_test:
+                    t1 = rng.lognormvariate(math.log(w.test_median_s), w.test_sigma)
+                    eff = amdahl_efficiency(rng.uniform(w.serial_min, w.serial_max), w.test_max_units)
+                    req = ResourceRequest(
+                        elastic="cpu",
+                        max_units=w.test_max_units,
+                        duration=t1 * noise,
+                        efficiency=eff,
+                        kind="test",
+                        trajectory_id=tid,
+                    )
+                else:
+                    t1 = rng.lognormvariate(math.log(w.tool_median_s), w.tool_sigma)
+                    req = ResourceRequest(
+                        demand={"cpu": 1}, duration=t1 * noise, kind="tool", trajectory_id=tid
+                    )
+                actions.append(_Action(think, req, t1))
+            service = rng.choices(range(w.services), weights)[0]
+            t1 = rng.lognormvariate(math.log(w.reward_median_s), 0.3)
+            think = rng.lognormvariate(math.log(w.think_median_s), w.think_sigma)
+            req = ResourceRequest(
+                demand={"gpu": 1},
+                duration=t1 * rng.lognormvariate(0.0, w.estimate_sigma),
+                kind=f"reward/{service}",
+                trajectory_id=tid,
+            )
+            actions.append(_Action(think, req, t1, service))
+            trajs.append(_Trajectory(tid, b * w.burst_interval_s, actions))
+    return trajs
+
+
+class _GpuPool:
+    """Which pooled GPU serves a reward call, and whether the service must be loaded first."""
+
+    def __init__(self, gpus: int, per_gpu: int):
+        self.busy = [False] * gpus
+        self.resident: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(gpus)]
+        self.per_gpu = per_gpu
+        self.loads = 0
+
+    def take(self, service: int) -> tuple[int, bool]:
+        free = [g for g, b in enumerate(self.busy) if not b]
+        if not free:
+            raise RuntimeError("policy granted a GPU while all GPUs are busy")
+        hit = next((g for g in free if service in self.resident[g]), None)
+        g = hit if hit is not None else free[0]
+        self.busy[g] = True
+        res = self.resident[g]
+        if hit is None:
+            self.loads += 1
+            if len(res) >= self.per_gpu:
+                res.popitem(last=False)
+            res[service] = None
+        res.move_to_end(service)
+        return g, hit is None
+
+
+@dataclass
+class ActionRun:
+    """What a simulated action run measured."""
+
+    completion_times: list[float]
+    by_kind: dict[str, list[float]]
+    makespan: float
+    peak: dict[str, float]
+    busy_unit_seconds: dict[str, float]
+    service_loads: int = 0
+
+    @property
+    def mean_act(self) -> float:
+        """Average action completion time (queueing + execution), seconds."""
+        return sum(self.completion_times) / len(self.completion_times)
+
+
+def simulate_actions(
+    workload: ActionWorkload,
+    route: Callable[[ResourceRequest], Policy],
+    policies: list[Policy],
+    *,
+    pooled_gpus: int = 0,
+) -> ActionRun:
+    """Replay ``workload`` through the policies (``route`` picks one per request).
+
+    With ``pooled_gpus`` reward calls run on any pooled GPU and pay ``load_s`` when their
+    service is not resident there; otherwise services are pinned (always resident).
+    """
+    trajs = action_trajectories(workload)
+    events: list = []
+    seq = itertools.count()
+    for tr in trajs:
+        heapq.heappush(events, (tr.start + tr.actions[0].think_s, next(seq), "ready", tr, None))
+    gpus = _GpuPool(pooled_gpus, workload.services_per_gpu) if pooled_gpus else None
+    meta: dict[int, tuple[_Trajectory, _Action, int]] = {}
+    inflight: dict[tuple[int, int], tuple[_Trajectory, _Action]] = {}
+    completion: list[float] = []
+    by_kind: dict[str, list[float]] = {}
+    used = {name: 0.0 for p in policies for name in p.capacity}
+    peak = dict(used)
+    busy = dict(used)
+    now = 0.0
+
+    def dispatch(t: float) -> None:
+        for p_i, policy in enumerate(policies):
+            for grant in policy.dispatch(t):
+                tr, action = inflight.pop((p_i, grant.ticket))
+                run_s = grant.request.duration_on(grant.units, action.true_t1)
+                gpu = -1
+                if gpus is not None and action.service >= 0:
+                    gpu, miss = gpus.take(action.service)
+                    run_s += workload.load_s if miss else 0.0
+                for name, a in grant.allocation.items():
+                    used[name] += a
+                    peak[name] = max(peak[name], used[name])
+                    busy[name] += a * run_s
+                meta[id(grant)] = (tr, action, gpu)
+                heapq.heappush(events, (t + run_s, next(seq), "done", grant, p_i))
+
+    while events:
+        now, _, kind, obj, p_i = heapq.heappop(events)
+        if kind == "ready":
+            tr = obj
+            action = tr.actions[tr.next]
+            policy_i = policies.index(route(action.request))
+            ticket = policies[policy_i].submit(action.request, now)
+            inflight[(policy_i, ticket)] = (tr, action)
+        else:
+            grant: Grant = obj
+            tr, action, gpu = meta.pop(id(grant))
+            policies[p_i].release(grant, now)
+            for name, a in grant.allocation.items():
+                used[name] -= a
+            if gpu >= 0:
+                gpus.busy[gpu] = False
+            act = now - grant.enqueued_at
+            completion.append(act)
+            by_kind.setdefault(grant.request.kind.split("/")[0], []).append(act)
+            tr.next += 1
+            if tr.next < len(tr.actions):
+                heapq.heappush(events, (now + tr.actions[tr.next].think_s, next(seq), "ready", tr, None))
+            else:
+                for policy in policies:
+                    policy.end_trajectory(tr.tid, now)
+        if not events or events[0][0] > now:
+            dispatch(now)
+    if inflight:
+        raise RuntimeError(f"{len(inflight)} actions never got resources")
+    return ActionRun(completion, by_kind, now, peak, busy, gpus.loads if gpus else 0)
+
+
+def run_ours(workload: ActionWorkload, cores: int, gpus: int) -> ActionRun:
+    """Action-level scheduling: one pool of ``cores`` and ``gpus`` for every action."""
+    policy = ActionPolicy({"cpu": cores, "gpu": gpus}, default_duration=workload.tool_median_s)
+    return simulate_actions(workload, lambda r: policy, [policy], pooled_gpus=gpus)
+
+
+def run_static(
+    workload: ActionWorkload, cores: int, cores_per_trajectory: int, gpus_per_service: int
+) -> ActionRun:
+    """Static baseline: cores reserved per trajectory for its life; GPUs pinned per service."""
+    cpu = StaticPolicy({"cpu": cores}, {"cpu": cores_per_trajectory})
+    gpu = StaticPolicy(
+        {"gpu": gpus_per_service * workload.services}, {"gpu": gpus_per_service}, key=lambda r: r.kind
+    )
+    return simulate_actions(workload, lambda r: gpu if "gpu" in r.demand else cpu, [cpu, gpu])
+
+
+class ElasticWorkload(BaseModel):
+    """A rollout/training mix whose balance shifts: long stragglers, then a training burst."""
+
+    units: int = Field(16, ge=2, description="Capacity units (engine replicas / GPU groups) in the cluster.")
+    sessions_per_replica: int = Field(8, ge=1, description="Concurrent rollout sessions one replica serves.")
+    long_sessions: int = Field(320, ge=0, description="Phase 1: long-horizon prompts (rollout-bound).")
+    long_median_s: float = Field(900.0, gt=0, description="Median session length of phase-1 prompts.")
+    long_sigma: float = Field(
+        0.7, ge=0, description="Log-space spread of phase-1 session length (the stragglers)."
+    )
+    long_train_s: float = Field(40.0, gt=0, description="Unit-seconds to train one phase-1 trajectory.")
+    short_sessions: int = Field(1600, ge=0, description="Phase 2: short prompts (training-bound burst).")
+    short_median_s: float = Field(60.0, gt=0, description="Median session length of phase-2 prompts.")
+    short_sigma: float = Field(0.5, ge=0, description="Log-space spread of phase-2 session length.")
+    short_train_s: float = Field(20.0, gt=0, description="Unit-seconds to train one phase-2 trajectory.")
+    trajectories_per_shard: int = Field(4, ge=1, description="Trajectories committed together as one shard.")
+    max_ahead: int = Field(
+        64, ge=1, description="Staleness bound: most trajectories generated or in flight but not yet trained."
+    )
+    switch_s: float = Field(
+        60.0, ge=0, description="Seconds a unit needs to change sides (load weights, rebuild state)."
+    )
+    tick_s: float = Field(30.0, gt=0, description="Seconds between controller decisions.")
+    seed: int = Field(0, description="Random seed.")
+
+
+@dataclass
+class ElasticRun:
+    """What a simulated rollout/training run measured."""
+
+    trained: int
+    makespan: float
+    moves: int
+    interrupted_sessions: int
+    log: list[dict] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Trained trajectories per second, end to end."""
+        return self.trained / self.makespan
+
+
+def simulate_elastic(
+    w: ElasticWorkload, rollout_units: int, controller: ElasticController | None = None
+) -> ElasticRun:
+    """Run the pipeline with ``rollout_units`` rollout replicas at start; elastic if ``controller``."""
+    if not 1 <= rollout_units < w.units:
+        raise ValueError(f"rollout_units must be in [1, {w.units - 1}], got {rollout_units}")
+    rng = random.Random(w.seed)
+    prompts = deque(
+        [
+            (rng.lognormvariate(math.log(w.long_median_s), w.long_sigma), w.long_train_s)
+            for _ in range(w.long_sessions)
+        ]
+        + [
+            (rng.lognormvariate(math.log(w.short_median_s), w.short_sigma), w.short_train_s)
+            for _ in range(w.short_sessions)
+        ]
+    )
+    total = len(prompts)
+    names = [f"u{i}" for i in range(w.units)]
+    if controller is None:
+        controller = ElasticController.create(names[:rollout_units], names[rollout_units:])
+        elastic = False
+    else:
+        elastic = True
+    role_ready: dict[str, float] = dict.fromkeys(names, 0.0)
+    training: dict[str, bool] = dict.fromkeys(names, False)
+    train_end: dict[str, float] = dict.fromkeys(names, 0.0)
+    sessions_on: dict[str, int] = dict.fromkeys(names, 0)
+    backlog: deque[float] = deque()
+    in_flight = 0
+    trained = 0
+    interrupted = 0
+    events: list = []
+    seq = itertools.count()
+    heapq.heappush(events, (0.0, next(seq), "tick", None))
+    log: list[dict] = []
+    now = 0.0
+
+    def start_work(t: float) -> None:
+        nonlocal in_flight
+        for name in controller.routable():
+            while (
+                prompts
+                and role_ready[name] <= t
+                and sessions_on[name] < w.sessions_per_replica
+                and in_flight + len(backlog) < w.max_ahead
+            ):
+                length, train_s = prompts.popleft()
+                controller.begin_session(name)
+                sessions_on[name] += 1
+                in_flight += 1
+                heapq.heappush(events, (t + length, next(seq), "session", (name, train_s)))
+        for name in controller.units_in("train"):
+            if not training[name] and role_ready[name] <= t and backlog:
+                train_s = backlog.popleft()
+                training[name] = True
+                train_end[name] = t + train_s
+                heapq.heappush(events, (t + train_s, next(seq), "trained", name))
+
+    while trained < total:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "session":
+            name, train_s = payload
+            if controller.units[name].role == "train":
+                interrupted += 1
+            sessions_on[name] -= 1
+            in_flight -= 1
+            backlog.append(train_s)
+            move = controller.end_session(name, now)
+            if move is not None:
+                role_ready[name] = now + w.switch_s
+                heapq.heappush(events, (role_ready[name], next(seq), "ready", name))
+        elif kind == "trained":
+            training[payload] = False
+            trained += 1
+        elif kind == "tick":
+            train_units = controller.units_in("train")
+            idle = sum(1 for n in train_units if not training[n] and role_ready[n] <= now)
+            if elastic:
+                inputs = PolicyInputs(
+                    unconsumed_shards=math.ceil(len(backlog) / w.trajectories_per_shard),
+                    engine_queue_depth=len(prompts) if in_flight + len(backlog) < w.max_ahead else 0,
+                    trainer_idle=idle / max(len(train_units), 1),
+                )
+                for move in controller.step(inputs, now):
+                    if move.target != "draining":
+                        # a training unit hands over at its step boundary: after its current item
+                        role_ready[move.unit] = max(now, train_end[move.unit]) + w.switch_s
+                        heapq.heappush(events, (role_ready[move.unit], next(seq), "ready", move.unit))
+                    log.append(controller.log_record())
+            heapq.heappush(events, (now + w.tick_s, next(seq), "tick", None))
+        start_work(now)
+    return ElasticRun(trained, now, len(controller.moves), interrupted, log)
