@@ -1,0 +1,242 @@
+"""A token-level client of a vLLM server running as its own process and environment.
+
+vLLM cannot share an environment with Prefect, so it runs from ``deployments/vllm/``
+(launch command there) and this client speaks to it over HTTP (or a Unix socket):
+
+- generation: ``POST /v1/completions`` with the prompt as a list of token ids,
+  ``logprobs=1`` and ``return_tokens_as_token_ids``/``return_token_ids`` so the new tokens
+  come back as ids with the log-prob of each chosen token. The server must run with
+  ``--logprobs-mode processed_logprobs`` so those log-probs are of the distribution
+  actually sampled from (after temperature and top-p), as the Engine protocol requires.
+  Sampling fields the model's ``generation_config`` could override (top-k, min-p,
+  penalties) are sent explicitly as neutral values.
+- weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` calling
+  the worker extension ``treadle_reload_weights(path)`` of
+  ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
+  block computed by the old weights is reused.
+- ``GET /health`` for health checks.
+
+Version tags are exact: a reload waits for in-flight requests to finish and holds new ones
+back until the new weights are loaded, so every token of a request comes from one version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from rollout.engines.base import EngineError, EngineStats, Generation, InvalidRequest, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMEngineConfig(BaseModel):
+    """Where the vLLM server is and how to talk to it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str = Field("http://127.0.0.1:8000", description="Server URL (ignored host when uds is set).")
+    uds: str | None = Field(None, description="Unix domain socket of the server (vllm serve --uds).")
+    model: str | None = Field(None, description="Served model name; asked from /v1/models when left out.")
+    api_key: SecretStr | None = Field(None, description="Bearer token of the server (vllm serve --api-key).")
+    timeout_s: float = Field(600.0, gt=0, description="Seconds one generation request may take.")
+    connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for a connection.")
+    max_connections: int = Field(256, ge=1, description="Concurrent HTTP connections to the server.")
+    reload_method: str = Field(
+        "treadle_reload_weights", description="Worker-extension method that loads a weight directory."
+    )
+
+
+class VLLMEngine:
+    """Engine protocol over a vLLM server; see the module docstring for the endpoints used."""
+
+    def __init__(self, config: VLLMEngineConfig | None = None, *, name: str | None = None, version: int = 0):
+        self.config = config or VLLMEngineConfig()
+        self.name = name or (f"vllm@{self.config.uds}" if self.config.uds else f"vllm@{self.config.base_url}")
+        self.version = version
+        headers = {}
+        if self.config.api_key is not None:
+            headers["Authorization"] = f"Bearer {self.config.api_key.get_secret_value()}"
+        transport = httpx.AsyncHTTPTransport(
+            uds=self.config.uds,
+            limits=httpx.Limits(max_connections=self.config.max_connections),
+        )
+        self._client = httpx.AsyncClient(
+            base_url="http://vllm" if self.config.uds else self.config.base_url,
+            transport=transport,
+            headers=headers,
+            timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s),
+        )
+        self._model = self.config.model
+        self._stats = EngineStats()
+        self._inflight = 0
+        self._gate = asyncio.Condition()
+        self._reloading = False
+
+    async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
+        try:
+            response = await self._client.request(method, path, **kwargs)
+        except httpx.HTTPError as exc:
+            raise EngineError(
+                f"vLLM server {self.name} unreachable on {path}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if response.status_code == 400 or response.status_code == 422:
+            raise InvalidRequest(f"vLLM server {self.name} rejected the request: {_error_message(response)}")
+        if response.status_code >= 300:
+            raise EngineError(
+                f"vLLM server {self.name} answered {response.status_code} on {path}: {_error_message(response)}"
+            )
+        return response
+
+    async def _model_name(self) -> str:
+        if self._model is None:
+            data = (await self._request("GET", "/v1/models")).json()
+            try:
+                self._model = data["data"][0]["id"]
+            except (KeyError, IndexError, TypeError) as exc:
+                raise EngineError(f"vLLM server {self.name} lists no model: {data!r}") from exc
+        return self._model
+
+    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Generate from ``prompt_ids``; see the module docstring for what is sent."""
+        if not prompt_ids:
+            raise InvalidRequest("empty prompt")
+        async with self._gate:
+            await self._gate.wait_for(lambda: not self._reloading)
+            self._inflight += 1
+            version = self.version
+        self._stats.queue_depth = self._inflight
+        try:
+            body = {
+                "model": await self._model_name(),
+                "prompt": list(prompt_ids),
+                "max_tokens": params.max_new_tokens,
+                "temperature": params.temperature,
+                "top_p": params.top_p,
+                "top_k": -1,
+                "min_p": 0.0,
+                "repetition_penalty": 1.0,
+                "presence_penalty": 0.0,
+                "frequency_penalty": 0.0,
+                "seed": params.seed,
+                "stop_token_ids": list(params.stop_ids),
+                "logprobs": 1,
+                "return_tokens_as_token_ids": True,
+                "return_token_ids": True,
+                "skip_special_tokens": False,
+                "user": session_id,
+            }
+            headers = {"X-Request-Id": f"{session_id}-{uuid.uuid4().hex[:8]}"}
+            data = (await self._request("POST", "/v1/completions", json=body, headers=headers)).json()
+        finally:
+            async with self._gate:
+                self._inflight -= 1
+                self._gate.notify_all()
+            self._stats.queue_depth = self._inflight
+        generation = _parse_completion(data, self.name, version)
+        cached = generation.cached_tokens
+        self._stats.requests += 1
+        self._stats.prefill_computed += generation.prompt_tokens - cached
+        self._stats.prefill_reused += cached
+        self._stats.decode_tokens += len(generation.token_ids)
+        return generation
+
+    async def load_version(self, version: int, path: str) -> None:
+        """Drain in-flight requests, load the weights in ``path`` (a directory the server can
+        read), reset the prefix cache, then let requests through tagged ``version``."""
+        async with self._gate:
+            self._reloading = True
+            await self._gate.wait_for(lambda: self._inflight == 0)
+        try:
+            await self._request(
+                "POST",
+                "/collective_rpc",
+                json={"method": self.config.reload_method, "kwargs": {"path": str(path)}},
+            )
+            reset = await self._request("POST", "/reset_prefix_cache")
+            if reset.headers.get("content-type", "").startswith("application/json"):
+                success = reset.json().get("success", True)
+                if not success:
+                    raise EngineError(f"vLLM server {self.name} could not reset its prefix cache")
+            self.version = version
+            self._stats.extra["reloads"] = self._stats.extra.get("reloads", 0.0) + 1
+            logger.info("%s loaded weight version %d from %s", self.name, version, path)
+        finally:
+            async with self._gate:
+                self._reloading = False
+                self._gate.notify_all()
+
+    def end_session(self, session_id: str) -> None:
+        """Nothing to do: vLLM's prefix cache is shared and content-addressed."""
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            prefill_computed=self._stats.prefill_computed,
+            prefill_reused=self._stats.prefill_reused,
+            decode_tokens=self._stats.decode_tokens,
+            queue_depth=self._inflight,
+            requests=self._stats.requests,
+            extra=dict(self._stats.extra),
+        )
+
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200."""
+        try:
+            response = await self._client.get("/health", timeout=self.config.connect_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        data = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(data, dict):
+        error = data.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        for key in ("message", "detail", "error"):
+            if key in data:
+                return str(data[key])
+    return str(data)[:500]
+
+
+def _parse_completion(data: dict[str, Any], name: str, version: int) -> Generation:
+    try:
+        choice = data["choices"][0]
+        logprobs = choice["logprobs"]
+        token_logprobs = [float(x) for x in logprobs["token_logprobs"]]
+        token_ids = choice.get("token_ids")
+        if token_ids is None:
+            token_ids = [int(t.removeprefix("token_id:")) for t in logprobs["tokens"]]
+        token_ids = [int(t) for t in token_ids]
+        reason = choice.get("finish_reason")
+        usage = data.get("usage") or {}
+        details = usage.get("prompt_tokens_details") or {}
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise EngineError(
+            f"vLLM server {name} sent a completion without token ids and log-probs: {exc}"
+        ) from exc
+    if len(token_ids) != len(token_logprobs):
+        raise EngineError(
+            f"vLLM server {name} sent {len(token_ids)} tokens but {len(token_logprobs)} log-probs"
+        )
+    return Generation(
+        token_ids=token_ids,
+        logprobs=token_logprobs,
+        versions=[version] * len(token_ids),
+        finish_reason=reason if reason in ("stop", "length") else "abort",
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        cached_tokens=int(details.get("cached_tokens") or 0),
+        engine=name,
+    )

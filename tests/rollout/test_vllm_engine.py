@@ -1,0 +1,204 @@
+"""VLLMEngine against the vLLM TEST STAND-IN (tests/rollout/vllm_standin.py), a real
+uvicorn server on 127.0.0.1 backed by the real tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
+from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from rollout.router import Router, RouterConfig
+from tests.rollout.vllm_standin import StandinServer
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=256
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny_model(TINY)
+
+
+def _fresh_model(tiny):
+    return copy.deepcopy(tiny[0])
+
+
+def reference_logprobs(
+    model, prompt: list[int], tokens: list[int], temperature: float, top_p: float
+) -> list[float]:
+    """Sampling log-probs of ``tokens`` from one full forward pass, nucleus by a plain loop."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + tokens])).logits[0].double()
+    out = []
+    for i, token in enumerate(tokens):
+        probs = torch.softmax(logits[len(prompt) - 1 + i] / temperature, dim=-1).tolist()
+        order = sorted(range(len(probs)), key=lambda j: -probs[j])
+        kept, mass = [], 0.0
+        for j in order:
+            if mass >= top_p:
+                break
+            kept.append(j)
+            mass += probs[j]
+        assert token in kept, "a sampled token must lie in the nucleus"
+        out.append(float(torch.tensor(probs[token] / sum(probs[j] for j in kept)).log()))
+    return out
+
+
+async def _with_server(model, body, **engine_kwargs):
+    server = await StandinServer(model, max_model_len=128).start()
+    engine = VLLMEngine(VLLMEngineConfig(base_url=server.url, **engine_kwargs), name="vllm-0")
+    try:
+        return await body(server, engine)
+    finally:
+        await engine.close()
+        await server.stop()
+
+
+PROMPT = [1, 2, 40, 41, 42, 3, 2, 50]
+
+
+def test_generate_logprobs_match_a_forward_pass(tiny):
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        assert await engine.health()
+        params = SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, seed=3)
+        gen = await engine.generate("s1", PROMPT, params)
+        assert len(gen.token_ids) == len(gen.logprobs) == len(gen.versions) == 12
+        assert gen.finish_reason == "length"
+        assert gen.versions == [0] * 12 and gen.engine == "vllm-0" and gen.prompt_tokens == len(PROMPT)
+        expected = reference_logprobs(model, PROMPT, gen.token_ids, 0.7, 0.9)
+        assert max(abs(a - b) for a, b in zip(gen.logprobs, expected, strict=True)) < 1e-4
+        again = await engine.generate("s1", PROMPT, params)
+        assert again.token_ids == gen.token_ids, "same seed, same tokens"
+        assert again.cached_tokens == len(PROMPT) - 1
+        stats = engine.stats()
+        assert stats.requests == 2 and stats.decode_tokens == 24
+        assert stats.prefill_reused == len(PROMPT) - 1
+        assert stats.prefill_computed == 2 * len(PROMPT) - (len(PROMPT) - 1)
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_stop_token_is_kept_in_the_action(tiny):
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        every_id = tuple(range(model.config.vocab_size))
+        gen = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, stop_ids=every_id, seed=1))
+        assert gen.finish_reason == "stop" and len(gen.token_ids) == 1
+        assert gen.token_ids[0] in every_id and gen.logprobs[0] <= 0
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_bad_requests_are_invalid_and_the_server_keeps_serving(tiny):
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        params = SamplingParams(max_new_tokens=4, seed=0)
+        with pytest.raises(InvalidRequest, match="out of vocabulary"):
+            await engine.generate("s", [1, 10**6], params)
+        with pytest.raises(InvalidRequest, match="empty prompt"):
+            await engine.generate("s", [], params)
+        with pytest.raises(InvalidRequest, match="maximum context length"):
+            await engine.generate("s", [5] * 200, params)
+        gen = await engine.generate("s", PROMPT, params)
+        assert len(gen.token_ids) == 4
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_reload_tags_versions_resets_prefix_cache_and_uses_new_weights(tiny, tmp_path):
+    model = _fresh_model(tiny)
+    updated = _fresh_model(tiny)
+    with torch.no_grad():
+        for p in updated.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    updated.save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
+        before = await engine.generate("s", PROMPT, params)
+        assert before.versions == [0] * 6
+        await engine.load_version(1, str(tmp_path / "v1"))
+        assert engine.version == 1
+        kinds = [kind for kind, _ in server.events]
+        assert kinds[-2:] == ["reload", "reset_prefix_cache"]
+        after = await engine.generate("s", PROMPT, params)
+        assert after.versions == [1] * 6
+        assert after.cached_tokens == 0, "the prefix cache was reset with the new weights"
+        expected = reference_logprobs(updated, PROMPT, after.token_ids, 1.0, 1.0)
+        assert max(abs(a - b) for a, b in zip(after.logprobs, expected, strict=True)) < 1e-4
+        stale = reference_logprobs(tiny[0], PROMPT, after.token_ids, 1.0, 1.0)
+        assert max(abs(a - b) for a, b in zip(after.logprobs, stale, strict=True)) > 1e-3
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_reload_waits_for_in_flight_generation(tiny, tmp_path):
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v7")
+
+    async def body(server, engine):
+        params = SamplingParams(max_new_tokens=40, seed=2)
+        running = asyncio.create_task(engine.generate("a", PROMPT, params))
+        while not any(kind == "completion-start" for kind, _ in server.events):
+            await asyncio.sleep(0)
+        reload = asyncio.create_task(engine.load_version(7, str(tmp_path / "v7")))
+        await asyncio.sleep(0)
+        queued = asyncio.create_task(engine.generate("b", PROMPT, SamplingParams(max_new_tokens=3, seed=1)))
+        first, _, second = await asyncio.gather(running, reload, queued)
+        kinds = [kind for kind, _ in server.events]
+        assert kinds == [
+            "completion-start",
+            "completion-end",
+            "reload",
+            "reset_prefix_cache",
+            "completion-start",
+            "completion-end",
+        ]
+        assert first.versions == [0] * 40
+        assert second.versions == [7] * 3
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_crashed_server_is_an_engine_error_and_router_fails_over(tiny):
+    model = _fresh_model(tiny)
+
+    async def body():
+        dead = await StandinServer(model).start()
+        live = await StandinServer(model).start()
+        engines = [
+            VLLMEngine(VLLMEngineConfig(base_url=dead.url, connect_timeout_s=2.0), name="dead"),
+            VLLMEngine(VLLMEngineConfig(base_url=live.url), name="live"),
+        ]
+        router = Router(engines, RouterConfig(policy="sticky"))
+        sessions = [f"s{i}" for i in range(40)]
+        on_dead = [s for s in sessions if router.route(s).name == "dead"]
+        assert on_dead, "some sessions hash to the replica that will die"
+        await dead.stop()
+        try:
+            assert not await engines[0].health()
+            with pytest.raises(EngineError, match="unreachable"):
+                await engines[0].generate("x", PROMPT, SamplingParams(max_new_tokens=2))
+            gen = await router.generate(on_dead[0], PROMPT, SamplingParams(max_new_tokens=3, seed=0))
+            assert gen.engine == "live" and len(gen.token_ids) == 3
+            assert router.replicas == ["live"]
+            assert all(router.route(s).name == "live" for s in on_dead)
+            health = await router.check_health()
+            assert health == {"live": True, "dead": False}
+        finally:
+            for engine in engines:
+                await engine.close()
+            await live.stop()
+
+    asyncio.run(body())

@@ -1,0 +1,207 @@
+"""TEST STAND-IN for a vLLM server — used only by the tests, never in production.
+
+A small FastAPI app that speaks the subset of the vLLM server protocol that
+``rollout.engines.vllm_engine.VLLMEngine`` uses, backed by a real (tiny) Hugging Face
+model doing a plain forward pass per token:
+
+- ``GET /health``, ``GET /v1/models``
+- ``POST /v1/completions`` with the prompt as a list of token ids, ``logprobs``,
+  ``return_tokens_as_token_ids``, ``return_token_ids``, ``stop_token_ids``, ``seed``;
+  log-probs are those of the sampling distribution (as vLLM's
+  ``--logprobs-mode processed_logprobs``): temperature, then top-p, renormalised.
+- ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
+  in ``deployments/vllm/treadle_vllm_ext.py``), ``POST /reset_prefix_cache``.
+
+Its "prefix cache" only counts the longest cached prefix of each prompt (what vLLM reports
+as ``cached_tokens``); it does not skip compute. ``events`` logs completions and reloads in
+order so tests can check that a reload never overlaps a generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import os
+from typing import Any
+
+import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from safetensors.torch import load_file
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": status}}, status)
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Log-probs of the distribution sampled from: ``logits / temperature``, restricted to
+    the smallest set of top tokens whose mass reaches ``top_p``, renormalised.
+
+    logits: (V,) -> (V,) with -inf outside the nucleus.
+    """
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_lp, order = torch.sort(logprobs, descending=True)
+        mass_before = torch.cumsum(sorted_lp.exp(), dim=-1) - sorted_lp.exp()
+        drop = order[mass_before >= top_p]
+        logprobs = logprobs.clone()
+        logprobs[drop] = float("-inf")
+        logprobs = torch.log_softmax(logprobs, dim=-1)
+    return logprobs
+
+
+def create_standin_app(model, model_name: str = "standin", max_model_len: int = 1024) -> FastAPI:
+    """The stand-in app serving ``model`` (a Hugging Face causal LM on the CPU)."""
+    app = FastAPI(title="vLLM TEST STAND-IN")
+    vocab = model.config.vocab_size
+    cache: list[list[int]] = []
+    events: list[tuple[str, Any]] = []
+    app.state.events = events
+    app.state.model = model
+
+    @app.get("/health")
+    async def health():
+        return JSONResponse({}, 200)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        if body.get("model") != model_name:
+            return _error(404, f"The model `{body.get('model')}` does not exist.")
+        prompt = body.get("prompt")
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            return _error(400, "prompt must be a non-empty list of token ids")
+        if any(not 0 <= t < vocab for t in prompt):
+            return _error(400, f"Token id out of vocabulary (size {vocab})")
+        max_tokens = int(body.get("max_tokens") or 16)
+        if len(prompt) + max_tokens > max_model_len:
+            return _error(400, f"This model's maximum context length is {max_model_len} tokens.")
+        if body.get("logprobs") is None or not body.get("return_tokens_as_token_ids"):
+            return _error(400, "the stand-in only serves token-id requests with logprobs")
+        temperature = float(body.get("temperature", 1.0))
+        top_p = float(body.get("top_p", 1.0))
+        stop_ids = set(body.get("stop_token_ids") or [])
+        generator = torch.Generator().manual_seed(body["seed"]) if body.get("seed") is not None else None
+
+        cached = max((_common_prefix(prompt, seen) for seen in cache), default=0)
+        cached = min(cached, len(prompt) - 1)
+        events.append(("completion-start", len(events)))
+        tokens, logprobs, finish = [], [], "length"
+        past = None
+        step_input = torch.tensor([prompt])
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                out = model(input_ids=step_input, cache=past, use_cache=True)
+                past = out.cache
+                lp = sampling_logprobs(out.logits[0, -1], temperature, top_p)
+                token = int(torch.multinomial(lp.exp(), 1, generator=generator))
+                tokens.append(token)
+                logprobs.append(float(lp[token]))
+                step_input = torch.tensor([[token]])
+                await asyncio.sleep(0)
+                if token in stop_ids:
+                    finish = "stop"
+                    break
+        events.append(("completion-end", len(events)))
+        cache.append(prompt + tokens)
+        return {
+            "id": "cmpl-standin",
+            "object": "text_completion",
+            "model": model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "text": "",
+                    "token_ids": tokens,
+                    "logprobs": {
+                        "tokens": [f"token_id:{t}" for t in tokens],
+                        "token_logprobs": logprobs,
+                        "top_logprobs": None,
+                        "text_offset": [0] * len(tokens),
+                    },
+                    "finish_reason": finish,
+                    "stop_reason": tokens[-1] if finish == "stop" else None,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(tokens),
+                "total_tokens": len(prompt) + len(tokens),
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+        }
+
+    @app.post("/collective_rpc")
+    async def collective_rpc(request: Request):
+        body = await request.json()
+        if body.get("method") != "treadle_reload_weights":
+            return JSONResponse({"error": f"unknown method {body.get('method')!r}"}, 500)
+        path = body.get("kwargs", {}).get("path", "")
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            return JSONResponse({"error": f"no .safetensors files in {path!r}"}, 500)
+        state = {}
+        for file in files:
+            state.update(load_file(file))
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        if unexpected or set(missing) - {"lm_head.weight"}:
+            return JSONResponse(
+                {"error": f"weights do not fit: missing {missing}, unexpected {unexpected}"}, 500
+            )
+        events.append(("reload", path))
+        return {"results": [f"loaded {len(state)} tensors from {path}"]}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        cache.clear()
+        events.append(("reset_prefix_cache", None))
+        return {"success": True}
+
+    return app
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class StandinServer:
+    """Runs the stand-in under uvicorn on 127.0.0.1 (free port) in the current event loop."""
+
+    def __init__(self, model, model_name: str = "standin", max_model_len: int = 1024):
+        self.app = create_standin_app(model, model_name, max_model_len)
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+        )
+        self._task: asyncio.Task | None = None
+        self.url = ""
+
+    @property
+    def events(self) -> list[tuple[str, Any]]:
+        return self.app.state.events
+
+    async def start(self) -> StandinServer:
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.01)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._server.should_exit = True
+            await self._task
+            self._task = None
