@@ -1,0 +1,65 @@
+"""Serve an ASGI app with uvicorn inside the running event loop (TCP on 127.0.0.1 or a Unix socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+
+import uvicorn
+
+
+def bearer_token(token: str | None) -> str:
+    """``token``, or a fresh random one when none is given."""
+    return token or secrets.token_urlsafe(24)
+
+
+class AppServer:
+    """Runs ``app`` under uvicorn as a task of the current event loop.
+
+    Binds 127.0.0.1 by default (``port=0`` picks a free port) or a Unix domain socket
+    (``uds``); for a socket, clients use ``http://<name>`` with an httpx ``uds`` transport.
+    """
+
+    def __init__(
+        self, app, *, host: str = "127.0.0.1", port: int = 0, uds: str | None = None, name: str = "local"
+    ):
+        config = uvicorn.Config(
+            app, host=host, port=port, uds=uds, log_level="warning", lifespan="off", access_log=False
+        )
+        self.app = app
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task | None = None
+        self.uds = uds
+        self.host = host
+        self.port = port
+        self.name = name
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.name}" if self.uds else f"http://{self.host}:{self.port}"
+
+    async def start(self):
+        """Start serving; returns once the socket is bound."""
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the server stopped before it started")
+            await asyncio.sleep(0.01)
+        if not self.uds:
+            self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        """Stop serving and wait for the server task to end."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._task = None
+
+    async def __aenter__(self):
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()

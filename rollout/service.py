@@ -1,0 +1,274 @@
+"""Rollout as a service: three pipelined worker pools (INIT, RUN, EVAL) per ProRL Agent.
+
+``process(request)`` takes one task through the whole lifecycle:
+
+- INIT creates the environment (and its sandbox) and resets it to the task;
+- RUN is the multi-turn loop between the environment and the gateway session;
+- EVAL scores the episode.
+
+Each stage has its own concurrency limit, so a slow test suite in EVAL never blocks
+agents in RUN. Time spent waiting for a stage's slot is queue time: it is reported in
+the timing breakdown and does not count toward the rollout's timeout.
+
+Failures are classified into the canonical ``status``: an engine that died or a sandbox
+that failed to start is ``infra_error`` (never scored, never trained on); a sandbox that
+stopped the agent's command, or an environment that raised, is ``env_error``; running out
+of the time budget is ``timeout``; running out of turns or context is ``truncated``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from envs.base import Env, Task
+from envs.sandbox import SandboxError
+from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
+from rollout.gateway import Gateway, Session
+
+log = logging.getLogger(__name__)
+
+STAGES = ("init", "run", "eval")
+
+
+class ServiceConfig(BaseModel):
+    """Worker pools and limits of the rollout service."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    init_workers: int = Field(64, ge=1, description="Rollouts that may be in the INIT stage at once.")
+    run_workers: int = Field(512, ge=1, description="Rollouts that may be in the RUN stage at once.")
+    eval_workers: int = Field(64, ge=1, description="Rollouts that may be in the EVAL stage at once.")
+    timeout_s: float = Field(
+        300.0, gt=0, description="Seconds a rollout may spend in INIT+RUN+EVAL; queue time is not counted."
+    )
+    max_turns: int = Field(32, ge=1, description="Hard cap on actions per rollout, over the env's own limit.")
+    max_new_tokens: int = Field(32, ge=1, description="Token budget of one action.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+
+
+@dataclass
+class RolloutRequest:
+    """One task to roll out; ids left out are generated."""
+
+    task: Task
+    execution_id: str | None = None
+    trajectory_id: str | None = None
+    group_id: str | None = None
+    seed: int | None = None
+    rollout_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+@dataclass
+class RolloutResult:
+    """What a rollout produced: the canonical record plus a summary."""
+
+    rollout_id: str
+    record: dict[str, Any]
+    status: str
+    reward: float | None
+    progress: float | None
+    timing: dict[str, float]
+    turns: int
+    error: str | None = None
+
+    def summary(self) -> dict[str, Any]:
+        """The result without the per-token columns (for logs and HTTP status)."""
+        return {
+            "rollout_id": self.rollout_id,
+            "trajectory_id": self.record["trajectory_id"],
+            "task": self.record["task"],
+            "prompt_id": self.record["prompt_id"],
+            "status": self.status,
+            "reward": self.reward,
+            "progress": self.progress,
+            "timing": self.timing,
+            "turns": self.turns,
+            "num_tokens": len(self.record["tokens"]),
+            "error": self.error,
+        }
+
+
+class _Clock:
+    """Active (non-queue) time of one rollout against its budget."""
+
+    def __init__(self, budget: float):
+        self.budget = budget
+        self.timing = {"init": 0.0, "run": 0.0, "eval": 0.0, "queue": 0.0}
+
+    def remaining(self) -> float:
+        return self.budget - (self.timing["init"] + self.timing["run"] + self.timing["eval"])
+
+
+class RolloutTimeout(Exception):
+    """The rollout used up its active-time budget."""
+
+
+class RolloutService:
+    """Runs rollouts through INIT → RUN → EVAL pools against a gateway.
+
+    Args:
+        gateway: the TITO gateway that records every token.
+        make_env: builds a fresh environment for a task (one instance per rollout).
+    """
+
+    def __init__(
+        self, gateway: Gateway, make_env: Callable[[Task], Env], config: ServiceConfig | None = None
+    ):
+        self.gateway = gateway
+        self.make_env = make_env
+        self.config = config or ServiceConfig()
+        self._slots = {
+            "init": asyncio.Semaphore(self.config.init_workers),
+            "run": asyncio.Semaphore(self.config.run_workers),
+            "eval": asyncio.Semaphore(self.config.eval_workers),
+        }
+        self._waiting: Counter[str] = Counter()
+        self._active: Counter[str] = Counter()
+        self._inflight: dict[str, asyncio.Task] = {}
+        self.finished: Counter[str] = Counter()
+
+    async def process(self, request: RolloutRequest) -> RolloutResult:
+        """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled."""
+        current = asyncio.current_task()
+        if current is not None:
+            self._inflight[request.rollout_id] = current
+        try:
+            result = await self._process(request)
+        finally:
+            self._inflight.pop(request.rollout_id, None)
+        self.finished[result.status] += 1
+        return result
+
+    def cancel(self, rollout_id: str) -> bool:
+        """Cancel an in-flight rollout; False when it is unknown or already done."""
+        task = self._inflight.get(rollout_id)
+        if task is None or task.done():
+            return False
+        task.cancel()
+        return True
+
+    def status(self) -> dict[str, Any]:
+        """Queue and pool occupancy per stage, and finished rollouts by status."""
+        return {
+            "in_flight": len(self._inflight),
+            "waiting": {s: self._waiting[s] for s in STAGES},
+            "active": {s: self._active[s] for s in STAGES},
+            "finished": dict(self.finished),
+        }
+
+    async def _stage(self, name: str, clock: _Clock, work):
+        """Run ``work()`` in stage ``name``'s pool; queue time is kept out of the budget."""
+        queued = time.perf_counter()
+        self._waiting[name] += 1
+        try:
+            await self._slots[name].acquire()
+        finally:
+            self._waiting[name] -= 1
+        clock.timing["queue"] += time.perf_counter() - queued
+        self._active[name] += 1
+        started = time.perf_counter()
+        try:
+            remaining = clock.remaining()
+            if remaining <= 0:
+                raise RolloutTimeout(f"no time left for {name}")
+            try:
+                return await asyncio.wait_for(work(), timeout=remaining)
+            except TimeoutError as exc:
+                raise RolloutTimeout(f"{name} ran past the rollout's {clock.budget:.0f} s budget") from exc
+        finally:
+            clock.timing[name] += time.perf_counter() - started
+            self._active[name] -= 1
+            self._slots[name].release()
+
+    async def _process(self, request: RolloutRequest) -> RolloutResult:
+        task = request.task
+        clock = _Clock(self.config.timeout_s)
+        session = self.gateway.open(
+            task=task.env,
+            prompt_id=task.id,
+            execution_id=request.execution_id,
+            trajectory_id=request.trajectory_id,
+            group_id=request.group_id,
+        )
+        env: Env | None = None
+        state = {"reward": None, "progress": None, "done": False}
+        status, error = "ok", None
+        stage = "init"
+        try:
+            env = self.make_env(task)
+            first = await self._stage("init", clock, lambda: env.reset(task))
+            session.add_messages(first)
+            stage = "run"
+            await self._stage("run", clock, lambda: self._run(env, session, request, state))
+            stage = "eval"
+            state["reward"] = await self._stage("eval", clock, env.evaluate)
+            if not state["done"] or session.turns and session.turns[-1].truncated:
+                status = "truncated"
+        except RolloutTimeout as exc:
+            status, error = "timeout", str(exc)
+        except EngineError as exc:
+            status, error = "infra_error", f"engine failed: {exc}"
+        except SandboxError as exc:
+            status = "infra_error" if stage == "init" else "env_error"
+            error = f"sandbox {exc.kind} during {stage}: {exc.reason}"
+        except InvalidRequest as exc:
+            status, error = "truncated", f"context limit: {exc}"
+        except asyncio.CancelledError:
+            await self._cleanup(env, session)
+            raise
+        except Exception as exc:  # an environment's own bug must not take the worker down
+            status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
+            log.warning("rollout %s of %s/%s: %s", request.rollout_id, task.env, task.id, error)
+        await self._cleanup(env, session)
+        reward = state["reward"] if status in ("ok", "truncated") else None
+        if status == "truncated" and reward is None:
+            reward = 0.0
+        record = session.record(reward=reward, progress=state["progress"], status=status, timing=clock.timing)
+        return RolloutResult(
+            rollout_id=request.rollout_id,
+            record=record,
+            status=status,
+            reward=reward,
+            progress=state["progress"],
+            timing=dict(clock.timing),
+            turns=session.num_turns,
+            error=error,
+        )
+
+    async def _run(self, env: Env, session: Session, request: RolloutRequest, state: dict) -> None:
+        seed = request.seed
+        for turn in range(self.config.max_turns):
+            params = SamplingParams(
+                max_new_tokens=self.config.max_new_tokens,
+                temperature=self.config.temperature,
+                top_p=self.config.top_p,
+                stop_ids=self.gateway.stop_ids,
+                seed=None if seed is None else seed + turn,
+            )
+            action = await session.generate(params)
+            result = await env.step(action.text)
+            state["progress"] = result.progress
+            if result.done:
+                state["done"] = True
+                return
+            session.add_messages(result.observation)
+
+    async def _cleanup(self, env: Env | None, session: Session) -> None:
+        if env is not None:
+            try:
+                await env.close()
+            except Exception as exc:
+                log.warning("closing env of rollout %s failed: %s", session.session_id, exc)
+        with contextlib.suppress(LookupError):
+            self.gateway.close(session.session_id)

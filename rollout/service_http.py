@@ -1,0 +1,92 @@
+"""HTTP API of the rollout service: ``/process``, ``/cancel``, ``/status`` (ProRL Agent style).
+
+Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Serve it on
+127.0.0.1 or on a Unix domain socket with :class:`ServiceServer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from typing import Any
+
+from fastapi import Depends, FastAPI, Header, HTTPException
+from pydantic import BaseModel, ConfigDict, Field
+
+from envs.base import Task
+from rollout.http_server import AppServer, bearer_token
+from rollout.service import RolloutRequest, RolloutService
+
+
+class ProcessRequest(BaseModel):
+    """One rollout to run; ids left out are generated."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: Task = Field(description="The task instance (env name, id, prompt, private data).")
+    rollout_id: str | None = Field(None, description="Id to cancel it by; generated when left out.")
+    execution_id: str | None = Field(None, description="Execution the trajectory belongs to.")
+    group_id: str | None = Field(None, description="Group (GRPO mode).")
+    seed: int | None = Field(None, description="Sampling seed of the first turn.")
+    include_tokens: bool = Field(
+        True, description="Return the whole trajectory record, not just the summary."
+    )
+
+
+class CancelRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    rollout_id: str = Field(description="Rollout to cancel.")
+
+
+def create_app(service: RolloutService, token: str) -> FastAPI:
+    """The FastAPI app serving ``service``; requests must carry ``Bearer token``."""
+    if not token:
+        raise ValueError("the rollout service needs a non-empty bearer token")
+    expected = f"Bearer {token}".encode()
+
+    def authorize(authorization: str | None = Header(None)) -> None:
+        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    app = FastAPI(title="treadle rollout service")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True}
+
+    @app.post("/process", dependencies=[Depends(authorize)])
+    async def process(body: ProcessRequest) -> dict[str, Any]:
+        request = RolloutRequest(
+            task=body.task, execution_id=body.execution_id, group_id=body.group_id, seed=body.seed
+        )
+        if body.rollout_id:
+            request.rollout_id = body.rollout_id
+        try:
+            result = await asyncio.create_task(service.process(request))
+        except asyncio.CancelledError:
+            raise HTTPException(409, f"rollout {request.rollout_id} was cancelled") from None
+        response = result.summary()
+        if body.include_tokens:
+            response["record"] = result.record
+        return response
+
+    @app.post("/cancel", dependencies=[Depends(authorize)])
+    async def cancel(body: CancelRequest) -> dict[str, Any]:
+        if not service.cancel(body.rollout_id):
+            raise HTTPException(404, f"no rollout {body.rollout_id!r} in flight")
+        return {"cancelled": body.rollout_id}
+
+    @app.get("/status", dependencies=[Depends(authorize)])
+    async def status() -> dict[str, Any]:
+        return service.status()
+
+    return app
+
+
+class ServiceServer(AppServer):
+    """Serves a rollout service on 127.0.0.1 (``port=0``: a free port) or a Unix socket."""
+
+    def __init__(self, service: RolloutService, *, token: str | None = None, **bind: Any):
+        self.token = bearer_token(token)
+        super().__init__(create_app(service, self.token), name="rollout-service", **bind)
