@@ -156,7 +156,7 @@ class ElasticController:
                     self._move(draining[0], "rollout", now, "drain cancelled: trainer dry or engines busy")
                 )
             elif len(train) > cfg.min_train:
-                moves.append(self._move(self.units[train[-1]], "rollout", now, "trainer queue ran dry"))
+                moves.append(self._move(self._last_borrowed(train), "rollout", now, "trainer queue ran dry"))
         elif trainer_behind and not draining and len(rollout) > cfg.min_rollout:
             unit = min(rollout, key=lambda u: u.live_sessions)
             if unit.live_sessions == 0:
@@ -164,6 +164,13 @@ class ElasticController:
             else:
                 moves.append(self._move(unit, "draining", now, "trainer behind, draining replica"))
         return moves
+
+    def _last_borrowed(self, train: list[str]) -> Unit:
+        """The training unit that most recently came from rollout (else the last one)."""
+        for move in reversed(self.moves):
+            if move.target == "train" and move.unit in train:
+                return self.units[move.unit]
+        return self.units[train[-1]]
 
     def log_record(self) -> dict:
         """Policy inputs, unit roles and the moves so far, JSON-ready."""

@@ -1,0 +1,139 @@
+"""CPU manager (cores granted per action and reclaimed) and reward-service LRU manager."""
+
+import asyncio
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from rollout.resources import CpuManager, ServiceManager
+from rollout.scheduler import ActionScheduler, ResourceRequest
+
+needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+
+
+@pytest.fixture
+def child():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+@needs_two_cores
+def test_cores_granted_at_execution_and_reclaimed_after(child):
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    cpu = CpuManager(cores, parking={cores[0]}, backend="affinity")
+    sched = ActionScheduler({"cpu": 2}, cpu=cpu)
+
+    async def main():
+        cpu.park(child.pid)
+        assert cpu.affinity(child.pid) == {cores[0]}
+        async with sched.run(ResourceRequest(elastic="cpu", max_units=2, duration=1), pid=child.pid) as grant:
+            assert grant.cores == frozenset(cores)
+            assert cpu.affinity(child.pid) == frozenset(cores)
+            assert cpu.available == frozenset()
+        assert cpu.affinity(child.pid) == {cores[0]}
+        assert cpu.available == frozenset(cores)
+        assert sched.policy.free == [2.0]
+        async with sched.run(ResourceRequest(demand={"cpu": 1}, duration=1), pid=child.pid) as grant:
+            assert len(grant.cores) == 1
+            assert cpu.affinity(child.pid) == grant.cores
+            assert cpu.available == frozenset(cores) - grant.cores
+
+    asyncio.run(main())
+    assert cpu.available == frozenset(cores)
+
+
+def test_cpu_manager_rejects_bad_use():
+    cpu = CpuManager({0}, backend="affinity")
+    with pytest.raises(ValueError, match="only 1 of 1 cores free"):
+        cpu.allocate(2)
+    cores = cpu.allocate(1)
+    cpu.free(cores)
+    with pytest.raises(ValueError, match="already free"):
+        cpu.free(cores)
+    with pytest.raises(ValueError, match="not in the pool"):
+        cpu.free({7})
+    with pytest.raises(ValueError, match="capacity"):
+        ActionScheduler({"cpu": 3}, cpu=cpu)
+
+
+def make_service(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+SERVICE_BYTES = (16 * 16 + 16 + 16 + 1) * 4
+
+
+def test_services_lru_eviction_order_and_outputs_survive_parking():
+    x = torch.randn(3, 16)
+    expected = {name: make_service(seed)(x) for seed, name in enumerate("abc")}
+    manager = ServiceManager(device="cpu", budget_bytes=2 * SERVICE_BYTES)
+    for seed, name in enumerate("abc"):
+        manager.register(name, make_service(seed))
+    assert manager.resident == []
+
+    async def call(name):
+        async with manager.use(name) as module:
+            assert next(module.parameters()).device.type == "cpu"
+            torch.testing.assert_close(module(x), expected[name])
+
+    async def main():
+        for name in "aba":
+            await call(name)
+        assert manager.resident == ["b", "a"]
+        await call("c")  # b is least recently used
+        assert manager.evictions == ["b"]
+        assert manager.resident == ["a", "c"]
+        await call("b")  # now a is
+        assert manager.evictions == ["b", "a"]
+        assert manager.resident == ["c", "b"]
+        assert manager.loads == ["a", "b", "c", "b"]
+        assert manager.used_bytes <= manager.budget_bytes
+
+    asyncio.run(main())
+    evicted = manager._modules["a"]
+    assert next(evicted.parameters()).device.type == "meta"
+
+
+def test_in_use_service_is_never_evicted():
+    manager = ServiceManager(device="cpu", budget_bytes=SERVICE_BYTES)
+    manager.register("a", make_service(0))
+    manager.register("b", make_service(1))
+
+    async def main():
+        order = []
+        async with manager.use("a"):
+            other = asyncio.ensure_future(_use(manager, "b", order))
+            await asyncio.sleep(0.01)
+            assert order == [] and manager.resident == ["a"]
+            order.append("a done")
+        await other
+        assert order == ["a done", "b"]
+        assert manager.evictions == ["a"]
+
+    asyncio.run(main())
+
+
+async def _use(manager, name, order):
+    async with manager.use(name):
+        order.append(name)
+
+
+def test_service_manager_errors():
+    with pytest.raises(ValueError, match="budget_bytes"):
+        ServiceManager(device="cpu")
+    manager = ServiceManager(device="cpu", budget_bytes=100)
+    with pytest.raises(ValueError, match="more than the budget"):
+        manager.register("big", make_service(0))
+
+    async def main():
+        async with manager.use("nope"):
+            pass
+
+    with pytest.raises(KeyError, match="unknown service 'nope'"):
+        asyncio.run(main())
