@@ -1,0 +1,563 @@
+"""Trajectory processor: prefix-tree reconstruction, dedup, partial progress, weights.
+
+Checked against slow references written out here: sets of token-prefix tuples for "the same
+token", a tree walk for common prefixes, and a per-token weighted loss on the original
+batch for the gradient.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from datetime import UTC, datetime
+
+import numpy as np
+import pyarrow as pa
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from rl.prefix_tree import path_symbols, tree_from_parents, tree_from_tokens
+from rl.processor import ProcessorConfig, combine_reward, process_shard
+from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table, validate
+
+TRAJECTORY_COLUMNS = {
+    "trajectory_id",
+    "execution_id",
+    "parent_id",
+    "task",
+    "prompt_id",
+    "group_id",
+    "shard_id",
+    "reward",
+    "progress",
+    "status",
+    "num_tokens",
+    "num_action_tokens",
+    "num_train_tokens",
+    "num_turns",
+    "min_version",
+    "max_version",
+    "selected",
+    "drop_reason",
+    "text",
+    "engine",
+    "processed_at",
+}
+
+
+def record(tid, eid, tokens, mask, *, parent=None, branch_at=None, reward=1.0, progress=None, status="ok"):
+    """One raw trajectory record with consistent per-token columns."""
+    tokens = [int(t) for t in tokens]
+    mask = [bool(m) for m in mask]
+    turn, current = [], 0
+    for k, m in enumerate(mask):
+        if k and m and not mask[k - 1]:
+            current += 1
+        turn.append(current)
+    return {
+        "trajectory_id": tid,
+        "execution_id": eid,
+        "parent_id": parent,
+        "branch_at": branch_at,
+        "task": "toy",
+        "prompt_id": f"prompt-{eid}",
+        "tokens": tokens,
+        "logprobs": [-0.5 if m else 0.0 for m in mask],
+        "action_mask": mask,
+        "turn": turn,
+        "versions": [3 if m else -1 for m in mask],
+        "reward": reward,
+        "progress": progress,
+        "status": status,
+        "engine": "torch-0",
+    }
+
+
+def random_execution(
+    rng, eid, n_paths, *, vocab=8, fresh_from=1000, max_len=30, p_retry=0.2, p_null_branch=0.2
+):
+    """A random branching execution: a root, branches at random points of random earlier
+    paths (the token at the branch point is fresh, so the branch really diverges), and
+    exact retries. Returns records with parent_id/branch_at set."""
+    fresh = iter(range(fresh_from, fresh_from + 10_000))
+
+    def tail(length):
+        toks = rng.integers(0, vocab, length).tolist()
+        mask = (rng.random(length) < 0.6).tolist()
+        return toks, mask
+
+    length = int(rng.integers(1, max_len))
+    prompt = int(rng.integers(0, length + 1))
+    toks, mask = tail(length)
+    mask[:prompt] = [False] * prompt
+    paths = [(toks, mask)]
+    records = [record(f"{eid}-0", eid, toks, mask, reward=float(rng.random()))]
+    for k in range(1, n_paths):
+        p = int(rng.integers(0, len(paths)))
+        ptoks, pmask = paths[p]
+        if rng.random() < p_retry:
+            toks, mask, at = list(ptoks), list(pmask), len(ptoks)
+        else:
+            at = int(rng.integers(0, len(ptoks) + 1))
+            extra_toks, extra_mask = tail(int(rng.integers(0, max_len)))
+            toks = ptoks[:at] + [next(fresh)] + extra_toks
+            mask = pmask[:at] + [bool(rng.random() < 0.6)] + extra_mask
+        declared = None if rng.random() < p_null_branch else at
+        paths.append((toks, mask))
+        records.append(record(f"{eid}-{k}", eid, toks, mask, parent=f"{eid}-{p}", branch_at=declared))
+        records[-1]["reward"] = float(rng.random())
+    return records
+
+
+def random_shard(seed, n_executions, max_paths, **kwargs):
+    rng = np.random.default_rng(seed)
+    records = []
+    for e in range(n_executions):
+        records += random_execution(rng, f"e{e}", int(rng.integers(1, max_paths + 1)), **kwargs)
+    rng.shuffle(records)
+    return records
+
+
+def symbols_of(row, mask_key="action_mask"):
+    return list(zip(row["tokens"], row[mask_key], strict=True))
+
+
+def trainable_nodes(records):
+    """Slow reference: the distinct trainable tokens, as (execution, whole prefix) keys."""
+    nodes = set()
+    for row in records:
+        sym = symbols_of(row)
+        for p, (_, is_action) in enumerate(sym):
+            if is_action:
+                nodes.add((row["execution_id"], tuple(sym[: p + 1])))
+    return nodes
+
+
+def trained_nodes(processed):
+    """Every trained token of the processed rows, as (execution, whole prefix) keys."""
+    out = []
+    for row in processed.to_pylist():
+        sym = symbols_of(row)
+        for p, trained in enumerate(row["train_mask"]):
+            if trained:
+                out.append((row["execution_id"], tuple(sym[: p + 1])))
+    return out
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), n_executions=st.integers(1, 4), max_paths=st.integers(1, 9))
+def test_unlimited_j_max_trains_every_distinct_trainable_token_exactly_once(seed, n_executions, max_paths):
+    records = random_shard(seed, n_executions, max_paths)
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s0")
+    trained = Counter(trained_nodes(result.processed))
+    assert set(trained) == trainable_nodes(records)
+    assert all(count == 1 for count in trained.values())
+    assert result.counters.train_tokens_out == len(trainable_nodes(records))
+    validate(result.processed)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_executions=st.integers(1, 4),
+    max_paths=st.integers(1, 12),
+    j_max=st.integers(1, 4),
+)
+def test_bounded_selection_never_trains_twice_nor_outside_actions(seed, n_executions, max_paths, j_max):
+    records = random_shard(seed, n_executions, max_paths)
+    result = process_shard(to_table(records), ProcessorConfig(j_max=j_max, seed=seed), shard_id="s0")
+    trained = Counter(trained_nodes(result.processed))
+    assert all(count == 1 for count in trained.values())
+    assert set(trained) <= trainable_nodes(records)
+    for row in result.processed.to_pylist():
+        assert not any(t and not a for t, a in zip(row["train_mask"], row["action_mask"], strict=True))
+        assert all(w == 0.0 for w, t in zip(row["loss_weight"], row["train_mask"], strict=True) if not t)
+    per_execution = Counter(result.processed.column("execution_id").to_pylist())
+    assert max(per_execution.values(), default=0) <= j_max
+    rows = {row["trajectory_id"]: row for row in result.trajectories}
+    assert len(rows) == len(records)
+    selected_ids = set(result.processed.column("trajectory_id").to_pylist())
+    assert {tid for tid, row in rows.items() if row["selected"]} == selected_ids
+    assert all(
+        row["drop_reason"] in {"duplicate", "no_new_tokens", "not_selected"}
+        for row in rows.values()
+        if not row["selected"]
+    )
+    # A path left out for j_max would still have added tokens.
+    not_selected = [tid for tid, row in rows.items() if row["drop_reason"] == "not_selected"]
+    if not_selected:
+        assert all(
+            count == j_max
+            for eid, count in per_execution.items()
+            if any(rows[t]["execution_id"] == eid for t in not_selected)
+        )
+
+
+def brute_common_prefix(records):
+    syms = [symbols_of(row) for row in records]
+    n = len(syms)
+    out = np.zeros((n, n), dtype=np.int64)
+    for i in range(n):
+        for j in range(n):
+            k = 0
+            while k < min(len(syms[i]), len(syms[j])) and syms[i][k] == syms[j][k]:
+                k += 1
+            out[i, j] = k
+    return out
+
+
+def flat_paths(records):
+    tokens = np.concatenate(
+        [np.array(r["tokens"], dtype=np.int32) for r in records] + [np.zeros(0, np.int32)]
+    )
+    mask = np.concatenate([np.array(r["action_mask"], dtype=bool) for r in records] + [np.zeros(0, bool)])
+    lengths = np.array([len(r["tokens"]) for r in records], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    return path_symbols(tokens, mask), starts, lengths
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_paths=st.integers(1, 10))
+def test_reconstruction_from_tokens_equals_reconstruction_from_parent_ids(seed, n_paths):
+    records = random_execution(np.random.default_rng(seed), "e", n_paths)
+    symbols, starts, lengths = flat_paths(records)
+    from_tokens = tree_from_tokens(symbols, starts, lengths)
+    from_parents, errors = tree_from_parents(
+        [r["trajectory_id"] for r in records],
+        [r["parent_id"] for r in records],
+        [r["branch_at"] for r in records],
+        symbols,
+        starts,
+        lengths,
+    )
+    assert errors == []
+    expected = brute_common_prefix(records)
+    np.testing.assert_array_equal(from_parents.common_prefix(), expected)
+    np.testing.assert_array_equal(from_tokens.common_prefix(), expected)
+
+
+def test_identical_paths_collapse_and_prefixes_are_duplicates():
+    shared = [1, 2, 3, 4]
+    mask = [False, True, True, True]
+    records = [
+        record("a", "e", shared + [5, 6], mask + [True, True]),
+        record("a-retry", "e", shared + [5, 6], mask + [True, True], parent="a", branch_at=6),
+        record("a-prefix", "e", shared, mask, parent="a", branch_at=4),
+        record("b", "e", shared + [7], mask + [True], parent="a", branch_at=4),
+    ]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
+    reasons = {row["trajectory_id"]: row["drop_reason"] for row in result.trajectories}
+    assert reasons == {"a": None, "a-retry": "duplicate", "a-prefix": "duplicate", "b": None}
+    train = {row["trajectory_id"]: row["train_mask"] for row in result.processed.to_pylist()}
+    assert sum(train["a"][:4]) + sum(train["b"][:4]) == 3  # the shared prefix is trained once
+    assert train["a"][4:] == [True, True] and train["b"][4:] == [True]
+    assert result.counters.dropped == {"duplicate": 2}
+    assert result.counters.train_tokens_out == 6
+
+
+def test_sampling_is_proportional_to_the_tokens_a_leaf_would_add():
+    prompt = [9] * 5
+    records = [
+        record("small", "e", prompt + [1], [False] * 5 + [True]),
+        record("large", "e", prompt + [2] * 9, [False] * 5 + [True] * 9, parent="small", branch_at=5),
+    ]
+    table = to_table(records)
+    picks = Counter()
+    for seed in range(400):
+        result = process_shard(table, ProcessorConfig(j_max=1, seed=seed), shard_id="s")
+        (tid,) = result.processed.column("trajectory_id").to_pylist()
+        picks[tid] += 1
+    # Binomial(400, 0.9): mean 360, standard deviation 6.
+    assert 330 < picks["large"] < 390
+
+
+def test_selection_does_not_depend_on_the_other_executions_of_the_shard():
+    records = random_shard(7, 3, 8)
+    config = ProcessorConfig(j_max=2, seed=11)
+    whole = process_shard(to_table(records), config, shard_id="s")
+    alone = process_shard(to_table([r for r in records if r["execution_id"] == "e1"]), config, shard_id="s")
+    chosen = [
+        t
+        for t, e in zip(
+            *whole.processed.select(["trajectory_id", "execution_id"]).to_pydict().values(), strict=True
+        )
+        if e == "e1"
+    ]
+    assert sorted(chosen) == sorted(alone.processed.column("trajectory_id").to_pylist())
+
+
+def per_token_loss(model, rows):
+    """``(B, T)`` next-token loss −log p(token_t | tokens_<t) of right-padded rows (0 at t=0)."""
+    length = max(len(r["tokens"]) for r in rows)
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    attention = torch.zeros(len(rows), length, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, : len(r["tokens"])] = torch.tensor(r["tokens"])
+        attention[b, : len(r["tokens"])] = 1
+    logits = model(input_ids=ids, attention_mask=attention).logits
+    logp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None])[..., 0]
+    return torch.cat([torch.zeros(len(rows), 1, dtype=logp.dtype), -logp], dim=1)
+
+
+def padded(rows, key, dtype):
+    length = max(len(r["tokens"]) for r in rows)
+    out = torch.zeros(len(rows), length, dtype=dtype)
+    for b, r in enumerate(rows):
+        out[b, : len(r[key])] = torch.tensor(r[key], dtype=dtype)
+    return out
+
+
+def gradient(model, loss):
+    model.zero_grad()
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("weighting", ["token", "execution"])
+def test_gradient_of_deduplicated_batch_equals_original_batch_counting_each_token_once(weighting):
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=48,
+        n_positions=128,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0,
+        embd_pdrop=0,
+        attn_pdrop=0,
+    )
+    model = GPT2LMHeadModel(config).double().eval()
+    rng = np.random.default_rng(3)
+    records = []
+    for e in range(3):
+        records += random_execution(rng, f"e{e}", 6, vocab=40, fresh_from=40, max_len=20)
+    for r in records:
+        r["action_mask"][0] = False  # the first token has no prediction
+        r["tokens"] = [t % 48 for t in r["tokens"]]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None, weighting=weighting), shard_id="s")
+
+    # Reference: every original row, each action token weighted 1 / (rows containing it).
+    multiplicity = Counter()
+    for r in records:
+        for node in {
+            (r["execution_id"], tuple(symbols_of(r)[: p + 1])) for p, a in enumerate(r["action_mask"]) if a
+        }:
+            multiplicity[node] += 1
+    distinct = defaultdict(int)
+    for eid, _ in multiplicity:
+        distinct[eid] += 1
+    total, n_exec = sum(distinct.values()), len(distinct)
+    weights = []
+    for r in records:
+        row = []
+        for p, a in enumerate(r["action_mask"]):
+            node = (r["execution_id"], tuple(symbols_of(r)[: p + 1]))
+            scale = 1.0 if weighting == "token" else total / (n_exec * distinct[r["execution_id"]])
+            scale = float(np.float32(scale))  # loss_weight is float32
+            row.append(scale / multiplicity[node] if a else 0.0)
+        weights.append(row)
+    reference_rows = [dict(r, w=w) for r, w in zip(records, weights, strict=True)]
+    reference = (per_token_loss(model, reference_rows) * padded(reference_rows, "w", torch.float64)).sum()
+    grad_reference = gradient(model, reference)
+
+    processed = result.processed.to_pylist()
+    dedup = (per_token_loss(model, processed) * padded(processed, "loss_weight", torch.float64)).sum()
+    grad_dedup = gradient(model, dedup)
+    torch.testing.assert_close(dedup, reference, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(grad_dedup, grad_reference, rtol=1e-6, atol=1e-9)
+    assert result.counters.train_tokens_out == total < sum(sum(r["action_mask"]) for r in records)
+
+
+def test_execution_weights_average_tokens_within_then_across_executions():
+    records = random_shard(5, 4, 6)
+    result = process_shard(to_table(records), ProcessorConfig(j_max=3), shard_id="s")
+    sums, counts = defaultdict(float), defaultdict(int)
+    for row in result.processed.to_pylist():
+        sums[row["execution_id"]] += sum(row["loss_weight"])
+        counts[row["execution_id"]] += sum(row["train_mask"])
+    trained = [e for e in counts if counts[e]]
+    total = sum(counts.values())
+    for e in trained:
+        assert sums[e] == pytest.approx(total / len(trained), rel=1e-5)
+    token = process_shard(to_table(records), ProcessorConfig(j_max=3, weighting="token"), shard_id="s")
+    for row in token.processed.to_pylist():
+        assert row["loss_weight"] == [1.0 if t else 0.0 for t in row["train_mask"]]
+
+
+def test_malformed_links_are_reported_and_the_rest_of_the_shard_is_processed():
+    good = random_execution(np.random.default_rng(1), "good", 6)
+    base = [0, 1, 2, 3, 4, 5]
+    mask = [False, False, True, True, True, True]
+    bad = [
+        record("root", "bad", base, mask),
+        record("orphan", "bad", base[:3] + [7], mask[:3] + [True], parent="nowhere", branch_at=3),
+        record("past", "bad", base[:3] + [8], mask[:3] + [True], parent="root", branch_at=9),
+        record("negative", "bad", base[:3] + [8], mask[:3] + [True], parent="root", branch_at=-1),
+        record("mismatch", "bad", [0, 1, 9, 3, 6], mask[:5], parent="root", branch_at=4),
+        record("cycle-a", "bad", base[:2] + [6], mask[:3], parent="cycle-b", branch_at=2),
+        record("cycle-b", "bad", base[:2] + [6, 1], mask[:4], parent="cycle-a", branch_at=2),
+        record("fine", "bad", base[:4] + [9], mask[:5], parent="root", branch_at=4),
+    ]
+    broken_lengths = record("short-mask", "bad", base, mask)
+    broken_lengths["action_mask"] = mask[:4]
+    dup = record("fine", "other", [1, 2], [False, True])
+    records = good + bad + [broken_lengths, dup]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
+
+    reasons = {}
+    for row in result.trajectories:
+        reasons.setdefault(row["trajectory_id"], []).append(row["drop_reason"])
+    assert reasons["orphan"] == ["missing_parent"]
+    assert reasons["past"] == ["branch_past_end"]
+    assert reasons["negative"] == ["branch_past_end"]
+    assert reasons["mismatch"] == ["prefix_mismatch"]
+    assert reasons["cycle-a"] == ["cycle"] and reasons["cycle-b"] == ["cycle"]
+    assert reasons["short-mask"] == ["invalid_record"]
+    assert reasons["fine"] == [None, "duplicate_id"]
+    assert reasons["root"] == [None]
+    counters = result.counters
+    for reason, count in {
+        "missing_parent": 1,
+        "branch_past_end": 2,
+        "prefix_mismatch": 1,
+        "cycle": 2,
+    }.items():
+        assert counters.dropped[reason] == count
+    assert counters.dropped["invalid_record"] == 1 and counters.dropped["duplicate_id"] == 1
+    joined = "\n".join(counters.errors)
+    for tid in ("orphan", "nowhere", "past", "mismatch", "cycle-a", "short-mask"):
+        assert tid in joined
+    # The well-formed rows, in both executions, are processed as usual.
+    kept = [r for r in records if r["execution_id"] == "good"] + [bad[0], bad[-1]]
+    assert Counter(trained_nodes(result.processed)) == Counter(trainable_nodes(kept))
+    assert len(result.trajectories) == len(records) == counters.trajectories_in
+
+
+def test_partial_progress_combines_with_reward():
+    config = ProcessorConfig(success_threshold=1.0, progress_weight=0.5)
+    assert combine_reward(1.0, 0.2, config) == 1.0
+    assert combine_reward(0.1, 0.8, config) == pytest.approx(0.4)
+    assert combine_reward(0.6, 0.8, config) == pytest.approx(0.6)
+    assert combine_reward(None, 0.5, config) == pytest.approx(0.25)
+    assert combine_reward(None, None, config) == 0.0
+    assert combine_reward(0.3, 0.9, ProcessorConfig(progress_weight=0.0)) == pytest.approx(0.3)
+
+
+def two_path_execution(eid, *, reward, progress=None, status="ok"):
+    return [
+        record(
+            f"{eid}-a", eid, [1, 2, 3], [False, True, True], reward=reward, progress=progress, status=status
+        ),
+        record(f"{eid}-b", eid, [1, 2, 4], [False, True, True], parent=f"{eid}-a", branch_at=2, reward=1.0),
+    ]
+
+
+def test_rescore_is_called_once_per_execution_and_retried_within_the_budget():
+    calls = []
+
+    def rescore(rows: pa.Table) -> float:
+        calls.append(sorted(rows.column("trajectory_id").to_pylist()))
+        if len(calls) < 3:
+            raise RuntimeError("sandbox gone")
+        return 0.6
+
+    records = two_path_execution("e", reward=0.0) + two_path_execution("f", reward=0.0, progress=0.2)
+    result = process_shard(
+        to_table(records), ProcessorConfig(j_max=None, rescore_attempts=3), shard_id="s", rescore=rescore
+    )
+    assert calls == [["e-a", "e-b"]] * 3
+    rows = {r["trajectory_id"]: r for r in result.trajectories}
+    assert rows["e-a"]["reward"] == pytest.approx(0.3) and rows["e-a"]["progress"] == pytest.approx(0.6)
+    assert rows["f-a"]["reward"] == pytest.approx(0.1)
+    assert rows["e-b"]["reward"] == 1.0
+    processed = {r["trajectory_id"]: r for r in result.processed.to_pylist()}
+    assert processed["e-a"]["reward"] == pytest.approx(0.3)
+    assert result.counters.rescore_calls == 3 and result.counters.rescore_failures == 2
+
+
+@pytest.mark.parametrize("outcome", [RuntimeError("eval crashed"), 1.5, float("nan")])
+def test_rows_are_dropped_when_rescoring_runs_out(outcome):
+    def rescore(rows):
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    records = two_path_execution("e", reward=0.0) + two_path_execution("g", reward=1.0)
+    result = process_shard(
+        to_table(records), ProcessorConfig(j_max=None, rescore_attempts=2), shard_id="s", rescore=rescore
+    )
+    reasons = {r["trajectory_id"]: r["drop_reason"] for r in result.trajectories}
+    assert reasons == {"e-a": "rescore_failed", "e-b": None, "g-a": None, "g-b": None}
+    assert result.counters.dropped == {"rescore_failed": 1}
+    assert result.counters.rescore_calls == 2
+    assert any("'e'" in line and "rescore failed" in line for line in result.counters.errors)
+
+
+def test_without_rescore_missing_progress_counts_as_zero():
+    records = two_path_execution("e", reward=0.2)
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
+    rows = {r["trajectory_id"]: r for r in result.trajectories}
+    assert rows["e-a"]["reward"] == pytest.approx(0.2) and rows["e-a"]["selected"]
+
+
+def test_infra_errors_never_get_a_reward_nor_reach_the_loss():
+    records = two_path_execution("e", reward=0.0, status="infra_error") + two_path_execution("f", reward=0.0)
+
+    def rescore(rows):
+        assert "infra_error" not in rows.column("status").to_pylist()
+        return 0.5
+
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s", rescore=rescore)
+    rows = {r["trajectory_id"]: r for r in result.trajectories}
+    assert rows["e-a"]["drop_reason"] == "infra_error" and rows["e-a"]["reward"] is None
+    assert "e-a" not in result.processed.column("trajectory_id").to_pylist()
+    assert rows["e-b"]["selected"]
+    assert result.processed.column("trajectory_id").to_pylist().count("e-b") == 1
+    assert rows["f-a"]["reward"] == pytest.approx(0.25)
+
+
+def test_trajectory_rows_and_counters():
+    records = two_path_execution("e", reward=1.0) + two_path_execution("f", reward=1.0)
+    records[1]["versions"] = [-1, 2, 5]
+    when = datetime(2026, 1, 2, tzinfo=UTC)
+    result = process_shard(
+        to_table(records),
+        ProcessorConfig(j_max=1, seed=0),
+        shard_id="shard-7",
+        decode=lambda ids: " ".join(map(str, ids)),
+        processed_at=when,
+    )
+    rows = {r["trajectory_id"]: r for r in result.trajectories}
+    assert all(set(r) == TRAJECTORY_COLUMNS for r in result.trajectories)
+    row = rows["e-b"]
+    assert row["text"] == "1 2 4" and row["shard_id"] == "shard-7" and row["processed_at"] == when
+    assert (row["num_tokens"], row["num_action_tokens"], row["num_turns"]) == (3, 2, 2)
+    assert (row["min_version"], row["max_version"]) == (2, 5)
+    assert sum(r["num_train_tokens"] for r in result.trajectories) == result.counters.train_tokens_out
+    c = result.counters
+    assert (c.trajectories_in, c.trajectories_out, c.executions_in, c.executions_out) == (4, 2, 2, 2)
+    assert (c.tokens_in, c.action_tokens_in, c.tokens_out, c.train_tokens_out) == (12, 8, 6, 4)
+    assert c.dropped == {"not_selected": 2}
+    assert result.processed.schema == PROCESSED_SCHEMA
+
+
+def test_trajectory_rows_fit_the_delta_table_schema():
+    tables = pytest.importorskip("storage.tables")
+    result = process_shard(to_table(random_shard(3, 2, 5)), shard_id="s")
+    table = to_table(result.trajectories, tables.TABLE_SCHEMAS["trajectories"])
+    assert set(table.column_names) == TRAJECTORY_COLUMNS
+
+
+def test_empty_shard():
+    result = process_shard(TRAJECTORY_SCHEMA.empty_table(), shard_id="s")
+    assert result.processed.num_rows == 0 and result.trajectories == []
+    assert result.counters.trajectories_in == 0 and result.counters.dropped == {}
+
+
+def test_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="j_max"):
+        ProcessorConfig(j_max=0)
+    with pytest.raises(ValueError, match="weighting"):
+        ProcessorConfig(weighting="sequence")
