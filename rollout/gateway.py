@@ -1,0 +1,399 @@
+"""The token-in, token-out (TITO) gateway: sessions that record every token exactly.
+
+Each rollout opens a :class:`Session`. The first turn renders the chat messages through
+the tokenizer's chat template; every later turn keeps the previous tokens verbatim and
+appends only the new messages, rendered as a delta (the end of the assistant turn the
+template would have written, the new messages, the generation prompt). Generated tokens
+are never decoded and re-encoded, so the record holds exactly what the policy sampled,
+with its sampling log-prob and the weight version that produced it.
+
+``session.record(...)`` returns the canonical trajectory record (``storage.schema``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.engines.base import EngineError, Generation, InvalidRequest, SamplingParams
+from rollout.router import Router
+from storage.schema import STATUSES
+
+_MARK = "\u2063treadle-assistant-content\u2063"
+
+
+class UnknownSession(LookupError):
+    """No open session has this id."""
+
+
+class GatewayConfig(BaseModel):
+    """Limits the gateway enforces before a request reaches an engine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_context_tokens: int = Field(
+        4096, ge=2, description="Most tokens one session may hold; a longer prompt is rejected."
+    )
+    vocab_size: int | None = Field(
+        None, ge=1, description="Token ids must be below this; defaults to the tokenizer's length."
+    )
+    max_new_tokens: int = Field(256, ge=1, description="Default generation budget per turn.")
+
+
+class ChatRenderer:
+    """Renders chat messages into token ids through the tokenizer's chat template.
+
+    ``first`` renders a whole conversation; ``delta`` renders only new messages as they
+    would follow an assistant turn, so earlier tokens never need re-encoding.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
+        self._prefix = self._render(self._base, add_generation_prompt=False)
+        if _MARK not in self._prefix:
+            raise ValueError("the chat template does not render assistant content verbatim")
+        self.closing = self._prefix[self._prefix.rindex(_MARK) + len(_MARK) :]
+        """Text the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+
+    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def first(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of a whole conversation followed by the generation prompt."""
+        return self.encode(self._render(messages, add_generation_prompt=True))
+
+    def delta(self, messages: Sequence[Mapping[str, Any]], after_action: list[int] | None) -> list[int]:
+        """Token ids of ``messages`` plus the generation prompt, appended to a session.
+
+        ``after_action`` is the action that ends the session's tokens, if its last tokens
+        were generated: the rest of that assistant turn's closing text is written first
+        (the part after a stop token the model already produced, or all of it when the
+        action was cut at the length limit).
+        """
+        full = self._render([*self._base, *messages], add_generation_prompt=True)
+        if not full.startswith(self._prefix):
+            raise InvalidRequest(
+                "the chat template renders earlier messages differently when new ones follow; "
+                "cannot append messages as a delta"
+            )
+        body = full[len(self._prefix) :]
+        if after_action is None:
+            return self.encode(body)
+        closing = self.closing
+        if after_action:
+            stop_text = self.tokenizer.decode(after_action[-1:], skip_special_tokens=False)
+            if stop_text and closing.startswith(stop_text):
+                closing = closing[len(stop_text) :]
+        return self.encode(closing + body)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Token ids that end an assistant turn: EOS and the template's closing token."""
+        ids = []
+        if self.tokenizer.eos_token_id is not None:
+            ids.append(int(self.tokenizer.eos_token_id))
+        closing_ids = self.encode(self.closing)
+        if (
+            closing_ids
+            and self.tokenizer.convert_ids_to_tokens(closing_ids[0]) in self.tokenizer.all_special_tokens
+        ):
+            ids.append(closing_ids[0])
+        return tuple(dict.fromkeys(ids))
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """Ids that place one rollout in the run."""
+
+    session_id: str
+    trajectory_id: str
+    execution_id: str
+    task: str
+    prompt_id: str
+    group_id: str | None = None
+    parent_id: str | None = None
+    branch_at: int | None = None
+
+
+@dataclass
+class TurnResult:
+    """One generated action as the session recorded it."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    text: str
+    engine: str
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def truncated(self) -> bool:
+        """The action was cut at the token budget rather than ending at a stop token."""
+        return self.finish_reason == "length"
+
+
+@dataclass
+class Session:
+    """One rollout's token record, built turn by turn. Obtain it from :meth:`Gateway.open`."""
+
+    info: SessionInfo
+    gateway: Gateway
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    action_mask: list[bool] = field(default_factory=list)
+    turn: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation as the gateway has seen it (assistant content = decoded action)."""
+    transcript: str = ""
+    """The text-completion history as the client has seen it (prompts plus completions)."""
+    turns: list[TurnResult] = field(default_factory=list)
+    generation_seconds: float = 0.0
+    _pending: list[dict[str, Any]] = field(default_factory=list)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    @property
+    def session_id(self) -> str:
+        return self.info.session_id
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    @property
+    def last_action(self) -> list[int] | None:
+        """The last generated tokens, when they end the session (nothing appended after)."""
+        if self.turns and self.action_mask and self.action_mask[-1]:
+            return self.turns[-1].token_ids
+        return None
+
+    def add_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
+        """Queue chat messages; they are rendered into tokens by the next :meth:`generate`."""
+        for message in messages:
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise InvalidRequest(f"a chat message needs a 'role', got {message!r}")
+            self._pending.append(dict(message))
+
+    def add_tokens(self, token_ids: Sequence[int]) -> None:
+        """Append tokens verbatim as context (not generated, never trained on)."""
+        self.gateway.check_ids(token_ids, what="token_ids")
+        self._pending_flush()
+        self._append(list(token_ids))
+
+    def _pending_flush(self) -> None:
+        if not self._pending:
+            return
+        new, self._pending = self._pending, []
+        renderer = self.gateway.renderer
+        if renderer is None:
+            raise InvalidRequest("this gateway has no tokenizer with a chat template; send token ids")
+        ids = renderer.first(new) if not self.tokens else renderer.delta(new, self.last_action)
+        self.gateway.check_ids(ids, what="rendered messages")
+        self._append(ids)
+        self.messages.extend(new)
+
+    def _append(self, ids: list[int]) -> None:
+        n = len(ids)
+        if len(self.tokens) + n > self.gateway.config.max_context_tokens:
+            raise InvalidRequest(
+                f"session {self.session_id!r} would hold {len(self.tokens) + n} tokens, over "
+                f"max_context_tokens={self.gateway.config.max_context_tokens}"
+            )
+        self.tokens.extend(ids)
+        self.logprobs.extend([0.0] * n)
+        self.action_mask.extend([False] * n)
+        self.turn.extend([self.num_turns] * n)
+        self.versions.extend([-1] * n)
+
+    async def generate(self, params: SamplingParams | None = None) -> TurnResult:
+        """Render queued messages, then generate one action from the whole token sequence."""
+        async with self._lock:
+            self._pending_flush()
+            if not self.tokens:
+                raise InvalidRequest("empty prompt: add messages or token ids before generating")
+            params = params or SamplingParams(
+                max_new_tokens=self.gateway.config.max_new_tokens, stop_ids=self.gateway.stop_ids
+            )
+            room = self.gateway.config.max_context_tokens - len(self.tokens)
+            if room < 1:
+                raise InvalidRequest(
+                    f"prompt of {len(self.tokens)} tokens leaves no room under "
+                    f"max_context_tokens={self.gateway.config.max_context_tokens}"
+                )
+            if params.max_new_tokens > room:
+                params = SamplingParams(
+                    max_new_tokens=room,
+                    temperature=params.temperature,
+                    top_p=params.top_p,
+                    stop_ids=params.stop_ids,
+                    seed=params.seed,
+                )
+            started = time.perf_counter()
+            generation = await self.gateway.router.generate(self.session_id, list(self.tokens), params)
+            self.generation_seconds += time.perf_counter() - started
+            _check_generation(generation, self.gateway.vocab_size)
+            result = TurnResult(
+                token_ids=list(generation.token_ids),
+                logprobs=[float(x) for x in generation.logprobs],
+                versions=[int(v) for v in generation.versions],
+                finish_reason=generation.finish_reason,
+                text=self.gateway.decode(generation.token_ids),
+                engine=generation.engine,
+                prompt_tokens=generation.prompt_tokens,
+                cached_tokens=generation.cached_tokens,
+            )
+            n = len(result.token_ids)
+            self.tokens.extend(result.token_ids)
+            self.logprobs.extend(result.logprobs)
+            self.action_mask.extend([True] * n)
+            self.turn.extend([self.num_turns] * n)
+            self.versions.extend(result.versions)
+            self.turns.append(result)
+            self.messages.append({"role": "assistant", "content": result.text})
+            return result
+
+    def record(
+        self,
+        reward: float | None = None,
+        progress: float | None = None,
+        status: str | None = None,
+        timing: Mapping[str, float] | None = None,
+    ) -> dict[str, Any]:
+        """The canonical trajectory record of this session (valid under ``storage.schema``).
+
+        ``status`` defaults to ``truncated`` when the last action hit its token budget and
+        ``ok`` otherwise; ``timing`` holds seconds for ``init``, ``run``, ``eval``, ``queue``.
+        """
+        if status is None:
+            status = "truncated" if self.turns and self.turns[-1].truncated else "ok"
+        if status not in STATUSES:
+            raise ValueError(f"unknown status {status!r}; expected one of {STATUSES}")
+        engines = list(dict.fromkeys(t.engine for t in self.turns if t.engine))
+        info = self.info
+        return {
+            "trajectory_id": info.trajectory_id,
+            "execution_id": info.execution_id,
+            "parent_id": info.parent_id,
+            "branch_at": info.branch_at,
+            "task": info.task,
+            "prompt_id": info.prompt_id,
+            "group_id": info.group_id,
+            "tokens": list(self.tokens),
+            "logprobs": list(self.logprobs),
+            "action_mask": list(self.action_mask),
+            "turn": list(self.turn),
+            "versions": list(self.versions),
+            "reward": reward,
+            "progress": progress,
+            "status": status,
+            "engine": ",".join(engines) or None,
+            "timing": {k: float(timing.get(k, 0.0)) for k in ("init", "run", "eval", "queue")}
+            if timing
+            else None,
+        }
+
+
+def _check_generation(generation: Generation, vocab_size: int) -> None:
+    n = len(generation.token_ids)
+    if len(generation.logprobs) != n or len(generation.versions) != n:
+        raise EngineError(
+            f"engine {generation.engine!r} returned {n} tokens, {len(generation.logprobs)} log-probs "
+            f"and {len(generation.versions)} versions"
+        )
+    if any(not 0 <= t < vocab_size for t in generation.token_ids):
+        raise EngineError(f"engine {generation.engine!r} returned a token id outside the vocabulary")
+
+
+class Gateway:
+    """Opens sessions and sends their turns through the router to engine replicas."""
+
+    def __init__(self, router: Router, tokenizer=None, config: GatewayConfig | None = None):
+        self.router = router
+        self.tokenizer = tokenizer
+        self.config = config or GatewayConfig()
+        self.renderer = ChatRenderer(tokenizer) if tokenizer is not None and tokenizer.chat_template else None
+        if self.config.vocab_size is not None:
+            self.vocab_size = self.config.vocab_size
+        elif tokenizer is not None:
+            self.vocab_size = len(tokenizer)
+        else:
+            raise ValueError("give the gateway a tokenizer or set GatewayConfig.vocab_size")
+        self.stop_ids: tuple[int, ...] = self.renderer.stop_ids() if self.renderer else ()
+        self._sessions: dict[str, Session] = {}
+
+    def open(
+        self,
+        *,
+        task: str,
+        prompt_id: str,
+        execution_id: str | None = None,
+        trajectory_id: str | None = None,
+        group_id: str | None = None,
+        parent_id: str | None = None,
+        branch_at: int | None = None,
+        session_id: str | None = None,
+    ) -> Session:
+        """Open a session for one rollout; ids left out are generated."""
+        if not task or not prompt_id:
+            raise InvalidRequest("a session needs a task and a prompt_id")
+        trajectory_id = trajectory_id or uuid.uuid4().hex
+        session_id = session_id or uuid.uuid4().hex
+        if session_id in self._sessions:
+            raise InvalidRequest(f"session {session_id!r} is already open")
+        info = SessionInfo(
+            session_id=session_id,
+            trajectory_id=trajectory_id,
+            execution_id=execution_id or trajectory_id,
+            task=task,
+            prompt_id=prompt_id,
+            group_id=group_id,
+            parent_id=parent_id,
+            branch_at=branch_at,
+        )
+        session = Session(info=info, gateway=self)
+        self._sessions[session_id] = session
+        return session
+
+    def session(self, session_id: str) -> Session:
+        """The open session ``session_id``."""
+        try:
+            return self._sessions[session_id]
+        except KeyError:
+            raise UnknownSession(f"no open session {session_id!r}") from None
+
+    @property
+    def sessions(self) -> list[str]:
+        return list(self._sessions)
+
+    def close(self, session_id: str) -> None:
+        """End a session: release its replica assignment and the engine's cache for it."""
+        self.session(session_id)
+        del self._sessions[session_id]
+        self.router.end_session(session_id)
+
+    def check_ids(self, token_ids: Sequence[int], *, what: str) -> None:
+        """Raise :class:`InvalidRequest` unless every id is an int in the vocabulary."""
+        for i, t in enumerate(token_ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise InvalidRequest(f"{what}[{i}] is {t!r}, not an integer token id")
+            if not 0 <= t < self.vocab_size:
+                raise InvalidRequest(f"{what}[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` for people and OpenAI clients (special tokens dropped)."""
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)

@@ -1,0 +1,224 @@
+"""TITO gateway sessions: chat rendering, verbatim multi-turn tokens, the trajectory
+record, truncation and bad input, with a real tokenizer and a real engine on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.base import InvalidRequest, SamplingParams
+from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from rollout.gateway import Gateway, GatewayConfig, UnknownSession
+from rollout.router import Router
+from storage.schema import TRAJECTORY_SCHEMA, to_table, validate
+from tests.rollout.vllm_standin import StandinServer
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=512
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny_model(TINY)
+
+
+@contextlib.asynccontextmanager
+async def running_gateway(tiny, replicas: int = 1, config: GatewayConfig | None = None):
+    model, tokenizer = tiny
+    servers = [await StandinServer(copy.deepcopy(model), max_model_len=512).start() for _ in range(replicas)]
+    engines = [
+        VLLMEngine(VLLMEngineConfig(base_url=s.url), name=f"engine-{i}") for i, s in enumerate(servers)
+    ]
+    gateway = Gateway(Router(engines), tokenizer, config or GatewayConfig(max_context_tokens=512))
+    try:
+        yield gateway
+    finally:
+        for engine in engines:
+            await engine.close()
+        for server in servers:
+            await server.stop()
+
+
+def render(tokenizer, messages) -> str:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+USER = [{"role": "system", "content": "reply only digits"}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+def test_first_turn_is_the_chat_template_and_later_turns_append_only_new_tokens(tiny):
+    _, tokenizer = tiny
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="arith", prompt_id="p1")
+            session.add_messages(USER)
+            turn = await session.generate(
+                SamplingParams(max_new_tokens=16, stop_ids=gateway.stop_ids, seed=1)
+            )
+            prompt = tokenizer.encode(render(tokenizer, USER), add_special_tokens=False)
+            assert session.tokens == prompt + turn.token_ids
+            held = list(session.tokens)
+            session.add_messages([{"role": "user", "content": "try again"}])
+            second = await session.generate(SamplingParams(max_new_tokens=4, seed=2))
+            assert session.tokens[: len(held)] == held, "earlier tokens are kept verbatim"
+            delta = session.tokens[len(held) : len(session.tokens) - len(second.token_ids)]
+            text = tokenizer.decode(delta, skip_special_tokens=False)
+            if turn.finish_reason == "stop" and turn.token_ids[-1] == tokenizer.eos_token_id:
+                assert text == "\n<|im_start|>user\ntry again<|im_end|>\n<|im_start|>assistant\n"
+            else:
+                assert text == "<|im_end|>\n<|im_start|>user\ntry again<|im_end|>\n<|im_start|>assistant\n"
+            assert session.tokens[-len(second.token_ids) :] == second.token_ids
+
+    asyncio.run(body())
+
+
+def test_generated_tokens_are_never_re_tokenized(tiny):
+    """The sampled action is not the canonical tokenization of its own text; the record
+    keeps the sampled ids, including after the next turn is appended."""
+    _, tokenizer = tiny
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="arith", prompt_id="p1")
+            session.add_messages(USER)
+            turn = await session.generate(SamplingParams(max_new_tokens=24, seed=11))
+            text = tokenizer.decode(turn.token_ids, skip_special_tokens=False)
+            assert tokenizer.encode(text, add_special_tokens=False) != turn.token_ids, (
+                "precondition: decode-then-encode changes this action's tokens"
+            )
+            start = len(session.tokens) - len(turn.token_ids)
+            session.add_messages([{"role": "user", "content": "again"}])
+            await session.generate(SamplingParams(max_new_tokens=4, seed=12))
+            assert session.tokens[start : start + len(turn.token_ids)] == turn.token_ids
+            record = session.record(reward=1.0)
+            assert record["tokens"][start : start + len(turn.token_ids)] == turn.token_ids
+
+    asyncio.run(body())
+
+
+def test_record_is_canonical_and_marks_actions_turns_versions(tiny):
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="arith", prompt_id="p7", execution_id="exec-1", group_id="g")
+            session.add_messages(USER)
+            first = await session.generate(SamplingParams(max_new_tokens=5, seed=1))
+            session.add_messages([{"role": "user", "content": "more"}])
+            second = await session.generate(SamplingParams(max_new_tokens=6, seed=2))
+            record = session.record(reward=0.5, progress=0.25, timing={"run": 1.5, "queue": 0.1})
+            table = validate(to_table([record], TRAJECTORY_SCHEMA))
+            assert table.num_rows == 1
+            assert (
+                record["execution_id"] == "exec-1" and record["group_id"] == "g" and record["task"] == "arith"
+            )
+            mask = record["action_mask"]
+            n = len(record["tokens"])
+            assert len(mask) == len(record["logprobs"]) == len(record["turn"]) == len(record["versions"]) == n
+            actions = [i for i in range(n) if mask[i]]
+            assert [record["tokens"][i] for i in actions] == first.token_ids + second.token_ids
+            assert [record["logprobs"][i] for i in actions] == pytest.approx(first.logprobs + second.logprobs)
+            assert all(
+                record["logprobs"][i] == 0.0 and record["versions"][i] == -1 for i in range(n) if not mask[i]
+            )
+            assert all(record["versions"][i] == 0 for i in actions)
+            first_len = len(tiny[1].encode(render(tiny[1], USER), add_special_tokens=False)) + len(
+                first.token_ids
+            )
+            assert record["turn"] == [0] * first_len + [1] * (n - first_len)
+            assert record["status"] == "truncated", "the last action hit its token budget"
+            assert record["timing"] == {"init": 0.0, "run": 1.5, "eval": 0.0, "queue": pytest.approx(0.1)}
+            assert record["engine"] == "engine-0"
+            with pytest.raises(ValueError, match="unknown status"):
+                session.record(status="fine")
+
+    asyncio.run(body())
+
+
+def test_stop_token_is_kept_and_status_ok(tiny):
+    model, tokenizer = tiny
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER)
+            every_id = tuple(range(len(tokenizer)))
+            turn = await session.generate(SamplingParams(max_new_tokens=5, stop_ids=every_id, seed=0))
+            assert turn.finish_reason == "stop" and len(turn.token_ids) == 1
+            assert session.tokens[-1] == turn.token_ids[0] and session.action_mask[-1]
+            assert session.record()["status"] == "ok"
+
+    asyncio.run(body())
+
+
+def test_sessions_stick_to_one_replica_and_close_releases_it(tiny):
+    async def body():
+        async with running_gateway(tiny, replicas=3) as gateway:
+            sessions = [gateway.open(task="t", prompt_id=f"p{i}") for i in range(6)]
+            for turn in range(3):
+                for session in sessions:
+                    session.add_messages([{"role": "user", "content": f"turn {turn}"}])
+                    await session.generate(SamplingParams(max_new_tokens=2, seed=turn))
+            for session in sessions:
+                engines = {t.engine for t in session.turns}
+                assert len(engines) == 1
+                assert session.turns[-1].cached_tokens > 0, "later turns reuse the replica's prefix cache"
+                assert session.record()["engine"] == engines.pop()
+            router = gateway.router
+            name = router.assignment(sessions[0].session_id)
+            load = router.load(name)
+            gateway.close(sessions[0].session_id)
+            assert router.assignment(sessions[0].session_id) is None and router.load(name) == load - 1
+            with pytest.raises(UnknownSession):
+                gateway.session(sessions[0].session_id)
+
+    asyncio.run(body())
+
+
+def test_bad_input_is_a_clear_error_and_other_sessions_keep_working(tiny):
+    async def body():
+        async with running_gateway(tiny, config=GatewayConfig(max_context_tokens=64)) as gateway:
+            good = gateway.open(task="t", prompt_id="good")
+            bad = gateway.open(task="t", prompt_id="bad")
+            with pytest.raises(InvalidRequest, match=r"token_ids\[1\] = 100000 is outside the vocabulary"):
+                bad.add_tokens([5, 100000])
+            with pytest.raises(InvalidRequest, match="not an integer"):
+                bad.add_tokens([5, "7"])
+            with pytest.raises(InvalidRequest, match="empty prompt"):
+                await bad.generate()
+            with pytest.raises(InvalidRequest, match="over max_context_tokens=64"):
+                bad.add_tokens([5] * 65)
+            with pytest.raises(InvalidRequest, match="over max_context_tokens=64"):
+                bad.add_messages([{"role": "user", "content": "word " * 80}])
+                await bad.generate()
+            assert bad.tokens == [] and bad.messages == [], "a rejected request leaves the session untouched"
+            with pytest.raises(UnknownSession, match="no open session 'nope'"):
+                gateway.session("nope")
+            with pytest.raises(InvalidRequest, match="already open"):
+                gateway.open(task="t", prompt_id="x", session_id=good.session_id)
+            good.add_messages(USER)
+            turn = await good.generate(SamplingParams(max_new_tokens=3, seed=0))
+            assert len(turn.token_ids) == 3
+            bad.add_tokens([5, 6, 7])
+            assert len((await bad.generate(SamplingParams(max_new_tokens=2, seed=0))).token_ids) == 2
+
+    asyncio.run(body())
+
+
+def test_generation_budget_is_clamped_to_the_context(tiny):
+    async def body():
+        async with running_gateway(tiny, config=GatewayConfig(max_context_tokens=20)) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_tokens(list(range(10, 27)))
+            turn = await session.generate(SamplingParams(max_new_tokens=50, seed=0))
+            assert len(turn.token_ids) == 3 and len(session.tokens) == 20
+            with pytest.raises(InvalidRequest, match="leaves no room"):
+                await session.generate(SamplingParams(max_new_tokens=5))
+
+    asyncio.run(body())
