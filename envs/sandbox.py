@@ -168,14 +168,19 @@ def bwrap_path() -> str | None:
 
 
 @cache
-def _unshare_net_prefix() -> tuple[str, ...]:
-    """The ``unshare`` prefix that drops the network for the process backend, if permitted."""
+def _unshare_net_prefix(as_uid: bool) -> tuple[str, ...]:
+    """The ``unshare`` prefix that drops the network for the process backend, if permitted.
+
+    ``as_uid``: probe as an unprivileged sandbox uid (what a root worker runs commands as).
+    """
     unshare = shutil.which("unshare")
     if unshare is None:
         return ()
+    user = ["setpriv", f"--reuid={UID_BASE}", f"--regid={UID_BASE}", "--clear-groups", "--"] if as_uid else []
     for prefix in ((unshare, "-n"), (unshare, "-r", "-n")):
-        if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+        if subprocess.run([*user, *prefix, "true"], capture_output=True, timeout=10).returncode == 0:
             return prefix
+    log.warning("unshare -n is not permitted here: process-backend sandboxes keep the network")
     return ()
 
 
@@ -305,7 +310,7 @@ class Sandbox:
             return [*self._user(), *self._limits(), *self._bwrap(), *cmd]
         if self.backend == "apptainer":
             return [*self._apptainer(), *cmd]
-        return [*self._user(), *self._limits(), *_unshare_net_prefix(), *cmd]
+        return [*self._user(), *self._limits(), *_unshare_net_prefix(self.uid is not None), *cmd]
 
     def popen_kwargs(self) -> dict:
         """Keyword arguments for ``subprocess.Popen`` of an :meth:`argv` (cwd, env, own session)."""
@@ -358,6 +363,10 @@ class Sandbox:
     def check(self, result: ExecResult, stopped: str | None = None) -> None:
         """Raise the :class:`SandboxError` that ``result`` shows, if any."""
         cap = self.config.max_output_bytes
+        if stopped and VIOLATION_PATTERNS[0][1].search(result.output.encode()):
+            raise SandboxError(
+                "process_limit", f"command hit the process limit and was stopped ({stopped})", result.output
+            )
         if stopped == "timeout":
             raise SandboxError(
                 "timeout", f"command ran past its {self.config.timeout_s:g} s wall-clock limit", result.output

@@ -1,0 +1,251 @@
+"""``agent``: any agent program, given as a command, runs in the sandbox against its gateway session.
+
+The program sees ``OPENAI_BASE_URL`` (``http://127.0.0.1:<port>/v1`` inside the sandbox) and a
+dummy ``OPENAI_API_KEY``, plus the task as ``TREADLE_TASK`` and ``task.json`` in its working
+directory. The sandbox keeps its network namespace closed: a relay inside listens on its own
+loopback and forwards each connection over a Unix socket in the working directory to this
+process, which forwards the HTTP request to the gateway with the real bearer token and the
+session header put in (the agent can neither see the token nor pick another session). Every
+model call the agent makes is therefore recorded token-exactly by the gateway. After the program
+ends, the EVAL command runs in the same sandbox and prints the score (a number in [0, 1]) as the
+last line of its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import urllib.parse
+from dataclasses import dataclass
+
+from pydantic import BaseModel, Field
+
+from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, user
+from envs.sandbox import ExecResult, SandboxError, python_in_sandbox
+
+RELAY = r"""
+import os, socket, sys, threading
+sock_path, command = sys.argv[1], sys.argv[2]
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen(64)
+port = server.getsockname()[1]
+
+def pipe(src, dst):
+    try:
+        while True:
+            data = src.recv(65536)
+            if not data:
+                break
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+
+if os.fork() == 0:
+    while True:
+        conn, _ = server.accept()
+        upstream = socket.socket(socket.AF_UNIX)
+        upstream.connect(sock_path)
+        threading.Thread(target=pipe, args=(conn, upstream), daemon=True).start()
+        threading.Thread(target=pipe, args=(upstream, conn), daemon=True).start()
+server.close()
+os.environ["OPENAI_BASE_URL"] = "http://127.0.0.1:%d/v1" % port
+os.execvp("bash", ["bash", "-c", command])
+"""
+
+_DROP_HEADERS = {"host", "authorization", "connection", "keep-alive", "proxy-connection", "content-length"}
+MAX_BODY = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewaySession:
+    """What the rollout service hands the env: the gateway's OpenAI base URL, its key, the session."""
+
+    base_url: str
+    api_key: str
+    session_id: str
+    header: str = "X-Treadle-Session"
+
+    def __repr__(self) -> str:
+        return f"GatewaySession(base_url={self.base_url!r}, session_id={self.session_id!r})"
+
+
+class AgentTask(BaseModel):
+    """One task of the agent env (from config)."""
+
+    id: str = Field(description="Stable task id.")
+    prompt: str = Field(description="What the agent is asked to do (TREADLE_TASK).")
+    data: dict = Field(
+        default_factory=dict, description="Extra fields written to task.json for the agent and EVAL."
+    )
+
+
+class AgentConfig(EnvConfig):
+    """The agent program, its EVAL command and its tasks."""
+
+    command: str = Field("", description="Shell command that runs the agent inside the sandbox.")
+    eval_command: str = Field(
+        "", description="Shell command run in the sandbox after the agent; last line = score."
+    )
+    agent_timeout_s: float = Field(600.0, gt=0, description="Wall-clock limit of the whole agent run.")
+    tasks: list[AgentTask] = Field(
+        default_factory=list, description="The task set (split by a hash of the id)."
+    )
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of tasks held out for eval.")
+
+
+class AgentEnv(Env):
+    """Runs a whole agent program per episode; call :meth:`run` instead of ``step``."""
+
+    name = "agent"
+    config_cls = AgentConfig
+    drives_itself = True
+
+    def __init__(self, config: AgentConfig | None = None, **overrides):
+        super().__init__(config, **overrides)
+        self.gateway: GatewaySession | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self.requests = 0
+        self.result: ExecResult | None = None
+
+    @classmethod
+    def tasks(cls, split: Split, seed: int, n: int, config: AgentConfig | None = None) -> list[Task]:
+        cfg = config or AgentConfig()
+        chosen = [
+            Task(env=cls.name, id=t.id, prompt=t.prompt, data=t.data)
+            for t in cfg.tasks
+            if in_eval_split(t.id, cfg.eval_fraction) == (split == "eval")
+        ]
+        if not chosen:
+            raise ValueError(f"agent env has no {split} tasks ({len(cfg.tasks)} tasks configured)")
+        random.Random(f"{seed}/{split}").shuffle(chosen)
+        return [chosen[i % len(chosen)] for i in range(n)]
+
+    @classmethod
+    def demonstrate(cls, task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
+        raise NotImplementedError(
+            "the agent env has no scripted solver: the agent program is the policy's scaffold"
+        )
+
+    def attach_gateway(self, gateway: GatewaySession) -> None:
+        """Point this episode's agent at its gateway session (before ``reset``)."""
+        parsed = urllib.parse.urlsplit(gateway.base_url)
+        if parsed.scheme != "http" or not parsed.hostname:
+            raise ValueError(f"gateway base_url must be http://host:port[/prefix], got {gateway.base_url!r}")
+        self.gateway = gateway
+
+    async def reset(self, task: Task) -> list[dict[str, str]]:
+        if not self.config.command:
+            raise ValueError("agent env needs config.command")
+        if self.gateway is None:
+            raise RuntimeError("agent env: call attach_gateway(...) before reset")
+        self._start(task)
+        sandbox = await self._new_sandbox()
+        with open(os.path.join(sandbox.workdir, "task.json"), "w") as handle:
+            json.dump({"id": task.id, "prompt": task.prompt, **task.data}, handle)
+        self.socket_path = os.path.join(sandbox.workdir, ".gateway.sock")
+        self._server = await asyncio.start_unix_server(self._relay, self.socket_path, limit=65536)
+        os.chmod(self.socket_path, 0o666)
+        self.result = None
+        return user(task.prompt)
+
+    async def run(self) -> StepResult:
+        """Run the agent program to its end (RUN stage); raises :class:`SandboxError` when it is stopped."""
+        task = self._require_task()
+        sandbox = self.sandbox
+        sandbox.config.env.update(OPENAI_API_KEY="sandbox", TREADLE_TASK=task.prompt)
+        argv = [python_in_sandbox(sandbox.config), "-I", "-c", RELAY, self.socket_path, self.config.command]
+        self.result = await asyncio.to_thread(sandbox.run, argv, self.config.agent_timeout_s)
+        info = {
+            "exit_code": self.result.exit_code,
+            "gateway_requests": self.requests,
+            "seconds": self.result.seconds,
+        }
+        return StepResult([], 0.0, True, 0.0, info)
+
+    async def step(self, action: str) -> StepResult:
+        raise TypeError(
+            "the agent env is driven by its own program through the gateway: call run(), not step()"
+        )
+
+    async def evaluate(self) -> float:
+        self._require_task()
+        if not self.config.eval_command or self.sandbox is None:
+            return 0.0
+        result = await asyncio.to_thread(self.sandbox.run, self.config.eval_command)
+        lines = result.output.strip().splitlines()
+        try:
+            score = float(lines[-1])
+        except (IndexError, ValueError):
+            raise SandboxError(
+                "died", f"EVAL command printed no score (exit {result.exit_code})", result.output
+            ) from None
+        return min(max(score, 0.0), 1.0)
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        await super().close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Forward one HTTP request from the sandbox to the gateway, with its key and session put in."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            request_line, *header_lines = head.decode("latin-1").split("\r\n")
+            method, target, _ = request_line.split(" ", 2)
+            headers = [
+                tuple(part.strip() for part in line.split(":", 1)) for line in header_lines if ":" in line
+            ]
+            fields = {key.lower(): value for key, value in headers}
+            if "chunked" in fields.get("transfer-encoding", ""):
+                await _reply(writer, 411, "chunked request bodies are not supported; send Content-Length")
+                return
+            length = int(fields.get("content-length", "0"))
+            if length > MAX_BODY or not target.startswith("/v1"):
+                await _reply(writer, 400, "request too large or outside /v1")
+                return
+            body = await reader.readexactly(length)
+            gateway = self.gateway
+            upstream_url = urllib.parse.urlsplit(gateway.base_url)
+            path = upstream_url.path.rstrip("/") + target[len("/v1") :]
+            skip = _DROP_HEADERS | {gateway.header.lower()}
+            lines = [f"{method} {path} HTTP/1.1", f"Host: {upstream_url.netloc}"]
+            lines += [f"{key}: {value}" for key, value in headers if key.lower() not in skip]
+            lines += [
+                f"Authorization: Bearer {gateway.api_key}",
+                f"{gateway.header}: {gateway.session_id}",
+                f"Content-Length: {len(body)}",
+                "Connection: close",
+            ]
+            up_reader, up_writer = await asyncio.open_connection(
+                upstream_url.hostname, upstream_url.port or 80
+            )
+            self.requests += 1
+            up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+            await up_writer.drain()
+            while chunk := await up_reader.read(65536):
+                writer.write(chunk)
+                await writer.drain()
+            up_writer.close()
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, ConnectionError, OSError):
+            with contextlib.suppress(Exception):
+                await _reply(writer, 400, "malformed request or gateway unreachable")
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+
+async def _reply(writer: asyncio.StreamWriter, status: int, message: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "relay", "code": status}}).encode()
+    head = f"HTTP/1.1 {status} Error\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    writer.write(head.encode() + body)
+    await writer.drain()

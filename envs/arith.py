@@ -1,0 +1,87 @@
+"""``arith``: single-turn verifiable arithmetic (user ``12+35=``, assistant ``47``)."""
+
+from __future__ import annotations
+
+import random
+from typing import Literal
+
+from pydantic import Field
+
+from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, sample_unique, user
+
+
+class ArithConfig(EnvConfig):
+    """Operand range and operators of ``arith``."""
+
+    max_turns: int = Field(1, ge=1, le=1, description="Single turn.")
+    max_operand: int = Field(99, ge=1, le=10**6, description="Operands are drawn from 0..max_operand.")
+    ops: list[Literal["+", "-"]] = Field(["+"], min_length=1, description="Operators to draw from.")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of all problems held out for eval.")
+
+
+def solve(a: int, op: str, b: int) -> int:
+    return a + b if op == "+" else a - b
+
+
+def add_without_carry(a: int, b: int, rng: random.Random, drop: float) -> int:
+    """Column addition that forgets each carry with probability ``drop`` (the flawed demonstrator)."""
+    digits, carry, place = 0, 0, 1
+    while a or b or carry:
+        column = a % 10 + b % 10 + carry
+        digits += (column % 10) * place
+        carry = column // 10 if rng.random() >= drop else 0
+        a, b, place = a // 10, b // 10, place * 10
+    return digits
+
+
+def digit_progress(answer: str, expected: int) -> float:
+    """Share of the expected digits the answer has right, aligned from the right."""
+    want = str(expected)
+    got = answer.strip()
+    right = sum(1 for x, y in zip(reversed(want), reversed(got), strict=False) if x == y)
+    return right / max(len(want), len(got), 1)
+
+
+class ArithEnv(Env):
+    """Answer ``a+b=`` with the number; reward 1 when exact, progress = share of right digits."""
+
+    name = "arith"
+    config_cls = ArithConfig
+
+    @classmethod
+    def tasks(cls, split: Split, seed: int, n: int, config: ArithConfig | None = None) -> list[Task]:
+        cfg = config or ArithConfig()
+
+        def make(rng: random.Random) -> Task:
+            a, b, op = rng.randint(0, cfg.max_operand), rng.randint(0, cfg.max_operand), rng.choice(cfg.ops)
+            text = f"{a}{op}{b}="
+            return Task(env=cls.name, id=text, prompt=text, data={"a": a, "b": b, "op": op})
+
+        def accept(task: Task) -> bool:
+            return in_eval_split(task.id, cfg.eval_fraction) == (split == "eval")
+
+        return sample_unique(random.Random(f"{seed}/{split}"), make, accept, n)
+
+    @classmethod
+    def demonstrate(cls, task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
+        a, b, op = task.data["a"], task.data["b"], task.data["op"]
+        if flawed and op == "+":
+            return [str(add_without_carry(a, b, random.Random(f"{seed}/{task.id}"), drop=0.8))]
+        return [str(solve(a, op, b))]
+
+    async def reset(self, task: Task) -> list[dict[str, str]]:
+        self._start(task)
+        self.answer: str | None = None
+        return user(task.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        task = self._require_task()
+        self.turns += 1
+        self.answer = action.strip()
+        expected = solve(task.data["a"], task.data["op"], task.data["b"])
+        reward = float(self.answer == str(expected))
+        return StepResult([], reward, True, digit_progress(self.answer, expected), {"expected": expected})
+
+    async def evaluate(self) -> float:
+        task = self._require_task()
+        return float(self.answer == str(solve(task.data["a"], task.data["op"], task.data["b"])))

@@ -1,0 +1,110 @@
+"""``code``: write a function; hidden unit tests run in the sandbox at EVAL.
+
+User ``write f(x) = x*3+1``; the action is Python source defining ``f``. The reward is the
+fraction of hidden tests passed, measured by a fresh interpreter in the sandbox.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import secrets
+
+from pydantic import Field
+
+from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, sample_unique, user
+from envs.sandbox import python_in_sandbox
+
+TEMPLATES = ("x*{a}+{b}", "(x+{a})*{b}", "x%{a}+{b}", "max(x,{a})-{b}", "x*x-{a}", "abs(x-{a})+{b}")
+
+TESTER = r"""
+import json, sys
+request = json.loads(sys.stdin.readline())
+marker, tests = request["marker"], request["tests"]
+passed = 0
+namespace = {}
+try:
+    exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
+    f = namespace["f"]
+except BaseException:
+    f = None
+if f is not None:
+    for x, want in tests:
+        try:
+            passed += f(x) == want
+        except BaseException:
+            pass
+print(marker, passed, flush=True)
+"""
+
+
+class CodeConfig(EnvConfig):
+    """Test count of ``code``."""
+
+    max_turns: int = Field(1, ge=1, le=1, description="Single turn: the action is the solution.")
+    num_tests: int = Field(5, ge=1, le=100, description="Hidden tests per task.")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of functions held out for eval.")
+
+
+class CodeEnv(Env):
+    """Write ``f``; reward = fraction of hidden tests passed (EVAL)."""
+
+    name = "code"
+    config_cls = CodeConfig
+
+    @classmethod
+    def tasks(cls, split: Split, seed: int, n: int, config: CodeConfig | None = None) -> list[Task]:
+        cfg = config or CodeConfig()
+
+        def make(rng: random.Random) -> Task:
+            body = rng.choice(TEMPLATES).format(a=rng.randint(2, 9), b=rng.randint(1, 9))
+            inputs = [rng.randint(-20, 20) for _ in range(cfg.num_tests)]
+            tests = [[x, eval(body, {}, {"x": x})] for x in inputs]
+            return Task(
+                env=cls.name, id=body, prompt=f"write f(x) = {body}", data={"body": body, "tests": tests}
+            )
+
+        def accept(task: Task) -> bool:
+            return in_eval_split(task.id, cfg.eval_fraction) == (split == "eval")
+
+        return sample_unique(random.Random(f"{seed}/{split}"), make, accept, n)
+
+    @classmethod
+    def demonstrate(cls, task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
+        """The reference (``flawed``: half the time off by one)."""
+        off = flawed and random.Random(f"{seed}/{task.id}").random() < 0.5
+        return [f"def f(x): return {task.data['body']}" + ("+1" if off else "")]
+
+    async def reset(self, task: Task) -> list[dict[str, str]]:
+        self._start(task)
+        await self._new_sandbox()
+        self.solution: str | None = None
+        return user(task.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        self._require_task()
+        self.turns += 1
+        self.solution = action
+        return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
+
+    async def evaluate(self) -> float:
+        task = self._require_task()
+        if self.solution is None or self.sandbox is None:
+            return 0.0
+        return await asyncio.to_thread(self._score, task, self.solution)
+
+    def _score(self, task: Task, solution: str) -> float:
+        sandbox = self.sandbox
+        path = os.path.join(sandbox.workdir, "solution.py")
+        with open(path, "w") as handle:
+            handle.write(solution)
+        marker = secrets.token_hex(8)
+        request = json.dumps({"marker": marker, "tests": task.data["tests"]}).encode() + b"\n"
+        python = python_in_sandbox(sandbox.config)
+        result = sandbox.run([python, "-I", "-c", TESTER], stdin=request)
+        for line in reversed(result.output.splitlines()):
+            if line.startswith(marker + " "):
+                return int(line.split()[1]) / len(task.data["tests"])
+        return 0.0

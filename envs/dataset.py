@@ -1,0 +1,137 @@
+"""``dataset``: prompts and reference answers from the user's Parquet or JSONL file.
+
+The file is local or remote (``s3://`` through :class:`storage.config.StorageConfig`). The
+verifier is chosen in config: exact match, numeric tolerance, a regex the answer must match
+in full, or a Python function named by import path (``pkg.mod:fn(answer, reference) -> float``).
+Rows are split into train and eval by a hash of their id, so the splits never overlap.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import random
+import re
+from collections.abc import Callable
+from functools import cache
+
+import pyarrow.parquet as pq
+from pydantic import Field, field_validator
+
+from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, user
+from storage.config import StorageConfig
+
+
+class DatasetConfig(EnvConfig):
+    """Where the rows are and how answers are checked."""
+
+    max_turns: int = Field(1, ge=1, le=1, description="Single turn: the action is the answer.")
+    path: str = Field("", description="Parquet (.parquet) or JSON-lines (.jsonl) file, local or s3://.")
+    storage: StorageConfig | None = Field(None, description="Endpoint and credentials for an s3:// path.")
+    prompt_field: str = Field("prompt", description="Column holding the user message.")
+    answer_field: str = Field("answer", description="Column holding the reference answer.")
+    id_field: str | None = Field(None, description="Column holding a stable row id; the prompt when unset.")
+    verifier: str = Field(
+        "exact",
+        description="exact | numeric | regex | an import path 'pkg.mod:fn' of fn(answer, reference) -> float.",
+    )
+    tolerance: float = Field(1e-6, ge=0, description="Absolute tolerance of the numeric verifier.")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of rows held out for eval.")
+
+    @field_validator("verifier")
+    @classmethod
+    def _known_verifier(cls, value: str) -> str:
+        if value not in ("exact", "numeric", "regex") and not re.fullmatch(r"[\w.]+:\w+", value):
+            raise ValueError(f"verifier must be exact, numeric, regex or 'pkg.mod:fn', got {value!r}")
+        return value
+
+
+def _numeric(answer: str, reference: str, tolerance: float) -> float:
+    try:
+        return float(math.isclose(float(answer), float(reference), rel_tol=0.0, abs_tol=tolerance))
+    except ValueError:
+        return 0.0
+
+
+def make_verifier(config: DatasetConfig) -> Callable[[str, str], float]:
+    """``verify(answer, reference) -> score in [0, 1]`` for ``config.verifier``."""
+    if config.verifier == "exact":
+        return lambda answer, reference: float(answer.strip() == reference.strip())
+    if config.verifier == "numeric":
+        return lambda answer, reference: _numeric(answer.strip(), reference.strip(), config.tolerance)
+    if config.verifier == "regex":
+        return lambda answer, reference: float(re.fullmatch(reference, answer.strip()) is not None)
+    module_name, fn_name = config.verifier.split(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"verifier {config.verifier!r} cannot be imported: {exc}") from exc
+    return lambda answer, reference: float(fn(answer, reference))
+
+
+@cache
+def _load_rows(config_json: str) -> tuple[dict, ...]:
+    config = DatasetConfig.model_validate_json(config_json)
+    if not config.path:
+        raise ValueError("dataset env needs config.path (a .parquet or .jsonl file)")
+    fs = (config.storage or StorageConfig()).filesystem() if "://" in config.path else None
+    opener = fs.open if fs is not None else open
+    if config.path.endswith(".parquet"):
+        with opener(config.path, "rb") as handle:
+            rows = pq.read_table(handle).to_pylist()
+    elif config.path.endswith((".jsonl", ".json")):
+        with opener(config.path, "rb") as handle:
+            rows = [json.loads(line) for line in handle.read().decode().splitlines() if line.strip()]
+    else:
+        raise ValueError(f"dataset path must end in .parquet or .jsonl: {config.path!r}")
+    for i, row in enumerate(rows):
+        for field in (config.prompt_field, config.answer_field):
+            if field not in row:
+                raise ValueError(f"row {i} of {config.path} has no field {field!r} (fields: {sorted(row)})")
+    return tuple(rows)
+
+
+class DatasetEnv(Env):
+    """One prompt, one answer, scored by the configured verifier."""
+
+    name = "dataset"
+    config_cls = DatasetConfig
+
+    @classmethod
+    def tasks(cls, split: Split, seed: int, n: int, config: DatasetConfig | None = None) -> list[Task]:
+        cfg = config or DatasetConfig()
+        tasks = []
+        for row in _load_rows(cfg.model_dump_json()):
+            prompt, answer = str(row[cfg.prompt_field]), str(row[cfg.answer_field])
+            row_id = str(row[cfg.id_field]) if cfg.id_field else prompt
+            if in_eval_split(row_id, cfg.eval_fraction) == (split == "eval"):
+                tasks.append(Task(env=cls.name, id=row_id, prompt=prompt, data={"answer": answer}))
+        if not tasks:
+            raise ValueError(f"the {split} split of {cfg.path} is empty")
+        rng = random.Random(f"{seed}/{split}")
+        rng.shuffle(tasks)
+        return [tasks[i % len(tasks)] for i in range(n)]
+
+    @classmethod
+    def demonstrate(cls, task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
+        """The reference answer (``flawed``: half the time an empty answer)."""
+        if flawed and random.Random(f"{seed}/{task.id}").random() < 0.5:
+            return [""]
+        return [task.data["answer"]]
+
+    async def reset(self, task: Task) -> list[dict[str, str]]:
+        self._start(task)
+        self.verify = make_verifier(self.config)
+        self.score = 0.0
+        return user(task.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        task = self._require_task()
+        self.turns += 1
+        self.score = min(max(self.verify(action, task.data["answer"]), 0.0), 1.0)
+        return StepResult([], self.score, True, self.score, {})
+
+    async def evaluate(self) -> float:
+        self._require_task()
+        return self.score

@@ -1,0 +1,84 @@
+"""``pytool``: multi-turn — run Python in a persistent sandboxed interpreter, then answer.
+
+User ``calc 123*456%97``; an action is ``run: <code>`` (observation: what it printed) or
+``answer: <number>`` (ends the episode). The interpreter keeps its variables between runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+from pydantic import Field
+
+from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, sample_unique, user
+from envs.pyrepl import PythonRepl
+
+
+class PyToolConfig(EnvConfig):
+    """Turn budget and observation size of ``pytool``."""
+
+    max_turns: int = Field(4, ge=1, description="Actions allowed (runs plus the answer).")
+    max_observation_chars: int = Field(200, ge=16, description="Printed output shown back to the model.")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of problems held out for eval.")
+
+
+class PyToolEnv(Env):
+    """Compute ``a*b%m`` (too long to do in the head of a tiny model); reward 1 for the right answer."""
+
+    name = "pytool"
+    config_cls = PyToolConfig
+
+    @classmethod
+    def tasks(cls, split: Split, seed: int, n: int, config: PyToolConfig | None = None) -> list[Task]:
+        cfg = config or PyToolConfig()
+
+        def make(rng: random.Random) -> Task:
+            expr = f"{rng.randint(100, 999)}*{rng.randint(100, 999)}%{rng.randint(11, 97)}"
+            return Task(
+                env=cls.name, id=expr, prompt=f"calc {expr}", data={"expr": expr, "answer": eval(expr)}
+            )
+
+        def accept(task: Task) -> bool:
+            return in_eval_split(task.id, cfg.eval_fraction) == (split == "eval")
+
+        return sample_unique(random.Random(f"{seed}/{split}"), make, accept, n)
+
+    @classmethod
+    def demonstrate(cls, task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
+        """Run the expression, then answer (``flawed``: half the time answers a guess without running)."""
+        rng = random.Random(f"{seed}/{task.id}")
+        if flawed and rng.random() < 0.5:
+            return [f"answer: {rng.randint(0, 96)}"]
+        return [f"run: print({task.data['expr']})", f"answer: {task.data['answer']}"]
+
+    async def reset(self, task: Task) -> list[dict[str, str]]:
+        self._start(task)
+        sandbox = await self._new_sandbox()
+        self.repl = await asyncio.to_thread(PythonRepl, sandbox)
+        self.answer: str | None = None
+        self.seen_answer = False
+        return user(task.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        task = self._require_task()
+        self.turns += 1
+        text = action.strip()
+        expected = str(task.data["answer"])
+        if text.startswith("answer:"):
+            self.answer = text.removeprefix("answer:").strip()
+            reward = float(self.answer == expected)
+            return StepResult([], reward, True, max(reward, 0.5 * self.seen_answer), {})
+        if text.startswith("run:"):
+            result = await asyncio.to_thread(self.repl.run, text.removeprefix("run:").strip())
+            shown = result.output.strip()[-self.config.max_observation_chars :] or "(no output)"
+            self.seen_answer = self.seen_answer or expected in result.output.split()
+            feedback = shown
+        else:
+            feedback = "use run: or answer:"
+        done = self.turns >= self.config.max_turns
+        return StepResult(user(feedback), 0.0, done, 0.5 * self.seen_answer, {})
+
+    async def evaluate(self) -> float:
+        task = self._require_task()
+        return float(self.answer == str(task.data["answer"]))

@@ -1,0 +1,60 @@
+"""Environments by name: ``make(name, **config)`` and ``task_set(name, split, seed, n)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from envs.agent import AgentEnv
+from envs.arith import ArithEnv
+from envs.base import Env, EnvConfig, Split, Task
+from envs.code import CodeEnv
+from envs.dataset import DatasetEnv
+from envs.guess import GuessEnv
+from envs.pytool import PyToolEnv
+from envs.shell_env import ShellEnv
+
+REGISTRY: dict[str, type[Env]] = {
+    cls.name: cls for cls in (ArithEnv, GuessEnv, PyToolEnv, CodeEnv, ShellEnv, DatasetEnv, AgentEnv)
+}
+
+
+def register(cls: type[Env]) -> type[Env]:
+    """Add a user environment class under ``cls.name`` (usable as a decorator)."""
+    if cls.name in REGISTRY and REGISTRY[cls.name] is not cls:
+        raise ValueError(f"an environment named {cls.name!r} is already registered")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def env_class(name: str) -> type[Env]:
+    """The class registered as ``name``."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"unknown environment {name!r}; known: {sorted(REGISTRY)}") from None
+
+
+def make_config(name: str, config: EnvConfig | dict[str, Any] | None = None, **overrides: Any) -> EnvConfig:
+    """The validated config of env ``name`` from a config object, a dict, or keyword overrides."""
+    cls = env_class(name)
+    data = config.model_dump() if isinstance(config, EnvConfig) else dict(config or {})
+    return cls.config_cls.model_validate(data | overrides)
+
+
+def make(name: str, config: EnvConfig | dict[str, Any] | None = None, **overrides: Any) -> Env:
+    """A new instance of env ``name`` (one per rollout)."""
+    return env_class(name)(make_config(name, config, **overrides))
+
+
+def task_set(
+    name: str, split: Split, seed: int, n: int = 64, config: EnvConfig | dict[str, Any] | None = None
+) -> list[Task]:
+    """``n`` tasks of env ``name`` from ``split`` (train or eval, disjoint), reproducible from ``seed``."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    return env_class(name).tasks(split, seed, n, make_config(name, config))
+
+
+def demonstrate(task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
+    """The scripted solver's actions for ``task`` (``flawed``: the weaker demonstrator)."""
+    return env_class(task.env).demonstrate(task, flawed=flawed, seed=seed)

@@ -1,0 +1,134 @@
+"""``shell``: a persistent bash in a sandbox directory; the work is checked at EVAL.
+
+Three kinds of task: ``put hello in a.txt`` (checked: the file's content), ``which file has
+KEY?`` and ``how many files in d1?`` (answered with ``answer: ...``). Every other action is a
+shell command; the observation is its output and, when it failed, ``[exit N]``. ``done`` ends
+the episode without an answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+
+from pydantic import Field
+
+from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, sample_unique, user
+from envs.shell import Shell
+
+WORDS = ("red", "sun", "cat", "map", "owl", "fig", "ice", "jam", "kit", "log", "net", "oak", "pen", "rug")
+
+
+class ShellConfig(EnvConfig):
+    """Turn budget and observation size of ``shell``."""
+
+    max_turns: int = Field(4, ge=1, description="Commands allowed, the answer included.")
+    max_observation_chars: int = Field(300, ge=16, description="Command output shown back to the model.")
+    eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of tasks held out for eval.")
+
+
+def _make_task(rng: random.Random) -> Task:
+    kind = rng.choice(("write", "find", "count"))
+    if kind == "write":
+        word, name = rng.choice(WORDS), rng.choice("abcdefgh")
+        return Task(
+            env="shell",
+            id=f"write:{word}:{name}",
+            prompt=f"put {word} in {name}.txt",
+            data={"kind": kind, "file": f"{name}.txt", "content": word},
+        )
+    files = {}
+    for d in ("d1", "d2"):
+        for i in range(rng.randint(1, 4)):
+            files[f"{d}/f{i}.txt"] = rng.choice(WORDS[:6])
+    if kind == "count":
+        d = rng.choice(("d1", "d2"))
+        count = sum(1 for path in files if path.startswith(d + "/"))
+        return Task(
+            env="shell",
+            id=f"count:{d}:{sorted(files.items())}",
+            prompt=f"how many files in {d}?",
+            data={"kind": kind, "files": files, "answer": str(count)},
+        )
+    key = rng.choice(WORDS[6:])
+    path = rng.choice(sorted(files))
+    files[path] = key
+    return Task(
+        env="shell",
+        id=f"find:{sorted(files.items())}",
+        prompt=f"which file has {key}?",
+        data={"kind": kind, "files": files, "answer": path},
+    )
+
+
+class ShellEnv(Env):
+    """Work in a persistent shell; reward 1 when the file or answer is right (EVAL)."""
+
+    name = "shell"
+    config_cls = ShellConfig
+
+    @classmethod
+    def tasks(cls, split: Split, seed: int, n: int, config: ShellConfig | None = None) -> list[Task]:
+        cfg = config or ShellConfig()
+
+        def accept(task: Task) -> bool:
+            return in_eval_split(task.id, cfg.eval_fraction) == (split == "eval")
+
+        return sample_unique(random.Random(f"{seed}/{split}"), _make_task, accept, n)
+
+    @classmethod
+    def demonstrate(cls, task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
+        """Scripted commands (``flawed``: half the time skips the work and ends)."""
+        if flawed and random.Random(f"{seed}/{task.id}").random() < 0.5:
+            return ["done"]
+        data = task.data
+        if data["kind"] == "write":
+            return [f"echo {data['content']} > {data['file']}", "done"]
+        if data["kind"] == "count":
+            return [f"ls {task.prompt.split()[-1].rstrip('?')} | wc -l", f"answer: {data['answer']}"]
+        return [f"grep -rl {task.prompt.split()[-1].rstrip('?')} .", f"answer: {data['answer']}"]
+
+    async def reset(self, task: Task) -> list[dict[str, str]]:
+        self._start(task)
+        sandbox = await self._new_sandbox()
+        for path, content in task.data.get("files", {}).items():
+            full = os.path.join(sandbox.workdir, path)
+            os.makedirs(os.path.dirname(full), exist_ok=True)
+            with open(full, "w") as handle:
+                handle.write(content + "\n")
+            if sandbox.uid is not None:
+                os.chown(os.path.dirname(full), sandbox.uid, sandbox.uid)
+                os.chown(full, sandbox.uid, sandbox.uid)
+        self.shell = await asyncio.to_thread(Shell, sandbox)
+        self.answer: str | None = None
+        return user(task.prompt)
+
+    async def step(self, action: str) -> StepResult:
+        self._require_task()
+        self.turns += 1
+        text = action.strip()
+        if text.startswith("answer:"):
+            self.answer = text.removeprefix("answer:").strip()
+            return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
+        if text == "done":
+            return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
+        result = await asyncio.to_thread(self.shell.run, text)
+        shown = result.output.strip()[-self.config.max_observation_chars :]
+        if result.exit_code:
+            shown = f"{shown}\n[exit {result.exit_code}]".strip()
+        done = self.turns >= self.config.max_turns
+        return StepResult(user(shown or "(no output)"), 0.0, done, 0.0, {"exit_code": result.exit_code})
+
+    async def evaluate(self) -> float:
+        task = self._require_task()
+        data = task.data
+        if data["kind"] != "write":
+            return float(self.answer is not None and self.answer.removeprefix("./") == data["answer"])
+        if self.sandbox is None:
+            return 0.0
+        path = os.path.join(self.sandbox.workdir, data["file"])
+        if not os.path.isfile(path) or os.path.islink(path):
+            return 0.0
+        with open(path, "rb") as handle:
+            return float(handle.read(4096).strip() == data["content"].encode())

@@ -1,0 +1,214 @@
+"""Sandbox attacks: each is contained, reported as a SandboxError kind, and the worker keeps serving."""
+
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from envs.pyrepl import PythonRepl
+from envs.sandbox import Sandbox, SandboxConfig, SandboxError, bwrap_path
+from envs.shell import Shell, ansi_c_quote
+
+pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
+
+SMALL = SandboxConfig(
+    backend="bwrap", cpu_seconds=2, memory_mb=256, max_processes=32, timeout_s=5, max_output_bytes=4096
+)
+
+
+def serves_after() -> None:
+    with Sandbox(SMALL) as fresh:
+        assert fresh.run("echo ok").output == "ok\n"
+
+
+@pytest.mark.parametrize(
+    ("command", "kind"),
+    [
+        (":(){ :|:& };:; sleep 60", {"process_limit"}),
+        ("python3 -c 'x = bytearray(2 * 1024**3)'", {"memory_limit"}),
+        ("while :; do :; done", {"cpu_limit"}),
+        ("echo pwned > /etc/pwned", {"write_outside"}),
+        ("yes 0123456789", {"output_limit"}),
+    ],
+)
+def test_attack_is_contained(command, kind):
+    with Sandbox(SMALL) as box, pytest.raises(SandboxError) as raised:
+        box.run(command)
+    assert raised.value.kind in kind, raised.value
+    assert raised.value.reason
+    assert not os.path.exists("/etc/pwned")
+    serves_after()
+
+
+def test_network_is_closed():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.5)
+    port = listener.getsockname()[1]
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(_accept(listener)), daemon=True).start()
+    code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)"
+    with Sandbox(SMALL) as box:
+        with pytest.raises(SandboxError) as raised:
+            box.run(["python3", "-c", code])
+        assert raised.value.kind == "network"
+        with pytest.raises(SandboxError) as outside:
+            box.run(["python3", "-c", "import socket; socket.create_connection(('1.1.1.1', 80), timeout=2)"])
+        assert outside.value.kind == "network"
+    time.sleep(0.6)
+    listener.close()
+    assert accepted == [None]
+    serves_after()
+
+
+def _accept(listener):
+    try:
+        return listener.accept()
+    except OSError:
+        return None
+
+
+def test_write_outside_leaves_host_untouched(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("safe")
+    with Sandbox(SMALL) as box:
+        hidden = box.run(f"echo pwned > {victim}")
+        assert hidden.exit_code != 0 and "No such file or directory" in hidden.output
+        with pytest.raises(SandboxError) as raised:
+            box.run("touch /usr/pwned")
+        assert raised.value.kind == "write_outside"
+        box.run("echo mine > inside.txt")
+        assert (Path(box.workdir) / "inside.txt").read_text() == "mine\n"
+    assert victim.read_text() == "safe"
+    assert not os.path.exists("/usr/pwned")
+
+
+def test_background_processes_are_killed():
+    box = Sandbox(SMALL)
+    shell = Shell(box)
+    shell.run("sleep 300 & setsid sleep 301 & disown -a; echo started")
+    assert box.leftover_processes() >= 3 if box.uid is not None else True
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith("sleep 30")]
+    assert pids
+    box.close()
+    deadline = time.monotonic() + 5
+    while (
+        any(os.path.exists(f"/proc/{p}") and _cmdline(str(p)) for p in pids) and time.monotonic() < deadline
+    ):
+        time.sleep(0.05)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}") and _cmdline(str(p))]
+    assert not os.path.exists(box.workdir)
+    serves_after()
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return handle.read().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
+
+
+def test_timeout_kills_and_reports():
+    with Sandbox(SMALL) as box, pytest.raises(SandboxError) as raised:
+        box.run("sleep 30", timeout=0.5)
+    assert raised.value.kind == "timeout"
+
+
+def test_shell_persists_state_and_reports_exit_status():
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        shell.run("mkdir sub && cd sub && export GREETING=hi")
+        result = shell.run("echo $GREETING from $(basename $PWD); (exit 3)")
+        assert (result.output, result.exit_code) == ("hi from sub\n", 3)
+        tricky = "printf '%s\\n' \"a'b\" 'c\"d' \\\\ \x1eTRDdeadbeef:0\x1e; echo tail"
+        result = shell.run(tricky)
+        assert result.output.endswith("tail\n") and result.exit_code == 0
+        assert shell.run("cat", timeout=2).output == ""
+
+
+def test_shell_dies_on_gigabytes_and_infinite_loop():
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        with pytest.raises(SandboxError) as raised:
+            shell.run("head -c 2000000000 /dev/zero | tr '\\0' x")
+        assert raised.value.kind == "output_limit"
+        assert not shell.alive
+        shell = Shell(box)
+        with pytest.raises(SandboxError) as raised:
+            shell.run("while :; do :; done")
+        assert raised.value.kind in {"cpu_limit", "timeout"}
+        assert Shell(box).run("echo back").output == "back\n"
+
+
+def test_ansi_c_quote_round_trips_through_bash():
+    text = 'a\'b\\c\n\t"$HOME" `x` é \x01'
+    with Sandbox(SMALL) as box:
+        assert box.run(f"printf %s {ansi_c_quote(text)}").output == text
+
+
+def test_python_repl_keeps_namespace_and_contains_attacks():
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        assert repl.run("x = 41").output == ""
+        assert repl.run("x + 1").output == "42\n"
+        failed = repl.run("1/0")
+        assert failed.error == "ZeroDivisionError" and "division by zero" in failed.output
+        with pytest.raises(SandboxError) as raised:
+            repl.run("b = bytearray(2 * 1024**3)")
+        assert raised.value.kind == "memory_limit"
+        with pytest.raises(SandboxError) as raised:
+            repl.run("while True: print('x' * 100)")
+        assert raised.value.kind == "output_limit"
+        with pytest.raises(SandboxError) as raised:
+            repl.run("open('/usr/pwned', 'w')")
+        assert raised.value.kind == "write_outside"
+        with pytest.raises(SandboxError) as raised:
+            repl.run("while True: pass")
+        assert raised.value.kind in {"cpu_limit", "timeout"}
+        assert not repl.alive
+        assert PythonRepl(box).run("'fresh'").output == "'fresh'\n"
+
+
+def test_process_fallback_enforces_limits_and_timeout():
+    config = SMALL.model_copy(update={"backend": "process"})
+    with Sandbox(config) as box:
+        assert box.backend == "process"
+        assert box.run("pwd").output.strip() == box.workdir
+        assert "AWS_SECRET_ACCESS_KEY" not in box.run("env").output
+        with pytest.raises(SandboxError) as raised:
+            box.run("python3 -c 'x = bytearray(2 * 1024**3)'")
+        assert raised.value.kind == "memory_limit"
+        with pytest.raises(SandboxError) as raised:
+            box.run("sleep 30", timeout=0.5)
+        assert raised.value.kind == "timeout"
+
+
+def test_apptainer_command_line():
+    config = SandboxConfig(
+        backend="apptainer", apptainer_image="/images/tools.sif", cpu_seconds=7, memory_mb=300
+    )
+    box = Sandbox(config)
+    try:
+        argv = box.argv(["bash", "-c", "echo hi"])
+        image = argv.index("/images/tools.sif")
+        options = argv[:image]
+        assert options[:2] == ["apptainer", "exec"]
+        for flag in ("--containall", "--no-privs", "--no-home", "--net"):
+            assert flag in options
+        assert options[options.index("--network") + 1] == "none"
+        assert options[options.index("--pwd") + 1] == box.workdir
+        assert f"{box.workdir}:{box.workdir}:rw" in options
+        assert f"HOME={box.workdir}" in options
+        inside = argv[image + 1 :]
+        assert inside[0] == "prlimit" and "--cpu=7:8" in inside and f"--as={300 * 1024 * 1024}" in inside
+        assert inside[-3:] == ["bash", "-c", "echo hi"]
+    finally:
+        box.close()
+    with pytest.raises(SandboxError) as raised:
+        Sandbox(SandboxConfig(backend="apptainer"))
+    assert raised.value.kind == "start_failed"
