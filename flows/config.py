@@ -1,0 +1,165 @@
+"""``RunConfig``: the run config that every flow and deployment takes.
+
+It composes each package's own config model; the Prefect UI renders it as the form of
+every deployment. Load one from YAML with :func:`load_config`; a bad value fails with a
+message that names the field.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from envs.registry import REGISTRY, make_config
+from rl.config import SAOConfig
+from rl.models import TinyModelConfig
+from rl.processor import ProcessorConfig
+from rl.sft import SFTConfig
+from rollout.engines.factory import EngineConfig
+from rollout.gateway import GatewayConfig
+from rollout.orchestrator import OrchestratorConfig
+from rollout.service import ServiceConfig
+from storage.config import StorageConfig
+
+
+class ConfigError(ValueError):
+    """A run config that does not load; the message names the field."""
+
+
+class ModelConfig(BaseModel):
+    """Which policy the run starts from."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = Field(
+        None, description="Local directory of a Hugging Face checkpoint; None builds the embedded tiny model."
+    )
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="The embedded tiny model.")
+
+
+class WarmStartConfig(BaseModel):
+    """Supervised warm start on the environments' scripted demonstrations, before RL."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        True, description="Warm-start version 0 on demonstrations when the run has no weights."
+    )
+    demos_per_env: int = Field(2000, ge=1, description="Demonstrations per environment in the mix.")
+    flawed: bool = Field(
+        True, description="Use each env's flawed demonstrator, so RL has something left to learn."
+    )
+    sft: SFTConfig = Field(default_factory=SFTConfig, description="Optimizer settings of the warm start.")
+
+
+class EvalConfig(BaseModel):
+    """Held-out evaluation of a weight version."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tasks_per_env: int = Field(100, ge=1, description="Held-out tasks per environment.")
+    temperature: float = Field(1e-3, gt=0, description="Sampling temperature (near-greedy by default).")
+    seed: int = Field(1234, description="Seed of the eval task set.")
+
+
+class StopConfig(BaseModel):
+    """When the long-lived flows end."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_seconds: float | None = Field(120.0, gt=0, description="Wall-clock budget of rollout and training.")
+    max_policy_steps: int | None = Field(None, ge=1, description="Stop after this many policy steps.")
+    max_rollouts: int | None = Field(None, ge=1, description="Stop rollouts after this many have finished.")
+
+
+class RunConfig(BaseModel):
+    """Everything one run needs: storage, model, engines, environments, processor, trainer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    run_id: str = Field("demo", description="Name of the run: its folder under storage.root.")
+    storage: StorageConfig = Field(
+        default_factory=StorageConfig, description="Where shards, tables and weights live."
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig, description="The starting policy.")
+    warm_start: WarmStartConfig = Field(default_factory=WarmStartConfig, description="Supervised warm start.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description="Inference engines.")
+    gateway: GatewayConfig = Field(
+        default_factory=GatewayConfig, description="Token-in-token-out gateway limits."
+    )
+    service: ServiceConfig = Field(
+        default_factory=ServiceConfig, description="Rollout service pools and sampling."
+    )
+    orchestrator: OrchestratorConfig = Field(
+        default_factory=OrchestratorConfig, description="Task mix, concurrency, backpressure."
+    )
+    envs: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Per-environment config overrides, keyed by environment name."
+    )
+    processor: ProcessorConfig = Field(default_factory=ProcessorConfig, description="Trajectory processor.")
+    sao: SAOConfig = Field(default_factory=SAOConfig, description="The SAO trainer.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
+    stop: StopConfig = Field(default_factory=StopConfig, description="Stop conditions.")
+    cluster: Literal["local", "ray"] = Field(
+        "local", description="'local': threads in this process; 'ray': engines and env workers as Ray actors."
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster address ('auto', ray://host:10001); None starts a local Ray."
+    )
+    seed: int = Field(0, description="Seed of task sampling and everything not seeded elsewhere.")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
+            raise ValueError(
+                "run_id may hold letters, digits, '_', '.', '-' and must start with a letter or digit"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _envs_known(self) -> RunConfig:
+        for name in [*self.orchestrator.mix, *self.envs]:
+            if name not in REGISTRY:
+                raise ValueError(f"unknown environment {name!r}; known: {sorted(REGISTRY)}")
+        for name, overrides in self.envs.items():
+            make_config(name, overrides)
+        return self
+
+    def env_config(self, name: str):
+        """The validated config of environment ``name``."""
+        return make_config(name, self.envs.get(name))
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load a run config from YAML (defaults when ``path`` is None), then apply ``overrides``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read run config {path}: {exc}") from exc
+        if not isinstance(data, dict):
+            raise ConfigError(f"run config {path} must be a mapping at the top level")
+    data = _merge(data, overrides or {})
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid run config{f' {path}' if path else ''}: {problems}") from None
+
+
+def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged

@@ -1,0 +1,42 @@
+"""``EngineConfig`` and the factory that builds engine replicas from it."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rollout.engines.base import Engine
+from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
+from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+
+
+class EngineConfig(BaseModel):
+    """Which inference engines serve the rollouts."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["torch", "vllm"] = Field(
+        "torch", description="'torch': in-process TorchEngine; 'vllm': vLLM servers."
+    )
+    replicas: int = Field(1, ge=1, description="TorchEngine replicas in this process (torch kind).")
+    torch: TorchEngineConfig = Field(default_factory=TorchEngineConfig, description="TorchEngine settings.")
+    vllm: list[VLLMEngineConfig] = Field(
+        default_factory=list, description="One entry per vLLM server replica (vllm kind)."
+    )
+
+    @model_validator(mode="after")
+    def _servers_for_vllm(self) -> EngineConfig:
+        if self.kind == "vllm" and not self.vllm:
+            raise ValueError("engine.kind is 'vllm' but engine.vllm lists no server")
+        return self
+
+
+def build_engines(config: EngineConfig, model_dir: str, version: int) -> list[Engine]:
+    """Engine replicas serving weight version ``version`` (local directory ``model_dir``)."""
+    if config.kind == "vllm":
+        return [VLLMEngine(server, name=f"vllm-{i}", version=version) for i, server in enumerate(config.vllm)]
+    return [
+        TorchEngine.from_config(config.torch, model_dir, name=f"torch-{i}", version=version)
+        for i in range(config.replicas)
+    ]

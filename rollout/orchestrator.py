@@ -1,0 +1,316 @@
+"""The multi-task orchestrator: keeps thousands of rollouts in flight across tasks.
+
+- **Mixing**: each new rollout goes to the task furthest below its target share of the
+  rollouts started so far, so the mix converges to the targets; targets can be changed
+  while it runs (:meth:`Orchestrator.set_mix`).
+- **Backpressure**: when the trainer lags (``backlog()`` unconsumed shards above the
+  limit) no new rollout starts until it catches up.
+- **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
+  filtering a group whose rewards are all equal is dropped, slots are refilled at once,
+  and once ``target_groups`` informative groups exist the redundant in-flight rollouts
+  are cancelled.
+- Every finished rollout goes to the sink (a ``ShardWriter``); ``stop()`` stops
+  launching, cancels what is in flight, flushes the sink and records what was cut short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from envs.base import Task
+from rollout.service import RolloutRequest, RolloutResult, RolloutService
+
+log = logging.getLogger(__name__)
+
+
+class OrchestratorConfig(BaseModel):
+    """How many rollouts run at once, on which tasks, and when to stop."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mix: dict[str, float] = Field(
+        default_factory=lambda: {"arith": 1.0}, description="Target share of rollouts per task (normalised)."
+    )
+    concurrency: int = Field(64, ge=1, description="Rollouts in flight at once.")
+    group_size: int = Field(1, ge=1, description="Rollouts per prompt: 1 for SAO, n for GRPO group mode.")
+    filter_uniform_groups: bool = Field(
+        True, description="Group mode: drop groups whose rewards are all equal (DAPO dynamic sampling)."
+    )
+    target_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Group mode: stop (cancelling redundant rollouts) after this many kept groups.",
+    )
+    max_rollouts: int | None = Field(None, ge=1, description="Stop after this many rollouts have finished.")
+    max_backlog: int = Field(
+        8, ge=1, description="Pause launching while more shards than this await the trainer."
+    )
+    backpressure_poll_s: float = Field(0.2, gt=0, description="Seconds between backlog checks while paused.")
+    seed: int = Field(0, description="Base of the per-rollout sampling seeds.")
+
+    @field_validator("mix")
+    @classmethod
+    def _valid_mix(cls, mix: dict[str, float]) -> dict[str, float]:
+        if not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+            raise ValueError("mix needs at least one task and non-negative weights with a positive sum")
+        return mix
+
+
+class Sink(Protocol):
+    def write(self, record: Mapping[str, Any]) -> Any: ...
+
+    def flush(self) -> Any: ...
+
+
+@dataclass
+class TaskCounters:
+    started: int = 0
+    finished: int = 0
+    statuses: Counter = field(default_factory=Counter)
+    reward_sum: float = 0.0
+    rewarded: int = 0
+
+    @property
+    def mean_reward(self) -> float | None:
+        return self.reward_sum / self.rewarded if self.rewarded else None
+
+
+@dataclass
+class OrchestratorStats:
+    """What the orchestrator did; ``cut_short`` names rollouts cancelled by a stop."""
+
+    tasks: dict[str, TaskCounters] = field(default_factory=lambda: defaultdict(TaskCounters))
+    written: int = 0
+    groups_kept: int = 0
+    groups_filtered: int = 0
+    cancelled_redundant: int = 0
+    cut_short: list[str] = field(default_factory=list)
+    paused_s: float = 0.0
+    peak_in_flight: int = 0
+
+    @property
+    def finished(self) -> int:
+        return sum(c.finished for c in self.tasks.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "finished": self.finished,
+            "written": self.written,
+            "groups_kept": self.groups_kept,
+            "groups_filtered": self.groups_filtered,
+            "cancelled_redundant": self.cancelled_redundant,
+            "cut_short": len(self.cut_short),
+            "paused_s": round(self.paused_s, 3),
+            "peak_in_flight": self.peak_in_flight,
+            "tasks": {
+                name: {
+                    "started": c.started,
+                    "finished": c.finished,
+                    "statuses": dict(c.statuses),
+                    "mean_reward": c.mean_reward,
+                }
+                for name, c in self.tasks.items()
+            },
+        }
+
+
+@dataclass
+class _Group:
+    group_id: str
+    size: int
+    results: list[RolloutResult] = field(default_factory=list)
+    tasks: set[asyncio.Task] = field(default_factory=set)
+
+
+class Orchestrator:
+    """Feeds the rollout service from per-task task streams and writes results to ``sink``.
+
+    Args:
+        service: the rollout service.
+        tasks: an endless iterator of train tasks per task name.
+        sink: where finished records go (``ShardWriter``).
+        backlog: number of committed shards the trainer has not consumed yet.
+    """
+
+    def __init__(
+        self,
+        service: RolloutService,
+        tasks: Mapping[str, Iterator[Task]],
+        sink: Sink,
+        config: OrchestratorConfig | None = None,
+        backlog: Callable[[], int] | None = None,
+        on_result: Callable[[RolloutResult], None] | None = None,
+    ):
+        self.service = service
+        self.tasks = dict(tasks)
+        self.sink = sink
+        self.config = config or OrchestratorConfig()
+        self.backlog = backlog
+        self.on_result = on_result
+        self.stats = OrchestratorStats()
+        self._mix = self._normalise(self.config.mix)
+        self._stop = asyncio.Event()
+        self._in_flight: dict[asyncio.Task, str] = {}
+        self._groups: dict[asyncio.Task, _Group] = {}
+        self._counter = 0
+
+    def _normalise(self, mix: Mapping[str, float]) -> dict[str, float]:
+        unknown = [name for name in mix if name not in self.tasks]
+        if unknown:
+            raise ValueError(f"mix names tasks with no task stream: {unknown}; known: {sorted(self.tasks)}")
+        total = sum(mix.values())
+        return {name: weight / total for name, weight in mix.items() if weight > 0}
+
+    def set_mix(self, mix: Mapping[str, float]) -> None:
+        """Change the target shares while running."""
+        self._mix = self._normalise(OrchestratorConfig(mix=dict(mix)).mix)
+
+    @property
+    def mix(self) -> dict[str, float]:
+        return dict(self._mix)
+
+    def stop(self) -> None:
+        """Ask :meth:`run` to stop: nothing new starts; in-flight rollouts are cut short."""
+        self._stop.set()
+
+    def _next_task_name(self) -> str:
+        total = sum(self.stats.tasks[name].started for name in self._mix) + 1
+        return max(self._mix, key=lambda name: self._mix[name] * total - self.stats.tasks[name].started)
+
+    def _done(self) -> bool:
+        cfg = self.config
+        if self._stop.is_set():
+            return True
+        if cfg.max_rollouts is not None and self.stats.finished >= cfg.max_rollouts:
+            return True
+        return cfg.target_groups is not None and self.stats.groups_kept >= cfg.target_groups
+
+    def _launched_enough(self) -> bool:
+        cfg = self.config
+        if cfg.max_rollouts is None:
+            return False
+        started = sum(c.started for c in self.stats.tasks.values())
+        return started + self.config.group_size > cfg.max_rollouts
+
+    async def _wait_for_trainer(self) -> None:
+        if self.backlog is None:
+            return
+        started = time.perf_counter()
+        while not self._stop.is_set() and self.backlog() > self.config.max_backlog:
+            await asyncio.sleep(self.config.backpressure_poll_s)
+        self.stats.paused_s += time.perf_counter() - started
+
+    def _launch_group(self) -> _Group:
+        name = self._next_task_name()
+        task = next(self.tasks[name])
+        size = self.config.group_size
+        group = _Group(group_id=uuid.uuid4().hex if size > 1 else "", size=size)
+        for _ in range(size):
+            self._counter += 1
+            request = RolloutRequest(
+                task=task, group_id=group.group_id or None, seed=self.config.seed * 1_000_003 + self._counter
+            )
+            job = asyncio.create_task(self.service.process(request), name=request.rollout_id)
+            self._in_flight[job] = request.rollout_id
+            group.tasks.add(job)
+            self._groups[job] = group
+            self.stats.tasks[name].started += 1
+        self.stats.peak_in_flight = max(self.stats.peak_in_flight, len(self._in_flight))
+        return group
+
+    async def run(self) -> OrchestratorStats:
+        """Run until a stop condition; returns the counters."""
+        try:
+            while not self._done():
+                while (
+                    len(self._in_flight) + self.config.group_size <= self.config.concurrency
+                    and not self._done()
+                    and not self._launched_enough()
+                ):
+                    await self._wait_for_trainer()
+                    if self._done():
+                        break
+                    self._launch_group()
+                if not self._in_flight:
+                    break
+                stop_wait = asyncio.create_task(self._stop.wait())
+                finished, _ = await asyncio.wait(
+                    [*self._in_flight, stop_wait], return_when=asyncio.FIRST_COMPLETED
+                )
+                stop_wait.cancel()
+                for job in finished:
+                    if job is not stop_wait:
+                        self._collect(job)
+        finally:
+            await self._cancel_in_flight()
+            self.sink.flush()
+        return self.stats
+
+    def _collect(self, job: asyncio.Task) -> None:
+        rollout_id = self._in_flight.pop(job)
+        group = self._groups.pop(job)
+        group.tasks.discard(job)
+        if job.cancelled():
+            return
+        exc = job.exception()
+        if exc is not None:
+            log.error("rollout %s failed outside the service's classification: %r", rollout_id, exc)
+            return
+        result: RolloutResult = job.result()
+        counters = self.stats.tasks[result.record["task"]]
+        counters.finished += 1
+        counters.statuses[result.status] += 1
+        if result.reward is not None:
+            counters.reward_sum += result.reward
+            counters.rewarded += 1
+        if self.on_result is not None:
+            self.on_result(result)
+        group.results.append(result)
+        if self.config.group_size == 1:
+            self._write([result])
+        elif len(group.results) == group.size:
+            self._finish_group(group)
+
+    def _finish_group(self, group: _Group) -> None:
+        scored = [r.reward for r in group.results if r.status in ("ok", "truncated") and r.reward is not None]
+        uniform = len(set(scored)) <= 1
+        if self.config.filter_uniform_groups and uniform:
+            self.stats.groups_filtered += 1
+            self._write([r for r in group.results if r.status == "infra_error"])
+            return
+        self.stats.groups_kept += 1
+        self._write(group.results)
+        if self.config.target_groups is not None and self.stats.groups_kept >= self.config.target_groups:
+            self.stats.cancelled_redundant += len(self._in_flight)
+
+    def _write(self, results: list[RolloutResult]) -> None:
+        for result in results:
+            self.sink.write(result.record)
+            self.stats.written += 1
+
+    async def _cancel_in_flight(self) -> None:
+        jobs = list(self._in_flight)
+        if not jobs:
+            return
+        redundant = (
+            self.config.target_groups is not None and self.stats.groups_kept >= self.config.target_groups
+        )
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        for job in jobs:
+            rollout_id = self._in_flight.pop(job)
+            self._groups.pop(job, None)
+            if not redundant:
+                self.stats.cut_short.append(rollout_id)
+        if self.stats.cut_short:
+            log.info("stopped with %d rollouts cut short", len(self.stats.cut_short))
