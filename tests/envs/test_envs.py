@@ -1,0 +1,156 @@
+"""Each environment end to end with its scripted solver; splits; flawed demonstrators; verifiers."""
+
+import asyncio
+import json
+import random
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from envs.arith import add_without_carry
+from envs.registry import REGISTRY, demonstrate, make, task_set
+from envs.sandbox import SandboxConfig, bwrap_path
+
+SMALL = SandboxConfig(cpu_seconds=5, memory_mb=256, max_processes=32, timeout_s=10)
+needs_bwrap = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
+
+
+async def play(name, task, actions, **config):
+    env = make(name, **config)
+    try:
+        messages = await env.reset(task)
+        assert messages[0]["role"] == "user" and messages[0]["content"] == task.prompt
+        result = None
+        for action in actions:
+            result = await env.step(action)
+            assert 0.0 <= result.progress <= 1.0
+            if result.done:
+                break
+        return result, await env.evaluate()
+    finally:
+        await env.close()
+
+
+@pytest.mark.parametrize("name", ["arith", "guess", "pytool", "code", "shell"])
+def test_splits_are_disjoint_and_reproducible(name):
+    train = task_set(name, "train", seed=1, n=20)
+    again = task_set(name, "train", seed=1, n=20)
+    evals = task_set(name, "eval", seed=1, n=3)
+    assert [t.id for t in train] == [t.id for t in again]
+    key = (lambda t: t.data["target"]) if name == "guess" else (lambda t: t.id)
+    assert not {key(t) for t in train} & {key(t) for t in evals}
+
+
+@pytest.mark.parametrize("name", ["arith", "guess"])
+def test_scripted_solver_wins(name):
+    for task in task_set(name, "train", seed=2, n=10):
+        result, score = asyncio.run(play(name, task, demonstrate(task)))
+        assert result.done and result.reward == 1.0 and score == 1.0 and result.progress == 1.0
+
+
+def test_arith_flawed_drops_carries():
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        assert add_without_carry(a, b, rng, drop=0.0) == a + b
+        no_carry = int(
+            "".join(str((int(x) + int(y)) % 10) for x, y in zip(f"{a:04d}", f"{b:04d}", strict=True))
+        )
+        assert add_without_carry(a, b, rng, drop=1.0) == no_carry
+    tasks = task_set("arith", "train", seed=3, n=200)
+    flawed = sum(demonstrate(t, flawed=True) == demonstrate(t) for t in tasks) / len(tasks)
+    assert 0.3 < flawed < 0.95
+
+
+def test_guess_feedback_and_progress():
+    task = task_set("guess", "train", seed=4, n=1)[0]
+    target = task.data["target"]
+
+    async def run():
+        env = make("guess")
+        await env.reset(task)
+        low = await env.step("0")
+        assert low.observation == [{"role": "user", "content": "higher"}] and not low.done
+        wrong = await env.step("banana")
+        assert wrong.observation[0]["content"] == "number?"
+        hit = await env.step(str(target))
+        assert hit.observation[0]["content"] == "correct" and hit.done and hit.reward == 1.0
+        return low.progress
+
+    assert asyncio.run(run()) == 0.0
+    flawed_turns = [
+        len(demonstrate(t, flawed=True, seed=s)) for s in range(5) for t in task_set("guess", "train", 5, 10)
+    ]
+    good_turns = [len(demonstrate(t)) for t in task_set("guess", "train", 5, 10)]
+    assert max(good_turns) <= 5 and sum(flawed_turns) / len(flawed_turns) > sum(good_turns) / len(good_turns)
+
+
+@needs_bwrap
+def test_pytool_runs_python_then_answers():
+    task = task_set("pytool", "train", seed=5, n=1)[0]
+    result, score = asyncio.run(play("pytool", task, demonstrate(task), sandbox=SMALL))
+    assert score == 1.0 and result.reward == 1.0
+    wrong, score = asyncio.run(
+        play("pytool", task, ["run: y = 3", "run: y * 2", "answer: -1"], sandbox=SMALL)
+    )
+    assert score == 0.0 and wrong.done
+
+
+@needs_bwrap
+def test_code_scores_fraction_of_hidden_tests():
+    task = task_set("code", "train", seed=6, n=1)[0]
+    _, score = asyncio.run(play("code", task, demonstrate(task), sandbox=SMALL))
+    assert score == 1.0
+    body = task.data["body"]
+    partial = f"def f(x):\n    return {body} if x >= 0 else None"
+    expected = sum(x >= 0 for x, _ in task.data["tests"]) / len(task.data["tests"])
+    _, score = asyncio.run(play("code", task, [partial], sandbox=SMALL))
+    assert score == pytest.approx(expected)
+    _, score = asyncio.run(play("code", task, ["this is not python"], sandbox=SMALL))
+    assert score == 0.0
+
+
+@needs_bwrap
+def test_shell_tasks_checked_at_eval():
+    for task in task_set("shell", "train", seed=7, n=6):
+        result, score = asyncio.run(play("shell", task, demonstrate(task), sandbox=SMALL))
+        assert score == 1.0, task
+        _, score = asyncio.run(play("shell", task, ["done"], sandbox=SMALL))
+        assert score == 0.0
+
+
+def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
+    rows = [{"prompt": f"q{i}", "answer": str(i * 1.5)} for i in range(40)]
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
+    parquet = tmp_path / "data.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    for path in (jsonl, parquet):
+        train = task_set("dataset", "train", 0, 30, {"path": str(path)})
+        evals = task_set("dataset", "eval", 0, 5, {"path": str(path)})
+        assert not {t.id for t in train} & {t.id for t in evals}
+    task = train[0]
+    want = task.data["answer"]
+    cases = [
+        ({"verifier": "exact"}, want, 1.0),
+        ({"verifier": "exact"}, want + "0", 0.0),
+        ({"verifier": "numeric", "tolerance": 0.01}, str(float(want) + 0.005), 1.0),
+        ({"verifier": "numeric", "tolerance": 0.01}, "nope", 0.0),
+        ({"verifier": "regex"}, want, 1.0),
+        ({"verifier": "operator:eq"}, want, 1.0),
+        ({"verifier": "operator:eq"}, "x", 0.0),
+    ]
+    for config, answer, score in cases:
+        result, final = asyncio.run(play("dataset", task, [answer], path=str(parquet), **config))
+        assert result.reward == final == score, (config, answer)
+    with pytest.raises(ValueError, match="verifier"):
+        make("dataset", path=str(jsonl), verifier="not a verifier")
+    with pytest.raises(ValueError, match="no field"):
+        task_set("dataset", "train", 0, 1, {"path": str(jsonl), "answer_field": "missing"})
+
+
+def test_registry_knows_every_env():
+    assert set(REGISTRY) == {"arith", "guess", "pytool", "code", "shell", "dataset", "agent"}
+    with pytest.raises(KeyError, match="unknown environment"):
+        make("nope")
