@@ -1,0 +1,68 @@
+"""Configuration of the SAO / GRPO trainer (``SAOConfig``)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SAOConfig(BaseModel):
+    """Settings of the continuous trainer: losses, advantages, critic, batching, publishing.
+
+    Defaults follow SAO as described in PAPERS.md (DIS with ε_low = 0.3, ε_high = 5.0,
+    γ = 1, λ = 0.95, K = 2 critic steps per policy step).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["sao", "grpo"] = Field(
+        "sao",
+        description="'sao': single rollout per prompt, value model, observation-skip GAE. "
+        "'grpo': group advantages (reward minus group mean), no critic; the baseline.",
+    )
+    eps_low: float = Field(
+        0.3, gt=0, le=1, description="DIS: tokens with ratio <= 1 - eps_low are masked out."
+    )
+    eps_high: float = Field(5.0, gt=0, description="DIS: tokens with ratio >= 1 + eps_high are masked out.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount γ of the GAE.")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE λ of the policy's advantages (when not adaptive).")
+    adaptive_lambda: bool = Field(
+        False, description="Use the length-adaptive λ = 1 − 1/(α·L) per row instead of the fixed lam."
+    )
+    lambda_alpha: float = Field(
+        0.05, gt=0, description="α of the length-adaptive λ; L is the row's action tokens."
+    )
+    value_lam: float = Field(
+        1.0, ge=0, le=1, description="GAE λ of the critic's targets (1.0: Monte-Carlo returns, as in VAPO)."
+    )
+    normalize_advantages: bool = Field(
+        False, description="Whiten advantages over the batch's action tokens before the policy step."
+    )
+    grpo_normalize_std: bool = Field(False, description="GRPO: divide by the group's reward std.")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the policy.")
+    value_lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the value model.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (policy and value).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient-norm clip of each optimizer step.")
+    value_steps: int = Field(
+        2, ge=0, description="K: critic steps on each batch before its policy step (SAO)."
+    )
+    value_clip: float | None = Field(
+        None, gt=0, description="Clip range of the value loss around the pre-step values; None: plain MSE."
+    )
+    value_pretrain_steps: int = Field(
+        0, ge=0, description="Critic-only steps on the first batches before the first policy step."
+    )
+    token_budget: int = Field(8192, ge=1, description="Tokens (sum of sequence lengths) per optimizer step.")
+    micro_token_budget: int = Field(
+        8192, ge=1, description="Padded tokens (rows × longest row) per forward pass; gradients accumulate."
+    )
+    max_staleness: int = Field(
+        4, ge=0, description="Drop a sample whose oldest action token is more than this many versions old."
+    )
+    publish_every: int = Field(4, ge=1, description="Publish a weight version every N policy steps.")
+    publish_on_stop: bool = Field(
+        True, description="Publish the steps since the last version on a clean stop."
+    )
+    poll_seconds: float = Field(1.0, gt=0, description="Wait between polls of the shard log when idle.")
+    seed: int = Field(0, description="Torch seed of the trainer.")

@@ -1,0 +1,630 @@
+"""The continuous SAO / GRPO trainer.
+
+It reads processed shards as they are committed, drops samples that are too stale,
+batches the rest by a token budget and, for each policy step, runs K critic steps, computes
+advantages with the updated critic (observation-skip GAE) and takes a DIS policy step
+(PAPERS.md, SAO). Every ``publish_every`` steps it publishes a weight version whose extra
+files hold everything a restarted trainer needs: optimizer states, the value model, the
+step counter and the shards (and rows) consumed. Consumption is recorded only in published
+versions, so after a crash the rows consumed since ``LATEST`` are read and trained again,
+and every committed trajectory ends up in exactly one published version.
+
+Read the loop in :meth:`Trainer.run`; one policy step in :meth:`Trainer._train_step`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from rl.advantages import adaptive_lambda, group_advantages, skip_observation_gae
+from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_table, take_batch
+from rl.config import SAOConfig
+from rl.losses import dis_policy_loss, value_loss
+from rl.models import ValueModel, load_policy
+from storage.config import RunStore
+from storage.shards import ShardInfo, ShardReader
+from storage.tables import Tables
+from storage.weights import WeightStore
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+POLICY_OPTIMIZER_FILE = "policy_optimizer.pt"
+VALUE_MODEL_FILE = "value_model.safetensors"
+VALUE_OPTIMIZER_FILE = "value_optimizer.pt"
+
+
+def token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """Log-prob of every token given the ones before it.
+
+    Args:
+        model: a causal LM returning ``.logits`` of shape ``(B, T, V)``.
+        input_ids: ``(B, T)`` int64.
+        attention_mask: ``(B, T)`` bool.
+
+    Returns:
+        ``(B, T)`` float32; position 0 (no context) is 0.
+    """
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
+    taken = logits.gather(-1, input_ids[:, 1:, None])[..., 0]
+    return F.pad(taken - torch.logsumexp(logits, dim=-1), (1, 0))
+
+
+def token_values(
+    value_model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """The critic's value of the state in which each token was chosen.
+
+    The value head's output at position ``t − 1`` (the prefix before token ``t``) is the
+    value of token ``t``, aligned like :func:`token_logprobs`.
+
+    Returns:
+        ``(B, T)`` float32; position 0 is 0.
+    """
+    out = value_model(input_ids, attention_mask.long()).float()
+    return F.pad(out[:, :-1], (1, 0))
+
+
+@dataclass
+class StepMetrics:
+    """What one policy step reports (a ``train_steps`` row, ``extra`` as a dict)."""
+
+    row: dict
+    extra: dict
+
+
+@dataclass
+class TrainSummary:
+    """What :meth:`Trainer.run` did."""
+
+    steps: int
+    versions: list[int]
+    stop_reason: str
+
+
+@dataclass
+class _Consumption:
+    """Rows consumed (trained, dropped as stale, or rejected) per shard.
+
+    ``done`` holds every fully consumed shard since the start of the run; ``rows`` the
+    consumed rows of shards still in flight. ``since_publish_*`` is what the next
+    published version will list.
+    """
+
+    done: set[str] = field(default_factory=set)
+    rows: dict[str, set[int]] = field(default_factory=dict)
+    num_rows: dict[str, int] = field(default_factory=dict)
+    since_publish_shards: list[str] = field(default_factory=list)
+    since_publish_rows: Counter = field(default_factory=Counter)
+
+    def mark(self, shard_id: str, rows: list[int]) -> None:
+        seen = self.rows.setdefault(shard_id, set())
+        new = [row for row in rows if row not in seen]
+        if len(new) != len(rows):
+            raise RuntimeError(f"rows of shard {shard_id} consumed twice: {sorted(set(rows) & seen)}")
+        seen.update(new)
+        self.since_publish_rows[shard_id] += len(new)
+        self._complete_if_done(shard_id)
+
+    def _complete_if_done(self, shard_id: str) -> None:
+        if shard_id in self.num_rows and len(self.rows.get(shard_id, ())) >= self.num_rows[shard_id]:
+            self.done.add(shard_id)
+            self.since_publish_shards.append(shard_id)
+            self.rows.pop(shard_id, None)
+            self.num_rows.pop(shard_id)
+
+    def open(self, shard_id: str, num_rows: int) -> set[int]:
+        """Start tracking a shard; returns the rows already consumed before a restart."""
+        self.num_rows[shard_id] = num_rows
+        already = set(self.rows.get(shard_id, ()))
+        self._complete_if_done(shard_id)
+        return already
+
+
+class Trainer:
+    """Continuous trainer over the processed shards of one run.
+
+    Args:
+        store: the run's storage; the trainer reads ``shards/processed``, writes
+            ``tables/train_steps`` and ``tables/weights`` and publishes weight versions.
+        config: :class:`SAOConfig`.
+        device: torch device of the policy and value model.
+        dtype: parameter dtype of both models.
+
+    Raises:
+        FileNotFoundError: when the store holds no weight version to start from (publish
+            one first, e.g. with ``rl.models.ensure_base_version``).
+    """
+
+    def __init__(
+        self,
+        store: RunStore,
+        config: SAOConfig,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.store = store
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.weights = WeightStore(store)
+        self.tables = Tables(store)
+        self.reader = ShardReader(store, kind="processed")
+        self.attempt = uuid.uuid4().hex[:12]
+        torch.manual_seed(config.seed)
+        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="treadle-trainer-tokenizer-")
+        self._resume()
+        self.buffer: deque[Sample] = deque()
+        self.offset = -1
+        self._dropped_stale = 0
+        self._rejected: Counter = Counter()
+        self._stale_since_publish = 0
+        self._rejected_since_publish = 0
+        self._trained_since_publish = 0
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        version = self.weights.latest()
+        if version is None:
+            raise FileNotFoundError(
+                f"no weight version in {self.store.url('weights')}: publish a base version first "
+                "(rl.models.ensure_base_version)"
+            )
+        path = Path(self.weights.load(version))
+        self.version = version
+        self.policy, self.tokenizer = load_policy(str(path), device=str(self.device), dtype=self.dtype)
+        self.tokenizer.save_pretrained(self._tokenizer_dir.name)
+        self.policy.train()
+        self.vocab_size = self.policy.get_input_embeddings().num_embeddings
+        pad_id = self.tokenizer.pad_token_id
+        self.pad_id = pad_id if pad_id is not None else (self.tokenizer.eos_token_id or 0)
+        self.policy_optimizer = torch.optim.AdamW(
+            self.policy.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
+        )
+        self.value_model: ValueModel | None = None
+        self.value_optimizer: torch.optim.Optimizer | None = None
+        if self.config.mode == "sao":
+            self.value_model = ValueModel.from_policy(self.policy).to(device=self.device, dtype=self.dtype)
+            if (path / VALUE_MODEL_FILE).is_file():
+                self.value_model.load_state_dict(load_safetensors((path / VALUE_MODEL_FILE).read_bytes()))
+            self.value_model.freeze_attention()
+            self.value_model.train()
+            self.value_optimizer = torch.optim.AdamW(
+                [p for p in self.value_model.parameters() if p.requires_grad],
+                lr=self.config.value_lr,
+                weight_decay=self.config.weight_decay,
+            )
+            if (path / VALUE_OPTIMIZER_FILE).is_file():
+                self.value_optimizer.load_state_dict(self._load_torch(path / VALUE_OPTIMIZER_FILE))
+        if (path / POLICY_OPTIMIZER_FILE).is_file():
+            self.policy_optimizer.load_state_dict(self._load_torch(path / POLICY_OPTIMIZER_FILE))
+
+        state = json.loads((path / STATE_FILE).read_text()) if (path / STATE_FILE).is_file() else {}
+        self.step = int(state.get("step", self.weights.manifest(version).get("step", 0)))
+        self.value_pretrain_done = int(state.get("value_pretrain_done", 0))
+        self.consumption = _Consumption(
+            done=set(state.get("consumed_shards", [])),
+            rows={shard: set(rows) for shard, rows in state.get("partial_rows", {}).items()},
+        )
+        self._steps_since_publish = 0
+        logger.info(
+            "trainer resumed from version %d at step %d (attempt %s)", version, self.step, self.attempt
+        )
+
+    def _load_torch(self, path: Path) -> dict:
+        return torch.load(io.BytesIO(path.read_bytes()), map_location=self.device, weights_only=True)
+
+    @staticmethod
+    def _torch_bytes(obj: dict) -> bytes:
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        return buffer.getvalue()
+
+    def publish(self) -> int:
+        """Publish the policy with the trainer's full state; returns the new version."""
+        consumption = self.consumption
+        state = {
+            "step": self.step,
+            "value_pretrain_done": self.value_pretrain_done,
+            "consumed_shards": sorted(consumption.done),
+            "partial_rows": {shard: sorted(rows) for shard, rows in consumption.rows.items()},
+        }
+        extra = {
+            STATE_FILE: json.dumps(state).encode(),
+            POLICY_OPTIMIZER_FILE: self._torch_bytes(self.policy_optimizer.state_dict()),
+        }
+        if self.value_model is not None and self.value_optimizer is not None:
+            value_state = {
+                name: t.detach().cpu().contiguous() for name, t in self.value_model.state_dict().items()
+            }
+            extra[VALUE_MODEL_FILE] = save_safetensors(value_state)
+            extra[VALUE_OPTIMIZER_FILE] = self._torch_bytes(self.value_optimizer.state_dict())
+        metadata = {
+            "consumed_shards": list(consumption.since_publish_shards),
+            "consumed_rows": dict(consumption.since_publish_rows),
+            "trained_samples": self._trained_since_publish,
+            "dropped_stale": self._stale_since_publish,
+            "rejected_rows": self._rejected_since_publish,
+            "attempt": self.attempt,
+        }
+        parent = self.version
+        version = self.weights.publish(
+            self.policy.state_dict(),
+            self.policy.config.to_dict(),
+            self._tokenizer_dir.name,
+            step=self.step,
+            parent=parent,
+            metadata=metadata,
+            extra_files=extra,
+        )
+        self.tables.append(
+            "weights",
+            [
+                {
+                    "version": version,
+                    "step": self.step,
+                    "parent": parent,
+                    "path": self.weights.version_url(version),
+                    "num_consumed_shards": len(consumption.since_publish_shards),
+                    "created_at": datetime.now(UTC),
+                    "tag": None,
+                }
+            ],
+        )
+        logger.info(
+            "published version %d at step %d (%d shards consumed since version %d)",
+            version,
+            self.step,
+            len(consumption.since_publish_shards),
+            parent,
+        )
+        self.version = version
+        consumption.since_publish_shards = []
+        consumption.since_publish_rows = Counter()
+        self._steps_since_publish = 0
+        self._stale_since_publish = self._rejected_since_publish = self._trained_since_publish = 0
+        return version
+
+    # -- data ----------------------------------------------------------------------------
+
+    def ingest(self) -> int:
+        """Poll the processed-shard log and buffer the new rows; returns new shards read."""
+        infos, self.offset = self.reader.poll(self.offset)
+        read = 0
+        for info in infos:
+            if info.shard_id in self.consumption.done or info.shard_id in self.consumption.num_rows:
+                continue
+            self._ingest_shard(info)
+            read += 1
+        return read
+
+    def _ingest_shard(self, info: ShardInfo) -> None:
+        already = self.consumption.open(info.shard_id, info.num_rows)
+        if info.shard_id in self.consumption.done:
+            return
+        table = self.reader.read(info)
+        if table is None:
+            self._reject(
+                info.shard_id, [r for r in range(info.num_rows) if r not in already], "shard quarantined"
+            )
+            return
+        if table.num_rows != info.num_rows:
+            self.consumption.num_rows[info.shard_id] = table.num_rows
+        samples, rejected = samples_from_table(table, info.shard_id, self.vocab_size)
+        by_reason: dict[str, list[int]] = {}
+        for row, trajectory_id, reason in rejected:
+            if row not in already:
+                logger.warning("rejected trajectory %s of shard %s: %s", trajectory_id, info.shard_id, reason)
+                by_reason.setdefault(reason, []).append(row)
+        for reason, rows in by_reason.items():
+            self._reject(info.shard_id, rows, reason)
+        self.buffer.extend(s for s in samples if s.row not in already)
+        if table.num_rows == 0:
+            self.consumption.mark(info.shard_id, [])
+
+    def _reject(self, shard_id: str, rows: list[int], reason: str) -> None:
+        self._rejected[reason] += len(rows)
+        self._rejected_since_publish += len(rows)
+        self.consumption.mark(shard_id, rows)
+
+    def drop_stale(self) -> int:
+        """Drop buffered samples older than ``max_staleness`` versions; returns how many."""
+        limit = self.config.max_staleness
+        keep: deque[Sample] = deque()
+        dropped: list[Sample] = []
+        for sample in self.buffer:
+            (dropped if self.version - sample.min_version > limit else keep).append(sample)
+        self.buffer = keep
+        for sample in dropped:
+            self.consumption.mark(sample.shard_id, [sample.row])
+        self._dropped_stale += len(dropped)
+        self._stale_since_publish += len(dropped)
+        return len(dropped)
+
+    def buffered_tokens(self) -> int:
+        return sum(sample.num_tokens for sample in self.buffer)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def run(
+        self,
+        *,
+        max_steps: int | None = None,
+        max_seconds: float | None = None,
+        stop_event: threading.Event | None = None,
+        progress: Callable[[dict], None] | None = None,
+        drain: bool = False,
+    ) -> TrainSummary:
+        """Train until a stop condition holds.
+
+        Args:
+            max_steps: stop once the (resumed) policy step counter reaches this.
+            max_seconds: stop after this much wall-clock time in this call.
+            stop_event: stop when it is set (checked between steps and while idle).
+            progress: called with each step's ``train_steps`` row (``extra`` as a dict).
+            drain: also stop when the shard log has nothing new and the buffer is empty;
+                a last partial batch is trained instead of waiting for more data.
+
+        On a clean stop the steps since the last version are published
+        (``publish_on_stop``).
+        """
+        stop_event = stop_event or threading.Event()
+        started = time.monotonic()
+        versions: list[int] = []
+        stop_reason = "stop_event"
+        while not stop_event.is_set():
+            if max_steps is not None and self.step >= max_steps:
+                stop_reason = "max_steps"
+                break
+            if max_seconds is not None and time.monotonic() - started >= max_seconds:
+                stop_reason = "max_seconds"
+                break
+            new_shards = self.ingest()
+            self.drop_stale()
+            full = self.buffered_tokens() >= self.config.token_budget
+            if full or (drain and new_shards == 0 and self.buffer):
+                self._pretrain_value()
+                metrics = self._train_step(
+                    take_batch(self.buffer, self.config.token_budget, self._keep_groups)
+                )
+                if progress is not None and metrics is not None:
+                    progress({**metrics.row, "extra": metrics.extra})
+                if self._steps_since_publish >= self.config.publish_every:
+                    versions.append(self.publish())
+                continue
+            if drain and new_shards == 0:
+                stop_reason = "drained"
+                break
+            if new_shards == 0:
+                stop_event.wait(self.config.poll_seconds)
+        if self.config.publish_on_stop and (self._steps_since_publish or self._pending_consumption()):
+            versions.append(self.publish())
+        logger.info("trainer stopped (%s) at step %d", stop_reason, self.step)
+        return TrainSummary(steps=self.step, versions=versions, stop_reason=stop_reason)
+
+    def _pending_consumption(self) -> bool:
+        return bool(
+            self.consumption.since_publish_shards or sum(self.consumption.since_publish_rows.values())
+        )
+
+    @property
+    def _keep_groups(self) -> bool:
+        return self.config.mode == "grpo"
+
+    def _pretrain_value(self) -> None:
+        """Critic-only steps over the buffered batches before the first policy step.
+
+        The batches are not consumed: their policy step comes after.
+        """
+        if self.value_model is None or self.value_pretrain_done >= self.config.value_pretrain_steps:
+            return
+        pending = list(self.buffer)
+        batches: list[list[Sample]] = []
+        while pending:
+            queue = deque(pending)
+            batches.append(take_batch(queue, self.config.token_budget))
+            pending = list(queue)
+        losses = []
+        while self.value_pretrain_done < self.config.value_pretrain_steps:
+            parts = self._parts(batches[self.value_pretrain_done % len(batches)])
+            losses.append(self._value_step(parts, self._old_values(parts))["value_loss"])
+            self.value_pretrain_done += 1
+        logger.info("value pretraining: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
+
+    def _parts(self, samples: list[Sample]) -> list[Batch]:
+        return [
+            pad_batch(part, self.pad_id).to(self.device)
+            for part in micro_batches(samples, self.config.micro_token_budget)
+        ]
+
+    # -- one step ------------------------------------------------------------------------
+
+    def _old_values(self, parts: list[Batch]) -> list[torch.Tensor] | None:
+        if self.config.value_clip is None:
+            return None
+        with torch.no_grad():
+            return [token_values(self.value_model, p.input_ids, p.attention_mask) for p in parts]
+
+    def _value_step(self, parts: list[Batch], old_values: list[torch.Tensor] | None) -> dict[str, float]:
+        """One critic step on GAE targets (λ = ``value_lam``) from its own current values."""
+        config = self.config
+        total_actions = sum(int(p.action_mask.sum()) for p in parts)
+        self.value_optimizer.zero_grad(set_to_none=True)
+        loss_total, explained = 0.0, 0.0
+        for i, part in enumerate(parts):
+            values = token_values(self.value_model, part.input_ids, part.attention_mask)
+            _, returns = skip_observation_gae(
+                part.rewards, values.detach(), part.action_mask, config.gamma, config.value_lam
+            )
+            loss, stats = value_loss(
+                values,
+                returns,
+                part.action_mask,
+                None if old_values is None else old_values[i],
+                config.value_clip,
+            )
+            share = int(part.action_mask.sum()) / max(total_actions, 1)
+            (loss * share).backward()
+            loss_total += stats["value_loss"] * share
+            explained += stats["explained_variance"] * share
+        torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), config.max_grad_norm)
+        self.value_optimizer.step()
+        return {"value_loss": loss_total, "explained_variance": explained}
+
+    def _advantages(self, parts: list[Batch], samples: list[Sample]) -> list[torch.Tensor]:
+        config = self.config
+        if config.mode == "grpo":
+            rows = group_advantages(
+                torch.tensor([s.reward for s in samples]),
+                [s.group_id if s.group_id is not None else s.trajectory_id for s in samples],
+                normalize_std=config.grpo_normalize_std,
+            ).to(self.device)
+            out, start = [], 0
+            for part in parts:
+                rows_here = rows[start : start + part.input_ids.shape[0]]
+                start += part.input_ids.shape[0]
+                out.append(
+                    torch.where(part.action_mask, rows_here[:, None], torch.zeros_like(part.rollout_logprobs))
+                )
+            return out
+        out = []
+        with torch.no_grad():
+            for part in parts:
+                values = token_values(self.value_model, part.input_ids, part.attention_mask)
+                lam = (
+                    adaptive_lambda(part.action_mask.sum(dim=1), config.lambda_alpha)
+                    if config.adaptive_lambda
+                    else config.lam
+                )
+                advantages, _ = skip_observation_gae(
+                    part.rewards, values, part.action_mask, config.gamma, lam
+                )
+                out.append(advantages)
+        return out
+
+    def _train_step(self, samples: list[Sample]) -> StepMetrics | None:
+        """K critic steps, advantages with the updated critic, one DIS policy step."""
+        config = self.config
+        started = time.perf_counter()
+        parts = self._parts(samples)
+        total_train = sum(int(p.train_mask.sum()) for p in parts)
+        if total_train == 0:
+            self._reject_batch(samples, "all-masked batch: no trainable tokens")
+            return None
+
+        value_stats = []
+        if self.value_model is not None:
+            old_values = self._old_values(parts)
+            value_stats = [self._value_step(parts, old_values) for _ in range(config.value_steps)]
+        advantages = self._advantages(parts, samples)
+        if config.normalize_advantages:
+            flat = torch.cat([a[p.train_mask] for a, p in zip(advantages, parts, strict=True)])
+            mean, std = flat.mean(), flat.std() if flat.numel() > 1 else torch.tensor(1.0)
+            advantages = [
+                (a - mean) / (std + 1e-8) * p.action_mask for a, p in zip(advantages, parts, strict=True)
+            ]
+
+        self.policy_optimizer.zero_grad(set_to_none=True)
+        policy_loss = 0.0
+        weighted: Counter = Counter()
+        for part, part_advantages in zip(parts, advantages, strict=True):
+            logprobs = token_logprobs(self.policy, part.input_ids, part.attention_mask)
+            loss, stats = dis_policy_loss(
+                logprobs,
+                part.rollout_logprobs,
+                part_advantages,
+                part.train_mask,
+                config.eps_low,
+                config.eps_high,
+                loss_weight=part.loss_weight,
+            )
+            share = stats["num_tokens"] / total_train
+            (loss * share).backward()
+            policy_loss += float(loss.detach()) * share
+            for name in ("masked_fraction", "masked_low", "masked_high", "mean_ratio", "kl"):
+                weighted[name] += stats[name] * share
+            weighted["max_ratio"] = max(weighted["max_ratio"], stats["max_ratio"])
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm))
+        if not (math.isfinite(policy_loss) and math.isfinite(grad_norm)):
+            self.policy_optimizer.zero_grad(set_to_none=True)
+            self._reject_batch(samples, f"non-finite policy loss {policy_loss} or gradient norm {grad_norm}")
+            return None
+        self.policy_optimizer.step()
+
+        self.step += 1
+        self._steps_since_publish += 1
+        self._trained_since_publish += len(samples)
+        for sample in samples:
+            self.consumption.mark(sample.shard_id, [sample.row])
+        seconds = time.perf_counter() - started
+        staleness = [self.version - s.min_version for s in samples]
+        num_tokens = sum(s.num_tokens for s in samples)
+        flat_adv = torch.cat([a[p.train_mask] for a, p in zip(advantages, parts, strict=True)])
+        extra = {
+            "attempt": self.attempt,
+            "mode": config.mode,
+            "staleness_hist": {str(k): v for k, v in sorted(Counter(staleness).items())},
+            "value_losses": [s["value_loss"] for s in value_stats],
+            "explained_variance": value_stats[-1]["explained_variance"] if value_stats else None,
+            "masked_low": weighted["masked_low"],
+            "masked_high": weighted["masked_high"],
+            "max_ratio": weighted["max_ratio"],
+            "advantage_mean": float(flat_adv.mean()),
+            "advantage_std": float(flat_adv.std()) if flat_adv.numel() > 1 else 0.0,
+            "grad_norm": grad_norm,
+            "train_tokens": total_train,
+            "rejected": dict(self._rejected),
+        }
+        row = {
+            "step": self.step,
+            "version": self.version,
+            "policy_loss": policy_loss,
+            "value_loss": value_stats[-1]["value_loss"] if value_stats else float("nan"),
+            "masked_fraction": weighted["masked_fraction"],
+            "mean_ratio": weighted["mean_ratio"],
+            "kl": weighted["kl"],
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "num_samples": len(samples),
+            "num_tokens": num_tokens,
+            "tokens_per_s": num_tokens / max(seconds, 1e-9),
+            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "dropped_stale": self._dropped_stale,
+            "step_seconds": seconds,
+            "time": datetime.now(UTC),
+            "extra": json.dumps(extra),
+        }
+        self.tables.append("train_steps", [row])
+        self._dropped_stale = 0
+        self._rejected = Counter()
+        return StepMetrics(row=row, extra=extra)
+
+    def _reject_batch(self, samples: list[Sample], reason: str) -> None:
+        logger.warning("rejected a batch of %d samples: %s", len(samples), reason)
+        for sample in samples:
+            self._reject(sample.shard_id, [sample.row], reason)
+
+    def close(self) -> None:
+        """Release the temporary tokenizer folder."""
+        self._tokenizer_dir.cleanup()
