@@ -31,10 +31,10 @@ class ElasticConfig(BaseModel):
         description="Unconsumed shards at or below which the trainer runs dry and returns a borrowed unit.",
     )
     max_queue_per_replica: float = Field(
-        0.5,
-        ge=0,
-        description="Engine queue depth per rollout replica above which rollout is busy and keeps its units.",
+        1.0, ge=0, description="Engine queue depth per rollout replica above which rollout needs more units."
     )
+    max_moves_per_step: int = Field(2, ge=1, description="Most units moved (or set draining) by one decision.")
+    cooldown_s: float = Field(120.0, ge=0, description="Seconds after a move before the next one (damps thrashing).")
     min_rollout: int = Field(1, ge=1, description="Rollout units never lent to training.")
     min_train: int = Field(1, ge=1, description="Training units never handed to rollout.")
 
@@ -143,26 +143,30 @@ class ElasticController:
         """Decide on the current queues; returns the moves made now (a drain completes later)."""
         self.last_inputs = inputs
         cfg = self.config
+        if self.moves and now - self.moves[-1].time < cfg.cooldown_s:
+            return []
         rollout = [self.units[n] for n in self.units_in("rollout")]
         draining = [self.units[n] for n in self.units_in("draining")]
         train = self.units_in("train")
-        engine_busy = inputs.engine_queue_depth > cfg.max_queue_per_replica * max(len(rollout), 1)
+        rollout_needs = inputs.engine_queue_depth > cfg.max_queue_per_replica * max(len(rollout), 1)
         trainer_behind = inputs.unconsumed_shards >= cfg.high_backlog
         trainer_dry = inputs.unconsumed_shards <= cfg.low_backlog and inputs.trainer_idle > 0
         moves: list[Move] = []
-        if trainer_dry or engine_busy:
-            if draining:
-                moves.append(
-                    self._move(draining[0], "rollout", now, "drain cancelled: trainer dry or engines busy")
-                )
-            elif len(train) > cfg.min_train:
-                moves.append(self._move(self._last_borrowed(train), "rollout", now, "trainer queue ran dry"))
-        elif trainer_behind and not draining and len(rollout) > cfg.min_rollout:
-            unit = min(rollout, key=lambda u: u.live_sessions)
-            if unit.live_sessions == 0:
-                moves.append(self._move(unit, "train", now, "trainer behind, idle replica"))
-            else:
-                moves.append(self._move(unit, "draining", now, "trainer behind, draining replica"))
+        if rollout_needs and (trainer_dry or not trainer_behind):
+            for unit in draining[: cfg.max_moves_per_step]:
+                moves.append(self._move(unit, "rollout", now, "drain cancelled: engines have queued sessions"))
+            while len(moves) < cfg.max_moves_per_step and len(train) > cfg.min_train:
+                unit = self._last_borrowed(train)
+                train.remove(unit.name)
+                moves.append(self._move(unit, "rollout", now, "trainer queue ran dry, engines have queued sessions"))
+        elif trainer_behind and not rollout_needs:
+            candidates = sorted(rollout, key=lambda u: u.live_sessions)
+            spare = len(rollout) - cfg.min_rollout
+            for unit in candidates[: min(cfg.max_moves_per_step, spare)]:
+                if unit.live_sessions == 0:
+                    moves.append(self._move(unit, "train", now, "trainer behind, idle replica"))
+                else:
+                    moves.append(self._move(unit, "draining", now, "trainer behind, draining replica"))
         return moves
 
     def _last_borrowed(self, train: list[str]) -> Unit:

@@ -359,6 +359,14 @@ def simulate_elastic(
                 train_end[name] = t + train_s
                 heapq.heappush(events, (t + train_s, next(seq), "trained", name))
 
+    def _engine_queue_depth(t: float) -> int:
+        """Sessions the staleness bound admits now but no rollout slot can take."""
+        admissible = min(len(prompts), max(0, w.max_ahead - in_flight - len(backlog)))
+        free_slots = sum(
+            w.sessions_per_replica - sessions_on[n] for n in controller.routable() if role_ready[n] <= t
+        )
+        return max(0, admissible - free_slots)
+
     while trained < total:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "session":
@@ -381,7 +389,7 @@ def simulate_elastic(
             if elastic:
                 inputs = PolicyInputs(
                     unconsumed_shards=math.ceil(len(backlog) / w.trajectories_per_shard),
-                    engine_queue_depth=len(prompts) if in_flight + len(backlog) < w.max_ahead else 0,
+                    engine_queue_depth=_engine_queue_depth(now),
                     trainer_idle=idle / max(len(train_units), 1),
                 )
                 for move in controller.step(inputs, now):

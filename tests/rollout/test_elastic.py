@@ -12,7 +12,7 @@ DRY = PolicyInputs(unconsumed_shards=0, engine_queue_depth=5, trainer_idle=1.0)
 
 
 def test_drain_waits_for_live_sessions_then_hands_unit_to_trainer():
-    ctl = ElasticController.create(["r0", "r1"], ["t0"])
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
     ctl.begin_session("r0")
     ctl.begin_session("r0")
     ctl.begin_session("r1")
@@ -21,7 +21,7 @@ def test_drain_waits_for_live_sessions_then_hands_unit_to_trainer():
     assert ctl.routable() == ["r0"]
     with pytest.raises(ValueError, match="takes no new sessions"):
         ctl.begin_session("r1")
-    assert ctl.step(BEHIND, now=2.0) == []  # one drain at a time
+    assert ctl.step(BEHIND, now=2.0) == []  # r0 is the last accepting replica (min_rollout=1)
     assert ctl.units["r1"].role == "draining"
     move = ctl.end_session("r1", now=3.0)
     assert (move.unit, move.source, move.target) == ("r1", "draining", "train")
@@ -59,7 +59,7 @@ def test_config_validation():
     )
 )
 def test_never_a_live_session_on_a_training_unit(ops):
-    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(high_backlog=5, low_backlog=1))
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(high_backlog=5, low_backlog=1, cooldown_s=0))
     for t, (op, idx, shards, idle) in enumerate(ops):
         if op == "begin" and ctl.routable():
             ctl.begin_session(ctl.routable()[idx % len(ctl.routable())])

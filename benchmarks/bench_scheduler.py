@@ -1,0 +1,201 @@
+"""Action-level scheduling vs static per-trajectory reservation (ARL-Tangram's claim).
+
+Three measurements, side by side in one run:
+
+1. decision time of ``rollout.scheduler.decide`` on 300 queued actions;
+2. a replayed bursty agent workload (``rollout.simcluster.ActionWorkload`` defaults: 4 RL
+   steps of 128 trajectories, 4-24 turns of ~8 s LLM generation each followed by a tool call
+   (70 %, ~1 s on one core) or a test run (30 %, T_1 ~40 s, Amdahl serial fraction 0.05-0.3,
+   up to 16 cores), then a reward call on one of 10 reward services (Zipf popularity, ~3 s,
+   4 s to load a parked service)) on a simulated cluster of 256 cores and 10 reward GPUs.
+   Static: 4 cores reserved per trajectory for its life, one GPU pinned per service.
+   Ours: one pool, per-action grants, elastic test runs, pooled GPUs with LRU residency.
+   Then the smallest share of those resources on which ours still matches static's
+   average action completion time;
+3. the same two policies on this machine's real cores, with real processes pinned by
+   ``CpuManager`` (a short run).
+
+Last line: JSON with "ratio" = static average action completion time / ours (simulated).
+"""
+
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from rollout.resources import CpuManager
+from rollout.scheduler import (
+    ActionPolicy,
+    ActionScheduler,
+    ResourceRequest,
+    Running,
+    StaticReservation,
+    amdahl_efficiency,
+    decide,
+)
+from rollout.simcluster import ActionWorkload, run_ours, run_static
+
+CORES = 256
+GPUS_PER_SERVICE = 1
+CORES_PER_TRAJECTORY = 4
+
+
+def decision_time_us(free_cores: float, n_queue: int = 300, repeats: int = 200) -> float:
+    rng = random.Random(0)
+    policy = ActionPolicy({"cpu": 512, "gpu": 10})
+    queue = []
+    for _ in range(n_queue):
+        if rng.random() < 0.3:
+            req = ResourceRequest(
+                elastic="cpu",
+                max_units=16,
+                duration=rng.lognormvariate(3.7, 0.8),
+                efficiency=amdahl_efficiency(rng.uniform(0.05, 0.3), 16),
+            )
+        elif rng.random() < 0.9:
+            req = ResourceRequest(demand={"cpu": 1}, duration=rng.lognormvariate(0, 0.8))
+        else:
+            req = ResourceRequest(demand={"gpu": 1}, duration=3.0)
+        queue.append(policy._pending(req, 0.0))
+    running = [Running(rng.uniform(0, 30), [4.0, 0.0]) for _ in range(60)]
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        decide(queue, [free_cores, 1.0], running, 0.0)
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples) * 1e6
+
+
+def simulated() -> dict:
+    w = ActionWorkload()
+    static = run_static(w, CORES, CORES_PER_TRAJECTORY, GPUS_PER_SERVICE)
+    ours = run_ours(w, CORES, GPUS_PER_SERVICE * w.services)
+    gpus_full = GPUS_PER_SERVICE * w.services
+    equal_share = None
+    for pct in range(5, 101, 5):
+        cores = max(CORES * pct // 100, w.test_max_units)
+        gpus = max(round(gpus_full * pct / 100), 1)
+        if run_ours(w, cores, gpus).mean_act <= static.mean_act:
+            equal_share = (pct, cores, gpus)
+            break
+    sweep = {}
+    for cores in (128, 384, 512):
+        s = run_static(w, cores, CORES_PER_TRAJECTORY, GPUS_PER_SERVICE).mean_act
+        o = run_ours(w, cores, gpus_full).mean_act
+        sweep[cores] = round(s / o, 2)
+
+    def kinds(run):
+        return {k: round(statistics.mean(v), 2) for k, v in run.by_kind.items()}
+
+    print(f"simulated cluster: {CORES} cores, {gpus_full} GPUs, {len(static.completion_times)} actions")
+    print(f"  static  mean ACT {static.mean_act:7.2f} s  by kind {kinds(static)}")
+    print(
+        f"  ours    mean ACT {ours.mean_act:7.2f} s  by kind {kinds(ours)}  service loads {ours.service_loads}"
+    )
+    print(f"  ratio at other pool sizes (cores: static/ours): {sweep}")
+    if equal_share:
+        print(
+            f"  ours matches static's ACT on {equal_share[0]}% of the resources: {equal_share[1]} cores, {equal_share[2]} GPUs"
+        )
+    return {
+        "static_act_s": round(static.mean_act, 3),
+        "ours_act_s": round(ours.mean_act, 3),
+        "ratio": round(static.mean_act / ours.mean_act, 3),
+        "resources_at_equal_act_pct": equal_share[0] if equal_share else None,
+        "resource_saving_pct": 100 - equal_share[0] if equal_share else None,
+        "ratio_by_pool_cores": sweep,
+    }
+
+
+WORK = "import sys\nn=int(sys.argv[1])\ns=0\nfor i in range(n): s+=i*i\n"
+
+
+async def real_action(sched, cpu, request: ResourceRequest, work: int) -> float:
+    """Run ``work`` loop iterations split over the granted cores, each worker pinned to its core."""
+    t0 = time.monotonic()
+    async with sched.run(request) as grant:
+        procs = []
+        for core in sorted(grant.cores):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-c", WORK, str(work // len(grant.cores))
+            )
+            cpu.bind(proc.pid, {core})
+            procs.append(proc)
+        await asyncio.gather(*(p.wait() for p in procs))
+    return time.monotonic() - t0
+
+
+async def real_trajectory(sched, cpu, tid: str, rng: random.Random, work: int, acts: list[float]) -> None:
+    for turn in range(3):
+        await asyncio.sleep(rng.uniform(0.05, 0.3))
+        if turn == 1:
+            req = ResourceRequest(
+                elastic="cpu",
+                max_units=2,
+                duration=1.0,
+                efficiency=(1.0, 0.95),
+                trajectory_id=tid,
+                kind="test",
+            )
+            acts.append(await real_action(sched, cpu, req, work * 4))
+        else:
+            req = ResourceRequest(demand={"cpu": 1}, duration=0.25, trajectory_id=tid, kind="tool")
+            acts.append(await real_action(sched, cpu, req, work))
+    sched.end_trajectory(tid)
+
+
+async def _real_run(sched, cpu, work: int, acts: list[float]) -> None:
+    rng = random.Random(1)
+    await asyncio.gather(*(real_trajectory(sched, cpu, f"t{i}", rng, work, acts) for i in range(6)))
+
+
+def real_cores() -> dict:
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", WORK, "2000000"], check=True)
+    work = int(2_000_000 * 0.25 / (time.perf_counter() - t))
+    results = {}
+    for name in ("static", "ours"):
+        cpu = CpuManager(cores, backend="affinity")
+        if name == "static":
+            sched = StaticReservation({"cpu": len(cores)}, {"cpu": 1}, cpu=cpu)
+        else:
+            sched = ActionScheduler({"cpu": len(cores)}, cpu=cpu)
+        acts: list[float] = []
+        asyncio.run(_real_run(sched, cpu, work, acts))
+        results[name] = statistics.mean(acts)
+    print(f"real cores {cores}: static mean ACT {results['static']:.2f} s, ours {results['ours']:.2f} s")
+    return {
+        "real_static_act_s": round(results["static"], 3),
+        "real_ours_act_s": round(results["ours"], 3),
+        "real_ratio": round(results["static"] / results["ours"], 3),
+    }
+
+
+def main() -> None:
+    typical = decision_time_us(free_cores=8)
+    burst = decision_time_us(free_cores=64)
+    print(
+        f"decide() on 300 queued actions: {typical:.0f} us with 8 free cores, {burst:.0f} us with 64 free cores"
+    )
+    sim = simulated()
+    real = real_cores()
+    print(
+        json.dumps(
+            {
+                "bench": "scheduler",
+                **sim,
+                "decide_us_300_queued_8_free": round(typical),
+                "decide_us_300_queued_64_free": round(burst),
+                **real,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
