@@ -1,0 +1,420 @@
+"""The gateway over HTTP: a token endpoint and OpenAI-compatible endpoints keyed by session.
+
+An agent scaffold that only speaks the OpenAI API is pointed at this server with the
+session id in the ``X-Treadle-Session`` header; every request is recorded token-exactly:
+
+- ``/v1/chat/completions``: the request resends the whole conversation; the messages the
+  session already holds are matched (never re-tokenized) and only the messages beyond
+  them are appended as tokens through the chat template.
+- ``/v1/completions``: a text prompt must extend the session's transcript (prompts plus
+  returned completions); only the new suffix is encoded. A token-id prompt must extend
+  the session's tokens.
+- ``/v1/generate``: token ids in (appended verbatim), token ids, log-probs and versions out.
+
+Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
+``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown session, 400 bad
+input, 503 engine failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+import uuid
+from typing import Any
+
+import uvicorn
+from fastapi import Depends, FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
+from rollout.gateway import Gateway, Session, TurnResult, UnknownSession
+
+SESSION_HEADER = "X-Treadle-Session"
+
+
+class _Sampling(BaseModel):
+    temperature: float = Field(1.0, description="Sampling temperature (> 0).")
+    top_p: float = Field(1.0, description="Nucleus mass in (0, 1].")
+    seed: int | None = Field(None, description="Seed of this request's sampler.")
+
+
+class OpenSessionRequest(BaseModel):
+    """Body of ``POST /v1/sessions``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(description="Environment name.")
+    prompt_id: str = Field(description="Prompt id within the task.")
+    execution_id: str | None = Field(None, description="Agent execution id; defaults to the trajectory id.")
+    trajectory_id: str | None = Field(None, description="Trajectory id; generated when left out.")
+    group_id: str | None = Field(None, description="Group id (group sampling only).")
+    parent_id: str | None = Field(None, description="Trajectory this one branched from.")
+    session_id: str | None = Field(None, description="Session id; generated when left out.")
+
+
+class RecordRequest(BaseModel):
+    """Body of ``POST /v1/sessions/{id}/record``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reward: float | None = Field(None, description="Final reward.")
+    progress: float | None = Field(None, description="Partial-progress score in [0, 1].")
+    status: str | None = Field(None, description="ok, truncated, env_error, infra_error or timeout.")
+    timing: dict[str, float] | None = Field(None, description="Seconds in init, run, eval, queue.")
+
+
+class TokenRequest(_Sampling):
+    """Body of ``POST /v1/generate``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    token_ids: list[int] = Field(default_factory=list, description="New tokens appended before generating.")
+    max_new_tokens: int | None = Field(None, description="Token budget of this turn.")
+    stop_ids: list[int] | None = Field(None, description="Token ids that end the action; default EOS.")
+
+
+class CompletionRequest(_Sampling):
+    """OpenAI ``/v1/completions`` body (the fields the gateway honours)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | list[int]
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+    logprobs: int | None = None
+
+
+class ChatRequest(_Sampling):
+    """OpenAI ``/v1/chat/completions`` body (the fields the gateway honours)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    n: int = 1
+    logprobs: bool = False
+
+
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(
+        {"error": {"message": message, "type": kind, "code": status}}, status, headers=headers
+    )
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy") -> FastAPI:
+    """The FastAPI app serving ``gateway``; requests must carry ``Bearer token``."""
+    if not token:
+        raise ValueError("the gateway needs a non-empty bearer token")
+    app = FastAPI(title="treadle TITO gateway")
+    expected = f"Bearer {token}".encode()
+
+    def authorize(authorization: str | None = Header(None)) -> None:
+        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
+            raise _Unauthorized
+
+    @app.exception_handler(_Unauthorized)
+    async def _unauthorized(request: Request, exc: _Unauthorized):
+        return _error(
+            401, "authentication_error", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
+        )
+
+    @app.exception_handler(UnknownSession)
+    async def _unknown(request: Request, exc: UnknownSession):
+        return _error(404, "not_found_error", str(exc))
+
+    @app.exception_handler(InvalidRequest)
+    async def _invalid(request: Request, exc: InvalidRequest):
+        return _error(400, "invalid_request_error", str(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
+            for e in exc.errors()
+        )
+        return _error(400, "invalid_request_error", f"bad request body: {problems}")
+
+    @app.exception_handler(EngineError)
+    async def _engine(request: Request, exc: EngineError):
+        return _error(503, "engine_unavailable", f"engine failure: {exc}")
+
+    auth = [Depends(authorize)]
+
+    def session_of(session_id: str | None) -> Session:
+        if not session_id:
+            raise InvalidRequest(f"missing {SESSION_HEADER} header naming the session")
+        return gateway.session(session_id)
+
+    def params(
+        body: _Sampling, max_new_tokens: int | None, stop_ids: list[int] | None = None
+    ) -> SamplingParams:
+        stop = tuple(stop_ids) if stop_ids is not None else gateway.stop_ids
+        gateway.check_ids(stop, what="stop_ids")
+        return SamplingParams(
+            max_new_tokens=max_new_tokens or gateway.config.max_new_tokens,
+            temperature=body.temperature,
+            top_p=body.top_p,
+            stop_ids=stop,
+            seed=body.seed,
+        )
+
+    def openai_only(body: CompletionRequest | ChatRequest) -> None:
+        if body.stream:
+            raise InvalidRequest("stream=true is not supported by the gateway")
+        if body.n != 1:
+            raise InvalidRequest(f"n={body.n}: the gateway samples one choice per request")
+        if body.stop:
+            raise InvalidRequest("stop strings are not supported: the gateway stops at token ids only")
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "replicas": len(gateway.router.replicas)}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "treadle"}]}
+
+    @app.post("/v1/sessions", dependencies=auth)
+    async def open_session(body: OpenSessionRequest) -> dict[str, Any]:
+        session = gateway.open(**body.model_dump())
+        info = session.info
+        return {
+            "session_id": info.session_id,
+            "trajectory_id": info.trajectory_id,
+            "execution_id": info.execution_id,
+        }
+
+    @app.post("/v1/sessions/{session_id}/record", dependencies=auth)
+    async def record(session_id: str, body: RecordRequest) -> dict[str, Any]:
+        try:
+            return gateway.session(session_id).record(**body.model_dump())
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from exc
+
+    @app.delete("/v1/sessions/{session_id}", dependencies=auth)
+    async def close_session(session_id: str) -> dict[str, Any]:
+        gateway.close(session_id)
+        return {"closed": session_id}
+
+    @app.post("/v1/generate", dependencies=auth)
+    async def generate(body: TokenRequest, x_treadle_session: str | None = Header(None)) -> dict[str, Any]:
+        session = session_of(x_treadle_session)
+        sampling = params(body, body.max_new_tokens, body.stop_ids)
+        if body.token_ids:
+            session.add_tokens(body.token_ids)
+        turn = await session.generate(sampling)
+        return {
+            "token_ids": turn.token_ids,
+            "logprobs": turn.logprobs,
+            "versions": turn.versions,
+            "finish_reason": turn.finish_reason,
+            "prompt_tokens": turn.prompt_tokens,
+            "cached_tokens": turn.cached_tokens,
+            "engine": turn.engine,
+            "num_tokens": len(session.tokens),
+        }
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(
+        body: CompletionRequest, x_treadle_session: str | None = Header(None)
+    ) -> dict[str, Any]:
+        session = session_of(x_treadle_session)
+        openai_only(body)
+        sampling = params(body, body.max_tokens)
+        if isinstance(body.prompt, list):
+            _append_token_prompt(gateway, session, body.prompt)
+        else:
+            _append_text_prompt(gateway, session, body.prompt)
+        turn = await session.generate(sampling)
+        if isinstance(body.prompt, str):
+            session.transcript = body.prompt + turn.text
+        choice: dict[str, Any] = {
+            "index": 0,
+            "text": turn.text,
+            "finish_reason": turn.finish_reason,
+            "token_ids": turn.token_ids,
+            "logprobs": _completion_logprobs(gateway, turn) if body.logprobs is not None else None,
+        }
+        return _response("text_completion", model_name, choice, session, turn)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat(body: ChatRequest, x_treadle_session: str | None = Header(None)) -> dict[str, Any]:
+        session = session_of(x_treadle_session)
+        openai_only(body)
+        sampling = params(body, body.max_completion_tokens or body.max_tokens)
+        session.add_messages(_new_messages(session, body.messages))
+        turn = await session.generate(sampling)
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": turn.text},
+            "finish_reason": turn.finish_reason,
+            "token_ids": turn.token_ids,
+            "logprobs": _chat_logprobs(gateway, turn) if body.logprobs else None,
+        }
+        return _response("chat.completion", model_name, choice, session, turn)
+
+    return app
+
+
+def _response(
+    kind: str, model: str, choice: dict[str, Any], session: Session, turn: TurnResult
+) -> dict[str, Any]:
+    prompt_tokens = len(session.tokens) - len(turn.token_ids)
+    return {
+        "id": f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}",
+        "object": kind,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": len(turn.token_ids),
+            "total_tokens": len(session.tokens),
+        },
+    }
+
+
+def _same_message(seen: dict[str, Any], sent: dict[str, Any]) -> bool:
+    return (
+        seen.get("role") == sent.get("role")
+        and (seen.get("content") or "").strip() == (sent.get("content") or "").strip()
+    )
+
+
+def _new_messages(session: Session, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Messages beyond what ``session`` holds; the rest must match its history."""
+    history = session.messages
+    nothing_new = len(messages) == len(history) and bool(history) and history[-1].get("role") == "assistant"
+    if len(messages) < len(history) or nothing_new:
+        raise InvalidRequest(
+            f"the request holds {len(messages)} messages and the session already has {len(history)}; "
+            "send the whole conversation with its new messages"
+        )
+    for i, (seen, sent) in enumerate(zip(history, messages, strict=False)):
+        if not _same_message(seen, sent):
+            raise InvalidRequest(
+                f"message {i} ({sent.get('role')!r}) differs from the session's history; "
+                "a session's conversation can only grow"
+            )
+    return messages[len(history) :]
+
+
+def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -> None:
+    if gateway.tokenizer is None:
+        raise InvalidRequest("this gateway has no tokenizer; send the prompt as token ids")
+    if not session.tokens:
+        if not prompt:
+            raise InvalidRequest("empty prompt")
+        session.add_tokens(list(gateway.tokenizer.encode(prompt)))
+        return
+    if not prompt.startswith(session.transcript):
+        raise InvalidRequest(
+            "the prompt does not extend the session's history (earlier prompts plus completions)"
+        )
+    suffix = prompt[len(session.transcript) :]
+    if suffix:
+        session.add_tokens(list(gateway.tokenizer.encode(suffix, add_special_tokens=False)))
+
+
+def _append_token_prompt(gateway: Gateway, session: Session, prompt: list[int]) -> None:
+    held = session.tokens
+    if not prompt:
+        raise InvalidRequest("empty prompt")
+    if prompt[: len(held)] != held:
+        raise InvalidRequest("the token prompt does not extend the session's tokens")
+    if len(prompt) > len(held):
+        session.add_tokens(prompt[len(held) :])
+
+
+def _token_strings(gateway: Gateway, turn: TurnResult) -> list[str]:
+    if gateway.tokenizer is None:
+        return [f"token_id:{t}" for t in turn.token_ids]
+    return [gateway.tokenizer.decode([t], skip_special_tokens=False) for t in turn.token_ids]
+
+
+def _completion_logprobs(gateway: Gateway, turn: TurnResult) -> dict[str, Any]:
+    return {"tokens": _token_strings(gateway, turn), "token_logprobs": turn.logprobs, "top_logprobs": None}
+
+
+def _chat_logprobs(gateway: Gateway, turn: TurnResult) -> dict[str, Any]:
+    return {
+        "content": [
+            {"token": s, "logprob": lp, "top_logprobs": []}
+            for s, lp in zip(_token_strings(gateway, turn), turn.logprobs, strict=True)
+        ]
+    }
+
+
+class GatewayServer:
+    """Runs the gateway app under uvicorn in the current event loop.
+
+    Binds 127.0.0.1 by default (``port=0`` picks a free port) or a Unix domain socket
+    (``uds``). The bearer token is generated when not given; read it from ``.token``.
+    """
+
+    def __init__(
+        self,
+        gateway: Gateway,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        uds: str | None = None,
+        token: str | None = None,
+        model_name: str = "treadle-policy",
+    ):
+        self.token = token or secrets.token_urlsafe(24)
+        self.app = create_app(gateway, self.token, model_name)
+        config = uvicorn.Config(
+            self.app, host=host, port=port, uds=uds, log_level="warning", lifespan="off", access_log=False
+        )
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task | None = None
+        self.uds = uds
+        self.host = host
+        self.port = port
+
+    @property
+    def url(self) -> str:
+        """Base URL (for a Unix socket, use ``http://gateway`` with an httpx ``uds`` transport)."""
+        return "http://gateway" if self.uds else f"http://{self.host}:{self.port}"
+
+    async def start(self) -> GatewayServer:
+        """Start serving; returns once the socket is bound."""
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the gateway server stopped before it started")
+            await asyncio.sleep(0.01)
+        if not self.uds:
+            self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        """Stop serving and wait for the server task to end."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        await self._task
+        self._task = None
+
+    async def __aenter__(self) -> GatewayServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()

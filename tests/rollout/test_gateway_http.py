@@ -1,0 +1,277 @@
+"""The gateway's HTTP server end to end: a real uvicorn server on 127.0.0.1 (and on a Unix
+socket), a real httpx client, real engines on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+
+import httpx
+import pytest
+import torch
+
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.gateway_http import SESSION_HEADER, GatewayServer
+from rollout.router import Router, RouterConfig
+from storage.schema import to_table, validate
+from tests.rollout.vllm_standin import StandinServer
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=512
+)
+USER = [{"role": "system", "content": "reply only digits"}, {"role": "user", "content": "What is 2 + 3?"}]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny_model(TINY)
+
+
+@contextlib.asynccontextmanager
+async def serving(tiny, *, dead_replica: bool = False, uds: str | None = None, max_context_tokens: int = 256):
+    model, tokenizer = tiny
+    standin = await StandinServer(copy.deepcopy(model), max_model_len=512).start()
+    engines = [VLLMEngine(VLLMEngineConfig(base_url=standin.url), name="live")]
+    if dead_replica:
+        dead = VLLMEngineConfig(base_url="http://127.0.0.1:9", connect_timeout_s=1.0)
+        engines.append(VLLMEngine(dead, name="dead"))
+    router = Router(engines, RouterConfig(failover=False))
+    gateway = Gateway(
+        router, tokenizer, GatewayConfig(max_context_tokens=max_context_tokens, max_new_tokens=8)
+    )
+    server = await GatewayServer(gateway, uds=uds).start()
+    transport = httpx.AsyncHTTPTransport(uds=uds) if uds else None
+    client = httpx.AsyncClient(
+        base_url=server.url,
+        transport=transport,
+        headers={"Authorization": f"Bearer {server.token}"},
+        timeout=60,
+    )
+    try:
+        yield gateway, server, client
+    finally:
+        await client.aclose()
+        await server.stop()
+        for engine in engines:
+            await engine.close()
+        await standin.stop()
+
+
+async def open_session(client: httpx.AsyncClient, **fields) -> str:
+    response = await client.post("/v1/sessions", json={"task": "arith", "prompt_id": "p1", **fields})
+    assert response.status_code == 200, response.text
+    return response.json()["session_id"]
+
+
+def test_bearer_token_is_required(tiny):
+    async def body():
+        async with serving(tiny) as (_, server, client):
+            assert server.url.startswith("http://127.0.0.1:")
+            assert (await client.get("/health")).status_code == 200
+            async with httpx.AsyncClient(base_url=server.url) as anonymous:
+                response = await anonymous.post("/v1/sessions", json={"task": "t", "prompt_id": "p"})
+                assert response.status_code == 401
+                assert response.json()["error"]["message"] == "missing or wrong bearer token"
+                wrong = await anonymous.post(
+                    "/v1/generate",
+                    json={"token_ids": [1]},
+                    headers={"Authorization": "Bearer nope", SESSION_HEADER: "x"},
+                )
+                assert wrong.status_code == 401 and server.token not in wrong.text
+            assert (await client.get("/v1/models")).status_code == 200
+
+    asyncio.run(body())
+
+
+def test_token_endpoint_round_trip_and_record(tiny):
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            sid = await open_session(client, execution_id="exec-9")
+            headers = {SESSION_HEADER: sid}
+            prompt = [1, 2, 40, 41, 42, 3]
+            first = await client.post(
+                "/v1/generate", json={"token_ids": prompt, "max_new_tokens": 5, "seed": 4}, headers=headers
+            )
+            assert first.status_code == 200, first.text
+            out = first.json()
+            assert len(out["token_ids"]) == len(out["logprobs"]) == len(out["versions"]) == 5
+            assert out["versions"] == [0] * 5 and out["finish_reason"] == "length"
+            assert all(lp <= 0 for lp in out["logprobs"])
+            second = await client.post(
+                "/v1/generate", json={"token_ids": [7, 8], "max_new_tokens": 3}, headers=headers
+            )
+            assert second.status_code == 200
+            assert (
+                gateway.session(sid).tokens == prompt + out["token_ids"] + [7, 8] + second.json()["token_ids"]
+            )
+            record = await client.post(f"/v1/sessions/{sid}/record", json={"reward": 1.0, "progress": 0.5})
+            assert record.status_code == 200
+            row = record.json()
+            validate(to_table([row]))
+            assert row["execution_id"] == "exec-9" and row["status"] == "truncated"
+            assert row["tokens"] == gateway.session(sid).tokens
+            assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 200
+            gone = await client.post("/v1/generate", json={"token_ids": [1]}, headers=headers)
+            assert gone.status_code == 404 and sid in gone.json()["error"]["message"]
+
+    asyncio.run(body())
+
+
+def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
+    async def body():
+        async with serving(tiny, max_context_tokens=32) as (_, _, client):
+            sid = await open_session(client)
+            headers = {SESSION_HEADER: sid}
+            cases = [
+                ({"token_ids": [1, 999999]}, "outside the vocabulary"),
+                ({"token_ids": [1, "x"]}, "token_ids"),
+                ({"token_ids": [1, -3]}, "outside the vocabulary"),
+                ({"token_ids": []}, "empty prompt"),
+                ({"token_ids": [5] * 40}, "over max_context_tokens=32"),
+                ({"token_ids": [5], "temperature": 0}, "temperature must be > 0"),
+            ]
+            for payload, message in cases:
+                response = await client.post("/v1/generate", json=payload, headers=headers)
+                assert response.status_code == 400, (payload, response.text)
+                assert message in response.json()["error"]["message"]
+            unknown = await client.post(
+                "/v1/generate", json={"token_ids": [1]}, headers={SESSION_HEADER: "ghost"}
+            )
+            assert unknown.status_code == 404 and "ghost" in unknown.json()["error"]["message"]
+            missing = await client.post("/v1/generate", json={"token_ids": [1]})
+            assert missing.status_code == 400 and SESSION_HEADER in missing.json()["error"]["message"]
+            ok = await client.post(
+                "/v1/generate", json={"token_ids": [5, 6], "max_new_tokens": 2}, headers=headers
+            )
+            assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 2
+
+    asyncio.run(body())
+
+
+def test_engine_failure_is_503_and_other_sessions_are_served(tiny):
+    async def body():
+        async with serving(tiny, dead_replica=True) as (gateway, _, client):
+            on_dead = on_live = None
+            while on_dead is None or on_live is None:
+                sid = await open_session(client)
+                if gateway.router.route(sid).name == "dead":
+                    on_dead = on_dead or sid
+                else:
+                    on_live = on_live or sid
+            failed = await client.post(
+                "/v1/generate", json={"token_ids": [1, 2]}, headers={SESSION_HEADER: on_dead}
+            )
+            assert failed.status_code == 503 and "unreachable" in failed.json()["error"]["message"]
+            served = await client.post(
+                "/v1/generate",
+                json={"token_ids": [1, 2], "max_new_tokens": 2},
+                headers={SESSION_HEADER: on_live},
+            )
+            assert served.status_code == 200
+
+    asyncio.run(body())
+
+
+def test_openai_chat_resending_the_conversation_is_recorded_token_exactly(tiny):
+    _, tokenizer = tiny
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            sid = await open_session(client)
+            headers = {SESSION_HEADER: sid}
+            request = {"model": "any", "messages": USER, "max_tokens": 12, "seed": 11, "logprobs": True}
+            first = await client.post("/v1/chat/completions", json=request, headers=headers)
+            assert first.status_code == 200, first.text
+            choice = first.json()["choices"][0]
+            action = choice["token_ids"]
+            assert choice["message"]["content"] == tokenizer.decode(action, skip_special_tokens=True)
+            assert len(choice["logprobs"]["content"]) == len(action)
+            session = gateway.session(sid)
+            prompt = tokenizer.encode(
+                tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False),
+                add_special_tokens=False,
+            )
+            assert session.tokens == prompt + action
+            assert tokenizer.encode(choice["message"]["content"], add_special_tokens=False) != action, (
+                "precondition: re-encoding the returned text would change the tokens"
+            )
+            conversation = [*USER, choice["message"], {"role": "user", "content": "again"}]
+            second = await client.post(
+                "/v1/chat/completions",
+                json={"messages": conversation, "max_tokens": 4, "seed": 1},
+                headers=headers,
+            )
+            assert second.status_code == 200, second.text
+            assert session.tokens[: len(prompt) + len(action)] == prompt + action
+            assert session.tokens[len(prompt) : len(prompt) + len(action)] == action
+            assert session.num_turns == 2 and len(session.messages) == 5
+            diverged = [*USER, {"role": "assistant", "content": "something else"}, *conversation[3:]]
+            diverged += [{"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]
+            bad = await client.post("/v1/chat/completions", json={"messages": diverged}, headers=headers)
+            assert (
+                bad.status_code == 400
+                and "differs from the session's history" in bad.json()["error"]["message"]
+            )
+            stream = await client.post(
+                "/v1/chat/completions", json={"messages": conversation, "stream": True}, headers=headers
+            )
+            assert stream.status_code == 400 and "stream" in stream.json()["error"]["message"]
+
+    asyncio.run(body())
+
+
+def test_openai_text_completions_append_only_the_new_suffix(tiny):
+    _, tokenizer = tiny
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            sid = await open_session(client)
+            headers = {SESSION_HEADER: sid}
+            first = await client.post(
+                "/v1/completions",
+                json={"prompt": "What is 2 + 3?", "max_tokens": 6, "seed": 3, "logprobs": 0},
+                headers=headers,
+            )
+            assert first.status_code == 200, first.text
+            choice = first.json()["choices"][0]
+            session = gateway.session(sid)
+            held = list(session.tokens)
+            assert held[-len(choice["token_ids"]) :] == choice["token_ids"]
+            assert len(choice["logprobs"]["token_logprobs"]) == len(choice["token_ids"])
+            prompt = "What is 2 + 3?" + choice["text"] + " answer:"
+            second = await client.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": 3}, headers=headers
+            )
+            assert second.status_code == 200, second.text
+            new = second.json()["choices"][0]["token_ids"]
+            assert session.tokens == held + tokenizer.encode(" answer:", add_special_tokens=False) + new
+            bad = await client.post("/v1/completions", json={"prompt": "Something else"}, headers=headers)
+            assert bad.status_code == 400 and "does not extend" in bad.json()["error"]["message"]
+            token_sid = await open_session(client)
+            tokens = await client.post(
+                "/v1/completions",
+                json={"prompt": [1, 40, 41], "max_tokens": 2},
+                headers={SESSION_HEADER: token_sid},
+            )
+            assert tokens.status_code == 200
+            assert gateway.session(token_sid).tokens[:3] == [1, 40, 41]
+
+    asyncio.run(body())
+
+
+def test_serves_on_a_unix_domain_socket(tiny, tmp_path):
+    async def body():
+        async with serving(tiny, uds=str(tmp_path / "gateway.sock")) as (_, _, client):
+            sid = await open_session(client)
+            response = await client.post(
+                "/v1/chat/completions",
+                json={"messages": USER, "max_tokens": 3},
+                headers={SESSION_HEADER: sid},
+            )
+            assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) <= 3
+
+    asyncio.run(body())
