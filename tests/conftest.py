@@ -1,0 +1,137 @@
+"""Shared fixtures: run stores on a local folder and on a real S3-compatible server.
+
+``store`` runs a test twice, on a local folder and on ``s3://`` against a ``moto_server``
+process on 127.0.0.1 (a separate process: moto's in-thread server made deltalake hang).
+The server starts once per session, only when a test asks for S3. Its dummy credentials
+travel in ``StorageConfig`` fields, never through the environment.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO
+
+import pytest
+
+from storage.config import RunStore, StorageConfig
+
+
+@dataclass(frozen=True)
+class S3Server:
+    """A running S3-compatible server and the bucket created on it."""
+
+    endpoint_url: str
+    bucket: str
+    access_key_id: str = "treadle-test-key"
+    secret_access_key: str = "treadle-test-secret"
+    region: str = "us-east-1"
+
+    def config(self, prefix: str = "runs") -> StorageConfig:
+        """A StorageConfig rooted at ``s3://<bucket>/<prefix>`` on this server."""
+        return StorageConfig(
+            root=f"s3://{self.bucket}/{prefix}",
+            endpoint_url=self.endpoint_url,
+            region=self.region,
+            access_key_id=self.access_key_id,
+            secret_access_key=self.secret_access_key,
+        )
+
+    def boto3_client(self):
+        """A plain boto3 S3 client for this server (an independent reader in tests)."""
+        import boto3
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint_url,
+            region_name=self.region,
+            aws_access_key_id=self.access_key_id,
+            aws_secret_access_key=self.secret_access_key,
+        )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_moto(port: int, log: IO[bytes]) -> subprocess.Popen:
+    # The request log goes to a file: an unread pipe fills up and stalls the server.
+    executable = os.path.join(os.path.dirname(sys.executable), "moto_server")
+    return subprocess.Popen(
+        [executable, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+    )
+
+
+def _wait_until_serving(
+    process: subprocess.Popen, url: str, log: IO[bytes], deadline_s: float = 30.0
+) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"moto_server exited with {process.returncode}: {log.read().decode()[-2000:]}")
+        try:
+            urllib.request.urlopen(url, timeout=1).close()
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"moto_server did not answer on {url} within {deadline_s} s")
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A ``moto_server`` process on 127.0.0.1 with one bucket, for the whole session."""
+    log = open(tmp_path_factory.mktemp("moto") / "server.log", "w+b")  # noqa: SIM115 (closed at teardown)
+    for _attempt in range(3):
+        port = free_port()
+        process = _start_moto(port, log)
+        endpoint = f"http://127.0.0.1:{port}"
+        try:
+            _wait_until_serving(process, endpoint, log)
+            break
+        except RuntimeError:
+            process.kill()
+            process.wait()
+    else:
+        raise RuntimeError("could not start moto_server on 127.0.0.1")
+    server = S3Server(endpoint_url=endpoint, bucket="treadle-test")
+    try:
+        server.boto3_client().create_bucket(Bucket=server.bucket)
+        yield server
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        log.close()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path) -> RunStore:
+    """A fresh run store, once on a local folder and once on the S3 server."""
+    run_id = f"run-{uuid.uuid4().hex[:12]}"
+    if request.param == "local":
+        return RunStore(StorageConfig(root=str(tmp_path / "runs")), run_id)
+    server: S3Server = request.getfixturevalue("s3_server")
+    return RunStore(server.config(), run_id)
+
+
+@pytest.fixture
+def local_store(tmp_path) -> RunStore:
+    """A fresh run store on a local folder (for tests that do not need S3)."""
+    return RunStore(StorageConfig(root=str(tmp_path / "runs")), f"run-{uuid.uuid4().hex[:12]}")

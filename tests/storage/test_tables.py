@@ -1,0 +1,200 @@
+"""Delta tables: canonical schemas, append/read, change feed, compaction, concurrency."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+import textwrap
+from datetime import UTC, datetime
+
+import duckdb
+import pyarrow as pa
+import pytest
+
+from storage.schema import SchemaError
+from storage.tables import TABLE_SCHEMAS, Tables
+
+
+def weight_row(version: int, tag: str | None = None) -> dict:
+    return {
+        "version": version,
+        "step": version * 10,
+        "parent": version - 1 if version else None,
+        "path": f"weights/v{version:06d}",
+        "num_consumed_shards": version,
+        "created_at": datetime(2026, 1, 1, tzinfo=UTC),
+        "tag": tag,
+    }
+
+
+def test_schemas_hold_the_agreed_columns():
+    assert TABLE_SCHEMAS["shards"].names == [
+        "shard_id", "kind", "path", "worker", "seq", "num_rows", "num_tokens",
+        "min_version", "max_version", "committed_at",
+    ]  # fmt: skip
+    assert TABLE_SCHEMAS["weights"].field("parent").nullable
+    assert not TABLE_SCHEMAS["weights"].field("path").nullable
+    assert TABLE_SCHEMAS["trajectories"].field("num_turns").type == pa.int16()
+    assert TABLE_SCHEMAS["train_steps"].field("time").type == pa.timestamp("us", tz="UTC")
+
+
+def test_read_of_a_table_never_written_is_empty_with_its_schema(store):
+    table = Tables(store).read("train_steps")
+    assert table.num_rows == 0
+    assert table.schema.equals(TABLE_SCHEMAS["train_steps"])
+
+
+def test_append_and_read_back_in_the_canonical_schema(store):
+    tables = Tables(store)
+    tables.append("weights", [weight_row(0), weight_row(1, tag="best")])
+    loose = pa.table(
+        {
+            "version": pa.array([2], pa.int64()),
+            "step": [20],
+            "path": pa.array(["weights/v000002"], pa.large_string()),
+            "num_consumed_shards": [3],
+            "created_at": pa.array([datetime(2026, 1, 2)], pa.timestamp("ns")),
+            "ignored": ["extra columns are dropped"],
+        }
+    )
+    tables.append("weights", loose)
+    table = tables.read("weights")
+    assert table.schema.equals(TABLE_SCHEMAS["weights"])
+    rows = sorted(table.to_pylist(), key=lambda row: row["version"])
+    assert [row["version"] for row in rows] == [0, 1, 2]
+    assert rows[0]["parent"] is None and rows[1]["parent"] == 0
+    assert rows[1]["tag"] == "best" and rows[2]["tag"] is None
+    assert rows[2]["path"] == "weights/v000002"
+    assert rows[2]["created_at"] == datetime(2026, 1, 2, tzinfo=UTC)
+
+
+def test_bad_rows_are_refused_naming_table_and_column(local_store):
+    tables = Tables(local_store)
+    row = weight_row(0)
+    del row["path"]
+    with pytest.raises(SchemaError, match=r"'weights'.*'path'.*required"):
+        tables.append("weights", [row])
+    with pytest.raises(SchemaError, match="'weights'"):
+        tables.append("weights", [weight_row(0) | {"version": "not a number"}])
+    with pytest.raises(SchemaError, match=r"missing columns \['step'"):
+        tables.append("weights", pa.table({"version": [1]}))
+    with pytest.raises(ValueError, match="unknown table 'nope'"):
+        tables.append("nope", [])
+    assert tables.version("weights") is None
+
+
+def test_changes_return_rows_of_later_commits_and_skip_compaction(store):
+    tables = Tables(store)
+    for version in range(4):
+        tables.append("weights", [weight_row(version)])
+    rows, offset = tables.changes("weights")
+    assert rows.column("version").to_pylist() == [0, 1, 2, 3]
+    assert rows.column("_commit_version").to_pylist() == [0, 1, 2, 3]
+    assert offset == 3
+    tables.optimize("weights")
+    tables.append("weights", [weight_row(4)])
+    rows, new_offset = tables.changes("weights", after=offset)
+    assert rows.column("version").to_pylist() == [4]
+    assert new_offset == tables.version("weights") == 5
+    assert tables.changes("weights", after=new_offset)[0].num_rows == 0
+
+
+def test_optimize_and_vacuum_keep_every_row(store):
+    tables = Tables(store)
+    for version in range(5):
+        tables.append("weights", [weight_row(version)])
+    metrics = tables.optimize("weights")
+    assert metrics["numFilesRemoved"] == 5 and metrics["numFilesAdded"] == 1
+    removed = tables.vacuum("weights", retention_hours=0)
+    assert len(removed) == 5
+    assert sorted(tables.read("weights").column("version").to_pylist()) == [0, 1, 2, 3, 4]
+
+
+def _duckdb_with_delta() -> duckdb.DuckDBPyConnection:
+    """duckdb with the delta and httpfs extensions loaded from their wheels' files (its
+    own extension download needs the internet)."""
+    import duckdb_extension_delta
+    import duckdb_extension_httpfs
+
+    connection = duckdb.connect()
+    for package in (duckdb_extension_httpfs, duckdb_extension_delta):
+        (path,) = glob.glob(
+            os.path.join(os.path.dirname(package.__file__), "extensions", "*", "*.duckdb_extension")
+        )
+        connection.execute(f"LOAD '{path}'")
+    return connection
+
+
+def test_duckdb_reads_the_delta_table(store, request):
+    tables = Tables(store)
+    tables.append("weights", [weight_row(0), weight_row(1, tag="best")])
+    tables.append("weights", [weight_row(2)])
+    connection = _duckdb_with_delta()
+    if store.config.is_s3:
+        server = request.getfixturevalue("s3_server")
+        connection.execute(
+            "CREATE SECRET (TYPE s3, KEY_ID ?, SECRET ?, REGION ?, ENDPOINT ?, URL_STYLE 'path', USE_SSL false)",
+            [
+                server.access_key_id,
+                server.secret_access_key,
+                server.region,
+                server.endpoint_url.removeprefix("http://"),
+            ],
+        )
+    rows = connection.execute(
+        f"SELECT version, step, tag FROM delta_scan('{tables.uri('weights')}') ORDER BY version"
+    ).fetchall()
+    assert rows == [(0, 0, None), (1, 10, "best"), (2, 20, None)]
+
+
+APPENDER = textwrap.dedent(
+    """
+    import json, os, sys
+    from datetime import UTC, datetime
+    from storage.config import RunStore, StorageConfig
+    from storage.tables import Tables
+
+    config, run_id, writer, count = json.loads(sys.argv[1])
+    tables = Tables(RunStore(StorageConfig(**config), run_id))
+    for i in range(count):
+        tables.append("train_steps", [{
+            "step": i, "version": writer, "policy_loss": 0.0, "value_loss": 0.0,
+            "masked_fraction": 0.0, "mean_ratio": 1.0, "kl": 0.0, "staleness_mean": 0.0,
+            "staleness_max": 0, "num_samples": 1, "num_tokens": 1, "tokens_per_s": 1.0,
+            "reward_mean": 0.0, "dropped_stale": 0, "step_seconds": 0.1,
+            "time": datetime.now(UTC), "extra": None,
+        }])
+    print("done", flush=True)
+    os._exit(0)  # deltalake's runtime threads can abort an orderly interpreter exit
+    """
+)
+
+
+def test_two_processes_appending_at_once_lose_nothing(store):
+    import json
+
+    config = store.config.model_dump(mode="json")
+    for key in ("access_key_id", "secret_access_key"):
+        if getattr(store.config, key) is not None:
+            config[key] = getattr(store.config, key).get_secret_value()
+    count = 8
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", APPENDER, json.dumps([config, store.run_id, writer, count])],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for writer in (0, 1)
+    ]
+    for process in writers:
+        out, err = process.communicate(timeout=240)
+        assert process.returncode == 0 and "done" in out, err[-3000:]
+    table = Tables(store).read("train_steps")
+    landed = sorted(zip(table.column("version").to_pylist(), table.column("step").to_pylist(), strict=True))
+    assert landed == [(writer, step) for writer in (0, 1) for step in range(count)]
+    assert Tables(store).version("train_steps") == 2 * count - 1
