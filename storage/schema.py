@@ -119,28 +119,14 @@ def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
         bad = np.flatnonzero(lengths[name] != n_tokens)
         for i in bad:
             errors.append((ids[i], name, f"has {lengths[name][i]} entries but tokens has {n_tokens[i]}"))
-    bad_rows = {ids[i] for i in np.flatnonzero(np.any([lengths[c] != n_tokens for c in token_columns], axis=0))}
+    bad_rows = np.any([lengths[c] != n_tokens for c in token_columns], axis=0)
 
     statuses = table.column("status").to_pylist()
     for i, status in enumerate(statuses):
         if status not in STATUSES:
             errors.append((ids[i], "status", f"unknown status {status!r}; expected one of {STATUSES}"))
 
-    for i in range(table.num_rows):
-        if ids[i] in bad_rows:
-            continue
-        mask = _row_array(table, "action_mask", i)
-        if not mask.any():
-            continue
-        logprobs = _row_array(table, "logprobs", i)[mask]
-        if not np.all(np.isfinite(logprobs)):
-            errors.append((ids[i], "logprobs", "non-finite log-prob on an action token"))
-        elif np.any(logprobs > 1e-6):
-            errors.append((ids[i], "logprobs", "positive log-prob on an action token"))
-        if np.any(_row_array(table, "versions", i)[mask] < 0):
-            errors.append((ids[i], "versions", "negative version on an action token"))
-        if "train_mask" in table.column_names and np.any(_row_array(table, "train_mask", i) & ~mask):
-            errors.append((ids[i], "train_mask", "trains a token outside action_mask"))
+    errors.extend(_token_errors(table, ids, bad_rows))
     return errors
 
 
@@ -162,5 +148,38 @@ def validate(table: pa.Table) -> pa.Table:
     return table
 
 
-def _row_array(table: pa.Table, column: str, row: int) -> np.ndarray:
-    return np.asarray(table.column(column)[row].values.to_numpy(zero_copy_only=False))
+def _token_errors(table: pa.Table, ids: list, bad_rows: np.ndarray) -> list[tuple[str | None, str, str]]:
+    """Per-token checks on action tokens, vectorized over the flattened lists of the rows
+    whose lists have equal lengths (``bad_rows`` are reported already)."""
+    good = np.flatnonzero(~bad_rows)
+    rows = table.take(good) if len(good) < table.num_rows else table
+    row_of_token = good[_flat(rows, "action_mask", fill=False, parents=True)]
+    mask = _flat(rows, "action_mask", fill=False)
+    logprobs = _flat(rows, "logprobs", fill=np.nan)
+    versions = _flat(rows, "versions", fill=-1)
+    checks = []
+    nonfinite_rows = np.unique(row_of_token[mask & ~np.isfinite(logprobs)])
+    checks.append((nonfinite_rows, "logprobs", "non-finite log-prob on an action token"))
+    positive_rows = np.setdiff1d(row_of_token[mask & (logprobs > 1e-6)], nonfinite_rows)
+    checks.append((positive_rows, "logprobs", "positive log-prob on an action token"))
+    checks.append(
+        (np.unique(row_of_token[mask & (versions < 0)]), "versions", "negative version on an action token")
+    )
+    if "train_mask" in table.column_names:
+        outside = _flat(rows, "train_mask", fill=False) & ~mask
+        checks.append((np.unique(row_of_token[outside]), "train_mask", "trains a token outside action_mask"))
+    found: dict[int, list[tuple[str, str]]] = {}
+    for bad, column, what in checks:
+        for row in bad:
+            found.setdefault(int(row), []).append((column, what))
+    return [(ids[row], column, what) for row in sorted(found) for column, what in found[row]]
+
+
+def _flat(table: pa.Table, column: str, fill: Any, parents: bool = False) -> np.ndarray:
+    """Values of list column ``column`` of every row, concatenated (nulls as ``fill``);
+    with ``parents``, the row index of each value instead."""
+    lists = table.column(column).combine_chunks()
+    if parents:
+        return pc.list_parent_indices(lists).to_numpy()
+    values = pc.fill_null(pc.list_flatten(lists), fill)
+    return values.to_numpy(zero_copy_only=False)

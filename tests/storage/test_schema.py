@@ -1,0 +1,151 @@
+"""Validation of the trajectory record: every error names the trajectory and column."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from storage.schema import (
+    PROCESSED_SCHEMA,
+    STATUSES,
+    TRAJECTORY_SCHEMA,
+    SchemaError,
+    cast,
+    find_errors,
+    to_table,
+    validate,
+)
+from tests.storage.records import make_processed_table, make_record, make_table
+
+
+def test_a_valid_table_passes():
+    table = make_table(0, 5)
+    assert validate(table) is table
+    assert validate(make_processed_table(0, 3)).num_rows == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "column", "what"),
+    [
+        ({"logprobs": [-0.1] * 23}, "logprobs", "has 23 entries but tokens has 24"),
+        ({"turn": [0] * 25}, "turn", "has 25 entries but tokens has 24"),
+        ({"status": "exploded"}, "status", "unknown status 'exploded'"),
+        ({"execution_id": ""}, "execution_id", "missing id"),
+        ({"logprobs": [float("nan")] * 24}, "logprobs", "non-finite log-prob"),
+        ({"logprobs": [0.5] * 24}, "logprobs", "positive log-prob"),
+        ({"versions": [-1] * 24}, "versions", "negative version"),
+    ],
+)
+def test_a_bad_row_is_named_with_its_column(change, column, what):
+    records = [make_record(i) for i in range(4)]
+    records[2] |= change
+    with pytest.raises(SchemaError) as info:
+        validate(to_table(records))
+    assert f"trajectory 't2', column '{column}': {what}" in str(info.value)
+    assert "'t0'" not in str(info.value)
+
+
+def test_train_mask_outside_actions_is_named():
+    table = make_processed_table(0, 2)
+    train_mask = table.column("train_mask").to_pylist()
+    train_mask[1][0] = True  # token 0 is a prompt token
+    table = table.set_column(table.schema.get_field_index("train_mask"), "train_mask", pa.array(train_mask))
+    with pytest.raises(SchemaError, match="trajectory 't1', column 'train_mask': trains a token outside"):
+        validate(cast(table, PROCESSED_SCHEMA))
+
+
+def test_type_and_missing_column_errors_name_the_column():
+    table = make_table(0, 2)
+    with pytest.raises(SchemaError, match=r"missing columns \['status'\]"):
+        validate(table.drop_columns(["status"]))
+    wrong = table.set_column(
+        table.schema.get_field_index("tokens"), "tokens", table.column("tokens").cast(pa.list_(pa.int64()))
+    )
+    with pytest.raises(SchemaError, match="column 'tokens' has type list<item: int64>"):
+        validate(wrong)
+    with pytest.raises(SchemaError, match="column 'tokens'"):
+        to_table([make_record(0) | {"tokens": ["a", "b"]}])
+
+
+def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
+    """The checks written as a plain loop over rows and tokens."""
+    rows = table.to_pylist()
+    token_columns = [
+        c
+        for c in ("tokens", "logprobs", "action_mask", "turn", "versions", "train_mask", "loss_weight")
+        if c in table.column_names
+    ]
+    errors = []
+    for row in rows:
+        for name in ("trajectory_id", "execution_id", "task", "prompt_id"):
+            if not row[name]:
+                errors.append((row["trajectory_id"], name, "missing id"))
+    for name in token_columns:
+        for row in rows:
+            if len(row[name]) != len(row["tokens"]):
+                errors.append(
+                    (
+                        row["trajectory_id"],
+                        name,
+                        f"has {len(row[name])} entries but tokens has {len(row['tokens'])}",
+                    )
+                )
+    for row in rows:
+        if row["status"] not in STATUSES:
+            errors.append(
+                (
+                    row["trajectory_id"],
+                    "status",
+                    f"unknown status {row['status']!r}; expected one of {STATUSES}",
+                )
+            )
+    for row in rows:
+        if any(len(row[name]) != len(row["tokens"]) for name in token_columns):
+            continue
+        action = [i for i, generated in enumerate(row["action_mask"]) if generated]
+        logprobs = [row["logprobs"][i] for i in action]
+        if not all(np.isfinite(lp) for lp in logprobs):
+            errors.append((row["trajectory_id"], "logprobs", "non-finite log-prob on an action token"))
+        elif any(lp > 1e-6 for lp in logprobs):
+            errors.append((row["trajectory_id"], "logprobs", "positive log-prob on an action token"))
+        if any(row["versions"][i] < 0 for i in action):
+            errors.append((row["trajectory_id"], "versions", "negative version on an action token"))
+        if "train_mask" in row and any(
+            t and not row["action_mask"][i] for i, t in enumerate(row["train_mask"])
+        ):
+            errors.append((row["trajectory_id"], "train_mask", "trains a token outside action_mask"))
+    return errors
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_find_errors_matches_a_row_by_row_reference(seed):
+    rng = np.random.default_rng(seed)
+    records = []
+    for i in range(int(rng.integers(1, 40))):
+        n = int(rng.integers(0, 12))
+        mask = rng.random(n) < 0.5
+        record = make_record(i, n) | {"action_mask": mask.tolist()}
+        record["logprobs"] = np.where(mask, -rng.random(n), 0.0).tolist()
+        record["versions"] = np.where(mask, 1, -1).tolist()
+        record["train_mask"] = (mask & (rng.random(n) < 0.7)).tolist()
+        record["loss_weight"] = [1.0] * n
+        fault = rng.integers(0, 8)
+        if fault == 1 and n:
+            record["logprobs"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, 0.3]))
+        elif fault == 2 and n:
+            record["versions"][int(rng.integers(n))] = -2
+        elif fault == 3:
+            record["turn"] = [0] * (n + 1)
+        elif fault == 4 and n:
+            record["train_mask"][int(rng.integers(n))] = True
+        elif fault == 5:
+            record["status"] = "weird"
+        elif fault == 6:
+            record["prompt_id"] = ""
+        records.append(record)
+    table = to_table(records, PROCESSED_SCHEMA)
+    table = pa.concat_tables([table.slice(0, len(records) // 2), table.slice(len(records) // 2)])
+    assert find_errors(table) == _reference_errors(table)
+    raw = cast(table, TRAJECTORY_SCHEMA)
+    assert find_errors(raw) == _reference_errors(raw)
