@@ -76,9 +76,8 @@ class Env(ABC):
     config_cls: ClassVar[type[EnvConfig]] = EnvConfig
 
     def __init__(self, config: EnvConfig | None = None, **overrides: Any):
-        base = config or self.config_cls()
-        self.config = base.model_copy(update=overrides) if overrides else base
-        self.config = self.config_cls.model_validate(self.config.model_dump())
+        data = (config.model_dump() if config is not None else {}) | overrides
+        self.config = self.config_cls.model_validate(data)
         self.task: Task | None = None
         self.turns = 0
         self.sandbox: Sandbox | None = None

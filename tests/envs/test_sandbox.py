@@ -29,7 +29,7 @@ def serves_after() -> None:
     [
         (":(){ :|:& };:; sleep 60", {"process_limit"}),
         ("python3 -c 'x = bytearray(2 * 1024**3)'", {"memory_limit"}),
-        ("while :; do :; done", {"cpu_limit"}),
+        ("while :; do :; done", {"cpu_limit", "timeout"}),
         ("echo pwned > /etc/pwned", {"write_outside"}),
         ("yes 0123456789", {"output_limit"}),
     ],
