@@ -1,0 +1,575 @@
+"""A continuous-batching inference engine on plain PyTorch + transformers (CPU or GPU).
+
+One background thread owns the model. Each iteration it applies a pending weight update,
+admits waiting requests (prefilling only the tokens not already in the session's KV cache),
+then runs one decode step over every active request together; finished requests leave and
+their KV cache goes into a memory-bounded LRU keyed by session id.
+
+Log-probs: each returned log-prob is that of the chosen token under the distribution it
+was sampled from — logits divided by ``temperature``, restricted to the top-p nucleus
+(the smallest set of most likely tokens whose mass reaches ``top_p``) and renormalised.
+
+Weight updates: a new version is applied between decode steps. KV caches computed by the
+old weights are dropped (the session LRU is cleared) and every in-flight request is
+re-prefilled under the new weights, so each token tagged with version ``v`` was sampled
+from exactly what the weights of ``v`` give for the whole context.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import inspect
+import math
+import os
+import random
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors.torch import load_file
+from transformers import DynamicCache, PreTrainedModel
+
+from rollout.engines.base import EngineError, EngineStats, Generation, InvalidRequest, SamplingParams
+
+KV = list[tuple[torch.Tensor, torch.Tensor]]
+"""Per-layer (keys, values), each (B, H_kv, L, D)."""
+
+
+class TorchEngineConfig(BaseModel):
+    """Settings of one ``TorchEngine`` replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    device: str = Field("cpu", description="Torch device the model runs on (cpu, cuda, cuda:1 …).")
+    dtype: str = Field("float32", description="Torch dtype of the weights (float32, bfloat16, float16).")
+    max_batch: int = Field(64, ge=1, description="Most requests decoded together in one step.")
+    kv_cache_bytes: int = Field(
+        256 * 2**20, ge=0, description="Memory bound of the per-session KV cache kept between turns (LRU)."
+    )
+
+
+def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of the distribution sampled from.
+
+    Args:
+        logits: (B, V) raw next-token logits.
+        temperature: (B,) positive temperatures.
+        top_p: (B,) nucleus masses in (0, 1].
+
+    Returns:
+        (B, V) log-probs of softmax(logits / temperature) restricted to the top-p nucleus and
+        renormalised; ``-inf`` outside the nucleus. The most likely token is always kept.
+    """
+    logprobs = torch.log_softmax(logits.float() / temperature[:, None], dim=-1)  # (B, V)
+    if bool((top_p < 1).any()):
+        sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)  # (B, V)
+        sorted_probs = sorted_logprobs.exp()
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
+        outside_sorted = mass_before >= top_p[:, None]
+        outside = torch.zeros_like(outside_sorted).scatter(-1, order, outside_sorted)
+        logprobs = torch.log_softmax(logprobs.masked_fill(outside, -math.inf), dim=-1)
+    return logprobs
+
+
+@dataclass
+class _SessionCache:
+    tokens: list[int]
+    kv: KV
+    version: int
+    nbytes: int
+
+
+@dataclass
+class _Request:
+    session_id: str
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    generator: torch.Generator
+    max_tokens: int
+    tokens: list[int] = field(default_factory=list)
+    """Prompt and generated tokens so far; the last one is fed at the next step."""
+    cached: int = 0
+    """How many leading ``tokens`` have their keys/values computed."""
+    kv: KV | None = None
+    """This request's cache while it is outside the decode batch (each (1, H_kv, cached, D))."""
+    reused: int = 0
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    finish: str | None = None
+    cancelled: bool = False
+
+
+def _kv_nbytes(kv: KV) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+
+
+def _left_pad(tensor: torch.Tensor, length: int) -> torch.Tensor:
+    """(B, H, L, D) -> (B, H, length, D) with zeros in front."""
+    return F.pad(tensor, (0, 0, length - tensor.shape[2], 0))
+
+
+def _kv_of(cache: DynamicCache) -> KV:
+    return [(keys, values) for keys, values, *_ in cache]
+
+
+class TorchEngine:
+    """An inference engine replica running a Hugging Face causal LM in this process.
+
+    Args:
+        model: a local model directory (a weight version or any HF checkpoint), or a
+            loaded ``PreTrainedModel``; the engine owns it from then on (``load_version``
+            overwrites its weights in place).
+        tokenizer: optional; kept for callers (``self.tokenizer``), never used to re-tokenize.
+        name: replica name reported in every ``Generation``.
+        version: weight version of ``model``.
+        device, dtype, max_batch, kv_cache_bytes: see ``TorchEngineConfig``.
+        on_step: called on the engine thread after every scheduler iteration with the
+            current stats (metrics, tracing); it must not call back into the engine.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | PreTrainedModel,
+        tokenizer=None,
+        *,
+        name: str = "torch",
+        version: int = 0,
+        device: str = "cpu",
+        dtype: torch.dtype | str = torch.float32,
+        max_batch: int = 64,
+        kv_cache_bytes: int = 256 * 2**20,
+        on_step: Callable[[EngineStats], None] | None = None,
+    ):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if kv_cache_bytes < 0:
+            raise ValueError(f"kv_cache_bytes must be >= 0, got {kv_cache_bytes}")
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if isinstance(model, str | os.PathLike):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            path = str(model)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.tokenizer = tokenizer
+        self.name = name
+        self.version = version
+        self.device = torch.device(device)
+        self.max_batch = max_batch
+        self.kv_cache_bytes = kv_cache_bytes
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 2**31)
+        self._on_step = on_step
+        forward_parameters = inspect.signature(self.model.forward).parameters
+        self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"
+        self._seeds = random.Random()
+
+        self._cond = threading.Condition()
+        self._pending: list[_Request] = []
+        self._updates: list[
+            tuple[int, dict[str, torch.Tensor], asyncio.AbstractEventLoop, asyncio.Future]
+        ] = []
+        self._closed = False
+        self._failure: BaseException | None = None
+
+        self._batch: list[_Request] = []
+        self._reprefill: list[_Request] = []
+        self._batch_cache: DynamicCache | None = None
+        self._sessions: OrderedDict[str, _SessionCache] = OrderedDict()
+        self._sessions_lock = threading.Lock()
+        self._session_bytes = 0
+
+        self._stats = EngineStats()
+        self._counters = {"steps": 0, "batched_rows": 0, "evictions": 0, "updates": 0, "max_batch_seen": 0}
+        self._thread = threading.Thread(target=self._run, name=f"torch-engine-{name}", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(
+        cls, config: TorchEngineConfig, model: str | os.PathLike | PreTrainedModel, **kwargs
+    ) -> TorchEngine:
+        """An engine with the settings of ``config``; ``kwargs`` are name, version, tokenizer, on_step."""
+        return cls(
+            model,
+            device=config.device,
+            dtype=config.dtype,
+            max_batch=config.max_batch,
+            kv_cache_bytes=config.kv_cache_bytes,
+            **kwargs,
+        )
+
+    # -- public API (event-loop side) ----------------------------------------------------
+
+    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        """Sample a continuation of ``prompt_ids``; see the module docstring for log-probs."""
+        prompt = self._validate(session_id, prompt_ids, params)
+        loop = asyncio.get_running_loop()
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(params.seed if params.seed is not None else self._seeds.getrandbits(63))
+        request = _Request(
+            session_id=session_id,
+            prompt=prompt,
+            params=params,
+            loop=loop,
+            future=loop.create_future(),
+            generator=generator,
+            max_tokens=min(len(prompt) + params.max_new_tokens, self.max_positions),
+            tokens=list(prompt),
+        )
+        with self._cond:
+            if self._closed or self._failure is not None:
+                raise EngineError(f"engine {self.name!r} is not serving: {self._failure or 'closed'}")
+            self._pending.append(request)
+            self._cond.notify()
+        try:
+            return await asyncio.shield(request.future)
+        except asyncio.CancelledError:
+            request.cancelled = True
+            raise
+
+    async def load_version(self, version: int, path: str) -> None:
+        """Load weights from ``path`` (a local version directory); applied between decode steps."""
+        state_dict = await asyncio.to_thread(self._read_weights, path)
+        loop = asyncio.get_running_loop()
+        applied = loop.create_future()
+        with self._cond:
+            if self._closed:
+                raise EngineError(f"engine {self.name!r} is closed")
+            self._updates.append((version, state_dict, loop, applied))
+            self._cond.notify()
+        await applied
+
+    def end_session(self, session_id: str) -> None:
+        """Forget the KV cache kept for ``session_id`` (no error if there is none)."""
+        with self._sessions_lock:
+            entry = self._sessions.pop(session_id, None)
+            if entry is not None:
+                self._session_bytes -= entry.nbytes
+
+    def stats(self) -> EngineStats:
+        with self._cond:
+            queue_depth = len(self._pending)
+            pending_updates = len(self._updates)
+        with self._sessions_lock:
+            cache_bytes, cache_sessions = self._session_bytes, len(self._sessions)
+        counters = dict(self._counters)
+        return EngineStats(
+            prefill_computed=self._stats.prefill_computed,
+            prefill_reused=self._stats.prefill_reused,
+            decode_tokens=self._stats.decode_tokens,
+            queue_depth=queue_depth,
+            requests=self._stats.requests,
+            extra={
+                "active": float(len(self._batch)),
+                "pending_updates": float(pending_updates),
+                "cache_bytes": float(cache_bytes),
+                "cache_sessions": float(cache_sessions),
+                "evictions": float(counters["evictions"]),
+                "weight_updates": float(counters["updates"]),
+                "decode_steps": float(counters["steps"]),
+                "mean_batch": counters["batched_rows"] / counters["steps"] if counters["steps"] else 0.0,
+                "max_batch_seen": float(counters["max_batch_seen"]),
+            },
+        )
+
+    async def health(self) -> bool:
+        return self._thread.is_alive() and not self._closed and self._failure is None
+
+    async def close(self) -> None:
+        """Stop the engine thread; requests still waiting fail with ``EngineError``."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        await asyncio.to_thread(self._thread.join)
+
+    # -- validation and weight loading -----------------------------------------------------
+
+    def _validate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> list[int]:
+        if not isinstance(session_id, str) or not session_id:
+            raise InvalidRequest(f"session_id must be a non-empty string, got {session_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
+        if len(prompt_ids) == 0:
+            raise InvalidRequest("prompt_ids is empty: a generation needs at least one prompt token")
+        if len(prompt_ids) > self.max_positions:
+            raise InvalidRequest(
+                f"prompt has {len(prompt_ids)} tokens, more than the model's {self.max_positions} positions"
+            )
+        prompt = []
+        for index, token in enumerate(prompt_ids):
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise InvalidRequest(
+                    f"prompt_ids[{index}] = {token!r} is not a token id in [0, {self.vocab_size})"
+                )
+            prompt.append(int(token))
+        return prompt
+
+    def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
+        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        if not files:
+            raise EngineError(f"no *.safetensors files in {path!r}")
+        state_dict: dict[str, torch.Tensor] = {}
+        for file in files:
+            state_dict.update(load_file(file))
+        expected = self.model.state_dict()
+        tied = {name for name in expected if name not in state_dict and self._is_tied(name, expected)}
+        missing = sorted(set(expected) - set(state_dict) - tied)
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing or unexpected:
+            raise EngineError(
+                f"weights in {path!r} do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+        for name, tensor in state_dict.items():
+            if tensor.shape != expected[name].shape:
+                raise EngineError(
+                    f"weights in {path!r}: {name} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(expected[name].shape)}"
+                )
+        return state_dict
+
+    @staticmethod
+    def _is_tied(name: str, expected: dict[str, torch.Tensor]) -> bool:
+        pointer = expected[name].data_ptr()
+        return any(other != name and tensor.data_ptr() == pointer for other, tensor in expected.items())
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    while not (self._closed or self._pending or self._batch or self._updates):
+                        self._cond.wait()
+                    if self._closed:
+                        break
+                    updates, self._updates = self._updates, []
+                    room = self.max_batch - len(self._batch)
+                    admitted, self._pending = self._pending[:room], self._pending[room:]
+                for version, state_dict, loop, applied in updates:
+                    self._apply_update(version, state_dict)
+                    loop.call_soon_threadsafe(_resolve, applied, None)
+                with torch.inference_mode():
+                    self._step([r for r in admitted if not r.cancelled])
+                if self._on_step is not None:
+                    self._on_step(self.stats())
+        except BaseException as error:  # noqa: BLE001 - any failure must reach the waiting callers
+            self._failure = error
+        finally:
+            self._fail_all()
+
+    def _fail_all(self) -> None:
+        reason = f"engine {self.name!r} stopped: {self._failure!r}" if self._failure else "engine closed"
+        with self._cond:
+            waiting, self._pending = self._pending + self._batch, []
+            updates, self._updates = self._updates, []
+        self._batch, self._batch_cache = [], None
+        for request in waiting:
+            request.loop.call_soon_threadsafe(_reject, request.future, EngineError(reason))
+        for *_, loop, applied in updates:
+            loop.call_soon_threadsafe(_reject, applied, EngineError(reason))
+
+    def _apply_update(self, version: int, state_dict: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=False)
+        self.version = version
+        self._counters["updates"] += 1
+        with self._sessions_lock:
+            self._sessions.clear()
+            self._session_bytes = 0
+        for request in self._batch:  # their caches came from the old weights
+            request.kv, request.cached = None, 0
+        self._reprefill += [r for r in self._batch if not r.cancelled]
+        self._batch, self._batch_cache = [], None
+
+    def _step(self, admitted: list[_Request]) -> None:
+        joining, self._reprefill = self._reprefill, []
+        for request in admitted:
+            self._attach_session_cache(request)
+        for request in [*joining, *admitted]:
+            self._prefill(request)
+        self._join([r for r in [*joining, *admitted] if r.finish is None])
+        if self._batch:
+            self._decode()
+
+    def _attach_session_cache(self, request: _Request) -> None:
+        with self._sessions_lock:
+            entry = self._sessions.pop(request.session_id, None)
+            if entry is not None:
+                self._session_bytes -= entry.nbytes
+        if entry is None or entry.version != self.version:
+            return
+        common = 0
+        for cached_token, prompt_token in zip(entry.tokens, request.prompt, strict=False):
+            if cached_token != prompt_token:
+                break
+            common += 1
+        reuse = min(common, len(request.prompt) - 1)  # the last prompt token must be fed for its logits
+        if reuse > 0:
+            request.kv = [(k[:, :, :reuse], v[:, :, :reuse]) for k, v in entry.kv]
+            request.cached = request.reused = reuse
+            self._stats.prefill_reused += reuse
+
+    def _prefill(self, request: _Request) -> None:
+        """Feed every token of ``request`` not yet cached (alone) and sample the next one."""
+        new_tokens = request.tokens[request.cached :]
+        cache = DynamicCache(ddp_cache_data=request.kv) if request.kv else DynamicCache()
+        input_ids = torch.tensor([new_tokens], device=self.device)
+        positions = torch.arange(request.cached, len(request.tokens), device=self.device)[None]
+        output = self.model(
+            input_ids=input_ids,
+            attention_mask=torch.ones(1, len(request.tokens), dtype=torch.long, device=self.device),
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self._cache_argument: cache},
+        )
+        self._stats.prefill_computed += len(new_tokens)
+        request.kv = _kv_of(cache)
+        request.cached = len(request.tokens)
+        self._sample([request], output.logits[:, -1])
+        if request.finish is not None:
+            self._finish(request, request.kv)
+
+    def _join(self, requests: list[_Request]) -> None:
+        """Add prefilled requests to the decode batch (left-padding every cache to one length)."""
+        if not requests:
+            return
+        old_kv = _kv_of(self._batch_cache) if self._batch else []
+        length = max([r.cached for r in requests] + ([old_kv[0][0].shape[2]] if old_kv else []))
+        merged = []
+        for layer in range(len(requests[0].kv)):
+            parts_k = [_left_pad(old_kv[layer][0], length)] if old_kv else []
+            parts_v = [_left_pad(old_kv[layer][1], length)] if old_kv else []
+            parts_k += [_left_pad(r.kv[layer][0], length) for r in requests]
+            parts_v += [_left_pad(r.kv[layer][1], length) for r in requests]
+            merged.append((torch.cat(parts_k), torch.cat(parts_v)))
+        for request in requests:
+            request.kv = None
+        self._batch = self._batch + requests
+        self._batch_cache = DynamicCache(ddp_cache_data=merged)
+
+    def _decode(self) -> None:
+        """One decode step over the whole batch: feed each row's last token, sample the next."""
+        batch = self._batch
+        cache_length = self._batch_cache.get_seq_length()
+        lengths = torch.tensor([r.cached for r in batch], device=self.device)  # (B,)
+        columns = torch.arange(cache_length + 1, device=self.device)  # (L + 1,)
+        attention_mask = (columns[None] >= (cache_length - lengths)[:, None]).long()  # (B, L + 1)
+        output = self.model(
+            input_ids=torch.tensor([[r.tokens[-1]] for r in batch], device=self.device),
+            attention_mask=attention_mask,
+            position_ids=lengths[:, None],
+            use_cache=True,
+            **{self._cache_argument: self._batch_cache},
+        )
+        for request in batch:
+            request.cached += 1
+        self._counters["steps"] += 1
+        self._counters["batched_rows"] += len(batch)
+        self._counters["max_batch_seen"] = max(self._counters["max_batch_seen"], len(batch))
+        self._sample(batch, output.logits[:, -1])
+        self._leave()
+
+    def _leave(self) -> None:
+        """Remove finished or cancelled rows; their caches go to the session LRU."""
+        keep = [i for i, r in enumerate(self._batch) if r.finish is None and not r.cancelled]
+        if len(keep) == len(self._batch):
+            return
+        kv = _kv_of(self._batch_cache)
+        cache_length = kv[0][0].shape[2]
+        for index, request in enumerate(self._batch):
+            if index not in keep:
+                start = cache_length - request.cached
+                self._finish(
+                    request,
+                    [(k[index : index + 1, :, start:], v[index : index + 1, :, start:]) for k, v in kv],
+                )
+        self._batch = [self._batch[i] for i in keep]
+        if not keep:
+            self._batch_cache = None
+            return
+        rows = torch.tensor(keep, device=self.device)
+        trim = cache_length - max(r.cached for r in self._batch)
+        self._batch_cache = DynamicCache(
+            ddp_cache_data=[(k[rows, :, trim:], v[rows, :, trim:]) for k, v in kv]
+        )
+
+    def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
+        """Sample one token per request from ``logits`` (B, V) and record it."""
+        temperature = torch.tensor([r.params.temperature for r in requests], device=self.device)
+        top_p = torch.tensor([r.params.top_p for r in requests], device=self.device)
+        logprobs = sampling_logprobs(logits, temperature, top_p)  # (B, V)
+        probs = logprobs.exp()
+        chosen = [
+            torch.multinomial(probs[row], 1, generator=request.generator)
+            for row, request in enumerate(requests)
+        ]
+        chosen_ids = torch.cat(chosen)  # (B,)
+        chosen_logprobs = logprobs.gather(-1, chosen_ids[:, None])[:, 0].tolist()
+        for request, token, logprob in zip(requests, chosen_ids.tolist(), chosen_logprobs, strict=True):
+            request.tokens.append(token)
+            request.generated.append(token)
+            request.logprobs.append(logprob)
+            request.versions.append(self.version)
+            self._stats.decode_tokens += 1
+            if token in request.params.stop_ids:
+                request.finish = "stop"
+            elif (
+                len(request.generated) >= request.params.max_new_tokens
+                or len(request.tokens) >= request.max_tokens
+            ):
+                request.finish = "length"
+
+    def _finish(self, request: _Request, kv: KV) -> None:
+        """Keep the session's cache (tokens[:cached]), then resolve the caller's future.
+
+        In that order, so a caller's next turn (or ``end_session``) always sees the cache.
+        """
+        self._remember(request.session_id, request.tokens[: request.cached], kv)
+        if not request.cancelled:
+            self._stats.requests += 1
+            generation = Generation(
+                token_ids=request.generated,
+                logprobs=request.logprobs,
+                versions=request.versions,
+                finish_reason=request.finish or "abort",
+                prompt_tokens=len(request.prompt),
+                cached_tokens=request.reused,
+                engine=self.name,
+            )
+            request.loop.call_soon_threadsafe(_resolve, request.future, generation)
+
+    def _remember(self, session_id: str, tokens: list[int], kv: KV) -> None:
+        kv = [(k.clone(), v.clone()) for k, v in kv]
+        nbytes = _kv_nbytes(kv)
+        if nbytes > self.kv_cache_bytes:
+            return
+        with self._sessions_lock:
+            previous = self._sessions.pop(session_id, None)
+            if previous is not None:
+                self._session_bytes -= previous.nbytes
+            self._sessions[session_id] = _SessionCache(tokens, kv, self.version, nbytes)
+            self._session_bytes += nbytes
+            while self._session_bytes > self.kv_cache_bytes:
+                _, evicted = self._sessions.popitem(last=False)
+                self._session_bytes -= evicted.nbytes
+                self._counters["evictions"] += 1
+
+
+def _resolve(future: asyncio.Future, value) -> None:
+    if not future.done():
+        future.set_result(value)
+
+
+def _reject(future: asyncio.Future, error: BaseException) -> None:
+    if not future.done():
+        future.set_exception(error)

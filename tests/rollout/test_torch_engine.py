@@ -1,0 +1,414 @@
+"""TorchEngine: exact log-probs, continuous batching, session KV cache, weight updates, bad input.
+
+Every log-prob is checked against a separate full forward pass of the same weights, with
+the temperature / top-p distribution written out by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import threading
+import time
+
+import pytest
+import torch
+
+from rl.models import TinyModelConfig, build_tiny_model, publish_policy
+from rollout.engines.base import Engine, EngineError, InvalidRequest, SamplingParams
+from rollout.engines.torch_engine import TorchEngine, sampling_logprobs
+from storage.config import RunStore, StorageConfig
+from storage.weights import WeightStore
+
+SMALL = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=96
+)
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return build_tiny_model(SMALL)
+
+
+@pytest.fixture(scope="module")
+def other_model():
+    model, _ = build_tiny_model(SMALL.model_copy(update={"seed": 1}))
+    return model
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory, tiny, other_model) -> WeightStore:
+    """Version 0 = ``tiny``, version 1 = ``other_model``."""
+    store = WeightStore(RunStore(StorageConfig(root=str(tmp_path_factory.mktemp("runs"))), "run"))
+    publish_policy(store, tiny[0], tiny[1])
+    publish_policy(store, other_model, tiny[1], parent=0, step=1)
+    return store
+
+
+def engine_for(model, **kwargs) -> TorchEngine:
+    return TorchEngine(copy.deepcopy(model), name="torch-test", **kwargs)
+
+
+def reference_logprobs(model, prompt, generated, temperature=1.0, top_p=1.0) -> list[float]:
+    """Log-prob of each generated token from one full forward pass, nucleus built by a loop."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + generated])).logits[0].double()  # (T, V)
+    result = []
+    for index, token in enumerate(generated):
+        probs = torch.softmax(logits[len(prompt) - 1 + index] / temperature, dim=-1).tolist()
+        kept, mass = [], 0.0
+        for candidate in sorted(range(len(probs)), key=lambda t: -probs[t]):
+            if mass >= top_p:
+                break
+            kept.append(candidate)
+            mass += probs[candidate]
+        assert token in kept, f"token {token} at {index} was sampled outside the nucleus"
+        result.append(math.log(probs[token] / sum(probs[t] for t in kept)))
+    return result
+
+
+def assert_logprobs_match(actual, expected):
+    assert len(actual) == len(expected)
+    worst = max(abs(a - b) for a, b in zip(actual, expected, strict=True))
+    assert worst < TOLERANCE, f"log-probs differ by {worst}"
+
+
+def wait_for(condition, what: str, deadline_s: float = 60.0) -> None:
+    """Block (on the engine thread) until ``condition()``; fail loudly instead of hanging."""
+    end = time.monotonic() + deadline_s
+    while not condition():
+        if time.monotonic() > end:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_sampling_logprobs_match_a_slow_reference():
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 17, generator=generator) * 3
+    temperature = torch.tensor([1.0, 0.5, 2.0, 0.8, 1.3])
+    top_p = torch.tensor([1.0, 0.9, 0.5, 0.05, 0.999])
+    fast = sampling_logprobs(logits, temperature, top_p)
+    for row in range(5):
+        probs = torch.softmax(logits[row].double() / temperature[row].double(), dim=-1).tolist()
+        kept, mass = [], 0.0
+        for token in sorted(range(17), key=lambda t: -probs[t]):
+            if mass >= float(top_p[row]):
+                break
+            kept.append(token)
+            mass += probs[token]
+        total = sum(probs[t] for t in kept)
+        for token in range(17):
+            if token in kept:
+                assert abs(fast[row, token].item() - math.log(probs[token] / total)) < 1e-5
+            else:
+                assert fast[row, token].item() == -math.inf
+    assert (fast[3] > -math.inf).sum() == 1  # a tiny nucleus keeps only the top token
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.85)])
+def test_logprobs_match_a_separate_forward_pass(tiny, temperature, top_p):
+    model, tokenizer = tiny
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is 12+30?"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    params = SamplingParams(max_new_tokens=24, temperature=temperature, top_p=top_p, seed=3)
+
+    async def run():
+        engine = engine_for(model, version=7)
+        assert isinstance(engine, Engine)
+        try:
+            return await engine.generate("s", prompt_ids, params), engine.stats()
+        finally:
+            await engine.close()
+
+    generation, stats = asyncio.run(run())
+    assert len(generation.token_ids) == 24 and generation.finish_reason == "length"
+    assert generation.versions == [7] * 24 and generation.engine == "torch-test"
+    assert generation.prompt_tokens == len(prompt_ids) and generation.cached_tokens == 0
+    assert stats.prefill_computed == len(prompt_ids) and stats.decode_tokens == 24
+    assert_logprobs_match(
+        generation.logprobs, reference_logprobs(model, prompt_ids, generation.token_ids, temperature, top_p)
+    )
+
+
+def test_multi_turn_session_prefills_only_new_tokens(tiny):
+    model, _ = tiny
+    first_prompt = [2, 40, 41, 42, 43, 44, 3]
+    observation = [2, 50, 51, 52]
+    params = SamplingParams(max_new_tokens=10, seed=11)
+
+    async def run():
+        engine = engine_for(model)
+        try:
+            first = await engine.generate("s", first_prompt, params)
+            after_first = engine.stats()
+            second_prompt = first_prompt + first.token_ids + observation
+            second = await engine.generate("s", second_prompt, params)
+            after_second = engine.stats()
+            diverging = await engine.generate("s", [*second_prompt[:5], 60, 61], params)
+            engine.end_session("s")
+            forgotten = await engine.generate("s", [*second_prompt, *second.token_ids], params)
+            return first, second, second_prompt, diverging, forgotten, after_first, after_second
+        finally:
+            await engine.close()
+
+    first, second, second_prompt, diverging, forgotten, after_first, after_second = asyncio.run(run())
+    assert after_first.prefill_computed == len(first_prompt)
+    cached = len(first_prompt) + len(first.token_ids) - 1  # the last sampled token was never fed
+    assert second.cached_tokens == cached
+    assert after_second.prefill_reused == cached
+    assert after_second.prefill_computed - after_first.prefill_computed == len(observation) + 1
+    assert_logprobs_match(second.logprobs, reference_logprobs(model, second_prompt, second.token_ids))
+    assert diverging.cached_tokens == 5
+    assert_logprobs_match(
+        diverging.logprobs, reference_logprobs(model, [*second_prompt[:5], 60, 61], diverging.token_ids)
+    )
+    assert forgotten.cached_tokens == 0
+
+
+def test_concurrent_requests_share_decode_steps_and_equal_unbatched_runs(tiny):
+    model, _ = tiny
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33, 34], [40, 41], [50] * 9]
+    params = [
+        SamplingParams(
+            max_new_tokens=12 + 3 * i, temperature=0.6 + 0.2 * i, top_p=1.0 - 0.05 * i, seed=100 + i
+        )
+        for i in range(len(prompts))
+    ]
+    engine_box = {}
+
+    def hold_first_step(stats):
+        if stats.extra["decode_steps"] == 1:  # let every request arrive before the second step
+            engine = engine_box["engine"]
+            wait_for(
+                lambda: engine.stats().queue_depth + engine.stats().extra["active"] == len(prompts),
+                "all requests to arrive",
+            )
+
+    async def run():
+        batched_engine = engine_for(model, on_step=hold_first_step)
+        engine_box["engine"] = batched_engine
+        alone_engine = engine_for(model)
+        try:
+            batched = await asyncio.gather(
+                *[
+                    batched_engine.generate(f"b{i}", p, sp)
+                    for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+                ]
+            )
+            alone = [
+                await alone_engine.generate(f"a{i}", p, sp)
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+            return batched, alone, batched_engine.stats(), alone_engine.stats()
+        finally:
+            await batched_engine.close()
+            await alone_engine.close()
+
+    batched, alone, batched_stats, alone_stats = asyncio.run(run())
+    assert batched_stats.extra["max_batch_seen"] == len(prompts)
+    assert alone_stats.extra["max_batch_seen"] == 1
+    assert batched_stats.extra["decode_steps"] < alone_stats.extra["decode_steps"]
+    for prompt, sampling, together, single in zip(prompts, params, batched, alone, strict=True):
+        assert together.token_ids == single.token_ids
+        assert len(together.token_ids) == sampling.max_new_tokens
+        assert max(abs(a - b) for a, b in zip(together.logprobs, single.logprobs, strict=True)) < 1e-5
+        assert_logprobs_match(
+            together.logprobs,
+            reference_logprobs(model, prompt, together.token_ids, sampling.temperature, sampling.top_p),
+        )
+
+
+def test_seeded_sampling_is_reproducible_and_stops_on_stop_ids(tiny):
+    model, _ = tiny
+
+    async def run():
+        engine = engine_for(model)
+        try:
+            first = await engine.generate("x", [5, 6, 7], SamplingParams(max_new_tokens=16, seed=5))
+            again = await engine.generate("y", [5, 6, 7], SamplingParams(max_new_tokens=16, seed=5))
+            other = await engine.generate("z", [5, 6, 7], SamplingParams(max_new_tokens=16, seed=6))
+            stop_id = first.token_ids[3]
+            stopped = await engine.generate(
+                "w", [5, 6, 7], SamplingParams(max_new_tokens=16, seed=5, stop_ids=(stop_id,))
+            )
+            return first, again, other, stopped, stop_id
+        finally:
+            await engine.close()
+
+    first, again, other, stopped, stop_id = asyncio.run(run())
+    assert first.token_ids == again.token_ids and first.logprobs == again.logprobs
+    assert other.token_ids != first.token_ids
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_id
+    cut = first.token_ids.index(stop_id) + 1
+    assert stopped.token_ids == first.token_ids[:cut]
+
+
+def test_weight_update_mid_generation_tags_tokens_with_the_version_that_produced_them(
+    tiny, other_model, weights
+):
+    model, _ = tiny
+    new_path = weights.load(1)
+    prompt = [2, 40, 41, 42]
+    params = SamplingParams(max_new_tokens=20, seed=9)
+    blocked = threading.Event()
+    box = {}
+
+    def hold_after_five_tokens(stats):
+        if stats.decode_tokens == 5 and not blocked.is_set():
+            blocked.set()
+            engine = box["engine"]
+            wait_for(lambda: engine.stats().extra["pending_updates"] == 1, "the weight update to be queued")
+
+    async def run():
+        engine = engine_for(model, on_step=hold_after_five_tokens)
+        box["engine"] = engine
+        try:
+            long_run = asyncio.create_task(engine.generate("long", prompt, params))
+            await asyncio.to_thread(blocked.wait, 60)
+            await engine.load_version(1, new_path)
+            later = await engine.generate("later", prompt, SamplingParams(max_new_tokens=5, seed=1))
+            return await long_run, later, engine.version, engine.stats()
+        finally:
+            await engine.close()
+
+    generation, later, version, stats = asyncio.run(run())
+    assert version == 1 and stats.extra["weight_updates"] == 1
+    assert generation.versions == [0] * 5 + [1] * 15
+    assert later.versions == [1] * 5
+    tokens = generation.token_ids
+    assert_logprobs_match(generation.logprobs[:5], reference_logprobs(model, prompt, tokens[:5]))
+    assert_logprobs_match(
+        generation.logprobs[5:], reference_logprobs(other_model, prompt + tokens[:5], tokens[5:])
+    )
+    assert_logprobs_match(later.logprobs, reference_logprobs(other_model, prompt, later.token_ids))
+
+
+def test_weight_update_drops_session_caches_of_the_old_weights(tiny, other_model, weights):
+    model, _ = tiny
+    prompt = [2, 40, 41, 42, 43]
+    params = SamplingParams(max_new_tokens=6, seed=2)
+
+    async def run():
+        engine = TorchEngine(weights.load(0), name="from-dir")
+        assert engine.tokenizer is not None
+        try:
+            first = await engine.generate("s", prompt, params)
+            await engine.load_version(1, weights.load(1))
+            second_prompt = prompt + first.token_ids + [50, 51]
+            second = await engine.generate("s", second_prompt, params)
+            return first, second, second_prompt
+        finally:
+            await engine.close()
+
+    first, second, second_prompt = asyncio.run(run())
+    assert_logprobs_match(first.logprobs, reference_logprobs(model, prompt, first.token_ids))
+    assert second.cached_tokens == 0 and second.versions == [1] * 6
+    assert_logprobs_match(second.logprobs, reference_logprobs(other_model, second_prompt, second.token_ids))
+
+
+def test_session_cache_is_a_memory_bounded_lru(tiny):
+    model, _ = tiny
+    config = model.config
+    bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    prompts = {name: [2, 40 + i, 41, 42, 43, 44, 45, 46, 47, 48] for i, name in enumerate("abc")}
+    params = SamplingParams(max_new_tokens=6, seed=0)
+    per_session = (10 + 6 - 1) * bytes_per_token
+    budget = 2 * per_session + per_session // 2
+
+    async def run():
+        engine = engine_for(model, kv_cache_bytes=budget)
+        try:
+            outputs = {name: await engine.generate(name, prompt, params) for name, prompt in prompts.items()}
+            after = engine.stats()
+            again_a = await engine.generate("a", prompts["a"] + outputs["a"].token_ids, params)
+            again_c = await engine.generate("c", prompts["c"] + outputs["c"].token_ids, params)
+            return after, again_a, again_c
+        finally:
+            await engine.close()
+
+    after, again_a, again_c = asyncio.run(run())
+    assert after.extra["evictions"] == 1 and after.extra["cache_sessions"] == 2
+    assert after.extra["cache_bytes"] == 2 * per_session <= budget
+    assert again_a.cached_tokens == 0  # the least recently used session was evicted
+    assert again_c.cached_tokens == 15
+
+
+def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path):
+    model, _ = tiny
+    vocab = model.config.vocab_size
+    blocked = threading.Event()
+    release = threading.Event()
+
+    def hold_first_step(stats):
+        if not blocked.is_set():
+            blocked.set()
+            wait_for(release.is_set, "the bad requests to be sent")
+
+    async def run():
+        engine = engine_for(model, on_step=hold_first_step)
+        try:
+            long_run = asyncio.create_task(
+                engine.generate("good", [5, 6, 7], SamplingParams(max_new_tokens=30, seed=1))
+            )
+            await asyncio.to_thread(blocked.wait, 60)
+            params = SamplingParams(max_new_tokens=4)
+            cases = [
+                ([], "prompt_ids is empty"),
+                ([5, vocab], rf"prompt_ids\[1\] = {vocab} is not a token id in \[0, {vocab}\)"),
+                ([-1], r"prompt_ids\[0\] = -1 is not a token id"),
+                ([5] * 97, "prompt has 97 tokens, more than the model's 96 positions"),
+            ]
+            for prompt, message in cases:
+                with pytest.raises(InvalidRequest, match=message):
+                    await engine.generate("bad", prompt, params)
+            with pytest.raises(InvalidRequest, match="session_id must be a non-empty string"):
+                await engine.generate("", [5], params)
+            with pytest.raises(EngineError, match="no \\*.safetensors files"):
+                await engine.load_version(3, str(tmp_path))
+            release.set()
+            good = await long_run
+            edge = await engine.generate("edge", [5] * 94, SamplingParams(max_new_tokens=10, seed=0))
+            return good, edge, engine.version, await engine.health()
+        finally:
+            release.set()
+            await engine.close()
+
+    good, edge, version, healthy = asyncio.run(run())
+    assert len(good.token_ids) == 30 and good.finish_reason == "length" and version == 0 and healthy
+    assert len(edge.token_ids) == 2 and edge.finish_reason == "length"  # stopped at the position limit
+    with pytest.raises(InvalidRequest, match="temperature must be > 0"):
+        SamplingParams(temperature=0)
+
+
+def test_close_fails_waiting_requests_and_refuses_new_ones(tiny):
+    model, _ = tiny
+    blocked = threading.Event()
+    release = threading.Event()
+
+    def hold(stats):
+        if not blocked.is_set():
+            blocked.set()
+            wait_for(release.is_set, "close to be requested")
+
+    async def run():
+        engine = engine_for(model, on_step=hold, max_batch=1)
+        running = asyncio.create_task(engine.generate("a", [5, 6], SamplingParams(max_new_tokens=50)))
+        await asyncio.to_thread(blocked.wait, 60)
+        queued = asyncio.create_task(engine.generate("b", [5, 6], SamplingParams(max_new_tokens=5)))
+        await asyncio.sleep(0)
+        closing = asyncio.create_task(engine.close())
+        await asyncio.sleep(0)
+        release.set()
+        await closing
+        for task in (running, queued):
+            with pytest.raises(EngineError, match="engine closed"):
+                await task
+        assert not await engine.health()
+        with pytest.raises(EngineError, match="not serving"):
+            await engine.generate("c", [5], SamplingParams())
+
+    asyncio.run(run())
