@@ -1,5 +1,6 @@
 """TITO gateway sessions: chat rendering, verbatim multi-turn tokens, the trajectory
-record, truncation and bad input, with a real tokenizer and a real engine on the tiny model."""
+record, truncation and bad input, with a real tokenizer and real TorchEngine replicas on the
+tiny model."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import torch
 
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.base import InvalidRequest, SamplingParams
-from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig, UnknownSession
 from rollout.router import Router
 from storage.schema import TRAJECTORY_SCHEMA, to_table, validate
-from tests.rollout.vllm_standin import StandinServer
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=512
@@ -32,18 +32,13 @@ def tiny():
 @contextlib.asynccontextmanager
 async def running_gateway(tiny, replicas: int = 1, config: GatewayConfig | None = None):
     model, tokenizer = tiny
-    servers = [await StandinServer(copy.deepcopy(model), max_model_len=512).start() for _ in range(replicas)]
-    engines = [
-        VLLMEngine(VLLMEngineConfig(base_url=s.url), name=f"engine-{i}") for i, s in enumerate(servers)
-    ]
+    engines = [TorchEngine(copy.deepcopy(model), tokenizer, name=f"engine-{i}") for i in range(replicas)]
     gateway = Gateway(Router(engines), tokenizer, config or GatewayConfig(max_context_tokens=512))
     try:
         yield gateway
     finally:
         for engine in engines:
             await engine.close()
-        for server in servers:
-            await server.stop()
 
 
 def render(tokenizer, messages) -> str:

@@ -1,5 +1,6 @@
 """The gateway's HTTP server end to end: a real uvicorn server on 127.0.0.1 (and on a Unix
-socket), a real httpx client, real engines on the tiny model."""
+socket), a real httpx client, a real TorchEngine on the tiny model (and, for engine failures,
+a VLLMEngine client whose server is down)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import pytest
 import torch
 
 from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.gateway_http import SESSION_HEADER, GatewayServer
 from rollout.router import Router, RouterConfig
 from storage.schema import to_table, validate
-from tests.rollout.vllm_standin import StandinServer
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=512
@@ -34,8 +35,7 @@ def tiny():
 @contextlib.asynccontextmanager
 async def serving(tiny, *, dead_replica: bool = False, uds: str | None = None, max_context_tokens: int = 256):
     model, tokenizer = tiny
-    standin = await StandinServer(copy.deepcopy(model), max_model_len=512).start()
-    engines = [VLLMEngine(VLLMEngineConfig(base_url=standin.url), name="live")]
+    engines = [TorchEngine(copy.deepcopy(model), tokenizer, name="live")]
     if dead_replica:
         dead = VLLMEngineConfig(base_url="http://127.0.0.1:9", connect_timeout_s=1.0)
         engines.append(VLLMEngine(dead, name="dead"))
@@ -58,7 +58,6 @@ async def serving(tiny, *, dead_replica: bool = False, uds: str | None = None, m
         await server.stop()
         for engine in engines:
             await engine.close()
-        await standin.stop()
 
 
 async def open_session(client: httpx.AsyncClient, **fields) -> str:
