@@ -1,0 +1,218 @@
+"""Shards: write, commit, poll, read back; quarantine of bad shards; unreachable stores."""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+
+import pyarrow as pa
+import pyarrow.ipc
+import pytest
+from botocore.exceptions import EndpointConnectionError
+
+from storage.config import RunStore, StorageConfig
+from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError
+from storage.shards import COMPRESSION, ShardInfo, ShardReader, ShardWriter, quarantine_path
+from storage.tables import Tables
+from tests.conftest import free_port
+from tests.storage.records import make_processed_table, make_record, make_table
+
+
+def ids_of(table: pa.Table) -> list[str]:
+    return table.column("trajectory_id").to_pylist()
+
+
+def test_records_flush_every_n_and_read_back_whole(store):
+    writer = ShardWriter(store, "w0", flush_records=3)
+    flushed = [writer.write(make_record(i)) for i in range(7)]
+    assert [info is not None for info in flushed] == [False, False, True] * 2 + [False]
+    last = writer.close()
+    assert last.num_rows == 1 and last.seq == 2
+
+    reader = ShardReader(store)
+    shards, offset = reader.poll()
+    assert [s.seq for s in shards] == [0, 1, 2]
+    assert shards[0] == ShardInfo(
+        shard_id="raw/w0/00000000",
+        kind="raw",
+        path="shards/raw/w0/00000000.arrow",
+        worker="w0",
+        seq=0,
+        num_rows=3,
+        num_tokens=3 * 24,
+        min_version=0,
+        max_version=2,
+    )
+    tables = [reader.read(shard) for shard in shards]
+    assert ids_of(pa.concat_tables(tables)) == [f"t{i}" for i in range(7)]
+    assert tables[0].to_pylist() == make_table(0, 3).to_pylist()
+    assert reader.poll(after=offset) == ([], offset)
+
+
+def test_poll_after_an_offset_lists_only_new_shards(store):
+    writer = ShardWriter(store, "w0", flush_records=100)
+    assert ShardReader(store).poll() == ([], -1)
+    writer.write_table(make_table(0, 2))
+    writer.flush()
+    first, offset = ShardReader(store).poll()
+    writer.write_table(make_table(2, 2))
+    writer.flush()
+    ShardWriter(store, "w1").close()  # nothing buffered: no shard
+    second, _ = ShardReader(store).poll(after=offset)
+    assert [s.seq for s in first] == [0] and [s.seq for s in second] == [1]
+    assert ShardReader(store, kind="processed").poll()[0] == []
+
+
+def test_time_based_flush_happens_on_the_next_write(local_store):
+    patient = ShardWriter(local_store, "patient", flush_records=100, flush_seconds=3600)
+    assert patient.write(make_record(0)) is None and patient.write(make_record(1)) is None
+    eager = ShardWriter(local_store, "eager", flush_records=100, flush_seconds=0.05)
+    assert eager.write(make_record(2)) is None
+    time.sleep(0.1)
+    info = eager.write(make_record(3))
+    assert info is not None and info.num_rows == 2
+
+
+def test_a_new_writer_resumes_after_the_last_committed_seq(store):
+    with ShardWriter(store, "w0", flush_records=1) as writer:
+        writer.write(make_record(0))
+        writer.write(make_record(1))
+    with ShardWriter(store, "w0") as writer:
+        writer.write(make_record(2))
+    shards, _ = ShardReader(store).poll()
+    assert [(s.worker, s.seq) for s in shards] == [("w0", 0), ("w0", 1), ("w0", 2)]
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.write(make_record(3))
+
+
+def test_invalid_records_are_refused_at_the_call_and_do_not_poison_the_buffer(local_store):
+    writer = ShardWriter(local_store, "w0", flush_records=10)
+    writer.write(make_record(0))
+    with pytest.raises(SchemaError, match="trajectory 'bad', column 'versions'"):
+        writer.write(make_record(1, prefix="bad") | {"trajectory_id": "bad", "versions": [-3] * 24})
+    with pytest.raises(SchemaError, match="missing columns"):
+        writer.write_table(make_table(1, 1).drop_columns(["status"]))
+    info = writer.close()
+    assert info.num_rows == 1
+
+
+def test_processed_shards_keep_their_extra_columns(store):
+    with ShardWriter(store, "p0", kind="processed", schema=PROCESSED_SCHEMA) as writer:
+        writer.write_table(make_processed_table(0, 4))
+    reader = ShardReader(store, kind="processed")
+    (shard,), _ = reader.poll()
+    assert shard.path == "shards/processed/p0/00000000.arrow"
+    table = reader.read(shard)
+    assert table.schema.equals(PROCESSED_SCHEMA, check_metadata=False)
+    assert table.to_pylist() == make_processed_table(0, 4).to_pylist()
+    with pytest.raises(ValueError, match="no default schema"):
+        ShardWriter(store, "p0", kind="eval")
+    with pytest.raises(ValueError, match="worker must be"):
+        ShardWriter(store, "a/b")
+
+
+def test_an_independent_reader_sees_a_compressed_arrow_file(store, request):
+    with ShardWriter(store, "w0") as writer:
+        writer.write_table(make_table(0, 5))
+    (shard,), _ = ShardReader(store).poll()
+    if store.config.is_s3:
+        server = request.getfixturevalue("s3_server")
+        key = store.path(shard.path).split("/", 1)[1]
+        data = server.boto3_client().get_object(Bucket=server.bucket, Key=key)["Body"].read()
+        source = pa.ipc.open_file(io.BytesIO(data))
+    else:
+        source = pa.ipc.open_file(pa.OSFile(store.path(shard.path)))
+    table = source.read_all()
+    assert table.to_pylist() == make_table(0, 5).to_pylist()
+    assert table.schema.equals(TRAJECTORY_SCHEMA, check_metadata=False)
+    assert source.get_batch(0).num_rows == 5
+    assert COMPRESSION == "zstd"
+    assert len(store.fs.cat_file(store.path(shard.path))) < len(_ipc_bytes(make_table(0, 5)))
+
+
+def _commit_foreign_file(store: RunStore, seq: int, payload: bytes) -> ShardInfo:
+    """Put ``payload`` where a shard goes and commit it, as a buggy writer would."""
+    info = ShardInfo(
+        shard_id=f"raw/w9/{seq:08d}",
+        kind="raw",
+        path=f"shards/raw/w9/{seq:08d}.arrow",
+        worker="w9",
+        seq=seq,
+        num_rows=2,
+        num_tokens=48,
+        min_version=0,
+        max_version=1,
+    )
+    store.fs.pipe_file(store.path(info.path), payload)
+    Tables(store).append(
+        "shards", [info.__dict__ | {"committed_at": pa.scalar(0, pa.timestamp("us", tz="UTC"))}]
+    )
+    return info
+
+
+def _ipc_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    with pa.ipc.new_file(sink, table.schema) as out:
+        out.write_table(table)
+    return sink.getvalue()
+
+
+def test_bad_shards_are_quarantined_with_a_reason_and_reading_goes_on(store, caplog):
+    good = _ipc_bytes(make_table(0, 2))
+    bad_lengths = make_table(0, 2).to_pylist()
+    bad_lengths[1]["turn"] = [0] * 3
+    cases = {
+        "truncated": good[: len(good) // 2],
+        "wrong schema": _ipc_bytes(pa.table({"trajectory_id": ["a", "b"], "tokens": [[1], [2]]})),
+        "mismatched lengths": _ipc_bytes(pa.Table.from_pylist(bad_lengths, schema=TRAJECTORY_SCHEMA)),
+    }
+    infos = {
+        name: _commit_foreign_file(store, seq, payload) for seq, (name, payload) in enumerate(cases.items())
+    }
+    with ShardWriter(store, "w0") as writer:
+        writer.write_table(make_table(10, 2))
+
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        results = {shard.shard_id: reader.read(shard) for shard in shards}
+    assert ids_of(results["raw/w0/00000000"]) == ["t10", "t11"]
+    expected_reasons = {
+        "truncated": "cannot read the Arrow IPC file",
+        "wrong schema": "schema differs from the canonical raw schema: missing ['execution_id'",
+        "mismatched lengths": "trajectory 't1', column 'turn': has 3 entries but tokens has 24",
+    }
+    for name, info in infos.items():
+        assert results[info.shard_id] is None
+        assert not store.fs.exists(store.path(info.path))
+        target = quarantine_path(info.path)
+        assert target == f"shards/quarantine/raw/w9/{info.seq:08d}.arrow"
+        assert store.fs.cat_file(store.path(target)) == cases[name]
+        reason = store.fs.cat_file(store.path(target + ".reason")).decode()
+        assert expected_reasons[name] in reason, reason
+        assert any(info.shard_id in r.message and "quarantined" in r.message for r in caplog.records)
+    # A second reader of the same commits finds the shard gone and says so.
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        assert reader.read(infos["truncated"]) is None
+    assert "quarantined before" in caplog.records[-1].message
+
+
+def test_an_unreachable_endpoint_fails_fast_with_a_clear_error():
+    config = StorageConfig(
+        root="s3://treadle-test/runs",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        access_key_id="k",
+        secret_access_key="do-not-print-me",
+        connect_timeout=1,
+        retries=1,
+    )
+    store = RunStore(config, "run")
+    started = time.monotonic()
+    with pytest.raises(OSError) as info:
+        ShardWriter(store, "w0")
+    assert "127.0.0.1" in str(info.value)
+    with pytest.raises(EndpointConnectionError, match="Could not connect to the endpoint URL"):
+        store.fs.pipe_file(store.path("shards/x"), b"x")
+    assert time.monotonic() - started < 60
+    assert "do-not-print-me" not in str(info.value) and "do-not-print-me" not in repr(config)
