@@ -1,0 +1,101 @@
+"""Prefill cost of sticky routing vs the ideal vs round-robin, on 4 TorchEngine replicas.
+
+A multi-turn workload (64 sessions x 6 turns by default, growing context: each turn
+appends 8-24 new tokens then generates 8) runs through the TITO gateway twice in one
+process: once with sticky routing (consistent hashing, bounded loads) and once with
+round-robin, each on fresh replicas of the tiny model. The ideal prefill is the number of
+new tokens per turn (everything else is in some cache already).
+
+Last line: {"bench": "routing", "ratio": sticky_prefill / ideal, ...}. Target ratio <= 1.1.
+
+    .venv/bin/python benchmarks/bench_routing.py [--sessions 64] [--turns 6] [--replicas 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import random
+import time
+
+import torch
+
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.base import SamplingParams
+from rollout.engines.torch_engine import TorchEngine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.router import Router, RouterConfig
+
+
+async def run_workload(model, tokenizer, policy: str, args) -> dict[str, float]:
+    """Run every session's turns concurrently under ``policy``; prefill counts and wall time."""
+    engines = [
+        TorchEngine(copy.deepcopy(model), tokenizer, name=f"torch-{i}", max_batch=64)
+        for i in range(args.replicas)
+    ]
+    gateway = Gateway(
+        Router(engines, RouterConfig(policy=policy)), tokenizer, GatewayConfig(max_context_tokens=1024)
+    )
+    vocab = len(tokenizer)
+    ideal = 0
+
+    async def session_loop(index: int) -> None:
+        nonlocal ideal
+        rng = random.Random(index)
+        session = gateway.open(task="bench", prompt_id=f"p{index}")
+        for turn in range(args.turns):
+            new = [rng.randrange(4, vocab) for _ in range(rng.randint(8, 24))]
+            session.add_tokens(new)
+            ideal += len(new)
+            await session.generate(SamplingParams(max_new_tokens=args.new_tokens, seed=index * 1000 + turn))
+        gateway.close(session.session_id)
+
+    started = time.perf_counter()
+    await asyncio.gather(*(session_loop(i) for i in range(args.sessions)))
+    wall = time.perf_counter() - started
+    stats = [engine.stats() for engine in engines]
+    for engine in engines:
+        await engine.close()
+    return {
+        "prefill_computed": float(sum(s.prefill_computed for s in stats)),
+        "prefill_reused": float(sum(s.prefill_reused for s in stats)),
+        "ideal": float(ideal),
+        "wall_s": wall,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sessions", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model, tokenizer = build_tiny_model(TinyModelConfig())
+
+    sticky = asyncio.run(run_workload(model, tokenizer, "sticky", args))
+    round_robin = asyncio.run(run_workload(model, tokenizer, "round_robin", args))
+    result = {
+        "bench": "routing",
+        "ratio": sticky["prefill_computed"] / sticky["ideal"],
+        "round_robin_multiple": round_robin["prefill_computed"] / round_robin["ideal"],
+        "wall_ratio_sticky_over_rr": sticky["wall_s"] / round_robin["wall_s"],
+        "sticky_prefill": sticky["prefill_computed"],
+        "round_robin_prefill": round_robin["prefill_computed"],
+        "ideal_prefill": sticky["ideal"],
+        "sticky_wall_s": round(sticky["wall_s"], 3),
+        "round_robin_wall_s": round(round_robin["wall_s"], 3),
+        "sessions": args.sessions,
+        "turns": args.turns,
+        "replicas": args.replicas,
+        "target_ratio_max": 1.1,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
