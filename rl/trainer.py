@@ -329,8 +329,6 @@ class Trainer:
                 info.shard_id, [r for r in range(info.num_rows) if r not in already], "shard quarantined"
             )
             return
-        if table.num_rows != info.num_rows:
-            self.consumption.num_rows[info.shard_id] = table.num_rows
         samples, rejected = samples_from_table(table, info.shard_id, self.vocab_size)
         by_reason: dict[str, list[int]] = {}
         for row, trajectory_id, reason in rejected:

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
+from collections import deque
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -16,8 +18,9 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
-from rl.models import TinyModelConfig, ensure_base_version, load_policy
+from rl.models import TinyModelConfig, ensure_base_version, load_policy, publish_policy
 from rl.trainer import VALUE_MODEL_FILE, Trainer, token_logprobs
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
@@ -159,8 +162,6 @@ def test_value_model_attention_stays_frozen_while_the_rest_trains(store):
 def test_drops_samples_older_than_max_staleness(store):
     weights = WeightStore(store)
     policy, tokenizer = load_policy(weights.load(0))
-    from rl.models import publish_policy
-
     for _ in range(3):  # versions 1..3, the trainer starts at 3
         publish_policy(weights, policy, tokenizer, parent=weights.latest())
     records = []
@@ -190,8 +191,6 @@ def commit_raw_shard(store: RunStore, table: pa.Table, name: str) -> str:
     os.makedirs(os.path.dirname(full), exist_ok=True)
     with pa.OSFile(full, "wb") as sink, pa.ipc.new_file(sink, table.schema) as out:
         out.write_table(table)
-    from datetime import UTC, datetime
-
     shard_id = f"processed/bad/{name}"
     Tables(store).append(
         "shards",
@@ -246,11 +245,43 @@ def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
     assert sorted(consumed) == sorted([info.shard_id for info in infos] + [nan_id])
 
 
+def test_batching_budget_groups_micro_batches_and_padding(store):
+    records = make_trajectories(store, 6, seed=14)
+    records[5]["tokens"] = records[5]["tokens"][:9]
+    for column in ("logprobs", "action_mask", "turn", "versions", "train_mask", "loss_weight"):
+        records[5][column] = records[5][column][:9]
+    samples, rejected = samples_from_table(
+        to_table(records, PROCESSED_SCHEMA), "processed/w/0", vocab_size=300
+    )
+    assert rejected == [] and [s.num_tokens for s in samples] == [11] * 5 + [9]
+
+    buffer = deque(samples)
+    assert [s.row for s in take_batch(buffer, 30)] == [0, 1]  # a third row would make 33
+    assert [s.row for s in take_batch(buffer, 5)] == [2]  # at least one row, even over budget
+    assert [s.row for s in take_batch(buffer, 11, keep_groups=True)] == [
+        3
+    ]  # rows 3 and 4 are different pairs
+    buffer = deque(samples)
+    assert [s.row for s in take_batch(buffer, 11, keep_groups=True)] == [0, 1]  # rows 0 and 1 share a group
+
+    parts = micro_batches(samples, micro_token_budget=30)
+    assert [[s.row for s in part] for part in parts] == [[0, 1], [2, 3], [4, 5]]
+
+    batch = pad_batch(samples[4:], pad_id=0)
+    assert batch.input_ids.shape == (2, 11)
+    assert batch.attention_mask[1].tolist() == [True] * 9 + [False] * 2
+    assert batch.input_ids[1, 9:].tolist() == [0, 0]
+    assert batch.rewards[1].nonzero().flatten().tolist() in (
+        [8],
+        [],
+    )  # the reward sits on the last real token
+    assert batch.rewards[1, 8] == records[5]["reward"] and batch.rewards[0, 10] == records[4]["reward"]
+    assert not batch.action_mask[1, 9:].any() and batch.loss_weight[1, 9:].sum() == 0
+
+
 def test_all_masked_batch_is_rejected_not_trained(store):
     records = make_trajectories(store, 2, seed=7)
     trainer = Trainer(store, config())
-    from rl.batching import samples_from_table
-
     samples, _ = samples_from_table(to_table(records, PROCESSED_SCHEMA), "processed/x/0", trainer.vocab_size)
     trainer.consumption.open("processed/x/0", 2)
     for sample in samples:
@@ -333,6 +364,7 @@ def test_stop_event_and_max_steps_stop_the_loop(store):
 
 CHILD = """
 import sys
+from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.trainer import Trainer
 from storage.config import RunStore, StorageConfig
