@@ -7,7 +7,7 @@ identical. The action mask is part of a token's identity (a token id generated b
 policy and the same id fed back as an observation are different nodes), so every node is
 either trainable everywhere it occurs or nowhere.
 
-All functions work on one execution given as flat arrays: ``symbols`` ``(total,)`` int64
+All functions work on one execution given as flat arrays: ``symbols`` ``(total,)``
 (see :func:`path_symbols`), and per path its ``starts`` ``(n,)`` offset into ``symbols``
 and its ``lengths`` ``(n,)``. Token comparisons are vectorized with numpy; the Python
 loops run over paths, never over tokens.
@@ -15,6 +15,7 @@ loops run over paths, never over tokens.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,17 +26,22 @@ LINK_REASONS = ("missing_parent", "branch_past_end", "prefix_mismatch", "cycle")
 
 
 def path_symbols(tokens: np.ndarray, action_mask: np.ndarray) -> np.ndarray:
-    """Encode ``(token id, is action)`` pairs as one int64 symbol per token.
+    """Encode ``(token id, is action)`` pairs as one integer symbol per token.
 
     Args:
         tokens: ``(total,)`` integer token ids.
         action_mask: ``(total,)`` bool.
 
     Returns:
-        ``(total,)`` int64 ``token << 1 | action``; equal symbols mean the same token with
-        the same role. ``symbols >> 1`` gives the token ids back.
+        ``(total,)`` ``token << 1 | action``, int32 when the ids fit in 30 bits (half the
+        memory traffic of every comparison), else int64; equal symbols mean the same token
+        with the same role, and ``symbols >> 1`` gives the token ids back.
     """
-    return (tokens.astype(np.int64) << 1) | action_mask.astype(np.int64)
+    fits = len(tokens) == 0 or (int(tokens.min()) >= -(2**30) and int(tokens.max()) < 2**30)
+    symbols = tokens.astype(np.int32 if fits else np.int64)
+    symbols <<= 1
+    symbols |= action_mask
+    return symbols
 
 
 def first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
@@ -98,7 +104,7 @@ def sorted_paths(
     index, so the first one in input order comes last in its run (and is the one kept).
 
     Args:
-        symbols: ``(total,)`` int64 from :func:`path_symbols`.
+        symbols: ``(total,)`` from :func:`path_symbols`.
         starts: ``(n,)`` offset of each path in ``symbols``.
         lengths: ``(n,)`` length of each path.
 
@@ -260,7 +266,7 @@ def select_paths(
     starts: np.ndarray,
     action_cumsum: np.ndarray,
     j_max: int | None,
-    rng: np.random.Generator,
+    rng: random.Random,
 ) -> Selection:
     """Bounded dedup sampling (QwenGyre): pick at most ``j_max`` leaves, each with
     probability proportional to the action tokens it would still add, recomputing the
@@ -273,6 +279,9 @@ def select_paths(
     token of the selected paths is trained once, and with ``j_max=None`` every distinct
     trainable token of the execution is.
 
+    The loop runs over paths in plain Python (executions hold a handful to a few
+    thousand paths; numpy's per-call cost dominates at that size): O(n) per pick.
+
     Args:
         order, lcp: from :func:`sorted_paths`.
         lengths: ``(n,)`` path lengths.
@@ -283,46 +292,54 @@ def select_paths(
         rng: the random generator of this execution.
     """
     n = len(order)
-    length = np.asarray(lengths, dtype=np.int64)[order]
-    begin = np.asarray(starts, dtype=np.int64)[order]
-    total_actions = action_cumsum[begin + length]
+    shared = lcp.tolist()
+    length_array = np.asarray(lengths, dtype=np.int64)[order]
+    begin_array = np.asarray(starts, dtype=np.int64)[order]
+    total = action_cumsum[begin_array + length_array].tolist()
+    before = action_cumsum[begin_array].tolist()
+    length, begin = length_array.tolist(), begin_array.tolist()
     # A path equal to or a prefix of its successor adds nothing of its own.
-    duplicate = np.zeros(n, dtype=bool)
-    duplicate[:-1] = lcp[1:] == length[:-1]
-    candidate = ~duplicate
-    cover = np.zeros(n, dtype=np.int64)
-    train_start = np.zeros(n, dtype=np.int64)
-    selected = np.zeros(n, dtype=bool)
+    duplicate = [k + 1 < n and shared[k + 1] == length[k] for k in range(n)]
+    gain = [0 if duplicate[k] else total[k] - before[k] for k in range(n)]
+    cover = [0] * n
+    train_start = [0] * n
+    selected = [False] * n
     picks = 0
-    gain = np.where(candidate, total_actions - action_cumsum[begin], 0)
-    while (j_max is None or picks < j_max) and gain.sum() > 0:
-        cumulative = np.cumsum(gain)
-        p = int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    remaining = sum(gain)
+    while remaining > 0 and (j_max is None or picks < j_max):
+        target = rng.random() * remaining
+        p, running_gain = 0, gain[0]
+        while running_gain <= target:
+            p += 1
+            running_gain += gain[p]
         selected[p] = True
         train_start[p] = cover[p]
         picks += 1
-        shared_right = np.minimum.accumulate(lcp[p + 1 :])
-        shared_left = np.minimum.accumulate(lcp[p:0:-1])[::-1]
-        cover[p + 1 :] = np.maximum(cover[p + 1 :], shared_right)
-        cover[:p] = np.maximum(cover[:p], shared_left)
-        cover[p] = length[p]
-        gain = np.where(candidate & ~selected, total_actions - action_cumsum[begin + cover], 0)
+        cover[p], gain[p] = length[p], 0
+        for side in (range(p + 1, n), range(p - 1, -1, -1)):
+            common = length[p]
+            for k in side:
+                common = min(common, shared[k] if k > p else shared[k + 1])
+                if common == 0:
+                    break
+                if common > cover[k]:
+                    cover[k] = common
+                    if gain[k]:
+                        gain[k] = total[k] - int(action_cumsum[begin[k] + common])
+        remaining = sum(gain)
 
-    reason_sorted: list[str | None] = [None] * n
-    for k in range(n):
-        if selected[k]:
-            continue
-        if duplicate[k]:
-            reason_sorted[k] = "duplicate"
-        elif gain[k] > 0:
-            reason_sorted[k] = "not_selected"
-        else:
-            reason_sorted[k] = "no_new_tokens"
     out_selected = np.zeros(n, dtype=bool)
     out_start = np.zeros(n, dtype=np.int64)
     out_reason: list[str | None] = [None] * n
-    out_selected[order] = selected
-    out_start[order] = train_start
     for k, i in enumerate(order.tolist()):
-        out_reason[i] = reason_sorted[k]
+        out_selected[i] = selected[k]
+        out_start[i] = train_start[k]
+        if selected[k]:
+            continue
+        if duplicate[k]:
+            out_reason[i] = "duplicate"
+        elif gain[k] > 0:
+            out_reason[i] = "not_selected"
+        else:
+            out_reason[i] = "no_new_tokens"
     return Selection(selected=out_selected, train_start=out_start, reason=out_reason)

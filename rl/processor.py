@@ -25,7 +25,7 @@ over several shards are processed as separate executions.
 from __future__ import annotations
 
 import math
-import zlib
+import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -192,7 +192,7 @@ def process_shard(
         counters.errors.append(f"trajectory {ids_all[i]!r}: {mismatched} lengths differ from tokens")
 
     rows = np.flatnonzero(aligned)
-    work = table.take(pa.array(rows, type=pa.int64()))
+    work = table if len(rows) == table.num_rows else table.take(pa.array(rows, type=pa.int64()))
     paths = _Paths.from_table(work)
     ids = ids_all if len(rows) == table.num_rows else work.column("trajectory_id").to_pylist()
     executions = work.column("execution_id").to_pylist()
@@ -254,7 +254,7 @@ def process_shard(
             continue
         live_array = np.array(live, dtype=np.int64)
         order, lcp = sorted_paths(paths.symbols, paths.starts[live_array], paths.lengths[live_array])
-        rng = np.random.default_rng([config.seed, zlib.crc32(eid.encode())])
+        rng = random.Random(f"{config.seed}/{eid}")
         selection = select_paths(
             order,
             lcp,
@@ -275,8 +275,8 @@ def process_shard(
         work, paths, selected, train_start, executions, reward_out, progress_out, config
     )
 
-    num_train = np.zeros(table.num_rows, dtype=np.int64)
-    num_train[rows] = train_counts
+    stats = _row_stats(table, rows, paths)
+    stats["num_train_tokens"][rows] = train_counts
     counters.trajectories_out = int(selected.sum())
     counters.executions_out = len({executions[w] for w in np.flatnonzero(selected).tolist()})
     counters.tokens_in = int(token_lengths.sum())
@@ -294,11 +294,11 @@ def process_shard(
         reasons=reasons,
         rewards=reward_all,
         progress=progress_all,
-        num_train=num_train,
+        stats=stats,
         decode=decode,
         processed_at=processed_at or datetime.now(UTC),
     )
-    counters.action_tokens_in = int(sum(row["num_action_tokens"] for row in trajectories))
+    counters.action_tokens_in = int(stats["num_action_tokens"].sum())
     return ProcessResult(processed=processed, trajectories=trajectories, counters=counters)
 
 
@@ -306,23 +306,28 @@ def process_shard(
 class _Paths:
     """Flat token data of a table whose per-token lists are aligned."""
 
-    tokens: np.ndarray  # (total,) int32
-    action: np.ndarray  # (total,) bool
-    symbols: np.ndarray  # (total,) int64, see rl.prefix_tree.path_symbols
+    values: dict[str, np.ndarray]  # TOKEN_COLUMNS name -> (total,) values
+    symbols: np.ndarray  # (total,) int32 or int64, see rl.prefix_tree.path_symbols
     starts: np.ndarray  # (n,) int64
     lengths: np.ndarray  # (n,) int64
-    action_cumsum: np.ndarray  # (total + 1,) int64
+    action_cumsum: np.ndarray  # (total + 1,) int32
+
+    @property
+    def action(self) -> np.ndarray:
+        return self.values["action_mask"]
 
     @classmethod
     def from_table(cls, table: pa.Table) -> _Paths:
         lengths = _list_lengths(table.column("tokens"))
         starts = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1], out=starts[1:])
-        tokens = _list_values(table.column("tokens"))
-        action = _list_values(table.column("action_mask")).astype(bool)
-        action_cumsum = np.zeros(len(action) + 1, dtype=np.int64)
-        np.cumsum(action, out=action_cumsum[1:])
-        return cls(tokens, action, path_symbols(tokens, action), starts, lengths, action_cumsum)
+        values = {name: _list_values(table.column(name)) for name in TOKEN_COLUMNS}
+        values["action_mask"] = values["action_mask"].astype(bool, copy=False)
+        # int32: a shard's lists have int32 offsets, and a bool → int64 cumsum is ~10x slower.
+        action_cumsum = np.zeros(len(values["action_mask"]) + 1, dtype=np.int32)
+        np.cumsum(values["action_mask"], out=action_cumsum[1:])
+        symbols = path_symbols(values["tokens"], values["action_mask"])
+        return cls(values, symbols, starts, lengths, action_cumsum)
 
 
 def _list_lengths(column: pa.ChunkedArray) -> np.ndarray:
@@ -431,26 +436,63 @@ def _processed_table(
 
     offsets = np.zeros(len(chosen) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    position = np.arange(offsets[-1], dtype=np.int64) - np.repeat(offsets[:-1], lengths)
-    source = np.repeat(starts, lengths) + position
-    train_mask = paths.action[source] & (position >= np.repeat(begin, lengths))
-    loss_weight = np.where(train_mask, np.repeat(row_weight, lengths), 0.0).astype(np.float32)
+    # The selected rows' lists are copied slice by slice (memcpy per row): faster than
+    # both Table.take on list columns and a per-token gather.
+    pieces = [slice(s, s + n) for s, n in zip(starts.tolist(), lengths.tolist(), strict=True)]
+    lists = {name: _concatenate(paths.values[name], pieces) for name in TOKEN_COLUMNS}
+    train_mask = lists["action_mask"].copy()
+    for offset, trained_elsewhere in zip(offsets[:-1].tolist(), begin.tolist(), strict=True):
+        train_mask[offset : offset + trained_elsewhere] = False
+    loss_weight = np.repeat(row_weight.astype(np.float32), lengths)
+    loss_weight *= train_mask
+    lists |= {"train_mask": train_mask, "loss_weight": loss_weight}
 
     offsets32 = pa.array(offsets.astype(np.int32))
-    out = work.take(pa.array(chosen, type=pa.int64()))
-    out = out.set_column(
-        out.schema.get_field_index("reward"),
-        "reward",
-        pa.array([reward_out[w] for w in chosen.tolist()], pa.float32()),
-    )
-    out = out.set_column(
-        out.schema.get_field_index("progress"),
-        "progress",
-        pa.array([progress_out[w] for w in chosen.tolist()], pa.float32()),
-    )
-    out = out.append_column("train_mask", pa.ListArray.from_arrays(offsets32, pa.array(train_mask)))
-    out = out.append_column("loss_weight", pa.ListArray.from_arrays(offsets32, pa.array(loss_weight)))
-    return out.cast(PROCESSED_SCHEMA), train_counts
+    chosen_rows = chosen.tolist()
+    taken = work.select([n for n in TRAJECTORY_SCHEMA.names if n not in TOKEN_COLUMNS]).take(chosen)
+    scores = {
+        "reward": [reward_out[w] for w in chosen_rows],
+        "progress": [progress_out[w] for w in chosen_rows],
+    }
+    columns = []
+    for out_field in PROCESSED_SCHEMA:
+        if out_field.name in lists:
+            values = pa.array(lists[out_field.name], out_field.type.value_type)
+            columns.append(pa.ListArray.from_arrays(offsets32, values))
+        elif out_field.name in scores:
+            columns.append(pa.array(scores[out_field.name], out_field.type))
+        else:
+            columns.append(taken.column(out_field.name))
+    return pa.table(columns, schema=PROCESSED_SCHEMA), train_counts
+
+
+def _concatenate(values: np.ndarray, pieces: list[slice]) -> np.ndarray:
+    return np.concatenate([values[piece] for piece in pieces]) if pieces else values[:0]
+
+
+def _row_stats(table: pa.Table, rows: np.ndarray, paths: _Paths) -> dict[str, np.ndarray]:
+    """Per input row ``(N,)`` int64: ``num_tokens``, ``num_action_tokens``, ``num_turns``
+    (highest turn index + 1), ``min_version``/``max_version`` over action tokens (−1
+    without any) and a zeroed ``num_train_tokens``. Rows outside ``rows`` (``invalid_record``)
+    are counted on their own lists."""
+    n = table.num_rows
+    stats = {name: np.zeros(n, dtype=np.int64) for name in ("num_tokens", "num_action_tokens", "num_turns")}
+    stats |= {name: np.full(n, -1, dtype=np.int64) for name in ("min_version", "max_version")}
+    stats["num_train_tokens"] = np.zeros(n, dtype=np.int64)
+    stats["num_tokens"][rows] = paths.lengths
+    num_action = paths.action_cumsum[paths.starts + paths.lengths] - paths.action_cumsum[paths.starts]
+    stats["num_action_tokens"][rows] = num_action
+    stats["num_turns"][rows] = _segment_reduce(np.maximum, paths.values["turn"], paths.lengths, empty=-1) + 1
+    action_versions = paths.values["versions"][paths.action]
+    stats["min_version"][rows] = _segment_reduce(np.minimum, action_versions, num_action, empty=-1)
+    stats["max_version"][rows] = _segment_reduce(np.maximum, action_versions, num_action, empty=-1)
+
+    invalid = np.setdiff1d(np.arange(n), rows).tolist()
+    for i in invalid:
+        stats["num_tokens"][i] = len(table.column("tokens")[i])
+        stats["num_action_tokens"][i] = sum(bool(a) for a in table.column("action_mask")[i].as_py())
+        stats["num_turns"][i] = max(table.column("turn")[i].as_py(), default=-1) + 1
+    return stats
 
 
 def _trajectory_rows(
@@ -460,69 +502,37 @@ def _trajectory_rows(
     reasons: list[str | None],
     rewards: list[float | None],
     progress: list[float | None],
-    num_train: np.ndarray,
+    stats: dict[str, np.ndarray],
     decode: Decode | None,
     processed_at: datetime,
 ) -> list[dict[str, Any]]:
     """One row per input row, with the ``trajectories`` table's columns."""
-    num_tokens = _list_lengths(table.column("tokens"))
-    action_lengths = _list_lengths(table.column("action_mask"))
-    action = _list_values(table.column("action_mask")).astype(bool)
-    num_action = _segment_reduce(np.add, action.astype(np.int64), action_lengths, empty=0)
-    turn_lengths = _list_lengths(table.column("turn"))
-    num_turns = (
-        _segment_reduce(
-            np.maximum, _list_values(table.column("turn")).astype(np.int64), turn_lengths, empty=-1
-        )
-        + 1
+    names = (
+        "trajectory_id",
+        "execution_id",
+        "parent_id",
+        "task",
+        "prompt_id",
+        "group_id",
+        "status",
+        "engine",
     )
-    versions = _list_values(table.column("versions")).astype(np.int64)
-    aligned = _list_lengths(table.column("versions")) == action_lengths
-    min_version = np.full(table.num_rows, -1, dtype=np.int64)
-    max_version = np.full(table.num_rows, -1, dtype=np.int64)
-    if aligned.all():
-        big = np.iinfo(np.int64).max
-        lowest = _segment_reduce(np.minimum, np.where(action, versions, big), action_lengths, empty=big)
-        highest = _segment_reduce(np.maximum, np.where(action, versions, -1), action_lengths, empty=-1)
-        has_action = num_action > 0
-        min_version[has_action] = lowest[has_action]
-        max_version[has_action] = highest[has_action]
-
-    columns = {
-        name: table.column(name).to_pylist()
-        for name in ("trajectory_id", "execution_id", "parent_id", "task")
-    }
-    columns |= {
-        name: table.column(name).to_pylist() for name in ("prompt_id", "group_id", "status", "engine")
-    }
+    columns = {name: table.column(name).to_pylist() for name in names}
+    columns |= {name: values.tolist() for name, values in stats.items()}
     token_lists = table.column("tokens").to_pylist() if decode is not None else None
     out = []
     for i in range(table.num_rows):
-        out.append(
-            {
-                "trajectory_id": columns["trajectory_id"][i],
-                "execution_id": columns["execution_id"][i],
-                "parent_id": columns["parent_id"][i],
-                "task": columns["task"][i],
-                "prompt_id": columns["prompt_id"][i],
-                "group_id": columns["group_id"][i],
-                "shard_id": shard_id,
-                "reward": rewards[i],
-                "progress": progress[i],
-                "status": columns["status"][i],
-                "num_tokens": int(num_tokens[i]),
-                "num_action_tokens": int(num_action[i]),
-                "num_train_tokens": int(num_train[i]),
-                "num_turns": int(num_turns[i]),
-                "min_version": int(min_version[i]),
-                "max_version": int(max_version[i]),
-                "selected": reasons[i] is None,
-                "drop_reason": reasons[i],
-                "text": decode(token_lists[i]) if token_lists is not None else None,
-                "engine": columns["engine"][i],
-                "processed_at": processed_at,
-            }
-        )
+        row = {name: columns[name][i] for name in columns}
+        row |= {
+            "shard_id": shard_id,
+            "reward": rewards[i],
+            "progress": progress[i],
+            "selected": reasons[i] is None,
+            "drop_reason": reasons[i],
+            "text": decode(token_lists[i]) if token_lists is not None else None,
+            "processed_at": processed_at,
+        }
+        out.append(row)
     return out
 
 
