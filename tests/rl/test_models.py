@@ -15,7 +15,6 @@ from rl.models import (
     load_tokenizer,
 )
 from rl.tokenizer import IM_END, IM_START
-from storage.config import RunStore, StorageConfig
 from storage.weights import WeightStore
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
@@ -27,10 +26,8 @@ def tiny():
 
 
 @pytest.fixture
-def weights(tmp_path) -> WeightStore:
-    return WeightStore(
-        RunStore(StorageConfig(root=str(tmp_path / "runs")), "run"), cache_dir=tmp_path / "cache"
-    )
+def weights(local_store, tmp_path) -> WeightStore:
+    return WeightStore(local_store, cache_dir=tmp_path / "cache")
 
 
 def test_default_config_is_in_the_calibrated_size_range():
@@ -169,11 +166,10 @@ def test_freeze_attention_trains_only_mlp_norms_and_head(arch):
     assert "head.weight" in changed and any(".mlp." in name for name in changed)
 
 
-def test_value_model_round_trips_through_its_own_weight_store(tiny, tmp_path):
+def test_value_model_round_trips_through_its_own_weight_store(tiny, store, tmp_path):
     policy, tokenizer = tiny
-    run = RunStore(StorageConfig(root=str(tmp_path / "runs")), "run")
-    policy_weights = WeightStore(run)
-    value_weights = WeightStore(run, prefix="value")
+    policy_weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    value_weights = WeightStore(store, cache_dir=tmp_path / "cache", prefix="value")
     value = ValueModel.from_policy(policy)
     torch.nn.init.normal_(value.head.weight)
     assert value.publish(value_weights, step=3) == 0

@@ -3,17 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
 import posixpath
-import socket
-import subprocess
-import sys
-import time
-import uuid
 from pathlib import Path
 
-import boto3
-import botocore.exceptions
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -25,7 +17,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from storage.config import RunStore, StorageConfig
+from storage.config import RunStore
 from storage.weights import CorruptVersion, WeightStore, sha256_file
 
 
@@ -231,42 +223,3 @@ def test_two_stores_on_one_run_see_the_same_versions(store, tokenizer_dir, tmp_p
     publish_model(writer, tiny_llama(seed=0), tokenizer_dir)
     assert reader.latest() == 0
     AutoModelForCausalLM.from_pretrained(reader.load())
-
-
-# Temporary until tests/conftest.py provides the shared `store` fixture (local and S3).
-@pytest.fixture(scope="module")
-def _s3_endpoint():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = subprocess.Popen(
-        [os.path.join(os.path.dirname(sys.executable), "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    client = boto3.client(
-        "s3", endpoint_url=url, aws_access_key_id="k", aws_secret_access_key="s", region_name="us-east-1"
-    )
-    for _ in range(200):
-        try:
-            client.create_bucket(Bucket="treadle-test")
-            break
-        except botocore.exceptions.EndpointConnectionError:
-            time.sleep(0.05)
-    yield url
-    server.kill()
-    server.wait()
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path) -> RunStore:
-    if request.param == "local":
-        return RunStore(StorageConfig(root=str(tmp_path / "runs")), "run")
-    config = StorageConfig(
-        root=f"s3://treadle-test/{uuid.uuid4().hex}",
-        endpoint_url=request.getfixturevalue("_s3_endpoint"),
-        access_key_id="k",
-        secret_access_key="s",
-    )
-    return RunStore(config, "run")
