@@ -387,7 +387,7 @@ def test_exactly_once_across_sigkill_restarts(store):
     rng.seed(seed)
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     kills = 0
-    for attempt in range(5):
+    for attempt in range(4):
         child = subprocess.Popen(
             [sys.executable, "-c", CHILD, store.config.root, store.run_id, str(rng.choice([1, 2]))],
             stdout=subprocess.PIPE,
@@ -396,7 +396,7 @@ def test_exactly_once_across_sigkill_restarts(store):
             env=env,
             cwd=REPO,
         )
-        kill_after = rng.randint(1, 4) if attempt < 4 else None
+        kill_after = rng.randint(1, 4) if attempt < 3 else None
         steps_seen = 0
         for line in child.stdout:
             if line.startswith("step"):
