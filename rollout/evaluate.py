@@ -1,0 +1,71 @@
+"""Held-out evaluation: roll out every eval task once through the real engine path."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from envs.base import Env, Task
+from rollout.engines.base import Engine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.router import Router
+from rollout.service import RolloutRequest, RolloutService, ServiceConfig
+
+
+@dataclass
+class EvalResult:
+    """Mean reward and counts per environment."""
+
+    version: int
+    reward: dict[str, float]
+    count: dict[str, int]
+    statuses: dict[str, dict[str, int]]
+
+    @property
+    def mean(self) -> float:
+        total = sum(self.count.values())
+        return sum(self.reward[e] * self.count[e] for e in self.reward) / total if total else 0.0
+
+
+async def evaluate(
+    engine: Engine,
+    tokenizer,
+    tasks: Sequence[Task],
+    make_env: Callable[[Task], Env],
+    *,
+    temperature: float = 1e-3,
+    max_new_tokens: int = 8,
+    concurrency: int = 64,
+    gateway_config: GatewayConfig | None = None,
+    seed: int = 0,
+) -> EvalResult:
+    """Roll out each task once on ``engine``; a rollout that failed scores 0."""
+    gateway = Gateway(Router([engine]), tokenizer, gateway_config)
+    service = RolloutService(
+        gateway,
+        make_env,
+        ServiceConfig(
+            run_workers=concurrency, temperature=temperature, max_new_tokens=max_new_tokens, timeout_s=600
+        ),
+    )
+    slots = asyncio.Semaphore(concurrency)
+
+    async def one(i: int, task: Task):
+        async with slots:
+            return await service.process(RolloutRequest(task=task, seed=seed + i))
+
+    results = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+    rewards: dict[str, list[float]] = defaultdict(list)
+    statuses: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for result in results:
+        env = result.record["task"]
+        rewards[env].append(result.reward or 0.0)
+        statuses[env][result.status] += 1
+    return EvalResult(
+        version=engine.version,
+        reward={env: sum(r) / len(r) for env, r in rewards.items()},
+        count={env: len(r) for env, r in rewards.items()},
+        statuses={env: dict(s) for env, s in statuses.items()},
+    )

@@ -1,0 +1,216 @@
+"""Rollout service: every environment end to end with the tiny model through the gateway,
+timing and timeouts, cancellation, failure classification, and the HTTP API over TCP and a
+Unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import httpx
+import pytest
+import torch
+
+from envs import registry
+from envs.arith import ArithEnv
+from envs.base import StepResult, Task
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.torch_engine import TorchEngine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.router import Router, RouterConfig
+from rollout.service import RolloutRequest, RolloutService, ServiceConfig
+from rollout.service_http import ServiceServer
+from storage.schema import to_table, validate
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny_model(TINY)
+
+
+@contextlib.asynccontextmanager
+async def running_service(tiny, config: ServiceConfig | None = None, replicas: int = 1, make_env=None):
+    model, tokenizer = tiny
+    engines = [TorchEngine(model, tokenizer, name=f"torch-{i}") for i in range(replicas)]
+    gateway = Gateway(Router(engines), tokenizer, GatewayConfig(max_context_tokens=1024))
+    service = RolloutService(gateway, make_env or (lambda task: registry.make(task.env)), config)
+    try:
+        yield service
+    finally:
+        for engine in engines:
+            await engine.close()
+
+
+@pytest.mark.parametrize("env_name", ["arith", "guess", "pytool", "code", "shell"])
+def test_each_environment_end_to_end_gives_a_valid_record(tiny, env_name):
+    task = registry.task_set(env_name, "train", seed=0, n=1)[0]
+
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=16, timeout_s=120)) as service:
+            return await service.process(RolloutRequest(task=task, seed=1))
+
+    result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    assert result.reward is not None and 0.0 <= result.reward <= 1.0
+    record = result.record
+    validate(to_table([record]))
+    assert record["task"] == env_name and record["prompt_id"] == task.id
+    assert any(record["action_mask"]) and result.turns >= 1
+    assert set(result.timing) == {"init", "run", "eval", "queue"}
+    assert result.timing["run"] > 0
+
+
+class SlowEnv(ArithEnv):
+    """``arith`` whose every step takes ``delay`` seconds (a slow tool)."""
+
+    name = "arith"
+    delay = 0.5
+
+    async def step(self, action: str) -> StepResult:
+        await asyncio.sleep(self.delay)
+        return await super().step(action)
+
+
+def arith_task() -> Task:
+    return registry.task_set("arith", "train", seed=0, n=1)[0]
+
+
+def test_a_rollout_past_its_budget_times_out_and_the_service_keeps_serving(tiny):
+    async def body():
+        config = ServiceConfig(timeout_s=0.3, max_new_tokens=4)
+        async with running_service(tiny, config, make_env=lambda task: SlowEnv()) as service:
+            slow = await service.process(RolloutRequest(task=arith_task()))
+            service.make_env = lambda task: registry.make(task.env)
+            service.config = ServiceConfig(timeout_s=120, max_new_tokens=4)
+            fast = await service.process(RolloutRequest(task=arith_task()))
+            return slow, fast, service.status()
+
+    slow, fast, status = asyncio.run(body())
+    assert slow.status == "timeout" and slow.reward is None
+    assert "budget" in slow.error
+    assert fast.status in ("ok", "truncated")
+    assert status["finished"]["timeout"] == 1 and sum(status["finished"].values()) == 2
+
+
+def test_queue_time_does_not_count_toward_the_timeout(tiny):
+    """Nine rollouts of at least 0.5 s each through one RUN slot: the last waits at least
+    4 s in the queue, longer than its 3 s budget, and still finishes."""
+
+    async def body():
+        config = ServiceConfig(run_workers=1, timeout_s=3.0, max_new_tokens=4)
+        async with running_service(tiny, config, make_env=lambda task: SlowEnv()) as service:
+            return await asyncio.gather(
+                *(service.process(RolloutRequest(task=arith_task())) for _ in range(9))
+            )
+
+    results = asyncio.run(body())
+    assert all(r.status in ("ok", "truncated") for r in results), [r.error for r in results]
+    assert max(r.timing["queue"] for r in results) >= 4.0
+    assert all(r.timing["run"] >= SlowEnv.delay for r in results)
+
+
+def test_cancel_stops_an_in_flight_rollout(tiny):
+    async def body():
+        async with running_service(tiny, make_env=lambda task: SlowEnv()) as service:
+            request = RolloutRequest(task=arith_task())
+            job = asyncio.create_task(service.process(request))
+            await asyncio.sleep(0.2)
+            assert service.status()["in_flight"] == 1
+            assert service.cancel(request.rollout_id)
+            with pytest.raises(asyncio.CancelledError):
+                await job
+            assert not service.cancel(request.rollout_id)
+            return service.status()
+
+    status = asyncio.run(body())
+    assert status["in_flight"] == 0
+
+
+class BrokenEnv(ArithEnv):
+    name = "arith"
+
+    async def step(self, action: str) -> StepResult:
+        raise RuntimeError("the verifier crashed")
+
+
+def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny):
+    async def body():
+        async with running_service(tiny, make_env=lambda task: BrokenEnv()) as service:
+            return await service.process(RolloutRequest(task=arith_task()))
+
+    result = asyncio.run(body())
+    assert result.status == "env_error" and result.reward is None
+    assert "the verifier crashed" in result.error
+
+
+@pytest.mark.parametrize("failover", [False, True])
+def test_a_killed_engine_replica_gives_infra_errors_and_the_run_continues(tiny, failover):
+    """Without failover the rollouts routed to the dead replica end as ``infra_error``
+    (never scored); with it they move to the live replica. Either way the run goes on."""
+
+    async def body():
+        model, tokenizer = tiny
+        engines = [TorchEngine(model, tokenizer, name=f"torch-{i}") for i in range(2)]
+        router = Router(engines, RouterConfig(failover=failover))
+        gateway = Gateway(router, tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(
+            gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
+        )
+        await engines[0].close()
+        results = await asyncio.gather(
+            *(service.process(RolloutRequest(task=arith_task(), seed=i)) for i in range(16))
+        )
+        await router.check_health()
+        after = await asyncio.gather(
+            *(service.process(RolloutRequest(task=arith_task(), seed=i)) for i in range(8))
+        )
+        await engines[1].close()
+        return results, after, router.replicas
+
+    results, after, replicas = asyncio.run(body())
+    failed = [r for r in results if r.status == "infra_error"]
+    if failover:
+        assert not failed
+    else:
+        assert failed and len(failed) < len(results)
+        assert all(r.reward is None and "engine" in r.error for r in failed)
+    assert all(r.status in ("ok", "truncated") for r in after)
+    assert replicas == ["torch-1"]
+
+
+@pytest.mark.parametrize("transport", ["tcp", "uds"])
+def test_http_api_process_status_cancel_and_auth(tiny, transport, tmp_path):
+    task = arith_task()
+
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+            bind = {"uds": str(tmp_path / "rollout.sock")} if transport == "uds" else {}
+            async with ServiceServer(service, **bind) as server:
+                client_transport = httpx.AsyncHTTPTransport(uds=server.uds) if server.uds else None
+                headers = {"Authorization": f"Bearer {server.token}"}
+                async with httpx.AsyncClient(
+                    base_url=server.url, transport=client_transport, timeout=60
+                ) as client:
+                    unauthorized = await client.get("/status")
+                    wrong = await client.get("/status", headers={"Authorization": "Bearer nope"})
+                    done = await client.post("/process", json={"task": task.model_dump()}, headers=headers)
+                    bad = await client.post("/process", json={"task": {"env": "arith"}}, headers=headers)
+                    missing = await client.post("/cancel", json={"rollout_id": "nope"}, headers=headers)
+                    status = await client.get("/status", headers=headers)
+                    return unauthorized, wrong, done, bad, missing, status
+
+    unauthorized, wrong, done, bad, missing, status = asyncio.run(body())
+    assert unauthorized.status_code == 401 and wrong.status_code == 401
+    assert done.status_code == 200
+    body = done.json()
+    assert body["status"] in ("ok", "truncated") and body["task"] == "arith"
+    assert set(body["timing"]) == {"init", "run", "eval", "queue"}
+    validate(to_table([body["record"]]))
+    assert bad.status_code == 422
+    assert missing.status_code == 404
+    assert sum(status.json()["finished"].values()) == 1
