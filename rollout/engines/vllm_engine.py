@@ -47,6 +47,14 @@ class VLLMEngineConfig(BaseModel):
     timeout_s: float = Field(600.0, gt=0, description="Seconds one generation request may take.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for a connection.")
     max_connections: int = Field(256, ge=1, description="Concurrent HTTP connections to the server.")
+    keepalive_s: float = Field(
+        2.0, gt=0, description="Seconds an idle connection is reused; below the server's keep-alive (5 s)."
+    )
+    retries: int = Field(
+        1,
+        ge=0,
+        description="Retries of a request whose connection broke before any answer (stale keep-alive).",
+    )
     reload_method: str = Field(
         "treadle_reload_weights", description="Worker-extension method that loads a weight directory."
     )
@@ -64,7 +72,9 @@ class VLLMEngine:
             headers["Authorization"] = f"Bearer {self.config.api_key.get_secret_value()}"
         transport = httpx.AsyncHTTPTransport(
             uds=self.config.uds,
-            limits=httpx.Limits(max_connections=self.config.max_connections),
+            limits=httpx.Limits(
+                max_connections=self.config.max_connections, keepalive_expiry=self.config.keepalive_s
+            ),
         )
         self._client = httpx.AsyncClient(
             base_url="http://vllm" if self.config.uds else self.config.base_url,

@@ -95,19 +95,16 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
         tokens, logprobs, finish = [], [], "length"
         past = None
         step_input = torch.tensor([prompt])
-        with torch.no_grad():
-            for _ in range(max_tokens):
-                out = model(input_ids=step_input, cache=past, use_cache=True)
-                past = out.cache
-                lp = sampling_logprobs(out.logits[0, -1], temperature, top_p)
-                token = int(torch.multinomial(lp.exp(), 1, generator=generator))
-                tokens.append(token)
-                logprobs.append(float(lp[token]))
-                step_input = torch.tensor([[token]])
-                await asyncio.sleep(0)
-                if token in stop_ids:
-                    finish = "stop"
-                    break
+        for _ in range(max_tokens):
+            lp, past = _next_logprobs(model, step_input, past, temperature, top_p)
+            token = int(torch.multinomial(lp.exp(), 1, generator=generator))
+            tokens.append(token)
+            logprobs.append(float(lp[token]))
+            step_input = torch.tensor([[token]])
+            await asyncio.sleep(0)
+            if token in stop_ids:
+                finish = "stop"
+                break
         events.append(("completion-end", len(events)))
         cache.append(prompt + tokens)
         return {
@@ -164,6 +161,13 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
         return {"success": True}
 
     return app
+
+
+@torch.no_grad()
+def _next_logprobs(model, step_input: torch.Tensor, past, temperature: float, top_p: float):
+    """One decode step (no await inside, so grad mode cannot leak between requests)."""
+    out = model(input_ids=step_input, cache=past, use_cache=True)
+    return sampling_logprobs(out.logits[0, -1], temperature, top_p), out.cache
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
