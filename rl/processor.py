@@ -180,125 +180,39 @@ def process_shard(
     config = config or ProcessorConfig()
     table = cast(table, TRAJECTORY_SCHEMA)
     counters = ShardCounters(trajectories_in=table.num_rows)
-    reasons: list[str | None] = [None] * table.num_rows
-
-    lengths_all = {name: _list_lengths(table.column(name)) for name in TOKEN_COLUMNS}
-    token_lengths = lengths_all["tokens"]
-    aligned = np.all([lengths_all[name] == token_lengths for name in TOKEN_COLUMNS], axis=0)
-    ids_all = table.column("trajectory_id").to_pylist()
-    for i in np.flatnonzero(~aligned).tolist():
-        reasons[i] = "invalid_record"
-        mismatched = [name for name in TOKEN_COLUMNS if lengths_all[name][i] != token_lengths[i]]
-        counters.errors.append(f"trajectory {ids_all[i]!r}: {mismatched} lengths differ from tokens")
-
-    rows = np.flatnonzero(aligned)
+    counters.executions_in = len(set(table.column("execution_id").to_pylist()))
+    rows = np.flatnonzero(_aligned_rows(table, counters))
     work = table if len(rows) == table.num_rows else table.take(pa.array(rows, type=pa.int64()))
     paths = _Paths.from_table(work)
-    ids = ids_all if len(rows) == table.num_rows else work.column("trajectory_id").to_pylist()
-    executions = work.column("execution_id").to_pylist()
-    statuses = work.column("status").to_pylist()
-    rewards_in = work.column("reward").to_pylist()
-    progress_in = work.column("progress").to_pylist()
-    reward_out: list[float | None] = list(rewards_in)
-    progress_out: list[float | None] = list(progress_in)
-    reason = [None] * len(rows)  # per work row
+    state = _RowState.from_table(work)
+    for execution_id, members in _executions(state, counters).items():
+        _process_execution(execution_id, members, work, paths, state, config, rescore, counters)
+    processed, train_counts = _processed_table(work, paths, state, config)
 
-    groups: dict[str, list[int]] = {}
-    seen_ids: set[str] = set()
-    for w, (tid, eid) in enumerate(zip(ids, executions, strict=True)):
-        if tid in seen_ids:
-            reason[w] = "duplicate_id"
-            counters.errors.append(f"trajectory {tid!r}: duplicate trajectory_id in the shard")
-            continue
-        seen_ids.add(tid)
-        groups.setdefault(eid, []).append(w)
-    counters.executions_in = len(set(table.column("execution_id").to_pylist()))
-
-    parents = work.column("parent_id").to_pylist()
-    branch_at = work.column("branch_at").to_pylist()
-    selected = np.zeros(len(rows), dtype=bool)
-    train_start = np.zeros(len(rows), dtype=np.int64)
-    for eid, members in groups.items():
-        member_array = np.array(members, dtype=np.int64)
-        _, link_errors = tree_from_parents(
-            [ids[w] for w in members],
-            [parents[w] for w in members],
-            [branch_at[w] for w in members],
-            paths.symbols,
-            paths.starts[member_array],
-            paths.lengths[member_array],
-        )
-        for error in link_errors:
-            reason[members[error.path]] = error.reason
-            counters.errors.append(f"execution {eid!r}: {error.message}")
-        for w in members:
-            if reason[w] is None and statuses[w] == "infra_error":
-                reason[w] = "infra_error"
-                reward_out[w] = None
-
-        live = [w for w in members if reason[w] is None]
-        live = _score(
-            eid,
-            live,
-            work,
-            rewards_in,
-            progress_in,
-            reward_out,
-            progress_out,
-            reason,
-            config,
-            rescore,
-            counters,
-        )
-        if not live:
-            continue
-        live_array = np.array(live, dtype=np.int64)
-        order, lcp = sorted_paths(paths.symbols, paths.starts[live_array], paths.lengths[live_array])
-        rng = random.Random(f"{config.seed}/{eid}")
-        selection = select_paths(
-            order,
-            lcp,
-            paths.lengths[live_array],
-            paths.starts[live_array],
-            paths.action_cumsum,
-            config.j_max,
-            rng,
-        )
-        selected[live_array] = selection.selected
-        train_start[live_array] = selection.train_start
-        for w, why in zip(live, selection.reason, strict=True):
-            reason[w] = why
-
+    reasons: list[str | None] = ["invalid_record"] * table.num_rows
+    rewards: list[float | None] = table.column("reward").to_pylist()
+    progress: list[float | None] = table.column("progress").to_pylist()
     for w, i in enumerate(rows.tolist()):
-        reasons[i] = reason[w]
-    processed, train_counts = _processed_table(
-        work, paths, selected, train_start, executions, reward_out, progress_out, config
-    )
-
+        reasons[i], rewards[i], progress[i] = state.reason[w], state.reward[w], state.progress[w]
     stats = _row_stats(table, rows, paths)
     stats["num_train_tokens"][rows] = train_counts
-    counters.trajectories_out = int(selected.sum())
-    counters.executions_out = len({executions[w] for w in np.flatnonzero(selected).tolist()})
-    counters.tokens_in = int(token_lengths.sum())
-    counters.tokens_out = int(paths.lengths[selected].sum())
+    counters.trajectories_out = int(state.selected.sum())
+    counters.executions_out = len(set(processed.column("execution_id").to_pylist()))
+    counters.tokens_in = int(stats["num_tokens"].sum())
+    counters.action_tokens_in = int(stats["num_action_tokens"].sum())
+    counters.tokens_out = int(paths.lengths[state.selected].sum())
     counters.train_tokens_out = int(train_counts.sum())
     counters.dropped = dict(Counter(r for r in reasons if r is not None))
-    reward_all: list[float | None] = table.column("reward").to_pylist()
-    progress_all: list[float | None] = table.column("progress").to_pylist()
-    for w, i in enumerate(rows.tolist()):
-        reward_all[i] = reward_out[w]
-        progress_all[i] = progress_out[w]
     trajectories = _trajectory_rows(
         table,
         shard_id=shard_id,
         reasons=reasons,
-        rewards=reward_all,
-        progress=progress_all,
+        rewards=rewards,
+        progress=progress,
         stats=stats,
         decode=decode,
         processed_at=processed_at or datetime.now(UTC),
     )
-    counters.action_tokens_in = int(stats["num_action_tokens"].sum())
     return ProcessResult(processed=processed, trajectories=trajectories, counters=counters)
 
 
@@ -330,6 +244,117 @@ class _Paths:
         return cls(values, symbols, starts, lengths, action_cumsum)
 
 
+@dataclass
+class _RowState:
+    """Per-row inputs and decisions for the rows being processed (indexed like ``work``)."""
+
+    ids: list[str]
+    executions: list[str]
+    parents: list[str | None]
+    branch_at: list[int | None]
+    statuses: list[str]
+    reward_in: list[float | None]
+    progress_in: list[float | None]
+    reward: list[float | None]  # the reward trained with (None for infra errors)
+    progress: list[float | None]  # the progress used
+    reason: list[str | None]  # drop reason, None when selected
+    selected: np.ndarray  # (n,) bool
+    train_start: np.ndarray  # (n,) int64, see rl.prefix_tree.Selection
+
+    @classmethod
+    def from_table(cls, work: pa.Table) -> _RowState:
+        column = {
+            name: work.column(name).to_pylist() for name in work.column_names if name not in TOKEN_COLUMNS
+        }
+        n = work.num_rows
+        return cls(
+            ids=column["trajectory_id"],
+            executions=column["execution_id"],
+            parents=column["parent_id"],
+            branch_at=column["branch_at"],
+            statuses=column["status"],
+            reward_in=column["reward"],
+            progress_in=column["progress"],
+            reward=list(column["reward"]),
+            progress=list(column["progress"]),
+            reason=[None] * n,
+            selected=np.zeros(n, dtype=bool),
+            train_start=np.zeros(n, dtype=np.int64),
+        )
+
+
+def _aligned_rows(table: pa.Table, counters: ShardCounters) -> np.ndarray:
+    """``(N,)`` bool: rows whose per-token lists all have the length of ``tokens``; the
+    others are reported (``invalid_record``)."""
+    lengths = {name: _list_lengths(table.column(name)) for name in TOKEN_COLUMNS}
+    aligned = np.all([lengths[name] == lengths["tokens"] for name in TOKEN_COLUMNS], axis=0)
+    bad = np.flatnonzero(~aligned).tolist()
+    ids = table.column("trajectory_id").take(pa.array(bad, type=pa.int64())).to_pylist()
+    for i, tid in zip(bad, ids, strict=True):
+        mismatched = [name for name in TOKEN_COLUMNS if lengths[name][i] != lengths["tokens"][i]]
+        counters.errors.append(f"trajectory {tid!r}: {mismatched} lengths differ from tokens")
+    return aligned
+
+
+def _executions(state: _RowState, counters: ShardCounters) -> dict[str, list[int]]:
+    """Rows of each execution in input order; a repeated trajectory id is dropped
+    (``duplicate_id``)."""
+    groups: dict[str, list[int]] = {}
+    seen: set[str] = set()
+    for w, (tid, eid) in enumerate(zip(state.ids, state.executions, strict=True)):
+        if tid in seen:
+            state.reason[w] = "duplicate_id"
+            counters.errors.append(f"trajectory {tid!r}: duplicate trajectory_id in the shard")
+            continue
+        seen.add(tid)
+        groups.setdefault(eid, []).append(w)
+    return groups
+
+
+def _process_execution(
+    execution_id: str,
+    members: list[int],
+    work: pa.Table,
+    paths: _Paths,
+    state: _RowState,
+    config: ProcessorConfig,
+    rescore: Rescore | None,
+    counters: ShardCounters,
+) -> None:
+    """Check links, drop infra errors, score, and select the rows of one execution."""
+    member_array = np.array(members, dtype=np.int64)
+    _, link_errors = tree_from_parents(
+        [state.ids[w] for w in members],
+        [state.parents[w] for w in members],
+        [state.branch_at[w] for w in members],
+        paths.symbols,
+        paths.starts[member_array],
+        paths.lengths[member_array],
+    )
+    for error in link_errors:
+        state.reason[members[error.path]] = error.reason
+        counters.errors.append(f"execution {execution_id!r}: {error.message}")
+    for w in members:
+        if state.reason[w] is None and state.statuses[w] == "infra_error":
+            state.reason[w] = "infra_error"
+            state.reward[w] = None
+
+    live = _score(
+        execution_id, [w for w in members if state.reason[w] is None], work, state, config, rescore, counters
+    )
+    if not live:
+        return
+    live_array = np.array(live, dtype=np.int64)
+    starts, lengths = paths.starts[live_array], paths.lengths[live_array]
+    order, lcp = sorted_paths(paths.symbols, starts, lengths)
+    rng = random.Random(f"{config.seed}/{execution_id}")
+    selection = select_paths(order, lcp, lengths, starts, paths.action_cumsum, config.j_max, rng)
+    state.selected[live_array] = selection.selected
+    state.train_start[live_array] = selection.train_start
+    for w, why in zip(live, selection.reason, strict=True):
+        state.reason[w] = why
+
+
 def _list_lengths(column: pa.ChunkedArray) -> np.ndarray:
     return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
 
@@ -342,37 +367,32 @@ def _score(
     execution_id: str,
     live: list[int],
     work: pa.Table,
-    rewards_in: list[float | None],
-    progress_in: list[float | None],
-    reward_out: list[float | None],
-    progress_out: list[float | None],
-    reason: list[str | None],
+    state: _RowState,
     config: ProcessorConfig,
     rescore: Rescore | None,
     counters: ShardCounters,
 ) -> list[int]:
-    """Combine reward and progress for an execution's live rows (:func:`combine_reward`),
+    """Combine reward and progress of an execution's live rows (:func:`combine_reward`),
     re-scoring at most once per execution; returns the rows still live."""
     needs_rescore = [
         w
         for w in live
         if config.progress_weight > 0
-        and progress_in[w] is None
-        and (rewards_in[w] is None or rewards_in[w] < config.success_threshold)
+        and state.progress_in[w] is None
+        and (state.reward_in[w] is None or state.reward_in[w] < config.success_threshold)
     ]
     rescored: float | None = None
     if needs_rescore and rescore is not None:
-        rescored = _rescore(
-            execution_id, work.take(pa.array(live, type=pa.int64())), config, rescore, counters
-        )
+        rows = work.take(pa.array(live, type=pa.int64()))
+        rescored = _rescore(execution_id, rows, config, rescore, counters)
         if rescored is None:
             for w in needs_rescore:
-                reason[w] = "rescore_failed"
-            live = [w for w in live if reason[w] is None]
+                state.reason[w] = "rescore_failed"
+            live = [w for w in live if state.reason[w] is None]
     for w in live:
-        progress = progress_in[w] if progress_in[w] is not None else rescored
-        progress_out[w] = progress
-        reward_out[w] = combine_reward(rewards_in[w], progress, config)
+        progress = state.progress_in[w] if state.progress_in[w] is not None else rescored
+        state.progress[w] = progress
+        state.reward[w] = combine_reward(state.reward_in[w], progress, config)
     return live
 
 
@@ -398,26 +418,19 @@ def _rescore(
 
 
 def _processed_table(
-    work: pa.Table,
-    paths: _Paths,
-    selected: np.ndarray,
-    train_start: np.ndarray,
-    executions: list[str],
-    reward_out: list[float | None],
-    progress_out: list[float | None],
-    config: ProcessorConfig,
+    work: pa.Table, paths: _Paths, state: _RowState, config: ProcessorConfig
 ) -> tuple[pa.Table, np.ndarray]:
     """The selected rows with ``train_mask`` and ``loss_weight``; also the number of
     trained tokens of every work row ``(n,)``."""
-    chosen = np.flatnonzero(selected)
+    chosen = np.flatnonzero(state.selected)
     lengths = paths.lengths[chosen]
     starts = paths.starts[chosen]
-    begin = train_start[chosen]
+    begin = state.train_start[chosen]
     counts = paths.action_cumsum[starts + lengths] - paths.action_cumsum[starts + begin]
-    train_counts = np.zeros(len(selected), dtype=np.int64)
+    train_counts = np.zeros(len(state.selected), dtype=np.int64)
     train_counts[chosen] = counts
 
-    chosen_executions = [executions[w] for w in chosen.tolist()]
+    chosen_executions = [state.executions[w] for w in chosen.tolist()]
     per_execution = Counter()
     for eid, count in zip(chosen_executions, counts.tolist(), strict=True):
         per_execution[eid] += count
@@ -451,8 +464,8 @@ def _processed_table(
     chosen_rows = chosen.tolist()
     taken = work.select([n for n in TRAJECTORY_SCHEMA.names if n not in TOKEN_COLUMNS]).take(chosen)
     scores = {
-        "reward": [reward_out[w] for w in chosen_rows],
-        "progress": [progress_out[w] for w in chosen_rows],
+        "reward": [state.reward[w] for w in chosen_rows],
+        "progress": [state.progress[w] for w in chosen_rows],
     }
     columns = []
     for out_field in PROCESSED_SCHEMA:
