@@ -217,3 +217,45 @@ def test_generation_budget_is_clamped_to_the_context(tiny):
                 await session.generate(SamplingParams(max_new_tokens=5))
 
     asyncio.run(body())
+
+
+def test_versions_follow_a_weight_update_between_turns(tiny, tmp_path):
+    model, _ = tiny
+    model.save_pretrained(tmp_path / "v3")
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER)
+            first = await session.generate(SamplingParams(max_new_tokens=4, seed=0))
+            engine = gateway.router.route(session.session_id)
+            await engine.load_version(3, str(tmp_path / "v3"))
+            session.add_messages([{"role": "user", "content": "next"}])
+            second = await session.generate(SamplingParams(max_new_tokens=4, seed=0))
+            assert first.versions == [0] * 4 and second.versions == [3] * 4
+            record = session.record()
+            tagged = [v for v, m in zip(record["versions"], record["action_mask"], strict=True) if m]
+            assert tagged == [0] * 4 + [3] * 4
+            validate(to_table([record]))
+
+    asyncio.run(body())
+
+
+def test_failed_replica_is_taken_out_and_the_next_turn_is_re_prefilled_elsewhere(tiny):
+    async def body():
+        async with running_gateway(tiny, replicas=2) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER)
+            first = await session.generate(SamplingParams(max_new_tokens=4, seed=0))
+            failed = gateway.router.route(session.session_id)
+            await failed.close()
+            session.add_messages([{"role": "user", "content": "next"}])
+            second = await session.generate(SamplingParams(max_new_tokens=4, seed=0))
+            assert second.engine != first.engine and failed.name not in gateway.router.replicas
+            assert second.cached_tokens == 0, "the new replica has no cache: the whole context is prefilled"
+            assert second.prompt_tokens == len(session.tokens) - len(second.token_ids)
+            record = session.record()
+            assert record["engine"] == f"{first.engine},{second.engine}"
+            assert sum(record["action_mask"]) == 8
+
+    asyncio.run(body())
