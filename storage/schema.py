@@ -150,36 +150,39 @@ def validate(table: pa.Table) -> pa.Table:
 
 def _token_errors(table: pa.Table, ids: list, bad_rows: np.ndarray) -> list[tuple[str | None, str, str]]:
     """Per-token checks on action tokens, vectorized over the flattened lists of the rows
-    whose lists have equal lengths (``bad_rows`` are reported already)."""
+    whose lists have equal lengths (``bad_rows`` are reported already). Row indices are
+    only worked out for a check that fails somewhere."""
     good = np.flatnonzero(~bad_rows)
     rows = table.take(good) if len(good) < table.num_rows else table
-    row_of_token = good[_flat(rows, "action_mask", fill=False, parents=True)]
-    mask = _flat(rows, "action_mask", fill=False)
-    logprobs = _flat(rows, "logprobs", fill=np.nan)
-    versions = _flat(rows, "versions", fill=-1)
-    checks = []
-    nonfinite_rows = np.unique(row_of_token[mask & ~np.isfinite(logprobs)])
-    checks.append((nonfinite_rows, "logprobs", "non-finite log-prob on an action token"))
-    positive_rows = np.setdiff1d(row_of_token[mask & (logprobs > 1e-6)], nonfinite_rows)
-    checks.append((positive_rows, "logprobs", "positive log-prob on an action token"))
-    checks.append(
-        (np.unique(row_of_token[mask & (versions < 0)]), "versions", "negative version on an action token")
-    )
+    mask = _flat(rows, "action_mask", False)
+    logprobs = _flat(rows, "logprobs", float("nan"))
+    nonfinite = pc.and_(mask, pc.invert(pc.is_finite(logprobs)))
+    positive = pc.and_(mask, pc.greater(logprobs, 1e-6))
+    negative_version = pc.and_(mask, pc.less(_flat(rows, "versions", -1), 0))
+    checks = [
+        (nonfinite, "logprobs", "non-finite log-prob on an action token"),
+        (positive, "logprobs", "positive log-prob on an action token"),
+        (negative_version, "versions", "negative version on an action token"),
+    ]
     if "train_mask" in table.column_names:
-        outside = _flat(rows, "train_mask", fill=False) & ~mask
-        checks.append((np.unique(row_of_token[outside]), "train_mask", "trains a token outside action_mask"))
+        outside = pc.and_(_flat(rows, "train_mask", False), pc.invert(mask))
+        checks.append((outside, "train_mask", "trains a token outside action_mask"))
+    failing = [check for check in checks if pc.any(check[0]).as_py()]
+    if not failing:
+        return []
+    row_of_token = good[pc.list_parent_indices(rows.column("action_mask").combine_chunks()).to_numpy()]
     found: dict[int, list[tuple[str, str]]] = {}
-    for bad, column, what in checks:
+    nonfinite_rows = np.unique(row_of_token[nonfinite.to_numpy(zero_copy_only=False)])
+    for bad_tokens, column, what in failing:
+        bad = np.unique(row_of_token[bad_tokens.to_numpy(zero_copy_only=False)])
+        if bad_tokens is positive:
+            bad = np.setdiff1d(bad, nonfinite_rows)
         for row in bad:
             found.setdefault(int(row), []).append((column, what))
     return [(ids[row], column, what) for row in sorted(found) for column, what in found[row]]
 
 
-def _flat(table: pa.Table, column: str, fill: Any, parents: bool = False) -> np.ndarray:
-    """Values of list column ``column`` of every row, concatenated (nulls as ``fill``);
-    with ``parents``, the row index of each value instead."""
-    lists = table.column(column).combine_chunks()
-    if parents:
-        return pc.list_parent_indices(lists).to_numpy()
-    values = pc.fill_null(pc.list_flatten(lists), fill)
-    return values.to_numpy(zero_copy_only=False)
+def _flat(table: pa.Table, column: str, fill: Any) -> pa.Array:
+    """Values of list column ``column`` of every row, concatenated, nulls as ``fill``."""
+    values = pc.list_flatten(table.column(column).combine_chunks())
+    return pc.fill_null(values, fill) if values.null_count else values

@@ -115,6 +115,7 @@ class Tables:
     def __init__(self, store: RunStore):
         self.store = store
         self._options = store.config.delta_options()
+        self._for_append: dict[str, DeltaTable] = {}
 
     def uri(self, name: str) -> str:
         """URL of table ``name`` (what deltalake, duckdb or Spark are given)."""
@@ -127,19 +128,25 @@ class Tables:
         table = conform(name, rows)
         if table.num_rows == 0:
             return
-        uri = self.uri(name)
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            # The snapshot loaded for the last append is reused: deltalake moves it to its
+            # own commit and rebases onto commits of other writers, which saves a log
+            # replay per append.
+            target = self._for_append.get(name) or self._open(name) or self.uri(name)
             try:
                 write_deltalake(
-                    uri,
+                    target,
                     table,
                     mode="append",
                     configuration=TABLE_CONFIGURATION,
                     storage_options=self._options,
                     commit_properties=CommitProperties(max_commit_retries=50),
                 )
+                if isinstance(target, DeltaTable):
+                    self._for_append[name] = target
                 return
             except CommitFailedError as exc:
+                self._for_append.pop(name, None)
                 if attempt == COMMIT_ATTEMPTS:
                     raise
                 log.info("commit to table %s conflicted (attempt %d): %s; retrying", name, attempt, exc)
