@@ -1,0 +1,170 @@
+"""Orchestrator: mixing ratios converging (also after a change while running), group mode
+with DAPO filtering and refill, backpressure, clean stop, and records landing in shards."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from envs import registry
+from envs.arith import ArithEnv
+from envs.base import StepResult
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.torch_engine import TorchEngine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.orchestrator import Orchestrator, OrchestratorConfig
+from rollout.router import Router
+from rollout.service import RolloutService, ServiceConfig
+from storage.shards import ShardReader, ShardWriter
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=512
+)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny_model(TINY)
+
+
+class ListSink:
+    def __init__(self):
+        self.records = []
+        self.flushes = 0
+
+    def write(self, record):
+        self.records.append(record)
+
+    def flush(self):
+        self.flushes += 1
+
+
+def streams(*names: str):
+    return {name: itertools.cycle(registry.task_set(name, "train", seed=0, n=32)) for name in names}
+
+
+async def run(tiny, config, tasks, sink, make_env=None, backlog=None, during=None):
+    model, tokenizer = tiny
+    engine = TorchEngine(model, tokenizer, name="torch-0")
+    gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+    service = RolloutService(
+        gateway, make_env or (lambda task: registry.make(task.env)), ServiceConfig(max_new_tokens=4)
+    )
+    orchestrator = Orchestrator(service, tasks, sink, config, backlog=backlog)
+    try:
+        job = asyncio.create_task(orchestrator.run())
+        if during is not None:
+            await during(orchestrator)
+        return orchestrator, await job
+    finally:
+        await engine.close()
+
+
+def test_mix_converges_to_its_targets_and_follows_a_change(tiny):
+    async def during(orchestrator):
+        while orchestrator.stats.finished < 60:
+            await asyncio.sleep(0.01)
+        first = {n: c.started for n, c in orchestrator.stats.tasks.items()}
+        orchestrator.set_mix({"arith": 1.0, "guess": 1.0})
+        during.first = first
+
+    config = OrchestratorConfig(mix={"arith": 3.0, "guess": 1.0}, concurrency=8, max_rollouts=140)
+    sink = ListSink()
+    orchestrator, stats = asyncio.run(run(tiny, config, streams("arith", "guess"), sink, during=during))
+    first = during.first
+    assert abs(first["arith"] / (first["arith"] + first["guess"]) - 0.75) < 0.05
+    later_arith = stats.tasks["arith"].started - first["arith"]
+    later_guess = stats.tasks["guess"].started - first["guess"]
+    # After the change the deficit rule gives guess every start until the totals are equal
+    # (50/50 of all starts), so the cumulative split approaches the new target.
+    total = stats.tasks["arith"].started + stats.tasks["guess"].started
+    assert later_guess > later_arith
+    assert abs(stats.tasks["arith"].started / total - 0.5) < abs(first["arith"] / sum(first.values()) - 0.5)
+    assert stats.finished == 140 and len(sink.records) == 140 and sink.flushes == 1
+    assert orchestrator.mix == {"arith": 0.5, "guess": 0.5}
+
+
+class CoinEnv(ArithEnv):
+    """``arith`` scored by a seeded coin instead of the answer (rewards vary inside a group)."""
+
+    name = "arith"
+    flips = itertools.count()
+
+    async def step(self, action: str) -> StepResult:
+        result = await super().step(action)
+        self.coin = float(next(self.flips) % 3 == 0)
+        return result
+
+    async def evaluate(self) -> float:
+        return self.coin
+
+
+def test_group_mode_filters_uniform_groups_refills_and_cancels_redundant(tiny):
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=8, group_size=4, target_groups=5)
+    sink = ListSink()
+    _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: CoinEnv()))
+    assert stats.groups_kept == 5
+    assert len(sink.records) == 20
+    groups = {}
+    for record in sink.records:
+        groups.setdefault(record["group_id"], []).append(record)
+    assert len(groups) == 5
+    for members in groups.values():
+        assert len(members) == 4
+        assert len({m["prompt_id"] for m in members}) == 1
+        assert len({m["reward"] for m in members}) > 1
+    assert stats.cut_short == []
+
+
+def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
+    backlog = {"shards": 100}
+
+    async def during(orchestrator):
+        await asyncio.sleep(0.5)
+        during.started_while_paused = sum(c.started for c in orchestrator.stats.tasks.values())
+        backlog["shards"] = 0
+
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8, max_backlog=8)
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), ListSink(), backlog=lambda: backlog["shards"], during=during)
+    )
+    assert during.started_while_paused == 0
+    assert stats.finished == 8 and stats.paused_s >= 0.4
+
+
+class StuckEnv(ArithEnv):
+    name = "arith"
+
+    async def step(self, action: str) -> StepResult:
+        await asyncio.sleep(3600)
+
+
+def test_stop_cuts_in_flight_rollouts_short_and_flushes(tiny):
+    async def during(orchestrator):
+        while orchestrator.stats.peak_in_flight < 6:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        orchestrator.stop()
+
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=6)
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), sink, make_env=lambda task: StuckEnv(), during=during)
+    )
+    assert len(stats.cut_short) == 6 and stats.finished == 0
+    assert sink.flushes == 1 and sink.records == []
+
+
+def test_records_land_in_committed_shards(tiny, local_store):
+    writer = ShardWriter(local_store, "worker-0", flush_records=10)
+    config = OrchestratorConfig(mix={"arith": 1.0, "guess": 1.0}, concurrency=8, max_rollouts=25)
+    _, stats = asyncio.run(run(tiny, config, streams("arith", "guess"), writer))
+    writer.close()
+    reader = ShardReader(local_store)
+    shards, _ = reader.poll()
+    rows = sum(reader.read(s).num_rows for s in shards)
+    assert rows == stats.written == 25
