@@ -183,7 +183,9 @@ class Router:
             return self._engines[name]
         name = self._assigned.get(session_id)
         if name is None:
-            name = self._pick_sticky(session_id) if self.config.policy == "sticky" else self._pick_least_loaded()
+            name = (
+                self._pick_sticky(session_id) if self.config.policy == "sticky" else self._pick_least_loaded()
+            )
             self._assigned[session_id] = name
             self._load[name] += 1
             if self.config.policy == "least_loaded":
