@@ -8,9 +8,8 @@ Measured side by side in one run:
 - ours: ``rl.processor.process_shard`` on the Arrow table (all of it: checks, prefix trees,
   dedup sampling, weights, the processed table and the trajectory rows);
 - straightforward (best of 2 runs; ours best of ``--repeats``): the same dedup written
-  per trajectory in plain Python — a dict trie
-  walked token by token, and the gains recomputed by walking every candidate path after
-  each pick.
+  per trajectory in plain Python — a dict trie walked token by token, and the gains
+  recomputed by walking every candidate path after each pick.
 
 With ``j_max`` unlimited both must train exactly the number of distinct trainable tokens
 (asserted). The last line is a JSON object:

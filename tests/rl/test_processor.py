@@ -16,8 +16,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import GPT2Config, GPT2LMHeadModel
 
+from rl.models import TinyModelConfig, build_tiny_model
 from rl.prefix_tree import path_symbols, tree_from_parents, tree_from_tokens
 from rl.processor import ProcessorConfig, combine_reward, process_shard
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table, validate
@@ -315,27 +315,25 @@ def gradient(model, loss):
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
+@pytest.fixture(scope="module")
+def tiny_policy():
+    config = TinyModelConfig(hidden_size=16, num_layers=2, num_heads=2, intermediate_size=32, vocab_size=260)
+    model, tokenizer = build_tiny_model(config)
+    return model.double().eval(), len(tokenizer)
+
+
 @pytest.mark.parametrize("weighting", ["token", "execution"])
-def test_gradient_of_deduplicated_batch_equals_original_batch_counting_each_token_once(weighting):
-    torch.manual_seed(0)
-    config = GPT2Config(
-        vocab_size=48,
-        n_positions=128,
-        n_embd=16,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0,
-        embd_pdrop=0,
-        attn_pdrop=0,
-    )
-    model = GPT2LMHeadModel(config).double().eval()
+def test_gradient_of_deduplicated_batch_equals_original_batch_counting_each_token_once(
+    weighting, tiny_policy
+):
+    model, vocab = tiny_policy
     rng = np.random.default_rng(3)
     records = []
     for e in range(3):
         records += random_execution(rng, f"e{e}", 6, vocab=40, fresh_from=40, max_len=20)
     for r in records:
         r["action_mask"][0] = False  # the first token has no prediction
-        r["tokens"] = [t % 48 for t in r["tokens"]]
+        r["tokens"] = [t % vocab for t in r["tokens"]]
     result = process_shard(to_table(records), ProcessorConfig(j_max=None, weighting=weighting), shard_id="s")
 
     # Reference: every original row, each action token weighted 1 / (rows containing it).
@@ -365,8 +363,11 @@ def test_gradient_of_deduplicated_batch_equals_original_batch_counting_each_toke
     processed = result.processed.to_pylist()
     dedup = (per_token_loss(model, processed) * padded(processed, "loss_weight", torch.float64)).sum()
     grad_dedup = gradient(model, dedup)
+    # The tiny Llama normalises and rotates in float32, and the two batches have different
+    # shapes (so different kernel summation orders): agreement is to float32 precision.
     torch.testing.assert_close(dedup, reference, rtol=1e-6, atol=1e-9)
-    torch.testing.assert_close(grad_dedup, grad_reference, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(grad_dedup, grad_reference, rtol=1e-4, atol=1e-6)
+    assert float(grad_reference.abs().max()) > 1e-3
     assert result.counters.train_tokens_out == total < sum(sum(r["action_mask"]) for r in records)
 
 
