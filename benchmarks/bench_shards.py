@@ -139,7 +139,8 @@ def main() -> None:
     parser.add_argument(
         "--trajectories", type=int, default=20_480, help="trajectories written and read per pass"
     )
-    parser.add_argument("--flush-records", type=int, default=256, help="trajectories per shard")
+    parser.add_argument("--flush-records", type=int, default=2048, help="trajectories per shard")
+    parser.add_argument("--batch-rows", type=int, default=256, help="trajectories per batch handed to the writers")
     parser.add_argument("--tokens", type=int, default=2_000, help="mean tokens per trajectory")
     parser.add_argument(
         "--repeats", type=int, default=2, help="passes of each side, alternated; best is kept"
@@ -147,9 +148,9 @@ def main() -> None:
     parser.add_argument("--root", default=None, help="local folder for the data (default: a temp dir)")
     args = parser.parse_args()
 
-    pool = [make_batch(seed, args.flush_records, args.tokens) for seed in range(4)]
-    num_batches = -(-args.trajectories // args.flush_records)
-    trajectories = num_batches * args.flush_records
+    pool = [make_batch(seed, args.batch_rows, args.tokens) for seed in range(4)]
+    num_batches = -(-args.trajectories // args.batch_rows)
+    trajectories = num_batches * args.batch_rows
     total_bytes = sum(pool[i % len(pool)].nbytes for i in range(num_batches))
     root = tempfile.mkdtemp(prefix="bench-shards-", dir=args.root)
     try:
@@ -186,7 +187,8 @@ def main() -> None:
                 "raw_write_s": round(best_raw["write_s"], 3),
                 "raw_read_s": round(best_raw["read_s"], 3),
                 "total_data_bytes": total_bytes,
-                "flush_bytes": pool[0].nbytes,
+                "batch_rows": args.batch_rows,
+                "flush_bytes": pool[0].nbytes * args.flush_records // args.batch_rows,
                 "treadle_peak_rss_growth_bytes": best_treadle["peak_rss_growth_bytes"],
                 "raw_peak_rss_growth_bytes": best_raw["peak_rss_growth_bytes"],
                 "repeats": args.repeats,

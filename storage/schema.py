@@ -155,34 +155,44 @@ def _token_errors(table: pa.Table, ids: list, bad_rows: np.ndarray) -> list[tupl
     good = np.flatnonzero(~bad_rows)
     rows = table.take(good) if len(good) < table.num_rows else table
     mask = _flat(rows, "action_mask", False)
-    logprobs = _flat(rows, "logprobs", float("nan"))
-    nonfinite = pc.and_(mask, pc.invert(pc.is_finite(logprobs)))
-    positive = pc.and_(mask, pc.greater(logprobs, 1e-6))
-    negative_version = pc.and_(mask, pc.less(_flat(rows, "versions", -1), 0))
+    logprobs = _flat(rows, "logprobs", np.nan)
+    # NaN fails both comparisons, +inf the first, -inf the second.
+    logprob_ok = (logprobs <= 1e-6) & (logprobs > -np.inf)
     checks = [
-        (nonfinite, "logprobs", "non-finite log-prob on an action token"),
-        (positive, "logprobs", "positive log-prob on an action token"),
-        (negative_version, "versions", "negative version on an action token"),
+        (mask & ~logprob_ok, "logprobs", None),
+        (mask & (_flat(rows, "versions", -1) < 0), "versions", "negative version on an action token"),
     ]
     if "train_mask" in table.column_names:
-        outside = pc.and_(_flat(rows, "train_mask", False), pc.invert(mask))
-        checks.append((outside, "train_mask", "trains a token outside action_mask"))
-    failing = [check for check in checks if pc.any(check[0]).as_py()]
+        checks.append(
+            (_flat(rows, "train_mask", False) & ~mask, "train_mask", "trains a token outside action_mask")
+        )
+    failing = [check for check in checks if check[0].any()]
     if not failing:
         return []
     row_of_token = good[pc.list_parent_indices(rows.column("action_mask").combine_chunks()).to_numpy()]
     found: dict[int, list[tuple[str, str]]] = {}
-    nonfinite_rows = np.unique(row_of_token[nonfinite.to_numpy(zero_copy_only=False)])
     for bad_tokens, column, what in failing:
-        bad = np.unique(row_of_token[bad_tokens.to_numpy(zero_copy_only=False)])
-        if bad_tokens is positive:
-            bad = np.setdiff1d(bad, nonfinite_rows)
-        for row in bad:
-            found.setdefault(int(row), []).append((column, what))
+        if column == "logprobs":
+            nonfinite = np.unique(row_of_token[mask & ~np.isfinite(logprobs)])
+            positive = np.setdiff1d(row_of_token[mask & (logprobs > 1e-6)], nonfinite)
+            located = [(nonfinite, "non-finite log-prob on an action token")]
+            located.append((positive, "positive log-prob on an action token"))
+        else:
+            located = [(np.unique(row_of_token[bad_tokens]), what)]
+        for bad, message in located:
+            for row in bad:
+                found.setdefault(int(row), []).append((column, message))
     return [(ids[row], column, what) for row in sorted(found) for column, what in found[row]]
 
 
-def _flat(table: pa.Table, column: str, fill: Any) -> pa.Array:
+def _flat(table: pa.Table, column: str, fill: Any) -> np.ndarray:
     """Values of list column ``column`` of every row, concatenated, nulls as ``fill``."""
     values = pc.list_flatten(table.column(column).combine_chunks())
-    return pc.fill_null(values, fill) if values.null_count else values
+    if values.null_count:
+        values = pc.fill_null(values, fill)
+    if pa.types.is_boolean(values.type) and len(values):
+        # Arrow packs booleans into bits; unpacking the buffer beats to_numpy's conversion.
+        bits = np.frombuffer(values.buffers()[1], dtype=np.uint8)
+        unpacked = np.unpackbits(bits, count=values.offset + len(values), bitorder="little")
+        return unpacked[values.offset :].view(bool)
+    return values.to_numpy(zero_copy_only=False)

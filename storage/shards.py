@@ -38,6 +38,14 @@ SHARD_SCHEMAS: dict[str, pa.Schema] = {"raw": TRAJECTORY_SCHEMA, "processed": PR
 COMPRESSION = "zstd"
 """Codec of the Arrow IPC buffers in every shard."""
 
+BATCH_ROWS = 1024
+"""Most rows per Arrow record batch inside a shard file."""
+
+SMALL_CHUNK_ROWS = 64
+"""Buffered pieces smaller than this on average (e.g. single records) are merged into one
+batch before writing; larger pieces are written as they came, which compresses faster
+than one huge batch."""
+
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -123,7 +131,9 @@ class ShardWriter:
         """
         if not self._buffer:
             return None
-        table = pa.concat_tables(self._buffer).combine_chunks()
+        table = pa.concat_tables(self._buffer)
+        if table.num_rows < SMALL_CHUNK_ROWS * len(self._buffer):
+            table = table.combine_chunks()
         seq = self._seq
         path = posixpath.join("shards", self.kind, self.worker, f"{seq:08d}.arrow")
         tmp = posixpath.join("shards", "tmp", self.kind, self.worker, f"{seq:08d}-{uuid.uuid4().hex}.arrow")
@@ -241,14 +251,14 @@ def _write_ipc(store: RunStore, path: str, table: pa.Table) -> None:
             store.fs.open(store.path(path), "wb") as sink,
             pa.ipc.new_file(sink, table.schema, options=options) as out,
         ):
-            out.write_table(table)
+            out.write_table(table, max_chunksize=BATCH_ROWS)
         return
     store.fs.makedirs(posixpath.dirname(store.path(path)), exist_ok=True)
     with (
         pa.OSFile(store.path(path), "wb") as sink,
         pa.ipc.new_file(sink, table.schema, options=options) as out,
     ):
-        out.write_table(table)
+        out.write_table(table, max_chunksize=BATCH_ROWS)
 
 
 def _read_ipc(store: RunStore, path: str) -> pa.Table:
