@@ -21,9 +21,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-LINK_REASONS = ("missing_parent", "branch_past_end", "prefix_mismatch", "cycle")
-"""Drop reasons of a trajectory whose declared ``parent_id``/``branch_at`` link is wrong."""
-
 
 def path_symbols(tokens: np.ndarray, action_mask: np.ndarray) -> np.ndarray:
     """Encode ``(token id, is action)`` pairs as one integer symbol per token.
