@@ -140,7 +140,9 @@ def main() -> None:
         "--trajectories", type=int, default=20_480, help="trajectories written and read per pass"
     )
     parser.add_argument("--flush-records", type=int, default=2048, help="trajectories per shard")
-    parser.add_argument("--batch-rows", type=int, default=256, help="trajectories per batch handed to the writers")
+    parser.add_argument(
+        "--batch-rows", type=int, default=256, help="trajectories per batch handed to the writers"
+    )
     parser.add_argument("--tokens", type=int, default=2_000, help="mean tokens per trajectory")
     parser.add_argument(
         "--repeats", type=int, default=2, help="passes of each side, alternated; best is kept"
