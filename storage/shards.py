@@ -134,7 +134,26 @@ class ShardWriter:
         table = pa.concat_tables(self._buffer)
         if table.num_rows < SMALL_CHUNK_ROWS * len(self._buffer):
             table = table.combine_chunks()
-        seq = self._seq
+        info = self._commit(table, self._seq)
+        self._seq += 1
+        self._buffer.clear()
+        self._buffered_rows = 0
+        return info
+
+    def commit(self, table: pa.Table, seq: int) -> ShardInfo:
+        """Commit ``table`` at once as shard ``seq`` of this writer, even with no rows.
+
+        For producers that derive the sequence number from their input (one processed
+        shard per raw shard), so a retried commit lands under the same name; the caller
+        must not commit the same ``seq`` twice. Buffered records are not touched.
+        """
+        if self._closed:
+            raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
+        info = self._commit(validate(cast(table, self.schema)), seq)
+        self._seq = max(self._seq, seq + 1)
+        return info
+
+    def _commit(self, table: pa.Table, seq: int) -> ShardInfo:
         path = posixpath.join("shards", self.kind, self.worker, f"{seq:08d}.arrow")
         tmp = posixpath.join("shards", "tmp", self.kind, self.worker, f"{seq:08d}-{uuid.uuid4().hex}.arrow")
         _write_ipc(self.store, tmp, table)
@@ -150,9 +169,6 @@ class ShardWriter:
             **_version_range(table),
         )
         self.tables.append("shards", [asdict(info) | {"committed_at": datetime.now(UTC)}])
-        self._seq += 1
-        self._buffer.clear()
-        self._buffered_rows = 0
         return info
 
     def close(self) -> ShardInfo | None:

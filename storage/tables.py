@@ -97,6 +97,15 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             pa.field("tag", pa.string()),
         ]
     ),
+    "evals": pa.schema(
+        [
+            pa.field("version", pa.int32(), nullable=False),
+            pa.field("env", pa.string(), nullable=False),
+            pa.field("reward", pa.float32(), nullable=False),
+            pa.field("count", pa.int32(), nullable=False),
+            pa.field("time", UTC_MICROS, nullable=False),
+        ]
+    ),
 }
 """Canonical schema of each Delta table; a field marked not-nullable must be given."""
 

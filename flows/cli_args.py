@@ -1,0 +1,49 @@
+"""The command line every flow module shares: ``python -m flows.<flow> --config FILE``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from flows.config import ConfigError, RunConfig, load_config
+
+
+def parse(
+    description: str, argv: list[str] | None = None, extra=None
+) -> tuple[RunConfig, argparse.Namespace]:
+    """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
+    config error's message (naming the field) when it does not load."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--config", default="configs/tiny.yaml", help="Run config YAML (default: configs/tiny.yaml)."
+    )
+    parser.add_argument("--run-id", help="Override run_id.")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="Override a field, e.g. stop.max_seconds=60.",
+    )
+    if extra is not None:
+        extra(parser)
+    args = parser.parse_args(argv)
+    overrides: dict = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set needs KEY=VALUE, got {item!r}")
+        node = overrides
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    if args.run_id:
+        overrides["run_id"] = args.run_id
+    try:
+        return load_config(args.config, overrides), args
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,68 @@
+"""The whole loop at once — rollout, process and train side by side — the embedded default.
+
+``python -m flows.pipeline --config configs/tiny.yaml``
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+from prefect import flow, get_run_logger
+from prefect.task_runners import ThreadPoolTaskRunner
+
+from flows.config import RunConfig
+from tasks.process import process_shards
+from tasks.report import report_run
+from tasks.rollout import rollouts
+from tasks.train import train
+from tasks.weights import evaluate_task, warm_start
+
+DRAIN_SECONDS = 10.0
+"""How long the process task keeps going after rollouts stop, to process their last shards."""
+
+
+def deadline_of(config: RunConfig) -> float:
+    return time.time() + config.stop.max_seconds if config.stop.max_seconds else math.inf
+
+
+@flow(name="pipeline", task_runner=ThreadPoolTaskRunner(max_workers=3), log_prints=True)
+def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
+    """Warm-start (if needed) and evaluate version 0, run rollouts, processing and training
+    concurrently until the stop condition, then evaluate the newest version and report."""
+    logger = get_run_logger()
+    torch.set_num_threads(1)
+    base = warm_start(config)
+    before = evaluate_task(config, base)
+    logger.info("version %d held-out reward before RL: %s", base, before["reward"])
+    deadline = deadline_of(config)
+    rollout_run = rollouts.submit(config, deadline)
+    process_run = process_shards.submit(config, deadline + DRAIN_SECONDS)
+    train_run = train.submit(config, deadline)
+    generated, processed, trained = rollout_run.result(), process_run.result(), train_run.result()
+    after = evaluate_task(config)
+    report_run(config)
+    gain = {env: after["reward"][env] - before["reward"].get(env, 0.0) for env in after["reward"]}
+    logger.info("version %d held-out reward after RL: %s (gain %s)", after["version"], after["reward"], gain)
+    return {
+        "run_id": config.run_id,
+        "before": before,
+        "after": after,
+        "gain": gain,
+        "rollouts": generated["orchestrator"],
+        "processed": processed,
+        "trained": trained,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    from flows.cli_args import parse
+
+    config, _ = parse("Run rollout, process and train at once.", argv)
+    pipeline(config)
+
+
+if __name__ == "__main__":
+    main()

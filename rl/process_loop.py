@@ -1,0 +1,107 @@
+"""The process stage: raw shards in, processed shards and ``trajectories`` rows out.
+
+Each raw shard ``raw/<worker>/<seq>`` becomes exactly one processed shard
+``processed/<worker>/<seq>`` (committed under the same worker and sequence number, even
+when no row was selected), then its rows are appended to the ``trajectories`` table. That
+makes the stage idempotent across restarts:
+
+- a raw shard with a committed processed twin is never processed again;
+- a twin whose ``trajectories`` rows are missing (a crash between the two writes) gets
+  them recomputed (the selection is deterministic) and appended, nothing else.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from rl.processor import Decode, ProcessorConfig, Rescore, ShardCounters, process_shard
+from storage.config import RunStore
+from storage.schema import PROCESSED_SCHEMA
+from storage.shards import ShardInfo, ShardReader, ShardWriter
+from storage.tables import Tables
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProcessedShard:
+    """One raw shard's outcome."""
+
+    raw: ShardInfo
+    processed: ShardInfo | None
+    counters: ShardCounters | None
+    skipped: str | None = None
+
+
+@dataclass
+class ShardProcessor:
+    """Processes every committed raw shard of a run once; call :meth:`poll` repeatedly."""
+
+    store: RunStore
+    config: ProcessorConfig = field(default_factory=ProcessorConfig)
+    decode: Decode | None = None
+    rescore: Rescore | None = None
+    on_shard: Callable[[ProcessedShard], None] | None = None
+
+    def __post_init__(self):
+        self.tables = Tables(self.store)
+        self.raw = ShardReader(self.store, kind="raw", tables=self.tables)
+        self.offset = -1
+        self._writers: dict[str, ShardWriter] = {}
+        shards = self.tables.read("shards")
+        processed = shards.filter(pc.equal(shards.column("kind"), "processed"))
+        self._twins = set(
+            zip(processed.column("worker").to_pylist(), processed.column("seq").to_pylist(), strict=True)
+        )
+        trajectories = self.tables.read("trajectories")
+        self._recorded = set(pc.unique(trajectories.column("shard_id")).to_pylist())
+
+    def poll(self) -> list[ProcessedShard]:
+        """Process the raw shards committed since the last poll."""
+        shards, self.offset = self.raw.poll(self.offset)
+        return [self._process(shard) for shard in shards]
+
+    def _writer(self, worker: str) -> ShardWriter:
+        if worker not in self._writers:
+            self._writers[worker] = ShardWriter(
+                self.store, worker, kind="processed", schema=PROCESSED_SCHEMA, tables=self.tables
+            )
+        return self._writers[worker]
+
+    def _process(self, raw: ShardInfo) -> ProcessedShard:
+        twin_done = (raw.worker, raw.seq) in self._twins
+        if twin_done and raw.shard_id in self._recorded:
+            return ProcessedShard(raw, None, None, skipped="already processed")
+        table = self.raw.read(raw)
+        if table is None:
+            outcome = ProcessedShard(raw, None, None, skipped="quarantined")
+            self._notify(outcome)
+            return outcome
+        result = process_shard(
+            table, self.config, shard_id=raw.shard_id, rescore=self.rescore, decode=self.decode
+        )
+        processed = None
+        if not twin_done:
+            processed = self._writer(raw.worker).commit(_as_processed(result.processed), seq=raw.seq)
+            self._twins.add((raw.worker, raw.seq))
+        if result.trajectories:
+            self.tables.append("trajectories", result.trajectories)
+        self._recorded.add(raw.shard_id)
+        outcome = ProcessedShard(raw, processed, result.counters)
+        self._notify(outcome)
+        return outcome
+
+    def _notify(self, outcome: ProcessedShard) -> None:
+        if outcome.skipped:
+            log.warning("raw shard %s skipped: %s", outcome.raw.shard_id, outcome.skipped)
+        if self.on_shard is not None:
+            self.on_shard(outcome)
+
+
+def _as_processed(table: pa.Table) -> pa.Table:
+    return table if table.schema.equals(PROCESSED_SCHEMA) else table.cast(PROCESSED_SCHEMA)

@@ -1,0 +1,179 @@
+"""A rollout worker: engines, gateway, service and orchestrator wired to a run's storage.
+
+It serves the newest weight version, writes every finished rollout to raw shards, and
+follows the trainer: a background loop polls ``weights/LATEST`` and loads each new
+version into every engine between decode steps, so each token keeps the version that
+really produced it.
+
+Backpressure: the backlog the orchestrator sees is the number of shards this worker
+committed since its engines last picked up a new version. When the trainer lags, no new
+version arrives, the backlog grows past ``max_backlog`` and rollouts pause, which bounds
+how stale the data waiting for the trainer can become.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from envs import registry
+from envs.base import Env, EnvConfig, Task
+from rollout.engines.base import Engine
+from rollout.engines.factory import EngineConfig, build_engines
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStats
+from rollout.router import Router
+from rollout.service import RolloutResult, RolloutService, ServiceConfig
+from storage.config import RunStore
+from storage.shards import ShardWriter
+from storage.weights import WeightStore
+
+log = logging.getLogger(__name__)
+
+
+def task_streams(
+    names: list[str], env_configs: Mapping[str, EnvConfig], seed: int, pool: int = 2048
+) -> dict[str, Iterator[Task]]:
+    """An endless stream of train tasks per environment: a pool of ``pool`` tasks, cycled."""
+    return {
+        name: itertools.cycle(registry.task_set(name, "train", seed, pool, env_configs[name]))
+        for name in names
+    }
+
+
+class RolloutWorker:
+    """Runs rollouts for one run until stopped; see the module docstring.
+
+    Args:
+        store: the run's storage (weights are read, raw shards written).
+        name: worker name, used for its shards (``shards/raw/<name>/``).
+        env_configs: validated config per environment in the mix.
+        flush_records: records per raw shard.
+    """
+
+    def __init__(
+        self,
+        store: RunStore,
+        name: str,
+        *,
+        engine: EngineConfig,
+        gateway: GatewayConfig,
+        service: ServiceConfig,
+        orchestrator: OrchestratorConfig,
+        env_configs: Mapping[str, EnvConfig],
+        seed: int = 0,
+        flush_records: int = 64,
+        flush_seconds: float = 10.0,
+        weight_poll_s: float = 1.0,
+        on_result: Callable[[RolloutResult], None] | None = None,
+    ):
+        self.store = store
+        self.name = name
+        self.engine_config = engine
+        self.gateway_config = gateway
+        self.service_config = service
+        self.orchestrator_config = orchestrator
+        self.env_configs = dict(env_configs)
+        self.seed = seed
+        self.weights = WeightStore(store)
+        self.writer = ShardWriter(store, name, flush_records=flush_records, flush_seconds=flush_seconds)
+        self.weight_poll_s = weight_poll_s
+        self.on_result = on_result
+        self.engines: list[Engine] = []
+        self.version: int | None = None
+        self.version_loads: list[tuple[int, float]] = []
+        self._shards_at_version = 0
+        self.orchestrator: Orchestrator | None = None
+
+    def make_env(self, task: Task) -> Env:
+        return registry.make(task.env, self.env_configs.get(task.env))
+
+    def backlog(self) -> int:
+        """Shards committed since the engines last picked up a new weight version."""
+        return self.writer._seq - self._shards_at_version
+
+    async def start(self) -> RolloutWorker:
+        """Build engines on the newest version and the orchestrator over them."""
+        version = self.weights.latest()
+        if version is None:
+            raise FileNotFoundError(f"no weight version in {self.store.url('weights')} to serve")
+        path = await asyncio.to_thread(self.weights.load, version)
+        self.engines = await asyncio.to_thread(build_engines, self.engine_config, path, version)
+        tokenizer = getattr(self.engines[0], "tokenizer", None)
+        if tokenizer is None:
+            from rl.models import load_tokenizer
+
+            tokenizer = load_tokenizer(path)
+        self.version = version
+        self._shards_at_version = self.writer._seq
+        gateway = Gateway(Router(self.engines), tokenizer, self.gateway_config)
+        service = RolloutService(gateway, self.make_env, self.service_config)
+        streams = task_streams(list(self.orchestrator_config.mix), self.env_configs, self.seed)
+        self.orchestrator = Orchestrator(
+            service,
+            streams,
+            self.writer,
+            self.orchestrator_config,
+            backlog=self.backlog,
+            on_result=self.on_result,
+        )
+        return self
+
+    async def sync_weights(self) -> bool:
+        """Load the newest published version into every engine; True when one was loaded."""
+        latest = await asyncio.to_thread(self.weights.latest)
+        if latest is None or latest == self.version:
+            return False
+        path = await asyncio.to_thread(self.weights.load, latest)
+        await asyncio.gather(*(engine.load_version(latest, path) for engine in self.engines))
+        self.version = latest
+        self._shards_at_version = self.writer._seq
+        self.version_loads.append((latest, time.time()))
+        log.info("worker %s now serves weight version %d", self.name, latest)
+        return True
+
+    async def _follow_weights(self) -> None:
+        while True:
+            await asyncio.sleep(self.weight_poll_s)
+            try:
+                await self.sync_weights()
+            except Exception as exc:  # a half-visible or corrupt version: keep serving the current one
+                log.warning("worker %s could not load a new weight version: %s", self.name, exc)
+
+    async def run(self, max_seconds: float | None = None) -> OrchestratorStats:
+        """Run rollouts until the orchestrator's stop condition, ``max_seconds`` or :meth:`stop`."""
+        if self.orchestrator is None:
+            await self.start()
+        follower = asyncio.create_task(self._follow_weights())
+        timer = asyncio.get_running_loop().call_later(max_seconds, self.stop) if max_seconds else None
+        try:
+            return await self.orchestrator.run()
+        finally:
+            if timer is not None:
+                timer.cancel()
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+
+    def stop(self) -> None:
+        if self.orchestrator is not None:
+            self.orchestrator.stop()
+
+    def status(self) -> dict[str, Any]:
+        engine_stats = [engine.stats() for engine in self.engines]
+        return {
+            "version": self.version,
+            "backlog": self.backlog(),
+            "orchestrator": self.orchestrator.stats.as_dict() if self.orchestrator else None,
+            "prefill_computed": sum(s.prefill_computed for s in engine_stats),
+            "prefill_reused": sum(s.prefill_reused for s in engine_stats),
+            "decode_tokens": sum(s.decode_tokens for s in engine_stats),
+        }
+
+    async def close(self) -> None:
+        """Flush what is buffered and stop the engines."""
+        await asyncio.to_thread(self.writer.close)
+        await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)

@@ -1,0 +1,99 @@
+"""The process task: raw shards → processed shards and ``trajectories`` rows."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+from prefect import task
+from prefect.events import emit_event
+
+from flows.config import RunConfig
+from rl.models import load_tokenizer
+from rl.process_loop import ProcessedShard, ShardProcessor
+from storage.weights import WeightStore
+from tasks.common import SIDE_EFFECTS, run_store
+
+
+def shard_processor(
+    config: RunConfig, on_shard: Callable[[ProcessedShard], None] | None = None
+) -> ShardProcessor:
+    """A processor for the run, decoding text with the tokenizer of its newest version."""
+    store = run_store(config)
+    weights = WeightStore(store)
+    decode = None
+    if weights.latest() is not None:
+        tokenizer = load_tokenizer(weights.load(weights.latest()))
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    return ShardProcessor(store, config.processor, decode=decode, on_shard=on_shard)
+
+
+def summarize(outcomes: list[ProcessedShard]) -> dict[str, Any]:
+    """Totals over processed shards."""
+    totals: Counter = Counter()
+    dropped: Counter = Counter()
+    for outcome in outcomes:
+        if outcome.counters is None:
+            totals[f"skipped_{outcome.skipped}"] += 1
+            continue
+        c = outcome.counters
+        totals.update(
+            shards=1,
+            trajectories_in=c.trajectories_in,
+            trajectories_out=c.trajectories_out,
+            tokens_in=c.tokens_in,
+            train_tokens_out=c.train_tokens_out,
+        )
+        dropped.update(c.dropped)
+    return {**totals, "dropped": dict(dropped)}
+
+
+def run_processor(
+    config: RunConfig,
+    deadline: float,
+    poll_s: float = 0.5,
+    on_shard: Callable[[ProcessedShard], None] | None = None,
+    stop: threading.Event | None = None,
+) -> dict[str, Any]:
+    """Process raw shards as they are committed until ``deadline``, then drain once more."""
+    processor = shard_processor(config, on_shard)
+    outcomes: list[ProcessedShard] = []
+    while time.time() < deadline and not (stop is not None and stop.is_set()):
+        new = processor.poll()
+        outcomes += new
+        if not new:
+            time.sleep(poll_s)
+    outcomes += processor.poll()
+    return summarize(outcomes)
+
+
+def _emit(config: RunConfig, outcome: ProcessedShard) -> None:
+    payload = {"raw_shard": outcome.raw.shard_id, "rows": outcome.raw.num_rows}
+    if outcome.processed is not None:
+        payload["processed_shard"] = outcome.processed.shard_id
+    if outcome.counters is not None:
+        payload |= {
+            "trajectories_out": outcome.counters.trajectories_out,
+            "train_tokens_out": outcome.counters.train_tokens_out,
+        }
+    emit_event(
+        event="treadle.shard.processed",
+        resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
+        payload=payload,
+    )
+
+
+@task(name="process-shards", **SIDE_EFFECTS)
+def process_shards(config: RunConfig, deadline: float) -> dict[str, Any]:
+    """Process raw shards continuously until the deadline; emits an event per shard."""
+    return run_processor(config, deadline, on_shard=lambda outcome: _emit(config, outcome))
+
+
+@task(name="process-pending", **SIDE_EFFECTS)
+def process_pending(config: RunConfig) -> dict[str, Any]:
+    """One pass over the raw shards not processed yet (for event-triggered runs)."""
+    processor = shard_processor(config, on_shard=lambda outcome: _emit(config, outcome))
+    return summarize(processor.poll())

@@ -1,0 +1,144 @@
+"""What a run shows in the Prefect UI: progress, tables, reward and loss curves."""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Any
+
+import pyarrow.compute as pc
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from flows.config import RunConfig
+from storage.tables import Tables
+from tasks.common import run_store
+
+
+class ProgressReporter:
+    """A progress artifact of a count toward ``total`` (or of elapsed time toward a deadline
+    when there is no total), updated at most every ``every_s`` seconds."""
+
+    def __init__(
+        self, description: str, total: int | None = None, deadline: float | None = None, every_s: float = 2.0
+    ):
+        self.description = description
+        self.total = total
+        self.deadline = deadline
+        self.started = time.time()
+        self.every_s = every_s
+        self._last = 0.0
+        self.artifact_id = create_progress_artifact(0.0, description=f"{description}: 0")
+
+    def _percent(self, count: int) -> float:
+        if self.total:
+            return min(100.0, 100.0 * count / self.total)
+        if self.deadline and self.deadline > self.started:
+            return min(100.0, 100.0 * (time.time() - self.started) / (self.deadline - self.started))
+        return 0.0
+
+    def update(self, count: int, final: bool = False) -> None:
+        now = time.time()
+        if not final and now - self._last < self.every_s:
+            return
+        self._last = now
+        update_progress_artifact(
+            self.artifact_id,
+            100.0 if final else self._percent(count),
+            description=f"{self.description}: {count}",
+        )
+
+
+def _rows(table, columns: list[str]) -> list[dict[str, Any]]:
+    return table.select([c for c in columns if c in table.column_names]).to_pylist()
+
+
+def curves_png(steps, evals) -> bytes:
+    """A PNG of reward and losses per policy step, and held-out reward per version."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    step = steps.column("step").to_pylist()
+    axes[0].plot(step, steps.column("reward_mean").to_pylist(), marker=".")
+    axes[0].set(title="reward of the trained data", xlabel="policy step")
+    axes[1].plot(step, steps.column("policy_loss").to_pylist(), label="policy")
+    axes[1].plot(step, steps.column("value_loss").to_pylist(), label="value")
+    axes[1].set(title="losses", xlabel="policy step")
+    axes[1].legend()
+    for env in sorted(set(evals.column("env").to_pylist())):
+        rows = evals.filter(pc.equal(evals.column("env"), env))
+        axes[2].plot(
+            rows.column("version").to_pylist(), rows.column("reward").to_pylist(), marker="o", label=env
+        )
+    axes[2].set(title="held-out reward", xlabel="weight version")
+    axes[2].legend()
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
+def report_run(config: RunConfig) -> str:
+    """Artifacts of the run so far: eval and shard tables, and a markdown page with the
+    curves (a PNG written to the run's storage and linked) and their numbers."""
+    store = run_store(config)
+    tables = Tables(store)
+    steps = tables.read("train_steps").sort_by("step")
+    evals = tables.read("evals").sort_by("version")
+    shards = tables.read("shards")
+    key = config.run_id.lower().replace("_", "-").replace(".", "-")
+    create_table_artifact(
+        _rows(evals, ["version", "env", "reward", "count"]),
+        key=f"{key}-evals",
+        description="Held-out reward per weight version",
+    )
+    create_table_artifact(
+        _rows(shards, ["shard_id", "kind", "num_rows", "num_tokens", "min_version", "max_version"]),
+        key=f"{key}-shards",
+        description="Committed shards",
+    )
+    png_path = "reports/curves.png"
+    with store.fs.open(store.path(png_path), "wb") as out:
+        out.write(curves_png(steps, evals))
+    lines = [
+        f"# Run `{config.run_id}`",
+        "",
+        f"![reward and loss curves]({store.url(png_path)})",
+        "",
+        f"Curves: [{store.url(png_path)}]({store.url(png_path)})",
+        "",
+        "## Held-out reward",
+        "",
+        "| version | env | reward | tasks |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['version']} | {r['env']} | {r['reward']:.3f} | {r['count']} |"
+            for r in _rows(evals, ["version", "env", "reward", "count"])
+        ),
+        "",
+        "## Policy steps",
+        "",
+        "| step | version | reward | policy loss | value loss | masked | KL |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {r['step']} | {r['version']} | {r['reward_mean']:.3f} | {r['policy_loss']:.4f} | {r['value_loss']:.4f} "
+            f"| {r['masked_fraction']:.3f} | {r['kl']:.4f} |"
+            for r in _rows(
+                steps,
+                ["step", "version", "reward_mean", "policy_loss", "value_loss", "masked_fraction", "kl"],
+            )
+        ),
+    ]
+    markdown = "\n".join(lines)
+    create_markdown_artifact(
+        markdown, key=f"{key}-report", description=f"Reward and loss curves of {config.run_id}"
+    )
+    return markdown

@@ -1,0 +1,76 @@
+"""The train task: the continuous SAO trainer until the deadline."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prefect import task
+from prefect.events import emit_event
+
+from flows.config import RunConfig
+from rl.trainer import Trainer
+from storage.weights import WeightStore
+from tasks.common import SIDE_EFFECTS, run_store
+
+
+def run_trainer(
+    config: RunConfig,
+    deadline: float,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    on_publish: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
+) -> dict[str, Any]:
+    """Train on processed shards until ``deadline`` (epoch seconds), ``stop`` or
+    ``stop.max_policy_steps``; the steps since the last version are published at the end."""
+    store = run_store(config)
+    weights = WeightStore(store)
+    seen = {"version": weights.latest()}
+
+    def check_published() -> None:
+        latest = weights.latest()
+        if latest != seen["version"]:
+            seen["version"] = latest
+            if on_publish is not None:
+                on_publish(latest)
+
+    def progress(row: dict[str, Any]) -> None:
+        check_published()
+        if on_step is not None:
+            on_step(row)
+
+    trainer = Trainer(store, config.sao)
+    try:
+        summary = trainer.run(
+            max_seconds=max(deadline - time.time(), 0.0),
+            max_steps=config.stop.max_policy_steps,
+            stop_event=stop,
+            progress=progress,
+        )
+    finally:
+        trainer.close()
+    check_published()
+    return {"steps": summary.steps, "versions": summary.versions, "stop_reason": summary.stop_reason}
+
+
+@task(name="train", **SIDE_EFFECTS)
+def train(config: RunConfig, deadline: float) -> dict[str, Any]:
+    """Run the trainer until the deadline; emits an event per published weight version."""
+    from tasks.report import ProgressReporter
+
+    progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps)
+
+    def published(version: int) -> None:
+        emit_event(
+            event="treadle.weights.published",
+            resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
+            payload={"version": version, "path": WeightStore(run_store(config)).version_url(version)},
+        )
+
+    result = run_trainer(
+        config, deadline, on_step=lambda row: progress.update(row["step"]), on_publish=published
+    )
+    progress.update(result["steps"], final=True)
+    return result

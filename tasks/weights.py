@@ -1,0 +1,150 @@
+"""Tasks that create and evaluate weight versions: the warm-started base version, evals."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+from prefect import get_run_logger, task
+
+from envs import registry
+from flows.config import RunConfig
+from rl.models import build_tiny_model, load_policy, publish_policy
+from rl.sft import supervised_warm_start
+from rollout.demos import demonstrations
+from rollout.engines.torch_engine import TorchEngine
+from rollout.evaluate import EvalResult, evaluate
+from rollout.gateway import ChatRenderer
+from storage.tables import Tables
+from storage.weights import WeightStore
+from tasks.common import SIDE_EFFECTS, run_store
+
+
+def build_base_version(config: RunConfig, log=print) -> int:
+    """Publish version 0 if the run has none: the starting policy, warm-started on the
+    environments' demonstrations when ``warm_start.enabled``. Returns the latest version."""
+    store = run_store(config)
+    weights = WeightStore(store)
+    latest = weights.latest()
+    if latest is not None:
+        log(f"run {config.run_id} already has weight version {latest}; not warm-starting")
+        return latest
+    if config.model.path:
+        model, tokenizer = load_policy(config.model.path)
+    else:
+        model, tokenizer = build_tiny_model(config.model.tiny)
+    metadata: dict[str, Any] = {
+        "source": config.model.path or "tiny",
+        "tiny_model": config.model.tiny.model_dump(),
+    }
+    if config.warm_start.enabled:
+        started = time.monotonic()
+        renderer = ChatRenderer(tokenizer)
+        sequences, masks = [], []
+        for name in config.orchestrator.mix:
+            env_config = config.env_config(name)
+            tasks = registry.task_set(name, "train", config.seed, config.warm_start.demos_per_env, env_config)
+            seqs, msks = asyncio.run(
+                demonstrations(
+                    renderer,
+                    lambda t, c=env_config: registry.make(t.env, c),
+                    tasks,
+                    lambda t: registry.demonstrate(t, flawed=config.warm_start.flawed, seed=config.seed),
+                )
+            )
+            sequences += seqs
+            masks += msks
+        losses = supervised_warm_start(model, sequences, masks, tokenizer.pad_token_id, config.warm_start.sft)
+        metadata["warm_start"] = {
+            "demonstrations": len(sequences),
+            "flawed": config.warm_start.flawed,
+            "steps": len(losses),
+            "final_loss": losses[-1],
+            "seconds": round(time.monotonic() - started, 1),
+        }
+        log(
+            f"warm start: {len(losses)} steps on {len(sequences)} demonstrations, loss {losses[0]:.3f} → {losses[-1]:.3f}"
+        )
+    version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base")
+    Tables(store).append(
+        "weights",
+        [
+            {
+                "version": version,
+                "step": 0,
+                "parent": None,
+                "path": weights.version_url(version),
+                "num_consumed_shards": 0,
+                "created_at": datetime.now(UTC),
+                "tag": "base",
+            }
+        ],
+    )
+    return version
+
+
+def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResult:
+    """Held-out reward of weight ``version`` (the latest when None) on every env in the mix."""
+    store = run_store(config)
+    weights = WeightStore(store)
+    version = weights.latest() if version is None else version
+    path = weights.load(version)
+    tasks = [
+        task
+        for name in config.orchestrator.mix
+        for task in registry.task_set(
+            name, "eval", config.eval.seed, config.eval.tasks_per_env, config.env_config(name)
+        )
+    ]
+
+    async def run() -> EvalResult:
+        engine = TorchEngine.from_config(config.engine.torch, path, name="eval", version=version)
+        try:
+            return await evaluate(
+                engine,
+                engine.tokenizer,
+                tasks,
+                lambda t: registry.make(t.env, config.env_config(t.env)),
+                temperature=config.eval.temperature,
+                max_new_tokens=config.service.max_new_tokens,
+                gateway_config=config.gateway,
+            )
+        finally:
+            await engine.close()
+
+    result = asyncio.run(run())
+    Tables(store).append(
+        "evals",
+        [
+            {
+                "version": version,
+                "env": env,
+                "reward": result.reward[env],
+                "count": result.count[env],
+                "time": datetime.now(UTC),
+            }
+            for env in result.reward
+        ],
+    )
+    return result
+
+
+@task(name="warm-start", **SIDE_EFFECTS)
+def warm_start(config: RunConfig) -> int:
+    """Create the run's version 0 (warm-started) unless it exists."""
+    return build_base_version(config, log=get_run_logger().info)
+
+
+@task(name="evaluate", **SIDE_EFFECTS)
+def evaluate_task(config: RunConfig, version: int | None = None) -> dict[str, Any]:
+    """Held-out evaluation of a weight version; returns reward and count per env."""
+    result = evaluate_version(config, version)
+    get_run_logger().info("version %d held-out reward: %s", result.version, result.reward)
+    return {
+        "version": result.version,
+        "reward": result.reward,
+        "count": result.count,
+        "statuses": result.statuses,
+    }
