@@ -1,0 +1,119 @@
+"""The ``treadle`` command: ``run``, ``inspect``, ``sql`` and ``ui``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+
+FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
+
+
+def _store(args):
+    from storage.config import RunStore, StorageConfig
+
+    return RunStore(StorageConfig(root=args.root), args.run_id)
+
+
+def inspect_run(store) -> str:
+    """A run's versions, held-out reward per version, reward of the generated data per
+    version, and shard counts, from its Delta tables."""
+    import pyarrow.compute as pc
+
+    from storage.tables import Tables
+
+    tables = Tables(store)
+    lines = [f"run {store.uri}"]
+    weights = tables.read("weights").sort_by("version")
+    lines.append(f"\nweight versions: {weights.num_rows}")
+    for row in weights.to_pylist():
+        tag = f" [{row['tag']}]" if row["tag"] else ""
+        lines.append(
+            f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}"
+        )
+    evals = tables.read("evals").sort_by([("version", "ascending"), ("env", "ascending")])
+    lines.append("\nheld-out reward per version:")
+    lines += [
+        f"  v{r['version']:<4} {r['env']:<8} {r['reward']:.3f}  ({r['count']} tasks)"
+        for r in evals.to_pylist()
+    ]
+    trajectories = tables.read("trajectories")
+    lines.append("\nreward of generated trajectories per newest generating version:")
+    if trajectories.num_rows:
+        grouped = trajectories.group_by(["max_version", "task"]).aggregate(
+            [("reward", "mean"), ("trajectory_id", "count")]
+        )
+        for r in sorted(grouped.to_pylist(), key=lambda r: (r["max_version"], r["task"])):
+            lines.append(
+                f"  v{r['max_version']:<4} {r['task']:<8} {r['reward_mean']:.3f}  ({r['trajectory_id_count']} trajectories)"
+            )
+    shards = tables.read("shards")
+    lines.append("\nshards:")
+    for kind in ("raw", "processed"):
+        rows = shards.filter(pc.equal(shards.column("kind"), kind))
+        total = pc.sum(rows.column("num_rows")).as_py() or 0
+        lines.append(f"  {kind:<10} {rows.num_rows} shards, {total} trajectories")
+    steps = tables.read("train_steps")
+    lines.append(f"\npolicy steps logged: {steps.num_rows}")
+    return "\n".join(lines)
+
+
+def _run(args) -> None:
+    module = importlib.import_module(f"flows.{args.flow}")
+    module.main(args.rest)
+
+
+def _inspect(args) -> None:
+    print(inspect_run(_store(args)))
+
+
+def _sql(args) -> None:
+    from flows.sql import connect
+
+    connection = connect(_store(args))
+    result = connection.execute(args.query)
+    columns = [d[0] for d in result.description]
+    print("\t".join(columns))
+    for row in result.fetchall():
+        print("\t".join("" if v is None else str(v) for v in row))
+
+
+def _ui(args) -> None:
+    prefect = shutil.which("prefect", path=os.path.dirname(sys.executable)) or "prefect"
+    url = f"http://{args.host}:{args.port}"
+    print(
+        f"Prefect UI: {url}  (API {url}/api). `make demo` in another shell will show up there. Ctrl-C stops it."
+    )
+    subprocess.run([prefect, "server", "start", "--host", args.host, "--port", str(args.port)], check=False)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="treadle", description="Asynchronous RL for LLM agents on Prefect.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="Run a flow: treadle run pipeline --config configs/tiny.yaml")
+    run.add_argument("flow", choices=FLOWS)
+    run.add_argument("rest", nargs=argparse.REMAINDER, help="Arguments of the flow (--config, --set …).")
+    run.set_defaults(handler=_run)
+    for name, handler, helptext in (
+        ("inspect", _inspect, "Print a run's versions, rewards and shard counts."),
+        ("sql", _sql, "Run SQL over a run's Delta tables (each table is a view)."),
+    ):
+        command = sub.add_parser(name, help=helptext)
+        command.add_argument("--root", default="./runs", help="Storage root (local folder).")
+        command.add_argument("--run-id", required=True, help="Run to look at.")
+        if name == "sql":
+            command.add_argument("query", help='e.g. "SELECT version, env, reward FROM evals"')
+        command.set_defaults(handler=handler)
+    ui = sub.add_parser("ui", help="Start a local Prefect server and UI on 127.0.0.1.")
+    ui.add_argument("--host", default="127.0.0.1")
+    ui.add_argument("--port", type=int, default=4200)
+    ui.set_defaults(handler=_ui)
+    args = parser.parse_args(argv)
+    args.handler(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,38 @@
+"""The process flow: continuous, or one pass when triggered by a shard-commit event.
+
+``python -m flows.process --config configs/tiny.yaml [--once]``
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.config import RunConfig
+from flows.pipeline import deadline_of
+from tasks.process import process_pending, process_shards
+
+
+@flow(name="process", log_prints=True)
+def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[str, Any]:
+    """Turn raw shards into processed shards and ``trajectories`` rows: until the stop
+    condition when ``continuous``, else one pass over what is pending."""
+    if continuous:
+        return process_shards(config, deadline_of(config))
+    return process_pending(config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from flows.cli_args import parse
+
+    config, args = parse(
+        "Process raw shards.",
+        argv,
+        extra=lambda p: p.add_argument("--once", action="store_true", help="One pass, then exit."),
+    )
+    process(config, continuous=not args.once)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The rollout flow: one worker's engines and orchestrator, long-lived.
+
+``python -m flows.rollout --config configs/tiny.yaml [--worker NAME]``
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.config import RunConfig
+from flows.pipeline import deadline_of
+from tasks.rollout import rollouts
+from tasks.weights import warm_start
+
+
+@flow(name="rollout", log_prints=True)
+def rollout(config: RunConfig = RunConfig(), worker_name: str = "worker-0") -> dict[str, Any]:
+    """Serve the newest weight version and write rollouts to raw shards until the stop condition."""
+    warm_start(config)
+    return rollouts(config, deadline_of(config), worker_name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    from flows.cli_args import parse
+
+    config, args = parse(
+        "Generate rollouts into raw shards.",
+        argv,
+        extra=lambda p: p.add_argument(
+            "--worker", default="worker-0", help="Worker name (its shard folder)."
+        ),
+    )
+    rollout(config, args.worker)
+
+
+if __name__ == "__main__":
+    main()

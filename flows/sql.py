@@ -1,0 +1,58 @@
+"""SQL over a run's Delta tables with duckdb (``treadle sql``).
+
+duckdb's own extension download needs the internet, so the ``delta`` and ``httpfs``
+extensions are loaded by file path from their PyPI wheels (``duckdb-extension-delta``,
+``duckdb-extension-httpfs``). Every table of the run is a view of the same name.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from storage.config import RunStore
+from storage.tables import TABLE_SCHEMAS, Tables
+
+
+def extension_paths() -> list[str]:
+    """Files of the httpfs and delta extensions shipped in their wheels."""
+    import duckdb_extension_delta
+    import duckdb_extension_httpfs
+
+    paths = []
+    for package in (duckdb_extension_httpfs, duckdb_extension_delta):
+        found = glob.glob(
+            os.path.join(os.path.dirname(package.__file__), "extensions", "*", "*.duckdb_extension")
+        )
+        if not found:
+            raise RuntimeError(f"no duckdb extension file inside {package.__name__}")
+        paths.append(found[0])
+    return paths
+
+
+def connect(store: RunStore):
+    """A duckdb connection with one view per existing table of the run."""
+    import duckdb
+
+    connection = duckdb.connect()
+    for path in extension_paths():
+        connection.execute(f"LOAD '{path}'")
+    config = store.config
+    if config.is_s3:
+        options = config.delta_options()
+        endpoint = (config.endpoint_url or "").removeprefix("http://").removeprefix("https://")
+        connection.execute(
+            "CREATE SECRET (TYPE s3, KEY_ID ?, SECRET ?, REGION ?, ENDPOINT ?, URL_STYLE 'path', USE_SSL ?)",
+            [
+                options.get("AWS_ACCESS_KEY_ID", ""),
+                options.get("AWS_SECRET_ACCESS_KEY", ""),
+                options["AWS_REGION"],
+                endpoint or "s3.amazonaws.com",
+                not (config.endpoint_url or "").startswith("http://"),
+            ],
+        )
+    tables = Tables(store)
+    for name in TABLE_SCHEMAS:
+        if tables.version(name) is not None:
+            connection.execute(f"CREATE VIEW {name} AS SELECT * FROM delta_scan('{tables.uri(name)}')")
+    return connection

@@ -1,0 +1,37 @@
+"""The train flow: continuous SAO on processed shards, publishing weight versions.
+
+``python -m flows.train --config configs/tiny.yaml``. Killed and started again, it
+resumes from ``weights/LATEST`` without losing or repeating a trajectory.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.config import RunConfig
+from flows.pipeline import deadline_of
+from tasks.report import report_run
+from tasks.train import train as train_task
+from tasks.weights import warm_start
+
+
+@flow(name="train", log_prints=True)
+def train(config: RunConfig = RunConfig()) -> dict[str, Any]:
+    """Train until the stop condition, then report the curves."""
+    warm_start(config)
+    result = train_task(config, deadline_of(config))
+    report_run(config)
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    from flows.cli_args import parse
+
+    config, _ = parse("Train on processed shards.", argv)
+    train(config)
+
+
+if __name__ == "__main__":
+    main()
