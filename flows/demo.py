@@ -30,10 +30,10 @@ def main(argv: list[str] | None = None) -> None:
     from flows.pipeline import pipeline
     from tasks.common import run_store
 
-    config, _ = parse(
-        "The treadle demo: warm start, then rollout + process + train at once.",
-        argv if argv is not None else ["--run-id", time.strftime("demo-%Y%m%d-%H%M%S")],
-    )
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--run-id" not in argv:
+        argv += ["--run-id", time.strftime("demo-%Y%m%d-%H%M%S")]
+    config, _ = parse("The treadle demo: warm start, then rollout + process + train at once.", argv)
     api = os.environ.get("PREFECT_API_URL")
     print(f"treadle demo — run {config.run_id}: tiny model on CPU, envs {sorted(config.orchestrator.mix)}")
     print(
