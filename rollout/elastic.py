@@ -33,8 +33,12 @@ class ElasticConfig(BaseModel):
     max_queue_per_replica: float = Field(
         1.0, ge=0, description="Engine queue depth per rollout replica above which rollout needs more units."
     )
-    max_moves_per_step: int = Field(2, ge=1, description="Most units moved (or set draining) by one decision.")
-    cooldown_s: float = Field(120.0, ge=0, description="Seconds after a move before the next one (damps thrashing).")
+    max_moves_per_step: int = Field(
+        2, ge=1, description="Most units moved (or set draining) by one decision."
+    )
+    cooldown_s: float = Field(
+        120.0, ge=0, description="Seconds after a move before the next one (damps thrashing)."
+    )
     min_rollout: int = Field(1, ge=1, description="Rollout units never lent to training.")
     min_train: int = Field(1, ge=1, description="Training units never handed to rollout.")
 
@@ -154,11 +158,15 @@ class ElasticController:
         moves: list[Move] = []
         if rollout_needs and (trainer_dry or not trainer_behind):
             for unit in draining[: cfg.max_moves_per_step]:
-                moves.append(self._move(unit, "rollout", now, "drain cancelled: engines have queued sessions"))
+                moves.append(
+                    self._move(unit, "rollout", now, "drain cancelled: engines have queued sessions")
+                )
             while len(moves) < cfg.max_moves_per_step and len(train) > cfg.min_train:
                 unit = self._last_borrowed(train)
                 train.remove(unit.name)
-                moves.append(self._move(unit, "rollout", now, "trainer queue ran dry, engines have queued sessions"))
+                moves.append(
+                    self._move(unit, "rollout", now, "trainer queue ran dry, engines have queued sessions")
+                )
         elif trainer_behind and not rollout_needs:
             candidates = sorted(rollout, key=lambda u: u.live_sessions)
             spare = len(rollout) - cfg.min_rollout

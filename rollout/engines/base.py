@@ -76,7 +76,9 @@ class Engine(Protocol):
     name: str
     version: int
 
-    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation: ...
+    async def generate(
+        self, session_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> Generation: ...
 
     async def load_version(self, version: int, path: str) -> None:
         """Load weight version ``version`` from the local directory ``path``."""
