@@ -28,20 +28,49 @@ def deadline_of(config: RunConfig) -> float:
     return time.time() + config.stop.max_seconds if config.stop.max_seconds else math.inf
 
 
+def _run_on_ray(config: RunConfig, deadline: float) -> tuple[dict, dict, dict]:
+    """The three long-running tasks as Ray tasks on the cluster at ``config.ray_address``.
+
+    The rollout task only drives its engine and env actors, so it asks for no CPU of its
+    own; processing and training take one each.
+    """
+    from prefect_ray.context import remote_options
+    from prefect_ray.task_runners import RayTaskRunner
+
+    from rollout.ray_engine import connect_ray
+
+    connect_ray(config.ray_address)
+    with RayTaskRunner(address=config.ray_address) as runner:
+        with remote_options(num_cpus=0):
+            rollout_run = runner.submit(rollouts, {"config": config, "deadline": deadline})
+        with remote_options(num_cpus=1):
+            process_run = runner.submit(
+                process_shards, {"config": config, "deadline": deadline + DRAIN_SECONDS}
+            )
+            train_run = runner.submit(train, {"config": config, "deadline": deadline})
+        return rollout_run.result(), process_run.result(), train_run.result()
+
+
 @flow(name="pipeline", task_runner=ThreadPoolTaskRunner(max_workers=3), log_prints=True)
 def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     """Warm-start (if needed) and evaluate version 0, run rollouts, processing and training
-    concurrently until the stop condition, then evaluate the newest version and report."""
+    concurrently until the stop condition, then evaluate the newest version and report.
+
+    With ``cluster: ray`` the three run as Ray tasks (prefect-ray's task runner), the
+    engines and environments as Ray actors."""
     logger = get_run_logger()
     torch.set_num_threads(1)
     base = warm_start(config)
     before = evaluate_task(config, base)
     logger.info("version %d held-out reward before RL: %s", base, before["reward"])
     deadline = deadline_of(config)
-    rollout_run = rollouts.submit(config, deadline)
-    process_run = process_shards.submit(config, deadline + DRAIN_SECONDS)
-    train_run = train.submit(config, deadline)
-    generated, processed, trained = rollout_run.result(), process_run.result(), train_run.result()
+    if config.cluster == "ray":
+        generated, processed, trained = _run_on_ray(config, deadline)
+    else:
+        rollout_run = rollouts.submit(config, deadline)
+        process_run = process_shards.submit(config, deadline + DRAIN_SECONDS)
+        train_run = train.submit(config, deadline)
+        generated, processed, trained = rollout_run.result(), process_run.result(), train_run.result()
     after = evaluate_task(config)
     report_run(config)
     gain = {env: after["reward"][env] - before["reward"].get(env, 0.0) for env in after["reward"]}

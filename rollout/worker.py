@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from envs import registry
 from envs.base import Env, EnvConfig, Task
@@ -53,6 +53,8 @@ class RolloutWorker:
         name: worker name, used for its shards (``shards/raw/<name>/``).
         env_configs: validated config per environment in the mix.
         flush_records: records per raw shard.
+        cluster: ``"ray"`` runs the engines as Ray actors (``rollout.ray_engine``).
+        make_env: builds each rollout's env (e.g. ``RayEnvPool.make_env``); default: in process.
     """
 
     def __init__(
@@ -70,6 +72,8 @@ class RolloutWorker:
         flush_seconds: float = 10.0,
         weight_poll_s: float = 1.0,
         on_result: Callable[[RolloutResult], None] | None = None,
+        cluster: Literal["local", "ray"] = "local",
+        make_env: Callable[[Task], Env] | None = None,
     ):
         self.store = store
         self.name = name
@@ -83,6 +87,8 @@ class RolloutWorker:
         self.writer = ShardWriter(store, name, flush_records=flush_records, flush_seconds=flush_seconds)
         self.weight_poll_s = weight_poll_s
         self.on_result = on_result
+        self.cluster = cluster
+        self._make_env = make_env
         self.engines: list[Engine] = []
         self.version: int | None = None
         self.version_loads: list[tuple[int, float]] = []
@@ -90,6 +96,8 @@ class RolloutWorker:
         self.orchestrator: Orchestrator | None = None
 
     def make_env(self, task: Task) -> Env:
+        if self._make_env is not None:
+            return self._make_env(task)
         return registry.make(task.env, self.env_configs.get(task.env))
 
     def backlog(self) -> int:
@@ -102,7 +110,9 @@ class RolloutWorker:
         if version is None:
             raise FileNotFoundError(f"no weight version in {self.store.url('weights')} to serve")
         path = await asyncio.to_thread(self.weights.load, version)
-        self.engines = await asyncio.to_thread(build_engines, self.engine_config, path, version)
+        self.engines = await asyncio.to_thread(
+            build_engines, self.engine_config, path, version, self.cluster, self.store
+        )
         tokenizer = getattr(self.engines[0], "tokenizer", None)
         if tokenizer is None:
             from rl.models import load_tokenizer

@@ -9,9 +9,11 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import task
+from prefect.events import emit_event
 
 from flows.config import RunConfig
 from rollout.worker import RolloutWorker
+from storage.shards import ShardInfo
 from tasks.common import SIDE_EFFECTS, run_store
 
 
@@ -22,11 +24,24 @@ def run_rollouts(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     progress_every_s: float = 5.0,
     stop: threading.Event | None = None,
+    on_shard: Callable[[ShardInfo], None] | None = None,
 ) -> dict[str, Any]:
-    """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``."""
+    """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``;
+    ``on_shard`` is called with each raw shard the worker commits.
+
+    With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
+    (one env worker per engine replica) on the cluster at ``config.ray_address``."""
     orchestrator = config.orchestrator
     if config.stop.max_rollouts is not None:
         orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})
+    env_pool = None
+    if config.cluster == "ray":
+        from rollout.ray_engine import connect_ray
+        from rollout.ray_env import RayEnvPool
+
+        connect_ray(config.ray_address)
+        env_configs = {name: config.env_config(name) for name in orchestrator.mix}
+        env_pool = RayEnvPool(env_configs, num_workers=config.engine.replicas)
     worker = RolloutWorker(
         run_store(config),
         worker_name,
@@ -36,7 +51,19 @@ def run_rollouts(
         orchestrator=orchestrator,
         env_configs={name: config.env_config(name) for name in orchestrator.mix},
         seed=config.seed,
+        cluster=config.cluster,
+        make_env=env_pool.make_env if env_pool is not None else None,
     )
+    if on_shard is not None:
+        flush = worker.writer.flush
+
+        def flush_and_announce() -> ShardInfo | None:
+            info = flush()
+            if info is not None:
+                on_shard(info)
+            return info
+
+        worker.writer.flush = flush_and_announce
 
     async def report() -> None:
         while True:
@@ -60,17 +87,36 @@ def run_rollouts(
             "version_loads": len(worker.version_loads),
         }
 
-    return asyncio.run(main())
+    try:
+        return asyncio.run(main())
+    finally:
+        if env_pool is not None:
+            env_pool.close()
 
 
 @task(name="rollouts", **SIDE_EFFECTS)
 def rollouts(config: RunConfig, deadline: float, worker_name: str = "worker-0") -> dict[str, Any]:
-    """Generate rollouts into raw shards until the deadline; returns the worker's counters."""
+    """Generate rollouts into raw shards until the deadline; emits ``treadle.shard.committed``
+    per raw shard; returns the worker's counters."""
     from tasks.report import ProgressReporter
 
     progress = ProgressReporter("Rollouts finished", total=config.stop.max_rollouts)
     result = run_rollouts(
-        config, deadline, worker_name, on_progress=lambda s: progress.update(s["orchestrator"]["finished"])
+        config,
+        deadline,
+        worker_name,
+        on_progress=lambda s: progress.update(s["orchestrator"]["finished"]),
+        on_shard=lambda info: emit_event(
+            event="treadle.shard.committed",
+            resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
+            payload={
+                "shard_id": info.shard_id,
+                "rows": info.num_rows,
+                "tokens": info.num_tokens,
+                "min_version": info.min_version,
+                "max_version": info.max_version,
+            },
+        ),
     )
     progress.update(result["orchestrator"]["finished"], final=True)
     return result

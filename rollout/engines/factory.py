@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout.engines.base import Engine
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from storage.config import RunStore
 
 
 class EngineConfig(BaseModel):
@@ -32,10 +33,27 @@ class EngineConfig(BaseModel):
         return self
 
 
-def build_engines(config: EngineConfig, model_dir: str, version: int) -> list[Engine]:
-    """Engine replicas serving weight version ``version`` (local directory ``model_dir``)."""
+def build_engines(
+    config: EngineConfig,
+    model_dir: str,
+    version: int,
+    cluster: Literal["local", "ray"] = "local",
+    store: RunStore | None = None,
+) -> list[Engine]:
+    """Engine replicas serving weight version ``version`` (local directory ``model_dir``).
+
+    With ``cluster="ray"`` each torch replica runs in a Ray actor (``rollout.ray_engine``);
+    ``store`` lets actors on other nodes fetch the version themselves.
+    """
     if config.kind == "vllm":
         return [VLLMEngine(server, name=f"vllm-{i}", version=version) for i, server in enumerate(config.vllm)]
+    if cluster == "ray":
+        from rollout.ray_engine import RayEngine
+
+        return [
+            RayEngine(config.torch, model_dir, name=f"ray-torch-{i}", version=version, store=store)
+            for i in range(config.replicas)
+        ]
     return [
         TorchEngine.from_config(config.torch, model_dir, name=f"torch-{i}", version=version)
         for i in range(config.replicas)

@@ -1,0 +1,176 @@
+"""Engine replicas as Ray actors, with an ``Engine``-protocol client for the driver.
+
+``EngineActor`` hosts one :class:`TorchEngine` on a Ray node; :class:`RayEngine` speaks the
+``Engine`` protocol and forwards every call to its actor, so the router, gateway and rollout
+service on the driver use remote replicas unchanged. Only paths, token ids and small
+records cross the wire: the actor builds its model from a weight-version directory, and
+when that directory is not on the actor's node (another machine, object storage) it loads
+the version from the run's store itself.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from rollout.engines.base import EngineError, EngineStats, Generation, SamplingParams
+from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
+from storage.config import RunStore
+
+
+def connect_ray(address: str | None = None) -> None:
+    """Connect this process to the Ray cluster at ``address`` ('auto', ``ray://host:10001``),
+    or start a local Ray instance when ``address`` is None; nothing when already connected."""
+    if not ray.is_initialized():
+        ray.init(address=address, include_dashboard=False)
+
+
+def _local_dir(path: str, version: int, store: RunStore | None) -> str:
+    """``path`` when this node has it, else version ``version`` fetched from ``store``."""
+    if os.path.isdir(path):
+        return path
+    if store is None:
+        raise EngineError(f"weight directory {path} is not on this node and no run store was given")
+    from storage.weights import WeightStore
+
+    return WeightStore(store).load(version)
+
+
+@ray.remote
+class EngineActor:
+    """One TorchEngine replica living in a Ray actor (an async actor: requests batch)."""
+
+    def __init__(
+        self,
+        config: dict[str, Any],
+        model_dir: str,
+        name: str,
+        version: int,
+        store: RunStore | None = None,
+    ):
+        self.store = store
+        self.engine = TorchEngine.from_config(
+            TorchEngineConfig.model_validate(config),
+            _local_dir(model_dir, version, store),
+            name=name,
+            version=version,
+        )
+
+    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return await self.engine.generate(session_id, prompt_ids, params)
+
+    async def load_version(self, version: int, path: str) -> int:
+        await self.engine.load_version(version, _local_dir(path, version, self.store))
+        return self.engine.version
+
+    def end_session(self, session_id: str) -> None:
+        self.engine.end_session(session_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def health(self) -> bool:
+        return await self.engine.health()
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayEngine:
+    """An ``Engine`` whose model runs in an :class:`EngineActor` on the Ray cluster.
+
+    Args:
+        config: settings of the remote TorchEngine.
+        model_dir: weight-version directory to start from (on the actor's node, or fetched
+            from ``store`` when it is not there).
+        name: replica name reported in every ``Generation``.
+        version: weight version of ``model_dir``.
+        store: the run's store, for actors on nodes that do not see ``model_dir``.
+        actor_options: Ray resource options of the actor (``num_cpus``, ``num_gpus`` …);
+            by default one GPU when the engine runs on CUDA, else one CPU.
+
+    ``stats()`` is synchronous in the protocol, so it waits (at most 10 s) for the actor's
+    counters; an actor that does not answer reports empty counters, a closed engine the
+    counters it had when it closed.
+    """
+
+    def __init__(
+        self,
+        config: TorchEngineConfig,
+        model_dir: str,
+        *,
+        name: str = "ray-torch",
+        version: int = 0,
+        store: RunStore | None = None,
+        actor_options: dict[str, Any] | None = None,
+    ):
+        if not ray.is_initialized():
+            raise EngineError("RayEngine needs a connected Ray cluster: call ray.init() first")
+        options = actor_options or (
+            {"num_gpus": 1, "num_cpus": 1} if config.device.startswith("cuda") else {"num_cpus": 1}
+        )
+        self.name = name
+        self.version = version
+        self.actor = EngineActor.options(**options).remote(
+            config.model_dump(), str(model_dir), name, version, store
+        )
+        self.tokenizer = None
+        self._closed = False
+        self._final_stats = EngineStats()
+
+    async def _call(self, method: str, *args):
+        if self._closed:
+            raise EngineError(f"engine {self.name!r} is closed")
+        try:
+            return await getattr(self.actor, method).remote(*args)
+        except RayTaskError as exc:
+            raise exc.cause from None
+        except RayActorError as exc:
+            raise EngineError(f"engine actor {self.name!r} died: {exc}") from None
+
+    async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
+        return await self._call("generate", session_id, prompt_ids, params)
+
+    async def load_version(self, version: int, path: str) -> None:
+        self.version = await self._call("load_version", version, path)
+
+    def end_session(self, session_id: str) -> None:
+        if not self._closed:
+            self.actor.end_session.remote(session_id)
+
+    def stats(self) -> EngineStats:
+        if self._closed:
+            return self._final_stats
+        try:
+            return ray.get(self.actor.stats.remote(), timeout=10)
+        except (RayActorError, ray.exceptions.GetTimeoutError):
+            return EngineStats()
+
+    async def health(self) -> bool:
+        try:
+            return bool(await self._call("health"))
+        except EngineError:
+            return False
+
+    async def pid(self) -> int:
+        """Process id of the actor (to check where the engine runs)."""
+        return await self._call("pid")
+
+    async def close(self) -> None:
+        """Stop the remote engine and release its actor."""
+        if self._closed:
+            return
+        try:
+            self._final_stats = await self._call("stats")
+            await self._call("close")
+        except EngineError:
+            pass
+        finally:
+            self._closed = True
+            ray.kill(self.actor)

@@ -1,0 +1,154 @@
+"""Environment workers as Ray actors, with an ``Env``-protocol proxy for the driver.
+
+A :class:`EnvWorkerActor` hosts many environments (and their sandboxes) on a cluster node,
+keyed by an id per rollout; :class:`RayEnv` is the driver-side stand-in the rollout service
+drives exactly like a local env; :class:`RayEnvPool` owns a set of actors and hands out
+proxies round-robin (``pool.make_env`` is a drop-in ``make_env`` of the rollout service).
+Only tasks, actions and observations cross the wire.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from envs import registry
+from envs.base import Env, EnvConfig, StepResult, Task
+from envs.sandbox import SandboxError
+
+log = logging.getLogger(__name__)
+
+
+@ray.remote
+class EnvWorkerActor:
+    """Hosts live environments by id; every method is async so envs interleave."""
+
+    def __init__(self, env_configs: dict[str, dict[str, Any]]):
+        self.env_configs = env_configs
+        self.envs: dict[str, Env] = {}
+
+    def open(self, env_id: str, name: str) -> None:
+        if env_id in self.envs:
+            raise ValueError(f"environment id {env_id!r} is already open on this worker")
+        self.envs[env_id] = registry.make(name, self.env_configs.get(name))
+
+    def _env(self, env_id: str) -> Env:
+        try:
+            return self.envs[env_id]
+        except KeyError:
+            raise KeyError(f"no open environment {env_id!r} on this worker") from None
+
+    async def reset(self, env_id: str, task: Task) -> list[dict]:
+        return await self._env(env_id).reset(task)
+
+    async def step(self, env_id: str, action: str) -> StepResult:
+        return await self._env(env_id).step(action)
+
+    async def evaluate(self, env_id: str) -> float:
+        return await self._env(env_id).evaluate()
+
+    async def close(self, env_id: str) -> None:
+        env = self.envs.pop(env_id, None)
+        if env is not None:
+            await env.close()
+
+    async def close_all(self) -> int:
+        envs, self.envs = list(self.envs.values()), {}
+        for env in envs:
+            await env.close()
+        return len(envs)
+
+    def open_count(self) -> int:
+        return len(self.envs)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayEnv:
+    """An ``Env`` whose instance lives on an :class:`EnvWorkerActor`.
+
+    Errors raised by the remote env come back as themselves (a ``SandboxError`` stays one,
+    so the rollout service classifies it as usual); a worker that died is reported as a
+    ``SandboxError`` of kind ``died``.
+    """
+
+    def __init__(self, actor, name: str, env_id: str | None = None):
+        self.actor = actor
+        self.name = name
+        self.env_id = env_id or uuid.uuid4().hex
+        self._opened = False
+        self._closed = False
+
+    async def _call(self, method: str, *args):
+        try:
+            return await getattr(self.actor, method).remote(self.env_id, *args)
+        except RayTaskError as exc:
+            raise exc.cause from None
+        except RayActorError as exc:
+            raise SandboxError("died", f"environment worker died: {exc}") from None
+
+    async def reset(self, task: Task) -> list[dict]:
+        if not self._opened:
+            await self._call("open", self.name)
+            self._opened = True
+        return await self._call("reset", task)
+
+    async def step(self, action: str) -> StepResult:
+        return await self._call("step", action)
+
+    async def evaluate(self) -> float:
+        return await self._call("evaluate")
+
+    async def close(self) -> None:
+        """Close the remote env and its sandbox; safe to call twice."""
+        if self._opened and not self._closed:
+            self._closed = True
+            await self._call("close")
+
+
+class RayEnvPool:
+    """A fixed set of environment-worker actors; :meth:`make_env` spreads rollouts over them.
+
+    Args:
+        env_configs: validated config per environment name (others get their defaults).
+        num_workers: actors to start.
+        actor_options: Ray resource options of each actor (default: one CPU).
+    """
+
+    def __init__(
+        self,
+        env_configs: Mapping[str, EnvConfig],
+        num_workers: int = 1,
+        actor_options: dict[str, Any] | None = None,
+    ):
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if not ray.is_initialized():
+            raise RuntimeError("RayEnvPool needs a connected Ray cluster: call ray.init() first")
+        configs = {name: config.model_dump() for name, config in env_configs.items()}
+        options = actor_options or {"num_cpus": 1}
+        self.actors = [EnvWorkerActor.options(**options).remote(configs) for _ in range(num_workers)]
+        self._next = itertools.cycle(self.actors)
+
+    def make_env(self, task: Task) -> RayEnv:
+        """A proxy for a new env of ``task.env`` on the next actor."""
+        registry.env_class(task.env)
+        return RayEnv(next(self._next), task.env)
+
+    def close(self) -> None:
+        """Close every env still open and stop the actors."""
+        try:
+            ray.get([actor.close_all.remote() for actor in self.actors], timeout=60)
+        except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
+            log.warning("closing environment workers: %s", exc)
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []

@@ -1,0 +1,193 @@
+"""The ``cluster: ray`` path on a local Ray instance started by this module: engines as Ray
+actors (same tokens and log-probs as a local TorchEngine, versions tagged across a reload,
+weights fetched from the store when the directory is not on the node), environments with
+their sandboxes in env-worker actors, and rollouts written to shards through both."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import ray
+import torch
+
+from envs import registry
+from flows.config import RunConfig
+from rl.models import TinyModelConfig, build_tiny_model, publish_policy
+from rollout.engines.base import SamplingParams
+from rollout.engines.factory import EngineConfig, build_engines
+from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
+from rollout.ray_engine import RayEngine
+from rollout.ray_env import RayEnvPool
+from storage.config import RunStore, StorageConfig
+from storage.shards import ShardReader
+from storage.weights import WeightStore
+from tasks.rollout import run_rollouts
+
+TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    torch.set_num_threads(1)
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="treadle-tests")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A run store holding version 0 (the tiny model) and version 1 (perturbed weights)."""
+    config = StorageConfig(root=str(tmp_path_factory.mktemp("runs")))
+    store = RunStore(config, "ray")
+    weights = WeightStore(store)
+    model, tokenizer = build_tiny_model(TINY)
+    publish_policy(weights, model, tokenizer, step=0, tag="base")
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(1)
+        for parameter in model.parameters():
+            parameter.add_(0.5 * torch.randn(parameter.shape, generator=generator))
+    publish_policy(weights, model, tokenizer, step=1, parent=0)
+    return config, store, weights
+
+
+PARAMS = SamplingParams(max_new_tokens=12, temperature=1.0, seed=7)
+PROMPTS = [[5, 17, 42, 8], [3, 9, 30, 31, 2, 60]]
+
+
+async def _generate_all(engine, session: str):
+    return [await engine.generate(f"{session}-{i}", prompt, PARAMS) for i, prompt in enumerate(PROMPTS)]
+
+
+def test_ray_engine_generates_what_the_local_engine_does_and_tags_reloaded_versions(run):
+    _, _, weights = run
+    v0, v1 = weights.load(0), weights.load(1)
+
+    async def body():
+        local = TorchEngine(v0, name="local", version=0)
+        remote = RayEngine(TorchEngineConfig(), v0, name="remote", version=0)
+        try:
+            assert await remote.health()
+            assert await remote.pid() != os.getpid()
+            before = (await _generate_all(local, "a"), await _generate_all(remote, "a"))
+            await local.load_version(1, v1)
+            await remote.load_version(1, v1)
+            after = (await _generate_all(local, "b"), await _generate_all(remote, "b"))
+            stats = remote.stats()
+        finally:
+            await local.close()
+            await remote.close()
+        return before, after, stats, remote
+
+    before, after, stats, remote = asyncio.run(body())
+    for (local_gens, remote_gens), version in ((before, 0), (after, 1)):
+        for local_gen, remote_gen in zip(local_gens, remote_gens, strict=True):
+            assert remote_gen.token_ids == local_gen.token_ids
+            assert remote_gen.logprobs == pytest.approx(local_gen.logprobs, abs=1e-5)
+            assert remote_gen.versions == [version] * len(remote_gen.token_ids)
+            assert remote_gen.engine == "remote"
+    assert before[1][0].token_ids != after[1][0].token_ids, "version 1's weights changed nothing"
+    assert remote.version == 1
+    assert stats.requests == 4 and stats.decode_tokens > 0
+    assert remote.stats().requests == 4, "a closed RayEngine keeps its final counters"
+
+
+def test_ray_engines_fetch_a_version_their_node_does_not_have(run):
+    storage, store, weights = run
+
+    async def body():
+        config = EngineConfig(replicas=2)
+        engines = build_engines(config, "/nonexistent/v000001", 1, cluster="ray", store=store)
+        try:
+            assert [e.name for e in engines] == ["ray-torch-0", "ray-torch-1"]
+            assert all(isinstance(e, RayEngine) for e in engines)
+            remote = await engines[1].generate("s", PROMPTS[0], PARAMS)
+        finally:
+            await asyncio.gather(*(e.close() for e in engines))
+        local = TorchEngine(weights.load(1), version=1)
+        try:
+            return remote, await local.generate("s", PROMPTS[0], PARAMS)
+        finally:
+            await local.close()
+
+    remote, local = asyncio.run(body())
+    assert remote.token_ids == local.token_ids
+    assert remote.versions == [1] * len(remote.token_ids)
+
+
+def test_ray_engine_without_the_directory_or_a_store_fails_clearly():
+    async def body():
+        engine = RayEngine(TorchEngineConfig(), "/nonexistent/v000000", name="lost")
+        try:
+            return await engine.generate("s", [1, 2], PARAMS)
+        finally:
+            await engine.close()
+
+    with pytest.raises(Exception, match="not on this node and no run store"):
+        asyncio.run(body())
+
+
+@pytest.mark.parametrize("env_name", ["arith", "shell"])
+def test_env_worker_actor_runs_sandboxed_env(env_name):
+    tasks = registry.task_set(env_name, "train", seed=0, n=2)
+
+    async def episode(env, task):
+        messages = await env.reset(task)
+        rewards = []
+        for action in registry.demonstrate(task):
+            result = await env.step(action)
+            rewards.append(result.reward)
+            if result.done:
+                break
+        score = await env.evaluate()
+        await env.close()
+        return messages, rewards, score
+
+    async def body():
+        pool = RayEnvPool({env_name: registry.make_config(env_name)}, num_workers=2)
+        try:
+            remote = await asyncio.gather(*(episode(pool.make_env(t), t) for t in tasks))
+            pids = ray.get([actor.pid.remote() for actor in pool.actors])
+            still_open = ray.get([actor.open_count.remote() for actor in pool.actors])
+            unstarted = pool.make_env(tasks[0])
+            with pytest.raises(KeyError, match="no open environment"):
+                await unstarted.step("1")
+        finally:
+            pool.close()
+        local = [await episode(registry.make(env_name), t) for t in tasks]
+        return remote, local, pids, still_open
+
+    remote, local, pids, still_open = asyncio.run(body())
+    assert remote == local
+    assert all(score == 1.0 for _, _, score in remote), "the scripted solver should solve every task"
+    assert len(set(pids)) == 2 and os.getpid() not in pids
+    assert still_open == [0, 0]
+
+
+def test_run_rollouts_on_ray_writes_shards(run, tmp_path):
+    storage, _, weights = run
+    config = RunConfig(
+        run_id="ray-rollouts",
+        storage=StorageConfig(root=str(tmp_path)),
+        cluster="ray",
+        engine={"replicas": 2},
+        orchestrator={"mix": {"arith": 0.5, "guess": 0.5}, "concurrency": 4},
+        service={"max_new_tokens": 6},
+        stop={"max_rollouts": 6},
+    )
+    store = RunStore(config.storage, config.run_id)
+    publish_policy(WeightStore(store), *build_tiny_model(TINY), step=0, tag="base")
+
+    result = run_rollouts(config, deadline=float("inf"))
+
+    assert result["orchestrator"]["finished"] == 6
+    assert result["decode_tokens"] > 0
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    rows = [row for shard in shards for row in reader.read(shard).to_pylist()]
+    assert len(rows) == 6
+    assert {row["task"] for row in rows} == {"arith", "guess"}
+    assert {row["engine"] for row in rows} <= {"ray-torch-0", "ray-torch-1"}
+    assert all(row["status"] in ("ok", "truncated") for row in rows)
+    assert all(v == 0 for row in rows for v, m in zip(row["versions"], row["action_mask"], strict=True) if m)
