@@ -123,11 +123,20 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _envs_known(self) -> RunConfig:
-        for name in [*self.orchestrator.mix, *self.envs]:
-            if name not in REGISTRY:
-                raise ValueError(f"unknown environment {name!r}; known: {sorted(REGISTRY)}")
+        for field, names in (("orchestrator.mix", self.orchestrator.mix), ("envs", self.envs)):
+            for name in names:
+                if name not in REGISTRY:
+                    raise ValueError(f"{field}: unknown environment {name!r}; known: {sorted(REGISTRY)}")
         for name, overrides in self.envs.items():
-            make_config(name, overrides)
+            try:
+                make_config(name, overrides)
+            except ValidationError as exc:
+                raise ValueError(
+                    "; ".join(
+                        f"envs.{name}.{'.'.join(str(p) for p in err['loc'])}: {err['msg']}"
+                        for err in exc.errors()
+                    )
+                ) from None
         return self
 
     def env_config(self, name: str):

@@ -18,10 +18,16 @@ from tasks.weights import warm_start
 
 
 @flow(name="train", log_prints=True)
-def train(config: RunConfig = RunConfig()) -> dict[str, Any]:
-    """Train until the stop condition, then report the curves."""
+def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any]:
+    """Train until the stop condition, then report the curves.
+
+    Args:
+        config: the run.
+        drain: also stop once every committed processed shard is trained (a nightly run
+            over what arrived since the last one).
+    """
     warm_start(config)
-    result = train_task(config, deadline_of(config))
+    result = train_task(config, deadline_of(config), drain)
     report_run(config)
     return result
 
@@ -29,8 +35,14 @@ def train(config: RunConfig = RunConfig()) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     from flows.cli_args import parse
 
-    config, _ = parse("Train on processed shards.", argv)
-    train(config)
+    config, args = parse(
+        "Train on processed shards.",
+        argv,
+        extra=lambda p: p.add_argument(
+            "--drain", action="store_true", help="Stop once every processed shard is trained."
+        ),
+    )
+    train(config, drain=args.drain)
 
 
 if __name__ == "__main__":

@@ -22,9 +22,11 @@ def run_trainer(
     on_step: Callable[[dict[str, Any]], None] | None = None,
     on_publish: Callable[[int], None] | None = None,
     stop: threading.Event | None = None,
+    drain: bool = False,
 ) -> dict[str, Any]:
     """Train on processed shards until ``deadline`` (epoch seconds), ``stop`` or
-    ``stop.max_policy_steps``; the steps since the last version are published at the end."""
+    ``stop.max_policy_steps`` — or, with ``drain``, until no processed shard is waiting;
+    the steps since the last version are published at the end."""
     store = run_store(config)
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
@@ -48,6 +50,7 @@ def run_trainer(
             max_steps=config.stop.max_policy_steps,
             stop_event=stop,
             progress=progress,
+            drain=drain,
         )
     finally:
         trainer.close()
@@ -56,8 +59,9 @@ def run_trainer(
 
 
 @task(name="train", **SIDE_EFFECTS)
-def train(config: RunConfig, deadline: float) -> dict[str, Any]:
-    """Run the trainer until the deadline; emits an event per published weight version."""
+def train(config: RunConfig, deadline: float, drain: bool = False) -> dict[str, Any]:
+    """Run the trainer until the deadline (or until drained); emits an event per published
+    weight version."""
     from tasks.report import ProgressReporter
 
     progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps)
@@ -70,7 +74,11 @@ def train(config: RunConfig, deadline: float) -> dict[str, Any]:
         )
 
     result = run_trainer(
-        config, deadline, on_step=lambda row: progress.update(row["step"]), on_publish=published
+        config,
+        deadline,
+        on_step=lambda row: progress.update(row["step"]),
+        on_publish=published,
+        drain=drain,
     )
     progress.update(result["steps"], final=True)
     return result

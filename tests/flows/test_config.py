@@ -1,0 +1,132 @@
+"""Run configs: bad ones fail naming the field; flows render RunConfig as a form;
+every deployment in deployments/prefect.yaml validates against its flow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from prefect.cli.deploy._models import PrefectYamlModel
+from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
+from prefect.flows import load_flow_from_entrypoint
+from prefect.utilities.callables import parameter_schema
+
+from flows.config import ConfigError, RunConfig, load_config
+from tests.flows.conftest import REPO
+
+TINY = REPO / "configs" / "tiny.yaml"
+PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
+
+
+def write_config(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_tiny_config_loads():
+    config = load_config(TINY)
+    assert set(config.orchestrator.mix) == {"arith", "guess"}
+    assert config.engine.kind == "torch"
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("sao:\n  eps_low: -1\n", "sao.eps_low"),
+        ("orchestrator:\n  mix: {arith: 0.5, chess: 0.5}\n", "orchestrator.mix: unknown environment 'chess'"),
+        ("stop:\n  max_seconds: 10\nmax_secnods: 3\n", "max_secnods"),
+        ("warm_start:\n  demos_per_env: 0\n", "warm_start.demos_per_env"),
+        ("run_id: 'a b'\n", "run_id"),
+        ("envs:\n  arith: {no_such_option: 1}\n", "envs.arith.no_such_option"),
+        ("envs:\n  chess: {}\n", "envs: unknown environment 'chess'"),
+    ],
+)
+def test_bad_config_fails_naming_the_field(tmp_path, text, named):
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(write_config(tmp_path, text))
+
+
+def test_overrides_merge_into_the_file_and_are_validated(tmp_path):
+    config = load_config(TINY, {"sao": {"lr": 0.5}, "stop": {"max_seconds": 7}})
+    assert (config.sao.lr, config.stop.max_seconds, config.sao.mode) == (0.5, 7, "sao")
+    with pytest.raises(ConfigError, match=r"sao\.lr"):
+        load_config(TINY, {"sao": {"lr": "fast"}})
+
+
+def test_flow_command_line_exits_with_the_field_name(tmp_path):
+    bad = write_config(tmp_path, "sao:\n  eps_low: -1\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.evaluate", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "sao.eps_low" in result.stderr
+
+
+def _schema_properties(schema: dict) -> list[tuple[str, str, dict]]:
+    return [
+        (definition, name, prop)
+        for definition, body in schema["definitions"].items()
+        for name, prop in body.get("properties", {}).items()
+    ]
+
+
+@pytest.mark.parametrize("entrypoint", ["pipeline", "rollout", "process", "train", "evaluate", "maintain"])
+def test_flow_parameters_render_run_config_with_descriptions(entrypoint):
+    flow = load_flow_from_entrypoint(str(REPO / "flows" / f"{entrypoint}.py") + f":{entrypoint}")
+    schema = parameter_schema(flow).model_dump()
+    assert schema["properties"]["config"]["$ref"] == "#/definitions/RunConfig"
+    run_config = schema["definitions"]["RunConfig"]["properties"]
+    assert set(run_config) == set(RunConfig.model_fields)
+    missing = [f"{d}.{n}" for d, n, prop in _schema_properties(schema) if not prop.get("description")]
+    assert not missing, f"fields without a description in the form: {missing}"
+    assert schema["definitions"]["StopConfig"]["properties"]["max_seconds"]["description"]
+
+
+def _deployments() -> list[dict]:
+    raw = yaml.safe_load(PREFECT_YAML.read_text())
+    PrefectYamlModel.model_validate(raw)
+    return raw["deployments"]
+
+
+def test_prefect_yaml_deployments_validate_against_their_flows():
+    deployments = _deployments()
+    flows = {d["entrypoint"].split(":")[1] for d in deployments}
+    assert flows >= {"train", "pipeline", "evaluate", "maintain", "process"}
+    assert len({(d["entrypoint"], d["name"]) for d in deployments}) == len(deployments)
+    for deployment in deployments:
+        flow = load_flow_from_entrypoint(str(REPO / deployment["entrypoint"]))
+        schema = parameter_schema(flow).model_dump()
+        jsonschema.validate(deployment["parameters"], schema)
+        RunConfig.model_validate(deployment["parameters"]["config"])
+        assert deployment["work_pool"]["name"] in {"cpu", "gpu"}
+        assert deployment["description"]
+
+
+def test_prefect_yaml_schedules_pools_and_trigger():
+    deployments = {d["entrypoint"].split(":")[1] + "/" + d["name"]: d for d in _deployments()}
+    nightly = deployments["train/nightly"]
+    (schedule,) = nightly["schedules"]
+    assert schedule["cron"] == "0 2 * * *" and schedule["timezone"] == "Europe/Lisbon"
+    assert nightly["parameters"]["drain"] is True
+    assert nightly["work_pool"]["name"] == "gpu"
+    assert nightly["work_pool"]["job_variables"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    assert RunConfig.model_validate(nightly["parameters"]["config"]).engine.torch.device == "cuda"
+    for name in ("pipeline/on-demand", "evaluate/on-demand", "maintain/on-demand"):
+        assert not deployments[name].get("schedules"), name
+        assert deployments[name]["work_pool"]["name"] == "cpu"
+    process = deployments["process/on-commit"]
+    assert process["parameters"]["continuous"] is False
+    (trigger,) = process["triggers"]
+    parsed = DeploymentEventTrigger.model_validate(trigger)
+    assert parsed.expect == {"treadle.shard.committed"}
+    run_id = process["parameters"]["config"]["run_id"]
+    assert trigger["match"]["prefect.resource.id"] == f"treadle.run.{run_id}"
