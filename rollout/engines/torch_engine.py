@@ -314,9 +314,11 @@ class TorchEngine:
         return prompt
 
     def _read_weights(self, path: str) -> dict[str, torch.Tensor]:
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+        # model.safetensors or HF shards model-0000k-of-0000n; a version directory also
+        # holds other safetensors files (the trainer's value model) that are not the policy.
+        files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
         if not files:
-            raise EngineError(f"no *.safetensors files in {path!r}")
+            raise EngineError(f"no *.safetensors files in {path!r} (looked for model*.safetensors)")
         state_dict: dict[str, torch.Tensor] = {}
         for file in files:
             state_dict.update(load_file(file))
