@@ -159,6 +159,10 @@ class Orchestrator:
         self.stats = OrchestratorStats()
         self._mix = self._normalise(self.config.mix)
         self._stop = asyncio.Event()
+        self._completed: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
+        """Finished jobs in completion order (each job's done callback puts it here); ``None``
+        wakes :meth:`run` for a stop. Waiting on this queue costs O(1) per completion, where
+        ``asyncio.wait`` over every in-flight job would cost O(in flight)."""
         self._in_flight: dict[asyncio.Task, str] = {}
         self._groups: dict[asyncio.Task, _Group] = {}
         self._counter = 0
@@ -181,6 +185,7 @@ class Orchestrator:
     def stop(self) -> None:
         """Ask :meth:`run` to stop: nothing new starts; in-flight rollouts are cut short."""
         self._stop.set()
+        self._completed.put_nowait(None)
 
     def _next_task_name(self) -> str:
         total = sum(self.stats.tasks[name].started for name in self._mix) + 1
@@ -220,6 +225,7 @@ class Orchestrator:
                 task=task, group_id=group.group_id or None, seed=self.config.seed * 1_000_003 + self._counter
             )
             job = asyncio.create_task(self.service.process(request), name=request.rollout_id)
+            job.add_done_callback(self._completed.put_nowait)
             self._in_flight[job] = request.rollout_id
             group.tasks.add(job)
             self._groups[job] = group
@@ -242,14 +248,9 @@ class Orchestrator:
                     self._launch_group()
                 if not self._in_flight:
                     break
-                stop_wait = asyncio.create_task(self._stop.wait())
-                finished, _ = await asyncio.wait(
-                    [*self._in_flight, stop_wait], return_when=asyncio.FIRST_COMPLETED
-                )
-                stop_wait.cancel()
-                for job in finished:
-                    if job is not stop_wait:
-                        self._collect(job)
+                job = await self._completed.get()
+                if job is not None:
+                    self._collect(job)
         finally:
             await self._cancel_in_flight()
             self.sink.flush()

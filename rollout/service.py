@@ -3,7 +3,11 @@
 ``process(request)`` takes one task through the whole lifecycle:
 
 - INIT creates the environment (and its sandbox) and resets it to the task;
-- RUN is the multi-turn loop between the environment and the gateway session;
+- RUN is the multi-turn loop between the environment and the gateway session; an env
+  that drives itself (``drives_itself = True``, e.g. ``agent``) is handed its session on
+  the service's own HTTP gateway (:class:`~rollout.gateway_http.GatewayServer` on
+  127.0.0.1, started once per service) and RUN awaits ``env.run()`` while its program
+  calls the OpenAI endpoints, each call recorded token-exactly in the rollout's session;
 - EVAL scores the episode.
 
 Each stage has its own concurrency limit, so a slow test suite in EVAL never blocks
@@ -30,10 +34,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from envs.agent import GatewaySession
 from envs.base import Env, Task
 from envs.sandbox import SandboxError
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
 from rollout.gateway import Gateway, Session
+from rollout.gateway_http import GatewayServer
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +143,8 @@ class RolloutService:
         self._active: Counter[str] = Counter()
         self._inflight: dict[str, asyncio.Task] = {}
         self.finished: Counter[str] = Counter()
+        self._gateway_server: GatewayServer | None = None
+        self._gateway_server_lock = asyncio.Lock()
 
     async def process(self, request: RolloutRequest) -> RolloutResult:
         """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled."""
@@ -157,6 +165,19 @@ class RolloutService:
             return False
         task.cancel()
         return True
+
+    async def gateway_server(self) -> GatewayServer:
+        """The HTTP gateway that self-driving envs talk to (started on first use, 127.0.0.1)."""
+        async with self._gateway_server_lock:
+            if self._gateway_server is None:
+                self._gateway_server = await GatewayServer(self.gateway).start()
+            return self._gateway_server
+
+    async def close(self) -> None:
+        """Stop the HTTP gateway, if one was started; in-flight rollouts are not touched."""
+        if self._gateway_server is not None:
+            await self._gateway_server.stop()
+            self._gateway_server = None
 
     def status(self) -> dict[str, Any]:
         """Queue and pool occupancy per stage, and finished rollouts by status."""
@@ -207,10 +228,16 @@ class RolloutService:
         stage = "init"
         try:
             env = self.make_env(task)
+            drives_itself = getattr(env, "drives_itself", False)
+            if drives_itself:
+                server = await self.gateway_server()
+                env.attach_gateway(GatewaySession(f"{server.url}/v1", server.token, session.session_id))
             first = await self._stage("init", clock, lambda: env.reset(task))
-            session.add_messages(first)
+            if not drives_itself:
+                session.add_messages(first)
             stage = "run"
-            await self._stage("run", clock, lambda: self._run(env, session, request, state))
+            run = self._drive if drives_itself else self._run
+            await self._stage("run", clock, lambda: run(env, session, request, state))
             stage = "eval"
             state["reward"] = await self._stage("eval", clock, env.evaluate)
             if not state["done"] or session.turns and session.turns[-1].truncated:
@@ -263,6 +290,12 @@ class RolloutService:
                 state["done"] = True
                 return
             session.add_messages(result.observation)
+
+    async def _drive(self, env: Env, session: Session, request: RolloutRequest, state: dict) -> None:
+        """RUN for a self-driving env: its program sends every model call through ``session``."""
+        result = await env.run()
+        state["progress"] = result.progress
+        state["done"] = result.done
 
     async def _cleanup(self, env: Env | None, session: Session) -> None:
         if env is not None:

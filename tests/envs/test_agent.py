@@ -2,7 +2,9 @@
 
 The upstream here is a small HTTP server in the test that answers chat completions with
 scripted shell commands and records what reached it; it checks the relay (session header and
-bearer token put in by the worker, never visible to the agent), not the gateway's recording.
+bearer token put in by the worker, never visible to the agent), not the gateway's recording;
+``tests/rollout/test_agent_rollout.py`` runs the same agent against the real gateway and
+checks its record token by token.
 """
 
 import asyncio
