@@ -6,14 +6,18 @@ finish in seconds on a loaded CPU, stored under the test's ``tmp_path``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from uuid import UUID
 
 import pytest
+from prefect.client.schemas.objects import State
 from prefect.settings import PREFECT_API_URL
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.config import RunConfig, _merge, load_config
+from storage.config import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -25,7 +29,7 @@ FAST: dict[str, Any] = {
     "service": {"max_new_tokens": 8},
     "sao": {"token_budget": 384, "micro_token_budget": 384, "publish_every": 1, "poll_seconds": 0.2},
     "eval": {"tasks_per_env": 4},
-    "stop": {"max_seconds": 15},
+    "stop": {"max_seconds": 20},
 }
 """Overrides of configs/tiny.yaml that make a run take seconds."""
 
@@ -43,3 +47,30 @@ def prefect_api():
     """A temporary Prefect API (SQLite in a temp dir) for the whole session; its URL."""
     with prefect_test_harness(server_startup_timeout=180):
         yield PREFECT_API_URL.value()
+
+
+@dataclass
+class PipelineRun:
+    """One finished pipeline flow run of :func:`tiny_config`."""
+
+    config: RunConfig
+    state: State
+    result: dict[str, Any]
+
+    @property
+    def flow_run_id(self) -> UUID:
+        return self.state.state_details.flow_run_id
+
+    @property
+    def store(self) -> RunStore:
+        return RunStore(self.config.storage, self.config.run_id)
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory: pytest.TempPathFactory, prefect_api) -> PipelineRun:
+    """The pipeline flow run once on the tiny config (rollout, process and train for 20 s)."""
+    from flows.pipeline import pipeline
+
+    config = tiny_config(tmp_path_factory.mktemp("pipeline") / "runs", "pipeline-test")
+    state = pipeline(config, return_state=True)
+    return PipelineRun(config, state, state.result(raise_on_failure=False))

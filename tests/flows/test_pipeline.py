@@ -1,0 +1,82 @@
+"""The pipeline flow under the Prefect test harness: it completes, reports, emits events,
+and its Delta tables answer SQL through duckdb."""
+
+from __future__ import annotations
+
+from flows.sql import connect
+from storage.tables import Tables
+from tests.flows.prefect_api import artifacts_of, count, wait_for_events
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def test_pipeline_completes_and_trains(pipeline_run):
+    assert pipeline_run.state.is_completed(), pipeline_run.state.message
+    result = pipeline_run.result
+    assert result["before"]["version"] == 0
+    assert result["after"]["version"] >= 1, "no weight version was published during the run"
+    assert result["rollouts"]["finished"] > 0
+    assert result["processed"]["shards"] >= 1
+    assert result["trained"]["steps"] >= 1
+    assert set(result["gain"]) == {"arith", "guess"}
+
+
+def test_pipeline_artifacts_progress_tables_and_curves(pipeline_run):
+    artifacts = artifacts_of([pipeline_run.flow_run_id])
+    by_type: dict[str, list] = {}
+    for artifact in artifacts:
+        by_type.setdefault(artifact.type, []).append(artifact)
+    progress = {a.description.split(":")[0]: a.data for a in by_type["progress"]}
+    assert progress == {"Rollouts finished": 100.0, "Policy steps": 100.0}
+    key = pipeline_run.config.run_id
+    tables = {a.key: a for a in by_type["table"]}
+    assert {f"{key}-evals", f"{key}-shards"} <= set(tables)
+    (markdown,) = by_type["markdown"]
+    assert markdown.key == f"{key}-report"
+    png_url = pipeline_run.store.url("reports", "curves.png")
+    assert f"]({png_url})" in markdown.data
+    assert "| step | version | reward |" in markdown.data
+    with pipeline_run.store.fs.open(pipeline_run.store.path("reports/curves.png"), "rb") as png:
+        assert png.read(8) == PNG_MAGIC
+
+
+def test_pipeline_events_match_the_tables(pipeline_run):
+    tables = Tables(pipeline_run.store)
+    shards = tables.read("shards").to_pylist()
+    raw = [s for s in shards if s["kind"] == "raw"]
+    versions = sorted(r["version"] for r in tables.read("weights").to_pylist() if r["version"] > 0)
+    expected = {
+        "treadle.shard.committed": len(raw),
+        "treadle.shard.processed": len(raw),
+        "treadle.weights.published": len(versions),
+    }
+    events = wait_for_events(
+        f"treadle.run.{pipeline_run.config.run_id}",
+        lambda events: all(count(events, name) >= n for name, n in expected.items()),
+    )
+    assert {name: count(events, name) for name in expected} == expected
+    committed = {e.payload["shard_id"] for e in events if e.event == "treadle.shard.committed"}
+    assert committed == {s["shard_id"] for s in raw}
+    processed = {e.payload["raw_shard"] for e in events if e.event == "treadle.shard.processed"}
+    assert processed == committed
+    published = sorted(e.payload["version"] for e in events if e.event == "treadle.weights.published")
+    assert published == versions
+
+
+def test_pipeline_tables_read_by_duckdb(pipeline_run):
+    result = pipeline_run.result
+    db = connect(pipeline_run.store)
+    (raw_rows,) = db.execute("SELECT sum(num_rows) FROM shards WHERE kind = 'raw'").fetchone()
+    (trajectories,) = db.execute("SELECT count(*) FROM trajectories").fetchone()
+    assert trajectories == raw_rows == result["rollouts"]["finished"]
+    evals = db.execute("SELECT version, env, count FROM evals ORDER BY version, env").fetchall()
+    final = result["after"]["version"]
+    assert evals == [(0, "arith", 4), (0, "guess", 4), (final, "arith", 4), (final, "guess", 4)]
+    (steps, newest) = db.execute("SELECT count(*), max(version) FROM train_steps").fetchone()
+    assert steps == result["trained"]["steps"]
+    assert newest <= final
+    per_version = db.execute(
+        "SELECT max_version, count(*) FROM trajectories GROUP BY max_version ORDER BY max_version"
+    ).fetchall()
+    assert per_version[0][0] == 0
+    assert sum(n for _, n in per_version) == trajectories
