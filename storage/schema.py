@@ -84,7 +84,10 @@ def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTOR
 
 
 def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
-    """Select and cast ``table``'s columns to ``schema`` (extra columns are dropped)."""
+    """Select and cast ``table``'s columns to ``schema`` (extra columns are dropped); a table
+    already of ``schema`` is returned as it is."""
+    if table.schema.equals(schema, check_metadata=True):
+        return table
     missing = [name for name in schema.names if name not in table.column_names]
     if missing:
         raise SchemaError(f"missing columns {missing}")
@@ -94,52 +97,38 @@ def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
         raise SchemaError(f"cannot cast to the canonical schema: {exc}") from exc
 
 
+ID_COLUMNS = ("trajectory_id", "execution_id", "task", "prompt_id")
+"""Columns that must hold a non-empty string."""
+
+PROCESSED_TOKEN_COLUMNS = ("train_mask", "loss_weight")
+"""Per-token list columns only processed records have."""
+
+
 def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """Every problem in ``table`` as ``(trajectory_id, column, what is wrong)``.
 
     Checks: required ids present, per-token lists of equal length, finite log-probs ≤ 0
     and versions ≥ 0 on action tokens, ``status`` in :data:`STATUSES`, and for processed
-    tables ``train_mask`` only where ``action_mask``.
+    tables ``train_mask`` only where ``action_mask``. The checks run vectorised over each
+    record batch where it lies in memory (nothing is copied unless a check fails). Order:
+    missing ids row by row, list lengths column by column, statuses, per-token checks row
+    by row.
     """
-    errors: list[tuple[str | None, str, str]] = []
-    if table.num_rows == 0:
-        return errors
-    ids = table.column("trajectory_id").to_pylist()
-
-    for name in ("trajectory_id", "execution_id", "task", "prompt_id"):
-        values = table.column(name).to_pylist()
-        for i, value in enumerate(values):
-            if not value:
-                errors.append((ids[i], name, "missing id"))
-
-    token_columns = [c for c in (*TOKEN_COLUMNS, "train_mask", "loss_weight") if c in table.column_names]
-    lengths = {c: pc.list_value_length(table.column(c)).to_numpy(zero_copy_only=False) for c in token_columns}
-    n_tokens = lengths["tokens"]
-    for name in token_columns:
-        bad = np.flatnonzero(lengths[name] != n_tokens)
-        for i in bad:
-            errors.append((ids[i], name, f"has {lengths[name][i]} entries but tokens has {n_tokens[i]}"))
-    bad_rows = np.any([lengths[c] != n_tokens for c in token_columns], axis=0)
-
-    statuses = table.column("status").to_pylist()
-    for i, status in enumerate(statuses):
-        if status not in STATUSES:
-            errors.append((ids[i], "status", f"unknown status {status!r}; expected one of {STATUSES}"))
-
-    errors.extend(_token_errors(table, ids, bad_rows))
-    return errors
+    token_columns = [c for c in (*TOKEN_COLUMNS, *PROCESSED_TOKEN_COLUMNS) if c in table.column_names]
+    problems: list[_Problem] = []
+    start = 0
+    for batch in table.to_batches():
+        problems.extend(_batch_problems(batch, start, token_columns))
+        start += batch.num_rows
+    problems.sort(key=lambda problem: problem[0])
+    return [error for _, error in problems]
 
 
 def validate(table: pa.Table) -> pa.Table:
     """Raise :class:`SchemaError` naming the first bad rows; return ``table`` when valid."""
     expected = PROCESSED_SCHEMA if "train_mask" in table.column_names else TRAJECTORY_SCHEMA
-    missing = [name for name in expected.names if name not in table.column_names]
-    if missing:
-        raise SchemaError(f"missing columns {missing}")
-    for field in expected:
-        actual = table.schema.field(field.name).type
-        if actual != field.type:
-            raise SchemaError(f"column {field.name!r} has type {actual}, expected {field.type}")
+    if table.schema.names != expected.names or table.schema.types != expected.types:
+        _check_columns(table.schema, expected)
     errors = find_errors(table)
     if errors:
         shown = "; ".join(f"trajectory {tid!r}, column {col!r}: {what}" for tid, col, what in errors[:5])
@@ -148,46 +137,132 @@ def validate(table: pa.Table) -> pa.Table:
     return table
 
 
-def _token_errors(table: pa.Table, ids: list, bad_rows: np.ndarray) -> list[tuple[str | None, str, str]]:
-    """Per-token checks on action tokens, vectorized over the flattened lists of the rows
-    whose lists have equal lengths (``bad_rows`` are reported already). Row indices are
-    only worked out for a check that fails somewhere."""
+def _check_columns(schema: pa.Schema, expected: pa.Schema) -> None:
+    """Raise :class:`SchemaError` naming a column of ``expected`` that ``schema`` lacks or types differently."""
+    missing = [name for name in expected.names if name not in schema.names]
+    if missing:
+        raise SchemaError(f"missing columns {missing}")
+    for field in expected:
+        actual = schema.field(field.name).type
+        if actual != field.type:
+            raise SchemaError(f"column {field.name!r} has type {actual}, expected {field.type}")
+
+
+_Problem = tuple[tuple[int, ...], tuple[str | None, str, str]]
+"""An error of :func:`find_errors` behind the key that sorts it into its place."""
+
+
+def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str]) -> list[_Problem]:
+    """Problems of one record batch whose first row is row ``start`` of the table."""
+    ids = batch.column("trajectory_id")
+    problems: list[_Problem] = []
+
+    def add(key: tuple[int, ...], row: int, column: str, what: str) -> None:
+        problems.append((key, (ids[row].as_py(), column, what)))
+
+    for position, name in enumerate(ID_COLUMNS):
+        for row in np.flatnonzero(_empty_strings(batch.column(name))):
+            add((0, start + row, position), row, name, "missing id")
+
+    lengths = {name: _list_lengths(batch.column(name)) for name in token_columns}
+    n_tokens = lengths["tokens"]
+    bad_rows = np.zeros(batch.num_rows, dtype=bool)
+    for position, name in enumerate(token_columns):
+        bad = (lengths[name] != n_tokens) | (lengths[name] < 0)
+        for row in np.flatnonzero(bad):
+            if lengths[name][row] < 0:
+                what = "is null"
+            elif n_tokens[row] < 0:
+                what = f"has {lengths[name][row]} entries but tokens is null"
+            else:
+                what = f"has {lengths[name][row]} entries but tokens has {n_tokens[row]}"
+            add((1, position, start + row), row, name, what)
+        bad_rows |= bad
+
+    status = batch.column("status")
+    known = pc.is_in(status, value_set=pa.array(STATUSES)).to_numpy(zero_copy_only=False)
+    for row in np.flatnonzero(~known):
+        what = f"unknown status {status[row].as_py()!r}; expected one of {STATUSES}"
+        add((2, start + row), row, "status", what)
+
+    for row, check, column, what in _token_problems(batch, bad_rows, n_tokens):
+        add((3, start + row, check), row, column, what)
+    return problems
+
+
+def _token_problems(
+    batch: pa.RecordBatch, bad_rows: np.ndarray, n_tokens: np.ndarray
+) -> list[tuple[int, int, str, str]]:
+    """``(row, check, column, what)`` of the per-token checks on action tokens, over the
+    rows whose lists have equal lengths (``bad_rows`` are reported already). Rows are only
+    worked out for a check that fails somewhere."""
     good = np.flatnonzero(~bad_rows)
-    rows = table.take(good) if len(good) < table.num_rows else table
-    mask = _flat(rows, "action_mask", False)
-    logprobs = _flat(rows, "logprobs", np.nan)
-    # NaN fails both comparisons, +inf the first, -inf the second.
-    logprob_ok = (logprobs <= 1e-6) & (logprobs > -np.inf)
-    checks = [
-        (mask & ~logprob_ok, "logprobs", None),
-        (mask & (_flat(rows, "versions", -1) < 0), "versions", "negative version on an action token"),
-    ]
-    if "train_mask" in table.column_names:
-        checks.append(
-            (_flat(rows, "train_mask", False) & ~mask, "train_mask", "trains a token outside action_mask")
-        )
-    failing = [check for check in checks if check[0].any()]
-    if not failing:
+    rows = batch if len(good) == batch.num_rows else batch.take(pa.array(good))
+    mask = _flat(rows.column("action_mask"), False)
+    logprobs = _flat(rows.column("logprobs"), np.nan)
+    versions = _flat(rows.column("versions"), -1)
+    # Prompt and observation tokens carry log-prob 0, so bounds over every token settle
+    # the common case at SIMD speed; only when they fail are action tokens looked at
+    # alone. A max or min is NaN when any log-prob is, and NaN fails the comparison.
+    logprobs_ok = _bounded(logprobs) or _bounded(logprobs, where=mask)
+    negative_version = versions < 0
+    negative_version &= mask
+    versions_ok = not negative_version.any()
+    train_outside = None
+    if "train_mask" in batch.column_names:
+        train_outside = _flat(rows.column("train_mask"), False) & ~mask
+    if logprobs_ok and versions_ok and (train_outside is None or not train_outside.any()):
         return []
-    row_of_token = good[pc.list_parent_indices(rows.column("action_mask").combine_chunks()).to_numpy()]
-    found: dict[int, list[tuple[str, str]]] = {}
-    for bad_tokens, column, what in failing:
-        if column == "logprobs":
-            nonfinite = np.unique(row_of_token[mask & ~np.isfinite(logprobs)])
-            positive = np.setdiff1d(row_of_token[mask & (logprobs > 1e-6)], nonfinite)
-            located = [(nonfinite, "non-finite log-prob on an action token")]
-            located.append((positive, "positive log-prob on an action token"))
-        else:
-            located = [(np.unique(row_of_token[bad_tokens]), what)]
-        for bad, message in located:
-            for row in bad:
-                found.setdefault(int(row), []).append((column, message))
-    return [(ids[row], column, what) for row in sorted(found) for column, what in found[row]]
+    row_of_token = np.repeat(good, n_tokens[good])
+    located = []
+    if not logprobs_ok:
+        nonfinite = np.unique(row_of_token[mask & ~np.isfinite(logprobs)])
+        positive = np.setdiff1d(row_of_token[mask & (logprobs > 1e-6)], nonfinite)
+        located.append((0, nonfinite, "logprobs", "non-finite log-prob on an action token"))
+        located.append((0, positive, "logprobs", "positive log-prob on an action token"))
+    if not versions_ok:
+        located.append(
+            (
+                1,
+                np.unique(row_of_token[negative_version]),
+                "versions",
+                "negative version on an action token",
+            )
+        )
+    if train_outside is not None:
+        located.append(
+            (2, np.unique(row_of_token[train_outside]), "train_mask", "trains a token outside action_mask")
+        )
+    return [(int(row), check, column, what) for check, bad, column, what in located for row in bad]
 
 
-def _flat(table: pa.Table, column: str, fill: Any) -> np.ndarray:
-    """Values of list column ``column`` of every row, concatenated, nulls as ``fill``."""
-    values = pc.list_flatten(table.column(column).combine_chunks())
+def _bounded(logprobs: np.ndarray, where: np.ndarray | bool = True) -> bool:
+    """Whether every log-prob (where ``where``) is finite and ≤ 0 (1e-6 of slack)."""
+    highest = np.maximum.reduce(logprobs, where=where, initial=-np.inf)
+    lowest = np.minimum.reduce(logprobs, where=where, initial=0)
+    return bool(highest <= 1e-6 and lowest > -np.inf)
+
+
+def _empty_strings(column: pa.Array) -> np.ndarray:
+    """True where a string is null or empty."""
+    lengths = pc.binary_length(column)
+    if lengths.null_count:
+        lengths = pc.fill_null(lengths, 0)
+    return lengths.to_numpy() == 0
+
+
+def _list_lengths(column: pa.Array) -> np.ndarray:
+    """Entries of each list, −1 for a null list."""
+    lengths = pc.list_value_length(column)
+    if lengths.null_count:
+        lengths = pc.fill_null(lengths, -1)
+    return lengths.to_numpy()
+
+
+def _flat(column: pa.ListArray, fill: Any) -> np.ndarray:
+    """Values of every list of ``column``, concatenated, nulls as ``fill`` (no copy when
+    nothing is null and the values are not booleans)."""
+    values = column.flatten()
     if values.null_count:
         values = pc.fill_null(values, fill)
     if pa.types.is_boolean(values.type) and len(values):

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -47,6 +48,7 @@ batch before writing; larger pieces are written as they came, which compresses f
 than one huge batch."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+_NO_VERSION = 2**32
 
 
 @dataclass(frozen=True)
@@ -165,8 +167,7 @@ class ShardWriter:
             worker=self.worker,
             seq=seq,
             num_rows=table.num_rows,
-            num_tokens=int(pc.sum(pc.list_value_length(table.column("tokens"))).as_py() or 0),
-            **_version_range(table),
+            **_token_stats(table),
         )
         self.tables.append("shards", [asdict(info) | {"committed_at": datetime.now(UTC)}])
         return info
@@ -285,13 +286,21 @@ def _read_ipc(store: RunStore, path: str) -> pa.Table:
         return pa.ipc.open_file(source).read_all()
 
 
-def _version_range(table: pa.Table) -> dict[str, int]:
-    versions = pc.list_flatten(table.column("versions"))
-    generated = pc.filter(versions, pc.greater_equal(versions, 0))
-    if len(generated) == 0:
-        return {"min_version": -1, "max_version": -1}
-    bounds = pc.min_max(generated)
-    return {"min_version": bounds["min"].as_py(), "max_version": bounds["max"].as_py()}
+def _token_stats(table: pa.Table) -> dict[str, int]:
+    """``num_tokens`` and the range of versions over generated tokens (−1 when none),
+    worked out chunk by chunk without copying the lists."""
+    num_tokens, lowest, highest = 0, _NO_VERSION, -1
+    for chunk in table.column("versions").chunks:
+        versions = chunk.flatten()
+        versions = pc.fill_null(versions, -1).to_numpy() if versions.null_count else versions.to_numpy()
+        num_tokens += len(versions)
+        if len(versions):
+            # Seen as unsigned, the −1 of non-generated tokens sorts after every version.
+            lowest = min(lowest, int(versions.view(np.uint32).min()))
+            highest = max(highest, int(versions.max()))
+    if highest < 0:
+        return {"num_tokens": num_tokens, "min_version": -1, "max_version": -1}
+    return {"num_tokens": num_tokens, "min_version": lowest, "max_version": highest}
 
 
 def _schema_for(kind: str, schema: pa.Schema | None) -> pa.Schema:
