@@ -25,12 +25,16 @@ def run_rollouts(
     progress_every_s: float = 5.0,
     stop: threading.Event | None = None,
     on_shard: Callable[[ShardInfo], None] | None = None,
+    flush_records: int = 64,
+    flush_seconds: float = 10.0,
 ) -> dict[str, Any]:
     """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``;
     ``on_shard`` is called with each raw shard the worker commits.
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
-    (one env worker per engine replica) on the cluster at ``config.ray_address``."""
+    (one env worker per engine replica) on the cluster at ``config.ray_address``.
+    ``flush_records`` and ``flush_seconds`` bound how much a raw shard holds and how long
+    a finished rollout waits in the buffer before its shard is committed."""
     orchestrator = config.orchestrator
     if config.stop.max_rollouts is not None:
         orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})
@@ -51,6 +55,8 @@ def run_rollouts(
         orchestrator=orchestrator,
         env_configs={name: config.env_config(name) for name in orchestrator.mix},
         seed=config.seed,
+        flush_records=flush_records,
+        flush_seconds=flush_seconds,
         cluster=config.cluster,
         make_env=env_pool.make_env if env_pool is not None else None,
     )
