@@ -42,7 +42,7 @@ import psutil
 from envs.base import Env, EnvConfig, StepResult, Task, user
 from rl.tokenizer import train_tokenizer
 from rollout.engines.base import EngineStats, Generation, SamplingParams
-from rollout.gateway import Gateway, GatewayConfig
+from rollout.gateway import ChatRenderer, Gateway, GatewayConfig
 from rollout.orchestrator import Orchestrator, OrchestratorConfig
 from rollout.router import Router
 from rollout.service import RolloutService, ServiceConfig
@@ -123,7 +123,8 @@ class Latency:
 
 
 class LatencyEnv(Env):
-    """A multi-turn environment that only waits: ``turns`` steps, each a simulated tool call."""
+    """A multi-turn environment that only waits: ``turns_per_episode`` steps, each a simulated
+    tool call, plus a simulated sandbox start (reset) and scoring (evaluate)."""
 
     name = "latency"
     latency: Latency
@@ -220,8 +221,8 @@ async def watch(service: RolloutService, peak: dict[str, float], period_s: float
 
 
 async def run(args: argparse.Namespace, sink, tokenizer) -> dict[str, Any]:
-    stop_ids = Gateway(Router([]), tokenizer).stop_ids
-    engine = ScriptedEngine([*tokenizer.encode("The answer is 42.", add_special_tokens=False), stop_ids[-1]])
+    stop_id = ChatRenderer(tokenizer).stop_ids()[-1]
+    engine = ScriptedEngine([*tokenizer.encode("The answer is 42.", add_special_tokens=False), stop_id])
     gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
     LatencyEnv.latency = Latency(args.median_s, args.sigma, args.straggler_p, args.straggler_s, args.seed)
     LatencyEnv.turns_per_episode = args.turns
@@ -239,8 +240,9 @@ async def run(args: argparse.Namespace, sink, tokenizer) -> dict[str, Any]:
     )
     tasks = {"latency": itertools.cycle(LatencyEnv.tasks("train", args.seed, 1000))}
     finished_at: list[float] = []
-    overheads: list[float] = []
-    """Per finished rollout: active seconds beyond its simulated latency, per action."""
+    overheads: list[
+        float
+    ] = []  # per finished rollout: active seconds beyond its simulated latency, per action
 
     def on_result(result) -> None:
         active = result.timing["init"] + result.timing["run"] + result.timing["eval"]
@@ -268,7 +270,7 @@ async def run(args: argparse.Namespace, sink, tokenizer) -> dict[str, Any]:
     latency = LatencyEnv.latency
     actions = latency.steps
     low, high = len(finished_at) // 4, len(finished_at) * 3 // 4
-    steady = (high - low) / (finished_at[high] - finished_at[low])
+    steady = (high - low) / (finished_at[high] - finished_at[low]) if high > low else float("nan")
     return {
         "concurrent": int(peak["concurrent"]),
         "orchestrator_peak_in_flight": stats.peak_in_flight,
