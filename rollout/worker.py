@@ -94,6 +94,7 @@ class RolloutWorker:
         self.version_loads: list[tuple[int, float]] = []
         self._shards_at_version = 0
         self.orchestrator: Orchestrator | None = None
+        self.service: RolloutService | None = None
 
     def make_env(self, task: Task) -> Env:
         if self._make_env is not None:
@@ -121,7 +122,7 @@ class RolloutWorker:
         self.version = version
         self._shards_at_version = self.writer._seq
         gateway = Gateway(Router(self.engines), tokenizer, self.gateway_config)
-        service = RolloutService(gateway, self.make_env, self.service_config)
+        service = self.service = RolloutService(gateway, self.make_env, self.service_config)
         streams = task_streams(list(self.orchestrator_config.mix), self.env_configs, self.seed)
         self.orchestrator = Orchestrator(
             service,
@@ -186,4 +187,6 @@ class RolloutWorker:
     async def close(self) -> None:
         """Flush what is buffered and stop the engines."""
         await asyncio.to_thread(self.writer.close)
+        if self.service is not None:
+            await self.service.close()
         await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
