@@ -6,6 +6,7 @@ finish in seconds on a loaded CPU, stored under the test's ``tmp_path``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from flows.config import RunConfig, _merge, load_config
 from storage.config import RunStore
 
 REPO = Path(__file__).resolve().parents[2]
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")  # no telemetry calls to the internet
 
 FAST: dict[str, Any] = {
     "model": {"tiny": {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "intermediate_size": 64}},

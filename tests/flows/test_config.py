@@ -81,7 +81,7 @@ def _schema_properties(schema: dict) -> list[tuple[str, str, dict]]:
 
 @pytest.mark.parametrize("entrypoint", ["pipeline", "rollout", "process", "train", "evaluate", "maintain"])
 def test_flow_parameters_render_run_config_with_descriptions(entrypoint):
-    flow = load_flow_from_entrypoint(str(REPO / "flows" / f"{entrypoint}.py") + f":{entrypoint}")
+    flow = load_flow_from_entrypoint(f"flows.{entrypoint}:{entrypoint}", use_placeholder_flow=False)
     schema = parameter_schema(flow).model_dump()
     assert schema["properties"]["config"]["$ref"] == "#/definitions/RunConfig"
     run_config = schema["definitions"]["RunConfig"]["properties"]
@@ -103,7 +103,10 @@ def test_prefect_yaml_deployments_validate_against_their_flows():
     assert flows >= {"train", "pipeline", "evaluate", "maintain", "process"}
     assert len({(d["entrypoint"], d["name"]) for d in deployments}) == len(deployments)
     for deployment in deployments:
-        flow = load_flow_from_entrypoint(str(REPO / deployment["entrypoint"]))
+        # a module path: a file path would put flows/ on sys.path, where flows/rollout.py
+        # shadows the rollout package
+        assert ".py" not in deployment["entrypoint"]
+        flow = load_flow_from_entrypoint(deployment["entrypoint"], use_placeholder_flow=False)
         schema = parameter_schema(flow).model_dump()
         jsonschema.validate(deployment["parameters"], schema)
         RunConfig.model_validate(deployment["parameters"]["config"])

@@ -1,0 +1,238 @@
+"""deployments/prefect.yaml on a real ``prefect server``, executed by a real process worker.
+
+The server, its SQLite database (PREFECT_HOME) and the worker are this test's own
+processes on 127.0.0.1; each runs in its own process group, killed at the end. The test
+registers every deployment with ``prefect deploy --all``, runs ``evaluate/on-demand``
+through the API, and fires the ``process/on-commit`` automation with a shard-commit event;
+then it reads flow-run states, artifacts and events back through the Prefect client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from uuid import uuid4
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import DeploymentUpdate, WorkPoolCreate
+from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+from prefect.deployments import run_deployment
+from prefect.events import Event
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.workers.process import ProcessWorker
+
+from storage.schema import TRAJECTORY_SCHEMA, to_table
+from storage.shards import ShardWriter
+from storage.tables import Tables
+from tasks.common import run_store
+from tasks.weights import build_base_version
+from tests.conftest import free_port
+from tests.flows.conftest import REPO, tiny_config
+from tests.flows.prefect_api import artifacts_of, count, read_events, wait_for_events
+from tests.storage.records import make_record
+
+PREFECT = Path(sys.executable).parent / "prefect"
+RAW_SHARDS = 2
+
+
+def start(args: list[str], env: dict, log: Path, cwd: Path = REPO) -> subprocess.Popen:
+    return subprocess.Popen(
+        args, cwd=cwd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def stop(process: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it if it lingers, and reap the leader."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=20)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)  # children that outlived their leader
+
+
+def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"prefect server exited: {log.read_text()[-3000:]}"
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"prefect server not healthy after {timeout_s} s: {log.read_text()[-3000:]}")
+
+
+def write_raw_shards(config) -> list[str]:
+    """Raw shards of valid trajectories with token ids inside the tiny vocabulary."""
+    writer = ShardWriter(run_store(config), "worker-0")
+    ids = []
+    for seq in range(RAW_SHARDS):
+        records = [make_record(seq * 4 + i, prefix="deploy-") for i in range(4)]
+        for record in records:
+            record["tokens"] = [t % config.model.tiny.vocab_size for t in record["tokens"]]
+            record["task"] = "arith"
+        ids.append(writer.commit(to_table(records, TRAJECTORY_SCHEMA), seq).shard_id)
+    return ids
+
+
+@pytest.mark.slow
+def test_deployments_run_on_a_real_server_and_worker(tmp_path):
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_API_URL=api_url,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        PREFECT_CLI_PROMPT="false",
+        OMP_NUM_THREADS="1",
+    )
+    config = tiny_config(tmp_path / "runs", "demo", warm_start={"enabled": False}, eval={"tasks_per_env": 3})
+    build_base_version(config)
+    raw_shards = write_raw_shards(config)
+    processes: list[subprocess.Popen] = []
+    try:
+        server = start(
+            [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env,
+            tmp_path / "server.log",
+        )
+        processes.append(server)
+        wait_healthy(api_url, server, tmp_path / "server.log")
+        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+            for pool in ("cpu", "gpu"):
+                client.create_work_pool(
+                    WorkPoolCreate(
+                        name=pool,
+                        type="process",
+                        base_job_template=ProcessWorker.get_default_base_job_template(),
+                    )
+                )
+            deploy = subprocess.run(
+                [
+                    str(PREFECT),
+                    "--no-prompt",
+                    "deploy",
+                    "--all",
+                    "--prefect-file",
+                    "deployments/prefect.yaml",
+                ],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+            deployments = {
+                f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()
+            }
+            assert set(deployments) == {
+                "train/nightly",
+                "pipeline/on-demand",
+                "evaluate/on-demand",
+                "maintain/on-demand",
+                "process/on-commit",
+                "rollout/gpu-worker",
+            }
+            nightly = deployments["train/nightly"]
+            (schedule,) = nightly.schedules
+            assert (schedule.schedule.cron, schedule.schedule.timezone) == ("0 2 * * *", "Europe/Lisbon")
+            assert nightly.work_pool_name == "gpu" and nightly.parameters["drain"] is True
+            assert nightly.job_variables["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+            schema = client.read_deployment(nightly.id).parameter_openapi_schema
+            assert "definitions" in schema, str(schema)[:3000]
+            assert schema["definitions"]["RunConfig"]["properties"]["sao"]["description"]
+
+            # the trigger's automation runs the process deployment for this test's run
+            process_deployment = deployments["process/on-commit"]
+            client.update_deployment(
+                process_deployment.id,
+                DeploymentUpdate(parameters={"config": config.model_dump(mode="json"), "continuous": False}),
+            )
+            worker = start(
+                [str(PREFECT), "worker", "start", "--pool", "cpu", "--type", "process"],
+                env,
+                tmp_path / "worker.log",
+                cwd=tmp_path,
+            )
+            processes.append(worker)
+
+            evaluation = run_deployment(
+                "evaluate/on-demand", parameters={"config": config.model_dump(mode="json")}, timeout=0
+            )
+            commit = Event(
+                event="treadle.shard.committed",
+                resource={"prefect.resource.id": "treadle.run.demo", "treadle.run_id": "demo"},
+                payload={"shard_id": raw_shards[-1]},
+                id=uuid4(),
+            )
+            client.request("POST", "/events", json=[commit.model_dump(mode="json")])
+
+            evaluation = wait_final(client, evaluation.id, tmp_path)
+            assert evaluation.state.is_completed(), evaluation.state.message
+            triggered = wait_for_flow_run(client, process_deployment.id, tmp_path)
+            assert triggered.state.is_completed(), triggered.state.message
+
+            (table,) = [a for a in artifacts_of([evaluation.id]) if a.type == "table"]
+            assert '"version": 0' in table.data and '"env": "guess"' in table.data
+            events = wait_for_events(
+                "treadle.run.demo", lambda events: count(events, "treadle.shard.processed") >= RAW_SHARDS
+            )
+            assert sorted(e.payload["raw_shard"] for e in events if e.event == "treadle.shard.processed") == (
+                raw_shards
+            )
+            lifecycle = wait_for_events(
+                f"prefect.flow-run.{evaluation.id}",
+                lambda events: count(events, "prefect.flow-run.Completed") == 1,
+                prefix="prefect.flow-run.",
+            )
+            assert count(lifecycle, "prefect.flow-run.Running") == 1
+            assert not read_events(f"prefect.flow-run.{evaluation.id}", "prefect.flow-run.Failed")
+    finally:
+        for process in reversed(processes):
+            stop(process)
+    trajectories = Tables(run_store(config)).read("trajectories")
+    assert trajectories.num_rows == 4 * RAW_SHARDS
+    evals = Tables(run_store(config)).read("evals").to_pylist()
+    assert sorted((r["version"], r["env"], r["count"]) for r in evals) == [(0, "arith", 3), (0, "guess", 3)]
+
+
+def wait_final(client, flow_run_id, tmp_path: Path, timeout_s: float = 300):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        flow_run = client.read_flow_run(flow_run_id)
+        if flow_run.state is not None and flow_run.state.is_final():
+            return flow_run
+        assert time.monotonic() < deadline, (
+            f"flow run {flow_run_id} still {flow_run.state}: {(tmp_path / 'worker.log').read_text()[-3000:]}"
+        )
+        time.sleep(1)
+
+
+def wait_for_flow_run(client, deployment_id, tmp_path: Path, timeout_s: float = 300):
+    """The first flow run of ``deployment_id`` once it is final (an automation creates it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+        )
+        if runs:
+            return wait_final(client, runs[0].id, tmp_path, max(deadline - time.monotonic(), 1))
+        assert time.monotonic() < deadline, (
+            f"no run of the triggered deployment: {(tmp_path / 'server.log').read_text()[-3000:]}"
+        )
+        time.sleep(1)
