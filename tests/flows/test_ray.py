@@ -191,3 +191,35 @@ def test_run_rollouts_on_ray_writes_shards(run, tmp_path):
     assert {row["engine"] for row in rows} <= {"ray-torch-0", "ray-torch-1"}
     assert all(row["status"] in ("ok", "truncated") for row in rows)
     assert all(v == 0 for row in rows for v, m in zip(row["versions"], row["action_mask"], strict=True) if m)
+
+
+@pytest.mark.slow
+def test_pipeline_flow_runs_its_tasks_on_ray(tmp_path, prefect_api):
+    """The three long-running tasks run as Ray tasks and return their counters.
+
+    How many rollouts fit before the deadline depends on how fast Ray starts its workers,
+    so only what holds for any count is asserted (rollouts themselves are checked above)."""
+    from flows.pipeline import pipeline
+    from tests.flows.conftest import tiny_config
+
+    config = tiny_config(
+        tmp_path / "runs",
+        "ray-pipeline",
+        cluster="ray",
+        warm_start={"enabled": False},
+        eval={"tasks_per_env": 2},
+        stop={"max_seconds": 10},
+    )
+    state = pipeline(config, return_state=True)
+    result = state.result()
+
+    assert state.is_completed()
+    assert result["processed"].get("trajectories_in", 0) == result["rollouts"]["written"]
+    assert result["trained"]["stop_reason"] == "max_seconds"
+    store = RunStore(config.storage, config.run_id)
+    engines = {
+        row["engine"]
+        for shard in ShardReader(store).poll()[0]
+        for row in ShardReader(store).read(shard).to_pylist()
+    }
+    assert engines <= {"ray-torch-0"}
