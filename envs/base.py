@@ -5,14 +5,22 @@ which returns the first chat messages), RUN (``step`` with each action of the mo
 returns the observation messages, reward, done and partial progress), and EVAL (``evaluate``,
 the final score). Blocking work (sandboxes) runs in threads via ``asyncio.to_thread``.
 Failures of the sandbox are raised as :class:`envs.sandbox.SandboxError` (status ``env_error``).
+
+An environment also declares what each action needs from the machine (``action_request``,
+``eval_request``: a :class:`ResourceRequest`, or ``None`` for pure-Python work), so that the
+rollout service can grant those resources per action (``rollout.scheduler``) and pin the
+sandbox's persistent process (``resource_pid``) to the granted cores while the action runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
+import os
 import random
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -45,6 +53,86 @@ class StepResult:
     done: bool
     progress: float
     info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResourceRequest:
+    """What one action needs from the machine (ARL-Tangram's resource vector).
+
+    ``demand`` holds the fixed amount of each resource (``{"mem_gb": 2, "gpu": 1}``). An
+    elastic action names one resource in ``elastic`` and gets between ``min_units`` and
+    ``max_units`` of it; ``efficiency[m - 1]`` is ``E(m)`` in ``T(m) = T_1 / (E(m) * m)``
+    (empty means perfect scaling). ``duration`` is the estimated single-unit time ``T_1`` in
+    seconds (``None``: the scheduler's running estimate for ``kind``). ``trajectory_id`` is
+    filled in by the rollout service.
+    """
+
+    demand: Mapping[str, float] = field(default_factory=dict)
+    elastic: str | None = None
+    min_units: int = 1
+    max_units: int = 1
+    duration: float | None = None
+    efficiency: tuple[float, ...] = ()
+    kind: str = "tool"
+    trajectory_id: str = ""
+
+    def __post_init__(self):
+        for name, amount in self.demand.items():
+            if amount < 0:
+                raise ValueError(f"ResourceRequest.demand[{name!r}] must be >= 0, got {amount}")
+        if self.elastic is not None:
+            if self.elastic in self.demand:
+                raise ValueError(
+                    f"ResourceRequest: elastic resource {self.elastic!r} must not also be in demand"
+                )
+            if not 1 <= self.min_units <= self.max_units:
+                raise ValueError(
+                    f"ResourceRequest needs 1 <= min_units <= max_units, got {self.min_units}, {self.max_units}"
+                )
+            if self.efficiency and len(self.efficiency) < self.max_units:
+                raise ValueError(
+                    f"ResourceRequest.efficiency has {len(self.efficiency)} entries, needs max_units={self.max_units}"
+                )
+            if any(not 0 < e <= 1 for e in self.efficiency):
+                raise ValueError(
+                    f"ResourceRequest.efficiency values must be in (0, 1], got {self.efficiency}"
+                )
+        if self.duration is not None and self.duration < 0:
+            raise ValueError(f"ResourceRequest.duration must be >= 0, got {self.duration}")
+
+    def duration_on(self, units: int, t1: float | None = None) -> float:
+        """``T(m) = T_1 / (E(m) * m)``; a non-elastic action always takes ``T_1``."""
+        t1 = self.duration if t1 is None else t1
+        if t1 is None:
+            raise ValueError("ResourceRequest.duration_on needs a duration (T_1)")
+        if self.elastic is None:
+            return t1
+        efficiency = self.efficiency[units - 1] if self.efficiency else 1.0
+        return t1 / (efficiency * units)
+
+
+def amdahl_efficiency(serial_fraction: float, max_units: int) -> tuple[float, ...]:
+    """``E(m)`` for Amdahl's law: ``T(m) = T_1 * (s + (1 - s) / m)``, for ``m = 1..max_units``."""
+    if not 0 <= serial_fraction < 1:
+        raise ValueError(f"serial_fraction must be in [0, 1), got {serial_fraction}")
+    return tuple(1.0 / (m * (serial_fraction + (1 - serial_fraction) / m)) for m in range(1, max_units + 1))
+
+
+@contextlib.contextmanager
+def started_on(cores: frozenset[int] | None) -> Iterator[None]:
+    """Processes this thread starts inside the block run on ``cores`` (they inherit the thread's affinity).
+
+    Use it around a blocking ``subprocess`` start in a worker thread; ``None`` changes nothing.
+    """
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class EnvConfig(BaseModel):
@@ -81,6 +169,8 @@ class Env(ABC):
         self.task: Task | None = None
         self.turns = 0
         self.sandbox: Sandbox | None = None
+        # cores granted to the action now running, set by the rollout service (None: no grant)
+        self.cores: frozenset[int] | None = None
 
     @classmethod
     @abstractmethod
@@ -103,6 +193,18 @@ class Env(ABC):
     @abstractmethod
     async def evaluate(self) -> float:
         """Final score of the episode (EVAL stage)."""
+
+    def action_request(self, action: str) -> ResourceRequest | None:
+        """What ``step(action)`` needs from the machine; ``None``: nothing worth scheduling (pure Python)."""
+        return None
+
+    def eval_request(self) -> ResourceRequest | None:
+        """What ``evaluate()`` needs from the machine; ``None``: nothing worth scheduling."""
+        return None
+
+    def resource_pid(self) -> int | None:
+        """The sandbox's persistent process (shell, interpreter) to pin to an action's cores, if any."""
+        return None
 
     async def close(self) -> None:
         """Kill the env's sandbox and everything in it, if it has one; safe to call twice."""

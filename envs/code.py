@@ -1,7 +1,9 @@
 """``code``: write a function; hidden unit tests run in the sandbox at EVAL.
 
 User ``write f(x) = x*3+1``; the action is Python source defining ``f``. The reward is the
-fraction of hidden tests passed, measured by a fresh interpreter in the sandbox.
+fraction of hidden tests passed, measured by a fresh interpreter in the sandbox. The test run
+is elastic: it splits the tests over one forked worker per core it was started on, and asks
+the scheduler for 1..``test_cores`` cores.
 """
 
 from __future__ import annotations
@@ -14,28 +16,60 @@ import secrets
 
 from pydantic import Field
 
-from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, sample_unique, user
+from envs.base import (
+    Env,
+    EnvConfig,
+    ResourceRequest,
+    Split,
+    StepResult,
+    Task,
+    amdahl_efficiency,
+    in_eval_split,
+    sample_unique,
+    started_on,
+    user,
+)
 from envs.sandbox import python_in_sandbox
 
 TEMPLATES = ("x*{a}+{b}", "(x+{a})*{b}", "x%{a}+{b}", "max(x,{a})-{b}", "x*x-{a}", "abs(x-{a})+{b}")
 
 TESTER = r"""
-import json, sys
+import json, os, sys
 request = json.loads(sys.stdin.readline())
 marker, tests = request["marker"], request["tests"]
-passed = 0
 namespace = {}
 try:
     exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
     f = namespace["f"]
 except BaseException:
     f = None
-if f is not None:
-    for x, want in tests:
+
+def count(chunk):
+    passed = 0
+    for x, want in chunk:
         try:
             passed += f(x) == want
         except BaseException:
             pass
+    return passed
+
+passed = 0
+workers = min(len(os.sched_getaffinity(0)), len(tests))
+if f is not None and workers > 1:
+    pipes = []
+    for i in range(workers):
+        read, write = os.pipe()
+        if os.fork() == 0:
+            os.close(read)
+            os.write(write, str(count(tests[i::workers])).encode())
+            os._exit(0)
+        os.close(write)
+        pipes.append(read)
+    for read in pipes:
+        passed += int(os.read(read, 32) or b"0")
+        os.wait()
+elif f is not None:
+    passed = count(tests)
 print(marker, passed, flush=True)
 """
 
@@ -46,6 +80,10 @@ class CodeConfig(EnvConfig):
     max_turns: int = Field(1, ge=1, le=1, description="Single turn: the action is the solution.")
     num_tests: int = Field(5, ge=1, le=100, description="Hidden tests per task.")
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of functions held out for eval.")
+    test_cores: int = Field(4, ge=1, description="Most cores the test run asks for (one forked worker each).")
+    test_serial_fraction: float = Field(
+        0.3, ge=0, lt=1, description="Amdahl serial fraction of the test run, declared to the scheduler."
+    )
 
 
 class CodeEnv(Env):
@@ -89,6 +127,16 @@ class CodeEnv(Env):
         self.solution = action
         return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
 
+    def eval_request(self) -> ResourceRequest | None:
+        """The test run: elastic on 1..``test_cores`` cores, Amdahl scaling."""
+        cores = self.config.test_cores
+        return ResourceRequest(
+            elastic="cpu",
+            max_units=cores,
+            efficiency=amdahl_efficiency(self.config.test_serial_fraction, cores),
+            kind="code.test",
+        )
+
     async def evaluate(self) -> float:
         task = self._require_task()
         if self.solution is None or self.sandbox is None:
@@ -103,7 +151,8 @@ class CodeEnv(Env):
         marker = secrets.token_hex(8)
         request = json.dumps({"marker": marker, "tests": task.data["tests"]}).encode() + b"\n"
         python = python_in_sandbox(sandbox.config)
-        result = sandbox.run([python, "-I", "-c", TESTER], stdin=request)
+        with started_on(self.cores):
+            result = sandbox.run([python, "-I", "-c", TESTER], stdin=request)
         for line in reversed(result.output.splitlines()):
             if line.startswith(marker + " "):
                 return int(line.split()[1]) / len(task.data["tests"])

@@ -11,7 +11,17 @@ import random
 
 from pydantic import Field
 
-from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, sample_unique, user
+from envs.base import (
+    Env,
+    EnvConfig,
+    ResourceRequest,
+    Split,
+    StepResult,
+    Task,
+    in_eval_split,
+    sample_unique,
+    user,
+)
 from envs.pyrepl import PythonRepl
 
 
@@ -59,6 +69,16 @@ class PyToolEnv(Env):
         self.answer: str | None = None
         self.seen_answer = False
         return user(task.prompt)
+
+    def action_request(self, action: str) -> ResourceRequest | None:
+        """A ``run:`` executes in the interpreter on one core; an answer needs nothing."""
+        if action.strip().startswith("run:"):
+            return ResourceRequest(demand={"cpu": 1}, kind="pytool.run")
+        return None
+
+    def resource_pid(self) -> int | None:
+        repl = getattr(self, "repl", None)
+        return repl.proc.pid if repl is not None and repl.alive else None
 
     async def step(self, action: str) -> StepResult:
         task = self._require_task()

@@ -14,7 +14,17 @@ import random
 
 from pydantic import Field
 
-from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, sample_unique, user
+from envs.base import (
+    Env,
+    EnvConfig,
+    ResourceRequest,
+    Split,
+    StepResult,
+    Task,
+    in_eval_split,
+    sample_unique,
+    user,
+)
 from envs.shell import Shell
 
 WORDS = ("red", "sun", "cat", "map", "owl", "fig", "ice", "jam", "kit", "log", "net", "oak", "pen", "rug")
@@ -103,6 +113,17 @@ class ShellEnv(Env):
         self.shell = await asyncio.to_thread(Shell, sandbox)
         self.answer: str | None = None
         return user(task.prompt)
+
+    def action_request(self, action: str) -> ResourceRequest | None:
+        """A command runs in the shell on one core; an answer or ``done`` needs nothing."""
+        text = action.strip()
+        if text.startswith("answer:") or text == "done":
+            return None
+        return ResourceRequest(demand={"cpu": 1}, kind="shell.command")
+
+    def resource_pid(self) -> int | None:
+        shell = getattr(self, "shell", None)
+        return shell.proc.pid if shell is not None and shell.alive else None
 
     async def step(self, action: str) -> StepResult:
         self._require_task()

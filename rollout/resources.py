@@ -2,7 +2,7 @@
 
 ``CpuManager`` allocates on execution: a sandbox process keeps its memory between actions
 but runs on granted cores only while an action runs (``sched_setaffinity`` of every thread
-of the process, or a cgroup-v2 cpuset where one is writable), then is parked back on a small
+of the process and its descendants, or a cgroup-v2 cpuset where one is writable), then is parked back on a small
 parking set and the cores return to the pool.
 
 ``ServiceManager`` evicts on execution: reward-model services stay parked in CPU memory as
@@ -32,11 +32,24 @@ def _cgroup_v2_cpuset_writable(root: Path = _CGROUP_ROOT) -> bool:
         return False
 
 
-def _threads(pid: int) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
-    except FileNotFoundError:
-        return [pid]
+def _tree_threads(pid: int) -> list[int]:
+    """Thread ids of process ``pid`` and of all its descendants (a sandbox wraps its shell in bwrap)."""
+    tids: list[int] = []
+    todo = [pid]
+    while todo:
+        proc = todo.pop()
+        try:
+            threads = os.listdir(f"/proc/{proc}/task")
+        except FileNotFoundError:
+            continue
+        for tid in threads:
+            tids.append(int(tid))
+            try:
+                with open(f"/proc/{proc}/task/{tid}/children") as handle:
+                    todo.extend(int(child) for child in handle.read().split())
+            except FileNotFoundError:
+                continue
+    return tids
 
 
 class CpuManager:
@@ -95,7 +108,10 @@ class CpuManager:
         self._free |= cores
 
     def bind(self, pid: int, cores: Iterable[int]) -> None:
-        """Run process ``pid`` (all its threads) on ``cores`` only."""
+        """Run process ``pid``, all its threads and descendants, on ``cores`` only.
+
+        What it forks later inherits the cores. A thread that exits meanwhile is skipped.
+        """
         cores = frozenset(cores)
         if self.backend == "cgroup":
             group = _CGROUP_ROOT / f"treadle-{pid}"
@@ -103,7 +119,7 @@ class CpuManager:
             (group / "cpuset.cpus").write_text(",".join(map(str, sorted(cores))))
             (group / "cgroup.procs").write_text(str(pid))
             return
-        for tid in _threads(pid):
+        for tid in _tree_threads(pid):
             try:
                 os.sched_setaffinity(tid, cores)
             except ProcessLookupError:

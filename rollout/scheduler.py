@@ -12,6 +12,9 @@ elastic resources where they shorten durations most, then greedily evicts the la
 candidate while that lowers the total action completion time (queueing + execution),
 estimating the rest of the queue with a completion-time heap.
 
+``ResourceRequest`` and ``amdahl_efficiency`` live in ``envs.base`` (environments declare
+their actions' requests without importing rollout) and are re-exported here.
+
 ``ActionPolicy`` (ours) and ``StaticPolicy`` (per-trajectory reservation, the baseline)
 are clock-free state machines used both by the asyncio fronts ``ActionScheduler`` /
 ``StaticReservation`` and by the discrete-event cluster in ``rollout.simcluster``.
@@ -30,72 +33,26 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from typing import TYPE_CHECKING, Protocol
 
+from envs.base import ResourceRequest, amdahl_efficiency
+
 if TYPE_CHECKING:
     from rollout.resources import CpuManager
 
 _EPS = 1e-9
 
-
-@dataclass(frozen=True)
-class ResourceRequest:
-    """What one action needs.
-
-    ``demand`` holds the fixed amount of each resource (``{"mem_gb": 2, "gpu": 1}``). An
-    elastic action names one resource in ``elastic`` and gets between ``min_units`` and
-    ``max_units`` of it; ``efficiency[m - 1]`` is ``E(m)`` (empty means perfect scaling).
-    ``duration`` is the estimated single-unit time ``T_1`` in seconds (``None``: the
-    scheduler's running estimate for ``kind``).
-    """
-
-    demand: Mapping[str, float] = field(default_factory=dict)
-    elastic: str | None = None
-    min_units: int = 1
-    max_units: int = 1
-    duration: float | None = None
-    efficiency: tuple[float, ...] = ()
-    kind: str = "tool"
-    trajectory_id: str = ""
-
-    def __post_init__(self):
-        for name, amount in self.demand.items():
-            if amount < 0:
-                raise ValueError(f"ResourceRequest.demand[{name!r}] must be >= 0, got {amount}")
-        if self.elastic is not None:
-            if self.elastic in self.demand:
-                raise ValueError(
-                    f"ResourceRequest: elastic resource {self.elastic!r} must not also be in demand"
-                )
-            if not 1 <= self.min_units <= self.max_units:
-                raise ValueError(
-                    f"ResourceRequest needs 1 <= min_units <= max_units, got {self.min_units}, {self.max_units}"
-                )
-            if self.efficiency and len(self.efficiency) < self.max_units:
-                raise ValueError(
-                    f"ResourceRequest.efficiency has {len(self.efficiency)} entries, needs max_units={self.max_units}"
-                )
-            if any(not 0 < e <= 1 for e in self.efficiency):
-                raise ValueError(
-                    f"ResourceRequest.efficiency values must be in (0, 1], got {self.efficiency}"
-                )
-        if self.duration is not None and self.duration < 0:
-            raise ValueError(f"ResourceRequest.duration must be >= 0, got {self.duration}")
-
-    def duration_on(self, units: int, t1: float | None = None) -> float:
-        """``T(m) = T_1 / (E(m) * m)``; a non-elastic action always takes ``T_1``."""
-        t1 = self.duration if t1 is None else t1
-        if t1 is None:
-            raise ValueError("ResourceRequest.duration_on needs a duration (T_1)")
-        if self.elastic is None:
-            return t1
-        efficiency = self.efficiency[units - 1] if self.efficiency else 1.0
-        return t1 / (efficiency * units)
-
-
-def amdahl_efficiency(serial_fraction: float, max_units: int) -> tuple[float, ...]:
-    """``E(m)`` for Amdahl's law: ``T(m) = T_1 * (s + (1 - s) / m)``, for ``m = 1..max_units``."""
-    if not 0 <= serial_fraction < 1:
-        raise ValueError(f"serial_fraction must be in [0, 1), got {serial_fraction}")
-    return tuple(1.0 / (m * (serial_fraction + (1 - serial_fraction) / m)) for m in range(1, max_units + 1))
+__all__ = [
+    "ActionPolicy",
+    "ActionScheduler",
+    "Grant",
+    "Pending",
+    "Policy",
+    "ResourceRequest",
+    "Running",
+    "StaticPolicy",
+    "StaticReservation",
+    "amdahl_efficiency",
+    "decide",
+]
 
 
 @dataclass

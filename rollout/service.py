@@ -11,7 +11,11 @@
 - EVAL scores the episode.
 
 Each stage has its own concurrency limit, so a slow test suite in EVAL never blocks
-agents in RUN. Time spent waiting for a stage's slot is queue time: it is reported in
+agents in RUN. Inside the stages, every tool call and test run the environment declares
+(``Env.action_request`` / ``Env.eval_request``) is granted its resources per action by
+the scheduler chosen in ``ServiceConfig.scheduler`` (``rollout.scheduler``: ``action`` for
+ARL-Tangram's per-action scheduler, ``static`` for the per-trajectory reservation baseline),
+with the sandbox's persistent process pinned to the granted cores while the action runs. Time spent waiting for a stage's slot is queue time: it is reported in
 the timing breakdown and does not count toward the rollout's timeout.
 
 Failures are classified into the canonical ``status``: an engine that died or a sandbox
@@ -24,26 +28,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
+import functools
 import logging
+import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs.agent import GatewaySession
-from envs.base import Env, Task
+from envs.base import Env, ResourceRequest, Task
 from envs.sandbox import SandboxError
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
 from rollout.gateway import Gateway, Session
 from rollout.gateway_http import GatewayServer
+from rollout.resources import CpuManager
+from rollout.scheduler import ActionScheduler, StaticReservation
 
 log = logging.getLogger(__name__)
 
 STAGES = ("init", "run", "eval")
+
+T = TypeVar("T")
 
 
 class ServiceConfig(BaseModel):
@@ -61,6 +72,23 @@ class ServiceConfig(BaseModel):
     max_new_tokens: int = Field(32, ge=1, description="Token budget of one action.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    scheduler: Literal["action", "static", "none"] = Field(
+        "action",
+        description="Resources for tool calls and test runs: 'action' grants them per action "
+        "(ARL-Tangram), 'static' reserves scheduler_static_cores per rollout for its whole life "
+        "(the baseline), 'none' runs every action at once.",
+    )
+    scheduler_cores: int | None = Field(
+        None, ge=1, description="CPU cores the scheduler hands out; default: the cores this process may use."
+    )
+    scheduler_static_cores: int = Field(
+        1, ge=1, description="Cores a rollout reserves for its whole life in 'static' mode."
+    )
+    scheduler_pin: bool = Field(
+        True,
+        description="Pin the sandbox's processes to the cores granted to each action (CPU affinity); "
+        "needs scheduler_cores <= the cores this process may use.",
+    )
 
 
 @dataclass
@@ -111,6 +139,7 @@ class _Clock:
     def __init__(self, budget: float):
         self.budget = budget
         self.timing = {"init": 0.0, "run": 0.0, "eval": 0.0, "queue": 0.0}
+        self.resource_wait = 0.0
 
     def remaining(self) -> float:
         return self.budget - (self.timing["init"] + self.timing["run"] + self.timing["eval"])
@@ -118,6 +147,37 @@ class _Clock:
 
 class RolloutTimeout(Exception):
     """The rollout used up its active-time budget."""
+
+
+def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:
+    """What the env declares an action needs; an env proxy running elsewhere (a Ray actor) declares nothing."""
+    declare = getattr(env, method, None)
+    return declare(*args) if declare is not None else None
+
+
+def make_scheduler(config: ServiceConfig) -> ActionScheduler | StaticReservation | None:
+    """The per-action resource scheduler ``config`` asks for (``None`` for ``scheduler='none'``)."""
+    if config.scheduler == "none":
+        return None
+    usable = sorted(os.sched_getaffinity(0))
+    cores = config.scheduler_cores or len(usable)
+    cpu = None
+    if config.scheduler_pin:
+        if cores > len(usable):
+            raise ValueError(
+                f"ServiceConfig.scheduler_cores={cores} but this process may use only {len(usable)} "
+                "cores; lower it or set scheduler_pin=false"
+            )
+        cpu = CpuManager(usable[:cores], backend="affinity")
+    capacity = {"cpu": cores}
+    if config.scheduler == "static":
+        if config.scheduler_static_cores > cores:
+            raise ValueError(
+                f"ServiceConfig.scheduler_static_cores={config.scheduler_static_cores} exceeds "
+                f"the {cores} scheduler cores"
+            )
+        return StaticReservation(capacity, {"cpu": config.scheduler_static_cores}, cpu=cpu)
+    return ActionScheduler(capacity, cpu=cpu)
 
 
 class RolloutService:
@@ -145,6 +205,7 @@ class RolloutService:
         self.finished: Counter[str] = Counter()
         self._gateway_server: GatewayServer | None = None
         self._gateway_server_lock = asyncio.Lock()
+        self.scheduler = make_scheduler(self.config)
 
     async def process(self, request: RolloutRequest) -> RolloutResult:
         """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled."""
@@ -208,7 +269,10 @@ class RolloutService:
             except TimeoutError as exc:
                 raise RolloutTimeout(f"{name} ran past the rollout's {clock.budget:.0f} s budget") from exc
         finally:
-            clock.timing[name] += time.perf_counter() - started
+            # waiting for an action's resources is queue time, not stage time
+            waited, clock.resource_wait = clock.resource_wait, 0.0
+            clock.timing[name] += time.perf_counter() - started - waited
+            clock.timing["queue"] += waited
             self._active[name] -= 1
             self._slots[name].release()
 
@@ -237,9 +301,13 @@ class RolloutService:
                 session.add_messages(first)
             stage = "run"
             run = self._drive if drives_itself else self._run
-            await self._stage("run", clock, lambda: run(env, session, request, state))
+            await self._stage("run", clock, lambda: run(env, session, request, state, clock))
             stage = "eval"
-            state["reward"] = await self._stage("eval", clock, env.evaluate)
+            state["reward"] = await self._stage(
+                "eval",
+                clock,
+                lambda: self._act(_declared(env, "eval_request"), env, request, clock, env.evaluate),
+            )
             if not state["done"] or session.turns and session.turns[-1].truncated:
                 status = "truncated"
         except RolloutTimeout as exc:
@@ -252,12 +320,12 @@ class RolloutService:
         except InvalidRequest as exc:
             status, error = "truncated", f"context limit: {exc}"
         except asyncio.CancelledError:
-            await self._cleanup(env, session)
+            await self._cleanup(env, session, request)
             raise
         except Exception as exc:  # an environment's own bug must not take the worker down
             status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
             log.warning("rollout %s of %s/%s: %s", request.rollout_id, task.env, task.id, error)
-        await self._cleanup(env, session)
+        await self._cleanup(env, session, request)
         reward = state["reward"] if status in ("ok", "truncated") else None
         if status == "truncated" and reward is None:
             reward = 0.0
@@ -273,7 +341,9 @@ class RolloutService:
             error=error,
         )
 
-    async def _run(self, env: Env, session: Session, request: RolloutRequest, state: dict) -> None:
+    async def _run(
+        self, env: Env, session: Session, request: RolloutRequest, state: dict, clock: _Clock
+    ) -> None:
         seed = request.seed
         for turn in range(self.config.max_turns):
             params = SamplingParams(
@@ -283,21 +353,52 @@ class RolloutService:
                 stop_ids=self.gateway.stop_ids,
                 seed=None if seed is None else seed + turn,
             )
-            action = await session.generate(params)
-            result = await env.step(action.text)
+            action = (await session.generate(params)).text
+            result = await self._act(
+                _declared(env, "action_request", action),
+                env,
+                request,
+                clock,
+                functools.partial(env.step, action),
+            )
             state["progress"] = result.progress
             if result.done:
                 state["done"] = True
                 return
             session.add_messages(result.observation)
 
-    async def _drive(self, env: Env, session: Session, request: RolloutRequest, state: dict) -> None:
+    async def _drive(
+        self, env: Env, session: Session, request: RolloutRequest, state: dict, clock: _Clock
+    ) -> None:
         """RUN for a self-driving env: its program sends every model call through ``session``."""
         result = await env.run()
         state["progress"] = result.progress
         state["done"] = result.done
 
-    async def _cleanup(self, env: Env | None, session: Session) -> None:
+    async def _act(
+        self,
+        needs: ResourceRequest | None,
+        env: Env,
+        request: RolloutRequest,
+        clock: _Clock,
+        call: Callable[[], Awaitable[T]],
+    ) -> T:
+        """Run one env action inside a grant of what it declared (unscheduled when it needs nothing)."""
+        if needs is None or self.scheduler is None:
+            return await call()
+        needs = dataclasses.replace(needs, trajectory_id=request.rollout_id)
+        asked = time.perf_counter()
+        async with self.scheduler.run(needs, pid=env.resource_pid()) as grant:
+            clock.resource_wait += time.perf_counter() - asked
+            env.cores = grant.cores or None
+            try:
+                return await call()
+            finally:
+                env.cores = None
+
+    async def _cleanup(self, env: Env | None, session: Session, request: RolloutRequest) -> None:
+        if self.scheduler is not None:
+            self.scheduler.end_trajectory(request.rollout_id)
         if env is not None:
             try:
                 await env.close()

@@ -1,0 +1,196 @@
+"""The rollout service under the resource scheduler: sandbox processes really run on the
+cores granted to each action, cores return to the pool after, static mode holds a
+reservation for the whole rollout."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import torch
+
+from envs import registry
+from envs.code import CodeEnv
+from envs.pytool import PyToolEnv
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.torch_engine import TorchEngine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.router import Router
+from rollout.scheduler import ResourceRequest
+from rollout.service import RolloutRequest, RolloutService, ServiceConfig, make_scheduler
+
+pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
+)
+SHOW_CORES = "run: import os; print(sorted(os.sched_getaffinity(0)))"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny_model(TINY)
+
+
+class ScriptedPyTool(PyToolEnv):
+    """``pytool`` that plays a fixed script whatever the model says, and records what it saw."""
+
+    script = (SHOW_CORES, "answer: 0")
+
+    def __init__(self, service: RolloutService, **kwargs):
+        super().__init__(**kwargs)
+        self.service = service
+        self.seen: list[str] = []
+        self.free_between_actions = None
+        self.parked = None
+
+    def action_request(self, action):
+        return super().action_request(self.script[self.turns])
+
+    async def step(self, action):
+        result = await super().step(self.script[self.turns])
+        self.seen += [m["content"] for m in result.observation]
+        return result
+
+    async def evaluate(self):
+        policy = self.service.scheduler.policy
+        self.free_between_actions = dict(policy.free) if isinstance(policy.free, dict) else list(policy.free)
+        cpu = self.service.scheduler.cpu
+        self.parked = {frozenset(os.sched_getaffinity(tid)) for tid in _tree(self.resource_pid())}
+        assert cpu is not None
+        return await super().evaluate()
+
+
+def _tree(pid: int) -> list[int]:
+    pids, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        pids.append(p)
+        for tid in os.listdir(f"/proc/{p}/task"):
+            with open(f"/proc/{p}/task/{tid}/children") as handle:
+                todo += [int(c) for c in handle.read().split()]
+    return pids
+
+
+def _service(tiny, config: ServiceConfig, make_env) -> tuple[RolloutService, TorchEngine]:
+    model, tokenizer = tiny
+    engine = TorchEngine(model, tokenizer)
+    gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+    return RolloutService(gateway, make_env, config), engine
+
+
+def _run(tiny, config: ServiceConfig, env_cls, task_env: str, hold_one_core: bool):
+    """One rollout; with ``hold_one_core`` another action holds the lowest core meanwhile."""
+    envs = []
+
+    def make_env(task):
+        env = env_cls(service)
+        envs.append(env)
+        return env
+
+    service, engine = _service(tiny, config, make_env)
+    task = registry.task_set(task_env, "train", seed=0, n=1)[0]
+
+    async def body():
+        try:
+            if hold_one_core:
+                other = ResourceRequest(demand={"cpu": 1}, duration=1.0, trajectory_id="other")
+                async with service.scheduler.run(other) as grant:
+                    held = grant.cores
+                    result = await service.process(RolloutRequest(task=task, seed=0))
+                service.scheduler.end_trajectory("other")
+            else:
+                held = frozenset()
+                result = await service.process(RolloutRequest(task=task, seed=0))
+            return result, held
+        finally:
+            await engine.close()
+
+    result, held = asyncio.run(body())
+    return service, envs[0], result, held
+
+
+def test_action_scheduler_pins_the_sandbox_to_the_granted_core_and_reclaims_it(tiny):
+    config = ServiceConfig(max_new_tokens=4, timeout_s=120, scheduler="action", scheduler_cores=2)
+    service, env, result, held = _run(tiny, config, ScriptedPyTool, "pytool", hold_one_core=True)
+    assert result.status in ("ok", "truncated"), result.error
+    pool = service.scheduler.cpu.pool
+    (granted,) = pool - held
+    # the interpreter inside the sandbox saw only the granted core while the action ran
+    assert env.seen == [str([granted])]
+    # between actions the whole sandbox tree sat on the parking core, not on the granted one
+    assert env.parked == {service.scheduler.cpu.parking}
+    assert granted not in service.scheduler.cpu.parking
+    # every core is back in the pool, nothing held, nothing queued
+    assert service.scheduler.cpu.available == pool
+    assert service.scheduler.policy.free == [2.0]
+    assert service.scheduler.policy.queued == 0
+
+
+def test_static_mode_holds_the_reservation_for_the_whole_rollout(tiny):
+    config = ServiceConfig(
+        max_new_tokens=4, timeout_s=120, scheduler="static", scheduler_cores=2, scheduler_static_cores=1
+    )
+    service, env, result, _ = _run(tiny, config, ScriptedPyTool, "pytool", hold_one_core=False)
+    assert result.status in ("ok", "truncated"), result.error
+    assert env.seen and env.seen[0] in ("[0]", "[1]")
+    # after the action, before the rollout ends, the rollout still holds its core
+    assert env.free_between_actions == {"cpu": 1}
+    # the end of the rollout returns it
+    assert service.scheduler.policy.free == {"cpu": 2}
+    assert service.scheduler.cpu.available == service.scheduler.cpu.pool
+
+
+def test_action_mode_holds_nothing_between_actions(tiny):
+    config = ServiceConfig(max_new_tokens=4, timeout_s=120, scheduler="action", scheduler_cores=2)
+    _, env, result, _ = _run(tiny, config, ScriptedPyTool, "pytool", hold_one_core=False)
+    assert result.status in ("ok", "truncated"), result.error
+    assert env.free_between_actions == [2.0]
+
+
+class AffinityCode(CodeEnv):
+    """``code`` whose solution writes the cores its test process runs on, read back at EVAL."""
+
+    SOLUTION = (
+        "import os\n"
+        "open('cores.txt', 'w').write(repr(sorted(os.sched_getaffinity(0))))\n"
+        "def f(x):\n    return x\n"
+    )
+
+    def __init__(self, service: RolloutService, **kwargs):
+        super().__init__(**kwargs)
+        self.test_cores = None
+
+    async def step(self, action):
+        return await super().step(self.SOLUTION)
+
+    async def evaluate(self):
+        reward = await super().evaluate()
+        with open(os.path.join(self.sandbox.workdir, "cores.txt")) as handle:
+            self.test_cores = handle.read()
+        return reward
+
+
+def test_code_test_run_is_elastic_and_starts_on_the_granted_cores(tiny):
+    config = ServiceConfig(max_new_tokens=4, timeout_s=120, scheduler="action", scheduler_cores=2)
+    service, env, result, held = _run(tiny, config, AffinityCode, "code", hold_one_core=True)
+    assert result.status in ("ok", "truncated"), result.error
+    (granted,) = service.scheduler.cpu.pool - held
+    assert env.test_cores == str([granted])
+    request = env.eval_request()
+    assert request.elastic == "cpu" and request.max_units == env.config.test_cores
+    _, env, result, _ = _run(tiny, config, AffinityCode, "code", hold_one_core=False)
+    assert env.test_cores == str(sorted(service.scheduler.cpu.pool))
+    assert service.scheduler.cpu.available == service.scheduler.cpu.pool
+
+
+def test_scheduler_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="scheduler_cores"):
+        make_scheduler(ServiceConfig(scheduler_cores=len(os.sched_getaffinity(0)) + 1))
+    with pytest.raises(ValueError, match="scheduler_static_cores"):
+        make_scheduler(ServiceConfig(scheduler="static", scheduler_cores=1, scheduler_static_cores=2))
+    assert make_scheduler(ServiceConfig(scheduler="none")) is None
+    unpinned = make_scheduler(ServiceConfig(scheduler_cores=64, scheduler_pin=False))
+    assert unpinned.cpu is None and unpinned.policy.capacity == {"cpu": 64}
