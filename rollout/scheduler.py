@@ -25,7 +25,9 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import math
 import time
+from bisect import bisect_left, bisect_right
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -71,9 +73,11 @@ class Pending:
     times: list[float]
     enqueued_at: float = 0.0
     need: list[float] = field(init=False, repr=False)
+    uses: list[int] = field(init=False, repr=False)
 
     def __post_init__(self):
         self.need = _holding(self, self.min_units)
+        self.uses = [r for r, n in enumerate(self.need) if n > 0]
 
 
 @dataclass(frozen=True)
@@ -93,104 +97,119 @@ def _holding(p: Pending, units: int) -> list[float]:
 
 
 def _fits(need: list[float], free: list[float]) -> bool:
-    # a plain loop: this is the innermost call of the decision path and all() with a generator is ~2x slower
+    # a plain loop: this is an inner call of the decision path and all() with a generator is ~2x slower
     for r in range(len(need)):  # noqa: SIM110
         if need[r] > free[r] + _EPS:
             return False
     return True
 
 
-def _gains(cands: list[Pending], units: list[int]) -> list[tuple[float, int]]:
-    """Heap of (duration change from one more unit, candidate index) for growable candidates."""
-    gains = [
-        (p.times[m + 1] - p.times[m], k)
-        for k, (p, m) in enumerate(zip(cands, units, strict=True))
-        if p.elastic >= 0 and m < p.max_units
-    ]
-    heapq.heapify(gains)
-    return gains
-
-
 def _spread(
-    cands: list[Pending], units: list[int], spare: list[float], gains: list[tuple[float, int]]
-) -> None:
+    cands: list[Pending],
+    units: list[int],
+    spare: list[float],
+    gains: list[tuple[float, int]],
+    live: int,
+) -> list[int]:
     """Give spare elastic units, one at a time, where they cut the duration most (in place).
 
-    ``gains`` is a heap of (duration change from one more unit, candidate index). Durations
-    are convex in the units, so continuing this greedy from any greedy state stays optimal.
+    ``gains`` is a heap of (duration change from one more unit, candidate index); entries of
+    candidates ``>= live`` (evicted) are dropped. Durations are convex in the units, so
+    continuing this greedy from any greedy state stays optimal. Returns the candidates
+    that grew.
     """
+    grew = []
+    stuck = []
     while gains:
         gain, k = gains[0]
         if gain >= 0:
             break
-        heapq.heappop(gains)
+        heappop(gains)
+        if k >= live:
+            continue
         p = cands[k]
         if spare[p.elastic] < 1 - _EPS:
+            stuck.append((gain, k))  # its resource ran out; more may free up on a later eviction
             continue
         spare[p.elastic] -= 1
         units[k] += 1
+        grew.append(k)
         m = units[k]
         if m < p.max_units:
-            heapq.heappush(gains, (p.times[m + 1] - p.times[m], k))
+            heappush(gains, (p.times[m + 1] - p.times[m], k))
+    for entry in stuck:
+        heappush(gains, entry)
+    return grew
+
+
+def _first(event: tuple[float, list[float]]) -> float:
+    return event[0]
 
 
 def _queue_estimate(
-    rest: list[Pending], events: list[tuple[float, int, list[float]]], free: list[float], now: float
+    rest: list[Pending], events: list[tuple[float, list[float]]], free: list[float], now: float
 ) -> float:
     """Sum of completion times (from ``now``) of ``rest`` run FCFS as resources free up.
 
-    ``events`` is a heap of (finish time, tie-breaker, held vector) of everything running
-    (consumed); each queued action starts when the earliest finishes leave room and takes
-    all the free units of its elastic resource up to its maximum.
+    ``events`` are (finish time, held vector) of everything running, ``free`` what is free
+    after they all started. Each queued action starts at the first moment it fits and takes
+    all the free units of its elastic resource up to its maximum. The frees of ``events``
+    are prefix-summed once per resource so the moment an action fits is a binary search,
+    not a walk over the events; the actions of ``rest`` started meanwhile finish through a
+    small completion-time heap.
     """
-    tie = len(events)
-    total = 0.0
-    t = now
+    events = sorted(events, key=_first)
+    times = [t for t, _ in events]
+    n = len(times)
     size = range(len(free))
-    for p in rest:
+    cums = [list(itertools.accumulate([h[r] for _, h in events], initial=free[r])) for r in size]
+    delta = [0.0] * len(free)  # held by actions of ``rest`` started and not yet finished
+    finishing: list[tuple[float, int, list[float]]] = []
+    t = now
+    ptr = 0  # events[:ptr] have finished
+    total = 0.0
+    for tie, p in enumerate(rest):
         need = p.need
-        while not _fits(need, free):
-            if not events:
-                return float("inf")
-            t_done, _, holds = heappop(events)
-            if t_done > t:
-                t = t_done
-            for r in size:
-                free[r] += holds[r]
-        units = p.min_units
-        if p.elastic >= 0:
-            units = max(units, min(p.max_units, int(free[p.elastic] + _EPS)))
-            holds = _holding(p, units)
+        uses = p.uses
+        while True:
+            i = ptr
+            for r in uses:
+                j = bisect_left(cums[r], need[r] - delta[r] - _EPS, i)
+                if j > i:
+                    i = j
+            fit_at = t if i == ptr else (times[i - 1] if i <= n else math.inf)
+            if finishing and finishing[0][0] < fit_at:
+                done, _, held = heappop(finishing)
+                for r in size:
+                    delta[r] += held[r]
+                if done > t:
+                    t = done
+                    ptr = bisect_right(times, t, ptr)
+                continue
+            if i > n:
+                return math.inf
+            if fit_at > t:
+                t = fit_at
+            break
+        # everything finished by t has given back (an elastic start takes it all)
+        ptr = bisect_right(times, t, i)
+        while finishing and finishing[0][0] <= t:
+            for r, h in enumerate(heappop(finishing)[2]):
+                delta[r] += h
+        e = p.elastic
+        if e >= 0:
+            free_units = int(cums[e][ptr] + delta[e] + _EPS)
+            units = max(p.min_units, min(p.max_units, free_units))
+            held = _holding(p, units)
         else:
-            holds = need
-        for r in size:
-            free[r] -= holds[r]
+            units = 1
+            held = need
+        for r in uses:  # an elastic action's resource is in ``uses`` (it needs min_units >= 1)
+            delta[r] -= held[r]
         finish = t + p.times[units]
         total += finish - now
-        tie += 1
-        heappush(events, (finish, tie, holds))
+        heappush(finishing, (finish, tie, held))
     return total
-
-
-def _plan_cost(
-    cands: list[Pending],
-    units: list[int],
-    spare: list[float],
-    rest: list[Pending],
-    running_events: list[tuple[float, int, list[float]]],
-    now: float,
-) -> float:
-    """Total completion time of ``cands`` started now on ``units`` plus the heap estimate of ``rest``."""
-    events = list(running_events)
-    tie = len(events)
-    cost = 0.0
-    for p, m in zip(cands, units, strict=True):
-        duration = p.times[m]
-        cost += duration
-        events.append((now + duration, tie, _holding(p, m)))
-        tie += 1
-    heapq.heapify(events)
-    return cost + _queue_estimate(rest, events, list(spare), now)
 
 
 def decide(
@@ -202,6 +221,14 @@ def decide(
     window: int = 32,
 ) -> list[tuple[int, int]]:
     """Which queued actions start now, and on how many elastic units.
+
+    Candidates are taken FCFS while they fit (a resource blocked by an earlier action is
+    not overtaken), spare elastic units go where they cut durations most, then the last
+    candidate is evicted (its units redistributed) while that lowers the total completion
+    time of the candidates plus the heap estimate of the queue behind them. Each eviction
+    trial changes the plan incrementally: the spread continues from the current greedy
+    state, the candidates' total is updated by the durations that changed, and only the
+    queue estimate is recomputed (see ``_queue_estimate``).
 
     Args:
         queue: queued actions, oldest first.
@@ -219,10 +246,10 @@ def decide(
     cand_idx: list[int] = []
     rest_idx: list[int] = []
     for i, p in enumerate(queue):
-        need = p.need
-        uses = [r for r, n in enumerate(need) if n > 0]
-        if not any(blocked[r] for r in uses) and _fits(need, spare):
+        uses = p.uses
+        if not any(blocked[r] for r in uses) and _fits(p.need, spare):
             cand_idx.append(i)
+            need = p.need
             for r in uses:
                 spare[r] -= need[r]
         else:
@@ -235,25 +262,48 @@ def decide(
         return []
     cands = [queue[i] for i in cand_idx]
     units = [p.min_units for p in cands]
-    _spread(cands, units, spare, _gains(cands, units))
-    running_events = [(a.finish_at, i, a.holds) for i, a in enumerate(running)]
+    gains = [
+        (p.times[m + 1] - p.times[m], k)
+        for k, (p, m) in enumerate(zip(cands, units, strict=True))
+        if p.elastic >= 0 and m < p.max_units
+    ]
+    heapq.heapify(gains)
+    _spread(cands, units, spare, gains, len(cands))
+    running_events = [(a.finish_at, a.holds) for a in running]
+    cand_events = [(now + p.times[m], _holding(p, m)) for p, m in zip(cands, units, strict=True)]
+    cand_cost = sum(p.times[m] for p, m in zip(cands, units, strict=True))
     rest = [queue[i] for i in rest_idx]
-    best = _plan_cost(cands, units, spare, rest, running_events, now)
+    best = cand_cost + _queue_estimate(rest, running_events + cand_events, spare, now)
     while len(cands) > 1:
         last = len(cands) - 1
+        evicted = cands[last]
         trial_units = units[:last]
         trial_spare = list(spare)
-        for r, h in enumerate(_holding(cands[last], units[last])):
+        for r, h in enumerate(cand_events[last][1]):
             trial_spare[r] += h
-        _spread(cands[:last], trial_units, trial_spare, _gains(cands[:last], trial_units))
-        trial_rest_idx = sorted([*rest_idx, cand_idx[last]])
-        trial_rest = [queue[i] for i in trial_rest_idx]
-        trial = _plan_cost(cands[:last], trial_units, trial_spare, trial_rest, running_events, now)
+        trial_gains = list(gains)
+        grew = _spread(cands, trial_units, trial_spare, trial_gains, last)
+        trial_events = cand_events[:last]
+        trial_cost = cand_cost - evicted.times[units[last]]
+        for k in set(grew):
+            p, m = cands[k], trial_units[k]
+            trial_cost += p.times[m] - p.times[units[k]]
+            trial_events[k] = (now + p.times[m], _holding(p, m))
+        at = bisect_left(rest_idx, cand_idx[last])
+        trial_rest = [*rest[:at], evicted, *rest[at:]]
+        trial = trial_cost + _queue_estimate(trial_rest, running_events + trial_events, trial_spare, now)
         if trial >= best - _EPS:
             break
-        cand_idx.pop()
+        rest_idx.insert(at, cand_idx.pop())
         cands.pop()
-        rest_idx, units, spare, best = trial_rest_idx, trial_units, trial_spare, trial
+        rest, units, spare, gains, cand_events = (
+            trial_rest,
+            trial_units,
+            trial_spare,
+            trial_gains,
+            trial_events,
+        )
+        cand_cost, best = trial_cost, trial
     return list(zip(cand_idx, units, strict=True))
 
 
