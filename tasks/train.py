@@ -32,11 +32,17 @@ def run_trainer(
     seen = {"version": weights.latest()}
 
     def check_published() -> None:
+        # every version since the last check: two may land between checks (a step's and
+        # the one published on stop)
         latest = weights.latest()
-        if latest != seen["version"]:
-            seen["version"] = latest
-            if on_publish is not None:
-                on_publish(latest)
+        if latest == seen["version"]:
+            return
+        before = -1 if seen["version"] is None else seen["version"]
+        seen["version"] = latest
+        if on_publish is not None:
+            for version in weights.list():
+                if before < version <= latest:
+                    on_publish(version)
 
     def progress(row: dict[str, Any]) -> None:
         check_published()
