@@ -102,6 +102,9 @@ class RunConfig(BaseModel):
     )
     processor: ProcessorConfig = Field(default_factory=ProcessorConfig, description="Trajectory processor.")
     sao: SAOConfig = Field(default_factory=SAOConfig, description="The SAO trainer.")
+    trainer_device: str = Field(
+        "cpu", description="Torch device of the trainer's policy and value model (cpu, cuda, cuda:1 …)."
+    )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     stop: StopConfig = Field(default_factory=StopConfig, description="Stop conditions.")
     cluster: Literal["local", "ray"] = Field(

@@ -49,7 +49,7 @@ def run_trainer(
         if on_step is not None:
             on_step(row)
 
-    trainer = Trainer(store, config.sao)
+    trainer = Trainer(store, config.sao, device=config.trainer_device)
     try:
         summary = trainer.run(
             max_seconds=max(deadline - time.time(), 0.0),
