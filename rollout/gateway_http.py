@@ -18,13 +18,11 @@ input, 503 engine failure.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 import uuid
 from typing import Any
 
-import uvicorn
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -32,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
 from rollout.gateway import Gateway, Session, TurnResult, UnknownSession
+from rollout.http_server import AppServer, bearer_token
 
 SESSION_HEADER = "X-Treadle-Session"
 
@@ -360,12 +359,10 @@ def _chat_logprobs(gateway: Gateway, turn: TurnResult) -> dict[str, Any]:
     }
 
 
-class GatewayServer:
-    """Runs the gateway app under uvicorn in the current event loop.
-
-    Binds 127.0.0.1 by default (``port=0`` picks a free port) or a Unix domain socket
-    (``uds``). The bearer token is generated when not given; read it from ``.token``.
-    """
+class GatewayServer(AppServer):
+    """Serves a gateway on 127.0.0.1 (``port=0`` picks a free port) or a Unix domain socket
+    (``uds``; clients use ``http://gateway``). The bearer token is generated when not given;
+    read it from ``.token``."""
 
     def __init__(
         self,
@@ -377,44 +374,7 @@ class GatewayServer:
         token: str | None = None,
         model_name: str = "treadle-policy",
     ):
-        self.token = token or secrets.token_urlsafe(24)
-        self.app = create_app(gateway, self.token, model_name)
-        config = uvicorn.Config(
-            self.app, host=host, port=port, uds=uds, log_level="warning", lifespan="off", access_log=False
+        self.token = bearer_token(token)
+        super().__init__(
+            create_app(gateway, self.token, model_name), host=host, port=port, uds=uds, name="gateway"
         )
-        self._server = uvicorn.Server(config)
-        self._task: asyncio.Task | None = None
-        self.uds = uds
-        self.host = host
-        self.port = port
-
-    @property
-    def url(self) -> str:
-        """Base URL (for a Unix socket, use ``http://gateway`` with an httpx ``uds`` transport)."""
-        return "http://gateway" if self.uds else f"http://{self.host}:{self.port}"
-
-    async def start(self) -> GatewayServer:
-        """Start serving; returns once the socket is bound."""
-        self._task = asyncio.create_task(self._server.serve())
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-                raise RuntimeError("the gateway server stopped before it started")
-            await asyncio.sleep(0.01)
-        if not self.uds:
-            self.port = self._server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    async def stop(self) -> None:
-        """Stop serving and wait for the server task to end."""
-        if self._task is None:
-            return
-        self._server.should_exit = True
-        await self._task
-        self._task = None
-
-    async def __aenter__(self) -> GatewayServer:
-        return await self.start()
-
-    async def __aexit__(self, *exc) -> None:
-        await self.stop()
