@@ -4,6 +4,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -90,9 +91,11 @@ def test_write_outside_leaves_host_untouched(tmp_path):
 def test_background_processes_are_killed():
     box = Sandbox(SMALL)
     shell = Shell(box)
-    shell.run("sleep 300 & setsid sleep 301 & disown -a; echo started")
+    nonce = uuid.uuid4().int % 10**9
+    mine = (f"sleep 300.{nonce}", f"sleep 301.{nonce}")
+    shell.run(f"{mine[0]} & setsid {mine[1]} & disown -a; echo started")
     assert box.leftover_processes() >= 3 if box.uid is not None else True
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).startswith("sleep 30")]
+    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).strip() in mine]
     assert pids
     box.close()
     deadline = time.monotonic() + 5

@@ -1,0 +1,95 @@
+"""Does a long pipeline flow grow in memory? RSS of one process running the ``pipeline``
+flow (Prefect ephemeral mode, rollout + process + train at once on the tiny model) for
+``--minutes``, sampled every few seconds.
+
+Baseline: the RSS once the run has warmed up (at a quarter of the RL time). ``ratio`` =
+RSS at the end / that baseline; a flow whose task states, buffers or caches grow without
+bound shows a ratio well above 1 and a positive slope.
+
+    python benchmarks/bench_flow_memory.py --minutes 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minutes", type=float, default=10.0, help="RL time of the pipeline run.")
+    parser.add_argument("--every", type=float, default=5.0, help="Seconds between RSS samples.")
+    args = parser.parse_args()
+
+    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="treadle-bench-prefect-"))
+    from flows.config import load_config
+    from flows.pipeline import pipeline
+
+    root = tempfile.mkdtemp(prefix="treadle-bench-memory-")
+    seconds = args.minutes * 60
+    config = load_config(
+        "configs/tiny.yaml",
+        {"run_id": "memory", "storage": {"root": root}, "stop": {"max_seconds": seconds}},
+    )
+    samples: list[tuple[float, float]] = []
+    done = threading.Event()
+    started = time.monotonic()
+
+    def sample() -> None:
+        while not done.wait(args.every):
+            samples.append((time.monotonic() - started, rss_mb()))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    result = pipeline(config)
+    done.set()
+    sampler.join()
+
+    rl_start = next((t for t, _ in samples if t > 0), 0.0)
+    rl_samples = [(t, r) for t, r in samples if t >= rl_start]
+    warm_at = rl_samples[0][0] + (rl_samples[-1][0] - rl_samples[0][0]) / 4
+    warm = [r for t, r in rl_samples if t >= warm_at]
+    baseline, final, peak = warm[0], warm[-1], max(warm)
+    times = [t for t, _ in rl_samples if t >= warm_at]
+    mean_t, mean_r = sum(times) / len(times), sum(warm) / len(warm)
+    slope = sum((t - mean_t) * (r - mean_r) for t, r in zip(times, warm, strict=True)) / max(
+        sum((t - mean_t) ** 2 for t in times), 1e-9
+    )
+    print("t_s\trss_mb")
+    for t, r in samples[:: max(1, len(samples) // 40)]:
+        print(f"{t:.0f}\t{r:.0f}")
+    print(f"rollouts finished: {result['rollouts']['finished']}, policy steps: {result['trained']['steps']}")
+    print(
+        json.dumps(
+            {
+                "bench": "flow_memory",
+                "ratio": round(final / baseline, 3),
+                "rl_minutes": args.minutes,
+                "rss_warm_mb": round(baseline, 1),
+                "rss_final_mb": round(final, 1),
+                "rss_peak_mb": round(peak, 1),
+                "slope_mb_per_hour": round(slope * 3600, 1),
+                "rollouts": result["rollouts"]["finished"],
+                "policy_steps": result["trained"]["steps"],
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
