@@ -50,6 +50,11 @@ class WarmStartConfig(BaseModel):
         True, description="Warm-start version 0 on demonstrations when the run has no weights."
     )
     demos_per_env: int = Field(2000, ge=1, description="Demonstrations per environment in the mix.")
+    demos: dict[str, int] = Field(
+        default_factory=dict,
+        description="Demonstrations of particular environments, overriding demos_per_env (e.g. fewer "
+        "of a multi-turn env whose demonstrations are long).",
+    )
     flawed: bool = Field(
         True, description="Use each env's flawed demonstrator, so RL has something left to learn."
     )

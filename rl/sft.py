@@ -63,6 +63,23 @@ def masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.T
     return -(token_logp * target_mask).sum() / count
 
 
+def length_bucketed_batches(
+    lengths: Sequence[int], batch_size: int, generator: torch.Generator, pool_batches: int = 32
+) -> list[list[int]]:
+    """One epoch of index batches, each drawn from similar lengths so little is padding.
+
+    The indices are shuffled, cut into pools of ``pool_batches`` batches, each pool sorted
+    by length and cut into batches; the batch order is shuffled again.
+    """
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    pool = batch_size * pool_batches
+    batches = []
+    for start in range(0, len(order), pool):
+        chunk = sorted(order[start : start + pool], key=lambda i: lengths[i])
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
 def supervised_warm_start(
     model: torch.nn.Module,
     sequences: Sequence[Sequence[int]],
@@ -85,15 +102,14 @@ def supervised_warm_start(
     model.train()
     losses: list[float] = []
     started = time.monotonic()
-    order = torch.randperm(len(sequences), generator=generator)
-    cursor = 0
+    lengths = [len(s) for s in sequences]
+    batches: list[list[int]] = []
     for step in range(config.max_steps):
         if time.monotonic() - started > config.max_seconds:
             break
-        if cursor + config.batch_size > len(order):
-            order, cursor = torch.randperm(len(sequences), generator=generator), 0
-        picked = order[cursor : cursor + config.batch_size].tolist()
-        cursor += config.batch_size
+        if not batches:
+            batches = length_bucketed_batches(lengths, config.batch_size, generator)
+        picked = batches.pop()
         input_ids, attention_mask, loss_mask = pad_batch(
             [sequences[i] for i in picked], [masks[i] for i in picked], pad_id
         )

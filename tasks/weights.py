@@ -22,6 +22,31 @@ from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, run_store
 
 
+def demonstration_data(
+    config: RunConfig, tokenizer, envs: list[str] | None = None
+) -> tuple[list[list[int]], list[list[bool]]]:
+    """Token sequences and loss masks of the train-split demonstrations of each env in
+    ``envs`` (the mix when None; ``warm_start.demos`` or ``demos_per_env`` of each), laid
+    out as the gateway does."""
+    renderer = ChatRenderer(tokenizer)
+    sequences, masks = [], []
+    for name in envs or list(config.orchestrator.mix):
+        env_config = config.env_config(name)
+        count = config.warm_start.demos.get(name, config.warm_start.demos_per_env)
+        tasks = registry.task_set(name, "train", config.seed, count, env_config)
+        seqs, msks = asyncio.run(
+            demonstrations(
+                renderer,
+                lambda t, c=env_config: registry.make(t.env, c),
+                tasks,
+                lambda t: registry.demonstrate(t, flawed=config.warm_start.flawed, seed=config.seed),
+            )
+        )
+        sequences += seqs
+        masks += msks
+    return sequences, masks
+
+
 def build_base_version(config: RunConfig, log=print) -> int:
     """Publish version 0 if the run has none: the starting policy, warm-started on the
     environments' demonstrations when ``warm_start.enabled``. Returns the latest version."""
@@ -41,21 +66,7 @@ def build_base_version(config: RunConfig, log=print) -> int:
     }
     if config.warm_start.enabled:
         started = time.monotonic()
-        renderer = ChatRenderer(tokenizer)
-        sequences, masks = [], []
-        for name in config.orchestrator.mix:
-            env_config = config.env_config(name)
-            tasks = registry.task_set(name, "train", config.seed, config.warm_start.demos_per_env, env_config)
-            seqs, msks = asyncio.run(
-                demonstrations(
-                    renderer,
-                    lambda t, c=env_config: registry.make(t.env, c),
-                    tasks,
-                    lambda t: registry.demonstrate(t, flawed=config.warm_start.flawed, seed=config.seed),
-                )
-            )
-            sequences += seqs
-            masks += msks
+        sequences, masks = demonstration_data(config, tokenizer)
         losses = supervised_warm_start(model, sequences, masks, tokenizer.pad_token_id, config.warm_start.sft)
         metadata["warm_start"] = {
             "demonstrations": len(sequences),
