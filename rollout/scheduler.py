@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from heapq import heappop, heappush
+from itertools import accumulate
+from operator import itemgetter
 from typing import TYPE_CHECKING, Protocol
 
 from envs.base import ResourceRequest, amdahl_efficiency
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from rollout.resources import CpuManager
 
 _EPS = 1e-9
+_finish = itemgetter(0)
 
 __all__ = [
     "ActionPolicy",
@@ -120,7 +123,8 @@ def _spread(
     """
     grew = []
     stuck = []
-    while gains:
+    open_resources = {cands[k].elastic for _, k in gains if k < live and spare[cands[k].elastic] >= 1 - _EPS}
+    while gains and open_resources:
         gain, k = gains[0]
         if gain >= 0:
             break
@@ -128,10 +132,13 @@ def _spread(
         if k >= live:
             continue
         p = cands[k]
-        if spare[p.elastic] < 1 - _EPS:
+        e = p.elastic
+        if e not in open_resources:
             stuck.append((gain, k))  # its resource ran out; more may free up on a later eviction
             continue
-        spare[p.elastic] -= 1
+        spare[e] -= 1
+        if spare[e] < 1 - _EPS:
+            open_resources.discard(e)
         units[k] += 1
         grew.append(k)
         m = units[k]
@@ -142,28 +149,41 @@ def _spread(
     return grew
 
 
-def _first(event: tuple[float, list[float]]) -> float:
-    return event[0]
+def _timeline(
+    events: list[tuple[float, list[float]]], free: list[float]
+) -> tuple[list[float], list[list[float]]]:
+    """Finish times of ``events`` sorted, and per resource the free amount after each has finished.
+
+    ``events`` are (finish time, held vector) of everything running, ``free`` what is free
+    now. Returns ``times`` (E,) sorted and ``cums`` (R, E + 1): ``cums[r][i]`` is ``free[r]``
+    plus the holds of the ``i`` earliest events.
+    """
+    events = sorted(events, key=_finish)
+    times = [t for t, _ in events]
+    cums = [list(accumulate([h[r] for _, h in events], initial=free[r])) for r in range(len(free))]
+    return times, cums
 
 
 def _queue_estimate(
-    rest: list[Pending], events: list[tuple[float, list[float]]], free: list[float], now: float
+    rest: Sequence[Pending],
+    times: list[float],
+    cums: list[list[float]],
+    now: float,
+    limit: float = math.inf,
 ) -> float:
     """Sum of completion times (from ``now``) of ``rest`` run FCFS as resources free up.
 
-    ``events`` are (finish time, held vector) of everything running, ``free`` what is free
-    after they all started. Each queued action starts at the first moment it fits and takes
-    all the free units of its elastic resource up to its maximum. The frees of ``events``
-    are prefix-summed once per resource so the moment an action fits is a binary search,
-    not a walk over the events; the actions of ``rest`` started meanwhile finish through a
-    small completion-time heap.
+    ``times`` and ``cums`` come from ``_timeline`` over everything running. Each queued
+    action starts at the first moment it fits and takes all the free units of its elastic
+    resource up to its maximum. The moment an action fits is a binary search in the
+    prefix-summed frees, not a walk over the events; the actions of ``rest`` started
+    meanwhile finish through a small completion-time heap. The sum only grows, so the walk
+    stops as soon as it reaches ``limit`` and returns ``inf`` (the caller only asks whether
+    the estimate beats ``limit``).
     """
-    events = sorted(events, key=_first)
-    times = [t for t, _ in events]
     n = len(times)
-    size = range(len(free))
-    cums = [list(itertools.accumulate([h[r] for _, h in events], initial=free[r])) for r in size]
-    delta = [0.0] * len(free)  # held by actions of ``rest`` started and not yet finished
+    size = range(len(cums))
+    delta = [0.0] * len(cums)  # held by actions of ``rest`` started and not yet finished
     finishing: list[tuple[float, int, list[float]]] = []
     t = now
     ptr = 0  # events[:ptr] have finished
@@ -208,6 +228,8 @@ def _queue_estimate(
             delta[r] -= held[r]
         finish = t + p.times[units]
         total += finish - now
+        if total >= limit:
+            return math.inf
         heappush(finishing, (finish, tie, held))
     return total
 
@@ -227,8 +249,7 @@ def decide(
     candidate is evicted (its units redistributed) while that lowers the total completion
     time of the candidates plus the heap estimate of the queue behind them. Each eviction
     trial changes the plan incrementally: the spread continues from the current greedy
-    state, the candidates' total is updated by the durations that changed, and only the
-    queue estimate is recomputed (see ``_queue_estimate``).
+    state, the candidates' total and events are updated only where a duration changed, and the queue estimate stops as soon as the trial cannot win.
 
     Args:
         queue: queued actions, oldest first.
@@ -269,11 +290,11 @@ def decide(
     ]
     heapq.heapify(gains)
     _spread(cands, units, spare, gains, len(cands))
+    rest = [queue[i] for i in rest_idx]
     running_events = [(a.finish_at, a.holds) for a in running]
     cand_events = [(now + p.times[m], _holding(p, m)) for p, m in zip(cands, units, strict=True)]
     cand_cost = sum(p.times[m] for p, m in zip(cands, units, strict=True))
-    rest = [queue[i] for i in rest_idx]
-    best = cand_cost + _queue_estimate(rest, running_events + cand_events, spare, now)
+    best = cand_cost + _queue_estimate(rest, *_timeline(running_events + cand_events, spare), now)
     while len(cands) > 1:
         last = len(cands) - 1
         evicted = cands[last]
@@ -291,7 +312,10 @@ def decide(
             trial_events[k] = (now + p.times[m], _holding(p, m))
         at = bisect_left(rest_idx, cand_idx[last])
         trial_rest = [*rest[:at], evicted, *rest[at:]]
-        trial = trial_cost + _queue_estimate(trial_rest, running_events + trial_events, trial_spare, now)
+        limit = best - _EPS - trial_cost
+        trial = trial_cost + _queue_estimate(
+            trial_rest, *_timeline(running_events + trial_events, trial_spare), now, limit
+        )
         if trial >= best - _EPS:
             break
         rest_idx.insert(at, cand_idx.pop())

@@ -231,7 +231,7 @@ def slow_queue_estimate(rest, events, free, now):
 def test_queue_estimate_matches_the_slow_walk(seed):
     import random
 
-    from rollout.scheduler import _queue_estimate
+    from rollout.scheduler import _queue_estimate, _timeline
 
     rng = random.Random(seed)
     policy = ActionPolicy({"cpu": 16, "gpu": 2})
@@ -252,6 +252,93 @@ def test_queue_estimate_matches_the_slow_walk(seed):
         for _ in range(rng.randint(0, 10))
     ]
     free = [float(rng.randint(0, 4)), float(rng.randint(0, 1))]
-    fast = _queue_estimate(rest, events, free, 0.0)
+    fast = _queue_estimate(rest, *_timeline(events, free), 0.0)
     slow = slow_queue_estimate(rest, events, free, 0.0)
     assert fast == pytest.approx(slow, rel=1e-9, abs=1e-9)
+    # with a limit below the total the walk gives up (inf); at or above it, the same total
+    if 0 < slow < float("inf"):
+        assert _queue_estimate(rest, *_timeline(events, free), 0.0, limit=slow * 0.99) == float("inf")
+        assert _queue_estimate(rest, *_timeline(events, free), 0.0, limit=slow * 1.01) == pytest.approx(slow)
+
+
+def slow_decide(queue, free, running, now, window):
+    """Reference: every eviction trial re-plans from scratch and re-walks the queue slowly."""
+    spare, blocked, cands, rest = list(free), [False] * len(free), [], []
+    for i, p in enumerate(queue):
+        if not any(blocked[r] for r in p.uses) and all(
+            p.need[r] <= spare[r] + 1e-9 for r in range(len(free))
+        ):
+            cands.append(i)
+            spare = [s - n for s, n in zip(spare, p.need, strict=True)]
+        else:
+            for r in p.uses:
+                blocked[r] = True
+            rest.append(i)
+            if len(rest) >= window:
+                break
+
+    def plan(keep):
+        units = {i: queue[i].min_units for i in cands[:keep]}
+        left = list(free)
+        for i in units:
+            left = [s - n for s, n in zip(left, queue[i].need, strict=True)]
+        while True:  # one unit at a time to the largest cut in duration (ties: earliest in the queue)
+            options = [
+                (queue[i].times[m + 1] - queue[i].times[m], i)
+                for i, m in units.items()
+                if queue[i].elastic >= 0 and m < queue[i].max_units and left[queue[i].elastic] >= 1 - 1e-9
+            ]
+            if not options or min(options)[0] >= 0:
+                return units, left
+            _, i = min(options)
+            units[i] += 1
+            left[queue[i].elastic] -= 1
+
+    def cost(keep):
+        units, left = plan(keep)
+        events = [(a.finish_at, a.holds) for a in running]
+        total = 0.0
+        for i, m in units.items():
+            p = queue[i]
+            held = list(p.fixed)
+            if p.elastic >= 0:
+                held[p.elastic] += m
+            events.append((now + p.times[m], held))
+            total += p.times[m]
+        waiting = [queue[i] for i in sorted(rest + cands[keep:])]
+        return units, total + slow_queue_estimate(waiting, events, left, now)
+
+    if not cands:
+        return []
+    keep = len(cands)
+    units, best = cost(keep)
+    while keep > 1:
+        trial_units, trial = cost(keep - 1)
+        if trial >= best - 1e-9:
+            break
+        keep, units, best = keep - 1, trial_units, trial
+    return sorted(units.items())
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.integers(0, 10_000), st.sampled_from([2.0, 5.0, 16.0]), st.integers(2, 10))
+def test_decide_matches_the_slow_reference(seed, free_cpu, window):
+    import random
+
+    rng = random.Random(seed)
+    policy = ActionPolicy({"cpu": 16, "gpu": 2})
+    queue = []
+    for _ in range(rng.randint(1, 14)):
+        if rng.random() < 0.5:
+            req = ResourceRequest(
+                elastic="cpu",
+                max_units=rng.randint(1, 8),
+                duration=rng.uniform(1, 40),
+                efficiency=amdahl_efficiency(rng.uniform(0.05, 0.5), 8),
+            )
+        else:
+            req = ResourceRequest(demand=rng.choice([{"cpu": 1}, {"gpu": 1}]), duration=rng.uniform(0.1, 5))
+        queue.append(policy._pending(req, 0.0))
+    running = [Running(rng.uniform(0, 20), [float(rng.randint(1, 4)), 0.0]) for _ in range(rng.randint(0, 6))]
+    free = [free_cpu, float(rng.randint(0, 2))]
+    assert decide(queue, free, running, 0.0, window=window) == slow_decide(queue, free, running, 0.0, window)
