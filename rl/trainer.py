@@ -181,6 +181,8 @@ class Trainer:
         self._stale_since_publish = 0
         self._rejected_since_publish = 0
         self._trained_since_publish = 0
+        self._step_extra: Callable[[], dict] | None = None
+        self.idle_seconds = 0.0
 
     # -- state ---------------------------------------------------------------------------
 
@@ -363,6 +365,10 @@ class Trainer:
     def buffered_tokens(self) -> int:
         return sum(sample.num_tokens for sample in self.buffer)
 
+    def unconsumed_shards(self) -> int:
+        """Shards ingested whose rows are still waiting in the buffer."""
+        return len({sample.shard_id for sample in self.buffer})
+
     # -- the loop ------------------------------------------------------------------------
 
     def run(
@@ -373,6 +379,7 @@ class Trainer:
         stop_event: threading.Event | None = None,
         progress: Callable[[dict], None] | None = None,
         drain: bool = False,
+        step_extra: Callable[[], dict] | None = None,
     ) -> TrainSummary:
         """Train until a stop condition holds.
 
@@ -383,11 +390,14 @@ class Trainer:
             progress: called with each step's ``train_steps`` row (``extra`` as a dict).
             drain: also stop when the shard log has nothing new and the buffer is empty;
                 a last partial batch is trained instead of waiting for more data.
+            step_extra: called before each step's row is written; what it returns is merged
+                into the row's ``extra`` (e.g. the elastic controller's inputs and moves).
 
         On a clean stop the steps since the last version are published
         (``publish_on_stop``).
         """
         stop_event = stop_event or threading.Event()
+        self._step_extra = step_extra
         started = time.monotonic()
         versions: list[int] = []
         stop_reason = "stop_event"
@@ -415,7 +425,9 @@ class Trainer:
                 stop_reason = "drained"
                 break
             if new_shards == 0:
+                waited = time.monotonic()
                 stop_event.wait(self.config.poll_seconds)
+                self.idle_seconds += time.monotonic() - waited
         if self.config.publish_on_stop and (self._steps_since_publish or self._pending_consumption()):
             versions.append(self.publish())
         logger.info("trainer stopped (%s) at step %d", stop_reason, self.step)
@@ -594,6 +606,8 @@ class Trainer:
             "train_tokens": total_train,
             "rejected": dict(self._rejected),
         }
+        if self._step_extra is not None:
+            extra.update(self._step_extra())
         row = {
             "step": self.step,
             "version": self.version,

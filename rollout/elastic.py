@@ -9,6 +9,7 @@ trainer's queue runs dry it hands a unit back. A live rollout is never interrupt
 
 from __future__ import annotations
 
+import copy
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -185,13 +186,37 @@ class ElasticController:
         return self.units[train[-1]]
 
     def log_record(self) -> dict:
-        """Policy inputs, unit roles and the moves so far, JSON-ready."""
+        """Policy inputs, unit roles and the last moves, JSON-ready."""
         return {
             "elastic": {
                 "inputs": asdict(self.last_inputs) if self.last_inputs else None,
                 "roles": {n: u.role for n, u in self.units.items()},
                 "live_sessions": {n: u.live_sessions for n, u in self.units.items()},
                 "moves": [asdict(m) for m in self.moves[-8:]],
-                "config": self.config.model_dump(),
             }
         }
+
+
+@dataclass
+class ElasticLog:
+    """Feeds a controller from the pipeline and returns its record for ``train_steps.extra``.
+
+    With ``apply_moves`` False (the default: one machine, nothing to move) the controller
+    only advises: it decides on a copy, the record says what it would have moved, and the
+    roles it logs are the real ones, unchanged.
+    """
+
+    controller: ElasticController
+    apply_moves: bool = False
+
+    def record(self, inputs: PolicyInputs, now: float) -> dict:
+        """Decide on ``inputs`` and return ``{"elastic": {...}}`` with the inputs, roles and decision."""
+        if self.apply_moves:
+            decided = self.controller.step(inputs, now)
+        else:
+            decided = copy.deepcopy(self.controller).step(inputs, now)
+            self.controller.last_inputs = inputs
+        record = self.controller.log_record()
+        record["elastic"]["applied"] = self.apply_moves
+        record["elastic"]["decided"] = [asdict(m) for m in decided]
+        return record

@@ -178,6 +178,7 @@ class RolloutWorker:
         return {
             "version": self.version,
             "backlog": self.backlog(),
+            "engine_queue_depth": sum(s.queue_depth for s in engine_stats),
             "orchestrator": self.orchestrator.stats.as_dict() if self.orchestrator else None,
             "prefill_computed": sum(s.prefill_computed for s in engine_stats),
             "prefill_reused": sum(s.prefill_reused for s in engine_stats),

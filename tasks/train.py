@@ -12,6 +12,7 @@ from prefect.events import emit_event
 
 from flows.config import RunConfig
 from rl.trainer import Trainer
+from rollout.elastic import ElasticController, ElasticLog, PolicyInputs
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, run_store
 
@@ -23,10 +24,18 @@ def run_trainer(
     on_publish: Callable[[int], None] | None = None,
     stop: threading.Event | None = None,
     drain: bool = False,
+    engine_queue_depth: Callable[[], int] | None = None,
+    elastic: ElasticLog | None = None,
 ) -> dict[str, Any]:
     """Train on processed shards until ``deadline`` (epoch seconds), ``stop`` or
     ``stop.max_policy_steps`` — or, with ``drain``, until no processed shard is waiting;
-    the steps since the last version are published at the end."""
+    the steps since the last version are published at the end.
+
+    Every ``train_steps`` row carries the elastic controller's inputs (unconsumed shards,
+    engine queue depth from ``engine_queue_depth`` when the engines are reachable, else 0,
+    and the trainer's idle fraction since the last step) and its decision in ``extra``.
+    ``elastic`` defaults to an advisory controller over one rollout and one training unit:
+    it logs, and moves nothing."""
     store = run_store(config)
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
@@ -50,6 +59,20 @@ def run_trainer(
             on_step(row)
 
     trainer = Trainer(store, config.sao, device=config.trainer_device)
+    elastic = elastic or ElasticLog(ElasticController.create(["rollout0"], ["train0"]))
+    last = {"wall": time.monotonic(), "idle": 0.0}
+
+    def elastic_record() -> dict[str, Any]:
+        now = time.monotonic()
+        idle = (trainer.idle_seconds - last["idle"]) / max(now - last["wall"], 1e-9)
+        last.update(wall=now, idle=trainer.idle_seconds)
+        inputs = PolicyInputs(
+            unconsumed_shards=trainer.unconsumed_shards(),
+            engine_queue_depth=engine_queue_depth() if engine_queue_depth is not None else 0,
+            trainer_idle=round(min(max(idle, 0.0), 1.0), 4),
+        )
+        return elastic.record(inputs, time.time())
+
     try:
         summary = trainer.run(
             max_seconds=max(deadline - time.time(), 0.0),
@@ -57,6 +80,7 @@ def run_trainer(
             stop_event=stop,
             progress=progress,
             drain=drain,
+            step_extra=elastic_record,
         )
     finally:
         trainer.close()
