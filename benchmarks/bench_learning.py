@@ -15,9 +15,10 @@ SAO and GRPO run the real pipeline — ``run_rollouts``, ``run_processor`` and
 behind the trainer and the DIS mask acts (its masked fraction is printed). Held-out eval
 every ``--eval-every`` seconds (``arith`` near-greedy, ``guess`` sampled at temperature 1).
 
-``python benchmarks/bench_learning.py [--seeds 3]``; last line:
+``python benchmarks/bench_learning.py [--seeds 3] [--envs guess]``; last line:
 ``{"bench": "learning", "sao_gain_arith": …, "sao_gain_guess": …, "grpo_gain_…", "sft_gain_…",
-"ratio": sao_gain_arith / max(grpo_gain_arith, sft_gain_arith, 0.01)}`` (medians over seeds).
+"ratio": sao_gain_arith / max(grpo_gain_arith, sft_gain_arith, 0.01)}`` (medians over seeds;
+the ratio is taken on ``ratio_env``: arith, or the one env run when ``--envs`` leaves it out).
 """
 
 from __future__ import annotations
@@ -189,7 +190,9 @@ def run_seed(args, seed: int) -> dict[str, float]:
     build_base_version(base)
     print(f"seed {seed}: version 0 warm-started in {time.monotonic() - started:.0f}s", flush=True)
     gains: dict[str, float] = {}
-    for env, seconds in (("arith", args.arith_seconds), ("guess", args.guess_seconds)):
+    budgets = {"arith": args.arith_seconds, "guess": args.guess_seconds}
+    for env in args.envs:
+        seconds = budgets[env]
         v0 = evaluate_version(arm_config(base, base.run_id, env, "sao", args), 0)
         print(f"seed {seed} {env}: version 0 held-out {v0.reward[env]:.3f}", flush=True)
         for arm in ARMS:
@@ -211,7 +214,15 @@ def main() -> None:
     parser.add_argument("--eval-every", type=float, default=30.0, help="Seconds between held-out evals.")
     parser.add_argument("--eval-tasks", type=int, default=100, help="Held-out tasks per eval.")
     parser.add_argument("--root", default=None, help="Storage root (default: a temporary folder).")
+    parser.add_argument(
+        "--envs",
+        default="arith,guess",
+        help="Comma-separated environments to run the arms on (arith, guess).",
+    )
     args = parser.parse_args()
+    args.envs = args.envs.split(",")
+    if not args.envs or not set(args.envs) <= {"arith", "guess"}:
+        parser.error(f"--envs must name arith and/or guess, got {','.join(args.envs)!r}")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="treadle-bench-learning-") as tmp:
         args.root = args.root or str(Path(tmp))
@@ -219,8 +230,12 @@ def main() -> None:
     result: dict[str, float | str | int] = {"bench": "learning", "seeds": args.seeds}
     for key in per_seed[0]:
         result[key] = round(statistics.median(g[key] for g in per_seed), 4)
+    ratio_env = args.envs[0] if "arith" not in args.envs else "arith"
+    result["ratio_env"] = ratio_env
     result["ratio"] = round(
-        result["sao_gain_arith"] / max(result["grpo_gain_arith"], result["sft_gain_arith"], 0.01), 3
+        result[f"sao_gain_{ratio_env}"]
+        / max(result[f"grpo_gain_{ratio_env}"], result[f"sft_gain_{ratio_env}"], 0.01),
+        3,
     )
     print(json.dumps(result))
 

@@ -1,31 +1,77 @@
 """``guess``: multi-turn — find a hidden number from higher/lower feedback.
 
-User ``guess 1-16``; each action is a plain number; feedback ``higher``, ``lower`` or
-``correct``. Progress is how far the interval consistent with the feedback has shrunk.
+User ``guess 9-20`` (a window of ``min_width..max_width`` numbers at any offset inside
+``low..high``); each action is a plain number; feedback ``higher``, ``lower`` or ``correct``.
+Progress is how far the interval consistent with the feedback has shrunk.
+
+A problem is a (window, hidden number) pair. For each hidden number, a hashed
+``eval_fraction`` share of the windows that contain it is held out for eval, so the splits
+never share a problem and every number occurs in both (in different windows). Splitting by
+the hidden number alone, in one fixed window, let RL memorise the few numbers it met
+instead of learning to search; here the policy has to bisect relative to the window it is
+given.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
+from collections import defaultdict
 
 from pydantic import Field, model_validator
 
-from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, user
+from envs.base import Env, EnvConfig, Split, StepResult, Task, user
 
 
 class GuessConfig(EnvConfig):
-    """Range and turn budget of ``guess``."""
+    """Windows, turn budget and held-out share of ``guess``."""
 
-    low: int = Field(1, ge=0, description="Smallest possible hidden number.")
-    high: int = Field(16, ge=1, le=9999, description="Largest possible hidden number.")
-    max_turns: int = Field(6, ge=1, description="Guesses allowed (binary search needs log2(range) + 1).")
-    eval_fraction: float = Field(0.25, gt=0, lt=1, description="Share of hidden numbers held out for eval.")
+    low: int = Field(1, ge=0, description="Smallest number of any window.")
+    high: int = Field(24, ge=1, le=9999, description="Largest number of any window.")
+    min_width: int = Field(8, ge=2, description="Fewest numbers in a window.")
+    max_width: int = Field(16, ge=2, description="Most numbers in a window.")
+    max_turns: int = Field(
+        6, ge=1, description="Guesses allowed (binary search needs floor(log2(max_width)) + 1)."
+    )
+    eval_fraction: float = Field(
+        0.25,
+        gt=0,
+        lt=1,
+        description="Share of the windows holding each hidden number that is held out for eval.",
+    )
 
     @model_validator(mode="after")
-    def _range(self) -> GuessConfig:
-        if self.high <= self.low:
-            raise ValueError(f"high ({self.high}) must be above low ({self.low})")
+    def _windows(self) -> GuessConfig:
+        if self.min_width > self.max_width:
+            raise ValueError(f"min_width ({self.min_width}) must not exceed max_width ({self.max_width})")
+        if self.high - self.low + 1 < self.max_width:
+            raise ValueError(
+                f"low..high ({self.low}..{self.high}) must hold at least max_width ({self.max_width}) numbers"
+            )
         return self
+
+
+def _rank(low: int, high: int, target: int) -> bytes:
+    return hashlib.sha256(f"guess/{low}-{high}/{target}".encode()).digest()
+
+
+def problems(cfg: GuessConfig, split: Split) -> list[tuple[int, int, int]]:
+    """Every ``(window low, window high, hidden number)`` of ``split``, sorted.
+
+    The problems of each hidden number are ranked by a hash; the first
+    ``round(eval_fraction * count)`` (at least one, and never all) are eval, the rest train.
+    """
+    by_target: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+    for width in range(cfg.min_width, cfg.max_width + 1):
+        for start in range(cfg.low, cfg.high - width + 2):
+            for target in range(start, start + width):
+                by_target[target].append((start, start + width - 1, target))
+    chosen = []
+    for pairs in by_target.values():
+        ranked = sorted(pairs, key=lambda p: _rank(*p))
+        held = min(max(1, round(cfg.eval_fraction * len(ranked))), len(ranked) - 1)
+        chosen += ranked[:held] if split == "eval" else ranked[held:]
+    return sorted(chosen)
 
 
 class GuessEnv(Env):
@@ -37,24 +83,19 @@ class GuessEnv(Env):
     @classmethod
     def tasks(cls, split: Split, seed: int, n: int, config: GuessConfig | None = None) -> list[Task]:
         cfg = config or GuessConfig()
-        targets = [
-            t
-            for t in range(cfg.low, cfg.high + 1)
-            if in_eval_split(f"guess/{cfg.low}-{cfg.high}/{t}", cfg.eval_fraction) == (split == "eval")
-        ]
-        if not targets:
+        pool = problems(cfg, split)
+        if not pool:
             raise ValueError(f"the {split} split of guess {cfg.low}-{cfg.high} is empty; widen the range")
         rng = random.Random(f"{seed}/{split}")
-        prompt = f"guess {cfg.low}-{cfg.high}"
-        picks = [rng.choice(targets) for _ in range(n)]
+        picks = [rng.choice(pool) for _ in range(n)]
         return [
             Task(
                 env=cls.name,
-                id=f"{cfg.low}-{cfg.high}:{t}#{i}",
-                prompt=prompt,
-                data={"target": t, "low": cfg.low, "high": cfg.high},
+                id=f"{low}-{high}:{target}#{i}",
+                prompt=f"guess {low}-{high}",
+                data={"target": target, "low": low, "high": high},
             )
-            for i, t in enumerate(picks)
+            for i, (low, high, target) in enumerate(picks)
         ]
 
     @classmethod

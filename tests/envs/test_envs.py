@@ -9,6 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from envs.arith import add_without_carry
+from envs.guess import GuessConfig, problems
 from envs.registry import REGISTRY, demonstrate, make, task_set
 from envs.sandbox import SandboxConfig, bwrap_path
 
@@ -38,7 +39,7 @@ def test_splits_are_disjoint_and_reproducible(name):
     again = task_set(name, "train", seed=1, n=20)
     evals = task_set(name, "eval", seed=1, n=3)
     assert [t.id for t in train] == [t.id for t in again]
-    key = (lambda t: t.data["target"]) if name == "guess" else (lambda t: t.id)
+    key = (lambda t: (t.prompt, t.data["target"])) if name == "guess" else (lambda t: t.id)
     assert not {key(t) for t in train} & {key(t) for t in evals}
 
 
@@ -61,6 +62,33 @@ def test_arith_flawed_drops_carries():
     tasks = task_set("arith", "train", seed=3, n=200)
     flawed = sum(demonstrate(t, flawed=True) == demonstrate(t) for t in tasks) / len(tasks)
     assert 0.3 < flawed < 0.95
+
+
+@pytest.mark.parametrize(
+    "config", [{}, {"low": 0, "high": 40, "min_width": 12, "max_width": 12, "eval_fraction": 0.1}]
+)
+def test_guess_splits_share_numbers_not_problems(config):
+    cfg = GuessConfig(**config)
+    train, evals = problems(cfg, "train"), problems(cfg, "eval")
+    assert not set(train) & set(evals)
+    windows = {(low, high) for low, high, _ in train + evals}
+    assert set(train) | set(evals) == {(lo, hi, t) for lo, hi in windows for t in range(lo, hi + 1)}
+    numbers = range(cfg.low, cfg.high + 1)
+    appearances = {n: sum(lo <= n <= hi for lo, hi in windows) for n in numbers}
+    in_train, in_eval = ({t for *_, t in split} for split in (train, evals))
+    for n in numbers:
+        assert (n in in_train and n in in_eval) == (appearances[n] > 1)
+    assert abs(len(evals) / (len(train) + len(evals)) - cfg.eval_fraction) < 0.05
+    sampled = task_set("guess", "eval", seed=0, n=300, config=config)
+    assert {(t.data["low"], t.data["high"], t.data["target"]) for t in sampled} <= set(evals)
+    assert all(t.prompt == f"guess {t.data['low']}-{t.data['high']}" for t in sampled)
+
+
+def test_guess_config_rejects_impossible_windows():
+    with pytest.raises(ValueError, match="min_width"):
+        GuessConfig(min_width=12, max_width=8)
+    with pytest.raises(ValueError, match="max_width"):
+        GuessConfig(low=1, high=10, max_width=16)
 
 
 def test_guess_feedback_and_progress():
