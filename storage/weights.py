@@ -54,21 +54,27 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 
 def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Detached, contiguous CPU tensors, each with its own storage.
+    """Detached, contiguous CPU tensors, a storage shared by several names (tied
+    embeddings) stored once under its first name, as ``save_pretrained`` does.
 
-    safetensors refuses tensors that share memory (tied embeddings); a clone per repeated
-    storage keeps every name, and ``from_pretrained`` re-ties them from the config.
+    ``from_pretrained`` re-ties the missing name from the config; storing both copies
+    instead makes the tie depend on the two copies comparing equal at load time.
     """
-    seen_storages: set[tuple[int, int]] = set()
+    seen_tensors: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
+    seen_storages: set[int] = set()
     ready: dict[str, torch.Tensor] = {}
     for name, tensor in state_dict.items():
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"state_dict[{name!r}] is a {type(tensor).__name__}, not a tensor")
+        alias_key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()))
+        if alias_key in seen_tensors:
+            continue
+        seen_tensors.add(alias_key)
         tensor = tensor.detach().to("cpu")
-        storage_key = (tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes())
-        if storage_key in seen_storages or not tensor.is_contiguous():
-            tensor = tensor.clone().contiguous()
-        seen_storages.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+        storage = tensor.untyped_storage().data_ptr()
+        # other views of an already stored buffer need their own copy (safetensors refuses shared memory)
+        tensor = tensor.clone().contiguous() if storage in seen_storages else tensor.contiguous()
+        seen_storages.add(storage)
         ready[name] = tensor
     return ready
 
@@ -128,7 +134,7 @@ class WeightStore:
         """Write a new version and point ``LATEST`` at it; returns its number.
 
         Args:
-            state_dict: parameter name -> tensor (tied tensors are stored once per name).
+            state_dict: parameter name -> tensor (a tied tensor is stored once, under its first name).
             model_config: the Hugging Face config as a dict (``config.to_dict()``).
             tokenizer_dir: a local folder whose files (``tokenizer.json`` …) are copied in.
             step: optimizer step that produced these weights.

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 import posixpath
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -80,6 +82,8 @@ def test_publish_load_is_hugging_face_loadable(weights, tokenizer_dir):
     ids = torch.tensor([[1, 4, 5, 6, 7]])
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(model, ids), rtol=0, atol=0)
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    with safe_open(os.path.join(local, "model.safetensors"), "pt") as stored:
+        assert "model.embed_tokens.weight" in stored.keys() and "lm_head.weight" not in stored.keys()
     tokenizer = AutoTokenizer.from_pretrained(local)
     assert tokenizer.convert_tokens_to_ids(["a", "h"]) == [4, 11]
 
