@@ -575,3 +575,6 @@ def _resolve(future: asyncio.Future, value) -> None:
 def _reject(future: asyncio.Future, error: BaseException) -> None:
     if not future.done():
         future.set_exception(error)
+        # A cancelled caller no longer awaits this future (generate shields it); mark the
+        # error seen so closing the engine does not log "exception was never retrieved".
+        future.exception()
