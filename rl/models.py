@@ -35,7 +35,7 @@ from transformers import (
 )
 
 from rl.tokenizer import train_tokenizer
-from storage.weights import MODEL_FILE, WeightStore
+from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, WeightStore
 
 _CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 _ATTENTION_MARKERS = ("self_attn", "attention")
@@ -108,7 +108,8 @@ def load_policy(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Any Hugging Face causal LM and its tokenizer from a local directory, in eval mode."""
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    with PRETRAINED_LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device).eval(), load_tokenizer(path)
 
 

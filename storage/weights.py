@@ -16,6 +16,7 @@ import posixpath
 import re
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -25,6 +26,11 @@ import torch
 from safetensors.torch import save_file
 
 from storage.config import RunStore
+
+PRETRAINED_LOAD_LOCK = threading.Lock()
+"""Held around every ``from_pretrained`` of a weight version: transformers' loading is not
+thread-safe (concurrent loads in one process, as an engine and a trainer starting in the
+threads of one flow, leave parameters on the meta device)."""
 
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"

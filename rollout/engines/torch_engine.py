@@ -35,6 +35,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedModel
 
 from rollout.engines.base import EngineError, EngineStats, Generation, InvalidRequest, SamplingParams
+from storage.weights import PRETRAINED_LOAD_LOCK
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (keys, values), each (B, H_kv, L, D)."""
@@ -157,7 +158,8 @@ class TorchEngine:
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             path = str(model)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            with PRETRAINED_LOAD_LOCK:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
         self.model = model.to(device=device, dtype=dtype).eval()
         self.tokenizer = tokenizer

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from pydantic import ValidationError
@@ -179,3 +181,23 @@ def test_value_model_round_trips_through_its_own_weight_store(tiny, store, tmp_p
     ids = torch.tensor([tokenizer.encode("Too low, go higher.", add_special_tokens=False)])
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids), value(ids), rtol=0, atol=0)
+
+
+def test_concurrent_loads_in_threads_get_real_weights(weights):
+    """An engine and a trainer load versions in threads of one flow; transformers' loading is
+    not thread-safe on its own (parameters were left on the meta device)."""
+    ensure_base_version(weights, SMALL)
+    path = weights.load(0)
+    loaded: list = []
+
+    def load() -> None:
+        for _ in range(3):
+            loaded.append(load_policy(path)[0])
+
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(loaded) == 9
+    assert not any(p.is_meta for model in loaded for p in model.parameters())
