@@ -37,6 +37,7 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="treadle-bench-prefect-"))
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from flows.config import load_config
     from flows.pipeline import pipeline
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import yaml
@@ -15,6 +16,8 @@ def parse(
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
     config error's message (naming the field) when it does not load."""
+    # a fresh Prefect home migrates its database on the first start: slow on a busy machine
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--config", default="configs/tiny.yaml", help="Run config YAML (default: configs/tiny.yaml)."
