@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
+INSPECT_VERSIONS = 12
+"""About how many versions ``treadle inspect`` lists (evenly spaced, first and last always)."""
 
 
 def _store(args):
@@ -18,22 +20,30 @@ def _store(args):
     return RunStore(StorageConfig(root=args.root), args.run_id)
 
 
+def spaced(values: list, limit: int = INSPECT_VERSIONS) -> set:
+    """At most about ``limit`` evenly spaced items of ``values``, the first and last always."""
+    return set(values[:: max(1, len(values) // limit)] + values[-1:])
+
+
 def inspect_run(store) -> str:
     """A run's versions, held-out reward per version, reward of the generated data per
-    version, and shard counts, from its Delta tables."""
+    version, and shard counts, from its Delta tables. Long version lists are thinned to
+    evenly spaced versions (``treadle sql`` shows every row)."""
     import pyarrow.compute as pc
 
     from storage.tables import Tables
 
     tables = Tables(store)
     lines = [f"run {store.uri}"]
-    weights = tables.read("weights").sort_by("version")
-    lines.append(f"\nweight versions: {weights.num_rows}")
-    for row in weights.to_pylist():
-        tag = f" [{row['tag']}]" if row["tag"] else ""
-        lines.append(
-            f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}"
-        )
+    weights = tables.read("weights").sort_by("version").to_pylist()
+    shown = spaced([row["version"] for row in weights])
+    lines.append(f"\nweight versions: {len(weights)} (showing {len(shown)})")
+    for row in weights:
+        if row["version"] in shown or row["tag"]:
+            tag = f" [{row['tag']}]" if row["tag"] else ""
+            lines.append(
+                f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}"
+            )
     evals = tables.read("evals").sort_by([("version", "ascending"), ("env", "ascending")])
     lines.append("\nheld-out reward per version:")
     lines += [
@@ -41,15 +51,19 @@ def inspect_run(store) -> str:
         for r in evals.to_pylist()
     ]
     trajectories = tables.read("trajectories")
-    lines.append("\nreward of generated trajectories per newest generating version:")
+    lines.append("\nreward of generated trajectories by the newest version that generated them:")
     if trajectories.num_rows:
         grouped = trajectories.group_by(["max_version", "task"]).aggregate(
             [("reward", "mean"), ("trajectory_id", "count")]
         )
-        for r in sorted(grouped.to_pylist(), key=lambda r: (r["max_version"], r["task"])):
-            lines.append(
-                f"  v{r['max_version']:<4} {r['task']:<8} {r['reward_mean']:.3f}  ({r['trajectory_id_count']} trajectories)"
-            )
+        rows = sorted(grouped.to_pylist(), key=lambda r: (r["max_version"], r["task"]))
+        shown = spaced(sorted({r["max_version"] for r in rows}))
+        for r in rows:
+            if r["max_version"] in shown:
+                count = r["trajectory_id_count"]
+                lines.append(
+                    f"  v{r['max_version']:<4} {r['task']:<8} {r['reward_mean']:.3f}  ({count} trajectories)"
+                )
     shards = tables.read("shards")
     lines.append("\nshards:")
     for kind in ("raw", "processed"):
