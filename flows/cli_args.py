@@ -18,6 +18,9 @@ def parse(
     config error's message (naming the field) when it does not load."""
     # a fresh Prefect home migrates its database on the first start: slow on a busy machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    # the server's telemetry cannot reach its host from an offline machine, and its first
+    # write races the other start-up writes on a fresh SQLite database
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--config", default="configs/tiny.yaml", help="Run config YAML (default: configs/tiny.yaml)."

@@ -11,7 +11,9 @@ SIDE_EFFECTS = {"cache_policy": NO_CACHE}
 """Task options of every task that writes: never cached."""
 
 STORAGE_RETRIES = {"retries": 3, "retry_delay_seconds": [1, 4, 16]}
-"""Retry options of short tasks whose only failure mode is transient storage I/O."""
+"""Retries with backoff for transient storage errors. Every task is safe to run again:
+shards commit atomically, processing is idempotent, the trainer resumes exactly from
+``LATEST``, and warm start does nothing once a version exists."""
 
 
 def run_store(config: RunConfig) -> RunStore:

@@ -15,7 +15,7 @@ from flows.config import RunConfig
 from rl.models import load_tokenizer
 from rl.process_loop import ProcessedShard, ShardProcessor
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 
 def shard_processor(
@@ -86,13 +86,13 @@ def _emit(config: RunConfig, outcome: ProcessedShard) -> None:
     )
 
 
-@task(name="process-shards", **SIDE_EFFECTS)
+@task(name="process-shards", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def process_shards(config: RunConfig, deadline: float) -> dict[str, Any]:
     """Process raw shards continuously until the deadline; emits an event per shard."""
     return run_processor(config, deadline, on_shard=lambda outcome: _emit(config, outcome))
 
 
-@task(name="process-pending", **SIDE_EFFECTS)
+@task(name="process-pending", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def process_pending(config: RunConfig) -> dict[str, Any]:
     """One pass over the raw shards not processed yet (for event-triggered runs)."""
     processor = shard_processor(config, on_shard=lambda outcome: _emit(config, outcome))

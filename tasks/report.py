@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import io
+import math
 import time
 from typing import Any
 
 import pyarrow.compute as pc
+from prefect import get_run_logger
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -20,18 +22,27 @@ from tasks.common import run_store
 
 
 class ProgressReporter:
-    """A progress artifact of a count toward ``total`` (or of elapsed time toward a deadline
-    when there is no total), updated at most every ``every_s`` seconds."""
+    """A progress artifact of a count toward ``total`` (or of elapsed time toward a
+    ``deadline`` when there is no total), updated at most every ``every_s`` seconds, and a
+    log line (what the console shows while a flow runs) at most every ``log_every_s``."""
 
     def __init__(
-        self, description: str, total: int | None = None, deadline: float | None = None, every_s: float = 2.0
+        self,
+        description: str,
+        total: int | None = None,
+        deadline: float | None = None,
+        every_s: float = 2.0,
+        log_every_s: float = 10.0,
     ):
         self.description = description
         self.total = total
-        self.deadline = deadline
+        self.deadline = deadline if deadline is not None and math.isfinite(deadline) else None
         self.started = time.time()
         self.every_s = every_s
+        self.log_every_s = log_every_s
         self._last = 0.0
+        self._last_log = self.started
+        self.logger = get_run_logger()
         self.artifact_id = create_progress_artifact(0.0, description=f"{description}: 0")
 
     def _percent(self, count: int) -> float:
@@ -41,8 +52,11 @@ class ProgressReporter:
             return min(100.0, 100.0 * (time.time() - self.started) / (self.deadline - self.started))
         return 0.0
 
-    def update(self, count: int, final: bool = False) -> None:
+    def update(self, count: int, final: bool = False, detail: str = "") -> None:
         now = time.time()
+        if final or now - self._last_log >= self.log_every_s:
+            self._last_log = now
+            self.logger.info("%s: %d%s", self.description, count, f" — {detail}" if detail else "")
         if not final and now - self._last < self.every_s:
             return
         self._last = now

@@ -14,7 +14,7 @@ from prefect.events import emit_event
 from flows.config import RunConfig
 from rollout.worker import RolloutWorker
 from storage.shards import ShardInfo
-from tasks.common import SIDE_EFFECTS, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 
 def run_rollouts(
@@ -100,18 +100,28 @@ def run_rollouts(
             env_pool.close()
 
 
-@task(name="rollouts", **SIDE_EFFECTS)
+def rollout_detail(status: dict[str, Any]) -> str:
+    """One line of a worker's status: served version and mean reward per task."""
+    rewards = ", ".join(
+        f"{name} {counters['mean_reward']:.2f}"
+        for name, counters in sorted(status["orchestrator"]["tasks"].items())
+        if counters["mean_reward"] is not None
+    )
+    return f"serving v{status['version']}, backlog {status['backlog']} shards, mean reward {rewards or '—'}"
+
+
+@task(name="rollouts", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def rollouts(config: RunConfig, deadline: float, worker_name: str = "worker-0") -> dict[str, Any]:
     """Generate rollouts into raw shards until the deadline; emits ``treadle.shard.committed``
     per raw shard; returns the worker's counters."""
     from tasks.report import ProgressReporter
 
-    progress = ProgressReporter("Rollouts finished", total=config.stop.max_rollouts)
+    progress = ProgressReporter("Rollouts finished", total=config.stop.max_rollouts, deadline=deadline)
     result = run_rollouts(
         config,
         deadline,
         worker_name,
-        on_progress=lambda s: progress.update(s["orchestrator"]["finished"]),
+        on_progress=lambda s: progress.update(s["orchestrator"]["finished"], detail=rollout_detail(s)),
         on_shard=lambda info: emit_event(
             event="treadle.shard.committed",
             resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},

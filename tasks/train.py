@@ -14,7 +14,7 @@ from flows.config import RunConfig
 from rl.trainer import Trainer
 from rollout.elastic import ElasticController, ElasticLog, PolicyInputs
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 
 def run_trainer(
@@ -88,13 +88,13 @@ def run_trainer(
     return {"steps": summary.steps, "versions": summary.versions, "stop_reason": summary.stop_reason}
 
 
-@task(name="train", **SIDE_EFFECTS)
+@task(name="train", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def train(config: RunConfig, deadline: float, drain: bool = False) -> dict[str, Any]:
     """Run the trainer until the deadline (or until drained); emits an event per published
     weight version."""
     from tasks.report import ProgressReporter
 
-    progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps)
+    progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps, deadline=deadline)
 
     def published(version: int) -> None:
         emit_event(
@@ -106,7 +106,11 @@ def train(config: RunConfig, deadline: float, drain: bool = False) -> dict[str, 
     result = run_trainer(
         config,
         deadline,
-        on_step=lambda row: progress.update(row["step"]),
+        on_step=lambda row: progress.update(
+            row["step"],
+            detail=f"version {row['version']}, reward {row['reward_mean']:.2f}, "
+            f"masked {row['masked_fraction']:.3f}, staleness {row['staleness_mean']:.1f}",
+        ),
         on_publish=published,
         drain=drain,
     )

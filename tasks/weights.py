@@ -19,7 +19,7 @@ from rollout.evaluate import EvalResult, evaluate
 from rollout.gateway import ChatRenderer
 from storage.tables import Tables
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 
 def demonstration_data(
@@ -67,7 +67,16 @@ def build_base_version(config: RunConfig, log=print) -> int:
     if config.warm_start.enabled:
         started = time.monotonic()
         sequences, masks = demonstration_data(config, tokenizer)
-        losses = supervised_warm_start(model, sequences, masks, tokenizer.pad_token_id, config.warm_start.sft)
+        last_log = [started]
+
+        def on_step(step: int, loss: float) -> None:
+            if time.monotonic() - last_log[0] >= 15:
+                last_log[0] = time.monotonic()
+                log(f"warm start: step {step}, loss {loss:.3f}")
+
+        losses = supervised_warm_start(
+            model, sequences, masks, tokenizer.pad_token_id, config.warm_start.sft, on_step=on_step
+        )
         metadata["warm_start"] = {
             "demonstrations": len(sequences),
             "flawed": config.warm_start.flawed,
@@ -142,13 +151,13 @@ def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResul
     return result
 
 
-@task(name="warm-start", **SIDE_EFFECTS)
+@task(name="warm-start", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def warm_start(config: RunConfig) -> int:
     """Create the run's version 0 (warm-started) unless it exists."""
     return build_base_version(config, log=get_run_logger().info)
 
 
-@task(name="evaluate", **SIDE_EFFECTS)
+@task(name="evaluate", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def evaluate_task(config: RunConfig, version: int | None = None) -> dict[str, Any]:
     """Held-out evaluation of a weight version; returns reward and count per env."""
     result = evaluate_version(config, version)
