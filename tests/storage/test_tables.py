@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 import subprocess
 import sys
@@ -13,6 +12,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 
+from flows.sql import extension_paths
 from storage.schema import SchemaError
 from storage.tables import TABLE_SCHEMAS, Tables
 
@@ -115,14 +115,8 @@ def test_optimize_and_vacuum_keep_every_row(store):
 def _duckdb_with_delta() -> duckdb.DuckDBPyConnection:
     """duckdb with the delta and httpfs extensions loaded from their wheels' files (its
     own extension download needs the internet)."""
-    import duckdb_extension_delta
-    import duckdb_extension_httpfs
-
     connection = duckdb.connect()
-    for package in (duckdb_extension_httpfs, duckdb_extension_delta):
-        (path,) = glob.glob(
-            os.path.join(os.path.dirname(package.__file__), "extensions", "*", "*.duckdb_extension")
-        )
+    for path in extension_paths():
         connection.execute(f"LOAD '{path}'")
     return connection
 
