@@ -103,7 +103,7 @@ class RolloutWorker:
 
     def backlog(self) -> int:
         """Shards committed since the engines last picked up a new weight version."""
-        return self.writer._seq - self._shards_at_version
+        return self.writer.next_seq - self._shards_at_version
 
     async def start(self) -> RolloutWorker:
         """Build engines on the newest version and the orchestrator over them."""
@@ -120,7 +120,7 @@ class RolloutWorker:
 
             tokenizer = load_tokenizer(path)
         self.version = version
-        self._shards_at_version = self.writer._seq
+        self._shards_at_version = self.writer.next_seq
         gateway = Gateway(Router(self.engines), tokenizer, self.gateway_config)
         service = self.service = RolloutService(gateway, self.make_env, self.service_config)
         streams = task_streams(list(self.orchestrator_config.mix), self.env_configs, self.seed)
@@ -142,7 +142,7 @@ class RolloutWorker:
         path = await asyncio.to_thread(self.weights.load, latest)
         await asyncio.gather(*(engine.load_version(latest, path) for engine in self.engines))
         self.version = latest
-        self._shards_at_version = self.writer._seq
+        self._shards_at_version = self.writer.next_seq
         self.version_loads.append((latest, time.time()))
         log.info("worker %s now serves weight version %d", self.name, latest)
         return True

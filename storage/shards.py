@@ -105,6 +105,12 @@ class ShardWriter:
         self._closed = False
         self._seq = self._next_seq()
 
+    @property
+    def next_seq(self) -> int:
+        """Sequence number the next flushed shard will get (shards committed so far, when
+        numbering started at 0)."""
+        return self._seq
+
     def write(self, record: Mapping[str, Any]) -> ShardInfo | None:
         """Buffer one record; returns the shard it completed, if this write flushed one."""
         return self.write_table(to_table([record], self.schema))
