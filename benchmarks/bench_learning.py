@@ -130,8 +130,9 @@ def run_sft(config: RunConfig, seconds: float, on_mark, env: str) -> dict:
 
 def train_summary(config: RunConfig) -> dict:
     """Policy steps, versions, masked fraction and staleness from the ``train_steps`` table."""
-    steps = Tables(run_store(config)).read("train_steps")  # noqa: F841 (read by duckdb)
-    row = duckdb.sql(
+    connection = duckdb.connect()
+    connection.register("steps", Tables(run_store(config)).read("train_steps"))
+    row = connection.sql(
         "select count(*), max(version), avg(masked_fraction), avg(staleness_mean), max(staleness_max),"
         " avg(reward_mean), avg(step_seconds), sum(num_samples) from steps"
     ).fetchone()

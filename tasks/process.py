@@ -24,10 +24,14 @@ def shard_processor(
     """A processor for the run, decoding text with the tokenizer of its newest version."""
     store = run_store(config)
     weights = WeightStore(store)
-    decode = None
-    if weights.latest() is not None:
-        tokenizer = load_tokenizer(weights.load(weights.latest()))
-        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    latest = weights.latest()
+    if latest is None:
+        return ShardProcessor(store, config.processor, on_shard=on_shard)
+    tokenizer = load_tokenizer(weights.load(latest))
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=False)
+
     return ShardProcessor(store, config.processor, decode=decode, on_shard=on_shard)
 
 
