@@ -23,11 +23,6 @@ class EvalResult:
     count: dict[str, int]
     statuses: dict[str, dict[str, int]]
 
-    @property
-    def mean(self) -> float:
-        total = sum(self.count.values())
-        return sum(self.reward[e] * self.count[e] for e in self.reward) / total if total else 0.0
-
 
 async def evaluate(
     engine: Engine,
