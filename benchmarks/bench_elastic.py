@@ -1,6 +1,6 @@
 """Elastic rollout/training capacity vs the best fixed split (QwenGyre's claim), simulated.
 
-Workload (``rollout.simcluster.ElasticWorkload`` defaults): 16 capacity units, 8 sessions
+Workload (``rollout.elastic_sim.ElasticWorkload`` defaults): 16 capacity units, 8 sessions
 per rollout replica, a staleness bound of 64 trajectories generated-or-in-flight but not
 trained; phase 1: 320 long-horizon sessions (median 900 s, lognormal sigma 0.7: long
 stragglers), 40 unit-seconds of training each; phase 2: 1600 short sessions (median 60 s),
@@ -14,7 +14,7 @@ Last line: JSON with "ratio" = elastic trained trajectories/s / best fixed split
 import json
 
 from rollout.elastic import ElasticController
-from rollout.simcluster import ElasticWorkload, simulate_elastic
+from rollout.elastic_sim import ElasticWorkload, simulate_elastic
 
 
 def compare(w: ElasticWorkload) -> dict:

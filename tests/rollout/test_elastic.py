@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout.elastic import ElasticConfig, ElasticController, ElasticLog, PolicyInputs
-from rollout.simcluster import ElasticWorkload, simulate_elastic
+from rollout.elastic_sim import ElasticWorkload, simulate_elastic
 
 BEHIND = PolicyInputs(unconsumed_shards=20, engine_queue_depth=0, trainer_idle=0.0)
 DRY = PolicyInputs(unconsumed_shards=0, engine_queue_depth=5, trainer_idle=1.0)

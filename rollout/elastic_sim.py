@@ -1,0 +1,164 @@
+"""A discrete-event simulated rollout/training pipeline driven by the real elastic controller.
+
+``simulate_elastic`` runs a pipeline whose capacity units are split between rollout and
+training either fixed or by ``rollout.elastic.ElasticController``. Nothing here
+reimplements a decision: the controller is the same object the pipeline flow uses.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, Field
+
+from rollout.elastic import ElasticController, PolicyInputs
+
+
+class ElasticWorkload(BaseModel):
+    """A rollout/training mix whose balance shifts: long stragglers, then a training burst."""
+
+    units: int = Field(16, ge=2, description="Capacity units (engine replicas / GPU groups) in the cluster.")
+    sessions_per_replica: int = Field(8, ge=1, description="Concurrent rollout sessions one replica serves.")
+    long_sessions: int = Field(320, ge=0, description="Phase 1: long-horizon prompts (rollout-bound).")
+    long_median_s: float = Field(900.0, gt=0, description="Median session length of phase-1 prompts.")
+    long_sigma: float = Field(
+        0.7, ge=0, description="Log-space spread of phase-1 session length (the stragglers)."
+    )
+    long_train_s: float = Field(40.0, gt=0, description="Unit-seconds to train one phase-1 trajectory.")
+    short_sessions: int = Field(1600, ge=0, description="Phase 2: short prompts (training-bound burst).")
+    short_median_s: float = Field(60.0, gt=0, description="Median session length of phase-2 prompts.")
+    short_sigma: float = Field(0.5, ge=0, description="Log-space spread of phase-2 session length.")
+    short_train_s: float = Field(20.0, gt=0, description="Unit-seconds to train one phase-2 trajectory.")
+    trajectories_per_shard: int = Field(4, ge=1, description="Trajectories committed together as one shard.")
+    max_ahead: int = Field(
+        64, ge=1, description="Staleness bound: most trajectories generated or in flight but not yet trained."
+    )
+    switch_s: float = Field(
+        60.0, ge=0, description="Seconds a unit needs to change sides (load weights, rebuild state)."
+    )
+    tick_s: float = Field(30.0, gt=0, description="Seconds between controller decisions.")
+    seed: int = Field(0, description="Random seed.")
+
+
+@dataclass
+class ElasticRun:
+    """What a simulated rollout/training run measured."""
+
+    trained: int
+    makespan: float
+    moves: int
+    interrupted_sessions: int
+    log: list[dict] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        """Trained trajectories per second, end to end."""
+        return self.trained / self.makespan
+
+
+def simulate_elastic(
+    w: ElasticWorkload, rollout_units: int, controller: ElasticController | None = None
+) -> ElasticRun:
+    """Run the pipeline with ``rollout_units`` rollout replicas at start; elastic if ``controller``."""
+    if not 1 <= rollout_units < w.units:
+        raise ValueError(f"rollout_units must be in [1, {w.units - 1}], got {rollout_units}")
+    rng = random.Random(w.seed)
+    prompts = deque(
+        [
+            (rng.lognormvariate(math.log(w.long_median_s), w.long_sigma), w.long_train_s)
+            for _ in range(w.long_sessions)
+        ]
+        + [
+            (rng.lognormvariate(math.log(w.short_median_s), w.short_sigma), w.short_train_s)
+            for _ in range(w.short_sessions)
+        ]
+    )
+    total = len(prompts)
+    names = [f"u{i}" for i in range(w.units)]
+    if controller is None:
+        controller = ElasticController.create(names[:rollout_units], names[rollout_units:])
+        elastic = False
+    else:
+        elastic = True
+    role_ready: dict[str, float] = dict.fromkeys(names, 0.0)
+    training: dict[str, bool] = dict.fromkeys(names, False)
+    train_end: dict[str, float] = dict.fromkeys(names, 0.0)
+    sessions_on: dict[str, int] = dict.fromkeys(names, 0)
+    backlog: deque[float] = deque()
+    in_flight = 0
+    trained = 0
+    interrupted = 0
+    events: list = []
+    seq = itertools.count()
+    heapq.heappush(events, (0.0, next(seq), "tick", None))
+    log: list[dict] = []
+    now = 0.0
+
+    def start_work(t: float) -> None:
+        nonlocal in_flight
+        for name in controller.routable():
+            while (
+                prompts
+                and role_ready[name] <= t
+                and sessions_on[name] < w.sessions_per_replica
+                and in_flight + len(backlog) < w.max_ahead
+            ):
+                length, train_s = prompts.popleft()
+                controller.begin_session(name)
+                sessions_on[name] += 1
+                in_flight += 1
+                heapq.heappush(events, (t + length, next(seq), "session", (name, train_s)))
+        for name in controller.units_in("train"):
+            if not training[name] and role_ready[name] <= t and backlog:
+                train_s = backlog.popleft()
+                training[name] = True
+                train_end[name] = t + train_s
+                heapq.heappush(events, (t + train_s, next(seq), "trained", name))
+
+    def _engine_queue_depth(t: float) -> int:
+        """Sessions the staleness bound admits now but no rollout slot can take."""
+        admissible = min(len(prompts), max(0, w.max_ahead - in_flight - len(backlog)))
+        free_slots = sum(
+            w.sessions_per_replica - sessions_on[n] for n in controller.routable() if role_ready[n] <= t
+        )
+        return max(0, admissible - free_slots)
+
+    while trained < total:
+        now, _, kind, payload = heapq.heappop(events)
+        if kind == "session":
+            name, train_s = payload
+            if controller.units[name].role == "train":
+                interrupted += 1
+            sessions_on[name] -= 1
+            in_flight -= 1
+            backlog.append(train_s)
+            move = controller.end_session(name, now)
+            if move is not None:
+                role_ready[name] = now + w.switch_s
+                heapq.heappush(events, (role_ready[name], next(seq), "ready", name))
+        elif kind == "trained":
+            training[payload] = False
+            trained += 1
+        elif kind == "tick":
+            train_units = controller.units_in("train")
+            idle = sum(1 for n in train_units if not training[n] and role_ready[n] <= now)
+            if elastic:
+                inputs = PolicyInputs(
+                    unconsumed_shards=math.ceil(len(backlog) / w.trajectories_per_shard),
+                    engine_queue_depth=_engine_queue_depth(now),
+                    trainer_idle=idle / max(len(train_units), 1),
+                )
+                for move in controller.step(inputs, now):
+                    if move.target != "draining":
+                        # a training unit hands over at its step boundary: after its current item
+                        role_ready[move.unit] = max(now, train_end[move.unit]) + w.switch_s
+                        heapq.heappush(events, (role_ready[move.unit], next(seq), "ready", move.unit))
+                    log.append(controller.log_record())
+            heapq.heappush(events, (now + w.tick_s, next(seq), "tick", None))
+        start_work(now)
+    return ElasticRun(trained, now, len(controller.moves), interrupted, log)
