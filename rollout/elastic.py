@@ -1,15 +1,21 @@
 """Elastic capacity between rollout and training (QwenGyre, arXiv 2609.33848).
 
 Capacity units (engine replicas on a cluster, worker processes here) each serve rollout
-or training. When the trainer falls behind (many unconsumed shards) while the engines have
-slack, the controller drains one rollout replica: it stops taking new sessions, its live
-sessions run to their end, and only then is the unit handed to the trainer. When the
-trainer's queue runs dry it hands a unit back. A live rollout is never interrupted.
+or training. When the trainer is saturated and rollout can spare slots (or holds more
+replicas than the measured rates call for), the controller drains rollout replicas, the
+least loaded first: a draining replica takes no new sessions, its live sessions run to
+their end, and only then is the unit handed to the trainer. The router fills the most
+loaded replicas first, so stragglers pack and lightly loaded replicas empty. When sessions
+queue for a slot the controller cancels drains and borrows the trainer's idle units; when
+the trainer's queue runs dry it hands borrowed units back. A live rollout is never
+interrupted.
 """
 
 from __future__ import annotations
 
 import copy
+import math
+from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -21,24 +27,40 @@ Role = Literal["rollout", "draining", "train"]
 class ElasticConfig(BaseModel):
     """Thresholds of the rollout/training capacity policy."""
 
+    sessions_per_replica: int = Field(
+        8, ge=1, description="Concurrent rollout sessions one replica serves (its session slots)."
+    )
+    headroom_slots: int = Field(
+        4,
+        ge=0,
+        description="Free session slots the accepting replicas keep after one is lent to training.",
+    )
     high_backlog: int = Field(
-        8,
+        2,
         ge=1,
-        description="Unconsumed shards at or above which the trainer is behind and may borrow a rollout unit.",
+        description="Unconsumed shards at or above which a trainer with no idle time can use another unit.",
     )
     low_backlog: int = Field(
         1,
         ge=0,
         description="Unconsumed shards at or below which the trainer runs dry and returns a borrowed unit.",
     )
-    max_queue_per_replica: float = Field(
-        1.0, ge=0, description="Engine queue depth per rollout replica above which rollout needs more units."
+    saturated_idle: float = Field(
+        0.05,
+        ge=0,
+        le=1,
+        description="Trainer idle fraction at or below which the trainer counts as saturated.",
     )
     max_moves_per_step: int = Field(
-        2, ge=1, description="Most units moved (or set draining) by one decision."
+        4, ge=1, description="Most units moved (or set draining) by one decision."
     )
     cooldown_s: float = Field(
-        120.0, ge=0, description="Seconds after a move before the next one (damps thrashing)."
+        60.0, ge=0, description="Seconds after a move before the next decision (lets the move take effect)."
+    )
+    rate_window_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds of finished sessions over which the rollout output rate is measured.",
     )
     min_rollout: int = Field(1, ge=1, description="Rollout units never lent to training.")
     min_train: int = Field(1, ge=1, description="Training units never handed to rollout.")
@@ -50,12 +72,15 @@ class PolicyInputs:
 
     ``unconsumed_shards``: committed shards the trainer has not consumed yet;
     ``engine_queue_depth``: sessions waiting for a rollout replica;
-    ``trainer_idle``: fraction of the last interval the training units sat idle (0..1).
+    ``trainer_idle``: fraction of the last interval the training units sat idle (0..1);
+    ``train_unit_s_per_trajectory``: unit-seconds the trainer spent per trajectory lately
+    (measured; ``None`` while unknown).
     """
 
     unconsumed_shards: int
     engine_queue_depth: int
     trainer_idle: float
+    train_unit_s_per_trajectory: float | None = None
 
 
 @dataclass(frozen=True)
@@ -92,6 +117,9 @@ class ElasticController:
     units: dict[str, Unit]
     moves: list[Move] = field(default_factory=list)
     last_inputs: PolicyInputs | None = None
+    finished_at: deque[float] = field(default_factory=deque)
+    started: float | None = None
+    last_rollout_rate: float = 0.0
 
     @classmethod
     def create(
@@ -113,8 +141,13 @@ class ElasticController:
         return [u.name for u in self.units.values() if u.role == role]
 
     def routable(self) -> list[str]:
-        """Rollout replicas that accept new sessions."""
-        return self.units_in("rollout")
+        """Rollout replicas that accept new sessions, the most loaded first.
+
+        A router that fills replicas in this order packs sessions onto few replicas, so the
+        lightly loaded ones (with a straggler or two) empty out and can be lent whole.
+        """
+        accepting = [u for u in self.units.values() if u.role == "rollout"]
+        return [u.name for u in sorted(accepting, key=lambda u: -u.live_sessions)]
 
     def _unit(self, name: str) -> Unit:
         if name not in self.units:
@@ -134,6 +167,9 @@ class ElasticController:
         if unit.live_sessions < 1:
             raise ValueError(f"unit {name!r} has no live session to end")
         unit.live_sessions -= 1
+        if self.started is None:
+            self.started = now
+        self.finished_at.append(now)
         if unit.role == "draining" and unit.live_sessions == 0:
             return self._move(unit, "train", now, "drained at session boundary")
         return None
@@ -145,51 +181,120 @@ class ElasticController:
         return move
 
     def step(self, inputs: PolicyInputs, now: float) -> list[Move]:
-        """Decide on the current queues; returns the moves made now (a drain completes later)."""
+        """Decide on the current queues; returns the moves made now (a drain completes later).
+
+        Slot accounting plus a rate-balanced target, not one-step nudges:
+
+        - Rollout wants ``ceil(engine_queue_depth / sessions_per_replica)`` more replicas.
+          It gets them by cancelling drains first (free: the replica never left), then by
+          borrowing training units the trainer has idle (at least one when its queue ran
+          dry), keeping what the trainer needs for the sessions now finishing
+          (``rollout_rate * train_unit_s_per_trajectory``).
+        - A saturated trainer (idle at most ``saturated_idle``, ``high_backlog`` shards
+          waiting) gets accepting replicas, least loaded first, while the others can spare
+          their slots and keep ``headroom_slots`` free, or while rollout holds more replicas
+          than the balanced target (``balanced_rollout_units``).
+        - When the trainer runs dry, drains still under way are cancelled.
+
+        Each side keeps its minimum; at most ``max_moves_per_step`` moves per decision.
+        """
         self.last_inputs = inputs
         cfg = self.config
+        rate = self.rollout_rate(now)
         if self.moves and now - self.moves[-1].time < cfg.cooldown_s:
             return []
         rollout = [self.units[n] for n in self.units_in("rollout")]
         draining = [self.units[n] for n in self.units_in("draining")]
         train = self.units_in("train")
-        rollout_needs = inputs.engine_queue_depth > cfg.max_queue_per_replica * max(len(rollout), 1)
-        trainer_behind = inputs.unconsumed_shards >= cfg.high_backlog
         trainer_dry = inputs.unconsumed_shards <= cfg.low_backlog and inputs.trainer_idle > 0
+        trainer_saturated = (
+            inputs.unconsumed_shards >= cfg.high_backlog and inputs.trainer_idle <= cfg.saturated_idle
+        )
+        target = self.balanced_rollout_units(rate, inputs.train_unit_s_per_trajectory)
+        wanted = math.ceil(inputs.engine_queue_depth / cfg.sessions_per_replica)
         moves: list[Move] = []
-        if rollout_needs and (trainer_dry or not trainer_behind):
-            for unit in draining[: cfg.max_moves_per_step]:
+        if wanted > 0 or trainer_dry:
+            cancel = len(draining) if trainer_dry else wanted
+            if trainer_saturated and target is not None:
+                cancel = min(cancel, max(target - len(rollout), 0))
+            for unit in sorted(draining, key=lambda u: -u.live_sessions)[
+                : min(cancel, cfg.max_moves_per_step)
+            ]:
+                moves.append(self._move(unit, "rollout", now, "drain cancelled: rollout needs its slots"))
+            idle_units = round(inputs.trainer_idle * len(train))
+            if trainer_dry:
+                idle_units = max(idle_units, 1)
+            keep = cfg.min_train
+            if inputs.train_unit_s_per_trajectory is not None:
+                keep = max(keep, math.ceil(rate * inputs.train_unit_s_per_trajectory))
+            lendable = min(
+                wanted - len(moves), idle_units, len(train) - keep, cfg.max_moves_per_step - len(moves)
+            )
+            for name in self._return_order(train)[: max(lendable, 0)]:
+                reason = "trainer queue ran dry" if trainer_dry else "trainer has idle units"
                 moves.append(
-                    self._move(unit, "rollout", now, "drain cancelled: engines have queued sessions")
+                    self._move(self.units[name], "rollout", now, f"{reason}, engines have queued sessions")
                 )
-            while len(moves) < cfg.max_moves_per_step and len(train) > cfg.min_train:
-                unit = self._last_borrowed(train)
-                train.remove(unit.name)
-                moves.append(
-                    self._move(unit, "rollout", now, "trainer queue ran dry, engines have queued sessions")
-                )
-        elif trainer_behind and not rollout_needs:
-            candidates = sorted(rollout, key=lambda u: u.live_sessions)
-            spare = len(rollout) - cfg.min_rollout
-            for unit in candidates[: min(cfg.max_moves_per_step, spare)]:
+        if trainer_saturated and not moves:
+            free = sum(cfg.sessions_per_replica - u.live_sessions for u in rollout)
+            accepting = len(rollout)
+            for unit in sorted(rollout, key=lambda u: u.live_sessions):
+                lost = cfg.sessions_per_replica - unit.live_sessions
+                if len(moves) == cfg.max_moves_per_step or accepting <= cfg.min_rollout:
+                    break
+                spare = free - lost >= cfg.headroom_slots
+                over_target = target is not None and accepting > target
+                if not (spare or over_target):
+                    break
+                free -= lost
+                accepting -= 1
+                reason = "spare replica" if spare else "rollout above its balanced share"
                 if unit.live_sessions == 0:
-                    moves.append(self._move(unit, "train", now, "trainer behind, idle replica"))
+                    moves.append(self._move(unit, "train", now, f"trainer saturated, {reason} (idle)"))
                 else:
-                    moves.append(self._move(unit, "draining", now, "trainer behind, draining replica"))
+                    moves.append(self._move(unit, "draining", now, f"trainer saturated, {reason} drains"))
         return moves
 
-    def _last_borrowed(self, train: list[str]) -> Unit:
-        """The training unit that most recently came from rollout (else the last one)."""
+    def balanced_rollout_units(self, rate: float, train_unit_s: float | None) -> int | None:
+        """Rollout replicas at which rollout and training output match, from measured rates.
+
+        By Little's law the mean session lasts ``live / rate`` seconds, so one trajectory
+        costs ``rho = live / (rate * sessions_per_replica)`` replica-seconds of rollout and
+        ``tau = train_unit_s`` unit-seconds of training; ``N * rho / (rho + tau)`` of the
+        ``N`` units balance the two. ``None`` while either rate is unknown.
+        """
+        live = sum(u.live_sessions for u in self.units.values())
+        if train_unit_s is None or rate <= 0 or live == 0:
+            return None
+        rho = live / (rate * self.config.sessions_per_replica)
+        total = len(self.units)
+        balanced = round(total * rho / (rho + train_unit_s))
+        return min(max(balanced, self.config.min_rollout), total - self.config.min_train)
+
+    def rollout_rate(self, now: float) -> float:
+        """Sessions finished per second over the last ``rate_window_s`` (or since the first decision or finish)."""
+        if self.started is None:
+            self.started = now
+        while self.finished_at and self.finished_at[0] < now - self.config.rate_window_s:
+            self.finished_at.popleft()
+        elapsed = min(self.config.rate_window_s, now - self.started)
+        self.last_rollout_rate = len(self.finished_at) / elapsed if elapsed > 0 else 0.0
+        return self.last_rollout_rate
+
+    def _return_order(self, train: list[str]) -> list[str]:
+        """Training units, the most recently borrowed from rollout first, then the rest last-first."""
+        borrowed = []
         for move in reversed(self.moves):
-            if move.target == "train" and move.unit in train:
-                return self.units[move.unit]
-        return self.units[train[-1]]
+            if move.target == "train" and move.unit in train and move.unit not in borrowed:
+                borrowed.append(move.unit)
+        return borrowed + [n for n in reversed(train) if n not in borrowed]
 
     def log_record(self) -> dict:
         """Policy inputs, unit roles and the last moves, JSON-ready."""
         return {
             "elastic": {
                 "inputs": asdict(self.last_inputs) if self.last_inputs else None,
+                "rollout_rate": round(self.last_rollout_rate, 6),
                 "roles": {n: u.role for n, u in self.units.items()},
                 "live_sessions": {n: u.live_sessions for n, u in self.units.items()},
                 "moves": [asdict(m) for m in self.moves[-8:]],

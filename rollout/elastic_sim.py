@@ -45,6 +45,40 @@ class ElasticWorkload(BaseModel):
     seed: int = Field(0, description="Random seed.")
 
 
+@dataclass(frozen=True)
+class Sample:
+    """The pipeline at one controller tick (the run's time series).
+
+    Unit counts are by role; ``moving`` units changed sides and are still loading.
+    The ``idle_*`` figures are capacity in units' worth standing idle now: empty session
+    slots on accepting replicas, split by why no session fills them (the staleness bound,
+    or no prompt left), empty slots on draining replicas (held by their last sessions),
+    and training units with nothing to train.
+    """
+
+    time: float
+    rollout_units: int
+    draining_units: int
+    train_units: int
+    moving_units: int
+    live_sessions: int
+    backlog: int
+    prompts_left: int
+    idle_rollout_staleness: float
+    idle_rollout_no_prompts: float
+    idle_draining: float
+    idle_training: float
+
+
+IDLE_CAUSES = (
+    "idle_rollout_staleness",
+    "idle_rollout_no_prompts",
+    "idle_draining",
+    "idle_training",
+    "moving_units",
+)
+
+
 @dataclass
 class ElasticRun:
     """What a simulated rollout/training run measured."""
@@ -54,11 +88,51 @@ class ElasticRun:
     moves: int
     interrupted_sessions: int
     log: list[dict] = field(default_factory=list)
+    trace: list[Sample] = field(default_factory=list)
+    tick_s: float = 0.0
 
     @property
     def throughput(self) -> float:
         """Trained trajectories per second, end to end."""
         return self.trained / self.makespan
+
+    def idle_unit_seconds(self) -> dict[str, float]:
+        """Unit-seconds of capacity left idle over the run, by cause (``IDLE_CAUSES``)."""
+        return {cause: sum(getattr(s, cause) for s in self.trace) * self.tick_s for cause in IDLE_CAUSES}
+
+
+def workload_prompts(w: ElasticWorkload) -> list[tuple[float, float]]:
+    """The prompts in arrival order: ``(session seconds, training unit-seconds)`` each."""
+    rng = random.Random(w.seed)
+    longs = [
+        (rng.lognormvariate(math.log(w.long_median_s), w.long_sigma), w.long_train_s)
+        for _ in range(w.long_sessions)
+    ]
+    shorts = [
+        (rng.lognormvariate(math.log(w.short_median_s), w.short_sigma), w.short_train_s)
+        for _ in range(w.short_sessions)
+    ]
+    return longs + shorts
+
+
+def makespan_lower_bound(w: ElasticWorkload) -> float:
+    """A makespan no split of the units, fixed or elastic, can beat on this workload.
+
+    The larger of two bounds. Sessions start in arrival order and at most
+    ``min(max_ahead, (units - 1) * sessions_per_replica)`` run at once, so even with
+    training free and instant each ends no earlier than on that many slots filled
+    greedily; its trajectory then still trains. And all the work, a replica's worth per
+    ``sessions_per_replica`` concurrent sessions plus the training, shares ``units`` units.
+    """
+    prompts = workload_prompts(w)
+    slots = [0.0] * min(w.max_ahead, (w.units - 1) * w.sessions_per_replica)
+    last_trained = 0.0
+    for length, train_s in prompts:
+        end = heapq.heappop(slots) + length
+        heapq.heappush(slots, end)
+        last_trained = max(last_trained, end + train_s)
+    work = sum(length / w.sessions_per_replica + train_s for length, train_s in prompts)
+    return max(last_trained, work / w.units)
 
 
 def simulate_elastic(
@@ -67,17 +141,7 @@ def simulate_elastic(
     """Run the pipeline with ``rollout_units`` rollout replicas at start; elastic if ``controller``."""
     if not 1 <= rollout_units < w.units:
         raise ValueError(f"rollout_units must be in [1, {w.units - 1}], got {rollout_units}")
-    rng = random.Random(w.seed)
-    prompts = deque(
-        [
-            (rng.lognormvariate(math.log(w.long_median_s), w.long_sigma), w.long_train_s)
-            for _ in range(w.long_sessions)
-        ]
-        + [
-            (rng.lognormvariate(math.log(w.short_median_s), w.short_sigma), w.short_train_s)
-            for _ in range(w.short_sessions)
-        ]
-    )
+    prompts = deque(workload_prompts(w))
     total = len(prompts)
     names = [f"u{i}" for i in range(w.units)]
     if controller is None:
@@ -97,10 +161,18 @@ def simulate_elastic(
     seq = itertools.count()
     heapq.heappush(events, (0.0, next(seq), "tick", None))
     log: list[dict] = []
+    trace: list[Sample] = []
+    recent_train_s: deque[float] = deque(maxlen=32)
     now = 0.0
 
     def start_work(t: float) -> None:
         nonlocal in_flight
+        for name in controller.units_in("train"):
+            if not training[name] and role_ready[name] <= t and backlog:
+                train_s = backlog.popleft()
+                training[name] = True
+                train_end[name] = t + train_s
+                heapq.heappush(events, (t + train_s, next(seq), "trained", (name, train_s)))
         for name in controller.routable():
             while (
                 prompts
@@ -113,12 +185,6 @@ def simulate_elastic(
                 sessions_on[name] += 1
                 in_flight += 1
                 heapq.heappush(events, (t + length, next(seq), "session", (name, train_s)))
-        for name in controller.units_in("train"):
-            if not training[name] and role_ready[name] <= t and backlog:
-                train_s = backlog.popleft()
-                training[name] = True
-                train_end[name] = t + train_s
-                heapq.heappush(events, (t + train_s, next(seq), "trained", name))
 
     def _engine_queue_depth(t: float) -> int:
         """Sessions the staleness bound admits now but no rollout slot can take."""
@@ -127,6 +193,27 @@ def simulate_elastic(
             w.sessions_per_replica - sessions_on[n] for n in controller.routable() if role_ready[n] <= t
         )
         return max(0, admissible - free_slots)
+
+    def _sample(t: float) -> Sample:
+        slots = w.sessions_per_replica
+        accepting = [n for n in controller.routable() if role_ready[n] <= t]
+        draining = controller.units_in("draining")
+        ready_train = [n for n in controller.units_in("train") if role_ready[n] <= t]
+        idle_slots = sum(slots - sessions_on[n] for n in accepting) / slots
+        return Sample(
+            time=t,
+            rollout_units=len(controller.units_in("rollout")),
+            draining_units=len(draining),
+            train_units=len(controller.units_in("train")),
+            moving_units=sum(1 for n in names if role_ready[n] > t),
+            live_sessions=in_flight,
+            backlog=len(backlog),
+            prompts_left=len(prompts),
+            idle_rollout_staleness=idle_slots if prompts else 0.0,
+            idle_rollout_no_prompts=idle_slots if not prompts else 0.0,
+            idle_draining=sum(slots - sessions_on[n] for n in draining) / slots,
+            idle_training=sum(1 for n in ready_train if not training[n]),
+        )
 
     while trained < total:
         now, _, kind, payload = heapq.heappop(events)
@@ -142,9 +229,12 @@ def simulate_elastic(
                 role_ready[name] = now + w.switch_s
                 heapq.heappush(events, (role_ready[name], next(seq), "ready", name))
         elif kind == "trained":
-            training[payload] = False
+            name, train_s = payload
+            training[name] = False
             trained += 1
+            recent_train_s.append(train_s)
         elif kind == "tick":
+            trace.append(_sample(now))
             train_units = controller.units_in("train")
             idle = sum(1 for n in train_units if not training[n] and role_ready[n] <= now)
             if elastic:
@@ -152,13 +242,16 @@ def simulate_elastic(
                     unconsumed_shards=math.ceil(len(backlog) / w.trajectories_per_shard),
                     engine_queue_depth=_engine_queue_depth(now),
                     trainer_idle=idle / max(len(train_units), 1),
+                    train_unit_s_per_trajectory=sum(recent_train_s) / len(recent_train_s)
+                    if recent_train_s
+                    else None,
                 )
                 for move in controller.step(inputs, now):
-                    if move.target != "draining":
+                    if "draining" not in (move.source, move.target):
                         # a training unit hands over at its step boundary: after its current item
                         role_ready[move.unit] = max(now, train_end[move.unit]) + w.switch_s
                         heapq.heappush(events, (role_ready[move.unit], next(seq), "ready", move.unit))
                     log.append(controller.log_record())
             heapq.heappush(events, (now + w.tick_s, next(seq), "tick", None))
         start_work(now)
-    return ElasticRun(trained, now, len(controller.moves), interrupted, log)
+    return ElasticRun(trained, now, len(controller.moves), interrupted, log, trace, w.tick_s)

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rollout.elastic import ElasticConfig, ElasticController, ElasticLog, PolicyInputs
-from rollout.elastic_sim import ElasticWorkload, simulate_elastic
+from rollout.elastic_sim import ElasticWorkload, makespan_lower_bound, simulate_elastic
 
 BEHIND = PolicyInputs(unconsumed_shards=20, engine_queue_depth=0, trainer_idle=0.0)
 DRY = PolicyInputs(unconsumed_shards=0, engine_queue_depth=5, trainer_idle=1.0)
@@ -34,8 +34,103 @@ def test_drain_waits_for_live_sessions_then_hands_unit_to_trainer():
     (back,) = ctl.step(DRY, now=5.0)
     assert (back.unit, back.target) == ("r1", "rollout")
     record = ctl.log_record()["elastic"]
-    assert record["inputs"] == {"unconsumed_shards": 0, "engine_queue_depth": 5, "trainer_idle": 1.0}
+    assert record["inputs"] == {
+        "unconsumed_shards": 0,
+        "engine_queue_depth": 5,
+        "trainer_idle": 1.0,
+        "train_unit_s_per_trajectory": None,
+    }
     assert record["roles"]["r1"] == "rollout"
+
+
+def live(ctl, name, sessions):
+    for _ in range(sessions):
+        ctl.begin_session(name)
+
+
+def test_saturated_trainer_gets_the_replicas_whose_slots_the_others_can_spare():
+    # 8 slots a replica, 4 kept free: r2 (1 live) frees 7 of the 12 free slots, 5 stay;
+    # r1 (3 live) would take 5 more, leaving 0 < 4, so it keeps serving
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0))
+    live(ctl, "r0", 8)
+    live(ctl, "r1", 3)
+    live(ctl, "r2", 1)
+    assert ctl.routable() == ["r0", "r1", "r2"]  # most loaded first: sessions pack
+    (move,) = ctl.step(BEHIND, now=0.0)
+    assert (move.unit, move.target) == ("r2", "draining")
+    no_headroom = ElasticController.create(
+        ["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0, headroom_slots=0)
+    )
+    live(no_headroom, "r0", 8)
+    live(no_headroom, "r1", 3)
+    live(no_headroom, "r2", 1)
+    assert [m.unit for m in no_headroom.step(BEHIND, now=0.0)] == ["r2", "r1"]  # r0 is the last
+
+
+def test_queued_sessions_borrow_idle_training_units_but_keep_what_training_needs():
+    ctl = ElasticController.create(["r0"], ["t0", "t1", "t2", "t3"], ElasticConfig(cooldown_s=0))
+    assert ctl.step(PolicyInputs(0, 0, 0.0), now=0.0) == []  # nothing queued, trainer not dry
+    for t in range(12):  # 12 sessions finish in the first 600 s: 0.02 trajectories/s
+        ctl.begin_session("r0")
+        ctl.end_session("r0", now=50.0 * t)
+    # 40 queued sessions want 5 replicas; 4 training units idle; at 100 unit-s a trajectory
+    # the trainer needs ceil(0.02 * 100) = 2 of them: 2 are lent
+    moves = ctl.step(PolicyInputs(3, 40, 1.0, train_unit_s_per_trajectory=100.0), now=600.0)
+    assert [(m.unit, m.target) for m in moves] == [("t3", "rollout"), ("t2", "rollout")]
+    # half the trainer idle (round(0.5 * 2) = 1 unit) but it needs both: nothing more is lent
+    assert ctl.step(PolicyInputs(3, 40, 0.5, train_unit_s_per_trajectory=100.0), now=700.0) == []
+
+
+def test_rollout_above_its_balanced_share_drains_even_when_full():
+    ctl = ElasticController.create([f"r{i}" for i in range(6)], ["t0", "t1"], ElasticConfig(cooldown_s=0))
+    for t in range(120):  # 0.2 sessions finish a second
+        ctl.begin_session("r0")
+        ctl.end_session("r0", now=5.0 * t)
+    for i in range(6):
+        live(ctl, f"r{i}", 8)
+    # Little's law: 48 live at 0.2/s last 240 s each, 30 replica-seconds a trajectory on
+    # 8 slots; training costs 30 unit-seconds: 8 * 30 / (30 + 30) = 4 rollout replicas
+    assert ctl.balanced_rollout_units(0.2, 30.0) == 4
+    assert ctl.balanced_rollout_units(0.2, None) is None
+    moves = ctl.step(PolicyInputs(10, 0, 0.0, train_unit_s_per_trajectory=30.0), now=599.0)
+    assert [(m.unit, m.target) for m in moves] == [("r0", "draining"), ("r1", "draining")]
+    assert len(ctl.routable()) == 4
+
+
+def test_dry_trainer_cancels_drains_but_lends_nothing_the_engines_do_not_want():
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0, headroom_slots=2))
+    live(ctl, "r0", 8)
+    live(ctl, "r1", 6)
+    live(ctl, "r2", 1)
+    # 9 free slots: lending r2 leaves 2 (the headroom), lending r1 too would leave 0
+    (drain,) = ctl.step(BEHIND, now=0.0)
+    assert (drain.unit, drain.source, drain.target) == ("r2", "rollout", "draining")
+    (cancel,) = ctl.step(PolicyInputs(0, 0, 1.0), now=1.0)
+    assert (cancel.unit, cancel.source, cancel.target) == ("r2", "draining", "rollout")
+    assert ctl.units_in("train") == ["t0"]  # nothing queued: the training unit stays
+
+
+def test_lower_bound_is_hand_worked_and_never_beaten():
+    # two 100 s sessions one at a time (staleness bound 1), 10 s training each: the second
+    # starts when the first is trained away, ends at 200 and is trained by 210
+    tiny = ElasticWorkload(
+        units=2,
+        long_sessions=2,
+        long_sigma=0,
+        long_median_s=100,
+        long_train_s=10,
+        short_sessions=0,
+        max_ahead=1,
+    )
+    assert makespan_lower_bound(tiny) == pytest.approx(210.0)
+    assert simulate_elastic(tiny, 1).makespan == pytest.approx(210.0)
+    w = ElasticWorkload(units=6, long_sessions=24, short_sessions=120, long_median_s=300, max_ahead=48)
+    bound = makespan_lower_bound(w)
+    for split in range(1, 6):
+        assert simulate_elastic(w, split).makespan >= bound - 1e-9
+    names = [f"u{i}" for i in range(6)]
+    elastic = simulate_elastic(w, 3, ElasticController.create(names[:3], names[3:]))
+    assert elastic.makespan >= bound - 1e-9
 
 
 def test_idle_replica_moves_immediately():
@@ -55,7 +150,11 @@ def test_config_validation():
 @given(
     st.lists(
         st.tuples(
-            st.sampled_from(["begin", "end", "step"]), st.integers(0, 3), st.integers(0, 30), st.booleans()
+            st.sampled_from(["begin", "end", "step"]),
+            st.integers(0, 3),
+            st.integers(0, 30),
+            st.booleans(),
+            st.one_of(st.none(), st.floats(1, 500)),
         ),
         max_size=80,
     )
@@ -64,7 +163,7 @@ def test_never_a_live_session_on_a_training_unit(ops):
     ctl = ElasticController.create(
         ["r0", "r1", "r2"], ["t0"], ElasticConfig(high_backlog=5, low_backlog=1, cooldown_s=0)
     )
-    for t, (op, idx, shards, idle) in enumerate(ops):
+    for t, (op, idx, shards, idle, train_s) in enumerate(ops):
         if op == "begin" and ctl.routable():
             ctl.begin_session(ctl.routable()[idx % len(ctl.routable())])
         elif op == "end":
@@ -72,7 +171,7 @@ def test_never_a_live_session_on_a_training_unit(ops):
             if live:
                 ctl.end_session(live[idx % len(live)], float(t))
         else:
-            ctl.step(PolicyInputs(shards, idx, 1.0 if idle else 0.0), float(t))
+            ctl.step(PolicyInputs(shards, 8 * idx, 1.0 if idle else 0.0, train_s), float(t))
         for unit in ctl.units.values():
             assert not (unit.role == "train" and unit.live_sessions), unit
         assert len(ctl.units_in("rollout")) + len(ctl.units_in("draining")) >= 1
@@ -90,6 +189,9 @@ def test_simulated_pipeline_drains_without_interrupting_rollouts():
     assert run.interrupted_sessions == 0
     fixed = simulate_elastic(w, 3)
     assert fixed.trained == 144 and fixed.moves == 0
+    idle = fixed.idle_unit_seconds()
+    assert idle["idle_draining"] == idle["moving_units"] == 0  # a fixed split never moves
+    assert sum(run.idle_unit_seconds().values()) > 0
 
 
 def test_advisory_log_decides_on_a_copy_and_moves_nothing():
@@ -134,6 +236,7 @@ def test_train_steps_rows_carry_the_elastic_inputs_and_decision(tmp_path):
             "unconsumed_shards": inputs.unconsumed_shards,
             "engine_queue_depth": 0,
             "trainer_idle": 0.0,
+            "train_unit_s_per_trajectory": None,
         }
         assert elastic["roles"] == {"r0": "rollout", "r1": "rollout", "t0": "train"}
         assert elastic["applied"] is False
