@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from heapq import heappop, heappush
 from itertools import accumulate
 from operator import itemgetter
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from envs.base import ResourceRequest, amdahl_efficiency
 
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
 
 _EPS = 1e-9
 _finish = itemgetter(0)
+_holds = itemgetter(1)
 
 __all__ = [
     "ActionPolicy",
@@ -77,14 +78,16 @@ class Pending:
     enqueued_at: float = 0.0
     need: list[float] = field(init=False, repr=False)
     uses: list[int] = field(init=False, repr=False)
+    single: int = field(init=False, repr=False)
 
     def __post_init__(self):
         self.need = _holding(self, self.min_units)
         self.uses = [r for r, n in enumerate(self.need) if n > 0]
+        # the one resource this action uses (-1: none or several); the scan's fast path
+        self.single = self.uses[0] if len(self.uses) == 1 else -1
 
 
-@dataclass(frozen=True)
-class Running:
+class Running(NamedTuple):
     """A running action as ``decide`` sees it: when it should finish and what it holds."""
 
     finish_at: float
@@ -107,16 +110,47 @@ def _fits(need: list[float], free: list[float]) -> bool:
     return True
 
 
+def _gain(p: Pending, m: int, price: float) -> float:
+    """Change of the objective from giving an elastic action its ``m + 1``-th unit.
+
+    The action finishes ``T(m) - T(m + 1)`` sooner but burns ``(m + 1) T(m + 1) - m T(m)``
+    more unit-seconds, which ``price`` converts into completion time of the other actions
+    competing for the resource.
+    """
+    times = p.times
+    return times[m + 1] - times[m] + price * ((m + 1) * times[m + 1] - m * times[m])
+
+
+def _prices(free: Sequence[float], running: Sequence[Running], competing: list[int]) -> list[float]:
+    """Completion seconds one unit-second of each resource is worth to the other actions.
+
+    A unit-second taken from a pool of ``c`` units delays the pool's work by ``1 / c``
+    seconds, and with it each of the ``n`` other actions competing for it: ``n / c``. The
+    competitors are the running actions holding the resource plus ``competing[r]`` (the
+    queued ones the decision saw), less the one asking; so a lone action takes every unit
+    that shortens it, and in a crowded pool an elastic action does not take units it would
+    use poorly while others wait.
+    """
+    prices = []
+    columns = list(zip(*map(_holds, running), strict=True)) if running else [()] * len(free)
+    for r, column in enumerate(columns):
+        capacity = free[r] + sum(column)
+        holders = len(column) - column.count(0.0)
+        prices.append(max(holders + competing[r] - 1, 0) / capacity if capacity > 0 else 0.0)
+    return prices
+
+
 def _spread(
     cands: list[Pending],
     units: list[int],
     spare: list[float],
     gains: list[tuple[float, int]],
     live: int,
+    prices: list[float],
 ) -> list[int]:
-    """Give spare elastic units, one at a time, where they cut the duration most (in place).
+    """Give spare elastic units, one at a time, where they lower the objective most (in place).
 
-    ``gains`` is a heap of (duration change from one more unit, candidate index); entries of
+    ``gains`` is a heap of (objective change from one more unit, candidate index); entries of
     candidates ``>= live`` (evicted) are dropped. Durations are convex in the units, so
     continuing this greedy from any greedy state stays optimal. Returns the candidates
     that grew.
@@ -143,24 +177,28 @@ def _spread(
         grew.append(k)
         m = units[k]
         if m < p.max_units:
-            heappush(gains, (p.times[m + 1] - p.times[m], k))
+            heappush(gains, (_gain(p, m, prices[e]), k))
     for entry in stuck:
         heappush(gains, entry)
     return grew
 
 
 def _timeline(
-    events: list[tuple[float, list[float]]], free: list[float]
+    events: list[tuple[float, list[float]]], free: list[float], resources: Sequence[int] | None = None
 ) -> tuple[list[float], list[list[float]]]:
     """Finish times of ``events`` sorted, and per resource the free amount after each has finished.
 
     ``events`` are (finish time, held vector) of everything running, ``free`` what is free
     now. Returns ``times`` (E,) sorted and ``cums`` (R, E + 1): ``cums[r][i]`` is ``free[r]``
-    plus the holds of the ``i`` earliest events.
+    plus the holds of the ``i`` earliest events. Only the ``resources`` given (default: all)
+    get their row; the others are empty.
     """
     events = sorted(events, key=_finish)
-    times = [t for t, _ in events]
-    cums = [list(accumulate([h[r] for _, h in events], initial=free[r])) for r in range(len(free))]
+    times = list(map(_finish, events))
+    holds = list(map(_holds, events))
+    cums: list[list[float]] = [[] for _ in free]
+    for r in range(len(free)) if resources is None else resources:
+        cums[r] = list(accumulate(map(itemgetter(r), holds), initial=free[r]))
     return times, cums
 
 
@@ -240,16 +278,19 @@ def decide(
     running: Sequence[Running] = (),
     now: float = 0.0,
     *,
-    window: int = 32,
+    window: int = 16,
+    max_evictions: int = 4,
 ) -> list[tuple[int, int]]:
     """Which queued actions start now, and on how many elastic units.
 
     Candidates are taken FCFS while they fit (a resource blocked by an earlier action is
-    not overtaken), spare elastic units go where they cut durations most, then the last
-    candidate is evicted (its units redistributed) while that lowers the total completion
-    time of the candidates plus the heap estimate of the queue behind them. Each eviction
-    trial changes the plan incrementally: the spread continues from the current greedy
-    state, the candidates' total and events are updated only where a duration changed, and the queue estimate stops as soon as the trial cannot win.
+    not overtaken), spare elastic units go where they lower the objective most (the cut in
+    duration less the unit-seconds burnt, priced by ``_prices``), then the last candidate
+    is evicted (its units redistributed) while that lowers the total completion time of
+    the candidates plus the heap estimate of the queue behind them. Each eviction trial
+    changes the plan incrementally: the spread continues from the current greedy state,
+    the candidates' total and events are updated only where a duration changed, and the
+    queue estimate stops as soon as the trial cannot win.
 
     Args:
         queue: queued actions, oldest first.
@@ -258,44 +299,65 @@ def decide(
         now: the current time (same clock as ``Running.finish_at``).
         window: how many of the actions left in the queue the completion-time heap
             estimates; later ones are affected alike by every choice and are ignored.
+        max_evictions: most candidates one decision evicts (each trial re-estimates the
+            queue); the next decision, at the next release, may evict more.
 
     Returns:
         ``[(queue index, units), ...]`` in queue order; ``units`` is 1 for a non-elastic action.
     """
     spare = list(free)
     blocked = [False] * len(spare)
+    competing = [0] * len(spare)
     cand_idx: list[int] = []
     rest_idx: list[int] = []
     for i, p in enumerate(queue):
-        uses = p.uses
-        if not any(blocked[r] for r in uses) and _fits(p.need, spare):
-            cand_idx.append(i)
-            need = p.need
-            for r in uses:
-                spare[r] -= need[r]
+        r = p.single
+        if r >= 0:  # one resource: the common case, checked inline
+            competing[r] += 1
+            if not blocked[r]:
+                amount = p.need[r]
+                if amount <= spare[r] + _EPS:
+                    spare[r] -= amount
+                    cand_idx.append(i)
+                    continue
+                blocked[r] = True
         else:
+            uses = p.uses
+            for r in uses:
+                competing[r] += 1
+            if not any(blocked[r] for r in uses) and _fits(p.need, spare):
+                need = p.need
+                for r in uses:
+                    spare[r] -= need[r]
+                cand_idx.append(i)
+                continue
             for r in uses:
                 blocked[r] = True
-            rest_idx.append(i)
-            if len(rest_idx) >= window:
-                break
+        rest_idx.append(i)
+        if len(rest_idx) >= window:
+            break
     if not cand_idx:
         return []
+    prices = _prices(free, running, competing)
     cands = [queue[i] for i in cand_idx]
     units = [p.min_units for p in cands]
     gains = [
-        (p.times[m + 1] - p.times[m], k)
-        for k, (p, m) in enumerate(zip(cands, units, strict=True))
-        if p.elastic >= 0 and m < p.max_units
+        (_gain(p, p.min_units, prices[p.elastic]), k)
+        for k, p in enumerate(cands)
+        if p.elastic >= 0 and p.min_units < p.max_units
     ]
     heapq.heapify(gains)
-    _spread(cands, units, spare, gains, len(cands))
+    _spread(cands, units, spare, gains, len(cands), prices)
     rest = [queue[i] for i in rest_idx]
-    running_events = [(a.finish_at, a.holds) for a in running]
+    floor = max(1, len(cands) - max_evictions)  # evict down to this many candidates at most
+    if len(cands) <= floor:
+        return list(zip(cand_idx, units, strict=True))
+    rows = {r for p in rest for r in p.uses}  # the timeline rows the queue estimate reads
+    running_events = sorted(running, key=_finish)
     cand_events = [(now + p.times[m], _holding(p, m)) for p, m in zip(cands, units, strict=True)]
     cand_cost = sum(p.times[m] for p, m in zip(cands, units, strict=True))
-    best = cand_cost + _queue_estimate(rest, *_timeline(running_events + cand_events, spare), now)
-    while len(cands) > 1:
+    best = cand_cost + _queue_estimate(rest, *_timeline(running_events + cand_events, spare, rows), now)
+    while len(cands) > floor:
         last = len(cands) - 1
         evicted = cands[last]
         trial_units = units[:last]
@@ -303,18 +365,19 @@ def decide(
         for r, h in enumerate(cand_events[last][1]):
             trial_spare[r] += h
         trial_gains = list(gains)
-        grew = _spread(cands, trial_units, trial_spare, trial_gains, last)
+        grew = _spread(cands, trial_units, trial_spare, trial_gains, last, prices)
         trial_events = cand_events[:last]
         trial_cost = cand_cost - evicted.times[units[last]]
         for k in set(grew):
             p, m = cands[k], trial_units[k]
             trial_cost += p.times[m] - p.times[units[k]]
             trial_events[k] = (now + p.times[m], _holding(p, m))
+        rows.update(evicted.uses)
         at = bisect_left(rest_idx, cand_idx[last])
         trial_rest = [*rest[:at], evicted, *rest[at:]]
         limit = best - _EPS - trial_cost
         trial = trial_cost + _queue_estimate(
-            trial_rest, *_timeline(running_events + trial_events, trial_spare), now, limit
+            trial_rest, *_timeline(running_events + trial_events, trial_spare, rows), now, limit
         )
         if trial >= best - _EPS:
             break
@@ -395,7 +458,7 @@ def _check_capacity(capacity: Mapping[str, float]) -> dict[str, float]:
 class ActionPolicy:
     """Per-action admission with elastic units and greedy eviction (ours)."""
 
-    def __init__(self, capacity: Mapping[str, float], *, window: int = 32, default_duration: float = 1.0):
+    def __init__(self, capacity: Mapping[str, float], *, window: int = 16, default_duration: float = 1.0):
         self.capacity = _check_capacity(capacity)
         self.names = tuple(self.capacity)
         self._index = {name: r for r, name in enumerate(self.names)}
@@ -675,7 +738,7 @@ class ActionScheduler(_AsyncFront):
         capacity: Mapping[str, float],
         *,
         cpu: CpuManager | None = None,
-        window: int = 32,
+        window: int = 16,
         default_duration: float = 1.0,
     ):
         super().__init__(ActionPolicy(capacity, window=window, default_duration=default_duration), cpu)

@@ -122,27 +122,37 @@ def action_trajectories(w: ActionWorkload) -> list[_Trajectory]:
 
 
 class _GpuPool:
-    """Which pooled GPU serves a reward call, and whether the service must be loaded first."""
+    """Which pooled GPU serves a reward call, and whether the service must be loaded first.
+
+    A call goes to a free GPU where its service is resident; otherwise the service is
+    loaded (evict on execution) onto the free GPU that loses least: one with an empty slot,
+    else the one whose least recently used service was used longest ago (LRU over the pool).
+    """
 
     def __init__(self, gpus: int, per_gpu: int):
         self.busy = [False] * gpus
-        self.resident: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(gpus)]
+        self.resident: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(gpus)]
         self.per_gpu = per_gpu
         self.loads = 0
+        self._calls = itertools.count()
+
+    def _victim_last_use(self, g: int) -> int:
+        res = self.resident[g]
+        return -1 if len(res) < self.per_gpu else next(iter(res.values()))
 
     def take(self, service: int) -> tuple[int, bool]:
         free = [g for g, b in enumerate(self.busy) if not b]
         if not free:
             raise RuntimeError("policy granted a GPU while all GPUs are busy")
         hit = next((g for g in free if service in self.resident[g]), None)
-        g = hit if hit is not None else free[0]
+        g = hit if hit is not None else min(free, key=self._victim_last_use)
         self.busy[g] = True
         res = self.resident[g]
         if hit is None:
             self.loads += 1
             if len(res) >= self.per_gpu:
                 res.popitem(last=False)
-            res[service] = None
+        res[service] = next(self._calls)
         res.move_to_end(service)
         return g, hit is None
 
@@ -156,6 +166,7 @@ class ActionRun:
     makespan: float
     peak: dict[str, float]
     busy_unit_seconds: dict[str, float]
+    waits_by_kind: dict[str, list[float]]
     service_loads: int = 0
 
     @property
@@ -186,6 +197,7 @@ def simulate_actions(
     inflight: dict[tuple[int, int], tuple[_Trajectory, _Action]] = {}
     completion: list[float] = []
     by_kind: dict[str, list[float]] = {}
+    waits: dict[str, list[float]] = {}
     used = {name: 0.0 for p in policies for name in p.capacity}
     peak = dict(used)
     busy = dict(used)
@@ -225,7 +237,9 @@ def simulate_actions(
                 gpus.busy[gpu] = False
             act = now - grant.enqueued_at
             completion.append(act)
-            by_kind.setdefault(grant.request.kind.split("/")[0], []).append(act)
+            kind_name = grant.request.kind.split("/")[0]
+            by_kind.setdefault(kind_name, []).append(act)
+            waits.setdefault(kind_name, []).append(grant.started_at - grant.enqueued_at)
             tr.next += 1
             if tr.next < len(tr.actions):
                 heapq.heappush(events, (now + tr.actions[tr.next].think_s, next(seq), "ready", tr, None))
@@ -236,7 +250,7 @@ def simulate_actions(
             dispatch(now)
     if inflight:
         raise RuntimeError(f"{len(inflight)} actions never got resources")
-    return ActionRun(completion, by_kind, now, peak, busy, gpus.loads if gpus else 0)
+    return ActionRun(completion, by_kind, now, peak, busy, waits, gpus.loads if gpus else 0)
 
 
 def run_ours(workload: ActionWorkload, cores: int, gpus: int) -> ActionRun:
