@@ -243,3 +243,27 @@ def test_train_steps_rows_carry_the_elastic_inputs_and_decision(tmp_path):
     # after the first batch (4 rows of 2-row shards) 2 shards wait: behind, the advice is to lend a replica
     assert [inputs.unconsumed_shards for inputs in seen] == [2, 0]
     assert json.loads(rows[0]["extra"])["elastic"]["decided"][0]["target"] == "train"
+
+
+def test_train_task_logs_the_engine_queue_depth_it_is_given(tmp_path):
+    import time
+
+    from flows.config import RunConfig
+    from rl.models import ensure_base_version
+    from storage.config import RunStore, StorageConfig
+    from storage.tables import Tables
+    from storage.weights import WeightStore
+    from tasks.train import run_trainer
+    from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
+
+    run = RunConfig(run_id="elastic-queue", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 8, seed=5), per_shard=2)
+    depths = iter([7, 3])
+    run_trainer(run, time.time() + 600, drain=True, engine_queue_depth=lambda: next(depths))
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    inputs = [json.loads(row["extra"])["elastic"]["inputs"] for row in rows]
+    assert [i["engine_queue_depth"] for i in inputs] == [7, 3]
+    assert [i["unconsumed_shards"] for i in inputs] == [2, 0]
+    assert all(0.0 <= i["trainer_idle"] <= 1.0 for i in inputs)
