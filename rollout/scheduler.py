@@ -8,7 +8,8 @@ action also says how its duration scales with the units of one resource it gets:
 ``decide`` is the pure decision function: given the queue, the free resources and the
 running actions it returns which queued actions start now and with how many units. It
 takes queued actions first-come-first-served while they fit, spreads the spare units of
-elastic resources where they shorten durations most, then greedily evicts the last
+elastic resources where they shorten durations most net of the unit-seconds they burn
+(priced by how many other actions compete for the pool), then greedily evicts the last
 candidate while that lowers the total action completion time (queueing + execution),
 estimating the rest of the queue with a completion-time heap.
 
