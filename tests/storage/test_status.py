@@ -1,0 +1,141 @@
+"""Rollout status objects in the run's storage: atomic replace, sums, staleness, corrupt files."""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import threading
+
+import pytest
+
+from storage.status import ROLLOUT_STATUS_PREFIX, RolloutStatus, RolloutStatusBoard
+
+NOW = 1_000_000.0
+
+
+def status(
+    worker: str, depth: int, sessions: int = 0, age: float = 0.0, running: bool = True
+) -> RolloutStatus:
+    return RolloutStatus(
+        worker=worker, time=NOW - age, engine_queue_depth=depth, live_sessions=sessions, running=running
+    )
+
+
+def test_no_worker_yet_sums_to_nothing(store):
+    summary = RolloutStatusBoard(store).summary(now=NOW)
+    assert summary.as_dict() == {
+        "workers": 0,
+        "stopped": 0,
+        "stale": 0,
+        "corrupt": 0,
+        "engine_queue_depth": 0,
+        "live_sessions": 0,
+    }
+
+
+def test_fresh_running_workers_are_summed_stale_and_stopped_ones_counted_apart(store):
+    writer = RolloutStatusBoard(store)
+    writer.publish(status("w0", depth=3, sessions=5, age=1.0))
+    writer.publish(status("w1", depth=4, sessions=2, age=29.0))
+    writer.publish(status("w2", depth=50, sessions=50, age=31.0))
+    writer.publish(status("w3", depth=0, sessions=0, age=500.0, running=False))
+    reader = RolloutStatusBoard(store)  # another process would open its own board
+    summary = reader.summary(now=NOW, max_age_s=30.0)
+    assert summary.as_dict() == {
+        "workers": 2,
+        "stopped": 1,
+        "stale": 1,
+        "corrupt": 0,
+        "engine_queue_depth": 7,
+        "live_sessions": 7,
+    }
+    assert reader.summary(now=NOW, max_age_s=100.0).engine_queue_depth == 57
+
+
+def test_a_worker_replaces_its_own_status(store):
+    board = RolloutStatusBoard(store)
+    board.publish(status("w0", depth=9, age=5.0))
+    board.publish(status("w0", depth=2))
+    statuses, corrupt = board.read()
+    assert (statuses, corrupt) == ([status("w0", depth=2)], 0)
+    names = store.fs.ls(store.path(ROLLOUT_STATUS_PREFIX), detail=False)
+    assert [posixpath.basename(n) for n in names] == ["w0.json"], "a temp file was left behind"
+    stored = json.loads(store.fs.cat_file(store.path(ROLLOUT_STATUS_PREFIX, "w0.json")))
+    assert stored["engine_queue_depth"] == 2 and stored["worker"] == "w0"
+
+
+@pytest.mark.parametrize(
+    "payload, problem",
+    [
+        (b'{"worker": "w9", "time": 1.0, "engine_q', "Invalid JSON"),
+        (b"", "Invalid JSON"),
+        (b'{"worker": "w9", "time": 1.0, "live_sessions": 0, "running": true}', "engine_queue_depth"),
+        (
+            b'{"worker": "w9", "time": 1.0, "engine_queue_depth": -1, "live_sessions": 0, "running": true}',
+            "engine_queue_depth",
+        ),
+        (b"[1, 2]", "object"),
+    ],
+)
+def test_a_corrupt_status_is_skipped_with_a_warning(store, caplog, payload, problem):
+    board = RolloutStatusBoard(store)
+    board.publish(status("w0", depth=4, sessions=1))
+    store.fs.pipe_file(store.path(ROLLOUT_STATUS_PREFIX, "w9.json"), payload)
+    with caplog.at_level(logging.WARNING, logger="storage.status"):
+        summary = board.summary(now=NOW)
+        again = board.summary(now=NOW)
+    assert summary == again
+    assert (summary.workers, summary.corrupt, summary.engine_queue_depth) == (1, 1, 4)
+    (record,) = caplog.records  # warned once for the same content
+    message = record.getMessage()
+    assert "w9.json" in message and problem in message
+
+
+def test_files_that_are_not_status_objects_are_ignored(local_store):
+    board = RolloutStatusBoard(local_store)
+    board.publish(status("w0", depth=1))
+    root = local_store.path(ROLLOUT_STATUS_PREFIX)
+    local_store.fs.pipe_file(posixpath.join(root, ".w1.json.tmp-abc"), b"{half")  # a crashed writer's temp
+    local_store.fs.pipe_file(posixpath.join(root, "notes.txt"), b"hello")
+    statuses, corrupt = board.read()
+    assert [s.worker for s in statuses] == ["w0"] and corrupt == 0
+
+
+def test_readers_never_see_a_half_written_status(local_store):
+    board = RolloutStatusBoard(local_store)
+    board.publish(status("w0", depth=0))
+    done = threading.Event()
+
+    def write() -> None:
+        for depth in range(300):
+            board.publish(status("w0", depth=depth, sessions=depth))
+        done.set()
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    reader = RolloutStatusBoard(local_store)
+    reads = 0
+    while not done.is_set() or reads == 0:
+        statuses, corrupt = reader.read()
+        assert corrupt == 0
+        (only,) = statuses
+        assert only.engine_queue_depth == only.live_sessions
+        reads += 1
+    writer.join()
+    assert reader.read()[0][0].engine_queue_depth == 299
+
+
+@pytest.mark.parametrize("name", ["", "a/b", ".hidden"])
+def test_bad_worker_names_are_refused(local_store, name):
+    with pytest.raises(ValueError, match="worker name"):
+        RolloutStatusBoard(local_store).publish(
+            RolloutStatus.model_construct(
+                worker=name, time=NOW, engine_queue_depth=0, live_sessions=0, running=True
+            )
+        )
+
+
+def test_max_age_must_be_positive(local_store):
+    with pytest.raises(ValueError, match="max_age_s"):
+        RolloutStatusBoard(local_store).summary(max_age_s=0)
