@@ -3,6 +3,21 @@
 ``simulate_elastic`` runs a pipeline whose capacity units are split between rollout and
 training either fixed or by ``rollout.elastic.ElasticController``. Nothing here
 reimplements a decision: the controller is the same object the pipeline flow uses.
+
+Two shapes of run. ``cycles=0``: one finite batch (a phase of long prompts, then one of
+short ones) run until every trajectory is trained; measured by its makespan. ``cycles>0``:
+the continuous pipeline: prompts keep coming, cycling through the two phases, and the run
+lasts until ``cycles`` cycles' worth of trajectories are trained, so a straggler's tail
+overlaps the next phase's work and only the rate counts.
+
+Staleness is controlled as the real pipeline does it: the trainer publishes a weight
+version every ``publish_every`` optimizer steps of ``batch_size`` trajectories, and drops
+a trajectory whose first token is more than ``max_staleness`` versions older than the
+trainer (``rl.config.SAOConfig``); the orchestrator stops launching while ``max_backlog``
+or more trajectories wait for the trainer (``rollout.orchestrator``'s backpressure) and
+keeps ``concurrency`` sessions launched, those without a session slot waiting in the
+engine queue. ``max_ahead`` is the cruder admission bound of the finite stress case:
+at most that many trajectories in flight or untrained.
 """
 
 from __future__ import annotations
@@ -12,6 +27,7 @@ import itertools
 import math
 import random
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
@@ -34,9 +50,37 @@ class ElasticWorkload(BaseModel):
     short_median_s: float = Field(60.0, gt=0, description="Median session length of phase-2 prompts.")
     short_sigma: float = Field(0.5, ge=0, description="Log-space spread of phase-2 session length.")
     short_train_s: float = Field(20.0, gt=0, description="Unit-seconds to train one phase-2 trajectory.")
+    cycles: int = Field(
+        0,
+        ge=0,
+        description="0: one finite batch (phase 1 then phase 2) run to completion. N > 0: prompts keep "
+        "coming, cycling through both phases, and the run lasts until N cycles' worth are trained.",
+    )
     trajectories_per_shard: int = Field(4, ge=1, description="Trajectories committed together as one shard.")
-    max_ahead: int = Field(
-        64, ge=1, description="Staleness bound: most trajectories generated or in flight but not yet trained."
+    max_ahead: int | None = Field(
+        64,
+        ge=1,
+        description="Admission bound: most trajectories generated or in flight but not yet trained "
+        "(None: no such bound).",
+    )
+    batch_size: int = Field(64, ge=1, description="Trajectories per optimizer step of the trainer.")
+    publish_every: int = Field(4, ge=1, description="Optimizer steps per published weight version.")
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="Versions a trajectory's first token may lag the trainer before the trainer drops it "
+        "(None: never dropped).",
+    )
+    max_backlog: int | None = Field(
+        None,
+        ge=1,
+        description="Trajectories awaiting the trainer at which the orchestrator stops launching (None: never).",
+    )
+    concurrency: int | None = Field(
+        None,
+        ge=1,
+        description="Sessions the orchestrator keeps launched; those beyond the free slots wait in the "
+        "engine queue (None: as many as the admission bound allows).",
     )
     switch_s: float = Field(
         60.0, ge=0, description="Seconds a unit needs to change sides (load weights, rebuild state)."
@@ -51,9 +95,9 @@ class Sample:
 
     Unit counts are by role; ``moving`` units changed sides and are still loading.
     The ``idle_*`` figures are capacity in units' worth standing idle now: empty session
-    slots on accepting replicas, split by why no session fills them (the staleness bound,
-    or no prompt left), empty slots on draining replicas (held by their last sessions),
-    and training units with nothing to train.
+    slots on accepting replicas, split by why no session fills them (the staleness control,
+    ``max_ahead`` or ``max_backlog``; or no prompt left), empty slots on draining replicas (held by their last sessions),
+    and training units with nothing to train. ``prompts_left`` is ``None`` in a continuous run.
     """
 
     time: float
@@ -63,7 +107,7 @@ class Sample:
     moving_units: int
     live_sessions: int
     backlog: int
-    prompts_left: int
+    prompts_left: int | None
     idle_rollout_staleness: float
     idle_rollout_no_prompts: float
     idle_draining: float
@@ -87,13 +131,14 @@ class ElasticRun:
     makespan: float
     moves: int
     interrupted_sessions: int
+    dropped: int = 0
     log: list[dict] = field(default_factory=list)
     trace: list[Sample] = field(default_factory=list)
     tick_s: float = 0.0
 
     @property
     def throughput(self) -> float:
-        """Trained trajectories per second, end to end."""
+        """Trained trajectories per second, end to end (``makespan``: when the last counted one trained)."""
         return self.trained / self.makespan
 
     def idle_unit_seconds(self) -> dict[str, float]:
@@ -101,9 +146,7 @@ class ElasticRun:
         return {cause: sum(getattr(s, cause) for s in self.trace) * self.tick_s for cause in IDLE_CAUSES}
 
 
-def workload_prompts(w: ElasticWorkload) -> list[tuple[float, float]]:
-    """The prompts in arrival order: ``(session seconds, training unit-seconds)`` each."""
-    rng = random.Random(w.seed)
+def _cycle(w: ElasticWorkload, rng: random.Random) -> list[tuple[float, float]]:
     longs = [
         (rng.lognormvariate(math.log(w.long_median_s), w.long_sigma), w.long_train_s)
         for _ in range(w.long_sessions)
@@ -115,6 +158,39 @@ def workload_prompts(w: ElasticWorkload) -> list[tuple[float, float]]:
     return longs + shorts
 
 
+def prompt_stream(w: ElasticWorkload) -> Iterator[tuple[float, float]]:
+    """Prompts in arrival order, ``(session seconds, training unit-seconds)`` each, cycle after cycle."""
+    if w.long_sessions + w.short_sessions == 0:
+        raise ValueError("the workload has no prompts: long_sessions + short_sessions is 0")
+    rng = random.Random(w.seed)
+    while True:
+        yield from _cycle(w, rng)
+
+
+def workload_prompts(w: ElasticWorkload, cycles: int = 1) -> list[tuple[float, float]]:
+    """The first ``cycles`` cycles of ``prompt_stream`` (one cycle: the finite batch)."""
+    return list(itertools.islice(prompt_stream(w), cycles * (w.long_sessions + w.short_sessions)))
+
+
+def target_trained(w: ElasticWorkload) -> int:
+    """Trajectories a run trains before it ends: the batch, or ``cycles`` cycles' worth."""
+    return max(w.cycles, 1) * (w.long_sessions + w.short_sessions)
+
+
+def pending_limit(w: ElasticWorkload) -> int:
+    """Most trajectories launched but not trained at once, under any split.
+
+    At least one unit trains, so at most ``(units - 1) * sessions_per_replica`` sessions are
+    live; the backlog grows while launching is allowed (below ``max_backlog``) and then by
+    at most the sessions live when it closed. ``max_ahead`` caps both together.
+    """
+    live = (w.units - 1) * w.sessions_per_replica
+    if w.max_ahead is not None:
+        return min(w.max_ahead, 2 * live)
+    backlog = live if w.max_backlog is None else w.max_backlog + live
+    return live + backlog
+
+
 def makespan_lower_bound(w: ElasticWorkload) -> float:
     """A makespan no split of the units, fixed or elastic, can beat on this workload.
 
@@ -123,9 +199,12 @@ def makespan_lower_bound(w: ElasticWorkload) -> float:
     training free and instant each ends no earlier than on that many slots filled
     greedily; its trajectory then still trains. And all the work, a replica's worth per
     ``sessions_per_replica`` concurrent sessions plus the training, shares ``units`` units.
+    A finite batch (``cycles=0``) whose trajectories are never dropped for staleness.
     """
+    if w.cycles or w.max_staleness is not None:
+        raise ValueError("makespan_lower_bound is for a finite batch without staleness drops")
     prompts = workload_prompts(w)
-    slots = [0.0] * min(w.max_ahead, (w.units - 1) * w.sessions_per_replica)
+    slots = [0.0] * min(w.max_ahead or len(prompts), (w.units - 1) * w.sessions_per_replica)
     last_trained = 0.0
     for length, train_s in prompts:
         end = heapq.heappop(slots) + length
@@ -135,14 +214,40 @@ def makespan_lower_bound(w: ElasticWorkload) -> float:
     return max(last_trained, work / w.units)
 
 
+def continuous_lower_bound(w: ElasticWorkload) -> float:
+    """Seconds before which no split, fixed or elastic, trains ``target_trained(w)`` trajectories.
+
+    Total work over capacity. Prompts start in arrival order, and at the moment the N-th
+    trajectory is trained at most ``pending_limit(w)`` launched ones are not, so the N
+    trained are N of the first ``N + pending_limit(w)`` prompts. Each costs its session
+    over ``sessions_per_replica`` replica-seconds of rollout plus its training; the
+    cheapest N of those, spread over all ``units`` units with no switch cost and no idle
+    time, take this long. Holds for runs that drop nothing for staleness (a dropped
+    trajectory still costs its rollout, and a run reports how many it dropped).
+    """
+    n = target_trained(w)
+    prompts = itertools.islice(prompt_stream(w), n + pending_limit(w))
+    costs = sorted(length / w.sessions_per_replica + train_s for length, train_s in prompts)
+    return sum(costs[:n]) / w.units
+
+
 def simulate_elastic(
     w: ElasticWorkload, rollout_units: int, controller: ElasticController | None = None
 ) -> ElasticRun:
-    """Run the pipeline with ``rollout_units`` rollout replicas at start; elastic if ``controller``."""
+    """Run the pipeline with ``rollout_units`` rollout replicas at start; elastic if ``controller``.
+
+    Ends when ``target_trained(w)`` trajectories are trained (a finite batch: when all are
+    trained or dropped).
+    """
     if not 1 <= rollout_units < w.units:
         raise ValueError(f"rollout_units must be in [1, {w.units - 1}], got {rollout_units}")
-    prompts = deque(workload_prompts(w))
-    total = len(prompts)
+    if w.cycles and w.concurrency is None and w.max_ahead is None:
+        raise ValueError("a continuous run (cycles > 0) needs concurrency or max_ahead to bound its launches")
+    stream = prompt_stream(w)
+    target = target_trained(w)
+    finite = w.cycles == 0
+    prompts = deque(itertools.islice(stream, target)) if finite else deque()
+    per_version = w.batch_size * w.publish_every
     names = [f"u{i}" for i in range(w.units)]
     if controller is None:
         controller = ElasticController.create(names[:rollout_units], names[rollout_units:])
@@ -153,9 +258,10 @@ def simulate_elastic(
     training: dict[str, bool] = dict.fromkeys(names, False)
     train_end: dict[str, float] = dict.fromkeys(names, 0.0)
     sessions_on: dict[str, int] = dict.fromkeys(names, 0)
-    backlog: deque[float] = deque()
+    backlog: deque[tuple[float, int]] = deque()
     in_flight = 0
     trained = 0
+    dropped = 0
     interrupted = 0
     events: list = []
     seq = itertools.count()
@@ -165,34 +271,46 @@ def simulate_elastic(
     recent_train_s: deque[float] = deque(maxlen=32)
     now = 0.0
 
+    def admissible() -> int:
+        """Sessions the orchestrator would start now if slots were free."""
+        room = len(prompts) if finite else math.inf
+        if w.max_ahead is not None:
+            room = min(room, w.max_ahead - in_flight - len(backlog))
+        if w.max_backlog is not None and len(backlog) >= w.max_backlog:
+            room = 0
+        if w.concurrency is not None:
+            room = min(room, w.concurrency - in_flight)
+        return int(max(0, room))
+
+    def next_prompt() -> tuple[float, float]:
+        return prompts.popleft() if finite else next(stream)
+
     def start_work(t: float) -> None:
-        nonlocal in_flight
+        nonlocal in_flight, dropped
+        version = trained // per_version
         for name in controller.units_in("train"):
-            if not training[name] and role_ready[name] <= t and backlog:
-                train_s = backlog.popleft()
+            while not training[name] and role_ready[name] <= t and backlog:
+                train_s, born = backlog.popleft()
+                if w.max_staleness is not None and version - born > w.max_staleness:
+                    dropped += 1
+                    continue
                 training[name] = True
                 train_end[name] = t + train_s
                 heapq.heappush(events, (t + train_s, next(seq), "trained", (name, train_s)))
         for name in controller.routable():
-            while (
-                prompts
-                and role_ready[name] <= t
-                and sessions_on[name] < w.sessions_per_replica
-                and in_flight + len(backlog) < w.max_ahead
-            ):
-                length, train_s = prompts.popleft()
+            while role_ready[name] <= t and sessions_on[name] < w.sessions_per_replica and admissible():
+                length, train_s = next_prompt()
                 controller.begin_session(name)
                 sessions_on[name] += 1
                 in_flight += 1
-                heapq.heappush(events, (t + length, next(seq), "session", (name, train_s)))
+                heapq.heappush(events, (t + length, next(seq), "session", (name, train_s, version)))
 
     def _engine_queue_depth(t: float) -> int:
-        """Sessions the staleness bound admits now but no rollout slot can take."""
-        admissible = min(len(prompts), max(0, w.max_ahead - in_flight - len(backlog)))
+        """Sessions the orchestrator admits now but no rollout slot can take."""
         free_slots = sum(
             w.sessions_per_replica - sessions_on[n] for n in controller.routable() if role_ready[n] <= t
         )
-        return max(0, admissible - free_slots)
+        return max(0, admissible() - free_slots)
 
     def _sample(t: float) -> Sample:
         slots = w.sessions_per_replica
@@ -208,22 +326,22 @@ def simulate_elastic(
             moving_units=sum(1 for n in names if role_ready[n] > t),
             live_sessions=in_flight,
             backlog=len(backlog),
-            prompts_left=len(prompts),
-            idle_rollout_staleness=idle_slots if prompts else 0.0,
-            idle_rollout_no_prompts=idle_slots if not prompts else 0.0,
+            prompts_left=len(prompts) if finite else None,
+            idle_rollout_staleness=idle_slots if prompts or not finite else 0.0,
+            idle_rollout_no_prompts=idle_slots if finite and not prompts else 0.0,
             idle_draining=sum(slots - sessions_on[n] for n in draining) / slots,
             idle_training=sum(1 for n in ready_train if not training[n]),
         )
 
-    while trained < total:
+    while trained + (dropped if finite else 0) < target:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "session":
-            name, train_s = payload
+            name, train_s, born = payload
             if controller.units[name].role == "train":
                 interrupted += 1
             sessions_on[name] -= 1
             in_flight -= 1
-            backlog.append(train_s)
+            backlog.append((train_s, born))
             move = controller.end_session(name, now)
             if move is not None:
                 role_ready[name] = now + w.switch_s
@@ -254,4 +372,4 @@ def simulate_elastic(
                     log.append(controller.log_record())
             heapq.heappush(events, (now + w.tick_s, next(seq), "tick", None))
         start_work(now)
-    return ElasticRun(trained, now, len(controller.moves), interrupted, log, trace, w.tick_s)
+    return ElasticRun(trained, now, len(controller.moves), interrupted, dropped, log, trace, w.tick_s)
