@@ -173,12 +173,20 @@ class RolloutWorker:
         if self.orchestrator is not None:
             self.orchestrator.stop()
 
+    def live_sessions(self) -> int:
+        """Rollout sessions assigned to this worker's engines that have not ended."""
+        if self.service is None:
+            return 0
+        router = self.service.gateway.router
+        return sum(router.load(name) for name in router.replicas)
+
     def status(self) -> dict[str, Any]:
         engine_stats = [engine.stats() for engine in self.engines]
         return {
             "version": self.version,
             "backlog": self.backlog(),
             "engine_queue_depth": sum(s.queue_depth for s in engine_stats),
+            "live_sessions": self.live_sessions(),
             "orchestrator": self.orchestrator.stats.as_dict() if self.orchestrator else None,
             "prefill_computed": sum(s.prefill_computed for s in engine_stats),
             "prefill_reused": sum(s.prefill_reused for s in engine_stats),

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -14,7 +16,10 @@ from prefect.events import emit_event
 from flows.config import RunConfig
 from rollout.worker import RolloutWorker
 from storage.shards import ShardInfo
+from storage.status import RolloutStatus, RolloutStatusBoard
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+
+log = logging.getLogger(__name__)
 
 
 def run_rollouts(
@@ -29,7 +34,10 @@ def run_rollouts(
     flush_seconds: float = 10.0,
 ) -> dict[str, Any]:
     """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``;
-    ``on_shard`` is called with each raw shard the worker commits.
+    ``on_shard`` is called with each raw shard the worker commits. Every
+    ``progress_every_s`` (and once at start and at the end) the worker publishes its engine
+    queue depth and live sessions to ``status/rollout/<worker_name>.json`` for the trainer
+    (``storage.status``); ``on_progress`` gets the same status, right after it is published.
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
     (one env worker per engine replica) on the cluster at ``config.ray_address``.
@@ -71,22 +79,52 @@ def run_rollouts(
 
         worker.writer.flush = flush_and_announce
 
+    board = RolloutStatusBoard(run_store(config))
+
+    async def publish_status(running: bool) -> dict[str, Any]:
+        # a stopped worker's engines are closed: nothing waits on them
+        status = worker.status() if running else {"engine_queue_depth": 0, "live_sessions": 0}
+        published = RolloutStatus(
+            worker=worker_name,
+            time=time.time(),
+            engine_queue_depth=status["engine_queue_depth"],
+            live_sessions=status["live_sessions"],
+            running=running,
+        )
+        try:
+            await asyncio.to_thread(board.publish, published)
+        except Exception as exc:  # a storage hiccup: the next status replaces this one
+            log.warning("worker %s could not publish its status: %s", worker_name, exc)
+        return status
+
+    finished = asyncio.Event()
+
     async def report() -> None:
+        # ends between two statuses, so none lands after the final one
         while True:
-            await asyncio.sleep(progress_every_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished.wait(), progress_every_s)
+            if finished.is_set():
+                return
             if stop is not None and stop.is_set():
                 worker.stop()
+            status = await publish_status(running=True)
             if on_progress is not None:
-                await asyncio.to_thread(on_progress, worker.status())
+                await asyncio.to_thread(on_progress, status)
 
     async def main() -> dict[str, Any]:
         await worker.start()
+        await publish_status(running=True)
         reporter = asyncio.create_task(report())
         try:
             stats = await worker.run(max_seconds=max(deadline - time.time(), 0.001))
         finally:
-            reporter.cancel()
+            finished.set()
+            (reported,) = await asyncio.gather(reporter, return_exceptions=True)
+            if isinstance(reported, Exception):
+                log.warning("worker %s stopped reporting progress: %r", worker_name, reported)
             await worker.close()
+            await publish_status(running=False)
         return {
             **worker.status(),
             "orchestrator": stats.as_dict(),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -13,8 +14,11 @@ from prefect.events import emit_event
 from flows.config import RunConfig
 from rl.trainer import Trainer
 from rollout.elastic import ElasticController, ElasticLog, PolicyInputs
+from storage.status import DEFAULT_MAX_AGE_S, RolloutStatusBoard
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+
+log = logging.getLogger(__name__)
 
 
 def run_trainer(
@@ -26,14 +30,19 @@ def run_trainer(
     drain: bool = False,
     engine_queue_depth: Callable[[], int] | None = None,
     elastic: ElasticLog | None = None,
+    status_max_age_s: float = DEFAULT_MAX_AGE_S,
 ) -> dict[str, Any]:
     """Train on processed shards until ``deadline`` (epoch seconds), ``stop`` or
     ``stop.max_policy_steps`` — or, with ``drain``, until no processed shard is waiting;
     the steps since the last version are published at the end.
 
     Every ``train_steps`` row carries the elastic controller's inputs (unconsumed shards,
-    engine queue depth from ``engine_queue_depth`` when the engines are reachable, else 0,
-    and the trainer's idle fraction since the last step) and its decision in ``extra``.
+    engine queue depth and the trainer's idle fraction since the last step) and its
+    decision in ``extra``. The queue depth comes from ``engine_queue_depth`` when the
+    caller can reach the engines, else from the rollout workers' status objects in the
+    run's storage (``storage.status``): the sum over workers whose status is at most
+    ``status_max_age_s`` old, with the count of fresh, stopped, stale and corrupt ones in
+    ``extra["rollout_status"]``.
     ``elastic`` defaults to an advisory controller over one rollout and one training unit:
     it logs, and moves nothing."""
     store = run_store(config)
@@ -61,17 +70,29 @@ def run_trainer(
     trainer = Trainer(store, config.sao, device=config.trainer_device)
     elastic = elastic or ElasticLog(ElasticController.create(["rollout0"], ["train0"]))
     last = {"wall": time.monotonic(), "idle": 0.0}
+    rollout_status = RolloutStatusBoard(store)
 
     def elastic_record() -> dict[str, Any]:
         now = time.monotonic()
         idle = (trainer.idle_seconds - last["idle"]) / max(now - last["wall"], 1e-9)
         last.update(wall=now, idle=trainer.idle_seconds)
+        extra: dict[str, Any] = {}
+        if engine_queue_depth is not None:
+            depth = engine_queue_depth()
+        else:
+            try:
+                summary = rollout_status.summary(max_age_s=status_max_age_s)
+            except Exception as exc:  # storage unreachable for a moment: log the step without it
+                log.warning("could not read the rollout workers' status: %s", exc)
+                summary = None
+            depth = summary.engine_queue_depth if summary is not None else 0
+            extra["rollout_status"] = summary.as_dict() if summary is not None else None
         inputs = PolicyInputs(
             unconsumed_shards=trainer.unconsumed_shards(),
-            engine_queue_depth=engine_queue_depth() if engine_queue_depth is not None else 0,
+            engine_queue_depth=depth,
             trainer_idle=round(min(max(idle, 0.0), 1.0), 4),
         )
-        return elastic.record(inputs, time.time())
+        return {**elastic.record(inputs, time.time()), **extra}
 
     try:
         summary = trainer.run(

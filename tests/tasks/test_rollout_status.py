@@ -1,0 +1,84 @@
+"""The rollout task publishes its engines' queue through the run's storage and the train
+task logs it in every ``train_steps`` row: no shared memory between the two."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from flows.config import RunConfig
+from rl.models import ensure_base_version
+from storage.config import RunStore, StorageConfig
+from storage.status import RolloutStatusBoard
+from storage.tables import Tables
+from storage.weights import WeightStore
+from tasks.process import run_processor
+from tasks.rollout import run_rollouts
+from tasks.train import run_trainer
+from tests.rl.test_trainer import TINY, config
+
+WAIT_S = 600.0
+"""A bound on every wait, never reached unless something hangs."""
+
+
+def test_train_steps_carry_the_queue_depth_a_live_rollout_worker_published(tmp_path):
+    run = RunConfig(
+        run_id="status-channel",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 4},
+        service={"max_new_tokens": 6},
+        sao=config(token_budget=384, micro_token_budget=384, publish_every=1),
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    stop, trained = threading.Event(), threading.Event()
+    handed_over: queue.Queue[dict] = queue.Queue()
+
+    def on_progress(status: dict) -> None:
+        # Once a shard is committed, hold the worker's report loop here until the trainer is
+        # done: the status object in storage is then exactly the one handed to this callback.
+        if status["backlog"] >= 1 and not trained.is_set():
+            handed_over.put(status)
+            trained.wait(WAIT_S)
+
+    with ThreadPoolExecutor(1) as pool:
+        rollouts = pool.submit(
+            run_rollouts,
+            run,
+            time.time() + WAIT_S,
+            "w0",
+            on_progress=on_progress,
+            progress_every_s=0.2,
+            stop=stop,
+            flush_records=2,
+            flush_seconds=0.2,
+        )
+        try:
+            status = handed_over.get(timeout=WAIT_S)
+            run_processor(run, deadline=0.0)
+            result = run_trainer(run, time.time() + WAIT_S, drain=True, status_max_age_s=WAIT_S)
+        finally:
+            trained.set()
+            stop.set()
+        rollouts.result(timeout=WAIT_S)
+
+    assert result["steps"] >= 1
+    rows = Tables(store).read("train_steps").to_pylist()
+    assert len(rows) == result["steps"]
+    for row in rows:
+        extra = json.loads(row["extra"])
+        assert extra["rollout_status"] == {
+            "workers": 1,
+            "stopped": 0,
+            "stale": 0,
+            "corrupt": 0,
+            "engine_queue_depth": status["engine_queue_depth"],
+            "live_sessions": status["live_sessions"],
+        }
+        assert extra["elastic"]["inputs"]["engine_queue_depth"] == status["engine_queue_depth"]
+    # the stopped worker's last word: nothing queued, and not counted as a live worker
+    (final,), corrupt = RolloutStatusBoard(store).read()
+    assert (final.worker, final.running, final.engine_queue_depth, corrupt) == ("w0", False, 0, 0)
