@@ -9,10 +9,21 @@ loaded replicas first, so stragglers pack and lightly loaded replicas empty. Whe
 queue for a slot the controller cancels drains and borrows the trainer's idle units; when
 the trainer's queue runs dry it hands borrowed units back. A live rollout is never
 interrupted.
+
+How many training units to keep when lending: the most of ``min_train``, the measured
+rate (sessions finished per second times unit-seconds per trajectory) and the forecast
+(``forecast_completions``: each live session of age ``a`` ends within the next
+``forecast_horizon_s`` ``H`` with probability ``P(L <= a + H | L > a)`` under the
+empirical distribution of recently finished session lengths; expected completions times
+unit-seconds per trajectory over ``H``). The measured rate lags at a phase change (no long
+session has finished yet when a long phase starts); the forecast does not, because it
+reads the ages of the sessions now live. Everything is observable in the pipeline:
+session start/end times, queue depths, unconsumed trajectories, trainer idle time.
 """
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from collections import deque
@@ -62,6 +73,14 @@ class ElasticConfig(BaseModel):
         gt=0,
         description="Seconds of finished sessions over which the rollout output rate is measured.",
     )
+    forecast_horizon_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds ahead over which the live sessions' expected completions size the trainer.",
+    )
+    length_window: int = Field(
+        4096, ge=1, description="Finished sessions whose lengths form the session-length model."
+    )
     min_rollout: int = Field(1, ge=1, description="Rollout units never lent to training.")
     min_train: int = Field(1, ge=1, description="Training units never handed to rollout.")
 
@@ -81,6 +100,7 @@ class PolicyInputs:
     engine_queue_depth: int
     trainer_idle: float
     train_unit_s_per_trajectory: float | None = None
+    unconsumed_trajectories: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,11 +116,40 @@ class Move:
 
 @dataclass
 class Unit:
-    """A capacity unit and the rollout sessions live on it."""
+    """A capacity unit and the rollout sessions live on it (with their start times, when known)."""
 
     name: str
     role: Role
     live_sessions: int = 0
+    session_starts: list[float] = field(default_factory=list)
+
+
+@dataclass
+class SessionLengths:
+    """Empirical distribution of the last ``window`` finished session lengths (seconds).
+
+    Learned online from session start/end events; says how likely a live session of a
+    given age is to end within a horizon, with no knowledge of any session's own length.
+    """
+
+    window: int
+    recent: deque[float] = field(default_factory=deque)
+    ordered: list[float] = field(default_factory=list)
+
+    def record(self, length: float) -> None:
+        """Add one finished session's length, forgetting the oldest beyond ``window``."""
+        self.recent.append(length)
+        bisect.insort(self.ordered, length)
+        if len(self.recent) > self.window:
+            del self.ordered[bisect.bisect_left(self.ordered, self.recent.popleft())]
+
+    def ends_within(self, age: float, horizon: float) -> float:
+        """P(length <= age + horizon | length > age); 0 for a session older than any seen (or no data)."""
+        longer = len(self.ordered) - bisect.bisect_right(self.ordered, age)
+        if longer == 0:
+            return 0.0
+        ending = bisect.bisect_right(self.ordered, age + horizon) - bisect.bisect_right(self.ordered, age)
+        return ending / longer
 
 
 @dataclass
@@ -120,6 +169,13 @@ class ElasticController:
     finished_at: deque[float] = field(default_factory=deque)
     started: float | None = None
     last_rollout_rate: float = 0.0
+    lengths: SessionLengths | None = None
+    last_forecast: float | None = None
+    last_demand: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.lengths is None:
+            self.lengths = SessionLengths(self.config.length_window)
 
     @classmethod
     def create(
@@ -154,18 +210,33 @@ class ElasticController:
             raise KeyError(f"unknown unit {name!r}; known: {sorted(self.units)}")
         return self.units[name]
 
-    def begin_session(self, name: str) -> None:
-        """A rollout session starts on replica ``name`` (refused unless it is accepting)."""
+    def begin_session(self, name: str, now: float | None = None) -> None:
+        """A rollout session starts on replica ``name`` (refused unless it is accepting).
+
+        With ``now`` the start time is kept, so the session's age feeds the forecast; pass
+        the same time as ``started`` to ``end_session``.
+        """
         unit = self._unit(name)
         if unit.role != "rollout":
             raise ValueError(f"unit {name!r} is {unit.role}, it takes no new sessions")
         unit.live_sessions += 1
+        if now is not None:
+            unit.session_starts.append(now)
 
-    def end_session(self, name: str, now: float) -> Move | None:
-        """A session on ``name`` ended; a drained replica goes to training here (its session boundary)."""
+    def end_session(self, name: str, now: float, started: float | None = None) -> Move | None:
+        """A session on ``name`` ended; a drained replica goes to training here (its session boundary).
+
+        ``started``: the session's start time as given to ``begin_session`` (its length then
+        trains the session-length model).
+        """
         unit = self._unit(name)
         if unit.live_sessions < 1:
             raise ValueError(f"unit {name!r} has no live session to end")
+        if started is not None:
+            if started not in unit.session_starts:
+                raise ValueError(f"unit {name!r} has no live session started at {started}")
+            unit.session_starts.remove(started)
+            self.lengths.record(now - started)
         unit.live_sessions -= 1
         if self.started is None:
             self.started = now
@@ -183,24 +254,14 @@ class ElasticController:
     def step(self, inputs: PolicyInputs, now: float) -> list[Move]:
         """Decide on the current queues; returns the moves made now (a drain completes later).
 
-        Slot accounting plus a rate-balanced target, not one-step nudges:
-
-        - Rollout wants ``ceil(engine_queue_depth / sessions_per_replica)`` more replicas.
-          It gets them by cancelling drains first (free: the replica never left), then by
-          borrowing training units the trainer has idle (at least one when its queue ran
-          dry), keeping what the trainer needs for the sessions now finishing
-          (``rollout_rate * train_unit_s_per_trajectory``).
-        - A saturated trainer (idle at most ``saturated_idle``, ``high_backlog`` shards
-          waiting) gets accepting replicas, least loaded first, while the others can spare
-          their slots and keep ``headroom_slots`` free, or while rollout holds more replicas
-          than the balanced target (``balanced_rollout_units``).
-        - When the trainer runs dry, drains still under way are cancelled.
-
-        Each side keeps its minimum; at most ``max_moves_per_step`` moves per decision.
+        See the module docstring for the policy.
         """
         self.last_inputs = inputs
         cfg = self.config
         rate = self.rollout_rate(now)
+        forecast = self.forecast_completions(now)
+        demand = self.training_demand(inputs, forecast)
+        self.last_demand = demand
         if self.moves and now - self.moves[-1].time < cfg.cooldown_s:
             return []
         rollout = [self.units[n] for n in self.units_in("rollout")]
@@ -210,6 +271,9 @@ class ElasticController:
         trainer_saturated = (
             inputs.unconsumed_shards >= cfg.high_backlog and inputs.trainer_idle <= cfg.saturated_idle
         )
+        need = None
+        if demand is not None:
+            need = min(max(math.ceil(demand), cfg.min_train), len(self.units) - cfg.min_rollout)
         target = self.balanced_rollout_units(rate, inputs.train_unit_s_per_trajectory)
         wanted = math.ceil(inputs.engine_queue_depth / cfg.sessions_per_replica)
         moves: list[Move] = []
@@ -218,7 +282,7 @@ class ElasticController:
             if trainer_saturated and target is not None:
                 cancel = min(cancel, max(target - len(rollout), 0))
             for unit in sorted(draining, key=lambda u: -u.live_sessions)[
-                : min(cancel, cfg.max_moves_per_step)
+                : max(min(cancel, cfg.max_moves_per_step), 0)
             ]:
                 moves.append(self._move(unit, "rollout", now, "drain cancelled: rollout needs its slots"))
             idle_units = round(inputs.trainer_idle * len(train))
@@ -227,6 +291,8 @@ class ElasticController:
             keep = cfg.min_train
             if inputs.train_unit_s_per_trajectory is not None:
                 keep = max(keep, math.ceil(rate * inputs.train_unit_s_per_trajectory))
+            if need is not None:
+                keep = max(keep, need)
             lendable = min(
                 wanted - len(moves), idle_units, len(train) - keep, cfg.max_moves_per_step - len(moves)
             )
@@ -238,7 +304,8 @@ class ElasticController:
         if trainer_saturated and not moves:
             free = sum(cfg.sessions_per_replica - u.live_sessions for u in rollout)
             accepting = len(rollout)
-            for unit in sorted(rollout, key=lambda u: u.live_sessions):
+            committed = len(train) + len(draining)
+            for unit in self._drain_order(rollout, now):
                 lost = cfg.sessions_per_replica - unit.live_sessions
                 if len(moves) == cfg.max_moves_per_step or accepting <= cfg.min_rollout:
                     break
@@ -246,14 +313,34 @@ class ElasticController:
                 over_target = target is not None and accepting > target
                 if not (spare or over_target):
                     break
+                reason = "spare replica" if spare else "rollout above its balanced share"
                 free -= lost
                 accepting -= 1
-                reason = "spare replica" if spare else "rollout above its balanced share"
+                committed += 1
                 if unit.live_sessions == 0:
                     moves.append(self._move(unit, "train", now, f"trainer saturated, {reason} (idle)"))
                 else:
                     moves.append(self._move(unit, "draining", now, f"trainer saturated, {reason} drains"))
         return moves
+
+    def training_demand(self, inputs: PolicyInputs, forecast: float | None) -> float | None:
+        """Training units the next ``forecast_horizon_s`` keeps busy: queued plus forecast work.
+
+        ``(backlog + forecast_completions) * train_unit_s / horizon``, the backlog in
+        trajectories (``unconsumed_trajectories``, else one a shard). ``None`` while the
+        training cost or the session-length model is unknown.
+        """
+        train_s = inputs.train_unit_s_per_trajectory
+        if train_s is None or forecast is None:
+            return None
+        backlog = inputs.unconsumed_trajectories
+        if backlog is None:
+            backlog = inputs.unconsumed_shards
+        return (backlog + forecast) * train_s / self.config.forecast_horizon_s
+
+    def _drain_order(self, rollout: list[Unit], now: float) -> list[Unit]:
+        """Accepting replicas in the order they are drained: the fewest live sessions first."""
+        return sorted(rollout, key=lambda u: u.live_sessions)
 
     def balanced_rollout_units(self, rate: float, train_unit_s: float | None) -> int | None:
         """Rollout replicas at which rollout and training output match, from measured rates.
@@ -270,6 +357,24 @@ class ElasticController:
         total = len(self.units)
         balanced = round(total * rho / (rho + train_unit_s))
         return min(max(balanced, self.config.min_rollout), total - self.config.min_train)
+
+    def forecast_completions(self, now: float) -> float | None:
+        """Sessions expected to end within ``forecast_horizon_s``, from the live sessions' ages.
+
+        Each live session (start time known) of age ``a`` ends within the horizon ``H`` with
+        probability ``P(L <= a + H | L > a)`` under the session-length model; the sum is the
+        expected count. ``None`` before any session with a known start has finished.
+        """
+        if not self.lengths.ordered:
+            self.last_forecast = None
+            return None
+        horizon = self.config.forecast_horizon_s
+        self.last_forecast = sum(
+            self.lengths.ends_within(now - start, horizon)
+            for unit in self.units.values()
+            for start in unit.session_starts
+        )
+        return self.last_forecast
 
     def rollout_rate(self, now: float) -> float:
         """Sessions finished per second over the last ``rate_window_s`` (or since the first decision or finish)."""
@@ -295,6 +400,7 @@ class ElasticController:
             "elastic": {
                 "inputs": asdict(self.last_inputs) if self.last_inputs else None,
                 "rollout_rate": round(self.last_rollout_rate, 6),
+                "forecast_completions": None if self.last_forecast is None else round(self.last_forecast, 3),
                 "roles": {n: u.role for n, u in self.units.items()},
                 "live_sessions": {n: u.live_sessions for n, u in self.units.items()},
                 "moves": [asdict(m) for m in self.moves[-8:]],

@@ -300,10 +300,10 @@ def simulate_elastic(
         for name in controller.routable():
             while role_ready[name] <= t and sessions_on[name] < w.sessions_per_replica and admissible():
                 length, train_s = next_prompt()
-                controller.begin_session(name)
+                controller.begin_session(name, t)
                 sessions_on[name] += 1
                 in_flight += 1
-                heapq.heappush(events, (t + length, next(seq), "session", (name, train_s, version)))
+                heapq.heappush(events, (t + length, next(seq), "session", (name, train_s, version, t)))
 
     def _engine_queue_depth(t: float) -> int:
         """Sessions the orchestrator admits now but no rollout slot can take."""
@@ -336,13 +336,13 @@ def simulate_elastic(
     while trained + (dropped if finite else 0) < target:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "session":
-            name, train_s, born = payload
+            name, train_s, born, started = payload
             if controller.units[name].role == "train":
                 interrupted += 1
             sessions_on[name] -= 1
             in_flight -= 1
             backlog.append((train_s, born))
-            move = controller.end_session(name, now)
+            move = controller.end_session(name, now, started)
             if move is not None:
                 role_ready[name] = now + w.switch_s
                 heapq.heappush(events, (role_ready[name], next(seq), "ready", name))
@@ -363,6 +363,7 @@ def simulate_elastic(
                     train_unit_s_per_trajectory=sum(recent_train_s) / len(recent_train_s)
                     if recent_train_s
                     else None,
+                    unconsumed_trajectories=len(backlog),
                 )
                 for move in controller.step(inputs, now):
                     if "draining" not in (move.source, move.target):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.elastic import ElasticConfig, ElasticController, ElasticLog, PolicyInputs
+from rollout.elastic import ElasticConfig, ElasticController, ElasticLog, PolicyInputs, SessionLengths
 from rollout.elastic_sim import (
     ElasticWorkload,
     continuous_lower_bound,
@@ -48,6 +48,7 @@ def test_drain_waits_for_live_sessions_then_hands_unit_to_trainer():
         "engine_queue_depth": 5,
         "trainer_idle": 1.0,
         "train_unit_s_per_trajectory": None,
+        "unconsumed_trajectories": None,
     }
     assert record["roles"]["r1"] == "rollout"
 
@@ -246,6 +247,7 @@ def test_train_steps_rows_carry_the_elastic_inputs_and_decision(tmp_path):
             "engine_queue_depth": 0,
             "trainer_idle": 0.0,
             "train_unit_s_per_trajectory": None,
+            "unconsumed_trajectories": None,
         }
         assert elastic["roles"] == {"r0": "rollout", "r1": "rollout", "t0": "train"}
         assert elastic["applied"] is False
@@ -378,3 +380,49 @@ def test_continuous_elastic_run_never_interrupts_a_rollout():
     ctl = ElasticController.create([f"u{i}" for i in range(3)], [f"u{i}" for i in range(3, 6)])
     assert simulate_elastic(no_drops, 3, ctl).makespan >= bound - 1e-9
     assert all(s.prompts_left is None and s.idle_rollout_no_prompts == 0 for s in run.trace)
+
+
+def test_session_length_model_and_forecast_hand_worked():
+    model = SessionLengths(window=4)
+    for length in (10.0, 20.0, 30.0, 40.0):
+        model.record(length)
+    assert model.ends_within(0.0, 15.0) == pytest.approx(1 / 4)  # only 10 ends by 15
+    assert model.ends_within(15.0, 10.0) == pytest.approx(1 / 3)  # of 20, 30, 40: 20 ends by 25
+    assert model.ends_within(50.0, 100.0) == 0.0  # older than any seen
+    model.record(50.0)  # window 4: 10 is forgotten
+    assert model.ordered == [20.0, 30.0, 40.0, 50.0]
+    ctl = ElasticController.create(["r0"], ["t0"], ElasticConfig(forecast_horizon_s=15.0))
+    assert ctl.forecast_completions(0.0) is None  # no finished session yet
+    for length in (10.0, 20.0, 30.0, 40.0):
+        ctl.begin_session("r0", 0.0)
+        ctl.end_session("r0", length, started=0.0)
+    ctl.begin_session("r0", 100.0)
+    ctl.begin_session("r0", 115.0)
+    # at 115: age 15 ends by 30 with P(15 < L <= 30 | L > 15) = 2/3; age 0 by 15 with 1/4
+    assert ctl.forecast_completions(115.0) == pytest.approx(2 / 3 + 1 / 4)
+    with pytest.raises(ValueError, match="no live session started at 7"):
+        ctl.end_session("r0", 120.0, started=7.0)
+
+
+def test_lending_keeps_the_trainers_the_forecast_completions_need():
+    # four 50 s sessions finished long ago (rate window empty: the measured rate says 0/s);
+    # 8 sessions started 10 s ago will all end within the 400 s horizon (all seen were 50 s):
+    # 8 trajectories at 100 unit-s over 400 s keep 2 trainers busy, so 2 of 4 are lent
+    ctl = ElasticController.create(["r0"], ["t0", "t1", "t2", "t3"], ElasticConfig(forecast_horizon_s=400.0))
+    for _ in range(4):
+        ctl.begin_session("r0", 0.0)
+        ctl.end_session("r0", 50.0, started=0.0)
+    live_starts = [990.0] * 8
+    for start in live_starts:
+        ctl.begin_session("r0", start)
+    dry = PolicyInputs(0, 40, 1.0, train_unit_s_per_trajectory=100.0)
+    moves = ctl.step(dry, now=1000.0)
+    assert ctl.last_rollout_rate == 0.0 and ctl.last_forecast == pytest.approx(8.0)
+    assert [(m.unit, m.target) for m in moves] == [("t3", "rollout"), ("t2", "rollout")]
+    # the same queues with no session ages known: only min_train=1 is kept, 3 are lent
+    blind = ElasticController.create(
+        ["r0"], ["t0", "t1", "t2", "t3"], ElasticConfig(forecast_horizon_s=400.0)
+    )
+    for _ in range(8):
+        blind.begin_session("r0")
+    assert len(blind.step(dry, now=1000.0)) == 3
