@@ -66,7 +66,9 @@ class ElasticConfig(BaseModel):
         4, ge=1, description="Most units moved (or set draining) by one decision."
     )
     cooldown_s: float = Field(
-        60.0, ge=0, description="Seconds after a move before the next decision (lets the move take effect)."
+        30.0,
+        ge=0,
+        description="Seconds after a move before the next decision (one decision tick of the pipeline).",
     )
     rate_window_s: float = Field(
         600.0,
