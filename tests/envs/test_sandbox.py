@@ -95,8 +95,11 @@ def test_background_processes_are_killed():
     mine = (f"sleep 300.{nonce}", f"sleep 301.{nonce}")
     shell.run(f"{mine[0]} & setsid {mine[1]} & disown -a; echo started")
     assert box.leftover_processes() >= 3 if box.uid is not None else True
-    pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).strip() in mine]
-    assert pids
+    # "started" can come back before the forked children have exec'd their sleeps
+    deadline = time.monotonic() + 30
+    while len(pids := _pids_running(mine)) < len(mine) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids) == len(mine)
     box.close()
     deadline = time.monotonic() + 5
     while (
@@ -106,6 +109,10 @@ def test_background_processes_are_killed():
     assert not [p for p in pids if os.path.exists(f"/proc/{p}") and _cmdline(str(p))]
     assert not os.path.exists(box.workdir)
     serves_after()
+
+
+def _pids_running(cmdlines: tuple[str, ...]) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).strip() in cmdlines]
 
 
 def _cmdline(pid: str) -> str:
