@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -14,11 +15,14 @@ from prefect.events import emit_event
 from flows.config import RunConfig
 from rl.trainer import Trainer
 from rollout.elastic import ElasticController, ElasticLog, PolicyInputs
-from storage.status import DEFAULT_MAX_AGE_S, RolloutStatusBoard
+from storage.status import DEFAULT_MAX_AGE_S, RolloutStatusBoard, RolloutSummary
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 log = logging.getLogger(__name__)
+
+STATUS_REFRESH_S = 1.0
+"""Seconds between reads of the rollout workers' status objects while training."""
 
 
 def run_trainer(
@@ -40,7 +44,7 @@ def run_trainer(
     engine queue depth and the trainer's idle fraction since the last step) and its
     decision in ``extra``. The queue depth comes from ``engine_queue_depth`` when the
     caller can reach the engines, else from the rollout workers' status objects in the
-    run's storage (``storage.status``): the sum over workers whose status is at most
+    run's storage (``storage.status``, read at most every ``STATUS_REFRESH_S``): the sum over workers whose status is at most
     ``status_max_age_s`` old, with the count of fresh, stopped, stale and corrupt ones in
     ``extra["rollout_status"]``.
     ``elastic`` defaults to an advisory controller over one rollout and one training unit:
@@ -71,6 +75,20 @@ def run_trainer(
     elastic = elastic or ElasticLog(ElasticController.create(["rollout0"], ["train0"]))
     last = {"wall": time.monotonic(), "idle": 0.0}
     rollout_status = RolloutStatusBoard(store)
+    status_cache: dict[str, Any] = {"read_at": -math.inf, "summary": None}
+
+    def rollout_summary() -> RolloutSummary | None:
+        # workers publish every few seconds; reading every step would put a listing and a
+        # GET per worker on the trainer's hot path (S3)
+        if time.monotonic() - status_cache["read_at"] < STATUS_REFRESH_S:
+            return status_cache["summary"]
+        try:
+            summary = rollout_status.summary(max_age_s=status_max_age_s)
+        except Exception as exc:  # storage unreachable for a moment: log the step without it
+            log.warning("could not read the rollout workers' status: %s", exc)
+            summary = None
+        status_cache.update(read_at=time.monotonic(), summary=summary)
+        return summary
 
     def elastic_record() -> dict[str, Any]:
         now = time.monotonic()
@@ -80,11 +98,7 @@ def run_trainer(
         if engine_queue_depth is not None:
             depth = engine_queue_depth()
         else:
-            try:
-                summary = rollout_status.summary(max_age_s=status_max_age_s)
-            except Exception as exc:  # storage unreachable for a moment: log the step without it
-                log.warning("could not read the rollout workers' status: %s", exc)
-                summary = None
+            summary = rollout_summary()
             depth = summary.engine_queue_depth if summary is not None else 0
             extra["rollout_status"] = summary.as_dict() if summary is not None else None
         inputs = PolicyInputs(
