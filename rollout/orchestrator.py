@@ -3,8 +3,10 @@
 - **Mixing**: each new rollout goes to the task furthest below its target share of the
   rollouts started so far, so the mix converges to the targets; targets can be changed
   while it runs (:meth:`Orchestrator.set_mix`).
-- **Backpressure**: when the trainer lags (``backlog()`` unconsumed shards above the
-  limit) no new rollout starts until it catches up.
+- **Backpressure**: when the trainer lags (``backlog()`` above ``max_backlog``) no new
+  rollout starts until it catches up. The rollout worker's backlog counts the shards
+  committed since its engines last loaded a new version, a proxy that stops throttling
+  when versions come out faster than shards.
 - **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
   filtering a group whose rewards are all equal is dropped, slots are refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
@@ -138,7 +140,7 @@ class Orchestrator:
         service: the rollout service.
         tasks: an endless iterator of train tasks per task name.
         sink: where finished records go (``ShardWriter``).
-        backlog: number of committed shards the trainer has not consumed yet.
+        backlog: how many committed shards wait for the trainer, as the caller counts them.
     """
 
     def __init__(
