@@ -15,6 +15,14 @@ Three policies:
 A replica that fails a health check is taken out; its sessions are assigned afresh on
 their next turn and that turn is prefilled in full on the new replica (the gateway holds
 every token, so nothing is lost).
+
+A replica can be set draining (:meth:`Router.drain`): no new session goes to it, and with
+``migrate_on_drain`` each session pinned to it moves at its next turn boundary — its next
+:meth:`Router.route` call with none of its requests in flight — to an accepting replica
+(the policy's normal pick), which re-prefills the session's tokens; a generation in flight
+finishes where it started, untouched. The draining replica empties in about one turn
+instead of waiting for its longest session to end, and can then be handed elsewhere
+(``rollout.elastic``). :meth:`Router.undrain` puts it back.
 """
 
 from __future__ import annotations
@@ -53,6 +61,17 @@ class RouterConfig(BaseModel):
         True,
         description="On an engine error, probe the replica; if it is down, take it out and retry the "
         "request once on the session's new replica.",
+    )
+    migrate_on_drain: bool = Field(
+        True,
+        description="A session pinned to a draining replica moves to an accepting one at its next turn "
+        "(re-prefilling its tokens there); off: it stays until it ends.",
+    )
+    migration_slots: int | None = Field(
+        None,
+        ge=1,
+        description="Sessions an accepting replica may hold for a migrating session to move onto it; a "
+        "session with no such replica stays on its draining one (None: no limit).",
     )
 
 
@@ -120,7 +139,8 @@ class Router:
     """Assigns sessions to engine replicas and forwards their generation requests.
 
     ``load`` of a replica is the number of sessions assigned to it that have not ended;
-    call :meth:`end_session` when a rollout finishes.
+    call :meth:`end_session` when a rollout finishes. ``migrations`` counts sessions moved
+    off draining replicas.
     """
 
     def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
@@ -133,6 +153,9 @@ class Router:
         self._heap: list[tuple[int, int, str]] = []
         self._tiebreak = itertools.count()
         self._rr = 0
+        self._draining: set[str] = set()
+        self._in_flight: Counter[str] = Counter()
+        self.migrations = 0
         for engine in engines:
             self.add(engine)
 
@@ -145,8 +168,28 @@ class Router:
         return self._engines[name]
 
     def load(self, name: str) -> int:
-        """Sessions currently assigned to replica ``name``."""
+        """Sessions currently assigned (pinned) to replica ``name``; a draining one is empty at 0."""
         return self._load[name]
+
+    @property
+    def draining(self) -> list[str]:
+        """Names of the draining replicas (in service or down), sorted."""
+        return sorted(self._draining)
+
+    def drain(self, name: str) -> None:
+        """Route no new session to replica ``name``; with ``migrate_on_drain`` its sessions move
+        off at their next turn. A generation in flight on it is not touched."""
+        if name not in self._engines and name not in self._down:
+            raise KeyError(f"replica {name!r} is not known; known: {sorted([*self._engines, *self._down])}")
+        self._draining.add(name)
+
+    def undrain(self, name: str) -> None:
+        """Let replica ``name`` take new sessions again (sessions that moved off stay where they are)."""
+        if name not in self._draining:
+            raise KeyError(f"replica {name!r} is not draining; draining: {self.draining}")
+        self._draining.discard(name)
+        if name in self._engines:
+            heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
 
     def assignment(self, session_id: str) -> str | None:
         """The replica ``session_id`` is pinned to, if any."""
@@ -166,6 +209,7 @@ class Router:
         if name not in self._engines:
             raise KeyError(f"replica {name!r} is not in service")
         engine = self._engines.pop(name)
+        self._draining.discard(name)
         self._ring.remove(name)
         for session_id in [s for s, r in self._assigned.items() if r == name]:
             del self._assigned[session_id]
@@ -173,29 +217,56 @@ class Router:
         return engine
 
     def route(self, session_id: str) -> Engine:
-        """The replica that serves ``session_id``'s next request (assigning it if new)."""
+        """The replica that serves ``session_id``'s next request (assigning it if new).
+
+        A session pinned to a draining replica, with no request in flight, moves here to an
+        accepting replica when ``migrate_on_drain`` is on and one has room.
+        """
         if not self._engines:
             raise NoReplicas("no engine replica is in service")
+        accepting = [n for n in self._engines if n not in self._draining]
         if self.config.policy == "round_robin":
-            names = list(self._engines)
-            name = names[self._rr % len(names)]
+            if not accepting:
+                raise NoReplicas(f"every replica in service is draining: {self.draining}")
+            name = accepting[self._rr % len(accepting)]
             self._rr += 1
             return self._engines[name]
         name = self._assigned.get(session_id)
         if name is None:
-            name = (
-                self._pick_sticky(session_id) if self.config.policy == "sticky" else self._pick_least_loaded()
-            )
-            self._assigned[session_id] = name
-            self._load[name] += 1
-            if self.config.policy == "least_loaded":
-                heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
-        return self._engines[name]
+            if not accepting:
+                raise NoReplicas(f"every replica in service is draining: {self.draining}")
+            self._pin(session_id, self._pick(session_id, accepting))
+        elif name in self._draining and self.config.migrate_on_drain and not self._in_flight[session_id]:
+            self._migrate(session_id, name, accepting)
+        return self._engines[self._assigned[session_id]]
 
-    def _pick_sticky(self, session_id: str) -> str:
-        total = sum(self._load[n] for n in self._engines) + 1
-        capacity = math.ceil((1 + self.config.load_epsilon) * total / len(self._engines))
-        walk = self._ring.walk(session_id)
+    def _pick(self, session_id: str, accepting: list[str]) -> str:
+        if self.config.policy == "sticky":
+            return self._pick_sticky(session_id, accepting)
+        return self._pick_least_loaded()
+
+    def _pin(self, session_id: str, name: str) -> None:
+        self._assigned[session_id] = name
+        self._load[name] += 1
+        if self.config.policy == "least_loaded":
+            heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
+
+    def _migrate(self, session_id: str, source: str, accepting: list[str]) -> None:
+        """Re-pin ``session_id`` from draining ``source`` to the normal pick among the accepting
+        replicas with room; it stays on ``source`` when none has."""
+        limit = self.config.migration_slots
+        room = [n for n in accepting if limit is None or self._load[n] < limit]
+        if not room:
+            return
+        target = self._pick(session_id, room)
+        self._release(session_id)
+        self._pin(session_id, target)
+        self.migrations += 1
+
+    def _pick_sticky(self, session_id: str, candidates: list[str]) -> str:
+        total = sum(self._load[n] for n in candidates) + 1
+        capacity = math.ceil((1 + self.config.load_epsilon) * total / len(candidates))
+        walk = [n for n in self._ring.walk(session_id) if n in candidates]
         for name in walk:
             if self._load[name] < capacity:
                 return name
@@ -204,15 +275,19 @@ class Router:
     def _pick_least_loaded(self) -> str:
         while self._heap:
             load, _, name = self._heap[0]
-            if name in self._engines and load == self._load[name]:
+            if name in self._engines and name not in self._draining and load == self._load[name]:
                 return name
             heapq.heappop(self._heap)
         for name in self._engines:
-            heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
+            if name not in self._draining:
+                heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
         return self._heap[0][2]
 
     def end_session(self, session_id: str) -> None:
         """Release ``session_id``'s assignment and let its replica drop its cache."""
+        self._release(session_id)
+
+    def _release(self, session_id: str) -> None:
         name = self._assigned.pop(session_id, None)
         if name is None:
             return
@@ -226,6 +301,7 @@ class Router:
         """Generate on ``session_id``'s replica; with ``failover``, a replica found down is
         taken out and the request is retried once on the session's new replica."""
         engine = self.route(session_id)
+        self._in_flight[session_id] += 1
         try:
             return await engine.generate(session_id, prompt_ids, params)
         except EngineError as exc:
@@ -235,6 +311,10 @@ class Router:
             self._take_down(engine.name)
             retry = self.route(session_id)
             return await retry.generate(session_id, prompt_ids, params)
+        finally:
+            self._in_flight[session_id] -= 1
+            if not self._in_flight[session_id]:
+                del self._in_flight[session_id]
 
     async def check_health(self) -> dict[str, bool]:
         """Probe every replica: take out those that fail, bring back those that recovered."""
@@ -251,8 +331,12 @@ class Router:
         return dict(zip(names, results, strict=True))
 
     def _take_down(self, name: str) -> None:
+        """Out of service until healthy again; a draining replica stays draining when it is back."""
         if name in self._engines:
+            draining = name in self._draining
             self._down[name] = self.remove(name)
+            if draining:
+                self._draining.add(name)
 
 
 async def _healthy(engine: Engine) -> bool:

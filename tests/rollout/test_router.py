@@ -171,3 +171,121 @@ def test_random_add_remove_keeps_loads_consistent():
         assigned = [router.assignment(s) for s in live]
         for name in router.replicas:
             assert router.load(name) == sum(a == name for a in assigned)
+
+
+@pytest.mark.parametrize("policy", ["sticky", "least_loaded", "round_robin"])
+def test_new_sessions_avoid_a_draining_replica_until_undrained(policy):
+    router = Router(_replicas(3), RouterConfig(policy=policy))
+    router.drain("r1")
+    assert router.draining == ["r1"]
+    assert "r1" not in {router.route(s).name for s in SESSIONS[:300]}
+    assert router.load("r1") == 0
+    router.drain("r0")
+    router.drain("r2")
+    with pytest.raises(NoReplicas, match="draining"):
+        router.route("one-more")
+    router.undrain("r0")
+    router.undrain("r2")
+    router.undrain("r1")
+    assert "r1" in {router.route(s).name for s in SESSIONS[300:600]}
+    with pytest.raises(KeyError, match="not draining"):
+        router.undrain("r1")
+    with pytest.raises(KeyError, match="not known"):
+        router.drain("nope")
+
+
+@pytest.mark.parametrize("policy", ["sticky", "least_loaded"])
+def test_sessions_move_off_a_draining_replica_at_their_next_turn(policy):
+    router = Router(_replicas(4), RouterConfig(policy=policy))
+    before = {s: router.route(s).name for s in SESSIONS[:400]}
+    on_r2 = [s for s in SESSIONS[:400] if before[s] == "r2"]
+    router.drain("r2")
+    assert router.load("r2") == len(on_r2) > 0, "draining moves nothing by itself"
+    for i, s in enumerate(on_r2):
+        assert router.route(s).name != "r2"
+        assert router.load("r2") == len(on_r2) - i - 1
+    assert router.migrations == len(on_r2)
+    assert all(router.route(s).name == before[s] for s in SESSIONS[:400] if s not in on_r2)
+    assert sum(router.load(n) for n in router.replicas) == 400
+    if policy == "least_loaded":
+        loads = sorted(router.load(n) for n in ["r0", "r1", "r3"])
+        assert loads[-1] - loads[0] <= 1, "each moved session goes to the least loaded replica"
+
+
+def test_without_migration_a_drained_session_stays_until_it_ends():
+    router = Router(_replicas(3), RouterConfig(policy="least_loaded", migrate_on_drain=False))
+    for s in SESSIONS[:30]:
+        router.route(s)
+    on_r0 = [s for s in SESSIONS[:30] if router.assignment(s) == "r0"]
+    router.drain("r0")
+    assert all(router.route(s).name == "r0" for s in on_r0)
+    assert router.load("r0") == len(on_r0) and router.migrations == 0
+    assert router.route("new").name != "r0"
+    for s in on_r0:
+        router.end_session(s)
+    assert router.load("r0") == 0
+
+
+def test_a_session_moves_only_to_a_replica_with_a_free_slot():
+    router = Router(_replicas(2), RouterConfig(policy="least_loaded", migration_slots=2))
+    for s in SESSIONS[:4]:
+        router.route(s)
+    on_r0 = [s for s in SESSIONS[:4] if router.assignment(s) == "r0"]
+    on_r1 = [s for s in SESSIONS[:4] if router.assignment(s) == "r1"]
+    assert len(on_r0) == len(on_r1) == 2
+    router.drain("r0")
+    assert router.route(on_r0[0]).name == "r0", "r1 is full: the session stays"
+    router.end_session(on_r1[0])
+    assert router.route(on_r0[0]).name == "r1"
+    assert router.route(on_r0[1]).name == "r0"
+    assert (router.load("r0"), router.load("r1"), router.migrations) == (1, 2, 1)
+
+
+def test_a_generation_in_flight_finishes_on_its_replica_and_the_next_turn_moves():
+    """Real TorchEngine replicas on the tiny model: drained mid-generation, the turn's tokens
+    and log-probs equal an undisturbed run's; the next turn re-prefills the whole history on
+    the new replica and the old one drops the session's cache."""
+    import asyncio
+    import copy
+
+    import torch
+
+    from rl.models import TinyModelConfig, build_tiny_model
+    from rollout.engines.base import SamplingParams
+    from rollout.engines.torch_engine import TorchEngine
+
+    torch.manual_seed(0)
+    model, tokenizer = build_tiny_model(
+        TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
+    )
+    params = SamplingParams(max_new_tokens=12, seed=7)
+    prompt = tokenizer.encode("What is 2 + 3?")
+
+    async def body():
+        engines = [TorchEngine(copy.deepcopy(model), tokenizer, name=f"r{i}") for i in range(2)]
+        reference = TorchEngine(copy.deepcopy(model), tokenizer, name="reference")
+        router = Router(engines, RouterConfig(policy="least_loaded"))
+        try:
+            expected = await reference.generate("s", prompt, params)
+            turn = asyncio.create_task(router.generate("s", prompt, params))
+            await asyncio.sleep(0)  # the task routes and awaits its engine
+            assert router.assignment("s") == "r0"
+            router.drain("r0")
+            assert router.route("s").name == "r0", "no turn boundary while a generation is in flight"
+            first = await turn
+            assert (first.engine, first.token_ids, first.logprobs) == (
+                "r0",
+                expected.token_ids,
+                expected.logprobs,
+            )
+            history = [*prompt, *first.token_ids, *tokenizer.encode(" ok")]
+            second = await router.generate("s", history, params)
+            assert second.engine == "r1" and router.assignment("s") == "r1"
+            assert (router.load("r0"), router.load("r1"), router.migrations) == (0, 1, 1)
+            assert engines[1].stats().prefill_computed == len(history), "the whole history is re-prefilled"
+            assert engines[0].stats().extra["cache_sessions"] == 0.0
+        finally:
+            for engine in [*engines, reference]:
+                await engine.close()
+
+    asyncio.run(body())
