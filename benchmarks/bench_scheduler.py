@@ -14,7 +14,12 @@ Three measurements, side by side in one run:
    ours with the best of those sizes chosen in hindsight.
    Ours: one pool, per-action grants, elastic test runs, pooled GPUs with LRU residency.
    Then the smallest share (bisected, in percent) of those resources on which ours still
-   matches the baseline's average action completion time;
+   matches the baseline's average action completion time, beside the smallest share on
+   which the best static size matches it (the saving against a baseline that was also
+   allowed to shrink). At 128, 256 and 512 cores it prints a lower bound on any policy's
+   average: every action starting on arrival at its best parallelism with its service
+   resident. ``static / bound`` is the most any scheduler could reach against the
+   baseline at that size;
 3. the same two policies on this machine's real cores, with real processes pinned by
    ``CpuManager`` (a short run; on a shared 2-core machine it measures process start-up and
    the neighbours' load as much as the policy).
@@ -44,12 +49,13 @@ from rollout.scheduler import (
     amdahl_efficiency,
     decide,
 )
-from rollout.simcluster import ActionWorkload, run_ours, run_static
+from rollout.simcluster import ActionWorkload, action_trajectories, run_ours, run_static
 
 CORES = 256
 GPUS_PER_SERVICE = 1
 CORES_PER_TRAJECTORY = 4
 STATIC_SIZES = (1, 2, 4, 8, 16)
+POOL_SIZES = (128, 256, 512)
 
 
 def decision_time_us(free_cores: float, n_queue: int = 300, repeats: int = 200) -> tuple[float, float]:
@@ -71,10 +77,11 @@ def decision_time_us(free_cores: float, n_queue: int = 300, repeats: int = 200) 
             req = ResourceRequest(demand={"gpu": 1}, duration=3.0)
         queue.append(policy._pending(req, 0.0))
     running = [Running(rng.uniform(0, 30), [4.0, 0.0]) for _ in range(60)]
+    reserve = [free_cores / 2, 0.0]  # half the free cores surplus: both spread passes run
     samples = []
     for _ in range(repeats):
         t = time.perf_counter()
-        decide(queue, [free_cores, 1.0], running, 0.0)
+        decide(queue, [free_cores, 1.0], running, 0.0, reserve=reserve)
         samples.append(time.perf_counter() - t)
     return statistics.median(samples) * 1e6, max(samples) * 1e6
 
@@ -88,6 +95,21 @@ def _kinds(run) -> str:
     return ", ".join(parts)
 
 
+def lower_bound_act(w: ActionWorkload) -> float:
+    """Mean action completion time if every action started on arrival at its best parallelism.
+
+    No policy beats it on any pool: nothing queues, a test run takes its fastest ``T(m)``
+    (true ``T_1``), and a reward call finds its service resident.
+    """
+    best = []
+    for trajectory in action_trajectories(w):
+        for action in trajectory.actions:
+            request = action.request
+            units = range(1, request.max_units + 1) if request.elastic else (1,)
+            best.append(min(request.duration_on(m, action.true_t1) for m in units))
+    return statistics.mean(best)
+
+
 def _equal_act_share(w: ActionWorkload, target_act: float) -> tuple[int, int, int] | None:
     """Smallest share (percent) of the cluster's cores and GPUs on which ours matches ``target_act``."""
 
@@ -96,6 +118,29 @@ def _equal_act_share(w: ActionWorkload, target_act: float) -> tuple[int, int, in
         gpus = max(round(GPUS_PER_SERVICE * w.services * pct / 100), 1)
         return run_ours(w, cores, gpus).mean_act <= target_act, cores, gpus
 
+    return _bisect_share(fits)
+
+
+def _static_equal_act_share(w: ActionWorkload, target_act: float) -> tuple[int, int, int] | None:
+    """Smallest share (percent) of the cores on which some static size matches ``target_act``.
+
+    Static pins one GPU per service, so its GPUs stay; (percent, cores, cores per trajectory).
+    """
+    best = None
+    for size in STATIC_SIZES:
+
+        def fits(pct: int, size: int = size) -> tuple[bool, int, int]:
+            cores = max(CORES * pct // 100, size)
+            return run_static(w, cores, size, GPUS_PER_SERVICE).mean_act <= target_act, cores, size
+
+        share = _bisect_share(fits)
+        if share is not None and (best is None or share[0] < best[0]):
+            best = share
+    return best
+
+
+def _bisect_share(fits) -> tuple[int, int, int] | None:
+    """Smallest percent in 1..100 where ``fits(percent)[0]`` holds (assumed monotone), with its figures."""
     if not fits(100)[0]:
         return None
     lo, hi = 0, 100  # fits(hi) holds; fits(lo) is assumed not to
@@ -105,8 +150,8 @@ def _equal_act_share(w: ActionWorkload, target_act: float) -> tuple[int, int, in
             hi = mid
         else:
             lo = mid
-    _, cores, gpus = fits(hi)
-    return hi, cores, gpus
+    _, a, b = fits(hi)
+    return hi, a, b
 
 
 def simulated() -> dict:
@@ -117,11 +162,13 @@ def simulated() -> dict:
     best_size = min(statics, key=lambda c: statics[c].mean_act)
     ours = run_ours(w, CORES, gpus_full)
     equal_share = _equal_act_share(w, static.mean_act)
+    static_share = _static_equal_act_share(w, static.mean_act)
+    bound = lower_bound_act(w)
     sweep = {}
-    for cores in (128, 512):
+    for cores in POOL_SIZES:
         s = {c: run_static(w, cores, c, GPUS_PER_SERVICE).mean_act for c in STATIC_SIZES}
         o = run_ours(w, cores, gpus_full).mean_act
-        sweep[cores] = (round(s[CORES_PER_TRAJECTORY] / o, 2), round(min(s.values()) / o, 2))
+        sweep[cores] = (s[CORES_PER_TRAJECTORY], min(s.values()), o)
 
     print(f"simulated cluster: {CORES} cores, {gpus_full} GPUs, {len(static.completion_times)} actions")
     print("  mean action completion time (s) by kind: total (queueing part)")
@@ -135,11 +182,24 @@ def simulated() -> dict:
         f"  ratio static/ours: {static.mean_act / ours.mean_act:.2f} "
         f"(vs the best static size in hindsight, {best_size} cores: {statics[best_size].mean_act / ours.mean_act:.2f})"
     )
-    print(f"  ratio at other pool sizes (cores: baseline/ours, best static/ours): {sweep}")
+    print(
+        f"  by pool size, lower bound on any policy {bound:.2f} s (no queueing, best parallelism, resident):"
+    )
+    for cores, (base, best_static, o) in sweep.items():
+        print(
+            f"  {cores:4d} cores: static {base:6.2f}  best static {best_static:6.2f}  ours {o:5.2f}  "
+            f"static/ours {base / o:.2f}  static/bound {base / bound:.2f} (the most any policy reaches)  "
+            f"ours/bound {o / bound:.2f}"
+        )
     if equal_share:
         print(
             f"  ours matches the baseline's ACT on {equal_share[0]}% of the resources: "
             f"{equal_share[1]} cores, {equal_share[2]} GPUs"
+        )
+    if static_share:
+        print(
+            f"  the best static size matches it on {static_share[0]}% of the cores: "
+            f"{static_share[1]} cores at {static_share[2]} per trajectory (and its {gpus_full} pinned GPUs)"
         )
     return {
         "static_act_s": round(static.mean_act, 3),
@@ -149,7 +209,11 @@ def simulated() -> dict:
         "ratio_vs_best_static": round(statics[best_size].mean_act / ours.mean_act, 3),
         "resources_at_equal_act_pct": equal_share[0] if equal_share else None,
         "resource_saving_pct": 100 - equal_share[0] if equal_share else None,
-        "ratio_by_pool_cores": {c: r for c, (r, _) in sweep.items()},
+        "static_best_size_cores_at_equal_act_pct": static_share[0] if static_share else None,
+        "lower_bound_act_s": round(bound, 3),
+        "ratio_by_pool_cores": {c: round(base / o, 3) for c, (base, _, o) in sweep.items()},
+        "ratio_ceiling_by_pool_cores": {c: round(base / bound, 3) for c, (base, _, _) in sweep.items()},
+        "ours_over_bound_by_pool_cores": {c: round(o / bound, 3) for c, (_, _, o) in sweep.items()},
     }
 
 

@@ -281,12 +281,15 @@ def decide(
     *,
     window: int = 16,
     max_evictions: int = 4,
+    reserve: Sequence[float] | None = None,
 ) -> list[tuple[int, int]]:
     """Which queued actions start now, and on how many elastic units.
 
     Candidates are taken FCFS while they fit (a resource blocked by an earlier action is
     not overtaken), spare elastic units go where they lower the objective most (the cut in
-    duration less the unit-seconds burnt, priced by ``_prices``), then the last candidate
+    duration less the unit-seconds burnt, priced by ``_prices``; with a ``reserve``, the
+    units beyond it are surplus nobody is expected to want and go first, unpriced, where
+    they cut durations most), then the last candidate
     is evicted (its units redistributed) while that lowers the total completion time of
     the candidates plus the heap estimate of the queue behind them. Each eviction trial
     changes the plan incrementally: the spread continues from the current greedy state,
@@ -302,6 +305,9 @@ def decide(
             estimates; later ones are affected alike by every choice and are ignored.
         max_evictions: most candidates one decision evicts (each trial re-estimates the
             queue); the next decision, at the next release, may evict more.
+        reserve: per resource, the units to keep for actions expected to arrive beyond
+            ``queue`` (a forecast, e.g. ``ActionPolicy``'s). The spare units beyond it are
+            surplus that burns no one's time; ``None``: no forecast, every unit is priced.
 
     Returns:
         ``[(queue index, units), ...]`` in queue order; ``units`` is 1 for a non-elastic action.
@@ -347,6 +353,17 @@ def decide(
         for k, p in enumerate(cands)
         if p.elastic >= 0 and p.min_units < p.max_units
     ]
+    if reserve is not None:
+        surplus = [max(s - kept, 0.0) for s, kept in zip(spare, reserve, strict=True)]
+        surplus_gains = [(_gain(cands[k], units[k], 0.0), k) for _, k in gains]
+        heapq.heapify(surplus_gains)
+        for k in _spread(cands, units, surplus, surplus_gains, len(cands), [0.0] * len(spare)):
+            spare[cands[k].elastic] -= 1
+        gains = [
+            (_gain(cands[k], units[k], prices[cands[k].elastic]), k)
+            for _, k in gains
+            if units[k] < cands[k].max_units
+        ]
     heapq.heapify(gains)
     _spread(cands, units, spare, gains, len(cands), prices)
     rest = [queue[i] for i in rest_idx]
@@ -457,18 +474,56 @@ def _check_capacity(capacity: Mapping[str, float]) -> dict[str, float]:
 
 
 class ActionPolicy:
-    """Per-action admission with elastic units and greedy eviction (ours)."""
+    """Per-action admission with elastic units and greedy eviction (ours).
 
-    def __init__(self, capacity: Mapping[str, float], *, window: int = 16, default_duration: float = 1.0):
+    It forecasts each resource's base load: an exponential moving average, over
+    ``forecast_window_s``, of the unit-seconds the arriving actions need at their minimum
+    (what the pool stays busy with if no action gets extra units). The part of that load
+    neither held at minimum by the running actions nor asked for by the queue is the
+    ``reserve`` handed to ``decide``: free units beyond it are surplus an elastic action
+    may take without delaying the arrivals the forecast expects.
+    """
+
+    def __init__(
+        self,
+        capacity: Mapping[str, float],
+        *,
+        window: int = 16,
+        default_duration: float = 1.0,
+        forecast_window_s: float = 20.0,
+    ):
+        if not forecast_window_s > 0:
+            raise ValueError(f"ActionPolicy forecast_window_s must be > 0, got {forecast_window_s}")
         self.capacity = _check_capacity(capacity)
         self.names = tuple(self.capacity)
         self._index = {name: r for r, name in enumerate(self.names)}
         self.free = [float(self.capacity[n]) for n in self.names]
         self.window = window
+        self.forecast_window_s = forecast_window_s
         self.estimates = _DurationEstimates(default_duration)
         self._queue: dict[int, tuple[ResourceRequest, Pending]] = {}
-        self._running: dict[int, tuple[Grant, Running]] = {}
+        self._running: dict[int, tuple[Grant, Running, list[float]]] = {}
         self._tickets = itertools.count()
+        self.base_load = [0.0] * len(self.names)
+        self._base_held = [0.0] * len(self.names)
+        self._forecast_at = 0.0
+
+    def _age_forecast(self, now: float) -> None:
+        decay = math.exp(-max(now - self._forecast_at, 0.0) / self.forecast_window_s)
+        self.base_load = [load * decay for load in self.base_load]
+        self._forecast_at = max(now, self._forecast_at)
+
+    def reserve(self, now: float) -> list[float]:
+        """Units of each resource the forecast base load wants beyond what is held at minimum or queued."""
+        self._age_forecast(now)
+        queued = [0.0] * len(self.names)
+        for _, pending in self._queue.values():
+            for r in pending.uses:
+                queued[r] += pending.need[r]
+        return [
+            max(load - held - q, 0.0)
+            for load, held, q in zip(self.base_load, self._base_held, queued, strict=True)
+        ]
 
     def _pending(self, request: ResourceRequest, now: float) -> Pending:
         fixed = [0.0] * len(self.names)
@@ -498,6 +553,10 @@ class ActionPolicy:
         pending = self._pending(request, now)
         ticket = next(self._tickets)
         self._queue[ticket] = (request, pending)
+        self._age_forecast(now)
+        at_minimum = pending.times[pending.min_units] / self.forecast_window_s
+        for r in pending.uses:
+            self.base_load[r] += pending.need[r] * at_minimum
         return ticket
 
     def cancel(self, ticket: int) -> bool:
@@ -510,9 +569,10 @@ class ActionPolicy:
             return []
         tickets = list(self._queue)
         pendings = [self._queue[t][1] for t in tickets]
-        running = [r for _, r in self._running.values()]
+        running = [r for _, r, _ in self._running.values()]
+        reserve = self.reserve(now)
         grants = []
-        for i, units in decide(pendings, self.free, running, now, window=self.window):
+        for i, units in decide(pendings, self.free, running, now, window=self.window, reserve=reserve):
             ticket = tickets[i]
             request, pending = self._queue.pop(ticket)
             holds = _holding(pending, units)
@@ -521,7 +581,9 @@ class ActionPolicy:
             allocation = {self.names[r]: h for r, h in enumerate(holds) if h > 0}
             finish = now + pending.times[units]
             grant = Grant(ticket, request, units, allocation, pending.enqueued_at, now, finish)
-            self._running[ticket] = (grant, Running(finish, holds))
+            self._running[ticket] = (grant, Running(finish, holds), pending.need)
+            for r in pending.uses:
+                self._base_held[r] += pending.need[r]
             grants.append(grant)
         return grants
 
@@ -530,8 +592,11 @@ class ActionPolicy:
         entry = self._running.pop(grant.ticket, None)
         if entry is None:
             raise ValueError(f"grant {grant.ticket} is not running (released twice?)")
-        for r, h in enumerate(entry[1].holds):
+        _, running, at_minimum = entry
+        for r, h in enumerate(running.holds):
             self.free[r] += h
+        for r, h in enumerate(at_minimum):
+            self._base_held[r] -= h
         self.estimates.observe(grant, now)
 
     def end_trajectory(self, trajectory_id: str, now: float) -> None:
@@ -741,8 +806,12 @@ class ActionScheduler(_AsyncFront):
         cpu: CpuManager | None = None,
         window: int = 16,
         default_duration: float = 1.0,
+        forecast_window_s: float = 20.0,
     ):
-        super().__init__(ActionPolicy(capacity, window=window, default_duration=default_duration), cpu)
+        policy = ActionPolicy(
+            capacity, window=window, default_duration=default_duration, forecast_window_s=forecast_window_s
+        )
+        super().__init__(policy, cpu)
 
 
 class StaticReservation(_AsyncFront):

@@ -1,6 +1,7 @@
 """Action-level scheduler: hand-worked decisions, limits under random workloads, asyncio fronts."""
 
 import asyncio
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -60,6 +61,43 @@ def test_a_crowded_pool_prices_poorly_used_units():
     assert decide([elastic(10, 2, (1.0, 0.6))], [2.0], running) == [(0, 1)]
     # Perfect scaling burns nothing extra: the same pool gives it both cores.
     assert decide([elastic(10, 2)], [2.0], running) == [(0, 2)]
+
+
+def test_surplus_beyond_the_reserve_is_not_priced():
+    # The crowded pool above prices the second core at 3.33 s against a 1.67 s cut.  With
+    # a forecast that expects no arrivals (reserve 0), the core left after the action's
+    # minimum is surplus that delays nobody: it takes both.  A reserve of one core keeps
+    # that core for the expected arrival, and the priced choice (one core) stands.
+    running = [Running(50.0, [1.0]), Running(60.0, [1.0])]
+    assert decide([elastic(10, 2, (1.0, 0.6))], [2.0], running, reserve=[0.0]) == [(0, 2)]
+    assert decide([elastic(10, 2, (1.0, 0.6))], [2.0], running, reserve=[1.0]) == [(0, 1)]
+    # The surplus goes where it cuts most: two actions on 4 free cores (E(2) = 0.6,
+    # E(3) = 0.45) beside the same two running ones, no evictions.  The price (3 others /
+    # 6 cores = 0.5) gives each only its first core.  A reserve of one core leaves one core
+    # of surplus: the 30 s action takes it (30 -> 25 saves 5 s; the 4 s one would save 0.67).
+    # A reserve of 0 leaves two: the 30 s action's third core (25 -> 22.2 saves 2.8) still
+    # beats the 4 s action's second.
+    poor = (1.0, 0.6, 0.45)
+    queue = [elastic(30, 3, poor), elastic(4, 3, poor)]
+    assert decide(queue, [4.0], running, max_evictions=0) == [(0, 1), (1, 1)]
+    assert decide(queue, [4.0], running, max_evictions=0, reserve=[1.0]) == [(0, 2), (1, 1)]
+    assert decide(queue, [4.0], running, max_evictions=0, reserve=[0.0]) == [(0, 3), (1, 1)]
+
+
+def test_policy_forecasts_the_base_load_nobody_holds():
+    policy = ActionPolicy({"cpu": 4}, forecast_window_s=10.0)
+    # a 1-core action of 40 s adds 1 * 40 / 10 = 4 units of expected base load
+    policy.submit(ResourceRequest(demand={"cpu": 1}, duration=40.0), 0.0)
+    assert policy.base_load == pytest.approx([4.0])
+    assert policy.reserve(0.0) == pytest.approx([3.0])  # 4 expected, 1 of them queued
+    (grant,) = policy.dispatch(0.0)
+    assert policy.reserve(0.0) == pytest.approx([3.0])  # 4 expected, 1 held at minimum
+    assert policy.reserve(10.0) == pytest.approx([4 * math.exp(-1) - 1])  # decays over the window
+    assert policy.reserve(20.0) == [0.0]  # 4 e^-2 = 0.54 expected, less than the one held
+    policy.release(grant, 40.0)
+    assert policy.reserve(40.0) == pytest.approx([4 * math.exp(-4)])
+    with pytest.raises(ValueError, match="forecast_window_s"):
+        ActionPolicy({"cpu": 4}, forecast_window_s=0.0)
 
 
 def test_running_actions_feed_the_heap_estimate():
@@ -277,7 +315,7 @@ def test_queue_estimate_matches_the_slow_walk(seed):
         assert _queue_estimate(rest, *_timeline(events, free), 0.0, limit=slow * 1.01) == pytest.approx(slow)
 
 
-def slow_decide(queue, free, running, now, window, max_evictions):
+def slow_decide(queue, free, running, now, window, max_evictions, reserve=None):
     """Reference: every eviction trial re-plans from scratch and re-walks the queue slowly."""
     spare, blocked, cands, rest = list(free), [False] * len(free), [], []
     for i, p in enumerate(queue):
@@ -302,18 +340,14 @@ def slow_decide(queue, free, running, now, window, max_evictions):
         )
         price.append(max(holders - 1, 0) / capacity if capacity > 0 else 0.0)
 
-    def gain(p, m):
+    def gain(p, m, unit_price):
         burnt = (m + 1) * p.times[m + 1] - m * p.times[m]
-        return p.times[m + 1] - p.times[m] + price[p.elastic] * burnt
+        return p.times[m + 1] - p.times[m] + unit_price * burnt
 
-    def plan(keep):
-        units = {i: queue[i].min_units for i in cands[:keep]}
-        left = list(free)
-        for i in units:
-            left = [s - n for s, n in zip(left, queue[i].need, strict=True)]
-        while True:  # one unit at a time to the largest priced gain (ties: earliest in the queue)
+    def greedy(units, left, price_of):
+        while True:  # one unit at a time to the largest gain (ties: earliest in the queue)
             options = [
-                (gain(queue[i], m), i)
+                (gain(queue[i], m, price_of(queue[i].elastic)), i)
                 for i, m in units.items()
                 if queue[i].elastic >= 0 and m < queue[i].max_units and left[queue[i].elastic] >= 1 - 1e-9
             ]
@@ -322,6 +356,24 @@ def slow_decide(queue, free, running, now, window, max_evictions):
             _, i = min(options)
             units[i] += 1
             left[queue[i].elastic] -= 1
+
+    # every candidate at its minimum, then the surplus beyond the reserve, unpriced
+    surplus_units = {i: queue[i].min_units for i in cands}
+    if reserve is not None:
+        surplus = list(spare)
+        for r in range(len(free)):
+            surplus[r] = max(spare[r] - reserve[r], 0.0)
+        greedy(surplus_units, surplus, lambda r: 0.0)
+
+    def plan(keep):
+        units = {i: surplus_units[i] for i in cands[:keep]}
+        left = list(free)
+        for i, m in units.items():
+            p = queue[i]
+            left = [s - n for s, n in zip(left, p.fixed, strict=True)]
+            if p.elastic >= 0:
+                left[p.elastic] -= m
+        return greedy(units, left, lambda r: price[r])
 
     def cost(keep):
         units, left = plan(keep)
@@ -358,8 +410,9 @@ def slow_decide(queue, free, running, now, window, max_evictions):
     st.sampled_from([2.0, 5.0, 16.0]),
     st.integers(2, 10),
     st.sampled_from([0, 2, 100]),
+    st.sampled_from([None, (0.0, 0.0), (3.0, 1.0), (8.0, 0.0)]),
 )
-def test_decide_matches_the_slow_reference(seed, free_cpu, window, max_evictions):
+def test_decide_matches_the_slow_reference(seed, free_cpu, window, max_evictions, reserve):
     import random
 
     rng = random.Random(seed)
@@ -378,6 +431,5 @@ def test_decide_matches_the_slow_reference(seed, free_cpu, window, max_evictions
         queue.append(policy._pending(req, 0.0))
     running = [Running(rng.uniform(0, 20), [float(rng.randint(1, 4)), 0.0]) for _ in range(rng.randint(0, 6))]
     free = [free_cpu, float(rng.randint(0, 2))]
-    assert decide(queue, free, running, 0.0, window=window, max_evictions=max_evictions) == slow_decide(
-        queue, free, running, 0.0, window, max_evictions
-    )
+    fast = decide(queue, free, running, 0.0, window=window, max_evictions=max_evictions, reserve=reserve)
+    assert fast == slow_decide(queue, free, running, 0.0, window, max_evictions, reserve)
