@@ -28,6 +28,15 @@ task mix cycles. Each parameter and why:
   those without a slot waiting in the engine queue the controller reads.
 - 60 s for a unit to change sides (load weights, rebuild engine or optimizer state); a
   controller decision every 30 s.
+- Sessions are turns of 30 s (a generation and its tool step). A draining replica's
+  sessions move at their next turn boundary to accepting replicas with a free slot
+  (``ElasticConfig.migrate_at_turns``, the router's ``migrate_on_drain``); the new replica
+  re-prefills the session's history (2,000 prompt tokens plus 100 tokens per second of
+  turns: about 92k tokens for a 900 s session) at 10,000 tokens/s, holding up every session
+  on it meanwhile. Printed: migrations, replica-seconds of re-prefill and the session-seconds
+  of holdup they caused, and the controller without migration (sessions run to their end on
+  a draining replica) for comparison. A fixed split never drains, so it never migrates
+  (``migrations_fixed``, checked): migration cannot help it.
 
 Second figure, a stress case: the same two phases as one finite batch (320 long, then
 1,600 short) run to its makespan, with an admission bound of 64 trajectories in flight or
@@ -40,12 +49,14 @@ one. The ceiling is the best fixed split's time over a lower bound no split can 
 ``makespan_lower_bound``). Unit-seconds left idle by cause, fixed vs elastic.
 
 Last line: JSON with "ratio" = elastic trained trajectories/s / best fixed split's, on the
-continuous pipeline; the finite batch's figures under "finite_batch".
+continuous pipeline; the finite batch's figures under "finite_batch". ``--seed N`` draws the
+same workloads' session lengths from another seed.
 """
 
+import argparse
 import json
 
-from rollout.elastic import ElasticController
+from rollout.elastic import ElasticConfig, ElasticController
 from rollout.elastic_sim import (
     ElasticWorkload,
     continuous_lower_bound,
@@ -80,11 +91,18 @@ FINITE = ElasticWorkload(max_ahead=64)
 
 def compare(w: ElasticWorkload) -> dict:
     fixed = {r: simulate_elastic(w, r) for r in range(1, w.units)}
+    migrations_fixed = sum(len(run.migrations) for run in fixed.values())
+    if migrations_fixed:
+        raise AssertionError(f"a fixed split migrated {migrations_fixed} sessions: it never drains")
     best_split = max(fixed, key=lambda r: fixed[r].throughput)
     best = fixed[best_split]
     names = [f"u{i}" for i in range(w.units)]
     controller = ElasticController.create(names[:best_split], names[best_split:])
     run = simulate_elastic(w, best_split, controller)
+    staying = ElasticController.create(
+        names[:best_split], names[best_split:], ElasticConfig(migrate_at_turns=False)
+    )
+    no_migration = simulate_elastic(w, best_split, staying)
     bound = continuous_lower_bound(w) if w.cycles else makespan_lower_bound(w)
     return {
         "best_fixed_rollout_units": best_split,
@@ -98,18 +116,34 @@ def compare(w: ElasticWorkload) -> dict:
         "dropped_stale_fixed": best.dropped,
         "dropped_stale_elastic": run.dropped,
         "moves": run.moves,
-        "interrupted_sessions": run.interrupted_sessions,
+        "migrations": len(run.migrations),
+        "migrations_fixed": migrations_fixed,
+        "reprefill_replica_s": round(run.reprefill_replica_s),
+        "reprefill_holdup_session_s": round(run.reprefill_slot_s),
+        "interrupted_sessions": run.interrupted_sessions + no_migration.interrupted_sessions,
+        "no_migration_traj_per_s": round(no_migration.throughput, 4),
+        "no_migration_ratio": round(no_migration.throughput / best.throughput, 3),
         "idle_unit_s_fixed": {k: round(v) for k, v in best.idle_unit_seconds().items()},
         "idle_unit_s_elastic": {k: round(v) for k, v in run.idle_unit_seconds().items()},
+        "idle_unit_s_no_migration": {k: round(v) for k, v in no_migration.idle_unit_seconds().items()},
     }
 
 
 def main() -> None:
-    headline = compare(CONTINUOUS)
-    print(f"continuous, {CONTINUOUS.cycles} cycles: {headline}")
-    finite = compare(FINITE)
-    print(f"finite batch, admission bound {FINITE.max_ahead}: {finite}")
-    print(json.dumps({"bench": "elastic", "workload": "continuous", **headline, "finite_batch": finite}))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0, help="Seed of the workloads' session lengths.")
+    seed = parser.parse_args().seed
+    continuous = CONTINUOUS.model_copy(update={"seed": seed})
+    finite_w = FINITE.model_copy(update={"seed": seed})
+    headline = compare(continuous)
+    print(f"continuous, {continuous.cycles} cycles, seed {seed}: {headline}")
+    finite = compare(finite_w)
+    print(f"finite batch, admission bound {finite_w.max_ahead}, seed {seed}: {finite}")
+    print(
+        json.dumps(
+            {"bench": "elastic", "workload": "continuous", "seed": seed, **headline, "finite_batch": finite}
+        )
+    )
 
 
 if __name__ == "__main__":

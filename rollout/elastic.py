@@ -3,9 +3,13 @@
 Capacity units (engine replicas on a cluster, worker processes here) each serve rollout
 or training. When the trainer is saturated and rollout can spare slots (or holds more
 replicas than the measured rates call for), the controller drains rollout replicas, the
-least loaded first: a draining replica takes no new sessions, its live sessions run to
-their end, and only then is the unit handed to the trainer. The router fills the most
-loaded replicas first, so stragglers pack and lightly loaded replicas empty. When sessions
+least loaded first: a draining replica takes no new sessions, and once it holds none the
+unit is handed to the trainer. With ``migrate_at_turns`` (the default) each of its live
+sessions moves, at its next turn boundary, to an accepting replica with a free slot
+(``migrate_session``; the new replica re-prefills the session's tokens, which the gateway
+keeps), so a replica drains in about a turn; without it, or when no slot is free, its
+sessions run to their end there. The router fills the most loaded replicas first, so
+stragglers pack and lightly loaded replicas empty. When sessions
 queue for a slot the controller cancels drains and borrows the trainer's idle units; when
 the trainer's queue runs dry it hands borrowed units back. A live rollout is never
 interrupted.
@@ -82,6 +86,12 @@ class ElasticConfig(BaseModel):
     )
     length_window: int = Field(
         4096, ge=1, description="Finished sessions whose lengths form the session-length model."
+    )
+    migrate_at_turns: bool = Field(
+        True,
+        description="A draining replica's sessions move to accepting replicas with free slots at their next "
+        "turn boundary (re-prefilled there), so its live sessions need free slots elsewhere; off: they run "
+        "to their end on it.",
     )
     min_rollout: int = Field(1, ge=1, description="Rollout units never lent to training.")
     min_train: int = Field(1, ge=1, description="Training units never handed to rollout.")
@@ -247,6 +257,34 @@ class ElasticController:
             return self._move(unit, "train", now, "drained at session boundary")
         return None
 
+    def migrate_session(
+        self, source: str, target: str, now: float, started: float | None = None
+    ) -> Move | None:
+        """A live session moves from draining ``source`` to accepting ``target`` at a turn boundary.
+
+        ``started``: its start time as given to ``begin_session`` (it keeps its age). When
+        ``source`` is left empty it goes to training here, as at a session end.
+        """
+        if not self.config.migrate_at_turns:
+            raise ValueError("migrate_at_turns is off: sessions stay on their replica until they end")
+        src, dst = self._unit(source), self._unit(target)
+        if src.role != "draining":
+            raise ValueError(f"unit {source!r} is {src.role}; only a draining replica's sessions migrate")
+        if dst.role != "rollout":
+            raise ValueError(f"unit {target!r} is {dst.role}, it takes no sessions")
+        if src.live_sessions < 1:
+            raise ValueError(f"unit {source!r} has no live session to migrate")
+        if started is not None:
+            if started not in src.session_starts:
+                raise ValueError(f"unit {source!r} has no live session started at {started}")
+            src.session_starts.remove(started)
+            dst.session_starts.append(started)
+        src.live_sessions -= 1
+        dst.live_sessions += 1
+        if src.live_sessions == 0:
+            return self._move(src, "train", now, "drained: last session migrated at a turn boundary")
+        return None
+
     def _move(self, unit: Unit, target: Role, now: float, reason: str) -> Move:
         move = Move(now, unit.name, unit.role, target, reason)
         unit.role = target
@@ -308,7 +346,8 @@ class ElasticController:
             accepting = len(rollout)
             committed = len(train) + len(draining)
             for unit in self._drain_order(rollout, now):
-                lost = cfg.sessions_per_replica - unit.live_sessions
+                # migrating sessions take free slots elsewhere: the whole replica's slots are lost
+                lost = cfg.sessions_per_replica - (0 if cfg.migrate_at_turns else unit.live_sessions)
                 if len(moves) == cfg.max_moves_per_step or accepting <= cfg.min_rollout:
                     break
                 spare = free - lost >= cfg.headroom_slots

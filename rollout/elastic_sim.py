@@ -18,6 +18,14 @@ or more trajectories wait for the trainer (``rollout.orchestrator``'s backpressu
 keeps ``concurrency`` sessions launched, those without a session slot waiting in the
 engine queue. ``max_ahead`` is the cruder admission bound of the finite stress case:
 at most that many trajectories in flight or untrained.
+
+A session is a sequence of turns of ``turn_s`` seconds (a generation, then its tool step).
+At a turn boundary a session on a draining replica moves, when the controller's
+``migrate_at_turns`` is on, to the first accepting replica in the router's order with a free
+slot; there its history (``prompt_tokens`` plus ``context_tokens_per_s`` per second of turns
+so far) is prefilled at ``prefill_tokens_per_s``, and every session on that replica,
+the migrant included, is held up for that long (the prefill takes the replica). A session is
+never moved mid-turn and never loses work: it ends after its own turns plus the holdups.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, Field
 
-from rollout.elastic import ElasticController, PolicyInputs
+from rollout.elastic import ElasticController, Move, PolicyInputs
 
 
 class ElasticWorkload(BaseModel):
@@ -86,6 +94,26 @@ class ElasticWorkload(BaseModel):
         60.0, ge=0, description="Seconds a unit needs to change sides (load weights, rebuild state)."
     )
     tick_s: float = Field(30.0, gt=0, description="Seconds between controller decisions.")
+    turn_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds of one turn of a session (a generation and its tool step); sessions migrate "
+        "only between turns.",
+    )
+    prompt_tokens: int = Field(
+        2000, ge=0, description="Tokens of a session's prompt (its context at turn 0)."
+    )
+    context_tokens_per_s: float = Field(
+        100.0,
+        ge=0,
+        description="Tokens a session's context grows by per second of its turns (actions and observations).",
+    )
+    prefill_tokens_per_s: float = Field(
+        10000.0,
+        gt=0,
+        description="Tokens a replica prefills per second; a migrated session's history is re-prefilled at "
+        "this rate, holding up every session on the replica it moves to.",
+    )
     seed: int = Field(0, description="Random seed.")
 
 
@@ -124,6 +152,54 @@ IDLE_CAUSES = (
 
 
 @dataclass
+class SessionRecord:
+    """One rollout session: launched ``id``-th at ``started`` with ``turns_s`` seconds of turns;
+    ``held_s``: seconds it was held up by re-prefills on its replica; ``unit``: where it runs
+    now; ``ended``: when it ended (``None`` while live)."""
+
+    id: int
+    started: float
+    turns_s: float
+    train_s: float
+    born: int
+    unit: str
+    held_s: float = 0.0
+    ended: float | None = None
+    epoch: int = 0
+
+    @property
+    def end(self) -> float:
+        """When it ends: its turns plus its holdups."""
+        return self.started + self.turns_s + self.held_s
+
+    def next_boundary(self, now: float, turn_s: float) -> tuple[int, float] | None:
+        """The first turn boundary after ``now`` (turns completed there, time), or ``None`` if it ends first."""
+        done = now - self.started - self.held_s
+        turn = math.floor(done / turn_s + 1e-9) + 1 if done >= 0 else 1
+        if turn * turn_s >= self.turns_s - 1e-9:
+            return None
+        return turn, self.started + self.held_s + turn * turn_s
+
+
+@dataclass(frozen=True)
+class Migration:
+    """Session ``session`` (launched ``session``-th, at ``started``) moved from draining ``source``
+    to accepting ``target`` at ``time``, the boundary after its turn ``turn``, after ``held_s``
+    seconds of earlier holdups; ``reprefill_s``: seconds its history took to prefill there
+    (``held``: sessions on ``target`` held up for it, the migrant included)."""
+
+    time: float
+    session: int
+    started: float
+    turn: int
+    held_s: float
+    source: str
+    target: str
+    reprefill_s: float
+    held: int
+
+
+@dataclass
 class ElasticRun:
     """What a simulated rollout/training run measured."""
 
@@ -135,6 +211,18 @@ class ElasticRun:
     log: list[dict] = field(default_factory=list)
     trace: list[Sample] = field(default_factory=list)
     tick_s: float = 0.0
+    migrations: list[Migration] = field(default_factory=list)
+    sessions: list[SessionRecord] = field(default_factory=list)
+
+    @property
+    def reprefill_replica_s(self) -> float:
+        """Replica-seconds spent re-prefilling migrated sessions."""
+        return sum(m.reprefill_s for m in self.migrations)
+
+    @property
+    def reprefill_slot_s(self) -> float:
+        """Session-seconds of holdup the re-prefills caused (each holds up every session on its replica)."""
+        return sum(m.reprefill_s * m.held for m in self.migrations)
 
     @property
     def throughput(self) -> float:
@@ -237,7 +325,7 @@ def simulate_elastic(
     """Run the pipeline with ``rollout_units`` rollout replicas at start; elastic if ``controller``.
 
     Ends when ``target_trained(w)`` trajectories are trained (a finite batch: when all are
-    trained or dropped).
+    trained or dropped). A fixed split never drains, so its sessions never migrate.
     """
     if not 1 <= rollout_units < w.units:
         raise ValueError(f"rollout_units must be in [1, {w.units - 1}], got {rollout_units}")
@@ -254,10 +342,13 @@ def simulate_elastic(
         elastic = False
     else:
         elastic = True
+    migrate = controller.config.migrate_at_turns
     role_ready: dict[str, float] = dict.fromkeys(names, 0.0)
     training: dict[str, bool] = dict.fromkeys(names, False)
     train_end: dict[str, float] = dict.fromkeys(names, 0.0)
-    sessions_on: dict[str, int] = dict.fromkeys(names, 0)
+    live_on: dict[str, dict[int, SessionRecord]] = {n: {} for n in names}
+    sessions: list[SessionRecord] = []
+    migrations: list[Migration] = []
     backlog: deque[tuple[float, int]] = deque()
     in_flight = 0
     trained = 0
@@ -285,6 +376,13 @@ def simulate_elastic(
     def next_prompt() -> tuple[float, float]:
         return prompts.popleft() if finite else next(stream)
 
+    def free_slot(t: float) -> str | None:
+        """The first accepting, ready replica in the router's order with a free session slot."""
+        for name in controller.routable():
+            if role_ready[name] <= t and len(live_on[name]) < w.sessions_per_replica:
+                return name
+        return None
+
     def start_work(t: float) -> None:
         nonlocal in_flight, dropped
         version = trained // per_version
@@ -297,27 +395,87 @@ def simulate_elastic(
                 training[name] = True
                 train_end[name] = t + train_s
                 heapq.heappush(events, (t + train_s, next(seq), "trained", (name, train_s)))
+        free = free_slots(t) - waiting_to_migrate()
         for name in controller.routable():
-            while role_ready[name] <= t and sessions_on[name] < w.sessions_per_replica and admissible():
+            while (
+                free > 0
+                and role_ready[name] <= t
+                and len(live_on[name]) < w.sessions_per_replica
+                and admissible()
+            ):
+                free -= 1
                 length, train_s = next_prompt()
                 controller.begin_session(name, t)
-                sessions_on[name] += 1
+                session = SessionRecord(len(sessions), t, length, train_s, version, name)
+                sessions.append(session)
+                live_on[name][session.id] = session
                 in_flight += 1
-                heapq.heappush(events, (t + length, next(seq), "session", (name, train_s, version, t)))
+                heapq.heappush(events, (session.end, next(seq), "session", (session, session.end)))
+
+    def hand_over(move: Move | None, t: float) -> None:
+        """A drained replica goes to training after the switch time."""
+        if move is not None:
+            role_ready[move.unit] = t + w.switch_s
+            heapq.heappush(events, (role_ready[move.unit], next(seq), "ready", move.unit))
+
+    def schedule_turn(session: SessionRecord, t: float) -> None:
+        boundary = session.next_boundary(t, w.turn_s)
+        if boundary is not None:
+            heapq.heappush(events, (boundary[1], next(seq), "turn", (session, session.epoch, boundary[0])))
+
+    def migrate_at_boundary(session: SessionRecord, turn: int, t: float) -> None:
+        """Move ``session`` off its draining replica to a free slot, or wait for its next turn."""
+        source = session.unit
+        dest = free_slot(t)
+        if dest is None:
+            schedule_turn(session, t)
+            return
+        tokens = w.prompt_tokens + w.context_tokens_per_s * turn * w.turn_s
+        cost = tokens / w.prefill_tokens_per_s
+        migrations.append(
+            Migration(
+                t,
+                session.id,
+                session.started,
+                turn,
+                session.held_s,
+                source,
+                dest,
+                cost,
+                1 + len(live_on[dest]),
+            )
+        )
+        del live_on[source][session.id]
+        session.unit = dest
+        session.epoch += 1
+        live_on[dest][session.id] = session
+        for held in live_on[dest].values():
+            held.held_s += cost
+            heapq.heappush(events, (held.end, next(seq), "session", (held, held.end)))
+        hand_over(controller.migrate_session(source, dest, t, session.started), t)
+
+    def free_slots(t: float) -> int:
+        """Free session slots on the accepting, ready replicas."""
+        return sum(
+            w.sessions_per_replica - len(live_on[n]) for n in controller.routable() if role_ready[n] <= t
+        )
+
+    def waiting_to_migrate() -> int:
+        """Sessions on draining replicas that will move at their next turn boundary."""
+        if not migrate:
+            return 0
+        return sum(len(live_on[n]) for n in controller.units_in("draining"))
 
     def _engine_queue_depth(t: float) -> int:
         """Sessions the orchestrator admits now but no rollout slot can take."""
-        free_slots = sum(
-            w.sessions_per_replica - sessions_on[n] for n in controller.routable() if role_ready[n] <= t
-        )
-        return max(0, admissible() - free_slots)
+        return max(0, admissible() - max(free_slots(t) - waiting_to_migrate(), 0))
 
     def _sample(t: float) -> Sample:
         slots = w.sessions_per_replica
         accepting = [n for n in controller.routable() if role_ready[n] <= t]
         draining = controller.units_in("draining")
         ready_train = [n for n in controller.units_in("train") if role_ready[n] <= t]
-        idle_slots = sum(slots - sessions_on[n] for n in accepting) / slots
+        idle_slots = sum(slots - len(live_on[n]) for n in accepting) / slots
         return Sample(
             time=t,
             rollout_units=len(controller.units_in("rollout")),
@@ -329,23 +487,30 @@ def simulate_elastic(
             prompts_left=len(prompts) if finite else None,
             idle_rollout_staleness=idle_slots if prompts or not finite else 0.0,
             idle_rollout_no_prompts=idle_slots if finite and not prompts else 0.0,
-            idle_draining=sum(slots - sessions_on[n] for n in draining) / slots,
+            idle_draining=sum(slots - len(live_on[n]) for n in draining) / slots,
             idle_training=sum(1 for n in ready_train if not training[n]),
         )
 
     while trained + (dropped if finite else 0) < target:
         now, _, kind, payload = heapq.heappop(events)
         if kind == "session":
-            name, train_s, born, started = payload
+            session, end = payload
+            if session.ended is not None or end != session.end:
+                continue  # held up since: a later event ends it
+            name = session.unit
             if controller.units[name].role == "train":
                 interrupted += 1
-            sessions_on[name] -= 1
+            session.ended = now
+            del live_on[name][session.id]
             in_flight -= 1
-            backlog.append((train_s, born))
-            move = controller.end_session(name, now, started)
-            if move is not None:
-                role_ready[name] = now + w.switch_s
-                heapq.heappush(events, (role_ready[name], next(seq), "ready", name))
+            backlog.append((session.train_s, session.born))
+            hand_over(controller.end_session(name, now, session.started), now)
+        elif kind == "turn":
+            session, epoch, turn = payload
+            if session.ended is not None or epoch != session.epoch:
+                continue
+            if controller.units[session.unit].role == "draining":
+                migrate_at_boundary(session, turn, now)
         elif kind == "trained":
             name, train_s = payload
             training[name] = False
@@ -370,7 +535,13 @@ def simulate_elastic(
                         # a training unit hands over at its step boundary: after its current item
                         role_ready[move.unit] = max(now, train_end[move.unit]) + w.switch_s
                         heapq.heappush(events, (role_ready[move.unit], next(seq), "ready", move.unit))
+                    elif move.target == "draining" and migrate:
+                        for session in live_on[move.unit].values():
+                            session.epoch += 1
+                            schedule_turn(session, now)
                     log.append(controller.log_record())
             heapq.heappush(events, (now + w.tick_s, next(seq), "tick", None))
         start_work(now)
-    return ElasticRun(trained, now, len(controller.moves), interrupted, dropped, log, trace, w.tick_s)
+    return ElasticRun(
+        trained, now, len(controller.moves), interrupted, dropped, log, trace, w.tick_s, migrations, sessions
+    )

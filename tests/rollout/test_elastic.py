@@ -59,8 +59,8 @@ def live(ctl, name, sessions):
 
 
 def test_saturated_trainer_gets_the_replicas_whose_slots_the_others_can_spare():
-    # 8 slots a replica, 4 kept free: r2 (1 live) frees 7 of the 12 free slots, 5 stay;
-    # r1 (3 live) would take 5 more, leaving 0 < 4, so it keeps serving
+    # 8 slots a replica, 4 kept free, sessions migrate: draining r2 (1 live) takes its 7 free
+    # slots and, for its session, 1 of r1's: 4 of the 12 free stay; r1 would take the rest
     ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0))
     live(ctl, "r0", 8)
     live(ctl, "r1", 3)
@@ -68,13 +68,19 @@ def test_saturated_trainer_gets_the_replicas_whose_slots_the_others_can_spare():
     assert ctl.routable() == ["r0", "r1", "r2"]  # most loaded first: sessions pack
     (move,) = ctl.step(BEHIND, now=0.0)
     assert (move.unit, move.target) == ("r2", "draining")
-    no_headroom = ElasticController.create(
-        ["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0, headroom_slots=0)
-    )
-    live(no_headroom, "r0", 8)
-    live(no_headroom, "r1", 3)
-    live(no_headroom, "r2", 1)
-    assert [m.unit for m in no_headroom.step(BEHIND, now=0.0)] == ["r2", "r1"]  # r0 is the last
+
+    def no_headroom(migrate: bool) -> list[str]:
+        config = ElasticConfig(cooldown_s=0, headroom_slots=0, migrate_at_turns=migrate)
+        ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], config)
+        live(ctl, "r0", 8)
+        live(ctl, "r1", 3)
+        live(ctl, "r2", 1)
+        return [m.unit for m in ctl.step(BEHIND, now=0.0)]
+
+    # migrating, r1's 3 sessions would find 12 - 8 = 4 free slots minus 4 of its own: none
+    assert no_headroom(migrate=True) == ["r2"]
+    # sessions that stay need no slot elsewhere: r1 drains too (r0 is the last)
+    assert no_headroom(migrate=False) == ["r2", "r1"]
 
 
 def test_queued_sessions_borrow_idle_training_units_but_keep_what_training_needs():
@@ -108,11 +114,11 @@ def test_rollout_above_its_balanced_share_drains_even_when_full():
 
 
 def test_dry_trainer_cancels_drains_but_lends_nothing_the_engines_do_not_want():
-    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0, headroom_slots=2))
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0, headroom_slots=1))
     live(ctl, "r0", 8)
     live(ctl, "r1", 6)
     live(ctl, "r2", 1)
-    # 9 free slots: lending r2 leaves 2 (the headroom), lending r1 too would leave 0
+    # 9 free slots: lending r2 (its session moving to r1) leaves 1 (the headroom), r1 too none
     (drain,) = ctl.step(BEHIND, now=0.0)
     assert (drain.unit, drain.source, drain.target) == ("r2", "rollout", "draining")
     (cancel,) = ctl.step(PolicyInputs(0, 0, 1.0), now=1.0)
@@ -426,3 +432,80 @@ def test_lending_keeps_the_trainers_the_forecast_completions_need():
     for _ in range(8):
         blind.begin_session("r0")
     assert len(blind.step(dry, now=1000.0)) == 3
+
+
+def test_migrating_the_last_session_off_a_draining_replica_hands_it_to_training():
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
+    ctl.begin_session("r0", 0.0)
+    ctl.begin_session("r1", 5.0)
+    ctl.begin_session("r1", 9.0)
+    with pytest.raises(ValueError, match="only a draining replica's sessions migrate"):
+        ctl.migrate_session("r1", "r0", 10.0, started=5.0)
+    ctl.units["r1"].role = "draining"
+    with pytest.raises(ValueError, match="no live session started at 7"):
+        ctl.migrate_session("r1", "r0", 10.0, started=7.0)
+    with pytest.raises(ValueError, match="t0 is train|'t0' is train"):
+        ctl.migrate_session("r1", "t0", 10.0, started=5.0)
+    assert ctl.migrate_session("r1", "r0", 30.0, started=5.0) is None
+    assert (ctl.units["r0"].live_sessions, ctl.units["r1"].live_sessions) == (2, 1)
+    assert sorted(ctl.units["r0"].session_starts) == [0.0, 5.0]  # it keeps its age for the forecast
+    move = ctl.migrate_session("r1", "r0", 40.0, started=9.0)
+    assert (move.unit, move.source, move.target, move.time) == ("r1", "draining", "train", 40.0)
+    assert ctl.units_in("train") == ["r1", "t0"] and ctl.units["r0"].live_sessions == 3
+    off = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(migrate_at_turns=False))
+    with pytest.raises(ValueError, match="migrate_at_turns is off"):
+        off.migrate_session("r1", "r0", 1.0)
+
+
+MIGRATING = ElasticWorkload(
+    units=6,
+    long_sessions=24,
+    short_sessions=120,
+    long_median_s=300,
+    cycles=3,
+    max_ahead=None,
+    batch_size=8,
+    max_staleness=4,
+    max_backlog=32,
+    concurrency=48,
+    turn_s=20.0,
+)
+
+
+def test_sessions_migrate_only_at_turn_boundaries_and_lose_no_work():
+    w = MIGRATING
+    names = [f"u{i}" for i in range(6)]
+    run = simulate_elastic(w, 3, ElasticController.create(names[:3], names[3:]))
+    assert run.trained == 3 * 144 and run.interrupted_sessions == 0
+    assert len(run.migrations) > 0 and run.reprefill_replica_s > 0
+    held = dict.fromkeys(range(len(run.sessions)), 0.0)
+    for m in run.migrations:
+        session = run.sessions[m.session]
+        assert m.source != m.target and m.started == session.started
+        # the boundary after turn m.turn, never mid-turn, and before the session's last turn ends
+        assert m.time == pytest.approx(session.started + m.held_s + m.turn * w.turn_s)
+        assert 0 < m.turn * w.turn_s < session.turns_s
+        history = w.prompt_tokens + w.context_tokens_per_s * m.turn * w.turn_s
+        assert m.reprefill_s == pytest.approx(history / w.prefill_tokens_per_s)
+        assert 1 <= m.held <= w.sessions_per_replica
+        held[m.session] += m.reprefill_s
+    # every session runs all its turns; the only extra time is re-prefill holdups on its replica
+    ended = [s for s in run.sessions if s.ended is not None]
+    for session in ended:
+        assert session.ended == pytest.approx(session.started + session.turns_s + session.held_s)
+        assert session.held_s >= held[session.id] - 1e-9
+    assert sum(s.held_s for s in run.sessions) == pytest.approx(run.reprefill_slot_s)
+    # a fixed split never drains, so nothing migrates
+    assert all(not simulate_elastic(w, split).migrations for split in range(1, 6))
+
+
+def test_without_migration_a_draining_replica_waits_for_its_sessions():
+    names = [f"u{i}" for i in range(6)]
+    ctl = ElasticController.create(names[:3], names[3:], ElasticConfig(migrate_at_turns=False))
+    run = simulate_elastic(MIGRATING, 3, ctl)
+    assert run.trained == 3 * 144 and run.interrupted_sessions == 0 and run.migrations == []
+    assert all(s.held_s == 0 for s in run.sessions)
+    assert any(m.source == "draining" and m.target == "train" for m in ctl.moves)
+    migrating = simulate_elastic(MIGRATING, 3, ElasticController.create(names[:3], names[3:]))
+    idle_off, idle_on = run.idle_unit_seconds(), migrating.idle_unit_seconds()
+    assert idle_on["idle_draining"] < idle_off["idle_draining"]
