@@ -8,11 +8,12 @@ unit is handed to the trainer. With ``migrate_at_turns`` (the default) each of i
 sessions moves, at its next turn boundary, to an accepting replica with a free slot
 (``migrate_session``; the new replica re-prefills the session's tokens, which the gateway
 keeps), so a replica drains in about a turn; without it, or when no slot is free, its
-sessions run to their end there. The router fills the most loaded replicas first, so
-stragglers pack and lightly loaded replicas empty. When sessions
+sessions run to their end there. A drain counts the migrants' slots: it leaves the other
+replicas ``headroom_slots`` free after they take its sessions. The router fills the most
+loaded replicas first, so stragglers pack and lightly loaded replicas empty. When sessions
 queue for a slot the controller cancels drains and borrows the trainer's idle units; when
 the trainer's queue runs dry it hands borrowed units back. A live rollout is never
-interrupted.
+interrupted: a session moves only between turns, never mid-generation.
 
 How many training units to keep when lending: the most of ``min_train``, the measured
 rate (sessions finished per second times unit-seconds per trajectory) and the forecast
@@ -169,7 +170,8 @@ class ElasticController:
     """Moves units between rollout and training as their queues change.
 
     The router asks ``routable()`` for replicas that take new sessions and reports
-    ``begin_session`` / ``end_session``; the trainer uses ``units_in("train")``; a driver calls
+    ``begin_session`` / ``end_session``, and ``migrate_session`` when a draining replica's
+    session moves at a turn boundary; the trainer uses ``units_in("train")``; a driver calls
     ``step(inputs, now)`` periodically. ``log_record()`` is the policy's last inputs, roles
     and moves, for the ``extra`` column of ``train_steps``.
     """

@@ -24,8 +24,10 @@ At a turn boundary a session on a draining replica moves, when the controller's
 ``migrate_at_turns`` is on, to the first accepting replica in the router's order with a free
 slot; there its history (``prompt_tokens`` plus ``context_tokens_per_s`` per second of turns
 so far) is prefilled at ``prefill_tokens_per_s``, and every session on that replica,
-the migrant included, is held up for that long (the prefill takes the replica). A session is
-never moved mid-turn and never loses work: it ends after its own turns plus the holdups.
+the migrant included, is held up for that long (the prefill takes the replica). While
+sessions wait on draining replicas for their turn boundary, that many free slots are kept
+for them rather than given to new sessions. A session is never moved mid-turn and never
+loses work: it ends after its own turns plus the holdups.
 """
 
 from __future__ import annotations
@@ -124,8 +126,9 @@ class Sample:
     Unit counts are by role; ``moving`` units changed sides and are still loading.
     The ``idle_*`` figures are capacity in units' worth standing idle now: empty session
     slots on accepting replicas, split by why no session fills them (the staleness control,
-    ``max_ahead`` or ``max_backlog``; or no prompt left), empty slots on draining replicas (held by their last sessions),
-    and training units with nothing to train. ``prompts_left`` is ``None`` in a continuous run.
+    ``max_ahead`` or ``max_backlog``, or kept for migrating sessions; or no prompt left),
+    empty slots on draining replicas (held by their last sessions), and training units with
+    nothing to train. ``prompts_left`` is ``None`` in a continuous run.
     """
 
     time: float
@@ -434,15 +437,15 @@ def simulate_elastic(
         cost = tokens / w.prefill_tokens_per_s
         migrations.append(
             Migration(
-                t,
-                session.id,
-                session.started,
-                turn,
-                session.held_s,
-                source,
-                dest,
-                cost,
-                1 + len(live_on[dest]),
+                time=t,
+                session=session.id,
+                started=session.started,
+                turn=turn,
+                held_s=session.held_s,
+                source=source,
+                target=dest,
+                reprefill_s=cost,
+                held=1 + len(live_on[dest]),
             )
         )
         del live_on[source][session.id]
