@@ -40,6 +40,10 @@ from storage.weights import PRETRAINED_LOAD_LOCK
 KV = list[tuple[torch.Tensor, torch.Tensor]]
 """Per-layer (keys, values), each (B, H_kv, L, D)."""
 
+MAX_PREFILL_SPREAD = 8
+"""Most difference in new-token counts within one batched prefill: the forward keeps the
+logits of that many trailing positions for every row."""
+
 
 class TorchEngineConfig(BaseModel):
     """Settings of one ``TorchEngine`` replica."""
@@ -51,6 +55,12 @@ class TorchEngineConfig(BaseModel):
     max_batch: int = Field(64, ge=1, description="Most requests decoded together in one step.")
     kv_cache_bytes: int = Field(
         256 * 2**20, ge=0, description="Memory bound of the per-session KV cache kept between turns (LRU)."
+    )
+    max_prefill_tokens: int = Field(
+        16384,
+        ge=1,
+        description="Most padded tokens (rows x longest context) in one batched prefill forward; "
+        "a longer request is still prefilled, alone.",
     )
 
 
@@ -131,7 +141,7 @@ class TorchEngine:
         tokenizer: optional; kept for callers (``self.tokenizer``), never used to re-tokenize.
         name: replica name reported in every ``Generation``.
         version: weight version of ``model``.
-        device, dtype, max_batch, kv_cache_bytes: see ``TorchEngineConfig``.
+        device, dtype, max_batch, kv_cache_bytes, max_prefill_tokens: see ``TorchEngineConfig``.
         on_step: called on the engine thread after every scheduler iteration with the
             current stats (metrics, tracing); it must not call back into the engine.
     """
@@ -147,12 +157,15 @@ class TorchEngine:
         dtype: torch.dtype | str = torch.float32,
         max_batch: int = 64,
         kv_cache_bytes: int = 256 * 2**20,
+        max_prefill_tokens: int = 16384,
         on_step: Callable[[EngineStats], None] | None = None,
     ):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if kv_cache_bytes < 0:
             raise ValueError(f"kv_cache_bytes must be >= 0, got {kv_cache_bytes}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if isinstance(model, str | os.PathLike):
             from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -168,6 +181,7 @@ class TorchEngine:
         self.device = torch.device(device)
         self.max_batch = max_batch
         self.kv_cache_bytes = kv_cache_bytes
+        self.max_prefill_tokens = max_prefill_tokens
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 2**31)
         self._on_step = on_step
@@ -191,7 +205,14 @@ class TorchEngine:
         self._session_bytes = 0
 
         self._stats = EngineStats()
-        self._counters = {"steps": 0, "batched_rows": 0, "evictions": 0, "updates": 0, "max_batch_seen": 0}
+        self._counters = {
+            "steps": 0,
+            "batched_rows": 0,
+            "evictions": 0,
+            "updates": 0,
+            "max_batch_seen": 0,
+            "prefill_forwards": 0,
+        }
         self._thread = threading.Thread(target=self._run, name=f"torch-engine-{name}", daemon=True)
         self._thread.start()
 
@@ -206,6 +227,7 @@ class TorchEngine:
             dtype=config.dtype,
             max_batch=config.max_batch,
             kv_cache_bytes=config.kv_cache_bytes,
+            max_prefill_tokens=config.max_prefill_tokens,
             **kwargs,
         )
 
@@ -280,6 +302,7 @@ class TorchEngine:
                 "decode_steps": float(counters["steps"]),
                 "mean_batch": counters["batched_rows"] / counters["steps"] if counters["steps"] else 0.0,
                 "max_batch_seen": float(counters["max_batch_seen"]),
+                "prefill_forwards": float(counters["prefill_forwards"]),
             },
         )
 
@@ -398,8 +421,7 @@ class TorchEngine:
         joining, self._reprefill = self._reprefill, []
         for request in admitted:
             self._attach_session_cache(request)
-        for request in [*joining, *admitted]:
-            self._prefill(request)
+        self._prefill([*joining, *admitted])
         self._join([r for r in [*joining, *admitted] if r.finish is None])
         if self._batch:
             self._decode()
@@ -422,26 +444,76 @@ class TorchEngine:
             request.cached = request.reused = reuse
             self._stats.prefill_reused += reuse
 
-    def _prefill(self, request: _Request) -> None:
-        """Feed every token of ``request`` not yet cached (alone) and sample the next one."""
-        new_tokens = request.tokens[request.cached :]
-        cache = DynamicCache(ddp_cache_data=request.kv) if request.kv else DynamicCache()
-        input_ids = torch.tensor([new_tokens], device=self.device)
-        positions = torch.arange(request.cached, len(request.tokens), device=self.device)[None]
+    def _prefill(self, requests: list[_Request]) -> None:
+        """Feed every token of each request not yet cached and sample its next token.
+
+        Requests go through the model together in chunks (sorted by how many new tokens
+        they have, so right padding stays short); one forward per request made the prefill
+        of a multi-turn agent's next turn cost most of the engine's time.
+        """
+        pending = sorted(requests, key=lambda r: len(r.tokens) - r.cached)
+        while pending:
+            chunk = [pending.pop(0)]
+            while pending and self._fits(chunk + pending[:1]):
+                chunk.append(pending.pop(0))
+            self._prefill_chunk(chunk)
+
+    def _fits(self, requests: list[_Request]) -> bool:
+        """Whether ``requests`` make one prefill forward within the engine's bounds."""
+        new = [len(r.tokens) - r.cached for r in requests]
+        context = max(r.cached for r in requests) + max(new)
+        return len(requests) * context <= self.max_prefill_tokens and max(new) - min(new) < MAX_PREFILL_SPREAD
+
+    def _prefill_chunk(self, requests: list[_Request]) -> None:
+        """One forward over ``requests``: each row is its cache, left-padded to the longest,
+        then its new tokens, right-padded to the most new tokens. Padding is masked out of
+        attention, so every row computes what it would alone."""
+        cached = torch.tensor([r.cached for r in requests], device=self.device)  # (B,)
+        new = torch.tensor([len(r.tokens) - r.cached for r in requests], device=self.device)  # (B,)
+        width, longest = int(new.max()), int(cached.max())
+        input_ids = torch.tensor(
+            [r.tokens[r.cached :] + [0] * (width - len(r.tokens) + r.cached) for r in requests],
+            device=self.device,
+        )  # (B, N)
+        positions = cached[:, None] + torch.arange(width, device=self.device)[None]  # (B, N)
+        columns = torch.arange(longest + width, device=self.device)  # (L + N,)
+        attention_mask = (
+            (columns[None] >= (longest - cached)[:, None]) & (columns[None] < (longest + new)[:, None])
+        ).long()  # (B, L + N)
+        cache = self._padded_cache(requests, longest)
         output = self.model(
             input_ids=input_ids,
-            attention_mask=torch.ones(1, len(request.tokens), dtype=torch.long, device=self.device),
+            attention_mask=attention_mask,
             position_ids=positions,
             use_cache=True,
-            logits_to_keep=1,
+            logits_to_keep=width - int(new.min()) + 1,
             **{self._cache_argument: cache},
         )
-        self._stats.prefill_computed += len(new_tokens)
-        request.kv = _kv_of(cache)
-        request.cached = len(request.tokens)
-        self._sample([request], output.logits[:, -1])
-        if request.finish is not None:
-            self._finish(request, request.kv)
+        last = output.logits.shape[1] - 1 - (width - new)  # (B,) each row's last real token
+        logits = output.logits[torch.arange(len(requests), device=self.device), last]  # (B, V)
+        kv = _kv_of(cache)
+        for row, request in enumerate(requests):
+            start, end = longest - request.cached, longest + len(request.tokens) - request.cached
+            request.kv = [(k[row : row + 1, :, start:end], v[row : row + 1, :, start:end]) for k, v in kv]
+            self._stats.prefill_computed += len(request.tokens) - request.cached
+            request.cached = len(request.tokens)
+        self._counters["prefill_forwards"] += 1
+        self._sample(requests, logits)
+        for request in requests:
+            if request.finish is not None:
+                self._finish(request, request.kv)
+
+    def _padded_cache(self, requests: list[_Request], length: int) -> DynamicCache:
+        """The requests' caches, each left-padded with zeros to ``length`` tokens."""
+        reference = next((r.kv for r in requests if r.kv), None)
+        if reference is None:
+            return DynamicCache()
+        layers = []
+        for layer, (keys, values) in enumerate(reference):
+            rows_k = [_left_pad(r.kv[layer][0] if r.kv else keys[:, :, :0], length) for r in requests]
+            rows_v = [_left_pad(r.kv[layer][1] if r.kv else values[:, :, :0], length) for r in requests]
+            layers.append((torch.cat(rows_k), torch.cat(rows_v)))
+        return DynamicCache(ddp_cache_data=layers)
 
     def _join(self, requests: list[_Request]) -> None:
         """Add prefilled requests to the decode batch (left-padding every cache to one length)."""

@@ -222,6 +222,59 @@ def test_concurrent_requests_share_decode_steps_and_equal_unbatched_runs(tiny):
         )
 
 
+@pytest.mark.parametrize("max_prefill_tokens", [16384, 1])
+def test_next_turns_of_concurrent_sessions_prefill_in_one_forward(tiny, max_prefill_tokens):
+    """Sessions with caches of different lengths and different new-token counts are
+    prefilled together (or one by one under a tiny bound) and each computes what it would
+    alone: the log-probs of a full forward pass over its whole history."""
+    model, _ = tiny
+    first_prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20], [30, 31, 32, 33, 34]]
+    observations = [[40, 41], [42], [43, 44, 45, 46], [47, 48, 49]]
+    box: dict = {"hold_at": None}
+
+    def hold_until_every_turn_queued(stats):
+        if stats.requests == box["hold_at"]:  # the step that served the gate request
+            box["hold_at"] = None
+            engine = box["engine"]
+            wait_for(lambda: engine.stats().queue_depth == len(first_prompts), "every next turn to queue")
+
+    async def run():
+        engine = engine_for(
+            model, on_step=hold_until_every_turn_queued, max_prefill_tokens=max_prefill_tokens
+        )
+        box["engine"] = engine
+        try:
+            firsts = await asyncio.gather(
+                *[
+                    engine.generate(f"s{i}", prompt, SamplingParams(max_new_tokens=3 + 2 * i, seed=i))
+                    for i, prompt in enumerate(first_prompts)
+                ]
+            )
+            prompts = [
+                p + f.token_ids + o for p, f, o in zip(first_prompts, firsts, observations, strict=True)
+            ]
+            box["hold_at"] = len(firsts) + 1
+            await engine.generate("gate", [1, 2], SamplingParams(max_new_tokens=1, seed=0))
+            before = engine.stats()
+            seconds = await asyncio.gather(
+                *[
+                    engine.generate(f"s{i}", prompt, SamplingParams(max_new_tokens=6, seed=10 + i))
+                    for i, prompt in enumerate(prompts)
+                ]
+            )
+            return firsts, prompts, seconds, before, engine.stats()
+        finally:
+            await engine.close()
+
+    firsts, prompts, seconds, before, after = asyncio.run(run())
+    forwards = after.extra["prefill_forwards"] - before.extra["prefill_forwards"]
+    assert forwards == (1 if max_prefill_tokens > 1 else len(prompts))
+    for first_prompt, first, prompt, second in zip(first_prompts, firsts, prompts, seconds, strict=True):
+        assert second.cached_tokens == len(first_prompt) + len(first.token_ids) - 1
+        assert len(second.token_ids) == 6
+        assert_logprobs_match(second.logprobs, reference_logprobs(model, prompt, second.token_ids))
+
+
 def test_seeded_sampling_is_reproducible_and_stops_on_stop_ids(tiny):
     model, _ = tiny
 
