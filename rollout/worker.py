@@ -9,6 +9,17 @@ Backpressure: the backlog the orchestrator sees is the number of shards this wor
 committed since its engines last picked up a new version. When the trainer lags, no new
 version arrives, the backlog grows past ``max_backlog`` and rollouts pause, which bounds
 how stale the data waiting for the trainer can become.
+
+Elastic capacity: a second loop reads the trainer's elastic plan (``status/elastic/plan.json``,
+``rollout.elastic_plan``) at most once a second and drains or undrains this worker's replicas
+through its router; the worker's status reports each replica's pinned sessions, so the
+trainer sees when a draining replica is empty and counts it as training. A drained
+replica's sessions move to an accepting one at their next turn; a generation in flight
+finishes where it started. On this CPU machine a replica handed to training simply goes
+idle (its engine thread waits for requests that no longer come), which frees its core for
+the trainer's threads; nothing here changes torch's thread counts, which are process-wide.
+A plan that is stale or does not parse is ignored with a warning (the replicas stay as they
+are), and a worker never drains its last accepting replica.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from rollout.router import Router
 from rollout.service import RolloutResult, RolloutService, ServiceConfig
 from storage.config import RunStore
 from storage.shards import ShardWriter
+from storage.status import DEFAULT_MAX_AGE_S, ElasticPlan, ElasticPlanBoard
 from storage.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -55,6 +67,8 @@ class RolloutWorker:
         flush_records: records per raw shard.
         cluster: ``"ray"`` runs the engines as Ray actors (``rollout.ray_engine``).
         make_env: builds each rollout's env (e.g. ``RayEnvPool.make_env``); default: in process.
+        plan_poll_s: seconds between reads of the elastic plan.
+        plan_max_age_s: a running trainer's plan older than this is ignored (with a warning).
     """
 
     def __init__(
@@ -74,6 +88,8 @@ class RolloutWorker:
         on_result: Callable[[RolloutResult], None] | None = None,
         cluster: Literal["local", "ray"] = "local",
         make_env: Callable[[Task], Env] | None = None,
+        plan_poll_s: float = 1.0,
+        plan_max_age_s: float = DEFAULT_MAX_AGE_S,
     ):
         self.store = store
         self.name = name
@@ -95,6 +111,12 @@ class RolloutWorker:
         self._shards_at_version = 0
         self.orchestrator: Orchestrator | None = None
         self.service: RolloutService | None = None
+        self.router: Router | None = None
+        self.plans = ElasticPlanBoard(store)
+        self.plan_poll_s = plan_poll_s
+        self.plan_max_age_s = plan_max_age_s
+        self.plan_time: float | None = None
+        self._warned_plan: tuple[str, float] | None = None
 
     def make_env(self, task: Task) -> Env:
         if self._make_env is not None:
@@ -121,7 +143,8 @@ class RolloutWorker:
             tokenizer = load_tokenizer(path)
         self.version = version
         self._shards_at_version = self.writer.next_seq
-        gateway = Gateway(Router(self.engines), tokenizer, self.gateway_config)
+        self.router = Router(self.engines)
+        gateway = Gateway(self.router, tokenizer, self.gateway_config)
         service = self.service = RolloutService(gateway, self.make_env, self.service_config)
         streams = task_streams(list(self.orchestrator_config.mix), self.env_configs, self.seed)
         self.orchestrator = Orchestrator(
@@ -155,11 +178,77 @@ class RolloutWorker:
             except Exception as exc:  # a half-visible or corrupt version: keep serving the current one
                 log.warning("worker %s could not load a new weight version: %s", self.name, exc)
 
+    def apply_plan(self, plan: ElasticPlan | None, now: float) -> bool:
+        """Drain and undrain this worker's replicas as ``plan`` says; False when it is ignored.
+
+        Ignored: no plan, or a running trainer's plan older than ``plan_max_age_s`` at
+        ``now`` (warned once per plan). Replicas the plan does not name as draining or handed
+        to training accept new sessions; the last accepting replica is never drained.
+        """
+        if plan is None or self.router is None:
+            return False
+        if plan.running and now - plan.time > self.plan_max_age_s:
+            self._warn_plan(
+                "stale",
+                plan,
+                f"worker {self.name} ignores the elastic plan of {plan.time:.0f}: {now - plan.time:.0f} s old "
+                f"(> {self.plan_max_age_s:.0f} s); replicas stay as they are",
+            )
+            return False
+        router = self.router
+        wanted = plan.drained(self.name)
+        unknown = wanted - set(router.replicas) - set(router.draining)
+        if unknown:
+            self._warn_plan(
+                plan, f"worker {self.name}: the elastic plan names unknown replicas {sorted(unknown)}"
+            )
+        to_drain = [r for r in router.replicas if r in wanted and r not in router.draining]
+        accepting = [r for r in router.replicas if r not in router.draining]
+        for replica in to_drain:
+            if len(accepting) <= 1:
+                self._warn_plan(
+                    "last",
+                    plan,
+                    f"worker {self.name} keeps {replica} accepting: it is its last accepting replica",
+                )
+                break
+            router.drain(replica)
+            accepting.remove(replica)
+            log.info("worker %s drains replica %s (elastic plan of %.0f)", self.name, replica, plan.time)
+        for replica in router.draining:
+            if replica not in wanted:
+                router.undrain(replica)
+                log.info(
+                    "worker %s puts replica %s back in rollout (elastic plan of %.0f)",
+                    self.name,
+                    replica,
+                    plan.time,
+                )
+        self.plan_time = plan.time
+        return True
+
+    def _warn_plan(self, kind: str, plan: ElasticPlan, message: str) -> None:
+        key = (kind, plan.time)
+        if self._warned_plan != key:
+            self._warned_plan = key
+            log.warning("%s", message)
+
+    async def follow_plan(self) -> None:
+        """Read the elastic plan every ``plan_poll_s`` and apply it, until cancelled."""
+        while True:
+            try:
+                plan = await asyncio.to_thread(self.plans.read)
+                self.apply_plan(plan, time.time())
+            except Exception as exc:  # storage unreachable for a moment: replicas stay as they are
+                log.warning("worker %s could not read the elastic plan: %s", self.name, exc)
+            await asyncio.sleep(self.plan_poll_s)
+
     async def run(self, max_seconds: float | None = None) -> OrchestratorStats:
         """Run rollouts until the orchestrator's stop condition, ``max_seconds`` or :meth:`stop`."""
         if self.orchestrator is None:
             await self.start()
         follower = asyncio.create_task(self._follow_weights())
+        planner = asyncio.create_task(self.follow_plan())
         timer = asyncio.get_running_loop().call_later(max_seconds, self.stop) if max_seconds else None
         try:
             return await self.orchestrator.run()
@@ -167,7 +256,8 @@ class RolloutWorker:
             if timer is not None:
                 timer.cancel()
             follower.cancel()
-            await asyncio.gather(follower, return_exceptions=True)
+            planner.cancel()
+            await asyncio.gather(follower, planner, return_exceptions=True)
 
     def stop(self) -> None:
         if self.orchestrator is not None:
@@ -175,10 +265,13 @@ class RolloutWorker:
 
     def live_sessions(self) -> int:
         """Rollout sessions assigned to this worker's engines that have not ended."""
-        if self.service is None:
-            return 0
-        router = self.service.gateway.router
-        return sum(router.load(name) for name in router.replicas)
+        return sum(self.replica_sessions().values())
+
+    def replica_sessions(self) -> dict[str, int]:
+        """Sessions pinned to each replica in service (a draining replica is empty at 0)."""
+        if self.router is None:
+            return {}
+        return {name: self.router.load(name) for name in self.router.replicas}
 
     def status(self) -> dict[str, Any]:
         engine_stats = [engine.stats() for engine in self.engines]
@@ -187,6 +280,9 @@ class RolloutWorker:
             "backlog": self.backlog(),
             "engine_queue_depth": sum(s.queue_depth for s in engine_stats),
             "live_sessions": self.live_sessions(),
+            "replica_sessions": self.replica_sessions(),
+            "draining": self.router.draining if self.router is not None else [],
+            "plan_time": self.plan_time,
             "orchestrator": self.orchestrator.stats.as_dict() if self.orchestrator else None,
             "prefill_computed": sum(s.prefill_computed for s in engine_stats),
             "prefill_reused": sum(s.prefill_reused for s in engine_stats),

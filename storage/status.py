@@ -1,4 +1,5 @@
-"""Live status that a run's rollout workers publish for its trainer: ``status/rollout/<worker>.json``.
+"""Live status that a run's rollout workers publish for its trainer (``status/rollout/<worker>.json``),
+and the elastic plan the trainer publishes for them (``status/elastic/plan.json``).
 
 The rollout and train tasks may run in one process, in separate processes or on separate
 machines, so they meet here, in the run's storage, not in memory. Each rollout worker
@@ -9,6 +10,12 @@ the trainer reads every worker's object when it records a step and sums their qu
 A worker that stopped cleanly says so (``running: false``) and adds nothing; one whose
 status is older than ``max_age_s`` is presumed gone and only counted as stale. A file that
 does not parse is skipped with a warning (once per distinct content), never raised.
+
+The other way, the trainer's elastic controller publishes one plan object saying which
+engine replicas (units ``<worker>/<replica>``) accept new sessions, which drain and which
+are handed to training; each worker reads it at most once a second and drains or undrains
+its own replicas. A plan that does not parse reads as no plan (with a warning), so a worker
+keeps serving as it is.
 """
 
 from __future__ import annotations
@@ -20,13 +27,15 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from storage.config import RunStore
 
 log = logging.getLogger(__name__)
 
 ROLLOUT_STATUS_PREFIX = "status/rollout"
+ELASTIC_PLAN_PREFIX = "status/elastic"
+ELASTIC_PLAN_NAME = "plan.json"
 DEFAULT_MAX_AGE_S = 30.0
 """Seconds after which a running worker's status no longer counts (it publishes every few)."""
 
@@ -45,6 +54,16 @@ class RolloutStatus(BaseModel):
         ge=0, description="Rollout sessions assigned to the worker's engines, not ended."
     )
     running: bool = Field(description="False once the worker stopped cleanly (its queues are then empty).")
+    replica_sessions: dict[str, int] = Field(
+        default_factory=dict,
+        description="Sessions pinned to each of the worker's engine replicas in service, by replica name.",
+    )
+    draining: list[str] = Field(
+        default_factory=list, description="The worker's replicas that take no new session (draining)."
+    )
+    plan_time: float | None = Field(
+        None, description="``time`` of the last elastic plan the worker applied (None: none yet)."
+    )
 
 
 @dataclass(frozen=True)
@@ -68,6 +87,27 @@ class RolloutSummary:
         return asdict(self)
 
 
+def _replace(store: RunStore, root: str, name: str, payload: bytes) -> None:
+    """Replace object ``root/name`` so that a reader sees the old or the new one, never half:
+    a single PUT on S3, a temp file moved into place on a local folder."""
+    path = posixpath.join(root, name)
+    if store.config.is_s3:
+        store.fs.pipe_file(path, payload)
+        return
+    os.makedirs(root, exist_ok=True)
+    # no fsync: an object lost in a crash is replaced seconds later or goes stale
+    temp = posixpath.join(root, f".{name}.tmp-{uuid.uuid4().hex}")
+    with open(temp, "wb") as handle:
+        handle.write(payload)
+    os.replace(temp, path)
+
+
+def _problems(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(map(str, e['loc'])) or 'object'}: {e['msg']}" for e in exc.errors(include_url=False)
+    )
+
+
 class RolloutStatusBoard:
     """The rollout workers' status objects of one run (see the module docstring)."""
 
@@ -86,17 +126,8 @@ class RolloutStatusBoard:
 
     def publish(self, status: RolloutStatus) -> None:
         """Replace ``status.worker``'s status object atomically."""
-        path = self._path(status.worker)
-        payload = status.model_dump_json().encode()
-        if self.store.config.is_s3:
-            self.fs.pipe_file(path, payload)
-            return
-        os.makedirs(self.root, exist_ok=True)
-        # no fsync: a status lost in a crash is replaced seconds later or goes stale
-        temp = posixpath.join(self.root, f".{status.worker}.json.tmp-{uuid.uuid4().hex}")
-        with open(temp, "wb") as handle:
-            handle.write(payload)
-        os.replace(temp, path)
+        name = posixpath.basename(self._path(status.worker))
+        _replace(self.store, self.root, name, status.model_dump_json().encode())
 
     def read(self) -> tuple[list[RolloutStatus], int]:
         """Every worker's status and how many status files were skipped as corrupt."""
@@ -124,29 +155,120 @@ class RolloutStatusBoard:
         if self._warned.get(path) == payload:
             return
         self._warned[path] = payload
-        problems = "; ".join(
-            f"{'.'.join(map(str, e['loc'])) or 'object'}: {e['msg']}" for e in exc.errors(include_url=False)
-        )
         log.warning(
             "skipping rollout status %s (%d bytes): not a valid status object (%s)",
             self.store.url(ROLLOUT_STATUS_PREFIX, posixpath.basename(path)),
             len(payload),
-            problems,
+            _problems(exc),
         )
 
     def summary(self, now: float | None = None, max_age_s: float = DEFAULT_MAX_AGE_S) -> RolloutSummary:
         """Sum the fresh running workers' queues at ``now`` (epoch seconds, default: the clock)."""
-        if max_age_s <= 0:
-            raise ValueError(f"max_age_s must be positive, got {max_age_s}")
-        now = time.time() if now is None else now
         statuses, corrupt = self.read()
-        stopped = [s for s in statuses if not s.running]
-        fresh = [s for s in statuses if s.running and now - s.time <= max_age_s]
-        return RolloutSummary(
-            workers=len(fresh),
-            stopped=len(stopped),
-            stale=len(statuses) - len(stopped) - len(fresh),
-            corrupt=corrupt,
-            engine_queue_depth=sum(s.engine_queue_depth for s in fresh),
-            live_sessions=sum(s.live_sessions for s in fresh),
-        )
+        return summarize(statuses, corrupt, now, max_age_s)
+
+
+def fresh_statuses(
+    statuses: list[RolloutStatus], now: float, max_age_s: float = DEFAULT_MAX_AGE_S
+) -> list[RolloutStatus]:
+    """The running workers among ``statuses`` whose status is at most ``max_age_s`` old at ``now``."""
+    if max_age_s <= 0:
+        raise ValueError(f"max_age_s must be positive, got {max_age_s}")
+    return [s for s in statuses if s.running and now - s.time <= max_age_s]
+
+
+def summarize(
+    statuses: list[RolloutStatus],
+    corrupt: int,
+    now: float | None = None,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+) -> RolloutSummary:
+    """Sum the fresh running workers' queues at ``now`` (epoch seconds, default: the clock);
+    ``corrupt``: status files skipped by the read."""
+    now = time.time() if now is None else now
+    fresh = fresh_statuses(statuses, now, max_age_s)
+    stopped = [s for s in statuses if not s.running]
+    return RolloutSummary(
+        workers=len(fresh),
+        stopped=len(stopped),
+        stale=len(statuses) - len(stopped) - len(fresh),
+        corrupt=corrupt,
+        engine_queue_depth=sum(s.engine_queue_depth for s in fresh),
+        live_sessions=sum(s.live_sessions for s in fresh),
+    )
+
+
+class ElasticPlan(BaseModel):
+    """Which engine replicas take new sessions, drain, or are handed to training.
+
+    Replicas are named ``<worker>/<replica>`` (the worker's name and the router's replica
+    name); a replica no list names accepts new sessions.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    time: float = Field(description="Epoch seconds (the trainer's clock) at which the plan was decided.")
+    accepting: list[str] = Field(default_factory=list, description="Replicas that take new sessions.")
+    draining: list[str] = Field(
+        default_factory=list,
+        description="Replicas that take no new session; their sessions move off at their next turn.",
+    )
+    train: list[str] = Field(
+        default_factory=list,
+        description="Replicas handed to training (drained and empty; they stay drained).",
+    )
+    running: bool = Field(
+        True, description="False once the trainer stopped: every replica accepts new sessions again."
+    )
+
+    @model_validator(mode="after")
+    def _one_role_each(self) -> ElasticPlan:
+        named = [*self.accepting, *self.draining, *self.train]
+        twice = sorted({n for n in named if named.count(n) > 1})
+        if twice:
+            raise ValueError(f"replicas {twice} are named more than once in the plan")
+        bad = sorted(n for n in named if n.count("/") != 1 or not all(n.split("/")))
+        if bad:
+            raise ValueError(f"replica names must read '<worker>/<replica>', got {bad}")
+        return self
+
+    def drained(self, worker: str) -> set[str]:
+        """Replica names of ``worker`` that must take no new session (draining or handed to training)."""
+        if not self.running:
+            return set()
+        return {
+            unit.split("/", 1)[1] for unit in [*self.draining, *self.train] if unit.split("/", 1)[0] == worker
+        }
+
+
+class ElasticPlanBoard:
+    """The run's elastic plan object ``status/elastic/plan.json`` (see the module docstring)."""
+
+    def __init__(self, store: RunStore):
+        self.store = store
+        self.root = store.path(ELASTIC_PLAN_PREFIX)
+        self.path = posixpath.join(self.root, ELASTIC_PLAN_NAME)
+        self._warned: bytes | None = None
+
+    def publish(self, plan: ElasticPlan) -> None:
+        """Replace the plan atomically."""
+        _replace(self.store, self.root, ELASTIC_PLAN_NAME, plan.model_dump_json().encode())
+
+    def read(self) -> ElasticPlan | None:
+        """The current plan; None when there is none or it does not parse (warned once per content)."""
+        try:
+            payload = self.store.fs.cat_file(self.path)
+        except FileNotFoundError:
+            return None
+        try:
+            return ElasticPlan.model_validate_json(payload)
+        except ValidationError as exc:
+            if self._warned != payload:
+                self._warned = payload
+                log.warning(
+                    "ignoring the elastic plan %s (%d bytes): not a valid plan (%s); replicas stay as they are",
+                    self.store.url(ELASTIC_PLAN_PREFIX, ELASTIC_PLAN_NAME),
+                    len(payload),
+                    _problems(exc),
+                )
+            return None

@@ -36,8 +36,10 @@ def run_rollouts(
     """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``;
     ``on_shard`` is called with each raw shard the worker commits. Every
     ``progress_every_s`` (and once at start and at the end) the worker publishes its engine
-    queue depth and live sessions to ``status/rollout/<worker_name>.json`` for the trainer
-    (``storage.status``); ``on_progress`` gets the same status, right after it is published.
+    queue depth, live sessions and each replica's pinned sessions and drain state to
+    ``status/rollout/<worker_name>.json`` for the trainer (``storage.status``); ``on_progress``
+    gets the same status, right after it is published. The worker follows the trainer's
+    elastic plan (``RolloutWorker.apply_plan``): with one engine replica nothing is ever drained.
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
     (one env worker per engine replica) on the cluster at ``config.ray_address``.
@@ -90,6 +92,9 @@ def run_rollouts(
             engine_queue_depth=status["engine_queue_depth"],
             live_sessions=status["live_sessions"],
             running=running,
+            replica_sessions=status.get("replica_sessions", {}),
+            draining=status.get("draining", []),
+            plan_time=status.get("plan_time"),
         )
         try:
             await asyncio.to_thread(board.publish, published)

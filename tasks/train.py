@@ -14,15 +14,36 @@ from prefect.events import emit_event
 
 from flows.config import RunConfig
 from rl.trainer import Trainer
-from rollout.elastic import ElasticController, ElasticLog, PolicyInputs
-from storage.status import DEFAULT_MAX_AGE_S, RolloutStatusBoard, RolloutSummary
+from rollout.elastic import ElasticConfig, PolicyInputs
+from rollout.elastic_plan import ElasticPlanner
+from storage.status import (
+    DEFAULT_MAX_AGE_S,
+    ElasticPlan,
+    ElasticPlanBoard,
+    RolloutStatus,
+    RolloutStatusBoard,
+    RolloutSummary,
+    fresh_statuses,
+    summarize,
+)
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 log = logging.getLogger(__name__)
 
 STATUS_REFRESH_S = 1.0
-"""Seconds between reads of the rollout workers' status objects while training."""
+"""Seconds between reads of the rollout workers' status objects while training, and between
+elastic decisions while the trainer takes no step."""
+PLAN_REFRESH_S = 5.0
+"""Seconds after which an unchanged elastic plan is published again (workers ignore stale plans)."""
+
+
+def elastic_config(config: RunConfig) -> ElasticConfig:
+    """The controller's defaults for this run: a replica's session slots are its share of a
+    worker's ``orchestrator.concurrency``."""
+    return ElasticConfig(
+        sessions_per_replica=math.ceil(config.orchestrator.concurrency / config.engine.replicas)
+    )
 
 
 def run_trainer(
@@ -33,22 +54,29 @@ def run_trainer(
     stop: threading.Event | None = None,
     drain: bool = False,
     engine_queue_depth: Callable[[], int] | None = None,
-    elastic: ElasticLog | None = None,
+    elastic: ElasticPlanner | None = None,
     status_max_age_s: float = DEFAULT_MAX_AGE_S,
 ) -> dict[str, Any]:
     """Train on processed shards until ``deadline`` (epoch seconds), ``stop`` or
     ``stop.max_policy_steps`` — or, with ``drain``, until no processed shard is waiting;
     the steps since the last version are published at the end.
 
-    Every ``train_steps`` row carries the elastic controller's inputs (unconsumed shards,
-    engine queue depth and the trainer's idle fraction since the last step) and its
-    decision in ``extra``. The queue depth comes from ``engine_queue_depth`` when the
-    caller can reach the engines, else from the rollout workers' status objects in the
-    run's storage (``storage.status``, read at most every ``STATUS_REFRESH_S``): the sum over workers whose status is at most
-    ``status_max_age_s`` old, with the count of fresh, stopped, stale and corrupt ones in
-    ``extra["rollout_status"]``.
-    ``elastic`` defaults to an advisory controller over one rollout and one training unit:
-    it logs, and moves nothing."""
+    Elastic capacity: an :class:`ElasticPlanner` (default: ``elastic_config(config)``)
+    decides over the rollout workers' engine replicas, named from the status objects they
+    publish in the run's storage (``storage.status``, read at most every
+    ``STATUS_REFRESH_S``; workers whose status is older than ``status_max_age_s`` leave),
+    on every step and (unless ``engine_queue_depth`` is given) every ``STATUS_REFRESH_S``
+    while no step is taken, and publishes its
+    plan to ``status/elastic/plan.json`` when it changes (and every ``PLAN_REFRESH_S``);
+    the workers drain and undrain their replicas by it. On the way out every replica is
+    released to rollout. With one replica per worker nothing is ever drained.
+
+    Every ``train_steps`` row carries the controller's inputs (unconsumed shards, engine
+    queue depth, the trainer's idle fraction since the last decision), the units' roles,
+    its recent moves and the moves decided at that step in ``extra["elastic"]``. The queue
+    depth comes from ``engine_queue_depth`` when the caller can reach the engines, else
+    from the fresh workers' statuses, whose counts (fresh, stopped, stale, corrupt) are in
+    ``extra["rollout_status"]``."""
     store = run_store(config)
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
@@ -72,42 +100,76 @@ def run_trainer(
             on_step(row)
 
     trainer = Trainer(store, config.sao, device=config.trainer_device)
-    elastic = elastic or ElasticLog(ElasticController.create(["rollout0"], ["train0"]))
-    last = {"wall": time.monotonic(), "idle": 0.0}
+    elastic = elastic or ElasticPlanner(elastic_config(config))
+    last = {"wall": time.monotonic(), "idle": 0.0, "decided": time.monotonic()}
     rollout_status = RolloutStatusBoard(store)
-    status_cache: dict[str, Any] = {"read_at": -math.inf, "summary": None}
+    plans = ElasticPlanBoard(store)
+    published: dict[str, Any] = {"plan": None, "at": -math.inf}
+    status_cache: dict[str, Any] = {"read_at": -math.inf, "summary": None, "fresh": []}
+    deciding = threading.Lock()
 
-    def rollout_summary() -> RolloutSummary | None:
+    def rollout_statuses() -> tuple[RolloutSummary | None, list[RolloutStatus]]:
         # workers publish every few seconds; reading every step would put a listing and a
         # GET per worker on the trainer's hot path (S3)
-        if time.monotonic() - status_cache["read_at"] < STATUS_REFRESH_S:
-            return status_cache["summary"]
+        if time.monotonic() - status_cache["read_at"] >= STATUS_REFRESH_S:
+            try:
+                statuses, corrupt = rollout_status.read()
+                now = time.time()
+                summary = summarize(statuses, corrupt, now, status_max_age_s)
+                fresh = fresh_statuses(statuses, now, status_max_age_s)
+            except Exception as exc:  # storage unreachable for a moment: decide without it
+                log.warning("could not read the rollout workers' status: %s", exc)
+                summary, fresh = None, []
+            status_cache.update(read_at=time.monotonic(), summary=summary, fresh=fresh)
+        return status_cache["summary"], status_cache["fresh"]
+
+    def publish(plan: ElasticPlan) -> None:
+        roles = (plan.accepting, plan.draining, plan.train, plan.running)
+        if roles == published["plan"] and time.monotonic() - published["at"] < PLAN_REFRESH_S:
+            return
         try:
-            summary = rollout_status.summary(max_age_s=status_max_age_s)
-        except Exception as exc:  # storage unreachable for a moment: log the step without it
-            log.warning("could not read the rollout workers' status: %s", exc)
-            summary = None
-        status_cache.update(read_at=time.monotonic(), summary=summary)
-        return summary
+            plans.publish(plan)
+        except Exception as exc:  # the next decision publishes again; workers keep the last plan
+            log.warning("could not publish the elastic plan: %s", exc)
+            return
+        published.update(plan=roles, at=time.monotonic())
 
     def elastic_record() -> dict[str, Any]:
-        now = time.monotonic()
-        idle = (trainer.idle_seconds - last["idle"]) / max(now - last["wall"], 1e-9)
-        last.update(wall=now, idle=trainer.idle_seconds)
-        extra: dict[str, Any] = {}
-        if engine_queue_depth is not None:
-            depth = engine_queue_depth()
-        else:
-            summary = rollout_summary()
-            depth = summary.engine_queue_depth if summary is not None else 0
-            extra["rollout_status"] = summary.as_dict() if summary is not None else None
-        inputs = PolicyInputs(
-            unconsumed_shards=trainer.unconsumed_shards(),
-            engine_queue_depth=depth,
-            trainer_idle=round(min(max(idle, 0.0), 1.0), 4),
-        )
-        return {**elastic.record(inputs, time.time()), **extra}
+        with deciding:
+            now = time.monotonic()
+            idle = (trainer.idle_seconds - last["idle"]) / max(now - last["wall"], 1e-9)
+            last.update(wall=now, idle=trainer.idle_seconds, decided=now)
+            summary, fresh = rollout_statuses()
+            extra: dict[str, Any] = {}
+            if engine_queue_depth is not None:
+                depth = engine_queue_depth()
+            else:
+                depth = summary.engine_queue_depth if summary is not None else 0
+                extra["rollout_status"] = summary.as_dict() if summary is not None else None
+            inputs = PolicyInputs(
+                unconsumed_shards=trainer.unconsumed_shards(),
+                engine_queue_depth=depth,
+                trainer_idle=round(min(max(idle, 0.0), 1.0), 4),
+            )
+            record = elastic.decide(fresh, inputs, time.time())
+            publish(elastic.last_plan)
+            return {**record, **extra}
 
+    stop_ticking = threading.Event()
+
+    def tick() -> None:
+        # decide while no step is taken (the trainer waits for data, or a step is long), so
+        # drains are cancelled and units returned when the trainer's queue runs dry
+        while not stop_ticking.wait(STATUS_REFRESH_S):
+            if time.monotonic() - last["decided"] >= STATUS_REFRESH_S:
+                try:
+                    elastic_record()
+                except Exception as exc:  # the next step or tick decides again
+                    log.warning("elastic decision failed: %s", exc)
+
+    ticker = threading.Thread(target=tick, name="elastic-ticker", daemon=True)
+    if engine_queue_depth is None:  # a caller's depth callable is read once per step, no more
+        ticker.start()
     try:
         summary = trainer.run(
             max_seconds=max(deadline - time.time(), 0.0),
@@ -118,6 +180,12 @@ def run_trainer(
             step_extra=elastic_record,
         )
     finally:
+        stop_ticking.set()
+        if ticker.is_alive():
+            ticker.join()
+        with deciding:
+            published["at"] = -math.inf
+            publish(elastic.release(time.time()))
         trainer.close()
     check_published()
     return {"steps": summary.steps, "versions": summary.versions, "stop_reason": summary.stop_reason}

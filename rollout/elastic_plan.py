@@ -1,0 +1,141 @@
+"""The elastic controller over a run's real units, deciding from and publishing to storage.
+
+The trainer runs an :class:`ElasticPlanner`: its units are the rollout workers' engine
+replicas, named ``<worker>/<replica>`` from the status each worker publishes
+(``storage.status.RolloutStatus.replica_sessions``), plus the trainer's own unit(s). Each
+decision syncs the units with the fresh statuses, steps the controller, and returns the
+plan (``storage.status.ElasticPlan``) the workers apply through their routers.
+
+A draining replica counts as handed to training only once its worker confirms it: a status
+that applied a plan at least as new as the drain, lists the replica as draining, and pins
+no session to it. Each worker keeps at least one accepting replica (its orchestrator's new
+sessions need one): the controller never drains a worker's last accepting replica, on top
+of its own ``min_rollout``. A live rollout is never interrupted: a drained replica's
+sessions move at their next turn, a generation in flight finishes where it started
+(``rollout.router``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from rollout.elastic import ElasticConfig, ElasticController, Move, PolicyInputs, Unit
+from storage.status import ElasticPlan, RolloutStatus
+
+TRAINER_UNIT = "train0"
+"""The trainer's own unit: never lent to rollout (``min_train``), never in a plan."""
+
+
+def replica_unit(worker: str, replica: str) -> str:
+    """The unit name of ``worker``'s engine replica ``replica``."""
+    return f"{worker}/{replica}"
+
+
+def _worker_of(unit: str) -> str | None:
+    return unit.split("/", 1)[0] if "/" in unit else None
+
+
+@dataclass
+class ReplicaController(ElasticController):
+    """An :class:`ElasticController` whose rollout units are workers' replicas: it never drains
+    a worker's last accepting replica (each worker keeps its most loaded one)."""
+
+    def _drain_order(self, rollout: list[Unit], now: float) -> list[Unit]:
+        kept: dict[str, Unit] = {}
+        for unit in sorted(rollout, key=lambda u: -u.live_sessions):
+            kept.setdefault(_worker_of(unit.name) or unit.name, unit)
+        keep = {id(unit) for unit in kept.values()}
+        return [unit for unit in super()._drain_order(rollout, now) if id(unit) not in keep]
+
+
+class ElasticPlanner:
+    """Decides with a :class:`ReplicaController` over the workers' replicas; see the module docstring.
+
+    Args:
+        config: the controller's thresholds (``min_train`` counts the trainer units).
+        trainer_units: names of the trainer's own units (no ``/`` in them).
+    """
+
+    def __init__(self, config: ElasticConfig | None = None, trainer_units: tuple[str, ...] = (TRAINER_UNIT,)):
+        config = config or ElasticConfig()
+        if len(trainer_units) < config.min_train:
+            raise ValueError(
+                f"need at least min_train={config.min_train} trainer units, got {list(trainer_units)}"
+            )
+        if any("/" in name for name in trainer_units):
+            raise ValueError(f"trainer unit names may not contain '/': {list(trainer_units)}")
+        self.controller = ReplicaController(config, {name: Unit(name, "train") for name in trainer_units})
+        self.last_plan: ElasticPlan | None = None
+
+    def observe(self, statuses: list[RolloutStatus], now: float) -> list[Move]:
+        """Sync the replica units with the fresh running workers' ``statuses``.
+
+        New replicas join as rollout units, those of workers no longer reporting leave, and
+        each unit's live sessions become its pinned count. Returns the handovers made here:
+        draining replicas that their worker confirms empty (see the module docstring).
+        """
+        seen: dict[str, tuple[RolloutStatus, str]] = {}
+        for status in statuses:
+            if not status.running:
+                continue
+            for replica in status.replica_sessions:
+                seen[replica_unit(status.worker, replica)] = (status, replica)
+        units = self.controller.units
+        for name in [n for n in units if _worker_of(n) is not None and n not in seen]:
+            del units[name]
+        handovers = []
+        for name, (status, replica) in seen.items():
+            unit = units.setdefault(name, Unit(name, "rollout"))
+            unit.live_sessions = status.replica_sessions[replica]
+            if unit.role == "draining" and unit.live_sessions == 0 and self._confirmed(status, replica, name):
+                handovers.append(self._hand_over(unit, now))
+        return handovers
+
+    def _confirmed(self, status: RolloutStatus, replica: str, name: str) -> bool:
+        drained_at = next(
+            (m.time for m in reversed(self.controller.moves) if m.unit == name and m.target == "draining"),
+            None,
+        )
+        return (
+            drained_at is not None
+            and status.plan_time is not None
+            and status.plan_time >= drained_at
+            and replica in status.draining
+        )
+
+    def _hand_over(self, unit: Unit, now: float) -> Move:
+        # the controller's own handover happens on a session-end event; here the worker's
+        # status says the replica is empty
+        move = Move(now, unit.name, unit.role, "train", "drained: its worker reports no session pinned")
+        unit.role = "train"
+        self.controller.moves.append(move)
+        return move
+
+    def decide(self, statuses: list[RolloutStatus], inputs: PolicyInputs, now: float) -> dict:
+        """Sync with ``statuses``, step the controller on ``inputs`` and make the plan (``last_plan``).
+
+        Returns ``{"elastic": {...}}`` for ``train_steps.extra``: the controller's inputs,
+        roles and recent moves, and ``decided``, the moves made by this decision.
+        """
+        decided = self.observe(statuses, now)
+        decided += self.controller.step(inputs, now)
+        self.last_plan = self.plan(now)
+        record = self.controller.log_record()
+        record["elastic"]["applied"] = True
+        record["elastic"]["decided"] = [asdict(m) for m in decided]
+        return record
+
+    def plan(self, now: float) -> ElasticPlan:
+        """The replicas' roles now, as a plan stamped ``now``."""
+        roles: dict[str, list[str]] = {"rollout": [], "draining": [], "train": []}
+        for name, unit in sorted(self.controller.units.items()):
+            if _worker_of(name) is not None:
+                roles[unit.role].append(name)
+        return ElasticPlan(
+            time=now, accepting=roles["rollout"], draining=roles["draining"], train=roles["train"]
+        )
+
+    def release(self, now: float) -> ElasticPlan:
+        """The plan for a stopped trainer: every known replica accepts new sessions again."""
+        replicas = sorted(n for n in self.controller.units if _worker_of(n) is not None)
+        return ElasticPlan(time=now, accepting=replicas, running=False)
