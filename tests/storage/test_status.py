@@ -139,3 +139,59 @@ def test_bad_worker_names_are_refused(local_store, name):
 def test_max_age_must_be_positive(local_store):
     with pytest.raises(ValueError, match="max_age_s"):
         RolloutStatusBoard(local_store).summary(max_age_s=0)
+
+
+def test_the_elastic_plan_round_trips_and_says_which_replicas_each_worker_drains(store):
+    from storage.status import ElasticPlan, ElasticPlanBoard
+
+    board = ElasticPlanBoard(store)
+    assert board.read() is None
+    plan = ElasticPlan(
+        time=NOW, accepting=["w0/torch-0", "w1/torch-0"], draining=["w0/torch-1"], train=["w1/torch-1"]
+    )
+    board.publish(plan)
+    board.publish(plan.model_copy(update={"time": NOW + 1}))  # replaced, not appended
+    read = ElasticPlanBoard(store).read()
+    assert read == plan.model_copy(update={"time": NOW + 1})
+    assert (read.drained("w0"), read.drained("w1"), read.drained("w2")) == ({"torch-1"}, {"torch-1"}, set())
+    released = ElasticPlan(time=NOW, draining=["w0/torch-1"], running=False)
+    assert released.drained("w0") == set(), "a stopped trainer's plan drains nothing"
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"accepting": ["w0/r0"], "draining": ["w0/r0"]}, "named more than once"),
+        ({"draining": ["r0"]}, "'<worker>/<replica>'"),
+        ({"train": ["w0/r0/x"]}, "'<worker>/<replica>'"),
+        ({"train": ["/r0"]}, "'<worker>/<replica>'"),
+    ],
+)
+def test_a_plan_naming_a_replica_twice_or_badly_is_refused(fields, problem):
+    from storage.status import ElasticPlan
+
+    with pytest.raises(ValueError, match=problem):
+        ElasticPlan(time=NOW, **fields)
+
+
+def test_a_corrupt_plan_reads_as_none_with_one_warning(local_store, caplog):
+    from storage.status import ELASTIC_PLAN_NAME, ELASTIC_PLAN_PREFIX, ElasticPlanBoard
+
+    board = ElasticPlanBoard(local_store)
+    root = local_store.path(ELASTIC_PLAN_PREFIX)
+    local_store.fs.makedirs(root, exist_ok=True)
+    with open(posixpath.join(root, ELASTIC_PLAN_NAME), "w") as handle:
+        handle.write('{"time": 1, "draining": ["w0/r0"], "train": ["w0/r0"]}')
+    with caplog.at_level(logging.WARNING, logger="storage.status"):
+        assert board.read() is None
+        assert board.read() is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "named more than once" in warnings[0] and "stay as they are" in warnings[0]
+
+
+def test_an_old_status_without_replica_fields_still_reads():
+    old = json.dumps(
+        {"worker": "w0", "time": NOW, "engine_queue_depth": 1, "live_sessions": 2, "running": True}
+    )
+    read = RolloutStatus.model_validate_json(old)
+    assert (read.replica_sessions, read.draining, read.plan_time) == ({}, [], None)

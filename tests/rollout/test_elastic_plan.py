@@ -1,0 +1,104 @@
+"""The trainer-side elastic planner over real unit names: the controller's decisions as plans,
+handover only once a worker confirms its drained replica empty, never a worker's last
+accepting replica."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.elastic import ElasticConfig, PolicyInputs
+from rollout.elastic_plan import TRAINER_UNIT, ElasticPlanner
+from storage.status import RolloutStatus
+
+SATURATED = PolicyInputs(unconsumed_shards=5, engine_queue_depth=0, trainer_idle=0.0)
+DRY = PolicyInputs(unconsumed_shards=0, engine_queue_depth=8, trainer_idle=1.0)
+CONFIG = ElasticConfig(sessions_per_replica=8, headroom_slots=2, cooldown_s=0)
+
+
+def status(worker, sessions, draining=(), plan_time=None, running=True):
+    return RolloutStatus(
+        worker=worker,
+        time=0.0,
+        engine_queue_depth=0,
+        live_sessions=sum(sessions.values()),
+        running=running,
+        replica_sessions=sessions,
+        draining=list(draining),
+        plan_time=plan_time,
+    )
+
+
+def roles(plan):
+    return plan.accepting, plan.draining, plan.train
+
+
+def test_a_saturated_trainer_drains_the_least_loaded_replica_and_takes_it_once_confirmed_empty():
+    planner = ElasticPlanner(CONFIG)
+    record = planner.decide([status("w0", {"r0": 5, "r1": 1})], SATURATED, now=10.0)
+    assert roles(planner.last_plan) == (["w0/r0"], ["w0/r1"], [])
+    assert [(m["unit"], m["target"]) for m in record["elastic"]["decided"]] == [("w0/r1", "draining")]
+    assert record["elastic"]["roles"] == {TRAINER_UNIT: "train", "w0/r0": "rollout", "w0/r1": "draining"}
+    # empty, but the worker has not applied the drain yet: not handed over
+    planner.decide([status("w0", {"r0": 6, "r1": 0})], SATURATED, now=11.0)
+    assert roles(planner.last_plan) == (["w0/r0"], ["w0/r1"], [])
+    # applied an older plan only: still not
+    planner.decide([status("w0", {"r0": 6, "r1": 0}, draining=["r1"], plan_time=9.0)], SATURATED, now=12.0)
+    assert planner.last_plan.train == []
+    # applied, draining, but a session is still pinned (a generation in flight)
+    planner.decide([status("w0", {"r0": 6, "r1": 1}, draining=["r1"], plan_time=10.0)], SATURATED, now=13.0)
+    assert planner.last_plan.train == []
+    record = planner.decide(
+        [status("w0", {"r0": 7, "r1": 0}, draining=["r1"], plan_time=11.0)], SATURATED, 14.0
+    )
+    assert roles(planner.last_plan) == (["w0/r0"], [], ["w0/r1"])
+    assert [(m["unit"], m["source"], m["target"]) for m in record["elastic"]["decided"]] == [
+        ("w0/r1", "draining", "train")
+    ]
+
+
+def test_a_dry_trainer_with_queued_sessions_hands_the_replica_back():
+    planner = ElasticPlanner(CONFIG)
+    planner.decide([status("w0", {"r0": 5, "r1": 0})], SATURATED, now=10.0)
+    assert planner.last_plan.train == ["w0/r1"], "an idle replica goes to training at once"
+    planner.decide([status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=10.0)], DRY, now=20.0)
+    assert roles(planner.last_plan) == (["w0/r0", "w0/r1"], [], [])
+    assert planner.controller.units_in("train") == [TRAINER_UNIT], "the trainer's own unit stays"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_last_accepting_replica_of_a_worker_is_never_drained(seed):
+    import random
+
+    rng = random.Random(seed)
+    planner = ElasticPlanner(CONFIG)
+    workers = {"w0": ["r0", "r1", "r2"], "w1": ["r0"], "w2": ["r0", "r1"]}
+    for tick in range(40):
+        plan = planner.last_plan
+        statuses = []
+        for worker, replicas in workers.items():
+            drained = plan.drained(worker) if plan else set()
+            sessions = {r: 0 if r in drained else rng.randrange(0, 3) for r in replicas}
+            statuses.append(status(worker, sessions, draining=sorted(drained), plan_time=plan and plan.time))
+        inputs = SATURATED if rng.random() < 0.8 else DRY
+        planner.decide(statuses, inputs, now=float(tick))
+        for worker in workers:
+            accepting = [u for u in planner.last_plan.accepting if u.startswith(f"{worker}/")]
+            assert accepting, f"tick {tick}: every replica of {worker} drained: {planner.last_plan}"
+    assert planner.controller.moves, "the saturated trainer drained something"
+
+
+def test_a_worker_that_stops_reporting_takes_its_replicas_along():
+    planner = ElasticPlanner(CONFIG)
+    planner.decide([status("w0", {"r0": 5, "r1": 0}), status("w1", {"r0": 3})], SATURATED, now=1.0)
+    assert planner.last_plan.train == ["w0/r1"]
+    planner.decide([status("w1", {"r0": 3}), status("w0", {}, running=False)], SATURATED, now=2.0)
+    assert roles(planner.last_plan) == (["w1/r0"], [], [])
+    released = planner.release(now=3.0)
+    assert (released.running, released.accepting, released.drained("w1")) == (False, ["w1/r0"], set())
+
+
+def test_trainer_units_are_checked():
+    with pytest.raises(ValueError, match="min_train=2"):
+        ElasticPlanner(ElasticConfig(min_train=2))
+    with pytest.raises(ValueError, match="may not contain '/'"):
+        ElasticPlanner(trainer_units=("t/0",))
