@@ -22,6 +22,20 @@ from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 log = logging.getLogger(__name__)
 
 
+def status_object(worker_name: str, status: dict[str, Any], running: bool) -> RolloutStatus:
+    """The status object a worker publishes, from ``RolloutWorker.status()`` now."""
+    return RolloutStatus(
+        worker=worker_name,
+        time=time.time(),
+        engine_queue_depth=status["engine_queue_depth"],
+        live_sessions=status["live_sessions"],
+        running=running,
+        replica_sessions=status.get("replica_sessions", {}),
+        draining=status.get("draining", []),
+        plan_time=status.get("plan_time"),
+    )
+
+
 def run_rollouts(
     config: RunConfig,
     deadline: float,
@@ -86,16 +100,7 @@ def run_rollouts(
     async def publish_status(running: bool) -> dict[str, Any]:
         # a stopped worker's engines are closed: nothing waits on them
         status = worker.status() if running else {"engine_queue_depth": 0, "live_sessions": 0}
-        published = RolloutStatus(
-            worker=worker_name,
-            time=time.time(),
-            engine_queue_depth=status["engine_queue_depth"],
-            live_sessions=status["live_sessions"],
-            running=running,
-            replica_sessions=status.get("replica_sessions", {}),
-            draining=status.get("draining", []),
-            plan_time=status.get("plan_time"),
-        )
+        published = status_object(worker_name, status, running)
         try:
             await asyncio.to_thread(board.publish, published)
         except Exception as exc:  # a storage hiccup: the next status replaces this one

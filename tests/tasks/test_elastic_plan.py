@@ -1,0 +1,203 @@
+"""The elastic controller's moves take effect across the run's storage: the trainer side
+decides over a rollout worker's real engine replicas from the status the worker publishes,
+publishes a plan, and the worker drains its replicas by it through its router."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+
+from flows.config import RunConfig
+from rl.models import ensure_base_version
+from rollout.elastic import ElasticConfig, PolicyInputs
+from rollout.elastic_plan import ElasticPlanner
+from rollout.engines.base import SamplingParams
+from rollout.worker import RolloutWorker
+from storage.config import RunStore, StorageConfig
+from storage.status import (
+    ELASTIC_PLAN_NAME,
+    ELASTIC_PLAN_PREFIX,
+    ElasticPlan,
+    ElasticPlanBoard,
+    RolloutStatus,
+    RolloutStatusBoard,
+)
+from storage.tables import Tables
+from storage.weights import WeightStore
+from tasks.rollout import status_object
+from tasks.train import run_trainer
+from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
+
+WAIT_S = 120.0
+"""A bound on every poll, never reached unless something hangs."""
+
+SATURATED = PolicyInputs(unconsumed_shards=5, engine_queue_depth=0, trainer_idle=0.0)
+
+
+async def until(predicate, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_empty(tmp_path, caplog):
+    run = RunConfig(
+        run_id="elastic-worker",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        engine={"replicas": 2},
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 4},
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    worker = RolloutWorker(
+        store,
+        "w0",
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator,
+        env_configs={"arith": run.env_config("arith")},
+        plan_poll_s=0.01,
+    )
+    statuses, plans = RolloutStatusBoard(store), ElasticPlanBoard(store)
+    planner = ElasticPlanner(ElasticConfig(sessions_per_replica=16, headroom_slots=0, cooldown_s=0))
+    params = SamplingParams(max_new_tokens=3, seed=1)
+    prompt = [5, 6, 7, 8]
+
+    def trainer_decides(now: float) -> ElasticPlan:
+        # what run_trainer does each decision: read the workers' statuses, decide, publish
+        read, corrupt = statuses.read()
+        assert corrupt == 0
+        planner.decide(read, SATURATED, now)
+        plans.publish(planner.last_plan)
+        return planner.last_plan
+
+    async def body() -> None:
+        await worker.start()
+        router = worker.router
+        follower = asyncio.create_task(worker.follow_plan())
+        try:
+            first = [f"s{i}" for i in range(8)]
+            for session in first:
+                await router.generate(session, prompt, params)
+            loads = {r: router.load(r) for r in router.replicas}
+            assert sorted(loads) == ["torch-0", "torch-1"] and min(loads.values()) >= 1, loads
+            statuses.publish(status_object("w0", worker.status(), running=True))
+            plan = trainer_decides(time.time())
+            (drained,) = [u.split("/")[1] for u in plan.draining]
+            (kept,) = [u.split("/")[1] for u in plan.accepting]
+            assert router.load(drained) <= router.load(kept), "the least loaded replica drains"
+            await until(lambda: worker.plan_time == plan.time, "the worker to apply the plan")
+            assert router.draining == [drained]
+            movers = [s for s in first if router.assignment(s) == drained]
+
+            for i in range(8, 14):  # new sessions avoid the draining replica
+                assert (await router.generate(f"s{i}", prompt, params)).engine == kept
+            for session in movers:  # its sessions move at their next turn, re-prefilled there
+                assert (await router.generate(session, [*prompt, 9, 10], params)).engine == kept
+            assert router.migrations == len(movers)
+            status = worker.status()
+            assert status["replica_sessions"] == {kept: 14, drained: 0}
+            assert (status["draining"], status["plan_time"]) == ([drained], plan.time)
+
+            statuses.publish(status_object("w0", status, running=True))
+            plan = trainer_decides(time.time())
+            assert (plan.accepting, plan.draining, plan.train) == ([f"w0/{kept}"], [], [f"w0/{drained}"])
+            await until(lambda: worker.plan_time == plan.time, "the worker to apply the handover")
+            assert router.draining == [drained], "a replica handed to training stays drained"
+
+            # a corrupt plan and a stale one are ignored with a warning: replicas stay as they are
+            with caplog.at_level(logging.WARNING):
+                path = store.path(ELASTIC_PLAN_PREFIX, ELASTIC_PLAN_NAME)
+                with open(path, "w") as handle:
+                    handle.write("{not json")
+                await until(lambda: "not a valid plan" in caplog.text, "the corrupt plan's warning")
+                stale = ElasticPlan(time=time.time() - 1000, accepting=[f"w0/{kept}", f"w0/{drained}"])
+                plans.publish(stale)
+                await until(lambda: "s old" in caplog.text, "the stale plan's warning")
+            assert router.draining == [drained] and worker.plan_time == plan.time
+
+            released = planner.release(time.time())
+            plans.publish(released)
+            await until(lambda: worker.plan_time == released.time, "the worker to apply the release")
+            assert router.draining == []
+            assert (await router.generate("s99", prompt, params)).engine in {kept, drained}
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await worker.close()
+
+    asyncio.run(body())
+
+
+def test_a_single_replica_worker_never_drains_its_replica(tmp_path, caplog):
+    run = RunConfig(run_id="elastic-one", storage=StorageConfig(root=str(tmp_path / "runs")))
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    worker = RolloutWorker(
+        store,
+        "w0",
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator,
+        env_configs={name: run.env_config(name) for name in run.orchestrator.mix},
+    )
+
+    async def body() -> None:
+        await worker.start()
+        try:
+            plan = ElasticPlan(time=time.time(), draining=["w0/torch-0"])
+            with caplog.at_level(logging.WARNING):
+                assert worker.apply_plan(plan, time.time())
+            assert worker.router.draining == [] and "last accepting replica" in caplog.text
+        finally:
+            await worker.close()
+
+    asyncio.run(body())
+
+
+def test_the_train_task_publishes_a_drain_and_never_the_last_accepting_replica(tmp_path):
+    run = RunConfig(run_id="elastic-train", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 8, seed=5), per_shard=2)
+    board = RolloutStatusBoard(store)
+    for worker, sessions in {"w0": {"torch-0": 3, "torch-1": 1}, "w1": {"torch-0": 0}}.items():
+        board.publish(
+            RolloutStatus(
+                worker=worker,
+                time=time.time(),
+                engine_queue_depth=0,
+                live_sessions=sum(sessions.values()),
+                running=True,
+                replica_sessions=sessions,
+            )
+        )
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    plans = []
+    run_trainer(
+        run,
+        time.time() + 600,
+        drain=True,
+        elastic=planner,
+        status_max_age_s=600,
+        on_step=lambda row: plans.append(ElasticPlanBoard(store).read()),
+    )
+    assert plans and plans[0].draining == ["w0/torch-1"], plans
+    for plan in plans:
+        assert plan.running and {"w0/torch-0", "w1/torch-0"} <= set(plan.accepting), plan
+    final = ElasticPlanBoard(store).read()
+    assert not final.running and final.accepting == ["w0/torch-0", "w0/torch-1", "w1/torch-0"]
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    extras = [json.loads(row["extra"]) for row in rows]
+    assert all(extra["rollout_status"]["workers"] == 2 for extra in extras)
+    assert extras[0]["elastic"]["roles"]["w0/torch-1"] == "draining"
+    assert ("w0/torch-1", "rollout", "draining") in {
+        (m["unit"], m["source"], m["target"]) for m in extras[-1]["elastic"]["moves"]
+    }
