@@ -116,7 +116,7 @@ class RolloutWorker:
         self.plan_poll_s = plan_poll_s
         self.plan_max_age_s = plan_max_age_s
         self.plan_time: float | None = None
-        self._warned_plan: tuple[str, float] | None = None
+        self._plan_warnings: tuple[float | None, set[str]] = (None, set())
 
     def make_env(self, task: Task) -> Env:
         if self._make_env is not None:
@@ -200,7 +200,9 @@ class RolloutWorker:
         unknown = wanted - set(router.replicas) - set(router.draining)
         if unknown:
             self._warn_plan(
-                plan, f"worker {self.name}: the elastic plan names unknown replicas {sorted(unknown)}"
+                "unknown",
+                plan,
+                f"worker {self.name}: the elastic plan names unknown replicas {sorted(unknown)}",
             )
         to_drain = [r for r in router.replicas if r in wanted and r not in router.draining]
         accepting = [r for r in router.replicas if r not in router.draining]
@@ -228,9 +230,11 @@ class RolloutWorker:
         return True
 
     def _warn_plan(self, kind: str, plan: ElasticPlan, message: str) -> None:
-        key = (kind, plan.time)
-        if self._warned_plan != key:
-            self._warned_plan = key
+        # once per kind of problem and plan: the same plan is read again every poll
+        if self._plan_warnings[0] != plan.time:
+            self._plan_warnings = (plan.time, set())
+        if kind not in self._plan_warnings[1]:
+            self._plan_warnings[1].add(kind)
             log.warning("%s", message)
 
     async def follow_plan(self) -> None:

@@ -153,7 +153,12 @@ def test_a_single_replica_worker_never_drains_its_replica(tmp_path, caplog):
             plan = ElasticPlan(time=time.time(), draining=["w0/torch-0"])
             with caplog.at_level(logging.WARNING):
                 assert worker.apply_plan(plan, time.time())
-            assert worker.router.draining == [] and "last accepting replica" in caplog.text
+                assert worker.apply_plan(plan, time.time())  # the same plan again: no second warning
+                assert worker.apply_plan(ElasticPlan(time=plan.time + 1, train=["w0/torch-9"]), time.time())
+            assert worker.router.draining == []
+            warnings = [r.getMessage() for r in caplog.records if r.name == "rollout.worker"]
+            assert len(warnings) == 2, warnings
+            assert "last accepting replica" in warnings[0] and "unknown replicas ['torch-9']" in warnings[1]
         finally:
             await worker.close()
 
