@@ -182,21 +182,23 @@ class RolloutWorker:
         """Drain and undrain this worker's replicas as ``plan`` says; False when it is ignored.
 
         Ignored: no plan, or a running trainer's plan older than ``plan_max_age_s`` at
-        ``now`` (warned once per plan). Replicas the plan does not name as draining or handed
-        to training accept new sessions; the last accepting replica is never drained.
+        ``now`` (warned once per plan): the trainer died or hangs, so every replica goes back
+        to rollout rather than staying drained for a trainer that may never come back.
+        Replicas the plan does not name as draining or handed to training accept new
+        sessions; the last accepting replica is never drained.
         """
         if plan is None or self.router is None:
             return False
-        if plan.running and now - plan.time > self.plan_max_age_s:
+        stale = plan.running and now - plan.time > self.plan_max_age_s
+        if stale:
             self._warn_plan(
                 "stale",
                 plan,
                 f"worker {self.name} ignores the elastic plan of {plan.time:.0f}: {now - plan.time:.0f} s old "
-                f"(> {self.plan_max_age_s:.0f} s); replicas stay as they are",
+                f"(> {self.plan_max_age_s:.0f} s), so no trainer is steering; every replica takes new sessions",
             )
-            return False
         router = self.router
-        wanted = plan.drained(self.name)
+        wanted = set() if stale else plan.drained(self.name)
         unknown = wanted - set(router.replicas) - set(router.draining)
         if unknown:
             self._warn_plan(
@@ -226,6 +228,8 @@ class RolloutWorker:
                     replica,
                     plan.time,
                 )
+        if stale:
+            return False
         self.plan_time = plan.time
         return True
 

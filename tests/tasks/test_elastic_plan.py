@@ -109,16 +109,24 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
             await until(lambda: worker.plan_time == plan.time, "the worker to apply the handover")
             assert router.draining == [drained], "a replica handed to training stays drained"
 
-            # a corrupt plan and a stale one are ignored with a warning: replicas stay as they are
+            # a corrupt plan is ignored with a warning: replicas stay as they are
             with caplog.at_level(logging.WARNING):
                 path = store.path(ELASTIC_PLAN_PREFIX, ELASTIC_PLAN_NAME)
                 with open(path, "w") as handle:
                     handle.write("{not json")
                 await until(lambda: "not a valid plan" in caplog.text, "the corrupt plan's warning")
-                stale = ElasticPlan(time=time.time() - 1000, accepting=[f"w0/{kept}", f"w0/{drained}"])
+            assert router.draining == [drained] and worker.plan_time == plan.time
+
+            # a stale plan means no trainer is steering: every replica takes new sessions
+            with caplog.at_level(logging.WARNING):
+                stale = ElasticPlan(
+                    time=time.time() - 1000, accepting=[f"w0/{kept}"], draining=[f"w0/{drained}"]
+                )
                 plans.publish(stale)
                 await until(lambda: "s old" in caplog.text, "the stale plan's warning")
-            assert router.draining == [drained] and worker.plan_time == plan.time
+            await until(lambda: router.draining == [], "the worker to stop draining under a stale plan")
+            assert worker.plan_time == plan.time
+            router.drain(drained)
 
             released = planner.release(time.time())
             plans.publish(released)
