@@ -363,11 +363,13 @@ class Trainer:
         return len(dropped)
 
     def buffered_tokens(self) -> int:
-        return sum(sample.num_tokens for sample in self.buffer)
+        """Tokens of the samples waiting in the buffer (safe to call from another thread)."""
+        # tuple() copies the deque in one C call, so the training thread cannot change it mid-sum
+        return sum(sample.num_tokens for sample in tuple(self.buffer))
 
     def unconsumed_shards(self) -> int:
-        """Shards ingested whose rows are still waiting in the buffer."""
-        return len({sample.shard_id for sample in self.buffer})
+        """Shards ingested whose rows are still waiting in the buffer (safe from another thread)."""
+        return len({sample.shard_id for sample in tuple(self.buffer)})
 
     # -- the loop ------------------------------------------------------------------------
 

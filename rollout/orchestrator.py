@@ -3,10 +3,13 @@
 - **Mixing**: each new rollout goes to the task furthest below its target share of the
   rollouts started so far, so the mix converges to the targets; targets can be changed
   while it runs (:meth:`Orchestrator.set_mix`).
-- **Backpressure**: when the trainer lags (``backlog()`` above ``max_backlog``) no new
-  rollout starts until it catches up. The rollout worker's backlog counts the shards
-  committed since its engines last loaded a new version, a proxy that stops throttling
-  when versions come out faster than shards.
+- **Backpressure**: when the trainer lags no new rollout starts until it catches up. Two
+  signals: ``backlog()`` above ``max_backlog`` (the rollout worker counts the shards
+  committed since its engines last loaded a new version, which bounds the data made for a
+  trainer that stopped publishing), and ``trainer_queue()`` above ``max_trainer_batches``
+  (policy steps' worth of data the trainer has read and not trained, as it publishes it;
+  without this, a trainer slower than the engines lets its queue grow until samples go
+  stale and are dropped, their rollout compute wasted).
 - **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
   filtering a group whose rewards are all equal is dropped, slots are refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
@@ -55,6 +58,13 @@ class OrchestratorConfig(BaseModel):
     max_rollouts: int | None = Field(None, ge=1, description="Stop after this many rollouts have finished.")
     max_backlog: int = Field(
         8, ge=1, description="Pause launching while more shards than this await the trainer."
+    )
+    max_trainer_batches: float | None = Field(
+        2.0,
+        ge=1,
+        description="Pause launching while the trainer holds more than this many policy steps' worth of "
+        "data it has not trained (its published queue); at least 1, so the trainer always has a full "
+        "batch to step on while rollouts wait. None: off.",
     )
     backpressure_poll_s: float = Field(0.2, gt=0, description="Seconds between backlog checks while paused.")
     seed: int = Field(0, description="Base of the per-rollout sampling seeds.")
@@ -141,6 +151,7 @@ class Orchestrator:
         tasks: an endless iterator of train tasks per task name.
         sink: where finished records go (``ShardWriter``).
         backlog: how many committed shards wait for the trainer, as the caller counts them.
+        trainer_queue: policy steps' worth of data the trainer holds untrained (0 when unknown).
     """
 
     def __init__(
@@ -150,6 +161,7 @@ class Orchestrator:
         sink: Sink,
         config: OrchestratorConfig | None = None,
         backlog: Callable[[], int] | None = None,
+        trainer_queue: Callable[[], float] | None = None,
         on_result: Callable[[RolloutResult], None] | None = None,
     ):
         self.service = service
@@ -157,6 +169,7 @@ class Orchestrator:
         self.sink = sink
         self.config = config or OrchestratorConfig()
         self.backlog = backlog
+        self.trainer_queue = trainer_queue
         self.on_result = on_result
         self.stats = OrchestratorStats()
         self._mix = self._normalise(self.config.mix)
@@ -209,12 +222,19 @@ class Orchestrator:
         return started + self.config.group_size > cfg.max_rollouts
 
     async def _wait_for_trainer(self) -> None:
-        if self.backlog is None:
+        if self.backlog is None and self.trainer_queue is None:
             return
         started = time.perf_counter()
-        while not self._stop.is_set() and self.backlog() > self.config.max_backlog:
+        while not self._stop.is_set() and self._trainer_lags():
             await asyncio.sleep(self.config.backpressure_poll_s)
         self.stats.paused_s += time.perf_counter() - started
+
+    def _trainer_lags(self) -> bool:
+        cfg = self.config
+        if self.backlog is not None and self.backlog() > cfg.max_backlog:
+            return True
+        limit = cfg.max_trainer_batches
+        return self.trainer_queue is not None and limit is not None and self.trainer_queue() > limit
 
     def _launch_group(self) -> _Group:
         name = self._next_task_name()

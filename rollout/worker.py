@@ -8,7 +8,11 @@ really produced it.
 Backpressure: the backlog the orchestrator sees is the number of shards this worker
 committed since its engines last picked up a new version. When the trainer lags, no new
 version arrives, the backlog grows past ``max_backlog`` and rollouts pause, which bounds
-how stale the data waiting for the trainer can become.
+how stale the data waiting for the trainer can become. A trainer that does publish but
+trains slower than the engines roll out is caught by the second signal: a loop reads the
+trainer's status (``status/train/trainer.json``) every ``trainer_poll_s`` and the
+orchestrator pauses while the trainer holds more than ``max_trainer_batches`` steps' worth
+of untrained data. A missing, stale or unreadable trainer status holds nothing back.
 
 Elastic capacity: a second loop reads the trainer's elastic plan (``status/elastic/plan.json``,
 ``rollout.elastic_plan``) at most once a second and drains or undrains this worker's replicas
@@ -18,8 +22,9 @@ replica's sessions move to an accepting one at their next turn; a generation in 
 finishes where it started. On this CPU machine a replica handed to training simply goes
 idle (its engine thread waits for requests that no longer come), which frees its core for
 the trainer's threads; nothing here changes torch's thread counts, which are process-wide.
-A plan that is stale or does not parse is ignored with a warning (the replicas stay as they
-are), and a worker never drains its last accepting replica.
+A plan that does not parse is ignored with a warning (the replicas stay as they are); a
+stale one (the trainer died or hangs) puts every replica back in rollout. A worker never
+drains its last accepting replica.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from rollout.router import Router
 from rollout.service import RolloutResult, RolloutService, ServiceConfig
 from storage.config import RunStore
 from storage.shards import ShardWriter
-from storage.status import DEFAULT_MAX_AGE_S, ElasticPlan, ElasticPlanBoard
+from storage.status import DEFAULT_MAX_AGE_S, ElasticPlan, ElasticPlanBoard, TrainerStatusBoard
 from storage.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -68,7 +73,9 @@ class RolloutWorker:
         cluster: ``"ray"`` runs the engines as Ray actors (``rollout.ray_engine``).
         make_env: builds each rollout's env (e.g. ``RayEnvPool.make_env``); default: in process.
         plan_poll_s: seconds between reads of the elastic plan.
-        plan_max_age_s: a running trainer's plan older than this is ignored (with a warning).
+        plan_max_age_s: a running trainer's plan or status older than this is ignored (with a warning
+            for a plan).
+        trainer_poll_s: seconds between reads of the trainer's status (backpressure).
     """
 
     def __init__(
@@ -90,6 +97,7 @@ class RolloutWorker:
         make_env: Callable[[Task], Env] | None = None,
         plan_poll_s: float = 1.0,
         plan_max_age_s: float = DEFAULT_MAX_AGE_S,
+        trainer_poll_s: float = 0.25,
     ):
         self.store = store
         self.name = name
@@ -117,6 +125,9 @@ class RolloutWorker:
         self.plan_max_age_s = plan_max_age_s
         self.plan_time: float | None = None
         self._plan_warnings: tuple[float | None, set[str]] = (None, set())
+        self.trainer_status = TrainerStatusBoard(store)
+        self.trainer_poll_s = trainer_poll_s
+        self._trainer_queue = 0.0
 
     def make_env(self, task: Task) -> Env:
         if self._make_env is not None:
@@ -126,6 +137,26 @@ class RolloutWorker:
     def backlog(self) -> int:
         """Shards committed since the engines last picked up a new weight version."""
         return self.writer.next_seq - self._shards_at_version
+
+    def trainer_queue(self) -> float:
+        """Policy steps' worth of data the trainer last said it holds untrained (0 when unknown)."""
+        return self._trainer_queue
+
+    def refresh_trainer_queue(self, now: float) -> None:
+        """Read the trainer's status; a missing, stopped or stale one counts as an empty queue."""
+        status = self.trainer_status.read()
+        fresh = status is not None and status.running and now - status.time <= self.plan_max_age_s
+        self._trainer_queue = status.queued_batches if fresh else 0.0
+
+    async def follow_trainer(self) -> None:
+        """Refresh :meth:`trainer_queue` every ``trainer_poll_s``, until cancelled."""
+        while True:
+            try:
+                await asyncio.to_thread(self.refresh_trainer_queue, time.time())
+            except Exception as exc:  # storage unreachable for a moment: hold nothing back
+                self._trainer_queue = 0.0
+                log.warning("worker %s could not read the trainer's status: %s", self.name, exc)
+            await asyncio.sleep(self.trainer_poll_s)
 
     async def start(self) -> RolloutWorker:
         """Build engines on the newest version and the orchestrator over them."""
@@ -153,6 +184,7 @@ class RolloutWorker:
             self.writer,
             self.orchestrator_config,
             backlog=self.backlog,
+            trainer_queue=self.trainer_queue,
             on_result=self.on_result,
         )
         return self
@@ -257,15 +289,16 @@ class RolloutWorker:
             await self.start()
         follower = asyncio.create_task(self._follow_weights())
         planner = asyncio.create_task(self.follow_plan())
+        queue_reader = asyncio.create_task(self.follow_trainer())
         timer = asyncio.get_running_loop().call_later(max_seconds, self.stop) if max_seconds else None
         try:
             return await self.orchestrator.run()
         finally:
             if timer is not None:
                 timer.cancel()
-            follower.cancel()
-            planner.cancel()
-            await asyncio.gather(follower, planner, return_exceptions=True)
+            for loop in (follower, planner, queue_reader):
+                loop.cancel()
+            await asyncio.gather(follower, planner, queue_reader, return_exceptions=True)
 
     def stop(self) -> None:
         if self.orchestrator is not None:

@@ -1,5 +1,6 @@
 """Live status that a run's rollout workers publish for its trainer (``status/rollout/<worker>.json``),
-and the elastic plan the trainer publishes for them (``status/elastic/plan.json``).
+and what the trainer publishes for them: its elastic plan (``status/elastic/plan.json``) and
+its own status (``status/train/trainer.json``).
 
 The rollout and train tasks may run in one process, in separate processes or on separate
 machines, so they meet here, in the run's storage, not in memory. Each rollout worker
@@ -15,7 +16,8 @@ The other way, the trainer's elastic controller publishes one plan object saying
 engine replicas (units ``<worker>/<replica>``) accept new sessions, which drain and which
 are handed to training; each worker reads it at most once a second and drains or undrains
 its own replicas. A plan that does not parse reads as no plan (with a warning), so a worker
-keeps serving as it is.
+keeps serving as it is. The trainer also publishes ``status/train/trainer.json``: how much
+processed data waits for it, which the workers' orchestrators use as backpressure.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ log = logging.getLogger(__name__)
 ROLLOUT_STATUS_PREFIX = "status/rollout"
 ELASTIC_PLAN_PREFIX = "status/elastic"
 ELASTIC_PLAN_NAME = "plan.json"
+TRAINER_STATUS_PREFIX = "status/train"
+TRAINER_STATUS_NAME = "trainer.json"
 DEFAULT_MAX_AGE_S = 30.0
 """Seconds after which a running worker's status no longer counts (it publishes every few)."""
 
@@ -241,34 +245,79 @@ class ElasticPlan(BaseModel):
         }
 
 
-class ElasticPlanBoard:
-    """The run's elastic plan object ``status/elastic/plan.json`` (see the module docstring)."""
+class _ObjectBoard:
+    """One status object of the run, replaced whole and read back validated."""
+
+    model: type[BaseModel]
+    prefix: str
+    name: str
+    what: str
+    on_corrupt: str
 
     def __init__(self, store: RunStore):
         self.store = store
-        self.root = store.path(ELASTIC_PLAN_PREFIX)
-        self.path = posixpath.join(self.root, ELASTIC_PLAN_NAME)
+        self.root = store.path(self.prefix)
+        self.path = posixpath.join(self.root, self.name)
         self._warned: bytes | None = None
 
-    def publish(self, plan: ElasticPlan) -> None:
-        """Replace the plan atomically."""
-        _replace(self.store, self.root, ELASTIC_PLAN_NAME, plan.model_dump_json().encode())
+    def publish(self, obj: BaseModel) -> None:
+        """Replace the object atomically."""
+        _replace(self.store, self.root, self.name, obj.model_dump_json().encode())
 
-    def read(self) -> ElasticPlan | None:
-        """The current plan; None when there is none or it does not parse (warned once per content)."""
+    def read(self) -> BaseModel | None:
+        """The current object; None when there is none or it does not parse (warned once per content)."""
         try:
             payload = self.store.fs.cat_file(self.path)
         except FileNotFoundError:
             return None
         try:
-            return ElasticPlan.model_validate_json(payload)
+            return self.model.model_validate_json(payload)
         except ValidationError as exc:
             if self._warned != payload:
                 self._warned = payload
                 log.warning(
-                    "ignoring the elastic plan %s (%d bytes): not a valid plan (%s); replicas stay as they are",
-                    self.store.url(ELASTIC_PLAN_PREFIX, ELASTIC_PLAN_NAME),
+                    "ignoring the %s %s (%d bytes): not a valid %s (%s); %s",
+                    self.what,
+                    self.store.url(self.prefix, self.name),
                     len(payload),
+                    self.what.split()[-1],
                     _problems(exc),
+                    self.on_corrupt,
                 )
             return None
+
+
+class ElasticPlanBoard(_ObjectBoard):
+    """The run's elastic plan object ``status/elastic/plan.json`` (see the module docstring)."""
+
+    model = ElasticPlan
+    prefix = ELASTIC_PLAN_PREFIX
+    name = ELASTIC_PLAN_NAME
+    what = "elastic plan"
+    on_corrupt = "replicas stay as they are"
+
+
+class TrainerStatus(BaseModel):
+    """What the trainer last said about the data waiting for it (the workers' backpressure)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    time: float = Field(description="Epoch seconds (the trainer's clock) at which it wrote this status.")
+    buffered_tokens: int = Field(ge=0, description="Tokens of processed samples read and not yet trained.")
+    token_budget: int = Field(ge=1, description="Tokens the trainer takes per policy step.")
+    running: bool = Field(True, description="False once the trainer stopped: nothing waits on it.")
+
+    @property
+    def queued_batches(self) -> float:
+        """Policy steps' worth of data waiting for the trainer."""
+        return self.buffered_tokens / self.token_budget
+
+
+class TrainerStatusBoard(_ObjectBoard):
+    """The trainer's status object ``status/train/trainer.json``."""
+
+    model = TrainerStatus
+    prefix = TRAINER_STATUS_PREFIX
+    name = TRAINER_STATUS_NAME
+    what = "trainer status"
+    on_corrupt = "rollouts are not held back by it"

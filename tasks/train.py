@@ -23,6 +23,8 @@ from storage.status import (
     RolloutStatus,
     RolloutStatusBoard,
     RolloutSummary,
+    TrainerStatus,
+    TrainerStatusBoard,
     fresh_statuses,
     summarize,
 )
@@ -36,6 +38,9 @@ STATUS_REFRESH_S = 1.0
 elastic decisions while the trainer takes no step."""
 PLAN_REFRESH_S = 5.0
 """Seconds after which an unchanged elastic plan is published again (workers ignore stale plans)."""
+TRAINER_STATUS_S = 0.25
+"""Seconds between the trainer's status objects: how much data waits for it, which the
+rollout workers' orchestrators use as backpressure."""
 
 
 def elastic_config(config: RunConfig) -> ElasticConfig:
@@ -70,6 +75,10 @@ def run_trainer(
     plan to ``status/elastic/plan.json`` when it changes (and every ``PLAN_REFRESH_S``);
     the workers drain and undrain their replicas by it. On the way out every replica is
     released to rollout. With one replica per worker nothing is ever drained.
+
+    Backpressure: every ``TRAINER_STATUS_S`` the trainer publishes how many tokens wait in
+    its buffer (``status/train/trainer.json``); the workers' orchestrators pause launching
+    while that exceeds ``orchestrator.max_trainer_batches`` token budgets.
 
     Every ``train_steps`` row carries the controller's inputs (unconsumed shards, engine
     queue depth, the trainer's idle fraction since the last decision), the units' roles,
@@ -170,6 +179,28 @@ def run_trainer(
     ticker = threading.Thread(target=tick, name="elastic-ticker", daemon=True)
     if engine_queue_depth is None:  # a caller's depth callable is read once per step, no more
         ticker.start()
+    queue_board = TrainerStatusBoard(store)
+
+    def publish_queue(running: bool) -> None:
+        status = TrainerStatus(
+            time=time.time(),
+            buffered_tokens=trainer.buffered_tokens(),
+            token_budget=config.sao.token_budget,
+            running=running,
+        )
+        try:
+            queue_board.publish(status)
+        except Exception as exc:  # the next one replaces it; a stale status holds no rollout back
+            log.warning("could not publish the trainer's status: %s", exc)
+
+    def report_queue() -> None:
+        # on its own clock, not per step: when samples are dropped as stale or a step is
+        # long, the workers must still see the queue shrink
+        while not stop_ticking.wait(TRAINER_STATUS_S):
+            publish_queue(running=True)
+
+    reporter = threading.Thread(target=report_queue, name="trainer-status", daemon=True)
+    reporter.start()
     try:
         summary = trainer.run(
             max_seconds=max(deadline - time.time(), 0.0),
@@ -181,8 +212,10 @@ def run_trainer(
         )
     finally:
         stop_ticking.set()
-        if ticker.is_alive():
-            ticker.join()
+        for thread in (ticker, reporter):
+            if thread.is_alive():
+                thread.join()
+        publish_queue(running=False)
         with deciding:
             published["at"] = -math.inf
             publish(elastic.release(time.time()))

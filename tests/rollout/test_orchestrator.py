@@ -47,14 +47,14 @@ def streams(*names: str):
     return {name: itertools.cycle(registry.task_set(name, "train", seed=0, n=32)) for name in names}
 
 
-async def run(tiny, config, tasks, sink, make_env=None, backlog=None, during=None):
+async def run(tiny, config, tasks, sink, make_env=None, backlog=None, during=None, trainer_queue=None):
     model, tokenizer = tiny
     engine = TorchEngine(model, tokenizer, name="torch-0")
     gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
     service = RolloutService(
         gateway, make_env or (lambda task: registry.make(task.env)), ServiceConfig(max_new_tokens=4)
     )
-    orchestrator = Orchestrator(service, tasks, sink, config, backlog=backlog)
+    orchestrator = Orchestrator(service, tasks, sink, config, backlog=backlog, trainer_queue=trainer_queue)
     try:
         job = asyncio.create_task(orchestrator.run())
         if during is not None:
@@ -134,6 +134,31 @@ def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
     )
     assert during.started_while_paused == 0
     assert stats.finished == 8 and stats.paused_s >= 0.4
+
+
+@pytest.mark.parametrize("limit", [2.0, None])
+def test_a_full_trainer_queue_pauses_launching_until_it_shrinks(tiny, limit):
+    queue = {"batches": 2.5}
+
+    async def during(orchestrator):
+        await asyncio.sleep(0.5)
+        during.started_while_full = sum(c.started for c in orchestrator.stats.tasks.values())
+        queue["batches"] = 2.0  # at the limit is not above it
+
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8, max_trainer_batches=limit)
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), ListSink(), trainer_queue=lambda: queue["batches"], during=during)
+    )
+    assert stats.finished == 8
+    if limit is None:  # off: the queue is not looked at
+        assert during.started_while_full > 0 and stats.paused_s < 0.4
+    else:
+        assert during.started_while_full == 0 and stats.paused_s >= 0.4
+
+
+def test_the_trainer_queue_limit_must_leave_the_trainer_a_full_batch():
+    with pytest.raises(ValueError, match="max_trainer_batches"):
+        OrchestratorConfig(mix={"arith": 1.0}, max_trainer_batches=0.5)
 
 
 class StuckEnv(ArithEnv):

@@ -195,3 +195,30 @@ def test_an_old_status_without_replica_fields_still_reads():
     )
     read = RolloutStatus.model_validate_json(old)
     assert (read.replica_sessions, read.draining, read.plan_time) == ({}, [], None)
+
+
+def test_the_trainer_status_round_trips_and_reports_its_queue_in_batches(store):
+    from storage.status import TrainerStatus, TrainerStatusBoard
+
+    board = TrainerStatusBoard(store)
+    assert board.read() is None
+    board.publish(TrainerStatus(time=NOW, buffered_tokens=3000, token_budget=1200))
+    board.publish(TrainerStatus(time=NOW + 1, buffered_tokens=600, token_budget=1200, running=False))
+    read = board.read()
+    assert (read.time, read.buffered_tokens, read.running) == (NOW + 1, 600, False)
+    assert read.queued_batches == 0.5
+
+
+def test_a_corrupt_trainer_status_reads_as_none_with_one_warning(local_store, caplog):
+    from storage.status import TRAINER_STATUS_NAME, TRAINER_STATUS_PREFIX, TrainerStatusBoard
+
+    board = TrainerStatusBoard(local_store)
+    root = local_store.path(TRAINER_STATUS_PREFIX)
+    local_store.fs.makedirs(root, exist_ok=True)
+    with open(posixpath.join(root, TRAINER_STATUS_NAME), "w") as handle:
+        handle.write('{"time": 1, "buffered_tokens": -5, "token_budget": 100}')
+    with caplog.at_level(logging.WARNING, logger="storage.status"):
+        assert board.read() is None
+        assert board.read() is None
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "buffered_tokens" in warnings[0] and "not held back" in warnings[0]
