@@ -39,8 +39,8 @@ elastic decisions while the trainer takes no step."""
 PLAN_REFRESH_S = 5.0
 """Seconds after which an unchanged elastic plan is published again (workers ignore stale plans)."""
 TRAINER_STATUS_S = 0.25
-"""Seconds between the trainer's status objects: how much data waits for it, which the
-rollout workers' orchestrators use as backpressure."""
+"""Seconds between looks at the trainer's queue (how much data waits for it, the rollout
+workers' backpressure); it is published when it changed, and every ``PLAN_REFRESH_S``."""
 
 
 def elastic_config(config: RunConfig) -> ElasticConfig:
@@ -77,7 +77,7 @@ def run_trainer(
     released to rollout. With one replica per worker nothing is ever drained.
 
     Backpressure: every ``TRAINER_STATUS_S`` the trainer publishes how many tokens wait in
-    its buffer (``status/train/trainer.json``); the workers' orchestrators pause launching
+    its buffer (``status/train/trainer.json``) when that changed; the workers' orchestrators pause launching
     while that exceeds ``orchestrator.max_trainer_batches`` token budgets.
 
     Every ``train_steps`` row carries the controller's inputs (unconsumed shards, engine
@@ -181,17 +181,21 @@ def run_trainer(
         ticker.start()
     queue_board = TrainerStatusBoard(store)
 
+    reported: dict[str, Any] = {"tokens": None, "at": -math.inf}
+
     def publish_queue(running: bool) -> None:
+        tokens = trainer.buffered_tokens()
+        if running and tokens == reported["tokens"] and time.monotonic() - reported["at"] < PLAN_REFRESH_S:
+            return  # unchanged: on S3 every status is a PUT
         status = TrainerStatus(
-            time=time.time(),
-            buffered_tokens=trainer.buffered_tokens(),
-            token_budget=config.sao.token_budget,
-            running=running,
+            time=time.time(), buffered_tokens=tokens, token_budget=config.sao.token_budget, running=running
         )
         try:
             queue_board.publish(status)
         except Exception as exc:  # the next one replaces it; a stale status holds no rollout back
             log.warning("could not publish the trainer's status: %s", exc)
+            return
+        reported.update(tokens=tokens, at=time.monotonic())
 
     def report_queue() -> None:
         # on its own clock, not per step: when samples are dropped as stale or a step is
