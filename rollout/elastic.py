@@ -244,14 +244,9 @@ class ElasticController:
         trains the session-length model).
         """
         unit = self._unit(name)
-        if unit.live_sessions < 1:
-            raise ValueError(f"unit {name!r} has no live session to end")
+        self._take_session(unit, started, "end")
         if started is not None:
-            if started not in unit.session_starts:
-                raise ValueError(f"unit {name!r} has no live session started at {started}")
-            unit.session_starts.remove(started)
             self.lengths.record(now - started)
-        unit.live_sessions -= 1
         if self.started is None:
             self.started = now
         self.finished_at.append(now)
@@ -274,18 +269,23 @@ class ElasticController:
             raise ValueError(f"unit {source!r} is {src.role}; only a draining replica's sessions migrate")
         if dst.role != "rollout":
             raise ValueError(f"unit {target!r} is {dst.role}, it takes no sessions")
-        if src.live_sessions < 1:
-            raise ValueError(f"unit {source!r} has no live session to migrate")
+        self._take_session(src, started, "migrate")
         if started is not None:
-            if started not in src.session_starts:
-                raise ValueError(f"unit {source!r} has no live session started at {started}")
-            src.session_starts.remove(started)
             dst.session_starts.append(started)
-        src.live_sessions -= 1
         dst.live_sessions += 1
         if src.live_sessions == 0:
             return self._move(src, "train", now, "drained: last session migrated at a turn boundary")
         return None
+
+    def _take_session(self, unit: Unit, started: float | None, what: str) -> None:
+        """Take one live session (the one started at ``started``, when given) off ``unit``."""
+        if unit.live_sessions < 1:
+            raise ValueError(f"unit {unit.name!r} has no live session to {what}")
+        if started is not None:
+            if started not in unit.session_starts:
+                raise ValueError(f"unit {unit.name!r} has no live session started at {started}")
+            unit.session_starts.remove(started)
+        unit.live_sessions -= 1
 
     def _move(self, unit: Unit, target: Role, now: float, reason: str) -> Move:
         move = Move(now, unit.name, unit.role, target, reason)

@@ -9,7 +9,13 @@ import threading
 
 import pytest
 
-from storage.status import ROLLOUT_STATUS_PREFIX, RolloutStatus, RolloutStatusBoard
+from storage.status import (
+    ROLLOUT_STATUS_PREFIX,
+    ElasticPlanBoard,
+    RolloutStatus,
+    RolloutStatusBoard,
+    TrainerStatusBoard,
+)
 
 NOW = 1_000_000.0
 
@@ -142,7 +148,7 @@ def test_max_age_must_be_positive(local_store):
 
 
 def test_the_elastic_plan_round_trips_and_says_which_replicas_each_worker_drains(store):
-    from storage.status import ElasticPlan, ElasticPlanBoard
+    from storage.status import ElasticPlan
 
     board = ElasticPlanBoard(store)
     assert board.read() is None
@@ -174,19 +180,35 @@ def test_a_plan_naming_a_replica_twice_or_badly_is_refused(fields, problem):
         ElasticPlan(time=NOW, **fields)
 
 
-def test_a_corrupt_plan_reads_as_none_with_one_warning(local_store, caplog):
-    from storage.status import ELASTIC_PLAN_NAME, ELASTIC_PLAN_PREFIX, ElasticPlanBoard
-
-    board = ElasticPlanBoard(local_store)
-    root = local_store.path(ELASTIC_PLAN_PREFIX)
-    local_store.fs.makedirs(root, exist_ok=True)
-    with open(posixpath.join(root, ELASTIC_PLAN_NAME), "w") as handle:
-        handle.write('{"time": 1, "draining": ["w0/r0"], "train": ["w0/r0"]}')
+@pytest.mark.parametrize(
+    ("board_class", "payload", "problem", "consequence"),
+    [
+        (
+            ElasticPlanBoard,
+            '{"time": 1, "draining": ["w0/r0"], "train": ["w0/r0"]}',
+            "named more than once",
+            "stay as they are",
+        ),
+        (
+            TrainerStatusBoard,
+            '{"time": 1, "buffered_tokens": -5, "token_budget": 100}',
+            "buffered_tokens",
+            "not held back",
+        ),
+    ],
+)
+def test_a_corrupt_status_object_reads_as_none_with_one_warning(
+    local_store, caplog, board_class, payload, problem, consequence
+):
+    board = board_class(local_store)
+    local_store.fs.makedirs(board.root, exist_ok=True)
+    with open(board.path, "w") as handle:
+        handle.write(payload)
     with caplog.at_level(logging.WARNING, logger="storage.status"):
         assert board.read() is None
         assert board.read() is None
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "named more than once" in warnings[0] and "stay as they are" in warnings[0]
+    assert len(warnings) == 1 and problem in warnings[0] and consequence in warnings[0]
 
 
 def test_an_old_status_without_replica_fields_still_reads():
@@ -198,7 +220,7 @@ def test_an_old_status_without_replica_fields_still_reads():
 
 
 def test_the_trainer_status_round_trips_and_reports_its_queue_in_batches(store):
-    from storage.status import TrainerStatus, TrainerStatusBoard
+    from storage.status import TrainerStatus
 
     board = TrainerStatusBoard(store)
     assert board.read() is None
@@ -207,18 +229,3 @@ def test_the_trainer_status_round_trips_and_reports_its_queue_in_batches(store):
     read = board.read()
     assert (read.time, read.buffered_tokens, read.running) == (NOW + 1, 600, False)
     assert read.queued_batches == 0.5
-
-
-def test_a_corrupt_trainer_status_reads_as_none_with_one_warning(local_store, caplog):
-    from storage.status import TRAINER_STATUS_NAME, TRAINER_STATUS_PREFIX, TrainerStatusBoard
-
-    board = TrainerStatusBoard(local_store)
-    root = local_store.path(TRAINER_STATUS_PREFIX)
-    local_store.fs.makedirs(root, exist_ok=True)
-    with open(posixpath.join(root, TRAINER_STATUS_NAME), "w") as handle:
-        handle.write('{"time": 1, "buffered_tokens": -5, "token_budget": 100}')
-    with caplog.at_level(logging.WARNING, logger="storage.status"):
-        assert board.read() is None
-        assert board.read() is None
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "buffered_tokens" in warnings[0] and "not held back" in warnings[0]
