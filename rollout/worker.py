@@ -324,6 +324,7 @@ class RolloutWorker:
             "replica_sessions": self.replica_sessions(),
             "draining": self.router.draining if self.router is not None else [],
             "plan_time": self.plan_time,
+            "migrations": self.router.migrations if self.router is not None else 0,
             "orchestrator": self.orchestrator.stats.as_dict() if self.orchestrator else None,
             "prefill_computed": sum(s.prefill_computed for s in engine_stats),
             "prefill_reused": sum(s.prefill_reused for s in engine_stats),

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 
 from flows.config import RunConfig
@@ -27,7 +28,8 @@ from storage.status import (
 )
 from storage.tables import Tables
 from storage.weights import WeightStore
-from tasks.rollout import status_object
+from tasks.process import run_processor
+from tasks.rollout import run_rollouts, status_object
 from tasks.train import run_trainer
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
 
@@ -44,14 +46,10 @@ async def until(predicate, what: str) -> None:
         await asyncio.sleep(0.01)
 
 
-def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_empty(tmp_path, caplog):
-    run = RunConfig(
-        run_id="elastic-worker",
-        storage=StorageConfig(root=str(tmp_path / "runs")),
-        engine={"replicas": 2},
-        orchestrator={"mix": {"arith": 1.0}, "concurrency": 4},
-    )
-    store = RunStore(run.storage, run.run_id)
+def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_empty(store, caplog):
+    """On a local folder and on the S3 server: the plan, the statuses and the weights the
+    worker loads all go through the run's storage."""
+    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 4})
     ensure_base_version(WeightStore(store), TINY)
     worker = RolloutWorker(
         store,
@@ -103,6 +101,7 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
             status = worker.status()
             assert status["replica_sessions"] == {kept: 14, drained: 0}
             assert (status["draining"], status["plan_time"]) == ([drained], plan.time)
+            assert status["migrations"] == len(movers)
 
             statuses.publish(status_object("w0", status, running=True))
             plan = trainer_decides(time.time())
@@ -112,9 +111,7 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
 
             # a corrupt plan is ignored with a warning: replicas stay as they are
             with caplog.at_level(logging.WARNING):
-                path = store.path(ELASTIC_PLAN_PREFIX, ELASTIC_PLAN_NAME)
-                with open(path, "w") as handle:
-                    handle.write("{not json")
+                store.fs.pipe_file(store.path(ELASTIC_PLAN_PREFIX, ELASTIC_PLAN_NAME), b"{not json")
                 await until(lambda: "not a valid plan" in caplog.text, "the corrupt plan's warning")
             assert router.draining == [drained] and worker.plan_time == plan.time
 
@@ -217,3 +214,73 @@ def test_the_train_task_publishes_a_drain_and_never_the_last_accepting_replica(t
     assert ("w0/torch-1", "rollout", "draining") in {
         (m["unit"], m["source"], m["target"]) for m in extras[-1]["elastic"]["moves"]
     }
+
+
+def test_a_two_replica_pipeline_lends_a_replica_to_training_and_loses_no_rollout(tmp_path):
+    """Rollouts (2 engine replicas, multi-turn guess), processing and training side by side
+    for 30 s, steered by a controller that lends a replica to training whenever a shard
+    waits: a replica is drained and handed over during the run, and every rollout started
+    still finishes, is written, processed and counted."""
+    run = RunConfig(
+        run_id="elastic-pipeline",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        engine={"replicas": 2},
+        orchestrator={"mix": {"guess": 1.0}, "concurrency": 8},
+        sao=config(),
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    # 16 slots a replica for 8 sessions: the other replica always has room for a drained
+    # one's sessions, so every waiting shard lends a replica to training
+    planner = ElasticPlanner(
+        ElasticConfig(
+            high_backlog=1,
+            low_backlog=0,
+            saturated_idle=1.0,
+            sessions_per_replica=16,
+            headroom_slots=0,
+            cooldown_s=0,
+        )
+    )
+    deadline = time.time() + 30
+    statuses: list[dict] = []
+    results: dict = {}
+
+    def go(name, fn, *args, **kwargs):
+        results[name] = fn(*args, **kwargs)
+
+    threads = [
+        threading.Thread(
+            target=go,
+            args=("rollouts", run_rollouts, run, deadline),
+            kwargs={"on_progress": statuses.append, "progress_every_s": 0.3, "flush_records": 8},
+        ),
+        threading.Thread(target=go, args=("process", run_processor, run, deadline + 5)),
+        threading.Thread(target=go, args=("train", run_trainer, run, deadline), kwargs={"elastic": planner}),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert set(results) == {"rollouts", "process", "train"}, "a task raised (see the log)"
+
+    moves = planner.controller.moves
+    lent = [m for m in moves if m.target == "train"]
+    assert lent and {m.unit for m in lent} <= {"worker-0/torch-0", "worker-0/torch-1"}, moves
+    for move in lent:  # a replica with sessions drains first; only an idle one goes at once
+        assert move.source == "draining" or (move.source == "rollout" and "(idle)" in move.reason), move
+    assert any(m.target == "draining" for m in moves), moves
+    assert any(s["draining"] for s in statuses), "the worker never applied a drain"
+    for status in statuses:
+        assert len(status["draining"]) < 2, "the last accepting replica was drained"
+    final = ElasticPlanBoard(store).read()
+    assert not final.running and final.train == [] and final.draining == []
+
+    rollouts = results["rollouts"]["orchestrator"]
+    assert rollouts["finished"] > 0 and rollouts["written"] == rollouts["finished"]
+    assert set(rollouts["tasks"]["guess"]["statuses"]) <= {"ok", "truncated"}, rollouts
+    shards = Tables(store).read("shards").to_pylist()
+    raw = [s for s in shards if s["kind"] == "raw"]
+    assert sum(s["num_rows"] for s in raw) == rollouts["written"]
+    assert sum(s["num_rows"] for s in shards if s["kind"] == "processed") == rollouts["written"]
+    assert results["train"]["steps"] >= 1
