@@ -367,6 +367,10 @@ class Trainer:
         # tuple() copies the deque in one C call, so the training thread cannot change it mid-sum
         return sum(sample.num_tokens for sample in tuple(self.buffer))
 
+    def buffered_samples(self) -> int:
+        """Samples (trajectories) waiting in the buffer (safe to call from another thread)."""
+        return len(tuple(self.buffer))
+
     def unconsumed_shards(self) -> int:
         """Shards ingested whose rows are still waiting in the buffer (safe from another thread)."""
         return len({sample.shard_id for sample in tuple(self.buffer)})

@@ -180,7 +180,7 @@ class ElasticController:
     units: dict[str, Unit]
     moves: list[Move] = field(default_factory=list)
     last_inputs: PolicyInputs | None = None
-    finished_at: deque[float] = field(default_factory=deque)
+    finished_at: deque[tuple[float, int]] = field(default_factory=deque)
     started: float | None = None
     last_rollout_rate: float = 0.0
     lengths: SessionLengths | None = None
@@ -247,9 +247,7 @@ class ElasticController:
         self._take_session(unit, started, "end")
         if started is not None:
             self.lengths.record(now - started)
-        if self.started is None:
-            self.started = now
-        self.finished_at.append(now)
+        self.record_finished(1, now)
         if unit.role == "draining" and unit.live_sessions == 0:
             return self._move(unit, "train", now, "drained at session boundary")
         return None
@@ -419,14 +417,23 @@ class ElasticController:
         )
         return self.last_forecast
 
+    def record_finished(self, count: int, now: float) -> None:
+        """``count`` sessions finished at ``now`` (for a driver that learns them in batches,
+        e.g. from the workers' published counts, rather than one ``end_session`` each)."""
+        if self.started is None:
+            self.started = now
+        if count > 0:
+            self.finished_at.append((now, count))
+
     def rollout_rate(self, now: float) -> float:
         """Sessions finished per second over the last ``rate_window_s`` (or since the first decision or finish)."""
         if self.started is None:
             self.started = now
-        while self.finished_at and self.finished_at[0] < now - self.config.rate_window_s:
+        while self.finished_at and self.finished_at[0][0] < now - self.config.rate_window_s:
             self.finished_at.popleft()
         elapsed = min(self.config.rate_window_s, now - self.started)
-        self.last_rollout_rate = len(self.finished_at) / elapsed if elapsed > 0 else 0.0
+        finished = sum(count for _, count in self.finished_at)
+        self.last_rollout_rate = finished / elapsed if elapsed > 0 else 0.0
         return self.last_rollout_rate
 
     def _return_order(self, train: list[str]) -> list[str]:

@@ -66,18 +66,26 @@ class ElasticPlanner:
             raise ValueError(f"trainer unit names may not contain '/': {list(trainer_units)}")
         self.controller = ReplicaController(config, {name: Unit(name, "train") for name in trainer_units})
         self.last_plan: ElasticPlan | None = None
+        self._finished: dict[str, int] = {}
 
     def observe(self, statuses: list[RolloutStatus], now: float) -> list[Move]:
         """Sync the replica units with the fresh running workers' ``statuses``.
 
         New replicas join as rollout units, those of workers no longer reporting leave, and
-        each unit's live sessions become its pinned count. Returns the handovers made here:
-        draining replicas that their worker confirms empty (see the module docstring).
+        each unit's live sessions become its pinned count. The rollouts each worker finished
+        since its last status count as finished now (the controller's rollout rate; a
+        worker's first status, or a restarted worker's, sets where its count starts).
+        Returns the handovers made here: draining replicas that their worker confirms empty
+        (see the module docstring).
         """
         seen: dict[str, tuple[RolloutStatus, str]] = {}
         for status in statuses:
             if not status.running:
                 continue
+            last = self._finished.get(status.worker)
+            if last is not None and status.finished >= last:
+                self.controller.record_finished(status.finished - last, now)
+            self._finished[status.worker] = status.finished
             for replica in status.replica_sessions:
                 seen[replica_unit(status.worker, replica)] = (status, replica)
         units = self.controller.units

@@ -68,6 +68,9 @@ class RolloutStatus(BaseModel):
     plan_time: float | None = Field(
         None, description="``time`` of the last elastic plan the worker applied (None: none yet)."
     )
+    finished: int = Field(
+        0, ge=0, description="Rollouts the worker finished since it started (the trainer's rollout rate)."
+    )
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ def status_object(worker_name: str, status: dict[str, Any], running: bool) -> Ro
         replica_sessions=status.get("replica_sessions", {}),
         draining=status.get("draining", []),
         plan_time=status.get("plan_time"),
+        finished=(status.get("orchestrator") or {}).get("finished", 0),
     )
 
 

@@ -6,6 +6,7 @@ import logging
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,8 @@ STATUS_REFRESH_S = 1.0
 elastic decisions while the trainer takes no step."""
 PLAN_REFRESH_S = 5.0
 """Seconds after which an unchanged elastic plan is published again (workers ignore stale plans)."""
+TRAIN_COST_STEPS = 20
+"""Policy steps over which the controller's training cost per trajectory is measured."""
 TRAINER_STATUS_S = 0.25
 """Seconds between looks at the trainer's queue (how much data waits for it, the rollout
 workers' backpressure); it is published when it changed, and every ``PLAN_REFRESH_S``."""
@@ -74,14 +77,18 @@ def run_trainer(
     while no step is taken, and publishes its
     plan to ``status/elastic/plan.json`` when it changes (and every ``PLAN_REFRESH_S``);
     the workers drain and undrain their replicas by it. On the way out every replica is
-    released to rollout. With one replica per worker nothing is ever drained.
+    released to rollout. With one replica per worker nothing is ever drained. The rollout
+    rate the controller balances against that cost comes from the workers' published
+    counts of finished rollouts.
 
     Backpressure: every ``TRAINER_STATUS_S`` the trainer publishes how many tokens wait in
     its buffer (``status/train/trainer.json``) when that changed; the workers' orchestrators pause launching
     while that exceeds ``orchestrator.max_trainer_batches`` token budgets.
 
-    Every ``train_steps`` row carries the controller's inputs (unconsumed shards, engine
-    queue depth, the trainer's idle fraction since the last decision), the units' roles,
+    Every ``train_steps`` row carries the controller's inputs (unconsumed shards and
+    trajectories, engine queue depth, the trainer's idle fraction since the last decision,
+    and what a trajectory costs to train: step seconds times the units in training, per
+    trajectory, over the last ``TRAIN_COST_STEPS`` steps), the units' roles,
     its recent moves and the moves decided at that step in ``extra["elastic"]``. The queue
     depth comes from ``engine_queue_depth`` when the caller can reach the engines, else
     from the fresh workers' statuses, whose counts (fresh, stopped, stale, corrupt) are in
@@ -103,13 +110,23 @@ def run_trainer(
                 if before < version <= latest:
                     on_publish(version)
 
+    trainer = Trainer(store, config.sao, device=config.trainer_device)
+    elastic = elastic or ElasticPlanner(elastic_config(config))
+    # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
+    step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)
+
     def progress(row: dict[str, Any]) -> None:
         check_published()
+        units = len(elastic.controller.units_in("train"))
+        step_costs.append((row["step_seconds"] * units, row["num_samples"]))
         if on_step is not None:
             on_step(row)
 
-    trainer = Trainer(store, config.sao, device=config.trainer_device)
-    elastic = elastic or ElasticPlanner(elastic_config(config))
+    def train_unit_s_per_trajectory() -> float | None:
+        costs = tuple(step_costs)
+        trajectories = sum(n for _, n in costs)
+        return sum(s for s, _ in costs) / trajectories if trajectories else None
+
     last = {"wall": time.monotonic(), "idle": 0.0, "decided": time.monotonic()}
     rollout_status = RolloutStatusBoard(store)
     plans = ElasticPlanBoard(store)
@@ -159,6 +176,8 @@ def run_trainer(
                 unconsumed_shards=trainer.unconsumed_shards(),
                 engine_queue_depth=depth,
                 trainer_idle=round(min(max(idle, 0.0), 1.0), 4),
+                train_unit_s_per_trajectory=train_unit_s_per_trajectory(),
+                unconsumed_trajectories=trainer.buffered_samples(),
             )
             record = elastic.decide(fresh, inputs, time.time())
             publish(elastic.last_plan)

@@ -102,3 +102,32 @@ def test_trainer_units_are_checked():
         ElasticPlanner(ElasticConfig(min_train=2))
     with pytest.raises(ValueError, match="may not contain '/'"):
         ElasticPlanner(trainer_units=("t/0",))
+
+
+def test_the_rollout_rate_comes_from_the_workers_finished_counts_and_sets_the_balanced_split():
+    """Every slot busy (nothing spare to lend): only the balance of measured rates drains.
+    Three replicas finishing 5 rollouts/s over 11 live sessions cost rho = 11 / (5 * 4) =
+    0.55 replica-s a trajectory; of the 4 units, round(4 * rho / (rho + tau)) belong to
+    rollout: 3 when training costs tau = 0.1 unit-s a trajectory, 2 when it costs 0.6 (the
+    least loaded replica drains)."""
+    full = {"r0": 4, "r1": 3, "r2": 4}
+
+    def worker(finished):
+        return status("w0", full).model_copy(update={"finished": finished})
+
+    for tau, drained in ((0.1, []), (0.6, ["w0/r1"])):
+        planner = ElasticPlanner(ElasticConfig(sessions_per_replica=4, headroom_slots=0, cooldown_s=0))
+        inputs = PolicyInputs(
+            unconsumed_shards=5, engine_queue_depth=0, trainer_idle=0.0, train_unit_s_per_trajectory=tau
+        )
+        planner.decide([worker(100)], inputs, now=0.0)  # the first count only sets the start
+        assert planner.controller.last_rollout_rate == 0.0 and planner.last_plan.draining == []
+        planner.decide([worker(150)], inputs, now=10.0)
+        assert planner.controller.last_rollout_rate == pytest.approx(5.0)
+        assert planner.last_plan.draining == drained, tau
+
+    planner = ElasticPlanner(CONFIG)
+    planner.decide([worker(100)], DRY, now=0.0)
+    planner.decide([worker(3)], DRY, now=10.0)  # restarted: its count starts again
+    planner.decide([worker(13)], DRY, now=20.0)
+    assert planner.controller.last_rollout_rate == pytest.approx(10 / 20)
