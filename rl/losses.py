@@ -9,6 +9,10 @@ from __future__ import annotations
 import torch
 
 
+MIN_TARGET_VAR = 1e-8
+"""Below this variance of the value targets (e.g. every return of a batch equal up to float
+rounding) explained variance is reported as 0, not as a ratio of rounding errors."""
+
 def dis_policy_loss(
     logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
@@ -113,7 +117,9 @@ def value_loss(
         clip: clip range c, or ``None`` for the plain squared error.
 
     Returns:
-        ``(loss, stats)`` with ``value_loss``, ``clip_fraction`` and ``explained_variance``.
+        ``(loss, stats)`` with ``value_loss``, ``clip_fraction`` and ``explained_variance``
+        (``1 − Var(R − V) / Var(R)``; 0 when the targets' variance is at most
+        :data:`MIN_TARGET_VAR`, where the ratio measures float noise).
     """
     if not (values.shape == returns.shape == mask.shape):
         raise ValueError(
@@ -139,7 +145,7 @@ def value_loss(
         if num_tokens > 1:
             residual_var = (targets - values)[mask].var()
             target_var = targets[mask].var()
-            explained = float(1.0 - residual_var / target_var) if target_var > 0 else 0.0
+            explained = float(1.0 - residual_var / target_var) if target_var > MIN_TARGET_VAR else 0.0
     return loss, {
         "value_loss": float(loss.detach()),
         "clip_fraction": clip_fraction,

@@ -162,3 +162,35 @@ def test_value_loss_matches_reference(seed, clip):
 def test_clipped_value_loss_needs_old_values():
     with pytest.raises(ValueError, match="old_values"):
         value_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), clip=0.2)
+
+
+def reference_explained_variance(values, returns, mask):
+    pairs = [(v, r) for vr, rr, mr in zip(values, returns, mask) for v, r, m in zip(vr, rr, mr) if m]
+    n = len(pairs)
+    if n < 2:
+        return 0.0
+
+    def var(xs):
+        mean = sum(xs) / n
+        return sum((x - mean) ** 2 for x in xs) / (n - 1)
+
+    target_var = var([r for _, r in pairs])
+    return 1.0 - var([r - v for v, r in pairs]) / target_var if target_var > 1e-8 else 0.0
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_explained_variance_matches_reference_and_is_zero_for_constant_returns(seed):
+    rng = random.Random(seed)
+    values = [[rng.gauss(0, 1) for _ in range(6)] for _ in range(3)]
+    returns = [[v + rng.gauss(0, 0.5) for v in row] for row in values]
+    mask = [[rng.random() < 0.7 for _ in range(6)] for _ in range(3)]
+    mask[0][:2] = [True, True]
+    _, stats = value_loss(torch.tensor(values), torch.tensor(returns), torch.tensor(mask))
+    assert stats["explained_variance"] == pytest.approx(
+        reference_explained_variance(values, returns, mask), rel=1e-4
+    )
+    # every return equal up to float rounding (a batch of all-successful rollouts): the
+    # ratio would be of rounding errors, so it is reported as 0
+    flat = torch.full((3, 6), 1.0) + torch.randn(3, 6) * 1e-7
+    _, stats = value_loss(torch.tensor(values), flat, torch.tensor(mask))
+    assert stats["explained_variance"] == 0.0
