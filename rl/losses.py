@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-
 MIN_TARGET_VAR = 1e-8
 """Below this variance of the value targets (e.g. every return of a batch equal up to float
 rounding) explained variance is reported as 0, not as a ratio of rounding errors."""
+
 
 def dis_policy_loss(
     logprobs: torch.Tensor,

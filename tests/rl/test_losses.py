@@ -165,7 +165,12 @@ def test_clipped_value_loss_needs_old_values():
 
 
 def reference_explained_variance(values, returns, mask):
-    pairs = [(v, r) for vr, rr, mr in zip(values, returns, mask) for v, r, m in zip(vr, rr, mr) if m]
+    pairs = [
+        (v, r)
+        for vr, rr, mr in zip(values, returns, mask, strict=True)
+        for v, r, m in zip(vr, rr, mr, strict=True)
+        if m
+    ]
     n = len(pairs)
     if n < 2:
         return 0.0
