@@ -15,6 +15,7 @@ from envs import registry
 from envs.arith import ArithEnv
 from envs.base import StepResult, Task
 from rl.models import TinyModelConfig, build_tiny_model
+from rl.trainer import token_logprobs
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router, RouterConfig
@@ -63,6 +64,32 @@ def test_each_environment_end_to_end_gives_a_valid_record(tiny, env_name):
     assert any(record["action_mask"]) and result.turns >= 1
     assert set(result.timing) == {"init", "run", "eval", "queue"}
     assert result.timing["run"] > 0
+
+
+def test_concurrent_multi_turn_rollouts_record_the_log_probs_of_a_full_forward(tiny):
+    """16 guess rollouts at once, so their turns are prefilled together on left-padded KV
+    caches: on every turn, each action token's recorded log-prob is what one forward pass
+    over the whole record gives (what the trainer computes)."""
+    model, _ = tiny
+    tasks = registry.task_set("guess", "train", seed=3, n=16)
+
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4, timeout_s=120)) as service:
+            return await asyncio.gather(
+                *(service.process(RolloutRequest(task=task, seed=i)) for i, task in enumerate(tasks))
+            )
+
+    turns = set()
+    with torch.no_grad():
+        for result in asyncio.run(body()):
+            record = result.record
+            ids = torch.tensor([record["tokens"]])
+            forward = token_logprobs(model, ids, torch.ones_like(ids, dtype=torch.bool))[0]
+            mask = torch.tensor(record["action_mask"])
+            recorded = torch.tensor(record["logprobs"])
+            torch.testing.assert_close(forward[mask], recorded[mask], atol=1e-4, rtol=0)
+            turns |= {t for t, m in zip(record["turn"], record["action_mask"], strict=True) if m}
+    assert max(turns) >= 2, "no rollout went past its second turn"
 
 
 class SlowEnv(ArithEnv):
