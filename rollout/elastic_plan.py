@@ -67,16 +67,19 @@ class ElasticPlanner:
         self.controller = ReplicaController(config, {name: Unit(name, "train") for name in trainer_units})
         self.last_plan: ElasticPlan | None = None
         self._finished: dict[str, int] = {}
+        self._ended: dict[str, int] = {}
 
     def observe(self, statuses: list[RolloutStatus], now: float) -> list[Move]:
         """Sync the replica units with the fresh running workers' ``statuses``.
 
         New replicas join as rollout units, those of workers no longer reporting leave, and
-        each unit's live sessions become its pinned count. The rollouts each worker finished
-        since its last status count as finished now (the controller's rollout rate; a
-        worker's first status, or a restarted worker's, sets where its count starts).
-        Returns the handovers made here: draining replicas that their worker confirms empty
-        (see the module docstring).
+        each unit's live sessions become its pinned count, started ``age`` seconds before
+        ``now`` each (the status's own delay, a few seconds at most, is not subtracted). The
+        rollouts each worker finished and the sessions it ended since its last status count
+        as finished now (the controller's rollout rate) and train its session-length model
+        (the newest lengths); a worker's first status, or a restarted worker's, only sets
+        where its counts start. Returns the handovers made here: draining replicas that
+        their worker confirms empty (see the module docstring).
         """
         seen: dict[str, tuple[RolloutStatus, str]] = {}
         for status in statuses:
@@ -86,6 +89,12 @@ class ElasticPlanner:
             if last is not None and status.finished >= last:
                 self.controller.record_finished(status.finished - last, now)
             self._finished[status.worker] = status.finished
+            last = self._ended.get(status.worker)
+            if last is not None and status.sessions_ended > last:
+                new = min(status.sessions_ended - last, len(status.session_lengths))
+                for length in status.session_lengths[len(status.session_lengths) - new :]:
+                    self.controller.lengths.record(length)
+            self._ended[status.worker] = status.sessions_ended
             for replica in status.replica_sessions:
                 seen[replica_unit(status.worker, replica)] = (status, replica)
         units = self.controller.units
@@ -95,6 +104,7 @@ class ElasticPlanner:
         for name, (status, replica) in seen.items():
             unit = units.setdefault(name, Unit(name, "rollout"))
             unit.live_sessions = status.replica_sessions[replica]
+            unit.session_starts = [now - age for age in status.session_ages.get(replica, [])]
             if unit.role == "draining" and unit.live_sessions == 0 and self._confirmed(status, replica, name):
                 handovers.append(self._hand_over(unit, now))
         return handovers

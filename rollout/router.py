@@ -34,7 +34,8 @@ import heapq
 import itertools
 import logging
 import math
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Iterable
 from typing import Literal
 
@@ -45,6 +46,10 @@ from rollout.engines.base import Engine, EngineError, Generation, SamplingParams
 logger = logging.getLogger(__name__)
 
 Policy = Literal["sticky", "least_loaded", "round_robin"]
+
+SESSION_LENGTHS_KEPT = 256
+"""Lengths of the most recently ended sessions a router keeps (the elastic controller's
+session-length model reads them from the worker's status)."""
 
 
 class RouterConfig(BaseModel):
@@ -140,7 +145,9 @@ class Router:
 
     ``load`` of a replica is the number of sessions assigned to it that have not ended;
     call :meth:`end_session` when a rollout finishes. ``migrations`` counts sessions moved
-    off draining replicas.
+    off draining replicas; ``sessions_ended`` counts ended sessions and ``session_lengths``
+    holds the last ``SESSION_LENGTHS_KEPT`` of their lengths (seconds from first routing to
+    end; not tracked under ``round_robin``, which pins nothing).
     """
 
     def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
@@ -156,6 +163,9 @@ class Router:
         self._draining: set[str] = set()
         self._in_flight: Counter[str] = Counter()
         self.migrations = 0
+        self._started: dict[str, float] = {}
+        self.sessions_ended = 0
+        self.session_lengths: deque[float] = deque(maxlen=SESSION_LENGTHS_KEPT)
         for engine in engines:
             self.add(engine)
 
@@ -236,6 +246,7 @@ class Router:
             if not accepting:
                 raise NoReplicas(f"every replica in service is draining: {self.draining}")
             self._pin(session_id, self._pick(session_id, accepting))
+            self._started.setdefault(session_id, time.monotonic())
         elif name in self._draining and self.config.migrate_on_drain and not self._in_flight[session_id]:
             self._migrate(session_id, name, accepting)
         return self._engines[self._assigned[session_id]]
@@ -286,6 +297,20 @@ class Router:
     def end_session(self, session_id: str) -> None:
         """Release ``session_id``'s assignment and let its replica drop its cache."""
         self._release(session_id)
+        started = self._started.pop(session_id, None)
+        if started is not None:
+            self.sessions_ended += 1
+            self.session_lengths.append(time.monotonic() - started)
+
+    def session_ages(self) -> dict[str, list[float]]:
+        """Seconds since each live session was first routed, by the replica it is pinned to
+        (every replica in service, an empty list when none is)."""
+        now = time.monotonic()
+        ages: dict[str, list[float]] = {name: [] for name in self._engines}
+        for session_id, name in self._assigned.items():
+            if name in ages:
+                ages[name].append(now - self._started[session_id])
+        return ages
 
     def _release(self, session_id: str) -> None:
         name = self._assigned.pop(session_id, None)

@@ -71,6 +71,15 @@ class RolloutStatus(BaseModel):
     finished: int = Field(
         0, ge=0, description="Rollouts the worker finished since it started (the trainer's rollout rate)."
     )
+    session_ages: dict[str, list[float]] = Field(
+        default_factory=dict,
+        description="Seconds each live session has run at ``time``, by the replica it is pinned to.",
+    )
+    sessions_ended: int = Field(0, ge=0, description="Sessions the worker's router ended since it started.")
+    session_lengths: list[float] = Field(
+        default_factory=list,
+        description="Lengths (seconds) of the most recently ended sessions, the newest last.",
+    )
 
 
 @dataclass(frozen=True)

@@ -131,3 +131,27 @@ def test_the_rollout_rate_comes_from_the_workers_finished_counts_and_sets_the_ba
     planner.decide([worker(3)], DRY, now=10.0)  # restarted: its count starts again
     planner.decide([worker(13)], DRY, now=20.0)
     assert planner.controller.last_rollout_rate == pytest.approx(10 / 20)
+
+
+def test_session_ages_and_new_lengths_from_statuses_drive_the_forecast():
+    """Lengths 10, 20, 30, 40 s learned; live sessions aged 5 and 25 s; horizon 10 s: the
+    first ends within it with P(L <= 15 | L > 5) = 1/4, the second with P(L <= 35 | L > 25)
+    = 1/2, so 0.75 sessions are forecast to end."""
+    planner = ElasticPlanner(ElasticConfig(forecast_horizon_s=10, cooldown_s=0))
+
+    def worker(ended, lengths):
+        return status("w0", {"r0": 2, "r1": 0}).model_copy(
+            update={
+                "session_ages": {"r0": [5.0, 25.0], "r1": []},
+                "sessions_ended": ended,
+                "session_lengths": lengths,
+            }
+        )
+
+    planner.decide([worker(2, [1.0, 2.0])], DRY, now=100.0)  # the first status only sets the count
+    assert planner.controller.lengths.ordered == [] and planner.controller.last_forecast is None
+    for now in (101.0, 102.0):  # the same status read twice adds its lengths once
+        planner.decide([worker(6, [1.0, 2.0, 10.0, 20.0, 30.0, 40.0])], DRY, now=now)
+        assert planner.controller.lengths.ordered == [10.0, 20.0, 30.0, 40.0]
+    assert sorted(planner.controller.units["w0/r0"].session_starts) == [77.0, 97.0]
+    assert planner.controller.last_forecast == pytest.approx(0.75)

@@ -289,3 +289,27 @@ def test_a_generation_in_flight_finishes_on_its_replica_and_the_next_turn_moves(
                 await engine.close()
 
     asyncio.run(body())
+
+
+def test_session_ages_and_lengths_count_from_first_routing_across_moves(monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("rollout.router.time.monotonic", lambda: clock[0])
+    router = Router(_replicas(2), RouterConfig(policy="least_loaded"))
+    first = router.route("a").name
+    clock[0] = 103.0
+    second = router.route("b").name
+    assert first != second
+    clock[0] = 110.0
+    assert router.session_ages() == {first: [10.0], second: [7.0]}
+    router.drain(first)
+    assert router.route("a").name == second, "migrated"
+    router.remove(second)  # its sessions are re-pinned at their next turn
+    router.undrain(first)
+    assert router.route("b").name == first and router.route("a").name == first
+    clock[0] = 112.0
+    assert sorted(router.session_ages()[first]) == [9.0, 12.0], "moves keep each session's start"
+    router.end_session("a")
+    router.end_session("a")  # ending twice counts once
+    router.end_session("never-routed")
+    assert (router.sessions_ended, list(router.session_lengths)) == (1, [12.0])
+    assert router.session_ages() == {first: [9.0]}

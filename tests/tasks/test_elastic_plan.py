@@ -286,10 +286,12 @@ def test_a_two_replica_pipeline_lends_a_replica_to_training_and_loses_no_rollout
     assert results["train"]["steps"] >= 1
 
     # the policy's inputs are measured in the run: the rollout rate from the worker's
-    # finished counts, the training cost from the steps
+    # finished counts, the forecast from its sessions' ages and lengths, the training
+    # cost from the steps
     rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
     records = [json.loads(row["extra"])["elastic"] for row in rows]
     assert max(r["rollout_rate"] for r in records) > 0
+    assert any(r["forecast_completions"] is not None for r in records)
     costs = [r["inputs"]["train_unit_s_per_trajectory"] for r in records[1:]]
     assert costs and all(c is not None and c > 0 for c in costs)
     assert all(r["inputs"]["unconsumed_trajectories"] >= 0 for r in records)
