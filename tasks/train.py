@@ -77,9 +77,10 @@ def run_trainer(
     while no step is taken, and publishes its
     plan to ``status/elastic/plan.json`` when it changes (and every ``PLAN_REFRESH_S``);
     the workers drain and undrain their replicas by it. On the way out every replica is
-    released to rollout. With one replica per worker nothing is ever drained. The rollout
-    rate the controller balances against that cost comes from the workers' published
-    counts of finished rollouts.
+    released to rollout. With one replica per worker nothing is ever drained. The controller
+    balances the workers' rollout rate (from the counts of finished rollouts they publish)
+    against the trainer's measured cost per trajectory, and forecasts session ends from the
+    ages and lengths of sessions they publish.
 
     Backpressure: every ``TRAINER_STATUS_S`` the trainer publishes how many tokens wait in
     its buffer (``status/train/trainer.json``) when that changed; the workers' orchestrators pause launching
@@ -114,10 +115,12 @@ def run_trainer(
     elastic = elastic or ElasticPlanner(elastic_config(config))
     # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)
+    deciding = threading.Lock()  # the ticker thread decides while the trainer thread steps
 
     def progress(row: dict[str, Any]) -> None:
         check_published()
-        units = len(elastic.controller.units_in("train"))
+        with deciding:
+            units = len(elastic.controller.units_in("train"))
         step_costs.append((row["step_seconds"] * units, row["num_samples"]))
         if on_step is not None:
             on_step(row)
@@ -132,7 +135,6 @@ def run_trainer(
     plans = ElasticPlanBoard(store)
     published: dict[str, Any] = {"plan": None, "at": -math.inf}
     status_cache: dict[str, Any] = {"read_at": -math.inf, "summary": None, "fresh": []}
-    deciding = threading.Lock()
 
     def rollout_statuses() -> tuple[RolloutSummary | None, list[RolloutStatus]]:
         # workers publish every few seconds; reading every step would put a listing and a
