@@ -11,6 +11,7 @@ from flows.config import RunConfig
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.status import TRAINER_STATUS_NAME, TRAINER_STATUS_PREFIX, TrainerStatus, TrainerStatusBoard
+from tests.tasks.test_elastic_plan import make_worker
 
 NOW = 1_000_000.0
 
@@ -18,16 +19,7 @@ NOW = 1_000_000.0
 @pytest.fixture
 def worker(tmp_path) -> RolloutWorker:
     run = RunConfig(run_id="queue", storage=StorageConfig(root=str(tmp_path / "runs")))
-    return RolloutWorker(
-        RunStore(run.storage, run.run_id),
-        "w0",
-        engine=run.engine,
-        gateway=run.gateway,
-        service=run.service,
-        orchestrator=run.orchestrator,
-        env_configs={"arith": run.env_config("arith")},
-        plan_max_age_s=30,
-    )
+    return make_worker(RunStore(run.storage, run.run_id), run, plan_max_age_s=30)
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,20 @@ WAIT_S = 120.0
 SATURATED = PolicyInputs(unconsumed_shards=5, engine_queue_depth=0, trainer_idle=0.0)
 
 
+def make_worker(store: RunStore, run: RunConfig, **options) -> RolloutWorker:
+    """Rollout worker ``w0`` of ``run``'s engines, gateway, service and mix, on ``store``."""
+    return RolloutWorker(
+        store,
+        "w0",
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator,
+        env_configs={name: run.env_config(name) for name in run.orchestrator.mix},
+        **options,
+    )
+
+
 async def until(predicate, what: str) -> None:
     deadline = time.monotonic() + WAIT_S
     while not predicate():
@@ -51,16 +65,7 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
     worker loads all go through the run's storage."""
     run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 4})
     ensure_base_version(WeightStore(store), TINY)
-    worker = RolloutWorker(
-        store,
-        "w0",
-        engine=run.engine,
-        gateway=run.gateway,
-        service=run.service,
-        orchestrator=run.orchestrator,
-        env_configs={"arith": run.env_config("arith")},
-        plan_poll_s=0.01,
-    )
+    worker = make_worker(store, run, plan_poll_s=0.01)
     statuses, plans = RolloutStatusBoard(store), ElasticPlanBoard(store)
     planner = ElasticPlanner(ElasticConfig(sessions_per_replica=16, headroom_slots=0, cooldown_s=0))
     params = SamplingParams(max_new_tokens=3, seed=1)
@@ -143,15 +148,7 @@ def test_a_single_replica_worker_never_drains_its_replica(tmp_path, caplog):
     run = RunConfig(run_id="elastic-one", storage=StorageConfig(root=str(tmp_path / "runs")))
     store = RunStore(run.storage, run.run_id)
     ensure_base_version(WeightStore(store), TINY)
-    worker = RolloutWorker(
-        store,
-        "w0",
-        engine=run.engine,
-        gateway=run.gateway,
-        service=run.service,
-        orchestrator=run.orchestrator,
-        env_configs={name: run.env_config(name) for name in run.orchestrator.mix},
-    )
+    worker = make_worker(store, run)
 
     async def body() -> None:
         await worker.start()
