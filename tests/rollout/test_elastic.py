@@ -361,19 +361,22 @@ def test_trainer_drops_a_trajectory_more_versions_old_than_max_staleness():
     assert (kept.trained, kept.dropped) == (2, 0) and kept.makespan == pytest.approx(140.0)
 
 
+CONTINUOUS = ElasticWorkload(
+    units=6,
+    long_sessions=24,
+    short_sessions=120,
+    long_median_s=300,
+    cycles=3,
+    max_ahead=None,
+    batch_size=8,
+    max_staleness=4,
+    max_backlog=32,
+    concurrency=48,
+)
+
+
 def test_continuous_elastic_run_never_interrupts_a_rollout():
-    w = ElasticWorkload(
-        units=6,
-        long_sessions=24,
-        short_sessions=120,
-        long_median_s=300,
-        cycles=3,
-        max_ahead=None,
-        batch_size=8,
-        max_staleness=4,
-        max_backlog=32,
-        concurrency=48,
-    )
+    w = CONTINUOUS
     ctl = ElasticController.create([f"u{i}" for i in range(3)], [f"u{i}" for i in range(3, 6)])
     run = simulate_elastic(w, 3, ctl)
     assert run.trained == 3 * 144 and run.interrupted_sessions == 0
@@ -457,19 +460,7 @@ def test_migrating_the_last_session_off_a_draining_replica_hands_it_to_training(
         off.migrate_session("r1", "r0", 1.0)
 
 
-MIGRATING = ElasticWorkload(
-    units=6,
-    long_sessions=24,
-    short_sessions=120,
-    long_median_s=300,
-    cycles=3,
-    max_ahead=None,
-    batch_size=8,
-    max_staleness=4,
-    max_backlog=32,
-    concurrency=48,
-    turn_s=20.0,
-)
+MIGRATING = CONTINUOUS.model_copy(update={"turn_s": 20.0})
 
 
 def test_sessions_migrate_only_at_turn_boundaries_and_lose_no_work():
