@@ -14,6 +14,8 @@ SAO and GRPO run the real pipeline — ``run_rollouts``, ``run_processor`` and
 ``run_trainer`` concurrently in threads — so the engine serves a version one or two
 behind the trainer and the DIS mask acts (its masked fraction is printed). Held-out eval
 every ``--eval-every`` seconds (``arith`` near-greedy, ``guess`` sampled at temperature 1).
+Version 0 and each arm's last version are also scored on as many of the problems the arms
+train on (``…_train_gain_…``): a gain there without one held out is memorisation.
 
 ``python benchmarks/bench_learning.py [--seeds 3] [--envs guess]``; last line:
 ``{"bench": "learning", "sao_gain_arith": …, "sao_gain_guess": …, "grpo_gain_…", "sft_gain_…",
@@ -43,7 +45,7 @@ from tasks.common import run_store
 from tasks.process import run_processor
 from tasks.rollout import run_rollouts
 from tasks.train import run_trainer
-from tasks.weights import build_base_version, demonstration_data, evaluate_version
+from tasks.weights import build_base_version, demonstration_data, evaluate_version, evaluate_weights
 
 ARMS = ("sao", "grpo", "sft")
 DRAIN_SECONDS = 5.0
@@ -176,12 +178,14 @@ def run_arm(base: RunConfig, env: str, arm: str, seconds: float, args, tag: str)
         info = run_rl(config, seconds, on_mark)
         info = {"rollouts": info["rollouts"]["orchestrator"]["finished"], **train_summary(config)}
     final = evaluate_version(config)
+    trained = evaluate_weights(config, final.version, split="train").reward[env]
     curve.append((round(time.time() - started), final.reward[env]))
     print(
-        f"  {env} {arm} final v{final.version} eval {final.reward[env]:.3f}; {json.dumps(info, default=str)}",
+        f"  {env} {arm} final v{final.version} eval {final.reward[env]:.3f} (training problems "
+        f"{trained:.3f}); {json.dumps(info, default=str)}",
         flush=True,
     )
-    return {"final": final.reward[env], "curve": curve, "info": info}
+    return {"final": final.reward[env], "final_train": trained, "curve": curve, "info": info}
 
 
 def run_seed(args, seed: int) -> dict[str, float]:
@@ -194,11 +198,17 @@ def run_seed(args, seed: int) -> dict[str, float]:
     budgets = {"arith": args.arith_seconds, "guess": args.guess_seconds}
     for env in args.envs:
         seconds = budgets[env]
-        v0 = evaluate_version(arm_config(base, base.run_id, env, "sao", args), 0)
-        print(f"seed {seed} {env}: version 0 held-out {v0.reward[env]:.3f}", flush=True)
+        v0_config = arm_config(base, base.run_id, env, "sao", args)
+        v0 = evaluate_version(v0_config, 0)
+        v0_train = evaluate_weights(v0_config, 0, split="train").reward[env]
+        print(
+            f"seed {seed} {env}: version 0 held-out {v0.reward[env]:.3f} (training problems {v0_train:.3f})",
+            flush=True,
+        )
         for arm in ARMS:
             outcome = run_arm(base, env, arm, seconds, args, tag)
             gains[f"{arm}_gain_{env}"] = outcome["final"] - v0.reward[env]
+            gains[f"{arm}_train_gain_{env}"] = outcome["final_train"] - v0_train
             print(
                 f"seed {seed} {env} {arm}: curve {outcome['curve']} gain {gains[f'{arm}_gain_{env}']:+.3f}",
                 flush=True,

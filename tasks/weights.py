@@ -10,6 +10,7 @@ from typing import Any
 from prefect import get_run_logger, task
 
 from envs import registry
+from envs.base import Split
 from flows.config import RunConfig
 from rl.models import build_tiny_model, load_policy, publish_policy
 from rl.sft import supervised_warm_start
@@ -106,16 +107,37 @@ def build_base_version(config: RunConfig, log=print) -> int:
 
 
 def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResult:
-    """Held-out reward of weight ``version`` (the latest when None) on every env in the mix."""
-    store = run_store(config)
-    weights = WeightStore(store)
+    """Held-out reward of weight ``version`` (the latest when None) on every env in the mix,
+    recorded in the ``evals`` table."""
+    result = evaluate_weights(config, version)
+    Tables(run_store(config)).append(
+        "evals",
+        [
+            {
+                "version": result.version,
+                "env": env,
+                "reward": result.reward[env],
+                "count": result.count[env],
+                "time": datetime.now(UTC),
+            }
+            for env in result.reward
+        ],
+    )
+    return result
+
+
+def evaluate_weights(config: RunConfig, version: int | None = None, split: Split = "eval") -> EvalResult:
+    """Reward of weight ``version`` (the latest when None) on ``config.eval.tasks_per_env``
+    problems of ``split`` of every env in the mix, recorded nowhere (``train``: how well
+    the policy does on the problems it trains on, beside the held-out ones)."""
+    weights = WeightStore(run_store(config))
     version = weights.latest() if version is None else version
     path = weights.load(version)
     tasks = [
         task
         for name in config.orchestrator.mix
         for task in registry.task_set(
-            name, "eval", config.eval.seed, config.eval.tasks_per_env, config.env_config(name)
+            name, split, config.eval.seed, config.eval.tasks_per_env, config.env_config(name)
         )
     ]
 
@@ -134,21 +156,7 @@ def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResul
         finally:
             await engine.close()
 
-    result = asyncio.run(run())
-    Tables(store).append(
-        "evals",
-        [
-            {
-                "version": version,
-                "env": env,
-                "reward": result.reward[env],
-                "count": result.count[env],
-                "time": datetime.now(UTC),
-            }
-            for env in result.reward
-        ],
-    )
-    return result
+    return asyncio.run(run())
 
 
 @task(name="warm-start", **SIDE_EFFECTS, **STORAGE_RETRIES)
