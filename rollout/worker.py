@@ -322,16 +322,31 @@ class RolloutWorker:
             "engine_queue_depth": sum(s.queue_depth for s in engine_stats),
             "live_sessions": self.live_sessions(),
             "replica_sessions": self.replica_sessions(),
-            "draining": self.router.draining if self.router is not None else [],
             "plan_time": self.plan_time,
-            "migrations": self.router.migrations if self.router is not None else 0,
-            "session_ages": self.router.session_ages() if self.router is not None else {},
-            "sessions_ended": self.router.sessions_ended if self.router is not None else 0,
-            "session_lengths": list(self.router.session_lengths) if self.router is not None else [],
+            **self._routing_status(),
             "orchestrator": self.orchestrator.stats.as_dict() if self.orchestrator else None,
             "prefill_computed": sum(s.prefill_computed for s in engine_stats),
             "prefill_reused": sum(s.prefill_reused for s in engine_stats),
             "decode_tokens": sum(s.decode_tokens for s in engine_stats),
+        }
+
+    def _routing_status(self) -> dict[str, Any]:
+        """The router's drains, moves and session ages and lengths (empty before ``start``)."""
+        router = self.router
+        if router is None:
+            return {
+                "draining": [],
+                "migrations": 0,
+                "session_ages": {},
+                "sessions_ended": 0,
+                "session_lengths": [],
+            }
+        return {
+            "draining": router.draining,
+            "migrations": router.migrations,
+            "session_ages": router.session_ages(),
+            "sessions_ended": router.sessions_ended,
+            "session_lengths": list(router.session_lengths),
         }
 
     async def close(self) -> None:
