@@ -19,6 +19,7 @@ from rl.config import SAOConfig
 from rl.models import TinyModelConfig
 from rl.processor import ProcessorConfig
 from rl.sft import SFTConfig
+from rollout.elastic import ElasticConfig
 from rollout.engines.factory import EngineConfig
 from rollout.gateway import GatewayConfig
 from rollout.orchestrator import OrchestratorConfig
@@ -59,6 +60,20 @@ class WarmStartConfig(BaseModel):
         True, description="Use each env's flawed demonstrator, so RL has something left to learn."
     )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Optimizer settings of the warm start.")
+
+
+class ElasticRunConfig(ElasticConfig):
+    """The trainer's elastic controller, which lends rollout workers' engine replicas to
+    training and hands them back."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sessions_per_replica: int | None = Field(
+        None,
+        ge=1,
+        description="Concurrent rollout sessions one replica serves (its session slots); "
+        "None: a replica's share of orchestrator.concurrency.",
+    )
 
 
 class EvalConfig(BaseModel):
@@ -107,6 +122,10 @@ class RunConfig(BaseModel):
     )
     processor: ProcessorConfig = Field(default_factory=ProcessorConfig, description="Trajectory processor.")
     sao: SAOConfig = Field(default_factory=SAOConfig, description="The SAO trainer.")
+    elastic: ElasticRunConfig = Field(
+        default_factory=ElasticRunConfig,
+        description="Elastic capacity: when the trainer borrows rollout replicas and gives them back.",
+    )
     trainer_device: str = Field(
         "cpu", description="Torch device of the trainer's policy and value model (cpu, cuda, cuda:1 …)."
     )

@@ -102,8 +102,10 @@ def run_rollouts(
     board = RolloutStatusBoard(run_store(config))
 
     async def publish_status(running: bool) -> dict[str, Any]:
-        # a stopped worker's engines are closed: nothing waits on them
-        status = worker.status() if running else {"engine_queue_depth": 0, "live_sessions": 0}
+        status = worker.status()
+        if not running:  # its engines are closed: nothing waits or is pinned there; its counts stand
+            status |= {"engine_queue_depth": 0, "live_sessions": 0, "replica_sessions": {}, "draining": [],
+                       "session_ages": {}}  # fmt: skip
         published = status_object(worker_name, status, running)
         try:
             await asyncio.to_thread(board.publish, published)

@@ -47,11 +47,12 @@ workers' backpressure); it is published when it changed, and every ``PLAN_REFRES
 
 
 def elastic_config(config: RunConfig) -> ElasticConfig:
-    """The controller's defaults for this run: a replica's session slots are its share of a
+    """The run's ``elastic`` section; session slots left unset are a replica's share of a
     worker's ``orchestrator.concurrency``."""
-    return ElasticConfig(
-        sessions_per_replica=math.ceil(config.orchestrator.concurrency / config.engine.replicas)
+    slots = config.elastic.sessions_per_replica or math.ceil(
+        config.orchestrator.concurrency / config.engine.replicas
     )
+    return ElasticConfig(**config.elastic.model_dump() | {"sessions_per_replica": slots})
 
 
 def run_trainer(

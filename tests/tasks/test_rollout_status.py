@@ -63,7 +63,7 @@ def test_train_steps_carry_the_queue_depth_a_live_rollout_worker_published(tmp_p
         finally:
             trained.set()
             stop.set()
-        rollouts.result(timeout=WAIT_S)
+        worker_result = rollouts.result(timeout=WAIT_S)
 
     assert result["steps"] >= 1
     rows = Tables(store).read("train_steps").to_pylist()
@@ -79,6 +79,9 @@ def test_train_steps_carry_the_queue_depth_a_live_rollout_worker_published(tmp_p
             "live_sessions": status["live_sessions"],
         }
         assert extra["elastic"]["inputs"]["engine_queue_depth"] == status["engine_queue_depth"]
-    # the stopped worker's last word: nothing queued, and not counted as a live worker
+    # the stopped worker's last word: nothing queued or pinned, not counted as a live worker,
+    # and every rollout it finished still counted
     (final,), corrupt = RolloutStatusBoard(store).read()
     assert (final.worker, final.running, final.engine_queue_depth, corrupt) == ("w0", False, 0, 0)
+    assert (final.live_sessions, final.replica_sessions, final.session_ages) == (0, {}, {})
+    assert final.finished == worker_result["orchestrator"]["finished"] > 0
