@@ -2,9 +2,12 @@
 
 A version directory holds ``model.safetensors``, ``config.json``, the tokenizer files, any
 extra files (optimizer state, consumed shard ids) and ``manifest.json`` with the sha256 of
-every other file. Files are written first, the manifest after them and ``weights/LATEST``
-last (temp file + rename on a local folder, a single PUT on S3), so a reader never sees a
-version that is still being written: a directory without a manifest does not exist.
+every other file. A publish first claims its version number by creating the directory's
+``CLAIM`` object exclusively (``O_EXCL`` locally, a conditional PUT on S3), so two
+publishers racing for one number never write into the same directory. Files are written
+next, the manifest after them and ``weights/LATEST`` last (temp file + rename on a local
+folder, a single PUT on S3), so a reader never sees a version that is still being written:
+a directory without a manifest does not exist.
 """
 
 from __future__ import annotations
@@ -36,13 +39,18 @@ MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "LATEST"
-RESERVED_FILES = frozenset({MODEL_FILE, CONFIG_FILE, MANIFEST_FILE})
+CLAIM_FILE = "CLAIM"
+RESERVED_FILES = frozenset({MODEL_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _HASH_CHUNK = 1 << 20
 
 
 class CorruptVersion(RuntimeError):
     """A weight version's files do not match its manifest (or the manifest is unreadable)."""
+
+
+class VersionTaken(FileExistsError):
+    """The version number a publish asked for is claimed by another publish."""
 
 
 def version_dir_name(version: int) -> str:
@@ -136,6 +144,7 @@ class WeightStore:
         metadata: dict | None = None,
         extra_files: Mapping[str, bytes] | None = None,
         tag: str | None = None,
+        version: int | None = None,
     ) -> int:
         """Write a new version and point ``LATEST`` at it; returns its number.
 
@@ -148,6 +157,8 @@ class WeightStore:
             metadata: JSON-serialisable data kept in the manifest (e.g. consumed shard ids).
             extra_files: relative name -> bytes, stored beside the weights and checksummed.
             tag: a name that protects the version from ``retain``.
+            version: publish exactly this number, or raise :class:`VersionTaken` when
+                another publish claimed it; default: the next free number.
         """
         extra_files = dict(extra_files or {})
         for name in extra_files:
@@ -156,7 +167,7 @@ class WeightStore:
             metadata_json = json.loads(json.dumps(metadata or {}))
         except TypeError as error:
             raise ValueError(f"metadata must be JSON-serialisable: {error}") from error
-        version = self._next_version()
+        version = self._claim(version)
         target = self.version_path(version)
         with tempfile.TemporaryDirectory(prefix="treadle-publish-") as staging:
             save_file(
@@ -194,6 +205,26 @@ class WeightStore:
         for path in sorted(source.iterdir()):
             if path.is_file() and path.name not in RESERVED_FILES:
                 shutil.copyfile(path, staging / path.name)
+
+    def _claim(self, version: int | None) -> int:
+        """Create ``CLAIM`` in the version's directory, failing if it exists: the number is
+        then this publish's alone. Without a ``version``, a number claimed meanwhile by
+        another publisher moves this one to the next."""
+        number = self._next_version() if version is None else version
+        while True:
+            directory = self.version_path(number)
+            if not self.store.config.is_s3:
+                os.makedirs(directory, exist_ok=True)
+            try:
+                with self.fs.open(posixpath.join(directory, CLAIM_FILE), "xb") as claim:
+                    claim.write(f"{datetime.now(UTC).isoformat()} pid {os.getpid()}\n".encode())
+                return number
+            except FileExistsError:
+                if version is not None:
+                    raise VersionTaken(
+                        f"weight version {version} of {self.store.url(self.prefix)} is claimed by another publish"
+                    ) from None
+                number += 1
 
     def _next_version(self) -> int:
         """One past every version directory present, complete or not (never reuse a name)."""

@@ -19,8 +19,11 @@ from rollout.engines.torch_engine import TorchEngine
 from rollout.evaluate import EvalResult, evaluate
 from rollout.gateway import ChatRenderer
 from storage.tables import Tables
-from storage.weights import WeightStore
+from storage.weights import VersionTaken, WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+
+BASE_VERSION_WAIT_S = 300.0
+"""How long a process that lost the race to publish version 0 waits for the winner's."""
 
 
 def demonstration_data(
@@ -50,7 +53,11 @@ def demonstration_data(
 
 def build_base_version(config: RunConfig, log=print) -> int:
     """Publish version 0 if the run has none: the starting policy, warm-started on the
-    environments' demonstrations when ``warm_start.enabled``. Returns the latest version."""
+    environments' demonstrations when ``warm_start.enabled``. Returns the latest version.
+
+    Flows of one run started together (a trainer and a rollout worker on two machines)
+    may both warm-start; the first to claim version 0 publishes it and the others wait for
+    it (``BASE_VERSION_WAIT_S`` at most) and use it."""
     store = run_store(config)
     weights = WeightStore(store)
     latest = weights.latest()
@@ -88,7 +95,11 @@ def build_base_version(config: RunConfig, log=print) -> int:
         log(
             f"warm start: {len(losses)} steps on {len(sequences)} demonstrations, loss {losses[0]:.3f} → {losses[-1]:.3f}"
         )
-    version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base")
+    try:
+        version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base", version=0)
+    except VersionTaken:  # another flow of this run (a trainer, a worker) got there first
+        log(f"another process is publishing version 0 of run {config.run_id}; using that one")
+        return _wait_for_base_version(weights)
     Tables(store).append(
         "weights",
         [
@@ -104,6 +115,19 @@ def build_base_version(config: RunConfig, log=print) -> int:
         ],
     )
     return version
+
+
+def _wait_for_base_version(weights: WeightStore) -> int:
+    deadline = time.monotonic() + BASE_VERSION_WAIT_S
+    while (latest := weights.latest()) is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"version 0 at {weights.version_url(0)} was claimed but not published within "
+                f"{BASE_VERSION_WAIT_S:.0f} s; if the process publishing it died, delete that "
+                "folder to warm-start again"
+            )
+        time.sleep(1.0)
+    return latest
 
 
 def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResult:

@@ -1,7 +1,8 @@
 """The rollout, process and train flows as three processes that share nothing but the S3
-server and the Prefect API, as on three machines: the trainer lends one of the worker's
-two engine replicas to training and gives it back through the plan in the bucket, and
-every rollout the worker finished is written, processed and accounted for."""
+server and the Prefect API, as on three machines, started together on an empty run: the
+rollout and train flows race to publish version 0 and one wins; the trainer lends one of
+the worker's two engine replicas to training and gives it back through the plan in the
+bucket; every rollout the worker finished is written, processed and accounted for."""
 
 from __future__ import annotations
 
@@ -14,13 +15,11 @@ import threading
 import pytest
 import yaml
 
-from rl.models import ensure_base_version
 from storage.config import RunStore
 from storage.status import ElasticPlanBoard, RolloutStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tests.flows.conftest import REPO, tiny_config
-from tests.rl.test_trainer import TINY
 
 SECONDS = {"rollout": 25, "train": 30, "process": 45}
 """Each flow's ``stop.max_seconds``: processing outlives the worker's last shard."""
@@ -50,7 +49,6 @@ def test_three_flow_processes_on_s3_lend_a_replica_and_lose_no_rollout(tmp_path,
                  "headroom_slots": 0, "cooldown_s": 0},
     )  # fmt: skip
     store = RunStore(config.storage, config.run_id)
-    ensure_base_version(WeightStore(store), TINY)
     data = config.model_dump(mode="json")
     data["storage"].update(access_key_id=None, secret_access_key=None)  # from the environment
     config_path = tmp_path / "run.yaml"
@@ -90,6 +88,10 @@ def test_three_flow_processes_on_s3_lend_a_replica_and_lose_no_rollout(tmp_path,
     assert all(len(s.draining) < 2 for s in statuses), "the last accepting replica was drained"
     final = ElasticPlanBoard(store).read()
     assert not final.running and final.draining == [] and final.train == [], final  # all handed back
+
+    weights = WeightStore(store)
+    assert [v for v in weights.list() if weights.manifest(v)["tag"] == "base"] == [0]
+    assert weights.manifest(weights.latest())["step"] > 0
 
     tables = Tables(store)
     rows = sorted(tables.read("train_steps").to_pylist(), key=lambda row: row["step"])

@@ -20,7 +20,7 @@ from transformers import (
 )
 
 from storage.config import RunStore
-from storage.weights import CorruptVersion, WeightStore, sha256_file
+from storage.weights import CLAIM_FILE, CorruptVersion, VersionTaken, WeightStore, sha256_file
 
 
 @pytest.fixture
@@ -228,3 +228,26 @@ def test_two_stores_on_one_run_see_the_same_versions(store, tokenizer_dir, tmp_p
     publish_model(writer, tiny_llama(seed=0), tokenizer_dir)
     assert reader.latest() == 0
     AutoModelForCausalLM.from_pretrained(reader.load())
+
+
+def test_publishers_racing_for_a_number_never_write_into_one_directory(
+    store, tokenizer_dir, tmp_path, monkeypatch
+):
+    first, second = tiny_llama(seed=0), tiny_llama(seed=1)
+    a = WeightStore(store, cache_dir=tmp_path / "a")
+    b = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "b")
+    assert publish_model(a, first, tokenizer_dir, version=0) == 0
+    with pytest.raises(VersionTaken, match="weight version 0 of .* is claimed by another publish"):
+        publish_model(b, second, tokenizer_dir, version=0)
+    # b read the store before a claimed 1: its publish moves on to 2
+    monkeypatch.setattr(b, "_next_version", lambda: 1)
+    assert publish_model(a, first, tokenizer_dir) == 1
+    assert publish_model(b, second, tokenizer_dir) == 2
+    ids = torch.tensor([[1, 4, 5, 6]])
+    for version, model in ((0, first), (1, first), (2, second)):
+        loaded = AutoModelForCausalLM.from_pretrained(a.load(version))
+        torch.testing.assert_close(logits_of(loaded, ids), logits_of(model, ids))
+        assert a.fs.exists(posixpath.join(a.version_path(version), CLAIM_FILE))
+    assert a.list() == [0, 1, 2] and a.latest() == 2
+    with pytest.raises(ValueError, match="'CLAIM' is reserved"):
+        publish_model(a, first, tokenizer_dir, extra_files={CLAIM_FILE: b""})

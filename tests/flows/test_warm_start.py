@@ -1,0 +1,50 @@
+"""Flows of one run that start together both warm-start: one version 0, used by all."""
+
+from __future__ import annotations
+
+import posixpath
+import threading
+
+import pytest
+
+from storage.tables import Tables
+from storage.weights import CLAIM_FILE, WeightStore
+from tasks import weights as weight_tasks
+from tasks.common import run_store
+from tasks.weights import build_base_version
+from tests.flows.conftest import tiny_config
+
+
+def test_flows_warm_starting_together_publish_one_version_zero(tmp_path):
+    config = tiny_config(tmp_path / "runs", "warm-race")
+    logs: dict[str, list[str]] = {"trainer": [], "worker": []}
+    results: dict[str, int] = {}
+
+    def start(name: str) -> None:
+        results[name] = build_base_version(config, log=logs[name].append)
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in logs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+
+    assert results == {"trainer": 0, "worker": 0}
+    weights = WeightStore(run_store(config))
+    assert weights.list() == [0] and weights.latest() == 0
+    weights.load(0)  # every file matches the one manifest
+    assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
+    waited = [name for name, lines in logs.items() if any("using that one" in line for line in lines)]
+    assert len(waited) == 1, logs
+
+
+def test_a_version_zero_claimed_by_a_dead_process_is_reported(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path / "runs", "warm-dead", warm_start={"enabled": False})
+    weights = WeightStore(run_store(config))
+    weights.fs.makedirs(weights.version_path(0), exist_ok=True)
+    weights.fs.pipe_file(posixpath.join(weights.version_path(0), CLAIM_FILE), b"a process that died\n")
+    monkeypatch.setattr(weight_tasks, "BASE_VERSION_WAIT_S", 0.5)
+    with pytest.raises(
+        TimeoutError, match=r"v000000 was claimed but not published within 0 s.*delete that folder"
+    ):
+        build_base_version(config, log=lambda line: None)
