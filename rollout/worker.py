@@ -136,7 +136,7 @@ class RolloutWorker:
 
     def backlog(self) -> int:
         """Shards committed since the engines last picked up a new weight version."""
-        return self.writer.next_seq - self._shards_at_version
+        return self.writer.committed - self._shards_at_version
 
     def trainer_queue(self) -> float:
         """Policy steps' worth of data the trainer last said it holds untrained (0 when unknown)."""
@@ -173,7 +173,7 @@ class RolloutWorker:
 
             tokenizer = load_tokenizer(path)
         self.version = version
-        self._shards_at_version = self.writer.next_seq
+        self._shards_at_version = self.writer.committed
         self.router = Router(self.engines)
         gateway = Gateway(self.router, tokenizer, self.gateway_config)
         service = self.service = RolloutService(gateway, self.make_env, self.service_config)
@@ -197,7 +197,7 @@ class RolloutWorker:
         path = await asyncio.to_thread(self.weights.load, latest)
         await asyncio.gather(*(engine.load_version(latest, path) for engine in self.engines))
         self.version = latest
-        self._shards_at_version = self.writer.next_seq
+        self._shards_at_version = self.writer.committed
         self.version_loads.append((latest, time.time()))
         log.info("worker %s now serves weight version %d", self.name, latest)
         return True

@@ -135,5 +135,14 @@ class RunStore:
         """Full URL of ``parts`` inside the run (what deltalake and people are given)."""
         return posixpath.join(self.uri, *parts)
 
+    def create_exclusive(self, path: str, payload: bytes) -> None:
+        """Write a new object at ``path`` (a :meth:`path`), raising ``FileExistsError`` when
+        one is there: ``O_EXCL`` on a local folder, a conditional PUT (If-None-Match) on S3.
+        Two writers racing for one path: exactly one succeeds."""
+        if not payload:  # s3fs writes an empty object without the condition
+            raise ValueError("create_exclusive needs a non-empty payload")
+        with self.fs.open(path, "xb") as out:
+            out.write(payload)
+
     def __repr__(self) -> str:
         return f"RunStore({self.uri!r})"

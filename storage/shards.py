@@ -1,14 +1,15 @@
 """Arrow IPC shards of trajectory records, committed through the Delta ``shards`` table.
 
 A writer buffers validated records and flushes them as one compressed Arrow IPC file: it
-writes ``shards/tmp/…``, moves it to ``shards/<kind>/<worker>/<seq>.arrow`` and then
-appends the shard's row to the ``shards`` table. Readers list shards only through that
-table's commit log, so a shard is visible whole or not at all; a file left behind by a
-writer that died before its commit is never listed, and the next writer of that worker
-reuses its sequence number.
+claims ``shards/<kind>/<worker>/<seq>.arrow`` by creating it exclusively (a placeholder),
+writes ``shards/tmp/…``, moves that over the placeholder and then appends the shard's row
+to the ``shards`` table. Readers list shards only through that table's commit log, so a
+shard is visible whole or not at all; a file left behind by a writer that died before its
+commit is never listed.
 
-One writer per ``(kind, worker)`` at a time: the sequence number resumes from the
-shards committed before.
+The sequence number resumes from the shards committed before. A number whose file exists
+(a writer that died before its commit, or a second writer started under the same worker
+name by mistake) is skipped with a warning, so no writer ever overwrites another's shard.
 """
 
 from __future__ import annotations
@@ -103,13 +104,13 @@ class ShardWriter:
         self._buffered_rows = 0
         self._first_buffered_at = 0.0
         self._closed = False
+        self._committed = 0
         self._seq = self._next_seq()
 
     @property
-    def next_seq(self) -> int:
-        """Sequence number the next flushed shard will get (shards committed so far, when
-        numbering started at 0)."""
-        return self._seq
+    def committed(self) -> int:
+        """Shards this writer has committed."""
+        return self._committed
 
     def write(self, record: Mapping[str, Any]) -> ShardInfo | None:
         """Buffer one record; returns the shard it completed, if this write flushed one."""
@@ -142,8 +143,8 @@ class ShardWriter:
         table = pa.concat_tables(self._buffer)
         if table.num_rows < SMALL_CHUNK_ROWS * len(self._buffer):
             table = table.combine_chunks()
-        info = self._commit(table, self._seq)
-        self._seq += 1
+        info = self._commit(table, self._claim())
+        self._seq = info.seq + 1
         self._buffer.clear()
         self._buffered_rows = 0
         return info
@@ -161,8 +162,27 @@ class ShardWriter:
         self._seq = max(self._seq, seq + 1)
         return info
 
+    def _claim(self) -> int:
+        """The next sequence number whose shard file this writer created, exclusively."""
+        while True:
+            path = self._path(self._seq)
+            try:
+                self.store.create_exclusive(self.store.path(path), b"claimed by a shard writer\n")
+                return self._seq
+            except FileExistsError:
+                log.warning(
+                    "shard file %s exists: skipping to the next number (another writer named %r, or "
+                    "one that died before its commit)",
+                    self.store.url(path),
+                    self.worker,
+                )
+                self._seq += 1
+
+    def _path(self, seq: int) -> str:
+        return posixpath.join("shards", self.kind, self.worker, f"{seq:08d}.arrow")
+
     def _commit(self, table: pa.Table, seq: int) -> ShardInfo:
-        path = posixpath.join("shards", self.kind, self.worker, f"{seq:08d}.arrow")
+        path = self._path(seq)
         tmp = posixpath.join("shards", "tmp", self.kind, self.worker, f"{seq:08d}-{uuid.uuid4().hex}.arrow")
         _write_ipc(self.store, tmp, table)
         self.store.fs.mv(self.store.path(tmp), self.store.path(path))
@@ -176,6 +196,7 @@ class ShardWriter:
             **_token_stats(table),
         )
         self.tables.append("shards", [asdict(info) | {"committed_at": datetime.now(UTC)}])
+        self._committed += 1
         return info
 
     def close(self) -> ShardInfo | None:

@@ -211,13 +211,10 @@ class WeightStore:
         then this publish's alone. Without a ``version``, a number claimed meanwhile by
         another publisher moves this one to the next."""
         number = self._next_version() if version is None else version
+        claim = f"{datetime.now(UTC).isoformat()} pid {os.getpid()}\n".encode()
         while True:
-            directory = self.version_path(number)
-            if not self.store.config.is_s3:
-                os.makedirs(directory, exist_ok=True)
             try:
-                with self.fs.open(posixpath.join(directory, CLAIM_FILE), "xb") as claim:
-                    claim.write(f"{datetime.now(UTC).isoformat()} pid {os.getpid()}\n".encode())
+                self.store.create_exclusive(posixpath.join(self.version_path(number), CLAIM_FILE), claim)
                 return number
             except FileExistsError:
                 if version is not None:

@@ -86,6 +86,23 @@ def test_a_new_writer_resumes_after_the_last_committed_seq(store):
         writer.write(make_record(3))
 
 
+def test_two_writers_under_one_name_never_overwrite_each_others_shards(store, caplog):
+    first, second = ShardWriter(store, "w0", flush_records=2), ShardWriter(store, "w0", flush_records=2)
+    store.create_exclusive(store.path("shards/raw/w0/00000002.arrow"), b"a writer that died")
+    # both started from seq 0: the second skips the number the first took, then the dead one's
+    assert [first.write(make_record(i)) is not None for i in range(2)] == [False, True]
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        assert second.write_table(make_table(2, 2)).seq == 1
+        assert first.write_table(make_table(4, 2)).seq == 3
+    assert "another writer named 'w0'" in caplog.text and "00000002.arrow" in caplog.text
+    assert (first.committed, second.committed) == (2, 1)
+
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [s.seq for s in shards] == [0, 1, 3]
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"]]
+
+
 def test_invalid_records_are_refused_at_the_call_and_do_not_poison_the_buffer(local_store):
     writer = ShardWriter(local_store, "w0", flush_records=10)
     writer.write(make_record(0))
