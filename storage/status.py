@@ -160,12 +160,28 @@ class RolloutStatusBoard:
                 payload = self.fs.cat_file(path)
             except FileNotFoundError:
                 continue
-            try:
-                statuses.append(RolloutStatus.model_validate_json(payload))
-            except ValidationError as exc:
+            status = self._parse(path, payload)
+            if status is None:
                 corrupt += 1
-                self._warn_corrupt(path, payload, exc)
+            else:
+                statuses.append(status)
         return statuses, corrupt
+
+    def read_worker(self, worker: str) -> RolloutStatus | None:
+        """``worker``'s status; None when it has none or it does not parse (warned)."""
+        path = self._path(worker)
+        try:
+            payload = self.fs.cat_file(path)
+        except FileNotFoundError:
+            return None
+        return self._parse(path, payload)
+
+    def _parse(self, path: str, payload: bytes) -> RolloutStatus | None:
+        try:
+            return RolloutStatus.model_validate_json(payload)
+        except ValidationError as exc:
+            self._warn_corrupt(path, payload, exc)
+            return None
 
     def _warn_corrupt(self, path: str, payload: bytes, exc: ValidationError) -> None:
         if self._warned.get(path) == payload:
@@ -191,6 +207,44 @@ def fresh_statuses(
     if max_age_s <= 0:
         raise ValueError(f"max_age_s must be positive, got {max_age_s}")
     return [s for s in statuses if s.running and now - s.time <= max_age_s]
+
+
+class WorkerNameInUse(RuntimeError):
+    """Another running rollout worker publishes its status under this worker's name."""
+
+
+def wait_for_worker_name(
+    board: RolloutStatusBoard, worker: str, max_age_s: float = DEFAULT_MAX_AGE_S, poll_s: float = 1.0
+) -> None:
+    """Return once no running worker holds the name ``worker``: its status is missing,
+    stopped, or older than ``max_age_s``. A fresh running status may be a worker that just
+    died (a restart under its name) or a live one: wait for it to go stale, and raise
+    :class:`WorkerNameInUse` as soon as it is updated, which only a live worker does."""
+    first = board.read_worker(worker)
+
+    def free(status: RolloutStatus | None) -> bool:
+        return status is None or not status.running or time.time() - status.time > max_age_s
+
+    if free(first):
+        return
+    log.warning(
+        "a running rollout worker named %r published its status %.1f s ago; waiting up to %.0f s "
+        "for it to go stale (a worker that died) before starting under its name",
+        worker,
+        time.time() - first.time,
+        max_age_s,
+    )
+    while True:
+        time.sleep(poll_s)
+        current = board.read_worker(worker)
+        if free(current):
+            return
+        if current.time != first.time:
+            raise WorkerNameInUse(
+                f"rollout worker name {worker!r} is in use: another running worker updated its status "
+                f"{time.time() - current.time:.1f} s ago; give each worker its own name (--worker, or "
+                "the rollout flow's worker_name)"
+            )
 
 
 def summarize(

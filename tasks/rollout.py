@@ -16,7 +16,7 @@ from prefect.events import emit_event
 from flows.config import RunConfig
 from rollout.worker import RolloutWorker
 from storage.shards import ShardInfo
-from storage.status import RolloutStatus, RolloutStatusBoard
+from storage.status import RolloutStatus, RolloutStatusBoard, wait_for_worker_name
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,13 @@ def run_rollouts(
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
     (one env worker per engine replica) on the cluster at ``config.ray_address``.
     ``flush_records`` and ``flush_seconds`` bound how much a raw shard holds and how long
-    a finished rollout waits in the buffer before its shard is committed."""
+    a finished rollout waits in the buffer before its shard is committed.
+
+    A worker name is one worker's: starting under the name of a running worker raises
+    :class:`~storage.status.WorkerNameInUse`; a fresh status left by a worker that died is
+    waited out (``storage.status.wait_for_worker_name``)."""
+    board = RolloutStatusBoard(run_store(config))
+    wait_for_worker_name(board, worker_name)
     orchestrator = config.orchestrator
     if config.stop.max_rollouts is not None:
         orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})
@@ -98,8 +104,6 @@ def run_rollouts(
             return info
 
         worker.writer.flush = flush_and_announce
-
-    board = RolloutStatusBoard(run_store(config))
 
     async def publish_status(running: bool) -> dict[str, Any]:
         status = worker.status()

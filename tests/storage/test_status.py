@@ -6,6 +6,7 @@ import json
 import logging
 import posixpath
 import threading
+import time
 
 import pytest
 
@@ -15,6 +16,8 @@ from storage.status import (
     RolloutStatus,
     RolloutStatusBoard,
     TrainerStatusBoard,
+    WorkerNameInUse,
+    wait_for_worker_name,
 )
 
 NOW = 1_000_000.0
@@ -229,3 +232,54 @@ def test_the_trainer_status_round_trips_and_reports_its_queue_in_batches(store):
     read = board.read()
     assert (read.time, read.buffered_tokens, read.running) == (NOW + 1, 600, False)
     assert read.queued_batches == 0.5
+
+
+def test_a_worker_name_is_free_when_its_status_is_missing_stopped_or_stale(local_store):
+    board = RolloutStatusBoard(local_store)
+    assert board.read_worker("w0") is None
+    wait_for_worker_name(board, "w0", max_age_s=30)
+    for stopped_or_stale in (
+        RolloutStatus(worker="w0", time=time.time(), engine_queue_depth=0, live_sessions=0, running=False),
+        RolloutStatus(
+            worker="w0", time=time.time() - 31, engine_queue_depth=0, live_sessions=0, running=True
+        ),
+    ):
+        board.publish(stopped_or_stale)
+        assert board.read_worker("w0") == stopped_or_stale
+        started = time.monotonic()
+        wait_for_worker_name(board, "w0", max_age_s=30)
+        assert time.monotonic() - started < 1.0
+
+
+def test_a_dead_workers_fresh_status_is_waited_out_and_a_live_one_refused(store, caplog):
+    board = RolloutStatusBoard(store)
+    board.publish(
+        RolloutStatus(worker="w0", time=time.time(), engine_queue_depth=0, live_sessions=0, running=True)
+    )
+    started = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="storage.status"):
+        wait_for_worker_name(board, "w0", max_age_s=1.0, poll_s=0.1)  # nobody updates it: a dead worker
+    assert 0.8 < time.monotonic() - started < 5.0
+    assert "waiting up to 1 s" in caplog.text
+
+    alive = threading.Event()
+
+    def live_worker() -> None:
+        while not alive.wait(0.1):
+            board.publish(
+                RolloutStatus(
+                    worker="w0", time=time.time(), engine_queue_depth=1, live_sessions=2, running=True
+                )
+            )
+
+    publisher = threading.Thread(target=live_worker)
+    publisher.start()
+    try:
+        time.sleep(0.3)
+        with pytest.raises(
+            WorkerNameInUse, match="rollout worker name 'w0' is in use: another running worker"
+        ):
+            wait_for_worker_name(board, "w0", max_age_s=30, poll_s=0.2)
+    finally:
+        alive.set()
+        publisher.join()

@@ -9,10 +9,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from flows.config import RunConfig
 from rl.models import ensure_base_version
 from storage.config import RunStore, StorageConfig
-from storage.status import RolloutStatusBoard
+from storage.status import RolloutStatus, RolloutStatusBoard, WorkerNameInUse
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
@@ -85,3 +87,30 @@ def test_train_steps_carry_the_queue_depth_a_live_rollout_worker_published(tmp_p
     assert (final.worker, final.running, final.engine_queue_depth, corrupt) == ("w0", False, 0, 0)
     assert (final.live_sessions, final.replica_sessions, final.session_ages) == (0, {}, {})
     assert final.finished == worker_result["orchestrator"]["finished"] > 0
+
+
+def test_a_second_worker_under_a_running_workers_name_refuses_to_start(tmp_path):
+    run = RunConfig(run_id="taken-name", storage=StorageConfig(root=str(tmp_path / "runs")))
+    store = RunStore(run.storage, run.run_id)
+    board = RolloutStatusBoard(store)
+    stop = threading.Event()
+
+    def running_worker() -> None:
+        while not stop.wait(0.2):
+            board.publish(
+                RolloutStatus(
+                    worker="w0", time=time.time(), engine_queue_depth=3, live_sessions=5, running=True
+                )
+            )
+
+    other = threading.Thread(target=running_worker)
+    other.start()
+    try:
+        time.sleep(0.5)
+        with pytest.raises(WorkerNameInUse, match="'w0' is in use"):
+            run_rollouts(run, time.time() + WAIT_S, "w0")
+        assert board.read_worker("w0").live_sessions == 5  # its status is the running worker's
+    finally:
+        stop.set()
+        other.join()
+    assert Tables(store).read("shards").num_rows == 0
