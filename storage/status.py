@@ -27,6 +27,7 @@ import os
 import posixpath
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -209,41 +210,45 @@ def fresh_statuses(
     return [s for s in statuses if s.running and now - s.time <= max_age_s]
 
 
-class WorkerNameInUse(RuntimeError):
-    """Another running rollout worker publishes its status under this worker's name."""
+class InUse(RuntimeError):
+    """A role one process holds at a time (a rollout worker's name, a run's trainer) is held
+    by a running process."""
 
 
-def wait_for_worker_name(
-    board: RolloutStatusBoard, worker: str, max_age_s: float = DEFAULT_MAX_AGE_S, poll_s: float = 1.0
+def wait_until_free(
+    read: Callable[[], RolloutStatus | TrainerStatus | None],
+    what: str,
+    advice: str,
+    max_age_s: float = DEFAULT_MAX_AGE_S,
+    poll_s: float = 1.0,
 ) -> None:
-    """Return once no running worker holds the name ``worker``: its status is missing,
-    stopped, or older than ``max_age_s``. A fresh running status may be a worker that just
-    died (a restart under its name) or a live one: wait for it to go stale, and raise
-    :class:`WorkerNameInUse` as soon as it is updated, which only a live worker does."""
-    first = board.read_worker(worker)
+    """Return once the status ``read`` returns shows no running holder of ``what``: none,
+    stopped, or older than ``max_age_s``. A fresh running status may be a holder that just
+    died (a restart takes its place) or a live one: wait for it to go stale, and raise
+    :class:`InUse` (with ``advice``) as soon as it is updated, which only a live one does."""
+    first = read()
 
-    def free(status: RolloutStatus | None) -> bool:
+    def free(status: RolloutStatus | TrainerStatus | None) -> bool:
         return status is None or not status.running or time.time() - status.time > max_age_s
 
     if free(first):
         return
     log.warning(
-        "a running rollout worker named %r published its status %.1f s ago; waiting up to %.0f s "
-        "for it to go stale (a worker that died) before starting under its name",
-        worker,
+        "%s: a running holder published its status %.1f s ago; waiting up to %.0f s for it to go "
+        "stale (one that died) before taking its place",
+        what,
         time.time() - first.time,
         max_age_s,
     )
     while True:
         time.sleep(poll_s)
-        current = board.read_worker(worker)
+        current = read()
         if free(current):
             return
         if current.time != first.time:
-            raise WorkerNameInUse(
-                f"rollout worker name {worker!r} is in use: another running worker updated its status "
-                f"{time.time() - current.time:.1f} s ago; give each worker its own name (--worker, or "
-                "the rollout flow's worker_name)"
+            raise InUse(
+                f"{what} is in use: a running process updated its status "
+                f"{time.time() - current.time:.1f} s ago; {advice}"
             )
 
 

@@ -16,7 +16,7 @@ from prefect.events import emit_event
 from flows.config import RunConfig
 from rollout.worker import RolloutWorker
 from storage.shards import ShardInfo
-from storage.status import RolloutStatus, RolloutStatusBoard, wait_for_worker_name
+from storage.status import RolloutStatus, RolloutStatusBoard, wait_until_free
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 log = logging.getLogger(__name__)
@@ -65,10 +65,14 @@ def run_rollouts(
     a finished rollout waits in the buffer before its shard is committed.
 
     A worker name is one worker's: starting under the name of a running worker raises
-    :class:`~storage.status.WorkerNameInUse`; a fresh status left by a worker that died is
-    waited out (``storage.status.wait_for_worker_name``)."""
+    :class:`~storage.status.InUse`; a fresh status left by a worker that died is waited
+    out (``storage.status.wait_until_free``)."""
     board = RolloutStatusBoard(run_store(config))
-    wait_for_worker_name(board, worker_name)
+    wait_until_free(
+        lambda: board.read_worker(worker_name),
+        f"rollout worker name {worker_name!r}",
+        "give each worker its own name (--worker, or the rollout flow's worker_name)",
+    )
     orchestrator = config.orchestrator
     if config.stop.max_rollouts is not None:
         orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})

@@ -28,6 +28,7 @@ from storage.status import (
     TrainerStatusBoard,
     fresh_statuses,
     summarize,
+    wait_until_free,
 )
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
@@ -94,8 +95,18 @@ def run_trainer(
     its recent moves and the moves decided at that step in ``extra["elastic"]``. The queue
     depth comes from ``engine_queue_depth`` when the caller can reach the engines, else
     from the fresh workers' statuses, whose counts (fresh, stopped, stale, corrupt) are in
-    ``extra["rollout_status"]``."""
+    ``extra["rollout_status"]``.
+
+    One trainer per run: while another trainer's status is updated, this one raises
+    :class:`~storage.status.InUse` instead of training the same shards; the fresh status a
+    killed trainer left is waited out (``storage.status.wait_until_free``)."""
     store = run_store(config)
+    queue_board = TrainerStatusBoard(store)
+    wait_until_free(
+        queue_board.read,
+        f"the trainer of run {config.run_id!r}",
+        "a run has one trainer: stop the other first",
+    )
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
 
@@ -201,8 +212,6 @@ def run_trainer(
     ticker = threading.Thread(target=tick, name="elastic-ticker", daemon=True)
     if engine_queue_depth is None:  # a caller's depth callable is read once per step, no more
         ticker.start()
-    queue_board = TrainerStatusBoard(store)
-
     reported: dict[str, Any] = {"tokens": None, "at": -math.inf}
 
     def publish_queue(running: bool) -> None:

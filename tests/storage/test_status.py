@@ -13,11 +13,12 @@ import pytest
 from storage.status import (
     ROLLOUT_STATUS_PREFIX,
     ElasticPlanBoard,
+    InUse,
     RolloutStatus,
     RolloutStatusBoard,
+    TrainerStatus,
     TrainerStatusBoard,
-    WorkerNameInUse,
-    wait_for_worker_name,
+    wait_until_free,
 )
 
 NOW = 1_000_000.0
@@ -223,7 +224,6 @@ def test_an_old_status_without_replica_fields_still_reads():
 
 
 def test_the_trainer_status_round_trips_and_reports_its_queue_in_batches(store):
-    from storage.status import TrainerStatus
 
     board = TrainerStatusBoard(store)
     assert board.read() is None
@@ -234,10 +234,14 @@ def test_the_trainer_status_round_trips_and_reports_its_queue_in_batches(store):
     assert read.queued_batches == 0.5
 
 
+def free_name(board: RolloutStatusBoard, **timing) -> None:
+    wait_until_free(lambda: board.read_worker("w0"), "rollout worker name 'w0'", "rename it", **timing)
+
+
 def test_a_worker_name_is_free_when_its_status_is_missing_stopped_or_stale(local_store):
     board = RolloutStatusBoard(local_store)
     assert board.read_worker("w0") is None
-    wait_for_worker_name(board, "w0", max_age_s=30)
+    free_name(board, max_age_s=30)
     for stopped_or_stale in (
         RolloutStatus(worker="w0", time=time.time(), engine_queue_depth=0, live_sessions=0, running=False),
         RolloutStatus(
@@ -247,19 +251,17 @@ def test_a_worker_name_is_free_when_its_status_is_missing_stopped_or_stale(local
         board.publish(stopped_or_stale)
         assert board.read_worker("w0") == stopped_or_stale
         started = time.monotonic()
-        wait_for_worker_name(board, "w0", max_age_s=30)
+        free_name(board, max_age_s=30)
         assert time.monotonic() - started < 1.0
 
 
 def test_a_dead_workers_fresh_status_is_waited_out_and_a_live_one_refused(store, caplog):
     board = RolloutStatusBoard(store)
-    board.publish(
-        RolloutStatus(worker="w0", time=time.time(), engine_queue_depth=0, live_sessions=0, running=True)
-    )
-    started = time.monotonic()
+    dead = RolloutStatus(worker="w0", time=time.time(), engine_queue_depth=0, live_sessions=0, running=True)
+    board.publish(dead)
     with caplog.at_level(logging.WARNING, logger="storage.status"):
-        wait_for_worker_name(board, "w0", max_age_s=1.0, poll_s=0.1)  # nobody updates it: a dead worker
-    assert 0.8 < time.monotonic() - started < 5.0
+        free_name(board, max_age_s=1.0, poll_s=0.1)  # nobody updates it: a dead worker
+    assert 1.0 < time.time() - dead.time < 5.0  # returned once its status went stale
     assert "waiting up to 1 s" in caplog.text
 
     alive = threading.Event()
@@ -277,9 +279,9 @@ def test_a_dead_workers_fresh_status_is_waited_out_and_a_live_one_refused(store,
     try:
         time.sleep(0.3)
         with pytest.raises(
-            WorkerNameInUse, match="rollout worker name 'w0' is in use: another running worker"
+            InUse, match="rollout worker name 'w0' is in use: a running process .*; rename it"
         ):
-            wait_for_worker_name(board, "w0", max_age_s=30, poll_s=0.2)
+            free_name(board, max_age_s=30, poll_s=0.2)
     finally:
         alive.set()
         publisher.join()

@@ -14,7 +14,7 @@ import pytest
 from flows.config import RunConfig
 from rl.models import ensure_base_version
 from storage.config import RunStore, StorageConfig
-from storage.status import RolloutStatus, RolloutStatusBoard, WorkerNameInUse
+from storage.status import InUse, RolloutStatus, RolloutStatusBoard, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
@@ -107,10 +107,35 @@ def test_a_second_worker_under_a_running_workers_name_refuses_to_start(tmp_path)
     other.start()
     try:
         time.sleep(0.5)
-        with pytest.raises(WorkerNameInUse, match="'w0' is in use"):
+        with pytest.raises(InUse, match="'w0' is in use"):
             run_rollouts(run, time.time() + WAIT_S, "w0")
         assert board.read_worker("w0").live_sessions == 5  # its status is the running worker's
     finally:
         stop.set()
         other.join()
     assert Tables(store).read("shards").num_rows == 0
+
+
+def test_a_second_trainer_on_a_run_with_a_running_trainer_refuses_to_start(tmp_path):
+    run = RunConfig(run_id="one-trainer", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    board = TrainerStatusBoard(store)
+    stop = threading.Event()
+
+    def running_trainer() -> None:  # its status is refreshed while it trains
+        while not stop.wait(0.2):
+            board.publish(TrainerStatus(time=time.time(), buffered_tokens=7, token_budget=44))
+
+    other = threading.Thread(target=running_trainer)
+    other.start()
+    try:
+        time.sleep(0.5)
+        with pytest.raises(InUse, match="the trainer of run 'one-trainer' is in use.*one trainer"):
+            run_trainer(run, time.time() + WAIT_S, drain=True)
+    finally:
+        stop.set()
+        other.join()
+    assert WeightStore(store).list() == [0] and Tables(store).read("train_steps").num_rows == 0
+    board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, running=False))
+    assert run_trainer(run, time.time() + WAIT_S, drain=True)["steps"] == 0  # a stopped one holds nothing
