@@ -2,10 +2,10 @@
 
 A version directory holds ``model.safetensors``, ``config.json``, the tokenizer files, any
 extra files (optimizer state, consumed shard ids) and ``manifest.json`` with the sha256 of
-every other file. A publish first claims its version number by creating the directory's
-``CLAIM`` object exclusively (``O_EXCL`` locally, a conditional PUT on S3), so two
-publishers racing for one number never write into the same directory. Files are written
-next, the manifest after them and ``weights/LATEST`` last (temp file + rename on a local
+every other file. A publish stages its files locally, then claims its version number by
+creating the directory's ``CLAIM`` object exclusively (``O_EXCL`` locally, a conditional
+PUT on S3), so two publishers racing for one number never write into the same directory.
+Files are uploaded next, the manifest after them and ``weights/LATEST`` last (temp file + rename on a local
 folder, a single PUT on S3), so a reader never sees a version that is still being written:
 a directory without a manifest does not exist.
 """
@@ -167,8 +167,6 @@ class WeightStore:
             metadata_json = json.loads(json.dumps(metadata or {}))
         except TypeError as error:
             raise ValueError(f"metadata must be JSON-serialisable: {error}") from error
-        version = self._claim(version)
-        target = self.version_path(version)
         with tempfile.TemporaryDirectory(prefix="treadle-publish-") as staging:
             save_file(
                 _safetensors_ready(state_dict), os.path.join(staging, MODEL_FILE), metadata={"format": "pt"}
@@ -184,6 +182,8 @@ class WeightStore:
                 for path in sorted(Path(staging).rglob("*"))
                 if path.is_file()
             }
+            version = self._claim(version)  # after everything that can fail here
+            target = self.version_path(version)
             for name in files:
                 self.fs.put_file(os.path.join(staging, name), posixpath.join(target, name))
         manifest = {

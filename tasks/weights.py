@@ -57,7 +57,8 @@ def build_base_version(config: RunConfig, log=print) -> int:
 
     Flows of one run started together (a trainer and a rollout worker on two machines)
     may both warm-start; the first to claim version 0 publishes it and the others wait for
-    it (``BASE_VERSION_WAIT_S`` at most) and use it."""
+    it and use it. A claim whose process died before publishing is given up on after
+    ``BASE_VERSION_WAIT_S``: this base is then published under the next number."""
     store = run_store(config)
     weights = WeightStore(store)
     latest = weights.latest()
@@ -99,7 +100,14 @@ def build_base_version(config: RunConfig, log=print) -> int:
         version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base", version=0)
     except VersionTaken:  # another flow of this run (a trainer, a worker) got there first
         log(f"another process is publishing version 0 of run {config.run_id}; using that one")
-        return _wait_for_base_version(weights)
+        latest = _wait_for_version(weights)
+        if latest is not None:
+            return latest
+        log(
+            f"version 0 of run {config.run_id} was claimed but not published within "
+            f"{BASE_VERSION_WAIT_S:.0f} s (its process died?); publishing this base as the next version"
+        )
+        version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base")
     Tables(store).append(
         "weights",
         [
@@ -117,15 +125,10 @@ def build_base_version(config: RunConfig, log=print) -> int:
     return version
 
 
-def _wait_for_base_version(weights: WeightStore) -> int:
+def _wait_for_version(weights: WeightStore) -> int | None:
+    """The latest version once one is published; None after ``BASE_VERSION_WAIT_S``."""
     deadline = time.monotonic() + BASE_VERSION_WAIT_S
-    while (latest := weights.latest()) is None:
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"version 0 at {weights.version_url(0)} was claimed but not published within "
-                f"{BASE_VERSION_WAIT_S:.0f} s; if the process publishing it died, delete that "
-                "folder to warm-start again"
-            )
+    while (latest := weights.latest()) is None and time.monotonic() < deadline:
         time.sleep(1.0)
     return latest
 

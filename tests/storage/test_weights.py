@@ -217,6 +217,7 @@ def test_bad_publish_arguments(weights, tokenizer_dir, tmp_path):
     with pytest.raises(TypeError, match=r"state_dict\['w'\] is a str"):
         weights.publish({"w": "not a tensor"}, config, None)
     assert weights.list() == [] and weights.latest() is None
+    assert publish_model(weights, tiny_llama(seed=0), tokenizer_dir) == 0  # refused ones claimed no number
     with pytest.raises(ValueError, match="prefix must be one folder name"):
         WeightStore(weights.store, prefix="../elsewhere")
 
