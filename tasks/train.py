@@ -123,7 +123,18 @@ def run_trainer(
                 if before < version <= latest:
                     on_publish(version)
 
-    trainer = Trainer(store, config.sao, device=config.trainer_device)
+    def trainer_status(tokens: int, running: bool) -> TrainerStatus:
+        return TrainerStatus(
+            time=time.time(), buffered_tokens=tokens, token_budget=config.sao.token_budget, running=running
+        )
+
+    # the role is this trainer's from here: one started while this one loads is refused
+    queue_board.publish(trainer_status(0, running=True))
+    try:
+        trainer = Trainer(store, config.sao, device=config.trainer_device)
+    except Exception:
+        queue_board.publish(trainer_status(0, running=False))
+        raise
     elastic = elastic or ElasticPlanner(elastic_config(config))
     # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)
@@ -218,11 +229,8 @@ def run_trainer(
         tokens = trainer.buffered_tokens()
         if running and tokens == reported["tokens"] and time.monotonic() - reported["at"] < PLAN_REFRESH_S:
             return  # unchanged: on S3 every status is a PUT
-        status = TrainerStatus(
-            time=time.time(), buffered_tokens=tokens, token_budget=config.sao.token_budget, running=running
-        )
         try:
-            queue_board.publish(status)
+            queue_board.publish(trainer_status(tokens, running))
         except Exception as exc:  # the next one replaces it; a stale status holds no rollout back
             log.warning("could not publish the trainer's status: %s", exc)
             return

@@ -96,6 +96,7 @@ def test_killed_train_flow_resumes_without_losing_or_repeating_a_shard(tmp_path,
     finally:
         kill_group(second)
     assert second.returncode == 0, stderr[-3000:]
+    assert "the trainer of run 'resume': a running holder published its status" in stderr  # waited it out
 
     chain = version_chain(weights)
     assert [m["version"] for m in chain] == list(range(len(chain)))
