@@ -73,6 +73,8 @@ def run_rollouts(
         f"rollout worker name {worker_name!r}",
         "give each worker its own name (--worker, or the rollout flow's worker_name)",
     )
+    # the name is taken while the engines load; a failed start says it stopped (below)
+    board.publish(status_object(worker_name, {"engine_queue_depth": 0, "live_sessions": 0}, running=True))
     orchestrator = config.orchestrator
     if config.stop.max_rollouts is not None:
         orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})
@@ -137,16 +139,18 @@ def run_rollouts(
                 await asyncio.to_thread(on_progress, status)
 
     async def main() -> dict[str, Any]:
-        await worker.start()
-        await publish_status(running=True)
-        reporter = asyncio.create_task(report())
+        reporter = None
         try:
+            await worker.start()
+            await publish_status(running=True)
+            reporter = asyncio.create_task(report())
             stats = await worker.run(max_seconds=max(deadline - time.time(), 0.001))
         finally:
             finished.set()
-            (reported,) = await asyncio.gather(reporter, return_exceptions=True)
-            if isinstance(reported, Exception):
-                log.warning("worker %s stopped reporting progress: %r", worker_name, reported)
+            if reporter is not None:
+                (reported,) = await asyncio.gather(reporter, return_exceptions=True)
+                if isinstance(reported, Exception):
+                    log.warning("worker %s stopped reporting progress: %r", worker_name, reported)
             await worker.close()
             await publish_status(running=False)
         return {

@@ -139,3 +139,16 @@ def test_a_second_trainer_on_a_run_with_a_running_trainer_refuses_to_start(tmp_p
     assert WeightStore(store).list() == [0] and Tables(store).read("train_steps").num_rows == 0
     board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, running=False))
     assert run_trainer(run, time.time() + WAIT_S, drain=True)["steps"] == 0  # a stopped one holds nothing
+
+
+def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_path):
+    run = RunConfig(run_id="no-weights", storage=StorageConfig(root=str(tmp_path / "runs")))
+    board = RolloutStatusBoard(RunStore(run.storage, run.run_id))
+    with pytest.raises(FileNotFoundError, match="no weight version"):
+        run_rollouts(run, time.time() + WAIT_S, "w0")
+    status = board.read_worker("w0")
+    assert status is not None and not status.running
+    started = time.monotonic()
+    with pytest.raises(FileNotFoundError):  # the retry is not held back by the failed start
+        run_rollouts(run, time.time() + WAIT_S, "w0")
+    assert time.monotonic() - started < 10
