@@ -8,15 +8,17 @@ travel in ``StorageConfig`` fields, never through the environment.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import IO
 
@@ -56,6 +58,26 @@ class S3Server:
             aws_access_key_id=self.access_key_id,
             aws_secret_access_key=self.secret_access_key,
         )
+
+
+@contextlib.contextmanager
+def kept_fresh(publish: Callable[[], None], every_s: float = 0.1) -> Iterator[None]:
+    """While the block runs, a thread calls ``publish`` every ``every_s`` (as a live
+    process refreshes its status); its first calls are done when the block starts."""
+    stop = threading.Event()
+
+    def refresh() -> None:
+        while not stop.wait(every_s):
+            publish()
+
+    thread = threading.Thread(target=refresh)
+    thread.start()
+    try:
+        time.sleep(3 * every_s)
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def free_port() -> int:

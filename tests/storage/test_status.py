@@ -20,6 +20,7 @@ from storage.status import (
     TrainerStatusBoard,
     wait_until_free,
 )
+from tests.conftest import kept_fresh
 
 NOW = 1_000_000.0
 
@@ -264,24 +265,13 @@ def test_a_dead_workers_fresh_status_is_waited_out_and_a_live_one_refused(store,
     assert 1.0 < time.time() - dead.time < 5.0  # returned once its status went stale
     assert "waiting up to 1 s" in caplog.text
 
-    alive = threading.Event()
-
     def live_worker() -> None:
-        while not alive.wait(0.1):
-            board.publish(
-                RolloutStatus(
-                    worker="w0", time=time.time(), engine_queue_depth=1, live_sessions=2, running=True
-                )
-            )
+        board.publish(
+            RolloutStatus(worker="w0", time=time.time(), engine_queue_depth=1, live_sessions=2, running=True)
+        )
 
-    publisher = threading.Thread(target=live_worker)
-    publisher.start()
-    try:
-        time.sleep(0.3)
-        with pytest.raises(
-            InUse, match="rollout worker name 'w0' is in use: a running process .*; rename it"
-        ):
-            free_name(board, max_age_s=30, poll_s=0.2)
-    finally:
-        alive.set()
-        publisher.join()
+    with (
+        kept_fresh(live_worker),
+        pytest.raises(InUse, match="rollout worker name 'w0' is in use: a running process .*; rename it"),
+    ):
+        free_name(board, max_age_s=30, poll_s=0.2)

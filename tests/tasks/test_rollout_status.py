@@ -20,6 +20,7 @@ from storage.weights import WeightStore
 from tasks.process import run_processor
 from tasks.rollout import run_rollouts
 from tasks.train import run_trainer
+from tests.conftest import kept_fresh
 from tests.rl.test_trainer import TINY, config
 
 WAIT_S = 600.0
@@ -93,26 +94,16 @@ def test_a_second_worker_under_a_running_workers_name_refuses_to_start(tmp_path)
     run = RunConfig(run_id="taken-name", storage=StorageConfig(root=str(tmp_path / "runs")))
     store = RunStore(run.storage, run.run_id)
     board = RolloutStatusBoard(store)
-    stop = threading.Event()
 
     def running_worker() -> None:
-        while not stop.wait(0.2):
-            board.publish(
-                RolloutStatus(
-                    worker="w0", time=time.time(), engine_queue_depth=3, live_sessions=5, running=True
-                )
-            )
+        board.publish(
+            RolloutStatus(worker="w0", time=time.time(), engine_queue_depth=3, live_sessions=5, running=True)
+        )
 
-    other = threading.Thread(target=running_worker)
-    other.start()
-    try:
-        time.sleep(0.5)
+    with kept_fresh(running_worker):
         with pytest.raises(InUse, match="'w0' is in use"):
             run_rollouts(run, time.time() + WAIT_S, "w0")
         assert board.read_worker("w0").live_sessions == 5  # its status is the running worker's
-    finally:
-        stop.set()
-        other.join()
     assert Tables(store).read("shards").num_rows == 0
 
 
@@ -121,21 +112,15 @@ def test_a_second_trainer_on_a_run_with_a_running_trainer_refuses_to_start(tmp_p
     store = RunStore(run.storage, run.run_id)
     ensure_base_version(WeightStore(store), TINY)
     board = TrainerStatusBoard(store)
-    stop = threading.Event()
 
-    def running_trainer() -> None:  # its status is refreshed while it trains
-        while not stop.wait(0.2):
-            board.publish(TrainerStatus(time=time.time(), buffered_tokens=7, token_budget=44))
+    def running_trainer() -> None:
+        board.publish(TrainerStatus(time=time.time(), buffered_tokens=7, token_budget=44))
 
-    other = threading.Thread(target=running_trainer)
-    other.start()
-    try:
-        time.sleep(0.5)
-        with pytest.raises(InUse, match="the trainer of run 'one-trainer' is in use.*one trainer"):
-            run_trainer(run, time.time() + WAIT_S, drain=True)
-    finally:
-        stop.set()
-        other.join()
+    with (
+        kept_fresh(running_trainer),
+        pytest.raises(InUse, match="the trainer of run 'one-trainer' is in use.*one trainer"),
+    ):
+        run_trainer(run, time.time() + WAIT_S, drain=True)
     assert WeightStore(store).list() == [0] and Tables(store).read("train_steps").num_rows == 0
     board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, running=False))
     assert run_trainer(run, time.time() + WAIT_S, drain=True)["steps"] == 0  # a stopped one holds nothing
