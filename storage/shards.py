@@ -1,15 +1,17 @@
 """Arrow IPC shards of trajectory records, committed through the Delta ``shards`` table.
 
-A writer buffers validated records and flushes them as one compressed Arrow IPC file: it
-claims ``shards/<kind>/<worker>/<seq>.arrow`` by creating it exclusively (a placeholder),
-writes ``shards/tmp/…``, moves that over the placeholder and then appends the shard's row
-to the ``shards`` table. Readers list shards only through that table's commit log, so a
-shard is visible whole or not at all; a file left behind by a writer that died before its
-commit is never listed.
+A writer buffers validated records and flushes them as one compressed Arrow IPC file at
+``shards/<kind>/<worker>/<seq>.arrow``, then appends the shard's row to the ``shards``
+table. On S3 the file is one upload, visible only once complete; on a local folder it is
+written to ``shards/tmp/…`` and renamed into place. Readers list shards only through the
+table's commit log, so a shard is visible whole or not at all; a file left behind by a
+writer that died before its commit is never listed.
 
-The sequence number resumes from the shards committed before. A number whose file exists
-(a writer that died before its commit, or a second writer started under the same worker
-name by mistake) is skipped with a warning, so no writer ever overwrites another's shard.
+The sequence number resumes from the shards committed before, and a flushed shard never
+replaces an existing file: it is created exclusively (a conditional PUT on S3, an
+``O_EXCL`` placeholder locally). A number whose file exists (a writer that died before its
+commit, or a second writer started under the same worker name by mistake) is skipped with
+a warning.
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ class ShardWriter:
         table = pa.concat_tables(self._buffer)
         if table.num_rows < SMALL_CHUNK_ROWS * len(self._buffer):
             table = table.combine_chunks()
-        info = self._commit(table, self._claim())
+        info = self._commit(table, self._seq, exclusive=True)
         self._seq = info.seq + 1
         self._buffer.clear()
         self._buffered_rows = 0
@@ -158,34 +160,47 @@ class ShardWriter:
         """
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
-        info = self._commit(validate(cast(table, self.schema)), seq)
+        info = self._commit(validate(cast(table, self.schema)), seq, exclusive=False)
         self._seq = max(self._seq, seq + 1)
         return info
-
-    def _claim(self) -> int:
-        """The next sequence number whose shard file this writer created, exclusively."""
-        while True:
-            path = self._path(self._seq)
-            try:
-                self.store.create_exclusive(self.store.path(path), b"claimed by a shard writer\n")
-                return self._seq
-            except FileExistsError:
-                log.warning(
-                    "shard file %s exists: skipping to the next number (another writer named %r, or "
-                    "one that died before its commit)",
-                    self.store.url(path),
-                    self.worker,
-                )
-                self._seq += 1
 
     def _path(self, seq: int) -> str:
         return posixpath.join("shards", self.kind, self.worker, f"{seq:08d}.arrow")
 
-    def _commit(self, table: pa.Table, seq: int) -> ShardInfo:
+    def _store(self, table: pa.Table, seq: int, exclusive: bool) -> int:
+        """Write ``table`` whole as shard ``seq``'s file; returns the number it landed under.
+        ``exclusive``: never over an existing file, skipping to the next free number."""
+        while True:
+            path = self.store.path(self._path(seq))
+            try:
+                if self.store.config.is_s3:
+                    with self.store.fs.open(path, "xb" if exclusive else "wb") as sink:
+                        _write_ipc(sink, table)
+                    return seq
+                if exclusive:
+                    self.store.create_exclusive(path, b"claimed by a shard writer\n")
+                tmp = self.store.path(
+                    "shards", "tmp", self.kind, self.worker, f"{seq:08d}-{uuid.uuid4().hex}.arrow"
+                )
+                self.store.fs.makedirs(posixpath.dirname(tmp), exist_ok=True)
+                with pa.OSFile(tmp, "wb") as sink:
+                    _write_ipc(sink, table)
+                self.store.fs.mv(tmp, path)
+                return seq
+            except FileExistsError:
+                if not exclusive:
+                    raise
+                log.warning(
+                    "shard file %s exists: skipping to the next number (another writer named %r, or "
+                    "one that died before its commit)",
+                    self.store.url(self._path(seq)),
+                    self.worker,
+                )
+                seq += 1
+
+    def _commit(self, table: pa.Table, seq: int, exclusive: bool) -> ShardInfo:
+        seq = self._store(table, seq, exclusive)
         path = self._path(seq)
-        tmp = posixpath.join("shards", "tmp", self.kind, self.worker, f"{seq:08d}-{uuid.uuid4().hex}.arrow")
-        _write_ipc(self.store, tmp, table)
-        self.store.fs.mv(self.store.path(tmp), self.store.path(path))
         info = ShardInfo(
             shard_id=f"{self.kind}/{self.worker}/{seq:08d}",
             kind=self.kind,
@@ -288,20 +303,9 @@ def quarantine_path(path: str) -> str:
     return posixpath.join("shards", "quarantine", posixpath.relpath(path, "shards"))
 
 
-def _write_ipc(store: RunStore, path: str, table: pa.Table) -> None:
+def _write_ipc(sink: Any, table: pa.Table) -> None:
     options = pa.ipc.IpcWriteOptions(compression=COMPRESSION)
-    if store.config.is_s3:
-        with (
-            store.fs.open(store.path(path), "wb") as sink,
-            pa.ipc.new_file(sink, table.schema, options=options) as out,
-        ):
-            out.write_table(table, max_chunksize=BATCH_ROWS)
-        return
-    store.fs.makedirs(posixpath.dirname(store.path(path)), exist_ok=True)
-    with (
-        pa.OSFile(store.path(path), "wb") as sink,
-        pa.ipc.new_file(sink, table.schema, options=options) as out,
-    ):
+    with pa.ipc.new_file(sink, table.schema, options=options) as out:
         out.write_table(table, max_chunksize=BATCH_ROWS)
 
 
