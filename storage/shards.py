@@ -16,7 +16,9 @@ a warning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import posixpath
 import re
 import time
@@ -138,7 +140,9 @@ class ShardWriter:
     def flush(self) -> ShardInfo | None:
         """Write and commit everything buffered as one shard (None when nothing is).
 
-        On failure the buffer is kept and the next flush retries the same sequence number.
+        On failure the buffer is kept and the next flush retries it: under the same number,
+        or under the next one when the failed attempt got as far as the ``shards`` commit
+        (which may have landed, so its file stays).
         """
         if not self._buffer:
             return None
@@ -169,23 +173,15 @@ class ShardWriter:
 
     def _store(self, table: pa.Table, seq: int, exclusive: bool) -> int:
         """Write ``table`` whole as shard ``seq``'s file; returns the number it landed under.
-        ``exclusive``: never over an existing file, skipping to the next free number."""
+        ``exclusive``: never over an existing file, skipping to the next free number. A
+        write that fails leaves nothing behind, so a retry gets the same number."""
         while True:
             path = self.store.path(self._path(seq))
             try:
                 if self.store.config.is_s3:
-                    with self.store.fs.open(path, "xb" if exclusive else "wb") as sink:
-                        _write_ipc(sink, table)
-                    return seq
-                if exclusive:
-                    self.store.create_exclusive(path, b"claimed by a shard writer\n")
-                tmp = self.store.path(
-                    "shards", "tmp", self.kind, self.worker, f"{seq:08d}-{uuid.uuid4().hex}.arrow"
-                )
-                self.store.fs.makedirs(posixpath.dirname(tmp), exist_ok=True)
-                with pa.OSFile(tmp, "wb") as sink:
-                    _write_ipc(sink, table)
-                self.store.fs.mv(tmp, path)
+                    self._upload(path, table, exclusive)
+                else:
+                    self._write_local(path, table, exclusive)
                 return seq
             except FileExistsError:
                 if not exclusive:
@@ -197,6 +193,31 @@ class ShardWriter:
                     self.worker,
                 )
                 seq += 1
+
+    def _upload(self, path: str, table: pa.Table, exclusive: bool) -> None:
+        # built in memory, then one PUT (multipart when large) that is all or nothing, and
+        # conditional on absence when exclusive
+        sink = pa.BufferOutputStream()
+        _write_ipc(sink, table)
+        self.store.fs.pipe_file(
+            path, sink.getvalue().to_pybytes(), mode="create" if exclusive else "overwrite"
+        )
+
+    def _write_local(self, path: str, table: pa.Table, exclusive: bool) -> None:
+        if exclusive:
+            self.store.create_exclusive(path, b"claimed by a shard writer\n")
+        name = f"{posixpath.basename(path)}-{uuid.uuid4().hex}"
+        tmp = self.store.path("shards", "tmp", self.kind, self.worker, name)
+        try:
+            os.makedirs(posixpath.dirname(tmp), exist_ok=True)
+            with pa.OSFile(tmp, "wb") as sink:
+                _write_ipc(sink, table)
+            os.replace(tmp, path)
+        except BaseException:
+            for leftover in (tmp, path) if exclusive else (tmp,):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(leftover)
+            raise
 
     def _commit(self, table: pa.Table, seq: int, exclusive: bool) -> ShardInfo:
         seq = self._store(table, seq, exclusive)

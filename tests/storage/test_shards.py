@@ -11,6 +11,7 @@ import pyarrow.ipc
 import pytest
 from botocore.exceptions import EndpointConnectionError
 
+from storage import shards as shard_module
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError
 from storage.shards import COMPRESSION, ShardInfo, ShardReader, ShardWriter, quarantine_path
@@ -101,6 +102,35 @@ def test_two_writers_under_one_name_never_overwrite_each_others_shards(store, ca
     shards, _ = reader.poll()
     assert [s.seq for s in shards] == [0, 1, 3]
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"]]
+
+
+def test_a_failed_flush_keeps_its_records_and_the_retry_loses_and_repeats_none(store, monkeypatch):
+    writer = ShardWriter(store, "w0", flush_records=100)
+    writer.write_table(make_table(0, 3))
+
+    def dropped(sink, table):  # the connection drops halfway through the file
+        sink.write(b"ARROW1\0\0")
+        raise OSError("connection dropped (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shard_module, "_write_ipc", dropped)
+        with pytest.raises(OSError, match="dropped"):
+            writer.flush()
+    assert not store.fs.exists(store.path("shards/raw/w0/00000000.arrow"))  # nothing left behind
+    assert writer.flush().seq == 0  # so the retry takes the same number
+
+    writer.write_table(make_table(3, 2))
+    with monkeypatch.context() as patch:  # the commit may have landed: its file must stay
+        patch.setattr(writer.tables, "append", lambda *args: (_ for _ in ()).throw(OSError("timed out")))
+        with pytest.raises(OSError, match="timed out"):
+            writer.flush()
+    assert store.fs.exists(store.path("shards/raw/w0/00000001.arrow"))
+    assert writer.flush().seq == 2
+
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [s.seq for s in shards] == [0, 2]
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
 
 
 def test_invalid_records_are_refused_at_the_call_and_do_not_poison_the_buffer(local_store):
