@@ -73,7 +73,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         generated, processed, trained = rollout_run.result(), process_run.result(), train_run.result()
     after = evaluate_task(config)
     report_run(config)
-    gain = {env: after["reward"][env] - before["reward"].get(env, 0.0) for env in after["reward"]}
+    gain = {env: round(after["reward"][env] - before["reward"].get(env, 0.0), 6) for env in after["reward"]}
     logger.info("version %d held-out reward after RL: %s (gain %s)", after["version"], after["reward"], gain)
     return {
         "run_id": config.run_id,
