@@ -187,8 +187,8 @@ class ShardWriter:
                 if not exclusive:
                     raise
                 log.warning(
-                    "shard file %s exists: skipping to the next number (another writer named %r, or "
-                    "one that died before its commit)",
+                    "shard file %s exists: skipping to the next number (left by an attempt whose commit "
+                    "failed or by a writer that died, or written by another writer named %r)",
                     self.store.url(self._path(seq)),
                     self.worker,
                 )
