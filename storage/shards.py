@@ -209,7 +209,8 @@ class ShardWriter:
         name = f"{posixpath.basename(path)}-{uuid.uuid4().hex}"
         tmp = self.store.path("shards", "tmp", self.kind, self.worker, name)
         try:
-            os.makedirs(posixpath.dirname(tmp), exist_ok=True)
+            for folder in {posixpath.dirname(tmp), posixpath.dirname(path)}:
+                os.makedirs(folder, exist_ok=True)
             with pa.OSFile(tmp, "wb") as sink:
                 _write_ipc(sink, table)
             os.replace(tmp, path)

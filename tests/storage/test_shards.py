@@ -133,6 +133,24 @@ def test_a_failed_flush_keeps_its_records_and_the_retry_loses_and_repeats_none(s
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
 
 
+def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(store, monkeypatch):
+    writer = ShardWriter(store, "p", kind="processed")
+    with monkeypatch.context() as patch:  # the first attempt fails at its commit
+        patch.setattr(writer.tables, "append", lambda *args: (_ for _ in ()).throw(OSError("timed out")))
+        with pytest.raises(OSError, match="timed out"):
+            writer.commit(make_processed_table(0, 3), seq=5)
+    info = writer.commit(make_processed_table(0, 3), seq=5)
+    assert (info.shard_id, info.path, info.num_rows) == (
+        "processed/p/00000005",
+        "shards/processed/p/00000005.arrow",
+        3,
+    )
+    reader = ShardReader(store, kind="processed")
+    (shard,), _ = reader.poll()
+    assert shard == info and reader.read(shard).num_rows == 3
+    assert writer.write_table(make_processed_table(3, 1)) is None and writer.flush().seq == 6
+
+
 def test_invalid_records_are_refused_at_the_call_and_do_not_poison_the_buffer(local_store):
     writer = ShardWriter(local_store, "w0", flush_records=10)
     writer.write(make_record(0))
