@@ -1,4 +1,5 @@
-"""The maintain flow: compact and vacuum the Delta tables, keep the last N weight versions.
+"""The maintain flow: compact and vacuum the Delta tables, keep the last N weight versions,
+sweep shard files no commit lists.
 
 Runs one table at a time (compaction and vacuum must not overlap on a table).
 ``python -m flows.maintain --config configs/tiny.yaml``
@@ -11,6 +12,7 @@ from typing import Any
 from prefect import flow, task
 
 from flows.config import RunConfig
+from storage.shards import sweep_uncommitted
 from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
@@ -31,13 +33,24 @@ def retain_weights(config: RunConfig, keep_last: int) -> list[int]:
     return WeightStore(run_store(config)).retain(keep_last)
 
 
+@task(name="sweep-shards", **SIDE_EFFECTS, **STORAGE_RETRIES)
+def sweep_shards(config: RunConfig, retention_hours: int) -> list[str]:
+    return sweep_uncommitted(run_store(config), older_than_s=retention_hours * 3600)
+
+
 @flow(name="maintain", log_prints=True)
 def maintain(
     config: RunConfig = RunConfig(), keep_last: int = 5, retention_hours: int = 168
 ) -> dict[str, Any]:
-    """Compact and vacuum every table, then drop weight versions beyond the last ``keep_last`` (tagged ones stay)."""
+    """Compact and vacuum every table, drop weight versions beyond the last ``keep_last``
+    (tagged ones stay) and delete shard files that no commit lists and that are older than
+    ``retention_hours`` (left by writers that died)."""
     tables = [compact_table(config, name, retention_hours) for name in TABLE_SCHEMAS]
-    return {"tables": tables, "removed_versions": retain_weights(config, keep_last)}
+    return {
+        "tables": tables,
+        "removed_versions": retain_weights(config, keep_last),
+        "removed_shard_files": sweep_shards(config, retention_hours),
+    }
 
 
 def main(argv: list[str] | None = None) -> None:

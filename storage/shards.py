@@ -320,6 +320,40 @@ class ShardReader:
         log.warning("quarantined shard %s to %s: %s", shard.shard_id, target, reason)
 
 
+def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | None = None) -> list[str]:
+    """Delete the files under ``shards/`` that no ``shards`` commit lists and that are older
+    than ``older_than_s``: temp files and placeholders of writers that died, and shards whose
+    commit never landed. Quarantined shards stay. Returns the removed paths (run-relative).
+
+    The files are listed before the commits are read, so a shard committed meanwhile counts
+    as committed; ``older_than_s`` must exceed the time a writer takes from its file to its
+    commit (seconds), or an in-flight shard could go.
+    """
+    root = store.path("shards")
+    try:
+        found = store.fs.find(root, detail=True)
+    except FileNotFoundError:
+        return []
+    committed = set((tables or Tables(store)).read("shards").column("path").to_pylist())
+    now = time.time()
+    removed = []
+    for path, info in found.items():
+        relative = posixpath.join("shards", posixpath.relpath(path, root))
+        if relative.startswith("shards/quarantine/") or relative in committed:
+            continue
+        if now - _modified(info) > older_than_s:
+            store.fs.rm_file(path)
+            removed.append(relative)
+    return sorted(removed)
+
+
+def _modified(info: Mapping[str, Any]) -> float:
+    """Epoch seconds of a file's last change, from an fsspec listing (local or S3)."""
+    if "mtime" in info:
+        return float(info["mtime"])
+    return info["LastModified"].timestamp()
+
+
 def quarantine_path(path: str) -> str:
     """Where a bad shard at ``path`` (``shards/<kind>/…``) is moved: ``shards/quarantine/<kind>/…``."""
     return posixpath.join("shards", "quarantine", posixpath.relpath(path, "shards"))

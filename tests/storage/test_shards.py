@@ -14,7 +14,14 @@ from botocore.exceptions import EndpointConnectionError
 from storage import shards as shard_module
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError
-from storage.shards import COMPRESSION, ShardInfo, ShardReader, ShardWriter, quarantine_path
+from storage.shards import (
+    COMPRESSION,
+    ShardInfo,
+    ShardReader,
+    ShardWriter,
+    quarantine_path,
+    sweep_uncommitted,
+)
 from storage.tables import Tables
 from tests.conftest import free_port
 from tests.storage.records import make_processed_table, make_record, make_table
@@ -149,6 +156,27 @@ def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(st
     (shard,), _ = reader.poll()
     assert shard == info and reader.read(shard).num_rows == 3
     assert writer.write_table(make_processed_table(3, 1)) is None and writer.flush().seq == 6
+
+
+def test_sweeping_removes_only_old_files_no_commit_lists(store):
+    with ShardWriter(store, "w0", flush_records=2) as writer:
+        writer.write_table(make_table(0, 2))
+    leftovers = [
+        "shards/raw/w0/00000007.arrow",
+        "shards/tmp/raw/w0/00000003.arrow-5e1f",
+        "shards/raw/w9/00000000.arrow",
+    ]
+    for path in [*leftovers, "shards/quarantine/raw/w8/00000000.arrow"]:
+        store.create_exclusive(store.path(path), b"left behind")
+    assert sweep_uncommitted(store, older_than_s=3600) == []  # all young: a writer may still commit
+    time.sleep(0.05)
+    assert sweep_uncommitted(store, older_than_s=0.01) == sorted(leftovers)
+    assert not any(store.fs.exists(store.path(path)) for path in leftovers)
+    assert store.fs.exists(store.path("shards/quarantine/raw/w8/00000000.arrow"))
+    reader = ShardReader(store)
+    (shard,), _ = reader.poll()
+    assert ids_of(reader.read(shard)) == ["t0", "t1"]
+    assert sweep_uncommitted(store, older_than_s=0.01) == []
 
 
 def test_invalid_records_are_refused_at_the_call_and_do_not_poison_the_buffer(local_store):
