@@ -65,7 +65,7 @@ def test_three_flow_processes_on_s3_lend_a_replica_and_lose_no_rollout(tmp_path,
     watching = threading.Event()
 
     def watch() -> None:  # what the worker says about its replicas, as any machine sees it
-        board = RolloutStatusBoard(RunStore(config.storage, config.run_id))
+        board = RolloutStatusBoard(store)
         while not watching.wait(0.25):
             statuses.extend(board.read()[0])
 
