@@ -45,7 +45,7 @@ from rollout.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorS
 from rollout.router import Router
 from rollout.service import RolloutResult, RolloutService, ServiceConfig
 from storage.config import RunStore
-from storage.shards import ShardWriter
+from storage.shards import BackgroundShardWriter, ShardInfo
 from storage.status import DEFAULT_MAX_AGE_S, ElasticPlan, ElasticPlanBoard, TrainerStatusBoard
 from storage.weights import WeightStore
 
@@ -69,7 +69,8 @@ class RolloutWorker:
         store: the run's storage (weights are read, raw shards written).
         name: worker name, used for its shards (``shards/raw/<name>/``).
         env_configs: validated config per environment in the mix.
-        flush_records: records per raw shard.
+        flush_records: records per raw shard; shards are written and committed off the event
+            loop (``BackgroundShardWriter``), and ``on_shard`` is called with each once committed.
         cluster: ``"ray"`` runs the engines as Ray actors (``rollout.ray_engine``).
         make_env: builds each rollout's env (e.g. ``RayEnvPool.make_env``); default: in process.
         plan_poll_s: seconds between reads of the elastic plan.
@@ -93,6 +94,7 @@ class RolloutWorker:
         flush_seconds: float = 10.0,
         weight_poll_s: float = 1.0,
         on_result: Callable[[RolloutResult], None] | None = None,
+        on_shard: Callable[[ShardInfo], None] | None = None,
         cluster: Literal["local", "ray"] = "local",
         make_env: Callable[[Task], Env] | None = None,
         plan_poll_s: float = 1.0,
@@ -108,7 +110,9 @@ class RolloutWorker:
         self.env_configs = dict(env_configs)
         self.seed = seed
         self.weights = WeightStore(store)
-        self.writer = ShardWriter(store, name, flush_records=flush_records, flush_seconds=flush_seconds)
+        self.writer = BackgroundShardWriter(
+            store, name, flush_records=flush_records, flush_seconds=flush_seconds, on_commit=on_shard
+        )
         self.weight_poll_s = weight_poll_s
         self.on_result = on_result
         self.cluster = cluster
@@ -319,6 +323,7 @@ class RolloutWorker:
         return {
             "version": self.version,
             "backlog": self.backlog(),
+            "unsaved_records": self.writer.unsaved_records,
             "engine_queue_depth": sum(s.queue_depth for s in engine_stats),
             "live_sessions": self.live_sessions(),
             "replica_sessions": self.replica_sessions(),

@@ -12,18 +12,23 @@ replaces an existing file: it is created exclusively (a conditional PUT on S3, a
 ``O_EXCL`` placeholder locally). A number whose file exists (a writer that died before its
 commit, or a second writer started under the same worker name by mistake) is skipped with
 a warning.
+
+:class:`BackgroundShardWriter` commits on a thread of its own, for callers that must not
+wait on storage (the event loop that runs the rollouts).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import posixpath
 import re
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -48,9 +53,7 @@ BATCH_ROWS = 1024
 """Most rows per Arrow record batch inside a shard file."""
 
 SMALL_CHUNK_ROWS = 64
-"""Buffered pieces smaller than this on average (e.g. single records) are merged into one
-batch before writing; larger pieces are written as they came, which compresses faster
-than one huge batch."""
+"""Buffered pieces smaller than this on average are merged into one batch (``_merged``)."""
 
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NO_VERSION = 2**32
@@ -79,6 +82,8 @@ class ShardWriter:
 
     Each ``write``/``write_table`` is cast and validated at once, so a bad record raises
     :class:`SchemaError` at the call that gave it and never poisons the buffer.
+    ``on_commit`` is called with each shard once its commit has landed; an exception it
+    raises is logged, never taken for a failed commit.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class ShardWriter:
         flush_seconds: float = 30.0,
         schema: pa.Schema | None = None,
         tables: Tables | None = None,
+        on_commit: Callable[[ShardInfo], None] | None = None,
     ):
         _check_name("worker", worker)
         _check_name("kind", kind)
@@ -104,6 +110,7 @@ class ShardWriter:
         self.flush_seconds = flush_seconds
         self.schema = _schema_for(kind, schema)
         self.tables = tables or Tables(store)
+        self.on_commit = on_commit
         self._buffer: list[pa.Table] = []
         self._buffered_rows = 0
         self._first_buffered_at = 0.0
@@ -146,14 +153,27 @@ class ShardWriter:
         """
         if not self._buffer:
             return None
-        table = pa.concat_tables(self._buffer)
-        if table.num_rows < SMALL_CHUNK_ROWS * len(self._buffer):
-            table = table.combine_chunks()
+        info = self._commit_next(_merged(self._buffer))
+        self._clear_buffer()
+        self._announce(info)
+        return info
+
+    def _clear_buffer(self) -> None:
+        self._buffer = []
+        self._buffered_rows = 0
+
+    def _commit_next(self, table: pa.Table) -> ShardInfo:
         info = self._commit(table, self._seq, exclusive=True)
         self._seq = info.seq + 1
-        self._buffer.clear()
-        self._buffered_rows = 0
         return info
+
+    def _announce(self, info: ShardInfo) -> None:
+        if self.on_commit is None:
+            return
+        try:
+            self.on_commit(info)
+        except Exception:
+            log.exception("on_commit failed for shard %s (the shard is committed)", info.shard_id)
 
     def commit(self, table: pa.Table, seq: int) -> ShardInfo:
         """Commit ``table`` at once as shard ``seq`` of this writer, even with no rows.
@@ -166,6 +186,7 @@ class ShardWriter:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
         info = self._commit(validate(cast(table, self.schema)), seq, exclusive=False)
         self._seq = max(self._seq, seq + 1)
+        self._announce(info)
         return info
 
     def _path(self, seq: int) -> str:
@@ -256,6 +277,93 @@ class ShardWriter:
             )
         )
         return 0 if mine.num_rows == 0 else int(pc.max(mine.column("seq")).as_py()) + 1
+
+
+class BackgroundShardWriter(ShardWriter):
+    """A :class:`ShardWriter` whose shards are written and committed on a thread of its own,
+    so that the caller (the event loop that runs the rollouts) does not wait on storage.
+
+    ``flush`` hands the buffer to that thread and returns None (``on_commit`` hears of each
+    shard there, in the caller's context); it waits only while the previous flush's commit
+    still runs, so at most one shard is in flight. A commit that fails is logged and its
+    records go into the next flush's shard, so a store that is unreachable for a while
+    loses nothing. Once more than ``max_unsaved_records`` records would wait that way,
+    ``flush`` commits in the caller's thread instead and raises as :class:`ShardWriter`
+    does, records kept. ``close`` commits what is left and waits for it.
+    """
+
+    def __init__(self, *args: Any, max_unsaved_records: int | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.max_unsaved_records = max_unsaved_records or 8 * self.flush_records
+        self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shards-{self.worker}")
+        self._in_flight: Future[ShardInfo] | None = None
+        self._unsaved: list[pa.Table] = []
+        """Records handed over whose commit has not landed: in flight, or failed."""
+
+    @property
+    def unsaved_records(self) -> int:
+        """Records handed to a commit that is still running or failed."""
+        return sum(table.num_rows for table in self._unsaved)
+
+    def flush(self) -> None:
+        self._settle()
+        if not self._buffer and not self._unsaved:
+            return None
+        retrying = bool(self._unsaved)
+        self._unsaved = [_merged(self._unsaved + self._buffer)]
+        self._clear_buffer()
+        if retrying and self.unsaved_records > self.max_unsaved_records:
+            self._commit_unsaved()
+            return None
+        self._in_flight = self._committer.submit(
+            contextvars.copy_context().run, self._commit_and_announce, self._unsaved[0]
+        )
+        return None
+
+    def commit(self, table: pa.Table, seq: int) -> ShardInfo:
+        self._settle()
+        return super().commit(table, seq)
+
+    def close(self) -> None:
+        """Commit what is buffered and wait for it; raises when that fails (records kept,
+        a later ``close`` tries again)."""
+        if self._closed:
+            return None
+        self.flush()
+        self._settle()
+        if self._unsaved:
+            self._commit_unsaved()
+        self._committer.shutdown()
+        self._closed = True
+        return None
+
+    def _commit_and_announce(self, table: pa.Table) -> ShardInfo:
+        info = self._commit_next(table)
+        self._announce(info)
+        return info
+
+    def _commit_unsaved(self) -> None:
+        info = self._commit_next(self._unsaved[0])
+        self._unsaved = []
+        self._announce(info)
+
+    def _settle(self) -> None:
+        """Wait for the commit in flight; its records stay unsaved if it failed."""
+        if self._in_flight is None:
+            return
+        future, self._in_flight = self._in_flight, None
+        try:
+            future.result()
+        except Exception as exc:
+            log.warning(
+                "commit of %d records to a %s shard of %s failed; they go into the next shard: %s",
+                self.unsaved_records,
+                self.kind,
+                self.worker,
+                exc,
+            )
+            return
+        self._unsaved = []
 
 
 class ShardReader:
@@ -357,6 +465,15 @@ def _modified(info: Mapping[str, Any]) -> float:
 def quarantine_path(path: str) -> str:
     """Where a bad shard at ``path`` (``shards/<kind>/…``) is moved: ``shards/quarantine/<kind>/…``."""
     return posixpath.join("shards", "quarantine", posixpath.relpath(path, "shards"))
+
+
+def _merged(pieces: list[pa.Table]) -> pa.Table:
+    """Buffered pieces as one table; many small ones (e.g. single records) become one
+    batch, larger ones stay as they came (compressing them is faster than one huge batch)."""
+    table = pa.concat_tables(pieces)
+    if table.num_rows < SMALL_CHUNK_ROWS * len(pieces):
+        table = table.combine_chunks()
+    return table
 
 
 def _write_ipc(sink: Any, table: pa.Table) -> None:

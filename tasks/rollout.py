@@ -52,7 +52,7 @@ def run_rollouts(
     flush_seconds: float = 10.0,
 ) -> dict[str, Any]:
     """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``;
-    ``on_shard`` is called with each raw shard the worker commits. Every
+    ``on_shard`` is called (on the worker's commit thread) with each raw shard it commits. Every
     ``progress_every_s`` (and once at start and at the end) the worker publishes its engine
     queue depth, live sessions and each replica's pinned sessions and drain state to
     ``status/rollout/<worker_name>.json`` for the trainer (``storage.status``); ``on_progress``
@@ -99,17 +99,8 @@ def run_rollouts(
         flush_seconds=flush_seconds,
         cluster=config.cluster,
         make_env=env_pool.make_env if env_pool is not None else None,
+        on_shard=on_shard,
     )
-    if on_shard is not None:
-        flush = worker.writer.flush
-
-        def flush_and_announce() -> ShardInfo | None:
-            info = flush()
-            if info is not None:
-                on_shard(info)
-            return info
-
-        worker.writer.flush = flush_and_announce
 
     async def publish_status(running: bool) -> dict[str, Any]:
         status = worker.status()

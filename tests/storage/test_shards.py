@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextvars
 import io
 import logging
+import threading
 import time
 
 import pyarrow as pa
@@ -16,6 +18,7 @@ from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError
 from storage.shards import (
     COMPRESSION,
+    BackgroundShardWriter,
     ShardInfo,
     ShardReader,
     ShardWriter,
@@ -156,6 +159,84 @@ def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(st
     (shard,), _ = reader.poll()
     assert shard == info and reader.read(shard).num_rows == 3
     assert writer.write_table(make_processed_table(3, 1)) is None and writer.flush().seq == 6
+
+
+CALLER = contextvars.ContextVar("caller")
+
+
+def test_a_background_flush_returns_before_its_commit_lands_and_close_waits_for_it(store, monkeypatch):
+    heard: list[tuple[int, str | None, bool]] = []
+    writer = BackgroundShardWriter(
+        store,
+        "w0",
+        flush_records=2,
+        on_commit=lambda info: heard.append(
+            (info.seq, CALLER.get(None), threading.current_thread() is threading.main_thread())
+        ),
+    )
+    entered, release = threading.Event(), threading.Event()
+    append = writer.tables.append
+
+    def held(*args):
+        entered.set()
+        assert release.wait(30)
+        append(*args)
+
+    monkeypatch.setattr(writer.tables, "append", held)
+    CALLER.set("rollout loop")
+    assert [writer.write(make_record(i)) for i in range(2)] == [None, None]  # the flush is handed over
+    assert entered.wait(30)
+    assert (writer.committed, writer.unsaved_records, heard) == (0, 2, [])
+    writer.write(make_record(2))  # buffering goes on while the commit is held
+    release.set()
+    writer.close()
+    assert writer.committed == 2 and writer.unsaved_records == 0
+    assert heard == [(0, "rollout loop", False), (1, "rollout loop", False)]
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1"], ["t2"]]
+
+
+def test_a_failed_background_commit_loses_nothing_and_goes_into_the_next_shard(store, monkeypatch, caplog):
+    writer = BackgroundShardWriter(store, "w0", flush_records=2)
+    append = writer.tables.append
+    failures = iter([OSError("timed out (injected)")])
+
+    def flaky(*args):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        append(*args)
+
+    monkeypatch.setattr(writer.tables, "append", flaky)
+    for i in range(4):
+        writer.write(make_record(i))
+    writer.close()
+    assert "commit of 2 records to a raw shard of w0 failed; they go into the next shard" in caplog.text
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    # the failed attempt's file stays (its commit may have landed), so the retry skips its number
+    assert [s.seq for s in shards] == [1]
+    assert ids_of(reader.read(shards[0])) == ["t0", "t1", "t2", "t3"]
+
+
+def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_raises(local_store, monkeypatch):
+    writer = BackgroundShardWriter(local_store, "w0", flush_records=2, max_unsaved_records=3)
+    down = OSError("endpoint unreachable (injected)")
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", lambda *args: (_ for _ in ()).throw(down))
+        writer.write_table(make_table(0, 2))  # fails on the commit thread
+        with pytest.raises(OSError, match="unreachable"):
+            writer.write_table(make_table(2, 2))  # 4 records would wait: committed here, and fails
+        assert writer.unsaved_records == 4
+        with pytest.raises(OSError, match="unreachable"):
+            writer.close()
+    writer.close()
+    reader = ShardReader(local_store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2", "t3"]]
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.write(make_record(9))
 
 
 def test_sweeping_removes_only_old_files_no_commit_lists(store):
