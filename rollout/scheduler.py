@@ -742,14 +742,18 @@ class _AsyncFront:
         return time.monotonic()
 
     def _dispatch(self) -> None:
-        for grant in self.policy.dispatch(self._now()):
-            if self.cpu is not None and grant.allocation.get(self.cpu_resource):
-                grant.cores = self.cpu.allocate(int(grant.allocation[self.cpu_resource]))
-            waiter = self._waiters.pop(grant.ticket)
-            if waiter.done():
-                self._give_back(grant)
-            else:
-                waiter.set_result(grant)
+        given_back = True
+        while given_back:  # what a cancelled waiter gives back goes to the next in line
+            given_back = False
+            for grant in self.policy.dispatch(self._now()):
+                if self.cpu is not None and grant.allocation.get(self.cpu_resource):
+                    grant.cores = self.cpu.allocate(int(grant.allocation[self.cpu_resource]))
+                waiter = self._waiters.pop(grant.ticket)
+                if waiter.done():
+                    self._give_back(grant)
+                    given_back = True
+                else:
+                    waiter.set_result(grant)
 
     def _give_back(self, grant: Grant) -> None:
         if grant.cores and self.cpu is not None:

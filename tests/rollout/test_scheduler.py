@@ -238,6 +238,27 @@ def test_async_scheduler_grants_and_reclaims():
     asyncio.run(main())
 
 
+def test_units_granted_to_a_cancelled_waiter_go_to_the_next_in_line():
+    """The waiter is cancelled, but its task has not run yet when a release grants it the
+    units: they are given back, and must reach the action queued behind it with no other
+    acquire or release to set them moving."""
+
+    async def main():
+        sched = ActionScheduler({"cpu": 1})
+        held = await sched.acquire(ResourceRequest(demand={"cpu": 1}, duration=1))
+        first = asyncio.ensure_future(sched.acquire(ResourceRequest(demand={"cpu": 1}, duration=1)))
+        second = asyncio.ensure_future(sched.acquire(ResourceRequest(demand={"cpu": 1}, duration=1)))
+        await asyncio.sleep(0)
+        first.cancel()
+        sched.release(held)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        granted = await asyncio.wait_for(second, 5)
+        assert granted.allocation == {"cpu": 1}
+
+    asyncio.run(main())
+
+
 def test_static_reservation_has_the_same_interface():
     async def main():
         sched = StaticReservation({"cpu": 2}, {"cpu": 1})
