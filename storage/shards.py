@@ -394,9 +394,13 @@ class ShardReader:
 
     def read(self, shard: ShardInfo) -> pa.Table | None:
         """The shard's records, validated; None (and the shard quarantined with a
-        ``.reason`` file, and a warning logged) when it is missing, corrupt or invalid."""
+        ``.reason`` file, and a warning logged) when it is missing, corrupt or invalid.
+
+        Only what the bytes hold quarantines a shard: an error while fetching them (a
+        timeout, a dropped connection) is raised, and the shard stays for the next read.
+        """
         try:
-            table = _read_ipc(self.store, shard.path)
+            source = _open_ipc(self.store, shard.path)
         except FileNotFoundError:
             reason_path = self.store.path(quarantine_path(shard.path) + ".reason")
             if self.store.fs.exists(reason_path):
@@ -404,6 +408,9 @@ class ShardReader:
             else:
                 log.warning("shard %s is committed but its file %s is missing", shard.shard_id, shard.path)
             return None
+        try:
+            with source:
+                table = pa.ipc.open_file(source).read_all()
         except (pa.ArrowInvalid, OSError, EOFError) as exc:
             self._quarantine(shard, f"cannot read the Arrow IPC file: {exc}")
             return None
@@ -482,14 +489,15 @@ def _write_ipc(sink: Any, table: pa.Table) -> None:
         out.write_table(table, max_chunksize=BATCH_ROWS)
 
 
-def _read_ipc(store: RunStore, path: str) -> pa.Table:
+def _open_ipc(store: RunStore, path: str) -> pa.NativeFile:
+    """The bytes of the shard file at ``path``, as a file to parse; errors here are the
+    store's (missing file, timeout), not the shard's."""
     if store.config.is_s3:
         with store.fs.open(store.path(path), "rb") as source:
-            return pa.ipc.open_file(pa.py_buffer(source.read())).read_all()
+            return pa.BufferReader(source.read())
     # Mapped rather than read: the IPC reader then decompresses straight from the page
     # cache instead of from a heap copy of every compressed buffer.
-    with pa.memory_map(store.path(path), "rb") as source:
-        return pa.ipc.open_file(source).read_all()
+    return pa.memory_map(store.path(path), "rb")
 
 
 def _token_stats(table: pa.Table) -> dict[str, int]:

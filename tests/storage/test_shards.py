@@ -372,6 +372,26 @@ def test_bad_shards_are_quarantined_with_a_reason_and_reading_goes_on(store, cap
     assert "quarantined before" in caplog.records[-1].message
 
 
+def test_a_failed_fetch_raises_and_leaves_the_shard_for_the_next_read(store, monkeypatch):
+    with ShardWriter(store, "w0") as writer:
+        writer.write_table(make_table(0, 2))
+    reader = ShardReader(store)
+    (shard,), _ = reader.poll()
+
+    def timed_out(*args, **kwargs):
+        raise TimeoutError("read timed out (injected)")
+
+    with monkeypatch.context() as patch:
+        if store.config.is_s3:
+            patch.setattr(store.fs, "open", timed_out)
+        else:
+            patch.setattr(pa, "memory_map", timed_out)
+        with pytest.raises(TimeoutError, match="injected"):
+            reader.read(shard)
+    assert ids_of(reader.read(shard)) == ["t0", "t1"]
+    assert not store.fs.exists(store.path(quarantine_path(shard.path)))
+
+
 def test_an_unreachable_endpoint_fails_fast_with_a_clear_error():
     config = StorageConfig(
         root="s3://treadle-test/runs",
