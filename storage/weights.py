@@ -7,7 +7,8 @@ creating the directory's ``CLAIM`` object exclusively (``O_EXCL`` locally, a con
 PUT on S3), so two publishers racing for one number never write into the same directory.
 Files are uploaded next, the manifest after them and ``weights/LATEST`` last (temp file + rename on a local
 folder, a single PUT on S3), so a reader never sees a version that is still being written:
-a directory without a manifest does not exist.
+a directory without a manifest does not exist. ``LATEST`` only moves forward: a publish that
+finishes after a newer one leaves it alone.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class WeightStore:
         tag: str | None = None,
         version: int | None = None,
     ) -> int:
-        """Write a new version and point ``LATEST`` at it; returns its number.
+        """Write a new version and point ``LATEST`` at it unless it names a newer one; returns
+        its number.
 
         Args:
             state_dict: parameter name -> tensor (a tied tensor is stored once, under its first name).
@@ -196,7 +198,9 @@ class WeightStore:
             "metadata": metadata_json,
         }
         self._write_atomic(posixpath.join(target, MANIFEST_FILE), json.dumps(manifest, indent=2).encode())
-        self._write_atomic(posixpath.join(self.root, LATEST_FILE), f"{version}\n".encode())
+        current = self.latest()
+        if current is None or version > current:
+            self._write_atomic(posixpath.join(self.root, LATEST_FILE), f"{version}\n".encode())
         return version
 
     def _stage_tokenizer(self, source: Path, staging: Path) -> None:
@@ -361,11 +365,20 @@ class WeightStore:
 
     # -- retention -----------------------------------------------------------------------
 
-    def retain(self, keep_last: int) -> list[int]:
+    def _claim_age(self, version: int) -> float:
+        """Seconds since ``version``'s number was claimed (infinite without a readable claim)."""
+        try:
+            claimed = self.fs.cat_file(posixpath.join(self.version_path(version), CLAIM_FILE)).decode()
+            return (datetime.now(UTC) - datetime.fromisoformat(claimed.split()[0])).total_seconds()
+        except (FileNotFoundError, UnicodeDecodeError, ValueError, IndexError):
+            return float("inf")
+
+    def retain(self, keep_last: int, in_flight_s: float = 3600.0) -> list[int]:
         """Delete all but the newest ``keep_last`` versions; tagged versions and LATEST stay.
 
-        Incomplete directories older than the newest complete version (left by a crashed
-        publish) are deleted too. Returns the version numbers removed, ascending.
+        Incomplete directories below the newest complete version (left by a crashed
+        publish) are deleted too once claimed more than ``in_flight_s`` ago: a publish that
+        is still uploading keeps its directory. Returns the version numbers removed, ascending.
         """
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -379,7 +392,11 @@ class WeightStore:
                 keep.add(version)
         newest = max(complete, default=-1)
         present = {int(m.group(1)) for m in map(_VERSION_DIR.match, self._dir_names()) if m}
-        doomed = sorted(v for v in present if v not in keep and (v in complete or v < newest))
+        doomed = sorted(
+            v
+            for v in present
+            if v not in keep and (v in complete or (v < newest and self._claim_age(v) > in_flight_s))
+        )
         for version in doomed:
             path = self.version_path(version)
             manifest_path = posixpath.join(path, MANIFEST_FILE)

@@ -185,9 +185,18 @@ def test_version_being_written_is_invisible(weights, tokenizer_dir, monkeypatch)
     with pytest.raises(KeyError):
         weights.manifest(1)
     assert publish_model(weights, tiny_llama(seed=2), tokenizer_dir) == 2
-    assert weights.retain(keep_last=5) == [1]
+    assert weights.retain(keep_last=5) == []  # claimed a moment ago: it may still be uploading
+    assert weights.retain(keep_last=5, in_flight_s=0) == [1]
     assert weights.list() == [0, 2]
     assert not weights.fs.exists(weights.version_path(1))
+
+
+def test_latest_only_moves_forward(weights, tokenizer_dir):
+    model = tiny_llama(seed=0)
+    assert publish_model(weights, model, tokenizer_dir) == 0
+    assert publish_model(weights, model, tokenizer_dir, version=3) == 3
+    assert publish_model(weights, model, tokenizer_dir, version=2) == 2  # finished after 3
+    assert weights.latest() == 3 and weights.list() == [0, 2, 3]
 
 
 def test_retain_keeps_last_and_tagged(weights, tokenizer_dir):
