@@ -294,15 +294,27 @@ class RolloutWorker:
         follower = asyncio.create_task(self._follow_weights())
         planner = asyncio.create_task(self.follow_plan())
         queue_reader = asyncio.create_task(self.follow_trainer())
+        flusher = asyncio.create_task(self._flush_when_due())
         timer = asyncio.get_running_loop().call_later(max_seconds, self.stop) if max_seconds else None
         try:
             return await self.orchestrator.run()
         finally:
             if timer is not None:
                 timer.cancel()
-            for loop in (follower, planner, queue_reader):
+            loops = (follower, planner, queue_reader, flusher)
+            for loop in loops:
                 loop.cancel()
-            await asyncio.gather(follower, planner, queue_reader, return_exceptions=True)
+            await asyncio.gather(*loops, return_exceptions=True)
+
+    async def _flush_when_due(self) -> None:
+        """Commit finished rollouts once they have waited ``flush_seconds``, also while none
+        finishes (long sessions), so a crash then loses at most that much."""
+        while True:
+            await asyncio.sleep(min(1.0, self.writer.flush_seconds))
+            try:
+                self.writer.flush_if_due()
+            except Exception as exc:  # its records stay buffered; the next flush retries
+                log.warning("worker %s could not commit its buffered rollouts: %s", self.name, exc)
 
     def stop(self) -> None:
         if self.orchestrator is not None:

@@ -139,10 +139,17 @@ class ShardWriter:
             self._first_buffered_at = time.monotonic()
         self._buffer.append(table)
         self._buffered_rows += table.num_rows
-        due = time.monotonic() - self._first_buffered_at >= self.flush_seconds
-        if self._buffered_rows >= self.flush_records or due:
+        if self._buffered_rows >= self.flush_records or self._due():
             return self.flush()
         return None
+
+    def flush_if_due(self) -> ShardInfo | None:
+        """Flush when the oldest buffered record has waited ``flush_seconds``: ``write``
+        checks that only when called, so a caller whose writes can pause calls this on a timer."""
+        return self.flush() if self._due() else None
+
+    def _due(self) -> bool:
+        return bool(self._buffer) and time.monotonic() - self._first_buffered_at >= self.flush_seconds
 
     def flush(self) -> ShardInfo | None:
         """Write and commit everything buffered as one shard (None when nothing is).

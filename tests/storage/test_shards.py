@@ -85,6 +85,18 @@ def test_time_based_flush_happens_on_the_next_write(local_store):
     assert info is not None and info.num_rows == 2
 
 
+def test_flush_if_due_commits_records_that_waited_with_no_write_after_them(local_store):
+    patient = ShardWriter(local_store, "patient", flush_records=100, flush_seconds=3600)
+    patient.write(make_record(0))
+    assert patient.flush_if_due() is None
+    eager = ShardWriter(local_store, "eager", flush_records=100, flush_seconds=0.05)
+    assert eager.flush_if_due() is None  # nothing buffered
+    eager.write(make_record(1))
+    time.sleep(0.1)
+    info = eager.flush_if_due()
+    assert info is not None and info.num_rows == 1
+
+
 def test_a_new_writer_resumes_after_the_last_committed_seq(store):
     with ShardWriter(store, "w0", flush_records=1) as writer:
         writer.write(make_record(0))
