@@ -41,6 +41,7 @@ CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "LATEST"
 CLAIM_FILE = "CLAIM"
+TOKENIZER_FILE = "tokenizer.json"
 RESERVED_FILES = frozenset({MODEL_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _HASH_CHUNK = 1 << 20
@@ -100,6 +101,20 @@ def _check_extra_name(name: str) -> None:
         raise ValueError(f"extra file name {name!r} must be a relative path without '.' or '..' parts")
     if name in RESERVED_FILES:
         raise ValueError(f"extra file name {name!r} is reserved for the store")
+
+
+def tokenizer_fingerprint(tokenizer_json: bytes) -> str | None:
+    """sha256 of the vocabulary and added tokens of a Hugging Face ``tokenizer.json``: the
+    same for one tokenizer however it was serialised, different when any token's id is.
+    None when the file holds no vocabulary."""
+    try:
+        data = json.loads(tokenizer_json)
+        vocab = data["model"]["vocab"]
+        added = sorted((token["id"], token["content"]) for token in data.get("added_tokens") or [])
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+        return None
+    canonical = json.dumps([vocab, added], sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 class WeightStore:
@@ -188,6 +203,10 @@ class WeightStore:
             target = self.version_path(version)
             for name in files:
                 self.fs.put_file(os.path.join(staging, name), posixpath.join(target, name))
+            tokenizer_json = Path(staging, TOKENIZER_FILE)
+            fingerprint = (
+                tokenizer_fingerprint(tokenizer_json.read_bytes()) if tokenizer_json.is_file() else None
+            )
         manifest = {
             "version": version,
             "step": int(step),
@@ -195,6 +214,7 @@ class WeightStore:
             "tag": tag,
             "created_at": datetime.now(UTC).isoformat(),
             "files": files,
+            "tokenizer_fingerprint": fingerprint,
             "metadata": metadata_json,
         }
         self._write_atomic(posixpath.join(target, MANIFEST_FILE), json.dumps(manifest, indent=2).encode())

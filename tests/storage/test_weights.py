@@ -20,7 +20,14 @@ from transformers import (
 )
 
 from storage.config import RunStore
-from storage.weights import CLAIM_FILE, CorruptVersion, VersionTaken, WeightStore, sha256_file
+from storage.weights import (
+    CLAIM_FILE,
+    CorruptVersion,
+    VersionTaken,
+    WeightStore,
+    sha256_file,
+    tokenizer_fingerprint,
+)
 
 
 @pytest.fixture
@@ -189,6 +196,20 @@ def test_version_being_written_is_invisible(weights, tokenizer_dir, monkeypatch)
     assert weights.retain(keep_last=5, in_flight_s=0) == [1]
     assert weights.list() == [0, 2]
     assert not weights.fs.exists(weights.version_path(1))
+
+
+def test_the_tokenizer_fingerprint_follows_the_vocabulary_not_the_serialisation(weights, tokenizer_dir):
+    text = (Path(tokenizer_dir) / "tokenizer.json").read_text()
+    data = json.loads(text)
+    same = tokenizer_fingerprint(json.dumps(data, indent=4, sort_keys=True).encode())
+    assert same == tokenizer_fingerprint(text.encode()) is not None
+    vocab = data["model"]["vocab"]
+    first, second = sorted(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    assert tokenizer_fingerprint(json.dumps(data).encode()) != same
+    assert tokenizer_fingerprint(b"not json") is None
+    version = publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    assert weights.manifest(version)["tokenizer_fingerprint"] == same
 
 
 def test_latest_only_moves_forward(weights, tokenizer_dir):
