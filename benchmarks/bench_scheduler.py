@@ -266,7 +266,7 @@ def real_cores() -> dict:
     work = int(2_000_000 * 0.25 / (time.perf_counter() - t))
     results = {}
     for name in ("static", "ours"):
-        cpu = CpuManager(cores, backend="affinity")
+        cpu = CpuManager(cores)
         if name == "static":
             sched = StaticReservation({"cpu": len(cores)}, {"cpu": 1}, cpu=cpu)
         else:

@@ -2,8 +2,8 @@
 
 ``CpuManager`` allocates on execution: a sandbox process keeps its memory between actions
 but runs on granted cores only while an action runs (``sched_setaffinity`` of every thread
-of the process and its descendants, or a cgroup-v2 cpuset where one is writable), then is parked back on a small
-parking set and the cores return to the pool.
+of the process and its descendants), then is parked back on a small parking set and the
+cores return to the pool.
 
 ``ServiceManager`` evicts on execution: reward-model services stay parked in CPU memory as
 state dicts and are loaded onto the device when called, evicting the least recently used
@@ -17,19 +17,8 @@ import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 import torch
-
-_CGROUP_ROOT = Path("/sys/fs/cgroup")
-
-
-def _cgroup_v2_cpuset_writable(root: Path = _CGROUP_ROOT) -> bool:
-    controllers = root / "cgroup.controllers"
-    try:
-        return "cpuset" in controllers.read_text().split() and os.access(root, os.W_OK)
-    except OSError:
-        return False
 
 
 def _tree_threads(pid: int) -> list[int]:
@@ -58,15 +47,12 @@ class CpuManager:
     Args:
         cores: the cores this manager hands out (default: this process's affinity).
         parking: cores a sandbox sits on between actions (default: the lowest pool core).
-        backend: ``"affinity"``, ``"cgroup"`` (cgroup-v2 cpuset) or ``"auto"`` (cgroup when
-            writable, else affinity).
     """
 
     def __init__(
         self,
         cores: Iterable[int] | None = None,
         parking: Iterable[int] | None = None,
-        backend: str = "auto",
     ):
         self.pool = frozenset(os.sched_getaffinity(0) if cores is None else cores)
         if not self.pool:
@@ -74,11 +60,6 @@ class CpuManager:
         self.parking = frozenset(parking) if parking is not None else frozenset({min(self.pool)})
         if not self.parking:
             raise ValueError("CpuManager parking set must not be empty")
-        if backend == "auto":
-            backend = "cgroup" if _cgroup_v2_cpuset_writable() else "affinity"
-        if backend not in ("affinity", "cgroup"):
-            raise ValueError(f"CpuManager backend must be 'affinity', 'cgroup' or 'auto', got {backend!r}")
-        self.backend = backend
         self._free = set(self.pool)
 
     @property
@@ -113,12 +94,6 @@ class CpuManager:
         What it forks later inherits the cores. A thread that exits meanwhile is skipped.
         """
         cores = frozenset(cores)
-        if self.backend == "cgroup":
-            group = _CGROUP_ROOT / f"treadle-{pid}"
-            group.mkdir(exist_ok=True)
-            (group / "cpuset.cpus").write_text(",".join(map(str, sorted(cores))))
-            (group / "cgroup.procs").write_text(str(pid))
-            return
         for tid in _tree_threads(pid):
             try:
                 os.sched_setaffinity(tid, cores)

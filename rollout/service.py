@@ -168,7 +168,7 @@ def make_scheduler(config: ServiceConfig) -> ActionScheduler | StaticReservation
                 f"ServiceConfig.scheduler_cores={cores} but this process may use only {len(usable)} "
                 "cores; lower it or set scheduler_pin=false"
             )
-        cpu = CpuManager(usable[:cores], backend="affinity")
+        cpu = CpuManager(usable[:cores])
     capacity = {"cpu": cores}
     if config.scheduler == "static":
         if config.scheduler_static_cores > cores:

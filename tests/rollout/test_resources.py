@@ -25,7 +25,7 @@ def child():
 @needs_two_cores
 def test_cores_granted_at_execution_and_reclaimed_after(child):
     cores = sorted(os.sched_getaffinity(0))[:2]
-    cpu = CpuManager(cores, parking={cores[0]}, backend="affinity")
+    cpu = CpuManager(cores, parking={cores[0]})
     sched = ActionScheduler({"cpu": 2}, cpu=cpu)
 
     async def main():
@@ -48,7 +48,7 @@ def test_cores_granted_at_execution_and_reclaimed_after(child):
 
 
 def test_cpu_manager_rejects_bad_use():
-    cpu = CpuManager({0}, backend="affinity")
+    cpu = CpuManager({0})
     with pytest.raises(ValueError, match="only 1 of 1 cores free"):
         cpu.allocate(2)
     cores = cpu.allocate(1)
