@@ -141,6 +141,11 @@ class EnvConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     max_turns: int = Field(8, ge=1, description="Actions allowed before the episode ends unfinished.")
+    reward_model: str | None = Field(
+        None,
+        description="Score finished episodes with this reward-model service (service.reward_models) "
+        "instead of the env's own evaluate().",
+    )
     sandbox: SandboxConfig = Field(
         default_factory=SandboxConfig, description="Isolation and limits of the env's sandbox."
     )

@@ -156,7 +156,7 @@ class RunConfig(BaseModel):
                     raise ValueError(f"{field}: unknown environment {name!r}; known: {sorted(REGISTRY)}")
         for name, overrides in self.envs.items():
             try:
-                make_config(name, overrides)
+                scorer = make_config(name, overrides).reward_model
             except ValidationError as exc:
                 raise ValueError(
                     "; ".join(
@@ -164,6 +164,11 @@ class RunConfig(BaseModel):
                         for err in exc.errors()
                     )
                 ) from None
+            if scorer is not None and scorer not in self.service.reward_models:
+                raise ValueError(
+                    f"envs.{name}.reward_model: {scorer!r} is not one of service.reward_models "
+                    f"({sorted(self.service.reward_models) or 'none configured'})"
+                )
         return self
 
     def env_config(self, name: str):

@@ -6,8 +6,8 @@ of the process and its descendants), then is parked back on a small parking set 
 cores return to the pool.
 
 ``ServiceManager`` evicts on execution: reward-model services stay parked in CPU memory as
-state dicts and are loaded onto the device when called, evicting the least recently used
-idle services while the device-memory budget would be exceeded.
+copies of their tensors and are loaded onto the device when called, evicting the least
+recently used idle services while the device-memory budget would be exceeded.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 
 import torch
@@ -109,8 +109,16 @@ class CpuManager:
         return frozenset(os.sched_getaffinity(pid))
 
 
-def _state_bytes(module: torch.nn.Module) -> int:
-    return sum(t.numel() * t.element_size() for t in module.state_dict().values())
+def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer, non-persistent buffers included (rotary tables are not in
+    a state dict, yet a module moved to ``meta`` loses them too)."""
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def state_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers: what it holds on a device."""
+    return sum(t.numel() * t.element_size() for _, t in _tensors(module))
 
 
 class ServiceManager:
@@ -118,8 +126,8 @@ class ServiceManager:
 
     On a CUDA machine the device is the GPU and the default budget is its free memory;
     on CPU the "device" is CPU memory under a configured budget (``budget_bytes`` required).
-    Parked services keep a CPU state dict; loading materialises the module on the device
-    from it, evicting moves the module to the ``meta`` device so its memory is freed.
+    Parked services keep CPU copies of their parameters and buffers; loading materialises
+    the module on the device from them, evicting moves the module to the ``meta`` device so its memory is freed.
     """
 
     def __init__(self, device: str | None = None, budget_bytes: int | None = None):
@@ -144,12 +152,12 @@ class ServiceManager:
         """Park ``module`` in CPU memory under ``name``."""
         if name in self._modules:
             raise ValueError(f"service {name!r} is already registered")
-        size = _state_bytes(module)
+        size = state_bytes(module)
         if size > self.budget_bytes:
             raise ValueError(f"service {name!r} needs {size} bytes, more than the budget {self.budget_bytes}")
         pin = self.device.type == "cuda"
         parked = {}
-        for key, tensor in module.state_dict().items():
+        for key, tensor in _tensors(module):
             copy = tensor.detach().to("cpu", copy=True)
             parked[key] = copy.pin_memory() if pin else copy
         module.to("meta")
@@ -171,7 +179,10 @@ class ServiceManager:
     def _load(self, name: str) -> None:
         module = self._modules[name]
         module.to_empty(device=self.device)
-        module.load_state_dict(self._parked[name])
+        parked = self._parked[name]
+        with torch.no_grad():
+            for key, tensor in _tensors(module):
+                tensor.copy_(parked[key])
         self._resident[name] = None
         self.loads.append(name)
 

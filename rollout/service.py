@@ -8,11 +8,14 @@
   the service's own HTTP gateway (:class:`~rollout.gateway_http.GatewayServer` on
   127.0.0.1, started once per service) and RUN awaits ``env.run()`` while its program
   calls the OpenAI endpoints, each call recorded token-exactly in the rollout's session;
-- EVAL scores the episode.
+- EVAL scores the episode: the env's ``evaluate()``, or the reward model its config names
+  (``rollout.reward_models``).
 
 Each stage has its own concurrency limit, so a slow test suite in EVAL never blocks
 agents in RUN. Inside the stages, every tool call and test run the environment declares
-(``Env.action_request`` / ``Env.eval_request``) is granted its resources per action by
+(``Env.action_request`` / ``Env.eval_request``), and every reward-model call (one unit of
+the ``reward`` resource, ``ServiceConfig.reward_slots``; the model loaded on the device
+for the call), is granted its resources per action by
 the scheduler chosen in ``ServiceConfig.scheduler`` (``rollout.scheduler``: ``action`` for
 ARL-Tangram's per-action scheduler, ``static`` for the per-trajectory reservation baseline),
 with the sandbox's persistent process pinned to the granted cores while the action runs. Time spent waiting for a stage's slot is queue time: it is reported in
@@ -48,6 +51,7 @@ from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
 from rollout.gateway import Gateway, Session
 from rollout.gateway_http import GatewayServer
 from rollout.resources import CpuManager
+from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
 from rollout.scheduler import ActionScheduler, StaticReservation
 
 log = logging.getLogger(__name__)
@@ -88,6 +92,27 @@ class ServiceConfig(BaseModel):
         True,
         description="Pin the sandbox's processes to the cores granted to each action (CPU affinity); "
         "needs scheduler_cores <= the cores this process may use.",
+    )
+    reward_models: dict[str, RewardModelConfig] = Field(
+        default_factory=dict,
+        description="Reward-model services by name; an env whose config names one as reward_model is "
+        "scored by it in EVAL.",
+    )
+    reward_slots: int = Field(
+        1,
+        ge=1,
+        description="Reward-model calls that may run at once ('action' scheduler; 'static' pins every "
+        "model on the device and runs calls as they come).",
+    )
+    reward_device: str | None = Field(
+        None, description="Device reward models run on for a call; default: CUDA when available, else CPU."
+    )
+    reward_budget_mb: float | None = Field(
+        None,
+        gt=0,
+        description="Device memory the resident reward models may hold ('action' scheduler); the least "
+        "recently used idle one is evicted to make room. Default: the free GPU memory, or all "
+        "models on CPU.",
     )
 
 
@@ -177,7 +202,21 @@ def make_scheduler(config: ServiceConfig) -> ActionScheduler | StaticReservation
                 f"the {cores} scheduler cores"
             )
         return StaticReservation(capacity, {"cpu": config.scheduler_static_cores}, cpu=cpu)
+    if config.reward_models:
+        capacity[REWARD_RESOURCE] = config.reward_slots
     return ActionScheduler(capacity, cpu=cpu)
+
+
+def make_reward_models(config: ServiceConfig) -> RewardModels | None:
+    """The reward-model services of ``config`` (None when it names none). Under the 'action'
+    scheduler they share the device budget; otherwise each stays resident (the baseline's
+    model pinned on its own device memory)."""
+    if not config.reward_models:
+        return None
+    budget = None
+    if config.scheduler == "action" and config.reward_budget_mb is not None:
+        budget = int(config.reward_budget_mb * 2**20)
+    return RewardModels(config.reward_models, device=config.reward_device, budget_bytes=budget)
 
 
 class RolloutService:
@@ -206,6 +245,7 @@ class RolloutService:
         self._gateway_server: GatewayServer | None = None
         self._gateway_server_lock = asyncio.Lock()
         self.scheduler = make_scheduler(self.config)
+        self.rewards = make_reward_models(self.config)
 
     async def process(self, request: RolloutRequest) -> RolloutResult:
         """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled."""
@@ -303,11 +343,17 @@ class RolloutService:
             run = self._drive if drives_itself else self._run
             await self._stage("run", clock, lambda: run(env, session, request, state, clock))
             stage = "eval"
-            state["reward"] = await self._stage(
-                "eval",
-                clock,
-                lambda: self._act(_declared(env, "eval_request"), env, request, clock, env.evaluate),
-            )
+            scorer = getattr(getattr(env, "config", None), "reward_model", None)
+            if scorer is not None:
+                state["reward"] = await self._stage(
+                    "eval", clock, lambda: self._reward_call(scorer, session, request, clock)
+                )
+            else:
+                state["reward"] = await self._stage(
+                    "eval",
+                    clock,
+                    lambda: self._act(_declared(env, "eval_request"), env, request, clock, env.evaluate),
+                )
             if not state["done"] or session.turns and session.turns[-1].truncated:
                 status = "truncated"
         except RolloutTimeout as exc:
@@ -395,6 +441,23 @@ class RolloutService:
                 return await call()
             finally:
                 env.cores = None
+
+    async def _reward_call(
+        self, name: str, session: Session, request: RolloutRequest, clock: _Clock
+    ) -> float:
+        """Reward model ``name``'s score of the conversation, inside a grant of one reward slot."""
+        if self.rewards is None:
+            raise KeyError(f"the env names reward model {name!r} but ServiceConfig.reward_models is empty")
+        self.rewards.check(name)
+        if not isinstance(self.scheduler, ActionScheduler):
+            return await self.rewards.score(name, session.messages)
+        needs = ResourceRequest(
+            demand={REWARD_RESOURCE: 1}, kind=f"reward:{name}", trajectory_id=request.rollout_id
+        )
+        asked = time.perf_counter()
+        async with self.scheduler.run(needs):
+            clock.resource_wait += time.perf_counter() - asked
+            return await self.rewards.score(name, session.messages)
 
     async def _cleanup(self, env: Env | None, session: Session, request: RolloutRequest) -> None:
         if self.scheduler is not None:

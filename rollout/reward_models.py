@@ -1,0 +1,111 @@
+"""Reward-model services: learned scorers of finished rollouts, each call an action.
+
+An environment whose config names a ``reward_model`` is scored in EVAL by that model
+instead of its own ``evaluate()``. The call is scheduled like a tool call: it asks the
+rollout service's scheduler for one unit of the ``reward`` resource (the reward-call
+slots, ARL-Tangram's reward GPUs), and the :class:`~rollout.resources.ServiceManager`
+puts the model on the device for the call, parking it in CPU memory otherwise and
+evicting the least recently used idle model when the device-memory budget is full.
+
+A reward model is a Hugging Face sequence-classification checkpoint with one label and
+its tokenizer in one directory; it reads the rollout's conversation (rendered with its
+own chat template, or as ``role: content`` lines without one) and its logit is the reward.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
+
+from rl.models import PRETRAINED_LOAD_LOCK
+from rollout.resources import ServiceManager, state_bytes
+
+REWARD_RESOURCE = "reward"
+"""Scheduler resource of reward calls: one unit per call."""
+
+
+class RewardModelConfig(BaseModel):
+    """One reward-model service."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(
+        description="Local directory of a sequence-classification checkpoint with one label and its tokenizer."
+    )
+    max_tokens: int = Field(
+        2048, ge=1, description="Longest input; a longer conversation keeps its last max_tokens tokens."
+    )
+
+
+class RewardModels:
+    """The reward models of one rollout service, parked and loaded by a ``ServiceManager``.
+
+    Args:
+        configs: service name -> its checkpoint.
+        device: where a model runs for a call (default: CUDA when available, else CPU).
+        budget_bytes: device memory the resident models may hold (default: all of them on
+            CPU, the free GPU memory on CUDA).
+    """
+
+    def __init__(
+        self,
+        configs: Mapping[str, RewardModelConfig],
+        device: str | None = None,
+        budget_bytes: int | None = None,
+    ):
+        models, self.tokenizers, self.configs = {}, {}, dict(configs)
+        for name, config in self.configs.items():
+            with PRETRAINED_LOAD_LOCK:
+                model = AutoModelForSequenceClassification.from_pretrained(config.path, dtype=torch.float32)
+            if model.config.num_labels != 1:
+                raise ValueError(
+                    f"reward model {name!r} at {config.path} has {model.config.num_labels} labels; a reward "
+                    "model has one (its logit is the reward)"
+                )
+            models[name] = model
+            self.tokenizers[name] = AutoTokenizer.from_pretrained(config.path)
+        on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
+        if budget_bytes is None and on_cpu:
+            budget_bytes = max(sum(state_bytes(m) for m in models.values()), 1)
+        self.manager = ServiceManager(device=device, budget_bytes=budget_bytes)
+        for name, model in models.items():
+            self.manager.register(name, model)
+
+    def check(self, name: str) -> None:
+        """Raise ``KeyError`` naming the configured services when ``name`` is not one."""
+        if name not in self.configs:
+            raise KeyError(f"unknown reward model {name!r}; configured: {sorted(self.configs)}")
+
+    def input_ids(self, name: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """The tokens reward model ``name`` reads for a conversation (its last ``max_tokens``)."""
+        self.check(name)
+        tokenizer = self.tokenizers[name]
+        ids = _render(tokenizer, messages)
+        return ids[-self.configs[name].max_tokens :]
+
+    async def score(self, name: str, messages: Sequence[Mapping[str, Any]]) -> float:
+        """Reward model ``name``'s score of a conversation (loaded on the device for the call)."""
+        ids = self.input_ids(name, messages)
+        async with self.manager.use(name) as model:
+            return await asyncio.to_thread(_forward, model, ids)
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    conversation = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+    if tokenizer.chat_template:
+        rendered = tokenizer.apply_chat_template(conversation, tokenize=True)
+        return list(rendered["input_ids"] if isinstance(rendered, Mapping) else rendered)
+    text = "\n".join(f"{m['role']}: {m['content']}" for m in conversation)
+    return tokenizer(text)["input_ids"]
+
+
+def _forward(model: torch.nn.Module, ids: list[int]) -> float:
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids], device=device)).logits
+    return float(logits[0, 0])

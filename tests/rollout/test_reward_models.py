@@ -1,0 +1,152 @@
+"""Reward-model services: an env that names a reward model is scored by that checkpoint in
+EVAL, each call inside a grant of a reward slot, the models loaded on the device for the
+call and evicted least recently used under the device budget."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+)
+
+from envs import registry
+from flows.config import RunConfig
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.torch_engine import TorchEngine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.resources import state_bytes
+from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
+from rollout.router import Router
+from rollout.service import RolloutRequest, RolloutService, ServiceConfig
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
+)
+JUDGES = {"arith": "judge-a", "guess": "judge-b"}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny_model(TINY)
+
+
+@pytest.fixture(scope="module")
+def judges(tiny, tmp_path_factory) -> dict[str, str]:
+    """Two reward-model checkpoints (one label, the policy's tokenizer and chat template)."""
+    _, tokenizer = tiny
+    paths = {}
+    for seed, name in enumerate(sorted(JUDGES.values())):
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=1024,
+            num_labels=1,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        torch.manual_seed(seed + 1)
+        path = tmp_path_factory.mktemp(name)
+        LlamaForSequenceClassification(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        paths[name] = str(path)
+    return paths
+
+
+def reference_score(path: str, messages: list[dict]) -> float:
+    """The checkpoint's logit on the conversation, loaded and run the plain Hugging Face way."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    with torch.no_grad():
+        return float(model(input_ids=torch.tensor([ids])).logits[0, 0])
+
+
+def test_rollouts_are_scored_by_their_envs_reward_model_in_a_reward_slot(tiny, judges):
+    model, tokenizer = tiny
+    one_model_mb = max(
+        state_bytes(AutoModelForSequenceClassification.from_pretrained(p)) for p in judges.values()
+    )
+    config = ServiceConfig(
+        max_new_tokens=8,
+        timeout_s=120,
+        reward_models={name: RewardModelConfig(path=path) for name, path in judges.items()},
+        reward_budget_mb=1.5 * one_model_mb / 2**20,  # room for one model at a time
+    )
+    calls: list[tuple[str, list[dict], float, float]] = []
+
+    def make_env(task):
+        return registry.make(task.env, registry.make_config(task.env, {"reward_model": JUDGES[task.env]}))
+
+    async def body():
+        engine = TorchEngine(model, tokenizer)
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(gateway, make_env, config)
+        policy = service.scheduler.policy
+        score = service.rewards.score
+
+        async def watched(name, messages):
+            held = policy.capacity[REWARD_RESOURCE] - policy.free[policy.names.index(REWARD_RESOURCE)]
+            value = await score(name, messages)
+            calls.append((name, [dict(m) for m in messages], value, held))
+            return value
+
+        service.rewards.score = watched
+        results = []
+        try:
+            for env_name in ("arith", "guess", "arith"):
+                task = registry.task_set(env_name, "train", seed=0, n=1)[0]
+                results.append(await service.process(RolloutRequest(task=task, seed=1)))
+        finally:
+            await engine.close()
+        return service, results
+
+    service, results = asyncio.run(body())
+    assert all(r.status in ("ok", "truncated") for r in results), [r.error for r in results]
+    assert [name for name, *_ in calls] == ["judge-a", "judge-b", "judge-a"]
+    for result, (name, messages, value, held) in zip(results, calls, strict=True):
+        assert held == 1  # the call ran inside a grant of one reward slot
+        assert result.reward == value
+        assert messages[-1]["role"] == "assistant"
+        assert value == pytest.approx(reference_score(judges[name], messages), abs=1e-5)
+    manager = service.rewards.manager
+    assert manager.loads == ["judge-a", "judge-b", "judge-a"]
+    assert manager.evictions == ["judge-a", "judge-b"]
+    policy = service.scheduler.policy
+    assert policy.free == [float(policy.capacity[name]) for name in policy.names]  # all given back
+
+
+def test_a_reward_model_scores_the_same_after_eviction_and_reload(judges):
+    sizes = [state_bytes(AutoModelForSequenceClassification.from_pretrained(p)) for p in judges.values()]
+    models = RewardModels(
+        {name: RewardModelConfig(path=path) for name, path in judges.items()},
+        device="cpu",
+        budget_bytes=max(sizes),
+    )
+    messages = [{"role": "user", "content": "guess 3-14"}, {"role": "assistant", "content": "8"}]
+
+    async def main():
+        return [await models.score(name, messages) for name in ("judge-a", "judge-b", "judge-a")]
+
+    first, other, again = asyncio.run(main())
+    assert models.manager.evictions == ["judge-a", "judge-b"]
+    assert first == pytest.approx(reference_score(judges["judge-a"], messages), abs=1e-5)
+    assert again == pytest.approx(first, abs=1e-6)  # rotary tables and all come back with the weights
+    assert other == pytest.approx(reference_score(judges["judge-b"], messages), abs=1e-5)
+
+
+def test_an_env_naming_an_unconfigured_reward_model_is_a_config_error():
+    with pytest.raises(
+        ValueError, match=r"envs.arith.reward_model: 'judge' is not one of service.reward_models"
+    ):
+        RunConfig.model_validate({"envs": {"arith": {"reward_model": "judge"}}})
