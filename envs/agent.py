@@ -9,6 +9,11 @@ session header put in (the agent can neither see the token nor pick another sess
 model call the agent makes is therefore recorded token-exactly by the gateway. After the program
 ends, the EVAL command runs in the same sandbox and prints the score (a number in [0, 1]) as the
 last line of its output.
+
+Between model calls the program acts (runs its tools), and that is what the rollout service's
+scheduler grants resources to (``attach_actions``): the program starts on the cores granted
+for its first action; each model call gives them back (the program is parked while it
+waits), and the reply reaches the program once its next action is granted.
 """
 
 from __future__ import annotations
@@ -23,7 +28,18 @@ from dataclasses import dataclass
 
 from pydantic import BaseModel, Field
 
-from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, user
+from envs.base import (
+    ActionGate,
+    Env,
+    EnvConfig,
+    ResourceRequest,
+    Split,
+    StepResult,
+    Task,
+    in_eval_split,
+    started_on,
+    user,
+)
 from envs.sandbox import ExecResult, SandboxError, python_in_sandbox
 
 RELAY = r"""
@@ -96,6 +112,11 @@ class AgentConfig(EnvConfig):
         "", description="Shell command run in the sandbox after the agent; last line = score."
     )
     agent_timeout_s: float = Field(600.0, gt=0, description="Wall-clock limit of the whole agent run.")
+    action_cores: int = Field(
+        1,
+        ge=1,
+        description="Cores the program is granted for each action (what it does between model calls).",
+    )
     tasks: list[AgentTask] = Field(
         default_factory=list, description="The task set (split by a hash of the id)."
     )
@@ -115,6 +136,7 @@ class AgentEnv(Env):
         self._server: asyncio.AbstractServer | None = None
         self.requests = 0
         self.result: ExecResult | None = None
+        self.actions: ActionGate | None = None
 
     @classmethod
     def tasks(cls, split: Split, seed: int, n: int, config: AgentConfig | None = None) -> list[Task]:
@@ -142,6 +164,19 @@ class AgentEnv(Env):
             raise ValueError(f"gateway base_url must be http://host:port[/prefix], got {gateway.base_url!r}")
         self.gateway = gateway
 
+    def attach_actions(self, gate: ActionGate) -> None:
+        """Let ``gate`` grant the program its resources per action (before ``run``)."""
+        self.actions = gate
+
+    def action_request(self, action: str) -> ResourceRequest:
+        """What one action of the program (its work between two model calls) needs."""
+        return ResourceRequest(demand={"cpu": self.config.action_cores}, kind="agent")
+
+    def resource_pid(self) -> int | None:
+        """The running program (its process group holds the tools it starts)."""
+        running = self.sandbox.running if self.sandbox is not None else []
+        return running[-1] if running else None
+
     async def reset(self, task: Task) -> list[dict[str, str]]:
         if not self.config.command:
             raise ValueError("agent env needs config.command")
@@ -163,7 +198,18 @@ class AgentEnv(Env):
         sandbox = self.sandbox
         sandbox.config.env.update(OPENAI_API_KEY="sandbox", TREADLE_TASK=task.prompt)
         argv = [python_in_sandbox(sandbox.config), "-I", "-c", RELAY, self.socket_path, self.config.command]
-        self.result = await asyncio.to_thread(sandbox.run, argv, self.config.agent_timeout_s)
+
+        def program() -> ExecResult:
+            with started_on(self.cores):  # the program starts on its first action's cores
+                return sandbox.run(argv, self.config.agent_timeout_s)
+
+        if self.actions is not None:
+            await self.actions.acting()
+        try:
+            self.result = await asyncio.to_thread(program)
+        finally:
+            if self.actions is not None:
+                self.actions.waiting()
         info = {
             "exit_code": self.result.exit_code,
             "gateway_requests": self.requests,
@@ -230,12 +276,18 @@ class AgentEnv(Env):
                 upstream_url.hostname, upstream_url.port or 80
             )
             self.requests += 1
-            up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-            await up_writer.drain()
-            while chunk := await up_reader.read(65536):
-                writer.write(chunk)
-                await writer.drain()
-            up_writer.close()
+            if self.actions is not None:
+                self.actions.waiting()
+            try:
+                up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+                await up_writer.drain()
+                reply = await up_reader.read()
+                up_writer.close()
+            finally:
+                if self.actions is not None:
+                    await self.actions.acting()
+            writer.write(reply)
+            await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, ConnectionError, OSError):
             with contextlib.suppress(Exception):
                 await _reply(writer, 400, "malformed request or gateway unreachable")

@@ -22,7 +22,7 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -133,6 +133,17 @@ def started_on(cores: frozenset[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+class ActionGate(Protocol):
+    """How a self-driving env tells the rollout service when its program acts (and needs the
+    resources of ``action_request``) and when it waits on a model call (and needs none)."""
+
+    async def acting(self) -> None:
+        """The program starts, or a model reply arrived: returns once it is granted its resources."""
+
+    def waiting(self) -> None:
+        """The program sent a model call, or ended: its resources go back."""
 
 
 class EnvConfig(BaseModel):

@@ -224,6 +224,11 @@ class Sandbox:
         self._procs: list[subprocess.Popen | object] = []
         self.closed = False
 
+    @property
+    def running(self) -> list[int]:
+        """Process ids of the commands running now (each leads its own process group)."""
+        return [pid for pid in (getattr(proc, "pid", None) for proc in list(self._procs)) if pid]
+
     def env(self) -> dict[str, str]:
         """The scrubbed environment every command starts with."""
         base = {

@@ -13,7 +13,8 @@
 
 Each stage has its own concurrency limit, so a slow test suite in EVAL never blocks
 agents in RUN. Inside the stages, every tool call and test run the environment declares
-(``Env.action_request`` / ``Env.eval_request``), and every reward-model call (one unit of
+(``Env.action_request`` / ``Env.eval_request``; for a self-driving env, what its program
+does between two model calls), and every reward-model call (one unit of
 the ``reward`` resource, ``ServiceConfig.reward_slots``; the model loaded on the device
 for the call), is granted its resources per action by
 the scheduler chosen in ``ServiceConfig.scheduler`` (``rollout.scheduler``: ``action`` for
@@ -219,6 +220,61 @@ def make_reward_models(config: ServiceConfig) -> RewardModels | None:
     return RewardModels(config.reward_models, device=config.reward_device, budget_bytes=budget)
 
 
+class _ProgramActions:
+    """The action gate of a self-driving env: its program holds a grant of what the env
+    declares per action while it acts (from its start, and from each model reply until its
+    next model call; several calls in flight count as one wait), and is parked without one
+    while it waits."""
+
+    def __init__(
+        self, scheduler: ActionScheduler | StaticReservation, env: Env, rollout_id: str, clock: _Clock
+    ):
+        self.scheduler = scheduler
+        self.env = env
+        self.clock = clock
+        needs = _declared(env, "action_request", "")
+        self.needs = None if needs is None else dataclasses.replace(needs, trajectory_id=rollout_id)
+        self.waits = 1  # the program has not started
+        self.grant = None
+        self.closed = False
+
+    async def acting(self) -> None:
+        self.waits -= 1
+        if self.waits or self.needs is None or self.closed:
+            return
+        asked = time.perf_counter()
+        grant = await self.scheduler.acquire(self.needs)
+        self.clock.resource_wait += time.perf_counter() - asked
+        if self.closed or self.waits:  # the rollout ended, or the program called again meanwhile
+            self.scheduler.release(grant)
+            return
+        self.grant = grant
+        self.env.cores = grant.cores or None
+        pid = self.env.resource_pid()
+        if pid is not None and self.scheduler.cpu is not None and grant.cores:
+            self.scheduler.cpu.bind(pid, grant.cores)
+
+    def waiting(self) -> None:
+        self.waits += 1
+        if self.waits == 1:
+            self._give_back()
+
+    def close(self) -> None:
+        """The rollout is over: give back what the program holds, and refuse it more."""
+        self.closed = True
+        self._give_back()
+
+    def _give_back(self) -> None:
+        grant, self.grant = self.grant, None
+        if grant is None:
+            return
+        pid = self.env.resource_pid()
+        if pid is not None and self.scheduler.cpu is not None and grant.cores:
+            self.scheduler.cpu.park(pid)
+        self.env.cores = None
+        self.scheduler.release(grant)
+
+
 class RolloutService:
     """Runs rollouts through INIT → RUN → EVAL pools against a gateway.
 
@@ -327,6 +383,7 @@ class RolloutService:
             group_id=request.group_id,
         )
         env: Env | None = None
+        actions: _ProgramActions | None = None
         state = {"reward": None, "progress": None, "done": False}
         status, error = "ok", None
         stage = "init"
@@ -336,6 +393,9 @@ class RolloutService:
             if drives_itself:
                 server = await self.gateway_server()
                 env.attach_gateway(GatewaySession(f"{server.url}/v1", server.token, session.session_id))
+                if self.scheduler is not None:
+                    actions = _ProgramActions(self.scheduler, env, request.rollout_id, clock)
+                    env.attach_actions(actions)
             first = await self._stage("init", clock, lambda: env.reset(task))
             if not drives_itself:
                 session.add_messages(first)
@@ -366,12 +426,12 @@ class RolloutService:
         except InvalidRequest as exc:
             status, error = "truncated", f"context limit: {exc}"
         except asyncio.CancelledError:
-            await self._cleanup(env, session, request)
+            await self._cleanup(env, session, request, actions)
             raise
         except Exception as exc:  # an environment's own bug must not take the worker down
             status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
             log.warning("rollout %s of %s/%s: %s", request.rollout_id, task.env, task.id, error)
-        await self._cleanup(env, session, request)
+        await self._cleanup(env, session, request, actions)
         reward = state["reward"] if status in ("ok", "truncated") else None
         if status == "truncated" and reward is None:
             reward = 0.0
@@ -459,7 +519,11 @@ class RolloutService:
             clock.resource_wait += time.perf_counter() - asked
             return await self.rewards.score(name, session.messages)
 
-    async def _cleanup(self, env: Env | None, session: Session, request: RolloutRequest) -> None:
+    async def _cleanup(
+        self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None
+    ) -> None:
+        if actions is not None:
+            actions.close()
         if self.scheduler is not None:
             self.scheduler.end_trajectory(request.rollout_id)
         if env is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -131,3 +132,60 @@ def test_agent_program_through_the_real_gateway_gives_a_token_exact_record(tiny)
     for turn in (1, 2):
         expected += renderer.delta([transcript[2 * turn]], actions[turn - 1]) + actions[turn]
     assert tokens == expected
+
+
+AFFINITY_SCRIPT = """
+import json, os, urllib.request
+seen = [sorted(os.sched_getaffinity(0))]
+messages = [{"role": "user", "content": os.environ["TREADLE_TASK"]}]
+for turn in range(2):
+    request = urllib.request.Request(
+        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "policy", "messages": messages, "max_tokens": 4, "seed": turn}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer x"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as response:
+        reply = json.load(response)["choices"][0]["message"]["content"]
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "go on"}]
+    seen.append(sorted(os.sched_getaffinity(0)))
+print(json.dumps(seen))
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_the_agent_program_runs_on_granted_cores_between_model_calls_and_is_parked_while_it_waits(tiny):
+    model, tokenizer = tiny
+    config = agent_config() | {"command": f"python3 -I -c {shlex.quote(AFFINITY_SCRIPT)}", "action_cores": 2}
+    config["eval_command"] = "echo 1"
+    task = registry.task_set("agent", "train", 0, 1, config)[0]
+    envs, parked = [], []
+
+    class ParkedWhileGenerating(TorchEngine):
+        async def generate(self, session_id, prompt_ids, params):
+            parked.append(os.sched_getaffinity(envs[0].resource_pid()))
+            return await super().generate(session_id, prompt_ids, params)
+
+    def make_env(task):
+        envs.append(registry.make("agent", config))
+        return envs[-1]
+
+    async def body():
+        engine = ParkedWhileGenerating(model, tokenizer)
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(
+            gateway, make_env, ServiceConfig(timeout_s=120, scheduler="action", scheduler_cores=2)
+        )
+        try:
+            return service, await service.process(RolloutRequest(task=task))
+        finally:
+            await service.close()
+            await engine.close()
+
+    service, result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    cpu = service.scheduler.cpu
+    granted = sorted(cpu.pool)
+    assert envs[0].result.exit_code == 0, envs[0].result.output
+    assert json.loads(envs[0].result.output.strip().splitlines()[-1]) == [granted] * 3
+    assert parked == [cpu.parking] * 2
+    assert cpu.available == cpu.pool and service.scheduler.policy.free == [2.0]
