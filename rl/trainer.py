@@ -49,6 +49,7 @@ STATE_FILE = "trainer_state.json"
 POLICY_OPTIMIZER_FILE = "policy_optimizer.pt"
 VALUE_MODEL_FILE = "value_model.safetensors"
 VALUE_OPTIMIZER_FILE = "value_optimizer.pt"
+NON_FINITE_POLICY = "non-finite policy parameters"
 
 
 def token_logprobs(
@@ -565,8 +566,19 @@ class Trainer:
                 out.append(advantages)
         return out
 
+    def _has_non_finite_parameters(self) -> bool:
+        """Whether a policy parameter is NaN or infinite (one pass over the weights, far
+        cheaper than a forward pass over the batch)."""
+        return any(not torch.isfinite(p).all() for p in self.policy.parameters())
+
     def _train_step(self, samples: list[Sample]) -> StepMetrics | None:
-        """K critic steps, advantages with the updated critic, one DIS policy step."""
+        """K critic steps, advantages with the updated critic, one DIS policy step.
+
+        A batch with no trainable token, or met by a policy with non-finite parameters, is
+        rejected before any update. A non-finite policy loss or gradient norm found after the
+        backward pass (e.g. an overflow) still rejects the batch, but by then the critic has
+        taken its K steps.
+        """
         config = self.config
         started = time.perf_counter()
         parts = self._parts(samples)
@@ -577,6 +589,10 @@ class Trainer:
 
         value_stats = []
         if self.value_model is not None:
+            # a batch the policy step would reject must not train the critic either
+            if self._has_non_finite_parameters():
+                self._reject_batch(samples, NON_FINITE_POLICY)
+                return None
             old_values = self._old_values(parts)
             value_stats = [self._value_step(parts, old_values) for _ in range(config.value_steps)]
         advantages = self._advantages(parts, samples)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import signal
@@ -18,10 +19,11 @@ import pyarrow as pa
 import pytest
 import torch
 
+from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.models import TinyModelConfig, ensure_base_version, load_policy, publish_policy
-from rl.trainer import VALUE_MODEL_FILE, Trainer, token_logprobs
+from rl.trainer import VALUE_MODEL_FILE, Trainer, token_logprobs, token_values
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
 from storage.shards import ShardWriter
@@ -317,6 +319,152 @@ def test_all_masked_batch_is_rejected_not_trained(store):
     assert trainer.step == 0
     assert trainer._rejected["all-masked batch: no trainable tokens"] == 2
     assert "processed/x/0" in trainer.consumption.done
+
+
+def open_batch(trainer: Trainer, records: list[dict], shard_id: str = "processed/x/0") -> list:
+    """``records`` as one batch for ``trainer._train_step``, without going through the shard log."""
+    samples, rejected = samples_from_table(to_table(records, PROCESSED_SCHEMA), shard_id, trainer.vocab_size)
+    assert rejected == []
+    trainer.consumption.open(shard_id, len(samples))
+    return samples
+
+
+def with_rewards(records: list[dict], rewards: list[float]) -> list[dict]:
+    for record, reward in zip(records, rewards, strict=True):
+        record["reward"] = reward
+    return records
+
+
+def one_step(store: RunStore, records: list[dict], **overrides):
+    """A fresh trainer's first step on ``records``; returns its metrics and the trainer."""
+    trainer = Trainer(store, config(**overrides))
+    return trainer._train_step(open_batch(trainer, records)), trainer
+
+
+def parameters(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_a_batch_met_by_a_non_finite_policy_does_not_train_the_critic(store):
+    trainer = Trainer(store, config())
+    bad = open_batch(trainer, make_trajectories(store, 4, seed=20), "processed/x/0")
+    good = open_batch(trainer, make_trajectories(store, 4, seed=21), "processed/x/1")
+    output_embedding = trainer.policy.get_output_embeddings().weight
+    kept = float(output_embedding.detach()[0, 0])
+    critic = parameters(trainer.value_model)
+    with torch.no_grad():
+        output_embedding[0, 0] = float("nan")
+
+    assert trainer._train_step(bad) is None
+    assert trainer.step == 0 and not trainer.policy_optimizer.state
+    assert unchanged(trainer.value_model, critic)
+
+    with torch.no_grad():
+        output_embedding[0, 0] = kept
+    metrics = trainer._train_step(good)
+    assert metrics.extra["rejected"] == {"non-finite policy parameters": 4}
+    assert not unchanged(trainer.value_model, critic)
+    assert {"processed/x/0", "processed/x/1"} <= trainer.consumption.done
+
+
+def test_policy_step_uses_advantages_of_the_critic_after_its_k_steps(store):
+    records = with_rewards(make_trajectories(store, 4, seed=22), [1.0, 0.0, 0.0, 1.0])
+    trainer = Trainer(store, config(value_lr=0.05))
+    samples = open_batch(trainer, records)
+    calls = []
+    for name, model in (("critic", trainer.value_model), ("policy", trainer.policy)):
+        model.register_forward_hook(lambda *_, name=name: calls.append((name, torch.is_grad_enabled())))
+    metrics = trainer._train_step(samples)
+
+    # two micro-batches of 2 rows: K = 2 critic steps, the advantages' values, the policy step
+    trained = [call for call in calls if call != ("policy", False)]
+    assert trained == [("critic", True)] * 4 + [("critic", False)] * 2 + [("policy", True)] * 2
+    batch = pad_batch(samples, trainer.pad_id)
+    with torch.no_grad():  # the policy step does not touch the critic: this is its state after K steps
+        values = token_values(trainer.value_model, batch.input_ids, batch.attention_mask)
+
+    def advantage_stats(critic_values: torch.Tensor):
+        advantages = skip_observation_gae(batch.rewards, critic_values, batch.action_mask, 1.0, 0.95)[0]
+        used = advantages[batch.train_mask]
+        return pytest.approx([float(used.mean()), float(used.std())], abs=1e-5)
+
+    reported = [metrics.extra["advantage_mean"], metrics.extra["advantage_std"]]
+    assert reported == advantage_stats(values)
+    assert reported != advantage_stats(torch.zeros_like(values))  # the critic before its steps (head at 0)
+
+
+def test_adaptive_lambda_is_one_minus_one_over_alpha_times_the_action_length(store):
+    records = with_rewards(make_trajectories(store, 4, seed=23), [1.0, 0.0, 1.0, 1.0])
+    # every row has 5 action tokens: λ = 1 − 1/(0.5·5) = 0.6 instead of lam = 0.95
+    adaptive, adaptive_trainer = one_step(store, records, adaptive_lambda=True, lambda_alpha=0.5)
+    fixed, fixed_trainer = one_step(store, records, lam=0.6)
+    default, _ = one_step(store, records)
+
+    for key in ("advantage_mean", "advantage_std"):
+        assert adaptive.extra[key] == pytest.approx(fixed.extra[key], abs=1e-6)
+        assert abs(adaptive.extra[key] - default.extra[key]) > 1e-2
+    for name, p in adaptive_trainer.policy.named_parameters():
+        torch.testing.assert_close(p, dict(fixed_trainer.policy.named_parameters())[name])
+
+
+def test_value_clip_scores_the_second_critic_step_against_the_pre_step_values(store):
+    records = with_rewards(make_trajectories(store, 4, seed=24), [1.0, 0.0, 1.0, 1.0])
+    plain, plain_trainer = one_step(store, records, value_lr=1e-2)
+    clipped, clipped_trainer = one_step(store, records, value_lr=1e-2, value_clip=1e-4)
+
+    plain_losses, clipped_losses = plain.extra["value_losses"], clipped.extra["value_losses"]
+    assert clipped_losses[0] == pytest.approx(plain_losses[0])  # the first step starts at the old values
+    # the second: values held within 1e-4 of the old ones count the error the first step removed
+    assert plain_losses[1] < 0.9 * plain_losses[0]
+    assert clipped_losses[1] == pytest.approx(plain_losses[0], rel=2e-2)
+    assert not unchanged(clipped_trainer.value_model, parameters(plain_trainer.value_model))
+
+
+def test_normalize_advantages_whitens_the_advantages_of_the_policy_step(store):
+    records = with_rewards(make_trajectories(store, 4, seed=25), [1.0, 0.0, 1.0, 1.0])
+    plain, _ = one_step(store, records)
+    normalized, _ = one_step(store, records, normalize_advantages=True)
+
+    assert plain.extra["advantage_mean"] > 0.3
+    assert normalized.extra["advantage_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert normalized.extra["advantage_std"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_grpo_normalize_std_divides_each_advantage_by_its_group_std(store):
+    # groups are rows (0, 1) and (2, 3): advantages ±0.5, group std 1/√2
+    records = with_rewards(make_trajectories(store, 4, seed=26), [0.0, 1.0, 1.0, 0.0])
+    plain, _ = one_step(store, records, mode="grpo")
+    normalized, _ = one_step(store, records, mode="grpo", grpo_normalize_std=True)
+
+    tokens = 4 * 5  # every token of a row carries its row's advantage
+    assert plain.extra["advantage_std"] == pytest.approx(0.5 * math.sqrt(tokens / (tokens - 1)))
+    assert normalized.extra["advantage_std"] == pytest.approx(
+        math.sqrt(2) * plain.extra["advantage_std"], rel=1e-5
+    )
+    # the policy loss is linear in the advantages (ratios are 1 on the first step)
+    assert normalized.row["policy_loss"] == pytest.approx(math.sqrt(2) * plain.row["policy_loss"], rel=1e-4)
+
+
+def test_value_pretraining_steps_only_the_critic_before_the_first_policy_step(store):
+    write_shards(store, make_trajectories(store, 8, seed=27), per_shard=8)
+    trainer = Trainer(store, config(value_pretrain_steps=3))
+    policy, critic = parameters(trainer.policy), parameters(trainer.value_model)
+    critic_steps = []  # per critic step: (policy steps so far, policy unchanged, critic changed)
+    trainer.value_optimizer.register_step_post_hook(
+        lambda *_: critic_steps.append(
+            (trainer.step, unchanged(trainer.policy, policy), not unchanged(trainer.value_model, critic))
+        )
+    )
+    trainer.run(drain=True)
+
+    # 3 pretraining steps, then K = 2 before each of the 2 policy steps (4 rows each)
+    assert critic_steps == [(0, True, True)] * 5 + [(1, False, True)] * 2
+    assert trainer.step == 2 and trainer.value_pretrain_done == 3
+    assert Trainer(store, config(value_pretrain_steps=3)).value_pretrain_done == 3  # not redone on resume
 
 
 def test_resume_restores_step_optimizer_value_model_and_consumption(store):

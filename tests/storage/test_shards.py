@@ -26,6 +26,7 @@ from storage.shards import (
     sweep_uncommitted,
 )
 from storage.tables import Tables
+from storage.weights import WeightStore
 from tests.conftest import free_port
 from tests.storage.records import make_processed_table, make_record, make_table
 
@@ -420,5 +421,12 @@ def test_an_unreachable_endpoint_fails_fast_with_a_clear_error():
     assert "127.0.0.1" in str(info.value)
     with pytest.raises(EndpointConnectionError, match="Could not connect to the endpoint URL"):
         store.fs.pipe_file(store.path("shards/x"), b"x")
+    errors = [info.value]
+    for reading in (ShardReader(store).poll, lambda: Tables(store).read("shards"), WeightStore(store).latest):
+        with pytest.raises((OSError, EndpointConnectionError)) as info:
+            reading()
+        assert "127.0.0.1" in str(info.value)
+        errors.append(info.value)
     assert time.monotonic() - started < 60
-    assert "do-not-print-me" not in str(info.value) and "do-not-print-me" not in repr(config)
+    assert not any("do-not-print-me" in f"{error} {error!r}" for error in errors)
+    assert "do-not-print-me" not in repr(config)
