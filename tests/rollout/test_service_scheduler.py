@@ -129,6 +129,21 @@ def test_action_scheduler_pins_the_sandbox_to_the_granted_core_and_reclaims_it(t
     assert service.scheduler.policy.queued == 0
 
 
+class StatefulPyTool(ScriptedPyTool):
+    """Sets a variable in one action and reads it in the next."""
+
+    script = ("run: x = 41", "run: print(x + 1)", "answer: 0")
+
+
+def test_the_sandbox_keeps_its_memory_across_actions_while_parked_in_between(tiny):
+    config = ServiceConfig(max_new_tokens=4, timeout_s=120, scheduler="action", scheduler_cores=2)
+    service, env, result, _ = _run(tiny, config, StatefulPyTool, "pytool", hold_one_core=True)
+    assert result.status in ("ok", "truncated"), result.error
+    assert env.seen[1].strip() == "42"  # the interpreter that ran the first action ran the second
+    assert env.parked == {service.scheduler.cpu.parking}
+    assert service.scheduler.cpu.available == service.scheduler.cpu.pool
+
+
 def test_static_mode_holds_the_reservation_for_the_whole_rollout(tiny):
     config = ServiceConfig(
         max_new_tokens=4, timeout_s=120, scheduler="static", scheduler_cores=2, scheduler_static_cores=1
