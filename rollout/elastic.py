@@ -29,7 +29,6 @@ session start/end times, queue depths, unconsumed trajectories, trainer idle tim
 from __future__ import annotations
 
 import bisect
-import copy
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -456,28 +455,3 @@ class ElasticController:
                 "moves": [asdict(m) for m in self.moves[-8:]],
             }
         }
-
-
-@dataclass
-class ElasticLog:
-    """Feeds a controller from the pipeline and returns its record for ``train_steps.extra``.
-
-    With ``apply_moves`` False (the default: one machine, nothing to move) the controller
-    only advises: it decides on a copy, the record says what it would have moved, and the
-    roles it logs are the real ones, unchanged.
-    """
-
-    controller: ElasticController
-    apply_moves: bool = False
-
-    def record(self, inputs: PolicyInputs, now: float) -> dict:
-        """Decide on ``inputs`` and return ``{"elastic": {...}}`` with the inputs, roles and decision."""
-        if self.apply_moves:
-            decided = self.controller.step(inputs, now)
-        else:
-            decided = copy.deepcopy(self.controller).step(inputs, now)
-            self.controller.last_inputs = inputs
-        record = self.controller.log_record()
-        record["elastic"]["applied"] = self.apply_moves
-        record["elastic"]["decided"] = [asdict(m) for m in decided]
-        return record

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.elastic import ElasticConfig, ElasticController, ElasticLog, PolicyInputs, SessionLengths
+from rollout.elastic import ElasticConfig, ElasticController, PolicyInputs, SessionLengths
 from rollout.elastic_sim import (
     ElasticWorkload,
     continuous_lower_bound,
@@ -208,58 +208,6 @@ def test_simulated_pipeline_drains_without_interrupting_rollouts():
     idle = fixed.idle_unit_seconds()
     assert idle["idle_draining"] == idle["moving_units"] == 0  # a fixed split never moves
     assert sum(run.idle_unit_seconds().values()) > 0
-
-
-def test_advisory_log_decides_on_a_copy_and_moves_nothing():
-    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
-    record = ElasticLog(ctl).record(BEHIND, now=1.0)["elastic"]
-    assert record["applied"] is False
-    assert [(m["unit"], m["target"]) for m in record["decided"]] == [("r0", "train")]
-    assert ctl.units_in("train") == ["t0"] and ctl.moves == [] and record["roles"]["r0"] == "rollout"
-    applied = ElasticLog(ctl, apply_moves=True).record(BEHIND, now=2.0)["elastic"]
-    assert applied["applied"] is True and ctl.units_in("train") == ["r0", "t0"]
-
-
-def test_train_steps_rows_carry_the_elastic_inputs_and_decision(tmp_path):
-    from rl.models import ensure_base_version
-    from rl.trainer import Trainer
-    from storage.config import RunStore, StorageConfig
-    from storage.tables import Tables
-    from storage.weights import WeightStore
-    from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
-
-    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "elastic-log")
-    ensure_base_version(WeightStore(store), TINY)
-    write_shards(store, make_trajectories(store, 8, seed=3), per_shard=2)
-    trainer = Trainer(store, config())
-    log = ElasticLog(
-        ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(high_backlog=1, cooldown_s=0))
-    )
-    seen = []
-
-    def record():
-        inputs = PolicyInputs(trainer.unconsumed_shards(), engine_queue_depth=0, trainer_idle=0.0)
-        seen.append(inputs)
-        return log.record(inputs, now=float(len(seen)))
-
-    trainer.run(drain=True, step_extra=record)
-    trainer.close()
-    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
-    assert len(rows) == len(seen) == 2
-    for row, inputs in zip(rows, seen, strict=True):
-        elastic = json.loads(row["extra"])["elastic"]
-        assert elastic["inputs"] == {
-            "unconsumed_shards": inputs.unconsumed_shards,
-            "engine_queue_depth": 0,
-            "trainer_idle": 0.0,
-            "train_unit_s_per_trajectory": None,
-            "unconsumed_trajectories": None,
-        }
-        assert elastic["roles"] == {"r0": "rollout", "r1": "rollout", "t0": "train"}
-        assert elastic["applied"] is False
-    # after the first batch (4 rows of 2-row shards) 2 shards wait: behind, the advice is to lend a replica
-    assert [inputs.unconsumed_shards for inputs in seen] == [2, 0]
-    assert json.loads(rows[0]["extra"])["elastic"]["decided"][0]["target"] == "train"
 
 
 def test_train_task_logs_the_engine_queue_depth_it_is_given(tmp_path):
