@@ -87,7 +87,8 @@ def test_three_flow_processes_on_s3_lend_a_replica_and_lose_no_rollout(tmp_path,
     assert any(s.draining for s in statuses), "the worker never applied a drain"
     assert all(len(s.draining) < 2 for s in statuses), "the last accepting replica was drained"
     final = ElasticPlanBoard(store).read()
-    assert not final.running and final.draining == [] and final.train == [], final  # all handed back
+    # the stopping trainer's last plan gives every replica back to rollout
+    assert not final.running and final.draining == [] and final.train == [], final
 
     weights = WeightStore(store)
     assert [v for v in weights.list() if weights.manifest(v)["tag"] == "base"] == [0]
