@@ -393,9 +393,10 @@ class RolloutService:
             if drives_itself:
                 server = await self.gateway_server()
                 env.attach_gateway(GatewaySession(f"{server.url}/v1", server.token, session.session_id))
-                if self.scheduler is not None:
+                attach_actions = getattr(env, "attach_actions", None)
+                if self.scheduler is not None and attach_actions is not None:
                     actions = _ProgramActions(self.scheduler, env, request.rollout_id, clock)
-                    env.attach_actions(actions)
+                    attach_actions(actions)
             first = await self._stage("init", clock, lambda: env.reset(task))
             if not drives_itself:
                 session.add_messages(first)

@@ -375,7 +375,7 @@ class BackgroundShardWriter(ShardWriter):
 
 class ShardReader:
     """Lists committed shards of one kind through the Delta commit log and reads them
-    validated; a shard that cannot be read or is invalid is quarantined, not raised."""
+    validated; a shard whose bytes are corrupt or invalid is quarantined, not raised."""
 
     def __init__(
         self,
