@@ -42,7 +42,7 @@ from rollout.engines.base import Engine
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStats
-from rollout.router import Router
+from rollout.router import Router, RouterConfig
 from rollout.service import RolloutResult, RolloutService, ServiceConfig
 from storage.config import RunStore
 from storage.shards import BackgroundShardWriter, ShardInfo
@@ -72,6 +72,8 @@ class RolloutWorker:
         flush_records: records per raw shard; shards are written and committed off the event
             loop (``BackgroundShardWriter``), and ``on_shard`` is called with each once committed.
         cluster: ``"ray"`` runs the engines as Ray actors (``rollout.ray_engine``).
+        router: the sticky router's settings (whether a drained replica's sessions move at
+            their next turn must agree with the trainer's ``elastic.migrate_at_turns``).
         make_env: builds each rollout's env (e.g. ``RayEnvPool.make_env``); default: in process.
         plan_poll_s: seconds between reads of the elastic plan.
         plan_max_age_s: a running trainer's plan or status older than this is ignored (with a warning
@@ -95,6 +97,7 @@ class RolloutWorker:
         weight_poll_s: float = 1.0,
         on_result: Callable[[RolloutResult], None] | None = None,
         on_shard: Callable[[ShardInfo], None] | None = None,
+        router: RouterConfig | None = None,
         cluster: Literal["local", "ray"] = "local",
         make_env: Callable[[Task], Env] | None = None,
         plan_poll_s: float = 1.0,
@@ -113,6 +116,7 @@ class RolloutWorker:
         self.writer = BackgroundShardWriter(
             store, name, flush_records=flush_records, flush_seconds=flush_seconds, on_commit=on_shard
         )
+        self.router_config = router or RouterConfig()
         self.weight_poll_s = weight_poll_s
         self.on_result = on_result
         self.cluster = cluster
@@ -178,7 +182,7 @@ class RolloutWorker:
             tokenizer = load_tokenizer(path)
         self.version = version
         self._shards_at_version = self.writer.committed
-        self.router = Router(self.engines)
+        self.router = Router(self.engines, self.router_config)
         gateway = Gateway(self.router, tokenizer, self.gateway_config)
         service = self.service = RolloutService(gateway, self.make_env, self.service_config)
         streams = task_streams(list(self.orchestrator_config.mix), self.env_configs, self.seed)

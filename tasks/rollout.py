@@ -14,6 +14,7 @@ from prefect import task
 from prefect.events import emit_event
 
 from flows.config import RunConfig
+from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
 from storage.shards import ShardInfo
 from storage.status import RolloutStatus, RolloutStatusBoard, wait_until_free
@@ -38,6 +39,12 @@ def status_object(worker_name: str, status: dict[str, Any], running: bool) -> Ro
         sessions_ended=status.get("sessions_ended", 0),
         session_lengths=[round(length, 3) for length in status.get("session_lengths", [])],
     )
+
+
+def router_config(config: RunConfig) -> RouterConfig:
+    """The worker's router: a drained replica's sessions move at their next turn exactly
+    when the trainer's controller counts on it (``elastic.migrate_at_turns``)."""
+    return RouterConfig(migrate_on_drain=config.elastic.migrate_at_turns)
 
 
 def run_rollouts(
@@ -100,6 +107,7 @@ def run_rollouts(
         cluster=config.cluster,
         make_env=env_pool.make_env if env_pool is not None else None,
         on_shard=on_shard,
+        router=router_config(config),
     )
 
     async def publish_status(running: bool) -> dict[str, Any]:

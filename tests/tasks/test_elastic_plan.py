@@ -29,7 +29,7 @@ from storage.status import (
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
-from tasks.rollout import run_rollouts, status_object
+from tasks.rollout import router_config, run_rollouts, status_object
 from tasks.train import run_trainer
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
 
@@ -292,3 +292,9 @@ def test_a_two_replica_pipeline_lends_a_replica_to_training_and_loses_no_rollout
     costs = [r["inputs"]["train_unit_s_per_trajectory"] for r in records[1:]]
     assert costs and all(c is not None and c > 0 for c in costs)
     assert all(r["inputs"]["unconsumed_trajectories"] >= 0 for r in records)
+
+
+def test_the_workers_router_migrates_drained_sessions_exactly_when_the_controller_counts_on_it():
+    assert router_config(RunConfig()).migrate_on_drain is True
+    staying = RunConfig.model_validate({"elastic": {"migrate_at_turns": False}})
+    assert router_config(staying).migrate_on_drain is False
