@@ -102,10 +102,13 @@ class PolicyInputs:
     """What the controller decides on.
 
     ``unconsumed_shards``: committed shards the trainer has not consumed yet;
-    ``engine_queue_depth``: sessions waiting for a rollout replica;
+    ``engine_queue_depth``: sessions waiting for room on a rollout replica (in the pipeline,
+    generation requests queued in the engines, one per waiting session);
     ``trainer_idle``: fraction of the last interval the training units sat idle (0..1);
     ``train_unit_s_per_trajectory``: unit-seconds the trainer spent per trajectory lately
-    (measured; ``None`` while unknown).
+    (measured; ``None`` while unknown);
+    ``unconsumed_trajectories``: the trainer's backlog in trajectories (``None``: count one
+    per shard).
     """
 
     unconsumed_shards: int
