@@ -233,6 +233,10 @@ class Trainer:
             rows={shard: set(rows) for shard, rows in state.get("partial_rows", {}).items()},
         )
         self._steps_since_publish = 0
+        recorded = set(self.tables.read("weights").column("version").to_pylist())
+        if version not in recorded:  # published by a trainer killed before it wrote the row
+            self.tables.append("weights", [self.weights.table_row(version)])
+            logger.info("recorded weight version %d in the weights table (its row was missing)", version)
         logger.info(
             "trainer resumed from version %d at step %d (attempt %s)", version, self.step, self.attempt
         )
@@ -283,20 +287,7 @@ class Trainer:
             metadata=metadata,
             extra_files=extra,
         )
-        self.tables.append(
-            "weights",
-            [
-                {
-                    "version": version,
-                    "step": self.step,
-                    "parent": parent,
-                    "path": self.weights.version_url(version),
-                    "num_consumed_shards": len(consumption.since_publish_shards),
-                    "created_at": datetime.now(UTC),
-                    "tag": None,
-                }
-            ],
-        )
+        self.tables.append("weights", [self.weights.table_row(version)])
         logger.info(
             "published version %d at step %d (%d shards consumed since version %d)",
             version,

@@ -296,6 +296,19 @@ class WeightStore:
                 versions.append(int(match.group(1)))
         return sorted(versions)
 
+    def table_row(self, version: int) -> dict:
+        """``version``'s row of the run's ``weights`` Delta table, from its manifest."""
+        manifest = self.manifest(version)
+        return {
+            "version": version,
+            "step": int(manifest.get("step", 0)),
+            "parent": manifest.get("parent"),
+            "path": self.version_url(version),
+            "num_consumed_shards": len(manifest.get("metadata", {}).get("consumed_shards", [])),
+            "created_at": datetime.fromisoformat(manifest["created_at"]),
+            "tag": manifest.get("tag"),
+        }
+
     def manifest(self, version: int) -> dict:
         """The parsed manifest of ``version``; ``KeyError`` if it was never completed."""
         path = posixpath.join(self.version_path(version), MANIFEST_FILE)

@@ -108,20 +108,7 @@ def build_base_version(config: RunConfig, log=print) -> int:
             f"{BASE_VERSION_WAIT_S:.0f} s (its process died?); publishing this base as the next version"
         )
         version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base")
-    Tables(store).append(
-        "weights",
-        [
-            {
-                "version": version,
-                "step": 0,
-                "parent": None,
-                "path": weights.version_url(version),
-                "num_consumed_shards": 0,
-                "created_at": datetime.now(UTC),
-                "tag": "base",
-            }
-        ],
-    )
+    Tables(store).append("weights", [weights.table_row(version)])
     return version
 
 

@@ -140,7 +140,11 @@ def test_trains_every_row_once_and_logs_each_step(store):
     consumed = [shard for manifest in chain for shard in manifest["metadata"].get("consumed_shards", [])]
     assert sorted(consumed) == sorted(info.shard_id for info in infos)
     assert chain[-1]["step"] == 3
-    assert sorted(row["version"] for row in Tables(store).read("weights").to_pylist()) == summary.versions
+    # version 0 (published with no row) is recorded when the trainer resumes from it
+    assert sorted(row["version"] for row in Tables(store).read("weights").to_pylist()) == [
+        0,
+        *summary.versions,
+    ]
 
 
 def test_value_model_attention_stays_frozen_while_the_rest_trains(store):
@@ -465,6 +469,16 @@ def test_value_pretraining_steps_only_the_critic_before_the_first_policy_step(st
     assert critic_steps == [(0, True, True)] * 5 + [(1, False, True)] * 2
     assert trainer.step == 2 and trainer.value_pretrain_done == 3
     assert Trainer(store, config(value_pretrain_steps=3)).value_pretrain_done == 3  # not redone on resume
+
+
+def test_a_resumed_version_missing_from_the_weights_table_gets_its_row_once(store):
+    # version 0 was published without a row (as by a trainer killed between the two)
+    assert Tables(store).read("weights").num_rows == 0
+    Trainer(store, config())
+    Trainer(store, config())
+    (row,) = Tables(store).read("weights").to_pylist()
+    assert (row["version"], row["step"], row["parent"], row["tag"]) == (0, 0, None, "base")
+    assert row["path"] == WeightStore(store).version_url(0)
 
 
 def test_resume_restores_step_optimizer_value_model_and_consumption(store):
