@@ -127,7 +127,8 @@ class ServiceManager:
     On a CUDA machine the device is the GPU and the default budget is its free memory;
     on CPU the "device" is CPU memory under a configured budget (``budget_bytes`` required).
     Parked services keep CPU copies of their parameters and buffers; loading materialises
-    the module on the device from them, evicting moves the module to the ``meta`` device so its memory is freed.
+    the module on the device from them, evicting moves the module to the ``meta`` device so
+    its memory is freed.
     """
 
     def __init__(self, device: str | None = None, budget_bytes: int | None = None):
