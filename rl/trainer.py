@@ -326,9 +326,8 @@ class Trainer:
             return
         table = self.reader.read(info)
         if table is None:
-            self._reject(
-                info.shard_id, [r for r in range(info.num_rows) if r not in already], "shard quarantined"
-            )
+            reason = "shard quarantined" if self.reader.quarantined(info) else "shard file missing"
+            self._reject(info.shard_id, [r for r in range(info.num_rows) if r not in already], reason)
             return
         samples, rejected = samples_from_table(table, info.shard_id, self.vocab_size)
         by_reason: dict[str, list[int]] = {}

@@ -409,8 +409,7 @@ class ShardReader:
         try:
             source = _open_ipc(self.store, shard.path)
         except FileNotFoundError:
-            reason_path = self.store.path(quarantine_path(shard.path) + ".reason")
-            if self.store.fs.exists(reason_path):
+            if self.quarantined(shard):
                 log.warning("shard %s was quarantined before; skipping it", shard.shard_id)
             else:
                 log.warning("shard %s is committed but its file %s is missing", shard.shard_id, shard.path)
@@ -432,6 +431,10 @@ class ShardReader:
         except SchemaError as exc:
             self._quarantine(shard, str(exc))
             return None
+
+    def quarantined(self, shard: ShardInfo) -> bool:
+        """Whether ``shard`` was moved to quarantine (its ``.reason`` file says why)."""
+        return self.store.fs.exists(self.store.path(quarantine_path(shard.path) + ".reason"))
 
     def _quarantine(self, shard: ShardInfo, reason: str) -> None:
         target = quarantine_path(shard.path)

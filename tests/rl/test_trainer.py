@@ -232,7 +232,9 @@ def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
     infos = write_shards(store, bad_rows, per_shard=4, worker="a")
     infos += write_shards(store, out_of_vocab, per_shard=2, worker="b")
     nan_id = commit_raw_shard(store, to_table(nan_rows, PROCESSED_SCHEMA), "nan0")
-    infos += write_shards(store, good, per_shard=4, worker="c")
+    (lost,) = write_shards(store, make_trajectories(store, 2, seed=7), per_shard=2, worker="d")
+    os.remove(store.path(lost.path))  # committed, then its file deleted
+    infos += [lost, *write_shards(store, good, per_shard=4, worker="c")]
 
     trainer = Trainer(store, config(token_budget=1000))
     with caplog.at_level("WARNING"):
@@ -245,6 +247,7 @@ def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
     assert rejected["status 'env_error' is excluded from the loss"] == 1
     assert rejected["reward is missing or not finite"] == 1
     assert rejected["shard quarantined"] == 2
+    assert rejected["shard file missing"] == 2
     assert sum(v for k, v in rejected.items() if "outside the policy's vocabulary of 300" in k) == 2
     assert "token id 5000 outside" in caplog.text
     consumed = [s for m in version_chain(trainer.weights) for s in m["metadata"].get("consumed_shards", [])]
