@@ -406,15 +406,12 @@ class RolloutService:
             stage = "eval"
             scorer = getattr(getattr(env, "config", None), "reward_model", None)
             if scorer is not None:
-                state["reward"] = await self._stage(
-                    "eval", clock, lambda: self._reward_call(scorer, session, request, clock)
-                )
+                needs, evaluate = self._reward_call(scorer, session)
             else:
-                state["reward"] = await self._stage(
-                    "eval",
-                    clock,
-                    lambda: self._act(_declared(env, "eval_request"), env, request, clock, env.evaluate),
-                )
+                needs, evaluate = _declared(env, "eval_request"), env.evaluate
+            state["reward"] = await self._stage(
+                "eval", clock, lambda: self._act(needs, env, request, clock, evaluate)
+            )
             if not state["done"] or session.turns and session.turns[-1].truncated:
                 status = "truncated"
         except RolloutTimeout as exc:
@@ -503,22 +500,18 @@ class RolloutService:
             finally:
                 env.cores = None
 
-    async def _reward_call(
-        self, name: str, session: Session, request: RolloutRequest, clock: _Clock
-    ) -> float:
-        """Reward model ``name``'s score of the conversation, inside a grant of one reward slot."""
+    def _reward_call(
+        self, name: str, session: Session
+    ) -> tuple[ResourceRequest | None, Callable[[], Awaitable[float]]]:
+        """What a call of reward model ``name`` needs (one reward slot, under the action
+        scheduler) and the call, which scores the conversation."""
         if self.rewards is None:
             raise KeyError(f"the env names reward model {name!r} but ServiceConfig.reward_models is empty")
         self.rewards.check(name)
-        if not isinstance(self.scheduler, ActionScheduler):
-            return await self.rewards.score(name, session.messages)
-        needs = ResourceRequest(
-            demand={REWARD_RESOURCE: 1}, kind=f"reward:{name}", trajectory_id=request.rollout_id
-        )
-        asked = time.perf_counter()
-        async with self.scheduler.run(needs):
-            clock.resource_wait += time.perf_counter() - asked
-            return await self.rewards.score(name, session.messages)
+        needs = None
+        if isinstance(self.scheduler, ActionScheduler):
+            needs = ResourceRequest(demand={REWARD_RESOURCE: 1}, kind=f"reward:{name}")
+        return needs, functools.partial(self.rewards.score, name, session.messages)
 
     async def _cleanup(
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None

@@ -304,26 +304,26 @@ class BackgroundShardWriter(ShardWriter):
         self.max_unsaved_records = max_unsaved_records or 8 * self.flush_records
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shards-{self.worker}")
         self._in_flight: Future[ShardInfo] | None = None
-        self._unsaved: list[pa.Table] = []
+        self._unsaved: pa.Table | None = None
         """Records handed over whose commit has not landed: in flight, or failed."""
 
     @property
     def unsaved_records(self) -> int:
         """Records handed to a commit that is still running or failed."""
-        return sum(table.num_rows for table in self._unsaved)
+        return 0 if self._unsaved is None else self._unsaved.num_rows
 
     def flush(self) -> None:
         self._settle()
-        if not self._buffer and not self._unsaved:
+        retrying = self._unsaved is not None
+        if not self._buffer and not retrying:
             return None
-        retrying = bool(self._unsaved)
-        self._unsaved = [_merged(self._unsaved + self._buffer)]
+        self._unsaved = _merged(([self._unsaved] if retrying else []) + self._buffer)
         self._clear_buffer()
         if retrying and self.unsaved_records > self.max_unsaved_records:
             self._commit_unsaved()
             return None
         self._in_flight = self._committer.submit(
-            contextvars.copy_context().run, self._commit_and_announce, self._unsaved[0]
+            contextvars.copy_context().run, self._commit_and_announce, self._unsaved
         )
         return None
 
@@ -338,7 +338,7 @@ class BackgroundShardWriter(ShardWriter):
             return None
         self.flush()
         self._settle()
-        if self._unsaved:
+        if self._unsaved is not None:
             self._commit_unsaved()
         self._committer.shutdown()
         self._closed = True
@@ -350,8 +350,8 @@ class BackgroundShardWriter(ShardWriter):
         return info
 
     def _commit_unsaved(self) -> None:
-        info = self._commit_next(self._unsaved[0])
-        self._unsaved = []
+        info = self._commit_next(self._unsaved)
+        self._unsaved = None
         self._announce(info)
 
     def _settle(self) -> None:
@@ -370,7 +370,7 @@ class BackgroundShardWriter(ShardWriter):
                 exc,
             )
             return
-        self._unsaved = []
+        self._unsaved = None
 
 
 class ShardReader:
