@@ -14,7 +14,10 @@ sides (pyarrow's default zstd level and threading, identical ``IpcWriteOptions``
 
 Throughput is trajectories per second over write + read, best of ``--repeats`` passes
 of each side, alternated, at the default flush size (256) and at ``--flush-records``.
-The ratio printed is at ``--flush-records``; the one at 256 is beside it.
+The ratio printed is at ``--flush-records``; the one at 256 is beside it. Each side's CPU
+time (all threads) is printed too: ``cpu_ratio`` (raw core-seconds / treadle's) is the
+ratio treadle would reach if it kept the cores as busy as raw pyarrow does, so on a
+machine whose cores raw pyarrow already fills, the headline ratio cannot pass it.
 
 Memory: each side is also run in a fresh process at ``--trajectories`` and at twice as
 many, with every batch a fresh copy that the producer drops after handing it over (as a
@@ -29,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -113,6 +117,12 @@ class PeakRSS:
         return self.peak - self.start
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process so far, every thread's (user + system)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def batches(pool: list[pa.Table], num_batches: int, fresh: bool):
     """The batches handed to the writers: the pool's in turn, or fresh copies of them."""
     for i in range(num_batches):
@@ -125,7 +135,7 @@ def run_treadle(
 ) -> dict[str, float]:
     store = RunStore(StorageConfig(root=root), f"bench-{uuid.uuid4().hex[:8]}")
     with PeakRSS() as memory:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), cpu_seconds()
         with ShardWriter(store, "bench", flush_records=flush_records, flush_seconds=3600) as writer:
             for table in batches(pool, num_batches, fresh):
                 writer.write_table(table)
@@ -138,16 +148,16 @@ def run_treadle(
             table = reader.read(shard)
             rows += table.num_rows
             del table
-        finished = time.perf_counter()
+        finished, cpu_finished = time.perf_counter(), cpu_seconds()
     return {"rows": rows, "shards": len(shards), "write_s": written - started, "read_s": finished - written,
-            "peak_rss_growth_bytes": memory.growth}  # fmt: skip
+            "cpu_s": cpu_finished - cpu_started, "peak_rss_growth_bytes": memory.growth}  # fmt: skip
 
 
 def run_raw(root: str, pool: list[pa.Table], num_batches: int, fresh: bool = False) -> dict[str, float]:
     path = os.path.join(root, f"raw-{uuid.uuid4().hex[:8]}.arrow")
     options = pa.ipc.IpcWriteOptions(compression=COMPRESSION)
     with PeakRSS() as memory:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), cpu_seconds()
         with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, TRAJECTORY_SCHEMA, options=options) as out:
             for table in batches(pool, num_batches, fresh):
                 out.write_table(table)
@@ -158,9 +168,9 @@ def run_raw(root: str, pool: list[pa.Table], num_batches: int, fresh: bool = Fal
             reader = pa.ipc.open_file(source)
             for i in range(reader.num_record_batches):
                 rows += reader.get_batch(i).num_rows
-        finished = time.perf_counter()
+        finished, cpu_finished = time.perf_counter(), cpu_seconds()
     return {"rows": rows, "write_s": written - started, "read_s": finished - written,
-            "peak_rss_growth_bytes": memory.growth}  # fmt: skip
+            "cpu_s": cpu_finished - cpu_started, "peak_rss_growth_bytes": memory.growth}  # fmt: skip
 
 
 def compare(root: str, pool: list[pa.Table], num_batches: int, flush_records: int, repeats: int) -> dict:
@@ -178,8 +188,10 @@ def compare(root: str, pool: list[pa.Table], num_batches: int, flush_records: in
     treadle_tps = trajectories / (best_treadle["write_s"] + best_treadle["read_s"])
     raw_tps = trajectories / (best_raw["write_s"] + best_raw["read_s"])
     for name, result in (("treadle", best_treadle), ("raw pyarrow", best_raw)):
+        wall = result["write_s"] + result["read_s"]
         print(
-            f"flush {flush_records:5d} {name:12s} write {result['write_s']:.2f} s, read {result['read_s']:.2f} s"
+            f"flush {flush_records:5d} {name:12s} write {result['write_s']:.2f} s, read {result['read_s']:.2f} s, "
+            f"CPU {result['cpu_s']:.2f} core-s ({result['cpu_s'] / wall:.2f} cores busy)"
         )
     return {"ratio": treadle_tps / raw_tps, "treadle_tps": treadle_tps, "raw_tps": raw_tps,
             "shards": best_treadle["shards"], "treadle": best_treadle, "raw": best_raw}  # fmt: skip
@@ -256,6 +268,9 @@ def main() -> None:
                 "treadle_read_s": round(headline["treadle"]["read_s"], 3),
                 "raw_write_s": round(headline["raw"]["write_s"], 3),
                 "raw_read_s": round(headline["raw"]["read_s"], 3),
+                "treadle_cpu_s": round(headline["treadle"]["cpu_s"], 3),
+                "raw_cpu_s": round(headline["raw"]["cpu_s"], 3),
+                "cpu_ratio": round(headline["raw"]["cpu_s"] / headline["treadle"]["cpu_s"], 3),
                 f"ratio_at_flush_{DEFAULT_FLUSH_RECORDS}": round(small["ratio"], 3),
                 f"treadle_trajectories_per_s_at_flush_{DEFAULT_FLUSH_RECORDS}": round(
                     small["treadle_tps"], 1

@@ -117,6 +117,12 @@ COMMIT_ATTEMPTS = 8
 """Appends that still fail with a commit conflict after deltalake's own retries are
 retried this many times in all."""
 
+SNAPSHOT_APPENDS = 100
+"""Appends one loaded snapshot of a table serves before it is loaded again. A snapshot
+carried from commit to commit keeps every commit since its load and goes over them all on
+each append (measured: 15 ms per append after 100 appends, 75 ms after 600), while a fresh
+load starts from the last checkpoint (deltalake writes one every 100 commits)."""
+
 
 class Tables:
     """The Delta tables of one run, under ``<run>/tables/<name>``."""
@@ -124,7 +130,8 @@ class Tables:
     def __init__(self, store: RunStore):
         self.store = store
         self._options = store.config.delta_options()
-        self._for_append: dict[str, DeltaTable] = {}
+        self._for_append: dict[str, tuple[DeltaTable, int]] = {}
+        """Per table, the snapshot the last append left and how many appends it has served."""
 
     def uri(self, name: str) -> str:
         """URL of table ``name`` (what deltalake, duckdb or Spark are given)."""
@@ -138,10 +145,11 @@ class Tables:
         if table.num_rows == 0:
             return
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
-            # The snapshot loaded for the last append is reused: deltalake moves it to its
+            # The snapshot loaded for the last append is reused (deltalake moves it to its
             # own commit and rebases onto commits of other writers, which saves a log
-            # replay per append.
-            target = self._for_append.get(name) or self._open(name) or self.uri(name)
+            # replay per append) for up to SNAPSHOT_APPENDS appends.
+            snapshot, served = self._for_append.pop(name, (None, 0))
+            target = snapshot or self._open(name) or self.uri(name)
             try:
                 write_deltalake(
                     target,
@@ -151,11 +159,10 @@ class Tables:
                     storage_options=self._options,
                     commit_properties=CommitProperties(max_commit_retries=50),
                 )
-                if isinstance(target, DeltaTable):
-                    self._for_append[name] = target
+                if isinstance(target, DeltaTable) and served + 1 < SNAPSHOT_APPENDS:
+                    self._for_append[name] = (target, served + 1)
                 return
             except CommitFailedError as exc:
-                self._for_append.pop(name, None)
                 if attempt == COMMIT_ATTEMPTS:
                     raise
                 log.info("commit to table %s conflicted (attempt %d): %s; retrying", name, attempt, exc)

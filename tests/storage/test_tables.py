@@ -13,6 +13,7 @@ import pyarrow as pa
 import pytest
 
 from flows.sql import extension_paths
+from storage import tables as tables_module
 from storage.schema import SchemaError
 from storage.tables import TABLE_SCHEMAS, Tables
 
@@ -99,6 +100,21 @@ def test_changes_return_rows_of_later_commits_and_skip_compaction(store):
     assert rows.column("version").to_pylist() == [4]
     assert new_offset == tables.version("weights") == 5
     assert tables.changes("weights", after=new_offset)[0].num_rows == 0
+
+
+def test_a_reused_snapshot_is_loaded_again_after_snapshot_appends(store, monkeypatch):
+    # a snapshot carried across commits goes over every commit since its load on each
+    # append, so one Tables object must not carry it forever
+    monkeypatch.setattr(tables_module, "SNAPSHOT_APPENDS", 3)
+    tables = Tables(store)
+    opens = []
+    load = tables._open
+    monkeypatch.setattr(tables, "_open", lambda name: opens.append(name) or load(name))
+    for version in range(7):
+        tables.append("weights", [weight_row(version)])
+    # append 0 creates the table; 1 loads a snapshot that serves 1-3; 4 loads one for 4-6
+    assert len(opens) == 3
+    assert sorted(Tables(store).read("weights").column("version").to_pylist()) == list(range(7))
 
 
 def test_optimize_and_vacuum_keep_every_row(store):
