@@ -14,8 +14,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-EXCLUDED_STATUSES = frozenset({"env_error", "infra_error"})
-"""Trajectories that failed for reasons outside the policy never reach the loss."""
+from storage.schema import EXCLUDED_STATUSES
 
 
 @dataclass

@@ -62,9 +62,15 @@ class ShardProcessor:
         self._recorded = set(pc.unique(trajectories.column("shard_id")).to_pylist())
 
     def poll(self) -> list[ProcessedShard]:
-        """Process the raw shards committed since the last poll."""
-        shards, self.offset = self.raw.poll(self.offset)
-        return [self._process(shard) for shard in shards]
+        """Process the raw shards committed since the last poll.
+
+        The offset moves on only once every one of them is processed: if one raises, the
+        next poll sees them all again, and skips those already processed.
+        """
+        shards, latest = self.raw.poll(self.offset)
+        processed = [self._process(shard) for shard in shards]
+        self.offset = latest
+        return processed
 
     def _writer(self, worker: str) -> ShardWriter:
         if worker not in self._writers:

@@ -6,8 +6,9 @@ For each execution (rows sharing ``execution_id``) of a shard:
 1. **Check** each row: per-token lists of equal length (else ``invalid_record``), a unique
    ``trajectory_id`` (``duplicate_id``), a declared ``parent_id``/``branch_at`` link that
    the tokens confirm (``missing_parent``, ``branch_past_end``, ``prefix_mismatch``,
-   ``cycle``), and a status other than ``infra_error`` (``infra_error``: such rows never get
-   a reward nor reach the loss). A bad row is reported and dropped; the rest goes on.
+   ``cycle``), and a status outside ``EXCLUDED_STATUSES`` (``env_error``, ``infra_error``:
+   such rows never get a reward nor reach the loss, nor own a shared prefix). A bad row is
+   reported and dropped; the rest goes on.
 2. **Score** partial progress of unsuccessful rows (:func:`combine_reward`), re-scoring the
    execution through the injected ``rescore`` callable when a row has no ``progress``
    (``rescore_failed`` when every attempt fails).
@@ -24,6 +25,7 @@ over several shards are processed as separate executions.
 
 from __future__ import annotations
 
+import logging
 import math
 import random
 from collections import Counter
@@ -38,7 +40,9 @@ import pyarrow.compute as pc
 from pydantic import BaseModel, ConfigDict, Field
 
 from rl.prefix_tree import path_symbols, select_paths, sorted_paths, tree_from_parents
-from storage.schema import PROCESSED_SCHEMA, TOKEN_COLUMNS, TRAJECTORY_SCHEMA, cast
+from storage.schema import EXCLUDED_STATUSES, PROCESSED_SCHEMA, TOKEN_COLUMNS, TRAJECTORY_SCHEMA, cast
+
+log = logging.getLogger(__name__)
 
 Rescore = Callable[[pa.Table], float]
 """Re-scores an execution from its rows (the environment's EVAL stage, handed in by the
@@ -113,7 +117,7 @@ class ShardCounters:
 
     ``dropped`` counts input rows by drop reason: ``invalid_record``, ``duplicate_id``,
     ``missing_parent``, ``branch_past_end``, ``prefix_mismatch``, ``cycle``,
-    ``infra_error``, ``rescore_failed``, ``duplicate``, ``no_new_tokens``,
+    ``env_error``, ``infra_error``, ``rescore_failed``, ``duplicate``, ``no_new_tokens``,
     ``not_selected``. ``errors`` has one line per malformed row or failed re-scoring,
     naming the ids.
     """
@@ -335,8 +339,8 @@ def _process_execution(
         state.reason[members[error.path]] = error.reason
         counters.errors.append(f"execution {execution_id!r}: {error.message}")
     for w in members:
-        if state.reason[w] is None and state.statuses[w] == "infra_error":
-            state.reason[w] = "infra_error"
+        if state.reason[w] is None and state.statuses[w] in EXCLUDED_STATUSES:
+            state.reason[w] = state.statuses[w]
             state.reward[w] = None
 
     live = _score(
@@ -542,11 +546,23 @@ def _trajectory_rows(
             "progress": progress[i],
             "selected": reasons[i] is None,
             "drop_reason": reasons[i],
-            "text": decode(token_lists[i]) if token_lists is not None else None,
+            "text": _decoded(decode, token_lists[i], columns["trajectory_id"][i])
+            if token_lists is not None
+            else None,
             "processed_at": processed_at,
         }
         out.append(row)
     return out
+
+
+def _decoded(decode: Decode, tokens: list[int], trajectory_id: str) -> str | None:
+    """The text of ``tokens``, or None when they do not decode (ids from another tokenizer):
+    the text is for people, and a row without it still trains."""
+    try:
+        return decode(tokens)
+    except Exception as exc:
+        log.warning("trajectory %s does not decode, its text is left empty: %s", trajectory_id, exc)
+        return None
 
 
 def _segment_reduce(ufunc: np.ufunc, values: np.ndarray, lengths: np.ndarray, *, empty: int) -> np.ndarray:

@@ -15,7 +15,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 STATUSES = ("ok", "truncated", "env_error", "infra_error", "timeout")
-"""Known values of ``status``; ``infra_error`` never reaches the loss."""
+"""Known values of ``status``."""
+
+EXCLUDED_STATUSES = frozenset({"env_error", "infra_error"})
+"""Statuses of trajectories that failed for reasons outside the policy (a crashed
+environment, the infrastructure): they never get a reward nor reach the loss."""
 
 TIMING_TYPE = pa.struct(
     [
@@ -110,12 +114,13 @@ TOKEN_BLOCK = 1 << 18
 def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """Every problem in ``table`` as ``(trajectory_id, column, what is wrong)``.
 
-    Checks: required ids present, per-token lists of equal length, finite log-probs ≤ 0
-    and versions ≥ 0 on action tokens, ``status`` in :data:`STATUSES`, and for processed
-    tables ``train_mask`` only where ``action_mask``. The checks run vectorised over each
-    record batch where it lies in memory (nothing is copied unless a check fails). Order:
-    missing ids row by row, list lengths column by column, statuses, per-token checks row
-    by row.
+    Checks: required ids present, per-token lists of equal length with no null entry,
+    finite log-probs ≤ 0 and versions ≥ 0 on action tokens, ``status`` in
+    :data:`STATUSES`, ``progress`` null or in [0, 1], and for processed tables
+    ``train_mask`` only where ``action_mask`` and every ``loss_weight`` finite and ≥ 0.
+    The checks run vectorised over each record batch where it lies in memory (nothing is
+    copied unless a check fails). Order: missing ids row by row, list lengths and null
+    entries column by column, status and progress row by row, per-token checks row by row.
     """
     token_columns = [c for c in (*TOKEN_COLUMNS, *PROCESSED_TOKEN_COLUMNS) if c in table.column_names]
     problems: list[_Problem] = []
@@ -181,12 +186,20 @@ def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str])
                 what = f"has {lengths[name][row]} entries but tokens has {n_tokens[row]}"
             add((1, position, start + row), row, name, what)
         bad_rows |= bad
+    for position, name in enumerate(token_columns):
+        for row in _rows_with_null_entries(batch.column(name)):
+            add((1, position, start + row), row, name, "has null entries")
+            bad_rows[row] = True
 
     status = batch.column("status")
     known = pc.is_in(status, value_set=pa.array(STATUSES)).to_numpy(zero_copy_only=False)
     for row in np.flatnonzero(~known):
         what = f"unknown status {status[row].as_py()!r}; expected one of {STATUSES}"
-        add((2, start + row), row, "status", what)
+        add((2, start + row, 0), row, "status", what)
+    progress = batch.column("progress")
+    in_range = pc.and_(pc.greater_equal(progress, 0), pc.less_equal(progress, 1))
+    for row in np.flatnonzero(pc.fill_null(in_range, True).to_numpy(zero_copy_only=False) == 0):
+        add((2, start + row, 1), row, "progress", f"{progress[row].as_py()} is outside [0, 1]")
 
     for row, check, column, what in _token_problems(batch, bad_rows, n_tokens):
         add((3, start + row, check), row, column, what)
@@ -206,7 +219,9 @@ def _token_problems(
     versions = _flat(rows.column("versions"), -1)
     train = _flat(rows.column("train_mask"), False) if "train_mask" in batch.column_names else None
     logprobs_ok, versions_ok, train_ok = _token_checks(mask, logprobs, versions, train)
-    if logprobs_ok and versions_ok and train_ok:
+    weight = _flat(rows.column("loss_weight"), np.nan) if "loss_weight" in batch.column_names else None
+    weight_ok = weight is None or bool(np.isfinite(weight).all() and weight.min(initial=0) >= 0)
+    if logprobs_ok and versions_ok and train_ok and weight_ok:
         return []
     row_of_token = np.repeat(good, n_tokens[good])
     located = []
@@ -228,6 +243,9 @@ def _token_problems(
         located.append(
             (2, np.unique(row_of_token[train & ~mask]), "train_mask", "trains a token outside action_mask")
         )
+    if not weight_ok:
+        bad_weight = ~(np.isfinite(weight) & (weight >= 0))
+        located.append((3, np.unique(row_of_token[bad_weight]), "loss_weight", "negative or non-finite"))
     return [(int(row), check, column, what) for check, bad, column, what in located for row in bad]
 
 
@@ -259,6 +277,15 @@ def _bounded(logprobs: np.ndarray, where: np.ndarray | bool = True) -> bool:
     highest = np.maximum.reduce(logprobs, where=where, initial=-np.inf)
     lowest = np.minimum.reduce(logprobs, where=where, initial=0)
     return bool(highest <= 1e-6 and lowest > -np.inf)
+
+
+def _rows_with_null_entries(column: pa.ListArray) -> np.ndarray:
+    """Rows of ``column`` whose list holds a null entry."""
+    if not column.flatten().null_count:
+        return np.array([], dtype=np.int64)
+    return np.array(
+        [row for row, entries in enumerate(column) if entries.is_valid and entries.values.null_count]
+    )
 
 
 def _empty_strings(column: pa.Array) -> np.ndarray:

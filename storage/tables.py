@@ -184,8 +184,11 @@ class Tables:
         """Rows appended by commits with log version > ``after``, in commit order, with a
         ``_commit_version`` column; and the latest version (the next ``after``).
 
-        Compaction commits add no data and are not returned. Versions removed by
-        ``vacuum`` can no longer be read.
+        Compaction commits add no data and are not returned. With ``after`` < 0 (from the
+        start) the rows are the table's snapshot at the latest version, each with that
+        version as ``_commit_version`` and in no particular order: the change feed of the
+        first versions reads their data files, which ``optimize`` + ``vacuum`` delete. A
+        later version whose files were vacuumed cannot be read.
         """
         table = self._open(name)
         if table is None:
@@ -193,6 +196,11 @@ class Tables:
         latest = table.version()
         if latest <= after:
             return _with_commit_version(schema_of(name).empty_table()), after
+        if after < 0:
+            snapshot = _cast_read(name, pa.table(table.scan()))
+            return snapshot.append_column(
+                "_commit_version", pa.array([latest] * snapshot.num_rows, pa.int64())
+            ), latest
         feed = pa.table(table.load_cdf(starting_version=after + 1, ending_version=latest))
         inserted = pc.equal(pc.cast(feed.column("_change_type"), pa.string()), "insert")
         data = _cast_read(name, feed).append_column(

@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -503,19 +504,22 @@ def test_without_rescore_missing_progress_counts_as_zero():
     assert rows["e-a"]["reward"] == pytest.approx(0.2) and rows["e-a"]["selected"]
 
 
-def test_infra_errors_never_get_a_reward_nor_reach_the_loss():
-    records = two_path_execution("e", reward=0.0, status="infra_error") + two_path_execution("f", reward=0.0)
+@pytest.mark.parametrize("status", ["infra_error", "env_error"])
+def test_failures_outside_the_policy_never_get_a_reward_nor_reach_the_loss(status):
+    records = two_path_execution("e", reward=0.0, status=status) + two_path_execution("f", reward=0.0)
 
     def rescore(rows):
-        assert "infra_error" not in rows.column("status").to_pylist()
+        assert status not in rows.column("status").to_pylist()
         return 0.5
 
     result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s", rescore=rescore)
     rows = {r["trajectory_id"]: r for r in result.trajectories}
-    assert rows["e-a"]["drop_reason"] == "infra_error" and rows["e-a"]["reward"] is None
+    assert rows["e-a"]["drop_reason"] == status and rows["e-a"]["reward"] is None
     assert "e-a" not in result.processed.column("trajectory_id").to_pylist()
     assert rows["e-b"]["selected"]
-    assert result.processed.column("trajectory_id").to_pylist().count("e-b") == 1
+    # the prefix e-a shared with e-b is trained in e-b, since e-a never reaches the trainer
+    e_b = result.processed.filter(pc.equal(result.processed.column("trajectory_id"), "e-b"))
+    assert e_b.column("train_mask").to_pylist() == [[False, True, True]]
     assert rows["f-a"]["reward"] == pytest.approx(0.25)
 
 
@@ -542,6 +546,21 @@ def test_trajectory_rows_and_counters():
     assert (c.tokens_in, c.action_tokens_in, c.tokens_out, c.train_tokens_out) == (12, 8, 6, 4)
     assert c.dropped == {"not_selected": 2}
     assert result.processed.schema == PROCESSED_SCHEMA
+
+
+def test_a_row_that_does_not_decode_keeps_its_place_with_no_text(caplog):
+    records = two_path_execution("e", reward=1.0)
+
+    def decode(ids):
+        if 4 in ids:
+            raise OverflowError("id out of the tokenizer's range")
+        return " ".join(map(str, ids))
+
+    result = process_shard(to_table(records), ProcessorConfig(seed=0), shard_id="s", decode=decode)
+    texts = {r["trajectory_id"]: r["text"] for r in result.trajectories}
+    assert texts == {"e-a": "1 2 3", "e-b": None}
+    assert result.processed.num_rows == 2
+    assert "e-b does not decode" in caplog.text
 
 
 def test_trajectory_rows_fit_the_delta_table_schema():

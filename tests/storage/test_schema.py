@@ -35,6 +35,8 @@ def test_a_valid_table_passes():
         ({"logprobs": [float("nan")] * 24}, "logprobs", "non-finite log-prob"),
         ({"logprobs": [0.5] * 24}, "logprobs", "positive log-prob"),
         ({"versions": [-1] * 24}, "versions", "negative version"),
+        ({"tokens": [None] + [7] * 23}, "tokens", "has null entries"),
+        ({"progress": 1.5}, "progress", "1.5 is outside [0, 1]"),
     ],
 )
 def test_a_bad_row_is_named_with_its_column(change, column, what):
@@ -91,6 +93,8 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
                         f"has {len(row[name])} entries but tokens has {len(row['tokens'])}",
                     )
                 )
+            if None in row[name]:
+                errors.append((row["trajectory_id"], name, "has null entries"))
     for row in rows:
         if row["status"] not in STATUSES:
             errors.append(
@@ -100,8 +104,10 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
                     f"unknown status {row['status']!r}; expected one of {STATUSES}",
                 )
             )
+        if row["progress"] is not None and not 0 <= row["progress"] <= 1:
+            errors.append((row["trajectory_id"], "progress", f"{row['progress']} is outside [0, 1]"))
     for row in rows:
-        if any(len(row[name]) != len(row["tokens"]) for name in token_columns):
+        if any(len(row[name]) != len(row["tokens"]) or None in row[name] for name in token_columns):
             continue
         action = [i for i, generated in enumerate(row["action_mask"]) if generated]
         logprobs = [row["logprobs"][i] for i in action]
@@ -115,10 +121,12 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
             t and not row["action_mask"][i] for i, t in enumerate(row["train_mask"])
         ):
             errors.append((row["trajectory_id"], "train_mask", "trains a token outside action_mask"))
+        if "loss_weight" in row and not all(np.isfinite(w) and w >= 0 for w in row["loss_weight"]):
+            errors.append((row["trajectory_id"], "loss_weight", "negative or non-finite"))
     return errors
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 def test_find_errors_matches_a_row_by_row_reference(seed):
     rng = np.random.default_rng(seed)
     records = []
@@ -130,7 +138,7 @@ def test_find_errors_matches_a_row_by_row_reference(seed):
         record["versions"] = np.where(mask, 1, -1).tolist()
         record["train_mask"] = (mask & (rng.random(n) < 0.7)).tolist()
         record["loss_weight"] = [1.0] * n
-        fault = rng.integers(0, 8)
+        fault = rng.integers(0, 11)
         if fault == 1 and n:
             record["logprobs"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, 0.3]))
         elif fault == 2 and n:
@@ -143,6 +151,13 @@ def test_find_errors_matches_a_row_by_row_reference(seed):
             record["status"] = "weird"
         elif fault == 6:
             record["prompt_id"] = ""
+        elif fault == 7 and n:
+            column = str(rng.choice(["tokens", "logprobs", "action_mask", "turn", "versions", "train_mask"]))
+            record[column][int(rng.integers(n))] = None
+        elif fault == 8:
+            record["progress"] = float(rng.choice([np.nan, -0.25, 1.5]))
+        elif fault == 9 and n:
+            record["loss_weight"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, -1.0]))
         records.append(record)
     table = to_table(records, PROCESSED_SCHEMA)
     table = pa.concat_tables([table.slice(0, len(records) // 2), table.slice(len(records) // 2)])

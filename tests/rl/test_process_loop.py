@@ -1,0 +1,55 @@
+"""The process stage over a run's storage: every raw shard processed once, none skipped."""
+
+from __future__ import annotations
+
+import pytest
+
+import rl.process_loop as process_loop
+from rl.process_loop import ShardProcessor
+from storage.shards import ShardReader, ShardWriter
+from tests.rl.test_processor import record
+
+
+def commit_raw_shards(store, ids: range) -> None:
+    """One raw shard per trajectory ``t<i>``."""
+    with ShardWriter(store, "w0", flush_records=1) as writer:
+        for i in ids:
+            writer.write(record(f"t{i}", f"e{i}", [1, 2, 3, 4], [False, False, True, True]))
+
+
+def processed_ids(store) -> list[str]:
+    reader = ShardReader(store, kind="processed")
+    shards, _ = reader.poll()
+    return sorted(tid for shard in shards for tid in reader.read(shard).column("trajectory_id").to_pylist())
+
+
+def test_a_shard_whose_processing_raises_is_seen_again_and_the_ones_after_it_are_not_lost(
+    local_store, monkeypatch
+):
+    commit_raw_shards(local_store, range(3))
+    real = process_loop.process_shard
+    failures = []
+
+    def fails_once_on_the_second(table, *args, **kwargs):
+        if kwargs["shard_id"].endswith("00000001") and not failures:
+            failures.append(kwargs["shard_id"])
+            raise RuntimeError("processing failed")
+        return real(table, *args, **kwargs)
+
+    monkeypatch.setattr(process_loop, "process_shard", fails_once_on_the_second)
+    processor = ShardProcessor(local_store)
+    with pytest.raises(RuntimeError):
+        processor.poll()
+    outcomes = processor.poll()
+    assert [o.skipped for o in outcomes] == ["already processed", None, None]
+    assert processed_ids(local_store) == ["t0", "t1", "t2"]
+    assert processor.poll() == []
+
+
+def test_a_restarted_processor_processes_nothing_twice(local_store):
+    commit_raw_shards(local_store, range(2))
+    assert len(ShardProcessor(local_store).poll()) == 2
+    commit_raw_shards(local_store, range(2, 3))
+    outcomes = ShardProcessor(local_store).poll()
+    assert [o.skipped for o in outcomes] == ["already processed", "already processed", None]
+    assert processed_ids(local_store) == ["t0", "t1", "t2"]
