@@ -92,7 +92,7 @@ def run_rollouts(
 
         connect_ray(config.ray_address)
         env_configs = {name: config.env_config(name) for name in orchestrator.mix}
-        env_pool = RayEnvPool(env_configs, num_workers=config.engine.replicas)
+        env_pool = RayEnvPool(env_configs, num_workers=config.engine.replica_count)
     worker = RolloutWorker(
         run_store(config),
         worker_name,

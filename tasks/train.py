@@ -51,7 +51,7 @@ def elastic_config(config: RunConfig) -> ElasticConfig:
     """The run's ``elastic`` section; session slots left unset are a replica's share of a
     worker's ``orchestrator.concurrency``."""
     slots = config.elastic.sessions_per_replica or math.ceil(
-        config.orchestrator.concurrency / config.engine.replicas
+        config.orchestrator.concurrency / config.engine.replica_count
     )
     return ElasticConfig(**config.elastic.model_dump() | {"sessions_per_replica": slots})
 

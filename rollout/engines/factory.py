@@ -32,6 +32,11 @@ class EngineConfig(BaseModel):
             raise ValueError("engine.kind is 'vllm' but engine.vllm lists no server")
         return self
 
+    @property
+    def replica_count(self) -> int:
+        """Engine replicas a rollout worker runs: its vLLM servers, or its TorchEngine replicas."""
+        return len(self.vllm) if self.kind == "vllm" else self.replicas
+
 
 def build_engines(
     config: EngineConfig,

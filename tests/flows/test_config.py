@@ -122,7 +122,13 @@ def test_prefect_yaml_schedules_pools_and_trigger():
     assert nightly["parameters"]["drain"] is True
     assert nightly["work_pool"]["name"] == "gpu"
     assert nightly["work_pool"]["job_variables"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
-    assert RunConfig.model_validate(nightly["parameters"]["config"]).engine.torch.device == "cuda"
+    for name in ("train/nightly", "rollout/gpu-worker"):
+        gpu = RunConfig.model_validate(deployments[name]["parameters"]["config"])
+        assert (gpu.engine.torch.device, gpu.trainer_device) == ("cuda", "cuda"), name
+        assert deployments[name]["work_pool"]["name"] == "gpu"
+    tiny = load_config(REPO / "configs" / "tiny.yaml")
+    on_demand = RunConfig.model_validate(deployments["pipeline/on-demand"]["parameters"]["config"])
+    assert on_demand == tiny, "the deployments' run config is not configs/tiny.yaml"
     for name in ("pipeline/on-demand", "evaluate/on-demand", "maintain/on-demand"):
         assert not deployments[name].get("schedules"), name
         assert deployments[name]["work_pool"]["name"] == "cpu"

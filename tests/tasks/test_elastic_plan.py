@@ -30,7 +30,7 @@ from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
 from tasks.rollout import router_config, run_rollouts, status_object
-from tasks.train import run_trainer
+from tasks.train import elastic_config, run_trainer
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
 
 WAIT_S = 120.0
@@ -298,3 +298,22 @@ def test_the_workers_router_migrates_drained_sessions_exactly_when_the_controlle
     assert router_config(RunConfig()).migrate_on_drain is True
     staying = RunConfig.model_validate({"elastic": {"migrate_at_turns": False}})
     assert router_config(staying).migrate_on_drain is False
+
+
+def test_a_replicas_session_slots_are_its_share_of_the_workers_concurrency():
+    vllm = RunConfig.model_validate(
+        {
+            "engine": {
+                "kind": "vllm",
+                "vllm": [{"base_url": "http://127.0.0.1:8000"}, {"base_url": "http://127.0.0.1:8001"}],
+            },
+            "orchestrator": {"concurrency": 512},
+        }
+    )
+    assert elastic_config(vllm).sessions_per_replica == 256
+    torch_replicas = RunConfig.model_validate(
+        {"engine": {"replicas": 3}, "orchestrator": {"concurrency": 64}}
+    )
+    assert elastic_config(torch_replicas).sessions_per_replica == 22
+    fixed = RunConfig.model_validate({"elastic": {"sessions_per_replica": 5}})
+    assert elastic_config(fixed).sessions_per_replica == 5
