@@ -15,7 +15,7 @@ from flows.config import RunConfig
 from rl.models import load_tokenizer
 from rl.process_loop import ProcessedShard, ShardProcessor
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store
 
 
 def shard_processor(
@@ -63,7 +63,7 @@ def run_processor(
     stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Process raw shards as they are committed until ``deadline``, then drain once more."""
-    processor = shard_processor(config, on_shard)
+    processor = shard_processor(config, reporting(on_shard, "report of a processed shard"))
     outcomes: list[ProcessedShard] = []
     while time.time() < deadline and not (stop is not None and stop.is_set()):
         new = processor.poll()
@@ -99,5 +99,7 @@ def process_shards(config: RunConfig, deadline: float) -> dict[str, Any]:
 @task(name="process-pending", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def process_pending(config: RunConfig) -> dict[str, Any]:
     """One pass over the raw shards not processed yet (for event-triggered runs)."""
-    processor = shard_processor(config, on_shard=lambda outcome: _emit(config, outcome))
+    processor = shard_processor(
+        config, on_shard=reporting(lambda outcome: _emit(config, outcome), "report of a processed shard")
+    )
     return summarize(processor.poll())

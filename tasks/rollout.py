@@ -18,7 +18,7 @@ from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
 from storage.shards import ShardInfo
 from storage.status import RolloutStatus, RolloutStatusBoard, wait_until_free
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ def run_rollouts(
         return status
 
     finished = asyncio.Event()
+    report_progress = reporting(on_progress, f"progress report of worker {worker_name}")
 
     async def report() -> None:
         # ends between two statuses, so none lands after the final one
@@ -134,8 +135,8 @@ def run_rollouts(
             if stop is not None and stop.is_set():
                 worker.stop()
             status = await publish_status(running=True)
-            if on_progress is not None:
-                await asyncio.to_thread(on_progress, status)
+            if report_progress is not None:
+                await asyncio.to_thread(report_progress, status)
 
     async def main() -> dict[str, Any]:
         reporter = None

@@ -31,7 +31,7 @@ from storage.status import (
     wait_until_free,
 )
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store
 
 log = logging.getLogger(__name__)
 
@@ -140,13 +140,15 @@ def run_trainer(
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)
     deciding = threading.Lock()  # the ticker thread decides while the trainer thread steps
 
+    report_step = reporting(on_step, "progress report of the trainer")
+
     def progress(row: dict[str, Any]) -> None:
         check_published()
         with deciding:
             units = len(elastic.controller.units_in("train"))
         step_costs.append((row["step_seconds"] * units, row["num_samples"]))
-        if on_step is not None:
-            on_step(row)
+        if report_step is not None:
+            report_step(row)
 
     def train_unit_s_per_trajectory() -> float | None:
         costs = tuple(step_costs)

@@ -317,3 +317,22 @@ def test_a_replicas_session_slots_are_its_share_of_the_workers_concurrency():
     assert elastic_config(torch_replicas).sessions_per_replica == 22
     fixed = RunConfig.model_validate({"elastic": {"sessions_per_replica": 5}})
     assert elastic_config(fixed).sessions_per_replica == 5
+
+
+def test_a_failing_progress_report_does_not_stop_the_trainer(tmp_path, caplog):
+    run = RunConfig(run_id="report-fails", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 8, seed=5), per_shard=2)
+    reports = []
+
+    def unreachable_api(row):
+        reports.append(row["step"])
+        raise ConnectionError("Prefect API unreachable for a moment")
+
+    with caplog.at_level(logging.WARNING, logger="tasks.common"):
+        summary = run_trainer(run, time.time() + 600, drain=True, on_step=unreachable_api)
+    steps = sorted(Tables(store).read("train_steps").column("step").to_pylist())
+    assert summary["stop_reason"] == "drained" and summary["steps"] == len(reports) > 1
+    assert steps == reports
+    assert "progress report of the trainer failed, the work goes on" in caplog.text
