@@ -21,6 +21,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -222,11 +223,16 @@ class Orchestrator:
         return started + self.config.group_size > cfg.max_rollouts
 
     async def _wait_for_trainer(self) -> None:
+        """Hold launching while the trainer lags; rollouts that finish meanwhile are written
+        as usual (the pause holds back new work, never finished work)."""
         if self.backlog is None and self.trainer_queue is None:
             return
         started = time.perf_counter()
-        while not self._stop.is_set() and self._trainer_lags():
-            await asyncio.sleep(self.config.backpressure_poll_s)
+        while not self._done() and self._trainer_lags():
+            with contextlib.suppress(TimeoutError):
+                job = await asyncio.wait_for(self._completed.get(), self.config.backpressure_poll_s)
+                if job is not None:
+                    self._collect(job)
         self.stats.paused_s += time.perf_counter() - started
 
     def _trainer_lags(self) -> bool:
@@ -321,16 +327,25 @@ class Orchestrator:
             self.stats.written += 1
 
     async def _cancel_in_flight(self) -> None:
-        jobs = list(self._in_flight)
-        if not jobs:
-            return
+        """Cancel the rollouts still running. Unless the groups wanted are all kept (the rest
+        is redundant), one that finished before the cancel landed is collected like any
+        other, not counted as cut short."""
         redundant = (
             self.config.target_groups is not None and self.stats.groups_kept >= self.config.target_groups
         )
+        if not redundant:
+            for job in [job for job in self._in_flight if job.done()]:
+                self._collect(job)
+        jobs = list(self._in_flight)
+        if not jobs:
+            return
         for job in jobs:
             job.cancel()
         await asyncio.gather(*jobs, return_exceptions=True)
         for job in jobs:
+            if not job.cancelled() and not redundant:
+                self._collect(job)
+                continue
             rollout_id = self._in_flight.pop(job)
             self._groups.pop(job, None)
             if not redundant:

@@ -193,3 +193,69 @@ def test_records_land_in_committed_shards(tiny, local_store):
     shards, _ = reader.poll()
     rows = sum(reader.read(s).num_rows for s in shards)
     assert rows == stats.written == 25
+
+
+class SlowEnv(ArithEnv):
+    """Arith whose answer takes ``delay`` seconds to check."""
+
+    name = "arith"
+    delay = 0.5
+
+    async def step(self, action: str) -> StepResult:
+        await asyncio.sleep(self.delay)
+        return await super().step(action)
+
+
+def test_rollouts_finished_while_paused_are_written_and_a_stop_keeps_them(tiny):
+    lagging = {"on": False}
+
+    async def during(orchestrator):
+        while orchestrator.stats.peak_in_flight < 4:
+            await asyncio.sleep(0.01)
+        lagging["on"] = True  # launching pauses with 4 in flight, each done 0.5 s later
+        for _ in range(1000):
+            if orchestrator.stats.written == 4:
+                break
+            await asyncio.sleep(0.02)
+        during.written_while_paused = orchestrator.stats.written
+        orchestrator.stop()
+
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_trainer_batches=2.0)
+    _, stats = asyncio.run(
+        run(
+            tiny,
+            config,
+            streams("arith"),
+            sink,
+            make_env=lambda task: SlowEnv(),
+            trainer_queue=lambda: 10.0 if lagging["on"] else 0.0,
+            during=during,
+        )
+    )
+    assert during.written_while_paused == 4
+    assert stats.finished == len(sink.records) == 4 and stats.cut_short == []
+
+
+def test_a_rollout_done_when_the_stop_comes_is_collected_not_cut_short(tiny):
+    # a stop that lands between a rollout finishing and run() collecting it
+    model, tokenizer = tiny
+    sink = ListSink()
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+        service = RolloutService(
+            gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
+        )
+        orchestrator = Orchestrator(service, streams("arith"), sink, OrchestratorConfig(mix={"arith": 1.0}))
+        try:
+            (job,) = orchestrator._launch_group().tasks
+            await asyncio.wait_for(asyncio.shield(job), 60)
+            await orchestrator._cancel_in_flight()
+        finally:
+            await engine.close()
+        return orchestrator.stats
+
+    stats = asyncio.run(body())
+    assert stats.finished == len(sink.records) == 1 and stats.cut_short == []
