@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from typing import Any
 
 import torch
 from prefect import flow, get_run_logger
+from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import RunConfig
+from tasks.common import run_store, send_signal
 from tasks.process import process_shards
 from tasks.report import report_run
 from tasks.rollout import rollouts
@@ -21,14 +24,40 @@ from tasks.train import train
 from tasks.weights import evaluate_task, warm_start
 
 DRAIN_SECONDS = 10.0
-"""How long the process task keeps going after rollouts stop, to process their last shards."""
+"""How long past the deadline the process task may go on, to process the last shards."""
 
 
 def deadline_of(config: RunConfig) -> float:
     return time.time() + config.stop.max_seconds if config.stop.max_seconds else math.inf
 
 
-def _run_on_ray(config: RunConfig, deadline: float) -> tuple[dict, dict, dict]:
+def _wind_down(config: RunConfig, signals: str, rollout_run: PrefectFuture, process_run: PrefectFuture,
+               train_run: PrefectFuture) -> tuple[dict, dict, dict]:  # fmt: skip
+    """Wait for the three tasks, ending each when the one it depends on is done.
+
+    Whichever of rollouts and training ends first (its stop condition, or a failure):
+    training over stops the rollouts; rollouts over end processing once it has processed
+    what they committed; processing over makes the trainer train what is left and stop.
+    So no stop condition (a step count with no wall-clock limit) leaves a task running.
+    A failed task's error is raised once all three are over.
+    """
+    store = run_store(config)
+    try:
+        if next(as_completed([rollout_run, train_run])) is train_run:
+            send_signal(store, signals, "stop")
+        rollout_run.wait()
+        send_signal(store, signals, "rollouts-done")
+        process_run.wait()
+        send_signal(store, signals, "processed")
+        train_run.wait()
+    except BaseException:  # the flow itself is stopping (cancelled, interrupted): end them all
+        for name in ("stop", "rollouts-done", "processed"):
+            send_signal(store, signals, name)
+        raise
+    return rollout_run.result(), process_run.result(), train_run.result()
+
+
+def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict, dict, dict]:
     """The three long-running tasks as Ray tasks on the cluster at ``config.ray_address``.
 
     The rollout task only drives its engine and env actors, so it asks for no CPU of its
@@ -42,13 +71,15 @@ def _run_on_ray(config: RunConfig, deadline: float) -> tuple[dict, dict, dict]:
     connect_ray(config.ray_address)
     with RayTaskRunner(address=config.ray_address) as runner:
         with remote_options(num_cpus=0):
-            rollout_run = runner.submit(rollouts, {"config": config, "deadline": deadline})
+            rollout_run = runner.submit(
+                rollouts, {"config": config, "deadline": deadline, "signals": signals}
+            )
         with remote_options(num_cpus=1):
             process_run = runner.submit(
-                process_shards, {"config": config, "deadline": deadline + DRAIN_SECONDS}
+                process_shards, {"config": config, "deadline": deadline + DRAIN_SECONDS, "signals": signals}
             )
-            train_run = runner.submit(train, {"config": config, "deadline": deadline})
-        return rollout_run.result(), process_run.result(), train_run.result()
+            train_run = runner.submit(train, {"config": config, "deadline": deadline, "signals": signals})
+        return _wind_down(config, signals, rollout_run, process_run, train_run)
 
 
 @flow(name="pipeline", task_runner=ThreadPoolTaskRunner(max_workers=3), log_prints=True)
@@ -64,13 +95,17 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     before = evaluate_task(config, base)
     logger.info("version %d held-out reward before RL: %s", base, before["reward"])
     deadline = deadline_of(config)
+    signals = uuid.uuid4().hex
     if config.cluster == "ray":
-        generated, processed, trained = _run_on_ray(config, deadline)
+        generated, processed, trained = _run_on_ray(config, deadline, signals)
     else:
-        rollout_run = rollouts.submit(config, deadline)
-        process_run = process_shards.submit(config, deadline + DRAIN_SECONDS)
-        train_run = train.submit(config, deadline)
-        generated, processed, trained = rollout_run.result(), process_run.result(), train_run.result()
+        generated, processed, trained = _wind_down(
+            config,
+            signals,
+            rollouts.submit(config, deadline, signals=signals),
+            process_shards.submit(config, deadline + DRAIN_SECONDS, signals=signals),
+            train.submit(config, deadline, signals=signals),
+        )
     after = evaluate_task(config)
     report_run(config)
     gain = {env: round(after["reward"][env] - before["reward"].get(env, 0.0), 6) for env in after["reward"]}

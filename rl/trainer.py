@@ -402,6 +402,7 @@ class Trainer:
         stop_event: threading.Event | None = None,
         progress: Callable[[dict], None] | None = None,
         drain: bool = False,
+        drain_event: threading.Event | None = None,
         step_extra: Callable[[], dict] | None = None,
     ) -> TrainSummary:
         """Train until a stop condition holds.
@@ -413,6 +414,7 @@ class Trainer:
             progress: called with each step's ``train_steps`` row (``extra`` as a dict).
             drain: also stop when the shard log has nothing new and the buffer is empty;
                 a last partial batch is trained instead of waiting for more data.
+            drain_event: drain from the moment it is set (the producers have finished).
             step_extra: called before each step's row is written; what it returns is merged
                 into the row's ``extra`` (e.g. the elastic controller's inputs and moves).
 
@@ -431,10 +433,11 @@ class Trainer:
             if max_seconds is not None and time.monotonic() - started >= max_seconds:
                 stop_reason = "max_seconds"
                 break
+            draining = drain or (drain_event is not None and drain_event.is_set())
             new_shards = self.ingest()
             self.drop_stale()
             full = self.buffered_tokens() >= self.config.token_budget
-            if full or (drain and new_shards == 0 and self.buffer):
+            if full or (draining and new_shards == 0 and self.buffer):
                 self._pretrain_value()
                 metrics = self._train_step(
                     take_batch(self.buffer, self.config.token_budget, self._keep_groups)
@@ -444,7 +447,7 @@ class Trainer:
                 if self._steps_since_publish >= self.config.publish_every:
                     versions.append(self.publish())
                 continue
-            if drain and new_shards == 0:
+            if draining and new_shards == 0:
                 stop_reason = "drained"
                 break
             if new_shards == 0:

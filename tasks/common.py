@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+import posixpath
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from botocore.exceptions import BotoCoreError
@@ -65,3 +68,46 @@ def reporting(callback: Callable[..., None] | None, what: str) -> Callable[..., 
 
 def run_store(config: RunConfig) -> RunStore:
     return RunStore(config.storage, config.run_id)
+
+
+SIGNAL_POLL_S = 1.0
+"""How often a task looks for a signal it watches."""
+
+
+def signal_path(key: str, name: str) -> str:
+    """Where signal ``name`` of the tasks sharing ``key`` lies, relative to the run."""
+    return posixpath.join("status", "signals", key, name)
+
+
+def send_signal(store: RunStore, key: str, name: str) -> None:
+    """Raise signal ``name`` for the tasks sharing ``key``, wherever they run (threads,
+    processes, Ray workers on other machines: the run's store is what they share)."""
+    store.fs.pipe_file(store.path(signal_path(key, name)), name.encode())
+
+
+@contextlib.contextmanager
+def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[threading.Event | None]:
+    """An event set once signal ``name`` of ``key`` is raised (None without a key); the
+    store is looked at every :data:`SIGNAL_POLL_S` while the block runs."""
+    if key is None:
+        yield None
+        return
+    raised, done = threading.Event(), threading.Event()
+    path = store.path(signal_path(key, name))
+
+    def watch() -> None:
+        while not done.wait(SIGNAL_POLL_S):
+            try:
+                if store.fs.exists(path):
+                    raised.set()
+                    return
+            except Exception as exc:  # the store away for a moment: look again next time
+                log.warning("could not look for signal %s: %s", name, exc)
+
+    watcher = threading.Thread(target=watch, name=f"signal-{name}", daemon=True)
+    watcher.start()
+    try:
+        yield raised
+    finally:
+        done.set()
+        watcher.join()

@@ -15,7 +15,7 @@ from flows.config import RunConfig
 from rl.models import load_tokenizer
 from rl.process_loop import ProcessedShard, ShardProcessor
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
 
 
 def shard_processor(
@@ -91,9 +91,14 @@ def _emit(config: RunConfig, outcome: ProcessedShard) -> None:
 
 
 @task(name="process-shards", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def process_shards(config: RunConfig, deadline: float) -> dict[str, Any]:
-    """Process raw shards continuously until the deadline; emits an event per shard."""
-    return run_processor(config, deadline, on_shard=lambda outcome: _emit(config, outcome))
+def process_shards(config: RunConfig, deadline: float, signals: str | None = None) -> dict[str, Any]:
+    """Process raw shards continuously until the deadline; emits an event per shard. With
+    ``signals`` (a key of :func:`tasks.common.send_signal`) it also ends at signal
+    ``rollouts-done``, after processing what the rollouts committed."""
+    with watch_signal(run_store(config), signals, "rollouts-done") as rollouts_done:
+        return run_processor(
+            config, deadline, on_shard=lambda outcome: _emit(config, outcome), stop=rollouts_done
+        )
 
 
 @task(name="process-pending", **SIDE_EFFECTS, **STORAGE_RETRIES)

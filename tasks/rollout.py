@@ -18,7 +18,7 @@ from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
 from storage.shards import ShardInfo
 from storage.status import RolloutStatus, RolloutStatusBoard, wait_until_free
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
 
 log = logging.getLogger(__name__)
 
@@ -177,18 +177,18 @@ def rollout_detail(status: dict[str, Any]) -> str:
 
 
 @task(name="rollouts", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def rollouts(config: RunConfig, deadline: float, worker_name: str = "worker-0") -> dict[str, Any]:
+def rollouts(
+    config: RunConfig, deadline: float, worker_name: str = "worker-0", signals: str | None = None
+) -> dict[str, Any]:
     """Generate rollouts into raw shards until the deadline; emits ``treadle.shard.committed``
-    per raw shard; returns the worker's counters."""
+    per raw shard; returns the worker's counters. With ``signals`` (a key of
+    :func:`tasks.common.send_signal`) it also stops at signal ``stop``."""
     from tasks.report import ProgressReporter
 
     progress = ProgressReporter("Rollouts finished", total=config.stop.max_rollouts, deadline=deadline)
-    result = run_rollouts(
-        config,
-        deadline,
-        worker_name,
-        on_progress=lambda s: progress.update(s["orchestrator"]["finished"], detail=rollout_detail(s)),
-        on_shard=lambda info: emit_event(
+
+    def committed(info: ShardInfo) -> None:
+        emit_event(
             event="treadle.shard.committed",
             resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
             payload={
@@ -198,7 +198,16 @@ def rollouts(config: RunConfig, deadline: float, worker_name: str = "worker-0") 
                 "min_version": info.min_version,
                 "max_version": info.max_version,
             },
-        ),
-    )
+        )
+
+    with watch_signal(run_store(config), signals, "stop") as stop:
+        result = run_rollouts(
+            config,
+            deadline,
+            worker_name,
+            on_progress=lambda s: progress.update(s["orchestrator"]["finished"], detail=rollout_detail(s)),
+            on_shard=committed,
+            stop=stop,
+        )
     progress.update(result["orchestrator"]["finished"], final=True)
     return result

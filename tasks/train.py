@@ -31,7 +31,7 @@ from storage.status import (
     wait_until_free,
 )
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
 
 log = logging.getLogger(__name__)
 
@@ -63,13 +63,14 @@ def run_trainer(
     on_publish: Callable[[int], None] | None = None,
     stop: threading.Event | None = None,
     drain: bool = False,
+    drain_event: threading.Event | None = None,
     engine_queue_depth: Callable[[], int] | None = None,
     elastic: ElasticPlanner | None = None,
     status_max_age_s: float = DEFAULT_MAX_AGE_S,
 ) -> dict[str, Any]:
     """Train on processed shards until ``deadline`` (epoch seconds), ``stop`` or
-    ``stop.max_policy_steps`` — or, with ``drain``, until no processed shard is waiting;
-    the steps since the last version are published at the end.
+    ``stop.max_policy_steps`` — or, with ``drain`` (or once ``drain_event`` is set), until
+    no processed shard is waiting; the steps since the last version are published at the end.
 
     Elastic capacity: an :class:`ElasticPlanner` (default: ``elastic_config(config)``)
     decides over the rollout workers' engine replicas, named from the status objects they
@@ -253,6 +254,7 @@ def run_trainer(
             stop_event=stop,
             progress=progress,
             drain=drain,
+            drain_event=drain_event,
             step_extra=elastic_record,
         )
     finally:
@@ -270,9 +272,12 @@ def run_trainer(
 
 
 @task(name="train", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def train(config: RunConfig, deadline: float, drain: bool = False) -> dict[str, Any]:
+def train(
+    config: RunConfig, deadline: float, drain: bool = False, signals: str | None = None
+) -> dict[str, Any]:
     """Run the trainer until the deadline (or until drained); emits an event per published
-    weight version."""
+    weight version. With ``signals`` (a key of :func:`tasks.common.send_signal`) it also
+    stops at signal ``stop`` and drains from signal ``processed``."""
     from tasks.report import ProgressReporter
 
     progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps, deadline=deadline)
@@ -284,16 +289,23 @@ def train(config: RunConfig, deadline: float, drain: bool = False) -> dict[str, 
             payload={"version": version, "path": WeightStore(run_store(config)).version_url(version)},
         )
 
-    result = run_trainer(
-        config,
-        deadline,
-        on_step=lambda row: progress.update(
-            row["step"],
-            detail=f"version {row['version']}, reward {row['reward_mean']:.2f}, "
-            f"masked {row['masked_fraction']:.3f}, staleness {row['staleness_mean']:.1f}",
-        ),
-        on_publish=published,
-        drain=drain,
-    )
+    store = run_store(config)
+    with (
+        watch_signal(store, signals, "stop") as stop,
+        watch_signal(store, signals, "processed") as processed,
+    ):
+        result = run_trainer(
+            config,
+            deadline,
+            on_step=lambda row: progress.update(
+                row["step"],
+                detail=f"version {row['version']}, reward {row['reward_mean']:.2f}, "
+                f"masked {row['masked_fraction']:.3f}, staleness {row['staleness_mean']:.1f}",
+            ),
+            on_publish=published,
+            stop=stop,
+            drain=drain,
+            drain_event=processed,
+        )
     progress.update(result["steps"], final=True)
     return result

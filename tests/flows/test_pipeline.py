@@ -3,8 +3,13 @@ and its Delta tables answer SQL through duckdb."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
+
 from flows.sql import connect
 from storage.tables import Tables
+from tests.flows.conftest import tiny_config
 from tests.flows.prefect_api import artifacts_of, count, wait_for_events
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -80,3 +85,33 @@ def test_pipeline_tables_read_by_duckdb(pipeline_run):
     ).fetchall()
     assert per_version[0][0] == 0
     assert sum(n for _, n in per_version) == trajectories
+
+
+def _pipeline_in_thread(config, timeout_s: float = 300):
+    """The pipeline's final state, or a failure if it is still running after ``timeout_s``."""
+    from flows.pipeline import pipeline
+
+    outcome = {}
+    runner = threading.Thread(
+        target=lambda: outcome.update(state=pipeline(config, return_state=True)), daemon=True
+    )
+    runner.start()
+    runner.join(timeout_s)
+    assert not runner.is_alive(), f"the pipeline is still running after {timeout_s} s"
+    return outcome["state"]
+
+
+@pytest.mark.parametrize(
+    ("stop", "stop_reason"),
+    [({"max_policy_steps": 2}, "max_steps"), ({"max_rollouts": 24}, "drained")],
+)
+def test_with_no_wall_clock_limit_the_pipeline_ends_with_its_first_stop_condition(
+    tmp_path, prefect_api, stop, stop_reason
+):
+    config = tiny_config(tmp_path / "runs", "no-limit", stop={"max_seconds": None, **stop})
+    result = _pipeline_in_thread(config).result()
+    assert result["trained"]["stop_reason"] == stop_reason
+    if "max_rollouts" in stop:  # the rollouts ended first: all they wrote is processed, then trained
+        assert result["rollouts"]["written"] == result["processed"]["trajectories_in"] == 24
+    else:
+        assert result["trained"]["steps"] == 2
