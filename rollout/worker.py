@@ -198,12 +198,24 @@ class RolloutWorker:
         return self
 
     async def sync_weights(self) -> bool:
-        """Load the newest published version into every engine; True when one was loaded."""
+        """Load the newest published version into every healthy engine; True when one was loaded.
+
+        A replica that is down is skipped: it cannot load anything, and failing the whole
+        update for it would make the healthy replicas reload the version at every poll.
+        """
         latest = await asyncio.to_thread(self.weights.latest)
         if latest is None or latest == self.version:
             return False
         path = await asyncio.to_thread(self.weights.load, latest)
-        await asyncio.gather(*(engine.load_version(latest, path) for engine in self.engines))
+        up = await asyncio.gather(*(engine.health() for engine in self.engines))
+        down = [engine.name for engine, ok in zip(self.engines, up, strict=True) if not ok]
+        if down:
+            log.warning(
+                "worker %s loads weight version %d without replicas %s: down", self.name, latest, down
+            )
+        await asyncio.gather(
+            *(e.load_version(latest, path) for e, ok in zip(self.engines, up, strict=True) if ok)
+        )
         self.version = latest
         self._shards_at_version = self.writer.committed
         self.version_loads.append((latest, time.time()))

@@ -95,7 +95,7 @@ class _SessionCache:
     nbytes: int
 
 
-@dataclass
+@dataclass(eq=False)  # compared and hashed by identity: the engine keeps a set of live requests
 class _Request:
     session_id: str
     prompt: list[int]
@@ -194,6 +194,9 @@ class TorchEngine:
         self._updates: list[
             tuple[int, dict[str, torch.Tensor], asyncio.AbstractEventLoop, asyncio.Future]
         ] = []
+        # Every request from queuing until its caller stops waiting, wherever the engine
+        # thread holds it (pending, admitted, re-prefilling, decoding): _fail_all fails them all.
+        self._live: set[_Request] = set()
         self._closed = False
         self._failure: BaseException | None = None
 
@@ -250,24 +253,27 @@ class TorchEngine:
             tokens=list(prompt),
         )
         with self._cond:
-            if self._closed or self._failure is not None:
-                raise EngineError(f"engine {self.name!r} is not serving: {self._failure or 'closed'}")
+            self._check_serving()
             self._pending.append(request)
+            self._live.add(request)
             self._cond.notify()
         try:
             return await asyncio.shield(request.future)
         except asyncio.CancelledError:
             request.cancelled = True
             raise
+        finally:
+            with self._cond:
+                self._live.discard(request)
 
     async def load_version(self, version: int, path: str) -> None:
         """Load weights from ``path`` (a local version directory); applied between decode steps."""
+        self._check_serving()
         state_dict = await asyncio.to_thread(self._read_weights, path)
         loop = asyncio.get_running_loop()
         applied = loop.create_future()
         with self._cond:
-            if self._closed:
-                raise EngineError(f"engine {self.name!r} is closed")
+            self._check_serving()
             self._updates.append((version, state_dict, loop, applied))
             self._cond.notify()
         await applied
@@ -317,6 +323,12 @@ class TorchEngine:
         await asyncio.to_thread(self._thread.join)
 
     # -- validation and weight loading -----------------------------------------------------
+
+    def _check_serving(self) -> None:
+        """Raise ``EngineError`` when the engine is closed, has failed or its thread is gone."""
+        if self._closed or self._failure is not None or not self._thread.is_alive():
+            reason = self._failure or ("closed" if self._closed else "its thread has stopped")
+            raise EngineError(f"engine {self.name!r} is not serving: {reason}")
 
     def _validate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> list[int]:
         if not isinstance(session_id, str) or not session_id:
@@ -378,11 +390,13 @@ class TorchEngine:
                         self._cond.wait()
                     if self._closed:
                         break
-                    updates, self._updates = self._updates, []
+                    updates = list(self._updates)
                     room = self.max_batch - len(self._batch)
                     admitted, self._pending = self._pending[:room], self._pending[room:]
                 for version, state_dict, loop, applied in updates:
                     self._apply_update(version, state_dict)
+                    with self._cond:  # queued until applied, so _fail_all fails one that was not
+                        del self._updates[0]
                     loop.call_soon_threadsafe(_resolve, applied, None)
                 with torch.inference_mode():
                     self._step([r for r in admitted if not r.cancelled])
@@ -396,9 +410,10 @@ class TorchEngine:
     def _fail_all(self) -> None:
         reason = f"engine {self.name!r} stopped: {self._failure!r}" if self._failure else "engine closed"
         with self._cond:
-            waiting, self._pending = self._pending + self._batch, []
+            waiting = list(self._live)
             updates, self._updates = self._updates, []
-        self._batch, self._batch_cache = [], None
+            self._pending = []
+        self._batch, self._reprefill, self._batch_cache = [], [], None
         for request in waiting:
             request.loop.call_soon_threadsafe(_reject, request.future, EngineError(reason))
         for *_, loop, applied in updates:
@@ -609,20 +624,23 @@ class TorchEngine:
         """Keep the session's cache (tokens[:cached]), then resolve the caller's future.
 
         In that order, so a caller's next turn (or ``end_session``) always sees the cache.
+        A cancelled request does neither: its caller is gone and has usually ended the
+        session already, so its cache would only push live sessions out of the LRU.
         """
+        if request.cancelled:
+            return
         self._remember(request.session_id, request.tokens[: request.cached], kv)
-        if not request.cancelled:
-            self._stats.requests += 1
-            generation = Generation(
-                token_ids=request.generated,
-                logprobs=request.logprobs,
-                versions=request.versions,
-                finish_reason=request.finish or "abort",
-                prompt_tokens=len(request.prompt),
-                cached_tokens=request.reused,
-                engine=self.name,
-            )
-            request.loop.call_soon_threadsafe(_resolve, request.future, generation)
+        self._stats.requests += 1
+        generation = Generation(
+            token_ids=request.generated,
+            logprobs=request.logprobs,
+            versions=request.versions,
+            finish_reason=request.finish or "abort",
+            prompt_tokens=len(request.prompt),
+            cached_tokens=request.reused,
+            engine=self.name,
+        )
+        request.loop.call_soon_threadsafe(_resolve, request.future, generation)
 
     def _remember(self, session_id: str, tokens: list[int], kv: KV) -> None:
         kv = [(k.clone(), v.clone()) for k, v in kv]

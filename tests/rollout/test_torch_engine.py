@@ -18,6 +18,7 @@ import torch
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
 from rollout.engines.base import Engine, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.torch_engine import TorchEngine, sampling_logprobs
+from rollout.router import Router, RouterConfig
 from storage.config import RunStore, StorageConfig
 from storage.weights import WeightStore
 
@@ -25,6 +26,8 @@ SMALL = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=96
 )
 TOLERANCE = 1e-4
+DEADLINE_S = 30.0
+"""Bound on waiting for an engine answer: a hang fails the test instead of blocking the suite."""
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,11 @@ def wait_for(condition, what: str, deadline_s: float = 60.0) -> None:
         if time.monotonic() > end:
             raise AssertionError(f"gave up waiting for {what}")
         time.sleep(0.005)
+
+
+def crash(*args, **kwargs):
+    """Stands in for a model call that hits a CUDA error on the engine thread."""
+    raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
 def test_sampling_logprobs_match_a_slow_reference():
@@ -465,3 +473,105 @@ def test_close_fails_waiting_requests_and_refuses_new_ones(tiny):
             await engine.generate("c", [5], SamplingParams())
 
     asyncio.run(run())
+
+
+def test_a_crash_in_prefill_fails_the_request_so_the_router_fails_over(tiny, weights):
+    model, _ = tiny
+    params = SamplingParams(max_new_tokens=4, seed=0)
+
+    async def run():
+        dying = TorchEngine(copy.deepcopy(model), name="dying")
+        spare = TorchEngine(copy.deepcopy(model), name="spare")
+        dying.model.forward = crash  # fails the prefill of a request the engine thread admitted
+        router = Router([dying, spare], RouterConfig(policy="round_robin", failover=True))
+        try:
+            generation = await asyncio.wait_for(router.generate("s", [5, 6, 7], params), DEADLINE_S)
+            with pytest.raises(EngineError, match="not serving: CUDA error"):
+                await asyncio.wait_for(dying.generate("t", [5], params), DEADLINE_S)
+            with pytest.raises(EngineError, match="not serving: CUDA error"):
+                await asyncio.wait_for(dying.load_version(1, weights.load(1)), DEADLINE_S)
+            return generation, router.replicas, await dying.health()
+        finally:
+            await asyncio.gather(dying.close(), spare.close())
+
+    generation, replicas, healthy = asyncio.run(run())
+    assert generation.engine == "spare" and len(generation.token_ids) == 4
+    assert replicas == ["spare"] and not healthy
+
+
+def test_a_crash_in_the_re_prefill_after_a_weight_update_fails_the_request(tiny, weights):
+    model, _ = tiny
+    blocked = threading.Event()
+    box = {}
+
+    def crash_after_three_tokens(stats):
+        if stats.decode_tokens == 3 and not blocked.is_set():
+            blocked.set()
+            engine = box["engine"]
+            wait_for(lambda: engine.stats().extra["pending_updates"] == 1, "the weight update to be queued")
+            engine.model.forward = crash  # the update re-prefills the request: that forward fails
+
+    async def run():
+        engine = box["engine"] = engine_for(model, on_step=crash_after_three_tokens)
+        try:
+            running = asyncio.create_task(engine.generate("a", [5, 6, 7], SamplingParams(max_new_tokens=20)))
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            await asyncio.wait_for(engine.load_version(1, weights.load(1)), DEADLINE_S)
+            with pytest.raises(EngineError, match="stopped: RuntimeError\\('CUDA error"):
+                await asyncio.wait_for(running, DEADLINE_S)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_crash_while_applying_a_weight_update_fails_the_update(tiny, weights):
+    model, _ = tiny
+
+    async def run():
+        engine = engine_for(model)
+        engine.model.load_state_dict = crash
+        try:
+            with pytest.raises(EngineError, match="stopped: RuntimeError\\('CUDA error"):
+                await asyncio.wait_for(engine.load_version(1, weights.load(1)), DEADLINE_S)
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
+def test_a_cancelled_generation_leaves_no_session_cache(tiny):
+    model, _ = tiny
+    blocked = threading.Event()
+    release = threading.Event()
+
+    def hold_after_three_tokens(stats):
+        if stats.decode_tokens == 3 and not blocked.is_set():
+            blocked.set()
+            wait_for(release.is_set, "the generation to be cancelled")
+
+    async def run():
+        engine = engine_for(model, on_step=hold_after_three_tokens)
+        try:
+            running = asyncio.create_task(
+                engine.generate("gone", [5, 6, 7], SamplingParams(max_new_tokens=50))
+            )
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            running.cancel()  # the rollout timed out ...
+            with pytest.raises(asyncio.CancelledError):
+                await running
+            engine.end_session("gone")  # ... and the gateway ended its session
+            release.set()
+            await asyncio.to_thread(
+                wait_for,
+                lambda: engine.stats().extra["active"] == 0,
+                "the cancelled row to leave",
+                DEADLINE_S,
+            )
+            return engine.stats()
+        finally:
+            release.set()
+            await engine.close()
+
+    stats = asyncio.run(run())
+    assert stats.extra["cache_sessions"] == 0 and stats.extra["cache_bytes"] == 0
