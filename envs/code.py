@@ -1,9 +1,10 @@
 """``code``: write a function; hidden unit tests run in the sandbox at EVAL.
 
 User ``write f(x) = x*3+1``; the action is Python source defining ``f``. The reward is the
-fraction of hidden tests passed, measured by a fresh interpreter in the sandbox. The test run
-is elastic: it splits the tests over one forked worker per core it was started on, and asks
-the scheduler for 1..``test_cores`` cores.
+fraction of hidden tests passed, measured in the sandbox by a tester that gives the solution's
+interpreter only the inputs and checks its int answers itself. The test run is elastic: it
+splits the tests over one forked worker per core it was started on, and asks the scheduler for
+1..``test_cores`` cores.
 """
 
 from __future__ import annotations
@@ -33,44 +34,85 @@ from envs.sandbox import python_in_sandbox
 
 TEMPLATES = ("x*{a}+{b}", "(x+{a})*{b}", "x%{a}+{b}", "max(x,{a})-{b}", "x*x-{a}", "abs(x-{a})+{b}")
 
+# The tester holds the tests and the pass marker; the solution runs in a child interpreter
+# (RUNNER) that is given only the inputs, its stdio on /dev/null, and sends back ints over a
+# pipe. Undumpable, the tester keeps its memory and its stdout out of the child's reach via /proc.
 TESTER = r"""
-import json, os, sys
+import ctypes, json, os, subprocess, sys
+libc = ctypes.CDLL(None)
+if libc.prctl(4, 0) != 0:  # PR_SET_DUMPABLE
+    sys.exit("cannot make the tester undumpable")
+
+def drop_capabilities():
+    # Root of a user namespace (``unshare -r``) could still trace an undumpable process.
+    for cap in range(64):
+        libc.prctl(24, cap)  # PR_CAPBSET_DROP
+
 request = json.loads(sys.stdin.readline())
 marker, tests = request["marker"], request["tests"]
-namespace = {}
+read, write = os.pipe()
+inputs = json.dumps([x for x, _ in tests])
+child = subprocess.Popen(
+    [sys.executable, "-I", "-c", request["runner"], str(write), inputs],
+    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[write],
+    preexec_fn=drop_capabilities,
+)
+os.close(write)
+with os.fdopen(read, "rb") as pipe:
+    reply = pipe.read()
+child.wait()
 try:
-    exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
-    f = namespace["f"]
-except BaseException:
-    f = None
-
-def count(chunk):
-    passed = 0
-    for x, want in chunk:
-        try:
-            passed += f(x) == want
-        except BaseException:
-            pass
-    return passed
-
+    results = json.loads(reply)
+except ValueError:
+    results = None
 passed = 0
-workers = min(len(os.sched_getaffinity(0)), len(tests))
-if f is not None and workers > 1:
+if isinstance(results, list):
+    passed = sum(type(got) is int and got == want for got, (_, want) in zip(results, tests))
+print(marker, passed, flush=True)
+"""
+
+# Runs the solution on the inputs, split over one forked worker per core it was started on;
+# writes a JSON list to the pipe: f(x) where that is an int, else null.
+RUNNER = r"""
+import json, os, sys
+out, inputs = int(sys.argv[1]), json.loads(sys.argv[2])
+namespace = {}
+exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
+f = namespace["f"]
+
+def results(chunk):
+    got = []
+    for x in chunk:
+        try:
+            y = f(x)
+        except BaseException:
+            y = None
+        got.append(y if type(y) is int else None)
+    return got
+
+workers = min(len(os.sched_getaffinity(0)), len(inputs))
+merged = [None] * len(inputs)
+if workers > 1:
     pipes = []
     for i in range(workers):
         read, write = os.pipe()
         if os.fork() == 0:
             os.close(read)
-            os.write(write, str(count(tests[i::workers])).encode())
+            with os.fdopen(write, "w") as pipe:
+                json.dump(results(inputs[i::workers]), pipe)
             os._exit(0)
         os.close(write)
         pipes.append(read)
-    for read in pipes:
-        passed += int(os.read(read, 32) or b"0")
+    for i, read in enumerate(pipes):
+        with os.fdopen(read, "rb") as pipe:
+            chunk = pipe.read()
+        if chunk:
+            merged[i::workers] = json.loads(chunk)
         os.wait()
-elif f is not None:
-    passed = count(tests)
-print(marker, passed, flush=True)
+else:
+    merged = results(inputs)
+with os.fdopen(out, "w") as pipe:
+    json.dump(merged, pipe)
 """
 
 
@@ -149,7 +191,9 @@ class CodeEnv(Env):
         with open(path, "w") as handle:
             handle.write(solution)
         marker = secrets.token_hex(8)
-        request = json.dumps({"marker": marker, "tests": task.data["tests"]}).encode() + b"\n"
+        request = (
+            json.dumps({"marker": marker, "tests": task.data["tests"], "runner": RUNNER}).encode() + b"\n"
+        )
         python = python_in_sandbox(sandbox.config)
         with started_on(self.cores):
             result = sandbox.run([python, "-I", "-c", TESTER], stdin=request)

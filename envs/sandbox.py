@@ -352,13 +352,24 @@ class Sandbox:
             output, stopped = read_capped(
                 proc.stdout.fileno(), self.config.max_output_bytes, started + timeout
             )
+            if stopped is None:
+                # EOF does not end the command: it may have closed its stdout and run on.
+                try:
+                    proc.wait(max(0.0, started + timeout - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    stopped = "timeout"
             if stopped:
                 kill_group(proc.pid)
             exit_code = proc.wait()
         finally:
             kill_group(proc.pid)
             proc.stdout.close()
-            self._procs.remove(proc)
+            with contextlib.suppress(ValueError):  # close() already let go of it
+                self._procs.remove(proc)
+        if self.closed:
+            raise SandboxError(
+                "died", "the sandbox was closed while the command ran", output.decode(errors="replace")
+            )
         result = ExecResult(
             exit_code, output.decode(errors="replace"), stopped == "output", time.monotonic() - started
         )

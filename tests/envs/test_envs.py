@@ -139,6 +139,49 @@ def test_code_scores_fraction_of_hidden_tests():
     assert score == 0.0
 
 
+# Solutions that know nothing of the task: read the tests or the pass marker off the tester
+# (its __main__, or its memory through /proc), or return an object (or int) that equals anything.
+READ_TESTER_MEMORY = """
+import json, os, re
+
+def read_tests():
+    pid = os.getppid()
+    with open(f"/proc/{pid}/maps") as maps, open(f"/proc/{pid}/mem", "rb", 0) as mem:
+        for line in maps:
+            span, perms = line.split()[:2]
+            start, end = (int(a, 16) for a in span.split("-"))
+            if perms.startswith("rw"):
+                mem.seek(start)
+                found = re.search(rb'"tests": (\\[\\[.*?\\]\\])', mem.read(end - start))
+                if found:
+                    return dict(json.loads(found.group(1)))
+
+TESTS = read_tests()
+
+def f(x):
+    return TESTS[x]
+"""
+CHEATS = {
+    "lookup": "import __main__ as m\ndef f(x):\n    return dict(m.tests)[x]\n",
+    "marker": "import __main__ as m, os\nprint(m.marker, len(m.tests), flush=True)\nos._exit(0)\n",
+    "memory": READ_TESTER_MEMORY,
+    "always_equal": "class Yes:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes()\n",
+    "equal_int": "class Yes(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes(0)\n",
+}
+
+
+@needs_bwrap
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+@pytest.mark.parametrize("cheat", sorted(CHEATS))
+def test_code_cheats_score_nothing(cheat, backend):
+    task = task_set("code", "train", seed=6, n=1)[0]
+    sandbox = SMALL.model_copy(update={"backend": backend})
+    _, score = asyncio.run(play("code", task, [CHEATS[cheat]], sandbox=sandbox))
+    assert score == 0.0
+    _, score = asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
+    assert score == 1.0
+
+
 @needs_bwrap
 def test_shell_tasks_checked_at_eval():
     for task in task_set("shell", "train", seed=7, n=6):

@@ -129,6 +129,36 @@ def test_timeout_kills_and_reports():
     assert raised.value.kind == "timeout"
 
 
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_timeout_holds_after_stdout_closes(backend):
+    with Sandbox(SMALL.model_copy(update={"backend": backend})) as box:
+        started = time.monotonic()
+        with pytest.raises(SandboxError) as raised:
+            box.run("exec >/dev/null 2>&1; sleep 15", timeout=0.5)
+        assert raised.value.kind == "timeout"
+        assert time.monotonic() - started < 5
+
+
+def test_close_during_run_reports_died():
+    box = Sandbox(SMALL)
+    raised = []
+
+    def run():
+        try:
+            box.run("sleep 30", timeout=20)
+        except SandboxError as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 5
+    while not box.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    box.close()
+    thread.join(10)
+    assert [exc.kind for exc in raised] == ["died"]
+
+
 def test_shell_persists_state_and_reports_exit_status():
     with Sandbox(SMALL) as box:
         shell = Shell(box)
