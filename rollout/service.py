@@ -19,8 +19,9 @@ the ``reward`` resource, ``ServiceConfig.reward_slots``; the model loaded on the
 for the call), is granted its resources per action by
 the scheduler chosen in ``ServiceConfig.scheduler`` (``rollout.scheduler``: ``action`` for
 ARL-Tangram's per-action scheduler, ``static`` for the per-trajectory reservation baseline),
-with the sandbox's persistent process pinned to the granted cores while the action runs. Time spent waiting for a stage's slot is queue time: it is reported in
-the timing breakdown and does not count toward the rollout's timeout.
+with the sandbox's persistent process pinned to the granted cores while the action runs.
+Time spent waiting for a stage's slot or for a scheduler grant is queue time: it is reported
+in the timing breakdown and does not count toward the rollout's timeout.
 
 Failures are classified into the canonical ``status``: an engine that died or a sandbox
 that failed to start is ``infra_error`` (never scored, never trained on); a sandbox that
@@ -39,7 +40,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -166,9 +167,30 @@ class _Clock:
         self.budget = budget
         self.timing = {"init": 0.0, "run": 0.0, "eval": 0.0, "queue": 0.0}
         self.resource_wait = 0.0
+        self.deadline: asyncio.Timeout | None = None  # the running stage's
 
     def remaining(self) -> float:
         return self.budget - (self.timing["init"] + self.timing["run"] + self.timing["eval"])
+
+    @contextlib.contextmanager
+    def waiting_for_grant(self) -> Iterator[None]:
+        """Time in the body (a wait for a scheduler grant, cancelled or not) is queue time: it is
+        booked as such, and the running stage's deadline stands still meanwhile. A rollout waits
+        for one grant at a time (its actions run one after another, a program's gate has at
+        most one acquire in flight and is closed when RUN ends)."""
+        deadline = self.deadline
+        loop = asyncio.get_running_loop()
+        left = None
+        if deadline is not None and not deadline.expired() and deadline.when() is not None:
+            left = deadline.when() - loop.time()
+            deadline.reschedule(None)
+        asked = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.resource_wait += time.perf_counter() - asked
+            if left is not None and self.deadline is deadline and not deadline.expired():
+                deadline.reschedule(loop.time() + left)
 
 
 class RolloutTimeout(Exception):
@@ -179,6 +201,15 @@ def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:
     """What the env declares an action needs; an env proxy running elsewhere (a Ray actor) declares nothing."""
     declare = getattr(env, method, None)
     return declare(*args) if declare is not None else None
+
+
+@contextlib.contextmanager
+def _logged(what: str, rollout_id: str) -> Iterator[None]:
+    """Log what the body raises instead of raising it."""
+    try:
+        yield
+    except Exception as exc:
+        log.warning("%s of rollout %s failed: %s", what, rollout_id, exc)
 
 
 def make_scheduler(config: ServiceConfig) -> ActionScheduler | StaticReservation | None:
@@ -224,7 +255,8 @@ class _ProgramActions:
     """The action gate of a self-driving env: its program holds a grant of what the env
     declares per action while it acts (from its start, and from each model reply until its
     next model call; several calls in flight count as one wait), and is parked without one
-    while it waits."""
+    while it waits. At most one acquire is in flight: a reply that finds one waits for it and
+    shares its grant."""
 
     def __init__(
         self, scheduler: ActionScheduler | StaticReservation, env: Env, rollout_id: str, clock: _Clock
@@ -237,14 +269,26 @@ class _ProgramActions:
         self.waits = 1  # the program has not started
         self.grant = None
         self.closed = False
+        self._asking: asyncio.Task | None = None
 
     async def acting(self) -> None:
         self.waits -= 1
         if self.waits or self.needs is None or self.closed:
             return
-        asked = time.perf_counter()
-        grant = await self.scheduler.acquire(self.needs)
-        self.clock.resource_wait += time.perf_counter() - asked
+        if self._asking is None:
+            self._asking = asyncio.create_task(self._ask())
+        # shielded: a caller that is cancelled does not cancel an acquire others may share
+        await asyncio.shield(self._asking)
+
+    async def _ask(self) -> None:
+        """Acquire a grant and keep it if the program still acts; ends quietly when ``close`` cancels it."""
+        try:
+            with self.clock.waiting_for_grant():
+                grant = await self.scheduler.acquire(self.needs)
+        except asyncio.CancelledError:
+            return
+        finally:
+            self._asking = None
         if self.closed or self.waits:  # the rollout ended, or the program called again meanwhile
             self.scheduler.release(grant)
             return
@@ -259,9 +303,13 @@ class _ProgramActions:
         if self.waits == 1:
             self._give_back()
 
-    def close(self) -> None:
-        """The rollout is over: give back what the program holds, and refuse it more."""
+    async def close(self) -> None:
+        """The program is over: give back what it holds, drop the acquire in flight, refuse it more."""
         self.closed = True
+        asking = self._asking
+        if asking is not None:
+            asking.cancel()
+            await asking
         self._give_back()
 
     def _give_back(self) -> None:
@@ -361,10 +409,12 @@ class RolloutService:
             if remaining <= 0:
                 raise RolloutTimeout(f"no time left for {name}")
             try:
-                return await asyncio.wait_for(work(), timeout=remaining)
+                async with asyncio.timeout(remaining) as clock.deadline:
+                    return await work()
             except TimeoutError as exc:
                 raise RolloutTimeout(f"{name} ran past the rollout's {clock.budget:.0f} s budget") from exc
         finally:
+            clock.deadline = None
             # waiting for an action's resources is queue time, not stage time
             waited, clock.resource_wait = clock.resource_wait, 0.0
             clock.timing[name] += time.perf_counter() - started - waited
@@ -403,6 +453,8 @@ class RolloutService:
             stage = "run"
             run = self._drive if drives_itself else self._run
             await self._stage("run", clock, lambda: run(env, session, request, state, clock))
+            if actions is not None:
+                await actions.close()  # the program has ended: no wait of its gate runs into EVAL
             stage = "eval"
             scorer = getattr(getattr(env, "config", None), "reward_model", None)
             if scorer is not None:
@@ -491,9 +543,9 @@ class RolloutService:
         if needs is None or self.scheduler is None:
             return await call()
         needs = dataclasses.replace(needs, trajectory_id=request.rollout_id)
-        asked = time.perf_counter()
-        async with self.scheduler.run(needs, pid=env.resource_pid()) as grant:
-            clock.resource_wait += time.perf_counter() - asked
+        async with contextlib.AsyncExitStack() as stack:
+            with clock.waiting_for_grant():
+                grant = await stack.enter_async_context(self.scheduler.run(needs, pid=env.resource_pid()))
             env.cores = grant.cores or None
             try:
                 return await call()
@@ -516,14 +568,17 @@ class RolloutService:
     async def _cleanup(
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None
     ) -> None:
+        """Give back the rollout's resources, close its env and its gateway session; a step that
+        fails is logged and the next ones still run."""
+        rollout_id = request.rollout_id
         if actions is not None:
-            actions.close()
+            with _logged("giving back the program's grant", rollout_id):
+                await actions.close()
         if self.scheduler is not None:
-            self.scheduler.end_trajectory(request.rollout_id)
+            with _logged("ending the trajectory in the scheduler", rollout_id):
+                self.scheduler.end_trajectory(rollout_id)
         if env is not None:
-            try:
+            with _logged("closing the env", rollout_id):
                 await env.close()
-            except Exception as exc:
-                log.warning("closing env of rollout %s failed: %s", session.session_id, exc)
-        with contextlib.suppress(LookupError):
+        with _logged("closing the gateway session", rollout_id), contextlib.suppress(LookupError):
             self.gateway.close(session.session_id)

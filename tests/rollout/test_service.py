@@ -13,7 +13,7 @@ import torch
 
 from envs import registry
 from envs.arith import ArithEnv
-from envs.base import StepResult, Task
+from envs.base import ResourceRequest, StepResult, Task
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.trainer import token_logprobs
 from rollout.engines.torch_engine import TorchEngine
@@ -139,6 +139,41 @@ def test_queue_time_does_not_count_toward_the_timeout(tiny):
     assert all(r.status in ("ok", "truncated") for r in results), [r.error for r in results]
     assert max(r.timing["queue"] for r in results) >= 4.0
     assert all(r.timing["run"] >= SlowEnv.delay for r in results)
+
+
+class ScheduledToolEnv(SlowEnv):
+    """``SlowEnv`` whose steps are tool calls on one core granted by the scheduler."""
+
+    delay = 0.05
+
+    def action_request(self, action: str) -> ResourceRequest:
+        return ResourceRequest(demand={"cpu": 1}, kind="tool", duration=self.delay)
+
+
+def test_waiting_for_a_scheduler_grant_does_not_count_toward_the_timeout(tiny):
+    """The only core is held for 3 s while the rollout's tool call waits for it: longer than
+    its 2 s budget, but queue time, so the rollout still finishes."""
+
+    async def body():
+        config = ServiceConfig(
+            timeout_s=2.0, max_new_tokens=4, scheduler="action", scheduler_cores=1, scheduler_pin=False
+        )
+        async with running_service(tiny, config, make_env=lambda task: ScheduledToolEnv()) as service:
+            scheduler = service.scheduler
+            async with scheduler.run(ResourceRequest(demand={"cpu": 1}, kind="other")):
+                job = asyncio.create_task(service.process(RolloutRequest(task=arith_task())))
+
+                async def tool_call_queued():
+                    while not scheduler.policy.queued:
+                        await asyncio.sleep(0.01)
+
+                await asyncio.wait_for(tool_call_queued(), 30)
+                await asyncio.sleep(3.0)
+            return await asyncio.wait_for(job, 30)
+
+    result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    assert result.timing["queue"] > 2.0
 
 
 def test_cancel_stops_an_in_flight_rollout(tiny):

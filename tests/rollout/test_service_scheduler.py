@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from envs import registry
+from envs.arith import ArithEnv
+from envs.base import StepResult
 from envs.code import CodeEnv
 from envs.pytool import PyToolEnv
 from rl.models import TinyModelConfig, build_tiny_model
@@ -163,6 +165,103 @@ def test_action_mode_holds_nothing_between_actions(tiny):
     _, env, result, _ = _run(tiny, config, ScriptedPyTool, "pytool", hold_one_core=False)
     assert result.status in ("ok", "truncated"), result.error
     assert env.free_between_actions == [2.0]
+
+
+class OverlappingReplies(ArithEnv):
+    """A self-driving env whose program, while the pool is full, has two model replies
+    waiting for a grant at once: two calls in flight, a third sent between their replies."""
+
+    name = "arith"
+    drives_itself = True
+
+    def __init__(self, service: RolloutService, **kwargs):
+        super().__init__(**kwargs)
+        self.service = service
+        self.gate = None
+        self.free_while_acting = None
+
+    def attach_gateway(self, gateway) -> None:
+        pass
+
+    def attach_actions(self, gate) -> None:
+        self.gate = gate
+
+    def action_request(self, action):
+        return ResourceRequest(demand={"cpu": 1}, kind="agent")
+
+    async def run(self) -> StepResult:
+        gate, scheduler = self.gate, self.service.scheduler
+        await gate.acting()  # the program starts
+        gate.waiting()
+        gate.waiting()  # two model calls at once
+        async with scheduler.run(ResourceRequest(demand={"cpu": 2}, kind="other")):
+            await gate.acting()  # the first reply: a call is still out
+            second = asyncio.create_task(gate.acting())  # the second reply waits for a grant
+            await asyncio.sleep(0)
+            gate.waiting()  # the program sends a third call
+            third = asyncio.create_task(gate.acting())  # and its reply waits too
+            await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(second, third), 30)
+        self.free_while_acting = list(scheduler.policy.free)
+        gate.waiting()  # the program ends
+        return StepResult([], 1.0, True, 1.0)
+
+    async def evaluate(self):
+        return 1.0
+
+
+def test_overlapping_model_calls_of_a_program_hold_one_grant_and_give_it_back(tiny):
+    config = ServiceConfig(timeout_s=120, scheduler="action", scheduler_cores=2)
+    service, env, result, _ = _run(tiny, config, OverlappingReplies, "arith", hold_one_core=False)
+    assert result.status == "ok", result.error
+    assert env.free_while_acting == [1.0]
+    assert service.scheduler.policy.free == [2.0] and service.scheduler.policy.queued == 0
+    assert service.scheduler.cpu.available == service.scheduler.cpu.pool
+
+
+class StrayAction(ArithEnv):
+    """``arith`` whose step starts an action of its own trajectory and never ends it."""
+
+    def __init__(self, service: RolloutService, **kwargs):
+        super().__init__(**kwargs)
+        self.service = service
+        self.closed = False
+
+    async def step(self, action):
+        request = ResourceRequest(demand={"cpu": 1}, kind="tool", trajectory_id="stray")
+        await self.service.scheduler.acquire(request)
+        return await super().step(action)
+
+    async def close(self):
+        self.closed = True
+        await super().close()
+
+
+def test_the_env_and_its_session_are_closed_when_ending_the_trajectory_fails(tiny):
+    """A static reservation cannot end while an action of its trajectory runs: that is logged,
+    and the env and the gateway session are closed all the same."""
+    config = ServiceConfig(
+        timeout_s=120, max_new_tokens=4, scheduler="static", scheduler_cores=2, scheduler_pin=False
+    )
+    envs = []
+
+    def make_env(task):
+        envs.append(StrayAction(service))
+        return envs[-1]
+
+    service, engine = _service(tiny, config, make_env)
+    task = registry.task_set("arith", "train", seed=0, n=1)[0]
+
+    async def body():
+        try:
+            return await service.process(RolloutRequest(task=task, rollout_id="stray"))
+        finally:
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    assert envs[0].closed
+    assert service.gateway.sessions == []
 
 
 class AffinityCode(CodeEnv):
