@@ -68,8 +68,8 @@ class ProcessorConfig(BaseModel):
         "execution",
         description="'execution': the loss is the mean over trainable tokens within an execution, then the "
         "mean over the shard's executions; 'token': the plain mean over trainable tokens. Either way the "
-        "weights average 1 over the shard's trained tokens, so the trainer's Σ w·loss / N_train (rl.losses) "
-        "gives that mean.",
+        "weights average 1 over the shard's trained tokens; the trainer divides Σ w·loss by Σ w over each "
+        "batch, so a batch holding whole executions gets the mean over them.",
     )
     success_threshold: float = Field(
         1.0,

@@ -567,8 +567,12 @@ class Trainer:
     def _train_step(self, samples: list[Sample]) -> StepMetrics | None:
         """K critic steps, advantages with the updated critic, one DIS policy step.
 
-        A batch with no trainable token, or met by a policy with non-finite parameters, is
-        rejected before any update. A non-finite policy loss or gradient norm found after the
+        The policy loss is Σ w·loss over the batch's trained tokens divided by their Σ w (the
+        processor's ``loss_weight``): a batch holding part of a shard then keeps the scale the
+        weights give the whole shard (with every weight 1, the plain token mean).
+
+        A batch with no trainable token (or none of positive weight), or met by a policy with
+        non-finite parameters, is rejected before any update. A non-finite policy loss or gradient norm found after the
         backward pass (e.g. an overflow) still rejects the batch, but by then the critic has
         taken its K steps.
         """
@@ -578,6 +582,10 @@ class Trainer:
         total_train = sum(int(p.train_mask.sum()) for p in parts)
         if total_train == 0:
             self._reject_batch(samples, "all-masked batch: no trainable tokens")
+            return None
+        total_weight = sum(float(p.loss_weight[p.train_mask].sum()) for p in parts)
+        if total_weight <= 0:
+            self._reject_batch(samples, "every trainable token has loss weight 0")
             return None
 
         value_stats = []
@@ -610,9 +618,10 @@ class Trainer:
                 config.eps_high,
                 loss_weight=part.loss_weight,
             )
+            # dis_policy_loss divides this part's Σ w·loss by its token count
+            (loss * (stats["num_tokens"] / total_weight)).backward()
+            policy_loss += float(loss.detach()) * stats["num_tokens"] / total_weight
             share = stats["num_tokens"] / total_train
-            (loss * share).backward()
-            policy_loss += float(loss.detach()) * share
             for name in ("masked_fraction", "masked_low", "masked_high", "mean_ratio", "kl"):
                 weighted[name] += stats[name] * share
             weighted["max_ratio"] = max(weighted["max_ratio"], stats["max_ratio"])

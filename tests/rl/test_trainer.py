@@ -620,3 +620,25 @@ def test_exactly_once_across_sigkill_restarts(store):
     assert trained == 40, f"seed {seed}"
     # the final state agrees with the chain: one step per 3 rows, counting every restart
     assert chain[-1]["step"] == 14, f"seed {seed}"
+
+
+def test_the_policy_loss_is_normalised_by_the_batchs_total_loss_weight(store):
+    # the processor's weights average 1 over a shard, not over every batch cut from it:
+    # uniform weights of 2 must train exactly like weights of 1
+    records = make_trajectories(store, 4, seed=3)
+    unit, _ = one_step(store, records)
+    for record in records:
+        record["loss_weight"] = [2.0] * len(record["tokens"])
+    doubled, _ = one_step(store, records)
+    assert doubled.row["policy_loss"] == pytest.approx(unit.row["policy_loss"], rel=1e-5)
+    assert doubled.extra["grad_norm"] == pytest.approx(unit.extra["grad_norm"], rel=1e-5)
+    assert unit.extra["grad_norm"] > 0
+
+
+def test_a_batch_whose_trainable_tokens_all_weigh_zero_is_rejected(store):
+    records = make_trajectories(store, 2, seed=3)
+    for record in records:
+        record["loss_weight"] = [0.0] * len(record["tokens"])
+    trainer = Trainer(store, config())
+    assert trainer._train_step(open_batch(trainer, records)) is None
+    assert trainer._rejected == {"every trainable token has loss weight 0": 2}
