@@ -156,7 +156,9 @@ class ShardWriter:
 
         On failure the buffer is kept and the next flush retries it: under the same number,
         or under the next one when the failed attempt got as far as the ``shards`` commit
-        (which may have landed, so its file stays).
+        (its file stays). A commit that raised but is found in the ``shards`` table landed
+        and counts as committed; only when the table cannot be read then either may the
+        retry commit the records a second time.
         """
         if not self._buffer:
             return None
@@ -260,9 +262,26 @@ class ShardWriter:
             num_rows=table.num_rows,
             **_token_stats(table),
         )
-        self.tables.append("shards", [asdict(info) | {"committed_at": datetime.now(UTC)}])
+        try:
+            self.tables.append("shards", [asdict(info) | {"committed_at": datetime.now(UTC)}])
+        except Exception as exc:
+            if not self._landed(info):
+                raise
+            log.warning(
+                "the commit of shard %s failed (%r) but landed: counted as committed", info.shard_id, exc
+            )
         self._committed += 1
         return info
+
+    def _landed(self, info: ShardInfo) -> bool:
+        """Whether ``info``'s row is in the ``shards`` table (an append can land and still
+        fail, its reply lost); False when the table cannot be read either."""
+        try:
+            shards = self.tables.read("shards")
+        except Exception as exc:
+            log.warning("cannot tell whether shard %s was committed: %s", info.shard_id, exc)
+            return False
+        return info.shard_id in set(shards.column("shard_id").to_pylist())
 
     def close(self) -> ShardInfo | None:
         """Flush what is buffered and refuse further writes."""

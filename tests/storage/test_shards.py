@@ -157,6 +157,27 @@ def test_a_failed_flush_keeps_its_records_and_the_retry_loses_and_repeats_none(s
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
 
 
+def test_a_commit_that_lands_but_reports_an_error_counts_as_committed(store, monkeypatch):
+    writer = ShardWriter(store, "w0", flush_records=100)
+    writer.write_table(make_table(0, 3))
+    append = writer.tables.append
+
+    def reply_lost(*args):
+        append(*args)
+        raise TimeoutError("read timed out after the commit (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost)
+        assert writer.flush().seq == 0
+    assert writer.flush() is None  # nothing left to commit twice
+    writer.write_table(make_table(3, 2))
+    assert writer.flush().seq == 1
+
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
+
+
 def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(store, monkeypatch):
     writer = ShardWriter(store, "p", kind="processed")
     with monkeypatch.context() as patch:  # the first attempt fails at its commit
