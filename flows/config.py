@@ -11,10 +11,11 @@ import re
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from envs.registry import REGISTRY, make_config
+from envs.registry import REGISTRY, env_class, make_config
 from rl.config import SAOConfig
 from rl.models import TinyModelConfig
 from rl.processor import ProcessorConfig
@@ -169,7 +170,28 @@ class RunConfig(BaseModel):
                     f"envs.{name}.reward_model: {scorer!r} is not one of service.reward_models "
                     f"({sorted(self.service.reward_models) or 'none configured'})"
                 )
+        if self.cluster == "ray":
+            # a Ray env actor is reached through a proxy that neither drives a program nor
+            # carries the env's config to the service
+            for name in self.orchestrator.mix:
+                if getattr(env_class(name), "drives_itself", False):
+                    raise ValueError(
+                        f"orchestrator.mix: {name!r} drives its own program, which cluster 'ray' cannot run"
+                    )
+                if self.env_config(name).reward_model is not None:
+                    raise ValueError(
+                        f"envs.{name}.reward_model: reward models are not served with cluster 'ray'"
+                    )
         return self
+
+    @field_validator("trainer_device")
+    @classmethod
+    def _torch_device(cls, value: str) -> str:
+        try:
+            torch.device(value)
+        except RuntimeError as exc:
+            raise ValueError(f"{value!r} is not a torch device: {exc}") from None
+        return value
 
     def env_config(self, name: str):
         """The validated config of environment ``name``."""

@@ -44,6 +44,13 @@ def test_tiny_config_loads():
         ("run_id: 'a b'\n", "run_id"),
         ("envs:\n  arith: {no_such_option: 1}\n", "envs.arith.no_such_option"),
         ("envs:\n  chess: {}\n", "envs: unknown environment 'chess'"),
+        ("trainer_device: gpu\n", "trainer_device: Value error, 'gpu' is not a torch device"),
+        ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
+        (
+            "cluster: ray\nservice:\n  reward_models: {judge: {path: /models/judge}}\n"
+            "envs:\n  arith: {reward_model: judge}\n",
+            "envs.arith.reward_model: reward models are not served with cluster 'ray'",
+        ),
     ],
 )
 def test_bad_config_fails_naming_the_field(tmp_path, text, named):
