@@ -146,3 +146,7 @@ def test_prefect_yaml_schedules_pools_and_trigger():
     assert parsed.expect == {"treadle.shard.committed"}
     run_id = process["parameters"]["config"]["run_id"]
     assert trigger["match"]["prefect.resource.id"] == f"treadle.run.{run_id}"
+    # the pipeline processes its own run: a second processor there would process it twice
+    assert run_id != deployments["pipeline/on-demand"]["parameters"]["config"]["run_id"]
+    for name in ("train/nightly", "rollout/gpu-worker"):
+        assert deployments[name]["parameters"]["config"]["run_id"] == run_id, name

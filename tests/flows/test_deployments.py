@@ -176,7 +176,7 @@ def test_deployments_run_on_a_real_server_and_worker(tmp_path):
             )
             commit = Event(
                 event="treadle.shard.committed",
-                resource={"prefect.resource.id": "treadle.run.demo", "treadle.run_id": "demo"},
+                resource={"prefect.resource.id": "treadle.run.cluster", "treadle.run_id": "cluster"},
                 payload={"shard_id": raw_shards[-1]},
                 id=uuid4(),
             )
