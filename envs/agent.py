@@ -14,6 +14,9 @@ Between model calls the program acts (runs its tools), and that is what the roll
 scheduler grants resources to (``attach_actions``): the program starts on the cores granted
 for its first action; each model call gives them back (the program is parked while it
 waits), and the reply reaches the program once its next action is granted.
+
+The program and EVAL hold no worker thread while they run (``Sandbox.run_async``): there may
+be hundreds at once, and ``asyncio.to_thread`` calls elsewhere share the default executor.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from envs.base import (
     StepResult,
     Task,
     in_eval_split,
-    started_on,
     user,
 )
 from envs.sandbox import ExecResult, SandboxError, python_in_sandbox
@@ -198,15 +200,11 @@ class AgentEnv(Env):
         sandbox = self.sandbox
         sandbox.config.env.update(OPENAI_API_KEY="sandbox", TREADLE_TASK=task.prompt)
         argv = [python_in_sandbox(sandbox.config), "-I", "-c", RELAY, self.socket_path, self.config.command]
-
-        def program() -> ExecResult:
-            with started_on(self.cores):  # the program starts on its first action's cores
-                return sandbox.run(argv, self.config.agent_timeout_s)
-
         if self.actions is not None:
             await self.actions.acting()
         try:
-            self.result = await asyncio.to_thread(program)
+            # The program starts on its first action's cores.
+            self.result = await sandbox.run_async(argv, self.config.agent_timeout_s, cores=self.cores)
         finally:
             if self.actions is not None:
                 self.actions.waiting()
@@ -226,7 +224,7 @@ class AgentEnv(Env):
         self._require_task()
         if not self.config.eval_command or self.sandbox is None:
             return 0.0
-        result = await asyncio.to_thread(self.sandbox.run, self.config.eval_command)
+        result = await self.sandbox.run_async(self.config.eval_command)
         lines = result.output.strip().splitlines()
         try:
             score = float(lines[-1])

@@ -15,12 +15,10 @@ sandbox's persistent process (``resource_pid``) to the granted cores while the a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
-import os
 import random
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Protocol
 
@@ -116,23 +114,6 @@ def amdahl_efficiency(serial_fraction: float, max_units: int) -> tuple[float, ..
     if not 0 <= serial_fraction < 1:
         raise ValueError(f"serial_fraction must be in [0, 1), got {serial_fraction}")
     return tuple(1.0 / (m * (serial_fraction + (1 - serial_fraction) / m)) for m in range(1, max_units + 1))
-
-
-@contextlib.contextmanager
-def started_on(cores: frozenset[int] | None) -> Iterator[None]:
-    """Processes this thread starts inside the block run on ``cores`` (they inherit the thread's affinity).
-
-    Use it around a blocking ``subprocess`` start in a worker thread; ``None`` changes nothing.
-    """
-    if not cores:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
 
 
 class ActionGate(Protocol):

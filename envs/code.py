@@ -27,10 +27,9 @@ from envs.base import (
     amdahl_efficiency,
     in_eval_split,
     sample_unique,
-    started_on,
     user,
 )
-from envs.sandbox import python_in_sandbox
+from envs.sandbox import python_in_sandbox, started_on
 
 TEMPLATES = ("x*{a}+{b}", "(x+{a})*{b}", "x%{a}+{b}", "max(x,{a})-{b}", "x*x-{a}", "abs(x-{a})+{b}")
 

@@ -22,6 +22,7 @@ service maps to the ``env_error`` status.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -33,9 +34,10 @@ import signal
 import subprocess
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
+from typing import IO, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -330,20 +332,9 @@ class Sandbox:
         Raises :class:`SandboxError` on timeout, too much output, a CPU/file-size kill, or (with
         ``violations_are_errors``) output that shows the isolation stopped it.
         """
-        cmd = ["bash", "-c", command] if isinstance(command, str) else list(command)
-        timeout = self.config.timeout_s if timeout is None else timeout
+        cmd, timeout = self._command(command, timeout)
         started = time.monotonic()
-        try:
-            proc = subprocess.Popen(
-                self.argv(cmd),
-                stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                **self.popen_kwargs(),
-            )
-        except OSError as exc:
-            raise SandboxError("start_failed", f"could not start {cmd[0]!r}: {exc}") from exc
-        self._procs.append(proc)
+        proc = self._start(cmd, stdin is not None)
         try:
             if stdin is not None:
                 with contextlib.suppress(BrokenPipeError):
@@ -362,10 +353,63 @@ class Sandbox:
                 kill_group(proc.pid)
             exit_code = proc.wait()
         finally:
-            kill_group(proc.pid)
-            proc.stdout.close()
-            with contextlib.suppress(ValueError):  # close() already let go of it
-                self._procs.remove(proc)
+            self._let_go(proc)
+        return self._result(exit_code, output, stopped, started)
+
+    async def run_async(
+        self, command: str | list[str], timeout: float | None = None, cores: frozenset[int] | None = None
+    ) -> ExecResult:
+        """:meth:`run` for the event loop, started on ``cores``: its output and exit are
+        awaited on the loop, so a long command holds no worker thread (only its start,
+        short, takes one)."""
+        cmd, timeout = self._command(command, timeout)
+        started = time.monotonic()
+
+        def start() -> subprocess.Popen:
+            # in a thread: building the argv scans /proc, and started_on pins the calling thread
+            with started_on(cores):
+                return self._start(cmd, stdin=False)
+
+        proc = await asyncio.to_thread(start)
+        deadline = started + timeout
+        try:
+            output, stopped = await read_capped_async(proc.stdout, self.config.max_output_bytes, deadline)
+            # EOF does not end the command: it may have closed its stdout and run on.
+            if stopped is None and await exit_code_async(proc, deadline - time.monotonic()) is None:
+                stopped = "timeout"
+            if stopped:
+                kill_group(proc.pid)
+            exit_code = await exit_code_async(proc)
+        finally:
+            self._let_go(proc)
+        return self._result(exit_code, output, stopped, started)
+
+    def _command(self, command: str | list[str], timeout: float | None) -> tuple[list[str], float]:
+        cmd = ["bash", "-c", command] if isinstance(command, str) else list(command)
+        return cmd, self.config.timeout_s if timeout is None else timeout
+
+    def _start(self, cmd: list[str], stdin: bool) -> subprocess.Popen:
+        """Start ``cmd`` in the sandbox, tracked so that :meth:`close` kills it."""
+        try:
+            proc = subprocess.Popen(
+                self.argv(cmd),
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                **self.popen_kwargs(),
+            )
+        except OSError as exc:
+            raise SandboxError("start_failed", f"could not start {cmd[0]!r}: {exc}") from exc
+        self._procs.append(proc)
+        return proc
+
+    def _let_go(self, proc: subprocess.Popen) -> None:
+        kill_group(proc.pid)
+        proc.stdout.close()
+        with contextlib.suppress(ValueError):  # close() already let go of it
+            self._procs.remove(proc)
+
+    def _result(self, exit_code: int, output: bytes, stopped: str | None, started: float) -> ExecResult:
         if self.closed:
             raise SandboxError(
                 "died", "the sandbox was closed while the command ran", output.decode(errors="replace")
@@ -443,6 +487,23 @@ class Sandbox:
         self.close()
 
 
+@contextlib.contextmanager
+def started_on(cores: frozenset[int] | None) -> Iterator[None]:
+    """Processes this thread starts inside the block run on ``cores`` (they inherit the thread's affinity).
+
+    Use it around a blocking ``subprocess`` start in a worker thread; ``None`` changes nothing.
+    """
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, str | None]:
     """Read ``fd`` until EOF, ``cap`` bytes, or ``deadline``; says which stopped it (None: EOF)."""
     chunks: list[bytes] = []
@@ -499,3 +560,46 @@ def python_in_sandbox(config: SandboxConfig) -> str:
     if not os.path.isabs(path):
         raise SandboxError("start_failed", f"python interpreter {config.python!r} not found")
     return path
+
+
+async def read_capped_async(pipe: IO[bytes], cap: int, deadline: float) -> tuple[bytes, str | None]:
+    """:func:`read_capped` on the event loop: read ``pipe`` until EOF, ``cap`` bytes, or
+    ``deadline`` (``time.monotonic``); says which stopped it (None: EOF)."""
+    reader = asyncio.StreamReader()
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(reader), pipe
+    )
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        while True:
+            try:
+                chunk = await asyncio.wait_for(reader.read(65536), deadline - time.monotonic())
+            except TimeoutError:
+                return b"".join(chunks), "timeout"
+            if not chunk:
+                return b"".join(chunks), None
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > cap:
+                return b"".join(chunks)[:cap], "output"
+    finally:
+        transport.close()
+
+
+async def exit_code_async(proc: subprocess.Popen, timeout: float | None = None) -> int | None:
+    """``proc``'s exit status once it ends (awaited on a pidfd), or None if ``timeout`` passes first."""
+    if proc.poll() is not None:  # also keeps a reaped pid, perhaps reused since, from pidfd_open
+        return proc.returncode
+    loop = asyncio.get_running_loop()
+    pidfd = os.pidfd_open(proc.pid)
+    ended = loop.create_future()
+    loop.add_reader(pidfd, lambda: ended.done() or ended.set_result(None))
+    try:
+        await asyncio.wait_for(ended, timeout)
+    except TimeoutError:
+        return None
+    finally:
+        loop.remove_reader(pidfd)
+        os.close(pidfd)
+    return proc.wait()

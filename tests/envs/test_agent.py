@@ -10,6 +10,8 @@ checks its record token by token.
 import asyncio
 import json
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -107,3 +109,60 @@ def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
 
     with pytest.raises(SandboxError, match="no score"):
         asyncio.run(episode())
+
+
+def test_agent_programs_hold_no_thread_of_the_default_executor(upstream):
+    """More programs than the default executor has threads run at once, and other
+    ``asyncio.to_thread`` calls (sandbox creation, weight reads) do not queue behind them."""
+    threads, seconds = 2, 1.5
+    tasks = task_set("agent", "train", 0, 2 * threads + 1, config())
+
+    async def episodes():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(threads))
+        envs = [make("agent", config(command=f"sleep {seconds}")) for _ in tasks]
+        try:
+            for env, task in zip(envs, tasks, strict=True):
+                env.attach_gateway(GatewaySession(upstream, "k", "s"))
+                await env.reset(task)
+            started = time.monotonic()
+            runs = asyncio.gather(*(env.run() for env in envs))
+            await asyncio.sleep(seconds / 4)
+            asked = time.monotonic()
+            await asyncio.to_thread(lambda: None)
+            probe_wait = time.monotonic() - asked
+            results = await runs
+            return results, time.monotonic() - started, probe_wait
+        finally:
+            for env in envs:
+                await env.close()
+
+    results, elapsed, probe_wait = asyncio.run(episodes())
+    assert [result.info["exit_code"] for result in results] == [0] * len(tasks)
+    # Queued on the executor's threads, the programs would take three rounds (>= 4.5 s) and the
+    # probe would wait for the first round to end (>= 1.1 s).
+    assert elapsed < 2 * seconds, elapsed
+    assert probe_wait < seconds / 2, probe_wait
+
+
+@pytest.mark.parametrize(
+    ("command", "kind"),
+    [("exec > /dev/null; sleep 30", "timeout"), ("yes", "output_limit")],
+)
+def test_an_agent_program_past_its_limits_is_stopped(upstream, command, kind):
+    """The wall-clock limit (also after the program closes its stdout) and the output cap hold."""
+    cfg = config(command=command, agent_timeout_s=1)
+    env = make("agent", cfg)
+
+    async def episode():
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        try:
+            await env.run()
+        finally:
+            await env.close()
+
+    started = time.monotonic()
+    with pytest.raises(SandboxError) as error:
+        asyncio.run(episode())
+    assert error.value.kind == kind
+    assert time.monotonic() - started < 10
