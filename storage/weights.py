@@ -4,7 +4,8 @@ A version directory holds ``model.safetensors``, ``config.json``, the tokenizer 
 extra files (optimizer state, consumed shard ids) and ``manifest.json`` with the sha256 of
 every other file. A publish stages its files locally, then claims its version number by
 creating the directory's ``CLAIM`` object exclusively (``O_EXCL`` locally, a conditional
-PUT on S3), so two publishers racing for one number never write into the same directory.
+PUT on S3), so two publishers racing for one number never write into the same directory
+(a retry of a publish that failed after its claim, naming the same ``owner``, takes it back).
 Files are uploaded next, the manifest after them and ``weights/LATEST`` last (temp file + rename on a local
 folder, a single PUT on S3), so a reader never sees a version that is still being written:
 a directory without a manifest does not exist. ``LATEST`` only moves forward: a publish that
@@ -161,6 +162,7 @@ class WeightStore:
         extra_files: Mapping[str, bytes] | None = None,
         tag: str | None = None,
         version: int | None = None,
+        owner: str | None = None,
     ) -> int:
         """Write a new version and point ``LATEST`` at it unless it names a newer one; returns
         its number.
@@ -176,6 +178,9 @@ class WeightStore:
             tag: a name that protects the version from ``retain``.
             version: publish exactly this number, or raise :class:`VersionTaken` when
                 another publish claimed it; default: the next free number.
+            owner: who publishes, the same on every attempt (e.g. a task run id): its own
+                claim of ``version`` left without a manifest by an attempt that failed is
+                taken back instead of raising :class:`VersionTaken`.
         """
         extra_files = dict(extra_files or {})
         for name in extra_files:
@@ -199,7 +204,7 @@ class WeightStore:
                 for path in sorted(Path(staging).rglob("*"))
                 if path.is_file()
             }
-            version = self._claim(version)  # after everything that can fail here
+            version = self._claim(version, owner)  # after everything that can fail here
             target = self.version_path(version)
             for name in files:
                 self.fs.put_file(os.path.join(staging, name), posixpath.join(target, name))
@@ -230,22 +235,36 @@ class WeightStore:
             if path.is_file() and path.name not in RESERVED_FILES:
                 shutil.copyfile(path, staging / path.name)
 
-    def _claim(self, version: int | None) -> int:
+    def _claim(self, version: int | None, owner: str | None = None) -> int:
         """Create ``CLAIM`` in the version's directory, failing if it exists: the number is
         then this publish's alone. Without a ``version``, a number claimed meanwhile by
         another publisher moves this one to the next."""
         number = self._next_version() if version is None else version
-        claim = f"{datetime.now(UTC).isoformat()} pid {os.getpid()}\n".encode()
+        owned = "" if owner is None else f" owner {owner}"
+        claim = f"{datetime.now(UTC).isoformat()} pid {os.getpid()}{owned}\n".encode()
         while True:
             try:
                 self.store.create_exclusive(posixpath.join(self.version_path(number), CLAIM_FILE), claim)
                 return number
             except FileExistsError:
+                if version is not None and owner is not None and self._failed_claim_of(owner, version):
+                    return version  # an earlier attempt of this publish claimed it, then failed
                 if version is not None:
                     raise VersionTaken(
                         f"weight version {version} of {self.store.url(self.prefix)} is claimed by another publish"
                     ) from None
                 number += 1
+
+    def _failed_claim_of(self, owner: str, version: int) -> bool:
+        """Whether ``version`` was claimed by ``owner`` and never got its manifest."""
+        directory = self.version_path(version)
+        try:
+            claim = self.fs.cat_file(posixpath.join(directory, CLAIM_FILE)).decode()
+        except (FileNotFoundError, UnicodeDecodeError):
+            return False
+        return claim.endswith(f" owner {owner}\n") and not self.fs.exists(
+            posixpath.join(directory, MANIFEST_FILE)
+        )
 
     def _next_version(self) -> int:
         """One past every version directory present, complete or not (never reuse a name)."""

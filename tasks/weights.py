@@ -8,6 +8,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.runtime import task_run
 
 from envs import registry
 from envs.base import Split
@@ -51,14 +52,16 @@ def demonstration_data(
     return sequences, masks
 
 
-def build_base_version(config: RunConfig, log=print) -> int:
+def build_base_version(config: RunConfig, log=print, owner: str | None = None) -> int:
     """Publish version 0 if the run has none: the starting policy, warm-started on the
     environments' demonstrations when ``warm_start.enabled``. Returns the latest version.
 
     Flows of one run started together (a trainer and a rollout worker on two machines)
     may both warm-start; the first to claim version 0 publishes it and the others wait for
     it and use it. A claim whose process died before publishing is given up on after
-    ``BASE_VERSION_WAIT_S``: this base is then published under the next number."""
+    ``BASE_VERSION_WAIT_S``: this base is then published under the next number. A claim
+    made by ``owner`` (the same on every retry of the caller) whose publish failed is
+    taken back at once."""
     store = run_store(config)
     weights = WeightStore(store)
     latest = weights.latest()
@@ -97,7 +100,9 @@ def build_base_version(config: RunConfig, log=print) -> int:
             f"warm start: {len(losses)} steps on {len(sequences)} demonstrations, loss {losses[0]:.3f} → {losses[-1]:.3f}"
         )
     try:
-        version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base", version=0)
+        version = publish_policy(
+            weights, model, tokenizer, step=0, metadata=metadata, tag="base", version=0, owner=owner
+        )
     except VersionTaken:  # another flow of this run (a trainer, a worker) got there first
         log(f"another process is publishing version 0 of run {config.run_id}; using that one")
         latest = _wait_for_version(weights)
@@ -176,7 +181,7 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
 @task(name="warm-start", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def warm_start(config: RunConfig) -> int:
     """Create the run's version 0 (warm-started) unless it exists."""
-    return build_base_version(config, log=get_run_logger().info)
+    return build_base_version(config, log=get_run_logger().info, owner=f"task-run-{task_run.id}")
 
 
 @task(name="evaluate", **SIDE_EFFECTS, **STORAGE_RETRIES)
