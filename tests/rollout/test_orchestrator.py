@@ -19,6 +19,7 @@ from rollout.orchestrator import Orchestrator, OrchestratorConfig
 from rollout.router import Router
 from rollout.service import RolloutService, ServiceConfig
 from storage.shards import ShardReader, ShardWriter
+from tests.rollout.test_service import SlowEnv
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=512
@@ -193,17 +194,6 @@ def test_records_land_in_committed_shards(tiny, local_store):
     shards, _ = reader.poll()
     rows = sum(reader.read(s).num_rows for s in shards)
     assert rows == stats.written == 25
-
-
-class SlowEnv(ArithEnv):
-    """Arith whose answer takes ``delay`` seconds to check."""
-
-    name = "arith"
-    delay = 0.5
-
-    async def step(self, action: str) -> StepResult:
-        await asyncio.sleep(self.delay)
-        return await super().step(action)
 
 
 def test_rollouts_finished_while_paused_are_written_and_a_stop_keeps_them(tiny):
