@@ -31,8 +31,13 @@ def deadline_of(config: RunConfig) -> float:
     return time.time() + config.stop.max_seconds if config.stop.max_seconds else math.inf
 
 
-def _wind_down(config: RunConfig, signals: str, rollout_run: PrefectFuture, process_run: PrefectFuture,
-               train_run: PrefectFuture) -> tuple[dict, dict, dict]:  # fmt: skip
+def _wind_down(
+    config: RunConfig,
+    signals: str,
+    rollout_run: PrefectFuture,
+    process_run: PrefectFuture,
+    train_run: PrefectFuture,
+) -> tuple[dict, dict, dict]:
     """Wait for the three tasks, ending each when the one it depends on is done.
 
     Whichever of rollouts and training ends first (its stop condition, or a failure):
