@@ -412,6 +412,8 @@ class RolloutService:
                 async with asyncio.timeout(remaining) as clock.deadline:
                     return await work()
             except TimeoutError as exc:
+                if not clock.deadline.expired():  # the env's own timeout (a tool's): its error
+                    raise
                 raise RolloutTimeout(f"{name} ran past the rollout's {clock.budget:.0f} s budget") from exc
         finally:
             clock.deadline = None

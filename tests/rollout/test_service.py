@@ -195,19 +195,26 @@ def test_cancel_stops_an_in_flight_rollout(tiny):
 
 class BrokenEnv(ArithEnv):
     name = "arith"
+    error = RuntimeError("the verifier crashed")
 
     async def step(self, action: str) -> StepResult:
-        raise RuntimeError("the verifier crashed")
+        raise self.error
 
 
-def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny):
+class ToolTimeoutEnv(BrokenEnv):
+    error = TimeoutError("the verifier timed out")
+
+
+@pytest.mark.parametrize("env", [BrokenEnv, ToolTimeoutEnv])
+def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny, env):
+    # a TimeoutError of the env's own is its error, not the rollout running out of budget
     async def body():
-        async with running_service(tiny, make_env=lambda task: BrokenEnv()) as service:
+        async with running_service(tiny, make_env=lambda task: env()) as service:
             return await service.process(RolloutRequest(task=arith_task()))
 
     result = asyncio.run(body())
     assert result.status == "env_error" and result.reward is None
-    assert "the verifier crashed" in result.error
+    assert str(env.error) in result.error
 
 
 @pytest.mark.parametrize("failover", [False, True])
