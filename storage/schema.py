@@ -107,6 +107,9 @@ ID_COLUMNS = ("trajectory_id", "execution_id", "task", "prompt_id")
 PROCESSED_TOKEN_COLUMNS = ("train_mask", "loss_weight")
 """Per-token list columns only processed records have."""
 
+MAX_TURN = 32766
+"""Highest turn index: the ``trajectories`` table counts turns (highest index + 1) in int16."""
+
 TOKEN_BLOCK = 1 << 18
 """Tokens the per-token checks look at in one go (a few hundred KiB per column)."""
 
@@ -115,7 +118,8 @@ def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """Every problem in ``table`` as ``(trajectory_id, column, what is wrong)``.
 
     Checks: required ids present, per-token lists of equal length with no null entry,
-    finite log-probs ≤ 0 and versions ≥ 0 on action tokens, ``status`` in
+    finite log-probs ≤ 0 and versions ≥ 0 on action tokens, turn indexes in
+    [0, :data:`MAX_TURN`], ``status`` in
     :data:`STATUSES`, ``progress`` null or in [0, 1], and for processed tables
     ``train_mask`` only where ``action_mask`` and every ``loss_weight`` finite and ≥ 0.
     The checks run vectorised over each record batch where it lies in memory (nothing is
@@ -221,7 +225,10 @@ def _token_problems(
     logprobs_ok, versions_ok, train_ok = _token_checks(mask, logprobs, versions, train)
     weight = _flat(rows.column("loss_weight"), np.nan) if "loss_weight" in batch.column_names else None
     weight_ok = weight is None or bool(np.isfinite(weight).all() and weight.min(initial=0) >= 0)
-    if logprobs_ok and versions_ok and train_ok and weight_ok:
+    turn = _flat(rows.column("turn"), 0)
+    # seen as unsigned, a negative index is above the bound too: one pass checks both ends
+    turn_ok = int(turn.view(np.uint16).max(initial=0)) <= MAX_TURN
+    if logprobs_ok and versions_ok and train_ok and weight_ok and turn_ok:
         return []
     row_of_token = np.repeat(good, n_tokens[good])
     located = []
@@ -246,6 +253,9 @@ def _token_problems(
     if not weight_ok:
         bad_weight = ~(np.isfinite(weight) & (weight >= 0))
         located.append((3, np.unique(row_of_token[bad_weight]), "loss_weight", "negative or non-finite"))
+    if not turn_ok:
+        bad_turn = (turn < 0) | (turn > MAX_TURN)
+        located.append((4, np.unique(row_of_token[bad_turn]), "turn", f"turn index outside [0, {MAX_TURN}]"))
     return [(int(row), check, column, what) for check, bad, column, what in located for row in bad]
 
 

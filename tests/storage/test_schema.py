@@ -123,6 +123,8 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
             errors.append((row["trajectory_id"], "train_mask", "trains a token outside action_mask"))
         if "loss_weight" in row and not all(np.isfinite(w) and w >= 0 for w in row["loss_weight"]):
             errors.append((row["trajectory_id"], "loss_weight", "negative or non-finite"))
+        if any(t < 0 or t > 32766 for t in row["turn"]):
+            errors.append((row["trajectory_id"], "turn", "turn index outside [0, 32766]"))
     return errors
 
 
@@ -138,7 +140,7 @@ def test_find_errors_matches_a_row_by_row_reference(seed):
         record["versions"] = np.where(mask, 1, -1).tolist()
         record["train_mask"] = (mask & (rng.random(n) < 0.7)).tolist()
         record["loss_weight"] = [1.0] * n
-        fault = rng.integers(0, 11)
+        fault = rng.integers(0, 12)
         if fault == 1 and n:
             record["logprobs"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, 0.3]))
         elif fault == 2 and n:
@@ -158,6 +160,8 @@ def test_find_errors_matches_a_row_by_row_reference(seed):
             record["progress"] = float(rng.choice([np.nan, -0.25, 1.5]))
         elif fault == 9 and n:
             record["loss_weight"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, -1.0]))
+        elif fault == 10 and n:
+            record["turn"][int(rng.integers(n))] = int(rng.choice([-1, 32767]))
         records.append(record)
     table = to_table(records, PROCESSED_SCHEMA)
     table = pa.concat_tables([table.slice(0, len(records) // 2), table.slice(len(records) // 2)])
