@@ -16,7 +16,7 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import RunConfig
-from tasks.common import run_store, send_signal
+from tasks.common import clear_signals, run_store, send_signal
 from tasks.process import process_shards
 from tasks.report import report_run
 from tasks.rollout import rollouts
@@ -59,6 +59,7 @@ def _wind_down(
         for name in ("stop", "rollouts-done", "processed"):
             send_signal(store, signals, name)
         raise
+    clear_signals(store, signals)
     return rollout_run.result(), process_run.result(), train_run.result()
 
 

@@ -85,6 +85,12 @@ def send_signal(store: RunStore, key: str, name: str) -> None:
     store.fs.pipe_file(store.path(signal_path(key, name)), name.encode())
 
 
+def clear_signals(store: RunStore, key: str) -> None:
+    """Remove the signals of ``key`` once no task watches them."""
+    with contextlib.suppress(FileNotFoundError):
+        store.fs.rm(store.path(posixpath.dirname(signal_path(key, "any"))), recursive=True)
+
+
 @contextlib.contextmanager
 def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[threading.Event | None]:
     """An event set once signal ``name`` of ``key`` is raised (None without a key); the

@@ -9,6 +9,7 @@ import pytest
 
 from flows.sql import connect
 from storage.tables import Tables
+from tasks.common import run_store
 from tests.flows.conftest import tiny_config
 from tests.flows.prefect_api import artifacts_of, count, wait_for_events
 
@@ -111,6 +112,8 @@ def test_with_no_wall_clock_limit_the_pipeline_ends_with_its_first_stop_conditio
     config = tiny_config(tmp_path / "runs", "no-limit", stop={"max_seconds": None, **stop})
     result = _pipeline_in_thread(config).result()
     assert result["trained"]["stop_reason"] == stop_reason
+    store = run_store(config)
+    assert not store.fs.exists(store.path("status/signals")) or not store.fs.ls(store.path("status/signals"))
     if "max_rollouts" in stop:  # the rollouts ended first: all they wrote is processed, then trained
         assert result["rollouts"]["written"] == result["processed"]["trajectories_in"] == 24
     else:
