@@ -78,6 +78,13 @@ class RouterConfig(BaseModel):
         description="Sessions an accepting replica may hold for a migrating session to move onto it; a "
         "session with no such replica stays on its draining one (None: no limit).",
     )
+    health_check_s: float | None = Field(
+        10.0,
+        gt=0,
+        description="Seconds between health probes of every replica by its rollout worker: a dead one "
+        "leaves service before a request finds it, one that recovered comes back (None: only a failed "
+        "request takes a replica out, and nothing brings it back).",
+    )
 
 
 class NoReplicas(EngineError):

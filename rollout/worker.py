@@ -311,13 +311,14 @@ class RolloutWorker:
         planner = asyncio.create_task(self.follow_plan())
         queue_reader = asyncio.create_task(self.follow_trainer())
         flusher = asyncio.create_task(self._flush_when_due())
+        prober = asyncio.create_task(self._check_health())
         timer = asyncio.get_running_loop().call_later(max_seconds, self.stop) if max_seconds else None
         try:
             return await self.orchestrator.run()
         finally:
             if timer is not None:
                 timer.cancel()
-            loops = (follower, planner, queue_reader, flusher)
+            loops = (follower, planner, queue_reader, flusher, prober)
             for loop in loops:
                 loop.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
@@ -331,6 +332,25 @@ class RolloutWorker:
                 self.writer.flush_if_due()
             except Exception as exc:  # its records stay buffered; the next flush retries
                 log.warning("worker %s could not commit its buffered rollouts: %s", self.name, exc)
+
+    async def _check_health(self) -> None:
+        """Probe the replicas every ``health_check_s`` of the router's config (``Router.check_health``)
+        and bring one that came back to this worker's weight version (it missed the loads while down)."""
+        interval = self.router.config.health_check_s
+        if interval is None:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.router.check_health()
+                stale = [
+                    e for e in self.engines if e.name in self.router.replicas and e.version != self.version
+                ]
+                if stale:
+                    path = await asyncio.to_thread(self.weights.load, self.version)
+                    await asyncio.gather(*(engine.load_version(self.version, path) for engine in stale))
+            except Exception as exc:  # the next probe tries again
+                log.warning("worker %s could not check its replicas: %s", self.name, exc)
 
     def stop(self) -> None:
         if self.orchestrator is not None:
