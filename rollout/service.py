@@ -306,10 +306,12 @@ class _ProgramActions:
     async def close(self) -> None:
         """The program is over: give back what it holds, drop the acquire in flight, refuse it more."""
         self.closed = True
-        asking = self._asking
+        asking, self._asking = self._asking, None
         if asking is not None:
             asking.cancel()
-            await asking
+            # wait, not await: an acquire cancelled before it ever ran raises CancelledError
+            # when awaited, which would stop the rollout's cleanup
+            await asyncio.wait([asking])
         self._give_back()
 
     def _give_back(self) -> None:
@@ -457,6 +459,7 @@ class RolloutService:
             await self._stage("run", clock, lambda: run(env, session, request, state, clock))
             if actions is not None:
                 await actions.close()  # the program has ended: no wait of its gate runs into EVAL
+                clock.resource_wait = 0.0  # a wait it dropped belongs to RUN, over by now
             stage = "eval"
             scorer = getattr(getattr(env, "config", None), "reward_model", None)
             if scorer is not None:

@@ -20,7 +20,14 @@ from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router
 from rollout.scheduler import ResourceRequest
-from rollout.service import RolloutRequest, RolloutService, ServiceConfig, make_scheduler
+from rollout.service import (
+    RolloutRequest,
+    RolloutService,
+    ServiceConfig,
+    _Clock,
+    _ProgramActions,
+    make_scheduler,
+)
 
 pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 
@@ -308,3 +315,20 @@ def test_scheduler_config_errors_name_the_field():
     assert make_scheduler(ServiceConfig(scheduler="none")) is None
     unpinned = make_scheduler(ServiceConfig(scheduler_cores=64, scheduler_pin=False))
     assert unpinned.cpu is None and unpinned.policy.capacity == {"cpu": 64}
+
+
+def test_closing_a_gate_whose_acquire_has_not_started_gives_everything_back():
+    # a model reply and the rollout's end in one pass of the loop: the acquire the reply
+    # starts is cancelled before it ever runs, and closing must still finish normally
+    async def body():
+        scheduler = make_scheduler(ServiceConfig(scheduler="action", scheduler_cores=1, scheduler_pin=False))
+        gate = _ProgramActions(scheduler, OverlappingReplies(service=None), "r1", _Clock(60))
+        gate.waits = 1  # the program waits on a model call
+        reply = asyncio.create_task(gate.acting())
+        await asyncio.sleep(0)  # the reply has created its acquire, which has not run yet
+        await gate.close()
+        await asyncio.gather(reply, return_exceptions=True)
+        return scheduler
+
+    scheduler = asyncio.run(body())
+    assert scheduler.policy.free == [1.0] and scheduler.policy.queued == 0
