@@ -123,6 +123,8 @@ class RolloutWorker:
         self._make_env = make_env
         self.engines: list[Engine] = []
         self.version: int | None = None
+        self._loading = asyncio.Lock()
+        """Held while weights are loaded into the engines (new versions, or a replica back up)."""
         self.version_loads: list[tuple[int, float]] = []
         self._shards_at_version = 0
         self.orchestrator: Orchestrator | None = None
@@ -203,6 +205,10 @@ class RolloutWorker:
         A replica that is down is skipped: it cannot load anything, and failing the whole
         update for it would make the healthy replicas reload the version at every poll.
         """
+        async with self._loading:
+            return await self._sync_weights()
+
+    async def _sync_weights(self) -> bool:
         latest = await asyncio.to_thread(self.weights.latest)
         if latest is None or latest == self.version:
             return False
@@ -343,12 +349,14 @@ class RolloutWorker:
             await asyncio.sleep(interval)
             try:
                 await self.router.check_health()
-                stale = [
-                    e for e in self.engines if e.name in self.router.replicas and e.version != self.version
-                ]
-                if stale:
-                    path = await asyncio.to_thread(self.weights.load, self.version)
-                    await asyncio.gather(*(engine.load_version(self.version, path) for engine in stale))
+                async with self._loading:  # not while sync_weights moves the version on
+                    version = self.version
+                    stale = [
+                        e for e in self.engines if e.name in self.router.replicas and e.version != version
+                    ]
+                    if stale:
+                        path = await asyncio.to_thread(self.weights.load, version)
+                        await asyncio.gather(*(engine.load_version(version, path) for engine in stale))
             except Exception as exc:  # the next probe tries again
                 log.warning("worker %s could not check its replicas: %s", self.name, exc)
 
