@@ -40,15 +40,16 @@ def _wind_down(
 ) -> tuple[dict, dict, dict]:
     """Wait for the three tasks, ending each when the one it depends on is done.
 
-    Whichever of rollouts and training ends first (its stop condition, or a failure):
-    training over stops the rollouts; rollouts over end processing once it has processed
-    what they committed; processing over makes the trainer train what is left and stop.
+    Whichever ends first (its stop condition, or a failure): training or processing over
+    stops the rollouts; rollouts over end processing once it has processed what they
+    committed; processing over makes the trainer train what is left and stop.
     So no stop condition (a step count with no wall-clock limit) leaves a task running.
     A failed task's error is raised once all three are over.
     """
     store = run_store(config)
     try:
-        if next(as_completed([rollout_run, train_run])) is train_run:
+        first = next(as_completed([rollout_run, process_run, train_run]))
+        if first is not rollout_run:  # nothing more will be trained, or processed: rollouts stop
             send_signal(store, signals, "stop")
         rollout_run.wait()
         send_signal(store, signals, "rollouts-done")

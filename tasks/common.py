@@ -27,15 +27,15 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, BotoCoreError, Com
 
 
 def is_transient(error: BaseException) -> bool:
-    """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS`, or a Ray worker
-    or node lost under a task)."""
+    """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS`, or a Ray actor,
+    worker or node lost under a task; not an error raised inside one)."""
     if isinstance(error, TRANSIENT_ERRORS):
         return True
     try:
-        from ray.exceptions import RayError
+        from ray.exceptions import NodeDiedError, RayActorError, WorkerCrashedError
     except ImportError:
         return False
-    return isinstance(error, RayError)
+    return isinstance(error, RayActorError | WorkerCrashedError | NodeDiedError)
 
 
 def retry_if_transient(task: Any, task_run: Any, state: Any) -> bool:

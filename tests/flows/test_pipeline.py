@@ -118,3 +118,19 @@ def test_with_no_wall_clock_limit_the_pipeline_ends_with_its_first_stop_conditio
         assert result["rollouts"]["written"] == result["processed"]["trajectories_in"] == 24
     else:
         assert result["trained"]["steps"] == 2
+
+
+def test_a_failed_process_task_ends_the_pipeline_as_failed(tmp_path, prefect_api, monkeypatch):
+    import tasks.process
+
+    def broken(*args, **kwargs):
+        raise ValueError("the processor has a bug (injected)")
+
+    monkeypatch.setattr(tasks.process, "run_processor", broken)
+    config = tiny_config(
+        tmp_path / "runs", "process-fails", stop={"max_seconds": None, "max_policy_steps": 2}
+    )
+    state = _pipeline_in_thread(config)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match="injected"):
+        state.result()
