@@ -99,7 +99,9 @@ def test_killed_train_flow_resumes_without_losing_or_repeating_a_shard(tmp_path,
     assert "the trainer of run 'resume': a running holder published its status" in stderr  # waited it out
 
     chain = version_chain(weights)
-    assert [m["version"] for m in chain] == list(range(len(chain)))
+    versions = [m["version"] for m in chain]
+    # a version the kill caught mid-publish leaves a gap (its number is never reused), no fork
+    assert versions[0] == 0 and versions == sorted(set(versions))
     consumed = [s for m in chain for s in m["metadata"].get("consumed_shards", [])]
     assert sorted(consumed) == sorted(shards), "a shard was lost or consumed twice"
     rows: dict[str, int] = {}
