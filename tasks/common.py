@@ -74,9 +74,14 @@ SIGNAL_POLL_S = 1.0
 """How often a task looks for a signal it watches."""
 
 
+def signals_dir(key: str) -> str:
+    """Where the signals of the tasks sharing ``key`` lie, relative to the run."""
+    return posixpath.join("status", "signals", key)
+
+
 def signal_path(key: str, name: str) -> str:
     """Where signal ``name`` of the tasks sharing ``key`` lies, relative to the run."""
-    return posixpath.join("status", "signals", key, name)
+    return posixpath.join(signals_dir(key), name)
 
 
 def send_signal(store: RunStore, key: str, name: str) -> None:
@@ -88,7 +93,7 @@ def send_signal(store: RunStore, key: str, name: str) -> None:
 def clear_signals(store: RunStore, key: str) -> None:
     """Remove the signals of ``key`` once no task watches them."""
     with contextlib.suppress(FileNotFoundError):
-        store.fs.rm(store.path(posixpath.dirname(signal_path(key, "any"))), recursive=True)
+        store.fs.rm(store.path(signals_dir(key)), recursive=True)
 
 
 @contextlib.contextmanager
