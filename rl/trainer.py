@@ -221,9 +221,9 @@ class Trainer:
                 weight_decay=self.config.weight_decay,
             )
             if (path / VALUE_OPTIMIZER_FILE).is_file():
-                self.value_optimizer.load_state_dict(self._load_torch(path / VALUE_OPTIMIZER_FILE))
+                self._resume_optimizer(self.value_optimizer, path / VALUE_OPTIMIZER_FILE, self.config.value_lr)
         if (path / POLICY_OPTIMIZER_FILE).is_file():
-            self.policy_optimizer.load_state_dict(self._load_torch(path / POLICY_OPTIMIZER_FILE))
+            self._resume_optimizer(self.policy_optimizer, path / POLICY_OPTIMIZER_FILE, self.config.lr)
 
         state = json.loads((path / STATE_FILE).read_text()) if (path / STATE_FILE).is_file() else {}
         self.step = int(state.get("step", self.weights.manifest(version).get("step", 0)))
@@ -243,6 +243,15 @@ class Trainer:
 
     def _load_torch(self, path: Path) -> dict:
         return torch.load(io.BytesIO(path.read_bytes()), map_location=self.device, weights_only=True)
+
+    def _resume_optimizer(self, optimizer: torch.optim.Optimizer, path: Path, lr: float) -> None:
+        """Load ``optimizer``'s saved moments and step counts, keeping this run's settings:
+        ``load_state_dict`` also restores the saved learning rate and weight decay, which
+        would silently override a config changed for the resumed run."""
+        optimizer.load_state_dict(self._load_torch(path))
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+            group["weight_decay"] = self.config.weight_decay
 
     @staticmethod
     def _torch_bytes(obj: dict) -> bytes:

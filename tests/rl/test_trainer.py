@@ -511,6 +511,19 @@ def test_resume_restores_step_optimizer_value_model_and_consumption(store):
     assert sorted(rows.values()) == [3, 3, 3, 3]
 
 
+def test_a_resumed_trainer_keeps_its_saved_moments_but_takes_the_configs_learning_rates(store):
+    write_shards(store, make_trajectories(store, 8, seed=8), per_shard=4)
+    first = Trainer(store, config(publish_every=1, publish_on_stop=False))
+    first.run(max_steps=1)
+    second = Trainer(store, config(lr=1e-6, value_lr=2e-6, weight_decay=0.1))
+    for optimizer, lr in ((second.policy_optimizer, 1e-6), (second.value_optimizer, 2e-6)):
+        assert [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups] == [(lr, 0.1)]
+    saved = next(iter(first.policy_optimizer.state_dict()["state"].values()))
+    resumed = next(iter(second.policy_optimizer.state_dict()["state"].values()))
+    assert float(resumed["step"]) == 1.0
+    torch.testing.assert_close(saved["exp_avg"], resumed["exp_avg"])
+
+
 def test_sao_raises_the_probability_of_the_rewarded_action(store):
     reward_token = 40
     write_shards(store, make_trajectories(store, 96, seed=9, reward_token=reward_token), per_shard=16)
