@@ -66,10 +66,11 @@ class ProcessorConfig(BaseModel):
     )
     weighting: Literal["execution", "token"] = Field(
         "execution",
-        description="'execution': the loss is the mean over trainable tokens within an execution, then the "
-        "mean over the shard's executions; 'token': the plain mean over trainable tokens. Either way the "
-        "weights average 1 over the shard's trained tokens; the trainer divides Σ w·loss by Σ w over each "
-        "batch, so a batch holding whole executions gets the mean over them.",
+        description="'execution': each execution's trained tokens share a total weight of 1, so the loss is "
+        "the mean over trainable tokens within an execution, then the mean over executions; 'token': every "
+        "trained token weighs 1 (the plain mean over trainable tokens). The trainer divides Σ w·loss by Σ w "
+        "over each batch, so a batch holding whole executions, from one shard or several, gets the mean "
+        "over them.",
     )
     success_threshold: float = Field(
         1.0,
@@ -438,14 +439,11 @@ def _processed_table(
     per_execution = Counter()
     for eid, count in zip(chosen_executions, counts.tolist(), strict=True):
         per_execution[eid] += count
-    total_train = sum(per_execution.values())
-    trained_executions = sum(1 for count in per_execution.values() if count > 0)
     if config.weighting == "execution":
+        # a weight that depends on the execution alone (not on the rest of its shard), so
+        # that batches drawn from several shards still average over executions
         row_weight = np.array(
-            [
-                total_train / (trained_executions * per_execution[eid]) if per_execution[eid] else 0.0
-                for eid in chosen_executions
-            ],
+            [1.0 / per_execution[eid] if per_execution[eid] else 0.0 for eid in chosen_executions],
             dtype=np.float64,
         )
     else:

@@ -353,7 +353,7 @@ def test_gradient_of_deduplicated_batch_equals_original_batch_counting_each_toke
         row = []
         for p, a in enumerate(r["action_mask"]):
             node = (r["execution_id"], tuple(symbols_of(r)[: p + 1]))
-            scale = 1.0 if weighting == "token" else total / (n_exec * distinct[r["execution_id"]])
+            scale = 1.0 if weighting == "token" else 1.0 / distinct[r["execution_id"]]
             scale = float(np.float32(scale))  # loss_weight is float32
             row.append(scale / multiplicity[node] if a else 0.0)
         weights.append(row)
@@ -372,7 +372,7 @@ def test_gradient_of_deduplicated_batch_equals_original_batch_counting_each_toke
     assert result.counters.train_tokens_out == total < sum(sum(r["action_mask"]) for r in records)
 
 
-def test_execution_weights_average_tokens_within_then_across_executions():
+def test_execution_weights_sum_to_one_per_execution_whatever_else_its_shard_holds():
     records = random_shard(5, 4, 6)
     result = process_shard(to_table(records), ProcessorConfig(j_max=3), shard_id="s")
     sums, counts = defaultdict(float), defaultdict(int)
@@ -380,9 +380,19 @@ def test_execution_weights_average_tokens_within_then_across_executions():
         sums[row["execution_id"]] += sum(row["loss_weight"])
         counts[row["execution_id"]] += sum(row["train_mask"])
     trained = [e for e in counts if counts[e]]
-    total = sum(counts.values())
+    assert len(trained) == 4
     for e in trained:
-        assert sums[e] == pytest.approx(total / len(trained), rel=1e-5)
+        assert sums[e] == pytest.approx(1.0, rel=1e-5)
+
+    # the trainer batches rows of several shards: an execution must weigh the same in any
+    def weights(rows):
+        processed = process_shard(to_table(rows), ProcessorConfig(j_max=None), shard_id="s").processed
+        return {row["trajectory_id"]: row["loss_weight"] for row in processed.to_pylist()}
+
+    alone = {}
+    for e in trained:
+        alone |= weights([r for r in records if r["execution_id"] == e])
+    assert alone == weights(records)
     token = process_shard(to_table(records), ProcessorConfig(j_max=3, weighting="token"), shard_id="s")
     for row in token.processed.to_pylist():
         assert row["loss_weight"] == [1.0 if t else 0.0 for t in row["train_mask"]]
