@@ -34,7 +34,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import psutil
@@ -171,11 +171,11 @@ class CountingSink:
         self.records = 0
         self.tokens = 0
 
-    def write(self, record: Mapping[str, Any]) -> None:
+    def write_many(self, records: Sequence[Mapping[str, Any]]) -> None:
         if self.records == 0:
-            validate(to_table([record]))
-        self.records += 1
-        self.tokens += len(record["tokens"])
+            validate(to_table(list(records)))
+        self.records += len(records)
+        self.tokens += sum(len(record["tokens"]) for record in records)
 
     def flush(self) -> None:
         """Nothing is buffered."""

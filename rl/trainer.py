@@ -221,7 +221,9 @@ class Trainer:
                 weight_decay=self.config.weight_decay,
             )
             if (path / VALUE_OPTIMIZER_FILE).is_file():
-                self._resume_optimizer(self.value_optimizer, path / VALUE_OPTIMIZER_FILE, self.config.value_lr)
+                self._resume_optimizer(
+                    self.value_optimizer, path / VALUE_OPTIMIZER_FILE, self.config.value_lr
+                )
         if (path / POLICY_OPTIMIZER_FILE).is_file():
             self._resume_optimizer(self.policy_optimizer, path / POLICY_OPTIMIZER_FILE, self.config.lr)
 
@@ -375,12 +377,18 @@ class Trainer:
         self.consumption.mark(shard_id, rows)
 
     def drop_stale(self) -> int:
-        """Drop buffered samples older than ``max_staleness`` versions; returns how many."""
+        """Drop buffered samples older than ``max_staleness`` versions; returns how many.
+        In GRPO mode a group goes whole when any member is stale: its advantages are taken
+        over the whole group."""
         limit = self.config.max_staleness
+        stale = {id(s) for s in self.buffer if self.version - s.min_version > limit}
+        if self._keep_groups:
+            groups = {s.group_id for s in self.buffer if id(s) in stale and s.group_id is not None}
+            stale |= {id(s) for s in self.buffer if s.group_id in groups}
         keep: deque[Sample] = deque()
         dropped: list[Sample] = []
         for sample in self.buffer:
-            (dropped if self.version - sample.min_version > limit else keep).append(sample)
+            (dropped if id(sample) in stale else keep).append(sample)
         self.buffer = keep
         for sample in dropped:
             self.consumption.mark(sample.shard_id, [sample.row])

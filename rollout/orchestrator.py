@@ -14,7 +14,8 @@
   filtering a group whose rewards are all equal is dropped, slots are refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
   are cancelled.
-- Every finished rollout goes to the sink (a ``ShardWriter``); ``stop()`` stops
+- Every finished rollout goes to the sink (a ``ShardWriter``), a group's records in one
+  write so that they share a shard; ``stop()`` stops
   launching, cancels what is in flight, flushes the sink and records what was cut short.
 """
 
@@ -26,7 +27,7 @@ import logging
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -79,7 +80,9 @@ class OrchestratorConfig(BaseModel):
 
 
 class Sink(Protocol):
-    def write(self, record: Mapping[str, Any]) -> Any: ...
+    """Where finished records go; ``write_many`` keeps its records together (one shard)."""
+
+    def write_many(self, records: Sequence[Mapping[str, Any]]) -> Any: ...
 
     def flush(self) -> Any: ...
 
@@ -322,9 +325,10 @@ class Orchestrator:
             self.stats.cancelled_redundant += len(self._in_flight)
 
     def _write(self, results: list[RolloutResult]) -> None:
-        for result in results:
-            self.sink.write(result.record)
-            self.stats.written += 1
+        if not results:
+            return
+        self.sink.write_many([result.record for result in results])
+        self.stats.written += len(results)
 
     async def _cancel_in_flight(self) -> None:
         """Cancel the rollouts still running. Unless the groups wanted are all kept (the rest

@@ -27,7 +27,7 @@ import posixpath
 import re
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -126,6 +126,12 @@ class ShardWriter:
     def write(self, record: Mapping[str, Any]) -> ShardInfo | None:
         """Buffer one record; returns the shard it completed, if this write flushed one."""
         return self.write_table(to_table([record], self.schema))
+
+    def write_many(self, records: Sequence[Mapping[str, Any]]) -> ShardInfo | None:
+        """Buffer ``records`` together: they land in one shard (a GRPO group must not be
+        split, its advantages are taken over the whole group); returns the shard this
+        write flushed, if any."""
+        return self.write_table(to_table(list(records), self.schema))
 
     def write_table(self, table: pa.Table) -> ShardInfo | None:
         """Buffer every row of ``table`` (never split across shards); returns the shard

@@ -190,6 +190,24 @@ def test_drops_samples_older_than_max_staleness(store):
     assert metadata["dropped_stale"] == 4 and metadata["trained_samples"] == 4
 
 
+def test_grpo_drops_a_group_whole_when_one_member_is_stale(store):
+    weights = WeightStore(store)
+    policy, tokenizer = load_policy(weights.load(0))
+    for _ in range(2):  # the trainer starts at version 2
+        publish_policy(weights, policy, tokenizer, parent=weights.latest())
+    stale, fresh = (
+        make_trajectories(store, 2, seed=20, version=0),
+        make_trajectories(store, 4, seed=21, version=2),
+    )
+    stale[1]["group_id"] = fresh[0]["group_id"] = fresh[1]["group_id"] = "mixed"
+    write_shards(store, stale + fresh, per_shard=6)
+
+    trainer = Trainer(store, config(mode="grpo", max_staleness=1, token_budget=1000))
+    trainer.run(drain=True)
+    (step,) = read_steps(store)
+    assert step["dropped_stale"] == 4 and step["num_samples"] == 2  # only the last pair is whole and fresh
+
+
 def commit_raw_shard(store: RunStore, table: pa.Table, name: str) -> str:
     """Write an Arrow file and commit it without the writer's validation (bad data on purpose)."""
     path = f"shards/processed/bad/{name}.arrow"

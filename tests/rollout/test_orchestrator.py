@@ -35,10 +35,12 @@ def tiny():
 class ListSink:
     def __init__(self):
         self.records = []
+        self.writes = []
         self.flushes = 0
 
-    def write(self, record):
-        self.records.append(record)
+    def write_many(self, records):
+        self.writes.append(len(records))
+        self.records.extend(records)
 
     def flush(self):
         self.flushes += 1
@@ -110,6 +112,7 @@ def test_group_mode_filters_uniform_groups_refills_and_cancels_redundant(tiny):
     _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: CoinEnv()))
     assert stats.groups_kept == 5
     assert len(sink.records) == 20
+    assert sink.writes == [4] * 5  # a group in one write, so that it lands in one shard
     groups = {}
     for record in sink.records:
         groups.setdefault(record["group_id"], []).append(record)

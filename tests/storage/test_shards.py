@@ -63,6 +63,16 @@ def test_records_flush_every_n_and_read_back_whole(store):
     assert reader.poll(after=offset) == ([], offset)
 
 
+def test_records_written_together_are_never_split_across_shards(local_store):
+    writer = ShardWriter(local_store, "w0", flush_records=3)
+    assert writer.write(make_record(0)) is None
+    info = writer.write_many([make_record(i) for i in range(1, 5)])
+    assert info.num_rows == 5
+    writer.close()
+    (shard,), _ = ShardReader(local_store).poll()
+    assert ids_of(ShardReader(local_store).read(shard)) == [f"t{i}" for i in range(5)]
+
+
 def test_poll_after_an_offset_lists_only_new_shards(store):
     writer = ShardWriter(store, "w0", flush_records=100)
     assert ShardReader(store).poll() == ([], -1)
