@@ -347,7 +347,7 @@ def test_gradient_of_deduplicated_batch_equals_original_batch_counting_each_toke
     distinct = defaultdict(int)
     for eid, _ in multiplicity:
         distinct[eid] += 1
-    total, n_exec = sum(distinct.values()), len(distinct)
+    total = sum(distinct.values())
     weights = []
     for r in records:
         row = []
