@@ -5,10 +5,12 @@ dummy ``OPENAI_API_KEY``, plus the task as ``TREADLE_TASK`` and ``task.json`` in
 directory. The sandbox keeps its network namespace closed: a relay inside listens on its own
 loopback and forwards each connection over a Unix socket in the working directory to this
 process, which forwards the HTTP request to the gateway with the real bearer token and the
-session header put in (the agent can neither see the token nor pick another session). Every
+session header put in (the agent can neither see the token nor pick another session). Only the
+inference endpoints in :data:`FORWARDED` are forwarded; anything else (the gateway's session
+admin included) is answered 403. Every
 model call the agent makes is therefore recorded token-exactly by the gateway. After the program
-ends, the EVAL command runs in the same sandbox and prints the score (a number in [0, 1]) as the
-last line of its output.
+ends, the EVAL command runs in the same sandbox and prints the score (a number in [0, 1]; NaN
+scores 0) as the last line of its output.
 
 Between model calls the program acts (runs its tools), and that is what the rollout service's
 scheduler grants resources to (``attach_actions``): the program starts on the cores granted
@@ -39,6 +41,7 @@ from envs.base import (
     Split,
     StepResult,
     Task,
+    clamp_score,
     in_eval_split,
     user,
 )
@@ -79,6 +82,14 @@ os.environ["OPENAI_BASE_URL"] = "http://127.0.0.1:%d/v1" % port
 os.execvp("bash", ["bash", "-c", command])
 """
 
+# The inference endpoints of the program's own session: the only requests the relay forwards
+# (never the gateway's session admin, which the worker's token would otherwise open to it).
+FORWARDED = {
+    ("POST", "/v1/chat/completions"),
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/generate"),
+    ("GET", "/v1/models"),
+}
 _DROP_HEADERS = {"host", "authorization", "connection", "keep-alive", "proxy-connection", "content-length"}
 MAX_BODY = 16 * 1024 * 1024
 
@@ -174,6 +185,10 @@ class AgentEnv(Env):
         """What one action of the program (its work between two model calls) needs."""
         return ResourceRequest(demand={"cpu": self.config.action_cores}, kind="agent")
 
+    def eval_request(self) -> ResourceRequest:
+        """What the EVAL command (often a whole test suite) needs: it runs on the granted cores."""
+        return ResourceRequest(demand={"cpu": self.config.action_cores}, kind="agent.eval")
+
     def resource_pid(self) -> int | None:
         """The running program (its process group holds the tools it starts)."""
         running = self.sandbox.running if self.sandbox is not None else []
@@ -224,7 +239,7 @@ class AgentEnv(Env):
         self._require_task()
         if not self.config.eval_command or self.sandbox is None:
             return 0.0
-        result = await self.sandbox.run_async(self.config.eval_command)
+        result = await self.sandbox.run_async(self.config.eval_command, cores=self.cores)
         lines = result.output.strip().splitlines()
         try:
             score = float(lines[-1])
@@ -232,7 +247,7 @@ class AgentEnv(Env):
             raise SandboxError(
                 "died", f"EVAL command printed no score (exit {result.exit_code})", result.output
             ) from None
-        return min(max(score, 0.0), 1.0)
+        return clamp_score(score)
 
     async def close(self) -> None:
         if self._server is not None:
@@ -253,14 +268,18 @@ class AgentEnv(Env):
             if "chunked" in fields.get("transfer-encoding", ""):
                 await _reply(writer, 411, "chunked request bodies are not supported; send Content-Length")
                 return
+            endpoint = urllib.parse.urlsplit(target).path
+            if (method, endpoint) not in FORWARDED:
+                await _reply(writer, 403, f"the relay forwards only {sorted(FORWARDED)}")
+                return
             length = int(fields.get("content-length", "0"))
-            if length > MAX_BODY or not target.startswith("/v1"):
-                await _reply(writer, 400, "request too large or outside /v1")
+            if length > MAX_BODY:
+                await _reply(writer, 400, "request too large")
                 return
             body = await reader.readexactly(length)
             gateway = self.gateway
             upstream_url = urllib.parse.urlsplit(gateway.base_url)
-            path = upstream_url.path.rstrip("/") + target[len("/v1") :]
+            path = upstream_url.path.rstrip("/") + endpoint[len("/v1") :]
             skip = _DROP_HEADERS | {gateway.header.lower()}
             lines = [f"{method} {path} HTTP/1.1", f"Host: {upstream_url.netloc}"]
             lines += [f"{key}: {value}" for key, value in headers if key.lower() not in skip]

@@ -4,7 +4,9 @@ An environment is driven by the rollout service in three stages: INIT (``reset``
 which returns the first chat messages), RUN (``step`` with each action of the model, which
 returns the observation messages, reward, done and partial progress), and EVAL (``evaluate``,
 the final score). Blocking work (sandboxes) runs in threads via ``asyncio.to_thread``.
-Failures of the sandbox are raised as :class:`envs.sandbox.SandboxError` (status ``env_error``).
+Failures of the sandbox are raised as :class:`envs.sandbox.SandboxError` (status ``env_error``),
+except those the model's own action brought on (:meth:`Env._by_action`): the action fails
+and the model is told why (:func:`stopped`), or the episode scores 0.
 
 An environment also declares what each action needs from the machine (``action_request``,
 ``eval_request``: a :class:`ResourceRequest`, or ``None`` for pure-Python work), so that the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -24,7 +27,7 @@ from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from envs.sandbox import Sandbox, SandboxConfig
+from envs.sandbox import COMMAND_KINDS, Sandbox, SandboxConfig, SandboxError
 
 Split = Literal["train", "eval"]
 
@@ -148,6 +151,17 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
+def clamp_score(score: float) -> float:
+    """``score`` clamped to [0, 1]; NaN (a verifier's 0/0, an EVAL with no tests) scores 0."""
+    return 0.0 if math.isnan(score) else min(max(score, 0.0), 1.0)
+
+
+def stopped(exc: SandboxError, max_chars: int) -> str:
+    """What the model is told when the sandbox stopped its action: the end of its output, and why."""
+    shown = exc.output.strip()[-max_chars:]
+    return f"{shown}\n[stopped: {exc.kind}: {exc.reason}]".strip()
+
+
 def in_eval_split(key: str, eval_fraction: float) -> bool:
     """Whether the task named ``key`` belongs to the eval split (a hash, so splits never overlap)."""
     digest = int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big")
@@ -202,6 +216,17 @@ class Env(ABC):
     def resource_pid(self) -> int | None:
         """The sandbox's persistent process (shell, interpreter) to pin to an action's cores, if any."""
         return None
+
+    def _by_action(self, exc: SandboxError) -> bool:
+        """Whether the model's action brought ``exc`` on (ran too long, printed too much, ran into
+        the isolation, ended the shell or interpreter it ran in), not the environment failing.
+
+        Such an action fails like any wrong one: a policy must not turn its episode into an
+        ``env_error``, which never reaches the loss.
+        """
+        if exc.kind in COMMAND_KINDS:
+            return True
+        return exc.kind == "died" and self.sandbox is not None and not self.sandbox.closed
 
     async def close(self) -> None:
         """Kill the env's sandbox and everything in it, if it has one; safe to call twice."""

@@ -4,7 +4,8 @@ User ``write f(x) = x*3+1``; the action is Python source defining ``f``. The rew
 fraction of hidden tests passed, measured in the sandbox by a tester that gives the solution's
 interpreter only the inputs and checks its int answers itself. The test run is elastic: it
 splits the tests over one forked worker per core it was started on, and asks the scheduler for
-1..``test_cores`` cores.
+1..``test_cores`` cores. A solution that makes the test run overrun its limits (a loop that
+never returns, too much memory or output) scores 0.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from envs.base import (
     sample_unique,
     user,
 )
-from envs.sandbox import python_in_sandbox, started_on
+from envs.sandbox import SandboxError, python_in_sandbox, started_on
 
 TEMPLATES = ("x*{a}+{b}", "(x+{a})*{b}", "x%{a}+{b}", "max(x,{a})-{b}", "x*x-{a}", "abs(x-{a})+{b}")
 
@@ -194,8 +195,13 @@ class CodeEnv(Env):
             json.dumps({"marker": marker, "tests": task.data["tests"], "runner": RUNNER}).encode() + b"\n"
         )
         python = python_in_sandbox(sandbox.config)
-        with started_on(self.cores):
-            result = sandbox.run([python, "-I", "-c", TESTER], stdin=request)
+        try:
+            with started_on(self.cores):
+                result = sandbox.run([python, "-I", "-c", TESTER], stdin=request)
+        except SandboxError as exc:
+            if not self._by_action(exc):
+                raise
+            return 0.0
         for line in reversed(result.output.splitlines()):
             if line.startswith(marker + " "):
                 return int(line.split()[1]) / len(task.data["tests"])

@@ -1,8 +1,10 @@
-"""``dataset``: prompts and reference answers from the user's Parquet or JSONL file.
+"""``dataset``: prompts and reference answers from the user's Parquet, JSONL or JSON-array file.
 
 The file is local or remote (``s3://`` through :class:`storage.config.StorageConfig`). The
 verifier is chosen in config: exact match, numeric tolerance, a regex the answer must match
 in full, or a Python function named by import path (``pkg.mod:fn(answer, reference) -> float``).
+Every row must be an object with a non-null prompt and answer (and, for the regex verifier, an
+answer that compiles); a bad row or line fails the load with its file and number.
 Rows are split into train and eval by a hash of their id, so the splits never overlap.
 """
 
@@ -19,7 +21,7 @@ from functools import cache
 import pyarrow.parquet as pq
 from pydantic import Field, field_validator
 
-from envs.base import Env, EnvConfig, Split, StepResult, Task, in_eval_split, user
+from envs.base import Env, EnvConfig, Split, StepResult, Task, clamp_score, in_eval_split, user
 from storage.config import StorageConfig
 
 
@@ -27,7 +29,10 @@ class DatasetConfig(EnvConfig):
     """Where the rows are and how answers are checked."""
 
     max_turns: int = Field(1, ge=1, le=1, description="Single turn: the action is the answer.")
-    path: str = Field("", description="Parquet (.parquet) or JSON-lines (.jsonl) file, local or s3://.")
+    path: str = Field(
+        "",
+        description="Parquet (.parquet), JSON-lines (.jsonl) or JSON-array (.json) file, local or s3://.",
+    )
     storage: StorageConfig | None = Field(None, description="Endpoint and credentials for an s3:// path.")
     prompt_field: str = Field("prompt", description="Column holding the user message.")
     answer_field: str = Field("answer", description="Column holding the reference answer.")
@@ -74,7 +79,7 @@ def make_verifier(config: DatasetConfig) -> Callable[[str, str], float]:
 def _load_rows(config_json: str) -> tuple[dict, ...]:
     config = DatasetConfig.model_validate_json(config_json)
     if not config.path:
-        raise ValueError("dataset env needs config.path (a .parquet or .jsonl file)")
+        raise ValueError("dataset env needs config.path (a .parquet, .jsonl or .json file)")
     fs = (config.storage or StorageConfig()).filesystem() if "://" in config.path else None
     opener = fs.open if fs is not None else open
     if config.path.endswith(".parquet"):
@@ -82,14 +87,47 @@ def _load_rows(config_json: str) -> tuple[dict, ...]:
             rows = pq.read_table(handle).to_pylist()
     elif config.path.endswith((".jsonl", ".json")):
         with opener(config.path, "rb") as handle:
-            rows = [json.loads(line) for line in handle.read().decode().splitlines() if line.strip()]
+            rows = _json_rows(config.path, handle.read())
     else:
-        raise ValueError(f"dataset path must end in .parquet or .jsonl: {config.path!r}")
+        raise ValueError(f"dataset path must end in .parquet, .jsonl or .json: {config.path!r}")
     for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ValueError(f"row {i} of {config.path} is not an object: {row!r:.80}")
         for field in (config.prompt_field, config.answer_field):
             if field not in row:
                 raise ValueError(f"row {i} of {config.path} has no field {field!r} (fields: {sorted(row)})")
+            if row[field] is None:
+                raise ValueError(f"row {i} of {config.path} has a null {field!r}")
+        if config.verifier == "regex":
+            try:
+                re.compile(str(row[config.answer_field]))
+            except re.error as exc:
+                raise ValueError(f"row {i} of {config.path}: reference is not a regex: {exc}") from exc
     return tuple(rows)
+
+
+def _json_rows(path: str, data: bytes) -> list:
+    """The rows of a JSON-lines file, or of a ``.json`` file holding one array of rows."""
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text: {exc}") from exc
+    if path.endswith(".json"):
+        try:
+            rows = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"{path}: not valid JSON: {exc}") from exc
+        if not isinstance(rows, list):
+            raise ValueError(f"{path} must hold a JSON array of rows (use .jsonl for JSON lines)")
+        return rows
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError as exc:
+                raise ValueError(f"{path} line {number}: {exc}") from exc
+    return rows
 
 
 class DatasetEnv(Env):
@@ -129,7 +167,7 @@ class DatasetEnv(Env):
     async def step(self, action: str) -> StepResult:
         task = self._require_task()
         self.turns += 1
-        self.score = min(max(self.verify(action, task.data["answer"]), 0.0), 1.0)
+        self.score = clamp_score(self.verify(action, task.data["answer"]))
         return StepResult([], self.score, True, self.score, {})
 
     async def evaluate(self) -> float:

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections import defaultdict
 
 from pydantic import Field, model_validator
 
 from envs.base import Env, EnvConfig, Split, StepResult, Task, user
+
+# ASCII digits only (str.isdigit() also passes "²", which int() refuses); 32 digits is far
+# past any window and well under int()'s limit on digits.
+NUMBER = re.compile(r"-?[0-9]{1,32}")
 
 
 class GuessConfig(EnvConfig):
@@ -128,7 +133,7 @@ class GuessEnv(Env):
         self.turns += 1
         target = task.data["target"]
         text = action.strip()
-        if not text.lstrip("-").isdigit():
+        if not NUMBER.fullmatch(text):
             feedback = "number?"
         else:
             guess = int(text)

@@ -4,8 +4,8 @@ A small server (:data:`SERVER`, stdlib only) runs in the sandbox and reads one J
 line on stdin (``{"code": "..."}``); it executes the code in one persistent namespace, echoes the
 value of a final expression like a REPL, and answers one JSON line (``{"output", "error",
 "truncated"}``) on its original stdout. Output is captured from ``sys.stdout``/``sys.stderr`` and
-capped inside the server; bytes that child processes write straight to file descriptors are
-discarded.
+capped inside the server at ``max_output_bytes`` bytes of UTF-8; bytes that child processes
+write straight to file descriptors are discarded.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ class Capped(io.TextIOBase):
     def writable(self):
         return True
     def write(self, s):
-        self.parts.append(s); self.size += len(s)
+        self.parts.append(s); self.size += len(s.encode("utf-8", "surrogatepass"))
         if self.size > CAP:
             raise OutputLimit()
         return len(s)
     def value(self):
-        return "".join(self.parts)[:CAP]
+        return "".join(self.parts).encode("utf-8", "surrogatepass")[:CAP].decode("utf-8", "ignore")
 
 namespace = {"__name__": "__main__"}
 for line in sys.stdin:
@@ -58,7 +58,7 @@ for line in sys.stdin:
     except OutputLimit:
         truncated = True
     except BaseException as exc:
-        error = type(exc).__name__
+        error = type(exc).__name__[:200]
         try:
             traceback.print_exc(limit=-3)
         except OutputLimit:
@@ -121,7 +121,8 @@ class PythonRepl:
         except BrokenPipeError:
             self._died(started)
         deadline = started + timeout
-        limit = 4 * config.max_output_bytes + 1024
+        # the reply's JSON escapes each byte of output into at most 6 (a control byte: \u00XX)
+        limit = 6 * config.max_output_bytes + 1024
         while b"\n" not in self._buffer:
             chunk = read_some(self.proc.stdout.fileno(), deadline)
             if chunk is None:

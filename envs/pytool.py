@@ -2,6 +2,9 @@
 
 User ``calc 123*456%97``; an action is ``run: <code>`` (observation: what it printed) or
 ``answer: <number>`` (ends the episode). The interpreter keeps its variables between runs.
+Progress is 0.5 once a run's whole output is the right number, 1 with the right answer.
+When the sandbox stops a run (too long, too much output, into the isolation) the observation
+says so (``[stopped: KIND: ...]``); an interpreter it killed starts afresh, variables gone.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from envs.base import (
     Task,
     in_eval_split,
     sample_unique,
+    stopped,
     user,
 )
 from envs.pyrepl import PythonRepl
+from envs.sandbox import SandboxError
 
 
 class PyToolConfig(EnvConfig):
@@ -90,14 +95,25 @@ class PyToolEnv(Env):
             reward = float(self.answer == expected)
             return StepResult([], reward, True, max(reward, 0.5 * self.seen_answer), {})
         if text.startswith("run:"):
-            result = await asyncio.to_thread(self.repl.run, text.removeprefix("run:").strip())
-            shown = result.output.strip()[-self.config.max_observation_chars :] or "(no output)"
-            self.seen_answer = self.seen_answer or expected in result.output.split()
-            feedback = shown
+            feedback = await self._run(text.removeprefix("run:").strip(), expected)
         else:
             feedback = "use run: or answer:"
         done = self.turns >= self.config.max_turns
         return StepResult(user(feedback), 0.0, done, 0.5 * self.seen_answer, {})
+
+    async def _run(self, code: str, expected: str) -> str:
+        """Run ``code`` in the interpreter; what the model sees of it."""
+        try:
+            result = await asyncio.to_thread(self.repl.run, code)
+        except SandboxError as exc:
+            if not self._by_action(exc):
+                raise
+            if not self.repl.alive:
+                self.repl = await asyncio.to_thread(PythonRepl, self.sandbox)
+            return stopped(exc, self.config.max_observation_chars)
+        # the run computed the answer: its whole output is that number (printing many is no proof)
+        self.seen_answer = self.seen_answer or result.output.strip() == expected
+        return result.output.strip()[-self.config.max_observation_chars :] or "(no output)"
 
     async def evaluate(self) -> float:
         task = self._require_task()

@@ -13,11 +13,13 @@ it isolated under one of three backends (see ``docs/sandboxes.md``):
 
 Every backend runs the command under rlimits (CPU seconds, address space, file size, process
 count) with a scrubbed environment; callers add a wall-clock timeout and an output cap. When the
-worker runs as root, each sandbox also gets its own unprivileged uid, so that the process-count
-limit counts that sandbox alone.
+worker runs as root, each sandbox also gets its own unprivileged uid (unique among the live
+sandboxes of the process), so that the process-count limit counts that sandbox alone.
 
-Failures the sandbox contains are raised as :class:`SandboxError` with a ``kind`` the rollout
-service maps to the ``env_error`` status.
+Failures the sandbox contains are raised as :class:`SandboxError` with a ``kind``. Those in
+:data:`COMMAND_KINDS` are brought on by the command itself (what it ran or printed): an
+environment whose commands are the model's actions reports them to the model as a failed
+action. Any other that escapes an environment becomes the rollout's ``env_error`` status.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +65,21 @@ SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 UID_BASE = 2_000_000_000
 UID_RANGE = 1 << 20
 
+# What a command brings on itself, by running too long or too much, printing too much, or running
+# into the isolation; "died" and "start_failed" can also be the sandbox's own failure.
+COMMAND_KINDS: frozenset[ErrorKind] = frozenset(
+    {
+        "timeout",
+        "cpu_limit",
+        "memory_limit",
+        "process_limit",
+        "file_size_limit",
+        "output_limit",
+        "write_outside",
+        "network",
+    }
+)
+
 # Output patterns that show a command ran into the isolation rather than failing on its own.
 VIOLATION_PATTERNS: tuple[tuple[ErrorKind, re.Pattern[bytes]], ...] = (
     (
@@ -83,8 +101,9 @@ VIOLATION_PATTERNS: tuple[tuple[ErrorKind, re.Pattern[bytes]], ...] = (
 class SandboxError(RuntimeError):
     """A command was stopped or ran into the sandbox's isolation.
 
-    ``kind`` names what happened (one of ``ErrorKind``); the rollout service reports it as the
-    ``env_error`` status with ``reason``.
+    ``kind`` names what happened (one of ``ErrorKind``); ``output`` is what the command printed.
+    Raised out of an environment, the rollout service reports it as the ``env_error`` status
+    with ``reason``.
     """
 
     def __init__(self, kind: ErrorKind, reason: str, output: str = ""):
@@ -221,7 +240,7 @@ class Sandbox:
         )
         self.uid: int | None = None
         if os.geteuid() == 0 and self.backend != "apptainer":
-            self.uid = UID_BASE + secrets.randbelow(UID_RANGE)
+            self.uid = _claim_uid()
             os.chown(self.workdir, self.uid, self.uid)
         self._procs: list[subprocess.Popen | object] = []
         self.closed = False
@@ -247,7 +266,7 @@ class Sandbox:
         nproc = cfg.max_processes
         if self.uid is None and os.geteuid() != 0:
             # RLIMIT_NPROC counts every process of the real uid, the worker's own included.
-            nproc += len(_uid_pids(os.getuid()))
+            nproc += len(uid_pids(os.getuid()))
         return [
             "prlimit",
             f"--cpu={cfg.cpu_seconds}:{cfg.cpu_seconds + 1}",
@@ -337,9 +356,8 @@ class Sandbox:
         proc = self._start(cmd, stdin is not None)
         try:
             if stdin is not None:
-                with contextlib.suppress(BrokenPipeError):
-                    proc.stdin.write(stdin)
-                    proc.stdin.close()
+                # fed from a thread: a command that does not read it must not hold us past the timeout
+                threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True).start()
             output, stopped = read_capped(
                 proc.stdout.fileno(), self.config.max_output_bytes, started + timeout
             )
@@ -461,7 +479,7 @@ class Sandbox:
 
     def leftover_processes(self) -> int:
         """Processes still running as this sandbox's uid (0 when it has no uid of its own)."""
-        return 0 if self.uid is None else len(_uid_pids(self.uid))
+        return 0 if self.uid is None else len(uid_pids(self.uid))
 
     def close(self) -> None:
         """Kill every process started here and remove the working directory (if made here)."""
@@ -474,9 +492,11 @@ class Sandbox:
                 kill_group(pid)
         self._procs.clear()
         if self.uid is not None:
-            for pid in _uid_pids(self.uid):
+            for pid in uid_pids(self.uid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
+            with _uids_lock:
+                _uids_in_use.discard(self.uid)
         if self._owns_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -502,6 +522,14 @@ def started_on(cores: frozenset[int] | None) -> Iterator[None]:
         yield
     finally:
         os.sched_setaffinity(0, before)
+
+
+def _feed(pipe: IO[bytes], data: bytes) -> None:
+    """Write ``data`` to ``pipe`` and close it; gives up when the reader is gone (killed)."""
+    with contextlib.suppress(OSError):
+        pipe.write(data)
+    with contextlib.suppress(OSError):
+        pipe.close()
 
 
 def read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, str | None]:
@@ -544,7 +572,24 @@ def kill_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def _uid_pids(uid: int) -> list[int]:
+_uids_in_use: set[int] = set()
+_uids_lock = threading.Lock()
+
+
+def _claim_uid() -> int:
+    """A per-sandbox uid that no live sandbox of this process holds and no process runs as."""
+    while True:
+        uid = UID_BASE + secrets.randbelow(UID_RANGE)
+        if uid_pids(uid):
+            continue
+        with _uids_lock:
+            if uid not in _uids_in_use:
+                _uids_in_use.add(uid)
+                return uid
+
+
+def uid_pids(uid: int) -> list[int]:
+    """Ids of the processes running as ``uid``."""
     pids = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():

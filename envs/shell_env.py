@@ -2,8 +2,9 @@
 
 Three kinds of task: ``put hello in a.txt`` (checked: the file's content), ``which file has
 KEY?`` and ``how many files in d1?`` (answered with ``answer: ...``). Every other action is a
-shell command; the observation is its output and, when it failed, ``[exit N]``. ``done`` ends
-the episode without an answer.
+shell command; the observation is its output and, when it failed, ``[exit N]``, or
+``[stopped: KIND: ...]`` when the sandbox stopped it (a shell it killed starts afresh, in the
+same directory). ``done`` ends the episode without an answer.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import stat
 
 from pydantic import Field
 
@@ -23,8 +25,10 @@ from envs.base import (
     Task,
     in_eval_split,
     sample_unique,
+    stopped,
     user,
 )
+from envs.sandbox import SandboxError
 from envs.shell import Shell
 
 WORDS = ("red", "sun", "cat", "map", "owl", "fig", "ice", "jam", "kit", "log", "net", "oak", "pen", "rug")
@@ -134,11 +138,19 @@ class ShellEnv(Env):
             return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
         if text == "done":
             return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
-        result = await asyncio.to_thread(self.shell.run, text)
+        done = self.turns >= self.config.max_turns
+        try:
+            result = await asyncio.to_thread(self.shell.run, text)
+        except SandboxError as exc:
+            if not self._by_action(exc):
+                raise
+            if not self.shell.alive:
+                self.shell = await asyncio.to_thread(Shell, self.sandbox)
+            shown = stopped(exc, self.config.max_observation_chars)
+            return StepResult(user(shown), 0.0, done, 0.0, {"stopped": exc.kind})
         shown = result.output.strip()[-self.config.max_observation_chars :]
         if result.exit_code:
             shown = f"{shown}\n[exit {result.exit_code}]".strip()
-        done = self.turns >= self.config.max_turns
         return StepResult(user(shown or "(no output)"), 0.0, done, 0.0, {"exit_code": result.exit_code})
 
     async def evaluate(self) -> float:
@@ -149,7 +161,22 @@ class ShellEnv(Env):
         if self.sandbox is None:
             return 0.0
         path = os.path.join(self.sandbox.workdir, data["file"])
-        if not os.path.isfile(path) or os.path.islink(path):
-            return 0.0
-        with open(path, "rb") as handle:
-            return float(handle.read(4096).strip() == data["content"].encode())
+        content = await asyncio.to_thread(read_regular_file, path, 4096)
+        return float(content is not None and content.strip() == data["content"].encode())
+
+
+def read_regular_file(path: str, size: int) -> bytes | None:
+    """The first ``size`` bytes of ``path`` if it is a regular file, else None.
+
+    What the model left running in the sandbox may swap the file for a FIFO or a link at any
+    moment: the open neither blocks on a FIFO nor follows a link, and the type is checked on
+    the file actually opened.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)

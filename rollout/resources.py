@@ -2,8 +2,9 @@
 
 ``CpuManager`` allocates on execution: a sandbox process keeps its memory between actions
 but runs on granted cores only while an action runs (``sched_setaffinity`` of every thread
-of the process and its descendants), then is parked back on a small parking set and the
-cores return to the pool.
+of the process and its descendants, and of every process of its per-sandbox uid), then is
+parked back on a small parking set and the cores return to the pool. Pinning is cooperative:
+a command may widen its own affinity again (see ``docs/sandboxes.md``).
 
 ``ServiceManager`` evicts on execution: reward-model services stay parked in CPU memory as
 copies of their tensors and are loaded onto the device when called, evicting the least
@@ -13,6 +14,7 @@ recently used idle services while the device-memory budget would be exceeded.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterable, Iterator
@@ -20,13 +22,29 @@ from contextlib import asynccontextmanager
 
 import torch
 
+from envs.sandbox import UID_BASE, UID_RANGE, uid_pids
+
+log = logging.getLogger(__name__)
+
 
 def _tree_threads(pid: int) -> list[int]:
-    """Thread ids of process ``pid`` and of all its descendants (a sandbox wraps its shell in bwrap)."""
+    """Thread ids of process ``pid`` and of all its descendants (a sandbox wraps its shell in bwrap),
+    and, when ``pid`` runs as a per-sandbox uid, of every other process of that uid: a job that
+    double-forked out of the tree still belongs to the sandbox."""
     tids: list[int] = []
+    seen: set[int] = set()
     todo = [pid]
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except FileNotFoundError:
+        uid = None
+    if uid is not None and UID_BASE <= uid < UID_BASE + UID_RANGE:
+        todo += uid_pids(uid)
     while todo:
         proc = todo.pop()
+        if proc in seen:
+            continue
+        seen.add(proc)
         try:
             threads = os.listdir(f"/proc/{proc}/task")
         except FileNotFoundError:
@@ -91,7 +109,9 @@ class CpuManager:
     def bind(self, pid: int, cores: Iterable[int]) -> None:
         """Run process ``pid``, all its threads and descendants, on ``cores`` only.
 
-        What it forks later inherits the cores. A thread that exits meanwhile is skipped.
+        What it forks later inherits the cores. A thread that exits meanwhile is skipped, and so
+        is one this worker may not move (a setuid program the action started, when the worker
+        is not root): it keeps the cores it had.
         """
         cores = frozenset(cores)
         for tid in _tree_threads(pid):
@@ -99,6 +119,8 @@ class CpuManager:
                 os.sched_setaffinity(tid, cores)
             except ProcessLookupError:
                 continue
+            except PermissionError:
+                log.info("cannot move thread %d of process %d onto cores %s", tid, pid, sorted(cores))
 
     def park(self, pid: int) -> None:
         """Move process ``pid`` back to the parking cores between actions."""

@@ -795,9 +795,11 @@ class _AsyncFront:
                 self.cpu.bind(pid, grant.cores)
             yield grant
         finally:
-            if pid is not None and self.cpu is not None and grant.cores:
-                self.cpu.park(pid)
-            self.release(grant)
+            try:
+                if pid is not None and self.cpu is not None and grant.cores:
+                    self.cpu.park(pid)
+            finally:
+                self.release(grant)
 
 
 class ActionScheduler(_AsyncFront):

@@ -120,11 +120,12 @@ def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     Checks: required ids present, per-token lists of equal length with no null entry,
     finite log-probs ≤ 0 and versions ≥ 0 on action tokens, turn indexes in
     [0, :data:`MAX_TURN`], ``status`` in
-    :data:`STATUSES`, ``progress`` null or in [0, 1], and for processed tables
-    ``train_mask`` only where ``action_mask`` and every ``loss_weight`` finite and ≥ 0.
-    The checks run vectorised over each record batch where it lies in memory (nothing is
-    copied unless a check fails). Order: missing ids row by row, list lengths and null
-    entries column by column, status and progress row by row, per-token checks row by row.
+    :data:`STATUSES`, ``progress`` null or in [0, 1], ``reward`` null or finite, and for
+    processed tables ``train_mask`` only where ``action_mask`` and every ``loss_weight``
+    finite and ≥ 0. The checks run vectorised over each record batch where it lies in memory
+    (nothing is copied unless a check fails). Order: missing ids row by row, list lengths and
+    null entries column by column, status, progress and reward row by row, per-token checks
+    row by row.
     """
     token_columns = [c for c in (*TOKEN_COLUMNS, *PROCESSED_TOKEN_COLUMNS) if c in table.column_names]
     problems: list[_Problem] = []
@@ -204,6 +205,9 @@ def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str])
     in_range = pc.and_(pc.greater_equal(progress, 0), pc.less_equal(progress, 1))
     for row in np.flatnonzero(pc.fill_null(in_range, True).to_numpy(zero_copy_only=False) == 0):
         add((2, start + row, 1), row, "progress", f"{progress[row].as_py()} is outside [0, 1]")
+    reward = batch.column("reward")
+    for row in np.flatnonzero(pc.fill_null(pc.is_finite(reward), True).to_numpy(zero_copy_only=False) == 0):
+        add((2, start + row, 2), row, "reward", f"{reward[row].as_py()} is not finite")
 
     for row, check, column, what in _token_problems(batch, bad_rows, n_tokens):
         add((3, start + row, check), row, column, what)

@@ -9,6 +9,7 @@ checks its record token by token.
 
 import asyncio
 import json
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,20 @@ REPLIES = ["echo hello > out.txt", "cat out.txt", "echo $OPENAI_API_KEY; env | g
 
 class Upstream(BaseHTTPRequestHandler):
     seen: list = []
+    requests: list = []  # (method, path) of every request that reached the upstream
+
+    def parse_request(self):
+        parsed = super().parse_request()
+        if parsed:
+            Upstream.requests.append((self.command, self.path))
+        return parsed
+
+    def do_GET(self):
+        data = json.dumps({"object": "list", "data": []}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
@@ -50,6 +65,7 @@ def upstream():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     Upstream.seen = []
+    Upstream.requests = []
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
 
@@ -90,6 +106,38 @@ def test_agent_runs_several_turns_through_its_session(upstream):
         assert headers["Authorization"] == "Bearer secret-token"
 
 
+CALL_ADMIN = r"""python3 - <<'PY'
+import os, urllib.error, urllib.request
+base = os.environ["OPENAI_BASE_URL"]
+calls = [("POST", "/sessions"), ("DELETE", "/sessions/other"), ("POST", "/sessions/other/record"),
+         ("POST", "/chat/completions/../../sessions"), ("GET", "/models?x=1")]
+for method, path in calls:
+    request = urllib.request.Request(base + path, data=b"{}" if method == "POST" else None, method=method)
+    try:
+        print(urllib.request.urlopen(request, timeout=30).status)
+    except urllib.error.HTTPError as exc:
+        print(exc.code)
+PY"""
+
+
+def test_agent_relay_forwards_inference_only_never_session_admin(upstream):
+    cfg = config(command=CALL_ADMIN)
+
+    async def episode():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "secret-token", "session-42"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        try:
+            return await env.run(), env.result.output.split()
+        finally:
+            await env.close()
+
+    result, statuses = asyncio.run(episode())
+    assert result.info["exit_code"] == 0
+    assert statuses == ["403", "403", "403", "403", "200"]
+    assert Upstream.requests == [("GET", "/v1/models")]
+
+
 def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
     env = AgentEnv(**config(command="true", eval_command="echo no score"))
     task = task_set("agent", "train", 0, 1, config())[0]
@@ -109,6 +157,44 @@ def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
 
     with pytest.raises(SandboxError, match="no score"):
         asyncio.run(episode())
+
+
+def test_agent_eval_printing_nan_scores_zero(upstream):
+    cfg = config(command="true", eval_command="echo passed 0 of 0; echo nan")
+
+    async def episode():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        try:
+            await env.run()
+            return await env.evaluate()
+        finally:
+            await env.close()
+
+    assert asyncio.run(episode()) == 0.0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_agent_eval_asks_for_cores_and_runs_on_those_granted(upstream):
+    core = max(os.sched_getaffinity(0))
+    check = f"import os; print(float(os.sched_getaffinity(0) == {{{core}}}))"
+    cfg = config(command="true", eval_command=f"python3 -c '{check}'", action_cores=2)
+
+    async def episode():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        try:
+            await env.run()
+            env.cores = frozenset({core})  # what the rollout service sets for a grant
+            return env.eval_request(), await env.evaluate()
+        finally:
+            await env.close()
+
+    request, score = asyncio.run(episode())
+    assert request.demand == {"cpu": 2} and request.kind == "agent.eval"
+    assert score == 1.0
 
 
 def test_agent_programs_hold_no_thread_of_the_default_executor(upstream):

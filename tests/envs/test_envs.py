@@ -2,13 +2,17 @@
 
 import asyncio
 import json
+import os
 import random
+import threading
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from envs.arith import add_without_carry
+from envs.base import Task
 from envs.guess import GuessConfig, problems
 from envs.registry import REGISTRY, demonstrate, make, task_set
 from envs.sandbox import SandboxConfig, bwrap_path
@@ -114,6 +118,115 @@ def test_guess_feedback_and_progress():
     assert max(good_turns) <= 5 and sum(flawed_turns) / len(flawed_turns) > sum(good_turns) / len(good_turns)
 
 
+def test_guess_answers_number_to_what_is_not_an_ascii_number():
+    task = task_set("guess", "train", seed=4, n=1)[0]
+
+    async def run():
+        env = make("guess", max_turns=10)
+        await env.reset(task)
+        return [
+            (await env.step(action)).observation[0]["content"]
+            for action in ("--5", "²", "٣", "1_0", "9" * 5000)
+        ]
+
+    assert asyncio.run(run()) == ["number?"] * 5
+
+
+WRITE_RED = Task(
+    env="shell",
+    id="write:red:a",
+    prompt="put red in a.txt",
+    data={"kind": "write", "file": "a.txt", "content": "red"},
+)
+
+
+@needs_bwrap
+def test_shell_commands_the_sandbox_stops_are_failed_actions():
+    """A command that prints a violation, runs past its limit or ends the shell fails as an
+    action the model is told about (never an env_error): the shell starts afresh, the episode goes on."""
+    actions = ["echo 'Connection refused'; false", "sleep 30", "exit 3", "echo red > a.txt"]
+
+    async def run():
+        env = make("shell", sandbox=SMALL.model_copy(update={"timeout_s": 1}), max_turns=len(actions))
+        await env.reset(WRITE_RED)
+        try:
+            return [await env.step(action) for action in actions], await env.evaluate()
+        finally:
+            await env.close()
+
+    results, score = asyncio.run(run())
+    assert [result.info.get("stopped") for result in results] == ["network", "timeout", "died", None]
+    assert results[0].observation[0]["content"].startswith("Connection refused\n[stopped: network:")
+    assert all(result.reward == 0.0 for result in results) and results[-1].done
+    assert score == 1.0
+
+
+@needs_bwrap
+def test_shell_eval_never_opens_a_fifo_the_model_swapped_in(monkeypatch):
+    """A job the model left running can swap a.txt for a FIFO right after any check of the path;
+    ``isfile`` answering True stands in for losing that race. EVAL must score 0 without reading
+    the FIFO (an open() that waits for its writer would freeze the event loop)."""
+    writer_done = threading.Event()
+
+    def feed(path):  # a writer, so that a read of the FIFO ends instead of hanging the test
+        while not writer_done.is_set():
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            except OSError:
+                time.sleep(0.01)
+                continue
+            os.write(fd, b"red\n")
+            os.close(fd)
+            return
+
+    async def run():
+        env = make("shell", sandbox=SMALL)
+        await env.reset(WRITE_RED)
+        try:
+            await env.step("mkfifo a.txt")
+            feeder = threading.Thread(target=feed, args=(os.path.join(env.sandbox.workdir, "a.txt"),))
+            feeder.start()
+            monkeypatch.setattr(os.path, "isfile", lambda path: True)
+            try:
+                return await env.evaluate()
+            finally:
+                monkeypatch.undo()
+                writer_done.set()
+                feeder.join()
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()) == 0.0
+
+
+@needs_bwrap
+def test_pytool_runs_the_sandbox_stops_are_failed_actions():
+    task = task_set("pytool", "train", seed=5, n=1)[0]
+    actions = ["run: raise MemoryError", "run: while True: pass", "run: import os; os._exit(0)", "run: 6 * 7"]
+
+    async def run():
+        env = make("pytool", sandbox=SMALL.model_copy(update={"timeout_s": 1}), max_turns=5)
+        await env.reset(task)
+        try:
+            return [(await env.step(action)).observation[0]["content"] for action in actions]
+        finally:
+            await env.close()
+
+    seen = asyncio.run(run())
+    assert "[stopped: memory_limit:" in seen[0]
+    assert "[stopped: timeout:" in seen[1] or "[stopped: cpu_limit:" in seen[1]
+    assert "[stopped: died:" in seen[2]
+    assert seen[3] == "42"
+
+
+@needs_bwrap
+def test_code_solution_that_never_returns_scores_zero():
+    task = task_set("code", "train", seed=6, n=1)[0]
+    sandbox = SMALL.model_copy(update={"timeout_s": 1})
+    _, score = asyncio.run(play("code", task, ["def f(x):\n    while True: pass"], sandbox=sandbox))
+    assert score == 0.0
+
+
 @needs_bwrap
 def test_pytool_runs_python_then_answers():
     task = task_set("pytool", "train", seed=5, n=1)[0]
@@ -123,6 +236,20 @@ def test_pytool_runs_python_then_answers():
         play("pytool", task, ["run: y = 3", "run: y * 2", "answer: -1"], sandbox=SMALL)
     )
     assert score == 0.0 and wrong.done
+
+
+@needs_bwrap
+def test_pytool_progress_needs_a_run_that_computes_the_answer():
+    task = task_set("pytool", "train", seed=5, n=1)[0]
+    cases = [
+        (["run: print(*range(97))", "answer: -1"], 0.0),
+        (["run: print(list(range(97)))", "answer: -1"], 0.0),
+        ([f"run: print({task.data['expr']})", "answer: -1"], 0.5),
+        ([f"run: {task.data['expr']}", "answer: -1"], 0.5),
+    ]
+    for actions, progress in cases:
+        result, score = asyncio.run(play("pytool", task, actions, sandbox=SMALL))
+        assert (result.progress, score) == (progress, 0.0), actions
 
 
 @needs_bwrap
@@ -219,6 +346,54 @@ def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
         make("dataset", path=str(jsonl), verifier="not a verifier")
     with pytest.raises(ValueError, match="no field"):
         task_set("dataset", "train", 0, 1, {"path": str(jsonl), "answer_field": "missing"})
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "config", "error"),
+    [
+        ("null.jsonl", b'{"prompt": "q", "answer": null}', {}, "row 0 of .*null.jsonl has a null 'answer'"),
+        (
+            "scalar.jsonl",
+            b'{"prompt": "q", "answer": "a"}\n7',
+            {},
+            "row 1 of .*scalar.jsonl is not an object",
+        ),
+        ("bad.jsonl", b'{"prompt": "q", "answer": "a"}\n\n{"prompt": }', {}, "bad.jsonl line 3: Expecting"),
+        (
+            "latin1.jsonl",
+            '{"prompt": "café", "answer": "a"}'.encode("latin-1"),
+            {},
+            "latin1.jsonl is not UTF-8",
+        ),
+        ("lines.json", b'{"prompt": "q", "answer": "a"}', {}, "lines.json must hold a JSON array"),
+        ("re.jsonl", b'{"prompt": "q", "answer": "(a"}', {"verifier": "regex"}, "row 0 .*not a regex"),
+    ],
+)
+def test_dataset_bad_files_fail_the_load_naming_file_and_row(tmp_path, name, content, config, error):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=error):
+        task_set("dataset", "train", 0, 1, {"path": str(path)} | config)
+
+
+def test_dataset_reads_a_json_array(tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]))
+    tasks = task_set("dataset", "train", 0, 5, {"path": str(path)})
+    assert all(task.data["answer"] == task.prompt[1:] for task in tasks)
+
+
+def nan_verifier(answer, reference):
+    return float("nan")
+
+
+def test_dataset_verifier_returning_nan_scores_zero(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(20)))
+    config = {"path": str(path), "verifier": f"{__name__}:nan_verifier"}
+    task = task_set("dataset", "train", 0, 1, config)[0]
+    result, score = asyncio.run(play("dataset", task, ["0"], **config))
+    assert result.reward == result.progress == score == 0.0
 
 
 def test_registry_knows_every_env():

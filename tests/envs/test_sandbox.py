@@ -1,7 +1,9 @@
 """Sandbox attacks: each is contained, reported as a SandboxError kind, and the worker keeps serving."""
 
 import os
+import secrets
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -10,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from envs.pyrepl import PythonRepl
-from envs.sandbox import Sandbox, SandboxConfig, SandboxError, bwrap_path
+from envs.sandbox import UID_BASE, Sandbox, SandboxConfig, SandboxError, bwrap_path
 from envs.shell import Shell, ansi_c_quote
 
 pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
@@ -139,6 +141,15 @@ def test_timeout_holds_after_stdout_closes(backend):
         assert time.monotonic() - started < 5
 
 
+def test_timeout_holds_while_stdin_is_unread():
+    started = time.monotonic()
+    with Sandbox(SMALL) as box, pytest.raises(SandboxError) as raised:
+        box.run("sleep 30", timeout=1, stdin=b"x" * 1_000_000)
+    assert raised.value.kind == "timeout"
+    assert time.monotonic() - started < 20
+    serves_after()
+
+
 def test_close_during_run_reports_died():
     box = Sandbox(SMALL)
     raised = []
@@ -185,6 +196,30 @@ def test_shell_dies_on_gigabytes_and_infinite_loop():
         assert Shell(box).run("echo back").output == "back\n"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
+def test_live_sandboxes_never_share_a_uid(monkeypatch):
+    draws = iter([5, 5, 7, 9, 11, 5])
+    monkeypatch.setattr(secrets, "randbelow", lambda n: next(draws))
+    user = ["setpriv", f"--reuid={UID_BASE + 9}", f"--regid={UID_BASE + 9}", "--clear-groups"]
+    stray = subprocess.Popen([*user, "sh", "-c", "echo ready; exec sleep 60"], stdout=subprocess.PIPE)
+    assert stray.stdout.readline() == b"ready\n"  # it runs as uid 9 by now
+    boxes = []
+    try:
+        boxes += [Sandbox(SMALL), Sandbox(SMALL)]
+        assert [box.uid - UID_BASE for box in boxes] == [5, 7]
+        boxes.append(Sandbox(SMALL))
+        assert boxes[-1].uid - UID_BASE == 11  # a process still runs as 9
+        boxes[0].close()
+        boxes.append(Sandbox(SMALL))
+        assert boxes[-1].uid - UID_BASE == 5
+    finally:
+        stray.kill()
+        stray.wait()
+        stray.stdout.close()
+        for box in boxes:
+            box.close()
+
+
 def test_ansi_c_quote_round_trips_through_bash():
     text = 'a\'b\\c\n\t"$HOME" `x` é \x01'
     with Sandbox(SMALL) as box:
@@ -212,6 +247,19 @@ def test_python_repl_keeps_namespace_and_contains_attacks():
         assert raised.value.kind in {"cpu_limit", "timeout"}
         assert not repl.alive
         assert PythonRepl(box).run("'fresh'").output == "'fresh'\n"
+
+
+def test_python_repl_caps_output_in_bytes():
+    """The cap counts UTF-8 bytes, whatever the reply's JSON escaping makes of them."""
+    cap = SMALL.max_output_bytes
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        assert repl.run(f"print('\\x00' * {cap - 100})").output == "\x00" * (cap - 100) + "\n"
+        with pytest.raises(SandboxError) as raised:
+            repl.run(f"print('é' * {cap // 2 + 100})")
+        assert raised.value.kind == "output_limit"
+        assert len(raised.value.output.encode()) <= cap
+        assert repl.alive
 
 
 def test_process_fallback_enforces_limits_and_timeout():

@@ -37,6 +37,9 @@ def test_a_valid_table_passes():
         ({"versions": [-1] * 24}, "versions", "negative version"),
         ({"tokens": [None] + [7] * 23}, "tokens", "has null entries"),
         ({"progress": 1.5}, "progress", "1.5 is outside [0, 1]"),
+        ({"progress": float("nan")}, "progress", "nan is outside [0, 1]"),
+        ({"reward": float("nan")}, "reward", "nan is not finite"),
+        ({"reward": float("-inf")}, "reward", "-inf is not finite"),
     ],
 )
 def test_a_bad_row_is_named_with_its_column(change, column, what):
@@ -106,6 +109,8 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
             )
         if row["progress"] is not None and not 0 <= row["progress"] <= 1:
             errors.append((row["trajectory_id"], "progress", f"{row['progress']} is outside [0, 1]"))
+        if row["reward"] is not None and not np.isfinite(row["reward"]):
+            errors.append((row["trajectory_id"], "reward", f"{row['reward']} is not finite"))
     for row in rows:
         if any(len(row[name]) != len(row["tokens"]) or None in row[name] for name in token_columns):
             continue
@@ -140,7 +145,7 @@ def test_find_errors_matches_a_row_by_row_reference(seed):
         record["versions"] = np.where(mask, 1, -1).tolist()
         record["train_mask"] = (mask & (rng.random(n) < 0.7)).tolist()
         record["loss_weight"] = [1.0] * n
-        fault = rng.integers(0, 12)
+        fault = rng.integers(0, 13)
         if fault == 1 and n:
             record["logprobs"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, 0.3]))
         elif fault == 2 and n:
@@ -162,6 +167,8 @@ def test_find_errors_matches_a_row_by_row_reference(seed):
             record["loss_weight"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, -1.0]))
         elif fault == 10 and n:
             record["turn"][int(rng.integers(n))] = int(rng.choice([-1, 32767]))
+        elif fault == 11:
+            record["reward"] = float(rng.choice([np.nan, np.inf, -np.inf]))
         records.append(record)
     table = to_table(records, PROCESSED_SCHEMA)
     table = pa.concat_tables([table.slice(0, len(records) // 2), table.slice(len(records) // 2)])
