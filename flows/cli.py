@@ -15,9 +15,23 @@ INSPECT_VERSIONS = 12
 
 
 def _store(args):
+    """The run that ``inspect``/``sql`` look at: the ``storage`` section and ``run_id`` of
+    ``--config`` (if given), overridden by ``--root``, ``--endpoint-url``, ``--region`` and
+    ``--run-id``. Credentials come from the config file or the environment only."""
+    from flows.config import ConfigError, load_config
     from storage.config import RunStore, StorageConfig
 
-    return RunStore(StorageConfig(root=args.root), args.run_id)
+    storage: dict = {}
+    run_id = args.run_id
+    if args.config:
+        try:
+            config = load_config(args.config)
+        except ConfigError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        storage = dict(config.storage)
+        run_id = run_id or config.run_id
+    flags = {"root": args.root, "endpoint_url": args.endpoint_url, "region": args.region}
+    return RunStore(StorageConfig(**storage | {k: v for k, v in flags.items() if v is not None}), run_id)
 
 
 def spaced(values: list, limit: int = INSPECT_VERSIONS) -> set:
@@ -61,9 +75,9 @@ def inspect_run(store) -> str:
         for r in rows:
             if r["max_version"] in shown:
                 count = r["trajectory_id_count"]
-                lines.append(
-                    f"  v{r['max_version']:<4} {r['task']:<8} {r['reward_mean']:.3f}  ({count} trajectories)"
-                )
+                # a group of env/infra errors only has no reward at all
+                mean = "—" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
+                lines.append(f"  v{r['max_version']:<4} {r['task']:<8} {mean:>5}  ({count} trajectories)")
     shards = tables.read("shards")
     lines.append("\nshards:")
     for kind in ("raw", "processed"):
@@ -116,8 +130,15 @@ def main(argv: list[str] | None = None) -> None:
         ("sql", _sql, "Run SQL over a run's Delta tables (each table is a view)."),
     ):
         command = sub.add_parser(name, help=helptext)
-        command.add_argument("--root", default="./runs", help="Storage root (local folder).")
-        command.add_argument("--run-id", required=True, help="Run to look at.")
+        command.add_argument(
+            "--config", help="Run config YAML: its storage section and run_id (credentials included)."
+        )
+        command.add_argument(
+            "--root", help="Storage root: a local folder or s3://bucket/prefix (default: ./runs)."
+        )
+        command.add_argument("--endpoint-url", help="S3 endpoint of a MinIO-compatible store.")
+        command.add_argument("--region", help="S3 region.")
+        command.add_argument("--run-id", help="Run to look at (default: the run_id of --config).")
         if name == "sql":
             command.add_argument("query", help='e.g. "SELECT version, env, reward FROM evals"')
         command.set_defaults(handler=handler)
@@ -126,6 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     ui.add_argument("--port", type=int, default=4200)
     ui.set_defaults(handler=_ui)
     args = parser.parse_args(argv)
+    if args.command in ("inspect", "sql") and not (args.run_id or args.config):
+        parser.error(f"{args.command} needs --run-id or --config")
     args.handler(args)
 
 

@@ -43,8 +43,14 @@ def parse(
             parser.error(f"--set needs KEY=VALUE, got {item!r}")
         node = overrides
         *parents, leaf = key.split(".")
-        for part in parents:
+        for depth, part in enumerate(parents):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                parser.error(
+                    f"--set {key}: {'.'.join(parents[: depth + 1])} is set to a value, not a section"
+                )
+        if isinstance(node.get(leaf), dict):
+            parser.error(f"--set {key}: fields inside {key} are set by another --set")
         node[leaf] = yaml.safe_load(value)
     if args.run_id:
         overrides["run_id"] = args.run_id

@@ -151,7 +151,11 @@ class RunConfig(BaseModel):
 
     @model_validator(mode="after")
     def _envs_known(self) -> RunConfig:
-        for field, names in (("orchestrator.mix", self.orchestrator.mix), ("envs", self.envs)):
+        for field, names in (
+            ("orchestrator.mix", self.orchestrator.mix),
+            ("envs", self.envs),
+            ("warm_start.demos", self.warm_start.demos),
+        ):
             for name in names:
                 if name not in REGISTRY:
                     raise ValueError(f"{field}: unknown environment {name!r}; known: {sorted(REGISTRY)}")
@@ -204,7 +208,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if path is not None:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise ConfigError(f"cannot read run config {path}: {exc}") from exc
         if not isinstance(data, dict):
             raise ConfigError(f"run config {path} must be a mapping at the top level")

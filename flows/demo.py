@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--run-id" not in argv:
         argv += ["--run-id", time.strftime("demo-%Y%m%d-%H%M%S")]
-    config, _ = parse("The treadle demo: warm start, then rollout + process + train at once.", argv)
+    config, args = parse("The treadle demo: warm start, then rollout + process + train at once.", argv)
     api = os.environ.get("PREFECT_API_URL")
     print(f"treadle demo — run {config.run_id}: tiny model on CPU, envs {sorted(config.orchestrator.mix)}")
     print(
@@ -48,15 +48,16 @@ def main(argv: list[str] | None = None) -> None:
     if arith is not None:
         print(f"arith gain: {arith:+.3f}")
     print(f"finished in {time.monotonic() - started:.0f} s")
-    root = config.storage.root
+    # --config brings the endpoint and credentials; --root keeps a --set storage.root override
+    where = f"--config {args.config} --root {config.storage.root} --run-id {config.run_id}"
     print(
         f"""
 Where to look:
   tables (Delta Lake):  {store.url("tables")}/{{shards,trajectories,train_steps,weights,evals}}
   weight versions:      {store.url("weights")}
   curves:               {store.url("reports", "curves.png")}
-  summary again:        .venv/bin/treadle inspect --root {root} --run-id {config.run_id}
-  SQL (duckdb):         .venv/bin/treadle sql --root {root} --run-id {config.run_id} \\
+  summary again:        .venv/bin/treadle inspect {where}
+  SQL (duckdb):         .venv/bin/treadle sql {where} \\
                           "SELECT version, env, reward FROM evals ORDER BY version, env"
   UI:                   {"open " + UI_URL + " (flow runs, artifacts, events)" if api else "run `make ui`, then `make demo` again to see the run there"}"""
     )

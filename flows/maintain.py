@@ -7,15 +7,23 @@ Runs one table at a time (compaction and vacuum must not overlap on a table).
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+import math
+from typing import Annotated, Any
 
 from prefect import flow, task
+from pydantic import Field
 
 from flows.config import RunConfig
-from storage.shards import sweep_uncommitted
+from storage.shards import MIN_SWEEP_AGE_S, sweep_uncommitted
 from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+
+MIN_RETENTION_HOURS = math.ceil(MIN_SWEEP_AGE_S / 3600)
+"""Smallest ``retention_hours``: a younger uncommitted shard file may still be committed by
+its writer (see ``MIN_SWEEP_AGE_S``), and vacuum would remove files that readers of recent
+snapshots and the change feed still need."""
 
 
 @task(name="compact-table", **SIDE_EFFECTS, **STORAGE_RETRIES)
@@ -40,11 +48,14 @@ def sweep_shards(config: RunConfig, retention_hours: int) -> list[str]:
 
 @flow(name="maintain", log_prints=True)
 def maintain(
-    config: RunConfig = RunConfig(), keep_last: int = 5, retention_hours: int = 168
+    config: RunConfig = RunConfig(),
+    keep_last: Annotated[int, Field(ge=1)] = 5,
+    retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
     """Compact and vacuum every table, drop weight versions beyond the last ``keep_last``
     (tagged ones stay) and delete shard files that no commit lists and that are older than
-    ``retention_hours`` (left by writers that died)."""
+    ``retention_hours`` (left by writers that died). ``retention_hours`` is at least
+    ``MIN_RETENTION_HOURS``."""
     tables = [compact_table(config, name, retention_hours) for name in TABLE_SCHEMAS]
     return {
         "tables": tables,
@@ -53,15 +64,35 @@ def maintain(
     }
 
 
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--keep-last", type=_at_least(1), default=5, help="Weight versions to keep.")
+    parser.add_argument(
+        "--retention-hours",
+        type=_at_least(MIN_RETENTION_HOURS),
+        default=168,
+        help=f"Age past which unreferenced files go (at least {MIN_RETENTION_HOURS}).",
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     from flows.cli_args import parse
 
     config, args = parse(
         "Compact tables and prune weight versions.",
         argv,
-        extra=lambda p: p.add_argument("--keep-last", type=int, default=5, help="Weight versions to keep."),
+        extra=_maintain_arguments,
     )
-    print(maintain(config, keep_last=args.keep_last))
+    print(maintain(config, keep_last=args.keep_last, retention_hours=args.retention_hours))
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Where a run's data lives: a local folder or any fsspec URL (``s3://bucket/prefix``)."""
+"""Where a run's data lives: a local folder or an S3 URL (``s3://bucket/prefix``)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,10 @@ from functools import cached_property
 
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+
+S3_SCHEMES = ("s3", "s3a")
+"""URL schemes ``root`` may use (lower case once validated); any other URL is refused, and a
+root without ``://`` is a local folder."""
 
 
 class StorageConfig(BaseModel):
@@ -21,7 +25,7 @@ class StorageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     root: str = Field(
-        "./runs", description="Local folder or fsspec URL (s3://bucket/prefix) that holds every run."
+        "./runs", description="Local folder or S3 URL (s3://bucket/prefix) that holds every run."
     )
     endpoint_url: str | None = Field(
         None, description="S3 endpoint for MinIO-compatible stores, e.g. http://127.0.0.1:9000."
@@ -38,14 +42,24 @@ class StorageConfig(BaseModel):
 
     @field_validator("root")
     @classmethod
-    def _root_not_empty(cls, value: str) -> str:
+    def _root_is_a_folder_or_s3(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("root must name a folder or URL")
-        return value.rstrip("/") if "://" in value else value
+        if "://" not in value:
+            return value
+        scheme, rest = value.split("://", 1)
+        if scheme.lower() not in S3_SCHEMES:
+            raise ValueError(
+                f"root {value!r}: unsupported URL scheme {scheme!r}; use a local folder or s3://bucket/prefix"
+            )
+        rest = rest.rstrip("/")
+        if not rest or rest.startswith("/"):
+            raise ValueError(f"root {value!r} names no bucket; use s3://bucket/prefix")
+        return f"{scheme.lower()}://{rest}"
 
     @property
     def is_s3(self) -> bool:
-        return self.root.startswith(("s3://", "s3a://"))
+        return self.root.startswith(tuple(f"{scheme}://" for scheme in S3_SCHEMES))
 
     def _credentials(self) -> tuple[str | None, str | None, str]:
         key = (

@@ -55,6 +55,12 @@ BATCH_ROWS = 1024
 SMALL_CHUNK_ROWS = 64
 """Buffered pieces smaller than this on average are merged into one batch (``_merged``)."""
 
+MIN_SWEEP_AGE_S = 3600.0
+"""Youngest age (seconds) at which :func:`sweep_uncommitted` may delete an uncommitted
+file. A writer's file waits for its ``shards`` commit, one Delta append (retries
+included: seconds, a few minutes at worst); a file younger than this may still be
+committed, and sweeping it would leave that commit pointing at nothing."""
+
 _NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
 _NO_VERSION = 2**32
 
@@ -483,8 +489,14 @@ def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | Non
 
     The files are listed before the commits are read, so a shard committed meanwhile counts
     as committed; ``older_than_s`` must exceed the time a writer takes from its file to its
-    commit (seconds), or an in-flight shard could go.
+    commit (seconds), or an in-flight shard could go: below :data:`MIN_SWEEP_AGE_S` it
+    raises ``ValueError``.
     """
+    if older_than_s < MIN_SWEEP_AGE_S:
+        raise ValueError(
+            f"older_than_s must be >= {MIN_SWEEP_AGE_S:.0f} s (a younger file may belong to a "
+            f"writer whose commit has not landed yet), got {older_than_s}"
+        )
     root = store.path("shards")
     try:
         found = store.fs.find(root, detail=True)

@@ -9,13 +9,15 @@ PUT on S3), so two publishers racing for one number never write into the same di
 Files are uploaded next, the manifest after them and ``weights/LATEST`` last (temp file + rename on a local
 folder, a single PUT on S3), so a reader never sees a version that is still being written:
 a directory without a manifest does not exist. ``LATEST`` only moves forward: a publish that
-finishes after a newer one leaves it alone.
+finishes after a newer one leaves it alone, and one that raced a newer one (both read the old
+``LATEST``, the older wrote last) reads the versions back and puts the newest one back.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import re
@@ -31,6 +33,8 @@ import torch
 from safetensors.torch import save_file
 
 from storage.config import RunStore
+
+log = logging.getLogger(__name__)
 
 PRETRAINED_LOAD_LOCK = threading.Lock()
 """Held around every ``from_pretrained`` of a weight version: transformers' loading is not
@@ -96,9 +100,14 @@ def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
     return ready
 
 
+def _is_plain_relative(name: str) -> bool:
+    """Whether ``name`` stays inside the folder it is joined to: '/'-separated parts, none of
+    them empty, '.' or '..', and no backslash."""
+    return "\\" not in name and all(part not in ("", ".", "..") for part in name.split("/"))
+
+
 def _check_extra_name(name: str) -> None:
-    parts = name.split("/")
-    if not name or name.startswith("/") or any(part in ("", ".", "..") for part in parts):
+    if not _is_plain_relative(name):
         raise ValueError(f"extra file name {name!r} must be a relative path without '.' or '..' parts")
     if name in RESERVED_FILES:
         raise ValueError(f"extra file name {name!r} is reserved for the store")
@@ -223,10 +232,18 @@ class WeightStore:
             "metadata": metadata_json,
         }
         self._write_atomic(posixpath.join(target, MANIFEST_FILE), json.dumps(manifest, indent=2).encode())
-        current = self.latest()
-        if current is None or version > current:
-            self._write_atomic(posixpath.join(self.root, LATEST_FILE), f"{version}\n".encode())
+        self._advance_latest(version)
         return version
+
+    def _advance_latest(self, version: int) -> None:
+        """Point ``LATEST`` at ``version`` unless it names a newer one. Another publish may
+        have read the same old ``LATEST`` and written its newer number before this write:
+        after writing, the newest complete version is written until ``LATEST`` names it
+        (the last writer of ``LATEST`` always sees every manifest written before it)."""
+        current = self.latest()
+        while current is None or version > current:
+            self._write_atomic(posixpath.join(self.root, LATEST_FILE), f"{version}\n".encode())
+            version, current = max(self.list()), self.latest()
 
     def _stage_tokenizer(self, source: Path, staging: Path) -> None:
         if not source.is_dir():
@@ -348,6 +365,12 @@ class WeightStore:
             ) from None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise CorruptVersion(f"weight version {version}: {MANIFEST_FILE} has no 'files' table")
+        for name in manifest["files"]:
+            if not _is_plain_relative(name):
+                raise CorruptVersion(
+                    f"weight version {version}: {MANIFEST_FILE} lists {name!r}, "
+                    "not a file name inside the version directory"
+                )
         return manifest
 
     def load(self, version: int | None = None) -> str:
@@ -426,7 +449,8 @@ class WeightStore:
             return float("inf")
 
     def retain(self, keep_last: int, in_flight_s: float = 3600.0) -> list[int]:
-        """Delete all but the newest ``keep_last`` versions; tagged versions and LATEST stay.
+        """Delete all but the newest ``keep_last`` versions; tagged versions and LATEST stay,
+        and so does a version whose manifest is unreadable (it may be tagged; logged).
 
         Incomplete directories below the newest complete version (left by a crashed
         publish) are deleted too once claimed more than ``in_flight_s`` ago: a publish that
@@ -440,7 +464,14 @@ class WeightStore:
         if latest is not None:
             keep.add(latest)
         for version in complete:
-            if version not in keep and self.manifest(version).get("tag"):
+            if version in keep:
+                continue
+            try:
+                tagged = self.manifest(version).get("tag")
+            except CorruptVersion as error:
+                log.warning("retention keeps weight version %d, whose tag cannot be read: %s", version, error)
+                tagged = True
+            if tagged:
                 keep.add(version)
         newest = max(complete, default=-1)
         present = {int(m.group(1)) for m in map(_VERSION_DIR.match, self._dir_names()) if m}

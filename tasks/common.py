@@ -23,12 +23,26 @@ SIDE_EFFECTS = {"cache_policy": NO_CACHE}
 
 TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, BotoCoreError, CommitFailedError)
 """Errors a second attempt can clear: storage and network I/O (``TimeoutError`` and
-``ConnectionError`` are ``OSError``s), a Delta commit that lost a race."""
+``ConnectionError`` are ``OSError``s; deltalake raises its S3 errors as ``OSError``), a
+Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS` are excepted."""
+
+PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
+    FileNotFoundError,
+    FileExistsError,
+    PermissionError,
+    IsADirectoryError,
+    NotADirectoryError,
+)
+"""``OSError``s that say the same on every attempt: a path missing (no weight version, a
+model path that does not exist), taken (``VersionTaken``), forbidden or of the wrong kind."""
 
 
 def is_transient(error: BaseException) -> bool:
-    """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS`, or a Ray actor,
-    worker or node lost under a task; not an error raised inside one)."""
+    """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS` but not
+    :data:`PERMANENT_OS_ERRORS`, or a Ray actor, worker or node lost under a task; not an
+    error raised inside one)."""
+    if isinstance(error, PERMANENT_OS_ERRORS):
+        return False
     if isinstance(error, TRANSIENT_ERRORS):
         return True
     try:

@@ -24,7 +24,8 @@ from tasks.common import run_store
 class ProgressReporter:
     """A progress artifact of a count toward ``total`` (or of elapsed time toward a
     ``deadline`` when there is no total), updated at most every ``every_s`` seconds, and a
-    log line (what the console shows while a flow runs) at most every ``log_every_s``."""
+    log line (what the console shows while a flow runs) at most every ``log_every_s``.
+    An artifact the Prefect API fails to take is logged and skipped, never raised."""
 
     def __init__(
         self,
@@ -43,7 +44,11 @@ class ProgressReporter:
         self._last = 0.0
         self._last_log = self.started
         self.logger = get_run_logger()
-        self.artifact_id = create_progress_artifact(0.0, description=f"{description}: 0")
+        self.artifact_id = None
+        try:
+            self.artifact_id = create_progress_artifact(0.0, description=f"{description}: 0")
+        except Exception as exc:  # the Prefect API may be unreachable for a moment: the work goes on
+            self.logger.warning("progress artifact of %s not created: %r", description, exc)
 
     def _percent(self, count: int) -> float:
         if self.total:
@@ -60,11 +65,18 @@ class ProgressReporter:
         if not final and now - self._last < self.every_s:
             return
         self._last = now
-        update_progress_artifact(
-            self.artifact_id,
-            100.0 if final else self._percent(count),
-            description=f"{self.description}: {count}",
-        )
+        if self.artifact_id is None:
+            return
+        try:
+            update_progress_artifact(
+                self.artifact_id,
+                100.0 if final else self._percent(count),
+                description=f"{self.description}: {count}",
+            )
+        except Exception as exc:
+            self.logger.warning(
+                "progress artifact of %s not updated, the work goes on: %r", self.description, exc
+            )
 
 
 def _rows(table, columns: list[str]) -> list[dict[str, Any]]:

@@ -1,16 +1,27 @@
-"""``treadle inspect`` and ``treadle sql`` on the pipeline run's tables."""
+"""``treadle inspect`` and ``treadle sql`` on the pipeline run's tables, on runs with
+reward-less groups, and on a run in an S3-compatible store."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 
+from flows.cli import inspect_run
+from storage.config import RunStore
+from storage.tables import Tables
 from tests.flows.conftest import REPO
 
 
-def treadle(*args: str) -> subprocess.CompletedProcess:
+def treadle(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+        [sys.executable, "-m", "flows.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        env=env,
     )
 
 
@@ -49,3 +60,72 @@ def test_sql_error_is_reported():
     result = treadle("sql", "--root", "/nonexistent", "--run-id", "none", "SELECT * FROM trajectories")
     assert result.returncode != 0
     assert "trajectories" in result.stderr
+
+
+def trajectory_row(task: str, max_version: int, reward: float | None, status: str) -> dict:
+    return {
+        "trajectory_id": f"{task}-{max_version}",
+        "execution_id": f"{task}-{max_version}",
+        "task": task,
+        "prompt_id": "p0",
+        "shard_id": "raw/w0/00000000",
+        "reward": reward,
+        "status": status,
+        "num_tokens": 8,
+        "num_action_tokens": 0 if reward is None else 4,
+        "num_train_tokens": 0,
+        "num_turns": 1,
+        "min_version": max_version,
+        "max_version": max_version,
+        "selected": reward is not None,
+        "processed_at": datetime.now(UTC),
+    }
+
+
+def test_inspect_shows_a_group_without_rewards_as_a_dash(local_store):
+    Tables(local_store).append(
+        "trajectories",
+        [trajectory_row("arith", 1, 1.0, "ok"), trajectory_row("code", -1, None, "env_error")],
+    )
+    out = inspect_run(local_store)
+    assert "v-1   code         —  (1 trajectories)" in out
+    assert "v1    arith    1.000  (1 trajectories)" in out
+
+
+def test_inspect_and_sql_reach_a_run_on_an_s3_compatible_store(s3_server, tmp_path):
+    store = RunStore(s3_server.config(), "on-s3")
+    Tables(store).append("trajectories", [trajectory_row("arith", 0, 0.5, "ok")])
+    config = tmp_path / "run.yaml"  # no credentials in the file: they come from the environment
+    config.write_text(
+        f"run_id: on-s3\nstorage:\n  root: s3://{s3_server.bucket}/runs\n"
+        f"  endpoint_url: {s3_server.endpoint_url}\n"
+    )
+    env = os.environ | {
+        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+    }
+
+    inspected = treadle("inspect", "--config", str(config), env=env)
+    assert inspected.returncode == 0, inspected.stderr
+    assert f"run s3://{s3_server.bucket}/runs/on-s3" in inspected.stdout
+    assert "v0    arith    0.500  (1 trajectories)" in inspected.stdout
+    answered = treadle(
+        "sql",
+        "--root",
+        f"s3://{s3_server.bucket}/runs",
+        "--endpoint-url",
+        s3_server.endpoint_url,
+        "--run-id",
+        "on-s3",
+        "SELECT task, reward FROM trajectories",
+        env=env,
+    )
+    assert answered.returncode == 0, answered.stderr
+    assert answered.stdout.splitlines() == ["task\treward", "arith\t0.5"]
+    for result in (inspected, answered):
+        assert s3_server.secret_access_key not in result.stdout + result.stderr
+
+
+def test_inspect_needs_a_run():
+    result = treadle("inspect", "--root", "/nonexistent")
+    assert result.returncode == 2 and "needs --run-id or --config" in result.stderr

@@ -15,6 +15,7 @@ from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
 
+from flows.cli_args import parse
 from flows.config import ConfigError, RunConfig, load_config
 from tests.flows.conftest import REPO
 
@@ -44,6 +45,7 @@ def test_tiny_config_loads():
         ("run_id: 'a b'\n", "run_id"),
         ("envs:\n  arith: {no_such_option: 1}\n", "envs.arith.no_such_option"),
         ("envs:\n  chess: {}\n", "envs: unknown environment 'chess'"),
+        ("warm_start:\n  demos: {gues: 3}\n", "warm_start.demos: unknown environment 'gues'"),
         ("trainer_device: gpu\n", "trainer_device: Value error, 'gpu' is not a torch device"),
         ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
         (
@@ -56,6 +58,29 @@ def test_tiny_config_loads():
 def test_bad_config_fails_naming_the_field(tmp_path, text, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config(write_config(tmp_path, text))
+
+
+def test_a_config_that_is_not_utf8_fails_naming_the_file(tmp_path):
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("run_id: d\xe9mo\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=f"cannot read run config {path}: 'utf-8' codec"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["stop=5", "stop.max_seconds=3"], "--set stop.max_seconds: stop is set to a value, not a section"),
+        (["envs=[1]", "envs.arith.x=3"], "--set envs.arith.x: envs is set to a value, not a section"),
+        (["stop.max_seconds=3", "stop=5"], "--set stop: fields inside stop are set by another --set"),
+    ],
+)
+def test_conflicting_overrides_fail_naming_the_option(capsys, sets, message):
+    argv = ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)]
+    with pytest.raises(SystemExit) as exited:
+        parse("test", argv)
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_overrides_merge_into_the_file_and_are_validated(tmp_path):

@@ -6,14 +6,19 @@ from __future__ import annotations
 import os
 import time
 
-from flows.maintain import maintain
+import pytest
+from prefect.exceptions import ParameterTypeError
+from prefect.utilities.callables import parameter_schema
+
+from flows.maintain import MIN_RETENTION_HOURS, maintain
+from flows.maintain import main as maintain_main
 from rl.models import load_policy, publish_policy
 from storage.shards import ShardReader, ShardWriter
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import run_store
 from tasks.weights import build_base_version
-from tests.flows.conftest import tiny_config
+from tests.flows.conftest import REPO, tiny_config
 from tests.storage.records import make_table
 
 
@@ -45,3 +50,21 @@ def test_maintain_compacts_prunes_and_sweeps_only_old_uncommitted_files(tmp_path
     shards, _ = reader.poll()
     assert sum(reader.read(s).num_rows for s in shards) == 8
     assert Tables(store).read("shards").num_rows == 4
+
+
+def test_retention_below_the_minimum_is_refused_by_the_flow_its_form_and_the_cli(tmp_path, capsys):
+    config = tiny_config(tmp_path / "runs", "maintain-zero", warm_start={"enabled": False})
+    store = run_store(config)
+    with ShardWriter(store, "w0") as writer:
+        writer.write_table(make_table(0, 2))
+    in_flight = "shards/raw/w0/00000001.arrow"  # written, its commit not landed yet
+    store.create_exclusive(store.path(in_flight), b"a live writer's shard")
+
+    for hours in (0, -1):
+        with pytest.raises(ParameterTypeError, match="retention_hours"):
+            maintain(config, retention_hours=hours)
+    assert parameter_schema(maintain).properties["retention_hours"]["minimum"] == MIN_RETENTION_HOURS >= 1
+    with pytest.raises(SystemExit):
+        maintain_main(["--config", str(REPO / "configs" / "tiny.yaml"), "--retention-hours", "0"])
+    assert "--retention-hours: must be >= 1, got 0" in capsys.readouterr().err
+    assert os.path.exists(store.path(in_flight))

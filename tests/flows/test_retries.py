@@ -1,13 +1,18 @@
-"""Task retries: a transient error is retried, a bad config or a bug fails at once."""
+"""Task retries: a transient error is retried; a bad config, a bug or a deterministic OS error
+(a missing, taken or forbidden path) fails at once."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 from prefect import flow, task
 
+import tasks.report
+from storage.weights import VersionTaken
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES
+from tasks.report import ProgressReporter
 
 
 @task(**SIDE_EFFECTS, **{**STORAGE_RETRIES, "retry_delay_seconds": 0})
@@ -24,13 +29,52 @@ def calls(error: type[Exception], attempts: Path) -> int:
     return fails_once(error, attempts)
 
 
-@pytest.mark.parametrize("error", [OSError, TimeoutError, ConnectionError])
+@pytest.mark.parametrize(
+    "error", [OSError, TimeoutError, ConnectionError, ConnectionResetError, BrokenPipeError]
+)
 def test_a_transient_error_is_retried(prefect_api, tmp_path, error):
     assert calls(error, tmp_path / "attempts") == 2
 
 
-@pytest.mark.parametrize("error", [ValueError, KeyError, AssertionError])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError,
+        KeyError,
+        AssertionError,
+        FileNotFoundError,
+        PermissionError,
+        IsADirectoryError,
+        NotADirectoryError,
+        FileExistsError,
+        VersionTaken,
+    ],
+)
 def test_any_other_error_fails_the_task_at_once(prefect_api, tmp_path, error):
     with pytest.raises(error):
         calls(error, tmp_path / "attempts")
     assert (tmp_path / "attempts").read_text().splitlines() == ["attempt"]
+
+
+def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_the_task(
+    prefect_api, monkeypatch, caplog
+):
+    def unreachable(*args, **kwargs):
+        raise httpx.ConnectError("Prefect API unreachable for a moment")
+
+    @task(**SIDE_EFFECTS)
+    def reports() -> int:
+        progress = ProgressReporter("rollouts", total=10)
+        monkeypatch.setattr(tasks.report, "update_progress_artifact", unreachable)
+        progress.update(10, final=True)
+        monkeypatch.setattr(tasks.report, "create_progress_artifact", unreachable)
+        ProgressReporter("trainer steps").update(3, final=True)
+        return 10
+
+    @flow
+    def reporting_flow() -> int:
+        return reports()
+
+    assert reporting_flow() == 10
+    assert "progress artifact of rollouts not updated, the work goes on" in caplog.text
+    assert "progress artifact of trainer steps not created" in caplog.text

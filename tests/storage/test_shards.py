@@ -7,6 +7,7 @@ import io
 import logging
 import threading
 import time
+import types
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,6 +20,7 @@ from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError
 from storage.shards import (
     COMPRESSION,
+    MIN_SWEEP_AGE_S,
     BackgroundShardWriter,
     ShardInfo,
     ShardReader,
@@ -284,7 +286,13 @@ def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_rais
         writer.write(make_record(9))
 
 
-def test_sweeping_removes_only_old_files_no_commit_lists(store):
+def hours_later(monkeypatch: pytest.MonkeyPatch, hours: float) -> None:
+    """The sweep's clock runs ``hours`` ahead: every file looks that much older to it."""
+    wall_clock = time.time
+    monkeypatch.setattr(shard_module, "time", types.SimpleNamespace(time=lambda: wall_clock() + hours * 3600))
+
+
+def test_sweeping_removes_only_old_files_no_commit_lists(store, monkeypatch):
     with ShardWriter(store, "w0", flush_records=2) as writer:
         writer.write_table(make_table(0, 2))
     leftovers = [
@@ -295,14 +303,33 @@ def test_sweeping_removes_only_old_files_no_commit_lists(store):
     for path in [*leftovers, "shards/quarantine/raw/w8/00000000.arrow"]:
         store.create_exclusive(store.path(path), b"left behind")
     assert sweep_uncommitted(store, older_than_s=3600) == []  # all young: a writer may still commit
-    time.sleep(0.05)
-    assert sweep_uncommitted(store, older_than_s=0.01) == sorted(leftovers)
+    hours_later(monkeypatch, 2)
+    assert sweep_uncommitted(store, older_than_s=3600) == sorted(leftovers)
     assert not any(store.fs.exists(store.path(path)) for path in leftovers)
     assert store.fs.exists(store.path("shards/quarantine/raw/w8/00000000.arrow"))
     reader = ShardReader(store)
     (shard,), _ = reader.poll()
     assert ids_of(reader.read(shard)) == ["t0", "t1"]
-    assert sweep_uncommitted(store, older_than_s=0.01) == []
+    assert sweep_uncommitted(store, older_than_s=3600) == []
+
+
+@pytest.mark.parametrize("older_than_s", [0, 60, MIN_SWEEP_AGE_S - 1])
+def test_sweeping_refuses_an_age_a_live_writer_could_still_commit_within(local_store, older_than_s):
+    tables = Tables(local_store)
+    writer = ShardWriter(local_store, "w0", tables=tables)
+    commit = tables.append
+    swept: list[str] = []
+
+    def sweep_then_commit(name, rows):  # the sweep runs between the writer's file and its commit
+        with pytest.raises(ValueError, match=f"older_than_s must be >= {MIN_SWEEP_AGE_S:.0f}"):
+            swept.extend(sweep_uncommitted(local_store, older_than_s=older_than_s, tables=tables))
+        return commit(name, rows)
+
+    tables.append = sweep_then_commit
+    writer.write_table(make_table(0, 5))
+    info = writer.flush()
+    assert swept == []
+    assert ShardReader(local_store).read(info).num_rows == 5
 
 
 def test_invalid_records_are_refused_at_the_call_and_do_not_poison_the_buffer(local_store):

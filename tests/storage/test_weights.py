@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
+import re
 from pathlib import Path
 
 import pytest
@@ -148,6 +150,66 @@ def test_unreadable_manifest_and_missing_versions_give_clear_errors(weights, tok
     weights.fs.pipe_file(posixpath.join(weights.version_path(0), "manifest.json"), b"{not json")
     with pytest.raises(CorruptVersion, match="manifest.json is not valid JSON"):
         weights.load(0)
+
+
+@pytest.mark.parametrize(
+    "name", ["../../escaped.txt", "/tmp/escaped.txt", "a/./b", "a//b", "..\\escaped.txt"]
+)
+def test_a_manifest_naming_files_outside_its_version_is_corrupt(store, tokenizer_dir, tmp_path, name):
+    weights = WeightStore(store, cache_dir=tmp_path / "cache" / "deep" / "down")
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    payload = b"written outside the version"
+    if not name.startswith("/"):  # where a download would fetch it from
+        store.fs.pipe_file(posixpath.normpath(posixpath.join(weights.version_path(0), name)), payload)
+    placed = set(tmp_path.rglob("*escaped*"))
+    manifest = weights.manifest(0)
+    manifest["files"][name] = hashlib.sha256(payload).hexdigest()
+    weights.fs.pipe_file(
+        posixpath.join(weights.version_path(0), "manifest.json"), json.dumps(manifest).encode()
+    )
+
+    with pytest.raises(
+        CorruptVersion, match=rf"weight version 0: manifest.json lists {re.escape(repr(name))}"
+    ):
+        weights.load(0)
+    with pytest.raises(CorruptVersion):
+        weights.manifest(0)
+    assert set(tmp_path.rglob("*escaped*")) == placed
+
+
+def test_retention_keeps_a_version_whose_manifest_is_unreadable_and_prunes_the_rest(
+    weights, tokenizer_dir, caplog
+):
+    model = tiny_llama(seed=0)
+    for _ in range(5):
+        publish_model(weights, model, tokenizer_dir)
+    weights.fs.pipe_file(posixpath.join(weights.version_path(1), "manifest.json"), b'{"files": {"x')
+
+    assert weights.retain(keep_last=1) == [0, 2, 3]
+    assert weights.list() == [1, 4] and weights.latest() == 4
+    assert "keeps weight version 1, whose tag cannot be read" in caplog.text
+    assert weights.retain(keep_last=1) == []
+
+
+def test_latest_does_not_move_back_when_two_publishes_race(store, tokenizer_dir, tmp_path):
+    """Publish A (v1) reads LATEST, publish B (v2) runs whole, then A writes LATEST."""
+    slow = WeightStore(store, cache_dir=tmp_path / "a")
+    fast = WeightStore(store, cache_dir=tmp_path / "b")
+    model = tiny_llama(seed=0)
+    assert publish_model(slow, model, tokenizer_dir) == 0
+    read_latest = slow.latest
+    raced = []
+
+    def latest_then_let_the_other_finish() -> int | None:
+        seen = read_latest()
+        if not raced and slow.list() == [0, 1]:  # A's manifest is written: A is about to write LATEST
+            raced.append(publish_model(fast, model, tokenizer_dir))
+        return seen
+
+    slow.latest = latest_then_let_the_other_finish
+    assert publish_model(slow, model, tokenizer_dir) == 1
+    assert raced == [2]
+    assert fast.latest() == 2 and fast.list() == [0, 1, 2]
 
 
 def test_remote_cache_is_reverified_and_repaired(store, tmp_path, tokenizer_dir):

@@ -1,0 +1,44 @@
+"""StorageConfig: which roots are accepted, and where a run's data then lives."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from storage.config import RunStore, StorageConfig
+
+
+@pytest.mark.parametrize(
+    ("root", "uri"),
+    [
+        ("s3://bucket/treadle/", "s3://bucket/treadle/r1"),
+        ("S3://bucket/treadle", "s3://bucket/treadle/r1"),
+        ("s3a://bucket", "s3a://bucket/r1"),
+    ],
+)
+def test_s3_roots_are_normalised(root, uri):
+    config = StorageConfig(root=root)
+    assert config.is_s3
+    assert RunStore(config, "r1").uri == uri
+
+
+def test_a_plain_path_is_a_local_folder(tmp_path):
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "r1")
+    assert not store.config.is_s3 and store.uri == str(tmp_path / "runs" / "r1")
+
+
+@pytest.mark.parametrize(
+    ("root", "message"),
+    [
+        ("file:///data/runs", "unsupported URL scheme 'file'"),
+        ("gs://bucket/treadle", "unsupported URL scheme 'gs'"),
+        ("https://example.com/runs", "unsupported URL scheme 'https'"),
+        ("s3://", "names no bucket"),
+        ("s3:///prefix", "names no bucket"),
+        ("  ", "must name a folder or URL"),
+    ],
+)
+def test_other_roots_are_refused_naming_the_value(root, message):
+    with pytest.raises(ValidationError, match=message) as error:
+        StorageConfig(root=root)
+    assert repr(root) in str(error.value) or not root.strip()
