@@ -80,35 +80,14 @@ def run_rollouts(
         f"rollout worker name {worker_name!r}",
         "give each worker its own name (--worker, or the rollout flow's worker_name)",
     )
-    # the name is taken while the engines load; a failed start says it stopped (below)
-    board.publish(status_object(worker_name, {"engine_queue_depth": 0, "live_sessions": 0}, running=True))
-    orchestrator = config.orchestrator
-    if config.stop.max_rollouts is not None:
-        orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})
-    env_pool = None
-    if config.cluster == "ray":
-        from rollout.ray_engine import connect_ray
-        from rollout.ray_env import RayEnvPool
-
-        connect_ray(config.ray_address)
-        env_configs = {name: config.env_config(name) for name in orchestrator.mix}
-        env_pool = RayEnvPool(env_configs, num_workers=config.engine.replica_count)
-    worker = RolloutWorker(
-        run_store(config),
-        worker_name,
-        engine=config.engine,
-        gateway=config.gateway,
-        service=config.service,
-        orchestrator=orchestrator,
-        env_configs={name: config.env_config(name) for name in orchestrator.mix},
-        seed=config.seed,
-        flush_records=flush_records,
-        flush_seconds=flush_seconds,
-        cluster=config.cluster,
-        make_env=env_pool.make_env if env_pool is not None else None,
-        on_shard=on_shard,
-        router=router_config(config),
-    )
+    # the name is taken while the engines load; a failed start says it stopped
+    idle = {"engine_queue_depth": 0, "live_sessions": 0}
+    board.publish(status_object(worker_name, idle, running=True))
+    try:
+        worker, env_pool = _build_worker(config, worker_name, flush_records, flush_seconds, on_shard)
+    except BaseException:
+        board.publish(status_object(worker_name, idle, running=False))
+        raise
 
     async def publish_status(running: bool) -> dict[str, Any]:
         status = worker.status()
@@ -164,6 +143,50 @@ def run_rollouts(
     finally:
         if env_pool is not None:
             env_pool.close()
+
+
+def _build_worker(
+    config: RunConfig,
+    worker_name: str,
+    flush_records: int,
+    flush_seconds: float,
+    on_shard: Callable[[ShardInfo], None] | None,
+) -> tuple[RolloutWorker, Any]:
+    """The rollout worker of ``config`` and, on a Ray cluster, the env pool its environments
+    run in (None locally; closed again when the worker cannot be built)."""
+    orchestrator = config.orchestrator
+    if config.stop.max_rollouts is not None:
+        orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})
+    env_pool = None
+    if config.cluster == "ray":
+        from rollout.ray_engine import connect_ray
+        from rollout.ray_env import RayEnvPool
+
+        connect_ray(config.ray_address)
+        env_configs = {name: config.env_config(name) for name in orchestrator.mix}
+        env_pool = RayEnvPool(env_configs, num_workers=config.engine.replica_count)
+    try:
+        worker = RolloutWorker(
+            run_store(config),
+            worker_name,
+            engine=config.engine,
+            gateway=config.gateway,
+            service=config.service,
+            orchestrator=orchestrator,
+            env_configs={name: config.env_config(name) for name in orchestrator.mix},
+            seed=config.seed,
+            flush_records=flush_records,
+            flush_seconds=flush_seconds,
+            cluster=config.cluster,
+            make_env=env_pool.make_env if env_pool is not None else None,
+            on_shard=on_shard,
+            router=router_config(config),
+        )
+    except BaseException:
+        if env_pool is not None:
+            env_pool.close()
+        raise
+    return worker, env_pool
 
 
 def rollout_detail(status: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +138,15 @@ def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_pat
     with pytest.raises(FileNotFoundError):  # the retry is not held back by the failed start
         run_rollouts(run, time.time() + WAIT_S, "w0")
     assert time.monotonic() - started < 10
+
+
+def test_a_worker_that_cannot_even_be_built_says_it_stopped(tmp_path):
+    run = RunConfig(run_id="bad-table", storage=StorageConfig(root=str(tmp_path / "runs")))
+    store = RunStore(run.storage, run.run_id)
+    log = Path(store.path("tables", "shards", "_delta_log"))
+    log.mkdir(parents=True)
+    (log / "00000000000000000000.json").write_text("not json\n")  # the writer cannot read its shards
+    with pytest.raises(Exception, match="Json error"):
+        run_rollouts(run, time.time() + WAIT_S, "w0")
+    status = RolloutStatusBoard(store).read_worker("w0")
+    assert status is not None and not status.running
