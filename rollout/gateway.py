@@ -19,9 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.engines.base import EngineError, Generation, InvalidRequest, SamplingParams
+from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
 from rollout.router import Router
 from storage.schema import STATUSES
 
@@ -63,9 +64,12 @@ class ChatRenderer:
         """Text the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
 
     def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except (TemplateError, TypeError) as exc:  # a field the template cannot take (no content, a number …)
+            raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -79,8 +83,9 @@ class ChatRenderer:
 
         ``after_action`` is the action that ends the session's tokens, if its last tokens
         were generated: the rest of that assistant turn's closing text is written first
-        (the part after a stop token the model already produced, or all of it when the
-        action was cut at the length limit).
+        (the part after the closing's first token when the action ends with that token, as
+        it does when the model stopped on it; all of it otherwise, e.g. when the action was
+        cut at the length limit, whatever text its last token decodes to).
         """
         full = self._render([*self._base, *messages], add_generation_prompt=True)
         if not full.startswith(self._prefix):
@@ -92,10 +97,9 @@ class ChatRenderer:
         if after_action is None:
             return self.encode(body)
         closing = self.closing
-        if after_action:
-            stop_text = self.tokenizer.decode(after_action[-1:], skip_special_tokens=False)
-            if stop_text and closing.startswith(stop_text):
-                closing = closing[len(stop_text) :]
+        closing_ids = self.encode(closing)
+        if after_action and closing_ids and after_action[-1] == closing_ids[0]:
+            closing = closing.removeprefix(self.tokenizer.decode(closing_ids[:1], skip_special_tokens=False))
         return self.encode(closing + body)
 
     def stop_ids(self) -> tuple[int, ...]:
@@ -162,6 +166,8 @@ class Session:
     """The text-completion history as the client has seen it (prompts plus completions)."""
     turns: list[TurnResult] = field(default_factory=list)
     generation_seconds: float = 0.0
+    closed: bool = False
+    """Set by :meth:`Gateway.close`; a turn still waiting for the session's lock then fails."""
     _pending: list[dict[str, Any]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -208,7 +214,7 @@ class Session:
     def _append(self, ids: list[int]) -> None:
         n = len(ids)
         if len(self.tokens) + n > self.gateway.config.max_context_tokens:
-            raise InvalidRequest(
+            raise ContextLimit(
                 f"session {self.session_id!r} would hold {len(self.tokens) + n} tokens, over "
                 f"max_context_tokens={self.gateway.config.max_context_tokens}"
             )
@@ -219,8 +225,14 @@ class Session:
         self.versions.extend([-1] * n)
 
     async def generate(self, params: SamplingParams | None = None) -> TurnResult:
-        """Render queued messages, then generate one action from the whole token sequence."""
+        """Render queued messages, then generate one action from the whole token sequence.
+
+        Raises :class:`UnknownSession` when the session was closed while this turn waited for
+        the one before it (routing it would pin the closed session to a replica again).
+        """
         async with self._lock:
+            if self.closed:
+                raise UnknownSession(f"session {self.session_id!r} was closed")
             self._pending_flush()
             if not self.tokens:
                 raise InvalidRequest("empty prompt: add messages or token ids before generating")
@@ -229,7 +241,7 @@ class Session:
             )
             room = self.gateway.config.max_context_tokens - len(self.tokens)
             if room < 1:
-                raise InvalidRequest(
+                raise ContextLimit(
                     f"prompt of {len(self.tokens)} tokens leaves no room under "
                     f"max_context_tokens={self.gateway.config.max_context_tokens}"
                 )
@@ -379,9 +391,11 @@ class Gateway:
         return list(self._sessions)
 
     def close(self, session_id: str) -> None:
-        """End a session: release its replica assignment and the engine's cache for it."""
-        self.session(session_id)
+        """End a session: release its replica assignment and the engine's cache for it; a turn
+        of it still waiting to run fails with :class:`UnknownSession`."""
+        session = self.session(session_id)
         del self._sessions[session_id]
+        session.closed = True
         self.router.end_session(session_id)
 
     def check_ids(self, token_ids: Sequence[int], *, what: str) -> None:

@@ -8,8 +8,9 @@ session id in the ``X-Treadle-Session`` header; every request is recorded token-
   them are appended as tokens through the chat template.
 - ``/v1/completions``: a text prompt must extend the session's transcript (prompts plus
   returned completions); only the new suffix is encoded. A token-id prompt must extend
-  the session's tokens.
+  the session's tokens. Either way a request retried after an error appends nothing twice.
 - ``/v1/generate``: token ids in (appended verbatim), token ids, log-probs and versions out.
+  The tokens stay appended when the generation fails, so a retry must not send them again.
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown session, 400 bad
@@ -36,7 +37,7 @@ SESSION_HEADER = "X-Treadle-Session"
 
 
 class _Sampling(BaseModel):
-    temperature: float = Field(1.0, description="Sampling temperature (> 0).")
+    temperature: float = Field(1.0, description="Sampling temperature (finite, >= 1e-6).")
     top_p: float = Field(1.0, description="Nucleus mass in (0, 1].")
     seed: int | None = Field(None, description="Seed of this request's sampler.")
 
@@ -90,13 +91,22 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
 
 
+class ChatMessage(BaseModel):
+    """One chat message; fields beyond ``role`` and ``content`` go to the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | None = Field(None, description="Text only: the gateway takes no content parts.")
+
+
 class ChatRequest(_Sampling):
     """OpenAI ``/v1/chat/completions`` body (the fields the gateway honours)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: list[dict[str, Any]]
+    messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     stop: str | list[str] | None = None
@@ -241,7 +251,7 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
             _append_text_prompt(gateway, session, body.prompt)
         turn = await session.generate(sampling)
         if isinstance(body.prompt, str):
-            session.transcript = body.prompt + turn.text
+            session.transcript += turn.text
         choice: dict[str, Any] = {
             "index": 0,
             "text": turn.text,
@@ -256,7 +266,8 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
         session = session_of(x_treadle_session)
         openai_only(body)
         sampling = params(body, body.max_completion_tokens or body.max_tokens)
-        session.add_messages(_new_messages(session, body.messages))
+        messages = [message.model_dump(exclude_unset=True) for message in body.messages]
+        session.add_messages(_new_messages(session, messages))
         turn = await session.generate(sampling)
         choice = {
             "index": 0,
@@ -314,20 +325,23 @@ def _new_messages(session: Session, messages: list[dict[str, Any]]) -> list[dict
 
 
 def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -> None:
+    """Append the tokens of what ``prompt`` adds to the session's transcript, which becomes
+    ``prompt`` before the generation: a retry after a failed one appends nothing again."""
     if gateway.tokenizer is None:
         raise InvalidRequest("this gateway has no tokenizer; send the prompt as token ids")
     if not session.tokens:
         if not prompt:
             raise InvalidRequest("empty prompt")
         session.add_tokens(list(gateway.tokenizer.encode(prompt)))
-        return
-    if not prompt.startswith(session.transcript):
-        raise InvalidRequest(
-            "the prompt does not extend the session's history (earlier prompts plus completions)"
-        )
-    suffix = prompt[len(session.transcript) :]
-    if suffix:
-        session.add_tokens(list(gateway.tokenizer.encode(suffix, add_special_tokens=False)))
+    else:
+        if not prompt.startswith(session.transcript):
+            raise InvalidRequest(
+                "the prompt does not extend the session's history (earlier prompts plus completions)"
+            )
+        suffix = prompt[len(session.transcript) :]
+        if suffix:
+            session.add_tokens(list(gateway.tokenizer.encode(suffix, add_special_tokens=False)))
+    session.transcript = prompt
 
 
 def _append_token_prompt(gateway: Gateway, session: Session, prompt: list[int]) -> None:

@@ -36,7 +36,7 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -331,7 +331,8 @@ class Router:
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Generate on ``session_id``'s replica; with ``failover``, a replica found down is
-        taken out and the request is retried once on the session's new replica."""
+        taken out and the request is retried once on the session's new replica (not when the
+        session ended meanwhile: the error is raised, and the session stays unpinned)."""
         engine = self.route(session_id)
         self._in_flight[session_id] += 1
         try:
@@ -341,6 +342,8 @@ class Router:
                 raise
             logger.warning("replica %s failed (%s); taking it out and retrying elsewhere", engine.name, exc)
             self._take_down(engine.name)
+            if self.config.policy != "round_robin" and session_id not in self._started:
+                raise  # end_session ran during the probe: routing again would pin it for good
             retry = self.route(session_id)
             return await retry.generate(session_id, prompt_ids, params)
         finally:
@@ -348,8 +351,15 @@ class Router:
             if not self._in_flight[session_id]:
                 del self._in_flight[session_id]
 
-    async def check_health(self) -> dict[str, bool]:
-        """Probe every replica: take out those that fail, bring back those that recovered."""
+    async def check_health(
+        self, restore: Callable[[Engine], Awaitable[None]] | None = None
+    ) -> dict[str, bool]:
+        """Probe every replica: take out those that fail, bring back those that recovered.
+
+        A replica that was down may have restarted on other weights than it last loaded (a
+        relaunched vLLM server serves its launch weights), so ``restore`` is awaited on a
+        recovered replica before it goes back in service; one it fails on stays out.
+        """
         names = [*self._engines, *self._down]
         engines = [self._engines.get(n) or self._down[n] for n in names]
         results = await asyncio.gather(*(_healthy(e) for e in engines))
@@ -358,8 +368,15 @@ class Router:
                 logger.warning("replica %s failed its health check; taking it out", name)
                 self._take_down(name)
             elif ok and name in self._down:
-                logger.info("replica %s is healthy again; putting it back", name)
-                self.add(engine)
+                if restore is not None:
+                    try:
+                        await restore(engine)
+                    except Exception as exc:  # the next check tries again
+                        logger.warning("replica %s is healthy again but could not be restored: %s", name, exc)
+                        continue
+                if name in self._down:  # a concurrent check may have put it back meanwhile
+                    logger.info("replica %s is healthy again; putting it back", name)
+                    self.add(engine)
         return dict(zip(names, results, strict=True))
 
     def _take_down(self, name: str) -> None:

@@ -25,7 +25,8 @@ in the timing breakdown and does not count toward the rollout's timeout.
 
 Failures are classified into the canonical ``status``: an engine that died or a sandbox
 that failed to start is ``infra_error`` (never scored, never trained on); a sandbox that
-stopped the agent's command, or an environment that raised, is ``env_error``; running out
+stopped the agent's command, or an environment that raised or whose output the gateway
+rejects (a malformed message, a token outside the vocabulary), is ``env_error``; running out
 of the time budget is ``timeout``; running out of turns or context is ``truncated``.
 """
 
@@ -49,7 +50,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envs.agent import GatewaySession
 from envs.base import Env, ResourceRequest, Task
 from envs.sandbox import SandboxError
-from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
+from rollout.engines.base import MIN_TEMPERATURE, ContextLimit, EngineError, SamplingParams
 from rollout.gateway import Gateway, Session
 from rollout.gateway_http import GatewayServer
 from rollout.resources import CpuManager
@@ -76,7 +77,9 @@ class ServiceConfig(BaseModel):
     )
     max_turns: int = Field(32, ge=1, description="Hard cap on actions per rollout, over the env's own limit.")
     max_new_tokens: int = Field(32, ge=1, description="Token budget of one action.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    temperature: float = Field(
+        1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False, description="Sampling temperature (finite, >= 1e-6)."
+    )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     scheduler: Literal["action", "static", "none"] = Field(
         "action",
@@ -195,6 +198,10 @@ class _Clock:
 
 class RolloutTimeout(Exception):
     """The rollout used up its active-time budget."""
+
+
+class DuplicateRollout(ValueError):
+    """A rollout with this id is already in flight."""
 
 
 def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:
@@ -318,11 +325,13 @@ class _ProgramActions:
         grant, self.grant = self.grant, None
         if grant is None:
             return
-        pid = self.env.resource_pid()
-        if pid is not None and self.scheduler.cpu is not None and grant.cores:
-            self.scheduler.cpu.park(pid)
-        self.env.cores = None
-        self.scheduler.release(grant)
+        try:
+            pid = self.env.resource_pid()
+            if pid is not None and self.scheduler.cpu is not None and grant.cores:
+                self.scheduler.cpu.park(pid)
+        finally:  # a park that fails must not keep the cores from the pool
+            self.env.cores = None
+            self.scheduler.release(grant)
 
 
 class RolloutService:
@@ -354,7 +363,11 @@ class RolloutService:
         self.rewards = make_reward_models(self.config)
 
     async def process(self, request: RolloutRequest) -> RolloutResult:
-        """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled."""
+        """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled, and
+        :class:`DuplicateRollout` if a rollout with its ``rollout_id`` is in flight (the id
+        names the rollout to cancel)."""
+        if request.rollout_id in self._inflight:
+            raise DuplicateRollout(f"rollout {request.rollout_id!r} is already in flight")
         current = asyncio.current_task()
         if current is not None:
             self._inflight[request.rollout_id] = current
@@ -478,7 +491,7 @@ class RolloutService:
         except SandboxError as exc:
             status = "infra_error" if stage == "init" else "env_error"
             error = f"sandbox {exc.kind} during {stage}: {exc.reason}"
-        except InvalidRequest as exc:
+        except ContextLimit as exc:
             status, error = "truncated", f"context limit: {exc}"
         except asyncio.CancelledError:
             await self._cleanup(env, session, request, actions)
@@ -574,7 +587,18 @@ class RolloutService:
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None
     ) -> None:
         """Give back the rollout's resources, close its env and its gateway session; a step that
-        fails is logged and the next ones still run."""
+        fails is logged and the next ones still run. A cancel that arrives meanwhile (``cancel``,
+        an orchestrator stopping) waits for every step to finish, then is raised."""
+        release = asyncio.create_task(self._release(env, session, request, actions))
+        try:
+            await asyncio.shield(release)
+        except asyncio.CancelledError:
+            await asyncio.wait([release])
+            raise
+
+    async def _release(
+        self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None
+    ) -> None:
         rollout_id = request.rollout_id
         if actions is not None:
             with _logged("giving back the program's grant", rollout_id):

@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from envs.base import Task
 from rollout.http_server import AppServer, bearer_token
-from rollout.service import RolloutRequest, RolloutService
+from rollout.service import DuplicateRollout, RolloutRequest, RolloutService
 
 
 class ProcessRequest(BaseModel):
@@ -24,7 +24,9 @@ class ProcessRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     task: Task = Field(description="The task instance (env name, id, prompt, private data).")
-    rollout_id: str | None = Field(None, description="Id to cancel it by; generated when left out.")
+    rollout_id: str | None = Field(
+        None, description="Id to cancel it by; generated when left out. An id in flight is refused (409)."
+    )
     execution_id: str | None = Field(None, description="Execution the trajectory belongs to.")
     group_id: str | None = Field(None, description="Group (GRPO mode).")
     seed: int | None = Field(None, description="Sampling seed of the first turn.")
@@ -66,6 +68,8 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
             result = await asyncio.create_task(service.process(request))
         except asyncio.CancelledError:
             raise HTTPException(409, f"rollout {request.rollout_id} was cancelled") from None
+        except DuplicateRollout as exc:
+            raise HTTPException(409, str(exc)) from None
         response = result.summary()
         if body.include_tokens:
             response["record"] = result.record

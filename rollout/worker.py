@@ -340,15 +340,19 @@ class RolloutWorker:
                 log.warning("worker %s could not commit its buffered rollouts: %s", self.name, exc)
 
     async def _check_health(self) -> None:
-        """Probe the replicas every ``health_check_s`` of the router's config (``Router.check_health``)
-        and bring one that came back to this worker's weight version (it missed the loads while down)."""
+        """Probe the replicas every ``health_check_s`` of the router's config (``Router.check_health``).
+
+        A replica that comes back loads this worker's weight version before it serves again,
+        whatever version it last loaded: it missed the loads while down, or it restarted on
+        other weights. One in service that missed a load (a failed probe in ``sync_weights``)
+        loads it too."""
         interval = self.router.config.health_check_s
         if interval is None:
             return
         while True:
             await asyncio.sleep(interval)
             try:
-                await self.router.check_health()
+                await self.router.check_health(restore=self._load_current_version)
                 async with self._loading:  # not while sync_weights moves the version on
                     version = self.version
                     stale = [
@@ -359,6 +363,11 @@ class RolloutWorker:
                         await asyncio.gather(*(engine.load_version(version, path) for engine in stale))
             except Exception as exc:  # the next probe tries again
                 log.warning("worker %s could not check its replicas: %s", self.name, exc)
+
+    async def _load_current_version(self, engine: Engine) -> None:
+        async with self._loading:  # not while sync_weights moves the version on
+            path = await asyncio.to_thread(self.weights.load, self.version)
+            await engine.load_version(self.version, path)
 
     def stop(self) -> None:
         if self.orchestrator is not None:

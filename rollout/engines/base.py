@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -14,6 +15,15 @@ class EngineError(RuntimeError):
 
 class InvalidRequest(ValueError):
     """The request itself is wrong (empty prompt, token id out of vocabulary, too long)."""
+
+
+class ContextLimit(InvalidRequest):
+    """The request does not fit the context: the prompt is longer than a session or model allows."""
+
+
+MIN_TEMPERATURE = 1e-6
+"""Smallest sampling temperature: below it, logits divided by the temperature can overflow
+to inf and the distribution cannot be sampled."""
 
 
 @dataclass(frozen=True)
@@ -34,10 +44,14 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature <= 0:
-            raise InvalidRequest(f"temperature must be > 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
+            raise InvalidRequest(
+                f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {self.temperature}"
+            )
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequest(f"seed must be a 64-bit integer in [-2**63, 2**64), got {self.seed}")
 
 
 @dataclass

@@ -34,7 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedModel
 
-from rollout.engines.base import EngineError, EngineStats, Generation, InvalidRequest, SamplingParams
+from rollout.engines.base import (
+    ContextLimit,
+    EngineError,
+    EngineStats,
+    Generation,
+    InvalidRequest,
+    SamplingParams,
+)
 from storage.weights import PRETRAINED_LOAD_LOCK
 
 KV = list[tuple[torch.Tensor, torch.Tensor]]
@@ -115,6 +122,8 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None
+    error: EngineError | None = None
+    """Why the request failed on the engine thread (its caller gets this error)."""
     cancelled: bool = False
 
 
@@ -338,7 +347,7 @@ class TorchEngine:
         if len(prompt_ids) == 0:
             raise InvalidRequest("prompt_ids is empty: a generation needs at least one prompt token")
         if len(prompt_ids) > self.max_positions:
-            raise InvalidRequest(
+            raise ContextLimit(
                 f"prompt has {len(prompt_ids)} tokens, more than the model's {self.max_positions} positions"
             )
         prompt = []
@@ -595,18 +604,35 @@ class TorchEngine:
         )
 
     def _sample(self, requests: list[_Request], logits: torch.Tensor) -> None:
-        """Sample one token per request from ``logits`` (B, V) and record it."""
+        """Sample one token per request from ``logits`` (B, V) and record it.
+
+        A row whose distribution is not finite (NaN or inf logits) fails only its own
+        request: sampling it would raise on the engine thread and fail every request.
+        """
         temperature = torch.tensor([r.params.temperature for r in requests], device=self.device)
         top_p = torch.tensor([r.params.top_p for r in requests], device=self.device)
         logprobs = sampling_logprobs(logits, temperature, top_p)  # (B, V)
         probs = logprobs.exp()
+        finite = torch.isfinite(probs).all(dim=-1).tolist()  # (B,)
+        for request, ok in zip(requests, finite, strict=True):
+            if not ok:
+                request.finish = "abort"
+                request.error = EngineError(
+                    f"engine {self.name!r} got a non-finite next-token distribution for session "
+                    f"{request.session_id!r} (NaN or inf logits)"
+                )
+        rows = [row for row, ok in enumerate(finite) if ok]
+        if not rows:
+            return
+        sampled = [requests[row] for row in rows]
         chosen = [
             torch.multinomial(probs[row], 1, generator=request.generator)
-            for row, request in enumerate(requests)
+            for row, request in zip(rows, sampled, strict=True)
         ]
-        chosen_ids = torch.cat(chosen)  # (B,)
-        chosen_logprobs = logprobs.gather(-1, chosen_ids[:, None])[:, 0].tolist()
-        for request, token, logprob in zip(requests, chosen_ids.tolist(), chosen_logprobs, strict=True):
+        chosen_ids = torch.cat(chosen)  # (R,)
+        rows_index = torch.tensor(rows, device=self.device)  # (R,)
+        chosen_logprobs = logprobs[rows_index, chosen_ids].tolist()
+        for request, token, logprob in zip(sampled, chosen_ids.tolist(), chosen_logprobs, strict=True):
             request.tokens.append(token)
             request.generated.append(token)
             request.logprobs.append(logprob)
@@ -625,9 +651,13 @@ class TorchEngine:
 
         In that order, so a caller's next turn (or ``end_session``) always sees the cache.
         A cancelled request does neither: its caller is gone and has usually ended the
-        session already, so its cache would only push live sessions out of the LRU.
+        session already, so its cache would only push live sessions out of the LRU. A
+        failed request keeps no cache and fails its caller's future with its error.
         """
         if request.cancelled:
+            return
+        if request.error is not None:
+            request.loop.call_soon_threadsafe(_reject, request.future, request.error)
             return
         self._remember(request.session_id, request.tokens[: request.cached], kv)
         self._stats.requests += 1

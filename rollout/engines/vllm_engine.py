@@ -161,8 +161,9 @@ class VLLMEngine:
         read), reset the prefix cache, then let requests through tagged ``version``."""
         async with self._gate:
             self._reloading = True
-            await self._gate.wait_for(lambda: self._inflight == 0)
         try:
+            async with self._gate:
+                await self._gate.wait_for(lambda: self._inflight == 0)
             await self._request(
                 "POST",
                 "/collective_rpc",

@@ -14,7 +14,7 @@ import torch
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.base import InvalidRequest, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
-from rollout.gateway import Gateway, GatewayConfig, UnknownSession
+from rollout.gateway import ChatRenderer, Gateway, GatewayConfig, UnknownSession
 from rollout.router import Router
 from storage.schema import TRAJECTORY_SCHEMA, to_table, validate
 
@@ -73,6 +73,24 @@ def test_first_turn_is_the_chat_template_and_later_turns_append_only_new_tokens(
             assert session.tokens[-len(second.token_ids) :] == second.token_ids
 
     asyncio.run(body())
+
+
+def test_an_action_cut_on_a_prefix_of_the_closing_text_is_followed_by_the_whole_closing(tiny):
+    """The closing <|im_end|> is written in full after an action cut at the length limit,
+    even when its last token decodes to "<", the start of the closing's text; after an
+    action that stopped on <|im_end|>, only the rest of the closing is."""
+    _, tokenizer = tiny
+    renderer = ChatRenderer(tokenizer)
+    new = [{"role": "user", "content": "again"}]
+    body = "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    cut = tokenizer.encode("12<", add_special_tokens=False)
+    assert tokenizer.decode(cut[-1:]) == "<", "precondition: the action's last token is '<'"
+    assert renderer.delta(new, cut) == tokenizer.encode("<|im_end|>\n" + body, add_special_tokens=False)
+    stopped = [
+        *tokenizer.encode("12", add_special_tokens=False),
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    ]
+    assert renderer.delta(new, stopped) == tokenizer.encode("\n" + body, add_special_tokens=False)
 
 
 def test_generated_tokens_are_never_re_tokenized(tiny):
@@ -202,6 +220,28 @@ def test_bad_input_is_a_clear_error_and_other_sessions_keep_working(tiny):
             assert len(turn.token_ids) == 3
             bad.add_tokens([5, 6, 7])
             assert len((await bad.generate(SamplingParams(max_new_tokens=2, seed=0))).token_ids) == 2
+
+    asyncio.run(body())
+
+
+def test_a_turn_queued_behind_another_fails_once_its_session_is_closed(tiny):
+    """A turn that waits for the session's previous one and finds the session closed fails
+    instead of pinning the closed session to a replica again."""
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER)
+            first = asyncio.create_task(session.generate(SamplingParams(max_new_tokens=4, seed=0)))
+            queued = asyncio.create_task(session.generate(SamplingParams(max_new_tokens=4, seed=1)))
+            await asyncio.sleep(0)  # the first turn is on the engine, the second waits for it
+            gateway.close(session.session_id)
+            await first
+            with pytest.raises(UnknownSession, match="was closed"):
+                await queued
+            router = gateway.router
+            assert router.assignment(session.session_id) is None
+            assert router.load(router.replicas[0]) == 0 and router.session_ages() == {router.replicas[0]: []}
 
     asyncio.run(body())
 

@@ -131,12 +131,21 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
                 ({"token_ids": [1, -3]}, "outside the vocabulary"),
                 ({"token_ids": []}, "empty prompt"),
                 ({"token_ids": [5] * 40}, "over max_context_tokens=32"),
-                ({"token_ids": [5], "temperature": 0}, "temperature must be > 0"),
+                ({"token_ids": [5], "temperature": 0}, "temperature must be a finite number >= 1e-06"),
+                ({"token_ids": [5], "temperature": 1e-40}, "temperature must be a finite number >= 1e-06"),
+                ({"token_ids": [5], "seed": 2**64}, "seed must be a 64-bit integer"),
             ]
             for payload, message in cases:
                 response = await client.post("/v1/generate", json=payload, headers=headers)
                 assert response.status_code == 400, (payload, response.text)
                 assert message in response.json()["error"]["message"]
+            not_a_number = await client.post(  # JSON has no NaN; Python's parser takes it anyway
+                "/v1/generate",
+                content=b'{"token_ids": [5], "temperature": NaN}',
+                headers={**headers, "Content-Type": "application/json"},
+            )
+            assert not_a_number.status_code == 400
+            assert "temperature must be a finite number" in not_a_number.json()["error"]["message"]
             unknown = await client.post(
                 "/v1/generate", json={"token_ids": [1]}, headers={SESSION_HEADER: "ghost"}
             )
@@ -221,6 +230,84 @@ def test_openai_chat_resending_the_conversation_is_recorded_token_exactly(tiny):
             assert stream.status_code == 400 and "stream" in stream.json()["error"]["message"]
 
     asyncio.run(body())
+
+
+def test_chat_messages_the_template_cannot_take_are_bad_requests(tiny):
+    parts = [{"type": "text", "text": "What is 2 + 3?"}]
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            sid = await open_session(client)
+            headers = {SESSION_HEADER: sid}
+            cases = [
+                ({"role": "user", "content": parts}, "messages.0.content: Input should be a valid string"),
+                ({"role": "user", "content": 7}, "messages.0.content: Input should be a valid string"),
+                ({"role": 7, "content": "hi"}, "messages.0.role: Input should be a valid string"),
+                ({"role": "user"}, "the chat template cannot render these messages"),
+                ({"role": "user", "content": None}, "the chat template cannot render these messages"),
+            ]
+            for message, reason in cases:
+                response = await client.post(
+                    "/v1/chat/completions", json={"messages": [message], "max_tokens": 2}, headers=headers
+                )
+                assert response.status_code == 400, (message, response.text)
+                assert reason in response.json()["error"]["message"]
+            first = await client.post(
+                "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers=headers
+            )
+            assert first.status_code == 200, first.text
+            conversation = [*USER, first.json()["choices"][0]["message"], {"role": "user", "content": parts}]
+            later = await client.post(
+                "/v1/chat/completions", json={"messages": conversation}, headers=headers
+            )
+            assert later.status_code == 400 and "messages.3.content" in later.json()["error"]["message"]
+            assert gateway.session(sid).num_turns == 1
+
+    asyncio.run(body())
+
+
+def test_a_text_completion_retried_after_an_engine_failure_appends_its_prompt_once(tiny):
+    """A first and a later turn each fail on a dead replica (503) after their prompt was
+    appended; the client's retry of the same request appends nothing again."""
+    _, tokenizer = tiny
+    prompt = "What is 2 + 3?"
+
+    async def body():
+        async with serving(tiny, dead_replica=True) as (gateway, _, client):
+            router = gateway.router
+            sid = None
+            while sid is None:
+                candidate = await open_session(client)
+                if router.route(candidate).name == "dead":
+                    sid = candidate
+            headers = {SESSION_HEADER: sid}
+
+            async def failed_then_retried(text: str) -> dict:
+                request = {"prompt": text, "max_tokens": 3, "seed": 0}
+                failed = await client.post("/v1/completions", json=request, headers=headers)
+                assert failed.status_code == 503, failed.text
+                router.remove(router.assignment(sid))  # the session moves to the live replica ...
+                if router.draining:
+                    router.undrain("live")  # ... that takes sessions again
+                retried = await client.post("/v1/completions", json=request, headers=headers)
+                assert retried.status_code == 200, retried.text
+                return retried.json()["choices"][0]
+
+            first = await failed_then_retried(prompt)
+            dead = VLLMEngine(
+                VLLMEngineConfig(base_url="http://127.0.0.1:9", connect_timeout_s=1.0), name="dead-2"
+            )
+            router.add(dead)
+            router.drain("live")  # the session's next turn moves to the dead replica
+            try:
+                second = await failed_then_retried(prompt + first["text"] + " answer:")
+            finally:
+                await dead.close()
+            return gateway.session(sid).tokens, first["token_ids"], second["token_ids"]
+
+    tokens, first, second = asyncio.run(body())
+    suffix = tokenizer.encode(" answer:", add_special_tokens=False)
+    assert tokens == tokenizer.encode(prompt) + first + suffix + second
 
 
 def test_openai_text_completions_append_only_the_new_suffix(tiny):

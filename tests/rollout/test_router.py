@@ -313,3 +313,76 @@ def test_session_ages_and_lengths_count_from_first_routing_across_moves(monkeypa
     router.end_session("never-routed")
     assert (router.sessions_ended, list(router.session_lengths)) == (1, [12.0])
     assert router.session_ages() == {first: [9.0]}
+
+
+def test_a_session_ended_while_its_failed_replica_is_probed_is_not_pinned_again():
+    """The client closes its session while the router probes the replica its request failed
+    on: the request fails and the session stays unpinned, instead of being re-pinned to the
+    next replica, where nothing would ever release it."""
+    import asyncio
+
+    from rollout.engines.base import SamplingParams
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failover=True))
+    failing = router.route("s")
+
+    async def probe_while_the_session_ends() -> bool:
+        router.end_session("s")
+        return False  # the replica is down
+
+    failing.health = probe_while_the_session_ends
+
+    async def body():
+        try:
+            with pytest.raises(EngineError, match="unreachable"):
+                await router.generate("s", [1, 2, 3], SamplingParams(max_new_tokens=2))
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(body())
+    (other,) = router.replicas
+    assert other != failing.name
+    assert router.assignment("s") is None and router.load(other) == 0
+    assert router.session_ages() == {other: []} and router.sessions_ended == 1
+
+
+def test_a_recovered_replica_is_restored_before_it_is_back_in_service():
+    """``check_health`` awaits ``restore`` on a replica that came back before routing to it
+    again; while ``restore`` fails, the replica stays out."""
+    import asyncio
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky"))
+    up = {"r0": False, "r1": True}
+    restored = []
+
+    for engine in engines:
+
+        async def health(name=engine.name) -> bool:
+            return up[name]
+
+        engine.health = health
+
+    async def restore(engine) -> None:
+        if not restored:
+            restored.append(("failed", engine.name))
+            raise OSError("weights unreadable")
+        restored.append((engine.name, engine.name in router.replicas))
+
+    async def body():
+        try:
+            assert await router.check_health(restore=restore) == {"r0": False, "r1": True}
+            assert router.replicas == ["r1"]
+            up["r0"] = True
+            await router.check_health(restore=restore)
+            assert router.replicas == ["r1"], "the replica stays out while restoring it fails"
+            await router.check_health(restore=restore)
+            assert sorted(router.replicas) == ["r0", "r1"]
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(body())
+    assert restored == [("failed", "r0"), ("r0", False)], "restored once, while still out of service"

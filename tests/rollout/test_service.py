@@ -19,7 +19,7 @@ from rl.trainer import token_logprobs
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router, RouterConfig
-from rollout.service import RolloutRequest, RolloutService, ServiceConfig
+from rollout.service import DuplicateRollout, RolloutRequest, RolloutService, ServiceConfig
 from rollout.service_http import ServiceServer
 from storage.schema import to_table, validate
 
@@ -215,6 +215,127 @@ def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny, env):
     result = asyncio.run(body())
     assert result.status == "env_error" and result.reward is None
     assert str(env.error) in result.error
+
+
+class BadObservationEnv(ArithEnv):
+    """``arith`` whose step answers with ``observation`` and goes on."""
+
+    name = "arith"
+    observation: list[dict] = []
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(observation=self.observation, reward=0.0, done=False, progress=0.5)
+
+
+class RolelessObservationEnv(BadObservationEnv):
+    observation = [{"content": "tool output"}]  # an env bug: no role
+
+
+class LongObservationEnv(BadObservationEnv):
+    observation = [{"role": "user", "content": "word " * 2000}]  # past max_context_tokens=1024
+
+
+@pytest.mark.parametrize(
+    ("env", "status", "reason"),
+    [
+        (RolelessObservationEnv, "env_error", "a chat message needs a 'role'"),
+        (LongObservationEnv, "truncated", "context limit: session"),
+    ],
+)
+def test_only_running_out_of_context_is_truncated_other_output_the_gateway_rejects_is_an_env_error(
+    tiny, env, status, reason
+):
+    async def body():
+        async with running_service(
+            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: env()
+        ) as service:
+            return await service.process(RolloutRequest(task=arith_task()))
+
+    result = asyncio.run(body())
+    assert result.status == status and reason in result.error
+    assert result.reward == (0.0 if status == "truncated" else None)
+
+
+class HeldEnv(ArithEnv):
+    """``arith`` that, in ``holds`` ("step" or "close"), sets ``reached`` and waits for ``release``."""
+
+    name = "arith"
+
+    def __init__(self, holds: str, reached: asyncio.Event, release: asyncio.Event):
+        super().__init__()
+        self.holds, self.reached, self.release = holds, reached, release
+
+    async def step(self, action: str) -> StepResult:
+        if self.holds == "step":
+            self.reached.set()
+            await self.release.wait()
+        return await super().step(action)
+
+    async def close(self) -> None:
+        if self.holds == "close":
+            self.reached.set()
+            await self.release.wait()
+        await super().close()
+
+
+def test_a_cancel_during_cleanup_still_closes_the_gateway_session(tiny):
+    """Cancelled while its env closes, a rollout still ends its gateway session (releasing
+    its replica) before the cancel is raised."""
+
+    async def body():
+        reached, release = asyncio.Event(), asyncio.Event()
+
+        def make_env(task):
+            return HeldEnv("close", reached, release)
+
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service:
+            request = RolloutRequest(task=arith_task())
+            job = asyncio.create_task(service.process(request))
+            await asyncio.wait_for(reached.wait(), 60)
+            assert service.cancel(request.rollout_id)
+            await asyncio.sleep(0)  # the cancel lands while the env is closing
+            release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await job
+            router = service.gateway.router
+            return service.gateway.sessions, router.load(router.replicas[0]), service.status()
+
+    sessions, load, status = asyncio.run(body())
+    assert sessions == [] and load == 0 and status["in_flight"] == 0
+
+
+def test_a_rollout_id_in_flight_is_refused_and_the_first_rollout_stays_cancellable(tiny):
+    task = arith_task()
+
+    async def body():
+        reached, release = asyncio.Event(), asyncio.Event()
+
+        def make_env(task):
+            return HeldEnv("step", reached, release)
+
+        config = ServiceConfig(max_new_tokens=4)
+        async with (
+            running_service(tiny, config, make_env=make_env) as service,
+            ServiceServer(service) as server,
+        ):
+            first = asyncio.create_task(service.process(RolloutRequest(task=task, rollout_id="job-1")))
+            await asyncio.wait_for(reached.wait(), 60)
+            with pytest.raises(DuplicateRollout, match="'job-1' is already in flight"):
+                await asyncio.wait_for(service.process(RolloutRequest(task=task, rollout_id="job-1")), 60)
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                duplicate = await client.post(
+                    "/process",
+                    json={"task": task.model_dump(), "rollout_id": "job-1"},
+                    headers={"Authorization": f"Bearer {server.token}"},
+                )
+            cancelled = service.cancel("job-1")
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            return duplicate, cancelled, service.status()
+
+    duplicate, cancelled, status = asyncio.run(body())
+    assert duplicate.status_code == 409 and "already in flight" in duplicate.json()["detail"]
+    assert cancelled and status["in_flight"] == 0
 
 
 @pytest.mark.parametrize("failover", [False, True])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 
 import pytest
 import torch
@@ -18,8 +19,9 @@ from envs.pytool import PyToolEnv
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
+from rollout.resources import CpuManager
 from rollout.router import Router
-from rollout.scheduler import ResourceRequest
+from rollout.scheduler import ActionScheduler, ResourceRequest
 from rollout.service import (
     RolloutRequest,
     RolloutService,
@@ -332,3 +334,40 @@ def test_closing_a_gate_whose_acquire_has_not_started_gives_everything_back():
 
     scheduler = asyncio.run(body())
     assert scheduler.policy.free == [1.0] and scheduler.policy.queued == 0
+
+
+class PinnedProgram(ArithEnv):
+    """A self-driving env whose program is the process ``pid``."""
+
+    drives_itself = True
+
+    def __init__(self, pid: int, **kwargs):
+        super().__init__(**kwargs)
+        self.pid = pid
+
+    def action_request(self, action):
+        return ResourceRequest(demand={"cpu": 1}, kind="agent")
+
+    def resource_pid(self):
+        return self.pid
+
+
+def test_a_program_whose_park_fails_still_gives_its_cores_back():
+    core = min(os.sched_getaffinity(0))
+    # parking on a core that does not exist fails (EINVAL) once the program has acted
+    scheduler = ActionScheduler({"cpu": 1}, cpu=CpuManager({core}, parking={4095}))
+    program = subprocess.Popen(["sleep", "30"])
+    try:
+
+        async def body():
+            gate = _ProgramActions(scheduler, PinnedProgram(program.pid), "r1", _Clock(60))
+            await gate.acting()
+            assert os.sched_getaffinity(program.pid) == {core}
+            with pytest.raises(OSError):
+                gate.waiting()
+
+        asyncio.run(body())
+    finally:
+        program.kill()
+        program.wait()
+    assert scheduler.policy.free == [1.0] and scheduler.cpu.available == {core}

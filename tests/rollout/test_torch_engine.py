@@ -441,8 +441,66 @@ def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path
     good, edge, version, healthy = asyncio.run(run())
     assert len(good.token_ids) == 30 and good.finish_reason == "length" and version == 0 and healthy
     assert len(edge.token_ids) == 2 and edge.finish_reason == "length"  # stopped at the position limit
-    with pytest.raises(InvalidRequest, match="temperature must be > 0"):
+    with pytest.raises(InvalidRequest, match="temperature must be a finite number >= 1e-06"):
         SamplingParams(temperature=0)
+
+
+@pytest.mark.parametrize("temperature", [-1.0, math.nan, math.inf, 1e-40])
+def test_temperatures_that_cannot_be_sampled_are_invalid_requests(temperature):
+    with pytest.raises(
+        InvalidRequest, match=f"temperature must be a finite number >= 1e-06, got {temperature}"
+    ):
+        SamplingParams(temperature=temperature)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_seeds_outside_64_bits_are_invalid_requests(seed):
+    with pytest.raises(InvalidRequest, match=r"seed must be a 64-bit integer in \[-2\*\*63, 2\*\*64\)"):
+        SamplingParams(seed=seed)
+
+
+def test_a_request_whose_distribution_cannot_be_sampled_fails_alone():
+    """A NaN in one token's input embedding gives NaN logits to a request whose prompt holds
+    that token: that request fails; the request decoding beside it and the engine go on."""
+    model, _ = build_tiny_model(SMALL.model_copy(update={"tie_word_embeddings": False}))
+    poisoned = 9
+    with torch.no_grad():
+        model.get_input_embeddings().weight[poisoned] = math.nan
+    blocked = threading.Event()
+    release = threading.Event()
+
+    def hold_first_step(stats):
+        if not blocked.is_set():
+            blocked.set()
+            wait_for(release.is_set, "the unsamplable request to be queued")
+
+    async def run():
+        engine = engine_for(model, on_step=hold_first_step)
+        try:
+            victim = asyncio.create_task(
+                engine.generate("victim", [5, 6, 7], SamplingParams(max_new_tokens=20, seed=1))
+            )
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            bad = asyncio.create_task(
+                engine.generate("bad", [5, poisoned, 7], SamplingParams(max_new_tokens=20))
+            )
+            await asyncio.sleep(0)  # queued while the victim is mid-generation
+            release.set()
+            with pytest.raises(EngineError, match="non-finite next-token distribution for session 'bad'"):
+                await asyncio.wait_for(bad, DEADLINE_S)
+            good = await asyncio.wait_for(victim, DEADLINE_S)
+            after = await asyncio.wait_for(
+                engine.generate("after", [5, 6], SamplingParams(max_new_tokens=3, seed=0)), DEADLINE_S
+            )
+            return good, after, await engine.health(), engine.stats()
+        finally:
+            release.set()
+            await engine.close()
+
+    good, after, healthy, stats = asyncio.run(run())
+    assert poisoned not in good.token_ids, "precondition: the victim never feeds the poisoned token"
+    assert len(good.token_ids) == 20 and len(after.token_ids) == 3 and healthy
+    assert stats.requests == 2 and stats.extra["cache_sessions"] == 2, "the failed request kept no cache"
 
 
 def test_close_fails_waiting_requests_and_refuses_new_ones(tiny):

@@ -171,6 +171,29 @@ def test_reload_waits_for_in_flight_generation(tiny, tmp_path):
     asyncio.run(_with_server(model, body))
 
 
+def test_a_reload_cancelled_while_it_waits_lets_requests_through_again(tiny, tmp_path):
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v7")
+
+    async def body(server, engine):
+        running = asyncio.create_task(engine.generate("a", PROMPT, SamplingParams(max_new_tokens=40, seed=2)))
+        while not any(kind == "completion-start" for kind, _ in server.events):
+            await asyncio.sleep(0)
+        reload = asyncio.create_task(engine.load_version(7, str(tmp_path / "v7")))
+        await asyncio.sleep(0)  # the reload waits for the running generation
+        reload.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reload
+        later = await asyncio.wait_for(
+            engine.generate("b", PROMPT, SamplingParams(max_new_tokens=3, seed=1)), 60
+        )
+        first = await running
+        assert first.versions == [0] * 40 and later.versions == [0] * 3 and engine.version == 0
+        assert "reload" not in [kind for kind, _ in server.events]
+
+    asyncio.run(_with_server(model, body))
+
+
 def test_crashed_server_is_an_engine_error_and_router_fails_over(tiny):
     model = _fresh_model(tiny)
 

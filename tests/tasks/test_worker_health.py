@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import torch
+
 from flows.config import RunConfig
 from rl.models import ensure_base_version, load_policy, publish_policy
 from rollout.router import RouterConfig
@@ -44,5 +46,46 @@ def test_probes_take_a_dead_replica_out_and_bring_it_back_on_the_current_version
             worker.stop()
             await run_task
             await worker.close()
+
+    asyncio.run(body())
+
+
+def test_a_replica_that_comes_back_loads_the_current_version_before_it_serves(local_store):
+    """A replica that was down may have restarted on other weights while still tagging its
+    tokens with the version it last loaded (a relaunched vLLM server): it loads the worker's
+    version before it is back in service."""
+    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
+    healthy = {"torch-1": True}
+
+    async def body() -> None:
+        await worker.start()
+        sick = worker.engines[1]
+        real_health = sick.health
+
+        async def health() -> bool:
+            return healthy["torch-1"] and await real_health()
+
+        sick.health = health
+        run_task = asyncio.create_task(worker.run(max_seconds=600))
+        try:
+            healthy["torch-1"] = False
+            await until(lambda: worker.router.replicas == ["torch-0"], "the sick replica to leave service")
+            with torch.no_grad():  # it restarts on other weights, still saying version 0
+                for parameter in sick.model.parameters():
+                    parameter.add_(1.0)
+            healthy["torch-1"] = True
+            await until(lambda: "torch-1" in worker.router.replicas, "the replica to come back")
+            served = {name: tensor.clone() for name, tensor in sick.model.state_dict().items()}
+        finally:
+            worker.stop()
+            await run_task
+            await worker.close()
+        model, _ = load_policy(weights.load(0))
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(served[name], tensor), f"{name} is not version 0's"
+        assert worker.version == sick.version == 0
 
     asyncio.run(body())
