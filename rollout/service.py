@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import os
 import time
 import uuid
@@ -500,16 +501,22 @@ class RolloutService:
             status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
             log.warning("rollout %s of %s/%s: %s", request.rollout_id, task.env, task.id, error)
         await self._cleanup(env, session, request, actions)
-        reward = state["reward"] if status in ("ok", "truncated") else None
+        reward, progress = state["reward"], state["progress"]
+        if progress is not None and not 0.0 <= progress <= 1.0:  # NaN included
+            error = error or f"{task.env} reported progress {progress!r}, outside [0, 1]"
+            status, progress = ("env_error" if status in ("ok", "truncated") else status), None
+        if status in ("ok", "truncated") and reward is not None and not math.isfinite(reward):
+            status, error = "env_error", f"{task.env} scored a non-finite reward {reward!r}"
+        reward = reward if status in ("ok", "truncated") else None
         if status == "truncated" and reward is None:
             reward = 0.0
-        record = session.record(reward=reward, progress=state["progress"], status=status, timing=clock.timing)
+        record = session.record(reward=reward, progress=progress, status=status, timing=clock.timing)
         return RolloutResult(
             rollout_id=request.rollout_id,
             record=record,
             status=status,
             reward=reward,
-            progress=state["progress"],
+            progress=progress,
             timing=dict(clock.timing),
             turns=session.num_turns,
             error=error,

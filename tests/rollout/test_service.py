@@ -256,6 +256,35 @@ def test_only_running_out_of_context_is_truncated_other_output_the_gateway_rejec
     assert result.reward == (0.0 if status == "truncated" else None)
 
 
+class NanRewardEnv(ArithEnv):
+    name = "arith"
+
+    async def evaluate(self) -> float:
+        return float("nan")
+
+
+class OutOfRangeProgressEnv(ArithEnv):
+    name = "arith"
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(observation=[], reward=1.0, done=True, progress=5.0)
+
+
+@pytest.mark.parametrize(
+    ("env", "reason"),
+    [(NanRewardEnv, "non-finite reward nan"), (OutOfRangeProgressEnv, "progress 5.0, outside [0, 1]")],
+)
+def test_a_score_the_record_cannot_hold_is_an_env_error_and_the_record_stays_valid(tiny, env, reason):
+    async def body():
+        async with running_service(tiny, make_env=lambda task: env()) as service:
+            return await service.process(RolloutRequest(task=arith_task()))
+
+    result = asyncio.run(body())
+    assert result.status == "env_error" and reason in result.error
+    assert result.reward is None and (result.progress is None) == (env is OutOfRangeProgressEnv)
+    validate(to_table([result.record]))  # the worker writes it like any other
+
+
 class HeldEnv(ArithEnv):
     """``arith`` that, in ``holds`` ("step" or "close"), sets ``reached`` and waits for ``release``."""
 
