@@ -107,19 +107,17 @@ def _load_rows(config_json: str) -> tuple[dict, ...]:
 
 
 def _json_rows(path: str, data: bytes) -> list:
-    """The rows of a JSON-lines file, or of a ``.json`` file holding one array of rows."""
+    """The rows of a JSON-lines file, or of a ``.json`` file holding one array of rows (a
+    ``.json`` file in JSON lines, as ``datasets``' ``to_json`` writes, is read as such)."""
     try:
         text = data.decode()
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path} is not UTF-8 text: {exc}") from exc
-    if path.endswith(".json"):
+    if path.endswith(".json") and text.lstrip().startswith("["):
         try:
-            rows = json.loads(text)
+            return json.loads(text)
         except ValueError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-        if not isinstance(rows, list):
-            raise ValueError(f"{path} must hold a JSON array of rows (use .jsonl for JSON lines)")
-        return rows
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if line.strip():

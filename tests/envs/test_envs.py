@@ -365,7 +365,7 @@ def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
             {},
             "latin1.jsonl is not UTF-8",
         ),
-        ("lines.json", b'{"prompt": "q", "answer": "a"}', {}, "lines.json must hold a JSON array"),
+        ("array.json", b'[{"prompt": "q", "answer": "a"},', {}, "array.json: not valid JSON"),
         ("re.jsonl", b'{"prompt": "q", "answer": "(a"}', {"verifier": "regex"}, "row 0 .*not a regex"),
     ],
 )
@@ -376,11 +376,13 @@ def test_dataset_bad_files_fail_the_load_naming_file_and_row(tmp_path, name, con
         task_set("dataset", "train", 0, 1, {"path": str(path)} | config)
 
 
-def test_dataset_reads_a_json_array(tmp_path):
+@pytest.mark.parametrize("layout", ["array", "lines"])
+def test_dataset_reads_a_json_file_holding_an_array_or_json_lines(tmp_path, layout):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
     path = tmp_path / "rows.json"
-    path.write_text(json.dumps([{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]))
+    path.write_text(json.dumps(rows) if layout == "array" else "\n".join(map(json.dumps, rows)))
     tasks = task_set("dataset", "train", 0, 5, {"path": str(path)})
-    assert all(task.data["answer"] == task.prompt[1:] for task in tasks)
+    assert len(tasks) == 5 and all(task.data["answer"] == task.prompt[1:] for task in tasks)
 
 
 def nan_verifier(answer, reference):
