@@ -266,7 +266,7 @@ class Sandbox:
         nproc = cfg.max_processes
         if self.uid is None and os.geteuid() != 0:
             # RLIMIT_NPROC counts every process of the real uid, the worker's own included.
-            nproc += len(uid_pids(os.getuid()))
+            nproc += len(_uid_pids(os.getuid()))
         return [
             "prlimit",
             f"--cpu={cfg.cpu_seconds}:{cfg.cpu_seconds + 1}",
@@ -479,7 +479,7 @@ class Sandbox:
 
     def leftover_processes(self) -> int:
         """Processes still running as this sandbox's uid (0 when it has no uid of its own)."""
-        return 0 if self.uid is None else len(uid_pids(self.uid))
+        return 0 if self.uid is None else len(_uid_pids(self.uid))
 
     def close(self) -> None:
         """Kill every process started here and remove the working directory (if made here)."""
@@ -492,7 +492,7 @@ class Sandbox:
                 kill_group(pid)
         self._procs.clear()
         if self.uid is not None:
-            for pid in uid_pids(self.uid):
+            for pid in _uid_pids(self.uid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             with _uids_lock:
@@ -580,7 +580,7 @@ def _claim_uid() -> int:
     """A per-sandbox uid that no live sandbox of this process holds and no process runs as."""
     while True:
         uid = UID_BASE + secrets.randbelow(UID_RANGE)
-        if uid_pids(uid):
+        if _uid_pids(uid):
             continue
         with _uids_lock:
             if uid not in _uids_in_use:
@@ -588,7 +588,7 @@ def _claim_uid() -> int:
                 return uid
 
 
-def uid_pids(uid: int) -> list[int]:
+def _uid_pids(uid: int) -> list[int]:
     """Ids of the processes running as ``uid``."""
     pids = []
     for entry in os.listdir("/proc"):

@@ -2,9 +2,9 @@
 
 ``CpuManager`` allocates on execution: a sandbox process keeps its memory between actions
 but runs on granted cores only while an action runs (``sched_setaffinity`` of every thread
-of the process and its descendants, and of every process of its per-sandbox uid), then is
-parked back on a small parking set and the cores return to the pool. Pinning is cooperative:
-a command may widen its own affinity again (see ``docs/sandboxes.md``).
+of the process and its descendants), then is parked back on a small parking set and the
+cores return to the pool. Pinning is cooperative: a command may widen its own affinity
+again, and a job that left the process tree is not reached (see ``docs/sandboxes.md``).
 
 ``ServiceManager`` evicts on execution: reward-model services stay parked in CPU memory as
 copies of their tensors and are loaded onto the device when called, evicting the least
@@ -22,29 +22,18 @@ from contextlib import asynccontextmanager
 
 import torch
 
-from envs.sandbox import UID_BASE, UID_RANGE, uid_pids
-
 log = logging.getLogger(__name__)
 
 
 def _tree_threads(pid: int) -> list[int]:
-    """Thread ids of process ``pid`` and of all its descendants (a sandbox wraps its shell in bwrap),
-    and, when ``pid`` runs as a per-sandbox uid, of every other process of that uid: a job that
-    double-forked out of the tree still belongs to the sandbox."""
+    """Thread ids of process ``pid`` and of all its descendants (a sandbox wraps its shell in bwrap).
+
+    Only the tree is walked: finding a job that double-forked out of it (by the sandbox's uid)
+    would scan all of ``/proc`` twice per action on the event loop."""
     tids: list[int] = []
-    seen: set[int] = set()
     todo = [pid]
-    try:
-        uid = os.stat(f"/proc/{pid}").st_uid
-    except FileNotFoundError:
-        uid = None
-    if uid is not None and UID_BASE <= uid < UID_BASE + UID_RANGE:
-        todo += uid_pids(uid)
     while todo:
         proc = todo.pop()
-        if proc in seen:
-            continue
-        seen.add(proc)
         try:
             threads = os.listdir(f"/proc/{proc}/task")
         except FileNotFoundError:

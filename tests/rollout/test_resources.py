@@ -8,7 +8,6 @@ import sys
 import pytest
 import torch
 
-from envs.sandbox import Sandbox, SandboxConfig, uid_pids
 from rollout.resources import CpuManager, ServiceManager
 from rollout.scheduler import ActionScheduler, ResourceRequest
 
@@ -46,31 +45,6 @@ def test_cores_granted_at_execution_and_reclaimed_after(child):
 
     asyncio.run(main())
     assert cpu.available == frozenset(cores)
-
-
-@needs_two_cores
-@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
-def test_a_job_that_left_the_process_tree_is_pinned_and_parked_too():
-    """Under the process backend a double-forked job is reparented out of the sandbox's process
-    tree; it runs as the sandbox's uid, and binding and parking reach it through that."""
-    parking, granted = sorted(os.sched_getaffinity(0))[:2]
-    cpu = CpuManager({parking, granted}, parking={parking})
-    with Sandbox(SandboxConfig(backend="process")) as box:
-        box.run("setsid -f sleep 60 >/dev/null 2>&1")
-        (escaped,) = uid_pids(box.uid)
-        shell = subprocess.Popen(
-            box.argv(["sh", "-c", "echo up; exec sleep 60"]), stdout=subprocess.PIPE, **box.popen_kwargs()
-        )
-        assert shell.stdout.readline() == b"up\n"  # started: it runs as the sandbox's uid
-        try:
-            cpu.bind(shell.pid, {granted})
-            assert cpu.affinity(escaped) == {granted}
-            cpu.park(shell.pid)
-            assert cpu.affinity(escaped) == {parking} == cpu.affinity(shell.pid)
-        finally:
-            shell.kill()
-            shell.wait()
-            shell.stdout.close()
 
 
 def test_a_grant_is_released_when_parking_fails(child):
