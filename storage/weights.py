@@ -243,7 +243,16 @@ class WeightStore:
         current = self.latest()
         while current is None or version > current:
             self._write_atomic(posixpath.join(self.root, LATEST_FILE), f"{version}\n".encode())
-            version, current = max(self.list()), self.latest()
+            version, current = self._newest_complete(version), self.latest()
+
+    def _newest_complete(self, known: int) -> int:
+        """The newest complete version, ``known`` (complete) or a newer one: one listing, and
+        manifests looked for only above ``known``."""
+        numbers = (int(m.group(1)) for m in map(_VERSION_DIR.match, self._dir_names()) if m)
+        for number in sorted((n for n in numbers if n > known), reverse=True):
+            if self.fs.exists(posixpath.join(self.root, version_dir_name(number), MANIFEST_FILE)):
+                return number
+        return known
 
     def _stage_tokenizer(self, source: Path, staging: Path) -> None:
         if not source.is_dir():
