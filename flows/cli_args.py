@@ -37,6 +37,7 @@ def parse(
         extra(parser)
     args = parser.parse_args(argv)
     overrides: dict = {}
+    dotted: set[str] = set()  # sections some --set reached into
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
@@ -49,8 +50,9 @@ def parse(
                 parser.error(
                     f"--set {key}: {'.'.join(parents[: depth + 1])} is set to a value, not a section"
                 )
-        if isinstance(node.get(leaf), dict):
+        if key in dotted:
             parser.error(f"--set {key}: fields inside {key} are set by another --set")
+        dotted.update(".".join(parents[:depth]) for depth in range(1, len(parents) + 1))
         node[leaf] = yaml.safe_load(value)
     if args.run_id:
         overrides["run_id"] = args.run_id

@@ -21,6 +21,7 @@ from rl.models import TinyModelConfig
 from rl.processor import ProcessorConfig
 from rl.sft import SFTConfig
 from rollout.elastic import ElasticConfig
+from rollout.engines.base import MIN_TEMPERATURE
 from rollout.engines.factory import EngineConfig
 from rollout.gateway import GatewayConfig
 from rollout.orchestrator import OrchestratorConfig
@@ -83,7 +84,12 @@ class EvalConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     tasks_per_env: int = Field(100, ge=1, description="Held-out tasks per environment.")
-    temperature: float = Field(1e-3, gt=0, description="Sampling temperature (near-greedy by default).")
+    temperature: float = Field(
+        1e-3,
+        ge=MIN_TEMPERATURE,
+        allow_inf_nan=False,
+        description="Sampling temperature (near-greedy by default; finite, >= 1e-6).",
+    )
     seed: int = Field(1234, description="Seed of the eval task set.")
 
 

@@ -30,7 +30,14 @@ from typing import Any
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from rollout.engines.base import EngineError, EngineStats, Generation, InvalidRequest, SamplingParams
+from rollout.engines.base import (
+    ContextLimit,
+    EngineError,
+    EngineStats,
+    Generation,
+    InvalidRequest,
+    SamplingParams,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +103,11 @@ class VLLMEngine:
                 f"vLLM server {self.name} unreachable on {path}: {type(exc).__name__}: {exc}"
             ) from exc
         if response.status_code == 400 or response.status_code == 422:
-            raise InvalidRequest(f"vLLM server {self.name} rejected the request: {_error_message(response)}")
+            message = _error_message(response)
+            # vLLM's words for a prompt (plus max_tokens) past the model's max_model_len
+            too_long = "maximum context length" in message or "maximum model length" in message
+            limit = ContextLimit if too_long else InvalidRequest
+            raise limit(f"vLLM server {self.name} rejected the request: {message}")
         if response.status_code >= 300:
             raise EngineError(
                 f"vLLM server {self.name} answered {response.status_code} on {path}: {_error_message(response)}"

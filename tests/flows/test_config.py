@@ -47,6 +47,8 @@ def test_tiny_config_loads():
         ("envs:\n  chess: {}\n", "envs: unknown environment 'chess'"),
         ("warm_start:\n  demos: {gues: 3}\n", "warm_start.demos: unknown environment 'gues'"),
         ("trainer_device: gpu\n", "trainer_device: Value error, 'gpu' is not a torch device"),
+        ("eval:\n  temperature: 1.0e-7\n", "eval.temperature"),  # the engines refuse it
+        ("eval:\n  temperature: .nan\n", "eval.temperature"),
         ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
         (
             "cluster: ray\nservice:\n  reward_models: {judge: {path: /models/judge}}\n"
@@ -81,6 +83,12 @@ def test_conflicting_overrides_fail_naming_the_option(capsys, sets, message):
         parse("test", argv)
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_field_set_twice_takes_the_last_value():
+    sets = ["orchestrator.mix={arith: 0.2}", "orchestrator.mix={arith: 0.4}"]
+    config, _ = parse("test", ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)])
+    assert config.orchestrator.mix["arith"] == 0.4
 
 
 def test_overrides_merge_into_the_file_and_are_validated(tmp_path):

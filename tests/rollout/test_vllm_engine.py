@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rl.models import TinyModelConfig, build_tiny_model
-from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
+from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from rollout.router import Router, RouterConfig
 from tests.rollout.vllm_standin import StandinServer
@@ -104,11 +104,12 @@ def test_bad_requests_are_invalid_and_the_server_keeps_serving(tiny):
 
     async def body(server, engine):
         params = SamplingParams(max_new_tokens=4, seed=0)
-        with pytest.raises(InvalidRequest, match="out of vocabulary"):
+        with pytest.raises(InvalidRequest, match="out of vocabulary") as bad_token:
             await engine.generate("s", [1, 10**6], params)
         with pytest.raises(InvalidRequest, match="empty prompt"):
             await engine.generate("s", [], params)
-        with pytest.raises(InvalidRequest, match="maximum context length"):
+        assert not isinstance(bad_token.value, ContextLimit)
+        with pytest.raises(ContextLimit, match="maximum context length"):  # the rollout is truncated
             await engine.generate("s", [5] * 200, params)
         gen = await engine.generate("s", PROMPT, params)
         assert len(gen.token_ids) == 4
