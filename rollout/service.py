@@ -62,6 +62,10 @@ log = logging.getLogger(__name__)
 
 STAGES = ("init", "run", "eval")
 
+ENV_CLOSE_TIMEOUT_S = 60.0
+"""Longest wait for an env's ``close`` in a rollout's cleanup: a hung one is logged and left, so
+the gateway session still closes and a cancel waiting for the cleanup is not held forever."""
+
 T = TypeVar("T")
 
 
@@ -594,8 +598,9 @@ class RolloutService:
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None
     ) -> None:
         """Give back the rollout's resources, close its env and its gateway session; a step that
-        fails is logged and the next ones still run. A cancel that arrives meanwhile (``cancel``,
-        an orchestrator stopping) waits for every step to finish, then is raised."""
+        fails (or an env close past ``ENV_CLOSE_TIMEOUT_S``) is logged and the next ones still run.
+        A cancel that arrives meanwhile (``cancel``, an orchestrator stopping) waits for every
+        step to finish, then is raised."""
         release = asyncio.create_task(self._release(env, session, request, actions))
         try:
             await asyncio.shield(release)
@@ -615,6 +620,6 @@ class RolloutService:
                 self.scheduler.end_trajectory(rollout_id)
         if env is not None:
             with _logged("closing the env", rollout_id):
-                await env.close()
+                await asyncio.wait_for(env.close(), ENV_CLOSE_TIMEOUT_S)
         with _logged("closing the gateway session", rollout_id), contextlib.suppress(LookupError):
             self.gateway.close(session.session_id)

@@ -16,6 +16,7 @@ from envs.arith import ArithEnv
 from envs.base import ResourceRequest, StepResult, Task
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.trainer import token_logprobs
+from rollout import service as service_module
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router, RouterConfig
@@ -331,6 +332,22 @@ def test_a_cancel_during_cleanup_still_closes_the_gateway_session(tiny):
 
     sessions, load, status = asyncio.run(body())
     assert sessions == [] and load == 0 and status["in_flight"] == 0
+
+
+def test_an_env_whose_close_hangs_is_left_and_the_rollout_still_ends(tiny, monkeypatch, caplog):
+    monkeypatch.setattr(service_module, "ENV_CLOSE_TIMEOUT_S", 0.2)
+
+    async def body():
+        reached, never = asyncio.Event(), asyncio.Event()
+        async with running_service(
+            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: HeldEnv("close", reached, never)
+        ) as service:
+            result = await asyncio.wait_for(service.process(RolloutRequest(task=arith_task())), 60)
+            return result, service.gateway.sessions
+
+    result, sessions = asyncio.run(body())
+    assert result.status in ("ok", "truncated") and sessions == []
+    assert "closing the env of rollout" in caplog.text
 
 
 def test_a_rollout_id_in_flight_is_refused_and_the_first_rollout_stays_cancellable(tiny):
