@@ -240,8 +240,13 @@ class Sandbox:
         )
         self.uid: int | None = None
         if os.geteuid() == 0 and self.backend != "apptainer":
-            self.uid = _claim_uid()
-            os.chown(self.workdir, self.uid, self.uid)
+            uid = _claim_uid()
+            try:
+                os.chown(self.workdir, uid, uid)
+            except BaseException:
+                _release_uid(uid)
+                raise
+            self.uid = uid
         self._procs: list[subprocess.Popen | object] = []
         self.closed = False
 
@@ -495,8 +500,7 @@ class Sandbox:
             for pid in _uid_pids(self.uid):
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
-            with _uids_lock:
-                _uids_in_use.discard(self.uid)
+            _release_uid(self.uid)
         if self._owns_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -586,6 +590,11 @@ def _claim_uid() -> int:
             if uid not in _uids_in_use:
                 _uids_in_use.add(uid)
                 return uid
+
+
+def _release_uid(uid: int) -> None:
+    with _uids_lock:
+        _uids_in_use.discard(uid)
 
 
 def _uid_pids(uid: int) -> list[int]:

@@ -585,8 +585,8 @@ class Trainer:
         """K critic steps, advantages with the updated critic, one DIS policy step.
 
         The policy loss is Σ w·loss over the batch's trained tokens divided by their Σ w (the
-        processor's ``loss_weight``): a batch holding part of a shard then keeps the scale the
-        weights give the whole shard (with every weight 1, the plain token mean).
+        processor's ``loss_weight``): with each execution's weights summing to 1, the mean over
+        the batch's executions of their token means; with every weight 1, the plain token mean.
 
         A batch with no trainable token (or none of positive weight), or met by a policy with
         non-finite parameters, is rejected before any update. A non-finite policy loss or gradient norm found after the

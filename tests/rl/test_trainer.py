@@ -654,7 +654,7 @@ def test_exactly_once_across_sigkill_restarts(store):
 
 
 def test_the_policy_loss_is_normalised_by_the_batchs_total_loss_weight(store):
-    # the processor's weights average 1 over a shard, not over every batch cut from it:
+    # only the weights' ratios matter (an execution's weights sum to 1, whatever its length):
     # uniform weights of 2 must train exactly like weights of 1
     records = make_trajectories(store, 4, seed=3)
     unit, _ = one_step(store, records)
