@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
-from typing import IO, Literal
+from typing import IO, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -67,18 +67,7 @@ UID_RANGE = 1 << 20
 
 # What a command brings on itself, by running too long or too much, printing too much, or running
 # into the isolation; "died" and "start_failed" can also be the sandbox's own failure.
-COMMAND_KINDS: frozenset[ErrorKind] = frozenset(
-    {
-        "timeout",
-        "cpu_limit",
-        "memory_limit",
-        "process_limit",
-        "file_size_limit",
-        "output_limit",
-        "write_outside",
-        "network",
-    }
-)
+COMMAND_KINDS: frozenset[ErrorKind] = frozenset(get_args(ErrorKind)) - {"died", "start_failed"}
 
 # Output patterns that show a command ran into the isolation rather than failing on its own.
 VIOLATION_PATTERNS: tuple[tuple[ErrorKind, re.Pattern[bytes]], ...] = (

@@ -15,10 +15,12 @@ from tests.rl.test_trainer import TINY
 from tests.tasks.test_elastic_plan import make_worker, until
 
 
-def test_probes_take_a_dead_replica_out_and_bring_it_back_on_the_current_version(local_store):
+def with_a_replica_down(local_store, while_down, once_back):
+    """Run a two-replica worker whose replica ``torch-1`` fails its probes until
+    ``while_down(worker, sick)`` has run, then passes them; ``once_back(worker, sick)`` runs
+    once it is back in service. Returns the worker (stopped and closed)."""
     run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
-    weights = WeightStore(local_store)
-    ensure_base_version(weights, TINY)
+    ensure_base_version(WeightStore(local_store), TINY)
     worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
     healthy = {"torch-1": True}
 
@@ -35,57 +37,50 @@ def test_probes_take_a_dead_replica_out_and_bring_it_back_on_the_current_version
         try:
             healthy["torch-1"] = False
             await until(lambda: worker.router.replicas == ["torch-0"], "the sick replica to leave service")
-            model, tokenizer = load_policy(weights.load(0))
-            publish_policy(weights, model, tokenizer, step=1)  # loaded while torch-1 is down
-            await until(lambda: worker.version == 1, "the worker to load version 1")
-            assert (worker.engines[0].version, sick.version) == (1, 0)
+            await while_down(worker, sick)
             healthy["torch-1"] = True
             await until(lambda: "torch-1" in worker.router.replicas, "the replica to come back")
-            await until(lambda: sick.version == 1, "the replica that came back to load version 1")
+            await once_back(worker, sick)
         finally:
             worker.stop()
             await run_task
             await worker.close()
 
     asyncio.run(body())
+    return worker
+
+
+def test_probes_take_a_dead_replica_out_and_bring_it_back_on_the_current_version(local_store):
+    weights = WeightStore(local_store)
+
+    async def while_down(worker, sick) -> None:
+        model, tokenizer = load_policy(weights.load(0))
+        publish_policy(weights, model, tokenizer, step=1)  # loaded while torch-1 is down
+        await until(lambda: worker.version == 1, "the worker to load version 1")
+        assert (worker.engines[0].version, sick.version) == (1, 0)
+
+    async def once_back(worker, sick) -> None:
+        await until(lambda: sick.version == 1, "the replica that came back to load version 1")
+
+    with_a_replica_down(local_store, while_down, once_back)
 
 
 def test_a_replica_that_comes_back_loads_the_current_version_before_it_serves(local_store):
     """A replica that was down may have restarted on other weights while still tagging its
     tokens with the version it last loaded (a relaunched vLLM server): it loads the worker's
     version before it is back in service."""
-    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
-    weights = WeightStore(local_store)
-    ensure_base_version(weights, TINY)
-    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
-    healthy = {"torch-1": True}
+    served = {}
 
-    async def body() -> None:
-        await worker.start()
-        sick = worker.engines[1]
-        real_health = sick.health
+    async def while_down(worker, sick) -> None:
+        with torch.no_grad():  # it restarts on other weights, still saying version 0
+            for parameter in sick.model.parameters():
+                parameter.add_(1.0)
 
-        async def health() -> bool:
-            return healthy["torch-1"] and await real_health()
+    async def once_back(worker, sick) -> None:
+        served.update({name: tensor.clone() for name, tensor in sick.model.state_dict().items()})
 
-        sick.health = health
-        run_task = asyncio.create_task(worker.run(max_seconds=600))
-        try:
-            healthy["torch-1"] = False
-            await until(lambda: worker.router.replicas == ["torch-0"], "the sick replica to leave service")
-            with torch.no_grad():  # it restarts on other weights, still saying version 0
-                for parameter in sick.model.parameters():
-                    parameter.add_(1.0)
-            healthy["torch-1"] = True
-            await until(lambda: "torch-1" in worker.router.replicas, "the replica to come back")
-            served = {name: tensor.clone() for name, tensor in sick.model.state_dict().items()}
-        finally:
-            worker.stop()
-            await run_task
-            await worker.close()
-        model, _ = load_policy(weights.load(0))
-        for name, tensor in model.state_dict().items():
-            assert torch.equal(served[name], tensor), f"{name} is not version 0's"
-        assert worker.version == sick.version == 0
-
-    asyncio.run(body())
+    worker = with_a_replica_down(local_store, while_down, once_back)
+    model, _ = load_policy(WeightStore(local_store).load(0))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(served[name], tensor), f"{name} is not version 0's"
+    assert worker.version == worker.engines[1].version == 0
