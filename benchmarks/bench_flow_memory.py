@@ -35,13 +35,21 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0, help="RL time of the pipeline run.")
     parser.add_argument("--every", type=float, default=5.0, help="Seconds between RSS samples.")
     args = parser.parse_args()
+    # the run's data (about a GB for 10 minutes) and Prefect's home go when the run ends
+    with (
+        tempfile.TemporaryDirectory(prefix="treadle-bench-prefect-", ignore_cleanup_errors=True) as home,
+        tempfile.TemporaryDirectory(prefix="treadle-bench-memory-", ignore_cleanup_errors=True) as root,
+    ):
+        os.environ.setdefault("PREFECT_HOME", home)
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+        measure(args, root)
 
-    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="treadle-bench-prefect-"))
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+
+def measure(args: argparse.Namespace, root: str) -> None:
+    """Run the pipeline on ``root`` and print its RSS curve and the JSON line."""
     from flows.config import load_config
     from flows.pipeline import pipeline
 
-    root = tempfile.mkdtemp(prefix="treadle-bench-memory-")
     seconds = args.minutes * 60
     config = load_config(
         "configs/tiny.yaml",
