@@ -333,14 +333,12 @@ def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -> None
         if not prompt:
             raise InvalidRequest("empty prompt")
         session.add_tokens(list(gateway.tokenizer.encode(prompt)))
-    else:
-        if not prompt.startswith(session.transcript):
-            raise InvalidRequest(
-                "the prompt does not extend the session's history (earlier prompts plus completions)"
-            )
-        suffix = prompt[len(session.transcript) :]
-        if suffix:
-            session.add_tokens(list(gateway.tokenizer.encode(suffix, add_special_tokens=False)))
+    elif not prompt.startswith(session.transcript):
+        raise InvalidRequest(
+            "the prompt does not extend the session's history (earlier prompts plus completions)"
+        )
+    elif suffix := prompt[len(session.transcript) :]:
+        session.add_tokens(list(gateway.tokenizer.encode(suffix, add_special_tokens=False)))
     session.transcript = prompt
 
 
