@@ -127,14 +127,16 @@ def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     null entries column by column, status, progress and reward row by row, per-token checks
     row by row.
     """
-    token_columns = [c for c in (*TOKEN_COLUMNS, *PROCESSED_TOKEN_COLUMNS) if c in table.column_names]
-    problems: list[_Problem] = []
-    start = 0
-    for batch in table.to_batches():
-        problems.extend(_batch_problems(batch, start, token_columns))
-        start += batch.num_rows
-    problems.sort(key=lambda problem: problem[0])
-    return [error for _, error in problems]
+    return [error for _, _, error in sorted(_problems(table), key=lambda problem: problem[0])]
+
+
+def rows_with_errors(table: pa.Table) -> dict[int, list[str]]:
+    """The rows of ``table`` that :func:`find_errors` objects to, each with what is wrong
+    (``"column 'x': …"``), in row order."""
+    found: dict[int, list[str]] = {}
+    for _, row, (_, column, what) in sorted(_problems(table), key=lambda problem: (problem[1], problem[0])):
+        found.setdefault(row, []).append(f"column {column!r}: {what}")
+    return found
 
 
 def validate(table: pa.Table) -> pa.Table:
@@ -150,6 +152,16 @@ def validate(table: pa.Table) -> pa.Table:
     return table
 
 
+def _problems(table: pa.Table) -> list[_Problem]:
+    token_columns = [c for c in (*TOKEN_COLUMNS, *PROCESSED_TOKEN_COLUMNS) if c in table.column_names]
+    problems: list[_Problem] = []
+    start = 0
+    for batch in table.to_batches():
+        problems.extend(_batch_problems(batch, start, token_columns))
+        start += batch.num_rows
+    return problems
+
+
 def _check_columns(schema: pa.Schema, expected: pa.Schema) -> None:
     """Raise :class:`SchemaError` naming a column of ``expected`` that ``schema`` lacks or types differently."""
     missing = [name for name in expected.names if name not in schema.names]
@@ -161,8 +173,9 @@ def _check_columns(schema: pa.Schema, expected: pa.Schema) -> None:
             raise SchemaError(f"column {field.name!r} has type {actual}, expected {field.type}")
 
 
-_Problem = tuple[tuple[int, ...], tuple[str | None, str, str]]
-"""An error of :func:`find_errors` behind the key that sorts it into its place."""
+_Problem = tuple[tuple[int, ...], int, tuple[str | None, str, str]]
+"""An error of :func:`find_errors` behind the key that sorts it into its place and the
+table row it is about."""
 
 
 def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str]) -> list[_Problem]:
@@ -171,7 +184,7 @@ def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str])
     problems: list[_Problem] = []
 
     def add(key: tuple[int, ...], row: int, column: str, what: str) -> None:
-        problems.append((key, (ids[row].as_py(), column, what)))
+        problems.append((key, start + row, (ids[row].as_py(), column, what)))
 
     for position, name in enumerate(ID_COLUMNS):
         for row in np.flatnonzero(_empty_strings(batch.column(name))):

@@ -1,6 +1,7 @@
 """Arrow IPC shards of trajectory records, committed through the Delta ``shards`` table.
 
-A writer buffers validated records and flushes them as one compressed Arrow IPC file at
+A writer buffers records, validates them once per shard (rows that fail are set aside in
+the quarantine) and flushes them as one compressed Arrow IPC file at
 ``shards/<kind>/<worker>/<seq>.arrow``, then appends the shard's row to the ``shards``
 table. On S3 the file is one upload, visible only once complete; on a local folder it is
 written to ``shards/tmp/…`` and renamed into place. Readers list shards only through the
@@ -38,7 +39,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage.config import RunStore
-from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError, cast, to_table, validate
+from storage.schema import (
+    PROCESSED_SCHEMA,
+    TRAJECTORY_SCHEMA,
+    SchemaError,
+    cast,
+    rows_with_errors,
+    to_table,
+    validate,
+)
 from storage.tables import Tables
 
 log = logging.getLogger(__name__)
@@ -86,8 +95,17 @@ class ShardWriter:
     ``flush_records`` rows, or whatever is buffered once ``flush_seconds`` have passed
     since the first buffered record (checked on each write).
 
-    Each ``write``/``write_table`` is cast and validated at once, so a bad record raises
-    :class:`SchemaError` at the call that gave it and never poisons the buffer.
+    Each ``write``/``write_table`` is converted and cast at once: a record that does not
+    fit the schema's types, or a table that lacks a column, raises :class:`SchemaError` at
+    the call that gave it. The per-row checks (:func:`~storage.schema.validate`) run once
+    per shard, when it is flushed (on the commit thread for :class:`BackgroundShardWriter`):
+    run on single records, their tens of compute kernels cost over a millisecond a record,
+    and each kernel gives up the GIL, so a thread that wrote records one by one waited on
+    every busy thread of the process. A row that fails them is refused together with the rest of its group
+    (same ``group_id``): those rows go to ``shards/quarantine/<kind>/<worker>/`` with a
+    ``.reason`` file naming each trajectory and what is wrong, are logged, counted in
+    ``refused``, and never reach the shard; the other rows are committed.
+
     ``on_commit`` is called with each shard once its commit has landed; an exception it
     raises is logged, never taken for a failed commit.
     """
@@ -122,6 +140,8 @@ class ShardWriter:
         self._first_buffered_at = 0.0
         self._closed = False
         self._committed = 0
+        self.refused = 0
+        """Rows refused at a flush (see the class docstring)."""
         self._seq = self._next_seq()
 
     @property
@@ -144,7 +164,7 @@ class ShardWriter:
         this write flushed, if any."""
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
-        table = validate(cast(table, self.schema))
+        table = cast(table, self.schema)
         if table.num_rows == 0:
             return None
         if not self._buffer:
@@ -174,10 +194,63 @@ class ShardWriter:
         """
         if not self._buffer:
             return None
-        info = self._commit_next(_merged(self._buffer))
+        table = self._admitted(_merged(self._buffer))
+        # a commit that fails retries these rows: they are not checked (nor refused) twice
+        self._buffer = [table]
+        self._buffered_rows = table.num_rows
+        if table.num_rows == 0:
+            self._clear_buffer()
+            return None
+        info = self._commit_next(table)
         self._clear_buffer()
         self._announce(info)
         return info
+
+    def _admitted(self, table: pa.Table) -> pa.Table:
+        """The rows of ``table`` that pass validation; a row that does not is refused with
+        the rest of its group (quarantined, logged and counted)."""
+        bad = rows_with_errors(table)
+        if not bad:
+            return table
+        group_ids = table.column("group_id")
+        groups = {group_ids[row].as_py() for row in bad} - {None}
+        refused = np.zeros(table.num_rows, dtype=bool)
+        refused[list(bad)] = True
+        if groups:
+            in_group = pc.is_in(group_ids, value_set=pa.array(sorted(groups), pa.string()))
+            refused |= pc.fill_null(in_group, False).to_numpy(zero_copy_only=False)
+        ids = table.column("trajectory_id").to_pylist()
+        reasons = [
+            f"trajectory {ids[row]!r}: " + ("; ".join(bad[row]) if row in bad else "refused with its group")
+            for row in np.flatnonzero(refused)
+        ]
+        target = self._quarantine_refused(table.filter(pa.array(refused)), reasons)
+        self.refused += len(reasons)
+        log.error(
+            "refused %d of %d %s records of %s that fail validation (kept in %s): %s",
+            len(reasons),
+            table.num_rows,
+            self.kind,
+            self.worker,
+            self.store.url(target),
+            "; ".join(reasons[:3]) + (f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else ""),
+        )
+        return table.filter(pa.array(~refused))
+
+    def _quarantine_refused(self, table: pa.Table, reasons: list[str]) -> str:
+        """Keep refused rows (and why) under the quarantine prefix; returns the run-relative path."""
+        target = quarantine_path(
+            posixpath.join("shards", self.kind, self.worker, f"refused-{uuid.uuid4().hex}.arrow")
+        )
+        fs = self.store.fs
+        if not self.store.config.is_s3:
+            os.makedirs(posixpath.dirname(self.store.path(target)), exist_ok=True)
+        sink = pa.BufferOutputStream()
+        _write_ipc(sink, table)
+        fs.pipe_file(self.store.path(target), sink.getvalue().to_pybytes())
+        with fs.open(self.store.path(target + ".reason"), "w") as out:
+            out.write("".join(f"{reason}\n" for reason in reasons))
+        return target
 
     def _clear_buffer(self) -> None:
         self._buffer = []
@@ -375,15 +448,22 @@ class BackgroundShardWriter(ShardWriter):
         self._closed = True
         return None
 
-    def _commit_and_announce(self, table: pa.Table) -> ShardInfo:
+    def _commit_and_announce(self, table: pa.Table) -> ShardInfo | None:
+        table = self._admitted(table)
+        # a retry after a failed commit takes these rows: they are not checked (nor refused) twice
+        self._unsaved = table
+        if table.num_rows == 0:
+            return None
         info = self._commit_next(table)
         self._announce(info)
         return info
 
     def _commit_unsaved(self) -> None:
-        info = self._commit_next(self._unsaved)
+        self._unsaved = self._admitted(self._unsaved)
+        if self._unsaved.num_rows:
+            info = self._commit_next(self._unsaved)
+            self._announce(info)
         self._unsaved = None
-        self._announce(info)
 
     def _settle(self) -> None:
         """Wait for the commit in flight; its records stay unsaved if it failed."""

@@ -13,6 +13,7 @@ from storage.schema import (
     SchemaError,
     cast,
     find_errors,
+    rows_with_errors,
     to_table,
     validate,
 )
@@ -175,3 +176,8 @@ def test_find_errors_matches_a_row_by_row_reference(seed):
     assert find_errors(table) == _reference_errors(table)
     raw = cast(table, TRAJECTORY_SCHEMA)
     assert find_errors(raw) == _reference_errors(raw)
+    row_of = {tid: row for row, tid in enumerate(table.column("trajectory_id").to_pylist())}
+    expected: dict[int, list[str]] = {}
+    for tid, column, what in _reference_errors(table):
+        expected.setdefault(row_of[tid], []).append(f"column {column!r}: {what}")
+    assert rows_with_errors(table) == dict(sorted(expected.items()))

@@ -332,15 +332,92 @@ def test_sweeping_refuses_an_age_a_live_writer_could_still_commit_within(local_s
     assert ShardReader(local_store).read(info).num_rows == 5
 
 
-def test_invalid_records_are_refused_at_the_call_and_do_not_poison_the_buffer(local_store):
+def test_records_that_do_not_fit_the_types_or_columns_are_refused_at_the_call(local_store):
     writer = ShardWriter(local_store, "w0", flush_records=10)
     writer.write(make_record(0))
-    with pytest.raises(SchemaError, match="trajectory 'bad', column 'versions'"):
-        writer.write(make_record(1, prefix="bad") | {"trajectory_id": "bad", "versions": [-3] * 24})
+    with pytest.raises(SchemaError, match="column 'tokens': cannot convert"):
+        writer.write(make_record(1) | {"tokens": ["a"] * 24})
     with pytest.raises(SchemaError, match="missing columns"):
         writer.write_table(make_table(1, 1).drop_columns(["status"]))
     info = writer.close()
     assert info.num_rows == 1
+
+
+def bad_versions(index: int, group: str | None = None) -> dict:
+    """A record whose action tokens carry a negative version, in ``group``."""
+    return make_record(index) | {"trajectory_id": f"bad{index}", "versions": [-3] * 24, "group_id": group}
+
+
+def quarantined_refusals(store: RunStore, worker: str) -> tuple[list[str], str]:
+    """Trajectory ids in the refused-records files of ``worker`` and their reasons."""
+    folder = store.path(quarantine_path(f"shards/raw/{worker}"))
+    ids, reasons = [], ""
+    for path in sorted(store.fs.glob(folder + "/refused-*.arrow")):
+        with store.fs.open(path, "rb") as source:
+            ids += ids_of(pa.ipc.open_file(source).read_all())
+        with store.fs.open(path + ".reason", "r") as source:
+            reasons += source.read()
+    return ids, reasons
+
+
+def test_rows_failing_validation_are_refused_with_their_group_at_the_flush_and_kept_aside(store, caplog):
+    writer = ShardWriter(store, "w0", flush_records=10)
+    writer.write(make_record(0))
+    writer.write_many([bad_versions(1, group="g"), make_record(2) | {"group_id": "g"}])
+    writer.write(bad_versions(3))
+    writer.write(make_record(4) | {"group_id": "h"})
+    info = writer.flush()
+    assert writer.refused == 3
+    assert ids_of(ShardReader(store).read(info)) == ["t0", "t4"]
+    ids, reasons = quarantined_refusals(store, "w0")
+    assert ids == ["bad1", "t2", "bad3"]
+    assert "trajectory 'bad1': column 'versions': negative version on an action token" in reasons
+    assert "trajectory 't2': refused with its group" in reasons
+    assert "refused 3 of 5 raw records of w0" in caplog.text
+    writer.write(bad_versions(5))
+    assert writer.flush() is None  # nothing valid buffered: no shard
+    assert ShardReader(store).poll()[0] == [info]
+    assert sorted(quarantined_refusals(store, "w0")[0]) == ["bad1", "bad3", "bad5", "t2"]
+
+
+def test_a_failed_commit_retries_the_admitted_rows_without_refusing_them_again(local_store, monkeypatch):
+    writer = ShardWriter(local_store, "w0", flush_records=10)
+    writer.write(make_record(0))
+    writer.write(bad_versions(1))
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            writer.tables, "append", lambda *args: (_ for _ in ()).throw(OSError("down (injected)"))
+        )
+        with pytest.raises(OSError, match="down"):
+            writer.flush()
+    info = writer.flush()
+    assert ids_of(ShardReader(local_store).read(info)) == ["t0"]
+    assert writer.refused == 1
+    assert quarantined_refusals(local_store, "w0")[0] == ["bad1"]
+
+
+def test_a_background_writer_checks_rows_on_its_commit_thread_and_refuses_only_the_bad(store):
+    checked_on: list[str] = []
+    writer = BackgroundShardWriter(store, "w0", flush_records=3)
+    admitted = writer._admitted
+
+    def spy(table):
+        checked_on.append(threading.current_thread().name)
+        return admitted(table)
+
+    writer._admitted = spy
+    writer.write(make_record(0))
+    writer.write(bad_versions(1))
+    writer.write(make_record(2))  # the third record flushes
+    writer.write_many([bad_versions(3), bad_versions(4)])
+    writer.write(bad_versions(5))  # a shard of nothing valid: no commit
+    writer.close()
+    assert checked_on and all(name.startswith("shards-w0") for name in checked_on)
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t2"]]
+    assert writer.refused == 4 and writer.unsaved_records == 0
+    assert sorted(quarantined_refusals(store, "w0")[0]) == ["bad1", "bad3", "bad4", "bad5"]
 
 
 def test_processed_shards_keep_their_extra_columns(store):
