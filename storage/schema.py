@@ -132,18 +132,26 @@ def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
 
 def rows_with_errors(table: pa.Table) -> dict[int, list[str]]:
     """The rows of ``table`` that :func:`find_errors` objects to, each with what is wrong
-    (``"column 'x': …"``), in row order."""
+    (``"column 'x': …"``), in row order. Raises :class:`SchemaError` as
+    :func:`check_columns` does."""
+    check_columns(table.schema)
     found: dict[int, list[str]] = {}
     for _, row, (_, column, what) in sorted(_problems(table), key=lambda problem: (problem[1], problem[0])):
         found.setdefault(row, []).append(f"column {column!r}: {what}")
     return found
 
 
+def check_columns(schema: pa.Schema) -> None:
+    """Raise :class:`SchemaError` naming a column that ``schema`` lacks or types differently
+    from the canonical schema (processed when it has ``train_mask``, else raw)."""
+    expected = PROCESSED_SCHEMA if "train_mask" in schema.names else TRAJECTORY_SCHEMA
+    if schema.names != expected.names or schema.types != expected.types:
+        _check_columns(schema, expected)
+
+
 def validate(table: pa.Table) -> pa.Table:
     """Raise :class:`SchemaError` naming the first bad rows; return ``table`` when valid."""
-    expected = PROCESSED_SCHEMA if "train_mask" in table.column_names else TRAJECTORY_SCHEMA
-    if table.schema.names != expected.names or table.schema.types != expected.types:
-        _check_columns(table.schema, expected)
+    check_columns(table.schema)
     errors = find_errors(table)
     if errors:
         shown = "; ".join(f"trajectory {tid!r}, column {col!r}: {what}" for tid, col, what in errors[:5])

@@ -44,6 +44,7 @@ from storage.schema import (
     TRAJECTORY_SCHEMA,
     SchemaError,
     cast,
+    check_columns,
     rows_with_errors,
     to_table,
     validate,
@@ -651,7 +652,9 @@ def _token_stats(table: pa.Table) -> dict[str, int]:
 
 
 def _schema_for(kind: str, schema: pa.Schema | None) -> pa.Schema:
+    """``schema``, checked to be a canonical record schema, or ``kind``'s default."""
     if schema is not None:
+        check_columns(schema)
         return schema
     if kind not in SHARD_SCHEMAS:
         raise ValueError(

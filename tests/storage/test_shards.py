@@ -593,3 +593,11 @@ def test_an_unreachable_endpoint_fails_fast_with_a_clear_error():
     assert time.monotonic() - started < 60
     assert not any("do-not-print-me" in f"{error} {error!r}" for error in errors)
     assert "do-not-print-me" not in repr(config)
+
+
+def test_a_writer_or_reader_for_a_schema_that_is_not_canonical_is_refused_at_once(local_store):
+    lacking = TRAJECTORY_SCHEMA.remove(TRAJECTORY_SCHEMA.get_field_index("status"))
+    with pytest.raises(SchemaError, match=r"missing columns \['status'\]"):
+        ShardWriter(local_store, "w0", schema=lacking)
+    with pytest.raises(SchemaError, match=r"missing columns \['status'\]"):
+        ShardReader(local_store, schema=lacking)
