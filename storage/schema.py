@@ -145,8 +145,15 @@ def check_columns(schema: pa.Schema) -> None:
     """Raise :class:`SchemaError` naming a column that ``schema`` lacks or types differently
     from the canonical schema (processed when it has ``train_mask``, else raw)."""
     expected = PROCESSED_SCHEMA if "train_mask" in schema.names else TRAJECTORY_SCHEMA
-    if schema.names != expected.names or schema.types != expected.types:
-        _check_columns(schema, expected)
+    if schema.names == expected.names and schema.types == expected.types:
+        return
+    missing = [name for name in expected.names if name not in schema.names]
+    if missing:
+        raise SchemaError(f"missing columns {missing}")
+    for field in expected:
+        actual = schema.field(field.name).type
+        if actual != field.type:
+            raise SchemaError(f"column {field.name!r} has type {actual}, expected {field.type}")
 
 
 def validate(table: pa.Table) -> pa.Table:
@@ -160,6 +167,11 @@ def validate(table: pa.Table) -> pa.Table:
     return table
 
 
+_Problem = tuple[tuple[int, ...], int, tuple[str | None, str, str]]
+"""An error of :func:`find_errors` behind the key that sorts it into its place and the
+table row it is about."""
+
+
 def _problems(table: pa.Table) -> list[_Problem]:
     token_columns = [c for c in (*TOKEN_COLUMNS, *PROCESSED_TOKEN_COLUMNS) if c in table.column_names]
     problems: list[_Problem] = []
@@ -168,22 +180,6 @@ def _problems(table: pa.Table) -> list[_Problem]:
         problems.extend(_batch_problems(batch, start, token_columns))
         start += batch.num_rows
     return problems
-
-
-def _check_columns(schema: pa.Schema, expected: pa.Schema) -> None:
-    """Raise :class:`SchemaError` naming a column of ``expected`` that ``schema`` lacks or types differently."""
-    missing = [name for name in expected.names if name not in schema.names]
-    if missing:
-        raise SchemaError(f"missing columns {missing}")
-    for field in expected:
-        actual = schema.field(field.name).type
-        if actual != field.type:
-            raise SchemaError(f"column {field.name!r} has type {actual}, expected {field.type}")
-
-
-_Problem = tuple[tuple[int, ...], int, tuple[str | None, str, str]]
-"""An error of :func:`find_errors` behind the key that sorts it into its place and the
-table row it is about."""
 
 
 def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str]) -> list[_Problem]:
