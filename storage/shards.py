@@ -102,10 +102,11 @@ class ShardWriter:
     per shard, when it is flushed (on the commit thread for :class:`BackgroundShardWriter`):
     run on single records, their tens of compute kernels cost over a millisecond a record,
     and each kernel gives up the GIL, so a thread that wrote records one by one waited on
-    every busy thread of the process. A row that fails them is refused together with the rest of its group
-    (same ``group_id``): those rows go to ``shards/quarantine/<kind>/<worker>/`` with a
-    ``.reason`` file naming each trajectory and what is wrong, are logged, counted in
-    ``refused``, and never reach the shard; the other rows are committed.
+    every busy thread of the process. A row that fails them is refused together with the
+    rest of its group (same ``group_id``): those rows go to
+    ``shards/quarantine/<kind>/<worker>/`` with a ``.reason`` file naming each trajectory
+    and what is wrong, are logged, counted in ``refused``, and never reach the shard; the
+    other rows are committed.
 
     ``on_commit`` is called with each shard once its commit has landed; an exception it
     raises is logged, never taken for a failed commit.
@@ -196,7 +197,7 @@ class ShardWriter:
         if not self._buffer:
             return None
         table = self._admitted(_merged(self._buffer))
-        # a commit that fails retries these rows: they are not checked (nor refused) twice
+        # a commit that fails retries only these rows: nothing is refused twice
         self._buffer = [table]
         self._buffered_rows = table.num_rows
         if table.num_rows == 0:
@@ -451,7 +452,7 @@ class BackgroundShardWriter(ShardWriter):
 
     def _commit_and_announce(self, table: pa.Table) -> ShardInfo | None:
         table = self._admitted(table)
-        # a retry after a failed commit takes these rows: they are not checked (nor refused) twice
+        # a retry after a failed commit takes only these rows: nothing is refused twice
         self._unsaved = table
         if table.num_rows == 0:
             return None
