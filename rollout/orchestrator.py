@@ -9,7 +9,10 @@
   trainer that stopped publishing), and ``trainer_queue()`` above ``max_trainer_batches``
   (policy steps' worth of data the trainer has read and not trained, as it publishes it;
   without this, a trainer slower than the engines lets its queue grow until samples go
-  stale and are dropped, their rollout compute wasted).
+  stale and are dropped, their rollout compute wasted). The backlog holds nothing back
+  while the trainer says it holds less than one batch: it cannot step, so cannot publish,
+  until more data comes, and pausing then would wait forever (whenever ``max_backlog``
+  shards hold fewer tokens than the trainer's ``token_budget``).
 - **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
   filtering a group whose rewards are all equal is dropped, slots are refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
@@ -155,7 +158,7 @@ class Orchestrator:
         tasks: an endless iterator of train tasks per task name.
         sink: where finished records go (``ShardWriter``).
         backlog: how many committed shards wait for the trainer, as the caller counts them.
-        trainer_queue: policy steps' worth of data the trainer holds untrained (0 when unknown).
+        trainer_queue: policy steps' worth of data the trainer holds untrained (None when unknown).
     """
 
     def __init__(
@@ -165,7 +168,7 @@ class Orchestrator:
         sink: Sink,
         config: OrchestratorConfig | None = None,
         backlog: Callable[[], int] | None = None,
-        trainer_queue: Callable[[], float] | None = None,
+        trainer_queue: Callable[[], float | None] | None = None,
         on_result: Callable[[RolloutResult], None] | None = None,
     ):
         self.service = service
@@ -240,10 +243,12 @@ class Orchestrator:
 
     def _trainer_lags(self) -> bool:
         cfg = self.config
-        if self.backlog is not None and self.backlog() > cfg.max_backlog:
+        queue = None if self.trainer_queue is None else self.trainer_queue()
+        starved = queue is not None and queue < 1
+        if self.backlog is not None and self.backlog() > cfg.max_backlog and not starved:
             return True
         limit = cfg.max_trainer_batches
-        return self.trainer_queue is not None and limit is not None and self.trainer_queue() > limit
+        return queue is not None and limit is not None and queue > limit
 
     def _launch_group(self) -> _Group:
         name = self._next_task_name()

@@ -12,7 +12,9 @@ how stale the data waiting for the trainer can become. A trainer that does publi
 trains slower than the engines roll out is caught by the second signal: a loop reads the
 trainer's status (``status/train/trainer.json``) every ``trainer_poll_s`` and the
 orchestrator pauses while the trainer holds more than ``max_trainer_batches`` steps' worth
-of untrained data. A missing, stale or unreadable trainer status holds nothing back.
+of untrained data. While a fresh status says the trainer holds less than one batch, the
+backlog holds nothing back: that trainer cannot step, so cannot publish, before more data
+comes. A missing, stale or unreadable trainer status leaves the backlog alone in charge.
 
 Elastic capacity: a second loop reads the trainer's elastic plan (``status/elastic/plan.json``,
 ``rollout.elastic_plan``) at most once a second and drains or undrains this worker's replicas
@@ -137,7 +139,7 @@ class RolloutWorker:
         self._plan_warnings: tuple[float | None, set[str]] = (None, set())
         self.trainer_status = TrainerStatusBoard(store)
         self.trainer_poll_s = trainer_poll_s
-        self._trainer_queue = 0.0
+        self._trainer_queue: float | None = None
 
     def make_env(self, task: Task) -> Env:
         if self._make_env is not None:
@@ -148,23 +150,23 @@ class RolloutWorker:
         """Shards committed since the engines last picked up a new weight version."""
         return self.writer.committed - self._shards_at_version
 
-    def trainer_queue(self) -> float:
-        """Policy steps' worth of data the trainer last said it holds untrained (0 when unknown)."""
+    def trainer_queue(self) -> float | None:
+        """Policy steps' worth of data the trainer last said it holds untrained (None when unknown)."""
         return self._trainer_queue
 
     def refresh_trainer_queue(self, now: float) -> None:
-        """Read the trainer's status; a missing, stopped or stale one counts as an empty queue."""
+        """Read the trainer's status; a missing, stopped or stale one leaves the queue unknown."""
         status = self.trainer_status.read()
         fresh = status is not None and status.running and now - status.time <= self.plan_max_age_s
-        self._trainer_queue = status.queued_batches if fresh else 0.0
+        self._trainer_queue = status.queued_batches if fresh else None
 
     async def follow_trainer(self) -> None:
         """Refresh :meth:`trainer_queue` every ``trainer_poll_s``, until cancelled."""
         while True:
             try:
                 await asyncio.to_thread(self.refresh_trainer_queue, time.time())
-            except Exception as exc:  # storage unreachable for a moment: hold nothing back
-                self._trainer_queue = 0.0
+            except Exception as exc:  # storage unreachable for a moment: the queue is unknown
+                self._trainer_queue = None
                 log.warning("worker %s could not read the trainer's status: %s", self.name, exc)
             await asyncio.sleep(self.trainer_poll_s)
 

@@ -140,6 +140,30 @@ def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
     assert stats.finished == 8 and stats.paused_s >= 0.4
 
 
+@pytest.mark.parametrize(("queue", "pauses"), [(None, True), (1.0, True), (0.5, False), (0.0, False)])
+def test_the_backlog_pauses_launching_unless_the_trainer_says_it_lacks_a_batch(tiny, queue, pauses):
+    # a trainer short of a full batch cannot step, so cannot publish: pausing for the
+    # backlog then would wait forever
+    async def during(orchestrator):
+        await asyncio.sleep(0.5)
+        during.started = sum(c.started for c in orchestrator.stats.tasks.values())
+        orchestrator.stop()
+
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_backlog=8)
+    asyncio.run(
+        run(
+            tiny,
+            config,
+            streams("arith"),
+            ListSink(),
+            backlog=lambda: 100,
+            trainer_queue=lambda: queue,
+            during=during,
+        )
+    )
+    assert (during.started == 0) == pauses
+
+
 @pytest.mark.parametrize("limit", [2.0, None])
 def test_a_full_trainer_queue_pauses_launching_until_it_shrinks(tiny, limit):
     queue = {"batches": 2.5}

@@ -24,17 +24,17 @@ def worker(tmp_path) -> RolloutWorker:
 
 @pytest.mark.parametrize(
     ("age", "running", "expected"),
-    [(0.0, True, 2.5), (29.0, True, 2.5), (31.0, True, 0.0), (0.0, False, 0.0)],
+    [(0.0, True, 2.5), (29.0, True, 2.5), (31.0, True, None), (0.0, False, None)],
 )
 def test_a_worker_sees_a_fresh_running_trainer_queue_and_nothing_else(worker, age, running, expected):
-    assert worker.trainer_queue() == 0.0  # no trainer status yet
+    assert worker.trainer_queue() is None  # no trainer status yet
     status = TrainerStatus(time=NOW - age, buffered_tokens=2500, token_budget=1000, running=running)
     TrainerStatusBoard(worker.store).publish(status)
     worker.refresh_trainer_queue(NOW)
     assert worker.trainer_queue() == expected
 
 
-def test_a_corrupt_trainer_status_holds_nothing_back(worker, caplog):
+def test_a_corrupt_trainer_status_leaves_the_queue_unknown(worker, caplog):
     board = TrainerStatusBoard(worker.store)
     board.publish(TrainerStatus(time=NOW, buffered_tokens=5000, token_budget=1000))
     worker.refresh_trainer_queue(NOW)
@@ -43,4 +43,4 @@ def test_a_corrupt_trainer_status_holds_nothing_back(worker, caplog):
         handle.write("{truncated")
     with caplog.at_level(logging.WARNING, logger="storage.status"):
         worker.refresh_trainer_queue(NOW)
-    assert worker.trainer_queue() == 0.0 and "not a valid status" in caplog.text
+    assert worker.trainer_queue() is None and "not a valid status" in caplog.text
