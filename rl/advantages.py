@@ -80,7 +80,9 @@ def skip_observation_gae(
 
     A reward on a non-action position is first carried to the closest preceding action
     token (:func:`carry_rewards_to_actions`). After the last action token the next value
-    is 0. The scan runs backwards over ``T`` and is vectorized across the batch.
+    is 0. Observation tokens leave the chain untouched, so the scan runs backwards over each
+    row's action tokens alone, gathered to the front of the row (as many steps as the
+    longest row has action tokens, not ``T``), vectorized across the batch.
 
     Args:
         rewards: ``(B, T)`` float, per-token rewards (typically the final reward on the
@@ -99,18 +101,25 @@ def skip_observation_gae(
     values = values.detach()
     lam_rows = _as_row_tensor(lam, values, "lam")
     carried = carry_rewards_to_actions(rewards.to(values.dtype), action_mask)
-    batch, length = values.shape
-    advantages = torch.zeros_like(values)
+    batch = values.shape[0]
+    counts = action_mask.sum(dim=1)
+    width = int(counts.max()) if counts.numel() else 0
+    # each row's action positions in order, then its other positions (a stable sort)
+    order = torch.argsort((~action_mask).to(torch.uint8), dim=1, stable=True)[:, :width]
+    is_action = torch.arange(width, device=values.device) < counts[:, None]
+    action_values = values.gather(1, order)
+    action_rewards = carried.gather(1, order)
+    compact = torch.zeros_like(action_values)
     next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
     next_advantage = torch.zeros_like(next_value)
-    for t in reversed(range(length)):
-        is_action = action_mask[:, t]
-        delta = carried[:, t] + gamma * next_value - values[:, t]
-        advantage_t = delta + gamma * lam_rows * next_advantage
-        advantages[:, t] = torch.where(is_action, advantage_t, torch.zeros_like(advantage_t))
-        # observation tokens leave the chain untouched, so action i links to action i+1
-        next_value = torch.where(is_action, values[:, t], next_value)
-        next_advantage = torch.where(is_action, advantage_t, next_advantage)
+    for j in reversed(range(width)):
+        delta = action_rewards[:, j] + gamma * next_value - action_values[:, j]
+        advantage_j = torch.where(is_action[:, j], delta + gamma * lam_rows * next_advantage, 0.0)
+        compact[:, j] = advantage_j
+        # a row's slots past its last action token stay 0, so the chain starts from 0 there
+        next_value = torch.where(is_action[:, j], action_values[:, j], 0.0)
+        next_advantage = advantage_j
+    advantages = torch.zeros_like(values).scatter_(1, order, compact)
     returns = torch.where(action_mask, advantages + values, torch.zeros_like(values))
     return advantages, returns
 
