@@ -2,14 +2,15 @@
 
 Version 0 is the tiny model of the run config warm-started on a FLAWED demonstrator
 (``arith`` drops most carries, ``guess`` makes half its guesses at random), so
-supervised learning plateaus below perfect. It gets its own warm-start budget
-(``--demos`` per environment, ``--warm-start-seconds``), not the demo's: the demo shares 90 s
-between 2,000 ``arith`` and 300 ``guess`` demonstrations, which leaves ``guess`` far from its
-plateau: there continued supervision gained +0.26 in 90 s, SAO +0.05 and GRPO +0.10 (medians of
-3 seeds), while from a version 0 warm-started 120 s on 2,000 of each SAO gained
-+0.22. RL sharpens a policy that has learned the task's structure; an under-trained version 0
-measures how fast each arm imitates instead. From version 0, for the same wall-clock
-budget each (``--arith-seconds``, ``--guess-seconds``) and on one environment at a time:
+supervised learning plateaus below perfect. Each environment gets its own version 0,
+warm-started on ``--demos`` of its demonstrations for ``--warm-start-seconds``, not the
+demo's version 0 (90 s shared by 2,000 ``arith`` and 300 ``guess`` demonstrations): from that
+one continued supervision still gained +0.26 on ``guess`` in 90 s (SAO +0.05, GRPO +0.10;
+medians of 3 seeds), and one version 0 warm-started on both for 180 s left ``arith`` short of
+its plateau instead (supervision +0.14). RL sharpens a policy that has learned the task's
+structure; an under-trained version 0 measures how fast each arm imitates. From version 0,
+for the same wall-clock budget each (``--arith-seconds``, ``--guess-seconds``) and on one
+environment at a time:
 
 - **SAO**: one rollout per prompt, value model (pretrained critic-only before the first
   policy step), observation-skip GAE, DIS loss;
@@ -77,14 +78,14 @@ def arm_config(base: RunConfig, run_id: str, env: str, arm: str, args) -> RunCon
     return RunConfig.model_validate(data)
 
 
-def base_config(args, seed: int, tag: str) -> RunConfig:
-    """Version 0's run config: the measured environments, ``--demos`` flawed demonstrations
-    of each, a warm start bounded by ``--warm-start-seconds`` alone."""
+def base_config(args, seed: int, tag: str, env: str) -> RunConfig:
+    """The run config of ``env``'s version 0: ``--demos`` flawed demonstrations of ``env``
+    alone, a warm start bounded by ``--warm-start-seconds`` alone."""
     data = load_config(
-        args.config, {"run_id": f"{tag}-base", "seed": seed, "storage": {"root": args.root}}
+        args.config, {"run_id": f"{tag}-{env}-base", "seed": seed, "storage": {"root": args.root}}
     ).model_dump()
-    data["orchestrator"]["mix"] = {env: 1.0 / len(args.envs) for env in args.envs}
-    data["warm_start"]["demos"] = dict.fromkeys(args.envs, args.demos)
+    data["orchestrator"]["mix"] = {env: 1.0}
+    data["warm_start"]["demos"] = {env: args.demos}
     data["warm_start"]["sft"].update(max_seconds=args.warm_start_seconds, max_steps=10**9)
     return RunConfig.model_validate(data)
 
@@ -209,14 +210,14 @@ def run_arm(base: RunConfig, env: str, arm: str, seconds: float, args, tag: str)
 
 def run_seed(args, seed: int) -> dict[str, float]:
     tag = f"learn-{int(time.time())}-s{seed}"
-    base = base_config(args, seed, tag)
-    started = time.monotonic()
-    build_base_version(base)
-    print(f"seed {seed}: version 0 warm-started in {time.monotonic() - started:.0f}s", flush=True)
     gains: dict[str, float] = {}
     budgets = {"arith": args.arith_seconds, "guess": args.guess_seconds}
     for env in args.envs:
         seconds = budgets[env]
+        base = base_config(args, seed, tag, env)
+        started = time.monotonic()
+        build_base_version(base)
+        print(f"seed {seed} {env}: version 0 warm-started in {time.monotonic() - started:.0f}s", flush=True)
         v0_config = arm_config(base, base.run_id, env, "sao", args)
         v0 = evaluate_version(v0_config, 0)
         v0_train = evaluate_weights(v0_config, 0, split="train").reward[env]
@@ -247,7 +248,7 @@ def main() -> None:
         "--demos", type=int, default=2000, help="Flawed demonstrations per environment (version 0 and SFT)."
     )
     parser.add_argument(
-        "--warm-start-seconds", type=float, default=180.0, help="Supervised warm start of version 0."
+        "--warm-start-seconds", type=float, default=120.0, help="Supervised warm start of each version 0."
     )
     parser.add_argument("--root", default=None, help="Storage root (default: a temporary folder).")
     parser.add_argument(
