@@ -2,8 +2,8 @@
 
 Each raw shard ``raw/<worker>/<seq>`` becomes exactly one processed shard
 ``processed/<worker>/<seq>`` (committed under the same worker and sequence number, even
-when no row was selected), then its rows are appended to the ``trajectories`` table. That
-makes the stage idempotent across restarts:
+when no row was selected, and empty when the raw shard is quarantined), then its rows are
+appended to the ``trajectories`` table. That makes the stage idempotent across restarts:
 
 - a raw shard with a committed processed twin is never processed again;
 - a twin whose ``trajectories`` rows are missing (a crash between the two writes) gets
@@ -85,22 +85,27 @@ class ShardProcessor:
             return ProcessedShard(raw, None, None, skipped="already processed")
         table = self.raw.read(raw)
         if table is None:
-            outcome = ProcessedShard(raw, None, None, skipped="quarantined")
+            # an empty twin still tells the trainer, and through it the worker's
+            # backpressure, that this shard has been dealt with
+            processed = None if twin_done else self._commit_twin(raw, PROCESSED_SCHEMA.empty_table())
+            outcome = ProcessedShard(raw, processed, None, skipped="quarantined")
             self._notify(outcome)
             return outcome
         result = process_shard(
             table, self.config, shard_id=raw.shard_id, rescore=self.rescore, decode=self.decode
         )
-        processed = None
-        if not twin_done:
-            processed = self._writer(raw.worker).commit(_as_processed(result.processed), seq=raw.seq)
-            self._twins.add((raw.worker, raw.seq))
+        processed = None if twin_done else self._commit_twin(raw, _as_processed(result.processed))
         if result.trajectories:
             self.tables.append("trajectories", result.trajectories)
         self._recorded.add(raw.shard_id)
         outcome = ProcessedShard(raw, processed, result.counters)
         self._notify(outcome)
         return outcome
+
+    def _commit_twin(self, raw: ShardInfo, table: pa.Table) -> ShardInfo:
+        info = self._writer(raw.worker).commit(table, seq=raw.seq)
+        self._twins.add((raw.worker, raw.seq))
+        return info
 
     def _notify(self, outcome: ProcessedShard) -> None:
         if outcome.skipped:

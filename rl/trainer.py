@@ -177,6 +177,10 @@ class Trainer:
         self._resume()
         self.buffer: deque[Sample] = deque()
         self.offset = -1
+        self.newest_read: dict[str, int] = {}
+        """For each worker, the newest sequence number among its shards this trainer has read
+        (a processed shard keeps its raw shard's number): the rollout workers' backpressure
+        tells from it whether their data has reached the trainer."""
         self._dropped_stale = 0
         self._rejected: Counter = Counter()
         self._stale_since_publish = 0
@@ -324,6 +328,12 @@ class Trainer:
                 continue
             self._ingest_shard(info)
             read += 1
+        # after the rows are buffered, so that a status never shows a shard read and its
+        # rows missing; replaced whole, as the status thread reads it
+        newest = dict(self.newest_read)
+        for info in infos:
+            newest[info.worker] = max(info.seq, newest.get(info.worker, -1))
+        self.newest_read = newest
         return read
 
     def _ingest_shard(self, info: ShardInfo) -> None:

@@ -10,9 +10,11 @@
   (policy steps' worth of data the trainer has read and not trained, as it publishes it;
   without this, a trainer slower than the engines lets its queue grow until samples go
   stale and are dropped, their rollout compute wasted). The backlog holds nothing back
-  while the trainer says it holds less than one batch: it cannot step, so cannot publish,
-  until more data comes, and pausing then would wait forever (whenever ``max_backlog``
-  shards hold fewer tokens than the trainer's ``token_budget``).
+  while ``trainer_starved()``: the trainer has read every shard this worker committed and
+  holds less than one batch, so it cannot step, so cannot publish, until more data comes,
+  and pausing then would wait forever (whenever ``max_backlog`` shards hold fewer tokens
+  than the trainer's ``token_budget``). A trainer short of a batch while shards are still
+  on their way to it (the processor lags) does not count: they will feed it.
 - **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
   filtering a group whose rewards are all equal is dropped, slots are refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
@@ -159,6 +161,8 @@ class Orchestrator:
         sink: where finished records go (``ShardWriter``).
         backlog: how many committed shards wait for the trainer, as the caller counts them.
         trainer_queue: policy steps' worth of data the trainer holds untrained (None when unknown).
+        trainer_starved: whether the trainer cannot step before more data comes (it has read
+            every committed shard and holds less than one batch); the backlog then holds nothing back.
     """
 
     def __init__(
@@ -169,6 +173,7 @@ class Orchestrator:
         config: OrchestratorConfig | None = None,
         backlog: Callable[[], int] | None = None,
         trainer_queue: Callable[[], float | None] | None = None,
+        trainer_starved: Callable[[], bool] | None = None,
         on_result: Callable[[RolloutResult], None] | None = None,
     ):
         self.service = service
@@ -177,6 +182,7 @@ class Orchestrator:
         self.config = config or OrchestratorConfig()
         self.backlog = backlog
         self.trainer_queue = trainer_queue
+        self.trainer_starved = trainer_starved
         self.on_result = on_result
         self.stats = OrchestratorStats()
         self._mix = self._normalise(self.config.mix)
@@ -243,10 +249,10 @@ class Orchestrator:
 
     def _trainer_lags(self) -> bool:
         cfg = self.config
-        queue = None if self.trainer_queue is None else self.trainer_queue()
-        starved = queue is not None and queue < 1
+        starved = self.trainer_starved is not None and self.trainer_starved()
         if self.backlog is not None and self.backlog() > cfg.max_backlog and not starved:
             return True
+        queue = None if self.trainer_queue is None else self.trainer_queue()
         limit = cfg.max_trainer_batches
         return queue is not None and limit is not None and queue > limit
 

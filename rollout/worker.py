@@ -12,9 +12,12 @@ how stale the data waiting for the trainer can become. A trainer that does publi
 trains slower than the engines roll out is caught by the second signal: a loop reads the
 trainer's status (``status/train/trainer.json``) every ``trainer_poll_s`` and the
 orchestrator pauses while the trainer holds more than ``max_trainer_batches`` steps' worth
-of untrained data. While a fresh status says the trainer holds less than one batch, the
-backlog holds nothing back: that trainer cannot step, so cannot publish, before more data
-comes. A missing, stale or unreadable trainer status leaves the backlog alone in charge.
+of untrained data. While a fresh status says the trainer holds less than one batch and has
+read this worker's newest shard, the backlog holds nothing back: that trainer cannot step,
+so cannot publish, before more data comes. While a shard of this worker has not reached the
+trainer (the processor lags) the backlog stays in charge, so rollouts do not run on unbounded
+for a trainer that will soon have data. A missing, stale or unreadable trainer status leaves
+the backlog alone in charge.
 
 Elastic capacity: a second loop reads the trainer's elastic plan (``status/elastic/plan.json``,
 ``rollout.elastic_plan``) at most once a second and drains or undrains this worker's replicas
@@ -48,7 +51,7 @@ from rollout.router import Router, RouterConfig
 from rollout.service import RolloutResult, RolloutService, ServiceConfig
 from storage.config import RunStore
 from storage.shards import BackgroundShardWriter, ShardInfo
-from storage.status import DEFAULT_MAX_AGE_S, ElasticPlan, ElasticPlanBoard, TrainerStatusBoard
+from storage.status import DEFAULT_MAX_AGE_S, ElasticPlan, ElasticPlanBoard, TrainerStatus, TrainerStatusBoard
 from storage.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -139,7 +142,7 @@ class RolloutWorker:
         self._plan_warnings: tuple[float | None, set[str]] = (None, set())
         self.trainer_status = TrainerStatusBoard(store)
         self.trainer_poll_s = trainer_poll_s
-        self._trainer_queue: float | None = None
+        self._trainer: TrainerStatus | None = None
 
     def make_env(self, task: Task) -> Env:
         if self._make_env is not None:
@@ -152,13 +155,25 @@ class RolloutWorker:
 
     def trainer_queue(self) -> float | None:
         """Policy steps' worth of data the trainer last said it holds untrained (None when unknown)."""
-        return self._trainer_queue
+        status = self._trainer
+        return None if status is None else status.queued_batches
+
+    def trainer_starved(self) -> bool:
+        """Whether the trainer last said it holds less than one batch, having read every shard
+        this worker committed: it cannot step before more data comes. False when its status
+        is unknown, or while a shard of this worker has not reached it (the processor lags,
+        or the trainer has not polled yet)."""
+        status = self._trainer
+        if status is None or status.queued_batches >= 1:
+            return False
+        committed = self.writer.last_seq
+        return committed is None or status.newest_read.get(self.writer.worker, -1) >= committed
 
     def refresh_trainer_queue(self, now: float) -> None:
         """Read the trainer's status; a missing, stopped or stale one leaves the queue unknown."""
         status = self.trainer_status.read()
         fresh = status is not None and status.running and now - status.time <= self.plan_max_age_s
-        self._trainer_queue = status.queued_batches if fresh else None
+        self._trainer = status if fresh else None
 
     async def follow_trainer(self) -> None:
         """Refresh :meth:`trainer_queue` every ``trainer_poll_s``, until cancelled."""
@@ -166,7 +181,7 @@ class RolloutWorker:
             try:
                 await asyncio.to_thread(self.refresh_trainer_queue, time.time())
             except Exception as exc:  # storage unreachable for a moment: the queue is unknown
-                self._trainer_queue = None
+                self._trainer = None
                 log.warning("worker %s could not read the trainer's status: %s", self.name, exc)
             await asyncio.sleep(self.trainer_poll_s)
 
@@ -197,6 +212,7 @@ class RolloutWorker:
             self.orchestrator_config,
             backlog=self.backlog,
             trainer_queue=self.trainer_queue,
+            trainer_starved=self.trainer_starved,
             on_result=self.on_result,
         )
         return self

@@ -142,6 +142,8 @@ class ShardWriter:
         self._first_buffered_at = 0.0
         self._closed = False
         self._committed = 0
+        self.last_seq: int | None = None
+        """Sequence number of the last shard this writer committed (None: none yet)."""
         self.refused = 0
         """Rows refused at a flush (see the class docstring)."""
         self._seq = self._next_seq()
@@ -358,6 +360,7 @@ class ShardWriter:
                 "the commit of shard %s failed (%r) but landed: counted as committed", info.shard_id, exc
             )
         self._committed += 1
+        self.last_seq = seq
         return info
 
     def _landed(self, info: ShardInfo) -> bool:

@@ -17,7 +17,8 @@ engine replicas (units ``<worker>/<replica>``) accept new sessions, which drain 
 are handed to training; each worker reads it at most once a second and drains or undrains
 its own replicas. A plan that does not parse reads as no plan (with a warning), so a worker
 keeps serving as it is. The trainer also publishes ``status/train/trainer.json``: how much
-processed data waits for it, which the workers' orchestrators use as backpressure.
+processed data waits for it and the newest shard it has read from each worker, which the
+workers' orchestrators use as backpressure.
 """
 
 from __future__ import annotations
@@ -377,6 +378,11 @@ class TrainerStatus(BaseModel):
     buffered_tokens: int = Field(ge=0, description="Tokens of processed samples read and not yet trained.")
     token_budget: int = Field(ge=1, description="Tokens the trainer takes per policy step.")
     running: bool = Field(True, description="False once the trainer stopped: nothing waits on it.")
+    newest_read: dict[str, int] = Field(
+        default_factory=dict,
+        description="For each rollout worker, the newest sequence number among its shards the trainer has "
+        "read (a processed shard keeps its raw shard's number).",
+    )
 
     @property
     def queued_batches(self) -> float:

@@ -86,8 +86,10 @@ def run_trainer(
     ages and lengths of sessions they publish.
 
     Backpressure: every ``TRAINER_STATUS_S`` the trainer publishes how many tokens wait in
-    its buffer (``status/train/trainer.json``) when that changed; the workers' orchestrators pause launching
-    while that exceeds ``orchestrator.max_trainer_batches`` token budgets.
+    its buffer and the newest shard it has read from each worker (``status/train/trainer.json``)
+    when that changed; the workers' orchestrators pause launching while the tokens exceed
+    ``orchestrator.max_trainer_batches`` token budgets, and tell from the shards whether
+    their data has reached the trainer (``rollout.worker``).
 
     Every ``train_steps`` row carries the controller's inputs (unconsumed shards and
     trajectories, engine queue depth, the trainer's idle fraction since the last decision,
@@ -124,9 +126,15 @@ def run_trainer(
                 if before < version <= latest:
                     on_publish(version)
 
-    def trainer_status(tokens: int, running: bool) -> TrainerStatus:
+    def trainer_status(
+        tokens: int, running: bool, newest_read: dict[str, int] | None = None
+    ) -> TrainerStatus:
         return TrainerStatus(
-            time=time.time(), buffered_tokens=tokens, token_budget=config.sao.token_budget, running=running
+            time=time.time(),
+            buffered_tokens=tokens,
+            token_budget=config.sao.token_budget,
+            running=running,
+            newest_read=newest_read or {},
         )
 
     # the role is this trainer's from here: one started while this one loads is refused
@@ -226,18 +234,21 @@ def run_trainer(
     ticker = threading.Thread(target=tick, name="elastic-ticker", daemon=True)
     if engine_queue_depth is None:  # a caller's depth callable is read once per step, no more
         ticker.start()
-    reported: dict[str, Any] = {"tokens": None, "at": -math.inf}
+    reported: dict[str, Any] = {"tokens": None, "newest_read": None, "at": -math.inf}
 
     def publish_queue(running: bool) -> None:
+        # read before the tokens: the trainer marks a shard read after buffering its rows
+        newest_read = trainer.newest_read
         tokens = trainer.buffered_tokens()
-        if running and tokens == reported["tokens"] and time.monotonic() - reported["at"] < PLAN_REFRESH_S:
-            return  # unchanged: on S3 every status is a PUT
+        unchanged = (tokens, newest_read) == (reported["tokens"], reported["newest_read"])
+        if running and unchanged and time.monotonic() - reported["at"] < PLAN_REFRESH_S:
+            return  # on S3 every status is a PUT
         try:
-            queue_board.publish(trainer_status(tokens, running))
+            queue_board.publish(trainer_status(tokens, running, newest_read))
         except Exception as exc:  # the next one replaces it; a stale status holds no rollout back
             log.warning("could not publish the trainer's status: %s", exc)
             return
-        reported.update(tokens=tokens, at=time.monotonic())
+        reported.update(tokens=tokens, newest_read=newest_read, at=time.monotonic())
 
     def report_queue() -> None:
         # on its own clock, not per step: when samples are dropped as stale or a step is

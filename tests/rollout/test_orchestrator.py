@@ -50,14 +50,32 @@ def streams(*names: str):
     return {name: itertools.cycle(registry.task_set(name, "train", seed=0, n=32)) for name in names}
 
 
-async def run(tiny, config, tasks, sink, make_env=None, backlog=None, during=None, trainer_queue=None):
+async def run(
+    tiny,
+    config,
+    tasks,
+    sink,
+    make_env=None,
+    backlog=None,
+    during=None,
+    trainer_queue=None,
+    trainer_starved=None,
+):
     model, tokenizer = tiny
     engine = TorchEngine(model, tokenizer, name="torch-0")
     gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
     service = RolloutService(
         gateway, make_env or (lambda task: registry.make(task.env)), ServiceConfig(max_new_tokens=4)
     )
-    orchestrator = Orchestrator(service, tasks, sink, config, backlog=backlog, trainer_queue=trainer_queue)
+    orchestrator = Orchestrator(
+        service,
+        tasks,
+        sink,
+        config,
+        backlog=backlog,
+        trainer_queue=trainer_queue,
+        trainer_starved=trainer_starved,
+    )
     try:
         job = asyncio.create_task(orchestrator.run())
         if during is not None:
@@ -140,10 +158,10 @@ def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
     assert stats.finished == 8 and stats.paused_s >= 0.4
 
 
-@pytest.mark.parametrize(("queue", "pauses"), [(None, True), (1.0, True), (0.5, False), (0.0, False)])
-def test_the_backlog_pauses_launching_unless_the_trainer_says_it_lacks_a_batch(tiny, queue, pauses):
-    # a trainer short of a full batch cannot step, so cannot publish: pausing for the
-    # backlog then would wait forever
+@pytest.mark.parametrize(("starved", "pauses"), [(None, True), (False, True), (True, False)])
+def test_the_backlog_pauses_launching_unless_the_trainer_is_starved(tiny, starved, pauses):
+    # a trainer that has read everything and is short of a full batch cannot step, so
+    # cannot publish: pausing for the backlog then would wait forever
     async def during(orchestrator):
         await asyncio.sleep(0.5)
         during.started = sum(c.started for c in orchestrator.stats.tasks.values())
@@ -157,7 +175,8 @@ def test_the_backlog_pauses_launching_unless_the_trainer_says_it_lacks_a_batch(t
             streams("arith"),
             ListSink(),
             backlog=lambda: 100,
-            trainer_queue=lambda: queue,
+            trainer_queue=lambda: 0.0,
+            trainer_starved=None if starved is None else lambda: starved,
             during=during,
         )
     )

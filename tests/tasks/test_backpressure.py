@@ -1,16 +1,29 @@
 """The trainer's queue as the rollout workers see it: what the trainer publishes in the
-run's storage, read back by a worker, and what a missing, stale or stopped trainer means."""
+run's storage, read back by a worker, and what a missing, stale or stopped trainer means;
+and whether the worker's shards have reached the trainer through the processor."""
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
+import time
 
 import pytest
 
 from flows.config import RunConfig
+from rl.models import ensure_base_version
+from rl.process_loop import ShardProcessor
+from rl.trainer import Trainer
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
+from storage.shards import ShardReader, ShardWriter
 from storage.status import TRAINER_STATUS_NAME, TRAINER_STATUS_PREFIX, TrainerStatus, TrainerStatusBoard
+from storage.weights import WeightStore
+from tasks.rollout import run_rollouts
+from tasks.train import run_trainer
+from tests.rl.test_processor import record
+from tests.rl.test_trainer import TINY, config
 from tests.tasks.test_elastic_plan import make_worker
 
 NOW = 1_000_000.0
@@ -44,3 +57,98 @@ def test_a_corrupt_trainer_status_leaves_the_queue_unknown(worker, caplog):
     with caplog.at_level(logging.WARNING, logger="storage.status"):
         worker.refresh_trainer_queue(NOW)
     assert worker.trainer_queue() is None and "not a valid status" in caplog.text
+
+
+def commit_raw(worker: RolloutWorker, count: int) -> None:
+    """``count`` raw shards of one trajectory each, through the worker's own writer."""
+    for i in range(count):
+        worker.writer.write(record(f"t{i}", f"e{i}", [1, 2, 3, 4], [False, False, True, True]))
+        worker.writer.flush()
+    worker.writer.close()
+
+
+def test_a_trainer_short_of_a_batch_is_starved_only_once_it_has_read_the_workers_newest_shard(worker):
+    def says(newest_read: dict[str, int], buffered_tokens: int = 0) -> bool:
+        status = TrainerStatus(
+            time=NOW, buffered_tokens=buffered_tokens, token_budget=1000, newest_read=newest_read
+        )
+        TrainerStatusBoard(worker.store).publish(status)
+        worker.refresh_trainer_queue(NOW)
+        return worker.trainer_starved()
+
+    assert not worker.trainer_starved()  # no trainer status: the backlog is in charge
+    assert says({})  # this worker committed nothing: nothing is on its way
+    commit_raw(worker, 3)
+    assert worker.writer.last_seq == 2
+    assert not says({})  # its shards have not reached the trainer: the processor lags
+    assert not says({"w0": 1, "w1": 7})
+    assert says({"w0": 2})
+    assert not says({"w0": 2}, buffered_tokens=1000)  # a full batch: it can step
+    TrainerStatusBoard(worker.store).publish(
+        TrainerStatus(time=NOW, buffered_tokens=0, token_budget=1000, running=False, newest_read={"w0": 2})
+    )
+    worker.refresh_trainer_queue(NOW)
+    assert not worker.trainer_starved()  # a stopped trainer says nothing about starving
+
+
+def test_the_workers_shards_reach_the_trainers_status_only_through_the_processor(worker):
+    """Real raw shards, processor and trainer: until the processor has made the worker's
+    raw shards into processed ones, the trainer has not read them and is not starved."""
+    ensure_base_version(WeightStore(worker.store), TINY)
+    commit_raw(worker, 2)
+    trainer = Trainer(worker.store, config())
+    assert trainer.ingest() == 0 and trainer.newest_read == {}
+    processor = ShardProcessor(worker.store)
+    processor.poll()
+    assert trainer.ingest() == 2 and trainer.newest_read == {"w0": 1}
+    restarted = ShardWriter(worker.store, "w0")  # the same worker, restarted: numbering resumes
+    restarted.write(record("t9", "e9", [1, 2, 3, 4], [False, False, True, True]))
+    restarted.close()
+    processor.poll()
+    trainer.ingest()
+    assert trainer.newest_read == {"w0": 2}
+
+
+def test_a_quarantined_raw_shard_still_gets_its_processed_twin_so_the_trainer_hears_of_it(worker):
+    ensure_base_version(WeightStore(worker.store), TINY)
+    commit_raw(worker, 2)
+    raw, _ = ShardReader(worker.store, kind="raw").poll()
+    path = worker.store.path(raw[1].path)
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) // 2)
+    outcomes = ShardProcessor(worker.store).poll()
+    assert [o.skipped for o in outcomes] == [None, "quarantined"]
+    assert outcomes[1].processed.seq == 1 and outcomes[1].processed.num_rows == 0
+    trainer = Trainer(worker.store, config())
+    trainer.ingest()
+    assert trainer.newest_read == {"w0": 1}
+
+
+def test_rollouts_pause_for_the_backlog_while_the_processor_lags_behind_a_starved_trainer(tmp_path):
+    """A running trainer that holds nothing, and no processor: the worker's shards never
+    reach the trainer, so they bound the rollouts (a starved trainer once let them run on)."""
+    run = RunConfig(
+        run_id="lagging-processor",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        sao=config(),
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2, "max_backlog": 2},
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    stop = threading.Event()
+    trainer = threading.Thread(target=run_trainer, args=(run, time.time() + 300), kwargs={"stop": stop})
+    trainer.start()
+    try:
+        deadline = time.monotonic() + 120
+        while (status := TrainerStatusBoard(store).read()) is None or not status.running:
+            assert time.monotonic() < deadline, "the trainer never said it runs"
+            time.sleep(0.05)
+        result = run_rollouts(run, time.time() + 8, flush_records=1)
+    finally:
+        stop.set()
+        trainer.join()
+    raw, _ = ShardReader(store, kind="raw").poll()
+    stats = result["orchestrator"]
+    # past max_backlog: the rollouts in flight finish, and one commit may still be on its way
+    assert len(raw) == stats["finished"] <= 2 + 1 + 2 + 1, stats
+    assert stats["paused_s"] > 1.0, stats

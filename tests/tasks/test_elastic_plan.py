@@ -204,6 +204,7 @@ def test_the_train_task_publishes_a_drain_and_never_the_last_accepting_replica(t
     assert not final.running and final.accepting == ["w0/torch-0", "w0/torch-1", "w1/torch-0"]
     queue = TrainerStatusBoard(store).read()  # drained: nothing waits, and it says it stopped
     assert (queue.running, queue.buffered_tokens, queue.token_budget) == (False, 0, run.sao.token_budget)
+    assert queue.newest_read == {"proc": 3}  # the last of its four shards
     rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
     extras = [json.loads(row["extra"]) for row in rows]
     assert all(extra["rollout_status"]["workers"] == 2 for extra in extras)
