@@ -170,10 +170,7 @@ def training_alone(config: RunConfig, n: int) -> dict:
     ShardProcessor(store, config.processor).poll()
     counter = TrainCounter(n)
     trainer = Trainer(store, config.sao.model_copy(update={"max_staleness": 10**6}))
-    try:
-        trainer.run(drain=True, progress=counter)
-    finally:
-        trainer.close()
+    trainer.run(drain=True, progress=counter)
     return counter.result()
 
 
@@ -205,7 +202,6 @@ def synchronous(root: str, n: int, token_budget: int) -> dict:
                     trainer.version, await asyncio.to_thread(weights.load, trainer.version)
                 )
         finally:
-            trainer.close()
             writer.close()
             await engine.close()
 

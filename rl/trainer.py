@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import math
-import tempfile
 import threading
 import time
 import uuid
@@ -37,7 +36,7 @@ from rl.advantages import adaptive_lambda, group_advantages, skip_observation_ga
 from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.losses import dis_policy_loss, value_loss
-from rl.models import ValueModel, load_policy
+from rl.models import ValueModel, load_policy, publish_policy
 from storage.config import RunStore
 from storage.shards import ShardInfo, ShardReader
 from storage.tables import Tables
@@ -173,7 +172,6 @@ class Trainer:
         self.reader = ShardReader(store, kind="processed")
         self.attempt = uuid.uuid4().hex[:12]
         torch.manual_seed(config.seed)
-        self._tokenizer_dir = tempfile.TemporaryDirectory(prefix="treadle-trainer-tokenizer-")
         self._resume()
         self.buffer: deque[Sample] = deque()
         self.offset = -1
@@ -201,7 +199,6 @@ class Trainer:
         path = Path(self.weights.load(version))
         self.version = version
         self.policy, self.tokenizer = load_policy(str(path), device=str(self.device), dtype=self.dtype)
-        self.tokenizer.save_pretrained(self._tokenizer_dir.name)
         self.policy.train()
         self.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self.tokenizer_fingerprint = self.weights.manifest(version).get("tokenizer_fingerprint")
@@ -293,10 +290,10 @@ class Trainer:
             "attempt": self.attempt,
         }
         parent = self.version
-        version = self.weights.publish(
-            self.policy.state_dict(),
-            self.policy.config.to_dict(),
-            self._tokenizer_dir.name,
+        version = publish_policy(
+            self.weights,
+            self.policy,
+            self.tokenizer,
             step=self.step,
             parent=parent,
             metadata=metadata,
@@ -713,7 +710,3 @@ class Trainer:
         logger.warning("rejected a batch of %d samples: %s", len(samples), reason)
         for sample in samples:
             self._reject(sample.shard_id, [sample.row], reason)
-
-    def close(self) -> None:
-        """Release the temporary tokenizer folder."""
-        self._tokenizer_dir.cleanup()

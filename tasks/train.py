@@ -277,7 +277,6 @@ def run_trainer(
         with deciding:
             published["at"] = -math.inf
             publish(elastic.release(time.time()))
-        trainer.close()
     check_published()
     return {"steps": summary.steps, "versions": summary.versions, "stop_reason": summary.stop_reason}
 

@@ -120,7 +120,6 @@ def test_trains_every_row_once_and_logs_each_step(store):
     trainer = Trainer(store, config())
     seen = []
     summary = trainer.run(drain=True, progress=seen.append)
-    trainer.close()
 
     assert summary.stop_reason == "drained"
     assert summary.steps == 3 == len(seen)  # 12 rows × 11 tokens, 4 rows per 44-token budget
