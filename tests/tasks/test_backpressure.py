@@ -92,8 +92,8 @@ def test_a_trainer_short_of_a_batch_is_starved_only_once_it_has_read_the_workers
 
 
 def test_the_workers_shards_reach_the_trainers_status_only_through_the_processor(worker):
-    """Real raw shards, processor and trainer: until the processor has made the worker's
-    raw shards into processed ones, the trainer has not read them and is not starved."""
+    """Real raw shards, processor and trainer: the trainer reads a worker's shard, and says
+    so, only once the processor has made it a processed one under the same number."""
     ensure_base_version(WeightStore(worker.store), TINY)
     commit_raw(worker, 2)
     trainer = Trainer(worker.store, config())
