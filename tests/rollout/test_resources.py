@@ -1,6 +1,7 @@
 """CPU manager (cores granted per action and reclaimed) and reward-service LRU manager."""
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -63,6 +64,40 @@ def test_a_grant_is_released_when_parking_fails(child):
             assert grant.cores == {core}
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@needs_two_cores
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs the worker as another user, which needs root")
+def test_a_thread_the_worker_may_not_move_is_skipped_and_keeps_its_cores(child):
+    """A worker that is not root binding a process of another user (a setuid program an
+    action started): the thread keeps its cores, and bind neither raises nor hangs."""
+    before = os.sched_getaffinity(child.pid)
+    read_end, write_end = os.pipe()
+    worker = os.fork()
+    if worker == 0:  # the worker: drops to nobody, then binds the root-owned child
+        status = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            logged = []
+            handler = logging.Handler()
+            handler.emit = lambda record: logged.append(record.getMessage())
+            logging.getLogger("rollout.resources").addHandler(handler)
+            logging.getLogger("rollout.resources").setLevel(logging.INFO)
+            CpuManager(before).bind(child.pid, {min(before)})
+            os.write(write_end, "\n".join(logged).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end) as source:
+        logged = source.read()
+    _, status = os.waitpid(worker, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert f"cannot move thread {child.pid} of process {child.pid}" in logged
+    assert os.sched_getaffinity(child.pid) == before
 
 
 def test_cpu_manager_rejects_bad_use():

@@ -396,6 +396,29 @@ def test_a_failed_commit_retries_the_admitted_rows_without_refusing_them_again(l
     assert quarantined_refusals(local_store, "w0")[0] == ["bad1"]
 
 
+def test_refused_rows_that_cannot_be_kept_aside_fail_the_flush_and_lose_nothing(local_store, monkeypatch):
+    """The store fails as refused rows are moved to the quarantine: the flush raises,
+    every record stays buffered, and the retry refuses the bad row once and commits the rest."""
+    writer = ShardWriter(local_store, "w0", flush_records=10)
+    writer.write(make_record(0))
+    writer.write(bad_versions(1))
+    writer.write(make_record(2))
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            local_store.fs,
+            "pipe_file",
+            lambda *args, **kwargs: (_ for _ in ()).throw(OSError("down (injected)")),
+        )
+        with pytest.raises(OSError, match="down"):
+            writer.flush()
+    assert writer.refused == 0
+    assert ShardReader(local_store).poll()[0] == []
+    info = writer.flush()
+    assert ids_of(ShardReader(local_store).read(info)) == ["t0", "t2"]
+    assert writer.refused == 1
+    assert quarantined_refusals(local_store, "w0")[0] == ["bad1"]
+
+
 def test_a_background_writer_checks_rows_on_its_commit_thread_and_refuses_only_the_bad(store):
     checked_on: list[str] = []
     writer = BackgroundShardWriter(store, "w0", flush_records=3)
