@@ -237,9 +237,22 @@ class RolloutWorker:
             log.warning(
                 "worker %s loads weight version %d without replicas %s: down", self.name, latest, down
             )
-        await asyncio.gather(
-            *(e.load_version(latest, path) for e, ok in zip(self.engines, up, strict=True) if ok)
+        loading = [engine for engine, ok in zip(self.engines, up, strict=True) if ok]
+        results = await asyncio.gather(
+            *(engine.load_version(latest, path) for engine in loading), return_exceptions=True
         )
+        failed = {e.name: r for e, r in zip(loading, results, strict=True) if isinstance(r, BaseException)}
+        if failed and len(failed) == len(loading):
+            raise next(iter(failed.values()))
+        if failed:
+            # the worker moves on with the replicas that loaded it: the health check reloads
+            # the others (their version differs), rather than every replica going back
+            log.warning(
+                "worker %s: weight version %d failed to load on %s; the health check retries them",
+                self.name,
+                latest,
+                "; ".join(f"{name}: {exc}" for name, exc in failed.items()),
+            )
         self.version = latest
         self._shards_at_version = self.writer.committed
         self.version_loads.append((latest, time.time()))

@@ -18,6 +18,9 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
 
 Version tags are exact: a reload waits for in-flight requests to finish and holds new ones
 back until the new weights are loaded, so every token of a request comes from one version.
+A reload that fails once the server may have begun loading leaves the weights unknown: the
+engine's version is then :data:`UNKNOWN_VERSION` and it refuses to generate until a reload
+succeeds (the worker's health check reloads it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,9 @@ from rollout.engines.base import (
 )
 
 logger = logging.getLogger(__name__)
+
+UNKNOWN_VERSION = -1
+"""``VLLMEngine.version`` while the server's weights are unknown (a reload failed midway)."""
 
 
 class VLLMEngineConfig(BaseModel):
@@ -129,6 +135,11 @@ class VLLMEngine:
             raise InvalidRequest("empty prompt")
         async with self._gate:
             await self._gate.wait_for(lambda: not self._reloading)
+            if self.version == UNKNOWN_VERSION:
+                raise EngineError(
+                    f"vLLM server {self.name} holds weights of an unknown version (a reload failed midway); "
+                    "it generates again once a reload succeeds"
+                )
             self._inflight += 1
             version = self.version
         self._stats.queue_depth = self._inflight
@@ -169,12 +180,16 @@ class VLLMEngine:
 
     async def load_version(self, version: int, path: str) -> None:
         """Drain in-flight requests, load the weights in ``path`` (a directory the server can
-        read), reset the prefix cache, then let requests through tagged ``version``."""
+        read), reset the prefix cache, then let requests through tagged ``version``. When the
+        load or the reset fails, the version is :data:`UNKNOWN_VERSION` until a load succeeds."""
         async with self._gate:
             self._reloading = True
         try:
             async with self._gate:
                 await self._gate.wait_for(lambda: self._inflight == 0)
+            # from here on the server may hold some of the new weights: no token may carry
+            # the old tag until this load has finished
+            self.version = UNKNOWN_VERSION
             await self._request(
                 "POST",
                 "/collective_rpc",

@@ -11,7 +11,7 @@ import torch
 
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
-from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine, VLLMEngineConfig
 from rollout.router import Router, RouterConfig
 from tests.rollout.vllm_standin import StandinServer
 
@@ -191,6 +191,27 @@ def test_a_reload_cancelled_while_it_waits_lets_requests_through_again(tiny, tmp
         first = await running
         assert first.versions == [0] * 40 and later.versions == [0] * 3 and engine.version == 0
         assert "reload" not in [kind for kind, _ in server.events]
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_a_reload_that_fails_midway_refuses_to_generate_until_a_reload_succeeds(tiny, tmp_path):
+    """The server loaded the new weights but its prefix-cache reset failed: no token may be
+    tagged with the old version, so the engine refuses to generate until a load succeeds."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        server.app.state.fail_next.add("/reset_prefix_cache")
+        with pytest.raises(EngineError, match="answered 500 on /reset_prefix_cache"):
+            await engine.load_version(1, str(tmp_path / "v1"))
+        assert engine.version == UNKNOWN_VERSION
+        assert [kind for kind, _ in server.events] == ["reload"]
+        with pytest.raises(EngineError, match="unknown version"):
+            await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
+        await engine.load_version(1, str(tmp_path / "v1"))
+        after = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
+        assert after.versions == [1] * 3
 
     asyncio.run(_with_server(model, body))
 

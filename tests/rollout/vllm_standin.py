@@ -10,7 +10,8 @@ model doing a plain forward pass per token:
   log-probs are those of the sampling distribution (as vLLM's
   ``--logprobs-mode processed_logprobs``): temperature, then top-p, renormalised.
 - ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
-  in ``deployments/vllm/treadle_vllm_ext.py``), ``POST /reset_prefix_cache``.
+  in ``deployments/vllm/treadle_vllm_ext.py``), ``POST /reset_prefix_cache`` (its next
+  call answers 500 while ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
 
 Its "prefix cache" only counts the longest cached prefix of each prompt (what vLLM reports
 as ``cached_tokens``); it does not skip compute. ``events`` logs completions and reloads in
@@ -60,6 +61,7 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
     events: list[tuple[str, Any]] = []
     app.state.events = events
     app.state.model = model
+    app.state.fail_next = set()  # endpoint paths whose next call answers 500 (fault injection)
 
     @app.get("/health")
     async def health():
@@ -156,6 +158,9 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
+        if "/reset_prefix_cache" in app.state.fail_next:
+            app.state.fail_next.discard("/reset_prefix_cache")
+            return JSONResponse({"error": "prefix cache reset failed (injected)"}, 500)
         cache.clear()
         events.append(("reset_prefix_cache", None))
         return {"success": True}

@@ -9,6 +9,7 @@ import torch
 
 from flows.config import RunConfig
 from rl.models import ensure_base_version, load_policy, publish_policy
+from rollout.engines.base import EngineError
 from rollout.router import RouterConfig
 from storage.weights import WeightStore
 from tests.rl.test_trainer import TINY
@@ -84,3 +85,43 @@ def test_a_replica_that_comes_back_loads_the_current_version_before_it_serves(lo
     for name, tensor in model.state_dict().items():
         assert torch.equal(served[name], tensor), f"{name} is not version 0's"
     assert worker.version == worker.engines[1].version == 0
+
+
+def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_keep_it(local_store):
+    """``torch-1`` fails to load version 1 once: the worker moves on to version 1 with
+    ``torch-0`` and the health check reloads it into ``torch-1``; ``torch-0`` is never sent
+    back to version 0."""
+    weights = WeightStore(local_store)
+    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    ensure_base_version(weights, TINY)
+    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05), weight_poll_s=0.05)
+    loads: list[tuple[str, int]] = []
+    failures = {"torch-1": 1}
+
+    async def body() -> None:
+        await worker.start()
+        for engine in worker.engines:
+            real_load = engine.load_version
+
+            async def load_version(version, path, engine=engine, real_load=real_load):
+                loads.append((engine.name, version))
+                if failures.get(engine.name):
+                    failures[engine.name] -= 1
+                    raise EngineError(f"{engine.name} failed to load version {version} (injected)")
+                await real_load(version, path)
+
+            engine.load_version = load_version
+        run_task = asyncio.create_task(worker.run(max_seconds=600))
+        try:
+            model, tokenizer = load_policy(weights.load(0))
+            publish_policy(weights, model, tokenizer, step=1)
+            await until(lambda: worker.version == 1, "the worker to move on to version 1")
+            await until(lambda: worker.engines[1].version == 1, "torch-1 to load version 1 on a retry")
+        finally:
+            worker.stop()
+            await run_task
+            await worker.close()
+
+    asyncio.run(body())
+    assert [version for name, version in loads if name == "torch-0"] == [1]
+    assert [version for name, version in loads if name == "torch-1"][:2] == [1, 1]
