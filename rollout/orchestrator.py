@@ -18,7 +18,8 @@
 - **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
   filtering a group whose rewards are all equal is dropped, slots are refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
-  are cancelled.
+  are cancelled. A group whose member fails outside the service's classification or is
+  cut short by a stop goes on with the members that finished, as a smaller group.
 - Every finished rollout goes to the sink (a ``ShardWriter``), a group's records in one
   write so that they share a shard; ``stop()`` stops
   launching, cancels what is in flight, flushes the sink and records what was cut short.
@@ -150,6 +151,8 @@ class _Group:
     size: int
     results: list[RolloutResult] = field(default_factory=list)
     tasks: set[asyncio.Task] = field(default_factory=set)
+    lost: int = 0
+    """Members that will never finish: failed outside the service's classification, or cut short."""
 
 
 class Orchestrator:
@@ -303,10 +306,12 @@ class Orchestrator:
         group = self._groups.pop(job)
         group.tasks.discard(job)
         if job.cancelled():
+            self._lose(group)
             return
         exc = job.exception()
         if exc is not None:
             log.error("rollout %s failed outside the service's classification: %r", rollout_id, exc)
+            self._lose(group)
             return
         result: RolloutResult = job.result()
         counters = self.stats.tasks[result.record["task"]]
@@ -320,8 +325,29 @@ class Orchestrator:
         group.results.append(result)
         if self.config.group_size == 1:
             self._write([result])
-        elif len(group.results) == group.size:
-            self._finish_group(group)
+        else:
+            self._settle(group)
+
+    def _lose(self, group: _Group) -> None:
+        """One member of ``group`` will never finish (failed outside the service's
+        classification, or cut short by a stop)."""
+        group.lost += 1
+        self._settle(group)
+
+    def _settle(self, group: _Group) -> None:
+        """Finish ``group`` once none of its members is left running. Members it lost leave a
+        smaller group, whose finished rollouts are written rather than kept back for ever."""
+        if not group.results or len(group.results) + group.lost < group.size:
+            return
+        if group.lost:
+            log.warning(
+                "group %s lost %d of its %d rollouts; its %d finished ones go on as a smaller group",
+                group.group_id,
+                group.lost,
+                group.size,
+                len(group.results),
+            )
+        self._finish_group(group)
 
     def _finish_group(self, group: _Group) -> None:
         scored = [r.reward for r in group.results if r.status in ("ok", "truncated") and r.reward is not None]
@@ -362,8 +388,9 @@ class Orchestrator:
                 self._collect(job)
                 continue
             rollout_id = self._in_flight.pop(job)
-            self._groups.pop(job, None)
+            group = self._groups.pop(job)
             if not redundant:
                 self.stats.cut_short.append(rollout_id)
+                self._lose(group)
         if self.stats.cut_short:
             log.info("stopped with %d rollouts cut short", len(self.stats.cut_short))

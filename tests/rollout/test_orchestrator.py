@@ -295,3 +295,66 @@ def test_a_rollout_done_when_the_stop_comes_is_collected_not_cut_short(tiny):
 
     stats = asyncio.run(body())
     assert stats.finished == len(sink.records) == 1 and stats.cut_short == []
+
+
+class OneStuckInFour(CoinEnv):
+    """Every fourth environment made never answers; the others score a seeded coin."""
+
+    made = itertools.count()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.stuck = next(self.made) % 4 == 3
+
+    async def step(self, action: str) -> StepResult:
+        if self.stuck:
+            await asyncio.sleep(3600)
+        return await super().step(action)
+
+
+def test_a_stop_writes_the_finished_members_of_a_group_it_cuts_short(tiny):
+    async def during(orchestrator):
+        while orchestrator.stats.finished < 3:
+            await asyncio.sleep(0.01)
+        orchestrator.stop()
+
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, group_size=4, filter_uniform_groups=False)
+    OneStuckInFour.made = itertools.count()
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), sink, make_env=lambda task: OneStuckInFour(), during=during)
+    )
+    assert len(stats.cut_short) == 1 and stats.finished == 3
+    assert sink.writes == [3] and stats.groups_kept == 1  # one write: the group stays in one shard
+    assert len({record["group_id"] for record in sink.records}) == 1
+
+
+def test_a_group_member_failing_outside_the_service_leaves_the_others_written(tiny):
+    model, tokenizer = tiny
+    sink = ListSink()
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+        service = RolloutService(gateway, lambda task: CoinEnv(), ServiceConfig(max_new_tokens=4))
+        calls = itertools.count()
+        process = service.process
+
+        async def failing_second(request):
+            if next(calls) == 1:
+                raise RuntimeError("a bug in the service (injected)")
+            return await process(request)
+
+        service.process = failing_second
+        config = OrchestratorConfig(
+            mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=4, filter_uniform_groups=False
+        )
+        orchestrator = Orchestrator(service, streams("arith"), sink, config)
+        try:
+            return await asyncio.wait_for(orchestrator.run(), 60)
+        finally:
+            await engine.close()
+
+    stats = asyncio.run(body())
+    assert stats.finished == 3 and stats.cut_short == []
+    assert sink.writes == [3] and stats.groups_kept == 1
