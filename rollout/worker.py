@@ -84,6 +84,7 @@ class RolloutWorker:
         plan_max_age_s: a running trainer's plan or status older than this is ignored (with a warning
             for a plan).
         trainer_poll_s: seconds between reads of the trainer's status (backpressure).
+        close_retry_s: waits between the attempts ``close`` makes to commit the last shard.
     """
 
     def __init__(
@@ -108,6 +109,7 @@ class RolloutWorker:
         plan_poll_s: float = 1.0,
         plan_max_age_s: float = DEFAULT_MAX_AGE_S,
         trainer_poll_s: float = 0.25,
+        close_retry_s: tuple[float, ...] = (1.0, 2.0, 4.0),
     ):
         self.store = store
         self.name = name
@@ -123,6 +125,7 @@ class RolloutWorker:
         )
         self.router_config = router or RouterConfig()
         self.weight_poll_s = weight_poll_s
+        self.close_retry_s = close_retry_s
         self.on_result = on_result
         self.cluster = cluster
         self._make_env = make_env
@@ -451,8 +454,32 @@ class RolloutWorker:
         }
 
     async def close(self) -> None:
-        """Flush what is buffered and stop the engines."""
-        await asyncio.to_thread(self.writer.close)
-        if self.service is not None:
-            await self.service.close()
-        await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
+        """Commit what is buffered, then stop the service and the engines, whether or not
+        that commit landed. A commit that fails is tried again after each wait of
+        ``close_retry_s`` (the records stay in the writer meanwhile); the last failure is
+        raised once everything is stopped."""
+        try:
+            await self._close_writer()
+        finally:
+            try:
+                if self.service is not None:
+                    await self.service.close()
+            finally:
+                await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
+
+    async def _close_writer(self) -> None:
+        for wait in (*self.close_retry_s, None):
+            try:
+                await asyncio.to_thread(self.writer.close)
+                return
+            except Exception as exc:
+                if wait is None:
+                    raise
+                log.warning(
+                    "worker %s could not commit its last %d records (%s); trying again in %.0f s",
+                    self.name,
+                    self.writer.unsaved_records,
+                    exc,
+                    wait,
+                )
+                await asyncio.sleep(wait)

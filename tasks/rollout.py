@@ -130,8 +130,10 @@ def run_rollouts(
                 (reported,) = await asyncio.gather(reporter, return_exceptions=True)
                 if isinstance(reported, Exception):
                     log.warning("worker %s stopped reporting progress: %r", worker_name, reported)
-            await worker.close()
-            await publish_status(running=False)
+            try:
+                await worker.close()
+            finally:
+                await publish_status(running=False)
         return {
             **worker.status(),
             "orchestrator": stats.as_dict(),

@@ -1,16 +1,19 @@
 """A rollout worker probes its replicas: a dead one leaves service before a request finds it,
-one that recovers comes back on the worker's weight version."""
+one that recovers comes back on the worker's weight version; one that fails to load a
+version is retried alone; closing retries the last commit and always stops the engines."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from flows.config import RunConfig
 from rl.models import ensure_base_version, load_policy, publish_policy
 from rollout.engines.base import EngineError
 from rollout.router import RouterConfig
+from storage.shards import ShardReader
 from storage.weights import WeightStore
 from tests.rl.test_trainer import TINY
 from tests.tasks.test_elastic_plan import make_worker, until
@@ -125,3 +128,40 @@ def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_kee
     asyncio.run(body())
     assert [version for name, version in loads if name == "torch-0"] == [1]
     assert [version for name, version in loads if name == "torch-1"][:2] == [1, 1]
+
+
+@pytest.mark.parametrize("failures", [2, 4])
+def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(local_store, failures):
+    """The last shard's commit fails ``failures`` times: with 3 retries it lands on the third
+    attempt (every rollout committed), or close raises the last failure; either way the
+    engines are stopped."""
+    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    ensure_base_version(WeightStore(local_store), TINY)
+    worker = make_worker(local_store, run, close_retry_s=(0.01, 0.01, 0.01))
+    attempts = []
+    real_close = worker.writer.close
+
+    def close() -> None:
+        attempts.append(worker.writer.unsaved_records)
+        if len(attempts) <= failures:
+            raise OSError("store unreachable (injected)")
+        real_close()
+
+    worker.writer.close = close
+
+    async def body():
+        await worker.start()
+        stats = await worker.run(max_seconds=1.0)
+        if failures > len(worker.close_retry_s):
+            with pytest.raises(OSError, match="unreachable"):
+                await worker.close()
+        else:
+            await worker.close()
+        return stats
+
+    stats = asyncio.run(body())
+    assert len(attempts) == min(failures + 1, 4)
+    assert all(engine._closed for engine in worker.engines)
+    if failures <= len(worker.close_retry_s):
+        reader = ShardReader(local_store)
+        assert sum(reader.read(shard).num_rows for shard in reader.poll()[0]) == stats.finished > 0
