@@ -763,6 +763,11 @@ class _AsyncFront:
 
     async def acquire(self, request: ResourceRequest) -> Grant:
         """Wait until the action is granted its resources."""
+        cores = request.demand.get(self.cpu_resource)
+        if self.cpu is not None and cores is not None and cores != int(cores):
+            raise ValueError(
+                f"an action asks for {cores} {self.cpu_resource!r}: the CPU manager grants whole cores"
+            )
         ticket = self.policy.submit(request, self._now())
         waiter = asyncio.get_running_loop().create_future()
         self._waiters[ticket] = waiter

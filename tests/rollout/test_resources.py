@@ -100,6 +100,21 @@ def test_a_thread_the_worker_may_not_move_is_skipped_and_keeps_its_cores(child):
     assert os.sched_getaffinity(child.pid) == before
 
 
+def test_a_fractional_core_demand_is_refused_at_the_call_and_the_scheduler_keeps_serving():
+    core = min(os.sched_getaffinity(0))
+    cpu = CpuManager({core})
+    sched = ActionScheduler({"cpu": 1}, cpu=cpu)
+
+    async def main():
+        with pytest.raises(ValueError, match="grants whole cores"):
+            await sched.acquire(ResourceRequest(demand={"cpu": 0.5}, duration=1))
+        async with sched.run(ResourceRequest(demand={"cpu": 1}, duration=1)) as grant:
+            assert grant.cores == {core}
+        assert cpu.available == {core} and sched.policy.free == [1.0]
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_cpu_manager_rejects_bad_use():
     cpu = CpuManager({0})
     with pytest.raises(ValueError, match="only 1 of 1 cores free"):
