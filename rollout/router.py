@@ -380,12 +380,28 @@ class Router:
         return dict(zip(names, results, strict=True))
 
     def _take_down(self, name: str) -> None:
-        """Out of service until healthy again; a draining replica stays draining when it is back."""
-        if name in self._engines:
-            draining = name in self._draining
-            self._down[name] = self.remove(name)
-            if draining:
-                self._draining.add(name)
+        """Out of service until healthy again; a draining replica stays draining when it is back.
+
+        A failure must not leave new sessions nowhere to go: when the replica that went down
+        was the last one accepting, the least loaded draining replica accepts again (the
+        elastic plan never drains a worker's last accepting replica either).
+        """
+        if name not in self._engines:
+            return
+        draining = name in self._draining
+        self._down[name] = self.remove(name)
+        if draining:
+            self._draining.add(name)
+        in_service = [n for n in self._engines if n in self._draining]
+        if in_service and len(in_service) == len(self._engines):
+            reopened = min(in_service, key=lambda n: self._load[n])
+            self.undrain(reopened)
+            logger.warning(
+                "replica %s went down and every other replica in service was draining: %s takes new "
+                "sessions again",
+                name,
+                reopened,
+            )
 
 
 async def _healthy(engine: Engine) -> bool:

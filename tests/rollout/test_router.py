@@ -386,3 +386,37 @@ def test_a_recovered_replica_is_restored_before_it_is_back_in_service():
 
     asyncio.run(body())
     assert restored == [("failed", "r0"), ("r0", False)], "restored once, while still out of service"
+
+
+def test_when_the_last_accepting_replica_fails_the_least_loaded_draining_one_accepts_again():
+    """The elastic plan left r0 accepting and drains r1 and r2; r0 fails its probe: new
+    sessions go to the least loaded draining replica instead of failing with NoReplicas."""
+    import asyncio
+
+    engines = _replicas(3)
+    router = Router(engines, RouterConfig(policy="sticky"))
+    for session in SESSIONS[:30]:
+        router.route(session)
+    router.drain("r1")
+    router.drain("r2")
+    router.end_session(next(s for s in SESSIONS[:30] if router.assignment(s) == "r2"))
+    up = {"r0": False, "r1": True, "r2": True}
+    for engine in engines:
+
+        async def health(name=engine.name) -> bool:
+            return up[name]
+
+        engine.health = health
+
+    async def body():
+        try:
+            await router.check_health()
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    loads = {name: router.load(name) for name in ("r1", "r2")}
+    asyncio.run(body())
+    reopened = min(loads, key=loads.get)
+    assert router.replicas == ["r1", "r2"] and router.draining == sorted({"r1", "r2"} - {reopened})
+    assert router.route("a new session").name == reopened
