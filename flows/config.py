@@ -180,6 +180,11 @@ class RunConfig(BaseModel):
                     f"envs.{name}.reward_model: {scorer!r} is not one of service.reward_models "
                     f"({sorted(self.service.reward_models) or 'none configured'})"
                 )
+        rollouts, group = self.stop.max_rollouts, self.orchestrator.group_size
+        if rollouts is not None and rollouts < group:
+            raise ValueError(
+                f"stop.max_rollouts ({rollouts}) is below orchestrator.group_size ({group}): no group could launch"
+            )
         if self.cluster == "ray":
             # a Ray env actor is reached through a proxy that neither drives a program nor
             # carries the env's config to the service

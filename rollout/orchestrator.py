@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from envs.base import Task
 from rollout.service import RolloutRequest, RolloutResult, RolloutService
@@ -83,6 +83,19 @@ class OrchestratorConfig(BaseModel):
         if not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
             raise ValueError("mix needs at least one task and non-negative weights with a positive sum")
         return mix
+
+    @model_validator(mode="after")
+    def _groups_fit(self) -> OrchestratorConfig:
+        # a group launches whole: one that cannot fit would launch nothing, silently
+        if self.group_size > self.concurrency:
+            raise ValueError(
+                f"group_size ({self.group_size}) exceeds concurrency ({self.concurrency}): no group could launch"
+            )
+        if self.max_rollouts is not None and self.max_rollouts < self.group_size:
+            raise ValueError(
+                f"max_rollouts ({self.max_rollouts}) is below group_size ({self.group_size}): no group could launch"
+            )
+        return self
 
 
 class Sink(Protocol):

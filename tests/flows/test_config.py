@@ -50,6 +50,9 @@ def test_tiny_config_loads():
         ("eval:\n  temperature: 1.0e-7\n", "eval.temperature"),  # the engines refuse it
         ("eval:\n  temperature: .nan\n", "eval.temperature"),
         ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
+        ("orchestrator:\n  group_size: 8\n  concurrency: 4\n", "exceeds concurrency"),
+        ("orchestrator:\n  group_size: 4\n  max_rollouts: 2\n", "is below group_size"),
+        ("orchestrator:\n  group_size: 4\nstop:\n  max_rollouts: 3\n", "is below orchestrator.group_size"),
         (
             "cluster: ray\nservice:\n  reward_models: {judge: {path: /models/judge}}\n"
             "envs:\n  arith: {reward_model: judge}\n",
