@@ -67,6 +67,8 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
         try:
             result = await asyncio.create_task(service.process(request))
         except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # this handler is cancelled, not the rollout alone
+                raise
             raise HTTPException(409, f"rollout {request.rollout_id} was cancelled") from None
         except DuplicateRollout as exc:
             raise HTTPException(409, str(exc)) from None

@@ -21,7 +21,7 @@ from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router, RouterConfig
 from rollout.service import DuplicateRollout, RolloutRequest, RolloutService, ServiceConfig
-from rollout.service_http import ServiceServer
+from rollout.service_http import ServiceServer, create_app
 from storage.schema import to_table, validate
 
 TINY = TinyModelConfig(
@@ -382,6 +382,34 @@ def test_a_rollout_id_in_flight_is_refused_and_the_first_rollout_stays_cancellab
     duplicate, cancelled, status = asyncio.run(body())
     assert duplicate.status_code == 409 and "already in flight" in duplicate.json()["detail"]
     assert cancelled and status["in_flight"] == 0
+
+
+def test_a_cancelled_process_handler_stays_cancelled_and_so_does_its_rollout(tiny):
+    """The client's request is cancelled (the server shuts down, say): the handler ends
+    cancelled, not with a 409 as when the rollout alone is cancelled, and takes the rollout with it."""
+
+    async def body():
+        reached, never = asyncio.Event(), asyncio.Event()
+        async with running_service(
+            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: HeldEnv("step", reached, never)
+        ) as service:
+            app = create_app(service, "token")
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+                call = asyncio.create_task(
+                    client.post(
+                        "/process",
+                        json={"task": arith_task().model_dump()},
+                        headers={"Authorization": "Bearer token"},
+                    )
+                )
+                await asyncio.wait_for(reached.wait(), 60)
+                call.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            return service.status()
+
+    assert asyncio.run(body())["in_flight"] == 0
 
 
 @pytest.mark.parametrize("failover", [False, True])
