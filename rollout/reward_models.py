@@ -15,6 +15,7 @@ own chat template, or as ``role: content`` lines without one) and its logit is t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -92,7 +93,16 @@ class RewardModels:
         """Reward model ``name``'s score of a conversation (loaded on the device for the call)."""
         ids = self.input_ids(name, messages)
         async with self.manager.use(name) as model:
-            return await asyncio.to_thread(_forward, model, ids)
+            forward = asyncio.ensure_future(asyncio.to_thread(_forward, model, ids))
+            try:
+                return await asyncio.shield(forward)
+            except asyncio.CancelledError:
+                # a thread cannot be stopped: the model stays in use, so not evicted under
+                # its forward, until the thread is done
+                while not forward.done():
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await asyncio.wait([forward])
+                raise
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]) -> list[int]:

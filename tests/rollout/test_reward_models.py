@@ -5,6 +5,8 @@ call and evicted least recently used under the device budget."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 import torch
@@ -21,6 +23,7 @@ from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.resources import state_bytes
+from rollout import reward_models
 from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
 from rollout.router import Router
 from rollout.service import RolloutRequest, RolloutService, ServiceConfig
@@ -142,6 +145,43 @@ def test_a_reward_model_scores_the_same_after_eviction_and_reload(judges):
     assert models.manager.evictions == ["judge-a", "judge-b"]
     assert first == pytest.approx(reference_score(judges["judge-a"], messages), abs=1e-5)
     assert again == pytest.approx(first, abs=1e-6)  # rotary tables and all come back with the weights
+    assert other == pytest.approx(reference_score(judges["judge-b"], messages), abs=1e-5)
+
+
+def test_a_cancelled_call_keeps_its_model_resident_until_its_forward_is_done(judges, monkeypatch):
+    """The caller of ``score`` is cancelled mid-forward and a call to the other model needs
+    the room: the first model is evicted only once its forward thread has finished."""
+    sizes = [state_bytes(AutoModelForSequenceClassification.from_pretrained(p)) for p in judges.values()]
+    models = RewardModels(
+        {name: RewardModelConfig(path=path) for name, path in judges.items()},
+        device="cpu",
+        budget_bytes=max(sizes),
+    )
+    messages = [{"role": "user", "content": "guess 3-14"}, {"role": "assistant", "content": "8"}]
+    started, seen = threading.Event(), []
+    forward = reward_models._forward
+
+    def slow_forward(model, ids):
+        if not started.is_set():
+            started.set()
+            time.sleep(0.5)
+            seen.append((next(model.parameters()).device.type, list(models.manager.evictions)))
+        return forward(model, ids)
+
+    monkeypatch.setattr(reward_models, "_forward", slow_forward)
+
+    async def main():
+        first = asyncio.create_task(models.score("judge-a", messages))
+        await asyncio.to_thread(started.wait, 30)
+        first.cancel()
+        other = await asyncio.wait_for(models.score("judge-b", messages), 60)
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        return other
+
+    other = asyncio.run(main())
+    assert seen == [("cpu", [])], "judge-a was evicted under its running forward"
+    assert models.manager.evictions == ["judge-a"]
     assert other == pytest.approx(reference_score(judges["judge-b"], messages), abs=1e-5)
 
 
