@@ -20,10 +20,10 @@ from transformers import (
 from envs import registry
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model
+from rollout import reward_models
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.resources import state_bytes
-from rollout import reward_models
 from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
 from rollout.router import Router
 from rollout.service import RolloutRequest, RolloutService, ServiceConfig
