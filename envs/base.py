@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs.sandbox import COMMAND_KINDS, Sandbox, SandboxConfig, SandboxError
+from envs.threads import to_thread_to_the_end
 
 Split = Literal["train", "eval"]
 
@@ -235,9 +236,10 @@ class Env(ABC):
             self.sandbox = None
 
     async def _new_sandbox(self) -> Sandbox:
-        """A fresh sandbox for this episode (the previous one, if any, is closed)."""
+        """A fresh sandbox for this episode (the previous one, if any, is closed). A caller
+        cancelled while it is built closes it once built, so its folder and uid are freed."""
         await self.close()
-        self.sandbox = await asyncio.to_thread(Sandbox, self.config.sandbox)
+        self.sandbox = await to_thread_to_the_end(Sandbox, self.config.sandbox, discard=Sandbox.close)
         return self.sandbox
 
     def _start(self, task: Task) -> None:

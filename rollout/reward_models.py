@@ -14,8 +14,6 @@ own chat template, or as ``role: content`` lines without one) and its logit is t
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -23,6 +21,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
+from envs.threads import to_thread_to_the_end
 from rl.models import PRETRAINED_LOAD_LOCK
 from rollout.resources import ServiceManager, state_bytes
 
@@ -93,16 +92,8 @@ class RewardModels:
         """Reward model ``name``'s score of a conversation (loaded on the device for the call)."""
         ids = self.input_ids(name, messages)
         async with self.manager.use(name) as model:
-            forward = asyncio.ensure_future(asyncio.to_thread(_forward, model, ids))
-            try:
-                return await asyncio.shield(forward)
-            except asyncio.CancelledError:
-                # a thread cannot be stopped: the model stays in use, so not evicted under
-                # its forward, until the thread is done
-                while not forward.done():
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await asyncio.wait([forward])
-                raise
+            # a cancelled caller keeps the model in use, so not evicted, under its forward
+            return await to_thread_to_the_end(_forward, model, ids)
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]) -> list[int]:

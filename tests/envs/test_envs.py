@@ -161,6 +161,23 @@ def test_shell_commands_the_sandbox_stops_are_failed_actions():
     assert score == 1.0
 
 
+def test_a_reset_cancelled_while_its_sandbox_is_built_leaves_no_sandbox_behind(tmp_path):
+    config = SMALL.model_copy(update={"root_dir": str(tmp_path)})
+
+    async def run():
+        for _ in range(10):
+            env = make("shell", sandbox=config)
+            reset = asyncio.create_task(env.reset(WRITE_RED))
+            await asyncio.sleep(0)  # the sandbox is being built on a thread
+            reset.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reset
+            await env.close()
+
+    asyncio.run(run())
+    assert os.listdir(tmp_path) == []
+
+
 @needs_bwrap
 def test_shell_eval_never_opens_a_fifo_the_model_swapped_in(monkeypatch):
     """A job the model left running can swap a.txt for a FIFO right after any check of the path;
