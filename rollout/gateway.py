@@ -170,6 +170,8 @@ class Session:
     """Set by :meth:`Gateway.close`; a turn still waiting for the session's lock then fails."""
     _pending: list[dict[str, Any]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _generating: asyncio.Future | None = None
+    """The engine call of the turn generating now (cancelled when the session is closed)."""
 
     @property
     def session_id(self) -> str:
@@ -228,7 +230,8 @@ class Session:
         """Render queued messages, then generate one action from the whole token sequence.
 
         Raises :class:`UnknownSession` when the session was closed while this turn waited for
-        the one before it (routing it would pin the closed session to a replica again).
+        the one before it (routing it would pin the closed session to a replica again) or
+        while it generated (the engine call is cancelled: nobody will read its tokens).
         """
         async with self._lock:
             if self.closed:
@@ -254,7 +257,19 @@ class Session:
                     seed=params.seed,
                 )
             started = time.perf_counter()
-            generation = await self.gateway.router.generate(self.session_id, list(self.tokens), params)
+            self._generating = asyncio.ensure_future(
+                self.gateway.router.generate(self.session_id, list(self.tokens), params)
+            )
+            try:
+                generation = await self._generating
+            except asyncio.CancelledError:
+                if self.closed and not asyncio.current_task().cancelling():
+                    raise UnknownSession(
+                        f"session {self.session_id!r} was closed while its turn generated"
+                    ) from None
+                raise
+            finally:
+                self._generating = None
             self.generation_seconds += time.perf_counter() - started
             _check_generation(generation, self.gateway.vocab_size)
             result = TurnResult(
@@ -392,10 +407,13 @@ class Gateway:
 
     def close(self, session_id: str) -> None:
         """End a session: release its replica assignment and the engine's cache for it; a turn
-        of it still waiting to run fails with :class:`UnknownSession`."""
+        of it still waiting to run or generating fails with :class:`UnknownSession` (its
+        engine call cancelled)."""
         session = self.session(session_id)
         del self._sessions[session_id]
         session.closed = True
+        if session._generating is not None:
+            session._generating.cancel()
         self.router.end_session(session_id)
 
     def check_ids(self, token_ids: Sequence[int], *, what: str) -> None:

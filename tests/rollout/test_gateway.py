@@ -224,21 +224,40 @@ def test_bad_input_is_a_clear_error_and_other_sessions_keep_working(tiny):
     asyncio.run(body())
 
 
-def test_a_turn_queued_behind_another_fails_once_its_session_is_closed(tiny):
-    """A turn that waits for the session's previous one and finds the session closed fails
+def test_closing_a_session_cancels_its_generating_turn_and_fails_the_queued_one(tiny):
+    """The rollout is gone (its env closed the session): the turn on the engine is cancelled
+    there rather than generating tokens nobody reads, and a turn waiting behind it fails
     instead of pinning the closed session to a replica again."""
 
     async def body():
         async with running_gateway(tiny) as gateway:
+            (engine,) = gateway.router._engines.values()
+            calls = []
+            real_generate = engine.generate
+
+            async def generate(*args, **kwargs):
+                calls.append("started")
+                try:
+                    generation = await real_generate(*args, **kwargs)
+                except asyncio.CancelledError:
+                    calls.append("cancelled")
+                    raise
+                calls.append("finished")
+                return generation
+
+            engine.generate = generate
             session = gateway.open(task="t", prompt_id="p")
             session.add_messages(USER)
-            first = asyncio.create_task(session.generate(SamplingParams(max_new_tokens=4, seed=0)))
+            first = asyncio.create_task(session.generate(SamplingParams(max_new_tokens=400, seed=0)))
             queued = asyncio.create_task(session.generate(SamplingParams(max_new_tokens=4, seed=1)))
-            await asyncio.sleep(0)  # the first turn is on the engine, the second waits for it
+            while not calls:  # the first turn is on the engine, the second waits for it
+                await asyncio.sleep(0)
             gateway.close(session.session_id)
-            await first
+            with pytest.raises(UnknownSession, match="closed while its turn generated"):
+                await first
             with pytest.raises(UnknownSession, match="was closed"):
                 await queued
+            assert calls == ["started", "cancelled"]
             router = gateway.router
             assert router.assignment(session.session_id) is None
             assert router.load(router.replicas[0]) == 0 and router.session_ages() == {router.replicas[0]: []}
