@@ -85,6 +85,12 @@ class RouterConfig(BaseModel):
         "leaves service before a request finds it, one that recovered comes back (None: only a failed "
         "request takes a replica out, and nothing brings it back).",
     )
+    health_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Seconds a health probe may take; a replica whose probe hangs (a stuck actor) counts "
+        "as down, and the other replicas' probes are not held up.",
+    )
 
 
 class NoReplicas(EngineError):
@@ -338,7 +344,7 @@ class Router:
         try:
             return await engine.generate(session_id, prompt_ids, params)
         except EngineError as exc:
-            if not self.config.failover or await _healthy(engine):
+            if not self.config.failover or await _healthy(engine, self.config.health_timeout_s):
                 raise
             logger.warning("replica %s failed (%s); taking it out and retrying elsewhere", engine.name, exc)
             self._take_down(engine.name)
@@ -362,7 +368,8 @@ class Router:
         """
         names = [*self._engines, *self._down]
         engines = [self._engines.get(n) or self._down[n] for n in names]
-        results = await asyncio.gather(*(_healthy(e) for e in engines))
+        timeout = self.config.health_timeout_s
+        results = await asyncio.gather(*(_healthy(e, timeout) for e in engines))
         for name, engine, ok in zip(names, engines, results, strict=True):
             if not ok and name in self._engines:
                 logger.warning("replica %s failed its health check; taking it out", name)
@@ -404,8 +411,11 @@ class Router:
             )
 
 
-async def _healthy(engine: Engine) -> bool:
+async def _healthy(engine: Engine, timeout_s: float) -> bool:
     try:
-        return bool(await engine.health())
+        return bool(await asyncio.wait_for(engine.health(), timeout_s))
+    except TimeoutError:
+        logger.warning("replica %s did not answer its health probe within %.0f s", engine.name, timeout_s)
+        return False
     except Exception:  # a probe that raises means the replica is down, whatever the error
         return False

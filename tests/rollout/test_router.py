@@ -420,3 +420,30 @@ def test_when_the_last_accepting_replica_fails_the_least_loaded_draining_one_acc
     reopened = min(loads, key=loads.get)
     assert router.replicas == ["r1", "r2"] and router.draining == sorted({"r1", "r2"} - {reopened})
     assert router.route("a new session").name == reopened
+
+
+def test_a_replica_whose_probe_hangs_is_taken_out_and_the_others_are_probed():
+    import asyncio
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", health_timeout_s=0.2))
+    hung = asyncio.Event()
+
+    async def hangs() -> bool:
+        await hung.wait()
+        return True
+
+    async def answers() -> bool:
+        return True
+
+    engines[0].health, engines[1].health = hangs, answers
+
+    async def body():
+        try:
+            return await asyncio.wait_for(router.check_health(), 30)
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    assert asyncio.run(body()) == {"r0": False, "r1": True}
+    assert router.replicas == ["r1"]
