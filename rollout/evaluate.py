@@ -51,7 +51,14 @@ async def evaluate(
         async with slots:
             return await service.process(RolloutRequest(task=task, seed=seed + i))
 
-    results = await asyncio.gather(*(one(i, t) for i, t in enumerate(tasks)))
+    jobs = [asyncio.ensure_future(one(i, t)) for i, t in enumerate(tasks)]
+    try:
+        results = await asyncio.gather(*jobs)
+    finally:  # one that raised (or a cancel) leaves no sibling rollout running
+        for job in jobs:
+            job.cancel()
+        await asyncio.gather(*jobs, return_exceptions=True)
+        await service.close()
     rewards: dict[str, list[float]] = defaultdict(list)
     statuses: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for result in results:

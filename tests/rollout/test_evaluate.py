@@ -1,0 +1,71 @@
+"""Held-out evaluation through the real engine path: scores per environment, and nothing left
+running when a rollout fails."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from envs import registry
+from envs.arith import ArithEnv
+from rollout import service as service_module
+from rollout.engines.torch_engine import TorchEngine
+from rollout.evaluate import evaluate
+from tests.rollout.test_orchestrator import tiny  # noqa: F401
+
+
+class HeldArith(ArithEnv):
+    """``arith`` whose step waits until cancelled; counts the envs closed."""
+
+    name = "arith"
+    closed = 0
+
+    async def step(self, action):
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        type(self).closed += 1
+        await super().close()
+
+
+def test_scores_each_environment_of_the_eval_set(tiny):  # noqa: F811
+    model, tokenizer = tiny
+    tasks = registry.task_set("arith", "eval", seed=0, n=3) + registry.task_set("guess", "eval", seed=0, n=2)
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        try:
+            return await evaluate(engine, tokenizer, tasks, lambda task: registry.make(task.env))
+        finally:
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert result.count == {"arith": 3, "guess": 2}
+    assert all(0.0 <= reward <= 1.0 for reward in result.reward.values())
+    assert sum(sum(s.values()) for s in result.statuses.values()) == 5
+
+
+def test_a_rollout_that_raises_leaves_no_other_rollout_running(tiny, monkeypatch):  # noqa: F811
+    model, tokenizer = tiny
+    tasks = registry.task_set("arith", "eval", seed=0, n=4)
+    process = service_module.RolloutService.process
+
+    async def failing_one(self, request):
+        if request.seed == 2:
+            raise RuntimeError("a bug in one rollout (injected)")
+        return await process(self, request)
+
+    monkeypatch.setattr(service_module.RolloutService, "process", failing_one)
+    HeldArith.closed = 0
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        try:
+            with pytest.raises(RuntimeError, match="injected"):
+                await evaluate(engine, tokenizer, tasks, lambda task: HeldArith())
+            return HeldArith.closed
+        finally:
+            await engine.close()
+
+    assert asyncio.run(asyncio.wait_for(body(), 60)) == 3
