@@ -5,18 +5,25 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow
+from pydantic import Field
 
 from flows.config import RunConfig
 from flows.pipeline import deadline_of
+from storage.shards import NAME_PATTERN
 from tasks.rollout import rollouts
 from tasks.weights import warm_start
 
 
 @flow(name="rollout", log_prints=True)
-def rollout(config: RunConfig = RunConfig(), worker_name: str = "worker-0") -> dict[str, Any]:
+def rollout(
+    config: RunConfig = RunConfig(),
+    worker_name: Annotated[
+        str, Field(pattern=NAME_PATTERN, description="Worker name: its shard folder (letters, digits, _ . -).")
+    ] = "worker-0",
+) -> dict[str, Any]:
     """Serve the newest weight version and write rollouts to raw shards until the stop condition."""
     warm_start(config)
     return rollouts(config, deadline_of(config), worker_name)

@@ -71,7 +71,9 @@ file. A writer's file waits for its ``shards`` commit, one Delta append (retries
 included: seconds, a few minutes at worst); a file younger than this may still be
 committed, and sweeping it would leave that commit pointing at nothing."""
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]+$")
+NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
+"""What a worker or shard kind name may hold (it names a folder of shards)."""
+_NAME = re.compile(NAME_PATTERN)
 _NO_VERSION = 2**32
 
 

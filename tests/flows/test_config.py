@@ -186,3 +186,17 @@ def test_prefect_yaml_schedules_pools_and_trigger():
     assert run_id != deployments["pipeline/on-demand"]["parameters"]["config"]["run_id"]
     for name in ("train/nightly", "rollout/gpu-worker"):
         assert deployments[name]["parameters"]["config"]["run_id"] == run_id, name
+
+
+def test_a_worker_name_that_cannot_name_a_shard_folder_fails_the_rollout_flow_before_it_starts(monkeypatch):
+    from prefect.exceptions import ParameterTypeError
+
+    import flows.rollout
+
+    started = []
+    monkeypatch.setattr(flows.rollout, "warm_start", started.append)
+    with pytest.raises(ParameterTypeError, match="worker_name"):
+        flows.rollout.rollout(RunConfig(), "a b")
+    assert started == []
+    schema = parameter_schema(flows.rollout.rollout).model_dump()
+    assert schema["properties"]["worker_name"]["pattern"] == "^[A-Za-z0-9_.-]+$"
