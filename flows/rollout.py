@@ -21,7 +21,8 @@ from tasks.weights import warm_start
 def rollout(
     config: RunConfig = RunConfig(),
     worker_name: Annotated[
-        str, Field(pattern=NAME_PATTERN, description="Worker name: its shard folder (letters, digits, _ . -).")
+        str,
+        Field(pattern=NAME_PATTERN, description="Worker name: its shard folder (letters, digits, _ . -)."),
     ] = "worker-0",
 ) -> dict[str, Any]:
     """Serve the newest weight version and write rollouts to raw shards until the stop condition."""
