@@ -10,6 +10,7 @@ the version from the run's store itself.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -127,15 +128,27 @@ class RayEngine:
     async def _call(self, method: str, *args):
         if self._closed:
             raise EngineError(f"engine {self.name!r} is closed")
+        return await self._result(getattr(self.actor, method).remote(*args))
+
+    async def _result(self, call: ray.ObjectRef):
         try:
-            return await getattr(self.actor, method).remote(*args)
+            return await call
         except RayTaskError as exc:
             raise exc.cause from None
         except RayActorError as exc:
             raise EngineError(f"engine actor {self.name!r} died: {exc}") from None
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        return await self._call("generate", session_id, prompt_ids, params)
+        """Generate on the actor; a cancelled caller cancels the actor's request too (awaiting
+        a Ray object ref does not), so it stops decoding tokens nobody reads."""
+        if self._closed:
+            raise EngineError(f"engine {self.name!r} is closed")
+        call = self.actor.generate.remote(session_id, prompt_ids, params)
+        try:
+            return await self._result(call)
+        except asyncio.CancelledError:
+            ray.cancel(call)
+            raise
 
     async def load_version(self, version: int, path: str) -> None:
         self.version = await self._call("load_version", version, path)

@@ -93,6 +93,38 @@ def test_ray_engine_generates_what_the_local_engine_does_and_tags_reloaded_versi
     assert remote.stats().requests == 4, "a closed RayEngine keeps its final counters"
 
 
+def test_a_cancelled_generate_stops_decoding_on_the_actor(run):
+    """The caller is cancelled (its rollout ended): the actor's request is cancelled too,
+    instead of decoding to its token budget for nobody."""
+    _, _, weights = run
+    long = SamplingParams(max_new_tokens=1000, temperature=1.0, seed=3)
+
+    async def body():
+        remote = RayEngine(TorchEngineConfig(), weights.load(0), name="remote", version=0)
+        try:
+            first = asyncio.create_task(remote.generate("long", PROMPTS[0], long))
+            while (await remote._call("stats")).decode_tokens == 0:
+                await asyncio.sleep(0.01)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            await remote.generate("short", PROMPTS[1], PARAMS)
+            decoded = -1
+            for _ in range(300):  # until the actor decodes nothing more
+                stats = await remote._call("stats")
+                if stats.decode_tokens == decoded:
+                    break
+                decoded = stats.decode_tokens
+                await asyncio.sleep(0.5)
+            return stats
+        finally:
+            await remote.close()
+
+    stats = asyncio.run(body())
+    assert stats.requests == 1, "only the short request finished"
+    assert stats.decode_tokens < 1000
+
+
 def test_ray_engines_fetch_a_version_their_node_does_not_have(run):
     storage, store, weights = run
 
