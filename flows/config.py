@@ -106,7 +106,7 @@ class StopConfig(BaseModel):
 class RunConfig(BaseModel):
     """Everything one run needs: storage, model, engines, environments, processor, trainer."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold secrets
 
     run_id: str = Field("demo", description="Name of the run: its folder under storage.root.")
     storage: StorageConfig = Field(

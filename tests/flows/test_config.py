@@ -14,6 +14,7 @@ from prefect.cli.deploy._models import PrefectYamlModel
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
+from pydantic import ValidationError
 
 from flows.cli_args import parse
 from flows.config import ConfigError, RunConfig, load_config
@@ -200,3 +201,18 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_fails_the_rollout_flow_be
     assert started == []
     schema = parameter_schema(flows.rollout.rollout).model_dump()
     assert schema["properties"]["worker_name"]["pattern"] == "^[A-Za-z0-9_.-]+$"
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"storage": {"aws_secret_access_key": "TOP-SECRET-VALUE"}}, "storage.aws_secret_access_key"),
+        ({"storage": {"secret_access_key": ["TOP-SECRET-VALUE"]}}, "storage.secret_access_key"),
+        ({"storage": "TOP-SECRET-VALUE"}, "storage"),
+        ({"engine": {"vllm": [{"api_key": ["TOP-SECRET-VALUE"]}]}}, "engine.vllm.0.api_key"),
+    ],
+)
+def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, field):
+    with pytest.raises(ValidationError) as error:
+        RunConfig.model_validate(data)
+    assert field in str(error.value) and "TOP-SECRET-VALUE" not in str(error.value)

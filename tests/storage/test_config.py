@@ -42,3 +42,17 @@ def test_other_roots_are_refused_naming_the_value(root, message):
     with pytest.raises(ValidationError, match=message) as error:
         StorageConfig(root=root)
     assert repr(root) in str(error.value) or not root.strip()
+
+
+SECRET_INPUTS = [
+    ({"aws_secret_access_key": "TOP-SECRET-VALUE"}, "aws_secret_access_key"),  # a misspelt field
+    ({"secret_access_key": ["TOP-SECRET-VALUE"]}, "secret_access_key"),  # a wrong type
+    ({"access_key_id": {"value": "TOP-SECRET-VALUE"}}, "access_key_id"),
+]
+
+
+@pytest.mark.parametrize(("storage", "field"), SECRET_INPUTS)
+def test_a_validation_error_names_the_field_but_never_shows_a_credential(storage, field):
+    with pytest.raises(ValidationError) as error:
+        StorageConfig(**storage)
+    assert field in str(error.value) and "TOP-SECRET-VALUE" not in str(error.value)
