@@ -563,7 +563,13 @@ class ShardReader:
     def _quarantine(self, shard: ShardInfo, reason: str) -> None:
         target = quarantine_path(shard.path)
         fs = self.store.fs
-        fs.mv(self.store.path(shard.path), self.store.path(target))
+        try:
+            fs.mv(self.store.path(shard.path), self.store.path(target))
+        except FileNotFoundError:
+            log.warning(
+                "shard %s (%s) was moved to quarantine by another reader meanwhile", shard.shard_id, reason
+            )
+            return
         with fs.open(self.store.path(target + ".reason"), "w") as out:
             out.write(f"shard {shard.shard_id}: {reason}\n")
         log.warning("quarantined shard %s to %s: %s", shard.shard_id, target, reason)

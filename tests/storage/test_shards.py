@@ -550,6 +550,20 @@ def test_bad_shards_are_quarantined_with_a_reason_and_reading_goes_on(store, cap
     assert "quarantined before" in caplog.records[-1].message
 
 
+def test_two_readers_of_one_bad_shard_both_go_on_and_one_quarantines_it(store, monkeypatch, caplog):
+    """Reader B fetched the bad bytes before reader A moved the shard to quarantine."""
+    good = _ipc_bytes(make_table(0, 2))
+    info = _commit_foreign_file(store, 0, good[: len(good) // 2])
+    first, second = ShardReader(store), ShardReader(store)
+    assert first.read(info) is None
+    fetched_before_the_move = pa.BufferReader(good[: len(good) // 2])
+    monkeypatch.setattr(shard_module, "_open_ipc", lambda store, path: fetched_before_the_move)
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        assert second.read(info) is None
+    assert "moved to quarantine by another reader" in caplog.records[-1].message
+    assert first.quarantined(info) and second.quarantined(info)
+
+
 def test_a_flipped_bit_anywhere_in_a_shard_never_makes_read_raise(local_store):
     # without a checksum some flips go unnoticed (a token changes); the others must end in
     # quarantine, whatever part of Arrow they trip (a corrupt length once asked for 256 TiB)
