@@ -48,6 +48,7 @@ LATEST_FILE = "LATEST"
 CLAIM_FILE = "CLAIM"
 TOKENIZER_FILE = "tokenizer.json"
 RESERVED_FILES = frozenset({MODEL_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _HASH_CHUNK = 1 << 20
 
@@ -374,12 +375,22 @@ class WeightStore:
             ) from None
         if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
             raise CorruptVersion(f"weight version {version}: {MANIFEST_FILE} has no 'files' table")
-        for name in manifest["files"]:
+        for name, digest in manifest["files"].items():
             if not _is_plain_relative(name):
                 raise CorruptVersion(
                     f"weight version {version}: {MANIFEST_FILE} lists {name!r}, "
                     "not a file name inside the version directory"
                 )
+            if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+                raise CorruptVersion(
+                    f"weight version {version}: {MANIFEST_FILE} gives {name!r} the digest {digest!r}, "
+                    "not a sha256 in hex"
+                )
+        unlisted = [name for name in (MODEL_FILE, CONFIG_FILE) if name not in manifest["files"]]
+        if unlisted:
+            raise CorruptVersion(
+                f"weight version {version}: {MANIFEST_FILE} does not list {unlisted}, so they cannot be verified"
+            )
         return manifest
 
     def load(self, version: int | None = None) -> str:

@@ -177,6 +177,42 @@ def test_a_manifest_naming_files_outside_its_version_is_corrupt(store, tokenizer
     assert set(tmp_path.rglob("*escaped*")) == placed
 
 
+def _damaged(files: dict, how: str) -> dict:
+    files = dict(files)
+    if how == "null digest":
+        files["tokenizer.json"] = None
+    elif how == "number digest":
+        files["config.json"] = 12345
+    elif how == "short digest":
+        files["model.safetensors"] = files["model.safetensors"][:12]
+    else:  # "files emptied": nothing would be verified
+        files = {}
+    return files
+
+
+@pytest.mark.parametrize(
+    ("how", "message"),
+    [
+        ("null digest", "gives 'tokenizer.json' the digest None, not a sha256 in hex"),
+        ("number digest", "gives 'config.json' the digest 12345, not a sha256 in hex"),
+        ("short digest", "gives 'model.safetensors' the digest"),
+        ("files emptied", r"does not list \['model.safetensors', 'config.json'\]"),
+    ],
+)
+def test_a_manifest_whose_digests_cannot_verify_the_version_is_corrupt(
+    store, tokenizer_dir, tmp_path, how, message
+):
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    manifest = weights.manifest(0)
+    manifest["files"] = _damaged(manifest["files"], how)
+    weights.fs.pipe_file(
+        posixpath.join(weights.version_path(0), "manifest.json"), json.dumps(manifest).encode()
+    )
+    with pytest.raises(CorruptVersion, match=rf"weight version 0: manifest.json {message}"):
+        weights.load(0)
+
+
 def test_retention_keeps_a_version_whose_manifest_is_unreadable_and_prunes_the_rest(
     weights, tokenizer_dir, caplog
 ):
