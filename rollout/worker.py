@@ -51,7 +51,14 @@ from rollout.router import Router, RouterConfig
 from rollout.service import RolloutResult, RolloutService, ServiceConfig
 from storage.config import RunStore
 from storage.shards import BackgroundShardWriter, ShardInfo
-from storage.status import DEFAULT_MAX_AGE_S, ElasticPlan, ElasticPlanBoard, TrainerStatus, TrainerStatusBoard
+from storage.status import (
+    DEFAULT_MAX_AGE_S,
+    ElasticPlan,
+    ElasticPlanBoard,
+    TrainerStatus,
+    TrainerStatusBoard,
+    is_fresh,
+)
 from storage.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -175,7 +182,7 @@ class RolloutWorker:
     def refresh_trainer_queue(self, now: float) -> None:
         """Read the trainer's status; a missing, stopped or stale one leaves the queue unknown."""
         status = self.trainer_status.read()
-        fresh = status is not None and status.running and now - status.time <= self.plan_max_age_s
+        fresh = status is not None and status.running and is_fresh(status.time, now, self.plan_max_age_s)
         self._trainer = status if fresh else None
 
     async def follow_trainer(self) -> None:
@@ -281,7 +288,7 @@ class RolloutWorker:
         """
         if plan is None or self.router is None:
             return False
-        stale = plan.running and now - plan.time > self.plan_max_age_s
+        stale = plan.running and not is_fresh(plan.time, now, self.plan_max_age_s)
         if stale:
             self._warn_plan(
                 "stale",

@@ -9,7 +9,9 @@ local folder, a single PUT on S3: a reader sees the old object or the new one, n
 the trainer reads every worker's object when it records a step and sums their queues.
 
 A worker that stopped cleanly says so (``running: false``) and adds nothing; one whose
-status is older than ``max_age_s`` is presumed gone and only counted as stale. A file that
+status is older than ``max_age_s`` is presumed gone and only counted as stale, and so is one
+dated more than ``max_age_s`` ahead (a writer whose clock is that far off would otherwise
+count as alive for ever; see :func:`is_fresh`). A file that
 does not parse is skipped with a warning (once per distinct content), never raised.
 
 The other way, the trainer's elastic controller publishes one plan object saying which
@@ -52,7 +54,9 @@ class RolloutStatus(BaseModel):
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     worker: str = Field(min_length=1, description="Worker name (also the object's file name).")
-    time: float = Field(description="Epoch seconds at which the worker wrote this status.")
+    time: float = Field(
+        allow_inf_nan=False, description="Epoch seconds at which the worker wrote this status."
+    )
     engine_queue_depth: int = Field(
         ge=0, description="Generation requests waiting in the worker's engines, summed over replicas."
     )
@@ -208,7 +212,14 @@ def fresh_statuses(
     """The running workers among ``statuses`` whose status is at most ``max_age_s`` old at ``now``."""
     if max_age_s <= 0:
         raise ValueError(f"max_age_s must be positive, got {max_age_s}")
-    return [s for s in statuses if s.running and now - s.time <= max_age_s]
+    return [s for s in statuses if s.running and is_fresh(s.time, now, max_age_s)]
+
+
+def is_fresh(written: float, now: float, max_age_s: float) -> bool:
+    """Whether a status written at ``written`` (its writer's clock) still counts at ``now``:
+    at most ``max_age_s`` old, and at most ``max_age_s`` ahead (clocks of two machines may
+    differ a little; one far ahead, or a corrupt time, would keep a dead writer alive)."""
+    return abs(now - written) <= max_age_s
 
 
 class InUse(RuntimeError):
@@ -230,7 +241,7 @@ def wait_until_free(
     first = read()
 
     def free(status: RolloutStatus | TrainerStatus | None) -> bool:
-        return status is None or not status.running or time.time() - status.time > max_age_s
+        return status is None or not status.running or not is_fresh(status.time, time.time(), max_age_s)
 
     if free(first):
         return
@@ -283,7 +294,9 @@ class ElasticPlan(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    time: float = Field(description="Epoch seconds (the trainer's clock) at which the plan was decided.")
+    time: float = Field(
+        allow_inf_nan=False, description="Epoch seconds (the trainer's clock) at which the plan was decided."
+    )
     accepting: list[str] = Field(default_factory=list, description="Replicas that take new sessions.")
     draining: list[str] = Field(
         default_factory=list,
@@ -374,7 +387,9 @@ class TrainerStatus(BaseModel):
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
-    time: float = Field(description="Epoch seconds (the trainer's clock) at which it wrote this status.")
+    time: float = Field(
+        allow_inf_nan=False, description="Epoch seconds (the trainer's clock) at which it wrote this status."
+    )
     buffered_tokens: int = Field(ge=0, description="Tokens of processed samples read and not yet trained.")
     token_budget: int = Field(ge=1, description="Tokens the trainer takes per policy step.")
     running: bool = Field(True, description="False once the trainer stopped: nothing waits on it.")

@@ -64,6 +64,16 @@ def test_fresh_running_workers_are_summed_stale_and_stopped_ones_counted_apart(s
     assert reader.summary(now=NOW, max_age_s=100.0).engine_queue_depth == 57
 
 
+def test_a_status_dated_ahead_counts_within_the_age_limit_and_is_stale_beyond_it(store):
+    """Two machines' clocks differ a little; a writer whose clock is far ahead must not
+    count as alive for ever."""
+    writer = RolloutStatusBoard(store)
+    writer.publish(status("w0", depth=3, age=-5.0))
+    writer.publish(status("w1", depth=4, age=-31.0))
+    summary = RolloutStatusBoard(store).summary(now=NOW, max_age_s=30.0)
+    assert (summary.workers, summary.stale, summary.engine_queue_depth) == (1, 1, 3)
+
+
 def test_a_worker_replaces_its_own_status(store):
     board = RolloutStatusBoard(store)
     board.publish(status("w0", depth=9, age=5.0))
@@ -87,6 +97,14 @@ def test_a_worker_replaces_its_own_status(store):
             "engine_queue_depth",
         ),
         (b"[1, 2]", "object"),
+        (
+            b'{"worker": "w9", "time": Infinity, "engine_queue_depth": 0, "live_sessions": 0, "running": true}',
+            "time",
+        ),
+        (
+            b'{"worker": "w9", "time": NaN, "engine_queue_depth": 0, "live_sessions": 0, "running": true}',
+            "time",
+        ),
     ],
 )
 def test_a_corrupt_status_is_skipped_with_a_warning(store, caplog, payload, problem):
@@ -248,6 +266,7 @@ def test_a_worker_name_is_free_when_its_status_is_missing_stopped_or_stale(local
         RolloutStatus(
             worker="w0", time=time.time() - 31, engine_queue_depth=0, live_sessions=0, running=True
         ),
+        RolloutStatus(worker="w0", time=1e300, engine_queue_depth=0, live_sessions=0, running=True),
     ):
         board.publish(stopped_or_stale)
         assert board.read_worker("w0") == stopped_or_stale
