@@ -6,6 +6,8 @@ import os
 import posixpath
 from functools import cached_property
 
+import aiobotocore.session
+import botocore.handlers
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
@@ -37,6 +39,9 @@ class StorageConfig(BaseModel):
     )
     connect_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for an S3 connection before failing."
+    )
+    read_timeout: float = Field(
+        60.0, gt=0, description="Seconds to wait for an S3 response (per attempt) before failing."
     )
     retries: int = Field(3, ge=0, description="Attempts for an S3 request before the error is raised.")
 
@@ -85,19 +90,28 @@ class StorageConfig(BaseModel):
         client_kwargs = {"region_name": region}
         if self.endpoint_url:
             client_kwargs["endpoint_url"] = self.endpoint_url
-        return fsspec.filesystem(
+        # botocore asks for "100-continue" before an upload's body, and aiohttp waits for that
+        # answer with no timeout: an endpoint that accepts and never answers held it for ever
+        session = aiobotocore.session.AioSession()
+        session.unregister("before-call.s3", botocore.handlers.add_expect_header)
+        fs = fsspec.filesystem(
             "s3",
+            session=session,
             key=key,
             secret=secret,
             client_kwargs=client_kwargs,
             config_kwargs={
                 "connect_timeout": self.connect_timeout,
-                "read_timeout": 60,
+                "read_timeout": self.read_timeout,
                 "retries": {"max_attempts": self.retries, "mode": "standard"},
             },
             skip_instance_cache=True,
             use_listings_cache=False,
         )
+        # botocore makes the attempts configured above; s3fs would repeat each failed call up
+        # to 5 times more (a silent endpoint then held a read for ten minutes)
+        fs.retries = 1
+        return fs
 
     def delta_options(self) -> dict[str, str]:
         """``storage_options`` for deltalake (object_store keys)."""
@@ -110,6 +124,7 @@ class StorageConfig(BaseModel):
             "AWS_REGION": region,
             "AWS_CONDITIONAL_PUT": "etag",
             "connect_timeout": f"{round(self.connect_timeout * 1000)}ms",
+            "timeout": f"{round(self.read_timeout * 1000)}ms",
             "max_retries": str(self.retries),
         }
         if key and secret:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import io
 import logging
+import socket
 import threading
 import time
 import types
@@ -630,6 +632,51 @@ def test_an_unreachable_endpoint_fails_fast_with_a_clear_error():
     assert time.monotonic() - started < 60
     assert not any("do-not-print-me" in f"{error} {error!r}" for error in errors)
     assert "do-not-print-me" not in repr(config)
+
+
+@pytest.fixture
+def silent_endpoint():
+    """An endpoint on 127.0.0.1 that accepts connections and never answers (a stalled store)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(server.accept()[0])
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+    for connection in held:
+        connection.close()
+
+
+def test_a_stalled_endpoint_fails_every_call_within_its_timeouts(silent_endpoint):
+    """Reads, uploads (which wait for a "100 continue" answer) and Delta reads each raise once
+    the configured timeouts and attempts are spent; before, s3fs repeated each botocore
+    attempt five times (ten minutes to read LATEST) and an upload waited for ever."""
+    config = StorageConfig(
+        root="s3://treadle-test/runs",
+        endpoint_url=silent_endpoint,
+        access_key_id="k",
+        secret_access_key="do-not-print-me",
+        connect_timeout=1,
+        read_timeout=1,
+        retries=1,
+    )
+    store = RunStore(config, "run")
+    started = time.monotonic()
+    calls = {
+        "read LATEST": WeightStore(store).latest,
+        "upload": lambda: store.fs.pipe_file(store.path("shards/x"), b"x" * 1000),
+        "poll": ShardReader(store).poll,
+    }
+    for name, call in calls.items():
+        with pytest.raises(OSError) as info:
+            call()
+        assert "do-not-print-me" not in f"{info.value} {info.value!r}", name
+    assert time.monotonic() - started < 60
 
 
 def test_a_writer_or_reader_for_a_schema_that_is_not_canonical_is_refused_at_once(local_store):
