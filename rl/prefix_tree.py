@@ -44,9 +44,11 @@ def path_symbols(tokens: np.ndarray, action_mask: np.ndarray) -> np.ndarray:
 def first_mismatch(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the common prefix of two 1-D arrays (vectorized compare, no token loop)."""
     m = min(len(a), len(b))
+    if m == 0:  # argmax of nothing raises; an empty path (a session that failed at once) shares nothing
+        return 0
     differs = a[:m] != b[:m]
     index = int(np.argmax(differs))
-    return index if m and differs[index] else m
+    return index if differs[index] else m
 
 
 @dataclass(frozen=True)

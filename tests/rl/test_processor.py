@@ -447,6 +447,23 @@ def test_malformed_links_are_reported_and_the_rest_of_the_shard_is_processed():
     assert len(result.trajectories) == len(records) == counters.trajectories_in
 
 
+def test_an_empty_trajectory_in_an_execution_is_kept_and_the_shard_processed():
+    """A session that failed before its first call records no tokens (an ``infra_error``),
+    with or without a parent link; the others of its execution are processed as usual."""
+    base = [0, 1, 2, 3, 4, 5]
+    mask = [False, False, True, True, True, True]
+    records = [
+        record("root", "linked", base, mask),
+        record("failed-child", "linked", [], [], parent="root", branch_at=0, status="infra_error"),
+        record("alone", "unlinked", [], [], status="infra_error"),
+        record("other", "unlinked", base[:4], mask[:4]),
+    ]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
+    assert len(result.trajectories) == 4
+    kept = [r for r in records if r["tokens"]]
+    assert Counter(trained_nodes(result.processed)) == Counter(trainable_nodes(kept))
+
+
 def test_partial_progress_combines_with_reward():
     config = ProcessorConfig(success_threshold=1.0, progress_weight=0.5)
     assert combine_reward(1.0, 0.2, config) == 1.0
