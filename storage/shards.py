@@ -148,6 +148,9 @@ class ShardWriter:
         """Sequence number of the last shard this writer committed (None: none yet)."""
         self.refused = 0
         """Rows refused at a flush (see the class docstring)."""
+        self._unsure: ShardInfo | None = None
+        """A commit whose append raised while the ``shards`` table could not be read: it may
+        have landed, so its records are not committed again until the table says."""
         self._seq = self._next_seq()
 
     @property
@@ -195,12 +198,13 @@ class ShardWriter:
         On failure the buffer is kept and the next flush retries it: under the same number,
         or under the next one when the failed attempt got as far as the ``shards`` commit
         (its file stays). A commit that raised but is found in the ``shards`` table landed
-        and counts as committed; only when the table cannot be read then either may the
-        retry commit the records a second time.
+        and counts as committed. When the table cannot be read either, nothing is committed
+        again until it can: the next flush first looks for that commit, and raises while it
+        still cannot tell (records kept), so no record is committed twice.
         """
         if not self._buffer:
             return None
-        table = self._admitted(_merged(self._buffer))
+        table = self._without_landed(self._admitted(_merged(self._buffer)))
         # a commit that fails retries only these rows: nothing is refused twice
         self._buffer = [table]
         self._buffered_rows = table.num_rows
@@ -356,7 +360,10 @@ class ShardWriter:
         try:
             self.tables.append("shards", [asdict(info) | {"committed_at": datetime.now(UTC)}])
         except Exception as exc:
-            if not self._landed(info):
+            landed = self._landed(info)
+            if landed is None and exclusive:
+                self._unsure = info
+            if not landed:
                 raise
             log.warning(
                 "the commit of shard %s failed (%r) but landed: counted as committed", info.shard_id, exc
@@ -365,15 +372,42 @@ class ShardWriter:
         self.last_seq = seq
         return info
 
-    def _landed(self, info: ShardInfo) -> bool:
+    def _landed(self, info: ShardInfo) -> bool | None:
         """Whether ``info``'s row is in the ``shards`` table (an append can land and still
-        fail, its reply lost); False when the table cannot be read either."""
+        fail, its reply lost); None when the table cannot be read either."""
         try:
             shards = self.tables.read("shards")
         except Exception as exc:
             log.warning("cannot tell whether shard %s was committed: %s", info.shard_id, exc)
-            return False
+            return None
         return info.shard_id in set(shards.column("shard_id").to_pylist())
+
+    def _without_landed(self, table: pa.Table) -> pa.Table:
+        """``table`` less the rows of a commit that could not be confirmed and did land.
+
+        Those rows head ``table``: a failed commit's rows are retried first. Raises while
+        the ``shards`` table still cannot say, so they are not committed a second time.
+        """
+        info = self._unsure
+        if info is None:
+            return table
+        landed = self._landed(info)
+        if landed is None:
+            raise OSError(
+                f"cannot tell whether shard {info.shard_id} was committed (the shards table cannot be "
+                f"read); its {info.num_rows} records are kept and not committed again until it can"
+            )
+        self._unsure = None
+        if not landed:
+            return table
+        log.warning(
+            "shard %s, whose commit could not be confirmed, did land: counted as committed", info.shard_id
+        )
+        self._committed += 1
+        self.last_seq = info.seq
+        self._seq = max(self._seq, info.seq + 1)
+        self._announce(info)
+        return table.slice(info.num_rows)
 
     def close(self) -> ShardInfo | None:
         """Flush what is buffered and refuse further writes."""
@@ -456,7 +490,7 @@ class BackgroundShardWriter(ShardWriter):
         return None
 
     def _commit_and_announce(self, table: pa.Table) -> ShardInfo | None:
-        table = self._admitted(table)
+        table = self._without_landed(self._admitted(table))
         # a retry after a failed commit takes only these rows: nothing is refused twice
         self._unsaved = table
         if table.num_rows == 0:
@@ -466,7 +500,7 @@ class BackgroundShardWriter(ShardWriter):
         return info
 
     def _commit_unsaved(self) -> None:
-        self._unsaved = self._admitted(self._unsaved)
+        self._unsaved = self._without_landed(self._admitted(self._unsaved))
         if self._unsaved.num_rows:
             info = self._commit_next(self._unsaved)
             self._announce(info)

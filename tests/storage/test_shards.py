@@ -192,6 +192,40 @@ def test_a_commit_that_lands_but_reports_an_error_counts_as_committed(store, mon
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
 
 
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
+def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monkeypatch, writer_class):
+    """The commit lands but its reply is lost, and the shards table cannot be read to check:
+    the writer commits nothing until it can tell, then counts that commit and goes on."""
+    committed = []
+    writer = writer_class(store, "w0", flush_records=100, on_commit=committed.append)
+    writer.write_table(make_table(0, 3))
+    append, read = writer.tables.append, writer.tables.read
+
+    def reply_lost(*args):
+        append(*args)
+        raise TimeoutError("read timed out after the commit (injected)")
+
+    def unreadable(*args):
+        raise OSError("shards table unreadable (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost)
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(OSError):  # the lost reply, or (committing in the background) the doubt
+            writer.close() if writer_class is BackgroundShardWriter else writer.flush()
+        patch.setattr(writer.tables, "append", append)
+        writer.write_table(make_table(3, 2))
+        with pytest.raises(OSError, match="cannot tell whether shard raw/w0/00000000 was committed"):
+            writer.close() if writer_class is BackgroundShardWriter else writer.flush()
+    assert writer.tables.read("shards").num_rows == 1
+    writer.close()
+
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
+    assert [info.seq for info in committed] == [0, 1] and writer.committed == 2
+
+
 def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(store, monkeypatch):
     writer = ShardWriter(store, "p", kind="processed")
     with monkeypatch.context() as patch:  # the first attempt fails at its commit
