@@ -199,7 +199,7 @@ def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monke
     committed = []
     writer = writer_class(store, "w0", flush_records=100, on_commit=committed.append)
     writer.write_table(make_table(0, 3))
-    append, read = writer.tables.append, writer.tables.read
+    append = writer.tables.append
 
     def reply_lost(*args):
         append(*args)
