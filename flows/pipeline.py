@@ -58,7 +58,12 @@ def _wind_down(
         train_run.wait()
     except BaseException:  # the flow itself is stopping (cancelled, interrupted): end them all
         for name in ("stop", "rollouts-done", "processed"):
-            send_signal(store, signals, name)
+            try:  # one signal that cannot be raised must not keep the others from being sent
+                send_signal(store, signals, name)
+            except Exception as exc:
+                get_run_logger().error(
+                    "could not raise signal %r; the tasks waiting for it run to their deadline: %s", name, exc
+                )
         raise
     clear_signals(store, signals)
     return rollout_run.result(), process_run.result(), train_run.result()

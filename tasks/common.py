@@ -6,6 +6,7 @@ import contextlib
 import logging
 import posixpath
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -86,6 +87,8 @@ def run_store(config: RunConfig) -> RunStore:
 
 SIGNAL_POLL_S = 1.0
 """How often a task looks for a signal it watches."""
+SIGNAL_RETRY_S = (0.5, 1.0, 2.0, 4.0)
+"""Waits between the attempts to raise a signal when the store fails."""
 
 
 def signals_dir(key: str) -> str:
@@ -98,10 +101,22 @@ def signal_path(key: str, name: str) -> str:
     return posixpath.join(signals_dir(key), name)
 
 
-def send_signal(store: RunStore, key: str, name: str) -> None:
+def send_signal(store: RunStore, key: str, name: str, retry_s: tuple[float, ...] = SIGNAL_RETRY_S) -> None:
     """Raise signal ``name`` for the tasks sharing ``key``, wherever they run (threads,
-    processes, Ray workers on other machines: the run's store is what they share)."""
-    store.fs.pipe_file(store.path(signal_path(key, name)), name.encode())
+    processes, Ray workers on other machines: the run's store is what they share).
+
+    A store error is retried after each wait of ``retry_s``, then raised: a task that never
+    hears its signal runs on to its deadline, or for ever without one.
+    """
+    for wait in (*retry_s, None):
+        try:
+            store.fs.pipe_file(store.path(signal_path(key, name)), name.encode())
+            return
+        except Exception as exc:
+            if wait is None:
+                raise
+            log.warning("could not raise signal %r (%s); trying again in %.1f s", name, exc, wait)
+            time.sleep(wait)
 
 
 def clear_signals(store: RunStore, key: str) -> None:
