@@ -64,5 +64,7 @@ class SAOConfig(BaseModel):
     publish_on_stop: bool = Field(
         True, description="Publish the steps since the last version on a clean stop."
     )
-    poll_seconds: float = Field(1.0, gt=0, description="Wait between polls of the shard log when idle.")
+    poll_seconds: float = Field(
+        1.0, gt=0, le=60, description="Wait between polls of the shard log when idle (at most 60 s)."
+    )
     seed: int = Field(0, description="Torch seed of the trainer.")

@@ -476,7 +476,10 @@ class Trainer:
                 break
             if new_shards == 0:
                 waited = time.monotonic()
-                stop_event.wait(self.config.poll_seconds)
+                wait = self.config.poll_seconds
+                if max_seconds is not None:  # never sleep past the deadline
+                    wait = min(wait, max(max_seconds - (waited - started), 0.0))
+                stop_event.wait(wait)
                 self.idle_seconds += time.monotonic() - waited
         if self.config.publish_on_stop and (self._steps_since_publish or self._pending_consumption()):
             versions.append(self.publish())

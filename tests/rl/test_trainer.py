@@ -584,6 +584,15 @@ def test_stop_event_and_max_steps_stop_the_loop(store):
     assert trainer.step == 0
 
 
+def test_an_idle_trainer_wakes_at_its_deadline_not_at_its_next_poll(store):
+    """No data comes: the wait between polls is cut at the deadline (a 60 s poll must not
+    hold a trainer whose budget ends in half a second)."""
+    trainer = Trainer(store, config(poll_seconds=60))
+    summary = trainer.run(max_seconds=0.5)
+    assert summary.stop_reason == "max_seconds"
+    assert trainer.idle_seconds < 30
+
+
 CHILD = """
 import sys
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
