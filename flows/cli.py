@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import csv
 import importlib
 import os
 import shutil
@@ -94,19 +95,37 @@ def _run(args) -> None:
     module.main(args.rest)
 
 
+def _existing_run(args):
+    """The run's store; exits with an error when the run has no table (a wrong root or id
+    would otherwise look like an empty run)."""
+    from storage.tables import TABLE_SCHEMAS, Tables
+
+    store = _store(args)
+    tables = Tables(store)
+    if all(tables.version(name) is None for name in TABLE_SCHEMAS):
+        raise SystemExit(f"error: no run at {store.uri}: it has no tables (check --root and --run-id)")
+    return store
+
+
 def _inspect(args) -> None:
-    print(inspect_run(_store(args)))
+    print(inspect_run(_existing_run(args)))
 
 
 def _sql(args) -> None:
+    import duckdb
+
     from flows.sql import connect
 
-    connection = connect(_store(args))
-    result = connection.execute(args.query)
-    columns = [d[0] for d in result.description]
-    print("\t".join(columns))
-    for row in result.fetchall():
-        print("\t".join("" if v is None else str(v) for v in row))
+    connection = connect(_existing_run(args))
+    try:
+        result = connection.execute(args.query)
+        rows = result.fetchall()
+    except duckdb.Error as exc:
+        raise SystemExit(f"error: {exc}") from None
+    # tab-separated, quoted where a value holds a tab, newline or quote (trajectory text does)
+    out = csv.writer(sys.stdout, delimiter="\t", lineterminator="\n")
+    out.writerow([d[0] for d in result.description])
+    out.writerows(["" if v is None else v for v in row] for row in rows)
 
 
 def _ui(args) -> None:

@@ -2,7 +2,8 @@
 
 duckdb's own extension download needs the internet, so the ``delta`` and ``httpfs``
 extensions are loaded by file path from their PyPI wheels (``duckdb-extension-delta``,
-``duckdb-extension-httpfs``). Every table of the run is a view of the same name.
+``duckdb-extension-httpfs``). Every table of the run is a view of the same name (empty, with
+the table's columns, until the run first writes it).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def extension_paths() -> list[str]:
 
 
 def connect(store: RunStore):
-    """A duckdb connection with one view per existing table of the run."""
+    """A duckdb connection with one view per table of the run."""
     import duckdb
 
     connection = duckdb.connect()
@@ -52,7 +53,9 @@ def connect(store: RunStore):
             ],
         )
     tables = Tables(store)
-    for name in TABLE_SCHEMAS:
+    for name, schema in TABLE_SCHEMAS.items():
         if tables.version(name) is not None:
             connection.execute(f"CREATE VIEW {name} AS SELECT * FROM delta_scan('{tables.uri(name)}')")
+        else:  # not written yet (a new run): empty, so queries over it answer rather than fail
+            connection.register(name, schema.empty_table())
     return connection

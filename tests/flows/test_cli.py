@@ -3,6 +3,8 @@ reward-less groups, and on a run in an S3-compatible store."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import subprocess
 import sys
@@ -56,10 +58,30 @@ def test_sql_answers_over_the_runs_tables(pipeline_run):
     assert sum(counts.values()) == pipeline_run.result["rollouts"]["finished"]
 
 
-def test_sql_error_is_reported():
-    result = treadle("sql", "--root", "/nonexistent", "--run-id", "none", "SELECT * FROM trajectories")
-    assert result.returncode != 0
-    assert "trajectories" in result.stderr
+def test_a_run_that_does_not_exist_is_an_error_not_an_empty_run():
+    for command in (("inspect",), ("sql", "SELECT * FROM trajectories")):
+        result = treadle(command[0], "--root", "/nonexistent", "--run-id", "none", *command[1:])
+        assert result.returncode == 1 and "no run at /nonexistent/none" in result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_sql_on_a_new_run_answers_for_tables_not_written_yet_and_reports_bad_sql(local_store):
+    """Only ``trajectories`` exists: the other tables are empty views with their columns; a
+    value holding tabs and newlines stays in its field; a bad query is one line, not a traceback."""
+    row = trajectory_row("arith", 0, 1.0, "ok") | {"text": "line one\n\tline two"}
+    Tables(local_store).append("trajectories", [row])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    empty = treadle("sql", *run, "SELECT version, env, reward FROM evals")
+    assert empty.returncode == 0, empty.stderr
+    assert empty.stdout == "version\tenv\treward\n"
+    text = treadle("sql", *run, "SELECT task, text FROM trajectories")
+    assert text.returncode == 0, text.stderr
+    assert list(csv.reader(io.StringIO(text.stdout), delimiter="\t")) == [
+        ["task", "text"],
+        ["arith", "line one\n\tline two"],
+    ]
+    bad = treadle("sql", *run, "SELECT nope FROM trajectories")
+    assert bad.returncode == 1 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
 
 
 def trajectory_row(task: str, max_version: int, reward: float | None, status: str) -> dict:
