@@ -134,7 +134,7 @@ class ActionGate(Protocol):
 class EnvConfig(BaseModel):
     """Settings every environment shares; each env subclasses it for its own fields."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     max_turns: int = Field(8, ge=1, description="Actions allowed before the episode ends unfinished.")
     reward_model: str | None = Field(

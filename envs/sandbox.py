@@ -105,7 +105,7 @@ class SandboxError(RuntimeError):
 class SandboxConfig(BaseModel):
     """Isolation backend and limits of one sandbox."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     backend: Backend = Field(
         "auto",

@@ -36,7 +36,7 @@ class ConfigError(ValueError):
 class ModelConfig(BaseModel):
     """Which policy the run starts from."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     path: str | None = Field(
         None, description="Local directory of a Hugging Face checkpoint; None builds the embedded tiny model."
@@ -47,7 +47,7 @@ class ModelConfig(BaseModel):
 class WarmStartConfig(BaseModel):
     """Supervised warm start on the environments' scripted demonstrations, before RL."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     enabled: bool = Field(
         True, description="Warm-start version 0 on demonstrations when the run has no weights."
@@ -81,7 +81,7 @@ class ElasticRunConfig(ElasticConfig):
 class EvalConfig(BaseModel):
     """Held-out evaluation of a weight version."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     tasks_per_env: int = Field(100, ge=1, description="Held-out tasks per environment.")
     temperature: float = Field(
@@ -96,7 +96,7 @@ class EvalConfig(BaseModel):
 class StopConfig(BaseModel):
     """When the long-lived flows end."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     max_seconds: float | None = Field(120.0, gt=0, description="Wall-clock budget of rollout and training.")
     max_policy_steps: int | None = Field(None, ge=1, description="Stop after this many policy steps.")
@@ -106,7 +106,9 @@ class StopConfig(BaseModel):
 class RunConfig(BaseModel):
     """Everything one run needs: storage, model, engines, environments, processor, trainer."""
 
-    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold secrets
+    model_config = ConfigDict(
+        allow_inf_nan=False, extra="forbid", hide_input_in_errors=True
+    )  # inputs may hold secrets
 
     run_id: str = Field("demo", description="Name of the run: its folder under storage.root.")
     storage: StorageConfig = Field(

@@ -14,7 +14,7 @@ class SAOConfig(BaseModel):
     γ = 1, λ = 0.95, K = 2 critic steps per policy step).
     """
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     mode: Literal["sao", "grpo"] = Field(
         "sao",

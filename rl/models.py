@@ -44,7 +44,7 @@ _ATTENTION_MARKERS = ("self_attn", "attention")
 class TinyModelConfig(BaseModel):
     """The embedded default policy: a tiny decoder built from scratch on the CPU."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     arch: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="Hugging Face architecture family.")
     hidden_size: int = Field(96, ge=8, description="Width of the residual stream.")

@@ -55,7 +55,7 @@ Decode = Callable[[list[int]], str]
 class ProcessorConfig(BaseModel):
     """How the trajectory processor selects, scores and weights trajectories."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", frozen=True)
 
     j_max: int | None = Field(
         5,

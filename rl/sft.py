@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 class SFTConfig(BaseModel):
     """Supervised warm-start settings."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
     batch_size: int = Field(64, ge=1, description="Demonstrations per optimizer step.")

@@ -34,13 +34,15 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["rollout", "draining", "train"]
 
 
 class ElasticConfig(BaseModel):
     """Thresholds of the rollout/training capacity policy."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
 
     sessions_per_replica: int = Field(
         8, ge=1, description="Concurrent rollout sessions one replica serves (its session slots)."

@@ -36,7 +36,7 @@ class UnknownSession(LookupError):
 class GatewayConfig(BaseModel):
     """Limits the gateway enforces before a request reaches an engine."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     max_context_tokens: int = Field(
         4096, ge=2, description="Most tokens one session may hold; a longer prompt is rejected."

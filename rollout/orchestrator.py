@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 class OrchestratorConfig(BaseModel):
     """How many rollouts run at once, on which tasks, and when to stop."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     mix: dict[str, float] = Field(
         default_factory=lambda: {"arith": 1.0}, description="Target share of rollouts per task (normalised)."

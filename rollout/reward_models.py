@@ -32,7 +32,7 @@ REWARD_RESOURCE = "reward"
 class RewardModelConfig(BaseModel):
     """One reward-model service."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     path: str = Field(
         description="Local directory of a sequence-classification checkpoint with one label and its tokenizer."

@@ -55,7 +55,7 @@ session-length model reads them from the worker's status)."""
 class RouterConfig(BaseModel):
     """How sessions are spread over engine replicas."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     policy: Policy = Field("sticky", description="sticky (consistent hashing), least_loaded or round_robin.")
     virtual_nodes: int = Field(160, ge=1, description="Points each replica takes on the hash ring.")

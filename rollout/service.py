@@ -72,7 +72,7 @@ T = TypeVar("T")
 class ServiceConfig(BaseModel):
     """Worker pools and limits of the rollout service."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     init_workers: int = Field(64, ge=1, description="Rollouts that may be in the INIT stage at once.")
     run_workers: int = Field(512, ge=1, description="Rollouts that may be in the RUN stage at once.")

@@ -24,7 +24,9 @@ class StorageConfig(BaseModel):
     secret fields are ``SecretStr`` and ``repr`` hides them.
     """
 
-    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold secrets
+    model_config = ConfigDict(
+        allow_inf_nan=False, extra="forbid", hide_input_in_errors=True
+    )  # inputs may hold secrets
 
     root: str = Field(
         "./runs", description="Local folder or S3 URL (s3://bucket/prefix) that holds every run."

@@ -15,7 +15,9 @@ from storage.config import RunStore
 class EngineConfig(BaseModel):
     """Which inference engines serve the rollouts."""
 
-    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)  # inputs may hold secrets
+    model_config = ConfigDict(
+        allow_inf_nan=False, extra="forbid", hide_input_in_errors=True
+    )  # inputs may hold secrets
 
     kind: Literal["torch", "vllm"] = Field(
         "torch", description="'torch': in-process TorchEngine; 'vllm': vLLM servers."

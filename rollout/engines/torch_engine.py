@@ -55,7 +55,7 @@ logits of that many trailing positions for every row."""
 class TorchEngineConfig(BaseModel):
     """Settings of one ``TorchEngine`` replica."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     device: str = Field("cpu", description="Torch device the model runs on (cpu, cuda, cuda:1 …).")
     dtype: str = Field("float32", description="Torch dtype of the weights (float32, bfloat16, float16).")

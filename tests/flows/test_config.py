@@ -50,6 +50,10 @@ def test_tiny_config_loads():
         ("trainer_device: gpu\n", "trainer_device: Value error, 'gpu' is not a torch device"),
         ("eval:\n  temperature: 1.0e-7\n", "eval.temperature"),  # the engines refuse it
         ("eval:\n  temperature: .nan\n", "eval.temperature"),
+        ("sao:\n  lr: .inf\n", "sao.lr: Input should be a finite number"),
+        ("processor:\n  success_threshold: .nan\n", "processor.success_threshold: Input should be a finite"),
+        ("storage:\n  read_timeout: .inf\n", "storage.read_timeout: Input should be a finite number"),
+        ("elastic:\n  cooldown_s: .inf\n", "elastic.cooldown_s: Input should be a finite number"),
         ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
         ("orchestrator:\n  group_size: 8\n  concurrency: 4\n", "exceeds concurrency"),
         ("orchestrator:\n  group_size: 4\n  max_rollouts: 2\n", "is below group_size"),
