@@ -46,7 +46,7 @@ def inspect_run(store) -> str:
     evenly spaced versions (``treadle sql`` shows every row)."""
     import pyarrow.compute as pc
 
-    from storage.tables import Tables
+    from storage.tables import Tables, one_row_per_step
 
     tables = Tables(store)
     lines = [f"run {store.uri}"]
@@ -85,7 +85,7 @@ def inspect_run(store) -> str:
         rows = shards.filter(pc.equal(shards.column("kind"), kind))
         total = pc.sum(rows.column("num_rows")).as_py() or 0
         lines.append(f"  {kind:<10} {rows.num_rows} shards, {total} trajectories")
-    steps = tables.read("train_steps")
+    steps = one_row_per_step(tables.read("train_steps"))
     lines.append(f"\npolicy steps logged: {steps.num_rows}")
     return "\n".join(lines)
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
@@ -262,6 +263,19 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
         return source.cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         raise SchemaError(f"table {name!r}: cannot cast to the canonical schema: {exc}") from exc
+
+
+def one_row_per_step(steps: pa.Table) -> pa.Table:
+    """``train_steps`` rows, one per policy step (the newest), in step order.
+
+    A trainer restarted after a failure resumes from its last published version and logs
+    the steps after it again; the newest row is the one the run's weights went through.
+    """
+    ordered = steps.sort_by([("step", "ascending"), ("time", "descending")])
+    step = ordered.column("step").to_numpy()
+    first = np.ones(len(step), dtype=bool)
+    first[1:] = step[1:] != step[:-1]
+    return ordered.filter(pa.array(first))
 
 
 def _cast_read(name: str, table: pa.Table) -> pa.Table:

@@ -17,7 +17,7 @@ from prefect.artifacts import (
 )
 
 from flows.config import RunConfig
-from storage.tables import Tables
+from storage.tables import Tables, one_row_per_step
 from tasks.common import run_store
 
 
@@ -117,7 +117,7 @@ def report_run(config: RunConfig) -> str:
     curves (a PNG written to the run's storage and linked) and their numbers."""
     store = run_store(config)
     tables = Tables(store)
-    steps = tables.read("train_steps").sort_by("step")
+    steps = one_row_per_step(tables.read("train_steps"))
     evals = tables.read("evals").sort_by("version")
     shards = tables.read("shards")
     key = config.run_id.lower().replace("_", "-").replace(".", "-")

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import duckdb
 import pyarrow as pa
@@ -15,7 +15,7 @@ import pytest
 from flows.sql import extension_paths
 from storage import tables as tables_module
 from storage.schema import SchemaError
-from storage.tables import TABLE_SCHEMAS, Tables
+from storage.tables import TABLE_SCHEMAS, Tables, one_row_per_step
 
 
 def weight_row(version: int, tag: str | None = None) -> dict:
@@ -222,3 +222,18 @@ def test_two_processes_appending_at_once_lose_nothing(store):
     landed = sorted(zip(table.column("version").to_pylist(), table.column("step").to_pylist(), strict=True))
     assert landed == [(writer, step) for writer in (0, 1) for step in range(count)]
     assert Tables(store).version("train_steps") == 2 * count - 1
+
+
+def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():
+    """A restarted trainer logs steps 3 and 4 again after resuming from the version of step 2."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    logged = [(1, 0), (2, 1), (3, 2), (4, 3), (3, 10), (4, 11), (5, 12)]
+    rows = [
+        {"step": step, "version": 0, "time": start + timedelta(seconds=second), "policy_loss": float(second)}
+        for step, second in logged
+    ]
+    steps = pa.Table.from_pylist(rows)
+    kept = one_row_per_step(steps)
+    assert kept.column("step").to_pylist() == [1, 2, 3, 4, 5]
+    assert kept.column("policy_loss").to_pylist() == [0.0, 1.0, 10.0, 11.0, 12.0]
+    assert one_row_per_step(steps.slice(0, 0)).num_rows == 0
