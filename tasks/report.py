@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import math
+import re
 import time
 from typing import Any
 
@@ -112,6 +114,13 @@ def curves_png(steps, evals) -> bytes:
     return buffer.getvalue()
 
 
+def artifact_key(run_id: str) -> str:
+    """The run's artifact key prefix: Prefect keys hold lowercase letters, digits and dashes
+    only, so a hash of the exact run id keeps runs such as ``exp_1`` and ``Exp.1`` apart."""
+    slug = re.sub(r"[^a-z0-9-]", "-", run_id.lower())
+    return f"{slug}-{hashlib.sha256(run_id.encode()).hexdigest()[:8]}"
+
+
 def report_run(config: RunConfig) -> str:
     """Artifacts of the run so far: eval and shard tables, and a markdown page with the
     curves (a PNG written to the run's storage and linked) and their numbers."""
@@ -120,7 +129,7 @@ def report_run(config: RunConfig) -> str:
     steps = one_row_per_step(tables.read("train_steps"))
     evals = tables.read("evals").sort_by("version")
     shards = tables.read("shards")
-    key = config.run_id.lower().replace("_", "-").replace(".", "-")
+    key = artifact_key(config.run_id)
     create_table_artifact(
         _rows(evals, ["version", "env", "reward", "count"]),
         key=f"{key}-evals",

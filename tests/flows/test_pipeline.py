@@ -3,6 +3,7 @@ and its Delta tables answer SQL through duckdb."""
 
 from __future__ import annotations
 
+import re
 import threading
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from flows.sql import connect
 from storage.tables import Tables
 from tasks.common import run_store
+from tasks.report import artifact_key
 from tests.flows.conftest import tiny_config
 from tests.flows.prefect_api import artifacts_of, count, wait_for_events
 
@@ -34,7 +36,7 @@ def test_pipeline_artifacts_progress_tables_and_curves(pipeline_run):
         by_type.setdefault(artifact.type, []).append(artifact)
     progress = {a.description.split(":")[0]: a.data for a in by_type["progress"]}
     assert progress == {"Rollouts finished": 100.0, "Policy steps": 100.0}
-    key = pipeline_run.config.run_id
+    key = artifact_key(pipeline_run.config.run_id)
     tables = {a.key: a for a in by_type["table"]}
     assert {f"{key}-evals", f"{key}-shards"} <= set(tables)
     (markdown,) = by_type["markdown"]
@@ -134,3 +136,9 @@ def test_a_failed_process_task_ends_the_pipeline_as_failed(tmp_path, prefect_api
     assert state.is_failed()
     with pytest.raises(ValueError, match="injected"):
         state.result()
+
+
+def test_artifact_keys_are_valid_and_keep_runs_with_similar_ids_apart():
+    keys = {artifact_key(run_id) for run_id in ("exp_1", "exp-1", "Exp.1", "exp 1")}
+    assert len(keys) == 4
+    assert all(re.fullmatch(r"[a-z0-9-]+", key) for key in keys)
