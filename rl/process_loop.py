@@ -81,7 +81,8 @@ class ShardProcessor:
 
     def _process(self, raw: ShardInfo) -> ProcessedShard:
         twin_done = (raw.worker, raw.seq) in self._twins
-        if twin_done and raw.shard_id in self._recorded:
+        # a quarantined shard gets its (empty) twin and no trajectories row: the twin says it is done
+        if twin_done and (raw.shard_id in self._recorded or self.raw.quarantined(raw)):
             return ProcessedShard(raw, None, None, skipped="already processed")
         table = self.raw.read(raw)
         if table is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 import rl.process_loop as process_loop
@@ -53,3 +55,17 @@ def test_a_restarted_processor_processes_nothing_twice(local_store):
     outcomes = ShardProcessor(local_store).poll()
     assert [o.skipped for o in outcomes] == ["already processed", "already processed", None]
     assert processed_ids(local_store) == ["t0", "t1", "t2"]
+
+
+def test_a_restarted_processor_does_not_report_a_quarantined_shard_again(local_store):
+    commit_raw_shards(local_store, range(3))
+    raw, _ = ShardReader(local_store).poll()
+    path = local_store.path(raw[1].path)
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) // 2)
+    heard = []
+    first = ShardProcessor(local_store, on_shard=heard.append).poll()
+    assert [o.skipped for o in first] == [None, "quarantined", None]
+    again = ShardProcessor(local_store, on_shard=heard.append).poll()
+    assert [o.skipped for o in again] == ["already processed"] * 3
+    assert [o.skipped for o in heard] == [None, "quarantined", None]
