@@ -99,7 +99,12 @@ class StopConfig(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     max_seconds: float | None = Field(120.0, gt=0, description="Wall-clock budget of rollout and training.")
-    max_policy_steps: int | None = Field(None, ge=1, description="Stop after this many policy steps.")
+    max_policy_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Stop once the run has this many policy steps, counting those of earlier flow runs "
+        "it resumes from.",
+    )
     max_rollouts: int | None = Field(None, ge=1, description="Stop rollouts after this many have finished.")
 
 

@@ -446,6 +446,13 @@ class Trainer:
         (``publish_on_stop``).
         """
         stop_event = stop_event or threading.Event()
+        if max_steps is not None and self.step >= max_steps:
+            logger.warning(
+                "the run is already at policy step %d, at or past max_steps=%d (steps count over the "
+                "whole run, earlier flow runs included): nothing to train",
+                self.step,
+                max_steps,
+            )
         self._step_extra = step_extra
         started = time.monotonic()
         versions: list[int] = []

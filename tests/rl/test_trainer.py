@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import random
@@ -582,6 +583,16 @@ def test_stop_event_and_max_steps_stop_the_loop(store):
     assert trainer.run(stop_event=stop).stop_reason == "stop_event"
     assert trainer.run(max_steps=0).stop_reason == "max_steps"
     assert trainer.step == 0
+
+
+def test_a_step_limit_the_resumed_run_has_reached_already_is_said_out_loud(store, caplog):
+    write_shards(store, make_trajectories(store, 4, seed=12), per_shard=4)
+    first = Trainer(store, config(token_budget=10_000))
+    assert first.run(drain=True).steps == 1
+    resumed = Trainer(store, config(token_budget=10_000))
+    with caplog.at_level(logging.WARNING, logger="rl.trainer"):
+        assert resumed.run(max_steps=1).stop_reason == "max_steps"
+    assert "already at policy step 1, at or past max_steps=1" in caplog.text
 
 
 def test_an_idle_trainer_wakes_at_its_deadline_not_at_its_next_poll(store):
