@@ -72,9 +72,9 @@ def reporting(callback: Callable[..., None] | None, what: str) -> Callable[..., 
     if callback is None:
         return None
 
-    def guarded(*args: Any) -> None:
+    def guarded(*args: Any, **kwargs: Any) -> None:
         try:
-            callback(*args)
+            callback(*args, **kwargs)
         except Exception as exc:
             log.warning("%s failed, the work goes on: %r", what, exc)
 

@@ -20,7 +20,7 @@ from prefect.artifacts import (
 
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
-from tasks.common import run_store
+from tasks.common import reporting, run_store
 
 
 class ProgressReporter:
@@ -106,7 +106,8 @@ def curves_png(steps, evals) -> bytes:
             rows.column("version").to_pylist(), rows.column("reward").to_pylist(), marker="o", label=env
         )
     axes[2].set(title="held-out reward", xlabel="weight version")
-    axes[2].legend()
+    if evals.num_rows:  # a run not evaluated yet has no line to name
+        axes[2].legend()
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)
@@ -130,12 +131,15 @@ def report_run(config: RunConfig) -> str:
     evals = tables.read("evals").sort_by("version")
     shards = tables.read("shards")
     key = artifact_key(config.run_id)
-    create_table_artifact(
+    # the run's results are in its tables already: an API blip here must not fail the run
+    table_artifact = reporting(create_table_artifact, f"a table artifact of run {config.run_id}")
+    markdown_artifact = reporting(create_markdown_artifact, f"the report artifact of run {config.run_id}")
+    table_artifact(
         _rows(evals, ["version", "env", "reward", "count"]),
         key=f"{key}-evals",
         description="Held-out reward per weight version",
     )
-    create_table_artifact(
+    table_artifact(
         _rows(shards, ["shard_id", "kind", "num_rows", "num_tokens", "min_version", "max_version"]),
         key=f"{key}-shards",
         description="Committed shards",
@@ -173,7 +177,5 @@ def report_run(config: RunConfig) -> str:
         ),
     ]
     markdown = "\n".join(lines)
-    create_markdown_artifact(
-        markdown, key=f"{key}-report", description=f"Reward and loss curves of {config.run_id}"
-    )
+    markdown_artifact(markdown, key=f"{key}-report", description=f"Reward and loss curves of {config.run_id}")
     return markdown

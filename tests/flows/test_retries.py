@@ -13,6 +13,7 @@ import tasks.report
 from storage.weights import VersionTaken
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES
 from tasks.report import ProgressReporter
+from tests.flows.conftest import tiny_config
 
 
 @task(**SIDE_EFFECTS, **{**STORAGE_RETRIES, "retry_delay_seconds": 0})
@@ -78,3 +79,23 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
     assert reporting_flow() == 10
     assert "progress artifact of rollouts not updated, the work goes on" in caplog.text
     assert "progress artifact of trainer steps not created" in caplog.text
+
+
+def test_an_unreachable_prefect_api_at_the_run_report_does_not_fail_the_flow(
+    prefect_api, tmp_path, monkeypatch, caplog
+):
+    """The run's results are in its tables; the report's artifacts failing leaves the
+    report's markdown returned and the failure logged."""
+
+    def unreachable(*args, **kwargs):
+        raise httpx.ConnectError("Prefect API unreachable for a moment")
+
+    monkeypatch.setattr(tasks.report, "create_table_artifact", unreachable)
+    monkeypatch.setattr(tasks.report, "create_markdown_artifact", unreachable)
+
+    @flow
+    def reporting_flow() -> str:
+        return tasks.report.report_run(tiny_config(tmp_path, "report-blip"))
+
+    assert reporting_flow().startswith("# Run `report-blip`")
+    assert "the report artifact of run report-blip failed, the work goes on" in caplog.text
