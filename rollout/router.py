@@ -399,9 +399,9 @@ class Router:
         self._down[name] = self.remove(name)
         if draining:
             self._draining.add(name)
-        in_service = [n for n in self._engines if n in self._draining]
-        if in_service and len(in_service) == len(self._engines):
-            reopened = min(in_service, key=lambda n: self._load[n])
+        draining_left = [n for n in self._engines if n in self._draining]
+        if draining_left and len(draining_left) == len(self._engines):
+            reopened = min(draining_left, key=lambda n: self._load[n])
             self.undrain(reopened)
             logger.warning(
                 "replica %s went down and every other replica in service was draining: %s takes new "
