@@ -329,32 +329,20 @@ def test_a_stop_writes_the_finished_members_of_a_group_it_cuts_short(tiny):
     assert len({record["group_id"] for record in sink.records}) == 1
 
 
-def test_a_group_member_failing_outside_the_service_leaves_the_others_written(tiny):
-    model, tokenizer = tiny
+def test_a_group_member_failing_outside_the_service_leaves_the_others_written(tiny, monkeypatch):
+    calls = itertools.count()
+    process = RolloutService.process
+
+    async def failing_second(self, request):
+        if next(calls) == 1:
+            raise RuntimeError("a bug in the service (injected)")
+        return await process(self, request)
+
+    monkeypatch.setattr(RolloutService, "process", failing_second)
     sink = ListSink()
-
-    async def body():
-        engine = TorchEngine(model, tokenizer, name="torch-0")
-        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
-        service = RolloutService(gateway, lambda task: CoinEnv(), ServiceConfig(max_new_tokens=4))
-        calls = itertools.count()
-        process = service.process
-
-        async def failing_second(request):
-            if next(calls) == 1:
-                raise RuntimeError("a bug in the service (injected)")
-            return await process(request)
-
-        service.process = failing_second
-        config = OrchestratorConfig(
-            mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=4, filter_uniform_groups=False
-        )
-        orchestrator = Orchestrator(service, streams("arith"), sink, config)
-        try:
-            return await asyncio.wait_for(orchestrator.run(), 60)
-        finally:
-            await engine.close()
-
-    stats = asyncio.run(body())
+    config = OrchestratorConfig(
+        mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=4, filter_uniform_groups=False
+    )
+    _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: CoinEnv()))
     assert stats.finished == 3 and stats.cut_short == []
     assert sink.writes == [3] and stats.groups_kept == 1

@@ -129,35 +129,36 @@ def test_rollouts_are_scored_by_their_envs_reward_model_in_a_reward_slot(tiny, j
     assert policy.free == [float(policy.capacity[name]) for name in policy.names]  # all given back
 
 
-def test_a_reward_model_scores_the_same_after_eviction_and_reload(judges):
+MESSAGES = [{"role": "user", "content": "guess 3-14"}, {"role": "assistant", "content": "8"}]
+
+
+def one_judge_at_a_time(judges: dict[str, str]) -> RewardModels:
+    """Both judges, on a device budget that holds the larger one only."""
     sizes = [state_bytes(AutoModelForSequenceClassification.from_pretrained(p)) for p in judges.values()]
-    models = RewardModels(
+    return RewardModels(
         {name: RewardModelConfig(path=path) for name, path in judges.items()},
         device="cpu",
         budget_bytes=max(sizes),
     )
-    messages = [{"role": "user", "content": "guess 3-14"}, {"role": "assistant", "content": "8"}]
+
+
+def test_a_reward_model_scores_the_same_after_eviction_and_reload(judges):
+    models = one_judge_at_a_time(judges)
 
     async def main():
-        return [await models.score(name, messages) for name in ("judge-a", "judge-b", "judge-a")]
+        return [await models.score(name, MESSAGES) for name in ("judge-a", "judge-b", "judge-a")]
 
     first, other, again = asyncio.run(main())
     assert models.manager.evictions == ["judge-a", "judge-b"]
-    assert first == pytest.approx(reference_score(judges["judge-a"], messages), abs=1e-5)
+    assert first == pytest.approx(reference_score(judges["judge-a"], MESSAGES), abs=1e-5)
     assert again == pytest.approx(first, abs=1e-6)  # rotary tables and all come back with the weights
-    assert other == pytest.approx(reference_score(judges["judge-b"], messages), abs=1e-5)
+    assert other == pytest.approx(reference_score(judges["judge-b"], MESSAGES), abs=1e-5)
 
 
 def test_a_cancelled_call_keeps_its_model_resident_until_its_forward_is_done(judges, monkeypatch):
     """The caller of ``score`` is cancelled mid-forward and a call to the other model needs
     the room: the first model is evicted only once its forward thread has finished."""
-    sizes = [state_bytes(AutoModelForSequenceClassification.from_pretrained(p)) for p in judges.values()]
-    models = RewardModels(
-        {name: RewardModelConfig(path=path) for name, path in judges.items()},
-        device="cpu",
-        budget_bytes=max(sizes),
-    )
-    messages = [{"role": "user", "content": "guess 3-14"}, {"role": "assistant", "content": "8"}]
+    models = one_judge_at_a_time(judges)
     started, seen = threading.Event(), []
     forward = reward_models._forward
 
@@ -171,10 +172,10 @@ def test_a_cancelled_call_keeps_its_model_resident_until_its_forward_is_done(jud
     monkeypatch.setattr(reward_models, "_forward", slow_forward)
 
     async def main():
-        first = asyncio.create_task(models.score("judge-a", messages))
+        first = asyncio.create_task(models.score("judge-a", MESSAGES))
         await asyncio.to_thread(started.wait, 30)
         first.cancel()
-        other = await asyncio.wait_for(models.score("judge-b", messages), 60)
+        other = await asyncio.wait_for(models.score("judge-b", MESSAGES), 60)
         with pytest.raises(asyncio.CancelledError):
             await first
         return other
@@ -182,7 +183,7 @@ def test_a_cancelled_call_keeps_its_model_resident_until_its_forward_is_done(jud
     other = asyncio.run(main())
     assert seen == [("cpu", [])], "judge-a was evicted under its running forward"
     assert models.manager.evictions == ["judge-a"]
-    assert other == pytest.approx(reference_score(judges["judge-b"], messages), abs=1e-5)
+    assert other == pytest.approx(reference_score(judges["judge-b"], MESSAGES), abs=1e-5)
 
 
 def test_an_env_naming_an_unconfigured_reward_model_is_a_config_error():
