@@ -111,9 +111,8 @@ class StopConfig(BaseModel):
 class RunConfig(BaseModel):
     """Everything one run needs: storage, model, engines, environments, processor, trainer."""
 
-    model_config = ConfigDict(
-        allow_inf_nan=False, extra="forbid", hide_input_in_errors=True
-    )  # inputs may hold secrets
+    # its inputs may hold credentials: errors name the field, never the value
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
 
     run_id: str = Field("demo", description="Name of the run: its folder under storage.root.")
     storage: StorageConfig = Field(

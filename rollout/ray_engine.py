@@ -125,30 +125,26 @@ class RayEngine:
         self._closed = False
         self._final_stats = EngineStats()
 
-    async def _call(self, method: str, *args):
+    async def _call(self, method: str, *args, cancel_remote: bool = False):
+        """The actor's ``method(*args)``; with ``cancel_remote`` a cancelled caller cancels the
+        actor's task too (awaiting a Ray object ref alone does not)."""
         if self._closed:
             raise EngineError(f"engine {self.name!r} is closed")
-        return await self._result(getattr(self.actor, method).remote(*args))
-
-    async def _result(self, call: ray.ObjectRef):
+        call = getattr(self.actor, method).remote(*args)
         try:
             return await call
+        except asyncio.CancelledError:
+            if cancel_remote:
+                ray.cancel(call)
+            raise
         except RayTaskError as exc:
             raise exc.cause from None
         except RayActorError as exc:
             raise EngineError(f"engine actor {self.name!r} died: {exc}") from None
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Generate on the actor; a cancelled caller cancels the actor's request too (awaiting
-        a Ray object ref does not), so it stops decoding tokens nobody reads."""
-        if self._closed:
-            raise EngineError(f"engine {self.name!r} is closed")
-        call = self.actor.generate.remote(session_id, prompt_ids, params)
-        try:
-            return await self._result(call)
-        except asyncio.CancelledError:
-            ray.cancel(call)
-            raise
+        # a cancelled caller (its rollout is gone) stops the actor decoding tokens nobody reads
+        return await self._call("generate", session_id, prompt_ids, params, cancel_remote=True)
 
     async def load_version(self, version: int, path: str) -> None:
         self.version = await self._call("load_version", version, path)

@@ -24,9 +24,8 @@ class StorageConfig(BaseModel):
     secret fields are ``SecretStr`` and ``repr`` hides them.
     """
 
-    model_config = ConfigDict(
-        allow_inf_nan=False, extra="forbid", hide_input_in_errors=True
-    )  # inputs may hold secrets
+    # its inputs may hold credentials: errors name the field, never the value
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
 
     root: str = Field(
         "./runs", description="Local folder or S3 URL (s3://bucket/prefix) that holds every run."

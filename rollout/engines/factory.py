@@ -15,9 +15,8 @@ from storage.config import RunStore
 class EngineConfig(BaseModel):
     """Which inference engines serve the rollouts."""
 
-    model_config = ConfigDict(
-        allow_inf_nan=False, extra="forbid", hide_input_in_errors=True
-    )  # inputs may hold secrets
+    # its inputs may hold credentials: errors name the field, never the value
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
 
     kind: Literal["torch", "vllm"] = Field(
         "torch", description="'torch': in-process TorchEngine; 'vllm': vLLM servers."

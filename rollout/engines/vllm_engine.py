@@ -51,9 +51,8 @@ UNKNOWN_VERSION = -1
 class VLLMEngineConfig(BaseModel):
     """Where the vLLM server is and how to talk to it."""
 
-    model_config = ConfigDict(
-        allow_inf_nan=False, extra="forbid", hide_input_in_errors=True
-    )  # inputs may hold secrets
+    # its inputs may hold credentials: errors name the field, never the value
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
 
     base_url: str = Field("http://127.0.0.1:8000", description="Server URL (ignored host when uds is set).")
     uds: str | None = Field(None, description="Unix domain socket of the server (vllm serve --uds).")
