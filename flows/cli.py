@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import csv
 import importlib
 import os
 import shutil
@@ -122,10 +121,19 @@ def _sql(args) -> None:
         rows = result.fetchall()
     except duckdb.Error as exc:
         raise SystemExit(f"error: {exc}") from None
-    # tab-separated, quoted where a value holds a tab, newline or quote (trajectory text does)
-    out = csv.writer(sys.stdout, delimiter="\t", lineterminator="\n")
-    out.writerow([d[0] for d in result.description])
-    out.writerows(["" if v is None else v for v in row] for row in rows)
+    print("\t".join(_tsv_field(d[0]) for d in result.description))
+    for row in rows:
+        print("\t".join(_tsv_field(v) for v in row))
+
+
+def _tsv_field(value) -> str:
+    """``value`` as one tab-separated field: quoted as CSV quotes it when it holds a tab, a
+    line break or a quote (trajectory text does). The csv module leaves a bare carriage
+    return unquoted, and readers then split the row there."""
+    text = "" if value is None else str(value)
+    if any(c in text for c in '\t\n\r"'):
+        return '"' + text.replace('"', '""') + '"'
+    return text
 
 
 def _ui(args) -> None:

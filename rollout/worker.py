@@ -252,7 +252,8 @@ class RolloutWorker:
             *(engine.load_version(latest, path) for engine in loading), return_exceptions=True
         )
         failed = {e.name: r for e, r in zip(loading, results, strict=True) if isinstance(r, BaseException)}
-        if failed and len(failed) == len(loading):
+        if failed and (len(failed) == len(loading) or self.router_config.health_check_s is None):
+            # with no health check nothing would reload the failed replicas: the next poll does
             raise next(iter(failed.values()))
         if failed:
             # the worker moves on with the replicas that loaded it: the health check reloads

@@ -204,10 +204,7 @@ class ShardWriter:
         """
         if not self._buffer:
             return None
-        table = self._without_landed(self._admitted(_merged(self._buffer)))
-        # a commit that fails retries only these rows: nothing is refused twice
-        self._buffer = [table]
-        self._buffered_rows = table.num_rows
+        table = self._retryable(_merged(self._buffer), self._keep_buffered)
         if table.num_rows == 0:
             self._clear_buffer()
             return None
@@ -215,6 +212,21 @@ class ShardWriter:
         self._clear_buffer()
         self._announce(info)
         return info
+
+    def _retryable(self, table: pa.Table, keep: Callable[[pa.Table], None]) -> pa.Table:
+        """``table`` less the rows of an unconfirmed commit that landed and less the rows
+        refused. ``keep`` is given what is left after each of the two, so a commit that
+        fails retries only those rows: the landed ones are not committed again even when
+        refusing raises, and nothing is refused twice."""
+        table = self._without_landed(table)
+        keep(table)
+        table = self._admitted(table)
+        keep(table)
+        return table
+
+    def _keep_buffered(self, table: pa.Table) -> None:
+        self._buffer = [table]
+        self._buffered_rows = table.num_rows
 
     def _admitted(self, table: pa.Table) -> pa.Table:
         """The rows of ``table`` that pass validation; a row that does not is refused with
@@ -490,9 +502,7 @@ class BackgroundShardWriter(ShardWriter):
         return None
 
     def _commit_and_announce(self, table: pa.Table) -> ShardInfo | None:
-        table = self._without_landed(self._admitted(table))
-        # a retry after a failed commit takes only these rows: nothing is refused twice
-        self._unsaved = table
+        table = self._retryable(table, self._keep_unsaved)
         if table.num_rows == 0:
             return None
         info = self._commit_next(table)
@@ -500,11 +510,14 @@ class BackgroundShardWriter(ShardWriter):
         return info
 
     def _commit_unsaved(self) -> None:
-        self._unsaved = self._without_landed(self._admitted(self._unsaved))
+        self._unsaved = self._retryable(self._unsaved, self._keep_unsaved)
         if self._unsaved.num_rows:
             info = self._commit_next(self._unsaved)
             self._announce(info)
         self._unsaved = None
+
+    def _keep_unsaved(self, table: pa.Table) -> None:
+        self._unsaved = table
 
     def _settle(self) -> None:
         """Wait for the commit in flight; its records stay unsaved if it failed."""

@@ -17,13 +17,12 @@ from tests.flows.conftest import REPO
 
 
 def treadle(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "flows.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-        env=env,
+    """Run the CLI; its output decoded as written (no newline translation: carriage returns stay)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], capture_output=True, cwd=REPO, timeout=120, env=env
+    )
+    return subprocess.CompletedProcess(
+        result.args, result.returncode, result.stdout.decode(), result.stderr.decode()
     )
 
 
@@ -67,18 +66,20 @@ def test_a_run_that_does_not_exist_is_an_error_not_an_empty_run():
 
 def test_sql_on_a_new_run_answers_for_tables_not_written_yet_and_reports_bad_sql(local_store):
     """Only ``trajectories`` exists: the other tables are empty views with their columns; a
-    value holding tabs and newlines stays in its field; a bad query is one line, not a traceback."""
-    row = trajectory_row("arith", 0, 1.0, "ok") | {"text": "line one\n\tline two"}
+    value holding tabs, newlines, carriage returns or quotes stays in its field; a bad query
+    is one line, not a traceback."""
+    value = 'line one\n\tline "two"\rthree\r\n'
+    row = trajectory_row("arith", 0, 1.0, "ok") | {"text": value}
     Tables(local_store).append("trajectories", [row])
     run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
     empty = treadle("sql", *run, "SELECT version, env, reward FROM evals")
     assert empty.returncode == 0, empty.stderr
     assert empty.stdout == "version\tenv\treward\n"
-    text = treadle("sql", *run, "SELECT task, text FROM trajectories")
+    text = treadle("sql", *run, "SELECT task, text, 'a' || chr(13) || 'b' AS cr FROM trajectories")
     assert text.returncode == 0, text.stderr
-    assert list(csv.reader(io.StringIO(text.stdout), delimiter="\t")) == [
-        ["task", "text"],
-        ["arith", "line one\n\tline two"],
+    assert list(csv.reader(io.StringIO(text.stdout, newline=""), delimiter="\t")) == [
+        ["task", "text", "cr"],
+        ["arith", value, "a\rb"],
     ]
     bad = treadle("sql", *run, "SELECT nope FROM trajectories")
     assert bad.returncode == 1 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr

@@ -226,6 +226,45 @@ def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monke
     assert [info.seq for info in committed] == [0, 1] and writer.committed == 2
 
 
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
+def test_rows_behind_an_unconfirmed_commit_are_refused_once_and_none_is_lost(
+    store, monkeypatch, writer_class
+):
+    """While a commit cannot be confirmed, a bad row written after it (in the unconfirmed
+    rows' group) is refused once however often the flush retries, and the good rows written
+    with it are committed once the table says the first commit landed."""
+    writer = writer_class(store, "w0", flush_records=100)
+    writer.write_many([make_record(i) | {"group_id": "g"} for i in range(3)])
+    append = writer.tables.append
+
+    def reply_lost(*args):
+        append(*args)
+        raise TimeoutError("read timed out after the commit (injected)")
+
+    def unreadable(*args):
+        raise OSError("shards table unreadable (injected)")
+
+    flush = writer.close if writer_class is BackgroundShardWriter else writer.flush
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost)
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(OSError):
+            flush()
+        patch.setattr(writer.tables, "append", append)
+        writer.write_table(make_table(3, 2))
+        writer.write(bad_versions(9, group="g"))
+        for _ in range(3):
+            with pytest.raises(OSError, match="cannot tell"):
+                flush()
+    writer.close()
+
+    assert writer.refused == 1
+    assert quarantined_refusals(store, "w0")[0] == ["bad9"]
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
+
+
 def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(store, monkeypatch):
     writer = ShardWriter(store, "p", kind="processed")
     with monkeypatch.context() as patch:  # the first attempt fails at its commit

@@ -90,14 +90,19 @@ def test_a_replica_that_comes_back_loads_the_current_version_before_it_serves(lo
     assert worker.version == worker.engines[1].version == 0
 
 
-def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_keep_it(local_store):
+@pytest.mark.parametrize("health_check_s", [0.05, None])
+def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_keep_it(
+    local_store, health_check_s
+):
     """``torch-1`` fails to load version 1 once: the worker moves on to version 1 with
     ``torch-0`` and the health check reloads it into ``torch-1``; ``torch-0`` is never sent
-    back to version 0."""
+    back to version 0. With no health check, nothing would retry ``torch-1``: the update
+    fails and the next weight poll loads version 1 into both."""
     weights = WeightStore(local_store)
     run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
     ensure_base_version(weights, TINY)
-    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05), weight_poll_s=0.05)
+    router = RouterConfig(health_check_s=health_check_s)
+    worker = make_worker(local_store, run, router=router, weight_poll_s=0.05)
     loads: list[tuple[str, int]] = []
     failures = {"torch-1": 1}
 
@@ -126,7 +131,7 @@ def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_kee
             await worker.close()
 
     asyncio.run(body())
-    assert [version for name, version in loads if name == "torch-0"] == [1]
+    assert [version for name, version in loads if name == "torch-0"] == ([1] if health_check_s else [1, 1])
     assert [version for name, version in loads if name == "torch-1"][:2] == [1, 1]
 
 
