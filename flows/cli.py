@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -97,13 +98,26 @@ def _run(args) -> None:
 def _existing_run(args):
     """The run's store; exits with an error when the run has no table (a wrong root or id
     would otherwise look like an empty run)."""
+    from deltalake.exceptions import DeltaError
+
     from storage.tables import TABLE_SCHEMAS, Tables
 
     store = _store(args)
     tables = Tables(store)
-    if all(tables.version(name) is None for name in TABLE_SCHEMAS):
+    try:
+        empty = all(tables.version(name) is None for name in TABLE_SCHEMAS)
+    except (OSError, DeltaError) as exc:
+        raise SystemExit(f"error: cannot read the run at {store.uri}: {_one_line(exc)}") from None
+    if empty:
         raise SystemExit(f"error: no run at {store.uri}: it has no tables (check --root and --run-id)")
     return store
+
+
+def _one_line(exc: BaseException) -> str:
+    """A storage error's message on one line: Delta's are a colored multi-line chain of
+    causes, some followed by a native backtrace (numbered frames), left out."""
+    text = re.split(r"\n\s*0: ", re.sub(r"\x1b\[[0-9;]*m", "", str(exc)))[0]
+    return " ".join(line.strip(" ↳") for line in text.splitlines() if line.strip(" ↳"))
 
 
 def _inspect(args) -> None:

@@ -225,8 +225,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     if path is not None:
         try:
             data = yaml.safe_load(Path(path).read_text()) or {}
-        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read run config {path}: {exc}") from exc
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"cannot read run config {path}: {_yaml_problem(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"run config {path} must be a mapping at the top level")
     data = _merge(data, overrides or {})
@@ -237,6 +239,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
         )
         raise ConfigError(f"invalid run config{f' {path}' if path else ''}: {problems}") from None
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong with the YAML and where, without the line it quotes (a credential may
+    stand on it)."""
+    problem = getattr(exc, "problem", None) or "not valid YAML"
+    mark = getattr(exc, "problem_mark", None)
+    return problem if mark is None else f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -5,12 +5,15 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flows.config import RunConfig
+from storage.weights import WeightStore
+from tasks.common import run_store
 from tasks.weights import evaluate_task
 
 
@@ -36,7 +39,25 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         extra=lambda p: p.add_argument("--version", type=int, help="Weight version (default: the newest)."),
     )
+    problem = missing_version(config, args.version)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(1)
     print(evaluate(config, args.version))
+
+
+def missing_version(config: RunConfig, version: int | None) -> str | None:
+    """Why ``version`` of the run (the newest when None) cannot be evaluated; None when it can."""
+    store = run_store(config)
+    published = WeightStore(store).list()
+    if not published:
+        return f"no weight version published in {store.url('weights')} (check --run-id and storage.root)"
+    if version is not None and version not in published:
+        return (
+            f"weight version {version} does not exist in {store.url('weights')}; "
+            f"{len(published)} are published, v{published[0]} to v{published[-1]}"
+        )
+    return None
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """``treadle inspect`` and ``treadle sql`` on the pipeline run's tables, on runs with
-reward-less groups, and on a run in an S3-compatible store."""
+reward-less groups, and on a run in an S3-compatible store; ``treadle run evaluate`` on a
+run or version that does not exist."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import sys
 from datetime import UTC, datetime
 
 from flows.cli import inspect_run
+from rl.models import TinyModelConfig, ensure_base_version
 from storage.config import RunStore
 from storage.tables import Tables
+from storage.weights import WeightStore
 from tests.flows.conftest import REPO
 
 
@@ -62,6 +65,36 @@ def test_a_run_that_does_not_exist_is_an_error_not_an_empty_run():
         result = treadle(command[0], "--root", "/nonexistent", "--run-id", "none", *command[1:])
         assert result.returncode == 1 and "no run at /nonexistent/none" in result.stderr
         assert "Traceback" not in result.stderr
+
+
+def test_a_run_whose_tables_cannot_be_read_is_a_one_line_error(local_store):
+    log = local_store.path("tables/shards/_delta_log")
+    os.makedirs(log)
+    with open(f"{log}/{0:020d}.json", "w") as out:
+        out.write("not json{")
+    for command in (("inspect",), ("sql", "SELECT 1")):
+        result = treadle(
+            command[0], "--root", local_store.config.root, "--run-id", local_store.run_id, *command[1:]
+        )
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert result.stderr.startswith(f"error: cannot read the run at {local_store.uri}: ")
+        assert "Json error" in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(local_store):
+    run = ("--run-id", local_store.run_id, "--set", f"storage.root={local_store.config.root}")
+    no_run = treadle("run", "evaluate", *run)
+    assert no_run.returncode == 1 and "Traceback" not in no_run.stderr
+    assert no_run.stderr == (
+        f"error: no weight version published in {local_store.url('weights')} (check --run-id and storage.root)\n"
+    )
+    ensure_base_version(WeightStore(local_store), TinyModelConfig(hidden_size=32, num_heads=2))
+    no_version = treadle("run", "evaluate", *run, "--version", "3")
+    assert no_version.returncode == 1 and "Traceback" not in no_version.stderr
+    assert (
+        "weight version 3 does not exist" in no_version.stderr
+        and "1 are published, v0 to v0" in no_version.stderr
+    )
 
 
 def test_sql_on_a_new_run_answers_for_tables_not_written_yet_and_reports_bad_sql(local_store):

@@ -77,6 +77,17 @@ def test_a_config_that_is_not_utf8_fails_naming_the_file(tmp_path):
         load_config(path)
 
 
+def test_malformed_yaml_fails_naming_the_place_without_quoting_the_line(tmp_path):
+    path = write_config(tmp_path, "storage:\n  root: ./runs\n  secret_access_key: hunter2: x\n")
+    with pytest.raises(ConfigError) as failed:
+        load_config(path)
+    message = str(failed.value)
+    assert (
+        message == f"cannot read run config {path}: mapping values are not allowed here at line 3, column 29"
+    )
+    assert "hunter2" not in message and failed.value.__cause__ is None
+
+
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
