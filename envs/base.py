@@ -80,8 +80,8 @@ class ResourceRequest:
 
     def __post_init__(self):
         for name, amount in self.demand.items():
-            if amount < 0:
-                raise ValueError(f"ResourceRequest.demand[{name!r}] must be >= 0, got {amount}")
+            if not (math.isfinite(amount) and amount >= 0):
+                raise ValueError(f"ResourceRequest.demand[{name!r}] must be finite and >= 0, got {amount}")
         if self.elastic is not None:
             if self.elastic in self.demand:
                 raise ValueError(
@@ -99,8 +99,8 @@ class ResourceRequest:
                 raise ValueError(
                     f"ResourceRequest.efficiency values must be in (0, 1], got {self.efficiency}"
                 )
-        if self.duration is not None and self.duration < 0:
-            raise ValueError(f"ResourceRequest.duration must be >= 0, got {self.duration}")
+        if self.duration is not None and not (math.isfinite(self.duration) and self.duration >= 0):
+            raise ValueError(f"ResourceRequest.duration must be finite and >= 0, got {self.duration}")
 
     def duration_on(self, units: int, t1: float | None = None) -> float:
         """``T(m) = T_1 / (E(m) * m)``; a non-elastic action always takes ``T_1``."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Iterable, Iterator
 from contextlib import asynccontextmanager
 
@@ -139,7 +139,9 @@ class ServiceManager:
     on CPU the "device" is CPU memory under a configured budget (``budget_bytes`` required).
     Parked services keep CPU copies of their parameters and buffers; loading materialises
     the module on the device from them, evicting moves the module to the ``meta`` device so
-    its memory is freed.
+    its memory is freed. Callers are served in arrival order: one whose service is resident
+    never overtakes an earlier caller waiting for room, so a service that needs others
+    evicted is not starved by steady calls to them.
     """
 
     def __init__(self, device: str | None = None, budget_bytes: int | None = None):
@@ -157,6 +159,7 @@ class ServiceManager:
         self._resident: OrderedDict[str, None] = OrderedDict()
         self._in_use: dict[str, int] = {}
         self._changed = asyncio.Condition()
+        self._arrivals: deque[object] = deque()
         self.evictions: list[str] = []
         self.loads: list[str] = []
 
@@ -206,12 +209,13 @@ class ServiceManager:
             torch.cuda.empty_cache()
 
     def _make_room(self, size: int) -> bool:
-        """Evict idle LRU services until ``size`` more bytes fit; False if in-use services block it."""
+        """Evict idle LRU services until ``size`` more bytes fit; False, evicting nothing, if
+        in-use services block it."""
+        in_use = sum(self._sizes[n] for n in self._resident if self._in_use.get(n))
+        if in_use + size > self.budget_bytes:
+            return False
         while self.used_bytes + size > self.budget_bytes:
-            idle = next((n for n in self._resident if not self._in_use.get(n)), None)
-            if idle is None:
-                return False
-            self._evict(idle)
+            self._evict(next(n for n in self._resident if not self._in_use.get(n)))
         return True
 
     @asynccontextmanager
@@ -219,13 +223,21 @@ class ServiceManager:
         """The service's module on the device for the body (loaded, and others evicted, as needed)."""
         if name not in self._modules:
             raise KeyError(f"unknown service {name!r}; registered: {sorted(self._modules)}")
+        turn = object()
         async with self._changed:
-            while name not in self._resident and not self._make_room(self._sizes[name]):
-                await self._changed.wait()
-            if name not in self._resident:
-                self._load(name)
-            self._resident.move_to_end(name)
-            self._in_use[name] = self._in_use.get(name, 0) + 1
+            self._arrivals.append(turn)
+            try:
+                while self._arrivals[0] is not turn or (
+                    name not in self._resident and not self._make_room(self._sizes[name])
+                ):
+                    await self._changed.wait()
+                if name not in self._resident:
+                    self._load(name)
+                self._resident.move_to_end(name)
+                self._in_use[name] = self._in_use.get(name, 0) + 1
+            finally:
+                self._arrivals.remove(turn)
+                self._changed.notify_all()
         try:
             yield self._modules[name]
         finally:

@@ -715,6 +715,8 @@ class StaticPolicy:
         """Return the trajectory's reservation to the pool once its actions are done."""
         if any(k == trajectory_id for k, _ in self._running.values()):
             raise ValueError(f"trajectory {trajectory_id!r} still has a running action")
+        if self._queues.get(trajectory_id):
+            raise ValueError(f"trajectory {trajectory_id!r} still has a queued action")
         self._queues.pop(trajectory_id, None)
         if trajectory_id in self._waiting_keys:
             self._waiting_keys.remove(trajectory_id)
@@ -777,6 +779,7 @@ class _AsyncFront:
         except asyncio.CancelledError:
             if self.policy.cancel(ticket):
                 self._waiters.pop(ticket, None)
+                self._dispatch()  # it may have held up smaller requests queued behind it
             elif waiter.done() and not waiter.cancelled():
                 self.release(waiter.result())
             raise

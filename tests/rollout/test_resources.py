@@ -187,6 +187,56 @@ def test_in_use_service_is_never_evicted():
     asyncio.run(main())
 
 
+def test_a_service_that_needs_room_is_not_starved_by_steady_calls_to_resident_ones():
+    """``a`` and ``b`` fill the budget and are called back to back, overlapping, so one is
+    always in use: ``c`` arrived while they ran and is served next, evicting the idle one,
+    rather than waiting for a moment when both are idle at once."""
+    manager = ServiceManager(device="cpu", budget_bytes=2 * SERVICE_BYTES)
+    for seed, name in enumerate("abc"):
+        manager.register(name, make_service(seed))
+
+    async def main():
+        stop = asyncio.Event()
+
+        async def steady(name):
+            while not stop.is_set():
+                async with manager.use(name):
+                    await asyncio.sleep(0.01)
+
+        callers = [asyncio.ensure_future(steady("a"))]
+        await asyncio.sleep(0.005)
+        callers.append(asyncio.ensure_future(steady("b")))
+        await asyncio.sleep(0.02)
+        async with asyncio.timeout(5):
+            async with manager.use("c"):
+                assert "c" in manager.resident and manager.used_bytes <= manager.budget_bytes
+        stop.set()
+        await asyncio.gather(*callers)
+
+    asyncio.run(main())
+
+
+def test_room_that_in_use_services_block_evicts_nothing():
+    """``c`` needs both slots while ``a`` is in use: ``b`` (idle) stays resident until ``c``
+    can really load, instead of being evicted for nothing."""
+    manager = ServiceManager(device="cpu", budget_bytes=3 * SERVICE_BYTES)
+    for seed, name in enumerate("ab"):
+        manager.register(name, make_service(seed))
+    manager.register("c", torch.nn.Linear(16, 40, bias=False))  # fits beside neither a nor b
+
+    async def main():
+        async with manager.use("b"):
+            pass
+        async with manager.use("a"):
+            waiting = asyncio.ensure_future(_use(manager, "c", []))
+            await asyncio.sleep(0.01)
+            assert manager.resident == ["b", "a"] and manager.evictions == []
+        await asyncio.wait_for(waiting, 5)
+        assert sorted(manager.evictions) == ["a", "b"]
+
+    asyncio.run(main())
+
+
 async def _use(manager, name, order):
     async with manager.use(name):
         order.append(name)

@@ -131,6 +131,21 @@ def test_request_validation_names_the_problem():
         policy.submit(ResourceRequest(demand={"cpu": 3}), 0.0)
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"demand": {"mem": math.nan}},
+        {"demand": {"mem": math.inf}},
+        {"duration": math.nan},
+        {"duration": math.inf},
+    ],
+)
+def test_a_request_that_is_not_finite_is_refused(fields):
+    """A NaN demand used to pass every fit check and leave the pool's free amount NaN for good."""
+    with pytest.raises(ValueError, match="must be finite"):
+        ResourceRequest(**fields)
+
+
 def test_amdahl_efficiency_matches_the_law():
     eff = amdahl_efficiency(0.25, 4)
     req = ResourceRequest(elastic="cpu", max_units=4, duration=8.0, efficiency=eff)
@@ -255,6 +270,53 @@ def test_units_granted_to_a_cancelled_waiter_go_to_the_next_in_line():
             await first
         granted = await asyncio.wait_for(second, 5)
         assert granted.allocation == {"cpu": 1}
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_waiter_no_longer_holds_up_the_requests_behind_it():
+    """A big request waits at the head of the queue while a long action holds part of the
+    pool; once it is cancelled, the small request behind it starts on the free units at
+    once, not at the next unrelated release."""
+
+    async def main():
+        sched = ActionScheduler({"cpu": 8})
+        held = await sched.acquire(ResourceRequest(demand={"cpu": 4}, duration=100))
+        big = asyncio.ensure_future(sched.acquire(ResourceRequest(demand={"cpu": 8}, duration=1)))
+        await asyncio.sleep(0)
+        small = asyncio.ensure_future(sched.acquire(ResourceRequest(demand={"cpu": 1}, duration=1)))
+        await asyncio.sleep(0)
+        assert not small.done()
+        big.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await big
+        granted = await asyncio.wait_for(small, 5)
+        assert granted.allocation == {"cpu": 1}
+        sched.release(granted)
+        sched.release(held)
+        assert sched.policy.free == [8.0] and sched.policy.queued == 0
+
+    asyncio.run(main())
+
+
+def test_a_trajectory_with_a_queued_action_cannot_end():
+    """Ending it would drop the action's ticket and leave its waiter hanging for ever."""
+
+    async def main():
+        sched = StaticReservation({"cpu": 2}, {"cpu": 2})
+        held = await sched.acquire(ResourceRequest(demand={"cpu": 1}, duration=1, trajectory_id="t1"))
+        queued = asyncio.ensure_future(
+            sched.acquire(ResourceRequest(demand={"cpu": 1}, duration=1, trajectory_id="t2"))
+        )
+        await asyncio.sleep(0)
+        with pytest.raises(ValueError, match="'t2' still has a queued action"):
+            sched.end_trajectory("t2")
+        sched.release(held)
+        sched.end_trajectory("t1")
+        granted = await asyncio.wait_for(queued, 5)
+        sched.release(granted)
+        sched.end_trajectory("t2")
+        assert sched.policy.free == {"cpu": 2}
 
     asyncio.run(main())
 
