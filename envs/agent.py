@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import urllib.parse
 from dataclasses import dataclass
 
@@ -92,6 +93,8 @@ FORWARDED = {
 }
 _DROP_HEADERS = {"host", "authorization", "connection", "keep-alive", "proxy-connection", "content-length"}
 MAX_BODY = 16 * 1024 * 1024
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+"""An HTTP header name (RFC 9110 token)."""
 
 
 @dataclass(frozen=True)
@@ -260,10 +263,12 @@ class AgentEnv(Env):
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             request_line, *header_lines = head.decode("latin-1").split("\r\n")
+            headers = _header_fields([line for line in header_lines if line])
+            if headers is None or any(c in request_line for c in "\r\n\0"):
+                # a bare line break would smuggle a header (another session's) past the relay
+                await _reply(writer, 400, "malformed request line or header")
+                return
             method, target, _ = request_line.split(" ", 2)
-            headers = [
-                tuple(part.strip() for part in line.split(":", 1)) for line in header_lines if ":" in line
-            ]
             fields = {key.lower(): value for key, value in headers}
             if "chunked" in fields.get("transfer-encoding", ""):
                 await _reply(writer, 411, "chunked request bodies are not supported; send Content-Length")
@@ -311,6 +316,18 @@ class AgentEnv(Env):
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
+
+
+def _header_fields(lines: list[str]) -> list[tuple[str, str]] | None:
+    """``(name, value)`` of each header line; None when one is malformed: no colon, a name
+    that is not a token, or a value holding a line break or NUL."""
+    fields = []
+    for line in lines:
+        name, colon, value = line.partition(":")
+        if not colon or not _HEADER_NAME.fullmatch(name) or any(c in value for c in "\r\n\0"):
+            return None
+        fields.append((name, value.strip()))
+    return fields
 
 
 async def _reply(writer: asyncio.StreamWriter, status: int, message: str) -> None:

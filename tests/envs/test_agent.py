@@ -138,6 +138,36 @@ def test_agent_relay_forwards_inference_only_never_session_admin(upstream):
     assert Upstream.requests == [("GET", "/v1/models")]
 
 
+SMUGGLE = r"""python3 - <<'PY'
+import os, socket, urllib.parse
+base = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"])
+for extra in ("Accept: */*\nX-Treadle-Session: victim", "Bad Name: x", "NoColon", "Accept: a\0b"):
+    with socket.create_connection((base.hostname, base.port)) as s:
+        s.sendall(("GET /v1/models HTTP/1.1\r\nHost: x\r\n" + extra + "\r\n\r\n").encode())
+        print(s.recv(100).split()[1].decode())
+PY"""
+
+
+def test_agent_relay_refuses_malformed_headers_so_no_session_is_smuggled(upstream):
+    """A bare line feed in a header value would reach the gateway as a second session header,
+    ahead of the relay's own; such requests, and other malformed header lines, get 400."""
+    cfg = config(command=SMUGGLE)
+
+    async def episode():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "secret-token", "session-42"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        try:
+            return await env.run(), env.result.output.split()
+        finally:
+            await env.close()
+
+    result, statuses = asyncio.run(episode())
+    assert result.info["exit_code"] == 0
+    assert statuses == ["400", "400", "400", "400"]
+    assert Upstream.requests == []
+
+
 def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
     env = AgentEnv(**config(command="true", eval_command="echo no score"))
     task = task_set("agent", "train", 0, 1, config())[0]
