@@ -1,11 +1,11 @@
 """A persistent Python interpreter inside a sandbox.
 
 A small server (:data:`SERVER`, stdlib only) runs in the sandbox and reads one JSON request per
-line on stdin (``{"code": "..."}``); it executes the code in one persistent namespace, echoes the
-value of a final expression like a REPL, and answers one JSON line (``{"output", "error",
-"truncated"}``) on its original stdout. Output is captured from ``sys.stdout``/``sys.stderr`` and
-capped inside the server at ``max_output_bytes`` bytes of UTF-8; bytes that child processes
-write straight to file descriptors are discarded.
+line on stdin (``{"code": "...", "id": nonce}``); it executes the code in one persistent
+namespace, echoes the value of a final expression like a REPL, and answers one JSON line
+(``{"id", "output", "error", "truncated"}``) on its original stdout. Output is captured from
+``sys.stdout``/``sys.stderr`` and capped inside the server at ``max_output_bytes`` bytes of
+UTF-8; bytes that child processes write straight to file descriptors are discarded.
 """
 
 from __future__ import annotations
@@ -13,11 +13,20 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import subprocess
 import time
 from dataclasses import dataclass
 
-from envs.sandbox import ExecResult, Sandbox, SandboxError, kill_group, python_in_sandbox, read_some
+from envs.sandbox import (
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    kill_group,
+    python_in_sandbox,
+    read_some,
+    write_all,
+)
 
 SERVER = r"""
 import ast, io, json, os, sys, traceback
@@ -44,7 +53,8 @@ class Capped(io.TextIOBase):
 
 namespace = {"__name__": "__main__"}
 for line in sys.stdin:
-    code = json.loads(line)["code"]
+    request = json.loads(line)
+    code = request["code"]
     out = Capped(); sys.stdout = sys.stderr = out
     error = None; truncated = False
     try:
@@ -65,7 +75,8 @@ for line in sys.stdin:
             truncated = True
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    proto.write(json.dumps({"output": out.value(), "error": error, "truncated": truncated}) + "\n")
+    reply = {"id": request["id"], "output": out.value(), "error": error, "truncated": truncated}
+    proto.write(json.dumps(reply) + "\n")
     proto.flush()
 """
 
@@ -115,12 +126,19 @@ class PythonRepl:
         config = self.sandbox.config
         timeout = config.timeout_s if timeout is None else timeout
         started = time.monotonic()
+        deadline = started + timeout
+        nonce = secrets.token_hex(8)
         try:
-            self.proc.stdin.write(json.dumps({"code": code}).encode() + b"\n")
-            self.proc.stdin.flush()
+            sent = write_all(
+                self.proc.stdin.fileno(), json.dumps({"code": code, "id": nonce}).encode() + b"\n", deadline
+            )
         except BrokenPipeError:
             self._died(started)
-        deadline = started + timeout
+        if not sent:
+            self.close()
+            raise SandboxError(
+                "timeout", f"the interpreter took no input for its {timeout:g} s limit; it was killed"
+            )
         # the reply's JSON escapes each byte of output into at most 6 (a control byte: \u00XX)
         limit = 6 * config.max_output_bytes + 1024
         while b"\n" not in self._buffer:
@@ -137,8 +155,7 @@ class PythonRepl:
                 self.close()
                 raise SandboxError("output_limit", "the interpreter answered more than its output cap")
         line, self._buffer = self._buffer.split(b"\n", 1)
-        reply = json.loads(line)
-        result = ReplResult(reply["output"], reply["error"], reply["truncated"])
+        result = self._reply(line, nonce)
         if result.truncated:
             raise SandboxError(
                 "output_limit", f"code printed more than {config.max_output_bytes} bytes", result.output
@@ -146,6 +163,23 @@ class PythonRepl:
         if result.error:
             self.sandbox.check(ExecResult(1, result.output, False, time.monotonic() - started))
         return result
+
+    def _reply(self, line: bytes, nonce: str) -> ReplResult:
+        """The server's answer to the request ``nonce``. The code can write to the reply
+        channel too (``__main__.proto``): a line that is not that answer kills the
+        interpreter, rather than failing the step or handing a later call a stale reply."""
+        try:
+            reply = json.loads(line)
+            if reply["id"] != nonce:
+                raise ValueError(f"a reply to another request: {reply['id']!r}")
+            return ReplResult(
+                str(reply["output"]), reply["error"] and str(reply["error"]), bool(reply["truncated"])
+            )
+        except (ValueError, KeyError, TypeError) as exc:
+            self.close()
+            raise SandboxError(
+                "died", f"the interpreter's reply was malformed ({exc}); it was killed"
+            ) from None
 
     def _died(self, started: float) -> None:
         try:

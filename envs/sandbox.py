@@ -559,6 +559,21 @@ def read_some(fd: int, deadline: float) -> bytes | None:
         return b""
 
 
+def write_all(fd: int, data: bytes, deadline: float) -> bool:
+    """Write all of ``data`` to ``fd`` (set non-blocking) unless ``deadline`` passes first:
+    False then. A reader that stopped reading (a stuck interpreter, a stopped shell) cannot
+    hold the caller past its deadline once ``data`` outgrows the pipe's buffer."""
+    os.set_blocking(fd, False)
+    view = memoryview(data)
+    while view:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([], [fd], [], left)[1]:
+            return False
+        with contextlib.suppress(BlockingIOError):
+            view = view[os.write(fd, view) :]
+    return True
+
+
 def kill_group(pid: int) -> None:
     """SIGKILL the process group led by ``pid`` (every sandbox command leads its own)."""
     with contextlib.suppress(ProcessLookupError, PermissionError):

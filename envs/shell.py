@@ -9,7 +9,6 @@ echo off (no line-length limit, no echoed input) and bash runs without readline.
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 import termios
@@ -17,7 +16,7 @@ import time
 
 from ptyprocess import PtyProcess
 
-from envs.sandbox import ExecResult, Sandbox, SandboxError, kill_group, read_some
+from envs.sandbox import ExecResult, Sandbox, SandboxError, kill_group, read_some, write_all
 
 _MARK = b"\x1eTRD"
 
@@ -76,7 +75,11 @@ class Shell:
         body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
         line = f"{body}\nprintf '\\036TRD{nonce}:%s\\036' \"$?\"\n"
         started = time.monotonic()
-        os.write(self.fd, line.encode())
+        if not write_all(self.fd, line.encode(), started + timeout):
+            self._kill()
+            raise SandboxError(
+                "timeout", f"the shell took no input for its {timeout:g} s wall-clock limit; it was killed"
+            )
         end = re.compile(re.escape(_MARK + nonce.encode()) + rb":(\d+)\x1e")
         buffer = bytearray()
         cap = config.max_output_bytes

@@ -262,6 +262,50 @@ def test_python_repl_caps_output_in_bytes():
         assert repl.alive
 
 
+@pytest.mark.parametrize(
+    "forged",
+    [
+        "'not json\\n'",
+        "'{}\\n'",
+        """'{"id": "guess", "output": "fake", "error": null, "truncated": false}\\n'""",
+    ],
+)
+def test_python_repl_code_that_writes_to_the_reply_channel_kills_only_its_interpreter(forged):
+    """The code can reach the server's reply channel: what it writes there is not taken for
+    the answer (a crash of the step, or a stale reply handed to the next call)."""
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        with pytest.raises(SandboxError) as raised:
+            repl.run(f"import __main__; __main__.proto.write({forged}); __main__.proto.flush()")
+        assert raised.value.kind == "died" and "malformed" in str(raised.value)
+        assert not repl.alive
+        assert PythonRepl(box).run("'fresh'").output == "'fresh'\n"
+
+
+def test_input_that_is_never_read_times_out():
+    """The interpreter or shell stops reading (a signal handler that sleeps, a stopped
+    shell) and the next call is bigger than the pipe's buffer: it times out, not hangs."""
+    big = "a" * 200_000
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        repl.run(
+            "import signal, time; signal.signal(signal.SIGALRM, lambda *a: time.sleep(10**6)); signal.alarm(1)"
+        )
+        time.sleep(1.5)
+        started = time.monotonic()
+        with pytest.raises(SandboxError) as raised:
+            repl.run(f"x = '{big}'", timeout=2)
+        assert raised.value.kind == "timeout" and time.monotonic() - started < 30 and not repl.alive
+        shell = Shell(box)
+        shell.run("(sleep 1; kill -STOP $$) &")
+        time.sleep(2)
+        started = time.monotonic()
+        with pytest.raises(SandboxError) as raised:
+            shell.run(f"echo {big}", timeout=2)
+        assert raised.value.kind == "timeout" and time.monotonic() - started < 30 and not shell.alive
+        assert Shell(box).run("echo back").output == "back\n"
+
+
 def test_process_fallback_enforces_limits_and_timeout():
     config = SMALL.model_copy(update={"backend": "process"})
     with Sandbox(config) as box:
