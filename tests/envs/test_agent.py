@@ -120,8 +120,9 @@ for method, path in calls:
 PY"""
 
 
-def test_agent_relay_forwards_inference_only_never_session_admin(upstream):
-    cfg = config(command=CALL_ADMIN)
+def relayed_statuses(upstream: str, command: str) -> list[str]:
+    """The HTTP statuses an agent running ``command`` printed, one per request it made."""
+    cfg = config(command=command)
 
     async def episode():
         env = make("agent", cfg)
@@ -134,6 +135,11 @@ def test_agent_relay_forwards_inference_only_never_session_admin(upstream):
 
     result, statuses = asyncio.run(episode())
     assert result.info["exit_code"] == 0
+    return statuses
+
+
+def test_agent_relay_forwards_inference_only_never_session_admin(upstream):
+    statuses = relayed_statuses(upstream, CALL_ADMIN)
     assert statuses == ["403", "403", "403", "403", "200"]
     assert Upstream.requests == [("GET", "/v1/models")]
 
@@ -151,19 +157,7 @@ PY"""
 def test_agent_relay_refuses_malformed_headers_so_no_session_is_smuggled(upstream):
     """A bare line feed in a header value would reach the gateway as a second session header,
     ahead of the relay's own; such requests, and other malformed header lines, get 400."""
-    cfg = config(command=SMUGGLE)
-
-    async def episode():
-        env = make("agent", cfg)
-        env.attach_gateway(GatewaySession(upstream, "secret-token", "session-42"))
-        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
-        try:
-            return await env.run(), env.result.output.split()
-        finally:
-            await env.close()
-
-    result, statuses = asyncio.run(episode())
-    assert result.info["exit_code"] == 0
+    statuses = relayed_statuses(upstream, SMUGGLE)
     assert statuses == ["400", "400", "400", "400"]
     assert Upstream.requests == []
 

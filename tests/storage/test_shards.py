@@ -171,17 +171,27 @@ def test_a_failed_flush_keeps_its_records_and_the_retry_loses_and_repeats_none(s
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
 
 
+def reply_lost(append):
+    """``append`` that lands its commit, then raises as if the reply were lost."""
+
+    def lost(*args):
+        append(*args)
+        raise TimeoutError("read timed out after the commit (injected)")
+
+    return lost
+
+
+def unreadable(*args):
+    raise OSError("shards table unreadable (injected)")
+
+
 def test_a_commit_that_lands_but_reports_an_error_counts_as_committed(store, monkeypatch):
     writer = ShardWriter(store, "w0", flush_records=100)
     writer.write_table(make_table(0, 3))
     append = writer.tables.append
 
-    def reply_lost(*args):
-        append(*args)
-        raise TimeoutError("read timed out after the commit (injected)")
-
     with monkeypatch.context() as patch:
-        patch.setattr(writer.tables, "append", reply_lost)
+        patch.setattr(writer.tables, "append", reply_lost(append))
         assert writer.flush().seq == 0
     assert writer.flush() is None  # nothing left to commit twice
     writer.write_table(make_table(3, 2))
@@ -201,15 +211,8 @@ def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monke
     writer.write_table(make_table(0, 3))
     append = writer.tables.append
 
-    def reply_lost(*args):
-        append(*args)
-        raise TimeoutError("read timed out after the commit (injected)")
-
-    def unreadable(*args):
-        raise OSError("shards table unreadable (injected)")
-
     with monkeypatch.context() as patch:
-        patch.setattr(writer.tables, "append", reply_lost)
+        patch.setattr(writer.tables, "append", reply_lost(append))
         patch.setattr(writer.tables, "read", unreadable)
         with pytest.raises(OSError):  # the lost reply, or (committing in the background) the doubt
             writer.close() if writer_class is BackgroundShardWriter else writer.flush()
@@ -237,16 +240,9 @@ def test_rows_behind_an_unconfirmed_commit_are_refused_once_and_none_is_lost(
     writer.write_many([make_record(i) | {"group_id": "g"} for i in range(3)])
     append = writer.tables.append
 
-    def reply_lost(*args):
-        append(*args)
-        raise TimeoutError("read timed out after the commit (injected)")
-
-    def unreadable(*args):
-        raise OSError("shards table unreadable (injected)")
-
     flush = writer.close if writer_class is BackgroundShardWriter else writer.flush
     with monkeypatch.context() as patch:
-        patch.setattr(writer.tables, "append", reply_lost)
+        patch.setattr(writer.tables, "append", reply_lost(append))
         patch.setattr(writer.tables, "read", unreadable)
         with pytest.raises(OSError):
             flush()
