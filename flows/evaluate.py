@@ -55,7 +55,7 @@ def missing_version(config: RunConfig, version: int | None) -> str | None:
     if version is not None and version not in published:
         return (
             f"weight version {version} does not exist in {store.url('weights')}; "
-            f"{len(published)} are published, v{published[0]} to v{published[-1]}"
+            f"published: v{published[0]} to v{published[-1]} ({len(published)} in all)"
         )
     return None
 

@@ -93,7 +93,7 @@ def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(loc
     assert no_version.returncode == 1 and "Traceback" not in no_version.stderr
     assert (
         "weight version 3 does not exist" in no_version.stderr
-        and "1 are published, v0 to v0" in no_version.stderr
+        and "published: v0 to v0 (1 in all)" in no_version.stderr
     )
 
 
