@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,7 @@ class Session:
 
     def add_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
         """Queue chat messages; they are rendered into tokens by the next :meth:`generate`."""
+        self._check_no_turn_generating()
         for message in messages:
             if not isinstance(message, Mapping) or "role" not in message:
                 raise InvalidRequest(f"a chat message needs a 'role', got {message!r}")
@@ -197,9 +198,18 @@ class Session:
 
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         """Append tokens verbatim as context (not generated, never trained on)."""
+        self._check_no_turn_generating()
         self.gateway.check_ids(token_ids, what="token_ids")
         self._pending_flush()
         self._append(list(token_ids))
+
+    def _check_no_turn_generating(self) -> None:
+        # the turn generating now did not see them, yet they would sit before its action
+        if self._generating is not None:
+            raise InvalidRequest(
+                f"session {self.session_id!r} is generating a turn: add context with the next "
+                "generate (its prepare step) or after this turn ends"
+            )
 
     def _pending_flush(self) -> None:
         if not self._pending:
@@ -226,8 +236,16 @@ class Session:
         self.turn.extend([self.num_turns] * n)
         self.versions.extend([-1] * n)
 
-    async def generate(self, params: SamplingParams | None = None) -> TurnResult:
+    async def generate(
+        self, params: SamplingParams | None = None, prepare: Callable[[], None] | None = None
+    ) -> TurnResult:
         """Render queued messages, then generate one action from the whole token sequence.
+
+        ``prepare`` runs first, under the session's lock: what a request adds (its new
+        messages or tokens, checked against the history) and the turn generated from it are
+        one step, so a second request on the session (a client's retry while the first one
+        still generates) waits for that turn and is checked against the history it left,
+        instead of slipping its tokens in front of the turn's action.
 
         Raises :class:`UnknownSession` when the session was closed while this turn waited for
         the one before it (routing it would pin the closed session to a replica again) or
@@ -236,6 +254,8 @@ class Session:
         async with self._lock:
             if self.closed:
                 raise UnknownSession(f"session {self.session_id!r} was closed")
+            if prepare is not None:
+                prepare()
             self._pending_flush()
             if not self.tokens:
                 raise InvalidRequest("empty prompt: add messages or token ids before generating")

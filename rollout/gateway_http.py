@@ -53,7 +53,12 @@ class OpenSessionRequest(BaseModel):
     trajectory_id: str | None = Field(None, description="Trajectory id; generated when left out.")
     group_id: str | None = Field(None, description="Group id (group sampling only).")
     parent_id: str | None = Field(None, description="Trajectory this one branched from.")
-    session_id: str | None = Field(None, description="Session id; generated when left out.")
+    session_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9._:~-]{1,256}$",
+        description="Session id (letters, digits and . _ : ~ -, as it goes in URL paths); generated when "
+        "left out.",
+    )
 
 
 class RecordRequest(BaseModel):
@@ -175,7 +180,7 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
         stop = tuple(stop_ids) if stop_ids is not None else gateway.stop_ids
         gateway.check_ids(stop, what="stop_ids")
         return SamplingParams(
-            max_new_tokens=max_new_tokens or gateway.config.max_new_tokens,
+            max_new_tokens=gateway.config.max_new_tokens if max_new_tokens is None else max_new_tokens,
             temperature=body.temperature,
             top_p=body.top_p,
             stop_ids=stop,
@@ -224,9 +229,9 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
     async def generate(body: TokenRequest, x_treadle_session: str | None = Header(None)) -> dict[str, Any]:
         session = session_of(x_treadle_session)
         sampling = params(body, body.max_new_tokens, body.stop_ids)
-        if body.token_ids:
-            session.add_tokens(body.token_ids)
-        turn = await session.generate(sampling)
+        turn = await session.generate(
+            sampling, prepare=(lambda: session.add_tokens(body.token_ids)) if body.token_ids else None
+        )
         return {
             "token_ids": turn.token_ids,
             "logprobs": turn.logprobs,
@@ -245,12 +250,16 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
         session = session_of(x_treadle_session)
         openai_only(body)
         sampling = params(body, body.max_tokens)
-        if isinstance(body.prompt, list):
-            _append_token_prompt(gateway, session, body.prompt)
-        else:
-            _append_text_prompt(gateway, session, body.prompt)
-        turn = await session.generate(sampling)
+
+        def prepare() -> None:
+            if isinstance(body.prompt, list):
+                _append_token_prompt(gateway, session, body.prompt)
+            else:
+                _append_text_prompt(gateway, session, body.prompt)
+
+        turn = await session.generate(sampling, prepare=prepare)
         if isinstance(body.prompt, str):
+            # no await since the turn released the session: the next request sees this
             session.transcript += turn.text
         choice: dict[str, Any] = {
             "index": 0,
@@ -265,10 +274,13 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
     async def chat(body: ChatRequest, x_treadle_session: str | None = Header(None)) -> dict[str, Any]:
         session = session_of(x_treadle_session)
         openai_only(body)
-        sampling = params(body, body.max_completion_tokens or body.max_tokens)
+        sampling = params(
+            body, body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        )
         messages = [message.model_dump(exclude_unset=True) for message in body.messages]
-        session.add_messages(_new_messages(session, messages))
-        turn = await session.generate(sampling)
+        turn = await session.generate(
+            sampling, prepare=lambda: session.add_messages(_new_messages(session, messages))
+        )
         choice = {
             "index": 0,
             "message": {"role": "assistant", "content": turn.text},

@@ -40,15 +40,24 @@ class AppServer:
 
     async def start(self):
         """Start serving; returns once the socket is bound."""
-        self._task = asyncio.create_task(self._server.serve())
+        self._task = asyncio.create_task(self._serve())
         while not self._server.started:
             if self._task.done():
                 self._task.result()
-                raise RuntimeError("the server stopped before it started")
+                raise RuntimeError(f"the {self.name} server stopped before it started")
             await asyncio.sleep(0.01)
         if not self.uds:
             self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self
+
+    async def _serve(self) -> None:
+        # uvicorn exits the process (SystemExit) when it cannot bind; that must reach the
+        # caller as an error it can handle, not end the worker
+        try:
+            await self._server.serve()
+        except SystemExit as exc:
+            where = f"Unix socket {self.uds}" if self.uds else f"{self.host}:{self.port}"
+            raise RuntimeError(f"the {self.name} server cannot listen on {where} (exit {exc.code})") from None
 
     async def stop(self) -> None:
         """Stop serving and wait for the server task to end."""

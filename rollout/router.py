@@ -8,8 +8,8 @@ Three policies:
   with bounded loads (Mirrokni et al., 2018): a new session goes to the first replica
   clockwise from its hash whose load is below ``ceil((1 + ε) · average)``; once assigned
   it stays there.
-- ``least_loaded``: a min-heap of (active sessions, replica), sticky once assigned
-  (ProRL Agent's backend balancing).
+- ``least_loaded``: the accepting replica with the fewest active sessions (the first in
+  service order on a tie), sticky once assigned (ProRL Agent's backend balancing).
 - ``round_robin``: every request goes to the next replica; no stickiness (the baseline).
 
 A replica that fails a health check is taken out; its sessions are assigned afresh on
@@ -30,8 +30,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import hashlib
-import heapq
-import itertools
 import logging
 import math
 import time
@@ -170,8 +168,6 @@ class Router:
         self._ring = HashRing(virtual_nodes=self.config.virtual_nodes)
         self._assigned: dict[str, str] = {}
         self._load: Counter[str] = Counter()
-        self._heap: list[tuple[int, int, str]] = []
-        self._tiebreak = itertools.count()
         self._rr = 0
         self._draining: set[str] = set()
         self._in_flight: Counter[str] = Counter()
@@ -211,8 +207,6 @@ class Router:
         if name not in self._draining:
             raise KeyError(f"replica {name!r} is not draining; draining: {self.draining}")
         self._draining.discard(name)
-        if name in self._engines:
-            heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
 
     def assignment(self, session_id: str) -> str | None:
         """The replica ``session_id`` is pinned to, if any."""
@@ -225,7 +219,6 @@ class Router:
         self._down.pop(engine.name, None)
         self._engines[engine.name] = engine
         self._ring.add(engine.name)
-        heapq.heappush(self._heap, (self._load[engine.name], next(self._tiebreak), engine.name))
 
     def remove(self, name: str) -> Engine:
         """Take a replica out of service; its sessions are reassigned on their next turn."""
@@ -267,13 +260,11 @@ class Router:
     def _pick(self, session_id: str, accepting: list[str]) -> str:
         if self.config.policy == "sticky":
             return self._pick_sticky(session_id, accepting)
-        return self._pick_least_loaded()
+        return min(accepting, key=lambda name: self._load[name])
 
     def _pin(self, session_id: str, name: str) -> None:
         self._assigned[session_id] = name
         self._load[name] += 1
-        if self.config.policy == "least_loaded":
-            heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
 
     def _migrate(self, session_id: str, source: str, accepting: list[str]) -> None:
         """Re-pin ``session_id`` from draining ``source`` to the normal pick among the accepting
@@ -295,17 +286,6 @@ class Router:
             if self._load[name] < capacity:
                 return name
         return walk[0]
-
-    def _pick_least_loaded(self) -> str:
-        while self._heap:
-            load, _, name = self._heap[0]
-            if name in self._engines and name not in self._draining and load == self._load[name]:
-                return name
-            heapq.heappop(self._heap)
-        for name in self._engines:
-            if name not in self._draining:
-                heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
-        return self._heap[0][2]
 
     def end_session(self, session_id: str) -> None:
         """Release ``session_id``'s assignment and let its replica drop its cache."""
@@ -330,8 +310,6 @@ class Router:
         if name is None:
             return
         self._load[name] -= 1
-        if self.config.policy == "least_loaded":
-            heapq.heappush(self._heap, (self._load[name], next(self._tiebreak), name))
         if name in self._engines:
             self._engines[name].end_session(session_id)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import socket
 
 import httpx
 import pytest
@@ -32,10 +33,30 @@ def tiny():
     return build_tiny_model(TINY)
 
 
+class SlowTorchEngine(TorchEngine):
+    """A real TorchEngine whose every generation starts ``delay`` seconds late, so that two
+    requests on one session overlap."""
+
+    def __init__(self, *args, delay: float, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.delay = delay
+
+    async def generate(self, session_id, prompt_ids, params):
+        await asyncio.sleep(self.delay)
+        return await super().generate(session_id, prompt_ids, params)
+
+
 @contextlib.asynccontextmanager
-async def serving(tiny, *, dead_replica: bool = False, uds: str | None = None, max_context_tokens: int = 256):
+async def serving(
+    tiny,
+    *,
+    dead_replica: bool = False,
+    uds: str | None = None,
+    max_context_tokens: int = 256,
+    delay: float = 0.0,
+):
     model, tokenizer = tiny
-    engines = [TorchEngine(copy.deepcopy(model), tokenizer, name="live")]
+    engines = [SlowTorchEngine(copy.deepcopy(model), tokenizer, name="live", delay=delay)]
     if dead_replica:
         dead = VLLMEngineConfig(base_url="http://127.0.0.1:9", connect_timeout_s=1.0)
         engines.append(VLLMEngine(dead, name="dead"))
@@ -134,6 +155,7 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
                 ({"token_ids": [5], "temperature": 0}, "temperature must be a finite number >= 1e-06"),
                 ({"token_ids": [5], "temperature": 1e-40}, "temperature must be a finite number >= 1e-06"),
                 ({"token_ids": [5], "seed": 2**64}, "seed must be a 64-bit integer"),
+                ({"token_ids": [5], "max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
             ]
             for payload, message in cases:
                 response = await client.post("/v1/generate", json=payload, headers=headers)
@@ -156,6 +178,70 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
                 "/v1/generate", json={"token_ids": [5, 6], "max_new_tokens": 2}, headers=headers
             )
             assert ok.status_code == 200 and len(ok.json()["token_ids"]) == 2
+            chat = await client.post(
+                "/v1/chat/completions", json={"messages": USER, "max_tokens": 0}, headers=headers
+            )
+            assert chat.status_code == 400 and "max_new_tokens must be >= 1" in chat.text
+            # an id with a slash could be opened, then never closed: DELETE's path splits it
+            slashed = await client.post(
+                "/v1/sessions", json={"task": "arith", "prompt_id": "p", "session_id": "run/1"}
+            )
+            assert slashed.status_code == 400 and "session_id" in slashed.json()["error"]["message"]
+
+    asyncio.run(body())
+
+
+def test_overlapping_requests_on_one_session_are_recorded_turn_after_turn(tiny):
+    """A second request arriving while the first one's turn generates (a client's retry, or a
+    careless agent) waits for that turn: its tokens never land in front of the first turn's
+    action, and a retry of the same conversation is refused instead of adding a turn."""
+
+    async def body():
+        async with serving(tiny, delay=0.3) as (gateway, _, client):
+            sid = await open_session(client)
+            headers = {SESSION_HEADER: sid}
+            first = asyncio.create_task(
+                client.post(
+                    "/v1/generate", json={"token_ids": [1, 2, 3], "max_new_tokens": 3}, headers=headers
+                )
+            )
+            await asyncio.sleep(0.1)
+            second = await client.post(
+                "/v1/generate", json={"token_ids": [50, 51], "max_new_tokens": 3}, headers=headers
+            )
+            first = await first
+            assert first.status_code == second.status_code == 200, (first.text, second.text)
+            a, b = first.json()["token_ids"], second.json()["token_ids"]
+            session = gateway.session(sid)
+            assert session.tokens == [1, 2, 3, *a, 50, 51, *b]
+            assert session.turn == [0] * (3 + len(a)) + [1] * (2 + len(b))
+
+            chat_sid = await open_session(client)
+            chat_headers = {SESSION_HEADER: chat_sid}
+            request = {"messages": USER, "max_tokens": 3}
+            original = asyncio.create_task(
+                client.post("/v1/chat/completions", json=request, headers=chat_headers)
+            )
+            await asyncio.sleep(0.1)
+            retry = await client.post("/v1/chat/completions", json=request, headers=chat_headers)
+            assert (await original).status_code == 200
+            assert (
+                retry.status_code == 400 and "send the whole conversation" in retry.json()["error"]["message"]
+            )
+            chat = gateway.session(chat_sid)
+            roles = [m["role"] for m in chat.messages]
+            assert chat.num_turns == 1 and roles == ["system", "user", "assistant"]
+
+            text_sid = await open_session(client)
+            text_headers = {SESSION_HEADER: text_sid}
+            completion = {"prompt": [1, 2, 3], "max_tokens": 3}
+            original = asyncio.create_task(
+                client.post("/v1/completions", json=completion, headers=text_headers)
+            )
+            await asyncio.sleep(0.1)
+            retry = await client.post("/v1/completions", json=completion, headers=text_headers)
+            assert (await original).status_code == 200 and retry.status_code == 400
+            assert gateway.session(text_sid).num_turns == 1
 
     asyncio.run(body())
 
@@ -359,5 +445,24 @@ def test_serves_on_a_unix_domain_socket(tiny, tmp_path):
                 headers={SESSION_HEADER: sid},
             )
             assert response.status_code == 200 and len(response.json()["choices"][0]["token_ids"]) <= 3
+
+    asyncio.run(body())
+
+
+def test_a_port_already_taken_is_an_error_the_caller_can_handle(tiny):
+    """uvicorn exits the process when it cannot bind; the server raises instead."""
+    model, tokenizer = tiny
+
+    async def body():
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = taken.getsockname()[1]
+            engine = TorchEngine(copy.deepcopy(model), tokenizer, name="live")
+            try:
+                with pytest.raises(RuntimeError, match=f"cannot listen on 127.0.0.1:{port}"):
+                    await GatewayServer(Gateway(Router([engine]), tokenizer), port=port).start()
+            finally:
+                await engine.close()
 
     asyncio.run(body())
