@@ -88,7 +88,7 @@ class EvalConfig(BaseModel):
         1e-3,
         ge=MIN_TEMPERATURE,
         allow_inf_nan=False,
-        description="Sampling temperature (near-greedy by default; finite, >= 1e-6).",
+        description="Sampling temperature (near-greedy by default; finite, >= 1e-5).",
     )
     seed: int = Field(1234, description="Seed of the eval task set.")
 

@@ -37,7 +37,7 @@ SESSION_HEADER = "X-Treadle-Session"
 
 
 class _Sampling(BaseModel):
-    temperature: float = Field(1.0, description="Sampling temperature (finite, >= 1e-6).")
+    temperature: float = Field(1.0, description="Sampling temperature (finite, >= 1e-5).")
     top_p: float = Field(1.0, description="Nucleus mass in (0, 1].")
     seed: int | None = Field(None, description="Seed of this request's sampler.")
 

@@ -204,6 +204,8 @@ class RolloutWorker:
         self.engines = await asyncio.to_thread(
             build_engines, self.engine_config, path, version, self.cluster, self.store
         )
+        # a vLLM server holds what it was launched with or last loaded, not necessarily this
+        await self._load_on([e for e in self.engines if e.version != version], version, path)
         tokenizer = getattr(self.engines[0], "tokenizer", None)
         if tokenizer is None:
             from rl.models import load_tokenizer
@@ -241,15 +243,32 @@ class RolloutWorker:
         if latest is None or latest == self.version:
             return False
         path = await asyncio.to_thread(self.weights.load, latest)
-        up = await asyncio.gather(*(engine.health() for engine in self.engines))
-        down = [engine.name for engine, ok in zip(self.engines, up, strict=True) if not ok]
+        await self._load_on(self.engines, latest, path)
+        self.version = latest
+        self._shards_at_version = self.writer.committed
+        self.version_loads.append((latest, time.time()))
+        log.info("worker %s now serves weight version %d", self.name, latest)
+        return True
+
+    async def _load_on(self, engines: list[Engine], version: int, path: str) -> None:
+        """Load ``version`` onto the replicas of ``engines`` that are up.
+
+        Raises when every one of them fails, or when one fails and no health check would
+        reload it later; a replica that is down is skipped (it cannot load anything, and
+        failing the whole update for it would make the healthy replicas reload the version
+        at every poll): the health check loads it when it comes back.
+        """
+        if not engines:
+            return
+        up = await asyncio.gather(*(engine.health() for engine in engines))
+        down = [engine.name for engine, ok in zip(engines, up, strict=True) if not ok]
         if down:
             log.warning(
-                "worker %s loads weight version %d without replicas %s: down", self.name, latest, down
+                "worker %s loads weight version %d without replicas %s: down", self.name, version, down
             )
-        loading = [engine for engine, ok in zip(self.engines, up, strict=True) if ok]
+        loading = [engine for engine, ok in zip(engines, up, strict=True) if ok]
         results = await asyncio.gather(
-            *(engine.load_version(latest, path) for engine in loading), return_exceptions=True
+            *(engine.load_version(version, path) for engine in loading), return_exceptions=True
         )
         failed = {e.name: r for e, r in zip(loading, results, strict=True) if isinstance(r, BaseException)}
         if failed and (len(failed) == len(loading) or self.router_config.health_check_s is None):
@@ -261,14 +280,9 @@ class RolloutWorker:
             log.warning(
                 "worker %s: weight version %d failed to load on %s; the health check retries them",
                 self.name,
-                latest,
+                version,
                 "; ".join(f"{name}: {exc}" for name, exc in failed.items()),
             )
-        self.version = latest
-        self._shards_at_version = self.writer.committed
-        self.version_loads.append((latest, time.time()))
-        log.info("worker %s now serves weight version %d", self.name, latest)
-        return True
 
     async def _follow_weights(self) -> None:
         while True:

@@ -12,16 +12,25 @@ import glob
 import os
 
 
+def policy_files(path: str) -> list[str]:
+    """The policy's safetensors files in a weight version directory: ``model.safetensors``
+    or Hugging Face shards ``model-0000k-of-0000n.safetensors``. The directory also holds
+    the trainer's value model (``value_model.safetensors``), which is not the policy: vLLM
+    refuses its tensors after it has streamed in the policy's."""
+    files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no model*.safetensors files in {path!r}")
+    return files
+
+
 class WeightReloadExtension:
     """Mixed into each vLLM GPU worker; ``self`` is the worker."""
 
     def treadle_reload_weights(self, path: str) -> str:
-        """Load every ``*.safetensors`` file of ``path`` into the model in place."""
+        """Load the policy's safetensors files of ``path`` into the model in place."""
         from safetensors import safe_open
 
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"no .safetensors files in {path!r}")
+        files = policy_files(path)
 
         def weights():
             for file in files:

@@ -21,9 +21,10 @@ class ContextLimit(InvalidRequest):
     """The request does not fit the context: the prompt is longer than a session or model allows."""
 
 
-MIN_TEMPERATURE = 1e-6
-"""Smallest sampling temperature: below it, logits divided by the temperature can overflow
-to inf and the distribution cannot be sampled."""
+MIN_TEMPERATURE = 1e-5
+"""Smallest sampling temperature. Far below it, logits divided by the temperature overflow
+to inf and the distribution cannot be sampled; and vLLM samples below 1e-5 greedily while
+reporting the log-probs of temperature 1, which are not those of what it sampled."""
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.engines.base import Engine
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
-from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine, VLLMEngineConfig
 from storage.config import RunStore
 
 
@@ -46,13 +46,19 @@ def build_engines(
     cluster: Literal["local", "ray"] = "local",
     store: RunStore | None = None,
 ) -> list[Engine]:
-    """Engine replicas serving weight version ``version`` (local directory ``model_dir``).
+    """Engine replicas serving weight version ``version`` (local directory ``model_dir``);
+    vLLM replicas, clients of servers that hold weights of their own, are at
+    ``UNKNOWN_VERSION`` until the caller loads ``version`` onto them.
 
     With ``cluster="ray"`` each torch replica runs in a Ray actor (``rollout.ray_engine``);
     ``store`` lets actors on other nodes fetch the version themselves.
     """
     if config.kind == "vllm":
-        return [VLLMEngine(server, name=f"vllm-{i}", version=version) for i, server in enumerate(config.vllm)]
+        # the servers' weights are unknown until ``version`` is loaded onto them
+        return [
+            VLLMEngine(server, name=f"vllm-{i}", version=UNKNOWN_VERSION)
+            for i, server in enumerate(config.vllm)
+        ]
     if cluster == "ray":
         from rollout.ray_engine import RayEngine
 

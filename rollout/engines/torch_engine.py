@@ -346,9 +346,10 @@ class TorchEngine:
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         if len(prompt_ids) == 0:
             raise InvalidRequest("prompt_ids is empty: a generation needs at least one prompt token")
-        if len(prompt_ids) > self.max_positions:
+        if len(prompt_ids) >= self.max_positions:
             raise ContextLimit(
-                f"prompt has {len(prompt_ids)} tokens, more than the model's {self.max_positions} positions"
+                f"prompt has {len(prompt_ids)} tokens, leaving no room to generate in the model's "
+                f"{self.max_positions} positions"
             )
         prompt = []
         for index, token in enumerate(prompt_ids):

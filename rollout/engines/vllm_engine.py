@@ -103,12 +103,21 @@ class VLLMEngine:
         self._reloading = False
 
     async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
-        try:
-            response = await self._client.request(method, path, **kwargs)
-        except httpx.HTTPError as exc:
-            raise EngineError(
-                f"vLLM server {self.name} unreachable on {path}: {type(exc).__name__}: {exc}"
-            ) from exc
+        """One request, retried ``retries`` times while its connection breaks before any answer."""
+        for attempt in range(self.config.retries + 1):
+            try:
+                response = await self._client.request(method, path, **kwargs)
+                break
+            except httpx.HTTPError as exc:
+                # a pooled connection the server closed meanwhile, or a server restarting: no
+                # answer came, so sending again repeats nothing that took effect here
+                broken = isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError)
+                if broken and attempt < self.config.retries:
+                    logger.info("vLLM server %s: %s on %s, retrying", self.name, type(exc).__name__, path)
+                    continue
+                raise EngineError(
+                    f"vLLM server {self.name} unreachable on {path}: {type(exc).__name__}: {exc}"
+                ) from exc
         if response.status_code == 400 or response.status_code == 422:
             message = _error_message(response)
             # vLLM's words for a prompt (plus max_tokens) past the model's max_model_len

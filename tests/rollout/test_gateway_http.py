@@ -152,8 +152,8 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
                 ({"token_ids": [1, -3]}, "outside the vocabulary"),
                 ({"token_ids": []}, "empty prompt"),
                 ({"token_ids": [5] * 40}, "over max_context_tokens=32"),
-                ({"token_ids": [5], "temperature": 0}, "temperature must be a finite number >= 1e-06"),
-                ({"token_ids": [5], "temperature": 1e-40}, "temperature must be a finite number >= 1e-06"),
+                ({"token_ids": [5], "temperature": 0}, "temperature must be a finite number >= 1e-05"),
+                ({"token_ids": [5], "temperature": 5e-6}, "temperature must be a finite number >= 1e-05"),
                 ({"token_ids": [5], "seed": 2**64}, "seed must be a 64-bit integer"),
                 ({"token_ids": [5], "max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
             ]

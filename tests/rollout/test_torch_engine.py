@@ -421,7 +421,8 @@ def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path
                 ([], "prompt_ids is empty"),
                 ([5, vocab], rf"prompt_ids\[1\] = {vocab} is not a token id in \[0, {vocab}\)"),
                 ([-1], r"prompt_ids\[0\] = -1 is not a token id"),
-                ([5] * 97, "prompt has 97 tokens, more than the model's 96 positions"),
+                ([5] * 97, "prompt has 97 tokens, leaving no room to generate in the model's 96 positions"),
+                ([5] * 96, "prompt has 96 tokens, leaving no room to generate in the model's 96 positions"),
             ]
             for prompt, message in cases:
                 with pytest.raises(InvalidRequest, match=message):
@@ -441,14 +442,15 @@ def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path
     good, edge, version, healthy = asyncio.run(run())
     assert len(good.token_ids) == 30 and good.finish_reason == "length" and version == 0 and healthy
     assert len(edge.token_ids) == 2 and edge.finish_reason == "length"  # stopped at the position limit
-    with pytest.raises(InvalidRequest, match="temperature must be a finite number >= 1e-06"):
+    with pytest.raises(InvalidRequest, match="temperature must be a finite number >= 1e-05"):
         SamplingParams(temperature=0)
 
 
-@pytest.mark.parametrize("temperature", [-1.0, math.nan, math.inf, 1e-40])
+@pytest.mark.parametrize("temperature", [-1.0, math.nan, math.inf, 1e-40, 5e-6])
 def test_temperatures_that_cannot_be_sampled_are_invalid_requests(temperature):
+    """vLLM samples below 1e-5 greedily and reports temperature 1's log-probs for it."""
     with pytest.raises(
-        InvalidRequest, match=f"temperature must be a finite number >= 1e-06, got {temperature}"
+        InvalidRequest, match=f"temperature must be a finite number >= 1e-05, got {temperature}"
     ):
         SamplingParams(temperature=temperature)
 

@@ -8,8 +8,10 @@ import copy
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from rl.models import TinyModelConfig, build_tiny_model
+from rl.trainer import VALUE_MODEL_FILE
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine, VLLMEngineConfig
 from rollout.router import Router, RouterConfig
@@ -124,6 +126,9 @@ def test_reload_tags_versions_resets_prefix_cache_and_uses_new_weights(tiny, tmp
         for p in updated.parameters():
             p.add_(0.05 * torch.randn_like(p))
     updated.save_pretrained(tmp_path / "v1")
+    # a version the trainer publishes also holds its value model, which is not the policy
+    value_model = {"backbone.embed_tokens.weight": torch.zeros(4, 2), "head.weight": torch.zeros(1, 2)}
+    save_file(value_model, tmp_path / "v1" / VALUE_MODEL_FILE)
 
     async def body(server, engine):
         params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=5)
@@ -245,5 +250,62 @@ def test_crashed_server_is_an_engine_error_and_router_fails_over(tiny):
             for engine in engines:
                 await engine.close()
             await live.stop()
+
+    asyncio.run(body())
+
+
+class DroppingProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``target`` (host, port) that reads the first
+    ``drop`` connections' requests and closes them without an answer, as a server does with
+    a keep-alive connection it timed out; later connections are relayed."""
+
+    def __init__(self, target: tuple[str, int], drop: int):
+        self.target, self.drop, self.dropped = target, drop, 0
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.dropped < self.drop:
+            self.dropped += 1
+            await reader.read(65536)
+            writer.close()
+            return
+        upstream_reader, upstream_writer = await asyncio.open_connection(*self.target)
+
+        async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
+            while data := await source.read(65536):
+                sink.write(data)
+                await sink.drain()
+            sink.close()
+
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    async def stop(self) -> None:
+        self._server.close()
+
+
+@pytest.mark.parametrize("retries", [0, 1])
+def test_a_connection_closed_before_any_answer_is_retried_retries_times(tiny, retries):
+    model = _fresh_model(tiny)
+
+    async def body():
+        server = await StandinServer(model).start()
+        proxy = DroppingProxy(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), drop=1)
+        engine = VLLMEngine(VLLMEngineConfig(base_url=await proxy.start(), retries=retries), name="vllm-0")
+        try:
+            params = SamplingParams(max_new_tokens=3, seed=0)
+            if retries:
+                assert len((await engine.generate("s", PROMPT, params)).token_ids) == 3
+            else:
+                with pytest.raises(EngineError, match="RemoteProtocolError"):
+                    await engine.generate("s", PROMPT, params)
+            assert proxy.dropped == 1
+        finally:
+            await engine.close()
+            await proxy.stop()
+            await server.stop()
 
     asyncio.run(body())

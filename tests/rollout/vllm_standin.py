@@ -10,7 +10,7 @@ model doing a plain forward pass per token:
   log-probs are those of the sampling distribution (as vLLM's
   ``--logprobs-mode processed_logprobs``): temperature, then top-p, renormalised.
 - ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
-  in ``deployments/vllm/treadle_vllm_ext.py``), ``POST /reset_prefix_cache`` (its next
+  in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache`` (its next
   call answers 500 while ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
 
 Its "prefix cache" only counts the longest cached prefix of each prompt (what vLLM reports
@@ -21,8 +21,6 @@ order so tests can check that a reload never overlaps a generation.
 from __future__ import annotations
 
 import asyncio
-import glob
-import os
 from typing import Any
 
 import torch
@@ -30,6 +28,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from safetensors.torch import load_file
+
+from deployments.vllm.treadle_vllm_ext import policy_files
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -142,9 +142,10 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
         if body.get("method") != "treadle_reload_weights":
             return JSONResponse({"error": f"unknown method {body.get('method')!r}"}, 500)
         path = body.get("kwargs", {}).get("path", "")
-        files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
-        if not files:
-            return JSONResponse({"error": f"no .safetensors files in {path!r}"}, 500)
+        try:
+            files = policy_files(path)
+        except FileNotFoundError as exc:
+            return JSONResponse({"error": str(exc)}, 500)
         state = {}
         for file in files:
             state.update(load_file(file))

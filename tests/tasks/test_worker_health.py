@@ -11,11 +11,12 @@ import torch
 
 from flows.config import RunConfig
 from rl.models import ensure_base_version, load_policy, publish_policy
-from rollout.engines.base import EngineError
+from rollout.engines.base import EngineError, SamplingParams
 from rollout.router import RouterConfig
 from storage.shards import ShardReader
 from storage.weights import WeightStore
 from tests.rl.test_trainer import TINY
+from tests.rollout.vllm_standin import StandinServer
 from tests.tasks.test_elastic_plan import make_worker, until
 
 
@@ -170,3 +171,44 @@ def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(lo
     if failures <= len(worker.close_retry_s):
         reader = ShardReader(local_store)
         assert sum(reader.read(shard).num_rows for shard in reader.poll()[0]) == stats.finished > 0
+
+
+def test_a_worker_loads_its_version_onto_a_vllm_server_that_holds_another(local_store):
+    """A vLLM server keeps the weights it was launched with (here version 0) across a worker
+    restart or a resumed run: the worker loads the newest version (1) onto it before it
+    serves, so the tokens tagged 1 come from version 1's weights."""
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    model, tokenizer = load_policy(weights.load(0))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    publish_policy(weights, model, tokenizer, step=1)
+    launched_with, _ = load_policy(weights.load(0))
+
+    async def body() -> None:
+        server = await StandinServer(launched_with, max_model_len=256).start()
+        run = RunConfig(
+            engine={"kind": "vllm", "vllm": [{"base_url": server.url}]},
+            orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
+        )
+        worker = make_worker(local_store, run)
+        try:
+            await worker.start()
+            assert worker.version == worker.engines[0].version == 1
+            assert ("reload", weights.load(1)) in server.events
+            prompt = [5, 6, 7, 8]
+            generation = await worker.engines[0].generate(
+                "s", prompt, SamplingParams(max_new_tokens=4, seed=3)
+            )
+            assert generation.versions == [1] * 4
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([prompt + generation.token_ids])).logits[0]
+            expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+            expected = expected.gather(1, torch.tensor(generation.token_ids)[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-4)
+        finally:
+            await worker.close()
+            await server.stop()
+
+    asyncio.run(body())
