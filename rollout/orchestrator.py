@@ -23,6 +23,7 @@
 - Every finished rollout goes to the sink (a ``ShardWriter``), a group's records in one
   write so that they share a shard; ``stop()`` stops
   launching, cancels what is in flight, flushes the sink and records what was cut short.
+  A sink that fails ends the run with its error, after the same cancel and flush.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ from rollout.service import RolloutRequest, RolloutResult, RolloutService
 
 log = logging.getLogger(__name__)
 
+SEED_STRIDE = 1_000_003
+"""Rollout ``n`` of an orchestrator seeded ``seed`` samples with seed ``seed * SEED_STRIDE + n``."""
+
 
 class OrchestratorConfig(BaseModel):
     """How many rollouts run at once, on which tasks, and when to stop."""
@@ -61,7 +65,8 @@ class OrchestratorConfig(BaseModel):
     target_groups: int | None = Field(
         None,
         ge=1,
-        description="Group mode: stop (cancelling redundant rollouts) after this many kept groups.",
+        description="Group mode (group_size > 1 only): stop (cancelling redundant rollouts) after this "
+        "many kept groups. Single rollouts form no groups: stop those with max_rollouts.",
     )
     max_rollouts: int | None = Field(None, ge=1, description="Stop after this many rollouts have finished.")
     max_backlog: int = Field(
@@ -75,7 +80,13 @@ class OrchestratorConfig(BaseModel):
         "batch to step on while rollouts wait. None: off.",
     )
     backpressure_poll_s: float = Field(0.2, gt=0, description="Seconds between backlog checks while paused.")
-    seed: int = Field(0, description="Base of the per-rollout sampling seeds.")
+    seed: int = Field(
+        0,
+        ge=-(2**63 // SEED_STRIDE),
+        le=(2**63 - 1) // SEED_STRIDE,
+        description="Base of the per-rollout sampling seeds: rollout n samples with seed * 1_000_003 + n "
+        "(its turn t with that + t); bounded so that these stay 64-bit seeds the engines take.",
+    )
 
     @field_validator("mix")
     @classmethod
@@ -94,6 +105,11 @@ class OrchestratorConfig(BaseModel):
         if self.max_rollouts is not None and self.max_rollouts < self.group_size:
             raise ValueError(
                 f"max_rollouts ({self.max_rollouts}) is below group_size ({self.group_size}): no group could launch"
+            )
+        if self.target_groups is not None and self.group_size == 1:
+            raise ValueError(
+                "target_groups counts the groups of group mode (group_size > 1); single rollouts form none, "
+                "so it would never stop the run: stop after a number of rollouts with max_rollouts"
             )
         return self
 
@@ -121,7 +137,8 @@ class TaskCounters:
 
 @dataclass
 class OrchestratorStats:
-    """What the orchestrator did; ``cut_short`` names rollouts cancelled by a stop."""
+    """What the orchestrator did; ``cut_short`` names rollouts cancelled by a stop,
+    ``cancelled_elsewhere`` those cancelled by something else (the service's ``cancel``)."""
 
     tasks: dict[str, TaskCounters] = field(default_factory=lambda: defaultdict(TaskCounters))
     written: int = 0
@@ -129,6 +146,7 @@ class OrchestratorStats:
     groups_filtered: int = 0
     cancelled_redundant: int = 0
     cut_short: list[str] = field(default_factory=list)
+    cancelled_elsewhere: list[str] = field(default_factory=list)
     paused_s: float = 0.0
     peak_in_flight: int = 0
 
@@ -144,6 +162,7 @@ class OrchestratorStats:
             "groups_filtered": self.groups_filtered,
             "cancelled_redundant": self.cancelled_redundant,
             "cut_short": len(self.cut_short),
+            "cancelled_elsewhere": len(self.cancelled_elsewhere),
             "paused_s": round(self.paused_s, 3),
             "peak_in_flight": self.peak_in_flight,
             "tasks": {
@@ -280,7 +299,9 @@ class Orchestrator:
         for _ in range(size):
             self._counter += 1
             request = RolloutRequest(
-                task=task, group_id=group.group_id or None, seed=self.config.seed * 1_000_003 + self._counter
+                task=task,
+                group_id=group.group_id or None,
+                seed=self.config.seed * SEED_STRIDE + self._counter,
             )
             job = asyncio.create_task(self.service.process(request), name=request.rollout_id)
             job.add_done_callback(self._completed.put_nowait)
@@ -310,15 +331,21 @@ class Orchestrator:
                 if job is not None:
                     self._collect(job)
         finally:
-            await self._cancel_in_flight()
-            self.sink.flush()
+            try:
+                await self._cancel_in_flight()
+            finally:
+                self.sink.flush()
         return self.stats
 
     def _collect(self, job: asyncio.Task) -> None:
         rollout_id = self._in_flight.pop(job)
         group = self._groups.pop(job)
         group.tasks.discard(job)
-        if job.cancelled():
+        if job.cancelled():  # not by this orchestrator: _cancel_in_flight counts its own as cut short
+            log.warning(
+                "rollout %s was cancelled, not by this orchestrator; its group goes on without it", rollout_id
+            )
+            self.stats.cancelled_elsewhere.append(rollout_id)
             self._lose(group)
             return
         exc = job.exception()
@@ -381,29 +408,31 @@ class Orchestrator:
         self.stats.written += len(results)
 
     async def _cancel_in_flight(self) -> None:
-        """Cancel the rollouts still running. Unless the groups wanted are all kept (the rest
-        is redundant), one that finished before the cancel landed is collected like any
-        other, not counted as cut short."""
+        """Cancel the rollouts still running and wait for them all, first: nothing is left
+        running (nor its sandbox) whatever happens next. Then, unless the groups wanted are all
+        kept (the rest is redundant), one that finished before or despite the cancel is
+        collected like any other, not counted as cut short; records that cannot be written are
+        logged, and the other rollouts are still collected."""
         redundant = (
             self.config.target_groups is not None and self.stats.groups_kept >= self.config.target_groups
         )
-        if not redundant:
-            for job in [job for job in self._in_flight if job.done()]:
-                self._collect(job)
         jobs = list(self._in_flight)
-        if not jobs:
-            return
-        for job in jobs:
-            job.cancel()
+        cancelled = {job for job in jobs if job.cancel()}  # False for one already done
         await asyncio.gather(*jobs, return_exceptions=True)
         for job in jobs:
-            if not job.cancelled() and not redundant:
-                self._collect(job)
+            if redundant:
+                self._in_flight.pop(job)
+                self._groups.pop(job)
                 continue
-            rollout_id = self._in_flight.pop(job)
-            group = self._groups.pop(job)
-            if not redundant:
-                self.stats.cut_short.append(rollout_id)
-                self._lose(group)
+            rollout_id = self._in_flight[job]
+            try:
+                if job in cancelled and job.cancelled():
+                    self._in_flight.pop(job)
+                    self.stats.cut_short.append(rollout_id)
+                    self._lose(self._groups.pop(job))
+                else:
+                    self._collect(job)
+            except Exception:
+                log.exception("could not write the records of rollout %s (or of its group)", rollout_id)
         if self.stats.cut_short:
             log.info("stopped with %d rollouts cut short", len(self.stats.cut_short))

@@ -25,9 +25,11 @@ in the timing breakdown and does not count toward the rollout's timeout.
 
 Failures are classified into the canonical ``status``: an engine that died or a sandbox
 that failed to start is ``infra_error`` (never scored, never trained on); a sandbox that
-stopped the agent's command, or an environment that raised or whose output the gateway
-rejects (a malformed message, a token outside the vocabulary), is ``env_error``; running out
-of the time budget is ``timeout``; running out of turns or context is ``truncated``.
+stopped the agent's command, or an environment that raised (a ``CancelledError`` of its own
+included: only a cancel of the rollout cancels it), whose output the gateway rejects (a
+malformed message, a token outside the vocabulary) or whose reward or progress the record
+cannot hold (not a number, not finite, progress outside [0, 1]), is ``env_error``; running
+out of the time budget is ``timeout``; running out of turns or context is ``truncated``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import dataclasses
 import functools
 import logging
 import math
+import numbers
 import os
 import time
 import uuid
@@ -83,7 +86,7 @@ class ServiceConfig(BaseModel):
     max_turns: int = Field(32, ge=1, description="Hard cap on actions per rollout, over the env's own limit.")
     max_new_tokens: int = Field(32, ge=1, description="Token budget of one action.")
     temperature: float = Field(
-        1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False, description="Sampling temperature (finite, >= 1e-6)."
+        1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False, description="Sampling temperature (finite, >= 1e-5)."
     )
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     scheduler: Literal["action", "static", "none"] = Field(
@@ -207,6 +210,38 @@ class RolloutTimeout(Exception):
 
 class DuplicateRollout(ValueError):
     """A rollout with this id is already in flight."""
+
+
+class InvalidScore(ValueError):
+    """An env scored a reward or reported a progress that the record cannot hold (an env error)."""
+
+
+def checked_reward(reward: object, env: str) -> float | None:
+    """The reward ``env`` scored, as a float: a finite real number, or None (not scored);
+    anything else raises :class:`InvalidScore`."""
+    if reward is None:
+        return None
+    if not isinstance(reward, numbers.Real):
+        raise InvalidScore(
+            f"{env} scored a reward of type {type(reward).__name__} ({reward!r}), not a number"
+        )
+    if not math.isfinite(reward):
+        raise InvalidScore(f"{env} scored a non-finite reward {float(reward)!r}")
+    return float(reward)
+
+
+def checked_progress(progress: object, env: str) -> float | None:
+    """The progress ``env`` reported, as a float: a real number in [0, 1], or None (not
+    reported); anything else raises :class:`InvalidScore`."""
+    if progress is None:
+        return None
+    if not isinstance(progress, numbers.Real):
+        raise InvalidScore(
+            f"{env} reported progress of type {type(progress).__name__} ({progress!r}), not a number"
+        )
+    if not 0.0 <= progress <= 1.0:  # NaN included
+        raise InvalidScore(f"{env} reported progress {float(progress)!r}, outside [0, 1]")
+    return float(progress)
 
 
 def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:
@@ -368,9 +403,10 @@ class RolloutService:
         self.rewards = make_reward_models(self.config)
 
     async def process(self, request: RolloutRequest) -> RolloutResult:
-        """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled, and
-        :class:`DuplicateRollout` if a rollout with its ``rollout_id`` is in flight (the id
-        names the rollout to cancel)."""
+        """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled before
+        its outcome is decided (a cancel that lands while its env closes waits for the close and
+        the finished rollout is returned), and :class:`DuplicateRollout` if a rollout with its
+        ``rollout_id`` is in flight (the id names the rollout to cancel)."""
         if request.rollout_id in self._inflight:
             raise DuplicateRollout(f"rollout {request.rollout_id!r} is already in flight")
         current = asyncio.current_task()
@@ -384,7 +420,8 @@ class RolloutService:
         return result
 
     def cancel(self, rollout_id: str) -> bool:
-        """Cancel an in-flight rollout; False when it is unknown or already done."""
+        """Cancel an in-flight rollout; False when it is unknown or already done. One that is
+        closing its env already has its outcome: it finishes with its result."""
         task = self._inflight.get(rollout_id)
         if task is None or task.done():
             return False
@@ -484,9 +521,8 @@ class RolloutService:
                 needs, evaluate = self._reward_call(scorer, session)
             else:
                 needs, evaluate = _declared(env, "eval_request"), env.evaluate
-            state["reward"] = await self._stage(
-                "eval", clock, lambda: self._act(needs, env, request, clock, evaluate)
-            )
+            reward = await self._stage("eval", clock, lambda: self._act(needs, env, request, clock, evaluate))
+            state["reward"] = checked_reward(reward, task.env)
             if not state["done"] or session.turns and session.turns[-1].truncated:
                 status = "truncated"
         except RolloutTimeout as exc:
@@ -498,19 +534,20 @@ class RolloutService:
             error = f"sandbox {exc.kind} during {stage}: {exc.reason}"
         except ContextLimit as exc:
             status, error = "truncated", f"context limit: {exc}"
+        except InvalidScore as exc:
+            status, error = "env_error", str(exc)
         except asyncio.CancelledError:
-            await self._cleanup(env, session, request, actions)
-            raise
+            if asyncio.current_task().cancelling():  # the rollout is cancelled
+                await self._cleanup(env, session, request, actions)
+                raise
+            # not the rollout's cancel: the env's own (it awaited a future cancelled under it)
+            status, error = "env_error", f"CancelledError during {stage}, not from a cancel of the rollout"
+            log.warning("rollout %s of %s/%s: %s", request.rollout_id, task.env, task.id, error)
         except Exception as exc:  # an environment's own bug must not take the worker down
             status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
             log.warning("rollout %s of %s/%s: %s", request.rollout_id, task.env, task.id, error)
         await self._cleanup(env, session, request, actions)
         reward, progress = state["reward"], state["progress"]
-        if progress is not None and not 0.0 <= progress <= 1.0:  # NaN included
-            error = error or f"{task.env} reported progress {progress!r}, outside [0, 1]"
-            status, progress = ("env_error" if status in ("ok", "truncated") else status), None
-        if status in ("ok", "truncated") and reward is not None and not math.isfinite(reward):
-            status, error = "env_error", f"{task.env} scored a non-finite reward {reward!r}"
         reward = reward if status in ("ok", "truncated") else None
         if status == "truncated" and reward is None:
             reward = 0.0
@@ -546,7 +583,7 @@ class RolloutService:
                 clock,
                 functools.partial(env.step, action),
             )
-            state["progress"] = result.progress
+            state["progress"] = checked_progress(result.progress, request.task.env)
             if result.done:
                 state["done"] = True
                 return
@@ -557,7 +594,7 @@ class RolloutService:
     ) -> None:
         """RUN for a self-driving env: its program sends every model call through ``session``."""
         result = await env.run()
-        state["progress"] = result.progress
+        state["progress"] = checked_progress(result.progress, request.task.env)
         state["done"] = result.done
 
     async def _act(
@@ -600,13 +637,15 @@ class RolloutService:
         """Give back the rollout's resources, close its env and its gateway session; a step that
         fails (or an env close past ``ENV_CLOSE_TIMEOUT_S``) is logged and the next ones still run.
         A cancel that arrives meanwhile (``cancel``, an orchestrator stopping) waits for every
-        step to finish, then is raised."""
+        step to finish and is then dropped: the rollout's outcome is decided by now, and a
+        finished trajectory is kept, not thrown away for a cancel that came too late (a
+        rollout cancelled before its cleanup raises its own cancel after it)."""
         release = asyncio.create_task(self._release(env, session, request, actions))
         try:
             await asyncio.shield(release)
         except asyncio.CancelledError:
             await asyncio.wait([release])
-            raise
+            asyncio.current_task().uncancel()
 
     async def _release(
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None

@@ -29,7 +29,13 @@ class ProcessRequest(BaseModel):
     )
     execution_id: str | None = Field(None, description="Execution the trajectory belongs to.")
     group_id: str | None = Field(None, description="Group (GRPO mode).")
-    seed: int | None = Field(None, description="Sampling seed of the first turn.")
+    seed: int | None = Field(
+        None,
+        ge=-(2**63),
+        lt=2**63,
+        description="Sampling seed of the first turn (turn t samples with seed + t): a signed 64-bit "
+        "integer, so that every turn's seed is one the engines take.",
+    )
     include_tokens: bool = Field(
         True, description="Return the whole trajectory record, not just the summary."
     )

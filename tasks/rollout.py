@@ -41,6 +41,30 @@ def status_object(worker_name: str, status: dict[str, Any], running: bool) -> Ro
     )
 
 
+class Heartbeat:
+    """Calls ``beat`` every ``every_s`` seconds on a thread, from its creation until :meth:`stop`;
+    a beat that fails is logged and the next one still comes."""
+
+    def __init__(self, beat: Callable[[], None], every_s: float, what: str):
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beats, args=(beat, every_s, what), name=what, daemon=True
+        )
+        self._thread.start()
+
+    def _beats(self, beat: Callable[[], None], every_s: float, what: str) -> None:
+        while not self._stopped.wait(every_s):
+            try:
+                beat()
+            except Exception as exc:  # a storage hiccup: the next beat replaces this one
+                log.warning("%s failed: %s", what, exc)
+
+    def stop(self) -> None:
+        """Stop beating; once this returns no beat runs any more (stopping again does nothing)."""
+        self._stopped.set()
+        self._thread.join()
+
+
 def router_config(config: RunConfig) -> RouterConfig:
     """The worker's router: a drained replica's sessions move at their next turn exactly
     when the trainer's controller counts on it (``elastic.migrate_at_turns``)."""
@@ -63,7 +87,8 @@ def run_rollouts(
     ``progress_every_s`` (and once at start and at the end) the worker publishes its engine
     queue depth, live sessions and each replica's pinned sessions and drain state to
     ``status/rollout/<worker_name>.json`` for the trainer (``storage.status``); ``on_progress``
-    gets the same status, right after it is published. The worker follows the trainer's
+    gets the same status, right after it is published; while its engines load (however long
+    that takes), an idle running status at the same pace. The worker follows the trainer's
     elastic plan (``RolloutWorker.apply_plan``): with one engine replica nothing is ever drained.
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
@@ -80,12 +105,19 @@ def run_rollouts(
         f"rollout worker name {worker_name!r}",
         "give each worker its own name (--worker, or the rollout flow's worker_name)",
     )
-    # the name is taken while the engines load; a failed start says it stopped
+    # the name is taken while the engines load, kept fresh by a heartbeat (a status left to go
+    # stale would let a second worker take the name); a failed start says it stopped
     idle = {"engine_queue_depth": 0, "live_sessions": 0}
     board.publish(status_object(worker_name, idle, running=True))
+    loading = Heartbeat(
+        lambda: board.publish(status_object(worker_name, idle, running=True)),
+        progress_every_s,
+        f"status heartbeat of worker {worker_name}",
+    )
     try:
         worker, env_pool = _build_worker(config, worker_name, flush_records, flush_seconds, on_shard)
     except BaseException:
+        loading.stop()
         board.publish(status_object(worker_name, idle, running=False))
         raise
 
@@ -120,7 +152,10 @@ def run_rollouts(
     async def main() -> dict[str, Any]:
         reporter = None
         try:
-            await worker.start()
+            try:
+                await worker.start()
+            finally:  # stopped before the worker's own statuses, so that no idle one lands after them
+                await asyncio.to_thread(loading.stop)
             await publish_status(running=True)
             reporter = asyncio.create_task(report())
             stats = await worker.run(max_seconds=max(deadline - time.time(), 0.001))
@@ -143,6 +178,7 @@ def run_rollouts(
     try:
         return asyncio.run(main())
     finally:
+        loading.stop()  # main stops it, unless asyncio.run refused to run main
         if env_pool is not None:
             env_pool.close()
 

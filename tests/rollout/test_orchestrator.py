@@ -13,9 +13,10 @@ from envs import registry
 from envs.arith import ArithEnv
 from envs.base import StepResult
 from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
-from rollout.orchestrator import Orchestrator, OrchestratorConfig
+from rollout.orchestrator import SEED_STRIDE, Orchestrator, OrchestratorConfig
 from rollout.router import Router
 from rollout.service import RolloutService, ServiceConfig
 from storage.shards import ShardReader, ShardWriter
@@ -208,6 +209,22 @@ def test_the_trainer_queue_limit_must_leave_the_trainer_a_full_batch():
         OrchestratorConfig(mix={"arith": 1.0}, max_trainer_batches=0.5)
 
 
+def test_target_groups_needs_group_mode():
+    # single rollouts form no groups: the target would never be reached and the run never stop
+    with pytest.raises(ValueError, match="target_groups counts the groups of group mode.*max_rollouts"):
+        OrchestratorConfig(mix={"arith": 1.0}, target_groups=3)
+
+
+@pytest.mark.parametrize("seed", [-(2**63 // SEED_STRIDE), (2**63 - 1) // SEED_STRIDE])
+def test_every_rollout_seed_of_a_valid_base_seed_is_one_the_engines_take(seed):
+    base = OrchestratorConfig(mix={"arith": 1.0}, seed=seed).seed * SEED_STRIDE
+    SamplingParams(seed=base + 1)  # the first rollout's first turn
+    SamplingParams(seed=base + 10**12)  # a turn of the trillionth rollout
+    for bad in (seed * 2, seed - 1 if seed < 0 else seed + 1):
+        with pytest.raises(ValueError, match="seed"):
+            OrchestratorConfig(mix={"arith": 1.0}, seed=bad)
+
+
 class StuckEnv(ArithEnv):
     name = "arith"
 
@@ -295,6 +312,90 @@ def test_a_rollout_done_when_the_stop_comes_is_collected_not_cut_short(tiny):
 
     stats = asyncio.run(body())
     assert stats.finished == len(sink.records) == 1 and stats.cut_short == []
+
+
+class SlowCloseEnv(ArithEnv):
+    """``arith`` whose close sets ``closing`` and then takes 0.5 s (a sandbox shutting down)."""
+
+    name = "arith"
+
+    def __init__(self, closing: asyncio.Event):
+        super().__init__()
+        self.closing = closing
+
+    async def close(self) -> None:
+        self.closing.set()
+        await asyncio.sleep(0.5)
+        await super().close()
+
+
+def test_a_stop_while_a_finished_rollout_closes_its_env_still_writes_it(tiny):
+    closing = asyncio.Event()
+
+    async def during(orchestrator):
+        await asyncio.wait_for(closing.wait(), 60)  # EVAL is over: its record is complete
+        orchestrator.stop()
+
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=1, max_rollouts=1)
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), sink, make_env=lambda task: SlowCloseEnv(closing), during=during)
+    )
+    assert stats.written == stats.finished == len(sink.records) == 1 and stats.cut_short == []
+    assert sink.flushes == 1
+
+
+def test_a_rollout_cancelled_by_someone_else_is_logged_and_counted(tiny, caplog):
+    async def during(orchestrator):
+        while not orchestrator.service.status()["in_flight"]:
+            await asyncio.sleep(0.01)
+        (rollout_id,) = orchestrator._in_flight.values()
+        during.rollout_id = rollout_id
+        assert orchestrator.service.cancel(rollout_id)  # the service's cancel, not a stop
+
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=1, max_rollouts=1)
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), sink, make_env=lambda task: StuckEnv(), during=during)
+    )
+    assert stats.cancelled_elsewhere == [during.rollout_id] and stats.cut_short == []
+    assert stats.as_dict()["cancelled_elsewhere"] == 1 and stats.finished == 0
+    assert f"rollout {during.rollout_id} was cancelled, not by this orchestrator" in caplog.text
+
+
+class BrokenSink(ListSink):
+    def write_many(self, records):
+        self.writes.append(len(records))
+        raise OSError("the store is down (injected)")
+
+
+def test_a_sink_that_fails_ends_the_run_with_its_error_after_cancelling_and_flushing(tiny, caplog):
+    """Two rollouts finish before run() collects either, a third never does: writing the first
+    fails, and still the third is cancelled, the second is tried, and the sink is flushed."""
+    model, tokenizer = tiny
+    sink = BrokenSink()
+    envs = iter([ArithEnv(), ArithEnv(), StuckEnv()])
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+        service = RolloutService(gateway, lambda task: next(envs), ServiceConfig(max_new_tokens=4))
+        config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=3, max_rollouts=3)
+        orchestrator = Orchestrator(service, streams("arith"), sink, config)
+        try:
+            jobs = [job for _ in range(3) for job in orchestrator._launch_group().tasks]
+            await asyncio.wait_for(asyncio.wait(jobs[:2]), 60)
+            with pytest.raises(OSError, match="the store is down"):
+                await orchestrator.run()
+            return orchestrator.stats, jobs, service.status()
+        finally:
+            await engine.close()
+
+    stats, jobs, status = asyncio.run(body())
+    assert jobs[2].cancelled() and stats.cut_short == [jobs[2].get_name()]
+    assert status["in_flight"] == 0
+    assert sink.writes == [1, 1] and sink.flushes == 1 and stats.written == 0
+    assert f"could not write the records of rollout {jobs[1].get_name()}" in caplog.text
 
 
 class OneStuckInFour(CoinEnv):

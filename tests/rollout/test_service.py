@@ -259,21 +259,36 @@ def test_only_running_out_of_context_is_truncated_other_output_the_gateway_rejec
 
 class NanRewardEnv(ArithEnv):
     name = "arith"
+    reward = float("nan")
 
     async def evaluate(self) -> float:
-        return float("nan")
+        return self.reward
+
+
+class StringRewardEnv(NanRewardEnv):
+    reward = "1.0"
 
 
 class OutOfRangeProgressEnv(ArithEnv):
     name = "arith"
+    progress = 5.0
 
     async def step(self, action: str) -> StepResult:
-        return StepResult(observation=[], reward=1.0, done=True, progress=5.0)
+        return StepResult(observation=[], reward=1.0, done=True, progress=self.progress)
+
+
+class StringProgressEnv(OutOfRangeProgressEnv):
+    progress = "0.5"
 
 
 @pytest.mark.parametrize(
     ("env", "reason"),
-    [(NanRewardEnv, "non-finite reward nan"), (OutOfRangeProgressEnv, "progress 5.0, outside [0, 1]")],
+    [
+        (NanRewardEnv, "non-finite reward nan"),
+        (StringRewardEnv, "scored a reward of type str ('1.0'), not a number"),
+        (OutOfRangeProgressEnv, "progress 5.0, outside [0, 1]"),
+        (StringProgressEnv, "reported progress of type str ('0.5'), not a number"),
+    ],
 )
 def test_a_score_the_record_cannot_hold_is_an_env_error_and_the_record_stays_valid(tiny, env, reason):
     async def body():
@@ -282,8 +297,33 @@ def test_a_score_the_record_cannot_hold_is_an_env_error_and_the_record_stays_val
 
     result = asyncio.run(body())
     assert result.status == "env_error" and reason in result.error
-    assert result.reward is None and (result.progress is None) == (env is OutOfRangeProgressEnv)
+    assert result.reward is None and (result.progress is None) == issubclass(env, OutOfRangeProgressEnv)
     validate(to_table([result.record]))  # the worker writes it like any other
+
+
+class CancelledUnderEnv(ArithEnv):
+    """``arith`` whose step awaits a reply that is cancelled under it (a sandbox's reader that died)."""
+
+    name = "arith"
+
+    async def step(self, action: str) -> StepResult:
+        reply = asyncio.get_running_loop().create_future()
+        reply.cancel()
+        return await reply
+
+
+def test_a_cancelled_error_the_env_raises_itself_is_an_env_error_with_its_reason(tiny, caplog):
+    # only a cancel of the rollout cancels it: this one would vanish with no record
+    async def body():
+        async with running_service(tiny, make_env=lambda task: CancelledUnderEnv()) as service:
+            return await service.process(RolloutRequest(task=arith_task())), service.status()
+
+    result, status = asyncio.run(body())
+    assert result.status == "env_error" and result.reward is None
+    assert result.error == "CancelledError during run, not from a cancel of the rollout"
+    assert result.error in caplog.text
+    assert status["in_flight"] == 0 and status["finished"] == {"env_error": 1}
+    validate(to_table([result.record]))
 
 
 class HeldEnv(ArithEnv):
@@ -308,9 +348,9 @@ class HeldEnv(ArithEnv):
         await super().close()
 
 
-def test_a_cancel_during_cleanup_still_closes_the_gateway_session(tiny):
-    """Cancelled while its env closes, a rollout still ends its gateway session (releasing
-    its replica) before the cancel is raised."""
+def test_a_cancel_while_the_env_closes_keeps_the_finished_rollout_and_closes_its_session(tiny):
+    """Cancelled while its env closes (after EVAL: its record is complete), a rollout waits
+    for the close, ends its gateway session (releasing its replica) and returns its result."""
 
     async def body():
         reached, release = asyncio.Event(), asyncio.Event()
@@ -325,13 +365,15 @@ def test_a_cancel_during_cleanup_still_closes_the_gateway_session(tiny):
             assert service.cancel(request.rollout_id)
             await asyncio.sleep(0)  # the cancel lands while the env is closing
             release.set()
-            with pytest.raises(asyncio.CancelledError):
-                await job
+            result = await job
             router = service.gateway.router
-            return service.gateway.sessions, router.load(router.replicas[0]), service.status()
+            return result, service.gateway.sessions, router.load(router.replicas[0]), service.status()
 
-    sessions, load, status = asyncio.run(body())
+    result, sessions, load, status = asyncio.run(body())
+    assert result.status in ("ok", "truncated") and result.reward is not None, result.error
+    validate(to_table([result.record]))
     assert sessions == [] and load == 0 and status["in_flight"] == 0
+    assert sum(status["finished"].values()) == 1
 
 
 def test_an_env_whose_close_hangs_is_left_and_the_rollout_still_ends(tiny, monkeypatch, caplog):
@@ -445,6 +487,25 @@ def test_a_killed_engine_replica_gives_infra_errors_and_the_run_continues(tiny, 
         assert all(r.reward is None and "engine" in r.error for r in failed)
     assert all(r.status in ("ok", "truncated") for r in after)
     assert replicas == ["torch-1"]
+
+
+@pytest.mark.parametrize("seed", [2**70, -(2**63) - 1, 2**63])
+def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, seed):
+    # the caller's mistake, not an env error: no rollout runs
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+            transport = httpx.ASGITransport(app=create_app(service, "token"))
+            async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+                response = await client.post(
+                    "/process",
+                    json={"task": arith_task().model_dump(), "seed": seed},
+                    headers={"Authorization": "Bearer token"},
+                )
+            return response, service.status()
+
+    response, status = asyncio.run(body())
+    assert response.status_code == 422 and "seed" in response.text
+    assert status["finished"] == {}
 
 
 @pytest.mark.parametrize("transport", ["tcp", "uds"])

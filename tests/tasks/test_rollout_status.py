@@ -3,6 +3,7 @@ task logs it in every ``train_steps`` row: no shared memory between the two."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import threading
@@ -14,10 +15,19 @@ import pytest
 
 from flows.config import RunConfig
 from rl.models import ensure_base_version
+from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
-from storage.status import InUse, RolloutStatus, RolloutStatusBoard, TrainerStatus, TrainerStatusBoard
+from storage.status import (
+    InUse,
+    RolloutStatus,
+    RolloutStatusBoard,
+    TrainerStatus,
+    TrainerStatusBoard,
+    wait_until_free,
+)
 from storage.tables import Tables
 from storage.weights import WeightStore
+from tasks import rollout as rollout_task
 from tasks.process import run_processor
 from tasks.rollout import run_rollouts
 from tasks.train import run_trainer
@@ -106,6 +116,61 @@ def test_a_second_worker_under_a_running_workers_name_refuses_to_start(tmp_path)
             run_rollouts(run, time.time() + WAIT_S, "w0")
         assert board.read_worker("w0").live_sessions == 5  # its status is the running worker's
     assert Tables(store).read("shards").num_rows == 0
+
+
+@pytest.mark.parametrize("slow", ["build", "start"])
+def test_a_worker_keeps_its_name_taken_while_its_engines_load(tmp_path, monkeypatch, slow):
+    """Building the worker or starting its engines takes 2 s, four times the 0.5 s after which
+    a status goes stale: all the while a second worker under its name is refused."""
+    run = RunConfig(
+        run_id="slow-start",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2},
+        service={"max_new_tokens": 4},
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    loading, loaded = threading.Event(), threading.Event()
+    build, start = rollout_task._build_worker, RolloutWorker.start
+
+    def slow_build(*args):
+        loading.set()
+        time.sleep(2.0)
+        built = build(*args)
+        loaded.set()
+        return built
+
+    async def slow_start(self):
+        loading.set()
+        await asyncio.sleep(2.0)
+        worker = await start(self)
+        loaded.set()
+        return worker
+
+    if slow == "build":
+        monkeypatch.setattr(rollout_task, "_build_worker", slow_build)
+    else:
+        monkeypatch.setattr(RolloutWorker, "start", slow_start)
+    board, stop = RolloutStatusBoard(store), threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        rollouts = pool.submit(run_rollouts, run, time.time() + WAIT_S, "w0", progress_every_s=0.1, stop=stop)
+        try:
+            assert loading.wait(WAIT_S)
+            with pytest.raises(InUse, match="'w0' is in use"):
+                wait_until_free(
+                    lambda: board.read_worker("w0"),
+                    "rollout worker name 'w0'",
+                    "rename it",
+                    max_age_s=0.5,
+                    poll_s=0.05,
+                )
+            assert not loaded.is_set()  # refused while it loads, not once it runs
+        finally:
+            stop.set()
+        rollouts.result(timeout=WAIT_S)
+    final = board.read_worker("w0")
+    time.sleep(0.5)
+    assert not final.running and board.read_worker("w0") == final  # no beat after the last word
 
 
 def test_a_second_trainer_on_a_run_with_a_running_trainer_refuses_to_start(tmp_path):
