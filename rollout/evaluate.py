@@ -30,19 +30,24 @@ async def evaluate(
     tasks: Sequence[Task],
     make_env: Callable[[Task], Env],
     *,
+    service_config: ServiceConfig | None = None,
     temperature: float = 1e-3,
-    max_new_tokens: int = 8,
     concurrency: int = 64,
     gateway_config: GatewayConfig | None = None,
     seed: int = 0,
 ) -> EvalResult:
-    """Roll out each task once on ``engine``; a rollout that failed scores 0."""
+    """Roll out each task once on ``engine``; a rollout that failed scores 0.
+
+    ``service_config`` is the run's: the episodes are scored under the turn, time and token
+    budgets and by the reward models the policy trains with, at ``temperature`` and
+    ``concurrency`` rollouts at once.
+    """
     gateway = Gateway(Router([engine]), tokenizer, gateway_config)
     service = RolloutService(
         gateway,
         make_env,
-        ServiceConfig(
-            run_workers=concurrency, temperature=temperature, max_new_tokens=max_new_tokens, timeout_s=600
+        (service_config or ServiceConfig()).model_copy(
+            update={"temperature": temperature, "run_workers": concurrency}
         ),
     )
     slots = asyncio.Semaphore(concurrency)

@@ -30,14 +30,17 @@ log = logging.getLogger(__name__)
 class EnvWorkerActor:
     """Hosts live environments by id; every method is async so envs interleave."""
 
-    def __init__(self, env_configs: dict[str, dict[str, Any]]):
-        self.env_configs = env_configs
+    def __init__(self, envs: dict[str, tuple[type[Env], dict[str, Any]]]):
+        # the classes come with their configs: an env the driver registered is not in the
+        # registry of this process
+        self.envs_known = envs
         self.envs: dict[str, Env] = {}
 
     def open(self, env_id: str, name: str) -> None:
         if env_id in self.envs:
             raise ValueError(f"environment id {env_id!r} is already open on this worker")
-        self.envs[env_id] = registry.make(name, self.env_configs.get(name))
+        cls, config = self.envs_known[name]
+        self.envs[env_id] = cls(cls.config_cls.model_validate(config))
 
     def _env(self, env_id: str) -> Env:
         try:
@@ -118,7 +121,8 @@ class RayEnvPool:
     """A fixed set of environment-worker actors; :meth:`make_env` spreads rollouts over them.
 
     Args:
-        env_configs: validated config per environment name (others get their defaults).
+        env_configs: validated config per environment name: the environments it serves
+            (their classes travel to the actors, user-registered ones included).
         num_workers: actors to start.
         actor_options: Ray resource options of each actor (default: one CPU).
     """
@@ -133,14 +137,16 @@ class RayEnvPool:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         if not ray.is_initialized():
             raise RuntimeError("RayEnvPool needs a connected Ray cluster: call ray.init() first")
-        configs = {name: config.model_dump() for name, config in env_configs.items()}
+        envs = {name: (registry.env_class(name), config.model_dump()) for name, config in env_configs.items()}
         options = actor_options or {"num_cpus": 1}
-        self.actors = [EnvWorkerActor.options(**options).remote(configs) for _ in range(num_workers)]
+        self.actors = [EnvWorkerActor.options(**options).remote(envs) for _ in range(num_workers)]
         self._next = itertools.cycle(self.actors)
+        self.env_names = sorted(envs)
 
     def make_env(self, task: Task) -> RayEnv:
         """A proxy for a new env of ``task.env`` on the next actor."""
-        registry.env_class(task.env)
+        if task.env not in self.env_names:
+            raise KeyError(f"environment {task.env!r} is not one this pool was built for: {self.env_names}")
         return RayEnv(next(self._next), task.env)
 
     def close(self) -> None:

@@ -168,8 +168,8 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
                 engine.tokenizer,
                 tasks,
                 lambda t: registry.make(t.env, config.env_config(t.env)),
+                service_config=config.service,
                 temperature=config.eval.temperature,
-                max_new_tokens=config.service.max_new_tokens,
                 gateway_config=config.gateway,
             )
         finally:

@@ -13,6 +13,7 @@ import ray
 import torch
 
 from envs import registry
+from envs.arith import ArithEnv
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
 from rollout.engines.base import SamplingParams
@@ -195,6 +196,33 @@ def test_env_worker_actor_runs_sandboxed_env(env_name):
     assert all(score == 1.0 for _, _, score in remote), "the scripted solver should solve every task"
     assert len(set(pids)) == 2 and os.getpid() not in pids
     assert still_open == [0, 0]
+
+
+def test_an_env_the_driver_registered_runs_on_the_actors(monkeypatch):
+    """A user environment exists only in the driver's registry: its class travels to the
+    actors with its config (the actors' own registry holds the built-in ones alone)."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+
+    @registry.register
+    class Sums(ArithEnv):
+        name = "sums"
+
+    task = registry.task_set("sums", "train", seed=0, n=1)[0]
+
+    async def body():
+        pool = RayEnvPool({"sums": registry.make_config("sums")}, num_workers=1)
+        try:
+            env = pool.make_env(task)
+            await env.reset(task)
+            (action,) = registry.demonstrate(task)
+            result = await env.step(action)
+            with pytest.raises(KeyError, match="not one this pool was built for"):
+                pool.make_env(registry.task_set("arith", "train", seed=0, n=1)[0])
+            return result.reward
+        finally:
+            pool.close()
+
+    assert asyncio.run(body()) == 1.0
 
 
 def test_run_rollouts_on_ray_writes_shards(run, tmp_path):

@@ -22,6 +22,7 @@ from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout import reward_models
 from rollout.engines.torch_engine import TorchEngine
+from rollout.evaluate import evaluate
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.resources import state_bytes
 from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
@@ -191,3 +192,30 @@ def test_an_env_naming_an_unconfigured_reward_model_is_a_config_error():
         ValueError, match=r"envs.arith.reward_model: 'judge' is not one of service.reward_models"
     ):
         RunConfig.model_validate({"envs": {"arith": {"reward_model": "judge"}}})
+
+
+def test_held_out_evaluation_scores_with_the_run_s_reward_models(tiny, judges):
+    """Evaluation runs under the run's service config: an env scored by a reward model is
+    scored by it there too (with the service's defaults, which name no reward model, every
+    episode was an env_error scored 0)."""
+    model, tokenizer = tiny
+    config = ServiceConfig(
+        max_new_tokens=8,
+        timeout_s=120,
+        reward_models={name: RewardModelConfig(path=path) for name, path in judges.items()},
+    )
+    tasks = registry.task_set("arith", "eval", seed=0, n=2)
+
+    def make_env(task):
+        return registry.make(task.env, registry.make_config(task.env, {"reward_model": JUDGES[task.env]}))
+
+    async def body():
+        engine = TorchEngine(model, tokenizer)
+        try:
+            return await evaluate(engine, tokenizer, tasks, make_env, service_config=config, temperature=1.0)
+        finally:
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert "env_error" not in result.statuses["arith"] and result.count == {"arith": 2}
+    assert result.reward["arith"] != 0.0  # the judge's logits, not failures scored 0
