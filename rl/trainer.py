@@ -186,6 +186,10 @@ class Trainer:
         self._trained_since_publish = 0
         self._step_extra: Callable[[], dict] | None = None
         self.idle_seconds = 0.0
+        """Seconds spent in waits for new shards that have ended."""
+        self.waiting_since: float | None = None
+        """Monotonic time the wait for new shards in progress began (``None``: not waiting)."""
+        self._idle_lock = threading.Lock()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -412,6 +416,13 @@ class Trainer:
         """Samples (trajectories) waiting in the buffer (safe to call from another thread)."""
         return len(tuple(self.buffer))
 
+    def idle_seconds_at(self, now: float) -> float:
+        """Seconds waited for new shards up to monotonic time ``now``, the wait in progress
+        included (safe from another thread): a poll wait lasts up to ``poll_seconds``."""
+        with self._idle_lock:
+            waiting = 0.0 if self.waiting_since is None else max(now - self.waiting_since, 0.0)
+            return self.idle_seconds + waiting
+
     def unconsumed_shards(self) -> int:
         """Shards ingested whose rows are still waiting in the buffer (safe from another thread)."""
         return len({sample.shard_id for sample in tuple(self.buffer)})
@@ -486,8 +497,12 @@ class Trainer:
                 wait = self.config.poll_seconds
                 if max_seconds is not None:  # never sleep past the deadline
                     wait = min(wait, max(max_seconds - (waited - started), 0.0))
+                with self._idle_lock:
+                    self.waiting_since = waited
                 stop_event.wait(wait)
-                self.idle_seconds += time.monotonic() - waited
+                with self._idle_lock:
+                    self.idle_seconds += time.monotonic() - waited
+                    self.waiting_since = None
         if self.config.publish_on_stop and (self._steps_since_publish or self._pending_consumption()):
             versions.append(self.publish())
         logger.info("trainer stopped (%s) at step %d", stop_reason, self.step)

@@ -362,11 +362,14 @@ class ElasticController:
                 free -= lost
                 accepting -= 1
                 committed += 1
-                if unit.live_sessions == 0:
-                    moves.append(self._move(unit, "train", now, f"trainer saturated, {reason} (idle)"))
-                else:
-                    moves.append(self._move(unit, "draining", now, f"trainer saturated, {reason} drains"))
+                moves.append(self._lend(unit, now, f"trainer saturated, {reason}"))
         return moves
+
+    def _lend(self, unit: Unit, now: float, reason: str) -> Move:
+        """Lend accepting ``unit`` to training: at once when it holds no session, else by draining it."""
+        if unit.live_sessions == 0:
+            return self._move(unit, "train", now, f"{reason} (idle)")
+        return self._move(unit, "draining", now, f"{reason} drains")
 
     def training_demand(self, inputs: PolicyInputs, forecast: float | None) -> float | None:
         """Training units the next ``forecast_horizon_s`` keeps busy: queued plus forecast work.

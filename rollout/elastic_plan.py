@@ -6,20 +6,22 @@ replicas, named ``<worker>/<replica>`` from the status each worker publishes
 decision syncs the units with the fresh statuses, steps the controller, and returns the
 plan (``storage.status.ElasticPlan``) the workers apply through their routers.
 
-A draining replica counts as handed to training only once its worker confirms it: a status
-that applied a plan at least as new as the drain, lists the replica as draining, and pins
-no session to it. Each worker keeps at least one accepting replica (its orchestrator's new
-sessions need one): the controller never drains a worker's last accepting replica, on top
-of its own ``min_rollout``. A live rollout is never interrupted: a drained replica's
-sessions move at their next turn, a generation in flight finishes where it started
-(``rollout.router``).
+A replica lent to training drains first, an idle one too, and counts as handed to training
+only once its worker confirms it: a status that applied a plan at least as new as the
+drain, lists the replica as draining, and pins no session to it (a status seconds old that
+shows it empty does not: the worker's router pins new sessions to it until it applies the
+plan). A replica in training whose status shows sessions pinned drains again. Each worker
+keeps at least one accepting replica (its orchestrator's new sessions need one): the
+controller never drains a worker's last accepting replica, on top of its own ``min_rollout``.
+A live rollout is never interrupted: a drained replica's sessions move at their next turn,
+a generation in flight finishes where it started (``rollout.router``).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from rollout.elastic import ElasticConfig, ElasticController, Move, PolicyInputs, Unit
+from rollout.elastic import ElasticConfig, ElasticController, Move, PolicyInputs, Role, Unit
 from storage.status import ElasticPlan, RolloutStatus
 
 TRAINER_UNIT = "train0"
@@ -38,7 +40,11 @@ def _worker_of(unit: str) -> str | None:
 @dataclass
 class ReplicaController(ElasticController):
     """An :class:`ElasticController` whose rollout units are workers' replicas: it never drains
-    a worker's last accepting replica (each worker keeps its most loaded one)."""
+    a worker's last accepting replica (each worker keeps its most loaded one), and lends a
+    replica only by draining it (its worker's confirmation hands it over, see the module docstring)."""
+
+    def _lend(self, unit: Unit, now: float, reason: str) -> Move:
+        return self._move(unit, "draining", now, f"{reason} drains")
 
     def _drain_order(self, rollout: list[Unit], now: float) -> list[Unit]:
         kept: dict[str, Unit] = {}
@@ -64,6 +70,7 @@ class ElasticPlanner:
             )
         if any("/" in name for name in trainer_units):
             raise ValueError(f"trainer unit names may not contain '/': {list(trainer_units)}")
+        self.trainer_units = trainer_units
         self.controller = ReplicaController(config, {name: Unit(name, "train") for name in trainer_units})
         self.last_plan: ElasticPlan | None = None
         self._finished: dict[str, int] = {}
@@ -78,8 +85,9 @@ class ElasticPlanner:
         rollouts each worker finished and the sessions it ended since its last status count
         as finished now (the controller's rollout rate) and train its session-length model
         (the newest lengths); a worker's first status, or a restarted worker's, only sets
-        where its counts start. Returns the handovers made here: draining replicas that
-        their worker confirms empty (see the module docstring).
+        where its counts start. Returns the moves made here: draining replicas that their
+        worker confirms empty go to training, replicas in training that their worker reports
+        sessions on drain again (see the module docstring).
         """
         seen: dict[str, tuple[RolloutStatus, str]] = {}
         for status in statuses:
@@ -100,14 +108,22 @@ class ElasticPlanner:
         units = self.controller.units
         for name in [n for n in units if _worker_of(n) is not None and n not in seen]:
             del units[name]
-        handovers = []
+        moves = []
         for name, (status, replica) in seen.items():
             unit = units.setdefault(name, Unit(name, "rollout"))
             unit.live_sessions = status.replica_sessions[replica]
             unit.session_starts = [now - age for age in status.session_ages.get(replica, [])]
             if unit.role == "draining" and unit.live_sessions == 0 and self._confirmed(status, replica, name):
-                handovers.append(self._hand_over(unit, now))
-        return handovers
+                # the controller's own handover happens on a session-end event; here the
+                # worker's status says the replica is empty
+                moves.append(
+                    self._set_role(unit, "train", now, "drained: its worker reports no session pinned")
+                )
+            elif unit.role == "train" and unit.live_sessions > 0:
+                moves.append(
+                    self._set_role(unit, "draining", now, "its worker reports sessions pinned: drains again")
+                )
+        return moves
 
     def _confirmed(self, status: RolloutStatus, replica: str, name: str) -> bool:
         drained_at = next(
@@ -121,11 +137,9 @@ class ElasticPlanner:
             and replica in status.draining
         )
 
-    def _hand_over(self, unit: Unit, now: float) -> Move:
-        # the controller's own handover happens on a session-end event; here the worker's
-        # status says the replica is empty
-        move = Move(now, unit.name, unit.role, "train", "drained: its worker reports no session pinned")
-        unit.role = "train"
+    def _set_role(self, unit: Unit, target: Role, now: float, reason: str) -> Move:
+        move = Move(now, unit.name, unit.role, target, reason)
+        unit.role = target
         self.controller.moves.append(move)
         return move
 
@@ -133,12 +147,13 @@ class ElasticPlanner:
         """Sync with ``statuses``, step the controller on ``inputs`` and make the plan (``last_plan``).
 
         Returns ``{"elastic": {...}}`` for ``train_steps.extra``: the controller's inputs,
-        roles and recent moves, and ``decided``, the moves made by this decision.
+        roles and recent moves, the decision's ``time`` and ``decided``, the moves it made.
         """
         decided = self.observe(statuses, now)
         decided += self.controller.step(inputs, now)
         self.last_plan = self.plan(now)
         record = self.controller.log_record()
+        record["elastic"]["time"] = now
         record["elastic"]["applied"] = True
         record["elastic"]["decided"] = [asdict(m) for m in decided]
         return record

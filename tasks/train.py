@@ -42,6 +42,9 @@ PLAN_REFRESH_S = 5.0
 """Seconds after which an unchanged elastic plan is published again (workers ignore stale plans)."""
 TRAIN_COST_STEPS = 20
 """Policy steps over which the controller's training cost per trajectory is measured."""
+DECISION_FIELDS = ("time", "inputs", "rollout_rate", "forecast_completions", "decided")
+"""What ``extra["elastic"]["decisions"]`` keeps of each decision (roles and live sessions
+are the step's own record's)."""
 TRAINER_STATUS_S = 0.25
 """Seconds between looks at the trainer's queue (how much data waits for it, the rollout
 workers' backpressure); it is published when it changed, and every ``PLAN_REFRESH_S``."""
@@ -54,6 +57,16 @@ def elastic_config(config: RunConfig) -> ElasticConfig:
         config.orchestrator.concurrency / config.engine.replica_count
     )
     return ElasticConfig(**config.elastic.model_dump() | {"sessions_per_replica": slots})
+
+
+def keep_decision(decisions: list[dict[str, Any]], entry: dict[str, Any]) -> None:
+    """Append ``entry`` to ``decisions``, a run of decisions that moved nothing kept as its
+    latest with ``count`` saying how many it stands for (the ticker decides every second:
+    an hour's wait for data would otherwise put 3,600 records in one row)."""
+    entry["count"] = 1
+    if not entry.get("decided") and decisions and not decisions[-1].get("decided"):
+        entry["count"] += decisions.pop()["count"]
+    decisions.append(entry)
 
 
 def run_trainer(
@@ -91,14 +104,19 @@ def run_trainer(
     ``orchestrator.max_trainer_batches`` token budgets, and tell from the shards whether
     their data has reached the trainer (``rollout.worker``).
 
-    Every ``train_steps`` row carries the controller's inputs (unconsumed shards and
-    trajectories, engine queue depth, the trainer's idle fraction since the last decision,
-    and what a trajectory costs to train: step seconds times the units in training, per
-    trajectory, over the last ``TRAIN_COST_STEPS`` steps), the units' roles,
-    its recent moves and the moves decided at that step in ``extra["elastic"]``. The queue
-    depth comes from ``engine_queue_depth`` when the caller can reach the engines, else
-    from the fresh workers' statuses, whose counts (fresh, stopped, stale, corrupt) are in
-    ``extra["rollout_status"]``.
+    Every ``train_steps`` row carries, in ``extra["elastic"]``, the step's decision: the
+    controller's inputs (unconsumed shards and trajectories, engine queue depth, the
+    trainer's idle fraction since the last decision, the time of a wait for data in
+    progress included, and what a trajectory costs to train: step seconds times the
+    trainer's own units, per trajectory, over the last ``TRAIN_COST_STEPS`` steps), the
+    units' roles, its recent moves and the moves it decided; and in ``decisions`` every
+    decision since the previous row (the step's own last), each with its time, inputs and
+    the moves it decided, so no move goes unlogged (those after the last row go to the
+    log); consecutive decisions that moved nothing are kept as the latest, with their
+    ``count``. The queue depth comes from ``engine_queue_depth`` when the caller can reach the
+    engines, else from the fresh workers' statuses, whose counts (fresh, stopped, stale,
+    corrupt) are in ``extra["rollout_status"]``. When the statuses cannot be read there is
+    no decision: the last plan stands, and the record says ``skipped`` and why.
 
     One trainer per run: while another trainer's status is updated, this one raises
     :class:`~storage.status.InUse` instead of training the same shards; the fresh status a
@@ -153,9 +171,10 @@ def run_trainer(
 
     def progress(row: dict[str, Any]) -> None:
         check_published()
-        with deciding:
-            units = len(elastic.controller.units_in("train"))
-        step_costs.append((row["step_seconds"] * units, row["num_samples"]))
+        # the trainer runs on its own units only: a replica lent to training does not
+        # shorten its steps, so counting it would raise the cost with every replica lent,
+        # lower the balanced rollout share and lend more
+        step_costs.append((row["step_seconds"] * len(elastic.trainer_units), row["num_samples"]))
         if report_step is not None:
             report_step(row)
 
@@ -168,22 +187,28 @@ def run_trainer(
     rollout_status = RolloutStatusBoard(store)
     plans = ElasticPlanBoard(store)
     published: dict[str, Any] = {"plan": None, "at": -math.inf}
-    status_cache: dict[str, Any] = {"read_at": -math.inf, "summary": None, "fresh": []}
+    status_cache: dict[str, Any] = {"read_at": -math.inf, "read": None, "error": None}
+    decisions: list[dict[str, Any]] = []  # every decision since the last train_steps row
 
-    def rollout_statuses() -> tuple[RolloutSummary | None, list[RolloutStatus]]:
+    def rollout_statuses() -> tuple[RolloutSummary, list[RolloutStatus]] | None:
+        """The workers' summary and fresh statuses; ``None`` when they could not be read
+        (``status_cache["error"]`` says why)."""
         # workers publish every few seconds; reading every step would put a listing and a
         # GET per worker on the trainer's hot path (S3)
         if time.monotonic() - status_cache["read_at"] >= STATUS_REFRESH_S:
             try:
                 statuses, corrupt = rollout_status.read()
                 now = time.time()
-                summary = summarize(statuses, corrupt, now, status_max_age_s)
-                fresh = fresh_statuses(statuses, now, status_max_age_s)
-            except Exception as exc:  # storage unreachable for a moment: decide without it
-                log.warning("could not read the rollout workers' status: %s", exc)
-                summary, fresh = None, []
-            status_cache.update(read_at=time.monotonic(), summary=summary, fresh=fresh)
-        return status_cache["summary"], status_cache["fresh"]
+                read = (
+                    summarize(statuses, corrupt, now, status_max_age_s),
+                    fresh_statuses(statuses, now, status_max_age_s),
+                )
+                error = None
+            except Exception as exc:  # storage unreachable for a moment: the next read retries
+                log.warning("could not read the rollout workers' status, no elastic decision: %s", exc)
+                read, error = None, f"could not read the rollout workers' status: {exc}"
+            status_cache.update(read_at=time.monotonic(), read=read, error=error)
+        return status_cache["read"]
 
     def publish(plan: ElasticPlan) -> None:
         roles = (plan.accepting, plan.draining, plan.train, plan.running)
@@ -196,28 +221,50 @@ def run_trainer(
             return
         published.update(plan=roles, at=time.monotonic())
 
-    def elastic_record() -> dict[str, Any]:
+    def decide() -> dict[str, Any]:
+        """One elastic decision (the caller holds ``deciding``), kept in ``decisions``; its record.
+
+        Unread statuses skip it and the last plan stands: deciding with no worker seen would
+        drop every replica from the plan (back to rollout, those lent to training too), and
+        an unmeasured queue depth is not 0.
+        """
+        read = rollout_statuses()
+        last["decided"] = time.monotonic()
+        if read is None:
+            skipped = {"time": time.time(), "applied": False, "skipped": status_cache["error"]}
+            keep_decision(decisions, dict(skipped))
+            extra = {} if engine_queue_depth is not None else {"rollout_status": None}
+            return {"elastic": skipped, **extra}
+        summary, fresh = read
+        now = time.monotonic()
+        idle_total = trainer.idle_seconds_at(now)
+        idle = (idle_total - last["idle"]) / max(now - last["wall"], 1e-9)
+        last.update(wall=now, idle=idle_total)
+        extra: dict[str, Any] = {}
+        if engine_queue_depth is not None:
+            depth = engine_queue_depth()
+        else:
+            depth = summary.engine_queue_depth
+            extra["rollout_status"] = summary.as_dict()
+        inputs = PolicyInputs(
+            unconsumed_shards=trainer.unconsumed_shards(),
+            engine_queue_depth=depth,
+            trainer_idle=round(min(max(idle, 0.0), 1.0), 4),
+            train_unit_s_per_trajectory=train_unit_s_per_trajectory(),
+            unconsumed_trajectories=trainer.buffered_samples(),
+        )
+        record = elastic.decide(fresh, inputs, time.time())
+        publish(elastic.last_plan)
+        keep_decision(decisions, {key: record["elastic"][key] for key in DECISION_FIELDS})
+        return {**record, **extra}
+
+    def step_extra() -> dict[str, Any]:
+        """The step's decision, with every decision since the last row in ``decisions``."""
         with deciding:
-            now = time.monotonic()
-            idle = (trainer.idle_seconds - last["idle"]) / max(now - last["wall"], 1e-9)
-            last.update(wall=now, idle=trainer.idle_seconds, decided=now)
-            summary, fresh = rollout_statuses()
-            extra: dict[str, Any] = {}
-            if engine_queue_depth is not None:
-                depth = engine_queue_depth()
-            else:
-                depth = summary.engine_queue_depth if summary is not None else 0
-                extra["rollout_status"] = summary.as_dict() if summary is not None else None
-            inputs = PolicyInputs(
-                unconsumed_shards=trainer.unconsumed_shards(),
-                engine_queue_depth=depth,
-                trainer_idle=round(min(max(idle, 0.0), 1.0), 4),
-                train_unit_s_per_trajectory=train_unit_s_per_trajectory(),
-                unconsumed_trajectories=trainer.buffered_samples(),
-            )
-            record = elastic.decide(fresh, inputs, time.time())
-            publish(elastic.last_plan)
-            return {**record, **extra}
+            record = decide()
+            record["elastic"]["decisions"] = decisions.copy()
+            decisions.clear()
+            return record
 
     stop_ticking = threading.Event()
 
@@ -227,7 +274,8 @@ def run_trainer(
         while not stop_ticking.wait(STATUS_REFRESH_S):
             if time.monotonic() - last["decided"] >= STATUS_REFRESH_S:
                 try:
-                    elastic_record()
+                    with deciding:
+                        decide()
                 except Exception as exc:  # the next step or tick decides again
                     log.warning("elastic decision failed: %s", exc)
 
@@ -266,7 +314,7 @@ def run_trainer(
             progress=progress,
             drain=drain,
             drain_event=drain_event,
-            step_extra=elastic_record,
+            step_extra=step_extra,
         )
     finally:
         stop_ticking.set()
@@ -275,6 +323,9 @@ def run_trainer(
                 thread.join()
         publish_queue(running=False)
         with deciding:
+            unlogged = [move for decision in decisions for move in decision.get("decided", [])]
+            if unlogged:
+                log.info("elastic moves after the last train_steps row: %s", unlogged)
             published["at"] = -math.inf
             publish(elastic.release(time.time()))
     check_published()

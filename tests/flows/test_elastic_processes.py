@@ -97,7 +97,10 @@ def test_three_flow_processes_on_s3_lend_a_replica_and_lose_no_rollout(tmp_path,
     tables = Tables(store)
     rows = sorted(tables.read("train_steps").to_pylist(), key=lambda row: row["step"])
     records = [json.loads(row["extra"])["elastic"] for row in rows]
-    moves = [move for record in records for move in record["moves"]]
+    # every decision since the previous step, the ticker's too, with the moves it made
+    moves = [
+        move for record in records for decision in record["decisions"] for move in decision.get("decided", [])
+    ]
     assert any(m["target"] == "train" and m["unit"].startswith("worker-0/") for m in moves), moves
     assert max(r["rollout_rate"] for r in records) > 0  # from the counts in the worker's statuses
 

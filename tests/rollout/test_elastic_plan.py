@@ -56,11 +56,44 @@ def test_a_saturated_trainer_drains_the_least_loaded_replica_and_takes_it_once_c
     ]
 
 
+def test_an_idle_replica_drains_too_and_goes_to_training_only_once_its_worker_confirms():
+    """A status seconds old shows r1 empty, but the worker's router pins new sessions to it
+    until it applies the plan: r1 drains, and is not training's while sessions are on it."""
+    planner = ElasticPlanner(CONFIG)
+    record = planner.decide([status("w0", {"r0": 5, "r1": 0})], SATURATED, now=10.0)
+    assert roles(planner.last_plan) == (["w0/r0"], ["w0/r1"], [])
+    assert [(m["unit"], m["target"]) for m in record["elastic"]["decided"]] == [("w0/r1", "draining")]
+    planner.decide([status("w0", {"r0": 5, "r1": 3})], SATURATED, now=11.0)
+    assert roles(planner.last_plan) == (["w0/r0"], ["w0/r1"], [])
+    assert planner.controller.units["w0/r1"].live_sessions == 3
+    planner.decide([status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=10.0)], SATURATED, now=12.0)
+    assert roles(planner.last_plan) == (["w0/r0"], [], ["w0/r1"])
+
+
+def test_a_replica_in_training_whose_worker_reports_sessions_drains_again():
+    planner = ElasticPlanner(CONFIG)
+    planner.decide([status("w0", {"r0": 5, "r1": 1})], SATURATED, now=10.0)
+    planner.decide([status("w0", {"r0": 6, "r1": 0}, draining=["r1"], plan_time=10.0)], SATURATED, now=11.0)
+    assert planner.last_plan.train == ["w0/r1"]
+    # the worker took sessions on it (it ignored a stale plan): not training's until empty again
+    record = planner.decide([status("w0", {"r0": 6, "r1": 2})], SATURATED, now=12.0)
+    assert roles(planner.last_plan) == (["w0/r0"], ["w0/r1"], [])
+    assert [(m["unit"], m["source"], m["target"]) for m in record["elastic"]["decided"]] == [
+        ("w0/r1", "train", "draining")
+    ]
+    # empty under the plan it drained by before: not confirmed; under the new one: handed over
+    planner.decide([status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=11.0)], SATURATED, now=13.0)
+    assert planner.last_plan.train == []
+    planner.decide([status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=12.0)], SATURATED, now=14.0)
+    assert roles(planner.last_plan) == (["w0/r0"], [], ["w0/r1"])
+
+
 def test_a_dry_trainer_with_queued_sessions_hands_the_replica_back():
     planner = ElasticPlanner(CONFIG)
     planner.decide([status("w0", {"r0": 5, "r1": 0})], SATURATED, now=10.0)
-    assert planner.last_plan.train == ["w0/r1"], "an idle replica goes to training at once"
-    planner.decide([status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=10.0)], DRY, now=20.0)
+    planner.decide([status("w0", {"r0": 5, "r1": 0}, draining=["r1"], plan_time=10.0)], SATURATED, now=11.0)
+    assert planner.last_plan.train == ["w0/r1"]
+    planner.decide([status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=11.0)], DRY, now=20.0)
     assert roles(planner.last_plan) == (["w0/r0", "w0/r1"], [], [])
     assert planner.controller.units_in("train") == [TRAINER_UNIT], "the trainer's own unit stays"
 
@@ -90,7 +123,7 @@ def test_the_last_accepting_replica_of_a_worker_is_never_drained(seed):
 def test_a_worker_that_stops_reporting_takes_its_replicas_along():
     planner = ElasticPlanner(CONFIG)
     planner.decide([status("w0", {"r0": 5, "r1": 0}), status("w1", {"r0": 3})], SATURATED, now=1.0)
-    assert planner.last_plan.train == ["w0/r1"]
+    assert planner.last_plan.draining == ["w0/r1"]
     planner.decide([status("w1", {"r0": 3}), status("w0", {}, running=False)], SATURATED, now=2.0)
     assert roles(planner.last_plan) == (["w1/r0"], [], [])
     released = planner.release(now=3.0)

@@ -10,6 +10,8 @@ import logging
 import threading
 import time
 
+import pytest
+
 from flows.config import RunConfig
 from rl.models import ensure_base_version
 from rollout.elastic import ElasticConfig, PolicyInputs
@@ -30,7 +32,7 @@ from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
 from tasks.rollout import router_config, run_rollouts, status_object
-from tasks.train import elastic_config, run_trainer
+from tasks.train import elastic_config, keep_decision, run_trainer
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
 
 WAIT_S = 120.0
@@ -337,3 +339,206 @@ def test_a_failing_progress_report_does_not_stop_the_trainer(tmp_path, caplog):
     assert summary["stop_reason"] == "drained" and summary["steps"] == len(reports) > 1
     assert steps == reports
     assert "progress report of the trainer failed, the work goes on" in caplog.text
+
+
+def worker_status(sessions: dict[str, int], draining=(), plan_time: float | None = None) -> RolloutStatus:
+    """A fresh running status of worker ``w0``, its replicas pinning ``sessions``."""
+    return RolloutStatus(
+        worker="w0",
+        time=time.time(),
+        engine_queue_depth=0,
+        live_sessions=sum(sessions.values()),
+        running=True,
+        replica_sessions=sessions,
+        draining=list(draining),
+        plan_time=plan_time,
+    )
+
+
+def lend_a_replica(planner: ElasticPlanner, board: RolloutStatusBoard) -> None:
+    """``w0/torch-1`` drains, and its worker's status (published on ``board``) confirms it
+    empty under that plan: the next decision hands it to training."""
+    drained_at = time.time() - 1
+    planner.decide([worker_status({"torch-0": 3, "torch-1": 1})], SATURATED, drained_at)
+    assert planner.last_plan.draining == ["w0/torch-1"]
+    board.publish(worker_status({"torch-0": 4, "torch-1": 0}, draining=["torch-1"], plan_time=drained_at))
+
+
+def trainer_run(tmp_path, run_id: str, **sao) -> tuple[RunConfig, RunStore]:
+    run = RunConfig(run_id=run_id, storage=StorageConfig(root=str(tmp_path / "runs")), sao=config(**sao))
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    return run, store
+
+
+def recording(planner: ElasticPlanner) -> list[PolicyInputs]:
+    """The inputs of every decision ``planner`` makes from now on."""
+    inputs: list[PolicyInputs] = []
+    decide = planner.decide
+
+    def decide_and_record(statuses, policy_inputs, now):
+        inputs.append(policy_inputs)
+        return decide(statuses, policy_inputs, now)
+
+    planner.decide = decide_and_record
+    return inputs
+
+
+def test_a_failed_status_read_skips_the_decision_and_the_last_plan_stands(tmp_path, monkeypatch, caplog):
+    """The first read of the workers' statuses fails (S3 unreachable for a moment): no
+    worker seen must not hand the replica lent to training back to rollout."""
+    run, store = trainer_run(tmp_path, "elastic-unread")
+    write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
+    board = RolloutStatusBoard(store)
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    lend_a_replica(planner, board)
+    planner.decide(board.read()[0], SATURATED, time.time())
+    lent = (["w0/torch-0"], [], ["w0/torch-1"])
+    assert (planner.last_plan.accepting, planner.last_plan.draining, planner.last_plan.train) == lent
+
+    reads, read = [], RolloutStatusBoard.read
+
+    def unreachable_once(self):
+        reads.append(time.time())
+        if len(reads) == 1:
+            raise OSError("S3 unreachable for a moment")
+        return read(self)
+
+    published, publish = [], ElasticPlanBoard.publish
+
+    def keep(self, plan):
+        published.append(plan)
+        publish(self, plan)
+
+    monkeypatch.setattr(RolloutStatusBoard, "read", unreachable_once)
+    monkeypatch.setattr(ElasticPlanBoard, "publish", keep)
+    # every step reads the statuses; with a depth callable no ticker decides in between
+    monkeypatch.setattr("tasks.train.STATUS_REFRESH_S", 0.0)
+    with caplog.at_level(logging.WARNING, logger="tasks.train"):
+        result = run_trainer(
+            run,
+            time.time() + 600,
+            drain=True,
+            engine_queue_depth=lambda: 0,
+            elastic=planner,
+            status_max_age_s=600,
+        )
+    assert result["steps"] == 3 and len(reads) == 3
+    assert "S3 unreachable for a moment" in caplog.text
+    running = [plan for plan in published if plan.running]
+    assert running, "the decisions after the failed read publish their plan"
+    for plan in running:
+        assert (plan.accepting, plan.draining, plan.train) == lent, plan
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    records = [json.loads(row["extra"])["elastic"] for row in rows]
+    assert records[0]["applied"] is False and "S3 unreachable" in records[0]["skipped"]
+    assert [d.get("skipped") is not None for d in records[0]["decisions"]] == [True]
+    assert all(r["applied"] and r["roles"]["w0/torch-1"] == "train" for r in records[1:])
+
+
+def test_a_trainer_waiting_for_data_counts_as_idle_and_is_lent_nothing(tmp_path):
+    """One shard of 22 tokens waits under the 44-token budget: the trainer sleeps 30 s
+    polls for more. Each decision during the first poll counts the time waited so far."""
+    run, store = trainer_run(tmp_path, "elastic-waiting", poll_seconds=30)
+    write_shards(store, make_trajectories(store, 2, seed=5), per_shard=2)
+    RolloutStatusBoard(store).publish(worker_status({"torch-0": 3, "torch-1": 1}))
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    inputs = recording(planner)
+    stop = threading.Event()
+    trainer = threading.Thread(
+        target=run_trainer,
+        args=(run, time.time() + 600),
+        kwargs={"stop": stop, "elastic": planner, "status_max_age_s": 600},
+    )
+    trainer.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(inputs) < 2:
+            assert time.monotonic() < deadline, "gave up waiting for the ticker's decisions"
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        trainer.join()
+    assert [i.unconsumed_shards for i in inputs[:2]] == [1, 1]
+    assert all(i.trainer_idle > 0.5 for i in inputs[:2]), inputs
+    assert planner.controller.moves == [], "a waiting trainer is not saturated"
+
+
+def test_the_training_cost_counts_the_trainers_own_units_not_the_replicas_lent_to_it(tmp_path):
+    """The trainer steps on its one unit whatever is lent to it: a trajectory costs the step's
+    seconds per trajectory, not twice that because a replica is lent."""
+    run, store = trainer_run(tmp_path, "elastic-cost")
+    write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    lend_a_replica(planner, RolloutStatusBoard(store))
+    run_trainer(run, time.time() + 600, drain=True, elastic=planner, status_max_age_s=600)
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    records = [json.loads(row["extra"])["elastic"] for row in rows]
+    assert len(rows) == 3 and all(r["roles"]["w0/torch-1"] == "train" for r in records)
+    assert records[0]["inputs"]["train_unit_s_per_trajectory"] is None
+    for step in (1, 2):
+        seconds = sum(row["step_seconds"] for row in rows[:step])
+        trajectories = sum(row["num_samples"] for row in rows[:step])
+        cost = records[step]["inputs"]["train_unit_s_per_trajectory"]
+        assert cost == pytest.approx(seconds / trajectories, rel=1e-5), step
+
+
+def test_every_decision_since_the_last_step_reaches_the_next_row_with_its_moves(tmp_path):
+    """The trainer waits for data while the ticker decides (one decision hands the drained
+    replica over); then shards arrive and the first step's row holds every decision since
+    the start, the step's own last, and every move made up to it."""
+    run, store = trainer_run(tmp_path, "elastic-decisions", poll_seconds=0.1)
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    lend_a_replica(planner, RolloutStatusBoard(store))
+    before = len(planner.controller.moves)
+    inputs = recording(planner)
+    processed = threading.Event()
+    trainer = threading.Thread(
+        target=run_trainer,
+        args=(run, time.time() + 600),
+        kwargs={"drain_event": processed, "elastic": planner, "status_max_age_s": 600},
+    )
+    trainer.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(inputs) < 2:
+            assert time.monotonic() < deadline, "gave up waiting for the ticker's decisions"
+            time.sleep(0.05)
+        write_shards(store, make_trajectories(store, 8, seed=5), per_shard=4)
+    finally:
+        processed.set()
+        trainer.join()
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    records = [json.loads(row["extra"])["elastic"] for row in rows]
+    first = records[0]["decisions"]
+    assert len(first) >= 2 and first[-1]["time"] == records[0]["time"]
+    assert first[0]["inputs"]["unconsumed_shards"] == 0, "the ticker's, before any data"
+    assert sum(d["count"] for d in first) >= 3, "the ticker's two at least, and the step's own"
+    assert ("w0/torch-1", "draining", "train") in {
+        (m["unit"], m["source"], m["target"]) for m in first[0]["decided"]
+    }
+    logged = [
+        (m["time"], m["unit"], m["target"]) for r in records for d in r["decisions"] for m in d["decided"]
+    ]
+    made = [
+        (m.time, m.unit, m.target) for m in planner.controller.moves[before:] if m.time <= records[-1]["time"]
+    ]
+    assert sorted(logged) == sorted(made)
+
+
+def test_a_run_of_decisions_that_moved_nothing_is_kept_as_its_latest_with_its_count():
+    decisions: list[dict] = []
+    moved = [{"unit": "w0/torch-1", "source": "draining", "target": "train"}]
+    for time_, decided in [(1, []), (2, moved), (3, []), (4, []), (5, [])]:
+        keep_decision(decisions, {"time": time_, "decided": decided})
+    keep_decision(decisions, {"time": 6, "applied": False, "skipped": "status unreadable"})
+    assert [(d["time"], d["count"]) for d in decisions] == [(1, 1), (2, 1), (6, 4)]
+    assert decisions[1]["decided"] == moved
