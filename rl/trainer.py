@@ -467,13 +467,17 @@ class Trainer:
         self._step_extra = step_extra
         started = time.monotonic()
         versions: list[int] = []
-        stop_reason = "stop_event"
-        while not stop_event.is_set():
+        while True:
             if max_steps is not None and self.step >= max_steps:
                 stop_reason = "max_steps"
                 break
+            # before the event: a deadline that passed during a step is why the run ends, even
+            # when a stop the same deadline caused elsewhere (the pipeline's) arrived meanwhile
             if max_seconds is not None and time.monotonic() - started >= max_seconds:
                 stop_reason = "max_seconds"
+                break
+            if stop_event.is_set():
+                stop_reason = "stop_event"
                 break
             draining = drain or (drain_event is not None and drain_event.is_set())
             new_shards = self.ingest()

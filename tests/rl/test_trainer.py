@@ -582,6 +582,9 @@ def test_stop_event_and_max_steps_stop_the_loop(store):
     stop.set()
     assert trainer.run(stop_event=stop).stop_reason == "stop_event"
     assert trainer.run(max_steps=0).stop_reason == "max_steps"
+    # a deadline that passed is why the run ends, even with a stop raised meanwhile (in the
+    # pipeline the processor ends at the same deadline and its end raises the stop)
+    assert trainer.run(stop_event=stop, max_seconds=0).stop_reason == "max_seconds"
     assert trainer.step == 0
 
 
