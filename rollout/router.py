@@ -325,7 +325,7 @@ class Router:
             if not self.config.failover or await _healthy(engine, self.config.health_timeout_s):
                 raise
             logger.warning("replica %s failed (%s); taking it out and retrying elsewhere", engine.name, exc)
-            self._take_down(engine.name)
+            self.take_down(engine.name)
             if self.config.policy != "round_robin" and session_id not in self._started:
                 raise  # end_session ran during the probe: routing again would pin it for good
             retry = self.route(session_id)
@@ -351,7 +351,7 @@ class Router:
         for name, engine, ok in zip(names, engines, results, strict=True):
             if not ok and name in self._engines:
                 logger.warning("replica %s failed its health check; taking it out", name)
-                self._take_down(name)
+                self.take_down(name)
             elif ok and name in self._down:
                 if restore is not None:
                     try:
@@ -364,8 +364,10 @@ class Router:
                     self.add(engine)
         return dict(zip(names, results, strict=True))
 
-    def _take_down(self, name: str) -> None:
-        """Out of service until healthy again; a draining replica stays draining when it is back.
+    def take_down(self, name: str) -> None:
+        """Out of service until :meth:`check_health` finds it healthy again (and its ``restore``
+        succeeds): a replica that failed, or one not ready to serve (it could not load its
+        worker's weight version at start). A draining replica stays draining when it is back.
 
         A failure must not leave new sessions nowhere to go: when the replica that went down
         was the last one accepting, the least loaded draining replica accepts again (the

@@ -641,10 +641,13 @@ class RolloutService:
         finished trajectory is kept, not thrown away for a cancel that came too late (a
         rollout cancelled before its cleanup raises its own cancel after it)."""
         release = asyncio.create_task(self._release(env, session, request, actions))
-        try:
-            await asyncio.shield(release)
-        except asyncio.CancelledError:
-            await asyncio.wait([release])
+        cancels = 0
+        while not release.done():
+            try:
+                await asyncio.shield(release)
+            except asyncio.CancelledError:  # every one of them, however many come
+                cancels += 1
+        for _ in range(cancels):
             asyncio.current_task().uncancel()
 
     async def _release(

@@ -43,7 +43,7 @@ from typing import Any, Literal
 
 from envs import registry
 from envs.base import Env, EnvConfig, Task
-from rollout.engines.base import Engine
+from rollout.engines.base import Engine, EngineError
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStats
@@ -204,8 +204,15 @@ class RolloutWorker:
         self.engines = await asyncio.to_thread(
             build_engines, self.engine_config, path, version, self.cluster, self.store
         )
+        self.router = Router(self.engines, self.router_config)
         # a vLLM server holds what it was launched with or last loaded, not necessarily this
-        await self._load_on([e for e in self.engines if e.version != version], version, path)
+        missing = await self._load_on([e for e in self.engines if e.version != version], version, path)
+        if len(missing) == len(self.engines):
+            raise EngineError(
+                f"worker {self.name}: no replica could load weight version {version}: {missing}"
+            )
+        for name in missing:  # out of service; the health check loads the version when it is up
+            self.router.take_down(name)
         tokenizer = getattr(self.engines[0], "tokenizer", None)
         if tokenizer is None:
             from rl.models import load_tokenizer
@@ -213,7 +220,6 @@ class RolloutWorker:
             tokenizer = load_tokenizer(path)
         self.version = version
         self._shards_at_version = self.writer.committed
-        self.router = Router(self.engines, self.router_config)
         gateway = Gateway(self.router, tokenizer, self.gateway_config)
         service = self.service = RolloutService(gateway, self.make_env, self.service_config)
         streams = task_streams(list(self.orchestrator_config.mix), self.env_configs, self.seed)
@@ -250,16 +256,17 @@ class RolloutWorker:
         log.info("worker %s now serves weight version %d", self.name, latest)
         return True
 
-    async def _load_on(self, engines: list[Engine], version: int, path: str) -> None:
-        """Load ``version`` onto the replicas of ``engines`` that are up.
+    async def _load_on(self, engines: list[Engine], version: int, path: str) -> list[str]:
+        """Load ``version`` onto the replicas of ``engines`` that are up; returns the names of
+        those that did not load it (down, or failed with a health check to retry them).
 
-        Raises when every one of them fails, or when one fails and no health check would
-        reload it later; a replica that is down is skipped (it cannot load anything, and
-        failing the whole update for it would make the healthy replicas reload the version
-        at every poll): the health check loads it when it comes back.
+        Raises when every replica that is up fails, or when one fails and no health check
+        would reload it later; a replica that is down is skipped (it cannot load anything,
+        and failing the whole update for it would make the healthy replicas reload the
+        version at every poll): the health check loads it when it comes back.
         """
         if not engines:
-            return
+            return []
         up = await asyncio.gather(*(engine.health() for engine in engines))
         down = [engine.name for engine, ok in zip(engines, up, strict=True) if not ok]
         if down:
@@ -283,6 +290,7 @@ class RolloutWorker:
                 version,
                 "; ".join(f"{name}: {exc}" for name, exc in failed.items()),
             )
+        return [*down, *failed]
 
     async def _follow_weights(self) -> None:
         while True:

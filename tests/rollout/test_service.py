@@ -327,13 +327,15 @@ def test_a_cancelled_error_the_env_raises_itself_is_an_env_error_with_its_reason
 
 
 class HeldEnv(ArithEnv):
-    """``arith`` that, in ``holds`` ("step" or "close"), sets ``reached`` and waits for ``release``."""
+    """``arith`` that, in ``holds`` ("step" or "close"), sets ``reached`` and waits for
+    ``release``; ``closed`` once its close has returned."""
 
     name = "arith"
 
     def __init__(self, holds: str, reached: asyncio.Event, release: asyncio.Event):
         super().__init__()
         self.holds, self.reached, self.release = holds, reached, release
+        self.closed = False
 
     async def step(self, action: str) -> StepResult:
         if self.holds == "step":
@@ -346,26 +348,35 @@ class HeldEnv(ArithEnv):
             self.reached.set()
             await self.release.wait()
         await super().close()
+        self.closed = True
 
 
-def test_a_cancel_while_the_env_closes_keeps_the_finished_rollout_and_closes_its_session(tiny):
+@pytest.mark.parametrize("cancels", [1, 3])
+def test_a_cancel_while_the_env_closes_keeps_the_finished_rollout_and_closes_its_session(tiny, cancels):
     """Cancelled while its env closes (after EVAL: its record is complete), a rollout waits
-    for the close, ends its gateway session (releasing its replica) and returns its result."""
+    for the close, ends its gateway session (releasing its replica) and returns its result;
+    however many cancels come (an orchestrator stopping, then its own task cancelled)."""
 
     async def body():
         reached, release = asyncio.Event(), asyncio.Event()
+        envs = []
 
         def make_env(task):
-            return HeldEnv("close", reached, release)
+            envs.append(HeldEnv("close", reached, release))
+            return envs[-1]
 
         async with running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service:
             request = RolloutRequest(task=arith_task())
             job = asyncio.create_task(service.process(request))
             await asyncio.wait_for(reached.wait(), 60)
             assert service.cancel(request.rollout_id)
-            await asyncio.sleep(0)  # the cancel lands while the env is closing
+            for _ in range(cancels - 1):
+                await asyncio.sleep(0)
+                job.cancel()
+            await asyncio.sleep(0)  # the cancels land while the env is closing
             release.set()
             result = await job
+            assert envs[0].closed, "the env is closed before process() returns"
             router = service.gateway.router
             return result, service.gateway.sessions, router.load(router.replicas[0]), service.status()
 

@@ -12,6 +12,7 @@ import torch
 from flows.config import RunConfig
 from rl.models import ensure_base_version, load_policy, publish_policy
 from rollout.engines.base import EngineError, SamplingParams
+from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine
 from rollout.router import RouterConfig
 from storage.shards import ShardReader
 from storage.weights import WeightStore
@@ -210,5 +211,57 @@ def test_a_worker_loads_its_version_onto_a_vllm_server_that_holds_another(local_
         finally:
             await worker.close()
             await server.stop()
+
+    asyncio.run(body())
+
+
+def test_a_vllm_server_down_at_start_serves_once_it_is_up_and_has_loaded_the_version(
+    local_store, monkeypatch
+):
+    """A server still launching when the worker starts cannot load the worker's version: it
+    stays out of service until a probe finds it up and loads the version onto it (left in
+    service, it failed every request: its weights are of no known version). When no
+    replica can load the version, the start fails."""
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    launched_with, _ = load_policy(weights.load(0))
+    launching = {"vllm-0"}
+    real_health = VLLMEngine.health
+
+    async def health(engine) -> bool:
+        return engine.name not in launching and await real_health(engine)
+
+    monkeypatch.setattr(VLLMEngine, "health", health)
+
+    async def body() -> None:
+        servers = [await StandinServer(launched_with, max_model_len=256).start() for _ in range(2)]
+        run = RunConfig(
+            engine={"kind": "vllm", "vllm": [{"base_url": server.url} for server in servers]},
+            orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
+        )
+        worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
+        try:
+            await worker.start()
+            assert worker.router.replicas == ["vllm-1"]
+            assert [engine.version for engine in worker.engines] == [UNKNOWN_VERSION, 0]
+            run_task = asyncio.create_task(worker.run(max_seconds=600))
+            launching.clear()
+            await until(lambda: "vllm-0" in worker.router.replicas, "the launched server to come in")
+            assert worker.engines[0].version == 0
+            generation = await worker.engines[0].generate("s", [5, 6, 7], SamplingParams(max_new_tokens=2))
+            assert generation.versions == [0, 0]
+            worker.stop()
+            await run_task
+        finally:
+            await worker.close()
+        launching.update({"vllm-0", "vllm-1"})
+        nothing_up = make_worker(local_store, run)
+        try:
+            with pytest.raises(EngineError, match="no replica could load weight version 0"):
+                await nothing_up.start()
+        finally:
+            await nothing_up.close()
+            for server in servers:
+                await server.stop()
 
     asyncio.run(body())
