@@ -15,6 +15,7 @@ finishes after a newer one leaves it alone, and one that raced a newer one (both
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -25,7 +26,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -46,6 +47,9 @@ CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "LATEST"
 CLAIM_FILE = "CLAIM"
+CLAIM_REFRESH_S = 30.0
+"""While a publish uploads its files, its claim's time is renewed this often, so a claim
+older than a few of these belongs to a publish that died."""
 TOKENIZER_FILE = "tokenizer.json"
 RESERVED_FILES = frozenset({MODEL_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -55,6 +59,12 @@ _HASH_CHUNK = 1 << 20
 
 class CorruptVersion(RuntimeError):
     """A weight version's files do not match its manifest (or the manifest is unreadable)."""
+
+
+def _claim_text(owner: str | None) -> bytes:
+    """A claim's content: when it was made (or renewed), by which process and ``owner``."""
+    owned = "" if owner is None else f" owner {owner}"
+    return f"{datetime.now(UTC).isoformat()} pid {os.getpid()}{owned}\n".encode()
 
 
 class VersionTaken(FileExistsError):
@@ -216,8 +226,9 @@ class WeightStore:
             }
             version = self._claim(version, owner)  # after everything that can fail here
             target = self.version_path(version)
-            for name in files:
-                self.fs.put_file(os.path.join(staging, name), posixpath.join(target, name))
+            with self._claim_kept_fresh(version, owner):
+                for name in files:
+                    self.fs.put_file(os.path.join(staging, name), posixpath.join(target, name))
             tokenizer_json = Path(staging, TOKENIZER_FILE)
             fingerprint = (
                 tokenizer_fingerprint(tokenizer_json.read_bytes()) if tokenizer_json.is_file() else None
@@ -246,6 +257,14 @@ class WeightStore:
             self._write_atomic(posixpath.join(self.root, LATEST_FILE), f"{version}\n".encode())
             version, current = self._newest_complete(version), self.latest()
 
+    def recover_latest(self) -> int | None:
+        """Point ``LATEST`` at the newest complete version when it names an older one or none
+        (a publish that wrote its manifest and then failed to write ``LATEST``); returns it."""
+        complete = self.list()
+        if complete:
+            self._advance_latest(complete[-1])
+        return self.latest()
+
     def _newest_complete(self, known: int) -> int:
         """The newest complete version, ``known`` (complete) or a newer one: one listing, and
         manifests looked for only above ``known``."""
@@ -267,11 +286,11 @@ class WeightStore:
         then this publish's alone. Without a ``version``, a number claimed meanwhile by
         another publisher moves this one to the next."""
         number = self._next_version() if version is None else version
-        owned = "" if owner is None else f" owner {owner}"
-        claim = f"{datetime.now(UTC).isoformat()} pid {os.getpid()}{owned}\n".encode()
         while True:
             try:
-                self.store.create_exclusive(posixpath.join(self.version_path(number), CLAIM_FILE), claim)
+                self.store.create_exclusive(
+                    posixpath.join(self.version_path(number), CLAIM_FILE), _claim_text(owner)
+                )
                 return number
             except FileExistsError:
                 if version is not None and owner is not None and self._failed_claim_of(owner, version):
@@ -281,6 +300,28 @@ class WeightStore:
                         f"weight version {version} of {self.store.url(self.prefix)} is claimed by another publish"
                     ) from None
                 number += 1
+
+    @contextlib.contextmanager
+    def _claim_kept_fresh(self, version: int, owner: str | None) -> Iterator[None]:
+        """Renew ``version``'s claim every ``CLAIM_REFRESH_S`` while the block runs (an upload
+        of a large checkpoint can outlast any fixed wait of the publishers it beat)."""
+        stop = threading.Event()
+        path = posixpath.join(self.version_path(version), CLAIM_FILE)
+
+        def renew() -> None:
+            while not stop.wait(CLAIM_REFRESH_S):
+                try:
+                    self.fs.pipe_file(path, _claim_text(owner))
+                except OSError as exc:  # the next renewal tries again
+                    log.warning("could not renew the claim of weight version %d: %s", version, exc)
+
+        renewer = threading.Thread(target=renew, name=f"claim-v{version}", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            renewer.join()
 
     def _failed_claim_of(self, owner: str, version: int) -> bool:
         """Whether ``version`` was claimed by ``owner`` and never got its manifest."""
@@ -460,8 +501,9 @@ class WeightStore:
 
     # -- retention -----------------------------------------------------------------------
 
-    def _claim_age(self, version: int) -> float:
-        """Seconds since ``version``'s number was claimed (infinite without a readable claim)."""
+    def claim_age(self, version: int) -> float:
+        """Seconds since ``version``'s claim was made or last renewed by its publish
+        (infinite without a readable claim)."""
         try:
             claimed = self.fs.cat_file(posixpath.join(self.version_path(version), CLAIM_FILE)).decode()
             return (datetime.now(UTC) - datetime.fromisoformat(claimed.split()[0])).total_seconds()
@@ -498,7 +540,7 @@ class WeightStore:
         doomed = sorted(
             v
             for v in present
-            if v not in keep and (v in complete or (v < newest and self._claim_age(v) > in_flight_s))
+            if v not in keep and (v in complete or (v < newest and self.claim_age(v) > in_flight_s))
         )
         for version in doomed:
             path = self.version_path(version)

@@ -24,7 +24,8 @@ from storage.weights import VersionTaken, WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
 
 BASE_VERSION_WAIT_S = 300.0
-"""How long a process that lost the race to publish version 0 waits for the winner's."""
+"""How old the claim of version 0 may grow (its publish renews it while uploading) before a
+process that lost the race to publish it takes the claimer for dead."""
 
 
 def demonstration_data(
@@ -58,10 +59,12 @@ def build_base_version(config: RunConfig, log=print, owner: str | None = None) -
 
     Flows of one run started together (a trainer and a rollout worker on two machines)
     may both warm-start; the first to claim version 0 publishes it and the others wait for
-    it and use it. A claim whose process died before publishing is given up on after
-    ``BASE_VERSION_WAIT_S``: this base is then published under the next number. A claim
-    made by ``owner`` (the same on every retry of the caller) whose publish failed is
-    taken back at once."""
+    it and use it, however long its upload takes (the claim is renewed meanwhile). A claim
+    not renewed for ``BASE_VERSION_WAIT_S`` belongs to a process that died before
+    publishing: this base is then published under the next number. A claim made by
+    ``owner`` (the same on every retry of the caller) whose publish failed is taken back at
+    once; one whose publish wrote version 0 whole and failed only to point ``LATEST`` at it
+    is used as it is."""
     store = run_store(config)
     weights = WeightStore(store)
     latest = weights.latest()
@@ -109,7 +112,7 @@ def build_base_version(config: RunConfig, log=print, owner: str | None = None) -
         if latest is not None:
             return latest
         log(
-            f"version 0 of run {config.run_id} was claimed but not published within "
+            f"version 0 of run {config.run_id} was claimed and its claim not renewed for "
             f"{BASE_VERSION_WAIT_S:.0f} s (its process died?); publishing this base as the next version"
         )
         version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base")
@@ -118,9 +121,13 @@ def build_base_version(config: RunConfig, log=print, owner: str | None = None) -
 
 
 def _wait_for_version(weights: WeightStore) -> int | None:
-    """The latest version once one is published; None after ``BASE_VERSION_WAIT_S``."""
-    deadline = time.monotonic() + BASE_VERSION_WAIT_S
-    while (latest := weights.latest()) is None and time.monotonic() < deadline:
+    """The latest version once version 0 is published whole; None once its claim has gone
+    ``BASE_VERSION_WAIT_S`` without renewal (its publisher died)."""
+    while (latest := weights.latest()) is None:
+        if weights.list():  # written whole, its LATEST write failed
+            return weights.recover_latest()
+        if weights.claim_age(0) >= BASE_VERSION_WAIT_S:
+            return None
         time.sleep(1.0)
     return latest
 

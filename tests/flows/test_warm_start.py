@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import posixpath
 import threading
+import time
 
 from fsspec.implementations.local import LocalFileSystem
 from prefect import flow
 
 from flows.config import RunConfig
+from storage import weights as weight_store
 from storage.tables import Tables
 from storage.weights import CLAIM_FILE, WeightStore
 from tasks import weights as weight_tasks
@@ -50,7 +52,7 @@ def test_a_version_zero_claimed_by_a_process_that_died_is_given_up_on(tmp_path, 
     lines: list[str] = []
     assert build_base_version(config, log=lines.append) == 1
     assert weights.list() == [1] and weights.latest() == 1 and weights.manifest(1)["tag"] == "base"
-    assert "claimed but not published within 0 s" in lines[-1]
+    assert "its claim not renewed for 0 s" in lines[-1]
     assert Tables(store).read("weights").column("version").to_pylist() == [1]
 
 
@@ -79,3 +81,45 @@ def test_a_failed_upload_of_version_zero_is_retried_as_version_zero(tmp_path, mo
     assert sorted(os.listdir(weights.root)) == ["LATEST", "v000000"]
     weights.load(0)
     assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
+
+
+def test_a_version_zero_whose_upload_outlasts_the_wait_is_waited_for(tmp_path, monkeypatch):
+    """The winner uploads slower than a loser's wait (a large checkpoint): it renews its claim
+    while it uploads, so the loser keeps waiting and uses it rather than publish a second base."""
+    config = tiny_config(tmp_path / "runs", "warm-slow", warm_start={"enabled": False})
+    real_put = LocalFileSystem.put_file
+    uploading = threading.Event()
+
+    def slow_put(fs, source, target, *args, **kwargs):
+        uploading.set()
+        time.sleep(0.4)
+        return real_put(fs, source, target, *args, **kwargs)
+
+    monkeypatch.setattr(LocalFileSystem, "put_file", slow_put)
+    monkeypatch.setattr(weight_store, "CLAIM_REFRESH_S", 0.1)
+    monkeypatch.setattr(weight_tasks, "BASE_VERSION_WAIT_S", 1.0)
+    results: dict[str, int] = {}
+    winner = threading.Thread(target=lambda: results.update(trainer=build_base_version(config, log=print)))
+    winner.start()
+    assert uploading.wait(60)
+    results["worker"] = build_base_version(config, log=print)
+    winner.join()
+    weights = WeightStore(run_store(config))
+    assert results == {"trainer": 0, "worker": 0} and weights.list() == [0]
+
+
+def test_a_version_zero_whose_latest_write_failed_is_used_by_the_retry(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path / "runs", "warm-latest", warm_start={"enabled": False})
+    real_advance = WeightStore._advance_latest
+    failures: list[int] = []
+
+    def fail_once(weights, version):
+        if not failures:
+            failures.append(version)
+            raise OSError("LATEST could not be written (injected)")
+        return real_advance(weights, version)
+
+    monkeypatch.setattr(WeightStore, "_advance_latest", fail_once)
+    assert warm_starting(config) == 0  # the retry finds version 0 whole and points LATEST at it
+    weights = WeightStore(run_store(config))
+    assert failures == [0] and weights.list() == [0] and weights.latest() == 0
