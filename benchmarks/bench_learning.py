@@ -50,7 +50,7 @@ import duckdb
 import torch
 
 from flows.config import RunConfig, load_config
-from rl.models import load_policy, publish_policy
+from rl.models import load_policy, padding_id, publish_policy
 from rl.sft import supervised_warm_start
 from storage.tables import Tables
 from storage.weights import WeightStore
@@ -148,7 +148,7 @@ def run_sft(config: RunConfig, seconds: float, on_mark, env: str) -> dict:
     deadline = time.time() + seconds
     thread = threading.Thread(
         target=supervised_warm_start,
-        args=(model, sequences, masks, tokenizer.pad_token_id, sft, on_step),
+        args=(model, sequences, masks, padding_id(tokenizer), sft, on_step),
     )
     thread.start()
     on_mark(deadline, lambda: not thread.is_alive())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import yaml
@@ -53,10 +53,10 @@ class WarmStartConfig(BaseModel):
         True, description="Warm-start version 0 on demonstrations when the run has no weights."
     )
     demos_per_env: int = Field(2000, ge=1, description="Demonstrations per environment in the mix.")
-    demos: dict[str, int] = Field(
+    demos: dict[str, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict,
         description="Demonstrations of particular environments, overriding demos_per_env (e.g. fewer "
-        "of a multi-turn env whose demonstrations are long).",
+        "of a multi-turn env whose demonstrations are long; 0 for one with no scripted solver, like agent).",
     )
     flawed: bool = Field(
         True, description="Use each env's flawed demonstrator, so RL has something left to learn."

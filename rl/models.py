@@ -104,6 +104,14 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def padding_id(tokenizer) -> int:
+    """The id that pads batches: the tokenizer's pad token, else its EOS, else 0 (many
+    checkpoints define no pad token; padded positions are masked out of every loss)."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    return int(tokenizer.eos_token_id or 0)
+
+
 def load_policy(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

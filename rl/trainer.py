@@ -36,7 +36,7 @@ from rl.advantages import adaptive_lambda, group_advantages, skip_observation_ga
 from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.losses import dis_policy_loss, value_loss
-from rl.models import ValueModel, load_policy, publish_policy
+from rl.models import ValueModel, load_policy, padding_id, publish_policy
 from storage.config import RunStore
 from storage.shards import ShardInfo, ShardReader
 from storage.tables import Tables
@@ -207,8 +207,7 @@ class Trainer:
         self.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self.tokenizer_fingerprint = self.weights.manifest(version).get("tokenizer_fingerprint")
         self._fingerprints: dict[int, str | None] = {}
-        pad_id = self.tokenizer.pad_token_id
-        self.pad_id = pad_id if pad_id is not None else (self.tokenizer.eos_token_id or 0)
+        self.pad_id = padding_id(self.tokenizer)
         self.policy_optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )

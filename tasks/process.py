@@ -21,16 +21,20 @@ from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, wa
 def shard_processor(
     config: RunConfig, on_shard: Callable[[ProcessedShard], None] | None = None
 ) -> ShardProcessor:
-    """A processor for the run, decoding text with the tokenizer of its newest version."""
+    """A processor for the run, decoding text with the tokenizer of its newest version,
+    looked up at the first row to decode: a processor started before version 0 is published
+    (beside the trainer and the workers) decodes too, and a raw shard implies a version."""
     store = run_store(config)
     weights = WeightStore(store)
-    latest = weights.latest()
-    if latest is None:
-        return ShardProcessor(store, config.processor, on_shard=on_shard)
-    tokenizer = load_tokenizer(weights.load(latest))
+    loaded: list = []
 
     def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=False)
+        if not loaded:
+            latest = weights.latest()
+            if latest is None:
+                raise LookupError(f"run {config.run_id} has no weight version, so no tokenizer yet")
+            loaded.append(load_tokenizer(weights.load(latest)))
+        return loaded[0].decode(ids, skip_special_tokens=False)
 
     return ShardProcessor(store, config.processor, decode=decode, on_shard=on_shard)
 

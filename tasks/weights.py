@@ -13,7 +13,7 @@ from prefect.runtime import task_run
 from envs import registry
 from envs.base import Split
 from flows.config import RunConfig
-from rl.models import build_tiny_model, load_policy, publish_policy
+from rl.models import build_tiny_model, load_policy, padding_id, publish_policy
 from rl.sft import supervised_warm_start
 from rollout.demos import demonstrations
 from rollout.engines.torch_engine import TorchEngine
@@ -32,22 +32,31 @@ def demonstration_data(
     config: RunConfig, tokenizer, envs: list[str] | None = None
 ) -> tuple[list[list[int]], list[list[bool]]]:
     """Token sequences and loss masks of the train-split demonstrations of each env in
-    ``envs`` (the mix when None; ``warm_start.demos`` or ``demos_per_env`` of each), laid
-    out as the gateway does."""
+    ``envs`` (the mix when None; ``warm_start.demos`` or ``demos_per_env`` of each, 0 leaving
+    it out), laid out as the gateway does. An env that cannot give as many (too few train
+    problems, no scripted solver) is a ``ValueError`` naming the setting to change."""
     renderer = ChatRenderer(tokenizer)
     sequences, masks = [], []
     for name in envs or list(config.orchestrator.mix):
         env_config = config.env_config(name)
         count = config.warm_start.demos.get(name, config.warm_start.demos_per_env)
-        tasks = registry.task_set(name, "train", config.seed, count, env_config)
-        seqs, msks = asyncio.run(
-            demonstrations(
-                renderer,
-                lambda t, c=env_config: registry.make(t.env, c),
-                tasks,
-                lambda t: registry.demonstrate(t, flawed=config.warm_start.flawed, seed=config.seed),
+        if count == 0:
+            continue
+        try:
+            tasks = registry.task_set(name, "train", config.seed, count, env_config)
+            seqs, msks = asyncio.run(
+                demonstrations(
+                    renderer,
+                    lambda t, c=env_config: registry.make(t.env, c),
+                    tasks,
+                    lambda t: registry.demonstrate(t, flawed=config.warm_start.flawed, seed=config.seed),
+                )
             )
-        )
+        except (ValueError, NotImplementedError) as exc:  # too few problems; no scripted solver
+            raise ValueError(
+                f"warm_start: {count} demonstrations of {name}: {exc}; set warm_start.demos.{name} "
+                "(0 leaves it out) or turn warm_start off"
+            ) from None
         sequences += seqs
         masks += msks
     return sequences, masks
@@ -90,7 +99,7 @@ def build_base_version(config: RunConfig, log=print, owner: str | None = None) -
                 log(f"warm start: step {step}, loss {loss:.3f}")
 
         losses = supervised_warm_start(
-            model, sequences, masks, tokenizer.pad_token_id, config.warm_start.sft, on_step=on_step
+            model, sequences, masks, padding_id(tokenizer), config.warm_start.sft, on_step=on_step
         )
         metadata["warm_start"] = {
             "demonstrations": len(sequences),

@@ -7,16 +7,18 @@ import posixpath
 import threading
 import time
 
+import pytest
 from fsspec.implementations.local import LocalFileSystem
 from prefect import flow
 
 from flows.config import RunConfig
+from rl.models import build_tiny_model
 from storage import weights as weight_store
 from storage.tables import Tables
 from storage.weights import CLAIM_FILE, WeightStore
 from tasks import weights as weight_tasks
 from tasks.common import run_store
-from tasks.weights import build_base_version, warm_start
+from tasks.weights import build_base_version, demonstration_data, warm_start
 from tests.flows.conftest import tiny_config
 
 
@@ -123,3 +125,43 @@ def test_a_version_zero_whose_latest_write_failed_is_used_by_the_retry(tmp_path,
     assert warm_starting(config) == 0  # the retry finds version 0 whole and points LATEST at it
     weights = WeightStore(run_store(config))
     assert failures == [0] and weights.list() == [0] and weights.latest() == 0
+
+
+def test_a_checkpoint_whose_tokenizer_has_no_pad_token_is_warm_started(tmp_path):
+    """Llama-3 or Mistral checkpoints define no pad token: batches are padded with EOS."""
+    model, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    tokenizer.pad_token = None
+    assert tokenizer.pad_token_id is None and tokenizer.eos_token_id is not None
+    model.save_pretrained(tmp_path / "checkpoint")
+    tokenizer.save_pretrained(tmp_path / "checkpoint")
+    config = tiny_config(
+        tmp_path / "runs",
+        "warm-no-pad",
+        model={"path": str(tmp_path / "checkpoint")},
+        warm_start={"demos_per_env": 8, "sft": {"max_steps": 2}},
+    )
+    assert build_base_version(config, log=print) == 0
+    assert WeightStore(run_store(config)).manifest(0)["metadata"]["warm_start"]["steps"] == 2
+
+
+def test_demonstrations_an_env_cannot_give_are_a_config_error_naming_the_setting(tmp_path):
+    _, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    many = tiny_config(
+        tmp_path / "runs", orchestrator={"mix": {"code": 1.0}}, warm_start={"demos_per_env": 2000}
+    )
+    with pytest.raises(
+        ValueError, match=r"2000 demonstrations of code: only \d+ distinct tasks .* warm_start.demos.code"
+    ):
+        demonstration_data(many, tokenizer, ["code"])
+    fewer = tiny_config(
+        tmp_path / "runs",
+        orchestrator={"mix": {"arith": 1.0, "code": 1.0}},
+        warm_start={"demos": {"code": 3, "arith": 2}},
+    )
+    assert len(demonstration_data(fewer, tokenizer, ["arith", "code"])[0]) == 5
+    left_out = tiny_config(
+        tmp_path / "runs",
+        orchestrator={"mix": {"arith": 1.0, "code": 1.0}},
+        warm_start={"demos": {"code": 0, "arith": 2}},
+    )
+    assert len(demonstration_data(left_out, tokenizer, ["arith", "code"])[0]) == 2
