@@ -350,7 +350,11 @@ class ShardWriter:
                 os.makedirs(folder, exist_ok=True)
             with pa.OSFile(tmp, "wb") as sink:
                 _write_ipc(sink, table)
+            # on disk before its commit can land: a power loss must not leave a committed
+            # shard empty (it would be quarantined and its rows lost)
+            _fsync(tmp)
             os.replace(tmp, path)
+            _fsync(os.path.dirname(path))
         except BaseException:
             for leftover in (tmp, path) if exclusive else (tmp,):
                 with contextlib.suppress(FileNotFoundError):
@@ -680,6 +684,15 @@ def _write_ipc(sink: Any, table: pa.Table) -> None:
     options = pa.ipc.IpcWriteOptions(compression=COMPRESSION)
     with pa.ipc.new_file(sink, table.schema, options=options) as out:
         out.write_table(table, max_chunksize=BATCH_ROWS)
+
+
+def _fsync(path: str) -> None:
+    """Flush a file's (or a folder's: its entries') written data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _open_ipc(store: RunStore, path: str) -> pa.NativeFile:

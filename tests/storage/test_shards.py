@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import io
 import logging
+import os
 import socket
 import threading
 import time
@@ -754,3 +755,27 @@ def test_a_writer_or_reader_for_a_schema_that_is_not_canonical_is_refused_at_onc
         ShardWriter(local_store, "w0", schema=lacking)
     with pytest.raises(SchemaError, match=r"missing columns \['status'\]"):
         ShardReader(local_store, schema=lacking)
+
+
+def test_a_local_shard_is_on_disk_before_its_commit_lands(local_store, monkeypatch):
+    """Its file and the folder entry of its rename are flushed to disk before the commit: a
+    power loss must not leave a committed shard empty (quarantined, its rows lost)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_append = os.fsync, Tables.append
+
+    def fsync(fd: int) -> None:
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def append(tables, name, rows):
+        events.append(("commit", name))
+        return real_append(tables, name, rows)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(Tables, "append", append)
+    writer = ShardWriter(local_store, "w0", flush_records=2)
+    info = writer.write_many([make_record(0), make_record(1)])
+    path = local_store.path(info.path)
+    synced = {target for kind, target in events[: events.index(("commit", "shards"))] if kind == "fsync"}
+    assert os.path.dirname(path) in synced
+    assert any(os.path.basename(target).startswith(os.path.basename(path) + "-") for target in synced)
