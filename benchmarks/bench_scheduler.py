@@ -2,7 +2,8 @@
 
 Three measurements, side by side in one run:
 
-1. decision time of ``rollout.scheduler.decide`` on 300 queued actions;
+1. decision time of ``rollout.scheduler.decide`` on 300 queued actions, the rest of the
+   512-core pool held by running actions;
 2. a replayed bursty agent workload (``rollout.simcluster.ActionWorkload`` defaults: 4 RL
    steps of 128 trajectories, 4-24 turns of ~8 s LLM generation each followed by a tool call
    (70 %, ~1 s on one core) or a test run (30 %, T_1 ~40 s, Amdahl serial fraction 0.05-0.3,
@@ -59,7 +60,9 @@ POOL_SIZES = (128, 256, 512)
 
 
 def decision_time_us(free_cores: float, n_queue: int = 300, repeats: int = 200) -> tuple[float, float]:
-    """Median and worst ``decide`` time (microseconds) on ``n_queue`` queued actions."""
+    """Median and worst ``decide`` time (microseconds) on ``n_queue`` queued actions, on a
+    512-core pool whose other cores are held by running actions (tool calls on 1 core, test
+    runs on 4 or 8): the prices and the timeline read every one of them."""
     rng = random.Random(0)
     policy = ActionPolicy({"cpu": 512, "gpu": 10})
     queue = []
@@ -76,7 +79,11 @@ def decision_time_us(free_cores: float, n_queue: int = 300, repeats: int = 200) 
         else:
             req = ResourceRequest(demand={"gpu": 1}, duration=3.0)
         queue.append(policy._pending(req, 0.0))
-    running = [Running(rng.uniform(0, 30), [4.0, 0.0]) for _ in range(60)]
+    running, held = [], 0.0
+    while held < 512 - free_cores:
+        cores = min(rng.choices([1.0, 4.0, 8.0], weights=[7, 2, 1])[0], 512 - free_cores - held)
+        running.append(Running(rng.uniform(0, 30), [cores, 0.0]))
+        held += cores
     reserve = [free_cores / 2, 0.0]  # half the free cores surplus: both spread passes run
     samples = []
     for _ in range(repeats):
