@@ -25,6 +25,10 @@ import torch
 log = logging.getLogger(__name__)
 
 
+BIND_WALKS = 8
+"""Most walks of a process tree per bind (each moves what the ones before did not find)."""
+
+
 def _tree_threads(pid: int) -> list[int]:
     """Thread ids of process ``pid`` and of all its descendants (a sandbox wraps its shell in bwrap).
 
@@ -103,13 +107,24 @@ class CpuManager:
         is not root): it keeps the cores it had.
         """
         cores = frozenset(cores)
-        for tid in _tree_threads(pid):
-            try:
-                os.sched_setaffinity(tid, cores)
-            except ProcessLookupError:
-                continue
-            except PermissionError:
-                log.info("cannot move thread %d of process %d onto cores %s", tid, pid, sorted(cores))
+        # A process that forks after the walk read its children but before it is moved hands
+        # its old cores to the child (bwrap still starting the interpreter when the first
+        # action is bound): walk again until a walk finds nothing not moved yet; what forks
+        # from a moved process inherits the cores. Bounded, so a fork loop in the sandbox
+        # cannot hold the event loop.
+        moved: set[int] = set()
+        for _ in range(BIND_WALKS):
+            new = [tid for tid in _tree_threads(pid) if tid not in moved]
+            if not new:
+                return
+            for tid in new:
+                moved.add(tid)
+                try:
+                    os.sched_setaffinity(tid, cores)
+                except ProcessLookupError:
+                    continue
+                except PermissionError:
+                    log.info("cannot move thread %d of process %d onto cores %s", tid, pid, sorted(cores))
 
     def park(self, pid: int) -> None:
         """Move process ``pid`` back to the parking cores between actions."""

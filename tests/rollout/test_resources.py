@@ -1,14 +1,17 @@
 """CPU manager (cores granted per action and reclaimed) and reward-service LRU manager."""
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
+from rollout import resources
 from rollout.resources import CpuManager, ServiceManager
 from rollout.scheduler import ActionScheduler, ResourceRequest
 
@@ -46,6 +49,46 @@ def test_cores_granted_at_execution_and_reclaimed_after(child):
 
     asyncio.run(main())
     assert cpu.available == frozenset(cores)
+
+
+@needs_two_cores
+def test_a_child_forked_while_the_tree_is_walked_runs_on_the_granted_cores(monkeypatch):
+    """The process forks right after the walk read its children, before it is moved (bwrap
+    starting the interpreter as the first action is bound): its child, which inherited the
+    old cores, is found by the next walk and moved too."""
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time; sys.stdin.read(1); "
+            "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); time.sleep(60)",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    walk = resources._tree_threads
+    walks: list[list[int]] = []
+
+    def walk_then_fork(pid: int) -> list[int]:
+        walks.append(walk(pid))
+        if len(walks) == 1:  # the parent forks its child now, with its cores not yet moved
+            parent.stdin.write(b"x")
+            parent.stdin.flush()
+            while len(walk(pid)) == len(walks[0]):
+                time.sleep(0.01)
+        return walks[-1]
+
+    monkeypatch.setattr(resources, "_tree_threads", walk_then_fork)
+    try:
+        CpuManager(cores, parking={cores[0]}).bind(parent.pid, {cores[1]})
+        tree = walk(parent.pid)
+        assert len(tree) > len(walks[0]), "the child was forked"
+        assert {frozenset(os.sched_getaffinity(tid)) for tid in tree} == {frozenset({cores[1]})}
+    finally:
+        for pid in walk(parent.pid)[::-1]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+        parent.wait()
 
 
 def test_a_grant_is_released_when_parking_fails(child):
