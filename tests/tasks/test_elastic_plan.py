@@ -34,6 +34,7 @@ from tasks.process import run_processor
 from tasks.rollout import router_config, run_rollouts, status_object
 from tasks.train import elastic_config, keep_decision, run_trainer
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
+from tests.rollout.test_elastic_plan import status as replica_status
 
 WAIT_S = 120.0
 """A bound on every poll, never reached unless something hangs."""
@@ -343,16 +344,7 @@ def test_a_failing_progress_report_does_not_stop_the_trainer(tmp_path, caplog):
 
 def worker_status(sessions: dict[str, int], draining=(), plan_time: float | None = None) -> RolloutStatus:
     """A fresh running status of worker ``w0``, its replicas pinning ``sessions``."""
-    return RolloutStatus(
-        worker="w0",
-        time=time.time(),
-        engine_queue_depth=0,
-        live_sessions=sum(sessions.values()),
-        running=True,
-        replica_sessions=sessions,
-        draining=list(draining),
-        plan_time=plan_time,
-    )
+    return replica_status("w0", sessions, draining, plan_time).model_copy(update={"time": time.time()})
 
 
 def lend_a_replica(planner: ElasticPlanner, board: RolloutStatusBoard) -> None:
@@ -438,6 +430,29 @@ def test_a_failed_status_read_skips_the_decision_and_the_last_plan_stands(tmp_pa
     assert all(r["applied"] and r["roles"]["w0/torch-1"] == "train" for r in records[1:])
 
 
+def train_through_two_decisions(
+    run, planner, inputs: list, end: threading.Event, then=None, **kwargs
+) -> None:
+    """``run_trainer`` on ``planner`` in a thread until ``inputs`` (recorded by the planner)
+    holds two decisions, then ``then()``; ``end`` is set and the trainer joined."""
+    trainer = threading.Thread(
+        target=run_trainer,
+        args=(run, time.time() + 600),
+        kwargs={"elastic": planner, "status_max_age_s": 600, **kwargs},
+    )
+    trainer.start()
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while len(inputs) < 2:
+            assert time.monotonic() < deadline, "gave up waiting for the ticker's decisions"
+            time.sleep(0.05)
+        if then is not None:
+            then()
+    finally:
+        end.set()
+        trainer.join()
+
+
 def test_a_trainer_waiting_for_data_counts_as_idle_and_is_lent_nothing(tmp_path):
     """One shard of 22 tokens waits under the 44-token budget: the trainer sleeps 30 s
     polls for more. Each decision during the first poll counts the time waited so far."""
@@ -449,20 +464,7 @@ def test_a_trainer_waiting_for_data_counts_as_idle_and_is_lent_nothing(tmp_path)
     )
     inputs = recording(planner)
     stop = threading.Event()
-    trainer = threading.Thread(
-        target=run_trainer,
-        args=(run, time.time() + 600),
-        kwargs={"stop": stop, "elastic": planner, "status_max_age_s": 600},
-    )
-    trainer.start()
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while len(inputs) < 2:
-            assert time.monotonic() < deadline, "gave up waiting for the ticker's decisions"
-            time.sleep(0.05)
-    finally:
-        stop.set()
-        trainer.join()
+    train_through_two_decisions(run, planner, inputs, stop, stop=stop)
     assert [i.unconsumed_shards for i in inputs[:2]] == [1, 1]
     assert all(i.trainer_idle > 0.5 for i in inputs[:2]), inputs
     assert planner.controller.moves == [], "a waiting trainer is not saturated"
@@ -501,21 +503,14 @@ def test_every_decision_since_the_last_step_reaches_the_next_row_with_its_moves(
     before = len(planner.controller.moves)
     inputs = recording(planner)
     processed = threading.Event()
-    trainer = threading.Thread(
-        target=run_trainer,
-        args=(run, time.time() + 600),
-        kwargs={"drain_event": processed, "elastic": planner, "status_max_age_s": 600},
+    train_through_two_decisions(
+        run,
+        planner,
+        inputs,
+        processed,
+        then=lambda: write_shards(store, make_trajectories(store, 8, seed=5), per_shard=4),
+        drain_event=processed,
     )
-    trainer.start()
-    try:
-        deadline = time.monotonic() + WAIT_S
-        while len(inputs) < 2:
-            assert time.monotonic() < deadline, "gave up waiting for the ticker's decisions"
-            time.sleep(0.05)
-        write_shards(store, make_trajectories(store, 8, seed=5), per_shard=4)
-    finally:
-        processed.set()
-        trainer.join()
     rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
     records = [json.loads(row["extra"])["elastic"] for row in rows]
     first = records[0]["decisions"]
