@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from rollout.elastic import ElasticConfig, ElasticController, Move, PolicyInputs, Role, Unit
+from rollout.elastic import ElasticConfig, ElasticController, Move, PolicyInputs, Unit
 from storage.status import ElasticPlan, RolloutStatus
 
 TRAINER_UNIT = "train0"
@@ -117,11 +117,13 @@ class ElasticPlanner:
                 # the controller's own handover happens on a session-end event; here the
                 # worker's status says the replica is empty
                 moves.append(
-                    self._set_role(unit, "train", now, "drained: its worker reports no session pinned")
+                    self.controller._move(unit, "train", now, "drained: its worker reports no session pinned")
                 )
             elif unit.role == "train" and unit.live_sessions > 0:
                 moves.append(
-                    self._set_role(unit, "draining", now, "its worker reports sessions pinned: drains again")
+                    self.controller._move(
+                        unit, "draining", now, "its worker reports sessions pinned: drains again"
+                    )
                 )
         return moves
 
@@ -136,12 +138,6 @@ class ElasticPlanner:
             and status.plan_time >= drained_at
             and replica in status.draining
         )
-
-    def _set_role(self, unit: Unit, target: Role, now: float, reason: str) -> Move:
-        move = Move(now, unit.name, unit.role, target, reason)
-        unit.role = target
-        self.controller.moves.append(move)
-        return move
 
     def decide(self, statuses: list[RolloutStatus], inputs: PolicyInputs, now: float) -> dict:
         """Sync with ``statuses``, step the controller on ``inputs`` and make the plan (``last_plan``).
