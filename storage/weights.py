@@ -34,6 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from storage.config import RunStore
+from storage.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
@@ -305,23 +306,16 @@ class WeightStore:
     def _claim_kept_fresh(self, version: int, owner: str | None) -> Iterator[None]:
         """Renew ``version``'s claim every ``CLAIM_REFRESH_S`` while the block runs (an upload
         of a large checkpoint can outlast any fixed wait of the publishers it beat)."""
-        stop = threading.Event()
         path = posixpath.join(self.version_path(version), CLAIM_FILE)
-
-        def renew() -> None:
-            while not stop.wait(CLAIM_REFRESH_S):
-                try:
-                    self.fs.pipe_file(path, _claim_text(owner))
-                except OSError as exc:  # the next renewal tries again
-                    log.warning("could not renew the claim of weight version %d: %s", version, exc)
-
-        renewer = threading.Thread(target=renew, name=f"claim-v{version}", daemon=True)
-        renewer.start()
+        renewer = Heartbeat(
+            lambda: self.fs.pipe_file(path, _claim_text(owner)),
+            CLAIM_REFRESH_S,
+            f"renewal of the claim of weight version {version}",
+        )
         try:
             yield
         finally:
-            stop.set()
-            renewer.join()
+            renewer.stop()
 
     def _failed_claim_of(self, owner: str, version: int) -> bool:
         """Whether ``version`` was claimed by ``owner`` and never got its manifest."""

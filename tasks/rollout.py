@@ -16,6 +16,7 @@ from prefect.events import emit_event
 from flows.config import RunConfig
 from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
+from storage.heartbeat import Heartbeat
 from storage.shards import ShardInfo
 from storage.status import RolloutStatus, RolloutStatusBoard, wait_until_free
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
@@ -39,30 +40,6 @@ def status_object(worker_name: str, status: dict[str, Any], running: bool) -> Ro
         sessions_ended=status.get("sessions_ended", 0),
         session_lengths=[round(length, 3) for length in status.get("session_lengths", [])],
     )
-
-
-class Heartbeat:
-    """Calls ``beat`` every ``every_s`` seconds on a thread, from its creation until :meth:`stop`;
-    a beat that fails is logged and the next one still comes."""
-
-    def __init__(self, beat: Callable[[], None], every_s: float, what: str):
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(
-            target=self._beats, args=(beat, every_s, what), name=what, daemon=True
-        )
-        self._thread.start()
-
-    def _beats(self, beat: Callable[[], None], every_s: float, what: str) -> None:
-        while not self._stopped.wait(every_s):
-            try:
-                beat()
-            except Exception as exc:  # a storage hiccup: the next beat replaces this one
-                log.warning("%s failed: %s", what, exc)
-
-    def stop(self) -> None:
-        """Stop beating; once this returns no beat runs any more (stopping again does nothing)."""
-        self._stopped.set()
-        self._thread.join()
 
 
 def router_config(config: RunConfig) -> RouterConfig:
