@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import copy
 import socket
+import time
 
 import httpx
 import pytest
@@ -191,6 +192,14 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
     asyncio.run(body())
 
 
+async def turn_running(session) -> None:
+    """Until ``session`` has a turn in progress (its lock taken): a request sent then overlaps it."""
+    deadline = time.monotonic() + 30
+    while not session._lock.locked():
+        assert time.monotonic() < deadline, "the first request never started its turn"
+        await asyncio.sleep(0.005)
+
+
 def test_overlapping_requests_on_one_session_are_recorded_turn_after_turn(tiny):
     """A second request arriving while the first one's turn generates (a client's retry, or a
     careless agent) waits for that turn: its tokens never land in front of the first turn's
@@ -205,7 +214,7 @@ def test_overlapping_requests_on_one_session_are_recorded_turn_after_turn(tiny):
                     "/v1/generate", json={"token_ids": [1, 2, 3], "max_new_tokens": 3}, headers=headers
                 )
             )
-            await asyncio.sleep(0.1)
+            await turn_running(gateway.session(sid))
             second = await client.post(
                 "/v1/generate", json={"token_ids": [50, 51], "max_new_tokens": 3}, headers=headers
             )
@@ -222,7 +231,7 @@ def test_overlapping_requests_on_one_session_are_recorded_turn_after_turn(tiny):
             original = asyncio.create_task(
                 client.post("/v1/chat/completions", json=request, headers=chat_headers)
             )
-            await asyncio.sleep(0.1)
+            await turn_running(gateway.session(chat_sid))
             retry = await client.post("/v1/chat/completions", json=request, headers=chat_headers)
             assert (await original).status_code == 200
             assert (
@@ -238,7 +247,7 @@ def test_overlapping_requests_on_one_session_are_recorded_turn_after_turn(tiny):
             original = asyncio.create_task(
                 client.post("/v1/completions", json=completion, headers=text_headers)
             )
-            await asyncio.sleep(0.1)
+            await turn_running(gateway.session(text_sid))
             retry = await client.post("/v1/completions", json=completion, headers=text_headers)
             assert (await original).status_code == 200 and retry.status_code == 400
             assert gateway.session(text_sid).num_turns == 1
