@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import io
 import math
@@ -124,7 +125,9 @@ def artifact_key(run_id: str) -> str:
 
 def report_run(config: RunConfig) -> str:
     """Artifacts of the run so far: eval and shard tables, and a markdown page with the
-    curves (a PNG written to the run's storage and linked) and their numbers."""
+    curves and their numbers. The curves' PNG is written to the run's storage and linked,
+    and embedded in the page as a data URL: the Prefect UI cannot fetch a local path or an
+    ``s3://`` URL, while the page itself is kept by the Prefect API."""
     store = run_store(config)
     tables = Tables(store)
     steps = one_row_per_step(tables.read("train_steps"))
@@ -145,14 +148,15 @@ def report_run(config: RunConfig) -> str:
         description="Committed shards",
     )
     png_path = "reports/curves.png"
+    png = curves_png(steps, evals)
     with store.fs.open(store.path(png_path), "wb") as out:
-        out.write(curves_png(steps, evals))
+        out.write(png)
     lines = [
         f"# Run `{config.run_id}`",
         "",
-        f"![reward and loss curves]({store.url(png_path)})",
+        f"![reward and loss curves](data:image/png;base64,{base64.b64encode(png).decode()})",
         "",
-        f"Curves: [{store.url(png_path)}]({store.url(png_path)})",
+        f"Curves as stored: [{store.url(png_path)}]({store.url(png_path)})",
         "",
         "## Held-out reward",
         "",

@@ -3,6 +3,7 @@ and its Delta tables answer SQL through duckdb."""
 
 from __future__ import annotations
 
+import base64
 import re
 import threading
 
@@ -45,7 +46,13 @@ def test_pipeline_artifacts_progress_tables_and_curves(pipeline_run):
     assert f"]({png_url})" in markdown.data
     assert "| step | version | reward |" in markdown.data
     with pipeline_run.store.fs.open(pipeline_run.store.path("reports/curves.png"), "rb") as png:
-        assert png.read(8) == PNG_MAGIC
+        stored = png.read()
+    assert stored.startswith(PNG_MAGIC)
+    # the UI shows the page's own copy: it cannot fetch the stored file
+    (embedded,) = re.findall(
+        r"!\[reward and loss curves\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", markdown.data
+    )
+    assert base64.b64decode(embedded) == stored
 
 
 def test_pipeline_events_match_the_tables(pipeline_run):
