@@ -96,15 +96,17 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
 
 @flow(name="pipeline", task_runner=ThreadPoolTaskRunner(max_workers=3), log_prints=True)
 def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
-    """Warm-start (if needed) and evaluate version 0, run rollouts, processing and training
-    concurrently until the stop condition, then evaluate the newest version and report.
+    """Warm-start (if needed) and evaluate the starting version (0 on a new run, the newest
+    on a rerun), run rollouts, processing and training concurrently until the stop
+    condition, then evaluate the newest version and report. A version whose held-out reward
+    the ``evals`` table holds already is not evaluated again.
 
     With ``cluster: ray`` the three run as Ray tasks (prefect-ray's task runner), the
     engines and environments as Ray actors."""
     logger = get_run_logger()
     torch.set_num_threads(1)
     base = warm_start(config)
-    before = evaluate_task(config, base)
+    before = evaluate_task(config, base, reuse=True)
     logger.info("version %d held-out reward before RL: %s", base, before["reward"])
     deadline = deadline_of(config)
     signals = uuid.uuid4().hex
@@ -118,7 +120,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
             process_shards.submit(config, deadline + DRAIN_SECONDS, signals=signals),
             train.submit(config, deadline, signals=signals),
         )
-    after = evaluate_task(config)
+    after = evaluate_task(config, reuse=True)
     report_run(config)
     gain = {env: round(after["reward"][env] - before["reward"].get(env, 0.0), 6) for env in after["reward"]}
     logger.info("version %d held-out reward after RL: %s (gain %s)", after["version"], after["reward"], gain)

@@ -161,6 +161,23 @@ def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResul
     return result
 
 
+def recorded_eval(config: RunConfig, version: int | None) -> EvalResult | None:
+    """``version``'s latest row of each env of the mix in the ``evals`` table; None unless
+    every env has one over ``eval.tasks_per_env`` tasks. Its ``statuses`` are empty: the
+    table does not keep them."""
+    evals = Tables(run_store(config)).read("evals").sort_by("time").to_pylist()
+    latest = {row["env"]: row for row in evals if row["version"] == version}
+    mix = list(config.orchestrator.mix)
+    if any(latest.get(env, {}).get("count") != config.eval.tasks_per_env for env in mix):
+        return None
+    return EvalResult(
+        version=version,
+        reward={env: latest[env]["reward"] for env in mix},
+        count={env: latest[env]["count"] for env in mix},
+        statuses={},
+    )
+
+
 def evaluate_weights(config: RunConfig, version: int | None = None, split: Split = "eval") -> EvalResult:
     """Reward of weight ``version`` (the latest when None) on ``config.eval.tasks_per_env``
     problems of ``split`` of every env in the mix, recorded nowhere (``train``: how well
@@ -201,10 +218,17 @@ def warm_start(config: RunConfig) -> int:
 
 
 @task(name="evaluate", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def evaluate_task(config: RunConfig, version: int | None = None) -> dict[str, Any]:
-    """Held-out evaluation of a weight version; returns reward and count per env."""
-    result = evaluate_version(config, version)
-    get_run_logger().info("version %d held-out reward: %s", result.version, result.reward)
+def evaluate_task(config: RunConfig, version: int | None = None, reuse: bool = False) -> dict[str, Any]:
+    """Held-out evaluation of a weight version; returns reward and count per env.
+    ``reuse``: a version the ``evals`` table holds already (:func:`recorded_eval`) is not
+    evaluated again, so a rerun of a run does not add a second row for its start."""
+    recorded = None
+    if reuse:
+        version = WeightStore(run_store(config)).latest() if version is None else version
+        recorded = recorded_eval(config, version)
+    result = recorded or evaluate_version(config, version)
+    how = " (recorded by an earlier evaluation)" if recorded else ""
+    get_run_logger().info("version %d held-out reward%s: %s", result.version, how, result.reward)
     return {
         "version": result.version,
         "reward": result.reward,

@@ -1,0 +1,46 @@
+"""Held-out evaluation as the pipeline runs it: a version is recorded once per measurement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from prefect import flow
+
+from storage.tables import Tables
+from tasks.common import run_store
+from tasks.weights import build_base_version, evaluate_task
+from tests.flows.conftest import tiny_config
+
+
+@flow
+def evaluating(config, version: int | None = None, reuse: bool = False) -> dict[str, Any]:
+    return evaluate_task(config, version, reuse=reuse)
+
+
+def test_a_rerun_reuses_the_recorded_eval_of_its_version_and_an_explicit_eval_measures_again(tmp_path):
+    config = tiny_config(tmp_path / "runs", "eval-rerun", warm_start={"enabled": False})
+    mix = sorted(config.orchestrator.mix)
+    base = build_base_version(config, log=lambda line: None)
+    tables = Tables(run_store(config))
+
+    def rows() -> list[tuple[int, str, int]]:
+        return sorted((r["version"], r["env"], r["count"]) for r in tables.read("evals").to_pylist())
+
+    first = evaluating(config, base, reuse=True)
+    assert first["statuses"], "a version never evaluated is evaluated"
+    assert rows() == [(base, env, 4) for env in mix]
+
+    again = evaluating(config, reuse=True)  # the latest version: the same one
+    assert rows() == [(base, env, 4) for env in mix], "a rerun recorded the same version twice"
+    assert again["version"] == base and again["statuses"] == {}
+    assert again["reward"] == pytest.approx(first["reward"], rel=1e-6)
+    assert again["count"] == first["count"]
+
+    evaluating(config, base)  # the evaluate flow: asked for, so measured again
+    assert rows() == sorted([(base, env, 4) for env in mix] * 2)
+
+    # over a different number of tasks the recorded rows are another measurement
+    wider = config.model_copy(update={"eval": config.eval.model_copy(update={"tasks_per_env": 5})})
+    assert evaluating(wider, base, reuse=True)["count"] == {env: 5 for env in mix}
+    assert rows() == sorted([(base, env, 4) for env in mix] * 2 + [(base, env, 5) for env in mix])
