@@ -145,6 +145,7 @@ class AgentEnv(Env):
     name = "agent"
     config_cls = AgentConfig
     drives_itself = True
+    scripted_solver = False
 
     def __init__(self, config: AgentConfig | None = None, **overrides):
         super().__init__(config, **overrides)

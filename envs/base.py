@@ -174,6 +174,8 @@ class Env(ABC):
 
     name: ClassVar[str]
     config_cls: ClassVar[type[EnvConfig]] = EnvConfig
+    scripted_solver: ClassVar[bool] = True
+    """Whether :meth:`demonstrate` can solve a task (the warm start's demonstrations)."""
 
     def __init__(self, config: EnvConfig | None = None, **overrides: Any):
         data = (config.model_dump() if config is not None else {}) | overrides

@@ -203,6 +203,14 @@ class RunConfig(BaseModel):
                     raise ValueError(
                         f"envs.{name}.reward_model: reward models are not served with cluster 'ray'"
                     )
+        if self.warm_start.enabled:
+            for name in self.orchestrator.mix:
+                count = self.warm_start.demos.get(name, self.warm_start.demos_per_env)
+                if count and not env_class(name).scripted_solver:
+                    raise ValueError(
+                        f"warm_start.demos.{name}: {name!r} has no scripted solver to demonstrate with; "
+                        f"set warm_start.demos.{name} to 0 or turn warm_start off"
+                    )
         return self
 
     @field_validator("trainer_device")

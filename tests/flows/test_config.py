@@ -55,6 +55,10 @@ def test_tiny_config_loads():
         ("storage:\n  read_timeout: .inf\n", "storage.read_timeout: Input should be a finite number"),
         ("elastic:\n  cooldown_s: .inf\n", "elastic.cooldown_s: Input should be a finite number"),
         ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
+        (
+            "orchestrator:\n  mix: {arith: 0.5, agent: 0.5}\n",
+            "warm_start.demos.agent: 'agent' has no scripted solver to demonstrate with",
+        ),
         ("orchestrator:\n  group_size: 8\n  concurrency: 4\n", "exceeds concurrency"),
         ("orchestrator:\n  group_size: 4\n  max_rollouts: 2\n", "is below group_size"),
         ("orchestrator:\n  group_size: 4\nstop:\n  max_rollouts: 3\n", "is below orchestrator.group_size"),
@@ -231,3 +235,14 @@ def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, f
     with pytest.raises(ValidationError) as error:
         RunConfig.model_validate(data)
     assert field in str(error.value) and "TOP-SECRET-VALUE" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "orchestrator:\n  mix: {arith: 0.5, agent: 0.5}\nwarm_start:\n  demos: {agent: 0}\n",
+        "orchestrator:\n  mix: {arith: 0.5, agent: 0.5}\nwarm_start:\n  enabled: false\n",
+    ],
+)
+def test_an_env_with_no_scripted_solver_loads_once_the_warm_start_leaves_it_out(tmp_path, text):
+    assert "agent" in load_config(write_config(tmp_path, text)).orchestrator.mix
