@@ -8,7 +8,7 @@ import sys
 
 import yaml
 
-from flows.config import ConfigError, RunConfig, load_config
+from flows.config import ConfigError, RunConfig, load_config, yaml_problem
 
 
 def parse(
@@ -53,7 +53,10 @@ def parse(
         if key in dotted:
             parser.error(f"--set {key}: fields inside {key} are set by another --set")
         dotted.update(".".join(parents[:depth]) for depth in range(1, len(parents) + 1))
-        node[leaf] = yaml.safe_load(value)
+        try:
+            node[leaf] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            parser.error(f"--set {key}: its value is not YAML ({yaml_problem(exc)})")
     if args.run_id:
         overrides["run_id"] = args.run_id
     try:

@@ -236,7 +236,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read run config {path}: {exc}") from exc
         except yaml.YAMLError as exc:
-            raise ConfigError(f"cannot read run config {path}: {_yaml_problem(exc)}") from None
+            raise ConfigError(f"cannot read run config {path}: {yaml_problem(exc)}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"run config {path} must be a mapping at the top level")
     data = _merge(data, overrides or {})
@@ -249,7 +249,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         raise ConfigError(f"invalid run config{f' {path}' if path else ''}: {problems}") from None
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
+def yaml_problem(exc: yaml.YAMLError) -> str:
     """What is wrong with the YAML and where, without the line it quotes (a credential may
     stand on it)."""
     problem = getattr(exc, "problem", None) or "not valid YAML"
