@@ -43,10 +43,12 @@ def connect(store: RunStore):
         options = config.delta_options()
         endpoint = (config.endpoint_url or "").removeprefix("http://").removeprefix("https://")
         connection.execute(
-            "CREATE SECRET (TYPE s3, KEY_ID ?, SECRET ?, REGION ?, ENDPOINT ?, URL_STYLE 'path', USE_SSL ?)",
+            "CREATE SECRET (TYPE s3, KEY_ID ?, SECRET ?, SESSION_TOKEN ?, REGION ?, ENDPOINT ?, "
+            "URL_STYLE 'path', USE_SSL ?)",
             [
                 options.get("AWS_ACCESS_KEY_ID", ""),
                 options.get("AWS_SECRET_ACCESS_KEY", ""),
+                options.get("AWS_SESSION_TOKEN", ""),
                 options["AWS_REGION"],
                 endpoint or "s3.amazonaws.com",
                 not (config.endpoint_url or "").startswith("http://"),

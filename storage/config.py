@@ -11,6 +11,9 @@ import botocore.handlers
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
+MASKED = "**********"
+"""What Prefect stores (and hands back) in place of a ``SecretStr`` parameter's value."""
+
 S3_SCHEMES = ("s3", "s3a")
 """URL schemes ``root`` may use (lower case once validated); any other URL is refused, and a
 root without ``://`` is a local folder."""
@@ -20,8 +23,9 @@ class StorageConfig(BaseModel):
     """Object storage for shards, Delta tables and weight versions.
 
     Credentials come from this config or from the standard environment variables
-    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``); they are never logged: the
-    secret fields are ``SecretStr`` and ``repr`` hides them.
+    (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, and ``AWS_SESSION_TOKEN`` for
+    temporary credentials); they are never logged: the secret fields are ``SecretStr`` and
+    ``repr`` hides them.
     """
 
     # its inputs may hold credentials: errors name the field, never the value
@@ -37,6 +41,11 @@ class StorageConfig(BaseModel):
     access_key_id: SecretStr | None = Field(None, description="S3 key id; defaults to AWS_ACCESS_KEY_ID.")
     secret_access_key: SecretStr | None = Field(
         None, description="S3 secret; defaults to AWS_SECRET_ACCESS_KEY."
+    )
+    session_token: SecretStr | None = Field(
+        None,
+        description="S3 session token of temporary credentials; defaults to AWS_SESSION_TOKEN when the "
+        "key id and secret come from the environment too.",
     )
     connect_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for an S3 connection before failing."
@@ -63,11 +72,25 @@ class StorageConfig(BaseModel):
             raise ValueError(f"root {value!r} names no bucket; use s3://bucket/prefix")
         return f"{scheme.lower()}://{rest}"
 
+    @field_validator("access_key_id", "secret_access_key", "session_token")
+    @classmethod
+    def _not_masked(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and value.get_secret_value() == MASKED:
+            raise ValueError(
+                "arrived masked, as Prefect stores a flow run's secret parameters: credentials cannot "
+                "travel in flow parameters; give the worker AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
+                "in its environment"
+            )
+        return value
+
     @property
     def is_s3(self) -> bool:
         return self.root.startswith(tuple(f"{scheme}://" for scheme in S3_SCHEMES))
 
-    def _credentials(self) -> tuple[str | None, str | None, str]:
+    def _credentials(self) -> tuple[str | None, str | None, str | None, str]:
+        """Key id, secret, session token and region, each from this config or else the
+        environment. An environment token goes only with the environment's key id and
+        secret: it belongs to them."""
         key = (
             self.access_key_id.get_secret_value()
             if self.access_key_id
@@ -78,16 +101,22 @@ class StorageConfig(BaseModel):
             if self.secret_access_key
             else os.environ.get("AWS_SECRET_ACCESS_KEY")
         )
+        if self.session_token:
+            token = self.session_token.get_secret_value()
+        elif self.access_key_id or self.secret_access_key:
+            token = None
+        else:
+            token = os.environ.get("AWS_SESSION_TOKEN")
         region = (
             self.region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         )
-        return key, secret, region
+        return key, secret, token, region
 
     def filesystem(self) -> fsspec.AbstractFileSystem:
         """A fresh fsspec filesystem for ``root`` (local or s3fs)."""
         if not self.is_s3:
             return fsspec.filesystem("file", auto_mkdir=True)
-        key, secret, region = self._credentials()
+        key, secret, token, region = self._credentials()
         client_kwargs = {"region_name": region}
         if self.endpoint_url:
             client_kwargs["endpoint_url"] = self.endpoint_url
@@ -100,6 +129,7 @@ class StorageConfig(BaseModel):
             session=session,
             key=key,
             secret=secret,
+            token=token,
             client_kwargs=client_kwargs,
             config_kwargs={
                 "connect_timeout": self.connect_timeout,
@@ -118,7 +148,7 @@ class StorageConfig(BaseModel):
         """``storage_options`` for deltalake (object_store keys)."""
         if not self.is_s3:
             return {}
-        key, secret, region = self._credentials()
+        key, secret, token, region = self._credentials()
         # Conditional put (If-None-Match) makes each Delta commit a put-if-absent, so
         # concurrent writers cannot overwrite each other's commit; unsafe rename could.
         options = {
@@ -130,6 +160,8 @@ class StorageConfig(BaseModel):
         }
         if key and secret:
             options |= {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
+            if token:
+                options["AWS_SESSION_TOKEN"] = token
         if self.endpoint_url:
             options["AWS_ENDPOINT_URL"] = self.endpoint_url
             if self.endpoint_url.startswith("http://"):

@@ -56,3 +56,33 @@ def test_a_validation_error_names_the_field_but_never_shows_a_credential(storage
     with pytest.raises(ValidationError) as error:
         StorageConfig(**storage)
     assert field in str(error.value) and "TOP-SECRET-VALUE" not in str(error.value)
+
+
+@pytest.mark.parametrize("field", ["access_key_id", "secret_access_key", "session_token"])
+def test_a_credential_that_comes_back_masked_is_refused(field):
+    # what Prefect stores for a SecretStr parameter, and hands back on a re-run
+    stored = StorageConfig(root="s3://bucket", **{field: "real-value"}).model_dump(mode="json")
+    assert stored[field] == "**********"
+    with pytest.raises(ValidationError, match=rf"{field}\n.*arrived masked.*AWS_ACCESS_KEY_ID"):
+        StorageConfig.model_validate(stored)
+
+
+def test_temporary_credentials_carry_their_session_token(monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
+    monkeypatch.setenv("AWS_SESSION_TOKEN", "env-token")
+    from_env = StorageConfig(root="s3://bucket")
+    assert from_env.delta_options()["AWS_SESSION_TOKEN"] == "env-token"
+    assert from_env.filesystem().token == "env-token"
+
+    # the environment's token belongs to the environment's key, not to a configured one
+    configured = StorageConfig(root="s3://bucket", access_key_id="key", secret_access_key="secret")
+    assert "AWS_SESSION_TOKEN" not in configured.delta_options()
+    assert configured.filesystem().token is None
+
+    with_token = StorageConfig(
+        root="s3://bucket", access_key_id="key", secret_access_key="secret", session_token="its-token"
+    )
+    assert with_token.delta_options()["AWS_SESSION_TOKEN"] == "its-token"
+    assert with_token.filesystem().token == "its-token"
+    assert "its-token" not in repr(with_token)
