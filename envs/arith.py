@@ -1,4 +1,8 @@
-"""``arith``: single-turn verifiable arithmetic (user ``12+35=``, assistant ``47``)."""
+"""``arith``: single-turn verifiable arithmetic (user ``12+35=``, assistant ``47``).
+
+Problems are split by a canonical key (``35+12`` is ``12+35``), so a sum held out for eval
+never has its commuted twin in train.
+"""
 
 from __future__ import annotations
 
@@ -34,6 +38,30 @@ def add_without_carry(a: int, b: int, rng: random.Random, drop: float) -> int:
     return digits
 
 
+def subtract_without_borrow(a: int, b: int, rng: random.Random, drop: float) -> int:
+    """Column subtraction that forgets each borrow with probability ``drop`` (the flawed
+    demonstrator; the analogue of a dropped carry). ``a < b`` is done as ``-(b - a)``."""
+    if a < b:
+        return -subtract_without_borrow(b, a, rng, drop)
+    digits, borrow, place = 0, 0, 1
+    while a or b:
+        column = a % 10 - b % 10 - borrow
+        borrow = 0
+        if column < 0:
+            column += 10
+            borrow = int(rng.random() >= drop)
+        digits += column * place
+        a, b, place = a // 10, b // 10, place * 10
+    return digits
+
+
+def split_key(a: int, op: str, b: int) -> str:
+    """The problem with the operands of a commutative ``op`` in order: both orders share a split."""
+    if op == "+":
+        a, b = sorted((a, b))
+    return f"{a}{op}{b}="
+
+
 def digit_progress(answer: str, expected: int) -> float:
     """Share of the expected digits the answer has right, aligned from the right."""
     want = str(expected)
@@ -58,16 +86,19 @@ class ArithEnv(Env):
             return Task(env=cls.name, id=text, prompt=text, data={"a": a, "b": b, "op": op})
 
         def accept(task: Task) -> bool:
-            return in_eval_split(task.id, cfg.eval_fraction) == (split == "eval")
+            key = split_key(task.data["a"], task.data["op"], task.data["b"])
+            return in_eval_split(key, cfg.eval_fraction) == (split == "eval")
 
         return sample_unique(random.Random(f"{seed}/{split}"), make, accept, n)
 
     @classmethod
     def demonstrate(cls, task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
+        """The answer (``flawed``: column arithmetic that drops most carries or borrows)."""
         a, b, op = task.data["a"], task.data["b"], task.data["op"]
-        if flawed and op == "+":
-            return [str(add_without_carry(a, b, random.Random(f"{seed}/{task.id}"), drop=0.8))]
-        return [str(solve(a, op, b))]
+        if not flawed:
+            return [str(solve(a, op, b))]
+        flaw = add_without_carry if op == "+" else subtract_without_borrow
+        return [str(flaw(a, b, random.Random(f"{seed}/{task.id}"), drop=0.8))]
 
     async def reset(self, task: Task) -> list[dict[str, str]]:
         self._start(task)

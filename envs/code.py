@@ -3,9 +3,10 @@
 User ``write f(x) = x*3+1``; the action is Python source defining ``f``. The reward is the
 fraction of hidden tests passed, measured in the sandbox by a tester that gives the solution's
 interpreter only the inputs and checks its int answers itself. The test run is elastic: it
-splits the tests over one forked worker per core it was started on, and asks the scheduler for
-1..``test_cores`` cores. A solution that makes the test run overrun its limits (a loop that
-never returns, too much memory or output) scores 0.
+splits the tests over one forked worker per core it was started on (as many as the sandbox's
+process limit leaves room for), and asks the scheduler for 1..``test_cores`` cores. A solution
+that makes the test run overrun its limits (a loop that never returns, too much memory or
+output) scores 0; a tester that never started is the sandbox's failure (``SandboxError``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from envs.base import (
 )
 from envs.sandbox import SandboxError, python_in_sandbox, started_on
 
+# Processes of the test run besides its workers: bwrap's two, the tester and the runner.
+HARNESS_PROCESSES = 4
+
 TEMPLATES = ("x*{a}+{b}", "(x+{a})*{b}", "x%{a}+{b}", "max(x,{a})-{b}", "x*x-{a}", "abs(x-{a})+{b}")
 
 # The tester holds the tests and the pass marker; the solution runs in a child interpreter
@@ -50,10 +54,11 @@ def drop_capabilities():
 
 request = json.loads(sys.stdin.readline())
 marker, tests = request["marker"], request["tests"]
+print(marker, "started", flush=True)
 read, write = os.pipe()
 inputs = json.dumps([x for x, _ in tests])
 child = subprocess.Popen(
-    [sys.executable, "-I", "-c", request["runner"], str(write), inputs],
+    [sys.executable, "-I", "-c", request["runner"], str(write), inputs, str(request["max_workers"])],
     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[write],
     preexec_fn=drop_capabilities,
 )
@@ -71,11 +76,12 @@ if isinstance(results, list):
 print(marker, passed, flush=True)
 """
 
-# Runs the solution on the inputs, split over one forked worker per core it was started on;
-# writes a JSON list to the pipe: f(x) where that is an int, else null.
+# Runs the solution on the inputs, split over one forked worker per core it was started on (at
+# most max_workers); a chunk whose worker cannot be forked (the process limit) runs in the
+# runner itself. Writes a JSON list to the pipe: f(x) where that is an int, else null.
 RUNNER = r"""
 import json, os, sys
-out, inputs = int(sys.argv[1]), json.loads(sys.argv[2])
+out, inputs, max_workers = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
 namespace = {}
 exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
 f = namespace["f"]
@@ -90,20 +96,32 @@ def results(chunk):
         got.append(y if type(y) is int else None)
     return got
 
-workers = min(len(os.sched_getaffinity(0)), len(inputs))
+def fork_worker(chunk):
+    # the read end of a pipe a forked worker writes results(chunk) to; None if no fork is allowed
+    read, write = os.pipe()
+    try:
+        pid = os.fork()
+    except BlockingIOError:
+        os.close(read)
+        os.close(write)
+        return None
+    if pid == 0:
+        os.close(read)
+        with os.fdopen(write, "w") as pipe:
+            json.dump(results(chunk), pipe)
+        os._exit(0)
+    os.close(write)
+    return read
+
+workers = max(1, min(len(os.sched_getaffinity(0)), len(inputs), max_workers))
+chunks = [inputs[i::workers] for i in range(workers)]
 merged = [None] * len(inputs)
 if workers > 1:
-    pipes = []
-    for i in range(workers):
-        read, write = os.pipe()
-        if os.fork() == 0:
-            os.close(read)
-            with os.fdopen(write, "w") as pipe:
-                json.dump(results(inputs[i::workers]), pipe)
-            os._exit(0)
-        os.close(write)
-        pipes.append(read)
+    pipes = [fork_worker(chunk) for chunk in chunks]
     for i, read in enumerate(pipes):
+        if read is None:
+            merged[i::workers] = results(chunks[i])
+            continue
         with os.fdopen(read, "rb") as pipe:
             chunk = pipe.read()
         if chunk:
@@ -191,18 +209,33 @@ class CodeEnv(Env):
         with open(path, "w") as handle:
             handle.write(solution)
         marker = secrets.token_hex(8)
-        request = (
-            json.dumps({"marker": marker, "tests": task.data["tests"], "runner": RUNNER}).encode() + b"\n"
-        )
+        request = {
+            "marker": marker,
+            "tests": task.data["tests"],
+            "runner": RUNNER,
+            "max_workers": sandbox.config.max_processes - HARNESS_PROCESSES,
+        }
+        stdin = json.dumps(request).encode() + b"\n"
         python = python_in_sandbox(sandbox.config)
         try:
             with started_on(self.cores):
-                result = sandbox.run([python, "-I", "-c", TESTER], stdin=request)
+                result = sandbox.run([python, "-I", "-c", TESTER], stdin=stdin)
         except SandboxError as exc:
             if not self._by_action(exc):
                 raise
             return 0.0
-        for line in reversed(result.output.splitlines()):
-            if line.startswith(marker + " "):
-                return int(line.split()[1]) / len(task.data["tests"])
-        return 0.0
+        return tester_score(result.output, marker, len(task.data["tests"]))
+
+
+def tester_score(output: str, marker: str, num_tests: int) -> float:
+    """The share of tests passed that the tester printed; 0 when it started but did not get
+    to the end (the solution brought it down). A tester that never started is no score of the
+    solution: the interpreter or the sandbox failed, so :class:`SandboxError` is raised."""
+    lines = output.splitlines()
+    if f"{marker} started" not in lines:
+        raise SandboxError("start_failed", f"the test harness never started; it printed {output[-200:]!r}")
+    for line in reversed(lines):
+        passed = line.removeprefix(marker + " ")
+        if passed != line and passed.isdecimal():
+            return int(passed) / num_tests
+    return 0.0

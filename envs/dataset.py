@@ -3,9 +3,11 @@
 The file is local or remote (``s3://`` through :class:`storage.config.StorageConfig`). The
 verifier is chosen in config: exact match, numeric tolerance, a regex the answer must match
 in full, or a Python function named by import path (``pkg.mod:fn(answer, reference) -> float``).
-Every row must be an object with a non-null prompt and answer (and, for the regex verifier, an
-answer that compiles); a bad row or line fails the load with its file and number.
-Rows are split into train and eval by a hash of their id, so the splits never overlap.
+Every row must be an object with a non-null prompt and answer (and id, when ``id_field`` is
+set; for the regex verifier, an answer that compiles; for the numeric one, an answer that is a
+number); a bad row or line fails the load with its file and number.
+Rows are split into train and eval by a hash of their prompt, so the splits never share a
+prompt, even one that occurs under several ids; ``id_field`` only names the task.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ class DatasetConfig(EnvConfig):
     storage: StorageConfig | None = Field(None, description="Endpoint and credentials for an s3:// path.")
     prompt_field: str = Field("prompt", description="Column holding the user message.")
     answer_field: str = Field("answer", description="Column holding the reference answer.")
-    id_field: str | None = Field(None, description="Column holding a stable row id; the prompt when unset.")
+    id_field: str | None = Field(
+        None, description="Column holding a stable row id, the task's id; the prompt when unset."
+    )
     verifier: str = Field(
         "exact",
         description="exact | numeric | regex | an import path 'pkg.mod:fn' of fn(answer, reference) -> float.",
@@ -90,10 +94,11 @@ def _load_rows(config_json: str) -> tuple[dict, ...]:
             rows = _json_rows(config.path, handle.read())
     else:
         raise ValueError(f"dataset path must end in .parquet, .jsonl or .json: {config.path!r}")
+    required = (config.prompt_field, config.answer_field, *([config.id_field] if config.id_field else []))
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ValueError(f"row {i} of {config.path} is not an object: {row!r:.80}")
-        for field in (config.prompt_field, config.answer_field):
+        for field in required:
             if field not in row:
                 raise ValueError(f"row {i} of {config.path} has no field {field!r} (fields: {sorted(row)})")
             if row[field] is None:
@@ -103,7 +108,19 @@ def _load_rows(config_json: str) -> tuple[dict, ...]:
                 re.compile(str(row[config.answer_field]))
             except re.error as exc:
                 raise ValueError(f"row {i} of {config.path}: reference is not a regex: {exc}") from exc
+        if config.verifier == "numeric" and not _is_number(str(row[config.answer_field])):
+            raise ValueError(
+                f"row {i} of {config.path}: reference is not a number: {row[config.answer_field]!r:.80}"
+            )
     return tuple(rows)
+
+
+def _is_number(text: str) -> bool:
+    """Whether the numeric verifier can ever match ``text`` (NaN equals nothing)."""
+    try:
+        return not math.isnan(float(text.strip()))
+    except ValueError:
+        return False
 
 
 def _json_rows(path: str, data: bytes) -> list:
@@ -119,7 +136,10 @@ def _json_rows(path: str, data: bytes) -> list:
         except ValueError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from exc
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # only "\n" ends a line: str.splitlines() also splits at U+2028 and the like, which JSON
+    # strings may hold unescaped
+    for number, line in enumerate(text.split("\n"), 1):
+        line = line.removesuffix("\r")
         if line.strip():
             try:
                 rows.append(json.loads(line))
@@ -141,7 +161,7 @@ class DatasetEnv(Env):
         for row in _load_rows(cfg.model_dump_json()):
             prompt, answer = str(row[cfg.prompt_field]), str(row[cfg.answer_field])
             row_id = str(row[cfg.id_field]) if cfg.id_field else prompt
-            if in_eval_split(row_id, cfg.eval_fraction) == (split == "eval"):
+            if in_eval_split(prompt, cfg.eval_fraction) == (split == "eval"):
                 tasks.append(Task(env=cls.name, id=row_id, prompt=prompt, data={"answer": answer}))
         if not tasks:
             raise ValueError(f"the {split} split of {cfg.path} is empty")

@@ -2,7 +2,7 @@
 
 User ``guess 9-20`` (a window of ``min_width..max_width`` numbers at any offset inside
 ``low..high``); each action is a plain number; feedback ``higher``, ``lower`` or ``correct``.
-Progress is how far the interval consistent with the feedback has shrunk.
+Progress is the share of the window's numbers the feedback has ruled out (1 once found).
 
 A problem is a (window, hidden number) pair. For each hidden number, a hashed
 ``eval_fraction`` share of the windows that contain it is held out for eval, so the splits
@@ -123,10 +123,12 @@ class GuessEnv(Env):
         return user(task.prompt)
 
     def _progress(self) -> float:
+        """Share of the window's numbers the feedback ruled out; 1.0 only once the number is found
+        (one candidate left that was never guessed is not a win)."""
         if self.found:
             return 1.0
         span = self.task.data["high"] - self.task.data["low"]
-        return 1.0 - max(self.high - self.low, 0) / span
+        return 1.0 - max(self.high - self.low + 1, 0) / (span + 1)
 
     async def step(self, action: str) -> StepResult:
         task = self._require_task()

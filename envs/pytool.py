@@ -75,6 +75,14 @@ class PyToolEnv(Env):
         self.seen_answer = False
         return user(task.prompt)
 
+    async def close(self) -> None:
+        """Close the interpreter (its pipes, its process reaped), then the sandbox; safe to call twice."""
+        repl = getattr(self, "repl", None)
+        if repl is not None:
+            self.repl = None
+            await asyncio.to_thread(repl.close)
+        await super().close()
+
     def action_request(self, action: str) -> ResourceRequest | None:
         """A ``run:`` executes in the interpreter on one core; an answer needs nothing."""
         if action.strip().startswith("run:"):

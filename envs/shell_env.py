@@ -42,6 +42,18 @@ class ShellConfig(EnvConfig):
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of tasks held out for eval.")
 
 
+def split_key(task: Task) -> str:
+    """What decides a task's answer, which names its split.
+
+    The words in the files do not decide a ``count`` or ``find`` answer: keyed by them, a
+    held-out task had train twins with the same question, file names and answer.
+    """
+    data = task.data
+    if data["kind"] == "write":
+        return task.id
+    return f"{task.prompt}:{sorted(data['files'])}:{data['answer']}"
+
+
 def _make_task(rng: random.Random) -> Task:
     kind = rng.choice(("write", "find", "count"))
     if kind == "write":
@@ -87,7 +99,7 @@ class ShellEnv(Env):
         cfg = config or ShellConfig()
 
         def accept(task: Task) -> bool:
-            return in_eval_split(task.id, cfg.eval_fraction) == (split == "eval")
+            return in_eval_split(split_key(task), cfg.eval_fraction) == (split == "eval")
 
         return sample_unique(random.Random(f"{seed}/{split}"), _make_task, accept, n)
 
@@ -117,6 +129,14 @@ class ShellEnv(Env):
         self.shell = await asyncio.to_thread(Shell, sandbox)
         self.answer: str | None = None
         return user(task.prompt)
+
+    async def close(self) -> None:
+        """Close the shell (its pty, its process reaped), then the sandbox; safe to call twice."""
+        shell = getattr(self, "shell", None)
+        if shell is not None:
+            self.shell = None
+            await asyncio.to_thread(shell.close)
+        await super().close()
 
     def action_request(self, action: str) -> ResourceRequest | None:
         """A command runs in the shell on one core; an answer or ``done`` needs nothing."""

@@ -1,6 +1,7 @@
 """Each environment end to end with its scripted solver; splits; flawed demonstrators; verifiers."""
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -11,11 +12,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from envs.arith import add_without_carry
+from envs.arith import add_without_carry, subtract_without_borrow
 from envs.base import Task
 from envs.guess import GuessConfig, problems
 from envs.registry import REGISTRY, demonstrate, make, task_set
-from envs.sandbox import SandboxConfig, bwrap_path
+from envs.sandbox import COMMAND_KINDS, SandboxConfig, SandboxError, bwrap_path
 
 SMALL = SandboxConfig(cpu_seconds=5, memory_mb=256, max_processes=32, timeout_s=10)
 needs_bwrap = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
@@ -68,6 +69,34 @@ def test_arith_flawed_drops_carries():
     assert 0.3 < flawed < 0.95
 
 
+def test_arith_commuted_twins_share_a_split():
+    train = {(t.data["a"], t.data["b"]) for t in task_set("arith", "train", seed=0, n=5000)}
+    evals = task_set("arith", "eval", seed=0, n=500)
+    assert not [t.prompt for t in evals if (t.data["b"], t.data["a"]) in train]
+
+
+def needs_borrow(a, b):
+    a, b = max(a, b), min(a, b)
+    return any(int(x) < int(y) for x, y in zip(f"{a:04d}", f"{b:04d}", strict=True))
+
+
+def test_arith_flawed_subtraction_drops_borrows():
+    rng = random.Random(0)
+    for _ in range(200):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        assert subtract_without_borrow(a, b, rng, drop=0.0) == a - b
+        high, low = max(a, b), min(a, b)
+        no_borrow = int(
+            "".join(str((int(x) - int(y)) % 10) for x, y in zip(f"{high:04d}", f"{low:04d}", strict=True))
+        )
+        assert subtract_without_borrow(a, b, rng, drop=1.0) == (no_borrow if a >= b else -no_borrow)
+    tasks = task_set("arith", "train", seed=3, n=300, config={"ops": ["-"]})
+    wrong = {t.id: demonstrate(t, flawed=True) != demonstrate(t) for t in tasks}
+    borrowing = [t.id for t in tasks if needs_borrow(t.data["a"], t.data["b"])]
+    assert not [t.id for t in tasks if wrong[t.id] and t.id not in borrowing]
+    assert sum(wrong[i] for i in borrowing) / len(borrowing) > 0.5
+
+
 @pytest.mark.parametrize(
     "config", [{}, {"low": 0, "high": 40, "min_width": 12, "max_width": 12, "eval_fraction": 0.1}]
 )
@@ -116,6 +145,21 @@ def test_guess_feedback_and_progress():
     ]
     good_turns = [len(demonstrate(t)) for t in task_set("guess", "train", 5, 10)]
     assert max(good_turns) <= 5 and sum(flawed_turns) / len(flawed_turns) > sum(good_turns) / len(good_turns)
+
+
+def test_guess_progress_is_full_only_when_the_number_is_found():
+    task = Task(env="guess", id="1-16:8", prompt="guess 1-16", data={"target": 8, "low": 1, "high": 16})
+
+    async def run(actions):
+        env = make("guess", max_turns=2)
+        await env.reset(task)
+        return [await env.step(action) for action in actions]
+
+    higher, lost = asyncio.run(run(["7", "9"]))
+    assert (higher.progress, lost.progress) == (7 / 16, 15 / 16)
+    assert lost.done and lost.reward == 0.0
+    _, found = asyncio.run(run(["7", "8"]))
+    assert found.reward == found.progress == 1.0
 
 
 def test_guess_answers_number_to_what_is_not_an_ascii_number():
@@ -244,6 +288,47 @@ def test_code_solution_that_never_returns_scores_zero():
     assert score == 0.0
 
 
+def zombie_children():
+    """Ids of this process's children that exited and were never reaped."""
+    zombies = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == os.getpid():
+            zombies.add(int(entry))
+    return zombies
+
+
+@needs_bwrap
+def test_closed_envs_leave_no_open_fds_or_zombies():
+    """close() must release the shell's pty and the interpreter's pipes and reap their processes
+    at once, not when the env is garbage collected (the envs here stay referenced)."""
+    episodes = [
+        ("pytool", task_set("pytool", "train", seed=5, n=1)[0], "run: 6 * 7"),
+        ("shell", WRITE_RED, "echo red > a.txt"),
+    ] * 2
+    kept, pids = [], set()
+
+    async def run():
+        for name, task, action in episodes:
+            env = make(name, sandbox=SMALL)
+            kept.append(env)
+            await env.reset(task)
+            await env.step(action)
+            pids.add(env.resource_pid())
+            await env.close()
+
+    gc.collect()
+    fds = len(os.listdir("/proc/self/fd"))
+    asyncio.run(run())
+    assert len(os.listdir("/proc/self/fd")) <= fds
+    assert None not in pids and not pids & zombie_children()
+    assert len(kept) == len(episodes)
+
+
 @needs_bwrap
 def test_pytool_runs_python_then_answers():
     task = task_set("pytool", "train", seed=5, n=1)[0]
@@ -281,6 +366,35 @@ def test_code_scores_fraction_of_hidden_tests():
     assert score == pytest.approx(expected)
     _, score = asyncio.run(play("code", task, ["this is not python"], sandbox=SMALL))
     assert score == 0.0
+
+
+@needs_bwrap
+@pytest.mark.parametrize("max_processes", [4, 5])
+def test_code_test_run_keeps_within_the_process_limit(max_processes):
+    """The forked workers of the test run (one per core of this machine) must fit under the
+    sandbox's process limit, or a right solution scores 0."""
+    task = task_set("code", "train", seed=6, n=1)[0]
+    sandbox = SMALL.model_copy(update={"backend": "bwrap", "max_processes": max_processes})
+    _, score = asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
+    assert score == 1.0
+
+
+@needs_bwrap
+def test_code_test_run_works_in_process_when_no_worker_can_be_forked(monkeypatch):
+    monkeypatch.setattr("envs.code.HARNESS_PROCESSES", 0)  # the runner tries to fork past the limit
+    task = task_set("code", "train", seed=6, n=1)[0]
+    sandbox = SMALL.model_copy(update={"backend": "bwrap", "max_processes": 4})
+    _, score = asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
+    assert score == 1.0
+
+
+@needs_bwrap
+def test_code_tester_that_never_started_is_an_env_error():
+    task = task_set("code", "train", seed=6, n=1)[0]
+    sandbox = SMALL.model_copy(update={"python": "true"})
+    with pytest.raises(SandboxError, match="never started") as error:
+        asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
+    assert error.value.kind not in COMMAND_KINDS
 
 
 # Solutions that know nothing of the task: read the tests or the pass marker off the tester
@@ -335,6 +449,18 @@ def test_shell_tasks_checked_at_eval():
         assert score == 0.0
 
 
+def test_shell_eval_tasks_have_no_train_twin():
+    """File contents do not decide a count or find answer: an eval task must not have a train
+    task asking the same question of the same file names with the same answer."""
+
+    def asked(task):
+        return task.prompt, tuple(sorted(task.data.get("files", {}))), task.data.get("answer")
+
+    train = {asked(task) for task in task_set("shell", "train", seed=0, n=3000)}
+    evals = [task for task in task_set("shell", "eval", seed=0, n=300) if task.data["kind"] != "write"]
+    assert evals and not [task.id for task in evals if asked(task) in train]
+
+
 def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": str(i * 1.5)} for i in range(40)]
     jsonl = tmp_path / "data.jsonl"
@@ -384,6 +510,29 @@ def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
         ),
         ("array.json", b'[{"prompt": "q", "answer": "a"},', {}, "array.json: not valid JSON"),
         ("re.jsonl", b'{"prompt": "q", "answer": "(a"}', {"verifier": "regex"}, "row 0 .*not a regex"),
+        (
+            "noid.jsonl",
+            b'{"prompt": "q", "answer": "a", "qid": 1}\n{"prompt": "r", "answer": "b"}',
+            {"id_field": "qid"},
+            "row 1 of .*noid.jsonl has no field 'qid'",
+        ),
+        (
+            "nullid.jsonl",
+            b'{"prompt": "q", "answer": "a", "qid": null}',
+            {"id_field": "qid"},
+            "row 0 of .*nullid.jsonl has a null 'qid'",
+        ),
+        *(
+            (
+                "num.jsonl",
+                b'{"prompt": "q", "answer": "2"}\n{"prompt": "r", "answer": '
+                + json.dumps(bad).encode()
+                + b"}",
+                {"verifier": "numeric"},
+                "row 1 of .*num.jsonl: reference is not a number",
+            )
+            for bad in ("1,000", "3/4", "$5", "NaN")
+        ),
     ],
 )
 def test_dataset_bad_files_fail_the_load_naming_file_and_row(tmp_path, name, content, config, error):
@@ -400,6 +549,30 @@ def test_dataset_reads_a_json_file_holding_an_array_or_json_lines(tmp_path, layo
     path.write_text(json.dumps(rows) if layout == "array" else "\n".join(map(json.dumps, rows)))
     tasks = task_set("dataset", "train", 0, 5, {"path": str(path)})
     assert len(tasks) == 5 and all(task.data["answer"] == task.prompt[1:] for task in tasks)
+
+
+def test_dataset_jsonl_lines_end_only_at_newlines(tmp_path):
+    """A JSON string may hold U+2028, U+2029 or U+0085 unescaped (``ensure_ascii=False``)."""
+    rows = [{"prompt": f"q{i}\u2028{i}\u2029\x85", "answer": str(i)} for i in range(20)]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\r\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n", "utf-8")
+    config = {"path": str(path), "eval_fraction": 0.5}
+    tasks = [task for split in ("train", "eval") for task in task_set("dataset", split, 0, 100, config)]
+    assert {(task.prompt, task.data["answer"]) for task in tasks} == {
+        (r["prompt"], r["answer"]) for r in rows
+    }
+
+
+def test_dataset_split_keeps_a_prompt_under_many_ids_in_one_split(tmp_path):
+    rows = [
+        {"qid": f"{i}-{copy}", "prompt": f"q{i}", "answer": str(i)} for i in range(100) for copy in range(4)
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(map(json.dumps, rows)))
+    config = {"path": str(path), "id_field": "qid"}
+    train, evals = (task_set("dataset", split, 0, 1000, config) for split in ("train", "eval"))
+    assert not {t.prompt for t in train} & {t.prompt for t in evals}
+    assert {t.id for t in train} | {t.id for t in evals} == {row["qid"] for row in rows}
 
 
 def nan_verifier(answer, reference):
