@@ -12,6 +12,12 @@ session id in the ``X-Treadle-Session`` header; every request is recorded token-
 - ``/v1/generate``: token ids in (appended verbatim), token ids, log-probs and versions out.
   The tokens stay appended when the generation fails, so a retry must not send them again.
 
+With ``stream: true`` the two OpenAI endpoints answer in server-sent events once the turn
+is generated: the whole text in one chunk, then the finish reason, the usage when
+``stream_options.include_usage`` asks for it, and ``[DONE]``. Tool definitions (``tools``,
+``functions``) are refused rather than ignored: the gateway returns the model's text as the
+message content and parses no tool calls out of it.
+
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown session, 400 bad
 input, 503 engine failure.
@@ -19,14 +25,16 @@ input, 503 engine failure.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
@@ -82,6 +90,14 @@ class TokenRequest(_Sampling):
     stop_ids: list[int] | None = Field(None, description="Token ids that end the action; default EOS.")
 
 
+class StreamOptions(BaseModel):
+    """OpenAI ``stream_options``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
 class CompletionRequest(_Sampling):
     """OpenAI ``/v1/completions`` body (the fields the gateway honours)."""
 
@@ -92,6 +108,7 @@ class CompletionRequest(_Sampling):
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: int | None = None
 
@@ -116,8 +133,11 @@ class ChatRequest(_Sampling):
     max_completion_tokens: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: bool = False
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
 
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -188,8 +208,11 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
         )
 
     def openai_only(body: CompletionRequest | ChatRequest) -> None:
-        if body.stream:
-            raise InvalidRequest("stream=true is not supported by the gateway")
+        if isinstance(body, ChatRequest) and (body.tools or body.functions):
+            raise InvalidRequest(
+                "tool definitions are not supported: the gateway returns the model's text as the message "
+                "content and parses no tool calls (describe the tools in a message and parse the reply)"
+            )
         if body.n != 1:
             raise InvalidRequest(f"n={body.n}: the gateway samples one choice per request")
         if body.stop:
@@ -244,9 +267,7 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
         }
 
     @app.post("/v1/completions", dependencies=auth)
-    async def completions(
-        body: CompletionRequest, x_treadle_session: str | None = Header(None)
-    ) -> dict[str, Any]:
+    async def completions(body: CompletionRequest, x_treadle_session: str | None = Header(None)) -> Any:
         session = session_of(x_treadle_session)
         openai_only(body)
         sampling = params(body, body.max_tokens)
@@ -268,10 +289,10 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
             "token_ids": turn.token_ids,
             "logprobs": _completion_logprobs(gateway, turn) if body.logprobs is not None else None,
         }
-        return _response("text_completion", model_name, choice, session, turn)
+        return _answer(body, _response("text_completion", model_name, choice, session, turn))
 
     @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat(body: ChatRequest, x_treadle_session: str | None = Header(None)) -> dict[str, Any]:
+    async def chat(body: ChatRequest, x_treadle_session: str | None = Header(None)) -> Any:
         session = session_of(x_treadle_session)
         openai_only(body)
         sampling = params(
@@ -288,9 +309,35 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
             "token_ids": turn.token_ids,
             "logprobs": _chat_logprobs(gateway, turn) if body.logprobs else None,
         }
-        return _response("chat.completion", model_name, choice, session, turn)
+        return _answer(body, _response("chat.completion", model_name, choice, session, turn))
 
     return app
+
+
+def _answer(body: CompletionRequest | ChatRequest, response: dict[str, Any]) -> Any:
+    """``response`` as it is, or as server-sent events when the request streams."""
+    if not body.stream:
+        return response
+    usage = body.stream_options is not None and body.stream_options.include_usage
+    events = [f"data: {json.dumps(chunk)}\n\n" for chunk in _chunks(response, usage)]
+    return StreamingResponse(iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
+
+
+def _chunks(response: dict[str, Any], usage: bool) -> Iterator[dict[str, Any]]:
+    """A whole completion as OpenAI stream chunks: its text (with the token ids and
+    log-probs) in one, its finish reason in the next, then the usage when asked for."""
+    (choice,) = response["choices"]
+    chat = response["object"] == "chat.completion"
+    head = {key: response[key] for key in ("id", "created", "model")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    first = {key: value for key, value in choice.items() if key not in ("message", "finish_reason")}
+    if chat:
+        first["delta"] = choice["message"]
+    yield {**head, "choices": [first | {"finish_reason": None}]}
+    last = {"delta": {}} if chat else {"text": ""}
+    yield {**head, "choices": [{"index": 0, **last, "finish_reason": choice["finish_reason"]}]}
+    if usage:
+        yield {**head, "choices": [], "usage": response["usage"]}
 
 
 def _response(

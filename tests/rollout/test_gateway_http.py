@@ -11,6 +11,7 @@ import socket
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -319,10 +320,68 @@ def test_openai_chat_resending_the_conversation_is_recorded_token_exactly(tiny):
                 bad.status_code == 400
                 and "differs from the session's history" in bad.json()["error"]["message"]
             )
-            stream = await client.post(
-                "/v1/chat/completions", json={"messages": conversation, "stream": True}, headers=headers
+
+    asyncio.run(body())
+
+
+def test_the_openai_client_chats_streams_and_is_told_tools_are_not_served(tiny):
+    """The client agent scaffolds use: a chat turn, a streamed one (text, finish reason and
+    usage in chunks), a streamed text completion, and a clear refusal of tool definitions."""
+    _, tokenizer = tiny
+
+    async def body():
+        async with serving(tiny) as (gateway, server, _):
+            sid = gateway.open(task="agent", prompt_id="p1").session_id
+            client = openai.AsyncOpenAI(
+                base_url=f"{server.url}/v1", api_key=server.token, default_headers={SESSION_HEADER: sid}
             )
-            assert stream.status_code == 400 and "stream" in stream.json()["error"]["message"]
+            session = gateway.session(sid)
+            first = await client.chat.completions.create(model="any", messages=USER, max_tokens=8, seed=3)
+            reply = first.choices[0].message.content
+            assert reply == tokenizer.decode(session.turns[0].token_ids, skip_special_tokens=True)
+
+            conversation = [
+                *USER,
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "again"},
+            ]
+            stream = await client.chat.completions.create(
+                model="any",
+                messages=conversation,
+                max_tokens=8,
+                seed=4,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            chunks = [chunk async for chunk in stream]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert session.num_turns == 2
+            action = session.turns[1].token_ids
+            assert text == tokenizer.decode(action, skip_special_tokens=True)
+            assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+            assert chunks[-1].usage.completion_tokens == len(action)
+            assert chunks[-1].usage.total_tokens == len(session.tokens)
+
+            with pytest.raises(openai.BadRequestError, match="tool definitions are not supported"):
+                await client.chat.completions.create(
+                    model="any",
+                    messages=[
+                        *conversation,
+                        {"role": "assistant", "content": text},
+                        {"role": "user", "content": "x"},
+                    ],
+                    tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+                )
+            assert session.num_turns == 2
+
+            completion_sid = gateway.open(task="agent", prompt_id="p2").session_id
+            streamed = await client.with_options(
+                default_headers={SESSION_HEADER: completion_sid}
+            ).completions.create(model="any", prompt="What is 2 + 3?", max_tokens=6, seed=5, stream=True)
+            text = "".join([choice.text async for chunk in streamed for choice in chunk.choices])
+            completion = gateway.session(completion_sid)
+            assert text == tokenizer.decode(completion.turns[0].token_ids, skip_special_tokens=True)
+            await client.close()
 
     asyncio.run(body())
 
