@@ -1,8 +1,10 @@
 """The weight-version store: ``weights/v000042/`` directories that Hugging Face can load.
 
-A version directory holds ``model.safetensors``, ``config.json``, the tokenizer files, any
-extra files (optimizer state, consumed shard ids) and ``manifest.json`` with the sha256 of
-every other file. A publish stages its files locally, then claims its version number by
+A version directory holds ``model.safetensors``, its ``model.safetensors.index.json``,
+``config.json``, the tokenizer files, any extra files (optimizer state, consumed shard ids,
+the trainer's value model) and ``manifest.json`` with the sha256 of every other file. The
+index names the policy's tensors, so a loader that would take every ``*.safetensors`` of
+the folder (vLLM does, without an index) takes only the policy's file. A publish stages its files locally, then claims its version number by
 creating the directory's ``CLAIM`` object exclusively (``O_EXCL`` locally, a conditional
 PUT on S3), so two publishers racing for one number never write into the same directory
 (a retry of a publish that failed after its claim, naming the same ``owner``, takes it back).
@@ -44,6 +46,7 @@ thread-safe (concurrent loads in one process, as an engine and a trainer startin
 threads of one flow, leave parameters on the meta device)."""
 
 MODEL_FILE = "model.safetensors"
+MODEL_INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 MANIFEST_FILE = "manifest.json"
 LATEST_FILE = "LATEST"
@@ -52,7 +55,7 @@ CLAIM_REFRESH_S = 30.0
 """While a publish uploads its files, its claim's time is renewed this often, so a claim
 older than a few of these belongs to a publish that died."""
 TOKENIZER_FILE = "tokenizer.json"
-RESERVED_FILES = frozenset({MODEL_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
+RESERVED_FILES = frozenset({MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _HASH_CHUNK = 1 << 20
@@ -110,6 +113,12 @@ def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
         seen_storages.add(storage)
         ready[name] = tensor
     return ready
+
+
+def _index(tensors: Mapping[str, torch.Tensor]) -> dict:
+    """``model.safetensors.index.json`` of one file holding ``tensors``, as Hugging Face writes it."""
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return {"metadata": {"total_size": total}, "weight_map": dict.fromkeys(tensors, MODEL_FILE)}
 
 
 def _is_plain_relative(name: str) -> bool:
@@ -211,9 +220,9 @@ class WeightStore:
         except TypeError as error:
             raise ValueError(f"metadata must be JSON-serialisable: {error}") from error
         with tempfile.TemporaryDirectory(prefix="treadle-publish-") as staging:
-            save_file(
-                _safetensors_ready(state_dict), os.path.join(staging, MODEL_FILE), metadata={"format": "pt"}
-            )
+            tensors = _safetensors_ready(state_dict)
+            save_file(tensors, os.path.join(staging, MODEL_FILE), metadata={"format": "pt"})
+            Path(staging, MODEL_INDEX_FILE).write_text(json.dumps(_index(tensors), indent=2, sort_keys=True))
             Path(staging, CONFIG_FILE).write_text(json.dumps(model_config, indent=2, sort_keys=True))
             if tokenizer_dir is not None:
                 self._stage_tokenizer(Path(tokenizer_dir), Path(staging))
@@ -276,11 +285,15 @@ class WeightStore:
         return known
 
     def _stage_tokenizer(self, source: Path, staging: Path) -> None:
+        """Copy the tokenizer's files, those in subfolders too (``save_pretrained`` keeps
+        named chat templates in ``additional_chat_templates/``)."""
         if not source.is_dir():
             raise FileNotFoundError(f"tokenizer_dir {str(source)!r} is not a directory")
-        for path in sorted(source.iterdir()):
-            if path.is_file() and path.name not in RESERVED_FILES:
-                shutil.copyfile(path, staging / path.name)
+        for path in sorted(source.rglob("*")):
+            name = path.relative_to(source).as_posix()
+            if path.is_file() and name not in RESERVED_FILES:
+                (staging / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path, staging / name)
 
     def _claim(self, version: int | None, owner: str | None = None) -> int:
         """Create ``CLAIM`` in the version's directory, failing if it exists: the number is

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
@@ -122,6 +123,42 @@ def test_versions_advance_with_parent_extra_files_and_untied_weights(weights, to
     ids = torch.tensor([[2, 3, 9]])
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(untied, ids), rtol=0, atol=0)
     assert json.loads(Path(local, "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_the_index_names_only_the_policy_and_named_chat_templates_are_kept(weights, tokenizer_dir, tmp_path):
+    """A loader that takes every ``*.safetensors`` of a folder unless an index says which
+    (vLLM) must not take the trainer's value model for policy weights."""
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.chat_template = {
+        "default": "{% for m in messages %}{{ m.content }}</s>{% endfor %}",
+        "tool_use": "{% for m in messages %}TOOL {{ m.content }}</s>{% endfor %}",
+    }
+    templated = tmp_path / "templated"
+    tokenizer.save_pretrained(templated)
+    assert list(templated.glob("*/*.jinja")), "precondition: a named template is saved in a subfolder"
+    value_model = {"head.weight": torch.ones(1, 16)}
+    buffer = tmp_path / "value.safetensors"
+    save_file(value_model, buffer)
+    model = tiny_llama(seed=0, tie=True)
+    version = publish_model(
+        weights, model, str(templated), extra_files={"value_model.safetensors": buffer.read_bytes()}
+    )
+
+    local = weights.load(version)
+    index = json.loads(Path(local, "model.safetensors.index.json").read_text())
+    with safe_open(os.path.join(local, "model.safetensors"), "pt") as stored:
+        policy = set(stored.keys())
+    assert index["weight_map"] == dict.fromkeys(sorted(policy), "model.safetensors")
+    assert index["metadata"]["total_size"] == os.path.getsize(os.path.join(local, "model.safetensors")) - (
+        8 + int.from_bytes(Path(local, "model.safetensors").read_bytes()[:8], "little")
+    )
+    loaded = AutoModelForCausalLM.from_pretrained(local).eval()
+    ids = torch.tensor([[1, 4, 5]])
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(model, ids), rtol=0, atol=0)
+    messages = [{"role": "user", "content": "ab"}]
+    assert AutoTokenizer.from_pretrained(local).apply_chat_template(
+        messages, chat_template="tool_use", tokenize=False
+    ) == tokenizer.apply_chat_template(messages, chat_template="tool_use", tokenize=False)
 
 
 def test_corrupt_file_is_refused_by_name_and_previous_version_still_loads(weights, tokenizer_dir, tmp_path):
