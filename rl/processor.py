@@ -340,9 +340,10 @@ def _process_execution(
         state.reason[members[error.path]] = error.reason
         counters.errors.append(f"execution {execution_id!r}: {error.message}")
     for w in members:
-        if state.reason[w] is None and state.statuses[w] in EXCLUDED_STATUSES:
-            state.reason[w] = state.statuses[w]
-            state.reward[w] = None
+        if state.statuses[w] in EXCLUDED_STATUSES:
+            state.reward[w] = None  # even when a link error is what drops the row
+            if state.reason[w] is None:
+                state.reason[w] = state.statuses[w]
 
     live = _score(
         execution_id, [w for w in members if state.reason[w] is None], work, state, config, rescore, counters

@@ -199,3 +199,34 @@ def test_explained_variance_matches_reference_and_is_zero_for_constant_returns(s
     flat = torch.full((3, 6), 1.0) + torch.randn(3, 6) * 1e-7
     _, stats = value_loss(torch.tensor(values), flat, torch.tensor(mask))
     assert stats["explained_variance"] == 0.0
+
+
+def test_clipped_value_loss_gradient_flows_through_the_clamped_delta_when_inside_the_clip():
+    # old_values == values: every delta is 0, inside the clip, so the clipped branch is V
+    # itself and the gradient is the plain (V − R)·mask / N with N = 2 masked tokens
+    values = torch.tensor([[0.3, -0.2, 1.0]], dtype=torch.float64, requires_grad=True)
+    returns = torch.tensor([[1.0, 0.5, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False]])
+    loss, stats = value_loss(values, returns, mask, old_values=values.detach(), clip=0.2)
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[-0.35, -0.35, 0.0]], dtype=torch.float64))
+    assert loss.item() == pytest.approx(0.5 * (0.7**2 + 0.7**2) / 2)
+    # neither error exceeds the other on any token: nothing counts as clipped
+    assert stats["clip_fraction"] == 0.0
+
+
+def test_clipped_value_loss_gradient_is_zero_where_the_clipped_branch_wins():
+    # old = 0, clip = 0.2, N = 3:
+    #   t0: V=0.5 → clipped 0.2; (0.2−1)² = 0.64 > (0.5−1)² = 0.25: clipped wins, grad 0
+    #   t1: V=0.1 inside the clip → both errors (0.1−0.5)²: tie, grad (0.1−0.5)/3
+    #   t2: V=0.5 → clipped 0.2; (0.5+1)² = 2.25 > (0.2+1)² = 1.44: unclipped wins, grad 1.5/3
+    values = torch.tensor([[0.5, 0.1, 0.5]], dtype=torch.float64, requires_grad=True)
+    returns = torch.tensor([[1.0, 0.5, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    old = torch.zeros(1, 3, dtype=torch.float64)
+    loss, stats = value_loss(values, returns, mask, old_values=old, clip=0.2)
+    loss.backward()
+    torch.testing.assert_close(values.grad, torch.tensor([[0.0, -0.4 / 3, 1.5 / 3]], dtype=torch.float64))
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.16 + 2.25) / 3)
+    # only t0, where the clipped error is strictly the larger, counts
+    assert stats["clip_fraction"] == pytest.approx(1 / 3)

@@ -6,6 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+import storage.schema
 from storage.schema import (
     PROCESSED_SCHEMA,
     STATUSES,
@@ -50,6 +51,55 @@ def test_a_bad_row_is_named_with_its_column(change, column, what):
         validate(to_table(records))
     assert f"trajectory 't2', column '{column}': {what}" in str(info.value)
     assert "'t0'" not in str(info.value)
+
+
+def test_an_infinite_log_prob_on_an_action_token_is_non_finite():
+    record = make_record(0)
+    assert record["action_mask"][4]
+    record["logprobs"][4] = float("-inf")
+    assert find_errors(to_table([record])) == [("t0", "logprobs", "non-finite log-prob on an action token")]
+
+
+def test_a_slightly_positive_log_prob_beyond_the_slack_is_named():
+    record = make_record(0)
+    record["logprobs"][4] = 1e-4
+    assert find_errors(to_table([record])) == [("t0", "logprobs", "positive log-prob on an action token")]
+
+
+def test_a_log_prob_within_the_slack_is_not_reported_when_another_row_fails():
+    records = [make_record(i) for i in range(3)]
+    records[1]["logprobs"][4] = 1e-7  # rounding of a log-prob of 0: within the 1e-6 slack
+    records[2]["logprobs"][4] = 0.5
+    assert find_errors(to_table(records)) == [("t2", "logprobs", "positive log-prob on an action token")]
+
+
+def test_progress_at_either_end_of_its_range_and_a_missing_reward_of_an_infra_error_are_valid():
+    records = [make_record(i) for i in range(3)]
+    records[0]["progress"] = 0.0
+    records[1]["progress"] = 1.0
+    records[2] |= {"reward": None, "status": "infra_error"}
+    assert find_errors(to_table(records)) == []
+
+
+def test_a_null_id_is_a_missing_id():
+    records = [make_record(i) for i in range(2)]
+    records[1]["execution_id"] = None
+    assert find_errors(to_table(records)) == [("t1", "execution_id", "missing id")]
+
+
+def test_a_null_token_list_is_named():
+    record = make_record(0)
+    record["tokens"] = None
+    assert ("t0", "tokens", "is null") in find_errors(to_table([record]))
+
+
+def test_a_slightly_negative_loss_weight_is_named():
+    table = make_processed_table(0, 2)
+    loss_weight = table.column("loss_weight").to_pylist()
+    loss_weight[1][4] = -1e-3
+    column = pa.array(loss_weight, pa.list_(pa.float32()))
+    table = table.set_column(table.schema.get_field_index("loss_weight"), "loss_weight", column)
+    assert find_errors(cast(table, PROCESSED_SCHEMA)) == [("t1", "loss_weight", "negative or non-finite")]
 
 
 def test_train_mask_outside_actions_is_named():
@@ -134,8 +184,12 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     return errors
 
 
+@pytest.mark.parametrize("token_block", [None, 5], ids=["default-block", "block-of-5"])
 @pytest.mark.parametrize("seed", range(12))
-def test_find_errors_matches_a_row_by_row_reference(seed):
+def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypatch):
+    if token_block is not None:
+        # small blocks, so that the per-token checks cross block boundaries inside rows
+        monkeypatch.setattr(storage.schema, "TOKEN_BLOCK", token_block)
     rng = np.random.default_rng(seed)
     records = []
     for i in range(int(rng.integers(1, 40))):

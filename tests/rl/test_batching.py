@@ -1,0 +1,100 @@
+"""From processed rows to samples, batches and padded tensors, on small hand-written rows."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import pytest
+
+from rl.batching import pad_batch, samples_from_table, take_batch
+from storage.schema import PROCESSED_SCHEMA, to_table
+
+PROMPT_ACTION = [False, False, True, True]
+
+
+def processed(tid, tokens=(3, 4, 5, 6), mask=PROMPT_ACTION, **overrides):
+    """One processed row: prompt tokens with log-prob 0, actions with −0.5, every action
+    token trained with weight 1."""
+    mask = list(mask)
+    row = {
+        "trajectory_id": tid,
+        "execution_id": f"e-{tid}",
+        "task": "toy",
+        "prompt_id": "p",
+        "group_id": None,
+        "tokens": list(tokens),
+        "logprobs": [-0.5 if m else 0.0 for m in mask],
+        "action_mask": mask,
+        "turn": [0] * len(mask),
+        "versions": [2 if m else -1 for m in mask],
+        "reward": 1.0,
+        "status": "ok",
+        "train_mask": mask,
+        "loss_weight": [1.0] * len(mask),
+    }
+    return row | overrides
+
+
+def samples_of(rows, vocab_size=10):
+    return samples_from_table(to_table(rows, PROCESSED_SCHEMA), "processed/w/0", vocab_size)
+
+
+def test_a_token_id_equal_to_the_vocabulary_size_rejects_the_whole_shard():
+    samples, rejected = samples_of([processed("a"), processed("b", tokens=(3, 4, 10, 6))], vocab_size=10)
+    assert samples == []
+    reason = "token id 10 outside the policy's vocabulary of 10: shard from another tokenizer"
+    assert rejected == [(0, "a", reason), (1, "b", reason)]
+
+
+def test_the_largest_id_inside_the_vocabulary_is_accepted():
+    samples, rejected = samples_of([processed("a", tokens=(0, 4, 9, 6))], vocab_size=10)
+    assert rejected == [] and [s.trajectory_id for s in samples] == ["a"]
+
+
+def test_an_action_token_at_position_zero_rejects_the_row():
+    rows = [processed("first-is-action", mask=[True, False, True, True]), processed("fine")]
+    samples, rejected = samples_of(rows)
+    assert rejected == [(0, "first-is-action", "action token at position 0 has no context to score it")]
+    assert [s.trajectory_id for s in samples] == ["fine"]
+
+
+def test_train_mask_on_a_prompt_token_is_not_trained():
+    row = processed("a", train_mask=[False, True, True, False])  # token 1 is a prompt token
+    (sample,), rejected = samples_of([row])
+    assert rejected == []
+    assert sample.train_mask.tolist() == [False, False, True, False]
+    assert sample.action_mask.tolist() == PROMPT_ACTION
+
+
+def test_a_non_finite_action_log_prob_rejects_the_row():
+    row = processed("nan", logprobs=[0.0, 0.0, -0.5, float("-inf")])
+    samples, rejected = samples_of([row, processed("fine")])
+    assert rejected == [(0, "nan", "non-finite rollout log-prob on an action token")]
+    assert [s.trajectory_id for s in samples] == ["fine"]
+
+
+@pytest.mark.parametrize("reward", [float("inf"), float("nan"), None])
+def test_a_missing_or_infinite_reward_rejects_the_row(reward):
+    samples, rejected = samples_of([processed("r", reward=reward), processed("fine")])
+    assert rejected == [(0, "r", "reward is missing or not finite")]
+    assert [s.trajectory_id for s in samples] == ["fine"]
+
+
+def test_padded_rollout_log_probs_are_zero_off_actions():
+    # log-probs recorded on prompt tokens too (−0.25): only the action tokens' are kept
+    row = processed("a", logprobs=[-0.25, -0.25, -0.5, -1.0])
+    short = processed("b", tokens=(3, 4, 5), mask=[False, True, True], logprobs=[-0.25, -2.0, -0.5])
+    samples, rejected = samples_of([row, short])
+    assert rejected == []
+    batch = pad_batch(samples, pad_id=0)
+    assert batch.rollout_logprobs.tolist() == [[0.0, 0.0, -0.5, -1.0], [0.0, -2.0, -0.5, 0.0]]
+
+
+def test_keep_groups_does_not_join_samples_without_a_group():
+    samples, _ = samples_of(
+        [processed(f"t{i}", tokens=range(11), mask=[False] * 5 + [True] * 6) for i in range(3)], vocab_size=20
+    )
+    assert [s.num_tokens for s in samples] == [11, 11, 11] and samples[0].group_id is None
+    buffer = deque(samples)
+    assert [s.trajectory_id for s in take_batch(buffer, 11, keep_groups=True)] == ["t0"]
+    assert [s.trajectory_id for s in buffer] == ["t1", "t2"]
