@@ -7,10 +7,16 @@ import importlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import urllib.parse
+from typing import NoReturn
 
 FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
+TABLES = ("shards", "trajectories", "train_steps", "weights", "evals")
+"""The tables of a run, named in ``treadle sql --help``: those of ``storage.tables.TABLE_SCHEMAS``,
+spelled out because importing it (pyarrow, deltalake) would slow every command's start."""
 INSPECT_VERSIONS = 12
 """About how many versions ``treadle inspect`` lists (evenly spaced, first and last always)."""
 
@@ -19,6 +25,8 @@ def _store(args):
     """The run that ``inspect``/``sql`` look at: the ``storage`` section and ``run_id`` of
     ``--config`` (if given), overridden by ``--root``, ``--endpoint-url``, ``--region`` and
     ``--run-id``. Credentials come from the config file or the environment only."""
+    from pydantic import ValidationError
+
     from flows.config import ConfigError, load_config
     from storage.config import RunStore, StorageConfig
 
@@ -28,11 +36,25 @@ def _store(args):
         try:
             config = load_config(args.config)
         except ConfigError as exc:
-            raise SystemExit(f"error: {exc}") from None
+            _bad_input(str(exc))
         storage = dict(config.storage)
         run_id = run_id or config.run_id
     flags = {"root": args.root, "endpoint_url": args.endpoint_url, "region": args.region}
-    return RunStore(StorageConfig(**storage | {k: v for k, v in flags.items() if v is not None}), run_id)
+    try:
+        return RunStore(StorageConfig(**storage | {k: v for k, v in flags.items() if v is not None}), run_id)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
+        )
+        _bad_input(f"invalid storage: {problems}")
+    except ValueError as exc:  # the run id
+        _bad_input(f"--run-id: {exc}")
+
+
+def _bad_input(message: str) -> NoReturn:
+    """Exit with status 2, as argparse does for a bad argument, after one ``error:`` line."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def spaced(values: list, limit: int = INSPECT_VERSIONS) -> set:
@@ -47,17 +69,20 @@ def inspect_run(store) -> str:
     import pyarrow.compute as pc
 
     from storage.tables import Tables, one_row_per_step
+    from storage.weights import WeightStore
 
     tables = Tables(store)
     lines = [f"run {store.uri}"]
     weights = tables.read("weights").sort_by("version").to_pylist()
+    kept = set(WeightStore(store).list())
     shown = spaced([row["version"] for row in weights])
-    lines.append(f"\nweight versions: {len(weights)} (showing {len(shown)})")
+    lines.append(f"\nweight versions: {len(weights)} published, {len(kept)} kept (showing {len(shown)})")
     for row in weights:
         if row["version"] in shown or row["tag"]:
             tag = f" [{row['tag']}]" if row["tag"] else ""
+            pruned = "" if row["version"] in kept else " (pruned)"
             lines.append(
-                f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}"
+                f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}{pruned}"
             )
     evals = tables.read("evals").sort_by([("version", "ascending"), ("env", "ascending")])
     lines.append("\nheld-out reward per version:")
@@ -92,24 +117,48 @@ def inspect_run(store) -> str:
 
 def _run(args) -> None:
     module = importlib.import_module(f"flows.{args.flow}")
-    module.main(args.rest)
+    # the flow parses sys.argv: its usage and errors then name `treadle run <flow>`
+    sys.argv = [f"treadle run {args.flow}", *args.rest]
+    try:
+        module.main()
+    except RuntimeError as exc:
+        if not _unreachable_api(exc):
+            raise
+        from prefect.settings import PREFECT_API_URL
+
+        url = _without_credentials(PREFECT_API_URL.value() or "")
+        raise SystemExit(
+            f"error: no Prefect API at {url} (unset PREFECT_API_URL or start one with treadle ui)"
+        ) from None
 
 
-def _existing_run(args):
-    """The run's store; exits with an error when the run has no table (a wrong root or id
-    would otherwise look like an empty run)."""
+def _unreachable_api(exc: RuntimeError) -> bool:
+    """Whether ``exc`` is Prefect's "Failed to reach API" (no server at PREFECT_API_URL)."""
+    import httpx
+
+    return str(exc).startswith("Failed to reach API") and isinstance(exc.__cause__, httpx.TransportError)
+
+
+def _without_credentials(url: str) -> str:
+    """``url`` without a ``user:password@`` part."""
+    parts = urllib.parse.urlsplit(url)
+    return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
+
+
+def existing_run(store, hint: str = "--root and --run-id"):
+    """``store``, after checking that the run has a table; exits with an error naming
+    ``hint`` when it has none (a wrong root or id would otherwise look like an empty run)."""
     from deltalake.exceptions import DeltaError
 
     from storage.tables import TABLE_SCHEMAS, Tables
 
-    store = _store(args)
     tables = Tables(store)
     try:
         empty = all(tables.version(name) is None for name in TABLE_SCHEMAS)
     except (OSError, DeltaError) as exc:
         raise SystemExit(f"error: cannot read the run at {store.uri}: {_one_line(exc)}") from None
     if empty:
-        raise SystemExit(f"error: no run at {store.uri}: it has no tables (check --root and --run-id)")
+        raise SystemExit(f"error: no run at {store.uri}: it has no tables (check {hint})")
     return store
 
 
@@ -121,7 +170,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def _inspect(args) -> None:
-    print(inspect_run(_existing_run(args)))
+    print(inspect_run(existing_run(_store(args))))
 
 
 def _sql(args) -> None:
@@ -129,9 +178,13 @@ def _sql(args) -> None:
 
     from flows.sql import connect
 
-    connection = connect(_existing_run(args))
+    connection = connect(existing_run(_store(args)))
     try:
         result = connection.execute(args.query)
+        if result is None:  # only whitespace or comments
+            raise SystemExit("error: no SQL statement")
+        if result.description is None:  # a statement without a result set
+            return
         rows = result.fetchall()
     except duckdb.Error as exc:
         raise SystemExit(f"error: {exc}") from None
@@ -151,26 +204,62 @@ def _tsv_field(value) -> str:
 
 
 def _ui(args) -> None:
+    from flows.demo import UI_URL
+
     prefect = shutil.which("prefect", path=os.path.dirname(sys.executable)) or "prefect"
     url = f"http://{args.host}:{args.port}"
-    print(
-        f"Prefect UI: {url}  (API {url}/api). `make demo` in another shell will show up there. Ctrl-C stops it."
-    )
-    subprocess.run([prefect, "server", "start", "--host", args.host, "--port", str(args.port)], check=False)
+    if url == UI_URL:
+        watch = "`make demo` in another shell will show up there."
+    else:  # `make demo` only looks for a server at UI_URL
+        watch = f"Flows show up there with `export PREFECT_API_URL={url}/api`."
+    print(f"Prefect UI: {url}  (API {url}/api). {watch} Ctrl-C stops it.", flush=True)
+    server = [prefect, "server", "start", "--host", args.host, "--port", str(args.port)]
+    raise SystemExit(subprocess.run(server, check=False).returncode)
 
 
 def main(argv: list[str] | None = None) -> None:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command in ("inspect", "sql") and not (args.run_id or args.config):
+        parser.error(f"{args.command} needs --run-id or --config")
+    try:
+        args.handler(args)
+        sys.stdout.flush()  # a closed pipe shows here rather than at exit
+    except BrokenPipeError:
+        # the reader (`| head`) has all it wants: stop quietly, with the status of a
+        # command killed by SIGPIPE; stdout goes to devnull so the exit's flush is silent
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise SystemExit(128 + signal.SIGPIPE) from None
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="treadle", description="Asynchronous RL for LLM agents on Prefect.")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="Run a flow: treadle run pipeline --config configs/tiny.yaml")
+    run = sub.add_parser(
+        "run",
+        help="Run a flow: treadle run pipeline --config configs/tiny.yaml",
+        description="Run one flow on a run config. The flow's options: treadle run <flow> --help.",
+    )
     run.add_argument("flow", choices=FLOWS)
     run.add_argument("rest", nargs=argparse.REMAINDER, help="Arguments of the flow (--config, --set …).")
     run.set_defaults(handler=_run)
-    for name, handler, helptext in (
-        ("inspect", _inspect, "Print a run's versions, rewards and shard counts."),
-        ("sql", _sql, "Run SQL over a run's Delta tables (each table is a view)."),
+    for name, handler, helptext, description in (
+        (
+            "inspect",
+            _inspect,
+            "Print a run's versions, rewards and shard counts.",
+            "Print a run's weight versions (pruned ones marked), held-out reward per version, "
+            "reward of the generated data per version, shard counts and policy steps.",
+        ),
+        (
+            "sql",
+            _sql,
+            "Run SQL over a run's Delta tables (each table is a view).",
+            "Run one SQL query (duckdb) over a run's Delta tables and print the result as "
+            "tab-separated values. Tables: " + ", ".join(TABLES) + ".",
+        ),
     ):
-        command = sub.add_parser(name, help=helptext)
+        command = sub.add_parser(name, help=helptext, description=description)
         command.add_argument(
             "--config", help="Run config YAML: its storage section and run_id (credentials included)."
         )
@@ -183,14 +272,15 @@ def main(argv: list[str] | None = None) -> None:
         if name == "sql":
             command.add_argument("query", help='e.g. "SELECT version, env, reward FROM evals"')
         command.set_defaults(handler=handler)
-    ui = sub.add_parser("ui", help="Start a local Prefect server and UI on 127.0.0.1.")
-    ui.add_argument("--host", default="127.0.0.1")
-    ui.add_argument("--port", type=int, default=4200)
+    ui = sub.add_parser(
+        "ui",
+        help="Start a local Prefect server and UI (default 127.0.0.1:4200).",
+        description="Start a Prefect server and its UI; runs reach it through PREFECT_API_URL.",
+    )
+    ui.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1).")
+    ui.add_argument("--port", type=int, default=4200, help="Port to listen on (default: 4200).")
     ui.set_defaults(handler=_ui)
-    args = parser.parse_args(argv)
-    if args.command in ("inspect", "sql") and not (args.run_id or args.config):
-        parser.error(f"{args.command} needs --run-id or --config")
-    args.handler(args)
+    return parser
 
 
 if __name__ == "__main__":

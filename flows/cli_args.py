@@ -10,6 +10,15 @@ import yaml
 
 from flows.config import ConfigError, RunConfig, load_config, yaml_problem
 
+DEFAULT_CONFIG = "configs/tiny.yaml"
+REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), DEFAULT_CONFIG)
+"""The repository's copy of the default config, beside the ``flows`` package."""
+
+
+def default_config() -> str:
+    """``configs/tiny.yaml`` of the current directory when there is one, else the repository's."""
+    return DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else REPO_CONFIG
+
 
 def parse(
     description: str, argv: list[str] | None = None, extra=None
@@ -23,7 +32,8 @@ def parse(
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
-        "--config", default="configs/tiny.yaml", help="Run config YAML (default: configs/tiny.yaml)."
+        "--config",
+        help=f"Run config YAML (default: {DEFAULT_CONFIG} in the current directory, else {REPO_CONFIG}).",
     )
     parser.add_argument("--run-id", help="Override run_id.")
     parser.add_argument(
@@ -60,7 +70,7 @@ def parse(
     if args.run_id:
         overrides["run_id"] = args.run_id
     try:
-        return load_config(args.config, overrides), args
+        return load_config(args.config or default_config(), overrides), args
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -65,17 +65,23 @@ def maintain(
 
 
 def _at_least(minimum: int):
-    def parse(text: str) -> int:
+    # argparse names the function in its message: "invalid integer value: 'x'"
+    def integer(text: str) -> int:
         value = int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
         return value
 
-    return parse
+    return integer
 
 
 def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--keep-last", type=_at_least(1), default=5, help="Weight versions to keep.")
+    parser.add_argument(
+        "--keep-last",
+        type=_at_least(1),
+        default=5,
+        help="Newest weight versions to keep (default: 5); LATEST and tagged versions are always kept.",
+    )
     parser.add_argument(
         "--retention-hours",
         type=_at_least(MIN_RETENTION_HOURS),
@@ -85,13 +91,16 @@ def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from flows.cli import existing_run
     from flows.cli_args import parse
 
     config, args = parse(
-        "Compact tables and prune weight versions.",
+        "Compact and vacuum the run's Delta tables, prune old weight versions and sweep shard "
+        "files that no commit lists (left by writers that died).",
         argv,
         extra=_maintain_arguments,
     )
+    existing_run(run_store(config), hint="storage.root and --run-id")
     print(maintain(config, keep_last=args.keep_last, retention_hours=args.retention_hours))
 
 

@@ -37,7 +37,7 @@ def connect(store: RunStore):
 
     connection = duckdb.connect()
     for path in extension_paths():
-        connection.execute(f"LOAD '{path}'")
+        connection.execute(f"LOAD {_literal(path)}")
     config = store.config
     if config.is_s3:
         options = config.delta_options()
@@ -57,7 +57,14 @@ def connect(store: RunStore):
     tables = Tables(store)
     for name, schema in TABLE_SCHEMAS.items():
         if tables.version(name) is not None:
-            connection.execute(f"CREATE VIEW {name} AS SELECT * FROM delta_scan('{tables.uri(name)}')")
+            connection.execute(
+                f"CREATE VIEW {name} AS SELECT * FROM delta_scan({_literal(tables.uri(name))})"
+            )
         else:  # not written yet (a new run): empty, so queries over it answer rather than fail
             connection.register(name, schema.empty_table())
     return connection
+
+
+def _literal(text: str) -> str:
+    """``text`` as a SQL string literal (a path may hold a quote)."""
+    return "'" + text.replace("'", "''") + "'"

@@ -7,14 +7,21 @@ from __future__ import annotations
 import csv
 import io
 import os
+import signal
+import socket
 import subprocess
 import sys
 from datetime import UTC, datetime
 
-from flows.cli import inspect_run
+import pytest
+import torch
+
+from flows.cli import TABLES, inspect_run, main
+from flows.cli_args import parse
+from flows.config import load_config
 from rl.models import TinyModelConfig, ensure_base_version
-from storage.config import RunStore
-from storage.tables import Tables
+from storage.config import RunStore, StorageConfig
+from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tests.flows.conftest import REPO
 
@@ -35,7 +42,7 @@ def test_inspect_prints_versions_rewards_and_shards(pipeline_run):
     assert result.returncode == 0, result.stderr
     out = result.stdout
     final = pipeline_run.result["after"]["version"]
-    assert f"weight versions: {final + 1}" in out
+    assert f"weight versions: {final + 1} published, {final + 1} kept" in out
     assert "v0    arith" in out and f"v{final:<4} guess" in out
     processed = pipeline_run.result["processed"]
     assert f"processed  {processed['shards']} shards, {processed['trajectories_out']} trajectories" in out
@@ -185,3 +192,138 @@ def test_inspect_and_sql_reach_a_run_on_an_s3_compatible_store(s3_server, tmp_pa
 def test_inspect_needs_a_run():
     result = treadle("inspect", "--root", "/nonexistent")
     assert result.returncode == 2 and "needs --run-id or --config" in result.stderr
+
+
+def test_a_bad_run_id_or_root_is_a_one_line_error_without_credentials(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("run_id: r\nstorage:\n  access_key_id: key-id-123\n  secret_access_key: secret-456\n")
+    for args, problem in (
+        (("inspect", "--run-id", "a/b"), "error: --run-id: run_id must be a non-empty name without '/'"),
+        (
+            ("sql", "--run-id", "r", "--root", "", "SELECT 1"),
+            "error: invalid storage: root: root must name a folder",
+        ),
+        (
+            ("inspect", "--config", str(config), "--root", "http://x/y"),
+            "error: invalid storage: root: root 'http://x/y': unsupported URL scheme 'http'",
+        ),
+    ):
+        result = treadle(*args)
+        assert result.returncode == 2 and result.stderr.startswith(problem), result.stderr
+        assert len(result.stderr.splitlines()) == 1
+        assert "key-id-123" not in result.stderr and "secret-456" not in result.stderr
+
+
+def test_sql_without_a_statement_is_an_error(local_store):
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    for query in ("", "  -- only a comment"):
+        result = treadle("sql", *run, query)
+        assert (result.returncode, result.stdout, result.stderr) == (1, "", "error: no SQL statement\n")
+
+
+def test_sql_reads_a_run_whose_path_holds_a_quote(tmp_path):
+    store = RunStore(StorageConfig(root=str(tmp_path / "it's" / "runs")), "quoted")
+    Tables(store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    result = treadle(
+        "sql", "--root", store.config.root, "--run-id", "quoted", "SELECT task FROM trajectories"
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "task\narith\n"
+
+
+def test_output_into_a_closed_pipe_ends_quietly_as_if_killed_by_sigpipe(local_store):
+    """As ``treadle sql … | head -1`` once ``head`` has exited: no traceback, status 141."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    for command in (("inspect",), ("sql", "SELECT * FROM trajectories")):
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        try:
+            result = subprocess.run(
+                [sys.executable, "-m", "flows.cli", command[0], *run, *command[1:]],
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                cwd=REPO,
+                timeout=120,
+            )
+        finally:
+            os.close(write_end)
+        assert (result.returncode, result.stderr) == (128 + signal.SIGPIPE, b"")
+
+
+def test_inspect_marks_the_versions_maintain_pruned(local_store):
+    weights = WeightStore(local_store)
+    for step in range(4):
+        version = weights.publish({"w": torch.zeros(2)}, {}, None, step=step)
+        Tables(local_store).append("weights", [weights.table_row(version)])
+    weights.retain(2)
+    out = inspect_run(local_store)
+    assert "weight versions: 4 published, 2 kept" in out
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  v")]
+    pruned = [line.split()[0] for line in out.splitlines() if line.endswith(" (pruned)")]
+    assert listed == ["v0", "v1", "v2", "v3"] and pruned == ["v0", "v1"]
+
+
+def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, capsys):
+    started = []
+
+    def server(command, check):
+        started.append(command)
+        return subprocess.CompletedProcess(command, len(started))
+
+    monkeypatch.setattr(subprocess, "run", server)
+    with pytest.raises(SystemExit) as failed:
+        main(["ui", "--port", "4300"])
+    assert failed.value.code == 1 and started[-1][-4:] == ["--host", "127.0.0.1", "--port", "4300"]
+    out = capsys.readouterr().out
+    assert "export PREFECT_API_URL=http://127.0.0.1:4300/api" in out and "make demo" not in out
+    with pytest.raises(SystemExit) as failed_again:
+        main(["ui"])
+    assert (
+        failed_again.value.code == 2
+        and "`make demo` in another shell will show up there" in capsys.readouterr().out
+    )
+
+
+def test_every_command_says_what_it_does(capsys):
+    def help_of(*command: str) -> str:
+        with pytest.raises(SystemExit) as done:
+            main([*command, "--help"])
+        assert done.value.code == 0
+        return " ".join(capsys.readouterr().out.split())
+
+    assert "weight versions (pruned ones marked)" in help_of("inspect")
+    assert tuple(TABLE_SCHEMAS) == TABLES
+    assert f"Tables: {', '.join(TABLE_SCHEMAS)}." in help_of("sql")
+    assert "The flow's options: treadle run <flow> --help." in help_of("run")
+    ui = help_of("ui")
+    assert "--host HOST Address to listen on (default: 127.0.0.1)" in ui
+    assert "--port PORT Port to listen on (default: 4200)" in ui
+    flow = treadle("run", "maintain", "--help")
+    assert flow.returncode == 0 and flow.stdout.startswith("usage: treadle run maintain [-h]")
+
+
+def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path):
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        env = os.environ | {
+            "PREFECT_API_URL": f"http://user:password@127.0.0.1:{port}/api",
+            "PREFECT_CLIENT_MAX_RETRIES": "0",
+            "PREFECT_HOME": str(tmp_path / "prefect"),
+        }
+        run = ("--run-id", local_store.run_id, "--set", f"storage.root={local_store.config.root}")
+        result = treadle("run", "maintain", *run, env=env)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        f"error: no Prefect API at http://127.0.0.1:{port}/api (unset PREFECT_API_URL or start one with treadle ui)"
+    )
+    assert "password" not in result.stderr
+
+
+def test_the_default_config_is_found_outside_the_repository(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config, _ = parse("a flow", ["--run-id", "elsewhere"])
+    assert config == load_config(REPO / "configs" / "tiny.yaml", {"run_id": "elsewhere"})

@@ -68,3 +68,24 @@ def test_retention_below_the_minimum_is_refused_by_the_flow_its_form_and_the_cli
         maintain_main(["--config", str(REPO / "configs" / "tiny.yaml"), "--retention-hours", "0"])
     assert "--retention-hours: must be >= 1, got 0" in capsys.readouterr().err
     assert os.path.exists(store.path(in_flight))
+
+
+def test_maintain_on_a_run_that_does_not_exist_is_an_error_before_the_flow_starts(tmp_path):
+    root = tmp_path / "runs"
+    with pytest.raises(SystemExit) as refused:
+        maintain_main(["--run-id", "typo", "--set", f"storage.root={root}"])
+    assert refused.value.code == (
+        f"error: no run at {root / 'typo'}: it has no tables (check storage.root and --run-id)"
+    )
+    assert not root.exists()
+
+
+def test_maintain_help_and_errors_say_what_it_does_and_expects(capsys):
+    with pytest.raises(SystemExit):
+        maintain_main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Compact and vacuum the run's Delta tables, prune old weight versions and sweep shard files" in out
+    assert "LATEST and tagged versions are always kept" in out
+    with pytest.raises(SystemExit):
+        maintain_main(["--keep-last", "x"])
+    assert "argument --keep-last: invalid integer value: 'x'" in capsys.readouterr().err
