@@ -199,6 +199,10 @@ def process_shard(
     progress: list[float | None] = table.column("progress").to_pylist()
     for w, i in enumerate(rows.tolist()):
         reasons[i], rewards[i], progress[i] = state.reason[w], state.reward[w], state.progress[w]
+    # whatever drops it (its status, a broken link, a duplicate id, bad lists)
+    excluded = pc.is_in(table.column("status"), value_set=pa.array(sorted(EXCLUDED_STATUSES)))
+    for i in np.flatnonzero(pc.fill_null(excluded, False).to_numpy(zero_copy_only=False)).tolist():
+        rewards[i] = None
     stats = _row_stats(table, rows, paths)
     stats["num_train_tokens"][rows] = train_counts
     counters.trajectories_out = int(state.selected.sum())
@@ -340,10 +344,8 @@ def _process_execution(
         state.reason[members[error.path]] = error.reason
         counters.errors.append(f"execution {execution_id!r}: {error.message}")
     for w in members:
-        if state.statuses[w] in EXCLUDED_STATUSES:
-            state.reward[w] = None  # even when a link error is what drops the row
-            if state.reason[w] is None:
-                state.reason[w] = state.statuses[w]
+        if state.reason[w] is None and state.statuses[w] in EXCLUDED_STATUSES:
+            state.reason[w] = state.statuses[w]
 
     live = _score(
         execution_id, [w for w in members if state.reason[w] is None], work, state, config, rescore, counters

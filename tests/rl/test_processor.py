@@ -655,6 +655,22 @@ def test_a_failure_outside_the_policy_with_a_broken_link_gets_no_reward_either(s
     assert result.counters.dropped == {"missing_parent": 1}
 
 
+@pytest.mark.parametrize("status", ["infra_error", "env_error"])
+def test_a_failure_outside_the_policy_dropped_as_a_duplicate_or_invalid_record_gets_no_reward(status):
+    records = [
+        record("root", "e", [1, 2, 3], [False, True, True]),
+        record("root", "e", [1, 2, 4], [False, True, True], reward=0.7, status=status),
+        record("bad", "f", [1, 2, 3], [False, True, True], reward=0.7, status=status),
+    ]
+    records[2]["logprobs"] = records[2]["logprobs"][:2]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
+    assert [(r["trajectory_id"], r["drop_reason"], r["reward"]) for r in result.trajectories] == [
+        ("root", None, 1.0),
+        ("root", "duplicate_id", None),
+        ("bad", "invalid_record", None),
+    ]
+
+
 def test_trajectory_rows_and_counters():
     records = two_path_execution("e", reward=1.0) + two_path_execution("f", reward=1.0)
     records[1]["versions"] = [-1, 2, 5]
