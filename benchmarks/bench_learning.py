@@ -4,7 +4,7 @@ Version 0 is the tiny model of the run config warm-started on a FLAWED demonstra
 (``arith`` drops most carries, ``guess`` makes half its guesses at random), so
 supervised learning plateaus below perfect. Each environment gets its own version 0,
 warm-started on ``--demos`` of its demonstrations for ``--warm-start-seconds``, not the
-demo's version 0 (90 s shared by 2,000 ``arith`` and 300 ``guess`` demonstrations): from that
+demo's version 0 (when it was 90 s shared by 2,000 ``arith`` and 300 ``guess`` demonstrations): from that
 one continued supervision still gained +0.26 on ``guess`` in 90 s (SAO +0.05, GRPO +0.10;
 medians of 3 seeds), and one version 0 warm-started on both for 180 s left ``arith`` short of
 its plateau instead (supervision +0.14). RL sharpens a policy that has learned the task's

@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     if "PREFECT_API_URL" not in os.environ and _ui_running():
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
     from flows.cli import inspect_run
-    from flows.cli_args import parse
+    from flows.cli_args import default_config, parse
     from flows.pipeline import pipeline
     from tasks.common import run_store
 
@@ -49,7 +49,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"arith gain: {arith:+.3f}")
     print(f"finished in {time.monotonic() - started:.0f} s")
     # --config brings the endpoint and credentials; --root keeps a --set storage.root override
-    where = f"--config {args.config} --root {config.storage.root} --run-id {config.run_id}"
+    where = (
+        f"--config {args.config or default_config()} --root {config.storage.root} --run-id {config.run_id}"
+    )
     print(
         f"""
 Where to look:
