@@ -3,6 +3,9 @@
 The file is local or remote (``s3://`` through :class:`storage.config.StorageConfig`). The
 verifier is chosen in config: exact match, numeric tolerance, a regex the answer must match
 in full, or a Python function named by import path (``pkg.mod:fn(answer, reference) -> float``).
+The regex verifier runs on a thread with a time limit (``regex_timeout_s``): the answer is the
+model's, and a reference pattern that backtracks on some answer would otherwise hold the
+event loop, and every rollout of the worker with it, for as long as it takes.
 Every row must be an object with a non-null prompt and answer (and id, when ``id_field`` is
 set; for the regex verifier, an answer that compiles; for the numeric one, an answer that is a
 number); a bad row or line fails the load with its file and number.
@@ -12,6 +15,7 @@ prompt, even one that occurs under several ids; ``id_field`` only names the task
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import json
 import math
@@ -21,6 +25,7 @@ from collections.abc import Callable
 from functools import cache
 
 import pyarrow.parquet as pq
+import regex
 from pydantic import Field, field_validator
 
 from envs.base import Env, EnvConfig, Split, StepResult, Task, clamp_score, in_eval_split, user
@@ -46,6 +51,12 @@ class DatasetConfig(EnvConfig):
         description="exact | numeric | regex | an import path 'pkg.mod:fn' of fn(answer, reference) -> float.",
     )
     tolerance: float = Field(1e-6, ge=0, description="Absolute tolerance of the numeric verifier.")
+    regex_timeout_s: float = Field(
+        2.0,
+        gt=0,
+        description="Seconds the regex verifier may spend on one answer; past them the rollout ends as "
+        "env_error.",
+    )
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of rows held out for eval.")
 
     @field_validator("verifier")
@@ -70,13 +81,27 @@ def make_verifier(config: DatasetConfig) -> Callable[[str, str], float]:
     if config.verifier == "numeric":
         return lambda answer, reference: _numeric(answer.strip(), reference.strip(), config.tolerance)
     if config.verifier == "regex":
-        return lambda answer, reference: float(re.fullmatch(reference, answer.strip()) is not None)
+        return lambda answer, reference: _regex_match(answer.strip(), reference, config.regex_timeout_s)
     module_name, fn_name = config.verifier.split(":")
     try:
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"verifier {config.verifier!r} cannot be imported: {exc}") from exc
     return lambda answer, reference: float(fn(answer, reference))
+
+
+def _regex_match(answer: str, reference: str, timeout: float) -> float:
+    """1.0 when ``reference`` matches all of ``answer``; raises ``TimeoutError`` past ``timeout`` s.
+
+    The ``regex`` module (``re``'s syntax, plus a time limit) lets go of the GIL while it matches.
+    """
+    try:
+        return float(regex.fullmatch(reference, answer, timeout=timeout) is not None)
+    except TimeoutError:
+        raise TimeoutError(
+            f"the regex verifier gave up after {timeout} s matching a {len(answer)}-character answer "
+            f"against {reference!r:.80}"
+        ) from None
 
 
 @cache
@@ -105,8 +130,8 @@ def _load_rows(config_json: str) -> tuple[dict, ...]:
                 raise ValueError(f"row {i} of {config.path} has a null {field!r}")
         if config.verifier == "regex":
             try:
-                re.compile(str(row[config.answer_field]))
-            except re.error as exc:
+                regex.compile(str(row[config.answer_field]))
+            except regex.error as exc:
                 raise ValueError(f"row {i} of {config.path}: reference is not a regex: {exc}") from exc
         if config.verifier == "numeric" and not _is_number(str(row[config.answer_field])):
             raise ValueError(
@@ -185,7 +210,11 @@ class DatasetEnv(Env):
     async def step(self, action: str) -> StepResult:
         task = self._require_task()
         self.turns += 1
-        self.score = clamp_score(self.verify(action, task.data["answer"]))
+        if self.config.verifier == "regex":
+            score = await asyncio.to_thread(self.verify, action, task.data["answer"])
+        else:
+            score = self.verify(action, task.data["answer"])
+        self.score = clamp_score(score)
         return StepResult([], self.score, True, self.score, {})
 
     async def evaluate(self) -> float:

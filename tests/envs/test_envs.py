@@ -491,6 +491,36 @@ def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
         task_set("dataset", "train", 0, 1, {"path": str(jsonl), "answer_field": "missing"})
 
 
+def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(tmp_path):
+    """A reference that backtracks catastrophically on the model's answer (``(a|aa)+c`` on
+    40 a's takes ~fib(40) steps) ends the step with a TimeoutError, which the rollout service
+    records as env_error, and meanwhile other rollouts on the loop keep running."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "say it", "answer": "(a|aa)+c"}))
+    env = make("dataset", path=str(path), verifier="regex", regex_timeout_s=0.5, eval_fraction=0.5)
+    task = Task(env="dataset", id="t", prompt="say it", data={"answer": "(a|aa)+c"})
+    ticks = []
+
+    async def other_rollout():
+        while True:
+            await asyncio.sleep(0.01)
+            ticks.append(time.monotonic())
+
+    async def main():
+        await env.reset(task)
+        ticker = asyncio.create_task(other_rollout())
+        try:
+            with pytest.raises(TimeoutError, match="gave up after 0.5 s matching a 40-character answer"):
+                await env.step("a" * 40)
+            assert ticks, "the event loop was held while the verifier matched"
+            assert (await env.step("aac")).reward == 1.0
+        finally:
+            ticker.cancel()
+            await env.close()
+
+    asyncio.run(main())
+
+
 @pytest.mark.parametrize(
     ("name", "content", "config", "error"),
     [
