@@ -6,8 +6,9 @@ when no row was selected, and empty when the raw shard is quarantined), then its
 appended to the ``trajectories`` table. That makes the stage idempotent across restarts:
 
 - a raw shard with a committed processed twin is never processed again;
-- a twin whose ``trajectories`` rows are missing (a crash between the two writes) gets
-  them recomputed (the selection is deterministic) and appended, nothing else.
+- a twin whose ``trajectories`` rows are missing (a crash between the two writes, or an
+  append that raised) gets them recomputed (the selection is deterministic) and appended,
+  nothing else, unless the table shows that append landed after all.
 """
 
 from __future__ import annotations
@@ -58,8 +59,12 @@ class ShardProcessor:
         self._twins = set(
             zip(processed.column("worker").to_pylist(), processed.column("seq").to_pylist(), strict=True)
         )
+        self._recorded = self._read_recorded()
+
+    def _read_recorded(self) -> set[str]:
+        """Raw shards whose rows are in the ``trajectories`` table."""
         trajectories = self.tables.read("trajectories")
-        self._recorded = set(pc.unique(trajectories.column("shard_id")).to_pylist())
+        return set(pc.unique(trajectories.column("shard_id")).to_pylist())
 
     def poll(self) -> list[ProcessedShard]:
         """Process the raw shards committed since the last poll.
@@ -81,6 +86,9 @@ class ShardProcessor:
 
     def _process(self, raw: ShardInfo) -> ProcessedShard:
         twin_done = (raw.worker, raw.seq) in self._twins
+        if twin_done and raw.shard_id not in self._recorded:
+            # an earlier attempt's append may have landed with its reply lost: ask the table
+            self._recorded = self._read_recorded()
         # a quarantined shard gets its (empty) twin and no trajectories row: the twin says it is done
         if twin_done and (raw.shard_id in self._recorded or self.raw.quarantined(raw)):
             return ProcessedShard(raw, None, None, skipped="already processed")

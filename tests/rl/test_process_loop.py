@@ -9,6 +9,7 @@ import pytest
 import rl.process_loop as process_loop
 from rl.process_loop import ShardProcessor
 from storage.shards import ShardReader, ShardWriter
+from storage.tables import Tables
 from tests.rl.test_processor import record
 
 
@@ -46,6 +47,28 @@ def test_a_shard_whose_processing_raises_is_seen_again_and_the_ones_after_it_are
     assert [o.skipped for o in outcomes] == ["already processed", None, None]
     assert processed_ids(local_store) == ["t0", "t1", "t2"]
     assert processor.poll() == []
+
+
+def test_an_append_that_landed_but_raised_is_not_appended_again(local_store):
+    """The first shard's ``trajectories`` append lands and its reply is lost (it raises):
+    the retry must find its rows in the table rather than append them twice."""
+    commit_raw_shards(local_store, range(3))
+    processor = ShardProcessor(local_store)
+    real, lost = processor.tables.append, []
+
+    def lands_then_raises(name, rows):
+        real(name, rows)
+        if name == "trajectories" and not lost:
+            lost.append(rows)
+            raise OSError("connection reset before the reply")
+
+    processor.tables.append = lands_then_raises
+    with pytest.raises(OSError, match="reply"):
+        processor.poll()
+    outcomes = processor.poll()
+    assert [o.skipped for o in outcomes] == ["already processed", None, None]
+    ids = Tables(local_store).read("trajectories").column("trajectory_id").to_pylist()
+    assert sorted(ids) == ["t0", "t1", "t2"]
 
 
 def test_a_restarted_processor_processes_nothing_twice(local_store):
