@@ -11,13 +11,12 @@ import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import torch
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from envs.registry import REGISTRY, env_class, make_config
 from rl.config import SAOConfig
-from rl.models import TinyModelConfig
+from rl.models import TinyModelConfig, TorchDevice
 from rl.processor import ProcessorConfig
 from rl.sft import SFTConfig
 from rollout.elastic import ElasticConfig
@@ -139,7 +138,7 @@ class RunConfig(BaseModel):
         default_factory=ElasticRunConfig,
         description="Elastic capacity: when the trainer borrows rollout replicas and gives them back.",
     )
-    trainer_device: str = Field(
+    trainer_device: TorchDevice = Field(
         "cpu", description="Torch device of the trainer's policy and value model (cpu, cuda, cuda:1 …)."
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
@@ -212,15 +211,6 @@ class RunConfig(BaseModel):
                         f"set warm_start.demos.{name} to 0 or turn warm_start off"
                     )
         return self
-
-    @field_validator("trainer_device")
-    @classmethod
-    def _torch_device(cls, value: str) -> str:
-        try:
-            torch.device(value)
-        except RuntimeError as exc:
-            raise ValueError(f"{value!r} is not a torch device: {exc}") from None
-        return value
 
     def env_config(self, name: str):
         """The validated config of environment ``name``."""

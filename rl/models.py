@@ -15,10 +15,10 @@ import copy
 import json
 import os
 import tempfile
-from typing import Literal
+from typing import Annotated, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load_file
 from torch import nn
 from transformers import (
@@ -39,6 +39,41 @@ from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, WeightStore
 
 _CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 _ATTENTION_MARKERS = ("self_attn", "attention")
+
+
+def _torch_device(value: str) -> str:
+    try:
+        torch.device(value)
+    except RuntimeError as exc:
+        raise ValueError(f"{value!r} is not a torch device: {exc}") from None
+    return value
+
+
+TorchDevice = Annotated[str, AfterValidator(_torch_device)]
+"""A config field naming a torch device (``cpu``, ``cuda``, ``cuda:1`` …), checked at load."""
+
+TorchDtype = Literal["float32", "bfloat16", "float16"]
+"""A config field naming the dtype of model weights."""
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+
+def placed(model: ModelT, device: str | torch.device, dtype: torch.dtype) -> ModelT:
+    """``model`` moved to ``device`` with its weights cast to ``dtype``, in place.
+
+    Buffers computed when the model is built rather than loaded with its weights (RoPE's
+    ``inv_freq``) keep their dtype: ``from_pretrained`` leaves them float32 whatever the
+    weights' dtype, and rounded to bfloat16 they turn every position by a growing error
+    (0.6 rad at position 512 with Qwen3's RoPE settings), so a bfloat16 engine would sample
+    from another model than the one the trainer scores.
+    """
+    persistent = model.state_dict().keys()
+    computed = {name: buffer for name, buffer in model.named_buffers() if name not in persistent}
+    model.to(device=device, dtype=dtype)
+    for name, buffer in computed.items():
+        owner, _, attribute = name.rpartition(".")
+        setattr(model.get_submodule(owner), attribute, buffer.to(device))
+    return model
 
 
 class TinyModelConfig(BaseModel):
@@ -225,4 +260,4 @@ class ValueModel(nn.Module):
         config = AutoConfig.for_model(**config_dict)
         model = cls.from_config(config)
         model.load_state_dict(load_file(os.path.join(path, MODEL_FILE)))
-        return model.to(device=device, dtype=dtype)
+        return placed(model, device, dtype)

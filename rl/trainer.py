@@ -36,7 +36,7 @@ from rl.advantages import adaptive_lambda, group_advantages, skip_observation_ga
 from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.losses import dis_policy_loss, value_loss
-from rl.models import ValueModel, load_policy, padding_id, publish_policy
+from rl.models import ValueModel, load_policy, padding_id, placed, publish_policy
 from storage.config import RunStore
 from storage.shards import ShardInfo, ShardReader
 from storage.tables import Tables
@@ -214,7 +214,7 @@ class Trainer:
         self.value_model: ValueModel | None = None
         self.value_optimizer: torch.optim.Optimizer | None = None
         if self.config.mode == "sao":
-            self.value_model = ValueModel.from_policy(self.policy).to(device=self.device, dtype=self.dtype)
+            self.value_model = placed(ValueModel.from_policy(self.policy), self.device, self.dtype)
             if (path / VALUE_MODEL_FILE).is_file():
                 self.value_model.load_state_dict(load_safetensors((path / VALUE_MODEL_FILE).read_bytes()))
             self.value_model.freeze_attention()

@@ -29,6 +29,12 @@ def connect_ray(address: str | None = None) -> None:
         ray.init(address=address, include_dashboard=False)
 
 
+def actor_device(device: str) -> str:
+    """The device an engine actor uses for the configured ``device``: Ray shows an actor only
+    the GPU it was given, as ``cuda`` (``cuda:0``), so a configured index is not the actor's."""
+    return "cuda" if device.startswith("cuda") else device
+
+
 def _local_dir(path: str, version: int, store: RunStore | None) -> str:
     """``path`` when this node has it, else version ``version`` fetched from ``store``."""
     if os.path.isdir(path):
@@ -54,7 +60,7 @@ class EngineActor:
     ):
         self.store = store
         self.engine = TorchEngine.from_config(
-            TorchEngineConfig.model_validate(config),
+            TorchEngineConfig.model_validate(config | {"device": actor_device(config["device"])}),
             _local_dir(model_dir, version, store),
             name=name,
             version=version,

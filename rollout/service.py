@@ -54,6 +54,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from envs.agent import GatewaySession
 from envs.base import Env, ResourceRequest, Task
 from envs.sandbox import SandboxError
+from rl.models import TorchDevice
 from rollout.engines.base import MIN_TEMPERATURE, ContextLimit, EngineError, SamplingParams
 from rollout.gateway import Gateway, Session
 from rollout.gateway_http import GatewayServer
@@ -117,7 +118,7 @@ class ServiceConfig(BaseModel):
         description="Reward-model calls that may run at once ('action' scheduler; 'static' pins every "
         "model on the device and runs calls as they come).",
     )
-    reward_device: str | None = Field(
+    reward_device: TorchDevice | None = Field(
         None, description="Device reward models run on for a call; default: CUDA when available, else CPU."
     )
     reward_budget_mb: float | None = Field(

@@ -80,10 +80,13 @@ def build_base_version(config: RunConfig, log=print, owner: str | None = None) -
     if latest is not None:
         log(f"run {config.run_id} already has weight version {latest}; not warm-starting")
         return latest
+    # the warm start trains where the trainer does; without one, publishing needs no device
+    device = config.trainer_device if config.warm_start.enabled else "cpu"
     if config.model.path:
-        model, tokenizer = load_policy(config.model.path)
+        model, tokenizer = load_policy(config.model.path, device=device)
     else:
         model, tokenizer = build_tiny_model(config.model.tiny)
+        model.to(device)
     metadata: dict[str, Any] = {
         "source": config.model.path or "tiny",
         "tiny_model": config.model.tiny.model_dump(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.engines.base import Engine
@@ -66,7 +67,21 @@ def build_engines(
             RayEngine(config.torch, model_dir, name=f"ray-torch-{i}", version=version, store=store)
             for i in range(config.replicas)
         ]
+    gpus = torch.cuda.device_count()
     return [
-        TorchEngine.from_config(config.torch, model_dir, name=f"torch-{i}", version=version)
+        TorchEngine.from_config(
+            config.torch.model_copy(update={"device": replica_device(config.torch.device, i, gpus)}),
+            model_dir,
+            name=f"torch-{i}",
+            version=version,
+        )
         for i in range(config.replicas)
     ]
+
+
+def replica_device(device: str, index: int, gpus: int) -> str:
+    """The device of local torch replica ``index``: plain ``cuda`` spreads the replicas over
+    the ``gpus`` visible GPUs, one each in turn; any other device is taken as given."""
+    if device != "cuda" or gpus < 2:
+        return device
+    return f"cuda:{index % gpus}"

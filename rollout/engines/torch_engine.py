@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedModel
 
+from rl.models import TorchDevice, TorchDtype, placed
 from rollout.engines.base import (
     ContextLimit,
     EngineError,
@@ -57,8 +58,12 @@ class TorchEngineConfig(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
-    device: str = Field("cpu", description="Torch device the model runs on (cpu, cuda, cuda:1 …).")
-    dtype: str = Field("float32", description="Torch dtype of the weights (float32, bfloat16, float16).")
+    device: TorchDevice = Field(
+        "cpu",
+        description="Torch device the model runs on (cpu, cuda, cuda:1 …); 'cuda' spreads a process's "
+        "replicas over the visible GPUs, one each in turn.",
+    )
+    dtype: TorchDtype = Field("float32", description="Torch dtype of the weights.")
     max_batch: int = Field(64, ge=1, description="Most requests decoded together in one step.")
     kv_cache_bytes: int = Field(
         256 * 2**20, ge=0, description="Memory bound of the per-session KV cache kept between turns (LRU)."
@@ -183,7 +188,7 @@ class TorchEngine:
             with PRETRAINED_LOAD_LOCK:
                 model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
-        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model = placed(model, device, dtype).eval()
         self.tokenizer = tokenizer
         self.name = name
         self.version = version

@@ -165,3 +165,19 @@ def test_demonstrations_an_env_cannot_give_are_a_config_error_naming_the_setting
         warm_start={"demos": {"code": 0, "arith": 2}},
     )
     assert len(demonstration_data(left_out, tokenizer, ["arith", "code"])[0]) == 2
+
+
+def test_the_warm_start_trains_on_the_trainers_device(tmp_path, monkeypatch):
+    """``trainer_device`` reaches the supervised warm start (the meta device stands in for a
+    GPU here: the model is put there, and training stops at once)."""
+    config = tiny_config(tmp_path / "runs", "warm-device", trainer_device="meta")
+    seen = []
+
+    def trains(model, *args, **kwargs):
+        seen.append({p.device.type for p in model.parameters()})
+        raise RuntimeError("stop before training on the meta device")
+
+    monkeypatch.setattr(weight_tasks, "supervised_warm_start", trains)
+    with pytest.raises(RuntimeError, match="stop before training"):
+        build_base_version(config, log=lambda line: None)
+    assert seen == [{"meta"}]

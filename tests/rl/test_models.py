@@ -15,6 +15,7 @@ from rl.models import (
     ensure_base_version,
     load_policy,
     load_tokenizer,
+    placed,
 )
 from rl.tokenizer import IM_END, IM_START
 from storage.weights import WeightStore
@@ -104,6 +105,28 @@ def test_base_version_is_published_once_and_loads_like_a_checkpoint(tiny, weight
     assert loaded_tokenizer.chat_template == tokenizer.chat_template
     assert load_tokenizer(weights.load(0)).eos_token == IM_END
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_placed_in_bfloat16_computes_what_a_bfloat16_checkpoint_load_computes(weights):
+    """Cast in place, a model's RoPE frequencies stay float32 as ``from_pretrained`` leaves
+    them: rounded to bfloat16 they shift every position's rotation, and an engine cast this
+    way would sample from another model than the one loaded from the same weights."""
+    ensure_base_version(weights, SMALL)
+    path = weights.load(0)
+    model, tokenizer = load_policy(path)
+    computed = {name: b.clone() for name, b in model.named_buffers() if name not in model.state_dict()}
+    assert computed and all(b.dtype == torch.float32 for b in computed.values())
+
+    placed(model, "cpu", torch.bfloat16)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    for name, buffer in model.named_buffers():
+        if name in computed:
+            torch.testing.assert_close(buffer, computed[name], rtol=0, atol=0)
+    reference, _ = load_policy(path, dtype=torch.bfloat16)
+    ids = torch.tensor([tokenizer.encode("What is 12+30? 42 " * 40, add_special_tokens=False)])
+    assert ids.shape[1] > 300
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
 
 
 def test_bad_tiny_config_names_the_field():

@@ -15,9 +15,11 @@ import time
 import pytest
 import torch
 
-from rl.models import TinyModelConfig, build_tiny_model, publish_policy
+from rl.models import TinyModelConfig, build_tiny_model, load_policy, publish_policy
 from rollout.engines.base import Engine, EngineError, InvalidRequest, SamplingParams
-from rollout.engines.torch_engine import TorchEngine, sampling_logprobs
+from rollout.engines.factory import EngineConfig, replica_device
+from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig, sampling_logprobs
+from rollout.ray_engine import actor_device
 from rollout.router import Router, RouterConfig
 from storage.config import RunStore, StorageConfig
 from storage.weights import WeightStore
@@ -635,3 +637,40 @@ def test_a_cancelled_generation_leaves_no_session_cache(tiny):
 
     stats = asyncio.run(run())
     assert stats.extra["cache_sessions"] == 0 and stats.extra["cache_bytes"] == 0
+
+
+def test_a_bfloat16_engine_keeps_the_rope_frequencies_of_its_checkpoint(tiny, weights):
+    """Built from a float32 model in memory or from the version's folder, a bfloat16 engine
+    computes what the checkpoint loaded in bfloat16 does: its RoPE frequencies stay float32."""
+    checkpoint, _ = load_policy(weights.load(0), dtype=torch.bfloat16)
+    from_memory = engine_for(tiny[0], dtype="bfloat16")
+    from_folder = TorchEngine(weights.load(0), name="from-folder", dtype=torch.bfloat16)
+    try:
+        ids = torch.tensor([list(range(5, 85))])
+        with torch.no_grad():
+            expected = checkpoint(ids).logits
+            for engine in (from_memory, from_folder):
+                torch.testing.assert_close(engine.model(ids).logits, expected, rtol=0, atol=0)
+    finally:
+        for engine in (from_memory, from_folder):
+            asyncio.run(engine.close())
+
+
+def test_engine_devices_and_dtypes_are_checked_at_load():
+    for bad in ({"dtype": "bf16"}, {"device": "gpu"}, {"device": "cuda:x"}):
+        with pytest.raises(ValueError, match="dtype|not a torch device"):
+            EngineConfig.model_validate({"torch": bad})
+    assert TorchEngineConfig(device="cuda:1", dtype="bfloat16").device == "cuda:1"
+
+
+def test_plain_cuda_spreads_replicas_over_the_visible_gpus():
+    assert [replica_device("cuda", i, gpus=4) for i in range(6)] == [
+        "cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"
+    ]  # fmt: skip
+    assert [replica_device("cuda:2", i, gpus=4) for i in range(2)] == ["cuda:2", "cuda:2"]
+    assert replica_device("cuda", 3, gpus=1) == "cuda"
+    assert replica_device("cpu", 3, gpus=4) == "cpu"
+
+
+def test_an_engine_actor_uses_the_gpu_ray_gave_it_whatever_index_was_configured():
+    assert [actor_device(d) for d in ("cuda:3", "cuda", "cpu")] == ["cuda", "cuda", "cpu"]
