@@ -206,15 +206,29 @@ class ServiceManager:
         """Device bytes held by resident services."""
         return sum(self._sizes[n] for n in self._resident)
 
-    def _load(self, name: str) -> None:
+    async def _load(self, name: str) -> None:
+        """Materialise ``name`` on the device from its parked copy, on a thread: a copy of
+        gigabytes would otherwise hold the event loop, and every session on it, for seconds.
+        A caller cancelled meanwhile leaves the copy to finish (the service is then
+        resident) before the cancel goes on, so no other load touches a half-copied module."""
         module = self._modules[name]
+        copying = asyncio.ensure_future(asyncio.to_thread(self._copy_in, module, self._parked[name]))
+        try:
+            await _to_the_end(copying)
+        finally:
+            if copying.exception() is None:
+                self._resident[name] = None
+                self.loads.append(name)
+            else:
+                module.to("meta")
+
+    def _copy_in(self, module: torch.nn.Module, parked: dict[str, torch.Tensor]) -> None:
         module.to_empty(device=self.device)
-        parked = self._parked[name]
         with torch.no_grad():
             for key, tensor in _tensors(module):
-                tensor.copy_(parked[key])
-        self._resident[name] = None
-        self.loads.append(name)
+                tensor.copy_(parked[key], non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _evict(self, name: str) -> None:
         self._modules[name].to("meta")
@@ -247,7 +261,7 @@ class ServiceManager:
                 ):
                     await self._changed.wait()
                 if name not in self._resident:
-                    self._load(name)
+                    await self._load(name)
                 self._resident.move_to_end(name)
                 self._in_use[name] = self._in_use.get(name, 0) + 1
             finally:
@@ -259,3 +273,16 @@ class ServiceManager:
             async with self._changed:
                 self._in_use[name] -= 1
                 self._changed.notify_all()
+
+
+async def _to_the_end(work: asyncio.Future) -> None:
+    """Wait until ``work`` is done, even through a cancel of the caller, which is raised after."""
+    cancelled = False
+    while not work.done():
+        try:
+            await asyncio.wait({work})
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    work.result()

@@ -298,3 +298,56 @@ def test_service_manager_errors():
 
     with pytest.raises(KeyError, match="unknown service 'nope'"):
         asyncio.run(main())
+
+
+def slow_copies(manager, monkeypatch, seconds=0.3):
+    """Each load of ``manager`` takes ``seconds`` more, as a copy of gigabytes onto a GPU does."""
+    real = manager._copy_in
+
+    def slow(module, parked):
+        time.sleep(seconds)
+        real(module, parked)
+
+    monkeypatch.setattr(manager, "_copy_in", slow)
+
+
+def test_a_slow_load_leaves_the_event_loop_to_the_other_sessions(monkeypatch):
+    manager = ServiceManager(device="cpu", budget_bytes=SERVICE_BYTES)
+    manager.register("a", make_service(0))
+    slow_copies(manager, monkeypatch)
+    ticks = []
+
+    async def other_session():
+        while True:
+            await asyncio.sleep(0.01)
+            ticks.append(None)
+
+    async def main():
+        ticker = asyncio.ensure_future(other_session())
+        async with manager.use("a"):
+            assert ticks, "the event loop was held while the service loaded"
+        ticker.cancel()
+
+    asyncio.run(main())
+    assert manager.loads == ["a"]
+
+
+def test_a_caller_cancelled_while_its_service_loads_leaves_it_loaded_whole(monkeypatch):
+    x = torch.randn(3, 16)
+    expected = make_service(0)(x)
+    manager = ServiceManager(device="cpu", budget_bytes=SERVICE_BYTES)
+    manager.register("a", make_service(0))
+    slow_copies(manager, monkeypatch)
+
+    async def main():
+        loading = asyncio.ensure_future(_use(manager, "a", []))
+        await asyncio.sleep(0.05)
+        loading.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loading
+        assert manager.resident == ["a"] and manager.loads == ["a"]
+        async with manager.use("a") as module:
+            torch.testing.assert_close(module(x), expected)
+        assert manager.loads == ["a"], "loaded once"
+
+    asyncio.run(main())
