@@ -9,11 +9,17 @@ appended to the ``trajectories`` table. That makes the stage idempotent across r
 - a twin whose ``trajectories`` rows are missing (a crash between the two writes, or an
   append that raised) gets them recomputed (the selection is deterministic) and appended,
   nothing else, unless the table shows that append landed after all.
+
+The processor keeps its offset in the ``shards`` log in the run's storage
+(``storage.status.ProcessOffsetBoard``, at most every ``SAVE_EVERY_S`` and on ``save``): a
+new one, such as the event-triggered deployment starts for each commit, reads only what
+was committed since, so its cost does not grow with the age of the run.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -24,9 +30,13 @@ from rl.processor import Decode, ProcessorConfig, Rescore, ShardCounters, proces
 from storage.config import RunStore
 from storage.schema import PROCESSED_SCHEMA
 from storage.shards import ShardInfo, ShardReader, ShardWriter
+from storage.status import ProcessOffset, ProcessOffsetBoard
 from storage.tables import Tables
 
 log = logging.getLogger(__name__)
+
+SAVE_EVERY_S = 10.0
+"""Most seconds between two saves of the offset by a polling processor."""
 
 
 @dataclass
@@ -52,19 +62,55 @@ class ShardProcessor:
     def __post_init__(self):
         self.tables = Tables(self.store)
         self.raw = ShardReader(self.store, kind="raw", tables=self.tables)
-        self.offset = -1
+        self.board = ProcessOffsetBoard(self.store)
         self._writers: dict[str, ShardWriter] = {}
-        shards = self.tables.read("shards")
+        self.offset, shards = self._resume()
+        self._saved, self._saved_at = self.offset, 0.0
         processed = shards.filter(pc.equal(shards.column("kind"), "processed"))
+        # raw shards after the offset have their twins after it too: committed later
         self._twins = set(
             zip(processed.column("worker").to_pylist(), processed.column("seq").to_pylist(), strict=True)
         )
-        self._recorded = self._read_recorded()
+        self._recorded: set[str] | None = None
+        """Raw shards with rows in ``trajectories``; read when first needed (a twin met) and
+        again after an append that raised (its reply may be lost with the rows landed)."""
+
+    def _resume(self) -> tuple[int, pa.Table]:
+        """The saved offset and the ``shards`` rows committed after it; -1 and the whole log
+        when no offset is saved or the log no longer has what followed it."""
+        saved = self.board.read()
+        if saved is not None:
+            latest = self.tables.version("shards")
+            if latest is None or saved.offset > latest:
+                log.warning(
+                    "the saved process offset %d is past the shards log (version %s): was the run's "
+                    "storage replaced? processing from the beginning of the log",
+                    saved.offset,
+                    latest,
+                )
+            else:
+                try:
+                    return saved.offset, self.tables.changes("shards", saved.offset)[0]
+                except Exception as exc:  # the change files after it were vacuumed
+                    log.warning(
+                        "cannot read the shards log after the saved process offset %d (%s); "
+                        "processing from the beginning of the log",
+                        saved.offset,
+                        exc,
+                    )
+        return -1, self.tables.changes("shards", -1)[0]
+
+    def save(self) -> None:
+        """Save the offset, so that a new processor of the run starts there."""
+        if self.offset != self._saved:
+            self.board.publish(ProcessOffset(offset=self.offset, time=time.time()))
+            self._saved = self.offset
+        self._saved_at = time.monotonic()
 
     def _read_recorded(self) -> set[str]:
         """Raw shards whose rows are in the ``trajectories`` table."""
-        trajectories = self.tables.read("trajectories")
-        return set(pc.unique(trajectories.column("shard_id")).to_pylist())
+        shard_ids = self.tables.read("trajectories", columns=["shard_id"]).column("shard_id")
+        return set(pc.unique(shard_ids).to_pylist())
 
     def poll(self) -> list[ProcessedShard]:
         """Process the raw shards committed since the last poll.
@@ -75,19 +121,28 @@ class ShardProcessor:
         shards, latest = self.raw.poll(self.offset)
         processed = [self._process(shard) for shard in shards]
         self.offset = latest
+        if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
+            try:
+                self.save()
+            except Exception as exc:  # a restart then re-checks a little more of the log
+                log.warning("could not save the process offset %d: %s", self.offset, exc)
         return processed
 
     def _writer(self, worker: str) -> ShardWriter:
         if worker not in self._writers:
             self._writers[worker] = ShardWriter(
-                self.store, worker, kind="processed", schema=PROCESSED_SCHEMA, tables=self.tables
+                self.store,
+                worker,
+                kind="processed",
+                schema=PROCESSED_SCHEMA,
+                tables=self.tables,
+                numbers_given=True,
             )
         return self._writers[worker]
 
     def _process(self, raw: ShardInfo) -> ProcessedShard:
         twin_done = (raw.worker, raw.seq) in self._twins
-        if twin_done and raw.shard_id not in self._recorded:
-            # an earlier attempt's append may have landed with its reply lost: ask the table
+        if twin_done and self._recorded is None:
             self._recorded = self._read_recorded()
         # a quarantined shard gets its (empty) twin and no trajectories row: the twin says it is done
         if twin_done and (raw.shard_id in self._recorded or self.raw.quarantined(raw)):
@@ -105,8 +160,13 @@ class ShardProcessor:
         )
         processed = None if twin_done else self._commit_twin(raw, _as_processed(result.processed))
         if result.trajectories:
-            self.tables.append("trajectories", result.trajectories)
-        self._recorded.add(raw.shard_id)
+            try:
+                self.tables.append("trajectories", result.trajectories)
+            except BaseException:
+                self._recorded = None
+                raise
+        if self._recorded is not None:
+            self._recorded.add(raw.shard_id)
         outcome = ProcessedShard(raw, processed, result.counters)
         self._notify(outcome)
         return outcome

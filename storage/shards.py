@@ -111,7 +111,9 @@ class ShardWriter:
     other rows are committed.
 
     ``on_commit`` is called with each shard once its commit has landed; an exception it
-    raises is logged, never taken for a failed commit.
+    raises is logged, never taken for a failed commit. The writer reads the ``shards``
+    table for its next number when it starts, unless ``numbers_given`` (its caller numbers
+    every shard through :meth:`commit`): then at its first flush, if ever.
     """
 
     def __init__(
@@ -124,6 +126,7 @@ class ShardWriter:
         schema: pa.Schema | None = None,
         tables: Tables | None = None,
         on_commit: Callable[[ShardInfo], None] | None = None,
+        numbers_given: bool = False,
     ):
         _check_name("worker", worker)
         _check_name("kind", kind)
@@ -151,7 +154,15 @@ class ShardWriter:
         self._unsure: ShardInfo | None = None
         """A commit whose append raised while the ``shards`` table could not be read: it may
         have landed, so its records are not committed again until the table says."""
-        self._seq = self._next_seq()
+        # read now, so that a store that cannot be reached fails the writer's start
+        self._seq = None if numbers_given else self._seq_from_table()
+
+    @property
+    def next_seq(self) -> int:
+        """The number the next flushed shard tries (from the ``shards`` table)."""
+        if self._seq is None:
+            self._seq = self._seq_from_table()
+        return self._seq
 
     @property
     def committed(self) -> int:
@@ -279,7 +290,7 @@ class ShardWriter:
         self._buffered_rows = 0
 
     def _commit_next(self, table: pa.Table) -> ShardInfo:
-        info = self._commit(table, self._seq, exclusive=True)
+        info = self._commit(table, self.next_seq, exclusive=True)
         self._seq = info.seq + 1
         return info
 
@@ -301,7 +312,7 @@ class ShardWriter:
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
         info = self._commit(validate(cast(table, self.schema)), seq, exclusive=False)
-        self._seq = max(self._seq, seq + 1)
+        self._seq = None if self._seq is None else max(self._seq, seq + 1)
         self._announce(info)
         return info
 
@@ -421,7 +432,7 @@ class ShardWriter:
         )
         self._committed += 1
         self.last_seq = info.seq
-        self._seq = max(self._seq, info.seq + 1)
+        self._seq = None if self._seq is None else max(self._seq, info.seq + 1)
         self._announce(info)
         return table.slice(info.num_rows)
 
@@ -437,7 +448,7 @@ class ShardWriter:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _next_seq(self) -> int:
+    def _seq_from_table(self) -> int:
         shards = self.tables.read("shards")
         mine = shards.filter(
             pc.and_(

@@ -21,6 +21,10 @@ its own replicas. A plan that does not parse reads as no plan (with a warning), 
 keeps serving as it is. The trainer also publishes ``status/train/trainer.json``: how much
 processed data waits for it and the newest shard it has read from each worker, which the
 workers' orchestrators use as backpressure.
+
+The process stage keeps its place in the ``shards`` commit log in
+``status/process/offset.json``, so a processor started for each commit (the event-triggered
+deployment) reads what was committed since, not the whole log.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ ELASTIC_PLAN_PREFIX = "status/elastic"
 ELASTIC_PLAN_NAME = "plan.json"
 TRAINER_STATUS_PREFIX = "status/train"
 TRAINER_STATUS_NAME = "trainer.json"
+PROCESS_OFFSET_PREFIX = "status/process"
+PROCESS_OFFSET_NAME = "offset.json"
 DEFAULT_MAX_AGE_S = 30.0
 """Seconds after which a running worker's status no longer counts (it publishes every few)."""
 
@@ -413,3 +419,24 @@ class TrainerStatusBoard(_ObjectBoard):
     name = TRAINER_STATUS_NAME
     what = "trainer status"
     on_corrupt = "rollouts are not held back by it"
+
+
+class ProcessOffset(BaseModel):
+    """Where the process stage stands in the ``shards`` commit log."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    offset: int = Field(
+        ge=0, description="Delta version of ``shards`` up to which every raw shard has been processed."
+    )
+    time: float = Field(allow_inf_nan=False, description="Epoch seconds at which it was written.")
+
+
+class ProcessOffsetBoard(_ObjectBoard):
+    """The process stage's offset object ``status/process/offset.json``."""
+
+    model = ProcessOffset
+    prefix = PROCESS_OFFSET_PREFIX
+    name = PROCESS_OFFSET_NAME
+    what = "process offset"
+    on_corrupt = "the processor starts from the beginning of the log (it skips what it processed)"

@@ -169,12 +169,16 @@ class Tables:
                 log.info("commit to table %s conflicted (attempt %d): %s; retrying", name, attempt, exc)
                 time.sleep(0.05 * 2**attempt)
 
-    def read(self, name: str) -> pa.Table:
-        """The whole table ``name`` as Arrow, in its canonical schema (empty if never written)."""
+    def read(self, name: str, columns: Sequence[str] | None = None) -> pa.Table:
+        """The whole table ``name`` as Arrow, in its canonical schema, or only ``columns`` of
+        it, in that order (empty if never written)."""
+        schema = schema_of(name)
+        if columns is not None:
+            schema = pa.schema([schema.field(column) for column in columns])
         table = self._open(name)
         if table is None:
-            return schema_of(name).empty_table()
-        return _cast_read(name, pa.table(table.scan()))
+            return schema.empty_table()
+        return _cast_to(schema, pa.table(table.scan(columns=schema.names)))
 
     def version(self, name: str) -> int | None:
         """Latest Delta log version of ``name``, or None when the table does not exist yet."""
@@ -280,7 +284,11 @@ def one_row_per_step(steps: pa.Table) -> pa.Table:
 
 def _cast_read(name: str, table: pa.Table) -> pa.Table:
     """Delta gives back e.g. ``string_view`` and nullable fields; restore the canonical schema."""
-    schema = schema_of(name)
+    return _cast_to(schema_of(name), table)
+
+
+def _cast_to(schema: pa.Schema, table: pa.Table) -> pa.Table:
+    """``table``'s columns of ``schema``, cast to it."""
     columns = [pc.cast(table.column(f.name), f.type) for f in schema]
     return pa.Table.from_arrays(columns, schema=schema)
 

@@ -39,24 +39,31 @@ def shard_processor(
     return ShardProcessor(store, config.processor, decode=decode, on_shard=on_shard)
 
 
-def summarize(outcomes: list[ProcessedShard]) -> dict[str, Any]:
-    """Totals over processed shards."""
-    totals: Counter = Counter()
-    dropped: Counter = Counter()
-    for outcome in outcomes:
-        if outcome.counters is None:
-            totals[f"skipped_{outcome.skipped}"] += 1
-            continue
-        c = outcome.counters
-        totals.update(
-            shards=1,
-            trajectories_in=c.trajectories_in,
-            trajectories_out=c.trajectories_out,
-            tokens_in=c.tokens_in,
-            train_tokens_out=c.train_tokens_out,
-        )
-        dropped.update(c.dropped)
-    return {**totals, "dropped": dict(dropped)}
+class ProcessTotals:
+    """Running totals over processed shards (a long run keeps these, not every outcome)."""
+
+    def __init__(self) -> None:
+        self.totals: Counter = Counter()
+        self.dropped: Counter = Counter()
+
+    def add(self, outcomes: list[ProcessedShard]) -> ProcessTotals:
+        for outcome in outcomes:
+            if outcome.counters is None:
+                self.totals[f"skipped_{outcome.skipped}"] += 1
+                continue
+            c = outcome.counters
+            self.totals.update(
+                shards=1,
+                trajectories_in=c.trajectories_in,
+                trajectories_out=c.trajectories_out,
+                tokens_in=c.tokens_in,
+                train_tokens_out=c.train_tokens_out,
+            )
+            self.dropped.update(c.dropped)
+        return self
+
+    def summary(self) -> dict[str, Any]:
+        return {**self.totals, "dropped": dict(self.dropped)}
 
 
 def run_processor(
@@ -68,14 +75,15 @@ def run_processor(
 ) -> dict[str, Any]:
     """Process raw shards as they are committed until ``deadline``, then drain once more."""
     processor = shard_processor(config, reporting(on_shard, "report of a processed shard"))
-    outcomes: list[ProcessedShard] = []
+    totals = ProcessTotals()
     while time.time() < deadline and not (stop is not None and stop.is_set()):
         new = processor.poll()
-        outcomes += new
+        totals.add(new)
         if not new:
             time.sleep(poll_s)
-    outcomes += processor.poll()
-    return summarize(outcomes)
+    totals.add(processor.poll())
+    processor.save()
+    return totals.summary()
 
 
 def _emit(config: RunConfig, outcome: ProcessedShard) -> None:
@@ -111,4 +119,6 @@ def process_pending(config: RunConfig) -> dict[str, Any]:
     processor = shard_processor(
         config, on_shard=reporting(lambda outcome: _emit(config, outcome), "report of a processed shard")
     )
-    return summarize(processor.poll())
+    totals = ProcessTotals().add(processor.poll())
+    processor.save()
+    return totals.summary()

@@ -9,6 +9,7 @@ import pytest
 import rl.process_loop as process_loop
 from rl.process_loop import ShardProcessor
 from storage.shards import ShardReader, ShardWriter
+from storage.status import ProcessOffset, ProcessOffsetBoard
 from storage.tables import Tables
 from tests.rl.test_processor import record
 
@@ -71,12 +72,66 @@ def test_an_append_that_landed_but_raised_is_not_appended_again(local_store):
     assert sorted(ids) == ["t0", "t1", "t2"]
 
 
-def test_a_restarted_processor_processes_nothing_twice(local_store):
+def test_a_new_processor_starts_at_the_saved_offset_and_reads_no_table_whole(local_store, monkeypatch):
+    """As the event-triggered deployment does, one processor per commit: each reads only
+    the commits since the last one's offset, and neither table whole."""
     commit_raw_shards(local_store, range(2))
     assert len(ShardProcessor(local_store).poll()) == 2
     commit_raw_shards(local_store, range(2, 3))
+    whole = []
+    real_read, real_changes = Tables.read, Tables.changes
+
+    def read(self, name, columns=None):
+        whole.append(name)
+        return real_read(self, name, columns)
+
+    def changes(self, name, after=-1):
+        if after < 0:
+            whole.append(name)
+        return real_changes(self, name, after)
+
+    monkeypatch.setattr(Tables, "read", read)
+    monkeypatch.setattr(Tables, "changes", changes)
+    outcomes = ShardProcessor(local_store).poll()
+    assert [(o.raw.shard_id, o.skipped) for o in outcomes] == [("raw/w0/00000002", None)]
+    assert whole == []
+    assert processed_ids(local_store) == ["t0", "t1", "t2"]
+
+
+def test_without_its_saved_offset_a_restarted_processor_processes_nothing_twice(local_store):
+    commit_raw_shards(local_store, range(2))
+    assert len(ShardProcessor(local_store).poll()) == 2
+    local_store.fs.rm(ProcessOffsetBoard(local_store).path)
+    commit_raw_shards(local_store, range(2, 3))
     outcomes = ShardProcessor(local_store).poll()
     assert [o.skipped for o in outcomes] == ["already processed", "already processed", None]
+    assert processed_ids(local_store) == ["t0", "t1", "t2"]
+    ids = Tables(local_store).read("trajectories").column("trajectory_id").to_pylist()
+    assert sorted(ids) == ["t0", "t1", "t2"]
+
+
+@pytest.mark.parametrize("offset", [10_000, 0])
+def test_a_saved_offset_the_log_cannot_follow_falls_back_to_the_whole_log(
+    local_store, offset, monkeypatch, caplog
+):
+    """An offset past the log (the run's storage replaced), or one whose following change
+    files are gone (vacuumed), is dropped with a warning; nothing is lost or done twice."""
+    commit_raw_shards(local_store, range(2))
+    ShardProcessor(local_store).poll()
+    ProcessOffsetBoard(local_store).publish(ProcessOffset(offset=offset, time=0.0))
+    commit_raw_shards(local_store, range(2, 3))
+    if offset == 0:
+        real = Tables.changes
+
+        def vacuumed(self, name, after=-1):
+            if after >= 0:
+                raise FileNotFoundError("a change file of version 1 is gone")
+            return real(self, name, after)
+
+        monkeypatch.setattr(Tables, "changes", vacuumed)
+    outcomes = ShardProcessor(local_store).poll()
+    assert [o.skipped for o in outcomes] == ["already processed", "already processed", None]
+    assert "processing from the beginning of the log" in caplog.text
     assert processed_ids(local_store) == ["t0", "t1", "t2"]
 
 
@@ -89,6 +144,7 @@ def test_a_restarted_processor_does_not_report_a_quarantined_shard_again(local_s
     heard = []
     first = ShardProcessor(local_store, on_shard=heard.append).poll()
     assert [o.skipped for o in first] == [None, "quarantined", None]
+    local_store.fs.rm(ProcessOffsetBoard(local_store).path)
     again = ShardProcessor(local_store, on_shard=heard.append).poll()
     assert [o.skipped for o in again] == ["already processed"] * 3
     assert [o.skipped for o in heard] == [None, "quarantined", None]
