@@ -33,6 +33,10 @@ def compact_table(config: RunConfig, table: str, retention_hours: int) -> dict[s
         return {"table": table, "skipped": "not created yet"}
     optimized = tables.optimize(table)
     removed = tables.vacuum(table, retention_hours=retention_hours)
+    if optimized is None:
+        optimized = {
+            "skipped": "compacted or being compacted by another process (storage.tables.COMPACTION_SLOT_S)"
+        }
     return {"table": table, "optimize": optimized, "vacuumed_files": len(removed)}
 
 

@@ -14,6 +14,7 @@ import pytest
 
 from flows.sql import extension_paths
 from storage import tables as tables_module
+from storage.config import RunStore
 from storage.schema import SchemaError
 from storage.tables import TABLE_SCHEMAS, Tables, one_row_per_step
 
@@ -140,6 +141,50 @@ def test_optimize_and_vacuum_keep_every_row(store):
     removed = tables.vacuum("weights", retention_hours=0)
     assert len(removed) == 5
     assert sorted(tables.read("weights").column("version").to_pylist()) == [0, 1, 2, 3, 4]
+
+
+def test_two_processes_compacting_a_table_at_once_leave_each_row_once(store):
+    """deltalake lets two compactions of the same files both commit, each with the rows
+    rewritten, so the table holds them twice (checked here on the library itself); through
+    ``Tables.optimize`` the second process in the same slot skips, and a later slot compacts."""
+    for version in range(6):
+        Tables(store).append("weights", [weight_row(version)])
+    first, second = Tables(store)._open("weights"), Tables(store)._open("weights")
+    first.optimize.compact()
+    second.optimize.compact()
+    assert Tables(store).read("weights").num_rows == 12, "deltalake no longer duplicates: simplify the leases"
+
+    other = RunStore(store.config, store.run_id + "-leased")
+    leased = Tables(other)
+    for version in range(6):
+        leased.append("weights", [weight_row(version)])
+    now = 1_000_000 * tables_module.COMPACTION_SLOT_S + 5
+    one, two = Tables(RunStore(other.config, other.run_id)), Tables(RunStore(other.config, other.run_id))
+    assert one.optimize("weights", now=now)["numFilesRemoved"] == 6
+    assert two.optimize("weights", now=now) is None
+    assert two.optimize("weights", now=now + tables_module.COMPACTION_SLOT_S) is None, (
+        "the next slot is held too"
+    )
+    leased.append("weights", [weight_row(6)])
+    assert two.optimize("weights", now=now + 2 * tables_module.COMPACTION_SLOT_S)["numFilesRemoved"] == 2
+    assert sorted(leased.read("weights").column("version").to_pylist()) == list(range(7))
+    leases = other.fs.ls(other.path(tables_module.COMPACTION_PREFIX, "weights"), detail=False, refresh=True)
+    assert sorted(int(os.path.basename(p)) for p in leases) == [1_000_002, 1_000_003], "older leases deleted"
+
+
+def test_appends_compact_a_fragmented_table_and_readers_of_its_changes_notice_nothing(store, monkeypatch):
+    monkeypatch.setattr(tables_module, "COMPACT_FILES", 5)
+    tables = Tables(store)
+    rows, offset = tables.changes("weights")
+    seen = []
+    for version in range(12):
+        tables.append("weights", [weight_row(version)])
+        rows, offset = tables.changes("weights", after=offset)
+        seen += rows.column("version").to_pylist()
+    assert seen == list(range(12))
+    # compacted into one file at its 5th append, not again while the leases stand: 1 + 7 files
+    assert len(tables._open("weights").file_uris()) == 8
+    assert sorted(tables.read("weights").column("version").to_pylist()) == list(range(12))
 
 
 def _duckdb_with_delta() -> duckdb.DuckDBPyConnection:
