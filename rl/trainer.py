@@ -105,16 +105,32 @@ class TrainSummary:
 class _Consumption:
     """Rows consumed (trained, dropped as stale, or rejected) per shard.
 
-    ``done`` holds every fully consumed shard since the start of the run; ``rows`` the
-    consumed rows of shards still in flight. ``since_publish_*`` is what the next
-    published version will list.
+    ``offset`` is a version of the ``shards`` log up to which every processed shard is
+    fully consumed: a restarted trainer polls from there. ``done`` holds the fully consumed
+    shards committed after it, ``rows`` the consumed rows of shards still in flight, and
+    ``polls`` each later poll's offset with the shards it returned that are not done yet;
+    once a poll's shards are all done, ``offset`` moves to it and its shards leave ``done``,
+    so the state a version saves does not grow with the age of the run.
+    ``since_publish_*`` is what the next published version will list.
     """
 
+    offset: int = -1
     done: set[str] = field(default_factory=set)
     rows: dict[str, set[int]] = field(default_factory=dict)
     num_rows: dict[str, int] = field(default_factory=dict)
+    polls: deque[tuple[int, list[str], set[str]]] = field(default_factory=deque)
     since_publish_shards: list[str] = field(default_factory=list)
     since_publish_rows: Counter = field(default_factory=Counter)
+
+    def polled(self, latest: int, shard_ids: list[str]) -> None:
+        """A poll up to log version ``latest`` returned ``shard_ids``."""
+        self.polls.append((latest, shard_ids, set(shard_ids) - self.done))
+        self._advance()
+
+    def _advance(self) -> None:
+        while self.polls and not self.polls[0][2]:
+            self.offset, shard_ids, _ = self.polls.popleft()
+            self.done.difference_update(shard_ids)
 
     def mark(self, shard_id: str, rows: list[int]) -> None:
         seen = self.rows.setdefault(shard_id, set())
@@ -131,6 +147,9 @@ class _Consumption:
             self.since_publish_shards.append(shard_id)
             self.rows.pop(shard_id, None)
             self.num_rows.pop(shard_id)
+            for _, _, waiting in self.polls:
+                waiting.discard(shard_id)
+            self._advance()
 
     def open(self, shard_id: str, num_rows: int) -> set[int]:
         """Start tracking a shard; returns the rows already consumed before a restart."""
@@ -174,7 +193,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         self._resume()
         self.buffer: deque[Sample] = deque()
-        self.offset = -1
+        self.offset = self.consumption.offset
         self.newest_read: dict[str, int] = {}
         """For each worker, the newest sequence number among its shards this trainer has read
         (a processed shard keeps its raw shard's number): the rollout workers' backpressure
@@ -235,6 +254,7 @@ class Trainer:
         self.step = int(state.get("step", self.weights.manifest(version).get("step", 0)))
         self.value_pretrain_done = int(state.get("value_pretrain_done", 0))
         self.consumption = _Consumption(
+            offset=int(state.get("offset", -1)),
             done=set(state.get("consumed_shards", [])),
             rows={shard: set(rows) for shard, rows in state.get("partial_rows", {}).items()},
         )
@@ -271,6 +291,7 @@ class Trainer:
         state = {
             "step": self.step,
             "value_pretrain_done": self.value_pretrain_done,
+            "offset": consumption.offset,
             "consumed_shards": sorted(consumption.done),
             "partial_rows": {shard: sorted(rows) for shard, rows in consumption.rows.items()},
         }
@@ -321,7 +342,10 @@ class Trainer:
 
     def ingest(self) -> int:
         """Poll the processed-shard log and buffer the new rows; returns new shards read."""
-        infos, self.offset = self.reader.poll(self.offset)
+        infos, latest = self.reader.poll(self.offset)
+        if latest != self.offset:
+            self.consumption.polled(latest, [info.shard_id for info in infos])
+        self.offset = latest
         read = 0
         for info in infos:
             if info.shard_id in self.consumption.done or info.shard_id in self.consumption.num_rows:

@@ -24,7 +24,7 @@ from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.models import TinyModelConfig, ensure_base_version, load_policy, publish_policy
-from rl.trainer import VALUE_MODEL_FILE, Trainer, token_logprobs, token_values
+from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_logprobs, token_values
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
 from storage.shards import ShardWriter
@@ -527,6 +527,29 @@ def test_resume_restores_step_optimizer_value_model_and_consumption(store):
         for shard, count in manifest["metadata"].get("consumed_rows", {}).items():
             rows[shard] = rows.get(shard, 0) + count
     assert sorted(rows.values()) == [3, 3, 3, 3]
+
+
+def test_the_saved_state_keeps_an_offset_in_the_log_not_every_consumed_shard(store):
+    """Three batches of shards, each polled and trained in turn: the state a version saves
+    names the log offset they are all consumed up to, not the shards, and a trainer resumed
+    from it reads none of them again."""
+    trainer = Trainer(store, config(publish_every=1))
+    for batch in range(3):
+        write_shards(store, make_trajectories(store, 6, seed=20 + batch), per_shard=3)
+        trainer.run(drain=True)
+    state_file = os.path.join(trainer.weights.load(trainer.version), STATE_FILE)
+    with open(state_file) as handle:
+        state = json.load(handle)
+    assert state["offset"] == trainer.offset >= 0
+    assert state["consumed_shards"] == [] and state["partial_rows"] == {}
+    resumed = Trainer(store, config(publish_every=1))
+    assert resumed.offset == state["offset"]
+    assert resumed.ingest() == 0 and not resumed.buffer
+    rows: dict[str, int] = {}
+    for manifest in version_chain(resumed.weights):
+        for shard, count in manifest["metadata"].get("consumed_rows", {}).items():
+            rows[shard] = rows.get(shard, 0) + count
+    assert sorted(rows.values()) == [3] * 6
 
 
 def test_a_resumed_trainer_keeps_its_saved_moments_but_takes_the_configs_learning_rates(store):
