@@ -64,6 +64,12 @@ class SAOConfig(BaseModel):
     publish_on_stop: bool = Field(
         True, description="Publish the steps since the last version on a clean stop."
     )
+    keep_versions: int | None = Field(
+        None,
+        ge=2,
+        description="After each publish, delete all but the newest N weight versions (tagged ones and "
+        "LATEST stay); None keeps every version.",
+    )
     poll_seconds: float = Field(
         1.0, gt=0, le=60, description="Wait between polls of the shard log when idle (at most 60 s)."
     )

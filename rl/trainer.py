@@ -324,6 +324,16 @@ class Trainer:
             extra_files=extra,
         )
         self.tables.append("weights", [self.weights.table_row(version)])
+        if self.config.keep_versions is not None:
+            try:
+                removed = self.weights.retain(self.config.keep_versions)
+            except Exception as exc:  # the version is published; the next publish retries
+                logger.warning("could not delete old weight versions after version %d: %s", version, exc)
+            else:
+                if removed:
+                    logger.info(
+                        "deleted weight versions %s (keep_versions=%d)", removed, self.config.keep_versions
+                    )
         logger.info(
             "published version %d at step %d (%d shards consumed since version %d)",
             version,

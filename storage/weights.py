@@ -445,7 +445,8 @@ class WeightStore:
         """A local directory holding ``version`` (default: latest), every file verified.
 
         On a local store that is the version directory itself; on a remote store the files
-        are downloaded into ``cache_dir`` (re-used on the next call if they still verify).
+        are downloaded into ``cache_dir`` (re-used on the next call if they still verify),
+        and a download deletes the cached versions the store no longer has (see ``retain``).
         Raises ``CorruptVersion`` naming the first file whose sha256 differs or that is
         missing; other versions are unaffected.
         """
@@ -489,7 +490,19 @@ class WeightStore:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+        try:
+            self._forget_removed()
+        except OSError as exc:  # the download itself is whole
+            log.warning("could not tidy the weight cache %s: %s", self.cache_dir, exc)
         return str(final)
+
+    def _forget_removed(self) -> None:
+        """Delete the cached copies of versions no longer in the store (deleted by ``retain``)."""
+        kept = set(self.list())
+        for cached in self.cache_dir.iterdir():
+            match = _VERSION_DIR.match(cached.name)
+            if match and int(match.group(1)) not in kept:
+                shutil.rmtree(cached, ignore_errors=True)
 
     @staticmethod
     def _verify(local_dir: str, manifest: dict, version: int) -> None:

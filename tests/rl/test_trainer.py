@@ -552,6 +552,15 @@ def test_the_saved_state_keeps_an_offset_in_the_log_not_every_consumed_shard(sto
     assert sorted(rows.values()) == [3] * 6
 
 
+def test_keep_versions_deletes_all_but_the_newest_versions_after_each_publish(store):
+    write_shards(store, make_trajectories(store, 12, seed=9), per_shard=3)
+    trainer = Trainer(store, config(publish_every=1, keep_versions=2))
+    trainer.run(drain=True)
+    assert trainer.version >= 3
+    assert trainer.weights.list() == [0, trainer.version - 1, trainer.version]  # 0 is tagged base
+    assert Trainer(store, config()).version == trainer.version
+
+
 def test_a_resumed_trainer_keeps_its_saved_moments_but_takes_the_configs_learning_rates(store):
     write_shards(store, make_trajectories(store, 8, seed=8), per_shard=4)
     first = Trainer(store, config(publish_every=1, publish_on_stop=False))

@@ -306,6 +306,23 @@ def test_remote_cache_is_reverified_and_repaired(store, tmp_path, tokenizer_dir)
     assert not list((tmp_path / "uncached").rglob("*.json"))
 
 
+def test_a_download_deletes_the_cached_copies_of_versions_the_store_no_longer_has(
+    store, tmp_path, tokenizer_dir
+):
+    if not store.config.is_s3:
+        pytest.skip("the download cache exists only for a remote store")
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    model = tiny_llama(seed=0)
+    for version in range(3):
+        publish_model(weights, model, tokenizer_dir, tag="base" if version == 0 else None)
+        weights.load(version)
+    assert weights.retain(keep_last=1) == [1]
+    publish_model(weights, model, tokenizer_dir)
+    weights.load(3)
+    cached = sorted(path.name for path in (tmp_path / "cache").rglob("v0*") if path.is_dir())
+    assert cached == ["v000000", "v000002", "v000003"]
+
+
 def test_version_being_written_is_invisible(weights, tokenizer_dir, monkeypatch):
     publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
     real_put = weights.fs.put_file
