@@ -38,6 +38,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 Role = Literal["rollout", "draining", "train"]
 
+MOVE_HISTORY = 1024
+"""Moves a controller keeps in ``moves`` (at least; it trims at twice as many): its decisions
+look back at them (which units it borrowed, when a replica began to drain), so over a run of
+weeks an unbounded history would make each decision slower (a reviewer measured 5.7 ms per
+decision after 50,000 moves)."""
+
 
 class ElasticConfig(BaseModel):
     """Thresholds of the rollout/training capacity policy."""
@@ -177,12 +183,14 @@ class ElasticController:
     ``begin_session`` / ``end_session``, and ``migrate_session`` when a draining replica's
     session moves at a turn boundary; the trainer uses ``units_in("train")``; a driver calls
     ``step(inputs, now)`` periodically. ``log_record()`` is the policy's last inputs, roles
-    and moves, for the ``extra`` column of ``train_steps``.
+    and moves, for the ``extra`` column of ``train_steps``. ``moves`` holds the latest moves
+    (at least ``MOVE_HISTORY``), ``moves_made`` counts them all.
     """
 
     config: ElasticConfig
     units: dict[str, Unit]
     moves: list[Move] = field(default_factory=list)
+    moves_made: int = 0
     last_inputs: PolicyInputs | None = None
     finished_at: deque[tuple[float, int]] = field(default_factory=deque)
     started: float | None = None
@@ -293,6 +301,9 @@ class ElasticController:
         move = Move(now, unit.name, unit.role, target, reason)
         unit.role = target
         self.moves.append(move)
+        self.moves_made += 1
+        if len(self.moves) > 2 * MOVE_HISTORY:
+            del self.moves[:-MOVE_HISTORY]
         return move
 
     def step(self, inputs: PolicyInputs, now: float) -> list[Move]:

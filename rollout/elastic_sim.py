@@ -546,5 +546,5 @@ def simulate_elastic(
             heapq.heappush(events, (now + w.tick_s, next(seq), "tick", None))
         start_work(now)
     return ElasticRun(
-        trained, now, len(controller.moves), interrupted, dropped, log, trace, w.tick_s, migrations, sessions
+        trained, now, controller.moves_made, interrupted, dropped, log, trace, w.tick_s, migrations, sessions
     )

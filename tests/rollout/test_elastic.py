@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import rollout.elastic as elastic_module
 from rollout.elastic import ElasticConfig, ElasticController, PolicyInputs, SessionLengths
 from rollout.elastic_sim import (
     ElasticWorkload,
@@ -153,6 +154,17 @@ def test_idle_replica_moves_immediately():
     ctl = ElasticController.create(["r0", "r1"], ["t0"])
     (move,) = ctl.step(BEHIND, now=0.0)
     assert move.target == "train"
+
+
+def test_a_controller_keeps_a_bounded_history_of_its_moves(monkeypatch):
+    monkeypatch.setattr(elastic_module, "MOVE_HISTORY", 3)
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
+    dry_and_queued = PolicyInputs(0, 40, 1.0)
+    for t in range(20):
+        moved = ctl.step(BEHIND if t % 2 == 0 else dry_and_queued, now=float(t))
+        assert [m.target for m in moved] == ["train" if t % 2 == 0 else "rollout"]
+    assert ctl.moves_made == 20
+    assert 3 <= len(ctl.moves) <= 6 and ctl.moves[-1].time == 19.0
 
 
 def test_config_validation():
