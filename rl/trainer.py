@@ -105,32 +105,28 @@ class TrainSummary:
 class _Consumption:
     """Rows consumed (trained, dropped as stale, or rejected) per shard.
 
-    ``offset`` is a version of the ``shards`` log up to which every processed shard is
-    fully consumed: a restarted trainer polls from there. ``done`` holds the fully consumed
-    shards committed after it, ``rows`` the consumed rows of shards still in flight, and
-    ``polls`` each later poll's offset with the shards it returned that are not done yet;
-    once a poll's shards are all done, ``offset`` moves to it and its shards leave ``done``,
-    so the state a version saves does not grow with the age of the run.
-    ``since_publish_*`` is what the next published version will list.
+    A worker's processed shards reach the log in the order of their numbers (the worker
+    numbers its raw shards upward, the process stage commits their twins in that order), so
+    ``through[worker]`` says that every shard of ``worker`` numbered up to it is consumed.
+    ``done`` holds the consumed shards above those marks, ``rows`` the consumed rows of
+    shards in flight, ``seen`` the numbers and ids of the shards above the marks. A mark
+    moves up over each run of done shards, so the state a version saves stays as small as
+    what is in flight, however old the run. A second commit row of a consumed shard (two
+    processors racing) is recognised by its number. ``since_publish_*`` is what the next
+    published version will list.
     """
 
-    offset: int = -1
+    through: dict[str, int] = field(default_factory=dict)
     done: set[str] = field(default_factory=set)
     rows: dict[str, set[int]] = field(default_factory=dict)
     num_rows: dict[str, int] = field(default_factory=dict)
-    polls: deque[tuple[int, list[str], set[str]]] = field(default_factory=deque)
+    seen: dict[str, dict[int, str]] = field(default_factory=dict)
     since_publish_shards: list[str] = field(default_factory=list)
     since_publish_rows: Counter = field(default_factory=Counter)
 
-    def polled(self, latest: int, shard_ids: list[str]) -> None:
-        """A poll up to log version ``latest`` returned ``shard_ids``."""
-        self.polls.append((latest, shard_ids, set(shard_ids) - self.done))
-        self._advance()
-
-    def _advance(self) -> None:
-        while self.polls and not self.polls[0][2]:
-            self.offset, shard_ids, _ = self.polls.popleft()
-            self.done.difference_update(shard_ids)
+    def consumed(self, info: ShardInfo) -> bool:
+        """Whether ``info`` is consumed already (below its worker's mark, or done)."""
+        return info.seq <= self.through.get(info.worker, -1) or info.shard_id in self.done
 
     def mark(self, shard_id: str, rows: list[int]) -> None:
         seen = self.rows.setdefault(shard_id, set())
@@ -147,15 +143,21 @@ class _Consumption:
             self.since_publish_shards.append(shard_id)
             self.rows.pop(shard_id, None)
             self.num_rows.pop(shard_id)
-            for _, _, waiting in self.polls:
-                waiting.discard(shard_id)
             self._advance()
 
-    def open(self, shard_id: str, num_rows: int) -> set[int]:
+    def _advance(self) -> None:
+        for worker, shards in self.seen.items():
+            while shards and shards[min(shards)] in self.done:
+                seq = min(shards)
+                self.done.discard(shards.pop(seq))
+                self.through[worker] = seq
+
+    def open(self, info: ShardInfo) -> set[int]:
         """Start tracking a shard; returns the rows already consumed before a restart."""
-        self.num_rows[shard_id] = num_rows
-        already = set(self.rows.get(shard_id, ()))
-        self._complete_if_done(shard_id)
+        self.seen.setdefault(info.worker, {})[info.seq] = info.shard_id
+        self.num_rows[info.shard_id] = info.num_rows
+        already = set(self.rows.get(info.shard_id, ()))
+        self._complete_if_done(info.shard_id)
         return already
 
 
@@ -193,7 +195,7 @@ class Trainer:
         torch.manual_seed(config.seed)
         self._resume()
         self.buffer: deque[Sample] = deque()
-        self.offset = self.consumption.offset
+        self.offset = -1
         self.newest_read: dict[str, int] = {}
         """For each worker, the newest sequence number among its shards this trainer has read
         (a processed shard keeps its raw shard's number): the rollout workers' backpressure
@@ -254,7 +256,7 @@ class Trainer:
         self.step = int(state.get("step", self.weights.manifest(version).get("step", 0)))
         self.value_pretrain_done = int(state.get("value_pretrain_done", 0))
         self.consumption = _Consumption(
-            offset=int(state.get("offset", -1)),
+            through={worker: int(seq) for worker, seq in state.get("consumed_through", {}).items()},
             done=set(state.get("consumed_shards", [])),
             rows={shard: set(rows) for shard, rows in state.get("partial_rows", {}).items()},
         )
@@ -291,7 +293,7 @@ class Trainer:
         state = {
             "step": self.step,
             "value_pretrain_done": self.value_pretrain_done,
-            "offset": consumption.offset,
+            "consumed_through": dict(sorted(consumption.through.items())),
             "consumed_shards": sorted(consumption.done),
             "partial_rows": {shard: sorted(rows) for shard, rows in consumption.rows.items()},
         }
@@ -352,13 +354,10 @@ class Trainer:
 
     def ingest(self) -> int:
         """Poll the processed-shard log and buffer the new rows; returns new shards read."""
-        infos, latest = self.reader.poll(self.offset)
-        if latest != self.offset:
-            self.consumption.polled(latest, [info.shard_id for info in infos])
-        self.offset = latest
+        infos, self.offset = self.reader.poll(self.offset)
         read = 0
         for info in infos:
-            if info.shard_id in self.consumption.done or info.shard_id in self.consumption.num_rows:
+            if self.consumption.consumed(info) or info.shard_id in self.consumption.num_rows:
                 continue
             self._ingest_shard(info)
             read += 1
@@ -371,8 +370,8 @@ class Trainer:
         return read
 
     def _ingest_shard(self, info: ShardInfo) -> None:
-        already = self.consumption.open(info.shard_id, info.num_rows)
-        if info.shard_id in self.consumption.done:
+        already = self.consumption.open(info)
+        if self.consumption.consumed(info):
             return
         foreign = self._foreign_tokenizer(info)
         if foreign is not None:

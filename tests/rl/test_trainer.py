@@ -27,7 +27,7 @@ from rl.models import TinyModelConfig, ensure_base_version, load_policy, publish
 from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_logprobs, token_values
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
-from storage.shards import ShardWriter
+from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.tables import Tables
 from storage.weights import WeightStore
 
@@ -337,20 +337,27 @@ def test_all_masked_batch_is_rejected_not_trained(store):
     records = make_trajectories(store, 2, seed=7)
     trainer = Trainer(store, config())
     samples, _ = samples_from_table(to_table(records, PROCESSED_SCHEMA), "processed/x/0", trainer.vocab_size)
-    trainer.consumption.open("processed/x/0", 2)
+    info = unlogged_shard("processed/x/0", 2)
+    trainer.consumption.open(info)
     for sample in samples:
         sample.train_mask[:] = False
     assert trainer._train_step(samples) is None
     assert trainer.step == 0
     assert trainer._rejected["all-masked batch: no trainable tokens"] == 2
-    assert "processed/x/0" in trainer.consumption.done
+    assert trainer.consumption.consumed(info)
+
+
+def unlogged_shard(shard_id: str, num_rows: int) -> ShardInfo:
+    """A shard ``kind/worker/seq`` of ``num_rows`` rows that is in no log."""
+    kind, worker, seq = shard_id.split("/")
+    return ShardInfo(shard_id, kind, f"shards/{shard_id}.arrow", worker, int(seq), num_rows, 0, -1, -1)
 
 
 def open_batch(trainer: Trainer, records: list[dict], shard_id: str = "processed/x/0") -> list:
     """``records`` as one batch for ``trainer._train_step``, without going through the shard log."""
     samples, rejected = samples_from_table(to_table(records, PROCESSED_SCHEMA), shard_id, trainer.vocab_size)
     assert rejected == []
-    trainer.consumption.open(shard_id, len(samples))
+    trainer.consumption.open(unlogged_shard(shard_id, len(samples)))
     return samples
 
 
@@ -393,7 +400,7 @@ def test_a_batch_met_by_a_non_finite_policy_does_not_train_the_critic(store):
     metrics = trainer._train_step(good)
     assert metrics.extra["rejected"] == {"non-finite policy parameters": 4}
     assert not unchanged(trainer.value_model, critic)
-    assert {"processed/x/0", "processed/x/1"} <= trainer.consumption.done
+    assert trainer.consumption.through == {"x": 1} and not trainer.consumption.done
 
 
 def test_policy_step_uses_advantages_of_the_critic_after_its_k_steps(store):
@@ -529,10 +536,18 @@ def test_resume_restores_step_optimizer_value_model_and_consumption(store):
     assert sorted(rows.values()) == [3, 3, 3, 3]
 
 
-def test_the_saved_state_keeps_an_offset_in_the_log_not_every_consumed_shard(store):
-    """Three batches of shards, each polled and trained in turn: the state a version saves
-    names the log offset they are all consumed up to, not the shards, and a trainer resumed
-    from it reads none of them again."""
+def consumed_rows(weights: WeightStore) -> dict[str, int]:
+    rows: dict[str, int] = {}
+    for manifest in version_chain(weights):
+        for shard, count in manifest["metadata"].get("consumed_rows", {}).items():
+            rows[shard] = rows.get(shard, 0) + count
+    return rows
+
+
+def test_the_saved_state_keeps_a_mark_per_worker_not_every_consumed_shard(store):
+    """Three batches of shards, each trained in turn: the state a version saves says up to
+    which number each worker's shards are consumed, and a trainer resumed from it (even
+    after the log's old change files were compacted and vacuumed away) reads none again."""
     trainer = Trainer(store, config(publish_every=1))
     for batch in range(3):
         write_shards(store, make_trajectories(store, 6, seed=20 + batch), per_shard=3)
@@ -540,16 +555,33 @@ def test_the_saved_state_keeps_an_offset_in_the_log_not_every_consumed_shard(sto
     state_file = os.path.join(trainer.weights.load(trainer.version), STATE_FILE)
     with open(state_file) as handle:
         state = json.load(handle)
-    assert state["offset"] == trainer.offset >= 0
+    assert state["consumed_through"] == {"proc": 5}
     assert state["consumed_shards"] == [] and state["partial_rows"] == {}
+    tables = Tables(store)
+    tables.optimize("shards")
+    tables.vacuum("shards", retention_hours=0)
+    write_shards(store, make_trajectories(store, 3, seed=30), per_shard=3)
     resumed = Trainer(store, config(publish_every=1))
-    assert resumed.offset == state["offset"]
-    assert resumed.ingest() == 0 and not resumed.buffer
-    rows: dict[str, int] = {}
-    for manifest in version_chain(resumed.weights):
-        for shard, count in manifest["metadata"].get("consumed_rows", {}).items():
-            rows[shard] = rows.get(shard, 0) + count
-    assert sorted(rows.values()) == [3] * 6
+    assert resumed.ingest() == 1 and len(resumed.buffer) == 3
+    resumed.run(drain=True)
+    assert sorted(consumed_rows(resumed.weights).values()) == [3] * 7
+
+
+def test_a_second_commit_row_of_a_consumed_shard_is_not_trained_again(store):
+    """Two processors racing on one raw shard commit its twin twice (``commit`` with a
+    number does not refuse one that exists): the trainer trains it once."""
+    infos = write_shards(store, make_trajectories(store, 6, seed=40), per_shard=3)
+    trainer = Trainer(store, config(publish_every=1))
+    trainer.run(drain=True)
+    first = infos[0]
+    writer = ShardWriter(store, first.worker, kind="processed", schema=PROCESSED_SCHEMA)
+    reader = ShardReader(store, kind="processed")
+    writer.commit(reader.read(first), seq=first.seq)
+    assert trainer.ingest() == 0
+    trainer.run(drain=True)
+    resumed = Trainer(store, config(publish_every=1))
+    assert resumed.ingest() == 0
+    assert sorted(consumed_rows(resumed.weights).values()) == [3, 3]
 
 
 def test_keep_versions_deletes_all_but_the_newest_versions_after_each_publish(store):
