@@ -34,9 +34,7 @@ def compact_table(config: RunConfig, table: str, retention_hours: int) -> dict[s
     optimized = tables.optimize(table)
     removed = tables.vacuum(table, retention_hours=retention_hours)
     if optimized is None:
-        optimized = {
-            "skipped": "compacted or being compacted by another process (storage.tables.COMPACTION_SLOT_S)"
-        }
+        optimized = {"skipped": "being compacted by another process (storage.tables.COMPACTION_SLOT_S)"}
     return {"table": table, "optimize": optimized, "vacuumed_files": len(removed)}
 
 

@@ -9,9 +9,6 @@ conflicts (e.g. two writers creating the table at once) is retried here.
 from __future__ import annotations
 
 import logging
-import os
-import posixpath
-import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -23,6 +20,7 @@ from deltalake import CommitProperties, DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError, TableNotFoundError
 
 from storage.config import RunStore
+from storage.leases import SlotLease
 from storage.schema import SchemaError
 
 log = logging.getLogger(__name__)
@@ -133,12 +131,10 @@ snapshot loads slow down with their number (a reviewer measured 52 ms to read ``
 whole at 100 files, 2 s at 3,000; 15 ms again once compacted)."""
 
 COMPACTION_SLOT_S = 300
-"""Compactions of one table are serialised through leases on time slots of this length.
-deltalake (1.6) lets two compactions of the same files both commit, each having rewritten
-them, and the table then holds their rows twice; so a compaction first takes the leases of
-the current slot and the next one (an exclusive create of ``status/compaction/<table>/<slot>``),
-and skips when another holds either. It must end within a slot: a warning says when it did
-not. Leases rest on the processes' clocks agreeing to well within a slot."""
+"""Slot of the lease (``storage.leases.SlotLease`` in ``status/compaction/<table>/``) a
+compaction holds while it runs: deltalake (1.6) lets two compactions of the same files both
+commit, each having rewritten them, and the table then holds their rows twice. A process
+that finds the lease held skips its compaction."""
 
 COMPACTION_PREFIX = "status/compaction"
 
@@ -237,24 +233,14 @@ class Tables:
 
     def optimize(self, name: str, now: float | None = None) -> dict[str, Any] | None:
         """Compact the small files of ``name``; returns deltalake's metrics ({} when the table
-        does not exist), or None when another process compacted it moments ago or is
-        compacting it (it holds a lease of ``COMPACTION_SLOT_S``)."""
-        if not self._lease_compaction(name, time.time() if now is None else now):
+        does not exist), or None when another process is compacting it (it holds the lease,
+        see ``COMPACTION_SLOT_S``)."""
+        lease = SlotLease(self.store, self.store.path(COMPACTION_PREFIX, name), COMPACTION_SLOT_S)
+        if not lease.take(time.time() if now is None else now):
             return None
-        table = self._open(name)
-        if table is None:
-            return {}
-        started = time.monotonic()
-        metrics = table.optimize.compact()
-        if time.monotonic() - started > COMPACTION_SLOT_S:
-            log.warning(
-                "compacting table %s took %.0f s, more than a compaction slot (%d s): another "
-                "process may have compacted it at the same time",
-                name,
-                time.monotonic() - started,
-                COMPACTION_SLOT_S,
-            )
-        return metrics
+        with lease.kept():
+            table = self._open(name)
+            return {} if table is None else table.optimize.compact()
 
     def _compact_after_append(self, name: str) -> None:
         """Compact ``name`` for an append that found it fragmented; a failure is only logged
@@ -271,28 +257,6 @@ class Tables:
                 metrics.get("numFilesRemoved"),
                 metrics.get("numFilesAdded"),
             )
-
-    def _lease_compaction(self, name: str, now: float) -> bool:
-        """Take the compaction leases of ``name`` for the slot of ``now`` and the next one;
-        False when another process holds one. Leases of earlier slots are deleted."""
-        slot = int(now // COMPACTION_SLOT_S)
-        folder = self.store.path(COMPACTION_PREFIX, name)
-        fs = self.store.fs
-        if not self.store.config.is_s3:
-            os.makedirs(folder, exist_ok=True)
-        holder = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
-        try:
-            for leased in (slot, slot + 1):
-                self.store.create_exclusive(posixpath.join(folder, str(leased)), holder)
-        except FileExistsError:
-            return False
-        try:
-            for path in fs.ls(folder, detail=False, refresh=True):
-                if posixpath.basename(path).isdigit() and int(posixpath.basename(path)) < slot:
-                    fs.rm(path)
-        except OSError as exc:  # old leases are only clutter
-            log.info("could not delete old compaction leases of table %s: %s", name, exc)
-        return True
 
     def vacuum(self, name: str, retention_hours: int = 168) -> list[str]:
         """Delete files of ``name`` no longer referenced and older than ``retention_hours``;

@@ -15,6 +15,7 @@ import pytest
 from flows.sql import extension_paths
 from storage import tables as tables_module
 from storage.config import RunStore
+from storage.leases import SlotLease
 from storage.schema import SchemaError
 from storage.tables import TABLE_SCHEMAS, Tables, one_row_per_step
 
@@ -146,7 +147,7 @@ def test_optimize_and_vacuum_keep_every_row(store):
 def test_two_processes_compacting_a_table_at_once_leave_each_row_once(store):
     """deltalake lets two compactions of the same files both commit, each with the rows
     rewritten, so the table holds them twice (checked here on the library itself); through
-    ``Tables.optimize`` the second process in the same slot skips, and a later slot compacts."""
+    ``Tables.optimize`` a process skips while another holds the compaction lease."""
     for version in range(6):
         Tables(store).append("weights", [weight_row(version)])
     first, second = Tables(store)._open("weights"), Tables(store)._open("weights")
@@ -155,21 +156,33 @@ def test_two_processes_compacting_a_table_at_once_leave_each_row_once(store):
     assert Tables(store).read("weights").num_rows == 12, "deltalake no longer duplicates: simplify the leases"
 
     other = RunStore(store.config, store.run_id + "-leased")
-    leased = Tables(other)
+    tables = Tables(other)
     for version in range(6):
-        leased.append("weights", [weight_row(version)])
-    now = 1_000_000 * tables_module.COMPACTION_SLOT_S + 5
-    one, two = Tables(RunStore(other.config, other.run_id)), Tables(RunStore(other.config, other.run_id))
-    assert one.optimize("weights", now=now)["numFilesRemoved"] == 6
-    assert two.optimize("weights", now=now) is None
-    assert two.optimize("weights", now=now + tables_module.COMPACTION_SLOT_S) is None, (
-        "the next slot is held too"
+        tables.append("weights", [weight_row(version)])
+    slot = tables_module.COMPACTION_SLOT_S
+    now = 1_000_000 * slot + slot - 1  # the last second of a slot
+    compacting = SlotLease(other, other.path(tables_module.COMPACTION_PREFIX, "weights"), slot)
+    assert compacting.take(now)
+    assert tables.optimize("weights", now=now) is None
+    assert tables.optimize("weights", now=now + slot) is None, "the next slot is held too"
+    compacting.renew(now + slot)  # still compacting: the holder renews into the slot after
+    assert tables.optimize("weights", now=now + 2 * slot) is None
+    compacting.release()
+    assert tables.optimize("weights", now=now + 2 * slot)["numFilesRemoved"] == 6
+    assert sorted(tables.read("weights").column("version").to_pylist()) == list(range(6))
+    assert tables.optimize("weights", now=now + 2 * slot) is not None, (
+        "a finished compaction releases its lease"
     )
-    leased.append("weights", [weight_row(6)])
-    assert two.optimize("weights", now=now + 2 * tables_module.COMPACTION_SLOT_S)["numFilesRemoved"] == 2
-    assert sorted(leased.read("weights").column("version").to_pylist()) == list(range(7))
-    leases = other.fs.ls(other.path(tables_module.COMPACTION_PREFIX, "weights"), detail=False, refresh=True)
-    assert sorted(int(os.path.basename(p)) for p in leases) == [1_000_002, 1_000_003], "older leases deleted"
+
+
+def test_a_lease_left_by_a_holder_that_died_lapses_within_two_slots(local_store):
+    folder, slot = local_store.path("status", "leases"), 10.0
+    dead = SlotLease(local_store, folder, slot)
+    assert dead.take(100.0)  # slots 10 and 11, never renewed or released
+    assert not SlotLease(local_store, folder, slot).take(115.0)
+    survivor = SlotLease(local_store, folder, slot)
+    assert survivor.take(120.0)
+    assert sorted(os.listdir(folder)) == ["12", "13"], "the dead holder's leases are deleted"
 
 
 def test_appends_compact_a_fragmented_table_and_readers_of_its_changes_notice_nothing(store, monkeypatch):
@@ -182,8 +195,8 @@ def test_appends_compact_a_fragmented_table_and_readers_of_its_changes_notice_no
         rows, offset = tables.changes("weights", after=offset)
         seen += rows.column("version").to_pylist()
     assert seen == list(range(12))
-    # compacted into one file at its 5th append, not again while the leases stand: 1 + 7 files
-    assert len(tables._open("weights").file_uris()) == 8
+    # compacted into one file at the 5th and the 9th append: 1 + 3 files
+    assert len(tables._open("weights").file_uris()) == 4
     assert sorted(tables.read("weights").column("version").to_pylist()) == list(range(12))
 
 
