@@ -139,12 +139,14 @@ class Move:
 
 @dataclass
 class Unit:
-    """A capacity unit and the rollout sessions live on it (with their start times, when known)."""
+    """A capacity unit and the rollout sessions live on it (with their start times, when
+    known); ``role_since``: when it took its role (``None``: it started in it)."""
 
     name: str
     role: Role
     live_sessions: int = 0
     session_starts: list[float] = field(default_factory=list)
+    role_since: float | None = None
 
 
 @dataclass
@@ -299,7 +301,7 @@ class ElasticController:
 
     def _move(self, unit: Unit, target: Role, now: float, reason: str) -> Move:
         move = Move(now, unit.name, unit.role, target, reason)
-        unit.role = target
+        unit.role, unit.role_since = target, now
         self.moves.append(move)
         self.moves_made += 1
         if len(self.moves) > 2 * MOVE_HISTORY:

@@ -113,7 +113,7 @@ class ElasticPlanner:
             unit = units.setdefault(name, Unit(name, "rollout"))
             unit.live_sessions = status.replica_sessions[replica]
             unit.session_starts = [now - age for age in status.session_ages.get(replica, [])]
-            if unit.role == "draining" and unit.live_sessions == 0 and self._confirmed(status, replica, name):
+            if unit.role == "draining" and unit.live_sessions == 0 and self._confirmed(status, replica, unit):
                 # the controller's own handover happens on a session-end event; here the
                 # worker's status says the replica is empty
                 moves.append(
@@ -127,15 +127,12 @@ class ElasticPlanner:
                 )
         return moves
 
-    def _confirmed(self, status: RolloutStatus, replica: str, name: str) -> bool:
-        drained_at = next(
-            (m.time for m in reversed(self.controller.moves) if m.unit == name and m.target == "draining"),
-            None,
-        )
+    def _confirmed(self, status: RolloutStatus, replica: str, unit: Unit) -> bool:
+        """Whether the worker's ``status`` applied a plan at least as new as ``unit``'s drain."""
         return (
-            drained_at is not None
+            unit.role_since is not None
             and status.plan_time is not None
-            and status.plan_time >= drained_at
+            and status.plan_time >= unit.role_since
             and replica in status.draining
         )
 
