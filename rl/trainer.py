@@ -356,7 +356,9 @@ class Trainer:
         """Poll the processed-shard log and buffer the new rows; returns new shards read."""
         infos, self.offset = self.reader.poll(self.offset)
         read = 0
-        for info in infos:
+        # by number: a worker's mark must not pass one of its shards before it is opened (the
+        # log's snapshot, read at the start, comes in no particular order)
+        for info in sorted(infos, key=lambda info: info.seq):
             if self.consumption.consumed(info) or info.shard_id in self.consumption.num_rows:
                 continue
             self._ingest_shard(info)

@@ -567,6 +567,23 @@ def test_the_saved_state_keeps_a_mark_per_worker_not_every_consumed_shard(store)
     assert sorted(consumed_rows(resumed.weights).values()) == [3] * 7
 
 
+def test_shards_read_in_any_order_are_each_trained_once(store, monkeypatch):
+    """The log's snapshot comes in no particular order: an empty shard numbered after a
+    full one, met first, must not move its worker's mark past the full one."""
+    write_shards(store, make_trajectories(store, 3, seed=50), per_shard=3)
+    ShardWriter(store, "proc", kind="processed", schema=PROCESSED_SCHEMA).commit(
+        PROCESSED_SCHEMA.empty_table(), seq=1
+    )
+    trainer = Trainer(store, config(publish_every=1))
+    real = trainer.reader.poll
+    monkeypatch.setattr(
+        trainer.reader, "poll", lambda after=-1: (list(reversed(real(after)[0])), real(after)[1])
+    )
+    assert trainer.ingest() == 2 and len(trainer.buffer) == 3
+    trainer.run(drain=True)
+    assert consumed_rows(trainer.weights) == {"processed/proc/00000000": 3}
+
+
 def test_a_second_commit_row_of_a_consumed_shard_is_not_trained_again(store):
     """Two processors racing on one raw shard commit its twin twice (``commit`` with a
     number does not refuse one that exists): the trainer trains it once."""
