@@ -572,10 +572,12 @@ class ShardReader:
 
     def poll(self, after: int = -1) -> tuple[list[ShardInfo], int]:
         """Shards of this kind committed in Delta log versions > ``after``, in commit
-        order (from the start: in order of ``committed_at``), and the offset to pass next time."""
+        order (from the start, whose rows share one version: by number, which keeps each
+        worker's shards in the order they were committed, whatever the writers' clocks), and
+        the offset to pass next time."""
         rows, latest = self.tables.changes("shards", after)
         rows = rows.filter(pc.equal(rows.column("kind"), self.kind))
-        rows = rows.sort_by([("_commit_version", "ascending"), ("committed_at", "ascending")])
+        rows = rows.sort_by([("_commit_version", "ascending"), ("seq", "ascending")])
         fields = ShardInfo.__dataclass_fields__
         shards = [ShardInfo(**{k: v for k, v in row.items() if k in fields}) for row in rows.to_pylist()]
         return shards, latest

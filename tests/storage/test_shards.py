@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 import types
+from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -779,3 +780,25 @@ def test_a_local_shard_is_on_disk_before_its_commit_lands(local_store, monkeypat
     synced = {target for kind, target in events[: events.index(("commit", "shards"))] if kind == "fsync"}
     assert os.path.dirname(path) in synced
     assert any(os.path.basename(target).startswith(os.path.basename(path) + "-") for target in synced)
+
+
+def test_a_poll_from_the_start_orders_a_workers_shards_by_number_whatever_the_writers_clocks(
+    local_store, monkeypatch
+):
+    """A worker restarted on a host whose clock is behind commits shard 1 with a time before
+    shard 0's: read from the start (the log's snapshot), its shards still come in number order."""
+    real = shard_module.datetime
+
+    class Behind:
+        @staticmethod
+        def now(tz=None):
+            return real.now(tz) - timedelta(seconds=10)
+
+    with ShardWriter(local_store, "w0", flush_records=2) as writer:
+        writer.write_table(make_table(0, 2))
+        monkeypatch.setattr(shard_module, "datetime", Behind)
+        writer.write_table(make_table(2, 2))
+    committed = Tables(local_store).read("shards").sort_by("committed_at").column("seq").to_pylist()
+    assert committed == [1, 0]
+    shards, _ = ShardReader(local_store).poll()
+    assert [shard.seq for shard in shards] == [0, 1]
