@@ -128,6 +128,13 @@ class _Consumption:
         """Whether ``info`` is consumed already (below its worker's mark, or done)."""
         return info.seq <= self.through.get(info.worker, -1) or info.shard_id in self.done
 
+    def saw(self, info: ShardInfo) -> None:
+        """A consumed shard met in the log: one above its worker's mark (done before a
+        restart) may let the mark pass it now."""
+        if info.seq > self.through.get(info.worker, -1):
+            self.seen.setdefault(info.worker, {})[info.seq] = info.shard_id
+            self._advance()
+
     def mark(self, shard_id: str, rows: list[int]) -> None:
         seen = self.rows.setdefault(shard_id, set())
         new = [row for row in rows if row not in seen]
@@ -359,7 +366,10 @@ class Trainer:
         # by number: a worker's mark must not pass one of its shards before it is opened (the
         # log's snapshot, read at the start, comes in no particular order)
         for info in sorted(infos, key=lambda info: info.seq):
-            if self.consumption.consumed(info) or info.shard_id in self.consumption.num_rows:
+            if info.shard_id in self.consumption.num_rows:
+                continue
+            if self.consumption.consumed(info):
+                self.consumption.saw(info)
                 continue
             self._ingest_shard(info)
             read += 1

@@ -584,6 +584,16 @@ def test_shards_read_in_any_order_are_each_trained_once(store, monkeypatch):
     assert consumed_rows(trainer.weights) == {"processed/proc/00000000": 3}
 
 
+def test_consumed_shards_listed_by_an_older_state_are_folded_into_the_workers_mark(store):
+    """A state of the older format lists every consumed shard and has no mark: meeting those
+    shards in the log moves the mark over them and empties the list, so it is not saved again."""
+    write_shards(store, make_trajectories(store, 6, seed=60), per_shard=3)
+    trainer = Trainer(store, config(publish_every=1))
+    trainer.consumption.done.update({"processed/proc/00000000", "processed/proc/00000001"})
+    assert trainer.ingest() == 0 and not trainer.buffer
+    assert trainer.consumption.through == {"proc": 1} and trainer.consumption.done == set()
+
+
 def test_a_second_commit_row_of_a_consumed_shard_is_not_trained_again(store):
     """Two processors racing on one raw shard commit its twin twice (``commit`` with a
     number does not refuse one that exists): the trainer trains it once."""
