@@ -48,6 +48,9 @@ class SlotLease:
         except FileExistsError:
             self.release()
             return False
+        except BaseException:
+            self.release()
+            raise
         self._forget_before(slot)
         return True
 
@@ -69,10 +72,14 @@ class SlotLease:
                 )
 
     def release(self) -> None:
-        """Delete the leases this holder took."""
+        """Delete the leases this holder took (one that cannot be deleted lapses in two slots)."""
         for path in self.held:
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 self.store.fs.rm(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("could not delete lease %s (it lapses within two slots): %s", path, exc)
         self.held = []
 
     @contextlib.contextmanager
@@ -104,7 +111,12 @@ class SlotLease:
 
     def _create(self, slot: int) -> None:
         path = self._path(slot)
-        self.store.create_exclusive(path, self.holder)
+        try:
+            self.store.create_exclusive(path, self.holder)
+        except FileExistsError:
+            # a create retried after its reply was lost finds the lease it made
+            if self.store.fs.cat_file(path) != self.holder:
+                raise
         self.held.append(path)
 
     def _forget_before(self, slot: int) -> None:

@@ -185,6 +185,43 @@ def test_a_lease_left_by_a_holder_that_died_lapses_within_two_slots(local_store)
     assert sorted(os.listdir(folder)) == ["12", "13"], "the dead holder's leases are deleted"
 
 
+def test_a_lease_is_never_left_behind_by_a_failed_take_or_a_failed_delete(local_store, monkeypatch, caplog):
+    folder, slot = local_store.path("status", "leases"), 10.0
+    real_create, created = local_store.create_exclusive, []
+
+    def second_create_fails(path, payload):
+        if created:
+            raise OSError("connection reset (injected)")
+        created.append(path)
+        real_create(path, payload)
+
+    lease = SlotLease(local_store, folder, slot)
+    monkeypatch.setattr(local_store, "create_exclusive", second_create_fails)
+    with pytest.raises(OSError, match="injected"):
+        lease.take(100.0)
+    monkeypatch.undo()
+    assert created and os.listdir(folder) == []
+
+    assert lease.take(100.0)
+    monkeypatch.setattr(
+        local_store.fs, "rm", lambda path: (_ for _ in ()).throw(OSError("denied (injected)"))
+    )
+    lease.release()  # logged, not raised: the leases lapse within two slots
+    assert "lapses within two slots" in caplog.text and lease.held == []
+
+
+def test_a_lease_whose_create_reply_was_lost_is_still_taken(local_store):
+    """s3fs retries a PUT whose reply was lost: the retry finds the lease it made itself."""
+    folder, slot = local_store.path("status", "leases"), 10.0
+    lease = SlotLease(local_store, folder, slot)
+    os.makedirs(folder)
+    local_store.create_exclusive(os.path.join(folder, "10"), lease.holder)
+    assert lease.take(100.0)
+    assert not SlotLease(local_store, folder, slot).take(100.0)
+    lease.release()
+    assert os.listdir(folder) == []
+
+
 def test_appends_compact_a_fragmented_table_and_readers_of_its_changes_notice_nothing(store, monkeypatch):
     monkeypatch.setattr(tables_module, "COMPACT_FILES", 5)
     tables = Tables(store)
