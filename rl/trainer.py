@@ -363,8 +363,8 @@ class Trainer:
         """Poll the processed-shard log and buffer the new rows; returns new shards read."""
         infos, self.offset = self.reader.poll(self.offset)
         read = 0
-        # by number: a worker's mark must not pass one of its shards before it is opened (the
-        # log's snapshot, read at the start, comes in no particular order)
+        # by number, which ShardReader.poll gives already: the marks rely on it, so the trainer
+        # does not leave it to the reader
         for info in sorted(infos, key=lambda info: info.seq):
             if info.shard_id in self.consumption.num_rows:
                 continue

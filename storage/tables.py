@@ -126,9 +126,15 @@ each append (measured: 15 ms per append after 100 appends, 75 ms after 600), whi
 load starts from the last checkpoint (deltalake writes one every 100 commits)."""
 
 COMPACT_FILES = 256
-"""Data files at which an append compacts its table. Each append adds one, and reads and
-snapshot loads slow down with their number (a reviewer measured 52 ms to read ``shards``
-whole at 100 files, 2 s at 3,000; 15 ms again once compacted)."""
+"""Small data files (under ``SMALL_FILE_BYTES``) at which an append compacts its table. Each
+append adds one, and reads and snapshot loads slow down with their number (a reviewer
+measured 52 ms to read ``shards`` whole at 100 files, 2 s at 3,000; 15 ms again once
+compacted)."""
+
+SMALL_FILE_BYTES = 32 * 2**20
+"""Data files under this size count toward ``COMPACT_FILES``: a compaction writes files of
+about 100 MB (deltalake's target), so a table that grew past hundreds of those is not
+compacted again on every append."""
 
 COMPACTION_SLOT_S = 300
 """Slot of the lease (``storage.leases.SlotLease`` in ``status/compaction/<table>/``) a
@@ -177,7 +183,7 @@ class Tables:
                 if isinstance(target, DeltaTable):
                     if served + 1 < SNAPSHOT_APPENDS:
                         self._for_append[name] = (target, served + 1)
-                    if len(target.file_uris()) >= COMPACT_FILES:
+                    if _small_files(target) >= COMPACT_FILES:
                         self._compact_after_append(name)
                 return
             except CommitFailedError as exc:
@@ -324,6 +330,12 @@ def one_row_per_step(steps: pa.Table) -> pa.Table:
 def _cast_read(name: str, table: pa.Table) -> pa.Table:
     """Delta gives back e.g. ``string_view`` and nullable fields; restore the canonical schema."""
     return _cast_to(schema_of(name), table)
+
+
+def _small_files(table: DeltaTable) -> int:
+    """Data files of ``table`` under ``SMALL_FILE_BYTES``."""
+    sizes = pa.table(table.get_add_actions(flatten=True)).column("size_bytes")
+    return int(pc.sum(pc.less(sizes, SMALL_FILE_BYTES)).as_py() or 0)
 
 
 def _cast_to(schema: pa.Schema, table: pa.Table) -> pa.Table:
