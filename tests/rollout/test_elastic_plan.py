@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import rollout.elastic as elastic_module
 from rollout.elastic import ElasticConfig, PolicyInputs
 from rollout.elastic_plan import TRAINER_UNIT, ElasticPlanner
 from storage.status import RolloutStatus
@@ -86,6 +87,18 @@ def test_a_replica_in_training_whose_worker_reports_sessions_drains_again():
     assert planner.last_plan.train == []
     planner.decide([status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=12.0)], SATURATED, now=14.0)
     assert roles(planner.last_plan) == (["w0/r0"], [], ["w0/r1"])
+
+
+def test_a_drain_is_confirmed_after_its_move_left_the_bounded_history(monkeypatch):
+    monkeypatch.setattr(elastic_module, "MOVE_HISTORY", 1)
+    planner = ElasticPlanner(CONFIG)
+    statuses = [status(w, {"r0": 5, "r1": 0}) for w in ("w0", "w1", "w2")]
+    planner.decide(statuses, SATURATED, now=10.0)
+    assert planner.last_plan.draining == ["w0/r1", "w1/r1", "w2/r1"]
+    assert "w0/r1" not in [move.unit for move in planner.controller.moves]
+    confirmed = [status("w0", {"r0": 5, "r1": 0}, draining=["r1"], plan_time=10.0)] + statuses[1:]
+    planner.decide(confirmed, SATURATED, now=11.0)
+    assert planner.last_plan.train == ["w0/r1"]
 
 
 def test_a_dry_trainer_with_queued_sessions_hands_the_replica_back():
