@@ -136,11 +136,11 @@ class _Consumption:
             self._advance()
 
     def mark(self, shard_id: str, rows: list[int]) -> None:
-        seen = self.rows.setdefault(shard_id, set())
-        new = [row for row in rows if row not in seen]
+        before = self.rows.setdefault(shard_id, set())
+        new = [row for row in rows if row not in before]
         if len(new) != len(rows):
-            raise RuntimeError(f"rows of shard {shard_id} consumed twice: {sorted(set(rows) & seen)}")
-        seen.update(new)
+            raise RuntimeError(f"rows of shard {shard_id} consumed twice: {sorted(set(rows) & before)}")
+        before.update(new)
         self.since_publish_rows[shard_id] += len(new)
         self._complete_if_done(shard_id)
 
