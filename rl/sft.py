@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from rl.logprobs import token_logprobs
+
 
 class SFTConfig(BaseModel):
     """Supervised warm-start settings."""
@@ -46,21 +48,20 @@ def pad_batch(
     return input_ids, attention_mask, loss_mask
 
 
-def masked_nll(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+def masked_nll(token_logp: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean negative log-likelihood of the masked tokens.
 
     Args:
-        logits: (B, T, V) model outputs; position t predicts token t + 1.
-        input_ids: (B, T) token ids.
-        loss_mask: (B, T) true on tokens whose prediction is trained.
+        token_logp: (B, T) log-prob of each token given the ones before it
+            (:func:`~rl.logprobs.token_logprobs`).
+        loss_mask: (B, T) true on tokens whose prediction is trained (position 0, which
+            nothing predicts, is never trained).
     Returns:
         scalar loss (0 when nothing is masked in).
     """
     target_mask = loss_mask[:, 1:]
-    log_probs = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    token_logp = log_probs.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     count = target_mask.sum().clamp(min=1)
-    return -(token_logp * target_mask).sum() / count
+    return -(token_logp[:, 1:] * target_mask).sum() / count
 
 
 def length_bucketed_batches(
@@ -113,8 +114,9 @@ def supervised_warm_start(
         input_ids, attention_mask, loss_mask = pad_batch(
             [sequences[i] for i in picked], [masks[i] for i in picked], pad_id
         )
-        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
-        loss = masked_nll(logits, input_ids.to(device), loss_mask.to(device))
+        loss_mask = loss_mask.to(device)
+        token_logp = token_logprobs(model, input_ids.to(device), attention_mask.to(device), where=loss_mask)
+        loss = masked_nll(token_logp, loss_mask)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -35,6 +35,7 @@ from safetensors.torch import save as save_safetensors
 from rl.advantages import adaptive_lambda, group_advantages, skip_observation_gae
 from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
+from rl.logprobs import token_logprobs
 from rl.losses import dis_policy_loss, value_loss
 from rl.models import ValueModel, load_policy, padding_id, placed, publish_policy
 from storage.config import RunStore
@@ -51,31 +52,13 @@ VALUE_OPTIMIZER_FILE = "value_optimizer.pt"
 NON_FINITE_POLICY = "non-finite policy parameters"
 
 
-def token_logprobs(
-    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-) -> torch.Tensor:
-    """Log-prob of every token given the ones before it.
-
-    Args:
-        model: a causal LM returning ``.logits`` of shape ``(B, T, V)``.
-        input_ids: ``(B, T)`` int64.
-        attention_mask: ``(B, T)`` bool.
-
-    Returns:
-        ``(B, T)`` float32; position 0 (no context) is 0.
-    """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
-    taken = logits.gather(-1, input_ids[:, 1:, None])[..., 0]
-    return F.pad(taken - torch.logsumexp(logits, dim=-1), (1, 0))
-
-
 def token_values(
     value_model: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
 ) -> torch.Tensor:
     """The critic's value of the state in which each token was chosen.
 
     The value head's output at position ``t − 1`` (the prefix before token ``t``) is the
-    value of token ``t``, aligned like :func:`token_logprobs`.
+    value of token ``t``, aligned like :func:`~rl.logprobs.token_logprobs`.
 
     Returns:
         ``(B, T)`` float32; position 0 is 0.
@@ -705,7 +688,7 @@ class Trainer:
         policy_loss = 0.0
         weighted: Counter = Counter()
         for part, part_advantages in zip(parts, advantages, strict=True):
-            logprobs = token_logprobs(self.policy, part.input_ids, part.attention_mask)
+            logprobs = token_logprobs(self.policy, part.input_ids, part.attention_mask, where=part.train_mask)
             loss, stats = dis_policy_loss(
                 logprobs,
                 part.rollout_logprobs,

@@ -23,8 +23,9 @@ import torch
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
+from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, ensure_base_version, load_policy, publish_policy
-from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_logprobs, token_values
+from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_values
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
@@ -408,7 +409,8 @@ def test_policy_step_uses_advantages_of_the_critic_after_its_k_steps(store):
     trainer = Trainer(store, config(value_lr=0.05))
     samples = open_batch(trainer, records)
     calls = []
-    for name, model in (("critic", trainer.value_model), ("policy", trainer.policy)):
+    # the policy's log-probs run its decoder and, apart, its head
+    for name, model in (("critic", trainer.value_model), ("policy", trainer.policy.get_decoder())):
         model.register_forward_hook(lambda *_, name=name: calls.append((name, torch.is_grad_enabled())))
     metrics = trainer._train_step(samples)
 

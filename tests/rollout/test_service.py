@@ -14,8 +14,8 @@ import torch
 from envs import registry
 from envs.arith import ArithEnv
 from envs.base import ResourceRequest, StepResult, Task
+from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
-from rl.trainer import token_logprobs
 from rollout import service as service_module
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig

@@ -1,0 +1,128 @@
+"""Memory of a policy-gradient pass: chunked token log-probs against the model's full logits.
+
+One forward and backward of ``Σ w·log p`` over a micro-batch, through a one-block model
+with Qwen3-0.6B's hidden size and vocabulary (1024, 151,936; tied head), in float32 on
+the CPU:
+
+- treadle: :func:`rl.logprobs.token_logprobs` with ``where`` = the action tokens (a
+  ``--action-share`` of the positions), the head worked out chunk by chunk;
+- baseline: the model's own forward, its ``(B, T, V)`` logits upcast, ``logsumexp`` and
+  ``gather`` over every position (what the trainer did before).
+
+Each side runs in a fresh process; its peak RSS growth over the model's is measured, and
+the two sides' log-probs are checked to agree on the action tokens. The last line's
+``"ratio"`` is the baseline's peak growth / treadle's; the times are printed beside it.
+
+    python benchmarks/bench_logprobs.py [--tokens 2048] [--action-share 0.4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
+
+from rl.logprobs import token_logprobs
+
+VOCAB = 151_936
+HIDDEN = 1024
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def one_pass(side: str, tokens: int, action_share: float) -> dict:
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=3072,
+        num_hidden_layers=1,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    rows = 2
+    input_ids = torch.randint(0, VOCAB, (rows, tokens // rows))
+    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    where = torch.rand(input_ids.shape) < action_share
+    weights = torch.randn(input_ids.shape)
+    before = peak_rss_bytes()
+    started = time.perf_counter()
+    if side == "treadle":
+        logprobs = token_logprobs(model, input_ids, attention_mask, where=where)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
+        taken = logits.gather(-1, input_ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, dim=-1)
+        logprobs = torch.nn.functional.pad(taken, (1, 0))
+    (logprobs * weights * where).sum().backward()
+    seconds = time.perf_counter() - started
+    return {
+        "peak_growth_bytes": peak_rss_bytes() - before,
+        "seconds": seconds,
+        "action_logprobs": logprobs.detach()[where].tolist(),
+    }
+
+
+def run_side(side: str, args: argparse.Namespace) -> dict:
+    command = [sys.executable, __file__, "--side", side, "--tokens", str(args.tokens),
+               "--action-share", str(args.action_share)]  # fmt: skip
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens in the micro-batch (2 rows)")
+    parser.add_argument(
+        "--action-share", type=float, default=0.4, help="share of positions that are action tokens"
+    )
+    parser.add_argument("--side", choices=["treadle", "full"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        print(json.dumps(one_pass(args.side, args.tokens, args.action_share)))
+        return
+    full, ours = run_side("full", args), run_side("treadle", args)
+    difference = max(
+        abs(a - b) for a, b in zip(full.pop("action_logprobs"), ours.pop("action_logprobs"), strict=True)
+    )
+    assert difference < 1e-3, f"the two sides' log-probs differ by {difference}"
+    logits_bytes = args.tokens * VOCAB * 4
+    for name, result in (("full logits", full), ("treadle", ours)):
+        print(
+            f"{name:12s} peak growth {result['peak_growth_bytes'] / 2**20:7.0f} MiB, "
+            f"forward + backward {result['seconds']:.2f} s"
+        )
+    print(f"one copy of the float32 logits: {logits_bytes / 2**20:.0f} MiB")
+    print(
+        json.dumps(
+            {
+                "bench": "logprobs",
+                "ratio": round(full["peak_growth_bytes"] / ours["peak_growth_bytes"], 2),
+                "baseline": "the model's full float32 logits",
+                "full_peak_growth_mib": round(full["peak_growth_bytes"] / 2**20),
+                "treadle_peak_growth_mib": round(ours["peak_growth_bytes"] / 2**20),
+                "full_s": round(full["seconds"], 2),
+                "treadle_s": round(ours["seconds"], 2),
+                "time_ratio": round(full["seconds"] / ours["seconds"], 2),
+                "logits_mib": round(logits_bytes / 2**20),
+                "tokens": args.tokens,
+                "vocab": VOCAB,
+                "action_share": args.action_share,
+                "max_logprob_difference": difference,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""token_logprobs against the model's own full logits, value and gradient, chunked or not."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Config
+
+import rl.logprobs
+from rl.logprobs import token_logprobs
+
+VOCAB = 509  # prime, so no other dimension of these models equals it
+HIDDEN = 32
+
+
+def plain_head_model(config_class) -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = config_class(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=64,
+        tie_word_embeddings=config_class is Qwen3Config,
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def gpt2_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+    )
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ids ``(3, 20)``, their attention mask, and a random ``where``."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, VOCAB, (3, 20), generator=generator)
+    attention_mask = torch.ones(3, 20, dtype=torch.bool)
+    attention_mask[1, 14:] = False
+    attention_mask[2, 7:] = False
+    where = torch.rand(3, 20, generator=generator) < 0.6
+    return input_ids, attention_mask, where
+
+
+def reference(model, input_ids, attention_mask, where) -> torch.Tensor:
+    """Log-probs read one by one off the model's full logits; 0 where not wanted."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits
+    rows = []
+    for b in range(input_ids.shape[0]):
+        row = [torch.zeros(())]
+        for t in range(1, input_ids.shape[1]):
+            if where[b, t] and attention_mask[b, t]:
+                row.append(torch.log_softmax(logits[b, t - 1].double(), -1)[input_ids[b, t]].float())
+            else:
+                row.append(torch.zeros(()))
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+def gradients(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize(
+    "model_factory",
+    [lambda: plain_head_model(LlamaConfig), lambda: plain_head_model(Qwen3Config), gpt2_model],
+    ids=["llama", "qwen3", "gpt2-full-logits"],
+)
+@pytest.mark.parametrize("chunk_positions", [1, 5, 1000])
+def test_log_probs_and_their_gradient_match_the_full_logits(monkeypatch, model_factory, chunk_positions):
+    monkeypatch.setattr(rl.logprobs, "LOGIT_CHUNK_ELEMENTS", chunk_positions * VOCAB)
+    model = model_factory()
+    input_ids, attention_mask, where = batch(seed=chunk_positions)
+    weights = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
+
+    ours = token_logprobs(model, input_ids, attention_mask, where=where)
+    expected = reference(model, input_ids, attention_mask, where)
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    assert ours.dtype == torch.float32 and ours.shape == (3, 20)
+
+    ours_grad = gradients(
+        model, (token_logprobs(model, input_ids, attention_mask, where=where) * weights).sum()
+    )
+    expected_grad = gradients(model, (reference(model, input_ids, attention_mask, where) * weights).sum())
+    assert ours_grad.keys() == expected_grad.keys() and ours_grad
+    for name, grad in expected_grad.items():
+        torch.testing.assert_close(ours_grad[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_without_where_every_attended_token_gets_its_log_prob():
+    model = plain_head_model(LlamaConfig)
+    input_ids, attention_mask, _ = batch(seed=3)
+    with torch.no_grad():
+        ours = token_logprobs(model, input_ids, attention_mask)
+        expected = reference(model, input_ids, attention_mask, torch.ones_like(attention_mask))
+    torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
+    assert ours[attention_mask].ne(0).sum() == attention_mask[:, 1:].sum()
+    assert (ours[~attention_mask] == 0).all()
+
+
+class LargestLogits(TorchDispatchMode):
+    """Most rows of any tensor an op returns whose last dimension is the vocabulary, other
+    than the ``(H, V)`` transposed gradient of the head's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dim() and tensor.shape[-1] == VOCAB:
+                if tensor.shape == (HIDDEN, VOCAB):
+                    continue
+                self.rows = max(self.rows, tensor.numel() // VOCAB)
+        return out
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_a_chunked_pass_never_holds_more_than_one_chunk_of_logits(monkeypatch, chunked):
+    chunk = 4
+    if chunked:
+        monkeypatch.setattr(rl.logprobs, "LOGIT_CHUNK_ELEMENTS", chunk * VOCAB)
+    model = plain_head_model(Qwen3Config)
+    input_ids, attention_mask, where = batch(seed=5)
+    wanted = int((where & attention_mask)[:, 1:].sum())
+    assert wanted > 3 * chunk
+    with LargestLogits() as seen:
+        token_logprobs(model, input_ids, attention_mask, where=where).sum().backward()
+    if chunked:
+        assert seen.rows == chunk, "a pass held logits of more positions than one chunk"
+    else:
+        assert seen.rows == wanted, "an unchunked pass works out every wanted position at once"
