@@ -16,6 +16,11 @@ versions 0 and 1 in a temporary folder, then for each engine:
 - loads version 1 and checks tokens are tagged 1, log-probs now follow version 1's
   weights, and (vLLM) the prefix cache was reset.
 
+Then the trainer's pass on CUDA: a two-block model with Qwen3-0.6B's dimensions and
+vocabulary, ``token_logprobs`` (chunked head) with activation checkpointing against the
+model's full logits without it: log-probs and gradients must agree, and the peak CUDA
+memory of each is reported.
+
 Prints the JSON summary as its last line: {"bench": "gpu_check", "ok": ..., ...}.
 """
 
@@ -34,7 +39,9 @@ import traceback
 
 import httpx
 import torch
+from transformers import AutoModelForCausalLM, Qwen3Config
 
+from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine, sampling_logprobs
@@ -215,6 +222,71 @@ async def _crash_surfaces(engine: VLLMEngine) -> bool:
     return False
 
 
+def full_logprobs(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """``(B, T)`` log-probs from the model's whole ``(B, T, V)`` logits (position 0 is 0)."""
+    logits = model(input_ids=input_ids).logits[:, :-1].float()
+    taken = logits.gather(-1, input_ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, dim=-1)
+    return torch.nn.functional.pad(taken, (1, 0))
+
+
+def check_training(tokens: int = 8192, device: str = "cuda") -> dict:
+    """The trainer's log-prob pass on ``device``, checkpointed and chunked, against the plain
+    one (peak memory measured on CUDA only)."""
+    cuda = device.startswith("cuda")
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=151_936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        tie_word_embeddings=True,
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
+    input_ids = torch.randint(0, config.vocab_size, (4, tokens // 4), device=device)
+    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    weights = torch.randn(input_ids.shape, device=device)
+    results = {}
+    for side in ("full", "treadle"):
+        if side == "treadle":
+            model.activation_checkpointing_enable()
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        started = time.perf_counter()
+        if side == "full":
+            logprobs = full_logprobs(model, input_ids)
+        else:
+            logprobs = token_logprobs(model, input_ids, attention_mask)
+        (logprobs * weights).sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
+        results[side] = {
+            "peak_mib": round((torch.cuda.max_memory_allocated() - base) / 2**20) if cuda else None,
+            "seconds": round(time.perf_counter() - started, 3),
+            "logprobs": logprobs.detach(),
+            "grads": [p.grad.detach().clone() for p in model.parameters()],
+        }
+    full, ours = results["full"], results["treadle"]
+    logprob_error = float((full.pop("logprobs") - ours.pop("logprobs")).abs().max())
+    grad_error = max(
+        float((a - b).norm() / a.norm().clamp(min=1e-12))
+        for a, b in zip(full.pop("grads"), ours.pop("grads"), strict=True)
+    )
+    return {
+        "ok": logprob_error < 1e-3 and grad_error < 1e-3,
+        "tokens": tokens,
+        "max_logprob_error": logprob_error,
+        "max_relative_grad_error": grad_error,
+        "full_logits": full,
+        "chunked_checkpointed": ours,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-venv", help="Environment built from deployments/vllm/requirements.txt.")
@@ -243,6 +315,14 @@ def main() -> None:
                 "error": f"{type(exc).__name__}: {exc}",
                 "trace": traceback.format_exc()[-2000:],
             }
+        try:
+            summary["training"] = check_training()
+        except Exception as exc:
+            summary["training"] = {
+                "ok": False,
+                "error": f"{type(exc).__name__}: {exc}",
+                "trace": traceback.format_exc()[-2000:],
+            }
         if args.skip_vllm:
             summary["vllm"] = {"ok": None, "skipped": True}
         elif not args.vllm_venv:
@@ -252,7 +332,7 @@ def main() -> None:
                 summary["vllm"] = asyncio.run(check_vllm(args, v0, v1, ref_v0, ref_v1, tokenizer, args.log))
             except Exception as exc:
                 summary["vllm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "log": args.log}
-    results = [summary["torch"]["ok"], summary["vllm"]["ok"]]
+    results = [summary["torch"]["ok"], summary["training"]["ok"], summary["vllm"]["ok"]]
     summary["ok"] = all(r is not False for r in results)
     summary["ratio"] = float(sum(r is True for r in results)) / len(results)
     print(json.dumps(summary, default=str))

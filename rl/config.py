@@ -57,6 +57,12 @@ class SAOConfig(BaseModel):
     micro_token_budget: int = Field(
         8192, ge=1, description="Padded tokens (rows × longest row) per forward pass; gradients accumulate."
     )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Gradient checkpointing: keep only each decoder block's input for the backward "
+        "pass and recompute the rest there (policy and value model): activation memory of one block "
+        "instead of every block, for about one more forward pass of compute.",
+    )
     max_staleness: int = Field(
         4, ge=0, description="Drop a sample whose oldest action token is more than this many versions old."
     )

@@ -241,6 +241,10 @@ class Trainer:
                 )
         if (path / POLICY_OPTIMIZER_FILE).is_file():
             self._resume_optimizer(self.policy_optimizer, path / POLICY_OPTIMIZER_FILE, self.config.lr)
+        if self.config.activation_checkpointing:
+            for model in (self.policy, self.value_model and self.value_model.backbone):
+                if model is not None:
+                    model.activation_checkpointing_enable()
 
         state = json.loads((path / STATE_FILE).read_text()) if (path / STATE_FILE).is_file() else {}
         self.step = int(state.get("step", self.weights.manifest(version).get("step", 0)))

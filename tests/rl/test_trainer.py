@@ -788,3 +788,37 @@ def test_a_batch_whose_trainable_tokens_all_weigh_zero_is_rejected(store):
     trainer = Trainer(store, config())
     assert trainer._train_step(open_batch(trainer, records)) is None
     assert trainer._rejected == {"every trainable token has loss weight 0": 2}
+
+
+def test_activation_checkpointing_trains_the_same_and_saves_fewer_activations(store):
+    records = with_rewards(make_trajectories(store, 4, seed=23), [1.0, 0.0, 0.0, 1.0])
+    results = {}
+    for checkpointing in (False, True):
+        trainer = Trainer(store, config(activation_checkpointing=checkpointing))
+        samples = open_batch(trainer, records)
+        saved = []
+
+        def pack(tensor: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
+            saved.append(tensor.numel() * tensor.element_size())
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            metrics = trainer._train_step(samples)
+        results[checkpointing] = (
+            metrics,
+            parameters(trainer.policy),
+            parameters(trainer.value_model),
+            sum(saved),
+        )
+
+    (plain, policy, critic, plain_bytes), (ours, policy_ckpt, critic_ckpt, ours_bytes) = (
+        results[False],
+        results[True],
+    )
+    assert ours.row["policy_loss"] == pytest.approx(plain.row["policy_loss"], rel=1e-5, abs=1e-7)
+    for name, tensor in policy.items():
+        torch.testing.assert_close(policy_ckpt[name], tensor, msg=name)
+    for name, tensor in critic.items():
+        torch.testing.assert_close(critic_ckpt[name], tensor, msg=name)
+    # what the backward pass keeps of both models' blocks: only their inputs
+    assert ours_bytes < plain_bytes / 3, (ours_bytes, plain_bytes)

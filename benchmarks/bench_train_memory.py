@@ -1,8 +1,8 @@
-"""Memory of a policy-gradient pass: chunked token log-probs against the model's full logits.
+"""Memory of a policy-gradient pass on Qwen3-0.6B's dimensions: logits and activations.
 
-One forward and backward of ``Σ w·log p`` over a micro-batch, through a one-block model
-with Qwen3-0.6B's hidden size and vocabulary (1024, 151,936; tied head), in float32 on
-the CPU:
+Logits: one forward and backward of ``Σ w·log p`` over a micro-batch, through a one-block
+model with Qwen3-0.6B's hidden size and vocabulary (1024, 151,936; tied head), in float32
+on the CPU:
 
 - treadle: :func:`rl.logprobs.token_logprobs` with ``where`` = the action tokens (a
   ``--action-share`` of the positions), the head worked out chunk by chunk;
@@ -13,7 +13,12 @@ Each side runs in a fresh process; its peak RSS growth over the model's is measu
 the two sides' log-probs are checked to agree on the action tokens. The last line's
 ``"ratio"`` is the baseline's peak growth / treadle's; the times are printed beside it.
 
-    python benchmarks/bench_logprobs.py [--tokens 2048] [--action-share 0.4]
+Activations: the bytes autograd keeps for the backward pass per token and decoder block
+(distinct storages, parameters left out), from a two-block model less a one-block one,
+with and without ``activation_checkpointing``, scaled to Qwen3-0.6B's 28 blocks at the
+GPU config's ``micro_token_budget`` (32,768 tokens).
+
+    python benchmarks/bench_train_memory.py [--tokens 2048] [--action-share 0.4]
 """
 
 from __future__ import annotations
@@ -32,29 +37,67 @@ from rl.logprobs import token_logprobs
 
 VOCAB = 151_936
 HIDDEN = 1024
+BLOCKS = 28
+MICRO_TOKENS = 32_768
 
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def one_pass(side: str, tokens: int, action_share: float) -> dict:
+def qwen3_like(blocks: int) -> torch.nn.Module:
+    """Qwen3-0.6B's dimensions with ``blocks`` decoder blocks, randomly initialised."""
     torch.manual_seed(0)
     config = Qwen3Config(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=3072,
-        num_hidden_layers=1,
+        num_hidden_layers=blocks,
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,
         tie_word_embeddings=True,
     )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    rows = 2
-    input_ids = torch.randint(0, VOCAB, (rows, tokens // rows))
-    attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
-    where = torch.rand(input_ids.shape) < action_share
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+
+
+def inputs(tokens: int, action_share: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two rows of random ids, their attention mask and the action tokens."""
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (2, tokens // 2), generator=generator)
+    where = torch.rand(input_ids.shape, generator=generator) < action_share
+    return input_ids, torch.ones_like(input_ids, dtype=torch.bool), where
+
+
+def saved_bytes(blocks: int, checkpointing: bool, tokens: int, action_share: float) -> int:
+    """Bytes of the distinct storages autograd saves in a forward of ``token_logprobs``."""
+    model = qwen3_like(blocks)
+    if checkpointing:
+        model.activation_checkpointing_enable()
+    input_ids, attention_mask, where = inputs(tokens, action_share)
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        token_logprobs(model, input_ids, attention_mask, where=where)
+    return sum(saved.values())
+
+
+def activations_per_token_block(checkpointing: bool, tokens: int, action_share: float) -> float:
+    """Saved bytes per token of one decoder block: two blocks' less one block's."""
+    one, two = (saved_bytes(blocks, checkpointing, tokens, action_share) for blocks in (1, 2))
+    return (two - one) / tokens
+
+
+def one_pass(side: str, tokens: int, action_share: float) -> dict:
+    model = qwen3_like(1)
+    input_ids, attention_mask, where = inputs(tokens, action_share)
     weights = torch.randn(input_ids.shape)
     before = peak_rss_bytes()
     started = time.perf_counter()
@@ -103,10 +146,20 @@ def main() -> None:
             f"forward + backward {result['seconds']:.2f} s"
         )
     print(f"one copy of the float32 logits: {logits_bytes / 2**20:.0f} MiB")
+    activations = {}
+    for checkpointing in (False, True):
+        per_token_block = activations_per_token_block(checkpointing, 512, args.action_share)
+        at_budget = per_token_block * BLOCKS * MICRO_TOKENS
+        activations[checkpointing] = (per_token_block, at_budget)
+        print(
+            f"activations, checkpointing {'on ' if checkpointing else 'off'}: "
+            f"{per_token_block / 1024:.1f} KiB per token and block, {at_budget / 2**30:.1f} GiB for "
+            f"{BLOCKS} blocks at {MICRO_TOKENS} tokens"
+        )
     print(
         json.dumps(
             {
-                "bench": "logprobs",
+                "bench": "train_memory",
                 "ratio": round(full["peak_growth_bytes"] / ours["peak_growth_bytes"], 2),
                 "baseline": "the model's full float32 logits",
                 "full_peak_growth_mib": round(full["peak_growth_bytes"] / 2**20),
@@ -119,6 +172,12 @@ def main() -> None:
                 "vocab": VOCAB,
                 "action_share": args.action_share,
                 "max_logprob_difference": difference,
+                "activation_kib_per_token_block": round(activations[False][0] / 1024, 1),
+                "activation_kib_per_token_block_checkpointed": round(activations[True][0] / 1024, 1),
+                f"activation_gib_at_{MICRO_TOKENS}_tokens": round(activations[False][1] / 2**30, 1),
+                f"activation_gib_at_{MICRO_TOKENS}_tokens_checkpointed": round(
+                    activations[True][1] / 2**30, 1
+                ),
             }
         )
     )
