@@ -57,6 +57,11 @@ class SAOConfig(BaseModel):
     micro_token_budget: int = Field(
         8192, ge=1, description="Padded tokens (rows × longest row) per forward pass; gradients accumulate."
     )
+    mixed_precision: Literal["no", "bf16"] = Field(
+        "no",
+        description="'bf16': the policy's and the value model's forward passes run their matmuls in "
+        "bfloat16 (torch.autocast); weights, gradients, optimizer state, log-probs and losses stay float32.",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="Gradient checkpointing: keep only each decoder block's input for the backward "

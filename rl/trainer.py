@@ -583,7 +583,7 @@ class Trainer:
     def _old_values(self, parts: list[Batch]) -> list[torch.Tensor] | None:
         if self.config.value_clip is None:
             return None
-        with torch.no_grad():
+        with torch.no_grad(), self._autocast():
             return [token_values(self.value_model, p.input_ids, p.attention_mask) for p in parts]
 
     def _value_step(self, parts: list[Batch], old_values: list[torch.Tensor] | None) -> dict[str, float]:
@@ -593,7 +593,8 @@ class Trainer:
         self.value_optimizer.zero_grad(set_to_none=True)
         loss_total, explained = 0.0, 0.0
         for i, part in enumerate(parts):
-            values = token_values(self.value_model, part.input_ids, part.attention_mask)
+            with self._autocast():
+                values = token_values(self.value_model, part.input_ids, part.attention_mask)
             _, returns = skip_observation_gae(
                 part.rewards, values.detach(), part.action_mask, config.gamma, config.value_lam
             )
@@ -631,7 +632,8 @@ class Trainer:
         out = []
         with torch.no_grad():
             for part in parts:
-                values = token_values(self.value_model, part.input_ids, part.attention_mask)
+                with self._autocast():
+                    values = token_values(self.value_model, part.input_ids, part.attention_mask)
                 lam = (
                     adaptive_lambda(part.action_mask.sum(dim=1), config.lambda_alpha)
                     if config.adaptive_lambda
@@ -642,6 +644,12 @@ class Trainer:
                 )
                 out.append(advantages)
         return out
+
+    def _autocast(self) -> torch.autocast:
+        """Where the models' forward passes run: bfloat16 matmuls under ``mixed_precision: bf16``."""
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.config.mixed_precision == "bf16"
+        )
 
     def _has_non_finite_parameters(self) -> bool:
         """Whether a policy parameter is NaN or infinite (one pass over the weights, far
@@ -692,7 +700,10 @@ class Trainer:
         policy_loss = 0.0
         weighted: Counter = Counter()
         for part, part_advantages in zip(parts, advantages, strict=True):
-            logprobs = token_logprobs(self.policy, part.input_ids, part.attention_mask, where=part.train_mask)
+            with self._autocast():
+                logprobs = token_logprobs(
+                    self.policy, part.input_ids, part.attention_mask, where=part.train_mask
+                )
             loss, stats = dis_policy_loss(
                 logprobs,
                 part.rollout_logprobs,

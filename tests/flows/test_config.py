@@ -40,6 +40,7 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
     config = load_config(TINY.parent / "qwen3-0.6b-gpu.yaml")
     assert config.engine.kind == "vllm" and config.trainer_device == "cuda"
     assert config.sao.activation_checkpointing and config.sao.micro_token_budget == 32768
+    assert config.sao.mixed_precision == "bf16"
 
 
 @pytest.mark.parametrize(

@@ -822,3 +822,26 @@ def test_activation_checkpointing_trains_the_same_and_saves_fewer_activations(st
         torch.testing.assert_close(critic_ckpt[name], tensor, msg=name)
     # what the backward pass keeps of both models' blocks: only their inputs
     assert ours_bytes < plain_bytes / 3, (ours_bytes, plain_bytes)
+
+
+def test_bf16_mixed_precision_runs_the_matmuls_in_bfloat16_and_keeps_float32_state(store):
+    records = with_rewards(make_trajectories(store, 4, seed=24), [1.0, 0.0, 0.0, 1.0])
+    results = {}
+    for precision in ("no", "bf16"):
+        trainer = Trainer(store, config(mixed_precision=precision))
+        samples = open_batch(trainer, records)
+        matmuls = set()
+        for model in (trainer.policy, trainer.value_model):
+            for module in model.modules():
+                if isinstance(module, torch.nn.Linear):
+                    module.register_forward_hook(lambda _m, _i, out, seen=matmuls: seen.add(out.dtype))
+        metrics = trainer._train_step(samples)
+        assert {p.dtype for p in trainer.policy.parameters()} == {torch.float32}
+        assert {p.dtype for p in trainer.value_model.parameters()} == {torch.float32}
+        assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.policy_optimizer.state.values())
+        results[precision] = (metrics, matmuls)
+
+    (plain, plain_matmuls), (mixed, mixed_matmuls) = results["no"], results["bf16"]
+    assert plain_matmuls == {torch.float32} and mixed_matmuls == {torch.bfloat16}
+    assert math.isfinite(mixed.row["policy_loss"]) and math.isfinite(mixed.row["value_loss"])
+    assert mixed.row["policy_loss"] == pytest.approx(plain.row["policy_loss"], rel=0.1, abs=1e-3)
