@@ -19,8 +19,8 @@ versions 0 and 1 in a temporary folder, then for each engine:
 Then the trainer's pass on CUDA: a two-block model with Qwen3-0.6B's dimensions and
 vocabulary, ``token_logprobs`` (chunked head) with activation checkpointing against the
 model's full logits without it, in float32 and under bf16 autocast: log-probs and
-gradients must agree (within 1e-3 in float32, 0.1 in bf16: its rounding), and the peak CUDA memory
-of each is reported.
+gradients must agree (within 1e-3 in float32, 0.1 in bf16: its rounding), and the peak
+CUDA memory of each is reported.
 
 Prints the JSON summary as its last line: {"bench": "gpu_check", "ok": ..., ...}.
 """
