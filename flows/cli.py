@@ -175,6 +175,7 @@ def _inspect(args) -> None:
 
 def _sql(args) -> None:
     import duckdb
+    import numpy as np
 
     from flows.sql import connect
 
@@ -189,8 +190,14 @@ def _sql(args) -> None:
     except duckdb.Error as exc:
         raise SystemExit(f"error: {exc}") from None
     print("\t".join(_tsv_field(d[0]) for d in result.description))
+    # duckdb hands a FLOAT over widened to a double (0.43 as 0.4300000071525574): printed as
+    # a float32, it shows the digits the table holds
+    single = [d[1] == "FLOAT" for d in result.description]
     for row in rows:
-        print("\t".join(_tsv_field(v) for v in row))
+        fields = (
+            np.float32(v) if f32 and isinstance(v, float) else v for v, f32 in zip(row, single, strict=True)
+        )
+        print("\t".join(_tsv_field(v) for v in fields))
 
 
 def _tsv_field(value) -> str:

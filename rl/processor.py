@@ -5,10 +5,12 @@ For each execution (rows sharing ``execution_id``) of a shard:
 
 1. **Check** each row: per-token lists of equal length (else ``invalid_record``), a unique
    ``trajectory_id`` (``duplicate_id``), a declared ``parent_id``/``branch_at`` link that
-   the tokens confirm (``missing_parent``, ``branch_past_end``, ``prefix_mismatch``,
-   ``cycle``), and a status outside ``EXCLUDED_STATUSES`` (``env_error``, ``infra_error``:
-   such rows never get a reward nor reach the loss, nor own a shared prefix). A bad row is
-   reported and dropped; the rest goes on.
+   the tokens confirm (``branch_past_end``, ``prefix_mismatch``, ``cycle``), and a status
+   outside ``EXCLUDED_STATUSES`` (``env_error``, ``infra_error``: such rows never get a
+   reward nor reach the loss, nor own a shared prefix). A bad row is reported and dropped;
+   the rest goes on. A row whose declared parent is not in the shard (its execution was
+   split over shards, or the writer refused the parent) is reported and kept, as a root
+   of its own: the tree is rebuilt from the tokens, which it still has.
 2. **Score** partial progress of unsuccessful rows (:func:`combine_reward`), re-scoring the
    execution through the injected ``rescore`` callable when a row has no ``progress``
    (``rescore_failed`` when every attempt fails).
@@ -20,7 +22,8 @@ For each execution (rows sharing ``execution_id``) of a shard:
 4. **Weight** each trained token (``loss_weight``, see :class:`ProcessorConfig`).
 
 An execution is assumed to be written whole into one shard; rows of one execution spread
-over several shards are processed as separate executions.
+over several shards are processed as separate executions (a prefix they share is trained
+once in each).
 """
 
 from __future__ import annotations
@@ -101,15 +104,17 @@ def combine_reward(reward: float | None, progress: float | None, config: Process
     """The reward a trajectory is trained with.
 
     A successful trajectory (``reward ≥ success_threshold``) keeps its reward. An
-    unsuccessful one gets ``max(reward, progress_weight · progress)``: partial progress can
-    raise a failed attempt's reward but never lower it, and with ``progress_weight ≤ 1``
-    it stays under a success. A missing reward counts as 0, and so does missing progress
-    (no gradable artifact gives reward 0).
+    unsuccessful one gets ``max(reward, progress_weight · progress)`` when that term is
+    positive: partial progress can raise a failed attempt's reward but never lower it, no
+    progress (or ``progress_weight`` 0) leaves it as it is, negative included, and with
+    ``progress_weight ≤ 1`` it stays under a success. A missing reward counts as 0, and so
+    does missing progress (no gradable artifact gives reward 0).
     """
     base = 0.0 if reward is None else float(reward)
     if base >= config.success_threshold or progress is None:
         return base
-    return max(base, config.progress_weight * float(progress))
+    lifted = config.progress_weight * float(progress)
+    return max(base, lifted) if lifted > 0 else base
 
 
 @dataclass
@@ -117,10 +122,10 @@ class ShardCounters:
     """What the processor did with one shard.
 
     ``dropped`` counts input rows by drop reason: ``invalid_record``, ``duplicate_id``,
-    ``missing_parent``, ``branch_past_end``, ``prefix_mismatch``, ``cycle``,
-    ``env_error``, ``infra_error``, ``rescore_failed``, ``duplicate``, ``no_new_tokens``,
-    ``not_selected``. ``errors`` has one line per malformed row or failed re-scoring,
-    naming the ids.
+    ``branch_past_end``, ``prefix_mismatch``, ``cycle``, ``env_error``, ``infra_error``,
+    ``rescore_failed``, ``duplicate``, ``no_new_tokens``, ``not_selected``. ``errors`` has
+    one line per malformed row, row kept without its parent, or failed re-scoring, naming
+    the ids.
     """
 
     trajectories_in: int = 0
@@ -197,8 +202,9 @@ def process_shard(
     reasons: list[str | None] = ["invalid_record"] * table.num_rows
     rewards: list[float | None] = table.column("reward").to_pylist()
     progress: list[float | None] = table.column("progress").to_pylist()
+    # reward stays the env's for every row; the processed shard holds the one trained with
     for w, i in enumerate(rows.tolist()):
-        reasons[i], rewards[i], progress[i] = state.reason[w], state.reward[w], state.progress[w]
+        reasons[i], progress[i] = state.reason[w], state.progress[w]
     # whatever drops it (its status, a broken link, a duplicate id, bad lists)
     excluded = pc.is_in(table.column("status"), value_set=pa.array(sorted(EXCLUDED_STATUSES)))
     for i in np.flatnonzero(pc.fill_null(excluded, False).to_numpy(zero_copy_only=False)).tolist():
@@ -341,6 +347,9 @@ def _process_execution(
         paths.lengths[member_array],
     )
     for error in link_errors:
+        if error.reason == "missing_parent":
+            counters.errors.append(f"execution {execution_id!r}: {error.message}; kept as a root")
+            continue
         state.reason[members[error.path]] = error.reason
         counters.errors.append(f"execution {execution_id!r}: {error.message}")
     for w in members:

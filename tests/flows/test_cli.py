@@ -222,6 +222,15 @@ def test_sql_without_a_statement_is_an_error(local_store):
         assert (result.returncode, result.stdout, result.stderr) == (1, "", "error: no SQL statement\n")
 
 
+def test_sql_prints_a_float32_column_with_the_digits_it_holds(local_store):
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 0.43, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle("sql", *run, "SELECT reward, reward::DOUBLE AS wide, 1.0 / 3 AS third FROM trajectories")
+    assert result.returncode == 0, result.stderr
+    # reward is float32; a double keeps all its digits
+    assert result.stdout == "reward\twide\tthird\n0.43\t0.4300000071525574\t0.3333333333333333\n"
+
+
 def test_sql_reads_a_run_whose_path_holds_a_quote(tmp_path):
     store = RunStore(StorageConfig(root=str(tmp_path / "it's" / "runs")), "quoted")
     Tables(store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])

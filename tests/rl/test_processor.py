@@ -495,7 +495,7 @@ def test_malformed_links_are_reported_and_the_rest_of_the_shard_is_processed():
     reasons = {}
     for row in result.trajectories:
         reasons.setdefault(row["trajectory_id"], []).append(row["drop_reason"])
-    assert reasons["orphan"] == ["missing_parent"]
+    assert reasons["orphan"] == [None]  # its parent is not in the shard: kept, as a root
     assert reasons["past"] == ["branch_past_end"]
     assert reasons["negative"] == ["branch_past_end"]
     assert reasons["mismatch"] == ["prefix_mismatch"]
@@ -504,8 +504,8 @@ def test_malformed_links_are_reported_and_the_rest_of_the_shard_is_processed():
     assert reasons["fine"] == [None, "duplicate_id"]
     assert reasons["root"] == [None]
     counters = result.counters
+    assert "missing_parent" not in counters.dropped
     for reason, count in {
-        "missing_parent": 1,
         "branch_past_end": 2,
         "prefix_mismatch": 1,
         "cycle": 2,
@@ -516,7 +516,7 @@ def test_malformed_links_are_reported_and_the_rest_of_the_shard_is_processed():
     for tid in ("orphan", "nowhere", "past", "mismatch", "cycle-a", "short-mask"):
         assert tid in joined
     # The well-formed rows, in both executions, are processed as usual.
-    kept = [r for r in records if r["execution_id"] == "good"] + [bad[0], bad[-1]]
+    kept = [r for r in records if r["execution_id"] == "good"] + [bad[0], bad[1], bad[-1]]
     assert Counter(trained_nodes(result.processed)) == Counter(trainable_nodes(kept))
     assert len(result.trajectories) == len(records) == counters.trajectories_in
 
@@ -546,6 +546,35 @@ def test_partial_progress_combines_with_reward():
     assert combine_reward(None, 0.5, config) == pytest.approx(0.25)
     assert combine_reward(None, None, config) == 0.0
     assert combine_reward(0.3, 0.9, ProcessorConfig(progress_weight=0.0)) == pytest.approx(0.3)
+
+
+@pytest.mark.parametrize(
+    ("reward", "progress", "weight", "expected"),
+    [
+        (-3.0, 0.0, 0.5, -3.0),  # no progress: no lift, a negative reward stays
+        (-1.0, 0.8, 0.0, -1.0),  # partial-progress scoring off
+        (-1.0, 0.5, 0.5, 0.25),  # real progress still lifts
+        (-0.2, None, 0.5, -0.2),
+    ],
+)
+def test_partial_progress_never_lifts_a_negative_reward_without_progress(reward, progress, weight, expected):
+    config = ProcessorConfig(success_threshold=1.0, progress_weight=weight)
+    assert combine_reward(reward, progress, config) == pytest.approx(expected)
+
+
+def test_a_branch_whose_parent_went_into_an_earlier_shard_is_trained_as_a_root():
+    root = record("root", "e", [1, 2, 3, 4], [False, True, True, True], reward=0.0)
+    child = record("child", "e", [1, 2, 5, 6], [False, True, True, True], parent="root", branch_at=2)
+    first = process_shard(to_table([root]), ProcessorConfig(j_max=None), shard_id="s1")
+    second = process_shard(to_table([child]), ProcessorConfig(j_max=None), shard_id="s2")
+    assert second.trajectories[0]["drop_reason"] is None and second.trajectories[0]["reward"] == 1.0
+    assert second.processed.column("train_mask").to_pylist() == [[False, True, True, True]]
+    assert second.counters.dropped == {} and "kept as a root" in second.counters.errors[0]
+    together = process_shard(to_table([root, child]), ProcessorConfig(j_max=None), shard_id="s3")
+    # split, the shared action token 2 is trained once in each shard; together, once
+    split_tokens = sum(sum(m) for r in (first, second) for m in r.processed.column("train_mask").to_pylist())
+    together_tokens = sum(sum(m) for m in together.processed.column("train_mask").to_pylist())
+    assert (split_tokens, together_tokens) == (6, 5)
 
 
 def test_a_reward_exactly_at_the_success_threshold_is_a_success():
@@ -579,11 +608,12 @@ def test_rescore_is_called_once_per_execution_and_retried_within_the_budget():
     )
     assert calls == [["e-a", "e-b"]] * 3
     rows = {r["trajectory_id"]: r for r in result.trajectories}
-    assert rows["e-a"]["reward"] == pytest.approx(0.3) and rows["e-a"]["progress"] == pytest.approx(0.6)
-    assert rows["f-a"]["reward"] == pytest.approx(0.1)
-    assert rows["e-b"]["reward"] == 1.0
+    # the table keeps the env's reward; the processed rows carry the one trained with
+    assert rows["e-a"]["reward"] == 0.0 and rows["e-a"]["progress"] == pytest.approx(0.6)
+    assert rows["f-a"]["reward"] == 0.0 and rows["e-b"]["reward"] == 1.0
     processed = {r["trajectory_id"]: r for r in result.processed.to_pylist()}
     assert processed["e-a"]["reward"] == pytest.approx(0.3)
+    assert processed["f-a"]["reward"] == pytest.approx(0.1)
     assert result.counters.rescore_calls == 3 and result.counters.rescore_failures == 2
 
 
@@ -628,7 +658,9 @@ def test_failures_outside_the_policy_never_get_a_reward_nor_reach_the_loss(statu
     # the prefix e-a shared with e-b is trained in e-b, since e-a never reaches the trainer
     e_b = result.processed.filter(pc.equal(result.processed.column("trajectory_id"), "e-b"))
     assert e_b.column("train_mask").to_pylist() == [[False, True, True]]
-    assert rows["f-a"]["reward"] == pytest.approx(0.25)
+    assert rows["f-a"]["reward"] == 0.0
+    f_a = result.processed.filter(pc.equal(result.processed.column("trajectory_id"), "f-a"))
+    assert f_a.column("reward").to_pylist() == [pytest.approx(0.25)]
 
 
 @pytest.mark.parametrize("status", ["infra_error", "env_error"])
@@ -648,11 +680,12 @@ def test_a_failure_outside_the_policy_with_a_broken_link_gets_no_reward_either(s
     ]
     result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
     rows = {r["trajectory_id"]: r for r in result.trajectories}
-    # the link error is what is reported, and the row keeps no reward
-    assert rows["orphan"]["drop_reason"] == "missing_parent"
+    # its missing parent is reported; its status drops it, and it keeps no reward
+    assert any("'orphan'" in line for line in result.counters.errors)
+    assert rows["orphan"]["drop_reason"] == status
     assert rows["orphan"]["reward"] is None
     assert rows["root"]["reward"] == 1.0 and rows["root"]["selected"]
-    assert result.counters.dropped == {"missing_parent": 1}
+    assert result.counters.dropped == {status: 1}
 
 
 @pytest.mark.parametrize("status", ["infra_error", "env_error"])
