@@ -50,6 +50,7 @@ TRAINER_STATUS_PREFIX = "status/train"
 TRAINER_STATUS_NAME = "trainer.json"
 PROCESS_OFFSET_PREFIX = "status/process"
 PROCESS_OFFSET_NAME = "offset.json"
+PROCESSOR_STATUS_NAME = "processor.json"
 DEFAULT_MAX_AGE_S = 30.0
 """Seconds after which a running worker's status no longer counts (it publishes every few)."""
 
@@ -234,7 +235,7 @@ class InUse(RuntimeError):
 
 
 def wait_until_free(
-    read: Callable[[], RolloutStatus | TrainerStatus | None],
+    read: Callable[[], RolloutStatus | TrainerStatus | ProcessorStatus | None],
     what: str,
     advice: str,
     max_age_s: float = DEFAULT_MAX_AGE_S,
@@ -246,7 +247,7 @@ def wait_until_free(
     :class:`InUse` (with ``advice``) as soon as it is updated, which only a live one does."""
     first = read()
 
-    def free(status: RolloutStatus | TrainerStatus | None) -> bool:
+    def free(status: RolloutStatus | TrainerStatus | ProcessorStatus | None) -> bool:
         return status is None or not status.running or not is_fresh(status.time, time.time(), max_age_s)
 
     if free(first):
@@ -440,3 +441,23 @@ class ProcessOffsetBoard(_ObjectBoard):
     name = PROCESS_OFFSET_NAME
     what = "process offset"
     on_corrupt = "the processor starts from the beginning of the log (it skips what it processed)"
+
+
+class ProcessorStatus(BaseModel):
+    """That a run's processor is running: one processor per run (two would process its shards
+    twice), so a second one waits this out or is refused."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    time: float = Field(allow_inf_nan=False, description="Epoch seconds at which it was written.")
+    running: bool = Field(True, description="False once the processor stopped.")
+
+
+class ProcessorStatusBoard(_ObjectBoard):
+    """The processor's status object ``status/process/processor.json``."""
+
+    model = ProcessorStatus
+    prefix = PROCESS_OFFSET_PREFIX
+    name = PROCESSOR_STATUS_NAME
+    what = "processor status"
+    on_corrupt = "it does not hold the run's processing back"

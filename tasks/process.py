@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect import task
@@ -14,8 +16,16 @@ from prefect.events import emit_event
 from flows.config import RunConfig
 from rl.models import load_tokenizer
 from rl.process_loop import ProcessedShard, ShardProcessor
+from storage.heartbeat import Heartbeat
+from storage.status import ProcessorStatus, ProcessorStatusBoard, wait_until_free
+from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
+
+log = logging.getLogger(__name__)
+
+STATUS_EVERY_S = 5.0
+"""How often a running processor renews its status (it goes stale after 30 s)."""
 
 
 def shard_processor(
@@ -66,6 +76,33 @@ class ProcessTotals:
         return {**self.totals, "dropped": dict(self.dropped)}
 
 
+@contextlib.contextmanager
+def holding_the_processor(config: RunConfig) -> Iterator[None]:
+    """Hold the run's processor role while the block runs (its status renewed on a thread).
+
+    One processor per run: two would process its shards twice. While another processor's
+    status is renewed this raises :class:`~storage.status.InUse`; the fresh status a killed
+    one left is waited out (``storage.status.wait_until_free``)."""
+    board = ProcessorStatusBoard(run_store(config))
+    wait_until_free(
+        board.read,
+        f"the processor of run {config.run_id!r}",
+        "a run has one processor: stop the other first (a pipeline run processes its own run)",
+    )
+    board.publish(ProcessorStatus(time=time.time()))
+    beat = Heartbeat(
+        lambda: board.publish(ProcessorStatus(time=time.time())), STATUS_EVERY_S, "processor status"
+    )
+    try:
+        yield
+    finally:
+        beat.stop()
+        try:
+            board.publish(ProcessorStatus(time=time.time(), running=False))
+        except Exception as exc:  # its status goes stale instead, and frees the role then
+            log.warning("could not mark the processor of run %s stopped: %s", config.run_id, exc)
+
+
 def run_processor(
     config: RunConfig,
     deadline: float,
@@ -73,17 +110,19 @@ def run_processor(
     on_shard: Callable[[ProcessedShard], None] | None = None,
     stop: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Process raw shards as they are committed until ``deadline``, then drain once more."""
-    processor = shard_processor(config, reporting(on_shard, "report of a processed shard"))
-    totals = ProcessTotals()
-    while time.time() < deadline and not (stop is not None and stop.is_set()):
-        new = processor.poll()
-        totals.add(new)
-        if not new:
-            time.sleep(poll_s)
-    totals.add(processor.poll())
-    processor.save()
-    return totals.summary()
+    """Process raw shards as they are committed until ``deadline``, then drain once more
+    (holding the run's processor role)."""
+    with holding_the_processor(config):
+        processor = shard_processor(config, reporting(on_shard, "report of a processed shard"))
+        totals = ProcessTotals()
+        while time.time() < deadline and not (stop is not None and stop.is_set()):
+            new = processor.poll()
+            totals.add(new)
+            if not new:
+                time.sleep(poll_s)
+        totals.add(processor.poll())
+        processor.save()
+        return totals.summary()
 
 
 def _emit(config: RunConfig, outcome: ProcessedShard) -> None:
@@ -115,10 +154,24 @@ def process_shards(config: RunConfig, deadline: float, signals: str | None = Non
 
 @task(name="process-pending", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def process_pending(config: RunConfig) -> dict[str, Any]:
-    """One pass over the raw shards not processed yet (for event-triggered runs)."""
-    processor = shard_processor(
-        config, on_shard=reporting(lambda outcome: _emit(config, outcome), "report of a processed shard")
-    )
-    totals = ProcessTotals().add(processor.poll())
-    processor.save()
-    return totals.summary()
+    """Process the raw shards not processed yet, polling again until a poll finds none, so
+    shards committed during the pass are taken too (for event-triggered runs).
+
+    Raises ``FileNotFoundError`` naming the storage when the run has no ``shards`` table: a
+    commit event names a run that this storage does not hold (a worker on another machine
+    writing to its own local folder rather than to shared ``s3://`` storage)."""
+    store = run_store(config)
+    if Tables(store).version("shards") is None:
+        raise FileNotFoundError(
+            f"run {config.run_id!r} has no shards table at {store.url('tables', 'shards')}: check "
+            "storage.root and run_id (processes on other machines need shared s3:// storage)"
+        )
+    with holding_the_processor(config):
+        processor = shard_processor(
+            config, on_shard=reporting(lambda outcome: _emit(config, outcome), "report of a processed shard")
+        )
+        totals = ProcessTotals()
+        while new := processor.poll():
+            totals.add(new)
+        processor.save()
+        return totals.summary()

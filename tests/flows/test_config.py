@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import jsonschema
@@ -214,6 +215,10 @@ def test_prefect_yaml_schedules_pools_and_trigger():
     (trigger,) = process["triggers"]
     parsed = DeploymentEventTrigger.model_validate(trigger)
     assert parsed.expect == {"treadle.shard.committed"}
+    # debounced: a commit every second starts a pass every 30 s at most, not one per commit
+    assert parsed.within == parsed.schedule_after == timedelta(seconds=30)
+    assert process["concurrency_limit"]["limit"] == 1
+    assert deployments["pipeline/on-demand"]["concurrency_limit"] == 1
     run_id = process["parameters"]["config"]["run_id"]
     assert trigger["match"]["prefect.resource.id"] == f"treadle.run.{run_id}"
     # the pipeline processes its own run: a second processor there would process it twice

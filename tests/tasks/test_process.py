@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
+
 from rl.models import ensure_base_version
+from rl.process_loop import ShardProcessor
 from storage.shards import ShardWriter
+from storage.status import InUse, ProcessorStatus, ProcessorStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import run_store
-from tasks.process import shard_processor
+from tasks.process import process_pending, run_processor, shard_processor
+from tests.conftest import kept_fresh
 from tests.flows.conftest import tiny_config
 from tests.rl.test_trainer import TINY, make_trajectories
 
@@ -29,3 +36,71 @@ def test_a_processor_started_before_version_zero_fills_the_text_column(tmp_path)
     assert len(processor.poll()) == 1
     texts = Tables(store).read("trajectories").column("text").to_pylist()
     assert len(texts) == 2 and all(texts), texts
+
+
+def raw_records(store, count: int, seed: int) -> list[dict]:
+    return [
+        {k: v for k, v in record.items() if k not in ("train_mask", "loss_weight")}
+        for record in make_trajectories(store, count, seed=seed)
+    ]
+
+
+def commit_raw(store, records: list[dict], worker: str = "w0") -> None:
+    writer = ShardWriter(store, worker)
+    writer.write_many(records)
+    writer.close()
+
+
+def test_a_pending_pass_takes_the_shards_committed_while_it_runs(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path / "runs", "pending")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    commit_raw(store, raw_records(store, 2, seed=1))
+    late = raw_records(store, 2, seed=2)
+    poll = ShardProcessor.poll
+
+    def poll_then_commit(self):
+        outcomes = poll(self)
+        if late:
+            commit_raw(store, [late.pop(), late.pop()], worker="w1")
+        return outcomes
+
+    monkeypatch.setattr(ShardProcessor, "poll", poll_then_commit)
+    summary = process_pending.fn(config)
+    assert summary["shards"] == 2 and summary["trajectories_in"] == 4
+    assert Tables(store).read("trajectories").num_rows == 4
+    assert not ProcessorStatusBoard(store).read().running
+
+
+def test_a_pending_pass_on_storage_without_the_run_fails_naming_it(tmp_path):
+    config = tiny_config(tmp_path / "elsewhere", "cluster")
+    with pytest.raises(
+        FileNotFoundError, match=r"run 'cluster' has no shards table at .*elsewhere.*storage\.root"
+    ):
+        process_pending.fn(config)
+
+
+@pytest.mark.parametrize("how", ["continuous", "pending"])
+def test_a_second_processor_on_a_run_with_a_running_processor_refuses_to_start(tmp_path, how):
+    config = tiny_config(tmp_path / "runs", "one-processor")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    commit_raw(store, raw_records(store, 2, seed=3))
+    board = ProcessorStatusBoard(store)
+    start = {
+        "continuous": lambda: run_processor(config, time.time() + 30),
+        "pending": lambda: process_pending.fn(config),
+    }[how]
+
+    with (
+        kept_fresh(lambda: board.publish(ProcessorStatus(time=time.time()))),
+        pytest.raises(InUse, match="the processor of run 'one-processor' is in use.*one processor"),
+    ):
+        start()
+    assert Tables(store).read("trajectories").num_rows == 0
+    board.publish(ProcessorStatus(time=time.time(), running=False))  # a stopped one holds nothing
+    if how == "continuous":
+        assert run_processor(config, time.time())["shards"] == 1
+    else:
+        assert process_pending.fn(config)["shards"] == 1
+    assert Tables(store).read("trajectories").num_rows == 2 and not board.read().running
