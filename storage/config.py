@@ -10,6 +10,7 @@ import aiobotocore.session
 import botocore.handlers
 import fsspec
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 MASKED = "**********"
 """What Prefect stores (and hands back) in place of a ``SecretStr`` parameter's value."""
@@ -17,6 +18,10 @@ MASKED = "**********"
 S3_SCHEMES = ("s3", "s3a")
 """URL schemes ``root`` may use (lower case once validated); any other URL is refused, and a
 root without ``://`` is a local folder."""
+
+
+def _unset(value: object) -> bool:
+    return value is None
 
 
 class StorageConfig(BaseModel):
@@ -38,14 +43,20 @@ class StorageConfig(BaseModel):
         None, description="S3 endpoint for MinIO-compatible stores, e.g. http://127.0.0.1:9000."
     )
     region: str | None = Field(None, description="S3 region; defaults to AWS_REGION or us-east-1.")
-    access_key_id: SecretStr | None = Field(None, description="S3 key id; defaults to AWS_ACCESS_KEY_ID.")
-    secret_access_key: SecretStr | None = Field(
-        None, description="S3 secret; defaults to AWS_SECRET_ACCESS_KEY."
+    # Left out of the JSON schema, and of a dump while unset: a deployment's form never offers
+    # them, and the Prefect server, which stores a run's parameters as sent, refuses a run
+    # that carries them (the schema allows no other field).
+    access_key_id: SkipJsonSchema[SecretStr | None] = Field(
+        None, description="S3 key id; defaults to AWS_ACCESS_KEY_ID.", exclude_if=_unset
     )
-    session_token: SecretStr | None = Field(
+    secret_access_key: SkipJsonSchema[SecretStr | None] = Field(
+        None, description="S3 secret; defaults to AWS_SECRET_ACCESS_KEY.", exclude_if=_unset
+    )
+    session_token: SkipJsonSchema[SecretStr | None] = Field(
         None,
         description="S3 session token of temporary credentials; defaults to AWS_SESSION_TOKEN when the "
         "key id and secret come from the environment too.",
+        exclude_if=_unset,
     )
     connect_timeout: float = Field(
         5.0, gt=0, description="Seconds to wait for an S3 connection before failing."

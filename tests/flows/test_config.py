@@ -169,6 +169,23 @@ def test_flow_parameters_render_run_config_with_descriptions(entrypoint):
     assert schema["definitions"]["StopConfig"]["properties"]["max_seconds"]["description"]
 
 
+@pytest.mark.parametrize("entrypoint", ["pipeline", "rollout", "process", "train", "evaluate", "maintain"])
+def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
+    """The Prefect server stores a run's parameters as it gets them: the form offers no
+    credential field, and a run whose config carries one is refused by the schema."""
+    flow = load_flow_from_entrypoint(f"flows.{entrypoint}:{entrypoint}", use_placeholder_flow=False)
+    schema = parameter_schema(flow).model_dump()
+    storage = schema["definitions"]["StorageConfig"]
+    assert not {"access_key_id", "secret_access_key", "session_token"} & set(storage["properties"])
+    assert storage["additionalProperties"] is False
+    plain = {"config": RunConfig().model_dump(mode="json")}
+    jsonschema.validate(plain, schema)  # a config without credentials goes through as dumped
+    for field in ("access_key_id", "secret_access_key", "session_token"):
+        with_key = RunConfig.model_validate({"storage": {field: "AKIAEXAMPLE"}}).model_dump(mode="json")
+        with pytest.raises(jsonschema.ValidationError, match=f"'{field}' was unexpected"):
+            jsonschema.validate({"config": with_key}, schema)
+
+
 def _deployments() -> list[dict]:
     raw = yaml.safe_load(PREFECT_YAML.read_text())
     PrefectYamlModel.model_validate(raw)
