@@ -107,13 +107,22 @@ class StopConfig(BaseModel):
     max_rollouts: int | None = Field(None, ge=1, description="Stop rollouts after this many have finished.")
 
 
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+"""A run id: letters, digits, ``_ . -``, starting with a letter or digit."""
+
+
 class RunConfig(BaseModel):
     """Everything one run needs: storage, model, engines, environments, processor, trainer."""
 
     # its inputs may hold credentials: errors name the field, never the value
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
 
-    run_id: str = Field("demo", description="Name of the run: its folder under storage.root.")
+    run_id: str = Field(
+        "demo",
+        description="Name of the run: its folder under storage.root.",
+        # in the schema too, so the Prefect server refuses a bad one when the run is created
+        json_schema_extra={"pattern": RUN_ID_PATTERN},
+    )
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="Where shards, tables and weights live."
     )
@@ -154,7 +163,7 @@ class RunConfig(BaseModel):
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, value: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", value):
+        if not re.fullmatch(RUN_ID_PATTERN, value):
             raise ValueError(
                 "run_id may hold letters, digits, '_', '.', '-' and must start with a letter or digit"
             )

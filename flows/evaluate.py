@@ -19,7 +19,12 @@ from tasks.weights import evaluate_task
 
 @flow(name="evaluate", log_prints=True)
 def evaluate(config: RunConfig = RunConfig(), version: int | None = None) -> dict[str, Any]:
-    """Held-out reward of ``version`` (the newest when left out) on every env of the mix."""
+    """Held-out reward of a weight version on every env of the mix.
+
+    Args:
+        config: the run.
+        version: the weight version to evaluate; empty: the newest.
+    """
     result = evaluate_task(config, version)
     create_table_artifact(
         [

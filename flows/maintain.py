@@ -54,10 +54,16 @@ def maintain(
     keep_last: Annotated[int, Field(ge=1)] = 5,
     retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
-    """Compact and vacuum every table, drop weight versions beyond the last ``keep_last``
-    (tagged ones stay) and delete shard files that no commit lists and that are older than
-    ``retention_hours`` (left by writers that died). ``retention_hours`` is at least
-    ``MIN_RETENTION_HOURS``."""
+    """Compact and vacuum every table, drop old weight versions and delete shard files that
+    no commit lists (left by writers that died).
+
+    Args:
+        config: the run.
+        keep_last: weight versions kept, the newest (LATEST and tagged ones always stay).
+        retention_hours: vacuumed table files and uncommitted shard files are deleted once
+            older than this (at least ``MIN_RETENTION_HOURS``: a younger one may belong to a
+            writer whose commit has not landed yet).
+    """
     tables = [compact_table(config, name, retention_hours) for name in TABLE_SCHEMAS]
     return {
         "tables": tables,

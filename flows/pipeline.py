@@ -102,7 +102,11 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     the ``evals`` table holds already is not evaluated again.
 
     With ``cluster: ray`` the three run as Ray tasks (prefect-ray's task runner), the
-    engines and environments as Ray actors."""
+    engines and environments as Ray actors.
+
+    Args:
+        config: the run.
+    """
     logger = get_run_logger()
     torch.set_num_threads(1)
     base = warm_start(config)

@@ -16,8 +16,13 @@ from tasks.process import process_pending, process_shards
 
 @flow(name="process", log_prints=True)
 def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[str, Any]:
-    """Turn raw shards into processed shards and ``trajectories`` rows: until the stop
-    condition when ``continuous``, else one pass over what is pending."""
+    """Turn raw shards into processed shards and ``trajectories`` rows.
+
+    Args:
+        config: the run.
+        continuous: process shards as they are committed until the stop condition; off: the
+            pending ones (polling until none is new), then end.
+    """
     if continuous:
         return process_shards(config, deadline_of(config))
     return process_pending(config)

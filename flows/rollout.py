@@ -20,12 +20,15 @@ from tasks.weights import warm_start
 @flow(name="rollout", log_prints=True)
 def rollout(
     config: RunConfig = RunConfig(),
-    worker_name: Annotated[
-        str,
-        Field(pattern=NAME_PATTERN, description="Worker name: its shard folder (letters, digits, _ . -)."),
-    ] = "worker-0",
+    worker_name: Annotated[str, Field(pattern=NAME_PATTERN)] = "worker-0",
 ) -> dict[str, Any]:
-    """Serve the newest weight version and write rollouts to raw shards until the stop condition."""
+    """Serve the newest weight version and write rollouts to raw shards until the stop condition.
+
+    Args:
+        config: the run.
+        worker_name: the worker's name, its shard folder (letters, digits, ``_ . -``); one
+            running worker per name.
+    """
     warm_start(config)
     return rollouts(config, deadline_of(config), worker_name)
 

@@ -162,6 +162,8 @@ def test_flow_parameters_render_run_config_with_descriptions(entrypoint):
     flow = load_flow_from_entrypoint(f"flows.{entrypoint}:{entrypoint}", use_placeholder_flow=False)
     schema = parameter_schema(flow).model_dump()
     assert schema["properties"]["config"]["$ref"] == "#/definitions/RunConfig"
+    undescribed = [name for name, prop in schema["properties"].items() if not prop.get("description")]
+    assert not undescribed, f"parameters without a description in the form: {undescribed}"
     run_config = schema["definitions"]["RunConfig"]["properties"]
     assert set(run_config) == set(RunConfig.model_fields)
     missing = [f"{d}.{n}" for d, n, prop in _schema_properties(schema) if not prop.get("description")]
@@ -172,7 +174,8 @@ def test_flow_parameters_render_run_config_with_descriptions(entrypoint):
 @pytest.mark.parametrize("entrypoint", ["pipeline", "rollout", "process", "train", "evaluate", "maintain"])
 def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
     """The Prefect server stores a run's parameters as it gets them: the form offers no
-    credential field, and a run whose config carries one is refused by the schema."""
+    credential field, and a run whose config carries one is refused by the schema (as is a
+    run id that cannot name a folder)."""
     flow = load_flow_from_entrypoint(f"flows.{entrypoint}:{entrypoint}", use_placeholder_flow=False)
     schema = parameter_schema(flow).model_dump()
     storage = schema["definitions"]["StorageConfig"]
@@ -180,6 +183,9 @@ def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
     assert storage["additionalProperties"] is False
     plain = {"config": RunConfig().model_dump(mode="json")}
     jsonschema.validate(plain, schema)  # a config without credentials goes through as dumped
+    bad_run = {"config": plain["config"] | {"run_id": "../elsewhere"}}
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        jsonschema.validate(bad_run, schema)  # refused by the server, before a worker starts
     for field in ("access_key_id", "secret_access_key", "session_token"):
         with_key = RunConfig.model_validate({"storage": {field: "AKIAEXAMPLE"}}).model_dump(mode="json")
         with pytest.raises(jsonschema.ValidationError, match=f"'{field}' was unexpected"):
