@@ -13,9 +13,11 @@ from typing import Any
 from botocore.exceptions import BotoCoreError
 from deltalake.exceptions import CommitFailedError
 from prefect.cache_policies import NO_CACHE
+from prefect.events import emit_event
 
 from flows.config import RunConfig
 from storage.config import RunStore
+from storage.weights import WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -151,3 +153,12 @@ def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[thread
     finally:
         done.set()
         watcher.join()
+
+
+def announce_version(config: RunConfig, version: int) -> None:
+    """Emit ``treadle.weights.published`` for weight version ``version`` of the run."""
+    emit_event(
+        event="treadle.weights.published",
+        resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
+        payload={"version": version, "path": WeightStore(run_store(config)).version_url(version)},
+    )

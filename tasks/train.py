@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import task
-from prefect.events import emit_event
 
 from flows.config import RunConfig
 from rl.trainer import Trainer
@@ -31,7 +30,14 @@ from storage.status import (
     wait_until_free,
 )
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
+from tasks.common import (
+    SIDE_EFFECTS,
+    STORAGE_RETRIES,
+    announce_version,
+    reporting,
+    run_store,
+    watch_signal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -343,13 +349,6 @@ def train(
 
     progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps, deadline=deadline)
 
-    def published(version: int) -> None:
-        emit_event(
-            event="treadle.weights.published",
-            resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
-            payload={"version": version, "path": WeightStore(run_store(config)).version_url(version)},
-        )
-
     store = run_store(config)
     with (
         watch_signal(store, signals, "stop") as stop,
@@ -363,7 +362,7 @@ def train(
                 detail=f"version {row['version']}, reward {row['reward_mean']:.2f}, "
                 f"masked {row['masked_fraction']:.3f}, staleness {row['staleness_mean']:.1f}",
             ),
-            on_publish=published,
+            on_publish=lambda version: announce_version(config, version),
             stop=stop,
             drain=drain,
             drain_event=processed,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -21,7 +22,7 @@ from rollout.evaluate import EvalResult, evaluate
 from rollout.gateway import ChatRenderer
 from storage.tables import Tables
 from storage.weights import VersionTaken, WeightStore
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, announce_version, reporting, run_store
 
 BASE_VERSION_WAIT_S = 300.0
 """How old the claim of version 0 may grow (its publish renews it while uploading) before a
@@ -62,7 +63,12 @@ def demonstration_data(
     return sequences, masks
 
 
-def build_base_version(config: RunConfig, log=print, owner: str | None = None) -> int:
+def build_base_version(
+    config: RunConfig,
+    log=print,
+    owner: str | None = None,
+    on_publish: Callable[[int], None] | None = None,
+) -> int:
     """Publish version 0 if the run has none: the starting policy, warm-started on the
     environments' demonstrations when ``warm_start.enabled``. Returns the latest version.
 
@@ -73,7 +79,7 @@ def build_base_version(config: RunConfig, log=print, owner: str | None = None) -
     publishing: this base is then published under the next number. A claim made by
     ``owner`` (the same on every retry of the caller) whose publish failed is taken back at
     once; one whose publish wrote version 0 whole and failed only to point ``LATEST`` at it
-    is used as it is."""
+    is used as it is. ``on_publish`` is called with the version once this call published it."""
     store = run_store(config)
     weights = WeightStore(store)
     latest = weights.latest()
@@ -129,6 +135,8 @@ def build_base_version(config: RunConfig, log=print, owner: str | None = None) -
         )
         version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base")
     Tables(store).append("weights", [weights.table_row(version)])
+    if on_publish is not None:
+        on_publish(version)
     return version
 
 
@@ -216,8 +224,13 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
 
 @task(name="warm-start", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def warm_start(config: RunConfig) -> int:
-    """Create the run's version 0 (warm-started) unless it exists."""
-    return build_base_version(config, log=get_run_logger().info, owner=f"task-run-{task_run.id}")
+    """Create the run's version 0 (warm-started) unless it exists; emits an event when it does."""
+    return build_base_version(
+        config,
+        log=get_run_logger().info,
+        owner=f"task-run-{task_run.id}",
+        on_publish=reporting(lambda version: announce_version(config, version), "event of the base version"),
+    )
 
 
 @task(name="evaluate", **SIDE_EFFECTS, **STORAGE_RETRIES)
