@@ -10,6 +10,7 @@ import re
 import time
 from typing import Any
 
+import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import get_run_logger
 from prefect.artifacts import (
@@ -82,6 +83,48 @@ class ProgressReporter:
             )
 
 
+REPORT_STEPS = 50
+"""Policy steps the report's table lists, the latest."""
+
+
+def shards_by_worker(shards: pa.Table) -> list[dict[str, Any]]:
+    """One row per kind and worker of the ``shards`` table: shards, rows, tokens, the range
+    of versions generated and the last commit (a run of days commits tens of thousands of
+    shards, too many for one artifact)."""
+    if shards.num_rows == 0:
+        return []
+    generated = pc.greater_equal(shards.column("min_version"), 0)
+    shards = shards.set_column(
+        shards.schema.get_field_index("min_version"),
+        "min_version",
+        pc.if_else(generated, shards.column("min_version"), None),
+    )
+    grouped = shards.group_by(["kind", "worker"]).aggregate(
+        [
+            ("shard_id", "count"),
+            ("num_rows", "sum"),
+            ("num_tokens", "sum"),
+            ("min_version", "min"),
+            ("max_version", "max"),
+            ("committed_at", "max"),
+        ]
+    )
+    rows = grouped.sort_by([("kind", "ascending"), ("worker", "ascending")]).to_pylist()
+    return [
+        {
+            "kind": r["kind"],
+            "worker": r["worker"],
+            "shards": r["shard_id_count"],
+            "rows": r["num_rows_sum"],
+            "tokens": r["num_tokens_sum"],
+            "min_version": r["min_version_min"],
+            "max_version": r["max_version_max"] if r["max_version_max"] >= 0 else None,
+            "last_commit": r["committed_at_max"].isoformat(),
+        }
+        for r in rows
+    ]
+
+
 def _rows(table, columns: list[str]) -> list[dict[str, Any]]:
     return table.select([c for c in columns if c in table.column_names]).to_pylist()
 
@@ -143,9 +186,9 @@ def report_run(config: RunConfig) -> str:
         description="Held-out reward per weight version",
     )
     table_artifact(
-        _rows(shards, ["shard_id", "kind", "num_rows", "num_tokens", "min_version", "max_version"]),
+        shards_by_worker(shards),
         key=f"{key}-shards",
-        description="Committed shards",
+        description="Committed shards per kind and worker (the shards table lists each one)",
     )
     png_path = "reports/curves.png"
     png = curves_png(steps, evals)
@@ -169,13 +212,15 @@ def report_run(config: RunConfig) -> str:
         "",
         "## Policy steps",
         "",
+        f"The last {min(steps.num_rows, REPORT_STEPS)} of {steps.num_rows} (`train_steps` holds every one).",
+        "",
         "| step | version | reward | policy loss | value loss | masked | KL |",
         "|---|---|---|---|---|---|---|",
         *(
             f"| {r['step']} | {r['version']} | {r['reward_mean']:.3f} | {r['policy_loss']:.4f} | {r['value_loss']:.4f} "
             f"| {r['masked_fraction']:.3f} | {r['kl']:.4f} |"
             for r in _rows(
-                steps,
+                steps.slice(max(steps.num_rows - REPORT_STEPS, 0)),
                 ["step", "version", "reward_mean", "policy_loss", "value_loss", "masked_fraction", "kl"],
             )
         ),

@@ -1,0 +1,110 @@
+"""The run report's artifacts stay a bounded size however long the run."""
+
+from __future__ import annotations
+
+import random
+from datetime import UTC, datetime, timedelta
+
+from storage.tables import Tables, conform
+from tasks import report
+from tasks.common import run_store
+from tests.flows.conftest import tiny_config
+
+START = datetime(2026, 12, 1, tzinfo=UTC)
+
+
+def shard_row(kind: str, worker: str, seq: int, versions: tuple[int, int], rows: int) -> dict:
+    return {
+        "shard_id": f"{kind}/{worker}/{seq:08d}",
+        "kind": kind,
+        "path": f"shards/{kind}/{worker}/{seq:08d}.arrow",
+        "worker": worker,
+        "seq": seq,
+        "num_rows": rows,
+        "num_tokens": 10 * rows,
+        "min_version": versions[0],
+        "max_version": versions[1],
+        "committed_at": START + timedelta(seconds=seq),
+    }
+
+
+def test_the_shards_artifact_sums_each_worker_and_kind_against_a_loop():
+    rng = random.Random(0)
+    rows = []
+    for i in range(300):
+        kind, worker = rng.choice(["raw", "processed"]), rng.choice(["w0", "w1", "gpu-0"])
+        low = rng.randrange(-1, 6)
+        versions = (-1, -1) if low < 0 else (low, low + rng.randrange(3))
+        rows.append(shard_row(kind, worker, i, versions, rng.randrange(1, 9)))
+    summary = report.shards_by_worker(conform("shards", rows))
+
+    expected = {}
+    for r in rows:
+        e = expected.setdefault(
+            (r["kind"], r["worker"]),
+            {"shards": 0, "rows": 0, "tokens": 0, "min_version": None, "max_version": None, "last": None},
+        )
+        e["shards"] += 1
+        e["rows"] += r["num_rows"]
+        e["tokens"] += r["num_tokens"]
+        if r["min_version"] >= 0:
+            e["min_version"] = (
+                r["min_version"] if e["min_version"] is None else min(e["min_version"], r["min_version"])
+            )
+            e["max_version"] = (
+                r["max_version"] if e["max_version"] is None else max(e["max_version"], r["max_version"])
+            )
+        e["last"] = r["committed_at"] if e["last"] is None else max(e["last"], r["committed_at"])
+    assert [(s["kind"], s["worker"]) for s in summary] == sorted(expected)
+    for s in summary:
+        e = expected[(s["kind"], s["worker"])]
+        assert (s["shards"], s["rows"], s["tokens"]) == (e["shards"], e["rows"], e["tokens"])
+        assert (s["min_version"], s["max_version"]) == (e["min_version"], e["max_version"])
+        assert s["last_commit"] == e["last"].isoformat()
+    assert report.shards_by_worker(conform("shards", [])) == []
+
+
+def test_a_long_runs_report_lists_its_latest_steps_and_one_shard_row_per_worker(tmp_path, monkeypatch):
+    config = tiny_config(tmp_path / "runs", "long-run")
+    tables = Tables(run_store(config))
+    tables.append("shards", [shard_row("raw", f"w{i % 3}", i, (0, 1), 4) for i in range(500)])
+    step_rows = [
+        {
+            "step": step,
+            "version": step // 2,
+            "policy_loss": 0.1,
+            "value_loss": 0.2,
+            "masked_fraction": 0.0,
+            "mean_ratio": 1.0,
+            "kl": 0.0,
+            "staleness_mean": 1.0,
+            "staleness_max": 2,
+            "num_samples": 8,
+            "num_tokens": 80,
+            "tokens_per_s": 10.0,
+            "reward_mean": 0.5,
+            "dropped_stale": 0,
+            "step_seconds": 0.1,
+            "time": START + timedelta(seconds=step),
+            "extra": None,
+        }  # fmt: skip
+        for step in range(1, 201)
+    ]
+    tables.append("train_steps", step_rows)
+    made = {}
+    monkeypatch.setattr(
+        report, "create_table_artifact", lambda rows, key, description: made.update({key: rows})
+    )
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+
+    markdown = report.report_run(config)
+
+    key = report.artifact_key("long-run")
+    assert [(r["worker"], r["shards"]) for r in made[f"{key}-shards"]] == [
+        ("w0", 167),
+        ("w1", 167),
+        ("w2", 166),
+    ]
+    listed = [line for line in markdown.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(line.split("|")[1]) for line in listed] == list(range(151, 201))
+    assert f"The last {report.REPORT_STEPS} of 200" in markdown
