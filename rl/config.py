@@ -60,7 +60,9 @@ class SAOConfig(BaseModel):
     mixed_precision: Literal["no", "bf16"] = Field(
         "no",
         description="'bf16': the policy's and the value model's forward passes run their matmuls in "
-        "bfloat16 (torch.autocast); weights, gradients, optimizer state, log-probs and losses stay float32.",
+        "bfloat16 (torch.autocast), the LM head's included, as a bfloat16 engine computes its logits; "
+        "weights, gradients and optimizer state stay float32, log-probs and losses are float32 from "
+        "the bfloat16 logits.",
     )
     activation_checkpointing: bool = Field(
         False,

@@ -140,3 +140,16 @@ def test_a_chunked_pass_never_holds_more_than_one_chunk_of_logits(monkeypatch, c
         assert seen.rows == chunk, "a pass held logits of more positions than one chunk"
     else:
         assert seen.rows == wanted, "an unchunked pass works out every wanted position at once"
+
+
+@pytest.mark.parametrize(
+    "model_factory", [lambda: plain_head_model(Qwen3Config), gpt2_model], ids=["qwen3", "gpt2"]
+)
+def test_with_no_token_wanted_the_zeros_still_backpropagate(model_factory):
+    model = model_factory()
+    input_ids, attention_mask, _ = batch(seed=7)
+    where = torch.zeros_like(attention_mask)
+    where[0, 0] = True  # position 0 has no log-prob: still nothing wanted
+    logprobs = token_logprobs(model, input_ids, attention_mask, where=where)
+    assert (logprobs == 0).all() and logprobs.requires_grad
+    (-logprobs.sum()).backward()  # a masked NLL of 0, as the warm start takes on such a batch
