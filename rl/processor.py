@@ -85,7 +85,8 @@ class ProcessorConfig(BaseModel):
         ge=0.0,
         le=1.0,
         description="Scale of partial progress in an unsuccessful trajectory's reward: "
-        "max(reward, progress_weight * progress); 0 turns partial-progress scoring off.",
+        "max(reward, progress_weight * progress) for a reward in [0, success_threshold) (a negative "
+        "one is kept); 0 turns partial-progress scoring off.",
     )
     rescore_attempts: int = Field(
         3,
@@ -104,17 +105,17 @@ def combine_reward(reward: float | None, progress: float | None, config: Process
     """The reward a trajectory is trained with.
 
     A successful trajectory (``reward ≥ success_threshold``) keeps its reward. An
-    unsuccessful one gets ``max(reward, progress_weight · progress)`` when that term is
-    positive: partial progress can raise a failed attempt's reward but never lower it, no
-    progress (or ``progress_weight`` 0) leaves it as it is, negative included, and with
-    ``progress_weight ≤ 1`` it stays under a success. A missing reward counts as 0, and so
-    does missing progress (no gradable artifact gives reward 0).
+    unsuccessful one, with a reward in ``[0, success_threshold)``, gets
+    ``max(reward, progress_weight · progress)``: partial progress can raise a failed
+    attempt's reward but never lower it, and with ``progress_weight ≤ 1`` it stays under a
+    success. A negative reward (a penalty, a reward model's logit) is kept as it is: progress
+    does not erase it. A missing reward counts as 0, and so does missing progress (no
+    gradable artifact gives reward 0).
     """
     base = 0.0 if reward is None else float(reward)
-    if base >= config.success_threshold or progress is None:
+    if base >= config.success_threshold or base < 0 or progress is None:
         return base
-    lifted = config.progress_weight * float(progress)
-    return max(base, lifted) if lifted > 0 else base
+    return max(base, config.progress_weight * float(progress))
 
 
 @dataclass

@@ -154,24 +154,23 @@ def process_shards(config: RunConfig, deadline: float, signals: str | None = Non
 
 @task(name="process-pending", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def process_pending(config: RunConfig) -> dict[str, Any]:
-    """Process the raw shards not processed yet, polling again until a poll finds none, so
-    shards committed during the pass are taken too (for event-triggered runs).
+    """One pass over the raw shards pending when it starts (for event-triggered runs: a shard
+    committed during the pass is left to the pass its own commit event schedules).
 
-    Raises ``FileNotFoundError`` naming the storage when the run has no ``shards`` table: a
-    commit event names a run that this storage does not hold (a worker on another machine
-    writing to its own local folder rather than to shared ``s3://`` storage)."""
+    Raises ``FileNotFoundError`` naming the storage when it holds no trace of the run (no
+    ``shards`` table, no weight version): a commit event then names a run that this storage
+    does not hold (a worker on another machine writing to its own local folder rather than
+    to shared ``s3://`` storage)."""
     store = run_store(config)
-    if Tables(store).version("shards") is None:
+    if Tables(store).version("shards") is None and WeightStore(store).latest() is None:
         raise FileNotFoundError(
-            f"run {config.run_id!r} has no shards table at {store.url('tables', 'shards')}: check "
+            f"run {config.run_id!r} is not at {store.uri}: no shards table, no weight version; check "
             "storage.root and run_id (processes on other machines need shared s3:// storage)"
         )
     with holding_the_processor(config):
         processor = shard_processor(
             config, on_shard=reporting(lambda outcome: _emit(config, outcome), "report of a processed shard")
         )
-        totals = ProcessTotals()
-        while new := processor.poll():
-            totals.add(new)
+        totals = ProcessTotals().add(processor.poll())
         processor.save()
         return totals.summary()

@@ -551,13 +551,16 @@ def test_partial_progress_combines_with_reward():
 @pytest.mark.parametrize(
     ("reward", "progress", "weight", "expected"),
     [
-        (-3.0, 0.0, 0.5, -3.0),  # no progress: no lift, a negative reward stays
+        (-3.0, 0.0, 0.5, -3.0),
         (-1.0, 0.8, 0.0, -1.0),  # partial-progress scoring off
-        (-1.0, 0.5, 0.5, 0.25),  # real progress still lifts
+        (-1.0, 0.5, 0.5, -1.0),  # a penalty stays, whatever the progress
+        (-1e-6, 1.0, 0.5, -1e-6),
         (-0.2, None, 0.5, -0.2),
+        (0.0, 0.5, 0.5, 0.25),  # a failure without penalty is lifted
+        (0.0, 0.5, 0.0, 0.0),
     ],
 )
-def test_partial_progress_never_lifts_a_negative_reward_without_progress(reward, progress, weight, expected):
+def test_partial_progress_never_lifts_a_negative_reward(reward, progress, weight, expected):
     config = ProcessorConfig(success_threshold=1.0, progress_weight=weight)
     assert combine_reward(reward, progress, config) == pytest.approx(expected)
 
