@@ -451,6 +451,7 @@ class ProcessorStatus(BaseModel):
 
     time: float = Field(allow_inf_nan=False, description="Epoch seconds at which it was written.")
     running: bool = Field(True, description="False once the processor stopped.")
+    owner: str = Field("", description="Which processor wrote it (a random id per processor).")
 
 
 class ProcessorStatusBoard(_ObjectBoard):

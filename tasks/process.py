@@ -6,6 +6,7 @@ import contextlib
 import logging
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,7 +18,14 @@ from flows.config import RunConfig
 from rl.models import load_tokenizer
 from rl.process_loop import ProcessedShard, ShardProcessor
 from storage.heartbeat import Heartbeat
-from storage.status import ProcessorStatus, ProcessorStatusBoard, wait_until_free
+from storage.status import (
+    DEFAULT_MAX_AGE_S,
+    InUse,
+    ProcessorStatus,
+    ProcessorStatusBoard,
+    is_fresh,
+    wait_until_free,
+)
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
@@ -77,30 +85,50 @@ class ProcessTotals:
 
 
 @contextlib.contextmanager
-def holding_the_processor(config: RunConfig) -> Iterator[None]:
-    """Hold the run's processor role while the block runs (its status renewed on a thread).
+def holding_the_processor(config: RunConfig) -> Iterator[threading.Event]:
+    """Hold the run's processor role while the block runs; yields an event set once the role
+    is lost.
 
     One processor per run: two would process its shards twice. While another processor's
     status is renewed this raises :class:`~storage.status.InUse`; the fresh status a killed
-    one left is waited out (``storage.status.wait_until_free``)."""
+    one left is waited out (``storage.status.wait_until_free``). The status is renewed on a
+    thread, which first reads it back: when another processor's fresh status has replaced
+    this one's (two started at once, or a renewal stalled past the time a status counts and
+    another took the run), the role is lost, this processor stops renewing, and it leaves the
+    status to its new holder."""
     board = ProcessorStatusBoard(run_store(config))
     wait_until_free(
         board.read,
         f"the processor of run {config.run_id!r}",
         "a run has one processor: stop the other first (a pipeline run processes its own run)",
     )
-    board.publish(ProcessorStatus(time=time.time()))
-    beat = Heartbeat(
-        lambda: board.publish(ProcessorStatus(time=time.time())), STATUS_EVERY_S, "processor status"
-    )
+    owner, lost = uuid.uuid4().hex, threading.Event()
+
+    def renew() -> None:
+        current = board.read()
+        if (
+            current is not None
+            and current.owner != owner
+            and current.running
+            and is_fresh(current.time, time.time(), DEFAULT_MAX_AGE_S)
+        ):
+            if not lost.is_set():
+                log.error("the processor role of run %s was taken by another processor", config.run_id)
+            lost.set()
+        if not lost.is_set():
+            board.publish(ProcessorStatus(time=time.time(), owner=owner))
+
+    board.publish(ProcessorStatus(time=time.time(), owner=owner))
+    beat = Heartbeat(renew, STATUS_EVERY_S, "processor status")
     try:
-        yield
+        yield lost
     finally:
         beat.stop()
-        try:
-            board.publish(ProcessorStatus(time=time.time(), running=False))
-        except Exception as exc:  # its status goes stale instead, and frees the role then
-            log.warning("could not mark the processor of run %s stopped: %s", config.run_id, exc)
+        if not lost.is_set():
+            try:
+                board.publish(ProcessorStatus(time=time.time(), running=False, owner=owner))
+            except Exception as exc:  # its status goes stale instead, and frees the role then
+                log.warning("could not mark the processor of run %s stopped: %s", config.run_id, exc)
 
 
 def run_processor(
@@ -111,15 +139,22 @@ def run_processor(
     stop: threading.Event | None = None,
 ) -> dict[str, Any]:
     """Process raw shards as they are committed until ``deadline``, then drain once more
-    (holding the run's processor role)."""
-    with holding_the_processor(config):
+    (holding the run's processor role; raises :class:`~storage.status.InUse` once it is lost)."""
+    with holding_the_processor(config) as lost:
         processor = shard_processor(config, reporting(on_shard, "report of a processed shard"))
         totals = ProcessTotals()
-        while time.time() < deadline and not (stop is not None and stop.is_set()):
+        while time.time() < deadline and not (stop is not None and stop.is_set()) and not lost.is_set():
             new = processor.poll()
             totals.add(new)
             if not new:
                 time.sleep(poll_s)
+        if lost.is_set():
+            processor.save()
+            raise InUse(
+                f"the processor of run {config.run_id!r} was taken over by another processor (this "
+                f"one's status went unrenewed for over {DEFAULT_MAX_AGE_S:.0f} s, or both started at "
+                f"once); stopped after {totals.totals['shards']} shards, the other goes on"
+            )
         totals.add(processor.poll())
         processor.save()
         return totals.summary()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -12,6 +13,7 @@ from storage.shards import ShardWriter
 from storage.status import InUse, ProcessorStatus, ProcessorStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
+from tasks import process as process_task
 from tasks.common import run_store
 from tasks.process import process_pending, run_processor, shard_processor
 from tests.conftest import kept_fresh
@@ -107,3 +109,37 @@ def test_a_second_processor_on_a_run_with_a_running_processor_refuses_to_start(t
     else:
         assert process_pending.fn(config)["shards"] == 1
     assert Tables(store).read("trajectories").num_rows == 2 and not board.read().running
+
+
+def test_a_processor_whose_role_was_taken_stops_and_leaves_the_status_to_the_new_holder(
+    tmp_path, monkeypatch
+):
+    """Its renewals stalled past the time a status counts, another processor took the run:
+    at its next renewal it finds the other's status, stops processing and writes nothing."""
+    monkeypatch.setattr(process_task, "STATUS_EVERY_S", 0.05)
+    config = tiny_config(tmp_path / "runs", "taken-over")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    board = ProcessorStatusBoard(store)
+    written = []
+    publish = ProcessorStatusBoard.publish
+
+    def recorded(self, status):
+        written.append(status)
+        publish(self, status)
+
+    monkeypatch.setattr(ProcessorStatusBoard, "publish", recorded)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(run_processor, config, time.time() + 60)
+        deadline = time.monotonic() + 30
+        while (status := board.read()) is None or not status.owner:
+            assert time.monotonic() < deadline and not first.done()
+            time.sleep(0.02)
+        first_owner = status.owner
+        with kept_fresh(lambda: board.publish(ProcessorStatus(time=time.time(), owner="the-new-one")), 0.02):
+            with pytest.raises(InUse, match="taken over by another processor"):
+                first.result(timeout=30)
+            assert board.read().owner == "the-new-one" and board.read().running
+    # it never marked the role stopped: that would have freed the new holder's run
+    assert all(status.running for status in written)
+    assert {status.owner for status in written} == {first_owner, "the-new-one"}
