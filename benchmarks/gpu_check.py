@@ -42,7 +42,7 @@ import traceback
 
 import httpx
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config
+from bench_train_memory import qwen3_like
 
 from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
@@ -236,19 +236,8 @@ def check_training(tokens: int = 8192, device: str = "cuda") -> dict:
     """The trainer's log-prob pass on ``device``, checkpointed and chunked, against the plain
     one (peak memory measured on CUDA only)."""
     cuda = device.startswith("cuda")
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=151_936,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=2,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        tie_word_embeddings=True,
-    )
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device).train()
-    input_ids = torch.randint(0, config.vocab_size, (4, tokens // 4), device=device)
+    model = qwen3_like(2).to(device)
+    input_ids = torch.randint(0, model.config.vocab_size, (4, tokens // 4), device=device)
     attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
     weights = torch.randn(input_ids.shape, device=device)
     results = {}
