@@ -16,6 +16,7 @@ from flows.config import RunConfig
 from rl.trainer import Trainer
 from rollout.elastic import ElasticConfig, PolicyInputs
 from rollout.elastic_plan import ElasticPlanner
+from storage.heartbeat import Heartbeat
 from storage.status import (
     DEFAULT_MAX_AGE_S,
     ElasticPlan,
@@ -54,6 +55,10 @@ are the step's own record's)."""
 TRAINER_STATUS_S = 0.25
 """Seconds between looks at the trainer's queue (how much data waits for it, the rollout
 workers' backpressure); it is published when it changed, and every ``PLAN_REFRESH_S``."""
+
+TRAINER_LOADING_BEAT_S = 5.0
+"""Seconds between renewals of the trainer's status while it loads its models (a status
+counts for ``DEFAULT_MAX_AGE_S``)."""
 
 
 def elastic_config(config: RunConfig) -> ElasticConfig:
@@ -161,13 +166,21 @@ def run_trainer(
             newest_read=newest_read or {},
         )
 
-    # the role is this trainer's from here: one started while this one loads is refused
+    # the role is this trainer's from here: one started while this one loads is refused, and
+    # a heartbeat keeps the status fresh through a load longer than a status counts
     queue_board.publish(trainer_status(0, running=True))
+    loading = Heartbeat(
+        lambda: queue_board.publish(trainer_status(0, running=True)),
+        TRAINER_LOADING_BEAT_S,
+        "trainer status heartbeat while it loads",
+    )
     try:
         trainer = Trainer(store, config.sao, device=config.trainer_device)
-    except Exception:
+    except BaseException:
+        loading.stop()
         queue_board.publish(trainer_status(0, running=False))
         raise
+    loading.stop()
     elastic = elastic or ElasticPlanner(elastic_config(config))
     # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)

@@ -28,6 +28,7 @@ from storage.status import (
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks import rollout as rollout_task
+from tasks import train as train_task
 from tasks.process import run_processor
 from tasks.rollout import run_rollouts
 from tasks.train import run_trainer
@@ -190,6 +191,39 @@ def test_a_second_trainer_on_a_run_with_a_running_trainer_refuses_to_start(tmp_p
     assert WeightStore(store).list() == [0] and Tables(store).read("train_steps").num_rows == 0
     board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, running=False))
     assert run_trainer(run, time.time() + WAIT_S, drain=True)["steps"] == 0  # a stopped one holds nothing
+
+
+def test_a_trainer_keeps_the_run_taken_while_it_loads(tmp_path, monkeypatch):
+    """Loading the trainer takes 2 s, four times the 0.5 s after which a status goes stale:
+    all the while a second trainer on the run is refused."""
+    monkeypatch.setattr(train_task, "TRAINER_LOADING_BEAT_S", 0.05)
+    run = RunConfig(run_id="slow-trainer", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    loading, loaded = threading.Event(), threading.Event()
+    build = train_task.Trainer
+
+    def slow_trainer(*args, **kwargs):
+        loading.set()
+        time.sleep(2.0)
+        trainer = build(*args, **kwargs)
+        loaded.set()
+        return trainer
+
+    monkeypatch.setattr(train_task, "Trainer", slow_trainer)
+    board = TrainerStatusBoard(store)
+    with ThreadPoolExecutor(1) as pool:
+        training = pool.submit(run_trainer, run, time.time() + WAIT_S, drain=True)
+        assert loading.wait(WAIT_S)
+        with pytest.raises(InUse, match="the trainer of run 'slow-trainer' is in use"):
+            wait_until_free(
+                board.read, "the trainer of run 'slow-trainer'", "stop it", max_age_s=0.5, poll_s=0.05
+            )
+        assert not loaded.is_set()  # refused while it loads, not once it runs
+        assert training.result(timeout=WAIT_S)["steps"] == 0
+    final = board.read()
+    time.sleep(0.3)
+    assert not final.running and board.read() == final  # no beat after the last word
 
 
 def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_path):
