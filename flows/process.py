@@ -20,8 +20,8 @@ def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[st
 
     Args:
         config: the run.
-        continuous: process shards as they are committed until the stop condition; off: the
-            pending ones (polling until none is new), then end.
+        continuous: process shards as they are committed until the stop condition; off: one
+            pass over the shards pending when it starts, then end.
     """
     if continuous:
         return process_shards(config, deadline_of(config))
