@@ -470,6 +470,7 @@ class Trainer:
         drain: bool = False,
         drain_event: threading.Event | None = None,
         step_extra: Callable[[], dict] | None = None,
+        abandon_event: threading.Event | None = None,
     ) -> TrainSummary:
         """Train until a stop condition holds.
 
@@ -483,11 +484,15 @@ class Trainer:
             drain_event: drain from the moment it is set (the producers have finished).
             step_extra: called before each step's row is written; what it returns is merged
                 into the row's ``extra`` (e.g. the elastic controller's inputs and moves).
+            abandon_event: stop when it is set and publish nothing more (another trainer
+                took the run and trains from its latest version: what this one trained since
+                is left to it).
 
         On a clean stop the steps since the last version are published
         (``publish_on_stop``).
         """
         stop_event = stop_event or threading.Event()
+        abandon_event = abandon_event or threading.Event()
         if max_steps is not None and self.step >= max_steps:
             logger.warning(
                 "the run is already at policy step %d, at or past max_steps=%d (steps count over the "
@@ -499,6 +504,9 @@ class Trainer:
         started = time.monotonic()
         versions: list[int] = []
         while True:
+            if abandon_event.is_set():
+                stop_reason = "abandoned"
+                break
             if max_steps is not None and self.step >= max_steps:
                 stop_reason = "max_steps"
                 break
@@ -521,7 +529,7 @@ class Trainer:
                 )
                 if progress is not None and metrics is not None:
                     progress({**metrics.row, "extra": metrics.extra})
-                if self._steps_since_publish >= self.config.publish_every:
+                if self._steps_since_publish >= self.config.publish_every and not abandon_event.is_set():
                     versions.append(self.publish())
                 continue
             if draining and new_shards == 0:
@@ -538,7 +546,8 @@ class Trainer:
                 with self._idle_lock:
                     self.idle_seconds += time.monotonic() - waited
                     self.waiting_since = None
-        if self.config.publish_on_stop and (self._steps_since_publish or self._pending_consumption()):
+        publish_pending = self._steps_since_publish or self._pending_consumption()
+        if self.config.publish_on_stop and publish_pending and stop_reason != "abandoned":
             versions.append(self.publish())
         logger.info("trainer stopped (%s) at step %d", stop_reason, self.step)
         return TrainSummary(steps=self.step, versions=versions, stop_reason=stop_reason)

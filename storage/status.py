@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import posixpath
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -405,6 +406,7 @@ class TrainerStatus(BaseModel):
         description="For each rollout worker, the newest sequence number among its shards the trainer has "
         "read (a processed shard keeps its raw shard's number).",
     )
+    owner: str = Field("", description="Which trainer wrote it (a random id per trainer).")
 
     @property
     def queued_batches(self) -> float:
@@ -462,3 +464,44 @@ class ProcessorStatusBoard(_ObjectBoard):
     name = PROCESSOR_STATUS_NAME
     what = "processor status"
     on_corrupt = "it does not hold the run's processing back"
+
+
+class HeldRole:
+    """A role of the run that one process holds at a time (its trainer, its processor): held
+    by publishing its status object stamped with this holder's random ``owner`` id.
+
+    Every publish first reads the status back. When another holder's fresh running status
+    has replaced this one's (two started at once, or this one's renewals stalled past
+    ``max_age_s`` and another took the role), the role is lost: :attr:`lost` is set and this
+    holder publishes nothing more, leaving the status to the new holder."""
+
+    def __init__(
+        self,
+        board: TrainerStatusBoard | ProcessorStatusBoard,
+        what: str,
+        max_age_s: float = DEFAULT_MAX_AGE_S,
+    ):
+        self.board = board
+        self.what = what
+        self.owner = uuid.uuid4().hex
+        self.lost = threading.Event()
+        self._max_age_s = max_age_s
+        self._lock = threading.Lock()  # a read-back and its publish are one step
+
+    def publish(self, status: TrainerStatus | ProcessorStatus) -> bool:
+        """Publish ``status`` as this holder's unless the role is lost; whether it was published."""
+        with self._lock:
+            if not self.lost.is_set():
+                current = self.board.read()
+                if (
+                    current is not None
+                    and current.owner != self.owner
+                    and current.running
+                    and is_fresh(current.time, time.time(), self._max_age_s)
+                ):
+                    log.error("%s was taken by another process, which now holds it", self.what)
+                    self.lost.set()
+            if self.lost.is_set():
+                return False
+            self.board.publish(status.model_copy(update={"owner": self.owner}))
+            return True

@@ -6,7 +6,6 @@ import contextlib
 import logging
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,10 +19,10 @@ from rl.process_loop import ProcessedShard, ShardProcessor
 from storage.heartbeat import Heartbeat
 from storage.status import (
     DEFAULT_MAX_AGE_S,
+    HeldRole,
     InUse,
     ProcessorStatus,
     ProcessorStatusBoard,
-    is_fresh,
     wait_until_free,
 )
 from storage.tables import Tables
@@ -102,33 +101,20 @@ def holding_the_processor(config: RunConfig) -> Iterator[threading.Event]:
         f"the processor of run {config.run_id!r}",
         "a run has one processor: stop the other first (a pipeline run processes its own run)",
     )
-    owner, lost = uuid.uuid4().hex, threading.Event()
-
-    def renew() -> None:
-        current = board.read()
-        if (
-            current is not None
-            and current.owner != owner
-            and current.running
-            and is_fresh(current.time, time.time(), DEFAULT_MAX_AGE_S)
-        ):
-            if not lost.is_set():
-                log.error("the processor role of run %s was taken by another processor", config.run_id)
-            lost.set()
-        if not lost.is_set():
-            board.publish(ProcessorStatus(time=time.time(), owner=owner))
-
-    board.publish(ProcessorStatus(time=time.time(), owner=owner))
-    beat = Heartbeat(renew, STATUS_EVERY_S, "processor status")
+    role = HeldRole(board, f"the processor role of run {config.run_id!r}")
+    if not role.publish(ProcessorStatus(time=time.time())):
+        raise InUse(f"the processor of run {config.run_id!r} is in use: another processor started at once")
+    beat = Heartbeat(
+        lambda: role.publish(ProcessorStatus(time=time.time())), STATUS_EVERY_S, "processor status"
+    )
     try:
-        yield lost
+        yield role.lost
     finally:
         beat.stop()
-        if not lost.is_set():
-            try:
-                board.publish(ProcessorStatus(time=time.time(), running=False, owner=owner))
-            except Exception as exc:  # its status goes stale instead, and frees the role then
-                log.warning("could not mark the processor of run %s stopped: %s", config.run_id, exc)
+        try:
+            role.publish(ProcessorStatus(time=time.time(), running=False))
+        except Exception as exc:  # its status goes stale instead, and frees the role then
+            log.warning("could not mark the processor of run %s stopped: %s", config.run_id, exc)
 
 
 def run_processor(

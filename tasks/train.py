@@ -21,6 +21,8 @@ from storage.status import (
     DEFAULT_MAX_AGE_S,
     ElasticPlan,
     ElasticPlanBoard,
+    HeldRole,
+    InUse,
     RolloutStatus,
     RolloutStatusBoard,
     RolloutSummary,
@@ -80,6 +82,15 @@ def keep_decision(decisions: list[dict[str, Any]], entry: dict[str, Any]) -> Non
     decisions.append(entry)
 
 
+def taken_over(config: RunConfig, when: str) -> str:
+    """Why a trainer stopped whose role another trainer took (``when``: where it stopped)."""
+    return (
+        f"the trainer of run {config.run_id!r} was taken over by another trainer (this one's status "
+        f"went unrenewed for over {DEFAULT_MAX_AGE_S:.0f} s, or both started at once); it stopped "
+        f"{when}"
+    )
+
+
 def run_trainer(
     config: RunConfig,
     deadline: float,
@@ -131,7 +142,11 @@ def run_trainer(
 
     One trainer per run: while another trainer's status is updated, this one raises
     :class:`~storage.status.InUse` instead of training the same shards; the fresh status a
-    killed trainer left is waited out (``storage.status.wait_until_free``)."""
+    killed trainer left is waited out (``storage.status.wait_until_free``). Each status is
+    published after reading the current one back (``storage.status.HeldRole``): a trainer
+    that finds another's fresh status there (both started at once, or its own went unrenewed
+    for ``DEFAULT_MAX_AGE_S`` and another took the run) stops without publishing a weight
+    version, a status or a plan, and raises :class:`~storage.status.InUse`."""
     store = run_store(config)
     queue_board = TrainerStatusBoard(store)
     wait_until_free(
@@ -139,6 +154,7 @@ def run_trainer(
         f"the trainer of run {config.run_id!r}",
         "a run has one trainer: stop the other first",
     )
+    role = HeldRole(queue_board, f"the trainer role of run {config.run_id!r}")
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
 
@@ -168,9 +184,10 @@ def run_trainer(
 
     # the role is this trainer's from here: one started while this one loads is refused, and
     # a heartbeat keeps the status fresh through a load longer than a status counts
-    queue_board.publish(trainer_status(0, running=True))
+    if not role.publish(trainer_status(0, running=True)):
+        raise InUse(f"the trainer of run {config.run_id!r} is in use: another trainer started at once")
     loading = Heartbeat(
-        lambda: queue_board.publish(trainer_status(0, running=True)),
+        lambda: role.publish(trainer_status(0, running=True)),
         TRAINER_LOADING_BEAT_S,
         "trainer status heartbeat while it loads",
     )
@@ -178,9 +195,11 @@ def run_trainer(
         trainer = Trainer(store, config.sao, device=config.trainer_device)
     except BaseException:
         loading.stop()
-        queue_board.publish(trainer_status(0, running=False))
+        role.publish(trainer_status(0, running=False))
         raise
     loading.stop()
+    if role.lost.is_set():
+        raise InUse(taken_over(config, "while it loaded"))
     elastic = elastic or ElasticPlanner(elastic_config(config))
     # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)
@@ -230,6 +249,8 @@ def run_trainer(
         return status_cache["read"]
 
     def publish(plan: ElasticPlan) -> None:
+        if role.lost.is_set():  # the plan is the new trainer's
+            return
         roles = (plan.accepting, plan.draining, plan.train, plan.running)
         if roles == published["plan"] and time.monotonic() - published["at"] < PLAN_REFRESH_S:
             return
@@ -311,7 +332,8 @@ def run_trainer(
         if running and unchanged and time.monotonic() - reported["at"] < PLAN_REFRESH_S:
             return  # on S3 every status is a PUT
         try:
-            queue_board.publish(trainer_status(tokens, running, newest_read))
+            if not role.publish(trainer_status(tokens, running, newest_read)):
+                return
         except Exception as exc:  # the next one replaces it; a stale status holds no rollout back
             log.warning("could not publish the trainer's status: %s", exc)
             return
@@ -334,6 +356,7 @@ def run_trainer(
             drain=drain,
             drain_event=drain_event,
             step_extra=step_extra,
+            abandon_event=role.lost,
         )
     finally:
         stop_ticking.set()
@@ -347,6 +370,13 @@ def run_trainer(
                 log.info("elastic moves after the last train_steps row: %s", unlogged)
             published["at"] = -math.inf
             publish(elastic.release(time.time()))
+    if summary.stop_reason == "abandoned":
+        raise InUse(
+            taken_over(
+                config,
+                f"at policy step {summary.steps}; what it trained since its last version is left to the other",
+            )
+        )
     check_published()
     return {"steps": summary.steps, "versions": summary.versions, "stop_reason": summary.stop_reason}
 

@@ -13,6 +13,7 @@ import pytest
 from storage.status import (
     ROLLOUT_STATUS_PREFIX,
     ElasticPlanBoard,
+    HeldRole,
     InUse,
     RolloutStatus,
     RolloutStatusBoard,
@@ -251,6 +252,28 @@ def test_the_trainer_status_round_trips_and_reports_its_queue_in_batches(store):
     read = board.read()
     assert (read.time, read.buffered_tokens, read.running) == (NOW + 1, 600, False)
     assert read.queued_batches == 0.5
+
+
+def test_a_held_role_is_lost_to_another_holders_fresh_running_status_only(store):
+    board = TrainerStatusBoard(store)
+
+    def trainer_status(running: bool = True, age: float = 0.0) -> TrainerStatus:
+        return TrainerStatus(time=time.time() - age, buffered_tokens=0, token_budget=8, running=running)
+
+    first, second = HeldRole(board, "first"), HeldRole(board, "second")
+    assert first.publish(trainer_status()) and first.publish(trainer_status())  # its own status
+    assert board.read().owner == first.owner
+    assert not second.publish(trainer_status())  # started at once: refused, nothing written
+    assert second.lost.is_set() and board.read().owner == first.owner
+    assert first.publish(trainer_status(age=60.0))  # its status goes stale...
+    third = HeldRole(board, "third")
+    assert third.publish(trainer_status())  # ...and a stale one is no holder
+    assert not first.publish(trainer_status()) and first.lost.is_set()
+    assert not first.publish(trainer_status(running=False))  # it never frees the new holder's role
+    assert board.read().owner == third.owner and board.read().running
+    assert third.publish(trainer_status(running=False))
+    fourth = HeldRole(board, "fourth")
+    assert fourth.publish(trainer_status()) and board.read().owner == fourth.owner  # a stopped one neither
 
 
 def free_name(board: RolloutStatusBoard, **timing) -> None:

@@ -18,6 +18,7 @@ from rl.models import ensure_base_version
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.status import (
+    ElasticPlanBoard,
     InUse,
     RolloutStatus,
     RolloutStatusBoard,
@@ -33,7 +34,7 @@ from tasks.process import run_processor
 from tasks.rollout import run_rollouts
 from tasks.train import run_trainer
 from tests.conftest import kept_fresh
-from tests.rl.test_trainer import TINY, config
+from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
 
 WAIT_S = 600.0
 """A bound on every wait, never reached unless something hangs."""
@@ -224,6 +225,52 @@ def test_a_trainer_keeps_the_run_taken_while_it_loads(tmp_path, monkeypatch):
     final = board.read()
     time.sleep(0.3)
     assert not final.running and board.read() == final  # no beat after the last word
+
+
+def test_a_trainer_whose_role_was_taken_stops_without_publishing_anything_more(tmp_path, monkeypatch):
+    """Its status went unrenewed past the time it counts and another trainer took the run:
+    at its next status it finds the other's, stops, and publishes no weight version (the
+    steps it trained are left to the new trainer, which resumes from the latest), no
+    stopped status and no plan over the new holder's."""
+    run = RunConfig(
+        run_id="taken-trainer",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        sao=config(publish_every=100),
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    board = TrainerStatusBoard(store)
+    written, plans = [], []
+    publish_status, publish_plan = TrainerStatusBoard.publish, ElasticPlanBoard.publish
+
+    def recorded_status(self, status):
+        written.append(status)
+        publish_status(self, status)
+
+    def recorded_plan(self, plan):
+        plans.append(plan)
+        publish_plan(self, plan)
+
+    monkeypatch.setattr(TrainerStatusBoard, "publish", recorded_status)
+    monkeypatch.setattr(ElasticPlanBoard, "publish", recorded_plan)
+    trained = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        training = pool.submit(run_trainer, run, time.time() + 60, on_step=lambda row: trained.set())
+        assert trained.wait(WAIT_S)
+        first_owner = board.read().owner
+
+        def new_trainer() -> None:
+            board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner="new"))
+
+        with kept_fresh(new_trainer, 0.02):
+            with pytest.raises(InUse, match="taken over by another trainer"):
+                training.result(timeout=30)
+            assert board.read().owner == "new" and board.read().running
+    assert WeightStore(store).list() == [0]
+    assert plans and all(plan.running for plan in plans)  # no release of the new trainer's replicas
+    assert all(status.running for status in written)
+    assert {status.owner for status in written} == {first_owner, "new"}
 
 
 def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_path):
