@@ -111,6 +111,13 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 """A run id: letters, digits, ``_ . -``, starting with a letter or digit."""
 
 
+def schema_pattern(pattern: str) -> str:
+    """``pattern`` (``^...$``) for a JSON schema, ending where the string ends: the Prefect
+    server checks parameters with Python's ``re.search``, whose ``$`` also matches before a
+    final newline; a negative lookahead ends the string there and in the UI's JavaScript."""
+    return pattern.removesuffix("$") + r"(?![\s\S])"
+
+
 class RunConfig(BaseModel):
     """Everything one run needs: storage, model, engines, environments, processor, trainer."""
 
@@ -121,7 +128,7 @@ class RunConfig(BaseModel):
         "demo",
         description="Name of the run: its folder under storage.root.",
         # in the schema too, so the Prefect server refuses a bad one when the run is created
-        json_schema_extra={"pattern": RUN_ID_PATTERN},
+        json_schema_extra={"pattern": schema_pattern(RUN_ID_PATTERN)},
     )
     storage: StorageConfig = Field(
         default_factory=StorageConfig, description="Where shards, tables and weights live."

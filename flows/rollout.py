@@ -10,7 +10,7 @@ from typing import Annotated, Any
 from prefect import flow
 from pydantic import Field
 
-from flows.config import RunConfig
+from flows.config import RunConfig, schema_pattern
 from flows.pipeline import deadline_of
 from storage.shards import NAME_PATTERN
 from tasks.rollout import rollouts
@@ -20,7 +20,9 @@ from tasks.weights import warm_start
 @flow(name="rollout", log_prints=True)
 def rollout(
     config: RunConfig = RunConfig(),
-    worker_name: Annotated[str, Field(pattern=NAME_PATTERN)] = "worker-0",
+    worker_name: Annotated[
+        str, Field(pattern=NAME_PATTERN, json_schema_extra={"pattern": schema_pattern(NAME_PATTERN)})
+    ] = "worker-0",
 ) -> dict[str, Any]:
     """Serve the newest weight version and write rollouts to raw shards until the stop condition.
 

@@ -183,9 +183,10 @@ def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
     assert storage["additionalProperties"] is False
     plain = {"config": RunConfig().model_dump(mode="json")}
     jsonschema.validate(plain, schema)  # a config without credentials goes through as dumped
-    bad_run = {"config": plain["config"] | {"run_id": "../elsewhere"}}
-    with pytest.raises(jsonschema.ValidationError, match="does not match"):
-        jsonschema.validate(bad_run, schema)  # refused by the server, before a worker starts
+    for run_id in ("../elsewhere", "demo\n"):
+        bad_run = {"config": plain["config"] | {"run_id": run_id}}
+        with pytest.raises(jsonschema.ValidationError, match="does not match"):
+            jsonschema.validate(bad_run, schema)  # refused by the server, before a worker starts
     for field in ("access_key_id", "secret_access_key", "session_token"):
         with_key = RunConfig.model_validate({"storage": {field: "AKIAEXAMPLE"}}).model_dump(mode="json")
         with pytest.raises(jsonschema.ValidationError, match=f"'{field}' was unexpected"):
@@ -261,7 +262,10 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_fails_the_rollout_flow_be
         flows.rollout.rollout(RunConfig(), "a b")
     assert started == []
     schema = parameter_schema(flows.rollout.rollout).model_dump()
-    assert schema["properties"]["worker_name"]["pattern"] == "^[A-Za-z0-9_.-]+$"
+    for name in ("w0\n", "a b", "../w0"):  # refused by the server too, before a worker starts
+        with pytest.raises(jsonschema.ValidationError, match="does not match"):
+            jsonschema.validate({"worker_name": name}, schema)
+    jsonschema.validate({"worker_name": "worker-0.b_1"}, schema)
 
 
 @pytest.mark.parametrize(
