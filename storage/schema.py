@@ -102,7 +102,9 @@ def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
 
 
 ID_COLUMNS = ("trajectory_id", "execution_id", "task", "prompt_id")
-"""Columns that must hold a non-empty string."""
+"""Columns that must hold a string with something other than whitespace in it: the
+identity of a trajectory. ``parent_id`` and ``group_id`` are null where there is no
+parent or group, and ``engine`` is only informative."""
 
 PROCESSED_TOKEN_COLUMNS = ("train_mask", "loss_weight")
 """Per-token list columns only processed records have."""
@@ -117,7 +119,7 @@ TOKEN_BLOCK = 1 << 18
 def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """Every problem in ``table`` as ``(trajectory_id, column, what is wrong)``.
 
-    Checks: required ids present, per-token lists of equal length with no null entry,
+    Checks: required ids present (not null, empty or whitespace only), per-token lists of equal length with no null entry,
     finite log-probs ≤ 0 and versions ≥ 0 on action tokens, turn indexes in
     [0, :data:`MAX_TURN`], ``status`` in
     :data:`STATUSES`, ``progress`` null or in [0, 1], ``reward`` null or finite, and for
@@ -157,14 +159,25 @@ def check_columns(schema: pa.Schema) -> None:
 
 
 def validate(table: pa.Table) -> pa.Table:
-    """Raise :class:`SchemaError` naming the first bad rows; return ``table`` when valid."""
+    """Raise :class:`SchemaError` naming the first bad rows (by :func:`row_name`); return
+    ``table`` when valid."""
     check_columns(table.schema)
-    errors = find_errors(table)
-    if errors:
-        shown = "; ".join(f"trajectory {tid!r}, column {col!r}: {what}" for tid, col, what in errors[:5])
-        more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+    problems = sorted(_problems(table), key=lambda problem: problem[0])
+    if problems:
+        shown = "; ".join(
+            f"{row_name(tid, row)}, column {col!r}: {what}" for _, row, (tid, col, what) in problems[:5]
+        )
+        more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise SchemaError(shown + more)
     return table
+
+
+def row_name(trajectory_id: str | None, row: int) -> str:
+    """How an error names a row: ``trajectory 'id'``, or, when the id is blank and so names
+    nothing, ``row N (trajectory id '')`` with the row's index in the table checked."""
+    if trajectory_id is None or not trajectory_id.strip():
+        return f"row {row} (trajectory id {trajectory_id!r})"
+    return f"trajectory {trajectory_id!r}"
 
 
 _Problem = tuple[tuple[int, ...], int, tuple[str | None, str, str]]
@@ -191,8 +204,10 @@ def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str])
         problems.append((key, start + row, (ids[row].as_py(), column, what)))
 
     for position, name in enumerate(ID_COLUMNS):
-        for row in np.flatnonzero(_empty_strings(batch.column(name))):
-            add((0, start + row, position), row, name, "missing id")
+        column = batch.column(name)
+        for row in np.flatnonzero(_blank_strings(column)):
+            what = "missing id" if not column[row].as_py() else "id is whitespace only"
+            add((0, start + row, position), row, name, what)
 
     lengths = {name: _list_lengths(batch.column(name)) for name in token_columns}
     n_tokens = lengths["tokens"]
@@ -319,12 +334,11 @@ def _rows_with_null_entries(column: pa.ListArray) -> np.ndarray:
     )
 
 
-def _empty_strings(column: pa.Array) -> np.ndarray:
-    """True where a string is null or empty."""
-    lengths = pc.binary_length(column)
-    if lengths.null_count:
-        lengths = pc.fill_null(lengths, 0)
-    return lengths.to_numpy() == 0
+def _blank_strings(column: pa.Array) -> np.ndarray:
+    """True where a string is null, empty or whitespace only (Unicode whitespace, as
+    ``str.isspace``)."""
+    blank = pc.or_kleene(pc.equal(pc.binary_length(column), 0), pc.utf8_is_space(column))
+    return pc.fill_null(blank, True).to_numpy(zero_copy_only=False)
 
 
 def _list_lengths(column: pa.Array) -> np.ndarray:

@@ -45,6 +45,7 @@ from storage.schema import (
     SchemaError,
     cast,
     check_columns,
+    row_name,
     rows_with_errors,
     to_table,
     validate,
@@ -107,8 +108,8 @@ class ShardWriter:
     every busy thread of the process. A row that fails them is refused together with the
     rest of its group (same ``group_id``): those rows go to
     ``shards/quarantine/<kind>/<worker>/`` with a ``.reason`` file naming each trajectory
-    and what is wrong, are logged, counted in ``refused``, and never reach the shard; the
-    other rows are committed.
+    (one whose id is blank by its row in that file) and what is wrong, are logged, counted
+    in ``refused``, and never reach the shard; the other rows are committed.
 
     ``on_commit`` is called with each shard once its commit has landed; an exception it
     raises is logged, never taken for a failed commit. The writer reads the ``shards``
@@ -253,9 +254,11 @@ class ShardWriter:
             in_group = pc.is_in(group_ids, value_set=pa.array(sorted(groups), pa.string()))
             refused |= pc.fill_null(in_group, False).to_numpy(zero_copy_only=False)
         ids = table.column("trajectory_id").to_pylist()
+        # a row with a blank id is named by its index in the quarantined file
         reasons = [
-            f"trajectory {ids[row]!r}: " + ("; ".join(bad[row]) if row in bad else "refused with its group")
-            for row in np.flatnonzero(refused)
+            f"{row_name(ids[row], position)}: "
+            + ("; ".join(bad[row]) if row in bad else "refused with its group")
+            for position, row in enumerate(np.flatnonzero(refused))
         ]
         target = self._quarantine_refused(table.filter(pa.array(refused)), reasons)
         self.refused += len(reasons)

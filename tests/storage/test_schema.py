@@ -34,6 +34,7 @@ def test_a_valid_table_passes():
         ({"turn": [0] * 25}, "turn", "has 25 entries but tokens has 24"),
         ({"status": "exploded"}, "status", "unknown status 'exploded'"),
         ({"execution_id": ""}, "execution_id", "missing id"),
+        ({"prompt_id": " \t"}, "prompt_id", "id is whitespace only"),
         ({"logprobs": [float("nan")] * 24}, "logprobs", "non-finite log-prob"),
         ({"logprobs": [0.5] * 24}, "logprobs", "positive log-prob"),
         ({"versions": [-1] * 24}, "versions", "negative version"),
@@ -87,6 +88,30 @@ def test_a_null_id_is_a_missing_id():
     assert find_errors(to_table(records)) == [("t1", "execution_id", "missing id")]
 
 
+@pytest.mark.parametrize(
+    "blank", ["", " ", "\t\n", "\u3000"], ids=["empty", "space", "tab-newline", "ideographic"]
+)
+@pytest.mark.parametrize("column", ["trajectory_id", "execution_id", "task", "prompt_id"])
+def test_a_blank_id_is_refused_and_a_blank_trajectory_id_is_named_by_its_row(column, blank):
+    records = [make_record(i) for i in range(3)]
+    records[1][column] = blank
+    what = "missing id" if not blank else "id is whitespace only"
+    table = to_table(records)
+    assert find_errors(table) == [(records[1]["trajectory_id"], column, what)]
+    assert rows_with_errors(table) == {1: [f"column {column!r}: {what}"]}
+    who = f"row 1 (trajectory id {blank!r})" if column == "trajectory_id" else "trajectory 't1'"
+    with pytest.raises(SchemaError) as info:
+        validate(table)
+    assert str(info.value) == f"{who}, column {column!r}: {what}"
+
+
+def test_optional_ids_may_be_null_or_blank():
+    records = [make_record(i) for i in range(2)]
+    records[0] |= {"group_id": None, "parent_id": None, "engine": None}
+    records[1] |= {"group_id": "g", "parent_id": "t0", "branch_at": 4, "engine": ""}
+    assert find_errors(to_table(records)) == []
+
+
 def test_a_null_token_list_is_named():
     record = make_record(0)
     record["tokens"] = None
@@ -137,6 +162,8 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
         for name in ("trajectory_id", "execution_id", "task", "prompt_id"):
             if not row[name]:
                 errors.append((row["trajectory_id"], name, "missing id"))
+            elif row[name].isspace():
+                errors.append((row["trajectory_id"], name, "id is whitespace only"))
     for name in token_columns:
         for row in rows:
             if len(row[name]) != len(row["tokens"]):
@@ -200,7 +227,7 @@ def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypat
         record["versions"] = np.where(mask, 1, -1).tolist()
         record["train_mask"] = (mask & (rng.random(n) < 0.7)).tolist()
         record["loss_weight"] = [1.0] * n
-        fault = rng.integers(0, 13)
+        fault = rng.integers(0, 14)
         if fault == 1 and n:
             record["logprobs"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, 0.3]))
         elif fault == 2 and n:
@@ -224,6 +251,8 @@ def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypat
             record["turn"][int(rng.integers(n))] = int(rng.choice([-1, 32767]))
         elif fault == 11:
             record["reward"] = float(rng.choice([np.nan, np.inf, -np.inf]))
+        elif fault == 12:
+            record["execution_id"] = " \t"
         records.append(record)
     table = to_table(records, PROCESSED_SCHEMA)
     table = pa.concat_tables([table.slice(0, len(records) // 2), table.slice(len(records) // 2)])

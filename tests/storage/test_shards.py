@@ -453,6 +453,29 @@ def test_rows_failing_validation_are_refused_with_their_group_at_the_flush_and_k
     assert sorted(quarantined_refusals(store, "w0")[0]) == ["bad1", "bad3", "bad5", "t2"]
 
 
+def test_rows_with_blank_ids_are_refused_at_the_flush_and_named_by_their_row_when_the_id_is_blank(store):
+    writer = ShardWriter(store, "w0", flush_records=10)
+    writer.write_many(
+        [
+            make_record(0),
+            make_record(1) | {"execution_id": "  "},
+            make_record(2) | {"trajectory_id": "\t"},
+            make_record(3) | {"task": ""},
+            make_record(4),
+        ]
+    )
+    info = writer.flush()
+    assert ids_of(ShardReader(store).read(info)) == ["t0", "t4"]
+    assert writer.refused == 3
+    ids, reasons = quarantined_refusals(store, "w0")
+    assert ids == ["t1", "\t", "t3"]
+    assert reasons.splitlines() == [
+        "trajectory 't1': column 'execution_id': id is whitespace only",
+        "row 1 (trajectory id '\\t'): column 'trajectory_id': id is whitespace only",
+        "trajectory 't3': column 'task': missing id",
+    ]
+
+
 def test_a_failed_commit_retries_the_admitted_rows_without_refusing_them_again(local_store, monkeypatch):
     writer = ShardWriter(local_store, "w0", flush_records=10)
     writer.write(make_record(0))
@@ -621,6 +644,21 @@ def test_bad_shards_are_quarantined_with_a_reason_and_reading_goes_on(store, cap
     with caplog.at_level(logging.WARNING, logger="storage.shards"):
         assert reader.read(infos["truncated"]) is None
     assert "quarantined before" in caplog.records[-1].message
+
+
+def test_a_committed_shard_with_blank_ids_is_quarantined_by_the_reader(store):
+    records = make_table(0, 2).to_pylist()
+    records[0]["trajectory_id"] = " "
+    records[1]["prompt_id"] = "\n"
+    info = _commit_foreign_file(store, 0, _ipc_bytes(pa.Table.from_pylist(records, schema=TRAJECTORY_SCHEMA)))
+    reader = ShardReader(store)
+    assert reader.read(info) is None
+    assert reader.quarantined(info)
+    reason = store.fs.cat_file(store.path(quarantine_path(info.path) + ".reason")).decode()
+    assert reason == (
+        "shard raw/w9/00000000: row 0 (trajectory id ' '), column 'trajectory_id': id is whitespace only; "
+        "trajectory 't1', column 'prompt_id': id is whitespace only\n"
+    )
 
 
 def test_two_readers_of_one_bad_shard_both_go_on_and_one_quarantines_it(store, monkeypatch, caplog):
