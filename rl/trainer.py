@@ -766,7 +766,7 @@ class Trainer:
             "step": self.step,
             "version": self.version,
             "policy_loss": policy_loss,
-            "value_loss": value_stats[-1]["value_loss"] if value_stats else float("nan"),
+            "value_loss": value_stats[-1]["value_loss"] if value_stats else None,
             "masked_fraction": weighted["masked_fraction"],
             "mean_ratio": weighted["mean_ratio"],
             "kl": weighted["kl"],

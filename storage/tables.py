@@ -17,7 +17,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, write_deltalake
-from deltalake.exceptions import CommitFailedError, TableNotFoundError
+from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from storage.config import RunStore
 from storage.leases import SlotLease
@@ -72,7 +72,7 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             pa.field("step", pa.int64(), nullable=False),
             pa.field("version", pa.int32(), nullable=False),
             pa.field("policy_loss", pa.float32(), nullable=False),
-            pa.field("value_loss", pa.float32(), nullable=False),
+            pa.field("value_loss", pa.float32()),
             pa.field("masked_fraction", pa.float32(), nullable=False),
             pa.field("mean_ratio", pa.float32(), nullable=False),
             pa.field("kl", pa.float32(), nullable=False),
@@ -109,7 +109,9 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
         ]
     ),
 }
-"""Canonical schema of each Delta table; a field marked not-nullable must be given."""
+"""Canonical schema of each Delta table; a field marked not-nullable must be given.
+``train_steps.value_loss`` is null for a step that took no critic step (GRPO mode has no
+critic): a NaN there made every ``AVG(value_loss)`` NaN."""
 
 TABLE_CONFIGURATION = {"delta.enableChangeDataFeed": "true"}
 """Set when a table is created (ignored by later appends): the change feed is how
@@ -161,7 +163,10 @@ class Tables:
 
     def append(self, name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> None:
         """Cast ``rows`` (dicts or a table) to the schema of ``name`` and append them in
-        one commit. Raises :class:`SchemaError` naming the table and column on bad rows."""
+        one commit. Raises :class:`SchemaError` naming the table and column on bad rows.
+
+        A table created when a column of its canonical schema was still required has that
+        column made nullable first (see :meth:`_relax_required`)."""
         table = conform(name, rows)
         if table.num_rows == 0:
             return
@@ -170,7 +175,11 @@ class Tables:
             # own commit and rebases onto commits of other writers, which saves a log
             # replay per append) for up to SNAPSHOT_APPENDS appends.
             snapshot, served = self._for_append.pop(name, (None, 0))
-            target = snapshot or self._open(name) or self.uri(name)
+            if snapshot is None:
+                snapshot = self._open(name)
+                if snapshot is not None:
+                    snapshot = self._relax_required(name, snapshot)
+            target = snapshot or self.uri(name)
             try:
                 write_deltalake(
                     target,
@@ -271,6 +280,31 @@ class Tables:
         if table is None:
             return []
         return table.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False)
+
+    def _relax_required(self, name: str, table: DeltaTable) -> DeltaTable:
+        """Make nullable in ``table``'s log every column that its canonical schema lets be
+        null; returns the snapshot to append with.
+
+        A run's table keeps the schema it was created with: deltalake (1.6) refuses an
+        append of nulls into a column its log marks NOT NULL, even with
+        ``schema_mode="merge"``, so the constraint is dropped (an ALTER COLUMN commit; the
+        rows and the change feed are untouched). When another writer drops it first, this
+        commit fails and the table, loaded again, has it dropped already.
+        """
+        nullable = {field.name for field in schema_of(name) if field.nullable}
+        for field in table.schema().fields:
+            if field.nullable or field.name not in nullable:
+                continue
+            try:
+                table.alter.drop_column_not_null(field.name)
+                log.info(
+                    "table %s: column %s is nullable now, as its canonical schema says", name, field.name
+                )
+            except DeltaError:
+                table = self._open(name)
+                if not next(f for f in table.schema().fields if f.name == field.name).nullable:
+                    raise
+        return table
 
     def _open(self, name: str) -> DeltaTable | None:
         try:

@@ -129,6 +129,11 @@ def _rows(table, columns: list[str]) -> list[dict[str, Any]]:
     return table.select([c for c in columns if c in table.column_names]).to_pylist()
 
 
+def _loss(value: float | None) -> str:
+    """A loss for the report's table; a dash where there is none (no critic in GRPO mode)."""
+    return "—" if value is None else f"{value:.4f}"
+
+
 def curves_png(steps, evals) -> bytes:
     """A PNG of reward and losses per policy step, and held-out reward per version."""
     import matplotlib
@@ -217,7 +222,7 @@ def report_run(config: RunConfig) -> str:
         "| step | version | reward | policy loss | value loss | masked | KL |",
         "|---|---|---|---|---|---|---|",
         *(
-            f"| {r['step']} | {r['version']} | {r['reward_mean']:.3f} | {r['policy_loss']:.4f} | {r['value_loss']:.4f} "
+            f"| {r['step']} | {r['version']} | {r['reward_mean']:.3f} | {r['policy_loss']:.4f} | {_loss(r['value_loss'])} "
             f"| {r['masked_fraction']:.3f} | {r['kl']:.4f} |"
             for r in _rows(
                 steps.slice(max(steps.num_rows - REPORT_STEPS, 0)),

@@ -11,13 +11,14 @@ from datetime import UTC, datetime, timedelta
 import duckdb
 import pyarrow as pa
 import pytest
+from deltalake import DeltaTable, write_deltalake
 
 from flows.sql import extension_paths
 from storage import tables as tables_module
 from storage.config import RunStore
 from storage.leases import SlotLease
 from storage.schema import SchemaError
-from storage.tables import TABLE_SCHEMAS, Tables, one_row_per_step
+from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables, one_row_per_step
 
 
 def weight_row(version: int, tag: str | None = None) -> dict:
@@ -322,6 +323,52 @@ def test_two_processes_appending_at_once_lose_nothing(store):
     landed = sorted(zip(table.column("version").to_pylist(), table.column("step").to_pylist(), strict=True))
     assert landed == [(writer, step) for writer in (0, 1) for step in range(count)]
     assert Tables(store).version("train_steps") == 2 * count - 1
+
+
+def step_row(step: int, value_loss: float | None) -> dict:
+    """A ``train_steps`` row; ``value_loss`` None for a step with no critic (GRPO)."""
+    return {
+        "step": step, "version": 0, "policy_loss": 0.1, "value_loss": value_loss,
+        "masked_fraction": 0.0, "mean_ratio": 1.0, "kl": 0.0, "staleness_mean": 0.0,
+        "staleness_max": 0, "num_samples": 1, "num_tokens": 1, "tokens_per_s": 1.0,
+        "reward_mean": 0.0, "dropped_stale": 0, "step_seconds": 0.1,
+        "time": datetime(2026, 1, 1, tzinfo=UTC), "extra": None,
+    }  # fmt: skip
+
+
+def test_a_train_steps_table_created_with_value_loss_required_takes_steps_without_a_critic(store):
+    """A run's table made before ``value_loss`` became nullable still marks it NOT NULL in
+    its log: appends of null value losses (GRPO) land, old rows and the change feed stay."""
+    schema = TABLE_SCHEMAS["train_steps"]
+    assert schema.field("value_loss").nullable
+    index = schema.get_field_index("value_loss")
+    old_schema = schema.set(index, schema.field("value_loss").with_nullable(False))
+    options = store.config.delta_options()
+    uri = Tables(store).uri("train_steps")
+    write_deltalake(
+        uri,
+        pa.Table.from_pylist([step_row(1, 0.5)], schema=old_schema),
+        mode="append",
+        configuration=TABLE_CONFIGURATION,
+        storage_options=options,
+    )
+    stale = DeltaTable(uri, storage_options=options)
+    assert not stale.schema().fields[index].nullable
+
+    tables = Tables(store)
+    tables.append("train_steps", [step_row(2, None)])
+    tables.append("train_steps", [step_row(3, None)])  # on the snapshot the first append left
+    Tables(store).append("train_steps", [step_row(4, 0.25)])
+
+    steps = Tables(store).read("train_steps").sort_by("step")
+    assert steps.column("value_loss").to_pylist() == [0.5, None, None, 0.25]
+    assert duckdb.sql("SELECT avg(value_loss) FROM steps").fetchone()[0] == pytest.approx(0.375)
+    rows, _ = Tables(store).changes("train_steps", after=0)
+    assert rows.column("step").to_pylist() == [2, 3, 4]
+    operations = [commit["operation"] for commit in DeltaTable(uri, storage_options=options).history()]
+    assert operations.count("CHANGE COLUMN") == 1
+    # a writer that loaded the table before another one relaxed it gets a snapshot it can append with
+    assert Tables(store)._relax_required("train_steps", stale).schema().fields[index].nullable
 
 
 def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():

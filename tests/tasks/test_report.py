@@ -28,6 +28,28 @@ def shard_row(kind: str, worker: str, seq: int, versions: tuple[int, int], rows:
     }
 
 
+def step_row(step: int, value_loss: float | None = 0.2) -> dict:
+    return {
+        "step": step,
+        "version": step // 2,
+        "policy_loss": 0.1,
+        "value_loss": value_loss,
+        "masked_fraction": 0.0,
+        "mean_ratio": 1.0,
+        "kl": 0.0,
+        "staleness_mean": 1.0,
+        "staleness_max": 2,
+        "num_samples": 8,
+        "num_tokens": 80,
+        "tokens_per_s": 10.0,
+        "reward_mean": 0.5,
+        "dropped_stale": 0,
+        "step_seconds": 0.1,
+        "time": START + timedelta(seconds=step),
+        "extra": None,
+    }
+
+
 def test_the_shards_artifact_sums_each_worker_and_kind_against_a_loop():
     rng = random.Random(0)
     rows = []
@@ -68,29 +90,7 @@ def test_a_long_runs_report_lists_its_latest_steps_and_one_shard_row_per_worker(
     config = tiny_config(tmp_path / "runs", "long-run")
     tables = Tables(run_store(config))
     tables.append("shards", [shard_row("raw", f"w{i % 3}", i, (0, 1), 4) for i in range(500)])
-    step_rows = [
-        {
-            "step": step,
-            "version": step // 2,
-            "policy_loss": 0.1,
-            "value_loss": 0.2,
-            "masked_fraction": 0.0,
-            "mean_ratio": 1.0,
-            "kl": 0.0,
-            "staleness_mean": 1.0,
-            "staleness_max": 2,
-            "num_samples": 8,
-            "num_tokens": 80,
-            "tokens_per_s": 10.0,
-            "reward_mean": 0.5,
-            "dropped_stale": 0,
-            "step_seconds": 0.1,
-            "time": START + timedelta(seconds=step),
-            "extra": None,
-        }  # fmt: skip
-        for step in range(1, 201)
-    ]
-    tables.append("train_steps", step_rows)
+    tables.append("train_steps", [step_row(step) for step in range(1, 201)])
     made = {}
     monkeypatch.setattr(
         report, "create_table_artifact", lambda rows, key, description: made.update({key: rows})
@@ -108,3 +108,16 @@ def test_a_long_runs_report_lists_its_latest_steps_and_one_shard_row_per_worker(
     listed = [line for line in markdown.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(line.split("|")[1]) for line in listed] == list(range(151, 201))
     assert f"The last {report.REPORT_STEPS} of 200" in markdown
+
+
+def test_a_grpo_runs_report_shows_no_value_loss(tmp_path, monkeypatch):
+    """GRPO has no critic: its steps' value loss is null, shown as a dash and left out of the curve."""
+    config = tiny_config(tmp_path / "runs", "grpo-run")
+    Tables(run_store(config)).append("train_steps", [step_row(1, None), step_row(2, None)])
+    monkeypatch.setattr(report, "create_table_artifact", lambda rows, key, description: None)
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+
+    markdown = report.report_run(config)
+
+    listed = [line for line in markdown.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [line.split(" | ")[4] for line in listed] == ["—", "—"]
