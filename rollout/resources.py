@@ -135,6 +135,11 @@ class CpuManager:
         return frozenset(os.sched_getaffinity(pid))
 
 
+RECENT_SWAPS = 64
+"""Names of the latest loads and evictions a :class:`ServiceManager` keeps (``loads``,
+``evictions``); ``load_count`` and ``eviction_count`` count every one."""
+
+
 def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter and buffer, non-persistent buffers included (rotary tables are not in
     a state dict, yet a module moved to ``meta`` loses them too)."""
@@ -157,6 +162,10 @@ class ServiceManager:
     its memory is freed. Callers are served in arrival order: one whose service is resident
     never overtakes an earlier caller waiting for room, so a service that needs others
     evicted is not starved by steady calls to them.
+
+    ``loads`` and ``evictions`` name the latest :data:`RECENT_SWAPS` services loaded and
+    evicted, oldest first; ``load_count`` and ``eviction_count`` count all of them since the
+    manager was made (a long-lived rollout service swaps without end).
     """
 
     def __init__(self, device: str | None = None, budget_bytes: int | None = None):
@@ -175,8 +184,10 @@ class ServiceManager:
         self._in_use: dict[str, int] = {}
         self._changed = asyncio.Condition()
         self._arrivals: deque[object] = deque()
-        self.evictions: list[str] = []
-        self.loads: list[str] = []
+        self._recent_loads: deque[str] = deque(maxlen=RECENT_SWAPS)
+        self._recent_evictions: deque[str] = deque(maxlen=RECENT_SWAPS)
+        self.load_count = 0
+        self.eviction_count = 0
 
     def register(self, name: str, module: torch.nn.Module) -> None:
         """Park ``module`` in CPU memory under ``name``."""
@@ -202,6 +213,16 @@ class ServiceManager:
         return list(self._resident)
 
     @property
+    def loads(self) -> list[str]:
+        """The latest services loaded onto the device, oldest first."""
+        return list(self._recent_loads)
+
+    @property
+    def evictions(self) -> list[str]:
+        """The latest services evicted from the device, oldest first."""
+        return list(self._recent_evictions)
+
+    @property
     def used_bytes(self) -> int:
         """Device bytes held by resident services."""
         return sum(self._sizes[n] for n in self._resident)
@@ -218,7 +239,8 @@ class ServiceManager:
         finally:
             if copying.exception() is None:
                 self._resident[name] = None
-                self.loads.append(name)
+                self._recent_loads.append(name)
+                self.load_count += 1
             else:
                 module.to("meta")
 
@@ -233,7 +255,8 @@ class ServiceManager:
     def _evict(self, name: str) -> None:
         self._modules[name].to("meta")
         del self._resident[name]
-        self.evictions.append(name)
+        self._recent_evictions.append(name)
+        self.eviction_count += 1
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

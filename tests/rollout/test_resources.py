@@ -211,6 +211,26 @@ def test_services_lru_eviction_order_and_outputs_survive_parking():
     assert next(evicted.parameters()).device.type == "meta"
 
 
+def test_a_long_lived_manager_counts_every_swap_and_keeps_only_the_latest_names():
+    """Two services that fit one at a time, called in turn: every call swaps. However many
+    swaps, the manager holds the latest ``RECENT_SWAPS`` names and the counts of all."""
+    manager = ServiceManager(device="cpu", budget_bytes=SERVICE_BYTES)
+    for seed, name in enumerate("ab"):
+        manager.register(name, make_service(seed))
+    called = ["ab"[i % 2] for i in range(3 * resources.RECENT_SWAPS + 1)]
+
+    async def main():
+        for name in called:
+            async with manager.use(name):
+                pass
+
+    asyncio.run(main())
+    assert manager.load_count == len(called) and manager.eviction_count == len(called) - 1
+    assert manager.loads == called[-resources.RECENT_SWAPS :]
+    assert manager.evictions == called[:-1][-resources.RECENT_SWAPS :]
+    assert len(manager._recent_loads) == len(manager._recent_evictions) == resources.RECENT_SWAPS
+
+
 def test_in_use_service_is_never_evicted():
     manager = ServiceManager(device="cpu", budget_bytes=SERVICE_BYTES)
     manager.register("a", make_service(0))
