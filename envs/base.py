@@ -33,13 +33,18 @@ from envs.threads import to_thread_to_the_end
 Split = Literal["train", "eval"]
 
 
+NOT_BLANK = r"\S"
+"""Pattern of an id: something other than whitespace (a blank id names nothing, and a
+trajectory that carries one is refused when its shard is written)."""
+
+
 class Task(BaseModel):
     """One instance of an environment: an id, the first user message, and private data (answer, tests)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     env: str = Field(description="Name of the environment the task belongs to.")
-    id: str = Field(description="Stable id of the task (the prompt id).")
+    id: str = Field(pattern=NOT_BLANK, description="Stable id of the task (the prompt id).")
     prompt: str = Field(description="First user message.")
     data: dict[str, Any] = Field(
         default_factory=dict, description="What the env needs to check it; never shown."

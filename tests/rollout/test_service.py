@@ -519,6 +519,32 @@ def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, se
     assert status["finished"] == {}
 
 
+@pytest.mark.parametrize("field", ["rollout_id", "execution_id", "group_id", "task.id"])
+@pytest.mark.parametrize("blank", ["", "  ", "\t\n"])
+def test_a_blank_id_is_refused_with_422_before_any_rollout_runs(tiny, field, blank):
+    """A blank group id would pool every such rollout into one GRPO group; a blank task id
+    would get the trajectory refused when its shard is written, after the rollout ran."""
+    request = {"task": arith_task().model_dump()}
+    if field == "task.id":
+        request["task"]["id"] = blank
+    else:
+        request[field] = blank
+
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+            transport = httpx.ASGITransport(app=create_app(service, "token"))
+            async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+                response = await client.post(
+                    "/process", json=request, headers={"Authorization": "Bearer token"}
+                )
+            return response, service.status()
+
+    response, status = asyncio.run(body())
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"][-1] == field.split(".")[-1]
+    assert status["finished"] == {}
+
+
 @pytest.mark.parametrize("transport", ["tcp", "uds"])
 def test_http_api_process_status_cancel_and_auth(tiny, transport, tmp_path):
     task = arith_task()
