@@ -123,7 +123,8 @@ class ElasticWorkload(BaseModel):
 class Sample:
     """The pipeline at one controller tick (the run's time series).
 
-    Unit counts are by role; ``moving`` units changed sides and are still loading.
+    Unit counts are by role; ``moving`` units changed sides and are still loading (a
+    training unit still finishing its item before it changes sides is not yet moving).
     The ``idle_*`` figures are capacity in units' worth standing idle now: empty session
     slots on accepting replicas, split by why no session fills them (the staleness control,
     ``max_ahead`` or ``max_backlog``, or kept for migrating sessions; or no prompt left),
@@ -152,6 +153,11 @@ IDLE_CAUSES = (
     "idle_training",
     "moving_units",
 )
+
+UNIT_SECOND_CAUSES = ("rollout_sessions", "draining_sessions", "training", *IDLE_CAUSES)
+"""Where every unit-second of a run goes: session slots filled on accepting and on draining
+replicas (a session held up by a re-prefill fills its slot), training (a unit finishing its
+item before it changes sides included), then the idle causes."""
 
 
 @dataclass
@@ -216,6 +222,7 @@ class ElasticRun:
     tick_s: float = 0.0
     migrations: list[Migration] = field(default_factory=list)
     sessions: list[SessionRecord] = field(default_factory=list)
+    unit_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def reprefill_replica_s(self) -> float:
@@ -233,8 +240,13 @@ class ElasticRun:
         return self.trained / self.makespan
 
     def idle_unit_seconds(self) -> dict[str, float]:
-        """Unit-seconds of capacity left idle over the run, by cause (``IDLE_CAUSES``)."""
-        return {cause: sum(getattr(s, cause) for s in self.trace) * self.tick_s for cause in IDLE_CAUSES}
+        """Unit-seconds of capacity left idle over the run, by cause (``IDLE_CAUSES``).
+
+        Integrated between events (``unit_seconds``), not sampled at the ticks: a tick
+        sample misses what changes between ticks (a 60 s move begun just after a tick is
+        sampled once, 30 s).
+        """
+        return {cause: self.unit_seconds[cause] for cause in IDLE_CAUSES}
 
 
 def _cycle(w: ElasticWorkload, rng: random.Random) -> list[tuple[float, float]]:
@@ -363,6 +375,7 @@ def simulate_elastic(
     log: list[dict] = []
     trace: list[Sample] = []
     recent_train_s: deque[float] = deque(maxlen=32)
+    unit_seconds = dict.fromkeys(UNIT_SECOND_CAUSES, 0.0)
     now = 0.0
 
     def admissible() -> int:
@@ -473,29 +486,49 @@ def simulate_elastic(
         """Sessions the orchestrator admits now but no rollout slot can take."""
         return max(0, admissible() - max(free_slots(t) - waiting_to_migrate(), 0))
 
-    def _sample(t: float) -> Sample:
+    def _occupancy(t: float) -> dict[str, float]:
+        """Units' worth of capacity in each of ``UNIT_SECOND_CAUSES`` now (they sum to ``w.units``)."""
         slots = w.sessions_per_replica
-        accepting = [n for n in controller.routable() if role_ready[n] <= t]
-        draining = controller.units_in("draining")
-        ready_train = [n for n in controller.units_in("train") if role_ready[n] <= t]
-        idle_slots = sum(slots - len(live_on[n]) for n in accepting) / slots
+        use = dict.fromkeys(UNIT_SECOND_CAUSES, 0.0)
+        empty_cause = "idle_rollout_staleness" if prompts or not finite else "idle_rollout_no_prompts"
+        for unit in controller.units.values():
+            name, role = unit.name, unit.role
+            if training[name]:
+                use["training"] += 1  # also a unit finishing its item before it changes sides
+            elif role_ready[name] > t:
+                use["moving_units"] += 1
+            elif role == "train":
+                use["idle_training"] += 1
+            else:
+                busy = len(live_on[name]) / slots
+                use["draining_sessions" if role == "draining" else "rollout_sessions"] += busy
+                use["idle_draining" if role == "draining" else empty_cause] += 1 - busy
+        return use
+
+    def _sample(t: float) -> Sample:
+        use = _occupancy(t)
         return Sample(
             time=t,
             rollout_units=len(controller.units_in("rollout")),
-            draining_units=len(draining),
+            draining_units=len(controller.units_in("draining")),
             train_units=len(controller.units_in("train")),
-            moving_units=sum(1 for n in names if role_ready[n] > t),
+            moving_units=round(use["moving_units"]),
             live_sessions=in_flight,
             backlog=len(backlog),
             prompts_left=len(prompts) if finite else None,
-            idle_rollout_staleness=idle_slots if prompts or not finite else 0.0,
-            idle_rollout_no_prompts=idle_slots if finite and not prompts else 0.0,
-            idle_draining=sum(slots - len(live_on[n]) for n in draining) / slots,
-            idle_training=sum(1 for n in ready_train if not training[n]),
+            idle_rollout_staleness=use["idle_rollout_staleness"],
+            idle_rollout_no_prompts=use["idle_rollout_no_prompts"],
+            idle_draining=use["idle_draining"],
+            idle_training=use["idle_training"],
         )
 
     while trained + (dropped if finite else 0) < target:
+        previous = now
         now, _, kind, payload = heapq.heappop(events)
+        if now > previous:
+            # the state is constant between events: integrate it exactly, not at the ticks
+            for cause, units in _occupancy(previous).items():
+                unit_seconds[cause] += units * (now - previous)
         if kind == "session":
             session, end = payload
             if session.ended is not None or end != session.end:
@@ -546,5 +579,15 @@ def simulate_elastic(
             heapq.heappush(events, (now + w.tick_s, next(seq), "tick", None))
         start_work(now)
     return ElasticRun(
-        trained, now, controller.moves_made, interrupted, dropped, log, trace, w.tick_s, migrations, sessions
+        trained,
+        now,
+        controller.moves_made,
+        interrupted,
+        dropped,
+        log,
+        trace,
+        w.tick_s,
+        migrations,
+        sessions,
+        unit_seconds,
     )

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 import rollout.elastic as elastic_module
 from rollout.elastic import ElasticConfig, ElasticController, PolicyInputs, SessionLengths
 from rollout.elastic_sim import (
+    IDLE_CAUSES,
     ElasticWorkload,
     continuous_lower_bound,
     makespan_lower_bound,
@@ -460,3 +461,25 @@ def test_without_migration_a_draining_replica_waits_for_its_sessions():
     migrating = simulate_elastic(MIGRATING, 3, ElasticController.create(names[:3], names[3:]))
     idle_off, idle_on = run.idle_unit_seconds(), migrating.idle_unit_seconds()
     assert idle_on["idle_draining"] < idle_off["idle_draining"]
+
+
+def test_unit_seconds_account_for_every_unit_over_the_whole_run():
+    w = MIGRATING
+    names = [f"u{i}" for i in range(6)]
+    ctl = ElasticController.create(names[:3], names[3:])
+    elastic = simulate_elastic(w, 3, ctl)
+    for run in (elastic, simulate_elastic(w, 3)):
+        use = run.unit_seconds
+        assert sum(use.values()) == pytest.approx(w.units * run.makespan)
+        # filled slots are exactly the sessions' time on their replicas, holdups included
+        slot_s = sum(min(s.ended or run.makespan, run.makespan) - s.started for s in run.sessions)
+        assert use["rollout_sessions"] + use["draining_sessions"] == pytest.approx(
+            slot_s / w.sessions_per_replica
+        )
+        assert run.idle_unit_seconds() == {cause: use[cause] for cause in IDLE_CAUSES}
+    # each change of sides costs its unit switch_s of loading, however it falls between the
+    # ticks (a tick sample counted a 60 s move begun just after a tick as 30 s)
+    switches = sum(1 for m in ctl.moves if "train" in (m.source, m.target))
+    assert switches > w.units
+    moving = elastic.unit_seconds["moving_units"]
+    assert (switches - w.units) * w.switch_s - 1e-6 <= moving <= switches * w.switch_s + 1e-6
