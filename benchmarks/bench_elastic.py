@@ -46,7 +46,11 @@ at 8 of 16 units and the last straggler fixes the end.
 For each: every fixed split 1..15 is run and the elastic controller starts from the best
 one. The ceiling is the best fixed split's time over a lower bound no split can beat
 (continuous: ``continuous_lower_bound``, total work over capacity; finite:
-``makespan_lower_bound``). Unit-seconds left idle by cause, fixed vs elastic.
+``makespan_lower_bound``). Unit-seconds left idle by cause, fixed vs elastic, and where all
+of the elastic run's unit-seconds went (``unit_s_elastic``, summing to units x its time);
+``dropped_rollout_replica_s_*``: replica-seconds of rollout spent on the sessions whose
+trajectories were then dropped as stale (full slots: session-seconds over
+``sessions_per_replica``).
 
 Last line: JSON with "ratio" = elastic trained trajectories/s / best fixed split's, on the
 continuous pipeline; the finite batch's figures under "finite_batch". ``--seed N`` draws the
@@ -115,6 +119,8 @@ def compare(w: ElasticWorkload) -> dict:
         "lower_bound_s": round(bound),
         "dropped_stale_fixed": best.dropped,
         "dropped_stale_elastic": run.dropped,
+        "dropped_rollout_replica_s_fixed": round(best.dropped_session_s / w.sessions_per_replica),
+        "dropped_rollout_replica_s_elastic": round(run.dropped_session_s / w.sessions_per_replica),
         "moves": run.moves,
         "migrations": len(run.migrations),
         "migrations_fixed": migrations_fixed,
@@ -126,6 +132,7 @@ def compare(w: ElasticWorkload) -> dict:
         "idle_unit_s_fixed": {k: round(v) for k, v in best.idle_unit_seconds().items()},
         "idle_unit_s_elastic": {k: round(v) for k, v in run.idle_unit_seconds().items()},
         "idle_unit_s_no_migration": {k: round(v) for k, v in no_migration.idle_unit_seconds().items()},
+        "unit_s_elastic": {k: round(v) for k, v in run.unit_seconds.items()},
     }
 
 

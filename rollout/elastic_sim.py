@@ -164,7 +164,8 @@ item before it changes sides included), then the idle causes."""
 class SessionRecord:
     """One rollout session: launched ``id``-th at ``started`` with ``turns_s`` seconds of turns;
     ``held_s``: seconds it was held up by re-prefills on its replica; ``unit``: where it runs
-    now; ``ended``: when it ended (``None`` while live)."""
+    now; ``ended``: when it ended (``None`` while live); ``dropped``: its trajectory was
+    too stale to train."""
 
     id: int
     started: float
@@ -175,6 +176,7 @@ class SessionRecord:
     held_s: float = 0.0
     ended: float | None = None
     epoch: int = 0
+    dropped: bool = False
 
     @property
     def end(self) -> float:
@@ -233,6 +235,11 @@ class ElasticRun:
     def reprefill_slot_s(self) -> float:
         """Session-seconds of holdup the re-prefills caused (each holds up every session on its replica)."""
         return sum(m.reprefill_s * m.held for m in self.migrations)
+
+    @property
+    def dropped_session_s(self) -> float:
+        """Session-seconds (turns and holdups) of the sessions whose trajectories were dropped as stale."""
+        return sum(s.turns_s + s.held_s for s in self.sessions if s.dropped)
 
     @property
     def throughput(self) -> float:
@@ -364,7 +371,7 @@ def simulate_elastic(
     live_on: dict[str, dict[int, SessionRecord]] = {n: {} for n in names}
     sessions: list[SessionRecord] = []
     migrations: list[Migration] = []
-    backlog: deque[tuple[float, int]] = deque()
+    backlog: deque[SessionRecord] = deque()
     in_flight = 0
     trained = 0
     dropped = 0
@@ -404,13 +411,14 @@ def simulate_elastic(
         version = trained // per_version
         for name in controller.units_in("train"):
             while not training[name] and role_ready[name] <= t and backlog:
-                train_s, born = backlog.popleft()
-                if w.max_staleness is not None and version - born > w.max_staleness:
+                done = backlog.popleft()
+                if w.max_staleness is not None and version - done.born > w.max_staleness:
                     dropped += 1
+                    done.dropped = True
                     continue
                 training[name] = True
-                train_end[name] = t + train_s
-                heapq.heappush(events, (t + train_s, next(seq), "trained", (name, train_s)))
+                train_end[name] = t + done.train_s
+                heapq.heappush(events, (t + done.train_s, next(seq), "trained", (name, done.train_s)))
         free = free_slots(t) - waiting_to_migrate()
         for name in controller.routable():
             while (
@@ -539,7 +547,7 @@ def simulate_elastic(
             session.ended = now
             del live_on[name][session.id]
             in_flight -= 1
-            backlog.append((session.train_s, session.born))
+            backlog.append(session)
             hand_over(controller.end_session(name, now, session.started), now)
         elif kind == "turn":
             session, epoch, turn = payload

@@ -483,3 +483,12 @@ def test_unit_seconds_account_for_every_unit_over_the_whole_run():
     assert switches > w.units
     moving = elastic.unit_seconds["moving_units"]
     assert (switches - w.units) * w.switch_s - 1e-6 <= moving <= switches * w.switch_s + 1e-6
+
+
+def test_dropped_sessions_are_marked_and_their_rollout_counted():
+    w = CONTINUOUS.model_copy(update={"max_staleness": 0})
+    run = simulate_elastic(w, 3)
+    marked = [s for s in run.sessions if s.dropped]
+    assert run.dropped == len(marked) > 0
+    assert all(s.ended is not None for s in marked)
+    assert run.dropped_session_s == pytest.approx(sum(s.turns_s + s.held_s for s in marked))
