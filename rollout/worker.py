@@ -55,6 +55,7 @@ from storage.status import (
     DEFAULT_MAX_AGE_S,
     ElasticPlan,
     ElasticPlanBoard,
+    InUse,
     TrainerStatus,
     TrainerStatusBoard,
     is_fresh,
@@ -92,6 +93,9 @@ class RolloutWorker:
             for a plan).
         trainer_poll_s: seconds between reads of the trainer's status (backpressure).
         close_retry_s: waits between the attempts ``close`` makes to commit the last shard.
+        before_commit: called before each raw shard is written; it raises
+            :class:`~storage.status.InUse` once another worker took this one's name, and the
+            shard is not committed (``close`` then raises it at once, without retrying).
     """
 
     def __init__(
@@ -117,6 +121,7 @@ class RolloutWorker:
         plan_max_age_s: float = DEFAULT_MAX_AGE_S,
         trainer_poll_s: float = 0.25,
         close_retry_s: tuple[float, ...] = (1.0, 2.0, 4.0),
+        before_commit: Callable[[], None] | None = None,
     ):
         self.store = store
         self.name = name
@@ -128,7 +133,12 @@ class RolloutWorker:
         self.seed = seed
         self.weights = WeightStore(store)
         self.writer = BackgroundShardWriter(
-            store, name, flush_records=flush_records, flush_seconds=flush_seconds, on_commit=on_shard
+            store,
+            name,
+            flush_records=flush_records,
+            flush_seconds=flush_seconds,
+            on_commit=on_shard,
+            before_commit=before_commit,
         )
         self.router_config = router or RouterConfig()
         self.weight_poll_s = weight_poll_s
@@ -502,6 +512,8 @@ class RolloutWorker:
             try:
                 await asyncio.to_thread(self.writer.close)
                 return
+            except InUse:  # another worker has the name: its shards, not these, come next
+                raise
             except Exception as exc:
                 if wait is None:
                     raise

@@ -112,7 +112,10 @@ class ShardWriter:
     in ``refused``, and never reach the shard; the other rows are committed.
 
     ``on_commit`` is called with each shard once its commit has landed; an exception it
-    raises is logged, never taken for a failed commit. The writer reads the ``shards``
+    raises is logged, never taken for a failed commit. ``before_commit`` is called before
+    each shard is written: an exception it raises fails that flush as a store error would
+    (nothing written, records kept); a rollout worker refuses that way to commit once its
+    name was taken by another worker. The writer reads the ``shards``
     table for its next number when it starts, unless ``numbers_given`` (its caller numbers
     every shard through :meth:`commit`): then at its first flush, if ever.
     """
@@ -128,6 +131,7 @@ class ShardWriter:
         tables: Tables | None = None,
         on_commit: Callable[[ShardInfo], None] | None = None,
         numbers_given: bool = False,
+        before_commit: Callable[[], None] | None = None,
     ):
         _check_name("worker", worker)
         _check_name("kind", kind)
@@ -143,6 +147,7 @@ class ShardWriter:
         self.schema = _schema_for(kind, schema)
         self.tables = tables or Tables(store)
         self.on_commit = on_commit
+        self.before_commit = before_commit
         self._buffer: list[pa.Table] = []
         self._buffered_rows = 0
         self._first_buffered_at = 0.0
@@ -376,6 +381,8 @@ class ShardWriter:
             raise
 
     def _commit(self, table: pa.Table, seq: int, exclusive: bool) -> ShardInfo:
+        if self.before_commit is not None:
+            self.before_commit()
         seq = self._store(table, seq, exclusive)
         path = self._path(seq)
         info = ShardInfo(

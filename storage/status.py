@@ -94,6 +94,7 @@ class RolloutStatus(BaseModel):
         default_factory=list,
         description="Lengths (seconds) of the most recently ended sessions, the newest last.",
     )
+    owner: str = Field("", description="Which worker process wrote it (a random id per start).")
 
 
 @dataclass(frozen=True)
@@ -467,41 +468,52 @@ class ProcessorStatusBoard(_ObjectBoard):
 
 
 class HeldRole:
-    """A role of the run that one process holds at a time (its trainer, its processor): held
-    by publishing its status object stamped with this holder's random ``owner`` id.
+    """A role that one process holds at a time (a rollout worker's name, a run's trainer, its
+    processor): held by publishing its status object stamped with this holder's random
+    ``owner`` id.
 
-    Every publish first reads the status back. When another holder's fresh running status
-    has replaced this one's (two started at once, or this one's renewals stalled past
-    ``max_age_s`` and another took the role), the role is lost: :attr:`lost` is set and this
-    holder publishes nothing more, leaving the status to the new holder."""
+    Every publish first reads the status back, and so does :meth:`holds`. When another
+    holder's fresh running status has replaced this one's (two started at once, or this
+    one's renewals stalled past ``max_age_s`` and another took the role), the role is lost:
+    :attr:`lost` is set and this holder publishes nothing more, leaving the status to the new
+    holder."""
 
     def __init__(
         self,
-        board: TrainerStatusBoard | ProcessorStatusBoard,
+        read: Callable[[], RolloutStatus | TrainerStatus | ProcessorStatus | None],
+        publish: Callable[[RolloutStatus | TrainerStatus | ProcessorStatus], None],
         what: str,
         max_age_s: float = DEFAULT_MAX_AGE_S,
     ):
-        self.board = board
+        self._read, self._publish = read, publish
         self.what = what
         self.owner = uuid.uuid4().hex
         self.lost = threading.Event()
         self._max_age_s = max_age_s
         self._lock = threading.Lock()  # a read-back and its publish are one step
 
-    def publish(self, status: TrainerStatus | ProcessorStatus) -> bool:
+    def holds(self) -> bool:
+        """Whether the role is still this holder's, by the status read back now."""
+        with self._lock:
+            return self._holds()
+
+    def _holds(self) -> bool:
+        if not self.lost.is_set():
+            current = self._read()
+            if (
+                current is not None
+                and current.owner != self.owner
+                and current.running
+                and is_fresh(current.time, time.time(), self._max_age_s)
+            ):
+                log.error("%s was taken by another process, which now holds it", self.what)
+                self.lost.set()
+        return not self.lost.is_set()
+
+    def publish(self, status: RolloutStatus | TrainerStatus | ProcessorStatus) -> bool:
         """Publish ``status`` as this holder's unless the role is lost; whether it was published."""
         with self._lock:
-            if not self.lost.is_set():
-                current = self.board.read()
-                if (
-                    current is not None
-                    and current.owner != self.owner
-                    and current.running
-                    and is_fresh(current.time, time.time(), self._max_age_s)
-                ):
-                    log.error("%s was taken by another process, which now holds it", self.what)
-                    self.lost.set()
-            if self.lost.is_set():
+            if not self._holds():
                 return False
-            self.board.publish(status.model_copy(update={"owner": self.owner}))
+            self._publish(status.model_copy(update={"owner": self.owner}))
             return True

@@ -101,7 +101,7 @@ def holding_the_processor(config: RunConfig) -> Iterator[threading.Event]:
         f"the processor of run {config.run_id!r}",
         "a run has one processor: stop the other first (a pipeline run processes its own run)",
     )
-    role = HeldRole(board, f"the processor role of run {config.run_id!r}")
+    role = HeldRole(board.read, board.publish, f"the processor role of run {config.run_id!r}")
     if not role.publish(ProcessorStatus(time=time.time())):
         raise InUse(f"the processor of run {config.run_id!r} is in use: another processor started at once")
     beat = Heartbeat(

@@ -18,7 +18,14 @@ from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
 from storage.heartbeat import Heartbeat
 from storage.shards import ShardInfo
-from storage.status import RolloutStatus, RolloutStatusBoard, wait_until_free
+from storage.status import (
+    DEFAULT_MAX_AGE_S,
+    HeldRole,
+    InUse,
+    RolloutStatus,
+    RolloutStatusBoard,
+    wait_until_free,
+)
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
 
 log = logging.getLogger(__name__)
@@ -75,27 +82,50 @@ def run_rollouts(
 
     A worker name is one worker's: starting under the name of a running worker raises
     :class:`~storage.status.InUse`; a fresh status left by a worker that died is waited
-    out (``storage.status.wait_until_free``)."""
+    out (``storage.status.wait_until_free``). Each status is published after reading the
+    current one back, and so is each raw shard committed (``storage.status.HeldRole``): a
+    worker that finds another's fresh status there (both started at once, or its own went
+    unrenewed for ``DEFAULT_MAX_AGE_S`` and another took the name) commits no more shards,
+    publishes no more statuses, stops, and raises :class:`~storage.status.InUse`; the
+    rollouts it had not committed are dropped."""
     board = RolloutStatusBoard(run_store(config))
     wait_until_free(
         lambda: board.read_worker(worker_name),
         f"rollout worker name {worker_name!r}",
         "give each worker its own name (--worker, or the rollout flow's worker_name)",
     )
+    role = HeldRole(
+        lambda: board.read_worker(worker_name), board.publish, f"rollout worker name {worker_name!r}"
+    )
+    taken = (
+        f"rollout worker name {worker_name!r} was taken over by another worker (this one's status went "
+        f"unrenewed for over {DEFAULT_MAX_AGE_S:.0f} s, or both started at once); this one stopped and "
+        "commits no more shards under it"
+    )
+
+    def before_commit() -> None:
+        # two writers under one name would interleave its shard numbers, which the trainer
+        # reads in order
+        if not role.holds():
+            raise InUse(taken)
+
     # the name is taken while the engines load, kept fresh by a heartbeat (a status left to go
     # stale would let a second worker take the name); a failed start says it stopped
     idle = {"engine_queue_depth": 0, "live_sessions": 0}
-    board.publish(status_object(worker_name, idle, running=True))
+    if not role.publish(status_object(worker_name, idle, running=True)):
+        raise InUse(f"rollout worker name {worker_name!r} is in use: another worker started at once")
     loading = Heartbeat(
-        lambda: board.publish(status_object(worker_name, idle, running=True)),
+        lambda: role.publish(status_object(worker_name, idle, running=True)),
         progress_every_s,
         f"status heartbeat of worker {worker_name}",
     )
     try:
-        worker, env_pool = _build_worker(config, worker_name, flush_records, flush_seconds, on_shard)
+        worker, env_pool = _build_worker(
+            config, worker_name, flush_records, flush_seconds, on_shard, before_commit
+        )
     except BaseException:
         loading.stop()
-        board.publish(status_object(worker_name, idle, running=False))
+        role.publish(status_object(worker_name, idle, running=False))
         raise
 
     async def publish_status(running: bool) -> dict[str, Any]:
@@ -105,9 +135,11 @@ def run_rollouts(
                        "session_ages": {}}  # fmt: skip
         published = status_object(worker_name, status, running)
         try:
-            await asyncio.to_thread(board.publish, published)
+            await asyncio.to_thread(role.publish, published)
         except Exception as exc:  # a storage hiccup: the next status replaces this one
             log.warning("worker %s could not publish its status: %s", worker_name, exc)
+        if role.lost.is_set():
+            worker.stop()
         return status
 
     finished = asyncio.Event()
@@ -153,11 +185,14 @@ def run_rollouts(
         }
 
     try:
-        return asyncio.run(main())
+        result = asyncio.run(main())
     finally:
         loading.stop()  # main stops it, unless asyncio.run refused to run main
         if env_pool is not None:
             env_pool.close()
+    if role.lost.is_set():
+        raise InUse(taken)
+    return result
 
 
 def _build_worker(
@@ -166,6 +201,7 @@ def _build_worker(
     flush_records: int,
     flush_seconds: float,
     on_shard: Callable[[ShardInfo], None] | None,
+    before_commit: Callable[[], None],
 ) -> tuple[RolloutWorker, Any]:
     """The rollout worker of ``config`` and, on a Ray cluster, the env pool its environments
     run in (None locally; closed again when the worker cannot be built)."""
@@ -196,6 +232,7 @@ def _build_worker(
             make_env=env_pool.make_env if env_pool is not None else None,
             on_shard=on_shard,
             router=router_config(config),
+            before_commit=before_commit,
         )
     except BaseException:
         if env_pool is not None:

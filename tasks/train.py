@@ -154,7 +154,7 @@ def run_trainer(
         f"the trainer of run {config.run_id!r}",
         "a run has one trainer: stop the other first",
     )
-    role = HeldRole(queue_board, f"the trainer role of run {config.run_id!r}")
+    role = HeldRole(queue_board.read, queue_board.publish, f"the trainer role of run {config.run_id!r}")
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
 

@@ -340,6 +340,29 @@ def test_a_failed_background_commit_loses_nothing_and_goes_into_the_next_shard(s
     assert ids_of(reader.read(shards[0])) == ["t0", "t1", "t2", "t3"]
 
 
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
+def test_a_shard_its_before_commit_refuses_writes_nothing_and_keeps_its_records(store, writer_class):
+    """A rollout worker's ``before_commit`` refuses once its name was taken: no file, no
+    commit; the records stay, and are committed whole once (if ever) it lets them through."""
+    refusing = True
+
+    def before_commit() -> None:
+        if refusing:
+            raise RuntimeError("not this worker's name any more (injected)")
+
+    writer = writer_class(store, "w0", flush_records=10, before_commit=before_commit)
+    for i in range(3):
+        writer.write(make_record(i))
+    with pytest.raises(RuntimeError, match="injected"):
+        writer.close()
+    assert Tables(store).read("shards").num_rows == 0
+    assert not store.fs.exists(store.path("shards/raw/w0"))
+    refusing = False
+    writer.close()
+    shards, _ = ShardReader(store).poll()
+    assert [ids_of(ShardReader(store).read(shard)) for shard in shards] == [["t0", "t1", "t2"]]
+
+
 def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_raises(local_store, monkeypatch):
     writer = BackgroundShardWriter(local_store, "w0", flush_records=2, max_unsaved_records=3)
     down = OSError("endpoint unreachable (injected)")

@@ -260,19 +260,19 @@ def test_a_held_role_is_lost_to_another_holders_fresh_running_status_only(store)
     def trainer_status(running: bool = True, age: float = 0.0) -> TrainerStatus:
         return TrainerStatus(time=time.time() - age, buffered_tokens=0, token_budget=8, running=running)
 
-    first, second = HeldRole(board, "first"), HeldRole(board, "second")
+    first, second = (HeldRole(board.read, board.publish, name) for name in ("first", "second"))
     assert first.publish(trainer_status()) and first.publish(trainer_status())  # its own status
     assert board.read().owner == first.owner
     assert not second.publish(trainer_status())  # started at once: refused, nothing written
     assert second.lost.is_set() and board.read().owner == first.owner
     assert first.publish(trainer_status(age=60.0))  # its status goes stale...
-    third = HeldRole(board, "third")
+    third = HeldRole(board.read, board.publish, "third")
     assert third.publish(trainer_status())  # ...and a stale one is no holder
     assert not first.publish(trainer_status()) and first.lost.is_set()
     assert not first.publish(trainer_status(running=False))  # it never frees the new holder's role
     assert board.read().owner == third.owner and board.read().running
     assert third.publish(trainer_status(running=False))
-    fourth = HeldRole(board, "fourth")
+    fourth = HeldRole(board.read, board.publish, "fourth")
     assert fourth.publish(trainer_status()) and board.read().owner == fourth.owner  # a stopped one neither
 
 

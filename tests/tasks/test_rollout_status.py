@@ -120,6 +120,70 @@ def test_a_second_worker_under_a_running_workers_name_refuses_to_start(tmp_path)
     assert Tables(store).read("shards").num_rows == 0
 
 
+@pytest.mark.parametrize("noticed_at", ["status", "commit"])
+def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, monkeypatch, noticed_at):
+    """Its status went unrenewed past the time it counts and another worker took its name:
+    it commits none of its finished rollouts (two writers would interleave the name's shard
+    numbers), publishes no stopped status over the new holder's, and raises InUse. It finds
+    out at its next status (``status``) or, with no status due, when it would commit
+    (``commit``: its statuses every 1,000 s, its last shard at the deadline)."""
+    run = RunConfig(
+        run_id="taken-worker",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2},
+        service={"max_new_tokens": 4},
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    board = RolloutStatusBoard(store)
+    written = []
+    publish = RolloutStatusBoard.publish
+
+    def recorded(self, status):
+        written.append(status)
+        publish(self, status)
+
+    monkeypatch.setattr(RolloutStatusBoard, "publish", recorded)
+    finished = threading.Event()
+
+    def on_progress(status: dict) -> None:
+        if status["orchestrator"]["finished"]:
+            finished.set()
+
+    every_s, deadline = (0.1, time.time() + WAIT_S) if noticed_at == "status" else (1000.0, time.time() + 20)
+    with ThreadPoolExecutor(1) as pool:
+        rollouts = pool.submit(
+            run_rollouts, run, deadline, "w0", on_progress, every_s, flush_records=10_000, flush_seconds=3600
+        )
+        if noticed_at == "status":
+            assert finished.wait(WAIT_S)
+        else:
+            while not written:
+                assert not rollouts.done()
+                time.sleep(0.05)
+        first_owner = written[0].owner
+
+        def new_worker() -> None:
+            board.publish(
+                RolloutStatus(
+                    worker="w0",
+                    time=time.time(),
+                    engine_queue_depth=0,
+                    live_sessions=0,
+                    running=True,
+                    owner="new",
+                )
+            )
+
+        with kept_fresh(new_worker, 0.02):
+            with pytest.raises(InUse, match="'w0' was taken over by another worker"):
+                rollouts.result(timeout=WAIT_S)
+            assert board.read_worker("w0").owner == "new" and board.read_worker("w0").running
+    assert Tables(store).read("shards").num_rows == 0
+    assert all(status.running for status in written)
+    assert {status.owner for status in written} == {first_owner, "new"}
+
+
 @pytest.mark.parametrize("slow", ["build", "start"])
 def test_a_worker_keeps_its_name_taken_while_its_engines_load(tmp_path, monkeypatch, slow):
     """Building the worker or starting its engines takes 2 s, four times the 0.5 s after which
