@@ -58,6 +58,8 @@ class ShardProcessor:
     decode: Decode | None = None
     rescore: Rescore | None = None
     on_shard: Callable[[ProcessedShard], None] | None = None
+    before_commit: Callable[[], None] | None = None
+    """Called before each processed shard is committed; raising refuses it (nothing written)."""
 
     def __post_init__(self):
         self.tables = Tables(self.store)
@@ -137,6 +139,7 @@ class ShardProcessor:
                 schema=PROCESSED_SCHEMA,
                 tables=self.tables,
                 numbers_given=True,
+                before_commit=self.before_commit,
             )
         return self._writers[worker]
 

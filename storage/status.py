@@ -497,6 +497,11 @@ class HeldRole:
         with self._lock:
             return self._holds()
 
+    def require(self, taken: str) -> None:
+        """Raise :class:`InUse` saying ``taken`` unless the role is still this holder's (read back now)."""
+        if not self.holds():
+            raise InUse(taken)
+
     def _holds(self) -> bool:
         if not self.lost.is_set():
             current = self._read()

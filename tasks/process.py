@@ -36,11 +36,15 @@ STATUS_EVERY_S = 5.0
 
 
 def shard_processor(
-    config: RunConfig, on_shard: Callable[[ProcessedShard], None] | None = None
+    config: RunConfig,
+    on_shard: Callable[[ProcessedShard], None] | None = None,
+    before_commit: Callable[[], None] | None = None,
 ) -> ShardProcessor:
     """A processor for the run, decoding text with the tokenizer of its newest version,
     looked up at the first row to decode: a processor started before version 0 is published
-    (beside the trainer and the workers) decodes too, and a raw shard implies a version."""
+    (beside the trainer and the workers) decodes too, and a raw shard implies a version.
+    ``before_commit`` is called before each processed shard is committed (it raises once
+    another processor holds the run's processor role)."""
     store = run_store(config)
     weights = WeightStore(store)
     loaded: list = []
@@ -53,7 +57,9 @@ def shard_processor(
             loaded.append(load_tokenizer(weights.load(latest)))
         return loaded[0].decode(ids, skip_special_tokens=False)
 
-    return ShardProcessor(store, config.processor, decode=decode, on_shard=on_shard)
+    return ShardProcessor(
+        store, config.processor, decode=decode, on_shard=on_shard, before_commit=before_commit
+    )
 
 
 class ProcessTotals:
@@ -83,10 +89,18 @@ class ProcessTotals:
         return {**self.totals, "dropped": dict(self.dropped)}
 
 
+def taken_over(config: RunConfig) -> str:
+    """Why a processor stops whose role another processor took."""
+    return (
+        f"the processor of run {config.run_id!r} was taken over by another processor (this one's "
+        f"status went unrenewed for over {DEFAULT_MAX_AGE_S:.0f} s, or both started at once)"
+    )
+
+
 @contextlib.contextmanager
-def holding_the_processor(config: RunConfig) -> Iterator[threading.Event]:
-    """Hold the run's processor role while the block runs; yields an event set once the role
-    is lost.
+def holding_the_processor(config: RunConfig) -> Iterator[HeldRole]:
+    """Hold the run's processor role while the block runs; yields the role (its ``lost`` is
+    set once the role is lost; its ``require`` raises then).
 
     One processor per run: two would process its shards twice. While another processor's
     status is renewed this raises :class:`~storage.status.InUse`; the fresh status a killed
@@ -108,7 +122,7 @@ def holding_the_processor(config: RunConfig) -> Iterator[threading.Event]:
         lambda: role.publish(ProcessorStatus(time=time.time())), STATUS_EVERY_S, "processor status"
     )
     try:
-        yield role.lost
+        yield role
     finally:
         beat.stop()
         try:
@@ -126,20 +140,22 @@ def run_processor(
 ) -> dict[str, Any]:
     """Process raw shards as they are committed until ``deadline``, then drain once more
     (holding the run's processor role; raises :class:`~storage.status.InUse` once it is lost)."""
-    with holding_the_processor(config) as lost:
-        processor = shard_processor(config, reporting(on_shard, "report of a processed shard"))
+    with holding_the_processor(config) as role:
+        processor = shard_processor(
+            config,
+            reporting(on_shard, "report of a processed shard"),
+            lambda: role.require(taken_over(config)),
+        )
         totals = ProcessTotals()
-        while time.time() < deadline and not (stop is not None and stop.is_set()) and not lost.is_set():
+        while time.time() < deadline and not (stop is not None and stop.is_set()) and not role.lost.is_set():
             new = processor.poll()
             totals.add(new)
             if not new:
                 time.sleep(poll_s)
-        if lost.is_set():
+        if role.lost.is_set():
             processor.save()
             raise InUse(
-                f"the processor of run {config.run_id!r} was taken over by another processor (this "
-                f"one's status went unrenewed for over {DEFAULT_MAX_AGE_S:.0f} s, or both started at "
-                f"once); stopped after {totals.totals['shards']} shards, the other goes on"
+                f"{taken_over(config)}; stopped after {totals.totals['shards']} shards, the other goes on"
             )
         totals.add(processor.poll())
         processor.save()
@@ -188,9 +204,11 @@ def process_pending(config: RunConfig) -> dict[str, Any]:
             f"run {config.run_id!r} is not at {store.uri}: no shards table, no weight version; check "
             "storage.root and run_id (processes on other machines need shared s3:// storage)"
         )
-    with holding_the_processor(config):
+    with holding_the_processor(config) as role:
         processor = shard_processor(
-            config, on_shard=reporting(lambda outcome: _emit(config, outcome), "report of a processed shard")
+            config,
+            on_shard=reporting(lambda outcome: _emit(config, outcome), "report of a processed shard"),
+            before_commit=lambda: role.require(taken_over(config)),
         )
         totals = ProcessTotals().add(processor.poll())
         processor.save()

@@ -103,12 +103,6 @@ def run_rollouts(
         "commits no more shards under it"
     )
 
-    def before_commit() -> None:
-        # two writers under one name would interleave its shard numbers, which the trainer
-        # reads in order
-        if not role.holds():
-            raise InUse(taken)
-
     # the name is taken while the engines load, kept fresh by a heartbeat (a status left to go
     # stale would let a second worker take the name); a failed start says it stopped
     idle = {"engine_queue_depth": 0, "live_sessions": 0}
@@ -120,8 +114,10 @@ def run_rollouts(
         f"status heartbeat of worker {worker_name}",
     )
     try:
+        # two writers under one name would interleave its shard numbers, which the trainer
+        # reads in order
         worker, env_pool = _build_worker(
-            config, worker_name, flush_records, flush_seconds, on_shard, before_commit
+            config, worker_name, flush_records, flush_seconds, on_shard, lambda: role.require(taken)
         )
     except BaseException:
         loading.stop()

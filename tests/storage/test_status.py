@@ -270,6 +270,9 @@ def test_a_held_role_is_lost_to_another_holders_fresh_running_status_only(store)
     assert third.publish(trainer_status())  # ...and a stale one is no holder
     assert not first.publish(trainer_status()) and first.lost.is_set()
     assert not first.publish(trainer_status(running=False))  # it never frees the new holder's role
+    with pytest.raises(InUse, match="first is gone"):
+        first.require("first is gone")
+    third.require("third is gone")  # still third's: nothing raised
     assert board.read().owner == third.owner and board.read().running
     assert third.publish(trainer_status(running=False))
     fourth = HeldRole(board.read, board.publish, "fourth")

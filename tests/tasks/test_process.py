@@ -143,3 +143,33 @@ def test_a_processor_whose_role_was_taken_stops_and_leaves_the_status_to_the_new
     # it never marked the role stopped: that would have freed the new holder's run
     assert all(status.running for status in written)
     assert {status.owner for status in written} == {first_owner, "the-new-one"}
+
+
+@pytest.mark.parametrize("how", ["continuous", "pending"])
+def test_a_processor_whose_role_was_taken_before_it_commits_commits_nothing(tmp_path, monkeypatch, how):
+    """The other processor took the run after this one claimed it and before its first
+    commit, with no status renewal due between: the commit reads the status back first and
+    is refused, so neither a processed shard nor a ``trajectories`` row lands."""
+    config = tiny_config(tmp_path / "runs", "taken-before-commit")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    commit_raw(store, raw_records(store, 2, seed=3))
+    board = ProcessorStatusBoard(store)
+    build = process_task.shard_processor
+
+    def taken_once_built(*args, **kwargs):
+        processor = build(*args, **kwargs)
+        board.publish(ProcessorStatus(time=time.time(), owner="the-new-one"))
+        return processor
+
+    monkeypatch.setattr(process_task, "shard_processor", taken_once_built)
+    start = {
+        "continuous": lambda: run_processor(config, time.time() + 30),
+        "pending": lambda: process_pending.fn(config),
+    }[how]
+    with pytest.raises(InUse, match="taken over by another processor"):
+        start()
+    tables = Tables(store)
+    assert tables.read("shards").column("kind").to_pylist() == ["raw"]
+    assert tables.read("trajectories").num_rows == 0
+    assert board.read().owner == "the-new-one" and board.read().running
