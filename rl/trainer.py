@@ -40,6 +40,7 @@ from rl.losses import dis_policy_loss, value_loss
 from rl.models import ValueModel, load_policy, padding_id, placed, publish_policy
 from storage.config import RunStore
 from storage.shards import ShardInfo, ShardReader
+from storage.status import HeldRole
 from storage.tables import Tables
 from storage.weights import CorruptVersion, WeightStore
 
@@ -470,7 +471,7 @@ class Trainer:
         drain: bool = False,
         drain_event: threading.Event | None = None,
         step_extra: Callable[[], dict] | None = None,
-        abandon_event: threading.Event | None = None,
+        role: HeldRole | None = None,
     ) -> TrainSummary:
         """Train until a stop condition holds.
 
@@ -484,15 +485,15 @@ class Trainer:
             drain_event: drain from the moment it is set (the producers have finished).
             step_extra: called before each step's row is written; what it returns is merged
                 into the row's ``extra`` (e.g. the elastic controller's inputs and moves).
-            abandon_event: stop when it is set and publish nothing more (another trainer
-                took the run and trains from its latest version: what this one trained since
-                is left to it).
+            role: the run's trainer role, held by this trainer: it is read back before each
+                publish, and once it is lost (``role.lost``) the trainer stops and publishes
+                nothing more (another trainer took the run and trains from its latest
+                version: what this one trained since is left to it).
 
         On a clean stop the steps since the last version are published
         (``publish_on_stop``).
         """
         stop_event = stop_event or threading.Event()
-        abandon_event = abandon_event or threading.Event()
         if max_steps is not None and self.step >= max_steps:
             logger.warning(
                 "the run is already at policy step %d, at or past max_steps=%d (steps count over the "
@@ -504,7 +505,7 @@ class Trainer:
         started = time.monotonic()
         versions: list[int] = []
         while True:
-            if abandon_event.is_set():
+            if role is not None and role.lost.is_set():
                 stop_reason = "abandoned"
                 break
             if max_steps is not None and self.step >= max_steps:
@@ -529,7 +530,7 @@ class Trainer:
                 )
                 if progress is not None and metrics is not None:
                     progress({**metrics.row, "extra": metrics.extra})
-                if self._steps_since_publish >= self.config.publish_every and not abandon_event.is_set():
+                if self._steps_since_publish >= self.config.publish_every and (role is None or role.holds()):
                     versions.append(self.publish())
                 continue
             if draining and new_shards == 0:
@@ -548,7 +549,10 @@ class Trainer:
                     self.waiting_since = None
         publish_pending = self._steps_since_publish or self._pending_consumption()
         if self.config.publish_on_stop and publish_pending and stop_reason != "abandoned":
-            versions.append(self.publish())
+            if role is None or role.holds():
+                versions.append(self.publish())
+            else:
+                stop_reason = "abandoned"
         logger.info("trainer stopped (%s) at step %d", stop_reason, self.step)
         return TrainSummary(steps=self.step, versions=versions, stop_reason=stop_reason)
 

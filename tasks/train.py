@@ -356,7 +356,7 @@ def run_trainer(
             drain=drain,
             drain_event=drain_event,
             step_extra=step_extra,
-            abandon_event=role.lost,
+            role=role,
         )
     finally:
         stop_ticking.set()

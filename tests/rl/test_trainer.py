@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,6 +30,7 @@ from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_values
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
+from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 
@@ -115,6 +117,26 @@ def config(**overrides) -> SAOConfig:
         lr=1e-3, value_lr=1e-3, token_budget=44, micro_token_budget=24, publish_every=2, poll_seconds=0.05
     )
     return SAOConfig(**base | overrides)
+
+
+@pytest.mark.parametrize("publish_every", [1, 100])
+def test_a_trainer_whose_role_was_taken_before_it_publishes_publishes_nothing(store, publish_every):
+    """Another trainer took the run while this one trained, with no status renewal between:
+    the read-back before the publish (a step's, or the one on stop) finds it, and the
+    trainer stops with nothing published."""
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    board = TrainerStatusBoard(store)
+    role = HeldRole(board.read, board.publish, "the trainer role")
+
+    def status(owner: str = "") -> TrainerStatus:
+        return TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner=owner)
+
+    assert role.publish(status())
+    trainer = Trainer(store, config(publish_every=publish_every))
+    board.publish(status(owner="the-new-one"))
+    summary = trainer.run(drain=True, role=role)
+    assert (summary.stop_reason, summary.versions, summary.steps) == ("abandoned", [], trainer.step)
+    assert summary.steps >= 1 and WeightStore(store).list() == [0] and role.lost.is_set()
 
 
 def test_trains_every_row_once_and_logs_each_step(store):
