@@ -23,9 +23,9 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol
+from typing import Annotated, Any, ClassVar, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from envs.sandbox import COMMAND_KINDS, Sandbox, SandboxConfig, SandboxError
 from envs.threads import to_thread_to_the_end
@@ -33,9 +33,16 @@ from envs.threads import to_thread_to_the_end
 Split = Literal["train", "eval"]
 
 
-NOT_BLANK = r"\S"
-"""Pattern of an id: something other than whitespace (a blank id names nothing, and a
-trajectory that carries one is refused when its shard is written)."""
+def _not_blank(value: str) -> str:
+    # Python's whitespace, as the shard check's (a regex's \s differs: U+001C..U+001F)
+    if not value.strip():
+        raise ValueError("an id must hold something other than whitespace")
+    return value
+
+
+Id = Annotated[str, AfterValidator(_not_blank)]
+"""An id: something other than whitespace (a blank id names nothing, and a trajectory that
+carries one is refused when its shard is written)."""
 
 
 class Task(BaseModel):
@@ -44,7 +51,7 @@ class Task(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     env: str = Field(description="Name of the environment the task belongs to.")
-    id: str = Field(pattern=NOT_BLANK, description="Stable id of the task (the prompt id).")
+    id: Id = Field(description="Stable id of the task (the prompt id).")
     prompt: str = Field(description="First user message.")
     data: dict[str, Any] = Field(
         default_factory=dict, description="What the env needs to check it; never shown."

@@ -128,6 +128,9 @@ def _load_rows(config_json: str) -> tuple[dict, ...]:
                 raise ValueError(f"row {i} of {config.path} has no field {field!r} (fields: {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"row {i} of {config.path} has a null {field!r}")
+        id_field = config.id_field or config.prompt_field
+        if not str(row[id_field]).strip():
+            raise ValueError(f"row {i} of {config.path} has a blank {id_field!r} (the task's id)")
         if config.verifier == "regex":
             try:
                 regex.compile(str(row[config.answer_field]))

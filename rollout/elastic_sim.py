@@ -221,7 +221,6 @@ class ElasticRun:
     dropped: int = 0
     log: list[dict] = field(default_factory=list)
     trace: list[Sample] = field(default_factory=list)
-    tick_s: float = 0.0
     migrations: list[Migration] = field(default_factory=list)
     sessions: list[SessionRecord] = field(default_factory=list)
     unit_seconds: dict[str, float] = field(default_factory=dict)
@@ -594,7 +593,6 @@ def simulate_elastic(
         dropped,
         log,
         trace,
-        w.tick_s,
         migrations,
         sessions,
         unit_seconds,

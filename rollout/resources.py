@@ -137,7 +137,7 @@ class CpuManager:
 
 RECENT_SWAPS = 64
 """Names of the latest loads and evictions a :class:`ServiceManager` keeps (``loads``,
-``evictions``); ``load_count`` and ``eviction_count`` count every one."""
+``evictions``)."""
 
 
 def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -164,8 +164,7 @@ class ServiceManager:
     evicted is not starved by steady calls to them.
 
     ``loads`` and ``evictions`` name the latest :data:`RECENT_SWAPS` services loaded and
-    evicted, oldest first; ``load_count`` and ``eviction_count`` count all of them since the
-    manager was made (a long-lived rollout service swaps without end).
+    evicted, oldest first (a long-lived rollout service swaps without end).
     """
 
     def __init__(self, device: str | None = None, budget_bytes: int | None = None):
@@ -186,8 +185,6 @@ class ServiceManager:
         self._arrivals: deque[object] = deque()
         self._recent_loads: deque[str] = deque(maxlen=RECENT_SWAPS)
         self._recent_evictions: deque[str] = deque(maxlen=RECENT_SWAPS)
-        self.load_count = 0
-        self.eviction_count = 0
 
     def register(self, name: str, module: torch.nn.Module) -> None:
         """Park ``module`` in CPU memory under ``name``."""
@@ -240,7 +237,6 @@ class ServiceManager:
             if copying.exception() is None:
                 self._resident[name] = None
                 self._recent_loads.append(name)
-                self.load_count += 1
             else:
                 module.to("meta")
 
@@ -256,7 +252,6 @@ class ServiceManager:
         self._modules[name].to("meta")
         del self._resident[name]
         self._recent_evictions.append(name)
-        self.eviction_count += 1
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

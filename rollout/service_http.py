@@ -13,7 +13,7 @@ from typing import Any
 from fastapi import Depends, FastAPI, Header, HTTPException
 from pydantic import BaseModel, ConfigDict, Field
 
-from envs.base import NOT_BLANK, Task
+from envs.base import Id, Task
 from rollout.http_server import AppServer, bearer_token
 from rollout.service import DuplicateRollout, RolloutRequest, RolloutService
 
@@ -24,19 +24,16 @@ class ProcessRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     task: Task = Field(description="The task instance (env name, id, prompt, private data).")
-    rollout_id: str | None = Field(
+    rollout_id: Id | None = Field(
         None,
-        pattern=NOT_BLANK,
         description="Id to cancel it by; generated when left out. An id in flight is refused (409).",
     )
-    execution_id: str | None = Field(
+    execution_id: Id | None = Field(
         None,
-        pattern=NOT_BLANK,
         description="Execution the trajectory belongs to; the trajectory's own id when left out.",
     )
-    group_id: str | None = Field(
+    group_id: Id | None = Field(
         None,
-        pattern=NOT_BLANK,
         description="Group (GRPO mode: the trainer pools the advantages of rollouts sharing it).",
     )
     seed: int | None = Field(

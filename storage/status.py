@@ -467,6 +467,12 @@ class ProcessorStatusBoard(_ObjectBoard):
     on_corrupt = "it does not hold the run's processing back"
 
 
+CLAIM_SETTLE_S = 0.5
+"""Seconds a new holder waits after its first status before reading it back once more: two
+started at once may both have read no holder before either wrote, and then the later write
+is the one both read back (a status write takes far less)."""
+
+
 class HeldRole:
     """A role that one process holds at a time (a rollout worker's name, a run's trainer, its
     processor): held by publishing its status object stamped with this holder's random
@@ -491,6 +497,16 @@ class HeldRole:
         self.lost = threading.Event()
         self._max_age_s = max_age_s
         self._lock = threading.Lock()  # a read-back and its publish are one step
+
+    def claim(
+        self, status: RolloutStatus | TrainerStatus | ProcessorStatus, settle_s: float = CLAIM_SETTLE_S
+    ) -> bool:
+        """Take the role: publish ``status``, wait ``settle_s``, and publish it again, dated
+        now, if the read-back finds the role still this holder's; whether it is."""
+        if not self.publish(status):
+            return False
+        time.sleep(settle_s)
+        return self.publish(status.model_copy(update={"time": time.time()}))
 
     def holds(self) -> bool:
         """Whether the role is still this holder's, by the status read back now."""

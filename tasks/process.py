@@ -116,7 +116,7 @@ def holding_the_processor(config: RunConfig) -> Iterator[HeldRole]:
         "a run has one processor: stop the other first (a pipeline run processes its own run)",
     )
     role = HeldRole(board.read, board.publish, f"the processor role of run {config.run_id!r}")
-    if not role.publish(ProcessorStatus(time=time.time())):
+    if not role.claim(ProcessorStatus(time=time.time())):
         raise InUse(f"the processor of run {config.run_id!r} is in use: another processor started at once")
     beat = Heartbeat(
         lambda: role.publish(ProcessorStatus(time=time.time())), STATUS_EVERY_S, "processor status"

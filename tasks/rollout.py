@@ -106,7 +106,7 @@ def run_rollouts(
     # the name is taken while the engines load, kept fresh by a heartbeat (a status left to go
     # stale would let a second worker take the name); a failed start says it stopped
     idle = {"engine_queue_depth": 0, "live_sessions": 0}
-    if not role.publish(status_object(worker_name, idle, running=True)):
+    if not role.claim(status_object(worker_name, idle, running=True)):
         raise InUse(f"rollout worker name {worker_name!r} is in use: another worker started at once")
     loading = Heartbeat(
         lambda: role.publish(status_object(worker_name, idle, running=True)),

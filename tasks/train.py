@@ -158,10 +158,10 @@ def run_trainer(
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
 
-    def check_published() -> None:
-        # every version since the last check: two may land between checks (a step's and
-        # the one published on stop)
-        latest = weights.latest()
+    def check_published(latest: int | None = None) -> None:
+        """Announce every version since the last check, up to ``latest`` (default: the
+        newest): two may land between checks (a step's and the one published on stop)."""
+        latest = weights.latest() if latest is None else latest
         if latest == seen["version"]:
             return
         before = -1 if seen["version"] is None else seen["version"]
@@ -184,7 +184,7 @@ def run_trainer(
 
     # the role is this trainer's from here: one started while this one loads is refused, and
     # a heartbeat keeps the status fresh through a load longer than a status counts
-    if not role.publish(trainer_status(0, running=True)):
+    if not role.claim(trainer_status(0, running=True)):
         raise InUse(f"the trainer of run {config.run_id!r} is in use: another trainer started at once")
     loading = Heartbeat(
         lambda: role.publish(trainer_status(0, running=True)),
@@ -371,6 +371,8 @@ def run_trainer(
             published["at"] = -math.inf
             publish(elastic.release(time.time()))
     if summary.stop_reason == "abandoned":
+        if summary.versions:  # its own, not those of the trainer that took the run
+            check_published(max(summary.versions))
         raise InUse(
             taken_over(
                 config,

@@ -552,6 +552,18 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
             {"id_field": "qid"},
             "row 0 of .*nullid.jsonl has a null 'qid'",
         ),
+        (
+            "blankid.jsonl",
+            b'{"prompt": "q", "answer": "a", "qid": "q1"}\n{"prompt": "r", "answer": "b", "qid": " "}',
+            {"id_field": "qid"},
+            "row 1 of .*blankid.jsonl has a blank 'qid'",
+        ),
+        (
+            "blankprompt.jsonl",
+            b'{"prompt": "q", "answer": "a"}\n{"prompt": "\\u001f", "answer": "b"}',
+            {},
+            "row 1 of .*blankprompt.jsonl has a blank 'prompt'",
+        ),
         *(
             (
                 "num.jsonl",

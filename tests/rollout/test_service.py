@@ -520,7 +520,7 @@ def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, se
 
 
 @pytest.mark.parametrize("field", ["rollout_id", "execution_id", "group_id", "task.id"])
-@pytest.mark.parametrize("blank", ["", "  ", "\t\n"])
+@pytest.mark.parametrize("blank", ["", "  ", "\t\n", "\x1f"])
 def test_a_blank_id_is_refused_with_422_before_any_rollout_runs(tiny, field, blank):
     """A blank group id would pool every such rollout into one GRPO group; a blank task id
     would get the trajectory refused when its shard is written, after the rollout ran."""

@@ -7,6 +7,7 @@ import logging
 import posixpath
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -277,6 +278,31 @@ def test_a_held_role_is_lost_to_another_holders_fresh_running_status_only(store)
     assert third.publish(trainer_status(running=False))
     fourth = HeldRole(board.read, board.publish, "fourth")
     assert fourth.publish(trainer_status()) and board.read().owner == fourth.owner  # a stopped one neither
+
+
+def test_of_two_holders_started_at_once_one_keeps_the_claim(store):
+    """Both read no holder before either writes: each claim's read-back after the settle
+    finds the later write, so exactly one of them holds the role."""
+    board = TrainerStatusBoard(store)
+    both_read = threading.Barrier(2)
+
+    def read_together():
+        status = board.read()
+        both_read.wait(timeout=30)
+        return status
+
+    roles = [HeldRole(read_together, board.publish, "role") for _ in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        claims = list(
+            pool.map(
+                lambda role: role.claim(
+                    TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=8), 0.3
+                ),
+                roles,
+            )
+        )
+    assert sorted(claims) == [False, True]
+    assert board.read().owner == roles[claims.index(True)].owner
 
 
 def free_name(board: RolloutStatusBoard, **timing) -> None:

@@ -15,6 +15,7 @@ import pytest
 
 from flows.config import RunConfig
 from rl.models import ensure_base_version
+from rl.trainer import Trainer
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.status import (
@@ -158,7 +159,7 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, 
         if noticed_at == "status":
             assert finished.wait(WAIT_S)
         else:
-            while not written:
+            while len(written) < 2:  # its claim: a status, and the same once it settled
                 assert not rollouts.done()
                 time.sleep(0.05)
         first_owner = written[0].owner
@@ -335,6 +336,34 @@ def test_a_trainer_whose_role_was_taken_stops_without_publishing_anything_more(t
     assert plans and all(plan.running for plan in plans)  # no release of the new trainer's replicas
     assert all(status.running for status in written)
     assert {status.owner for status in written} == {first_owner, "new"}
+
+
+def test_a_trainer_whose_role_was_taken_announces_the_versions_it_published_before(tmp_path, monkeypatch):
+    """The run is taken right after a version this trainer published while it held it: that
+    version still gets its announcement (its Prefect event) before the trainer stops."""
+    monkeypatch.setattr(train_task, "PLAN_REFRESH_S", 0.2)  # its status, so the loss, comes soon
+    run = RunConfig(
+        run_id="taken-after-publish",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        sao=config(publish_every=1),
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    board = TrainerStatusBoard(store)
+    publish = Trainer.publish
+
+    def then_taken(self):
+        version = publish(self)
+        board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner="new"))
+        time.sleep(1.0)  # five of its statuses: it finds the new holder's before its next step
+        return version
+
+    monkeypatch.setattr(Trainer, "publish", then_taken)
+    announced = []
+    with pytest.raises(InUse, match="taken over by another trainer"):
+        run_trainer(run, time.time() + WAIT_S, on_publish=announced.append)
+    assert WeightStore(store).list() == [0, 1] and announced == [1]
 
 
 def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_path):
