@@ -50,6 +50,7 @@ from storage.schema import (
     to_table,
     validate,
 )
+from storage.status import InUse
 from storage.tables import Tables
 
 log = logging.getLogger(__name__)
@@ -545,12 +546,16 @@ class BackgroundShardWriter(ShardWriter):
         self._unsaved = table
 
     def _settle(self) -> None:
-        """Wait for the commit in flight; its records stay unsaved if it failed."""
+        """Wait for the commit in flight; its records stay unsaved if it failed. A commit its
+        ``before_commit`` refused with :class:`~storage.status.InUse` is raised here (at the
+        next ``flush`` or ``close``): retrying it under the same name would be refused too."""
         if self._in_flight is None:
             return
         future, self._in_flight = self._in_flight, None
         try:
             future.result()
+        except InUse:  # the name was taken: no later shard will hold them either
+            raise
         except Exception as exc:
             log.warning(
                 "commit of %d records to a %s shard of %s failed; they go into the next shard: %s",

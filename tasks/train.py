@@ -158,10 +158,11 @@ def run_trainer(
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
 
-    def check_published(latest: int | None = None) -> None:
-        """Announce every version since the last check, up to ``latest`` (default: the
-        newest): two may land between checks (a step's and the one published on stop)."""
-        latest = weights.latest() if latest is None else latest
+    def check_published() -> None:
+        """Announce every version since the last check up to this trainer's own (two may land
+        between checks: a step's and the one published on stop), never one published by a
+        trainer that took the run."""
+        latest = trainer.version
         if latest == seen["version"]:
             return
         before = -1 if seen["version"] is None else seen["version"]
@@ -370,16 +371,14 @@ def run_trainer(
                 log.info("elastic moves after the last train_steps row: %s", unlogged)
             published["at"] = -math.inf
             publish(elastic.release(time.time()))
+    check_published()
     if summary.stop_reason == "abandoned":
-        if summary.versions:  # its own, not those of the trainer that took the run
-            check_published(max(summary.versions))
         raise InUse(
             taken_over(
                 config,
                 f"at policy step {summary.steps}; what it trained since its last version is left to the other",
             )
         )
-    check_published()
     return {"steps": summary.steps, "versions": summary.versions, "stop_reason": summary.stop_reason}
 
 

@@ -32,6 +32,7 @@ from storage.shards import (
     quarantine_path,
     sweep_uncommitted,
 )
+from storage.status import InUse
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tests.conftest import free_port
@@ -361,6 +362,23 @@ def test_a_shard_its_before_commit_refuses_writes_nothing_and_keeps_its_records(
     writer.close()
     shards, _ = ShardReader(store).poll()
     assert [ids_of(ShardReader(store).read(shard)) for shard in shards] == [["t0", "t1", "t2"]]
+
+
+def test_a_background_commit_refused_as_in_use_is_raised_at_the_next_flush(store, caplog):
+    """Not a storage error to retry into the next shard: the worker's name is another's, so
+    the caller hears of it at once (records kept, nothing committed)."""
+
+    def taken() -> None:
+        raise InUse("rollout worker name 'w0' was taken over (injected)")
+
+    writer = BackgroundShardWriter(store, "w0", flush_records=2, before_commit=taken)
+    writer.write(make_record(0))
+    writer.write(make_record(1))  # hands the shard to the commit thread
+    with pytest.raises(InUse, match="injected"):
+        writer.write(make_record(2))
+        writer.write(make_record(3))
+    assert writer.unsaved_records == 2 and "they go into the next shard" not in caplog.text
+    assert Tables(store).read("shards").num_rows == 0
 
 
 def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_raises(local_store, monkeypatch):

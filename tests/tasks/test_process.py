@@ -145,15 +145,30 @@ def test_a_processor_whose_role_was_taken_stops_and_leaves_the_status_to_the_new
     assert {status.owner for status in written} == {first_owner, "the-new-one"}
 
 
+@pytest.mark.parametrize("twin", ["to commit", "committed, rows missing"])
 @pytest.mark.parametrize("how", ["continuous", "pending"])
-def test_a_processor_whose_role_was_taken_before_it_commits_commits_nothing(tmp_path, monkeypatch, how):
+def test_a_processor_whose_role_was_taken_before_it_commits_commits_nothing(tmp_path, monkeypatch, how, twin):
     """The other processor took the run after this one claimed it and before its first
     commit, with no status renewal due between: the commit reads the status back first and
-    is refused, so neither a processed shard nor a ``trajectories`` row lands."""
+    is refused, so neither a processed shard nor a ``trajectories`` row lands. So also when
+    an earlier processor died between a twin and its rows: the rows alone are refused."""
     config = tiny_config(tmp_path / "runs", "taken-before-commit")
     store = run_store(config)
     ensure_base_version(WeightStore(store), TINY)
     commit_raw(store, raw_records(store, 2, seed=3))
+    shard_kinds = ["raw"]
+    if twin == "committed, rows missing":
+        append = Tables.append
+
+        def died_before_the_rows(self, name, rows):
+            if name == "trajectories":
+                raise OSError("died between the twin and its rows (injected)")
+            append(self, name, rows)
+
+        with monkeypatch.context() as dying, pytest.raises(OSError, match="injected"):
+            dying.setattr(Tables, "append", died_before_the_rows)
+            ShardProcessor(store, config.processor).poll()
+        shard_kinds = ["processed", "raw"]
     board = ProcessorStatusBoard(store)
     build = process_task.shard_processor
 
@@ -170,6 +185,6 @@ def test_a_processor_whose_role_was_taken_before_it_commits_commits_nothing(tmp_
     with pytest.raises(InUse, match="taken over by another processor"):
         start()
     tables = Tables(store)
-    assert tables.read("shards").column("kind").to_pylist() == ["raw"]
+    assert sorted(tables.read("shards").column("kind").to_pylist()) == shard_kinds
     assert tables.read("trajectories").num_rows == 0
     assert board.read().owner == "the-new-one" and board.read().running

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from flows.config import RunConfig
-from rl.models import ensure_base_version
+from rl.models import ensure_base_version, publish_policy
 from rl.trainer import Trainer
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
@@ -338,10 +338,16 @@ def test_a_trainer_whose_role_was_taken_stops_without_publishing_anything_more(t
     assert {status.owner for status in written} == {first_owner, "new"}
 
 
-def test_a_trainer_whose_role_was_taken_announces_the_versions_it_published_before(tmp_path, monkeypatch):
-    """The run is taken right after a version this trainer published while it held it: that
-    version still gets its announcement (its Prefect event) before the trainer stops."""
-    monkeypatch.setattr(train_task, "PLAN_REFRESH_S", 0.2)  # its status, so the loss, comes soon
+@pytest.mark.parametrize("noticed_at", ["status", "publish"])
+def test_a_trainer_whose_role_was_taken_announces_its_own_versions_only(tmp_path, monkeypatch, noticed_at):
+    """The run is taken right after a version this trainer published while it held it, and
+    the new trainer publishes the next: the first still gets its announcement (its Prefect
+    event) from this trainer, the new trainer's does not. It finds out at its next status
+    (``status``) or, with none due, at the read-back before its next publish (``publish``)."""
+    if noticed_at == "status":
+        monkeypatch.setattr(train_task, "PLAN_REFRESH_S", 0.2)
+    else:
+        monkeypatch.setattr(train_task, "TRAINER_STATUS_S", 1000.0)
     run = RunConfig(
         run_id="taken-after-publish",
         storage=StorageConfig(root=str(tmp_path / "runs")),
@@ -352,18 +358,22 @@ def test_a_trainer_whose_role_was_taken_announces_the_versions_it_published_befo
     write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
     board = TrainerStatusBoard(store)
     publish = Trainer.publish
+    theirs = []
 
     def then_taken(self):
         version = publish(self)
-        board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner="new"))
-        time.sleep(1.0)  # five of its statuses: it finds the new holder's before its next step
+        if not theirs:
+            board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner="new"))
+            theirs.append(publish_policy(self.weights, self.policy, self.tokenizer, step=0, parent=version))
+            if noticed_at == "status":
+                time.sleep(1.0)  # five of its statuses: it finds the new holder's before its next step
         return version
 
     monkeypatch.setattr(Trainer, "publish", then_taken)
     announced = []
     with pytest.raises(InUse, match="taken over by another trainer"):
         run_trainer(run, time.time() + WAIT_S, on_publish=announced.append)
-    assert WeightStore(store).list() == [0, 1] and announced == [1]
+    assert (WeightStore(store).list(), theirs, announced) == ([0, 1, 2], [2], [1])
 
 
 def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_path):
