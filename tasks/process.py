@@ -152,8 +152,7 @@ def run_processor(
             totals.add(new)
             if not new:
                 time.sleep(poll_s)
-        if role.lost.is_set():
-            processor.save()
+        if role.lost.is_set():  # its offset, too, is the new holder's to save
             raise InUse(
                 f"{taken_over(config)}; stopped after {totals.totals['shards']} shards, the other goes on"
             )

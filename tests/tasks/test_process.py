@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from rl import process_loop
 from rl.models import ensure_base_version
 from rl.process_loop import ShardProcessor
 from storage.shards import ShardWriter
-from storage.status import InUse, ProcessorStatus, ProcessorStatusBoard
+from storage.status import InUse, ProcessOffsetBoard, ProcessorStatus, ProcessorStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks import process as process_task
@@ -129,13 +131,23 @@ def test_a_processor_whose_role_was_taken_stops_and_leaves_the_status_to_the_new
         publish(self, status)
 
     monkeypatch.setattr(ProcessorStatusBoard, "publish", recorded)
+    monkeypatch.setattr(process_loop, "SAVE_EVERY_S", 3600.0)  # its offset saved only when it stops
+    offsets = []
+    save_offset = ProcessOffsetBoard.publish
+    monkeypatch.setattr(
+        ProcessOffsetBoard, "publish", lambda self, o: (offsets.append(o), save_offset(self, o))
+    )
+    processed = threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        first = pool.submit(run_processor, config, time.time() + 60)
+        first = pool.submit(run_processor, config, time.time() + 60, on_shard=lambda outcome: processed.set())
         deadline = time.monotonic() + 30
         while len(written) < 2:  # its claim: a status, and the same once it settled
             assert time.monotonic() < deadline and not first.done()
             time.sleep(0.02)
         first_owner = written[0].owner
+        commit_raw(store, raw_records(store, 2, seed=4))
+        assert processed.wait(30)
+        saved = len(offsets)
         with kept_fresh(lambda: board.publish(ProcessorStatus(time=time.time(), owner="the-new-one")), 0.02):
             with pytest.raises(InUse, match="taken over by another processor"):
                 first.result(timeout=30)
@@ -143,6 +155,7 @@ def test_a_processor_whose_role_was_taken_stops_and_leaves_the_status_to_the_new
     # it never marked the role stopped: that would have freed the new holder's run
     assert all(status.running for status in written)
     assert {status.owner for status in written} == {first_owner, "the-new-one"}
+    assert len(offsets) == saved  # nor saved its place in the log over the new holder's
 
 
 @pytest.mark.parametrize("twin", ["to commit", "committed, rows missing"])
