@@ -60,6 +60,20 @@ class S3Server:
         )
 
 
+def published_by(monkeypatch, board: type) -> list:
+    """Every object published through ``board`` (a status board class) from now on, in
+    order; each is still published."""
+    objects: list = []
+    publish = board.publish
+
+    def recorded(self, obj):
+        objects.append(obj)
+        publish(self, obj)
+
+    monkeypatch.setattr(board, "publish", recorded)
+    return objects
+
+
 @contextlib.contextmanager
 def kept_fresh(publish: Callable[[], None], every_s: float = 0.1) -> Iterator[None]:
     """While the block runs, a thread calls ``publish`` every ``every_s`` (as a live

@@ -18,7 +18,7 @@ from storage.weights import WeightStore
 from tasks import process as process_task
 from tasks.common import run_store
 from tasks.process import process_pending, run_processor, shard_processor
-from tests.conftest import kept_fresh
+from tests.conftest import kept_fresh, published_by
 from tests.flows.conftest import tiny_config
 from tests.rl.test_trainer import TINY, make_trajectories
 
@@ -123,20 +123,9 @@ def test_a_processor_whose_role_was_taken_stops_and_leaves_the_status_to_the_new
     store = run_store(config)
     ensure_base_version(WeightStore(store), TINY)
     board = ProcessorStatusBoard(store)
-    written = []
-    publish = ProcessorStatusBoard.publish
-
-    def recorded(self, status):
-        written.append(status)
-        publish(self, status)
-
-    monkeypatch.setattr(ProcessorStatusBoard, "publish", recorded)
+    written = published_by(monkeypatch, ProcessorStatusBoard)
     monkeypatch.setattr(process_loop, "SAVE_EVERY_S", 3600.0)  # its offset saved only when it stops
-    offsets = []
-    save_offset = ProcessOffsetBoard.publish
-    monkeypatch.setattr(
-        ProcessOffsetBoard, "publish", lambda self, o: (offsets.append(o), save_offset(self, o))
-    )
+    offsets = published_by(monkeypatch, ProcessOffsetBoard)
     processed = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(run_processor, config, time.time() + 60, on_shard=lambda outcome: processed.set())

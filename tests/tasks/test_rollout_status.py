@@ -34,7 +34,7 @@ from tasks import train as train_task
 from tasks.process import run_processor
 from tasks.rollout import run_rollouts
 from tasks.train import run_trainer
-from tests.conftest import kept_fresh
+from tests.conftest import kept_fresh, published_by
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
 
 WAIT_S = 600.0
@@ -137,14 +137,7 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, 
     store = RunStore(run.storage, run.run_id)
     ensure_base_version(WeightStore(store), TINY)
     board = RolloutStatusBoard(store)
-    written = []
-    publish = RolloutStatusBoard.publish
-
-    def recorded(self, status):
-        written.append(status)
-        publish(self, status)
-
-    monkeypatch.setattr(RolloutStatusBoard, "publish", recorded)
+    written = published_by(monkeypatch, RolloutStatusBoard)
     finished = threading.Event()
 
     def on_progress(status: dict) -> None:
@@ -292,33 +285,28 @@ def test_a_trainer_keeps_the_run_taken_while_it_loads(tmp_path, monkeypatch):
     assert not final.running and board.read() == final  # no beat after the last word
 
 
+def run_with_processed_shards(tmp_path, run_id: str, publish_every: int) -> tuple[RunConfig, RunStore]:
+    """A run at version 0 whose trainer finds 4 processed shards of 3 trajectories waiting."""
+    run = RunConfig(
+        run_id=run_id,
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        sao=config(publish_every=publish_every),
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    return run, store
+
+
 def test_a_trainer_whose_role_was_taken_stops_without_publishing_anything_more(tmp_path, monkeypatch):
     """Its status went unrenewed past the time it counts and another trainer took the run:
     at its next status it finds the other's, stops, and publishes no weight version (the
     steps it trained are left to the new trainer, which resumes from the latest), no
     stopped status and no plan over the new holder's."""
-    run = RunConfig(
-        run_id="taken-trainer",
-        storage=StorageConfig(root=str(tmp_path / "runs")),
-        sao=config(publish_every=100),
-    )
-    store = RunStore(run.storage, run.run_id)
-    ensure_base_version(WeightStore(store), TINY)
-    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    run, store = run_with_processed_shards(tmp_path, "taken-trainer", publish_every=100)
     board = TrainerStatusBoard(store)
-    written, plans = [], []
-    publish_status, publish_plan = TrainerStatusBoard.publish, ElasticPlanBoard.publish
-
-    def recorded_status(self, status):
-        written.append(status)
-        publish_status(self, status)
-
-    def recorded_plan(self, plan):
-        plans.append(plan)
-        publish_plan(self, plan)
-
-    monkeypatch.setattr(TrainerStatusBoard, "publish", recorded_status)
-    monkeypatch.setattr(ElasticPlanBoard, "publish", recorded_plan)
+    written = published_by(monkeypatch, TrainerStatusBoard)
+    plans = published_by(monkeypatch, ElasticPlanBoard)
     trained = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         training = pool.submit(run_trainer, run, time.time() + 60, on_step=lambda row: trained.set())
@@ -348,14 +336,7 @@ def test_a_trainer_whose_role_was_taken_announces_its_own_versions_only(tmp_path
         monkeypatch.setattr(train_task, "PLAN_REFRESH_S", 0.2)
     else:
         monkeypatch.setattr(train_task, "TRAINER_STATUS_S", 1000.0)
-    run = RunConfig(
-        run_id="taken-after-publish",
-        storage=StorageConfig(root=str(tmp_path / "runs")),
-        sao=config(publish_every=1),
-    )
-    store = RunStore(run.storage, run.run_id)
-    ensure_base_version(WeightStore(store), TINY)
-    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    run, store = run_with_processed_shards(tmp_path, "taken-after-publish", publish_every=1)
     board = TrainerStatusBoard(store)
     publish = Trainer.publish
     theirs = []
