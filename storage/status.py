@@ -498,25 +498,35 @@ class HeldRole:
         self._max_age_s = max_age_s
         self._lock = threading.Lock()  # a read-back and its publish are one step
 
+    @property
+    def taken(self) -> str:
+        """Why a holder stops whose role another process took."""
+        return (
+            f"{self.what} was taken over by another process (this one's status went unrenewed for "
+            f"over {self._max_age_s:.0f} s, or both started at once)"
+        )
+
     def claim(
         self, status: RolloutStatus | TrainerStatus | ProcessorStatus, settle_s: float = CLAIM_SETTLE_S
-    ) -> bool:
+    ) -> None:
         """Take the role: publish ``status``, wait ``settle_s``, and publish it again, dated
-        now, if the read-back finds the role still this holder's; whether it is."""
-        if not self.publish(status):
-            return False
-        time.sleep(settle_s)
-        return self.publish(status.model_copy(update={"time": time.time()}))
+        now, if the read-back finds the role still this holder's; raises :class:`InUse`
+        when it does not."""
+        if self.publish(status):
+            time.sleep(settle_s)
+            if self.publish(status.model_copy(update={"time": time.time()})):
+                return
+        raise InUse(f"{self.what} is in use: another process took it at the same time")
 
     def holds(self) -> bool:
         """Whether the role is still this holder's, by the status read back now."""
         with self._lock:
             return self._holds()
 
-    def require(self, taken: str) -> None:
-        """Raise :class:`InUse` saying ``taken`` unless the role is still this holder's (read back now)."""
+    def require(self) -> None:
+        """Raise :class:`InUse` (:attr:`taken`) unless the role is still this holder's (read back now)."""
         if not self.holds():
-            raise InUse(taken)
+            raise InUse(self.taken)
 
     def _holds(self) -> bool:
         if not self.lost.is_set():
@@ -527,7 +537,7 @@ class HeldRole:
                 and current.running
                 and is_fresh(current.time, time.time(), self._max_age_s)
             ):
-                log.error("%s was taken by another process, which now holds it", self.what)
+                log.error("%s", self.taken)
                 self.lost.set()
         return not self.lost.is_set()
 

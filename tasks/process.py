@@ -18,7 +18,6 @@ from rl.models import load_tokenizer
 from rl.process_loop import ProcessedShard, ShardProcessor
 from storage.heartbeat import Heartbeat
 from storage.status import (
-    DEFAULT_MAX_AGE_S,
     HeldRole,
     InUse,
     ProcessorStatus,
@@ -89,14 +88,6 @@ class ProcessTotals:
         return {**self.totals, "dropped": dict(self.dropped)}
 
 
-def taken_over(config: RunConfig) -> str:
-    """Why a processor stops whose role another processor took."""
-    return (
-        f"the processor of run {config.run_id!r} was taken over by another processor (this one's "
-        f"status went unrenewed for over {DEFAULT_MAX_AGE_S:.0f} s, or both started at once)"
-    )
-
-
 @contextlib.contextmanager
 def holding_the_processor(config: RunConfig) -> Iterator[HeldRole]:
     """Hold the run's processor role while the block runs; yields the role (its ``lost`` is
@@ -115,9 +106,8 @@ def holding_the_processor(config: RunConfig) -> Iterator[HeldRole]:
         f"the processor of run {config.run_id!r}",
         "a run has one processor: stop the other first (a pipeline run processes its own run)",
     )
-    role = HeldRole(board.read, board.publish, f"the processor role of run {config.run_id!r}")
-    if not role.claim(ProcessorStatus(time=time.time())):
-        raise InUse(f"the processor of run {config.run_id!r} is in use: another processor started at once")
+    role = HeldRole(board.read, board.publish, f"the processor of run {config.run_id!r}")
+    role.claim(ProcessorStatus(time=time.time()))
     beat = Heartbeat(
         lambda: role.publish(ProcessorStatus(time=time.time())), STATUS_EVERY_S, "processor status"
     )
@@ -144,7 +134,7 @@ def run_processor(
         processor = shard_processor(
             config,
             reporting(on_shard, "report of a processed shard"),
-            lambda: role.require(taken_over(config)),
+            role.require,
         )
         totals = ProcessTotals()
         while time.time() < deadline and not (stop is not None and stop.is_set()) and not role.lost.is_set():
@@ -153,9 +143,7 @@ def run_processor(
             if not new:
                 time.sleep(poll_s)
         if role.lost.is_set():  # its offset, too, is the new holder's to save
-            raise InUse(
-                f"{taken_over(config)}; stopped after {totals.totals['shards']} shards, the other goes on"
-            )
+            raise InUse(f"{role.taken}; stopped after {totals.totals['shards']} shards, the other goes on")
         totals.add(processor.poll())
         processor.save()
         return totals.summary()
@@ -207,7 +195,7 @@ def process_pending(config: RunConfig) -> dict[str, Any]:
         processor = shard_processor(
             config,
             on_shard=reporting(lambda outcome: _emit(config, outcome), "report of a processed shard"),
-            before_commit=lambda: role.require(taken_over(config)),
+            before_commit=role.require,
         )
         totals = ProcessTotals().add(processor.poll())
         processor.save()

@@ -19,7 +19,6 @@ from rollout.worker import RolloutWorker
 from storage.heartbeat import Heartbeat
 from storage.shards import ShardInfo
 from storage.status import (
-    DEFAULT_MAX_AGE_S,
     HeldRole,
     InUse,
     RolloutStatus,
@@ -97,17 +96,10 @@ def run_rollouts(
     role = HeldRole(
         lambda: board.read_worker(worker_name), board.publish, f"rollout worker name {worker_name!r}"
     )
-    taken = (
-        f"rollout worker name {worker_name!r} was taken over by another worker (this one's status went "
-        f"unrenewed for over {DEFAULT_MAX_AGE_S:.0f} s, or both started at once); this one stopped and "
-        "commits no more shards under it"
-    )
-
     # the name is taken while the engines load, kept fresh by a heartbeat (a status left to go
     # stale would let a second worker take the name); a failed start says it stopped
     idle = {"engine_queue_depth": 0, "live_sessions": 0}
-    if not role.claim(status_object(worker_name, idle, running=True)):
-        raise InUse(f"rollout worker name {worker_name!r} is in use: another worker started at once")
+    role.claim(status_object(worker_name, idle, running=True))
     loading = Heartbeat(
         lambda: role.publish(status_object(worker_name, idle, running=True)),
         progress_every_s,
@@ -117,7 +109,7 @@ def run_rollouts(
         # two writers under one name would interleave its shard numbers, which the trainer
         # reads in order
         worker, env_pool = _build_worker(
-            config, worker_name, flush_records, flush_seconds, on_shard, lambda: role.require(taken)
+            config, worker_name, flush_records, flush_seconds, on_shard, role.require
         )
     except BaseException:
         loading.stop()
@@ -187,7 +179,7 @@ def run_rollouts(
         if env_pool is not None:
             env_pool.close()
     if role.lost.is_set():
-        raise InUse(taken)
+        raise InUse(f"{role.taken}; it stopped, and committed no more shards under the name")
     return result
 
 

@@ -82,15 +82,6 @@ def keep_decision(decisions: list[dict[str, Any]], entry: dict[str, Any]) -> Non
     decisions.append(entry)
 
 
-def taken_over(config: RunConfig, when: str) -> str:
-    """Why a trainer stopped whose role another trainer took (``when``: where it stopped)."""
-    return (
-        f"the trainer of run {config.run_id!r} was taken over by another trainer (this one's status "
-        f"went unrenewed for over {DEFAULT_MAX_AGE_S:.0f} s, or both started at once); it stopped "
-        f"{when}"
-    )
-
-
 def run_trainer(
     config: RunConfig,
     deadline: float,
@@ -154,7 +145,7 @@ def run_trainer(
         f"the trainer of run {config.run_id!r}",
         "a run has one trainer: stop the other first",
     )
-    role = HeldRole(queue_board.read, queue_board.publish, f"the trainer role of run {config.run_id!r}")
+    role = HeldRole(queue_board.read, queue_board.publish, f"the trainer of run {config.run_id!r}")
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
 
@@ -185,8 +176,7 @@ def run_trainer(
 
     # the role is this trainer's from here: one started while this one loads is refused, and
     # a heartbeat keeps the status fresh through a load longer than a status counts
-    if not role.claim(trainer_status(0, running=True)):
-        raise InUse(f"the trainer of run {config.run_id!r} is in use: another trainer started at once")
+    role.claim(trainer_status(0, running=True))
     loading = Heartbeat(
         lambda: role.publish(trainer_status(0, running=True)),
         TRAINER_LOADING_BEAT_S,
@@ -200,7 +190,7 @@ def run_trainer(
         raise
     loading.stop()
     if role.lost.is_set():
-        raise InUse(taken_over(config, "while it loaded"))
+        raise InUse(f"{role.taken}; it stopped while it loaded")
     elastic = elastic or ElasticPlanner(elastic_config(config))
     # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)
@@ -374,10 +364,8 @@ def run_trainer(
     check_published()
     if summary.stop_reason == "abandoned":
         raise InUse(
-            taken_over(
-                config,
-                f"at policy step {summary.steps}; what it trained since its last version is left to the other",
-            )
+            f"{role.taken}; it stopped at policy step {summary.steps}, and what it trained since its "
+            "last version is left to the other"
         )
     return {"steps": summary.steps, "versions": summary.versions, "stop_reason": summary.stop_reason}
 

@@ -271,9 +271,9 @@ def test_a_held_role_is_lost_to_another_holders_fresh_running_status_only(store)
     assert third.publish(trainer_status())  # ...and a stale one is no holder
     assert not first.publish(trainer_status()) and first.lost.is_set()
     assert not first.publish(trainer_status(running=False))  # it never frees the new holder's role
-    with pytest.raises(InUse, match="first is gone"):
-        first.require("first is gone")
-    third.require("third is gone")  # still third's: nothing raised
+    with pytest.raises(InUse, match="first was taken over by another process"):
+        first.require()
+    third.require()  # still third's: nothing raised
     assert board.read().owner == third.owner and board.read().running
     assert third.publish(trainer_status(running=False))
     fourth = HeldRole(board.read, board.publish, "fourth")
@@ -291,16 +291,17 @@ def test_of_two_holders_started_at_once_one_keeps_the_claim(store):
         both_read.wait(timeout=30)
         return status
 
+    def claimed(role: HeldRole) -> bool:
+        try:
+            role.claim(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=8), settle_s=0.3)
+        except InUse as exc:
+            assert "role is in use: another process took it at the same time" in str(exc)
+            return False
+        return True
+
     roles = [HeldRole(read_together, board.publish, "role") for _ in range(2)]
     with ThreadPoolExecutor(2) as pool:
-        claims = list(
-            pool.map(
-                lambda role: role.claim(
-                    TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=8), 0.3
-                ),
-                roles,
-            )
-        )
+        claims = list(pool.map(claimed, roles))
     assert sorted(claims) == [False, True]
     assert board.read().owner == roles[claims.index(True)].owner
 

@@ -138,7 +138,7 @@ def test_a_processor_whose_role_was_taken_stops_and_leaves_the_status_to_the_new
         assert processed.wait(30)
         saved = len(offsets)
         with kept_fresh(lambda: board.publish(ProcessorStatus(time=time.time(), owner="the-new-one")), 0.02):
-            with pytest.raises(InUse, match="taken over by another processor"):
+            with pytest.raises(InUse, match="the processor of run .* was taken over by another process"):
                 first.result(timeout=30)
             assert board.read().owner == "the-new-one" and board.read().running
     # it never marked the role stopped: that would have freed the new holder's run
@@ -184,7 +184,7 @@ def test_a_processor_whose_role_was_taken_before_it_commits_commits_nothing(tmp_
         "continuous": lambda: run_processor(config, time.time() + 30),
         "pending": lambda: process_pending.fn(config),
     }[how]
-    with pytest.raises(InUse, match="taken over by another processor"):
+    with pytest.raises(InUse, match="the processor of run .* was taken over by another process"):
         start()
     tables = Tables(store)
     assert sorted(tables.read("shards").column("kind").to_pylist()) == shard_kinds

@@ -170,7 +170,7 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, 
             )
 
         with kept_fresh(new_worker, 0.02):
-            with pytest.raises(InUse, match="'w0' was taken over by another worker"):
+            with pytest.raises(InUse, match="'w0' was taken over by another process"):
                 rollouts.result(timeout=WAIT_S)
             assert board.read_worker("w0").owner == "new" and board.read_worker("w0").running
     assert Tables(store).read("shards").num_rows == 0
@@ -317,7 +317,7 @@ def test_a_trainer_whose_role_was_taken_stops_without_publishing_anything_more(t
             board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner="new"))
 
         with kept_fresh(new_trainer, 0.02):
-            with pytest.raises(InUse, match="taken over by another trainer"):
+            with pytest.raises(InUse, match="the trainer of run .* was taken over by another process"):
                 training.result(timeout=30)
             assert board.read().owner == "new" and board.read().running
     assert WeightStore(store).list() == [0]
@@ -352,7 +352,7 @@ def test_a_trainer_whose_role_was_taken_announces_its_own_versions_only(tmp_path
 
     monkeypatch.setattr(Trainer, "publish", then_taken)
     announced = []
-    with pytest.raises(InUse, match="taken over by another trainer"):
+    with pytest.raises(InUse, match="the trainer of run .* was taken over by another process"):
         run_trainer(run, time.time() + WAIT_S, on_publish=announced.append)
     assert (WeightStore(store).list(), theirs, announced) == ([0, 1, 2], [2], [1])
 
