@@ -121,6 +121,19 @@ def test_a_second_worker_under_a_running_workers_name_refuses_to_start(tmp_path)
     assert Tables(store).read("shards").num_rows == 0
 
 
+def small_worker_run(tmp_path, run_id: str) -> tuple[RunConfig, RunStore]:
+    """A run at version 0 for one rollout worker: arith, 2 sessions, 4-token turns."""
+    run = RunConfig(
+        run_id=run_id,
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2},
+        service={"max_new_tokens": 4},
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    return run, store
+
+
 @pytest.mark.parametrize("noticed_at", ["status", "commit"])
 def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, monkeypatch, noticed_at):
     """Its status went unrenewed past the time it counts and another worker took its name:
@@ -128,14 +141,7 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, 
     numbers), publishes no stopped status over the new holder's, and raises InUse. It finds
     out at its next status (``status``) or, with no status due, when it would commit
     (``commit``: its statuses every 1,000 s, its last shard at the deadline)."""
-    run = RunConfig(
-        run_id="taken-worker",
-        storage=StorageConfig(root=str(tmp_path / "runs")),
-        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2},
-        service={"max_new_tokens": 4},
-    )
-    store = RunStore(run.storage, run.run_id)
-    ensure_base_version(WeightStore(store), TINY)
+    run, store = small_worker_run(tmp_path, "taken-worker")
     board = RolloutStatusBoard(store)
     written = published_by(monkeypatch, RolloutStatusBoard)
     finished = threading.Event()
@@ -182,14 +188,7 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, 
 def test_a_worker_keeps_its_name_taken_while_its_engines_load(tmp_path, monkeypatch, slow):
     """Building the worker or starting its engines takes 2 s, four times the 0.5 s after which
     a status goes stale: all the while a second worker under its name is refused."""
-    run = RunConfig(
-        run_id="slow-start",
-        storage=StorageConfig(root=str(tmp_path / "runs")),
-        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2},
-        service={"max_new_tokens": 4},
-    )
-    store = RunStore(run.storage, run.run_id)
-    ensure_base_version(WeightStore(store), TINY)
+    run, store = small_worker_run(tmp_path, "slow-start")
     loading, loaded = threading.Event(), threading.Event()
     build, start = rollout_task._build_worker, RolloutWorker.start
 
