@@ -1,11 +1,12 @@
 """A persistent Python interpreter inside a sandbox.
 
-A small server (:data:`SERVER`, stdlib only) runs in the sandbox and reads one JSON request per
-line on stdin (``{"code": "...", "id": nonce}``); it executes the code in one persistent
-namespace, echoes the value of a final expression like a REPL, and answers one JSON line
-(``{"id", "output", "error", "truncated"}``) on its original stdout. Output is captured from
-``sys.stdout``/``sys.stderr`` and capped inside the server at ``max_output_bytes`` bytes of
-UTF-8; bytes that child processes write straight to file descriptors are discarded.
+A small server (:data:`SERVER`, stdlib only) runs in the sandbox, says ``ready`` once it runs,
+then reads one JSON request per line on stdin (``{"code": "...", "id": nonce}``); it executes
+the code in one persistent namespace, echoes the value of a final expression like a REPL, and
+answers one JSON line (``{"id", "output", "error", "truncated"}``) on its original stdout.
+Output is captured from ``sys.stdout``/``sys.stderr`` and capped inside the server at
+``max_output_bytes`` bytes of UTF-8; bytes that child processes write straight to file
+descriptors are discarded.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ proto = os.fdopen(os.dup(1), "w")
 null = os.open(os.devnull, os.O_WRONLY)
 os.dup2(null, 1); os.dup2(null, 2)
 CAP = int(sys.argv[1])
+proto.write("ready\n"); proto.flush()
 
 class OutputLimit(BaseException):
     pass
@@ -109,6 +111,24 @@ class PythonRepl:
             raise SandboxError("start_failed", f"could not start the Python interpreter: {exc}") from exc
         sandbox.adopt(self.proc)
         self._buffer = b""
+        self._wait_ready(time.monotonic())
+
+    def _wait_ready(self, started: float) -> None:
+        """Return once the server runs: the sandbox has forked every process down to the
+        interpreter, so pinning the tree to an action's cores reaches the interpreter itself
+        (a process still being forked keeps the cores its parent had before the move)."""
+        timeout = self.sandbox.config.timeout_s
+        while b"\n" not in self._buffer:
+            chunk = read_some(self.proc.stdout.fileno(), started + timeout)
+            if chunk is None:
+                self.close()
+                raise SandboxError(
+                    "start_failed", f"the Python interpreter did not start within {timeout:g} s"
+                )
+            if not chunk:
+                self._died(started)
+            self._buffer += chunk
+        self._buffer = self._buffer.split(b"\n", 1)[1]
 
     @property
     def alive(self) -> bool:

@@ -14,6 +14,7 @@ import pytest
 from envs.pyrepl import PythonRepl
 from envs.sandbox import UID_BASE, Sandbox, SandboxConfig, SandboxError, bwrap_path
 from envs.shell import Shell, ansi_c_quote
+from rollout.resources import CpuManager
 
 pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
 
@@ -371,3 +372,16 @@ def test_apptainer_command_line():
     with pytest.raises(SandboxError) as raised:
         Sandbox(SandboxConfig(backend="apptainer"))
     assert raised.value.kind == "start_failed"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_python_repl_is_whole_when_started_so_a_bind_reaches_the_interpreter():
+    """Pinning a new interpreter's process tree moves the interpreter itself: the sandbox has
+    finished forking it before the REPL is handed out (a process still being forked keeps the
+    cores its parent had before the move)."""
+    core = max(os.sched_getaffinity(0))
+    for _ in range(20):
+        with Sandbox(SMALL) as box:
+            repl = PythonRepl(box)
+            CpuManager().bind(repl.proc.pid, {core})
+            assert repl.run("import os; sorted(os.sched_getaffinity(0))").output == f"[{core}]\n"
