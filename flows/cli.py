@@ -156,13 +156,13 @@ def existing_run(store, hint: str = "--root and --run-id"):
     try:
         empty = all(tables.version(name) is None for name in TABLE_SCHEMAS)
     except (OSError, DeltaError) as exc:
-        raise SystemExit(f"error: cannot read the run at {store.uri}: {_one_line(exc)}") from None
+        raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None
     if empty:
         raise SystemExit(f"error: no run at {store.uri}: it has no tables (check {hint})")
     return store
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
     """A storage error's message on one line: Delta's are a colored multi-line chain of
     causes, some followed by a native backtrace (numbered frames), left out."""
     text = re.split(r"\n\s*0: ", re.sub(r"\x1b\[[0-9;]*m", "", str(exc)))[0]

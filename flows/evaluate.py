@@ -11,6 +11,7 @@ from typing import Any
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
+from flows.cli import one_line
 from flows.config import RunConfig
 from storage.weights import WeightStore
 from tasks.common import run_store
@@ -54,7 +55,10 @@ def main(argv: list[str] | None = None) -> None:
 def missing_version(config: RunConfig, version: int | None) -> str | None:
     """Why ``version`` of the run (the newest when None) cannot be evaluated; None when it can."""
     store = run_store(config)
-    published = WeightStore(store).list()
+    try:
+        published = WeightStore(store).list()
+    except Exception as exc:  # an endpoint s3fs cannot reach raises botocore's errors, not OSError
+        return f"cannot read the weight versions in {store.url('weights')}: {one_line(exc)}"
     if not published:
         return f"no weight version published in {store.url('weights')} (check --run-id and storage.root)"
     if version is not None and version not in published:

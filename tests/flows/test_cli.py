@@ -104,6 +104,19 @@ def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(loc
     )
 
 
+def test_evaluating_on_an_unreachable_store_is_a_one_line_error_without_credentials():
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    env = os.environ | {"AWS_ACCESS_KEY_ID": "key-id-123", "AWS_SECRET_ACCESS_KEY": "secret-456"}
+    args = ("--set", "storage.root=s3://bucket/runs", "--set", f"storage.endpoint_url={endpoint}")
+    result = treadle("run", "evaluate", "--run-id", "r", *args, env=env)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: cannot read the weight versions in s3://bucket/runs/r/weights: ")
+    assert endpoint in result.stderr
+    assert "key-id-123" not in result.stderr and "secret-456" not in result.stderr
+
+
 def test_sql_on_a_new_run_answers_for_tables_not_written_yet_and_reports_bad_sql(local_store):
     """Only ``trajectories`` exists: the other tables are empty views with their columns; a
     value holding tabs, newlines, carriage returns or quotes stays in its field; a bad query
