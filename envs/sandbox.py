@@ -420,6 +420,7 @@ class Sandbox:
         proc.stdout.close()
         with contextlib.suppress(ValueError):  # close() already let go of it
             self._procs.remove(proc)
+        reap_orphaned_namespaces()
 
     def _result(self, exit_code: int, output: bytes, stopped: str | None, started: float) -> ExecResult:
         if self.closed:
@@ -490,6 +491,7 @@ class Sandbox:
                 with contextlib.suppress(OSError):
                     os.kill(pid, signal.SIGKILL)
             _release_uid(self.uid)
+        reap_orphaned_namespaces()
         if self._owns_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
@@ -572,6 +574,33 @@ def write_all(fd: int, data: bytes, deadline: float) -> bool:
         with contextlib.suppress(BlockingIOError):
             view = view[os.write(fd, view) :]
     return True
+
+
+def reap_orphaned_namespaces() -> int:
+    """Reap the zombie children of this process that live in a nested PID namespace; returns
+    how many it reaped.
+
+    bwrap's outer process exits without waiting for its namespace's init, which goes to the
+    nearest reaper: the host's init, or this worker when it is PID 1 of its container (or a
+    child subreaper), where it would stay a zombie, one per command. No one in this process
+    waits for such a child (what this process forks shares its namespace), so reaping it
+    takes no caller's exit status.
+    """
+    children: list[str] = []
+    for tid in os.listdir("/proc/self/task"):
+        with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as handle:
+            children += handle.read().split()
+    reaped = 0
+    for child in children:
+        try:
+            with open(f"/proc/{child}/status") as handle:
+                status = dict(line.split(":", 1) for line in handle if ":" in line)
+        except OSError:
+            continue
+        if status.get("State", "").strip().startswith("Z") and len(status.get("NSpid", "").split()) > 1:
+            with contextlib.suppress(ChildProcessError):
+                reaped += os.waitpid(int(child), os.WNOHANG)[0] != 0
+    return reaped
 
 
 def kill_group(pid: int) -> None:

@@ -4,6 +4,7 @@ import os
 import secrets
 import socket
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -385,3 +386,52 @@ def test_python_repl_is_whole_when_started_so_a_bind_reaches_the_interpreter():
             repl = PythonRepl(box)
             CpuManager().bind(repl.proc.pid, {core})
             assert repl.run("import os; sorted(os.sched_getaffinity(0))").output == f"[{core}]\n"
+
+
+REAPER_SCRIPT = """
+import ctypes, os, sys, time
+from envs.pyrepl import PythonRepl
+from envs.sandbox import Sandbox, SandboxConfig, SandboxError
+
+PR_SET_CHILD_SUBREAPER = 36
+assert ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+
+
+def zombies():
+    children = []
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/children") as handle:
+            children += handle.read().split()
+    return [c for c in children if "Z (zombie)" in open(f"/proc/{c}/status").read()]
+
+
+config = SandboxConfig(backend="bwrap", timeout_s=5)
+with Sandbox(config) as box:
+    codes = [box.run(f"exit {code}").exit_code for code in range(8)]
+    try:
+        box.run("sleep 30", timeout=0.5)
+    except SandboxError as exc:
+        assert exc.kind == "timeout"
+    PythonRepl(box).close()
+# the last namespace init may still be exiting: a later sandbox's close reaps it
+deadline = time.monotonic() + 10
+while zombies() and time.monotonic() < deadline:
+    time.sleep(0.05)
+    Sandbox(config).close()
+print(codes, len(zombies()))
+"""
+
+
+def test_a_worker_that_reaps_for_its_container_is_left_no_zombie_sandbox_processes():
+    """bwrap leaves each command's namespace init to the nearest reaper. Where the worker is
+    that reaper (PID 1 of its container; a child subreaper here), the sandboxes reap them, one
+    zombie per command otherwise, and the commands' own exit statuses stay theirs."""
+    result = subprocess.run(
+        [sys.executable, "-c", REAPER_SCRIPT],
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == f"{list(range(8))} 0"
