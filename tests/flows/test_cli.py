@@ -105,12 +105,12 @@ def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(loc
 
 
 def test_evaluating_on_an_unreachable_store_is_a_one_line_error_without_credentials():
-    with socket.socket() as closed:
+    with socket.socket() as closed:  # bound, never listening: connections are refused
         closed.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
-    env = os.environ | {"AWS_ACCESS_KEY_ID": "key-id-123", "AWS_SECRET_ACCESS_KEY": "secret-456"}
-    args = ("--set", "storage.root=s3://bucket/runs", "--set", f"storage.endpoint_url={endpoint}")
-    result = treadle("run", "evaluate", "--run-id", "r", *args, env=env)
+        env = os.environ | {"AWS_ACCESS_KEY_ID": "key-id-123", "AWS_SECRET_ACCESS_KEY": "secret-456"}
+        args = ("--set", "storage.root=s3://bucket/runs", "--set", f"storage.endpoint_url={endpoint}")
+        result = treadle("run", "evaluate", "--run-id", "r", *args, env=env)
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith("error: cannot read the weight versions in s3://bucket/runs/r/weights: ")
     assert endpoint in result.stderr
