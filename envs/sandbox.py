@@ -586,6 +586,9 @@ def reap_orphaned_namespaces() -> int:
     waits for such a child (what this process forks shares its namespace), so reaping it
     takes no caller's exit status.
     """
+    # /proc may belong to an ancestor of this process's PID namespace (not remounted for it):
+    # its ids then start with that namespace's, and a child's id here is the one at our depth
+    depth = len(_proc_status("self").get("NSpid", "").split())
     children: list[str] = []
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as handle:
@@ -593,14 +596,20 @@ def reap_orphaned_namespaces() -> int:
     reaped = 0
     for child in children:
         try:
-            with open(f"/proc/{child}/status") as handle:
-                status = dict(line.split(":", 1) for line in handle if ":" in line)
+            status = _proc_status(child)
         except OSError:
             continue
-        if status.get("State", "").strip().startswith("Z") and len(status.get("NSpid", "").split()) > 1:
+        ids = status.get("NSpid", "").split()
+        if status.get("State", "").strip().startswith("Z") and len(ids) > depth:
             with contextlib.suppress(ChildProcessError):
-                reaped += os.waitpid(int(child), os.WNOHANG)[0] != 0
+                reaped += os.waitpid(int(ids[depth - 1]), os.WNOHANG)[0] != 0
     return reaped
+
+
+def _proc_status(pid: str) -> dict[str, str]:
+    """The fields of ``/proc/<pid>/status``."""
+    with open(f"/proc/{pid}/status") as handle:
+        return dict(line.split(":", 1) for line in handle if ":" in line)
 
 
 def kill_group(pid: int) -> None:
