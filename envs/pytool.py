@@ -28,6 +28,7 @@ from envs.base import (
 )
 from envs.pyrepl import PythonRepl
 from envs.sandbox import SandboxError
+from envs.threads import to_thread_to_the_end
 
 
 class PyToolConfig(EnvConfig):
@@ -70,7 +71,7 @@ class PyToolEnv(Env):
     async def reset(self, task: Task) -> list[dict[str, str]]:
         self._start(task)
         sandbox = await self._new_sandbox()
-        self.repl = await asyncio.to_thread(PythonRepl, sandbox)
+        self.repl = await to_thread_to_the_end(PythonRepl, sandbox, discard=PythonRepl.close)
         self.answer: str | None = None
         self.seen_answer = False
         return user(task.prompt)
@@ -117,7 +118,7 @@ class PyToolEnv(Env):
             if not self._by_action(exc):
                 raise
             if not self.repl.alive:
-                self.repl = await asyncio.to_thread(PythonRepl, self.sandbox)
+                self.repl = await to_thread_to_the_end(PythonRepl, self.sandbox, discard=PythonRepl.close)
             return stopped(exc, self.config.max_observation_chars)
         # the run computed the answer: its whole output is that number (printing many is no proof)
         self.seen_answer = self.seen_answer or result.output.strip() == expected

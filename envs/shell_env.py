@@ -30,6 +30,7 @@ from envs.base import (
 )
 from envs.sandbox import SandboxError
 from envs.shell import Shell
+from envs.threads import to_thread_to_the_end
 
 WORDS = ("red", "sun", "cat", "map", "owl", "fig", "ice", "jam", "kit", "log", "net", "oak", "pen", "rug")
 
@@ -126,7 +127,7 @@ class ShellEnv(Env):
             if sandbox.uid is not None:
                 os.chown(os.path.dirname(full), sandbox.uid, sandbox.uid)
                 os.chown(full, sandbox.uid, sandbox.uid)
-        self.shell = await asyncio.to_thread(Shell, sandbox)
+        self.shell = await to_thread_to_the_end(Shell, sandbox, discard=Shell.close)
         self.answer: str | None = None
         return user(task.prompt)
 
@@ -165,7 +166,7 @@ class ShellEnv(Env):
             if not self._by_action(exc):
                 raise
             if not self.shell.alive:
-                self.shell = await asyncio.to_thread(Shell, self.sandbox)
+                self.shell = await to_thread_to_the_end(Shell, self.sandbox, discard=Shell.close)
             shown = stopped(exc, self.config.max_observation_chars)
             return StepResult(user(shown), 0.0, done, 0.0, {"stopped": exc.kind})
         shown = result.output.strip()[-self.config.max_observation_chars :]

@@ -222,6 +222,41 @@ def test_a_reset_cancelled_while_its_sandbox_is_built_leaves_no_sandbox_behind(t
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("name", ["pytool", "shell"])
+def test_a_reset_cancelled_while_its_interpreter_starts_closes_the_interpreter(name, monkeypatch):
+    """The interpreter (or shell) started for a cancelled reset is closed then, not left
+    running with its pipes open until the env is closed."""
+    from envs.pyrepl import PythonRepl
+    from envs.shell import Shell
+
+    cls = PythonRepl if name == "pytool" else Shell
+    started: list = []
+    build = cls.__init__
+
+    def slow_start(self, sandbox):
+        build(self, sandbox)
+        started.append(self)
+        time.sleep(0.5)  # still starting when the reset is cancelled
+
+    monkeypatch.setattr(cls, "__init__", slow_start)
+    task = task_set(name, "train", seed=0, n=1)[0]
+
+    async def run():
+        env = make(name, sandbox=SMALL)
+        reset = asyncio.create_task(env.reset(task))
+        while not started:
+            await asyncio.sleep(0.01)
+        reset.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reset
+        try:
+            return started[0].alive
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()) is False
+
+
 @needs_bwrap
 def test_shell_eval_never_opens_a_fifo_the_model_swapped_in(monkeypatch):
     """A job the model left running can swap a.txt for a FIFO right after any check of the path;
