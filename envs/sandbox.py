@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import os
 import re
@@ -576,16 +577,18 @@ def write_all(fd: int, data: bytes, deadline: float) -> bool:
     return True
 
 
-def reap_orphaned_namespaces() -> int:
-    """Reap the zombie children of this process that live in a nested PID namespace; returns
-    how many it reaped.
+def reap_orphaned_namespaces() -> None:
+    """Reap the zombie children of this process that live in a nested PID namespace.
 
     bwrap's outer process exits without waiting for its namespace's init, which goes to the
-    nearest reaper: the host's init, or this worker when it is PID 1 of its container (or a
-    child subreaper), where it would stay a zombie, one per command. No one in this process
-    waits for such a child (what this process forks shares its namespace), so reaping it
-    takes no caller's exit status.
+    nearest reaper: PID 1 of the worker's PID namespace (a container's init, or the worker
+    itself) or a child subreaper, where it would stay a zombie, one per command, unless that
+    reaper reaps. No one in this process waits for such a child (what this process forks
+    shares its namespace), so reaping it takes no caller's exit status. A process that is
+    not a reaper has no such children, and skips the scan.
     """
+    if not _adopts_orphans():
+        return
     # /proc may belong to an ancestor of this process's PID namespace (not remounted for it):
     # its ids then start with that namespace's, and a child's id here is the one at our depth
     depth = len(_proc_status("self").get("NSpid", "").split())
@@ -593,7 +596,6 @@ def reap_orphaned_namespaces() -> int:
     for tid in os.listdir("/proc/self/task"):
         with contextlib.suppress(OSError), open(f"/proc/self/task/{tid}/children") as handle:
             children += handle.read().split()
-    reaped = 0
     for child in children:
         try:
             status = _proc_status(child)
@@ -602,8 +604,24 @@ def reap_orphaned_namespaces() -> int:
         ids = status.get("NSpid", "").split()
         if status.get("State", "").strip().startswith("Z") and len(ids) > depth:
             with contextlib.suppress(ChildProcessError):
-                reaped += os.waitpid(int(ids[depth - 1]), os.WNOHANG)[0] != 0
-    return reaped
+                os.waitpid(int(ids[depth - 1]), os.WNOHANG)
+
+
+PR_GET_CHILD_SUBREAPER = 37
+
+
+def _adopts_orphans() -> bool:
+    """Whether orphaned descendants go to this process: PID 1 of its namespace, or a child subreaper."""
+    if os.getpid() == 1:
+        return True
+    flag = ctypes.c_int(0)
+    _libc().prctl(PR_GET_CHILD_SUBREAPER, ctypes.byref(flag), 0, 0, 0)
+    return bool(flag.value)
+
+
+@cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _proc_status(pid: str) -> dict[str, str]:
