@@ -111,24 +111,16 @@ class PythonRepl:
             raise SandboxError("start_failed", f"could not start the Python interpreter: {exc}") from exc
         sandbox.adopt(self.proc)
         self._buffer = b""
-        self._wait_ready(time.monotonic())
-
-    def _wait_ready(self, started: float) -> None:
-        """Return once the server runs: the sandbox has forked every process down to the
-        interpreter, so pinning the tree to an action's cores reaches the interpreter itself
-        (a process still being forked keeps the cores its parent had before the move)."""
-        timeout = self.sandbox.config.timeout_s
-        while b"\n" not in self._buffer:
-            chunk = read_some(self.proc.stdout.fileno(), started + timeout)
-            if chunk is None:
-                self.close()
-                raise SandboxError(
-                    "start_failed", f"the Python interpreter did not start within {timeout:g} s"
-                )
-            if not chunk:
-                self._died(started)
-            self._buffer += chunk
-        self._buffer = self._buffer.split(b"\n", 1)[1]
+        # Handed out once the server says it runs: the sandbox has forked every process down to
+        # the interpreter, so pinning the tree to an action's cores reaches the interpreter itself
+        # (a process still being forked keeps the cores its parent had before the move).
+        started = time.monotonic()
+        timeout = sandbox.config.timeout_s
+        self._read_line(
+            started,
+            started + timeout,
+            SandboxError("start_failed", f"the Python interpreter did not start within {timeout:g} s"),
+        )
 
     @property
     def alive(self) -> bool:
@@ -159,22 +151,11 @@ class PythonRepl:
             raise SandboxError(
                 "timeout", f"the interpreter took no input for its {timeout:g} s limit; it was killed"
             )
-        # the reply's JSON escapes each byte of output into at most 6 (a control byte: \u00XX)
-        limit = 6 * config.max_output_bytes + 1024
-        while b"\n" not in self._buffer:
-            chunk = read_some(self.proc.stdout.fileno(), deadline)
-            if chunk is None:
-                self.close()
-                raise SandboxError(
-                    "timeout", f"code ran past its {timeout:g} s wall-clock limit; interpreter killed"
-                )
-            if not chunk:
-                self._died(started)
-            self._buffer += chunk
-            if len(self._buffer) > limit:
-                self.close()
-                raise SandboxError("output_limit", "the interpreter answered more than its output cap")
-        line, self._buffer = self._buffer.split(b"\n", 1)
+        line = self._read_line(
+            started,
+            deadline,
+            SandboxError("timeout", f"code ran past its {timeout:g} s wall-clock limit; interpreter killed"),
+        )
         result = self._reply(line, nonce)
         if result.truncated:
             raise SandboxError(
@@ -183,6 +164,25 @@ class PythonRepl:
         if result.error:
             self.sandbox.check(ExecResult(1, result.output, False, time.monotonic() - started))
         return result
+
+    def _read_line(self, started: float, deadline: float, late: SandboxError) -> bytes:
+        """The server's next line. The interpreter is killed when the line has not come by
+        ``deadline`` (``late`` is raised), when it exits, or when the line outgrows any answer."""
+        # the reply's JSON escapes each byte of output into at most 6 (a control byte: \u00XX)
+        limit = 6 * self.sandbox.config.max_output_bytes + 1024
+        while b"\n" not in self._buffer:
+            chunk = read_some(self.proc.stdout.fileno(), deadline)
+            if chunk is None:
+                self.close()
+                raise late
+            if not chunk:
+                self._died(started)
+            self._buffer += chunk
+            if len(self._buffer) > limit:
+                self.close()
+                raise SandboxError("output_limit", "the interpreter answered more than its output cap")
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line
 
     def _reply(self, line: bytes, nonce: str) -> ReplResult:
         """The server's answer to the request ``nonce``. The code can write to the reply
