@@ -22,7 +22,9 @@ the backlog alone in charge.
 Elastic capacity: a second loop reads the trainer's elastic plan (``status/elastic/plan.json``,
 ``rollout.elastic_plan``) at most once a second and drains or undrains this worker's replicas
 through its router; the worker's status reports each replica's pinned sessions, so the
-trainer sees when a draining replica is empty and counts it as training. A drained
+trainer sees when a draining replica is empty and counts it as training. The trainer waits
+for that status, so a replica that empties sets ``status_due`` (checked at every read of the
+plan) and ``tasks.rollout`` publishes a status at once rather than at its next beat. A drained
 replica's sessions move to an accepting one at their next turn; a generation in flight
 finishes where it started. On this CPU machine a replica handed to training simply goes
 idle (its engine thread waits for requests that no longer come), which frees its core for
@@ -160,6 +162,9 @@ class RolloutWorker:
         self.plan_max_age_s = plan_max_age_s
         self.plan_time: float | None = None
         self._plan_warnings: tuple[float | None, set[str]] = (None, set())
+        self.status_due = asyncio.Event()
+        """Set when a draining replica emptied since the last check (see the module docstring)."""
+        self._emptied: frozenset[str] = frozenset()
         self.trainer_status = TrainerStatusBoard(store)
         self.trainer_poll_s = trainer_poll_s
         self._trainer: TrainerStatus | None = None
@@ -374,14 +379,24 @@ class RolloutWorker:
             log.warning("%s", message)
 
     async def follow_plan(self) -> None:
-        """Read the elastic plan every ``plan_poll_s`` and apply it, until cancelled."""
+        """Read the elastic plan every ``plan_poll_s``, apply it and check for emptied draining
+        replicas (``status_due``), until cancelled."""
         while True:
             try:
                 plan = await asyncio.to_thread(self.plans.read)
                 self.apply_plan(plan, time.time())
             except Exception as exc:  # storage unreachable for a moment: replicas stay as they are
                 log.warning("worker %s could not read the elastic plan: %s", self.name, exc)
+            self._check_emptied()
             await asyncio.sleep(self.plan_poll_s)
+
+    def _check_emptied(self) -> None:
+        """Set ``status_due`` when a draining replica holds no session and did not at the last check."""
+        router = self.router
+        empty = frozenset(r for r in router.draining if router.load(r) == 0) if router else frozenset()
+        if empty - self._emptied:
+            self.status_due.set()
+        self._emptied = empty
 
     async def run(self, max_seconds: float | None = None) -> OrchestratorStats:
         """Run rollouts until the orchestrator's stop condition, ``max_seconds`` or :meth:`stop`."""

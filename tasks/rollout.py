@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
@@ -48,6 +47,16 @@ def status_object(worker_name: str, status: dict[str, Any], running: bool) -> Ro
     )
 
 
+async def first_set(events: tuple[asyncio.Event, ...], timeout: float) -> None:
+    """Wait until one of ``events`` is set, or ``timeout`` seconds have passed."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, timeout=max(timeout, 0.0), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+
+
 def router_config(config: RunConfig) -> RouterConfig:
     """The worker's router: a drained replica's sessions move at their next turn exactly
     when the trainer's controller counts on it (``elastic.migrate_at_turns``)."""
@@ -73,6 +82,9 @@ def run_rollouts(
     gets the same status, right after it is published; while its engines load (however long
     that takes), an idle running status at the same pace. The worker follows the trainer's
     elastic plan (``RolloutWorker.apply_plan``): with one engine replica nothing is ever drained.
+    A replica it drains for training counts as training once a status shows it empty, so that
+    status is published as soon as the worker sees it empty (``RolloutWorker.status_due``),
+    between the beats and without a progress report.
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
     (one env worker per engine replica) on the cluster at ``config.ray_address``.
@@ -135,13 +147,18 @@ def run_rollouts(
 
     async def report() -> None:
         # ends between two statuses, so none lands after the final one
+        beat = time.monotonic() + progress_every_s
         while True:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(finished.wait(), progress_every_s)
+            await first_set((finished, worker.status_due), beat - time.monotonic())
             if finished.is_set():
                 return
             if stop is not None and stop.is_set():
                 worker.stop()
+            if worker.status_due.is_set():  # a drained replica emptied: the trainer waits to see it
+                worker.status_due.clear()
+                await publish_status(running=True)
+                continue
+            beat = time.monotonic() + progress_every_s
             status = await publish_status(running=True)
             if report_progress is not None:
                 await asyncio.to_thread(report_progress, status)

@@ -101,7 +101,9 @@ def test_three_flow_processes_on_s3_lend_a_replica_and_lose_no_rollout(tmp_path,
     moves = [
         move for record in records for decision in record["decisions"] for move in decision.get("decided", [])
     ]
-    assert any(m["target"] == "train" and m["unit"].startswith("worker-0/") for m in moves), moves
+    assert any(m["target"] == "train" and m["unit"].startswith("worker-0/") for m in moves), [
+        (round(m["time"], 2), m["unit"], m["source"], m["target"], m["reason"]) for m in moves
+    ]
     assert max(r["rollout_rate"] for r in records) > 0  # from the counts in the worker's statuses
 
     (last,) = RolloutStatusBoard(store).read()[0]

@@ -9,6 +9,7 @@ import json
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -169,6 +170,37 @@ def test_a_single_replica_worker_never_drains_its_replica(tmp_path, caplog):
             await worker.close()
 
     asyncio.run(body())
+
+
+def test_a_worker_says_at_once_that_a_replica_it_drains_is_empty_not_at_its_next_beat(tmp_path):
+    """The trainer counts a drained replica as training only once a status shows it empty:
+    with a beat of 60 s, that status still comes within seconds of the plan."""
+    run = RunConfig(
+        run_id="elastic-early",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        engine={"replicas": 2},
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 4},
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    board = RolloutStatusBoard(store)
+    plan = ElasticPlan(time=time.time(), accepting=["w0/torch-0"], draining=["w0/torch-1"])
+    ElasticPlanBoard(store).publish(plan)
+    seen: list[RolloutStatus] = []
+    with ThreadPoolExecutor(1) as pool:
+        rollouts = pool.submit(run_rollouts, run, time.time() + 15, "w0", progress_every_s=60)
+        while not rollouts.done():
+            status = board.read_worker("w0")
+            if status is not None and status.running and status.draining:
+                seen.append(status)
+                break
+            time.sleep(0.05)
+        result = rollouts.result(timeout=WAIT_S)
+    assert seen, "no status showed the drain before the worker stopped"
+    (status,) = seen
+    assert status.draining == ["torch-1"] and status.replica_sessions["torch-1"] == 0
+    assert status.plan_time == plan.time
+    assert result["orchestrator"]["finished"] > 0  # torch-0 kept rolling out
 
 
 def test_the_train_task_publishes_a_drain_and_never_the_last_accepting_replica(tmp_path):
