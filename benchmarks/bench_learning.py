@@ -93,7 +93,7 @@ def base_config(args, seed: int, tag: str, env: str) -> RunConfig:
     data["warm_start"]["demos"] = {env: args.demos}
     data["warm_start"]["sft"].update(max_seconds=args.warm_start_seconds, max_steps=10**9)
     if env == "guess":
-        data["envs"].setdefault("guess", {})["max_turns"] = args.guess_turns
+        data["envs"]["guess"] = (data["envs"]["guess"] or {}) | {"max_turns": args.guess_turns}
     return RunConfig.model_validate(data)
 
 

@@ -14,7 +14,15 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from envs.agent import AgentConfig
+from envs.arith import ArithConfig
+from envs.base import EnvConfig
+from envs.code import CodeConfig
+from envs.dataset import DatasetConfig
+from envs.guess import GuessConfig
+from envs.pytool import PyToolConfig
 from envs.registry import REGISTRY, env_class, make_config
+from envs.shell_env import ShellConfig
 from rl.config import SAOConfig
 from rl.models import TinyModelConfig, TorchDevice
 from rl.processor import ProcessorConfig
@@ -118,6 +126,33 @@ def schema_pattern(pattern: str) -> str:
     return pattern.removesuffix("$") + r"(?![\s\S])"
 
 
+class EnvsConfig(BaseModel):
+    """Each environment's config, by name; an environment left unset runs on its defaults.
+
+    The built-in environments' fields are typed, so the Prefect UI shows each as a form. An
+    environment added with ``envs.registry.register`` takes a mapping under its name, checked
+    against its own config model when the run config is validated.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, dict[str, Any]] = Field(init=False)
+
+    arith: ArithConfig | None = Field(None, description="Sums and differences, one turn.")
+    guess: GuessConfig | None = Field(None, description="Guess a number from higher/lower hints.")
+    pytool: PyToolConfig | None = Field(None, description="Answer with the help of a sandboxed interpreter.")
+    code: CodeConfig | None = Field(None, description="Write a function that passes hidden tests.")
+    shell: ShellConfig | None = Field(None, description="Answer with the help of a sandboxed shell.")
+    dataset: DatasetConfig | None = Field(None, description="Prompts and reference answers from a file.")
+    agent: AgentConfig | None = Field(None, description="A whole agent program in a sandbox per episode.")
+
+    def configured(self) -> dict[str, EnvConfig | dict[str, Any]]:
+        """The environments set here, by name: the built-in ones' configs, a registered one's mapping."""
+        typed = {name: getattr(self, name) for name in type(self).model_fields}
+        return {
+            name: value for name, value in (typed | (self.model_extra or {})).items() if value is not None
+        }
+
+
 class RunConfig(BaseModel):
     """Everything one run needs: storage, model, engines, environments, processor, trainer."""
 
@@ -145,8 +180,8 @@ class RunConfig(BaseModel):
     orchestrator: OrchestratorConfig = Field(
         default_factory=OrchestratorConfig, description="Task mix, concurrency, backpressure."
     )
-    envs: dict[str, dict[str, Any]] = Field(
-        default_factory=dict, description="Per-environment config overrides, keyed by environment name."
+    envs: EnvsConfig = Field(
+        default_factory=EnvsConfig, description="Each environment's config, keyed by environment name."
     )
     processor: ProcessorConfig = Field(default_factory=ProcessorConfig, description="Trajectory processor.")
     sao: SAOConfig = Field(default_factory=SAOConfig, description="The SAO trainer.")
@@ -180,13 +215,13 @@ class RunConfig(BaseModel):
     def _envs_known(self) -> RunConfig:
         for field, names in (
             ("orchestrator.mix", self.orchestrator.mix),
-            ("envs", self.envs),
+            ("envs", self.envs.configured()),
             ("warm_start.demos", self.warm_start.demos),
         ):
             for name in names:
                 if name not in REGISTRY:
                     raise ValueError(f"{field}: unknown environment {name!r}; known: {sorted(REGISTRY)}")
-        for name, overrides in self.envs.items():
+        for name, overrides in self.envs.configured().items():
             try:
                 scorer = make_config(name, overrides).reward_model
             except ValidationError as exc:
@@ -230,7 +265,7 @@ class RunConfig(BaseModel):
 
     def env_config(self, name: str):
         """The validated config of environment ``name``."""
-        return make_config(name, self.envs.get(name))
+        return make_config(name, self.envs.configured().get(name))
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:

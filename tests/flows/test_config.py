@@ -17,6 +17,8 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
 from pydantic import ValidationError
 
+from envs import registry
+from envs.arith import ArithEnv
 from flows.cli_args import parse
 from flows.config import ConfigError, RunConfig, load_config
 from tests.flows.conftest import REPO
@@ -171,6 +173,40 @@ def test_flow_parameters_render_run_config_with_descriptions(entrypoint):
     assert schema["definitions"]["StopConfig"]["properties"]["max_seconds"]["description"]
 
 
+def test_the_form_shows_every_built_in_environments_own_fields():
+    flow = load_flow_from_entrypoint("flows.pipeline:pipeline", use_placeholder_flow=False)
+    schema = parameter_schema(flow).model_dump()
+    envs = schema["definitions"]["EnvsConfig"]["properties"]
+    built_in = {name: cls for name, cls in registry.REGISTRY.items() if cls.__module__.startswith("envs.")}
+    assert set(envs) == set(built_in)
+    for name, cls in built_in.items():
+        (typed, _) = envs[name]["anyOf"]
+        form = schema["definitions"][typed["$ref"].rsplit("/", 1)[1]]["properties"]
+        assert set(form) == set(cls.config_cls.model_fields), name
+    guess = schema["definitions"]["GuessConfig"]["properties"]["high"]
+    assert (guess["default"], guess["maximum"]) == (24, 9999)
+    with pytest.raises(jsonschema.ValidationError, match="9999"):
+        jsonschema.validate({"config": {"envs": {"guess": {"high": 10**5}}}}, schema)
+
+
+def test_a_registered_environment_takes_a_mapping_checked_against_its_own_config(monkeypatch, tmp_path):
+    class Sums(ArithEnv):
+        name = "sums"
+
+    monkeypatch.setitem(registry.REGISTRY, Sums.name, Sums)  # what registry.register does
+    config = load_config(write_config(tmp_path, "envs:\n  sums: {max_operand: 7}\n  guess: {high: 40}\n"))
+    assert config.env_config("sums").max_operand == 7 and config.env_config("guess").high == 40
+    assert set(config.envs.configured()) == {"sums", "guess"}
+    assert config.env_config("arith") == registry.make_config("arith")  # unset: its defaults
+    assert RunConfig.model_validate(config.model_dump(mode="json")) == config
+    for text, named in [
+        ("envs:\n  sums: {max_operand: 0}\n", "envs.sums.max_operand"),
+        ("envs:\n  sums: 7\n", "envs.sums"),
+    ]:
+        with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+            load_config(write_config(tmp_path, text))
+
+
 @pytest.mark.parametrize("entrypoint", ["pipeline", "rollout", "process", "train", "evaluate", "maintain"])
 def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
     """The Prefect server stores a run's parameters as it gets them: the form offers no
@@ -188,9 +224,13 @@ def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
         with pytest.raises(jsonschema.ValidationError, match="does not match"):
             jsonschema.validate(bad_run, schema)  # refused by the server, before a worker starts
     for field in ("access_key_id", "secret_access_key", "session_token"):
-        with_key = RunConfig.model_validate({"storage": {field: "AKIAEXAMPLE"}}).model_dump(mode="json")
-        with pytest.raises(jsonschema.ValidationError, match=f"'{field}' was unexpected"):
-            jsonschema.validate({"config": with_key}, schema)
+        for keyed in (
+            {"storage": {field: "AKIAEXAMPLE"}},
+            {"envs": {"dataset": {"storage": {field: "AKIAEXAMPLE"}}}},
+        ):
+            with_key = RunConfig.model_validate(keyed).model_dump(mode="json")
+            with pytest.raises(jsonschema.ValidationError, match=f"'{field}' was unexpected"):
+                jsonschema.validate({"config": with_key}, schema)
 
 
 def _deployments() -> list[dict]:
