@@ -43,7 +43,7 @@ def _local_dir(path: str, version: int, store: RunStore | None) -> str:
         raise EngineError(f"weight directory {path} is not on this node and no run store was given")
     from storage.weights import WeightStore
 
-    return WeightStore(store).load(version)
+    return WeightStore(store).load(version, "serving")
 
 
 @ray.remote

@@ -215,7 +215,7 @@ class RolloutWorker:
         version = self.weights.latest()
         if version is None:
             raise FileNotFoundError(f"no weight version in {self.store.url('weights')} to serve")
-        path = await asyncio.to_thread(self.weights.load, version)
+        path = await asyncio.to_thread(self.weights.load, version, "serving")
         self.engines = await asyncio.to_thread(
             build_engines, self.engine_config, path, version, self.cluster, self.store
         )
@@ -263,7 +263,7 @@ class RolloutWorker:
         latest = await asyncio.to_thread(self.weights.latest)
         if latest is None or latest == self.version:
             return False
-        path = await asyncio.to_thread(self.weights.load, latest)
+        path = await asyncio.to_thread(self.weights.load, latest, "serving")
         await self._load_on(self.engines, latest, path)
         self.version = latest
         self._shards_at_version = self.writer.committed
@@ -448,14 +448,14 @@ class RolloutWorker:
                         e for e in self.engines if e.name in self.router.replicas and e.version != version
                     ]
                     if stale:
-                        path = await asyncio.to_thread(self.weights.load, version)
+                        path = await asyncio.to_thread(self.weights.load, version, "serving")
                         await asyncio.gather(*(engine.load_version(version, path) for engine in stale))
             except Exception as exc:  # the next probe tries again
                 log.warning("worker %s could not check its replicas: %s", self.name, exc)
 
     async def _load_current_version(self, engine: Engine) -> None:
         async with self._loading:  # not while sync_weights moves the version on
-            path = await asyncio.to_thread(self.weights.load, self.version)
+            path = await asyncio.to_thread(self.weights.load, self.version, "serving")
             await engine.load_version(self.version, path)
 
     def stop(self) -> None:

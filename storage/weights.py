@@ -4,10 +4,13 @@ A version directory holds ``model.safetensors``, its ``model.safetensors.index.j
 ``config.json``, the tokenizer files, any extra files (optimizer state, consumed shard ids,
 the trainer's value model) and ``manifest.json`` with the sha256 of every other file. The
 index names the policy's tensors, so a loader that would take every ``*.safetensors`` of
-the folder (vLLM does, without an index) takes only the policy's file. A publish stages its files locally, then claims its version number by
-creating the directory's ``CLAIM`` object exclusively (``O_EXCL`` locally, a conditional
-PUT on S3), so two publishers racing for one number never write into the same directory
-(a retry of a publish that failed after its claim, naming the same ``owner``, takes it back).
+the folder (vLLM does, without an index) takes only the policy's file. The manifest names
+the extra files too, so an engine's load fetches and verifies the policy alone
+(``load(part="serving")``, see ``PARTS``). A publish stages its files locally, then claims
+its version number by creating the directory's ``CLAIM`` object exclusively (``O_EXCL``
+locally, a conditional PUT on S3), so two publishers racing for one number never write into
+the same directory (a retry of a publish that failed after its claim, naming the same
+``owner``, takes it back).
 Files are uploaded next, the manifest after them and ``weights/LATEST`` last (temp file + rename on a local
 folder, a single PUT on S3), so a reader never sees a version that is still being written:
 a directory without a manifest does not exist. ``LATEST`` only moves forward: a publish that
@@ -31,6 +34,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Literal
 
 import torch
 from safetensors.torch import save_file
@@ -55,6 +59,12 @@ CLAIM_REFRESH_S = 30.0
 """While a publish uploads its files, its claim's time is renewed this often, so a claim
 older than a few of these belongs to a publish that died."""
 TOKENIZER_FILE = "tokenizer.json"
+Part = Literal["all", "serving", "tokenizer"]
+PARTS: tuple[Part, ...] = ("all", "serving", "tokenizer")
+"""What a load fetches, each part holding the next: every file; all but the extra files
+(the policy as an engine loads it: weights, index, config, tokenizer); the tokenizer's files
+and ``config.json``. A trainer's optimizer states and value model are extra files, several
+times the policy's size, that only a trainer reads."""
 RESERVED_FILES = frozenset({MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
@@ -146,6 +156,21 @@ def tokenizer_fingerprint(tokenizer_json: bytes) -> str | None:
         return None
     canonical = json.dumps([vocab, added], sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def part_files(manifest: dict, part: Part) -> dict[str, str]:
+    """The files of ``part`` (see ``PARTS``) of a version's ``manifest``: name -> sha256.
+
+    A version published before manifests named their extra files counts every file as the
+    policy's: its ``serving`` part is all of it.
+    """
+    files = manifest["files"]
+    if part == "all":
+        return dict(files)
+    left_out = set(manifest.get("extra_files", []))
+    if part == "tokenizer":
+        left_out |= {MODEL_FILE, MODEL_INDEX_FILE}
+    return {name: digest for name, digest in files.items() if name not in left_out}
 
 
 class WeightStore:
@@ -250,6 +275,7 @@ class WeightStore:
             "tag": tag,
             "created_at": datetime.now(UTC).isoformat(),
             "files": files,
+            "extra_files": sorted(extra_files),
             "tokenizer_fingerprint": fingerprint,
             "metadata": metadata_json,
         }
@@ -434,6 +460,15 @@ class WeightStore:
                     f"weight version {version}: {MANIFEST_FILE} gives {name!r} the digest {digest!r}, "
                     "not a sha256 in hex"
                 )
+        extra = manifest.get("extra_files", [])
+        if not isinstance(extra, list) or not all(
+            isinstance(name, str) and name in manifest["files"] and name not in RESERVED_FILES
+            for name in extra
+        ):
+            raise CorruptVersion(
+                f"weight version {version}: {MANIFEST_FILE} gives extra_files {extra!r}, "
+                "not a list of the extra files it holds"
+            )
         unlisted = [name for name in (MODEL_FILE, CONFIG_FILE) if name not in manifest["files"]]
         if unlisted:
             raise CorruptVersion(
@@ -441,38 +476,53 @@ class WeightStore:
             )
         return manifest
 
-    def load(self, version: int | None = None) -> str:
-        """A local directory holding ``version`` (default: latest), every file verified.
+    def load(self, version: int | None = None, part: Part = "all") -> str:
+        """A local directory holding ``part`` of ``version`` (default: latest), those files verified.
 
-        On a local store that is the version directory itself; on a remote store the files
-        are downloaded into ``cache_dir`` (re-used on the next call if they still verify),
-        and a download deletes the cached versions the store no longer has (see ``retain``).
-        Raises ``CorruptVersion`` naming the first file whose sha256 differs or that is
-        missing; other versions are unaffected.
+        ``part`` (see ``PARTS``): ``"serving"`` for an engine or an evaluation, ``"tokenizer"``
+        for a tokenizer alone, ``"all"`` for a trainer that resumes. On a local store that is
+        the version directory itself; on a remote store the part's files are downloaded into
+        ``cache_dir`` (re-used on the next call if they still verify, as is a cached copy of a
+        larger part), and a download deletes the cached versions the store no longer has (see
+        ``retain``). Raises ``CorruptVersion`` naming the first file whose sha256 differs or
+        that is missing; other versions are unaffected.
         """
         if version is None:
             version = self.latest()
             if version is None:
                 raise FileNotFoundError(f"no weight version published in {self.store.url(self.prefix)}")
         manifest = self.manifest(version)
+        files = part_files(manifest, part)
         if not self.store.config.is_s3:
             local = self.version_path(version)
-            self._verify(local, manifest, version)
+            self._verify(local, files, version)
             return local
-        return self._download(version, manifest)
+        return self._download(version, manifest, part)
 
-    def _download(self, version: int, manifest: dict) -> str:
-        final = self.cache_dir / version_dir_name(version)
+    def _cached(self, version: int, part: Part) -> Path:
+        """Where ``part`` of ``version`` is cached (every file: the version's own folder)."""
+        name = version_dir_name(version)
+        return self.cache_dir / name if part == "all" else self.cache_dir / part / name
+
+    def _download(self, version: int, manifest: dict, part: Part) -> str:
+        files = part_files(manifest, part)
+        final = self._cached(version, part)
+        for larger in PARTS[: PARTS.index(part)]:
+            cached = self._cached(version, larger)
+            if cached.is_dir():
+                with contextlib.suppress(CorruptVersion):  # its own load replaces it
+                    self._verify(str(cached), files, version)
+                    return str(cached)
         if final.is_dir():
             try:
-                self._verify(str(final), manifest, version)
+                self._verify(str(final), files, version)
                 return str(final)
             except CorruptVersion:
                 shutil.rmtree(final)
-        self.cache_dir.mkdir(parents=True, exist_ok=True)
-        staging = self.cache_dir / f".{version_dir_name(version)}.tmp-{uuid.uuid4().hex}"
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = self.cache_dir / f".{part}-{version_dir_name(version)}.tmp-{uuid.uuid4().hex}"
         try:
-            for name in manifest["files"]:
+            for name in files:
                 remote = posixpath.join(self.version_path(version), name)
                 (staging / name).parent.mkdir(parents=True, exist_ok=True)
                 try:
@@ -482,7 +532,7 @@ class WeightStore:
                         f"weight version {version}: file {name!r} listed in the manifest is missing"
                     ) from None
             Path(staging, MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
-            self._verify(str(staging), manifest, version)
+            self._verify(str(staging), files, version)
             try:
                 os.replace(staging, final)
             except OSError:
@@ -499,14 +549,17 @@ class WeightStore:
     def _forget_removed(self) -> None:
         """Delete the cached copies of versions no longer in the store (deleted by ``retain``)."""
         kept = set(self.list())
-        for cached in self.cache_dir.iterdir():
-            match = _VERSION_DIR.match(cached.name)
-            if match and int(match.group(1)) not in kept:
-                shutil.rmtree(cached, ignore_errors=True)
+        folders = [self.cache_dir / part for part in PARTS[1:] if (self.cache_dir / part).is_dir()]
+        for folder in [self.cache_dir, *folders]:
+            for cached in folder.iterdir():
+                match = _VERSION_DIR.match(cached.name)
+                if match and int(match.group(1)) not in kept:
+                    shutil.rmtree(cached, ignore_errors=True)
 
     @staticmethod
-    def _verify(local_dir: str, manifest: dict, version: int) -> None:
-        for name, expected in manifest["files"].items():
+    def _verify(local_dir: str, files: dict[str, str], version: int) -> None:
+        """Check that each of ``files`` (name -> sha256) is in ``local_dir`` with its digest."""
+        for name, expected in files.items():
             path = os.path.join(local_dir, name)
             if not os.path.isfile(path):
                 raise CorruptVersion(

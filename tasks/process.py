@@ -53,7 +53,7 @@ def shard_processor(
             latest = weights.latest()
             if latest is None:
                 raise LookupError(f"run {config.run_id} has no weight version, so no tokenizer yet")
-            loaded.append(load_tokenizer(weights.load(latest)))
+            loaded.append(load_tokenizer(weights.load(latest, "tokenizer")))
         return loaded[0].decode(ids, skip_special_tokens=False)
 
     return ShardProcessor(

@@ -195,7 +195,7 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
     the policy does on the problems it trains on, beside the held-out ones)."""
     weights = WeightStore(run_store(config))
     version = weights.latest() if version is None else version
-    path = weights.load(version)
+    path = weights.load(version, "serving")
     tasks = [
         task
         for name in config.orchestrator.mix

@@ -313,14 +313,71 @@ def test_a_download_deletes_the_cached_copies_of_versions_the_store_no_longer_ha
         pytest.skip("the download cache exists only for a remote store")
     weights = WeightStore(store, cache_dir=tmp_path / "cache")
     model = tiny_llama(seed=0)
-    for version in range(3):
+    for version, part in enumerate(["all", "serving", "tokenizer"]):
         publish_model(weights, model, tokenizer_dir, tag="base" if version == 0 else None)
-        weights.load(version)
+        weights.load(version, part)
     assert weights.retain(keep_last=1) == [1]
     publish_model(weights, model, tokenizer_dir)
     weights.load(3)
-    cached = sorted(path.name for path in (tmp_path / "cache").rglob("v0*") if path.is_dir())
-    assert cached == ["v000000", "v000002", "v000003"]
+    cached = sorted(path.relative_to(weights.cache_dir).as_posix() for path in weights.cache_dir.rglob("v0*"))
+    assert cached == ["tokenizer/v000002", "v000000", "v000003"]
+
+
+def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
+    store, tmp_path, tokenizer_dir, monkeypatch
+):
+    """A trainer's optimizer states and value model are several times the policy's size:
+    an engine's load (``serving``) and a tokenizer's never fetch or hash them."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    model = tiny_llama(seed=0)
+    extra = {"policy_optimizer.pt": b"moments" * 1000, "value/model.safetensors": b"value" * 1000}
+    publish_model(weights, model, tokenizer_dir, extra_files=extra)
+    assert weights.manifest(0)["extra_files"] == sorted(extra)
+    for name in extra:  # corrupt: a load that verified them would refuse the version
+        corrupt(weights, 0, name)
+    fetched = []
+    get_file = store.fs.get_file
+    monkeypatch.setattr(
+        store.fs, "get_file", lambda remote, local: (fetched.append(remote), get_file(remote, local))
+    )
+
+    serving = weights.load(0, "serving")
+    ids = torch.tensor([[1, 4, 5]])
+    loaded = AutoModelForCausalLM.from_pretrained(serving).eval()
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(model, ids), rtol=0, atol=0)
+    tokenizer = AutoTokenizer.from_pretrained(weights.load(0, "tokenizer"))
+    assert tokenizer.convert_tokens_to_ids(["a", "h"]) == [4, 11]
+    if store.config.is_s3:
+        names = {posixpath.relpath(remote, weights.version_path(0)) for remote in fetched}
+        assert names == set(weights.manifest(0)["files"]) - set(
+            extra
+        )  # the tokenizer's came from the serving copy
+        assert not {name for name in extra if Path(serving, name).exists()}
+        tokenizer_only = WeightStore(store, cache_dir=tmp_path / "tokenizer-only").load(0, "tokenizer")
+        assert (
+            not Path(tokenizer_only, "model.safetensors").exists()
+            and Path(tokenizer_only, "config.json").exists()
+        )
+    with pytest.raises(CorruptVersion, match="'policy_optimizer.pt' is corrupt"):
+        weights.load(0)  # a trainer resuming needs them whole
+
+
+def test_a_version_from_before_extra_files_were_named_serves_every_file(store, tmp_path, tokenizer_dir):
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir, extra_files={"state.pt": b"state"})
+    manifest = weights.manifest(0)
+    del manifest["extra_files"]
+    store.fs.pipe_file(
+        posixpath.join(weights.version_path(0), "manifest.json"), json.dumps(manifest).encode()
+    )
+    assert Path(weights.load(0, "serving"), "state.pt").read_bytes() == b"state"
+    for bad in ("state.pt", ["config.json"], ["absent.pt"], [["state.pt"]]):
+        store.fs.pipe_file(
+            posixpath.join(weights.version_path(0), "manifest.json"),
+            json.dumps(manifest | {"extra_files": bad}).encode(),
+        )
+        with pytest.raises(CorruptVersion, match="gives extra_files"):
+            weights.load(0, "serving")
 
 
 def test_version_being_written_is_invisible(weights, tokenizer_dir, monkeypatch):

@@ -85,6 +85,9 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
 
     async def body() -> None:
         await worker.start()
+        if store.config.is_s3:  # its engines fetched the policy alone, never a trainer's extra files
+            cache = worker.weights.cache_dir
+            assert (cache / "serving" / "v000000").is_dir() and not (cache / "v000000").exists()
         router = worker.router
         follower = asyncio.create_task(worker.follow_plan())
         try:
