@@ -74,6 +74,12 @@ class SAOConfig(BaseModel):
         4, ge=0, description="Drop a sample whose oldest action token is more than this many versions old."
     )
     publish_every: int = Field(4, ge=1, description="Publish a weight version every N policy steps.")
+    publish_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None,
+        description="Dtype of the policy weights the engines load ('bfloat16' halves what each fetches "
+        "against float32); the weights as trained travel beside them for a trainer that resumes. "
+        "None: as trained.",
+    )
     publish_on_stop: bool = Field(
         True, description="Publish the steps since the last version on a clean stop."
     )

@@ -19,7 +19,9 @@ from typing import Annotated, Literal, TypeVar
 
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
 from torch import nn
 from transformers import (
     AutoConfig,
@@ -156,13 +158,60 @@ def load_policy(
     return model.to(device).eval(), load_tokenizer(path)
 
 
+MASTER_WEIGHTS_FILE = "policy_master.safetensors"
+"""The extra file of a version published in a narrower dtype than the policy trains in: its
+parameters as trained (a trainer resumes from them, ``restore_master_weights``)."""
+
+
 def publish_policy(
-    weights: WeightStore, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, **publish_kwargs
+    weights: WeightStore,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    dtype: TorchDtype | None = None,
+    **publish_kwargs,
 ) -> int:
-    """Publish a policy with its tokenizer; ``publish_kwargs`` go to ``WeightStore.publish``."""
+    """Publish a policy with its tokenizer; ``publish_kwargs`` go to ``WeightStore.publish``.
+
+    ``dtype``: the engines' copy is stored in it (``bfloat16`` halves what every engine
+    fetches and loads); when it differs from the parameters' own dtype, these travel too,
+    as the extra file ``MASTER_WEIGHTS_FILE``.
+    """
+    extra_files = dict(publish_kwargs.pop("extra_files", None) or {})
+    target = None if dtype is None else getattr(torch, dtype)
+    if target is not None and any(p.dtype != target for p in model.parameters()):
+        master = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
+        extra_files[MASTER_WEIGHTS_FILE] = save_safetensors(master)
     with tempfile.TemporaryDirectory(prefix="treadle-tokenizer-") as tokenizer_dir:
         tokenizer.save_pretrained(tokenizer_dir)
-        return weights.publish(model.state_dict(), model.config.to_dict(), tokenizer_dir, **publish_kwargs)
+        return weights.publish(
+            model.state_dict(),
+            model.config.to_dict(),
+            tokenizer_dir,
+            extra_files=extra_files,
+            dtype=target,
+            **publish_kwargs,
+        )
+
+
+def restore_master_weights(model: PreTrainedModel, version_dir: str | os.PathLike) -> bool:
+    """Put back the parameters a version kept as trained (``MASTER_WEIGHTS_FILE``) into
+    ``model``, loaded from that version; False when it has none (its weights are the
+    policy's own)."""
+    path = os.path.join(version_dir, MASTER_WEIGHTS_FILE)
+    if not os.path.isfile(path):
+        return False
+    with open(path, "rb") as handle:
+        master = load_safetensors(handle.read())
+    params = dict(model.named_parameters())
+    if set(master) != set(params):
+        raise ValueError(
+            f"{path} does not hold this policy's parameters: missing {sorted(set(params) - set(master))[:5]}, "
+            f"unknown {sorted(set(master) - set(params))[:5]}"
+        )
+    with torch.no_grad():
+        for name, tensor in master.items():
+            params[name].copy_(tensor)
+    return True
 
 
 def ensure_base_version(weights: WeightStore, config: TinyModelConfig) -> int:

@@ -218,6 +218,7 @@ class WeightStore:
         tag: str | None = None,
         version: int | None = None,
         owner: str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> int:
         """Write a new version and point ``LATEST`` at it unless it names a newer one; returns
         its number.
@@ -236,6 +237,8 @@ class WeightStore:
             owner: who publishes, the same on every attempt (e.g. a task run id): its own
                 claim of ``version`` left without a manifest by an attempt that failed is
                 taken back instead of raising :class:`VersionTaken`.
+            dtype: store the floating-point tensors in this dtype (tied ones still once) and
+                say so in ``config.json``; default: as given.
         """
         extra_files = dict(extra_files or {})
         for name in extra_files:
@@ -246,6 +249,9 @@ class WeightStore:
             raise ValueError(f"metadata must be JSON-serialisable: {error}") from error
         with tempfile.TemporaryDirectory(prefix="treadle-publish-") as staging:
             tensors = _safetensors_ready(state_dict)
+            if dtype is not None:
+                tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+                model_config = model_config | {"dtype": str(dtype).removeprefix("torch.")}
             save_file(tensors, os.path.join(staging, MODEL_FILE), metadata={"format": "pt"})
             Path(staging, MODEL_INDEX_FILE).write_text(json.dumps(_index(tensors), indent=2, sort_keys=True))
             Path(staging, CONFIG_FILE).write_text(json.dumps(model_config, indent=2, sort_keys=True))

@@ -122,7 +122,15 @@ def build_base_version(
         )
     try:
         version = publish_policy(
-            weights, model, tokenizer, step=0, metadata=metadata, tag="base", version=0, owner=owner
+            weights,
+            model,
+            tokenizer,
+            config.sao.publish_dtype,
+            step=0,
+            metadata=metadata,
+            tag="base",
+            version=0,
+            owner=owner,
         )
     except VersionTaken:  # another flow of this run (a trainer, a worker) got there first
         log(f"another process is publishing version 0 of run {config.run_id}; using that one")
@@ -133,7 +141,9 @@ def build_base_version(
             f"version 0 of run {config.run_id} was claimed and its claim not renewed for "
             f"{BASE_VERSION_WAIT_S:.0f} s (its process died?); publishing this base as the next version"
         )
-        version = publish_policy(weights, model, tokenizer, step=0, metadata=metadata, tag="base")
+        version = publish_policy(
+            weights, model, tokenizer, config.sao.publish_dtype, step=0, metadata=metadata, tag="base"
+        )
     Tables(store).append("weights", [weights.table_row(version)])
     if on_publish is not None:
         on_publish(version)

@@ -8,11 +8,12 @@ import threading
 import time
 
 import pytest
+import torch
 from fsspec.implementations.local import LocalFileSystem
 from prefect import flow
 
 from flows.config import RunConfig
-from rl.models import build_tiny_model
+from rl.models import build_tiny_model, load_policy, restore_master_weights
 from storage import weights as weight_store
 from storage.tables import Tables
 from storage.weights import CLAIM_FILE, WeightStore
@@ -56,6 +57,20 @@ def test_a_version_zero_claimed_by_a_process_that_died_is_given_up_on(tmp_path, 
     assert weights.list() == [1] and weights.latest() == 1 and weights.manifest(1)["tag"] == "base"
     assert "its claim not renewed for 0 s" in lines[-1]
     assert Tables(store).read("weights").column("version").to_pylist() == [1]
+
+
+def test_the_base_version_is_published_in_the_runs_publish_dtype_with_its_float32_weights(tmp_path):
+    config = tiny_config(tmp_path / "runs", "warm-bf16", warm_start={"enabled": False})
+    config = config.model_copy(update={"sao": config.sao.model_copy(update={"publish_dtype": "bfloat16"})})
+    assert build_base_version(config, log=lambda line: None) == 0
+    weights = WeightStore(run_store(config))
+    served, _ = load_policy(weights.load(0, "serving"))
+    built, _ = build_tiny_model(config.model.tiny)
+    for (name, p), q in zip(built.named_parameters(), served.parameters(), strict=True):
+        torch.testing.assert_close(q, p.to(torch.bfloat16).float(), rtol=0, atol=0, msg=name)
+    assert restore_master_weights(served, weights.load(0))
+    for (name, p), q in zip(built.named_parameters(), served.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 @flow

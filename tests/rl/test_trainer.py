@@ -20,12 +20,21 @@ import numpy as np
 import pyarrow as pa
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import save as save_file
 
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.logprobs import token_logprobs
-from rl.models import TinyModelConfig, ensure_base_version, load_policy, publish_policy
+from rl.models import (
+    MASTER_WEIGHTS_FILE,
+    TinyModelConfig,
+    ensure_base_version,
+    load_policy,
+    publish_policy,
+    restore_master_weights,
+)
 from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_values
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
@@ -867,3 +876,43 @@ def test_bf16_mixed_precision_runs_the_matmuls_in_bfloat16_and_keeps_float32_sta
     assert plain_matmuls == {torch.float32} and mixed_matmuls == {torch.bfloat16}
     assert math.isfinite(mixed.row["policy_loss"]) and math.isfinite(mixed.row["value_loss"])
     assert mixed.row["policy_loss"] == pytest.approx(plain.row["policy_loss"], rel=0.1, abs=1e-3)
+
+
+def test_a_bfloat16_version_serves_the_engines_and_a_resumed_trainer_gets_its_float32_weights(store):
+    write_shards(store, make_trajectories(store, 6, seed=31), per_shard=3)
+    first = Trainer(store, config(publish_every=1, publish_on_stop=False, publish_dtype="bfloat16"))
+    first.run(max_steps=1)
+    trained = {name: p.detach().clone() for name, p in first.policy.named_parameters()}
+    weights = WeightStore(store)
+    served = Path(weights.load(first.version, "serving"))
+    with safe_open(served / "model.safetensors", "pt") as stored:
+        names = stored.keys()
+        assert {stored.get_tensor(name).dtype for name in names} == {torch.bfloat16}
+    assert json.loads((served / "config.json").read_text())["dtype"] == "bfloat16"
+    assert MASTER_WEIGHTS_FILE in weights.manifest(first.version)["extra_files"]
+    engine_policy, _ = load_policy(served)  # what a float32 engine serves: the rounded weights
+    rounded = dict(engine_policy.named_parameters())
+    assert any(not torch.equal(rounded[name], p) for name, p in trained.items())
+    for name, p in trained.items():
+        torch.testing.assert_close(rounded[name], p.to(torch.bfloat16).float(), rtol=0, atol=0)
+
+    second = Trainer(store, config(publish_every=1, publish_dtype="bfloat16"))
+    assert second.version == first.version
+    for name, p in second.policy.named_parameters():
+        assert torch.equal(p, trained[name]), name  # resumed from the weights as trained, not rounded
+    for (name, a), b in zip(
+        first.value_model.state_dict().items(), second.value_model.state_dict().values(), strict=True
+    ):
+        assert torch.equal(a, b), name
+
+
+def test_a_policy_published_in_its_own_dtype_keeps_no_second_copy(store):
+    weights = WeightStore(store)
+    policy, tokenizer = load_policy(weights.load(0))
+    version = publish_policy(weights, policy, tokenizer, "float32", parent=0)
+    assert weights.manifest(version)["extra_files"] == []
+    assert not restore_master_weights(policy, weights.load(version))
+    path = Path(weights.load(version))
+    (path / MASTER_WEIGHTS_FILE).write_bytes(save_file({"not.a.parameter": torch.zeros(1)}))
+    with pytest.raises(ValueError, match="does not hold this policy's parameters"):
+        restore_master_weights(policy, path)
