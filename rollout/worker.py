@@ -23,12 +23,13 @@ Elastic capacity: a second loop reads the trainer's elastic plan (``status/elast
 ``rollout.elastic_plan``) at most once a second and drains or undrains this worker's replicas
 through its router; the worker's status reports each replica's pinned sessions, so the
 trainer sees when a draining replica is empty and counts it as training. The trainer waits
-for that status, so a replica that empties sets ``status_due`` (checked at every read of the
-plan) and ``tasks.rollout`` publishes a status at once rather than at its next beat. A drained
-replica's sessions move to an accepting one at their next turn; a generation in flight
-finishes where it started. On this CPU machine a replica handed to training simply goes
-idle (its engine thread waits for requests that no longer come), which frees its core for
-the trainer's threads; nothing here changes torch's thread counts, which are process-wide.
+for that status, so a draining replica that empties, or is empty under a newer plan, sets
+``status_due`` (checked at every read of the plan) and ``tasks.rollout`` publishes a status at
+once rather than at its next beat. A drained replica's sessions move to an accepting one at
+their next turn; a generation in flight finishes where it started. On this CPU machine a
+replica handed to training simply goes idle (its engine thread waits for requests that no
+longer come), which frees its core for the trainer's threads; nothing here changes torch's
+thread counts, which are process-wide.
 A plan that does not parse is ignored with a warning (the replicas stay as they are); a
 stale one (the trainer died or hangs) puts every replica back in rollout. A worker never
 drains its last accepting replica.
@@ -163,8 +164,9 @@ class RolloutWorker:
         self.plan_time: float | None = None
         self._plan_warnings: tuple[float | None, set[str]] = (None, set())
         self.status_due = asyncio.Event()
-        """Set when a draining replica emptied since the last check (see the module docstring)."""
-        self._emptied: frozenset[str] = frozenset()
+        """Set when a draining replica emptied, or is empty under a newer plan, since the last
+        check (see the module docstring)."""
+        self._emptied: frozenset[tuple[str, float | None]] = frozenset()
         self.trainer_status = TrainerStatusBoard(store)
         self.trainer_poll_s = trainer_poll_s
         self._trainer: TrainerStatus | None = None
@@ -391,9 +393,15 @@ class RolloutWorker:
             await asyncio.sleep(self.plan_poll_s)
 
     def _check_emptied(self) -> None:
-        """Set ``status_due`` when a draining replica holds no session and did not at the last check."""
+        """Set ``status_due`` when a draining replica holds no session and did not at the last
+        check, or did under an older plan: the newer one may drain it anew (cancelled and made
+        again between two reads), and the trainer confirms a drain only by a status of its plan."""
         router = self.router
-        empty = frozenset(r for r in router.draining if router.load(r) == 0) if router else frozenset()
+        empty = (
+            frozenset((r, self.plan_time) for r in router.draining if router.load(r) == 0)
+            if router
+            else frozenset()
+        )
         if empty - self._emptied:
             self.status_due.set()
         self._emptied = empty

@@ -206,6 +206,50 @@ def test_a_worker_says_at_once_that_a_replica_it_drains_is_empty_not_at_its_next
     assert result["orchestrator"]["finished"] > 0  # torch-0 kept rolling out
 
 
+def test_a_worker_says_at_once_that_a_replica_drained_again_is_empty(tmp_path):
+    """A drain cancelled and made again between two reads of the plan is a new drain to the
+    trainer, confirmed only by a status of the newer plan: the worker, which saw the replica
+    drained and empty all along, still publishes that status at once."""
+    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 4})
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "elastic-again")
+    ensure_base_version(WeightStore(store), TINY)
+    worker = make_worker(store, run, plan_poll_s=0.01)
+    plans = ElasticPlanBoard(store)
+    planner = ElasticPlanner(ElasticConfig(sessions_per_replica=16, headroom_slots=0, cooldown_s=0))
+    dry = PolicyInputs(unconsumed_shards=0, engine_queue_depth=0, trainer_idle=1.0)
+
+    async def body() -> None:
+        await worker.start()
+        follower = asyncio.create_task(worker.follow_plan())
+        try:
+            before = [status_object("w0", worker.status(), running=True)]
+            now = time.time()
+            planner.decide(before, SATURATED, now)
+            first = planner.last_plan
+            plans.publish(first)
+            await until(lambda: worker.status_due.is_set(), "the drained replica's status to be due")
+            assert worker.plan_time == first.time
+            worker.status_due.clear()  # what tasks.rollout does, publishing the status
+            # the trainer ran dry before it read that status, cancelled the drain and drained
+            # again; the worker read neither plan in between
+            planner.decide(before, dry, now + 0.1)
+            assert planner.last_plan.draining == []
+            planner.decide(before, SATURATED, now + 0.2)
+            again = planner.last_plan
+            assert again.draining == first.draining
+            plans.publish(again)
+            await until(lambda: worker.plan_time == again.time, "the worker to apply the new drain")
+            assert worker.status_due.is_set()
+            moves = planner.observe([status_object("w0", worker.status(), running=True)], now + 0.3)
+            assert [(m.unit, m.target) for m in moves] == [(again.draining[0], "train")]
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await worker.close()
+
+    asyncio.run(body())
+
+
 def test_the_train_task_publishes_a_drain_and_never_the_last_accepting_replica(tmp_path):
     run = RunConfig(run_id="elastic-train", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
     store = RunStore(run.storage, run.run_id)
