@@ -167,6 +167,9 @@ class RolloutWorker:
         """Set when a draining replica emptied, or is empty under a newer plan, since the last
         check (see the module docstring)."""
         self._emptied: frozenset[tuple[str, float | None]] = frozenset()
+        self._confirming: frozenset[str] = frozenset()
+        """This worker's replicas the applied plan names as draining: the trainer waits for a
+        status that shows them empty (those it names as training it counts as handed over)."""
         self.trainer_status = TrainerStatusBoard(store)
         self.trainer_poll_s = trainer_poll_s
         self._trainer: TrainerStatus | None = None
@@ -370,6 +373,9 @@ class RolloutWorker:
         if stale:
             return False
         self.plan_time = plan.time
+        self._confirming = frozenset(
+            unit.split("/", 1)[1] for unit in plan.draining if unit.split("/", 1)[0] == self.name
+        )
         return True
 
     def _warn_plan(self, kind: str, plan: ElasticPlan, message: str) -> None:
@@ -393,12 +399,15 @@ class RolloutWorker:
             await asyncio.sleep(self.plan_poll_s)
 
     def _check_emptied(self) -> None:
-        """Set ``status_due`` when a draining replica holds no session and did not at the last
-        check, or did under an older plan: the newer one may drain it anew (cancelled and made
-        again between two reads), and the trainer confirms a drain only by a status of its plan."""
+        """Set ``status_due`` when a replica the plan drains holds no session and did not at the
+        last check, or did under an older plan: the newer one may drain it anew (cancelled and
+        made again between two reads), and the trainer confirms a drain only by a status of its
+        plan."""
         router = self.router
         empty = (
-            frozenset((r, self.plan_time) for r in router.draining if router.load(r) == 0)
+            frozenset(
+                (r, self.plan_time) for r in router.draining if r in self._confirming and router.load(r) == 0
+            )
             if router
             else frozenset()
         )

@@ -242,6 +242,14 @@ def test_a_worker_says_at_once_that_a_replica_drained_again_is_empty(tmp_path):
             assert worker.status_due.is_set()
             moves = planner.observe([status_object("w0", worker.status(), running=True)], now + 0.3)
             assert [(m.unit, m.target) for m in moves] == [(again.draining[0], "train")]
+            # handed over: the plans that follow (each trainer decision) need no early status
+            worker.status_due.clear()
+            handed = planner.plan(now + 0.4)
+            assert handed.train == again.draining
+            plans.publish(handed)
+            await until(lambda: worker.plan_time == handed.time, "the worker to apply the handover")
+            await asyncio.sleep(0.1)  # several more reads of the plan
+            assert not worker.status_due.is_set()
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
