@@ -22,7 +22,6 @@ import math
 import random
 import re
 from collections.abc import Callable
-from functools import cache
 
 import pyarrow.parquet as pq
 import regex
@@ -104,9 +103,19 @@ def _regex_match(answer: str, reference: str, timeout: float) -> float:
         ) from None
 
 
-@cache
-def _load_rows(config_json: str) -> tuple[dict, ...]:
-    config = DatasetConfig.model_validate_json(config_json)
+_ROWS: dict[str, tuple[dict, ...]] = {}
+"""Checked rows by config, read once per process. The key is the config's JSON, where
+credentials are masked: configs that differ only in them read the same file."""
+
+
+def _load_rows(config: DatasetConfig) -> tuple[dict, ...]:
+    key = config.model_dump_json()
+    if key not in _ROWS:
+        _ROWS[key] = _read_rows(config)
+    return _ROWS[key]
+
+
+def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
     if not config.path:
         raise ValueError("dataset env needs config.path (a .parquet, .jsonl or .json file)")
     fs = (config.storage or StorageConfig()).filesystem() if "://" in config.path else None
@@ -186,7 +195,7 @@ class DatasetEnv(Env):
     def tasks(cls, split: Split, seed: int, n: int, config: DatasetConfig | None = None) -> list[Task]:
         cfg = config or DatasetConfig()
         tasks = []
-        for row in _load_rows(cfg.model_dump_json()):
+        for row in _load_rows(cfg):
             prompt, answer = str(row[cfg.prompt_field]), str(row[cfg.answer_field])
             row_id = str(row[cfg.id_field]) if cfg.id_field else prompt
             if in_eval_split(prompt, cfg.eval_fraction) == (split == "eval"):

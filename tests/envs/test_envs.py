@@ -526,6 +526,26 @@ def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
         task_set("dataset", "train", 0, 1, {"path": str(jsonl), "answer_field": "missing"})
 
 
+@pytest.mark.parametrize("credentials", ["config", "environment"])
+def test_dataset_reads_its_rows_from_s3_with_keys_from_its_config_or_the_environment(
+    s3_server, monkeypatch, credentials
+):
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
+    url = f"s3://{s3_server.bucket}/datasets/{credentials}.jsonl"
+    s3_server.config().filesystem().pipe_file(url, "\n".join(json.dumps(r) for r in rows).encode())
+    storage = s3_server.config().model_dump()
+    if credentials == "environment":
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key_id)
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_access_key)
+        storage |= {"access_key_id": None, "secret_access_key": None}
+    else:
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            monkeypatch.delenv(name, raising=False)
+    config = {"path": url, "storage": storage, "eval_fraction": 0.25}
+    tasks = [task for split in ("train", "eval") for task in task_set("dataset", split, 0, 100, config)]
+    assert {(t.prompt, t.data["answer"]) for t in tasks} == {(r["prompt"], r["answer"]) for r in rows}
+
+
 def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(tmp_path):
     """A reference that backtracks catastrophically on the model's answer (``(a|aa)+c`` on
     40 a's takes ~fib(40) steps) ends the step with a TimeoutError, which the rollout service
