@@ -214,6 +214,17 @@ def restore_master_weights(model: PreTrainedModel, version_dir: str | os.PathLik
     return True
 
 
+def load_trained_policy(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """``load_policy`` with the parameters as trained where ``path`` is a version that kept
+    them (``restore_master_weights``): the policy to go on training, where ``load_policy``
+    gives the one the engines serve."""
+    model, tokenizer = load_policy(path, device=device, dtype=dtype)
+    restore_master_weights(model, path)
+    return model, tokenizer
+
+
 def ensure_base_version(weights: WeightStore, config: TinyModelConfig) -> int:
     """Publish the tiny model as version 0 (tagged ``base``) when the store is empty.
 

@@ -37,7 +37,7 @@ from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_ta
 from rl.config import SAOConfig
 from rl.logprobs import token_logprobs
 from rl.losses import dis_policy_loss, value_loss
-from rl.models import ValueModel, load_policy, padding_id, placed, publish_policy, restore_master_weights
+from rl.models import ValueModel, load_trained_policy, padding_id, placed, publish_policy
 from storage.config import RunStore
 from storage.shards import ShardInfo, ShardReader
 from storage.status import HeldRole
@@ -214,8 +214,9 @@ class Trainer:
             )
         path = Path(self.weights.load(version))
         self.version = version
-        self.policy, self.tokenizer = load_policy(str(path), device=str(self.device), dtype=self.dtype)
-        restore_master_weights(self.policy, path)
+        self.policy, self.tokenizer = load_trained_policy(
+            str(path), device=str(self.device), dtype=self.dtype
+        )
         self.policy.train()
         self.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self.tokenizer_fingerprint = self.weights.manifest(version).get("tokenizer_fingerprint")

@@ -14,7 +14,7 @@ from prefect.runtime import task_run
 from envs import registry
 from envs.base import Split
 from flows.config import RunConfig
-from rl.models import build_tiny_model, load_policy, padding_id, publish_policy
+from rl.models import build_tiny_model, load_trained_policy, padding_id, publish_policy
 from rl.sft import supervised_warm_start
 from rollout.demos import demonstrations
 from rollout.engines.torch_engine import TorchEngine
@@ -89,7 +89,7 @@ def build_base_version(
     # the warm start trains where the trainer does; without one, publishing needs no device
     device = config.trainer_device if config.warm_start.enabled else "cpu"
     if config.model.path:
-        model, tokenizer = load_policy(config.model.path, device=device)
+        model, tokenizer = load_trained_policy(config.model.path, device=device)
     else:
         model, tokenizer = build_tiny_model(config.model.tiny)
         model.to(device)

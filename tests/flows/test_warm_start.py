@@ -73,6 +73,24 @@ def test_the_base_version_is_published_in_the_runs_publish_dtype_with_its_float3
         assert torch.equal(p, q), name
 
 
+def test_a_run_started_from_a_bfloat16_version_starts_from_its_float32_weights(tmp_path):
+    """``model.path`` may name a weight version of another run: the new run's base is that
+    version's policy as trained, not the rounded copy its engines served."""
+    source = tiny_config(
+        tmp_path / "runs", "source", warm_start={"enabled": False}, sao={"publish_dtype": "bfloat16"}
+    )
+    build_base_version(source, log=lambda line: None)
+    version_dir = WeightStore(run_store(source)).load(0)
+    config = tiny_config(
+        tmp_path / "runs", "from-version", warm_start={"enabled": False}, model={"path": version_dir}
+    )
+    assert build_base_version(config, log=lambda line: None) == 0
+    started, _ = load_policy(WeightStore(run_store(config)).load(0))
+    built, _ = build_tiny_model(source.model.tiny)
+    for (name, p), q in zip(built.named_parameters(), started.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 @flow
 def warm_starting(config: RunConfig) -> int:
     return warm_start(config)
