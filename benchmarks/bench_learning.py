@@ -50,7 +50,7 @@ import duckdb
 import torch
 
 from flows.config import RunConfig, load_config
-from rl.models import load_policy, padding_id, publish_policy
+from rl.models import load_trained_policy, padding_id, publish_policy
 from rl.sft import supervised_warm_start
 from storage.tables import Tables
 from storage.weights import WeightStore
@@ -98,8 +98,10 @@ def base_config(args, seed: int, tag: str, env: str) -> RunConfig:
 
 
 def copy_version0(source: RunConfig, target: RunConfig) -> None:
-    model, tokenizer = load_policy(WeightStore(run_store(source)).load(0))
-    publish_policy(WeightStore(run_store(target)), model, tokenizer, step=0, tag="base")
+    model, tokenizer = load_trained_policy(WeightStore(run_store(source)).load(0))
+    publish_policy(
+        WeightStore(run_store(target)), model, tokenizer, target.sao.publish_dtype, step=0, tag="base"
+    )
 
 
 def run_rl(config: RunConfig, seconds: float, on_mark) -> dict:
@@ -133,14 +135,14 @@ def run_rl(config: RunConfig, seconds: float, on_mark) -> dict:
 def run_sft(config: RunConfig, seconds: float, on_mark, env: str) -> dict:
     """Continued supervised training on ``env``'s flawed demonstrations for ``seconds``."""
     weights = WeightStore(run_store(config))
-    model, tokenizer = load_policy(weights.load(0))
+    model, tokenizer = load_trained_policy(weights.load(0))
     sequences, masks = demonstration_data(config, tokenizer, [env])
     last = {"published": time.monotonic(), "steps": 0}
 
     def on_step(step: int, loss: float) -> None:
         last["steps"] = step + 1
         if time.monotonic() - last["published"] >= SFT_PUBLISH_SECONDS:
-            publish_policy(weights, model, tokenizer, step=step + 1)
+            publish_policy(weights, model, tokenizer, config.sao.publish_dtype, step=step + 1)
             model.train()
             last["published"] = time.monotonic()
 
@@ -153,7 +155,7 @@ def run_sft(config: RunConfig, seconds: float, on_mark, env: str) -> dict:
     thread.start()
     on_mark(deadline, lambda: not thread.is_alive())
     thread.join()
-    publish_policy(weights, model, tokenizer, step=last["steps"])
+    publish_policy(weights, model, tokenizer, config.sao.publish_dtype, step=last["steps"])
     return {"steps": last["steps"]}
 
 
