@@ -184,7 +184,9 @@ def synchronous(root: str, n: int, token_budget: int) -> dict:
     batch_config = config.orchestrator.model_copy(update={"max_rollouts": BATCH})
 
     async def loop() -> None:
-        engine = TorchEngine.from_config(config.engine.torch, weights.load(0), name="sync", version=0)
+        engine = TorchEngine.from_config(
+            config.engine.torch, weights.load(0, "serving"), name="sync", version=0
+        )
         gateway = Gateway(Router([engine]), engine.tokenizer, config.gateway)
         service = RolloutService(
             gateway, lambda task: registry.make(task.env, env_configs[task.env]), config.service
@@ -199,7 +201,7 @@ def synchronous(root: str, n: int, token_budget: int) -> dict:
                 await asyncio.to_thread(processor.poll)
                 await asyncio.to_thread(trainer.run, drain=True, progress=counter)
                 await engine.load_version(
-                    trainer.version, await asyncio.to_thread(weights.load, trainer.version)
+                    trainer.version, await asyncio.to_thread(weights.load, trainer.version, "serving")
                 )
         finally:
             writer.close()
