@@ -173,12 +173,13 @@ def publish_policy(
     """Publish a policy with its tokenizer; ``publish_kwargs`` go to ``WeightStore.publish``.
 
     ``dtype``: the engines' copy is stored in it (``bfloat16`` halves what every engine
-    fetches and loads); when it differs from the parameters' own dtype, these travel too,
-    as the extra file ``MASTER_WEIGHTS_FILE``.
+    fetches and loads); when that rounds a parameter, the parameters as trained travel too,
+    as the extra file ``MASTER_WEIGHTS_FILE`` (a base loaded from a bfloat16 checkpoint
+    rounds nothing and keeps no second copy).
     """
     extra_files = dict(publish_kwargs.pop("extra_files", None) or {})
     target = None if dtype is None else getattr(torch, dtype)
-    if target is not None and any(p.dtype != target for p in model.parameters()):
+    if target is not None and any(not torch.equal(p, p.to(target).to(p.dtype)) for p in model.parameters()):
         master = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
         extra_files[MASTER_WEIGHTS_FILE] = save_safetensors(master)
     with tempfile.TemporaryDirectory(prefix="treadle-tokenizer-") as tokenizer_dir:

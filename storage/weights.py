@@ -493,6 +493,8 @@ class WeightStore:
         ``retain``). Raises ``CorruptVersion`` naming the first file whose sha256 differs or
         that is missing; other versions are unaffected.
         """
+        if part not in PARTS:
+            raise ValueError(f"part must be one of {PARTS}, got {part!r}")
         if version is None:
             version = self.latest()
             if version is None:

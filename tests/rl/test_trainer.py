@@ -906,12 +906,20 @@ def test_a_bfloat16_version_serves_the_engines_and_a_resumed_trainer_gets_its_fl
         assert torch.equal(a, b), name
 
 
-def test_a_policy_published_in_its_own_dtype_keeps_no_second_copy(store):
+def test_a_policy_the_cast_does_not_round_keeps_no_second_copy(store):
     weights = WeightStore(store)
     policy, tokenizer = load_policy(weights.load(0))
     version = publish_policy(weights, policy, tokenizer, "float32", parent=0)
     assert weights.manifest(version)["extra_files"] == []
     assert not restore_master_weights(policy, weights.load(version))
+    with torch.no_grad():  # float32 weights that hold bfloat16 values, as a bfloat16 checkpoint's
+        for p in policy.parameters():
+            p.copy_(p.to(torch.bfloat16))
+    exact = publish_policy(weights, policy, tokenizer, "bfloat16", parent=version)
+    assert weights.manifest(exact)["extra_files"] == []
+    served, _ = load_policy(weights.load(exact, "serving"))
+    for a, b in zip(policy.parameters(), served.parameters(), strict=True):
+        assert torch.equal(a, b)
     path = Path(weights.load(version))
     (path / MASTER_WEIGHTS_FILE).write_bytes(save_file({"not.a.parameter": torch.zeros(1)}))
     with pytest.raises(ValueError, match="does not hold this policy's parameters"):

@@ -360,6 +360,8 @@ def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
         )
     with pytest.raises(CorruptVersion, match="'policy_optimizer.pt' is corrupt"):
         weights.load(0)  # a trainer resuming needs them whole
+    with pytest.raises(ValueError, match="part must be one of"):
+        weights.load(0, "srving")
 
 
 def test_a_version_from_before_extra_files_were_named_serves_every_file(store, tmp_path, tokenizer_dir):
