@@ -159,8 +159,9 @@ def load_policy(
 
 
 MASTER_WEIGHTS_FILE = "policy_master.safetensors"
-"""The extra file of a version published in a narrower dtype than the policy trains in: its
-parameters as trained (a trainer resumes from them, ``restore_master_weights``)."""
+"""The extra file of a version whose published copy rounds the policy's parameters (see
+``publish_policy``): the parameters as trained, which a trainer resumes from
+(``load_trained_policy``)."""
 
 
 def publish_policy(
