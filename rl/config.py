@@ -6,6 +6,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+TorchDtype = Literal["float32", "bfloat16", "float16"]
+"""A config field naming the dtype of model weights."""
+
 
 class SAOConfig(BaseModel):
     """Settings of the continuous trainer: losses, advantages, critic, batching, publishing.
@@ -74,7 +77,7 @@ class SAOConfig(BaseModel):
         4, ge=0, description="Drop a sample whose oldest action token is more than this many versions old."
     )
     publish_every: int = Field(4, ge=1, description="Publish a weight version every N policy steps.")
-    publish_dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+    publish_dtype: TorchDtype | None = Field(
         None,
         description="Dtype of the policy weights the engines load ('bfloat16' halves what each fetches "
         "against float32); the weights as trained travel beside them for a trainer that resumes. "

@@ -36,6 +36,7 @@ from transformers import (
     Qwen3Config,
 )
 
+from rl.config import TorchDtype
 from rl.tokenizer import train_tokenizer
 from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, WeightStore
 
@@ -53,9 +54,6 @@ def _torch_device(value: str) -> str:
 
 TorchDevice = Annotated[str, AfterValidator(_torch_device)]
 """A config field naming a torch device (``cpu``, ``cuda``, ``cuda:1`` …), checked at load."""
-
-TorchDtype = Literal["float32", "bfloat16", "float16"]
-"""A config field naming the dtype of model weights."""
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 

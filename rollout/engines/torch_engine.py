@@ -34,7 +34,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedModel
 
-from rl.models import TorchDevice, TorchDtype, placed
+from rl.config import TorchDtype
+from rl.models import TorchDevice, placed
 from rollout.engines.base import (
     ContextLimit,
     EngineError,
