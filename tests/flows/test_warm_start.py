@@ -60,8 +60,9 @@ def test_a_version_zero_claimed_by_a_process_that_died_is_given_up_on(tmp_path, 
 
 
 def test_the_base_version_is_published_in_the_runs_publish_dtype_with_its_float32_weights(tmp_path):
-    config = tiny_config(tmp_path / "runs", "warm-bf16", warm_start={"enabled": False})
-    config = config.model_copy(update={"sao": config.sao.model_copy(update={"publish_dtype": "bfloat16"})})
+    config = tiny_config(
+        tmp_path / "runs", "warm-bf16", warm_start={"enabled": False}, sao={"publish_dtype": "bfloat16"}
+    )
     assert build_base_version(config, log=lambda line: None) == 0
     weights = WeightStore(run_store(config))
     served, _ = load_policy(weights.load(0, "serving"))
