@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import uuid
 from functools import cached_property
 
 import aiobotocore.session
@@ -214,8 +215,19 @@ class RunStore:
         Two writers racing for one path: exactly one succeeds."""
         if not payload:  # s3fs writes an empty object without the condition
             raise ValueError("create_exclusive needs a non-empty payload")
-        with self.fs.open(path, "xb") as out:
+        if self.config.is_s3:
+            with self.fs.open(path, "xb") as out:
+                out.write(payload)
+            return
+        # written aside and linked into place: a reader never sees the object empty
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temp = f"{path}.tmp-{uuid.uuid4().hex}"
+        with open(temp, "wb") as out:
             out.write(payload)
+        try:
+            os.link(temp, path)
+        finally:
+            os.unlink(temp)
 
     def __repr__(self) -> str:
         return f"RunStore({self.uri!r})"

@@ -350,10 +350,11 @@ class WeightStore:
     @contextlib.contextmanager
     def _claim_kept_fresh(self, version: int, owner: str | None) -> Iterator[None]:
         """Renew ``version``'s claim every ``CLAIM_REFRESH_S`` while the block runs (an upload
-        of a large checkpoint can outlast any fixed wait of the publishers it beat)."""
+        of a large checkpoint can outlast any fixed wait of the publishers it beat); each
+        renewal replaces the claim whole, so a reader never sees it empty and takes it for dead."""
         path = posixpath.join(self.version_path(version), CLAIM_FILE)
         renewer = Heartbeat(
-            lambda: self.fs.pipe_file(path, _claim_text(owner)),
+            lambda: self._write_atomic(path, _claim_text(owner)),
             CLAIM_REFRESH_S,
             f"renewal of the claim of weight version {version}",
         )

@@ -7,6 +7,8 @@ import json
 import os
 import posixpath
 import re
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +24,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from storage import weights as weights_module
 from storage.config import RunStore
 from storage.weights import (
     CLAIM_FILE,
@@ -493,3 +496,41 @@ def test_publishers_racing_for_a_number_never_write_into_one_directory(
     assert a.list() == [0, 1, 2] and a.latest() == 2
     with pytest.raises(ValueError, match="'CLAIM' is reserved"):
         publish_model(a, first, tokenizer_dir, extra_files={CLAIM_FILE: b""})
+
+
+def test_a_claim_being_renewed_is_never_read_as_a_dead_one(local_store, monkeypatch):
+    """A publisher that lost the race for a version reads the winner's claim while the winner
+    renews it: a claim seen empty half-way through a write would read as infinitely old."""
+    monkeypatch.setattr(weights_module, "CLAIM_REFRESH_S", 0.0005)
+    weights = WeightStore(local_store)
+    assert weights._claim(0, "winner") == 0
+    ages = []
+    with weights._claim_kept_fresh(0, "winner"):
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            ages.append(weights.claim_age(0))
+    assert len(ages) > 100 and max(ages) < 60
+
+
+def test_an_object_created_exclusively_is_never_seen_empty(local_store):
+    paths = [local_store.path("claims", f"c{i}") for i in range(300)]
+    seen_empty = []
+
+    def read() -> None:
+        deadline = time.monotonic() + 60
+        for path in paths:
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:  # the writer failed: its error says why
+                    return
+            with open(path, "rb") as handle:
+                if not handle.read():
+                    seen_empty.append(path)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for path in paths:
+        local_store.create_exclusive(path, b"made\n")
+    reader.join()
+    assert seen_empty == []
+    with pytest.raises(FileExistsError):
+        local_store.create_exclusive(paths[0], b"again\n")
