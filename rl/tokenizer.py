@@ -20,11 +20,42 @@ SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, IM_START, IM_END)
 """In id order: pad = 0, bos = 1, ``<|im_start|>`` = 2, ``<|im_end|>`` = 3 (also EOS)."""
 
 CHAT_TEMPLATE = (
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n\\nYou can call these functions, whose JSON signatures are inside <tools></tools>:\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    "{{ '\\n</tools>\\n\\nTo call one, write a JSON object with its name and arguments inside "
+    '<tool_call></tool_call>:\\n<tool_call>\\n{"name": <function-name>, "arguments": <arguments-object>}'
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] %}"
+    "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
+    "{{ '<tool_call>\\n{\"name\": \"' + function['name'] + '\", \"arguments\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+"""ChatML. Given ``tools``, a system turn lists them first (after the system message's own
+text) and asks for calls in the Hermes format the gateway parses (``rollout.tool_calls``):
+an assistant message's ``tool_calls`` are written as ``<tool_call>`` blocks and ``tool``
+messages as ``<tool_response>`` blocks of one user turn, as in the Qwen2.5 and Qwen3 templates."""
 
 _WORDS = [
     "system",

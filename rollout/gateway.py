@@ -13,6 +13,7 @@ with its sampling log-prob and the weight version that produced it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -24,9 +25,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
 from rollout.router import Router
+from rollout.tool_calls import TAGS, ToolCallFormat, tool_call_message
 from storage.schema import STATUSES
 
 _MARK = "\u2063treadle-assistant-content\u2063"
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "treadle_probe_tool", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 class UnknownSession(LookupError):
@@ -45,6 +51,11 @@ class GatewayConfig(BaseModel):
         None, ge=1, description="Token ids must be below this; defaults to the tokenizer's length."
     )
     max_new_tokens: int = Field(256, ge=1, description="Default generation budget per turn.")
+    tool_call_format: ToolCallFormat | None = Field(
+        "hermes",
+        description="How the policy writes tool calls, parsed into the OpenAI reply's tool_calls "
+        "(hermes: <tool_call> JSON blocks, as Qwen2.5/Qwen3 templates ask); null refuses tool definitions.",
+    )
 
 
 class ChatRenderer:
@@ -63,10 +74,18 @@ class ChatRenderer:
         self.closing = self._prefix[self._prefix.rindex(_MARK) + len(_MARK) :]
         """Text the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
 
-    def _render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool) -> str:
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
         try:
             return self.tokenizer.apply_chat_template(
-                list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+                list(messages),
+                tools=list(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except (TemplateError, TypeError) as exc:  # a field the template cannot take (no content, a number …)
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
@@ -74,9 +93,18 @@ class ChatRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def first(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """Token ids of a whole conversation followed by the generation prompt."""
-        return self.encode(self._render(messages, add_generation_prompt=True))
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the template writes tool definitions into the prompt (many ignore them)."""
+        probe = self._render([{"role": "user", "content": "u"}], True, [_PROBE_TOOL])
+        return _PROBE_TOOL["function"]["name"] in probe
+
+    def first(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> list[int]:
+        """Token ids of a whole conversation (with the tool definitions, where the template
+        puts them) followed by the generation prompt."""
+        return self.encode(self._render(messages, add_generation_prompt=True, tools=tools))
 
     def delta(self, messages: Sequence[Mapping[str, Any]], after_action: list[int] | None) -> list[int]:
         """Token ids of ``messages`` plus the generation prompt, appended to a session.
@@ -142,6 +170,9 @@ class TurnResult:
     engine: str
     prompt_tokens: int
     cached_tokens: int
+    message: dict[str, Any]
+    """The assistant message as OpenAI clients get it: ``content`` is ``text``, or the text
+    outside the tool calls when the reply makes any (then in ``tool_calls``)."""
 
     @property
     def truncated(self) -> bool:
@@ -161,7 +192,10 @@ class Session:
     turn: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     messages: list[dict[str, Any]] = field(default_factory=list)
-    """The conversation as the gateway has seen it (assistant content = decoded action)."""
+    """The conversation as the gateway has seen it (assistant messages as returned:
+    :attr:`TurnResult.message`)."""
+    tools: list[dict[str, Any]] | None = None
+    """The tool definitions rendered into the first prompt (fixed for the session's life)."""
     transcript: str = ""
     """The text-completion history as the client has seen it (prompts plus completions)."""
     turns: list[TurnResult] = field(default_factory=list)
@@ -188,9 +222,27 @@ class Session:
             return self.turns[-1].token_ids
         return None
 
-    def add_messages(self, messages: Sequence[Mapping[str, Any]]) -> None:
-        """Queue chat messages; they are rendered into tokens by the next :meth:`generate`."""
+    def add_messages(
+        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+    ) -> None:
+        """Queue chat messages; they are rendered into tokens by the next :meth:`generate`.
+
+        ``tools`` (OpenAI tool definitions) go into the first prompt, where the chat template
+        writes them; every later call must pass the same ones (or none, if the first had
+        none), since the prompt already holds them. While a session has tools, each reply's
+        tool calls are parsed (``GatewayConfig.tool_call_format``).
+        """
         self._check_no_turn_generating()
+        tools = [dict(tool) for tool in tools] if tools else None
+        if tools != self.tools:
+            if self.tokens or self._pending:
+                raise InvalidRequest(
+                    "the tool definitions differ from those the session's prompt was rendered with; "
+                    "a session keeps the tools of its first request"
+                )
+            if tools:
+                self.gateway.check_tools_served()
+            self.tools = tools
         for message in messages:
             if not isinstance(message, Mapping) or "role" not in message:
                 raise InvalidRequest(f"a chat message needs a 'role', got {message!r}")
@@ -218,7 +270,7 @@ class Session:
         renderer = self.gateway.renderer
         if renderer is None:
             raise InvalidRequest("this gateway has no tokenizer with a chat template; send token ids")
-        ids = renderer.first(new) if not self.tokens else renderer.delta(new, self.last_action)
+        ids = renderer.first(new, self.tools) if not self.tokens else renderer.delta(new, self.last_action)
         self.gateway.check_ids(ids, what="rendered messages")
         self._append(ids)
         self.messages.extend(new)
@@ -237,9 +289,15 @@ class Session:
         self.versions.extend([-1] * n)
 
     async def generate(
-        self, params: SamplingParams | None = None, prepare: Callable[[], None] | None = None
+        self,
+        params: SamplingParams | None = None,
+        prepare: Callable[[], None] | None = None,
+        parse_tool_calls: bool = True,
     ) -> TurnResult:
         """Render queued messages, then generate one action from the whole token sequence.
+
+        The reply's tool calls are parsed when the session has tools and
+        ``parse_tool_calls`` (an OpenAI request's ``tool_choice: none`` turns it off).
 
         ``prepare`` runs first, under the session's lock: what a request adds (its new
         messages or tokens, checked against the history) and the turn generated from it are
@@ -292,15 +350,22 @@ class Session:
                 self._generating = None
             self.generation_seconds += time.perf_counter() - started
             _check_generation(generation, self.gateway.vocab_size)
+            text = self.gateway.decode(generation.token_ids)
+            calls = None
+            if self.tools and parse_tool_calls:
+                calls = tool_call_message(
+                    self.gateway.tool_text(generation.token_ids), self.gateway.config.tool_call_format
+                )
             result = TurnResult(
                 token_ids=list(generation.token_ids),
                 logprobs=[float(x) for x in generation.logprobs],
                 versions=[int(v) for v in generation.versions],
                 finish_reason=generation.finish_reason,
-                text=self.gateway.decode(generation.token_ids),
+                text=text,
                 engine=generation.engine,
                 prompt_tokens=generation.prompt_tokens,
                 cached_tokens=generation.cached_tokens,
+                message=calls or {"role": "assistant", "content": text},
             )
             n = len(result.token_ids)
             self.tokens.extend(result.token_ids)
@@ -309,7 +374,7 @@ class Session:
             self.turn.extend([self.num_turns] * n)
             self.versions.extend(result.versions)
             self.turns.append(result)
-            self.messages.append({"role": "assistant", "content": result.text})
+            self.messages.append(result.message)
             return result
 
     def record(
@@ -379,7 +444,28 @@ class Gateway:
         else:
             raise ValueError("give the gateway a tokenizer or set GatewayConfig.vocab_size")
         self.stop_ids: tuple[int, ...] = self.renderer.stop_ids() if self.renderer else ()
+        self._skipped_in_tool_text = self._special_ids_but_tool_tags()
         self._sessions: dict[str, Session] = {}
+
+    def _special_ids_but_tool_tags(self) -> frozenset[int]:
+        """Special token ids a reply's text for tool parsing leaves out: all but the tool-call
+        format's markers (which some tokenizers hold as special tokens)."""
+        if self.tokenizer is None or self.config.tool_call_format is None:
+            return frozenset()
+        vocab = self.tokenizer.get_vocab()
+        tags = {vocab[tag] for tag in TAGS[self.config.tool_call_format] if tag in vocab}
+        return frozenset(self.tokenizer.all_special_ids) - tags
+
+    def check_tools_served(self) -> None:
+        """Raise :class:`InvalidRequest` unless a session here can be given tool definitions."""
+        if self.config.tool_call_format is None:
+            raise InvalidRequest(
+                "tool definitions are refused: this gateway parses no tool calls (tool_call_format is null)"
+            )
+        if self.renderer is None or not self.renderer.renders_tools:
+            raise InvalidRequest(
+                "tool definitions are refused: the policy's chat template does not write them into the prompt"
+            )
 
     def open(
         self,
@@ -449,3 +535,9 @@ class Gateway:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def tool_text(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` that tool calls are parsed from: as :meth:`decode`, but the
+        tool-call markers stay even where they are special tokens."""
+        kept = [t for t in token_ids if t not in self._skipped_in_tool_text]
+        return self.tokenizer.decode(kept, skip_special_tokens=False)

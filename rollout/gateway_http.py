@@ -14,9 +14,16 @@ session id in the ``X-Treadle-Session`` header; every request is recorded token-
 
 With ``stream: true`` the two OpenAI endpoints answer in server-sent events once the turn
 is generated: the whole text in one chunk, then the finish reason, the usage when
-``stream_options.include_usage`` asks for it, and ``[DONE]``. Tool definitions (``tools``,
-``functions``) are refused rather than ignored: the gateway returns the model's text as the
-message content and parses no tool calls out of it.
+``stream_options.include_usage`` asks for it, and ``[DONE]``.
+
+Tool definitions (``tools``) go into the session's first prompt through the chat template,
+and each reply's tool calls are parsed out of the model's text (``rollout.tool_calls``) into
+the message's ``tool_calls``, with ``finish_reason`` ``tool_calls``, as vLLM does with a
+tool-call parser. A session keeps the tools of its first request; a resent assistant message
+matches the one returned when its calls name the same functions with equal arguments.
+``tool_choice`` may be ``auto`` or ``none`` (nothing parsed); forcing a call would need
+constrained decoding, so ``required`` and a named function are refused, as is the
+deprecated ``functions``.
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown session, 400 bad
@@ -30,7 +37,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -40,6 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
 from rollout.gateway import Gateway, Session, TurnResult, UnknownSession
 from rollout.http_server import AppServer, bearer_token
+from rollout.tool_calls import same_calls
 
 SESSION_HEADER = "X-Treadle-Session"
 
@@ -122,6 +130,25 @@ class ChatMessage(BaseModel):
     content: str | None = Field(None, description="Text only: the gateway takes no content parts.")
 
 
+class FunctionDefinition(BaseModel):
+    """An OpenAI function definition; fields beyond these go to the chat template as sent."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$", description="Function name (as OpenAI allows).")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments object.")
+
+
+class ToolDefinition(BaseModel):
+    """One entry of an OpenAI ``tools`` list."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatRequest(_Sampling):
     """OpenAI ``/v1/chat/completions`` body (the fields the gateway honours)."""
 
@@ -136,7 +163,8 @@ class ChatRequest(_Sampling):
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: bool = False
-    tools: list[Any] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
 
 
@@ -208,11 +236,8 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
         )
 
     def openai_only(body: CompletionRequest | ChatRequest) -> None:
-        if isinstance(body, ChatRequest) and (body.tools or body.functions):
-            raise InvalidRequest(
-                "tool definitions are not supported: the gateway returns the model's text as the message "
-                "content and parses no tool calls (describe the tools in a message and parse the reply)"
-            )
+        if isinstance(body, ChatRequest):
+            _check_tool_fields(body)
         if body.n != 1:
             raise InvalidRequest(f"n={body.n}: the gateway samples one choice per request")
         if body.stop:
@@ -299,13 +324,17 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
             body, body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
         )
         messages = [message.model_dump(exclude_unset=True) for message in body.messages]
+        tools = [tool.model_dump(exclude_unset=True) for tool in body.tools] if body.tools else None
         turn = await session.generate(
-            sampling, prepare=lambda: session.add_messages(_new_messages(session, messages))
+            sampling,
+            prepare=lambda: session.add_messages(_new_messages(session, messages), tools),
+            parse_tool_calls=body.tool_choice != "none",
         )
+        calls = "tool_calls" in turn.message and turn.finish_reason == "stop"
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": turn.text},
-            "finish_reason": turn.finish_reason,
+            "message": turn.message,
+            "finish_reason": "tool_calls" if calls else turn.finish_reason,
             "token_ids": turn.token_ids,
             "logprobs": _chat_logprobs(gateway, turn) if body.logprobs else None,
         }
@@ -332,7 +361,11 @@ def _chunks(response: dict[str, Any], usage: bool) -> Iterator[dict[str, Any]]:
     head["object"] = "chat.completion.chunk" if chat else "text_completion"
     first = {key: value for key, value in choice.items() if key not in ("message", "finish_reason")}
     if chat:
-        first["delta"] = choice["message"]
+        first["delta"] = dict(choice["message"])
+        if "tool_calls" in first["delta"]:
+            first["delta"]["tool_calls"] = [
+                {"index": i, **call} for i, call in enumerate(first["delta"]["tool_calls"])
+            ]
     yield {**head, "choices": [first | {"finish_reason": None}]}
     last = {"delta": {}} if chat else {"text": ""}
     yield {**head, "choices": [{"index": 0, **last, "finish_reason": choice["finish_reason"]}]}
@@ -358,10 +391,24 @@ def _response(
     }
 
 
+def _check_tool_fields(body: ChatRequest) -> None:
+    if body.functions:
+        raise InvalidRequest("functions is the deprecated form of tools: send tools")
+    if body.tool_choice is None or body.tool_choice in ("auto", "none"):
+        if body.tool_choice is not None and not body.tools:
+            raise InvalidRequest(f"tool_choice {body.tool_choice!r} without tools")
+        return
+    raise InvalidRequest(
+        f"tool_choice {body.tool_choice!r} is not supported: forcing a tool call needs constrained "
+        "decoding, which the gateway does not do; send auto or none"
+    )
+
+
 def _same_message(seen: dict[str, Any], sent: dict[str, Any]) -> bool:
     return (
         seen.get("role") == sent.get("role")
         and (seen.get("content") or "").strip() == (sent.get("content") or "").strip()
+        and same_calls(seen.get("tool_calls"), sent.get("tool_calls"))
     )
 
 

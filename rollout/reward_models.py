@@ -97,7 +97,12 @@ class RewardModels:
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-    conversation = [{"role": m["role"], "content": m.get("content") or ""} for m in messages]
+    # a tool-calling reply has its calls beside its content (often none): both are kept
+    conversation = [
+        {"role": m["role"], "content": m.get("content") or ""}
+        | ({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})
+        for m in messages
+    ]
     if tokenizer.chat_template:
         rendered = tokenizer.apply_chat_template(conversation, tokenize=True)
         return list(rendered["input_ids"] if isinstance(rendered, Mapping) else rendered)

@@ -324,9 +324,11 @@ def test_openai_chat_resending_the_conversation_is_recorded_token_exactly(tiny):
     asyncio.run(body())
 
 
-def test_the_openai_client_chats_streams_and_is_told_tools_are_not_served(tiny):
+def test_the_openai_client_chats_streams_and_cannot_add_tools_to_a_running_session(tiny):
     """The client agent scaffolds use: a chat turn, a streamed one (text, finish reason and
-    usage in chunks), a streamed text completion, and a clear refusal of tool definitions."""
+    usage in chunks), a streamed text completion, and a clear refusal of tool definitions
+    sent only once the session's prompt was rendered without them (tool calls themselves:
+    ``test_tool_calls.py``)."""
     _, tokenizer = tiny
 
     async def body():
@@ -362,7 +364,9 @@ def test_the_openai_client_chats_streams_and_is_told_tools_are_not_served(tiny):
             assert chunks[-1].usage.completion_tokens == len(action)
             assert chunks[-1].usage.total_tokens == len(session.tokens)
 
-            with pytest.raises(openai.BadRequestError, match="tool definitions are not supported"):
+            with pytest.raises(
+                openai.BadRequestError, match="tool definitions differ from those the session"
+            ):
                 await client.chat.completions.create(
                     model="any",
                     messages=[

@@ -156,6 +156,24 @@ def test_a_reward_model_scores_the_same_after_eviction_and_reload(judges):
     assert other == pytest.approx(reference_score(judges["judge-b"], MESSAGES), abs=1e-5)
 
 
+def test_a_reward_model_reads_the_tool_calls_of_a_reply_that_is_only_calls(judges):
+    """A gateway session's reply that calls a tool holds no content: the judge must read the
+    call as the chat template writes it, not an empty turn."""
+    call = {"id": "c", "type": "function", "function": {"name": "probe", "arguments": '{"n": 8}'}}
+    messages = [MESSAGES[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    models = RewardModels({"judge-a": RewardModelConfig(path=judges["judge-a"])}, device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(judges["judge-a"])
+    read = tokenizer.decode(models.input_ids("judge-a", messages))
+    assert read.endswith(
+        '<|im_start|>assistant\n<tool_call>\n{"name": "probe", "arguments": {"n": 8}}\n</tool_call><|im_end|>\n'
+    )
+    with_tools = [*messages, {"role": "tool", "content": "too low"}, {"role": "assistant", "content": "9"}]
+    assert (
+        models.input_ids("judge-a", with_tools)
+        == tokenizer.apply_chat_template(with_tools, tokenize=True, return_dict=True)["input_ids"]
+    )
+
+
 def test_a_cancelled_call_keeps_its_model_resident_until_its_forward_is_done(judges, monkeypatch):
     """The caller of ``score`` is cancelled mid-forward and a call to the other model needs
     the room: the first model is evicted only once its forward thread has finished."""

@@ -1,0 +1,113 @@
+"""Tool calls in the policy's text, as OpenAI chat messages.
+
+A model trained for function calling writes its calls into its reply in the format its
+chat template teaches it. The gateway returns them to OpenAI clients as the assistant
+message's ``tool_calls``, the way vLLM's ``--tool-call-parser`` does, while the session
+keeps the tokens exactly as sampled.
+
+Formats (``GatewayConfig.tool_call_format``):
+
+- ``hermes``: each call is a JSON object ``{"name": ..., "arguments": {...}}`` between
+  ``<tool_call>`` and ``</tool_call>``, as the Hermes, Qwen2.5 and Qwen3 chat templates (and
+  treadle's tiny model's) ask for. The text outside the calls is the message's content.
+
+A block that does not hold a call (JSON that does not parse, no ``name``, arguments that are
+not an object, a block the token budget cut short) stays in the content as written: the
+client sees what the model wrote, and the reward can judge it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Literal
+
+ToolCallFormat = Literal["hermes"]
+"""Tool-call formats the gateway parses."""
+
+TAGS: dict[str, tuple[str, ...]] = {"hermes": ("<tool_call>", "</tool_call>")}
+"""The markers each format writes around a call: a tokenizer may hold them as special
+tokens, which a plain decode would drop."""
+
+_OPEN, _CLOSE = TAGS["hermes"]
+_SPACE = re.compile(r"\s*")
+_JSON = json.JSONDecoder()
+
+
+def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """The content left outside well-formed ``<tool_call>`` blocks (stripped) and the calls
+    they hold, in order, as ``{"name": str, "arguments": dict}``."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    end = searched = 0
+    while (start := text.find(_OPEN, searched)) >= 0:
+        call, after = _hermes_call(text, start + len(_OPEN))
+        searched = after
+        if call is not None:
+            kept.append(text[end:start])
+            calls.append(call)
+            end = after
+    kept.append(text[end:])
+    return "".join(kept).strip(), calls
+
+
+def _hermes_call(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
+    """The call whose JSON object starts at ``at`` (after spaces) and is closed by
+    ``</tool_call>``, and the index after that tag; ``(None, at)`` when there is none. The
+    JSON is decoded whole, so a closing tag inside one of its strings does not end it."""
+    try:
+        value, after = _JSON.raw_decode(text, _SPACE.match(text, at).end())
+    except ValueError:
+        return None, at
+    after = _SPACE.match(text, after).end()
+    if not text.startswith(_CLOSE, after) or not isinstance(value, dict):
+        return None, at
+    name, arguments = value.get("name"), value.get("arguments", {})
+    if not isinstance(name, str) or not name.strip() or not isinstance(arguments, dict):
+        return None, at
+    return {"name": name, "arguments": arguments}, after + len(_CLOSE)
+
+
+def tool_call_message(text: str, tool_call_format: ToolCallFormat) -> dict[str, Any] | None:
+    """The OpenAI assistant message for a reply ``text`` written in ``tool_call_format`` that
+    calls tools (None when it calls none): ``content`` (None when the reply is only calls) and
+    ``tool_calls`` with fresh ids and the arguments as a JSON string."""
+    if tool_call_format != "hermes":
+        raise ValueError(f"unknown tool_call_format {tool_call_format!r}; known: {list(TAGS)}")
+    content, calls = parse_hermes(text)
+    if not calls:
+        return None
+    return {
+        "role": "assistant",
+        "content": content or None,
+        "tool_calls": [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+            }
+            for call in calls
+        ],
+    }
+
+
+def same_calls(seen: list[dict[str, Any]] | None, sent: list[Any] | None) -> bool:
+    """Whether a resent assistant message's ``tool_calls`` are the ones the gateway returned:
+    same functions in the same order with equal arguments (a client may re-serialise the
+    JSON string); ids and other fields are the client's to keep or drop."""
+    seen, sent = seen or [], sent or []
+    if not isinstance(sent, list) or len(seen) != len(sent):
+        return False
+    for ours, theirs in zip(seen, sent, strict=True):
+        function = theirs.get("function") if isinstance(theirs, dict) else None
+        if not isinstance(function, dict) or function.get("name") != ours["function"]["name"]:
+            return False
+        arguments = function.get("arguments")
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            return False
+        if parsed != json.loads(ours["function"]["arguments"]):
+            return False
+    return True

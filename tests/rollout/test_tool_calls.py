@@ -1,0 +1,368 @@
+"""Tool calls: the Hermes parser on hand-worked replies, the tiny chat template's tool
+rendering, and OpenAI function calling through the gateway's HTTP server end to end, with
+the official client and a real TorchEngine whose tiny model was trained (here, in a few
+hundred steps) to call a tool and then answer from its result."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+
+import openai
+import pytest
+import torch
+
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.torch_engine import TorchEngine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.gateway_http import SESSION_HEADER, GatewayServer
+from rollout.router import Router
+from rollout.tool_calls import parse_hermes, same_calls, tool_call_message
+from storage.schema import to_table, validate
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CONVERSATION = [{"role": "user", "content": "Weather in Paris?"}]
+CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+ANSWER = "It is sunny."
+
+
+def test_hermes_blocks_become_calls_and_the_rest_stays_content():
+    text = f'Let me look.\n{CALL_TEXT}\n<tool_call>{{"name": "f", "arguments": {{}}}}</tool_call>'
+    assert parse_hermes(text) == (
+        "Let me look.",
+        [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "f", "arguments": {}}],
+    )
+    # a call without arguments has an empty object; braces inside strings are JSON's business
+    assert parse_hermes('<tool_call>{"name": "g"}</tool_call>') == ("", [{"name": "g", "arguments": {}}])
+    assert parse_hermes('<tool_call>{"name": "g", "arguments": {"s": "}</tool_call>"}}</tool_call>') == (
+        "",
+        [{"name": "g", "arguments": {"s": "}</tool_call>"}}],
+    )
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "no call here",
+        "<tool_call>{not json}</tool_call>",
+        '<tool_call>{"arguments": {}}</tool_call>',
+        '<tool_call>{"name": " ", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>',
+        '<tool_call>["f"]</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"ci',  # cut by the token budget
+    ],
+)
+def test_what_is_not_a_well_formed_call_stays_in_the_content_as_written(text):
+    assert parse_hermes(text) == (text.strip(), [])
+    assert tool_call_message(text, "hermes") is None
+
+
+def test_a_bad_block_between_good_ones_stays_where_it_was():
+    bad = "<tool_call>oops</tool_call>"
+    content, calls = parse_hermes(f"{CALL_TEXT} then {bad} end")
+    assert content == f"then {bad} end" and [c["name"] for c in calls] == ["get_weather"]
+
+
+def test_the_message_carries_ids_json_arguments_and_no_content_when_only_calls():
+    message = tool_call_message(CALL_TEXT, "hermes")
+    (call,) = message["tool_calls"]
+    assert message["content"] is None and message["role"] == "assistant"
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert tool_call_message(CALL_TEXT, "hermes")["tool_calls"][0]["id"] != call["id"]
+    with pytest.raises(ValueError, match="unknown tool_call_format"):
+        tool_call_message(CALL_TEXT, "mistral")
+
+
+def test_a_resent_call_matches_by_function_and_argument_values():
+    ours = tool_call_message(CALL_TEXT, "hermes")["tool_calls"]
+    compact = [
+        {
+            "id": "other",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+        }
+    ]
+    assert same_calls(ours, compact)
+    assert not same_calls(ours, [{"function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}])
+    assert not same_calls(ours, [{"function": {"name": "get_time", "arguments": '{"city": "Paris"}'}}])
+    assert not same_calls(ours, [{"function": {"name": "get_weather", "arguments": "{broken"}}])
+    assert not same_calls(ours, [])
+    assert not same_calls(ours, "get_weather")
+    assert same_calls(None, None) and same_calls(None, [])
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_tiny_model(TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32))[
+        1
+    ]
+
+
+def test_without_tools_the_template_is_plain_chatml(tokenizer):
+    messages = [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a"},
+        {"role": "tool", "content": "t"},
+    ]
+    rendered = tokenizer.apply_chat_template(messages[:3], add_generation_prompt=True, tokenize=False)
+    assert rendered == (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n"
+        "<|im_start|>assistant\na<|im_end|>\n<|im_start|>assistant\n"
+    )
+    with_tool = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert with_tool.endswith("<|im_start|>user\n<tool_response>\nt\n</tool_response><|im_end|>\n")
+
+
+def test_with_tools_the_template_lists_them_and_writes_calls_as_the_parser_reads_them(tokenizer):
+    system = {"role": "system", "content": "Be brief."}
+    call = tool_call_message(f"Checking.\n{CALL_TEXT}", "hermes")
+    results = [{"role": "tool", "content": "sunny"}, {"role": "tool", "content": "20 C"}]
+    rendered = tokenizer.apply_chat_template(
+        [system, *CONVERSATION, call, *results], tools=TOOLS, add_generation_prompt=True, tokenize=False
+    )
+    head = rendered[: rendered.index("<|im_start|>user")]
+    assert head.startswith("<|im_start|>system\nBe brief.\n\n# Tools")
+    assert json.dumps(TOOLS[0]) in head and head.count("<|im_start|>") == 1
+    reply = rendered.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    assert reply == f"Checking.\n{CALL_TEXT}"
+    assert parse_hermes(reply)[1] == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    assert rendered.endswith(
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n<tool_response>\n20 C\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    only_calls = tokenizer.apply_chat_template(
+        [*CONVERSATION, tool_call_message(CALL_TEXT, "hermes")], tools=TOOLS, tokenize=False
+    )
+    assert only_calls.endswith(f"<|im_start|>assistant\n{CALL_TEXT}<|im_end|>\n")
+
+
+def _tokens(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _train_to_call_then_answer(model, tokenizer) -> dict[str, list[int]]:
+    """Train ``model`` until greedy decoding writes the tool call for the first prompt and
+    the answer after the tool's result; returns each turn's prompt and target ids."""
+    first = _tokens(
+        tokenizer,
+        tokenizer.apply_chat_template(CONVERSATION, tools=TOOLS, add_generation_prompt=True, tokenize=False),
+    )
+    call = _tokens(tokenizer, CALL_TEXT) + [tokenizer.eos_token_id]
+    after = _tokens(
+        tokenizer,
+        "\n<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n",
+    )
+    answer = _tokens(tokenizer, ANSWER) + [tokenizer.eos_token_id]
+    sequence = torch.tensor([first + call + after + answer])
+    labels = sequence.clone()
+    labels[0, : len(first)] = -100
+    labels[0, len(first) + len(call) : len(first) + len(call) + len(after)] = -100
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(400):
+        loss = model(input_ids=sequence, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if loss.item() < 1e-3:
+            break
+    model.eval()
+    return {"first": first, "call": call, "after": after, "answer": answer}
+
+
+@pytest.fixture(scope="module")
+def caller():
+    torch.manual_seed(0)
+    model, tokenizer = build_tiny_model(
+        TinyModelConfig(
+            hidden_size=64, num_layers=2, num_heads=2, intermediate_size=128, max_position_embeddings=1024
+        )
+    )
+    ids = _train_to_call_then_answer(model, tokenizer)
+    return model, tokenizer, ids
+
+
+@contextlib.asynccontextmanager
+async def serving(model, tokenizer, config: GatewayConfig | None = None):
+    engine = TorchEngine(copy.deepcopy(model), tokenizer, name="caller")
+    gateway = Gateway(
+        Router([engine]), tokenizer, config or GatewayConfig(max_context_tokens=1024, max_new_tokens=96)
+    )
+    server = await GatewayServer(gateway).start()
+    try:
+        yield gateway, server
+    finally:
+        await server.stop()
+        await engine.close()
+
+
+def _client(server, session_id: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=f"{server.url}/v1", api_key=server.token, default_headers={SESSION_HEADER: session_id}
+    )
+
+
+GREEDY = {"model": "any", "temperature": 1e-5, "max_tokens": 96}
+
+
+def test_an_openai_client_calls_a_tool_and_reads_the_answer_recorded_token_exactly(caller):
+    model, tokenizer, ids = caller
+
+    async def body():
+        async with serving(model, tokenizer) as (gateway, server):
+            sid = gateway.open(task="agent", prompt_id="weather").session_id
+            client = _client(server, sid)
+            first = await client.chat.completions.create(messages=CONVERSATION, tools=TOOLS, **GREEDY)
+            choice = first.choices[0]
+            assert choice.finish_reason == "tool_calls" and choice.message.content is None
+            (call,) = choice.message.tool_calls
+            assert call.type == "function" and call.function.name == "get_weather"
+            assert json.loads(call.function.arguments) == {"city": "Paris"}
+            session = gateway.session(sid)
+            assert session.tokens == ids["first"] + ids["call"], (
+                "the prompt holds the tools; the call is as sampled"
+            )
+
+            conversation = [
+                *CONVERSATION,
+                choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "sunny"},
+            ]
+            second = await client.chat.completions.create(messages=conversation, tools=TOOLS, **GREEDY)
+            assert (
+                second.choices[0].message.content == ANSWER and second.choices[0].message.tool_calls is None
+            )
+            assert second.choices[0].finish_reason == "stop"
+            assert session.tokens == ids["first"] + ids["call"] + ids["after"] + ids["answer"]
+            # what the policy saw is the template's rendering of the whole conversation
+            whole = [*conversation, {"role": "assistant", "content": ANSWER}]
+            assert tokenizer.decode(session.tokens) == tokenizer.apply_chat_template(
+                whole, tools=TOOLS, tokenize=False
+            ).removesuffix("\n")
+            record = session.record(reward=1.0)
+            actions = [t for t, m in zip(record["tokens"], record["action_mask"], strict=True) if m]
+            assert actions == ids["call"] + ids["answer"]
+            validate(to_table([record]))
+
+            # the client may re-serialise the arguments and drop the id; other arguments diverge
+            resent = copy.deepcopy(conversation)
+            resent[1]["tool_calls"][0] = {
+                "id": "x",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+            }
+            follow_up = [
+                *resent,
+                second.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "Thanks"},
+            ]
+            third = await client.chat.completions.create(messages=follow_up, tools=TOOLS, **GREEDY)
+            assert session.num_turns == 3
+            next_turn = [
+                *follow_up,
+                third.choices[0].message.model_dump(exclude_none=True),
+                {"role": "user", "content": "And tomorrow?"},
+            ]
+            diverged = copy.deepcopy(next_turn)
+            diverged[1]["tool_calls"][0]["function"]["arguments"] = '{"city": "Rome"}'
+            with pytest.raises(
+                openai.BadRequestError, match="message 1 .* differs from the session's history"
+            ):
+                await client.chat.completions.create(messages=diverged, tools=TOOLS, **GREEDY)
+            with pytest.raises(openai.BadRequestError, match="tool definitions differ"):
+                await client.chat.completions.create(messages=next_turn, **GREEDY)
+            await client.chat.completions.create(messages=next_turn, tools=TOOLS, **GREEDY)
+            assert session.num_turns == 4
+            await client.close()
+
+    asyncio.run(body())
+
+
+def test_tool_calls_stream_with_their_index_and_tool_choice_none_leaves_the_text(caller):
+    model, tokenizer, _ = caller
+
+    async def body():
+        async with serving(model, tokenizer) as (gateway, server):
+            sid = gateway.open(task="agent", prompt_id="stream").session_id
+            client = _client(server, sid)
+            stream = await client.chat.completions.create(
+                messages=CONVERSATION, tools=TOOLS, stream=True, **GREEDY
+            )
+            chunks = [chunk async for chunk in stream]
+            calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
+            assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in calls] == [
+                (0, "get_weather", {"city": "Paris"})
+            ]
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+            plain = gateway.open(task="agent", prompt_id="none").session_id
+            reply = await _client(server, plain).chat.completions.create(
+                messages=CONVERSATION, tools=TOOLS, tool_choice="none", **GREEDY
+            )
+            assert (
+                reply.choices[0].message.content == CALL_TEXT and reply.choices[0].message.tool_calls is None
+            )
+            assert reply.choices[0].finish_reason == "stop"
+
+            refused = gateway.open(task="agent", prompt_id="refused").session_id
+            refusing = _client(server, refused)
+            cases = [
+                ({"tool_choice": "required"}, "forcing a tool call needs constrained decoding"),
+                ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "not supported"),
+                ({"tools": None, "tool_choice": "auto"}, "tool_choice 'auto' without tools"),
+                ({"tools": None, "functions": [{"name": "f"}]}, "deprecated form of tools"),
+                (
+                    {"tools": [{"type": "function", "function": {"name": "bad name"}}]},
+                    "tools.0.function.name",
+                ),
+            ]
+            for extra, error in cases:
+                request = {"messages": CONVERSATION, "tools": TOOLS, **GREEDY, **extra}
+                request = {k: v for k, v in request.items() if v is not None}
+                with pytest.raises(openai.BadRequestError, match=error):
+                    await refusing.chat.completions.create(**request)
+            assert gateway.session(refused).tokens == []
+            await client.close()
+
+    asyncio.run(body())
+
+
+def test_tools_are_refused_where_they_could_not_reach_the_prompt_or_be_parsed(caller):
+    model, tokenizer, _ = caller
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+        "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+
+    async def body():
+        for tok, config, error in [
+            (plain, None, "chat template does not write them into the prompt"),
+            (
+                tokenizer,
+                GatewayConfig(max_context_tokens=1024, tool_call_format=None),
+                "parses no tool calls",
+            ),
+        ]:
+            async with serving(model, tok, config) as (gateway, server):
+                sid = gateway.open(task="agent", prompt_id="p").session_id
+                client = _client(server, sid)
+                with pytest.raises(openai.BadRequestError, match=error):
+                    await client.chat.completions.create(messages=CONVERSATION, tools=TOOLS, **GREEDY)
+                reply = await client.chat.completions.create(messages=CONVERSATION, **GREEDY)
+                assert reply.choices[0].message.tool_calls is None, "no tools, nothing parsed"
+                await client.close()
+
+    asyncio.run(body())
