@@ -73,6 +73,11 @@ class ChatRenderer:
             raise ValueError("the chat template does not render assistant content verbatim")
         self.closing = self._prefix[self._prefix.rindex(_MARK) + len(_MARK) :]
         """Text the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        self._leads = (
+            self._prefix[: self._prefix.rindex(_MARK)],
+            self._render(self._base[:1], add_generation_prompt=True),
+        )
+        """What may precede an earlier assistant message's content in a delta's rendering."""
 
     def _render(
         self,
@@ -116,12 +121,17 @@ class ChatRenderer:
         cut at the length limit, whatever text its last token decodes to).
         """
         full = self._render([*self._base, *messages], add_generation_prompt=True)
-        if not full.startswith(self._prefix):
+        # Before the assistant's content, the earlier messages must render as they do when
+        # the assistant turn ends the conversation, or as the prompt the model continued
+        # (Qwen3 writes an empty <think> block into the last assistant turn only; the
+        # session holds what the model itself generated there).
+        at = full.find(_MARK)
+        if at < 0 or full[:at] not in self._leads or not full.startswith(self.closing, at + len(_MARK)):
             raise InvalidRequest(
                 "the chat template renders earlier messages differently when new ones follow; "
                 "cannot append messages as a delta"
             )
-        body = full[len(self._prefix) :]
+        body = full[at + len(_MARK) + len(self.closing) :]
         if after_action is None:
             return self.encode(body)
         closing = self.closing

@@ -93,6 +93,39 @@ def test_an_action_cut_on_a_prefix_of_the_closing_text_is_followed_by_the_whole_
     assert renderer.delta(new, stopped) == tokenizer.encode("\n" + body, add_special_tokens=False)
 
 
+def test_a_template_that_marks_only_the_last_assistant_turn_still_takes_deltas(tiny):
+    """Qwen3's template writes an empty <think> block before the content of the last
+    assistant turn only: once messages follow, that turn opens as the generation prompt the
+    model continued, and the delta is what follows it; a template that rewrites the earlier
+    messages themselves is still refused."""
+    _, tokenizer = tiny
+    turns = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+        "{% if message['role'] == 'assistant' and loop.last %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+        "{{ message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = turns
+    renderer = ChatRenderer(thinking)
+    new = [{"role": "user", "content": "again"}]
+    body = "<|im_start|>user\nagain<|im_end|>\n<|im_start|>assistant\n"
+    stopped = [
+        *tokenizer.encode("12", add_special_tokens=False),
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    ]
+    assert renderer.delta(new, stopped) == tokenizer.encode("\n" + body, add_special_tokens=False)
+    assert renderer.delta([{"role": "tool", "content": "t"}], None) == tokenizer.encode(
+        "<|im_start|>tool\nt<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False
+    )
+    counting = copy.deepcopy(tokenizer)
+    counting.chat_template = (
+        "{{ '<|im_start|>system\\n' + (messages | length | string) + '<|im_end|>\\n' }}" + turns
+    )
+    with pytest.raises(InvalidRequest, match="renders earlier messages differently"):
+        ChatRenderer(counting).delta(new, stopped)
+
+
 def test_generated_tokens_are_never_re_tokenized(tiny):
     """The sampled action is not the canonical tokenization of its own text; the record
     keeps the sampled ids, including after the next turn is appended."""
