@@ -58,7 +58,7 @@ def _hermes_call(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
     JSON is decoded whole, so a closing tag inside one of its strings does not end it."""
     try:
         value, after = _JSON.raw_decode(text, _SPACE.match(text, at).end())
-    except ValueError:
+    except (ValueError, RecursionError):  # a degenerate reply may nest "[" past the recursion limit
         return None, at
     after = _SPACE.match(text, after).end()
     if not text.startswith(_CLOSE, after) or not isinstance(value, dict):
@@ -85,7 +85,10 @@ def tool_call_message(text: str, tool_call_format: ToolCallFormat) -> dict[str, 
             {
                 "id": f"call_{uuid.uuid4().hex[:24]}",
                 "type": "function",
-                "function": {"name": call["name"], "arguments": json.dumps(call["arguments"])},
+                "function": {
+                    "name": call["name"],
+                    "arguments": json.dumps(call["arguments"], ensure_ascii=False),
+                },
             }
             for call in calls
         ],

@@ -60,6 +60,7 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
         '<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>',
         '<tool_call>["f"]</tool_call>',
         '<tool_call>\n{"name": "get_weather", "arguments": {"ci',  # cut by the token budget
+        "<tool_call>" + "[" * 5000,  # nested deeper than the JSON decoder recurses
     ],
 )
 def test_what_is_not_a_well_formed_call_stays_in_the_content_as_written(text):
@@ -80,6 +81,11 @@ def test_the_message_carries_ids_json_arguments_and_no_content_when_only_calls()
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert tool_call_message(CALL_TEXT, "hermes")["tool_calls"][0]["id"] != call["id"]
+    # the arguments string keeps what is not ASCII as written, as vLLM's hermes parser does
+    zurich = tool_call_message(
+        '<tool_call>{"name": "f", "arguments": {"city": "Zürich"}}</tool_call>', "hermes"
+    )
+    assert zurich["tool_calls"][0]["function"]["arguments"] == '{"city": "Zürich"}'
     with pytest.raises(ValueError, match="unknown tool_call_format"):
         tool_call_message(CALL_TEXT, "mistral")
 
