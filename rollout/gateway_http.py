@@ -330,11 +330,10 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
             prepare=lambda: session.add_messages(_new_messages(session, messages), tools),
             parse_tool_calls=body.tool_choice != "none",
         )
-        calls = "tool_calls" in turn.message and turn.finish_reason == "stop"
         choice = {
             "index": 0,
             "message": turn.message,
-            "finish_reason": "tool_calls" if calls else turn.finish_reason,
+            "finish_reason": "tool_calls" if "tool_calls" in turn.message else turn.finish_reason,
             "token_ids": turn.token_ids,
             "logprobs": _chat_logprobs(gateway, turn) if body.logprobs else None,
         }

@@ -14,6 +14,8 @@ own chat template, or as ``role: content`` lines without one) and its logit is t
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -100,7 +102,7 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, 
     # a tool-calling reply has its calls beside its content (often none): both are kept
     conversation = [
         {"role": m["role"], "content": m.get("content") or ""}
-        | ({"tool_calls": m["tool_calls"]} if m.get("tool_calls") else {})
+        | ({"tool_calls": _with_parsed_arguments(m["tool_calls"])} if m.get("tool_calls") else {})
         for m in messages
     ]
     if tokenizer.chat_template:
@@ -108,6 +110,20 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, 
         return list(rendered["input_ids"] if isinstance(rendered, Mapping) else rendered)
     text = "\n".join(f"{m['role']}: {m['content']}" for m in conversation)
     return tokenizer(text)["input_ids"]
+
+
+def _with_parsed_arguments(calls: list[Any]) -> list[Any]:
+    """OpenAI tool calls with their arguments as objects, not JSON strings: templates such as
+    Qwen2.5's write them through ``tojson``, which would quote a string a second time."""
+    parsed = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
+            # a client's own assistant message may carry any string: it stays as sent
+            with contextlib.suppress(ValueError):
+                call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
+        parsed.append(call)
+    return parsed
 
 
 def _forward(model: torch.nn.Module, ids: list[int]) -> float:

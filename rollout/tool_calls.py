@@ -11,9 +11,12 @@ Formats (``GatewayConfig.tool_call_format``):
   ``<tool_call>`` and ``</tool_call>``, as the Hermes, Qwen2.5 and Qwen3 chat templates (and
   treadle's tiny model's) ask for. The text outside the calls is the message's content.
 
-A block that does not hold a call (JSON that does not parse, no ``name``, arguments that are
-not an object, a block the token budget cut short) stays in the content as written: the
-client sees what the model wrote, and the reward can judge it.
+A call without ``arguments`` has none (``{}``), and the last block may lack its closing tag
+when the reply ends right after its JSON (the model stopped there). A block that does not
+hold a call (JSON that does not parse or holds ``NaN``/``Infinity``, no ``name``, arguments
+that are not an object, keys other than those two, a block the token budget cut short)
+stays in the content as written: the client sees what the model wrote, and the reward can
+judge it.
 """
 
 from __future__ import annotations
@@ -32,7 +35,13 @@ tokens, which a plain decode would drop."""
 
 _OPEN, _CLOSE = TAGS["hermes"]
 _SPACE = re.compile(r"\s*")
-_JSON = json.JSONDecoder()
+
+
+def _not_json(constant: str) -> float:
+    raise ValueError(f"{constant} is not JSON")
+
+
+_JSON = json.JSONDecoder(parse_constant=_not_json)
 
 
 def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
@@ -54,19 +63,22 @@ def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
 
 def _hermes_call(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
     """The call whose JSON object starts at ``at`` (after spaces) and is closed by
-    ``</tool_call>``, and the index after that tag; ``(None, at)`` when there is none. The
-    JSON is decoded whole, so a closing tag inside one of its strings does not end it."""
+    ``</tool_call>`` or ends the text, and the index after it; ``(None, at)`` when there is
+    none. The JSON is decoded whole, so a closing tag inside one of its strings does not end it."""
     try:
         value, after = _JSON.raw_decode(text, _SPACE.match(text, at).end())
     except (ValueError, RecursionError):  # a degenerate reply may nest "[" past the recursion limit
         return None, at
     after = _SPACE.match(text, after).end()
-    if not text.startswith(_CLOSE, after) or not isinstance(value, dict):
+    closed = text.startswith(_CLOSE, after)
+    if not (closed or after == len(text)) or not isinstance(value, dict):
         return None, at
     name, arguments = value.get("name"), value.get("arguments", {})
     if not isinstance(name, str) or not name.strip() or not isinstance(arguments, dict):
         return None, at
-    return {"name": name, "arguments": arguments}, after + len(_CLOSE)
+    if set(value) - {"name", "arguments"}:  # e.g. "parameters": dropping it would lose the arguments
+        return None, at
+    return {"name": name, "arguments": arguments}, after + len(_CLOSE) * closed
 
 
 def tool_call_message(text: str, tool_call_format: ToolCallFormat) -> dict[str, Any] | None:

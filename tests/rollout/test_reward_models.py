@@ -167,6 +167,13 @@ def test_a_reward_model_reads_the_tool_calls_of_a_reply_that_is_only_calls(judge
     assert read.endswith(
         '<|im_start|>assistant\n<tool_call>\n{"name": "probe", "arguments": {"n": 8}}\n</tool_call><|im_end|>\n'
     )
+    # a template that writes arguments through tojson (Qwen2.5's) reads them as an object
+    models.tokenizers["judge-a"].chat_template = (
+        "{% for m in messages %}{{ m.role }}: {{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %} {% endfor %}"
+    )
+    assert tokenizer.decode(models.input_ids("judge-a", messages)).endswith('assistant: {"n": 8} ')
+    models.tokenizers["judge-a"] = tokenizer
     with_tools = [*messages, {"role": "tool", "content": "too low"}, {"role": "assistant", "content": "9"}]
     assert (
         models.input_ids("judge-a", with_tools)

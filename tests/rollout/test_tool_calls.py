@@ -44,6 +44,11 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
     )
     # a call without arguments has an empty object; braces inside strings are JSON's business
     assert parse_hermes('<tool_call>{"name": "g"}</tool_call>') == ("", [{"name": "g", "arguments": {}}])
+    # the model may stop right after the last call's JSON, before its closing tag
+    assert parse_hermes('Sure.\n<tool_call>\n{"name": "g", "arguments": {"n": 1}}\n') == (
+        "Sure.",
+        [{"name": "g", "arguments": {"n": 1}}],
+    )
     assert parse_hermes('<tool_call>{"name": "g", "arguments": {"s": "}</tool_call>"}}</tool_call>') == (
         "",
         [{"name": "g", "arguments": {"s": "}</tool_call>"}}],
@@ -59,6 +64,9 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
         '<tool_call>{"name": " ", "arguments": {}}</tool_call>',
         '<tool_call>{"name": "f", "arguments": "x=1"}</tool_call>',
         '<tool_call>["f"]</tool_call>',
+        '<tool_call>{"name": "f", "parameters": {"n": 1}}</tool_call>',  # not silently dropped
+        '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',  # strict JSON readers refuse NaN
+        '<tool_call>{"name": "f", "arguments": {}} and more',  # unclosed, and not the end
         '<tool_call>\n{"name": "get_weather", "arguments": {"ci',  # cut by the token budget
         "<tool_call>" + "[" * 5000,  # nested deeper than the JSON decoder recurses
     ],
