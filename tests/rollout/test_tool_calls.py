@@ -9,16 +9,20 @@ import asyncio
 import contextlib
 import copy
 import json
+import shlex
 
 import openai
 import pytest
 import torch
 
+from envs import registry
+from envs.sandbox import SandboxConfig, bwrap_path
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.gateway_http import SESSION_HEADER, GatewayServer
 from rollout.router import Router
+from rollout.service import RolloutRequest, RolloutService, ServiceConfig
 from rollout.tool_calls import parse_hermes, same_calls, tool_call_message
 from storage.schema import to_table, validate
 
@@ -380,3 +384,70 @@ def test_tools_are_refused_where_they_could_not_reach_the_prompt_or_be_parsed(ca
                 await client.close()
 
     asyncio.run(body())
+
+
+TOOL_AGENT = """
+import json, os, urllib.request
+tools = json.loads(os.environ["AGENT_TOOLS"])
+weather = {"Paris": "sunny"}
+messages = [{"role": "user", "content": os.environ["TREADLE_TASK"]}]
+while True:
+    body = {"model": "policy", "messages": messages, "tools": tools, "temperature": 1e-5, "max_tokens": 96}
+    request = urllib.request.Request(
+        os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": "Bearer x"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        choice = json.load(response)["choices"][0]
+    messages.append(choice["message"])
+    if choice["finish_reason"] != "tool_calls":
+        break
+    for call in choice["message"]["tool_calls"]:
+        city = json.loads(call["function"]["arguments"])["city"]
+        messages.append({"role": "tool", "tool_call_id": call["id"], "content": weather[city]})
+open("answer.txt", "w").write(messages[-1]["content"])
+print(json.dumps(messages))
+"""
+
+
+@pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
+def test_an_agent_program_in_the_sandbox_runs_its_tool_calls_and_the_rollout_is_token_exact(caller):
+    """The agent env through the rollout service: the program sends tools, runs the call it
+    gets back and answers from the result; the record holds the tools' prompt, the call and
+    the answer exactly as sampled, and the eval scores the answer."""
+    model, tokenizer, ids = caller
+    config = {
+        "command": f"AGENT_TOOLS={shlex.quote(json.dumps(TOOLS))} python3 -I -c {shlex.quote(TOOL_AGENT)}",
+        "eval_command": f"python3 -c \"print(float(open('answer.txt').read() == {ANSWER!r}))\"",
+        "tasks": [{"id": "paris", "prompt": CONVERSATION[0]["content"]}],
+        "sandbox": SandboxConfig(timeout_s=60, memory_mb=512, cpu_seconds=20).model_dump(),
+    }
+    (task,) = registry.task_set("agent", "eval", 0, 1, config)  # the one task's id falls in eval
+    envs = []
+
+    def make_env(task):
+        envs.append(registry.make("agent", config))
+        return envs[-1]
+
+    async def body():
+        engine = TorchEngine(copy.deepcopy(model), tokenizer, name="caller")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(gateway, make_env, ServiceConfig(timeout_s=120, max_new_tokens=96))
+        try:
+            return await service.process(RolloutRequest(task=task))
+        finally:
+            await service.close()
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert result.status == "ok", (result.error, envs[0].result.output)
+    transcript = json.loads(envs[0].result.output.strip().splitlines()[-1])
+    assert [m["role"] for m in transcript] == ["user", "assistant", "tool", "assistant"]
+    assert transcript[1]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert result.reward == 1.0 and result.turns == 2
+    record = result.record
+    validate(to_table([record]))
+    assert record["tokens"] == ids["first"] + ids["call"] + ids["after"] + ids["answer"]
+    actions = [t for t, generated in zip(record["tokens"], record["action_mask"], strict=True) if generated]
+    assert actions == ids["call"] + ids["answer"]
