@@ -120,7 +120,7 @@ def _with_parsed_arguments(calls: list[Any]) -> list[Any]:
         function = call.get("function") if isinstance(call, Mapping) else None
         if isinstance(function, Mapping) and isinstance(function.get("arguments"), str):
             # a client's own assistant message may carry any string: it stays as sent
-            with contextlib.suppress(ValueError):
+            with contextlib.suppress(ValueError, RecursionError):
                 call = {**call, "function": {**function, "arguments": json.loads(function["arguments"])}}
         parsed.append(call)
     return parsed

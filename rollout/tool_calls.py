@@ -21,6 +21,7 @@ judge it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import uuid
@@ -107,22 +108,33 @@ def tool_call_message(text: str, tool_call_format: ToolCallFormat) -> dict[str, 
     }
 
 
-def same_calls(seen: list[dict[str, Any]] | None, sent: list[Any] | None) -> bool:
-    """Whether a resent assistant message's ``tool_calls`` are the ones the gateway returned:
-    same functions in the same order with equal arguments (a client may re-serialise the
-    JSON string); ids and other fields are the client's to keep or drop."""
+def same_calls(seen: Any, sent: Any) -> bool:
+    """Whether a resent assistant message's ``tool_calls`` are the ones the session holds
+    (those the gateway returned, or a client's own assistant message as it first sent it):
+    equal as sent, or the same functions in the same order with equal arguments (a client
+    may re-serialise the JSON string, or drop the ids). Any shape a client sent is compared,
+    never raises."""
     seen, sent = seen or [], sent or []
-    if not isinstance(sent, list) or len(seen) != len(sent):
+    if seen == sent:
+        return True
+    if not isinstance(seen, list) or not isinstance(sent, list) or len(seen) != len(sent):
         return False
     for ours, theirs in zip(seen, sent, strict=True):
-        function = theirs.get("function") if isinstance(theirs, dict) else None
-        if not isinstance(function, dict) or function.get("name") != ours["function"]["name"]:
-            return False
-        arguments = function.get("arguments")
-        try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-        except ValueError:
-            return False
-        if parsed != json.loads(ours["function"]["arguments"]):
+        key = _call_key(ours)
+        if key is None or key != _call_key(theirs):
             return False
     return True
+
+
+def _call_key(call: Any) -> tuple[Any, Any] | None:
+    """A call's function name and arguments, a JSON string read as its value (as written
+    when it does not parse); None when the call has no ``function`` object."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict):
+        return None
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        # not JSON, or nested past the decoder's limit: compared as written
+        with contextlib.suppress(ValueError, RecursionError):
+            arguments = json.loads(arguments)
+    return function.get("name"), arguments

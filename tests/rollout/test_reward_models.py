@@ -244,3 +244,15 @@ def test_held_out_evaluation_scores_with_the_run_s_reward_models(tiny, judges):
     result = asyncio.run(body())
     assert "env_error" not in result.statuses["arith"] and result.count == {"arith": 2}
     assert result.reward["arith"] != 0.0  # the judge's logits, not failures scored 0
+
+
+def test_arguments_nested_past_the_json_decoders_limit_stay_a_string():
+    """A client's own assistant message may carry any arguments string: one nested deeper
+    than the JSON decoder recurses is kept as written (it raised RecursionError, losing the
+    score)."""
+    deep = "[" * 100_000
+    calls = [{"function": {"name": "f", "arguments": deep}}, {"function": {"name": "g", "arguments": "[1]"}}]
+    assert reward_models._with_parsed_arguments(calls) == [
+        calls[0],
+        {"function": {"name": "g", "arguments": [1]}},
+    ]

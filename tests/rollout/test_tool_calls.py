@@ -120,6 +120,27 @@ def test_a_resent_call_matches_by_function_and_argument_values():
     assert same_calls(None, None) and same_calls(None, [])
 
 
+def test_a_clients_own_calls_resent_as_they_were_sent_match_and_odd_shapes_never_raise():
+    """A session's history also holds the assistant messages a client wrote itself, in any
+    shape the chat template rendered: resent as sent they match (they raised TypeError or
+    KeyError: HTTP 500, or were refused as changed), and no resent shape raises (a string
+    nested past the JSON decoder's limit raised RecursionError)."""
+    objects = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]
+    assert same_calls(objects, copy.deepcopy(objects))
+    assert same_calls(objects, [{"function": {"name": "f", "arguments": '{"x": 1}'}}])
+    assert not same_calls(objects, [{"function": {"name": "f", "arguments": {"x": 2}}}])
+    not_json = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "x=1"}}]
+    assert same_calls(not_json, [{"function": {"name": "f", "arguments": "x=1"}}])
+    assert not same_calls(not_json, [{"function": {"name": "f", "arguments": "x=2"}}])
+    bare = [{"name": "f", "arguments": {"x": 1}}]  # Qwen's templates render a call without "function"
+    assert same_calls(bare, copy.deepcopy(bare))
+    assert not same_calls(bare, [{"function": {"name": "f", "arguments": {"x": 1}}}])
+    ours = tool_call_message(CALL_TEXT, "hermes")["tool_calls"]
+    deep = {"name": "get_weather", "arguments": "[" * 100_000}
+    assert not same_calls(ours, [{"function": deep}])
+    assert same_calls([{"id": "c1", "function": deep}], [{"id": "c2", "function": dict(deep)}])
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     return build_tiny_model(TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32))[
