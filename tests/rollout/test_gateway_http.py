@@ -124,9 +124,12 @@ def test_token_endpoint_round_trip_and_record(tiny):
             assert out["versions"] == [0] * 5 and out["finish_reason"] == "length"
             assert all(lp <= 0 for lp in out["logprobs"])
             second = await client.post(
-                "/v1/generate", json={"token_ids": [7, 8], "max_new_tokens": 3}, headers=headers
+                # unseeded; no stop ids, so the turn surely runs to its budget and the record says truncated
+                "/v1/generate",
+                json={"token_ids": [7, 8], "max_new_tokens": 3, "stop_ids": []},
+                headers=headers,
             )
-            assert second.status_code == 200
+            assert second.status_code == 200 and second.json()["finish_reason"] == "length"
             assert (
                 gateway.session(sid).tokens == prompt + out["token_ids"] + [7, 8] + second.json()["token_ids"]
             )
