@@ -472,3 +472,24 @@ def test_an_agent_program_in_the_sandbox_runs_its_tool_calls_and_the_rollout_is_
     assert record["tokens"] == ids["first"] + ids["call"] + ids["after"] + ids["answer"]
     actions = [t for t, generated in zip(record["tokens"], record["action_mask"], strict=True) if generated]
     assert actions == ids["call"] + ids["answer"]
+
+
+def test_tool_markers_held_as_special_tokens_are_kept_for_parsing():
+    """Some tokenizers hold ``<tool_call>`` as a special token, which a plain decode drops:
+    the text the calls are parsed from keeps it, and still drops the other special tokens."""
+    model, tokenizer = build_tiny_model(
+        TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    model.resize_token_embeddings(len(tokenizer))
+    engine = TorchEngine(model, tokenizer)
+    gateway = Gateway(Router([engine]), tokenizer)
+    action = _tokens(tokenizer, CALL_TEXT) + [tokenizer.eos_token_id]
+    assert tokenizer.convert_ids_to_tokens(action[0]) == "<tool_call>"
+    assert "<tool_call>" not in gateway.decode(action)
+    assert gateway.tool_text(action) == CALL_TEXT
+    assert (
+        tool_call_message(gateway.tool_text(action), "hermes")["tool_calls"][0]["function"]["name"]
+        == "get_weather"
+    )
+    asyncio.run(engine.close())
