@@ -101,7 +101,7 @@ class ChatRenderer:
     @functools.cached_property
     def renders_tools(self) -> bool:
         """Whether the template writes tool definitions into the prompt (many ignore them)."""
-        probe = self._render([{"role": "user", "content": "u"}], True, [_PROBE_TOOL])
+        probe = self._render(self._base[:1], True, [_PROBE_TOOL])
         return _PROBE_TOOL["function"]["name"] in probe
 
     def first(
