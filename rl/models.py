@@ -35,6 +35,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
+from transformers.core_model_loading import revert_weight_conversion
 
 from rl.config import TorchDtype
 from rl.tokenizer import train_tokenizer
@@ -147,6 +148,24 @@ def padding_id(tokenizer) -> int:
     return int(tokenizer.eos_token_id or 0)
 
 
+def checkpoint_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """``model``'s tensors named and laid out as its Hugging Face checkpoint stores them.
+
+    Transformers loads some architectures in another layout than their checkpoints hold
+    (a mixture of experts' experts fused into one tensor per layer, Qwen3-MoE's
+    ``experts.gate_up_proj``, where the checkpoint has ``experts.{i}.gate_proj.weight``
+    …); ``save_pretrained`` writes the checkpoint's layout back, and vLLM loads only that.
+    For every other model this is its ``state_dict``.
+    """
+    return revert_weight_conversion(model, model.state_dict())
+
+
+def converts_checkpoint_layout(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s ``state_dict`` names differ from its checkpoint's
+    (``checkpoint_state_dict``): only ``from_pretrained`` then loads a checkpoint into it."""
+    return set(checkpoint_state_dict(model)) != set(model.state_dict())
+
+
 def load_policy(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -171,6 +190,9 @@ def publish_policy(
 ) -> int:
     """Publish a policy with its tokenizer; ``publish_kwargs`` go to ``WeightStore.publish``.
 
+    The weights are stored in the checkpoint's layout (``checkpoint_state_dict``), so the
+    version loads wherever the base checkpoint does: ``from_pretrained``, vLLM.
+
     ``dtype``: the engines' copy is stored in it (``bfloat16`` halves what every engine
     fetches and loads); when that rounds a parameter, the parameters as trained travel too,
     as the extra file ``MASTER_WEIGHTS_FILE`` (a base loaded from a bfloat16 checkpoint
@@ -184,7 +206,7 @@ def publish_policy(
     with tempfile.TemporaryDirectory(prefix="treadle-tokenizer-") as tokenizer_dir:
         tokenizer.save_pretrained(tokenizer_dir)
         return weights.publish(
-            model.state_dict(),
+            checkpoint_state_dict(model),
             model.config.to_dict(),
             tokenizer_dir,
             extra_files=extra_files,

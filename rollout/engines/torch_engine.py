@@ -35,7 +35,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedModel
 
 from rl.config import TorchDtype
-from rl.models import TorchDevice, placed
+from rl.models import TorchDevice, converts_checkpoint_layout, placed
 from rollout.engines.base import (
     ContextLimit,
     EngineError,
@@ -197,6 +197,8 @@ class TorchEngine:
         self.max_batch = max_batch
         self.kv_cache_bytes = kv_cache_bytes
         self.max_prefill_tokens = max_prefill_tokens
+        self.dtype = dtype
+        self._converts_layout = converts_checkpoint_layout(self.model)
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 2**31)
         self._on_step = on_step
@@ -372,9 +374,12 @@ class TorchEngine:
         files = sorted(glob.glob(os.path.join(path, "model*.safetensors")))
         if not files:
             raise EngineError(f"no *.safetensors files in {path!r} (looked for model*.safetensors)")
-        state_dict: dict[str, torch.Tensor] = {}
-        for file in files:
-            state_dict.update(load_file(file))
+        if self._converts_layout:
+            state_dict = self._read_converted(path)
+        else:
+            state_dict = {}
+            for file in files:
+                state_dict.update(load_file(file))
         expected = self.model.state_dict()
         tied = {name for name in expected if name not in state_dict and self._is_tied(name, expected)}
         missing = sorted(set(expected) - set(state_dict) - tied)
@@ -390,6 +395,28 @@ class TorchEngine:
                     f"the model expects {tuple(expected[name].shape)}"
                 )
         return state_dict
+
+    def _read_converted(self, path: str) -> dict[str, torch.Tensor]:
+        """The version's tensors in the model's layout where the checkpoint's differs
+        (``converts_checkpoint_layout``), converted by ``from_pretrained`` into a copy."""
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with PRETRAINED_LOAD_LOCK:
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    path, dtype=self.dtype, output_loading_info=True
+                )
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise EngineError(
+                f"weights in {path!r} do not load into {type(self.model).__name__}: {exc}"
+            ) from exc
+        wrong = {
+            kind: sorted(info.get(kind) or ())[:5]
+            for kind in ("missing_keys", "unexpected_keys", "mismatched_keys")
+        }
+        if any(wrong.values()):
+            raise EngineError(f"weights in {path!r} do not fit the model: {wrong}")
+        return model.state_dict()
 
     @staticmethod
     def _is_tied(name: str, expected: dict[str, torch.Tensor]) -> bool:

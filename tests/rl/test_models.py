@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
 import torch
 from pydantic import ValidationError
+from safetensors.torch import load_file
 
 from rl.models import (
     TinyModelConfig,
     ValueModel,
     build_tiny_model,
+    converts_checkpoint_layout,
     ensure_base_version,
     load_policy,
     load_tokenizer,
+    load_trained_policy,
     placed,
+    publish_policy,
 )
 from rl.tokenizer import IM_END, IM_START
-from storage.weights import WeightStore
+from storage.weights import MODEL_FILE, WeightStore
+from tests.rl.moe import tiny_mixture_of_experts
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 
@@ -224,3 +230,27 @@ def test_concurrent_loads_in_threads_get_real_weights(weights):
         thread.join()
     assert len(loaded) == 9
     assert not any(p.is_meta for model in loaded for p in model.parameters())
+
+
+def test_mixture_of_experts_policy_is_published_in_its_checkpoint_layout(tiny, weights, tmp_path):
+    _, tokenizer = tiny
+    model = tiny_mixture_of_experts(len(tokenizer), seed=0)
+    assert converts_checkpoint_layout(model)
+    assert not converts_checkpoint_layout(tiny[0])
+
+    version = publish_policy(weights, model, tokenizer, dtype="bfloat16")
+    path = weights.load(version)
+    model.save_pretrained(tmp_path / "saved")
+    published = load_file(os.path.join(path, MODEL_FILE))
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert set(published) == set(saved)
+    assert "model.layers.1.mlp.experts.3.gate_proj.weight" in published
+    for name, tensor in saved.items():
+        assert torch.equal(published[name], tensor.to(torch.bfloat16)), name
+
+    ids = torch.tensor([tokenizer.encode("12+7=19", add_special_tokens=False)])
+    trained, _ = load_trained_policy(path)
+    with torch.no_grad():
+        assert torch.equal(trained(ids).logits, model(ids).logits)
+    for name, parameter in model.state_dict().items():
+        assert torch.equal(trained.state_dict()[name], parameter), name

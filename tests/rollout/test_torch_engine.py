@@ -9,11 +9,13 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import shutil
 import threading
 import time
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from rl.models import TinyModelConfig, build_tiny_model, load_policy, publish_policy
 from rollout.engines.base import Engine, EngineError, InvalidRequest, SamplingParams
@@ -22,7 +24,8 @@ from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig, samplin
 from rollout.ray_engine import actor_device
 from rollout.router import Router, RouterConfig
 from storage.config import RunStore, StorageConfig
-from storage.weights import WeightStore
+from storage.weights import MODEL_FILE, WeightStore
+from tests.rl.moe import tiny_mixture_of_experts
 
 SMALL = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=96
@@ -674,3 +677,35 @@ def test_plain_cuda_spreads_replicas_over_the_visible_gpus():
 
 def test_an_engine_actor_uses_the_gpu_ray_gave_it_whatever_index_was_configured():
     assert [actor_device(d) for d in ("cuda:3", "cuda", "cpu")] == ["cuda", "cuda", "cpu"]
+
+
+def test_mixture_of_experts_engine_loads_versions_in_their_checkpoint_layout(tiny, tmp_path):
+    _, tokenizer = tiny
+    first, second = (tiny_mixture_of_experts(len(tokenizer), seed) for seed in (0, 1))
+    store = WeightStore(RunStore(StorageConfig(root=str(tmp_path / "runs")), "run"))
+    publish_policy(store, first, tokenizer)
+    publish_policy(store, second, tokenizer, parent=0, step=1)
+    broken = tmp_path / "broken"
+    shutil.copytree(store.load(1), broken)
+    tensors = load_file(broken / MODEL_FILE)
+    del tensors["model.layers.0.mlp.experts.2.up_proj.weight"]
+    save_file(tensors, broken / MODEL_FILE)
+    prompt = [2, 40, 41, 42, 43]
+    params = SamplingParams(max_new_tokens=6, seed=3)
+
+    async def run():
+        engine = TorchEngine(store.load(0), name="moe")
+        try:
+            with pytest.raises(EngineError, match="do not load"):
+                await engine.load_version(2, str(broken))
+            before = await engine.generate("a", prompt, params)
+            await engine.load_version(1, store.load(1))
+            after = await engine.generate("b", prompt, params)
+            return before, after, engine.version
+        finally:
+            await engine.close()
+
+    before, after, version = asyncio.run(run())
+    assert version == 1 and before.versions == [0] * 6 and after.versions == [1] * 6
+    assert_logprobs_match(before.logprobs, reference_logprobs(first, prompt, before.token_ids))
+    assert_logprobs_match(after.logprobs, reference_logprobs(second, prompt, after.token_ids))
