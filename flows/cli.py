@@ -27,12 +27,14 @@ def _store(args):
     ``--run-id``. Credentials come from the config file or the environment only."""
     from pydantic import ValidationError
 
-    from flows.config import ConfigError, load_config
     from storage.config import RunStore, StorageConfig
 
     storage: dict = {}
     run_id = args.run_id
     if args.config:
+        # the run config's models import torch and transformers: seconds only --config pays
+        from flows.config import ConfigError, load_config
+
         try:
             config = load_config(args.config)
         except ConfigError as exc:

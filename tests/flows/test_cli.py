@@ -202,6 +202,23 @@ def test_inspect_and_sql_reach_a_run_on_an_s3_compatible_store(s3_server, tmp_pa
         assert s3_server.secret_access_key not in result.stdout + result.stderr
 
 
+def test_sql_starts_without_importing_the_models(local_store):
+    """Only ``--config`` needs the run config, whose models import torch and transformers
+    (seconds at every start)."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ["--root", local_store.config.root, "--run-id", local_store.run_id]
+    code = (
+        "import sys\nfrom flows.cli import main\n"
+        f"main({['sql', *run, 'SELECT task FROM trajectories']!r})\n"
+        "print(sorted({'torch', 'transformers', 'prefect'} & set(sys.modules)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "task\narith\n[]\n"
+
+
 def test_inspect_needs_a_run():
     result = treadle("inspect", "--root", "/nonexistent")
     assert result.returncode == 2 and "needs --run-id or --config" in result.stderr
