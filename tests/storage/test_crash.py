@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 from storage.schema import to_table
 from storage.shards import ShardReader
@@ -17,23 +18,43 @@ from tests.storage.records import make_record
 
 KILLS = 20
 
-WRITER = textwrap.dedent(
+FORKER = textwrap.dedent(
     """
-    import json, sys
+    import json, os, sys
     from storage.config import RunStore, StorageConfig
     from storage.shards import ShardWriter
     from tests.storage.records import make_record
 
-    config, run_id, life = json.loads(sys.argv[1])
-    writer = ShardWriter(RunStore(StorageConfig(**config), run_id), "crashy", flush_records=2)
-    print("ready", flush=True)
-    index = 0
-    while True:
-        if writer.write(make_record(index, num_tokens=16, prefix=f"L{life}-")):
-            print("committed", flush=True)
-        index += 1
+    def write_until_killed(config, run_id, life):
+        writer = ShardWriter(RunStore(StorageConfig(**config), run_id), "crashy", flush_records=2)
+        index = 0
+        while True:
+            if writer.write(make_record(index, num_tokens=16, prefix=f"L{life}-")):
+                print("committed", flush=True)
+            index += 1
+
+    config, run_id = json.loads(sys.argv[1])
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                write_until_killed(config, run_id, int(line))
+            finally:
+                os._exit(1)
+        print(f"writer {pid}", flush=True)
+        _, status = os.waitpid(pid, 0)
+        print(f"ended {os.waitstatus_to_exitcode(status)}", flush=True)
     """
 )
+"""Forks one writer per life from a process that imported the storage modules once (a fresh
+interpreter per life spent most of the test importing them): each writer is still its own
+process, creating its own store, killed with SIGKILL."""
+
+
+def stopped(forker: subprocess.Popen) -> str:
+    """The end of the forker's stderr, after stopping it (reading it blocks while it runs)."""
+    forker.kill()
+    return forker.communicate()[1][-3000:]
 
 
 def test_writer_killed_at_random_points_leaves_only_whole_shards(store):
@@ -43,25 +64,29 @@ def test_writer_killed_at_random_points_leaves_only_whole_shards(store):
             config[key] = getattr(store.config, key).get_secret_value()
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     rng = random.Random(1234)
-    for life in range(KILLS):
-        child = subprocess.Popen(
-            [sys.executable, "-c", WRITER, json.dumps([config, store.run_id, life])],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        lines = [child.stdout.readline().strip() for _ in range(2)]
-        assert lines == ["ready", "committed"], child.stderr.read()[-3000:]
-        # Kill at a random point of the following writes, flushes and commits.
-        try:
-            child.wait(timeout=rng.uniform(0.0, 0.5))
-        except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGKILL)
-        child.wait()
-        assert child.returncode == -signal.SIGKILL, child.stderr.read()[-3000:]
-        child.stdout.close()
-        child.stderr.close()
+    forker = subprocess.Popen(
+        [sys.executable, "-c", FORKER, json.dumps([config, store.run_id])],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        for life in range(KILLS):
+            forker.stdin.write(f"{life}\n")
+            forker.stdin.flush()
+            # the writer's first commit may print before the forker names it
+            lines = sorted(forker.stdout.readline().strip() for _ in range(2))
+            assert lines[0] == "committed" and lines[1].startswith("writer "), (lines, stopped(forker))
+            # Kill at a random point of the following writes, flushes and commits.
+            time.sleep(rng.uniform(0.0, 0.5))
+            os.kill(int(lines[1].split()[1]), signal.SIGKILL)
+            while (line := forker.stdout.readline().strip()) == "committed":
+                pass
+            assert line == f"ended {-signal.SIGKILL}", (line, stopped(forker))
+    finally:
+        stopped(forker)
 
     reader = ShardReader(store)
     shards, _ = reader.poll()
