@@ -108,8 +108,17 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, 
     if tokenizer.chat_template:
         rendered = tokenizer.apply_chat_template(conversation, tokenize=True)
         return list(rendered["input_ids"] if isinstance(rendered, Mapping) else rendered)
-    text = "\n".join(f"{m['role']}: {m['content']}" for m in conversation)
-    return tokenizer(text)["input_ids"]
+    return tokenizer("\n".join(map(_plain_turn, conversation)))["input_ids"]
+
+
+def _plain_turn(message: Mapping[str, Any]) -> str:
+    """A turn for a tokenizer without a chat template: ``role: content``, then each tool
+    call as a JSON line ``tool_call: {"name": …, "arguments": …}``."""
+    lines = [f"{message['role']}: {message['content']}"]
+    for call in message.get("tool_calls", ()):
+        function = call.get("function", call) if isinstance(call, Mapping) else call
+        lines.append(f"tool_call: {json.dumps(function, ensure_ascii=False, default=str)}")
+    return "\n".join(lines)
 
 
 def _with_parsed_arguments(calls: list[Any]) -> list[Any]:

@@ -256,3 +256,16 @@ def test_arguments_nested_past_the_json_decoders_limit_stay_a_string():
         calls[0],
         {"function": {"name": "g", "arguments": [1]}},
     ]
+
+
+def test_a_reward_model_without_a_chat_template_reads_the_calls_as_json_lines(judges):
+    call = {"id": "c", "type": "function", "function": {"name": "probe", "arguments": '{"n": 8, "é": 1}'}}
+    messages = [MESSAGES[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    models = RewardModels({"judge-a": RewardModelConfig(path=judges["judge-a"])}, device="cpu")
+    tokenizer = models.tokenizers["judge-a"]
+    tokenizer.chat_template = None
+    expected = (
+        f"user: {MESSAGES[0]['content']}\nassistant: \n"
+        'tool_call: {"name": "probe", "arguments": {"n": 8, "é": 1}}'
+    )
+    assert models.input_ids("judge-a", messages) == tokenizer(expected)["input_ids"]
