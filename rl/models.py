@@ -157,7 +157,11 @@ def checkpoint_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     …); ``save_pretrained`` writes the checkpoint's layout back, and vLLM loads only that.
     For every other model this is its ``state_dict``.
     """
-    return revert_weight_conversion(model, model.state_dict())
+    state = model.state_dict()
+    reverted = revert_weight_conversion(model, state)
+    # the names kept come in the model's order: of a tied pair the store keeps the first, the
+    # input embedding, as save_pretrained does (vLLM skips the tied lm_head.weight)
+    return {name: reverted[name] for name in state if name in reverted} | reverted
 
 
 def converts_checkpoint_layout(model: PreTrainedModel) -> bool:

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig
 
 
-def tiny_mixture_of_experts(vocab_size: int, seed: int) -> PreTrainedModel:
+def tiny_mixture_of_experts(vocab_size: int, seed: int, tie_word_embeddings: bool = False) -> PreTrainedModel:
     """A Qwen3-MoE model (4 experts, 2 per token), whose experts transformers fuses on load."""
     config = Qwen3MoeConfig(
         vocab_size=vocab_size,
@@ -20,7 +20,7 @@ def tiny_mixture_of_experts(vocab_size: int, seed: int) -> PreTrainedModel:
         head_dim=8,
         num_experts=4,
         num_experts_per_tok=2,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
     )
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()

@@ -232,11 +232,24 @@ def test_concurrent_loads_in_threads_get_real_weights(weights):
     assert not any(p.is_meta for model in loaded for p in model.parameters())
 
 
-def test_mixture_of_experts_policy_is_published_in_its_checkpoint_layout(tiny, weights, tmp_path):
+def test_a_tied_policy_is_published_with_the_names_save_pretrained_writes(tiny, weights, tmp_path):
+    """The input embedding, not ``lm_head.weight``: vLLM skips the tied head's name. A model
+    loaded by ``from_pretrained`` carries the conversions of its load, which reorder names."""
+    built, tokenizer = tiny
+    model, _ = load_policy(weights.load(publish_policy(weights, built, tokenizer)))
+    assert not converts_checkpoint_layout(model)
+    path = weights.load(publish_policy(weights, model, tokenizer))
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / "model.safetensors")
+    assert set(load_file(os.path.join(path, MODEL_FILE))) == set(saved)
+    assert "model.embed_tokens.weight" in saved and "lm_head.weight" not in saved
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_mixture_of_experts_policy_is_published_in_its_checkpoint_layout(tiny, weights, tmp_path, tied):
     _, tokenizer = tiny
-    model = tiny_mixture_of_experts(len(tokenizer), seed=0)
+    model = tiny_mixture_of_experts(len(tokenizer), seed=0, tie_word_embeddings=tied)
     assert converts_checkpoint_layout(model)
-    assert not converts_checkpoint_layout(tiny[0])
 
     version = publish_policy(weights, model, tokenizer, dtype="bfloat16")
     path = weights.load(version)
@@ -245,6 +258,7 @@ def test_mixture_of_experts_policy_is_published_in_its_checkpoint_layout(tiny, w
     saved = load_file(tmp_path / "saved" / "model.safetensors")
     assert set(published) == set(saved)
     assert "model.layers.1.mlp.experts.3.gate_proj.weight" in published
+    assert ("lm_head.weight" in published) is not tied
     for name, tensor in saved.items():
         assert torch.equal(published[name], tensor.to(torch.bfloat16)), name
 
