@@ -3,6 +3,7 @@ visible partial shard, and every committed shard reads back whole."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -20,7 +21,7 @@ KILLS = 20
 
 FORKER = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, traceback
     from storage.config import RunStore, StorageConfig
     from storage.shards import ShardWriter
     from tests.storage.records import make_record
@@ -39,6 +40,9 @@ FORKER = textwrap.dedent(
         if pid == 0:
             try:
                 write_until_killed(config, run_id, int(line))
+            except BaseException:
+                traceback.print_exc()  # os._exit would drop the interpreter's report
+                sys.stderr.flush()
             finally:
                 os._exit(1)
         print(f"writer {pid}", flush=True)
@@ -52,9 +56,27 @@ process, creating its own store, killed with SIGKILL."""
 
 
 def stopped(forker: subprocess.Popen) -> str:
-    """The end of the forker's stderr, after stopping it (reading it blocks while it runs)."""
-    forker.kill()
+    """The end of the forker's stderr, after stopping it and its writer (reading it blocks
+    while either runs: a live writer holds the pipes open)."""
+    if forker.returncode is None:  # not reaped yet: its pid still names its group
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(forker.pid, signal.SIGKILL)
     return forker.communicate()[1][-3000:]
+
+
+def started_writer(forker: subprocess.Popen) -> int:
+    """The pid of the writer just forked, once it has committed a shard. The forker names
+    the writer while it writes: one or more commits may come first."""
+    pid, committed = None, False
+    while pid is None or not committed:
+        line = forker.stdout.readline().strip()
+        if line == "committed":
+            committed = True
+        elif line.startswith("writer ") and pid is None:
+            pid = int(line.split()[1])
+        else:
+            raise AssertionError((line, stopped(forker)))
+    return pid
 
 
 def test_writer_killed_at_random_points_leaves_only_whole_shards(store):
@@ -71,17 +93,17 @@ def test_writer_killed_at_random_points_leaves_only_whole_shards(store):
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        start_new_session=True,  # its own process group, with its writers: stopped() kills them all
     )
     try:
         for life in range(KILLS):
             forker.stdin.write(f"{life}\n")
             forker.stdin.flush()
-            # the writer's first commit may print before the forker names it
-            lines = sorted(forker.stdout.readline().strip() for _ in range(2))
-            assert lines[0] == "committed" and lines[1].startswith("writer "), (lines, stopped(forker))
+            writer = started_writer(forker)
             # Kill at a random point of the following writes, flushes and commits.
             time.sleep(rng.uniform(0.0, 0.5))
-            os.kill(int(lines[1].split()[1]), signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # ended by itself: the forker says how
+                os.kill(writer, signal.SIGKILL)
             while (line := forker.stdout.readline().strip()) == "committed":
                 pass
             assert line == f"ended {-signal.SIGKILL}", (line, stopped(forker))
