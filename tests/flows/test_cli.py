@@ -36,17 +36,23 @@ def treadle(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def treadle_here(capsys, monkeypatch, *args: str) -> subprocess.CompletedProcess:
+def treadle_here(capfd, monkeypatch, *args: str) -> subprocess.CompletedProcess:
     """``treadle args`` in this process (a flow's start imports seconds of models a fresh
-    interpreter would import again); exits as the interpreter ends a ``SystemExit``: a
-    message goes to stderr with status 1."""
+    interpreter would import again): its output as the file descriptors saw it, its
+    environment changes undone, and a ``SystemExit`` ended as the interpreter ends one
+    (a message goes to stderr with status 1)."""
     monkeypatch.setattr(sys, "argv", sys.argv[:])  # ``treadle run`` sets the flow's argv
+    environ = dict(os.environ)
     try:
         main(list(args))
         code = 0
     except SystemExit as exc:
         code = exc.code
-    out, err = capsys.readouterr()
+    finally:
+        for key in set(os.environ) - set(environ):
+            del os.environ[key]
+        os.environ.update(environ)
+    out, err = capfd.readouterr()
     if isinstance(code, str):
         err, code = err + code + "\n", 1
     return subprocess.CompletedProcess(["treadle", *args], code or 0, out, err)
@@ -104,17 +110,15 @@ def test_a_run_whose_tables_cannot_be_read_is_a_one_line_error(local_store):
         assert "Json error" in result.stderr and len(result.stderr.splitlines()) == 1
 
 
-def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(
-    local_store, capsys, monkeypatch
-):
+def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(local_store, capfd, monkeypatch):
     run = ("--run-id", local_store.run_id, "--set", f"storage.root={local_store.config.root}")
-    no_run = treadle_here(capsys, monkeypatch, "run", "evaluate", *run)
+    no_run = treadle_here(capfd, monkeypatch, "run", "evaluate", *run)
     assert no_run.returncode == 1 and "Traceback" not in no_run.stderr
     assert no_run.stderr == (
         f"error: no weight version published in {local_store.url('weights')} (check --run-id and storage.root)\n"
     )
     ensure_base_version(WeightStore(local_store), TinyModelConfig(hidden_size=32, num_heads=2))
-    no_version = treadle_here(capsys, monkeypatch, "run", "evaluate", *run, "--version", "3")
+    no_version = treadle_here(capfd, monkeypatch, "run", "evaluate", *run, "--version", "3")
     assert no_version.returncode == 1 and "Traceback" not in no_version.stderr
     assert (
         "weight version 3 does not exist" in no_version.stderr
@@ -122,14 +126,14 @@ def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(
     )
 
 
-def test_evaluating_on_an_unreachable_store_is_a_one_line_error_without_credentials(capsys, monkeypatch):
+def test_evaluating_on_an_unreachable_store_is_a_one_line_error_without_credentials(capfd, monkeypatch):
     with socket.socket() as closed:  # bound, never listening: connections are refused
         closed.bind(("127.0.0.1", 0))
         endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
         monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key-id-123")
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-456")
         args = ("--set", "storage.root=s3://bucket/runs", "--set", f"storage.endpoint_url={endpoint}")
-        result = treadle_here(capsys, monkeypatch, "run", "evaluate", "--run-id", "r", *args)
+        result = treadle_here(capfd, monkeypatch, "run", "evaluate", "--run-id", "r", *args)
     assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
     assert result.stderr.startswith("error: cannot read the weight versions in s3://bucket/runs/r/weights: ")
     assert endpoint in result.stderr
@@ -344,12 +348,12 @@ def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, 
     )
 
 
-def test_every_command_says_what_it_does(capsys, monkeypatch):
+def test_every_command_says_what_it_does(capfd, monkeypatch):
     def help_of(*command: str) -> str:
         with pytest.raises(SystemExit) as done:
             main([*command, "--help"])
         assert done.value.code == 0
-        return " ".join(capsys.readouterr().out.split())
+        return " ".join(capfd.readouterr().out.split())
 
     assert "weight versions (pruned ones marked)" in help_of("inspect")
     assert tuple(TABLE_SCHEMAS) == TABLES
@@ -358,7 +362,7 @@ def test_every_command_says_what_it_does(capsys, monkeypatch):
     ui = help_of("ui")
     assert "--host HOST Address to listen on (default: 127.0.0.1)" in ui
     assert "--port PORT Port to listen on (default: 4200)" in ui
-    flow = treadle_here(capsys, monkeypatch, "run", "maintain", "--help")
+    flow = treadle_here(capfd, monkeypatch, "run", "maintain", "--help")
     assert flow.returncode == 0 and flow.stdout.startswith("usage: treadle run maintain [-h]")
 
 
