@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import posixpath
 import uuid
+from collections.abc import Iterator
 from functools import cached_property
 
 import aiobotocore.session
@@ -216,7 +219,7 @@ class RunStore:
         if not payload:  # s3fs writes an empty object without the condition
             raise ValueError("create_exclusive needs a non-empty payload")
         if self.config.is_s3:
-            with self.fs.open(path, "xb") as out:
+            with refused_create_exists(path), self.fs.open(path, "xb") as out:
                 out.write(payload)
             return
         # written aside and linked into place: a reader never sees the object empty
@@ -231,3 +234,24 @@ class RunStore:
 
     def __repr__(self) -> str:
         return f"RunStore({self.uri!r})"
+
+
+@contextlib.contextmanager
+def refused_create_exists(path: str) -> Iterator[None]:
+    """Raise ``FileExistsError`` for an S3 conditional create (If-None-Match) in the block that
+    the store refused because ``path`` exists (HTTP 412 PreconditionFailed).
+
+    s3fs raises ``FileExistsError`` only when the reply names the failed condition, as AWS's
+    does; MinIO and other S3-compatible stores answer PreconditionFailed without it, which
+    s3fs turns into a plain ``OSError`` (EINVAL)."""
+    try:
+        yield
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        response = getattr(exc.__cause__, "response", None) or {}
+        code = (response.get("Error") or {}).get("Code")
+        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+        if code == "PreconditionFailed" or status == 412:
+            raise FileExistsError(errno.EEXIST, f"{path} exists (conditional create refused)") from exc
+        raise

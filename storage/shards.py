@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.config import RunStore
+from storage.config import RunStore, refused_create_exists
 from storage.schema import (
     PROCESSED_SCHEMA,
     TRAJECTORY_SCHEMA,
@@ -356,9 +356,10 @@ class ShardWriter:
         # conditional on absence when exclusive
         sink = pa.BufferOutputStream()
         _write_ipc(sink, table)
-        self.store.fs.pipe_file(
-            path, sink.getvalue().to_pybytes(), mode="create" if exclusive else "overwrite"
-        )
+        with refused_create_exists(path):
+            self.store.fs.pipe_file(
+                path, sink.getvalue().to_pybytes(), mode="create" if exclusive else "overwrite"
+            )
 
     def _write_local(self, path: str, table: pa.Table, exclusive: bool) -> None:
         if exclusive:

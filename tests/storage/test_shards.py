@@ -11,12 +11,14 @@ import socket
 import threading
 import time
 import types
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.ipc
 import pytest
+import s3fs.core
 from botocore.exceptions import EndpointConnectionError
 
 from storage import shards as shard_module
@@ -143,6 +145,29 @@ def test_two_writers_under_one_name_never_overwrite_each_others_shards(store, ca
     shards, _ = reader.poll()
     assert [s.seq for s in shards] == [0, 1, 3]
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"]]
+
+
+def test_on_a_store_whose_refusal_names_no_condition_a_taken_number_is_still_skipped(s3_server, monkeypatch):
+    # MinIO answers a failed If-None-Match with PreconditionFailed but no <Condition>, which
+    # s3fs raises as a plain OSError (EINVAL): the writer must still take it for "exists"
+    translate = s3fs.core.translate_boto_error
+
+    def minio_like(error, *args, **kwargs):
+        with contextlib.suppress(AttributeError, KeyError, TypeError):
+            error.response["Error"].pop("Condition", None)
+        return translate(error, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.core, "translate_boto_error", minio_like)
+    store = RunStore(s3_server.config(), f"run-{uuid.uuid4().hex[:12]}")
+    store.create_exclusive(store.path("shards/raw/w0/00000000.arrow"), b"a writer that died")
+    with pytest.raises(FileExistsError):
+        store.create_exclusive(store.path("shards/raw/w0/00000000.arrow"), b"a second claim")
+    writer = ShardWriter(store, "w0", flush_records=2)
+    assert writer.write_table(make_table(0, 2)).seq == 1
+    with pytest.raises(FileExistsError):  # the committed shard is never replaced either
+        writer._upload(store.path(writer._path(1)), make_table(2, 2), exclusive=True)
+    (shard,), _ = ShardReader(store).poll()
+    assert ids_of(ShardReader(store).read(shard)) == ["t0", "t1"]
 
 
 def test_a_failed_flush_keeps_its_records_and_the_retry_loses_and_repeats_none(store, monkeypatch):
