@@ -50,7 +50,7 @@ from rollout.engines.base import Engine, EngineError
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStats
-from rollout.router import Router, RouterConfig
+from rollout.router import Router, RouterConfig, _healthy
 from rollout.service import RolloutResult, RolloutService, ServiceConfig
 from storage.config import RunStore
 from storage.shards import BackgroundShardWriter, ShardInfo
@@ -287,7 +287,10 @@ class RolloutWorker:
         """
         if not engines:
             return []
-        up = await asyncio.gather(*(engine.health() for engine in engines))
+        # probed as the router probes: one that hangs (a stuck actor) or raises counts as down
+        # after health_timeout_s, not holding the update (and the lock it holds) for ever
+        timeout = self.router_config.health_timeout_s
+        up = await asyncio.gather(*(_healthy(engine, timeout) for engine in engines))
         down = [engine.name for engine, ok in zip(engines, up, strict=True) if not ok]
         if down:
             log.warning(

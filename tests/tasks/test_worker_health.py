@@ -265,3 +265,38 @@ def test_a_vllm_server_down_at_start_serves_once_it_is_up_and_has_loaded_the_ver
                 await server.stop()
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("health_check_s", [0.05, None])
+def test_a_replica_whose_probe_hangs_does_not_hold_up_a_new_version(local_store, health_check_s):
+    """``torch-1``'s health probe never answers (a stuck actor): loading version 1 counts it
+    as down after ``health_timeout_s``, as the router's probes do, and ``torch-0`` serves
+    version 1; the probe does not hold the weight update (and the lock the health check
+    needs) for ever."""
+    weights = WeightStore(local_store)
+    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    ensure_base_version(weights, TINY)
+    router = RouterConfig(health_check_s=health_check_s, health_timeout_s=0.2)
+    worker = make_worker(local_store, run, router=router, weight_poll_s=0.05)
+
+    async def body() -> None:
+        await worker.start()
+        stuck = worker.engines[1]
+
+        async def health() -> bool:
+            await asyncio.Event().wait()  # never answers
+            return True
+
+        stuck.health = health
+        run_task = asyncio.create_task(worker.run(max_seconds=600))
+        try:
+            model, tokenizer = load_policy(weights.load(0))
+            publish_policy(weights, model, tokenizer, step=1)
+            await until(lambda: worker.version == 1, "the worker to move on to version 1")
+            assert worker.engines[0].version == 1
+        finally:
+            worker.stop()
+            await run_task
+            await worker.close()
+
+    asyncio.run(body())
