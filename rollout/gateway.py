@@ -212,6 +212,10 @@ class Session:
     generation_seconds: float = 0.0
     closed: bool = False
     """Set by :meth:`Gateway.close`; a turn still waiting for the session's lock then fails."""
+    engine_error: str | None = None
+    """Why the engine failed the session's last turn (``EngineError``); None once a turn
+    succeeds. A self-driving env's program sees such a failure only as an HTTP error: the
+    rollout service reads it here to classify the rollout."""
     _pending: list[dict[str, Any]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _generating: asyncio.Future | None = None
@@ -356,10 +360,18 @@ class Session:
                         f"session {self.session_id!r} was closed while its turn generated"
                     ) from None
                 raise
+            except EngineError as exc:
+                self.engine_error = str(exc)
+                raise
             finally:
                 self._generating = None
             self.generation_seconds += time.perf_counter() - started
-            _check_generation(generation, self.gateway.vocab_size)
+            try:
+                _check_generation(generation, self.gateway.vocab_size)
+            except EngineError as exc:
+                self.engine_error = str(exc)
+                raise
+            self.engine_error = None
             text = self.gateway.decode(generation.token_ids)
             calls = None
             if self.tools and parse_tool_calls:

@@ -251,6 +251,12 @@ def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:
     return declare(*args) if declare is not None else None
 
 
+def _raise_engine_error(session: Session) -> None:
+    """Raise the engine failure of ``session``'s last turn, if it failed."""
+    if session.engine_error is not None:
+        raise EngineError(f"the program's last model call failed: {session.engine_error}")
+
+
 @contextlib.contextmanager
 def _logged(what: str, rollout_id: str) -> Iterator[None]:
     """Log what the body raises instead of raising it."""
@@ -593,8 +599,15 @@ class RolloutService:
     async def _drive(
         self, env: Env, session: Session, request: RolloutRequest, state: dict, clock: _Clock
     ) -> None:
-        """RUN for a self-driving env: its program sends every model call through ``session``."""
-        result = await env.run()
+        """RUN for a self-driving env: its program sends every model call through ``session``.
+        A program that ended (or failed) on an engine failure, which it saw only as an HTTP
+        error, ends the rollout as that failure: an infra error, never scored."""
+        try:
+            result = await env.run()
+        except Exception:
+            _raise_engine_error(session)
+            raise
+        _raise_engine_error(session)
         state["progress"] = checked_progress(result.progress, request.task.env)
         state["done"] = result.done
 

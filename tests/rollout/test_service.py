@@ -17,6 +17,7 @@ from envs.base import ResourceRequest, StepResult, Task
 from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout import service as service_module
+from rollout.engines.base import EngineError
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router, RouterConfig
@@ -498,6 +499,73 @@ def test_a_killed_engine_replica_gives_infra_errors_and_the_run_continues(tiny, 
         assert all(r.reward is None and "engine" in r.error for r in failed)
     assert all(r.status in ("ok", "truncated") for r in after)
     assert replicas == ["torch-1"]
+
+
+class OneCallProgram(ArithEnv):
+    """A self-driving env whose program makes ``calls`` chat calls on the service's HTTP
+    gateway and ends whatever they answer (as a scaffold that gives up on an error does)."""
+
+    name = "arith"
+    drives_itself = True
+    calls = 1
+
+    def attach_gateway(self, gateway) -> None:
+        self.gateway = gateway
+
+    async def run(self) -> StepResult:
+        gateway = self.gateway
+        headers = {"Authorization": f"Bearer {gateway.api_key}", gateway.header: gateway.session_id}
+        messages = [{"role": "user", "content": "2+2?"}]
+        async with httpx.AsyncClient() as client:
+            for _ in range(self.calls):
+                await client.post(
+                    f"{gateway.base_url}/chat/completions",
+                    headers=headers,
+                    json={"model": "policy", "messages": messages, "max_tokens": 4},
+                )
+        return StepResult([], 0.0, True, 0.0)
+
+    async def evaluate(self) -> float:
+        return 0.0
+
+
+class FailingOnceEngine(TorchEngine):
+    """Fails its first ``failures`` generations (a replica that died, or a transient failure)."""
+
+    failures = 1
+
+    async def generate(self, session_id, prompt_ids, params):
+        if self.failures:
+            self.failures -= 1
+            raise EngineError(f"{self.name} died (injected)")
+        return await super().generate(session_id, prompt_ids, params)
+
+
+@pytest.mark.parametrize("retried", [False, True])
+def test_an_engine_failure_a_self_driving_program_gives_up_on_is_an_infra_error(tiny, retried):
+    """The program of a self-driving env sees an engine failure only as an HTTP 503: when it
+    ends on that failure the rollout is an ``infra_error`` (never scored), as a failure in
+    the service's own loop is, not an ``ok`` trajectory scored 0. One it retried past is not."""
+
+    async def body():
+        model, tokenizer = tiny
+        engine = FailingOnceEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine], RouterConfig(failover=False)), tokenizer, GatewayConfig())
+        env = OneCallProgram()
+        env.calls = 2 if retried else 1
+        service = RolloutService(gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=4))
+        try:
+            return await service.process(RolloutRequest(task=arith_task()))
+        finally:
+            await service.close()
+            await engine.close()
+
+    result = asyncio.run(body())
+    if retried:
+        assert result.status in ("ok", "truncated") and result.turns == 1, result.error
+    else:
+        assert result.status == "infra_error" and result.reward is None
+        assert "died (injected)" in result.error
 
 
 @pytest.mark.parametrize("seed", [2**70, -(2**63) - 1, 2**63])
