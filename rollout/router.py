@@ -322,7 +322,7 @@ class Router:
         try:
             return await engine.generate(session_id, prompt_ids, params)
         except EngineError as exc:
-            if not self.config.failover or await _healthy(engine, self.config.health_timeout_s):
+            if not self.config.failover or await probe_health(engine, self.config.health_timeout_s):
                 raise
             logger.warning("replica %s failed (%s); taking it out and retrying elsewhere", engine.name, exc)
             self.take_down(engine.name)
@@ -347,7 +347,7 @@ class Router:
         names = [*self._engines, *self._down]
         engines = [self._engines.get(n) or self._down[n] for n in names]
         timeout = self.config.health_timeout_s
-        results = await asyncio.gather(*(_healthy(e, timeout) for e in engines))
+        results = await asyncio.gather(*(probe_health(e, timeout) for e in engines))
         for name, engine, ok in zip(names, engines, results, strict=True):
             if not ok and name in self._engines:
                 logger.warning("replica %s failed its health check; taking it out", name)
@@ -391,7 +391,9 @@ class Router:
             )
 
 
-async def _healthy(engine: Engine, timeout_s: float) -> bool:
+async def probe_health(engine: Engine, timeout_s: float) -> bool:
+    """Whether ``engine`` answers its health check as up within ``timeout_s``; a probe that
+    hangs or raises counts as down."""
     try:
         return bool(await asyncio.wait_for(engine.health(), timeout_s))
     except TimeoutError:

@@ -50,7 +50,7 @@ from rollout.engines.base import Engine, EngineError
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStats
-from rollout.router import Router, RouterConfig, _healthy
+from rollout.router import Router, RouterConfig, probe_health
 from rollout.service import RolloutResult, RolloutService, ServiceConfig
 from storage.config import RunStore
 from storage.shards import BackgroundShardWriter, ShardInfo
@@ -290,7 +290,7 @@ class RolloutWorker:
         # probed as the router probes: one that hangs (a stuck actor) or raises counts as down
         # after health_timeout_s, not holding the update (and the lock it holds) for ever
         timeout = self.router_config.health_timeout_s
-        up = await asyncio.gather(*(_healthy(engine, timeout) for engine in engines))
+        up = await asyncio.gather(*(probe_health(engine, timeout) for engine in engines))
         down = [engine.name for engine, ok in zip(engines, up, strict=True) if not ok]
         if down:
             log.warning(
