@@ -6,6 +6,7 @@ import contextlib
 import errno
 import os
 import posixpath
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from functools import cached_property
@@ -86,6 +87,17 @@ class StorageConfig(BaseModel):
         if not rest or rest.startswith("/"):
             raise ValueError(f"root {value!r} names no bucket; use s3://bucket/prefix")
         return f"{scheme.lower()}://{rest}"
+
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_holds_no_credentials(cls, value: str | None) -> str | None:
+        # botocore writes the endpoint into its errors, which reach logs and flow run states
+        if value is not None and "@" in urllib.parse.urlsplit(value).netloc:
+            raise ValueError(
+                "endpoint_url holds credentials (user:password@); give them as access_key_id and "
+                "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
+            )
+        return value
 
     @field_validator("access_key_id", "secret_access_key", "session_token")
     @classmethod

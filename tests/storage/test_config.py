@@ -48,6 +48,8 @@ SECRET_INPUTS = [
     ({"aws_secret_access_key": "TOP-SECRET-VALUE"}, "aws_secret_access_key"),  # a misspelt field
     ({"secret_access_key": ["TOP-SECRET-VALUE"]}, "secret_access_key"),  # a wrong type
     ({"access_key_id": {"value": "TOP-SECRET-VALUE"}}, "access_key_id"),
+    ({"endpoint_url": "http://key:TOP-SECRET-VALUE@127.0.0.1:9000"}, "endpoint_url holds credentials"),
+    ({"endpoint_url": "http://TOP-SECRET-VALUE@minio.internal"}, "endpoint_url holds credentials"),
 ]
 
 
