@@ -351,8 +351,14 @@ class Trainer:
     # -- data ----------------------------------------------------------------------------
 
     def ingest(self) -> int:
-        """Poll the processed-shard log and buffer the new rows; returns new shards read."""
-        infos, self.offset = self.reader.poll(self.offset)
+        """Poll the processed-shard log and buffer the new rows; returns new shards read.
+
+        The offset moves on only once every shard of the poll is read: when a read raises
+        (a transient storage error), the next poll meets them all again, and skips those
+        read already. Moved on first, a trainer that went on would never read the rest, and
+        its worker's mark, passing over numbers it never met, would count them consumed.
+        """
+        infos, offset = self.reader.poll(self.offset)
         read = 0
         # by number, which ShardReader.poll gives already: the marks rely on it, so the trainer
         # does not leave it to the reader
@@ -362,8 +368,14 @@ class Trainer:
             if self.consumption.consumed(info):
                 self.consumption.saw(info)
                 continue
-            self._ingest_shard(info)
+            try:
+                self._ingest_shard(info)
+            except BaseException:
+                # not in flight: the next poll reads it again (rows it rejected stay marked)
+                self.consumption.num_rows.pop(info.shard_id, None)
+                raise
             read += 1
+        self.offset = offset
         # after the rows are buffered, so that a status never shows a shard read and its
         # rows missing; replaced whole, as the status thread reads it
         newest = dict(self.newest_read)

@@ -644,6 +644,30 @@ def test_a_second_commit_row_of_a_consumed_shard_is_not_trained_again(store):
     assert sorted(consumed_rows(resumed.weights).values()) == [3, 3]
 
 
+def test_a_shard_whose_read_failed_is_read_again_with_the_rest_of_its_poll(store, monkeypatch):
+    """A read that raises (a transient storage error) leaves the poll's offset where it was:
+    a trainer that goes on reads that shard and those after it, each once."""
+    infos = write_shards(store, make_trajectories(store, 9, seed=45), per_shard=3)
+    trainer = Trainer(store, config(publish_every=1))
+    real = trainer.reader.read
+    failed: list[str] = []
+
+    def flaky(info):
+        if info.seq == 1 and not failed:
+            failed.append(info.shard_id)
+            raise OSError("connection reset while fetching the shard")
+        return real(info)
+
+    monkeypatch.setattr(trainer.reader, "read", flaky)
+    with pytest.raises(OSError, match="connection reset"):
+        trainer.run(drain=True)
+    trainer.run(drain=True)
+    assert failed == [infos[1].shard_id]
+    assert consumed_rows(trainer.weights) == {info.shard_id: 3 for info in infos}
+    resumed = Trainer(store, config(publish_every=1))
+    assert resumed.ingest() == 0 and not resumed.buffer
+
+
 def test_keep_versions_deletes_all_but_the_newest_versions_after_each_publish(store):
     write_shards(store, make_trajectories(store, 12, seed=9), per_shard=3)
     trainer = Trainer(store, config(publish_every=1, keep_versions=2))
