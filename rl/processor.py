@@ -392,12 +392,13 @@ def _score(
 ) -> list[int]:
     """Combine reward and progress of an execution's live rows (:func:`combine_reward`),
     re-scoring at most once per execution; returns the rows still live."""
+    # only where progress can change the reward (combine_reward): not a success, not a penalty
     needs_rescore = [
         w
         for w in live
         if config.progress_weight > 0
         and state.progress_in[w] is None
-        and (state.reward_in[w] is None or state.reward_in[w] < config.success_threshold)
+        and (state.reward_in[w] is None or 0 <= state.reward_in[w] < config.success_threshold)
     ]
     rescored: float | None = None
     if needs_rescore and rescore is not None:

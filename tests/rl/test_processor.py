@@ -638,6 +638,23 @@ def test_rows_are_dropped_when_rescoring_runs_out(outcome):
     assert any("'e'" in line and "rescore failed" in line for line in result.counters.errors)
 
 
+def test_a_negative_reward_is_not_rescored_nor_dropped_when_rescoring_fails():
+    """Progress never changes a negative reward (combine_reward keeps it), so a row with one
+    needs no re-scoring: a failing rescore must not drop it as ``rescore_failed``."""
+    calls = []
+
+    def rescore(rows):
+        calls.append(rows.num_rows)
+        raise RuntimeError("eval crashed")
+
+    records = [record("p", "e", [1, 2, 3], [False, True, True], reward=-1.0)]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s", rescore=rescore)
+    assert calls == []
+    assert [r["drop_reason"] for r in result.trajectories] == [None]
+    assert result.processed.column("reward").to_pylist() == [-1.0]
+    assert result.counters.rescore_calls == 0 and result.counters.dropped == {}
+
+
 def test_without_rescore_missing_progress_counts_as_zero():
     records = two_path_execution("e", reward=0.2)
     result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
