@@ -107,8 +107,8 @@ def combine_reward(reward: float | None, progress: float | None, config: Process
     A successful trajectory (``reward ≥ success_threshold``) keeps its reward. An
     unsuccessful one, with a reward in ``[0, success_threshold)``, gets
     ``max(reward, progress_weight · progress)``: partial progress can raise a failed
-    attempt's reward but never lower it, and with ``progress_weight ≤ 1`` it stays under a
-    success. A negative reward (a penalty, a reward model's logit) is kept as it is: progress
+    attempt's reward but never lower it, and it is at most ``progress_weight`` (under a
+    reward of 1 while ``progress_weight < 1``). A negative reward (a penalty, a reward model's logit) is kept as it is: progress
     does not erase it. A missing reward counts as 0, and so does missing progress (no
     gradable artifact gives reward 0).
     """
