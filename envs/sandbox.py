@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import math
 import os
 import re
 import secrets
@@ -528,6 +529,17 @@ def _feed(pipe: IO[bytes], data: bytes) -> None:
         pipe.close()
 
 
+def _ready(fd: int, event: int, timeout: float) -> bool:
+    """Whether ``fd`` is ready for ``event`` (or hung up, or failed) within ``timeout`` seconds.
+
+    ``poll``, not ``select``: a busy worker holds more than ``FD_SETSIZE`` (1024) descriptors,
+    and ``select`` refuses any numbered past that (``ValueError``).
+    """
+    poller = select.poll()
+    poller.register(fd, event)
+    return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+
+
 def read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, str | None]:
     """Read ``fd`` until EOF, ``cap`` bytes, or ``deadline``; says which stopped it (None: EOF)."""
     chunks: list[bytes] = []
@@ -536,8 +548,7 @@ def read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, str | None]:
         left = deadline - time.monotonic()
         if left <= 0:
             return b"".join(chunks), "timeout"
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
+        if not _ready(fd, select.POLLIN, left):
             continue
         try:
             chunk = os.read(fd, 65536)
@@ -554,7 +565,7 @@ def read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, str | None]:
 def read_some(fd: int, deadline: float) -> bytes | None:
     """What ``fd`` has ready once something arrives: ``b""`` at EOF, None if ``deadline`` passes first."""
     left = deadline - time.monotonic()
-    if left <= 0 or not select.select([fd], [], [], left)[0]:
+    if left <= 0 or not _ready(fd, select.POLLIN, left):
         return None
     try:
         return os.read(fd, 65536)
@@ -570,7 +581,7 @@ def write_all(fd: int, data: bytes, deadline: float) -> bool:
     view = memoryview(data)
     while view:
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([], [fd], [], left)[1]:
+        if left <= 0 or not _ready(fd, select.POLLOUT, left):
             return False
         with contextlib.suppress(BlockingIOError):
             view = view[os.write(fd, view) :]

@@ -176,6 +176,27 @@ def test_timeout_holds_while_stdin_is_unread():
     serves_after()
 
 
+def test_commands_run_while_the_worker_holds_over_1024_descriptors():
+    """select() refuses a descriptor past FD_SETSIZE; a busy worker's pipes and ptys get there."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip("the descriptor limit is too low")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        with Sandbox(SMALL) as box:
+            assert box.run("echo hi").output == "hi\n"
+            assert box.run("cat", stdin=b"fed").output == "fed"
+            assert PythonRepl(box).run("6 * 7").output == "42\n"
+            assert Shell(box).run("echo $((6 * 7))").output.strip() == "42"
+    finally:
+        for fd in held:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 def test_close_during_run_reports_died():
     box = Sandbox(SMALL)
     raised = []
