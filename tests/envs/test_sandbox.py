@@ -1,6 +1,7 @@
 """Sandbox attacks: each is contained, reported as a SandboxError kind, and the worker keeps serving."""
 
 import os
+import resource
 import secrets
 import socket
 import subprocess
@@ -178,8 +179,6 @@ def test_timeout_holds_while_stdin_is_unread():
 
 def test_commands_run_while_the_worker_holds_over_1024_descriptors():
     """select() refuses a descriptor past FD_SETSIZE; a busy worker's pipes and ptys get there."""
-    import resource
-
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1200:
         pytest.skip("the descriptor limit is too low")
