@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import uuid
 from typing import Any
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from rollout.engines.base import (
     ContextLimit,
@@ -41,6 +43,7 @@ from rollout.engines.base import (
     InvalidRequest,
     SamplingParams,
 )
+from storage.config import MASKED
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +60,13 @@ class VLLMEngineConfig(BaseModel):
     base_url: str = Field("http://127.0.0.1:8000", description="Server URL (ignored host when uds is set).")
     uds: str | None = Field(None, description="Unix domain socket of the server (vllm serve --uds).")
     model: str | None = Field(None, description="Served model name; asked from /v1/models when left out.")
-    api_key: SecretStr | None = Field(None, description="Bearer token of the server (vllm serve --api-key).")
+    # Left out of the form, and of a dump while unset, as storage's credentials are: Prefect
+    # stores a SecretStr parameter as MASKED and hands that back to the run.
+    api_key: SkipJsonSchema[SecretStr | None] = Field(
+        None,
+        description="Bearer token of the server (vllm serve --api-key); defaults to VLLM_API_KEY.",
+        exclude_if=lambda value: value is None,
+    )
     timeout_s: float = Field(600.0, gt=0, description="Seconds one generation request may take.")
     connect_timeout_s: float = Field(5.0, gt=0, description="Seconds to wait for a connection.")
     max_connections: int = Field(256, ge=1, description="Concurrent HTTP connections to the server.")
@@ -73,6 +82,16 @@ class VLLMEngineConfig(BaseModel):
         "treadle_reload_weights", description="Worker-extension method that loads a weight directory."
     )
 
+    @field_validator("api_key")
+    @classmethod
+    def _not_masked(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and value.get_secret_value() == MASKED:
+            raise ValueError(
+                "arrived masked, as Prefect stores a flow run's secret parameters: a token cannot "
+                "travel in flow parameters; give the worker VLLM_API_KEY in its environment"
+            )
+        return value
+
 
 class VLLMEngine:
     """Engine protocol over a vLLM server; see the module docstring for the endpoints used."""
@@ -82,8 +101,11 @@ class VLLMEngine:
         self.name = name or (f"vllm@{self.config.uds}" if self.config.uds else f"vllm@{self.config.base_url}")
         self.version = version
         headers = {}
-        if self.config.api_key is not None:
-            headers["Authorization"] = f"Bearer {self.config.api_key.get_secret_value()}"
+        api_key = (
+            self.config.api_key.get_secret_value() if self.config.api_key else os.environ.get("VLLM_API_KEY")
+        )
+        if api_key:
+            headers["Authorization"] = f"Bearer {api_key}"
         transport = httpx.AsyncHTTPTransport(
             uds=self.config.uds,
             limits=httpx.Limits(

@@ -332,3 +332,20 @@ def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, f
 )
 def test_an_env_with_no_scripted_solver_loads_once_the_warm_start_leaves_it_out(tmp_path, text):
     assert "agent" in load_config(write_config(tmp_path, text)).orchestrator.mix
+
+
+def test_a_vllm_api_key_that_comes_back_masked_is_refused_and_the_form_never_offers_it():
+    """Prefect stores a SecretStr parameter as ``**********`` and hands that back to the run,
+    which would send it to the server as its bearer token: it is refused, naming the field."""
+    config = RunConfig.model_validate({"engine": {"kind": "vllm", "vllm": [{"api_key": "real-key"}]}})
+    stored = config.model_dump(mode="json")
+    assert stored["engine"]["vllm"][0]["api_key"] == "**********"
+    with pytest.raises(ValidationError, match=r"engine\.vllm\.0\.api_key") as error:
+        RunConfig.model_validate(stored)
+    assert "VLLM_API_KEY" in str(error.value)
+    unset = RunConfig.model_validate({"engine": {"kind": "vllm", "vllm": [{}]}}).model_dump(mode="json")
+    assert "api_key" not in unset["engine"]["vllm"][0]
+    schema = parameter_schema(
+        load_flow_from_entrypoint("flows.pipeline:pipeline", use_placeholder_flow=False)
+    )
+    assert "api_key" not in schema.model_dump()["definitions"]["VLLMEngineConfig"]["properties"]

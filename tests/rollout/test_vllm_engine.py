@@ -309,3 +309,14 @@ def test_a_connection_closed_before_any_answer_is_retried_retries_times(tiny, re
             await server.stop()
 
     asyncio.run(body())
+
+
+def test_the_bearer_token_defaults_to_vllm_api_key(monkeypatch):
+    """A deployment cannot carry the token (Prefect masks it), so a worker gives it in its
+    environment, as ``vllm serve`` reads it; one in the config wins."""
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    assert VLLMEngine(VLLMEngineConfig())._client.headers["Authorization"] == "Bearer from-env"
+    configured = VLLMEngine(VLLMEngineConfig(api_key="from-config"))
+    assert configured._client.headers["Authorization"] == "Bearer from-config"
+    monkeypatch.delenv("VLLM_API_KEY")
+    assert "Authorization" not in VLLMEngine(VLLMEngineConfig())._client.headers
