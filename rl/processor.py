@@ -108,9 +108,9 @@ def combine_reward(reward: float | None, progress: float | None, config: Process
     unsuccessful one, with a reward in ``[0, success_threshold)``, gets
     ``max(reward, progress_weight · progress)``: partial progress can raise a failed
     attempt's reward but never lower it, and it is at most ``progress_weight`` (under a
-    reward of 1 while ``progress_weight < 1``). A negative reward (a penalty, a reward model's logit) is kept as it is: progress
-    does not erase it. A missing reward counts as 0, and so does missing progress (no
-    gradable artifact gives reward 0).
+    reward of 1 while ``progress_weight < 1``). A negative reward (a penalty, a reward
+    model's logit) is kept as it is: progress does not erase it. A missing reward counts as
+    0, and so does missing progress (no gradable artifact gives reward 0).
     """
     base = 0.0 if reward is None else float(reward)
     if base >= config.success_threshold or base < 0 or progress is None:
