@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -219,4 +220,9 @@ class PythonRepl:
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            os.kill(self.proc.pid, 9)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+        if self.proc.returncode is not None:
+            self.sandbox.disown(self.proc)

@@ -420,8 +420,7 @@ class Sandbox:
     def _let_go(self, proc: subprocess.Popen) -> None:
         kill_group(proc.pid)
         proc.stdout.close()
-        with contextlib.suppress(ValueError):  # close() already let go of it
-            self._procs.remove(proc)
+        self.disown(proc)
         reap_orphaned_namespaces()
 
     def _result(self, exit_code: int, output: bytes, stopped: str | None, started: float) -> ExecResult:
@@ -473,6 +472,12 @@ class Sandbox:
     def adopt(self, handle: object) -> None:
         """Track a long-lived process (shell, interpreter) so :meth:`close` kills it."""
         self._procs.append(handle)
+
+    def disown(self, handle: object) -> None:
+        """Stop tracking a process that is dead and reaped: by the time :meth:`close` runs,
+        its pid may lead another process's group."""
+        with contextlib.suppress(ValueError):  # close() already let go of it
+            self._procs.remove(handle)
 
     def leftover_processes(self) -> int:
         """Processes still running as this sandbox's uid (0 when it has no uid of its own)."""
@@ -717,7 +722,10 @@ async def exit_code_async(proc: subprocess.Popen, timeout: float | None = None) 
     if proc.poll() is not None:  # also keeps a reaped pid, perhaps reused since, from pidfd_open
         return proc.returncode
     loop = asyncio.get_running_loop()
-    pidfd = os.pidfd_open(proc.pid)
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except OSError:  # no descriptor to spare (EMFILE): poll instead
+        return await _polled_exit_code(proc, timeout)
     ended = loop.create_future()
     loop.add_reader(pidfd, lambda: ended.done() or ended.set_result(None))
     try:
@@ -728,3 +736,13 @@ async def exit_code_async(proc: subprocess.Popen, timeout: float | None = None) 
         loop.remove_reader(pidfd)
         os.close(pidfd)
     return proc.wait()
+
+
+async def _polled_exit_code(proc: subprocess.Popen, timeout: float | None) -> int | None:
+    """:func:`exit_code_async` without a pidfd: polls the process every 10 ms."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while proc.poll() is None:
+        if deadline is not None and time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(0.01)
+    return proc.returncode

@@ -131,3 +131,4 @@ class Shell:
         if self.proc.isalive():
             self.proc.terminate(force=True)
         self.proc.close(force=True)
+        self.sandbox.disown(self.proc)

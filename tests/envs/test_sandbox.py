@@ -1,5 +1,7 @@
 """Sandbox attacks: each is contained, reported as a SandboxError kind, and the worker keeps serving."""
 
+import asyncio
+import errno
 import os
 import resource
 import secrets
@@ -240,6 +242,42 @@ def test_shell_dies_on_gigabytes_and_infinite_loop():
             shell.run("while :; do :; done")
         assert raised.value.kind in {"cpu_limit", "timeout"}
         assert Shell(box).run("echo back").output == "back\n"
+
+
+def test_a_closed_or_killed_shell_or_interpreter_is_no_longer_tracked():
+    """Once reaped, its pid can lead another process's group by the time the sandbox
+    closes, and closing the sandbox SIGKILLs the group of every pid it tracks."""
+    with Sandbox(SMALL) as box:
+        shell, repl = Shell(box), PythonRepl(box)
+        assert sorted(box.running) == sorted([shell.proc.pid, repl.proc.pid])
+        shell.close()
+        repl.close()
+        assert box.running == []
+        shell = Shell(box)
+        with pytest.raises(SandboxError):
+            shell.run("yes 0123456789")
+        repl = PythonRepl(box)
+        with pytest.raises(SandboxError):
+            repl.run("import __main__; __main__.proto.write('forged\\n'); __main__.proto.flush()")
+        assert not shell.alive and not repl.alive
+        assert box.running == []
+
+
+def test_a_command_whose_exit_has_no_descriptor_to_wait_on_is_polled(monkeypatch):
+    """With the worker out of descriptors (EMFILE), ``pidfd_open`` fails: the command's
+    exit is then polled, not lost as an ``OSError``."""
+
+    def out_of_descriptors(pid, flags=0):
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(os, "pidfd_open", out_of_descriptors)
+    with Sandbox(SMALL) as box:
+        result = asyncio.run(box.run_async("sleep 0.2; echo done; exit 3"))
+        assert (result.output, result.exit_code) == ("done\n", 3)
+        with pytest.raises(SandboxError) as raised:
+            asyncio.run(box.run_async("exec 1>&-; sleep 60", timeout=1))
+        assert raised.value.kind == "timeout"
+        assert box.running == []
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
