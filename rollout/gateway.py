@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field
@@ -216,6 +216,10 @@ class Session:
     """Why the engine failed the session's last turn (``EngineError``); None once a turn
     succeeds. A self-driving env's program sees such a failure only as an HTTP error: the
     rollout service reads it here to classify the rollout."""
+    context_limit: str | None = None
+    """Why the session's last turn did not fit under ``max_context_tokens``
+    (``ContextLimit``); None once a turn succeeds. Read, like :attr:`engine_error`, to
+    classify a self-driving env's rollout."""
     _pending: list[dict[str, Any]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _generating: asyncio.Future | None = None
@@ -292,7 +296,7 @@ class Session:
     def _append(self, ids: list[int]) -> None:
         n = len(ids)
         if len(self.tokens) + n > self.gateway.config.max_context_tokens:
-            raise ContextLimit(
+            self._out_of_context(
                 f"session {self.session_id!r} would hold {len(self.tokens) + n} tokens, over "
                 f"max_context_tokens={self.gateway.config.max_context_tokens}"
             )
@@ -301,6 +305,10 @@ class Session:
         self.action_mask.extend([False] * n)
         self.turn.extend([self.num_turns] * n)
         self.versions.extend([-1] * n)
+
+    def _out_of_context(self, why: str) -> NoReturn:
+        self.context_limit = why
+        raise ContextLimit(why)
 
     async def generate(
         self,
@@ -336,7 +344,7 @@ class Session:
             )
             room = self.gateway.config.max_context_tokens - len(self.tokens)
             if room < 1:
-                raise ContextLimit(
+                self._out_of_context(
                     f"prompt of {len(self.tokens)} tokens leaves no room under "
                     f"max_context_tokens={self.gateway.config.max_context_tokens}"
                 )
@@ -371,7 +379,7 @@ class Session:
             except EngineError as exc:
                 self.engine_error = str(exc)
                 raise
-            self.engine_error = None
+            self.engine_error = self.context_limit = None
             text = self.gateway.decode(generation.token_ids)
             calls = None
             if self.tools and parse_tool_calls:

@@ -532,6 +532,8 @@ class RolloutService:
             state["reward"] = checked_reward(reward, task.env)
             if not state["done"] or session.turns and session.turns[-1].truncated:
                 status = "truncated"
+                if session.context_limit is not None:
+                    error = f"context limit: {session.context_limit}"
         except RolloutTimeout as exc:
             status, error = "timeout", str(exc)
         except EngineError as exc:
@@ -601,15 +603,19 @@ class RolloutService:
     ) -> None:
         """RUN for a self-driving env: its program sends every model call through ``session``.
         A program that ended (or failed) on an engine failure, which it saw only as an HTTP
-        error, ends the rollout as that failure: an infra error, never scored."""
+        error, ends the rollout as that failure: an infra error, never scored. One whose last
+        model call did not fit in the context is truncated: scored when the program ended
+        on it, 0 when it failed on it (as a rollout the service drives)."""
         try:
             result = await env.run()
         except Exception:
             _raise_engine_error(session)
+            if session.context_limit is not None:
+                raise ContextLimit(f"the program's last model call: {session.context_limit}") from None
             raise
         _raise_engine_error(session)
         state["progress"] = checked_progress(result.progress, request.task.env)
-        state["done"] = result.done
+        state["done"] = result.done and session.context_limit is None
 
     async def _act(
         self,

@@ -568,6 +568,65 @@ def test_an_engine_failure_a_self_driving_program_gives_up_on_is_an_infra_error(
         assert "died (injected)" in result.error
 
 
+class LongMessageProgram(OneCallProgram):
+    """Sends one message too long for the context (HTTP 400), then, as ``then`` says, ends
+    there, fails on it, or retries with a short one."""
+
+    then = "ends"
+
+    async def run(self) -> StepResult:
+        gateway = self.gateway
+        headers = {"Authorization": f"Bearer {gateway.api_key}", gateway.header: gateway.session_id}
+        async with httpx.AsyncClient() as client:
+            for content in ["2+2? " * 200, "2+2?"]:
+                response = await client.post(
+                    f"{gateway.base_url}/chat/completions",
+                    headers=headers,
+                    json={
+                        "model": "policy",
+                        "messages": [{"role": "user", "content": content}],
+                        "max_tokens": 4,
+                    },
+                )
+                if self.then == "ends" or response.status_code == 200:
+                    break
+                if self.then == "fails":
+                    response.raise_for_status()
+        return StepResult([], 1.0, True, 1.0)
+
+    async def evaluate(self) -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize("then", ["ends", "fails", "retries"])
+def test_a_self_driving_program_whose_last_call_is_over_the_context_is_truncated(tiny, then):
+    """The program sees the context limit only as an HTTP 400. Ending on it is a truncated
+    rollout, still scored (its work is there to evaluate); failing on it is truncated with
+    reward 0, as the service's own loop is; one it retried past with a shorter call is not."""
+
+    async def body():
+        model, tokenizer = tiny
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=256))
+        env = LongMessageProgram()
+        env.then = then
+        service = RolloutService(gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=4))
+        try:
+            return await service.process(RolloutRequest(task=arith_task()))
+        finally:
+            await service.close()
+            await engine.close()
+
+    result = asyncio.run(body())
+    if then == "retries":
+        assert result.status in ("ok", "truncated") and result.turns == 1 and result.reward == 1.0
+        assert result.error is None
+        return
+    assert result.status == "truncated" and result.turns == 0
+    assert "max_context_tokens=256" in result.error
+    assert result.reward == (1.0 if then == "ends" else 0.0)
+
+
 @pytest.mark.parametrize("seed", [2**70, -(2**63) - 1, 2**63])
 def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, seed):
     # the caller's mistake, not an env error: no rollout runs
