@@ -58,6 +58,12 @@ class Task(BaseModel):
     )
 
 
+class EnvHostLost(RuntimeError):
+    """The process hosting an environment (a remote env worker) died or could not be reached:
+    the environment is gone, by no fault of its own. The rollout service reports it as
+    ``infra_error``."""
+
+
 @dataclass
 class StepResult:
     """What one action produced: observation messages, reward, done, partial progress in [0, 1], info."""

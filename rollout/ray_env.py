@@ -17,13 +17,16 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from envs import registry
-from envs.base import Env, EnvConfig, StepResult, Task
-from envs.sandbox import SandboxError
+from envs.base import Env, EnvConfig, EnvHostLost, StepResult, Task
 
 log = logging.getLogger(__name__)
+
+
+class UnknownEnv(KeyError):
+    """No environment of that id is open on the worker."""
 
 
 @ray.remote
@@ -46,7 +49,7 @@ class EnvWorkerActor:
         try:
             return self.envs[env_id]
         except KeyError:
-            raise KeyError(f"no open environment {env_id!r} on this worker") from None
+            raise UnknownEnv(f"no open environment {env_id!r} on this worker") from None
 
     async def reset(self, env_id: str, task: Task) -> list[dict]:
         return await self._env(env_id).reset(task)
@@ -79,8 +82,8 @@ class RayEnv:
     """An ``Env`` whose instance lives on an :class:`EnvWorkerActor`.
 
     Errors raised by the remote env come back as themselves (a ``SandboxError`` stays one,
-    so the rollout service classifies it as usual); a worker that died is reported as a
-    ``SandboxError`` of kind ``died``.
+    so the rollout service classifies it as usual). A worker that died, or was restarted
+    since it opened this env (the env died with it), is an :class:`EnvHostLost`.
     """
 
     def __init__(self, actor, name: str, env_id: str | None = None):
@@ -94,9 +97,13 @@ class RayEnv:
         try:
             return await getattr(self.actor, method).remote(self.env_id, *args)
         except RayTaskError as exc:
+            if self._opened and isinstance(exc.cause, UnknownEnv):
+                raise EnvHostLost(
+                    f"environment worker restarted since it opened {self.env_id!r}: the env is gone"
+                ) from None
             raise exc.cause from None
-        except RayActorError as exc:
-            raise SandboxError("died", f"environment worker died: {exc}") from None
+        except RayError as exc:  # the actor died or is restarting, or its node is gone
+            raise EnvHostLost(f"environment worker lost: {type(exc).__name__}: {exc}") from None
 
     async def reset(self, task: Task) -> list[dict]:
         if not self._opened:
@@ -124,7 +131,9 @@ class RayEnvPool:
         env_configs: validated config per environment name: the environments it serves
             (their classes travel to the actors, user-registered ones included).
         num_workers: actors to start.
-        actor_options: Ray resource options of each actor (default: one CPU).
+        actor_options: Ray options of each actor (default: one CPU). An actor that dies
+            is restarted (``max_restarts=-1`` unless set here): the envs it held are lost,
+            later rollouts on it run.
     """
 
     def __init__(
@@ -138,7 +147,7 @@ class RayEnvPool:
         if not ray.is_initialized():
             raise RuntimeError("RayEnvPool needs a connected Ray cluster: call ray.init() first")
         envs = {name: (registry.env_class(name), config.model_dump()) for name, config in env_configs.items()}
-        options = actor_options or {"num_cpus": 1}
+        options = {"max_restarts": -1, **(actor_options or {"num_cpus": 1})}
         self.actors = [EnvWorkerActor.options(**options).remote(envs) for _ in range(num_workers)]
         self._next = itertools.cycle(self.actors)
         self.env_names = sorted(envs)

@@ -23,8 +23,8 @@ with the sandbox's persistent process pinned to the granted cores while the acti
 Time spent waiting for a stage's slot or for a scheduler grant is queue time: it is reported
 in the timing breakdown and does not count toward the rollout's timeout.
 
-Failures are classified into the canonical ``status``: an engine that died or a sandbox
-that failed to start is ``infra_error`` (never scored, never trained on); a sandbox that
+Failures are classified into the canonical ``status``: an engine that died, a sandbox
+that failed to start or an environment's host that died (``EnvHostLost``) is ``infra_error`` (never scored, never trained on); a sandbox that
 stopped the agent's command, or an environment that raised (a ``CancelledError`` of its own
 included: only a cancel of the rollout cancels it), whose output the gateway rejects (a
 malformed message, a token outside the vocabulary) or whose reward or progress the record
@@ -52,7 +52,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs.agent import GatewaySession
-from envs.base import Env, ResourceRequest, Task
+from envs.base import Env, EnvHostLost, ResourceRequest, Task
 from envs.sandbox import SandboxError
 from rl.models import TorchDevice
 from rollout.engines.base import MIN_TEMPERATURE, ContextLimit, EngineError, SamplingParams
@@ -538,6 +538,8 @@ class RolloutService:
             status, error = "timeout", str(exc)
         except EngineError as exc:
             status, error = "infra_error", f"engine failed: {exc}"
+        except EnvHostLost as exc:
+            status, error = "infra_error", f"environment host lost during {stage}: {exc}"
         except SandboxError as exc:
             status = "infra_error" if stage == "init" else "env_error"
             error = f"sandbox {exc.kind} during {stage}: {exc.reason}"

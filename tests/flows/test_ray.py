@@ -14,6 +14,7 @@ import torch
 
 from envs import registry
 from envs.arith import ArithEnv
+from envs.base import EnvHostLost
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
 from rollout.engines.base import SamplingParams
@@ -223,6 +224,52 @@ def test_an_env_the_driver_registered_runs_on_the_actors(monkeypatch):
             pool.close()
 
     assert asyncio.run(body()) == 1.0
+
+
+def test_a_killed_env_worker_loses_its_envs_as_host_failures_and_serves_again(monkeypatch):
+    """The actor dies (OOM-killed, say) while one env awaits a step and another sits
+    between steps: both are lost, as ``EnvHostLost`` (an infra error, not the env's), and
+    the pool's actor restarts, so later rollouts on it run (without the restart every
+    rollout sent to it would fail for the rest of the run)."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+
+    @registry.register
+    class SlowSums(ArithEnv):
+        name = "slow_sums"
+
+        async def step(self, action):
+            if action == "wait":
+                await asyncio.sleep(60)
+            return await super().step(action)
+
+    task = registry.task_set("slow_sums", "train", seed=0, n=1)[0]
+    (action,) = registry.demonstrate(task)
+
+    async def body():
+        pool = RayEnvPool({"slow_sums": registry.make_config("slow_sums")}, num_workers=1)
+        try:
+            (actor,) = pool.actors
+            before = await actor.pid.remote()
+            waiting, idle = pool.make_env(task), pool.make_env(task)
+            await waiting.reset(task)
+            await idle.reset(task)
+            step = asyncio.ensure_future(waiting.step("wait"))
+            await asyncio.sleep(0.5)
+            ray.kill(actor, no_restart=False)
+            with pytest.raises(EnvHostLost, match="environment worker lost"):
+                await step
+            after = await actor.pid.remote()
+            with pytest.raises(EnvHostLost, match="restarted since it opened"):
+                await idle.step(action)
+            await idle.close()
+            fresh = pool.make_env(task)
+            await fresh.reset(task)
+            return (await fresh.step(action)).reward, before, after
+        finally:
+            pool.close()
+
+    reward, before, after = asyncio.run(body())
+    assert reward == 1.0 and after != before
 
 
 def test_run_rollouts_on_ray_writes_shards(run, tmp_path):

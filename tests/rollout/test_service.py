@@ -13,7 +13,7 @@ import torch
 
 from envs import registry
 from envs.arith import ArithEnv
-from envs.base import ResourceRequest, StepResult, Task
+from envs.base import EnvHostLost, ResourceRequest, StepResult, Task
 from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout import service as service_module
@@ -207,15 +207,22 @@ class ToolTimeoutEnv(BrokenEnv):
     error = TimeoutError("the verifier timed out")
 
 
-@pytest.mark.parametrize("env", [BrokenEnv, ToolTimeoutEnv])
-def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny, env):
-    # a TimeoutError of the env's own is its error, not the rollout running out of budget
+class LostHostEnv(BrokenEnv):
+    error = EnvHostLost("environment worker lost: ActorDiedError")
+
+
+@pytest.mark.parametrize(
+    ("env", "status"), [(BrokenEnv, "env_error"), (ToolTimeoutEnv, "env_error"), (LostHostEnv, "infra_error")]
+)
+def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny, env, status):
+    # a TimeoutError of the env's own is its error, not the rollout running out of budget;
+    # the env's host dying is not the env's failure
     async def body():
         async with running_service(tiny, make_env=lambda task: env()) as service:
             return await service.process(RolloutRequest(task=arith_task()))
 
     result = asyncio.run(body())
-    assert result.status == "env_error" and result.reward is None
+    assert result.status == status and result.reward is None
     assert str(env.error) in result.error
 
 
