@@ -5,9 +5,11 @@ import errno
 import os
 import resource
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -16,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from envs.pyrepl import PythonRepl
-from envs.sandbox import UID_BASE, Sandbox, SandboxConfig, SandboxError, bwrap_path
+from envs.sandbox import UID_BASE, Sandbox, SandboxConfig, SandboxError, bwrap_path, remove_tree
 from envs.shell import Shell, ansi_c_quote
 from rollout.resources import CpuManager
 
@@ -261,6 +263,62 @@ def test_a_closed_or_killed_shell_or_interpreter_is_no_longer_tracked():
             repl.run("import __main__; __main__.proto.write('forged\\n'); __main__.proto.flush()")
         assert not shell.alive and not repl.alive
         assert box.running == []
+
+
+def test_closing_removes_a_workdir_nested_past_pythons_recursion_limit():
+    with Sandbox(SMALL) as box:
+        box.run("python3 -c \"import os\nfor _ in range(1500): os.mkdir('d'); os.chdir('d')\"; touch leaf")
+        workdir = box.workdir
+        assert os.path.lexists(os.path.join(workdir, *["d"] * 10))
+    assert not os.path.lexists(workdir)
+
+
+def _gone(path: str) -> bool:
+    try:
+        os.lstat(path)
+    except FileNotFoundError:
+        return True
+    return False
+
+
+def test_a_folder_a_command_locked_its_owner_out_of_is_removed():
+    """``chmod 000`` refuses entry to its owner unless the owner is root, so the removal runs
+    as a uid that is not root: the worker's own, or, for a root worker, ``nobody`` (in a
+    folder it can reach: pytest's own temporary folders are private to root)."""
+    top = tempfile.mkdtemp(prefix="treadle-locked-")
+    tree = Path(top) / "workdir"
+    locked = [tree / "locked", tree / "locked" / "inner"]
+    locked[1].mkdir(parents=True)
+    (locked[1] / "file").write_text("x")
+    try:
+        if os.geteuid() != 0:
+            for folder in reversed(locked):
+                folder.chmod(0)
+            remove_tree(str(tree))
+            assert _gone(str(tree))
+            return
+        nobody = 65534
+        for path in (Path(top), tree, *locked, locked[1] / "file"):
+            os.chown(path, nobody, nobody)
+        for folder in reversed(locked):
+            folder.chmod(0)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                os.setgroups([])
+                os.setresgid(nobody, nobody, nobody)
+                os.setresuid(nobody, nobody, nobody)
+                if _gone(str(tree)):
+                    os._exit(3)  # the tree must be within its reach
+                remove_tree(str(tree))
+                os._exit(0)
+            except BaseException:
+                os._exit(2)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert _gone(str(tree))
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_a_command_whose_exit_has_no_descriptor_to_wait_on_is_polled(monkeypatch):
