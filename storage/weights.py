@@ -612,6 +612,8 @@ class WeightStore:
                 continue
             try:
                 tagged = self.manifest(version).get("tag")
+            except KeyError:  # deleted meanwhile by another retention (a trainer's, the maintain flow's)
+                continue
             except CorruptVersion as error:
                 log.warning("retention keeps weight version %d, whose tag cannot be read: %s", version, error)
                 tagged = True
@@ -627,7 +629,8 @@ class WeightStore:
         for version in doomed:
             path = self.version_path(version)
             manifest_path = posixpath.join(path, MANIFEST_FILE)
-            if self.fs.exists(manifest_path):
-                self.fs.rm_file(manifest_path)  # the version disappears before its files do
-            self.fs.rm(path, recursive=True)
+            with contextlib.suppress(FileNotFoundError):  # another retention deleted it meanwhile
+                if self.fs.exists(manifest_path):
+                    self.fs.rm_file(manifest_path)  # the version disappears before its files do
+                self.fs.rm(path, recursive=True)
         return doomed

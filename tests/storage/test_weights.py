@@ -534,3 +534,38 @@ def test_an_object_created_exclusively_is_never_seen_empty(local_store):
     assert seen_empty == []
     with pytest.raises(FileExistsError):
         local_store.create_exclusive(paths[0], b"again\n")
+
+
+@pytest.mark.parametrize("overtaken_at", ["manifest", "removal"])
+def test_two_retentions_at_once_both_finish(store, tokenizer_dir, tmp_path, monkeypatch, overtaken_at):
+    """A trainer's retention after its publish and the maintain flow's may run at once: the
+    one that finds a version already deleted by the other (before it reads its manifest, or
+    before it deletes it) leaves it so and goes on."""
+    trainer = WeightStore(store, cache_dir=tmp_path / "a")
+    maintain = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "b")
+    model = tiny_llama(seed=0)
+    for _ in range(6):
+        publish_model(trainer, model, tokenizer_dir)
+    overtaken = []
+    if overtaken_at == "manifest":  # the other deletes between the listing and the manifests' reads
+        read_manifest = maintain.manifest
+
+        def manifest(version):
+            if not overtaken:
+                overtaken.append(trainer.retain(keep_last=2))
+            return read_manifest(version)
+
+        monkeypatch.setattr(maintain, "manifest", manifest)
+    else:  # the other deletes once the versions to delete are chosen
+        monkeypatch.setattr(maintain, "manifest", lambda version: {"tag": None})
+        version_path = maintain.version_path
+
+        def path_once_overtaken(version):
+            if not overtaken:
+                overtaken.append(trainer.retain(keep_last=2))
+            return version_path(version)
+
+        monkeypatch.setattr(maintain, "version_path", path_once_overtaken)
+    maintain.retain(keep_last=2)
+    assert overtaken == [[0, 1, 2, 3]]
+    assert trainer.list() == [4, 5] and trainer.latest() == 5
