@@ -149,6 +149,15 @@ def run_trainer(
     weights = WeightStore(store)
     seen = {"version": weights.latest()}
 
+    def announce(before: int, latest: int) -> None:
+        for version in weights.list():
+            if before < version <= latest:
+                on_publish(version)
+
+    announce_versions = (
+        reporting(announce, "announcement of published weight versions") if on_publish is not None else None
+    )
+
     def check_published() -> None:
         """Announce every version since the last check up to this trainer's own (two may land
         between checks: a step's and the one published on stop), never one published by a
@@ -158,10 +167,8 @@ def run_trainer(
             return
         before = -1 if seen["version"] is None else seen["version"]
         seen["version"] = latest
-        if on_publish is not None:
-            for version in weights.list():
-                if before < version <= latest:
-                    on_publish(version)
+        if announce_versions is not None:
+            announce_versions(before, latest)
 
     def trainer_status(
         tokens: int, running: bool, newest_read: dict[str, int] | None = None

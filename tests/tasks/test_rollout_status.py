@@ -356,6 +356,20 @@ def test_a_trainer_whose_role_was_taken_announces_its_own_versions_only(tmp_path
     assert (WeightStore(store).list(), theirs, announced) == ([0, 1, 2], [2], [1])
 
 
+def test_a_trainer_whose_announcements_fail_keeps_training(tmp_path, caplog):
+    """An announcement is a Prefect event: the API (or the store's listing) failing for a
+    moment loses the event, never the training."""
+    run, store = run_with_processed_shards(tmp_path, "announce-fails", publish_every=1)
+
+    def unreachable(version):
+        raise ConnectionError("the Prefect API is unreachable (injected)")
+
+    result = run_trainer(run, time.time() + WAIT_S, on_publish=unreachable, drain=True)
+    assert result["stop_reason"] == "drained" and result["versions"]
+    assert WeightStore(store).latest() == result["versions"][-1]
+    assert "announcement of published weight versions failed" in caplog.text
+
+
 def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_path):
     run = RunConfig(run_id="no-weights", storage=StorageConfig(root=str(tmp_path / "runs")))
     board = RolloutStatusBoard(RunStore(run.storage, run.run_id))
