@@ -407,8 +407,6 @@ class Trainer:
         for reason, rows in by_reason.items():
             self._reject(info.shard_id, rows, reason)
         self.buffer.extend(s for s in samples if s.row not in already)
-        if table.num_rows == 0:
-            self.consumption.mark(info.shard_id, [])
 
     def _foreign_tokenizer(self, info: ShardInfo) -> str | None:
         """Why ``info``'s tokens cannot be in the policy's vocabulary, judged by the tokenizer
