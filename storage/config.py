@@ -248,6 +248,15 @@ class RunStore:
         return f"RunStore({self.uri!r})"
 
 
+def fsync_path(path: str) -> None:
+    """Flush a local file's (or a folder's: its entries') written data to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 @contextlib.contextmanager
 def refused_create_exists(path: str) -> Iterator[None]:
     """Raise ``FileExistsError`` for an S3 conditional create (If-None-Match) in the block that

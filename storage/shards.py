@@ -38,7 +38,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.config import RunStore, refused_create_exists
+from storage.config import RunStore, fsync_path, refused_create_exists
 from storage.schema import (
     PROCESSED_SCHEMA,
     TRAJECTORY_SCHEMA,
@@ -373,9 +373,9 @@ class ShardWriter:
                 _write_ipc(sink, table)
             # on disk before its commit can land: a power loss must not leave a committed
             # shard empty (it would be quarantined and its rows lost)
-            _fsync(tmp)
+            fsync_path(tmp)
             os.replace(tmp, path)
-            _fsync(os.path.dirname(path))
+            fsync_path(os.path.dirname(path))
         except BaseException:
             for leftover in (tmp, path) if exclusive else (tmp,):
                 with contextlib.suppress(FileNotFoundError):
@@ -713,15 +713,6 @@ def _write_ipc(sink: Any, table: pa.Table) -> None:
     options = pa.ipc.IpcWriteOptions(compression=COMPRESSION)
     with pa.ipc.new_file(sink, table.schema, options=options) as out:
         out.write_table(table, max_chunksize=BATCH_ROWS)
-
-
-def _fsync(path: str) -> None:
-    """Flush a file's (or a folder's: its entries') written data to disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _open_ipc(store: RunStore, path: str) -> pa.NativeFile:

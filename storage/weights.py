@@ -39,7 +39,7 @@ from typing import Literal
 import torch
 from safetensors.torch import save_file
 
-from storage.config import RunStore
+from storage.config import RunStore, fsync_path
 from storage.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
@@ -270,6 +270,12 @@ class WeightStore:
             with self._claim_kept_fresh(version, owner):
                 for name in files:
                     self.fs.put_file(os.path.join(staging, name), posixpath.join(target, name))
+                if not self.store.config.is_s3:
+                    # on disk before the manifest makes the version complete: a power loss
+                    # must not leave LATEST on a version whose files are empty
+                    written = [posixpath.join(target, name) for name in files]
+                    for path in [*written, *sorted({posixpath.dirname(path) for path in written})]:
+                        fsync_path(path)
             tokenizer_json = Path(staging, TOKENIZER_FILE)
             fingerprint = (
                 tokenizer_fingerprint(tokenizer_json.read_bytes()) if tokenizer_json.is_file() else None
@@ -398,6 +404,7 @@ class WeightStore:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temp, path)
+        fsync_path(os.path.dirname(path))
 
     # -- reading -------------------------------------------------------------------------
 

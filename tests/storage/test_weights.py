@@ -28,6 +28,7 @@ from storage import weights as weights_module
 from storage.config import RunStore
 from storage.weights import (
     CLAIM_FILE,
+    MANIFEST_FILE,
     CorruptVersion,
     VersionTaken,
     WeightStore,
@@ -569,3 +570,31 @@ def test_two_retentions_at_once_both_finish(store, tokenizer_dir, tmp_path, monk
     maintain.retain(keep_last=2)
     assert overtaken == [[0, 1, 2, 3]]
     assert trainer.list() == [4, 5] and trainer.latest() == 5
+
+
+def test_a_local_versions_files_are_on_disk_before_its_manifest_and_latest(
+    local_store, tokenizer_dir, monkeypatch
+):
+    """Every file, and the folder entries naming them, is flushed to disk before the manifest
+    makes the version complete; the manifest's and LATEST's renames are flushed too: a power
+    loss must not leave LATEST on a version whose files are empty."""
+    weights = WeightStore(local_store)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    version = publish_model(
+        weights, tiny_llama(seed=0), tokenizer_dir, extra_files={"trainer/state.json": b"{}"}
+    )
+    target = weights.version_path(version)
+    manifest_at = next(i for i, path in enumerate(synced) if os.path.basename(path).startswith(MANIFEST_FILE))
+    before_manifest = set(synced[:manifest_at])
+    files = weights.manifest(version)["files"]
+    assert {posixpath.join(target, name) for name in files} <= before_manifest
+    assert {target, posixpath.join(target, "trainer")} <= before_manifest
+    after_manifest = synced[manifest_at:]
+    assert target in after_manifest and weights.root in after_manifest  # the renames
