@@ -42,7 +42,7 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
 from rollout.gateway import Gateway, Session, TurnResult, UnknownSession
@@ -56,6 +56,17 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, description="Sampling temperature (finite, >= 1e-5).")
     top_p: float = Field(1.0, description="Nucleus mass in (0, 1].")
     seed: int | None = Field(None, description="Seed of this request's sampler.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # OpenAI clients send null for a parameter the caller left unset (temperature=None),
+        # as the OpenAI API and vLLM take it: its default
+        if isinstance(data, dict):
+            return {
+                key: value for key, value in data.items() if value is not None or key not in cls.model_fields
+            }
+        return data
 
 
 class OpenSessionRequest(BaseModel):

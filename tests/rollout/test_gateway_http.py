@@ -393,6 +393,32 @@ def test_the_openai_client_chats_streams_and_cannot_add_tools_to_a_running_sessi
     asyncio.run(body())
 
 
+def test_parameters_an_openai_client_sends_as_null_take_their_defaults(tiny):
+    """A caller's ``temperature=None`` (and the like) reaches the server as JSON null, which
+    the OpenAI API reads as the parameter's default: not a bad request."""
+
+    async def body():
+        async with serving(tiny) as (gateway, server, _):
+            sid = gateway.open(task="agent", prompt_id="p1").session_id
+            client = openai.AsyncOpenAI(
+                base_url=f"{server.url}/v1",
+                api_key=server.token,
+                default_headers={SESSION_HEADER: sid},
+                max_retries=0,
+            )
+            nulls = {"temperature": None, "top_p": None, "n": None, "logprobs": None, "seed": None}
+            chat = await client.chat.completions.create(model="any", messages=USER, max_tokens=4, **nulls)
+            assert chat.choices[0].message.role == "assistant"
+            completion = await client.with_options(
+                default_headers={SESSION_HEADER: gateway.open(task="agent", prompt_id="p2").session_id}
+            ).completions.create(model="any", prompt="What is 2 + 3?", max_tokens=4, stream=None, **nulls)
+            assert completion.choices[0].logprobs is None
+            assert gateway.session(sid).num_turns == 1
+            await client.close()
+
+    asyncio.run(body())
+
+
 def test_chat_messages_the_template_cannot_take_are_bad_requests(tiny):
     parts = [{"type": "text", "text": "What is 2 + 3?"}]
 
