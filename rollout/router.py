@@ -362,12 +362,14 @@ class Router:
                 if name in self._down:  # a concurrent check may have put it back meanwhile
                     logger.info("replica %s is healthy again; putting it back", name)
                     self.add(engine)
+                    self._keep_one_accepting(f"replica {name} is back")
         return dict(zip(names, results, strict=True))
 
     def take_down(self, name: str) -> None:
         """Out of service until :meth:`check_health` finds it healthy again (and its ``restore``
         succeeds): a replica that failed, or one not ready to serve (it could not load its
-        worker's weight version at start). A draining replica stays draining when it is back.
+        worker's weight version at start). A draining replica stays draining when it is back,
+        unless no replica in service accepts then (the one that did is down too).
 
         A failure must not leave new sessions nowhere to go: when the replica that went down
         was the last one accepting, the least loaded draining replica accepts again (the
@@ -379,15 +381,16 @@ class Router:
         self._down[name] = self.remove(name)
         if draining:
             self._draining.add(name)
-        draining_left = [n for n in self._engines if n in self._draining]
-        if draining_left and len(draining_left) == len(self._engines):
-            reopened = min(draining_left, key=lambda n: self._load[n])
+        self._keep_one_accepting(f"replica {name} went down")
+
+    def _keep_one_accepting(self, why: str) -> None:
+        """When every replica in service is draining, the least loaded one accepts again."""
+        draining = [n for n in self._engines if n in self._draining]
+        if draining and len(draining) == len(self._engines):
+            reopened = min(draining, key=lambda n: self._load[n])
             self.undrain(reopened)
             logger.warning(
-                "replica %s went down and every other replica in service was draining: %s takes new "
-                "sessions again",
-                name,
-                reopened,
+                "%s and every replica in service is draining: %s takes new sessions again", why, reopened
             )
 
 
