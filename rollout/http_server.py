@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 
 import uvicorn
@@ -11,6 +12,15 @@ import uvicorn
 def bearer_token(token: str | None) -> str:
     """``token``, or a fresh random one when none is given."""
     return token or secrets.token_urlsafe(24)
+
+
+class _EmbeddedServer(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn would take SIGINT and SIGTERM for as long as it serves, so that a Ctrl-C or a
+        # SIGTERM sent to the process would stop this server (its clients' requests failing)
+        # rather than reach the process that embeds it, as asyncio.run's own handler does
+        yield
 
 
 class AppServer:
@@ -27,7 +37,7 @@ class AppServer:
             app, host=host, port=port, uds=uds, log_level="warning", lifespan="off", access_log=False
         )
         self.app = app
-        self._server = uvicorn.Server(config)
+        self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
         self.uds = uds
         self.host = host

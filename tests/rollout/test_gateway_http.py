@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import signal
 import socket
 import time
 
@@ -567,3 +568,28 @@ def test_a_port_already_taken_is_an_error_the_caller_can_handle(tiny):
                 await engine.close()
 
     asyncio.run(body())
+
+
+def test_a_signal_to_the_process_reaches_its_handler_and_the_gateway_keeps_serving(tiny):
+    """The gateway serves inside its process's event loop: a SIGTERM (or Ctrl-C) goes to the
+    handler the process set (a worker's clean shutdown), not to uvicorn, which would shut
+    the gateway down under the rollouts still talking to it."""
+    received = []
+    previous = signal.signal(signal.SIGTERM, lambda sig, frame: received.append(sig))
+
+    async def body():
+        async with serving(tiny) as (_, _, client):
+            sid = await open_session(client)
+            signal.raise_signal(signal.SIGTERM)
+            assert received == [signal.SIGTERM]
+            turn = await client.post(
+                "/v1/generate",
+                json={"token_ids": [1, 2, 3], "max_new_tokens": 2},
+                headers={SESSION_HEADER: sid},
+            )
+            assert turn.status_code == 200, turn.text
+
+    try:
+        asyncio.run(body())
+    finally:
+        signal.signal(signal.SIGTERM, previous)
