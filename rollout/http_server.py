@@ -49,13 +49,19 @@ class AppServer:
         return f"http://{self.name}" if self.uds else f"http://{self.host}:{self.port}"
 
     async def start(self):
-        """Start serving; returns once the socket is bound."""
+        """Start serving; returns once the socket is bound (cancelled, it stops the server first)."""
         self._task = asyncio.create_task(self._serve())
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()
-                raise RuntimeError(f"the {self.name} server stopped before it started")
-            await asyncio.sleep(0.01)
+        try:
+            while not self._server.started:
+                if self._task.done():
+                    self._task.result()
+                    raise RuntimeError(f"the {self.name} server stopped before it started")
+                await asyncio.sleep(0.01)
+        except asyncio.CancelledError:
+            # a caller cancelled meanwhile leaves no server running (its socket bound) for nobody
+            self._server.should_exit = True
+            await asyncio.gather(self._task, return_exceptions=True)
+            raise
         if not self.uds:
             self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self

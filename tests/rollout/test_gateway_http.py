@@ -551,6 +551,26 @@ def test_serves_on_a_unix_domain_socket(tiny, tmp_path):
     asyncio.run(body())
 
 
+def test_a_start_cancelled_before_the_socket_is_bound_leaves_no_server_running(tiny):
+    """As the rollout service's first self-driving rollout does when a stop cancels it while
+    it starts the service's gateway: no server task is left serving for nobody."""
+    model, tokenizer = tiny
+
+    async def body():
+        engine = TorchEngine(copy.deepcopy(model), tokenizer, name="live")
+        try:
+            starting = asyncio.create_task(GatewayServer(Gateway(Router([engine]), tokenizer)).start())
+            await asyncio.sleep(0)  # start() has created the server task and waits for it to bind
+            starting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await starting
+            assert asyncio.all_tasks() == {asyncio.current_task()}
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
+
+
 def test_a_port_already_taken_is_an_error_the_caller_can_handle(tiny):
     """uvicorn exits the process when it cannot bind; the server raises instead."""
     model, tokenizer = tiny
