@@ -288,9 +288,14 @@ class ServiceManager:
         try:
             yield self._modules[name]
         finally:
-            async with self._changed:
-                self._in_use[name] -= 1
-                self._changed.notify_all()
+            # given back before the lock is awaited (a load may hold it for seconds): a cancel
+            # meanwhile must not leave the service in use, never to be evicted again
+            self._in_use[name] -= 1
+            await _to_the_end(asyncio.ensure_future(self._notify()))
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
 
 
 async def _to_the_end(work: asyncio.Future) -> None:

@@ -6,6 +6,7 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -368,5 +369,50 @@ def test_a_caller_cancelled_while_its_service_loads_leaves_it_loaded_whole(monke
         async with manager.use("a") as module:
             torch.testing.assert_close(module(x), expected)
         assert manager.loads == ["a"], "loaded once"
+
+    asyncio.run(main())
+
+
+def test_a_caller_cancelled_while_it_gives_its_service_back_leaves_it_evictable(monkeypatch):
+    """``a``'s caller is done with it and waits for the lock a slow load of ``b`` holds when a
+    cancel arrives: ``a`` is still given back, so the next load evicts it (the least recently
+    used), not ``b``."""
+    manager = ServiceManager(device="cpu", budget_bytes=2 * SERVICE_BYTES)
+    for seed, name in enumerate("abc"):
+        manager.register(name, make_service(seed))
+    copying, go_on = threading.Event(), threading.Event()
+    real = manager._copy_in
+
+    def held_copy(module, parked):
+        copying.set()
+        go_on.wait(10)
+        real(module, parked)
+
+    async def main():
+        done_with_a = asyncio.Event()
+
+        async def use_a():
+            async with manager.use("a"):
+                await done_with_a.wait()
+
+        caller = asyncio.ensure_future(use_a())
+        while "a" not in manager.resident:
+            await asyncio.sleep(0)
+        monkeypatch.setattr(manager, "_copy_in", held_copy)
+        loading = asyncio.ensure_future(_use(manager, "b", []))
+        while not copying.is_set():
+            await asyncio.sleep(0.001)
+        done_with_a.set()
+        for _ in range(5):  # the caller leaves its body and waits for the lock
+            await asyncio.sleep(0)
+        caller.cancel()
+        go_on.set()
+        await loading
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        monkeypatch.setattr(manager, "_copy_in", real)
+        async with manager.use("c"):
+            pass
+        assert manager.evictions == ["a"]
 
     asyncio.run(main())
