@@ -302,7 +302,8 @@ def decide(
         running: the running actions (their expected finish and what they hold).
         now: the current time (same clock as ``Running.finish_at``).
         window: how many of the actions left in the queue the completion-time heap
-            estimates; later ones are affected alike by every choice and are ignored.
+            estimates; later ones are affected alike by every choice and are ignored (an
+            action past them still starts if it fits on resources no earlier action waits for).
         max_evictions: most candidates one decision evicts (each trial re-estimates the
             queue); the next decision, at the next release, may evict more.
         reserve: per resource, the units to keep for actions expected to arrive beyond
@@ -318,6 +319,23 @@ def decide(
     cand_idx: list[int] = []
     rest_idx: list[int] = []
     for i, p in enumerate(queue):
+        if len(rest_idx) >= window:
+            # the estimate's window is full, but an action on resources no earlier action waits
+            # for still starts (a backlog on one resource must not idle the others)
+            if all(blocked):
+                break
+            if p.single >= 0 and blocked[p.single]:  # the common case, skipped inline
+                continue
+            uses = p.uses
+            if any(blocked[r] for r in uses) or not _fits(p.need, spare):
+                for r in uses:
+                    blocked[r] = True
+                continue
+            for r in uses:
+                competing[r] += 1
+                spare[r] -= p.need[r]
+            cand_idx.append(i)
+            continue
         r = p.single
         if r >= 0:  # one resource: the common case, checked inline
             competing[r] += 1
@@ -341,8 +359,6 @@ def decide(
             for r in uses:
                 blocked[r] = True
         rest_idx.append(i)
-        if len(rest_idx) >= window:
-            break
     if not cand_idx:
         return []
     prices = _prices(free, running, competing)

@@ -119,6 +119,20 @@ def test_fcfs_per_resource_no_overtaking_but_other_resources_proceed():
     assert decide([big_cpu, small_cpu, gpu], [2.0, 1.0]) == [(2, 1)]
 
 
+def test_a_backlog_past_the_window_on_one_resource_does_not_idle_another():
+    """More reward calls wait than the window holds: a tool call queued behind them still
+    starts on the free cores (nobody ahead waits for CPU), not once the backlog shrinks."""
+    policy = ActionPolicy({"cpu": 4, "reward": 1}, window=4)
+    for _ in range(6):
+        policy.submit(ResourceRequest(demand={"reward": 1}, duration=10), 0.0)
+    tool = policy.submit(ResourceRequest(demand={"cpu": 1}, duration=1), 0.0)
+    policy.submit(ResourceRequest(demand={"cpu": 4}, duration=1), 0.0)
+    policy.submit(ResourceRequest(demand={"cpu": 1}, duration=1), 0.0)
+    started = [grant.ticket for grant in policy.dispatch(0.0)]
+    assert started == [0, tool], "the big CPU action waits, and the one behind it does not overtake it"
+    assert policy.free == [3.0, 0.0] and policy.queued == 7
+
+
 def test_request_validation_names_the_problem():
     with pytest.raises(ValueError, match="min_units"):
         ResourceRequest(elastic="cpu", min_units=3, max_units=2)
@@ -402,6 +416,8 @@ def slow_decide(queue, free, running, now, window, max_evictions, reserve=None):
     """Reference: every eviction trial re-plans from scratch and re-walks the queue slowly."""
     spare, blocked, cands, rest = list(free), [False] * len(free), [], []
     for i, p in enumerate(queue):
+        if len(rest) >= window and all(blocked):
+            break
         if not any(blocked[r] for r in p.uses) and all(
             p.need[r] <= spare[r] + 1e-9 for r in range(len(free))
         ):
@@ -410,9 +426,8 @@ def slow_decide(queue, free, running, now, window, max_evictions, reserve=None):
         else:
             for r in p.uses:
                 blocked[r] = True
-            rest.append(i)
-            if len(rest) >= window:
-                break
+            if len(rest) < window:  # past the window an action only starts or waits
+                rest.append(i)
 
     # the price of a unit-second: the other actions competing for the resource over its capacity
     price = []
