@@ -126,6 +126,8 @@ class VLLMEngine:
 
     async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         """One request, retried ``retries`` times while its connection breaks before any answer."""
+        if self._client.is_closed:  # httpx would raise a RuntimeError, which no caller fails over on
+            raise EngineError(f"vLLM engine {self.name} is closed")
         for attempt in range(self.config.retries + 1):
             try:
                 response = await self._client.request(method, path, **kwargs)
@@ -254,7 +256,9 @@ class VLLMEngine:
         )
 
     async def health(self) -> bool:
-        """True when ``GET /health`` answers 200."""
+        """True when ``GET /health`` answers 200 (False once this engine is closed)."""
+        if self._client.is_closed:
+            return False
         try:
             response = await self._client.get("/health", timeout=self.config.connect_timeout_s)
         except httpx.HTTPError:

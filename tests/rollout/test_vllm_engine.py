@@ -221,6 +221,23 @@ def test_a_reload_that_fails_midway_refuses_to_generate_until_a_reload_succeeds(
     asyncio.run(_with_server(model, body))
 
 
+def test_a_closed_engine_is_down_and_refuses_requests_with_engine_errors(tiny, tmp_path):
+    """As a TorchEngine does once closed: a router sees it down and fails a request over."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        await engine.close()
+        assert not await engine.health()
+        with pytest.raises(EngineError, match="closed"):
+            await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=2, seed=0))
+        with pytest.raises(EngineError, match="closed"):
+            await engine.load_version(1, str(tmp_path / "v1"))
+        assert [kind for kind, _ in server.events] == []
+
+    asyncio.run(_with_server(model, body))
+
+
 def test_crashed_server_is_an_engine_error_and_router_fails_over(tiny):
     model = _fresh_model(tiny)
 
