@@ -189,7 +189,7 @@ class VLLMEngine:
                 "repetition_penalty": 1.0,
                 "presence_penalty": 0.0,
                 "frequency_penalty": 0.0,
-                "seed": params.seed,
+                "seed": _signed_seed(params.seed),
                 "stop_token_ids": list(params.stop_ids),
                 "logprobs": 1,
                 "return_tokens_as_token_ids": True,
@@ -267,6 +267,13 @@ class VLLMEngine:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _signed_seed(seed: int | None) -> int | None:
+    """``seed`` as the signed 64-bit integer vLLM takes: a seed in [2**63, 2**64) as the one
+    with the same 64 bits, which ``torch.Generator.manual_seed`` (vLLM's and TorchEngine's)
+    reads alike."""
+    return seed - 2**64 if seed is not None and seed >= 2**63 else seed
 
 
 def _error_message(response: httpx.Response) -> str:

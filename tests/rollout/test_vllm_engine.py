@@ -101,6 +101,22 @@ def test_stop_token_is_kept_in_the_action(tiny):
     asyncio.run(_with_server(model, body))
 
 
+def test_every_64_bit_seed_is_served_as_the_torch_generator_takes_it(tiny):
+    """vLLM takes signed 64-bit seeds; SamplingParams also takes [2**63, 2**64), which
+    torch.Generator.manual_seed (vLLM's too) reads as the same 64 bits: 2**64 - 1 is -1."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        unsigned = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=2**64 - 1))
+        signed = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=-1))
+        assert unsigned.token_ids == signed.token_ids
+        highest = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=2**63))
+        lowest = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=-(2**63)))
+        assert highest.token_ids == lowest.token_ids
+
+    asyncio.run(_with_server(model, body))
+
+
 def test_bad_requests_are_invalid_and_the_server_keeps_serving(tiny):
     model = _fresh_model(tiny)
 

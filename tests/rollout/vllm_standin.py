@@ -89,7 +89,10 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
         temperature = float(body.get("temperature", 1.0))
         top_p = float(body.get("top_p", 1.0))
         stop_ids = set(body.get("stop_token_ids") or [])
-        generator = torch.Generator().manual_seed(body["seed"]) if body.get("seed") is not None else None
+        seed = body.get("seed")
+        if seed is not None and not -(2**63) <= seed < 2**63:  # vLLM's bound: a signed 64-bit integer
+            return _error(400, f"seed: Input should be less than or equal to {2**63 - 1}")
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
 
         cached = max((_common_prefix(prompt, seen) for seen in cache), default=0)
         cached = min(cached, len(prompt) - 1)
