@@ -534,6 +534,9 @@ class TorchEngine:
             device=self.device,
         )  # (B, N)
         positions = cached[:, None] + torch.arange(width, device=self.device)[None]  # (B, N)
+        # padding, never attended to, may run past the last position (a learned position
+        # table such as GPT-2's has no row there)
+        positions = positions.clamp(max=self.max_positions - 1)
         columns = torch.arange(longest + width, device=self.device)  # (L + N,)
         attention_mask = (
             (columns[None] >= (longest - cached)[:, None]) & (columns[None] < (longest + new)[:, None])

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, GPT2Config
 
 from rl.models import TinyModelConfig, build_tiny_model, load_policy, publish_policy
 from rollout.engines.base import Engine, EngineError, InvalidRequest, SamplingParams
@@ -286,6 +287,52 @@ def test_next_turns_of_concurrent_sessions_prefill_in_one_forward(tiny, max_pref
         assert second.cached_tokens == len(first_prompt) + len(first.token_ids) - 1
         assert len(second.token_ids) == 6
         assert_logprobs_match(second.logprobs, reference_logprobs(model, prompt, second.token_ids))
+
+
+def test_a_batched_prefill_near_the_context_limit_keeps_within_the_models_positions():
+    """A row prefilled beside one with more new tokens is right-padded: its padding must not
+    take positions past the model's last, which a learned position table (GPT-2) has no
+    row for; the engine died of the IndexError."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = GPT2Config(
+            vocab_size=100, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=1, eos_token_id=2
+        )
+        model = AutoModelForCausalLM.from_config(config).eval()
+    box: dict = {"hold_at": None}
+
+    def hold_until_both_queued(stats):
+        if stats.requests == box["hold_at"]:  # the step that served the gate request
+            box["hold_at"] = None
+            engine = box["engine"]
+            wait_for(lambda: engine.stats().queue_depth == 2, "both requests to queue")
+
+    first_prompt = list(range(3, 27))
+    short = list(range(3, 15))  # 12 new tokens
+
+    async def run():
+        engine = engine_for(model, on_step=hold_until_both_queued)
+        box["engine"] = engine
+        try:
+            first = await engine.generate("near", first_prompt, SamplingParams(max_new_tokens=1, seed=0))
+            # 24 cached tokens and 6 new ones (positions 24-29), padded to 12 beside the short prompt
+            near = first_prompt + first.token_ids + [5, 6, 7, 8, 9]
+            box["hold_at"] = 2
+            await engine.generate("gate", [3], SamplingParams(max_new_tokens=1, seed=0))
+            before = engine.stats()
+            both = await asyncio.gather(
+                engine.generate("near", near, SamplingParams(max_new_tokens=2, seed=1)),
+                engine.generate("short", short, SamplingParams(max_new_tokens=2, seed=2)),
+            )
+            return near, both, before, engine.stats()
+        finally:
+            await engine.close()
+
+    near, (near_turn, short_turn), before, after = asyncio.run(run())
+    assert after.extra["prefill_forwards"] - before.extra["prefill_forwards"] == 1
+    assert near_turn.cached_tokens == len(first_prompt)
+    assert_logprobs_match(near_turn.logprobs, reference_logprobs(model, near, near_turn.token_ids))
+    assert_logprobs_match(short_turn.logprobs, reference_logprobs(model, short, short_turn.token_ids))
 
 
 def test_seeded_sampling_is_reproducible_and_stops_on_stop_ids(tiny):
