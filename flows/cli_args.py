@@ -8,7 +8,7 @@ import sys
 
 import yaml
 
-from flows.config import ConfigError, RunConfig, load_config, yaml_problem
+from flows.config import ConfigError, Replacement, RunConfig, load_config, yaml_problem
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), DEFAULT_CONFIG)
@@ -41,7 +41,7 @@ def parse(
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="Override a field, e.g. stop.max_seconds=60.",
+        help="Override a field, e.g. stop.max_seconds=60; a mapping replaces the field's whole value.",
     )
     if extra is not None:
         extra(parser)
@@ -64,9 +64,10 @@ def parse(
             parser.error(f"--set {key}: fields inside {key} are set by another --set")
         dotted.update(".".join(parents[:depth]) for depth in range(1, len(parents) + 1))
         try:
-            node[leaf] = yaml.safe_load(value)
+            parsed = yaml.safe_load(value)
         except yaml.YAMLError as exc:
             parser.error(f"--set {key}: its value is not YAML ({yaml_problem(exc)})")
+        node[leaf] = Replacement(parsed) if isinstance(parsed, dict) else parsed
     if args.run_id:
         overrides["run_id"] = args.run_id
     try:

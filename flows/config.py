@@ -298,10 +298,19 @@ def yaml_problem(exc: yaml.YAMLError) -> str:
     return problem if mark is None else f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
 
 
+class Replacement(dict):
+    """An override that replaces the mapping it lands on instead of merging into it: ``--set
+    orchestrator.mix={arith: 1.0}`` names the whole mix."""
+
+
 def _merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     merged = dict(base)
     for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+        if (
+            isinstance(value, dict)
+            and not isinstance(value, Replacement)
+            and isinstance(merged.get(key), dict)
+        ):
             merged[key] = _merge(merged[key], value)
         else:
             merged[key] = value

@@ -131,6 +131,13 @@ def test_a_field_set_twice_takes_the_last_value():
     assert config.orchestrator.mix["arith"] == 0.4
 
 
+def test_a_mapping_set_on_the_command_line_replaces_the_files():
+    sets = ["orchestrator.mix={arith: 1.0}", "warm_start.demos={}"]
+    config, _ = parse("test", ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)])
+    assert config.orchestrator.mix == {"arith": 1.0}
+    assert config.warm_start.demos == {}
+
+
 def test_overrides_merge_into_the_file_and_are_validated(tmp_path):
     config = load_config(TINY, {"sao": {"lr": 0.5}, "stop": {"max_seconds": 7}})
     assert (config.sao.lr, config.stop.max_seconds, config.sao.mode) == (0.5, 7, "sao")
