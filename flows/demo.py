@@ -30,10 +30,9 @@ def main(argv: list[str] | None = None) -> None:
     from flows.pipeline import pipeline
     from tasks.common import run_store
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--run-id" not in argv:
-        argv += ["--run-id", time.strftime("demo-%Y%m%d-%H%M%S")]
     config, args = parse("The treadle demo: warm start, then rollout + process + train at once.", argv)
+    if args.run_id is None and not any(item.partition("=")[0] == "run_id" for item in args.set):
+        config = config.model_copy(update={"run_id": time.strftime("demo-%Y%m%d-%H%M%S")})
     api = os.environ.get("PREFECT_API_URL")
     print(f"treadle demo — run {config.run_id}: tiny model on CPU, envs {sorted(config.orchestrator.mix)}")
     print(

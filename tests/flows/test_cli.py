@@ -389,3 +389,32 @@ def test_the_default_config_is_found_outside_the_repository(tmp_path, monkeypatc
     monkeypatch.chdir(tmp_path)
     config, _ = parse("a flow", ["--run-id", "elsewhere"])
     assert config == load_config(REPO / "configs" / "tiny.yaml", {"run_id": "elsewhere"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "run_id"),
+    [
+        ([], None),
+        (["--run-id=mine"], "mine"),
+        (["--set", "run_id=mine"], "mine"),
+        (["--run-id", "mine"], "mine"),
+    ],
+)
+def test_the_demo_runs_under_the_run_id_it_is_given_else_a_new_one(monkeypatch, argv, run_id):
+    import flows.demo
+    import flows.pipeline
+
+    class Started(Exception):
+        pass
+
+    def pipeline(config):
+        raise Started(config.run_id)
+
+    monkeypatch.setattr(flows.demo, "_ui_running", lambda: False)
+    monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
+    with pytest.raises(Started) as started:
+        flows.demo.main(argv)
+    if run_id is None:
+        assert started.value.args[0].startswith("demo-")
+    else:
+        assert started.value.args[0] == run_id
