@@ -8,6 +8,7 @@ message that names the field.
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -273,7 +274,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
+            data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read run config {path}: {exc}") from exc
         except yaml.YAMLError as exc:
@@ -288,6 +289,26 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
             f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
         )
         raise ConfigError(f"invalid run config{f' {path}' if path else ''}: {problems}") from None
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load``, refusing a key given twice in a mapping: PyYAML keeps the last
+    one silently, so a section written twice lost the first one's fields."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # keys a merge brings in may be given again
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):  # SafeLoader refuses it below
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:

@@ -102,6 +102,16 @@ def test_malformed_yaml_fails_naming_the_place_without_quoting_the_line(tmp_path
     assert "hunter2" not in message and failed.value.__cause__ is None
 
 
+def test_a_field_given_twice_in_the_file_fails_naming_it(tmp_path):
+    path = write_config(tmp_path, "sao:\n  lr: 0.5\nstop: {max_seconds: 7}\nsao:\n  mode: grpo\n")
+    with pytest.raises(ConfigError) as failed:
+        load_config(path)
+    assert str(failed.value) == f"cannot read run config {path}: duplicate key 'sao' at line 4, column 1"
+    merged = write_config(tmp_path, "a: &a {lr: 0.5}\nsao:\n  <<: *a\n  lr: 0.25\n")
+    with pytest.raises(ConfigError, match=r"^invalid run config .*: a: Extra inputs are not permitted$"):
+        load_config(merged)  # a key that a merge brings in may be given again: only the extra 'a' fails
+
+
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
