@@ -25,7 +25,7 @@ def _ui_running() -> bool:
 def main(argv: list[str] | None = None) -> None:
     if "PREFECT_API_URL" not in os.environ and _ui_running():
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
-    from flows.cli import inspect_run
+    from flows.cli import _without_credentials, inspect_run
     from flows.cli_args import default_config, parse
     from flows.pipeline import pipeline
     from tasks.common import run_store
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     api = os.environ.get("PREFECT_API_URL")
     print(f"treadle demo — run {config.run_id}: tiny model on CPU, envs {sorted(config.orchestrator.mix)}")
     print(
-        f"Prefect: {'server ' + api if api else 'ephemeral mode (start `make ui` first to watch it in the UI)'}"
+        f"Prefect: {'server ' + _without_credentials(api) if api else 'ephemeral mode (start `make ui` first to watch it in the UI)'}"
     )
     started = time.monotonic()
     result = pipeline(config)

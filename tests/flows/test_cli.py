@@ -418,3 +418,18 @@ def test_the_demo_runs_under_the_run_id_it_is_given_else_a_new_one(monkeypatch, 
         assert started.value.args[0].startswith("demo-")
     else:
         assert started.value.args[0] == run_id
+
+
+def test_the_demo_names_its_prefect_api_without_credentials(monkeypatch, capsys):
+    import flows.demo
+    import flows.pipeline
+
+    def pipeline(config):
+        raise KeyError("started")
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://user:password@127.0.0.1:4300/api")
+    monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
+    with pytest.raises(KeyError):
+        flows.demo.main([])
+    out = capsys.readouterr().out
+    assert "Prefect: server http://127.0.0.1:4300/api" in out and "password" not in out
