@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import typing
 
 import yaml
+from pydantic import BaseModel
 
 from flows.config import ConfigError, Replacement, RunConfig, load_config, yaml_problem
 
@@ -41,7 +43,9 @@ def parse(
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="Override a field, e.g. stop.max_seconds=60; a mapping replaces the field's whole value.",
+        help="Override a field, e.g. stop.max_seconds=60. A mapping given for a section (sao={lr: 1e-4}) "
+        "changes the fields it names; one given for a mapping field (orchestrator.mix={arith: 1.0}) is its "
+        "whole value.",
     )
     if extra is not None:
         extra(parser)
@@ -67,7 +71,7 @@ def parse(
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as exc:
             parser.error(f"--set {key}: its value is not YAML ({yaml_problem(exc)})")
-        node[leaf] = Replacement(parsed) if isinstance(parsed, dict) else parsed
+        node[leaf] = Replacement(parsed) if isinstance(parsed, dict) and _mapping_field(key) else parsed
     if args.run_id:
         overrides["run_id"] = args.run_id
     try:
@@ -75,3 +79,19 @@ def parse(
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def _mapping_field(key: str) -> bool:
+    """Whether dotted ``key`` names a field of :class:`RunConfig` whose value is a mapping of
+    its own (``orchestrator.mix``), which a mapping given for it replaces, rather than a
+    section (a model), into which it merges."""
+    model: type[BaseModel] = RunConfig
+    *sections, name = key.split(".")
+    for section in sections:
+        field = model.model_fields.get(section)
+        annotation = field and field.annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    field = model.model_fields.get(name)
+    return field is not None and typing.get_origin(field.annotation) is dict

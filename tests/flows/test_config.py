@@ -21,6 +21,7 @@ from envs import registry
 from envs.arith import ArithEnv
 from flows.cli_args import parse
 from flows.config import ConfigError, RunConfig, load_config
+from rl.config import SAOConfig
 from tests.flows.conftest import REPO
 
 TINY = REPO / "configs" / "tiny.yaml"
@@ -141,11 +142,25 @@ def test_a_field_set_twice_takes_the_last_value():
     assert config.orchestrator.mix["arith"] == 0.4
 
 
-def test_a_mapping_set_on_the_command_line_replaces_the_files():
-    sets = ["orchestrator.mix={arith: 1.0}", "warm_start.demos={}"]
+def test_a_mapping_set_on_the_command_line_replaces_a_mapping_field_and_updates_a_section():
+    """``orchestrator.mix={arith: 1.0}`` is the whole mix (merged, the file's guess would
+    stay in it); ``sao={lr: ...}`` changes the learning rate and keeps the file's other
+    trainer settings."""
+    sets = [
+        "orchestrator.mix={arith: 1.0}",
+        "warm_start.demos={}",
+        "sao={lr: 1.0e-4}",
+        "envs={arith: {max_operand: 9}}",
+    ]
     config, _ = parse("test", ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)])
     assert config.orchestrator.mix == {"arith": 1.0}
     assert config.warm_start.demos == {}
+    file = load_config(TINY)
+    assert (
+        config.sao == file.sao.model_copy(update={"lr": 1.0e-4})
+        and file.sao.token_budget != SAOConfig().token_budget
+    )
+    assert config.envs.configured()["arith"].max_operand == 9
 
 
 def test_overrides_merge_into_the_file_and_are_validated(tmp_path):
