@@ -128,7 +128,7 @@ def _run(args) -> None:
             raise
         from prefect.settings import PREFECT_API_URL
 
-        url = _without_credentials(PREFECT_API_URL.value() or "")
+        url = without_credentials(PREFECT_API_URL.value() or "")
         raise SystemExit(
             f"error: no Prefect API at {url} (unset PREFECT_API_URL or start one with treadle ui)"
         ) from None
@@ -141,7 +141,7 @@ def _unreachable_api(exc: RuntimeError) -> bool:
     return str(exc).startswith("Failed to reach API") and isinstance(exc.__cause__, httpx.TransportError)
 
 
-def _without_credentials(url: str) -> str:
+def without_credentials(url: str) -> str:
     """``url`` without a ``user:password@`` part."""
     parts = urllib.parse.urlsplit(url)
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()

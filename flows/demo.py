@@ -25,7 +25,7 @@ def _ui_running() -> bool:
 def main(argv: list[str] | None = None) -> None:
     if "PREFECT_API_URL" not in os.environ and _ui_running():
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
-    from flows.cli import _without_credentials, inspect_run
+    from flows.cli import inspect_run, without_credentials
     from flows.cli_args import default_config, parse
     from flows.pipeline import pipeline
     from tasks.common import run_store
@@ -35,9 +35,12 @@ def main(argv: list[str] | None = None) -> None:
         config = config.model_copy(update={"run_id": time.strftime("demo-%Y%m%d-%H%M%S")})
     api = os.environ.get("PREFECT_API_URL")
     print(f"treadle demo — run {config.run_id}: tiny model on CPU, envs {sorted(config.orchestrator.mix)}")
-    print(
-        f"Prefect: {'server ' + _without_credentials(api) if api else 'ephemeral mode (start `make ui` first to watch it in the UI)'}"
+    where = (
+        f"server {without_credentials(api)}"
+        if api
+        else "ephemeral mode (start `make ui` first to watch it in the UI)"
     )
+    print(f"Prefect: {where}")
     started = time.monotonic()
     result = pipeline(config)
     store = run_store(config)
