@@ -21,7 +21,7 @@ from rollout.engines.base import EngineError
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router, RouterConfig
-from rollout.service import DuplicateRollout, RolloutRequest, RolloutService, ServiceConfig
+from rollout.service import DuplicateRollout, RolloutRequest, RolloutResult, RolloutService, ServiceConfig
 from rollout.service_http import ServiceServer, create_app
 from storage.schema import to_table, validate
 
@@ -548,6 +548,16 @@ class FailingOnceEngine(TorchEngine):
         return await super().generate(session_id, prompt_ids, params)
 
 
+async def one_program_rollout(engine, gateway: Gateway, env) -> RolloutResult:
+    """One rollout of self-driving ``env`` on a service over ``gateway``; closes both after."""
+    service = RolloutService(gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=4))
+    try:
+        return await service.process(RolloutRequest(task=arith_task()))
+    finally:
+        await service.close()
+        await engine.close()
+
+
 @pytest.mark.parametrize("retried", [False, True])
 def test_an_engine_failure_a_self_driving_program_gives_up_on_is_an_infra_error(tiny, retried):
     """The program of a self-driving env sees an engine failure only as an HTTP 503: when it
@@ -560,12 +570,7 @@ def test_an_engine_failure_a_self_driving_program_gives_up_on_is_an_infra_error(
         gateway = Gateway(Router([engine], RouterConfig(failover=False)), tokenizer, GatewayConfig())
         env = OneCallProgram()
         env.calls = 2 if retried else 1
-        service = RolloutService(gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=4))
-        try:
-            return await service.process(RolloutRequest(task=arith_task()))
-        finally:
-            await service.close()
-            await engine.close()
+        return await one_program_rollout(engine, gateway, env)
 
     result = asyncio.run(body())
     if retried:
@@ -617,12 +622,7 @@ def test_a_self_driving_program_whose_last_call_is_over_the_context_is_truncated
         gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=256))
         env = LongMessageProgram()
         env.then = then
-        service = RolloutService(gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=4))
-        try:
-            return await service.process(RolloutRequest(task=arith_task()))
-        finally:
-            await service.close()
-            await engine.close()
+        return await one_program_rollout(engine, gateway, env)
 
     result = asyncio.run(body())
     if then == "retries":
