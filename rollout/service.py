@@ -24,12 +24,13 @@ Time spent waiting for a stage's slot or for a scheduler grant is queue time: it
 in the timing breakdown and does not count toward the rollout's timeout.
 
 Failures are classified into the canonical ``status``: an engine that died, a sandbox
-that failed to start or an environment's host that died (``EnvHostLost``) is ``infra_error`` (never scored, never trained on); a sandbox that
-stopped the agent's command, or an environment that raised (a ``CancelledError`` of its own
-included: only a cancel of the rollout cancels it), whose output the gateway rejects (a
-malformed message, a token outside the vocabulary) or whose reward or progress the record
-cannot hold (not a number, not finite, progress outside [0, 1]), is ``env_error``; running
-out of the time budget is ``timeout``; running out of turns or context is ``truncated``.
+that failed to start or an environment's host that died (``EnvHostLost``) is
+``infra_error`` (never scored, never trained on); a sandbox that stopped the agent's
+command, or an environment that raised (a ``CancelledError`` of its own included: only a
+cancel of the rollout cancels it), whose output the gateway rejects (a malformed
+message, a token outside the vocabulary) or whose reward or progress the record cannot
+hold (not a number, not finite, progress outside [0, 1]), is ``env_error``; running out
+of the time budget is ``timeout``; running out of turns or context is ``truncated``.
 """
 
 from __future__ import annotations
