@@ -548,25 +548,20 @@ def test_two_retentions_at_once_both_finish(store, tokenizer_dir, tmp_path, monk
     for _ in range(6):
         publish_model(trainer, model, tokenizer_dir)
     overtaken = []
-    if overtaken_at == "manifest":  # the other deletes between the listing and the manifests' reads
-        read_manifest = maintain.manifest
 
-        def manifest(version):
+    def overtaken_before(call):
+        def first_the_other(version):
             if not overtaken:
                 overtaken.append(trainer.retain(keep_last=2))
-            return read_manifest(version)
+            return call(version)
 
-        monkeypatch.setattr(maintain, "manifest", manifest)
+        return first_the_other
+
+    if overtaken_at == "manifest":  # the other deletes between the listing and the manifests' reads
+        monkeypatch.setattr(maintain, "manifest", overtaken_before(maintain.manifest))
     else:  # the other deletes once the versions to delete are chosen
         monkeypatch.setattr(maintain, "manifest", lambda version: {"tag": None})
-        version_path = maintain.version_path
-
-        def path_once_overtaken(version):
-            if not overtaken:
-                overtaken.append(trainer.retain(keep_last=2))
-            return version_path(version)
-
-        monkeypatch.setattr(maintain, "version_path", path_once_overtaken)
+        monkeypatch.setattr(maintain, "version_path", overtaken_before(maintain.version_path))
     maintain.retain(keep_last=2)
     assert overtaken == [[0, 1, 2, 3]]
     assert trainer.list() == [4, 5] and trainer.latest() == 5
