@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
+import types
 import typing
+from typing import Any
 
 import yaml
-from pydantic import BaseModel
+from pydantic import BaseModel, SecretStr
 
 from flows.config import ConfigError, Replacement, RunConfig, load_config, yaml_problem
 
@@ -71,7 +74,12 @@ def parse(
             parsed = yaml.safe_load(value)
         except yaml.YAMLError as exc:
             parser.error(f"--set {key}: its value is not YAML ({yaml_problem(exc)})")
-        node[leaf] = Replacement(parsed) if isinstance(parsed, dict) and _mapping_field(key) else parsed
+        annotation = _annotation(key)
+        if isinstance(parsed, dict) and typing.get_origin(annotation) is dict:
+            parsed = Replacement(parsed)
+        elif isinstance(parsed, (int, float, datetime.date)) and _text_only(annotation):
+            parsed = value  # run_id=2024 names a run, not a number
+        node[leaf] = parsed
     if args.run_id:
         overrides["run_id"] = args.run_id
     try:
@@ -81,17 +89,25 @@ def parse(
         raise SystemExit(2) from None
 
 
-def _mapping_field(key: str) -> bool:
-    """Whether dotted ``key`` names a field of :class:`RunConfig` whose value is a mapping of
-    its own (``orchestrator.mix``), which a mapping given for it replaces, rather than a
-    section (a model), into which it merges."""
+def _annotation(key: str) -> Any:
+    """The type of the :class:`RunConfig` field that dotted ``key`` names, None when it names
+    none. A mapping given for a field of type ``dict`` (``orchestrator.mix``) replaces it; one
+    given for a section (a model) merges into it."""
     model: type[BaseModel] = RunConfig
     *sections, name = key.split(".")
     for section in sections:
         field = model.model_fields.get(section)
         annotation = field and field.annotation
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return False
+            return None
         model = annotation
     field = model.model_fields.get(name)
-    return field is not None and typing.get_origin(field.annotation) is dict
+    return field and field.annotation
+
+
+def _text_only(annotation: Any) -> bool:
+    """Whether a field of this type holds text and nothing else (``str``, a secret, or
+    either or None)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = set(typing.get_args(annotation) if union else [annotation]) - {type(None)}
+    return bool(kinds) and kinds <= {str, SecretStr}

@@ -163,6 +163,22 @@ def test_a_mapping_set_on_the_command_line_replaces_a_mapping_field_and_updates_
     assert config.envs.configured()["arith"].max_operand == 9
 
 
+def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
+    """YAML reads ``2024`` as a number and ``2024-12-03`` as a date; a field that holds text
+    (a run id, a key) gets the characters given, while a number field still gets a number."""
+    sets = [
+        "run_id=2024",
+        "storage.secret_access_key=123456",
+        "ray_address=2024-12-03",
+        "storage.retries=5",
+    ]
+    config, _ = parse("test", ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)])
+    assert config.run_id == "2024"
+    assert config.storage.secret_access_key.get_secret_value() == "123456"
+    assert config.ray_address == "2024-12-03"
+    assert config.storage.retries == 5
+
+
 def test_overrides_merge_into_the_file_and_are_validated(tmp_path):
     config = load_config(TINY, {"sao": {"lr": 0.5}, "stop": {"max_seconds": 7}})
     assert (config.sao.lr, config.stop.max_seconds, config.sao.mode) == (0.5, 7, "sao")
