@@ -453,7 +453,7 @@ class Policy(Protocol):
 
     def dispatch(self, now: float) -> list[Grant]: ...
 
-    def release(self, grant: Grant, now: float) -> None: ...
+    def release(self, grant: Grant, now: float, *, ran: bool = True) -> None: ...
 
     def end_trajectory(self, trajectory_id: str, now: float) -> None: ...
 
@@ -603,8 +603,9 @@ class ActionPolicy:
             grants.append(grant)
         return grants
 
-    def release(self, grant: Grant, now: float) -> None:
-        """Give back a grant's resources."""
+    def release(self, grant: Grant, now: float, *, ran: bool = True) -> None:
+        """Give back a grant's resources; ``ran=False``: its action never ran, so how long the
+        grant was held is no sample of its duration."""
         entry = self._running.pop(grant.ticket, None)
         if entry is None:
             raise ValueError(f"grant {grant.ticket} is not running (released twice?)")
@@ -613,7 +614,8 @@ class ActionPolicy:
             self.free[r] += h
         for r, h in enumerate(at_minimum):
             self._base_held[r] -= h
-        self.estimates.observe(grant, now)
+        if ran:
+            self.estimates.observe(grant, now)
 
     def end_trajectory(self, trajectory_id: str, now: float) -> None:
         """Nothing is held per trajectory."""
@@ -717,15 +719,17 @@ class StaticPolicy:
                 grants.append(Grant(ticket, request, units, need, enqueued, now, now + duration))
         return grants
 
-    def release(self, grant: Grant, now: float) -> None:
-        """Return an action's share to its key's reservation (not to the pool)."""
+    def release(self, grant: Grant, now: float, *, ran: bool = True) -> None:
+        """Return an action's share to its key's reservation (not to the pool); ``ran`` as in
+        ``ActionPolicy.release``."""
         entry = self._running.pop(grant.ticket, None)
         if entry is None:
             raise ValueError(f"grant {grant.ticket} is not running (released twice?)")
         k, need = entry
         for n, a in need.items():
             self._reserved[k][n] += a
-        self.estimates.observe(grant, now)
+        if ran:
+            self.estimates.observe(grant, now)
 
     def end_trajectory(self, trajectory_id: str, now: float) -> None:
         """Return the trajectory's reservation to the pool once its actions are done."""
@@ -768,16 +772,16 @@ class _AsyncFront:
                     grant.cores = self.cpu.allocate(int(grant.allocation[self.cpu_resource]))
                 waiter = self._waiters.pop(grant.ticket)
                 if waiter.done():
-                    self._give_back(grant)
+                    self._give_back(grant, ran=False)
                     given_back = True
                 else:
                     waiter.set_result(grant)
 
-    def _give_back(self, grant: Grant) -> None:
+    def _give_back(self, grant: Grant, *, ran: bool = True) -> None:
         if grant.cores and self.cpu is not None:
             self.cpu.free(grant.cores)
             grant.cores = frozenset()
-        self.policy.release(grant, self._now())
+        self.policy.release(grant, self._now(), ran=ran)
 
     async def acquire(self, request: ResourceRequest) -> Grant:
         """Wait until the action is granted its resources."""
@@ -797,12 +801,13 @@ class _AsyncFront:
                 self._waiters.pop(ticket, None)
                 self._dispatch()  # it may have held up smaller requests queued behind it
             elif waiter.done() and not waiter.cancelled():
-                self.release(waiter.result())
+                self.release(waiter.result(), ran=False)
             raise
 
-    def release(self, grant: Grant) -> None:
-        """Give the grant's resources back and start whatever can run now."""
-        self._give_back(grant)
+    def release(self, grant: Grant, *, ran: bool = True) -> None:
+        """Give the grant's resources back and start whatever can run now; ``ran=False`` for a
+        grant handed back unused (its hold is no duration sample of its kind of action)."""
+        self._give_back(grant, ran=ran)
         self._dispatch()
 
     def end_trajectory(self, trajectory_id: str) -> None:

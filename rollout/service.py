@@ -345,7 +345,7 @@ class _ProgramActions:
         finally:
             self._asking = None
         if self.closed or self.waits:  # the rollout ended, or the program called again meanwhile
-            self.scheduler.release(grant)
+            self.scheduler.release(grant, ran=False)
             return
         self.grant = grant
         self.env.cores = grant.cores or None

@@ -288,6 +288,37 @@ def test_units_granted_to_a_cancelled_waiter_go_to_the_next_in_line():
     asyncio.run(main())
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ActionScheduler({"cpu": 1}), lambda: StaticReservation({"cpu": 1}, {"cpu": 1})],
+    ids=["action", "static"],
+)
+@pytest.mark.parametrize("cancelled", ["before the grant", "as the grant lands"])
+def test_a_grant_its_cancelled_waiter_never_used_is_no_duration_sample(make, cancelled):
+    """A tool call is cancelled just before or just as a release grants it the core: it gives
+    the core back at once, having run for 0 s, and the tools' duration estimate must not take
+    that as a sample (each such cancel would cut the estimate by a fifth)."""
+
+    async def main():
+        sched = make()
+        tool = ResourceRequest(demand={"cpu": 1}, kind="tool", trajectory_id="t")
+        held = await sched.acquire(ResourceRequest(demand={"cpu": 1}, kind="other", trajectory_id="t"))
+        waiter = asyncio.ensure_future(sched.acquire(tool))
+        await asyncio.sleep(0)
+        if cancelled == "before the grant":
+            waiter.cancel()
+            sched.release(held)
+        else:
+            sched.release(held)
+            assert not waiter.done()  # granted, but its task has not resumed yet
+            waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        return sched.policy.estimates.t1(tool)
+
+    assert asyncio.run(main()) == 1.0  # still the default: no sample
+
+
 def test_a_cancelled_waiter_no_longer_holds_up_the_requests_behind_it():
     """A big request waits at the head of the queue while a long action holds part of the
     pool; once it is cancelled, the small request behind it starts on the free units at

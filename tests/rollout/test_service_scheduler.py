@@ -336,6 +336,27 @@ def test_closing_a_gate_whose_acquire_has_not_started_gives_everything_back():
     assert scheduler.policy.free == [1.0] and scheduler.policy.queued == 0
 
 
+def test_a_grant_that_lands_after_the_program_called_again_is_no_duration_sample():
+    # the reply's acquire waits for the only core; the program sends another model call
+    # meanwhile, so the grant goes back unused the moment it lands: no 0 s sample of "agent"
+    async def body():
+        scheduler = make_scheduler(ServiceConfig(scheduler="action", scheduler_cores=1, scheduler_pin=False))
+        gate = _ProgramActions(scheduler, OverlappingReplies(service=None), "r1", _Clock(60))
+        gate.waits = 1  # the program waits on a model call
+        held = await scheduler.acquire(ResourceRequest(demand={"cpu": 1}, kind="other"))
+        reply = asyncio.create_task(gate.acting())
+        await asyncio.sleep(0)  # the reply's acquire is queued
+        gate.waiting()  # the program calls the model again
+        scheduler.release(held)
+        await asyncio.wait_for(reply, 5)
+        await gate.close()
+        return scheduler
+
+    scheduler = asyncio.run(body())
+    assert scheduler.policy.free == [1.0] and scheduler.policy.queued == 0
+    assert scheduler.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="agent")) == 1.0
+
+
 class PinnedProgram(ArithEnv):
     """A self-driving env whose program is the process ``pid``."""
 
