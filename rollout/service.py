@@ -185,12 +185,12 @@ class _Clock:
     def remaining(self) -> float:
         return self.budget - (self.timing["init"] + self.timing["run"] + self.timing["eval"])
 
-    @contextlib.contextmanager
-    def waiting_for_grant(self) -> Iterator[None]:
-        """Time in the body (a wait for a scheduler grant, cancelled or not) is queue time: it is
-        booked as such, and the running stage's deadline stands still meanwhile. A rollout waits
-        for one grant at a time (its actions run one after another, a program's gate has at
-        most one acquire in flight and is closed when RUN ends)."""
+    def pause(self) -> Callable[[], None]:
+        """A wait for a scheduler grant (cancelled or not) begins; the function returned ends it
+        (call it once). The wait is queue time: it is booked as such, and the running stage's
+        deadline stands still meanwhile. A rollout waits for one grant at a time (its actions
+        run one after another, a program's gate has at most one acquire in flight and is closed
+        when RUN ends)."""
         deadline = self.deadline
         loop = asyncio.get_running_loop()
         left = None
@@ -198,12 +198,22 @@ class _Clock:
             left = deadline.when() - loop.time()
             deadline.reschedule(None)
         asked = time.perf_counter()
-        try:
-            yield
-        finally:
+
+        def resume() -> None:
             self.resource_wait += time.perf_counter() - asked
             if left is not None and self.deadline is deadline and not deadline.expired():
                 deadline.reschedule(loop.time() + left)
+
+        return resume
+
+    @contextlib.contextmanager
+    def waiting_for_grant(self) -> Iterator[None]:
+        """The body is a wait for a scheduler grant (see ``pause``)."""
+        resume = self.pause()
+        try:
+            yield
+        finally:
+            resume()
 
 
 class RolloutTimeout(Exception):
@@ -311,7 +321,8 @@ class _ProgramActions:
     declares per action while it acts (from its start, and from each model reply until its
     next model call; several calls in flight count as one wait), and is parked without one
     while it waits. At most one acquire is in flight: a reply that finds one waits for it and
-    shares its grant."""
+    shares its grant. The wait is queue time only while the program has no model call out:
+    one it sends meanwhile is RUN time (the grant goes back unused when it lands)."""
 
     def __init__(
         self, scheduler: ActionScheduler | StaticReservation, env: Env, rollout_id: str, clock: _Clock
@@ -325,6 +336,7 @@ class _ProgramActions:
         self.grant = None
         self.closed = False
         self._asking: asyncio.Task | None = None
+        self._resume: Callable[[], None] | None = None  # ends the clock's pause of the wait
 
     async def acting(self) -> None:
         self.waits -= 1
@@ -332,18 +344,20 @@ class _ProgramActions:
             return
         if self._asking is None:
             self._asking = asyncio.create_task(self._ask())
+        if self._resume is None:
+            self._resume = self.clock.pause()
         # shielded: a caller that is cancelled does not cancel an acquire others may share
         await asyncio.shield(self._asking)
 
     async def _ask(self) -> None:
         """Acquire a grant and keep it if the program still acts; ends quietly when ``close`` cancels it."""
         try:
-            with self.clock.waiting_for_grant():
-                grant = await self.scheduler.acquire(self.needs)
+            grant = await self.scheduler.acquire(self.needs)
         except asyncio.CancelledError:
             return
         finally:
             self._asking = None
+            self._end_wait()
         if self.closed or self.waits:  # the rollout ended, or the program called again meanwhile
             self.scheduler.release(grant, ran=False)
             return
@@ -356,6 +370,7 @@ class _ProgramActions:
     def waiting(self) -> None:
         self.waits += 1
         if self.waits == 1:
+            self._end_wait()
             self._give_back()
 
     async def close(self) -> None:
@@ -367,7 +382,13 @@ class _ProgramActions:
             # wait, not await: an acquire cancelled before it ever ran raises CancelledError
             # when awaited, which would stop the rollout's cleanup
             await asyncio.wait([asking])
+        self._end_wait()  # an acquire cancelled before it ever ran did not end it
         self._give_back()
+
+    def _end_wait(self) -> None:
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            resume()
 
     def _give_back(self) -> None:
         grant, self.grant = self.grant, None

@@ -357,6 +357,37 @@ def test_a_grant_that_lands_after_the_program_called_again_is_no_duration_sample
     assert scheduler.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="agent")) == 1.0
 
 
+def test_the_run_deadline_stands_still_only_while_the_program_waits_for_its_grant():
+    # the reply's acquire waits for the only core: the deadline stands still. The program
+    # then calls the model again: it no longer waits for the grant (which goes back unused
+    # when it lands), and its model call is RUN time, so the deadline runs again until that
+    # call's reply waits for the same acquire
+    async def body():
+        scheduler = make_scheduler(ServiceConfig(scheduler="action", scheduler_cores=1, scheduler_pin=False))
+        clock = _Clock(60)
+        gate = _ProgramActions(scheduler, OverlappingReplies(service=None), "r1", clock)
+        gate.waits = 1  # the program waits on a model call
+        held = await scheduler.acquire(ResourceRequest(demand={"cpu": 1}, kind="other"))
+        async with asyncio.timeout(60) as clock.deadline:
+            first = asyncio.create_task(gate.acting())
+            while not scheduler.policy.queued:
+                await asyncio.sleep(0)
+            standing = [clock.deadline.when() is None]
+            gate.waiting()  # the program calls the model again
+            standing.append(clock.deadline.when() is None)
+            second = asyncio.create_task(gate.acting())  # that call's reply shares the acquire
+            await asyncio.sleep(0)
+            standing.append(clock.deadline.when() is None)
+            scheduler.release(held)
+            await asyncio.wait_for(asyncio.gather(first, second), 5)
+            standing.append(clock.deadline.when() is None)
+            gate.waiting()
+        await gate.close()
+        return standing
+
+    assert asyncio.run(body()) == [True, False, True, False]
+
+
 class PinnedProgram(ArithEnv):
     """A self-driving env whose program is the process ``pid``."""
 
