@@ -7,9 +7,14 @@ the run shows up in the UI), and Prefect's ephemeral mode otherwise.
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 import urllib.request
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flows.config import RunConfig
 
 UI_URL = "http://127.0.0.1:4200"
 
@@ -50,10 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     if arith is not None:
         print(f"arith gain: {arith:+.3f}")
     print(f"finished in {time.monotonic() - started:.0f} s")
-    # --config brings the endpoint and credentials; --root keeps a --set storage.root override
-    where = (
-        f"--config {args.config or default_config()} --root {config.storage.root} --run-id {config.run_id}"
-    )
+    where = run_arguments(args.config or default_config(), config)
     print(
         f"""
 Where to look:
@@ -67,6 +69,13 @@ Where to look:
     )
     if arith is None or round(arith, 6) < 0.15:
         print("note: the arith gain is below the 0.15 this demo aims for on this machine", file=sys.stderr)
+
+
+def run_arguments(config_path: str, config: RunConfig) -> str:
+    """The ``treadle inspect``/``sql`` arguments that reach this run, quoted for a shell:
+    ``--config`` brings the endpoint and credentials, ``--root`` keeps a ``--set
+    storage.root`` override."""
+    return shlex.join(["--config", config_path, "--root", config.storage.root, "--run-id", config.run_id])
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import io
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -433,3 +434,14 @@ def test_the_demo_names_its_prefect_api_without_credentials(monkeypatch, capsys)
         flows.demo.main([])
     out = capsys.readouterr().out
     assert "Prefect: server http://127.0.0.1:4300/api" in out and "password" not in out
+
+
+def test_the_demo_prints_arguments_that_reach_its_run_through_a_shell(tmp_path):
+    from flows.demo import run_arguments
+
+    root = tmp_path / "runs with a space"
+    config = load_config(REPO / "configs" / "tiny.yaml", {"run_id": "demo-1", "storage": {"root": str(root)}})
+    config_path = str(tmp_path / "my config.yaml")
+    assert shlex.split(run_arguments(config_path, config)) == [
+        "--config", config_path, "--root", str(root), "--run-id", "demo-1",
+    ]  # fmt: skip
