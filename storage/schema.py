@@ -186,32 +186,24 @@ table row it is about."""
 
 
 def _problems(table: pa.Table) -> list[_Problem]:
+    """Row checks on whole columns (one kernel call each, however many record batches the
+    table holds), per-token checks record batch by record batch where each lies in memory."""
     token_columns = [c for c in (*TOKEN_COLUMNS, *PROCESSED_TOKEN_COLUMNS) if c in table.column_names]
-    problems: list[_Problem] = []
-    start = 0
-    for batch in table.to_batches():
-        problems.extend(_batch_problems(batch, start, token_columns))
-        start += batch.num_rows
-    return problems
-
-
-def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str]) -> list[_Problem]:
-    """Problems of one record batch whose first row is row ``start`` of the table."""
-    ids = batch.column("trajectory_id")
+    ids = table.column("trajectory_id")
     problems: list[_Problem] = []
 
     def add(key: tuple[int, ...], row: int, column: str, what: str) -> None:
-        problems.append((key, start + row, (ids[row].as_py(), column, what)))
+        problems.append((key, row, (ids[row].as_py(), column, what)))
 
     for position, name in enumerate(ID_COLUMNS):
-        column = batch.column(name)
+        column = table.column(name)
         for row in np.flatnonzero(_blank_strings(column)):
             what = "missing id" if not column[row].as_py() else "id is whitespace only"
-            add((0, start + row, position), row, name, what)
+            add((0, row, position), row, name, what)
 
-    lengths = {name: _list_lengths(batch.column(name)) for name in token_columns}
+    lengths = {name: _list_lengths(table.column(name)) for name in token_columns}
     n_tokens = lengths["tokens"]
-    bad_rows = np.zeros(batch.num_rows, dtype=bool)
+    bad_rows = np.zeros(table.num_rows, dtype=bool)
     for position, name in enumerate(token_columns):
         bad = (lengths[name] != n_tokens) | (lengths[name] < 0)
         for row in np.flatnonzero(bad):
@@ -221,28 +213,32 @@ def _batch_problems(batch: pa.RecordBatch, start: int, token_columns: list[str])
                 what = f"has {lengths[name][row]} entries but tokens is null"
             else:
                 what = f"has {lengths[name][row]} entries but tokens has {n_tokens[row]}"
-            add((1, position, start + row), row, name, what)
+            add((1, position, row), row, name, what)
         bad_rows |= bad
     for position, name in enumerate(token_columns):
-        for row in _rows_with_null_entries(batch.column(name)):
-            add((1, position, start + row), row, name, "has null entries")
+        for row in _rows_with_null_entries(table.column(name)):
+            add((1, position, row), row, name, "has null entries")
             bad_rows[row] = True
 
-    status = batch.column("status")
+    status = table.column("status")
     known = pc.is_in(status, value_set=pa.array(STATUSES)).to_numpy(zero_copy_only=False)
     for row in np.flatnonzero(~known):
         what = f"unknown status {status[row].as_py()!r}; expected one of {STATUSES}"
-        add((2, start + row, 0), row, "status", what)
-    progress = batch.column("progress")
+        add((2, row, 0), row, "status", what)
+    progress = table.column("progress")
     in_range = pc.and_(pc.greater_equal(progress, 0), pc.less_equal(progress, 1))
     for row in np.flatnonzero(pc.fill_null(in_range, True).to_numpy(zero_copy_only=False) == 0):
-        add((2, start + row, 1), row, "progress", f"{progress[row].as_py()} is outside [0, 1]")
-    reward = batch.column("reward")
+        add((2, row, 1), row, "progress", f"{progress[row].as_py()} is outside [0, 1]")
+    reward = table.column("reward")
     for row in np.flatnonzero(pc.fill_null(pc.is_finite(reward), True).to_numpy(zero_copy_only=False) == 0):
-        add((2, start + row, 2), row, "reward", f"{reward[row].as_py()} is not finite")
+        add((2, row, 2), row, "reward", f"{reward[row].as_py()} is not finite")
 
-    for row, check, column, what in _token_problems(batch, bad_rows, n_tokens):
-        add((3, start + row, check), row, column, what)
+    start = 0
+    for batch in table.to_batches():
+        rows = slice(start, start + batch.num_rows)
+        for row, check, column, what in _token_problems(batch, bad_rows[rows], n_tokens[rows]):
+            add((3, start + row, check), start + row, column, what)
+        start += batch.num_rows
     return problems
 
 
@@ -325,23 +321,23 @@ def _bounded(logprobs: np.ndarray, where: np.ndarray | bool = True) -> bool:
     return bool(highest <= 1e-6 and lowest > -np.inf)
 
 
-def _rows_with_null_entries(column: pa.ListArray) -> np.ndarray:
+def _rows_with_null_entries(column: pa.ChunkedArray) -> np.ndarray:
     """Rows of ``column`` whose list holds a null entry."""
-    if not column.flatten().null_count:
+    if not pc.list_flatten(column).null_count:
         return np.array([], dtype=np.int64)
     return np.array(
         [row for row, entries in enumerate(column) if entries.is_valid and entries.values.null_count]
     )
 
 
-def _blank_strings(column: pa.Array) -> np.ndarray:
+def _blank_strings(column: pa.ChunkedArray) -> np.ndarray:
     """True where a string is null, empty or whitespace only (Unicode whitespace, as
     ``str.isspace``)."""
     blank = pc.or_kleene(pc.equal(pc.binary_length(column), 0), pc.utf8_is_space(column))
     return pc.fill_null(blank, True).to_numpy(zero_copy_only=False)
 
 
-def _list_lengths(column: pa.Array) -> np.ndarray:
+def _list_lengths(column: pa.Array | pa.ChunkedArray) -> np.ndarray:
     """Entries of each list, −1 for a null list."""
     lengths = pc.list_value_length(column)
     if lengths.null_count:
