@@ -124,8 +124,9 @@ def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     [0, :data:`MAX_TURN`], ``status`` in
     :data:`STATUSES`, ``progress`` null or in [0, 1], ``reward`` null or finite, and for
     processed tables ``train_mask`` only where ``action_mask`` and every ``loss_weight``
-    finite and ≥ 0. The checks run vectorised over each record batch where it lies in memory
-    (nothing is copied unless a check fails). Order: missing ids row by row, list lengths and
+    finite and ≥ 0. The checks run vectorised: row checks over whole columns, per-token
+    checks over each record batch where it lies in memory (token values are not copied
+    unless a check fails). Order: missing ids row by row, list lengths and
     null entries column by column, status, progress and reward row by row, per-token checks
     row by row.
     """
