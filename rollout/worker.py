@@ -492,8 +492,9 @@ class RolloutWorker:
             return {}
         return {name: self.router.load(name) for name in self.router.replicas}
 
-    def status(self) -> dict[str, Any]:
-        engine_stats = [engine.stats() for engine in self.engines]
+    async def status(self) -> dict[str, Any]:
+        # off the event loop: a replica's stats() may wait on it (RayEngine up to 10 s)
+        engine_stats = await asyncio.gather(*(asyncio.to_thread(engine.stats) for engine in self.engines))
         return {
             "version": self.version,
             "backlog": self.backlog(),

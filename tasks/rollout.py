@@ -129,7 +129,7 @@ def run_rollouts(
         raise
 
     async def publish_status(running: bool) -> dict[str, Any]:
-        status = worker.status()
+        status = await worker.status()
         if not running:  # its engines are closed: nothing waits or is pinned there; its counts stand
             status |= {"engine_queue_depth": 0, "live_sessions": 0, "replica_sessions": {}, "draining": [],
                        "session_ages": {}}  # fmt: skip
@@ -184,7 +184,7 @@ def run_rollouts(
             finally:
                 await publish_status(running=False)
         return {
-            **worker.status(),
+            **(await worker.status()),
             "orchestrator": stats.as_dict(),
             "version_loads": len(worker.version_loads),
         }

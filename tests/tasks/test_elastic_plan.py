@@ -96,7 +96,7 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
                 await router.generate(session, prompt, params)
             loads = {r: router.load(r) for r in router.replicas}
             assert sorted(loads) == ["torch-0", "torch-1"] and min(loads.values()) >= 1, loads
-            statuses.publish(status_object("w0", worker.status(), running=True))
+            statuses.publish(status_object("w0", await worker.status(), running=True))
             plan = trainer_decides(time.time())
             (drained,) = [u.split("/")[1] for u in plan.draining]
             (kept,) = [u.split("/")[1] for u in plan.accepting]
@@ -110,7 +110,7 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
             for session in movers:  # its sessions move at their next turn, re-prefilled there
                 assert (await router.generate(session, [*prompt, 9, 10], params)).engine == kept
             assert router.migrations == len(movers)
-            status = worker.status()
+            status = await worker.status()
             assert status["replica_sessions"] == {kept: 14, drained: 0}
             assert (status["draining"], status["plan_time"]) == ([drained], plan.time)
             assert status["migrations"] == len(movers)
@@ -222,7 +222,7 @@ def test_a_worker_says_at_once_that_a_replica_drained_again_is_empty(tmp_path):
         await worker.start()
         follower = asyncio.create_task(worker.follow_plan())
         try:
-            before = [status_object("w0", worker.status(), running=True)]
+            before = [status_object("w0", await worker.status(), running=True)]
             now = time.time()
             planner.decide(before, SATURATED, now)
             first = planner.last_plan
@@ -240,7 +240,7 @@ def test_a_worker_says_at_once_that_a_replica_drained_again_is_empty(tmp_path):
             plans.publish(again)
             await until(lambda: worker.plan_time == again.time, "the worker to apply the new drain")
             assert worker.status_due.is_set()
-            moves = planner.observe([status_object("w0", worker.status(), running=True)], now + 0.3)
+            moves = planner.observe([status_object("w0", await worker.status(), running=True)], now + 0.3)
             assert [(m.unit, m.target) for m in moves] == [(again.draining[0], "train")]
             # handed over: the plans that follow (each trainer decision) need no early status
             worker.status_due.clear()

@@ -16,6 +16,7 @@ import pytest
 from flows.config import RunConfig
 from rl.models import ensure_base_version, publish_policy
 from rl.trainer import Trainer
+from rollout.engines.torch_engine import TorchEngine
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.status import (
@@ -393,3 +394,34 @@ def test_a_worker_that_cannot_even_be_built_says_it_stopped(tmp_path):
         run_rollouts(run, time.time() + WAIT_S, "w0")
     status = RolloutStatusBoard(store).read_worker("w0")
     assert status is not None and not status.running
+
+
+def test_a_replica_slow_to_report_its_counters_does_not_hold_up_the_rollouts(tmp_path, monkeypatch):
+    """A replica's ``stats()`` waits (a Ray replica waits up to 10 s on an actor that does not
+    answer): the worker's status waits for it off the event loop, so rollouts go on meanwhile.
+    The first status of the run waits for a generation to finish; were it on the loop, none
+    could, and it would give up."""
+    run, store = small_worker_run(tmp_path, "slow-stats")
+    generated, stop, answers = threading.Event(), threading.Event(), []
+    real_stats, real_generate = TorchEngine.stats, TorchEngine.generate
+
+    def slow_stats(engine):
+        # the first call is the status published before the rollouts start
+        if len(answers) == 1:
+            answers.append(generated.wait(5.0))
+            stop.set()
+        else:
+            answers.append(True)
+        return real_stats(engine)
+
+    async def generate(engine, *args):
+        generation = await real_generate(engine, *args)
+        if len(answers) >= 1:
+            generated.set()
+        return generation
+
+    monkeypatch.setattr(TorchEngine, "stats", slow_stats)
+    monkeypatch.setattr(TorchEngine, "generate", generate)
+    run_rollouts(run, time.time() + WAIT_S, "w0", progress_every_s=0.05, stop=stop)
+
+    assert answers[1], "no generation finished while a status waited for the replica's counters"
