@@ -298,7 +298,7 @@ class RolloutWorker:
             )
         loading = [engine for engine, ok in zip(engines, up, strict=True) if ok]
         results = await asyncio.gather(
-            *(engine.load_version(version, path) for engine in loading), return_exceptions=True
+            *(self._load(engine, version, path) for engine in loading), return_exceptions=True
         )
         failed = {e.name: r for e, r in zip(loading, results, strict=True) if isinstance(r, BaseException)}
         if failed and (len(failed) == len(loading) or self.router_config.health_check_s is None):
@@ -469,14 +469,26 @@ class RolloutWorker:
                     ]
                     if stale:
                         path = await asyncio.to_thread(self.weights.load, version, "serving")
-                        await asyncio.gather(*(engine.load_version(version, path) for engine in stale))
+                        await asyncio.gather(*(self._load(engine, version, path) for engine in stale))
             except Exception as exc:  # the next probe tries again
                 log.warning("worker %s could not check its replicas: %s", self.name, exc)
 
     async def _load_current_version(self, engine: Engine) -> None:
         async with self._loading:  # not while sync_weights moves the version on
             path = await asyncio.to_thread(self.weights.load, self.version, "serving")
-            await engine.load_version(self.version, path)
+            await self._load(engine, self.version, path)
+
+    async def _load(self, engine: Engine, version: int, path: str) -> None:
+        """``engine.load_version``, failed with an ``EngineError`` after the engine config's
+        ``load_timeout_s``: a replica that answers its probes but hangs on a load would hold
+        ``_loading`` for ever."""
+        timeout = self.engine_config.load_timeout_s
+        try:
+            await asyncio.wait_for(engine.load_version(version, path), timeout)
+        except TimeoutError:
+            raise EngineError(
+                f"replica {engine.name} did not load weight version {version} within {timeout:g} s"
+            ) from None
 
     def stop(self) -> None:
         if self.orchestrator is not None:

@@ -27,6 +27,12 @@ class EngineConfig(BaseModel):
     vllm: list[VLLMEngineConfig] = Field(
         default_factory=list, description="One entry per vLLM server replica (vllm kind)."
     )
+    load_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a replica may take to load a weight version, waiting for its requests in "
+        "flight included; one that takes longer has failed to load it (its worker's health check retries).",
+    )
 
     @model_validator(mode="after")
     def _servers_for_vllm(self) -> EngineConfig:

@@ -92,16 +92,21 @@ def test_a_replica_that_comes_back_loads_the_current_version_before_it_serves(lo
     assert worker.version == worker.engines[1].version == 0
 
 
+@pytest.mark.parametrize("fault", ["raises", "hangs"])
 @pytest.mark.parametrize("health_check_s", [0.05, None])
 def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_keep_it(
-    local_store, health_check_s
+    local_store, health_check_s, fault
 ):
-    """``torch-1`` fails to load version 1 once: the worker moves on to version 1 with
-    ``torch-0`` and the health check reloads it into ``torch-1``; ``torch-0`` is never sent
-    back to version 0. With no health check, nothing would retry ``torch-1``: the update
-    fails and the next weight poll loads version 1 into both."""
+    """``torch-1`` fails to load version 1 once, raising or hanging (it still answers its
+    probes) past ``load_timeout_s``: the worker moves on to version 1 with ``torch-0`` and the
+    health check reloads it into ``torch-1``; ``torch-0`` is never sent back to version 0.
+    With no health check, nothing would retry ``torch-1``: the update fails and the next
+    weight poll loads version 1 into both."""
     weights = WeightStore(local_store)
-    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    run = RunConfig(
+        engine={"replicas": 2, "load_timeout_s": 0.5},
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2},
+    )
     ensure_base_version(weights, TINY)
     router = RouterConfig(health_check_s=health_check_s)
     worker = make_worker(local_store, run, router=router, weight_poll_s=0.05)
@@ -117,6 +122,8 @@ def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_kee
                 loads.append((engine.name, version))
                 if failures.get(engine.name):
                     failures[engine.name] -= 1
+                    if fault == "hangs":
+                        await asyncio.Event().wait()
                     raise EngineError(f"{engine.name} failed to load version {version} (injected)")
                 await real_load(version, path)
 
