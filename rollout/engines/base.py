@@ -34,6 +34,9 @@ class SamplingParams:
     ``logprobs`` returned by engines are log-probabilities of the chosen tokens under the
     distribution actually sampled from: logits divided by ``temperature``, then restricted
     to the top-p nucleus and renormalised.
+
+    A generation ends at the first of ``stop_ids`` it samples (kept as its last token), or
+    after ``max_new_tokens``: the model's EOS ends it only when ``stop_ids`` list it.
     """
 
     max_new_tokens: int = 64

@@ -9,7 +9,8 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   ``--logprobs-mode processed_logprobs`` so those log-probs are of the distribution
   actually sampled from (after temperature and top-p), as the Engine protocol requires.
   Sampling fields the model's ``generation_config`` could override (top-k, min-p,
-  penalties) are sent explicitly as neutral values.
+  penalties) are sent explicitly as neutral values. ``stop_ids`` go as ``stop_token_ids``
+  with ``ignore_eos``, so that they alone end a generation, as ``SamplingParams`` says.
 - weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` calling
   the worker extension ``treadle_reload_weights(path)`` of
   ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
@@ -191,6 +192,7 @@ class VLLMEngine:
                 "frequency_penalty": 0.0,
                 "seed": _signed_seed(params.seed),
                 "stop_token_ids": list(params.stop_ids),
+                "ignore_eos": True,
                 "logprobs": 1,
                 "return_tokens_as_token_ids": True,
                 "return_token_ids": True,

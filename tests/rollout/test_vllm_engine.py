@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.trainer import VALUE_MODEL_FILE
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
+from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine, VLLMEngineConfig
 from rollout.router import Router, RouterConfig
 from tests.rollout.vllm_standin import StandinServer
@@ -99,6 +100,24 @@ def test_stop_token_is_kept_in_the_action(tiny):
         assert gen.token_ids[0] in every_id and gen.logprobs[0] <= 0
 
     asyncio.run(_with_server(model, body))
+
+
+def test_only_stop_ids_end_a_generation_as_in_the_torch_engine(tiny):
+    """EOS ends a generation only when ``stop_ids`` list it, in both engines: vLLM stops at
+    the model's EOS ids unless told to ignore them. Here every id is an EOS of the model."""
+    model = _fresh_model(tiny)
+    model.generation_config.eos_token_id = list(range(model.config.vocab_size))
+    params = SamplingParams(max_new_tokens=8, seed=1)
+
+    async def body(server, engine):
+        local = TorchEngine(copy.deepcopy(model), name="torch")
+        try:
+            return [await e.generate("s", PROMPT, params) for e in (engine, local)]
+        finally:
+            await local.close()
+
+    for gen in asyncio.run(_with_server(model, body)):
+        assert gen.finish_reason == "length" and len(gen.token_ids) == 8, gen.engine
 
 
 def test_every_64_bit_seed_is_served_as_the_torch_generator_takes_it(tiny):

@@ -6,9 +6,10 @@ model doing a plain forward pass per token:
 
 - ``GET /health``, ``GET /v1/models``
 - ``POST /v1/completions`` with the prompt as a list of token ids, ``logprobs``,
-  ``return_tokens_as_token_ids``, ``return_token_ids``, ``stop_token_ids``, ``seed``;
-  log-probs are those of the sampling distribution (as vLLM's
-  ``--logprobs-mode processed_logprobs``): temperature, then top-p, renormalised.
+  ``return_tokens_as_token_ids``, ``return_token_ids``, ``stop_token_ids``, ``ignore_eos``,
+  ``seed``; log-probs are those of the sampling distribution (as vLLM's
+  ``--logprobs-mode processed_logprobs``): temperature, then top-p, renormalised. As vLLM,
+  it also stops at the model's EOS ids (``eos_ids``) unless ``ignore_eos`` is set.
 - ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
   in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache`` (its next
   call answers 500 while ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
@@ -89,6 +90,7 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
         temperature = float(body.get("temperature", 1.0))
         top_p = float(body.get("top_p", 1.0))
         stop_ids = set(body.get("stop_token_ids") or [])
+        eos = set() if body.get("ignore_eos") else eos_ids(model)
         seed = body.get("seed")
         if seed is not None and not -(2**63) <= seed < 2**63:  # vLLM's bound: a signed 64-bit integer
             return _error(400, f"seed: Input should be less than or equal to {2**63 - 1}")
@@ -107,7 +109,7 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
             logprobs.append(float(lp[token]))
             step_input = torch.tensor([[token]])
             await asyncio.sleep(0)
-            if token in stop_ids:
+            if token in stop_ids or token in eos:
                 finish = "stop"
                 break
         events.append(("completion-end", len(events)))
@@ -128,7 +130,8 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
                         "text_offset": [0] * len(tokens),
                     },
                     "finish_reason": finish,
-                    "stop_reason": tokens[-1] if finish == "stop" else None,
+                    # as vLLM: the stop token id, None at EOS
+                    "stop_reason": tokens[-1] if tokens[-1] in stop_ids else None,
                 }
             ],
             "usage": {
@@ -170,6 +173,15 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
         return {"success": True}
 
     return app
+
+
+def eos_ids(model) -> set[int]:
+    """The ids vLLM ends a generation at unless the request sets ``ignore_eos``: the model's
+    EOS and those of its ``generation_config`` (an id or a list of ids each)."""
+    ids = set()
+    for eos in (model.config.eos_token_id, model.generation_config.eos_token_id):
+        ids |= {eos} if isinstance(eos, int) else set(eos or ())
+    return ids
 
 
 @torch.no_grad()
