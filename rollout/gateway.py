@@ -362,6 +362,8 @@ class Session:
             )
             try:
                 generation = await self._generating
+                self.generation_seconds += time.perf_counter() - started
+                _check_generation(generation, self.gateway.vocab_size)
             except asyncio.CancelledError:
                 if self.closed and not asyncio.current_task().cancelling():
                     raise UnknownSession(
@@ -373,12 +375,6 @@ class Session:
                 raise
             finally:
                 self._generating = None
-            self.generation_seconds += time.perf_counter() - started
-            try:
-                _check_generation(generation, self.gateway.vocab_size)
-            except EngineError as exc:
-                self.engine_error = str(exc)
-                raise
             self.engine_error = self.context_limit = None
             text = self.gateway.decode(generation.token_ids)
             calls = None

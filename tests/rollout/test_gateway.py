@@ -7,12 +7,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from rl.models import TinyModelConfig, build_tiny_model
-from rollout.engines.base import InvalidRequest, SamplingParams
+from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import ChatRenderer, Gateway, GatewayConfig, UnknownSession
 from rollout.router import Router
@@ -294,6 +295,51 @@ def test_closing_a_session_cancels_its_generating_turn_and_fails_the_queued_one(
             router = gateway.router
             assert router.assignment(session.session_id) is None
             assert router.load(router.replicas[0]) == 0 and router.session_ages() == {router.replicas[0]: []}
+
+    asyncio.run(body())
+
+
+def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_records(tiny):
+    """An engine that fails a turn, or answers one with a generation that does not hold
+    together, fails it with ``EngineError``: the session records why (what the rollout
+    service reads for a self-driving env) and keeps no token of it; a good turn clears it."""
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            (engine,) = gateway.router._engines.values()
+            real_generate = engine.generate
+            faults = []
+
+            async def generate(*args, **kwargs):
+                generation = await real_generate(*args, **kwargs)
+                return faults.pop(0)(generation) if faults else generation
+
+            def fails(generation):
+                raise EngineError("the replica went away")
+
+            def one_logprob_short(generation):
+                return dataclasses.replace(generation, logprobs=generation.logprobs[:-1])
+
+            def outside_the_vocabulary(generation):
+                return dataclasses.replace(generation, token_ids=[10**9] * len(generation.token_ids))
+
+            engine.generate = generate
+            session = gateway.open(task="t", prompt_id="p")
+            prompt = tiny[1].encode("What is 2 + 3?")
+            session.add_tokens(prompt)
+            params = SamplingParams(max_new_tokens=4, seed=0)
+            for fault, why in [
+                (fails, "the replica went away"),
+                (one_logprob_short, "returned 4 tokens, 3 log-probs and 4 versions"),
+                (outside_the_vocabulary, "a token id outside the vocabulary"),
+            ]:
+                faults.append(fault)
+                with pytest.raises(EngineError, match=why):
+                    await session.generate(params)
+                assert why in session.engine_error
+                assert session.tokens == prompt and session.turns == [] and session._generating is None
+            turn = await session.generate(params)
+            assert session.engine_error is None and session.tokens == prompt + turn.token_ids
 
     asyncio.run(body())
 
