@@ -29,6 +29,18 @@ def _unset(value: object) -> bool:
     return value is None
 
 
+def not_masked(value: SecretStr | None, *, what: str, env: str) -> SecretStr | None:
+    """``value``, unless it is :data:`MASKED` (what Prefect hands back for a flow run's secret
+    parameter): that is refused, naming ``what`` the secret is and the ``env`` variables the
+    worker should read it from instead."""
+    if value is not None and value.get_secret_value() == MASKED:
+        raise ValueError(
+            f"arrived masked, as Prefect stores a flow run's secret parameters: {what} cannot "
+            f"travel in flow parameters; give the worker {env} in its environment"
+        )
+    return value
+
+
 class StorageConfig(BaseModel):
     """Object storage for shards, Delta tables and weight versions.
 
@@ -102,13 +114,7 @@ class StorageConfig(BaseModel):
     @field_validator("access_key_id", "secret_access_key", "session_token")
     @classmethod
     def _not_masked(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and value.get_secret_value() == MASKED:
-            raise ValueError(
-                "arrived masked, as Prefect stores a flow run's secret parameters: credentials cannot "
-                "travel in flow parameters; give the worker AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY "
-                "in its environment"
-            )
-        return value
+        return not_masked(value, what="credentials", env="AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
 
     @property
     def is_s3(self) -> bool:

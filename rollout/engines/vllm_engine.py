@@ -44,7 +44,7 @@ from rollout.engines.base import (
     InvalidRequest,
     SamplingParams,
 )
-from storage.config import MASKED
+from storage.config import not_masked
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +86,7 @@ class VLLMEngineConfig(BaseModel):
     @field_validator("api_key")
     @classmethod
     def _not_masked(cls, value: SecretStr | None) -> SecretStr | None:
-        if value is not None and value.get_secret_value() == MASKED:
-            raise ValueError(
-                "arrived masked, as Prefect stores a flow run's secret parameters: a token cannot "
-                "travel in flow parameters; give the worker VLLM_API_KEY in its environment"
-            )
-        return value
+        return not_masked(value, what="a token", env="VLLM_API_KEY")
 
 
 class VLLMEngine:
