@@ -249,6 +249,14 @@ class Env(ABC):
             return True
         return exc.kind == "died" and self.sandbox is not None and not self.sandbox.closed
 
+    async def _close_process(self, name: str) -> None:
+        """Close the sandbox's persistent process (shell, interpreter) the attribute ``name``
+        holds, if ``reset`` set it, and clear it: safe to call twice, or before ``reset``."""
+        process = getattr(self, name, None)
+        if process is not None:
+            setattr(self, name, None)
+            await asyncio.to_thread(process.close)
+
     async def close(self) -> None:
         """Kill the env's sandbox and everything in it, if it has one; safe to call twice."""
         if self.sandbox is not None:

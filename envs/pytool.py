@@ -78,10 +78,7 @@ class PyToolEnv(Env):
 
     async def close(self) -> None:
         """Close the interpreter (its pipes, its process reaped), then the sandbox; safe to call twice."""
-        repl = getattr(self, "repl", None)
-        if repl is not None:
-            self.repl = None
-            await asyncio.to_thread(repl.close)
+        await self._close_process("repl")
         await super().close()
 
     def action_request(self, action: str) -> ResourceRequest | None:

@@ -133,10 +133,7 @@ class ShellEnv(Env):
 
     async def close(self) -> None:
         """Close the shell (its pty, its process reaped), then the sandbox; safe to call twice."""
-        shell = getattr(self, "shell", None)
-        if shell is not None:
-            self.shell = None
-            await asyncio.to_thread(shell.close)
+        await self._close_process("shell")
         await super().close()
 
     def action_request(self, action: str) -> ResourceRequest | None:

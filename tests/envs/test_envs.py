@@ -15,8 +15,10 @@ import pytest
 from envs.arith import add_without_carry, subtract_without_borrow
 from envs.base import Task
 from envs.guess import GuessConfig, problems
+from envs.pyrepl import PythonRepl
 from envs.registry import REGISTRY, demonstrate, make, task_set
 from envs.sandbox import COMMAND_KINDS, SandboxConfig, SandboxError, bwrap_path
+from envs.shell import Shell
 
 SMALL = SandboxConfig(cpu_seconds=5, memory_mb=256, max_processes=32, timeout_s=10)
 needs_bwrap = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
@@ -226,9 +228,6 @@ def test_a_reset_cancelled_while_its_sandbox_is_built_leaves_no_sandbox_behind(t
 def test_a_reset_cancelled_while_its_interpreter_starts_closes_the_interpreter(name, monkeypatch):
     """The interpreter (or shell) started for a cancelled reset is closed then, not left
     running with its pipes open until the env is closed."""
-    from envs.pyrepl import PythonRepl
-    from envs.shell import Shell
-
     cls = PythonRepl if name == "pytool" else Shell
     started: list = []
     build = cls.__init__
@@ -255,6 +254,34 @@ def test_a_reset_cancelled_while_its_interpreter_starts_closes_the_interpreter(n
             await env.close()
 
     assert asyncio.run(run()) is False
+
+
+@pytest.mark.parametrize("name", ["pytool", "shell"])
+def test_close_before_reset_or_twice_closes_the_interpreter_once(name, monkeypatch):
+    """close() before reset has nothing to close; a second close() does not close the
+    interpreter (or shell) again."""
+    cls = PythonRepl if name == "pytool" else Shell
+    closed: list = []
+    close = cls.close
+
+    def counted_close(self):
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(cls, "close", counted_close)
+
+    async def run():
+        env = make(name, sandbox=SMALL)
+        await env.close()
+        await env.reset(task_set(name, "train", seed=0, n=1)[0])
+        pid = env.resource_pid()
+        await env.close()
+        await env.close()
+        return pid, env.resource_pid(), env.sandbox
+
+    pid, pid_after, sandbox = asyncio.run(run())
+    assert pid is not None and len(closed) == 1
+    assert pid_after is None and sandbox is None
 
 
 @needs_bwrap
