@@ -258,9 +258,9 @@ class Trainer:
             rows={shard: set(rows) for shard, rows in state.get("partial_rows", {}).items()},
         )
         self._steps_since_publish = 0
+        # rows recorded before ``WeightStore.record`` existed carry no id that it would find
         recorded = set(self.tables.read("weights").column("version").to_pylist())
-        if version not in recorded:  # published by a trainer killed before it wrote the row
-            self.tables.append("weights", [self.weights.table_row(version)])
+        if version not in recorded and self.weights.record(self.tables, version):
             logger.info("recorded weight version %d in the weights table (its row was missing)", version)
         logger.info(
             "trainer resumed from version %d at step %d (attempt %s)", version, self.step, self.attempt
@@ -323,7 +323,7 @@ class Trainer:
             metadata=metadata,
             extra_files=extra,
         )
-        self.tables.append("weights", [self.weights.table_row(version)])
+        self.weights.record(self.tables, version)
         if self.config.keep_versions is not None:
             try:
                 removed = self.weights.retain(self.config.keep_versions)

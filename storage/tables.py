@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import CommitProperties, DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from storage.config import RunStore
@@ -161,15 +161,24 @@ class Tables:
         schema_of(name)
         return self.store.url("tables", name)
 
-    def append(self, name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> None:
+    def append(
+        self, name: str, rows: Sequence[Mapping[str, Any]] | pa.Table, once: str | None = None
+    ) -> bool:
         """Cast ``rows`` (dicts or a table) to the schema of ``name`` and append them in
-        one commit. Raises :class:`SchemaError` naming the table and column on bad rows.
+        one commit; returns whether they were appended. Raises :class:`SchemaError` naming
+        the table and column on bad rows.
+
+        ``once``: an id of these rows, kept in the commit (a Delta ``txn`` action): an
+        append with an id that a commit of the table carries already appends nothing, and
+        of two racing with one id, the one that commits second conflicts, finds the other's
+        commit when it retries and appends nothing.
 
         A table created when a column of its canonical schema was still required has that
         column made nullable first (see :meth:`_relax_required`)."""
         table = conform(name, rows)
         if table.num_rows == 0:
-            return
+            return False
+        transactions = [] if once is None else [Transaction(app_id=once, version=0)]
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             # The snapshot loaded for the last append is reused (deltalake moves it to its
             # own commit and rebases onto commits of other writers, which saves a log
@@ -179,6 +188,9 @@ class Tables:
                 snapshot = self._open(name)
                 if snapshot is not None:
                     snapshot = self._relax_required(name, snapshot)
+            if once is not None and snapshot is not None and snapshot.transaction_version(once) is not None:
+                self._for_append[name] = (snapshot, served)
+                return False
             target = snapshot or self.uri(name)
             try:
                 write_deltalake(
@@ -187,14 +199,14 @@ class Tables:
                     mode="append",
                     configuration=TABLE_CONFIGURATION,
                     storage_options=self._options,
-                    commit_properties=CommitProperties(max_commit_retries=50),
+                    commit_properties=CommitProperties(max_commit_retries=50, app_transactions=transactions),
                 )
                 if isinstance(target, DeltaTable):
                     if served + 1 < SNAPSHOT_APPENDS:
                         self._for_append[name] = (target, served + 1)
                     if _small_files(target) >= COMPACT_FILES:
                         self._compact_after_append(name)
-                return
+                return True
             except CommitFailedError as exc:
                 if attempt == COMMIT_ATTEMPTS:
                     raise

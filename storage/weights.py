@@ -34,13 +34,16 @@ import uuid
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from safetensors.torch import save_file
 
 from storage.config import RunStore, fsync_path
 from storage.heartbeat import Heartbeat
+
+if TYPE_CHECKING:
+    from storage.tables import Tables
 
 log = logging.getLogger(__name__)
 
@@ -442,6 +445,17 @@ class WeightStore:
             "created_at": datetime.fromisoformat(manifest["created_at"]),
             "tag": manifest.get("tag"),
         }
+
+    def record(self, tables: Tables, version: int) -> bool:
+        """Append ``version``'s row to the run's ``weights`` table unless it has one; returns
+        whether this call appended it.
+
+        Its publisher and a trainer that resumes from it and finds its row missing (its
+        publisher may have died before writing it, or be about to) both record a version:
+        the row lands once, whichever writes first (see ``Tables.append``'s ``once``).
+        """
+        row_id = f"{self.prefix}/{version_dir_name(version)}"
+        return tables.append("weights", [self.table_row(version)], once=row_id)
 
     def manifest(self, version: int) -> dict:
         """The parsed manifest of ``version``; ``KeyError`` if it was never completed."""

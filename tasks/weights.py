@@ -144,7 +144,7 @@ def build_base_version(
         version = publish_policy(
             weights, model, tokenizer, config.sao.publish_dtype, step=0, metadata=metadata, tag="base"
         )
-    Tables(store).append("weights", [weights.table_row(version)])
+    weights.record(Tables(store), version)
     if on_publish is not None:
         on_publish(version)
     return version

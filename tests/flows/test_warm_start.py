@@ -14,6 +14,7 @@ from prefect import flow
 
 from flows.config import RunConfig
 from rl.models import build_tiny_model, load_policy, restore_master_weights
+from rl.trainer import Trainer
 from storage import weights as weight_store
 from storage.tables import Tables
 from storage.weights import CLAIM_FILE, WeightStore
@@ -57,6 +58,22 @@ def test_a_version_zero_claimed_by_a_process_that_died_is_given_up_on(tmp_path, 
     assert weights.list() == [1] and weights.latest() == 1 and weights.manifest(1)["tag"] == "base"
     assert "its claim not renewed for 0 s" in lines[-1]
     assert Tables(store).read("weights").column("version").to_pylist() == [1]
+
+
+def test_a_trainer_starting_before_the_base_version_is_recorded_leaves_it_one_row(tmp_path, monkeypatch):
+    """The trainer finds version 0 published and its row missing, and records it; the base's
+    publisher then records it too."""
+    config = tiny_config(tmp_path / "runs", "warm-trainer", warm_start={"enabled": False})
+    real_publish = weight_tasks.publish_policy
+
+    def publish_then_start_a_trainer(*args, **kwargs) -> int:
+        version = real_publish(*args, **kwargs)
+        Trainer(run_store(config), config.sao)
+        return version
+
+    monkeypatch.setattr(weight_tasks, "publish_policy", publish_then_start_a_trainer)
+    assert build_base_version(config, log=lambda line: None) == 0
+    assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
 
 
 def test_the_base_version_is_published_in_the_runs_publish_dtype_with_its_float32_weights(tmp_path):

@@ -325,6 +325,23 @@ def test_two_processes_appending_at_once_lose_nothing(store):
     assert Tables(store).version("train_steps") == 2 * count - 1
 
 
+@pytest.mark.parametrize("table_exists", [False, True])
+def test_rows_appended_once_by_two_writers_land_once(store, table_exists):
+    """Each writer holds a snapshot loaded before the other's commit, as two processes that
+    both found version 0's row missing do: the second's commit conflicts and its retry finds
+    the row recorded."""
+    first, second = Tables(store), Tables(store)
+    if table_exists:
+        first.append("weights", [weight_row(1)])
+        second.append("weights", [weight_row(2)])  # first's snapshot is older than this commit
+    assert second.append("weights", [weight_row(0, tag="base")], once="weights/v000000")
+    assert not first.append("weights", [weight_row(0, tag="base")], once="weights/v000000")
+    assert not Tables(store).append("weights", [weight_row(0)], once="weights/v000000")
+    assert first.append("weights", [weight_row(3)], once="weights/v000003")
+    versions = sorted(Tables(store).read("weights").column("version").to_pylist())
+    assert versions == ([0, 1, 2, 3] if table_exists else [0, 3])
+
+
 def step_row(step: int, value_loss: float | None) -> dict:
     """A ``train_steps`` row; ``value_loss`` None for a step with no critic (GRPO)."""
     return {
