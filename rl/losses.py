@@ -140,14 +140,28 @@ def value_loss(
             clip_fraction = float((mask & (clipped_error > error)).sum()) / num_tokens
         error = torch.maximum(error, clipped_error)
     loss = 0.5 * error.sum() / max(num_tokens, 1)
-    with torch.no_grad():
-        explained = 0.0
-        if num_tokens > 1:
-            residual_var = (targets - values)[mask].var()
-            target_var = targets[mask].var()
-            explained = float(1.0 - residual_var / target_var) if target_var > MIN_TARGET_VAR else 0.0
     return loss, {
         "value_loss": float(loss.detach()),
         "clip_fraction": clip_fraction,
-        "explained_variance": explained,
+        "explained_variance": explained_variance(values.detach()[mask], targets[mask]),
     }
+
+
+@torch.no_grad()
+def explained_variance(values: torch.Tensor, targets: torch.Tensor) -> float:
+    """``1 − Var(R − V) / Var(R)`` of the critic's values against their targets.
+
+    Args:
+        values: ``(N,)`` critic outputs.
+        targets: ``(N,)`` their targets.
+
+    Returns:
+        The explained variance; 0 with fewer than two values, or when the targets' variance
+        is at most :data:`MIN_TARGET_VAR` (the ratio would measure float noise).
+    """
+    if values.numel() < 2:
+        return 0.0
+    target_var = targets.var()
+    if target_var <= MIN_TARGET_VAR:
+        return 0.0
+    return float(1.0 - (targets - values).var() / target_var)

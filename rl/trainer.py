@@ -36,7 +36,7 @@ from rl.advantages import adaptive_lambda, group_advantages, skip_observation_ga
 from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.logprobs import token_logprobs
-from rl.losses import dis_policy_loss, value_loss
+from rl.losses import dis_policy_loss, explained_variance, value_loss
 from rl.models import ValueModel, load_trained_policy, padding_id, placed, publish_policy
 from storage.config import RunStore
 from storage.shards import ShardInfo, ShardReader
@@ -617,7 +617,8 @@ class Trainer:
         config = self.config
         total_actions = sum(int(p.action_mask.sum()) for p in parts)
         self.value_optimizer.zero_grad(set_to_none=True)
-        loss_total, explained = 0.0, 0.0
+        loss_total = 0.0
+        scored_values, scored_returns = [], []
         for i, part in enumerate(parts):
             with self._autocast():
                 values = token_values(self.value_model, part.input_ids, part.attention_mask)
@@ -634,9 +635,12 @@ class Trainer:
             share = int(part.action_mask.sum()) / max(total_actions, 1)
             (loss * share).backward()
             loss_total += stats["value_loss"] * share
-            explained += stats["explained_variance"] * share
+            scored_values.append(values.detach()[part.action_mask])
+            scored_returns.append(returns[part.action_mask])
         torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), config.max_grad_norm)
         self.value_optimizer.step()
+        # over the whole batch: a mean of the parts' ratios would change with the micro-batching
+        explained = explained_variance(torch.cat(scored_values), torch.cat(scored_returns))
         return {"value_loss": loss_total, "explained_variance": explained}
 
     def _advantages(self, parts: list[Batch], samples: list[Sample]) -> list[torch.Tensor]:

@@ -489,6 +489,36 @@ def test_value_clip_scores_the_second_critic_step_against_the_pre_step_values(st
     assert not unchanged(clipped_trainer.value_model, parameters(plain_trainer.value_model))
 
 
+@pytest.mark.parametrize("micro_token_budget", [11, 22, 1000])
+def test_the_critics_explained_variance_is_over_the_whole_batch_however_it_is_split(
+    store, micro_token_budget
+):
+    records = with_rewards(make_trajectories(store, 4, seed=28), [1.0, 0.0, 0.0, 1.0])
+    trainer = Trainer(store, config(micro_token_budget=micro_token_budget))
+    with torch.no_grad():  # a critic whose values are not all 0 (its head starts at zero)
+        head = trainer.value_model.head.weight
+        head.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+    samples = open_batch(trainer, records)
+    batch = pad_batch(samples, trainer.pad_id)
+    with torch.no_grad():
+        values = token_values(trainer.value_model, batch.input_ids, batch.attention_mask)
+    # γ = 1 and value_lam = 1: every action token's target is its row's reward
+    pairs = [
+        (float(values[b, t]), float(batch.sequence_rewards[b]))
+        for b in range(len(samples))
+        for t in range(batch.input_ids.shape[1])
+        if batch.action_mask[b, t]
+    ]
+
+    def variance(xs: list[float]) -> float:
+        mean = sum(xs) / len(xs)
+        return sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
+
+    want = 1.0 - variance([r - v for v, r in pairs]) / variance([r for _, r in pairs])
+    stats = trainer._value_step(trainer._parts(samples), None)
+    assert stats["explained_variance"] == pytest.approx(want, rel=1e-4)
+
+
 def test_normalize_advantages_whitens_the_advantages_of_the_policy_step(store):
     records = with_rewards(make_trajectories(store, 4, seed=25), [1.0, 0.0, 1.0, 1.0])
     plain, _ = one_step(store, records)
