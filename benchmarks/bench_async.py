@@ -169,7 +169,11 @@ def training_alone(config: RunConfig, n: int) -> dict:
     store = RunStore(config.storage, config.run_id)
     ShardProcessor(store, config.processor).poll()
     counter = TrainCounter(n)
-    trainer = Trainer(store, config.sao.model_copy(update={"max_staleness": 10**6}))
+    trainer = Trainer(
+        store,
+        config.sao.model_copy(update={"max_staleness": 10**6}),
+        temperature=config.service.temperature,
+    )
     trainer.run(drain=True, progress=counter)
     return counter.result()
 
@@ -194,7 +198,7 @@ def synchronous(root: str, n: int, token_budget: int) -> dict:
         writer = ShardWriter(store, "sync", flush_records=10**6, flush_seconds=math.inf)
         streams = task_streams(list(config.orchestrator.mix), env_configs, config.seed)
         processor = ShardProcessor(store, config.processor)
-        trainer = await asyncio.to_thread(Trainer, store, config.sao)
+        trainer = await asyncio.to_thread(Trainer, store, config.sao, temperature=config.service.temperature)
         try:
             while not counter.done.is_set():
                 await Orchestrator(service, streams, writer, batch_config).run()

@@ -28,8 +28,9 @@ def token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor,
     where: torch.Tensor | None = None,
+    temperature: float = 1.0,
 ) -> torch.Tensor:
-    """Log-prob of each token given the ones before it.
+    """Log-prob of each token given the ones before it, under ``softmax(logits / temperature)``.
 
     Args:
         model: a causal LM (Hugging Face ``…ForCausalLM``) returning ``.logits`` ``(B, T, V)``.
@@ -37,6 +38,8 @@ def token_logprobs(
         attention_mask: ``(B, T)`` bool.
         where: ``(B, T)`` bool, the tokens whose log-prob is wanted (default: every token
             ``attention_mask`` keeps); the others read 0.
+        temperature: divides the logits, as an engine sampling at it does: the trainer's
+            log-probs compare with the rollout's only at the temperature the rollout used.
 
     Returns:
         ``(B, T)`` float32; position 0 (no context) is 0.
@@ -45,6 +48,7 @@ def token_logprobs(
     wanted = wanted[:, 1:]
     if getattr(model.config, "model_type", None) not in PLAIN_HEAD_MODELS:
         logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
+        logits = logits / temperature
         taken = logits.gather(-1, input_ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, dim=-1)
         return F.pad(torch.where(wanted, taken, 0.0), (1, 0))
     hidden = model.get_decoder()(
@@ -56,7 +60,7 @@ def token_logprobs(
     chunk = max(1, LOGIT_CHUNK_ELEMENTS // head.out_features)
     pieces = []
     for start in range(0, len(targets), chunk):
-        piece = (states[start : start + chunk], targets[start : start + chunk])
+        piece = (states[start : start + chunk], targets[start : start + chunk], temperature)
         if torch.is_grad_enabled() and len(targets) > chunk:
             pieces.append(checkpoint(_head_logprobs, head, *piece, use_reentrant=False))
         else:
@@ -68,7 +72,10 @@ def token_logprobs(
     return F.pad(out, (1, 0))
 
 
-def _head_logprobs(head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``(N,)`` log-probs of ``targets`` ``(N,)`` under the head's logits of ``states`` ``(N, H)``."""
-    logits = head(states).float()  # (N, V)
+def _head_logprobs(
+    head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``(N,)`` log-probs of ``targets`` ``(N,)`` under the head's logits of ``states`` ``(N, H)``
+    divided by ``temperature``."""
+    logits = head(states).float() / temperature  # (N, V)
     return logits.gather(-1, targets[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)

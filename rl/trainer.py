@@ -161,6 +161,9 @@ class Trainer:
         config: :class:`SAOConfig`.
         device: torch device of the policy and value model.
         dtype: parameter dtype of both models.
+        temperature: the temperature the rollouts sampled at (the run's ``service.temperature``):
+            the engines record log-probs of ``softmax(logits / temperature)``, so the policy's
+            log-probs are taken at it too, or every DIS ratio is off even on-policy.
 
     Raises:
         FileNotFoundError: when the store holds no weight version to start from (publish
@@ -174,9 +177,11 @@ class Trainer:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype = torch.float32,
+        temperature: float = 1.0,
     ):
         self.store = store
         self.config = config
+        self.temperature = temperature
         self.device = torch.device(device)
         self.dtype = dtype
         self.weights = WeightStore(store)
@@ -732,7 +737,11 @@ class Trainer:
         for part, part_advantages in zip(parts, advantages, strict=True):
             with self._autocast():
                 logprobs = token_logprobs(
-                    self.policy, part.input_ids, part.attention_mask, where=part.train_mask
+                    self.policy,
+                    part.input_ids,
+                    part.attention_mask,
+                    where=part.train_mask,
+                    temperature=self.temperature,
                 )
             loss, stats = dis_policy_loss(
                 logprobs,

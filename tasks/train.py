@@ -190,7 +190,9 @@ def run_trainer(
         "trainer status heartbeat while it loads",
     )
     try:
-        trainer = Trainer(store, config.sao, device=config.trainer_device)
+        trainer = Trainer(
+            store, config.sao, device=config.trainer_device, temperature=config.service.temperature
+        )
     except BaseException:
         loading.stop()
         role.publish(trainer_status(0, running=False))

@@ -1,4 +1,5 @@
-"""token_logprobs against the model's own full logits, value and gradient, chunked or not."""
+"""token_logprobs against the model's own full logits, value and gradient, chunked or not, at
+the sampling temperature."""
 
 from __future__ import annotations
 
@@ -49,15 +50,18 @@ def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return input_ids, attention_mask, where
 
 
-def reference(model, input_ids, attention_mask, where) -> torch.Tensor:
-    """Log-probs read one by one off the model's full logits; 0 where not wanted."""
+def reference(model, input_ids, attention_mask, where, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs read one by one off the model's full logits divided by ``temperature``; 0 where
+    not wanted."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits
     rows = []
     for b in range(input_ids.shape[0]):
         row = [torch.zeros(())]
         for t in range(1, input_ids.shape[1]):
             if where[b, t] and attention_mask[b, t]:
-                row.append(torch.log_softmax(logits[b, t - 1].double(), -1)[input_ids[b, t]].float())
+                row.append(
+                    torch.log_softmax(logits[b, t - 1].double() / temperature, -1)[input_ids[b, t]].float()
+                )
             else:
                 row.append(torch.zeros(()))
         rows.append(torch.stack(row))
@@ -76,21 +80,29 @@ def gradients(model, loss: torch.Tensor) -> dict[str, torch.Tensor]:
     ids=["llama", "qwen3", "gpt2-full-logits"],
 )
 @pytest.mark.parametrize("chunk_positions", [1, 5, 1000])
-def test_log_probs_and_their_gradient_match_the_full_logits(monkeypatch, model_factory, chunk_positions):
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_log_probs_and_their_gradient_match_the_full_logits(
+    monkeypatch, model_factory, chunk_positions, temperature
+):
     monkeypatch.setattr(rl.logprobs, "LOGIT_CHUNK_ELEMENTS", chunk_positions * VOCAB)
     model = model_factory()
     input_ids, attention_mask, where = batch(seed=chunk_positions)
     weights = torch.randn(3, 20, generator=torch.Generator().manual_seed(1))
 
-    ours = token_logprobs(model, input_ids, attention_mask, where=where)
-    expected = reference(model, input_ids, attention_mask, where)
+    ours = token_logprobs(model, input_ids, attention_mask, where=where, temperature=temperature)
+    expected = reference(model, input_ids, attention_mask, where, temperature)
     torch.testing.assert_close(ours, expected, atol=1e-5, rtol=1e-5)
     assert ours.dtype == torch.float32 and ours.shape == (3, 20)
 
     ours_grad = gradients(
-        model, (token_logprobs(model, input_ids, attention_mask, where=where) * weights).sum()
+        model,
+        (
+            token_logprobs(model, input_ids, attention_mask, where=where, temperature=temperature) * weights
+        ).sum(),
     )
-    expected_grad = gradients(model, (reference(model, input_ids, attention_mask, where) * weights).sum())
+    expected_grad = gradients(
+        model, (reference(model, input_ids, attention_mask, where, temperature) * weights).sum()
+    )
     assert ours_grad.keys() == expected_grad.keys() and ours_grad
     for name, grad in expected_grad.items():
         torch.testing.assert_close(ours_grad[name], grad, atol=1e-5, rtol=1e-4, msg=name)

@@ -26,7 +26,6 @@ from safetensors.torch import save as save_file
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
-from rl.logprobs import token_logprobs
 from rl.models import (
     MASTER_WEIGHTS_FILE,
     TinyModelConfig,
@@ -36,6 +35,7 @@ from rl.models import (
     restore_master_weights,
 )
 from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_values
+from rollout.engines.torch_engine import sampling_logprobs
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
@@ -55,10 +55,11 @@ def store(tmp_path) -> RunStore:
 
 
 def make_trajectories(
-    store: RunStore, count: int, seed: int, version: int = 0, reward_token: int = 40
+    store: RunStore, count: int, seed: int, version: int = 0, reward_token: int = 40, temperature: float = 1.0
 ) -> list[dict]:
     """Prompt (4 tokens), action (3), observation (2), action (2); reward 1 when the
-    first action token is ``reward_token``. Rollout log-probs come from the stored policy."""
+    first action token is ``reward_token``. Rollout log-probs are those a TorchEngine running
+    the stored policy records when it samples at ``temperature``."""
     rng = random.Random(seed)
     policy, _ = load_policy(WeightStore(store).load(0))
     records = []
@@ -71,9 +72,12 @@ def make_trajectories(
         tokens = prompt + action1 + observation + action2
         mask = [False] * 4 + [True] * 3 + [False] * 2 + [True] * 2
         with torch.no_grad():
-            logprobs = token_logprobs(
-                policy, torch.tensor([tokens]), torch.ones(1, len(tokens), dtype=torch.bool)
-            )[0]
+            logits = policy(input_ids=torch.tensor([tokens])).logits[0, :-1]  # (T - 1, V)
+            every = sampling_logprobs(
+                logits, torch.full((len(logits),), temperature), torch.ones(len(logits))
+            )  # (T - 1, V)
+            taken = every.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
+            logprobs = torch.cat([torch.zeros(1), taken])
         records.append(
             {
                 "trajectory_id": f"t{seed}-{i}",
@@ -177,6 +181,19 @@ def test_trains_every_row_once_and_logs_each_step(store):
         0,
         *summary.versions,
     ]
+
+
+def test_on_policy_ratios_are_1_at_the_temperature_the_rollouts_sampled_at(store):
+    """Rollout log-probs are of softmax(logits / T): a trainer told the rollouts' temperature
+    takes the policy's at it too, so the ratios of its first (on-policy) step are 1."""
+    write_shards(store, make_trajectories(store, 4, seed=1, temperature=0.7), per_shard=4)
+    trainer = Trainer(store, config(), temperature=0.7)
+    trainer.run(drain=True)
+
+    (first,) = read_steps(store)
+    assert first["mean_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert first["masked_fraction"] == 0.0
 
 
 def test_value_model_attention_stays_frozen_while_the_rest_trains(store):

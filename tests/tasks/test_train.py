@@ -1,0 +1,34 @@
+"""The train task builds its trainer from the run config."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from flows.config import RunConfig
+from rl.models import ensure_base_version
+from storage.config import RunStore, StorageConfig
+from storage.tables import Tables
+from storage.weights import WeightStore
+from tasks.train import run_trainer
+from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
+
+
+def test_the_trainer_takes_log_probs_at_the_runs_sampling_temperature(tmp_path):
+    """The run's rollouts sample at service.temperature; its trainer is told it with no second
+    setting, so the ratios of an on-policy step are 1."""
+    run = RunConfig(
+        run_id="temperature",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        service={"temperature": 0.7},
+        sao=config(),
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 4, seed=1, temperature=0.7), per_shard=4)
+
+    assert run_trainer(run, time.time() + 600, drain=True)["steps"] == 1
+    (row,) = Tables(store).read("train_steps").to_pylist()
+    assert row["mean_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert row["masked_fraction"] == 0.0
