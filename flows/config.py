@@ -237,6 +237,13 @@ class RunConfig(BaseModel):
                     f"envs.{name}.reward_model: {scorer!r} is not one of service.reward_models "
                     f"({sorted(self.service.reward_models) or 'none configured'})"
                 )
+        if self.service.top_p < 1:
+            raise ValueError(
+                f"service.top_p: {self.service.top_p} is below 1, and the trainer, which takes the "
+                "policy's log-probs over the whole vocabulary, cannot reproduce the engines' log-probs "
+                "renormalised over the top-p nucleus: every DIS ratio would be off; set it to 1 "
+                "(service.temperature is fine: the trainer takes its log-probs at it)"
+            )
         rollouts, group = self.stop.max_rollouts, self.orchestrator.group_size
         if rollouts is not None and rollouts < group:
             raise ValueError(

@@ -90,7 +90,13 @@ class ServiceConfig(BaseModel):
     temperature: float = Field(
         1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False, description="Sampling temperature (finite, >= 1e-5)."
     )
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling threshold; a run config needs 1 (the trainer cannot reproduce "
+        "log-probs renormalised over a nucleus).",
+    )
     scheduler: Literal["action", "static", "none"] = Field(
         "action",
         description="Resources for tool calls and test runs: 'action' grants them per action "
