@@ -40,7 +40,8 @@ async def evaluate(
 
     ``service_config`` is the run's: the episodes are scored under the turn, time and token
     budgets and by the reward models the policy trains with, at ``temperature`` and
-    ``concurrency`` rollouts at once.
+    ``concurrency`` rollouts at once. A self-driving program's model call samples at
+    ``temperature`` unless it asks for another: nothing here is trained on.
     """
     gateway = Gateway(Router([engine]), tokenizer, gateway_config)
     service = RolloutService(
@@ -49,6 +50,7 @@ async def evaluate(
         (service_config or ServiceConfig()).model_copy(
             update={"temperature": temperature, "run_workers": concurrency}
         ),
+        fixed_sampling=False,
     )
     slots = asyncio.Semaphore(concurrency)
 

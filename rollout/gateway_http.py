@@ -25,6 +25,12 @@ matches the one returned when its calls name the same functions with equal argum
 constrained decoding, so ``required`` and a named function are refused, as is the
 deprecated ``functions``.
 
+A request that leaves ``temperature`` or ``top_p`` unset samples at the server's
+:class:`RunSampling` (a rollout service's: its config's). A server of training rollouts
+refuses a request for others: the engines record log-probs of the distribution they sampled
+from, and the trainer takes the policy's at the run's temperature over the whole vocabulary,
+so a token sampled otherwise carries a log-prob its DIS ratio cannot be compared with.
+
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown session, 400 bad
 input, 503 engine failure.
@@ -37,6 +43,7 @@ import secrets
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -52,9 +59,22 @@ from rollout.tool_calls import same_calls
 SESSION_HEADER = "X-Treadle-Session"
 
 
+@dataclass(frozen=True)
+class RunSampling:
+    """The sampling of the rollouts a server serves: a request that leaves ``temperature`` or
+    ``top_p`` unset samples at these; with ``fixed`` (training rollouts) one that asks for
+    others is refused."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    fixed: bool = False
+
+
 class _Sampling(BaseModel):
-    temperature: float = Field(1.0, description="Sampling temperature (finite, >= 1e-5).")
-    top_p: float = Field(1.0, description="Nucleus mass in (0, 1].")
+    temperature: float | None = Field(
+        None, description="Sampling temperature (finite, >= 1e-5); default: the run's."
+    )
+    top_p: float | None = Field(None, description="Nucleus mass in (0, 1]; default: the run's.")
     seed: int | None = Field(None, description="Seed of this request's sampler.")
 
     @model_validator(mode="before")
@@ -189,8 +209,12 @@ class _Unauthorized(Exception):
     pass
 
 
-def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy") -> FastAPI:
-    """The FastAPI app serving ``gateway``; requests must carry ``Bearer token``."""
+def create_app(
+    gateway: Gateway, token: str, model_name: str = "treadle-policy", sampling: RunSampling | None = None
+) -> FastAPI:
+    """The FastAPI app serving ``gateway`` at ``sampling`` (default: temperature and top_p 1,
+    not fixed); requests must carry ``Bearer token``."""
+    sampling = sampling or RunSampling()
     if not token:
         raise ValueError("the gateway needs a non-empty bearer token")
     app = FastAPI(title="treadle TITO gateway")
@@ -236,12 +260,20 @@ def create_app(gateway: Gateway, token: str, model_name: str = "treadle-policy")
     def params(
         body: _Sampling, max_new_tokens: int | None, stop_ids: list[int] | None = None
     ) -> SamplingParams:
+        temperature = sampling.temperature if body.temperature is None else body.temperature
+        top_p = sampling.top_p if body.top_p is None else body.top_p
+        if sampling.fixed and (temperature, top_p) != (sampling.temperature, sampling.top_p):
+            raise InvalidRequest(
+                f"temperature {temperature}, top_p {top_p}: a training rollout samples at the run's "
+                f"temperature {sampling.temperature} and top_p {sampling.top_p}, which the trainer's "
+                "log-probs assume; leave temperature and top_p unset or send these"
+            )
         stop = tuple(stop_ids) if stop_ids is not None else gateway.stop_ids
         gateway.check_ids(stop, what="stop_ids")
         return SamplingParams(
             max_new_tokens=gateway.config.max_new_tokens if max_new_tokens is None else max_new_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
+            temperature=temperature,
+            top_p=top_p,
             stop_ids=stop,
             seed=body.seed,
         )
@@ -489,8 +521,8 @@ def _chat_logprobs(gateway: Gateway, turn: TurnResult) -> dict[str, Any]:
 
 class GatewayServer(AppServer):
     """Serves a gateway on 127.0.0.1 (``port=0`` picks a free port) or a Unix domain socket
-    (``uds``; clients use ``http://gateway``). The bearer token is generated when not given;
-    read it from ``.token``."""
+    (``uds``; clients use ``http://gateway``) at ``sampling``. The bearer token is generated
+    when not given; read it from ``.token``."""
 
     def __init__(
         self,
@@ -501,8 +533,13 @@ class GatewayServer(AppServer):
         uds: str | None = None,
         token: str | None = None,
         model_name: str = "treadle-policy",
+        sampling: RunSampling | None = None,
     ):
         self.token = bearer_token(token)
         super().__init__(
-            create_app(gateway, self.token, model_name), host=host, port=port, uds=uds, name="gateway"
+            create_app(gateway, self.token, model_name, sampling),
+            host=host,
+            port=port,
+            uds=uds,
+            name="gateway",
         )

@@ -58,7 +58,7 @@ from envs.sandbox import SandboxError
 from rl.models import TorchDevice
 from rollout.engines.base import MIN_TEMPERATURE, ContextLimit, EngineError, SamplingParams
 from rollout.gateway import Gateway, Session
-from rollout.gateway_http import GatewayServer
+from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.resources import CpuManager
 from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
 from rollout.scheduler import ActionScheduler, StaticReservation
@@ -415,14 +415,25 @@ class RolloutService:
     Args:
         gateway: the TITO gateway that records every token.
         make_env: builds a fresh environment for a task (one instance per rollout).
+        config: :class:`ServiceConfig`; a self-driving program's model call that leaves
+            ``temperature`` or ``top_p`` unset samples at its ``temperature`` and ``top_p``.
+        fixed_sampling: refuse (HTTP 400) a program's call that asks for another temperature or
+            top_p: training rollouts, whose log-probs the trainer compares with its own at the
+            run's; ``False`` (evaluation) lets the program choose.
     """
 
     def __init__(
-        self, gateway: Gateway, make_env: Callable[[Task], Env], config: ServiceConfig | None = None
+        self,
+        gateway: Gateway,
+        make_env: Callable[[Task], Env],
+        config: ServiceConfig | None = None,
+        *,
+        fixed_sampling: bool = True,
     ):
         self.gateway = gateway
         self.make_env = make_env
         self.config = config or ServiceConfig()
+        self.fixed_sampling = fixed_sampling
         self._slots = {
             "init": asyncio.Semaphore(self.config.init_workers),
             "run": asyncio.Semaphore(self.config.run_workers),
@@ -467,7 +478,8 @@ class RolloutService:
         """The HTTP gateway that self-driving envs talk to (started on first use, 127.0.0.1)."""
         async with self._gateway_server_lock:
             if self._gateway_server is None:
-                self._gateway_server = await GatewayServer(self.gateway).start()
+                sampling = RunSampling(self.config.temperature, self.config.top_p, self.fixed_sampling)
+                self._gateway_server = await GatewayServer(self.gateway, sampling=sampling).start()
             return self._gateway_server
 
     async def close(self) -> None:

@@ -13,6 +13,7 @@ from rollout import service as service_module
 from rollout.engines.torch_engine import TorchEngine
 from rollout.evaluate import evaluate
 from tests.rollout.test_orchestrator import tiny  # noqa: F401
+from tests.rollout.test_service import RecordingEngine, SamplingProgram, arith_task
 
 
 class HeldArith(ArithEnv):
@@ -69,3 +70,21 @@ def test_a_rollout_that_raises_leaves_no_other_rollout_running(tiny, monkeypatch
             await engine.close()
 
     assert asyncio.run(asyncio.wait_for(body(), 60)) == 3
+
+
+def test_a_self_driving_program_samples_at_the_eval_temperature_unless_it_asks_another(tiny):  # noqa: F811
+    """Nothing evaluated is trained on: a program's call that leaves the temperature unset
+    samples at the eval temperature, and one that asks for another is served at it."""
+    model, tokenizer = tiny
+    env = SamplingProgram()
+
+    async def body():
+        engine = RecordingEngine(model, tokenizer, name="torch-0")
+        try:
+            await evaluate(engine, tokenizer, [arith_task()], lambda task: env, temperature=1e-3)
+        finally:
+            await engine.close()
+        return [(p.temperature, p.top_p) for p in engine.params]
+
+    assert asyncio.run(body()) == [(1e-3, 1.0), (0.9, 1.0)]
+    assert env.answers == [(200, None), (200, None)]

@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from rl.models import TinyModelConfig, build_tiny_model
+from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from rollout.gateway import Gateway, GatewayConfig
-from rollout.gateway_http import SESSION_HEADER, GatewayServer
+from rollout.gateway_http import SESSION_HEADER, GatewayServer, RunSampling
 from rollout.router import Router, RouterConfig
 from storage.schema import to_table, validate
 
@@ -38,13 +39,15 @@ def tiny():
 
 class SlowTorchEngine(TorchEngine):
     """A real TorchEngine whose every generation starts ``delay`` seconds late, so that two
-    requests on one session overlap."""
+    requests on one session overlap; ``params`` holds the sampling of each generation."""
 
     def __init__(self, *args, delay: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.delay = delay
+        self.params: list[SamplingParams] = []
 
     async def generate(self, session_id, prompt_ids, params):
+        self.params.append(params)
         await asyncio.sleep(self.delay)
         return await super().generate(session_id, prompt_ids, params)
 
@@ -57,6 +60,7 @@ async def serving(
     uds: str | None = None,
     max_context_tokens: int = 256,
     delay: float = 0.0,
+    sampling: RunSampling | None = None,
 ):
     model, tokenizer = tiny
     engines = [SlowTorchEngine(copy.deepcopy(model), tokenizer, name="live", delay=delay)]
@@ -67,7 +71,7 @@ async def serving(
     gateway = Gateway(
         router, tokenizer, GatewayConfig(max_context_tokens=max_context_tokens, max_new_tokens=8)
     )
-    server = await GatewayServer(gateway, uds=uds).start()
+    server = await GatewayServer(gateway, uds=uds, sampling=sampling).start()
     transport = httpx.AsyncHTTPTransport(uds=uds) if uds else None
     client = httpx.AsyncClient(
         base_url=server.url,
@@ -416,6 +420,45 @@ def test_parameters_an_openai_client_sends_as_null_take_their_defaults(tiny):
             assert completion.choices[0].logprobs is None
             assert gateway.session(sid).num_turns == 1
             await client.close()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["training", "evaluation"])
+def test_a_request_that_leaves_sampling_unset_samples_at_the_runs(tiny, fixed):
+    """Requests that leave temperature and top_p unset (or null) sample at the server's; a
+    training server refuses others, naming the run's, and an evaluation's samples at them."""
+    asked = [
+        {"temperature": 0.9},
+        {"top_p": 0.5},
+        {"temperature": 0.7, "top_p": 0.9},
+    ]
+
+    async def body():
+        run = RunSampling(temperature=0.7, top_p=1.0, fixed=fixed)
+        async with serving(tiny, sampling=run) as (gateway, _, client):
+            engine = gateway.router.engine("live")
+            unset = [{}, {"temperature": None, "top_p": None}, {"temperature": 0.7, "top_p": 1.0}]
+            for sampling in unset:
+                headers = {SESSION_HEADER: await open_session(client)}
+                chat = {"messages": USER, "max_tokens": 2, **sampling}
+                response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+                assert response.status_code == 200, response.text
+            assert [(p.temperature, p.top_p) for p in engine.params] == [(0.7, 1.0)] * 3
+            engine.params.clear()
+            for sampling in asked:
+                headers = {SESSION_HEADER: await open_session(client)}
+                response = await client.post(
+                    "/v1/generate", json={"token_ids": [5], **sampling}, headers=headers
+                )
+                if fixed:
+                    assert response.status_code == 400, response.text
+                    message = response.json()["error"]["message"]
+                    assert "at the run's temperature 0.7 and top_p 1.0" in message
+                else:
+                    assert response.status_code == 200, response.text
+            expected = [] if fixed else [(0.9, 1.0), (0.7, 0.5), (0.7, 0.9)]
+            assert [(p.temperature, p.top_p) for p in engine.params] == expected
 
     asyncio.run(body())
 

@@ -558,6 +558,68 @@ async def one_program_rollout(engine, gateway: Gateway, env) -> RolloutResult:
         await engine.close()
 
 
+class SamplingProgram(OneCallProgram):
+    """Goes on with one conversation, one chat call with each of ``asked`` (sampling fields),
+    and keeps the answers' status codes and error messages."""
+
+    asked: list[dict] = [{}, {"temperature": 0.9}]
+
+    async def run(self) -> StepResult:
+        gateway = self.gateway
+        headers = {"Authorization": f"Bearer {gateway.api_key}", gateway.header: gateway.session_id}
+        messages = [{"role": "user", "content": "2+2?"}]
+        self.answers = []
+        async with httpx.AsyncClient() as client:
+            for sampling in self.asked:
+                response = await client.post(
+                    f"{gateway.base_url}/chat/completions",
+                    headers=headers,
+                    json={"model": "policy", "messages": messages, "max_tokens": 2, **sampling},
+                )
+                answer = response.json()
+                self.answers.append((response.status_code, answer.get("error", {}).get("message")))
+                if response.status_code == 200:
+                    messages += [answer["choices"][0]["message"], {"role": "user", "content": "and 3+3?"}]
+        return StepResult([], 0.0, True, 0.0)
+
+
+class RecordingEngine(TorchEngine):
+    """Keeps the sampling of each generation in ``params``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params = []
+
+    async def generate(self, session_id, prompt_ids, params):
+        self.params.append(params)
+        return await super().generate(session_id, prompt_ids, params)
+
+
+def test_a_self_driving_program_samples_at_the_services_temperature_and_may_not_ask_another(tiny):
+    """A training rollout's program that leaves the temperature unset samples at
+    ServiceConfig.temperature; asking for another is a 400 (never sampled)."""
+
+    async def body():
+        model, tokenizer = tiny
+        engine = RecordingEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig())
+        env = SamplingProgram()
+        service = RolloutService(
+            gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=4, temperature=0.7)
+        )
+        try:
+            await service.process(RolloutRequest(task=arith_task()))
+        finally:
+            await service.close()
+            await engine.close()
+        return env.answers, [(p.temperature, p.top_p) for p in engine.params]
+
+    (first, second), sampled = asyncio.run(body())
+    assert first == (200, None)
+    assert second[0] == 400 and "at the run's temperature 0.7 and top_p 1.0" in second[1]
+    assert sampled == [(0.7, 1.0)]
+
+
 @pytest.mark.parametrize("retried", [False, True])
 def test_an_engine_failure_a_self_driving_program_gives_up_on_is_an_infra_error(tiny, retried):
     """The program of a self-driving env sees an engine failure only as an HTTP 503: when it

@@ -454,7 +454,10 @@ def test_an_agent_program_in_the_sandbox_runs_its_tool_calls_and_the_rollout_is_
     async def body():
         engine = TorchEngine(copy.deepcopy(model), tokenizer, name="caller")
         gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
-        service = RolloutService(gateway, make_env, ServiceConfig(timeout_s=120, max_new_tokens=96))
+        # the program asks for temperature 1e-5, which a training rollout grants only as the run's
+        service = RolloutService(
+            gateway, make_env, ServiceConfig(timeout_s=120, max_new_tokens=96, temperature=1e-5)
+        )
         try:
             return await service.process(RolloutRequest(task=task))
         finally:
