@@ -32,7 +32,7 @@ def _store(args):
     storage: dict = {}
     run_id = args.run_id
     if args.config:
-        # the run config's models import torch and transformers: seconds only --config pays
+        # the run config imports every package's config models (a second or two): only --config pays
         from flows.config import ConfigError, load_config
 
         try:

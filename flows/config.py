@@ -24,16 +24,12 @@ from envs.guess import GuessConfig
 from envs.pytool import PyToolConfig
 from envs.registry import REGISTRY, env_class, make_config
 from envs.shell_env import ShellConfig
-from rl.config import SAOConfig
-from rl.models import TinyModelConfig, TorchDevice
+from rl.config import SAOConfig, SFTConfig, TinyModelConfig, TorchDevice
 from rl.processor import ProcessorConfig
-from rl.sft import SFTConfig
+from rollout.config import EngineConfig, OrchestratorConfig, ServiceConfig
 from rollout.elastic import ElasticConfig
 from rollout.engines.base import MIN_TEMPERATURE
-from rollout.engines.factory import EngineConfig
 from rollout.gateway import GatewayConfig
-from rollout.orchestrator import OrchestratorConfig
-from rollout.service import ServiceConfig
 from storage.config import StorageConfig
 
 

@@ -32,10 +32,11 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
     from flows.cli import inspect_run, without_credentials
     from flows.cli_args import default_config, parse
+
+    config, args = parse("The treadle demo: warm start, then rollout + process + train at once.", argv)
     from flows.pipeline import pipeline
     from tasks.common import run_store
 
-    config, args = parse("The treadle demo: warm start, then rollout + process + train at once.", argv)
     if args.run_id is None and not any(item.partition("=")[0] == "run_id" for item in args.set):
         config = config.model_copy(update={"run_id": time.strftime("demo-%Y%m%d-%H%M%S")})
     api = os.environ.get("PREFECT_API_URL")

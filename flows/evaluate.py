@@ -15,7 +15,6 @@ from flows.cli import one_line
 from flows.config import RunConfig
 from storage.weights import WeightStore
 from tasks.common import run_store
-from tasks.weights import evaluate_task
 
 
 @flow(name="evaluate", log_prints=True)
@@ -26,6 +25,9 @@ def evaluate(config: RunConfig = RunConfig(), version: int | None = None) -> dic
         config: the run.
         version: the weight version to evaluate; empty: the newest.
     """
+    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+    from tasks.weights import evaluate_task
+
     result = evaluate_task(config, version)
     create_table_artifact(
         [

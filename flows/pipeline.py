@@ -10,18 +10,13 @@ import time
 import uuid
 from typing import Any
 
-import torch
 from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import RunConfig
 from tasks.common import clear_signals, run_store, send_signal
-from tasks.process import process_shards
 from tasks.report import report_run
-from tasks.rollout import rollouts
-from tasks.train import train
-from tasks.weights import evaluate_task, warm_start
 
 DRAIN_SECONDS = 10.0
 """How long past the deadline the process task may go on, to process the last shards."""
@@ -79,6 +74,9 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
     from prefect_ray.task_runners import RayTaskRunner
 
     from rollout.ray_engine import connect_ray
+    from tasks.process import process_shards
+    from tasks.rollout import rollouts
+    from tasks.train import train
 
     connect_ray(config.ray_address)
     with RayTaskRunner(address=config.ray_address) as runner:
@@ -107,6 +105,14 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     Args:
         config: the run.
     """
+    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+    import torch
+
+    from tasks.process import process_shards
+    from tasks.rollout import rollouts
+    from tasks.train import train
+    from tasks.weights import evaluate_task, warm_start
+
     logger = get_run_logger()
     torch.set_num_threads(1)
     base = warm_start(config)

@@ -11,7 +11,6 @@ from prefect import flow
 
 from flows.config import RunConfig
 from flows.pipeline import deadline_of
-from tasks.process import process_pending, process_shards
 
 
 @flow(name="process", log_prints=True)
@@ -23,6 +22,9 @@ def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[st
         continuous: process shards as they are committed until the stop condition; off: one
             pass over the shards pending when it starts, then end.
     """
+    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+    from tasks.process import process_pending, process_shards
+
     if continuous:
         return process_shards(config, deadline_of(config))
     return process_pending(config)

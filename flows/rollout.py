@@ -13,8 +13,6 @@ from pydantic import Field
 from flows.config import RunConfig, schema_pattern
 from flows.pipeline import deadline_of
 from storage.shards import NAME_PATTERN
-from tasks.rollout import rollouts
-from tasks.weights import warm_start
 
 
 @flow(name="rollout", log_prints=True)
@@ -31,6 +29,10 @@ def rollout(
         worker_name: the worker's name, its shard folder (letters, digits, ``_ . -``); one
             running worker per name.
     """
+    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+    from tasks.rollout import rollouts
+    from tasks.weights import warm_start
+
     warm_start(config)
     return rollouts(config, deadline_of(config), worker_name)
 

@@ -1,13 +1,83 @@
-"""Configuration of the SAO / GRPO trainer (``SAOConfig``)."""
+"""Configuration of the rl package: the tiny model, the supervised warm start and the SAO /
+GRPO trainer.
+
+Kept apart from the code that uses them, which imports torch and transformers, so that a
+run config loads without those (seconds on every flow's start).
+"""
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 TorchDtype = Literal["float32", "bfloat16", "float16"]
 """A config field naming the dtype of model weights."""
+
+_COMMON_DEVICE = re.compile(r"cpu|cuda(:(0|[1-9][0-9]?))?")
+"""Device names ``torch.device`` takes, checked without importing torch."""
+
+
+def _torch_device(value: str) -> str:
+    if _COMMON_DEVICE.fullmatch(value):
+        return value
+    import torch
+
+    try:
+        torch.device(value)
+    except RuntimeError as exc:
+        raise ValueError(f"{value!r} is not a torch device: {exc}") from None
+    return value
+
+
+TorchDevice = Annotated[str, AfterValidator(_torch_device)]
+"""A config field naming a torch device (``cpu``, ``cuda``, ``cuda:1`` …), checked at load."""
+
+
+class TinyModelConfig(BaseModel):
+    """The embedded default policy: a tiny decoder built from scratch on the CPU."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    arch: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="Hugging Face architecture family.")
+    hidden_size: int = Field(96, ge=8, description="Width of the residual stream.")
+    num_layers: int = Field(3, ge=1, description="Number of decoder blocks.")
+    num_heads: int = Field(4, ge=1, description="Attention heads; must divide hidden_size.")
+    num_kv_heads: int | None = Field(
+        None, ge=1, description="Key/value heads (grouped-query attention); defaults to num_heads."
+    )
+    intermediate_size: int = Field(256, ge=8, description="Width of each MLP block.")
+    vocab_size: int = Field(
+        512,
+        ge=260,
+        description="Target size of the locally trained BPE vocabulary (the result may be smaller).",
+    )
+    max_position_embeddings: int = Field(1024, ge=16, description="Longest sequence (prompt + generation).")
+    tie_word_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
+    seed: int = Field(0, description="Seed for the weight initialisation and the tokenizer corpus.")
+
+    @model_validator(mode="after")
+    def _heads_fit(self) -> TinyModelConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        kv_heads = self.num_kv_heads or self.num_heads
+        if self.num_heads % kv_heads:
+            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({self.num_heads})")
+        return self
+
+
+class SFTConfig(BaseModel):
+    """Supervised warm-start settings."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
+    batch_size: int = Field(64, ge=1, description="Demonstrations per optimizer step.")
+    max_steps: int = Field(400, ge=1, description="Optimizer steps at most.")
+    max_seconds: float = Field(60.0, gt=0, description="Wall-clock budget; training stops when it runs out.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    seed: int = Field(0, description="Seed of the batch order.")
 
 
 class SAOConfig(BaseModel):

@@ -15,10 +15,9 @@ import copy
 import json
 import os
 import tempfile
-from typing import Annotated, Literal, TypeVar
+from typing import TypeVar
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
@@ -37,24 +36,13 @@ from transformers import (
 )
 from transformers.core_model_loading import revert_weight_conversion
 
-from rl.config import TorchDtype
+from rl.config import TinyModelConfig, TorchDtype
 from rl.tokenizer import train_tokenizer
 from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, WeightStore
 
 _CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 _ATTENTION_MARKERS = ("self_attn", "attention")
 
-
-def _torch_device(value: str) -> str:
-    try:
-        torch.device(value)
-    except RuntimeError as exc:
-        raise ValueError(f"{value!r} is not a torch device: {exc}") from None
-    return value
-
-
-TorchDevice = Annotated[str, AfterValidator(_torch_device)]
-"""A config field naming a torch device (``cpu``, ``cuda``, ``cuda:1`` …), checked at load."""
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -75,38 +63,6 @@ def placed(model: ModelT, device: str | torch.device, dtype: torch.dtype) -> Mod
         owner, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(owner), attribute, buffer.to(device))
     return model
-
-
-class TinyModelConfig(BaseModel):
-    """The embedded default policy: a tiny decoder built from scratch on the CPU."""
-
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
-    arch: Literal["llama", "qwen2", "qwen3"] = Field("llama", description="Hugging Face architecture family.")
-    hidden_size: int = Field(96, ge=8, description="Width of the residual stream.")
-    num_layers: int = Field(3, ge=1, description="Number of decoder blocks.")
-    num_heads: int = Field(4, ge=1, description="Attention heads; must divide hidden_size.")
-    num_kv_heads: int | None = Field(
-        None, ge=1, description="Key/value heads (grouped-query attention); defaults to num_heads."
-    )
-    intermediate_size: int = Field(256, ge=8, description="Width of each MLP block.")
-    vocab_size: int = Field(
-        512,
-        ge=260,
-        description="Target size of the locally trained BPE vocabulary (the result may be smaller).",
-    )
-    max_position_embeddings: int = Field(1024, ge=16, description="Longest sequence (prompt + generation).")
-    tie_word_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
-    seed: int = Field(0, description="Seed for the weight initialisation and the tokenizer corpus.")
-
-    @model_validator(mode="after")
-    def _heads_fit(self) -> TinyModelConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
-        kv_heads = self.num_kv_heads or self.num_heads
-        if self.num_heads % kv_heads:
-            raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({self.num_heads})")
-        return self
 
 
 def build_tiny_model(config: TinyModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

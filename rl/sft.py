@@ -11,22 +11,9 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 
+from rl.config import SFTConfig
 from rl.logprobs import token_logprobs
-
-
-class SFTConfig(BaseModel):
-    """Supervised warm-start settings."""
-
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
-    lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
-    batch_size: int = Field(64, ge=1, description="Demonstrations per optimizer step.")
-    max_steps: int = Field(400, ge=1, description="Optimizer steps at most.")
-    max_seconds: float = Field(60.0, gt=0, description="Wall-clock budget; training stops when it runs out.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    seed: int = Field(0, description="Seed of the batch order.")
 
 
 def pad_batch(

@@ -8,10 +8,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from envs.base import Env, Task
+from rollout.config import ServiceConfig
 from rollout.engines.base import Engine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router
-from rollout.service import RolloutRequest, RolloutService, ServiceConfig
+from rollout.service import RolloutRequest, RolloutService
 
 
 @dataclass

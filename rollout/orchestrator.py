@@ -38,80 +38,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-
 from envs.base import Task
+from rollout.config import SEED_STRIDE, OrchestratorConfig
 from rollout.service import RolloutRequest, RolloutResult, RolloutService
 
 log = logging.getLogger(__name__)
-
-SEED_STRIDE = 1_000_003
-"""Rollout ``n`` of an orchestrator seeded ``seed`` samples with seed ``seed * SEED_STRIDE + n``."""
-
-
-class OrchestratorConfig(BaseModel):
-    """How many rollouts run at once, on which tasks, and when to stop."""
-
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
-    mix: dict[str, float] = Field(
-        default_factory=lambda: {"arith": 1.0}, description="Target share of rollouts per task (normalised)."
-    )
-    concurrency: int = Field(64, ge=1, description="Rollouts in flight at once.")
-    group_size: int = Field(1, ge=1, description="Rollouts per prompt: 1 for SAO, n for GRPO group mode.")
-    filter_uniform_groups: bool = Field(
-        True, description="Group mode: drop groups whose rewards are all equal (DAPO dynamic sampling)."
-    )
-    target_groups: int | None = Field(
-        None,
-        ge=1,
-        description="Group mode (group_size > 1 only): stop (cancelling redundant rollouts) after this "
-        "many kept groups. Single rollouts form no groups: stop those with max_rollouts.",
-    )
-    max_rollouts: int | None = Field(None, ge=1, description="Stop after this many rollouts have finished.")
-    max_backlog: int = Field(
-        8, ge=1, description="Pause launching while more shards than this await the trainer."
-    )
-    max_trainer_batches: float | None = Field(
-        2.0,
-        ge=1,
-        description="Pause launching while the trainer holds more than this many policy steps' worth of "
-        "data it has not trained (its published queue); at least 1, so the trainer always has a full "
-        "batch to step on while rollouts wait. None: off.",
-    )
-    backpressure_poll_s: float = Field(0.2, gt=0, description="Seconds between backlog checks while paused.")
-    seed: int = Field(
-        0,
-        ge=-(2**63 // SEED_STRIDE),
-        le=(2**63 - 1) // SEED_STRIDE,
-        description="Base of the per-rollout sampling seeds: rollout n samples with seed * 1_000_003 + n "
-        "(its turn t with that + t); bounded so that these stay 64-bit seeds the engines take.",
-    )
-
-    @field_validator("mix")
-    @classmethod
-    def _valid_mix(cls, mix: dict[str, float]) -> dict[str, float]:
-        if not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
-            raise ValueError("mix needs at least one task and non-negative weights with a positive sum")
-        return mix
-
-    @model_validator(mode="after")
-    def _groups_fit(self) -> OrchestratorConfig:
-        # a group launches whole: one that cannot fit would launch nothing, silently
-        if self.group_size > self.concurrency:
-            raise ValueError(
-                f"group_size ({self.group_size}) exceeds concurrency ({self.concurrency}): no group could launch"
-            )
-        if self.max_rollouts is not None and self.max_rollouts < self.group_size:
-            raise ValueError(
-                f"max_rollouts ({self.max_rollouts}) is below group_size ({self.group_size}): no group could launch"
-            )
-        if self.target_groups is not None and self.group_size == 1:
-            raise ValueError(
-                "target_groups counts the groups of group mode (group_size > 1); single rollouts form none, "
-                "so it would never stop the run: stop after a number of rollouts with max_rollouts"
-            )
-        return self
 
 
 class Sink(Protocol):

@@ -17,8 +17,9 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
+from rollout.config import TorchEngineConfig
 from rollout.engines.base import EngineError, EngineStats, Generation, SamplingParams
-from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
+from rollout.engines.torch_engine import TorchEngine
 from storage.config import RunStore
 
 

@@ -20,28 +20,15 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from envs.threads import to_thread_to_the_end
 from rl.models import PRETRAINED_LOAD_LOCK
+from rollout.config import RewardModelConfig
 from rollout.resources import ServiceManager, state_bytes
 
 REWARD_RESOURCE = "reward"
 """Scheduler resource of reward calls: one unit per call."""
-
-
-class RewardModelConfig(BaseModel):
-    """One reward-model service."""
-
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
-    path: str = Field(
-        description="Local directory of a sequence-classification checkpoint with one label and its tokenizer."
-    )
-    max_tokens: int = Field(
-        2048, ge=1, description="Longest input; a longer conversation keeps its last max_tokens tokens."
-    )
 
 
 class RewardModels:

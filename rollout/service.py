@@ -48,19 +48,17 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
-
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, TypeVar
 
 from envs.agent import GatewaySession
 from envs.base import Env, EnvHostLost, ResourceRequest, Task
 from envs.sandbox import SandboxError
-from rl.models import TorchDevice
-from rollout.engines.base import MIN_TEMPERATURE, ContextLimit, EngineError, SamplingParams
+from rollout.config import ServiceConfig
+from rollout.engines.base import ContextLimit, EngineError, SamplingParams
 from rollout.gateway import Gateway, Session
 from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.resources import CpuManager
-from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
+from rollout.reward_models import REWARD_RESOURCE, RewardModels
 from rollout.scheduler import ActionScheduler, StaticReservation
 
 log = logging.getLogger(__name__)
@@ -72,69 +70,6 @@ ENV_CLOSE_TIMEOUT_S = 60.0
 the gateway session still closes and a cancel waiting for the cleanup is not held forever."""
 
 T = TypeVar("T")
-
-
-class ServiceConfig(BaseModel):
-    """Worker pools and limits of the rollout service."""
-
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
-    init_workers: int = Field(64, ge=1, description="Rollouts that may be in the INIT stage at once.")
-    run_workers: int = Field(512, ge=1, description="Rollouts that may be in the RUN stage at once.")
-    eval_workers: int = Field(64, ge=1, description="Rollouts that may be in the EVAL stage at once.")
-    timeout_s: float = Field(
-        300.0, gt=0, description="Seconds a rollout may spend in INIT+RUN+EVAL; queue time is not counted."
-    )
-    max_turns: int = Field(32, ge=1, description="Hard cap on actions per rollout, over the env's own limit.")
-    max_new_tokens: int = Field(32, ge=1, description="Token budget of one action.")
-    temperature: float = Field(
-        1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False, description="Sampling temperature (finite, >= 1e-5)."
-    )
-    top_p: float = Field(
-        1.0,
-        gt=0,
-        le=1,
-        description="Nucleus sampling threshold; a run config needs 1 (the trainer cannot reproduce "
-        "log-probs renormalised over a nucleus).",
-    )
-    scheduler: Literal["action", "static", "none"] = Field(
-        "action",
-        description="Resources for tool calls and test runs: 'action' grants them per action "
-        "(ARL-Tangram), 'static' reserves scheduler_static_cores per rollout for its whole life "
-        "(the baseline), 'none' runs every action at once.",
-    )
-    scheduler_cores: int | None = Field(
-        None, ge=1, description="CPU cores the scheduler hands out; default: the cores this process may use."
-    )
-    scheduler_static_cores: int = Field(
-        1, ge=1, description="Cores a rollout reserves for its whole life in 'static' mode."
-    )
-    scheduler_pin: bool = Field(
-        True,
-        description="Pin the sandbox's processes to the cores granted to each action (CPU affinity); "
-        "needs scheduler_cores <= the cores this process may use.",
-    )
-    reward_models: dict[str, RewardModelConfig] = Field(
-        default_factory=dict,
-        description="Reward-model services by name; an env whose config names one as reward_model is "
-        "scored by it in EVAL.",
-    )
-    reward_slots: int = Field(
-        1,
-        ge=1,
-        description="Reward-model calls that may run at once ('action' scheduler; 'static' pins every "
-        "model on the device and runs calls as they come).",
-    )
-    reward_device: TorchDevice | None = Field(
-        None, description="Device reward models run on for a call; default: CUDA when available, else CPU."
-    )
-    reward_budget_mb: float | None = Field(
-        None,
-        gt=0,
-        description="Device memory the resident reward models may hold ('action' scheduler); the least "
-        "recently used idle one is evicted to make room. Default: the free GPU memory, or all "
-        "models on CPU.",
-    )
 
 
 @dataclass

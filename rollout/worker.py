@@ -46,12 +46,13 @@ from typing import Any, Literal
 
 from envs import registry
 from envs.base import Env, EnvConfig, Task
+from rollout.config import EngineConfig, OrchestratorConfig, ServiceConfig
 from rollout.engines.base import Engine, EngineError
-from rollout.engines.factory import EngineConfig, build_engines
+from rollout.engines.factory import build_engines
 from rollout.gateway import Gateway, GatewayConfig
-from rollout.orchestrator import Orchestrator, OrchestratorConfig, OrchestratorStats
+from rollout.orchestrator import Orchestrator, OrchestratorStats
 from rollout.router import Router, RouterConfig, probe_health
-from rollout.service import RolloutResult, RolloutService, ServiceConfig
+from rollout.service import RolloutResult, RolloutService
 from storage.config import RunStore
 from storage.shards import BackgroundShardWriter, ShardInfo
 from storage.status import (

@@ -36,13 +36,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-import torch
-from safetensors.torch import save_file
-
 from storage.config import RunStore, fsync_path
 from storage.heartbeat import Heartbeat
 
 if TYPE_CHECKING:
+    import torch
+
     from storage.tables import Tables
 
 log = logging.getLogger(__name__)
@@ -109,6 +108,10 @@ def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
     ``from_pretrained`` re-ties the missing name from the config; storing both copies
     instead makes the tie depend on the two copies comparing equal at load time.
     """
+    # torch only where a version is written: reading the store (treadle inspect, the
+    # maintain flow) starts without it
+    import torch
+
     seen_tensors: set[tuple[int, tuple[int, ...], tuple[int, ...]]] = set()
     seen_storages: set[int] = set()
     ready: dict[str, torch.Tensor] = {}
@@ -250,6 +253,8 @@ class WeightStore:
             metadata_json = json.loads(json.dumps(metadata or {}))
         except TypeError as error:
             raise ValueError(f"metadata must be JSON-serialisable: {error}") from error
+        from safetensors.torch import save_file
+
         with tempfile.TemporaryDirectory(prefix="treadle-publish-") as staging:
             tensors = _safetensors_ready(state_dict)
             if dtype is not None:

@@ -1,49 +1,16 @@
-"""``EngineConfig`` and the factory that builds engine replicas from it."""
+"""The factory that builds engine replicas from an ``EngineConfig``."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rollout.config import EngineConfig
 from rollout.engines.base import Engine
-from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
-from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine, VLLMEngineConfig
+from rollout.engines.torch_engine import TorchEngine
+from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine
 from storage.config import RunStore
-
-
-class EngineConfig(BaseModel):
-    """Which inference engines serve the rollouts."""
-
-    # its inputs may hold credentials: errors name the field, never the value
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
-
-    kind: Literal["torch", "vllm"] = Field(
-        "torch", description="'torch': in-process TorchEngine; 'vllm': vLLM servers."
-    )
-    replicas: int = Field(1, ge=1, description="TorchEngine replicas in this process (torch kind).")
-    torch: TorchEngineConfig = Field(default_factory=TorchEngineConfig, description="TorchEngine settings.")
-    vllm: list[VLLMEngineConfig] = Field(
-        default_factory=list, description="One entry per vLLM server replica (vllm kind)."
-    )
-    load_timeout_s: float = Field(
-        600.0,
-        gt=0,
-        description="Seconds a replica may take to load a weight version, waiting for its requests in "
-        "flight included; one that takes longer has failed to load it (its worker's health check retries).",
-    )
-
-    @model_validator(mode="after")
-    def _servers_for_vllm(self) -> EngineConfig:
-        if self.kind == "vllm" and not self.vllm:
-            raise ValueError("engine.kind is 'vllm' but engine.vllm lists no server")
-        return self
-
-    @property
-    def replica_count(self) -> int:
-        """Engine replicas a rollout worker runs: its vLLM servers, or its TorchEngine replicas."""
-        return len(self.vllm) if self.kind == "vllm" else self.replicas
 
 
 def build_engines(

@@ -30,12 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedModel
 
-from rl.config import TorchDtype
-from rl.models import TorchDevice, converts_checkpoint_layout, placed
+from rl.models import converts_checkpoint_layout, placed
+from rollout.config import TorchEngineConfig
 from rollout.engines.base import (
     ContextLimit,
     EngineError,
@@ -52,29 +51,6 @@ KV = list[tuple[torch.Tensor, torch.Tensor]]
 MAX_PREFILL_SPREAD = 8
 """Most difference in new-token counts within one batched prefill: the forward keeps the
 logits of that many trailing positions for every row."""
-
-
-class TorchEngineConfig(BaseModel):
-    """Settings of one ``TorchEngine`` replica."""
-
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
-
-    device: TorchDevice = Field(
-        "cpu",
-        description="Torch device the model runs on (cpu, cuda, cuda:1 …); 'cuda' spreads a process's "
-        "replicas over the visible GPUs, one each in turn.",
-    )
-    dtype: TorchDtype = Field("float32", description="Torch dtype of the weights.")
-    max_batch: int = Field(64, ge=1, description="Most requests decoded together in one step.")
-    kv_cache_bytes: int = Field(
-        256 * 2**20, ge=0, description="Memory bound of the per-session KV cache kept between turns (LRU)."
-    )
-    max_prefill_tokens: int = Field(
-        16384,
-        ge=1,
-        description="Most padded tokens (rows x longest context) in one batched prefill forward; "
-        "a longer request is still prefilled, alone.",
-    )
 
 
 def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

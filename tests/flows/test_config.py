@@ -344,9 +344,10 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_fails_the_rollout_flow_be
     from prefect.exceptions import ParameterTypeError
 
     import flows.rollout
+    import tasks.weights
 
     started = []
-    monkeypatch.setattr(flows.rollout, "warm_start", started.append)
+    monkeypatch.setattr(tasks.weights, "warm_start", started.append)
     with pytest.raises(ParameterTypeError, match="worker_name"):
         flows.rollout.rollout(RunConfig(), "a b")
     assert started == []

@@ -1,0 +1,216 @@
+"""Config models of the rollout package whose code imports torch: the engines, the
+rollout service (its reward models) and the orchestrator (which drives the service).
+
+Kept apart from that code so that a run config loads without torch and transformers
+(seconds on every flow's start).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from rl.config import TorchDevice, TorchDtype
+from rollout.engines.base import MIN_TEMPERATURE
+from rollout.engines.vllm_engine import VLLMEngineConfig
+
+SEED_STRIDE = 1_000_003
+"""Rollout ``n`` of an orchestrator seeded ``seed`` samples with seed ``seed * SEED_STRIDE + n``."""
+
+
+class TorchEngineConfig(BaseModel):
+    """Settings of one ``TorchEngine`` replica."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    device: TorchDevice = Field(
+        "cpu",
+        description="Torch device the model runs on (cpu, cuda, cuda:1 …); 'cuda' spreads a process's "
+        "replicas over the visible GPUs, one each in turn.",
+    )
+    dtype: TorchDtype = Field("float32", description="Torch dtype of the weights.")
+    max_batch: int = Field(64, ge=1, description="Most requests decoded together in one step.")
+    kv_cache_bytes: int = Field(
+        256 * 2**20, ge=0, description="Memory bound of the per-session KV cache kept between turns (LRU)."
+    )
+    max_prefill_tokens: int = Field(
+        16384,
+        ge=1,
+        description="Most padded tokens (rows x longest context) in one batched prefill forward; "
+        "a longer request is still prefilled, alone.",
+    )
+
+
+class EngineConfig(BaseModel):
+    """Which inference engines serve the rollouts."""
+
+    # its inputs may hold credentials: errors name the field, never the value
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
+
+    kind: Literal["torch", "vllm"] = Field(
+        "torch", description="'torch': in-process TorchEngine; 'vllm': vLLM servers."
+    )
+    replicas: int = Field(1, ge=1, description="TorchEngine replicas in this process (torch kind).")
+    torch: TorchEngineConfig = Field(default_factory=TorchEngineConfig, description="TorchEngine settings.")
+    vllm: list[VLLMEngineConfig] = Field(
+        default_factory=list, description="One entry per vLLM server replica (vllm kind)."
+    )
+    load_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Seconds a replica may take to load a weight version, waiting for its requests in "
+        "flight included; one that takes longer has failed to load it (its worker's health check retries).",
+    )
+
+    @model_validator(mode="after")
+    def _servers_for_vllm(self) -> EngineConfig:
+        if self.kind == "vllm" and not self.vllm:
+            raise ValueError("engine.kind is 'vllm' but engine.vllm lists no server")
+        return self
+
+    @property
+    def replica_count(self) -> int:
+        """Engine replicas a rollout worker runs: its vLLM servers, or its TorchEngine replicas."""
+        return len(self.vllm) if self.kind == "vllm" else self.replicas
+
+
+class RewardModelConfig(BaseModel):
+    """One reward-model service."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    path: str = Field(
+        description="Local directory of a sequence-classification checkpoint with one label and its tokenizer."
+    )
+    max_tokens: int = Field(
+        2048, ge=1, description="Longest input; a longer conversation keeps its last max_tokens tokens."
+    )
+
+
+class ServiceConfig(BaseModel):
+    """Worker pools and limits of the rollout service."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    init_workers: int = Field(64, ge=1, description="Rollouts that may be in the INIT stage at once.")
+    run_workers: int = Field(512, ge=1, description="Rollouts that may be in the RUN stage at once.")
+    eval_workers: int = Field(64, ge=1, description="Rollouts that may be in the EVAL stage at once.")
+    timeout_s: float = Field(
+        300.0, gt=0, description="Seconds a rollout may spend in INIT+RUN+EVAL; queue time is not counted."
+    )
+    max_turns: int = Field(32, ge=1, description="Hard cap on actions per rollout, over the env's own limit.")
+    max_new_tokens: int = Field(32, ge=1, description="Token budget of one action.")
+    temperature: float = Field(
+        1.0, ge=MIN_TEMPERATURE, allow_inf_nan=False, description="Sampling temperature (finite, >= 1e-5)."
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling threshold; a run config needs 1 (the trainer cannot reproduce "
+        "log-probs renormalised over a nucleus).",
+    )
+    scheduler: Literal["action", "static", "none"] = Field(
+        "action",
+        description="Resources for tool calls and test runs: 'action' grants them per action "
+        "(ARL-Tangram), 'static' reserves scheduler_static_cores per rollout for its whole life "
+        "(the baseline), 'none' runs every action at once.",
+    )
+    scheduler_cores: int | None = Field(
+        None, ge=1, description="CPU cores the scheduler hands out; default: the cores this process may use."
+    )
+    scheduler_static_cores: int = Field(
+        1, ge=1, description="Cores a rollout reserves for its whole life in 'static' mode."
+    )
+    scheduler_pin: bool = Field(
+        True,
+        description="Pin the sandbox's processes to the cores granted to each action (CPU affinity); "
+        "needs scheduler_cores <= the cores this process may use.",
+    )
+    reward_models: dict[str, RewardModelConfig] = Field(
+        default_factory=dict,
+        description="Reward-model services by name; an env whose config names one as reward_model is "
+        "scored by it in EVAL.",
+    )
+    reward_slots: int = Field(
+        1,
+        ge=1,
+        description="Reward-model calls that may run at once ('action' scheduler; 'static' pins every "
+        "model on the device and runs calls as they come).",
+    )
+    reward_device: TorchDevice | None = Field(
+        None, description="Device reward models run on for a call; default: CUDA when available, else CPU."
+    )
+    reward_budget_mb: float | None = Field(
+        None,
+        gt=0,
+        description="Device memory the resident reward models may hold ('action' scheduler); the least "
+        "recently used idle one is evicted to make room. Default: the free GPU memory, or all "
+        "models on CPU.",
+    )
+
+
+class OrchestratorConfig(BaseModel):
+    """How many rollouts run at once, on which tasks, and when to stop."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    mix: dict[str, float] = Field(
+        default_factory=lambda: {"arith": 1.0}, description="Target share of rollouts per task (normalised)."
+    )
+    concurrency: int = Field(64, ge=1, description="Rollouts in flight at once.")
+    group_size: int = Field(1, ge=1, description="Rollouts per prompt: 1 for SAO, n for GRPO group mode.")
+    filter_uniform_groups: bool = Field(
+        True, description="Group mode: drop groups whose rewards are all equal (DAPO dynamic sampling)."
+    )
+    target_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Group mode (group_size > 1 only): stop (cancelling redundant rollouts) after this "
+        "many kept groups. Single rollouts form no groups: stop those with max_rollouts.",
+    )
+    max_rollouts: int | None = Field(None, ge=1, description="Stop after this many rollouts have finished.")
+    max_backlog: int = Field(
+        8, ge=1, description="Pause launching while more shards than this await the trainer."
+    )
+    max_trainer_batches: float | None = Field(
+        2.0,
+        ge=1,
+        description="Pause launching while the trainer holds more than this many policy steps' worth of "
+        "data it has not trained (its published queue); at least 1, so the trainer always has a full "
+        "batch to step on while rollouts wait. None: off.",
+    )
+    backpressure_poll_s: float = Field(0.2, gt=0, description="Seconds between backlog checks while paused.")
+    seed: int = Field(
+        0,
+        ge=-(2**63 // SEED_STRIDE),
+        le=(2**63 - 1) // SEED_STRIDE,
+        description="Base of the per-rollout sampling seeds: rollout n samples with seed * 1_000_003 + n "
+        "(its turn t with that + t); bounded so that these stay 64-bit seeds the engines take.",
+    )
+
+    @field_validator("mix")
+    @classmethod
+    def _valid_mix(cls, mix: dict[str, float]) -> dict[str, float]:
+        if not mix or any(w < 0 for w in mix.values()) or sum(mix.values()) <= 0:
+            raise ValueError("mix needs at least one task and non-negative weights with a positive sum")
+        return mix
+
+    @model_validator(mode="after")
+    def _groups_fit(self) -> OrchestratorConfig:
+        # a group launches whole: one that cannot fit would launch nothing, silently
+        if self.group_size > self.concurrency:
+            raise ValueError(
+                f"group_size ({self.group_size}) exceeds concurrency ({self.concurrency}): no group could launch"
+            )
+        if self.max_rollouts is not None and self.max_rollouts < self.group_size:
+            raise ValueError(
+                f"max_rollouts ({self.max_rollouts}) is below group_size ({self.group_size}): no group could launch"
+            )
+        if self.target_groups is not None and self.group_size == 1:
+            raise ValueError(
+                "target_groups counts the groups of group mode (group_size > 1); single rollouts form none, "
+                "so it would never stop the run: stop after a number of rollouts with max_rollouts"
+            )
+        return self
