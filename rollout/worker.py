@@ -470,9 +470,24 @@ class RolloutWorker:
                     ]
                     if stale:
                         path = await asyncio.to_thread(self.weights.load, version, "serving")
-                        await asyncio.gather(*(self._load(engine, version, path) for engine in stale))
+                        # each awaited under the lock whatever the others do: one left loading
+                        # would overlap the next load of its replica
+                        await asyncio.gather(*(self._reload(engine, version, path) for engine in stale))
             except Exception as exc:  # the next probe tries again
                 log.warning("worker %s could not check its replicas: %s", self.name, exc)
+
+    async def _reload(self, engine: Engine, version: int, path: str) -> None:
+        """:meth:`_load` for the health check, whose next probe retries a replica that fails."""
+        try:
+            await self._load(engine, version, path)
+        except Exception as exc:
+            log.warning(
+                "worker %s: replica %s failed to load weight version %d (the next probe retries it): %s",
+                self.name,
+                engine.name,
+                version,
+                exc,
+            )
 
     async def _load_current_version(self, engine: Engine) -> None:
         async with self._loading:  # not while sync_weights moves the version on

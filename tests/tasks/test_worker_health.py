@@ -5,6 +5,7 @@ version is retried alone; closing retries the last commit and always stops the e
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
 import torch
@@ -142,6 +143,48 @@ def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_kee
     asyncio.run(body())
     assert [version for name, version in loads if name == "torch-0"] == ([1] if health_check_s else [1, 1])
     assert [version for name, version in loads if name == "torch-1"][:2] == [1, 1]
+
+
+def test_a_reload_the_health_check_runs_is_awaited_whatever_the_others_do(local_store, caplog):
+    """Both replicas missed version 0 (their version differs); the health check reloads them
+    together. ``torch-0``'s reload fails at once while ``torch-1``'s still runs: the failure
+    is logged, and the health check holds the loading lock until ``torch-1`` is done, so no
+    later load of ``torch-1`` overlaps it; the next probe reloads ``torch-0``."""
+    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    ensure_base_version(WeightStore(local_store), TINY)
+    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05), weight_poll_s=600)
+    held_while_torch_1_loads = []
+
+    def failure_logged() -> bool:
+        return any("torch-0" in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+
+    async def body() -> None:
+        await worker.start()
+        failing, slow = worker.engines
+        real_load, slow_load = failing.load_version, slow.load_version
+
+        async def fails_once(version, path):
+            failing.load_version = real_load
+            raise EngineError("torch-0 failed to load (injected)")
+
+        async def outlasts_the_failure(version, path):
+            slow.load_version = slow_load
+            await until(failure_logged, "torch-0's failure to be logged")
+            held_while_torch_1_loads.append(worker._loading.locked())
+            await slow_load(version, path)
+
+        failing.load_version, slow.load_version = fails_once, outlasts_the_failure
+        failing.version = slow.version = 7
+        run_task = asyncio.create_task(worker.run(max_seconds=600))
+        try:
+            await until(lambda: failing.version == slow.version == 0, "both replicas to load version 0")
+        finally:
+            worker.stop()
+            await run_task
+            await worker.close()
+
+    asyncio.run(body())
+    assert held_while_torch_1_loads == [True]
 
 
 @pytest.mark.parametrize("failures", [2, 4])
