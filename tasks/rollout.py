@@ -28,6 +28,10 @@ from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, wa
 
 log = logging.getLogger(__name__)
 
+STATUS_RETRY_S = 1.0
+"""Seconds before a status published ahead of the beat (a drained replica emptied) is tried
+again when it failed: the trainer waits for it, so it does not wait for the next beat."""
+
 
 def status_object(worker_name: str, status: dict[str, Any], running: bool) -> RolloutStatus:
     """The status object a worker publishes, from ``RolloutWorker.status()`` now."""
@@ -84,7 +88,8 @@ def run_rollouts(
     elastic plan (``RolloutWorker.apply_plan``): with one engine replica nothing is ever drained.
     A replica it drains for training counts as training once a status shows it empty, so that
     status is published as soon as the worker sees it empty (``RolloutWorker.status_due``),
-    between the beats and without a progress report.
+    between the beats and without a progress report (and again every ``STATUS_RETRY_S`` while
+    publishing it fails).
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
     (one env worker per engine replica) on the cluster at ``config.ray_address``.
@@ -128,19 +133,22 @@ def run_rollouts(
         role.publish(status_object(worker_name, idle, running=False))
         raise
 
-    async def publish_status(running: bool) -> dict[str, Any]:
+    async def publish_status(running: bool) -> tuple[dict[str, Any], bool]:
+        """The worker's status now, and whether publishing it raised nothing."""
         status = await worker.status()
         if not running:  # its engines are closed: nothing waits or is pinned there; its counts stand
             status |= {"engine_queue_depth": 0, "live_sessions": 0, "replica_sessions": {}, "draining": [],
                        "session_ages": {}}  # fmt: skip
         published = status_object(worker_name, status, running)
+        sent = True
         try:
             await asyncio.to_thread(role.publish, published)
         except Exception as exc:  # a storage hiccup: the next status replaces this one
+            sent = False
             log.warning("worker %s could not publish its status: %s", worker_name, exc)
         if role.lost.is_set():
             worker.stop()
-        return status
+        return status, sent
 
     finished = asyncio.Event()
     report_progress = reporting(on_progress, f"progress report of worker {worker_name}")
@@ -156,10 +164,13 @@ def run_rollouts(
                 worker.stop()
             if worker.status_due.is_set():  # a drained replica emptied: the trainer waits to see it
                 worker.status_due.clear()
-                await publish_status(running=True)
+                _, sent = await publish_status(running=True)
+                if not sent:  # still due, after a pause rather than at once while storage fails
+                    await first_set((finished,), STATUS_RETRY_S)
+                    worker.status_due.set()
                 continue
             beat = time.monotonic() + progress_every_s
-            status = await publish_status(running=True)
+            status, _ = await publish_status(running=True)
             if report_progress is not None:
                 await asyncio.to_thread(report_progress, status)
 

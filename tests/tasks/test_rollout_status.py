@@ -425,3 +425,33 @@ def test_a_replica_slow_to_report_its_counters_does_not_hold_up_the_rollouts(tmp
     run_rollouts(run, time.time() + WAIT_S, "w0", progress_every_s=0.05, stop=stop)
 
     assert answers[1], "no generation finished while a status waited for the replica's counters"
+
+
+def test_a_status_due_ahead_of_the_beat_that_fails_to_publish_is_published_again(tmp_path, monkeypatch):
+    """A drained replica emptied (``RolloutWorker.status_due``) and the status published at
+    once for the trainer fails (a storage hiccup): it is published again shortly after, not
+    left to the next beat (here 1,000 s away)."""
+    run, store = small_worker_run(tmp_path, "due-status")
+    publish = RolloutStatusBoard.publish
+    due, attempts = threading.Event(), []
+
+    def flaky_publish(board, status):
+        if due.is_set() and not attempts:
+            attempts.append("failed")
+            raise OSError("store unreachable (injected)")
+        publish(board, status)
+        if due.is_set():
+            attempts.append(status.running)
+
+    def check_emptied(worker):  # one replica found empty, once; the run stops once its status is out
+        if not due.is_set():
+            due.set()
+            worker.status_due.set()
+        elif len(attempts) > 1:
+            worker.stop()
+
+    monkeypatch.setattr(RolloutStatusBoard, "publish", flaky_publish)
+    monkeypatch.setattr(RolloutWorker, "_check_emptied", check_emptied)
+    run_rollouts(run, time.time() + WAIT_S, "w0", progress_every_s=1000.0)
+
+    assert attempts == ["failed", True, False]
