@@ -17,7 +17,8 @@ from envs.arith import ArithEnv
 from envs.base import EnvHostLost
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
-from rollout.engines.base import SamplingParams
+from rollout import ray_engine
+from rollout.engines.base import EngineStats, SamplingParams
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
 from rollout.ray_engine import RayEngine
@@ -125,6 +126,60 @@ def test_a_cancelled_generate_stops_decoding_on_the_actor(run):
     stats = asyncio.run(body())
     assert stats.requests == 1, "only the short request finished"
     assert stats.decode_tokens < 1000
+
+
+@ray.remote
+class HangingLoads:
+    """An engine actor (async, as ``EngineActor``) whose loads never end: a stuck load."""
+
+    def __init__(self, *args):
+        self.started, self.cancelled = [], []
+
+    async def load_version(self, version: int, path: str) -> int:
+        self.started.append(version)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.append(version)
+            raise
+        return version
+
+    def loads(self) -> tuple[list[int], list[int]]:
+        """The versions whose loads started, and those whose loads were cancelled."""
+        return self.started, self.cancelled
+
+    def stats(self) -> EngineStats:
+        return EngineStats()
+
+    async def close(self) -> None:
+        pass
+
+
+def test_a_load_its_caller_gives_up_on_is_cancelled_on_the_actor(monkeypatch):
+    """The worker gives up on a load that outlasts ``load_timeout_s`` (``asyncio.wait_for``
+    cancels it): the actor's load is cancelled too, rather than going on to apply a version
+    its caller no longer waits for, maybe after a newer one."""
+    monkeypatch.setattr(ray_engine, "EngineActor", HangingLoads)
+
+    async def body():
+        remote = RayEngine(TorchEngineConfig(), "/unused", name="stuck", version=0)
+        try:
+            load = asyncio.create_task(remote.load_version(1, "/unused"))
+            while not (await remote.actor.loads.remote())[0]:
+                await asyncio.sleep(0.01)
+            load.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await load
+            for _ in range(300):  # until the actor's load is cancelled (an instant once fixed)
+                started, cancelled = await remote.actor.loads.remote()
+                if cancelled:
+                    break
+                await asyncio.sleep(0.1)
+            return started, cancelled, remote.version
+        finally:
+            await remote.close()
+
+    assert asyncio.run(body()) == ([1], [1], 0)
 
 
 def test_ray_engines_fetch_a_version_their_node_does_not_have(run):
