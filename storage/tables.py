@@ -8,6 +8,7 @@ conflicts (e.g. two writers creating the table at once) is retried here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -188,6 +189,10 @@ class Tables:
                 snapshot = self._open(name)
                 if snapshot is not None:
                     snapshot = self._relax_required(name, snapshot)
+            if once is not None and snapshot is None:
+                # An append to a table not there yet commits onto whatever is there by then, and
+                # only a snapshot's commits are checked for ``once``: the table is made first.
+                snapshot = self._create(name)
             if once is not None and snapshot is not None and snapshot.transaction_version(once) is not None:
                 self._for_append[name] = (snapshot, served)
                 return False
@@ -317,6 +322,19 @@ class Tables:
                 if not next(f for f in table.schema().fields if f.name == field.name).nullable:
                     raise
         return table
+
+    def _create(self, name: str) -> DeltaTable:
+        """Table ``name``, created empty unless it exists."""
+        # CommitFailedError: another writer created it between the check for it and this commit
+        with contextlib.suppress(CommitFailedError):
+            DeltaTable.create(
+                self.uri(name),
+                schema_of(name),
+                mode="ignore",
+                configuration=TABLE_CONFIGURATION,
+                storage_options=self._options,
+            )
+        return self._open(name)
 
     def _open(self, name: str) -> DeltaTable | None:
         try:

@@ -342,6 +342,23 @@ def test_rows_appended_once_by_two_writers_land_once(store, table_exists):
     assert versions == ([0, 1, 2, 3] if table_exists else [0, 3])
 
 
+def test_rows_appended_once_land_once_when_the_table_is_created_while_the_writer_looks(store, monkeypatch):
+    """A writer that found no table (a trainer starting before the base version's publisher
+    wrote the run's first weights row) and another that creates it before the first writes."""
+    first, second = Tables(store), Tables(store)
+    open_table = Tables._open
+
+    def open_before_the_other_commits(self, name):
+        monkeypatch.setattr(Tables, "_open", open_table)
+        table = open_table(self, name)
+        assert second.append("weights", [weight_row(0, tag="base")], once="weights/v000000")
+        return table
+
+    monkeypatch.setattr(Tables, "_open", open_before_the_other_commits)
+    assert not first.append("weights", [weight_row(0, tag="base")], once="weights/v000000")
+    assert Tables(store).read("weights").column("version").to_pylist() == [0]
+
+
 def step_row(step: int, value_loss: float | None) -> dict:
     """A ``train_steps`` row; ``value_loss`` None for a step with no critic (GRPO)."""
     return {
