@@ -154,8 +154,8 @@ class RayEngine:
         return await self._call("generate", session_id, prompt_ids, params, cancel_remote=True)
 
     async def load_version(self, version: int, path: str) -> None:
-        # a caller that gives up (the worker's load_timeout_s) stops the actor's load too: left
-        # running, it could apply this version after a newer one loaded meanwhile
+        # a caller that gives up (the worker's load_timeout_s) stops the actor's load too,
+        # instead of leaving it to run on with nothing awaiting it
         self.version = await self._call("load_version", version, path, cancel_remote=True)
 
     def end_session(self, session_id: str) -> None:
