@@ -281,6 +281,19 @@ def test_an_env_the_driver_registered_runs_on_the_actors(monkeypatch):
     assert asyncio.run(body()) == 1.0
 
 
+async def answered_once_restarted(method, timeout_s: float = 60.0):
+    """What the actor ``method`` belongs to returns, once it answers: a call that reaches it
+    while it restarts fails with ``ActorUnavailableError``."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        try:
+            return await method.remote()
+        except ray.exceptions.ActorUnavailableError:
+            if asyncio.get_running_loop().time() > deadline:
+                raise
+            await asyncio.sleep(0.2)
+
+
 def test_a_killed_env_worker_loses_its_envs_as_host_failures_and_serves_again(monkeypatch):
     """The actor dies (OOM-killed, say) while one env awaits a step and another sits
     between steps: both are lost, as ``EnvHostLost`` (an infra error, not the env's), and
@@ -313,7 +326,7 @@ def test_a_killed_env_worker_loses_its_envs_as_host_failures_and_serves_again(mo
             ray.kill(actor, no_restart=False)
             with pytest.raises(EnvHostLost, match="environment worker lost"):
                 await step
-            after = await actor.pid.remote()
+            after = await answered_once_restarted(actor.pid)
             with pytest.raises(EnvHostLost, match="restarted since it opened"):
                 await idle.step(action)
             await idle.close()
