@@ -114,6 +114,11 @@ def test_a_field_given_twice_in_the_file_fails_naming_it(tmp_path):
         load_config(merged)  # a key that a merge brings in may be given again: only the extra 'a' fails
 
 
+def with_sets(sets: list[str]) -> list[str]:
+    """The command line of the tiny config with a ``--set`` for each of ``sets``."""
+    return ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)]
+
+
 @pytest.mark.parametrize(
     ("sets", "message"),
     [
@@ -128,7 +133,7 @@ def test_a_field_given_twice_in_the_file_fails_naming_it(tmp_path):
     ],
 )
 def test_conflicting_overrides_fail_naming_the_option(capsys, sets, message):
-    argv = ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)]
+    argv = with_sets(sets)
     with pytest.raises(SystemExit) as exited:
         parse("test", argv)
     assert exited.value.code == 2
@@ -139,7 +144,7 @@ def test_conflicting_overrides_fail_naming_the_option(capsys, sets, message):
 
 def test_a_field_set_twice_takes_the_last_value():
     sets = ["orchestrator.mix={arith: 0.2}", "orchestrator.mix={arith: 0.4}"]
-    config, _ = parse("test", ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)])
+    config, _ = parse("test", with_sets(sets))
     assert config.orchestrator.mix["arith"] == 0.4
 
 
@@ -153,7 +158,7 @@ def test_a_mapping_set_on_the_command_line_replaces_a_mapping_field_and_updates_
         "sao={lr: 1.0e-4}",
         "envs={arith: {max_operand: 9}}",
     ]
-    config, _ = parse("test", ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)])
+    config, _ = parse("test", with_sets(sets))
     assert config.orchestrator.mix == {"arith": 1.0}
     assert config.warm_start.demos == {}
     file = load_config(TINY)
@@ -173,7 +178,7 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
         "ray_address=2024-12-03",
         "storage.retries=5",
     ]
-    config, _ = parse("test", ["--config", str(TINY)] + [arg for item in sets for arg in ("--set", item)])
+    config, _ = parse("test", with_sets(sets))
     assert config.run_id == "2024"
     assert config.storage.secret_access_key.get_secret_value() == "123456"
     assert config.ray_address == "2024-12-03"
