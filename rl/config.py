@@ -110,7 +110,9 @@ class SAOConfig(BaseModel):
         1.0, ge=0, le=1, description="GAE λ of the critic's targets (1.0: Monte-Carlo returns, as in VAPO)."
     )
     normalize_advantages: bool = Field(
-        False, description="Whiten advantages over the batch's action tokens before the policy step."
+        False,
+        description="Whiten advantages over the batch's trained tokens (train_mask: action tokens, a "
+        "shared prefix once) before the policy step.",
     )
     grpo_normalize_std: bool = Field(False, description="GRPO: divide by the group's reward std.")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate of the policy.")
