@@ -618,7 +618,9 @@ class Trainer:
             return [token_values(self.value_model, p.input_ids, p.attention_mask) for p in parts]
 
     def _value_step(self, parts: list[Batch], old_values: list[torch.Tensor] | None) -> dict[str, float]:
-        """One critic step on GAE targets (λ = ``value_lam``) from its own current values."""
+        """One critic step on GAE targets (λ = ``value_lam``) from its own current values, over
+        every action token: a shared prefix, trained once by the policy (``train_mask``), is
+        fitted to the return of each branch that holds it."""
         config = self.config
         total_actions = sum(int(p.action_mask.sum()) for p in parts)
         self.value_optimizer.zero_grad(set_to_none=True)
