@@ -192,7 +192,10 @@ def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(lo
     """The last shard's commit fails ``failures`` times: with 3 retries it lands on the third
     attempt (every rollout committed), or close raises the last failure; either way the
     engines are stopped."""
-    run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    run = RunConfig(
+        engine={"replicas": 2},
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2, "max_rollouts": 4},
+    )
     ensure_base_version(WeightStore(local_store), TINY)
     worker = make_worker(local_store, run, close_retry_s=(0.01, 0.01, 0.01))
     attempts = []
@@ -208,7 +211,7 @@ def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(lo
 
     async def body():
         await worker.start()
-        stats = await worker.run(max_seconds=1.0)
+        stats = await worker.run(max_seconds=600)
         if failures > len(worker.close_retry_s):
             with pytest.raises(OSError, match="unreachable"):
                 await worker.close()
@@ -218,6 +221,7 @@ def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(lo
 
     stats = asyncio.run(body())
     assert len(attempts) == min(failures + 1, 4)
+    assert attempts[0] == stats.finished == 4
     assert all(engine._closed for engine in worker.engines)
     if failures <= len(worker.close_retry_s):
         reader = ShardReader(local_store)
