@@ -197,7 +197,7 @@ def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(lo
         orchestrator={"mix": {"arith": 1.0}, "concurrency": 2, "max_rollouts": 4},
     )
     ensure_base_version(WeightStore(local_store), TINY)
-    worker = make_worker(local_store, run, close_retry_s=(0.01, 0.01, 0.01))
+    worker = make_worker(local_store, run, close_retry_s=(0.01, 0.01, 0.01), flush_seconds=600)
     attempts = []
     real_close = worker.writer.close
 
