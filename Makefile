@@ -17,8 +17,9 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m flows.demo
 
+# Two workers, each taking whole files (module fixtures such as the Ray session stay in one).
 test: setup
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
