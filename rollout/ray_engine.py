@@ -47,9 +47,9 @@ def _local_dir(path: str, version: int, store: RunStore | None) -> str:
     return WeightStore(store).load(version, "serving")
 
 
-@ray.remote
-class EngineActor:
-    """One TorchEngine replica living in a Ray actor (an async actor: requests batch)."""
+class EngineHost:
+    """One TorchEngine replica as its :data:`EngineActor` runs it (an async actor: requests
+    batch)."""
 
     def __init__(
         self,
@@ -71,7 +71,10 @@ class EngineActor:
         return await self.engine.generate(session_id, prompt_ids, params)
 
     async def load_version(self, version: int, path: str) -> int:
-        await self.engine.load_version(version, _local_dir(path, version, self.store))
+        # a version fetched from the store takes seconds to minutes: in a thread, so the
+        # actor goes on answering generations and health probes meanwhile
+        local = await asyncio.to_thread(_local_dir, path, version, self.store)
+        await self.engine.load_version(version, local)
         return self.engine.version
 
     def end_session(self, session_id: str) -> None:
@@ -88,6 +91,10 @@ class EngineActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+EngineActor = ray.remote(EngineHost)
+"""The Ray actor class hosting one :class:`EngineHost` per replica."""
 
 
 class RayEngine:

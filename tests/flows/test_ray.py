@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 
 import pytest
 import ray
@@ -21,7 +22,7 @@ from rollout import ray_engine
 from rollout.engines.base import EngineStats, SamplingParams
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
-from rollout.ray_engine import RayEngine
+from rollout.ray_engine import EngineHost, RayEngine
 from rollout.ray_env import RayEnvPool
 from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader
@@ -203,6 +204,37 @@ def test_ray_engines_fetch_a_version_their_node_does_not_have(run):
     remote, local = asyncio.run(body())
     assert remote.token_ids == local.token_ids
     assert remote.versions == [1] * len(remote.token_ids)
+
+
+def test_an_engine_host_answers_generations_while_it_fetches_a_version_from_the_store(run, monkeypatch):
+    """The fetch of a version its node does not have (held here until a generation has been
+    answered) leaves the host's event loop free for generations and probes."""
+    _, store, weights = run
+    fetching, released = threading.Event(), threading.Event()
+    load = WeightStore.load
+
+    def held_load(self, version, *args, **kwargs):
+        fetching.set()
+        assert released.wait(30), "the fetch held the host's event loop: no generation was answered"
+        return load(self, version, *args, **kwargs)
+
+    async def body():
+        host = EngineHost(TorchEngineConfig().model_dump(), weights.load(0), "host", 0, store)
+        monkeypatch.setattr(WeightStore, "load", held_load)
+        try:
+            loading = asyncio.create_task(host.load_version(1, "/nonexistent/v000001"))
+            while not fetching.is_set():
+                await asyncio.sleep(0.01)
+            generation = await host.generate("s", PROMPTS[0], PARAMS)
+            released.set()
+            return generation, await loading
+        finally:
+            released.set()
+            await host.close()
+
+    generation, loaded = asyncio.run(body())
+    assert generation.versions == [0] * len(generation.token_ids)
+    assert loaded == 1
 
 
 def test_ray_engine_without_the_directory_or_a_store_fails_clearly():
