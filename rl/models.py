@@ -135,6 +135,25 @@ def load_policy(
     return model.to(device).eval(), load_tokenizer(path)
 
 
+def disable_dropout(model: nn.Module) -> None:
+    """Switch off every dropout of ``model``, in place, whatever its mode.
+
+    RL compares the trainer's log-probs with those the engines recorded in eval mode, so a
+    dropout mask would put noise into every ratio (and into the critic's values). The model
+    stays in train mode, which activation checkpointing needs; what this zeroes instead is
+    every ``nn.Dropout``'s ``p`` and every float attribute whose name holds ``drop``: the
+    probabilities Hugging Face modules copy from their config and apply while training
+    without an ``nn.Dropout`` (Llama and Qwen's ``attention_dropout``, passed to the
+    attention kernel; ``layerdrop``).
+    """
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        for name, value in vars(module).items():
+            if "drop" in name and type(value) is float:
+                setattr(module, name, 0.0)
+
+
 MASTER_WEIGHTS_FILE = "policy_master.safetensors"
 """The extra file of a version whose published copy rounds the policy's parameters (see
 ``publish_policy``): the parameters as trained, which a trainer resumes from

@@ -37,7 +37,7 @@ from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_ta
 from rl.config import SAOConfig
 from rl.logprobs import token_logprobs
 from rl.losses import dis_policy_loss, explained_variance, value_loss
-from rl.models import ValueModel, load_trained_policy, padding_id, placed, publish_policy
+from rl.models import ValueModel, disable_dropout, load_trained_policy, padding_id, placed, publish_policy
 from storage.config import RunStore
 from storage.shards import ShardInfo, ShardReader
 from storage.status import HeldRole
@@ -223,6 +223,7 @@ class Trainer:
             str(path), device=str(self.device), dtype=self.dtype
         )
         self.policy.train()
+        disable_dropout(self.policy)
         self.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self.tokenizer_fingerprint = self.weights.manifest(version).get("tokenizer_fingerprint")
         self._fingerprints: dict[int, str | None] = {}
@@ -238,6 +239,7 @@ class Trainer:
                 self.value_model.load_state_dict(load_safetensors((path / VALUE_MODEL_FILE).read_bytes()))
             self.value_model.freeze_attention()
             self.value_model.train()
+            disable_dropout(self.value_model)
             self.value_optimizer = torch.optim.AdamW(
                 [p for p in self.value_model.parameters() if p.requires_grad],
                 lr=self.config.value_lr,

@@ -22,13 +22,16 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_file
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
+from rl.logprobs import token_logprobs
 from rl.models import (
     MASTER_WEIGHTS_FILE,
     TinyModelConfig,
+    build_tiny_model,
     ensure_base_version,
     load_policy,
     publish_policy,
@@ -995,3 +998,58 @@ def test_a_policy_the_cast_does_not_round_keeps_no_second_copy(store):
     (path / MASTER_WEIGHTS_FILE).write_bytes(save_file({"not.a.parameter": torch.zeros(1)}))
     with pytest.raises(ValueError, match="does not hold this policy's parameters"):
         restore_master_weights(policy, path)
+
+
+def tiny_llama_with_attention_dropout():
+    """The tiny policy with attention dropout in its config (only attention reads it, as a
+    float it passes to the attention kernel while training)."""
+    model, tokenizer = build_tiny_model(TINY)
+    model.config.attention_dropout = 0.5
+    return model, tokenizer
+
+
+def tiny_gpt2_with_dropout():
+    """A GPT-2 policy whose dropouts are ``nn.Dropout`` modules, at GPT-2's own 0.1."""
+    _, tokenizer = build_tiny_model(TINY)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.1,
+        embd_pdrop=0.1,
+        attn_pdrop=0.1,
+    )
+    return GPT2LMHeadModel(config).eval(), tokenizer
+
+
+@pytest.mark.parametrize(
+    "mode, build", [("sao", tiny_llama_with_attention_dropout), ("grpo", tiny_gpt2_with_dropout)]
+)
+def test_a_policy_with_dropout_in_its_config_trains_without_it(tmp_path, mode, build):
+    """The engines sample in eval mode: the trainer's forward passes, in train mode for
+    activation checkpointing, must not drop anything either, or on-policy ratios are not 1."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "dropout-test")
+    publish_policy(WeightStore(store), *build(), step=0)
+    trainer = Trainer(store, config(mode=mode))
+    samples = open_batch(trainer, make_trajectories(store, 4, seed=30))
+    batch = pad_batch(samples, trainer.pad_id)
+    with torch.no_grad():
+        first, second = (
+            token_logprobs(trainer.policy, batch.input_ids, batch.attention_mask) for _ in range(2)
+        )
+    assert trainer.policy.training and torch.equal(first, second)
+    if mode == "sao":
+        # the critic's head starts at zero: its backbone's output is where noise would show
+        with torch.no_grad():
+            first, second = (
+                trainer.value_model.backbone(batch.input_ids, batch.attention_mask.long()).last_hidden_state
+                for _ in range(2)
+            )
+        assert trainer.value_model.training and torch.equal(first, second)
+
+    metrics = trainer._train_step(samples)
+    assert metrics.row["mean_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics.extra["max_ratio"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics.row["kl"] == pytest.approx(0.0, abs=1e-6)
+    assert metrics.row["masked_fraction"] == 0.0
