@@ -39,6 +39,7 @@ input, 503 engine failure.
 from __future__ import annotations
 
 import json
+import math
 import secrets
 import time
 import uuid
@@ -58,12 +59,19 @@ from rollout.tool_calls import same_calls
 
 SESSION_HEADER = "X-Treadle-Session"
 
+SAMPLING_REL_TOL = 1e-6
+"""How far (relatively) a training request's temperature or top_p may be from the run's and
+still count as the run's, then sampled at exactly the run's. Wide enough for a value that went
+through float32 (6e-8) or a client's decimal formatting, narrow enough that a deliberately other
+setting (0.70001 for 0.7 is 1.4e-5) is refused; a log-prob moves by about the relative change
+times the spread of ``logits / temperature``, far inside DIS's masking bounds."""
+
 
 @dataclass(frozen=True)
 class RunSampling:
     """The sampling of the rollouts a server serves: a request that leaves ``temperature`` or
     ``top_p`` unset samples at these; with ``fixed`` (training rollouts) one that asks for
-    others is refused."""
+    others (beyond ``SAMPLING_REL_TOL``) is refused."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -262,12 +270,15 @@ def create_app(
     ) -> SamplingParams:
         temperature = sampling.temperature if body.temperature is None else body.temperature
         top_p = sampling.top_p if body.top_p is None else body.top_p
-        if sampling.fixed and (temperature, top_p) != (sampling.temperature, sampling.top_p):
-            raise InvalidRequest(
-                f"temperature {temperature}, top_p {top_p}: a training rollout samples at the run's "
-                f"temperature {sampling.temperature} and top_p {sampling.top_p}, which the trainer's "
-                "log-probs assume; leave temperature and top_p unset or send these"
-            )
+        if sampling.fixed:
+            asked, run = (temperature, top_p), (sampling.temperature, sampling.top_p)
+            if not all(math.isclose(a, r, rel_tol=SAMPLING_REL_TOL) for a, r in zip(asked, run, strict=True)):
+                raise InvalidRequest(
+                    f"temperature {temperature}, top_p {top_p}: a training rollout samples at the run's "
+                    f"temperature {sampling.temperature} and top_p {sampling.top_p}, which the trainer's "
+                    "log-probs assume; leave temperature and top_p unset or send these"
+                )
+            temperature, top_p = run
         stop = tuple(stop_ids) if stop_ids is not None else gateway.stop_ids
         gateway.check_ids(stop, what="stop_ids")
         return SamplingParams(

@@ -463,6 +463,35 @@ def test_a_request_that_leaves_sampling_unset_samples_at_the_runs(tiny, fixed):
     asyncio.run(body())
 
 
+def test_a_training_server_samples_a_near_equal_request_at_the_runs_exact_values(tiny):
+    """A temperature or top_p off the run's by a rounding (float32, decimal formatting) is the
+    run's: served, at exactly the run's; one clearly different is still refused."""
+
+    async def body():
+        run = RunSampling(temperature=0.7, top_p=0.9, fixed=True)
+        async with serving(tiny, sampling=run) as (gateway, _, client):
+            engine = gateway.router.engine("live")
+            for sampling in [
+                {"temperature": 0.7000000001, "top_p": 0.9},
+                {"temperature": 0.7, "top_p": 0.8999999},
+            ]:
+                headers = {SESSION_HEADER: await open_session(client)}
+                response = await client.post(
+                    "/v1/generate", json={"token_ids": [5], **sampling}, headers=headers
+                )
+                assert response.status_code == 200, response.text
+            assert [(p.temperature, p.top_p) for p in engine.params] == [(0.7, 0.9)] * 2
+            for sampling in [{"temperature": 0.70001}, {"top_p": 0.9001}]:
+                headers = {SESSION_HEADER: await open_session(client)}
+                response = await client.post(
+                    "/v1/generate", json={"token_ids": [5], **sampling}, headers=headers
+                )
+                assert response.status_code == 400, response.text
+            assert len(engine.params) == 2
+
+    asyncio.run(body())
+
+
 def test_chat_messages_the_template_cannot_take_are_bad_requests(tiny):
     parts = [{"type": "text", "text": "What is 2 + 3?"}]
 
