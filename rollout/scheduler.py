@@ -819,16 +819,18 @@ class _AsyncFront:
     async def run(self, request: ResourceRequest, pid: int | None = None) -> AsyncIterator[Grant]:
         """Hold a grant for the body; with ``pid`` (and a CPU manager) pin that process to the granted cores."""
         grant = await self.acquire(request)
+        ran = False  # a bind that fails skips the body: its hold is no duration sample
         try:
             if pid is not None and self.cpu is not None and grant.cores:
                 self.cpu.bind(pid, grant.cores)
+            ran = True
             yield grant
         finally:
             try:
                 if pid is not None and self.cpu is not None and grant.cores:
                     self.cpu.park(pid)
             finally:
-                self.release(grant)
+                self.release(grant, ran=ran)
 
 
 class ActionScheduler(_AsyncFront):

@@ -306,7 +306,12 @@ class _ProgramActions:
         self.env.cores = grant.cores or None
         pid = self.env.resource_pid()
         if pid is not None and self.scheduler.cpu is not None and grant.cores:
-            self.scheduler.cpu.bind(pid, grant.cores)
+            try:
+                self.scheduler.cpu.bind(pid, grant.cores)
+            except BaseException:
+                # the program is parked again and acts without the grant, which goes back unused
+                self._give_back(ran=False)
+                raise
 
     def waiting(self) -> None:
         self.waits += 1
@@ -331,7 +336,7 @@ class _ProgramActions:
         if resume is not None:
             resume()
 
-    def _give_back(self) -> None:
+    def _give_back(self, *, ran: bool = True) -> None:
         grant, self.grant = self.grant, None
         if grant is None:
             return
@@ -341,7 +346,7 @@ class _ProgramActions:
                 self.scheduler.cpu.park(pid)
         finally:  # a park that fails must not keep the cores from the pool
             self.env.cores = None
-            self.scheduler.release(grant)
+            self.scheduler.release(grant, ran=ran)
 
 
 class RolloutService:

@@ -2,11 +2,14 @@
 
 import asyncio
 import math
+import os
+import subprocess
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from rollout.resources import CpuManager
 from rollout.scheduler import (
     ActionPolicy,
     ActionScheduler,
@@ -317,6 +320,32 @@ def test_a_grant_its_cancelled_waiter_never_used_is_no_duration_sample(make, can
         return sched.policy.estimates.t1(tool)
 
     assert asyncio.run(main()) == 1.0  # still the default: no sample
+
+
+def test_an_action_whose_process_cannot_be_bound_is_no_duration_sample():
+    """Binding the action's process to its granted core fails (here a core the machine lacks:
+    EINVAL, as when the cpuset shrinks): the body never runs, and the grant goes back with
+    no sample of the tools' duration."""
+    core = min(os.sched_getaffinity(0))
+    tool = ResourceRequest(demand={"cpu": 1}, kind="tool")
+    sched = ActionScheduler({"cpu": 1}, cpu=CpuManager({4095}, parking={core}))
+    process = subprocess.Popen(["sleep", "30"])
+    body_ran = False
+
+    async def main():
+        nonlocal body_ran
+        with pytest.raises(OSError):
+            async with sched.run(tool, pid=process.pid):
+                body_ran = True
+
+    try:
+        asyncio.run(main())
+    finally:
+        process.kill()
+        process.wait()
+    assert not body_ran
+    assert sched.policy.free == [1.0] and sched.cpu.available == {4095}
+    assert sched.policy.estimates.t1(tool) == 1.0  # still the default: no sample
 
 
 def test_a_cancelled_waiter_no_longer_holds_up_the_requests_behind_it():

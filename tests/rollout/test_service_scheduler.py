@@ -423,3 +423,26 @@ def test_a_program_whose_park_fails_still_gives_its_cores_back():
         program.kill()
         program.wait()
     assert scheduler.policy.free == [1.0] and scheduler.cpu.available == {core}
+
+
+def test_a_program_that_cannot_be_bound_to_its_grant_gives_it_back_unused():
+    core = min(os.sched_getaffinity(0))
+    # binding to a core that does not exist fails (EINVAL, as when the cpuset shrinks)
+    scheduler = ActionScheduler({"cpu": 1}, cpu=CpuManager({4095}, parking={core}))
+    program = subprocess.Popen(["sleep", "30"])
+    try:
+
+        async def body():
+            gate = _ProgramActions(scheduler, PinnedProgram(program.pid), "r1", _Clock(60))
+            with pytest.raises(OSError):
+                await gate.acting()
+            assert scheduler.policy.free == [1.0]  # not held while the program acts unpinned
+            gate.waiting()  # the program's next model call
+            await gate.close()
+
+        asyncio.run(body())
+    finally:
+        program.kill()
+        program.wait()
+    assert scheduler.policy.free == [1.0] and scheduler.cpu.available == {4095}
+    assert scheduler.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="agent")) == 1.0
