@@ -819,12 +819,15 @@ class _AsyncFront:
     async def run(self, request: ResourceRequest, pid: int | None = None) -> AsyncIterator[Grant]:
         """Hold a grant for the body; with ``pid`` (and a CPU manager) pin that process to the granted cores."""
         grant = await self.acquire(request)
-        ran = False  # a bind that fails skips the body: its hold is no duration sample
+        ran = False  # a body skipped (its bind failed) or cut short is no duration sample
         try:
             if pid is not None and self.cpu is not None and grant.cores:
                 self.cpu.bind(pid, grant.cores)
             ran = True
             yield grant
+        except asyncio.CancelledError:
+            ran = False  # its hold understates the duration of its kind of action
+            raise
         finally:
             try:
                 if pid is not None and self.cpu is not None and grant.cores:

@@ -317,7 +317,8 @@ class _ProgramActions:
         self.waits += 1
         if self.waits == 1:
             self._end_wait()
-            self._give_back()
+            # a program stopped while it acts (its rollout cancelled or out of time) cut its action short
+            self._give_back(ran=not asyncio.current_task().cancelling())
 
     async def close(self) -> None:
         """The program is over: give back what it holds, drop the acquire in flight, refuse it more."""
@@ -329,7 +330,8 @@ class _ProgramActions:
             # when awaited, which would stop the rollout's cleanup
             await asyncio.wait([asking])
         self._end_wait()  # an acquire cancelled before it ever ran did not end it
-        self._give_back()
+        # a program's own end gives its grant back (``waiting``): one still held was cut short
+        self._give_back(ran=False)
 
     def _end_wait(self) -> None:
         resume, self._resume = self._resume, None

@@ -348,6 +348,44 @@ def test_an_action_whose_process_cannot_be_bound_is_no_duration_sample():
     assert sched.policy.estimates.t1(tool) == 1.0  # still the default: no sample
 
 
+@pytest.mark.parametrize(
+    "make",
+    [lambda: ActionScheduler({"cpu": 1}), lambda: StaticReservation({"cpu": 1}, {"cpu": 1})],
+    ids=["action", "static"],
+)
+def test_an_action_cancelled_while_it_runs_is_no_duration_sample(make):
+    """A tool call runs 3 s to its end; the next is cancelled 1 s in (its rollout cancelled).
+    The tools' estimate keeps the 3 s: the 1 s is where the call was cut, not its duration."""
+
+    async def main():
+        sched = make()
+        clock = [0.0]
+        sched._now = lambda: clock[0]
+        tool = ResourceRequest(demand={"cpu": 1}, kind="tool", trajectory_id="t")
+        async with sched.run(tool):
+            clock[0] += 3
+        assert sched.policy.estimates.t1(tool) == 3.0
+        started = asyncio.Event()
+
+        async def call():
+            async with sched.run(tool):
+                started.set()
+                await asyncio.Event().wait()
+
+        running = asyncio.create_task(call())
+        await started.wait()
+        clock[0] += 1
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        return sched
+
+    sched = asyncio.run(main())
+    assert sched.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="tool")) == 3.0
+    sched.end_trajectory("t")
+    assert sched.policy.free in ([1.0], {"cpu": 1})
+
+
 def test_a_cancelled_waiter_no_longer_holds_up_the_requests_behind_it():
     """A big request waits at the head of the queue while a long action holds part of the
     pool; once it is cancelled, the small request behind it starts on the free units at

@@ -446,3 +446,40 @@ def test_a_program_that_cannot_be_bound_to_its_grant_gives_it_back_unused():
         program.wait()
     assert scheduler.policy.free == [1.0] and scheduler.cpu.available == {4095}
     assert scheduler.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="agent")) == 1.0
+
+
+def test_a_program_action_cut_short_by_its_rollouts_end_is_no_duration_sample():
+    # the program acts 3 s to its next model call, then its rollout is cancelled 1 s into
+    # the next action; a reply that lands as the rollout ends holds a grant when the gate
+    # closes. The agent's estimate keeps the finished 3 s
+    async def body():
+        scheduler = make_scheduler(ServiceConfig(scheduler="action", scheduler_cores=1, scheduler_pin=False))
+        now = [0.0]
+        scheduler._now = lambda: now[0]
+        gate = _ProgramActions(scheduler, OverlappingReplies(service=None), "r1", _Clock(60))
+        acting = asyncio.Event()
+
+        async def program():  # as the agent env's run: the gate waits once the program stops
+            await gate.acting()
+            now[0] += 3
+            gate.waiting()  # a model call
+            await gate.acting()  # its reply
+            try:
+                acting.set()
+                await asyncio.Event().wait()
+            finally:
+                gate.waiting()
+
+        run = asyncio.create_task(program())
+        await acting.wait()
+        now[0] += 1
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+        await gate.acting()  # a reply of a call the program sent before it was stopped
+        now[0] += 1
+        await gate.close()
+        return scheduler
+
+    scheduler = asyncio.run(body())
+    assert scheduler.policy.free == [1.0] and scheduler.policy.queued == 0
+    assert scheduler.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="agent")) == 3.0
