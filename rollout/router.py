@@ -191,6 +191,11 @@ class Router:
         return self._load[name]
 
     @property
+    def down(self) -> list[str]:
+        """Names of the replicas out of service until a health check finds them healthy again, sorted."""
+        return sorted(self._down)
+
+    @property
     def draining(self) -> list[str]:
         """Names of the draining replicas (in service or down), sorted."""
         return sorted(self._draining)

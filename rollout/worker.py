@@ -345,7 +345,16 @@ class RolloutWorker:
             )
         router = self.router
         wanted = set() if stale else plan.drained(self.name)
-        unknown = wanted - set(router.replicas) - set(router.draining)
+        down = wanted & (set(router.down) - set(router.draining))
+        if down:
+            # a plan made before the trainer saw them go down (a status lists replicas in service)
+            self._warn_plan(
+                "down",
+                plan,
+                f"worker {self.name}: the elastic plan drains replicas {sorted(down)}, which are down; "
+                "each is drained when back in service if the plan then still names it",
+            )
+        unknown = wanted - set(router.replicas) - set(router.down)
         if unknown:
             self._warn_plan(
                 "unknown",

@@ -175,6 +175,37 @@ def test_a_single_replica_worker_never_drains_its_replica(tmp_path, caplog):
     asyncio.run(body())
 
 
+def test_a_plan_that_drains_a_replica_that_is_down_says_it_is_down_and_drains_it_once_back(tmp_path, caplog):
+    """The trainer planned the drain from a status sent before the replica went down: the
+    worker names it as down (not as a replica it does not know) and drains it when back."""
+    run = RunConfig(
+        run_id="elastic-down", storage=StorageConfig(root=str(tmp_path / "runs")), engine={"replicas": 2}
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    worker = make_worker(store, run)
+
+    async def body() -> None:
+        await worker.start()
+        try:
+            router = worker.router
+            router.take_down("torch-1")  # it failed its health check
+            plan = ElasticPlan(time=time.time(), accepting=["w0/torch-0"], draining=["w0/torch-1"])
+            with caplog.at_level(logging.WARNING):
+                assert worker.apply_plan(plan, time.time())
+            assert router.draining == []
+            warnings = [r.getMessage() for r in caplog.records if r.name == "rollout.worker"]
+            assert len(warnings) == 1, warnings
+            assert "replicas ['torch-1'], which are down" in warnings[0] and "unknown" not in warnings[0]
+            router.add(next(e for e in worker.engines if e.name == "torch-1"))  # healthy again
+            assert worker.apply_plan(plan, time.time())
+            assert router.draining == ["torch-1"]
+        finally:
+            await worker.close()
+
+    asyncio.run(body())
+
+
 def test_a_worker_says_at_once_that_a_replica_it_drains_is_empty_not_at_its_next_beat(tmp_path):
     """The trainer counts a drained replica as training only once a status shows it empty:
     with a beat of 60 s, that status still comes within seconds of the plan."""
