@@ -94,7 +94,7 @@ def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
         "--retention-hours",
         type=_at_least(MIN_RETENTION_HOURS),
         default=168,
-        help=f"Age past which unreferenced files go (at least {MIN_RETENTION_HOURS}).",
+        help=f"Age past which unreferenced files go (default: %(default)s; at least {MIN_RETENTION_HOURS}).",
     )
 
 

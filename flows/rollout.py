@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
         "Generate rollouts into raw shards.",
         argv,
         extra=lambda p: p.add_argument(
-            "--worker", default="worker-0", help="Worker name (its shard folder)."
+            "--worker", default="worker-0", help="Worker name (its shard folder; default: %(default)s)."
         ),
     )
     rollout(config, args.worker)

@@ -367,6 +367,19 @@ def test_every_command_says_what_it_does(capfd, monkeypatch):
     assert flow.returncode == 0 and flow.stdout.startswith("usage: treadle run maintain [-h]")
 
 
+@pytest.mark.parametrize(
+    ("flow", "says"),
+    [
+        ("maintain", "--keep-last KEEP_LAST Newest weight versions to keep (default: 5)"),
+        ("maintain", "--retention-hours RETENTION_HOURS Age past which unreferenced files go (default: 168;"),
+        ("rollout", "--worker WORKER Worker name (its shard folder; default: worker-0)."),
+    ],
+)
+def test_a_flows_help_states_the_default_of_each_of_its_options(capfd, monkeypatch, flow, says):
+    shown = treadle_here(capfd, monkeypatch, "run", flow, "--help")
+    assert shown.returncode == 0 and says in " ".join(shown.stdout.split())
+
+
 def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path):
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     with socket.socket() as closed:  # bound, never listening: connections are refused
