@@ -148,7 +148,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     from flows.cli_args import parse
 
-    config, _ = parse("Run rollout, process and train at once.", argv)
+    config, _ = parse("Warm start, run rollout, process and train at once, then evaluate and report.", argv)
     pipeline(config)
 
 

@@ -367,6 +367,13 @@ def test_every_command_says_what_it_does(capfd, monkeypatch):
     assert flow.returncode == 0 and flow.stdout.startswith("usage: treadle run maintain [-h]")
 
 
+def test_the_pipelines_help_names_every_stage_it_runs(capfd, monkeypatch):
+    shown = treadle_here(capfd, monkeypatch, "run", "pipeline", "--help")
+    assert shown.returncode == 0
+    described = " ".join(shown.stdout.split())
+    assert "Warm start, run rollout, process and train at once, then evaluate and report." in described
+
+
 @pytest.mark.parametrize(
     ("flow", "says"),
     [
