@@ -59,7 +59,9 @@ class StorageConfig(BaseModel):
     endpoint_url: str | None = Field(
         None, description="S3 endpoint for MinIO-compatible stores, e.g. http://127.0.0.1:9000."
     )
-    region: str | None = Field(None, description="S3 region; defaults to AWS_REGION or us-east-1.")
+    region: str | None = Field(
+        None, description="S3 region; defaults to AWS_REGION, else AWS_DEFAULT_REGION, else us-east-1."
+    )
     # Left out of the JSON schema, and of a dump while unset: a deployment's form never offers
     # them, and the Prefect server, which stores a run's parameters as sent, refuses a run
     # that carries them (the schema allows no other field).
