@@ -249,8 +249,10 @@ def _parser() -> argparse.ArgumentParser:
         help="Run a flow: treadle run pipeline --config configs/tiny.yaml",
         description="Run one flow on a run config. The flow's options: treadle run <flow> --help.",
     )
-    run.add_argument("flow", choices=FLOWS)
-    run.add_argument("rest", nargs=argparse.REMAINDER, help="Arguments of the flow (--config, --set …).")
+    run.add_argument("flow", choices=FLOWS, help="The flow to run.")
+    run.add_argument(
+        "rest", nargs=argparse.REMAINDER, metavar="ARGS", help="Arguments of the flow (--config, --set …)."
+    )
     run.set_defaults(handler=_run)
     for name, handler, helptext, description in (
         (

@@ -359,7 +359,9 @@ def test_every_command_says_what_it_does(capfd, monkeypatch):
     assert "weight versions (pruned ones marked)" in help_of("inspect")
     assert tuple(TABLE_SCHEMAS) == TABLES
     assert f"Tables: {', '.join(TABLE_SCHEMAS)}." in help_of("sql")
-    assert "The flow's options: treadle run <flow> --help." in help_of("run")
+    run = help_of("run")
+    assert "The flow's options: treadle run <flow> --help." in run
+    assert "maintain} The flow to run. ARGS Arguments of the flow (--config, --set …)." in run
     ui = help_of("ui")
     assert "--host HOST Address to listen on (default: 127.0.0.1)" in ui
     assert "--port PORT Port to listen on (default: 4200)" in ui
