@@ -83,8 +83,8 @@ class SFTConfig(BaseModel):
 class SAOConfig(BaseModel):
     """Settings of the continuous trainer: losses, advantages, critic, batching, publishing.
 
-    Defaults follow SAO as described in PAPERS.md (DIS with ε_low = 0.3, ε_high = 5.0,
-    γ = 1, λ = 0.95, K = 2 critic steps per policy step).
+    Defaults follow SAO, the single-rollout asynchronous optimization used for GLM-5.2:
+    DIS with ε_low = 0.3, ε_high = 5.0, γ = 1, λ = 0.95, K = 2 critic steps per policy step.
     """
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")

@@ -3,6 +3,7 @@ every deployment in deployments/prefect.yaml validates against its flow."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from datetime import timedelta
@@ -225,6 +226,8 @@ def test_flow_parameters_render_run_config_with_descriptions(entrypoint):
     missing = [f"{d}.{n}" for d, n, prop in _schema_properties(schema) if not prop.get("description")]
     assert not missing, f"fields without a description in the form: {missing}"
     assert schema["definitions"]["StopConfig"]["properties"]["max_seconds"]["description"]
+    outside = [name for name in ("PAPERS.md", "DESIGN.md") if name in json.dumps(schema)]
+    assert not outside, f"the form points at documents that are not in the repository: {outside}"
 
 
 def test_the_form_shows_every_built_in_environments_own_fields():
