@@ -35,13 +35,13 @@ from transformers import (
     Qwen3Config,
 )
 from transformers.core_model_loading import revert_weight_conversion
+from transformers.utils.output_capturing import OutputRecorder
 
 from rl.config import TinyModelConfig, TorchDtype
 from rl.tokenizer import train_tokenizer
 from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, WeightStore
 
 _CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-_ATTENTION_MARKERS = ("self_attn", "attention")
 
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
@@ -240,8 +240,30 @@ def ensure_base_version(weights: WeightStore, config: TinyModelConfig) -> int:
     )
 
 
-def _is_attention_parameter(name: str) -> bool:
-    return any(marker in name.split(".") for marker in _ATTENTION_MARKERS)
+def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
+    """The attention blocks of ``model``, whatever their attribute is called (``self_attn`` in
+    Llama and Qwen, ``attn`` in GPT-2, ``attention`` in GPT-NeoX, ``self_attention`` in Bloom).
+
+    Transformers marks them as the modules whose outputs it records as a model's
+    ``attentions`` (``PreTrainedModel._can_record_outputs``: a class, a class name, an
+    ``OutputRecorder`` or a list of these). A model that marks none (Bloom, Falcon, GPT-Neo,
+    MPT) names their classes ``…Attention``.
+    """
+    specs = model.can_record_outputs.get("attentions", [])
+    targets = [
+        spec.target_class or spec.class_name if isinstance(spec, OutputRecorder) else spec
+        for spec in (specs if isinstance(specs, list) else [specs])
+    ]
+
+    def is_attention(module: nn.Module) -> bool:
+        if not targets:
+            return type(module).__name__.endswith("Attention")
+        return any(
+            type(module).__name__ == target if isinstance(target, str) else isinstance(module, target)
+            for target in targets
+        )
+
+    return [module for module in model.modules() if is_attention(module)]
 
 
 class ValueModel(nn.Module):
@@ -294,18 +316,23 @@ class ValueModel(nn.Module):
         return self.head(hidden).squeeze(-1)
 
     def freeze_attention(self) -> list[str]:
-        """Stop gradients to every attention parameter (SAO); returns the names frozen."""
-        frozen = []
-        for name, parameter in self.named_parameters():
-            if _is_attention_parameter(name):
-                parameter.requires_grad_(False)
-                frozen.append(name)
+        """Stop gradients to every parameter of the backbone's attention blocks
+        (``attention_modules``; SAO); returns the names frozen."""
+        attention = attention_modules(self.backbone)
+        frozen = {
+            name: parameter
+            for prefix, module in self.named_modules()
+            if module in attention
+            for name, parameter in module.named_parameters(prefix=prefix)
+        }
         if not frozen:
             raise ValueError(
-                f"no attention parameters found in {type(self.backbone).__name__} "
-                f"(looked for modules named {', '.join(_ATTENTION_MARKERS)})"
+                f"{self.config.model_type} ({type(self.backbone).__name__}) has no attention parameters "
+                "to freeze: SAO trains the value model with its attention frozen"
             )
-        return frozen
+        for parameter in frozen.values():
+            parameter.requires_grad_(False)
+        return list(frozen)
 
     def publish(self, weights: WeightStore, **publish_kwargs) -> int:
         """Store this value model as a version of ``weights`` (use a store with its own prefix)."""

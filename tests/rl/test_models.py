@@ -24,6 +24,7 @@ from rl.models import (
 )
 from rl.tokenizer import IM_END, IM_START
 from storage.weights import MODEL_FILE, WeightStore
+from tests.rl.architectures import ARCHITECTURES, tiny_causal_lm
 from tests.rl.moe import tiny_mixture_of_experts
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
@@ -195,6 +196,26 @@ def test_freeze_attention_trains_only_mlp_norms_and_head(arch):
     changed = {name for name, p in value.named_parameters() if not torch.equal(p, before[name])}
     assert changed and changed <= trainable
     assert "head.weight" in changed and any(".mlp." in name for name in changed)
+
+
+@pytest.mark.parametrize("model_type", ARCHITECTURES)
+def test_freeze_attention_freezes_exactly_the_attention_blocks_of_each_architecture(model_type):
+    """Their attribute is ``self_attn``, ``attn``, ``attention`` or ``self_attention``, and
+    Bloom, Falcon and GPT-Neo do not mark them for transformers' output recording."""
+    value = ValueModel.from_policy(tiny_causal_lm(model_type, vocab_size=64))
+    block = f".{ARCHITECTURES[model_type][1]}."
+    frozen = value.freeze_attention()
+    assert frozen and set(frozen) == {name for name, _ in value.named_parameters() if block in name}
+    trainable = {name for name, p in value.named_parameters() if p.requires_grad}
+
+    torch.nn.init.normal_(value.head.weight)  # a zero head would pass no gradient to the backbone
+    before = {name: p.detach().clone() for name, p in value.named_parameters()}
+    optimizer = torch.optim.SGD([p for p in value.parameters() if p.requires_grad], lr=0.1)
+    (value(torch.randint(4, 64, (2, 6))) - 1.0).pow(2).sum().backward()
+    optimizer.step()
+    changed = {name for name, p in value.named_parameters() if not torch.equal(p, before[name])}
+    assert changed <= trainable and "head.weight" in changed
+    assert any(name.startswith("backbone.") for name in changed)
 
 
 def test_value_model_round_trips_through_its_own_weight_store(tiny, store, tmp_path):

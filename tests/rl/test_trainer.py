@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausalLM
 
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
@@ -1024,7 +1024,12 @@ def tiny_gpt2_with_dropout():
 
 
 @pytest.mark.parametrize(
-    "mode, build", [("sao", tiny_llama_with_attention_dropout), ("grpo", tiny_gpt2_with_dropout)]
+    "mode, build",
+    [
+        ("sao", tiny_llama_with_attention_dropout),
+        ("sao", tiny_gpt2_with_dropout),
+        ("grpo", tiny_gpt2_with_dropout),
+    ],
 )
 def test_a_policy_with_dropout_in_its_config_trains_without_it(tmp_path, mode, build):
     """The engines sample in eval mode: the trainer's forward passes, in train mode for
@@ -1043,7 +1048,9 @@ def test_a_policy_with_dropout_in_its_config_trains_without_it(tmp_path, mode, b
         # the critic's head starts at zero: its backbone's output is where noise would show
         with torch.no_grad():
             first, second = (
-                trainer.value_model.backbone(batch.input_ids, batch.attention_mask.long()).last_hidden_state
+                trainer.value_model.backbone(
+                    input_ids=batch.input_ids, attention_mask=batch.attention_mask.long()
+                ).last_hidden_state
                 for _ in range(2)
             )
         assert trainer.value_model.training and torch.equal(first, second)
@@ -1053,3 +1060,13 @@ def test_a_policy_with_dropout_in_its_config_trains_without_it(tmp_path, mode, b
     assert metrics.extra["max_ratio"] == pytest.approx(1.0, abs=1e-4)
     assert metrics.row["kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics.row["masked_fraction"] == 0.0
+
+
+def test_sao_on_a_policy_without_attention_fails_at_start_naming_its_architecture(tmp_path):
+    """SAO trains the value model with its attention frozen; a Mamba has none to freeze."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "mamba-test")
+    _, tokenizer = build_tiny_model(TINY)
+    mamba = MambaConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, state_size=4)
+    publish_policy(WeightStore(store), MambaForCausalLM(mamba).eval(), tokenizer, step=0)
+    with pytest.raises(ValueError, match=r"^mamba \(MambaModel\) has no attention parameters to freeze"):
+        Trainer(store, config(mode="sao"))
