@@ -277,7 +277,7 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: PreTrainedModel):
         super().__init__()
         self.backbone = backbone
-        self.head = nn.Linear(backbone.config.hidden_size, 1)
+        self.head = nn.Linear(backbone.config.get_text_config().hidden_size, 1)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 

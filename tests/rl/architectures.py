@@ -49,3 +49,28 @@ def tiny_causal_lm(model_type: str, vocab_size: int, seed: int = 0) -> PreTraine
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size, **fields)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config).eval()
+
+
+def tiny_gemma3_with_vision(vocab_size: int, seed: int = 0) -> PreTrainedModel:
+    """A Gemma 3 with its vision tower, as the 4B and larger checkpoints load
+    (``Gemma3ForConditionalGeneration``: its config keeps the decoder's sizes in ``text_config``)."""
+    text = dict(COMMON, vocab_size=vocab_size, sliding_window=4)
+    vision = dict(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = AutoConfig.for_model(
+        "gemma3",
+        text_config=text,
+        vision_config=vision,
+        mm_tokens_per_image=4,
+        image_token_index=vocab_size - 1,
+        boi_token_index=vocab_size - 2,
+        eoi_token_index=vocab_size - 3,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval()

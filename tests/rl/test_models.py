@@ -24,7 +24,7 @@ from rl.models import (
 )
 from rl.tokenizer import IM_END, IM_START
 from storage.weights import MODEL_FILE, WeightStore
-from tests.rl.architectures import ARCHITECTURES, tiny_causal_lm
+from tests.rl.architectures import ARCHITECTURES, tiny_causal_lm, tiny_gemma3_with_vision
 from tests.rl.moe import tiny_mixture_of_experts
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
@@ -230,6 +230,26 @@ def test_value_model_round_trips_through_its_own_weight_store(tiny, store, tmp_p
     loaded = ValueModel.load(value_weights.load())
     ids = torch.tensor([tokenizer.encode("Too low, go higher.", add_special_tokens=False)])
     with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), value(ids), rtol=0, atol=0)
+
+
+def test_value_model_of_a_checkpoint_with_a_vision_tower_sizes_its_head_from_the_text_config(
+    tiny, local_store, tmp_path
+):
+    """A Gemma 3 of 4B parameters and up loads as ``Gemma3ForConditionalGeneration``, whose
+    config has no ``hidden_size`` of its own; the value model reads text tokens only."""
+    _, tokenizer = tiny
+    value = ValueModel.from_policy(tiny_gemma3_with_vision(len(tokenizer)))
+    assert value.head.in_features == 32
+    assert all(".language_model." in name for name in value.freeze_attention())
+    torch.nn.init.normal_(value.head.weight)
+    value_weights = WeightStore(local_store, cache_dir=tmp_path / "cache", prefix="value")
+    value.publish(value_weights, step=1)
+
+    loaded = ValueModel.load(value_weights.load())
+    ids = torch.tensor([tokenizer.encode("12+7=19", add_special_tokens=False)])
+    with torch.no_grad():
+        assert value(ids).shape == ids.shape
         torch.testing.assert_close(loaded(ids), value(ids), rtol=0, atol=0)
 
 
