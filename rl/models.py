@@ -144,14 +144,18 @@ def disable_dropout(model: nn.Module) -> None:
     every ``nn.Dropout``'s ``p`` and every float attribute whose name holds ``drop``: the
     probabilities Hugging Face modules copy from their config and apply while training
     without an ``nn.Dropout`` (Llama and Qwen's ``attention_dropout``, passed to the
-    attention kernel; ``layerdrop``).
+    attention kernel; ``layerdrop``), and those of the modules' configs, which some read
+    while training (Falcon's ``hidden_dropout``, Persimmon's ``attention_dropout``): a
+    version the trainer publishes has them at 0 in its ``config.json``.
     """
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
-        for name, value in vars(module).items():
-            if "drop" in name and type(value) is float:
-                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        for owner in (module, config) if isinstance(config, PretrainedConfig) else (module,):
+            for name, value in vars(owner).items():
+                if "drop" in name and type(value) is float:
+                    setattr(owner, name, 0.0)
 
 
 MASTER_WEIGHTS_FILE = "policy_master.safetensors"

@@ -15,6 +15,7 @@ from rl.models import (
     ValueModel,
     build_tiny_model,
     converts_checkpoint_layout,
+    disable_dropout,
     ensure_base_version,
     load_policy,
     load_tokenizer,
@@ -216,6 +217,18 @@ def test_freeze_attention_freezes_exactly_the_attention_blocks_of_each_architect
     changed = {name for name, p in value.named_parameters() if not torch.equal(p, before[name])}
     assert changed <= trainable and "head.weight" in changed
     assert any(name.startswith("backbone.") for name in changed)
+
+
+def test_disable_dropout_switches_off_the_dropout_a_model_reads_from_its_config():
+    """Falcon's layers read ``hidden_dropout`` and ``attention_dropout`` from the config on
+    every forward pass instead of copying them at construction."""
+    policy = tiny_causal_lm("falcon", vocab_size=64)
+    policy.config.hidden_dropout = policy.config.attention_dropout = 0.5
+    policy.train()
+    disable_dropout(policy)
+    ids = torch.randint(4, 64, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(policy(ids).logits, policy(ids).logits, rtol=0, atol=0)
 
 
 def test_value_model_round_trips_through_its_own_weight_store(tiny, store, tmp_path):
