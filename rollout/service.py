@@ -317,8 +317,10 @@ class _ProgramActions:
         self.waits += 1
         if self.waits == 1:
             self._end_wait()
-            # a program stopped while it acts (its rollout cancelled or out of time) cut its action short
-            self._give_back(ran=not asyncio.current_task().cancelling())
+            # a program stopped while it acts (its rollout cancelled or out of time) cut its
+            # action short; an env may also report a wait from a callback, outside any task
+            task = asyncio.current_task()
+            self._give_back(ran=task is None or not task.cancelling())
 
     async def close(self) -> None:
         """The program is over: give back what it holds, drop the acquire in flight, refuse it more."""

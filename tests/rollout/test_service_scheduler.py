@@ -483,3 +483,25 @@ def test_a_program_action_cut_short_by_its_rollouts_end_is_no_duration_sample():
     scheduler = asyncio.run(body())
     assert scheduler.policy.free == [1.0] and scheduler.policy.queued == 0
     assert scheduler.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="agent")) == 3.0
+
+
+def test_a_program_gate_told_of_a_wait_outside_any_task_gives_its_grant_back():
+    # an env may learn of its program's model call in a callback (a protocol's, a future's),
+    # which the event loop runs outside any task
+    async def body():
+        scheduler = make_scheduler(ServiceConfig(scheduler="action", scheduler_cores=1, scheduler_pin=False))
+        now = [0.0]
+        scheduler._now = lambda: now[0]
+        gate = _ProgramActions(scheduler, OverlappingReplies(service=None), "r1", _Clock(60))
+        await gate.acting()
+        now[0] += 2
+        called = asyncio.get_running_loop().create_future()
+        called.add_done_callback(lambda _: gate.waiting())
+        called.set_result(None)
+        await asyncio.sleep(0)  # the callback runs
+        assert gate.grant is None and scheduler.policy.free == [1.0]
+        await gate.close()
+        return scheduler
+
+    scheduler = asyncio.run(body())
+    assert scheduler.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="agent")) == 2.0
