@@ -27,7 +27,7 @@ deprecated ``functions``.
 
 A request that leaves ``temperature`` or ``top_p`` unset samples at the server's
 :class:`RunSampling` (a rollout service's: its config's). A server of training rollouts
-refuses a request for others: the engines record log-probs of the distribution they sampled
+refuses a request for others (beyond ``SAMPLING_REL_TOL``): the engines record log-probs of the distribution they sampled
 from, and the trainer takes the policy's at the run's temperature over the whole vocabulary,
 so a token sampled otherwise carries a log-prob its DIS ratio cannot be compared with.
 
