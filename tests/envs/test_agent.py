@@ -68,6 +68,7 @@ def upstream():
     Upstream.requests = []
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
     server.shutdown()
+    server.server_close()
 
 
 def config(**extra):

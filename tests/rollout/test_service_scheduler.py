@@ -117,6 +117,7 @@ def _run(tiny, config: ServiceConfig, env_cls, task_env: str, hold_one_core: boo
                 result = await service.process(RolloutRequest(task=task, seed=0))
             return result, held
         finally:
+            await service.close()
             await engine.close()
 
     result, held = asyncio.run(body())

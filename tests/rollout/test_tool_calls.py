@@ -346,8 +346,8 @@ def test_tool_calls_stream_with_their_index_and_tool_choice_none_leaves_the_text
             ]
             assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
-            plain = gateway.open(task="agent", prompt_id="none").session_id
-            reply = await _client(server, plain).chat.completions.create(
+            plain = _client(server, gateway.open(task="agent", prompt_id="none").session_id)
+            reply = await plain.chat.completions.create(
                 messages=CONVERSATION, tools=TOOLS, tool_choice="none", **GREEDY
             )
             assert (
@@ -373,7 +373,8 @@ def test_tool_calls_stream_with_their_index_and_tool_choice_none_leaves_the_text
                 with pytest.raises(openai.BadRequestError, match=error):
                     await refusing.chat.completions.create(**request)
             assert gateway.session(refused).tokens == []
-            await client.close()
+            for opened in (client, plain, refusing):
+                await opened.close()
 
     asyncio.run(body())
 
