@@ -43,9 +43,10 @@ RAW_SHARDS = 2
 
 
 def start(args: list[str], env: dict, log: Path, cwd: Path = REPO) -> subprocess.Popen:
-    return subprocess.Popen(
-        args, cwd=cwd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
-    )
+    with log.open("wb") as out:  # the child writes to its own copy of the descriptor
+        return subprocess.Popen(
+            args, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def stop(process: subprocess.Popen) -> None:

@@ -113,7 +113,8 @@ def test_killed_train_flow_resumes_without_losing_or_repeating_a_shard(tmp_path,
 
 
 def kill_group(process: subprocess.Popen) -> None:
-    """SIGKILL the process group of ``process`` if it still runs, and reap it."""
+    """SIGKILL the process group of ``process`` if it still runs, reap it and close its stderr."""
     if process.poll() is None:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
+    process.stderr.close()

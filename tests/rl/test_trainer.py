@@ -851,6 +851,7 @@ def test_exactly_once_across_sigkill_restarts(store):
                 kills += 1
                 break
         child.wait(timeout=300)
+        child.stdout.close()
         if child.returncode == 0:
             break
         assert child.returncode == -signal.SIGKILL, f"trainer failed (seed {seed})"

@@ -90,6 +90,7 @@ def test_a_child_forked_while_the_tree_is_walked_runs_on_the_granted_cores(monke
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, 9)
         parent.wait()
+        parent.stdin.close()
 
 
 def test_a_grant_is_released_when_parking_fails(child):
