@@ -69,11 +69,11 @@ class ShardProcessor:
         self._writers: dict[str, ShardWriter] = {}
         self.offset, shards = self._resume()
         self._saved, self._saved_at = self.offset, 0.0
-        processed = shards.filter(pc.equal(shards.column("kind"), "processed"))
         # raw shards after the offset have their twins after it too: committed later
-        self._twins = set(
-            zip(processed.column("worker").to_pylist(), processed.column("seq").to_pylist(), strict=True)
-        )
+        self._twins = _twins_in(shards)
+        self._twins_unsure = False
+        """A twin commit raised: it may have landed all the same (its reply lost, the
+        ``shards`` table unreadable), so the log is read again before committing another."""
         self._recorded: set[str] | None = None
         """Raw shards with rows in ``trajectories``; read when first needed (a twin met) and
         again after an append that raised (its reply may be lost with the rows landed)."""
@@ -145,6 +145,10 @@ class ShardProcessor:
         return self._writers[worker]
 
     def _process(self, raw: ShardInfo) -> ProcessedShard:
+        if self._twins_unsure:
+            # the poll that raised left the offset where it was
+            self._twins |= _twins_in(self.tables.changes("shards", self.offset)[0])
+            self._twins_unsure = False
         twin_done = (raw.worker, raw.seq) in self._twins
         if twin_done and self._recorded is None:
             self._recorded = self._read_recorded()
@@ -178,7 +182,11 @@ class ShardProcessor:
         return outcome
 
     def _commit_twin(self, raw: ShardInfo, table: pa.Table) -> ShardInfo:
-        info = self._writer(raw.worker).commit(table, seq=raw.seq)
+        try:
+            info = self._writer(raw.worker).commit(table, seq=raw.seq)
+        except BaseException:
+            self._twins_unsure = True
+            raise
         self._twins.add((raw.worker, raw.seq))
         return info
 
@@ -187,6 +195,12 @@ class ShardProcessor:
             log.warning("raw shard %s skipped: %s", outcome.raw.shard_id, outcome.skipped)
         if self.on_shard is not None:
             self.on_shard(outcome)
+
+
+def _twins_in(shards: pa.Table) -> set[tuple[str, int]]:
+    """``(worker, seq)`` of the processed shards among ``shards`` rows."""
+    processed = shards.filter(pc.equal(shards.column("kind"), "processed"))
+    return set(zip(processed.column("worker").to_pylist(), processed.column("seq").to_pylist(), strict=True))
 
 
 def _as_processed(table: pa.Table) -> pa.Table:

@@ -72,6 +72,41 @@ def test_an_append_that_landed_but_raised_is_not_appended_again(local_store):
     assert sorted(ids) == ["t0", "t1", "t2"]
 
 
+def test_a_twin_commit_that_landed_unconfirmed_is_not_committed_again(local_store):
+    """The first twin's ``shards`` append lands, its reply is lost and the table cannot be
+    read to confirm it: the retry must find the twin in the log rather than commit it a
+    second time (a trainer would buffer its rows twice)."""
+    commit_raw_shards(local_store, range(2))
+    processor = ShardProcessor(local_store)
+    real_append, real_read = processor.tables.append, processor.tables.read
+    lost, blind = [], []
+
+    def lands_then_raises(name, rows, once=None):
+        appended = real_append(name, rows, once)
+        if name == "shards" and not lost:
+            lost.append(rows)
+            blind.append(True)
+            raise OSError("connection reset before the reply")
+        return appended
+
+    def unreadable_once(name, columns=None):
+        if blind:
+            blind.pop()
+            raise OSError("storage unreachable")
+        return real_read(name, columns)
+
+    processor.tables.append, processor.tables.read = lands_then_raises, unreadable_once
+    with pytest.raises(OSError, match="reply"):
+        processor.poll()
+    processor.poll()
+    shards = Tables(local_store).read("shards", columns=["shard_id", "kind"]).to_pylist()
+    twins = sorted(row["shard_id"] for row in shards if row["kind"] == "processed")
+    assert twins == ["processed/w0/00000000", "processed/w0/00000001"]
+    assert processed_ids(local_store) == ["t0", "t1"]
+    ids = Tables(local_store).read("trajectories").column("trajectory_id").to_pylist()
+    assert sorted(ids) == ["t0", "t1"]
+
+
 def test_a_new_processor_starts_at_the_saved_offset_and_reads_no_table_whole(local_store, monkeypatch):
     """As the event-triggered deployment does, one processor per commit: each reads only
     the commits since the last one's offset, and neither table whole."""
