@@ -217,8 +217,8 @@ class Session:
     succeeds. A self-driving env's program sees such a failure only as an HTTP error: the
     rollout service reads it here to classify the rollout."""
     context_limit: str | None = None
-    """Why the session's last turn did not fit under ``max_context_tokens``
-    (``ContextLimit``); None once a turn succeeds. Read, like :attr:`engine_error`, to
+    """Why the session's last turn did not fit under ``max_context_tokens`` or in the
+    engine's context (``ContextLimit``); None once a turn succeeds. Read, like :attr:`engine_error`, to
     classify a self-driving env's rollout."""
     _pending: list[dict[str, Any]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -372,6 +372,9 @@ class Session:
                 raise
             except EngineError as exc:
                 self.engine_error = str(exc)
+                raise
+            except ContextLimit as exc:  # the engine's own limit: the model's positions, vLLM's max_model_len
+                self.context_limit = str(exc)
                 raise
             finally:
                 self._generating = None

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rl.models import TinyModelConfig, build_tiny_model
-from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
+from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import ChatRenderer, Gateway, GatewayConfig, UnknownSession
 from rollout.router import Router
@@ -353,6 +353,23 @@ def test_generation_budget_is_clamped_to_the_context(tiny):
             assert len(turn.token_ids) == 3 and len(session.tokens) == 20
             with pytest.raises(InvalidRequest, match="leaves no room"):
                 await session.generate(SamplingParams(max_new_tokens=5))
+
+    asyncio.run(body())
+
+
+def test_a_turn_past_the_engines_context_is_a_context_limit_the_session_records(tiny):
+    """A session under the gateway's max_context_tokens that the engine refuses (past the
+    model's positions, vLLM's max_model_len) records why, as for the gateway's own limit:
+    the rollout service reads it to call a self-driving env's rollout truncated."""
+
+    async def body():
+        async with running_gateway(tiny, config=GatewayConfig(max_context_tokens=4096)) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_tokens([7] * TINY.max_position_embeddings)
+            with pytest.raises(ContextLimit, match="positions"):
+                await session.generate(SamplingParams(max_new_tokens=4))
+            assert session.context_limit is not None and "positions" in session.context_limit
+            assert session.engine_error is None and session.turns == []
 
     asyncio.run(body())
 
