@@ -321,11 +321,15 @@ class Router:
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Generate on ``session_id``'s replica; with ``failover``, a replica found down is
         taken out and the request is retried once on the session's new replica (not when the
-        session ended meanwhile: the error is raised, and the session stays unpinned)."""
+        session ended meanwhile: the error is raised, and the session stays unpinned).
+
+        A generation the replica aborted is an :class:`EngineError` like a failed one: a vLLM
+        server shutting down or paused mid-request ends it with ``abort``, an action cut short
+        by the infrastructure rather than by the policy's stop token or budget."""
         engine = self.route(session_id)
         self._in_flight[session_id] += 1
         try:
-            return await engine.generate(session_id, prompt_ids, params)
+            return await _finished(engine, session_id, prompt_ids, params)
         except EngineError as exc:
             if not self.config.failover or await probe_health(engine, self.config.health_timeout_s):
                 raise
@@ -334,7 +338,7 @@ class Router:
             if self.config.policy != "round_robin" and session_id not in self._started:
                 raise  # end_session ran during the probe: routing again would pin it for good
             retry = self.route(session_id)
-            return await retry.generate(session_id, prompt_ids, params)
+            return await _finished(retry, session_id, prompt_ids, params)
         finally:
             self._in_flight[session_id] -= 1
             if not self._in_flight[session_id]:
@@ -397,6 +401,17 @@ class Router:
             logger.warning(
                 "%s and every replica in service is draining: %s takes new sessions again", why, reopened
             )
+
+
+async def _finished(
+    engine: Engine, session_id: str, prompt_ids: list[int], params: SamplingParams
+) -> Generation:
+    generation = await engine.generate(session_id, prompt_ids, params)
+    if generation.finish_reason == "abort":
+        raise EngineError(
+            f"replica {engine.name} aborted the generation after {len(generation.token_ids)} tokens"
+        )
+    return generation
 
 
 async def probe_health(engine: Engine, timeout_s: float) -> bool:

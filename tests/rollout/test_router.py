@@ -481,3 +481,44 @@ def test_a_draining_replica_back_while_the_accepting_one_is_down_accepts_again()
     asyncio.run(body())
     assert router.replicas == ["r1"] and router.draining == []
     assert router.route("a new session").name == "r1"
+
+
+def test_an_aborted_generation_is_an_engine_failure_failed_over_when_its_replica_is_down():
+    """A vLLM server shutting down ends its requests with finish_reason abort: that cut
+    action is not returned as the policy's. Its replica found down, the request is retried on
+    another; found up (a pause), the request fails with EngineError."""
+    import asyncio
+
+    from rollout.engines.base import Generation, SamplingParams
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failover=True))
+    up = {"r0": True, "r1": True}
+    for engine in engines:
+
+        async def generate(session_id, prompt_ids, params, name=engine.name) -> Generation:
+            reason = "abort" if name == aborting else "stop"
+            return Generation([5, 6], [-0.5, -0.5], [0, 0], reason, engine=name)
+
+        async def health(name=engine.name) -> bool:
+            return up[name]
+
+        engine.generate, engine.health = generate, health
+
+    params = SamplingParams(max_new_tokens=2)
+
+    async def body():
+        try:
+            with pytest.raises(EngineError, match="aborted the generation after 2 tokens"):
+                await router.generate("s", [1, 2, 3], params)
+            assert router.replicas == ["r0", "r1"], "a replica that answers its probe stays"
+            up[aborting] = False
+            return await router.generate("s", [1, 2, 3], params)
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    aborting = router.route("s").name
+    generation = asyncio.run(body())
+    assert generation.finish_reason == "stop" and generation.engine != aborting
+    assert router.replicas == [generation.engine] and router.assignment("s") == generation.engine
