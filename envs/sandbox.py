@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import IO, Literal, get_args
 
+from ptyprocess import PtyProcess, PtyProcessError
 from pydantic import BaseModel, ConfigDict, Field
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 UID_BASE = 2_000_000_000
 UID_RANGE = 1 << 20
+REAP_TIMEOUT_S = 5.0
 
 # What a command brings on itself, by running too long or too much, printing too much, or running
 # into the isolation; "died" and "start_failed" can also be the sandbox's own failure.
@@ -238,7 +240,7 @@ class Sandbox:
                 _release_uid(uid)
                 raise
             self.uid = uid
-        self._procs: list[subprocess.Popen | object] = []
+        self._procs: list[subprocess.Popen | PtyProcess] = []
         self.closed = False
 
     @property
@@ -469,11 +471,11 @@ class Sandbox:
                         kind, f"stopped by the sandbox: {match.group(0).decode()}", result.output
                     )
 
-    def adopt(self, handle: object) -> None:
-        """Track a long-lived process (shell, interpreter) so :meth:`close` kills it."""
+    def adopt(self, handle: subprocess.Popen | PtyProcess) -> None:
+        """Track a long-lived process (shell, interpreter) so :meth:`close` kills and reaps it."""
         self._procs.append(handle)
 
-    def disown(self, handle: object) -> None:
+    def disown(self, handle: subprocess.Popen | PtyProcess) -> None:
         """Stop tracking a process that is dead and reaped: by the time :meth:`close` runs,
         its pid may lead another process's group."""
         with contextlib.suppress(ValueError):  # close() already let go of it
@@ -484,15 +486,18 @@ class Sandbox:
         return 0 if self.uid is None else len(_uid_pids(self.uid))
 
     def close(self) -> None:
-        """Kill every process started here and remove the working directory (if made here)."""
+        """Kill every process started here (reaping those it tracks) and remove the working
+        directory (if made here)."""
         if self.closed:
             return
         self.closed = True
-        for handle in list(self._procs):
+        handles = list(self._procs)
+        for handle in handles:
             pid = getattr(handle, "pid", None)
             if pid:
                 kill_group(pid)
         self._procs.clear()
+        _reap(handles, time.monotonic() + REAP_TIMEOUT_S)
         if self.uid is not None:
             for pid in _uid_pids(self.uid):
                 with contextlib.suppress(OSError):
@@ -658,6 +663,25 @@ def remove_tree(path: str) -> None:
         subprocess.run(["rm", "-rf", "--", path], **quiet)
     if os.path.lexists(path):
         log.warning("could not remove the sandbox folder %s", path)
+
+
+def _reap(handles: list[subprocess.Popen | PtyProcess], deadline: float) -> None:
+    """Wait (polling, until ``deadline``) for killed processes to end, reaping each through its
+    own handle so that it keeps the exit status; one still running by then (stuck in the
+    kernel) is left to its handle. An owner (a shell, an interpreter) may reap it meanwhile."""
+    while handles and time.monotonic() < deadline:
+        handles = [handle for handle in handles if not _ended(handle)]
+        if handles:
+            time.sleep(0.01)
+
+
+def _ended(handle: subprocess.Popen | PtyProcess) -> bool:
+    if isinstance(handle, subprocess.Popen):
+        return handle.poll() is not None
+    try:
+        return not handle.isalive()
+    except PtyProcessError:  # its owner reaped it while this asked
+        return True
 
 
 def kill_group(pid: int) -> None:

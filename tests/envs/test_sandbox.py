@@ -6,6 +6,7 @@ import os
 import resource
 import secrets
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -263,6 +264,23 @@ def test_a_closed_or_killed_shell_or_interpreter_is_no_longer_tracked():
             repl.run("import __main__; __main__.proto.write('forged\\n'); __main__.proto.flush()")
         assert not shell.alive and not repl.alive
         assert box.running == []
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_closing_reaps_the_shell_and_interpreter_it_kills(backend):
+    """A sandbox closed with its shell and interpreter still open (their owners never close
+    them) leaves no zombie behind in a long-lived worker, even from an interpreter that
+    ignores SIGTERM."""
+    box = Sandbox(SMALL.model_copy(update={"backend": backend}))
+    shell, repl = Shell(box), PythonRepl(box)
+    repl.run("import signal; signal.signal(signal.SIGTERM, signal.SIG_IGN)")
+    box.close()
+    assert repl.proc.returncode == -signal.SIGKILL
+    assert shell.proc.terminated and shell.proc.signalstatus == signal.SIGKILL
+    assert not os.path.exists(f"/proc/{repl.proc.pid}") and not os.path.exists(f"/proc/{shell.proc.pid}")
+    for stream in (repl.proc.stdin, repl.proc.stdout):
+        stream.close()
+    shell.proc.close()
 
 
 def test_closing_removes_a_workdir_nested_past_pythons_recursion_limit():
