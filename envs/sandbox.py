@@ -398,6 +398,8 @@ class Sandbox:
             exit_code = await exit_code_async(proc)
         finally:
             self._let_go(proc)
+            if proc.returncode is None:  # cancelled: reap the killed command, shielded from a second cancel
+                await asyncio.shield(exit_code_async(proc))
         return self._result(exit_code, output, stopped, started)
 
     def _command(self, command: str | list[str], timeout: float | None) -> tuple[list[str], float]:

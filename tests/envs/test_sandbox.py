@@ -356,6 +356,25 @@ def test_a_command_whose_exit_has_no_descriptor_to_wait_on_is_polled(monkeypatch
         assert box.running == []
 
 
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_a_command_cancelled_on_the_event_loop_is_killed_and_reaped(backend):
+    """A rollout cancelled while its env awaits a command (the agent's program): the command
+    is killed and reaped, not left a zombie for the garbage collector to find."""
+
+    async def cancel(box: Sandbox) -> None:
+        command = asyncio.create_task(box.run_async("sleep 60"))
+        while not box.running:
+            await asyncio.sleep(0.01)
+        (pid,) = box.running
+        command.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await command
+        assert not os.path.exists(f"/proc/{pid}")  # while the cancelled task still holds its Popen
+
+    with Sandbox(SMALL.model_copy(update={"backend": backend})) as box:
+        asyncio.run(cancel(box))
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
 def test_live_sandboxes_never_share_a_uid(monkeypatch):
     draws = iter([5, 5, 7, 9, 11, 5])
