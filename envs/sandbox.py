@@ -687,9 +687,26 @@ def _ended(handle: subprocess.Popen | PtyProcess) -> bool:
 
 
 def kill_group(pid: int) -> None:
-    """SIGKILL the process group led by ``pid`` (every sandbox command leads its own)."""
+    """SIGKILL the process group led by ``pid`` (every sandbox command leads its own session
+    and group) and the rest of its session: a job the command moved to a group of its own
+    (``set -m``, ``setpgid``) is still in it. One that left the session (``setsid``) is out
+    of reach here; bwrap's PID namespace, or a root worker's per-sandbox uid, contains it."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, signal.SIGKILL)
+    for member in _session_pids(pid):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
+
+
+def _session_pids(sid: int) -> list[int]:
+    """Ids of the processes in session ``sid``."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as handle:
+                if int(handle.read().rsplit(")", 1)[1].split()[3]) == sid:
+                    pids.append(int(entry))
+    return pids
 
 
 _uids_in_use: set[int] = set()

@@ -123,6 +123,20 @@ def test_background_processes_are_killed():
     serves_after()
 
 
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_a_job_a_command_moved_to_its_own_group_ends_with_the_command(backend):
+    """Job control (``set -m``) starts each background job in a process group of its own:
+    without bwrap's PID namespace, killing the command's group alone left it running."""
+    nonce = uuid.uuid4().int % 10**9
+    mine = (f"sleep 302.{nonce}",)
+    with Sandbox(SMALL.model_copy(update={"backend": backend})) as box:
+        box.run(f"exec >/dev/null 2>&1; set -m; {mine[0]} & sleep 0.5")
+        deadline = time.monotonic() + 5  # a SIGKILLed process (bwrap: a whole namespace) takes a moment to go
+        while _pids_running(mine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _pids_running(mine) == []
+
+
 def _pids_running(cmdlines: tuple[str, ...]) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(p).strip() in cmdlines]
 
