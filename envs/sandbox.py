@@ -370,7 +370,7 @@ class Sandbox:
             exit_code = proc.wait()
         finally:
             self._let_go(proc)
-        return self._result(exit_code, output, stopped, started)
+        return self._result(exit_code, output, stopped, started, timeout)
 
     async def run_async(
         self, command: str | list[str], timeout: float | None = None, cores: frozenset[int] | None = None
@@ -400,7 +400,7 @@ class Sandbox:
             self._let_go(proc)
             if proc.returncode is None:  # cancelled: reap the killed command, shielded from a second cancel
                 await asyncio.shield(exit_code_async(proc))
-        return self._result(exit_code, output, stopped, started)
+        return self._result(exit_code, output, stopped, started, timeout)
 
     def _command(self, command: str | list[str], timeout: float | None) -> tuple[list[str], float]:
         cmd = ["bash", "-c", command] if isinstance(command, str) else list(command)
@@ -427,7 +427,9 @@ class Sandbox:
         self.disown(proc)
         reap_orphaned_namespaces()
 
-    def _result(self, exit_code: int, output: bytes, stopped: str | None, started: float) -> ExecResult:
+    def _result(
+        self, exit_code: int, output: bytes, stopped: str | None, started: float, timeout: float
+    ) -> ExecResult:
         if self.closed:
             raise SandboxError(
                 "died", "the sandbox was closed while the command ran", output.decode(errors="replace")
@@ -435,11 +437,12 @@ class Sandbox:
         result = ExecResult(
             exit_code, output.decode(errors="replace"), stopped == "output", time.monotonic() - started
         )
-        self.check(result, stopped)
+        self.check(result, stopped, timeout)
         return result
 
-    def check(self, result: ExecResult, stopped: str | None = None) -> None:
-        """Raise the :class:`SandboxError` that ``result`` shows, if any."""
+    def check(self, result: ExecResult, stopped: str | None = None, timeout: float | None = None) -> None:
+        """Raise the :class:`SandboxError` that ``result`` shows, if any (``timeout``: the
+        wall-clock limit the command ran under, default ``timeout_s``)."""
         cap = self.config.max_output_bytes
         if stopped and VIOLATION_PATTERNS[0][1].search(result.output.encode()):
             raise SandboxError(
@@ -447,7 +450,9 @@ class Sandbox:
             )
         if stopped == "timeout":
             raise SandboxError(
-                "timeout", f"command ran past its {self.config.timeout_s:g} s wall-clock limit", result.output
+                "timeout",
+                f"command ran past its {self.config.timeout_s if timeout is None else timeout:g} s wall-clock limit",
+                result.output,
             )
         if stopped == "output":
             raise SandboxError(

@@ -175,6 +175,7 @@ def test_timeout_kills_and_reports():
     with Sandbox(SMALL) as box, pytest.raises(SandboxError) as raised:
         box.run("sleep 30", timeout=0.5)
     assert raised.value.kind == "timeout"
+    assert "its 0.5 s wall-clock limit" in str(raised.value)  # the run's limit, not timeout_s
 
 
 @pytest.mark.parametrize("backend", ["bwrap", "process"])
