@@ -224,6 +224,9 @@ class Session:
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _generating: asyncio.Future | None = None
     """The engine call of the turn generating now (cancelled when the session is closed)."""
+    _last_request: tuple[Any, int] | None = None
+    """The ``request`` the last turn was generated for (see :meth:`generate`) and the number
+    of tokens the turn left."""
 
     @property
     def session_id(self) -> str:
@@ -315,6 +318,7 @@ class Session:
         params: SamplingParams | None = None,
         prepare: Callable[[], None] | None = None,
         parse_tool_calls: bool = True,
+        request: Any = None,
     ) -> TurnResult:
         """Render queued messages, then generate one action from the whole token sequence.
 
@@ -327,6 +331,12 @@ class Session:
         still generates) waits for that turn and is checked against the history it left,
         instead of slipping its tokens in front of the turn's action.
 
+        ``request`` stands for what the caller asked for, equal (``==``) for a resent request.
+        When it equals the last turn's and nothing was added to the session since, that
+        turn's result is returned again, without ``prepare``, generating or recording
+        anything: a client's retry of a request whose reply it never got (its timeout ran
+        out while the turn queued or generated).
+
         Raises :class:`UnknownSession` when the session was closed while this turn waited for
         the one before it (routing it would pin the closed session to a replica again) or
         while it generated (the engine call is cancelled: nobody will read its tokens).
@@ -334,6 +344,12 @@ class Session:
         async with self._lock:
             if self.closed:
                 raise UnknownSession(f"session {self.session_id!r} was closed")
+            if (
+                request is not None
+                and self._last_request == (request, len(self.tokens))
+                and not self._pending
+            ):
+                return self.turns[-1]
             if prepare is not None:
                 prepare()
             self._pending_flush()
@@ -404,6 +420,7 @@ class Session:
             self.versions.extend(result.versions)
             self.turns.append(result)
             self.messages.append(result.message)
+            self._last_request = (request, len(self.tokens))
             return result
 
     def record(

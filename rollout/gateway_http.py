@@ -12,6 +12,15 @@ session id in the ``X-Treadle-Session`` header; every request is recorded token-
 - ``/v1/generate``: token ids in (appended verbatim), token ids, log-probs and versions out.
   The tokens stay appended when the generation fails, so a retry must not send them again.
 
+A request to either OpenAI endpoint that repeats the one the session's last turn answered
+(the same body: conversation or prompt, sampling, tools and all), with nothing added to the
+session since, is a client's retry of a reply it never got (its timeout ran out while the turn
+queued or generated; OpenAI clients retry timeouts themselves): it waits for that turn, gets
+its reply again (text, tool calls, token ids, log-probs, finish reason, usage) and records
+nothing. ``/v1/generate`` replays nothing: its request holds only the tokens to append, so a
+retry cannot be told from a request that appends the same tokens again (or none, to go on
+generating), and it is served as a new turn; a client must not resend one whose reply it lost.
+
 With ``stream: true`` the two OpenAI endpoints answer in server-sent events once the turn
 is generated: the whole text in one chunk, then the finish reason, the usage when
 ``stream_options.include_usage`` asks for it, and ``[DONE]``.
@@ -357,10 +366,11 @@ def create_app(
             else:
                 _append_text_prompt(gateway, session, body.prompt)
 
-        turn = await session.generate(sampling, prepare=prepare)
+        turn = await session.generate(sampling, prepare=prepare, request=body)
         if isinstance(body.prompt, str):
-            # no await since the turn released the session: the next request sees this
-            session.transcript += turn.text
+            # no await since the turn released the session: the next request sees this (a
+            # replayed turn leaves it as the original turn did)
+            session.transcript = body.prompt + turn.text
         choice: dict[str, Any] = {
             "index": 0,
             "text": turn.text,
@@ -383,6 +393,7 @@ def create_app(
             sampling,
             prepare=lambda: session.add_messages(_new_messages(session, messages), tools),
             parse_tool_calls=body.tool_choice != "none",
+            request=body,
         )
         choice = {
             "index": 0,

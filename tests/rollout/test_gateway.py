@@ -204,6 +204,32 @@ def test_stop_token_is_kept_and_status_ok(tiny):
     asyncio.run(body())
 
 
+def test_a_resent_request_gets_the_last_turn_again_until_the_session_grows(tiny):
+    """The last turn's ``request`` is answered with that turn, nothing generated or recorded,
+    while nothing was added after it; then, or without a request, a new turn is generated."""
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            params = SamplingParams(max_new_tokens=3, seed=0)
+            session.add_messages(USER)
+            turn = await session.generate(params, request="r")
+            record = session.record()
+            resent = await session.generate(params, prepare=lambda: session.add_tokens([5]), request="r")
+            assert resent is turn and session.record() == record, "nothing prepared, generated or recorded"
+            await session.generate(params, request="other")
+            assert session.num_turns == 2
+            session.add_tokens([5])
+            await session.generate(params, request="other")
+            session.add_messages([{"role": "user", "content": "more"}])
+            await session.generate(params, request="other")
+            await session.generate(params)
+            await session.generate(params)
+            assert session.num_turns == 6
+
+    asyncio.run(body())
+
+
 def test_sessions_stick_to_one_replica_and_close_releases_it(tiny):
     async def body():
         async with running_gateway(tiny, replicas=3) as gateway:

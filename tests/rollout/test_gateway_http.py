@@ -201,6 +201,11 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
     asyncio.run(body())
 
 
+def same_reply(retry: dict, original: dict) -> bool:
+    """Whether two OpenAI responses hold the same reply (all but their ids and times)."""
+    return retry["choices"] == original["choices"] and retry["usage"] == original["usage"]
+
+
 async def turn_running(session) -> None:
     """Until ``session`` has a turn in progress (its lock taken): a request sent then overlaps it."""
     deadline = time.monotonic() + 30
@@ -212,7 +217,8 @@ async def turn_running(session) -> None:
 def test_overlapping_requests_on_one_session_are_recorded_turn_after_turn(tiny):
     """A second request arriving while the first one's turn generates (a client's retry, or a
     careless agent) waits for that turn: its tokens never land in front of the first turn's
-    action, and a retry of the same conversation is refused instead of adding a turn."""
+    action, and a retry of the same chat or completion request gets the same reply instead of
+    adding a turn."""
 
     async def body():
         async with serving(tiny, delay=0.3) as (gateway, _, client):
@@ -236,30 +242,165 @@ def test_overlapping_requests_on_one_session_are_recorded_turn_after_turn(tiny):
 
             chat_sid = await open_session(client)
             chat_headers = {SESSION_HEADER: chat_sid}
-            request = {"messages": USER, "max_tokens": 3}
+            request = {"messages": USER, "max_tokens": 3, "logprobs": True}
             original = asyncio.create_task(
                 client.post("/v1/chat/completions", json=request, headers=chat_headers)
             )
             await turn_running(gateway.session(chat_sid))
             retry = await client.post("/v1/chat/completions", json=request, headers=chat_headers)
-            assert (await original).status_code == 200
-            assert (
-                retry.status_code == 400 and "send the whole conversation" in retry.json()["error"]["message"]
-            )
+            original = await original
+            assert original.status_code == retry.status_code == 200, (original.text, retry.text)
+            assert same_reply(retry.json(), original.json())
             chat = gateway.session(chat_sid)
             roles = [m["role"] for m in chat.messages]
             assert chat.num_turns == 1 and roles == ["system", "user", "assistant"]
+            assert chat.tokens[-len(chat.turns[0].token_ids) :] == original.json()["choices"][0]["token_ids"]
 
             text_sid = await open_session(client)
             text_headers = {SESSION_HEADER: text_sid}
-            completion = {"prompt": [1, 2, 3], "max_tokens": 3}
+            completion = {"prompt": [1, 2, 3], "max_tokens": 3, "logprobs": 0}
             original = asyncio.create_task(
                 client.post("/v1/completions", json=completion, headers=text_headers)
             )
             await turn_running(gateway.session(text_sid))
             retry = await client.post("/v1/completions", json=completion, headers=text_headers)
-            assert (await original).status_code == 200 and retry.status_code == 400
-            assert gateway.session(text_sid).num_turns == 1
+            original = await original
+            assert original.status_code == retry.status_code == 200, (original.text, retry.text)
+            assert same_reply(retry.json(), original.json())
+            text = gateway.session(text_sid)
+            assert text.num_turns == 1 and text.tokens == [
+                1,
+                2,
+                3,
+                *original.json()["choices"][0]["token_ids"],
+            ]
+
+    asyncio.run(body())
+
+
+async def turn_recorded(session, turns: int) -> None:
+    """Until ``session`` holds ``turns`` turns."""
+    deadline = time.monotonic() + 30
+    while session.num_turns < turns:
+        assert time.monotonic() < deadline, "the request never completed its turn"
+        await asyncio.sleep(0.005)
+
+
+def test_a_request_retried_after_its_client_timed_out_gets_the_recorded_reply(tiny):
+    """A client whose timeout runs out before the slow engine answers leaves the turn
+    generating; the turn is recorded, and the client's retry of the same request (as the
+    OpenAI client makes on a timeout) gets that turn's reply, recording nothing more."""
+    _, tokenizer = tiny
+
+    async def body():
+        async with serving(tiny, delay=0.5) as (gateway, server, _):
+            sid = gateway.open(task="agent", prompt_id="p1").session_id
+            client = openai.AsyncOpenAI(
+                base_url=f"{server.url}/v1",
+                api_key=server.token,
+                default_headers={SESSION_HEADER: sid},
+                max_retries=0,
+            )
+            request = {"model": "any", "messages": USER, "max_tokens": 6, "seed": 2, "logprobs": True}
+            with pytest.raises(openai.APITimeoutError):
+                await client.with_options(timeout=0.1).chat.completions.create(**request)
+            session = gateway.session(sid)
+            await turn_recorded(session, 1)
+            record = session.record()
+            retried = await client.chat.completions.create(**request)
+            (turn,) = session.turns
+            choice = retried.choices[0]
+            assert choice.message.content == turn.message["content"]
+            assert choice.token_ids == turn.token_ids
+            assert [lp.logprob for lp in choice.logprobs.content] == turn.logprobs
+            assert choice.finish_reason == turn.finish_reason
+            assert retried.usage.completion_tokens == len(turn.token_ids)
+            assert retried.usage.total_tokens == len(session.tokens)
+            assert session.num_turns == 1 and session.record() == record
+            conversation = [
+                *USER,
+                choice.message.model_dump(exclude_none=True),
+                {"role": "user", "content": "more"},
+            ]
+            later = await client.chat.completions.create(model="any", messages=conversation, max_tokens=2)
+            assert later.choices[0].token_ids == session.turns[1].token_ids
+            assert session.tokens[: len(record["tokens"])] == record["tokens"]
+            await client.close()
+
+            text_sid = gateway.open(task="agent", prompt_id="p2").session_id
+            headers = {SESSION_HEADER: text_sid, "Authorization": f"Bearer {server.token}"}
+            completion = {"prompt": "What is 2 + 3?", "max_tokens": 4, "seed": 1, "logprobs": 0}
+            async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=0.1) as hasty:
+                with pytest.raises(httpx.ReadTimeout):
+                    await hasty.post("/v1/completions", json=completion)
+            text = gateway.session(text_sid)
+            await turn_recorded(text, 1)
+            record = text.record()
+            async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=60) as patient:
+                retried = await patient.post("/v1/completions", json=completion)
+                assert retried.status_code == 200, retried.text
+                choice = retried.json()["choices"][0]
+                (turn,) = text.turns
+                assert (choice["text"], choice["token_ids"]) == (turn.text, turn.token_ids)
+                assert choice["logprobs"]["token_logprobs"] == turn.logprobs
+                assert text.num_turns == 1 and text.record() == record
+                # the transcript holds the completion once: the next prompt appends only its own text
+                prompt = completion["prompt"] + choice["text"] + " answer:"
+                later = await patient.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2})
+                assert later.status_code == 200, later.text
+            suffix = tokenizer.encode(" answer:", add_special_tokens=False)
+            assert text.tokens == record["tokens"] + suffix + text.turns[1].token_ids
+
+    asyncio.run(body())
+
+
+def test_a_resent_request_with_other_parameters_or_after_a_later_turn_is_refused(tiny):
+    """Only the request the session's last turn answered is replayed: the same conversation
+    with other sampling, or an earlier turn's request, is refused as before and adds nothing."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            session = gateway.session(headers[SESSION_HEADER])
+            request = {"model": "any", "messages": USER, "max_tokens": 3, "seed": 1}
+            first = await client.post("/v1/chat/completions", json=request, headers=headers)
+            assert first.status_code == 200, first.text
+            record = session.record()
+            for other in [{"max_tokens": 4}, {"seed": 2}, {"temperature": 0.5}, {"model": "other"}]:
+                refused = await client.post("/v1/chat/completions", json=request | other, headers=headers)
+                assert refused.status_code == 400, (other, refused.text)
+                assert "send the whole conversation" in refused.json()["error"]["message"]
+            assert session.record() == record
+            conversation = [*USER, first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+            later = {"model": "any", "messages": conversation, "max_tokens": 2}
+            second = await client.post("/v1/chat/completions", json=later, headers=headers)
+            assert second.status_code == 200, second.text
+            record = session.record()
+            stale = await client.post("/v1/chat/completions", json=request, headers=headers)
+            assert (
+                stale.status_code == 400 and "send the whole conversation" in stale.json()["error"]["message"]
+            )
+            again = await client.post("/v1/chat/completions", json=later, headers=headers)
+            assert again.status_code == 200 and same_reply(again.json(), second.json())
+            assert session.num_turns == 2 and session.record() == record
+
+            text_headers = {SESSION_HEADER: await open_session(client)}
+            text = gateway.session(text_headers[SESSION_HEADER])
+            completion = {"prompt": "What is 2 + 3?", "max_tokens": 3, "seed": 1}
+            first = await client.post("/v1/completions", json=completion, headers=text_headers)
+            assert first.status_code == 200, first.text
+            assert first.json()["choices"][0]["text"], (
+                "precondition: the prompt alone does not extend the transcript"
+            )
+            other = await client.post("/v1/completions", json=completion | {"seed": 2}, headers=text_headers)
+            assert other.status_code == 400 and "does not extend" in other.json()["error"]["message"]
+            prompt = completion["prompt"] + first.json()["choices"][0]["text"] + " answer:"
+            second = await client.post("/v1/completions", json={"prompt": prompt}, headers=text_headers)
+            assert second.status_code == 200, second.text
+            record = text.record()
+            stale = await client.post("/v1/completions", json=completion, headers=text_headers)
+            assert stale.status_code == 400 and "does not extend" in stale.json()["error"]["message"]
+            assert text.num_turns == 2 and text.record() == record
 
     asyncio.run(body())
 
