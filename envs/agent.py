@@ -297,25 +297,29 @@ class AgentEnv(Env):
                 f"Content-Length: {len(body)}",
                 "Connection: close",
             ]
-            up_reader, up_writer = await asyncio.open_connection(
-                upstream_url.hostname, upstream_url.port or 80
-            )
-            self.requests += 1
-            if self.actions is not None:
-                self.actions.waiting()
             try:
-                up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
-                await up_writer.drain()
-                reply = await up_reader.read()
-                up_writer.close()
-            finally:
+                up_reader, up_writer = await asyncio.open_connection(
+                    upstream_url.hostname, upstream_url.port or 80
+                )
+                self.requests += 1
                 if self.actions is not None:
-                    await self.actions.acting()
+                    self.actions.waiting()
+                try:
+                    up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
+                    await up_writer.drain()
+                    reply = await up_reader.read()
+                    up_writer.close()
+                finally:
+                    if self.actions is not None:
+                        await self.actions.acting()
+            except OSError as exc:  # the gateway is down or dropped the request: a 5xx, which clients retry
+                await _reply(writer, 502, f"gateway unreachable: {exc}")
+                return
             writer.write(reply)
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, ConnectionError, OSError):
             with contextlib.suppress(Exception):
-                await _reply(writer, 400, "malformed request or gateway unreachable")
+                await _reply(writer, 400, "malformed request")
         finally:
             with contextlib.suppress(Exception):
                 writer.close()

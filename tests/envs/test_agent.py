@@ -163,6 +163,26 @@ def test_agent_relay_refuses_malformed_headers_so_no_session_is_smuggled(upstrea
     assert Upstream.requests == []
 
 
+UNREACHABLE = r"""python3 - <<'PY'
+import os, socket, urllib.error, urllib.parse, urllib.request
+base = os.environ["OPENAI_BASE_URL"]
+request = urllib.request.Request(base + "/chat/completions", data=b"{}", method="POST")
+try:
+    print(urllib.request.urlopen(request, timeout=30).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+url = urllib.parse.urlsplit(base)
+with socket.create_connection((url.hostname, url.port)) as s:
+    s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: many\r\n\r\n")
+    print(s.recv(100).split()[1].decode())
+PY"""
+
+
+def test_agent_relay_answers_502_when_the_gateway_is_unreachable():
+    """An unreachable gateway is a 5xx, which OpenAI clients retry; a malformed request stays 400."""
+    assert relayed_statuses("http://127.0.0.1:9/v1", UNREACHABLE) == ["502", "400"]
+
+
 def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
     env = AgentEnv(**config(command="true", eval_command="echo no score"))
     task = task_set("agent", "train", 0, 1, config())[0]
