@@ -79,12 +79,19 @@ def build_base_version(
     publishing: this base is then published under the next number. A claim made by
     ``owner`` (the same on every retry of the caller) whose publish failed is taken back at
     once; one whose publish wrote version 0 whole and failed only to point ``LATEST`` at it
-    is used as it is. ``on_publish`` is called with the version once this call published it."""
+    is used as it is; a latest version with no ``weights`` row (its publish landed, its row
+    did not) is recorded. ``on_publish`` is called with the version once this call published
+    or recorded it."""
     store = run_store(config)
     weights = WeightStore(store)
     latest = weights.latest()
     if latest is not None:
         log(f"run {config.run_id} already has weight version {latest}; not warm-starting")
+        # a retry of a warm start whose row failed to land: its version was never announced
+        tables = Tables(store)
+        recorded = set(tables.read("weights").column("version").to_pylist())
+        if latest not in recorded and weights.record(tables, latest) and on_publish is not None:
+            on_publish(latest)
         return latest
     # the warm start trains where the trainer does; without one, publishing needs no device
     device = config.trainer_device if config.warm_start.enabled else "cpu"

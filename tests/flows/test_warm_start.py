@@ -136,6 +136,32 @@ def test_a_failed_upload_of_version_zero_is_retried_as_version_zero(tmp_path, mo
     assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
 
 
+def test_a_version_zero_whose_row_failed_to_land_is_recorded_and_announced_by_the_retry(
+    tmp_path, monkeypatch
+):
+    """The publish landed and its ``weights`` row did not (a Delta commit that failed): the
+    task's retry finds the version there, and records and announces it rather than skip both."""
+    config = tiny_config(tmp_path / "runs", "warm-record", warm_start={"enabled": False})
+    real_record = WeightStore.record
+    failures: list[int] = []
+
+    def fail_once(weights, tables, version):
+        if not failures:
+            failures.append(version)
+            raise OSError("the weights table commit failed (injected)")
+        return real_record(weights, tables, version)
+
+    announced: list[int] = []
+    monkeypatch.setattr(WeightStore, "record", fail_once)
+    monkeypatch.setattr(weight_tasks, "announce_version", lambda config, version: announced.append(version))
+    assert warm_starting(config) == 0
+    assert failures == [0]
+    assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
+    assert announced == [0]
+    assert warm_starting(config) == 0  # a later run: recorded and announced already
+    assert announced == [0]
+
+
 def test_a_version_zero_whose_upload_outlasts_the_wait_is_waited_for(tmp_path, monkeypatch):
     """The winner uploads slower than a loser's wait (a large checkpoint): it renews its claim
     while it uploads, so the loser keeps waiting and uses it rather than publish a second base."""
