@@ -171,8 +171,17 @@ def _wait_for_version(weights: WeightStore) -> int | None:
 
 def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResult:
     """Held-out reward of weight ``version`` (the latest when None) on every env in the mix,
-    recorded in the ``evals`` table."""
+    recorded in the ``evals`` table. An env whose every rollout was an ``infra_error`` (an
+    engine or a sandbox that never worked) measured nothing: that raises ``RuntimeError``
+    naming it, and nothing is recorded."""
     result = evaluate_weights(config, version)
+    unmeasured = [env for env, statuses in result.statuses.items() if set(statuses) == {"infra_error"}]
+    if unmeasured:
+        raise RuntimeError(
+            f"version {result.version} not evaluated: every rollout of "
+            + ", ".join(f"{env} ({result.statuses[env]['infra_error']} infra_error)" for env in unmeasured)
+            + " failed on its infrastructure (engine, sandbox, environment host)"
+        )
     Tables(run_store(config)).append(
         "evals",
         [

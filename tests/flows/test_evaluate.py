@@ -44,3 +44,27 @@ def test_a_rerun_reuses_the_recorded_eval_of_its_version_and_an_explicit_eval_me
     wider = config.model_copy(update={"eval": config.eval.model_copy(update={"tasks_per_env": 5})})
     assert evaluating(wider, base, reuse=True)["count"] == {env: 5 for env in mix}
     assert rows() == sorted([(base, env, 4) for env in mix] * 2 + [(base, env, 5) for env in mix])
+
+
+def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fails_and_records_nothing(
+    tmp_path, monkeypatch
+):
+    """An engine or sandbox that never worked measured nothing: the run fails, naming the env,
+    rather than complete with a held-out reward of 0 that later runs would reuse."""
+    import tasks.weights
+    from flows.evaluate import evaluate
+    from rollout.evaluate import EvalResult
+
+    config = tiny_config(tmp_path / "runs", "eval-infra", warm_start={"enabled": False})
+    measured = EvalResult(
+        version=0,
+        reward={"arith": 0.5, "guess": 0.0},
+        count={"arith": 4, "guess": 4},
+        statuses={"arith": {"ok": 4}, "guess": {"infra_error": 4}},
+    )
+    monkeypatch.setattr(tasks.weights, "evaluate_weights", lambda config, version: measured)
+    state = evaluate(config, 0, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match=r"guess.*4 infra_error"):
+        state.result()
+    assert Tables(run_store(config)).read("evals").num_rows == 0
