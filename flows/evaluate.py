@@ -6,10 +6,11 @@
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Annotated, Any
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
+from pydantic import Field
 
 from flows.cli import one_line
 from flows.config import RunConfig
@@ -18,7 +19,9 @@ from tasks.common import run_store
 
 
 @flow(name="evaluate", log_prints=True)
-def evaluate(config: RunConfig = RunConfig(), version: int | None = None) -> dict[str, Any]:
+def evaluate(
+    config: RunConfig = RunConfig(), version: Annotated[int, Field(ge=0)] | None = None
+) -> dict[str, Any]:
     """Held-out reward of a weight version on every env of the mix.
 
     Args:

@@ -68,3 +68,23 @@ def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fa
     with pytest.raises(RuntimeError, match=r"guess.*4 infra_error"):
         state.result()
     assert Tables(run_store(config)).read("evals").num_rows == 0
+
+
+def test_a_negative_version_is_refused_by_the_evaluate_form_and_flow_before_it_starts(tmp_path, monkeypatch):
+    import jsonschema
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+
+    import tasks.weights
+    from flows.evaluate import evaluate
+
+    started = []
+    monkeypatch.setattr(tasks.weights, "evaluate_task", lambda *args: started.append(args))
+    with pytest.raises(ParameterTypeError, match="version"):
+        evaluate(tiny_config(tmp_path / "runs", "eval-negative"), -1)
+    assert started == []
+    schema = parameter_schema(evaluate).model_dump()
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"version": -1}, schema)
+    for version in (0, 7, None):
+        jsonschema.validate({"version": version}, schema)
