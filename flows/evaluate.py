@@ -14,6 +14,7 @@ from pydantic import Field
 
 from flows.cli import one_line
 from flows.config import RunConfig
+from flows.run_logs import module_logs_to_run
 from storage.weights import WeightStore
 from tasks.common import run_store
 
@@ -28,18 +29,19 @@ def evaluate(
         config: the run.
         version: the weight version to evaluate; empty: the newest.
     """
-    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
-    from tasks.weights import evaluate_task
+    with module_logs_to_run():
+        # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+        from tasks.weights import evaluate_task
 
-    result = evaluate_task(config, version)
-    create_table_artifact(
-        [
-            {"version": result["version"], "env": env, "reward": r, "count": result["count"][env]}
-            for env, r in result["reward"].items()
-        ],
-        description=f"Held-out evaluation of version {result['version']}",
-    )
-    return result
+        result = evaluate_task(config, version)
+        create_table_artifact(
+            [
+                {"version": result["version"], "env": env, "reward": r, "count": result["count"][env]}
+                for env, r in result["reward"].items()
+            ],
+            description=f"Held-out evaluation of version {result['version']}",
+        )
+        return result
 
 
 def main(argv: list[str] | None = None) -> None:

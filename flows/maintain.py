@@ -15,6 +15,7 @@ from prefect import flow, task
 from pydantic import Field
 
 from flows.config import RunConfig
+from flows.run_logs import module_logs_to_run
 from storage.shards import MIN_SWEEP_AGE_S, sweep_uncommitted
 from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
@@ -64,12 +65,13 @@ def maintain(
             older than this (at least ``MIN_RETENTION_HOURS``: a younger one may belong to a
             writer whose commit has not landed yet).
     """
-    tables = [compact_table(config, name, retention_hours) for name in TABLE_SCHEMAS]
-    return {
-        "tables": tables,
-        "removed_versions": retain_weights(config, keep_last),
-        "removed_shard_files": sweep_shards(config, retention_hours),
-    }
+    with module_logs_to_run():
+        tables = [compact_table(config, name, retention_hours) for name in TABLE_SCHEMAS]
+        return {
+            "tables": tables,
+            "removed_versions": retain_weights(config, keep_last),
+            "removed_shard_files": sweep_shards(config, retention_hours),
+        }
 
 
 def _at_least(minimum: int):

@@ -15,6 +15,7 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import RunConfig
+from flows.run_logs import module_logs_to_run
 from tasks.common import clear_signals, run_store, send_signal
 from tasks.report import report_run
 
@@ -105,44 +106,49 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     Args:
         config: the run.
     """
-    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
-    import torch
+    with module_logs_to_run():
+        # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+        import torch
 
-    from tasks.process import process_shards
-    from tasks.rollout import rollouts
-    from tasks.train import train
-    from tasks.weights import evaluate_task, warm_start
+        from tasks.process import process_shards
+        from tasks.rollout import rollouts
+        from tasks.train import train
+        from tasks.weights import evaluate_task, warm_start
 
-    logger = get_run_logger()
-    torch.set_num_threads(1)
-    base = warm_start(config)
-    before = evaluate_task(config, base, reuse=True)
-    logger.info("version %d held-out reward before RL: %s", base, before["reward"])
-    deadline = deadline_of(config)
-    signals = uuid.uuid4().hex
-    if config.cluster == "ray":
-        generated, processed, trained = _run_on_ray(config, deadline, signals)
-    else:
-        generated, processed, trained = _wind_down(
-            config,
-            signals,
-            rollouts.submit(config, deadline, signals=signals),
-            process_shards.submit(config, deadline + DRAIN_SECONDS, signals=signals),
-            train.submit(config, deadline, signals=signals),
+        logger = get_run_logger()
+        torch.set_num_threads(1)
+        base = warm_start(config)
+        before = evaluate_task(config, base, reuse=True)
+        logger.info("version %d held-out reward before RL: %s", base, before["reward"])
+        deadline = deadline_of(config)
+        signals = uuid.uuid4().hex
+        if config.cluster == "ray":
+            generated, processed, trained = _run_on_ray(config, deadline, signals)
+        else:
+            generated, processed, trained = _wind_down(
+                config,
+                signals,
+                rollouts.submit(config, deadline, signals=signals),
+                process_shards.submit(config, deadline + DRAIN_SECONDS, signals=signals),
+                train.submit(config, deadline, signals=signals),
+            )
+        after = evaluate_task(config, reuse=True)
+        report_run(config)
+        gain = {
+            env: round(after["reward"][env] - before["reward"].get(env, 0.0), 6) for env in after["reward"]
+        }
+        logger.info(
+            "version %d held-out reward after RL: %s (gain %s)", after["version"], after["reward"], gain
         )
-    after = evaluate_task(config, reuse=True)
-    report_run(config)
-    gain = {env: round(after["reward"][env] - before["reward"].get(env, 0.0), 6) for env in after["reward"]}
-    logger.info("version %d held-out reward after RL: %s (gain %s)", after["version"], after["reward"], gain)
-    return {
-        "run_id": config.run_id,
-        "before": before,
-        "after": after,
-        "gain": gain,
-        "rollouts": generated["orchestrator"],
-        "processed": processed,
-        "trained": trained,
-    }
+        return {
+            "run_id": config.run_id,
+            "before": before,
+            "after": after,
+            "gain": gain,
+            "rollouts": generated["orchestrator"],
+            "processed": processed,
+            "trained": trained,
+        }
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ from prefect import flow
 
 from flows.config import RunConfig
 from flows.pipeline import deadline_of
+from flows.run_logs import module_logs_to_run
 
 
 @flow(name="process", log_prints=True)
@@ -22,12 +23,13 @@ def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[st
         continuous: process shards as they are committed until the stop condition; off: one
             pass over the shards pending when it starts, then end.
     """
-    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
-    from tasks.process import process_pending, process_shards
+    with module_logs_to_run():
+        # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+        from tasks.process import process_pending, process_shards
 
-    if continuous:
-        return process_shards(config, deadline_of(config))
-    return process_pending(config)
+        if continuous:
+            return process_shards(config, deadline_of(config))
+        return process_pending(config)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,6 +12,7 @@ from pydantic import Field
 
 from flows.config import RunConfig, schema_pattern
 from flows.pipeline import deadline_of
+from flows.run_logs import module_logs_to_run
 from storage.shards import NAME_PATTERN
 
 
@@ -29,12 +30,13 @@ def rollout(
         worker_name: the worker's name, its shard folder (letters, digits, ``_ . -``); one
             running worker per name.
     """
-    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
-    from tasks.rollout import rollouts
-    from tasks.weights import warm_start
+    with module_logs_to_run():
+        # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+        from tasks.rollout import rollouts
+        from tasks.weights import warm_start
 
-    warm_start(config)
-    return rollouts(config, deadline_of(config), worker_name)
+        warm_start(config)
+        return rollouts(config, deadline_of(config), worker_name)
 
 
 def main(argv: list[str] | None = None) -> None:

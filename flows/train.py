@@ -12,6 +12,7 @@ from prefect import flow
 
 from flows.config import RunConfig
 from flows.pipeline import deadline_of
+from flows.run_logs import module_logs_to_run
 from tasks.report import report_run
 
 
@@ -24,14 +25,15 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
         drain: also stop once every committed processed shard is trained (a nightly run
             over what arrived since the last one).
     """
-    # the tasks import torch and transformers: here, so that --help and a bad config answer at once
-    from tasks.train import train as train_task
-    from tasks.weights import warm_start
+    with module_logs_to_run():
+        # the tasks import torch and transformers: here, so that --help and a bad config answer at once
+        from tasks.train import train as train_task
+        from tasks.weights import warm_start
 
-    warm_start(config)
-    result = train_task(config, deadline_of(config), drain)
-    report_run(config)
-    return result
+        warm_start(config)
+        result = train_task(config, deadline_of(config), drain)
+        report_run(config)
+        return result
 
 
 def main(argv: list[str] | None = None) -> None:

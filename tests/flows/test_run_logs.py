@@ -1,0 +1,52 @@
+"""The project's module loggers reach the flow run's logs (the Prefect UI)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import warnings
+
+from prefect import flow, get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.context import FlowRunContext
+from prefect.logging.handlers import APILogHandler
+
+from flows.run_logs import module_logs_to_run
+
+
+def run_logs(flow_run_id) -> list[tuple[str, int, str]]:
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [(log.name, log.level, log.message) for log in logs]
+
+
+@flow
+def noisy() -> str:
+    with module_logs_to_run():
+        logging.getLogger("rollout.worker").warning("replica r0 is down")
+        # a thread the work started has no run context: its record goes to this flow run
+        thread = threading.Thread(target=logging.getLogger("storage.heartbeat").error, args=("beat failed",))
+        thread.start()
+        thread.join()
+        with module_logs_to_run():  # nested (a flow inside a flow): sent once, not twice
+            logging.getLogger("tasks.train").warning("trainer idle")
+        logging.getLogger("somebody.else").warning("not ours")
+    logging.getLogger("rl.trainer").warning("after the body")
+    return str(FlowRunContext.get().flow_run.id)
+
+
+def test_module_warnings_of_the_flow_and_its_threads_reach_the_flow_runs_logs():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flow_run_id = noisy()
+    logs = run_logs(flow_run_id)
+    ours = [entry for entry in logs if not entry[0].startswith("prefect")]
+    assert sorted(ours) == [
+        ("rollout.worker", logging.WARNING, "replica r0 is down"),
+        ("storage.heartbeat", logging.ERROR, "beat failed"),
+        ("tasks.train", logging.WARNING, "trainer idle"),
+    ]
+    assert not [w for w in caught if "without a flow run id" in str(w.message)]
+    # the handler is gone with the flow: a record logged after it goes nowhere near the API
+    assert all(not isinstance(h, APILogHandler) for h in logging.getLogger("rollout").handlers)
