@@ -70,7 +70,8 @@ def sampling_logprobs(logits: torch.Tensor, temperature: torch.Tensor, top_p: to
         sorted_logprobs, order = logprobs.sort(dim=-1, descending=True)  # (B, V)
         sorted_probs = sorted_logprobs.exp()
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # (B, V)
-        outside_sorted = mass_before >= top_p[:, None]
+        # a row with top_p 1 keeps every token: its float32 mass sums reach 1 before the tail
+        outside_sorted = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1)
         outside = torch.zeros_like(outside_sorted).scatter(-1, order, outside_sorted)
         logprobs = torch.log_softmax(logprobs.masked_fill(outside, -math.inf), dim=-1)
     return logprobs

@@ -121,6 +121,19 @@ def test_sampling_logprobs_match_a_slow_reference():
     assert (fast[3] > -math.inf).sum() == 1  # a tiny nucleus keeps only the top token
 
 
+def test_a_full_nucleus_keeps_every_token_beside_a_row_with_a_smaller_one():
+    """top_p 1 samples from the whole distribution whatever the other rows of the batch ask:
+    over a large vocabulary the float32 running mass reaches 1 before the last tokens, which
+    then fell outside the nucleus (here 1418 tokens that could never be sampled)."""
+    logits = torch.randn(2, 50_000, generator=torch.Generator().manual_seed(0)) * 3
+    temperature = torch.tensor([1.0, 1.0])
+    batched = sampling_logprobs(logits, temperature, torch.tensor([1.0, 0.5]))
+    alone = sampling_logprobs(logits[:1], temperature[:1], torch.tensor([1.0]))
+    assert torch.isfinite(batched[0]).all()
+    torch.testing.assert_close(batched[0], alone[0])
+    torch.testing.assert_close(batched[0], torch.log_softmax(logits[0], dim=-1))
+
+
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.85)])
 def test_logprobs_match_a_separate_forward_pass(tiny, temperature, top_p):
     model, tokenizer = tiny
