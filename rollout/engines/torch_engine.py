@@ -108,6 +108,8 @@ class _Request:
     error: EngineError | None = None
     """Why the request failed on the engine thread (its caller gets this error)."""
     cancelled: bool = False
+    session_ended: bool = False
+    """``end_session`` ran while this request was live: its cache is not kept."""
 
 
 def _kv_nbytes(kv: KV) -> int:
@@ -273,8 +275,13 @@ class TorchEngine:
         await applied
 
     def end_session(self, session_id: str) -> None:
-        """Forget the KV cache kept for ``session_id`` (no error if there is none)."""
-        with self._sessions_lock:
+        """Forget the KV cache kept for ``session_id`` (no error if there is none), and the one
+        a request of it still running would keep: a caller that cancels a turn and ends its
+        session at once (the gateway) may see the turn finish before the cancellation lands."""
+        with self._cond, self._sessions_lock:
+            for request in self._live:
+                if request.session_id == session_id:
+                    request.session_ended = True
             entry = self._sessions.pop(session_id, None)
             if entry is not None:
                 self._session_bytes -= entry.nbytes
@@ -673,7 +680,7 @@ class TorchEngine:
         if request.error is not None:
             request.loop.call_soon_threadsafe(_reject, request.future, request.error)
             return
-        self._remember(request.session_id, request.tokens[: request.cached], kv)
+        self._remember(request, kv)
         self._stats.requests += 1
         generation = Generation(
             token_ids=request.generated,
@@ -686,12 +693,16 @@ class TorchEngine:
         )
         request.loop.call_soon_threadsafe(_resolve, request.future, generation)
 
-    def _remember(self, session_id: str, tokens: list[int], kv: KV) -> None:
+    def _remember(self, request: _Request, kv: KV) -> None:
+        """Keep ``kv`` as the cache of ``request.tokens[:cached]`` for its session."""
         kv = [(k.clone(), v.clone()) for k, v in kv]
         nbytes = _kv_nbytes(kv)
         if nbytes > self.kv_cache_bytes:
             return
+        session_id, tokens = request.session_id, request.tokens[: request.cached]
         with self._sessions_lock:
+            if request.session_ended:  # checked under the lock end_session sets it with
+                return
             previous = self._sessions.pop(session_id, None)
             if previous is not None:
                 self._session_bytes -= previous.nbytes

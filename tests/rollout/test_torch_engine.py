@@ -702,6 +702,42 @@ def test_a_cancelled_generation_leaves_no_session_cache(tiny):
     assert stats.extra["cache_sessions"] == 0 and stats.extra["cache_bytes"] == 0
 
 
+def test_a_session_ended_while_its_last_turn_finishes_keeps_no_cache(tiny):
+    """The gateway closes a session by cancelling its turn and ending the session at once;
+    the engine may finish the turn before the cancellation reaches ``generate``. The cache
+    of that turn was then kept for a session that had ended, taking LRU room from live ones."""
+    model, _ = tiny
+    blocked = threading.Event()
+    release = threading.Event()
+
+    def hold_after_three_tokens(stats):
+        if stats.decode_tokens == 3 and not blocked.is_set():
+            blocked.set()
+            wait_for(release.is_set, "the session to be ended")
+
+    async def run():
+        engine = engine_for(model, on_step=hold_after_three_tokens)
+        try:
+            running = asyncio.create_task(
+                engine.generate("gone", [5, 6, 7], SamplingParams(max_new_tokens=4))
+            )
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            running.cancel()
+            engine.end_session("gone")
+            release.set()
+            # the event loop is busy: the engine finishes the turn before the task sees its cancellation
+            wait_for(lambda: engine.stats().extra["active"] == 0, "the turn to finish", DEADLINE_S)
+            with pytest.raises(asyncio.CancelledError):
+                await running
+            return engine.stats()
+        finally:
+            release.set()
+            await engine.close()
+
+    stats = asyncio.run(run())
+    assert stats.extra["cache_sessions"] == 0 and stats.extra["cache_bytes"] == 0
+
+
 def test_a_bfloat16_engine_keeps_the_rope_frequencies_of_its_checkpoint(tiny, weights):
     """Built from a float32 model in memory or from the version's folder, a bfloat16 engine
     computes what the checkpoint loaded in bfloat16 does: its RoPE frequencies stay float32."""
