@@ -263,7 +263,8 @@ class TorchEngine:
                 self._live.discard(request)
 
     async def load_version(self, version: int, path: str) -> None:
-        """Load weights from ``path`` (a local version directory); applied between decode steps."""
+        """Load weights from ``path`` (a local version directory); applied between decode steps.
+        Cancelled before they are applied, it leaves the engine on its version."""
         self._check_serving()
         state_dict = await asyncio.to_thread(self._read_weights, path)
         loop = asyncio.get_running_loop()
@@ -421,7 +422,9 @@ class TorchEngine:
                     room = self.max_batch - len(self._batch)
                     admitted, self._pending = self._pending[:room], self._pending[room:]
                 for version, state_dict, loop, applied in updates:
-                    self._apply_update(version, state_dict)
+                    # a caller that stopped waiting (a load timeout) counts the engine as not loaded
+                    if not applied.cancelled():
+                        self._apply_update(version, state_dict)
                     with self._cond:  # queued until applied, so _fail_all fails one that was not
                         del self._updates[0]
                     loop.call_soon_threadsafe(_resolve, applied, None)

@@ -413,6 +413,47 @@ def test_weight_update_mid_generation_tags_tokens_with_the_version_that_produced
     assert_logprobs_match(later.logprobs, reference_logprobs(other_model, prompt, later.token_ids))
 
 
+def test_a_weight_update_its_caller_stopped_waiting_for_is_not_applied(tiny, weights):
+    """A worker gives up on a load after ``load_timeout_s`` (cancelling ``load_version``) and
+    counts the replica as still on its old version; the queued update was applied anyway at
+    the next step, moving the replica to a version behind the worker's back."""
+    model, _ = tiny
+    blocked = threading.Event()
+    release = threading.Event()
+
+    def hold_after_two_tokens(stats):
+        if stats.decode_tokens == 2 and not blocked.is_set():
+            blocked.set()
+            wait_for(release.is_set, "the weight update to be given up")
+
+    async def run():
+        engine = engine_for(model, on_step=hold_after_two_tokens)
+        try:
+            running = asyncio.create_task(engine.generate("a", [5, 6, 7], SamplingParams(max_new_tokens=8)))
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            loading = asyncio.create_task(engine.load_version(1, weights.load(1)))
+            await asyncio.to_thread(
+                wait_for,
+                lambda: engine.stats().extra["pending_updates"] == 1,
+                "the update to queue",
+                DEADLINE_S,
+            )
+            loading.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await loading
+            release.set()
+            generation = await asyncio.wait_for(running, DEADLINE_S)
+            return generation, engine.version, engine.stats()
+        finally:
+            release.set()
+            await engine.close()
+
+    generation, version, stats = asyncio.run(run())
+    assert version == 0 and stats.extra["weight_updates"] == 0 and stats.extra["pending_updates"] == 0
+    assert generation.versions == [0] * 8
+    assert_logprobs_match(generation.logprobs, reference_logprobs(model, [5, 6, 7], generation.token_ids))
+
+
 def test_weight_update_drops_session_caches_of_the_old_weights(tiny, other_model, weights):
     model, _ = tiny
     prompt = [2, 40, 41, 42, 43]
