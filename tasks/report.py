@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import logging
 import math
 import re
 import time
@@ -22,7 +23,9 @@ from prefect.artifacts import (
 
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
-from tasks.common import reporting, run_store
+from tasks.common import TRANSIENT_ERRORS, reporting, run_store
+
+log = logging.getLogger(__name__)
 
 
 class ProgressReporter:
@@ -197,14 +200,19 @@ def report_run(config: RunConfig) -> str:
     )
     png_path = "reports/curves.png"
     png = curves_png(steps, evals)
-    with store.fs.open(store.path(png_path), "wb") as out:
-        out.write(png)
+    try:
+        with store.fs.open(store.path(png_path), "wb") as out:
+            out.write(png)
+        stored = f"Curves as stored: [{store.url(png_path)}]({store.url(png_path)})"
+    except TRANSIENT_ERRORS as exc:  # the curves are embedded below; a storage error must not fail the run
+        log.warning("curves of run %s not written to %s: %r", config.run_id, store.url(png_path), exc)
+        stored = "Curves not stored (see the run's logs)."
     lines = [
         f"# Run `{config.run_id}`",
         "",
         f"![reward and loss curves](data:image/png;base64,{base64.b64encode(png).decode()})",
         "",
-        f"Curves as stored: [{store.url(png_path)}]({store.url(png_path)})",
+        stored,
         "",
         "## Held-out reward",
         "",

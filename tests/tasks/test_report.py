@@ -121,3 +121,21 @@ def test_a_grpo_runs_report_shows_no_value_loss(tmp_path, monkeypatch):
 
     listed = [line for line in markdown.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[4] for line in listed] == ["—", "—"]
+
+
+def test_a_report_whose_curves_cannot_be_stored_still_reports(tmp_path, monkeypatch, caplog):
+    """Writing the curves' PNG to storage fails (here ``reports`` is a file, not a folder): the
+    report still embeds the curves, says they were not stored, and the run does not fail."""
+    config = tiny_config(tmp_path / "runs", "unstored")
+    store = run_store(config)
+    Tables(store).append("train_steps", [step_row(1), step_row(2)])
+    with store.fs.open(store.path("reports"), "wb") as blocker:
+        blocker.write(b"not a folder")
+    monkeypatch.setattr(report, "create_table_artifact", lambda rows, key, description: None)
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+
+    markdown = report.report_run(config)
+
+    assert "data:image/png;base64," in markdown
+    assert "Curves not stored" in markdown and "Curves as stored" not in markdown
+    assert any("curves of run unstored not written" in r.getMessage() for r in caplog.records)
