@@ -32,6 +32,7 @@ from storage.status import (
     summarize,
     wait_until_free,
 )
+from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import (
     SIDE_EFFECTS,
@@ -147,7 +148,12 @@ def run_trainer(
     )
     role = HeldRole(queue_board.read, queue_board.publish, f"the trainer of run {config.run_id!r}")
     weights = WeightStore(store)
-    seen = {"version": weights.latest()}
+    latest = weights.latest()
+    # a latest version with no ``weights`` row was published by an attempt that failed before
+    # recording and announcing it: the trainer resumes from it and records it, and it is
+    # announced with this trainer's first
+    recorded = set(Tables(store).read("weights").column("version").to_pylist())
+    seen = {"version": latest if latest is None or latest in recorded else latest - 1}
 
     def announce(before: int, latest: int) -> None:
         for version in weights.list():

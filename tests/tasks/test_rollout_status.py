@@ -293,7 +293,8 @@ def run_with_processed_shards(tmp_path, run_id: str, publish_every: int) -> tupl
         sao=config(publish_every=publish_every),
     )
     store = RunStore(run.storage, run.run_id)
-    ensure_base_version(WeightStore(store), TINY)
+    weights = WeightStore(store)
+    weights.record(Tables(store), ensure_base_version(weights, TINY))  # as the warm start does
     write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
     return run, store
 
@@ -355,6 +356,20 @@ def test_a_trainer_whose_role_was_taken_announces_its_own_versions_only(tmp_path
     with pytest.raises(InUse, match="the trainer of run .* was taken over by another process"):
         run_trainer(run, time.time() + WAIT_S, on_publish=announced.append)
     assert (WeightStore(store).list(), theirs, announced) == ([0, 1, 2], [2], [1])
+
+
+def test_a_trainer_announces_the_version_a_failed_attempt_published_without_its_row(tmp_path):
+    """An attempt of the train task published version 1 and failed before its ``weights``
+    row (and so its announcement): the retry resumes from 1, records it and announces it."""
+    run, store = run_with_processed_shards(tmp_path, "retried-trainer", publish_every=100)
+    weights = WeightStore(store)
+    trainer = Trainer(store, run.sao)
+    publish_policy(weights, trainer.policy, trainer.tokenizer, step=0, parent=0)
+    announced = []
+    result = run_trainer(run, time.time() + WAIT_S, on_publish=announced.append, drain=True)
+    assert result["stop_reason"] == "drained"
+    assert announced == weights.list()[1:] and announced[0] == 1
+    assert sorted(Tables(store).read("weights").column("version").to_pylist()) == weights.list()
 
 
 def test_a_trainer_whose_announcements_fail_keeps_training(tmp_path, caplog):
