@@ -93,6 +93,12 @@ class StorageConfig(BaseModel):
         if "://" not in value:
             return value
         scheme, rest = value.split("://", 1)
+        # checked before anything that names the value: it reaches errors, logs and the weights table
+        if "@" in rest.split("/", 1)[0]:
+            raise ValueError(
+                "root holds credentials (user:secret@ before the bucket); give them as access_key_id and "
+                "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
+            )
         if scheme.lower() not in S3_SCHEMES:
             raise ValueError(
                 f"root {value!r}: unsupported URL scheme {scheme!r}; use a local folder or s3://bucket/prefix"

@@ -50,6 +50,8 @@ SECRET_INPUTS = [
     ({"access_key_id": {"value": "TOP-SECRET-VALUE"}}, "access_key_id"),
     ({"endpoint_url": "http://key:TOP-SECRET-VALUE@127.0.0.1:9000"}, "endpoint_url holds credentials"),
     ({"endpoint_url": "http://TOP-SECRET-VALUE@minio.internal"}, "endpoint_url holds credentials"),
+    ({"root": "s3://AKIAEXAMPLE:TOP-SECRET-VALUE@bucket/runs"}, "root holds credentials"),
+    ({"root": "https://user:TOP-SECRET-VALUE@example.com/runs"}, "root holds credentials"),
 ]
 
 
