@@ -119,6 +119,25 @@ class StorageConfig(BaseModel):
             )
         return value
 
+    @field_validator("endpoint_url")
+    @classmethod
+    def _endpoint_is_an_http_url(cls, value: str | None) -> str | None:
+        # deltalake panics on an endpoint without a scheme or with a bad port ("TokioMultiThreadExecutor
+        # has crashed"); the value is not echoed: a scheme-less one may hold credentials unnoticed above
+        if value is None:
+            return value
+        parts = urllib.parse.urlsplit(value)
+        try:
+            valid = parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port that is not a number in range
+            valid = False
+        if not valid:
+            raise ValueError(
+                "endpoint_url must be an http:// or https:// URL with a host and an optional port, "
+                "e.g. http://127.0.0.1:9000"
+            )
+        return value
+
     @field_validator("access_key_id", "secret_access_key", "session_token")
     @classmethod
     def _not_masked(cls, value: SecretStr | None) -> SecretStr | None:

@@ -50,6 +50,7 @@ SECRET_INPUTS = [
     ({"access_key_id": {"value": "TOP-SECRET-VALUE"}}, "access_key_id"),
     ({"endpoint_url": "http://key:TOP-SECRET-VALUE@127.0.0.1:9000"}, "endpoint_url holds credentials"),
     ({"endpoint_url": "http://TOP-SECRET-VALUE@minio.internal"}, "endpoint_url holds credentials"),
+    ({"endpoint_url": "key:TOP-SECRET-VALUE@127.0.0.1:9000"}, "endpoint_url must be an http"),
     ({"root": "s3://AKIAEXAMPLE:TOP-SECRET-VALUE@bucket/runs"}, "root holds credentials"),
     ({"root": "https://user:TOP-SECRET-VALUE@example.com/runs"}, "root holds credentials"),
 ]
@@ -60,6 +61,17 @@ def test_a_validation_error_names_the_field_but_never_shows_a_credential(storage
     with pytest.raises(ValidationError) as error:
         StorageConfig(**storage)
     assert field in str(error.value) and "TOP-SECRET-VALUE" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "endpoint", ["127.0.0.1:9000", "localhost:9000", "minio.internal", "ftp://minio:21", "http://minio:port"]
+)
+def test_an_endpoint_that_is_not_an_http_url_is_refused_naming_the_field(endpoint):
+    # deltalake panicked on these ("TokioMultiThreadExecutor has crashed") at the first table access
+    with pytest.raises(ValidationError, match=r"endpoint_url\n.*must be an http:// or https:// URL"):
+        StorageConfig(root="s3://bucket", endpoint_url=endpoint)
+    for good in ("http://127.0.0.1:9000", "https://s3.eu-west-1.amazonaws.com", "http://[::1]:9000/"):
+        assert StorageConfig(root="s3://bucket", endpoint_url=good).endpoint_url == good
 
 
 @pytest.mark.parametrize("field", ["access_key_id", "secret_access_key", "session_token"])
