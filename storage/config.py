@@ -233,8 +233,8 @@ class RunStore:
     """The storage of one run: ``<root>/<run_id>/…`` (see DESIGN.md, storage layout)."""
 
     def __init__(self, config: StorageConfig, run_id: str):
-        if not run_id or "/" in run_id:
-            raise ValueError(f"run_id must be a non-empty name without '/', got {run_id!r}")
+        if not run_id or "/" in run_id or run_id in (".", ".."):
+            raise ValueError(f"run_id must be a non-empty name without '/', not '.' or '..', got {run_id!r}")
         self.config = config
         self.run_id = run_id
 

@@ -27,6 +27,14 @@ def test_a_plain_path_is_a_local_folder(tmp_path):
     assert not store.config.is_s3 and store.uri == str(tmp_path / "runs" / "r1")
 
 
+@pytest.mark.parametrize("run_id", ["", "a/b", ".", ".."])
+def test_a_run_id_that_is_not_one_folder_of_the_root_is_refused(tmp_path, run_id):
+    # '..' made the run the root's parent folder (``treadle inspect --run-id ..`` read it)
+    for root in (str(tmp_path / "runs"), "s3://bucket/runs"):
+        with pytest.raises(ValueError, match="run_id must be a non-empty name"):
+            RunStore(StorageConfig(root=root), run_id)
+
+
 @pytest.mark.parametrize(
     ("root", "message"),
     [
