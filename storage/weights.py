@@ -30,6 +30,7 @@ import re
 import shutil
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
@@ -70,6 +71,9 @@ times the policy's size, that only a trainer reads."""
 RESERVED_FILES = frozenset({MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_STAGING_DIR = re.compile(r"^\.\w+-v\d{6,}\.tmp-[0-9a-f]{32}$")
+STAGING_STALE_S = 3600.0
+"""A download's staging folder untouched this long was left by a process that died mid-download."""
 _HASH_CHUNK = 1 << 20
 
 
@@ -90,6 +94,15 @@ class VersionTaken(FileExistsError):
 def version_dir_name(version: int) -> str:
     """``42 -> "v000042"``."""
     return f"v{version:06d}"
+
+
+def _last_modified(folder: Path) -> float:
+    """Newest modification time of ``folder`` and of everything under it."""
+    newest = folder.stat().st_mtime
+    for path in folder.rglob("*"):
+        with contextlib.suppress(FileNotFoundError):
+            newest = max(newest, path.stat().st_mtime)
+    return newest
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -582,7 +595,9 @@ class WeightStore:
         return str(final)
 
     def _forget_removed(self) -> None:
-        """Delete the cached copies of versions no longer in the store (deleted by ``retain``)."""
+        """Delete the cached copies of versions no longer in the store (deleted by ``retain``),
+        and the staging folders of downloads whose process died (untouched for
+        :data:`STAGING_STALE_S`; one still downloading writes into its folder)."""
         kept = set(self.list())
         folders = [self.cache_dir / part for part in PARTS[1:] if (self.cache_dir / part).is_dir()]
         for folder in [self.cache_dir, *folders]:
@@ -590,6 +605,13 @@ class WeightStore:
                 match = _VERSION_DIR.match(cached.name)
                 if match and int(match.group(1)) not in kept:
                     shutil.rmtree(cached, ignore_errors=True)
+        stale_before = time.time() - STAGING_STALE_S
+        for staging in self.cache_dir.iterdir():
+            if not _STAGING_DIR.match(staging.name):
+                continue
+            with contextlib.suppress(FileNotFoundError):  # its download finished meanwhile
+                if _last_modified(staging) < stale_before:
+                    shutil.rmtree(staging, ignore_errors=True)
 
     @staticmethod
     def _verify(local_dir: str, files: dict[str, str], version: int) -> None:

@@ -29,6 +29,7 @@ from storage.config import RunStore
 from storage.weights import (
     CLAIM_FILE,
     MANIFEST_FILE,
+    STAGING_STALE_S,
     CorruptVersion,
     VersionTaken,
     WeightStore,
@@ -593,3 +594,24 @@ def test_a_local_versions_files_are_on_disk_before_its_manifest_and_latest(
     assert {target, posixpath.join(target, "trainer")} <= before_manifest
     after_manifest = synced[manifest_at:]
     assert target in after_manifest and weights.root in after_manifest  # the renames
+
+
+def test_a_download_deletes_the_staging_folders_of_downloads_that_died(store, tmp_path, tokenizer_dir):
+    """A process killed mid-download leaves its staging folder (a model's worth of files): the
+    next download deletes one untouched for STAGING_STALE_S, and keeps one still being written."""
+    if not store.config.is_s3:
+        pytest.skip("the download cache exists only for a remote store")
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    weights.load(0)
+    dead = weights.cache_dir / f".all-v000000.tmp-{'a' * 32}"
+    alive = weights.cache_dir / f".serving-v000000.tmp-{'b' * 32}"
+    for folder in (dead, alive):
+        (folder / "model.safetensors").parent.mkdir(parents=True)
+        (folder / "model.safetensors").write_bytes(b"partial")
+    long_ago = time.time() - STAGING_STALE_S - 60
+    for path in (dead, dead / "model.safetensors", alive):
+        os.utime(path, (long_ago, long_ago))  # alive's file was written just now
+    publish_model(weights, tiny_llama(seed=1), tokenizer_dir)
+    weights.load(1)
+    assert not dead.exists() and alive.is_dir()
