@@ -12,7 +12,8 @@ sessions run to their end there. A drain counts the migrants' slots: it leaves t
 replicas ``headroom_slots`` free after they take its sessions. The router fills the most
 loaded replicas first, so stragglers pack and lightly loaded replicas empty. When sessions
 queue for a slot the controller cancels drains and borrows the trainer's idle units; when
-the trainer's queue runs dry it hands borrowed units back. A live rollout is never
+the trainer's queue runs dry it cancels the drains the forecast below does not call for and
+hands borrowed units back. A live rollout is never
 interrupted: a session moves only between turns, never mid-generation.
 
 How many training units to keep when lending: the most of ``min_train``, the measured
@@ -335,7 +336,12 @@ class ElasticController:
         wanted = math.ceil(inputs.engine_queue_depth / cfg.sessions_per_replica)
         moves: list[Move] = []
         if wanted > 0 or trainer_dry:
-            cancel = len(draining) if trainer_dry else wanted
+            cancel = wanted
+            if trainer_dry:
+                # a dry trainer keeps the drains the forecast says it will need: cancelled now,
+                # they would be drained again (their sessions moved again) once the data lands
+                still_needed = 0 if need is None else max(need - len(train), 0)
+                cancel = max(cancel, len(draining) - still_needed)
             if trainer_saturated and target is not None:
                 cancel = min(cancel, max(target - len(rollout), 0))
             for unit in sorted(draining, key=lambda u: -u.live_sessions)[

@@ -128,6 +128,37 @@ def test_dry_trainer_cancels_drains_but_lends_nothing_the_engines_do_not_want():
     assert ctl.units_in("train") == ["t0"]  # nothing queued: the training unit stays
 
 
+def test_dry_trainer_keeps_the_drain_the_forecast_completions_need():
+    """Every session seen lasted 50 s; the 15 live ones are 10 s old at 1000, so all end
+    within the 400 s horizon: 15 trajectories at 100 unit-s keep ceil(3.75) = 4 units busy,
+    capped at 3 (one rollout replica stays). The trainer has one and r2 drains towards it: a
+    queue that runs dry now does not cancel that drain. At 1100 the sessions are older than
+    any seen (nothing forecast), and at 1000 sessions queue: then it is cancelled."""
+
+    def draining_r2() -> ElasticController:
+        config = ElasticConfig(cooldown_s=0, headroom_slots=1, forecast_horizon_s=400.0)
+        ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], config)
+        for _ in range(4):
+            ctl.begin_session("r0", 0.0)
+            ctl.end_session("r0", 50.0, started=0.0)
+        for name, sessions in (("r0", 8), ("r1", 6), ("r2", 1)):
+            for _ in range(sessions):
+                ctl.begin_session(name, 990.0)
+        (drain,) = ctl.step(BEHIND, now=990.0)
+        assert (drain.unit, drain.target) == ("r2", "draining")
+        return ctl
+
+    ctl = draining_r2()
+    assert ctl.step(PolicyInputs(0, 0, 1.0, train_unit_s_per_trajectory=100.0), now=1000.0) == []
+    assert ctl.last_forecast == pytest.approx(15.0) and ctl.units_in("draining") == ["r2"]
+    ctl = draining_r2()
+    (cancel,) = ctl.step(PolicyInputs(0, 0, 1.0, train_unit_s_per_trajectory=100.0), now=1100.0)
+    assert ctl.last_forecast == 0.0 and (cancel.unit, cancel.target) == ("r2", "rollout")
+    ctl = draining_r2()
+    (cancel,) = ctl.step(PolicyInputs(0, 8, 1.0, train_unit_s_per_trajectory=100.0), now=1000.0)
+    assert (cancel.unit, cancel.target) == ("r2", "rollout")
+
+
 def test_lower_bound_is_hand_worked_and_never_beaten():
     # two 100 s sessions one at a time (staleness bound 1), 10 s training each: the second
     # starts when the first is trained away, ends at 200 and is trained by 210
