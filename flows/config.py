@@ -80,6 +80,12 @@ class ElasticRunConfig(ElasticConfig):
         description="Concurrent rollout sessions one replica serves (its session slots); "
         "None: a replica's share of orchestrator.concurrency.",
     )
+    min_train: int = Field(
+        1,
+        ge=1,
+        le=1,
+        description="Training units never handed to rollout: the trainer's own unit (a run's trainer has one).",
+    )
 
 
 class EvalConfig(BaseModel):

@@ -67,6 +67,7 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("processor:\n  success_threshold: .nan\n", "processor.success_threshold: Input should be a finite"),
         ("storage:\n  read_timeout: .inf\n", "storage.read_timeout: Input should be a finite number"),
         ("elastic:\n  cooldown_s: .inf\n", "elastic.cooldown_s: Input should be a finite number"),
+        ("elastic:\n  min_train: 2\n", "elastic.min_train: Input should be less than or equal to 1"),
         ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
         (
             "orchestrator:\n  mix: {arith: 0.5, agent: 0.5}\n",
