@@ -30,9 +30,9 @@ their next turn; a generation in flight finishes where it started. On this CPU m
 replica handed to training simply goes idle (its engine thread waits for requests that no
 longer come), which frees its core for the trainer's threads; nothing here changes torch's
 thread counts, which are process-wide.
-A plan that does not parse is ignored with a warning (the replicas stay as they are); a
-stale one (the trainer died or hangs) puts every replica back in rollout. A worker never
-drains its last accepting replica.
+A plan that does not parse is ignored with a warning (the replicas stay as they are until
+the last plan applied goes stale); a stale one (the trainer died or hangs) puts every
+replica back in rollout. A worker never drains its last accepting replica.
 """
 
 from __future__ import annotations
@@ -329,10 +329,18 @@ class RolloutWorker:
 
         Ignored: no plan, or a running trainer's plan older than ``plan_max_age_s`` at
         ``now`` (warned once per plan): the trainer died or hangs, so every replica goes back
-        to rollout rather than staying drained for a trainer that may never come back.
+        to rollout rather than staying drained for a trainer that may never come back. No
+        plan (none, or one that does not parse) leaves the replicas as the last plan applied
+        put them until that plan is as old, then puts them back the same way.
         Replicas the plan does not name as draining or handed to training accept new
         sessions; the last accepting replica is never drained.
         """
+        if (
+            plan is None
+            and self.plan_time is not None
+            and not is_fresh(self.plan_time, now, self.plan_max_age_s)
+        ):
+            plan = ElasticPlan(time=self.plan_time)  # the last plan applied, gone stale
         if plan is None or self.router is None:
             return False
         stale = plan.running and not is_fresh(plan.time, now, self.plan_max_age_s)

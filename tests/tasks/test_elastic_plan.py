@@ -206,6 +206,37 @@ def test_a_plan_that_drains_a_replica_that_is_down_says_it_is_down_and_drains_it
     asyncio.run(body())
 
 
+def test_with_no_readable_plan_a_drain_lasts_only_until_the_last_plan_applied_goes_stale(tmp_path, caplog):
+    """The trainer died leaving a plan the worker cannot read (or none): its replicas return
+    to rollout once the last plan it applied is as old as a stale plan, as they would under
+    that plan."""
+    run = RunConfig(
+        run_id="elastic-unread", storage=StorageConfig(root=str(tmp_path / "runs")), engine={"replicas": 2}
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    worker = make_worker(store, run, plan_max_age_s=30.0)
+
+    async def body() -> None:
+        await worker.start()
+        try:
+            router = worker.router
+            assert not worker.apply_plan(None, 1000.0)  # none applied yet: nothing to undo
+            plan = ElasticPlan(time=1000.0, accepting=["w0/torch-0"], draining=["w0/torch-1"])
+            assert worker.apply_plan(plan, 1000.0)
+            assert router.draining == ["torch-1"]
+            assert not worker.apply_plan(None, 1029.0)
+            assert router.draining == ["torch-1"], "a plan that cannot be read for a moment changes nothing"
+            with caplog.at_level(logging.WARNING):
+                assert not worker.apply_plan(None, 1031.0)
+            assert router.draining == [] and worker.plan_time == 1000.0
+            assert "every replica takes new sessions" in caplog.text
+        finally:
+            await worker.close()
+
+    asyncio.run(body())
+
+
 def test_a_worker_says_at_once_that_a_replica_it_drains_is_empty_not_at_its_next_beat(tmp_path):
     """The trainer counts a drained replica as training only once a status shows it empty:
     with a beat of 60 s, that status still comes within seconds of the plan."""
