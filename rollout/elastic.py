@@ -35,7 +35,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Role = Literal["rollout", "draining", "train"]
 
@@ -104,6 +104,17 @@ class ElasticConfig(BaseModel):
     )
     min_rollout: int = Field(1, ge=1, description="Rollout units never lent to training.")
     min_train: int = Field(1, ge=1, description="Training units never handed to rollout.")
+
+    @model_validator(mode="after")
+    def _dry_below_saturated(self) -> ElasticConfig:
+        # a trainer at once dry and saturated would have its drains cancelled and made again
+        # at every decision
+        if self.low_backlog >= self.high_backlog:
+            raise ValueError(
+                f"low_backlog ({self.low_backlog}) must be below high_backlog ({self.high_backlog}): "
+                "a trainer would count as both dry and saturated"
+            )
+        return self
 
 
 @dataclass(frozen=True)

@@ -204,6 +204,10 @@ def test_config_validation():
         ElasticController.create(["a"], ["a"])
     with pytest.raises(ValueError):
         ElasticConfig(high_backlog=0)
+    # at 2 shards and 2% idle a trainer would be dry and saturated at once: its drains were
+    # cancelled and made again at every decision
+    with pytest.raises(ValueError, match=r"low_backlog \(2\) must be below high_backlog \(2\)"):
+        ElasticConfig(low_backlog=2)
 
 
 @settings(max_examples=60, deadline=None)

@@ -338,7 +338,7 @@ def test_the_train_task_publishes_a_drain_and_never_the_last_accepting_replica(t
             )
         )
     planner = ElasticPlanner(
-        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
     )
     plans = []
     run_trainer(
@@ -532,7 +532,7 @@ def test_a_failed_status_read_skips_the_decision_and_the_last_plan_stands(tmp_pa
     write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
     board = RolloutStatusBoard(store)
     planner = ElasticPlanner(
-        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
     )
     lend_a_replica(planner, board)
     planner.decide(board.read()[0], SATURATED, time.time())
@@ -609,7 +609,7 @@ def test_a_trainer_waiting_for_data_counts_as_idle_and_is_lent_nothing(tmp_path)
     write_shards(store, make_trajectories(store, 2, seed=5), per_shard=2)
     RolloutStatusBoard(store).publish(worker_status({"torch-0": 3, "torch-1": 1}))
     planner = ElasticPlanner(
-        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
     )
     inputs = recording(planner)
     stop = threading.Event()
@@ -625,7 +625,7 @@ def test_the_training_cost_counts_the_trainers_own_units_not_the_replicas_lent_t
     run, store = trainer_run(tmp_path, "elastic-cost")
     write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
     planner = ElasticPlanner(
-        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
     )
     lend_a_replica(planner, RolloutStatusBoard(store))
     run_trainer(run, time.time() + 600, drain=True, elastic=planner, status_max_age_s=600)
@@ -646,7 +646,7 @@ def test_every_decision_since_the_last_step_reaches_the_next_row_with_its_moves(
     the start, the step's own last, and every move made up to it."""
     run, store = trainer_run(tmp_path, "elastic-decisions", poll_seconds=0.1)
     planner = ElasticPlanner(
-        ElasticConfig(high_backlog=1, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
     )
     lend_a_replica(planner, RolloutStatusBoard(store))
     before = len(planner.controller.moves)
