@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError, RayError, RayTaskError
+from ray.exceptions import RayError, RayTaskError
 
 from envs import registry
 from envs.base import Env, EnvConfig, EnvHostLost, StepResult, Task
@@ -66,9 +66,13 @@ class EnvWorkerActor:
             await env.close()
 
     async def close_all(self) -> int:
-        envs, self.envs = list(self.envs.values()), {}
-        for env in envs:
-            await env.close()
+        """Close every open env, each whatever the others' closes raise (logged here)."""
+        envs, self.envs = self.envs, {}
+        for env_id, env in envs.items():
+            try:
+                await env.close()
+            except Exception as exc:
+                log.warning("could not close environment %s: %r", env_id, exc)
         return len(envs)
 
     def open_count(self) -> int:
@@ -162,8 +166,9 @@ class RayEnvPool:
         """Close every env still open and stop the actors."""
         try:
             ray.get([actor.close_all.remote() for actor in self.actors], timeout=60)
-        except (RayActorError, ray.exceptions.GetTimeoutError) as exc:
+        except RayError as exc:  # a worker dead, restarting or too slow: it is stopped all the same
             log.warning("closing environment workers: %s", exc)
-        for actor in self.actors:
-            ray.kill(actor)
-        self.actors = []
+        finally:
+            for actor in self.actors:
+                ray.kill(actor)
+            self.actors = []

@@ -430,3 +430,39 @@ def test_pipeline_flow_runs_its_tasks_on_ray(tmp_path, prefect_api):
         for row in ShardReader(store).read(shard).to_pylist()
     }
     assert engines <= {"ray-torch-0"}
+
+
+def test_closing_the_pool_closes_every_env_and_stops_its_workers_when_one_fails(monkeypatch, tmp_path):
+    """One env's close raises (its sandbox would not die): the envs after it on the worker
+    are closed all the same, and the pool's actors are stopped, not left holding their CPUs
+    (and the rollout task that closes the pool does not fail for it)."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    closed = tmp_path / "closed"
+    closed.mkdir()
+
+    @registry.register
+    class StuckClose(ArithEnv):
+        name = "stuck_close"
+        marks = str(closed)
+        fails = ""
+
+        async def close(self) -> None:
+            if self.task.id == self.fails:
+                raise RuntimeError("the sandbox would not die")
+            open(os.path.join(self.marks, self.task.id), "w").close()
+
+    tasks = registry.task_set("stuck_close", "train", seed=0, n=3)
+    StuckClose.fails = tasks[0].id
+
+    async def body():
+        pool = RayEnvPool({"stuck_close": registry.make_config("stuck_close")}, num_workers=1)
+        actors = list(pool.actors)
+        for task in tasks:
+            await pool.make_env(task).reset(task)
+        pool.close()
+        return actors
+
+    actors = asyncio.run(body())
+    assert sorted(os.listdir(closed)) == sorted(t.id for t in tasks[1:])
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors[0].pid.remote(), timeout=60)
