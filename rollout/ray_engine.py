@@ -22,6 +22,11 @@ from rollout.engines.base import EngineError, EngineStats, Generation, SamplingP
 from rollout.engines.torch_engine import TorchEngine
 from storage.config import RunStore
 
+CLOSE_TIMEOUT_S = 10.0
+"""How long :meth:`RayEngine.close` waits for each of the actor's last answers (its counters,
+its engine closed) before it stops the actor regardless: one that never started (no node has
+its resources free) or hangs would hold the close, and the rollout task, for ever."""
+
 
 def connect_ray(address: str | None = None) -> None:
     """Connect this process to the Ray cluster at ``address`` ('auto', ``ray://host:10001``),
@@ -192,9 +197,9 @@ class RayEngine:
         if self._closed:
             return
         try:
-            self._final_stats = await self._call("stats")
-            await self._call("close")
-        except EngineError:
+            self._final_stats = await asyncio.wait_for(self._call("stats"), CLOSE_TIMEOUT_S)
+            await asyncio.wait_for(self._call("close"), CLOSE_TIMEOUT_S)
+        except (EngineError, TimeoutError):
             pass
         finally:
             self._closed = True

@@ -466,3 +466,20 @@ def test_closing_the_pool_closes_every_env_and_stops_its_workers_when_one_fails(
     assert sorted(os.listdir(closed)) == sorted(t.id for t in tasks[1:])
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(actors[0].pid.remote(), timeout=60)
+
+
+def test_closing_a_ray_engine_whose_actor_never_started_returns_and_stops_it(monkeypatch):
+    """The actor asks for a GPU no node has, so it never starts: close gives up on its last
+    counters after ``CLOSE_TIMEOUT_S`` and stops the actor, instead of holding the worker's
+    close (and the rollout task) for ever."""
+    monkeypatch.setattr(ray_engine, "CLOSE_TIMEOUT_S", 0.5)
+
+    async def body():
+        remote = RayEngine(TorchEngineConfig(), "/unused", name="pending", actor_options={"num_gpus": 1})
+        await asyncio.wait_for(remote.close(), 30)
+        return remote
+
+    remote = asyncio.run(body())
+    assert remote.stats() == EngineStats()
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(remote.actor.pid.remote(), timeout=60)
