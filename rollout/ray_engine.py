@@ -137,6 +137,7 @@ class RayEngine:
         )
         self.name = name
         self.version = version
+        self.actor_options = options
         self.actor = EngineActor.options(**options).remote(
             config.model_dump(), str(model_dir), name, version, store
         )
@@ -204,3 +205,26 @@ class RayEngine:
         finally:
             self._closed = True
             ray.kill(self.actor)
+
+
+def wait_started(engines: list[RayEngine], timeout_s: float) -> list[RayEngine]:
+    """``engines`` once every actor is placed on a node and has built its engine, or died
+    trying (its calls then fail as a dead replica's do).
+
+    Ray keeps an actor whose resources no node has free pending for ever (an autoscaler may
+    add a node): one not started within ``timeout_s`` stops every actor of ``engines`` and
+    raises an :class:`EngineError` naming what it asks for and what the cluster has.
+    """
+    refs = {engine.actor.pid.remote(): engine for engine in engines}
+    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    if not pending:
+        return engines
+    for engine in engines:
+        ray.kill(engine.actor)
+    waiting = [refs[ref] for ref in pending]
+    raise EngineError(
+        f"engine actors {[e.name for e in waiting]} did not start within {timeout_s:g} s "
+        f"(engine.load_timeout_s), asking for {waiting[0].actor_options} each: no node of the Ray cluster "
+        f"had that free, or building the engine took longer (cluster total {ray.cluster_resources()}, "
+        f"free {ray.available_resources()})"
+    )

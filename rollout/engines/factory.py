@@ -24,8 +24,9 @@ def build_engines(
     vLLM replicas, clients of servers that hold weights of their own, are at
     ``UNKNOWN_VERSION`` until the caller loads ``version`` onto them.
 
-    With ``cluster="ray"`` each torch replica runs in a Ray actor (``rollout.ray_engine``);
-    ``store`` lets actors on other nodes fetch the version themselves.
+    With ``cluster="ray"`` each torch replica runs in a Ray actor (``rollout.ray_engine``),
+    returned once every actor has started (within ``config.load_timeout_s``, else an
+    ``EngineError``); ``store`` lets actors on other nodes fetch the version themselves.
     """
     if config.kind == "vllm":
         # the servers' weights are unknown until ``version`` is loaded onto them
@@ -34,12 +35,13 @@ def build_engines(
             for i, server in enumerate(config.vllm)
         ]
     if cluster == "ray":
-        from rollout.ray_engine import RayEngine
+        from rollout.ray_engine import RayEngine, wait_started
 
-        return [
+        engines = [
             RayEngine(config.torch, model_dir, name=f"ray-torch-{i}", version=version, store=store)
             for i in range(config.replicas)
         ]
+        return wait_started(engines, config.load_timeout_s)
     gpus = torch.cuda.device_count()
     return [
         TorchEngine.from_config(

@@ -19,7 +19,7 @@ from envs.base import EnvHostLost
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
 from rollout import ray_engine
-from rollout.engines.base import EngineStats, SamplingParams
+from rollout.engines.base import EngineError, EngineStats, SamplingParams
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
 from rollout.ray_engine import EngineHost, RayEngine
@@ -483,3 +483,19 @@ def test_closing_a_ray_engine_whose_actor_never_started_returns_and_stops_it(mon
     assert remote.stats() == EngineStats()
     with pytest.raises(ray.exceptions.RayActorError):
         ray.get(remote.actor.pid.remote(), timeout=60)
+
+
+def test_ray_engines_no_node_can_place_fail_the_start_with_what_they_ask_for(run, monkeypatch):
+    """Engines on CUDA ask for a GPU each, which no node of this cluster has: Ray keeps such
+    actors pending for ever (an autoscaler may yet add a node), so building them fails once
+    ``load_timeout_s`` has passed, naming the request, and stops the actors, instead of the
+    worker starting on replicas that never answer."""
+    _, store, weights = run
+    killed = []
+    kill = ray.kill
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: (killed.append(actor), kill(actor, **kw)))
+    config = EngineConfig(replicas=2, torch={"device": "cuda"}, load_timeout_s=1)
+
+    with pytest.raises(EngineError, match=r"did not start within 1 s.*'num_gpus': 1"):
+        build_engines(config, weights.load(0), 0, cluster="ray", store=store)
+    assert len(killed) == 2
