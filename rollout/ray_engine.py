@@ -113,7 +113,10 @@ class RayEngine:
         version: weight version of ``model_dir``.
         store: the run's store, for actors on nodes that do not see ``model_dir``.
         actor_options: Ray resource options of the actor (``num_cpus``, ``num_gpus`` …);
-            by default one GPU when the engine runs on CUDA, else one CPU.
+            by default one GPU when the engine runs on CUDA, else one CPU. An actor that dies
+            is restarted on ``model_dir`` (``max_restarts=-1`` unless set here): the worker's
+            health check takes the replica out meanwhile, and loads its current version onto
+            it before putting it back.
 
     ``stats()`` is synchronous in the protocol, so it waits (at most 10 s) for the actor's
     counters; an actor that does not answer reports empty counters, a closed engine the
@@ -132,9 +135,13 @@ class RayEngine:
     ):
         if not ray.is_initialized():
             raise EngineError("RayEngine needs a connected Ray cluster: call ray.init() first")
-        options = actor_options or (
-            {"num_gpus": 1, "num_cpus": 1} if config.device.startswith("cuda") else {"num_cpus": 1}
-        )
+        options = {
+            "max_restarts": -1,
+            **(
+                actor_options
+                or ({"num_gpus": 1, "num_cpus": 1} if config.device.startswith("cuda") else {"num_cpus": 1})
+            ),
+        }
         self.name = name
         self.version = version
         self.actor_options = options

@@ -499,3 +499,36 @@ def test_ray_engines_no_node_can_place_fail_the_start_with_what_they_ask_for(run
     with pytest.raises(EngineError, match=r"did not start within 1 s.*'num_gpus': 1"):
         build_engines(config, weights.load(0), 0, cluster="ray", store=store)
     assert len(killed) == 2
+
+
+def test_a_killed_engine_actor_restarts_and_serves_again(run):
+    """The engine's actor dies (OOM-killed, its node lost): Ray restarts it, so the worker's
+    health check finds the replica up again and puts it back, instead of the replica being
+    lost for the rest of the run (every rollout an infra error once the last one goes)."""
+    _, _, weights = run
+
+    async def restarted_pid(engine: RayEngine, before: int) -> int | None:
+        for _ in range(600):
+            try:
+                pid = await engine.pid()
+                if pid != before:
+                    return pid
+            except EngineError:  # dead, or not restarted yet
+                pass
+            await asyncio.sleep(0.1)
+        return None
+
+    async def body():
+        remote = RayEngine(TorchEngineConfig(), weights.load(0), name="restarts", version=0)
+        try:
+            before = await remote.pid()
+            ray.kill(remote.actor, no_restart=False)
+            after = await restarted_pid(remote, before)
+            return after, await remote.health(), await remote.generate("s", PROMPTS[0], PARAMS)
+        finally:
+            await remote.close()
+
+    after, healthy, generation = asyncio.run(body())
+    assert after is not None, "the engine actor was not restarted"
+    assert healthy
+    assert generation.versions == [0] * len(generation.token_ids)
