@@ -378,7 +378,6 @@ class ElasticController:
         if trainer_saturated and not moves:
             free = sum(cfg.sessions_per_replica - u.live_sessions for u in rollout)
             accepting = len(rollout)
-            committed = len(train) + len(draining)
             for unit in self._drain_order(rollout, now):
                 # migrating sessions take free slots elsewhere: the whole replica's slots are lost
                 lost = cfg.sessions_per_replica - (0 if cfg.migrate_at_turns else unit.live_sessions)
@@ -391,7 +390,6 @@ class ElasticController:
                 reason = "spare replica" if spare else "rollout above its balanced share"
                 free -= lost
                 accepting -= 1
-                committed += 1
                 moves.append(self._lend(unit, now, f"trainer saturated, {reason}"))
         return moves
 
