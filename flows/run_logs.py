@@ -51,16 +51,17 @@ _attached: _RunLogHandler | None = None
 def module_logs_to_run() -> Iterator[None]:
     """While the body runs, send the records of :data:`PACKAGES` to the current flow run's
     logs. Outside a flow run, or inside one that already sends them (a nested flow), it
-    does nothing; a package named in ``PREFECT_LOGGING_EXTRA_LOGGERS`` already has Prefect's
-    own handler and is left to it."""
+    does nothing; a logger named in ``PREFECT_LOGGING_EXTRA_LOGGERS`` already has Prefect's
+    own handler, so its records (and its children's) are left to it."""
     global _attached
     context = FlowRunContext.get()
     if _attached is not None or context is None or context.flow_run is None:
         yield
         return
     handler = _RunLogHandler(context.flow_run.id)
-    extra = set(PREFECT_LOGGING_EXTRA_LOGGERS.value())
-    loggers = [logging.getLogger(name) for name in PACKAGES if name not in extra]
+    extra = tuple(PREFECT_LOGGING_EXTRA_LOGGERS.value())
+    handler.addFilter(lambda record: not any(_under(record.name, name) for name in extra))
+    loggers = [logging.getLogger(name) for name in PACKAGES]
     for logger in loggers:
         logger.addHandler(handler)
     _attached = handler
@@ -70,3 +71,8 @@ def module_logs_to_run() -> Iterator[None]:
         for logger in loggers:
             logger.removeHandler(handler)
         _attached = None
+
+
+def _under(logger: str, name: str) -> bool:
+    """Whether ``logger`` is the logger ``name`` or one of its children."""
+    return logger == name or logger.startswith(f"{name}.")

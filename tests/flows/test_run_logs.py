@@ -10,6 +10,7 @@ from prefect import flow, get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.context import FlowRunContext
 from prefect.logging.handlers import APILogHandler
+from prefect.settings import PREFECT_LOGGING_EXTRA_LOGGERS, temporary_settings
 
 from flows.run_logs import module_logs_to_run
 
@@ -50,3 +51,32 @@ def test_module_warnings_of_the_flow_and_its_threads_reach_the_flow_runs_logs():
     assert not [w for w in caught if "without a flow run id" in str(w.message)]
     # the handler is gone with the flow: a record logged after it goes nowhere near the API
     assert all(not isinstance(h, APILogHandler) for h in logging.getLogger("rollout").handlers)
+
+
+@flow
+def noisy_with_extra_logger() -> str:
+    with module_logs_to_run():
+        logging.getLogger("rollout.worker").warning("replica r1 is down")
+        logging.getLogger("rollout.worker.beat").warning("beat late")
+        logging.getLogger("rollout.router").warning("no replica accepts")
+    return str(FlowRunContext.get().flow_run.id)
+
+
+def test_a_module_in_prefects_extra_loggers_is_sent_once():
+    """``PREFECT_LOGGING_EXTRA_LOGGERS=rollout.worker`` gives that logger Prefect's own API
+    handler: its records (and its children's) reach the flow run once, not a second time
+    through the handler on ``rollout``."""
+    worker = logging.getLogger("rollout.worker")
+    prefects = APILogHandler()
+    worker.addHandler(prefects)  # as Prefect's logging setup does for an extra logger
+    try:
+        with temporary_settings({PREFECT_LOGGING_EXTRA_LOGGERS: "rollout.worker"}):
+            flow_run_id = noisy_with_extra_logger()
+    finally:
+        worker.removeHandler(prefects)
+    ours = sorted(entry for entry in run_logs(flow_run_id) if not entry[0].startswith("prefect"))
+    assert ours == [
+        ("rollout.router", logging.WARNING, "no replica accepts"),
+        ("rollout.worker", logging.WARNING, "replica r1 is down"),
+        ("rollout.worker.beat", logging.WARNING, "beat late"),
+    ]
