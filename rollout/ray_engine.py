@@ -75,12 +75,13 @@ class EngineHost:
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         return await self.engine.generate(session_id, prompt_ids, params)
 
-    async def load_version(self, version: int, path: str) -> int:
+    async def load_version(self, version: int, path: str) -> tuple[int, int]:
+        """Load ``version`` from ``path``; returns the version served and this process's id."""
         # a version fetched from the store takes seconds to minutes: in a thread, so the
         # actor goes on answering generations and health probes meanwhile
         local = await asyncio.to_thread(_local_dir, path, version, self.store)
         await self.engine.load_version(version, local)
-        return self.engine.version
+        return self.engine.version, os.getpid()
 
     def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
@@ -88,8 +89,9 @@ class EngineHost:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def health(self) -> bool:
-        return await self.engine.health()
+    async def health(self) -> tuple[bool, int]:
+        """Whether the engine is up, and this process's id (another one: Ray restarted the actor)."""
+        return await self.engine.health(), os.getpid()
 
     async def close(self) -> None:
         await self.engine.close()
@@ -116,7 +118,9 @@ class RayEngine:
             by default one GPU when the engine runs on CUDA, else one CPU. An actor that dies
             is restarted on ``model_dir`` (``max_restarts=-1`` unless set here): the worker's
             health check takes the replica out meanwhile, and loads its current version onto
-            it before putting it back.
+            it before putting it back. A restart between two probes is seen by the next one,
+            which sets ``version`` back to the start version that the new actor serves: the
+            health check then loads its own.
 
     ``stats()`` is synchronous in the protocol, so it waits (at most 10 s) for the actor's
     counters; an actor that does not answer reports empty counters, a closed engine the
@@ -143,7 +147,10 @@ class RayEngine:
             ),
         }
         self.name = name
-        self.version = version
+        self.version = self.start_version = version
+        self._loaded_in: int | None = None
+        """Process id of the actor that loaded ``version``; None while it is ``start_version``,
+        which the actor serves in every process Ray restarts it in."""
         self.actor_options = options
         self.actor = EngineActor.options(**options).remote(
             config.model_dump(), str(model_dir), name, version, store
@@ -176,7 +183,7 @@ class RayEngine:
     async def load_version(self, version: int, path: str) -> None:
         # a caller that gives up (the worker's load_timeout_s) stops the actor's load too,
         # instead of leaving it to run on with nothing awaiting it
-        self.version = await self._call("load_version", version, path, cancel_remote=True)
+        self.version, self._loaded_in = await self._call("load_version", version, path, cancel_remote=True)
 
     def end_session(self, session_id: str) -> None:
         if not self._closed:
@@ -192,9 +199,13 @@ class RayEngine:
 
     async def health(self) -> bool:
         try:
-            return bool(await self._call("health"))
+            healthy, pid = await self._call("health")
         except EngineError:
             return False
+        if self._loaded_in is not None and pid != self._loaded_in:
+            # Ray restarted the actor on model_dir: what it loaded went with the old process
+            self.version, self._loaded_in = self.start_version, None
+        return bool(healthy)
 
     async def pid(self) -> int:
         """Process id of the actor (to check where the engine runs)."""

@@ -232,9 +232,9 @@ def test_an_engine_host_answers_generations_while_it_fetches_a_version_from_the_
             released.set()
             await host.close()
 
-    generation, loaded = asyncio.run(body())
+    generation, (loaded, pid) = asyncio.run(body())
     assert generation.versions == [0] * len(generation.token_ids)
-    assert loaded == 1
+    assert loaded == 1 and pid == os.getpid()
 
 
 def test_ray_engine_without_the_directory_or_a_store_fails_clearly():
@@ -504,7 +504,10 @@ def test_ray_engines_no_node_can_place_fail_the_start_with_what_they_ask_for(run
 def test_a_killed_engine_actor_restarts_and_serves_again(run):
     """The engine's actor dies (OOM-killed, its node lost): Ray restarts it, so the worker's
     health check finds the replica up again and puts it back, instead of the replica being
-    lost for the rest of the run (every rollout an infra error once the last one goes)."""
+    lost for the rest of the run (every rollout an infra error once the last one goes). The
+    restarted actor serves its start version, not the one loaded before: the engine's version
+    says so once a probe answers, so the worker's health check loads its own onto it (the
+    restart may fall between two probes, which then never see it down)."""
     _, _, weights = run
 
     async def restarted_pid(engine: RayEngine, before: int) -> int | None:
@@ -521,14 +524,17 @@ def test_a_killed_engine_actor_restarts_and_serves_again(run):
     async def body():
         remote = RayEngine(TorchEngineConfig(), weights.load(0), name="restarts", version=0)
         try:
+            await remote.load_version(1, weights.load(1))
             before = await remote.pid()
             ray.kill(remote.actor, no_restart=False)
             after = await restarted_pid(remote, before)
-            return after, await remote.health(), await remote.generate("s", PROMPTS[0], PARAMS)
+            healthy = await remote.health()
+            return after, healthy, remote.version, await remote.generate("s", PROMPTS[0], PARAMS)
         finally:
             await remote.close()
 
-    after, healthy, generation = asyncio.run(body())
+    after, healthy, version, generation = asyncio.run(body())
     assert after is not None, "the engine actor was not restarted"
     assert healthy
     assert generation.versions == [0] * len(generation.token_ids)
+    assert version == 0, "the engine still claims the version its dead actor loaded"
