@@ -79,9 +79,10 @@ def build_base_version(
     publishing: this base is then published under the next number. A claim made by
     ``owner`` (the same on every retry of the caller) whose publish failed is taken back at
     once; one whose publish wrote version 0 whole and failed only to point ``LATEST`` at it
-    is used as it is; a latest version with no ``weights`` row (its publish landed, its row
-    did not) is recorded. ``on_publish`` is called with the version once this call published
-    or recorded it."""
+    is used as it is; a latest base version with no ``weights`` row (its publish landed, its
+    row did not) is recorded, while a trainer's is left to the trainer. ``on_publish`` is
+    called with the version once this call recorded it: of two flows that meet a version
+    between its publish and its row, only the one whose row lands announces it."""
     store = run_store(config)
     weights = WeightStore(store)
     latest = weights.latest()
@@ -90,7 +91,12 @@ def build_base_version(
         # a retry of a warm start whose row failed to land: its version was never announced
         tables = Tables(store)
         recorded = set(tables.read("weights").column("version").to_pylist())
-        if latest not in recorded and weights.record(tables, latest) and on_publish is not None:
+        if (
+            latest not in recorded
+            and weights.manifest(latest).get("tag") == "base"
+            and weights.record(tables, latest)
+            and on_publish is not None
+        ):
             on_publish(latest)
         return latest
     # the warm start trains where the trainer does; without one, publishing needs no device
@@ -151,8 +157,7 @@ def build_base_version(
         version = publish_policy(
             weights, model, tokenizer, config.sao.publish_dtype, step=0, metadata=metadata, tag="base"
         )
-    weights.record(Tables(store), version)
-    if on_publish is not None:
+    if weights.record(Tables(store), version) and on_publish is not None:
         on_publish(version)
     return version
 

@@ -13,7 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 from prefect import flow
 
 from flows.config import RunConfig
-from rl.models import build_tiny_model, load_policy, restore_master_weights
+from rl.models import build_tiny_model, load_policy, publish_policy, restore_master_weights
 from rl.trainer import Trainer
 from storage import weights as weight_store
 from storage.tables import Tables
@@ -258,3 +258,39 @@ def test_the_warm_start_trains_on_the_trainers_device(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stop before training"):
         build_base_version(config, log=lambda line: None)
     assert seen == [{"meta"}]
+
+
+def test_a_trainers_version_without_its_row_is_left_to_the_trainer(tmp_path):
+    """A warm start (a rollout flow starting) meets the trainer's newest version between its
+    publish and its ``weights`` row: the trainer records and announces it; the warm start
+    announcing it too sent the event twice."""
+    config = tiny_config(tmp_path / "runs", "warm-trainer", warm_start={"enabled": False})
+    assert build_base_version(config) == 0
+    weights = WeightStore(run_store(config))
+    model, tokenizer = build_tiny_model(config.model.tiny)
+    publish_policy(weights, model, tokenizer, step=3, parent=0)  # the trainer's, its row not yet written
+    announced: list[int] = []
+    assert build_base_version(config, on_publish=announced.append) == 1
+    assert announced == []
+    assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
+
+
+def test_a_warm_start_between_version_zeros_publish_and_its_row_announces_it_once(tmp_path, monkeypatch):
+    """Another flow's warm start finds version 0 published and not yet recorded: of the two,
+    the one whose row lands announces it, not both."""
+    config = tiny_config(tmp_path / "runs", "warm-twice", warm_start={"enabled": False})
+    real_record = WeightStore.record
+    announced: list[int] = []
+    others: list[int] = []
+
+    def another_flow_first(weights, tables, version):
+        if not others:
+            others.append(-1)
+            others[0] = build_base_version(config, on_publish=announced.append)
+        return real_record(weights, tables, version)
+
+    monkeypatch.setattr(WeightStore, "record", another_flow_first)
+    assert build_base_version(config, on_publish=announced.append) == 0
+    assert others == [0]
+    assert announced == [0]
+    assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
