@@ -136,7 +136,8 @@ class StorageConfig(BaseModel):
                 "endpoint_url must be an http:// or https:// URL with a host and an optional port, "
                 "e.g. http://127.0.0.1:9000"
             )
-        return value
+        # in lower case: deltalake's plain-HTTP switch and duckdb's SSL flag go by "http://"
+        return parts._replace(scheme=parts.scheme.lower()).geturl()
 
     @field_validator("access_key_id", "secret_access_key", "session_token")
     @classmethod

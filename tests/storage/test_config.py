@@ -110,3 +110,11 @@ def test_temporary_credentials_carry_their_session_token(monkeypatch):
     assert with_token.delta_options()["AWS_SESSION_TOKEN"] == "its-token"
     assert with_token.filesystem().token == "its-token"
     assert "its-token" not in repr(with_token)
+
+
+def test_an_endpoint_scheme_in_capitals_is_served_as_written_in_lower_case():
+    """``HTTP://`` passes as an http endpoint: deltalake then needs its plain-HTTP switch,
+    which was set only for a lower-case ``http://``."""
+    config = StorageConfig(root="s3://bucket", endpoint_url="HTTP://127.0.0.1:9000")
+    assert config.endpoint_url == "http://127.0.0.1:9000"
+    assert config.delta_options()["AWS_ALLOW_HTTP"] == "true"
