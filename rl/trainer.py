@@ -267,7 +267,10 @@ class Trainer:
         self._steps_since_publish = 0
         # rows recorded before ``WeightStore.record`` existed carry no id that it would find
         recorded = set(self.tables.read("weights").column("version").to_pylist())
-        if version not in recorded and self.weights.record(self.tables, version):
+        self.recorded_resumed = version not in recorded and self.weights.record(self.tables, version)
+        """Whether this trainer wrote the row of the version it resumed from (its publisher
+        failed before it, or had not written it yet and then found it written)."""
+        if self.recorded_resumed:
             logger.info("recorded weight version %d in the weights table (its row was missing)", version)
         logger.info(
             "trainer resumed from version %d at step %d (attempt %s)", version, self.step, self.attempt

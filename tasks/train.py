@@ -32,7 +32,6 @@ from storage.status import (
     summarize,
     wait_until_free,
 )
-from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import (
     SIDE_EFFECTS,
@@ -148,12 +147,7 @@ def run_trainer(
     )
     role = HeldRole(queue_board.read, queue_board.publish, f"the trainer of run {config.run_id!r}")
     weights = WeightStore(store)
-    latest = weights.latest()
-    # a latest version with no ``weights`` row was published by an attempt that failed before
-    # recording and announcing it: the trainer resumes from it and records it, and it is
-    # announced with this trainer's first
-    recorded = set(Tables(store).read("weights").column("version").to_pylist())
-    seen = {"version": latest if latest is None or latest in recorded else latest - 1}
+    seen: dict[str, int | None] = {"version": None}
 
     def announce(before: int, latest: int) -> None:
         for version in weights.list():
@@ -206,6 +200,9 @@ def run_trainer(
     loading.stop()
     if role.lost.is_set():
         raise InUse(f"{role.taken}; it stopped while it loaded")
+    # the version resumed from is announced by whoever wrote its row: the trainer, when its
+    # publisher failed before (an attempt of this task), announces it with its first own
+    seen["version"] = trainer.version - 1 if trainer.recorded_resumed else trainer.version
     elastic = elastic or ElasticPlanner(elastic_config(config))
     # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)

@@ -372,6 +372,34 @@ def test_a_trainer_announces_the_version_a_failed_attempt_published_without_its_
     assert sorted(Tables(store).read("weights").column("version").to_pylist()) == weights.list()
 
 
+def test_a_trainer_leaves_a_version_recorded_by_another_flow_meanwhile_to_that_flow(tmp_path, monkeypatch):
+    """Version 0 has no row yet when the trainer starts: another flow's warm start published
+    it and is about to record it. That flow's record lands first, and that flow announces it;
+    the trainer announced it as well, so the event came twice."""
+    run = RunConfig(
+        run_id="raced-base", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config(publish_every=100)
+    )
+    store = RunStore(run.storage, run.run_id)
+    weights = WeightStore(store)
+    ensure_base_version(weights, TINY)  # published, its row not yet written
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    real_record = WeightStore.record
+    others: list[bool] = []
+
+    def the_other_flow_first(self, tables, version):
+        if not others:
+            others.append(real_record(self, tables, version))
+        return real_record(self, tables, version)
+
+    monkeypatch.setattr(WeightStore, "record", the_other_flow_first)
+    announced = []
+    result = run_trainer(run, time.time() + WAIT_S, on_publish=announced.append, drain=True)
+    assert result["stop_reason"] == "drained"
+    assert others == [True]
+    assert announced == weights.list()[1:] and announced
+    assert sorted(Tables(store).read("weights").column("version").to_pylist()) == weights.list()
+
+
 def test_a_trainer_whose_announcements_fail_keeps_training(tmp_path, caplog):
     """An announcement is a Prefect event: the API (or the store's listing) failing for a
     moment loses the event, never the training."""
