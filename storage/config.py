@@ -124,8 +124,8 @@ class StorageConfig(BaseModel):
     def _endpoint_is_an_http_url(cls, value: str | None) -> str | None:
         # deltalake panics on an endpoint without a scheme or with a bad port ("TokioMultiThreadExecutor
         # has crashed"); the value is not echoed: a scheme-less one may hold credentials unnoticed above
-        if value is None:
-            return value
+        if not value:  # a form's or a shell's empty field: no endpoint, as before the check
+            return None
         parts = urllib.parse.urlsplit(value)
         try:
             valid = parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0

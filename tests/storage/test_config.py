@@ -118,3 +118,8 @@ def test_an_endpoint_scheme_in_capitals_is_served_as_written_in_lower_case():
     config = StorageConfig(root="s3://bucket", endpoint_url="HTTP://127.0.0.1:9000")
     assert config.endpoint_url == "http://127.0.0.1:9000"
     assert config.delta_options()["AWS_ALLOW_HTTP"] == "true"
+
+
+def test_an_empty_endpoint_is_no_endpoint():
+    """An empty field (a cleared form field, ``--endpoint-url "$UNSET"``) means AWS's own endpoint."""
+    assert StorageConfig(root="s3://bucket", endpoint_url="").endpoint_url is None
