@@ -399,7 +399,7 @@ class Sandbox:
         finally:
             self._let_go(proc)
             if proc.returncode is None:  # cancelled: reap the killed command, shielded from a second cancel
-                await asyncio.shield(exit_code_async(proc))
+                await asyncio.shield(exit_code_async(proc, REAP_TIMEOUT_S))
         return self._result(exit_code, output, stopped, started, timeout)
 
     def _command(self, command: str | list[str], timeout: float | None) -> tuple[list[str], float]:
