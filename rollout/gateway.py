@@ -310,7 +310,7 @@ class Session:
         self.versions.extend([-1] * n)
 
     def _out_of_context(self, why: str) -> NoReturn:
-        self.context_limit = why
+        self.context_limit, self.engine_error = why, None
         raise ContextLimit(why)
 
     async def generate(
@@ -387,10 +387,10 @@ class Session:
                     ) from None
                 raise
             except EngineError as exc:
-                self.engine_error = str(exc)
+                self.engine_error, self.context_limit = str(exc), None
                 raise
             except ContextLimit as exc:  # the engine's own limit: the model's positions, vLLM's max_model_len
-                self.context_limit = str(exc)
+                self.context_limit, self.engine_error = str(exc), None
                 raise
             finally:
                 self._generating = None

@@ -400,6 +400,41 @@ def test_a_turn_past_the_engines_context_is_a_context_limit_the_session_records(
     asyncio.run(body())
 
 
+def test_the_session_records_why_its_last_turn_failed_not_an_earlier_one(tiny):
+    """``engine_error`` and ``context_limit`` say why the last turn failed: a context limit
+    after an engine failure clears the engine error (the service would otherwise call the
+    rollout an infra error instead of truncated), and an engine failure after a context
+    limit clears the limit."""
+
+    async def body():
+        async with running_gateway(tiny, config=GatewayConfig(max_context_tokens=64)) as gateway:
+            (engine,) = gateway.router._engines.values()
+            real_generate = engine.generate
+            failures = []
+
+            async def generate(*args, **kwargs):
+                if failures:
+                    raise failures.pop()
+                return await real_generate(*args, **kwargs)
+
+            engine.generate = generate
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_tokens([7] * 10)
+            params = SamplingParams(max_new_tokens=4, seed=0)
+            failures.append(EngineError("the replica went away"))
+            with pytest.raises(EngineError):
+                await session.generate(params)
+            with pytest.raises(ContextLimit):
+                await session.generate(params, prepare=lambda: session.add_tokens([7] * 60))
+            assert session.context_limit is not None and session.engine_error is None
+            failures.append(EngineError("the replica went away again"))
+            with pytest.raises(EngineError):
+                await session.generate(params)
+            assert session.engine_error is not None and session.context_limit is None
+
+    asyncio.run(body())
+
+
 def test_versions_follow_a_weight_update_between_turns(tiny, tmp_path):
     model, _ = tiny
     model.save_pretrained(tmp_path / "v3")
