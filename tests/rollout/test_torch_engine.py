@@ -93,6 +93,19 @@ def wait_for(condition, what: str, deadline_s: float = 60.0) -> None:
         time.sleep(0.005)
 
 
+def held_step(blocked: threading.Event, release: threading.Event, what: str, after_tokens: int | None = None):
+    """An ``on_step`` hook that holds the engine thread, once, at its first step (or at the
+    step after which it has decoded ``after_tokens`` tokens) until ``release`` is set;
+    ``blocked`` says it is held."""
+
+    def hold(stats) -> None:
+        if (after_tokens is None or stats.decode_tokens == after_tokens) and not blocked.is_set():
+            blocked.set()
+            wait_for(release.is_set, what)
+
+    return hold
+
+
 def crash(*args, **kwargs):
     """Stands in for a model call that hits a CUDA error on the engine thread."""
     raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -421,10 +434,7 @@ def test_a_weight_update_its_caller_stopped_waiting_for_is_not_applied(tiny, wei
     blocked = threading.Event()
     release = threading.Event()
 
-    def hold_after_two_tokens(stats):
-        if stats.decode_tokens == 2 and not blocked.is_set():
-            blocked.set()
-            wait_for(release.is_set, "the weight update to be given up")
+    hold_after_two_tokens = held_step(blocked, release, "the weight update to be given up", after_tokens=2)
 
     async def run():
         engine = engine_for(model, on_step=hold_after_two_tokens)
@@ -510,10 +520,7 @@ def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path
     blocked = threading.Event()
     release = threading.Event()
 
-    def hold_first_step(stats):
-        if not blocked.is_set():
-            blocked.set()
-            wait_for(release.is_set, "the bad requests to be sent")
+    hold_first_step = held_step(blocked, release, "the bad requests to be sent")
 
     async def run():
         engine = engine_for(model, on_step=hold_first_step)
@@ -577,10 +584,7 @@ def test_a_request_whose_distribution_cannot_be_sampled_fails_alone():
     blocked = threading.Event()
     release = threading.Event()
 
-    def hold_first_step(stats):
-        if not blocked.is_set():
-            blocked.set()
-            wait_for(release.is_set, "the unsamplable request to be queued")
+    hold_first_step = held_step(blocked, release, "the unsamplable request to be queued")
 
     async def run():
         engine = engine_for(model, on_step=hold_first_step)
@@ -616,10 +620,7 @@ def test_close_fails_waiting_requests_and_refuses_new_ones(tiny):
     blocked = threading.Event()
     release = threading.Event()
 
-    def hold(stats):
-        if not blocked.is_set():
-            blocked.set()
-            wait_for(release.is_set, "close to be requested")
+    hold = held_step(blocked, release, "close to be requested")
 
     async def run():
         engine = engine_for(model, on_step=hold, max_batch=1)
@@ -711,10 +712,7 @@ def test_a_cancelled_generation_leaves_no_session_cache(tiny):
     blocked = threading.Event()
     release = threading.Event()
 
-    def hold_after_three_tokens(stats):
-        if stats.decode_tokens == 3 and not blocked.is_set():
-            blocked.set()
-            wait_for(release.is_set, "the generation to be cancelled")
+    hold_after_three_tokens = held_step(blocked, release, "the generation to be cancelled", after_tokens=3)
 
     async def run():
         engine = engine_for(model, on_step=hold_after_three_tokens)
@@ -751,10 +749,7 @@ def test_a_session_ended_while_its_last_turn_finishes_keeps_no_cache(tiny):
     blocked = threading.Event()
     release = threading.Event()
 
-    def hold_after_three_tokens(stats):
-        if stats.decode_tokens == 3 and not blocked.is_set():
-            blocked.set()
-            wait_for(release.is_set, "the session to be ended")
+    hold_after_three_tokens = held_step(blocked, release, "the session to be ended", after_tokens=3)
 
     async def run():
         engine = engine_for(model, on_step=hold_after_three_tokens)
