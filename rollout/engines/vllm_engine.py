@@ -15,7 +15,8 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   the worker extension ``treadle_reload_weights(path)`` of
   ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
   block computed by the old weights is reused.
-- ``GET /health`` for health checks.
+- ``GET /health`` for health checks; ``GET /metrics`` (Prometheus text) for the
+  scheduler's ``vllm:num_requests_waiting`` gauge, the engine's queue depth.
 
 Version tags are exact: a reload waits for in-flight requests to finish and holds new ones
 back until the new weights are loaded, so every token of a request comes from one version.
@@ -29,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import uuid
 from typing import Any
 
@@ -50,6 +52,11 @@ logger = logging.getLogger(__name__)
 
 UNKNOWN_VERSION = -1
 """``VLLMEngine.version`` while the server's weights are unknown (a reload failed midway)."""
+
+WAITING_GAUGE = "vllm:num_requests_waiting"
+"""The server's gauge of requests its scheduler holds waiting for room (batch slots or KV
+cache), summed over its label sets (one per engine core)."""
+_WAITING_SAMPLE = re.compile(rf"^{re.escape(WAITING_GAUGE)}(?:\{{[^}}]*\}})?\s+(\S+)", re.MULTILINE)
 
 
 class VLLMEngineConfig(BaseModel):
@@ -108,15 +115,26 @@ class VLLMEngine:
                 max_connections=self.config.max_connections, keepalive_expiry=self.config.keepalive_s
             ),
         )
+        base_url = "http://vllm" if self.config.uds else self.config.base_url
         self._client = httpx.AsyncClient(
-            base_url="http://vllm" if self.config.uds else self.config.base_url,
+            base_url=base_url,
             transport=transport,
             headers=headers,
             timeout=httpx.Timeout(self.config.timeout_s, connect=self.config.connect_timeout_s),
         )
+        # stats() is synchronous (callers run it off their event loop), so it has a client of its own
+        self._metrics_client = httpx.Client(
+            base_url=base_url,
+            transport=httpx.HTTPTransport(uds=self.config.uds),
+            headers=headers,
+            timeout=self.config.connect_timeout_s,
+        )
+        self._metrics_failing = False
         self._model = self.config.model
         self._stats = EngineStats()
         self._inflight = 0
+        self._held = 0
+        """Requests waiting here for a weight reload to end."""
         self._gate = asyncio.Condition()
         self._reloading = False
 
@@ -164,7 +182,11 @@ class VLLMEngine:
         if not prompt_ids:
             raise InvalidRequest("empty prompt")
         async with self._gate:
-            await self._gate.wait_for(lambda: not self._reloading)
+            self._held += 1
+            try:
+                await self._gate.wait_for(lambda: not self._reloading)
+            finally:
+                self._held -= 1
             if self.version == UNKNOWN_VERSION:
                 raise EngineError(
                     f"vLLM server {self.name} holds weights of an unknown version (a reload failed midway); "
@@ -172,7 +194,6 @@ class VLLMEngine:
                 )
             self._inflight += 1
             version = self.version
-        self._stats.queue_depth = self._inflight
         try:
             body = {
                 "model": await self._model_name(),
@@ -200,7 +221,6 @@ class VLLMEngine:
             async with self._gate:
                 self._inflight -= 1
                 self._gate.notify_all()
-            self._stats.queue_depth = self._inflight
         generation = _parse_completion(data, self.name, version)
         cached = generation.cached_tokens
         self._stats.requests += 1
@@ -243,14 +263,42 @@ class VLLMEngine:
         """Nothing to do: vLLM's prefix cache is shared and content-addressed."""
 
     def stats(self) -> EngineStats:
+        """Counters of this client; ``queue_depth`` is the requests waiting for room: held by
+        the server's scheduler (:data:`WAITING_GAUGE`) and held here while a reload runs, not
+        the ones generating (``extra["in_flight"]`` counts every request sent and not yet
+        answered). Asks the server's ``/metrics``, so it may take up to
+        ``connect_timeout_s``: call it off the event loop."""
         return EngineStats(
             prefill_computed=self._stats.prefill_computed,
             prefill_reused=self._stats.prefill_reused,
             decode_tokens=self._stats.decode_tokens,
-            queue_depth=self._inflight,
+            queue_depth=self._held + self._server_waiting(),
             requests=self._stats.requests,
-            extra=dict(self._stats.extra),
+            extra=dict(self._stats.extra) | {"in_flight": float(self._inflight)},
         )
+
+    def _server_waiting(self) -> int:
+        """The server's :data:`WAITING_GAUGE`; 0, with a warning when it starts failing, when
+        it cannot be read (the elastic controller then sees no queue on this replica)."""
+        if self._metrics_client.is_closed:
+            return 0
+        try:
+            response = self._metrics_client.get("/metrics")
+            samples = _WAITING_SAMPLE.findall(response.text) if response.status_code == 200 else []
+            if not samples:
+                raise ValueError(f"answered {response.status_code} without a {WAITING_GAUGE} sample")
+            waiting = round(sum(float(sample) for sample in samples))
+        except (httpx.HTTPError, ValueError) as exc:
+            if not self._metrics_failing:
+                logger.warning(
+                    "vLLM server %s: cannot read its queue from /metrics (%s); counting 0 waiting requests",
+                    self.name,
+                    exc,
+                )
+            self._metrics_failing = True
+            return 0
+        self._metrics_failing = False
+        return waiting
 
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200 (False once this engine is closed)."""
@@ -264,6 +312,7 @@ class VLLMEngine:
 
     async def close(self) -> None:
         await self._client.aclose()
+        self._metrics_client.close()
 
 
 def _signed_seed(seed: int | None) -> int | None:

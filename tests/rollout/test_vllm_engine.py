@@ -54,8 +54,8 @@ def reference_logprobs(
     return out
 
 
-async def _with_server(model, body, **engine_kwargs):
-    server = await StandinServer(model, max_model_len=128).start()
+async def _with_server(model, body, max_num_seqs=None, **engine_kwargs):
+    server = await StandinServer(model, max_model_len=128, max_num_seqs=max_num_seqs).start()
     engine = VLLMEngine(VLLMEngineConfig(base_url=server.url, **engine_kwargs), name="vllm-0")
     try:
         return await body(server, engine)
@@ -82,7 +82,7 @@ def test_generate_logprobs_match_a_forward_pass(tiny):
         again = await engine.generate("s1", PROMPT, params)
         assert again.token_ids == gen.token_ids, "same seed, same tokens"
         assert again.cached_tokens == len(PROMPT) - 1
-        stats = engine.stats()
+        stats = await asyncio.to_thread(engine.stats)  # it asks the server, served by this loop
         assert stats.requests == 2 and stats.decode_tokens == 24
         assert stats.prefill_reused == len(PROMPT) - 1
         assert stats.prefill_computed == 2 * len(PROMPT) - (len(PROMPT) - 1)
@@ -208,6 +208,82 @@ def test_reload_waits_for_in_flight_generation(tiny, tmp_path):
         ]
         assert first.versions == [0] * 40
         assert second.versions == [7] * 3
+
+    asyncio.run(_with_server(model, body))
+
+
+async def _until(condition, timeout_s: float = 30.0):
+    """Wait (polling every 10 ms) until ``condition()``, an async callable, holds."""
+    async with asyncio.timeout(timeout_s):
+        while not await condition():
+            await asyncio.sleep(0.01)
+
+
+def test_queue_depth_counts_requests_the_server_holds_waiting_not_those_generating(tiny):
+    """The elastic controller reads ``queue_depth`` as sessions waiting for room: requests
+    generating (within vLLM's max_num_seqs) are not queued; the server's waiting ones are."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        server.app.state.hold = asyncio.Event()
+        params = SamplingParams(max_new_tokens=3, seed=1)
+        running = [asyncio.create_task(engine.generate(f"s{i}", PROMPT, params)) for i in range(2)]
+
+        async def stats_when(queue_depth: int, in_flight: int):
+            stats = await asyncio.to_thread(engine.stats)
+            return stats.queue_depth == queue_depth and stats.extra["in_flight"] == in_flight
+
+        await _until(lambda: stats_when(0, 2))
+        waiting = [asyncio.create_task(engine.generate(f"w{i}", PROMPT, params)) for i in range(3)]
+        await _until(lambda: stats_when(3, 5))
+        server.app.state.hold.set()
+        assert all(len(g.token_ids) == 3 for g in await asyncio.gather(*running, *waiting))
+        stats = await asyncio.to_thread(engine.stats)
+        assert stats.queue_depth == 0 and stats.extra["in_flight"] == 0 and stats.requests == 5
+
+    asyncio.run(_with_server(model, body, max_num_seqs=2))
+
+
+def test_queue_depth_counts_requests_held_back_by_a_reload(tiny, tmp_path):
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v7")
+
+    async def body(server, engine):
+        server.app.state.hold = asyncio.Event()
+        running = asyncio.create_task(engine.generate("a", PROMPT, SamplingParams(max_new_tokens=3, seed=2)))
+        await _until(lambda: asyncio.to_thread(lambda: engine.stats().extra["in_flight"] == 1))
+        reload = asyncio.create_task(engine.load_version(7, str(tmp_path / "v7")))
+        await asyncio.sleep(0)
+        held = [
+            asyncio.create_task(engine.generate(f"b{i}", PROMPT, SamplingParams(max_new_tokens=3, seed=1)))
+            for i in range(2)
+        ]
+        await _until(lambda: asyncio.to_thread(lambda: engine.stats().queue_depth == 2))
+        server.app.state.hold.set()
+        await asyncio.gather(running, reload, *held)
+        assert (await asyncio.to_thread(engine.stats)).queue_depth == 0
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_a_server_without_metrics_counts_no_waiting_requests_and_warns_once(tiny, caplog):
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        server.app.state.metrics = False
+        with caplog.at_level("WARNING", logger="rollout.engines.vllm_engine"):
+            first = await asyncio.to_thread(engine.stats)
+            second = await asyncio.to_thread(engine.stats)
+        assert first.queue_depth == second.queue_depth == 0
+        warnings = [r.getMessage() for r in caplog.records if "/metrics" in r.getMessage()]
+        assert len(warnings) == 1 and "answered 404" in warnings[0], warnings
+        server.app.state.metrics = True
+        assert (await asyncio.to_thread(engine.stats)).queue_depth == 0
+        server.app.state.metrics = False
+        await asyncio.to_thread(engine.stats)
+        assert len([r for r in caplog.records if "/metrics" in r.getMessage()]) == 2, (
+            "warns again after a recovery"
+        )
 
     asyncio.run(_with_server(model, body))
 

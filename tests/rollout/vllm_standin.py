@@ -4,7 +4,9 @@ A small FastAPI app that speaks the subset of the vLLM server protocol that
 ``rollout.engines.vllm_engine.VLLMEngine`` uses, backed by a real (tiny) Hugging Face
 model doing a plain forward pass per token:
 
-- ``GET /health``, ``GET /v1/models``
+- ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (the scheduler's
+  ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` gauges, in Prometheus'
+  text format; 404 while ``app.state.metrics`` is False)
 - ``POST /v1/completions`` with the prompt as a list of token ids, ``logprobs``,
   ``return_tokens_as_token_ids``, ``return_token_ids``, ``stop_token_ids``, ``ignore_eos``,
   ``seed``; log-probs are those of the sampling distribution (as vLLM's
@@ -13,6 +15,10 @@ model doing a plain forward pass per token:
 - ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
   in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache`` (its next
   call answers 500 while ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
+
+As vLLM's scheduler, it runs at most ``max_num_seqs`` requests at once (None: no limit);
+the others wait. While ``app.state.hold`` is an ``asyncio.Event``, a request that got its
+turn waits for it to be set before it generates, so tests can hold requests running.
 
 Its "prefix cache" only counts the longest cached prefix of each prompt (what vLLM reports
 as ``cached_tokens``); it does not skip compute. ``events`` logs completions and reloads in
@@ -27,7 +33,7 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from safetensors.torch import load_file
 
 from deployments.vllm.treadle_vllm_ext import policy_files
@@ -54,19 +60,39 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return logprobs
 
 
-def create_standin_app(model, model_name: str = "standin", max_model_len: int = 1024) -> FastAPI:
+def create_standin_app(
+    model, model_name: str = "standin", max_model_len: int = 1024, max_num_seqs: int | None = None
+) -> FastAPI:
     """The stand-in app serving ``model`` (a Hugging Face causal LM on the CPU)."""
     app = FastAPI(title="vLLM TEST STAND-IN")
+    scheduler = {"running": 0, "waiting": 0}
+    seqs = asyncio.Semaphore(max_num_seqs) if max_num_seqs is not None else None
     vocab = model.config.vocab_size
     cache: list[list[int]] = []
     events: list[tuple[str, Any]] = []
     app.state.events = events
     app.state.model = model
     app.state.fail_next = set()  # endpoint paths whose next call answers 500 (fault injection)
+    app.state.metrics = True
+    app.state.hold = None
 
     @app.get("/health")
     async def health():
         return JSONResponse({}, 200)
+
+    @app.get("/metrics")
+    async def metrics():
+        if not app.state.metrics:
+            return PlainTextResponse("Not Found", 404)
+        labels = f'engine="0",model_name="{model_name}"'
+        return PlainTextResponse(
+            "".join(
+                f"# HELP vllm:num_requests_{state} Number of requests {state}.\n"
+                f"# TYPE vllm:num_requests_{state} gauge\n"
+                f"vllm:num_requests_{state}{{{labels}}} {float(count)}\n"
+                for state, count in scheduler.items()
+            )
+        )
 
     @app.get("/v1/models")
     async def models():
@@ -95,52 +121,65 @@ def create_standin_app(model, model_name: str = "standin", max_model_len: int = 
         if seed is not None and not -(2**63) <= seed < 2**63:  # vLLM's bound: a signed 64-bit integer
             return _error(400, f"seed: Input should be less than or equal to {2**63 - 1}")
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
-
-        cached = max((_common_prefix(prompt, seen) for seen in cache), default=0)
-        cached = min(cached, len(prompt) - 1)
-        events.append(("completion-start", len(events)))
-        tokens, logprobs, finish = [], [], "length"
-        past = None
-        step_input = torch.tensor([prompt])
-        for _ in range(max_tokens):
-            lp, past = _next_logprobs(model, step_input, past, temperature, top_p)
-            token = int(torch.multinomial(lp.exp(), 1, generator=generator))
-            tokens.append(token)
-            logprobs.append(float(lp[token]))
-            step_input = torch.tensor([[token]])
-            await asyncio.sleep(0)
-            if token in stop_ids or token in eos:
-                finish = "stop"
-                break
-        events.append(("completion-end", len(events)))
-        cache.append(prompt + tokens)
-        return {
-            "id": "cmpl-standin",
-            "object": "text_completion",
-            "model": model_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": "",
-                    "token_ids": tokens,
-                    "logprobs": {
-                        "tokens": [f"token_id:{t}" for t in tokens],
-                        "token_logprobs": logprobs,
-                        "top_logprobs": None,
-                        "text_offset": [0] * len(tokens),
-                    },
-                    "finish_reason": finish,
-                    # as vLLM: the stop token id, None at EOS
-                    "stop_reason": tokens[-1] if tokens[-1] in stop_ids else None,
-                }
-            ],
-            "usage": {
-                "prompt_tokens": len(prompt),
-                "completion_tokens": len(tokens),
-                "total_tokens": len(prompt) + len(tokens),
-                "prompt_tokens_details": {"cached_tokens": cached},
-            },
-        }
+        scheduler["waiting"] += 1
+        try:
+            if seqs is not None:
+                await seqs.acquire()
+        finally:
+            scheduler["waiting"] -= 1
+        scheduler["running"] += 1
+        try:
+            if app.state.hold is not None:
+                await app.state.hold.wait()
+            cached = max((_common_prefix(prompt, seen) for seen in cache), default=0)
+            cached = min(cached, len(prompt) - 1)
+            events.append(("completion-start", len(events)))
+            tokens, logprobs, finish = [], [], "length"
+            past = None
+            step_input = torch.tensor([prompt])
+            for _ in range(max_tokens):
+                lp, past = _next_logprobs(model, step_input, past, temperature, top_p)
+                token = int(torch.multinomial(lp.exp(), 1, generator=generator))
+                tokens.append(token)
+                logprobs.append(float(lp[token]))
+                step_input = torch.tensor([[token]])
+                await asyncio.sleep(0)
+                if token in stop_ids or token in eos:
+                    finish = "stop"
+                    break
+            events.append(("completion-end", len(events)))
+            cache.append(prompt + tokens)
+            return {
+                "id": "cmpl-standin",
+                "object": "text_completion",
+                "model": model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "",
+                        "token_ids": tokens,
+                        "logprobs": {
+                            "tokens": [f"token_id:{t}" for t in tokens],
+                            "token_logprobs": logprobs,
+                            "top_logprobs": None,
+                            "text_offset": [0] * len(tokens),
+                        },
+                        "finish_reason": finish,
+                        # as vLLM: the stop token id, None at EOS
+                        "stop_reason": tokens[-1] if tokens[-1] in stop_ids else None,
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": len(tokens),
+                    "total_tokens": len(prompt) + len(tokens),
+                    "prompt_tokens_details": {"cached_tokens": cached},
+                },
+            }
+        finally:
+            scheduler["running"] -= 1
+            if seqs is not None:
+                seqs.release()
 
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request):
@@ -203,8 +242,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 class StandinServer:
     """Runs the stand-in under uvicorn on 127.0.0.1 (free port) in the current event loop."""
 
-    def __init__(self, model, model_name: str = "standin", max_model_len: int = 1024):
-        self.app = create_standin_app(model, model_name, max_model_len)
+    def __init__(
+        self, model, model_name: str = "standin", max_model_len: int = 1024, max_num_seqs: int | None = None
+    ):
+        self.app = create_standin_app(model, model_name, max_model_len, max_num_seqs)
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         )
