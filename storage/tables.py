@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake import Schema as DeltaSchema
 from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundError
 
 from storage.config import RunStore
@@ -174,8 +175,8 @@ class Tables:
         of two racing with one id, the one that commits second conflicts, finds the other's
         commit when it retries and appends nothing.
 
-        A table created when a column of its canonical schema was still required has that
-        column made nullable first (see :meth:`_relax_required`)."""
+        A table created by an older treadle is brought up to the canonical schema first (see
+        :meth:`_upgrade`)."""
         table = conform(name, rows)
         if table.num_rows == 0:
             return False
@@ -188,7 +189,7 @@ class Tables:
             if snapshot is None:
                 snapshot = self._open(name)
                 if snapshot is not None:
-                    snapshot = self._relax_required(name, snapshot)
+                    snapshot = self._upgrade(name, snapshot)
             if once is not None and snapshot is None:
                 # An append to a table not there yet commits onto whatever is there by then, and
                 # only a snapshot's commits are checked for ``once``: the table is made first.
@@ -227,7 +228,8 @@ class Tables:
         table = self._open(name)
         if table is None:
             return schema.empty_table()
-        return _cast_to(schema, pa.table(table.scan(columns=schema.names)))
+        present = {field.name for field in table.schema().fields}
+        return _cast_to(schema, pa.table(table.scan(columns=[n for n in schema.names if n in present])))
 
     def version(self, name: str) -> int | None:
         """Latest Delta log version of ``name``, or None when the table does not exist yet."""
@@ -298,19 +300,46 @@ class Tables:
             return []
         return table.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False)
 
-    def _relax_required(self, name: str, table: DeltaTable) -> DeltaTable:
-        """Make nullable in ``table``'s log every column that its canonical schema lets be
-        null; returns the snapshot to append with.
+    def _upgrade(self, name: str, table: DeltaTable) -> DeltaTable:
+        """Bring ``table``'s log up to the canonical schema of ``name``; returns the snapshot
+        to append with.
 
-        A run's table keeps the schema it was created with: deltalake (1.6) refuses an
-        append of nulls into a column its log marks NOT NULL, even with
-        ``schema_mode="merge"``, so the constraint is dropped (an ALTER COLUMN commit; the
-        rows and the change feed are untouched). When another writer drops it first, this
-        commit fails and the table, loaded again, has it dropped already.
+        A run's table keeps the schema it was created with, so a run begun by an older
+        treadle may lack a column added since, or mark required a column that may be null
+        now. A missing column is added (one ADD COLUMNS commit; the older rows read it as
+        null), which needs it nullable in the canonical schema: a required one raises
+        :class:`SchemaError`. A required one that may be null now has its constraint dropped
+        (a CHANGE COLUMN commit), because deltalake (1.6) refuses an append of nulls into a
+        column its log marks NOT NULL, even with ``schema_mode="merge"``. Rows and the change
+        feed are untouched. When another writer upgrades the table first, this commit fails
+        and the table, loaded again, has the change already.
         """
-        nullable = {field.name for field in schema_of(name) if field.nullable}
+        canonical = schema_of(name)
+        present = {field.name: field for field in table.schema().fields}
+        missing = [field for field in canonical if field.name not in present]
+        if missing:
+            required = [field.name for field in missing if not field.nullable]
+            if required:
+                raise SchemaError(
+                    f"table {name!r} lacks the required columns {required}: its older rows cannot hold them"
+                )
+            try:
+                table.alter.add_columns(DeltaSchema.from_arrow(pa.schema(missing)).fields)
+                log.info(
+                    "table %s: columns %s added, as its canonical schema has them",
+                    name,
+                    [f.name for f in missing],
+                )
+            except DeltaError:
+                table = self._open(name)
+                if not {field.name for field in missing} <= {field.name for field in table.schema().fields}:
+                    raise
         for field in table.schema().fields:
-            if field.nullable or field.name not in nullable:
+            if (
+                field.nullable
+                or field.name not in canonical.names
+                or not canonical.field(field.name).nullable
+            ):
                 continue
             try:
                 table.alter.drop_column_not_null(field.name)
@@ -403,8 +432,17 @@ def _small_files(table: DeltaTable) -> int:
 
 
 def _cast_to(schema: pa.Schema, table: pa.Table) -> pa.Table:
-    """``table``'s columns of ``schema``, cast to it."""
-    columns = [pc.cast(table.column(f.name), f.type) for f in schema]
+    """``table``'s columns of ``schema``, cast to it; a nullable column the table lacks (added
+    to the canonical schema after the table was made) reads as nulls."""
+    missing = [f.name for f in schema if f.name not in table.column_names and not f.nullable]
+    if missing:
+        raise SchemaError(f"the table lacks the required columns {missing}")
+    columns = [
+        pc.cast(table.column(f.name), f.type)
+        if f.name in table.column_names
+        else pa.nulls(table.num_rows, f.type)
+        for f in schema
+    ]
     return pa.Table.from_arrays(columns, schema=schema)
 
 

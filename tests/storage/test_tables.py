@@ -402,7 +402,60 @@ def test_a_train_steps_table_created_with_value_loss_required_takes_steps_withou
     operations = [commit["operation"] for commit in DeltaTable(uri, storage_options=options).history()]
     assert operations.count("CHANGE COLUMN") == 1
     # a writer that loaded the table before another one relaxed it gets a snapshot it can append with
-    assert Tables(store)._relax_required("train_steps", stale).schema().fields[index].nullable
+    assert Tables(store)._upgrade("train_steps", stale).schema().fields[index].nullable
+
+
+def test_a_table_made_before_a_column_was_added_reads_it_as_null_and_takes_appends_with_it(store):
+    """A run begun by an older treadle whose ``train_steps`` had no ``extra`` column: its
+    rows read with ``extra`` null, the first append adds the column (once), and reads, the
+    change feed and duckdb see every row."""
+    schema = TABLE_SCHEMAS["train_steps"]
+    old_schema = schema.remove(schema.get_field_index("extra"))
+    options = store.config.delta_options()
+    uri = Tables(store).uri("train_steps")
+    old_row = {k: v for k, v in step_row(1, 0.5).items() if k != "extra"}
+    write_deltalake(
+        uri,
+        pa.Table.from_pylist([old_row], schema=old_schema),
+        mode="append",
+        configuration=TABLE_CONFIGURATION,
+        storage_options=options,
+    )
+    before = Tables(store).read("train_steps")
+    assert before.schema == schema and before.column("extra").to_pylist() == [None]
+    assert Tables(store).read("train_steps", columns=["extra", "step"]).to_pylist() == [
+        {"extra": None, "step": 1}
+    ]
+
+    tables = Tables(store)
+    tables.append("train_steps", [step_row(2, 0.25) | {"extra": '{"a": 1}'}])
+    tables.append("train_steps", [step_row(3, None)])
+    Tables(store).append("train_steps", [step_row(4, 0.125) | {"extra": '{"b": 2}'}])
+
+    steps = Tables(store).read("train_steps").sort_by("step")
+    assert steps.column("extra").to_pylist() == [None, '{"a": 1}', None, '{"b": 2}']
+    assert steps.column("value_loss").to_pylist() == [0.5, 0.25, None, 0.125]
+    rows, _ = Tables(store).changes("train_steps", after=0)
+    assert rows.column("step").to_pylist() == [2, 3, 4]
+    assert rows.column("extra").to_pylist() == ['{"a": 1}', None, '{"b": 2}']
+    everything, _ = Tables(store).changes("train_steps")
+    assert sorted(everything.column("step").to_pylist()) == [1, 2, 3, 4]
+    assert duckdb.sql("SELECT count(extra) FROM steps").fetchone()[0] == 2
+    operations = [commit["operation"] for commit in DeltaTable(uri, storage_options=options).history()]
+    assert operations.count("ADD COLUMN") == 1, operations
+
+
+def test_a_table_lacking_a_required_column_is_refused_naming_it(local_store):
+    schema = TABLE_SCHEMAS["train_steps"]
+    old_schema = schema.remove(schema.get_field_index("reward_mean"))
+    uri = Tables(local_store).uri("train_steps")
+    old_row = {k: v for k, v in step_row(1, 0.5).items() if k != "reward_mean"}
+    write_deltalake(uri, pa.Table.from_pylist([old_row], schema=old_schema), mode="append")
+    with pytest.raises(SchemaError, match=r"lacks the required columns \['reward_mean'\]"):
+        Tables(local_store).append("train_steps", [step_row(2, 0.25)])
+    with pytest.raises(SchemaError, match=r"lacks the required columns \['reward_mean'\]"):
+        Tables(local_store).read("train_steps")
+    assert DeltaTable(uri).version() == 0, "nothing committed"
 
 
 def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():
