@@ -603,7 +603,8 @@ class ShardReader:
         ``.reason`` file, and a warning logged) when it is missing, corrupt or invalid.
 
         Only what the bytes hold quarantines a shard: an error while fetching them (a
-        timeout, a dropped connection) is raised, and the shard stays for the next read.
+        timeout, a dropped connection) is raised, and the shard stays for the next read. A
+        shard written before the canonical schema gained a nullable column reads it as null.
         """
         try:
             source = _open_ipc(self.store, shard.path)
@@ -626,15 +627,34 @@ class ShardReader:
             return None
         try:
             if not table.schema.equals(self.schema, check_metadata=False):
-                raise SchemaError(
-                    f"schema differs from the canonical {self.kind} schema: {_schema_diff(table.schema, self.schema)}"
-                )
+                table = self._conformed(table)
             if table.num_rows != shard.num_rows:
                 raise SchemaError(f"holds {table.num_rows} rows but its commit says {shard.num_rows}")
             return validate(table)
         except SchemaError as exc:
             self._quarantine(shard, str(exc))
             return None
+
+    def _conformed(self, table: pa.Table) -> pa.Table:
+        """``table`` in this reader's schema when a shard written before a change to the
+        canonical schema differs only by it: columns added since (nullable) read as null,
+        and columns that may be null now were required then. Raises :class:`SchemaError`
+        naming every other difference."""
+        names = table.schema.names
+        if len(set(names)) == len(names) and [n for n in self.schema.names if n in names] == names:
+            missing = [field for field in self.schema if field.name not in names]
+            fields = [(table.schema.field(name), self.schema.field(name)) for name in names]
+            if all(f.nullable for f in missing) and all(
+                old.type == new.type and (new.nullable or not old.nullable) for old, new in fields
+            ):
+                columns = [
+                    table.column(field.name) if field.name in names else pa.nulls(table.num_rows, field.type)
+                    for field in self.schema
+                ]
+                return pa.Table.from_arrays(columns, schema=self.schema)
+        raise SchemaError(
+            f"schema differs from the canonical {self.kind} schema: {_schema_diff(table.schema, self.schema)}"
+        )
 
     def quarantined(self, shard: ShardInfo) -> bool:
         """Whether ``shard`` was moved to quarantine (its ``.reason`` file says why)."""

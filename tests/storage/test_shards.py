@@ -16,6 +16,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc
 import pytest
 import s3fs.core
@@ -710,6 +711,49 @@ def test_bad_shards_are_quarantined_with_a_reason_and_reading_goes_on(store, cap
     with caplog.at_level(logging.WARNING, logger="storage.shards"):
         assert reader.read(infos["truncated"]) is None
     assert "quarantined before" in caplog.records[-1].message
+
+
+def test_a_shard_written_before_columns_were_added_reads_them_as_null(store):
+    """A shard of an older treadle: no ``engine`` nor ``timing`` column (nullable now), and
+    ``reward`` marked required: it reads whole in the canonical schema, not quarantined."""
+    current = make_table(0, 2)
+    old_fields = [
+        field.with_nullable(False) if field.name == "reward" else field
+        for field in TRAJECTORY_SCHEMA
+        if field.name not in ("engine", "timing")
+    ]
+    old = pa.Table.from_arrays([current.column(f.name) for f in old_fields], schema=pa.schema(old_fields))
+    info = _commit_foreign_file(store, 0, _ipc_bytes(old))
+    table = ShardReader(store).read(info)
+    assert table is not None and table.schema.equals(TRAJECTORY_SCHEMA)
+    assert table.column("engine").null_count == table.column("timing").null_count == 2
+    assert table.drop_columns(["engine", "timing"]).equals(current.drop_columns(["engine", "timing"]))
+    assert not ShardReader(store).quarantined(info)
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ("required column missing", "missing ['status', 'engine']"),
+        ("column type changed", "reward: double (nullable=True) instead of float"),
+        ("extra column", "unexpected ['score']"),
+    ],
+)
+def test_a_shard_whose_schema_differs_otherwise_is_still_quarantined(local_store, change, reason):
+    table = make_table(0, 2).drop_columns(["engine"])
+    if change == "required column missing":
+        table = table.drop_columns(["status"])
+    elif change == "column type changed":
+        table = table.set_column(
+            table.schema.get_field_index("reward"), "reward", pc.cast(table.column("reward"), pa.float64())
+        )
+    else:
+        table = table.append_column("score", pa.array([1.0, 2.0]))
+    info = _commit_foreign_file(local_store, 0, _ipc_bytes(table))
+    reader = ShardReader(local_store)
+    assert reader.read(info) is None and reader.quarantined(info)
+    text = local_store.fs.cat_file(local_store.path(quarantine_path(info.path) + ".reason")).decode()
+    assert reason in text, text
 
 
 def test_a_committed_shard_with_blank_ids_is_quarantined_by_the_reader(store):
