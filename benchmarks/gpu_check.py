@@ -158,7 +158,9 @@ async def exercise(engine, ref_v0, ref_v1, v1_dir: str, tokenizer, tolerance: fl
     result["reload_ok"] = v1_diff <= tolerance and v1_diff < v0_diff
     result["logprob_ok"] = result["logprob_max_abs_diff_v0"] <= tolerance
     result["stats"] = vars(engine.stats())
-    checks = ["versions_v0_ok", "stop_kept_ok", "length_ok", "prefix_cache_ok", "versions_v1_ok", "reload_ok"]
+    result["queue_read_ok"] = result["stats"]["extra"].get("queue_read", 1.0) == 1.0
+    checks = ["versions_v0_ok", "stop_kept_ok", "length_ok", "prefix_cache_ok", "versions_v1_ok", "reload_ok",
+              "queue_read_ok"]  # fmt: skip
     result["ok"] = all(result[k] for k in [*checks, "logprob_ok"])
     return result
 

@@ -266,7 +266,7 @@ class VLLMEngine:
         """Counters of this client; ``queue_depth`` is the requests waiting for room: held by
         the server's scheduler (:data:`WAITING_GAUGE`) and held here while a reload runs, not
         the ones generating (``extra["in_flight"]`` counts every request sent and not yet
-        answered). Asks the server's ``/metrics``, so it may take up to
+        answered; ``extra["queue_read"]`` is 0 when the server's gauge could not be read). Asks the server's ``/metrics``, so it may take up to
         ``connect_timeout_s``: call it off the event loop."""
         return EngineStats(
             prefill_computed=self._stats.prefill_computed,
@@ -274,7 +274,8 @@ class VLLMEngine:
             decode_tokens=self._stats.decode_tokens,
             queue_depth=self._held + self._server_waiting(),
             requests=self._stats.requests,
-            extra=dict(self._stats.extra) | {"in_flight": float(self._inflight)},
+            extra=dict(self._stats.extra)
+            | {"in_flight": float(self._inflight), "queue_read": float(not self._metrics_failing)},
         )
 
     def _server_waiting(self) -> int:

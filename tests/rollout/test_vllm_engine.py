@@ -274,11 +274,12 @@ def test_a_server_without_metrics_counts_no_waiting_requests_and_warns_once(tiny
         with caplog.at_level("WARNING", logger="rollout.engines.vllm_engine"):
             first = await asyncio.to_thread(engine.stats)
             second = await asyncio.to_thread(engine.stats)
-        assert first.queue_depth == second.queue_depth == 0
+        assert first.queue_depth == second.queue_depth == 0 and first.extra["queue_read"] == 0.0
         warnings = [r.getMessage() for r in caplog.records if "/metrics" in r.getMessage()]
         assert len(warnings) == 1 and "answered 404" in warnings[0], warnings
         server.app.state.metrics = True
-        assert (await asyncio.to_thread(engine.stats)).queue_depth == 0
+        recovered = await asyncio.to_thread(engine.stats)
+        assert recovered.queue_depth == 0 and recovered.extra["queue_read"] == 1.0
         server.app.state.metrics = False
         await asyncio.to_thread(engine.stats)
         assert len([r for r in caplog.records if "/metrics" in r.getMessage()]) == 2, (
