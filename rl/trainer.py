@@ -51,6 +51,7 @@ POLICY_OPTIMIZER_FILE = "policy_optimizer.pt"
 VALUE_MODEL_FILE = "value_model.safetensors"
 VALUE_OPTIMIZER_FILE = "value_optimizer.pt"
 NON_FINITE_POLICY = "non-finite policy parameters"
+NON_FINITE_CRITIC = "non-finite critic loss or gradient norm"
 
 
 def token_values(
@@ -604,7 +605,8 @@ class Trainer:
         losses = []
         while self.value_pretrain_done < self.config.value_pretrain_steps:
             parts = self._parts(batches[self.value_pretrain_done % len(batches)])
-            losses.append(self._value_step(parts, self._old_values(parts))["value_loss"])
+            stats = self._value_step(parts, self._old_values(parts))
+            losses.append(math.nan if stats is None else stats["value_loss"])
             self.value_pretrain_done += 1
         logger.info("value pretraining: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
 
@@ -622,10 +624,16 @@ class Trainer:
         with torch.no_grad(), self._autocast():
             return [token_values(self.value_model, p.input_ids, p.attention_mask) for p in parts]
 
-    def _value_step(self, parts: list[Batch], old_values: list[torch.Tensor] | None) -> dict[str, float]:
+    def _value_step(
+        self, parts: list[Batch], old_values: list[torch.Tensor] | None
+    ) -> dict[str, float] | None:
         """One critic step on GAE targets (λ = ``value_lam``) from its own current values, over
         every action token: a shared prefix, trained once by the policy (``train_mask``), is
-        fitted to the return of each branch that holds it."""
+        fitted to the return of each branch that holds it.
+
+        With a non-finite loss or gradient norm (a reward too large for float32 arithmetic)
+        no step is taken and None is returned: a step on it would make the critic NaN, and
+        every later batch's advantages with it."""
         config = self.config
         total_actions = sum(int(p.action_mask.sum()) for p in parts)
         self.value_optimizer.zero_grad(set_to_none=True)
@@ -649,7 +657,10 @@ class Trainer:
             loss_total += stats["value_loss"] * share
             scored_values.append(values.detach()[part.action_mask])
             scored_returns.append(returns[part.action_mask])
-        torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), config.max_grad_norm)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.value_model.parameters(), config.max_grad_norm))
+        if not (math.isfinite(loss_total) and math.isfinite(grad_norm)):
+            self.value_optimizer.zero_grad(set_to_none=True)
+            return None
         self.value_optimizer.step()
         # over the whole batch: a mean of the parts' ratios would change with the micro-batching
         explained = explained_variance(torch.cat(scored_values), torch.cat(scored_returns))
@@ -706,9 +717,10 @@ class Trainer:
         the batch's executions of their token means; with every weight 1, the plain token mean.
 
         A batch with no trainable token (or none of positive weight), or met by a policy with
-        non-finite parameters, is rejected before any update. A non-finite policy loss or gradient norm found after the
-        backward pass (e.g. an overflow) still rejects the batch, but by then the critic has
-        taken its K steps.
+        non-finite parameters, is rejected before any update. A critic step with a non-finite
+        loss or gradient norm rejects the batch before the policy step, without that critic
+        step. A non-finite policy loss or gradient norm found after the backward pass (e.g. an
+        overflow) still rejects the batch, but by then the critic has taken its K steps.
         """
         config = self.config
         started = time.perf_counter()
@@ -729,7 +741,12 @@ class Trainer:
                 self._reject_batch(samples, NON_FINITE_POLICY)
                 return None
             old_values = self._old_values(parts)
-            value_stats = [self._value_step(parts, old_values) for _ in range(config.value_steps)]
+            for _ in range(config.value_steps):
+                stats = self._value_step(parts, old_values)
+                if stats is None:
+                    self._reject_batch(samples, NON_FINITE_CRITIC)
+                    return None
+                value_stats.append(stats)
         advantages = self._advantages(parts, samples)
         if config.normalize_advantages:
             flat = torch.cat([a[p.train_mask] for a, p in zip(advantages, parts, strict=True)])

@@ -455,6 +455,26 @@ def test_a_batch_met_by_a_non_finite_policy_does_not_train_the_critic(store):
     assert trainer.consumption.through == {"x": 1} and not trainer.consumption.done
 
 
+def test_a_reward_that_overflows_the_critics_loss_is_rejected_and_leaves_the_critic_finite(store):
+    """3e38 is a finite float32 reward (the schema takes it), but its squared error and the
+    gradient overflow: a critic step on it would make every later batch's advantages NaN."""
+    trainer = Trainer(store, config())
+    bad = open_batch(
+        trainer, with_rewards(make_trajectories(store, 4, seed=20), [3e38, 0.0, 1.0, 0.0]), "processed/x/0"
+    )
+    good = open_batch(trainer, make_trajectories(store, 4, seed=21), "processed/x/1")
+    critic = parameters(trainer.value_model)
+
+    assert trainer._train_step(bad) is None
+    assert trainer._rejected == {"non-finite critic loss or gradient norm": 4}
+    assert unchanged(trainer.value_model, critic) and trainer.step == 0
+
+    metrics = trainer._train_step(good)
+    assert metrics is not None and math.isfinite(metrics.row["policy_loss"])
+    assert not unchanged(trainer.value_model, critic)
+    assert all(torch.isfinite(p).all() for p in trainer.value_model.parameters())
+
+
 def test_policy_step_uses_advantages_of_the_critic_after_its_k_steps(store):
     records = with_rewards(make_trajectories(store, 4, seed=22), [1.0, 0.0, 0.0, 1.0])
     trainer = Trainer(store, config(value_lr=0.05))
