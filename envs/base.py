@@ -282,8 +282,17 @@ class Env(ABC):
         return self.task
 
 
+class TooFewTasks(ValueError):
+    """A split holds fewer distinct tasks than were asked for; ``available`` of them were found."""
+
+    def __init__(self, available: int, asked: int):
+        super().__init__(f"only {available} distinct tasks exist for this split; asked for {asked}")
+        self.available = available
+
+
 def sample_unique(rng: random.Random, make, accept, n: int, limit: int = 100_000) -> list:
-    """Draw ``n`` distinct items ``make(rng)`` (by ``.id``) that ``accept`` keeps; fail if too few exist."""
+    """Draw ``n`` distinct items ``make(rng)`` (by ``.id``) that ``accept`` keeps; raise
+    :class:`TooFewTasks` if too few exist (asked again for that many, it gives the ones it found)."""
     seen: dict[str, Any] = {}
     for _ in range(limit):
         if len(seen) == n:
@@ -292,5 +301,5 @@ def sample_unique(rng: random.Random, make, accept, n: int, limit: int = 100_000
         if item.id not in seen and accept(item):
             seen[item.id] = item
     if len(seen) < n:
-        raise ValueError(f"only {len(seen)} distinct tasks exist for this split; asked for {n}")
+        raise TooFewTasks(len(seen), n)
     return list(seen.values())
