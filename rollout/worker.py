@@ -38,6 +38,7 @@ replica back in rollout. A worker never drains its last accepting replica.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import logging
 import time
@@ -86,12 +87,24 @@ def _train_pool(name: str, env_config: EnvConfig, seed: int, pool: int) -> list[
         return registry.task_set(name, "train", seed, exc.available, env_config)
 
 
+def worker_seed(seed: int, worker: str) -> int:
+    """``seed`` made worker ``worker``'s own (40 bits: a valid ``OrchestratorConfig.seed``).
+
+    The workers of a run share its seeds; with them as they are, each would roll out the same
+    tasks in the same order with the same sampling seeds: the same trajectories, at one
+    weight version.
+    """
+    return int.from_bytes(hashlib.sha256(f"{seed}/{worker}".encode()).digest()[:5], "big")
+
+
 class RolloutWorker:
     """Runs rollouts for one run until stopped; see the module docstring.
 
     Args:
         store: the run's storage (weights are read, raw shards written).
-        name: worker name, used for its shards (``shards/raw/<name>/``).
+        name: worker name, used for its shards (``shards/raw/<name>/``); with it, the worker
+            makes the task seed ``seed`` and the orchestrator's sampling seed its own
+            (:func:`worker_seed`).
         env_configs: validated config per environment in the mix.
         flush_records: records per raw shard; shards are written and committed off the event
             loop (``BackgroundShardWriter``), and ``on_shard`` is called with each once committed.
@@ -139,9 +152,11 @@ class RolloutWorker:
         self.engine_config = engine
         self.gateway_config = gateway
         self.service_config = service
-        self.orchestrator_config = orchestrator
+        self.orchestrator_config = orchestrator.model_copy(
+            update={"seed": worker_seed(orchestrator.seed, name)}
+        )
         self.env_configs = dict(env_configs)
-        self.seed = seed
+        self.seed = worker_seed(seed, name)
         self.weights = WeightStore(store)
         self.writer = BackgroundShardWriter(
             store,

@@ -1,14 +1,20 @@
-"""The rollout worker's endless task streams."""
+"""The rollout worker's endless task streams, and the seeds each worker of a run draws from."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
 import pytest
 
 from envs import registry
 from envs.base import in_eval_split
-from rollout.worker import task_streams
+from flows.config import RunConfig
+from rl.models import ensure_base_version
+from rollout.worker import RolloutWorker, task_streams
+from storage.config import RunStore, StorageConfig
+from storage.weights import WeightStore
+from tests.rl.test_trainer import TINY
 
 
 def test_an_env_with_fewer_train_tasks_than_the_pool_streams_every_one_of_them_cycled():
@@ -24,3 +30,34 @@ def test_an_env_with_fewer_train_tasks_than_the_pool_streams_every_one_of_them_c
     empty = registry.make_config("arith", max_operand=1, eval_fraction=0.99)
     with pytest.raises(ValueError, match="only 0 distinct tasks"):
         task_streams(["arith"], {"arith": empty}, seed=0)
+
+
+def test_two_workers_of_a_run_roll_out_different_tasks_with_different_sampling_seeds(tmp_path):
+    run = RunConfig(run_id="seeds", storage=StorageConfig(root=str(tmp_path / "runs")))
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+
+    async def first_rollouts(name: str) -> tuple[list[str], int]:
+        worker = RolloutWorker(
+            store,
+            name,
+            engine=run.engine,
+            gateway=run.gateway,
+            service=run.service,
+            orchestrator=run.orchestrator,
+            env_configs={env: run.env_config(env) for env in run.orchestrator.mix},
+            seed=run.seed,
+        )
+        await worker.start()
+        try:
+            orchestrator = worker.orchestrator
+            tasks = [next(orchestrator.tasks["arith"]).id for _ in range(8)]
+            return tasks, orchestrator.config.seed
+        finally:
+            await worker.close()
+
+    (tasks_0, seed_0), (tasks_1, seed_1) = [asyncio.run(first_rollouts(name)) for name in ("w0", "w1")]
+    assert tasks_0 != tasks_1
+    assert seed_0 != seed_1
+    # a worker's seeds are its own, and the same each time it starts
+    assert asyncio.run(first_rollouts("w0")) == (tasks_0, seed_0)
