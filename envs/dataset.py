@@ -5,7 +5,9 @@ verifier is chosen in config: exact match, numeric tolerance, a regex the answer
 in full, or a Python function named by import path (``pkg.mod:fn(answer, reference) -> float``).
 The regex verifier runs on a thread with a time limit (``regex_timeout_s``): the answer is the
 model's, and a reference pattern that backtracks on some answer would otherwise hold the
-event loop, and every rollout of the worker with it, for as long as it takes.
+event loop, and every rollout of the worker with it, for as long as it takes. A Python
+function runs on a thread too (without a limit: it cannot be stopped), for the same reason:
+its cost on the model's answer is unknown (a symbolic checker's on ``9**9**9**9``, say).
 Every row must be an object with a non-null prompt and answer (and id, when ``id_field`` is
 set; for the regex verifier, an answer that compiles; for the numeric one, an answer that is a
 number); a bad row or line fails the load with its file and number.
@@ -222,10 +224,10 @@ class DatasetEnv(Env):
     async def step(self, action: str) -> StepResult:
         task = self._require_task()
         self.turns += 1
-        if self.config.verifier == "regex":
-            score = await asyncio.to_thread(self.verify, action, task.data["answer"])
-        else:
+        if self.config.verifier in ("exact", "numeric"):
             score = self.verify(action, task.data["answer"])
+        else:
+            score = await asyncio.to_thread(self.verify, action, task.data["answer"])
         self.score = clamp_score(score)
         return StepResult([], self.score, True, self.score, {})
 

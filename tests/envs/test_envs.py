@@ -573,6 +573,39 @@ def test_dataset_reads_its_rows_from_s3_with_keys_from_its_config_or_the_environ
     assert {(t.prompt, t.data["answer"]) for t in tasks} == {(r["prompt"], r["answer"]) for r in rows}
 
 
+LOOP_RAN = threading.Event()
+
+
+def verify_once_the_loop_runs(answer: str, reference: str) -> float:
+    """A user's verifier that takes its time: 1 when the event loop ran meanwhile (0 after 5 s)."""
+    return float(LOOP_RAN.wait(timeout=5))
+
+
+def test_dataset_user_verifier_runs_off_the_event_loop(tmp_path):
+    """A user's function may take long on the model's answer: other rollouts on the loop keep running."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "say it", "answer": "it"}))
+    verifier = f"{__name__}:verify_once_the_loop_runs"
+    env = make("dataset", path=str(path), verifier=verifier, eval_fraction=0.5)
+    task = Task(env="dataset", id="t", prompt="say it", data={"answer": "it"})
+    LOOP_RAN.clear()
+
+    async def other_rollout():
+        await asyncio.sleep(0.01)
+        LOOP_RAN.set()
+
+    async def main():
+        await env.reset(task)
+        ticker = asyncio.create_task(other_rollout())
+        try:
+            assert (await env.step("it")).reward == 1.0
+        finally:
+            ticker.cancel()
+            await env.close()
+
+    asyncio.run(main())
+
+
 def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(tmp_path):
     """A reference that backtracks catastrophically on the model's answer (``(a|aa)+c`` on
     40 a's takes ~fib(40) steps) ends the step with a TimeoutError, which the rollout service
