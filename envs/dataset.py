@@ -10,7 +10,8 @@ function runs on a thread too (without a limit: it cannot be stopped), for the s
 its cost on the model's answer is unknown (a symbolic checker's on ``9**9**9**9``, say).
 Every row must be an object with a non-null prompt and answer (and id, when ``id_field`` is
 set; for the regex verifier, an answer that compiles; for the numeric one, an answer that is a
-number); a bad row or line fails the load with its file and number.
+number); a bad row or line fails the load with its file and number. A binary column is read
+as UTF-8 text.
 Rows are split into train and eval by a hash of their prompt, so the splits never share a
 prompt, even one that occurs under several ids; ``id_field`` only names the task.
 """
@@ -139,6 +140,11 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
                 raise ValueError(f"row {i} of {config.path} has no field {field!r} (fields: {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"row {i} of {config.path} has a null {field!r}")
+            if isinstance(row[field], bytes):  # a binary Parquet column: text without its UTF-8 tag
+                try:
+                    row[field] = row[field].decode()
+                except UnicodeDecodeError as exc:
+                    raise ValueError(f"row {i} of {config.path}: {field!r} is not UTF-8 text: {exc}") from exc
         id_field = config.id_field or config.prompt_field
         if not str(row[id_field]).strip():
             raise ValueError(f"row {i} of {config.path} has a blank {id_field!r} (the task's id)")

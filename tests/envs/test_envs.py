@@ -553,6 +553,22 @@ def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
         task_set("dataset", "train", 0, 1, {"path": str(jsonl), "answer_field": "missing"})
 
 
+def test_dataset_binary_parquet_columns_are_read_as_text(tmp_path):
+    """Text written without Parquet's UTF-8 annotation reads back as bytes: the prompt must not
+    be shown as ``b'q0'``, nor the right answer scored against ``b'0'``."""
+    path = tmp_path / "binary.parquet"
+    column = [f"q{i}".encode() for i in range(20)]
+    pq.write_table(pa.table({"prompt": column, "answer": [str(i).encode() for i in range(20)]}), path)
+    task = task_set("dataset", "train", 0, 1, {"path": str(path)})[0]
+    assert task.prompt == f"q{task.data['answer']}"
+    result, final = asyncio.run(play("dataset", task, [task.data["answer"]], path=str(path)))
+    assert result.reward == final == 1.0
+    bad = tmp_path / "latin1.parquet"
+    pq.write_table(pa.table({"prompt": [b"caf\xe9"], "answer": [b"1"]}), bad)
+    with pytest.raises(ValueError, match="row 0 .*'prompt' is not UTF-8"):
+        task_set("dataset", "train", 0, 1, {"path": str(bad)})
+
+
 @pytest.mark.parametrize("credentials", ["config", "environment"])
 def test_dataset_reads_its_rows_from_s3_with_keys_from_its_config_or_the_environment(
     s3_server, monkeypatch, credentials
