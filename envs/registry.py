@@ -6,7 +6,7 @@ from typing import Any
 
 from envs.agent import AgentEnv
 from envs.arith import ArithEnv
-from envs.base import Env, EnvConfig, Split, Task
+from envs.base import Env, EnvConfig, Split, Task, TooFewTasks
 from envs.code import CodeEnv
 from envs.dataset import DatasetEnv
 from envs.guess import GuessEnv
@@ -53,6 +53,19 @@ def task_set(
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
     return env_class(name).tasks(split, seed, n, make_config(name, config))
+
+
+def task_pool(
+    name: str, split: Split, seed: int, n: int, config: EnvConfig | dict[str, Any] | None = None
+) -> list[Task]:
+    """:func:`task_set`, but every distinct task of ``split`` when it holds fewer than ``n``
+    (``code``'s few hundred functions, a small ``max_operand``); one that holds none raises."""
+    try:
+        return task_set(name, split, seed, n, config)
+    except TooFewTasks as exc:
+        if not exc.available:
+            raise
+        return task_set(name, split, seed, exc.available, config)
 
 
 def demonstrate(task: Task, flawed: bool = False, seed: int = 0) -> list[str]:

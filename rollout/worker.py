@@ -46,7 +46,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal
 
 from envs import registry
-from envs.base import Env, EnvConfig, Task, TooFewTasks
+from envs.base import Env, EnvConfig, Task
 from rollout.config import EngineConfig, OrchestratorConfig, ServiceConfig
 from rollout.engines.base import Engine, EngineError
 from rollout.engines.factory import build_engines
@@ -75,16 +75,10 @@ def task_streams(
 ) -> dict[str, Iterator[Task]]:
     """An endless stream of train tasks per environment: a pool of ``pool`` tasks (all of
     them, in an env whose train split holds fewer distinct ones), cycled."""
-    return {name: itertools.cycle(_train_pool(name, env_configs[name], seed, pool)) for name in names}
-
-
-def _train_pool(name: str, env_config: EnvConfig, seed: int, pool: int) -> list[Task]:
-    try:
-        return registry.task_set(name, "train", seed, pool, env_config)
-    except TooFewTasks as exc:
-        if not exc.available:
-            raise
-        return registry.task_set(name, "train", seed, exc.available, env_config)
+    return {
+        name: itertools.cycle(registry.task_pool(name, "train", seed, pool, env_configs[name]))
+        for name in names
+    }
 
 
 def worker_seed(seed: int, worker: str) -> int:

@@ -12,7 +12,7 @@ from prefect import get_run_logger, task
 from prefect.runtime import task_run
 
 from envs import registry
-from envs.base import Split
+from envs.base import Split, Task
 from flows.config import RunConfig
 from rl.models import build_tiny_model, load_trained_policy, padding_id, publish_policy
 from rl.sft import supervised_warm_start
@@ -205,12 +205,12 @@ def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResul
 
 def recorded_eval(config: RunConfig, version: int | None) -> EvalResult | None:
     """``version``'s latest row of each env of the mix in the ``evals`` table; None unless
-    every env has one over ``eval.tasks_per_env`` tasks. Its ``statuses`` are empty: the
+    every env has one over its :func:`eval_tasks`. Its ``statuses`` are empty: the
     table does not keep them."""
     evals = Tables(run_store(config)).read("evals").sort_by("time").to_pylist()
     latest = {row["env"]: row for row in evals if row["version"] == version}
     mix = list(config.orchestrator.mix)
-    if any(latest.get(env, {}).get("count") != config.eval.tasks_per_env for env in mix):
+    if any(latest.get(env, {}).get("count") != len(eval_tasks(config, env)) for env in mix):
         return None
     return EvalResult(
         version=version,
@@ -220,20 +220,22 @@ def recorded_eval(config: RunConfig, version: int | None) -> EvalResult | None:
     )
 
 
+def eval_tasks(config: RunConfig, name: str, split: Split = "eval") -> list[Task]:
+    """The ``eval.tasks_per_env`` problems of env ``name``'s ``split`` an evaluation runs, or
+    all of them when the split holds fewer."""
+    return registry.task_pool(
+        name, split, config.eval.seed, config.eval.tasks_per_env, config.env_config(name)
+    )
+
+
 def evaluate_weights(config: RunConfig, version: int | None = None, split: Split = "eval") -> EvalResult:
-    """Reward of weight ``version`` (the latest when None) on ``config.eval.tasks_per_env``
-    problems of ``split`` of every env in the mix, recorded nowhere (``train``: how well
-    the policy does on the problems it trains on, beside the held-out ones)."""
+    """Reward of weight ``version`` (the latest when None) on :func:`eval_tasks` of ``split``
+    of every env in the mix, recorded nowhere (``train``: how well the policy does on the
+    problems it trains on, beside the held-out ones)."""
     weights = WeightStore(run_store(config))
     version = weights.latest() if version is None else version
     path = weights.load(version, "serving")
-    tasks = [
-        task
-        for name in config.orchestrator.mix
-        for task in registry.task_set(
-            name, split, config.eval.seed, config.eval.tasks_per_env, config.env_config(name)
-        )
-    ]
+    tasks = [task for name in config.orchestrator.mix for task in eval_tasks(config, name, split)]
 
     async def run() -> EvalResult:
         engine = TorchEngine.from_config(config.engine.torch, path, name="eval", version=version)

@@ -9,7 +9,7 @@ from prefect import flow
 
 from storage.tables import Tables
 from tasks.common import run_store
-from tasks.weights import build_base_version, evaluate_task
+from tasks.weights import build_base_version, eval_tasks, evaluate_task
 from tests.flows.conftest import tiny_config
 
 
@@ -44,6 +44,24 @@ def test_a_rerun_reuses_the_recorded_eval_of_its_version_and_an_explicit_eval_me
     wider = config.model_copy(update={"eval": config.eval.model_copy(update={"tasks_per_env": 5})})
     assert evaluating(wider, base, reuse=True)["count"] == {env: 5 for env in mix}
     assert rows() == sorted([(base, env, 4) for env in mix] * 2 + [(base, env, 5) for env in mix])
+
+
+def test_an_env_whose_eval_split_holds_fewer_tasks_than_asked_is_evaluated_on_all_of_them(tmp_path):
+    """``code`` holds 27 held-out functions, fewer than a GPU config's 200 per env: the
+    evaluation runs all of them and a rerun reuses that row, where it refused to start."""
+    config = tiny_config(
+        tmp_path / "runs", "eval-small", warm_start={"enabled": False}, envs={"arith": {"max_operand": 5}},
+        eval={"tasks_per_env": 6},
+    )  # fmt: skip
+    held_out = len(eval_tasks(config, "arith"))
+    assert 0 < held_out < 6 and len({task.id for task in eval_tasks(config, "arith")}) == held_out
+    assert len(eval_tasks(config, "guess")) == 6
+    base = build_base_version(config, log=lambda line: None)
+    first = evaluating(config, base, reuse=True)
+    assert first["count"] == {"arith": held_out, "guess": 6}
+    again = evaluating(config, base, reuse=True)
+    assert again["statuses"] == {} and again["count"] == first["count"], "the recorded row is reused"
+    assert Tables(run_store(config)).read("evals").num_rows == 2
 
 
 def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fails_and_records_nothing(
