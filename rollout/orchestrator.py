@@ -2,7 +2,7 @@
 
 - **Mixing**: each new rollout goes to the task furthest below its target share of the
   rollouts started so far, so the mix converges to the targets; targets can be changed
-  while it runs (:meth:`Orchestrator.set_mix`).
+  while it runs (:meth:`Orchestrator.set_mix`), and count from the change on.
 - **Backpressure**: when the trainer lags no new rollout starts until it catches up. Two
   signals: ``backlog()`` above ``max_backlog`` (the rollout worker counts the shards
   committed since its engines last loaded a new version, which bounds the data made for a
@@ -152,6 +152,8 @@ class Orchestrator:
         self.on_result = on_result
         self.stats = OrchestratorStats()
         self._mix = self._normalise(self.config.mix)
+        self._started_before_mix: Counter[str] = Counter()
+        """Rollouts of each task started before the current mix was set."""
         self._stop = asyncio.Event()
         self._completed: asyncio.Queue[asyncio.Task | None] = asyncio.Queue()
         """Finished jobs in completion order (each job's done callback puts it here); ``None``
@@ -169,8 +171,11 @@ class Orchestrator:
         return {name: weight / total for name, weight in mix.items() if weight > 0}
 
     def set_mix(self, mix: Mapping[str, float]) -> None:
-        """Change the target shares while running."""
+        """Change the target shares while running: the rollouts started from now on follow
+        them (counted against all earlier starts, a task given more weight would get every
+        start until its whole-run share caught up)."""
         self._mix = self._normalise(OrchestratorConfig(mix=dict(mix)).mix)
+        self._started_before_mix = Counter({name: c.started for name, c in self.stats.tasks.items()})
 
     @property
     def mix(self) -> dict[str, float]:
@@ -182,8 +187,11 @@ class Orchestrator:
         self._completed.put_nowait(None)
 
     def _next_task_name(self) -> str:
-        total = sum(self.stats.tasks[name].started for name in self._mix) + 1
-        return max(self._mix, key=lambda name: self._mix[name] * total - self.stats.tasks[name].started)
+        started = {
+            name: self.stats.tasks[name].started - self._started_before_mix[name] for name in self._mix
+        }
+        total = sum(started.values()) + 1
+        return max(self._mix, key=lambda name: self._mix[name] * total - started[name])
 
     def _done(self) -> bool:
         cfg = self.config

@@ -101,11 +101,10 @@ def test_mix_converges_to_its_targets_and_follows_a_change(tiny):
     assert abs(first["arith"] / (first["arith"] + first["guess"]) - 0.75) < 0.05
     later_arith = stats.tasks["arith"].started - first["arith"]
     later_guess = stats.tasks["guess"].started - first["guess"]
-    # After the change the deficit rule gives guess every start until the totals are equal
-    # (50/50 of all starts), so the cumulative split approaches the new target.
-    total = stats.tasks["arith"].started + stats.tasks["guess"].started
-    assert later_guess > later_arith
-    assert abs(stats.tasks["arith"].started / total - 0.5) < abs(first["arith"] / sum(first.values()) - 0.5)
+    # the starts after the change follow the new shares: not every one to guess until the
+    # whole run's split is 50/50
+    assert later_arith + later_guess >= 60
+    assert abs(later_arith - later_guess) <= 2, (later_arith, later_guess)
     assert stats.finished == 140 and len(sink.records) == 140 and sink.flushes == 1
     assert orchestrator.mix == {"arith": 0.5, "guess": 0.5}
 
