@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -13,11 +14,12 @@ from rollout.engines.base import Engine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router
 from rollout.service import RolloutRequest, RolloutService
+from storage.schema import EXCLUDED_STATUSES
 
 
 @dataclass
 class EvalResult:
-    """Mean reward and counts per environment."""
+    """Mean reward, rollouts measured and rollouts by status, per environment."""
 
     version: int
     reward: dict[str, float]
@@ -37,7 +39,11 @@ async def evaluate(
     gateway_config: GatewayConfig | None = None,
     seed: int = 0,
 ) -> EvalResult:
-    """Roll out each task once on ``engine``; a rollout that failed scores 0.
+    """Roll out each task once on ``engine``: per env, the mean reward of its rollouts (one
+    the policy failed scores 0) and how many there are. A rollout that failed outside the
+    policy (``env_error``, ``infra_error``: a crashed environment, a dead engine) measures
+    nothing about it and is left out of both, counted only in ``statuses``; an env whose
+    every rollout failed so has reward NaN and count 0.
 
     ``service_config`` is the run's: the episodes are scored under the turn, time and token
     budgets and by the reward models the policy trains with, at ``temperature`` and
@@ -71,11 +77,12 @@ async def evaluate(
     statuses: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for result in results:
         env = result.record["task"]
-        rewards[env].append(result.reward or 0.0)
         statuses[env][result.status] += 1
+        if result.status not in EXCLUDED_STATUSES:
+            rewards[env].append(result.reward or 0.0)
     return EvalResult(
         version=engine.version,
-        reward={env: sum(r) / len(r) for env, r in rewards.items()},
-        count={env: len(r) for env, r in rewards.items()},
+        reward={env: sum(rewards[env]) / len(rewards[env]) if rewards[env] else math.nan for env in statuses},
+        count={env: len(rewards[env]) for env in statuses},
         statuses={env: dict(s) for env, s in statuses.items()},
     )

@@ -176,16 +176,16 @@ def _wait_for_version(weights: WeightStore) -> int | None:
 
 def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResult:
     """Held-out reward of weight ``version`` (the latest when None) on every env in the mix,
-    recorded in the ``evals`` table. An env whose every rollout was an ``infra_error`` (an
-    engine or a sandbox that never worked) measured nothing: that raises ``RuntimeError``
-    naming it, and nothing is recorded."""
+    recorded in the ``evals`` table with the rollouts measured (those that failed outside the
+    policy are not). An env whose every rollout failed so (an engine or a sandbox that never
+    worked) measured nothing: that raises ``RuntimeError`` naming it, and nothing is recorded."""
     result = evaluate_weights(config, version)
-    unmeasured = [env for env, statuses in result.statuses.items() if set(statuses) == {"infra_error"}]
+    unmeasured = [env for env, count in result.count.items() if count == 0]
     if unmeasured:
         raise RuntimeError(
             f"version {result.version} not evaluated: every rollout of "
-            + ", ".join(f"{env} ({result.statuses[env]['infra_error']} infra_error)" for env in unmeasured)
-            + " failed on its infrastructure (engine, sandbox, environment host)"
+            + ", ".join(f"{env} ({_statuses(result.statuses[env])})" for env in unmeasured)
+            + " failed outside the policy (engine, sandbox, environment host)"
         )
     Tables(run_store(config)).append(
         "evals",
@@ -218,6 +218,10 @@ def recorded_eval(config: RunConfig, version: int | None) -> EvalResult | None:
         count={env: latest[env]["count"] for env in mix},
         statuses={},
     )
+
+
+def _statuses(counts: dict[str, int]) -> str:
+    return ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
 
 
 def eval_tasks(config: RunConfig, name: str, split: Split = "eval") -> list[Task]:

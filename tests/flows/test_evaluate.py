@@ -76,14 +76,14 @@ def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fa
     config = tiny_config(tmp_path / "runs", "eval-infra", warm_start={"enabled": False})
     measured = EvalResult(
         version=0,
-        reward={"arith": 0.5, "guess": 0.0},
-        count={"arith": 4, "guess": 4},
-        statuses={"arith": {"ok": 4}, "guess": {"infra_error": 4}},
+        reward={"arith": 0.5, "guess": float("nan")},
+        count={"arith": 4, "guess": 0},
+        statuses={"arith": {"ok": 4}, "guess": {"env_error": 1, "infra_error": 3}},
     )
     monkeypatch.setattr(tasks.weights, "evaluate_weights", lambda config, version: measured)
     state = evaluate(config, 0, return_state=True)
     assert state.is_failed()
-    with pytest.raises(RuntimeError, match=r"guess.*4 infra_error"):
+    with pytest.raises(RuntimeError, match=r"guess \(1 env_error, 3 infra_error\)"):
         state.result()
     assert Tables(run_store(config)).read("evals").num_rows == 0
 

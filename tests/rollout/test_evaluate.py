@@ -4,11 +4,13 @@ running when a rollout fails."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
 from envs import registry
 from envs.arith import ArithEnv
+from envs.base import StepResult
 from rollout import service as service_module
 from rollout.engines.torch_engine import TorchEngine
 from rollout.evaluate import evaluate
@@ -45,6 +47,45 @@ def test_scores_each_environment_of_the_eval_set(tiny):  # noqa: F811
     assert result.count == {"arith": 3, "guess": 2}
     assert all(0.0 <= reward <= 1.0 for reward in result.reward.values())
     assert sum(sum(s.values()) for s in result.statuses.values()) == 5
+
+
+class CrashingArith(ArithEnv):
+    """``arith`` that scores every answer 1, and crashes on tasks whose first operand is even."""
+
+    name = "arith"
+
+    async def step(self, action):
+        if self._require_task().data["a"] % 2 == 0:
+            raise RuntimeError("the environment crashed")
+        self.score = 1.0
+        return StepResult([], 1.0, True, 1.0, {})
+
+    async def evaluate(self) -> float:
+        return 1.0
+
+
+def test_rollouts_that_fail_outside_the_policy_are_left_out_of_the_reward(tiny):  # noqa: F811
+    """A crashed environment (or a dead engine) says nothing of the policy: such rollouts
+    count in the statuses only; an env with nothing else is unmeasured (NaN, count 0)."""
+    model, tokenizer = tiny
+    tasks = registry.task_set("arith", "eval", seed=0, n=8)
+    crashing = sum(task.data["a"] % 2 == 0 for task in tasks)
+    assert 0 < crashing < len(tasks)
+    every_crash = [task for task in tasks if task.data["a"] % 2 == 0]
+
+    async def body(tasks):
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        try:
+            return await evaluate(engine, tokenizer, tasks, lambda task: CrashingArith())
+        finally:
+            await engine.close()
+
+    result = asyncio.run(body(tasks))
+    statuses = result.statuses["arith"]
+    assert statuses.pop("env_error") == crashing and set(statuses) <= {"ok", "truncated"}
+    assert result.count == {"arith": len(tasks) - crashing} and result.reward == {"arith": 1.0}
+    unmeasured = asyncio.run(body(every_crash))
+    assert unmeasured.count == {"arith": 0} and math.isnan(unmeasured.reward["arith"])
 
 
 def test_a_rollout_that_raises_leaves_no_other_rollout_running(tiny, monkeypatch):  # noqa: F811
