@@ -161,7 +161,9 @@ class Trainer:
             ``tables/train_steps`` and ``tables/weights`` and publishes weight versions.
         config: :class:`SAOConfig`.
         device: torch device of the policy and value model.
-        dtype: parameter dtype of both models.
+        dtype: parameter dtype of both models; not float16, whose AdamW steps underflow
+            (``eps`` 1e-8 is 0 there) and make the parameters NaN at the first step: keep
+            float32 and set ``mixed_precision`` for half-precision matmuls.
         temperature: the temperature the rollouts sampled at (the run's ``service.temperature``):
             the engines record log-probs of ``softmax(logits / temperature)``, so the policy's
             log-probs are taken at it too, or every DIS ratio is off even on-policy.
@@ -169,6 +171,7 @@ class Trainer:
     Raises:
         FileNotFoundError: when the store holds no weight version to start from (publish
             one first, e.g. with ``rl.models.ensure_base_version``).
+        ValueError: for float16 parameters.
     """
 
     def __init__(
@@ -180,6 +183,11 @@ class Trainer:
         dtype: torch.dtype = torch.float32,
         temperature: float = 1.0,
     ):
+        if dtype == torch.float16:
+            raise ValueError(
+                "float16 parameters cannot be trained with AdamW (its eps underflows and the first step "
+                "makes them NaN); keep float32 and set mixed_precision='bf16' for half-precision matmuls"
+            )
         self.store = store
         self.config = config
         self.temperature = temperature

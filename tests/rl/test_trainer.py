@@ -288,6 +288,14 @@ def commit_raw_shard(store: RunStore, table: pa.Table, name: str) -> str:
     return shard_id
 
 
+def test_float16_parameters_are_refused_at_once(store):
+    """AdamW's eps underflows in float16: the first step would make every parameter NaN and
+    every later batch be rejected."""
+    with pytest.raises(ValueError, match="float16 parameters cannot be trained with AdamW"):
+        Trainer(store, config(), dtype=torch.float16)
+    assert Trainer(store, config(), dtype=torch.bfloat16).policy.dtype == torch.bfloat16
+
+
 def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
     good = make_trajectories(store, 4, seed=3)
     bad_rows = make_trajectories(store, 4, seed=4)
