@@ -206,7 +206,7 @@ class CodeEnv(Env):
     def _score(self, task: Task, solution: str) -> float:
         sandbox = self.sandbox
         path = os.path.join(sandbox.workdir, "solution.py")
-        with open(path, "w") as handle:
+        with open(path, "w", encoding="utf-8") as handle:  # what Python reads source as
             handle.write(solution)
         marker = secrets.token_hex(8)
         request = {

@@ -122,7 +122,7 @@ class ShellEnv(Env):
         for path, content in task.data.get("files", {}).items():
             full = os.path.join(sandbox.workdir, path)
             os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "w") as handle:
+            with open(full, "w", encoding="utf-8") as handle:
                 handle.write(content + "\n")
             if sandbox.uid is not None:
                 os.chown(os.path.dirname(full), sandbox.uid, sandbox.uid)

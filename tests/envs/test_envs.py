@@ -5,6 +5,8 @@ import gc
 import json
 import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -428,6 +430,24 @@ def test_code_scores_fraction_of_hidden_tests():
     assert score == pytest.approx(expected)
     _, score = asyncio.run(play("code", task, ["this is not python"], sandbox=SMALL))
     assert score == 0.0
+
+
+@needs_bwrap
+def test_a_non_ascii_solution_is_scored_on_a_worker_whose_locale_is_not_utf8():
+    """``solution.py`` (and a shell task's files) are written as UTF-8, what Python reads
+    source as: under an ASCII locale a solution with an accent crashed the env (env_error)."""
+    script = (
+        "import asyncio\n"
+        "from envs.registry import demonstrate, task_set\n"
+        "from tests.envs.test_envs import SMALL, play\n"
+        "task = task_set('code', 'train', seed=6, n=1)[0]\n"
+        "solution = '# r\\u00e9sum\\u00e9\\n' + demonstrate(task)[0]\n"
+        "print(asyncio.run(play('code', task, [solution], sandbox=SMALL))[1])\n"
+    )
+    ascii_locale = os.environ | {"LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
+    run = subprocess.run([sys.executable, "-c", script], env=ascii_locale, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "1.0", run.stdout
 
 
 @needs_bwrap
