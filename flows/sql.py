@@ -11,7 +11,7 @@ from __future__ import annotations
 import glob
 import os
 
-from storage.config import RunStore
+from storage.config import S3_SCHEMES, RunStore
 from storage.tables import TABLE_SCHEMAS, Tables
 
 
@@ -58,11 +58,18 @@ def connect(store: RunStore):
     for name, schema in TABLE_SCHEMAS.items():
         if tables.version(name) is not None:
             connection.execute(
-                f"CREATE VIEW {name} AS SELECT * FROM delta_scan({_literal(tables.uri(name))})"
+                f"CREATE VIEW {name} AS SELECT * FROM delta_scan({_literal(_delta_scan_url(tables.uri(name)))})"
             )
         else:  # not written yet (a new run): empty, so queries over it answer rather than fail
             connection.register(name, schema.empty_table())
     return connection
+
+
+def _delta_scan_url(url: str) -> str:
+    """``url`` as the delta extension reads it: it hands the S3 secret only to ``s3://``
+    paths, so a table under an ``s3a://`` root is named by the same object's ``s3://`` URL."""
+    scheme, sep, rest = url.partition("://")
+    return f"s3://{rest}" if sep and scheme in S3_SCHEMES else url
 
 
 def _literal(text: str) -> str:

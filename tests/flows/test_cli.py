@@ -226,6 +226,21 @@ def test_inspect_and_sql_reach_a_run_on_an_s3_compatible_store(s3_server, tmp_pa
         assert s3_server.secret_access_key not in result.stdout + result.stderr
 
 
+def test_sql_reaches_a_run_under_an_s3a_root(s3_server):
+    """``storage.root`` may be ``s3a://``; the delta extension hands the S3 secret only to
+    ``s3://`` paths (without it, it asked the instance metadata service for credentials)."""
+    config = s3_server.config().model_copy(update={"root": f"s3a://{s3_server.bucket}/runs"})
+    Tables(RunStore(config, "on-s3a")).append("trajectories", [trajectory_row("arith", 0, 0.5, "ok")])
+    env = os.environ | {
+        "AWS_ACCESS_KEY_ID": s3_server.access_key_id,
+        "AWS_SECRET_ACCESS_KEY": s3_server.secret_access_key,
+    }
+    run = ("--root", config.root, "--endpoint-url", s3_server.endpoint_url, "--run-id", "on-s3a")
+    result = treadle("sql", *run, "SELECT task, reward FROM trajectories", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["task\treward", "arith\t0.5"]
+
+
 def test_sql_starts_without_importing_the_models(local_store):
     """Only ``--config`` needs the run config, whose models import torch and transformers
     (seconds at every start)."""
