@@ -173,6 +173,18 @@ class StorageConfig(BaseModel):
         )
         return key, secret, token, region
 
+    def redacted(self, text: str) -> str:
+        """``text`` with the credentials in use (this config's or the environment's) masked:
+        AWS echoes the key id and the session token in some error bodies (a bad signature, an
+        expired token), and deltalake quotes a failed request's body whole."""
+        if not self.is_s3:
+            return text
+        key, secret, token, _ = self._credentials()
+        for value in (key, secret, token):
+            if value:
+                text = text.replace(value, MASKED)
+        return text
+
     def filesystem(self) -> fsspec.AbstractFileSystem:
         """A fresh fsspec filesystem for ``root`` (local or s3fs)."""
         if not self.is_s3:

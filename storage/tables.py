@@ -9,9 +9,10 @@ conflicts (e.g. two writers creating the table at once) is retried here.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -149,6 +150,24 @@ that finds the lease held skips its compaction."""
 COMPACTION_PREFIX = "status/compaction"
 
 
+def _credentials_masked(method: Callable) -> Callable:
+    """``method`` of :class:`Tables`, its storage errors raised with the credentials masked
+    (``StorageConfig.redacted``): deltalake quotes a failed request's body, in which AWS echoes
+    the key id and the session token, and a flow's error goes to the Prefect API's logs."""
+
+    @functools.wraps(method)
+    def masked(self: Tables, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except (DeltaError, OSError) as exc:
+            message = self.store.config.redacted(str(exc))
+            if message == str(exc):
+                raise
+            raise type(exc)(message) from None
+
+    return masked
+
+
 class Tables:
     """The Delta tables of one run, under ``<run>/tables/<name>``."""
 
@@ -163,6 +182,7 @@ class Tables:
         schema_of(name)
         return self.store.url("tables", name)
 
+    @_credentials_masked
     def append(
         self, name: str, rows: Sequence[Mapping[str, Any]] | pa.Table, once: str | None = None
     ) -> bool:
@@ -219,6 +239,7 @@ class Tables:
                 log.info("commit to table %s conflicted (attempt %d): %s; retrying", name, attempt, exc)
                 time.sleep(0.05 * 2**attempt)
 
+    @_credentials_masked
     def read(self, name: str, columns: Sequence[str] | None = None) -> pa.Table:
         """The whole table ``name`` as Arrow, in its canonical schema, or only ``columns`` of
         it, in that order (empty if never written)."""
@@ -231,11 +252,13 @@ class Tables:
         present = {field.name for field in table.schema().fields}
         return _cast_to(schema, pa.table(table.scan(columns=[n for n in schema.names if n in present])))
 
+    @_credentials_masked
     def version(self, name: str) -> int | None:
         """Latest Delta log version of ``name``, or None when the table does not exist yet."""
         table = self._open(name)
         return None if table is None else table.version()
 
+    @_credentials_masked
     def changes(self, name: str, after: int = -1) -> tuple[pa.Table, int]:
         """Rows appended by commits with log version > ``after``, in commit order, with a
         ``_commit_version`` column; and the latest version (the next ``after``).
@@ -265,6 +288,7 @@ class Tables:
         data = data.filter(inserted)
         return data.take(pc.sort_indices(data.column("_commit_version"))), latest
 
+    @_credentials_masked
     def optimize(self, name: str, now: float | None = None) -> dict[str, Any] | None:
         """Compact the small files of ``name``; returns deltalake's metrics ({} when the table
         does not exist), or None when another process is compacting it (it holds the lease,
@@ -292,6 +316,7 @@ class Tables:
                 metrics.get("numFilesAdded"),
             )
 
+    @_credentials_masked
     def vacuum(self, name: str, retention_hours: int = 168) -> list[str]:
         """Delete files of ``name`` no longer referenced and older than ``retention_hours``;
         returns the deleted paths."""

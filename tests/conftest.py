@@ -9,6 +9,7 @@ travel in ``StorageConfig`` fields, never through the environment.
 from __future__ import annotations
 
 import contextlib
+import http.server
 import os
 import socket
 import subprocess
@@ -171,3 +172,41 @@ def store(request: pytest.FixtureRequest, tmp_path) -> RunStore:
 def local_store(tmp_path) -> RunStore:
     """A fresh run store on a local folder (for tests that do not need S3)."""
     return RunStore(StorageConfig(root=str(tmp_path / "runs")), f"run-{uuid.uuid4().hex[:12]}")
+
+
+class EchoingDenial(http.server.BaseHTTPRequestHandler):
+    """Refuses every request as AWS refuses a bad signature or an expired session: with an
+    error body that echoes the key id and the session token the request was signed with."""
+
+    def do_GET(self):
+        key_id = self.headers.get("Authorization", "").partition("Credential=")[2].split("/")[0]
+        body = (
+            "<Error><Code>ExpiredToken</Code><Message>The provided token has expired.</Message>"
+            f"<AWSAccessKeyId>{key_id}</AWSAccessKeyId>"
+            f"<Token-0>{self.headers.get('X-Amz-Security-Token', '')}</Token-0></Error>"
+        ).encode()
+        self.send_response(400)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_HEAD = do_PUT = do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def echoing_endpoint() -> Iterator[str]:
+    """URL of an S3 endpoint on 127.0.0.1 that refuses every request as AWS refuses an expired
+    session, with an error body that echoes the key id and the session token it was signed with."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EchoingDenial)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()

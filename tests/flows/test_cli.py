@@ -241,6 +241,20 @@ def test_sql_reaches_a_run_under_an_s3a_root(s3_server):
     assert result.stdout.splitlines() == ["task\treward", "arith\t0.5"]
 
 
+def test_a_store_error_that_echoes_the_credentials_is_reported_without_them(echoing_endpoint):
+    env = os.environ | {
+        "AWS_ACCESS_KEY_ID": "AKIAKEYID123",
+        "AWS_SECRET_ACCESS_KEY": "secret-456",
+        "AWS_SESSION_TOKEN": "session-token-789",
+    }
+    run = ("--root", "s3://bucket/runs", "--endpoint-url", echoing_endpoint, "--run-id", "r")
+    for command in (("inspect",), ("sql", "SELECT 1")):
+        result = treadle(*command[:1], *run, *command[1:], env=env)
+        assert result.returncode == 1 and "ExpiredToken" in result.stderr, result.stderr
+        for secret in ("AKIAKEYID123", "secret-456", "session-token-789"):
+            assert secret not in result.stdout + result.stderr
+
+
 def test_sql_starts_without_importing_the_models(local_store):
     """Only ``--config`` needs the run config, whose models import torch and transformers
     (seconds at every start)."""

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import traceback
 from datetime import UTC, datetime, timedelta
 
 import duckdb
@@ -15,7 +16,7 @@ from deltalake import DeltaTable, write_deltalake
 
 from flows.sql import extension_paths
 from storage import tables as tables_module
-from storage.config import RunStore
+from storage.config import RunStore, StorageConfig
 from storage.leases import SlotLease
 from storage.schema import SchemaError
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables, one_row_per_step
@@ -471,3 +472,28 @@ def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():
     assert kept.column("step").to_pylist() == [1, 2, 3, 4, 5]
     assert kept.column("policy_loss").to_pylist() == [0.0, 1.0, 10.0, 11.0, 12.0]
     assert one_row_per_step(steps.slice(0, 0)).num_rows == 0
+
+
+def test_a_store_error_that_echoes_the_credentials_is_raised_without_them(echoing_endpoint):
+    """A flow's error reaches the Prefect API's logs and its state message: an error body in
+    which the store echoes the key id and the session token must not carry them there."""
+    config = StorageConfig(
+        root="s3://bucket/runs",
+        endpoint_url=echoing_endpoint,
+        retries=0,
+        access_key_id="AKIAKEYID123",
+        secret_access_key="secret-456",
+        session_token="session-token-789",
+    )
+    tables = Tables(RunStore(config, "r"))
+    for call in (
+        lambda: tables.version("weights"),
+        lambda: tables.read("weights"),
+        lambda: tables.append("weights", [weight_row(0)]),
+    ):
+        with pytest.raises(OSError) as raised:
+            call()
+        reported = "".join(traceback.format_exception(raised.value))
+        assert "ExpiredToken" in reported, reported
+        for secret in ("AKIAKEYID123", "secret-456", "session-token-789"):
+            assert secret not in reported
