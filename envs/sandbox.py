@@ -182,6 +182,19 @@ def bwrap_path() -> str | None:
 
 
 @cache
+def _bwrap_sizes_tmpfs() -> bool:
+    """Whether this bwrap takes ``--size`` for a tmpfs (bubblewrap 0.7 and later)."""
+    path = bwrap_path()
+    if path is None:
+        return False
+    probe = [path, "--ro-bind", "/", "/", "--size", "1048576", "--tmpfs", "/tmp", "--unshare-all", "true"]
+    if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
+        return True
+    log.warning("bwrap takes no --size for a tmpfs: /dev/shm is read-only in bwrap sandboxes")
+    return False
+
+
+@cache
 def _unshare_net_prefix(as_uid: bool) -> tuple[str, ...]:
     """The ``unshare`` prefix that drops the network for the process backend, if permitted.
 
@@ -289,17 +302,12 @@ class Sandbox:
                 args += ["--ro-bind", path, path]
         for path in self.config.ro_binds:
             args += ["--ro-bind", path, path]
-        args += [
-            "--proc",
-            "/proc",
-            "--dev",
-            "/dev",
-            "--bind",
-            self.workdir,
-            self.workdir,
-            "--remount-ro",
-            "/",
-        ]
+        args += ["--proc", "/proc", "--dev", "/dev"]
+        if _bwrap_sizes_tmpfs():
+            # bwrap's /dev is a tmpfs as large as half the host's memory, which no rlimit counts:
+            # only /dev/shm (POSIX semaphores, shared memory) stays writable, and no larger than memory_mb
+            args += ["--size", str(self.config.memory_mb * 1024 * 1024), "--tmpfs", "/dev/shm"]
+        args += ["--remount-ro", "/dev", "--bind", self.workdir, self.workdir, "--remount-ro", "/"]
         args += ["--chdir", self.workdir, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
         for key, value in self.env().items():
             args += ["--setenv", key, value]

@@ -99,6 +99,22 @@ def test_write_outside_leaves_host_untouched(tmp_path):
     assert not os.path.exists("/usr/pwned")
 
 
+def test_memory_backed_dev_holds_at_most_memory_mb():
+    """bwrap's /dev is a tmpfs: files written there take the worker's memory, which no rlimit
+    counts. It was writable, up to half the host's memory per sandbox; now only /dev/shm is,
+    capped at memory_mb, and POSIX semaphores still work."""
+    config = SMALL.model_copy(update={"memory_mb": 32, "file_size_mb": 8})
+    with Sandbox(config) as box:
+        filled = box.run(
+            "for i in $(seq 8); do head -c 8M /dev/zero > /dev/shm/f$i; done 2>/dev/null;"
+            "du -sm /dev/shm | cut -f1; touch /dev/mine 2>/dev/null && echo wrote /dev; true"
+        )
+        assert int(filled.output.split()[0]) <= 32, filled.output
+        assert "wrote /dev" not in filled.output
+        box.run("rm /dev/shm/*")
+        assert box.run("python3 -c 'import multiprocessing; multiprocessing.Lock()'").exit_code == 0
+
+
 def test_background_processes_are_killed():
     box = Sandbox(SMALL)
     shell = Shell(box)
