@@ -6,7 +6,8 @@ the code in one persistent namespace, echoes the value of a final expression lik
 answers one JSON line (``{"id", "output", "error", "truncated"}``) on its original stdout.
 Output is captured from ``sys.stdout``/``sys.stderr`` and capped inside the server at
 ``max_output_bytes`` bytes of UTF-8; bytes that child processes write straight to file
-descriptors are discarded.
+descriptors are discarded. A copy of the server that the code forks exits once the code is
+done in it, without answering or reading another request.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ proto = os.fdopen(os.dup(1), "w")
 null = os.open(os.devnull, os.O_WRONLY)
 os.dup2(null, 1); os.dup2(null, 2)
 CAP = int(sys.argv[1])
+server = os.getpid()
 proto.write("ready\n"); proto.flush()
 
 class OutputLimit(BaseException):
@@ -78,6 +80,8 @@ for line in sys.stdin:
             truncated = True
     finally:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    if os.getpid() != server:
+        os._exit(0)
     reply = {"id": request["id"], "output": out.value(), "error": error, "truncated": truncated}
     proto.write(json.dumps(reply) + "\n")
     proto.flush()

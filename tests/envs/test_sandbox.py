@@ -472,6 +472,20 @@ def test_python_repl_caps_output_in_bytes():
         assert repl.alive
 
 
+def test_python_repl_a_forked_copy_of_the_interpreter_ends_with_the_code():
+    """A process the code forks ran on as a second server: it answered the request too and
+    read the next ones, so the next call got a stale reply and killed the interpreter, and a
+    fork bomb's copies held every process slot after its process_limit was reported."""
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        repl.run("import os; os.fork()")
+        assert repl.run("1 + 1").output == "2\n"
+        with pytest.raises(SandboxError) as raised:
+            repl.run("while True: os.fork()")
+        assert raised.value.kind == "process_limit"
+        assert repl.run("2 + 2").output == "4\n"
+
+
 @pytest.mark.parametrize(
     "forged",
     [
