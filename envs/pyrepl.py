@@ -22,12 +22,15 @@ import time
 from dataclasses import dataclass
 
 from envs.sandbox import (
+    REAP_TIMEOUT_S,
     ExecResult,
     Sandbox,
     SandboxError,
+    descendants,
     kill_group,
     python_in_sandbox,
     read_some,
+    wait_ended,
     write_all,
 )
 
@@ -216,7 +219,8 @@ class PythonRepl:
         raise SandboxError("died", f"the Python interpreter exited with status {status}")
 
     def close(self) -> None:
-        """Kill the interpreter and everything it started."""
+        """Kill the interpreter and everything it started, and wait until that has ended."""
+        tree = descendants(self.proc.pid) if self.proc.poll() is None else []
         kill_group(self.proc.pid)
         for stream in (self.proc.stdin, self.proc.stdout):
             with contextlib.suppress(OSError):
@@ -230,3 +234,4 @@ class PythonRepl:
                 self.proc.wait(timeout=5)
         if self.proc.returncode is not None:
             self.sandbox.disown(self.proc)
+        wait_ended(tree, time.monotonic() + REAP_TIMEOUT_S)

@@ -711,6 +711,39 @@ def kill_group(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
 
 
+def descendants(pid: int) -> list[int]:
+    """Ids of the processes descended from ``pid`` now: its children, theirs, and so on."""
+    found: list[int] = []
+    parents = [pid]
+    while parents:
+        parent = parents.pop()
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{parent}/task"):
+                with open(f"/proc/{parent}/task/{tid}/children") as handle:
+                    children = [int(child) for child in handle.read().split()]
+                found += children
+                parents += children
+    return found
+
+
+def wait_ended(pids: list[int], deadline: float) -> None:
+    """Wait (polling, until ``deadline``) until none of ``pids`` runs any more (a zombie has ended).
+
+    A killed process tree takes a moment to die (bwrap's: once its namespace's init has killed
+    the rest), and until then it counts against the sandbox's ``max_processes``: a shell or
+    interpreter started in its place at once could not fork.
+    """
+    while time.monotonic() < deadline and any(_running(pid) for pid in pids):
+        time.sleep(0.01)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return not _proc_status(str(pid)).get("State", "").strip().startswith("Z")
+    except OSError:
+        return False
+
+
 def _session_pids(sid: int) -> list[int]:
     """Ids of the processes in session ``sid``."""
     pids = []

@@ -278,6 +278,24 @@ def test_shell_dies_on_gigabytes_and_infinite_loop():
         assert Shell(box).run("echo back").output == "back\n"
 
 
+FORK_LOOP = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+
+
+@pytest.mark.parametrize(
+    ("start", "bomb", "probe"),
+    [(Shell, f"python3 -c {ansi_c_quote(FORK_LOOP)}", "echo 7"), (PythonRepl, FORK_LOOP, "7")],
+)
+def test_a_shell_or_interpreter_killed_with_every_process_slot_taken_starts_afresh(start, bomb, probe):
+    """Killing the tree takes a moment (bwrap's namespace dies after its outer process), and its
+    processes count against max_processes until then: an interpreter started at once failed
+    ('died', status 1), which pytool raised out of the step as the env's failure."""
+    with Sandbox(SMALL) as box:
+        with pytest.raises(SandboxError) as raised:
+            start(box).run(bomb, timeout=2)
+        assert raised.value.kind == "timeout"
+        assert start(box).run(probe).output == "7\n"
+
+
 def test_a_closed_or_killed_shell_or_interpreter_is_no_longer_tracked():
     """Once reaped, its pid can lead another process's group by the time the sandbox
     closes, and closing the sandbox SIGKILLs the group of every pid it tracks."""
