@@ -190,7 +190,9 @@ def _bwrap_sizes_tmpfs() -> bool:
     probe = [path, "--ro-bind", "/", "/", "--size", "1048576", "--tmpfs", "/tmp", "--unshare-all", "true"]
     if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
         return True
-    log.warning("bwrap takes no --size for a tmpfs: /dev/shm is read-only in bwrap sandboxes")
+    log.warning(
+        "bwrap takes no --size for a tmpfs (bubblewrap < 0.7): /dev/shm in bwrap sandboxes is unbounded"
+    )
     return False
 
 
@@ -303,11 +305,13 @@ class Sandbox:
         for path in self.config.ro_binds:
             args += ["--ro-bind", path, path]
         args += ["--proc", "/proc", "--dev", "/dev"]
+        # bwrap's /dev is a tmpfs as large as half the host's memory, which no rlimit counts:
+        # only /dev/shm (POSIX semaphores, shared memory) stays writable, no larger than
+        # memory_mb where bwrap can size it
         if _bwrap_sizes_tmpfs():
-            # bwrap's /dev is a tmpfs as large as half the host's memory, which no rlimit counts:
-            # only /dev/shm (POSIX semaphores, shared memory) stays writable, and no larger than memory_mb
-            args += ["--size", str(self.config.memory_mb * 1024 * 1024), "--tmpfs", "/dev/shm"]
-        args += ["--remount-ro", "/dev", "--bind", self.workdir, self.workdir, "--remount-ro", "/"]
+            args += ["--size", str(self.config.memory_mb * 1024 * 1024)]
+        args += ["--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
+        args += ["--bind", self.workdir, self.workdir, "--remount-ro", "/"]
         args += ["--chdir", self.workdir, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
         for key, value in self.env().items():
             args += ["--setenv", key, value]
