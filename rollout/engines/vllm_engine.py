@@ -266,8 +266,9 @@ class VLLMEngine:
         """Counters of this client; ``queue_depth`` is the requests waiting for room: held by
         the server's scheduler (:data:`WAITING_GAUGE`) and held here while a reload runs, not
         the ones generating (``extra["in_flight"]`` counts every request sent and not yet
-        answered; ``extra["queue_read"]`` is 0 when the server's gauge could not be read). Asks the server's ``/metrics``, so it may take up to
-        ``connect_timeout_s``: call it off the event loop."""
+        answered; ``extra["queue_read"]`` is 0 when the server's gauge could not be read).
+        Asks the server's ``/metrics``, so it may take up to ``connect_timeout_s``: call it off
+        the event loop."""
         return EngineStats(
             prefill_computed=self._stats.prefill_computed,
             prefill_reused=self._stats.prefill_reused,
