@@ -211,11 +211,16 @@ def _raise_engine_error(session: Session) -> None:
 
 @contextlib.contextmanager
 def _logged(what: str, rollout_id: str) -> Iterator[None]:
-    """Log what the body raises instead of raising it."""
+    """Log what the body raises instead of raising it, a ``CancelledError`` of its own included
+    (an env's close that awaited a future cancelled under it): only a cancel of the task is raised."""
     try:
         yield
     except Exception as exc:
         log.warning("%s of rollout %s failed: %s", what, rollout_id, exc)
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():
+            raise
+        log.warning("%s of rollout %s failed: CancelledError, not from a cancel", what, rollout_id)
 
 
 def make_scheduler(config: ServiceConfig) -> ActionScheduler | StaticReservation | None:

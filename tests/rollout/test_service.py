@@ -411,6 +411,46 @@ def test_an_env_whose_close_hangs_is_left_and_the_rollout_still_ends(tiny, monke
     assert "closing the env of rollout" in caplog.text
 
 
+class CancelledCloseEnv(HeldEnv):
+    """``HeldEnv`` whose close, once done, awaits a future cancelled under it."""
+
+    async def close(self) -> None:
+        await super().close()
+        gone = asyncio.get_running_loop().create_future()
+        gone.cancel()
+        await gone
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_an_env_whose_close_raises_its_own_cancelled_error_still_has_its_session_closed(
+    tiny, cancelled, caplog
+):
+    """The CancelledError of an env's close is one more failing cleanup step: logged, and the
+    gateway session (its replica, the engine's cache of it) is still closed."""
+
+    async def body():
+        reached, release = asyncio.Event(), asyncio.Event()
+        env = CancelledCloseEnv("step" if cancelled else "none", reached, release)
+        async with running_service(
+            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: env
+        ) as service:
+            request = RolloutRequest(task=arith_task())
+            job = asyncio.create_task(service.process(request))
+            if cancelled:
+                await asyncio.wait_for(reached.wait(), 60)
+                service.cancel(request.rollout_id)
+            outcome = (await asyncio.gather(job, return_exceptions=True))[0]
+            return outcome, env.closed, service.gateway.sessions
+
+    outcome, closed, sessions = asyncio.run(body())
+    if cancelled:
+        assert isinstance(outcome, asyncio.CancelledError)
+    else:
+        assert outcome.status in ("ok", "truncated") and outcome.reward is not None, outcome.error
+    assert closed and sessions == []
+    assert "closing the env of rollout" in caplog.text
+
+
 def test_a_rollout_id_in_flight_is_refused_and_the_first_rollout_stays_cancellable(tiny):
     task = arith_task()
 
