@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,11 @@ from rollout.resources import ServiceManager, state_bytes
 
 REWARD_RESOURCE = "reward"
 """Scheduler resource of reward calls: one unit per call."""
+
+
+class RewardModelError(RuntimeError):
+    """A reward model failed to score a conversation (to read it, to load onto its device, to
+    run, or it gave no finite logit): a failure of the reward service, not of the env."""
 
 
 class RewardModels:
@@ -78,11 +84,19 @@ class RewardModels:
         return ids[-self.configs[name].max_tokens :]
 
     async def score(self, name: str, messages: Sequence[Mapping[str, Any]]) -> float:
-        """Reward model ``name``'s score of a conversation (loaded on the device for the call)."""
-        ids = self.input_ids(name, messages)
-        async with self.manager.use(name) as model:
-            # a cancelled caller keeps the model in use, so not evicted, under its forward
-            return await to_thread_to_the_end(_forward, model, ids)
+        """Reward model ``name``'s score of a conversation (loaded on the device for the call);
+        raises :class:`RewardModelError` when the model fails to score it."""
+        self.check(name)
+        try:
+            ids = self.input_ids(name, messages)
+            async with self.manager.use(name) as model:
+                # a cancelled caller keeps the model in use, so not evicted, under its forward
+                score = await to_thread_to_the_end(_forward, model, ids)
+        except Exception as exc:
+            raise RewardModelError(f"reward model {name!r}: {type(exc).__name__}: {exc}") from exc
+        if not math.isfinite(score):
+            raise RewardModelError(f"reward model {name!r} scored {score!r}")
+        return score
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Mapping[str, Any]]) -> list[int]:

@@ -24,13 +24,14 @@ Time spent waiting for a stage's slot or for a scheduler grant is queue time: it
 in the timing breakdown and does not count toward the rollout's timeout.
 
 Failures are classified into the canonical ``status``: an engine that died, a sandbox
-that failed to start or an environment's host that died (``EnvHostLost``) is
-``infra_error`` (never scored, never trained on); a sandbox that stopped the agent's
-command, or an environment that raised (a ``CancelledError`` of its own included: only a
-cancel of the rollout cancels it), whose output the gateway rejects (a malformed
-message, a token outside the vocabulary) or whose reward or progress the record cannot
-hold (not a number, not finite, progress outside [0, 1]), is ``env_error``; running out
-of the time budget is ``timeout``; running out of turns or context is ``truncated``.
+that failed to start, an environment's host that died (``EnvHostLost``) or a reward model
+that failed to score the episode (``RewardModelError``) is ``infra_error`` (never scored,
+never trained on); a sandbox that stopped the agent's command, or an environment that
+raised (a ``CancelledError`` of its own included: only a cancel of the rollout cancels it),
+whose output the gateway rejects (a malformed message, a token outside the vocabulary) or
+whose reward or progress the record cannot hold (not a number, not finite, progress
+outside [0, 1]), is ``env_error``; running out of the time budget is ``timeout``; running
+out of turns or context is ``truncated``.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from rollout.engines.base import ContextLimit, EngineError, SamplingParams
 from rollout.gateway import Gateway, Session
 from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.resources import CpuManager
-from rollout.reward_models import REWARD_RESOURCE, RewardModels
+from rollout.reward_models import REWARD_RESOURCE, RewardModelError, RewardModels
 from rollout.scheduler import ActionScheduler, StaticReservation
 
 log = logging.getLogger(__name__)
@@ -529,6 +530,8 @@ class RolloutService:
             status, error = "infra_error", f"engine failed: {exc}"
         except EnvHostLost as exc:
             status, error = "infra_error", f"environment host lost during {stage}: {exc}"
+        except RewardModelError as exc:
+            status, error = "infra_error", str(exc)
         except SandboxError as exc:
             status = "infra_error" if stage == "init" else "env_error"
             error = f"sandbox {exc.kind} during {stage}: {exc.reason}"

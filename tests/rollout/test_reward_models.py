@@ -130,6 +130,53 @@ def test_rollouts_are_scored_by_their_envs_reward_model_in_a_reward_slot(tiny, j
     assert policy.free == [float(policy.capacity[name]) for name in policy.names]  # all given back
 
 
+@pytest.mark.parametrize("fails", ["raises", "nan"])
+def test_a_reward_model_that_fails_to_score_is_an_infra_error_and_the_service_keeps_scoring(
+    tiny, judges, monkeypatch, fails
+):
+    """The reward model is the service's, not the env's: its failure (a forward that raises,
+    out of device memory say, or a logit that is not finite) fails that rollout as an
+    infra_error, and the next rollout is scored by it."""
+    model, tokenizer = tiny
+    forward, failures = reward_models._forward, []
+
+    def failing_once(module, ids):
+        if failures:
+            return forward(module, ids)
+        failures.append(fails)
+        if fails == "raises":
+            raise RuntimeError("CUDA out of memory")
+        return float("nan")
+
+    monkeypatch.setattr(reward_models, "_forward", failing_once)
+    config = ServiceConfig(
+        max_new_tokens=8,
+        timeout_s=120,
+        reward_models={name: RewardModelConfig(path=path) for name, path in judges.items()},
+    )
+
+    def make_env(task):
+        return registry.make(task.env, registry.make_config(task.env, {"reward_model": JUDGES[task.env]}))
+
+    async def body():
+        engine = TorchEngine(model, tokenizer)
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(gateway, make_env, config)
+        task = registry.task_set("arith", "train", seed=0, n=1)[0]
+        try:
+            results = [await service.process(RolloutRequest(task=task, seed=1)) for _ in range(2)]
+        finally:
+            await engine.close()
+        return service, results
+
+    service, (failed, scored) = asyncio.run(body())
+    assert failed.status == "infra_error" and failed.reward is None
+    assert failed.error.startswith("reward model 'judge-a'")
+    assert scored.status in ("ok", "truncated") and scored.reward is not None, scored.error
+    policy = service.scheduler.policy
+    assert policy.free == [float(policy.capacity[name]) for name in policy.names]
+
+
 MESSAGES = [{"role": "user", "content": "guess 3-14"}, {"role": "assistant", "content": "8"}]
 
 
