@@ -52,6 +52,23 @@ def _local_dir(path: str, version: int, store: RunStore | None) -> str:
     return WeightStore(store).load(version, "serving")
 
 
+def _start_dir(path: str, version: int, store: RunStore | None) -> tuple[str, int]:
+    """The directory and version an actor starts on: ``_local_dir`` of ``version``, or the
+    store's latest version once retention deleted ``version``. Ray restarts an actor with its
+    first arguments, so on the version its worker started on, which is pruned when the worker
+    started on an untagged one; a constructor that raises is not restarted again."""
+    try:
+        return _local_dir(path, version, store), version
+    except KeyError:  # the store no longer has it
+        from storage.weights import WeightStore
+
+        weights = WeightStore(store)
+        latest = weights.latest()
+        if latest is None or latest == version:
+            raise
+        return weights.load(latest, "serving"), latest
+
+
 class EngineHost:
     """One TorchEngine replica as its :data:`EngineActor` runs it (an async actor: requests
     batch)."""
@@ -65,9 +82,10 @@ class EngineHost:
         store: RunStore | None = None,
     ):
         self.store = store
+        path, version = _start_dir(model_dir, version, store)
         self.engine = TorchEngine.from_config(
             TorchEngineConfig.model_validate(config | {"device": actor_device(config["device"])}),
-            _local_dir(model_dir, version, store),
+            path,
             name=name,
             version=version,
         )
@@ -89,9 +107,10 @@ class EngineHost:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def health(self) -> tuple[bool, int]:
-        """Whether the engine is up, and this process's id (another one: Ray restarted the actor)."""
-        return await self.engine.health(), os.getpid()
+    async def health(self) -> tuple[bool, int, int]:
+        """Whether the engine is up, this process's id (another one: Ray restarted the actor)
+        and the version it serves."""
+        return await self.engine.health(), os.getpid(), self.engine.version
 
     async def close(self) -> None:
         await self.engine.close()
@@ -116,11 +135,11 @@ class RayEngine:
         store: the run's store, for actors on nodes that do not see ``model_dir``.
         actor_options: Ray resource options of the actor (``num_cpus``, ``num_gpus`` …);
             by default one GPU when the engine runs on CUDA, else one CPU. An actor that dies
-            is restarted on ``model_dir`` (``max_restarts=-1`` unless set here): the worker's
-            health check takes the replica out meanwhile, and loads its current version onto
-            it before putting it back. A restart between two probes is seen by the next one,
-            which sets ``version`` back to the start version that the new actor serves: the
-            health check then loads its own.
+            is restarted on ``model_dir`` (``max_restarts=-1`` unless set here), or on the
+            store's latest version once retention deleted ``version``: the worker's health
+            check takes the replica out meanwhile, and loads its current version onto it before
+            putting it back. A restart between two probes is seen by the next one, which sets
+            ``version`` to the one the new actor serves: the health check then loads its own.
 
     ``stats()`` is synchronous in the protocol, so it waits (at most 10 s) for the actor's
     counters; an actor that does not answer reports empty counters, a closed engine the
@@ -147,10 +166,10 @@ class RayEngine:
             ),
         }
         self.name = name
-        self.version = self.start_version = version
+        self.version = version
         self._loaded_in: int | None = None
-        """Process id of the actor that loaded ``version``; None while it is ``start_version``,
-        which the actor serves in every process Ray restarts it in."""
+        """Process id of the actor that loaded ``version``; None while the actor serves what it
+        started on, which every probe reports (a restarted actor's may differ from the first's)."""
         self.actor_options = options
         self.actor = EngineActor.options(**options).remote(
             config.model_dump(), str(model_dir), name, version, store
@@ -199,12 +218,13 @@ class RayEngine:
 
     async def health(self) -> bool:
         try:
-            healthy, pid = await self._call("health")
+            healthy, pid, served = await self._call("health")
         except EngineError:
             return False
-        if self._loaded_in is not None and pid != self._loaded_in:
-            # Ray restarted the actor on model_dir: what it loaded went with the old process
-            self.version, self._loaded_in = self.start_version, None
+        if self._loaded_in is None or pid != self._loaded_in:
+            # Ray restarted the actor on model_dir (or the latest version, see _start_dir): what
+            # it loaded went with the old process
+            self.version, self._loaded_in = served, None
         return bool(healthy)
 
     async def pid(self) -> int:

@@ -501,6 +501,19 @@ def test_ray_engines_no_node_can_place_fail_the_start_with_what_they_ask_for(run
     assert len(killed) == 2
 
 
+async def restarted_pid(engine: RayEngine, before: int) -> int | None:
+    """The process id of ``engine``'s actor once Ray restarted it (None: not within 60 s)."""
+    for _ in range(600):
+        try:
+            pid = await engine.pid()
+            if pid != before:
+                return pid
+        except EngineError:  # dead, or not restarted yet
+            pass
+        await asyncio.sleep(0.1)
+    return None
+
+
 def test_a_killed_engine_actor_restarts_and_serves_again(run):
     """The engine's actor dies (OOM-killed, its node lost): Ray restarts it, so the worker's
     health check finds the replica up again and puts it back, instead of the replica being
@@ -509,17 +522,6 @@ def test_a_killed_engine_actor_restarts_and_serves_again(run):
     says so once a probe answers, so the worker's health check loads its own onto it (the
     restart may fall between two probes, which then never see it down)."""
     _, _, weights = run
-
-    async def restarted_pid(engine: RayEngine, before: int) -> int | None:
-        for _ in range(600):
-            try:
-                pid = await engine.pid()
-                if pid != before:
-                    return pid
-            except EngineError:  # dead, or not restarted yet
-                pass
-            await asyncio.sleep(0.1)
-        return None
 
     async def body():
         remote = RayEngine(TorchEngineConfig(), weights.load(0), name="restarts", version=0)
@@ -538,3 +540,33 @@ def test_a_killed_engine_actor_restarts_and_serves_again(run):
     assert healthy
     assert generation.versions == [0] * len(generation.token_ids)
     assert version == 0, "the engine still claims the version its dead actor loaded"
+
+
+def test_an_engine_actor_whose_start_version_was_pruned_restarts_on_the_latest(tmp_path):
+    """Ray restarts an actor with its first arguments, so on the version its worker started
+    on: by the time it dies, retention may have deleted that version (a worker that joined a
+    run after its untagged version 1). The restarted actor serves the store's latest version
+    and its engine says so, rather than its constructor failing, which Ray never retries:
+    the replica would be lost for the rest of the run."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "pruned")
+    weights = WeightStore(store)
+    model, tokenizer = build_tiny_model(TINY)
+    for step in range(3):
+        publish_policy(weights, model, tokenizer, step=step, tag="base" if step == 0 else None)
+
+    async def body():
+        remote = RayEngine(TorchEngineConfig(), weights.load(1), name="pruned", version=1, store=store)
+        try:
+            before = await remote.pid()
+            assert weights.retain(keep_last=1) == [1]
+            ray.kill(remote.actor, no_restart=False)
+            after = await restarted_pid(remote, before)
+            healthy = await remote.health()
+            return after, healthy, remote.version, await remote.generate("s", PROMPTS[0], PARAMS)
+        finally:
+            await remote.close()
+
+    after, healthy, version, generation = asyncio.run(body())
+    assert after is not None, "the engine actor did not come back"
+    assert healthy and version == 2
+    assert generation.versions == [2] * len(generation.token_ids)
