@@ -65,7 +65,7 @@ from storage.status import (
     TrainerStatusBoard,
     is_fresh,
 )
-from storage.weights import WeightStore
+from storage.weights import CorruptVersion, WeightStore
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,8 @@ class RolloutWorker:
         self._loading = asyncio.Lock()
         """Held while weights are loaded into the engines (new versions, or a replica back up)."""
         self.version_loads: list[tuple[int, float]] = []
+        self._refused: int | None = None
+        """The newest version refused as corrupt: not fetched again (immutable, it stays so)."""
         self._shards_at_version = 0
         self.orchestrator: Orchestrator | None = None
         self.service: RolloutService | None = None
@@ -275,6 +277,8 @@ class RolloutWorker:
     async def sync_weights(self) -> bool:
         """Load the newest published version into every healthy engine; True when one was loaded.
 
+        A version refused as corrupt (``CorruptVersion``, raised once) is not fetched again:
+        the engines keep theirs until a newer one is published.
         A replica that is down is skipped: it cannot load anything, and failing the whole
         update for it would make the healthy replicas reload the version at every poll.
         """
@@ -283,9 +287,13 @@ class RolloutWorker:
 
     async def _sync_weights(self) -> bool:
         latest = await asyncio.to_thread(self.weights.latest)
-        if latest is None or latest == self.version:
+        if latest is None or latest in (self.version, self._refused):
             return False
-        path = await asyncio.to_thread(self.weights.load, latest, "serving")
+        try:
+            path = await asyncio.to_thread(self.weights.load, latest, "serving")
+        except CorruptVersion:
+            self._refused = latest
+            raise
         await self._load_on(self.engines, latest, path)
         self.version = latest
         self._shards_at_version = self.writer.committed

@@ -16,7 +16,7 @@ from rollout.engines.base import EngineError, SamplingParams
 from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine
 from rollout.router import RouterConfig
 from storage.shards import ShardReader
-from storage.weights import WeightStore
+from storage.weights import CorruptVersion, WeightStore
 from tests.rl.test_trainer import TINY
 from tests.rollout.vllm_standin import StandinServer
 from tests.tasks.test_elastic_plan import make_worker, until
@@ -354,3 +354,37 @@ def test_a_replica_whose_probe_hangs_does_not_hold_up_a_new_version(local_store,
             await worker.close()
 
     asyncio.run(body())
+
+
+def test_a_corrupt_version_is_refused_once_and_the_next_one_is_loaded(store, monkeypatch):
+    """LATEST names a version whose weights do not match its manifest: the worker keeps
+    serving its version and does not fetch and hash the refused one again at every poll
+    (the whole policy, downloaded again from S3) until a new version comes."""
+    run = RunConfig(engine={"replicas": 1}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 1})
+    weights = WeightStore(store)
+    ensure_base_version(weights, TINY)
+    worker = make_worker(store, run)
+    model, tokenizer = load_policy(weights.load(0))
+    loads = []
+    load = worker.weights.load
+    monkeypatch.setattr(worker.weights, "load", lambda *args: (loads.append(args[0]), load(*args))[1])
+
+    async def body() -> list[bool]:
+        await worker.start()
+        try:
+            publish_policy(weights, model, tokenizer, step=1)
+            model_file = f"{weights.version_path(1)}/model.safetensors"
+            payload = bytearray(store.fs.cat_file(model_file))
+            payload[-1] ^= 0xFF
+            store.fs.pipe_file(model_file, bytes(payload))
+            with pytest.raises(CorruptVersion, match="model.safetensors"):
+                await worker.sync_weights()
+            synced = [await worker.sync_weights() for _ in range(3)]
+            publish_policy(weights, model, tokenizer, step=2)
+            return [*synced, await worker.sync_weights()]
+        finally:
+            await worker.close()
+
+    assert asyncio.run(body()) == [False, False, False, True]
+    assert loads == [0, 1, 2]
+    assert worker.version == worker.engines[0].version == 2
