@@ -2,7 +2,9 @@
 # Launch the vLLM server that rollout.engines.vllm_engine.VLLMEngine talks to.
 #   deployments/vllm/launch.sh VENV MODEL_DIR [PORT] [extra vllm serve args...]
 # VENV: the environment built from deployments/vllm/requirements.txt.
-# MODEL_DIR: a weight version directory (config.json, model.safetensors, tokenizer files).
+# MODEL_DIR: a checkpoint of the run's model (config.json, model*.safetensors, tokenizer files):
+# its base checkpoint, or a weight version directory; a rollout worker loads the run's newest
+# version onto the server as it starts.
 set -euo pipefail
 VENV=${1:?usage: launch.sh VENV MODEL_DIR [PORT] [vllm serve args...]}
 MODEL_DIR=${2:?usage: launch.sh VENV MODEL_DIR [PORT] [vllm serve args...]}
