@@ -109,12 +109,15 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             pa.field("reward", pa.float32(), nullable=False),
             pa.field("count", pa.int32(), nullable=False),
             pa.field("time", UTC_MICROS, nullable=False),
+            pa.field("tasks", pa.int32()),
         ]
     ),
 }
 """Canonical schema of each Delta table; a field marked not-nullable must be given.
 ``train_steps.value_loss`` is null for a step that took no critic step (GRPO mode has no
-critic): a NaN there made every ``AVG(value_loss)`` NaN."""
+critic): a NaN there made every ``AVG(value_loss)`` NaN. ``evals.count`` is the rollouts
+measured, ``evals.tasks`` the tasks evaluated, those that failed outside the policy included
+(null in rows written before it was added)."""
 
 TABLE_CONFIGURATION = {"delta.enableChangeDataFeed": "true"}
 """Set when a table is created (ignored by later appends): the change feed is how

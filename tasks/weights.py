@@ -196,6 +196,7 @@ def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResul
                 "reward": result.reward[env],
                 "count": result.count[env],
                 "time": datetime.now(UTC),
+                "tasks": sum(result.statuses[env].values()),
             }
             for env in result.reward
         ],
@@ -205,12 +206,17 @@ def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResul
 
 def recorded_eval(config: RunConfig, version: int | None) -> EvalResult | None:
     """``version``'s latest row of each env of the mix in the ``evals`` table; None unless
-    every env has one over its :func:`eval_tasks`. Its ``statuses`` are empty: the
-    table does not keep them."""
+    every env has one over its :func:`eval_tasks` (``tasks``, or ``count`` in a row older
+    than that column). Its ``statuses`` are empty: the table does not keep them."""
     evals = Tables(run_store(config)).read("evals").sort_by("time").to_pylist()
     latest = {row["env"]: row for row in evals if row["version"] == version}
     mix = list(config.orchestrator.mix)
-    if any(latest.get(env, {}).get("count") != len(eval_tasks(config, env)) for env in mix):
+
+    def evaluated(env: str) -> int | None:
+        row = latest.get(env, {})
+        return row.get("count") if row.get("tasks") is None else row["tasks"]
+
+    if any(evaluated(env) != len(eval_tasks(config, env)) for env in mix):
         return None
     return EvalResult(
         version=version,

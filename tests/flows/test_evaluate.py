@@ -64,6 +64,33 @@ def test_an_env_whose_eval_split_holds_fewer_tasks_than_asked_is_evaluated_on_al
     assert Tables(run_store(config)).read("evals").num_rows == 2
 
 
+def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_the_policy(
+    tmp_path, monkeypatch
+):
+    """A row's count is the rollouts measured: one env_error among the 4 tasks leaves 3, and
+    the row still stands for those 4 tasks, so a rerun reuses it rather than evaluate again."""
+    import tasks.weights
+    from rollout.evaluate import EvalResult
+
+    config = tiny_config(tmp_path / "runs", "eval-env-error", warm_start={"enabled": False})
+    base = build_base_version(config, log=lambda line: None)
+    measured = EvalResult(
+        version=base,
+        reward={"arith": 1.0, "guess": 0.5},
+        count={"arith": 3, "guess": 4},
+        statuses={"arith": {"ok": 3, "env_error": 1}, "guess": {"ok": 4}},
+    )
+    calls = []
+    monkeypatch.setattr(
+        tasks.weights, "evaluate_weights", lambda config, version: calls.append(1) or measured
+    )
+    evaluating(config, base, reuse=True)
+    again = evaluating(config, base, reuse=True)
+    assert len(calls) == 1, "the recorded evaluation was run again"
+    assert again["statuses"] == {} and again["count"] == {"arith": 3, "guess": 4}
+    assert Tables(run_store(config)).read("evals").num_rows == 2
+
+
 def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fails_and_records_nothing(
     tmp_path, monkeypatch
 ):
