@@ -56,6 +56,11 @@ class GatewayConfig(BaseModel):
         description="How the policy writes tool calls, parsed into the OpenAI reply's tool_calls "
         "(hermes: <tool_call> JSON blocks, as Qwen2.5/Qwen3 templates ask); null refuses tool definitions.",
     )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables given to the chat template on every rendering (vLLM's chat_template_kwargs), "
+        "e.g. {enable_thinking: false} for Qwen3 to answer without a thinking block.",
+    )
 
 
 class ChatRenderer:
@@ -63,21 +68,26 @@ class ChatRenderer:
 
     ``first`` renders a whole conversation; ``delta`` renders only new messages as they
     would follow an assistant turn, so earlier tokens never need re-encoding.
+    ``template_kwargs`` are variables the template reads (``enable_thinking`` …).
     """
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, template_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         self._base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
         self._prefix = self._render(self._base, add_generation_prompt=False)
         if _MARK not in self._prefix:
             raise ValueError("the chat template does not render assistant content verbatim")
         self.closing = self._prefix[self._prefix.rindex(_MARK) + len(_MARK) :]
         """Text the template writes after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        self._asked = self._render(self._base[:1], add_generation_prompt=False)
+        """The messages before the assistant turn, rendered alone."""
         self._leads = (
             self._prefix[: self._prefix.rindex(_MARK)],
             self._render(self._base[:1], add_generation_prompt=True),
         )
-        """What may precede an earlier assistant message's content in a delta's rendering."""
+        """What an earlier assistant message's content may be preceded by in a delta's
+        rendering, or a prefix of it that holds :attr:`_asked`."""
 
     def _render(
         self,
@@ -91,6 +101,7 @@ class ChatRenderer:
                 tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
+                **self.template_kwargs,
             )
         except (TemplateError, TypeError) as exc:  # a field the template cannot take (no content, a number …)
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
@@ -121,12 +132,19 @@ class ChatRenderer:
         cut at the length limit, whatever text its last token decodes to).
         """
         full = self._render([*self._base, *messages], add_generation_prompt=True)
-        # Before the assistant's content, the earlier messages must render as they do when
-        # the assistant turn ends the conversation, or as the prompt the model continued
-        # (Qwen3 writes an empty <think> block into the last assistant turn only; the
-        # session holds what the model itself generated there).
+        # Before the assistant's content, the earlier messages must render as they do alone.
+        # The assistant turn's opening may be as when it ends the conversation, as the prompt
+        # the model continued, or shorter: Qwen3 writes an empty <think> block into the last
+        # assistant turn only, and into the prompt with enable_thinking false; the session
+        # holds what the model saw there.
         at = full.find(_MARK)
-        if at < 0 or full[:at] not in self._leads or not full.startswith(self.closing, at + len(_MARK)):
+        head = full[:at]
+        if (
+            at < 0
+            or not head.startswith(self._asked)
+            or not any(lead.startswith(head) for lead in self._leads)
+            or not full.startswith(self.closing, at + len(_MARK))
+        ):
             raise InvalidRequest(
                 "the chat template renders earlier messages differently when new ones follow; "
                 "cannot append messages as a delta"
@@ -482,7 +500,11 @@ class Gateway:
         self.router = router
         self.tokenizer = tokenizer
         self.config = config or GatewayConfig()
-        self.renderer = ChatRenderer(tokenizer) if tokenizer is not None and tokenizer.chat_template else None
+        self.renderer = (
+            ChatRenderer(tokenizer, self.config.chat_template_kwargs)
+            if tokenizer is not None and tokenizer.chat_template
+            else None
+        )
         if self.config.vocab_size is not None:
             self.vocab_size = self.config.vocab_size
         elif tokenizer is not None:

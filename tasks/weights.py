@@ -36,7 +36,7 @@ def demonstration_data(
     ``envs`` (the mix when None; ``warm_start.demos`` or ``demos_per_env`` of each, 0 leaving
     it out), laid out as the gateway does. An env that cannot give as many (too few train
     problems, no scripted solver) is a ``ValueError`` naming the setting to change."""
-    renderer = ChatRenderer(tokenizer)
+    renderer = ChatRenderer(tokenizer, config.gateway.chat_template_kwargs)
     sequences, masks = [], []
     for name in envs or list(config.orchestrator.mix):
         env_config = config.env_config(name)

@@ -244,6 +244,26 @@ def test_demonstrations_an_env_cannot_give_are_a_config_error_naming_the_setting
     assert len(demonstration_data(left_out, tokenizer, ["arith", "code"])[0]) == 2
 
 
+def test_demonstrations_are_rendered_with_the_gateways_template_variables(tmp_path):
+    """The warm start learns the prompts the rollouts will show: with
+    ``gateway.chat_template_kwargs`` (Qwen3's ``enable_thinking: false``), the same ones."""
+    from tests.rollout.test_gateway import QWEN3_LIKE
+
+    _, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    tokenizer.chat_template = QWEN3_LIKE
+    quiet = tiny_config(
+        tmp_path / "runs",
+        orchestrator={"mix": {"arith": 1.0}},
+        warm_start={"demos": {"arith": 1, "guess": 0}},
+        gateway={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    sequences, masks = demonstration_data(quiet, tokenizer, ["arith"])
+    text = tokenizer.decode(sequences[0])
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\n" in text
+    trained = tokenizer.decode([t for t, m in zip(sequences[0], masks[0], strict=True) if m])
+    assert "<think>" not in trained, "the block is prompt, not a demonstrated action"
+
+
 def test_the_warm_start_trains_on_the_trainers_device(tmp_path, monkeypatch):
     """``trainer_device`` reaches the supervised warm start (the meta device stands in for a
     GPU here: the model is put there, and training stops at once)."""

@@ -127,6 +127,41 @@ def test_a_template_that_marks_only_the_last_assistant_turn_still_takes_deltas(t
         ChatRenderer(counting).delta(new, stopped)
 
 
+QWEN3_LIKE = (
+    "{% set quiet = enable_thinking is defined and enable_thinking is false %}"
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['role'] == 'assistant' and loop.last and quiet %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}"
+    "{{ message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% if quiet %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"
+)
+"""A template that, like Qwen3's, writes an empty thinking block into the generation prompt
+(and the last assistant turn) when ``enable_thinking`` is false."""
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}])
+def test_the_chat_template_gets_the_configured_variables_on_every_turn(tiny, kwargs):
+    model, tokenizer = tiny
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = QWEN3_LIKE
+    prompt_end = "<|im_start|>assistant\n" + ("<think>\n\n</think>\n\n" if kwargs else "")
+    config = GatewayConfig(max_context_tokens=512, chat_template_kwargs=kwargs)
+
+    async def body():
+        async with running_gateway((model, thinking), config=config) as gateway:
+            session = gateway.open(task="arith", prompt_id="p1")
+            session.add_messages(USER)
+            first = await session.generate(SamplingParams(max_new_tokens=4, seed=1))
+            assert thinking.decode(session.tokens[: -len(first.token_ids)]).endswith(prompt_end)
+            held = len(session.tokens)
+            session.add_messages([{"role": "user", "content": "again"}])
+            second = await session.generate(SamplingParams(max_new_tokens=4, seed=2))
+            appended = thinking.decode(session.tokens[held : -len(second.token_ids)])
+            assert appended.endswith("again<|im_end|>\n" + prompt_end)
+
+    asyncio.run(body())
+
+
 def test_generated_tokens_are_never_re_tokenized(tiny):
     """The sampled action is not the canonical tokenization of its own text; the record
     keeps the sampled ids, including after the next turn is appended."""
