@@ -46,6 +46,7 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
     assert config.engine.kind == "vllm" and config.trainer_device == "cuda"
     assert config.sao.activation_checkpointing and config.sao.micro_token_budget == 32768
     assert config.sao.mixed_precision == "bf16"
+    assert config.gateway.chat_template_kwargs == {"enable_thinking": False}, "Qwen3 answers without thinking"
 
 
 @pytest.mark.parametrize(
