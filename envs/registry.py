@@ -58,8 +58,10 @@ def task_set(
 def task_pool(
     name: str, split: Split, seed: int, n: int, config: EnvConfig | dict[str, Any] | None = None
 ) -> list[Task]:
-    """:func:`task_set`, but every distinct task of ``split`` when it holds fewer than ``n``
-    (``code``'s few hundred functions, a small ``max_operand``); one that holds none raises."""
+    """:func:`task_set`, but every distinct task of ``split`` when an env that draws distinct
+    tasks holds fewer than ``n`` (``code``'s few hundred functions, a small ``max_operand``);
+    one that holds none raises. Envs that repeat their tasks to make ``n`` (``dataset``,
+    ``agent``, ``guess``) give ``n``."""
     try:
         return task_set(name, split, seed, n, config)
     except TooFewTasks as exc:

@@ -231,8 +231,8 @@ def _statuses(counts: dict[str, int]) -> str:
 
 
 def eval_tasks(config: RunConfig, name: str, split: Split = "eval") -> list[Task]:
-    """The ``eval.tasks_per_env`` problems of env ``name``'s ``split`` an evaluation runs, or
-    all of them when the split holds fewer."""
+    """The ``eval.tasks_per_env`` problems of env ``name``'s ``split`` an evaluation runs
+    (:func:`~envs.registry.task_pool`: all of a split of fewer distinct ones)."""
     return registry.task_pool(
         name, split, config.eval.seed, config.eval.tasks_per_env, config.env_config(name)
     )
