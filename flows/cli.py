@@ -89,8 +89,7 @@ def inspect_run(store) -> str:
     evals = tables.read("evals").sort_by([("version", "ascending"), ("env", "ascending")])
     lines.append("\nheld-out reward per version:")
     lines += [
-        f"  v{r['version']:<4} {r['env']:<8} {r['reward']:.3f}  ({r['count']} tasks)"
-        for r in evals.to_pylist()
+        f"  v{r['version']:<4} {r['env']:<8} {r['reward']:.3f}  ({_measured(r)})" for r in evals.to_pylist()
     ]
     trajectories = tables.read("trajectories")
     lines.append("\nreward of generated trajectories by the newest version that generated them:")
@@ -115,6 +114,14 @@ def inspect_run(store) -> str:
     steps = one_row_per_step(tables.read("train_steps"))
     lines.append(f"\npolicy steps logged: {steps.num_rows}")
     return "\n".join(lines)
+
+
+def _measured(row: dict) -> str:
+    """How many of an evaluation's tasks an ``evals`` row measured (``tasks`` is null in rows
+    written before it, when every task counted)."""
+    if row["tasks"] is None or row["tasks"] == row["count"]:
+        return f"{row['count']} tasks"
+    return f"{row['count']} of {row['tasks']} tasks measured"
 
 
 def _run(args) -> None:

@@ -192,6 +192,23 @@ def test_inspect_shows_a_group_without_rewards_as_a_dash(local_store):
     assert "v1    arith    1.000  (1 trajectories)" in out
 
 
+def test_inspect_says_how_many_of_an_evaluations_tasks_were_measured(local_store):
+    """Rollouts that failed outside the policy are left out of an evaluation's reward."""
+    time = datetime(2026, 1, 1, tzinfo=UTC)
+    Tables(local_store).append(
+        "evals",
+        [
+            {"version": 0, "env": "arith", "reward": 0.5, "count": 4, "tasks": 4, "time": time},
+            {"version": 0, "env": "code", "reward": 0.25, "count": 3, "tasks": 5, "time": time},
+            {"version": 1, "env": "arith", "reward": 0.75, "count": 6, "tasks": None, "time": time},
+        ],
+    )
+    out = inspect_run(local_store)
+    assert "v0    arith    0.500  (4 tasks)" in out
+    assert "v0    code     0.250  (3 of 5 tasks measured)" in out
+    assert "v1    arith    0.750  (6 tasks)" in out
+
+
 def test_inspect_and_sql_reach_a_run_on_an_s3_compatible_store(s3_server, tmp_path):
     store = RunStore(s3_server.config(), "on-s3")
     Tables(store).append("trajectories", [trajectory_row("arith", 0, 0.5, "ok")])
