@@ -88,6 +88,8 @@ class ChatRenderer:
         )
         """What an earlier assistant message's content may be preceded by in a delta's
         rendering, or a prefix of it that holds :attr:`_asked`."""
+        self._opening = self._leads[1].removeprefix(self._asked)
+        """How the generation prompt opens an assistant turn (e.g. ``<|im_start|>assistant\\n``)."""
 
     def _render(
         self,
@@ -136,7 +138,8 @@ class ChatRenderer:
         # The assistant turn's opening may be as when it ends the conversation, as the prompt
         # the model continued, or shorter: Qwen3 writes an empty <think> block into the last
         # assistant turn only, and into the prompt with enable_thinking false; the session
-        # holds what the model saw there.
+        # holds what the model saw there. What a shorter opening leaves out must then be what
+        # every prompt writes, not something that changes from turn to turn (a turn count).
         at = full.find(_MARK)
         head = full[:at]
         if (
@@ -144,6 +147,7 @@ class ChatRenderer:
             or not head.startswith(self._asked)
             or not any(lead.startswith(head) for lead in self._leads)
             or not full.startswith(self.closing, at + len(_MARK))
+            or (head not in self._leads and not full.endswith(self._opening))
         ):
             raise InvalidRequest(
                 "the chat template renders earlier messages differently when new ones follow; "

@@ -127,6 +127,23 @@ def test_a_template_that_marks_only_the_last_assistant_turn_still_takes_deltas(t
         ChatRenderer(counting).delta(new, stopped)
 
 
+def test_a_template_that_counts_turns_in_the_prompt_it_leaves_out_of_earlier_turns_is_refused(tiny):
+    """Like Qwen3's block, the turn number opens the prompt and the last assistant turn
+    only; but it changes: a delta rendered after the one probe turn would prompt turn 2
+    on every later turn (the template prompts turn 3 on the third)."""
+    _, tokenizer = tiny
+    numbered = copy.deepcopy(tokenizer)
+    numbered.chat_template = (
+        "{% set ns = namespace(n=0) %}{% for message in messages %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
+        "{% set ns.n = ns.n + 1 %}{% if loop.last %}{{ '[' ~ ns.n ~ ']\\n' }}{% endif %}{% endif %}"
+        "{{ message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n[' ~ (ns.n + 1) ~ ']\\n' }}{% endif %}"
+    )
+    with pytest.raises(InvalidRequest, match="renders earlier messages differently"):
+        ChatRenderer(numbered).delta([{"role": "user", "content": "again"}], None)
+
+
 QWEN3_LIKE = (
     "{% set quiet = enable_thinking is defined and enable_thinking is false %}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
