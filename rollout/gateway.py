@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from jinja2 import TemplateError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
 from rollout.router import Router
@@ -37,6 +37,14 @@ _PROBE_TOOL = {
 
 class UnknownSession(LookupError):
     """No open session has this id."""
+
+
+RENDERING_ARGUMENTS = frozenset(
+    {"conversation", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+     "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
+     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
+)  # fmt: skip
+"""Arguments of ``apply_chat_template`` that the gateway sets: not template variables."""
 
 
 class GatewayConfig(BaseModel):
@@ -61,6 +69,14 @@ class GatewayConfig(BaseModel):
         description="Variables given to the chat template on every rendering (vLLM's chat_template_kwargs), "
         "e.g. {enable_thinking: false} for Qwen3 to answer without a thinking block.",
     )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables_only(cls, value: dict[str, Any]) -> dict[str, Any]:
+        taken = sorted(set(value) & RENDERING_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{taken} are set by the gateway itself, not template variables")
+        return value
 
 
 class ChatRenderer:

@@ -179,6 +179,12 @@ def test_the_chat_template_gets_the_configured_variables_on_every_turn(tiny, kwa
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("name", ["tokenize", "add_generation_prompt", "continue_final_message"])
+def test_a_rendering_argument_given_as_a_template_variable_is_refused_with_the_config(name):
+    with pytest.raises(ValueError, match=rf"\['{name}'\] are set by the gateway itself"):
+        GatewayConfig(chat_template_kwargs={name: True, "enable_thinking": False})
+
+
 def test_generated_tokens_are_never_re_tokenized(tiny):
     """The sampled action is not the canonical tokenization of its own text; the record
     keeps the sampled ids, including after the next turn is appended."""
