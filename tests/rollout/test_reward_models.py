@@ -35,6 +35,11 @@ TINY = TinyModelConfig(
 JUDGES = {"arith": "judge-a", "guess": "judge-b"}
 
 
+def judged_env(task):
+    """An env of ``task`` scored by its judge of :data:`JUDGES`."""
+    return registry.make(task.env, registry.make_config(task.env, {"reward_model": JUDGES[task.env]}))
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
@@ -89,13 +94,10 @@ def test_rollouts_are_scored_by_their_envs_reward_model_in_a_reward_slot(tiny, j
     )
     calls: list[tuple[str, list[dict], float, float]] = []
 
-    def make_env(task):
-        return registry.make(task.env, registry.make_config(task.env, {"reward_model": JUDGES[task.env]}))
-
     async def body():
         engine = TorchEngine(model, tokenizer)
         gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
-        service = RolloutService(gateway, make_env, config)
+        service = RolloutService(gateway, judged_env, config)
         policy = service.scheduler.policy
         score = service.rewards.score
 
@@ -155,13 +157,10 @@ def test_a_reward_model_that_fails_to_score_is_an_infra_error_and_the_service_ke
         reward_models={name: RewardModelConfig(path=path) for name, path in judges.items()},
     )
 
-    def make_env(task):
-        return registry.make(task.env, registry.make_config(task.env, {"reward_model": JUDGES[task.env]}))
-
     async def body():
         engine = TorchEngine(model, tokenizer)
         gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
-        service = RolloutService(gateway, make_env, config)
+        service = RolloutService(gateway, judged_env, config)
         task = registry.task_set("arith", "train", seed=0, n=1)[0]
         try:
             results = [await service.process(RolloutRequest(task=task, seed=1)) for _ in range(2)]
@@ -278,13 +277,12 @@ def test_held_out_evaluation_scores_with_the_run_s_reward_models(tiny, judges):
     )
     tasks = registry.task_set("arith", "eval", seed=0, n=2)
 
-    def make_env(task):
-        return registry.make(task.env, registry.make_config(task.env, {"reward_model": JUDGES[task.env]}))
-
     async def body():
         engine = TorchEngine(model, tokenizer)
         try:
-            return await evaluate(engine, tokenizer, tasks, make_env, service_config=config, temperature=1.0)
+            return await evaluate(
+                engine, tokenizer, tasks, judged_env, service_config=config, temperature=1.0
+            )
         finally:
             await engine.close()
 
