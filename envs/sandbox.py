@@ -188,8 +188,9 @@ def _bwrap_sizes_tmpfs() -> bool:
     if path is None:
         return False
     probe = [path, "--ro-bind", "/", "/", "--size", "1048576", "--tmpfs", "/tmp", "--unshare-all", "true"]
-    if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
-        return True
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
+            return True
     log.warning(
         "bwrap takes no --size for a tmpfs (bubblewrap < 0.7): /dev/shm in bwrap sandboxes is unbounded"
     )
