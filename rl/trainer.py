@@ -220,7 +220,9 @@ class Trainer:
     # -- state ---------------------------------------------------------------------------
 
     def _resume(self) -> None:
-        version = self.weights.latest()
+        # a trainer killed between a version's manifest and LATEST left that version
+        # complete: resumed from LATEST, its rows would be trained again in another version
+        version = self.weights.recover_latest()
         if version is None:
             raise FileNotFoundError(
                 f"no weight version in {self.store.url('weights')}: publish a base version first "

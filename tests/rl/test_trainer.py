@@ -902,6 +902,46 @@ def test_exactly_once_across_sigkill_restarts(store):
     assert chain[-1]["step"] == 14, f"seed {seed}"
 
 
+KILLED_BEFORE_LATEST = """
+import os, signal, sys
+from rl.config import SAOConfig
+from rl.trainer import Trainer
+from storage.config import RunStore, StorageConfig
+from storage.weights import WeightStore
+store = RunStore(StorageConfig(root=sys.argv[1]), sys.argv[2])
+advance_latest = WeightStore._advance_latest
+def killed_before_latest(self, version):  # once its first version's manifest is written
+    if version > 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    advance_latest(self, version)
+WeightStore._advance_latest = killed_before_latest
+config = SAOConfig(lr=1e-3, value_lr=1e-3, token_budget=33, micro_token_budget=33, publish_every=1)
+Trainer(store, config).run(drain=True)
+"""
+
+
+def test_a_trainer_killed_between_a_versions_manifest_and_latest_resumes_from_that_version(store):
+    """The killed trainer's version is complete (LATEST still names its parent): the next
+    trainer resumes from it, so no other version trains its rows again."""
+    infos = write_shards(store, make_trajectories(store, 12, seed=5), per_shard=3)
+    child = subprocess.run(
+        [sys.executable, "-c", KILLED_BEFORE_LATEST, store.config.root, store.run_id],
+        env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.returncode == -signal.SIGKILL, child.stderr[-3000:]
+    weights = WeightStore(store)
+    assert (weights.list(), weights.latest()) == ([0, 1], 0)
+
+    trainer = Trainer(store, config(token_budget=33, micro_token_budget=33))
+    assert (trainer.version, trainer.step, weights.latest()) == (1, 1, 1)
+    trainer.run(drain=True)
+    assert [manifest["version"] for manifest in version_chain(weights)] == weights.list()
+    assert consumed_rows(weights) == {info.shard_id: 3 for info in infos}
+
+
 def test_the_policy_loss_is_normalised_by_the_batchs_total_loss_weight(store):
     # only the weights' ratios matter (an execution's weights sum to 1, whatever its length):
     # uniform weights of 2 must train exactly like weights of 1
