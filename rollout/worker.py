@@ -81,14 +81,17 @@ def task_streams(
     }
 
 
-def worker_seed(seed: int, worker: str) -> int:
-    """``seed`` made worker ``worker``'s own (40 bits: a valid ``OrchestratorConfig.seed``).
+def worker_seed(seed: int, worker: str, resumed_at: int = 0) -> int:
+    """``seed`` made worker ``worker``'s own (40 bits: a valid ``OrchestratorConfig.seed``),
+    and its own again at each restart after it committed shards (``resumed_at``: its next
+    shard number; 0 on a worker's first start).
 
     The workers of a run share its seeds; with them as they are, each would roll out the same
     tasks in the same order with the same sampling seeds: the same trajectories, at one
-    weight version.
+    weight version. So would a restarted worker, from the start of the stream it began with.
     """
-    return int.from_bytes(hashlib.sha256(f"{seed}/{worker}".encode()).digest()[:5], "big")
+    key = f"{seed}/{worker}" if resumed_at == 0 else f"{seed}/{worker}/{resumed_at}"
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:5], "big")
 
 
 class RolloutWorker:
@@ -96,9 +99,9 @@ class RolloutWorker:
 
     Args:
         store: the run's storage (weights are read, raw shards written).
-        name: worker name, used for its shards (``shards/raw/<name>/``); with it, the worker
-            makes the task seed ``seed`` and the orchestrator's sampling seed its own
-            (:func:`worker_seed`).
+        name: worker name, used for its shards (``shards/raw/<name>/``); with it and the
+            number of its next shard, the worker makes the task seed ``seed`` and the
+            orchestrator's sampling seed its own (:func:`worker_seed`).
         env_configs: validated config per environment in the mix.
         flush_records: records per raw shard; shards are written and committed off the event
             loop (``BackgroundShardWriter``), and ``on_shard`` is called with each once committed.
@@ -146,12 +149,6 @@ class RolloutWorker:
         self.engine_config = engine
         self.gateway_config = gateway
         self.service_config = service
-        self.orchestrator_config = orchestrator.model_copy(
-            update={"seed": worker_seed(orchestrator.seed, name)}
-        )
-        self.env_configs = dict(env_configs)
-        self.seed = worker_seed(seed, name)
-        self.weights = WeightStore(store)
         self.writer = BackgroundShardWriter(
             store,
             name,
@@ -160,6 +157,13 @@ class RolloutWorker:
             on_commit=on_shard,
             before_commit=before_commit,
         )
+        resumed_at = self.writer.next_seq
+        self.orchestrator_config = orchestrator.model_copy(
+            update={"seed": worker_seed(orchestrator.seed, name, resumed_at)}
+        )
+        self.env_configs = dict(env_configs)
+        self.seed = worker_seed(seed, name, resumed_at)
+        self.weights = WeightStore(store)
         self.router_config = router or RouterConfig()
         self.weight_poll_s = weight_poll_s
         self.close_retry_s = close_retry_s

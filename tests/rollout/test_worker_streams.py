@@ -13,8 +13,10 @@ from flows.config import RunConfig
 from rl.models import ensure_base_version
 from rollout.worker import RolloutWorker, task_streams
 from storage.config import RunStore, StorageConfig
+from storage.shards import ShardWriter
 from storage.weights import WeightStore
 from tests.rl.test_trainer import TINY
+from tests.storage.records import make_record
 
 
 def test_an_env_with_fewer_train_tasks_than_the_pool_streams_every_one_of_them_cycled():
@@ -59,5 +61,13 @@ def test_two_workers_of_a_run_roll_out_different_tasks_with_different_sampling_s
     (tasks_0, seed_0), (tasks_1, seed_1) = [asyncio.run(first_rollouts(name)) for name in ("w0", "w1")]
     assert tasks_0 != tasks_1
     assert seed_0 != seed_1
-    # a worker's seeds are its own, and the same each time it starts
+    # a worker's seeds are its own, and the same each time it starts before it commits a shard
     assert asyncio.run(first_rollouts("w0")) == (tasks_0, seed_0)
+    # restarted after it committed one (killed, say), it goes on with other tasks and sampling
+    # seeds: with the same ones it would roll out the start of its first stream again
+    writer = ShardWriter(store, "w0")
+    writer.write(make_record(0))
+    writer.close()
+    tasks_resumed, seed_resumed = asyncio.run(first_rollouts("w0"))
+    assert tasks_resumed != tasks_0 and seed_resumed != seed_0
+    assert asyncio.run(first_rollouts("w0")) == (tasks_resumed, seed_resumed)
