@@ -514,6 +514,15 @@ async def restarted_pid(engine: RayEngine, before: int) -> int | None:
     return None
 
 
+async def killed_and_restarted(engine: RayEngine, before: int):
+    """Kill ``engine``'s actor (pid ``before``) for Ray to restart; then the new pid (None: not
+    restarted), the first probe's answer, the version the engine then claims and a generation."""
+    ray.kill(engine.actor, no_restart=False)
+    after = await restarted_pid(engine, before)
+    healthy = await engine.health()
+    return after, healthy, engine.version, await engine.generate("s", PROMPTS[0], PARAMS)
+
+
 def test_a_killed_engine_actor_restarts_and_serves_again(run):
     """The engine's actor dies (OOM-killed, its node lost): Ray restarts it, so the worker's
     health check finds the replica up again and puts it back, instead of the replica being
@@ -527,11 +536,7 @@ def test_a_killed_engine_actor_restarts_and_serves_again(run):
         remote = RayEngine(TorchEngineConfig(), weights.load(0), name="restarts", version=0)
         try:
             await remote.load_version(1, weights.load(1))
-            before = await remote.pid()
-            ray.kill(remote.actor, no_restart=False)
-            after = await restarted_pid(remote, before)
-            healthy = await remote.health()
-            return after, healthy, remote.version, await remote.generate("s", PROMPTS[0], PARAMS)
+            return await killed_and_restarted(remote, await remote.pid())
         finally:
             await remote.close()
 
@@ -559,10 +564,7 @@ def test_an_engine_actor_whose_start_version_was_pruned_restarts_on_the_latest(t
         try:
             before = await remote.pid()
             assert weights.retain(keep_last=1) == [1]
-            ray.kill(remote.actor, no_restart=False)
-            after = await restarted_pid(remote, before)
-            healthy = await remote.health()
-            return after, healthy, remote.version, await remote.generate("s", PROMPTS[0], PARAMS)
+            return await killed_and_restarted(remote, before)
         finally:
             await remote.close()
 
