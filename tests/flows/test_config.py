@@ -342,6 +342,8 @@ def test_prefect_yaml_schedules_pools_and_trigger():
     assert parsed.within == parsed.schedule_after == timedelta(seconds=30)
     assert process["concurrency_limit"]["limit"] == 1
     assert deployments["pipeline/on-demand"]["concurrency_limit"] == 1
+    # two maintain passes at once delete the same files, and one fails on a file already gone
+    assert deployments["maintain/on-demand"]["concurrency_limit"] == 1
     run_id = process["parameters"]["config"]["run_id"]
     assert trigger["match"]["prefect.resource.id"] == f"treadle.run.{run_id}"
     # the pipeline processes its own run: a second processor there would process it twice
