@@ -6,13 +6,16 @@ Prefect sends the records of its run loggers to the API; the modules of ``storag
 publish the elastic plan", "a dead holder goes stale"), which reach only the console.
 :func:`module_logs_to_run` hands them to Prefect's API handler for as long as a flow runs.
 The loggers' levels are left as they are: with Prefect's logging config the root is at
-WARNING, so warnings and errors are what the UI shows.
+WARNING, so warnings and errors are what the UI shows. A message repeated many times a
+minute reaches the UI :data:`REPEATS_PER_WINDOW` times a minute, and the console every time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 from uuid import UUID
@@ -24,6 +27,14 @@ from prefect.settings import PREFECT_LOGGING_EXTRA_LOGGERS
 PACKAGES = ("storage", "envs", "rollout", "rl", "tasks")
 """Loggers (and their children) whose records go to the flow run."""
 
+REPEATS_PER_WINDOW = 10
+"""Records of one logger, level and message template a flow run's logs take per
+:data:`REPEAT_WINDOW_S`; the rest go to the worker's console only (an environment that fails
+every rollout logs a warning per rollout, hundreds a second)."""
+REPEAT_WINDOW_S = 60.0
+MAX_TEMPLATES = 1000
+"""Message templates counted before the ones whose window has passed are forgotten."""
+
 
 class _RunLogHandler(APILogHandler):
     """Prefect's API handler for a flow run's own loggers. A record logged where no run
@@ -33,6 +44,31 @@ class _RunLogHandler(APILogHandler):
     def __init__(self, flow_run_id: UUID):
         super().__init__()
         self.flow_run_id = flow_run_id
+        self._repeats: dict[tuple[str, int, Any], tuple[float, int]] = {}
+        self._repeats_lock = threading.Lock()
+
+    def _repeat(self, record: logging.LogRecord) -> int:
+        """How many records like ``record`` (its logger, level and template) this window
+        has seen, ``record`` included."""
+        key = (record.name, record.levelno, str(record.msg))
+        now = time.monotonic()
+        with self._repeats_lock:
+            if len(self._repeats) >= MAX_TEMPLATES:
+                self._repeats = {k: v for k, v in self._repeats.items() if now - v[0] < REPEAT_WINDOW_S}
+            started, count = self._repeats.get(key, (now, 0))
+            if now - started >= REPEAT_WINDOW_S:
+                started, count = now, 0
+            self._repeats[key] = (started, count + 1)
+            return count + 1
+
+    def emit(self, record: logging.LogRecord) -> None:
+        repeat = self._repeat(record)
+        if repeat > REPEATS_PER_WINDOW:
+            return
+        if repeat == REPEATS_PER_WINDOW:
+            note = f" (the rest within {REPEAT_WINDOW_S:.0f} s of the first: on the worker's console only)"
+            record = logging.makeLogRecord({**record.__dict__, "msg": record.getMessage() + note, "args": ()})
+        super().emit(record)
 
     def prepare(self, record: logging.LogRecord) -> dict[str, Any]:
         if (

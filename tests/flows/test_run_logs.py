@@ -12,7 +12,7 @@ from prefect.context import FlowRunContext
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import PREFECT_LOGGING_EXTRA_LOGGERS, temporary_settings
 
-from flows.run_logs import module_logs_to_run
+from flows.run_logs import REPEATS_PER_WINDOW, module_logs_to_run
 
 
 def run_logs(flow_run_id) -> list[tuple[str, int, str]]:
@@ -80,3 +80,25 @@ def test_a_module_in_prefects_extra_loggers_is_sent_once():
         ("rollout.worker", logging.WARNING, "replica r1 is down"),
         ("rollout.worker.beat", logging.WARNING, "beat late"),
     ]
+
+
+@flow
+def failing_every_rollout() -> str:
+    with module_logs_to_run():
+        service = logging.getLogger("rollout.service")
+        for i in range(500):
+            service.warning("rollout %s of %s/%s: %s", f"r{i}", "arith", i, "ValueError during run: bug")
+        service.warning("replica %s is down", "r0")
+    return str(FlowRunContext.get().flow_run.id)
+
+
+def test_a_warning_repeated_every_rollout_reaches_the_flow_run_a_few_times_and_the_console_every_time(caplog):
+    """An environment that fails every rollout logs a warning per rollout: the flow run's
+    logs (the Prefect API) take the first few of the minute, the console every one."""
+    flow_run_id = failing_every_rollout()
+    ours = [entry for entry in run_logs(flow_run_id) if entry[0] == "rollout.service"]
+    repeated = [message for _, _, message in ours if message.startswith("rollout ")]
+    assert len(repeated) == REPEATS_PER_WINDOW
+    assert "on the worker's console only" in repeated[-1]
+    assert [message for _, _, message in ours if not message.startswith("rollout ")] == ["replica r0 is down"]
+    assert sum(record.name == "rollout.service" for record in caplog.records) == 501
