@@ -683,7 +683,7 @@ def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | Non
     The files are listed before the commits are read, so a shard committed meanwhile counts
     as committed; ``older_than_s`` must exceed the time a writer takes from its file to its
     commit (seconds), or an in-flight shard could go: below :data:`MIN_SWEEP_AGE_S` it
-    raises ``ValueError``.
+    raises ``ValueError``. Two sweeps may run at once: each returns the files it removed.
     """
     if older_than_s < MIN_SWEEP_AGE_S:
         raise ValueError(
@@ -703,7 +703,10 @@ def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | Non
         if relative.startswith("shards/quarantine/") or relative in committed:
             continue
         if now - _modified(info) > older_than_s:
-            store.fs.rm_file(path)
+            try:
+                store.fs.rm_file(path)
+            except FileNotFoundError:
+                continue  # a sweep running beside this one removed it first
             removed.append(relative)
     return sorted(removed)
 

@@ -453,6 +453,25 @@ def test_sweeping_removes_only_old_files_no_commit_lists(store, monkeypatch):
     assert sweep_uncommitted(store, older_than_s=3600) == []
 
 
+def test_two_sweeps_at_once_each_remove_what_the_other_did_not(local_store, monkeypatch):
+    """A second sweep (maintain run from the CLI beside a deployment's) removes a file between
+    this sweep's listing and its delete: this one goes on and reports only its own."""
+    leftovers = [f"shards/tmp/raw/w0/{i:08d}.arrow-dead" for i in range(4)]
+    for path in leftovers:
+        local_store.create_exclusive(local_store.path(path), b"left behind")
+    hours_later(monkeypatch, 2)
+    find = local_store.fs.find
+
+    def find_then_other_sweep_deletes(*args, **kwargs):
+        found = find(*args, **kwargs)
+        local_store.fs.rm_file(local_store.path(leftovers[1]))
+        return found
+
+    monkeypatch.setattr(local_store.fs, "find", find_then_other_sweep_deletes)
+    assert sweep_uncommitted(local_store, older_than_s=3600) == sorted(leftovers[:1] + leftovers[2:])
+    assert not any(local_store.fs.exists(local_store.path(path)) for path in leftovers)
+
+
 @pytest.mark.parametrize("older_than_s", [0, 60, MIN_SWEEP_AGE_S - 1])
 def test_sweeping_refuses_an_age_a_live_writer_could_still_commit_within(local_store, older_than_s):
     tables = Tables(local_store)
