@@ -208,15 +208,18 @@ def _train_to_call_then_answer(model, tokenizer) -> dict[str, list[int]]:
     labels = sequence.clone()
     labels[0, : len(first)] = -100
     labels[0, len(first) + len(call) : len(first) + len(call) + len(after)] = -100
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    targets = labels[0, 1:]
+    learned = targets != -100
     model.train()
     for _ in range(400):
-        loss = model(input_ids=sequence, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
+        output = model(input_ids=sequence, labels=labels)
+        greedy = output.logits[0, :-1].argmax(-1)
+        if bool((greedy[learned] == targets[learned]).all()) and output.loss.item() < 0.05:
             break
+        optimizer.zero_grad()
+        output.loss.backward()
+        optimizer.step()
     model.eval()
     return {"first": first, "call": call, "after": after, "answer": answer}
 
