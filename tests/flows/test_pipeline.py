@@ -78,6 +78,10 @@ def test_pipeline_events_match_the_tables(pipeline_run):
     assert processed == committed
     published = sorted(e.payload["version"] for e in events if e.event == "treadle.weights.published")
     assert published == versions
+    # each shows on the pipeline's run page in the UI: the flow run is among its related resources
+    run_resource = f"prefect.flow-run.{pipeline_run.flow_run_id}"
+    unrelated = [e.event for e in events if run_resource not in {r.id for r in e.related}]
+    assert unrelated == []
 
 
 def test_pipeline_tables_read_by_duckdb(pipeline_run):
