@@ -3,7 +3,8 @@
 duckdb's own extension download needs the internet, so the ``delta`` and ``httpfs``
 extensions are loaded by file path from their PyPI wheels (``duckdb-extension-delta``,
 ``duckdb-extension-httpfs``). Every table of the run is a view of the same name (empty, with
-the table's columns, until the run first writes it).
+the table's columns, until the run first writes it); a column added to a table's schema since
+the run wrote the table reads as null, as ``Tables.read`` gives it, until its next append adds it.
 """
 
 from __future__ import annotations
@@ -56,12 +57,18 @@ def connect(store: RunStore):
         )
     tables = Tables(store)
     for name, schema in TABLE_SCHEMAS.items():
-        if tables.version(name) is not None:
-            connection.execute(
-                f"CREATE VIEW {name} AS SELECT * FROM delta_scan({_literal(_delta_scan_url(tables.uri(name)))})"
-            )
-        else:  # not written yet (a new run): empty, so queries over it answer rather than fail
+        present = tables.columns(name)
+        if present is None:  # not written yet (a new run): empty, so queries over it answer rather than fail
             connection.register(name, schema.empty_table())
+            continue
+        canonical = connection.from_arrow(schema.empty_table())
+        added = "".join(
+            f", CAST(NULL AS {kind}) AS {_identifier(column)}"
+            for column, kind in zip(canonical.columns, canonical.types, strict=True)
+            if column not in present
+        )
+        scan = f"delta_scan({_literal(_delta_scan_url(tables.uri(name)))})"
+        connection.execute(f"CREATE VIEW {name} AS SELECT *{added} FROM {scan}")
     return connection
 
 
@@ -70,6 +77,11 @@ def _delta_scan_url(url: str) -> str:
     paths, so a table under an ``s3a://`` root is named by the same object's ``s3://`` URL."""
     scheme, sep, rest = url.partition("://")
     return f"s3://{rest}" if sep and scheme in S3_SCHEMES else url
+
+
+def _identifier(name: str) -> str:
+    """``name`` as a quoted SQL identifier."""
+    return '"' + name.replace('"', '""') + '"'
 
 
 def _literal(text: str) -> str:

@@ -262,6 +262,13 @@ class Tables:
         return None if table is None else table.version()
 
     @_credentials_masked
+    def columns(self, name: str) -> list[str] | None:
+        """Columns of ``name`` as its log has them (a table made by an older treadle lacks
+        the columns added since, until its next append), or None when it does not exist yet."""
+        table = self._open(name)
+        return None if table is None else [field.name for field in table.schema().fields]
+
+    @_credentials_masked
     def changes(self, name: str, after: int = -1) -> tuple[pa.Table, int]:
         """Rows appended by commits with log version > ``after``, in commit order, with a
         ``_commit_version`` column; and the latest version (the next ``after``).

@@ -14,15 +14,18 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 
+import pyarrow as pa
 import pytest
 import torch
+from deltalake import write_deltalake
 
 from flows.cli import TABLES, inspect_run, main
 from flows.cli_args import parse
 from flows.config import load_config
+from flows.sql import connect
 from rl.models import TinyModelConfig, ensure_base_version
 from storage.config import RunStore, StorageConfig
-from storage.tables import TABLE_SCHEMAS, Tables
+from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tests.flows.conftest import REPO
 
@@ -320,6 +323,31 @@ def test_sql_without_a_statement_is_an_error(local_store):
     for query in ("", "  -- only a comment"):
         result = treadle("sql", *run, query)
         assert (result.returncode, result.stdout, result.stderr) == (1, "", "error: no SQL statement\n")
+
+
+def test_sql_reads_a_column_added_since_the_run_wrote_its_table_as_null(local_store):
+    """A run begun by an older treadle whose ``evals`` had no ``tasks`` column, and that no
+    append has brought up to date (the run ended): its rows read ``tasks`` as null, as
+    ``Tables.read`` gives them, rather than the query failing on an unknown column."""
+    schema = TABLE_SCHEMAS["evals"]
+    old_schema = schema.remove(schema.get_field_index("tasks"))
+    row = {"version": 0, "env": "arith", "reward": 0.5, "count": 4, "time": datetime(2026, 1, 1, tzinfo=UTC)}
+    write_deltalake(
+        Tables(local_store).uri("evals"),
+        pa.Table.from_pylist([row], schema=old_schema),
+        configuration=TABLE_CONFIGURATION,
+    )
+    connection = connect(local_store)
+    assert connection.execute("SELECT version, env, tasks FROM evals").fetchall() == [(0, "arith", None)]
+    described = connection.execute("DESCRIBE evals").fetchall()
+    assert [(column, kind) for column, kind, *_ in described] == [
+        ("version", "INTEGER"),
+        ("env", "VARCHAR"),
+        ("reward", "FLOAT"),
+        ("count", "INTEGER"),
+        ("time", "TIMESTAMP WITH TIME ZONE"),
+        ("tasks", "INTEGER"),
+    ]
 
 
 def test_sql_prints_a_float32_column_with_the_digits_it_holds(local_store):
