@@ -91,7 +91,8 @@ def inspect_run(store) -> str:
     lines += [
         f"  v{r['version']:<4} {r['env']:<8} {r['reward']:.3f}  ({_measured(r)})" for r in evals.to_pylist()
     ]
-    trajectories = tables.read("trajectories")
+    # not the decoded text, which holds most of the table's bytes
+    trajectories = tables.read("trajectories", columns=["max_version", "task", "reward", "trajectory_id"])
     lines.append("\nreward of generated trajectories by the newest version that generated them:")
     if trajectories.num_rows:
         grouped = trajectories.group_by(["max_version", "task"]).aggregate(
@@ -105,7 +106,7 @@ def inspect_run(store) -> str:
                 # a group of env/infra errors only has no reward at all
                 mean = "—" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
                 lines.append(f"  v{r['max_version']:<4} {r['task']:<8} {mean:>5}  ({count} trajectories)")
-    shards = tables.read("shards")
+    shards = tables.read("shards", columns=["kind", "num_rows"])
     lines.append("\nshards:")
     for kind in ("raw", "processed"):
         rows = shards.filter(pc.equal(shards.column("kind"), kind))
