@@ -443,16 +443,20 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
 
 
 def one_row_per_step(steps: pa.Table) -> pa.Table:
-    """``train_steps`` rows, one per policy step (the newest), in step order.
+    """``train_steps`` rows of the policy steps the run's weights went through, one per step,
+    in step order.
 
     A trainer restarted after a failure resumes from its last published version and logs
-    the steps after it again; the newest row is the one the run's weights went through.
+    the steps after it again; the rows its predecessor logged after that version, logged
+    again or not (the run may end first), went into no weights. So a row stays when no row
+    logged after it has a step at or below its own.
     """
-    ordered = steps.sort_by([("step", "ascending"), ("time", "descending")])
+    ordered = steps.sort_by("time")
     step = ordered.column("step").to_numpy()
-    first = np.ones(len(step), dtype=bool)
-    first[1:] = step[1:] != step[:-1]
-    return ordered.filter(pa.array(first))
+    # (N,) the lowest step logged after each row (none after the last)
+    lowest_after = np.full(len(step), np.iinfo(np.int64).max)
+    lowest_after[:-1] = np.minimum.accumulate(step[::-1])[::-1][1:]
+    return ordered.filter(pa.array(step < lowest_after)).sort_by("step")
 
 
 def _cast_read(name: str, table: pa.Table) -> pa.Table:

@@ -478,6 +478,30 @@ def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():
     assert one_row_per_step(steps.slice(0, 0)).num_rows == 0
 
 
+def test_one_row_per_step_drops_the_steps_a_dead_trainer_logged_after_the_version_resumed_from():
+    """A trainer logs steps 1-5 and dies (its last version at step 3); the next resumes from
+    step 3 and logs step 4 before the run ends. Its step 5 went into no weights: the rows are
+    steps 1-4, as the README's query over ``train_steps`` gives them too."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    logged = [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (4, 10)]
+    steps = pa.Table.from_pylist(
+        [
+            {"step": step, "time": start + timedelta(seconds=second), "policy_loss": float(second)}
+            for step, second in logged
+        ]
+    )
+    kept = one_row_per_step(steps)
+    assert kept.column("step").to_pylist() == [1, 2, 3, 4]
+    assert kept.column("policy_loss").to_pylist() == [0.0, 1.0, 2.0, 10.0]
+    connection = duckdb.connect()
+    connection.register("train_steps", steps)
+    readme = connection.execute(
+        "SELECT step, policy_loss FROM train_steps t WHERE NOT EXISTS "
+        "(SELECT 1 FROM train_steps u WHERE u.time > t.time AND u.step <= t.step) ORDER BY step"
+    )
+    assert readme.fetchall() == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 10.0)]
+
+
 def test_a_store_error_that_echoes_the_credentials_is_raised_without_them(echoing_endpoint):
     """A flow's error reaches the Prefect API's logs and its state message: an error body in
     which the store echoes the key id and the session token must not carry them there."""
