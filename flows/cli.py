@@ -184,7 +184,15 @@ def _inspect(args) -> None:
 
 
 def _sql(args) -> None:
-    import duckdb
+    try:
+        import duckdb
+        import duckdb_extension_delta  # noqa: F401 (loaded by file path in flows.sql.connect)
+        import duckdb_extension_httpfs  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(
+            f"error: treadle sql needs duckdb and its delta and httpfs extensions ({exc.name} is not "
+            "installed): pip install 'treadle[sql]'"
+        ) from None
     import numpy as np
 
     from flows.sql import connect

@@ -343,6 +343,20 @@ def test_sql_without_a_statement_is_an_error(local_store):
         assert (result.returncode, result.stdout, result.stderr) == (1, "", "error: no SQL statement\n")
 
 
+@pytest.mark.parametrize("missing", ["duckdb", "duckdb_extension_delta"])
+def test_sql_without_duckdb_installed_says_which_extra_to_install(local_store, monkeypatch, missing):
+    """duckdb is in the ``sql`` extra: a plain install answers ``treadle sql`` with what to
+    install, not a traceback."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    monkeypatch.setitem(sys.modules, missing, None)  # its import then fails as if not installed
+    with pytest.raises(SystemExit) as exited:
+        main(["sql", "--root", local_store.config.root, "--run-id", local_store.run_id, "SELECT 1"])
+    assert str(exited.value) == (
+        f"error: treadle sql needs duckdb and its delta and httpfs extensions ({missing} is not "
+        "installed): pip install 'treadle[sql]'"
+    )
+
+
 def test_sql_reads_a_column_added_since_the_run_wrote_its_table_as_null(local_store):
     """A run begun by an older treadle whose ``evals`` had no ``tasks`` column, and that no
     append has brought up to date (the run ended): its rows read ``tasks`` as null, as
