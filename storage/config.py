@@ -250,6 +250,11 @@ class RunStore:
             raise ValueError(f"run_id must be a non-empty name without '/', not '.' or '..', got {run_id!r}")
         self.config = config
         self.run_id = run_id
+        if "%" in self.uri:
+            raise ValueError(
+                f"run {self.uri!r}: its root and run_id must hold no '%' (deltalake reads %XX in a "
+                "table's path as an escaped character: its tables would go to another folder)"
+            )
 
     @cached_property
     def fs(self) -> fsspec.AbstractFileSystem:

@@ -35,6 +35,16 @@ def test_a_run_id_that_is_not_one_folder_of_the_root_is_refused(tmp_path, run_id
             RunStore(StorageConfig(root=root), run_id)
 
 
+def test_a_run_whose_path_holds_a_percent_sign_is_refused_before_its_tables_go_elsewhere(tmp_path):
+    for root, run_id in (
+        (str(tmp_path / "p%41q"), "run"),
+        (str(tmp_path), "run%41"),
+        ("s3://b/p%41q", "run"),
+    ):
+        with pytest.raises(ValueError, match="must hold no '%'"):
+            RunStore(StorageConfig(root=root), run_id)
+
+
 @pytest.mark.parametrize(
     ("root", "message"),
     [
