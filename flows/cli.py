@@ -197,8 +197,9 @@ def _sql(args) -> None:
 
     from flows.sql import connect
 
-    connection = connect(existing_run(_store(args)))
+    store = existing_run(_store(args))
     try:
+        connection = connect(store)
         result = connection.execute(args.query)
         if result is None:  # only whitespace or comments
             raise SystemExit("error: no SQL statement")
@@ -206,7 +207,9 @@ def _sql(args) -> None:
             return
         rows = result.fetchall()
     except duckdb.Error as exc:
-        raise SystemExit(f"error: {exc}") from None
+        # duckdb's delta extension quotes a refused request's body, in which AWS echoes the
+        # key id and the session token (what Tables masks in deltalake's errors)
+        raise SystemExit(f"error: {store.config.redacted(str(exc))}") from None
     print("\t".join(_tsv_field(d[0]) for d in result.description))
     # duckdb hands a FLOAT over widened to a double (0.43 as 0.4300000071525574): printed as
     # a float32, it shows the digits the table holds

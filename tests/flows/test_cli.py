@@ -293,6 +293,28 @@ def test_a_store_error_that_echoes_the_credentials_is_reported_without_them(echo
             assert secret not in result.stdout + result.stderr
 
 
+def test_a_duckdb_error_that_echoes_the_credentials_is_reported_without_them(
+    echoing_endpoint, monkeypatch, capsys
+):
+    """The run's tables answered treadle's look at them (deltalake), then the store refused
+    duckdb's read of them as it refuses an expired session, echoing the key id and token."""
+    secrets = {
+        "AWS_ACCESS_KEY_ID": "AKIAKEYID123",
+        "AWS_SECRET_ACCESS_KEY": "secret-456",
+        "AWS_SESSION_TOKEN": "session-token-789",
+    }
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(Tables, "version", lambda self, name: 0)
+    run = ["--root", "s3://bucket/runs", "--endpoint-url", echoing_endpoint, "--run-id", "r"]
+    with pytest.raises(SystemExit) as stopped:
+        main(["sql", *run, "SELECT 1"])
+    message = str(stopped.value.code) + capsys.readouterr().out
+    assert message.startswith("error: ") and "ExpiredToken" in message
+    for secret in secrets.values():
+        assert secret not in message
+
+
 def test_sql_starts_without_importing_the_models(local_store):
     """Only ``--config`` needs the run config, whose models import torch and transformers
     (seconds at every start)."""
