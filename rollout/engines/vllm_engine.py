@@ -31,6 +31,7 @@ import asyncio
 import logging
 import os
 import re
+import urllib.parse
 import uuid
 from typing import Any
 
@@ -89,6 +90,18 @@ class VLLMEngineConfig(BaseModel):
     reload_method: str = Field(
         "treadle_reload_weights", description="Worker-extension method that loads a weight directory."
     )
+
+    @field_validator("base_url")
+    @classmethod
+    def _base_url_holds_no_credentials(cls, value: str) -> str:
+        # httpx would send them as basic auth, but the URL is a plain flow parameter, which
+        # the Prefect API keeps as sent for every reader and the UI to see
+        if "@" in urllib.parse.urlsplit(value).netloc:
+            raise ValueError(
+                "base_url holds credentials (user:password@); give the server's key as api_key "
+                "or as VLLM_API_KEY in the worker's environment"
+            )
+        return value
 
     @field_validator("api_key")
     @classmethod

@@ -377,6 +377,10 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_fails_the_rollout_flow_be
         ({"storage": {"secret_access_key": ["TOP-SECRET-VALUE"]}}, "storage.secret_access_key"),
         ({"storage": "TOP-SECRET-VALUE"}, "storage"),
         ({"engine": {"vllm": [{"api_key": ["TOP-SECRET-VALUE"]}]}}, "engine.vllm.0.api_key"),
+        (
+            {"engine": {"vllm": [{"base_url": "http://user:TOP-SECRET-VALUE@vllm:8000"}]}},
+            "engine.vllm.0.base_url",
+        ),
     ],
 )
 def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, field):
