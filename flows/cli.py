@@ -194,6 +194,7 @@ def _sql(args) -> None:
             "installed): pip install 'treadle[sql]'"
         ) from None
     import numpy as np
+    from deltalake.exceptions import DeltaError
 
     from flows.sql import connect
 
@@ -210,6 +211,8 @@ def _sql(args) -> None:
         # duckdb's delta extension quotes a refused request's body, in which AWS echoes the
         # key id and the session token (what Tables masks in deltalake's errors)
         raise SystemExit(f"error: {store.config.redacted(str(exc))}") from None
+    except (OSError, DeltaError) as exc:  # the store refused the views' look at a table (masked)
+        raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None
     print("\t".join(_tsv_field(d[0]) for d in result.description))
     # duckdb hands a FLOAT over widened to a double (0.43 as 0.4300000071525574): printed as
     # a float32, it shows the digits the table holds

@@ -293,11 +293,15 @@ def test_a_store_error_that_echoes_the_credentials_is_reported_without_them(echo
             assert secret not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    ("answered", "error"), [(["version"], "cannot read the run at"), (["version", "columns"], "ExpiredToken")]
+)
 def test_a_duckdb_error_that_echoes_the_credentials_is_reported_without_them(
-    echoing_endpoint, monkeypatch, capsys
+    echoing_endpoint, monkeypatch, capsys, answered, error
 ):
-    """The run's tables answered treadle's look at them (deltalake), then the store refused
-    duckdb's read of them as it refuses an expired session, echoing the key id and token."""
+    """The run's tables answered treadle's first look at them (deltalake), then the store
+    refused the next look (the views' columns), or duckdb's read, as it refuses an expired
+    session, echoing the key id and token."""
     secrets = {
         "AWS_ACCESS_KEY_ID": "AKIAKEYID123",
         "AWS_SECRET_ACCESS_KEY": "secret-456",
@@ -305,12 +309,14 @@ def test_a_duckdb_error_that_echoes_the_credentials_is_reported_without_them(
     }
     for name, value in secrets.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(Tables, "version", lambda self, name: 0)
+    answers = {"version": lambda self, name: 0, "columns": lambda self, name: TABLE_SCHEMAS[name].names}
+    for method in answered:
+        monkeypatch.setattr(Tables, method, answers[method])
     run = ["--root", "s3://bucket/runs", "--endpoint-url", echoing_endpoint, "--run-id", "r"]
     with pytest.raises(SystemExit) as stopped:
         main(["sql", *run, "SELECT 1"])
     message = str(stopped.value.code) + capsys.readouterr().out
-    assert message.startswith("error: ") and "ExpiredToken" in message
+    assert message.startswith("error: ") and error in message
     for secret in secrets.values():
         assert secret not in message
 
