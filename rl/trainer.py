@@ -222,13 +222,27 @@ class Trainer:
     def _resume(self) -> None:
         # a trainer killed between a version's manifest and LATEST left that version
         # complete: resumed from LATEST, its rows would be trained again in another version
-        version = self.weights.recover_latest()
-        if version is None:
+        self.weights.recover_latest()
+        try:
+            version, loaded = self.weights.load_newest("all")
+        except FileNotFoundError:
             raise FileNotFoundError(
                 f"no weight version in {self.store.url('weights')}: publish a base version first "
                 "(rl.models.ensure_base_version)"
+            ) from None
+        self.passed_over = [v for v in self.weights.list() if v > version]
+        """Complete versions newer than the one resumed from, which did not verify: none of
+        this trainer's versions descends from them."""
+        if self.passed_over:
+            # their rows are in no version this trainer descends from: the next version,
+            # whose parent is this one, lists them again, so each is trained once on its chain
+            logger.warning(
+                "trainer resumes from weight version %d: the newer versions %s do not verify, and "
+                "the rows they consumed are trained again",
+                version,
+                self.passed_over,
             )
-        path = Path(self.weights.load(version))
+        path = Path(loaded)
         self.version = version
         self.policy, self.tokenizer = load_trained_policy(
             str(path), device=str(self.device), dtype=self.dtype

@@ -239,11 +239,18 @@ class RolloutWorker:
             await asyncio.sleep(self.trainer_poll_s)
 
     async def start(self) -> RolloutWorker:
-        """Build engines on the newest version and the orchestrator over them."""
-        version = self.weights.latest()
-        if version is None:
-            raise FileNotFoundError(f"no weight version in {self.store.url('weights')} to serve")
-        path = await asyncio.to_thread(self.weights.load, version, "serving")
+        """Build engines on the newest version that verifies (``WeightStore.load_newest``:
+        ``LATEST``'s, or with a warning the newest below a corrupt one) and the orchestrator
+        over them."""
+        try:
+            version, path = await asyncio.to_thread(self.weights.load_newest, "serving")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no weight version in {self.store.url('weights')} to serve") from None
+        except CorruptVersion as error:
+            raise CorruptVersion(
+                f"worker {self.name} has no weights to serve: {error}; restore the version's files "
+                "or start a new run"
+            ) from None
         self.engines = await asyncio.to_thread(
             build_engines, self.engine_config, path, version, self.cluster, self.store
         )

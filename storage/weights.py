@@ -321,18 +321,57 @@ class WeightStore:
         have read the same old ``LATEST`` and written its newer number before this write:
         after writing, the newest complete version is written until ``LATEST`` names it
         (the last writer of ``LATEST`` always sees every manifest written before it)."""
-        current = self.latest()
+        current = self._readable_latest()
         while current is None or version > current:
             self._write_atomic(posixpath.join(self.root, LATEST_FILE), f"{version}\n".encode())
             version, current = self._newest_complete(version), self.latest()
 
+    def _readable_latest(self) -> int | None:
+        """``latest()``, or None (with a warning) when ``LATEST`` is unreadable: a garbage
+        ``LATEST`` names no version, so the next publish or recovery writes over it."""
+        try:
+            return self.latest()
+        except CorruptVersion as error:
+            log.warning("%s; taking it as naming no version", error)
+            return None
+
     def recover_latest(self) -> int | None:
-        """Point ``LATEST`` at the newest complete version when it names an older one or none
-        (a publish that wrote its manifest and then failed to write ``LATEST``); returns it."""
+        """Point ``LATEST`` at the newest complete version when it names an older one, none,
+        or holds no number (a publish that wrote its manifest and then failed to write
+        ``LATEST``; a truncated or garbled ``LATEST``); returns it."""
         complete = self.list()
         if complete:
             self._advance_latest(complete[-1])
-        return self.latest()
+        return self._readable_latest()
+
+    def load_newest(self, part: Part = "all") -> tuple[int, str]:
+        """The newest version ``LATEST`` allows whose ``part`` verifies, and its local
+        directory (as :meth:`load`): the one ``LATEST`` names or, when it is corrupt or
+        missing, the newest complete version below it that verifies (any complete version
+        when ``LATEST`` holds no number). Each version passed over is logged as a warning
+        saying what is wrong with it.
+
+        Raises:
+            FileNotFoundError: when no version is complete.
+            CorruptVersion: when none verifies, naming what is wrong with each.
+        """
+        latest = self._readable_latest()
+        candidates = [v for v in reversed(self.list()) if latest is None or v <= latest]
+        if not candidates:
+            raise FileNotFoundError(f"no weight version published in {self.store.url(self.prefix)}")
+        problems = []
+        if latest is not None and candidates[0] != latest:
+            problems.append(f"LATEST names weight version {latest}, which has no manifest")
+            log.warning("%s; trying the versions below it", problems[-1])
+        for version in candidates:
+            try:
+                return version, self.load(version, part)
+            except (CorruptVersion, KeyError) as error:  # KeyError: deleted meanwhile by retain
+                problems.append(str(error.args[0]))
+                log.warning("%s; trying the versions below it", problems[-1])
+        raise CorruptVersion(
+            f"no weight version of {self.store.url(self.prefix)} verifies ({'; '.join(problems)})"
+        )
 
     def _newest_complete(self, known: int) -> int:
         """The newest complete version, ``known`` (complete) or a newer one: one listing, and
@@ -404,7 +443,7 @@ class WeightStore:
     def _next_version(self) -> int:
         """One past every version directory present, complete or not (never reuse a name)."""
         numbers = [int(match.group(1)) for match in map(_VERSION_DIR.match, self._dir_names()) if match]
-        latest = self.latest()
+        latest = self._readable_latest()
         if latest is not None:
             numbers.append(latest)
         return max(numbers) + 1 if numbers else 0

@@ -151,7 +151,7 @@ def run_trainer(
 
     def announce(before: int, latest: int) -> None:
         for version in weights.list():
-            if before < version <= latest:
+            if before < version <= latest and version not in trainer.passed_over:
                 on_publish(version)
 
     announce_versions = (
@@ -161,7 +161,7 @@ def run_trainer(
     def check_published() -> None:
         """Announce every version since the last check up to this trainer's own (two may land
         between checks: a step's and the one published on stop), never one published by a
-        trainer that took the run."""
+        trainer that took the run, nor one this trainer resumed below as it did not verify."""
         latest = trainer.version
         if latest == seen["version"]:
             return

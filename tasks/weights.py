@@ -21,7 +21,7 @@ from rollout.engines.torch_engine import TorchEngine
 from rollout.evaluate import EvalResult, evaluate
 from rollout.gateway import ChatRenderer
 from storage.tables import Tables
-from storage.weights import VersionTaken, WeightStore
+from storage.weights import CorruptVersion, VersionTaken, WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, announce_version, reporting, run_store
 
 BASE_VERSION_WAIT_S = 300.0
@@ -85,7 +85,11 @@ def build_base_version(
     between its publish and its row, only the one whose row lands announces it."""
     store = run_store(config)
     weights = WeightStore(store)
-    latest = weights.latest()
+    try:
+        latest = weights.latest()
+    except CorruptVersion as error:
+        log(f"{error}: pointing it at the newest complete version")
+        latest = weights.recover_latest()
     if latest is not None:
         log(f"run {config.run_id} already has weight version {latest}; not warm-starting")
         # a retry of a warm start whose row failed to land: its version was never announced

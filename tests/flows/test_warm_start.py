@@ -314,3 +314,16 @@ def test_a_warm_start_between_version_zeros_publish_and_its_row_announces_it_onc
     assert others == [0]
     assert announced == [0]
     assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
+
+
+def test_a_garbled_latest_does_not_stop_a_flow_from_starting(tmp_path):
+    """The warm start every flow begins with points a garbled LATEST at the newest version
+    rather than failing, and warm-starts nothing."""
+    config = tiny_config(tmp_path / "runs", "warm-garbled", warm_start={"enabled": False})
+    assert build_base_version(config) == 0
+    weights = WeightStore(run_store(config))
+    weights.fs.pipe_file(f"{weights.root}/LATEST", b"")
+    lines: list[str] = []
+    assert build_base_version(config, log=lines.append) == 0
+    assert weights.list() == [0] and weights.latest() == 0
+    assert "LATEST holds '', not a version number" in lines[0]

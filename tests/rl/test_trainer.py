@@ -1139,3 +1139,23 @@ def test_sao_on_a_policy_without_attention_fails_at_start_naming_its_architectur
     publish_policy(WeightStore(store), MambaForCausalLM(mamba).eval(), tokenizer, step=0)
     with pytest.raises(ValueError, match=r"^mamba \(MambaModel\) has no attention parameters to freeze"):
         Trainer(store, config(mode="sao"))
+
+
+def test_a_trainer_resumes_past_a_garbled_latest_and_below_a_version_that_does_not_verify(store, caplog):
+    """Garbled LATEST: it resumes from the newest complete version. That version's files
+    corrupt: from the newest below it that verifies, and the rows the corrupt one consumed
+    are trained again in a version whose parent skips it, so each is on the chain once."""
+    infos = write_shards(store, make_trajectories(store, 6, seed=70), per_shard=3)
+    Trainer(store, config(publish_every=1)).run(max_steps=1)
+    weights = WeightStore(store)
+    assert weights.list() == [0, 1]
+    store.fs.pipe_file(f"{weights.root}/LATEST", b"")
+    assert (Trainer(store, config()).version, weights.latest()) == (1, 1)
+
+    os.truncate(os.path.join(weights.version_path(1), STATE_FILE), 0)
+    resumed = Trainer(store, config(publish_every=1))
+    assert (resumed.version, resumed.step, resumed.passed_over) == (0, 0, [1])
+    assert "weight version 1: file 'trainer_state.json' is corrupt" in caplog.text
+    resumed.run(drain=True)
+    assert [manifest["version"] for manifest in version_chain(weights)] == [0, 2, 3]
+    assert consumed_rows(weights) == {info.shard_id: 3 for info in infos}

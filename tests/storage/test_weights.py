@@ -615,3 +615,27 @@ def test_a_download_deletes_the_staging_folders_of_downloads_that_died(store, tm
     publish_model(weights, tiny_llama(seed=1), tokenizer_dir)
     weights.load(1)
     assert not dead.exists() and alive.is_dir()
+
+
+def test_a_garbled_latest_or_a_version_that_does_not_verify_is_passed_over(
+    weights, tokenizer_dir, tmp_path, caplog
+):
+    for seed in range(3):
+        publish_model(weights, tiny_llama(seed=seed), tokenizer_dir)
+    corrupt(weights, 2, "model.safetensors")
+    latest = posixpath.join(weights.root, "LATEST")
+    weights.fs.pipe_file(latest, b"\x00garbage")  # a truncated or garbled write
+    assert weights.load_newest("serving")[0] == 1
+    assert "holds '\\x00garbage', not a version number" in caplog.text
+    assert "weight version 2: file 'model.safetensors' is corrupt" in caplog.text
+    assert weights.recover_latest() == 2 and weights.latest() == 2
+    weights.fs.pipe_file(latest, b"99\n")  # names no version
+    assert weights.load_newest("serving")[0] == 1
+    assert "LATEST names weight version 99, which has no manifest" in caplog.text
+
+    corrupt(weights, 1, "config.json")
+    weights.fs.rm_file(posixpath.join(weights.version_path(0), "model.safetensors"))
+    uncached = WeightStore(weights.store, cache_dir=tmp_path / "uncached")
+    with pytest.raises(CorruptVersion, match=r"no weight version of .* verifies \(LATEST names") as error:
+        uncached.load_newest("serving")
+    assert "\n" not in str(error.value)

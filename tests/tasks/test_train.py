@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 
 from flows.config import RunConfig
-from rl.models import ensure_base_version
+from rl.models import ensure_base_version, load_policy, publish_policy
 from storage.config import RunStore, StorageConfig
 from storage.tables import Tables
 from storage.weights import WeightStore
@@ -32,3 +33,20 @@ def test_the_trainer_takes_log_probs_at_the_runs_sampling_temperature(tmp_path):
     (row,) = Tables(store).read("train_steps").to_pylist()
     assert row["mean_ratio"] == pytest.approx(1.0, abs=1e-4)
     assert row["masked_fraction"] == 0.0
+
+
+def test_a_version_the_trainer_resumed_below_is_not_announced_again(tmp_path):
+    """Version 1 does not verify: the trainer resumes from version 0 and announces only the
+    version it publishes, not version 1 between them."""
+    run = RunConfig(run_id="passed", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    weights = WeightStore(store)
+    ensure_base_version(weights, TINY)
+    model, tokenizer = load_policy(weights.load(0))
+    publish_policy(weights, model, tokenizer, step=1, parent=0)
+    os.truncate(os.path.join(weights.version_path(1), "model.safetensors"), 10)
+    write_shards(store, make_trajectories(store, 4, seed=1), per_shard=4)
+    announced: list[int] = []
+
+    assert run_trainer(run, time.time() + 600, drain=True, on_publish=announced.append)["versions"] == [2]
+    assert announced == [0, 2]  # version 0 had no row: the trainer recorded it

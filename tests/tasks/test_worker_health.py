@@ -388,3 +388,34 @@ def test_a_corrupt_version_is_refused_once_and_the_next_one_is_loaded(store, mon
     assert asyncio.run(body()) == [False, False, False, True]
     assert loads == [0, 1, 2]
     assert worker.version == worker.engines[0].version == 2
+
+
+def test_a_worker_starts_past_a_garbled_latest_and_below_a_version_that_does_not_verify(local_store, caplog):
+    """A garbled LATEST: the newest complete version is served; a version whose files do not
+    verify: the newest below it that does. With none that verifies the worker stops with one
+    line that says what to do."""
+    run = RunConfig(engine={"replicas": 1}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 1})
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    model, tokenizer = load_policy(weights.load(0))
+    publish_policy(weights, model, tokenizer, step=1)
+
+    async def started() -> int:
+        worker = make_worker(local_store, run)
+        try:
+            await worker.start()
+            return worker.version
+        finally:
+            await worker.close()
+
+    local_store.fs.pipe_file(f"{weights.root}/LATEST", b"1\x00\x00")
+    assert asyncio.run(started()) == 1
+    assert "LATEST holds '1\\x00\\x00', not a version number" in caplog.text
+    model_file = f"{weights.version_path(1)}/model.safetensors"
+    local_store.fs.pipe_file(model_file, local_store.fs.cat_file(model_file)[:-1])
+    assert asyncio.run(started()) == 0
+    local_store.fs.rm_file(f"{weights.version_path(0)}/config.json")
+    with pytest.raises(
+        CorruptVersion, match=r"worker w0 has no weights to serve: .*; restore the version's files"
+    ):
+        asyncio.run(started())
