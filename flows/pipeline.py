@@ -40,7 +40,8 @@ def _wind_down(
     stops the rollouts; rollouts over end processing once it has processed what they
     committed; processing over makes the trainer train what is left and stop.
     So no stop condition (a step count with no wall-clock limit) leaves a task running.
-    A failed task's error is raised once all three are over.
+    A failed task's error is raised once all three are over. The signals go once all three
+    are over, however the flow ends: they are this flow run's alone (``signals`` is its own key).
     """
     store = run_store(config)
     try:
@@ -53,13 +54,22 @@ def _wind_down(
         send_signal(store, signals, "processed")
         train_run.wait()
     except BaseException:  # the flow itself is stopping (cancelled, interrupted): end them all
+        sent = True
         for name in ("stop", "rollouts-done", "processed"):
             try:  # one signal that cannot be raised must not keep the others from being sent
                 send_signal(store, signals, name)
             except Exception as exc:
+                sent = False
                 get_run_logger().error(
                     "could not raise signal %r; the tasks waiting for it run to their deadline: %s", name, exc
                 )
+        if sent:  # each task stops at its signal: removed once none is left to watch them
+            for run in (rollout_run, process_run, train_run):
+                run.wait()
+            try:
+                clear_signals(store, signals)
+            except Exception as exc:  # the flow's own error is the one to raise
+                get_run_logger().warning("could not remove the signals of %s: %s", signals, exc)
         raise
     clear_signals(store, signals)
     return rollout_run.result(), process_run.result(), train_run.result()

@@ -9,9 +9,10 @@ import threading
 
 import pytest
 
+from flows import pipeline as pipeline_module
 from flows.sql import connect
 from storage.tables import Tables
-from tasks.common import run_store
+from tasks.common import run_store, send_signal, signal_path, signals_dir
 from tasks.report import artifact_key
 from tests.flows.conftest import tiny_config
 from tests.flows.prefect_api import artifacts_of, count, wait_for_events
@@ -155,3 +156,32 @@ def test_artifact_keys_are_valid_and_keep_runs_with_similar_ids_apart():
     keys = {artifact_key(run_id) for run_id in ("exp_1", "exp-1", "Exp.1", "exp 1")}
     assert len(keys) == 4
     assert all(re.fullmatch(r"[a-z0-9-]+", key) for key in keys)
+
+
+class SignalledTask:
+    """A task's future that ends once signal ``stop`` of its flow run is raised."""
+
+    def __init__(self, store, key: str):
+        self.store, self.key, self.waited = store, key, False
+
+    def wait(self) -> None:
+        assert self.store.fs.exists(self.store.path(signal_path(self.key, "stop")))
+        self.waited = True
+
+
+def test_a_pipeline_that_is_interrupted_removes_its_signals_once_its_tasks_are_over(tmp_path, monkeypatch):
+    """Interrupted while it waits for its tasks, the flow raises their signals, waits for them
+    to end and removes its own signals; another flow run's are left."""
+    config = tiny_config(tmp_path / "runs", "interrupted")
+    store = run_store(config)
+    send_signal(store, "another-run", "stop")
+    tasks = [SignalledTask(store, "this-run") for _ in range(3)]
+
+    def interrupted(futures):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pipeline_module, "as_completed", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        pipeline_module._wind_down(config, "this-run", *tasks)
+    assert all(task.waited for task in tasks)
+    assert store.fs.ls(store.path("status/signals"), detail=False) == [store.path(signals_dir("another-run"))]
