@@ -290,15 +290,27 @@ class TooFewTasks(ValueError):
         self.available = available
 
 
-def sample_unique(rng: random.Random, make, accept, n: int, limit: int = 100_000) -> list:
+def sample_unique(rng: random.Random, make, accept, n: int, limit: int = 100_000, patience: int = 20) -> list:
     """Draw ``n`` distinct items ``make(rng)`` (by ``.id``) that ``accept`` keeps; raise
-    :class:`TooFewTasks` if too few exist (asked again for that many, it gives the ones it found)."""
+    :class:`TooFewTasks` if too few exist (asked again for that many, it gives the ones it found).
+
+    It gives up after ``limit`` draws, or sooner once the last ``patience`` times as many draws
+    as distinct ids made so far brought no new one: an id ``k`` times rarer than the average is
+    then left out with a chance of about ``exp(-patience / k)``. Where ``n`` are found, the
+    stop changes nothing: the items are the first ``n`` the draws give."""
     seen: dict[str, Any] = {}
+    made: set[str] = set()
+    since_new = 0
     for _ in range(limit):
-        if len(seen) == n:
+        if len(seen) == n or since_new > patience * len(made):
             break
         item = make(rng)
-        if item.id not in seen and accept(item):
+        if item.id in made:
+            since_new += 1
+            continue
+        since_new = 0
+        made.add(item.id)
+        if accept(item):
             seen[item.id] = item
     if len(seen) < n:
         raise TooFewTasks(len(seen), n)

@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from envs.arith import add_without_carry, subtract_without_borrow
-from envs.base import Task
+from envs.base import Task, TooFewTasks, sample_unique
 from envs.guess import GuessConfig, problems
 from envs.pyrepl import PythonRepl
 from envs.registry import REGISTRY, demonstrate, make, task_set
@@ -50,6 +50,19 @@ def test_splits_are_disjoint_and_reproducible(name):
     assert [t.id for t in train] == [t.id for t in again]
     key = (lambda t: (t.prompt, t.data["target"])) if name == "guess" else (lambda t: t.id)
     assert not {key(t) for t in train} & {key(t) for t in evals}
+
+
+def test_a_split_of_few_tasks_is_found_exhausted_in_draws_proportionate_to_it():
+    draws = []
+
+    def make(rng):
+        draws.append(1)
+        return Task(env="toy", id=str(rng.randrange(300)), prompt="")
+
+    with pytest.raises(TooFewTasks) as exc:
+        sample_unique(random.Random(0), make, lambda task: int(task.id) % 10 != 0, 1000)
+    assert exc.value.available == 270
+    assert len(draws) < 20_000  # 100_000 before
 
 
 @pytest.mark.parametrize("name", ["arith", "guess"])
