@@ -244,6 +244,12 @@ class Session:
     :attr:`TurnResult.message`)."""
     tools: list[dict[str, Any]] | None = None
     """The tool definitions rendered into the first prompt (fixed for the session's life)."""
+    template_kwargs: dict[str, Any] | None = None
+    """The chat template variables its first messages came with, over the config's (fixed
+    for the session's life, like :attr:`tools`)."""
+    renderer: ChatRenderer | None = None
+    """What renders its messages: the gateway's, or one with :attr:`template_kwargs` (None
+    without a tokenizer that has a chat template)."""
     transcript: str = ""
     """The text-completion history as the client has seen it (prompts plus completions)."""
     turns: list[TurnResult] = field(default_factory=list)
@@ -282,7 +288,10 @@ class Session:
         return None
 
     def add_messages(
-        self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         """Queue chat messages; they are rendered into tokens by the next :meth:`generate`.
 
@@ -290,8 +299,22 @@ class Session:
         writes them; every later call must pass the same ones (or none, if the first had
         none), since the prompt already holds them. While a session has tools, each reply's
         tool calls are parsed (``GatewayConfig.tool_call_format``).
+
+        ``template_kwargs`` (vLLM's per-request ``chat_template_kwargs``) are template
+        variables over ``GatewayConfig.chat_template_kwargs``; likewise every later call must
+        pass the same ones: the session's tokens were rendered with them, and a delta
+        rendered with others would follow a prompt the template would now write otherwise.
         """
         self._check_no_turn_generating()
+        template_kwargs = dict(template_kwargs) if template_kwargs else None
+        if template_kwargs != self.template_kwargs:
+            if self.tokens or self._pending:
+                raise InvalidRequest(
+                    f"chat_template_kwargs {template_kwargs} differ from the {self.template_kwargs} the "
+                    "session's prompt was rendered with; a session keeps those of its first request"
+                )
+            self.renderer = self.gateway.renderer_with(template_kwargs)
+            self.template_kwargs = template_kwargs
         tools = [dict(tool) for tool in tools] if tools else None
         if tools != self.tools:
             if self.tokens or self._pending:
@@ -326,7 +349,7 @@ class Session:
         if not self._pending:
             return
         new, self._pending = self._pending, []
-        renderer = self.gateway.renderer
+        renderer = self.renderer
         if renderer is None:
             raise InvalidRequest("this gateway has no tokenizer with a chat template; send token ids")
         ids = renderer.first(new, self.tools) if not self.tokens else renderer.delta(new, self.last_action)
@@ -544,6 +567,27 @@ class Gateway:
         tags = {vocab[tag] for tag in TAGS[self.config.tool_call_format] if tag in vocab}
         return frozenset(self.tokenizer.all_special_ids) - tags
 
+    def renderer_with(self, template_kwargs: Mapping[str, Any] | None) -> ChatRenderer | None:
+        """The renderer of messages sent with ``template_kwargs`` over the config's."""
+        if not template_kwargs:
+            return self.renderer
+        if self.renderer is None:
+            raise InvalidRequest(
+                "this gateway has no tokenizer with a chat template to give chat_template_kwargs"
+            )
+        taken = sorted(set(template_kwargs) & RENDERING_ARGUMENTS)
+        if taken:
+            raise InvalidRequest(
+                f"chat_template_kwargs {taken} are set by the gateway itself, not template variables"
+            )
+        merged = self.config.chat_template_kwargs | dict(template_kwargs)
+        if merged == self.config.chat_template_kwargs:
+            return self.renderer
+        try:
+            return ChatRenderer(self.tokenizer, merged)
+        except ValueError as exc:
+            raise InvalidRequest(f"chat_template_kwargs {dict(template_kwargs)}: {exc}") from exc
+
     def check_tools_served(self) -> None:
         """Raise :class:`InvalidRequest` unless a session here can be given tool definitions."""
         if self.config.tool_call_format is None:
@@ -584,7 +628,7 @@ class Gateway:
             parent_id=parent_id,
             branch_at=branch_at,
         )
-        session = Session(info=info, gateway=self)
+        session = Session(info=info, gateway=self, renderer=self.renderer)
         self._sessions[session_id] = session
         return session
 

@@ -34,6 +34,15 @@ matches the one returned when its calls name the same functions with equal argum
 constrained decoding, so ``required`` and a named function are refused, as is the
 deprecated ``functions``.
 
+``chat_template_kwargs`` (vLLM's) are template variables over the run's
+``GatewayConfig.chat_template_kwargs`` (Qwen3's ``enable_thinking`` …). A session keeps those
+of its first request, as it keeps its tools: its prompt holds what they rendered, so a later
+request that sends others (or none, after some) is refused. ``seed`` is honoured; ``n`` > 1,
+stop strings, a text completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL`
+(``add_generation_prompt``, ``continue_final_message``, ``skip_special_tokens``,
+``stop_token_ids``, ``min_tokens``, ``top_logprobs``, ``top_k`` …) set to ask for something
+the gateway does not do are refused, naming the field.
+
 A request that leaves ``temperature`` or ``top_p`` unset samples at the server's
 :class:`RunSampling` (a rollout service's: its config's). A server of training rollouts
 refuses a request for others (beyond ``SAMPLING_REL_TOL``): the engines record log-probs of the distribution they sampled
@@ -155,9 +164,10 @@ class StreamOptions(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """OpenAI ``/v1/completions`` body (the fields the gateway honours)."""
+    """OpenAI ``/v1/completions`` body (the fields the gateway honours; others are checked
+    against :data:`NEUTRAL`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     prompt: str | list[int]
@@ -198,9 +208,10 @@ class ToolDefinition(BaseModel):
 
 
 class ChatRequest(_Sampling):
-    """OpenAI ``/v1/chat/completions`` body (the fields the gateway honours)."""
+    """OpenAI ``/v1/chat/completions`` body (the fields the gateway honours; others are checked
+    against :data:`NEUTRAL`)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     messages: list[ChatMessage]
@@ -214,6 +225,47 @@ class ChatRequest(_Sampling):
     tools: list[ToolDefinition] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="Template variables over the run's (vLLM's); a session keeps those of its first request.",
+    )
+
+
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (True,),
+    "continue_final_message": (False,),
+    "echo": (False,),
+    "chat_template": (),
+    "documents": (),
+    "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "stop_token_ids": ([],),
+    "min_tokens": (0,),
+    "ignore_eos": (False,),
+    "top_k": (-1, 0),
+    "min_p": (0,),
+    "repetition_penalty": (1,),
+    "presence_penalty": (0,),
+    "frequency_penalty": (0,),
+    "logit_bias": ({},),
+    "bad_words": ([],),
+    "allowed_token_ids": (),
+    "top_logprobs": (0,),
+    "prompt_logprobs": (),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "response_format": ({"type": "text"},),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "structured_outputs": (),
+}
+"""vLLM's (and OpenAI's) request fields the gateway does not do, with the values (besides
+null) that ask for nothing it does not do; any other value is refused, naming the field.
+Fields outside this table and the request models (``user``, ``metadata`` …) are ignored, as
+vLLM ignores the fields it does not know."""
 
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -305,6 +357,21 @@ def create_app(
             raise InvalidRequest(f"n={body.n}: the gateway samples one choice per request")
         if body.stop:
             raise InvalidRequest("stop strings are not supported: the gateway stops at token ids only")
+        if isinstance(body, CompletionRequest) and body.logprobs:
+            raise InvalidRequest(
+                f"logprobs={body.logprobs}: the engines return the log-prob of the sampled token only; "
+                "send logprobs 0"
+            )
+        for name, value in (body.model_extra or {}).items():
+            if name in NEUTRAL and value is not None and value not in NEUTRAL[name]:
+                stop_ids = name == "stop_token_ids" and isinstance(value, list)
+                if stop_ids and all(token in gateway.stop_ids for token in value):
+                    continue
+                raise InvalidRequest(
+                    f"{name}={value!r} is not supported by the gateway: leave it unset"
+                    + (f" or send {NEUTRAL[name][0]!r}" if NEUTRAL[name] else "")
+                    + (f" (it stops at token ids {list(gateway.stop_ids)})" if stop_ids else "")
+                )
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -391,7 +458,9 @@ def create_app(
         tools = [tool.model_dump(exclude_unset=True) for tool in body.tools] if body.tools else None
         turn = await session.generate(
             sampling,
-            prepare=lambda: session.add_messages(_new_messages(session, messages), tools),
+            prepare=lambda: session.add_messages(
+                _new_messages(session, messages), tools, body.chat_template_kwargs
+            ),
             parse_tool_calls=body.tool_choice != "none",
             request=body,
         )

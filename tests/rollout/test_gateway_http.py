@@ -24,6 +24,7 @@ from rollout.gateway import Gateway, GatewayConfig
 from rollout.gateway_http import SESSION_HEADER, GatewayServer, RunSampling
 from rollout.router import Router, RouterConfig
 from storage.schema import to_table, validate
+from tests.rollout.test_gateway import QWEN3_LIKE
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=512
@@ -663,6 +664,101 @@ def test_chat_messages_the_template_cannot_take_are_bad_requests(tiny):
             )
             assert later.status_code == 400 and "messages.3.content" in later.json()["error"]["message"]
             assert gateway.session(sid).num_turns == 1
+
+    asyncio.run(body())
+
+
+def test_a_sessions_chat_template_kwargs_are_those_of_its_first_request(tiny):
+    """vLLM's per-request ``chat_template_kwargs`` (Qwen3's ``enable_thinking``) render the
+    session's prompts; a later request that sends others is refused: the prompt already holds
+    what the first ones rendered."""
+    model, tokenizer = tiny
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = QWEN3_LIKE
+    quiet = {"chat_template_kwargs": {"enable_thinking": False}}
+    prompt_end = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+    async def body():
+        async with serving((model, thinking)) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            first = await client.post(
+                "/v1/chat/completions", json={"messages": USER, "max_tokens": 2, **quiet}, headers=headers
+            )
+            assert first.status_code == 200, first.text
+            session = gateway.session(headers[SESSION_HEADER])
+            action = first.json()["choices"][0]["token_ids"]
+            assert thinking.decode(session.tokens[: -len(action)]).endswith(prompt_end)
+            held = len(session.tokens)
+            message = first.json()["choices"][0]["message"]
+            conversation = [*USER, message, {"role": "user", "content": "again"}]
+            for other in [{}, {"chat_template_kwargs": {"enable_thinking": True}}]:
+                refused = await client.post(
+                    "/v1/chat/completions", json={"messages": conversation, **other}, headers=headers
+                )
+                assert refused.status_code == 400, refused.text
+                assert "chat_template_kwargs" in refused.json()["error"]["message"]
+            second = await client.post(
+                "/v1/chat/completions",
+                json={"messages": conversation, "max_tokens": 2, **quiet},
+                headers=headers,
+            )
+            assert second.status_code == 200, second.text
+            action = second.json()["choices"][0]["token_ids"]
+            appended = thinking.decode(session.tokens[held : -len(action)])
+            assert appended.endswith("again<|im_end|>\n" + prompt_end)
+            rendering = await client.post(
+                "/v1/chat/completions",
+                json={"messages": USER, "chat_template_kwargs": {"add_generation_prompt": False}},
+                headers={SESSION_HEADER: await open_session(client)},
+            )
+            assert rendering.status_code == 400 and "set by the gateway itself" in rendering.text
+
+    asyncio.run(body())
+
+
+def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
+    """vLLM's request extras are honoured at the values that ask for what the gateway does,
+    and refused otherwise, never ignored."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            other_id = next(t for t in range(10) if t not in gateway.stop_ids)
+            refused = [
+                ("add_generation_prompt", False),
+                ("continue_final_message", True),
+                ("skip_special_tokens", False),
+                ("include_stop_str_in_output", True),
+                ("stop_token_ids", [other_id]),
+                ("min_tokens", 2),
+                ("top_logprobs", 2),
+                ("top_k", 5),
+                ("response_format", {"type": "json_object"}),
+            ]
+            for name, value in refused:
+                chat = {"messages": USER, "max_tokens": 2, name: value}
+                response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+                assert response.status_code == 400, (name, response.text)
+                assert name in response.json()["error"]["message"]
+            for name, value in [("logprobs", 2), ("echo", True)]:
+                completion = {"prompt": [1, 2, 3], "max_tokens": 2, name: value}
+                response = await client.post("/v1/completions", json=completion, headers=headers)
+                assert response.status_code == 400, (name, response.text)
+                assert name in response.json()["error"]["message"]
+            assert gateway.session(headers[SESSION_HEADER]).num_turns == 0
+            neutral = {
+                "add_generation_prompt": True,
+                "skip_special_tokens": True,
+                "include_stop_str_in_output": False,
+                "stop_token_ids": list(gateway.stop_ids),
+                "min_tokens": 0,
+                "top_k": -1,
+                "top_logprobs": None,
+                "user": "someone",
+            }
+            chat = {"messages": USER, "max_tokens": 2, **neutral}
+            response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+            assert response.status_code == 200, response.text
 
     asyncio.run(body())
 
