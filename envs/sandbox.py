@@ -80,6 +80,8 @@ VIOLATION_PATTERNS: tuple[tuple[ErrorKind, re.Pattern[bytes]], ...] = (
         re.compile(rb"fork: (retry: )?Resource temporarily unavailable|BlockingIOError.*Errno 11"),
     ),
     ("memory_limit", re.compile(rb"MemoryError|[Cc]annot allocate memory|xmalloc|std::bad_alloc")),
+    # a program that ignores SIGXFSZ (Python does) gets EFBIG from the write instead of dying
+    ("file_size_limit", re.compile(rb"File too large")),
     ("write_outside", re.compile(rb"Read-only file system")),
     (
         "network",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import signal
 import termios
 import time
 
@@ -33,6 +34,13 @@ def ansi_c_quote(text: str) -> str:
     return "$'" + "".join(out) + "'"
 
 
+def _restore_signals() -> None:
+    """Give bash (and so its commands) the SIGPIPE and SIGXFSZ defaults Python ignores, as
+    ``subprocess.Popen`` does: a command that outgrows ``file_size_mb`` is killed (``file_size_limit``)."""
+    for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+        signal.signal(sig, signal.SIG_DFL)
+
+
 class Shell:
     """A bash that lives as long as its sandbox; :meth:`run` executes one command in it (blocking)."""
 
@@ -42,7 +50,12 @@ class Shell:
         argv = sandbox.argv(["bash", "--norc", "--noprofile", "--noediting", "-i"])
         try:
             self.proc = PtyProcess.spawn(
-                argv, cwd=kwargs["cwd"], env=kwargs["env"], echo=False, dimensions=(50, 200)
+                argv,
+                cwd=kwargs["cwd"],
+                env=kwargs["env"],
+                echo=False,
+                dimensions=(50, 200),
+                preexec_fn=_restore_signals,
             )
         except OSError as exc:
             raise SandboxError("start_failed", f"could not start bash: {exc}") from exc

@@ -115,6 +115,31 @@ def test_memory_backed_dev_holds_at_most_memory_mb():
         assert box.run("python3 -c 'import multiprocessing; multiprocessing.Lock()'").exit_code == 0
 
 
+WRITE_2_MIB = "open('big', 'wb').write(b'x' * (2 << 20))"
+
+
+@pytest.mark.parametrize(
+    ("start", "command"),
+    [
+        (None, ["python3", "-c", WRITE_2_MIB]),
+        (None, "head -c 2M /dev/zero > big 2>/dev/null"),
+        (Shell, f"python3 -c {ansi_c_quote(WRITE_2_MIB)}"),
+        (Shell, "head -c 2M /dev/zero > big 2>/dev/null"),
+        (PythonRepl, WRITE_2_MIB),
+    ],
+    ids=["run-python", "run-head", "shell-python", "shell-head", "repl"],
+)
+def test_a_file_past_file_size_mb_is_a_file_size_limit_wherever_it_is_written(start, command):
+    """Python ignores SIGXFSZ, so its write fails with EFBIG ('File too large') instead of
+    the kill; so did every command of the shell, which inherited that from the worker (head,
+    its error discarded, exited 1 as any failing command)."""
+    with Sandbox(SMALL.model_copy(update={"file_size_mb": 1})) as box:
+        with pytest.raises(SandboxError) as raised:
+            (box if start is None else start(box)).run(command)
+        assert raised.value.kind == "file_size_limit", raised.value
+        assert os.path.getsize(os.path.join(box.workdir, "big")) <= 1 << 20
+
+
 def test_background_processes_are_killed():
     box = Sandbox(SMALL)
     shell = Shell(box)
