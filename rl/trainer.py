@@ -230,9 +230,9 @@ class Trainer:
                 f"no weight version in {self.store.url('weights')}: publish a base version first "
                 "(rl.models.ensure_base_version)"
             ) from None
+        # complete versions newer than the one resumed from, which did not verify: none of
+        # this trainer's versions descends from them
         self.passed_over = [v for v in self.weights.list() if v > version]
-        """Complete versions newer than the one resumed from, which did not verify: none of
-        this trainer's versions descends from them."""
         if self.passed_over:
             # their rows are in no version this trainer descends from: the next version,
             # whose parent is this one, lists them again, so each is trained once on its chain
