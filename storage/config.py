@@ -295,6 +295,13 @@ class RunStore:
         finally:
             os.unlink(temp)
 
+    def __getstate__(self) -> dict:
+        # the filesystem holds live connections (s3fs: an aiobotocore session and its event
+        # loop), which do not pickle: a copy sent to another process (a Ray actor) builds its own
+        state = dict(self.__dict__)
+        state.pop("fs", None)
+        return state
+
     def __repr__(self) -> str:
         return f"RunStore({self.uri!r})"
 

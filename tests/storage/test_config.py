@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 from pydantic import ValidationError
 
@@ -43,6 +45,17 @@ def test_a_run_whose_path_holds_a_percent_sign_is_refused_before_its_tables_go_e
     ):
         with pytest.raises(ValueError, match="must hold no '%'"):
             RunStore(StorageConfig(root=root), run_id)
+
+
+def test_a_store_that_has_been_used_pickles_and_its_copy_reads_the_run(store):
+    """A run store travels to Ray actors (engines on other nodes fetch weights from it) after
+    the driver used it: its S3 filesystem (a live session) did not pickle, so the copy builds
+    its own."""
+    store.fs.pipe(store.path("probe"), b"written before pickling")
+
+    copy = pickle.loads(pickle.dumps(store))
+
+    assert copy.fs.cat(copy.path("probe")) == b"written before pickling"
 
 
 @pytest.mark.parametrize(
