@@ -47,6 +47,11 @@ def _local_dir(path: str, version: int, store: RunStore | None) -> str:
         return path
     if store is None:
         raise EngineError(f"weight directory {path} is not on this node and no run store was given")
+    if not store.config.is_s3 and not os.path.isdir(store.uri):
+        raise EngineError(
+            f"weight directory {path} is not on this node, nor is the run's folder {store.uri}: "
+            "engines on other machines need the run on s3:// storage (or a folder every node mounts)"
+        )
     from storage.weights import WeightStore
 
     return WeightStore(store).load(version, "serving")
@@ -246,19 +251,24 @@ class RayEngine:
 
 
 def wait_started(engines: list[RayEngine], timeout_s: float) -> list[RayEngine]:
-    """``engines`` once every actor is placed on a node and has built its engine, or died
-    trying (its calls then fail as a dead replica's do).
+    """``engines`` once every actor is placed on a node and has built its engine.
 
-    Ray keeps an actor whose resources no node has free pending for ever (an autoscaler may
-    add a node): one not started within ``timeout_s`` stops every actor of ``engines`` and
-    raises an :class:`EngineError` naming what it asks for and what the cluster has.
+    An actor whose engine could not be built (its constructor raised: Ray never restarts it)
+    stops every actor of ``engines`` and raises an :class:`EngineError` with the
+    constructor's error. Ray keeps an actor whose resources no node has free pending for
+    ever (an autoscaler may add a node): one not started within ``timeout_s`` stops them all
+    too, and raises an :class:`EngineError` naming what it asks for and what the cluster has.
     """
     refs = {engine.actor.pid.remote(): engine for engine in engines}
-    _, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    if not pending:
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    failed = _failed_starts(ready, refs)
+    if not pending and not failed:
         return engines
     for engine in engines:
         ray.kill(engine.actor)
+    if failed:
+        name, error = failed[0]
+        raise EngineError(f"engine actor {name!r} could not start: {error}")
     waiting = [refs[ref] for ref in pending]
     raise EngineError(
         f"engine actors {[e.name for e in waiting]} did not start within {timeout_s:g} s "
@@ -266,3 +276,16 @@ def wait_started(engines: list[RayEngine], timeout_s: float) -> list[RayEngine]:
         f"had that free, or building the engine took longer (cluster total {ray.cluster_resources()}, "
         f"free {ray.available_resources()})"
     )
+
+
+def _failed_starts(ready: list, refs: dict) -> list[tuple[str, str]]:
+    """The name and error of each engine whose answered ``ready`` probe says its actor's
+    constructor raised: the error's own line, the last of the traceback Ray quotes."""
+    failed = []
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError as exc:
+            if exc.actor_init_failed:
+                failed.append((refs[ref].name, str(exc).strip().splitlines()[-1]))
+    return failed

@@ -572,3 +572,25 @@ def test_an_engine_actor_whose_start_version_was_pruned_restarts_on_the_latest(t
     assert after is not None, "the engine actor did not come back"
     assert healthy and version == 2
     assert generation.versions == [2] * len(generation.token_ids)
+
+
+def test_ray_engines_on_a_node_without_the_runs_local_folder_fail_the_start_in_one_line(
+    tmp_path, monkeypatch
+):
+    """An engine actor on another machine sees neither the weight directory the driver names
+    nor the run's local folder (a cluster whose nodes share no folder): its constructor
+    raises, which Ray never retries, so building the engines fails with that error in one
+    line and stops the actors, instead of the worker running on with replicas that are dead
+    for good (every rollout an infra_error)."""
+    killed = []
+    kill = ray.kill
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: (killed.append(actor), kill(actor, **kw)))
+    elsewhere = RunStore(StorageConfig(root=str(tmp_path / "on-the-driver")), "run")
+
+    with pytest.raises(EngineError) as raised:
+        build_engines(EngineConfig(replicas=2), "/nonexistent/v000000", 0, cluster="ray", store=elsewhere)
+
+    message = str(raised.value)
+    assert "could not start" in message and "nor is the run's folder" in message and "s3://" in message
+    assert "\n" not in message, message
+    assert len(killed) == 2
