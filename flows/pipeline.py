@@ -79,12 +79,14 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
     """The three long-running tasks as Ray tasks on the cluster at ``config.ray_address``.
 
     The rollout task only drives its engine and env actors, so it asks for no CPU of its
-    own; processing and training take one each.
+    own; processing and training take one each, and training on CUDA a GPU too: without it
+    Ray may place the trainer on a node with none (the head) or on one whose GPUs engine
+    actors hold. Ray shows the task only its GPU, as ``cuda`` (``cuda:0``).
     """
     from prefect_ray.context import remote_options
     from prefect_ray.task_runners import RayTaskRunner
 
-    from rollout.ray_engine import connect_ray
+    from rollout.ray_engine import actor_device, connect_ray
     from tasks.process import process_shards
     from tasks.rollout import rollouts
     from tasks.train import train
@@ -99,7 +101,12 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
             process_run = runner.submit(
                 process_shards, {"config": config, "deadline": deadline + DRAIN_SECONDS, "signals": signals}
             )
-            train_run = runner.submit(train, {"config": config, "deadline": deadline, "signals": signals})
+        trainer_gpus = 1 if config.trainer_device.startswith("cuda") else 0
+        with remote_options(num_cpus=1, num_gpus=trainer_gpus):
+            train_config = config.model_copy(update={"trainer_device": actor_device(config.trainer_device)})
+            train_run = runner.submit(
+                train, {"config": train_config, "deadline": deadline, "signals": signals}
+            )
         return _wind_down(config, signals, rollout_run, process_run, train_run)
 
 

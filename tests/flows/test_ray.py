@@ -594,3 +594,45 @@ def test_ray_engines_on_a_node_without_the_runs_local_folder_fail_the_start_in_o
     assert "could not start" in message and "nor is the run's folder" in message and "s3://" in message
     assert "\n" not in message, message
     assert len(killed) == 2
+
+
+@pytest.mark.parametrize(("device", "gpus", "seen"), [("cuda:1", 1, "cuda"), ("cpu", 0, "cpu")])
+def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, device, gpus, seen):
+    """The train task asks Ray for a GPU when the trainer runs on CUDA: without it Ray could
+    place it on a node without one (the head, on the Prefect worker's machine) or beside engine
+    actors on a GPU they hold. Ray shows the task its one GPU as cuda:0, so the trainer is
+    given ``cuda`` whatever index was configured."""
+    import prefect_ray.task_runners
+    from prefect_ray.context import RemoteOptionsContext
+
+    from flows import pipeline
+
+    submitted = {}
+
+    class RecordingRunner:
+        def __init__(self, address=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            pass
+
+        def submit(self, task, parameters):
+            options = dict(RemoteOptionsContext.get().current_remote_options)
+            submitted[task.name] = (options, parameters["config"].trainer_device)
+            return task.name
+
+    monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", RecordingRunner)
+    monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    config = RunConfig(run_id="gpu-trainer", cluster="ray", trainer_device=device)
+
+    assert pipeline._run_on_ray(config, deadline=0.0, signals="s") == ("rollouts", "process-shards", "train")
+
+    options, trainer_device = submitted["train"]
+    assert options.get("num_gpus", 0) == gpus and options["num_cpus"] == 1
+    assert trainer_device == seen
+    assert (
+        submitted["rollouts"][0].get("num_gpus", 0) == 0 == submitted["process-shards"][0].get("num_gpus", 0)
+    )
