@@ -134,9 +134,10 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
 
         logger = get_run_logger()
         torch.set_num_threads(1)
-        base = warm_start(config)
-        before = evaluate_task(config, base, reuse=True)
-        logger.info("version %d held-out reward before RL: %s", base, before["reward"])
+        warm_start(config)
+        # the newest version that verifies: the one the trainer and the workers start from
+        before = evaluate_task(config, reuse=True)
+        logger.info("version %d held-out reward before RL: %s", before["version"], before["reward"])
         deadline = deadline_of(config)
         signals = uuid.uuid4().hex
         if config.cluster == "ray":

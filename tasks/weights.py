@@ -179,7 +179,7 @@ def _wait_for_version(weights: WeightStore) -> int | None:
 
 
 def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResult:
-    """Held-out reward of weight ``version`` (the latest when None) on every env in the mix,
+    """Held-out reward of weight ``version`` (the newest that verifies when None) on every env in the mix,
     recorded in the ``evals`` table with the rollouts measured (those that failed outside the
     policy are not). An env whose every rollout failed so (an engine or a sandbox that never
     worked) measured nothing: that raises ``RuntimeError`` naming it, and nothing is recorded."""
@@ -243,12 +243,15 @@ def eval_tasks(config: RunConfig, name: str, split: Split = "eval") -> list[Task
 
 
 def evaluate_weights(config: RunConfig, version: int | None = None, split: Split = "eval") -> EvalResult:
-    """Reward of weight ``version`` (the latest when None) on :func:`eval_tasks` of ``split``
-    of every env in the mix, recorded nowhere (``train``: how well the policy does on the
-    problems it trains on, beside the held-out ones)."""
+    """Reward of weight ``version`` (when None, the newest that verifies, as a rollout worker
+    serves: ``WeightStore.load_newest``) on :func:`eval_tasks` of ``split`` of every env in
+    the mix, recorded nowhere (``train``: how well the policy does on the problems it trains
+    on, beside the held-out ones)."""
     weights = WeightStore(run_store(config))
-    version = weights.latest() if version is None else version
-    path = weights.load(version, "serving")
+    if version is None:
+        version, path = weights.load_newest("serving")
+    else:
+        path = weights.load(version, "serving")
     tasks = [task for name in config.orchestrator.mix for task in eval_tasks(config, name, split)]
 
     async def run() -> EvalResult:
@@ -287,8 +290,8 @@ def evaluate_task(config: RunConfig, version: int | None = None, reuse: bool = F
     evaluated again, so a rerun of a run does not add a second row for its start."""
     recorded = None
     if reuse:
-        version = WeightStore(run_store(config)).latest() if version is None else version
-        recorded = recorded_eval(config, version)
+        newest = WeightStore(run_store(config)).latest() if version is None else version
+        recorded = recorded_eval(config, newest)
     result = recorded or evaluate_version(config, version)
     how = " (recorded by an earlier evaluation)" if recorded else ""
     get_run_logger().info("version %d held-out reward%s: %s", result.version, how, result.reward)

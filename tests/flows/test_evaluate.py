@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
 from prefect import flow
 
+from rl.models import load_policy, publish_policy
 from storage.tables import Tables
+from storage.weights import WeightStore
 from tasks.common import run_store
 from tasks.weights import build_base_version, eval_tasks, evaluate_task
 from tests.flows.conftest import tiny_config
@@ -133,3 +136,19 @@ def test_a_negative_version_is_refused_by_the_evaluate_form_and_flow_before_it_s
         jsonschema.validate({"version": -1}, schema)
     for version in (0, 7, None):
         jsonschema.validate({"version": version}, schema)
+
+
+def test_the_newest_version_evaluated_is_the_newest_that_verifies(tmp_path):
+    """A newest version whose files do not verify is passed over, as the trainer and the
+    workers pass it over: the pipeline's evaluation before RL measures the version they
+    start from rather than stop the run (it raised CorruptVersion)."""
+    config = tiny_config(
+        tmp_path / "runs", "eval-corrupt", warm_start={"enabled": False}, eval={"tasks_per_env": 1}
+    )
+    weights = WeightStore(run_store(config))
+    build_base_version(config, log=lambda line: None)
+    model, tokenizer = load_policy(weights.load(0))
+    publish_policy(weights, model, tokenizer, step=1, parent=0)
+    os.truncate(os.path.join(weights.version_path(1), "model.safetensors"), 10)
+    assert evaluating(config, reuse=True)["version"] == 0
+    assert {row["version"] for row in Tables(run_store(config)).read("evals").to_pylist()} == {0}
