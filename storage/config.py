@@ -90,15 +90,20 @@ class StorageConfig(BaseModel):
     def _root_is_a_folder_or_s3(cls, value: str) -> str:
         if not value.strip():
             raise ValueError("root must name a folder or URL")
-        if "://" not in value:
-            return value
-        scheme, rest = value.split("://", 1)
+        scheme, url, rest = value.partition("://")
         # checked before anything that names the value: it reaches errors, logs and the weights table
-        if "@" in rest.split("/", 1)[0]:
+        if url and "@" in rest.split("/", 1)[0]:
             raise ValueError(
                 "root holds credentials (user:secret@ before the bucket); give them as access_key_id and "
                 "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
             )
+        if "%" in value:  # as RunStore refuses it, but at load, naming the field
+            raise ValueError(
+                f"root {value!r} holds a '%' (deltalake reads %XX in a table's path as an escaped "
+                "character: the run's tables would go to another folder)"
+            )
+        if not url:
+            return value
         if scheme.lower() not in S3_SCHEMES:
             raise ValueError(
                 f"root {value!r}: unsupported URL scheme {scheme!r}; use a local folder or s3://bucket/prefix"
