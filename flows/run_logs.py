@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -45,21 +44,19 @@ class _RunLogHandler(APILogHandler):
         super().__init__()
         self.flow_run_id = flow_run_id
         self._repeats: dict[tuple[str, int, Any], tuple[float, int]] = {}
-        self._repeats_lock = threading.Lock()
 
     def _repeat(self, record: logging.LogRecord) -> int:
         """How many records like ``record`` (its logger, level and template) this window
-        has seen, ``record`` included."""
+        has seen, ``record`` included. Called under the handler's lock (``Handler.handle``)."""
         key = (record.name, record.levelno, str(record.msg))
         now = time.monotonic()
-        with self._repeats_lock:
-            if len(self._repeats) >= MAX_TEMPLATES:
-                self._repeats = {k: v for k, v in self._repeats.items() if now - v[0] < REPEAT_WINDOW_S}
-            started, count = self._repeats.get(key, (now, 0))
-            if now - started >= REPEAT_WINDOW_S:
-                started, count = now, 0
-            self._repeats[key] = (started, count + 1)
-            return count + 1
+        if len(self._repeats) >= MAX_TEMPLATES:
+            self._repeats = {k: v for k, v in self._repeats.items() if now - v[0] < REPEAT_WINDOW_S}
+        started, count = self._repeats.get(key, (now, 0))
+        if now - started >= REPEAT_WINDOW_S:
+            started, count = now, 0
+        self._repeats[key] = (started, count + 1)
+        return count + 1
 
     def emit(self, record: logging.LogRecord) -> None:
         repeat = self._repeat(record)
