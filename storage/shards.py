@@ -683,7 +683,8 @@ def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | Non
     The files are listed before the commits are read, so a shard committed meanwhile counts
     as committed; ``older_than_s`` must exceed the time a writer takes from its file to its
     commit (seconds), or an in-flight shard could go: below :data:`MIN_SWEEP_AGE_S` it
-    raises ``ValueError``. Two sweeps may run at once: each returns the files it removed.
+    raises ``ValueError``. Two sweeps may run at once: neither fails on a file the other
+    removed first (on S3, where deleting a missing key succeeds, both may list it).
     """
     if older_than_s < MIN_SWEEP_AGE_S:
         raise ValueError(
