@@ -261,6 +261,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "guided_choice": (),
     "guided_grammar": (),
     "structured_outputs": (),
+    "truncate_prompt_tokens": (),
+    "return_tokens_as_token_ids": (False,),
+    "reasoning_effort": (),
 }
 """vLLM's (and OpenAI's) request fields the gateway does not do, with the values (besides
 null) that ask for nothing it does not do; any other value is refused, naming the field.

@@ -734,6 +734,9 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
                 ("top_logprobs", 2),
                 ("top_k", 5),
                 ("response_format", {"type": "json_object"}),
+                ("truncate_prompt_tokens", 8),
+                ("return_tokens_as_token_ids", True),
+                ("reasoning_effort", "low"),
             ]
             for name, value in refused:
                 chat = {"messages": USER, "max_tokens": 2, name: value}
