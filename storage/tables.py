@@ -100,6 +100,8 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             pa.field("num_consumed_shards", pa.int32(), nullable=False),
             pa.field("created_at", UTC_MICROS, nullable=False),
             pa.field("tag", pa.string()),
+            pa.field("dropped_stale", pa.int32()),
+            pa.field("rejected_rows", pa.int32()),
         ]
     ),
     "evals": pa.schema(
@@ -117,7 +119,11 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
 ``train_steps.value_loss`` is null for a step that took no critic step (GRPO mode has no
 critic): a NaN there made every ``AVG(value_loss)`` NaN. ``evals.count`` is the rollouts
 measured, ``evals.tasks`` the tasks evaluated, those that failed outside the policy included
-(null in rows written before it was added)."""
+(null in rows written before it was added). ``weights.dropped_stale`` and
+``weights.rejected_rows`` are the trajectories the trainer dropped as stale and the rows it
+rejected since the version's parent, as its manifest lists them (rejections after a run's
+last step reach no ``train_steps`` row); null for a version no trainer published (a base
+version) and in rows written before they were added."""
 
 TABLE_CONFIGURATION = {"delta.enableChangeDataFeed": "true"}
 """Set when a table is created (ignored by later appends): the change feed is how

@@ -493,14 +493,17 @@ class WeightStore:
     def table_row(self, version: int) -> dict:
         """``version``'s row of the run's ``weights`` Delta table, from its manifest."""
         manifest = self.manifest(version)
+        metadata = manifest.get("metadata", {})
         return {
             "version": version,
             "step": int(manifest.get("step", 0)),
             "parent": manifest.get("parent"),
             "path": self.version_url(version),
-            "num_consumed_shards": len(manifest.get("metadata", {}).get("consumed_shards", [])),
+            "num_consumed_shards": len(metadata.get("consumed_shards", [])),
             "created_at": datetime.fromisoformat(manifest["created_at"]),
             "tag": manifest.get("tag"),
+            "dropped_stale": metadata.get("dropped_stale"),
+            "rejected_rows": metadata.get("rejected_rows"),
         }
 
     def record(self, tables: Tables, version: int) -> bool:

@@ -11,8 +11,10 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pytest
 import torch
+from deltalake import write_deltalake
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -24,8 +26,10 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from flows.sql import connect
 from storage import weights as weights_module
 from storage.config import RunStore
+from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
 from storage.weights import (
     CLAIM_FILE,
     MANIFEST_FILE,
@@ -69,6 +73,23 @@ def tiny_llama(seed: int, tie: bool = True) -> LlamaForCausalLM:
         tie_word_embeddings=tie,
     )
     return LlamaForCausalLM(config).eval()
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def readme_query(mentioning: str) -> str:
+    """The one SQL query in the README's inline code that holds ``mentioning``, on one line."""
+    text = re.sub(r"```.*?```", "", (REPO / "README.md").read_text(), flags=re.DOTALL)
+    (query,) = [
+        q for q in (" ".join(code.split()) for code in re.findall(r"`([^`]+)`", text)) if mentioning in q
+    ]
+    return query
+
+
+def readme_totals(store: RunStore) -> tuple:
+    """The run's stale and rejected totals by the README's query, run as ``treadle sql`` runs it."""
+    return connect(store).execute(readme_query("SUM(rejected_rows)")).fetchone()
 
 
 def publish_model(weights: WeightStore, model, tokenizer_dir, **kwargs) -> int:
@@ -639,3 +660,36 @@ def test_a_garbled_latest_or_a_version_that_does_not_verify_is_passed_over(
     with pytest.raises(CorruptVersion, match=r"no weight version of .* verifies \(LATEST names") as error:
         uncached.load_newest("serving")
     assert "\n" not in str(error.value)
+
+
+def test_the_weights_table_counts_what_each_version_dropped_and_rejected(local_store, tokenizer_dir):
+    """A run begun by an older treadle, whose ``weights`` table has no ``dropped_stale`` nor
+    ``rejected_rows`` column, goes on with versions whose manifests list them: their rows carry
+    the counts, the base version's reads null, and the README's totals add them up."""
+    weights, tables = WeightStore(local_store), Tables(local_store)
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir, tag="base")
+    schema = TABLE_SCHEMAS["weights"]
+    old_schema = pa.schema(
+        [field for field in schema if field.name not in ("dropped_stale", "rejected_rows")]
+    )
+    old_row = {name: value for name, value in weights.table_row(0).items() if name in old_schema.names}
+    write_deltalake(
+        tables.uri("weights"),
+        pa.Table.from_pylist([old_row], schema=old_schema),
+        configuration=TABLE_CONFIGURATION,
+    )
+    assert readme_totals(local_store) == (None, None)
+
+    for parent, (stale, rejected) in enumerate([(3, 2), (0, 5)]):
+        metadata = {"consumed_shards": ["a"], "dropped_stale": stale, "rejected_rows": rejected}
+        version = publish_model(
+            weights, tiny_llama(seed=parent + 1), tokenizer_dir, parent=parent, metadata=metadata
+        )
+        assert weights.record(tables, version)
+    rows = tables.read("weights", columns=["version", "dropped_stale", "rejected_rows"]).sort_by("version")
+    assert rows.to_pylist() == [
+        {"version": 0, "dropped_stale": None, "rejected_rows": None},
+        {"version": 1, "dropped_stale": 3, "rejected_rows": 2},
+        {"version": 2, "dropped_stale": 0, "rejected_rows": 5},
+    ]
+    assert readme_totals(local_store) == (3, 7)
