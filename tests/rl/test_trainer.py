@@ -45,6 +45,7 @@ from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
+from tests.storage.test_weights import readme_totals
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, vocab_size=300)
 REPO = Path(__file__).resolve().parents[2]
@@ -1139,6 +1140,31 @@ def test_sao_on_a_policy_without_attention_fails_at_start_naming_its_architectur
     publish_policy(WeightStore(store), MambaForCausalLM(mamba).eval(), tokenizer, step=0)
     with pytest.raises(ValueError, match=r"^mamba \(MambaModel\) has no attention parameters to freeze"):
         Trainer(store, config(mode="sao"))
+
+
+def test_the_readme_totals_count_the_rows_of_a_version_passed_over_once(store):
+    """Version 1's files do not verify: the trainer resumes from version 0 and rejects the
+    rows version 1 rejected again, into version 2 whose parent is 0. Version 1 keeps its
+    ``weights`` row, and the README's totals, over the newest version's chain, count each
+    rejected row once."""
+    records = make_trajectories(store, 6, seed=71)
+    for record in records[::3]:
+        record["reward"] = None  # rejected: no reward
+    write_shards(store, records, per_shard=3)
+    Trainer(store, config(publish_every=1)).run(max_steps=1)
+    weights = WeightStore(store)
+    assert weights.manifest(1)["metadata"]["rejected_rows"] == 2
+    os.truncate(os.path.join(weights.version_path(1), STATE_FILE), 0)
+    resumed = Trainer(store, config(publish_every=1))
+    assert resumed.passed_over == [1]
+    resumed.run(drain=True)
+    rows = Tables(store).read("weights", columns=["version", "parent", "rejected_rows"]).sort_by("version")
+    assert rows.to_pylist() == [
+        {"version": 0, "parent": None, "rejected_rows": None},
+        {"version": 1, "parent": 0, "rejected_rows": 2},
+        {"version": 2, "parent": 0, "rejected_rows": 2},
+    ]
+    assert readme_totals(store) == (0, 2)
 
 
 def test_a_trainer_resumes_past_a_garbled_latest_and_below_a_version_that_does_not_verify(store, caplog):
