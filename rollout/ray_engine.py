@@ -20,6 +20,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from rollout.config import TorchEngineConfig
 from rollout.engines.base import EngineError, EngineStats, Generation, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
+from rollout.ray_actors import ActorStartError, wait_actors_started
 from storage.config import RunStore
 
 CLOSE_TIMEOUT_S = 10.0
@@ -251,41 +252,12 @@ class RayEngine:
 
 
 def wait_started(engines: list[RayEngine], timeout_s: float) -> list[RayEngine]:
-    """``engines`` once every actor is placed on a node and has built its engine.
-
-    An actor whose engine could not be built (its constructor raised: Ray never restarts it)
-    stops every actor of ``engines`` and raises an :class:`EngineError` with the
-    constructor's error. Ray keeps an actor whose resources no node has free pending for
-    ever (an autoscaler may add a node): one not started within ``timeout_s`` stops them all
-    too, and raises an :class:`EngineError` naming what it asks for and what the cluster has.
-    """
-    refs = {engine.actor.pid.remote(): engine for engine in engines}
-    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    failed = _failed_starts(ready, refs)
-    if not pending and not failed:
-        return engines
-    for engine in engines:
-        ray.kill(engine.actor)
-    if failed:
-        name, error = failed[0]
-        raise EngineError(f"engine actor {name!r} could not start: {error}")
-    waiting = [refs[ref] for ref in pending]
-    raise EngineError(
-        f"engine actors {[e.name for e in waiting]} did not start within {timeout_s:g} s "
-        f"(engine.load_timeout_s), asking for {waiting[0].actor_options} each: no node of the Ray cluster "
-        f"had that free, or building the engine took longer (cluster total {ray.cluster_resources()}, "
-        f"free {ray.available_resources()})"
-    )
-
-
-def _failed_starts(ready: list, refs: dict) -> list[tuple[str, str]]:
-    """The name and error of each engine whose answered ``ready`` probe says its actor's
-    constructor raised: the error's own line, the last of the traceback Ray quotes."""
-    failed = []
-    for ref in ready:
-        try:
-            ray.get(ref)
-        except RayActorError as exc:
-            if exc.actor_init_failed:
-                failed.append((refs[ref].name, str(exc).strip().splitlines()[-1]))
-    return failed
+    """``engines`` once every actor is placed on a node and has built its engine; else every
+    actor stopped and an :class:`EngineError` with the constructor's error, or naming what
+    the actors not started within ``timeout_s`` ask for (see :func:`wait_actors_started`)."""
+    actors = {engine.name: engine.actor for engine in engines}
+    try:
+        wait_actors_started("engine", actors, engines[0].actor_options, timeout_s, "engine.load_timeout_s")
+    except ActorStartError as exc:
+        raise EngineError(str(exc)) from None
+    return engines

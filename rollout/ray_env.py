@@ -21,6 +21,7 @@ from ray.exceptions import RayError, RayTaskError
 
 from envs import registry
 from envs.base import Env, EnvConfig, EnvHostLost, StepResult, Task
+from rollout.ray_actors import wait_actors_started
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class RayEnvPool:
     Args:
         env_configs: validated config per environment name: the environments it serves
             (their classes travel to the actors, user-registered ones included).
-        num_workers: actors to start.
+        num_workers: actors to start, named ``env-worker-0``, ``env-worker-1`` … in errors.
         actor_options: Ray options of each actor (default: one CPU). An actor that dies
             is restarted (``max_restarts=-1`` unless set here): the envs it held are lost,
             later rollouts on it run.
@@ -151,10 +152,20 @@ class RayEnvPool:
         if not ray.is_initialized():
             raise RuntimeError("RayEnvPool needs a connected Ray cluster: call ray.init() first")
         envs = {name: (registry.env_class(name), config.model_dump()) for name, config in env_configs.items()}
-        options = {"max_restarts": -1, **(actor_options or {"num_cpus": 1})}
-        self.actors = [EnvWorkerActor.options(**options).remote(envs) for _ in range(num_workers)]
+        self.actor_options = {"max_restarts": -1, **(actor_options or {"num_cpus": 1})}
+        self.names = [f"env-worker-{i}" for i in range(num_workers)]
+        self.actors = [EnvWorkerActor.options(**self.actor_options).remote(envs) for _ in self.names]
         self._next = itertools.cycle(self.actors)
         self.env_names = sorted(envs)
+
+    def wait_started(self, timeout_s: float) -> None:
+        """Return once every actor is placed on a node and constructed, within ``timeout_s``
+        (the run's ``engine.load_timeout_s``); else stop them all and raise a
+        :class:`rollout.ray_actors.ActorStartError`: an actor whose constructor raised (the
+        user's env module importable on the driver only) is never restarted, and would lose
+        every rollout sent to it (see :func:`wait_actors_started`)."""
+        actors = dict(zip(self.names, self.actors, strict=True))
+        wait_actors_started("env", actors, self.actor_options, timeout_s, "engine.load_timeout_s")
 
     def make_env(self, task: Task) -> RayEnv:
         """A proxy for a new env of ``task.env`` on the next actor."""

@@ -220,7 +220,8 @@ def _build_worker(
     before_commit: Callable[[], None],
 ) -> tuple[RolloutWorker, Any]:
     """The rollout worker of ``config`` and, on a Ray cluster, the env pool its environments
-    run in (None locally; closed again when the worker cannot be built)."""
+    run in, its actors started within ``engine.load_timeout_s`` (None locally; closed again
+    when the worker cannot be built)."""
     orchestrator = config.orchestrator
     if config.stop.max_rollouts is not None:
         orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})
@@ -232,6 +233,7 @@ def _build_worker(
         connect_ray(config.ray_address)
         env_configs = {name: config.env_config(name) for name in orchestrator.mix}
         env_pool = RayEnvPool(env_configs, num_workers=config.engine.replica_count)
+        env_pool.wait_started(config.engine.load_timeout_s)
     try:
         worker = RolloutWorker(
             run_store(config),

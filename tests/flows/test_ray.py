@@ -6,8 +6,11 @@ their sandboxes in env-worker actors, and rollouts written to shards through bot
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
+import sys
 import threading
+import time
 
 import pytest
 import ray
@@ -22,6 +25,7 @@ from rollout import ray_engine
 from rollout.engines.base import EngineError, EngineStats, SamplingParams
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
+from rollout.ray_actors import ActorStartError
 from rollout.ray_engine import EngineHost, RayEngine
 from rollout.ray_env import RayEnvPool
 from storage.config import RunStore, StorageConfig
@@ -311,6 +315,50 @@ def test_an_env_the_driver_registered_runs_on_the_actors(monkeypatch):
             pool.close()
 
     assert asyncio.run(body()) == 1.0
+
+
+DRIVER_ONLY_ENV = """
+from envs.arith import ArithEnv
+
+
+class DriverOnly(ArithEnv):
+    name = "driver-only"
+"""
+
+
+def test_env_workers_that_cannot_import_the_users_env_fail_the_start_in_one_line(tmp_path, monkeypatch):
+    """The user's env module is importable on the driver only (loaded from a folder the
+    actors do not search): the env workers' constructors raise ``ModuleNotFoundError``, which
+    Ray never retries, so the rollout task fails at its start with that error in one line
+    and stops the workers, instead of running on with every rollout an ``infra_error``."""
+    (tmp_path / "driver_only_env.py").write_text(DRIVER_ONLY_ENV)
+    spec = importlib.util.spec_from_file_location("driver_only_env", tmp_path / "driver_only_env.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "driver_only_env", module)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(registry.REGISTRY, "driver-only", module.DriverOnly)
+    killed = []
+    kill = ray.kill
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: (killed.append(actor), kill(actor, **kw)))
+    config = RunConfig(
+        run_id="driver-only-env",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        cluster="ray",
+        engine={"replicas": 1},
+        orchestrator={"mix": {"driver-only": 1.0}, "concurrency": 2},
+        service={"max_new_tokens": 4},
+        stop={"max_rollouts": 2},
+    )
+    publish_policy(WeightStore(RunStore(config.storage, config.run_id)), *build_tiny_model(TINY), step=0)
+
+    with pytest.raises(ActorStartError) as raised:
+        # a run that starts regardless ends at this deadline, its rollouts lost
+        run_rollouts(config, deadline=time.time() + 120)
+
+    assert str(raised.value) == (
+        "env actor 'env-worker-0' could not start: ModuleNotFoundError: No module named 'driver_only_env'"
+    )
+    assert len(killed) == 1
 
 
 async def answered_once_restarted(method, timeout_s: float = 60.0):

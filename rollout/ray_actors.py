@@ -1,0 +1,64 @@
+"""Starting Ray actors: waiting until each is placed on a node and constructed, or failing
+the start in one line, instead of leaving the caller with actors that never answer.
+
+Ray never restarts an actor whose constructor raised (the user's env module importable on the
+driver only, a weight directory its node does not see), whatever its ``max_restarts``: every
+call on it fails for the rest of the run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import ray
+from ray.actor import ActorHandle
+from ray.exceptions import RayActorError
+
+
+class ActorStartError(RuntimeError):
+    """An actor's constructor raised, or an actor was not started in time."""
+
+
+def wait_actors_started(
+    kind: str, actors: Mapping[str, ActorHandle], options: dict[str, Any], timeout_s: float, setting: str
+) -> None:
+    """Return once every actor of ``actors`` (by name; each has a ``pid`` method) is placed
+    on a node and constructed.
+
+    An actor whose constructor raised stops every actor of ``actors`` and raises an
+    :class:`ActorStartError` ``"{kind} actor '{name}' could not start: {error}"``. Ray keeps
+    an actor whose resources (``options``, each) no node has free pending for ever (an
+    autoscaler may add a node): one not started within ``timeout_s`` (the config's
+    ``setting``) stops them all too, and raises one naming what it asks for and what the
+    cluster has.
+    """
+    refs = {actor.pid.remote(): name for name, actor in actors.items()}
+    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    failed = _failed_starts(ready, refs)
+    if not pending and not failed:
+        return
+    for actor in actors.values():
+        ray.kill(actor)
+    if failed:
+        name, error = failed[0]
+        raise ActorStartError(f"{kind} actor {name!r} could not start: {error}")
+    raise ActorStartError(
+        f"{kind} actors {[refs[ref] for ref in pending]} did not start within {timeout_s:g} s "
+        f"({setting}), asking for {options} each: no node of the Ray cluster had that free, or "
+        f"starting them took longer (cluster total {ray.cluster_resources()}, "
+        f"free {ray.available_resources()})"
+    )
+
+
+def _failed_starts(ready: list, refs: dict) -> list[tuple[str, str]]:
+    """The name and error of each actor whose answered ``ready`` probe says its constructor
+    raised: the error's own line, the last of the traceback Ray quotes."""
+    failed = []
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayActorError as exc:
+            if exc.actor_init_failed:
+                failed.append((refs[ref], str(exc).strip().splitlines()[-1]))
+    return failed
