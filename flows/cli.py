@@ -77,14 +77,17 @@ def inspect_run(store) -> str:
     lines = [f"run {store.uri}"]
     weights = tables.read("weights").sort_by("version").to_pylist()
     kept = set(WeightStore(store).list())
+    chain = newest_chain(weights)
     shown = spaced([row["version"] for row in weights])
     lines.append(f"\nweight versions: {len(weights)} published, {len(kept)} kept (showing {len(shown)})")
     for row in weights:
-        if row["version"] in shown or row["tag"]:
+        if row["version"] in shown or row["tag"] or row["version"] not in chain:
             tag = f" [{row['tag']}]" if row["tag"] else ""
-            pruned = "" if row["version"] in kept else " (pruned)"
+            marks = ["passed over"] if row["version"] not in chain else []
+            marks += ["pruned"] if row["version"] not in kept else []
+            marked = f" ({', '.join(marks)})" if marks else ""
             lines.append(
-                f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}{pruned}"
+                f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}{marked}"
             )
     evals = tables.read("evals").sort_by([("version", "ascending"), ("env", "ascending")])
     lines.append("\nheld-out reward per version:")
@@ -115,6 +118,19 @@ def inspect_run(store) -> str:
     steps = one_row_per_step(tables.read("train_steps"))
     lines.append(f"\npolicy steps logged: {steps.num_rows}")
     return "\n".join(lines)
+
+
+def newest_chain(weights: list[dict]) -> set[int]:
+    """The versions of ``weights`` rows on the newest version's parent chain: the weights the
+    run's training went through. One off it was passed over by a trainer that resumed below
+    it (its files did not verify), which trained its rows again."""
+    parents = {row["version"]: row["parent"] for row in weights}
+    chain: set[int] = set()
+    version = max(parents, default=None)
+    while version is not None and version not in chain:
+        chain.add(version)
+        version = parents.get(version)
+    return chain
 
 
 def _measured(row: dict) -> str:

@@ -601,3 +601,27 @@ def test_the_demo_prints_arguments_that_reach_its_run_through_a_shell(tmp_path):
     assert shlex.split(run_arguments(config_path, config)) == [
         "--config", config_path, "--root", str(root), "--run-id", "demo-1",
     ]  # fmt: skip
+
+
+def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
+    """A trainer that resumed below a version whose files did not verify trained its rows
+    again into a version whose parent is the one it resumed from: the version passed over is
+    listed, and marked, even where a long list is thinned."""
+    time = datetime(2026, 1, 1, tzinfo=UTC)
+    parents = {0: None} | {v: v - 1 for v in range(1, 30)} | {14: 12}
+    rows = [
+        {
+            "version": v,
+            "step": 4 * v,
+            "parent": parent,
+            "path": f"weights/v{v:06d}",
+            "num_consumed_shards": 1,
+            "created_at": time,
+        }
+        for v, parent in parents.items()
+    ]
+    Tables(local_store).append("weights", rows)
+    out = inspect_run(local_store)
+    assert "  v13   step 52     2026-01-01 00:00:00 (passed over, pruned)" in out
+    assert out.count("passed over") == 1
+    assert "  v29   step 116    2026-01-01 00:00:00 (pruned)" in out
