@@ -60,7 +60,8 @@ def maintain(
 
     Args:
         config: the run.
-        keep_last: weight versions kept, the newest (LATEST and tagged ones always stay).
+        keep_last: weight versions kept, the newest (LATEST, tagged ones and the newest
+            that verifies always stay).
         retention_hours: vacuumed table files and uncommitted shard files are deleted once
             older than this (at least ``MIN_RETENTION_HOURS``: a younger one may belong to a
             writer whose commit has not landed yet).
@@ -90,7 +91,10 @@ def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
         "--keep-last",
         type=_at_least(1),
         default=5,
-        help="Newest weight versions to keep (default: 5); LATEST and tagged versions are always kept.",
+        help=(
+            "Newest weight versions to keep (default: 5); LATEST, tagged versions and the newest "
+            "that verifies are always kept."
+        ),
     )
     parser.add_argument(
         "--retention-hours",

@@ -361,7 +361,7 @@ class Trainer:
         self.weights.record(self.tables, version)
         if self.config.keep_versions is not None:
             try:
-                removed = self.weights.retain(self.config.keep_versions)
+                removed = self.weights.retain(self.config.keep_versions, verified=version)
             except Exception as exc:  # the version is published; the next publish retries
                 logger.warning("could not delete old weight versions after version %d: %s", version, exc)
             else:

@@ -87,6 +87,17 @@ def _claim_text(owner: str | None) -> bytes:
     return f"{datetime.now(UTC).isoformat()} pid {os.getpid()}{owned}\n".encode()
 
 
+def _missing_file(version: int, name: str) -> CorruptVersion:
+    return CorruptVersion(f"weight version {version}: file {name!r} listed in the manifest is missing")
+
+
+def _corrupt_file(version: int, name: str, actual: str, expected: str) -> CorruptVersion:
+    return CorruptVersion(
+        f"weight version {version}: file {name!r} is corrupt "
+        f"(sha256 {actual[:12]}… does not match the manifest's {expected[:12]}…)"
+    )
+
+
 class VersionTaken(FileExistsError):
     """The version number a publish asked for is claimed by another publish."""
 
@@ -618,9 +629,7 @@ class WeightStore:
                 try:
                     self.fs.get_file(remote, str(staging / name))
                 except FileNotFoundError:
-                    raise CorruptVersion(
-                        f"weight version {version}: file {name!r} listed in the manifest is missing"
-                    ) from None
+                    raise _missing_file(version, name) from None
             Path(staging, MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
             self._verify(str(staging), files, version)
             try:
@@ -661,15 +670,25 @@ class WeightStore:
         for name, expected in files.items():
             path = os.path.join(local_dir, name)
             if not os.path.isfile(path):
-                raise CorruptVersion(
-                    f"weight version {version}: file {name!r} listed in the manifest is missing"
-                )
+                raise _missing_file(version, name)
             actual = sha256_file(path)
             if actual != expected:
-                raise CorruptVersion(
-                    f"weight version {version}: file {name!r} is corrupt "
-                    f"(sha256 {actual[:12]}… does not match the manifest's {expected[:12]}…)"
-                )
+                raise _corrupt_file(version, name, actual, expected)
+
+    def _verify_stored(self, version: int) -> None:
+        """Check every file of ``version`` against its manifest where the store keeps it,
+        read through without caching a copy; raises as :meth:`load`."""
+        directory = self.version_path(version)
+        for name, expected in self.manifest(version)["files"].items():
+            digest = hashlib.sha256()
+            try:
+                with self.fs.open(posixpath.join(directory, name), "rb") as handle:
+                    while chunk := handle.read(_HASH_CHUNK):
+                        digest.update(chunk)
+            except (FileNotFoundError, IsADirectoryError):
+                raise _missing_file(version, name) from None
+            if digest.hexdigest() != expected:
+                raise _corrupt_file(version, name, digest.hexdigest(), expected)
 
     # -- retention -----------------------------------------------------------------------
 
@@ -682,9 +701,24 @@ class WeightStore:
         except (FileNotFoundError, UnicodeDecodeError, ValueError, IndexError):
             return float("inf")
 
-    def retain(self, keep_last: int, in_flight_s: float = 3600.0) -> list[int]:
+    def _verifies(self, version: int) -> bool:
+        """Whether every file of ``version`` matches its manifest in the store (why not: logged)."""
+        try:
+            self._verify_stored(version)
+        except (CorruptVersion, KeyError) as error:  # KeyError: deleted meanwhile by another retention
+            log.warning("retention keeps the versions down to one that verifies: %s", error.args[0])
+            return False
+        return True
+
+    def retain(self, keep_last: int, in_flight_s: float = 3600.0, verified: int | None = None) -> list[int]:
         """Delete all but the newest ``keep_last`` versions; tagged versions and LATEST stay,
-        and so does a version whose manifest is unreadable (it may be tagged; logged).
+        and so does a version whose manifest is unreadable (it may be tagged; logged). So do
+        the newest version at or below LATEST whose files all verify (what ``load_newest``
+        finds) and every version above it: when the newest ``keep_last`` do not verify, the
+        run still has the weights its trainer and workers start from. That version is found
+        by reading the versions' files, from LATEST down, only when one of them would
+        otherwise be deleted; ``verified`` names a version known to verify (one this process
+        has just published, hashed as it was written), taken as it is without reading it.
 
         Incomplete directories below the newest complete version (left by a crashed
         publish) are deleted too once claimed more than ``in_flight_s`` ago: a publish that
@@ -697,6 +731,12 @@ class WeightStore:
         latest = self.latest()
         if latest is not None:
             keep.add(latest)
+        loadable = [v for v in reversed(complete) if latest is None or v <= latest]
+        if not keep.issuperset(loadable):
+            for version in loadable:
+                keep.add(version)
+                if version == verified or self._verifies(version):
+                    break
         for version in complete:
             if version in keep:
                 continue

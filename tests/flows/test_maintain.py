@@ -85,7 +85,7 @@ def test_maintain_help_and_errors_say_what_it_does_and_expects(capsys):
         maintain_main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "Compact and vacuum the run's Delta tables, prune old weight versions and sweep shard files" in out
-    assert "LATEST and tagged versions are always kept" in out
+    assert "LATEST, tagged versions and the newest that verifies are always kept" in out
     with pytest.raises(SystemExit):
         maintain_main(["--keep-last", "x"])
     assert "argument --keep-last: invalid integer value: 'x'" in capsys.readouterr().err

@@ -290,6 +290,23 @@ def test_retention_keeps_a_version_whose_manifest_is_unreadable_and_prunes_the_r
     assert weights.retain(keep_last=1) == []
 
 
+def test_retention_keeps_the_newest_version_that_verifies_when_latest_does_not(
+    weights, tokenizer_dir, caplog
+):
+    """With LATEST's version corrupt, keep_last=1 kept that version alone and deleted the one
+    the trainer and the workers load instead, leaving nothing loadable."""
+    for seed in range(4):
+        publish_model(weights, tiny_llama(seed=seed), tokenizer_dir)
+    corrupt(weights, 3, "model.safetensors")
+    corrupt(weights, 2, "config.json")
+
+    assert weights.retain(keep_last=1) == [0]
+    assert weights.list() == [1, 2, 3] and weights.load_newest()[0] == 1
+    assert "retention keeps the versions down to one that verifies: weight version 3" in caplog.text
+    assert weights.retain(keep_last=1, verified=2) == [1]  # vouched for: not read back
+    assert weights.list() == [2, 3]
+
+
 def test_latest_does_not_move_back_when_two_publishes_race(store, tokenizer_dir, tmp_path):
     """Publish A (v1) reads LATEST, publish B (v2) runs whole, then A writes LATEST."""
     slow = WeightStore(store, cache_dir=tmp_path / "a")
