@@ -290,8 +290,9 @@ def evaluate_task(config: RunConfig, version: int | None = None, reuse: bool = F
     evaluated again, so a rerun of a run does not add a second row for its start."""
     recorded = None
     if reuse:
-        newest = WeightStore(run_store(config)).latest() if version is None else version
-        recorded = recorded_eval(config, newest)
+        if version is None:  # the one evaluate_weights would measure, not LATEST's when that does not verify
+            version = WeightStore(run_store(config)).load_newest("serving")[0]
+        recorded = recorded_eval(config, version)
     result = recorded or evaluate_version(config, version)
     how = " (recorded by an earlier evaluation)" if recorded else ""
     get_run_logger().info("version %d held-out reward%s: %s", result.version, how, result.reward)

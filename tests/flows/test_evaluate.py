@@ -152,3 +152,7 @@ def test_the_newest_version_evaluated_is_the_newest_that_verifies(tmp_path):
     os.truncate(os.path.join(weights.version_path(1), "model.safetensors"), 10)
     assert evaluating(config, reuse=True)["version"] == 0
     assert {row["version"] for row in Tables(run_store(config)).read("evals").to_pylist()} == {0}
+    # a rerun looked for version 1's row, found none, and measured version 0 again
+    again = evaluating(config, reuse=True)
+    assert again["version"] == 0 and again["statuses"] == {}
+    assert Tables(run_store(config)).read("evals").num_rows == len(config.orchestrator.mix)
