@@ -39,8 +39,8 @@ def shard_processor(
     on_shard: Callable[[ProcessedShard], None] | None = None,
     before_commit: Callable[[], None] | None = None,
 ) -> ShardProcessor:
-    """A processor for the run, decoding text with the tokenizer of its newest version,
-    looked up at the first row to decode: a processor started before version 0 is published
+    """A processor for the run, decoding text with the tokenizer of its newest version whose
+    tokenizer verifies (``WeightStore.load_newest``), looked up at the first row to decode: a processor started before version 0 is published
     (beside the trainer and the workers) decodes too, and a raw shard implies a version.
     ``before_commit`` is called before each processed shard is committed (it raises once
     another processor holds the run's processor role)."""
@@ -50,10 +50,11 @@ def shard_processor(
 
     def decode(ids: list[int]) -> str:
         if not loaded:
-            latest = weights.latest()
-            if latest is None:
-                raise LookupError(f"run {config.run_id} has no weight version, so no tokenizer yet")
-            loaded.append(load_tokenizer(weights.load(latest, "tokenizer")))
+            try:
+                _, path = weights.load_newest("tokenizer")
+            except FileNotFoundError:
+                raise LookupError(f"run {config.run_id} has no weight version, so no tokenizer yet") from None
+            loaded.append(load_tokenizer(path))
         return loaded[0].decode(ids, skip_special_tokens=False)
 
     return ShardProcessor(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -9,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rl import process_loop
-from rl.models import ensure_base_version
+from rl.models import ensure_base_version, load_policy, publish_policy
 from rl.process_loop import ShardProcessor
 from storage.shards import ShardWriter
 from storage.status import InUse, ProcessOffsetBoard, ProcessorStatus, ProcessorStatusBoard
@@ -38,6 +39,22 @@ def test_a_processor_started_before_version_zero_fills_the_text_column(tmp_path)
     writer.write_many(raw)
     writer.close()
     assert len(processor.poll()) == 1
+    texts = Tables(store).read("trajectories").column("text").to_pylist()
+    assert len(texts) == 2 and all(texts), texts
+
+
+def test_a_processor_decodes_with_the_newest_tokenizer_that_verifies(tmp_path):
+    """LATEST's version whose tokenizer does not verify is passed over, as the workers pass
+    it over: every row's text was left empty (CorruptVersion at each decode)."""
+    config = tiny_config(tmp_path / "runs", "process-corrupt")
+    store = run_store(config)
+    weights = WeightStore(store)
+    ensure_base_version(weights, TINY)
+    model, tokenizer = load_policy(weights.load(0))
+    publish_policy(weights, model, tokenizer, step=1, parent=0)
+    os.truncate(os.path.join(weights.version_path(1), "tokenizer.json"), 10)
+    commit_raw(store, raw_records(store, 2, seed=1))
+    assert len(shard_processor(config).poll()) == 1
     texts = Tables(store).read("trajectories").column("text").to_pylist()
     assert len(texts) == 2 and all(texts), texts
 
