@@ -60,19 +60,17 @@ def _local_dir(path: str, version: int, store: RunStore | None) -> str:
 
 def _start_dir(path: str, version: int, store: RunStore | None) -> tuple[str, int]:
     """The directory and version an actor starts on: ``_local_dir`` of ``version``, or the
-    store's latest version once retention deleted ``version``. Ray restarts an actor with its
-    first arguments, so on the version its worker started on, which is pruned when the worker
+    store's newest version that verifies (``WeightStore.load_newest``, as a worker's engines
+    start on) once retention deleted ``version``. Ray restarts an actor with its first
+    arguments, so on the version its worker started on, which is pruned when the worker
     started on an untagged one; a constructor that raises is not restarted again."""
     try:
         return _local_dir(path, version, store), version
     except KeyError:  # the store no longer has it
         from storage.weights import WeightStore
 
-        weights = WeightStore(store)
-        latest = weights.latest()
-        if latest is None or latest == version:
-            raise
-        return weights.load(latest, "serving"), latest
+        newest, path = WeightStore(store).load_newest("serving")
+        return path, newest
 
 
 class EngineHost:

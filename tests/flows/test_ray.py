@@ -622,6 +622,23 @@ def test_an_engine_actor_whose_start_version_was_pruned_restarts_on_the_latest(t
     assert generation.versions == [2] * len(generation.token_ids)
 
 
+def test_an_engine_host_whose_start_version_was_pruned_starts_on_the_newest_that_verifies(tmp_path):
+    """With LATEST's version corrupt, a restarted actor whose version was pruned loaded
+    LATEST's (CorruptVersion): its constructor failed, which Ray never retries."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "pruned-corrupt")
+    weights = WeightStore(store)
+    model, tokenizer = build_tiny_model(TINY)
+    for step in range(4):
+        publish_policy(weights, model, tokenizer, step=step, tag="base" if step == 0 else None)
+    assert weights.retain(keep_last=2) == [1]
+    os.truncate(os.path.join(weights.version_path(3), "model.safetensors"), 10)
+    host = EngineHost(TorchEngineConfig().model_dump(), "/nonexistent/v000001", "host", 1, store)
+    try:
+        assert host.engine.version == 2
+    finally:
+        asyncio.run(host.close())
+
+
 def test_ray_engines_on_a_node_without_the_runs_local_folder_fail_the_start_in_one_line(
     tmp_path, monkeypatch
 ):
