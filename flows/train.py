@@ -1,7 +1,8 @@
 """The train flow: continuous SAO on processed shards, publishing weight versions.
 
 ``python -m flows.train --config configs/tiny.yaml``. Killed and started again, it
-resumes from ``weights/LATEST`` without losing or repeating a trajectory.
+resumes from ``weights/LATEST`` (or, when that version's files do not verify, the newest
+below it that does) without losing or repeating a trajectory.
 """
 
 from __future__ import annotations

@@ -40,8 +40,9 @@ def shard_processor(
     before_commit: Callable[[], None] | None = None,
 ) -> ShardProcessor:
     """A processor for the run, decoding text with the tokenizer of its newest version whose
-    tokenizer verifies (``WeightStore.load_newest``), looked up at the first row to decode: a processor started before version 0 is published
-    (beside the trainer and the workers) decodes too, and a raw shard implies a version.
+    tokenizer verifies (``WeightStore.load_newest``), looked up at the first row to decode: a
+    processor started before version 0 is published (beside the trainer and the workers)
+    decodes too, and a raw shard implies a version.
     ``before_commit`` is called before each processed shard is committed (it raises once
     another processor holds the run's processor role)."""
     store = run_store(config)
