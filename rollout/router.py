@@ -293,7 +293,11 @@ class Router:
         return walk[0]
 
     def end_session(self, session_id: str) -> None:
-        """Release ``session_id``'s assignment and let its replica drop its cache."""
+        """Release ``session_id``'s assignment and let its replica drop its cache (under
+        ``round_robin``, which pins nothing, every replica in service: any may hold one)."""
+        if self.config.policy == "round_robin":
+            for engine in self._engines.values():
+                engine.end_session(session_id)
         self._release(session_id)
         started = self._started.pop(session_id, None)
         if started is not None:

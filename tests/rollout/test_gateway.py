@@ -16,7 +16,7 @@ from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import ChatRenderer, Gateway, GatewayConfig, UnknownSession
-from rollout.router import Router
+from rollout.router import Router, RouterConfig
 from storage.schema import TRAJECTORY_SCHEMA, to_table, validate
 
 TINY = TinyModelConfig(
@@ -31,10 +31,12 @@ def tiny():
 
 
 @contextlib.asynccontextmanager
-async def running_gateway(tiny, replicas: int = 1, config: GatewayConfig | None = None):
+async def running_gateway(
+    tiny, replicas: int = 1, config: GatewayConfig | None = None, router: RouterConfig | None = None
+):
     model, tokenizer = tiny
     engines = [TorchEngine(copy.deepcopy(model), tokenizer, name=f"engine-{i}") for i in range(replicas)]
-    gateway = Gateway(Router(engines), tokenizer, config or GatewayConfig(max_context_tokens=512))
+    gateway = Gateway(Router(engines, router), tokenizer, config or GatewayConfig(max_context_tokens=512))
     try:
         yield gateway
     finally:
@@ -310,6 +312,26 @@ def test_sessions_stick_to_one_replica_and_close_releases_it(tiny):
                 gateway.session(sessions[0].session_id)
 
     asyncio.run(body())
+
+
+def test_closing_a_round_robin_session_drops_its_cache_on_every_replica_that_served_it(tiny):
+    """Round robin pins nothing, so closing a session released no replica's cache of it: its
+    turns' caches stayed in every engine's LRU, pushing out the caches of live sessions."""
+
+    async def body():
+        async with running_gateway(tiny, replicas=2, router=RouterConfig(policy="round_robin")) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            for turn in range(2):
+                session.add_messages([{"role": "user", "content": f"turn {turn}"}])
+                await session.generate(SamplingParams(max_new_tokens=2, seed=turn))
+            engines = [gateway.router.engine(name) for name in gateway.router.replicas]
+            served = [engine.stats().extra["cache_sessions"] for engine in engines]
+            gateway.close(session.session_id)
+            return served, [engine.stats().extra["cache_sessions"] for engine in engines]
+
+    served, after_close = asyncio.run(body())
+    assert served == [1.0, 1.0]
+    assert after_close == [0.0, 0.0]
 
 
 def test_bad_input_is_a_clear_error_and_other_sessions_keep_working(tiny):
