@@ -187,8 +187,9 @@ class OrchestratorConfig(BaseModel):
         ge=-(2**63 // SEED_STRIDE),
         le=(2**63 - 1) // SEED_STRIDE,
         description="Base of the per-rollout sampling seeds: rollout n samples with seed * 1_000_003 + n "
-        "(its turn t with that + t); bounded so that these stay 64-bit seeds the engines take. A rollout "
-        "worker first makes it its own, hashed with its name (rollout.worker.worker_seed).",
+        "(its turn t with a hash of that and t: rollout.service.turn_seed); bounded so that these stay "
+        "signed 64-bit integers. A rollout worker first makes it its own, hashed with its name "
+        "(rollout.worker.worker_seed).",
     )
 
     @field_validator("mix")

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
 import math
 import numbers
@@ -196,6 +197,17 @@ def checked_progress(progress: object, env: str) -> float | None:
     if not 0.0 <= progress <= 1.0:  # NaN included
         raise InvalidScore(f"{env} reported progress {float(progress)!r}, outside [0, 1]")
     return float(progress)
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The sampling seed of turn ``turn`` of a rollout seeded ``seed``: a 64-bit hash of both.
+
+    Not ``seed + turn``: rollouts take consecutive seeds (``OrchestratorConfig.seed``), so rollout
+    n's turn t + 1 sampled with rollout n + 1's seed of turn t, and one seed draws the same random
+    numbers whatever the context: the two turns' tokens were largely the same draws (9 first
+    tokens in 10 alike on the tiny model, none with unrelated seeds).
+    """
+    return int.from_bytes(hashlib.blake2b(f"{seed}/{turn}".encode(), digest_size=8).digest(), "big")
 
 
 def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:
@@ -576,7 +588,7 @@ class RolloutService:
                 temperature=self.config.temperature,
                 top_p=self.config.top_p,
                 stop_ids=self.gateway.stop_ids,
-                seed=None if seed is None else seed + turn,
+                seed=None if seed is None else turn_seed(seed, turn),
             )
             action = (await session.generate(params)).text
             result = await self._act(

@@ -40,8 +40,8 @@ class ProcessRequest(BaseModel):
         None,
         ge=-(2**63),
         lt=2**63,
-        description="Sampling seed of the first turn (turn t samples with seed + t): a signed 64-bit "
-        "integer, so that every turn's seed is one the engines take.",
+        description="Sampling seed of the rollout, a signed 64-bit integer (turn t samples with a hash of "
+        "it and t: rollout.service.turn_seed).",
     )
     include_tokens: bool = Field(
         True, description="Return the whole trajectory record, not just the summary."

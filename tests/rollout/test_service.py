@@ -94,6 +94,42 @@ def test_concurrent_multi_turn_rollouts_record_the_log_probs_of_a_full_forward(t
     assert max(turns) >= 2, "no rollout went past its second turn"
 
 
+class SeedRecordingEngine(TorchEngine):
+    """A real TorchEngine that keeps the sampling seed of every generation it is asked for."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seeds: list[int | None] = []
+
+    async def generate(self, session_id, prompt_ids, params):
+        self.seeds.append(params.seed)
+        return await super().generate(session_id, prompt_ids, params)
+
+
+def test_no_two_turns_of_rollouts_with_consecutive_seeds_sample_with_one_seed(tiny):
+    """The orchestrator gives rollouts consecutive seeds; turn t sampled with seed + t, so rollout
+    n's second turn drew the very random numbers of rollout n + 1's first (one seed draws the
+    same whatever the context: mostly the same tokens)."""
+    model, tokenizer = tiny
+    task = registry.task_set("guess", "train", seed=3, n=1)[0]
+
+    async def body():
+        engine = SeedRecordingEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(
+            gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
+        )
+        try:
+            results = [await service.process(RolloutRequest(task=task, seed=seed)) for seed in (1, 2)]
+        finally:
+            await engine.close()
+        return results, engine.seeds
+
+    results, seeds = asyncio.run(body())
+    assert all(result.turns >= 2 for result in results), [result.error for result in results]
+    assert None not in seeds and len(set(seeds)) == len(seeds) == sum(result.turns for result in results)
+
+
 class SlowEnv(ArithEnv):
     """``arith`` whose every step takes ``delay`` seconds (a slow tool)."""
 
