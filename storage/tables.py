@@ -259,7 +259,9 @@ class Tables:
         if table is None:
             return schema.empty_table()
         present = {field.name for field in table.schema().fields}
-        return _cast_to(schema, pa.table(table.scan(columns=[n for n in schema.names if n in present])))
+        return _cast_to(
+            schema, _fetched(name, lambda: table.scan(columns=[n for n in schema.names if n in present]))
+        )
 
     @_credentials_masked
     def version(self, name: str) -> int | None:
@@ -292,11 +294,11 @@ class Tables:
         if latest <= after:
             return _with_commit_version(schema_of(name).empty_table()), after
         if after < 0:
-            snapshot = _cast_read(name, pa.table(table.scan()))
+            snapshot = _cast_read(name, _fetched(name, table.scan))
             return snapshot.append_column(
                 "_commit_version", pa.array([latest] * snapshot.num_rows, pa.int64())
             ), latest
-        feed = pa.table(table.load_cdf(starting_version=after + 1, ending_version=latest))
+        feed = _fetched(name, lambda: table.load_cdf(starting_version=after + 1, ending_version=latest))
         inserted = pc.equal(pc.cast(feed.column("_change_type"), pa.string()), "insert")
         data = _cast_read(name, feed).append_column(
             "_commit_version", pc.cast(feed.column("_commit_version"), pa.int64())
@@ -463,6 +465,18 @@ def one_row_per_step(steps: pa.Table) -> pa.Table:
     lowest_after = np.full(len(step), np.iinfo(np.int64).max)
     lowest_after[:-1] = np.minimum.accumulate(step[::-1])[::-1][1:]
     return ordered.filter(pa.array(step < lowest_after)).sort_by("step")
+
+
+def _fetched(name: str, stream: Callable[[], Any]) -> pa.Table:
+    """The rows of ``stream()`` (a scan or change feed of table ``name``) read whole. A data
+    file that cannot be fetched or parsed (an S3 503, a truncated file) fails the stream with
+    an ``ArrowInvalid``, which quotes the refused request's body: it is raised as the storage
+    error it is, an ``OSError`` naming the table, which a task retries and
+    :func:`_credentials_masked` masks."""
+    try:
+        return pa.table(stream())
+    except pa.ArrowException as exc:
+        raise OSError(f"table {name!r}: cannot read its data files: {exc}") from None
 
 
 def _cast_read(name: str, table: pa.Table) -> pa.Table:
