@@ -196,7 +196,14 @@ def one_line(exc: BaseException) -> str:
 
 
 def _inspect(args) -> None:
-    print(inspect_run(existing_run(_store(args))))
+    from deltalake.exceptions import DeltaError
+
+    store = existing_run(_store(args))
+    try:
+        report = inspect_run(store)
+    except (OSError, DeltaError) as exc:  # a table whose data files the store cannot serve
+        raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None
+    print(report)
 
 
 def _sql(args) -> None:

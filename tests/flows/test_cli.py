@@ -165,6 +165,18 @@ def test_sql_on_a_new_run_answers_for_tables_not_written_yet_and_reports_bad_sql
     assert bad.returncode == 1 and bad.stderr.startswith("error: ") and "Traceback" not in bad.stderr
 
 
+def test_inspect_on_a_table_with_a_truncated_data_file_is_a_one_line_error_naming_the_table(local_store):
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    folder = local_store.path("tables", "trajectories")
+    (data,) = [name for name in os.listdir(folder) if name.endswith(".parquet")]
+    os.truncate(os.path.join(folder, data), 100)
+    result = treadle("inspect", "--root", local_store.config.root, "--run-id", local_store.run_id)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(
+        f"error: cannot read the run at {local_store.uri}: table 'trajectories': cannot read its data files: "
+    ), result.stderr
+
+
 def trajectory_row(task: str, max_version: int, reward: float | None, status: str) -> dict:
     return {
         "trajectory_id": f"{task}-{max_version}",
