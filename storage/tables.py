@@ -413,6 +413,8 @@ class Tables:
             return DeltaTable(self.uri(name), storage_options=self._options)
         except TableNotFoundError:
             return None
+        except DeltaError as exc:  # a commit file that does not parse, say: name the table it is in
+            raise DeltaError(f"table {name!r}: cannot load its Delta log: {exc}") from None
 
 
 def schema_of(name: str) -> pa.Schema:

@@ -17,6 +17,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import DeltaError
 
 from flows.sql import extension_paths
 from storage import tables as tables_module
@@ -630,3 +631,19 @@ def test_a_truncated_data_file_is_a_storage_error_naming_the_table(local_store):
     ):
         with pytest.raises(OSError, match="table 'weights': cannot read its data files: "):
             call()
+
+
+def test_a_truncated_commit_file_is_an_error_naming_the_table(local_store):
+    tables = Tables(local_store)
+    tables.append("weights", [weight_row(0)])
+    tables.append("weights", [weight_row(1)])
+    latest = local_store.path("tables", "weights", "_delta_log", f"{1:020d}.json")
+    os.truncate(latest, os.path.getsize(latest) // 2)
+    for call in (
+        lambda: tables.version("weights"),
+        lambda: tables.read("weights"),
+        lambda: Tables(local_store).append("weights", [weight_row(2)]),
+    ):
+        with pytest.raises(DeltaError, match="table 'weights': cannot load its Delta log: "):
+            call()
+    assert tables.version("evals") is None  # the other tables are untouched
