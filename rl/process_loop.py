@@ -157,10 +157,13 @@ class ShardProcessor:
             return ProcessedShard(raw, None, None, skipped="already processed")
         table = self.raw.read(raw)
         if table is None:
+            if twin_done:  # its file went missing before: dealt with (and reported) then
+                return ProcessedShard(raw, None, None, skipped="already processed")
             # an empty twin still tells the trainer, and through it the worker's
             # backpressure, that this shard has been dealt with
-            processed = None if twin_done else self._commit_twin(raw, PROCESSED_SCHEMA.empty_table())
-            outcome = ProcessedShard(raw, processed, None, skipped="quarantined")
+            processed = self._commit_twin(raw, PROCESSED_SCHEMA.empty_table())
+            why = "quarantined" if self.raw.quarantined(raw) else "file missing"
+            outcome = ProcessedShard(raw, processed, None, skipped=why)
             self._notify(outcome)
             return outcome
         result = process_shard(

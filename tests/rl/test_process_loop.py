@@ -183,3 +183,18 @@ def test_a_restarted_processor_does_not_report_a_quarantined_shard_again(local_s
     again = ShardProcessor(local_store, on_shard=heard.append).poll()
     assert [o.skipped for o in again] == ["already processed"] * 3
     assert [o.skipped for o in heard] == [None, "quarantined", None]
+
+
+def test_a_raw_shard_whose_file_is_missing_is_reported_so_once(local_store):
+    commit_raw_shards(local_store, range(3))
+    raw, _ = ShardReader(local_store).poll()
+    os.remove(local_store.path(raw[1].path))
+    heard = []
+    first = ShardProcessor(local_store, on_shard=heard.append).poll()
+    assert [o.skipped for o in first] == [None, "file missing", None]
+    assert first[1].processed.num_rows == 0  # its empty twin tells the trainer it was dealt with
+    local_store.fs.rm(ProcessOffsetBoard(local_store).path)
+    again = ShardProcessor(local_store, on_shard=heard.append).poll()
+    assert [o.skipped for o in again] == ["already processed"] * 3
+    assert [o.skipped for o in heard] == [None, "file missing", None]
+    assert processed_ids(local_store) == ["t0", "t2"]
