@@ -678,7 +678,9 @@ class ShardReader:
 def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | None = None) -> list[str]:
     """Delete the files under ``shards/`` that no ``shards`` commit lists and that are older
     than ``older_than_s``: temp files and placeholders of writers that died, and shards whose
-    commit never landed. Quarantined shards stay. Returns the removed paths (run-relative).
+    commit never landed. Quarantined shards stay, and so does every file but the temp ones
+    when the run has no ``shards`` table (then nothing says which were committed). Returns
+    the removed paths (run-relative).
 
     The files are listed before the commits are read, so a shard committed meanwhile counts
     as committed; ``older_than_s`` must exceed the time a writer takes from its file to its
@@ -696,12 +698,27 @@ def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | Non
         found = store.fs.find(root, detail=True)
     except FileNotFoundError:
         return []
-    committed = set((tables or Tables(store)).read("shards").column("path").to_pylist())
+    found = {
+        posixpath.join("shards", posixpath.relpath(path, root)): (path, info) for path, info in found.items()
+    }
+    tables = tables or Tables(store)
+    if tables.version("shards") is None:
+        # no commit log to say which shard files were committed (the table lost, or a wrong
+        # root): only temp files are sure to be left over, never a shard's own file
+        keep = {relative for relative in found if not relative.startswith("shards/tmp/")}
+        if keep:
+            log.warning(
+                "the run at %s has no shards table, so nothing says which of its %d shard files were "
+                "committed: they are kept, and only temp files are swept",
+                store.uri,
+                len(keep),
+            )
+    else:
+        keep = set(tables.read("shards").column("path").to_pylist())
     now = time.time()
     removed = []
-    for path, info in found.items():
-        relative = posixpath.join("shards", posixpath.relpath(path, root))
-        if relative.startswith("shards/quarantine/") or relative in committed:
+    for relative, (path, info) in found.items():
+        if relative.startswith("shards/quarantine/") or relative in keep:
             continue
         if now - _modified(info) > older_than_s:
             try:

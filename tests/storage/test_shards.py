@@ -453,6 +453,24 @@ def test_sweeping_removes_only_old_files_no_commit_lists(store, monkeypatch):
     assert sweep_uncommitted(store, older_than_s=3600) == []
 
 
+def test_sweeping_a_run_whose_shards_table_is_lost_keeps_every_shard_file(store, monkeypatch, caplog):
+    """Without its commit log nothing says which shard files were committed: a sweep that
+    took every one for a writer's leftover deleted the run's data."""
+    with ShardWriter(store, "w0", flush_records=2) as writer:
+        writer.write_table(make_table(0, 2))
+        writer.write_table(make_table(2, 2))
+    shard_files = sorted(store.fs.find(store.path("shards")))
+    assert len(shard_files) == 2
+    leftover = "shards/tmp/raw/w0/00000009.arrow-5e1f"
+    store.create_exclusive(store.path(leftover), b"left behind")
+    store.fs.rm(store.path("tables", "shards"), recursive=True)
+    hours_later(monkeypatch, 2)
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        assert sweep_uncommitted(store, older_than_s=3600) == [leftover]
+    assert sorted(store.fs.find(store.path("shards"))) == shard_files
+    assert "has no shards table, so nothing says which of its 2 shard files were committed" in caplog.text
+
+
 def test_two_sweeps_at_once_each_remove_what_the_other_did_not(local_store, monkeypatch):
     """A second sweep (maintain run from the CLI beside a deployment's) removes a file between
     this sweep's listing and its delete: this one goes on and reports only its own."""
