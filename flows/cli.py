@@ -77,13 +77,13 @@ def inspect_run(store) -> str:
     lines = [f"run {store.uri}"]
     weights = tables.read("weights").sort_by("version").to_pylist()
     kept = set(WeightStore(store).list())
-    chain = newest_chain(weights)
+    skipped = passed_over(weights)
     shown = spaced([row["version"] for row in weights])
     lines.append(f"\nweight versions: {len(weights)} published, {len(kept)} kept (showing {len(shown)})")
     for row in weights:
-        if row["version"] in shown or row["tag"] or row["version"] not in chain:
+        if row["version"] in shown or row["tag"] or row["version"] in skipped:
             tag = f" [{row['tag']}]" if row["tag"] else ""
-            marks = ["passed over"] if row["version"] not in chain else []
+            marks = ["passed over"] if row["version"] in skipped else []
             marks += ["pruned"] if row["version"] not in kept else []
             marked = f" ({', '.join(marks)})" if marks else ""
             lines.append(
@@ -120,17 +120,15 @@ def inspect_run(store) -> str:
     return "\n".join(lines)
 
 
-def newest_chain(weights: list[dict]) -> set[int]:
-    """The versions of ``weights`` rows on the newest version's parent chain: the weights the
-    run's training went through. One off it was passed over by a trainer that resumed below
-    it (its files did not verify), which trained its rows again."""
-    parents = {row["version"]: row["parent"] for row in weights}
-    chain: set[int] = set()
-    version = max(parents, default=None)
-    while version is not None and version not in chain:
-        chain.add(version)
-        version = parents.get(version)
-    return chain
+def passed_over(weights: list[dict]) -> set[int]:
+    """The versions of ``weights`` rows a later version's parent skips: a trainer resumed below
+    each (its files did not verify) and trained its rows again."""
+    skips = [
+        (row["parent"], row["version"])
+        for row in weights
+        if row["parent"] is not None and row["version"] - row["parent"] > 1
+    ]
+    return {row["version"] for row in weights if any(p < row["version"] < v for p, v in skips)}
 
 
 def _measured(row: dict) -> str:
