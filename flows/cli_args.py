@@ -8,6 +8,7 @@ import os
 import sys
 import types
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -26,10 +27,15 @@ def default_config() -> str:
 
 
 def parse(
-    description: str, argv: list[str] | None = None, extra=None
+    description: str,
+    argv: list[str] | None = None,
+    extra=None,
+    devices: Callable[[RunConfig], dict[str, str]] | None = None,
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
-    config error's message (naming the field) when it does not load."""
+    config error's message (naming the field) when it does not load, or when a field of
+    ``devices(config)`` (field -> torch device: those the flow uses in this process with
+    cluster 'local') names a CUDA device this machine lacks."""
     # a fresh Prefect home migrates its database on the first start: slow on a busy machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # the server's telemetry cannot reach its host from an offline machine, and its first
@@ -83,10 +89,40 @@ def parse(
     if args.run_id:
         overrides["run_id"] = args.run_id
     try:
-        return load_config(args.config or default_config(), overrides), args
+        config = load_config(args.config or default_config(), overrides)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+    # on Ray the trainer and the engines run on the cluster's nodes, not here
+    problem = missing_device(devices(config)) if devices and config.cluster == "local" else None
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    return config, args
+
+
+def pipeline_devices(config: RunConfig) -> dict[str, str]:
+    """The torch devices the pipeline uses in its own process, by field: the trainer's and
+    the evaluation engine's (the rollout engines' too with ``engine.kind`` torch)."""
+    return {"trainer_device": config.trainer_device, "engine.torch.device": config.engine.torch.device}
+
+
+def missing_device(devices: dict[str, str]) -> str | None:
+    """The first of ``devices`` (field -> torch device) naming a CUDA device that this
+    machine does not show, as one line naming the field; None when all are there. Without
+    this check, a trainer on a missing GPU fails once the warm start and the first
+    evaluation are over, minutes into the run."""
+    cuda = {field: device for field, device in devices.items() if device.startswith("cuda")}
+    if not cuda:
+        return None
+    import torch  # only for a CUDA device: a second or two
+
+    count = torch.cuda.device_count()
+    for field, device in cuda.items():
+        if (torch.device(device).index or 0) >= count:
+            seen = f"{count} CUDA device{'s' * (count != 1)}" if count else "no CUDA device"
+            return f"{field} is {device!r}, but this machine shows {seen}"
+    return None
 
 
 def _annotation(key: str) -> Any:

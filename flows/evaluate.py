@@ -51,6 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         "Evaluate a weight version.",
         argv,
         extra=lambda p: p.add_argument("--version", type=int, help="Weight version (default: the newest)."),
+        devices=lambda c: {"engine.torch.device": c.engine.torch.device},
     )
     problem = missing_version(config, args.version)
     if problem is not None:

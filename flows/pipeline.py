@@ -170,9 +170,13 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli_args import parse
+    from flows.cli_args import parse, pipeline_devices
 
-    config, _ = parse("Warm start, run rollout, process and train at once, then evaluate and report.", argv)
+    config, _ = parse(
+        "Warm start, run rollout, process and train at once, then evaluate and report.",
+        argv,
+        devices=pipeline_devices,
+    )
     pipeline(config)
 
 

@@ -46,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
         extra=lambda p: p.add_argument(
             "--drain", action="store_true", help="Stop once every processed shard is trained."
         ),
+        devices=lambda c: {"trainer_device": c.trainer_device},
     )
     train(config, drain=args.drain)
 

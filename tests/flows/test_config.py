@@ -208,6 +208,35 @@ def test_flow_command_line_exits_with_the_field_name(tmp_path):
     assert "sao.eps_low" in result.stderr
 
 
+@pytest.mark.parametrize(
+    ("flow", "field"),
+    [
+        ("pipeline", "trainer_device"),
+        ("train", "trainer_device"),
+        ("pipeline", "engine.torch.device"),
+        ("evaluate", "engine.torch.device"),
+        ("rollout", "engine.torch.device"),
+    ],
+)
+def test_a_flow_on_a_cuda_device_the_machine_lacks_exits_naming_the_field_before_it_starts(
+    tmp_path, flow, field
+):
+    """Refused as the command starts, not once the warm start and the first evaluation
+    are over (the trainer's device is first used then); no machine shows 100 GPUs."""
+    result = subprocess.run(
+        [sys.executable, "-m", f"flows.{flow}", "--set", f"{field}=cuda:99"]
+        + ["--set", f"storage.root={tmp_path}", "--set", "warm_start.enabled=false"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(f"error: {field} is 'cuda:99', but this machine shows "), result.stderr
+    assert result.stderr.count("\n") == 1
+    assert not list(tmp_path.iterdir()), "nothing of the run was written"
+
+
 def _schema_properties(schema: dict) -> list[tuple[str, str, dict]]:
     return [
         (definition, name, prop)
