@@ -338,6 +338,8 @@ def test_prefect_yaml_deployments_validate_against_their_flows():
         assert ".py" not in deployment["entrypoint"]
         flow = load_flow_from_entrypoint(deployment["entrypoint"], use_placeholder_flow=False)
         schema = parameter_schema(flow).model_dump()
+        # the schema lets any other name through, and a run then fails binding it to the flow
+        assert set(deployment["parameters"]) <= set(schema["properties"]), deployment["name"]
         jsonschema.validate(deployment["parameters"], schema)
         RunConfig.model_validate(deployment["parameters"]["config"])
         assert deployment["work_pool"]["name"] in {"cpu", "gpu"}
