@@ -222,9 +222,12 @@ def _sql(args) -> None:
     store = existing_run(_store(args))
     try:
         connection = connect(store)
-        result = connection.execute(args.query)
-        if result is None:  # only whitespace or comments
+        statements = len(connection.extract_statements(args.query))
+        if not statements:  # only whitespace or comments
             raise SystemExit("error: no SQL statement")
+        if statements > 1:  # duckdb would print the last one's rows alone
+            raise SystemExit(f"error: {statements} SQL statements: treadle sql runs one at a time")
+        result = connection.execute(args.query)
         if result.description is None:  # a statement without a result set
             return
         rows = result.fetchall()

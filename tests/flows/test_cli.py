@@ -383,6 +383,16 @@ def test_sql_without_a_statement_is_an_error(local_store):
         assert (result.returncode, result.stdout, result.stderr) == (1, "", "error: no SQL statement\n")
 
 
+def test_sql_with_more_than_one_statement_is_an_error_not_the_last_ones_rows(local_store):
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle("sql", *run, "SELECT count(*) AS n FROM trajectories; SELECT 2 AS two;")
+    assert (result.returncode, result.stdout) == (1, ""), result.stdout
+    assert result.stderr == "error: 2 SQL statements: treadle sql runs one at a time\n"
+    one = treadle("sql", *run, "SELECT count(*) AS n FROM trajectories;  -- a comment")
+    assert (one.returncode, one.stdout) == (0, "n\n1\n"), one.stderr
+
+
 @pytest.mark.parametrize("missing", ["duckdb", "duckdb_extension_delta"])
 def test_sql_without_duckdb_installed_says_which_extra_to_install(local_store, monkeypatch, missing):
     """duckdb is in the ``sql`` extra: a plain install answers ``treadle sql`` with what to
