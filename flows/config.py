@@ -247,6 +247,12 @@ class RunConfig(BaseModel):
                 "(service.temperature is fine: the trainer takes its log-probs at it)"
             )
         rollouts, group = self.stop.max_rollouts, self.orchestrator.group_size
+        if self.sao.mode == "grpo" and group == 1:
+            raise ValueError(
+                "sao.mode: 'grpo' takes each rollout's reward less its group's mean, and with "
+                "orchestrator.group_size 1 each group is one rollout: every advantage would be 0 "
+                "and nothing trained; set orchestrator.group_size to 2 or more"
+            )
         if rollouts is not None and rollouts < group:
             raise ValueError(
                 f"stop.max_rollouts ({rollouts}) is below orchestrator.group_size ({group}): no group could launch"

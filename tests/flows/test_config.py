@@ -77,6 +77,7 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("orchestrator:\n  group_size: 8\n  concurrency: 4\n", "exceeds concurrency"),
         ("orchestrator:\n  group_size: 4\n  max_rollouts: 2\n", "is below group_size"),
         ("orchestrator:\n  group_size: 4\nstop:\n  max_rollouts: 3\n", "is below orchestrator.group_size"),
+        ("sao:\n  mode: grpo\n", "sao.mode: 'grpo' takes each rollout's reward less its group's mean"),
         (
             "cluster: ray\nservice:\n  reward_models: {judge: {path: /models/judge}}\n"
             "envs:\n  arith: {reward_model: judge}\n",
@@ -87,6 +88,11 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
 def test_bad_config_fails_naming_the_field(tmp_path, text, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config(write_config(tmp_path, text))
+
+
+def test_grpo_loads_with_groups_of_two_or_more_rollouts():
+    config = load_config(TINY, {"sao": {"mode": "grpo"}, "orchestrator": {"group_size": 2}})
+    assert (config.sao.mode, config.orchestrator.group_size) == ("grpo", 2)
 
 
 def test_a_config_that_is_not_utf8_fails_naming_the_file(tmp_path):
