@@ -284,6 +284,30 @@ class RunConfig(BaseModel):
         return make_config(name, self.envs.configured().get(name))
 
 
+def pipeline_devices(config: RunConfig) -> dict[str, str]:
+    """The torch devices the pipeline uses in its own process, by field: the trainer's and
+    the evaluation engine's (the rollout engines' too with ``engine.kind`` torch)."""
+    return {"trainer_device": config.trainer_device, "engine.torch.device": config.engine.torch.device}
+
+
+def missing_device(devices: dict[str, str]) -> str | None:
+    """The first of ``devices`` (field -> torch device) naming a CUDA device that this
+    machine does not show, as one line naming the field; None when all are there. Without
+    this check, a trainer on a missing GPU fails once the warm start and the first
+    evaluation are over, minutes into the run."""
+    cuda = {field: device for field, device in devices.items() if device.startswith("cuda")}
+    if not cuda:
+        return None
+    import torch  # only for a CUDA device: a second or two
+
+    count = torch.cuda.device_count()
+    for field, device in cuda.items():
+        if (torch.device(device).index or 0) >= count:
+            seen = f"{count} CUDA device{'s' * (count != 1)}" if count else "no CUDA device"
+            return f"{field} is {device!r}, but this machine shows {seen}"
+    return None
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
     """Load a run config from YAML (defaults when ``path`` is None), then apply ``overrides``."""
     data: dict[str, Any] = {}

@@ -31,7 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     if "PREFECT_API_URL" not in os.environ and _ui_running():
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
     from flows.cli import inspect_run, without_credentials
-    from flows.cli_args import default_config, parse, pipeline_devices
+    from flows.cli_args import default_config, parse
+    from flows.config import pipeline_devices
 
     config, args = parse(
         "The treadle demo: warm start, then rollout + process + train at once.",

@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import RunConfig
+from flows.config import RunConfig, missing_device, pipeline_devices
 from flows.run_logs import module_logs_to_run
 from tasks.common import clear_signals, run_store, send_signal
 from tasks.report import report_run
@@ -123,6 +123,11 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     Args:
         config: the run.
     """
+    # a run started from a deployment's form is checked here: the trainer's device is
+    # first used once the warm start and the first evaluation are over
+    problem = missing_device(pipeline_devices(config)) if config.cluster == "local" else None
+    if problem is not None:
+        raise ValueError(problem)
     with module_logs_to_run():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         import torch
@@ -170,7 +175,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli_args import parse, pipeline_devices
+    from flows.cli_args import parse
 
     config, _ = parse(
         "Warm start, run rollout, process and train at once, then evaluate and report.",

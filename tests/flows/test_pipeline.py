@@ -185,3 +185,14 @@ def test_a_pipeline_that_is_interrupted_removes_its_signals_once_its_tasks_are_o
         pipeline_module._wind_down(config, "this-run", *tasks)
     assert all(task.waited for task in tasks)
     assert store.fs.ls(store.path("status/signals"), detail=False) == [store.path(signals_dir("another-run"))]
+
+
+def test_a_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(tmp_path, prefect_api):
+    """As a run started from a deployment's form does (the command line refuses it before a
+    flow run starts); no machine shows 100 GPUs."""
+    config = tiny_config(tmp_path / "runs", "no-such-gpu", trainer_device="cuda:99")
+    state = pipeline_module.pipeline(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=r"^trainer_device is 'cuda:99', but this machine shows "):
+        state.result()
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
