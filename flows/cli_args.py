@@ -67,6 +67,10 @@ def parse(
             parser.error(f"--set needs KEY=VALUE, got {item!r}")
         node = overrides
         *parents, leaf = key.split(".")
+        for depth in range(1, len(parents) + 1):
+            section = ".".join(parents[:depth])
+            if _holds_a_list(_annotation(section)):
+                parser.error(f"--set {key}: {section} is a list, which --set sets whole: {section}=[...]")
         for depth, part in enumerate(parents):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
@@ -115,6 +119,14 @@ def _annotation(key: str) -> Any:
         model = annotation
     field = model.model_fields.get(name)
     return field and field.annotation
+
+
+def _holds_a_list(annotation: Any) -> bool:
+    """Whether a field of this type holds a list (``list[X]``, or that or None)."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return any(
+        typing.get_origin(kind) is list for kind in (typing.get_args(annotation) if union else [annotation])
+    )
 
 
 def _text_only(annotation: Any) -> bool:

@@ -135,6 +135,10 @@ def with_sets(sets: list[str]) -> list[str]:
         (["envs=[1]", "envs.arith.x=3"], "--set envs.arith.x: envs is set to a value, not a section"),
         (["stop.max_seconds=3", "stop=5"], "--set stop: fields inside stop are set by another --set"),
         (
+            ["engine.vllm.0.base_url=http://127.0.0.1:8000"],
+            "--set engine.vllm.0.base_url: engine.vllm is a list, which --set sets whole: engine.vllm=[...]",
+        ),
+        (
             ["storage.secret_access_key=hunter2: [x"],
             "--set storage.secret_access_key: its value is not YAML (expected ',' or ']', but got "
             "'<stream end>' at line 1, column 12)",
