@@ -324,10 +324,16 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     try:
         return RunConfig.model_validate(data)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '<root>'}: {err['msg']}" for err in exc.errors()
-        )
+        problems = "; ".join(_problem(err) for err in exc.errors())
         raise ConfigError(f"invalid run config{f' {path}' if path else ''}: {problems}") from None
+
+
+def _problem(error: dict[str, Any]) -> str:
+    """One pydantic error as ``field: what is wrong``; a check of the whole config names its
+    fields in its message."""
+    message = error["msg"].removeprefix("Value error, ")
+    field = ".".join(str(part) for part in error["loc"])
+    return f"{field}: {message}" if field else message
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):

@@ -60,7 +60,7 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("envs:\n  arith: {no_such_option: 1}\n", "envs.arith.no_such_option"),
         ("envs:\n  chess: {}\n", "envs: unknown environment 'chess'"),
         ("warm_start:\n  demos: {gues: 3}\n", "warm_start.demos: unknown environment 'gues'"),
-        ("trainer_device: gpu\n", "trainer_device: Value error, 'gpu' is not a torch device"),
+        ("trainer_device: gpu\n", "trainer_device: 'gpu' is not a torch device"),
         ("eval:\n  temperature: 1.0e-7\n", "eval.temperature"),  # the engines refuse it
         ("eval:\n  temperature: .nan\n", "eval.temperature"),
         ("service:\n  top_p: 0.9\n", "service.top_p: 0.9 is below 1, and the trainer"),
@@ -88,6 +88,16 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
 def test_bad_config_fails_naming_the_field(tmp_path, text, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config(write_config(tmp_path, text))
+
+
+def test_a_check_of_the_whole_config_fails_with_its_own_message_alone(tmp_path):
+    path = write_config(tmp_path, "orchestrator:\n  mix: {chess: 1.0}\n")
+    with pytest.raises(ConfigError) as failed:
+        load_config(path)
+    assert str(failed.value) == (
+        f"invalid run config {path}: orchestrator.mix: unknown environment 'chess'; known: "
+        f"{sorted(registry.REGISTRY)}"
+    )
 
 
 def test_grpo_loads_with_groups_of_two_or_more_rollouts():
