@@ -33,6 +33,7 @@ import random
 import re
 import urllib.parse
 from dataclasses import dataclass
+from typing import ClassVar
 
 from pydantic import BaseModel, Field
 
@@ -124,6 +125,8 @@ class AgentTask(BaseModel):
 
 class AgentConfig(EnvConfig):
     """The agent program, its EVAL command and its tasks."""
+
+    required: ClassVar[tuple[str, ...]] = ("command",)
 
     command: str = Field("", description="Shell command that runs the agent inside the sandbox.")
     eval_command: str = Field(

@@ -154,6 +154,10 @@ class EnvConfig(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
+    required: ClassVar[tuple[str, ...]] = ()
+    """Fields left empty by default that the env cannot run without (a run config with the
+    env in its mix is refused without them)."""
+
     max_turns: int = Field(8, ge=1, description="Actions allowed before the episode ends unfinished.")
     reward_model: str | None = Field(
         None,

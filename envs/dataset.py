@@ -25,6 +25,7 @@ import math
 import random
 import re
 from collections.abc import Callable
+from typing import ClassVar
 
 import pyarrow.parquet as pq
 import regex
@@ -36,6 +37,8 @@ from storage.config import StorageConfig
 
 class DatasetConfig(EnvConfig):
     """Where the rows are and how answers are checked."""
+
+    required: ClassVar[tuple[str, ...]] = ("path",)
 
     max_turns: int = Field(1, ge=1, le=1, description="Single turn: the action is the answer.")
     path: str = Field(

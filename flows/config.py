@@ -277,6 +277,11 @@ class RunConfig(BaseModel):
                         f"warm_start.demos.{name}: {name!r} has no scripted solver to demonstrate with; "
                         f"set warm_start.demos.{name} to 0 or turn warm_start off"
                     )
+        for name in self.orchestrator.mix:
+            config = self.env_config(name)
+            for field in getattr(type(config), "required", ()):
+                if not getattr(config, field):
+                    raise ValueError(f"envs.{name}.{field}: {name!r} is in orchestrator.mix and needs it set")
         return self
 
     def env_config(self, name: str):

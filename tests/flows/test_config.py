@@ -79,6 +79,14 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("orchestrator:\n  group_size: 4\nstop:\n  max_rollouts: 3\n", "is below orchestrator.group_size"),
         ("sao:\n  mode: grpo\n", "sao.mode: 'grpo' takes each rollout's reward less its group's mean"),
         (
+            "orchestrator:\n  mix: {agent: 1.0}\nwarm_start:\n  enabled: false\n",
+            "envs.agent.command: 'agent' is in orchestrator.mix and needs it set",
+        ),
+        (
+            "orchestrator:\n  mix: {dataset: 1.0}\nwarm_start:\n  enabled: false\nenvs:\n  dataset: {path: ''}\n",
+            "envs.dataset.path: 'dataset' is in orchestrator.mix and needs it set",
+        ),
+        (
             "cluster: ray\nservice:\n  reward_models: {judge: {path: /models/judge}}\n"
             "envs:\n  arith: {reward_model: judge}\n",
             "envs.arith.reward_model: reward models are not served with cluster 'ray'",
@@ -448,6 +456,7 @@ def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, f
     ],
 )
 def test_an_env_with_no_scripted_solver_loads_once_the_warm_start_leaves_it_out(tmp_path, text):
+    text += "envs:\n  agent: {command: python3 agent.py}\n"
     assert "agent" in load_config(write_config(tmp_path, text)).orchestrator.mix
 
 
