@@ -37,30 +37,40 @@ from storage.schema import TRAJECTORY_SCHEMA
 VOCAB = 50_000
 
 
-def turns(rng: np.random.Generator, n_turns: int, *, prompt: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Random ``(tokens, action_mask)`` of a prompt and ``n_turns`` action/observation turns."""
+def turns(
+    rng: np.random.Generator, n_turns: int, *, prompt: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Random ``(tokens, action_mask, logprobs)`` of a prompt and ``n_turns`` action/observation
+    turns."""
     lengths, roles = [prompt], [False]
     for _ in range(n_turns):
         lengths += [int(rng.integers(80, 400)), int(rng.integers(40, 300))]
         roles += [True, False]
     mask = np.repeat(np.array(roles), lengths)
-    return rng.integers(0, VOCAB, len(mask)).astype(np.int32), mask
+    logprobs = np.where(mask, -rng.random(len(mask)), 0.0).astype(np.float32)
+    return rng.integers(0, VOCAB, len(mask)).astype(np.int32), mask, logprobs
 
 
 def workload(seed: int, executions: int) -> pa.Table:
-    """Executions of ~9 trajectories: a root, 6 branches (some nested), 2 exact retries."""
+    """Executions of ~9 trajectories: a root, 6 branches (some nested), 2 exact retries; a
+    branch copies its parent's record (tokens and log-probs) before the branch point."""
     rng = np.random.default_rng(seed)
     columns = defaultdict(list)
     for e in range(executions):
-        paths: list[tuple[np.ndarray, np.ndarray]] = [turns(rng, 12, prompt=1500)]
+        paths: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = [turns(rng, 12, prompt=1500)]
         parents, branch_at = [None], [None]
         for _ in range(6):
             p = int(rng.integers(0, len(paths)))
-            tokens, mask = paths[p]
+            tokens, mask, logprobs = paths[p]
             at = int(rng.integers(len(tokens) // 3, len(tokens)))
-            tail_tokens, tail_mask = turns(rng, int(rng.integers(3, 10)))
+            tail_tokens, tail_mask, tail_logprobs = turns(rng, int(rng.integers(3, 10)))
             tail_tokens[0] = (tokens[at] + 1) % VOCAB if at < len(tokens) else tail_tokens[0]
-            paths.append((np.concatenate([tokens[:at], tail_tokens]), np.concatenate([mask[:at], tail_mask])))
+            paths.append(
+                tuple(
+                    np.concatenate([head[:at], tail])
+                    for head, tail in ((tokens, tail_tokens), (mask, tail_mask), (logprobs, tail_logprobs))
+                )
+            )
             parents.append(p)
             branch_at.append(at)
         for _ in range(2):
@@ -68,13 +78,14 @@ def workload(seed: int, executions: int) -> pa.Table:
             paths.append(paths[p])
             parents.append(p)
             branch_at.append(len(paths[p][0]))
-        for k, ((tokens, mask), p, at) in enumerate(zip(paths, parents, branch_at, strict=True)):
+        for k, ((tokens, mask, logprobs), p, at) in enumerate(zip(paths, parents, branch_at, strict=True)):
             columns["trajectory_id"].append(f"e{e}-{k}")
             columns["execution_id"].append(f"e{e}")
             columns["parent_id"].append(None if p is None else f"e{e}-{p}")
             columns["branch_at"].append(at)
             columns["tokens"].append(tokens)
             columns["action_mask"].append(mask)
+            columns["logprobs"].append(logprobs)
             columns["reward"].append(float(rng.random()))
             columns["progress"].append(float(rng.random()))
     n = len(columns["tokens"])
@@ -98,7 +109,7 @@ def workload(seed: int, executions: int) -> pa.Table:
         "prompt_id": pa.array([f"p{e}" for e in columns["execution_id"]]),
         "group_id": pa.nulls(n, pa.string()),
         "tokens": lists(tokens, pa.int32()),
-        "logprobs": lists(np.where(mask, -rng.random(len(mask)), 0.0), pa.float32()),
+        "logprobs": lists(np.concatenate(columns["logprobs"]), pa.float32()),
         "action_mask": lists(mask, pa.bool_()),
         "turn": lists(turn, pa.int16()),
         "versions": lists(np.where(mask, 0, -1), pa.int32()),

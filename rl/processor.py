@@ -15,10 +15,10 @@ For each execution (rows sharing ``execution_id``) of a shard:
    execution through the injected ``rescore`` callable when a row has no ``progress``
    (``rescore_failed`` when every attempt fails).
 3. **Deduplicate** on the prefix tree rebuilt from the tokens (:mod:`rl.prefix_tree`; the
-   declared links were checked against it in step 1): identical paths collapse to one,
-   at most ``j_max`` leaves are sampled with probability proportional to the action
-   tokens they would still add, and ``train_mask`` marks each distinct action token in
-   exactly one selected row.
+   declared links were checked against it in step 1): identical paths (the same tokens,
+   roles and action log-probs and versions) collapse to one, at most ``j_max`` leaves are
+   sampled with probability proportional to the action tokens they would still add, and
+   ``train_mask`` marks each distinct action token in exactly one selected row.
 4. **Weight** each trained token (``loss_weight``, see :class:`ProcessorConfig`).
 
 An execution is assumed to be written whole into one shard; rows of one execution spread
@@ -237,7 +237,7 @@ class _Paths:
     """Flat token data of a table whose per-token lists are aligned."""
 
     values: dict[str, np.ndarray]  # TOKEN_COLUMNS name -> (total,) values
-    symbols: np.ndarray  # (total,) int32 or int64, see rl.prefix_tree.path_symbols
+    symbols: np.ndarray  # (total,) token records, see rl.prefix_tree.path_symbols
     starts: np.ndarray  # (n,) int64
     lengths: np.ndarray  # (n,) int64
     action_cumsum: np.ndarray  # (total + 1,) int32
@@ -256,7 +256,9 @@ class _Paths:
         # int32: a shard's lists have int32 offsets, and a bool → int64 cumsum is ~10x slower.
         action_cumsum = np.zeros(len(values["action_mask"]) + 1, dtype=np.int32)
         np.cumsum(values["action_mask"], out=action_cumsum[1:])
-        symbols = path_symbols(values["tokens"], values["action_mask"])
+        symbols = path_symbols(
+            values["tokens"], values["action_mask"], values["logprobs"], values["versions"]
+        )
         return cls(values, symbols, starts, lengths, action_cumsum)
 
 
