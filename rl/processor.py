@@ -16,7 +16,7 @@ For each execution (rows sharing ``execution_id``) of a shard:
    (``rescore_failed`` when every attempt fails).
 3. **Deduplicate** on the prefix tree rebuilt from the tokens (:mod:`rl.prefix_tree`; the
    declared links were checked against it in step 1): identical paths (the same tokens,
-   roles and action log-probs and versions) collapse to one, at most ``j_max`` leaves are
+   roles and, on actions, versions) collapse to one, at most ``j_max`` leaves are
    sampled with probability proportional to the action tokens they would still add, and
    ``train_mask`` marks each distinct action token in exactly one selected row.
 4. **Weight** each trained token (``loss_weight``, see :class:`ProcessorConfig`).
@@ -256,9 +256,7 @@ class _Paths:
         # int32: a shard's lists have int32 offsets, and a bool → int64 cumsum is ~10x slower.
         action_cumsum = np.zeros(len(values["action_mask"]) + 1, dtype=np.int32)
         np.cumsum(values["action_mask"], out=action_cumsum[1:])
-        symbols = path_symbols(
-            values["tokens"], values["action_mask"], values["logprobs"], values["versions"]
-        )
+        symbols = path_symbols(values["tokens"], values["action_mask"], values["versions"])
         return cls(values, symbols, starts, lengths, action_cumsum)
 
 

@@ -214,15 +214,12 @@ def flat_paths(records):
         [np.array(r["tokens"], dtype=np.int32) for r in records] + [np.zeros(0, np.int32)]
     )
     mask = np.concatenate([np.array(r["action_mask"], dtype=bool) for r in records] + [np.zeros(0, bool)])
-    logprobs = np.concatenate(
-        [np.array(r["logprobs"], dtype=np.float32) for r in records] + [np.zeros(0, np.float32)]
-    )
     versions = np.concatenate(
         [np.array(r["versions"], dtype=np.int32) for r in records] + [np.zeros(0, np.int32)]
     )
     lengths = np.array([len(r["tokens"]) for r in records], dtype=np.int64)
     starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
-    return path_symbols(tokens, mask, logprobs, versions), starts, lengths
+    return path_symbols(tokens, mask, versions), starts, lengths
 
 
 @settings(max_examples=80, deadline=None)
@@ -338,19 +335,16 @@ def test_a_path_whose_remaining_difference_is_an_action_still_trains_it():
         assert result.counters.train_tokens_out == 3
 
 
-@pytest.mark.parametrize("differs", ["logprobs", "versions", "both"])
-def test_the_same_action_tokens_sampled_by_another_policy_are_another_sample(differs):
+def test_the_same_action_tokens_sampled_by_another_version_are_another_sample():
     # two sessions of one execution draw the same first actions from the same prompt, the
-    # second under a later weight version: these are two samples, each trained with its own
-    # record (merged, the trainer's staleness filter could drop the only copy trained while
-    # the fresh one sits masked out in the other row)
+    # second under a later weight version: these are two samples of two behaviour policies,
+    # each trained with its own log-probs (merged, the trainer's staleness filter could drop
+    # the only copy trained while the fresh one sits masked out in the other row)
     mask = [False, False, True, True, True]
     first = record("old", "e", [9, 8, 1, 2, 3], mask)
     second = record("new", "e", [9, 8, 1, 2, 4], mask)
-    if differs in ("logprobs", "both"):
-        second["logprobs"] = [0.0, 0.0, -0.25, -0.75, -1.5]
-    if differs in ("versions", "both"):
-        second["versions"] = [-1, -1, 7, 7, 7]
+    second["logprobs"] = [0.0, 0.0, -0.25, -0.75, -1.5]
+    second["versions"] = [-1, -1, 7, 7, 7]
     for seed in range(4):
         result = process_shard(
             to_table([first, second]), ProcessorConfig(j_max=None, seed=seed), shard_id="s"
@@ -361,9 +355,11 @@ def test_the_same_action_tokens_sampled_by_another_policy_are_another_sample(dif
             assert row["train_mask"] == mask
         assert result.counters.train_tokens_out == 6
 
+    # drawn by one version they are one node, whatever the log-probs' last bits (batching);
     # the records of observation tokens are not samples: they do not split a shared prompt
     second = record("new", "e", [9, 8, 1, 2, 4], mask)
-    second["logprobs"][0], second["versions"][1] = -3.0, 5
+    second["logprobs"] = [-3.0, 0.0, -0.25, -0.75, -1.5]
+    second["versions"][1] = 5
     result = process_shard(to_table([first, second]), ProcessorConfig(j_max=None), shard_id="s")
     assert result.counters.train_tokens_out == 4
 
