@@ -648,6 +648,93 @@ def test_resume_restores_step_optimizer_value_model_and_consumption(store):
     assert sorted(rows.values()) == [3, 3, 3, 3]
 
 
+def same_state(a: dict, b: dict) -> bool:
+    """Whether two (possibly nested) state dicts hold bit-identical tensors and equal values."""
+    if a.keys() != b.keys():
+        return False
+    for key, value in a.items():
+        other = b[key]
+        if isinstance(value, dict):
+            if not (isinstance(other, dict) and same_state(value, other)):
+                return False
+        elif isinstance(value, torch.Tensor):
+            if not (isinstance(other, torch.Tensor) and torch.equal(value, other)):
+                return False
+        elif value != other:
+            return False
+    return True
+
+
+def test_a_resumed_trainer_ends_bit_for_bit_where_one_never_stopped_ends(tmp_path):
+    """Killed after a step it had not published, then resumed from LATEST: it trains that
+    step's rows again and ends with the very weights, moments and step counts (policy and
+    critic, value pretraining included) of a trainer that ran straight through."""
+    runs = []
+    records: list[dict] = []
+    for name in ("straight", "resumed"):
+        run = RunStore(StorageConfig(root=str(tmp_path / name)), "trainer-test")
+        ensure_base_version(WeightStore(run), TINY)
+        records = records or make_trajectories(run, 20, seed=31)
+        write_shards(run, records, per_shard=3)
+        runs.append(run)
+    settings = dict(publish_every=2, value_pretrain_steps=2, value_clip=0.5)  # 5 steps of 4 rows
+    straight = Trainer(runs[0], config(**settings))
+    straight.run(drain=True)
+    killed = Trainer(runs[1], config(**settings, publish_on_stop=False))
+    killed.run(max_steps=3)
+    resumed = Trainer(runs[1], config(**settings))
+    assert (resumed.step, resumed.value_pretrain_done) == (2, 2)
+    resumed.run(drain=True)
+
+    assert resumed.step == straight.step == 5
+    assert same_state(resumed.policy.state_dict(), straight.policy.state_dict())
+    assert same_state(resumed.value_model.state_dict(), straight.value_model.state_dict())
+    for name in ("policy_optimizer", "value_optimizer"):
+        ours, theirs = getattr(resumed, name).state_dict(), getattr(straight, name).state_dict()
+        assert ours["state"] and same_state(ours, theirs), name
+    assert consumed_rows(resumed.weights) == consumed_rows(straight.weights)
+
+
+@pytest.mark.parametrize("micro_token_budget", [11, 22, 1000])
+def test_the_policy_gradient_over_micro_batches_is_the_whole_batchs(store, micro_token_budget):
+    """Accumulated over micro-batches (one row each, pairs, all at once) the policy step's
+    gradient is −Σ w·f(r)·Â·∇logπ over the batch's trained tokens divided by their Σ w, as a
+    slow reference computes it row by row; rows of unequal length, uneven loss weights and
+    ratios on both sides of the DIS interval."""
+    records = with_rewards(make_trajectories(store, 4, seed=33), [1.0, 0.0, 2.0, -1.0])
+    for column in ("tokens", "logprobs", "action_mask", "turn", "versions", "train_mask", "loss_weight"):
+        records[3][column] = records[3][column][:9]
+    for i, record in enumerate(records):
+        record["loss_weight"] = [0.5 + (i + t) % 3 for t in range(len(record["tokens"]))]
+    records[0]["logprobs"][5] -= 1.0  # ratio e ≈ 2.7: kept
+    records[1]["logprobs"][4] += 1.0  # ratio 1/e ≤ 1 − 0.3: masked
+    records[2]["logprobs"][10] -= 2.0  # ratio e² ≥ 1 + 5: masked
+    trainer = Trainer(store, config(micro_token_budget=micro_token_budget, value_steps=0, max_grad_norm=1e9))
+    samples = open_batch(trainer, records)
+
+    # the critic's head starts at 0: every value is 0, so with γ = 1 the k-th of a row's n
+    # action tokens has advantage λ^(n−1−k)·R
+    loss, weight_sum = torch.zeros(()), 0.0
+    for record in records:
+        tokens = torch.tensor([record["tokens"]])
+        logits = trainer.policy(input_ids=tokens).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, tokens[0, 1:, None])[:, 0]
+        actions = [t for t, m in enumerate(record["action_mask"]) if m]
+        for k, t in enumerate(actions):
+            ratio = math.exp(float(logprobs[t - 1].detach()) - record["logprobs"][t])
+            kept = ratio if 1 - 0.3 < ratio < 1 + 5.0 else 0.0
+            advantage = 0.95 ** (len(actions) - 1 - k) * record["reward"]
+            loss = loss - record["loss_weight"][t] * kept * advantage * logprobs[t - 1]
+            weight_sum += record["loss_weight"][t]
+    (loss / weight_sum).backward()
+    want = {name: p.grad.clone() for name, p in trainer.policy.named_parameters()}
+
+    metrics = trainer._train_step(samples)
+    assert metrics.row["masked_fraction"] == pytest.approx(2 / sum(sum(r["train_mask"]) for r in records))
+    for name, p in trainer.policy.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
 def consumed_rows(weights: WeightStore) -> dict[str, int]:
     rows: dict[str, int] = {}
     for manifest in version_chain(weights):
