@@ -6,7 +6,8 @@ The embedded default is a tiny Llama/Qwen model built from ``TinyModelConfig`` w
 locally trained tokenizer of ``rl.tokenizer``, published as version 0.
 
 The value model (SAO) is the policy's backbone with a scalar head per token; its attention
-can be frozen so only the MLP blocks, norms and the head train.
+can be frozen so that the rest (embeddings, MLP blocks, norms and the head) trains; SAO as
+PAPERS.md cites it trains only the MLP blocks and the head.
 """
 
 from __future__ import annotations
