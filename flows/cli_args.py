@@ -34,8 +34,8 @@ def parse(
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
     config error's message (naming the field) when it does not load, or when a field of
-    ``devices(config)`` (field -> torch device: those the flow uses in this process with
-    cluster 'local') names a CUDA device this machine lacks."""
+    ``devices(config)`` (field -> torch device: those the flow uses in this process, on
+    either cluster) names a CUDA device this machine lacks."""
     # a fresh Prefect home migrates its database on the first start: slow on a busy machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # the server's telemetry cannot reach its host from an offline machine, and its first
@@ -97,8 +97,7 @@ def parse(
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    # on Ray the trainer and the engines run on the cluster's nodes, not here
-    problem = missing_device(devices(config)) if devices and config.cluster == "local" else None
+    problem = missing_device(devices(config)) if devices else None
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)

@@ -290,9 +290,12 @@ class RunConfig(BaseModel):
 
 
 def pipeline_devices(config: RunConfig) -> dict[str, str]:
-    """The torch devices the pipeline uses in its own process, by field: the trainer's and
-    the evaluation engine's (the rollout engines' too with ``engine.kind`` torch)."""
-    return {"trainer_device": config.trainer_device, "engine.torch.device": config.engine.torch.device}
+    """The torch devices the pipeline uses in its own process, by field: the evaluation
+    engine's (every evaluation runs there) and, with cluster 'local', the trainer's (the
+    rollout engines' too with ``engine.kind`` torch); on Ray the trainer and the rollout
+    engines run on the cluster's nodes."""
+    devices = {"trainer_device": config.trainer_device} if config.cluster == "local" else {}
+    return devices | {"engine.torch.device": config.engine.torch.device}
 
 
 def missing_device(devices: dict[str, str]) -> str | None:

@@ -125,7 +125,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     """
     # a run started from a deployment's form is checked here: the trainer's device is
     # first used once the warm start and the first evaluation are over
-    problem = missing_device(pipeline_devices(config)) if config.cluster == "local" else None
+    problem = missing_device(pipeline_devices(config))
     if problem is not None:
         raise ValueError(problem)
     with module_logs_to_run():

@@ -48,7 +48,12 @@ def main(argv: list[str] | None = None) -> None:
         extra=lambda p: p.add_argument(
             "--worker", default="worker-0", help="Worker name (its shard folder; default: %(default)s)."
         ),
-        devices=lambda c: {"engine.torch.device": c.engine.torch.device} if c.engine.kind == "torch" else {},
+        # on Ray the engines run in actors on the cluster's nodes
+        devices=lambda c: (
+            {"engine.torch.device": c.engine.torch.device}
+            if c.engine.kind == "torch" and c.cluster == "local"
+            else {}
+        ),
     )
     rollout(config, args.worker)
 

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from envs import registry
 from envs.arith import ArithEnv
 from flows.cli_args import parse
-from flows.config import ConfigError, RunConfig, load_config
+from flows.config import ConfigError, RunConfig, load_config, missing_device, pipeline_devices
 from rl.config import SAOConfig
 from tests.flows.conftest import REPO
 
@@ -237,22 +237,26 @@ def test_flow_command_line_exits_with_the_field_name(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("flow", "field"),
+    ("flow", "field", "cluster"),
     [
-        ("pipeline", "trainer_device"),
-        ("train", "trainer_device"),
-        ("pipeline", "engine.torch.device"),
-        ("evaluate", "engine.torch.device"),
-        ("rollout", "engine.torch.device"),
+        ("pipeline", "trainer_device", "local"),
+        ("train", "trainer_device", "local"),
+        ("pipeline", "engine.torch.device", "local"),
+        ("evaluate", "engine.torch.device", "local"),
+        ("rollout", "engine.torch.device", "local"),
+        # with cluster 'ray' the train flow still trains, and every evaluation runs, in its own process
+        ("train", "trainer_device", "ray"),
+        ("pipeline", "engine.torch.device", "ray"),
+        ("evaluate", "engine.torch.device", "ray"),
     ],
 )
 def test_a_flow_on_a_cuda_device_the_machine_lacks_exits_naming_the_field_before_it_starts(
-    tmp_path, flow, field
+    tmp_path, flow, field, cluster
 ):
     """Refused as the command starts, not once the warm start and the first evaluation
     are over (the trainer's device is first used then); no machine shows 100 GPUs."""
     result = subprocess.run(
-        [sys.executable, "-m", f"flows.{flow}", "--set", f"{field}=cuda:99"]
+        [sys.executable, "-m", f"flows.{flow}", "--set", f"{field}=cuda:99", "--set", f"cluster={cluster}"]
         + ["--set", f"storage.root={tmp_path}", "--set", "warm_start.enabled=false"],
         capture_output=True,
         text=True,
@@ -263,6 +267,17 @@ def test_a_flow_on_a_cuda_device_the_machine_lacks_exits_naming_the_field_before
     assert result.stderr.startswith(f"error: {field} is 'cuda:99', but this machine shows "), result.stderr
     assert result.stderr.count("\n") == 1
     assert not list(tmp_path.iterdir()), "nothing of the run was written"
+
+
+def test_a_ray_pipeline_checks_the_devices_of_its_own_process_alone():
+    """On Ray the trainer runs on a cluster node (given its GPU as ``cuda``), so the
+    pipeline's own machine need not show the trainer's device; the evaluation engine runs
+    in the pipeline's process on either cluster."""
+    config = load_config(TINY, {"cluster": "ray", "trainer_device": "cuda:99"})
+    assert pipeline_devices(config) == {"engine.torch.device": "cpu"}
+    assert missing_device(pipeline_devices(config)) is None
+    local = config.model_copy(update={"cluster": "local"})
+    assert pipeline_devices(local) == {"trainer_device": "cuda:99", "engine.torch.device": "cpu"}
 
 
 def _schema_properties(schema: dict) -> list[tuple[str, str, dict]]:

@@ -196,3 +196,18 @@ def test_a_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm
     with pytest.raises(ValueError, match=r"^trainer_device is 'cuda:99', but this machine shows "):
         state.result()
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_ray_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(
+    tmp_path, prefect_api
+):
+    """With cluster 'ray' the evaluations still run in the flow's own process: on a device
+    it lacks, the first one failed after the warm start."""
+    config = tiny_config(
+        tmp_path / "runs", "no-such-gpu-ray", cluster="ray", engine={"torch": {"device": "cuda:99"}}
+    )
+    state = pipeline_module.pipeline(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=r"^engine.torch.device is 'cuda:99', but this machine shows "):
+        state.result()
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
