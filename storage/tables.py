@@ -474,10 +474,11 @@ def _fetched(name: str, stream: Callable[[], Any]) -> pa.Table:
     file that cannot be fetched or parsed (an S3 503, a truncated file) fails the stream with
     an ``ArrowInvalid``, which quotes the refused request's body: it is raised as the storage
     error it is, an ``OSError`` naming the table, which a task retries and
-    :func:`_credentials_masked` masks."""
+    :func:`_credentials_masked` masks. Other Arrow errors (out of memory, say) stay what they
+    are."""
     try:
         return pa.table(stream())
-    except pa.ArrowException as exc:
+    except (pa.ArrowInvalid, OSError) as exc:
         raise OSError(f"table {name!r}: cannot read its data files: {exc}") from None
 
 
