@@ -37,7 +37,10 @@ deprecated ``functions``.
 ``chat_template_kwargs`` (vLLM's) are template variables over the run's
 ``GatewayConfig.chat_template_kwargs`` (Qwen3's ``enable_thinking`` …). A session keeps those
 of its first request, as it keeps its tools: its prompt holds what they rendered, so a later
-request that sends others (or none, after some) is refused. ``seed`` is honoured; ``n`` > 1,
+request that sends others (or none, after some) is refused. ``seed`` is honoured (on a
+training server an OpenAI request's is first hashed with its session and the session's length:
+an agent program that sends one seed on every request would otherwise sample every rollout
+alike, and each turn with the same random numbers); ``n`` > 1,
 stop strings, a text completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL`
 (``add_generation_prompt``, ``continue_final_message``, ``skip_special_tokens``,
 ``stop_token_ids``, ``min_tokens``, ``top_logprobs``, ``top_k`` …) set to ask for something
@@ -56,6 +59,7 @@ input, 503 engine failure.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import secrets
@@ -330,7 +334,10 @@ def create_app(
         return gateway.session(session_id)
 
     def params(
-        body: _Sampling, max_new_tokens: int | None, stop_ids: list[int] | None = None
+        body: _Sampling,
+        max_new_tokens: int | None,
+        stop_ids: list[int] | None = None,
+        session: Session | None = None,
     ) -> SamplingParams:
         temperature = sampling.temperature if body.temperature is None else body.temperature
         top_p = sampling.top_p if body.top_p is None else body.top_p
@@ -343,6 +350,9 @@ def create_app(
                     "log-probs assume; leave temperature and top_p unset or send these"
                 )
             temperature, top_p = run
+        seed = body.seed
+        if sampling.fixed and session is not None and seed is not None:
+            seed = _session_seed(seed, session)
         stop = tuple(stop_ids) if stop_ids is not None else gateway.stop_ids
         gateway.check_ids(stop, what="stop_ids")
         return SamplingParams(
@@ -350,7 +360,7 @@ def create_app(
             temperature=temperature,
             top_p=top_p,
             stop_ids=stop,
-            seed=body.seed,
+            seed=seed,
         )
 
     def openai_only(body: CompletionRequest | ChatRequest) -> None:
@@ -428,7 +438,7 @@ def create_app(
     async def completions(body: CompletionRequest, x_treadle_session: str | None = Header(None)) -> Any:
         session = session_of(x_treadle_session)
         openai_only(body)
-        sampling = params(body, body.max_tokens)
+        sampling = params(body, body.max_tokens, session=session)
 
         def prepare() -> None:
             if isinstance(body.prompt, list):
@@ -455,7 +465,9 @@ def create_app(
         session = session_of(x_treadle_session)
         openai_only(body)
         sampling = params(
-            body, body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+            body,
+            body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens,
+            session=session,
         )
         messages = [message.model_dump(exclude_unset=True) for message in body.messages]
         tools = [tool.model_dump(exclude_unset=True) for tool in body.tools] if body.tools else None
@@ -525,6 +537,13 @@ def _response(
             "total_tokens": len(session.tokens),
         },
     }
+
+
+def _session_seed(seed: int, session: Session) -> int:
+    """A client's sampling ``seed`` made its session's and its turn's: a 64-bit hash of the
+    seed, the session's trajectory id and its length so far."""
+    text = f"{seed}/{session.info.trajectory_id}/{len(session.tokens)}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 def _check_tool_fields(body: ChatRequest) -> None:

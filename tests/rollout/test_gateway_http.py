@@ -605,6 +605,33 @@ def test_a_request_that_leaves_sampling_unset_samples_at_the_runs(tiny, fixed):
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["training", "evaluation"])
+def test_a_training_server_makes_a_clients_seed_its_sessions_and_turns(tiny, fixed):
+    """An agent program that sends one seed on every request: on a training server each
+    session's turns sample with seeds of their own (one seed draws the same random numbers
+    whatever the context, so every rollout would sample alike); an evaluation's keeps it."""
+
+    async def body():
+        run = RunSampling(temperature=1.0, top_p=1.0, fixed=fixed)
+        async with serving(tiny, sampling=run) as (gateway, _, client):
+            engine = gateway.router.engine("live")
+            for _ in range(2):
+                headers = {SESSION_HEADER: await open_session(client)}
+                messages = list(USER)
+                for _ in range(2):
+                    chat = {"messages": messages, "max_tokens": 2, "seed": 7}
+                    response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+                    assert response.status_code == 200, response.text
+                    messages = [*messages, response.json()["choices"][0]["message"], USER[-1]]
+            seeds = [p.seed for p in engine.params]
+            if fixed:
+                assert len(set(seeds)) == 4 and 7 not in seeds
+            else:
+                assert seeds == [7] * 4
+
+    asyncio.run(body())
+
+
 def test_a_training_server_samples_a_near_equal_request_at_the_runs_exact_values(tiny):
     """A temperature or top_p off the run's by a rounding (float32, decimal formatting) is the
     run's: served, at exactly the run's; one clearly different is still refused."""
