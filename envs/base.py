@@ -154,7 +154,7 @@ class EnvConfig(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
-    required: ClassVar[tuple[str, ...]] = ()
+    required_fields: ClassVar[tuple[str, ...]] = ()
     """Fields left empty by default that the env cannot run without (a run config with the
     env in its mix is refused without them)."""
 

@@ -38,7 +38,7 @@ from storage.config import StorageConfig
 class DatasetConfig(EnvConfig):
     """Where the rows are and how answers are checked."""
 
-    required: ClassVar[tuple[str, ...]] = ("path",)
+    required_fields: ClassVar[tuple[str, ...]] = ("path",)
 
     max_turns: int = Field(1, ge=1, le=1, description="Single turn: the action is the answer.")
     path: str = Field(

@@ -279,7 +279,7 @@ class RunConfig(BaseModel):
                     )
         for name in self.orchestrator.mix:
             config = self.env_config(name)
-            for field in getattr(type(config), "required", ()):
+            for field in getattr(type(config), "required_fields", ()):
                 if not getattr(config, field):
                     raise ValueError(f"envs.{name}.{field}: {name!r} is in orchestrator.mix and needs it set")
         return self
