@@ -112,6 +112,29 @@ def test_changes_return_rows_of_later_commits_and_skip_compaction(store):
     assert tables.changes("weights", after=new_offset)[0].num_rows == 0
 
 
+def test_changes_read_the_change_feed_a_few_commits_at_a_time(store, monkeypatch):
+    # deltalake reads the commit files of a change feed with the GIL held: a read of a long
+    # range would stall every other thread of the process until all of them are read
+    spans = []
+    load_cdf = DeltaTable.load_cdf
+
+    def recorded(self, **kwargs):
+        spans.append((kwargs["starting_version"], kwargs["ending_version"]))
+        return load_cdf(self, **kwargs)
+
+    monkeypatch.setattr(DeltaTable, "load_cdf", recorded)
+    tables = Tables(store)
+    commits = 2 * tables_module.CDF_COMMITS + 2
+    for version in range(commits):
+        tables.append("weights", [weight_row(version)])
+    rows, offset = tables.changes("weights", after=0)
+    assert rows.column("version").to_pylist() == list(range(1, commits))
+    assert rows.column("_commit_version").to_pylist() == list(range(1, commits))
+    assert [first for first, _ in spans] == [1] + [last + 1 for _, last in spans[:-1]]
+    assert spans[-1][1] == offset == commits - 1
+    assert all(last - first < tables_module.CDF_COMMITS for first, last in spans)
+
+
 def test_changes_from_the_start_read_the_snapshot_so_vacuum_cannot_break_them(store):
     # a restarted consumer polls from the start; the change feed of the first versions
     # reads data files that optimize + vacuum delete
