@@ -59,7 +59,6 @@ input, 503 engine failure.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import secrets
@@ -74,7 +73,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from rollout.engines.base import EngineError, InvalidRequest, SamplingParams
+from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
 from rollout.gateway import Gateway, Session, TurnResult, UnknownSession
 from rollout.http_server import AppServer, bearer_token
 from rollout.tool_calls import same_calls
@@ -542,8 +541,7 @@ def _response(
 def _session_seed(seed: int, session: Session) -> int:
     """A client's sampling ``seed`` made its session's and its turn's: a 64-bit hash of the
     seed, the session's trajectory id and its length so far."""
-    text = f"{seed}/{session.info.trajectory_id}/{len(session.tokens)}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    return mixed_seed(seed, session.info.trajectory_id, len(session.tokens))
 
 
 def _check_tool_fields(body: ChatRequest) -> None:

@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import logging
 import math
 import numbers
@@ -56,7 +55,7 @@ from envs.agent import GatewaySession
 from envs.base import Env, EnvHostLost, ResourceRequest, Task
 from envs.sandbox import SandboxError
 from rollout.config import ServiceConfig
-from rollout.engines.base import ContextLimit, EngineError, SamplingParams
+from rollout.engines.base import ContextLimit, EngineError, SamplingParams, mixed_seed
 from rollout.gateway import Gateway, Session
 from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.resources import CpuManager
@@ -207,7 +206,7 @@ def turn_seed(seed: int, turn: int) -> int:
     numbers whatever the context: the two turns' tokens were largely the same draws (9 first
     tokens in 10 alike on the tiny model, none with unrelated seeds).
     """
-    return int.from_bytes(hashlib.blake2b(f"{seed}/{turn}".encode(), digest_size=8).digest(), "big")
+    return mixed_seed(seed, turn)
 
 
 def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
@@ -25,6 +26,15 @@ MIN_TEMPERATURE = 1e-5
 """Smallest sampling temperature. Far below it, logits divided by the temperature overflow
 to inf and the distribution cannot be sampled; and vLLM samples below 1e-5 greedily while
 reporting the log-probs of temperature 1, which are not those of what it sampled."""
+
+
+def mixed_seed(*parts: object) -> int:
+    """A sampling seed in ``[0, 2**64)`` hashed from ``parts``. One seed draws the same random
+    numbers whatever the context, so seeds of related samplings (a rollout's turns, consecutive
+    rollouts) must not be related as numbers (``seed + 1``): each is hashed from what sets it
+    apart."""
+    text = "/".join(map(str, parts))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 @dataclass(frozen=True)
