@@ -176,18 +176,29 @@ def group_advantages(
     group_ids: Sequence[Hashable] | torch.Tensor,
     normalize_std: bool = False,
     eps: float = 1e-6,
+    execution_ids: Sequence[Hashable] | None = None,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO advantages (Shao et al. 2024, DeepSeekMath §4.1.2): reward minus its group's mean.
 
     ``A_i = (R_i − mean_{g(i)} R) / (std_{g(i)} R + eps)`` when ``normalize_std``, else
-    ``A_i = R_i − mean_{g(i)} R``. The std is the unbiased sample std; a group of one has
-    advantage 0.
+    ``A_i = R_i − mean_{g(i)} R``. The members of a group are its executions (rollouts), not
+    its rows: a branching execution holds several rows (one per trained leaf), and counted
+    row by row it would weigh in its group's mean and std as often as it branched. So each
+    execution has weight 1 in its group, split into its rows' shares ``w_i`` in proportion to
+    ``weights`` (equally where they are None or sum to 0 over the execution): ``mean_g = Σ w_i·R_i / n_g``
+    and ``std_g² = Σ w_i·(R_i − mean_g)² / (n_g − 1)`` over the group's rows, ``n_g`` its
+    executions; with one row per execution these are the plain mean and unbiased sample std.
+    A group of one execution has advantage 0.
 
     Args:
-        rewards: ``(N,)`` float, one reward per trajectory.
+        rewards: ``(N,)`` float, one reward per row (trajectory).
         group_ids: ``N`` hashable group ids (or an ``(N,)`` integer tensor).
         normalize_std: divide by the group's std.
         eps: added to the std.
+        execution_ids: ``N`` hashable execution ids; None: every row is an execution.
+        weights: ``(N,)`` float ≥ 0, each row's share of its execution (e.g. its total loss
+            weight); None: equal shares.
 
     Returns:
         ``(N,)`` advantages.
@@ -197,19 +208,40 @@ def group_advantages(
     keys = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
     if len(keys) != rewards.shape[0]:
         raise ValueError(f"got {len(keys)} group ids for {rewards.shape[0]} rewards")
-    index_of: dict[Hashable, int] = {}
-    index = torch.tensor([index_of.setdefault(key, len(index_of)) for key in keys], device=rewards.device)
-    num_groups = len(index_of)
+    executions = range(len(keys)) if execution_ids is None else list(execution_ids)
+    if len(executions) != len(keys):
+        raise ValueError(f"got {len(executions)} execution ids for {len(keys)} rewards")
+    if weights is not None and weights.shape != rewards.shape:
+        raise ValueError(f"weights must be (N,) like rewards, got shape {tuple(weights.shape)}")
+    device = rewards.device
+    group_of: dict[Hashable, int] = {}
+    group = torch.tensor(
+        [group_of.setdefault(key, len(group_of)) for key in keys], dtype=torch.long, device=device
+    )
+    execution_of: dict[tuple[Hashable, Hashable], int] = {}
+    execution = torch.tensor(
+        [execution_of.setdefault(pair, len(execution_of)) for pair in zip(keys, executions, strict=True)],
+        dtype=torch.long,
+        device=device,
+    )
     rewards = rewards.float()
-    counts = torch.zeros(num_groups, device=rewards.device).index_add_(0, index, torch.ones_like(rewards))
-    sums = torch.zeros(num_groups, device=rewards.device).index_add_(0, index, rewards)
-    means = sums / counts
-    centered = rewards - means[index]
+    num_executions, num_groups = len(execution_of), len(group_of)
+    raw = torch.ones_like(rewards) if weights is None else weights.to(rewards)
+    totals = torch.zeros(num_executions, device=device).index_add_(0, execution, raw)
+    raw = torch.where(totals[execution] > 0, raw, 1.0)  # an execution of weight 0 shares equally
+    share = raw / torch.zeros(num_executions, device=device).index_add_(0, execution, raw)[execution]
+    # executions per group (execution_of's keys are (group, execution) in index order)
+    execution_group = torch.tensor(
+        [group_of[key] for key, _ in execution_of], dtype=torch.long, device=device
+    )
+    members = torch.bincount(execution_group, minlength=num_groups)
+    means = torch.zeros(num_groups, device=device).index_add_(0, group, share * rewards) / members
+    centered = torch.where(members[group] > 1, rewards - means[group], 0.0)
     if not normalize_std:
         return centered
-    squares = torch.zeros(num_groups, device=rewards.device).index_add_(0, index, centered**2)
-    stds = torch.sqrt(squares / (counts - 1).clamp(min=1))
-    return centered / (stds[index] + eps)
+    squares = torch.zeros(num_groups, device=device).index_add_(0, group, share * centered**2)
+    stds = torch.sqrt(squares / (members - 1).clamp(min=1))
+    return centered / (stds[group] + eps)
 
 
 def adaptive_lambda(lengths: torch.Tensor, alpha: float) -> torch.Tensor:

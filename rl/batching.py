@@ -24,6 +24,7 @@ class Sample:
     shard_id: str
     row: int
     trajectory_id: str
+    execution_id: str
     tokens: np.ndarray
     rollout_logprobs: np.ndarray
     action_mask: np.ndarray
@@ -116,6 +117,7 @@ def samples_from_table(
         else np.ones(len(tokens), dtype=np.float32)
     )
     statuses = table.column("status").to_pylist()
+    executions = table.column("execution_id").to_pylist()
     rewards = table.column("reward").to_pylist()
     groups = table.column("group_id").to_pylist() if "group_id" in table.column_names else [None] * num_rows
 
@@ -145,6 +147,7 @@ def samples_from_table(
                 shard_id=shard_id,
                 row=row,
                 trajectory_id=ids[row],
+                execution_id=executions[row],
                 tokens=tokens[start:end].astype(np.int64),
                 rollout_logprobs=np.where(row_action, row_logprobs, 0.0).astype(np.float32),
                 action_mask=row_action,

@@ -693,10 +693,13 @@ class Trainer:
     def _advantages(self, parts: list[Batch], samples: list[Sample]) -> list[torch.Tensor]:
         config = self.config
         if config.mode == "grpo":
+            # each execution counts once in its group, its rows by their share of its loss weight
             rows = group_advantages(
                 torch.tensor([s.reward for s in samples]),
                 [s.group_id if s.group_id is not None else s.trajectory_id for s in samples],
                 normalize_std=config.grpo_normalize_std,
+                execution_ids=[s.execution_id for s in samples],
+                weights=torch.tensor([float(s.loss_weight[s.train_mask].sum()) for s in samples]),
             ).to(self.device)
             out, start = [], 0
             for part in parts:

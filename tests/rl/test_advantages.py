@@ -189,11 +189,78 @@ def test_group_advantages_match_reference(seed, normalize_std):
     torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), atol=1e-5, rtol=1e-5)
 
 
+def reference_execution_group_advantages(rewards, groups, executions, weights, normalize_std):
+    """Row by row, as group_advantages' docstring says: each execution of a group weighs 1,
+    shared by its rows in proportion to their weights (equally when those sum to 0)."""
+    share = []
+    for i in range(len(rewards)):
+        rows = [j for j in range(len(rewards)) if (groups[j], executions[j]) == (groups[i], executions[i])]
+        total = sum(weights[j] for j in rows)
+        share.append(weights[i] / total if total > 0 else 1 / len(rows))
+    want = []
+    for i in range(len(rewards)):
+        members = [j for j in range(len(rewards)) if groups[j] == groups[i]]
+        n = len({executions[j] for j in members})
+        if n == 1:
+            want.append(0.0)
+            continue
+        mean = sum(share[j] * rewards[j] for j in members) / n
+        centered = rewards[i] - mean
+        if normalize_std:
+            var = sum(share[j] * (rewards[j] - mean) ** 2 for j in members) / (n - 1)
+            centered /= math.sqrt(var) + 1e-6
+        want.append(centered)
+    return want
+
+
+@pytest.mark.parametrize("normalize_std", [False, True])
+@pytest.mark.parametrize("seed", range(8))
+def test_group_advantages_over_executions_match_reference(seed, normalize_std):
+    rng = random.Random(seed)
+    n = rng.randint(1, 24)
+    executions = [f"e{rng.randint(0, 7)}" for _ in range(n)]
+    group_of_execution = {e: f"g{rng.randint(0, 2)}" for e in executions}
+    groups = [group_of_execution[e] for e in executions]
+    rewards = [rng.choice([0.0, 1.0, rng.gauss(0, 1)]) for _ in range(n)]
+    weights = [rng.choice([0.0, rng.random()]) for _ in range(n)]
+    want = reference_execution_group_advantages(rewards, groups, executions, weights, normalize_std)
+    got = group_advantages(
+        torch.tensor(rewards),
+        groups,
+        normalize_std=normalize_std,
+        execution_ids=executions,
+        weights=torch.tensor(weights),
+    )
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("normalize_std", [False, True])
+def test_a_branching_execution_whose_leaves_share_its_reward_counts_as_one_rollout(normalize_std):
+    # rollouts a (3 leaves), b (1), c (2) of one prompt with rewards 1, 0, 0.5: the rows'
+    # advantages are those of the three rollouts, unbranched
+    executions = ["a", "a", "b", "a", "c", "c"]
+    per_execution = {"a": 1.0, "b": 0.0, "c": 0.5}
+    rows = group_advantages(
+        torch.tensor([per_execution[e] for e in executions]),
+        ["g"] * 6,
+        normalize_std=normalize_std,
+        execution_ids=executions,
+        weights=torch.tensor([0.2, 0.5, 1.0, 0.3, 0.9, 0.1]),
+    )
+    unbranched = group_advantages(torch.tensor(list(per_execution.values())), ["g"] * 3, normalize_std)
+    want = torch.stack([unbranched[list(per_execution).index(e)] for e in executions])
+    torch.testing.assert_close(rows, want)
+
+
 def test_group_advantages_accepts_tensor_ids_and_checks_length():
     got = group_advantages(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([7, 7, 2]))
     torch.testing.assert_close(got, torch.tensor([0.5, -0.5, 0.0]))
     with pytest.raises(ValueError, match="group ids"):
         group_advantages(torch.tensor([1.0, 0.0]), ["a"])
+    with pytest.raises(ValueError, match="execution ids"):
+        group_advantages(torch.tensor([1.0, 0.0]), ["a", "a"], execution_ids=["x"])
+    with pytest.raises(ValueError, match="weights"):
+        group_advantages(torch.tensor([1.0, 0.0]), ["a", "a"], weights=torch.ones(3))
 
 
 def test_adaptive_lambda_formula():

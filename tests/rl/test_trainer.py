@@ -37,10 +37,11 @@ from rl.models import (
     publish_policy,
     restore_master_weights,
 )
+from rl.processor import ProcessorConfig, process_shard
 from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_values
 from rollout.engines.torch_engine import sampling_logprobs
 from storage.config import RunStore, StorageConfig
-from storage.schema import PROCESSED_SCHEMA, to_table
+from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables
@@ -591,6 +592,50 @@ def test_grpo_normalize_std_divides_each_advantage_by_its_group_std(store):
     )
     # the policy loss is linear in the advantages (ratios are 1 on the first step)
     assert normalized.row["policy_loss"] == pytest.approx(math.sqrt(2) * plain.row["policy_loss"], rel=1e-4)
+
+
+def branching_group_shard(store: RunStore) -> dict[str, str]:
+    """One GRPO group of two executions, processed by the real processor into one shard:
+    ``a`` (reward 1) branches after its observation into two trained leaves, ``b`` (reward 0)
+    is one row. Returns each trajectory's execution, in shard order."""
+    root, single = with_rewards(make_trajectories(store, 2, seed=40), [1.0, 0.0])
+    branch = {name: list(value) if isinstance(value, list) else value for name, value in root.items()}
+    branch |= {"trajectory_id": "a-branch", "parent_id": root["trajectory_id"], "branch_at": 9}
+    branch["tokens"] = root["tokens"][:9] + [201, 202]  # another second action
+    branch["logprobs"] = root["logprobs"][:9] + [-1.0, -1.0]
+    for record, execution in ((root, "a"), (branch, "a"), (single, "b")):
+        record |= {"execution_id": execution, "group_id": "g", "progress": None}
+    result = process_shard(
+        to_table([root, branch, single], TRAJECTORY_SCHEMA), ProcessorConfig(j_max=None), shard_id="raw/w/0"
+    )
+    writer = ShardWriter(store, "proc", kind="processed", schema=PROCESSED_SCHEMA)
+    writer.write_table(result.processed)
+    writer.flush()
+    writer.close()
+    rows = result.processed.select(["trajectory_id", "execution_id"]).to_pylist()
+    return {row["trajectory_id"]: row["execution_id"] for row in rows}
+
+
+@pytest.mark.parametrize("normalize_std", [False, True])
+def test_grpo_counts_a_branching_execution_once_in_its_groups_mean_and_std(store, normalize_std):
+    # executions a (1) and b (0): mean 0.5 and std 1/√2 over the two rollouts, however many
+    # leaves a has; counted by rows the mean would be 2/3 and b's advantage −2/3
+    execution_of = branching_group_shard(store)
+    trainer = Trainer(store, config(mode="grpo", token_budget=1000, grpo_normalize_std=normalize_std))
+    trainer.ingest()
+    samples = take_batch(trainer.buffer, trainer.config.token_budget, keep_groups=True)
+    assert [s.trajectory_id for s in samples] == list(execution_of) and len(samples) == 3
+    a_weight = sum(float(s.loss_weight.sum()) for s in samples if execution_of[s.trajectory_id] == "a")
+    assert a_weight == pytest.approx(1.0)  # the processor's execution weighting
+    parts = trainer._parts(samples)
+    got = []
+    for part, part_advantages in zip(parts, trainer._advantages(parts, samples), strict=True):
+        for row_advantages, action in zip(part_advantages, part.action_mask, strict=True):
+            (value,) = row_advantages[action].unique().tolist()
+            got.append(value)
+    scale = math.sqrt(2) if normalize_std else 1.0
+    want = [(0.5 if execution_of[s.trajectory_id] == "a" else -0.5) * scale for s in samples]
+    assert got == pytest.approx(want, rel=1e-5)
 
 
 def test_value_pretraining_steps_only_the_critic_before_the_first_policy_step(store):
