@@ -11,6 +11,9 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   Sampling fields the model's ``generation_config`` could override (top-k, min-p,
   penalties) are sent explicitly as neutral values. ``stop_ids`` go as ``stop_token_ids``
   with ``ignore_eos``, so that they alone end a generation, as ``SamplingParams`` says.
+  ``max_tokens`` is ``max_new_tokens`` clamped to the room the prompt leaves in the
+  server's ``max_model_len`` (listed by ``GET /v1/models``), as TorchEngine clamps to the
+  model's positions.
 - weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` calling
   the worker extension ``treadle_reload_weights(path)`` of
   ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
@@ -144,6 +147,8 @@ class VLLMEngine:
         )
         self._metrics_failing = False
         self._model = self.config.model
+        self._max_model_len: int | None = None
+        """The server's ``max_model_len``, 0 when it lists none; None until asked."""
         self._stats = EngineStats()
         self._inflight = 0
         self._held = 0
@@ -181,14 +186,25 @@ class VLLMEngine:
             )
         return response
 
-    async def _model_name(self) -> str:
-        if self._model is None:
+    async def _served_model(self) -> tuple[str, int | None]:
+        """The served model's name and its ``max_model_len`` (None when the server lists none),
+        asked from ``GET /v1/models`` once."""
+        if self._max_model_len is None:
             data = (await self._request("GET", "/v1/models")).json()
             try:
-                self._model = data["data"][0]["id"]
-            except (KeyError, IndexError, TypeError) as exc:
-                raise EngineError(f"vLLM server {self.name} lists no model: {data!r}") from exc
-        return self._model
+                cards = data["data"]
+                card = next(c for c in cards if c["id"] == self._model) if self._model else cards[0]
+                length = card.get("max_model_len")
+                self._max_model_len = int(length) if length is not None else 0
+                self._model = card["id"]
+            except (KeyError, IndexError, TypeError, ValueError, StopIteration) as exc:
+                what = f"model {self._model!r}" if self._model else "model"
+                raise EngineError(f"vLLM server {self.name} lists no {what}: {data!r}") from exc
+        return self._model, self._max_model_len or None
+
+    async def max_model_len(self) -> int | None:
+        """The server's context length in tokens (prompt and generation), None when unknown."""
+        return (await self._served_model())[1]
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         """Generate from ``prompt_ids``; see the module docstring for what is sent."""
@@ -208,10 +224,21 @@ class VLLMEngine:
             self._inflight += 1
             version = self.version
         try:
+            model, max_model_len = await self._served_model()
+            max_tokens = params.max_new_tokens
+            if max_model_len is not None:
+                # as TorchEngine: a generation stops where the context ends (finish "length")
+                # rather than the server refusing a request whose max_tokens do not all fit
+                if len(prompt_ids) >= max_model_len:
+                    raise ContextLimit(
+                        f"prompt has {len(prompt_ids)} tokens, leaving no room to generate in vLLM server "
+                        f"{self.name}'s max_model_len={max_model_len}"
+                    )
+                max_tokens = min(max_tokens, max_model_len - len(prompt_ids))
             body = {
-                "model": await self._model_name(),
+                "model": model,
                 "prompt": list(prompt_ids),
-                "max_tokens": params.max_new_tokens,
+                "max_tokens": max_tokens,
                 "temperature": params.temperature,
                 "top_p": params.top_p,
                 "top_k": -1,

@@ -120,6 +120,34 @@ def test_only_stop_ids_end_a_generation_as_in_the_torch_engine(tiny):
         assert gen.finish_reason == "length" and len(gen.token_ids) == 8, gen.engine
 
 
+def test_a_generation_stops_where_the_context_ends_as_in_the_torch_engine(tiny):
+    """max_new_tokens past the context is clamped to the room the prompt leaves (vLLM would
+    refuse the request); a prompt that fills the context is a ContextLimit, in both engines
+    (the server's max_model_len is the model's positions here)."""
+    model = _fresh_model(tiny)
+    positions = model.config.max_position_embeddings
+    params = SamplingParams(max_new_tokens=8, seed=1)
+
+    async def body():
+        server = await StandinServer(model, max_model_len=positions).start()
+        engines = [
+            VLLMEngine(VLLMEngineConfig(base_url=server.url), name="vllm-0"),
+            TorchEngine(copy.deepcopy(model), name="torch"),
+        ]
+        try:
+            for engine in engines:
+                gen = await engine.generate("s", [5] * (positions - 3), params)
+                assert (len(gen.token_ids), gen.finish_reason) == (3, "length"), engine.name
+                with pytest.raises(ContextLimit, match=f"prompt has {positions} tokens"):
+                    await engine.generate("s", [5] * positions, params)
+        finally:
+            for engine in engines:
+                await engine.close()
+            await server.stop()
+
+    asyncio.run(body())
+
+
 def test_every_64_bit_seed_is_served_as_the_torch_generator_takes_it(tiny):
     """vLLM takes signed 64-bit seeds; SamplingParams also takes [2**63, 2**64), which
     torch.Generator.manual_seed (vLLM's too) reads as the same 64 bits: 2**64 - 1 is -1."""
@@ -146,7 +174,7 @@ def test_bad_requests_are_invalid_and_the_server_keeps_serving(tiny):
         with pytest.raises(InvalidRequest, match="empty prompt"):
             await engine.generate("s", [], params)
         assert not isinstance(bad_token.value, ContextLimit)
-        with pytest.raises(ContextLimit, match="maximum context length"):  # the rollout is truncated
+        with pytest.raises(ContextLimit, match="200 tokens.*max_model_len=128"):  # the rollout is truncated
             await engine.generate("s", [5] * 200, params)
         gen = await engine.generate("s", PROMPT, params)
         assert len(gen.token_ids) == 4

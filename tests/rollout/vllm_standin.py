@@ -4,7 +4,7 @@ A small FastAPI app that speaks the subset of the vLLM server protocol that
 ``rollout.engines.vllm_engine.VLLMEngine`` uses, backed by a real (tiny) Hugging Face
 model doing a plain forward pass per token:
 
-- ``GET /health``, ``GET /v1/models``, ``GET /metrics`` (the scheduler's
+- ``GET /health``, ``GET /v1/models`` (with each model's ``max_model_len``), ``GET /metrics`` (the scheduler's
   ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` gauges, in Prometheus'
   text format; 404 while ``app.state.metrics`` is False)
 - ``POST /v1/completions`` with the prompt as a list of token ids, ``logprobs``,
@@ -96,7 +96,8 @@ def create_standin_app(
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model"}]}
+        card = {"id": model_name, "object": "model", "max_model_len": max_model_len}
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
