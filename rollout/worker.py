@@ -50,6 +50,7 @@ from envs.base import Env, EnvConfig, Task
 from rollout.config import EngineConfig, OrchestratorConfig, ServiceConfig
 from rollout.engines.base import Engine, EngineError
 from rollout.engines.factory import build_engines
+from rollout.engines.vllm_engine import VLLMEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import Orchestrator, OrchestratorStats
 from rollout.router import Router, RouterConfig, probe_health
@@ -263,6 +264,7 @@ class RolloutWorker:
             )
         for name in missing:  # out of service; the health check loads the version when it is up
             self.router.take_down(name)
+        await self._check_context([e for e in self.engines if e.name not in missing])
         tokenizer = getattr(self.engines[0], "tokenizer", None)
         if tokenizer is None:
             from rl.models import load_tokenizer
@@ -284,6 +286,21 @@ class RolloutWorker:
             on_result=self.on_result,
         )
         return self
+
+    async def _check_context(self, engines: list[Engine]) -> None:
+        """Raise ``ValueError`` when a vLLM server of ``engines`` holds fewer tokens than a
+        session may (``GatewayConfig.max_context_tokens``): every rollout past its
+        ``max_model_len`` would end early as truncated."""
+        limit = self.gateway_config.max_context_tokens
+        for engine in engines:
+            if isinstance(engine, VLLMEngine):
+                length = await engine.max_model_len()
+                if length is not None and length < limit:
+                    raise ValueError(
+                        f"worker {self.name}: gateway.max_context_tokens={limit} is over vLLM server "
+                        f"{engine.name}'s max_model_len={length}; lower it to {length} or relaunch the "
+                        f"server with --max-model-len {limit}"
+                    )
 
     async def sync_weights(self) -> bool:
         """Load the newest published version into every healthy engine; True when one was loaded.

@@ -245,6 +245,7 @@ def test_a_worker_loads_its_version_onto_a_vllm_server_that_holds_another(local_
         server = await StandinServer(launched_with, max_model_len=256).start()
         run = RunConfig(
             engine={"kind": "vllm", "vllm": [{"base_url": server.url}]},
+            gateway={"max_context_tokens": 256},
             orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
         )
         worker = make_worker(local_store, run)
@@ -262,6 +263,33 @@ def test_a_worker_loads_its_version_onto_a_vllm_server_that_holds_another(local_
             expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
             expected = expected.gather(1, torch.tensor(generation.token_ids)[:, None])[:, 0]
             assert torch.allclose(torch.tensor(generation.logprobs), expected, atol=1e-4)
+        finally:
+            await worker.close()
+            await server.stop()
+
+    asyncio.run(body())
+
+
+def test_a_worker_whose_sessions_hold_more_than_its_vllm_server_does_not_start(local_store):
+    """A session may hold max_context_tokens; a server launched with a smaller max_model_len
+    would end every longer rollout early (truncated): the start fails naming both numbers."""
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    launched_with, _ = load_policy(weights.load(0))
+
+    async def body() -> None:
+        server = await StandinServer(launched_with, max_model_len=256).start()
+        run = RunConfig(
+            engine={"kind": "vllm", "vllm": [{"base_url": server.url}]},
+            gateway={"max_context_tokens": 257},
+            orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
+        )
+        worker = make_worker(local_store, run)
+        try:
+            with pytest.raises(
+                ValueError, match="max_context_tokens=257 is over vLLM server vllm-0's max_model_len=256"
+            ):
+                await worker.start()
         finally:
             await worker.close()
             await server.stop()
@@ -291,6 +319,7 @@ def test_a_vllm_server_down_at_start_serves_once_it_is_up_and_has_loaded_the_ver
         servers = [await StandinServer(launched_with, max_model_len=256).start() for _ in range(2)]
         run = RunConfig(
             engine={"kind": "vllm", "vllm": [{"base_url": server.url} for server in servers]},
+            gateway={"max_context_tokens": 256},
             orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
         )
         worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
