@@ -92,6 +92,13 @@ def build_tiny_model(config: TinyModelConfig) -> tuple[PreTrainedModel, PreTrain
     return model.eval(), tokenizer
 
 
+def model_vocab_size(path: str | os.PathLike) -> int:
+    """The token ids the model in local directory ``path`` has rows for (its config's
+    ``vocab_size``): often more than its tokenizer's tokens (Qwen3-0.6B pads 151669 to
+    151936), and the padding ids are sampled like any other."""
+    return int(AutoConfig.from_pretrained(str(path)).get_text_config().vocab_size)
+
+
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """The tokenizer saved in a local model directory."""
     return AutoTokenizer.from_pretrained(str(path))

@@ -56,7 +56,10 @@ class GatewayConfig(BaseModel):
         4096, ge=2, description="Most tokens one session may hold; a longer prompt is rejected."
     )
     vocab_size: int | None = Field(
-        None, ge=1, description="Token ids must be below this; defaults to the tokenizer's length."
+        None,
+        ge=1,
+        description="Token ids must be below this; defaults to the model's vocab_size (its embedding rows, "
+        "often past the tokenizer's tokens) in rollout workers and evaluations, else the tokenizer's length.",
     )
     max_new_tokens: int = Field(256, ge=1, description="Default generation budget per turn.")
     tool_call_format: ToolCallFormat | None = Field(

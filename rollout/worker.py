@@ -265,14 +265,18 @@ class RolloutWorker:
         for name in missing:  # out of service; the health check loads the version when it is up
             self.router.take_down(name)
         await self._check_context([e for e in self.engines if e.name not in missing])
+        from rl.models import load_tokenizer, model_vocab_size
+
         tokenizer = getattr(self.engines[0], "tokenizer", None)
         if tokenizer is None:
-            from rl.models import load_tokenizer
-
             tokenizer = load_tokenizer(path)
+        gateway_config = self.gateway_config
+        if gateway_config.vocab_size is None:
+            # the model's ids, not the tokenizer's: ids past the tokenizer are sampled too
+            gateway_config = gateway_config.model_copy(update={"vocab_size": model_vocab_size(path)})
         self.version = version
         self._shards_at_version = self.writer.committed
-        gateway = Gateway(self.router, tokenizer, self.gateway_config)
+        gateway = Gateway(self.router, tokenizer, gateway_config)
         service = self.service = RolloutService(gateway, self.make_env, self.service_config)
         streams = task_streams(list(self.orchestrator_config.mix), self.env_configs, self.seed)
         self.orchestrator = Orchestrator(

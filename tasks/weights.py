@@ -264,7 +264,9 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
                 lambda t: registry.make(t.env, config.env_config(t.env)),
                 service_config=config.service,
                 temperature=config.eval.temperature,
-                gateway_config=config.gateway,
+                gateway_config=config.gateway
+                if config.gateway.vocab_size is not None
+                else config.gateway.model_copy(update={"vocab_size": engine.vocab_size}),
             )
         finally:
             await engine.close()
