@@ -115,7 +115,12 @@ class StopConfig(BaseModel):
         description="Stop once the run has this many policy steps, counting those of earlier flow runs "
         "it resumes from.",
     )
-    max_rollouts: int | None = Field(None, ge=1, description="Stop rollouts after this many have finished.")
+    max_rollouts: int | None = Field(
+        None,
+        ge=1,
+        description="Stop rollouts once this many have finished in the whole run: all its workers together, "
+        "counting those of earlier flow runs it resumes from.",
+    )
 
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"

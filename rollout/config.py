@@ -170,7 +170,12 @@ class OrchestratorConfig(BaseModel):
         description="Group mode (group_size > 1 only): stop (cancelling redundant rollouts) after this "
         "many kept groups. Single rollouts form no groups: stop those with max_rollouts.",
     )
-    max_rollouts: int | None = Field(None, ge=1, description="Stop after this many rollouts have finished.")
+    max_rollouts: int | None = Field(
+        None,
+        ge=1,
+        description="Stop after this many rollouts have finished: a rollout worker counts them over the "
+        "whole run (all its workers and their restarts, through the run's storage).",
+    )
     max_backlog: int = Field(
         8, ge=1, description="Pause launching while more shards than this await the trainer."
     )

@@ -20,6 +20,10 @@
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
   are cancelled. A group whose member fails outside the service's classification or is
   cut short by a stop goes on with the members that finished, as a smaller group.
+- **Quota**: ``max_rollouts`` alone counts this orchestrator's rollouts; with a ``quota``
+  (a rollout worker's ``storage.quota.RunQuota``) it is the run's, shared by its workers and
+  their restarts: blocks of rollouts are claimed before they launch, and what did not
+  finish is given back when the orchestrator stops.
 - Every finished rollout goes to the sink (a ``ShardWriter``), a group's records in one
   write so that they share a shard; ``stop()`` stops
   launching, cancels what is in flight, flushes the sink and records what was cut short.
@@ -43,6 +47,14 @@ from rollout.config import SEED_STRIDE, OrchestratorConfig
 from rollout.service import RolloutRequest, RolloutResult, RolloutService
 
 log = logging.getLogger(__name__)
+
+
+class Quota(Protocol):
+    """A run-wide quota of rollouts (``storage.quota.RunQuota``)."""
+
+    def claim(self, wanted: int, step: int = 1) -> int: ...
+
+    def release(self, unused: int) -> None: ...
 
 
 class Sink(Protocol):
@@ -129,6 +141,10 @@ class Orchestrator:
         trainer_queue: policy steps' worth of data the trainer holds untrained (None when unknown).
         trainer_starved: whether the trainer cannot step before more data comes (it has read
             every committed shard and holds less than one batch); the backlog then holds nothing back.
+        quota: the run's ``max_rollouts``, shared with its other workers and their restarts:
+            rollouts launch only as far as claims on it are granted (a block of up to
+            ``concurrency`` at a time), and what did not finish is given back at the end.
+            Without it ``max_rollouts`` counts this orchestrator's rollouts alone.
     """
 
     def __init__(
@@ -141,6 +157,7 @@ class Orchestrator:
         trainer_queue: Callable[[], float | None] | None = None,
         trainer_starved: Callable[[], bool] | None = None,
         on_result: Callable[[RolloutResult], None] | None = None,
+        quota: Quota | None = None,
     ):
         self.service = service
         self.tasks = dict(tasks)
@@ -150,6 +167,10 @@ class Orchestrator:
         self.trainer_queue = trainer_queue
         self.trainer_starved = trainer_starved
         self.on_result = on_result
+        self.quota = quota
+        self._granted = 0
+        """Rollouts the quota granted this orchestrator."""
+        self._quota_spent = False
         self.stats = OrchestratorStats()
         self._mix = self._normalise(self.config.mix)
         self._started_before_mix: Counter[str] = Counter()
@@ -201,12 +222,41 @@ class Orchestrator:
             return True
         return cfg.target_groups is not None and self.stats.groups_kept >= cfg.target_groups
 
+    def _started(self) -> int:
+        return sum(c.started for c in self.stats.tasks.values())
+
     def _launched_enough(self) -> bool:
         cfg = self.config
         if cfg.max_rollouts is None:
             return False
-        started = sum(c.started for c in self.stats.tasks.values())
-        return started + self.config.group_size > cfg.max_rollouts
+        if self.quota is not None:
+            return self._quota_spent and self._started() + cfg.group_size > self._granted
+        return self._started() + cfg.group_size > cfg.max_rollouts
+
+    async def _may_launch(self) -> bool:
+        """Whether the quota (if any) grants the next group, claiming a block when it must."""
+        cfg = self.config
+        if self.quota is None or cfg.max_rollouts is None:
+            return True
+        if self._started() + cfg.group_size <= self._granted:
+            return True
+        if not self._quota_spent:
+            block = max(cfg.concurrency // cfg.group_size, 1) * cfg.group_size
+            taken = await asyncio.to_thread(self.quota.claim, block, cfg.group_size)
+            self._granted += taken
+            self._quota_spent = taken == 0
+        return self._started() + cfg.group_size <= self._granted
+
+    async def _release_unused(self) -> None:
+        """Give back the granted rollouts that did not finish (never launched, cut short, lost)."""
+        unused = self._granted - self.stats.finished
+        if self.quota is None or unused <= 0:
+            return
+        try:
+            await asyncio.to_thread(self.quota.release, unused)
+            self._granted -= unused
+        except Exception as exc:  # the run then falls short of max_rollouts by these
+            log.warning("could not give back %d unused rollouts of the run's max_rollouts: %s", unused, exc)
 
     async def _wait_for_trainer(self) -> None:
         """Hold launching while the trainer lags; rollouts that finish meanwhile are written
@@ -261,7 +311,7 @@ class Orchestrator:
                     and not self._launched_enough()
                 ):
                     await self._wait_for_trainer()
-                    if self._done():
+                    if self._done() or not await self._may_launch():
                         break
                     self._launch_group()
                 if not self._in_flight:
@@ -273,7 +323,10 @@ class Orchestrator:
             try:
                 await self._cancel_in_flight()
             finally:
-                self.sink.flush()
+                try:
+                    self.sink.flush()
+                finally:
+                    await self._release_unused()
         return self.stats
 
     def _collect(self, job: asyncio.Task) -> None:

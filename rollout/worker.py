@@ -56,6 +56,7 @@ from rollout.orchestrator import Orchestrator, OrchestratorStats
 from rollout.router import Router, RouterConfig, probe_health
 from rollout.service import RolloutResult, RolloutService
 from storage.config import RunStore
+from storage.quota import RunQuota
 from storage.shards import BackgroundShardWriter, ShardInfo
 from storage.status import (
     DEFAULT_MAX_AGE_S,
@@ -288,6 +289,7 @@ class RolloutWorker:
             trainer_queue=self.trainer_queue,
             trainer_starved=self.trainer_starved,
             on_result=self.on_result,
+            quota=self.quota(),
         )
         return self
 
@@ -305,6 +307,11 @@ class RolloutWorker:
                         f"{engine.name}'s max_model_len={length}; lower it to {length} or relaunch the "
                         f"server with --max-model-len {limit}"
                     )
+
+    def quota(self) -> RunQuota | None:
+        """The run's ``max_rollouts``, which every worker of the run and every restart shares."""
+        limit = self.orchestrator_config.max_rollouts
+        return None if limit is None else RunQuota(self.store, "rollouts", limit)
 
     async def sync_weights(self) -> bool:
         """Load the newest published version into every healthy engine; True when one was loaded.

@@ -1,0 +1,72 @@
+"""A run-wide quota (e.g. of rollouts), shared by every worker of a run through its storage.
+
+The claims form a chain of objects ``quota/<name>/<k>`` (k = 0, 1, …), each created
+exclusively (:meth:`RunStore.create_exclusive`) and holding the total claimed once it is
+in. A claimant reads the newest link, adds what it takes (never past the limit) and creates
+the next link; of two claimants racing for one link one wins, and the other reads it and
+tries again. So the workers of a run, running at once or one after another, restarted or
+rerun, together never hold more than the limit. A worker gives back what it did not use
+(:meth:`RunQuota.release`); one that dies keeps what it held, and the run falls short by it.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+
+from storage.config import RunStore
+
+
+class RunQuota:
+    """The quota ``name`` of the run in ``store``, at most ``limit`` held at once."""
+
+    def __init__(self, store: RunStore, name: str, limit: int):
+        self.store = store
+        self.folder = store.path("quota", name)
+        self.limit = limit
+
+    def claimed(self) -> int:
+        """What the run's workers hold now (used, or claimed and not given back)."""
+        return self._newest()[1]
+
+    def claim(self, wanted: int, step: int = 1) -> int:
+        """Take up to ``wanted`` more, a multiple of ``step``; returns how much was taken
+        (0: the limit is reached)."""
+        while True:
+            index, total = self._newest()
+            taken = max(min(wanted, self.limit - total), 0) // step * step
+            if taken == 0:
+                return 0
+            if self._link(index + 1, total + taken):
+                return taken
+
+    def release(self, unused: int) -> None:
+        """Give back ``unused`` of what this worker took and did not use."""
+        while unused > 0:
+            index, total = self._newest()
+            if self._link(index + 1, max(total - unused, 0)):
+                return
+
+    def _newest(self) -> tuple[int, int]:
+        """The newest link's number and total: (-1, 0) before the first claim."""
+        fs = self.store.fs
+        try:
+            paths = fs.ls(self.folder, detail=False, refresh=True)
+        except FileNotFoundError:
+            return -1, 0
+        names = [posixpath.basename(path.rstrip("/")) for path in paths]
+        links = [int(n) for n in names if n.isdigit()]
+        if not links:
+            return -1, 0
+        index = max(links)
+        return index, int(json.loads(fs.cat_file(posixpath.join(self.folder, f"{index:08d}")))["total"])
+
+    def _link(self, index: int, total: int) -> bool:
+        """Create link ``index`` holding ``total``; False when another claimant made it first."""
+        try:
+            self.store.create_exclusive(
+                posixpath.join(self.folder, f"{index:08d}"), json.dumps({"total": total}).encode()
+            )
+        except FileExistsError:
+            return False
+        return True

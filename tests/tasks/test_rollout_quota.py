@@ -1,0 +1,71 @@
+"""``max_rollouts`` is the run's: the workers of a run, running at once and restarted, together
+finish no more rollouts than it (``storage.quota.RunQuota``)."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+from flows.config import RunConfig
+from rl.models import ensure_base_version
+from rollout.worker import RolloutWorker
+from storage.config import RunStore
+from storage.quota import RunQuota
+from storage.shards import ShardReader
+from storage.weights import WeightStore
+from tests.rl.test_trainer import TINY
+
+
+def worker(store: RunStore, run: RunConfig, name: str) -> RolloutWorker:
+    return RolloutWorker(
+        store,
+        name,
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator,
+        env_configs={n: run.env_config(n) for n in run.orchestrator.mix},
+        flush_seconds=600,
+    )
+
+
+def run_worker(store: RunStore, run: RunConfig, name: str) -> int:
+    """Start, run and close worker ``name``; returns the rollouts it finished."""
+
+    async def body() -> int:
+        one = worker(store, run, name)
+        await one.start()
+        try:
+            stats = await one.run(max_seconds=600)
+        finally:
+            await one.close()
+        return stats.finished
+
+    return asyncio.run(body())
+
+
+def committed_rows(store: RunStore) -> int:
+    reader = ShardReader(store)
+    return sum(reader.read(shard).num_rows for shard in reader.poll()[0])
+
+
+def test_two_workers_and_a_restart_finish_max_rollouts_in_all(store):
+    run = RunConfig(orchestrator={"mix": {"arith": 1.0}, "concurrency": 2, "max_rollouts": 6})
+    ensure_base_version(WeightStore(store), TINY)
+    with ThreadPoolExecutor(2) as pool:
+        finished = list(pool.map(lambda name: run_worker(store, run, name), ["w0", "w1"]))
+    assert sum(finished) == committed_rows(store) == 6
+    assert run_worker(store, run, "w0") == 0
+    assert committed_rows(store) == 6
+    assert RunQuota(store, "rollouts", 6).claimed() == 6
+
+
+def test_a_quota_gives_back_what_was_not_used_and_never_passes_its_limit(local_store):
+    quota = RunQuota(local_store, "rollouts", 10)
+    assert quota.claim(4, step=2) == 4
+    assert quota.claim(7, step=2) == 6
+    assert quota.claim(2) == 0
+    quota.release(3)
+    assert quota.claimed() == 7
+    assert quota.claim(4, step=2) == 2
+    assert quota.claimed() == 9
