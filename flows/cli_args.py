@@ -14,7 +14,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, SecretStr
 
-from flows.config import ConfigError, Replacement, RunConfig, load_config, missing_device, yaml_problem
+from flows.config import (
+    ConfigError,
+    Replacement,
+    RunConfig,
+    load_config,
+    missing_device,
+    missing_path,
+    yaml_problem,
+)
 
 DEFAULT_CONFIG = "configs/tiny.yaml"
 REPO_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), DEFAULT_CONFIG)
@@ -35,7 +43,8 @@ def parse(
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
     config error's message (naming the field) when it does not load, or when a field of
     ``devices(config)`` (field -> torch device: those the flow uses in this process, on
-    either cluster) names a CUDA device this machine lacks."""
+    either cluster) names a CUDA device this machine lacks, or a local path of the config
+    is missing (:func:`~flows.config.missing_path`)."""
     # a fresh Prefect home migrates its database on the first start: slow on a busy machine
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     # the server's telemetry cannot reach its host from an offline machine, and its first
@@ -97,7 +106,7 @@ def parse(
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    problem = missing_device(devices(config)) if devices else None
+    problem = (missing_device(devices(config)) if devices else None) or missing_path(config)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)

@@ -7,7 +7,10 @@ message that names the field.
 
 from __future__ import annotations
 
+import os
 import re
+import types
+import typing
 from collections.abc import Hashable
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -210,6 +213,16 @@ class RunConfig(BaseModel):
     )
     seed: int = Field(0, description="Seed of task sampling and everything not seeded elsewhere.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        # pydantic's lax mode reads true as 1 (``seed: true`` seeded 1); strict mode would
+        # refuse the strings YAML gives for numbers it does not parse (1e-4), so only booleans
+        wrong = booleans_for_numbers(cls, data)
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)}: a boolean where a number is wanted")
+        return data
+
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, value: str) -> str:
@@ -294,6 +307,72 @@ class RunConfig(BaseModel):
         return make_config(name, self.envs.configured().get(name))
 
 
+def booleans_for_numbers(model: type[BaseModel], data: Any, prefix: str = "") -> list[str]:
+    """The dotted fields of ``data`` (the input of ``model``) given a boolean where ``model``
+    takes an int or a float (and no boolean), in its sections and mappings too."""
+    if not isinstance(data, dict):
+        return []
+    return [
+        where
+        for name, field in model.model_fields.items()
+        if (field.alias or name) in data
+        for where in _booleans_in(
+            field.annotation, data[field.alias or name], f"{prefix}{field.alias or name}"
+        )
+    ]
+
+
+def _booleans_in(annotation: Any, value: Any, where: str) -> list[str]:
+    options = _options(annotation)
+    if isinstance(value, bool):
+        return [where] if bool not in options and (int in options or float in options) else []
+    for option in options:
+        if isinstance(option, type) and issubclass(option, BaseModel):
+            return booleans_for_numbers(option, value, f"{where}.")
+        if typing.get_origin(option) is dict and isinstance(value, dict):
+            value_type = typing.get_args(option)[1]
+            return [
+                found
+                for key, item in value.items()
+                for found in _booleans_in(value_type, item, f"{where}.{key}")
+            ]
+    return []
+
+
+def _options(annotation: Any) -> tuple[Any, ...]:
+    """The types a field of ``annotation`` takes: a union's members, without ``Annotated``."""
+    if typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return tuple(option for member in typing.get_args(annotation) for option in _options(member))
+    return (annotation,)
+
+
+def missing_path(config: RunConfig) -> str | None:
+    """The first local path of ``config`` that does not exist, as one line naming its field;
+    None when all are there. Without this check a missing ``model.path`` is found at the
+    warm start and a missing dataset file at the first task drawn, after the run started.
+    A ``model.path`` that is not there may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``),
+    which loads from the Hub: only one that cannot be an id is refused."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    model = config.model.path
+    if model and not os.path.exists(model):
+        try:
+            validate_repo_id(model)
+        except HFValidationError:
+            return f"model.path {model!r} is neither a local directory nor a Hugging Face model id"
+    dataset = config.envs.dataset
+    if (
+        dataset is not None
+        and dataset.path
+        and "://" not in dataset.path
+        and not os.path.exists(dataset.path)
+    ):
+        return f"envs.dataset.path {dataset.path!r} does not exist"
+    return None
+
+
 def pipeline_devices(config: RunConfig) -> dict[str, str]:
     """The torch devices the pipeline uses in its own process, by field: the evaluation
     engine's (every evaluation runs there) and, with cluster 'local', the trainer's (the
@@ -326,11 +405,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader) or {}
+            data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read run config {path}: {exc}") from exc
         except yaml.YAMLError as exc:
             raise ConfigError(f"cannot read run config {path}: {yaml_problem(exc)}") from None
+        if data is None:  # a wrong or truncated file would otherwise run on every default
+            raise ConfigError(f"run config {path} is empty: it sets no field")
         if not isinstance(data, dict):
             raise ConfigError(f"run config {path} must be a mapping at the top level")
     data = _merge(data, overrides or {})

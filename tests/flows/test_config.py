@@ -21,7 +21,7 @@ from pydantic import ValidationError
 from envs import registry
 from envs.arith import ArithEnv
 from flows.cli_args import parse
-from flows.config import ConfigError, RunConfig, load_config, missing_device, pipeline_devices
+from flows.config import ConfigError, RunConfig, load_config, missing_device, missing_path, pipeline_devices
 from rl.config import SAOConfig
 from tests.flows.conftest import REPO
 
@@ -267,6 +267,84 @@ def test_a_flow_on_a_cuda_device_the_machine_lacks_exits_naming_the_field_before
     assert result.stderr.startswith(f"error: {field} is 'cuda:99', but this machine shows "), result.stderr
     assert result.stderr.count("\n") == 1
     assert not list(tmp_path.iterdir()), "nothing of the run was written"
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("seed: true\n", "seed: a boolean where a number is wanted"),
+        ("orchestrator:\n  concurrency: false\n", "orchestrator.concurrency: a boolean"),
+        ("sao:\n  lr: true\n", "sao.lr: a boolean"),
+        ("stop:\n  max_rollouts: true\n", "stop.max_rollouts: a boolean"),
+        ("warm_start:\n  demos: {arith: true}\n", "warm_start.demos.arith: a boolean"),
+        ("envs:\n  arith: {max_turns: true}\n", "envs.arith.max_turns: a boolean"),
+    ],
+)
+def test_a_boolean_for_a_number_fails_naming_the_field(tmp_path, text, named):
+    """pydantic's lax mode read ``true`` as 1: ``seed: true`` seeded 1."""
+    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+        load_config(write_config(tmp_path, text))
+
+
+def test_numbers_load_as_before_booleans_where_they_are_booleans(tmp_path):
+    text = "seed: 3\nsao:\n  lr: 1\n  value_lr: 1.0e-3\nwarm_start:\n  enabled: false\n"
+    config = load_config(write_config(tmp_path, text))
+    assert (config.seed, config.sao.lr, config.sao.value_lr, config.warm_start.enabled) == (
+        3,
+        1.0,
+        1e-3,
+        False,
+    )
+
+
+@pytest.mark.parametrize("text", ["", "# nothing set yet\n"])
+def test_an_empty_config_file_fails_saying_so(tmp_path, text):
+    path = write_config(tmp_path, text)
+    with pytest.raises(ConfigError, match=f"^run config {path} is empty: it sets no field$"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "said"),
+    [
+        (
+            "model.path",
+            "{tmp}/no-such-model",
+            "model.path '{tmp}/no-such-model' is neither a local directory",
+        ),
+        (
+            "envs.dataset.path",
+            "{tmp}/no-such.jsonl",
+            "envs.dataset.path '{tmp}/no-such.jsonl' does not exist",
+        ),
+    ],
+)
+def test_a_flow_given_a_local_path_that_does_not_exist_exits_naming_the_field(tmp_path, field, value, said):
+    """Refused as the command starts: found at the warm start or the first task otherwise."""
+    value, said = value.format(tmp=tmp_path), said.format(tmp=tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-m", "flows.rollout", "--set", f"{field}={value}"]
+        + ["--set", f"storage.root={tmp_path}/runs", "--set", "warm_start.enabled=false"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith(f"error: {said}"), result.stderr
+    assert result.stderr.count("\n") == 1
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_hub_model_id_and_paths_that_exist_pass_the_path_check(tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    config = load_config(
+        TINY, {"model": {"path": "Qwen/Qwen3-0.6B"}, "envs": {"dataset": {"path": str(data)}}}
+    )
+    assert missing_path(config) is None
+    assert missing_path(load_config(TINY, {"model": {"path": str(tmp_path)}})) is None
+    assert missing_path(load_config(TINY, {"envs": {"dataset": {"path": "s3://bucket/rows.jsonl"}}})) is None
 
 
 def test_a_ray_pipeline_checks_the_devices_of_its_own_process_alone():
