@@ -128,6 +128,13 @@ class ServiceConfig(BaseModel):
         description="Pin the sandbox's processes to the cores granted to each action (CPU affinity); "
         "needs scheduler_cores <= the cores this process may use.",
     )
+    loop_block_warn_s: float = Field(
+        0.5,
+        gt=0,
+        description="Warn when an env's reset, step, evaluate, run or close holds the event loop this "
+        "long without yielding (blocking work done inside async code: every other rollout, the gateway "
+        "and the heartbeats wait meanwhile).",
+    )
     reward_models: dict[str, RewardModelConfig] = Field(
         default_factory=dict,
         description="Reward-model services by name; an env whose config names one as reward_model is "

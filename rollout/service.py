@@ -32,6 +32,13 @@ whose output the gateway rejects (a malformed message, a token outside the vocab
 whose reward or progress the record cannot hold (not a number, not finite, progress
 outside [0, 1]), is ``env_error``; running out of the time budget is ``timeout``; running
 out of turns or context is ``truncated``.
+
+An env's calls run on the service's event loop, so one that blocks inside its async code
+(``time.sleep``, a blocking subprocess call, heavy work not moved to a thread) holds every
+other rollout, the gateway and the worker's heartbeats. Each stretch an env's ``reset``,
+``step``, ``evaluate``, ``run`` or ``close`` runs without yielding is timed (two clock reads
+per resumption); the first stretch past ``ServiceConfig.loop_block_warn_s`` of each env
+class and call is logged as a warning naming them, and every one is counted in ``status()``.
 """
 
 from __future__ import annotations
@@ -207,6 +214,38 @@ def turn_seed(seed: int, turn: int) -> int:
     tokens in 10 alike on the tiny model, none with unrelated seeds).
     """
     return mixed_seed(seed, turn)
+
+
+class _Stretches:
+    """Awaits ``work``, driving it step by step (as a task would), and calls ``stretch`` with
+    the seconds of each step: a stretch it ran without yielding to the event loop."""
+
+    def __init__(self, work: Awaitable[Any], stretch: Callable[[float], None]):
+        self.work = work
+        self.stretch = stretch
+
+    def __await__(self):
+        steps = self.work.__await__()
+        resume, value = steps.send, None
+        while True:
+            started = time.perf_counter()
+            try:
+                yielded = resume(value)
+            except StopIteration as returned:
+                self.stretch(time.perf_counter() - started)
+                return returned.value
+            except BaseException:
+                self.stretch(time.perf_counter() - started)
+                raise
+            self.stretch(time.perf_counter() - started)
+            try:
+                value = yield yielded
+                resume = steps.send
+            except GeneratorExit:
+                steps.close()
+                raise
+            except BaseException as exc:  # a cancel, thrown in by the task: into ``work``
+                value, resume = exc, steps.throw
 
 
 def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:
@@ -408,6 +447,8 @@ class RolloutService:
         self._gateway_server_lock = asyncio.Lock()
         self.scheduler = make_scheduler(self.config)
         self.rewards = make_reward_models(self.config)
+        self.loop_blocks: Counter[str] = Counter()
+        """Stretches past ``loop_block_warn_s`` by ``<env>.<call>`` (its class's name)."""
 
     async def process(self, request: RolloutRequest) -> RolloutResult:
         """Roll out ``request`` to the end; raises ``asyncio.CancelledError`` if cancelled before
@@ -456,7 +497,28 @@ class RolloutService:
             "waiting": {s: self._waiting[s] for s in STAGES},
             "active": {s: self._active[s] for s in STAGES},
             "finished": dict(self.finished),
+            "loop_blocks": dict(self.loop_blocks),
         }
+
+    async def _watched(self, env: Env, call: str, *args: Any) -> Any:
+        """``env``'s ``call`` with ``args``, each stretch it holds the event loop timed."""
+        what = f"{type(env).__name__}.{call}"
+
+        def stretch(seconds: float) -> None:
+            if seconds < self.config.loop_block_warn_s:
+                return
+            if not self.loop_blocks[what]:
+                log.warning(
+                    "env %s blocked the event loop for %.2f s without yielding (every rollout, the "
+                    "gateway and the heartbeats waited): move blocking work to a thread "
+                    "(asyncio.to_thread); later blocks of %s are counted in the service's status",
+                    what,
+                    seconds,
+                    what,
+                )
+            self.loop_blocks[what] += 1
+
+        return await _Stretches(getattr(env, call)(*args), stretch)
 
     async def _stage(self, name: str, clock: _Clock, work):
         """Run ``work()`` in stage ``name``'s pool; queue time is kept out of the budget."""
@@ -514,7 +576,7 @@ class RolloutService:
                 if self.scheduler is not None and attach_actions is not None:
                     actions = _ProgramActions(self.scheduler, env, request.rollout_id, clock)
                     attach_actions(actions)
-            first = await self._stage("init", clock, lambda: env.reset(task))
+            first = await self._stage("init", clock, lambda: self._watched(env, "reset", task))
             if not drives_itself:
                 session.add_messages(first)
             stage = "run"
@@ -528,7 +590,8 @@ class RolloutService:
             if scorer is not None:
                 needs, evaluate = self._reward_call(scorer, session)
             else:
-                needs, evaluate = _declared(env, "eval_request"), env.evaluate
+                needs = _declared(env, "eval_request")
+                evaluate = functools.partial(self._watched, env, "evaluate")
             reward = await self._stage("eval", clock, lambda: self._act(needs, env, request, clock, evaluate))
             state["reward"] = checked_reward(reward, task.env)
             if not state["done"] or session.turns and session.turns[-1].truncated:
@@ -595,7 +658,7 @@ class RolloutService:
                 env,
                 request,
                 clock,
-                functools.partial(env.step, action),
+                functools.partial(self._watched, env, "step", action),
             )
             state["progress"] = checked_progress(result.progress, request.task.env)
             if result.done:
@@ -612,7 +675,7 @@ class RolloutService:
         model call did not fit in the context is truncated: scored when the program ended
         on it, 0 when it failed on it (as a rollout the service drives)."""
         try:
-            result = await env.run()
+            result = await self._watched(env, "run")
         except Exception:
             _raise_engine_error(session)
             if session.context_limit is not None:
@@ -687,6 +750,6 @@ class RolloutService:
                 self.scheduler.end_trajectory(rollout_id)
         if env is not None:
             with _logged("closing the env", rollout_id):
-                await asyncio.wait_for(env.close(), ENV_CLOSE_TIMEOUT_S)
+                await asyncio.wait_for(self._watched(env, "close"), ENV_CLOSE_TIMEOUT_S)
         with _logged("closing the gateway session", rollout_id), contextlib.suppress(LookupError):
             self.gateway.close(session.session_id)

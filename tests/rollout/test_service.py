@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
 
 import httpx
 import pytest
@@ -848,3 +850,46 @@ def test_http_api_process_status_cancel_and_auth(tiny, transport, tmp_path):
     assert bad.status_code == 422
     assert missing.status_code == 404
     assert sum(status.json()["finished"].values()) == 1
+
+
+class BlockingEnv(ArithEnv):
+    """``arith`` whose step and evaluate block the event loop (``time.sleep`` in async code)."""
+
+    async def step(self, action: str) -> StepResult:
+        time.sleep(0.3)
+        return await super().step(action)
+
+    async def evaluate(self) -> float:
+        time.sleep(0.3)
+        return await super().evaluate()
+
+
+@pytest.mark.parametrize("warn_s", [0.01, 60.0])
+def test_an_env_that_blocks_the_event_loop_is_named_in_a_warning_once_and_counted(tiny, caplog, warn_s):
+    """Thresholds far from the 0.3 s each call blocks: warned at 0.01 s, never at 60 s. A
+    built-in env's rollout beside it goes on as usual."""
+    task = arith_task()
+
+    async def body():
+        config = ServiceConfig(max_new_tokens=4, loop_block_warn_s=warn_s)
+        async with running_service(tiny, config) as service:
+            service.make_env = lambda task: (
+                BlockingEnv() if task.id == "blocking" else registry.make(task.env)
+            )
+            blocking = task.model_copy(update={"id": "blocking"})
+            results = await asyncio.gather(
+                *(service.process(RolloutRequest(task=t)) for t in (blocking, blocking, task))
+            )
+            return results, service.status()
+
+    with caplog.at_level(logging.WARNING, logger="rollout.service"):
+        results, status = asyncio.run(body())
+    assert all(r.status in ("ok", "truncated") for r in results), [r.error for r in results]
+    warnings = [r.getMessage() for r in caplog.records if "blocked the event loop" in r.getMessage()]
+    if warn_s > 1:
+        assert warnings == [] and status["loop_blocks"] == {}
+        return
+    assert sorted(w.split()[1] for w in warnings) == ["BlockingEnv.evaluate", "BlockingEnv.step"]
+    assert "asyncio.to_thread" in warnings[0]
+    assert status["loop_blocks"]["BlockingEnv.evaluate"] == 2
+    assert status["loop_blocks"]["BlockingEnv.step"] >= 2
