@@ -46,7 +46,9 @@ class ModelConfig(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
     path: str | None = Field(
-        None, description="Local directory of a Hugging Face checkpoint; None builds the embedded tiny model."
+        None,
+        description="Local directory of a Hugging Face checkpoint, or a Hugging Face Hub model id "
+        "(Qwen/Qwen3-0.6B); None builds the embedded tiny model.",
     )
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="The embedded tiny model.")
 
