@@ -12,6 +12,7 @@ import math
 from typing import Annotated, Any
 
 from prefect import flow, task
+from prefect.client.schemas.objects import State
 from pydantic import Field
 
 from flows.config import RunConfig
@@ -56,7 +57,8 @@ def maintain(
     retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
     """Compact and vacuum every table, drop old weight versions and delete shard files that
-    no commit lists (left by writers that died).
+    no commit lists (left by writers that died). A step that fails (a table whose log or
+    files cannot be read) leaves the others to run; the flow then raises naming each.
 
     Args:
         config: the run.
@@ -67,12 +69,32 @@ def maintain(
             writer whose commit has not landed yet).
     """
     with module_logs_to_run():
-        tables = [compact_table(config, name, retention_hours) for name in TABLE_SCHEMAS]
-        return {
-            "tables": tables,
-            "removed_versions": retain_weights(config, keep_last),
-            "removed_shard_files": sweep_shards(config, retention_hours),
+        states = {
+            **{
+                f"compact-table {name}": compact_table(config, name, retention_hours, return_state=True)
+                for name in TABLE_SCHEMAS
+            },
+            "retain-weights": retain_weights(config, keep_last, return_state=True),
+            # a shards table that cannot be read fails the sweep before it deletes anything
+            "sweep-shards": sweep_shards(config, retention_hours, return_state=True),
         }
+        failed = {step: state for step, state in states.items() if not state.is_completed()}
+        if failed:
+            raise RuntimeError(
+                f"maintain could not complete {len(failed)} of its {len(states)} steps (the others ran): "
+                + "; ".join(f"{step}: {_first_line(state)}" for step, state in failed.items())
+            )
+        return {
+            "tables": [states[f"compact-table {name}"].result() for name in TABLE_SCHEMAS],
+            "removed_versions": states["retain-weights"].result(),
+            "removed_shard_files": states["sweep-shards"].result(),
+        }
+
+
+def _first_line(state: State) -> str:
+    """What failed ``state``'s task, without the backtrace deltalake appends to its errors."""
+    error = state.result(raise_on_failure=False)
+    return (str(error).splitlines() or [type(error).__name__])[0]
 
 
 def _at_least(minimum: int):

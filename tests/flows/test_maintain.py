@@ -89,3 +89,53 @@ def test_maintain_help_and_errors_say_what_it_does_and_expects(capsys):
     with pytest.raises(SystemExit):
         maintain_main(["--keep-last", "x"])
     assert "argument --keep-last: invalid integer value: 'x'" in capsys.readouterr().err
+
+
+def _run_with_history(tmp_path, run_id):
+    """A run with 4 shard commits, 3 evals commits and an old shard file no commit lists; its
+    config, store and that file."""
+    config = tiny_config(tmp_path / "runs", run_id, warm_start={"enabled": False})
+    store = run_store(config)
+    with ShardWriter(store, "w0", flush_records=2) as writer:
+        for start in range(0, 8, 2):
+            writer.write_table(make_table(start, 2))
+    tables = Tables(store)
+    for version in range(3):
+        tables.append("evals", [{"version": version, "env": "count", "reward": 0.5, "count": 4, "time": 0}])
+    orphan = "shards/raw/w0/00000009.arrow"
+    store.create_exclusive(store.path(orphan), b"left by a writer that died")
+    two_hours_ago = time.time() - 7200
+    os.utime(store.path(orphan), (two_hours_ago, two_hours_ago))
+    return config, store, orphan
+
+
+def _garble(store, table, version):
+    with open(store.path("tables", table, "_delta_log", f"{version:020d}.json"), "w") as commit:
+        commit.write('{"add": {"path": ')
+
+
+def test_a_corrupt_table_fails_maintain_naming_it_after_every_other_table_and_step_ran(tmp_path):
+    config, store, orphan = _run_with_history(tmp_path, "maintain-corrupt")
+    _garble(store, "evals", 2)
+
+    with pytest.raises(RuntimeError, match=r"maintain could not .*table 'evals': cannot load its Delta log"):
+        maintain(config, keep_last=1, retention_hours=1)
+
+    assert not os.path.exists(store.path(orphan))  # swept: the shards table reads
+    assert Tables(store).version("shards") == 4  # compacted: one commit more
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert sum(reader.read(s).num_rows for s in shards) == 8
+
+
+def test_a_corrupt_shards_table_keeps_every_shard_file_and_fails_maintain_naming_it(tmp_path):
+    config, store, orphan = _run_with_history(tmp_path, "maintain-corrupt-shards")
+    _garble(store, "shards", 3)
+
+    with pytest.raises(RuntimeError, match=r"table 'shards': cannot load its Delta log") as failed:
+        maintain(config, keep_last=1, retention_hours=1)
+
+    assert "sweep-shards" in str(failed.value)
+    assert os.path.exists(store.path(orphan))  # nothing says which files were committed
+    assert all(os.path.exists(store.path("shards", "raw", "w0", f"{seq:08d}.arrow")) for seq in range(4))
+    assert Tables(store).version("evals") == 3  # compacted all the same
