@@ -679,8 +679,10 @@ def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | Non
     """Delete the files under ``shards/`` that no ``shards`` commit lists and that are older
     than ``older_than_s``: temp files and placeholders of writers that died, and shards whose
     commit never landed. Quarantined shards stay, and so does every file but the temp ones
-    when the run has no ``shards`` table (then nothing says which were committed). Returns
-    the removed paths (run-relative).
+    when the run has no ``shards`` table (then nothing says which were committed); a
+    ``shards`` table that cannot be read, or has an empty commit file (see
+    :meth:`Tables.check_log`), raises before anything is deleted. Returns the removed paths
+    (run-relative).
 
     The files are listed before the commits are read, so a shard committed meanwhile counts
     as committed; ``older_than_s`` must exceed the time a writer takes from its file to its
@@ -714,6 +716,8 @@ def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | Non
                 len(keep),
             )
     else:
+        # the shard files of an empty commit would read as never committed
+        tables.check_log("shards")
         keep = set(tables.read("shards").column("path").to_pylist())
     now = time.time()
     removed = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import posixpath
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -347,6 +348,31 @@ class Tables:
         if table is None:
             return []
         return table.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False)
+
+    @_credentials_masked
+    def check_log(self, name: str) -> None:
+        """Raise a ``DeltaError`` naming ``name`` and the version when one of its commit
+        files is empty: deltalake (1.6.6) reads an empty commit file (a commit whose bytes a
+        crash lost) as a commit of nothing, so the rows it committed read as missing, without
+        an error, and its data files as unreferenced. Lists the table's log (one request per
+        1,000 commits on S3)."""
+        try:
+            listed = self.store.fs.ls(
+                self.store.path("tables", name, "_delta_log"), detail=True, refresh=True
+            )
+        except FileNotFoundError:
+            return
+        empty = sorted(
+            int(posixpath.basename(entry["name"])[: -len(".json")])
+            for entry in listed
+            if entry["name"].endswith(".json") and entry["size"] == 0
+        )
+        if empty:
+            raise DeltaError(
+                f"table {name!r}: its commit {empty[0]} is empty (0 bytes: lost in a crash?"
+                f"{f' and so are {empty[1:]}' if len(empty) > 1 else ''}), so the rows it committed "
+                "read as missing; restore that commit file"
+            )
 
     def _upgrade(self, name: str, table: DeltaTable) -> DeltaTable:
         """Bring ``table``'s log up to the canonical schema of ``name``; returns the snapshot

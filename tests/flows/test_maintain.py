@@ -3,6 +3,8 @@ shard files that no commit lists swept once they are old, and nothing committed 
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import time
 
@@ -139,3 +141,42 @@ def test_a_corrupt_shards_table_keeps_every_shard_file_and_fails_maintain_naming
     assert os.path.exists(store.path(orphan))  # nothing says which files were committed
     assert all(os.path.exists(store.path("shards", "raw", "w0", f"{seq:08d}.arrow")) for seq in range(4))
     assert Tables(store).version("evals") == 3  # compacted all the same
+
+
+def _empty_latest_commit(store, table):
+    """Leave ``table``'s latest commit file empty (a crash on a filesystem that lost its
+    bytes) with every data file of the table two hours old; the data file that commit
+    added."""
+    tables = Tables(store)
+    log = store.path("tables", table, "_delta_log", f"{tables.version(table):020d}.json")
+    with open(log) as commit:
+        lost = next(json.loads(line)["add"]["path"] for line in commit if line.startswith('{"add"'))
+    open(log, "w").close()
+    two_hours_ago = time.time() - 7200
+    for data in glob.glob(store.path("tables", table, "*.parquet")):
+        os.utime(data, (two_hours_ago, two_hours_ago))
+    return store.path("tables", table, lost)
+
+
+def test_an_empty_commit_file_fails_maintain_naming_the_table_and_its_data_files_stay(tmp_path):
+    config, store, _ = _run_with_history(tmp_path, "maintain-empty-commit")
+    lost = _empty_latest_commit(store, "evals")
+
+    with pytest.raises(RuntimeError, match=r"compact-table evals: table 'evals': its commit 2 is empty"):
+        maintain(config, keep_last=1, retention_hours=1)
+
+    assert os.path.exists(lost)  # vacuum deletes only the files a commit removed
+    assert Tables(store).version("shards") == 4  # compacted all the same
+
+
+def test_an_empty_shards_commit_keeps_the_shard_file_it_committed(tmp_path):
+    config, store, _ = _run_with_history(tmp_path, "maintain-empty-shards-commit")
+    shard = store.path("shards", "raw", "w0", "00000003.arrow")
+    two_hours_ago = time.time() - 7200
+    os.utime(shard, (two_hours_ago, two_hours_ago))
+    _empty_latest_commit(store, "shards")
+
+    with pytest.raises(RuntimeError, match=r"sweep-shards: table 'shards': its commit 3 is empty"):
+        maintain(config, keep_last=1, retention_hours=1)
+
+    assert os.path.exists(shard)

@@ -670,3 +670,18 @@ def test_a_truncated_commit_file_is_an_error_naming_the_table(local_store):
         with pytest.raises(DeltaError, match="table 'weights': cannot load its Delta log: "):
             call()
     assert tables.version("evals") is None  # the other tables are untouched
+
+
+def test_an_empty_commit_file_reads_as_no_rows_and_check_log_names_the_table_and_version(store):
+    tables = Tables(store)
+    for version in range(3):
+        tables.append("weights", [weight_row(version)])
+    tables.check_log("weights")
+    store.fs.pipe_file(store.path("tables", "weights", "_delta_log", f"{2:020d}.json"), b"")
+
+    assert sorted(Tables(store).read("weights").column("version").to_pylist()) == [0, 1]  # silently
+    Tables(store).append("weights", [weight_row(3)])  # lands as commit 3: commit 2 stays empty
+    assert Tables(store).version("weights") == 3
+    with pytest.raises(DeltaError, match=r"^table 'weights': its commit 2 is empty \(0 bytes"):
+        Tables(store).check_log("weights")
+    Tables(store).check_log("evals")  # not created yet: nothing to check
