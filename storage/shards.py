@@ -2,8 +2,9 @@
 
 A writer buffers records, validates them once per shard (rows that fail are set aside in
 the quarantine) and flushes them as one compressed Arrow IPC file at
-``shards/<kind>/<worker>/<seq>.arrow``, then appends the shard's row to the ``shards``
-table. On S3 the file is one upload, visible only once complete; on a local folder it is
+``shards/<kind>/<worker>/<seq>.arrow``, then appends the shard's row, with the file's
+CRC-32, to the ``shards`` table; a reader whose bytes do not match it quarantines the shard
+(zstd frames carry no checksum: most flipped bits in a token id still parse). On S3 the file is one upload, visible only once complete; on a local folder it is
 written to ``shards/tmp/…`` and renamed into place. Readers list shards only through the
 table's commit log, so a shard is visible whole or not at all; a file left behind by a
 writer that died before its commit is never listed.
@@ -28,6 +29,7 @@ import posixpath
 import re
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -82,7 +84,8 @@ _NO_VERSION = 2**32
 @dataclass(frozen=True)
 class ShardInfo:
     """One committed shard: a row of the ``shards`` table. ``path`` is relative to the run;
-    versions are over generated tokens (−1 when the shard has none)."""
+    versions are over generated tokens (−1 when the shard has none); ``crc32`` is the CRC-32
+    of its file's bytes (None for a shard committed before treadle recorded it)."""
 
     shard_id: str
     kind: str
@@ -93,6 +96,7 @@ class ShardInfo:
     num_tokens: int
     min_version: int
     max_version: int
+    crc32: int | None = None
 
 
 class ShardWriter:
@@ -287,9 +291,7 @@ class ShardWriter:
         fs = self.store.fs
         if not self.store.config.is_s3:
             os.makedirs(posixpath.dirname(self.store.path(target)), exist_ok=True)
-        sink = pa.BufferOutputStream()
-        _write_ipc(sink, table)
-        fs.pipe_file(self.store.path(target), sink.getvalue().to_pybytes())
+        fs.pipe_file(self.store.path(target), _ipc_bytes(table).to_pybytes())
         with fs.open(self.store.path(target + ".reason"), "w") as out:
             out.write("".join(f"{reason}\n" for reason in reasons))
         return target
@@ -328,18 +330,17 @@ class ShardWriter:
     def _path(self, seq: int) -> str:
         return posixpath.join("shards", self.kind, self.worker, f"{seq:08d}.arrow")
 
-    def _store(self, table: pa.Table, seq: int, exclusive: bool) -> int:
-        """Write ``table`` whole as shard ``seq``'s file; returns the number it landed under.
-        ``exclusive``: never over an existing file, skipping to the next free number. A
-        write that fails leaves nothing behind, so a retry gets the same number."""
+    def _store(self, table: pa.Table, seq: int, exclusive: bool) -> tuple[int, int]:
+        """Write ``table`` whole as shard ``seq``'s file; returns the number it landed under
+        and the file's CRC-32. ``exclusive``: never over an existing file, skipping to the
+        next free number. A write that fails leaves nothing behind, so a retry gets the same
+        number."""
         while True:
             path = self.store.path(self._path(seq))
             try:
                 if self.store.config.is_s3:
-                    self._upload(path, table, exclusive)
-                else:
-                    self._write_local(path, table, exclusive)
-                return seq
+                    return seq, self._upload(path, table, exclusive)
+                return seq, self._write_local(path, table, exclusive)
             except FileExistsError:
                 if not exclusive:
                     raise
@@ -351,17 +352,17 @@ class ShardWriter:
                 )
                 seq += 1
 
-    def _upload(self, path: str, table: pa.Table, exclusive: bool) -> None:
+    def _upload(self, path: str, table: pa.Table, exclusive: bool) -> int:
+        """Returns the CRC-32 of what was uploaded."""
         # built in memory, then one PUT (multipart when large) that is all or nothing, and
         # conditional on absence when exclusive
-        sink = pa.BufferOutputStream()
-        _write_ipc(sink, table)
+        payload = _ipc_bytes(table)
         with refused_create_exists(path):
-            self.store.fs.pipe_file(
-                path, sink.getvalue().to_pybytes(), mode="create" if exclusive else "overwrite"
-            )
+            self.store.fs.pipe_file(path, payload.to_pybytes(), mode="create" if exclusive else "overwrite")
+        return zlib.crc32(payload)
 
-    def _write_local(self, path: str, table: pa.Table, exclusive: bool) -> None:
+    def _write_local(self, path: str, table: pa.Table, exclusive: bool) -> int:
+        """Returns the CRC-32 of what was written."""
         if exclusive:
             self.store.create_exclusive(path, b"claimed by a shard writer\n")
         name = f"{posixpath.basename(path)}-{uuid.uuid4().hex}"
@@ -371,11 +372,15 @@ class ShardWriter:
                 os.makedirs(folder, exist_ok=True)
             with pa.OSFile(tmp, "wb") as sink:
                 _write_ipc(sink, table)
+            # from the page cache rather than from a copy of the whole file in memory
+            with pa.memory_map(tmp, "rb") as written:
+                crc = zlib.crc32(written.read_buffer())
             # on disk before its commit can land: a power loss must not leave a committed
             # shard empty (it would be quarantined and its rows lost)
             fsync_path(tmp)
             os.replace(tmp, path)
             fsync_path(os.path.dirname(path))
+            return crc
         except BaseException:
             for leftover in (tmp, path) if exclusive else (tmp,):
                 with contextlib.suppress(FileNotFoundError):
@@ -385,7 +390,7 @@ class ShardWriter:
     def _commit(self, table: pa.Table, seq: int, exclusive: bool) -> ShardInfo:
         if self.before_commit is not None:
             self.before_commit()
-        seq = self._store(table, seq, exclusive)
+        seq, crc = self._store(table, seq, exclusive)
         path = self._path(seq)
         info = ShardInfo(
             shard_id=f"{self.kind}/{self.worker}/{seq:08d}",
@@ -395,6 +400,7 @@ class ShardWriter:
             seq=seq,
             num_rows=table.num_rows,
             **_token_stats(table),
+            crc32=crc,
         )
         try:
             self.tables.append("shards", [asdict(info) | {"committed_at": datetime.now(UTC)}])
@@ -600,7 +606,9 @@ class ShardReader:
 
     def read(self, shard: ShardInfo) -> pa.Table | None:
         """The shard's records, validated; None (and the shard quarantined with a
-        ``.reason`` file, and a warning logged) when it is missing, corrupt or invalid.
+        ``.reason`` file, and a warning logged) when it is missing, corrupt or invalid, or
+        its bytes are not those its commit checksummed (a flipped bit in a token id still
+        parses).
 
         Only what the bytes hold quarantines a shard: an error while fetching them (a
         timeout, a dropped connection) is raised, and the shard stays for the next read. A
@@ -616,6 +624,10 @@ class ShardReader:
             return None
         try:
             with source:
+                changed = _changed(source, shard.crc32)
+                if changed:
+                    self._quarantine(shard, changed)
+                    return None
                 table = pa.ipc.open_file(source).read_all()
             # offsets and lengths checked against the buffers (microseconds: no values are
             # scanned), so corrupt bytes stop here rather than in a compute kernel
@@ -760,6 +772,13 @@ def _write_ipc(sink: Any, table: pa.Table) -> None:
         out.write_table(table, max_chunksize=BATCH_ROWS)
 
 
+def _ipc_bytes(table: pa.Table) -> pa.Buffer:
+    """``table`` as the bytes of a shard file."""
+    sink = pa.BufferOutputStream()
+    _write_ipc(sink, table)
+    return sink.getvalue()
+
+
 def _open_ipc(store: RunStore, path: str) -> pa.NativeFile:
     """The bytes of the shard file at ``path``, as a file to parse; errors here are the
     store's (missing file, timeout), not the shard's."""
@@ -769,6 +788,20 @@ def _open_ipc(store: RunStore, path: str) -> pa.NativeFile:
     # Mapped rather than read: the IPC reader then decompresses straight from the page
     # cache instead of from a heap copy of every compressed buffer.
     return pa.memory_map(store.path(path), "rb")
+
+
+def _changed(source: pa.NativeFile, crc32: int | None) -> str | None:
+    """Why the bytes of ``source`` (left at its start) are not those whose CRC-32 is
+    ``crc32``, or None when they are, or when there is none to check (a shard committed
+    before it was recorded)."""
+    if crc32 is None:
+        return None
+    # zero-copy for a mapped file; zlib lets go of the GIL while it sums
+    actual = zlib.crc32(source.read_buffer())
+    source.seek(0)
+    if actual == crc32:
+        return None
+    return f"its bytes changed since its commit (CRC-32 {actual:08x}, its commit says {crc32:08x})"
 
 
 def _token_stats(table: pa.Table) -> dict[str, int]:

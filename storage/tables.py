@@ -44,6 +44,7 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             pa.field("min_version", pa.int32(), nullable=False),
             pa.field("max_version", pa.int32(), nullable=False),
             pa.field("committed_at", UTC_MICROS, nullable=False),
+            pa.field("crc32", pa.int64()),
         ]
     ),
     "trajectories": pa.schema(
@@ -120,7 +121,9 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
 ``train_steps.value_loss`` is null for a step that took no critic step (GRPO mode has no
 critic): a NaN there made every ``AVG(value_loss)`` NaN. ``evals.count`` is the rollouts
 measured, ``evals.tasks`` the tasks evaluated, those that failed outside the policy included
-(null in rows written before it was added). ``weights.dropped_stale`` and
+(null in rows written before it was added). ``shards.crc32`` is the CRC-32 of the shard's
+file as written, which its readers check (null in rows written before it was added: those
+shards are read unchecked). ``weights.dropped_stale`` and
 ``weights.rejected_rows`` are the trajectories the trainer dropped as stale and the rows it
 rejected since the version's parent, as its manifest lists them (rejections after a run's
 last step reach no ``train_steps`` row); null for a version no trainer published (a base

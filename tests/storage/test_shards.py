@@ -12,6 +12,7 @@ import threading
 import time
 import types
 import uuid
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,10 +22,11 @@ import pyarrow.ipc
 import pytest
 import s3fs.core
 from botocore.exceptions import EndpointConnectionError
+from deltalake import write_deltalake
 
 from storage import shards as shard_module
 from storage.config import RunStore, StorageConfig
-from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError
+from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError, cast, validate
 from storage.shards import (
     COMPRESSION,
     MIN_SWEEP_AGE_S,
@@ -66,6 +68,7 @@ def test_records_flush_every_n_and_read_back_whole(store):
         num_tokens=3 * 24,
         min_version=0,
         max_version=2,
+        crc32=zlib.crc32(store.fs.cat_file(store.path("shards/raw/w0/00000000.arrow"))),
     )
     tables = [reader.read(shard) for shard in shards]
     assert ids_of(pa.concat_tables(tables)) == [f"t{i}" for i in range(7)]
@@ -987,3 +990,58 @@ def test_a_poll_from_the_start_orders_a_workers_shards_by_number_whatever_the_wr
     assert committed == [1, 0]
     shards, _ = ShardReader(local_store).poll()
     assert [shard.seq for shard in shards] == [0, 1]
+
+
+def _flipped_yet_valid(payload: bytes, schema: pa.Schema) -> bytes:
+    """``payload`` with the first single-bit flip (from its middle on) that still parses,
+    validates and reads as different records: compression does not catch it."""
+    original = pa.ipc.open_file(pa.BufferReader(payload)).read_all()
+    for position in range(len(payload) // 2, len(payload)):
+        flipped = bytearray(payload)
+        flipped[position] ^= 1
+        try:
+            table = pa.ipc.open_file(pa.BufferReader(bytes(flipped))).read_all()
+            table.validate(full=True)
+            validate(cast(table, schema))
+        except (pa.ArrowException, SchemaError, ValueError):
+            continue
+        if not table.equals(original):
+            return bytes(flipped)
+    raise AssertionError("no single-bit flip of the shard reads as valid records")
+
+
+@pytest.mark.parametrize("kind", ["raw", "processed"])
+def test_a_shard_whose_bytes_changed_after_its_commit_is_quarantined_not_read(store, kind):
+    table = make_table(0, 8) if kind == "raw" else make_processed_table(0, 8)
+    with ShardWriter(store, "w0", kind=kind) as writer:
+        writer.write_table(table)
+    reader = ShardReader(store, kind=kind)
+    [info], _ = reader.poll()
+    path = store.path(info.path)
+    store.fs.pipe_file(path, _flipped_yet_valid(store.fs.cat_file(path), reader.schema))
+
+    assert reader.read(info) is None and reader.quarantined(info)
+    reason = store.fs.cat_file(store.path(quarantine_path(info.path) + ".reason")).decode()
+    assert f"shard {kind}/w0/00000000: its bytes changed since its commit (CRC-32 " in reason
+
+
+def test_shards_committed_before_checksums_were_recorded_still_read(store):
+    """A run begun by an older treadle: its ``shards`` table has no ``crc32`` column. Its
+    shard reads unchecked, and the next commit adds the column and a checksum."""
+    info = _commit_foreign_file(store, 0, _ipc_bytes(make_table(0, 2)))
+    old_rows = Tables(store).read("shards").drop_columns(["crc32"])
+    store.fs.rm(store.path("tables", "shards"), recursive=True)
+    write_deltalake(Tables(store).uri("shards"), old_rows, storage_options=store.config.delta_options())
+    with ShardWriter(store, "w0") as writer:
+        writer.write_table(make_table(2, 2))
+
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert {shard.worker: shard.crc32 is None for shard in shards} == {"w9": True, "w0": False}
+    assert sorted(ids_of(pa.concat_tables(reader.read(shard) for shard in shards))) == [
+        "t0",
+        "t1",
+        "t2",
+        "t3",
+    ]
+    assert not reader.quarantined(info)

@@ -43,8 +43,9 @@ def weight_row(version: int, tag: str | None = None) -> dict:
 def test_schemas_hold_the_agreed_columns():
     assert TABLE_SCHEMAS["shards"].names == [
         "shard_id", "kind", "path", "worker", "seq", "num_rows", "num_tokens",
-        "min_version", "max_version", "committed_at",
+        "min_version", "max_version", "committed_at", "crc32",
     ]  # fmt: skip
+    assert TABLE_SCHEMAS["shards"].field("crc32").nullable  # null for shards committed before it
     assert TABLE_SCHEMAS["weights"].field("parent").nullable
     assert not TABLE_SCHEMAS["weights"].field("path").nullable
     assert TABLE_SCHEMAS["trajectories"].field("num_turns").type == pa.int16()
