@@ -78,6 +78,8 @@ committed, and sweeping it would leave that commit pointing at nothing."""
 NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 """What a worker or shard kind name may hold (it names a folder of shards)."""
 _NAME = re.compile(NAME_PATTERN)
+_SUMS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-crc")
+"""Checksums a shard's bytes while its writer syncs them to disk or its reader decodes them."""
 _NO_VERSION = 2**32
 
 
@@ -372,12 +374,13 @@ class ShardWriter:
                 os.makedirs(folder, exist_ok=True)
             with pa.OSFile(tmp, "wb") as sink:
                 _write_ipc(sink, table)
-            # from the page cache rather than from a copy of the whole file in memory
+            # summed from the page cache (not from a copy of the whole file in memory) while
+            # it goes to disk: before its commit can land, as a power loss must not leave a
+            # committed shard empty (it would be quarantined and its rows lost)
             with pa.memory_map(tmp, "rb") as written:
-                crc = zlib.crc32(written.read_buffer())
-            # on disk before its commit can land: a power loss must not leave a committed
-            # shard empty (it would be quarantined and its rows lost)
+                summed = _SUMS.submit(zlib.crc32, written.read_buffer())
             fsync_path(tmp)
+            crc = summed.result()
             os.replace(tmp, path)
             fsync_path(os.path.dirname(path))
             return crc
@@ -622,20 +625,23 @@ class ShardReader:
             else:
                 log.warning("shard %s is committed but its file %s is missing", shard.shard_id, shard.path)
             return None
+        with source:
+            whole = source.read_buffer()
+        # summed on another thread while this one decodes (zlib lets go of the GIL)
+        summed = None if shard.crc32 is None else _SUMS.submit(zlib.crc32, whole)
         try:
-            with source:
-                changed = _changed(source, shard.crc32)
-                if changed:
-                    self._quarantine(shard, changed)
-                    return None
-                table = pa.ipc.open_file(source).read_all()
+            table = pa.ipc.open_file(whole).read_all()
             # offsets and lengths checked against the buffers (microseconds: no values are
             # scanned), so corrupt bytes stop here rather than in a compute kernel
             table.validate(full=True)
         except (pa.ArrowException, ValueError, OSError, EOFError) as exc:
             # ArrowMemoryError: a corrupt length asks for an absurd allocation; ValueError:
             # a corrupt name or metadata string that is not UTF-8
-            self._quarantine(shard, f"cannot read the Arrow IPC file: {exc}")
+            table = None
+            error = f"cannot read the Arrow IPC file: {exc}"
+        changed = _changed(summed and summed.result(), shard.crc32)
+        if changed or table is None:
+            self._quarantine(shard, changed or error)
             return None
         try:
             if not table.schema.equals(self.schema, check_metadata=False):
@@ -790,16 +796,11 @@ def _open_ipc(store: RunStore, path: str) -> pa.NativeFile:
     return pa.memory_map(store.path(path), "rb")
 
 
-def _changed(source: pa.NativeFile, crc32: int | None) -> str | None:
-    """Why the bytes of ``source`` (left at its start) are not those whose CRC-32 is
-    ``crc32``, or None when they are, or when there is none to check (a shard committed
-    before it was recorded)."""
-    if crc32 is None:
-        return None
-    # zero-copy for a mapped file; zlib lets go of the GIL while it sums
-    actual = zlib.crc32(source.read_buffer())
-    source.seek(0)
-    if actual == crc32:
+def _changed(actual: int | None, crc32: int | None) -> str | None:
+    """Why a shard whose bytes sum to ``actual`` is not the one committed with ``crc32``, or
+    None when it is, or when there is nothing to check (a shard committed before it was
+    recorded)."""
+    if crc32 is None or actual == crc32:
         return None
     return f"its bytes changed since its commit (CRC-32 {actual:08x}, its commit says {crc32:08x})"
 
