@@ -33,10 +33,11 @@ def compact_table(config: RunConfig, table: str, retention_hours: int) -> dict[s
     tables = Tables(run_store(config))
     if tables.version(table) is None:
         return {"table": table, "skipped": "not created yet"}
+    # before compacting: a new commit (and its checkpoint) over an empty one would make the
+    # lost rows' absence the table's state, past restoring the empty commit's file
+    tables.check_log(table)
     optimized = tables.optimize(table)
     removed = tables.vacuum(table, retention_hours=retention_hours)
-    # vacuum deletes only files a commit removed: those of an empty commit stay
-    tables.check_log(table)
     if optimized is None:
         optimized = {"skipped": "being compacted by another process (storage.tables.COMPACTION_SLOT_S)"}
     return {"table": table, "optimize": optimized, "vacuumed_files": len(removed)}
@@ -137,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         "files that no commit lists (left by writers that died).",
         argv,
         extra=_maintain_arguments,
+        paths=False,
     )
     existing_run(run_store(config), hint="storage.root and --run-id")
     print(maintain(config, keep_last=args.keep_last, retention_hours=args.retention_hours))

@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
         "Process raw shards.",
         argv,
         extra=lambda p: p.add_argument("--once", action="store_true", help="One pass, then exit."),
+        paths=False,
     )
     process(config, continuous=not args.once)
 

@@ -336,6 +336,18 @@ def test_a_flow_given_a_local_path_that_does_not_exist_exits_naming_the_field(tm
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+def test_flows_that_read_no_local_path_start_without_them(tmp_path):
+    """maintain and process read the run's storage only: a finished run whose model folder
+    moved can still be maintained."""
+    from flows.cli_args import parse
+
+    argv = ["--set", f"model.path={tmp_path}/moved-model", "--set", f"storage.root={tmp_path}/runs"]
+    config, _ = parse("maintain", argv, paths=False)
+    assert config.model.path == f"{tmp_path}/moved-model"
+    with pytest.raises(SystemExit):
+        parse("rollout", argv)
+
+
 def test_a_hub_model_id_and_paths_that_exist_pass_the_path_check(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n')

@@ -165,6 +165,10 @@ def test_an_empty_commit_file_fails_maintain_naming_the_table_and_its_data_files
     with pytest.raises(RuntimeError, match=r"compact-table evals: table 'evals': its commit 2 is empty"):
         maintain(config, keep_last=1, retention_hours=1)
 
+    # no compaction commit over the empty one: restoring its file still brings its rows back
+    assert sorted(os.listdir(store.path("tables", "evals", "_delta_log"))) == [
+        f"{v:020d}.json" for v in range(3)
+    ]
     assert os.path.exists(lost)  # vacuum deletes only the files a commit removed
     assert Tables(store).version("shards") == 4  # compacted all the same
 
