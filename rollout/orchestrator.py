@@ -311,7 +311,8 @@ class Orchestrator:
                     and not self._launched_enough()
                 ):
                     await self._wait_for_trainer()
-                    if self._done() or not await self._may_launch():
+                    # _may_launch may wait on storage: a stop() can land meanwhile
+                    if self._done() or not await self._may_launch() or self._done():
                         break
                     self._launch_group()
                 if not self._in_flight:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import SEED_STRIDE, Orchestrator, OrchestratorConfig
 from rollout.router import Router
 from rollout.service import RolloutService, ServiceConfig
+from storage.quota import RunQuota
 from storage.shards import ShardReader, ShardWriter
 from tests.rollout.test_service import SlowEnv
 
@@ -61,6 +63,7 @@ async def run(
     during=None,
     trainer_queue=None,
     trainer_starved=None,
+    quota=None,
 ):
     model, tokenizer = tiny
     engine = TorchEngine(model, tokenizer, name="torch-0")
@@ -76,6 +79,7 @@ async def run(
         backlog=backlog,
         trainer_queue=trainer_queue,
         trainer_starved=trainer_starved,
+        quota=quota,
     )
     try:
         job = asyncio.create_task(orchestrator.run())
@@ -245,6 +249,35 @@ def test_stop_cuts_in_flight_rollouts_short_and_flushes(tiny):
     )
     assert len(stats.cut_short) == 6 and stats.finished == 0
     assert sink.flushes == 1 and sink.records == []
+
+
+class HeldQuota(RunQuota):
+    """A run quota whose claims wait until the test lets them through."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.claiming = threading.Event()
+        self.go = threading.Event()
+
+    def claim(self, wanted, step=1):
+        self.claiming.set()
+        self.go.wait(30)
+        return super().claim(wanted, step)
+
+
+def test_a_stop_during_a_quota_claim_launches_nothing_and_gives_the_claim_back(tiny, local_store):
+    quota = HeldQuota(local_store, "rollouts", 8)
+
+    async def during(orchestrator):
+        while not quota.claiming.is_set():
+            await asyncio.sleep(0.01)
+        orchestrator.stop()
+        quota.go.set()
+
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
+    _, stats = asyncio.run(run(tiny, config, streams("arith"), ListSink(), quota=quota, during=during))
+    assert sum(c.started for c in stats.tasks.values()) == 0 and stats.cut_short == []
+    assert quota.claimed() == 0
 
 
 def test_records_land_in_committed_shards(tiny, local_store):
