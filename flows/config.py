@@ -123,8 +123,9 @@ class StopConfig(BaseModel):
     max_rollouts: int | None = Field(
         None,
         ge=1,
-        description="Stop rollouts once this many have finished in the whole run: all its workers together, "
-        "counting those of earlier flow runs it resumes from.",
+        description="Finish at most this many rollouts in the whole run: all its workers together, counting "
+        "those of earlier flow runs it resumes from. Workers claim blocks of up to orchestrator.concurrency; "
+        "a worker killed outright keeps its unused block, so the run can end that many short.",
     )
 
 

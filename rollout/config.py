@@ -180,8 +180,8 @@ class OrchestratorConfig(BaseModel):
     max_rollouts: int | None = Field(
         None,
         ge=1,
-        description="Stop after this many rollouts have finished: a rollout worker counts them over the "
-        "whole run (all its workers and their restarts, through the run's storage).",
+        description="Finish at most this many rollouts: a rollout worker counts them over the whole run "
+        "(all its workers and their restarts, through the run's storage).",
     )
     max_backlog: int = Field(
         8, ge=1, description="Pause launching while more shards than this await the trainer."
