@@ -28,6 +28,7 @@ REPLIES = ["echo hello > out.txt", "cat out.txt", "echo $OPENAI_API_KEY; env | g
 
 
 class Upstream(BaseHTTPRequestHandler):
+    replies: list = REPLIES
     seen: list = []
     requests: list = []  # (method, path) of every request that reached the upstream
 
@@ -48,7 +49,7 @@ class Upstream(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         Upstream.seen.append((self.path, dict(self.headers), body))
         turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
-        answer = {"choices": [{"message": {"role": "assistant", "content": REPLIES[turn]}}]}
+        answer = {"choices": [{"message": {"role": "assistant", "content": Upstream.replies[turn]}}]}
         data = json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -64,6 +65,7 @@ class Upstream(BaseHTTPRequestHandler):
 def upstream():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Upstream)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    Upstream.replies = REPLIES
     Upstream.seen = []
     Upstream.requests = []
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
@@ -81,7 +83,8 @@ def config(**extra):
     } | extra
 
 
-def test_agent_runs_several_turns_through_its_session(upstream):
+def run_agent_script(upstream):
+    """The agent program's episode against ``upstream``: its result, score and transcript."""
     task = task_set("agent", "train", 0, 1, config())[0]
 
     async def episode():
@@ -95,7 +98,11 @@ def test_agent_runs_several_turns_through_its_session(upstream):
         await env.close()
         return result, score, transcript
 
-    result, score, transcript = asyncio.run(episode())
+    return (*asyncio.run(episode()), task)
+
+
+def test_agent_runs_several_turns_through_its_session(upstream):
+    result, score, transcript, task = run_agent_script(upstream)
     assert result.info["exit_code"] == 0 and result.info["gateway_requests"] == 3
     assert score == 1.0
     assert transcript[0]["content"] == task.prompt and transcript[4]["content"] == "hello\n"
@@ -105,6 +112,16 @@ def test_agent_runs_several_turns_through_its_session(upstream):
         assert path == "/v1/chat/completions"
         assert headers["X-Treadle-Session"] == "session-42"
         assert headers["Authorization"] == "Bearer secret-token"
+
+
+def test_agent_script_reports_a_command_it_cannot_run_and_goes_on(upstream):
+    """A tiny model samples NUL bytes, which no command line can hold, and bytes that are not
+    UTF-8: the agent's shell tool answers those as tool output instead of crashing the program."""
+    Upstream.replies = ["echo a\x00b", "printf '\\377'", REPLIES[0]]
+    result, score, transcript, _ = run_agent_script(upstream)
+    assert result.info["exit_code"] == 0 and score == 1.0
+    assert transcript[2]["content"] == "error: the command holds a NUL byte"
+    assert transcript[4]["content"] == "\ufffd"
 
 
 CALL_ADMIN = r"""python3 - <<'PY'
