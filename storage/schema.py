@@ -74,6 +74,35 @@ class SchemaError(ValueError):
     trajectory id, the column and what is wrong."""
 
 
+class NewerSchemaError(SchemaError):
+    """A shard written in a later version of its record than this treadle knows (a writer
+    upgraded before its reader): read under the old meaning, or quarantined, its rows would
+    be lost to the reader that is upgraded next."""
+
+
+SCHEMA_KEY = b"treadle.schema"
+"""Schema metadata naming the record and its version (``trajectory/1``)."""
+
+
+def newer_record(found: pa.Schema, canonical: pa.Schema) -> str | None:
+    """``found``'s record version (``trajectory/2``) when its metadata names a later
+    version of ``canonical``'s record, else None (the same or an earlier version, another
+    record, or no version named)."""
+    name, version = _record_version(found)
+    own_name, own_version = _record_version(canonical)
+    if name != own_name or version is None or own_version is None or version <= own_version:
+        return None
+    return f"{name}/{version}"
+
+
+def _record_version(schema: pa.Schema) -> tuple[str | None, int | None]:
+    named = (schema.metadata or {}).get(SCHEMA_KEY, b"").decode(errors="replace")
+    name, _, version = named.partition("/")
+    if not (version.isascii() and version.isdigit()):
+        return None, None
+    return name, int(version)
+
+
 def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
     """Build a table of ``schema`` from record dicts (missing optional fields become null)."""
     rows = list(records)

@@ -43,10 +43,13 @@ import pyarrow.compute as pc
 from storage.config import RunStore, fsync_path, refused_create_exists
 from storage.schema import (
     PROCESSED_SCHEMA,
+    SCHEMA_KEY,
     TRAJECTORY_SCHEMA,
+    NewerSchemaError,
     SchemaError,
     cast,
     check_columns,
+    newer_record,
     row_name,
     rows_with_errors,
     to_table,
@@ -615,7 +618,8 @@ class ShardReader:
 
         Only what the bytes hold quarantines a shard: an error while fetching them (a
         timeout, a dropped connection) is raised, and the shard stays for the next read. A
-        shard written before the canonical schema gained a nullable column reads it as null.
+        shard written before the canonical schema gained a nullable column reads it as null;
+        one whose schema names a later record version raises :class:`NewerSchemaError`.
         """
         try:
             source = _open_ipc(self.store, shard.path)
@@ -643,6 +647,13 @@ class ShardReader:
         if changed or table is None:
             self._quarantine(shard, changed or error)
             return None
+        newer = newer_record(table.schema, self.schema)
+        if newer is not None:
+            own = self.schema.metadata[SCHEMA_KEY].decode()
+            raise NewerSchemaError(
+                f"shard {shard.shard_id} holds {newer} records, newer than this treadle's {own}: "
+                "upgrade treadle to read it (the shard is left in place)"
+            )
         try:
             if not table.schema.equals(self.schema, check_metadata=False):
                 table = self._conformed(table)

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 
+import pyarrow as pa
 import pytest
 
 import rl.process_loop as process_loop
 from rl.process_loop import ShardProcessor
+from storage.schema import NewerSchemaError
 from storage.shards import ShardReader, ShardWriter
 from storage.status import ProcessOffset, ProcessOffsetBoard
 from storage.tables import Tables
 from tests.rl.test_processor import record
+from tests.storage.records import make_table
+from tests.storage.test_shards import _commit_foreign_file, _ipc_bytes
 
 
 def commit_raw_shards(store, ids: range) -> None:
@@ -198,3 +202,22 @@ def test_a_raw_shard_whose_file_is_missing_is_reported_so_once(local_store):
     assert [o.skipped for o in again] == ["already processed"] * 3
     assert [o.skipped for o in heard] == [None, "file missing", None]
     assert processed_ids(local_store) == ["t0", "t2"]
+
+
+def test_a_raw_shard_of_a_newer_treadle_stops_the_processor_and_gets_no_twin(local_store):
+    """A worker upgraded before the processor commits a shard of a later record version: the
+    processor stops at it, naming it, rather than marking it processed with an empty twin
+    (its rows would never reach the trainer, even once the processor is upgraded)."""
+    commit_raw_shards(local_store, range(1))
+    newer = make_table(5, 2).append_column("score", pa.array([1.0, 2.0]))
+    info = _commit_foreign_file(
+        local_store, 1, _ipc_bytes(newer.replace_schema_metadata({"treadle.schema": "trajectory/2"}))
+    )
+    processor = ShardProcessor(local_store)
+    for _ in range(2):
+        with pytest.raises(NewerSchemaError, match="raw/w9/00000001"):
+            processor.poll()
+    twins = ShardReader(local_store, kind="processed").poll()[0]
+    assert [(twin.worker, twin.seq) for twin in twins] == [("w0", 0)]
+    assert local_store.fs.exists(local_store.path(info.path))
+    assert processed_ids(local_store) == ["t0"]

@@ -1045,3 +1045,20 @@ def test_shards_committed_before_checksums_were_recorded_still_read(store):
         "t3",
     ]
     assert not reader.quarantined(info)
+
+
+@pytest.mark.parametrize("extra_column", [True, False])
+def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(local_store, extra_column):
+    """A shard whose schema names a later record version (a worker upgraded before this
+    reader): reading it raises naming both versions, and the shard is neither read under
+    the old meaning nor quarantined, so an upgraded reader still gets its rows."""
+    table = make_table(0, 2)
+    if extra_column:
+        table = table.append_column("score", pa.array([1.0, 2.0]))
+    newer = table.replace_schema_metadata({"treadle.schema": "trajectory/2"})
+    info = _commit_foreign_file(local_store, 0, _ipc_bytes(newer))
+    reader = ShardReader(local_store)
+    with pytest.raises(SchemaError, match="raw/w9/00000000.*trajectory/2.*trajectory/1"):
+        reader.read(info)
+    assert not reader.quarantined(info)
+    assert local_store.fs.cat_file(local_store.path(info.path)) == _ipc_bytes(newer)
