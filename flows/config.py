@@ -7,6 +7,7 @@ message that names the field.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import types
@@ -214,6 +215,15 @@ class RunConfig(BaseModel):
     ray_address: str | None = Field(
         None, description="Ray cluster address ('auto', ray://host:10001); None starts a local Ray."
     )
+    ray_node_ip: str | None = Field(
+        "127.0.0.1",
+        description=(
+            "Address of the local Ray that a run without ray_address starts: on 127.0.0.1 its "
+            "processes listen on loopback only; on another address of this machine (for other nodes "
+            "to join) or null (Ray picks it, or joins the cluster RAY_ADDRESS or `ray start` names) "
+            "on every interface."
+        ),
+    )
     seed: int = Field(0, description="Seed of task sampling and everything not seeded elsewhere.")
 
     @model_validator(mode="before")
@@ -225,6 +235,19 @@ class RunConfig(BaseModel):
         if wrong:
             raise ValueError(f"{', '.join(wrong)}: a boolean where a number is wanted")
         return data
+
+    @field_validator("ray_node_ip")
+    @classmethod
+    def _ray_node_ip(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        try:
+            address = ipaddress.ip_address(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an IP address") from None
+        if address.is_loopback and value != "127.0.0.1":
+            raise ValueError(f"Ray keeps to loopback only on 127.0.0.1, not on {value}")
+        return value
 
     @field_validator("run_id")
     @classmethod

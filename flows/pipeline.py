@@ -91,7 +91,7 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
     from tasks.rollout import rollouts
     from tasks.train import train
 
-    connect_ray(config.ray_address)
+    connect_ray(config.ray_address, config.ray_node_ip)
     with RayTaskRunner(address=config.ray_address) as runner:
         with remote_options(num_cpus=0):
             rollout_run = runner.submit(

@@ -15,6 +15,7 @@ import os
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.exceptions import RayActorError, RayTaskError
 
 from rollout.config import TorchEngineConfig
@@ -29,11 +30,36 @@ its engine closed) before it stops the actor regardless: one that never started 
 its resources free) or hangs would hold the close, and the rollout task, for ever."""
 
 
-def connect_ray(address: str | None = None) -> None:
+LOOPBACK = "127.0.0.1"
+
+
+def connect_ray(address: str | None = None, node_ip: str | None = LOOPBACK) -> None:
     """Connect this process to the Ray cluster at ``address`` ('auto', ``ray://host:10001``),
-    or start a local Ray instance when ``address`` is None; nothing when already connected."""
-    if not ray.is_initialized():
+    or start a local Ray instance on ``node_ip`` when ``address`` is None; nothing when
+    already connected. On 127.0.0.1 every process of the instance listens on loopback only,
+    on another address on every interface. With ``node_ip`` None, or ``RAY_ADDRESS`` set,
+    ``ray.init()`` decides as it does alone: it joins the cluster that ``RAY_ADDRESS`` or a
+    ``ray start`` on this machine names, else starts one on the machine's address."""
+    if ray.is_initialized():
+        return
+    if address is not None or node_ip is None or os.environ.get("RAY_ADDRESS"):
         ray.init(address=address, include_dashboard=False)
+    elif node_ip == LOOPBACK:
+        _start_on_loopback()
+    else:
+        ray.init(address="local", include_dashboard=False, _node_ip_address=node_ip)
+
+
+def _start_on_loopback() -> None:
+    """Start a local Ray instance whose processes all listen on 127.0.0.1."""
+    # Ray takes a node address of 127.0.0.1 for the machine's own (and its servers then
+    # listen on every interface) unless it runs with clusters off, as on macOS and Windows
+    enabled = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = enabled
 
 
 def actor_device(device: str) -> str:

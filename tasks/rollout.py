@@ -230,7 +230,7 @@ def _build_worker(
         from rollout.ray_engine import connect_ray
         from rollout.ray_env import RayEnvPool
 
-        connect_ray(config.ray_address)
+        connect_ray(config.ray_address, config.ray_node_ip)
         env_configs = {name: config.env_config(name) for name in orchestrator.mix}
         env_pool = RayEnvPool(env_configs, num_workers=config.engine.replica_count)
         env_pool.wait_started(config.engine.load_timeout_s)

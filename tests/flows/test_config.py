@@ -70,6 +70,11 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("elastic:\n  cooldown_s: .inf\n", "elastic.cooldown_s: Input should be a finite number"),
         ("elastic:\n  min_train: 2\n", "elastic.min_train: Input should be less than or equal to 1"),
         ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
+        ("ray_node_ip: ray-head\n", "ray_node_ip: 'ray-head' is not an IP address"),
+        (
+            "ray_node_ip: 127.0.0.2\n",
+            "ray_node_ip: Ray keeps to loopback only on 127.0.0.1, not on 127.0.0.2",
+        ),
         (
             "orchestrator:\n  mix: {arith: 0.5, agent: 0.5}\n",
             "warm_start.demos.agent: 'agent' has no scripted solver to demonstrate with",
@@ -96,6 +101,12 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
 def test_bad_config_fails_naming_the_field(tmp_path, text, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
         load_config(write_config(tmp_path, text))
+
+
+def test_a_local_ray_is_on_loopback_unless_the_config_names_another_address_or_leaves_it_to_ray(tmp_path):
+    assert RunConfig().ray_node_ip == "127.0.0.1"
+    assert load_config(write_config(tmp_path, "ray_node_ip: 10.0.0.5\n")).ray_node_ip == "10.0.0.5"
+    assert load_config(write_config(tmp_path, "ray_node_ip: null\n")).ray_node_ip is None
 
 
 def test_a_check_of_the_whole_config_fails_with_its_own_message_alone(tmp_path):

@@ -1,0 +1,82 @@
+"""The local Ray instance a run starts (no ``ray_address``) listens on 127.0.0.1 only. It
+starts in a subprocess: tests/flows/test_ray.py keeps one Ray in the test process."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SCRIPT = """
+import json
+
+import psutil
+import ray
+
+from flows.config import RunConfig
+from rollout.ray_engine import connect_ray
+
+
+@ray.remote
+def ping():
+    return "pong"
+
+
+config = RunConfig(cluster="ray")
+connect_ray(config.ray_address, config.ray_node_ip)
+assert ray.get(ping.remote()) == "pong"  # a worker is up and listening too
+driver = psutil.Process()  # its core worker listens too
+children = driver.children(recursive=True)
+started = [(process.pid, process.create_time()) for process in children]
+listening = []
+for process in [driver, *children]:
+    try:
+        for connection in process.net_connections(kind="tcp"):
+            if connection.status == psutil.CONN_LISTEN:
+                listening.append((process.name(), connection.laddr.ip, connection.laddr.port))
+    except psutil.NoSuchProcess:
+        pass
+print(json.dumps({"listening": listening, "started": started}))
+ray.shutdown()
+"""
+
+
+def _on_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
+
+def _stop_leftovers(started: list[tuple[int, float]]) -> None:
+    """Kill any process the subprocess's Ray started that outlived it (the same pid and start
+    time: never a process that reused the pid)."""
+    leftovers = []
+    for pid, created in started:
+        try:
+            process = psutil.Process(pid)
+            if process.create_time() == created:
+                process.kill()
+                leftovers.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(leftovers, timeout=30)
+
+
+def test_a_local_ray_started_by_a_run_listens_on_loopback_only():
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    run = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    _stop_leftovers(report["started"])
+    names = {name for name, _, _ in report["listening"]}
+    assert {"gcs_server", "raylet"} <= names, report["listening"]
+    beyond = [(name, ip, port) for name, ip, port in report["listening"] if not _on_loopback(ip)]
+    assert beyond == [], f"Ray processes listening beyond loopback: {beyond}"
