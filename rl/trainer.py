@@ -520,6 +520,7 @@ class Trainer:
         drain_event: threading.Event | None = None,
         step_extra: Callable[[], dict] | None = None,
         role: HeldRole | None = None,
+        on_publish: Callable[[int], None] | None = None,
     ) -> TrainSummary:
         """Train until a stop condition holds.
 
@@ -537,6 +538,8 @@ class Trainer:
                 publish, and once it is lost (``role.lost``) the trainer stops and publishes
                 nothing more (another trainer took the run and trains from its latest
                 version: what this one trained since is left to it).
+            on_publish: called with each version this call publishes, once it is published
+                (before the trainer goes on: a failure later in the call cannot lose it).
 
         On a clean stop the steps since the last version are published
         (``publish_on_stop``).
@@ -579,7 +582,7 @@ class Trainer:
                 if progress is not None and metrics is not None:
                     progress({**metrics.row, "extra": metrics.extra})
                 if self._steps_since_publish >= self.config.publish_every and (role is None or role.holds()):
-                    versions.append(self.publish())
+                    versions.append(self._publish_and_tell(on_publish))
                 continue
             if draining and new_shards == 0:
                 stop_reason = "drained"
@@ -598,11 +601,17 @@ class Trainer:
         publish_pending = self._steps_since_publish or self._pending_consumption()
         if self.config.publish_on_stop and publish_pending and stop_reason != "abandoned":
             if role is None or role.holds():
-                versions.append(self.publish())
+                versions.append(self._publish_and_tell(on_publish))
             else:
                 stop_reason = "abandoned"
         logger.info("trainer stopped (%s) at step %d", stop_reason, self.step)
         return TrainSummary(steps=self.step, versions=versions, stop_reason=stop_reason)
+
+    def _publish_and_tell(self, on_publish: Callable[[int], None] | None) -> int:
+        version = self.publish()
+        if on_publish is not None:
+            on_publish(version)
+        return version
 
     def _pending_consumption(self) -> bool:
         return bool(

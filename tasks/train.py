@@ -159,9 +159,9 @@ def run_trainer(
     )
 
     def check_published() -> None:
-        """Announce every version since the last check up to this trainer's own (two may land
-        between checks: a step's and the one published on stop), never one published by a
-        trainer that took the run, nor one this trainer resumed below as it did not verify."""
+        """Announce every version since the last check up to this trainer's own, never one
+        published by a trainer that took the run, nor one this trainer resumed below as it
+        did not verify."""
         latest = trainer.version
         if latest == seen["version"]:
             return
@@ -201,8 +201,10 @@ def run_trainer(
     if role.lost.is_set():
         raise InUse(f"{role.taken}; it stopped while it loaded")
     # the version resumed from is announced by whoever wrote its row: the trainer, when its
-    # publisher failed before (an attempt of this task), announces it with its first own
+    # publisher failed before (an attempt of this task). Each is announced at once: a retry
+    # resumes from it with its row written, and would never announce it
     seen["version"] = trainer.version - 1 if trainer.recorded_resumed else trainer.version
+    check_published()
     elastic = elastic or ElasticPlanner(elastic_config(config))
     # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)
@@ -211,7 +213,6 @@ def run_trainer(
     report_step = reporting(on_step, "progress report of the trainer")
 
     def progress(row: dict[str, Any]) -> None:
-        check_published()
         # the trainer runs on its own units only: a replica lent to training does not
         # shorten its steps, so counting it would raise the cost with every replica lent,
         # lower the balanced rollout share and lend more
@@ -360,6 +361,7 @@ def run_trainer(
             drain_event=drain_event,
             step_extra=step_extra,
             role=role,
+            on_publish=lambda _version: check_published(),
         )
     finally:
         stop_ticking.set()
@@ -373,7 +375,6 @@ def run_trainer(
                 log.info("elastic moves after the last train_steps row: %s", unlogged)
             published["at"] = -math.inf
             publish(elastic.release(time.time()))
-    check_published()
     if summary.stop_reason == "abandoned":
         raise InUse(
             f"{role.taken}; it stopped at policy step {summary.steps}, and what it trained since its "

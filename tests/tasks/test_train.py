@@ -9,6 +9,7 @@ import pytest
 
 from flows.config import RunConfig
 from rl.models import ensure_base_version, load_policy, publish_policy
+from rl.trainer import Trainer
 from storage.config import RunStore, StorageConfig
 from storage.tables import Tables
 from storage.weights import WeightStore
@@ -50,3 +51,32 @@ def test_a_version_the_trainer_resumed_below_is_not_announced_again(tmp_path):
 
     assert run_trainer(run, time.time() + 600, drain=True, on_publish=announced.append)["versions"] == [2]
     assert announced == [0, 2]  # version 0 had no row: the trainer recorded it
+
+
+def test_a_version_is_announced_when_published_not_at_the_next_step(tmp_path, monkeypatch):
+    """The trainer publishes version 1 and then fails at its next poll of the shard log: the
+    version was announced already. Its retry resumes from version 1, whose row is written,
+    and announces nothing, so an announcement left for a later step would never be made."""
+    run = RunConfig(
+        run_id="announce", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config(publish_every=1)
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 4, seed=1), per_shard=4)  # one step's rows
+    real_ingest = Trainer.ingest
+    polls: list[int] = []
+
+    def failing_after_the_first_poll(trainer: Trainer) -> int:
+        polls.append(trainer.version)
+        if len(polls) > 1:
+            raise OSError("connection reset while polling the shard log")
+        return real_ingest(trainer)
+
+    monkeypatch.setattr(Trainer, "ingest", failing_after_the_first_poll)
+    announced: list[int] = []
+    with pytest.raises(OSError, match="connection reset"):
+        run_trainer(run, time.time() + 600, drain=True, on_publish=announced.append)
+    assert polls == [0, 1]
+    monkeypatch.setattr(Trainer, "ingest", real_ingest)
+    assert run_trainer(run, time.time() + 600, drain=True, on_publish=announced.append)["versions"] == []
+    assert announced == [0, 1]
