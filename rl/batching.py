@@ -86,6 +86,12 @@ def samples_from_table(
     ``infra_error``, its reward is null, it has no token in ``train_mask``, an action token
     sits at position 0 (no context to score it), or an action log-prob is not finite.
 
+    A sample ends at its row's last action token. The tokens after it (the observation that
+    ended a rollout, which may have taken it past the engine's positions: the engine then
+    refused the next turn) enter no loss and no advantage, and the reward the batch puts on
+    a sample's last token is carried back to that action token anyway; fed to the models they
+    would only cost compute, or index past a policy's learned positions (GPT-2).
+
     Args:
         table: a processed shard (``PROCESSED_SCHEMA``; ``train_mask`` / ``loss_weight``
             default to ``action_mask`` / 1 when absent).
@@ -142,17 +148,18 @@ def samples_from_table(
         if reason is not None:
             rejected.append((row, ids[row], reason))
             continue
+        kept = int(np.flatnonzero(row_action)[-1]) + 1
         samples.append(
             Sample(
                 shard_id=shard_id,
                 row=row,
                 trajectory_id=ids[row],
                 execution_id=executions[row],
-                tokens=tokens[start:end].astype(np.int64),
-                rollout_logprobs=np.where(row_action, row_logprobs, 0.0).astype(np.float32),
-                action_mask=row_action,
-                train_mask=row_train,
-                loss_weight=weight[start:end],
+                tokens=tokens[start : start + kept].astype(np.int64),
+                rollout_logprobs=np.where(row_action, row_logprobs, 0.0)[:kept].astype(np.float32),
+                action_mask=row_action[:kept],
+                train_mask=row_train[:kept],
+                loss_weight=weight[start : start + kept],
                 reward=float(rewards[row]),
                 min_version=int(versions[start:end][row_action].min()),
                 group_id=groups[row],

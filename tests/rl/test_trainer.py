@@ -363,13 +363,13 @@ def test_rejects_a_shard_generated_with_another_tokenizer(store, tmp_path, caplo
 
 def test_batching_budget_groups_micro_batches_and_padding(store):
     records = make_trajectories(store, 6, seed=14)
-    records[5]["tokens"] = records[5]["tokens"][:9]
+    records[5]["tokens"] = records[5]["tokens"][:10]  # its last action one token short
     for column in ("logprobs", "action_mask", "turn", "versions", "train_mask", "loss_weight"):
-        records[5][column] = records[5][column][:9]
+        records[5][column] = records[5][column][:10]
     samples, rejected = samples_from_table(
         to_table(records, PROCESSED_SCHEMA), "processed/w/0", vocab_size=300
     )
-    assert rejected == [] and [s.num_tokens for s in samples] == [11] * 5 + [9]
+    assert rejected == [] and [s.num_tokens for s in samples] == [11] * 5 + [10]
 
     buffer = deque(samples)
     assert [s.row for s in take_batch(buffer, 30)] == [0, 1]  # a third row would make 33
@@ -385,14 +385,14 @@ def test_batching_budget_groups_micro_batches_and_padding(store):
 
     batch = pad_batch(samples[4:], pad_id=0)
     assert batch.input_ids.shape == (2, 11)
-    assert batch.attention_mask[1].tolist() == [True] * 9 + [False] * 2
-    assert batch.input_ids[1, 9:].tolist() == [0, 0]
+    assert batch.attention_mask[1].tolist() == [True] * 10 + [False]
+    assert batch.input_ids[1, 10:].tolist() == [0]
     assert batch.rewards[1].nonzero().flatten().tolist() in (
-        [8],
+        [9],
         [],
     )  # the reward sits on the last real token
-    assert batch.rewards[1, 8] == records[5]["reward"] and batch.rewards[0, 10] == records[4]["reward"]
-    assert not batch.action_mask[1, 9:].any() and batch.loss_weight[1, 9:].sum() == 0
+    assert batch.rewards[1, 9] == records[5]["reward"] and batch.rewards[0, 10] == records[4]["reward"]
+    assert not batch.action_mask[1, 10:].any() and batch.loss_weight[1, 10:].sum() == 0
 
 
 def test_all_masked_batch_is_rejected_not_trained(store):
@@ -1262,6 +1262,32 @@ def test_a_policy_with_dropout_in_its_config_trains_without_it(tmp_path, mode, b
     assert metrics.extra["max_ratio"] == pytest.approx(1.0, abs=1e-4)
     assert metrics.row["kl"] == pytest.approx(0.0, abs=1e-6)
     assert metrics.row["masked_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("mode", ["sao", "grpo"])
+def test_the_tokens_after_a_rows_last_action_are_not_fed_to_the_models(tmp_path, mode):
+    """A rollout whose last observation took it past the engine's positions (the engine
+    refused the next turn: status truncated) keeps that observation. It enters no loss: the
+    step on such rows is the step on them without it, also for a policy with learned
+    positions (GPT-2), whose position table those tokens would index past."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "positions-test")
+    _, tokenizer = build_tiny_model(TINY)
+    gpt2 = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=12)
+    publish_policy(WeightStore(store), GPT2LMHeadModel(gpt2).eval(), tokenizer, step=0)
+    records = with_rewards(make_trajectories(store, 4, seed=34), [1.0, 0.0, 2.0, -1.0])  # 11 tokens each
+    overflowed = []
+    for record in records:
+        tail = {"tokens": 50, "logprobs": 0.0, "action_mask": False, "turn": 2, "versions": -1}
+        tail |= {"train_mask": False, "loss_weight": 1.0}
+        overflowed.append(record | {column: record[column] + [fill] * 5 for column, fill in tail.items()})
+
+    settings = dict(mode=mode, token_budget=100, micro_token_budget=100)
+    want, _ = one_step(store, records, **settings)
+    got, _ = one_step(store, overflowed, **settings)
+    for name in ("policy_loss", "mean_ratio", "num_tokens", *(["value_loss"] if mode == "sao" else [])):
+        assert got.row[name] == pytest.approx(want.row[name], rel=1e-6), name
+    assert got.extra["grad_norm"] == pytest.approx(want.extra["grad_norm"], rel=1e-5)
+    assert got.extra["grad_norm"] > 0
 
 
 def test_sao_on_a_policy_without_attention_fails_at_start_naming_its_architecture(tmp_path):
