@@ -81,9 +81,19 @@ committed, and sweeping it would leave that commit pointing at nothing."""
 NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
 """What a worker or shard kind name may hold (it names a folder of shards)."""
 _NAME = re.compile(NAME_PATTERN)
-_SUMS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-crc")
-"""Checksums a shard's bytes while its writer syncs them to disk or its reader decodes them."""
 _NO_VERSION = 2**32
+
+
+def _start_sums() -> None:
+    """Starts the pool that checksums a shard's bytes while its writer syncs them to disk or
+    its reader decodes them. Run again in a forked child: the parent's pool came with it but
+    not its threads, so what it was given would never run."""
+    global _SUMS
+    _SUMS = ThreadPoolExecutor(max_workers=2, thread_name_prefix="shard-crc")
+
+
+_start_sums()
+os.register_at_fork(after_in_child=_start_sums)
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import contextlib
 import contextvars
 import io
 import logging
+import multiprocessing
 import os
 import socket
 import threading
@@ -1062,3 +1063,25 @@ def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(local_s
         reader.read(info)
     assert not reader.quarantined(info)
     assert local_store.fs.cat_file(local_store.path(info.path)) == _ipc_bytes(newer)
+
+
+def _read_whole(store: RunStore, shard: ShardInfo) -> None:
+    """Reads ``shard`` back whole (a failed assertion exits the process non-zero)."""
+    assert ids_of(ShardReader(store).read(shard)) == ["t0", "t1"]
+
+
+def test_a_forked_process_reads_shards_after_its_parent_summed_some(local_store):
+    # a process forked later (a data loader's worker) inherits the checksum pool of a
+    # parent that used it; deltalake refuses forked processes, so the child only reads
+    writer = ShardWriter(local_store, "w0", flush_records=2)
+    writer.write(make_record(0))
+    shard = writer.write(make_record(1))
+    _read_whole(local_store, shard)
+    child = multiprocessing.get_context("fork").Process(target=_read_whole, args=(local_store, shard))
+    child.start()
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        pytest.fail("the forked process hung reading a shard")
+    assert child.exitcode == 0
