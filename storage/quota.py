@@ -7,6 +7,11 @@ the next link; of two claimants racing for one link one wins, and the other read
 tries again. So the workers of a run, running at once or one after another, restarted or
 rerun, together never hold more than the limit. A worker gives back what it did not use
 (:meth:`RunQuota.release`); one that dies keeps what it held, and the run falls short by it.
+
+A claimant lists the folder once, then reads forward from the last link it saw: a claim
+that meets no other costs one failed read and one create, however long the chain. Links
+are never deleted: a claimant that last saw link k creates k + 1 from k's total, and were
+k + 1 deleted after others went past it, that create would succeed with a stale total.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ class RunQuota:
         self.store = store
         self.folder = store.path("quota", name)
         self.limit = limit
+        self._seen: tuple[int, int] | None = None
+        """The number and total of the newest link this quota read or created."""
 
     def claimed(self) -> int:
         """What the run's workers hold now (used, or claimed and not given back)."""
@@ -48,10 +55,21 @@ class RunQuota:
                 return
 
     def _newest(self) -> tuple[int, int]:
-        """The newest link's number and total: (-1, 0) before the first claim."""
-        fs = self.store.fs
+        """The newest link's number and total ((-1, 0) before the first claim): read forward
+        from the last link seen, listed only when none was."""
+        index, total = self._listed() if self._seen is None else self._seen
+        while True:
+            try:
+                total = self._read(index + 1)
+            except FileNotFoundError:
+                self._seen = index, total
+                return index, total
+            index += 1
+
+    def _listed(self) -> tuple[int, int]:
+        """The newest link's number and total as a listing of the folder finds them."""
         try:
-            paths = fs.ls(self.folder, detail=False, refresh=True)
+            paths = self.store.fs.ls(self.folder, detail=False, refresh=True)
         except FileNotFoundError:
             return -1, 0
         names = [posixpath.basename(path.rstrip("/")) for path in paths]
@@ -59,14 +77,20 @@ class RunQuota:
         if not links:
             return -1, 0
         index = max(links)
-        return index, int(json.loads(fs.cat_file(posixpath.join(self.folder, f"{index:08d}")))["total"])
+        return index, self._read(index)
+
+    def _read(self, index: int) -> int:
+        """The total link ``index`` holds (``FileNotFoundError`` when there is none yet)."""
+        return int(json.loads(self.store.fs.cat_file(self._path(index)))["total"])
 
     def _link(self, index: int, total: int) -> bool:
         """Create link ``index`` holding ``total``; False when another claimant made it first."""
         try:
-            self.store.create_exclusive(
-                posixpath.join(self.folder, f"{index:08d}"), json.dumps({"total": total}).encode()
-            )
+            self.store.create_exclusive(self._path(index), json.dumps({"total": total}).encode())
         except FileExistsError:
             return False
+        self._seen = index, total
         return True
+
+    def _path(self, index: int) -> str:
+        return posixpath.join(self.folder, f"{index:08d}")

@@ -1,0 +1,85 @@
+"""The run-wide quota: what a claim costs on a long chain of links, and exact totals when
+claimants race."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+
+from storage.config import RunStore
+from storage.quota import RunQuota
+
+
+class CountedFs:
+    """A store's filesystem that counts the listings and reads made through it."""
+
+    def __init__(self, fs):
+        self.fs = fs
+        self.calls: Counter[str] = Counter()
+
+    def ls(self, *args, **kwargs):
+        self.calls["ls"] += 1
+        return self.fs.ls(*args, **kwargs)
+
+    def cat_file(self, *args, **kwargs):
+        self.calls["cat_file"] += 1
+        return self.fs.cat_file(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.fs, name)
+
+
+def counted(store: RunStore) -> tuple[RunStore, CountedFs]:
+    """A second handle on ``store``'s run whose filesystem counts its listings and reads."""
+    other = RunStore(store.config, store.run_id)
+    other.fs = CountedFs(other.fs)
+    return other, other.fs
+
+
+def test_a_claim_on_a_long_chain_lists_nothing_after_the_first_and_reads_one_link(local_store):
+    for _ in range(200):
+        RunQuota(local_store, "rollouts", 10_000).claim(1)
+    store, fs = counted(local_store)
+    quota = RunQuota(store, "rollouts", 10_000)
+    assert quota.claim(2) == 2
+    assert fs.calls["ls"] == 1
+    fs.calls.clear()
+    for _ in range(50):
+        assert quota.claim(2) == 2
+        quota.release(1)
+    assert fs.calls == {"cat_file": 100}
+    assert quota.claimed() == 200 + 2 + 50
+
+
+def test_a_worker_sees_what_others_claimed_and_gave_back_since_its_last_claim(local_store):
+    mine, theirs = RunQuota(local_store, "rollouts", 10), RunQuota(local_store, "rollouts", 10)
+    assert mine.claim(4) == 4
+    assert theirs.claim(10) == 6
+    assert mine.claim(1) == 0
+    theirs.release(5)
+    assert mine.claim(8, step=2) == 4
+    assert theirs.claimed() == mine.claimed() == 9
+
+
+def test_racing_claimants_never_pass_the_limit_and_hold_exactly_what_the_chain_says(store):
+    limit, workers, start = 60, 4, threading.Barrier(4)
+
+    def claimant(seed: int) -> int:
+        quota = RunQuota(RunStore(store.config, store.run_id), "rollouts", limit)
+        rng = random.Random(seed)
+        held = 0
+        start.wait()
+        for _ in range(15):
+            held += quota.claim(rng.randint(1, 6), step=rng.choice([1, 2]))
+            unused = rng.randint(0, held)
+            quota.release(unused)
+            held -= unused
+        return held
+
+    with ThreadPoolExecutor(workers) as pool:
+        held = sum(pool.map(claimant, range(workers)))
+    quota = RunQuota(store, "rollouts", limit)
+    assert quota.claimed() == held <= limit
+    assert quota.claim(limit) == limit - held
