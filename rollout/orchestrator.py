@@ -23,7 +23,8 @@
 - **Quota**: ``max_rollouts`` alone counts this orchestrator's rollouts; with a ``quota``
   (a rollout worker's ``storage.quota.RunQuota``) it is the run's, shared by its workers and
   their restarts: blocks of rollouts are claimed before they launch, and what did not
-  finish is given back when the orchestrator stops.
+  finish is given back when the orchestrator stops. One refused a claim claims once more
+  when it runs dry, taking up what other workers gave back meanwhile.
 - Every finished rollout goes to the sink (a ``ShardWriter``), a group's records in one
   write so that they share a shard; ``stop()`` stops
   launching, cancels what is in flight, flushes the sink and records what was cut short.
@@ -247,6 +248,16 @@ class Orchestrator:
             self._quota_spent = taken == 0
         return self._started() + cfg.group_size <= self._granted
 
+    async def _claimed_again(self) -> bool:
+        """With nothing left in flight, whether a claim on a quota that refused this
+        orchestrator before now grants the next group: other workers give back what they did
+        not use (stopped, cut short, lost), and a worker still running takes it up. Claimed
+        once each time the orchestrator runs dry, so never in a loop against storage."""
+        if self.quota is None or not self._quota_spent or self._done():
+            return False
+        self._quota_spent = False
+        return await self._may_launch()
+
     async def _release_unused(self) -> None:
         """Give back the granted rollouts that did not finish (never launched, cut short, lost)."""
         unused = self._granted - self.stats.finished
@@ -316,6 +327,8 @@ class Orchestrator:
                         break
                     self._launch_group()
                 if not self._in_flight:
+                    if await self._claimed_again():
+                        continue
                     break
                 job = await self._completed.get()
                 if job is not None:

@@ -280,6 +280,70 @@ def test_a_stop_during_a_quota_claim_launches_nothing_and_gives_the_claim_back(t
     assert quota.claimed() == 0
 
 
+class GatedEnv(ArithEnv):
+    """``arith`` whose every answer waits for a permit from the test."""
+
+    name = "arith"
+    permits: asyncio.Semaphore
+
+    async def step(self, action: str) -> StepResult:
+        await self.permits.acquire()
+        return await super().step(action)
+
+
+class RecordedQuota(RunQuota):
+    """A run quota that keeps what each of its claims granted."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.granted = []
+
+    def claim(self, wanted, step=1):
+        self.granted.append(super().claim(wanted, step))
+        return self.granted[-1]
+
+
+async def until(condition) -> None:
+    """Waits until ``condition()`` holds (fails after 60 s)."""
+    async with asyncio.timeout(60):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def test_a_worker_refused_a_claim_takes_up_what_another_gave_back_before_it_ran_dry(tiny, local_store):
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
+    quota = RecordedQuota(local_store, "rollouts", 8)
+    workers = {}
+
+    def worker(name, make_env, quota):
+        async def keep(orchestrator):
+            workers[name] = orchestrator
+
+        return asyncio.create_task(
+            run(tiny, config, streams("arith"), ListSink(), make_env=make_env, quota=quota, during=keep)
+        )
+
+    async def body():
+        GatedEnv.permits = asyncio.Semaphore(0)
+        waiting = worker("waiting", lambda task: GatedEnv(), quota)
+        await until(lambda: "waiting" in workers and workers["waiting"].stats.peak_in_flight == 4)
+        stopped = worker("stopped", lambda task: StuckEnv(), RunQuota(local_store, "rollouts", 8))
+        await until(lambda: "stopped" in workers and workers["stopped"].stats.peak_in_flight == 4)
+        GatedEnv.permits.release()
+        await until(lambda: quota.granted == [4, 0])
+        workers["stopped"].stop()
+        _, stopped_stats = await stopped
+        for _ in range(16):
+            GatedEnv.permits.release()
+        _, waiting_stats = await waiting
+        return stopped_stats, waiting_stats
+
+    stopped_stats, waiting_stats = asyncio.run(body())
+    assert len(stopped_stats.cut_short) == 4 and stopped_stats.finished == 0
+    assert waiting_stats.finished == 8
+    assert quota.claimed() == 8
+
+
 def test_records_land_in_committed_shards(tiny, local_store):
     writer = ShardWriter(local_store, "worker-0", flush_records=10)
     config = OrchestratorConfig(mix={"arith": 1.0, "guess": 1.0}, concurrency=8, max_rollouts=25)
