@@ -14,8 +14,8 @@ from storage.shards import ShardReader, ShardWriter
 from storage.status import ProcessOffset, ProcessOffsetBoard
 from storage.tables import Tables
 from tests.rl.test_processor import record
+from tests.storage.foreign_shards import commit_foreign_file, ipc_bytes
 from tests.storage.records import make_table
-from tests.storage.test_shards import _commit_foreign_file, _ipc_bytes
 
 
 def commit_raw_shards(store, ids: range) -> None:
@@ -210,8 +210,8 @@ def test_a_raw_shard_of_a_newer_treadle_stops_the_processor_and_gets_no_twin(loc
     (its rows would never reach the trainer, even once the processor is upgraded)."""
     commit_raw_shards(local_store, range(1))
     newer = make_table(5, 2).append_column("score", pa.array([1.0, 2.0]))
-    info = _commit_foreign_file(
-        local_store, 1, _ipc_bytes(newer.replace_schema_metadata({"treadle.schema": "trajectory/2"}))
+    info = commit_foreign_file(
+        local_store, 1, ipc_bytes(newer.replace_schema_metadata({"treadle.schema": "trajectory/2"}))
     )
     processor = ShardProcessor(local_store)
     for _ in range(2):

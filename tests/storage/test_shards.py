@@ -42,6 +42,7 @@ from storage.status import InUse
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tests.conftest import free_port
+from tests.storage.foreign_shards import commit_foreign_file, ipc_bytes
 from tests.storage.records import make_processed_table, make_record, make_table
 
 
@@ -678,52 +679,25 @@ def test_an_independent_reader_sees_a_compressed_arrow_file(store, request):
     assert table.schema.equals(TRAJECTORY_SCHEMA, check_metadata=False)
     assert source.get_batch(0).num_rows == 5
     assert COMPRESSION == "zstd"
-    assert len(store.fs.cat_file(store.path(shard.path))) < len(_ipc_bytes(make_table(0, 5)))
-
-
-def _commit_foreign_file(store: RunStore, seq: int, payload: bytes) -> ShardInfo:
-    """Put ``payload`` where a shard goes and commit it, as a buggy writer would."""
-    info = ShardInfo(
-        shard_id=f"raw/w9/{seq:08d}",
-        kind="raw",
-        path=f"shards/raw/w9/{seq:08d}.arrow",
-        worker="w9",
-        seq=seq,
-        num_rows=2,
-        num_tokens=48,
-        min_version=0,
-        max_version=1,
-    )
-    store.fs.pipe_file(store.path(info.path), payload)
-    Tables(store).append(
-        "shards", [info.__dict__ | {"committed_at": pa.scalar(0, pa.timestamp("us", tz="UTC"))}]
-    )
-    return info
-
-
-def _ipc_bytes(table: pa.Table) -> bytes:
-    sink = io.BytesIO()
-    with pa.ipc.new_file(sink, table.schema) as out:
-        out.write_table(table)
-    return sink.getvalue()
+    assert len(store.fs.cat_file(store.path(shard.path))) < len(ipc_bytes(make_table(0, 5)))
 
 
 def test_bad_shards_are_quarantined_with_a_reason_and_reading_goes_on(store, caplog):
-    good = _ipc_bytes(make_table(0, 2))
+    good = ipc_bytes(make_table(0, 2))
     bad_lengths = make_table(0, 2).to_pylist()
     bad_lengths[1]["turn"] = [0] * 3
     cases = {
         "truncated": good[: len(good) // 2],
-        "wrong schema": _ipc_bytes(pa.table({"trajectory_id": ["a", "b"], "tokens": [[1], [2]]})),
-        "mismatched lengths": _ipc_bytes(pa.Table.from_pylist(bad_lengths, schema=TRAJECTORY_SCHEMA)),
-        "repeated column": _ipc_bytes(
+        "wrong schema": ipc_bytes(pa.table({"trajectory_id": ["a", "b"], "tokens": [[1], [2]]})),
+        "mismatched lengths": ipc_bytes(pa.Table.from_pylist(bad_lengths, schema=TRAJECTORY_SCHEMA)),
+        "repeated column": ipc_bytes(
             make_table(0, 2).rename_columns(
                 ["progress" if n == "reward" else n for n in TRAJECTORY_SCHEMA.names]
             )
         ),
     }
     infos = {
-        name: _commit_foreign_file(store, seq, payload) for seq, (name, payload) in enumerate(cases.items())
+        name: commit_foreign_file(store, seq, payload) for seq, (name, payload) in enumerate(cases.items())
     }
     with ShardWriter(store, "w0") as writer:
         writer.write_table(make_table(10, 2))
@@ -764,7 +738,7 @@ def test_a_shard_written_before_columns_were_added_reads_them_as_null(store):
         if field.name not in ("engine", "timing")
     ]
     old = pa.Table.from_arrays([current.column(f.name) for f in old_fields], schema=pa.schema(old_fields))
-    info = _commit_foreign_file(store, 0, _ipc_bytes(old))
+    info = commit_foreign_file(store, 0, ipc_bytes(old))
     table = ShardReader(store).read(info)
     assert table is not None and table.schema.equals(TRAJECTORY_SCHEMA)
     assert table.column("engine").null_count == table.column("timing").null_count == 2
@@ -790,7 +764,7 @@ def test_a_shard_whose_schema_differs_otherwise_is_still_quarantined(local_store
         )
     else:
         table = table.append_column("score", pa.array([1.0, 2.0]))
-    info = _commit_foreign_file(local_store, 0, _ipc_bytes(table))
+    info = commit_foreign_file(local_store, 0, ipc_bytes(table))
     reader = ShardReader(local_store)
     assert reader.read(info) is None and reader.quarantined(info)
     text = local_store.fs.cat_file(local_store.path(quarantine_path(info.path) + ".reason")).decode()
@@ -801,7 +775,7 @@ def test_a_committed_shard_with_blank_ids_is_quarantined_by_the_reader(store):
     records = make_table(0, 2).to_pylist()
     records[0]["trajectory_id"] = " "
     records[1]["prompt_id"] = "\n"
-    info = _commit_foreign_file(store, 0, _ipc_bytes(pa.Table.from_pylist(records, schema=TRAJECTORY_SCHEMA)))
+    info = commit_foreign_file(store, 0, ipc_bytes(pa.Table.from_pylist(records, schema=TRAJECTORY_SCHEMA)))
     reader = ShardReader(store)
     assert reader.read(info) is None
     assert reader.quarantined(info)
@@ -814,8 +788,8 @@ def test_a_committed_shard_with_blank_ids_is_quarantined_by_the_reader(store):
 
 def test_two_readers_of_one_bad_shard_both_go_on_and_one_quarantines_it(store, monkeypatch, caplog):
     """Reader B fetched the bad bytes before reader A moved the shard to quarantine."""
-    good = _ipc_bytes(make_table(0, 2))
-    info = _commit_foreign_file(store, 0, good[: len(good) // 2])
+    good = ipc_bytes(make_table(0, 2))
+    info = commit_foreign_file(store, 0, good[: len(good) // 2])
     first, second = ShardReader(store), ShardReader(store)
     assert first.read(info) is None
     fetched_before_the_move = pa.BufferReader(good[: len(good) // 2])
@@ -1029,7 +1003,7 @@ def test_a_shard_whose_bytes_changed_after_its_commit_is_quarantined_not_read(st
 def test_shards_committed_before_checksums_were_recorded_still_read(store):
     """A run begun by an older treadle: its ``shards`` table has no ``crc32`` column. Its
     shard reads unchecked, and the next commit adds the column and a checksum."""
-    info = _commit_foreign_file(store, 0, _ipc_bytes(make_table(0, 2)))
+    info = commit_foreign_file(store, 0, ipc_bytes(make_table(0, 2)))
     old_rows = Tables(store).read("shards").drop_columns(["crc32"])
     store.fs.rm(store.path("tables", "shards"), recursive=True)
     write_deltalake(Tables(store).uri("shards"), old_rows, storage_options=store.config.delta_options())
@@ -1057,12 +1031,12 @@ def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(local_s
     if extra_column:
         table = table.append_column("score", pa.array([1.0, 2.0]))
     newer = table.replace_schema_metadata({"treadle.schema": "trajectory/2"})
-    info = _commit_foreign_file(local_store, 0, _ipc_bytes(newer))
+    info = commit_foreign_file(local_store, 0, ipc_bytes(newer))
     reader = ShardReader(local_store)
     with pytest.raises(SchemaError, match="raw/w9/00000000.*trajectory/2.*trajectory/1"):
         reader.read(info)
     assert not reader.quarantined(info)
-    assert local_store.fs.cat_file(local_store.path(info.path)) == _ipc_bytes(newer)
+    assert local_store.fs.cat_file(local_store.path(info.path)) == ipc_bytes(newer)
 
 
 def _read_whole(store: RunStore, shard: ShardInfo) -> None:
