@@ -866,3 +866,8 @@ class StaticReservation(_AsyncFront):
         default_duration: float = 1.0,
     ):
         super().__init__(StaticPolicy(capacity, reservation, default_duration=default_duration), cpu)
+
+    async def admit(self, trajectory_id: str) -> None:
+        """Wait until the trajectory holds its reservation (at once if it does already)."""
+        grant = await self.acquire(ResourceRequest(kind="admission", trajectory_id=trajectory_id))
+        self.release(grant, ran=False)

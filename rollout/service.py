@@ -592,6 +592,12 @@ class RolloutService:
             else:
                 needs = _declared(env, "eval_request")
                 evaluate = functools.partial(self._watched, env, "evaluate")
+            if needs is not None and isinstance(self.scheduler, StaticReservation):
+                # a rollout waits for its reservation before it takes an EVAL slot: the rollouts
+                # holding reservations need those slots to finish and give theirs back
+                queued = time.perf_counter()
+                await self.scheduler.admit(request.rollout_id)
+                clock.timing["queue"] += time.perf_counter() - queued
             reward = await self._stage("eval", clock, lambda: self._act(needs, env, request, clock, evaluate))
             state["reward"] = checked_reward(reward, task.env)
             if not state["done"] or session.turns and session.turns[-1].truncated:

@@ -506,3 +506,62 @@ def test_a_program_gate_told_of_a_wait_outside_any_task_gives_its_grant_back():
 
     scheduler = asyncio.run(body())
     assert scheduler.policy.estimates.t1(ResourceRequest(demand={"cpu": 1}, kind="agent")) == 2.0
+
+
+class EvalOnOneCore(ArithEnv):
+    """``arith`` whose EVAL needs a core. The first rollout made also runs an action on one in
+    RUN, and that action waits until another rollout waits for the core."""
+
+    def __init__(self, service: RolloutService, first: bool, **kwargs):
+        super().__init__(**kwargs)
+        self.service = service
+        self.first = first
+
+    def action_request(self, action):
+        return ResourceRequest(demand={"cpu": 1}, kind="tool") if self.first else None
+
+    async def step(self, action):
+        if self.first:
+            policy = self.service.scheduler.policy
+            while not any(policy._queues.values()):
+                await asyncio.sleep(0.01)
+        return await super().step(action)
+
+    def eval_request(self):
+        return ResourceRequest(demand={"cpu": 1}, kind="eval")
+
+
+def test_a_static_rollout_waiting_for_its_reservation_does_not_hold_the_eval_slot(tiny):
+    """One core, one reservation at a time, one EVAL slot: the first rollout holds the
+    reservation from its RUN action, the second reaches EVAL needing one. The second waits
+    for the reservation without the EVAL slot, which the first needs to finish and give its
+    reservation back (holding the slot while it waited, the two waited on each other forever)."""
+    config = ServiceConfig(
+        max_new_tokens=4,
+        timeout_s=120,
+        eval_workers=1,
+        scheduler="static",
+        scheduler_cores=1,
+        scheduler_static_cores=1,
+        scheduler_pin=False,
+    )
+    envs = []
+
+    def make_env(task):
+        envs.append(EvalOnOneCore(service, first=not envs))
+        return envs[-1]
+
+    service, engine = _service(tiny, config, make_env)
+    tasks = registry.task_set("arith", "train", seed=0, n=2)
+
+    async def body():
+        try:
+            rollouts = [service.process(RolloutRequest(task=task, seed=0)) for task in tasks]
+            return await asyncio.wait_for(asyncio.gather(*rollouts), 60)
+        finally:
+            await service.close()
+            await engine.close()
+
+    results = asyncio.run(body())
+    assert [r.status in ("ok", "truncated") for r in results] == [True, True], [r.error for r in results]
+    assert service.scheduler.policy.free == {"cpu": 1}
