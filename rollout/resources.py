@@ -79,14 +79,15 @@ class CpuManager:
         return frozenset(self._free)
 
     def allocate(self, n: int) -> frozenset[int]:
-        """Take ``n`` free cores (lowest ids first)."""
+        """Take ``n`` free cores: the parking cores last (every parked sandbox shares them), then
+        lowest ids first."""
         if n < 1:
             raise ValueError(f"CpuManager.allocate needs n >= 1, got {n}")
         if n > len(self._free):
             raise ValueError(
                 f"CpuManager.allocate({n}): only {len(self._free)} of {len(self.pool)} cores free"
             )
-        cores = frozenset(sorted(self._free)[:n])
+        cores = frozenset(sorted(self._free, key=lambda core: (core in self.parking, core))[:n])
         self._free -= cores
         return cores
 

@@ -160,6 +160,17 @@ def test_a_fractional_core_demand_is_refused_at_the_call_and_the_scheduler_keeps
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
+def test_the_parking_cores_are_granted_last():
+    """Parked sandboxes sit on the parking core between actions (with whatever they left
+    running): an action is granted free cores off it first, and it only when nothing else is free."""
+    cpu = CpuManager({0, 1, 2}, parking={0})
+    assert cpu.allocate(1) == {1}
+    assert cpu.allocate(1) == {2}
+    assert cpu.allocate(1) == {0}
+    cpu.free({0, 2})
+    assert cpu.allocate(2) == {0, 2}
+
+
 def test_cpu_manager_rejects_bad_use():
     cpu = CpuManager({0})
     with pytest.raises(ValueError, match="only 1 of 1 cores free"):
