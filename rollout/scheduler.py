@@ -570,14 +570,27 @@ class ActionPolicy:
         ticket = next(self._tickets)
         self._queue[ticket] = (request, pending)
         self._age_forecast(now)
-        at_minimum = pending.times[pending.min_units] / self.forecast_window_s
-        for r in pending.uses:
-            self.base_load[r] += pending.need[r] * at_minimum
+        self._forecast(pending, 1.0)
         return ticket
 
+    def _forecast(self, pending: Pending, weight: float) -> None:
+        """Add ``weight`` times the action's unit-seconds at minimum, per forecast window, to the base load."""
+        at_minimum = pending.times[pending.min_units] / self.forecast_window_s
+        for r in pending.uses:
+            self.base_load[r] = max(self.base_load[r] + weight * pending.need[r] * at_minimum, 0.0)
+
     def cancel(self, ticket: int) -> bool:
-        """Drop a queued action; False if it is not queued (already granted or unknown)."""
-        return self._queue.pop(ticket, None) is not None
+        """Drop a queued action and its share of the forecast base load (it will never run);
+        False if it is not queued (already granted or unknown)."""
+        entry = self._queue.pop(ticket, None)
+        if entry is None:
+            return False
+        pending = entry[1]
+        # the share added at its submit has decayed with the forecast since
+        self._forecast(
+            pending, -math.exp(-max(self._forecast_at - pending.enqueued_at, 0.0) / self.forecast_window_s)
+        )
+        return True
 
     def dispatch(self, now: float) -> list[Grant]:
         """Start whatever ``decide`` picks; returns the new grants."""

@@ -103,6 +103,23 @@ def test_policy_forecasts_the_base_load_nobody_holds():
         ActionPolicy({"cpu": 4}, forecast_window_s=0.0)
 
 
+def test_a_cancelled_action_leaves_the_forecast():
+    """A cancelled action never runs: its share of the base load goes with it. It stayed, so
+    dropping it from the queue raised the reserve, which kept units for work that never came."""
+    policy, twin = (ActionPolicy({"cpu": 4}, forecast_window_s=10.0) for _ in range(2))
+    for p in (policy, twin):
+        p.submit(ResourceRequest(demand={"cpu": 4}, duration=10.0), 0.0)
+        assert len(p.dispatch(0.0)) == 1
+    # 1 core for 400 s: 40 units of expected base load
+    ticket = policy.submit(ResourceRequest(demand={"cpu": 1}, duration=400.0), 0.0)
+    assert policy.dispatch(0.0) == []
+    policy.reserve(5.0)  # the forecast ages while it waits
+    assert policy.cancel(ticket)
+    for now in (5.0, 8.0):
+        assert policy.reserve(now) == pytest.approx(twin.reserve(now)) == [0.0]
+        assert policy.base_load == pytest.approx(twin.base_load)
+
+
 def test_running_actions_feed_the_heap_estimate():
     # 1 core free, one more held by an action ending at t=1.  Queue: A (T_1=10, up to 2),
     # B (T_1=10, 1 core).  Start A now on 1 core: A=10, B starts at 1 on the freed core,
