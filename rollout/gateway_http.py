@@ -38,9 +38,9 @@ deprecated ``functions``.
 ``GatewayConfig.chat_template_kwargs`` (Qwen3's ``enable_thinking`` …). A session keeps those
 of its first request, as it keeps its tools: its prompt holds what they rendered, so a later
 request that sends others (or none, after some) is refused. ``seed`` is honoured (on a
-training server an OpenAI request's is first hashed with its session and the session's length:
-an agent program that sends one seed on every request would otherwise sample every rollout
-alike, and each turn with the same random numbers); ``n`` > 1,
+training server a request's, on every endpoint, is first hashed with its session and the
+session's length: an agent program that sends one seed on every request would otherwise sample
+every rollout alike, and each turn with the same random numbers); ``n`` > 1,
 stop strings, a text completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL`
 (``add_generation_prompt``, ``continue_final_message``, ``skip_special_tokens``,
 ``stop_token_ids``, ``min_tokens``, ``top_logprobs``, ``top_k`` …) set to ask for something
@@ -418,7 +418,7 @@ def create_app(
     @app.post("/v1/generate", dependencies=auth)
     async def generate(body: TokenRequest, x_treadle_session: str | None = Header(None)) -> dict[str, Any]:
         session = session_of(x_treadle_session)
-        sampling = params(body, body.max_new_tokens, body.stop_ids)
+        sampling = params(body, body.max_new_tokens, body.stop_ids, session)
         turn = await session.generate(
             sampling, prepare=(lambda: session.add_tokens(body.token_ids)) if body.token_ids else None
         )

@@ -632,6 +632,36 @@ def test_a_training_server_makes_a_clients_seed_its_sessions_and_turns(tiny, fix
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["training", "evaluation"])
+def test_a_training_server_makes_a_token_requests_seed_its_sessions_and_turns_too(tiny, fixed):
+    """The token endpoint is an agent program's as much as the OpenAI ones: one seed sent on
+    every ``/v1/generate`` of a group's rollouts would sample them all alike on a training
+    server; there each session's turns sample with seeds of their own, and the same rollouts
+    come out different."""
+
+    async def body():
+        run = RunSampling(temperature=1.0, top_p=1.0, fixed=fixed)
+        async with serving(tiny, sampling=run) as (gateway, _, client):
+            engine = gateway.router.engine("live")
+            actions = []
+            for rollout in range(2):
+                headers = {SESSION_HEADER: await open_session(client, trajectory_id=f"rollout-{rollout}")}
+                for token_ids in ([1, 2, 40, 41, 42, 3], [7, 8]):
+                    request = {"token_ids": token_ids, "max_new_tokens": 8, "stop_ids": [], "seed": 7}
+                    response = await client.post("/v1/generate", json=request, headers=headers)
+                    assert response.status_code == 200, response.text
+                    actions.append(response.json()["token_ids"])
+            seeds = [p.seed for p in engine.params]
+            if fixed:
+                assert len(set(seeds)) == 4 and 7 not in seeds
+                assert actions[:2] != actions[2:]
+            else:
+                assert seeds == [7] * 4
+                assert actions[:2] == actions[2:]
+
+    asyncio.run(body())
+
+
 def test_a_training_server_samples_a_near_equal_request_at_the_runs_exact_values(tiny):
     """A temperature or top_p off the run's by a rounding (float32, decimal formatting) is the
     run's: served, at exactly the run's; one clearly different is still refused."""
