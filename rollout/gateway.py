@@ -128,7 +128,9 @@ class ChatRenderer:
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return list(
+            self.tokenizer.encode(check_text(text, "the rendered messages"), add_special_tokens=False)
+        )
 
     @functools.cached_property
     def renders_tools(self) -> bool:
@@ -193,6 +195,20 @@ class ChatRenderer:
         ):
             ids.append(closing_ids[0])
         return tuple(dict.fromkeys(ids))
+
+
+def check_text(text: str, what: str) -> str:
+    """``text``, or :class:`InvalidRequest` when it holds a lone surrogate (text decoded with
+    ``surrogateescape``, or a JSON ``\\udc80`` escape): it has no UTF-8 form, and a tokenizer
+    refuses it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequest(
+            f"{what}: {text[exc.start]!r} at character {exc.start} is a lone surrogate, not text "
+            "(it has no UTF-8 form)"
+        ) from None
+    return text
 
 
 @dataclass(frozen=True)

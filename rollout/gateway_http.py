@@ -74,7 +74,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
-from rollout.gateway import Gateway, Session, TurnResult, UnknownSession
+from rollout.gateway import Gateway, Session, TurnResult, UnknownSession, check_text
 from rollout.http_server import AppServer, bearer_token
 from rollout.tool_calls import same_calls
 
@@ -588,6 +588,7 @@ def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -> None
     ``prompt`` before the generation: a retry after a failed one appends nothing again."""
     if gateway.tokenizer is None:
         raise InvalidRequest("this gateway has no tokenizer; send the prompt as token ids")
+    check_text(prompt, "the prompt")
     if not session.tokens:
         if not prompt:
             raise InvalidRequest("empty prompt")

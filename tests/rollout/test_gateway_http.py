@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import json
 import signal
 import socket
 import time
@@ -721,6 +722,53 @@ def test_chat_messages_the_template_cannot_take_are_bad_requests(tiny):
             )
             assert later.status_code == 400 and "messages.3.content" in later.json()["error"]["message"]
             assert gateway.session(sid).num_turns == 1
+
+    asyncio.run(body())
+
+
+def test_text_holding_a_lone_surrogate_is_a_bad_request_that_changes_nothing(tiny):
+    """A program's tool output decoded with ``surrogateescape`` (a file name that is not UTF-8)
+    reaches the gateway as a JSON ``\\udce9`` escape (Python's json, JavaScript's JSON.stringify):
+    no tokenizer takes it, so the request is a 400 naming it (a 500 before, which OpenAI clients
+    retry), and the session is as it was."""
+    odd = "ls: report-\udce9.txt"
+
+    def post(client, path, body, headers):
+        # json.dumps escapes the surrogate; httpx's json= would fail to encode it
+        headers = headers | {"content-type": "application/json"}
+        return client.post(path, content=json.dumps(body), headers=headers)
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            fresh = {SESSION_HEADER: await open_session(client)}
+            chat = {SESSION_HEADER: await open_session(client)}
+            first = await client.post(
+                "/v1/chat/completions", json={"messages": USER, "max_tokens": 2}, headers=chat
+            )
+            assert first.status_code == 200, first.text
+            conversation = [*USER, first.json()["choices"][0]["message"], {"role": "tool", "content": odd}]
+            for headers, messages in [(fresh, [{"role": "user", "content": odd}]), (chat, conversation)]:
+                session = gateway.session(headers[SESSION_HEADER])
+                held = list(session.tokens), list(session.messages)
+                response = await post(
+                    client, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}, headers
+                )
+                assert response.status_code == 400, response.text
+                message = response.json()["error"]["message"]
+                assert (
+                    "the rendered messages: '\\udce9' at character" in message and "lone surrogate" in message
+                )
+                assert (session.tokens, session.messages) == held
+
+            text = {SESSION_HEADER: await open_session(client)}
+            response = await post(client, "/v1/completions", {"prompt": odd, "max_tokens": 2}, text)
+            assert response.status_code == 400, response.text
+            assert "the prompt: '\\udce9' at character 11" in response.json()["error"]["message"]
+            assert gateway.session(text[SESSION_HEADER]).tokens == []
+            served = await client.post(
+                "/v1/completions", json={"prompt": "ls: report.txt", "max_tokens": 2}, headers=text
+            )
+            assert served.status_code == 200, served.text
 
     asyncio.run(body())
 
