@@ -573,7 +573,13 @@ class Gateway:
             self.vocab_size = len(tokenizer)
         else:
             raise ValueError("give the gateway a tokenizer or set GatewayConfig.vocab_size")
-        self.stop_ids: tuple[int, ...] = self.renderer.stop_ids() if self.renderer else ()
+        self.stop_ids: tuple[int, ...] = ()
+        """Token ids that end a turn unless a request names others: EOS, and the chat template's
+        closing token where it has one."""
+        if self.renderer is not None:
+            self.stop_ids = self.renderer.stop_ids()
+        elif tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.stop_ids = (int(tokenizer.eos_token_id),)
         self._skipped_in_tool_text = self._special_ids_but_tool_tags()
         self._sessions: dict[str, Session] = {}
 

@@ -915,6 +915,48 @@ def test_a_text_completion_retried_after_an_engine_failure_appends_its_prompt_on
     assert tokens == tokenizer.encode(prompt) + first + suffix + second
 
 
+def test_without_a_chat_template_a_completion_stops_at_eos(tiny):
+    """A base model's tokenizer has no chat template: a text completion or a token turn that
+    names no stop ids still ends at EOS, as ``TokenRequest.stop_ids`` says and as vLLM ends
+    one, instead of sampling on past it to the token budget."""
+    model, tokenizer = tiny
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.chat_template = None
+    eos = tokenizer.eos_token_id
+    text = "What is 2 + 3?"
+
+    async def body():
+        async with serving((model, tokenizer)) as (_, _, client):
+            for seed in range(100):  # a seed whose 64 tokens sampled past EOS hold it early on
+                headers = {SESSION_HEADER: await open_session(client)}
+                request = {
+                    "token_ids": tokenizer.encode(text),
+                    "max_new_tokens": 64,
+                    "stop_ids": [],
+                    "seed": seed,
+                }
+                unstopped = (await client.post("/v1/generate", json=request, headers=headers)).json()[
+                    "token_ids"
+                ]
+                if eos in unstopped[:-1]:
+                    break
+            else:
+                pytest.fail("no seed samples EOS within 63 tokens")
+            action = unstopped[: unstopped.index(eos) + 1]
+            headers = {SESSION_HEADER: await open_session(client)}
+            completion = {"prompt": text, "max_tokens": 64, "seed": seed}
+            response = await client.post("/v1/completions", json=completion, headers=headers)
+            assert response.status_code == 200, response.text
+            choice = response.json()["choices"][0]
+            assert choice["finish_reason"] == "stop" and choice["token_ids"] == action
+            headers = {SESSION_HEADER: await open_session(client)}
+            request = {"token_ids": tokenizer.encode(text), "max_new_tokens": 64, "seed": seed}
+            token_turn = (await client.post("/v1/generate", json=request, headers=headers)).json()
+            assert token_turn["finish_reason"] == "stop" and token_turn["token_ids"] == action
+
+    asyncio.run(body())
+
+
 def test_openai_text_completions_append_only_the_new_suffix(tiny):
     _, tokenizer = tiny
 
