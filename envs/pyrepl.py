@@ -18,6 +18,7 @@ import os
 import secrets
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 
@@ -119,6 +120,8 @@ class PythonRepl:
             raise SandboxError("start_failed", f"could not start the Python interpreter: {exc}") from exc
         sandbox.adopt(self.proc)
         self._buffer = b""
+        self.closed = False
+        self._lock = threading.RLock()  # held by a run while it uses the pipes
         # Handed out once the server says it runs: the sandbox has forked every process down to
         # the interpreter, so pinning the tree to an action's cores reaches the interpreter itself
         # (a process still being forked keeps the cores its parent had before the move).
@@ -132,7 +135,7 @@ class PythonRepl:
 
     @property
     def alive(self) -> bool:
-        return not self.sandbox.closed and self.proc.poll() is None
+        return not self.closed and not self.sandbox.closed and self.proc.poll() is None
 
     def run(self, code: str, timeout: float | None = None) -> ReplResult:
         """Execute ``code``; a timeout or a dead interpreter kills it and raises :class:`SandboxError`.
@@ -141,6 +144,10 @@ class PythonRepl:
         ``error`` with its traceback in ``output`` — unless it shows the isolation stopped the
         code (``MemoryError``, a refused connection, ...) and ``violations_are_errors`` is set.
         """
+        with self._lock:
+            return self._run(code, timeout)
+
+    def _run(self, code: str, timeout: float | None) -> ReplResult:
         if not self.alive:
             raise SandboxError("died", "the Python interpreter is not running")
         config = self.sandbox.config
@@ -219,19 +226,32 @@ class PythonRepl:
         raise SandboxError("died", f"the Python interpreter exited with status {status}")
 
     def close(self) -> None:
-        """Kill the interpreter and everything it started, and wait until that has ended."""
+        """Kill the interpreter and everything it started, and wait until that has ended; safe
+        to call twice.
+
+        A :meth:`run` in flight on another thread (that of a step whose caller was cancelled)
+        sees the interpreter end, and the pipes are closed only once that run has let go of
+        them: closed under the run, a number could be another descriptor's by the time the run
+        reads it (a pipe or socket of another rollout, whose data the run would take).
+        """
+        if self.closed:
+            return
         tree = descendants(self.proc.pid) if self.proc.poll() is None else []
         kill_group(self.proc.pid)
-        for stream in (self.proc.stdin, self.proc.stdout):
-            with contextlib.suppress(OSError):
-                stream.close()
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.proc.pid, signal.SIGKILL)
-            with contextlib.suppress(subprocess.TimeoutExpired):
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            for stream in (self.proc.stdin, self.proc.stdout):
+                with contextlib.suppress(OSError):
+                    stream.close()
+            try:
                 self.proc.wait(timeout=5)
-        if self.proc.returncode is not None:
-            self.sandbox.disown(self.proc)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=5)
+            if self.proc.returncode is not None:
+                self.sandbox.disown(self.proc)
         wait_ended(tree, time.monotonic() + REAP_TIMEOUT_S)

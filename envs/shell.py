@@ -13,6 +13,7 @@ import re
 import secrets
 import signal
 import termios
+import threading
 import time
 
 from ptyprocess import PtyProcess
@@ -61,6 +62,8 @@ class Shell:
             raise SandboxError("start_failed", f"could not start bash: {exc}") from exc
         sandbox.adopt(self.proc)
         self.fd = self.proc.fd
+        self.closed = False
+        self._lock = threading.RLock()  # held by a run while it uses the pty
         attrs = termios.tcgetattr(self.fd)
         attrs[1] &= ~termios.OPOST
         attrs[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG)
@@ -71,7 +74,7 @@ class Shell:
 
     @property
     def alive(self) -> bool:
-        return not self.sandbox.closed and self.proc.isalive()
+        return not self.closed and not self.sandbox.closed and self.proc.isalive()
 
     def run(self, command: str, timeout: float | None = None, wrap: bool = True) -> ExecResult:
         """Run ``command`` in the shell; returns its output and exit status.
@@ -80,6 +83,10 @@ class Shell:
         :class:`SandboxError`; so does output that shows the isolation stopped the command
         (with ``violations_are_errors``).
         """
+        with self._lock:
+            return self._run(command, timeout, wrap)
+
+    def _run(self, command: str, timeout: float | None, wrap: bool) -> ExecResult:
         if not self.alive:
             raise SandboxError("died", "the shell is not running")
         config = self.sandbox.config
@@ -89,7 +96,7 @@ class Shell:
         line = f"{body}\nprintf '\\036TRD{nonce}:%s\\036' \"$?\"\n"
         started = time.monotonic()
         if not write_all(self.fd, line.encode(), started + timeout):
-            self._kill()
+            self.close()
             raise SandboxError(
                 "timeout", f"the shell took no input for its {timeout:g} s wall-clock limit; it was killed"
             )
@@ -106,13 +113,13 @@ class Shell:
                 self.sandbox.check(result)
                 return result
             if len(buffer) > cap + 64:
-                self._kill()
+                self.close()
                 raise SandboxError(
                     "output_limit", f"command printed more than {cap} bytes; the shell was killed"
                 )
             left = started + timeout - time.monotonic()
             if left <= 0:
-                self._kill()
+                self.close()
                 raise SandboxError(
                     "timeout", f"command ran past its {timeout:g} s wall-clock limit; the shell was killed"
                 )
@@ -120,7 +127,7 @@ class Shell:
             if chunk == b"":
                 status = self._exit_status()
                 output = bytes(buffer[:cap]).decode(errors="replace")
-                self._kill()
+                self.close()
                 self.sandbox.check(ExecResult(status, output, False, time.monotonic() - started))
                 raise SandboxError("died", f"the shell exited with status {status}", output) from None
             buffer += chunk or b""
@@ -134,14 +141,22 @@ class Shell:
             return -1
         return -self.proc.signalstatus if self.proc.signalstatus else self.proc.exitstatus
 
-    def _kill(self) -> None:
-        kill_group(self.proc.pid)
-        self.close()
-
     def close(self) -> None:
-        """Kill the shell and everything it started."""
+        """Kill the shell and everything it started; safe to call twice.
+
+        A :meth:`run` in flight on another thread (that of a step whose caller was cancelled)
+        sees the shell end, and the pty is closed only once that run has let go of it: closed
+        under the run, its number could be another descriptor's by the time the run reads it
+        (a pipe or socket of another rollout, whose data the run would take).
+        """
+        if self.closed:
+            return  # reaped: its pid may lead another process's group by now
         kill_group(self.proc.pid)
-        if self.proc.isalive():
-            self.proc.terminate(force=True)
-        self.proc.close(force=True)
-        self.sandbox.disown(self.proc)
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if self.proc.isalive():
+                self.proc.terminate(force=True)
+            self.proc.close(force=True)
+            self.sandbox.disown(self.proc)

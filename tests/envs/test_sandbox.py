@@ -340,6 +340,59 @@ def test_a_closed_or_killed_shell_or_interpreter_is_no_longer_tracked():
         assert box.running == []
 
 
+@pytest.mark.parametrize(
+    ("start", "command"), [(Shell, "sleep 60"), (PythonRepl, "import time; time.sleep(60)")]
+)
+def test_closing_a_shell_or_interpreter_under_a_run_never_lets_the_run_read_another_descriptor(
+    start, command, monkeypatch
+):
+    """A step's thread runs on when its caller is cancelled (a rollout cancelled or out of
+    time), and the env's cleanup closes the shell or interpreter from another thread meanwhile.
+    Its descriptor was closed under the run, whose next read took whatever descriptor the
+    worker opened next under that number: another rollout's pipe, whose data it swallowed.
+    The run here is held just before its read until the close has returned (or, once close
+    waits for the run, for a while), and the next descriptor is made to take the number."""
+    module = sys.modules[start.__module__]
+    real_read_some = module.read_some
+    reading, go_on = threading.Event(), threading.Event()
+    read_fds, outcome = [], []
+
+    def held_read_some(fd, deadline):
+        if threading.current_thread() is runner:
+            read_fds.append(fd)
+            reading.set()
+            go_on.wait(3)  # a close that waits for the run waits this long, then the run reads
+        return real_read_some(fd, deadline)
+
+    def run():
+        try:
+            outcome.append(process.run(command))
+        except SandboxError as exc:
+            outcome.append(exc)
+
+    with Sandbox(SMALL.model_copy(update={"timeout_s": 30})) as box:
+        process = start(box)
+        monkeypatch.setattr(module, "read_some", held_read_some)
+        runner = threading.Thread(target=run)
+        runner.start()
+        reading.wait()
+        closer = threading.Thread(target=process.close)
+        closer.start()
+        closer.join()
+        other, writer = os.pipe()
+        taken = []
+        while read_fds[0] not in taken:  # the lowest free number: the run's, once it is closed
+            taken.append(os.dup(other))
+        os.write(writer, b"another rollout's data")
+        go_on.set()
+        runner.join()
+        os.set_blocking(other, False)
+        assert os.read(other, 100) == b"another rollout's data"
+        assert len(outcome) == 1 and isinstance(outcome[0], SandboxError)
+        for fd in (other, writer, *taken):
+            os.close(fd)
+
+
 @pytest.mark.parametrize("backend", ["bwrap", "process"])
 def test_closing_reaps_the_shell_and_interpreter_it_kills(backend):
     """A sandbox closed with its shell and interpreter still open (their owners never close
