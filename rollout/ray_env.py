@@ -9,6 +9,7 @@ Only tasks, actions and observations cross the wire.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import os
@@ -39,6 +40,7 @@ class EnvWorkerActor:
         # registry of this process
         self.envs_known = envs
         self.envs: dict[str, Env] = {}
+        self.calls: dict[str, set[asyncio.Future]] = {}  # each open env's calls in flight
 
     def open(self, env_id: str, name: str) -> None:
         if env_id in self.envs:
@@ -52,29 +54,50 @@ class EnvWorkerActor:
         except KeyError:
             raise UnknownEnv(f"no open environment {env_id!r} on this worker") from None
 
+    async def _call(self, env_id: str, method: str, *args: Any) -> Any:
+        """``method`` of env ``env_id``, tracked until it returns so that closing the env stops it."""
+        call = asyncio.ensure_future(getattr(self._env(env_id), method)(*args))
+        calls = self.calls.setdefault(env_id, set())
+        calls.add(call)
+        try:
+            return await call
+        finally:
+            calls.discard(call)
+
     async def reset(self, env_id: str, task: Task) -> list[dict]:
-        return await self._env(env_id).reset(task)
+        return await self._call(env_id, "reset", task)
 
     async def step(self, env_id: str, action: str) -> StepResult:
-        return await self._env(env_id).step(action)
+        return await self._call(env_id, "step", action)
 
     async def evaluate(self, env_id: str) -> float:
-        return await self._env(env_id).evaluate()
+        return await self._call(env_id, "evaluate")
 
     async def close(self, env_id: str) -> None:
+        """Stop the env's calls still running here, then close it.
+
+        A driver that gives up on a call (its rollout cancelled or out of time) stops waiting,
+        but the call runs on here: a reset went on to build its sandbox and start its shell
+        after the env was closed, and nothing closed them for the rest of the worker's life.
+        """
         env = self.envs.pop(env_id, None)
+        calls = self.calls.pop(env_id, set())
+        for call in calls:
+            call.cancel()
+        if calls:
+            await asyncio.wait(calls)
         if env is not None:
             await env.close()
 
     async def close_all(self) -> int:
         """Close every open env, each whatever the others' closes raise (logged here)."""
-        envs, self.envs = self.envs, {}
-        for env_id, env in envs.items():
+        env_ids = list(self.envs)
+        for env_id in env_ids:
             try:
-                await env.close()
+                await self.close(env_id)
             except Exception as exc:
                 log.warning("could not close environment %s: %r", env_id, exc)
-        return len(envs)
+        return len(env_ids)
 
     def open_count(self) -> int:
         return len(self.envs)

@@ -1,0 +1,76 @@
+"""Environment workers as Ray actors (a local Ray instance this module starts): what closing
+an env does to its calls still running on the actor."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+import ray
+
+from envs import registry
+from envs.sandbox import bwrap_path
+from envs.shell_env import ShellEnv
+from rollout.ray_env import RayEnvPool
+
+pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="treadle-tests")
+    yield
+    ray.shutdown()
+
+
+def test_closing_an_env_stops_the_reset_its_driver_gave_up_on(tmp_path, monkeypatch):
+    """A driver that stops waiting for a reset (its rollout cancelled or out of time) does not
+    stop it on the actor, and the rollout's cleanup closes the env meanwhile: the reset went
+    on to build its sandbox and start its shell after the close, and they were never closed
+    (the folder, the uid and a live bash for the rest of the worker's life). Here the reset
+    waits for a file before it builds anything."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    waiting, go, stopped = (str(tmp_path / name) for name in ("waiting", "go", "stopped"))
+
+    @registry.register
+    class HeldShell(ShellEnv):
+        name = "held_shell"
+
+        async def reset(self, task):
+            open(waiting, "w").close()
+            try:
+                while not os.path.exists(go):
+                    await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                open(stopped, "w").close()
+                raise
+            return await super().reset(task)
+
+    boxes = tmp_path / "boxes"
+    boxes.mkdir()
+    config = registry.make_config("held_shell", {"sandbox": {"root_dir": str(boxes)}})
+    task = registry.task_set("shell", "train", seed=0, n=1)[0].model_copy(update={"env": "held_shell"})
+
+    async def body():
+        pool = RayEnvPool({"held_shell": config}, num_workers=1)
+        try:
+            env = pool.make_env(task)
+            reset = asyncio.ensure_future(env.reset(task))
+            while not os.path.exists(waiting):
+                await asyncio.sleep(0.01)
+            reset.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reset
+            await env.close()
+            stopped_by_close = os.path.exists(stopped)
+            open(go, "w").close()
+            (actor,) = pool.actors
+            return stopped_by_close, await actor.open_count.remote()
+        finally:
+            pool.close()
+
+    stopped_by_close, still_open = asyncio.run(body())
+    assert stopped_by_close
+    assert still_open == 0
+    assert os.listdir(boxes) == []
