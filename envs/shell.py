@@ -42,6 +42,11 @@ def _restore_signals() -> None:
         signal.signal(sig, signal.SIG_DFL)
 
 
+def _printed(buffer: bytearray, cap: int) -> str:
+    """What a command printed (at most ``cap`` bytes of it), to show with why it was stopped."""
+    return bytes(buffer[:cap]).decode(errors="replace")
+
+
 class Shell:
     """A bash that lives as long as its sandbox; :meth:`run` executes one command in it (blocking)."""
 
@@ -115,18 +120,22 @@ class Shell:
             if len(buffer) > cap + 64:
                 self.close()
                 raise SandboxError(
-                    "output_limit", f"command printed more than {cap} bytes; the shell was killed"
+                    "output_limit",
+                    f"command printed more than {cap} bytes; the shell was killed",
+                    _printed(buffer, cap),
                 )
             left = started + timeout - time.monotonic()
             if left <= 0:
                 self.close()
                 raise SandboxError(
-                    "timeout", f"command ran past its {timeout:g} s wall-clock limit; the shell was killed"
+                    "timeout",
+                    f"command ran past its {timeout:g} s wall-clock limit; the shell was killed",
+                    _printed(buffer, cap),
                 )
             chunk = read_some(self.fd, started + timeout)
             if chunk == b"":
                 status = self._exit_status()
-                output = bytes(buffer[:cap]).decode(errors="replace")
+                output = _printed(buffer, cap)
                 self.close()
                 self.sandbox.check(ExecResult(status, output, False, time.monotonic() - started))
                 raise SandboxError("died", f"the shell exited with status {status}", output) from None

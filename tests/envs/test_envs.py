@@ -222,6 +222,29 @@ def test_shell_commands_the_sandbox_stops_are_failed_actions():
     assert score == 1.0
 
 
+@needs_bwrap
+def test_a_command_the_shell_is_stopped_for_shows_the_model_what_it_printed():
+    """A command run past its time or its output cap was shown to the model as the reason
+    alone: what it had printed (a server's banner, an error before a hang) was dropped, as
+    the shell's own timeout and output cap kept none of it."""
+    actions = ["echo building; sleep 30", "yes 0123456789"]
+
+    async def run():
+        env = make("shell", sandbox=SMALL.model_copy(update={"timeout_s": 1}), max_turns=len(actions))
+        await env.reset(WRITE_RED)
+        try:
+            return [(await env.step(action)).observation[0]["content"] for action in actions]
+        finally:
+            await env.close()
+
+    timed_out, flooded = asyncio.run(run())
+    assert timed_out.startswith("building\n[stopped: timeout:")
+    assert flooded.endswith(
+        f"[stopped: output_limit: command printed more than {SMALL.max_output_bytes} bytes; the shell was killed]"
+    )
+    assert "0123456789\n0123456789" in flooded
+
+
 def test_a_reset_cancelled_while_its_sandbox_is_built_leaves_no_sandbox_behind(tmp_path):
     config = SMALL.model_copy(update={"root_dir": str(tmp_path)})
 
