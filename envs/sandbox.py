@@ -250,12 +250,14 @@ class Sandbox:
             workdir or tempfile.mkdtemp(prefix="treadle-sbx-", dir=self.config.root_dir)
         )
         self.uid: int | None = None
-        if os.geteuid() == 0 and self.backend != "apptainer":
+        if os.geteuid() == 0 and self.backend != "apptainer" and _sandbox_uids_mapped():
             uid = _claim_uid()
             try:
                 os.chown(self.workdir, uid, uid)
             except BaseException:
                 _release_uid(uid)
+                if self._owns_dir:
+                    remove_tree(self.workdir)
                 raise
             self.uid = uid
         self._procs: list[subprocess.Popen | PtyProcess] = []
@@ -280,8 +282,9 @@ class Sandbox:
     def _limits(self) -> list[str]:
         cfg = self.config
         nproc = cfg.max_processes
-        if self.uid is None and os.geteuid() != 0:
-            # RLIMIT_NPROC counts every process of the real uid, the worker's own included.
+        if self.uid is None:
+            # RLIMIT_NPROC counts every process of the real uid, the worker's own included (root's
+            # too, in a user namespace; in the host's, root is not held to it at all).
             nproc += len(_uid_pids(os.getuid()))
         return [
             "prlimit",
@@ -764,6 +767,25 @@ def _session_pids(sid: int) -> list[int]:
 
 _uids_in_use: set[int] = set()
 _uids_lock = threading.Lock()
+
+
+@cache
+def _sandbox_uids_mapped() -> bool:
+    """Whether this process's user namespace maps every per-sandbox uid (``UID_BASE`` and the
+    ``UID_RANGE`` after it). A rootless or user-namespaced container maps a few thousand (its
+    root is a user of the host), where a chown to one of them fails (``EINVAL``): a root
+    worker there runs its sandboxes as itself, as a worker that is not root does."""
+    with open("/proc/self/uid_map") as handle:
+        extents = [tuple(map(int, line.split())) for line in handle if line.strip()]
+    if any(inside <= UID_BASE and inside + count >= UID_BASE + UID_RANGE for inside, _, count in extents):
+        return True
+    log.warning(
+        "this user namespace does not map uids %d..%d: sandboxes run as the worker's own uid, "
+        "and max_processes counts the worker's processes too",
+        UID_BASE,
+        UID_BASE + UID_RANGE - 1,
+    )
+    return False
 
 
 def _claim_uid() -> int:

@@ -502,6 +502,52 @@ def test_a_command_cancelled_on_the_event_loop_is_killed_and_reaped(backend):
         asyncio.run(cancel(box))
 
 
+IN_A_USER_NAMESPACE = """
+import sys
+from envs.pyrepl import PythonRepl
+from envs.sandbox import Sandbox, SandboxConfig
+from envs.shell import Shell
+
+with Sandbox(SandboxConfig(backend="bwrap", root_dir=sys.argv[1])) as box:
+    print(box.uid, box.run("id -u").output.strip(), Shell(box).run("echo sh").output.strip())
+    print(PythonRepl(box).run("6 * 7").output.strip())
+"""
+
+
+def test_a_root_worker_whose_user_namespace_maps_few_uids_runs_its_sandboxes_as_itself(tmp_path):
+    """A rootless or user-namespaced container maps some thousands of uids, not the per-sandbox
+    uids (2,000,000,000 + ...): giving the working directory to one failed (EINVAL), so every
+    sandbox of a root worker there failed to start, each leaving its folder behind. Here the
+    namespace maps root alone."""
+    namespace = ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]
+    if subprocess.run([*namespace, "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot create a user namespace here")
+    ran = subprocess.run(
+        [*namespace, sys.executable, "-c", IN_A_USER_NAMESPACE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.returncode == 0, ran.stderr[-2000:]
+    assert ran.stdout.split() == ["None", "0", "sh", "42"]
+    assert "does not map uids" in ran.stderr
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
+def test_a_sandbox_whose_folder_cannot_be_given_to_its_uid_leaves_no_folder(tmp_path, monkeypatch):
+    """The chown of the working directory fails (a root_dir on NFS that squashes root): the
+    folder made for the sandbox was left behind, one per sandbox that could not start."""
+
+    def refused(*args):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "chown", refused)
+    with pytest.raises(PermissionError):
+        Sandbox(SMALL.model_copy(update={"root_dir": str(tmp_path)}))
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
 def test_live_sandboxes_never_share_a_uid(monkeypatch):
     draws = iter([5, 5, 7, 9, 11, 5])
