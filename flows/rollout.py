@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import argparse
+import re
 from typing import Annotated, Any
 
 from prefect import flow
@@ -39,6 +41,16 @@ def rollout(
         return rollouts(config, deadline_of(config), worker_name)
 
 
+def _worker_name(text: str) -> str:
+    """``--worker``, refused by argparse (exit 2, one line) when it cannot name a shard
+    folder, before a flow run starts: the flow's own check fails the run with a traceback."""
+    if not re.fullmatch(NAME_PATTERN, text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a worker name: letters, digits, '_', '.', '-' only"
+        )
+    return text
+
+
 def main(argv: list[str] | None = None) -> None:
     from flows.cli_args import parse
 
@@ -46,7 +58,10 @@ def main(argv: list[str] | None = None) -> None:
         "Generate rollouts into raw shards.",
         argv,
         extra=lambda p: p.add_argument(
-            "--worker", default="worker-0", help="Worker name (its shard folder; default: %(default)s)."
+            "--worker",
+            type=_worker_name,
+            default="worker-0",
+            help="Worker name (its shard folder; default: %(default)s).",
         ),
         # on Ray the engines run in actors on the cluster's nodes
         devices=lambda c: (

@@ -545,6 +545,28 @@ def test_a_flows_help_states_the_default_of_each_of_its_options(capfd, monkeypat
     assert shown.returncode == 0 and says in " ".join(shown.stdout.split())
 
 
+@pytest.mark.parametrize("name", ["a b", "../w0", "w0\n"])
+def test_a_worker_name_that_cannot_name_a_shard_folder_is_a_usage_error_before_a_flow_run(
+    capfd, monkeypatch, tmp_path, name
+):
+    """As every other bad option: one line naming --worker and status 2, with no flow run
+    started (the flow's own parameter check failed the run with a Prefect traceback, status 1)."""
+    import flows.rollout
+
+    started = []
+    monkeypatch.setattr(flows.rollout, "rollout", lambda *args: started.append(args))
+    root = f"storage.root={tmp_path / 'runs'}"
+    refused = treadle_here(capfd, monkeypatch, "run", "rollout", "--worker", name, "--set", root)
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert refused.stderr.splitlines()[-1].endswith(
+        f"argument --worker: {name!r} is not a worker name: letters, digits, '_', '.', '-' only"
+    )
+    assert started == []
+    accepted = treadle_here(capfd, monkeypatch, "run", "rollout", "--worker", "gpu-0.b_1", "--set", root)
+    assert accepted.returncode == 0
+    assert [worker for _, worker in started] == ["gpu-0.b_1"]
+
+
 def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path):
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     with socket.socket() as closed:  # bound, never listening: connections are refused
