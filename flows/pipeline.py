@@ -16,6 +16,7 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.config import RunConfig, missing_device, missing_path, pipeline_devices
 from flows.run_logs import module_logs_to_run
+from storage.config import RunStore
 from tasks.common import clear_signals, run_store, send_signal
 from tasks.report import report_run
 
@@ -66,13 +67,20 @@ def _wind_down(
         if sent:  # each task stops at its signal: removed once none is left to watch them
             for run in (rollout_run, process_run, train_run):
                 run.wait()
-            try:
-                clear_signals(store, signals)
-            except Exception as exc:  # the flow's own error is the one to raise
-                get_run_logger().warning("could not remove the signals of %s: %s", signals, exc)
+            _clear_signals(store, signals)
         raise
-    clear_signals(store, signals)
+    _clear_signals(store, signals)
     return rollout_run.result(), process_run.result(), train_run.result()
+
+
+def _clear_signals(store: RunStore, signals: str) -> None:
+    """Remove the signals of ``signals`` once its tasks are over; a store that fails to is
+    logged: a few leftover files must not fail a run whose tasks are done (nor replace the
+    error of one that failed)."""
+    try:
+        clear_signals(store, signals)
+    except Exception as exc:
+        get_run_logger().warning("could not remove the signals of %s: %s", signals, exc)
 
 
 def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict, dict, dict]:

@@ -187,6 +187,46 @@ def test_a_pipeline_that_is_interrupted_removes_its_signals_once_its_tasks_are_o
     assert store.fs.ls(store.path("status/signals"), detail=False) == [store.path(signals_dir("another-run"))]
 
 
+class FinishedTask:
+    """A task's future that is over, with ``value`` as its result."""
+
+    def __init__(self, value: dict):
+        self.value = value
+
+    def wait(self) -> None:
+        pass
+
+    def result(self) -> dict:
+        return self.value
+
+
+def test_a_pipeline_whose_signals_cannot_be_removed_still_returns_its_tasks_results(
+    tmp_path, prefect_api, monkeypatch
+):
+    """A store that fails the removal of the signals once all three tasks are done leaves
+    them behind with a warning; it failed the run before its last evaluation and report."""
+    from prefect import flow
+
+    config = tiny_config(tmp_path / "runs", "signals-stay")
+    store = run_store(config)
+
+    def refused(store, key):
+        raise OSError("the store refused the delete (injected)")
+
+    monkeypatch.setattr(pipeline_module, "as_completed", iter)  # the rollouts end first
+    monkeypatch.setattr(pipeline_module, "clear_signals", refused)
+
+    @flow
+    def winding_down():
+        tasks = [FinishedTask({"task": name}) for name in ("rollouts", "process", "train")]
+        return pipeline_module._wind_down(config, "this-run", *tasks)
+
+    state = winding_down(return_state=True)
+    assert state.is_completed()
+    assert state.result() == ({"task": "rollouts"}, {"task": "process"}, {"task": "train"})
+    assert store.fs.exists(store.path(signal_path("this-run", "processed")))
+
+
 def test_a_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(tmp_path, prefect_api):
     """As a run started from a deployment's form does (the command line refuses it before a
     flow run starts); no machine shows 100 GPUs."""
