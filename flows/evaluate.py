@@ -10,6 +10,7 @@ from typing import Annotated, Any
 
 from prefect import flow
 from prefect.artifacts import create_table_artifact
+from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.cli import one_line
@@ -19,7 +20,14 @@ from storage.weights import WeightStore
 from tasks.common import run_store
 
 
-@flow(name="evaluate", log_prints=True)
+def _run_name() -> str:
+    """The evaluate flow run's name: its run and version (``demo/v3``, ``demo/newest``)."""
+    parameters = flow_run.parameters
+    version = parameters.get("version")
+    return f"{parameters['config'].run_id}/{'newest' if version is None else f'v{version}'}"
+
+
+@flow(name="evaluate", flow_run_name=_run_name, log_prints=True)
 def evaluate(
     config: RunConfig = RunConfig(), version: Annotated[int, Field(ge=0)] | None = None
 ) -> dict[str, Any]:

@@ -53,7 +53,7 @@ def sweep_shards(config: RunConfig, retention_hours: int) -> list[str]:
     return sweep_uncommitted(run_store(config), older_than_s=retention_hours * 3600)
 
 
-@flow(name="maintain", log_prints=True)
+@flow(name="maintain", flow_run_name="{config.run_id}", log_prints=True)
 def maintain(
     config: RunConfig = RunConfig(),
     keep_last: Annotated[int, Field(ge=1)] = 5,

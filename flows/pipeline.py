@@ -118,7 +118,12 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
         return _wind_down(config, signals, rollout_run, process_run, train_run)
 
 
-@flow(name="pipeline", task_runner=ThreadPoolTaskRunner(max_workers=3), log_prints=True)
+@flow(
+    name="pipeline",
+    flow_run_name="{config.run_id}",
+    task_runner=ThreadPoolTaskRunner(max_workers=3),
+    log_prints=True,
+)
 def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     """Warm-start (if needed) and evaluate the starting version (0 on a new run, the newest
     on a rerun), run rollouts, processing and training concurrently until the stop

@@ -14,7 +14,7 @@ from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
 
 
-@flow(name="process", log_prints=True)
+@flow(name="process", flow_run_name="{config.run_id}", log_prints=True)
 def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[str, Any]:
     """Turn raw shards into processed shards and ``trajectories`` rows.
 

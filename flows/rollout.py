@@ -18,7 +18,7 @@ from flows.run_logs import module_logs_to_run
 from storage.shards import NAME_PATTERN
 
 
-@flow(name="rollout", log_prints=True)
+@flow(name="rollout", flow_run_name="{config.run_id}/{worker_name}", log_prints=True)
 def rollout(
     config: RunConfig = RunConfig(),
     worker_name: Annotated[

@@ -17,7 +17,7 @@ from flows.run_logs import module_logs_to_run
 from tasks.report import report_run
 
 
-@flow(name="train", log_prints=True)
+@flow(name="train", flow_run_name="{config.run_id}", log_prints=True)
 def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any]:
     """Train until the stop condition, then report the curves.
 
