@@ -18,7 +18,7 @@ from flows.config import RunConfig, missing_device, missing_path, pipeline_devic
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
 from tasks.common import clear_signals, run_store, send_signal
-from tasks.report import report_run
+from tasks.report import report_task
 
 DRAIN_SECONDS = 10.0
 """How long past the deadline the process task may go on, to process the last shards."""
@@ -169,7 +169,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
                 train.submit(config, deadline, signals=signals),
             )
         after = evaluate_task(config, reuse=True)
-        report_run(config)
+        report_task(config)
         gain = {
             env: round(after["reward"][env] - before["reward"].get(env, 0.0), 6) for env in after["reward"]
         }

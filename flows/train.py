@@ -14,7 +14,7 @@ from prefect import flow
 from flows.config import RunConfig
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
-from tasks.report import report_run
+from tasks.report import report_task
 
 
 @flow(name="train", flow_run_name="{config.run_id}", log_prints=True)
@@ -33,7 +33,7 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
 
         warm_start(config)
         result = train_task(config, deadline_of(config), drain)
-        report_run(config)
+        report_task(config)
         return result
 
 

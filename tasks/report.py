@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from prefect import get_run_logger
+from prefect import get_run_logger, task
 from prefect.artifacts import (
     create_markdown_artifact,
     create_progress_artifact,
@@ -23,7 +23,7 @@ from prefect.artifacts import (
 
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
-from tasks.common import TRANSIENT_ERRORS, reporting, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, TRANSIENT_ERRORS, reporting, run_store
 
 log = logging.getLogger(__name__)
 
@@ -241,3 +241,10 @@ def report_run(config: RunConfig) -> str:
     markdown = "\n".join(lines)
     markdown_artifact(markdown, key=f"{key}-report", description=f"Reward and loss curves of {config.run_id}")
     return markdown
+
+
+@task(name="report", **SIDE_EFFECTS, **STORAGE_RETRIES)
+def report_task(config: RunConfig) -> str:
+    """:func:`report_run` with the retries of every task that reads the run's storage: a
+    transient read error at the end (an S3 503) failed a run whose work was done."""
+    return report_run(config)

@@ -14,6 +14,7 @@ from storage.weights import VersionTaken
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES
 from tasks.report import ProgressReporter
 from tests.flows.conftest import tiny_config
+from tests.flows.prefect_api import artifacts_of
 
 
 @task(**SIDE_EFFECTS, **{**STORAGE_RETRIES, "retry_delay_seconds": 0})
@@ -99,3 +100,28 @@ def test_an_unreachable_prefect_api_at_the_run_report_does_not_fail_the_flow(
 
     assert reporting_flow().startswith("# Run `report-blip`")
     assert "the report artifact of run report-blip failed, the work goes on" in caplog.text
+
+
+def test_a_transient_storage_error_at_the_run_report_is_retried(prefect_api, tmp_path, monkeypatch):
+    """A nightly training whose report met a transient read error (an S3 503) failed,
+    though its training was done; the report is retried as every storage task is."""
+    import flows.train
+    import tasks.train
+    import tasks.weights
+    from storage.tables import Tables
+
+    monkeypatch.setattr(tasks.weights, "warm_start", lambda config: 0)
+    monkeypatch.setattr(tasks.train, "train", lambda *args: {"steps": 0, "versions": 0})
+    read, refused = Tables.read, []
+
+    def fails_once(self, name, *args, **kwargs):
+        if not refused:
+            refused.append(name)
+            raise OSError("503 Slow Down (injected)")
+        return read(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(Tables, "read", fails_once)
+    state = flows.train.train(tiny_config(tmp_path / "runs", "report-retried"), drain=True, return_state=True)
+    assert state.is_completed() and refused == ["train_steps"]
+    keys = {a.key for a in artifacts_of([state.state_details.flow_run_id])}
+    assert f"{tasks.report.artifact_key('report-retried')}-report" in keys

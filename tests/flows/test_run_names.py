@@ -32,7 +32,7 @@ def no_work(monkeypatch):
     monkeypatch.setattr(tasks.rollout, "rollouts", lambda *args: {})
     monkeypatch.setattr(tasks.process, "process_pending", lambda config: {})
     monkeypatch.setattr(tasks.train, "train", lambda *args: done)
-    monkeypatch.setattr(flows.train, "report_run", lambda config: "")
+    monkeypatch.setattr(flows.train, "report_task", lambda config: "")
     monkeypatch.setattr(
         tasks.weights,
         "evaluate_task",
