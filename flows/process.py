@@ -33,7 +33,9 @@ def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[st
 
 
 def main(argv: list[str] | None = None) -> None:
+    from flows.cli import existing_run
     from flows.cli_args import parse
+    from tasks.common import run_store
 
     config, args = parse(
         "Process raw shards.",
@@ -41,6 +43,8 @@ def main(argv: list[str] | None = None) -> None:
         extra=lambda p: p.add_argument("--once", action="store_true", help="One pass, then exit."),
         paths=False,
     )
+    if args.once:  # a continuous processor may start before the run's first write; one pass may not
+        existing_run(run_store(config), hint="storage.root and --run-id")
     process(config, continuous=not args.once)
 
 

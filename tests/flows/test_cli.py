@@ -567,6 +567,28 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_is_a_usage_error_before_a
     assert [worker for _, worker in started] == ["gpu-0.b_1"]
 
 
+def test_one_processing_pass_over_a_run_that_does_not_exist_is_an_error_before_a_flow_run(
+    capfd, monkeypatch, tmp_path
+):
+    """As maintain: one line naming the settings to check, with no flow run started (the
+    flow run's own check failed it with a traceback); a continuous processor still starts,
+    as it may before the run's first write."""
+    import flows.process
+
+    started = []
+    monkeypatch.setattr(flows.process, "process", lambda config, continuous: started.append(continuous))
+    root = tmp_path / "runs"
+    run = ("--run-id", "typo", "--set", f"storage.root={root}")
+    refused = treadle_here(capfd, monkeypatch, "run", "process", "--once", *run)
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert refused.stderr.splitlines()[-1] == (
+        f"error: no run at {root / 'typo'}: it has no tables (check storage.root and --run-id)"
+    )
+    assert started == []
+    assert treadle_here(capfd, monkeypatch, "run", "process", *run).returncode == 0
+    assert started == [True]
+
+
 def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path):
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     with socket.socket() as closed:  # bound, never listening: connections are refused
