@@ -135,8 +135,10 @@ class RayEnv:
 
     async def reset(self, task: Task) -> list[dict]:
         if not self._opened:
-            await self._call("open", self.name)
+            # marked before the open returns: a caller cancelled meanwhile stops waiting, not
+            # the open, and its close must still reach the env the open makes on the worker
             self._opened = True
+            await self._call("open", self.name)
         return await self._call("reset", task)
 
     async def step(self, action: str) -> StepResult:

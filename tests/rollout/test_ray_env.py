@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 import pytest
 import ray
@@ -74,3 +75,46 @@ def test_closing_an_env_stops_the_reset_its_driver_gave_up_on(tmp_path, monkeypa
     assert stopped_by_close
     assert still_open == 0
     assert os.listdir(boxes) == []
+
+
+def test_closing_an_env_whose_driver_gave_up_on_its_open_closes_it(tmp_path, monkeypatch):
+    """A driver cancelled while the open is in flight stops waiting, but the actor goes on to
+    make the env; the proxy counted as opened only once the open returned, so its close sent
+    nothing and the env stayed on the worker for the rest of its life. Here the env's
+    constructor waits for a file."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    waiting, go = (str(tmp_path / name) for name in ("waiting", "go"))
+
+    @registry.register
+    class SlowToOpenShell(ShellEnv):
+        name = "slow_to_open_shell"
+
+        def __init__(self, config):
+            open(waiting, "w").close()
+            while not os.path.exists(go):
+                time.sleep(0.01)
+            super().__init__(config)
+
+    config = registry.make_config("slow_to_open_shell", {"sandbox": {"root_dir": str(tmp_path)}})
+    task = registry.task_set("shell", "train", seed=0, n=1)[0].model_copy(
+        update={"env": "slow_to_open_shell"}
+    )
+
+    async def body():
+        pool = RayEnvPool({"slow_to_open_shell": config}, num_workers=1)
+        try:
+            env = pool.make_env(task)
+            reset = asyncio.ensure_future(env.reset(task))
+            while not os.path.exists(waiting):
+                await asyncio.sleep(0.01)
+            reset.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await reset
+            open(go, "w").close()
+            await env.close()
+            (actor,) = pool.actors
+            return await actor.open_count.remote()
+        finally:
+            pool.close()
+
+    assert asyncio.run(body()) == 0
