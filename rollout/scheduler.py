@@ -692,11 +692,16 @@ class StaticPolicy:
         return ticket
 
     def cancel(self, ticket: int) -> bool:
-        """Drop a queued action; False if it is not queued."""
-        for q in self._queues.values():
+        """Drop a queued action; False if it is not queued. A key left with nothing queued
+        and no reservation leaves the admission line (it would take a reservation with nothing
+        to run); a key that holds one keeps it until ``end_trajectory``."""
+        for k, q in self._queues.items():
             for item in q:
                 if item[0] == ticket:
                     q.remove(item)
+                    if not q and k not in self._reserved:
+                        del self._queues[k]
+                        self._waiting_keys.remove(k)
                     return True
         return False
 

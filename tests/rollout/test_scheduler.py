@@ -263,6 +263,32 @@ def test_static_policy_holds_reservation_for_the_trajectory_life():
     assert g.units == 2
 
 
+def test_a_key_whose_only_queued_action_is_cancelled_leaves_the_admission_line():
+    """Capacity 2, reservation 2: a holds the pool, b then c wait for it. b's only action is
+    cancelled, so when a ends, c (next with something to run) takes the reservation; b stayed
+    in the line and took it with nothing to run, and c waited until the rollout ended. A key
+    that holds its reservation keeps it when its queued action is cancelled."""
+    policy = StaticPolicy({"cpu": 2}, {"cpu": 2})
+    a1 = policy.submit(ResourceRequest(demand={"cpu": 2}, duration=1, trajectory_id="a"), 0)
+    (ga,) = policy.dispatch(0)
+    a2 = policy.submit(ResourceRequest(demand={"cpu": 1}, duration=1, trajectory_id="a"), 0)
+    b1 = policy.submit(ResourceRequest(demand={"cpu": 1}, duration=1, trajectory_id="b"), 0)
+    c1 = policy.submit(ResourceRequest(demand={"cpu": 1}, duration=1, trajectory_id="c"), 0)
+    assert ga.ticket == a1 and policy.dispatch(0) == []
+    assert policy.cancel(a2) and policy.cancel(b1)
+    policy.release(ga, 1)
+    assert policy.dispatch(1) == [] and policy.free == {"cpu": 0}  # a keeps its reservation
+    policy.end_trajectory("a", 2)
+    (gc,) = policy.dispatch(2)
+    assert gc.ticket == c1 and policy.free == {"cpu": 0}
+    # b's next action rejoins the line at its end, and runs once c is done
+    b2 = policy.submit(ResourceRequest(demand={"cpu": 1}, duration=1, trajectory_id="b"), 3)
+    assert policy.dispatch(3) == []
+    policy.release(gc, 4)
+    policy.end_trajectory("c", 4)
+    assert [g.ticket for g in policy.dispatch(4)] == [b2]
+
+
 def test_async_scheduler_grants_and_reclaims():
     async def main():
         sched = ActionScheduler({"cpu": 2})
