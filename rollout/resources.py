@@ -292,6 +292,7 @@ class ServiceManager:
             # given back before the lock is awaited (a load may hold it for seconds): a cancel
             # meanwhile must not leave the service in use, never to be evicted again
             self._in_use[name] -= 1
+            self._resident.move_to_end(name)  # last used when its call ends, not when it began
             await _to_the_end(asyncio.ensure_future(self._notify()))
 
     async def _notify(self) -> None:

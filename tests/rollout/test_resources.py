@@ -224,6 +224,36 @@ def test_services_lru_eviction_order_and_outputs_survive_parking():
     assert next(evicted.parameters()).device.type == "meta"
 
 
+def test_a_service_is_last_used_when_its_call_ends():
+    """A long call to ``a`` begins before a short call to ``b`` and ends after it: ``b`` is
+    the least recently used, so ``c`` evicts it. Ordered by when calls began, ``a`` was
+    evicted the moment its call was done, while it was the one just used."""
+    manager = ServiceManager(device="cpu", budget_bytes=2 * SERVICE_BYTES)
+    for seed, name in enumerate("abc"):
+        manager.register(name, make_service(seed))
+
+    async def main():
+        done_with_a = asyncio.Event()
+
+        async def use_a():
+            async with manager.use("a"):
+                await done_with_a.wait()
+
+        caller = asyncio.ensure_future(use_a())
+        while "a" not in manager.resident:
+            await asyncio.sleep(0)
+        async with manager.use("b"):
+            pass
+        done_with_a.set()
+        await caller
+        assert manager.resident == ["b", "a"]
+        async with manager.use("c"):
+            pass
+        assert manager.evictions == ["b"] and manager.resident == ["a", "c"]
+
+    asyncio.run(main())
+
+
 def test_a_long_lived_manager_keeps_only_the_latest_names_of_its_swaps():
     """Two services that fit one at a time, called in turn: every call swaps. However many
     swaps, the manager holds the latest ``RECENT_SWAPS`` names."""
