@@ -86,7 +86,8 @@ class Shell:
 
         A timeout, too much output, or the shell dying kills the shell and raises
         :class:`SandboxError`; so does output that shows the isolation stopped the command
-        (with ``violations_are_errors``).
+        (with ``violations_are_errors``). A command that ended having printed more than
+        ``max_output_bytes`` is an ``output_limit`` too, the shell kept.
         """
         with self._lock:
             return self._run(command, timeout, wrap)
@@ -111,6 +112,10 @@ class Shell:
         while True:
             match = end.search(buffer, max(0, len(buffer) - 65536 - 64))
             if match:
+                if match.start() > cap:  # it ended, but printed more than the cap (read at once)
+                    raise SandboxError(
+                        "output_limit", f"command printed more than {cap} bytes", _printed(buffer, cap)
+                    )
                 output = bytes(buffer[: match.start()])
                 result = ExecResult(
                     int(match.group(1)), output.decode(errors="replace"), False, time.monotonic() - started

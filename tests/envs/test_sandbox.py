@@ -572,6 +572,21 @@ def test_live_sandboxes_never_share_a_uid(monkeypatch):
             box.close()
 
 
+def test_shell_output_cap_is_exact():
+    """A command that printed a few bytes past the cap and ended came back whole, its end
+    marker read before the cap was checked; it is an output_limit with the first ``cap``
+    bytes, and the shell, whose command is over, lives on."""
+    cap = SMALL.max_output_bytes
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        assert shell.run(f"head -c {cap} /dev/zero | tr '\\0' x").output == "x" * cap
+        with pytest.raises(SandboxError) as raised:
+            shell.run(f"head -c {cap + 1} /dev/zero | tr '\\0' x")
+        assert raised.value.kind == "output_limit"
+        assert raised.value.output == "x" * cap
+        assert shell.run("echo ok").output == "ok\n"
+
+
 def test_ansi_c_quote_round_trips_through_bash():
     text = 'a\'b\\c\n\t"$HOME" `x` é \x01'
     with Sandbox(SMALL) as box:
