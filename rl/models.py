@@ -99,6 +99,23 @@ def model_vocab_size(path: str | os.PathLike) -> int:
     return int(AutoConfig.from_pretrained(str(path)).get_text_config().vocab_size)
 
 
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def model_eos_ids(path: str | os.PathLike) -> list[int]:
+    """The token ids the model in local directory ``path`` ends a reply with, as vLLM reads
+    them: its ``generation_config.json``'s ``eos_token_id`` (one id or a list: Qwen2.5 and
+    Qwen3 instruct list ``<|im_end|>`` and ``<|endoftext|>``), else its config's."""
+    generation = os.path.join(path, GENERATION_CONFIG_FILE)
+    if os.path.isfile(generation):
+        with open(generation) as handle:
+            eos = json.load(handle).get("eos_token_id")
+    else:
+        eos = AutoConfig.from_pretrained(str(path)).get_text_config().eos_token_id
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else eos
+    return [int(t) for t in ids]
+
+
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """The tokenizer saved in a local model directory."""
     return AutoTokenizer.from_pretrained(str(path))
@@ -179,7 +196,8 @@ def publish_policy(
     dtype: TorchDtype | None = None,
     **publish_kwargs,
 ) -> int:
-    """Publish a policy with its tokenizer; ``publish_kwargs`` go to ``WeightStore.publish``.
+    """Publish a policy with its tokenizer and generation config (its EOS ids: ``model_eos_ids``);
+    ``publish_kwargs`` go to ``WeightStore.publish``.
 
     The weights are stored in the checkpoint's layout (``checkpoint_state_dict``), so the
     version loads wherever the base checkpoint does: ``from_pretrained``, vLLM.
@@ -196,6 +214,9 @@ def publish_policy(
         extra_files[MASTER_WEIGHTS_FILE] = save_safetensors(master)
     with tempfile.TemporaryDirectory(prefix="treadle-tokenizer-") as tokenizer_dir:
         tokenizer.save_pretrained(tokenizer_dir)
+        if model.generation_config is not None:  # served with the tokenizer's files, not as an extra
+            with open(os.path.join(tokenizer_dir, GENERATION_CONFIG_FILE), "w") as handle:
+                handle.write(model.generation_config.to_json_string())
         return weights.publish(
             checkpoint_state_dict(model),
             model.config.to_dict(),

@@ -61,6 +61,12 @@ class GatewayConfig(BaseModel):
         description="Token ids must be below this; defaults to the model's vocab_size (its embedding rows, "
         "often past the tokenizer's tokens) in rollout workers and evaluations, else the tokenizer's length.",
     )
+    eos_token_ids: list[int] | None = Field(
+        None,
+        description="Token ids that end a turn besides the tokenizer's EOS and the chat template's closing "
+        "token; default: the model's generation_config eos_token_id(s) in rollout workers and evaluations "
+        "(Qwen2.5/Qwen3 instruct list <|endoftext|> too), which vLLM would stop at but the engines ignore.",
+    )
     max_new_tokens: int = Field(256, ge=1, description="Default generation budget per turn.")
     tool_call_format: ToolCallFormat | None = Field(
         "hermes",
@@ -573,13 +579,19 @@ class Gateway:
             self.vocab_size = len(tokenizer)
         else:
             raise ValueError("give the gateway a tokenizer or set GatewayConfig.vocab_size")
-        self.stop_ids: tuple[int, ...] = ()
-        """Token ids that end a turn unless a request names others: EOS, and the chat template's
-        closing token where it has one."""
+        stop_ids: tuple[int, ...] = ()
         if self.renderer is not None:
-            self.stop_ids = self.renderer.stop_ids()
+            stop_ids = self.renderer.stop_ids()
         elif tokenizer is not None and tokenizer.eos_token_id is not None:
-            self.stop_ids = (int(tokenizer.eos_token_id),)
+            stop_ids = (int(tokenizer.eos_token_id),)
+        for t in self.config.eos_token_ids or ():
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(
+                    f"GatewayConfig.eos_token_ids holds {t}, outside the vocabulary [0, {self.vocab_size})"
+                )
+        self.stop_ids = tuple(dict.fromkeys([*stop_ids, *(self.config.eos_token_ids or ())]))
+        """Token ids that end a turn unless a request names others: EOS, the chat template's
+        closing token where it has one, and ``GatewayConfig.eos_token_ids``."""
         self._skipped_in_tool_text = self._special_ids_but_tool_tags()
         self._sessions: dict[str, Session] = {}
 

@@ -266,7 +266,7 @@ class RolloutWorker:
         for name in missing:  # out of service; the health check loads the version when it is up
             self.router.take_down(name)
         await self._check_context([e for e in self.engines if e.name not in missing])
-        from rl.models import load_tokenizer, model_vocab_size
+        from rl.models import load_tokenizer, model_eos_ids, model_vocab_size
 
         tokenizer = getattr(self.engines[0], "tokenizer", None)
         if tokenizer is None:
@@ -275,6 +275,8 @@ class RolloutWorker:
         if gateway_config.vocab_size is None:
             # the model's ids, not the tokenizer's: ids past the tokenizer are sampled too
             gateway_config = gateway_config.model_copy(update={"vocab_size": model_vocab_size(path)})
+        if gateway_config.eos_token_ids is None:
+            gateway_config = gateway_config.model_copy(update={"eos_token_ids": model_eos_ids(path)})
         self.version = version
         self._shards_at_version = self.writer.committed
         gateway = Gateway(self.router, tokenizer, gateway_config)

@@ -14,7 +14,7 @@ from prefect.runtime import task_run
 from envs import registry
 from envs.base import Split, Task
 from flows.config import RunConfig
-from rl.models import build_tiny_model, load_trained_policy, padding_id, publish_policy
+from rl.models import build_tiny_model, load_trained_policy, model_eos_ids, padding_id, publish_policy
 from rl.sft import supervised_warm_start
 from rollout.demos import demonstrations
 from rollout.engines.torch_engine import TorchEngine
@@ -257,6 +257,11 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
     async def run() -> EvalResult:
         engine = TorchEngine.from_config(config.engine.torch, path, name="eval", version=version)
         try:
+            gateway_config = config.gateway
+            if gateway_config.vocab_size is None:
+                gateway_config = gateway_config.model_copy(update={"vocab_size": engine.vocab_size})
+            if gateway_config.eos_token_ids is None:
+                gateway_config = gateway_config.model_copy(update={"eos_token_ids": model_eos_ids(path)})
             return await evaluate(
                 engine,
                 engine.tokenizer,
@@ -264,9 +269,7 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
                 lambda t: registry.make(t.env, config.env_config(t.env)),
                 service_config=config.service,
                 temperature=config.eval.temperature,
-                gateway_config=config.gateway
-                if config.gateway.vocab_size is not None
-                else config.gateway.model_copy(update={"vocab_size": engine.vocab_size}),
+                gateway_config=gateway_config,
             )
         finally:
             await engine.close()

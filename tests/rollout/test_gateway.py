@@ -12,12 +12,13 @@ import dataclasses
 import pytest
 import torch
 
-from rl.models import TinyModelConfig, build_tiny_model
+from rl.models import TinyModelConfig, build_tiny_model, model_eos_ids, publish_policy
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import ChatRenderer, Gateway, GatewayConfig, UnknownSession
 from rollout.router import Router, RouterConfig
 from storage.schema import TRAJECTORY_SCHEMA, to_table, validate
+from storage.weights import WeightStore
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=512
@@ -262,6 +263,36 @@ def test_stop_token_is_kept_and_status_ok(tiny):
             assert session.record()["status"] == "ok"
 
     asyncio.run(body())
+
+
+def test_a_turn_stops_at_every_eos_id_of_the_models_generation_config(tiny, local_store):
+    """vLLM stops at the EOS ids of a model's generation_config (Qwen2.5 instruct lists
+    <|im_end|> and <|endoftext|>), but the engines stop at ``stop_ids`` only: a published
+    version keeps the model's list and the gateway of a worker or an evaluation stops there."""
+    model, tokenizer = tiny
+    params = SamplingParams(max_new_tokens=16, seed=3)
+
+    async def turn(config: GatewayConfig):
+        async with running_gateway(tiny, config=config) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER)
+            return gateway.stop_ids, await session.generate(
+                dataclasses.replace(params, stop_ids=gateway.stop_ids)
+            )
+
+    stop_ids, before = asyncio.run(turn(GatewayConfig(max_context_tokens=512)))
+    sampled = before.token_ids[0]
+    assert sampled not in stop_ids and len(before.token_ids) > 1
+    weights = WeightStore(local_store)
+    assert model_eos_ids(weights.load(publish_policy(weights, model, tokenizer), "serving")) == [
+        tokenizer.eos_token_id
+    ]
+    listing = copy.deepcopy(model)
+    listing.generation_config.eos_token_id = [tokenizer.eos_token_id, sampled]
+    eos_ids = model_eos_ids(weights.load(publish_policy(weights, listing, tokenizer), "serving"))
+    assert eos_ids == [tokenizer.eos_token_id, sampled]
+    _, after = asyncio.run(turn(GatewayConfig(max_context_tokens=512, eos_token_ids=eos_ids)))
+    assert after.token_ids == [sampled] and after.finish_reason == "stop"
 
 
 def test_a_resent_request_gets_the_last_turn_again_until_the_session_grows(tiny):
