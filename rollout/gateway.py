@@ -401,7 +401,7 @@ class Session:
 
     async def generate(
         self,
-        params: SamplingParams | None = None,
+        params: SamplingParams | Callable[[], SamplingParams] | None = None,
         prepare: Callable[[], None] | None = None,
         parse_tool_calls: bool = True,
         request: Any = None,
@@ -410,6 +410,11 @@ class Session:
 
         The reply's tool calls are parsed when the session has tools and
         ``parse_tool_calls`` (an OpenAI request's ``tool_choice: none`` turns it off).
+
+        ``params`` may be a function that makes them, called under the session's lock before
+        ``prepare``: sampling that depends on the session (a training server's seed, hashed
+        with its length) is then of the history this turn follows, not of the one a request
+        found before it waited for another turn.
 
         ``prepare`` runs first, under the session's lock: what a request adds (its new
         messages or tokens, checked against the history) and the turn generated from it are
@@ -436,6 +441,8 @@ class Session:
                 and not self._pending
             ):
                 return self.turns[-1]
+            if callable(params):
+                params = params()
             if prepare is not None:
                 prepare()
             self._pending_flush()

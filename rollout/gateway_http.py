@@ -39,8 +39,8 @@ deprecated ``functions``.
 of its first request, as it keeps its tools: its prompt holds what they rendered, so a later
 request that sends others (or none, after some) is refused. ``seed`` is honoured (on a
 training server a request's, on every endpoint, is first hashed with its session and the
-session's length: an agent program that sends one seed on every request would otherwise sample
-every rollout alike, and each turn with the same random numbers); ``n`` > 1,
+session's length when its turn starts: an agent program that sends one seed on every request
+would otherwise sample every rollout alike, and each turn with the same random numbers); ``n`` > 1,
 stop strings, a text completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL`
 (``add_generation_prompt``, ``continue_final_message``, ``skip_special_tokens``,
 ``stop_token_ids``, ``min_tokens``, ``top_logprobs``, ``top_k`` …) set to ask for something
@@ -64,8 +64,8 @@ import math
 import secrets
 import time
 import uuid
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
@@ -337,7 +337,7 @@ def create_app(
         max_new_tokens: int | None,
         stop_ids: list[int] | None = None,
         session: Session | None = None,
-    ) -> SamplingParams:
+    ) -> SamplingParams | Callable[[], SamplingParams]:
         temperature = sampling.temperature if body.temperature is None else body.temperature
         top_p = sampling.top_p if body.top_p is None else body.top_p
         if sampling.fixed:
@@ -349,18 +349,20 @@ def create_app(
                     "log-probs assume; leave temperature and top_p unset or send these"
                 )
             temperature, top_p = run
-        seed = body.seed
-        if sampling.fixed and session is not None and seed is not None:
-            seed = _session_seed(seed, session)
         stop = tuple(stop_ids) if stop_ids is not None else gateway.stop_ids
         gateway.check_ids(stop, what="stop_ids")
-        return SamplingParams(
+        asked = SamplingParams(
             max_new_tokens=gateway.config.max_new_tokens if max_new_tokens is None else max_new_tokens,
             temperature=temperature,
             top_p=top_p,
             stop_ids=stop,
-            seed=seed,
+            seed=body.seed,
         )
+        if sampling.fixed and session is not None and body.seed is not None:
+            # made by the turn under the session's lock: two requests waiting on one turn would
+            # otherwise hash the same length
+            return lambda: replace(asked, seed=_session_seed(body.seed, session))
+        return asked
 
     def openai_only(body: CompletionRequest | ChatRequest) -> None:
         if isinstance(body, ChatRequest):

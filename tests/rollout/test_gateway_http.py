@@ -40,18 +40,35 @@ def tiny():
 
 
 class SlowTorchEngine(TorchEngine):
-    """A real TorchEngine whose every generation starts ``delay`` seconds late, so that two
-    requests on one session overlap; ``params`` holds the sampling of each generation."""
+    """A real TorchEngine whose every generation starts ``delay`` seconds late, and not before
+    ``gate`` is set where one is given, so that two requests on one session overlap;
+    ``params`` holds the sampling of each generation."""
 
     def __init__(self, *args, delay: float, **kwargs):
         super().__init__(*args, **kwargs)
         self.delay = delay
+        self.gate: asyncio.Event | None = None
         self.params: list[SamplingParams] = []
 
     async def generate(self, session_id, prompt_ids, params):
         self.params.append(params)
         await asyncio.sleep(self.delay)
+        if self.gate is not None:
+            await self.gate.wait()
         return await super().generate(session_id, prompt_ids, params)
+
+
+class WatchedLock(asyncio.Lock):
+    """A session's lock that sets ``contended`` once a turn waits for it."""
+
+    def __init__(self):
+        super().__init__()
+        self.contended = asyncio.Event()
+
+    async def acquire(self):
+        if self.locked():
+            self.contended.set()
+        return await super().acquire()
 
 
 @contextlib.asynccontextmanager
@@ -629,6 +646,36 @@ def test_a_training_server_makes_a_clients_seed_its_sessions_and_turns(tiny, fix
                 assert len(set(seeds)) == 4 and 7 not in seeds
             else:
                 assert seeds == [7] * 4
+
+    asyncio.run(body())
+
+
+def test_two_requests_waiting_on_one_session_sample_with_seeds_of_their_own_turns(tiny):
+    """A resent ``/v1/generate`` (or an agent's concurrent calls) while a turn generates: each
+    waits for the turn before it, and its seed is hashed with the length the session has
+    then, not the one both found when they arrived."""
+
+    async def body():
+        async with serving(tiny, sampling=RunSampling(fixed=True)) as (gateway, _, client):
+            engine = gateway.router.engine("live")
+            headers = {SESSION_HEADER: await open_session(client)}
+            first = {"token_ids": [1, 2, 40, 41, 42, 3], "max_new_tokens": 2, "stop_ids": [], "seed": 7}
+            assert (await client.post("/v1/generate", json=first, headers=headers)).status_code == 200
+            session = gateway.session(headers[SESSION_HEADER])
+            session._lock = lock = WatchedLock()
+            engine.gate = asyncio.Event()
+            resent = {"max_new_tokens": 2, "stop_ids": [], "seed": 7}
+            requests = [
+                asyncio.ensure_future(client.post("/v1/generate", json=resent, headers=headers))
+                for _ in range(2)
+            ]
+            await lock.contended.wait()  # one turn holds the session, the other waits for it
+            engine.gate.set()
+            for response in await asyncio.gather(*requests):
+                assert response.status_code == 200, response.text
+            assert len(session.tokens) == 6 + 3 * 2
+            seeds = [p.seed for p in engine.params]
+            assert len(seeds) == len(set(seeds)) == 3
 
     asyncio.run(body())
 
