@@ -9,7 +9,6 @@ import sys
 from typing import Annotated, Any
 
 from prefect import flow
-from prefect.artifacts import create_table_artifact
 from prefect.runtime import flow_run
 from pydantic import Field
 
@@ -18,6 +17,7 @@ from flows.config import RunConfig
 from flows.run_logs import module_logs_to_run
 from storage.weights import WeightStore
 from tasks.common import run_store
+from tasks.report import report_evals
 
 
 def _run_name() -> str:
@@ -42,13 +42,7 @@ def evaluate(
         from tasks.weights import evaluate_task
 
         result = evaluate_task(config, version)
-        create_table_artifact(
-            [
-                {"version": result["version"], "env": env, "reward": r, "count": result["count"][env]}
-                for env, r in result["reward"].items()
-            ],
-            description=f"Held-out evaluation of version {result['version']}",
-        )
+        report_evals(config)
         return result
 
 

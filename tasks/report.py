@@ -174,6 +174,29 @@ def artifact_key(run_id: str) -> str:
     return f"{slug}-{hashlib.sha256(run_id.encode()).hexdigest()[:8]}"
 
 
+EVALS_COLUMNS = ["version", "env", "reward", "count"]
+"""The columns of the ``evals`` table the run's artifacts show."""
+
+
+def _create_evals_artifact(config: RunConfig, evals: pa.Table) -> None:
+    create_table_artifact(
+        _rows(evals, EVALS_COLUMNS),
+        key=f"{artifact_key(config.run_id)}-evals",
+        description="Held-out reward per weight version",
+    )
+
+
+def report_evals(config: RunConfig) -> None:
+    """The run's keyed evals table artifact, from its ``evals`` table now. An error reading
+    the table or from the Prefect API is logged, never raised: it comes once the evaluation
+    is recorded, and a failed flow run, run again, would record it a second time."""
+
+    def publish() -> None:
+        _create_evals_artifact(config, Tables(run_store(config)).read("evals").sort_by("version"))
+
+    reporting(publish, f"the evals artifact of run {config.run_id}")()
+
+
 def report_run(config: RunConfig) -> str:
     """Artifacts of the run so far: eval and shard tables, and a markdown page with the
     curves and their numbers. The curves' PNG is written to the run's storage and linked,
@@ -188,11 +211,7 @@ def report_run(config: RunConfig) -> str:
     # the run's results are in its tables already: an API blip here must not fail the run
     table_artifact = reporting(create_table_artifact, f"a table artifact of run {config.run_id}")
     markdown_artifact = reporting(create_markdown_artifact, f"the report artifact of run {config.run_id}")
-    table_artifact(
-        _rows(evals, ["version", "env", "reward", "count"]),
-        key=f"{key}-evals",
-        description="Held-out reward per weight version",
-    )
+    reporting(_create_evals_artifact, f"a table artifact of run {config.run_id}")(config, evals)
     table_artifact(
         shards_by_worker(shards),
         key=f"{key}-shards",
@@ -220,7 +239,7 @@ def report_run(config: RunConfig) -> str:
         "|---|---|---|---|",
         *(
             f"| {r['version']} | {r['env']} | {r['reward']:.3f} | {r['count']} |"
-            for r in _rows(evals, ["version", "env", "reward", "count"])
+            for r in _rows(evals, EVALS_COLUMNS)
         ),
         "",
         "## Policy steps",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -156,3 +157,57 @@ def test_the_newest_version_evaluated_is_the_newest_that_verifies(tmp_path):
     again = evaluating(config, reuse=True)
     assert again["version"] == 0 and again["statuses"] == {}
     assert Tables(run_store(config)).read("evals").num_rows == len(config.orchestrator.mix)
+
+
+def _measured(config, version):
+    from rollout.evaluate import EvalResult
+
+    return EvalResult(
+        version=version,
+        reward={"arith": 0.25 * version, "guess": 0.5},
+        count={"arith": 4, "guess": 4},
+        statuses={"arith": {"ok": 4}, "guess": {"ok": 4}},
+    )
+
+
+def test_the_evaluate_flow_updates_the_runs_keyed_evals_artifact_with_every_version(tmp_path, monkeypatch):
+    import tasks.weights
+    from flows.evaluate import evaluate
+    from tasks.report import artifact_key
+    from tests.flows.prefect_api import artifacts_of
+
+    config = tiny_config(tmp_path / "runs", "Eval_Keyed", warm_start={"enabled": False})
+    monkeypatch.setattr(tasks.weights, "evaluate_weights", _measured)
+    states = [evaluate(config, version, return_state=True) for version in (1, 2)]
+    assert all(state.is_completed() for state in states)
+
+    first, second = (artifacts_of([s.state_details.flow_run_id]) for s in states)
+    assert [a.key for a in first + second] == [f"{artifact_key('Eval_Keyed')}-evals"] * 2
+    rows = [(r["version"], r["env"], r["reward"]) for r in json.loads(second[0].data)]
+    assert rows == [(1, "arith", 0.25), (1, "guess", 0.5), (2, "arith", 0.5), (2, "guess", 0.5)]
+
+
+def test_an_artifact_the_prefect_api_refuses_does_not_fail_an_evaluation_already_recorded(
+    tmp_path, monkeypatch, caplog
+):
+    """The rows are in the ``evals`` table before the artifact is made: a failed flow run
+    would be run again and record the version a second time."""
+    import httpx
+    from prefect.client.orchestration import SyncPrefectClient
+
+    import tasks.weights
+    from flows.evaluate import evaluate
+
+    def unreachable(*args, **kwargs):
+        raise httpx.ConnectError("the Prefect API is away")
+
+    config = tiny_config(tmp_path / "runs", "eval-api-away", warm_start={"enabled": False})
+    monkeypatch.setattr(tasks.weights, "evaluate_weights", _measured)
+    monkeypatch.setattr(SyncPrefectClient, "create_artifact", unreachable)
+
+    state = evaluate(config, 1, return_state=True)
+
+    assert state.is_completed()
+    assert state.result()["reward"] == {"arith": 0.25, "guess": 0.5}
+    assert Tables(run_store(config)).read("evals").num_rows == 2
+    assert "the evals artifact of run eval-api-away failed, the work goes on" in caplog.text
