@@ -32,6 +32,8 @@ class ProgressReporter:
     """A progress artifact of a count toward ``total`` (or of elapsed time toward a
     ``deadline`` when there is no total), updated at most every ``every_s`` seconds, and a
     log line (what the console shows while a flow runs) at most every ``log_every_s``.
+    The final update is sent and logged whatever the pace; its bar is the count toward
+    ``total`` (the work may end short of it), else full.
     An artifact the Prefect API fails to take is logged and skipped, never raised."""
 
     def __init__(
@@ -77,7 +79,7 @@ class ProgressReporter:
         try:
             update_progress_artifact(
                 self.artifact_id,
-                100.0 if final else self._percent(count),
+                100.0 if final and not self.total else self._percent(count),
                 description=f"{self.description}: {count}",
             )
         except Exception as exc:

@@ -16,6 +16,7 @@ from flows.config import RunConfig
 from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
 from storage.heartbeat import Heartbeat
+from storage.quota import RunQuota
 from storage.shards import ShardInfo
 from storage.status import (
     HeldRole,
@@ -211,6 +212,14 @@ def run_rollouts(
     return result
 
 
+def max_rollouts(config: RunConfig) -> int | None:
+    """The run's limit of rollouts, the total of its quota (``stop.max_rollouts``, else
+    ``orchestrator.max_rollouts``); None: no limit."""
+    if config.stop.max_rollouts is not None:
+        return config.stop.max_rollouts
+    return config.orchestrator.max_rollouts
+
+
 def _build_worker(
     config: RunConfig,
     worker_name: str,
@@ -222,9 +231,7 @@ def _build_worker(
     """The rollout worker of ``config`` and, on a Ray cluster, the env pool its environments
     run in, its actors started within ``engine.load_timeout_s`` (None locally; closed again
     when the worker cannot be built)."""
-    orchestrator = config.orchestrator
-    if config.stop.max_rollouts is not None:
-        orchestrator = orchestrator.model_copy(update={"max_rollouts": config.stop.max_rollouts})
+    orchestrator = config.orchestrator.model_copy(update={"max_rollouts": max_rollouts(config)})
     env_pool = None
     if config.cluster == "ray":
         from rollout.ray_engine import connect_ray
@@ -278,7 +285,19 @@ def rollouts(
     :func:`tasks.common.send_signal`) it also stops at signal ``stop``."""
     from tasks.report import ProgressReporter
 
-    progress = ProgressReporter("Rollouts finished", total=config.stop.max_rollouts, deadline=deadline)
+    limit = max_rollouts(config)
+    # against a limit the bar counts the run's rollouts, as the limit does: every worker's and
+    # every earlier flow run's, finished or in flight (claimed and not given back)
+    quota = None if limit is None else RunQuota(run_store(config), "rollouts", limit)
+    progress = ProgressReporter(
+        "Rollouts finished" if quota is None else "Rollouts of the run, done or in flight",
+        total=limit,
+        deadline=deadline,
+    )
+
+    def counted(finished: int) -> int:
+        """The bar's count, given the rollouts this worker finished."""
+        return finished if quota is None else quota.claimed()
 
     def committed(info: ShardInfo) -> None:
         emit_event(
@@ -298,9 +317,17 @@ def rollouts(
             config,
             deadline,
             worker_name,
-            on_progress=lambda s: progress.update(s["orchestrator"]["finished"], detail=rollout_detail(s)),
+            on_progress=lambda s: progress.update(
+                counted(s["orchestrator"]["finished"]),
+                detail=f"this worker finished {s['orchestrator']['finished']}, {rollout_detail(s)}",
+            ),
             on_shard=committed,
             stop=stop,
         )
-    progress.update(result["orchestrator"]["finished"], final=True)
+    # the quota's storage may fail for a moment: the rollouts are committed already
+    last_report = reporting(
+        lambda: progress.update(counted(result["orchestrator"]["finished"]), final=True),
+        f"last progress report of worker {worker_name}",
+    )
+    last_report()
     return result
