@@ -28,7 +28,8 @@ its writer (see ``MIN_SWEEP_AGE_S``), and vacuum would remove files that readers
 snapshots and the change feed still need."""
 
 
-@task(name="compact-table", **SIDE_EFFECTS, **STORAGE_RETRIES)
+# named as the flow's errors name the step: five runs of one name in the UI cannot be told apart
+@task(name="compact-table", task_run_name="compact-table {table}", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def compact_table(config: RunConfig, table: str, retention_hours: int) -> dict[str, Any]:
     tables = Tables(run_store(config))
     if tables.version(table) is None:

@@ -16,7 +16,7 @@ from flows.maintain import MIN_RETENTION_HOURS, maintain
 from flows.maintain import main as maintain_main
 from rl.models import load_policy, publish_policy
 from storage.shards import ShardReader, ShardWriter
-from storage.tables import Tables
+from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tasks.common import run_store
 from tasks.weights import build_base_version
@@ -184,3 +184,47 @@ def test_an_empty_shards_commit_keeps_the_shard_file_it_committed(tmp_path):
         maintain(config, keep_last=1, retention_hours=1)
 
     assert os.path.exists(shard)
+
+
+def task_run_names(flow_run_id, expected: int, timeout_s: float = 90.0) -> list[str]:
+    """The names of the flow run's task runs once ``expected`` of them are recorded (the
+    server records task runs from their events, asynchronously)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=30, at_exit=False)
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+            )
+            if len(runs) >= expected or time.monotonic() > deadline:
+                return sorted(run.name for run in runs)
+            time.sleep(0.5)
+
+
+def test_each_compaction_task_run_is_named_after_its_table(tmp_path):
+    config, _, _ = _run_with_history(tmp_path, "maintain-names")
+    state = maintain(config, keep_last=1, retention_hours=1, return_state=True)
+    assert state.is_completed()
+    names = task_run_names(state.state_details.flow_run_id, len(TABLE_SCHEMAS) + 2)
+    compactions = [name for name in names if name.startswith("compact-table")]
+    assert compactions == sorted(f"compact-table {table}" for table in TABLE_SCHEMAS)
+
+
+def test_the_maintain_deployment_says_each_step_the_flow_runs():
+    """The deployment's description is what the UI shows of it: it names every step."""
+    import yaml
+
+    with open(REPO / "deployments" / "prefect.yaml") as file:
+        deployments = yaml.safe_load(file)["deployments"]
+    (deployment,) = [d for d in deployments if d["entrypoint"] == "flows.maintain:maintain"]
+    said = deployment["description"]
+    for step in (
+        "Compact and vacuum the run's Delta tables",
+        "prune old weight versions",
+        "sweep shard files",
+    ):
+        assert step in said
