@@ -29,8 +29,8 @@ def rollout(
 
     Args:
         config: the run.
-        worker_name: the worker's name, its shard folder (letters, digits, ``_ . -``); one
-            running worker per name.
+        worker_name: the worker's name, its shard folder (letters, digits, ``_ . -``, not
+            starting with ``.``); one running worker per name.
     """
     with module_logs_to_run():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
@@ -46,7 +46,7 @@ def _worker_name(text: str) -> str:
     folder, before a flow run starts: the flow's own check fails the run with a traceback."""
     if not re.fullmatch(NAME_PATTERN, text):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a worker name: letters, digits, '_', '.', '-' only"
+            f"{text!r} is not a worker name: letters, digits, '_', '.', '-' only, not starting with '.'"
         )
     return text
 

@@ -78,8 +78,9 @@ file. A writer's file waits for its ``shards`` commit, one Delta append (retries
 included: seconds, a few minutes at worst); a file younger than this may still be
 committed, and sweeping it would leave that commit pointing at nothing."""
 
-NAME_PATTERN = r"^[A-Za-z0-9_.-]+$"
-"""What a worker or shard kind name may hold (it names a folder of shards)."""
+NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
+"""What a worker or shard kind name may hold (it names a folder of shards): not starting with
+'.', so never ``.`` or ``..`` (``shards/raw/..`` is ``shards/``)."""
 _NAME = re.compile(NAME_PATTERN)
 _NO_VERSION = 2**32
 
@@ -875,5 +876,8 @@ def _schema_diff(actual: pa.Schema, expected: pa.Schema) -> str:
 
 
 def _check_name(what: str, value: str) -> None:
-    if not isinstance(value, str) or not _NAME.match(value):
-        raise ValueError(f"{what} must be a non-empty name of letters, digits, '_', '.', '-'; got {value!r}")
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(
+            f"{what} must be a non-empty name of letters, digits, '_', '.', '-', not starting with '.'; "
+            f"got {value!r}"
+        )

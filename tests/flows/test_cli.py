@@ -545,7 +545,7 @@ def test_a_flows_help_states_the_default_of_each_of_its_options(capfd, monkeypat
     assert shown.returncode == 0 and says in " ".join(shown.stdout.split())
 
 
-@pytest.mark.parametrize("name", ["a b", "../w0", "w0\n"])
+@pytest.mark.parametrize("name", ["a b", "../w0", "w0\n", "..", "."])
 def test_a_worker_name_that_cannot_name_a_shard_folder_is_a_usage_error_before_a_flow_run(
     capfd, monkeypatch, tmp_path, name
 ):
@@ -559,7 +559,8 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_is_a_usage_error_before_a
     refused = treadle_here(capfd, monkeypatch, "run", "rollout", "--worker", name, "--set", root)
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert refused.stderr.splitlines()[-1].endswith(
-        f"argument --worker: {name!r} is not a worker name: letters, digits, '_', '.', '-' only"
+        f"argument --worker: {name!r} is not a worker name: letters, digits, '_', '.', '-' only, "
+        "not starting with '.'"
     )
     assert started == []
     accepted = treadle_here(capfd, monkeypatch, "run", "rollout", "--worker", "gpu-0.b_1", "--set", root)

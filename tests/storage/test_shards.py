@@ -514,6 +514,14 @@ def test_sweeping_refuses_an_age_a_live_writer_could_still_commit_within(local_s
     assert ShardReader(local_store).read(info).num_rows == 5
 
 
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "w0\n", "a/b", ""])
+def test_a_worker_name_that_is_not_a_folder_of_its_own_is_refused(local_store, name):
+    # ".." would put the worker's shards in shards/, beside every kind's folder
+    with pytest.raises(ValueError, match="worker must be a non-empty name"):
+        ShardWriter(local_store, name)
+    assert not local_store.fs.exists(local_store.path("shards"))
+
+
 def test_records_that_do_not_fit_the_types_or_columns_are_refused_at_the_call(local_store):
     writer = ShardWriter(local_store, "w0", flush_records=10)
     writer.write(make_record(0))
