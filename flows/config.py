@@ -247,6 +247,10 @@ class RunConfig(BaseModel):
             raise ValueError(f"{value!r} is not an IP address") from None
         if address.is_loopback and value != "127.0.0.1":
             raise ValueError(f"Ray keeps to loopback only on 127.0.0.1, not on {value}")
+        if address.is_unspecified:
+            raise ValueError(
+                f"{value} is no node's address: give this machine's own, or null for Ray's choice"
+            )
         return value
 
     @field_validator("run_id")

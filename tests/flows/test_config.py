@@ -71,6 +71,8 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("elastic:\n  min_train: 2\n", "elastic.min_train: Input should be less than or equal to 1"),
         ("cluster: ray\norchestrator:\n  mix: {agent: 1.0}\n", "'agent' drives its own program"),
         ("ray_node_ip: ray-head\n", "ray_node_ip: 'ray-head' is not an IP address"),
+        ("ray_node_ip: 0.0.0.0\n", "ray_node_ip: 0.0.0.0 is no node's address"),
+        ("ray_node_ip: '::'\n", "ray_node_ip: :: is no node's address"),
         (
             "ray_node_ip: 127.0.0.2\n",
             "ray_node_ip: Ray keeps to loopback only on 127.0.0.1, not on 127.0.0.2",
