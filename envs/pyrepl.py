@@ -28,6 +28,7 @@ from envs.sandbox import (
     Sandbox,
     SandboxError,
     descendants,
+    exited,
     kill_group,
     python_in_sandbox,
     read_some,
@@ -122,6 +123,9 @@ class PythonRepl:
         self._buffer = b""
         self.closed = False
         self._lock = threading.RLock()  # held by a run while it uses the pipes
+        self._reaping = threading.Lock()  # held to reap the interpreter, and to signal it or the run
+        self._wake: int | None = os.eventfd(0, os.EFD_CLOEXEC)  # readable once it is killed
+        self._killed = False
         # Handed out once the server says it runs: the sandbox has forked every process down to
         # the interpreter, so pinning the tree to an action's cores reaches the interpreter itself
         # (a process still being forked keeps the cores its parent had before the move).
@@ -135,7 +139,10 @@ class PythonRepl:
 
     @property
     def alive(self) -> bool:
-        return not self.closed and not self.sandbox.closed and self.proc.poll() is None
+        if self.closed or self.sandbox.closed:
+            return False
+        with self._reaping:
+            return self.proc.returncode is None and not exited(self.proc.pid)
 
     def run(self, code: str, timeout: float | None = None) -> ReplResult:
         """Execute ``code``; a timeout or a dead interpreter kills it and raises :class:`SandboxError`.
@@ -157,11 +164,16 @@ class PythonRepl:
         nonce = secrets.token_hex(8)
         try:
             sent = write_all(
-                self.proc.stdin.fileno(), json.dumps({"code": code, "id": nonce}).encode() + b"\n", deadline
+                self.proc.stdin.fileno(),
+                json.dumps({"code": code, "id": nonce}).encode() + b"\n",
+                deadline,
+                self._wake,
             )
         except BrokenPipeError:
             self._died(started)
         if not sent:
+            if self._killed:  # woken by close(), which closes the pipes once this run lets go
+                raise SandboxError("died", "the interpreter was closed while it took the code")
             self.close()
             raise SandboxError(
                 "timeout", f"the interpreter took no input for its {timeout:g} s limit; it was killed"
@@ -186,7 +198,7 @@ class PythonRepl:
         # the reply's JSON escapes each byte of output into at most 6 (a control byte: \u00XX)
         limit = 6 * self.sandbox.config.max_output_bytes + 1024
         while b"\n" not in self._buffer:
-            chunk = read_some(self.proc.stdout.fileno(), deadline)
+            chunk = read_some(self.proc.stdout.fileno(), deadline, self._wake)
             if chunk is None:
                 self.close()
                 raise late
@@ -217,10 +229,11 @@ class PythonRepl:
             ) from None
 
     def _died(self, started: float) -> None:
-        try:
-            status = self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            status = -1
+        self._kill()  # before it is reaped: what it left in its group goes too
+        deadline = time.monotonic() + 2.0
+        while (status := self._poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        status = -1 if status is None else status
         self.close()
         self.sandbox.check(ExecResult(status, "", False, time.monotonic() - started))
         raise SandboxError("died", f"the Python interpreter exited with status {status}")
@@ -232,26 +245,46 @@ class PythonRepl:
         A :meth:`run` in flight on another thread (that of a step whose caller was cancelled)
         sees the interpreter end, and the pipes are closed only once that run has let go of
         them: closed under the run, a number could be another descriptor's by the time the run
-        reads it (a pipe or socket of another rollout, whose data the run would take).
+        reads it (a pipe or socket of another rollout, whose data the run would take). The run
+        is woken too, and lets go at once: a process that left the interpreter's session
+        (``setsid``) is out of reach of the kill, and may hold the pipe open past the run's deadline.
         """
-        if self.closed:
-            return
-        tree = descendants(self.proc.pid) if self.proc.poll() is None else []
-        kill_group(self.proc.pid)
+        tree = self._kill()
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-            for stream in (self.proc.stdin, self.proc.stdout):
-                with contextlib.suppress(OSError):
-                    stream.close()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(self.proc.pid, signal.SIGKILL)
-                with contextlib.suppress(subprocess.TimeoutExpired):
+            with self._reaping:
+                os.close(self._wake)
+                self._wake = None
+                for stream in (self.proc.stdin, self.proc.stdout):
+                    with contextlib.suppress(OSError):
+                        stream.close()
+                try:
                     self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(self.proc.pid, signal.SIGKILL)
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(timeout=5)
             if self.proc.returncode is not None:
                 self.sandbox.disown(self.proc)
         wait_ended(tree, time.monotonic() + REAP_TIMEOUT_S)
+
+    def _kill(self) -> list[int]:
+        """SIGKILL the interpreter's group and session unless it is reaped (its pid may lead
+        another process's group by then), and wake a run in flight; the processes it had."""
+        with self._reaping:
+            tree = []
+            if self.proc.returncode is None:
+                tree = descendants(self.proc.pid)
+                kill_group(self.proc.pid)
+            self._killed = True
+            if self._wake is not None:
+                os.eventfd_write(self._wake, 1)
+            return tree
+
+    def _poll(self) -> int | None:
+        """Reap the interpreter if it has ended; its exit status then."""
+        with self._reaping:
+            return self.proc.poll()

@@ -564,15 +564,22 @@ def _feed(pipe: IO[bytes], data: bytes) -> None:
         pipe.close()
 
 
-def _ready(fd: int, event: int, timeout: float) -> bool:
-    """Whether ``fd`` is ready for ``event`` (or hung up, or failed) within ``timeout`` seconds.
+def _ready(fd: int, event: int, timeout: float, wake: int | None = None) -> bool:
+    """Whether ``fd`` is ready for ``event`` (or hung up, or failed), or ``wake`` is readable,
+    within ``timeout`` seconds.
 
     ``poll``, not ``select``: a busy worker holds more than ``FD_SETSIZE`` (1024) descriptors,
     and ``select`` refuses any numbered past that (``ValueError``).
     """
     poller = select.poll()
     poller.register(fd, event)
+    if wake is not None:
+        poller.register(wake, select.POLLIN)
     return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+
+
+def _woken(wake: int | None) -> bool:
+    return wake is not None and _ready(wake, select.POLLIN, 0)
 
 
 def read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, str | None]:
@@ -597,26 +604,30 @@ def read_capped(fd: int, cap: int, deadline: float) -> tuple[bytes, str | None]:
             return b"".join(chunks)[:cap], "output"
 
 
-def read_some(fd: int, deadline: float) -> bytes | None:
-    """What ``fd`` has ready once something arrives: ``b""`` at EOF, None if ``deadline`` passes first."""
+def read_some(fd: int, deadline: float, wake: int | None = None) -> bytes | None:
+    """What ``fd`` has ready once something arrives: ``b""`` at EOF or once ``wake`` is readable
+    (a closer's signal: a process outside the killed group may keep ``fd`` open), None if
+    ``deadline`` passes first."""
     left = deadline - time.monotonic()
-    if left <= 0 or not _ready(fd, select.POLLIN, left):
+    if left <= 0 or not _ready(fd, select.POLLIN, left, wake):
         return None
+    if _woken(wake):
+        return b""
     try:
         return os.read(fd, 65536)
     except OSError:  # EIO: the other side of a pty closed
         return b""
 
 
-def write_all(fd: int, data: bytes, deadline: float) -> bool:
-    """Write all of ``data`` to ``fd`` (set non-blocking) unless ``deadline`` passes first:
-    False then. A reader that stopped reading (a stuck interpreter, a stopped shell) cannot
-    hold the caller past its deadline once ``data`` outgrows the pipe's buffer."""
+def write_all(fd: int, data: bytes, deadline: float, wake: int | None = None) -> bool:
+    """Write all of ``data`` to ``fd`` (set non-blocking) unless ``deadline`` passes, or ``wake``
+    turns readable, first: False then. A reader that stopped reading (a stuck interpreter, a
+    stopped shell) cannot hold the caller past its deadline once ``data`` outgrows the pipe's buffer."""
     os.set_blocking(fd, False)
     view = memoryview(data)
     while view:
         left = deadline - time.monotonic()
-        if left <= 0 or not _ready(fd, select.POLLOUT, left):
+        if left <= 0 or not _ready(fd, select.POLLOUT, left, wake) or _woken(wake):
             return False
         with contextlib.suppress(BlockingIOError):
             view = view[os.write(fd, view) :]
@@ -719,6 +730,15 @@ def kill_group(pid: int) -> None:
     for member in _session_pids(pid):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(member, signal.SIGKILL)
+
+
+def exited(pid: int) -> bool:
+    """Whether the child ``pid`` has ended (or was reaped), leaving it unreaped: until it is
+    reaped its number cannot go to another process, so its group can still be killed."""
+    try:
+        return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:
+        return True
 
 
 def descendants(pid: int) -> list[int]:

@@ -9,6 +9,7 @@ echo off (no line-length limit, no echoed input) and bash runs without readline.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import signal
@@ -18,7 +19,7 @@ import time
 
 from ptyprocess import PtyProcess
 
-from envs.sandbox import ExecResult, Sandbox, SandboxError, kill_group, read_some, write_all
+from envs.sandbox import ExecResult, Sandbox, SandboxError, exited, kill_group, read_some, write_all
 
 _MARK = b"\x1eTRD"
 
@@ -69,6 +70,9 @@ class Shell:
         self.fd = self.proc.fd
         self.closed = False
         self._lock = threading.RLock()  # held by a run while it uses the pty
+        self._reaping = threading.Lock()  # held to reap the shell, and to signal it or the run
+        self._wake: int | None = os.eventfd(0, os.EFD_CLOEXEC)  # readable once the shell is killed
+        self._killed = False
         attrs = termios.tcgetattr(self.fd)
         attrs[1] &= ~termios.OPOST
         attrs[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG)
@@ -79,7 +83,10 @@ class Shell:
 
     @property
     def alive(self) -> bool:
-        return not self.closed and not self.sandbox.closed and self.proc.isalive()
+        if self.closed or self.sandbox.closed:
+            return False
+        with self._reaping:
+            return not self.proc.terminated and not exited(self.proc.pid)
 
     def run(self, command: str, timeout: float | None = None, wrap: bool = True) -> ExecResult:
         """Run ``command`` in the shell; returns its output and exit status.
@@ -101,7 +108,9 @@ class Shell:
         body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
         line = f"{body}\nprintf '\\036TRD{nonce}:%s\\036' \"$?\"\n"
         started = time.monotonic()
-        if not write_all(self.fd, line.encode(), started + timeout):
+        if not write_all(self.fd, line.encode(), started + timeout, self._wake):
+            if self._killed:  # woken by close(), which closes the pty once this run lets go
+                raise SandboxError("died", "the shell was closed while it took the command")
             self.close()
             raise SandboxError(
                 "timeout", f"the shell took no input for its {timeout:g} s wall-clock limit; it was killed"
@@ -137,8 +146,9 @@ class Shell:
                     f"command ran past its {timeout:g} s wall-clock limit; the shell was killed",
                     _printed(buffer, cap),
                 )
-            chunk = read_some(self.fd, started + timeout)
+            chunk = read_some(self.fd, started + timeout, self._wake)
             if chunk == b"":
+                self._kill()  # before it is reaped: what it left in its group goes too
                 status = self._exit_status()
                 output = _printed(buffer, cap)
                 self.close()
@@ -149,9 +159,9 @@ class Shell:
     def _exit_status(self) -> int:
         """Exit status of the exited shell (negative: the signal that killed it)."""
         deadline = time.monotonic() + 2.0
-        while self.proc.isalive() and time.monotonic() < deadline:
+        while not self._reaped() and time.monotonic() < deadline:
             time.sleep(0.01)
-        if self.proc.isalive():
+        if not self._reaped():
             return -1
         return -self.proc.signalstatus if self.proc.signalstatus else self.proc.exitstatus
 
@@ -161,16 +171,34 @@ class Shell:
         A :meth:`run` in flight on another thread (that of a step whose caller was cancelled)
         sees the shell end, and the pty is closed only once that run has let go of it: closed
         under the run, its number could be another descriptor's by the time the run reads it
-        (a pipe or socket of another rollout, whose data the run would take).
+        (a pipe or socket of another rollout, whose data the run would take). The run is woken
+        too, and lets go at once: a process that left the shell's session (``setsid``) is out of
+        reach of the kill, and may hold the pty open past the run's deadline.
         """
-        if self.closed:
-            return  # reaped: its pid may lead another process's group by now
-        kill_group(self.proc.pid)
+        self._kill()
         with self._lock:
             if self.closed:
                 return
             self.closed = True
-            if self.proc.isalive():
-                self.proc.terminate(force=True)
-            self.proc.close(force=True)
+            with self._reaping:
+                os.close(self._wake)
+                self._wake = None
+                if self.proc.isalive():
+                    self.proc.terminate(force=True)
+                self.proc.close(force=True)
             self.sandbox.disown(self.proc)
+
+    def _kill(self) -> None:
+        """SIGKILL the shell's group and session unless it is reaped (its pid may lead another
+        process's group by then), and wake a run in flight."""
+        with self._reaping:
+            if not self.proc.terminated:
+                kill_group(self.proc.pid)
+            self._killed = True
+            if self._wake is not None:
+                os.eventfd_write(self._wake, 1)
+
+    def _reaped(self) -> bool:
+        """Reap the shell if it has ended; whether it is reaped."""
+        with self._reaping:
+            return not self.proc.isalive()

@@ -357,12 +357,12 @@ def test_closing_a_shell_or_interpreter_under_a_run_never_lets_the_run_read_anot
     reading, go_on = threading.Event(), threading.Event()
     read_fds, outcome = [], []
 
-    def held_read_some(fd, deadline):
+    def held_read_some(fd, deadline, wake=None):
         if threading.current_thread() is runner:
             read_fds.append(fd)
             reading.set()
             go_on.wait(3)  # a close that waits for the run waits this long, then the run reads
-        return real_read_some(fd, deadline)
+        return real_read_some(fd, deadline, wake)
 
     def run():
         try:
@@ -391,6 +391,132 @@ def test_closing_a_shell_or_interpreter_under_a_run_never_lets_the_run_read_anot
         assert len(outcome) == 1 and isinstance(outcome[0], SandboxError)
         for fd in (other, writer, *taken):
             os.close(fd)
+
+
+ESCAPE = "setsid sh -c 'echo $$ > escaped.tmp; mv escaped.tmp escaped; exec sleep 120' &"
+ESCAPED_FORK = """
+import os, time
+if os.fork() == 0:
+    os.setsid()
+    with open("escaped.tmp", "w") as handle:
+        handle.write(str(os.getpid()))
+    os.rename("escaped.tmp", "escaped")
+    time.sleep(120)
+"""
+
+
+def _escaped(box: Sandbox) -> int:
+    """The pid a command that left its session wrote to ``escaped`` in the working directory."""
+    pid_file = Path(box.workdir, "escaped")
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return int(pid_file.read_text())
+
+
+@pytest.mark.parametrize(
+    ("start", "command"),
+    [
+        (Shell, f"{ESCAPE} sleep 120"),
+        (PythonRepl, ESCAPED_FORK + "time.sleep(120)"),
+    ],
+)
+def test_closing_a_shell_or_interpreter_under_a_run_returns_while_an_escaped_process_holds_its_output(
+    start, command
+):
+    """A command can leave the session (``setsid``, a daemon) with the pty or pipe still open:
+    under the process backend the kill cannot reach it, the run in flight on another thread
+    never reads EOF, and close(), which closes the descriptors only once the run has let go,
+    waited out the run's whole timeout. It wakes the run instead."""
+    outcome = []
+
+    def run():
+        try:
+            outcome.append(process.run(command))
+        except SandboxError as exc:
+            outcome.append(exc)
+
+    with Sandbox(SMALL.model_copy(update={"backend": "process", "timeout_s": 60})) as box:
+        process = start(box)
+        runner = threading.Thread(target=run)
+        runner.start()
+        escaped = _escaped(box)
+        try:
+            started = time.monotonic()
+            process.close()
+            closed_in = time.monotonic() - started
+            runner.join()
+            assert closed_in < 30, f"close() waited {closed_in:.1f} s for the run"
+            assert len(outcome) == 1 and isinstance(outcome[0], SandboxError)
+            assert outcome[0].kind == "died"
+        finally:
+            os.kill(escaped, signal.SIGKILL)
+
+
+def _shell_stopped(process: Shell, box: Sandbox) -> bool:
+    return _stopped_under(process.proc.pid)
+
+
+def _interpreter_asleep(process: PythonRepl, box: Sandbox) -> bool:
+    return os.path.exists(os.path.join(box.workdir, "asleep"))
+
+
+@pytest.mark.parametrize(
+    ("start", "setup", "halted"),
+    [
+        (Shell, f"{ESCAPE} (sleep 1; kill -STOP $$) &", _shell_stopped),
+        (
+            PythonRepl,
+            ESCAPED_FORK
+            + "import signal\n"
+            + "signal.signal(signal.SIGALRM, lambda *a: (open('asleep', 'w').close(), time.sleep(10**6)))\n"
+            + "signal.alarm(1)",
+            _interpreter_asleep,
+        ),
+    ],
+)
+def test_closing_a_shell_or_interpreter_under_a_run_returns_while_an_escaped_process_holds_its_input(
+    start, setup, halted, monkeypatch
+):
+    """The shell or interpreter stopped reading, and a process that left its session holds
+    the pty or pipe open: the run's write of a call bigger than the buffer waits, and the
+    kill cannot end that wait. close() wakes the run rather than waiting out its timeout."""
+    module = sys.modules[start.__module__]
+    real_write_all = module.write_all
+    writing, outcome = threading.Event(), []
+
+    def signalled_write_all(*args):
+        writing.set()
+        return real_write_all(*args)
+
+    def run():
+        try:
+            outcome.append(process.run("x = '" + "a" * 200_000 + "'"))
+        except SandboxError as exc:
+            outcome.append(exc)
+
+    with Sandbox(SMALL.model_copy(update={"backend": "process", "timeout_s": 60})) as box:
+        process = start(box)
+        process.run(setup)
+        escaped = _escaped(box)
+        try:
+            deadline = time.monotonic() + 30
+            while not halted(process, box) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert halted(process, box), "the shell or interpreter never stopped reading"
+            monkeypatch.setattr(module, "write_all", signalled_write_all)
+            runner = threading.Thread(target=run)
+            runner.start()
+            writing.wait()
+            started = time.monotonic()
+            process.close()
+            closed_in = time.monotonic() - started
+            runner.join()
+            assert closed_in < 30, f"close() waited {closed_in:.1f} s for the run"
+            assert len(outcome) == 1 and isinstance(outcome[0], SandboxError)
+            assert outcome[0].kind == "died"
+        finally:
+            os.kill(escaped, signal.SIGKILL)
 
 
 @pytest.mark.parametrize("backend", ["bwrap", "process"])
