@@ -519,6 +519,37 @@ def test_closing_a_shell_or_interpreter_under_a_run_returns_while_an_escaped_pro
             os.kill(escaped, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("start", [Shell, PythonRepl])
+def test_a_second_close_never_kills_the_group_of_the_pid_the_first_one_reaped(start, monkeypatch):
+    """Two closes at once (a timed-out run's and the env's cleanup): the second passed its
+    unlocked check, the first reaped the process, and the second then killed the group of
+    the reaped pid, which may lead another process's group by then. The second close's kill
+    is held until the first close has returned (or, once reaping waits for the kill, for a
+    while); the pid must still be the process's own when it is killed."""
+    module = sys.modules[start.__module__]
+    real_kill_group = module.kill_group
+    killing, first_done = threading.Event(), threading.Event()
+    unreaped_at_kill = []
+
+    def held_kill_group(pid):
+        if threading.current_thread() is second:
+            killing.set()
+            first_done.wait(3)
+            unreaped_at_kill.append(os.path.exists(f"/proc/{pid}"))
+        real_kill_group(pid)
+
+    with Sandbox(SMALL) as box:
+        process = start(box)
+        monkeypatch.setattr(module, "kill_group", held_kill_group)
+        second = threading.Thread(target=process.close)
+        second.start()
+        killing.wait()
+        process.close()
+        first_done.set()
+        second.join()
+        assert unreaped_at_kill == [True]
+
+
 @pytest.mark.parametrize("backend", ["bwrap", "process"])
 def test_closing_reaps_the_shell_and_interpreter_it_kills(backend):
     """A sandbox closed with its shell and interpreter still open (their owners never close
