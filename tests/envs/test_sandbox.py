@@ -414,6 +414,18 @@ def _escaped(box: Sandbox) -> int:
     return int(pid_file.read_text())
 
 
+def _assert_close_wakes_the_run(process: Shell | PythonRepl, runner: threading.Thread, outcome: list) -> None:
+    """``process.close()`` under the run in ``runner`` returns well before the run's 60 s
+    timeout, and the run ends ``died``."""
+    started = time.monotonic()
+    process.close()
+    closed_in = time.monotonic() - started
+    runner.join()
+    assert closed_in < 30, f"close() waited {closed_in:.1f} s for the run"
+    assert len(outcome) == 1 and isinstance(outcome[0], SandboxError)
+    assert outcome[0].kind == "died"
+
+
 @pytest.mark.parametrize(
     ("start", "command"),
     [
@@ -442,13 +454,7 @@ def test_closing_a_shell_or_interpreter_under_a_run_returns_while_an_escaped_pro
         runner.start()
         escaped = _escaped(box)
         try:
-            started = time.monotonic()
-            process.close()
-            closed_in = time.monotonic() - started
-            runner.join()
-            assert closed_in < 30, f"close() waited {closed_in:.1f} s for the run"
-            assert len(outcome) == 1 and isinstance(outcome[0], SandboxError)
-            assert outcome[0].kind == "died"
+            _assert_close_wakes_the_run(process, runner, outcome)
         finally:
             os.kill(escaped, signal.SIGKILL)
 
@@ -508,13 +514,7 @@ def test_closing_a_shell_or_interpreter_under_a_run_returns_while_an_escaped_pro
             runner = threading.Thread(target=run)
             runner.start()
             writing.wait()
-            started = time.monotonic()
-            process.close()
-            closed_in = time.monotonic() - started
-            runner.join()
-            assert closed_in < 30, f"close() waited {closed_in:.1f} s for the run"
-            assert len(outcome) == 1 and isinstance(outcome[0], SandboxError)
-            assert outcome[0].kind == "died"
+            _assert_close_wakes_the_run(process, runner, outcome)
         finally:
             os.kill(escaped, signal.SIGKILL)
 

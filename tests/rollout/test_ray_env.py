@@ -25,6 +25,17 @@ def local_ray():
     ray.shutdown()
 
 
+async def _give_up_on_reset(env, task, waiting: str) -> None:
+    """Start ``env``'s reset and cancel it, as a driver that stops waiting does, once it has
+    made the file ``waiting`` on the actor."""
+    reset = asyncio.ensure_future(env.reset(task))
+    while not os.path.exists(waiting):
+        await asyncio.sleep(0.01)
+    reset.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reset
+
+
 def test_closing_an_env_stops_the_reset_its_driver_gave_up_on(tmp_path, monkeypatch):
     """A driver that stops waiting for a reset (its rollout cancelled or out of time) does not
     stop it on the actor, and the rollout's cleanup closes the env meanwhile: the reset went
@@ -57,12 +68,7 @@ def test_closing_an_env_stops_the_reset_its_driver_gave_up_on(tmp_path, monkeypa
         pool = RayEnvPool({"held_shell": config}, num_workers=1)
         try:
             env = pool.make_env(task)
-            reset = asyncio.ensure_future(env.reset(task))
-            while not os.path.exists(waiting):
-                await asyncio.sleep(0.01)
-            reset.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await reset
+            await _give_up_on_reset(env, task, waiting)
             await env.close()
             stopped_by_close = os.path.exists(stopped)
             open(go, "w").close()
@@ -104,12 +110,7 @@ def test_closing_an_env_whose_driver_gave_up_on_its_open_closes_it(tmp_path, mon
         pool = RayEnvPool({"slow_to_open_shell": config}, num_workers=1)
         try:
             env = pool.make_env(task)
-            reset = asyncio.ensure_future(env.reset(task))
-            while not os.path.exists(waiting):
-                await asyncio.sleep(0.01)
-            reset.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await reset
+            await _give_up_on_reset(env, task, waiting)
             open(go, "w").close()
             await env.close()
             (actor,) = pool.actors
