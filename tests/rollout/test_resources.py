@@ -233,15 +233,7 @@ def test_a_service_is_last_used_when_its_call_ends():
         manager.register(name, make_service(seed))
 
     async def main():
-        done_with_a = asyncio.Event()
-
-        async def use_a():
-            async with manager.use("a"):
-                await done_with_a.wait()
-
-        caller = asyncio.ensure_future(use_a())
-        while "a" not in manager.resident:
-            await asyncio.sleep(0)
+        done_with_a, caller = await _held(manager, "a")
         async with manager.use("b"):
             pass
         done_with_a.set()
@@ -347,6 +339,21 @@ async def _use(manager, name, order):
         order.append(name)
 
 
+async def _held(manager, name) -> tuple[asyncio.Event, asyncio.Future]:
+    """A call to ``name`` that keeps it in use until the event is set; returns once it is
+    resident, with the event and the call."""
+    done = asyncio.Event()
+
+    async def hold():
+        async with manager.use(name):
+            await done.wait()
+
+    caller = asyncio.ensure_future(hold())
+    while name not in manager.resident:
+        await asyncio.sleep(0)
+    return done, caller
+
+
 def test_service_manager_errors():
     with pytest.raises(ValueError, match="budget_bytes"):
         ServiceManager(device="cpu")
@@ -431,15 +438,7 @@ def test_a_caller_cancelled_while_it_gives_its_service_back_leaves_it_evictable(
         real(module, parked)
 
     async def main():
-        done_with_a = asyncio.Event()
-
-        async def use_a():
-            async with manager.use("a"):
-                await done_with_a.wait()
-
-        caller = asyncio.ensure_future(use_a())
-        while "a" not in manager.resident:
-            await asyncio.sleep(0)
+        done_with_a, caller = await _held(manager, "a")
         monkeypatch.setattr(manager, "_copy_in", held_copy)
         loading = asyncio.ensure_future(_use(manager, "b", []))
         while not copying.is_set():
