@@ -5,6 +5,8 @@ User ``calc 123*456%97``; an action is ``run: <code>`` (observation: what it pri
 Progress is 0.5 once a run's whole output is the right number, 1 with the right answer.
 When the sandbox stops a run (too long, too much output, into the isolation) the observation
 says so (``[stopped: KIND: ...]``); an interpreter it killed starts afresh, variables gone.
+Problems are split by a canonical key (``456*123%97`` is ``123*456%97``), so a problem held
+out for eval never has its commuted twin in train.
 """
 
 from __future__ import annotations
@@ -39,6 +41,13 @@ class PyToolConfig(EnvConfig):
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of problems held out for eval.")
 
 
+def split_key(expr: str) -> str:
+    """``a*b%m`` with the factors in order: both orders share a split."""
+    product, modulus = expr.split("%")
+    a, b = sorted(product.split("*"), key=int)
+    return f"{a}*{b}%{modulus}"
+
+
 class PyToolEnv(Env):
     """Compute ``a*b%m`` (too long to do in the head of a tiny model); reward 1 for the right answer."""
 
@@ -56,7 +65,7 @@ class PyToolEnv(Env):
             )
 
         def accept(task: Task) -> bool:
-            return in_eval_split(task.id, cfg.eval_fraction) == (split == "eval")
+            return in_eval_split(split_key(task.data["expr"]), cfg.eval_fraction) == (split == "eval")
 
         return sample_unique(random.Random(f"{seed}/{split}"), make, accept, n)
 

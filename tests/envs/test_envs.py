@@ -14,6 +14,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from envs import pytool
 from envs.arith import add_without_carry, subtract_without_borrow
 from envs.base import Task, TooFewTasks, sample_unique
 from envs.guess import GuessConfig, problems
@@ -90,6 +91,28 @@ def test_arith_commuted_twins_share_a_split():
     train = {(t.data["a"], t.data["b"]) for t in task_set("arith", "train", seed=0, n=5000)}
     evals = task_set("arith", "eval", seed=0, n=500)
     assert not [t.prompt for t in evals if (t.data["b"], t.data["a"]) in train]
+
+
+def test_pytool_commuted_twins_share_a_split(monkeypatch):
+    """The train split's own filter refuses the twin ``b*a%m`` of every eval task ``a*b%m``."""
+    filters = []
+
+    def spying(rng, make, accept, n):
+        filters.append(accept)
+        return sample_unique(rng, make, accept, n)
+
+    monkeypatch.setattr(pytool, "sample_unique", spying)
+    task_set("pytool", "train", seed=0, n=1)
+    in_train = filters[0]
+    evals = task_set("pytool", "eval", seed=0, n=300)
+    twins = []
+    for task in evals:
+        product, modulus = task.data["expr"].split("%")
+        a, b = product.split("*")
+        twins.append(
+            Task(env="pytool", id=f"{b}*{a}%{modulus}", prompt="", data={"expr": f"{b}*{a}%{modulus}"})
+        )
+    assert not [twin.id for twin in twins if in_train(twin)]
 
 
 def needs_borrow(a, b):
