@@ -106,12 +106,13 @@ class ArithEnv(Env):
         return user(task.prompt)
 
     async def step(self, action: str) -> StepResult:
-        task = self._require_task()
-        self.turns += 1
+        task = self._next_turn()
         self.answer = action.strip()
         expected = solve(task.data["a"], task.data["op"], task.data["b"])
         reward = float(self.answer == str(expected))
-        return StepResult([], reward, True, digit_progress(self.answer, expected), {"expected": expected})
+        return self._ended(
+            StepResult([], reward, True, digit_progress(self.answer, expected), {"expected": expected})
+        )
 
     async def evaluate(self) -> float:
         task = self._require_task()

@@ -206,6 +206,7 @@ class Env(ABC):
         self.config = self.config_cls.model_validate(data)
         self.task: Task | None = None
         self.turns = 0
+        self.done = False
         self.sandbox: Sandbox | None = None
         # cores granted to the action now running, set by the rollout service (None: no grant)
         self.cores: frozenset[int] | None = None
@@ -226,7 +227,7 @@ class Env(ABC):
 
     @abstractmethod
     async def step(self, action: str) -> StepResult:
-        """Apply the model's ``action``."""
+        """Apply the model's ``action``; refused once the episode is done (:meth:`_next_turn`)."""
 
     @abstractmethod
     async def evaluate(self) -> float:
@@ -281,11 +282,28 @@ class Env(ABC):
             raise ValueError(f"task {task.id!r} belongs to env {task.env!r}, not {self.name!r}")
         self.task = task
         self.turns = 0
+        self.done = False
 
     def _require_task(self) -> Task:
         if self.task is None:
             raise RuntimeError(f"{self.name}: call reset(task) before step/evaluate")
         return self.task
+
+    def _next_turn(self) -> Task:
+        """The task, one more action counted; refused once the episode is done (an action after
+        the end would change what EVAL scores: a lost game won, a wrong answer replaced)."""
+        task = self._require_task()
+        if self.done:
+            raise RuntimeError(
+                f"{self.name}: the episode of task {task.id!r} is done; reset before another step"
+            )
+        self.turns += 1
+        return task
+
+    def _ended(self, result: StepResult) -> StepResult:
+        """``result``, the episode marked done when it is (a step's last word)."""
+        self.done = result.done
+        return result
 
 
 class TooFewTasks(ValueError):

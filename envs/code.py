@@ -182,10 +182,9 @@ class CodeEnv(Env):
         return user(task.prompt)
 
     async def step(self, action: str) -> StepResult:
-        self._require_task()
-        self.turns += 1
+        self._next_turn()
         self.solution = action
-        return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
+        return self._ended(StepResult([], 0.0, True, 0.0, {"scored_at": "eval"}))
 
     def eval_request(self) -> ResourceRequest | None:
         """The test run: elastic on 1..``test_cores`` cores, Amdahl scaling."""

@@ -231,14 +231,13 @@ class DatasetEnv(Env):
         return user(task.prompt)
 
     async def step(self, action: str) -> StepResult:
-        task = self._require_task()
-        self.turns += 1
+        task = self._next_turn()
         if self.config.verifier in ("exact", "numeric"):
             score = self.verify(action, task.data["answer"])
         else:
             score = await asyncio.to_thread(self.verify, action, task.data["answer"])
         self.score = clamp_score(score)
-        return StepResult([], self.score, True, self.score, {})
+        return self._ended(StepResult([], self.score, True, self.score, {}))
 
     async def evaluate(self) -> float:
         self._require_task()

@@ -131,8 +131,7 @@ class GuessEnv(Env):
         return 1.0 - max(self.high - self.low + 1, 0) / (span + 1)
 
     async def step(self, action: str) -> StepResult:
-        task = self._require_task()
-        self.turns += 1
+        task = self._next_turn()
         target = task.data["target"]
         text = action.strip()
         if not NUMBER.fullmatch(text):
@@ -146,7 +145,9 @@ class GuessEnv(Env):
             else:
                 self.high, feedback = min(self.high, guess - 1), "lower"
         done = self.found or self.turns >= self.config.max_turns
-        return StepResult(user(feedback), float(self.found), done, self._progress(), {"turns": self.turns})
+        return self._ended(
+            StepResult(user(feedback), float(self.found), done, self._progress(), {"turns": self.turns})
+        )
 
     async def evaluate(self) -> float:
         self._require_task()

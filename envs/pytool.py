@@ -101,20 +101,19 @@ class PyToolEnv(Env):
         return repl.proc.pid if repl is not None and repl.alive else None
 
     async def step(self, action: str) -> StepResult:
-        task = self._require_task()
-        self.turns += 1
+        task = self._next_turn()
         text = action.strip()
         expected = str(task.data["answer"])
         if text.startswith("answer:"):
             self.answer = text.removeprefix("answer:").strip()
             reward = float(self.answer == expected)
-            return StepResult([], reward, True, max(reward, 0.5 * self.seen_answer), {})
+            return self._ended(StepResult([], reward, True, max(reward, 0.5 * self.seen_answer), {}))
         if text.startswith("run:"):
             feedback = await self._run(text.removeprefix("run:").strip(), expected)
         else:
             feedback = "use run: or answer:"
         done = self.turns >= self.config.max_turns
-        return StepResult(user(feedback), 0.0, done, 0.5 * self.seen_answer, {})
+        return self._ended(StepResult(user(feedback), 0.0, done, 0.5 * self.seen_answer, {}))
 
     async def _run(self, code: str, expected: str) -> str:
         """Run ``code`` in the interpreter; what the model sees of it."""

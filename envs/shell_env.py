@@ -148,14 +148,13 @@ class ShellEnv(Env):
         return shell.proc.pid if shell is not None and shell.alive else None
 
     async def step(self, action: str) -> StepResult:
-        self._require_task()
-        self.turns += 1
+        self._next_turn()
         text = action.strip()
         if text.startswith("answer:"):
             self.answer = text.removeprefix("answer:").strip()
-            return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
+            return self._ended(StepResult([], 0.0, True, 0.0, {"scored_at": "eval"}))
         if text == "done":
-            return StepResult([], 0.0, True, 0.0, {"scored_at": "eval"})
+            return self._ended(StepResult([], 0.0, True, 0.0, {"scored_at": "eval"}))
         done = self.turns >= self.config.max_turns
         try:
             result = await asyncio.to_thread(self.shell.run, text)
@@ -165,11 +164,13 @@ class ShellEnv(Env):
             if not self.shell.alive:
                 self.shell = await to_thread_to_the_end(Shell, self.sandbox, discard=Shell.close)
             shown = stopped(exc, self.config.max_observation_chars)
-            return StepResult(user(shown), 0.0, done, 0.0, {"stopped": exc.kind})
+            return self._ended(StepResult(user(shown), 0.0, done, 0.0, {"stopped": exc.kind}))
         shown = result.output.strip()[-self.config.max_observation_chars :]
         if result.exit_code:
             shown = f"{shown}\n[exit {result.exit_code}]".strip()
-        return StepResult(user(shown or "(no output)"), 0.0, done, 0.0, {"exit_code": result.exit_code})
+        return self._ended(
+            StepResult(user(shown or "(no output)"), 0.0, done, 0.0, {"exit_code": result.exit_code})
+        )
 
     async def evaluate(self) -> float:
         task = self._require_task()

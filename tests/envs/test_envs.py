@@ -73,6 +73,37 @@ def test_scripted_solver_wins(name):
         assert result.done and result.reward == 1.0 and score == 1.0 and result.progress == 1.0
 
 
+LOSING = {
+    "arith": "-1",
+    "guess": "-1",
+    "pytool": "answer: -1",
+    "code": "def f(x): return None",
+    "shell": "done",
+}
+
+
+@pytest.mark.parametrize(
+    "name", ["arith", "guess", *(pytest.param(n, marks=needs_bwrap) for n in ("pytool", "code", "shell"))]
+)
+def test_a_step_after_the_episode_is_done_is_refused(name):
+    """The scripted solver's actions, played after a lost episode ended, win nothing."""
+    task = task_set(name, "train", seed=3, n=1)[0]
+
+    async def run():
+        env = make(name, max_turns=1, sandbox=SMALL)
+        try:
+            await env.reset(task)
+            assert (await env.step(LOSING[name])).done
+            with pytest.raises(RuntimeError, match="is done; reset before another step"):
+                for action in demonstrate(task):
+                    await env.step(action)
+            return await env.evaluate()
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()) == 0.0
+
+
 def test_arith_flawed_drops_carries():
     rng = random.Random(0)
     for _ in range(200):
