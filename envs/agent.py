@@ -35,12 +35,13 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from envs.base import (
     ActionGate,
     Env,
     EnvConfig,
+    Id,
     ResourceRequest,
     Split,
     StepResult,
@@ -116,7 +117,9 @@ class GatewaySession:
 class AgentTask(BaseModel):
     """One task of the agent env (from config)."""
 
-    id: str = Field(description="Stable task id.")
+    model_config = ConfigDict(extra="forbid")
+
+    id: Id = Field(description="Stable task id.")
     prompt: str = Field(description="What the agent is asked to do (TREADLE_TASK).")
     data: dict = Field(
         default_factory=dict, description="Extra fields written to task.json for the agent and EVAL."

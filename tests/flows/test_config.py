@@ -89,6 +89,8 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
             "orchestrator:\n  mix: {agent: 1.0}\nwarm_start:\n  enabled: false\n",
             "envs.agent.command: 'agent' is in orchestrator.mix and needs it set",
         ),
+        ("envs:\n  agent: {tasks: [{id: a, prompt: p, dta: {}}]}\n", "envs.agent.tasks.0.dta"),
+        ("envs:\n  agent: {tasks: [{id: ' ', prompt: p}]}\n", "envs.agent.tasks.0.id"),
         (
             "orchestrator:\n  mix: {dataset: 1.0}\nwarm_start:\n  enabled: false\nenvs:\n  dataset: {path: ''}\n",
             "envs.dataset.path: 'dataset' is in orchestrator.mix and needs it set",
