@@ -129,7 +129,7 @@ class AgentTask(BaseModel):
 class AgentConfig(EnvConfig):
     """The agent program, its EVAL command and its tasks."""
 
-    required_fields: ClassVar[tuple[str, ...]] = ("command",)
+    required_fields: ClassVar[tuple[str, ...]] = ("command", "tasks")
 
     command: str = Field("", description="Shell command that runs the agent inside the sandbox.")
     eval_command: str = Field(

@@ -89,6 +89,10 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
             "orchestrator:\n  mix: {agent: 1.0}\nwarm_start:\n  enabled: false\n",
             "envs.agent.command: 'agent' is in orchestrator.mix and needs it set",
         ),
+        (
+            "orchestrator:\n  mix: {agent: 1.0}\nwarm_start:\n  enabled: false\nenvs:\n  agent: {command: run}\n",
+            "envs.agent.tasks: 'agent' is in orchestrator.mix and needs it set",
+        ),
         ("envs:\n  agent: {tasks: [{id: a, prompt: p, dta: {}}]}\n", "envs.agent.tasks.0.dta"),
         ("envs:\n  agent: {tasks: [{id: ' ', prompt: p}]}\n", "envs.agent.tasks.0.id"),
         (
@@ -576,7 +580,7 @@ def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, f
     ],
 )
 def test_an_env_with_no_scripted_solver_loads_once_the_warm_start_leaves_it_out(tmp_path, text):
-    text += "envs:\n  agent: {command: python3 agent.py}\n"
+    text += "envs:\n  agent: {command: python3 agent.py, tasks: [{id: t1, prompt: fix the bug}]}\n"
     assert "agent" in load_config(write_config(tmp_path, text)).orchestrator.mix
 
 
