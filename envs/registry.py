@@ -52,6 +52,8 @@ def task_set(
     """``n`` tasks of env ``name`` from ``split`` (train or eval, disjoint), reproducible from ``seed``."""
     if split not in ("train", "eval"):
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+    if n < 0:
+        raise ValueError(f"n (the number of tasks) must be >= 0, got {n}")
     return env_class(name).tasks(split, seed, n, make_config(name, config))
 
 

@@ -875,3 +875,10 @@ def test_registry_knows_every_env():
     assert set(REGISTRY) == {"arith", "guess", "pytool", "code", "shell", "dataset", "agent"}
     with pytest.raises(KeyError, match="unknown environment"):
         make("nope")
+
+
+@pytest.mark.parametrize("name", ["arith", "guess"])
+def test_a_negative_task_count_is_refused(name):
+    """Not every task sample_unique drew (arith) nor none (guess): a clear error."""
+    with pytest.raises(ValueError, match="n \\(the number of tasks\\) must be >= 0, got -1"):
+        task_set(name, "train", seed=0, n=-1)
