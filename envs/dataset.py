@@ -25,6 +25,7 @@ import math
 import random
 import re
 from collections.abc import Callable
+from decimal import Decimal, InvalidOperation, Overflow
 from typing import ClassVar
 
 import pyarrow.parquet as pq
@@ -73,9 +74,20 @@ class DatasetConfig(EnvConfig):
 
 
 def _numeric(answer: str, reference: str, tolerance: float) -> float:
+    """1.0 when the numbers are at most ``tolerance`` apart. They are read as decimals, not
+    floats: two long numerals one float apart (``2**64`` and ``2**64 - 1``) are one number as
+    floats, and a numeral past the float range (``1e999``) is infinity."""
     try:
-        return float(math.isclose(float(answer), float(reference), rel_tol=0.0, abs_tol=tolerance))
-    except ValueError:
+        got, want = Decimal(answer), Decimal(reference)
+    except InvalidOperation:
+        return 0.0
+    if got.is_nan() or want.is_nan():
+        return 0.0
+    if got.is_infinite() or want.is_infinite():
+        return float(got == want)
+    try:
+        return float(abs(got - want) <= Decimal(repr(tolerance)))
+    except Overflow:  # a difference past the decimal range is past any tolerance
         return 0.0
 
 

@@ -871,6 +871,25 @@ def test_dataset_verifier_returning_nan_scores_zero(tmp_path):
     assert result.reward == result.progress == score == 0.0
 
 
+@pytest.mark.parametrize(
+    ("reference", "answer", "score"),
+    [
+        ("18446744073709551616", "18446744073709551615", 0.0),  # 2**64 and 2**64 - 1: one float
+        ("18446744073709551616", "1.8446744073709551616e19", 1.0),
+        ("0.1", "0.1000005", 1.0),
+        ("0.1", "0.1000015", 0.0),
+        ("inf", "1e999", 0.0),  # past the float range, but a finite number
+        ("inf", "inf", 1.0),
+        ("1", "1e999999999", 0.0),
+        ("1", "sNaN", 0.0),
+    ],
+)
+def test_dataset_numeric_verifier_compares_the_numbers_written_not_their_floats(reference, answer, score):
+    task = Task(env="dataset", id="q", prompt="q", data={"answer": reference})
+    result, final = asyncio.run(play("dataset", task, [answer], verifier="numeric"))
+    assert result.reward == final == score
+
+
 def test_registry_knows_every_env():
     assert set(REGISTRY) == {"arith", "guess", "pytool", "code", "shell", "dataset", "agent"}
     with pytest.raises(KeyError, match="unknown environment"):
