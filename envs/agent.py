@@ -222,8 +222,10 @@ class AgentEnv(Env):
         return user(task.prompt)
 
     async def run(self) -> StepResult:
-        """Run the agent program to its end (RUN stage); raises :class:`SandboxError` when it is stopped."""
-        task = self._require_task()
+        """Run the agent program to its end (RUN stage); raises :class:`SandboxError` when it is
+        stopped. The program is the whole episode: it runs once per ``reset``."""
+        task = self._next_turn()
+        self.done = True
         sandbox = self.sandbox
         sandbox.config.env.update(OPENAI_API_KEY="sandbox", TREADLE_TASK=task.prompt)
         argv = [python_in_sandbox(sandbox.config), "-I", "-c", RELAY, self.socket_path, self.config.command]

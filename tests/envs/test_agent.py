@@ -221,6 +221,28 @@ def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
         asyncio.run(episode())
 
 
+def test_agent_program_runs_once_per_reset(upstream):
+    """A second run would act again in the sandbox EVAL scores: it is refused."""
+    cfg = config(
+        command="echo run >> runs.txt",
+        eval_command="python3 -c \"print(float(open('runs.txt').read() == 'run\\n'))\"",
+    )
+
+    async def episode():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        try:
+            assert (await env.run()).done
+            with pytest.raises(RuntimeError, match="is done; reset before another step"):
+                await env.run()
+            return await env.evaluate()
+        finally:
+            await env.close()
+
+    assert asyncio.run(episode()) == 1.0
+
+
 def test_agent_eval_printing_nan_scores_zero(upstream):
     cfg = config(command="true", eval_command="echo passed 0 of 0; echo nan")
 
