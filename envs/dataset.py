@@ -155,11 +155,13 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
                 raise ValueError(f"row {i} of {config.path} has no field {field!r} (fields: {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"row {i} of {config.path} has a null {field!r}")
-            if isinstance(row[field], bytes):  # a binary Parquet column: text without its UTF-8 tag
-                try:
+            try:
+                if isinstance(row[field], bytes):  # a binary Parquet column: text without its UTF-8 tag
                     row[field] = row[field].decode()
-                except UnicodeDecodeError as exc:
-                    raise ValueError(f"row {i} of {config.path}: {field!r} is not UTF-8 text: {exc}") from exc
+                elif isinstance(row[field], str):  # JSON may escape half a surrogate pair ("\ud83d")
+                    row[field].encode()
+            except UnicodeError as exc:
+                raise ValueError(f"row {i} of {config.path}: {field!r} is not UTF-8 text: {exc}") from exc
         id_field = config.id_field or config.prompt_field
         if not str(row[id_field]).strip():
             raise ValueError(f"row {i} of {config.path} has a blank {id_field!r} (the task's id)")

@@ -780,6 +780,12 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
             "latin1.jsonl is not UTF-8",
         ),
         ("array.json", b'[{"prompt": "q", "answer": "a"},', {}, "array.json: not valid JSON"),
+        (
+            "surrogate.jsonl",
+            b'{"prompt": "q", "answer": "a"}\n{"prompt": "r \\ud83d", "answer": "b"}',
+            {},
+            "row 1 of .*surrogate.jsonl: 'prompt' is not UTF-8 text",
+        ),
         ("re.jsonl", b'{"prompt": "q", "answer": "(a"}', {"verifier": "regex"}, "row 0 .*not a regex"),
         (
             "noid.jsonl",
