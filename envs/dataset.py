@@ -35,6 +35,8 @@ from pydantic import Field, field_validator
 from envs.base import Env, EnvConfig, Split, StepResult, Task, clamp_score, in_eval_split, user
 from storage.config import StorageConfig
 
+FORMATS = (".parquet", ".jsonl", ".json")
+
 
 class DatasetConfig(EnvConfig):
     """Where the rows are and how answers are checked."""
@@ -64,6 +66,13 @@ class DatasetConfig(EnvConfig):
         "env_error.",
     )
     eval_fraction: float = Field(0.1, gt=0, lt=1, description="Share of rows held out for eval.")
+
+    @field_validator("path")
+    @classmethod
+    def _known_format(cls, value: str) -> str:
+        if value and not value.endswith(FORMATS):
+            raise ValueError(f"must end in .parquet, .jsonl or .json, got {value!r}")
+        return value
 
     @field_validator("verifier")
     @classmethod
@@ -141,11 +150,9 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
     if config.path.endswith(".parquet"):
         with opener(config.path, "rb") as handle:
             rows = pq.read_table(handle).to_pylist()
-    elif config.path.endswith((".jsonl", ".json")):
+    else:  # .jsonl or .json (the config checks the path's ending)
         with opener(config.path, "rb") as handle:
             rows = _json_rows(config.path, handle.read())
-    else:
-        raise ValueError(f"dataset path must end in .parquet, .jsonl or .json: {config.path!r}")
     required = (config.prompt_field, config.answer_field, *([config.id_field] if config.id_field else []))
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
