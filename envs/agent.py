@@ -281,8 +281,12 @@ class AgentEnv(Env):
                 return
             method, target, _ = request_line.split(" ", 2)
             fields = {key.lower(): value for key, value in headers}
-            if "chunked" in fields.get("transfer-encoding", ""):
-                await _reply(writer, 411, "chunked request bodies are not supported; send Content-Length")
+            if "transfer-encoding" in fields:
+                # the relay frames a body by its Content-Length alone: forwarded, a transfer
+                # coding (any case, any of several headers) would frame it twice for the gateway
+                await _reply(
+                    writer, 411, "transfer-coded request bodies are not supported; send Content-Length"
+                )
                 return
             endpoint = urllib.parse.urlsplit(target).path
             if (method, endpoint) not in FORWARDED:

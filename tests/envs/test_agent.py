@@ -180,6 +180,25 @@ def test_agent_relay_refuses_malformed_headers_so_no_session_is_smuggled(upstrea
     assert Upstream.requests == []
 
 
+CHUNKED = r"""python3 - <<'PY'
+import os, socket, urllib.parse
+base = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"])
+for coding in ("chunked", "Chunked", "gzip, CHUNKED", "chunked\r\nTransfer-Encoding: gzip"):
+    with socket.create_connection((base.hostname, base.port)) as s:
+        s.sendall(("POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: " + coding
+                   + "\r\nContent-Length: 5\r\n\r\n0\r\n\r\n").encode())
+        print(s.recv(100).split()[1].decode())
+PY"""
+
+
+def test_agent_relay_refuses_a_transfer_coded_body_whatever_the_case_or_the_headers(upstream):
+    """The relay reads a body by its Content-Length only: a transfer-coded one (the coding's
+    name in any case, RFC 9112; or a second header) is refused, never forwarded with both
+    framings for the gateway to pick."""
+    assert relayed_statuses(upstream, CHUNKED) == ["411", "411", "411", "411"]
+    assert Upstream.requests == []
+
+
 UNREACHABLE = r"""python3 - <<'PY'
 import os, socket, urllib.error, urllib.parse, urllib.request
 base = os.environ["OPENAI_BASE_URL"]
