@@ -186,11 +186,23 @@ class VLLMEngine:
             )
         return response
 
+    async def _json(self, method: str, path: str, **kwargs) -> Any:
+        """The answer of :meth:`_request` parsed as JSON; one that is not (a page of a proxy in
+        front of the server) is an ``EngineError``, as the infrastructure failing."""
+        response = await self._request(method, path, **kwargs)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise EngineError(
+                f"vLLM server {self.name} answered {response.status_code} with a body that is not JSON on "
+                f"{path}: {response.text[:200]!r}"
+            ) from exc
+
     async def _served_model(self) -> tuple[str, int | None]:
         """The served model's name and its ``max_model_len`` (None when the server lists none),
         asked from ``GET /v1/models`` once."""
         if self._max_model_len is None:
-            data = (await self._request("GET", "/v1/models")).json()
+            data = await self._json("GET", "/v1/models")
             try:
                 cards = data["data"]
                 card = next(c for c in cards if c["id"] == self._model) if self._model else cards[0]
@@ -256,7 +268,7 @@ class VLLMEngine:
                 "user": session_id,
             }
             headers = {"X-Request-Id": f"{session_id}-{uuid.uuid4().hex[:8]}"}
-            data = (await self._request("POST", "/v1/completions", json=body, headers=headers)).json()
+            data = await self._json("POST", "/v1/completions", json=body, headers=headers)
         finally:
             async with self._gate:
                 self._inflight -= 1

@@ -182,6 +182,23 @@ def test_bad_requests_are_invalid_and_the_server_keeps_serving(tiny):
     asyncio.run(_with_server(model, body))
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/completions"])
+def test_an_answer_that_is_not_json_is_an_engine_error_and_the_server_keeps_serving(tiny, path):
+    """A proxy in front of the server may answer 200 with a page of its own: that is the
+    infrastructure failing (a rollout's infra_error, a router's failover), not a ValueError
+    that would count as the environment's bug."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        params = SamplingParams(max_new_tokens=3, seed=0)
+        server.app.state.garble_next.add(path)
+        with pytest.raises(EngineError, match=f"not JSON on {path}"):
+            await engine.generate("s", PROMPT, params)
+        assert len((await engine.generate("s", PROMPT, params)).token_ids) == 3
+
+    asyncio.run(_with_server(model, body))
+
+
 def test_reload_tags_versions_resets_prefix_cache_and_uses_new_weights(tiny, tmp_path):
     model = _fresh_model(tiny)
     updated = _fresh_model(tiny)

@@ -15,6 +15,8 @@ model doing a plain forward pass per token:
 - ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
   in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache`` (its next
   call answers 500 while ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
+- any path in ``app.state.garble_next``: its next call answers 200 with an HTML page, as a
+  proxy in front of a server can.
 
 As vLLM's scheduler, it runs at most ``max_num_seqs`` requests at once (None: no limit);
 the others wait. While ``app.state.hold`` is an ``asyncio.Event``, a request that got its
@@ -33,7 +35,7 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from safetensors.torch import load_file
 
 from deployments.vllm.treadle_vllm_ext import policy_files
@@ -73,8 +75,16 @@ def create_standin_app(
     app.state.events = events
     app.state.model = model
     app.state.fail_next = set()  # endpoint paths whose next call answers 500 (fault injection)
+    app.state.garble_next = set()  # endpoint paths whose next call answers 200 with HTML
     app.state.metrics = True
     app.state.hold = None
+
+    @app.middleware("http")
+    async def garble(request: Request, call_next):
+        if request.url.path in app.state.garble_next:
+            app.state.garble_next.discard(request.url.path)
+            return HTMLResponse("<html><body>Sign in to continue</body></html>", 200)
+        return await call_next(request)
 
     @app.get("/health")
     async def health():
