@@ -39,7 +39,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rollout.engines.base import Engine, EngineError, Generation, SamplingParams
+from rollout.engines.base import Engine, EngineError, Generation, NotServing, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -323,9 +323,10 @@ class Router:
             self._engines[name].end_session(session_id)
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
-        """Generate on ``session_id``'s replica; with ``failover``, a replica found down is
-        taken out and the request is retried once on the session's new replica (not when the
-        session ended meanwhile: the error is raised, and the session stays unpinned).
+        """Generate on ``session_id``'s replica; with ``failover``, a replica found down (or
+        :class:`NotServing`) is taken out and the request is retried once on the session's new
+        replica (not when the session ended meanwhile: the error is raised, and the session
+        stays unpinned).
 
         A generation the replica aborted is an :class:`EngineError` like a failed one: a vLLM
         server shutting down or paused mid-request ends it with ``abort``, an action cut short
@@ -335,7 +336,11 @@ class Router:
         try:
             return await _finished(engine, session_id, prompt_ids, params)
         except EngineError as exc:
-            if not self.config.failover or await probe_health(engine, self.config.health_timeout_s):
+            if not self.config.failover:
+                raise
+            # one that is up but not serving (NotServing) goes out as if down: the health
+            # check's restore loads its weights before it is back
+            if not isinstance(exc, NotServing) and await probe_health(engine, self.config.health_timeout_s):
                 raise
             logger.warning("replica %s failed (%s); taking it out and retrying elsewhere", engine.name, exc)
             self.take_down(engine.name)

@@ -14,6 +14,12 @@ class EngineError(RuntimeError):
     """The engine failed (crashed, unreachable, out of memory): an infrastructure error."""
 
 
+class NotServing(EngineError):
+    """The engine is up (it passes its health check) but serves nothing until its weights are
+    loaded again: a reload failed midway. A router takes it out of service as if down and
+    fails the request over; its health check's ``restore`` loads the weights."""
+
+
 class InvalidRequest(ValueError):
     """The request itself is wrong (empty prompt, token id out of vocabulary, too long)."""
 

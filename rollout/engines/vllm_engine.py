@@ -24,8 +24,9 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
 Version tags are exact: a reload waits for in-flight requests to finish and holds new ones
 back until the new weights are loaded, so every token of a request comes from one version.
 A reload that fails once the server may have begun loading leaves the weights unknown: the
-engine's version is then :data:`UNKNOWN_VERSION` and it refuses to generate until a reload
-succeeds (the worker's health check reloads it).
+engine's version is then :data:`UNKNOWN_VERSION` and it refuses to generate (``NotServing``,
+which a router takes it out of service on) until a reload succeeds (the worker's health
+check reloads it).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from rollout.engines.base import (
     EngineStats,
     Generation,
     InvalidRequest,
+    NotServing,
     SamplingParams,
 )
 from storage.config import not_masked
@@ -229,7 +231,7 @@ class VLLMEngine:
             finally:
                 self._held -= 1
             if self.version == UNKNOWN_VERSION:
-                raise EngineError(
+                raise NotServing(
                     f"vLLM server {self.name} holds weights of an unknown version (a reload failed midway); "
                     "it generates again once a reload succeeds"
                 )

@@ -378,6 +378,37 @@ def test_a_reload_that_fails_midway_refuses_to_generate_until_a_reload_succeeds(
     asyncio.run(_with_server(model, body))
 
 
+def test_a_replica_whose_reload_failed_midway_is_failed_over_and_restored_by_the_health_check(tiny, tmp_path):
+    """It passes its health check, yet refuses every request until a reload succeeds: the
+    router takes it out as if down, instead of failing every turn of its sessions, and the
+    health check's restore loads the weights before it is back."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+    path = str(tmp_path / "v1")
+
+    async def body(server, failed):
+        other = VLLMEngine(VLLMEngineConfig(base_url=server.url), name="vllm-1")
+        try:
+            await other.load_version(1, path)
+            server.app.state.fail_next.add("/reset_prefix_cache")
+            with pytest.raises(EngineError):
+                await failed.load_version(1, path)
+            router = Router([failed, other], RouterConfig(policy="sticky"))
+            session = next(s for s in (f"s{i}" for i in range(40)) if router.route(s) is failed)
+            params = SamplingParams(max_new_tokens=3, seed=0)
+            gen = await router.generate(session, PROMPT, params)
+            assert (gen.engine, gen.versions) == ("vllm-1", [1] * 3)
+            assert router.down == [failed.name]
+            await router.check_health(restore=lambda engine: engine.load_version(1, path))
+            assert router.replicas == ["vllm-1", failed.name] and failed.version == 1
+            again = await failed.generate("t", PROMPT, params)
+            assert again.versions == [1] * 3
+        finally:
+            await other.close()
+
+    asyncio.run(_with_server(model, body))
+
+
 def test_a_closed_engine_is_down_and_refuses_requests_with_engine_errors(tiny, tmp_path):
     """As a TorchEngine does once closed: a router sees it down and fails a request over."""
     model = _fresh_model(tiny)
