@@ -143,7 +143,9 @@ class VLLMEngine:
         # stats() is synchronous (callers run it off their event loop), so it has a client of its own
         self._metrics_client = httpx.Client(
             base_url=base_url,
-            transport=httpx.HTTPTransport(uds=self.config.uds),
+            transport=httpx.HTTPTransport(
+                uds=self.config.uds, limits=httpx.Limits(keepalive_expiry=self.config.keepalive_s)
+            ),
             headers=headers,
             timeout=self.config.connect_timeout_s,
         )
@@ -339,7 +341,7 @@ class VLLMEngine:
         if self._metrics_client.is_closed:
             return 0
         try:
-            response = self._metrics_client.get("/metrics")
+            response = self._get_metrics()
             samples = _WAITING_SAMPLE.findall(response.text) if response.status_code == 200 else []
             if not samples:
                 raise ValueError(f"answered {response.status_code} without a {WAITING_GAUGE} sample")
@@ -356,13 +358,25 @@ class VLLMEngine:
         self._metrics_failing = False
         return waiting
 
+    def _get_metrics(self) -> httpx.Response:
+        """``GET /metrics``, retried ``retries`` times while its connection breaks before any
+        answer (a keep-alive connection the server closed meanwhile), as :meth:`_request`."""
+        for _ in range(self.config.retries):
+            try:
+                return self._metrics_client.get("/metrics")
+            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+                logger.info("vLLM server %s: %s on /metrics, retrying", self.name, type(exc).__name__)
+        return self._metrics_client.get("/metrics")
+
     async def health(self) -> bool:
-        """True when ``GET /health`` answers 200 (False once this engine is closed)."""
+        """True when ``GET /health`` answers 200 (False once this engine is closed); sent as
+        :meth:`_request` sends, so a keep-alive connection the server closed meanwhile does not
+        take a healthy replica out of service."""
         if self._client.is_closed:
             return False
         try:
-            response = await self._client.get("/health", timeout=self.config.connect_timeout_s)
-        except httpx.HTTPError:
+            response = await self._request("GET", "/health", timeout=self.config.connect_timeout_s)
+        except (EngineError, InvalidRequest):
             return False
         return response.status_code == 200
 

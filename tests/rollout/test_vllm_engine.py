@@ -516,6 +516,30 @@ def test_a_connection_closed_before_any_answer_is_retried_retries_times(tiny, re
     asyncio.run(body())
 
 
+def test_the_health_probe_and_the_queue_read_retry_a_connection_closed_before_any_answer(tiny):
+    """As a generation does: a probe that fails on a stale keep-alive connection would take a
+    healthy replica out of service, and a failed queue read shows the elastic controller an
+    empty queue."""
+    model = _fresh_model(tiny)
+
+    async def body():
+        server = await StandinServer(model).start()
+        proxy = DroppingProxy(("127.0.0.1", int(server.url.rsplit(":", 1)[1])), drop=1)
+        engine = VLLMEngine(VLLMEngineConfig(base_url=await proxy.start(), retries=1), name="vllm-0")
+        try:
+            assert await engine.health()
+            assert proxy.dropped == 1
+            proxy.drop = 2  # the first connection of the queue read's own client
+            stats = await asyncio.to_thread(engine.stats)
+            assert proxy.dropped == 2 and stats.extra["queue_read"] == 1.0
+        finally:
+            await engine.close()
+            await proxy.stop()
+            await server.stop()
+
+    asyncio.run(body())
+
+
 def test_the_bearer_token_defaults_to_vllm_api_key(monkeypatch):
     """A deployment cannot carry the token (Prefect masks it), so a worker gives it in its
     environment, as ``vllm serve`` reads it; one in the config wins."""
