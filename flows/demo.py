@@ -79,9 +79,14 @@ Where to look:
 
 def run_arguments(config_path: str, config: RunConfig) -> str:
     """The ``treadle inspect``/``sql`` arguments that reach this run, quoted for a shell:
-    ``--config`` brings the endpoint and credentials, ``--root`` keeps a ``--set
-    storage.root`` override."""
-    return shlex.join(["--config", config_path, "--root", config.storage.root, "--run-id", config.run_id])
+    ``--config`` brings the credentials, ``--root``, ``--endpoint-url`` and ``--region`` keep
+    a ``--set storage.…`` override of the file's."""
+    storage = config.storage
+    where = ["--config", config_path, "--root", storage.root]
+    for flag, value in (("--endpoint-url", storage.endpoint_url), ("--region", storage.region)):
+        if value is not None:
+            where += [flag, value]
+    return shlex.join([*where, "--run-id", config.run_id])
 
 
 if __name__ == "__main__":

@@ -670,6 +670,19 @@ def test_the_demo_prints_arguments_that_reach_its_run_through_a_shell(tmp_path):
     ]  # fmt: skip
 
 
+def test_the_demo_prints_the_endpoint_and_region_a_set_override_gave_its_run(tmp_path):
+    """``--set storage.endpoint_url=…`` over a config file without one: the printed
+    ``treadle inspect`` arguments reach the run on that endpoint, not on AWS's."""
+    from flows.demo import run_arguments
+
+    storage = {"root": "s3://bucket/runs", "endpoint_url": "http://127.0.0.1:9000", "region": "eu-west-1"}
+    config = load_config(REPO / "configs" / "tiny.yaml", {"run_id": "demo-1", "storage": storage})
+    assert shlex.split(run_arguments("configs/tiny.yaml", config)) == [
+        "--config", "configs/tiny.yaml", "--root", "s3://bucket/runs",
+        "--endpoint-url", "http://127.0.0.1:9000", "--region", "eu-west-1", "--run-id", "demo-1",
+    ]  # fmt: skip
+
+
 def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
     """A trainer that resumed below a version whose files did not verify trained its rows
     again into a version whose parent is the one it resumed from: the version passed over is
