@@ -119,17 +119,28 @@ def parse(
 def _annotation(key: str) -> Any:
     """The type of the :class:`RunConfig` field that dotted ``key`` names, None when it names
     none. A mapping given for a field of type ``dict`` (``orchestrator.mix``) replaces it; one
-    given for a section (a model) merges into it."""
+    given for a section (a model, or a model or None: ``envs.agent``) merges into it."""
     model: type[BaseModel] = RunConfig
     *sections, name = key.split(".")
     for section in sections:
         field = model.model_fields.get(section)
-        annotation = field and field.annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        inner = _section_model(field.annotation) if field else None
+        if inner is None:
             return None
-        model = annotation
+        model = inner
     field = model.model_fields.get(name)
     return field and field.annotation
+
+
+def _section_model(annotation: Any) -> type[BaseModel] | None:
+    """The model a field of this type holds (``Model``, or ``Model`` or None), None when it
+    holds none."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = set(typing.get_args(annotation) if union else [annotation]) - {type(None)}
+    if len(kinds) != 1:
+        return None
+    (kind,) = kinds
+    return kind if isinstance(kind, type) and issubclass(kind, BaseModel) else None
 
 
 def _holds_a_list(annotation: Any) -> bool:

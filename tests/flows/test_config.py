@@ -236,6 +236,16 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
     assert config.storage.retries == 5
 
 
+def test_a_value_set_for_a_text_field_of_an_environment_stays_text():
+    """The environments' sections may be left unset (``envs.agent`` is an ``AgentConfig`` or
+    None): ``true`` is the agent's whole shell command there, not a boolean, and a number
+    field of an environment still gets a number."""
+    sets = ["envs.agent.command=true", "envs.agent.eval_command=2024", "envs.arith.max_operand=12"]
+    config, _ = parse("test", with_sets(sets))
+    assert (config.envs.agent.command, config.envs.agent.eval_command) == ("true", "2024")
+    assert config.envs.arith.max_operand == 12
+
+
 def test_overrides_merge_into_the_file_and_are_validated(tmp_path):
     config = load_config(TINY, {"sao": {"lr": 0.5}, "stop": {"max_seconds": 7}})
     assert (config.sao.lr, config.stop.max_seconds, config.sao.mode) == (0.5, 7, "sao")
