@@ -18,6 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rl.batching import micro_batches, pad_batch, samples_from_table
+from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.prefix_tree import path_symbols, sorted_paths, tree_from_parents, tree_from_tokens
 from rl.processor import ProcessorConfig, combine_reward, process_shard
@@ -476,6 +478,62 @@ def test_gradient_of_deduplicated_batch_equals_original_batch_counting_each_toke
     torch.testing.assert_close(grad_dedup, grad_reference, rtol=1e-4, atol=1e-6)
     assert float(grad_reference.abs().max()) > 1e-3
     assert result.counters.train_tokens_out == total < sum(sum(r["action_mask"]) for r in records)
+
+
+def test_every_trained_token_of_the_batched_rows_scores_as_in_its_own_trajectory_alone(tiny_policy):
+    """Processed rows, cut into samples and right-padded micro-batches as the trainer does,
+    give each trained token the log-prob a full forward pass over one original trajectory
+    holding it gives (the slow reference), and train each distinct action token once: a
+    prefix shared by branches, and a retry sampled again by another version, included."""
+    model, vocab = tiny_policy
+    rng = np.random.default_rng(11)
+    records = []
+    for e in range(3):
+        execution = random_execution(rng, f"e{e}", 6, vocab=40, fresh_from=40, max_len=20)
+        again = dict(
+            execution[int(rng.integers(len(execution)))], trajectory_id=f"e{e}-again", parent_id=None
+        )
+        again["versions"] = [4 if m else -1 for m in again["action_mask"]]
+        records += [*execution, again]
+    for r in records:
+        r["action_mask"][0] = False  # the first token has no prediction
+        r["tokens"] = [t % vocab for t in r["tokens"]]
+
+    def nodes(row):
+        """``(position, node)`` of each action token: its execution and whole prefix."""
+        key = list(zip(row["tokens"], row["action_mask"], row["versions"], strict=True))
+        key = [(t, a, v if a else -1) for t, a, v in key]
+        return [
+            (p, (row["execution_id"], tuple(key[: p + 1]))) for p, a in enumerate(row["action_mask"]) if a
+        ]
+
+    reference: dict = {}
+    for r in records:
+        ids = torch.tensor([r["tokens"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, :-1], dim=-1).gather(-1, ids[0, 1:, None])
+        for p, node in nodes(r):
+            reference.setdefault(node, float(logp[p - 1, 0]))
+
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
+    samples, rejected = samples_from_table(result.processed, "s", vocab)
+    assert rejected == []
+    rows = {r["trajectory_id"]: r for r in records}
+    trained = Counter()
+    parts = micro_batches(samples, micro_token_budget=40)
+    for part in parts:
+        batch = pad_batch(part, pad_id=0)
+        with torch.no_grad():
+            logprobs = token_logprobs(model, batch.input_ids, batch.attention_mask, where=batch.train_mask)
+        for b, sample in enumerate(part):
+            for p, node in nodes(rows[sample.trajectory_id]):
+                if p < sample.num_tokens and sample.train_mask[p]:
+                    trained[node] += 1
+                    assert float(logprobs[b, p]) == pytest.approx(reference[node], abs=1e-5)
+    assert set(trained) == set(reference)
+    assert set(trained.values()) == {1}
+    assert any(node[1][-1][2] == 4 for node in trained)  # the retry by another version trains
+    assert len({max(s.num_tokens for s in part) for part in parts}) > 1  # padded to several lengths
 
 
 def test_execution_weights_sum_to_one_per_execution_whatever_else_its_shard_holds():
