@@ -3,14 +3,15 @@ counters out (QwenGyre's trajectory processor, PAPERS.md).
 
 For each execution (rows sharing ``execution_id``) of a shard:
 
-1. **Check** each row: per-token lists of equal length (else ``invalid_record``), a unique
-   ``trajectory_id`` (``duplicate_id``), a declared ``parent_id``/``branch_at`` link that
-   the tokens confirm (``branch_past_end``, ``prefix_mismatch``, ``cycle``), and a status
-   outside ``EXCLUDED_STATUSES`` (``env_error``, ``infra_error``: such rows never get a
-   reward nor reach the loss, nor own a shared prefix). A bad row is reported and dropped;
-   the rest goes on. A row whose declared parent is not in the shard (its execution was
-   split over shards, or the writer refused the parent) is reported and kept, as a root
-   of its own: the tree is rebuilt from the tokens, which it still has.
+1. **Check** each row: per-token lists present, without a null entry and of equal length
+   (else ``invalid_record``), a unique ``trajectory_id`` (``duplicate_id``), a declared
+   ``parent_id``/``branch_at`` link that the tokens confirm (``branch_past_end``,
+   ``prefix_mismatch``, ``cycle``), and a status outside ``EXCLUDED_STATUSES``
+   (``env_error``, ``infra_error``: such rows never get a reward nor reach the loss, nor
+   own a shared prefix). A bad row is reported and dropped; the rest goes on. A row whose
+   declared parent is not in the shard (its execution was split over shards, or the
+   writer refused the parent) is reported and kept, as a root of its own: the tree is
+   rebuilt from the tokens, which it still has.
 2. **Score** partial progress of unsuccessful rows (:func:`combine_reward`), re-scoring the
    execution through the injected ``rescore`` callable when a row has no ``progress``
    (``rescore_failed`` when every attempt fails).
@@ -300,16 +301,30 @@ class _RowState:
 
 
 def _aligned_rows(table: pa.Table, counters: ShardCounters) -> np.ndarray:
-    """``(N,)`` bool: rows whose per-token lists all have the length of ``tokens``; the
-    others are reported (``invalid_record``)."""
+    """``(N,)`` bool: rows whose per-token lists are all present, without a null entry and of
+    the length of ``tokens``; the others are reported (``invalid_record``)."""
     lengths = {name: _list_lengths(table.column(name)) for name in TOKEN_COLUMNS}
-    aligned = np.all([lengths[name] == lengths["tokens"] for name in TOKEN_COLUMNS], axis=0)
+    holes = {name: _rows_with_nulls(table.column(name)) for name in TOKEN_COLUMNS}
+    aligned = np.all([(lengths[name] == lengths["tokens"]) & ~holes[name] for name in TOKEN_COLUMNS], axis=0)
     bad = np.flatnonzero(~aligned).tolist()
     ids = table.column("trajectory_id").take(pa.array(bad, type=pa.int64())).to_pylist()
     for i, tid in zip(bad, ids, strict=True):
+        nulls = [name for name in TOKEN_COLUMNS if holes[name][i]]
         mismatched = [name for name in TOKEN_COLUMNS if lengths[name][i] != lengths["tokens"][i]]
-        counters.errors.append(f"trajectory {tid!r}: {mismatched} lengths differ from tokens")
+        problems = [f"{nulls} null or with null entries"] if nulls else []
+        problems += [f"{mismatched} lengths differ from tokens"] if mismatched else []
+        counters.errors.append(f"trajectory {tid!r}: {'; '.join(problems)}")
     return aligned
+
+
+def _rows_with_nulls(column: pa.ChunkedArray) -> np.ndarray:
+    """``(N,)`` bool: rows whose list is null or holds a null entry."""
+    out = pc.is_null(column).to_numpy(zero_copy_only=False)
+    entries = pc.list_flatten(column)
+    if entries.null_count:
+        parents = pc.list_parent_indices(column).to_numpy(zero_copy_only=False)
+        out[parents[pc.is_null(entries).to_numpy(zero_copy_only=False)]] = True
+    return out
 
 
 def _executions(state: _RowState, counters: ShardCounters) -> dict[str, list[int]]:
@@ -374,7 +389,8 @@ def _process_execution(
 
 
 def _list_lengths(column: pa.ChunkedArray) -> np.ndarray:
-    return pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    """``(N,)`` int64 list lengths, 0 for a null list."""
+    return pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False).astype(np.int64)
 
 
 def _list_values(column: pa.ChunkedArray) -> np.ndarray:
@@ -518,9 +534,12 @@ def _row_stats(table: pa.Table, rows: np.ndarray, paths: _Paths) -> dict[str, np
 
     invalid = np.setdiff1d(np.arange(n), rows).tolist()
     for i in invalid:
-        stats["num_tokens"][i] = len(table.column("tokens")[i])
-        stats["num_action_tokens"][i] = sum(bool(a) for a in table.column("action_mask")[i].as_py())
-        stats["num_turns"][i] = max(table.column("turn")[i].as_py(), default=-1) + 1
+        tokens, action, turn = (
+            table.column(name)[i].as_py() or [] for name in ("tokens", "action_mask", "turn")
+        )
+        stats["num_tokens"][i] = len(tokens)
+        stats["num_action_tokens"][i] = sum(bool(a) for a in action)
+        stats["num_turns"][i] = max((t for t in turn if t is not None), default=-1) + 1
     return stats
 
 

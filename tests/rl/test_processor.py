@@ -23,7 +23,7 @@ from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.prefix_tree import path_symbols, sorted_paths, tree_from_parents, tree_from_tokens
 from rl.processor import ProcessorConfig, combine_reward, process_shard
-from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table, validate
+from storage.schema import PROCESSED_SCHEMA, TOKEN_COLUMNS, TRAJECTORY_SCHEMA, to_table, validate
 
 TRAJECTORY_COLUMNS = {
     "trajectory_id",
@@ -609,6 +609,26 @@ def test_malformed_links_are_reported_and_the_rest_of_the_shard_is_processed():
     kept = [r for r in records if r["execution_id"] == "good"] + [bad[0], bad[1], bad[-1]]
     assert Counter(trained_nodes(result.processed)) == Counter(trainable_nodes(kept))
     assert len(result.trajectories) == len(records) == counters.trajectories_in
+
+
+@pytest.mark.parametrize("columns", [[name] for name in TOKEN_COLUMNS] + [list(TOKEN_COLUMNS)], ids=str)
+@pytest.mark.parametrize("hole", ["null list", "null entry"])
+def test_a_row_with_a_null_per_token_list_or_entry_is_an_invalid_record(columns, hole):
+    """Such a row (in a table that did not come through the shard reader's validation) is
+    reported and dropped, like one whose lists differ in length, and the rest of the shard
+    is processed: it must neither crash the shard nor train with a null read as 0 or NaN."""
+    good = record("good", "e", [0, 1, 2, 3], [False, True, True, True])
+    broken = record("broken", "e", [0, 1, 2, 4], [False, True, True, True])
+    for name in columns:
+        broken[name] = None if hole == "null list" else [*broken[name][:2], None, *broken[name][3:]]
+    result = process_shard(to_table([good, broken]), ProcessorConfig(j_max=None), shard_id="s")
+
+    assert result.processed.column("trajectory_id").to_pylist() == ["good"]
+    rows = {row["trajectory_id"]: row for row in result.trajectories}
+    assert rows["broken"]["drop_reason"] == "invalid_record" and rows["good"]["selected"]
+    assert result.counters.dropped == {"invalid_record": 1}
+    assert any("'broken'" in error and "null" in error for error in result.counters.errors)
+    validate(result.processed)
 
 
 def test_an_empty_trajectory_in_an_execution_is_kept_and_the_shard_processed():
