@@ -64,6 +64,10 @@ WAITING_GAUGE = "vllm:num_requests_waiting"
 cache), summed over its label sets (one per engine core)."""
 _WAITING_SAMPLE = re.compile(rf"^{re.escape(WAITING_GAUGE)}(?:\{{[^}}]*\}})?\s+(\S+)", re.MULTILINE)
 
+_WRONG_SHAPE = (AttributeError, KeyError, IndexError, TypeError, ValueError, OverflowError)
+"""What reading the fields of a JSON answer of another shape raises (``int`` of ``1e999`` raises
+``OverflowError``): an ``EngineError``, as the infrastructure failing."""
+
 
 class VLLMEngineConfig(BaseModel):
     """Where the vLLM server is and how to talk to it."""
@@ -211,11 +215,16 @@ class VLLMEngine:
                 cards = data["data"]
                 card = next(c for c in cards if c["id"] == self._model) if self._model else cards[0]
                 length = card.get("max_model_len")
-                self._max_model_len = int(length) if length is not None else 0
-                self._model = card["id"]
-            except (KeyError, IndexError, TypeError, ValueError, StopIteration) as exc:
+                max_model_len = int(length) if length is not None else 0
+                if not isinstance(card["id"], str) or max_model_len < 0:
+                    raise ValueError("a model card of another shape")
+            except (*_WRONG_SHAPE, StopIteration) as exc:
                 what = f"model {self._model!r}" if self._model else "model"
-                raise EngineError(f"vLLM server {self.name} lists no {what}: {data!r}") from exc
+                raise EngineError(
+                    f"vLLM server {self.name} lists no {what} on /v1/models: {data!r:.200}"
+                ) from exc
+            self._max_model_len = max_model_len
+            self._model = card["id"]
         return self._model, self._max_model_len or None
 
     async def max_model_len(self) -> int | None:
@@ -407,7 +416,9 @@ def _error_message(response: httpx.Response) -> str:
     return str(data)[:500]
 
 
-def _parse_completion(data: dict[str, Any], name: str, version: int) -> Generation:
+def _parse_completion(data: Any, name: str, version: int) -> Generation:
+    """The generation in a ``/v1/completions`` answer; an answer of another shape (a proxy's,
+    or one without the token ids and log-probs asked for) is an ``EngineError``."""
     try:
         choice = data["choices"][0]
         logprobs = choice["logprobs"]
@@ -419,9 +430,12 @@ def _parse_completion(data: dict[str, Any], name: str, version: int) -> Generati
         reason = choice.get("finish_reason")
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
-    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        cached_tokens = int(details.get("cached_tokens") or 0)
+    except _WRONG_SHAPE as exc:
         raise EngineError(
-            f"vLLM server {name} sent a completion without token ids and log-probs: {exc}"
+            f"vLLM server {name} answered a completion of another shape on /v1/completions: "
+            f"{type(exc).__name__}: {exc}"
         ) from exc
     if len(token_ids) != len(token_logprobs):
         raise EngineError(
@@ -432,7 +446,7 @@ def _parse_completion(data: dict[str, Any], name: str, version: int) -> Generati
         logprobs=token_logprobs,
         versions=[version] * len(token_ids),
         finish_reason=reason if reason in ("stop", "length") else "abort",
-        prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        cached_tokens=int(details.get("cached_tokens") or 0),
+        prompt_tokens=prompt_tokens,
+        cached_tokens=cached_tokens,
         engine=name,
     )

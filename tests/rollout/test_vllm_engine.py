@@ -199,6 +199,80 @@ def test_an_answer_that_is_not_json_is_an_engine_error_and_the_server_keeps_serv
     asyncio.run(_with_server(model, body))
 
 
+def _first_choice(answer: dict, **fields) -> dict:
+    return answer | {"choices": [answer["choices"][0] | fields]}
+
+
+def _without_token_ids(answer: dict) -> dict:
+    """As a server that was not asked for ids: no ``token_ids``, the tokens as plain ids."""
+    choice = {key: value for key, value in answer["choices"][0].items() if key != "token_ids"}
+    ids = [int(token.removeprefix("token_id:")) for token in choice["logprobs"]["tokens"]]
+    return answer | {"choices": [choice | {"logprobs": choice["logprobs"] | {"tokens": ids}}]}
+
+
+@pytest.mark.parametrize(
+    ("path", "reshape"),
+    [
+        pytest.param(
+            "/v1/completions", lambda answer: answer | {"usage": [answer["usage"]]}, id="usage-a-list"
+        ),
+        pytest.param(
+            "/v1/completions",
+            lambda answer: answer | {"usage": answer["usage"] | {"prompt_tokens_details": [7]}},
+            id="usage-details-a-list",
+        ),
+        pytest.param(
+            "/v1/completions",
+            lambda answer: answer | {"usage": answer["usage"] | {"prompt_tokens": "many"}},
+            id="prompt-tokens-a-word",
+        ),
+        pytest.param(
+            "/v1/completions",
+            lambda answer: {key: value for key, value in answer.items() if key != "choices"},
+            id="choices-missing",
+        ),
+        pytest.param(
+            "/v1/completions", lambda answer: answer | {"choices": answer["choices"][0]}, id="choices-a-dict"
+        ),
+        pytest.param(
+            "/v1/completions", lambda answer: _first_choice(answer, logprobs=None), id="logprobs-null"
+        ),
+        pytest.param("/v1/completions", _without_token_ids, id="tokens-without-token-ids"),
+        pytest.param(
+            "/v1/models", lambda answer: answer | {"data": answer["data"][0]["id"]}, id="data-a-name"
+        ),
+        pytest.param("/v1/models", lambda answer: answer | {"data": answer["data"][0]}, id="data-a-dict"),
+        pytest.param("/v1/models", lambda answer: [answer], id="answer-a-list"),
+        pytest.param(
+            "/v1/models", lambda answer: {"data": [answer["data"][0] | {"id": None}]}, id="model-id-null"
+        ),
+        pytest.param(
+            "/v1/models",
+            lambda answer: {"data": [answer["data"][0] | {"max_model_len": -1}]},
+            id="max-model-len-negative",
+        ),
+    ],
+)
+def test_json_of_another_shape_is_an_engine_error_naming_the_path_and_the_server_keeps_serving(
+    tiny, path, reshape
+):
+    """A server (or a proxy in front of it) answering 200 with JSON of another shape is the
+    infrastructure failing, as a body that is not JSON is: an EngineError (a rollout's
+    infra_error, a router's failover), never an AttributeError or TypeError counted as the
+    environment's bug, nor a ContextLimit truncating the rollout."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        params = SamplingParams(max_new_tokens=3, seed=0)
+        server.app.state.reshape_next[path] = reshape
+        with pytest.raises(EngineError, match=f"vLLM server vllm-0 .* on {path}"):
+            await engine.generate("s", PROMPT, params)
+        assert not server.app.state.reshape_next, "the reshaped answer was the one read"
+        assert len((await engine.generate("s", PROMPT, params)).token_ids) == 3
+
+    asyncio.run(_with_server(model, body))
+
+
 def test_reload_tags_versions_resets_prefix_cache_and_uses_new_weights(tiny, tmp_path):
     model = _fresh_model(tiny)
     updated = _fresh_model(tiny)

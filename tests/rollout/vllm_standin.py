@@ -16,7 +16,8 @@ model doing a plain forward pass per token:
   in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache`` (its next
   call answers 500 while ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
 - any path in ``app.state.garble_next``: its next call answers 200 with an HTML page, as a
-  proxy in front of a server can.
+  proxy in front of a server can; any path in ``app.state.reshape_next`` (path -> function of
+  the JSON answer): its next answer is the function's result, JSON of a shape of its own.
 
 As vLLM's scheduler, it runs at most ``max_num_seqs`` requests at once (None: no limit);
 the others wait. While ``app.state.hold`` is an ``asyncio.Event``, a request that got its
@@ -30,6 +31,7 @@ order so tests can check that a reload never overlaps a generation.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import torch
@@ -76,6 +78,7 @@ def create_standin_app(
     app.state.model = model
     app.state.fail_next = set()  # endpoint paths whose next call answers 500 (fault injection)
     app.state.garble_next = set()  # endpoint paths whose next call answers 200 with HTML
+    app.state.reshape_next = {}  # endpoint path -> function rewriting its next JSON answer
     app.state.metrics = True
     app.state.hold = None
 
@@ -84,7 +87,12 @@ def create_standin_app(
         if request.url.path in app.state.garble_next:
             app.state.garble_next.discard(request.url.path)
             return HTMLResponse("<html><body>Sign in to continue</body></html>", 200)
-        return await call_next(request)
+        response = await call_next(request)
+        reshape = app.state.reshape_next.pop(request.url.path, None)
+        if reshape is None:
+            return response
+        answer = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
+        return JSONResponse(reshape(answer), response.status_code)
 
     @app.get("/health")
     async def health():
