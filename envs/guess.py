@@ -26,6 +26,9 @@ from envs.base import Env, EnvConfig, Split, StepResult, Task, user
 # ASCII digits only (str.isdigit() also passes "²", which int() refuses); 32 digits is far
 # past any window and well under int()'s limit on digits.
 NUMBER = re.compile(r"-?[0-9]{1,32}")
+# tasks() indexes the sorted split, and a problem's split hangs on the hash ranks of every
+# problem of its number, so the whole space is listed and ranked (~1 s and 150 MB a million).
+MAX_PROBLEMS = 1_000_000
 
 
 class GuessConfig(EnvConfig):
@@ -34,7 +37,7 @@ class GuessConfig(EnvConfig):
     low: int = Field(1, ge=0, description="Smallest number of any window.")
     high: int = Field(24, ge=1, le=9999, description="Largest number of any window.")
     min_width: int = Field(8, ge=2, description="Fewest numbers in a window.")
-    max_width: int = Field(16, ge=2, description="Most numbers in a window.")
+    max_width: int = Field(16, ge=2, description="Most numbers in a window (see MAX_PROBLEMS).")
     max_turns: int = Field(
         6, ge=1, description="Guesses allowed (binary search needs floor(log2(max_width)) + 1)."
     )
@@ -52,6 +55,14 @@ class GuessConfig(EnvConfig):
         if self.high - self.low + 1 < self.max_width:
             raise ValueError(
                 f"low..high ({self.low}..{self.high}) must hold at least max_width ({self.max_width}) numbers"
+            )
+        span = self.high - self.low + 1
+        count = sum((span - width + 1) * width for width in range(self.min_width, self.max_width + 1))
+        if count > MAX_PROBLEMS:
+            raise ValueError(
+                f"max_width ({self.max_width}): windows of {self.min_width}..{self.max_width} numbers in "
+                f"{self.low}..{self.high} make {count} problems, over the limit of {MAX_PROBLEMS}; "
+                "lower max_width or narrow low..high"
             )
         return self
 

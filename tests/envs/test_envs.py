@@ -195,6 +195,18 @@ def test_guess_config_rejects_impossible_windows():
         GuessConfig(low=1, high=10, max_width=16)
 
 
+def test_guess_config_refuses_a_space_too_large_to_list():
+    """Tasks are drawn from the listed, hash-ranked split; a config whose windows make more
+    problems than that can list is refused up front rather than hanging the first draw."""
+    with pytest.raises(
+        ValueError, match=r"max_width \(300\).* 442175090 problems, over the limit of 1000000"
+    ):
+        GuessConfig(high=9999, max_width=300)
+    assert GuessConfig(high=9999, min_width=101, max_width=101).max_width == 101  # 9899 * 101 = 999799
+    with pytest.raises(ValueError, match="1009596 problems"):  # 9898 * 102
+        GuessConfig(high=9999, min_width=102, max_width=102)
+
+
 def test_guess_feedback_and_progress():
     task = task_set("guess", "train", seed=4, n=1)[0]
     target = task.data["target"]
