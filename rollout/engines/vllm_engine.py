@@ -194,10 +194,13 @@ class VLLMEngine:
             )
         return response
 
-    async def _json(self, method: str, path: str, **kwargs) -> Any:
+    async def _json(self, method: str, path: str, *, empty_ok: bool = False, **kwargs) -> Any:
         """The answer of :meth:`_request` parsed as JSON; one that is not (a page of a proxy in
-        front of the server) is an ``EngineError``, as the infrastructure failing."""
+        front of the server) is an ``EngineError``, as the infrastructure failing. With
+        ``empty_ok``, an empty body is None."""
         response = await self._request(method, path, **kwargs)
+        if empty_ok and not response.content:
+            return None
         try:
             return response.json()
         except ValueError as exc:
@@ -311,11 +314,18 @@ class VLLMEngine:
                 "/collective_rpc",
                 json={"method": self.config.reload_method, "kwargs": {"path": str(path)}},
             )
-            reset = await self._request("POST", "/reset_prefix_cache")
-            if reset.headers.get("content-type", "").startswith("application/json"):
-                success = reset.json().get("success", True)
-                if not success:
-                    raise EngineError(f"vLLM server {self.name} could not reset its prefix cache")
+            # vLLM answers an empty 200 (and an error status when the reset fails); a server
+            # answering JSON says whether it reset in {"success": ...}
+            reset = await self._json("POST", "/reset_prefix_cache", empty_ok=True)
+            try:
+                success = reset is None or reset.get("success", True)
+            except _WRONG_SHAPE as exc:
+                raise EngineError(
+                    f"vLLM server {self.name} answered JSON of another shape on /reset_prefix_cache: "
+                    f"{reset!r:.200}"
+                ) from exc
+            if not success:
+                raise EngineError(f"vLLM server {self.name} could not reset its prefix cache")
             self.version = version
             self._stats.extra["reloads"] = self._stats.extra.get("reloads", 0.0) + 1
             logger.info("%s loaded weight version %d from %s", self.name, version, path)

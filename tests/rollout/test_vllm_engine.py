@@ -12,7 +12,7 @@ from safetensors.torch import save_file
 
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.trainer import VALUE_MODEL_FILE
-from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
+from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, NotServing, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine, VLLMEngineConfig
 from rollout.router import Router, RouterConfig
@@ -444,6 +444,69 @@ def test_a_reload_that_fails_midway_refuses_to_generate_until_a_reload_succeeds(
         assert engine.version == UNKNOWN_VERSION
         assert [kind for kind, _ in server.events] == ["reload"]
         with pytest.raises(EngineError, match="unknown version"):
+            await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
+        await engine.load_version(1, str(tmp_path / "v1"))
+        after = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
+        assert after.versions == [1] * 3
+
+    asyncio.run(_with_server(model, body))
+
+
+@pytest.mark.parametrize(
+    ("reshape", "reset"),
+    [
+        pytest.param(None, True, id="empty-as-vllm"),
+        pytest.param(lambda _: {"success": True}, True, id="success-true"),
+        pytest.param(lambda _: {}, True, id="success-left-out"),
+        pytest.param(lambda _: {"success": False}, False, id="success-false"),
+    ],
+)
+def test_a_reload_reads_whether_the_prefix_cache_was_reset_from_an_empty_or_json_answer(
+    tiny, tmp_path, reshape, reset
+):
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        if reshape is not None:
+            server.app.state.reshape_next["/reset_prefix_cache"] = reshape
+        if reset:
+            await engine.load_version(1, str(tmp_path / "v1"))
+            assert engine.version == 1
+        else:
+            with pytest.raises(EngineError, match="vLLM server vllm-0 could not reset its prefix cache"):
+                await engine.load_version(1, str(tmp_path / "v1"))
+            assert engine.version == UNKNOWN_VERSION
+        assert not server.app.state.reshape_next, "the reshaped answer was the one read"
+
+    asyncio.run(_with_server(model, body))
+
+
+@pytest.mark.parametrize(
+    ("fault", "match"),
+    [
+        pytest.param("garble", "not JSON", id="a-page"),
+        pytest.param(lambda answer: [{"success": True}], "JSON of another shape", id="a-list"),
+        pytest.param(lambda answer: "success", "JSON of another shape", id="a-string"),
+    ],
+)
+def test_a_prefix_cache_reset_answer_of_another_shape_fails_the_reload_midway(tiny, tmp_path, fault, match):
+    """The weights were loaded but whether the cache was reset is unknown: an EngineError
+    naming the server and the path (the worker's infra failure), never a ValueError or
+    AttributeError, and the engine refuses to generate until a reload succeeds."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        if fault == "garble":
+            server.app.state.garble_next.add("/reset_prefix_cache")
+        else:
+            server.app.state.reshape_next["/reset_prefix_cache"] = fault
+        with pytest.raises(EngineError, match=f"vLLM server vllm-0 .*{match}.* on /reset_prefix_cache"):
+            await engine.load_version(1, str(tmp_path / "v1"))
+        assert not server.app.state.garble_next and not server.app.state.reshape_next
+        assert engine.version == UNKNOWN_VERSION
+        with pytest.raises(NotServing, match="unknown version"):
             await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
         await engine.load_version(1, str(tmp_path / "v1"))
         after = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))

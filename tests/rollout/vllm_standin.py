@@ -13,11 +13,13 @@ model doing a plain forward pass per token:
   ``--logprobs-mode processed_logprobs``): temperature, then top-p, renormalised. As vLLM,
   it also stops at the model's EOS ids (``eos_ids``) unless ``ignore_eos`` is set.
 - ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
-  in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache`` (its next
-  call answers 500 while ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
+  in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache``
+  (answering 200 with an empty body, as vLLM does; its next call answers 500 while
+  ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
 - any path in ``app.state.garble_next``: its next call answers 200 with an HTML page, as a
   proxy in front of a server can; any path in ``app.state.reshape_next`` (path -> function of
-  the JSON answer): its next answer is the function's result, JSON of a shape of its own.
+  the JSON answer, None for an empty one): its next answer is the function's result, JSON of a
+  shape of its own.
 
 As vLLM's scheduler, it runs at most ``max_num_seqs`` requests at once (None: no limit);
 the others wait. While ``app.state.hold`` is an ``asyncio.Event``, a request that got its
@@ -37,7 +39,7 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from safetensors.torch import load_file
 
 from deployments.vllm.treadle_vllm_ext import policy_files
@@ -91,7 +93,8 @@ def create_standin_app(
         reshape = app.state.reshape_next.pop(request.url.path, None)
         if reshape is None:
             return response
-        answer = json.loads(b"".join([chunk async for chunk in response.body_iterator]))
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        answer = json.loads(body) if body else None
         return JSONResponse(reshape(answer), response.status_code)
 
     @app.get("/health")
@@ -228,7 +231,7 @@ def create_standin_app(
             return JSONResponse({"error": "prefix cache reset failed (injected)"}, 500)
         cache.clear()
         events.append(("reset_prefix_cache", None))
-        return {"success": True}
+        return Response(status_code=200)
 
     return app
 
