@@ -33,6 +33,17 @@ def _fresh_model(tiny):
     return copy.deepcopy(tiny[0])
 
 
+async def _refuses_until_reloaded(engine, weights) -> None:
+    """An engine whose reload failed midway: version unknown, generation refused
+    (``NotServing``) until version 1 loads from ``weights``, whose tokens it then tags."""
+    assert engine.version == UNKNOWN_VERSION
+    with pytest.raises(NotServing, match="unknown version"):
+        await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
+    await engine.load_version(1, str(weights))
+    after = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
+    assert after.versions == [1] * 3
+
+
 def reference_logprobs(
     model, prompt: list[int], tokens: list[int], temperature: float, top_p: float
 ) -> list[float]:
@@ -441,13 +452,8 @@ def test_a_reload_that_fails_midway_refuses_to_generate_until_a_reload_succeeds(
         server.app.state.fail_next.add("/reset_prefix_cache")
         with pytest.raises(EngineError, match="answered 500 on /reset_prefix_cache"):
             await engine.load_version(1, str(tmp_path / "v1"))
-        assert engine.version == UNKNOWN_VERSION
         assert [kind for kind, _ in server.events] == ["reload"]
-        with pytest.raises(EngineError, match="unknown version"):
-            await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
-        await engine.load_version(1, str(tmp_path / "v1"))
-        after = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
-        assert after.versions == [1] * 3
+        await _refuses_until_reloaded(engine, tmp_path / "v1")
 
     asyncio.run(_with_server(model, body))
 
@@ -505,12 +511,7 @@ def test_a_prefix_cache_reset_answer_of_another_shape_fails_the_reload_midway(ti
         with pytest.raises(EngineError, match=f"vLLM server vllm-0 .*{match}.* on /reset_prefix_cache"):
             await engine.load_version(1, str(tmp_path / "v1"))
         assert not server.app.state.garble_next and not server.app.state.reshape_next
-        assert engine.version == UNKNOWN_VERSION
-        with pytest.raises(NotServing, match="unknown version"):
-            await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
-        await engine.load_version(1, str(tmp_path / "v1"))
-        after = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
-        assert after.versions == [1] * 3
+        await _refuses_until_reloaded(engine, tmp_path / "v1")
 
     asyncio.run(_with_server(model, body))
 
