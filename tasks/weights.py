@@ -178,11 +178,14 @@ def _wait_for_version(weights: WeightStore) -> int | None:
     return latest
 
 
-def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResult:
+def evaluate_version(config: RunConfig, version: int | None = None, once: str | None = None) -> EvalResult:
     """Held-out reward of weight ``version`` (the newest that verifies when None) on every env in the mix,
     recorded in the ``evals`` table with the rollouts measured (those that failed outside the
     policy are not). An env whose every rollout failed so (an engine or a sandbox that never
-    worked) measured nothing: that raises ``RuntimeError`` naming it, and nothing is recorded."""
+    worked) measured nothing: that raises ``RuntimeError`` naming it, and nothing is recorded.
+
+    ``once``: an id of this evaluation (see ``Tables.append``): a second call with it, a retry
+    of one whose rows landed before it raised, records nothing."""
     result = evaluate_weights(config, version)
     unmeasured = [env for env, count in result.count.items() if count == 0]
     if unmeasured:
@@ -204,6 +207,7 @@ def evaluate_version(config: RunConfig, version: int | None = None) -> EvalResul
             }
             for env in result.reward
         ],
+        once=once,
     )
     return result
 
@@ -298,7 +302,8 @@ def evaluate_task(config: RunConfig, version: int | None = None, reuse: bool = F
         if version is None:  # the one evaluate_weights would measure, not LATEST's when that does not verify
             version = WeightStore(run_store(config)).load_newest("serving")[0]
         recorded = recorded_eval(config, version)
-    result = recorded or evaluate_version(config, version)
+    # a retry of this task run repeats its id: rows a failed attempt committed are not added again
+    result = recorded or evaluate_version(config, version, once=f"evals/task-run-{task_run.id}")
     how = " (recorded by an earlier evaluation)" if recorded else ""
     get_run_logger().info("version %d held-out reward%s: %s", result.version, how, result.reward)
     return {

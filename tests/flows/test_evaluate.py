@@ -211,3 +211,36 @@ def test_an_artifact_the_prefect_api_refuses_does_not_fail_an_evaluation_already
     assert state.result()["reward"] == {"arith": 0.25, "guess": 0.5}
     assert Tables(run_store(config)).read("evals").num_rows == 2
     assert "the evals artifact of run eval-api-away failed, the work goes on" in caplog.text
+
+
+def test_a_retried_evaluation_whose_rows_landed_before_it_raised_records_them_once(tmp_path, monkeypatch):
+    """The ``evals`` commit lands and the task raises after it (a lost reply): Prefect runs
+    the task again, and its append must find the first attempt's commit, not add the rows
+    a second time."""
+    import tasks.weights
+    from flows.evaluate import evaluate
+
+    config = tiny_config(tmp_path / "runs", "eval-retried", warm_start={"enabled": False})
+    monkeypatch.setattr(tasks.weights, "evaluate_weights", _measured)
+    monkeypatch.setattr(
+        tasks.weights, "evaluate_task", tasks.weights.evaluate_task.with_options(retry_delay_seconds=0)
+    )
+    real_append, raised = Tables.append, []
+
+    def lands_then_raises(self, name, rows, once=None):
+        appended = real_append(self, name, rows, once)
+        if name == "evals" and not raised:
+            raised.append(once)
+            raise OSError("connection reset before the reply")
+        return appended
+
+    monkeypatch.setattr(Tables, "append", lands_then_raises)
+
+    state = evaluate(config, 1, return_state=True)
+
+    assert state.is_completed() and len(raised) == 1
+    rows = Tables(run_store(config)).read("evals").to_pylist()
+    assert sorted((r["version"], r["env"], r["reward"]) for r in rows) == [
+        (1, "arith", 0.25),
+        (1, "guess", 0.5),
+    ]
