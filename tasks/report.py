@@ -180,9 +180,14 @@ EVALS_COLUMNS = ["version", "env", "reward", "count"]
 """The columns of the ``evals`` table the run's artifacts show."""
 
 
+EVALS_DECIMALS = 4
+"""Decimals of the rewards the evals artifact shows: a float32 reward's further digits are
+noise of the conversion (0.43 reads back as 0.4300000071525574)."""
+
+
 def _create_evals_artifact(config: RunConfig, evals: pa.Table) -> None:
     create_table_artifact(
-        _rows(evals, EVALS_COLUMNS),
+        [{**r, "reward": round(r["reward"], EVALS_DECIMALS)} for r in _rows(evals, EVALS_COLUMNS)],
         key=f"{artifact_key(config.run_id)}-evals",
         description="Held-out reward per weight version",
     )
@@ -237,7 +242,7 @@ def report_run(config: RunConfig) -> str:
         "",
         "## Held-out reward",
         "",
-        "| version | env | reward | tasks |",
+        "| version | env | reward | tasks measured |",
         "|---|---|---|---|",
         *(
             f"| {r['version']} | {r['env']} | {r['reward']:.3f} | {r['count']} |"

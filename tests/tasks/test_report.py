@@ -139,3 +139,31 @@ def test_a_report_whose_curves_cannot_be_stored_still_reports(tmp_path, monkeypa
     assert "data:image/png;base64," in markdown
     assert "Curves not stored" in markdown and "Curves as stored" not in markdown
     assert any("curves of run unstored not written" in r.getMessage() for r in caplog.records)
+
+
+def test_the_evals_artifact_rounds_rewards_and_the_report_heads_its_count_as_tasks_measured(
+    tmp_path, monkeypatch
+):
+    """A float32 reward of 0.43 reads back as 0.4300000071525574: the artifact shows 0.43.
+    The report's column is ``count``, the tasks measured (3 of the 4 run here)."""
+    config = tiny_config(tmp_path / "runs", "evals-shown")
+    row = {"version": 1, "env": "arith", "reward": 0.43, "count": 3, "time": START, "tasks": 4}
+    Tables(run_store(config)).append("evals", [row])
+    made = {}
+    monkeypatch.setattr(
+        report, "create_table_artifact", lambda rows, key, description: made.update({key: rows})
+    )
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+
+    markdown = report.report_run(config)
+
+    assert made[f"{report.artifact_key('evals-shown')}-evals"] == [
+        {"version": 1, "env": "arith", "reward": 0.43, "count": 3}
+    ]
+    lines = markdown.splitlines()
+    header = lines.index("## Held-out reward") + 2
+    assert lines[header : header + 3] == [
+        "| version | env | reward | tasks measured |",
+        "|---|---|---|---|",
+        "| 1 | arith | 0.430 | 3 |",
+    ]
