@@ -114,6 +114,7 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             pa.field("count", pa.int32(), nullable=False),
             pa.field("time", UTC_MICROS, nullable=False),
             pa.field("tasks", pa.int32()),
+            pa.field("setup", pa.string()),
         ]
     ),
 }
@@ -121,7 +122,9 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
 ``train_steps.value_loss`` is null for a step that took no critic step (GRPO mode has no
 critic): a NaN there made every ``AVG(value_loss)`` NaN. ``evals.count`` is the rollouts
 measured, ``evals.tasks`` the tasks evaluated, those that failed outside the policy included
-(null in rows written before it was added). ``shards.crc32`` is the CRC-32 of the shard's
+(null in rows written before it was added); ``evals.setup`` a fingerprint of what the
+measurement depended on besides the weights (the eval settings, the env's config, the
+rollout limits; null in rows written before it was added). ``shards.crc32`` is the CRC-32 of the shard's
 file as written, which its readers check (null in rows written before it was added: those
 shards are read unchecked). ``weights.dropped_stale`` and
 ``weights.rejected_rows`` are the trajectories the trainer dropped as stale and the rows it

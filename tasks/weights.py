@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -204,6 +206,7 @@ def evaluate_version(config: RunConfig, version: int | None = None, once: str | 
                 "count": result.count[env],
                 "time": datetime.now(UTC),
                 "tasks": sum(result.statuses[env].values()),
+                "setup": eval_setup(config, env),
             }
             for env in result.reward
         ],
@@ -212,19 +215,32 @@ def evaluate_version(config: RunConfig, version: int | None = None, once: str | 
     return result
 
 
+def eval_setup(config: RunConfig, env: str) -> str:
+    """Fingerprint of what an evaluation of ``env`` depends on besides the weights: the eval
+    settings (tasks, seed, temperature), the env's config and the rollout limits."""
+    setup = {
+        "eval": config.eval.model_dump(mode="json"),
+        "env": config.env_config(env).model_dump(mode="json"),
+        "max_turns": config.service.max_turns,
+        "max_new_tokens": config.service.max_new_tokens,
+        "gateway": config.gateway.model_dump(mode="json"),
+    }
+    return hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def recorded_eval(config: RunConfig, version: int | None) -> EvalResult | None:
-    """``version``'s latest row of each env of the mix in the ``evals`` table; None unless
-    every env has one over its :func:`eval_tasks` (``tasks``, or ``count`` in a row older
-    than that column). Its ``statuses`` are empty: the table does not keep them."""
+    """``version``'s latest row of each env of the mix in the ``evals`` table measured as
+    ``config`` would measure it (the same :func:`eval_setup`); None unless every env has
+    one. Its ``statuses`` are empty: the table does not keep them."""
     evals = Tables(run_store(config)).read("evals").sort_by("time").to_pylist()
-    latest = {row["env"]: row for row in evals if row["version"] == version}
     mix = list(config.orchestrator.mix)
-
-    def evaluated(env: str) -> int | None:
-        row = latest.get(env, {})
-        return row.get("count") if row.get("tasks") is None else row["tasks"]
-
-    if any(evaluated(env) != len(eval_tasks(config, env)) for env in mix):
+    setups = {env: eval_setup(config, env) for env in mix}
+    latest = {
+        row["env"]: row
+        for row in evals
+        if row["version"] == version and row["env"] in setups and row.get("setup") == setups[row["env"]]
+    }
+    if any(env not in latest for env in mix):
         return None
     return EvalResult(
         version=version,

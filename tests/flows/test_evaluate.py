@@ -95,6 +95,47 @@ def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_th
     assert Tables(run_store(config)).read("evals").num_rows == 2
 
 
+def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, monkeypatch):
+    """A row stands for the measurement that made it: another eval temperature or seed, another
+    env config or turn budget, or a row from before the setup was recorded, is measured again
+    (the pipeline's reward before RL was the old setup's, beside an after in the new one)."""
+    from datetime import UTC, datetime
+
+    import tasks.weights
+
+    config = tiny_config(tmp_path / "runs", "eval-setup", warm_start={"enabled": False})
+    calls = []
+    monkeypatch.setattr(
+        tasks.weights,
+        "evaluate_weights",
+        lambda config, version: calls.append(config) or _measured(config, 1),
+    )
+    evaluating(config, 1, reuse=True)
+    evaluating(config, 1, reuse=True)
+    assert len(calls) == 1, "the same setup is reused"
+    otherwise = [
+        {"eval": {"temperature": 0.7}},
+        {"eval": {"seed": 99}},
+        {"envs": {"guess": {"max_turns": 3}}},
+        {"service": {"max_new_tokens": 5}},
+    ]
+    for n, change in enumerate(otherwise, start=2):
+        changed = tiny_config(tmp_path / "runs", "eval-setup", warm_start={"enabled": False}, **change)
+        evaluating(changed, 1, reuse=True)
+        assert len(calls) == n, f"{change}: the recorded eval of another setup was reused"
+        evaluating(changed, 1, reuse=True)
+        assert len(calls) == n, f"{change}: its own recorded eval was not reused"
+
+    tables = Tables(run_store(config))
+    tables.append(
+        "evals",
+        [{"version": 2, "env": env, "reward": 1.0, "count": 4, "tasks": 4, "time": datetime.now(UTC)}
+         for env in config.orchestrator.mix],
+    )  # fmt: skip
+    evaluating(config, 2, reuse=True)
+    assert len(calls) == len(otherwise) + 2, "a row without its setup was reused"
+
+
 def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fails_and_records_nothing(
     tmp_path, monkeypatch
 ):
