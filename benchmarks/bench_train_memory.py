@@ -34,6 +34,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3Config
 
 from rl.logprobs import token_logprobs
+from rl.models import enable_activation_checkpointing
 
 VOCAB = 151_936
 HIDDEN = 1024
@@ -73,7 +74,7 @@ def saved_bytes(blocks: int, checkpointing: bool, tokens: int, action_share: flo
     """Bytes of the distinct storages autograd saves in a forward of ``token_logprobs``."""
     model = qwen3_like(blocks)
     if checkpointing:
-        model.activation_checkpointing_enable()
+        enable_activation_checkpointing(model)
     input_ids, attention_mask, where = inputs(tokens, action_share)
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}

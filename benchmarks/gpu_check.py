@@ -45,7 +45,7 @@ import torch
 from bench_train_memory import qwen3_like
 
 from rl.logprobs import token_logprobs
-from rl.models import TinyModelConfig, build_tiny_model
+from rl.models import TinyModelConfig, build_tiny_model, enable_activation_checkpointing
 from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine, sampling_logprobs
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
@@ -245,7 +245,7 @@ def check_training(tokens: int = 8192, device: str = "cuda") -> dict:
     results = {}
     for side in ("full", "treadle", "treadle_bf16"):
         if side == "treadle":
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
         model.zero_grad(set_to_none=True)
         if cuda:
             torch.cuda.synchronize()

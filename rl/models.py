@@ -160,6 +160,15 @@ def load_policy(
     return model.to(device).eval(), load_tokenizer(path)
 
 
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Keep only each decoder block's input for the backward pass and recompute the rest.
+
+    transformers renamed ``gradient_checkpointing_enable`` to ``activation_checkpointing_enable``
+    during 5.x (5.17 has only the old name; later releases keep it as a deprecated alias)."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+
+
 def disable_dropout(model: nn.Module) -> None:
     """Switch off every dropout of ``model``, in place, whatever its mode.
 

@@ -37,7 +37,15 @@ from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_ta
 from rl.config import SAOConfig
 from rl.logprobs import token_logprobs
 from rl.losses import dis_policy_loss, explained_variance, value_loss
-from rl.models import ValueModel, disable_dropout, load_trained_policy, padding_id, placed, publish_policy
+from rl.models import (
+    ValueModel,
+    disable_dropout,
+    enable_activation_checkpointing,
+    load_trained_policy,
+    padding_id,
+    placed,
+    publish_policy,
+)
 from storage.config import RunStore
 from storage.shards import ShardInfo, ShardReader
 from storage.status import HeldRole
@@ -279,7 +287,7 @@ class Trainer:
         if self.config.activation_checkpointing:
             for model in (self.policy, self.value_model and self.value_model.backbone):
                 if model is not None:
-                    model.activation_checkpointing_enable()
+                    enable_activation_checkpointing(model)
 
         state = json.loads((path / STATE_FILE).read_text()) if (path / STATE_FILE).is_file() else {}
         self.step = int(state.get("step", self.weights.manifest(version).get("step", 0)))

@@ -26,11 +26,9 @@ from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausa
 
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
-from rl.config import SAOConfig
 from rl.logprobs import token_logprobs
 from rl.models import (
     MASTER_WEIGHTS_FILE,
-    TinyModelConfig,
     build_tiny_model,
     ensure_base_version,
     load_policy,
@@ -39,16 +37,15 @@ from rl.models import (
 )
 from rl.processor import ProcessorConfig, process_shard
 from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_values
-from rollout.engines.torch_engine import sampling_logprobs
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
+from tests.rl.synthetic import TINY, config, make_trajectories, write_shards
 from tests.storage.test_weights import readme_totals
 
-TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, vocab_size=300)
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -57,62 +54,6 @@ def store(tmp_path) -> RunStore:
     run = RunStore(StorageConfig(root=str(tmp_path / "runs")), "trainer-test")
     ensure_base_version(WeightStore(run), TINY)
     return run
-
-
-def make_trajectories(
-    store: RunStore, count: int, seed: int, version: int = 0, reward_token: int = 40, temperature: float = 1.0
-) -> list[dict]:
-    """Prompt (4 tokens), action (3), observation (2), action (2); reward 1 when the
-    first action token is ``reward_token``. Rollout log-probs are those a TorchEngine running
-    the stored policy records when it samples at ``temperature``."""
-    rng = random.Random(seed)
-    policy, _ = load_policy(WeightStore(store).load(0))
-    records = []
-    for i in range(count):
-        prompt = [rng.randrange(10, 200) for _ in range(4)]
-        first = reward_token if rng.random() < 0.5 else rng.randrange(10, 200)
-        action1 = [first] + [rng.randrange(10, 200) for _ in range(2)]
-        observation = [rng.randrange(10, 200) for _ in range(2)]
-        action2 = [rng.randrange(10, 200) for _ in range(2)]
-        tokens = prompt + action1 + observation + action2
-        mask = [False] * 4 + [True] * 3 + [False] * 2 + [True] * 2
-        with torch.no_grad():
-            logits = policy(input_ids=torch.tensor([tokens])).logits[0, :-1]  # (T - 1, V)
-            every = sampling_logprobs(
-                logits, torch.full((len(logits),), temperature), torch.ones(len(logits))
-            )  # (T - 1, V)
-            taken = every.gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
-            logprobs = torch.cat([torch.zeros(1), taken])
-        records.append(
-            {
-                "trajectory_id": f"t{seed}-{i}",
-                "execution_id": f"e{seed}-{i}",
-                "task": "synthetic",
-                "prompt_id": f"p{i}",
-                "group_id": f"g{seed}-{i // 2}",
-                "tokens": tokens,
-                "logprobs": [lp if m else 0.0 for lp, m in zip(logprobs.tolist(), mask, strict=True)],
-                "action_mask": mask,
-                "turn": [0] * 7 + [1] * 4,
-                "versions": [version if m else -1 for m in mask],
-                "reward": 1.0 if first == reward_token else 0.0,
-                "progress": 1.0,
-                "status": "ok",
-                "train_mask": mask,
-                "loss_weight": [1.0] * len(tokens),
-            }
-        )
-    return records
-
-
-def write_shards(store: RunStore, records: list[dict], per_shard: int, worker: str = "proc") -> list:
-    infos = []
-    writer = ShardWriter(store, worker, kind="processed", schema=PROCESSED_SCHEMA)
-    for start in range(0, len(records), per_shard):
-        writer.write_table(to_table(records[start : start + per_shard], PROCESSED_SCHEMA))
-        infos.append(writer.flush())
-    writer.close()
-    return infos
 
 
 def version_chain(weights: WeightStore) -> list[dict]:
@@ -128,13 +69,6 @@ def version_chain(weights: WeightStore) -> list[dict]:
 
 def read_steps(store: RunStore) -> list[dict]:
     return sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
-
-
-def config(**overrides) -> SAOConfig:
-    base = dict(
-        lr=1e-3, value_lr=1e-3, token_budget=44, micro_token_budget=24, publish_every=2, poll_seconds=0.05
-    )
-    return SAOConfig(**base | overrides)
 
 
 @pytest.mark.parametrize("publish_every", [1, 100])
@@ -1129,6 +1063,21 @@ def test_activation_checkpointing_trains_the_same_and_saves_fewer_activations(st
         torch.testing.assert_close(critic_ckpt[name], tensor, msg=name)
     # what the backward pass keeps of both models' blocks: only their inputs
     assert ours_bytes < plain_bytes / 3, (ours_bytes, plain_bytes)
+
+
+def test_activation_checkpointing_works_where_transformers_has_only_its_old_name(store, monkeypatch):
+    """transformers 5.17 (a GPU image's) names it ``gradient_checkpointing_enable`` alone: the
+    trainer raised AttributeError there for ``activation_checkpointing: true``."""
+    from transformers import PreTrainedModel
+
+    enable = getattr(
+        PreTrainedModel, "activation_checkpointing_enable", PreTrainedModel.gradient_checkpointing_enable
+    )
+    monkeypatch.delattr(PreTrainedModel, "activation_checkpointing_enable", raising=False)
+    monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", enable)
+    trainer = Trainer(store, config(activation_checkpointing=True))
+    assert trainer.policy.is_gradient_checkpointing
+    assert trainer.value_model.backbone.is_gradient_checkpointing
 
 
 def test_bf16_mixed_precision_runs_the_matmuls_in_bfloat16_and_keeps_float32_state(store):
