@@ -2,11 +2,13 @@
 
 The claims form a chain of objects ``quota/<name>/<k>`` (k = 0, 1, …), each created
 exclusively (:meth:`RunStore.create_exclusive`) and holding the total claimed once it is
-in. A claimant reads the newest link, adds what it takes (never past the limit) and creates
-the next link; of two claimants racing for one link one wins, and the other reads it and
-tries again. So the workers of a run, running at once or one after another, restarted or
-rerun, together never hold more than the limit. A worker gives back what it did not use
-(:meth:`RunQuota.release`); one that dies keeps what it held, and the run falls short by it.
+in (and a random mark of the create that made it, which a create retried after its reply
+was lost recognises). A claimant reads the newest link, adds what it takes (never past the
+limit) and creates the next link; of two claimants racing for one link one wins, and the
+other reads it and tries again. So the workers of a run, running at once or one after
+another, restarted or rerun, together never hold more than the limit. A worker gives back
+what it did not use (:meth:`RunQuota.release`); one that dies keeps what it held, and the
+run falls short by it.
 
 A claimant lists the folder once, then reads forward from the last link it saw: a claim
 that meets no other costs one failed read and one create, however long the chain. Links
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import uuid
 
 from storage.config import RunStore
 
@@ -85,10 +88,17 @@ class RunQuota:
 
     def _link(self, index: int, total: int) -> bool:
         """Create link ``index`` holding ``total``; False when another claimant made it first."""
+        mark = uuid.uuid4().hex
         try:
-            self.store.create_exclusive(self._path(index), json.dumps({"total": total}).encode())
+            self.store.create_exclusive(
+                self._path(index), json.dumps({"total": total, "mark": mark}).encode()
+            )
         except FileExistsError:
-            return False
+            # a create retried after its reply was lost finds the link it made: taken or given
+            # back twice, the run would fall short, or pass its limit
+            link = json.loads(self.store.fs.cat_file(self._path(index)))
+            self._seen = index, int(link["total"])
+            return link.get("mark") == mark
         self._seen = index, total
         return True
 

@@ -83,3 +83,21 @@ def test_racing_claimants_never_pass_the_limit_and_hold_exactly_what_the_chain_s
     quota = RunQuota(store, "rollouts", limit)
     assert quota.claimed() == held <= limit
     assert quota.claim(limit) == limit - held
+
+
+def test_a_claim_or_release_whose_create_reply_was_lost_counts_once(store, monkeypatch):
+    """s3fs retries a PUT whose reply was lost, and the retry is refused: the link exists,
+    made by the first attempt."""
+    real_create = store.create_exclusive
+
+    def reply_lost(path, payload):
+        real_create(path, payload)
+        raise FileExistsError(f"{path} exists (conditional create refused)")
+
+    quota = RunQuota(store, "rollouts", 10)
+    monkeypatch.setattr(store, "create_exclusive", reply_lost)
+    assert quota.claim(4) == 4
+    quota.release(3)
+    monkeypatch.undo()
+    assert RunQuota(store, "rollouts", 10).claimed() == 1
+    assert quota.claim(10) == 9
