@@ -111,12 +111,19 @@ class SlotLease:
 
     def _create(self, slot: int) -> None:
         path = self._path(slot)
-        try:
-            self.store.create_exclusive(path, self.holder)
-        except FileExistsError:
-            # a create retried after its reply was lost finds the lease it made
-            if self.store.fs.cat_file(path) != self.holder:
-                raise
+        while True:
+            try:
+                self.store.create_exclusive(path, self.holder)
+                break
+            except FileExistsError:
+                try:
+                    held_by = self.store.fs.cat_file(path)
+                except FileNotFoundError:  # its holder released it since: create it again
+                    continue
+                # a create retried after its reply was lost finds the lease it made
+                if held_by != self.holder:
+                    raise
+                break
         self.held.append(path)
 
     def _forget_before(self, slot: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import os
+import posixpath
 import subprocess
 import sys
 import textwrap
@@ -252,6 +253,28 @@ def test_a_lease_whose_create_reply_was_lost_is_still_taken(local_store):
     assert not SlotLease(local_store, folder, slot).take(100.0)
     lease.release()
     assert os.listdir(folder) == []
+
+
+def test_a_lease_released_while_another_take_finds_it_is_taken(store, monkeypatch):
+    """The holder deletes its lease between another's refused create and its read of the
+    lease: that take creates it again, it does not fail on the missing lease."""
+    folder, slot = store.path("status", "leases"), 10.0
+    holder, taker = SlotLease(store, folder, slot), SlotLease(store, folder, slot)
+    assert holder.take(100.0)
+    real_create = store.create_exclusive
+
+    def released_after_refusal(path, payload):
+        try:
+            real_create(path, payload)
+        except FileExistsError:
+            holder.release()
+            raise
+
+    monkeypatch.setattr(store, "create_exclusive", released_after_refusal)
+    assert taker.take(100.0)
+    monkeypatch.undo()
+    assert not SlotLease(store, folder, slot).take(100.0)
+    assert [posixpath.basename(p) for p in taker.held] == ["10", "11"]
 
 
 def test_appends_compact_a_fragmented_table_and_readers_of_its_changes_notice_nothing(store, monkeypatch):
