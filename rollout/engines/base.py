@@ -70,7 +70,16 @@ class SamplingParams:
             )
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+        # checked here: a stop_ids the engine cannot test tokens against (None) failed on the
+        # torch engine's thread, stopping it for every request
+        if not isinstance(self.stop_ids, tuple | list):
+            raise InvalidRequest(f"stop_ids must be a tuple of token ids, got {type(self.stop_ids).__name__}")
+        bad = [token for token in self.stop_ids if isinstance(token, bool) or not isinstance(token, int)]
+        if bad:
+            raise InvalidRequest(f"stop_ids must be token ids, got {bad[0]!r}")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
+        ):
             raise InvalidRequest(f"seed must be a 64-bit integer in [-2**63, 2**64), got {self.seed}")
 
 

@@ -574,6 +574,22 @@ def test_seeds_outside_64_bits_are_invalid_requests(seed):
         SamplingParams(seed=seed)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"stop_ids": None}, "stop_ids must be a tuple of token ids, got NoneType"),
+        ({"stop_ids": 3}, "stop_ids must be a tuple of token ids, got int"),
+        ({"stop_ids": (3, "4")}, "stop_ids must be token ids, got '4'"),
+        ({"seed": 1.5}, r"seed must be a 64-bit integer in \[-2\*\*63, 2\*\*64\), got 1.5"),
+    ],
+)
+def test_malformed_stop_ids_and_seeds_are_invalid_requests(kwargs, message):
+    """A stop_ids the engine cannot look a token up in failed on the engine thread, stopping
+    the engine for every request; a float seed failed inside torch with a RuntimeError."""
+    with pytest.raises(InvalidRequest, match=message):
+        SamplingParams(**kwargs)
+
+
 def test_a_request_whose_distribution_cannot_be_sampled_fails_alone():
     """A NaN in one token's input embedding gives NaN logits to a request whose prompt holds
     that token: that request fails; the request decoding beside it and the engine go on."""
