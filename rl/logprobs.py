@@ -44,6 +44,11 @@ def token_logprobs(
     Returns:
         ``(B, T)`` float32; position 0 (no context) is 0.
     """
+    # a 0/1 integer mask (Hugging Face's convention) would index positions instead of
+    # selecting them, giving other tokens' log-probs without an error
+    for name, mask in (("attention_mask", attention_mask), ("where", where)):
+        if mask is not None and mask.dtype != torch.bool:
+            raise ValueError(f"{name} must be a bool tensor, got {mask.dtype}")
     wanted = attention_mask if where is None else where & attention_mask
     wanted = wanted[:, 1:]
     if getattr(model.config, "model_type", None) not in PLAIN_HEAD_MODELS:

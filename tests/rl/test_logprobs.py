@@ -119,6 +119,18 @@ def test_without_where_every_attended_token_gets_its_log_prob():
     assert (ours[~attention_mask] == 0).all()
 
 
+@pytest.mark.parametrize("argument", ["attention_mask", "where"])
+def test_an_integer_mask_is_refused(argument):
+    """A 0/1 int64 mask (Hugging Face's convention) indexed positions instead of selecting
+    them: the log-probs of other tokens came back without an error."""
+    model = plain_head_model(LlamaConfig)
+    input_ids, attention_mask, where = batch(seed=3)
+    masks = {"attention_mask": attention_mask, "where": where}
+    masks[argument] = masks[argument].long()
+    with pytest.raises(ValueError, match=f"{argument} must be a bool tensor, got torch.int64"):
+        token_logprobs(model, input_ids, **masks)
+
+
 class LargestLogits(TorchDispatchMode):
     """Most rows of any tensor an op returns whose last dimension is the vocabulary, other
     than the ``(H, V)`` transposed gradient of the head's weight."""
