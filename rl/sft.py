@@ -84,6 +84,15 @@ def supervised_warm_start(
     """
     if not sequences:
         raise ValueError("no demonstrations to train on")
+    if len(masks) != len(sequences):
+        raise ValueError(f"{len(sequences)} demonstrations but {len(masks)} loss masks")
+    for index, (tokens, mask) in enumerate(zip(sequences, masks, strict=True)):
+        # a mask of another length is not an error to pad_batch: one of length 1 broadcasts
+        # over the whole demonstration, training on every token
+        if len(mask) != len(tokens):
+            raise ValueError(
+                f"demonstration {index} has {len(tokens)} tokens but {len(mask)} loss-mask entries"
+            )
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     device = next(model.parameters()).device

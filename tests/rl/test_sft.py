@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
-from rl.sft import length_bucketed_batches, masked_nll
+from rl.config import SFTConfig, TinyModelConfig
+from rl.models import build_tiny_model
+from rl.sft import length_bucketed_batches, masked_nll, supervised_warm_start
+
+SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 
 
 def test_bucketed_batches_cover_each_index_once_and_pad_little():
@@ -38,3 +43,20 @@ def test_masked_nll_matches_a_reference_loop():
                 total -= token_logp[b, t].item()
                 count += 1
     assert abs(masked_nll(token_logp, loss_mask).item() - total / count) < 1e-5
+
+
+@pytest.mark.parametrize(
+    ("masks", "message"),
+    [
+        ([[True]] * 2, "demonstration 0 has 5 tokens but 1 loss-mask entries"),
+        ([[False] * 5, [True] * 4], "demonstration 1 has 3 tokens but 4 loss-mask entries"),
+        ([[False] * 5], "2 demonstrations but 1 loss masks"),
+    ],
+)
+def test_loss_masks_that_do_not_fit_their_demonstrations_are_refused(masks, message):
+    """A mask of length 1 broadcast over its whole demonstration and trained every token of it."""
+    model, _ = build_tiny_model(SMALL)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=message):
+        supervised_warm_start(model, [[5, 6, 7, 8, 9], [5, 6, 7]], masks, 0, SFTConfig(max_steps=1))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
