@@ -25,7 +25,7 @@ from rollout.elastic import ElasticConfig, ElasticController, Move, PolicyInputs
 from storage.status import ElasticPlan, RolloutStatus
 
 TRAINER_UNIT = "train0"
-"""The trainer's own unit: never lent to rollout (``min_train``), never in a plan."""
+"""The trainer's own unit: never lent to rollout, never in a plan."""
 
 
 def replica_unit(worker: str, replica: str) -> str:
@@ -40,8 +40,9 @@ def _worker_of(unit: str) -> str | None:
 @dataclass
 class ReplicaController(ElasticController):
     """An :class:`ElasticController` whose rollout units are workers' replicas: it never drains
-    a worker's last accepting replica (each worker keeps its most loaded one), and lends a
-    replica only by draining it (its worker's confirmation hands it over, see the module docstring)."""
+    a worker's last accepting replica (each worker keeps its most loaded one), lends a
+    replica only by draining it (its worker's confirmation hands it over, see the module
+    docstring), and hands back only replicas, never a trainer unit (no worker serves one)."""
 
     def _lend(self, unit: Unit, now: float, reason: str) -> Move:
         return self._move(unit, "draining", now, f"{reason} drains")
@@ -52,6 +53,9 @@ class ReplicaController(ElasticController):
             kept.setdefault(_worker_of(unit.name) or unit.name, unit)
         keep = {id(unit) for unit in kept.values()}
         return [unit for unit in super()._drain_order(rollout, now) if id(unit) not in keep]
+
+    def _return_order(self, train: list[str]) -> list[str]:
+        return [name for name in super()._return_order(train) if _worker_of(name) is not None]
 
 
 class ElasticPlanner:

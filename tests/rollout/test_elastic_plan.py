@@ -111,6 +111,24 @@ def test_a_dry_trainer_with_queued_sessions_hands_the_replica_back():
     assert planner.controller.units_in("train") == [TRAINER_UNIT], "the trainer's own unit stays"
 
 
+def test_a_dry_trainer_hands_back_replicas_only_never_a_trainer_unit():
+    """Two trainer units, min_train 1: queued sessions and a dry trainer would lend t1, but no
+    worker serves it; a phantom accepting unit would never come back (each worker's last
+    accepting unit is never drained)."""
+    planner = ElasticPlanner(CONFIG, trainer_units=("t0", "t1"))
+    record = planner.decide([status("w0", {"r0": 5, "r1": 0})], DRY, now=10.0)
+    assert record["elastic"]["decided"] == []
+    assert planner.controller.units_in("train") == ["t0", "t1"]
+    planner.decide([status("w0", {"r0": 5, "r1": 0})], SATURATED, now=11.0)
+    planner.decide([status("w0", {"r0": 5, "r1": 0}, draining=["r1"], plan_time=11.0)], SATURATED, now=12.0)
+    assert planner.last_plan.train == ["w0/r1"]
+    record = planner.decide(
+        [status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=12.0)], DRY, now=20.0
+    )
+    assert [(m["unit"], m["target"]) for m in record["elastic"]["decided"]] == [("w0/r1", "rollout")]
+    assert planner.controller.units_in("train") == ["t0", "t1"]
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_the_last_accepting_replica_of_a_worker_is_never_drained(seed):
     import random
