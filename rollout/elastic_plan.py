@@ -74,6 +74,8 @@ class ElasticPlanner:
             )
         if any("/" in name for name in trainer_units):
             raise ValueError(f"trainer unit names may not contain '/': {list(trainer_units)}")
+        if len(set(trainer_units)) != len(trainer_units):
+            raise ValueError(f"trainer unit names must differ: {list(trainer_units)}")
         self.trainer_units = trainer_units
         self.controller = ReplicaController(config, {name: Unit(name, "train") for name in trainer_units})
         self.last_plan: ElasticPlan | None = None

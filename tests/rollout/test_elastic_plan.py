@@ -166,6 +166,9 @@ def test_trainer_units_are_checked():
         ElasticPlanner(ElasticConfig(min_train=2))
     with pytest.raises(ValueError, match="may not contain '/'"):
         ElasticPlanner(trainer_units=("t/0",))
+    # one unit named twice would pass min_train=2 and count twice in the training cost
+    with pytest.raises(ValueError, match="must differ"):
+        ElasticPlanner(ElasticConfig(min_train=2), trainer_units=("t0", "t0"))
 
 
 def test_the_rollout_rate_comes_from_the_workers_finished_counts_and_sets_the_balanced_split():
