@@ -10,9 +10,10 @@ A replica lent to training drains first, an idle one too, and counts as handed t
 only once its worker confirms it: a status that applied a plan at least as new as the
 drain, lists the replica as draining, and pins no session to it (a status seconds old that
 shows it empty does not: the worker's router pins new sessions to it until it applies the
-plan). A replica in training whose status shows sessions pinned drains again. Each worker
-keeps at least one accepting replica (its orchestrator's new sessions need one): the
-controller never drains a worker's last accepting replica, on top of its own ``min_rollout``.
+plan). A replica in training whose status shows sessions pinned, or shows it not draining
+(its worker reopened it, or ignores the plan), drains again. Each worker keeps at least
+one accepting replica (its orchestrator's new sessions need one): the controller never
+drains a worker's last accepting replica, on top of its own ``min_rollout``.
 A live rollout is never interrupted: a drained replica's sessions move at their next turn,
 a generation in flight finishes where it started (``rollout.router``).
 """
@@ -93,7 +94,7 @@ class ElasticPlanner:
         (the newest lengths); a worker's first status, or a restarted worker's, only sets
         where its counts start. Returns the moves made here: draining replicas that their
         worker confirms empty go to training, replicas in training that their worker reports
-        sessions on drain again (see the module docstring).
+        sessions on, or no longer drains, drain again (see the module docstring).
         """
         seen: dict[str, tuple[RolloutStatus, str]] = {}
         for status in statuses:
@@ -125,12 +126,11 @@ class ElasticPlanner:
                 moves.append(
                     self.controller._move(unit, "train", now, "drained: its worker reports no session pinned")
                 )
-            elif unit.role == "train" and unit.live_sessions > 0:
-                moves.append(
-                    self.controller._move(
-                        unit, "draining", now, "its worker reports sessions pinned: drains again"
-                    )
-                )
+            elif unit.role == "train" and (unit.live_sessions > 0 or replica not in status.draining):
+                # not draining: its worker reopened it (its last replica in service) or ignores
+                # the plan, and pins new sessions to it
+                why = "reports sessions pinned" if unit.live_sessions else "takes new sessions on it"
+                moves.append(self.controller._move(unit, "draining", now, f"its worker {why}: drains again"))
         return moves
 
     def _confirmed(self, status: RolloutStatus, replica: str, unit: Unit) -> bool:

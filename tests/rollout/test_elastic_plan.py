@@ -89,6 +89,20 @@ def test_a_replica_in_training_whose_worker_reports_sessions_drains_again():
     assert roles(planner.last_plan) == (["w0/r0"], [], ["w0/r1"])
 
 
+def test_a_replica_in_training_whose_worker_takes_sessions_on_it_again_drains_again():
+    """r0 goes down and the worker's router reopens r1, its last replica in service: new
+    sessions go to r1, so it is not training's, though none is pinned there yet."""
+    planner = ElasticPlanner(CONFIG)
+    planner.decide([status("w0", {"r0": 5, "r1": 1})], SATURATED, now=10.0)
+    planner.decide([status("w0", {"r0": 6, "r1": 0}, draining=["r1"], plan_time=10.0)], SATURATED, now=11.0)
+    assert planner.last_plan.train == ["w0/r1"]
+    record = planner.decide([status("w0", {"r1": 0}, plan_time=11.0)], SATURATED, now=12.0)
+    assert roles(planner.last_plan) == ([], ["w0/r1"], [])
+    assert [(m["unit"], m["source"], m["target"]) for m in record["elastic"]["decided"]] == [
+        ("w0/r1", "train", "draining")
+    ]
+
+
 def test_a_drain_is_confirmed_after_its_move_left_the_bounded_history(monkeypatch):
     monkeypatch.setattr(elastic_module, "MOVE_HISTORY", 1)
     planner = ElasticPlanner(CONFIG)
