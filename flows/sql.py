@@ -36,7 +36,9 @@ def connect(store: RunStore):
     """A duckdb connection with one view per table of the run."""
     import duckdb
 
-    connection = duckdb.connect()
+    # a persistent secret of the user's (~/.duckdb/stored_secrets) scoped to the run's bucket
+    # would win over the run's own, sending the queries to its endpoint with its credentials
+    connection = duckdb.connect(config={"allow_persistent_secrets": False})
     for path in extension_paths():
         connection.execute(f"LOAD {_literal(path)}")
     config = store.config

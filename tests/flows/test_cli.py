@@ -14,6 +14,7 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 
+import duckdb
 import pyarrow as pa
 import pytest
 import torch
@@ -22,11 +23,12 @@ from deltalake import write_deltalake
 from flows.cli import TABLES, inspect_run, main
 from flows.cli_args import parse
 from flows.config import load_config
-from flows.sql import connect
+from flows.sql import connect, extension_paths
 from rl.models import TinyModelConfig, ensure_base_version
 from storage.config import RunStore, StorageConfig
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
+from tests.conftest import free_port
 from tests.flows.conftest import REPO
 
 
@@ -289,6 +291,29 @@ def test_sql_reaches_a_run_under_an_s3a_root(s3_server):
     result = treadle("sql", *run, "SELECT task, reward FROM trajectories", env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == ["task\treward", "arith\t0.5"]
+
+
+def test_sql_uses_the_runs_credentials_over_a_persistent_duckdb_secret_for_its_bucket(
+    s3_server, tmp_path, monkeypatch
+):
+    """A data engineer's own duckdb secret, stored (``CREATE PERSISTENT SECRET``) for the run's
+    bucket with another endpoint and key: the longest matching scope wins in duckdb, so the
+    views read the bucket through it (here an endpoint nothing answers on) before the fix."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # where duckdb keeps ~/.duckdb/stored_secrets
+    mine = duckdb.connect()
+    for path in extension_paths():
+        mine.execute(f"LOAD '{path}'")
+    mine.execute(
+        "CREATE PERSISTENT SECRET mine (TYPE s3, KEY_ID 'other-key', SECRET 'other-secret', "
+        f"ENDPOINT '127.0.0.1:{free_port()}', URL_STYLE 'path', USE_SSL false, SCOPE 's3://{s3_server.bucket}')"
+    )
+    mine.close()
+    store = RunStore(s3_server.config(), "persistent-secret")
+    Tables(store).append("trajectories", [trajectory_row("arith", 0, 0.5, "ok")])
+
+    connection = connect(store)
+
+    assert connection.execute("SELECT task, reward FROM trajectories").fetchall() == [("arith", 0.5)]
 
 
 def test_a_store_error_that_echoes_the_credentials_is_reported_without_them(echoing_endpoint):
