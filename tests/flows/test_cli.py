@@ -433,11 +433,11 @@ def test_sql_without_duckdb_installed_says_which_extra_to_install(local_store, m
 
 
 def test_sql_reads_a_column_added_since_the_run_wrote_its_table_as_null(local_store):
-    """A run begun by an older treadle whose ``evals`` had no ``tasks`` column, and that no
-    append has brought up to date (the run ended): its rows read ``tasks`` as null, as
+    """A run begun by an older treadle whose ``evals`` had no ``tasks`` and ``setup`` columns, and
+    that no append has brought up to date (the run ended): its rows read them as null, as
     ``Tables.read`` gives them, rather than the query failing on an unknown column."""
     schema = TABLE_SCHEMAS["evals"]
-    old_schema = schema.remove(schema.get_field_index("tasks"))
+    old_schema = pa.schema([field for field in schema if field.name not in ("tasks", "setup")])
     row = {"version": 0, "env": "arith", "reward": 0.5, "count": 4, "time": datetime(2026, 1, 1, tzinfo=UTC)}
     write_deltalake(
         Tables(local_store).uri("evals"),
@@ -445,7 +445,9 @@ def test_sql_reads_a_column_added_since_the_run_wrote_its_table_as_null(local_st
         configuration=TABLE_CONFIGURATION,
     )
     connection = connect(local_store)
-    assert connection.execute("SELECT version, env, tasks FROM evals").fetchall() == [(0, "arith", None)]
+    assert connection.execute("SELECT version, env, tasks, setup FROM evals").fetchall() == [
+        (0, "arith", None, None)
+    ]
     described = connection.execute("DESCRIBE evals").fetchall()
     assert [(column, kind) for column, kind, *_ in described] == [
         ("version", "INTEGER"),
@@ -454,6 +456,7 @@ def test_sql_reads_a_column_added_since_the_run_wrote_its_table_as_null(local_st
         ("count", "INTEGER"),
         ("time", "TIMESTAMP WITH TIME ZONE"),
         ("tasks", "INTEGER"),
+        ("setup", "VARCHAR"),
     ]
 
 
