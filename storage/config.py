@@ -20,9 +20,19 @@ from pydantic.json_schema import SkipJsonSchema
 MASKED = "**********"
 """What Prefect stores (and hands back) in place of a ``SecretStr`` parameter's value."""
 
+DELTA_UNSAFE = "%[]^|\\"
+"""Characters deltalake cannot take in a table's path: it reads ``%XX`` as an escaped
+character and a backslash as a separator (the run's tables would go to another folder), and
+panics on the others (a ``BaseException`` no handler catches)."""
+
 S3_SCHEMES = ("s3", "s3a")
 """URL schemes ``root`` may use (lower case once validated); any other URL is refused, and a
 root without ``://`` is a local folder."""
+
+
+def _delta_unsafe(path: str) -> str | None:
+    """The first character of ``path`` in :data:`DELTA_UNSAFE`, if any."""
+    return next((c for c in path if c in DELTA_UNSAFE), None)
 
 
 def _unset(value: object) -> bool:
@@ -97,10 +107,9 @@ class StorageConfig(BaseModel):
                 "root holds credentials (user:secret@ before the bucket); give them as access_key_id and "
                 "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
             )
-        if "%" in value:  # as RunStore refuses it, but at load, naming the field
+        if unsafe := _delta_unsafe(value):  # as RunStore refuses it, but at load, naming the field
             raise ValueError(
-                f"root {value!r} holds a '%' (deltalake reads %XX in a table's path as an escaped "
-                "character: the run's tables would go to another folder)"
+                f"root {value!r} holds a {unsafe!r}, which deltalake cannot take in a table's path"
             )
         if not url:
             return value
@@ -255,10 +264,10 @@ class RunStore:
             raise ValueError(f"run_id must be a non-empty name without '/', not '.' or '..', got {run_id!r}")
         self.config = config
         self.run_id = run_id
-        if "%" in self.uri:
+        if unsafe := _delta_unsafe(self.uri):
             raise ValueError(
-                f"run {self.uri!r}: its root and run_id must hold no '%' (deltalake reads %XX in a "
-                "table's path as an escaped character: its tables would go to another folder)"
+                f"run {self.uri!r}: its root and run_id must hold no {unsafe!r} (deltalake cannot take "
+                f"any of {DELTA_UNSAFE!r} in a table's path)"
             )
 
     @cached_property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 from pydantic import ValidationError
@@ -37,16 +38,21 @@ def test_a_run_id_that_is_not_one_folder_of_the_root_is_refused(tmp_path, run_id
             RunStore(StorageConfig(root=root), run_id)
 
 
-def test_a_run_whose_path_holds_a_percent_sign_is_refused_before_its_tables_go_elsewhere(tmp_path):
-    with pytest.raises(ValueError, match="must hold no '%'"):
-        RunStore(StorageConfig(root=str(tmp_path)), "run%41")
+@pytest.mark.parametrize("unsafe", ["%41", "[1]", "^", "|", "\\"])
+def test_a_run_whose_path_holds_what_deltalake_cannot_take_is_refused_before_its_tables_go_elsewhere(
+    tmp_path, unsafe
+):
+    """deltalake read ``%41`` as ``A`` and a backslash as a separator (the tables went to another
+    folder) and panicked on ``[``, ``]``, ``^`` and ``|`` (a ``BaseException``, past every handler)."""
+    with pytest.raises(ValueError, match=f"must hold no {re.escape(repr(unsafe[0]))}"):
+        RunStore(StorageConfig(root=str(tmp_path)), f"run{unsafe}")
 
 
-@pytest.mark.parametrize("root", ["runs/p%41q", "s3://b/p%41q"])
-def test_a_root_that_holds_a_percent_sign_fails_at_load_naming_the_root(root):
+@pytest.mark.parametrize("root", ["runs/p%41q", "s3://b/p%41q", "runs/a[1]", "runs/a\\b"])
+def test_a_root_that_holds_what_deltalake_cannot_take_fails_at_load_naming_the_root(root):
     """A run config with such a root loaded, and its flow failed only at its first look at
     the store; ``treadle inspect --root`` blamed ``--run-id``."""
-    with pytest.raises(ValidationError, match=r"root\n.*holds a '%'"):
+    with pytest.raises(ValidationError, match=r"root\n.*holds a '"):
         StorageConfig(root=root)
 
 
