@@ -43,6 +43,14 @@ def mixed_seed(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
+def _integer(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one generation.
@@ -62,14 +70,21 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
+        # a float budget (2.5) generated 3 tokens; a string temperature failed as a TypeError
+        if not _integer(self.max_new_tokens):
+            raise InvalidRequest(f"max_new_tokens must be an integer, got {self.max_new_tokens!r}")
         if self.max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
+        if not (
+            _real(self.temperature)
+            and math.isfinite(self.temperature)
+            and self.temperature >= MIN_TEMPERATURE
+        ):
             raise InvalidRequest(
-                f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {self.temperature}"
+                f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {self.temperature!r}"
             )
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (_real(self.top_p) and 0 < self.top_p <= 1):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p!r}")
         # checked here: a stop_ids the engine cannot test tokens against (None) failed on the
         # torch engine's thread, stopping it for every request
         if not isinstance(self.stop_ids, tuple | list):

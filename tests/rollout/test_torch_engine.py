@@ -581,11 +581,16 @@ def test_seeds_outside_64_bits_are_invalid_requests(seed):
         ({"stop_ids": 3}, "stop_ids must be a tuple of token ids, got int"),
         ({"stop_ids": (3, "4")}, "stop_ids must be token ids, got '4'"),
         ({"seed": 1.5}, r"seed must be a 64-bit integer in \[-2\*\*63, 2\*\*64\), got 1.5"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be an integer, got 2.5"),
+        ({"max_new_tokens": True}, "max_new_tokens must be an integer, got True"),
+        ({"temperature": "0.7"}, "temperature must be a finite number >= 1e-05, got '0.7'"),
+        ({"top_p": None}, r"top_p must be in \(0, 1\], got None"),
     ],
 )
 def test_malformed_stop_ids_and_seeds_are_invalid_requests(kwargs, message):
     """A stop_ids the engine cannot look a token up in failed on the engine thread, stopping
-    the engine for every request; a float seed failed inside torch with a RuntimeError."""
+    the engine for every request; a float seed failed inside torch with a RuntimeError; a
+    float token budget (2.5) generated 3 tokens, a string temperature was a TypeError."""
     with pytest.raises(InvalidRequest, match=message):
         SamplingParams(**kwargs)
 
