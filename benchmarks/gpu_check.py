@@ -24,6 +24,13 @@ each is reported. The model is randomly initialised, its logits small (std ~0.6)
 bound checks that the path runs right, not the precision a trained model gets: bf16 rounding
 of logits of a trained model's size moves a log-prob by up to ~0.06.
 
+Last, the SAO trainer itself (``rl.trainer.Trainer``) on a randomly initialised model of
+Qwen3-0.6B's dimensions (28 blocks) at ``configs/qwen3-0.6b-gpu.yaml``'s ``sao`` budgets
+(262,144 tokens a step in micro-batches of 32,768, activation checkpointing, bf16 matmuls;
+one critic pretraining step): ``--trainer-rows`` rows of 2,048 tokens whose rollout log-probs
+the same weights computed, so the ratios must be 1 and nothing masked; the step times, tokens/s
+and peak CUDA memory are reported.
+
 Prints the JSON summary as its last line: {"bench": "gpu_check", "ok": ..., ...}.
 """
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import subprocess
@@ -39,16 +47,25 @@ import sys
 import tempfile
 import time
 import traceback
+from pathlib import Path
 
 import httpx
 import torch
+import yaml
 from bench_train_memory import qwen3_like
 
+from rl.config import SAOConfig
 from rl.logprobs import token_logprobs
-from rl.models import TinyModelConfig, build_tiny_model, enable_activation_checkpointing
+from rl.models import TinyModelConfig, build_tiny_model, enable_activation_checkpointing, publish_policy
+from rl.trainer import Trainer
 from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine, sampling_logprobs
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
+from storage.config import RunStore, StorageConfig
+from storage.schema import PROCESSED_SCHEMA, to_table
+from storage.shards import ShardWriter
+from storage.tables import Tables
+from storage.weights import WeightStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_TINY = TinyModelConfig(
@@ -288,6 +305,78 @@ def check_training(tokens: int = 8192, device: str = "cuda") -> dict:
     }
 
 
+def on_policy_rows(model, rows: int, length: int = 2048) -> list[dict]:
+    """Processed trajectories of random tokens whose rollout log-probs ``model`` gives them:
+    three actions (256, 256 and 512 tokens) between a prompt and observations."""
+    generator = torch.Generator().manual_seed(0)
+    mask = [False] * 512 + [True] * 256 + [False] * 256 + [True] * 256 + [False] * 256 + [True] * 512
+    records = []
+    for i in range(rows):
+        tokens = torch.randint(1000, model.config.vocab_size, (length,), generator=generator).cuda()
+        with torch.no_grad():
+            logits = model(input_ids=tokens[None]).logits[0, :-1].float()  # (T - 1, V)
+            ones = torch.ones(len(logits), device="cuda")
+            taken = sampling_logprobs(logits, ones, ones).gather(-1, tokens[1:, None])[:, 0]
+        logprobs = [0.0, *taken.tolist()]
+        records.append(
+            {
+                "trajectory_id": f"t{i}",
+                "execution_id": f"e{i}",
+                "task": "synthetic",
+                "prompt_id": f"p{i}",
+                "group_id": f"g{i}",
+                "tokens": tokens.tolist(),
+                "logprobs": [lp if m else 0.0 for lp, m in zip(logprobs, mask, strict=True)],
+                "action_mask": mask,
+                "turn": [0] * length,
+                "versions": [0 if m else -1 for m in mask],
+                "reward": float(i % 2),
+                "progress": 1.0,
+                "status": "ok",
+                "train_mask": mask,
+                "loss_weight": [1.0] * length,
+            }
+        )
+    return records
+
+
+def check_trainer(folder: str, rows: int) -> dict:
+    """The SAO trainer at the GPU config's budgets on a Qwen3-0.6B-shaped model (module docstring)."""
+    sao = yaml.safe_load(Path(ROOT, "configs", "qwen3-0.6b-gpu.yaml").read_text())["sao"]
+    config = SAOConfig(**sao | {"value_pretrain_steps": 1, "publish_every": 10**6})
+    store = RunStore(StorageConfig(root=os.path.join(folder, "runs")), "qwen3-shaped")
+    model = qwen3_like(28)
+    _, tokenizer = build_tiny_model(TinyModelConfig())  # the engines' concern, not the trainer's
+    publish_policy(WeightStore(store), model, tokenizer, step=0, tag="base")
+    records = on_policy_rows(model.cuda().eval(), rows)
+    del model
+    torch.cuda.empty_cache()
+    writer = ShardWriter(store, "gpu-check", kind="processed", schema=PROCESSED_SCHEMA)
+    for start in range(0, rows, 32):
+        writer.write_table(to_table(records[start : start + 32], PROCESSED_SCHEMA))
+        writer.flush()
+    writer.close()
+    trainer = Trainer(store, config, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    summary = trainer.run(drain=True)
+    seconds = time.perf_counter() - started
+    steps = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    return {
+        "ok": len(steps) == rows * 2048 // config.token_budget
+        and all(abs(row["mean_ratio"] - 1) < 1e-2 and row["masked_fraction"] == 0.0 for row in steps)
+        and all(math.isfinite(row["policy_loss"]) and math.isfinite(row["value_loss"]) for row in steps)
+        and bool(summary.versions),
+        "token_budget": config.token_budget,
+        "micro_token_budget": config.micro_token_budget,
+        "step_seconds": [round(row["step_seconds"], 2) for row in steps],
+        "tokens_per_s": [round(row["tokens_per_s"]) for row in steps],
+        "mean_ratio": [round(row["mean_ratio"], 5) for row in steps],
+        "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+        "seconds_with_publish": round(seconds, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-venv", help="Environment built from deployments/vllm/requirements.txt.")
@@ -297,6 +386,12 @@ def main() -> None:
         "--vllm-dtype", default="bfloat16", help="vllm serve --dtype (float32 for exact log-probs)."
     )
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument(
+        "--trainer-rows",
+        type=int,
+        default=256,
+        help="Rows of 2,048 tokens the trainer check trains on (0: skip).",
+    )
     parser.add_argument(
         "--log", default=os.path.join(os.environ.get("OUT", tempfile.gettempdir()), "vllm.log")
     )
@@ -324,6 +419,17 @@ def main() -> None:
                 "error": f"{type(exc).__name__}: {exc}",
                 "trace": traceback.format_exc()[-2000:],
             }
+        if args.trainer_rows:
+            try:
+                summary["trainer"] = check_trainer(folder, args.trainer_rows)
+            except Exception as exc:
+                summary["trainer"] = {
+                    "ok": False,
+                    "error": f"{type(exc).__name__}: {exc}",
+                    "trace": traceback.format_exc()[-2000:],
+                }
+        else:
+            summary["trainer"] = {"ok": None, "skipped": True}
         if args.skip_vllm:
             summary["vllm"] = {"ok": None, "skipped": True}
         elif not args.vllm_venv:
@@ -333,7 +439,7 @@ def main() -> None:
                 summary["vllm"] = asyncio.run(check_vllm(args, v0, v1, ref_v0, ref_v1, tokenizer, args.log))
             except Exception as exc:
                 summary["vllm"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}", "log": args.log}
-    results = [summary["torch"]["ok"], summary["training"]["ok"], summary["vllm"]["ok"]]
+    results = [summary[check]["ok"] for check in ("torch", "training", "trainer", "vllm")]
     summary["ok"] = all(r is not False for r in results)
     summary["ratio"] = float(sum(r is True for r in results)) / len(results)
     print(json.dumps(summary, default=str))
