@@ -6,6 +6,7 @@ padding) unless stated otherwise. Sources are cited per function; see PAPERS.md.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -189,7 +190,7 @@ def group_advantages(
     ``weights`` (equally where they are None or sum to 0 over the execution): ``mean_g = Σ w_i·R_i / n_g``
     and ``std_g² = Σ w_i·(R_i − mean_g)² / (n_g − 1)`` over the group's rows, ``n_g`` its
     executions; with one row per execution these are the plain mean and unbiased sample std.
-    A group of one execution has advantage 0.
+    A group of one execution, or whose rewards are all equal, has advantage 0.
 
     Args:
         rewards: ``(N,)`` float, one reward per row (trajectory).
@@ -236,7 +237,12 @@ def group_advantages(
     )
     members = torch.bincount(execution_group, minlength=num_groups)
     means = torch.zeros(num_groups, device=device).index_add_(0, group, share * rewards) / members
-    centered = torch.where(members[group] > 1, rewards - means[group], 0.0)
+    # a group whose rewards are all equal has no signal; its float mean can miss them by an
+    # ulp, which normalize_std would blow up to advantages near ±1
+    lowest = torch.full((num_groups,), math.inf, device=device).scatter_reduce_(0, group, rewards, "amin")
+    highest = torch.full((num_groups,), -math.inf, device=device).scatter_reduce_(0, group, rewards, "amax")
+    varied = (members > 1) & (highest != lowest)
+    centered = torch.where(varied[group], rewards - means[group], 0.0)
     if not normalize_std:
         return centered
     squares = torch.zeros(num_groups, device=device).index_add_(0, group, share * centered**2)

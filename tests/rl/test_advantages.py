@@ -252,6 +252,23 @@ def test_a_branching_execution_whose_leaves_share_its_reward_counts_as_one_rollo
     torch.testing.assert_close(rows, want)
 
 
+@pytest.mark.parametrize("reward", [0.1, 3.3, 1000.1])
+def test_a_group_of_equal_rewards_has_zero_advantage_with_std_normalization(reward):
+    # the float32 mean of seven equal rewards misses them by an ulp; divided by the std of
+    # those ulps it would give every row an advantage near ±1
+    executions = [f"e{i}" for i in range(7)]
+    plain = group_advantages(torch.full((7,), reward), ["g"] * 7, normalize_std=True)
+    branched = group_advantages(
+        torch.full((8,), reward),
+        ["g"] * 8,
+        normalize_std=True,
+        execution_ids=[*executions, "e0"],
+        weights=torch.tensor([0.3, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.7]),
+    )
+    assert torch.equal(plain, torch.zeros(7))
+    assert torch.equal(branched, torch.zeros(8))
+
+
 def test_group_advantages_accepts_tensor_ids_and_checks_length():
     got = group_advantages(torch.tensor([1.0, 0.0, 3.0]), torch.tensor([7, 7, 2]))
     torch.testing.assert_close(got, torch.tensor([0.5, -0.5, 0.0]))
