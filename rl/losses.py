@@ -68,15 +68,22 @@ def dis_policy_loss(
 
     num_tokens = int(action_mask.sum())
     zeros = torch.zeros_like(logprobs)
-    safe_logprobs = torch.where(action_mask, logprobs, zeros)
     log_ratio = torch.where(action_mask, logprobs.detach() - rollout_logprobs.to(logprobs.dtype), zeros)
     ratio = torch.exp(log_ratio)
     too_low = action_mask & (ratio <= 1.0 - eps_low)
     too_high = action_mask & (ratio >= 1.0 + eps_high)
     kept = action_mask & ~too_low & ~too_high
+    # every factor is zeroed off the kept tokens, not just the ratio: a -inf log-prob the
+    # interval masks, or a NaN advantage or weight on padding, times a zero weight is NaN
     is_weight = torch.where(kept, ratio, zeros)
-    token_weight = is_weight if loss_weight is None else is_weight * loss_weight.to(logprobs.dtype)
-    loss_sum = -(token_weight * advantages.detach().to(logprobs.dtype) * safe_logprobs).sum()
+    token_weight = (
+        is_weight
+        if loss_weight is None
+        else is_weight * torch.where(kept, loss_weight.to(logprobs.dtype), zeros)
+    )
+    kept_advantages = torch.where(kept, advantages.detach().to(logprobs.dtype), zeros)
+    safe_logprobs = torch.where(kept, logprobs, zeros)
+    loss_sum = -(token_weight * kept_advantages * safe_logprobs).sum()
     loss = loss_sum / max(num_tokens, 1)
 
     if num_tokens == 0:

@@ -73,6 +73,28 @@ def test_dis_interval_is_open_and_padding_cannot_poison_the_loss():
     assert math.isfinite(loss.item())
 
 
+def test_dis_non_finite_values_on_tokens_outside_the_loss_leave_it_finite():
+    # token 0 is kept (ratio 1); token 1 is an action the interval masks for its -inf
+    # log-prob; tokens 2 and 3 are padding with a NaN advantage and a NaN weight
+    logprobs = torch.tensor([[-1.0, -math.inf, -1.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    mask = torch.tensor([[True, True, False, False]])
+    advantages = torch.tensor([[2.0, 1.0, math.nan, 1.0]], dtype=torch.float64)
+    weight = torch.tensor([[1.0, 1.0, 1.0, math.nan]], dtype=torch.float64)
+    loss, stats = dis_policy_loss(
+        logprobs,
+        torch.full((1, 4), -1.0, dtype=torch.float64),
+        advantages,
+        mask,
+        0.3,
+        5.0,
+        loss_weight=weight,
+    )
+    loss.backward()
+    assert stats["masked_low"] == pytest.approx(0.5)
+    assert loss.item() == pytest.approx(-(2.0 * -1.0) / 2)
+    assert logprobs.grad.tolist() == [[-1.0, 0.0, 0.0, 0.0]]
+
+
 def test_dis_all_masked_gives_zero_loss_with_a_graph():
     logprobs = torch.randn(2, 3, requires_grad=True)
     loss, stats = dis_policy_loss(
