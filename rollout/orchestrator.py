@@ -330,6 +330,10 @@ class Orchestrator:
                     if await self._claimed_again():
                         continue
                     break
+                # done while paused (a stop whose wake-up _wait_for_trainer took, or the last group
+                # wanted kept): what is in flight is cut short or redundant, not awaited
+                if self._done():
+                    break
                 job = await self._completed.get()
                 if job is not None:
                     self._collect(job)

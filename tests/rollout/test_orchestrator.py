@@ -386,6 +386,38 @@ def test_rollouts_finished_while_paused_are_written_and_a_stop_keeps_them(tiny):
     assert stats.finished == len(sink.records) == 4 and stats.cut_short == []
 
 
+def test_a_stop_while_launching_is_paused_cuts_the_rollouts_in_flight_short(tiny):
+    # the pause takes the stop's wake-up off the queue; run() must not then wait for a
+    # rollout that never finishes
+    reads = []
+
+    def trainer_queue():
+        # the first launch goes ahead, then the trainer lags
+        reads.append(None)
+        return 0.0 if len(reads) == 1 else 10.0
+
+    async def during(orchestrator):
+        await until(lambda: len(reads) > 1)  # paused, with one rollout in flight
+        orchestrator.stop()
+
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=2)
+    _, stats = asyncio.run(
+        asyncio.wait_for(
+            run(
+                tiny,
+                config,
+                streams("arith"),
+                ListSink(),
+                make_env=lambda task: StuckEnv(),
+                trainer_queue=trainer_queue,
+                during=during,
+            ),
+            60,
+        )
+    )
+    assert len(stats.cut_short) == 1 and stats.finished == 0
+
+
 def test_a_rollout_done_when_the_stop_comes_is_collected_not_cut_short(tiny):
     # a stop that lands between a rollout finishing and run() collecting it
     model, tokenizer = tiny
