@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from envs.base import Task
+from envs.threads import to_thread_to_the_end
 from rollout.config import SEED_STRIDE, OrchestratorConfig
 from rollout.service import RolloutRequest, RolloutResult, RolloutService
 
@@ -243,7 +244,10 @@ class Orchestrator:
             return True
         if not self._quota_spent:
             block = max(cfg.concurrency // cfg.group_size, 1) * cfg.group_size
-            taken = await asyncio.to_thread(self.quota.claim, block, cfg.group_size)
+            # a cancel waits for the claim, whose grant is given back, not held by no one
+            taken = await to_thread_to_the_end(
+                self.quota.claim, block, cfg.group_size, discard=self.quota.release
+            )
             self._granted += taken
             self._quota_spent = taken == 0
         return self._started() + cfg.group_size <= self._granted

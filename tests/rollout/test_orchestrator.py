@@ -258,11 +258,15 @@ class HeldQuota(RunQuota):
         super().__init__(*args)
         self.claiming = threading.Event()
         self.go = threading.Event()
+        self.claimed_once = threading.Event()
 
     def claim(self, wanted, step=1):
         self.claiming.set()
         self.go.wait(30)
-        return super().claim(wanted, step)
+        try:
+            return super().claim(wanted, step)
+        finally:
+            self.claimed_once.set()
 
 
 def test_a_stop_during_a_quota_claim_launches_nothing_and_gives_the_claim_back(tiny, local_store):
@@ -277,6 +281,33 @@ def test_a_stop_during_a_quota_claim_launches_nothing_and_gives_the_claim_back(t
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
     _, stats = asyncio.run(run(tiny, config, streams("arith"), ListSink(), quota=quota, during=during))
     assert sum(c.started for c in stats.tasks.values()) == 0 and stats.cut_short == []
+    assert quota.claimed() == 0
+
+
+def test_a_cancel_during_a_quota_claim_gives_the_claim_back(tiny, local_store):
+    model, tokenizer = tiny
+    quota = HeldQuota(local_store, "rollouts", 8)
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+        service = RolloutService(
+            gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
+        )
+        config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
+        orchestrator = Orchestrator(service, streams("arith"), ListSink(), config, quota=quota)
+        try:
+            job = asyncio.create_task(orchestrator.run())
+            await until(quota.claiming.is_set)
+            job.cancel()
+            quota.go.set()
+            with pytest.raises(asyncio.CancelledError):
+                await job
+            assert await asyncio.to_thread(quota.claimed_once.wait, 30)
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
     assert quota.claimed() == 0
 
 
