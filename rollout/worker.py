@@ -434,6 +434,17 @@ class RolloutWorker:
                 plan,
                 f"worker {self.name}: the elastic plan names unknown replicas {sorted(unknown)}",
             )
+        # first: a replica the plan puts back accepts before another drains (one drain moved
+        # to another replica is not refused as draining the last accepting one)
+        for replica in router.draining:
+            if replica not in wanted:
+                router.undrain(replica)
+                log.info(
+                    "worker %s puts replica %s back in rollout (elastic plan of %.0f)",
+                    self.name,
+                    replica,
+                    plan.time,
+                )
         to_drain = [r for r in router.replicas if r in wanted and r not in router.draining]
         accepting = [r for r in router.replicas if r not in router.draining]
         for replica in to_drain:
@@ -447,15 +458,6 @@ class RolloutWorker:
             router.drain(replica)
             accepting.remove(replica)
             log.info("worker %s drains replica %s (elastic plan of %.0f)", self.name, replica, plan.time)
-        for replica in router.draining:
-            if replica not in wanted:
-                router.undrain(replica)
-                log.info(
-                    "worker %s puts replica %s back in rollout (elastic plan of %.0f)",
-                    self.name,
-                    replica,
-                    plan.time,
-                )
         if stale:
             return False
         self.plan_time = plan.time

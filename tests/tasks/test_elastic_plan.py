@@ -206,6 +206,35 @@ def test_a_plan_that_drains_a_replica_that_is_down_says_it_is_down_and_drains_it
     asyncio.run(body())
 
 
+def test_a_plan_that_moves_a_drain_to_another_replica_drains_it_at_once(tmp_path, caplog):
+    """The trainer cancelled the drain of one replica and drained the other between two reads
+    of the plan: the one put back accepts first, so the other is not its last accepting."""
+    run = RunConfig(
+        run_id="elastic-move", storage=StorageConfig(root=str(tmp_path / "runs")), engine={"replicas": 2}
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    worker = make_worker(store, run)
+
+    async def body() -> None:
+        await worker.start()
+        try:
+            now = time.time()
+            assert worker.apply_plan(
+                ElasticPlan(time=now, accepting=["w0/torch-0"], draining=["w0/torch-1"]), now
+            )
+            assert worker.router.draining == ["torch-1"]
+            moved = ElasticPlan(time=now + 1, accepting=["w0/torch-1"], draining=["w0/torch-0"])
+            with caplog.at_level(logging.WARNING):
+                assert worker.apply_plan(moved, now + 1)
+            assert worker.router.draining == ["torch-0"]
+            assert "last accepting replica" not in caplog.text
+        finally:
+            await worker.close()
+
+    asyncio.run(body())
+
+
 def test_with_no_readable_plan_a_drain_lasts_only_until_the_last_plan_applied_goes_stale(tmp_path, caplog):
     """The trainer died leaving a plan the worker cannot read (or none): its replicas return
     to rollout once the last plan it applied is as old as a stale plan, as they would under
