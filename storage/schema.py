@@ -110,10 +110,26 @@ def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTOR
     for field in schema:
         values = [row.get(field.name) for row in rows]
         try:
-            columns[field.name] = pa.array(values, type=field.type)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+            columns[field.name] = _array(values, field.type)
+        except (pa.ArrowException, TypeError, ValueError) as exc:
             raise SchemaError(f"column {field.name!r}: cannot convert to {field.type}: {exc}") from exc
     return pa.table(columns, schema=schema)
+
+
+def _array(values: list[Any], type: pa.DataType) -> pa.Array:
+    """``values`` as an array of ``type``. Integers must be given as integers: Arrow's
+    conversion to an integer type truncates a float (token 1.5 would become 1)."""
+    if not pa.types.is_integer(_value_type(type)):
+        return pa.array(values, type=type)
+    array = pa.array(values)
+    found = _value_type(array.type)
+    if not (pa.types.is_integer(found) or pa.types.is_null(found)):
+        raise TypeError(f"got {array.type}")
+    return array.cast(type)
+
+
+def _value_type(type: pa.DataType) -> pa.DataType:
+    return type.value_type if pa.types.is_list(type) else type
 
 
 def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:

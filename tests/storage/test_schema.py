@@ -149,6 +149,20 @@ def test_type_and_missing_column_errors_name_the_column():
         to_table([make_record(0) | {"tokens": ["a", "b"]}])
 
 
+@pytest.mark.parametrize(
+    ("change", "column"),
+    [
+        ({"tokens": [1.5] * 24}, "tokens"),
+        ({"versions": np.full(24, 2.0)}, "versions"),
+        ({"turn": np.ones(24, dtype=bool)}, "turn"),
+        ({"branch_at": 3.7}, "branch_at"),
+    ],
+)
+def test_a_float_or_bool_given_for_an_integer_column_is_refused_not_truncated(change, column):
+    with pytest.raises(SchemaError, match=f"column '{column}': cannot convert to .*int"):
+        to_table([make_record(0) | change])
+
+
 def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """The checks written as a plain loop over rows and tokens."""
     rows = table.to_pylist()
