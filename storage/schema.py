@@ -132,6 +132,15 @@ def _value_type(type: pa.DataType) -> pa.DataType:
     return type.value_type if pa.types.is_list(type) else type
 
 
+def _castable(found: pa.DataType, wanted: pa.DataType) -> bool:
+    """Whether values of ``found`` may be cast to ``wanted``: into integers and booleans only
+    from their own kind, as Arrow casts 2 to True and 1.0 to 1 without a word."""
+    for kind in (pa.types.is_integer, pa.types.is_boolean):
+        if kind(wanted):
+            return kind(found) or pa.types.is_null(found)
+    return True
+
+
 def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
     """Select and cast ``table``'s columns to ``schema`` (extra columns are dropped); a table
     already of ``schema`` is returned as it is."""
@@ -140,6 +149,10 @@ def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
     missing = [name for name in schema.names if name not in table.column_names]
     if missing:
         raise SchemaError(f"missing columns {missing}")
+    for field in schema:
+        actual = table.schema.field(field.name).type
+        if not _castable(_value_type(actual), _value_type(field.type)):
+            raise SchemaError(f"column {field.name!r} has type {actual}, expected {field.type}")
     try:
         return table.select(schema.names).cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:

@@ -163,6 +163,17 @@ def test_a_float_or_bool_given_for_an_integer_column_is_refused_not_truncated(ch
         to_table([make_record(0) | change])
 
 
+@pytest.mark.parametrize(
+    ("column", "values"),
+    [("action_mask", pa.array([[0, 2] * 12] * 2)), ("tokens", pa.array([[1.0] * 24] * 2))],
+)
+def test_cast_refuses_a_column_of_another_kind_for_an_integer_or_boolean_one(column, values):
+    table = make_table(0, 2)
+    table = table.set_column(table.schema.get_field_index(column), column, values)
+    with pytest.raises(SchemaError, match=f"column '{column}' has type {values.type}, expected"):
+        cast(table)
+
+
 def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """The checks written as a plain loop over rows and tokens."""
     rows = table.to_pylist()
