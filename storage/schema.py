@@ -149,6 +149,7 @@ def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
     missing = [name for name in schema.names if name not in table.column_names]
     if missing:
         raise SchemaError(f"missing columns {missing}")
+    _check_unrepeated(table.schema, schema)
     for field in schema:
         actual = table.schema.field(field.name).type
         if not _castable(_value_type(actual), _value_type(field.type)):
@@ -211,10 +212,19 @@ def check_columns(schema: pa.Schema) -> None:
     missing = [name for name in expected.names if name not in schema.names]
     if missing:
         raise SchemaError(f"missing columns {missing}")
+    _check_unrepeated(schema, expected)
     for field in expected:
         actual = schema.field(field.name).type
         if actual != field.type:
             raise SchemaError(f"column {field.name!r} has type {actual}, expected {field.type}")
+
+
+def _check_unrepeated(schema: pa.Schema, expected: pa.Schema) -> None:
+    """Raise :class:`SchemaError` when ``schema`` holds a column of ``expected`` twice
+    (Arrow would raise a ``KeyError`` looking it up)."""
+    repeated = sorted({name for name in expected.names if schema.names.count(name) > 1})
+    if repeated:
+        raise SchemaError(f"repeated columns {repeated}")
 
 
 def validate(table: pa.Table) -> pa.Table:

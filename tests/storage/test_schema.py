@@ -174,6 +174,14 @@ def test_cast_refuses_a_column_of_another_kind_for_an_integer_or_boolean_one(col
         cast(table)
 
 
+def test_a_repeated_column_is_named_by_cast_and_validate():
+    table = make_table(0, 2)
+    table = table.append_column("tokens", table.column("tokens"))
+    for check in (cast, validate):
+        with pytest.raises(SchemaError, match=r"repeated columns \['tokens'\]"):
+            check(table)
+
+
 def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """The checks written as a plain loop over rows and tokens."""
     rows = table.to_pylist()
