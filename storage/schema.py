@@ -129,7 +129,8 @@ def _array(values: list[Any], type: pa.DataType) -> pa.Array:
 
 
 def _value_type(type: pa.DataType) -> pa.DataType:
-    return type.value_type if pa.types.is_list(type) else type
+    """The type of the values of a list (of any layout) or encoded array, else ``type``."""
+    return getattr(type, "value_type", type)
 
 
 def _castable(found: pa.DataType, wanted: pa.DataType) -> bool:

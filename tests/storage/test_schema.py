@@ -174,6 +174,14 @@ def test_cast_refuses_a_column_of_another_kind_for_an_integer_or_boolean_one(col
         cast(table)
 
 
+def test_cast_takes_integers_in_any_list_layout():
+    table = make_table(0, 2)
+    for layout in (pa.large_list(pa.int64()), pa.list_(pa.int64(), 24)):
+        tokens = table.column("tokens").cast(layout)
+        changed = table.set_column(table.schema.get_field_index("tokens"), "tokens", tokens)
+        assert cast(changed).equals(table)
+
+
 def test_a_repeated_column_is_named_by_cast_and_validate():
     table = make_table(0, 2)
     table = table.append_column("tokens", table.column("tokens"))
