@@ -500,7 +500,8 @@ class BackgroundShardWriter(ShardWriter):
     ``flush`` hands the buffer to that thread and returns None (``on_commit`` hears of each
     shard there, in the caller's context); it waits only while the previous flush's commit
     still runs, so at most one shard is in flight. A commit that fails is logged and its
-    records go into the next flush's shard, so a store that is unreachable for a while
+    records go into the next flush's shard (due ``flush_seconds`` after they were handed
+    over, even when no record is written after them), so a store that is unreachable for a while
     loses nothing. Once more than ``max_unsaved_records`` records would wait that way,
     ``flush`` commits in the caller's thread instead and raises as :class:`ShardWriter`
     does, records kept. ``close`` commits what is left and waits for it.
@@ -513,6 +514,7 @@ class BackgroundShardWriter(ShardWriter):
         self._in_flight: Future[ShardInfo] | None = None
         self._unsaved: pa.Table | None = None
         """Records handed over whose commit has not landed: in flight, or failed."""
+        self._handed_at = 0.0
 
     @property
     def unsaved_records(self) -> int:
@@ -529,10 +531,19 @@ class BackgroundShardWriter(ShardWriter):
         if retrying and self.unsaved_records > self.max_unsaved_records:
             self._commit_unsaved()
             return None
+        self._handed_at = time.monotonic()
         self._in_flight = self._committer.submit(
             contextvars.copy_context().run, self._commit_and_announce, self._unsaved
         )
         return None
+
+    def _due(self) -> bool:
+        """Also due when a failed commit's records have waited ``flush_seconds`` since they
+        were handed over: with no record written after them they would wait for ``close``."""
+        if super()._due():
+            return True
+        failed = self._unsaved is not None and (self._in_flight is None or self._in_flight.done())
+        return failed and time.monotonic() - self._handed_at >= self.flush_seconds
 
     def commit(self, table: pa.Table, seq: int) -> ShardInfo:
         self._settle()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import io
@@ -370,6 +371,35 @@ def test_a_failed_background_commit_loses_nothing_and_goes_into_the_next_shard(s
     # the failed attempt's file stays (its commit may have landed), so the retry skips its number
     assert [s.seq for s in shards] == [1]
     assert ids_of(reader.read(shards[0])) == ["t0", "t1", "t2", "t3"]
+
+
+def test_a_failed_background_commit_is_retried_when_due_with_no_write_after_it(local_store, monkeypatch):
+    writer = BackgroundShardWriter(local_store, "w0", flush_records=100, flush_seconds=60)
+    append = writer.tables.append
+    failures = iter([OSError("timed out (injected)")])
+
+    def flaky(*args):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        append(*args)
+
+    monkeypatch.setattr(writer.tables, "append", flaky)
+    skew, real = [0.0], time.monotonic
+    monkeypatch.setattr(shard_module.time, "monotonic", lambda: real() + skew[0])
+    writer.write(make_record(0))
+    skew[0] += 60
+    writer.flush_if_due()  # handed over; its commit fails
+    concurrent.futures.wait([writer._in_flight])
+    assert writer.committed == 0 and writer.unsaved_records == 1
+    skew[0] += 60
+    writer.flush_if_due()  # no record was written since: the failed one is due again
+    concurrent.futures.wait([writer._in_flight])
+    assert writer.committed == 1
+    reader = ShardReader(local_store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0"]]
+    writer.close()
 
 
 @pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
