@@ -52,7 +52,7 @@ class Task(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    env: str = Field(description="Name of the environment the task belongs to.")
+    env: Id = Field(description="Name of the environment the task belongs to.")
     id: Id = Field(description="Stable id of the task (the prompt id).")
     prompt: str = Field(description="First user message.")
     data: dict[str, Any] = Field(

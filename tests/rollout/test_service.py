@@ -793,14 +793,15 @@ def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, se
     assert status["finished"] == {}
 
 
-@pytest.mark.parametrize("field", ["rollout_id", "execution_id", "group_id", "task.id"])
+@pytest.mark.parametrize("field", ["rollout_id", "execution_id", "group_id", "task.id", "task.env"])
 @pytest.mark.parametrize("blank", ["", "  ", "\t\n", "\x1f"])
 def test_a_blank_id_is_refused_with_422_before_any_rollout_runs(tiny, field, blank):
     """A blank group id would pool every such rollout into one GRPO group; a blank task id
-    would get the trajectory refused when its shard is written, after the rollout ran."""
+    would get the trajectory refused when its shard is written, after the rollout ran; a
+    blank env name is the caller's mistake, not an env error (an empty one was a 500)."""
     request = {"task": arith_task().model_dump()}
-    if field == "task.id":
-        request["task"]["id"] = blank
+    if field.startswith("task."):
+        request["task"][field.removeprefix("task.")] = blank
     else:
         request[field] = blank
 
