@@ -518,7 +518,10 @@ class RolloutService:
                 )
             self.loop_blocks[what] += 1
 
-        return await _Stretches(getattr(env, call)(*args), stretch)
+        try:
+            return await _Stretches(getattr(env, call)(*args), stretch)
+        except SystemExit as exc:  # one that escapes a task ends the event loop, every rollout with it
+            raise RuntimeError(f"{what} called sys.exit({exc.code!r})") from None
 
     async def _stage(self, name: str, clock: _Clock, work):
         """Run ``work()`` in stage ``name``'s pool; queue time is kept out of the budget."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 
 import httpx
@@ -262,6 +263,52 @@ def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny, env, s
     result = asyncio.run(body())
     assert result.status == status and result.reward is None
     assert str(env.error) in result.error
+
+
+class ExitingEnv(ArithEnv):
+    """``arith`` whose ``exits`` ("step" or "close") calls ``sys.exit`` (a user's env wrapping a CLI tool)."""
+
+    name = "arith"
+
+    def __init__(self, exits: str):
+        super().__init__()
+        self.exits = exits
+
+    async def step(self, action: str) -> StepResult:
+        if self.exits == "step":
+            sys.exit(3)
+        return await super().step(action)
+
+    async def close(self) -> None:
+        await super().close()
+        if self.exits == "close":
+            sys.exit(3)
+
+
+@pytest.mark.parametrize(("exits", "status"), [("step", "env_error"), ("close", "ok")])
+def test_an_env_that_calls_sys_exit_fails_its_rollout_alone(tiny, exits, status, caplog):
+    """A SystemExit that escaped the rollout would end the event loop: every other rollout,
+    the gateway and the worker with it."""
+
+    async def body():
+        envs = [ExitingEnv(exits), SlowEnv()]
+        async with running_service(
+            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: envs.pop(0)
+        ) as service:
+            results = await asyncio.gather(
+                *(service.process(RolloutRequest(task=arith_task())) for _ in range(2))
+            )
+            return results, service.gateway.sessions
+
+    (exiting, other), sessions = asyncio.run(body())
+    assert other.status in ("ok", "truncated"), other.error
+    assert sessions == []
+    if status == "env_error":
+        assert exiting.status == "env_error"
+        assert exiting.error == "RuntimeError during run: ExitingEnv.step called sys.exit(3)"
+    else:
+        assert exiting.status in ("ok", "truncated"), exiting.error
+        assert "closing the env of rollout" in caplog.text
 
 
 class BadObservationEnv(ArithEnv):
