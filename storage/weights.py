@@ -483,10 +483,10 @@ class WeightStore:
         """The newest complete version named by ``LATEST``, or None when nothing is published."""
         path = posixpath.join(self.root, LATEST_FILE)
         try:
-            text = self.fs.cat_file(path).decode().strip()
+            text = self.fs.cat_file(path).decode(errors="replace").strip()
         except FileNotFoundError:
             return None
-        if not text.isdigit():
+        if not (text.isascii() and text.isdigit()):  # isdigit() takes "²", which int() refuses
             raise CorruptVersion(
                 f"{self.store.url(self.prefix, LATEST_FILE)} holds {text!r}, not a version number"
             )

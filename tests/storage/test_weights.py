@@ -710,3 +710,15 @@ def test_the_weights_table_counts_what_each_version_dropped_and_rejected(local_s
         {"version": 2, "dropped_stale": 0, "rejected_rows": 5},
     ]
     assert readme_totals(local_store) == (3, 7)
+
+
+@pytest.mark.parametrize("garbage", [b"\xff\xfe7", "²\n".encode()], ids=["not-utf8", "not-a-decimal"])
+def test_a_latest_that_is_not_utf8_or_holds_a_unicode_digit_is_garbled_too(weights, tokenizer_dir, garbage):
+    """A LATEST holding bytes that do not decode, or a digit ``int`` refuses, raised
+    UnicodeDecodeError or ValueError from every reader instead of being passed over."""
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    weights.fs.pipe_file(posixpath.join(weights.root, "LATEST"), garbage)
+    with pytest.raises(CorruptVersion, match="not a version number"):
+        weights.latest()
+    assert weights.load_newest("serving")[0] == 0
+    assert weights.recover_latest() == 0 and weights.latest() == 0
