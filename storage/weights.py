@@ -410,14 +410,16 @@ class WeightStore:
         another publisher moves this one to the next."""
         number = self._next_version() if version is None else version
         while True:
+            claim = posixpath.join(self.version_path(number), CLAIM_FILE)
             try:
-                self.store.create_exclusive(
-                    posixpath.join(self.version_path(number), CLAIM_FILE), _claim_text(owner)
-                )
+                self.store.create_exclusive(claim, _claim_text(owner))
                 return number
             except FileExistsError:
                 if version is not None and owner is not None and self._failed_claim_of(owner, version):
-                    return version  # an earlier attempt of this publish claimed it, then failed
+                    # an earlier attempt of this publish claimed it, then failed: renewed now, as
+                    # its time may be past what a waiting publisher or a retention takes for dead
+                    self._write_atomic(claim, _claim_text(owner))
+                    return version
                 if version is not None:
                     raise VersionTaken(
                         f"weight version {version} of {self.store.url(self.prefix)} is claimed by another publish"

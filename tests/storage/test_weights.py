@@ -9,6 +9,7 @@ import posixpath
 import re
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pyarrow as pa
@@ -722,3 +723,27 @@ def test_a_latest_that_is_not_utf8_or_holds_a_unicode_digit_is_garbled_too(weigh
         weights.latest()
     assert weights.load_newest("serving")[0] == 0
     assert weights.recover_latest() == 0 and weights.latest() == 0
+
+
+def test_a_publish_that_takes_back_its_own_old_claim_renews_it_before_uploading(
+    weights, tokenizer_dir, monkeypatch
+):
+    """A retry taking back the claim its failed attempt made two hours ago uploaded under that
+    old time until the first renewal (CLAIM_REFRESH_S later): a retention meanwhile took the
+    directory for a dead publish's and deleted the files already uploaded."""
+    claimed = (datetime.now(UTC) - timedelta(hours=2)).isoformat()
+    claim = posixpath.join(weights.version_path(0), CLAIM_FILE)
+    weights.fs.pipe_file(claim, f"{claimed} pid 1 owner task-a\n".encode())
+    assert publish_model(weights, tiny_llama(seed=1), tokenizer_dir) == 1
+    real_put = weights.fs.put_file
+    removed = []
+
+    def put_then_retain(source, target, *args, **kwargs):
+        real_put(source, target, *args, **kwargs)
+        if "/v000000/" in target and not removed:
+            removed.append(weights.retain(keep_last=1))
+
+    monkeypatch.setattr(weights.fs, "put_file", put_then_retain)
+    assert publish_model(weights, tiny_llama(seed=0), tokenizer_dir, version=0, owner="task-a") == 0
+    assert removed == [[]]
+    weights.load(0)
