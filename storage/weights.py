@@ -270,6 +270,8 @@ class WeightStore:
             dtype: store the floating-point tensors in this dtype (tied ones still once) and
                 say so in ``config.json``; default: as given.
         """
+        if version is not None and version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
         extra_files = dict(extra_files or {})
         for name in extra_files:
             _check_extra_name(name)

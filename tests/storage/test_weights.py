@@ -501,6 +501,8 @@ def test_bad_publish_arguments(weights, tokenizer_dir, tmp_path):
         weights.publish(state, config, str(tmp_path / "nope"))
     with pytest.raises(TypeError, match=r"state_dict\['w'\] is a str"):
         weights.publish({"w": "not a tensor"}, config, None)
+    with pytest.raises(ValueError, match="version must be >= 0, got -1"):  # it wrote LATEST '-1'
+        weights.publish(state, config, None, version=-1)
     assert weights.list() == [] and weights.latest() is None
     assert publish_model(weights, tiny_llama(seed=0), tokenizer_dir) == 0  # refused ones claimed no number
     with pytest.raises(ValueError, match="prefix must be one folder name"):
