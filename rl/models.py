@@ -246,10 +246,12 @@ def restore_master_weights(model: PreTrainedModel, version_dir: str | os.PathLik
     with open(path, "rb") as handle:
         master = load_safetensors(handle.read())
     params = dict(model.named_parameters())
-    if set(master) != set(params):
+    # copy_ would broadcast a tensor of another shape (a (1,) into a norm's (H,)) without a word
+    reshaped = sorted(name for name in set(master) & set(params) if master[name].shape != params[name].shape)
+    if set(master) != set(params) or reshaped:
         raise ValueError(
             f"{path} does not hold this policy's parameters: missing {sorted(set(params) - set(master))[:5]}, "
-            f"unknown {sorted(set(master) - set(params))[:5]}"
+            f"unknown {sorted(set(master) - set(params))[:5]}, of another shape {reshaped[:5]}"
         )
     with torch.no_grad():
         for name, tensor in master.items():

@@ -8,9 +8,10 @@ import threading
 import pytest
 import torch
 from pydantic import ValidationError
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from rl.models import (
+    MASTER_WEIGHTS_FILE,
     TinyModelConfig,
     ValueModel,
     build_tiny_model,
@@ -22,6 +23,7 @@ from rl.models import (
     load_trained_policy,
     placed,
     publish_policy,
+    restore_master_weights,
 )
 from rl.tokenizer import IM_END, IM_START
 from storage.weights import MODEL_FILE, WeightStore
@@ -322,3 +324,16 @@ def test_mixture_of_experts_policy_is_published_in_its_checkpoint_layout(tiny, w
         assert torch.equal(trained(ids).logits, model(ids).logits)
     for name, parameter in model.state_dict().items():
         assert torch.equal(trained.state_dict()[name], parameter), name
+
+
+def test_a_master_file_whose_tensor_has_another_shape_is_refused_before_anything_is_copied(tmp_path):
+    """``copy_`` broadcast a (1,) tensor into the final norm's (H,) weight, so a master file
+    that does not fit the policy was restored without a word."""
+    model, _ = build_tiny_model(SMALL)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    master = {name: p + 1 for name, p in before.items()} | {"model.norm.weight": torch.full((1,), 7.0)}
+    save_file(master, tmp_path / MASTER_WEIGHTS_FILE)
+    with pytest.raises(ValueError, match=r"of another shape \['model.norm.weight'\]"):
+        restore_master_weights(model, tmp_path)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
