@@ -131,7 +131,10 @@ def run_rollouts(
         )
     except BaseException:
         loading.stop()
-        role.publish(status_object(worker_name, idle, running=False))
+        try:
+            role.publish(status_object(worker_name, idle, running=False))
+        except Exception as exc:  # its status goes stale instead; what stopped the build is the error
+            log.warning("worker %s could not mark itself stopped: %s", worker_name, exc)
         raise
 
     async def publish_status(running: bool) -> tuple[dict[str, Any], bool]:

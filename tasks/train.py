@@ -195,7 +195,10 @@ def run_trainer(
         )
     except BaseException:
         loading.stop()
-        role.publish(trainer_status(0, running=False))
+        try:
+            role.publish(trainer_status(0, running=False))
+        except Exception as exc:  # its status goes stale instead; what stopped the load is the error
+            log.warning("could not mark the trainer of run %s stopped: %s", config.run_id, exc)
         raise
     loading.stop()
     if role.lost.is_set():

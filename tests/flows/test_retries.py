@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import httpx
@@ -125,3 +126,40 @@ def test_a_transient_storage_error_at_the_run_report_is_retried(prefect_api, tmp
     assert state.is_completed() and refused == ["train_steps"]
     keys = {a.key for a in artifacts_of([state.state_details.flow_run_id])}
     assert f"{tasks.report.artifact_key('report-retried')}-report" in keys
+
+
+@pytest.mark.parametrize("role", ["train", "rollouts"])
+def test_a_load_that_fails_for_good_is_not_retried_when_its_stopped_status_cannot_be_written(
+    prefect_api, tmp_path, monkeypatch, role
+):
+    """The trainer (or a worker) fails to load with a bug, and the store refuses the status
+    saying it stopped (an S3 503): that refusal replaced the bug as the task's error, so the
+    task was retried, loading again three times, and failed with the store's error."""
+    import tasks.rollout
+    import tasks.train
+    from storage.status import RolloutStatusBoard, TrainerStatusBoard
+
+    board = TrainerStatusBoard if role == "train" else RolloutStatusBoard
+    publish, loads = board.publish, []
+
+    def refuses_the_stopped_status(self, status):
+        if not status.running:
+            raise OSError("503 Slow Down (injected)")
+        publish(self, status)
+
+    def broken(*args, **kwargs):
+        loads.append(args)
+        raise ValueError("the model has a bug (injected)")
+
+    monkeypatch.setattr(board, "publish", refuses_the_stopped_status)
+    monkeypatch.setattr(tasks.train, "Trainer", broken)
+    monkeypatch.setattr(tasks.rollout, "_build_worker", broken)
+    task = getattr(getattr(tasks, "train" if role == "train" else "rollout"), role)
+
+    @flow
+    def loads_once(config):
+        return task.with_options(retry_delay_seconds=0)(config, time.time() + 600)
+
+    with pytest.raises(ValueError, match="injected"):
+        loads_once(tiny_config(tmp_path / "runs", f"{role}-fails-to-load"))
+    assert len(loads) == 1
