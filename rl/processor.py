@@ -414,7 +414,7 @@ def _score(
         for w in live
         if config.progress_weight > 0
         and state.progress_in[w] is None
-        and (state.reward_in[w] is None or 0 <= state.reward_in[w] < config.success_threshold)
+        and 0 <= (0.0 if state.reward_in[w] is None else state.reward_in[w]) < config.success_threshold
     ]
     rescored: float | None = None
     if needs_rescore and rescore is not None:

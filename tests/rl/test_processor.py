@@ -765,6 +765,24 @@ def test_a_negative_reward_is_not_rescored_nor_dropped_when_rescoring_fails():
     assert result.counters.rescore_calls == 0 and result.counters.dropped == {}
 
 
+def test_a_missing_reward_at_a_threshold_of_zero_is_a_success_not_rescored_nor_dropped():
+    """A missing reward counts as 0, a success when ``success_threshold`` is 0 or below
+    (combine_reward keeps it): a failing rescore must not drop the row as ``rescore_failed``."""
+    calls = []
+
+    def rescore(rows):
+        calls.append(rows.num_rows)
+        raise RuntimeError("eval crashed")
+
+    records = [record("p", "e", [1, 2, 3], [False, True, True], reward=None)]
+    config = ProcessorConfig(j_max=None, success_threshold=0.0)
+    result = process_shard(to_table(records), config, shard_id="s", rescore=rescore)
+    assert calls == []
+    assert [r["drop_reason"] for r in result.trajectories] == [None]
+    assert result.processed.column("reward").to_pylist() == [0.0]
+    assert result.counters.rescore_calls == 0 and result.counters.dropped == {}
+
+
 def test_without_rescore_missing_progress_counts_as_zero():
     records = two_path_execution("e", reward=0.2)
     result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
