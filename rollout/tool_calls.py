@@ -13,16 +13,17 @@ Formats (``GatewayConfig.tool_call_format``):
 
 A call without ``arguments`` has none (``{}``), and the last block may lack its closing tag
 when the reply ends right after its JSON (the model stopped there). A block that does not
-hold a call (JSON that does not parse or holds ``NaN``/``Infinity``, no ``name``, arguments
-that are not an object, keys other than those two, a block the token budget cut short)
-stays in the content as written: the client sees what the model wrote, and the reward can
-judge it.
+hold a call (JSON that does not parse or holds ``NaN``/``Infinity`` or a number past a
+float's range, no ``name``, arguments that are not an object, keys other than those two, a
+block the token budget cut short) stays in the content as written: the client sees what the
+model wrote, and the reward can judge it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import re
 import uuid
 from typing import Any, Literal
@@ -42,7 +43,14 @@ def _not_json(constant: str) -> float:
     raise ValueError(f"{constant} is not JSON")
 
 
-_JSON = json.JSONDecoder(parse_constant=_not_json)
+def _finite(number: str) -> float:
+    value = float(number)
+    if not math.isfinite(value):  # 1e400: json.dumps would write the arguments as Infinity
+        raise ValueError(f"{number} overflows a float")
+    return value
+
+
+_JSON = json.JSONDecoder(parse_float=_finite, parse_constant=_not_json)
 
 
 def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:

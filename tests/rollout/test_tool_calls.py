@@ -70,6 +70,7 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
         '<tool_call>["f"]</tool_call>',
         '<tool_call>{"name": "f", "parameters": {"n": 1}}</tool_call>',  # not silently dropped
         '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',  # strict JSON readers refuse NaN
+        '<tool_call>{"name": "f", "arguments": {"x": -1e400}}</tool_call>',  # re-serialised as -Infinity
         '<tool_call>{"name": "f", "arguments": {}} and more',  # unclosed, and not the end
         '<tool_call>\n{"name": "get_weather", "arguments": {"ci',  # cut by the token budget
         "<tool_call>" + "[" * 5000,  # nested deeper than the JSON decoder recurses
