@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import math
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -566,6 +567,8 @@ def _check_generation(generation: Generation, vocab_size: int) -> None:
         )
     if any(not 0 <= t < vocab_size for t in generation.token_ids):
         raise EngineError(f"engine {generation.engine!r} returned a token id outside the vocabulary")
+    if not all(math.isfinite(x) for x in generation.logprobs):  # the HTTP reply cannot hold NaN either
+        raise EngineError(f"engine {generation.engine!r} returned a log-prob that is not finite")
 
 
 class Gateway:

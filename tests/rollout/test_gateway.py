@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -460,6 +461,9 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
             def outside_the_vocabulary(generation):
                 return dataclasses.replace(generation, token_ids=[10**9] * len(generation.token_ids))
 
+            def a_nan_logprob(generation):
+                return dataclasses.replace(generation, logprobs=[math.nan, *generation.logprobs[1:]])
+
             engine.generate = generate
             session = gateway.open(task="t", prompt_id="p")
             prompt = tiny[1].encode("What is 2 + 3?")
@@ -469,6 +473,7 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
                 (fails, "the replica went away"),
                 (one_logprob_short, "returned 4 tokens, 3 log-probs and 4 versions"),
                 (outside_the_vocabulary, "a token id outside the vocabulary"),
+                (a_nan_logprob, "a log-prob that is not finite"),
             ]:
                 faults.append(fault)
                 with pytest.raises(EngineError, match=why):
