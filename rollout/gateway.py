@@ -533,6 +533,10 @@ class Session:
             status = "truncated" if self.turns and self.turns[-1].truncated else "ok"
         if status not in STATUSES:
             raise ValueError(f"unknown status {status!r}; expected one of {STATUSES}")
+        if reward is not None and not math.isfinite(reward):
+            raise ValueError(f"reward {reward} is not a finite number")
+        if progress is not None and not 0 <= progress <= 1:
+            raise ValueError(f"progress {progress} is outside [0, 1]")
         engines = list(dict.fromkeys(t.engine for t in self.turns if t.engine))
         info = self.info
         return {

@@ -246,6 +246,10 @@ def test_record_is_canonical_and_marks_actions_turns_versions(tiny):
             assert record["engine"] == "engine-0"
             with pytest.raises(ValueError, match="unknown status"):
                 session.record(status="fine")
+            with pytest.raises(ValueError, match="reward nan is not a finite number"):
+                session.record(reward=math.nan)
+            with pytest.raises(ValueError, match=r"progress 7 is outside \[0, 1\]"):
+                session.record(progress=7)
 
     asyncio.run(body())
 

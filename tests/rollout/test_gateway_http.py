@@ -157,6 +157,13 @@ def test_token_endpoint_round_trip_and_record(tiny):
             assert (
                 gateway.session(sid).tokens == prompt + out["token_ids"] + [7, 8] + second.json()["token_ids"]
             )
+            # Python's JSON reader takes NaN: it must not come back as a record with reward null
+            nan = await client.post(
+                f"/v1/sessions/{sid}/record",
+                content=b'{"reward": NaN}',
+                headers={"Content-Type": "application/json"},
+            )
+            assert nan.status_code == 400 and "reward nan is not a finite number" in nan.text
             record = await client.post(f"/v1/sessions/{sid}/record", json={"reward": 1.0, "progress": 0.5})
             assert record.status_code == 200
             row = record.json()
