@@ -896,13 +896,14 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
                 ("truncate_prompt_tokens", 8),
                 ("return_tokens_as_token_ids", True),
                 ("reasoning_effort", "low"),
+                ("logits_processors", ["my_module.MyProcessor"]),
             ]
             for name, value in refused:
                 chat = {"messages": USER, "max_tokens": 2, name: value}
                 response = await client.post("/v1/chat/completions", json=chat, headers=headers)
                 assert response.status_code == 400, (name, response.text)
                 assert name in response.json()["error"]["message"]
-            for name, value in [("logprobs", 2), ("echo", True)]:
+            for name, value in [("logprobs", 2), ("echo", True), ("suffix", " is 5.")]:
                 completion = {"prompt": [1, 2, 3], "max_tokens": 2, name: value}
                 response = await client.post("/v1/completions", json=completion, headers=headers)
                 assert response.status_code == 400, (name, response.text)
