@@ -245,8 +245,9 @@ class TurnResult:
     prompt_tokens: int
     cached_tokens: int
     message: dict[str, Any]
-    """The assistant message as OpenAI clients get it: ``content`` is ``text``, or the text
-    outside the tool calls when the reply makes any (then in ``tool_calls``)."""
+    """The assistant message as OpenAI clients get it: ``content`` is ``text``, or, where the
+    session parses tool calls, the text outside the calls (then in ``tool_calls``), tool-call
+    markers kept even where they are special tokens."""
 
     @property
     def truncated(self) -> bool:
@@ -490,11 +491,14 @@ class Session:
                 self._generating = None
             self.engine_error = self.context_limit = None
             text = self.gateway.decode(generation.token_ids)
-            calls = None
+            message = {"role": "assistant", "content": text}
             if self.tools and parse_tool_calls:
-                calls = tool_call_message(
-                    self.gateway.tool_text(generation.token_ids), self.gateway.config.tool_call_format
-                )
+                # a block that holds no call stays in the content with its markers, as written
+                written = self.gateway.tool_text(generation.token_ids)
+                message = tool_call_message(written, self.gateway.config.tool_call_format) or {
+                    "role": "assistant",
+                    "content": written,
+                }
             result = TurnResult(
                 token_ids=list(generation.token_ids),
                 logprobs=[float(x) for x in generation.logprobs],
@@ -504,7 +508,7 @@ class Session:
                 engine=generation.engine,
                 prompt_tokens=generation.prompt_tokens,
                 cached_tokens=generation.cached_tokens,
-                message=calls or {"role": "assistant", "content": text},
+                message=message,
             )
             n = len(result.token_ids)
             self.tokens.extend(result.token_ids)

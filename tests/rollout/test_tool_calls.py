@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import shlex
 
@@ -501,3 +502,38 @@ def test_tool_markers_held_as_special_tokens_are_kept_for_parsing():
         == "get_weather"
     )
     asyncio.run(engine.close())
+
+
+def test_a_block_without_a_call_keeps_its_special_token_markers_in_the_content():
+    """Where ``<tool_call>`` is a special token, a reply whose block holds no call still shows
+    the client the block as written, markers and all, as it does beside a well-formed call."""
+    model, tokenizer = build_tiny_model(
+        TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<tool_call>", "</tool_call>"]})
+    model.resize_token_embeddings(len(tokenizer))
+    engine = TorchEngine(model, tokenizer)
+    written = "<tool_call>oops</tool_call>"
+    action = _tokens(tokenizer, written) + [tokenizer.eos_token_id]
+    real_generate = engine.generate
+
+    async def generate(*args, **kwargs):
+        generation = await real_generate(*args, **kwargs)  # this reply, as if the model wrote it
+        return dataclasses.replace(
+            generation, token_ids=action, logprobs=[-1.0] * len(action), versions=[0] * len(action)
+        )
+
+    engine.generate = generate
+
+    async def body():
+        gateway = Gateway(Router([engine]), tokenizer)
+        try:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(CONVERSATION, TOOLS)
+            turn = await session.generate()
+            assert turn.token_ids == action
+            assert turn.message == {"role": "assistant", "content": written}
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
