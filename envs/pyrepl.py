@@ -54,6 +54,8 @@ class Capped(io.TextIOBase):
     def writable(self):
         return True
     def write(self, s):
+        if self.size > CAP:  # the code caught the OutputLimit and printed on
+            raise OutputLimit()
         self.parts.append(s); self.size += len(s.encode("utf-8", "surrogatepass"))
         if self.size > CAP:
             raise OutputLimit()
@@ -87,7 +89,7 @@ for line in sys.stdin:
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     if os.getpid() != server:
         os._exit(0)
-    reply = {"id": request["id"], "output": out.value(), "error": error, "truncated": truncated}
+    reply = {"id": request["id"], "output": out.value(), "error": error, "truncated": truncated or out.size > CAP}
     proto.write(json.dumps(reply) + "\n")
     proto.flush()
 """

@@ -786,6 +786,20 @@ def test_python_repl_caps_output_in_bytes():
         assert repl.alive
 
 
+def test_python_repl_code_that_catches_the_output_limit_is_still_an_output_limit():
+    """Code whose bare ``except:`` swallowed the server's OutputLimit printed on: its output
+    came back silently cut at the cap, with no output_limit."""
+    cap = SMALL.max_output_bytes
+    line = "x" * 99 + "\n"
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        with pytest.raises(SandboxError) as raised:
+            repl.run("for i in range(1000):\n    try:\n        print('x' * 99)\n    except:\n        pass")
+        assert raised.value.kind == "output_limit"
+        assert raised.value.output == (line * (cap // len(line) + 1))[:cap]
+        assert repl.run("'alive'").output == "'alive'\n"
+
+
 def test_python_repl_a_forked_copy_of_the_interpreter_ends_with_the_code():
     """A process the code forks ran on as a second server: it answered the request too and
     read the next ones, so the next call got a stale reply and killed the interpreter, and a
