@@ -47,6 +47,8 @@ from typing import IO, Literal, get_args
 from ptyprocess import PtyProcess, PtyProcessError
 from pydantic import BaseModel, ConfigDict, Field
 
+from envs.threads import to_thread_to_the_end
+
 log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "bwrap", "process", "apptainer"]
@@ -404,7 +406,8 @@ class Sandbox:
             with started_on(cores):
                 return self._start(cmd, stdin=False)
 
-        proc = await asyncio.to_thread(start)
+        # a cancel while it starts must not leave the command running untracked by any caller
+        proc = await to_thread_to_the_end(start, discard=self._abandon)
         deadline = started + timeout
         try:
             output, stopped = await read_capped_async(proc.stdout, self.config.max_output_bytes, deadline)
@@ -444,6 +447,12 @@ class Sandbox:
         proc.stdout.close()
         self.disown(proc)
         reap_orphaned_namespaces()
+
+    def _abandon(self, proc: subprocess.Popen) -> None:
+        """Kill and reap a command whose caller is gone (at most ``REAP_TIMEOUT_S``)."""
+        self._let_go(proc)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(REAP_TIMEOUT_S)
 
     def _result(
         self, exit_code: int, output: bytes, stopped: str | None, started: float, timeout: float

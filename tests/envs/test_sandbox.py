@@ -659,6 +659,23 @@ def test_a_command_cancelled_on_the_event_loop_is_killed_and_reaped(backend):
         asyncio.run(cancel(box))
 
 
+def test_a_command_cancelled_while_it_starts_is_killed_and_reaped():
+    """A cancel that came while the command's start ran on its thread dropped the started
+    command: it ran on, its output pipe open, until the whole sandbox closed."""
+
+    async def cancel(box: Sandbox) -> None:
+        command = asyncio.create_task(box.run_async("sleep 60"))
+        await asyncio.sleep(0)  # the task is now waiting on its start thread
+        command.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await command
+        await asyncio.get_running_loop().shutdown_default_executor()  # every start has returned
+        assert box.running == []
+
+    with Sandbox(SMALL) as box:
+        asyncio.run(cancel(box))
+
+
 IN_A_USER_NAMESPACE = """
 import sys
 from envs.pyrepl import PythonRepl
