@@ -221,9 +221,12 @@ class PythonRepl:
             reply = json.loads(line)
             if reply["id"] != nonce:
                 raise ValueError(f"a reply to another request: {reply['id']!r}")
-            return ReplResult(
-                str(reply["output"]), reply["error"] and str(reply["error"]), bool(reply["truncated"])
-            )
+            output, error = str(reply["output"]), reply["error"] and str(reply["error"])
+            for text in (output, error or ""):
+                # a lone surrogate, which only a forged reply holds, fails here (UnicodeEncodeError
+                # is a ValueError) rather than in the first encode of the observation
+                text.encode()
+            return ReplResult(output, error, bool(reply["truncated"]))
         except (ValueError, KeyError, TypeError) as exc:
             self.close()
             raise SandboxError(

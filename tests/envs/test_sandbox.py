@@ -851,6 +851,22 @@ def test_python_repl_code_that_writes_to_the_reply_channel_kills_only_its_interp
         assert PythonRepl(box).run("'fresh'").output == "'fresh'\n"
 
 
+def test_python_repl_a_forged_reply_with_a_lone_surrogate_kills_only_its_interpreter():
+    """Code can read the request's nonce and forge the whole reply: one holding a lone
+    surrogate was taken, and the first encode of it (the sandbox's check of a failed
+    action) raised UnicodeEncodeError out of the step, the env's failure."""
+    forge = (
+        "import __main__, json; __main__.proto.write(json.dumps({'id': __main__.request['id'], "
+        "'output': '\\udc80', 'error': 'E', 'truncated': False}) + '\\n'); __main__.proto.flush()"
+    )
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        with pytest.raises(SandboxError) as raised:
+            repl.run(forge)
+        assert raised.value.kind == "died" and "malformed" in str(raised.value)
+        assert not repl.alive
+
+
 def test_input_that_is_never_read_times_out():
     """The interpreter or shell stops reading (a signal handler that sleeps, a stopped
     shell) and the next call is bigger than the pipe's buffer: it times out, not hangs."""
