@@ -116,7 +116,7 @@ class PythonRepl:
                 argv,
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,  # the server moves its fd 2 to /dev/null once it runs
                 **sandbox.popen_kwargs(),
             )
         except OSError as exc:
@@ -239,9 +239,21 @@ class PythonRepl:
         while (status := self._poll()) is None and time.monotonic() < deadline:
             time.sleep(0.01)
         status = -1 if status is None else status
+        said = self._start_errors()
         self.close()
         self.sandbox.check(ExecResult(status, "", False, time.monotonic() - started))
-        raise SandboxError("died", f"the Python interpreter exited with status {status}")
+        raise SandboxError(
+            "died", f"the Python interpreter exited with status {status}" + (f": {said}" if said else "")
+        )
+
+    def _start_errors(self) -> str:
+        """What the sandbox or the interpreter printed to stderr before the server ran (why it
+        could not start: a path the sandbox does not show, say), at most 1000 bytes."""
+        fd = self.proc.stderr.fileno()
+        os.set_blocking(fd, False)
+        with contextlib.suppress(OSError):
+            return os.read(fd, 1000).decode(errors="replace").strip()
+        return ""
 
     def close(self) -> None:
         """Kill the interpreter and everything it started, and wait until that has ended; safe
@@ -262,7 +274,7 @@ class PythonRepl:
             with self._reaping:
                 os.close(self._wake)
                 self._wake = None
-                for stream in (self.proc.stdin, self.proc.stdout):
+                for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
                     with contextlib.suppress(OSError):
                         stream.close()
                 try:

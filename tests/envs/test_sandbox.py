@@ -867,6 +867,18 @@ def test_python_repl_a_forged_reply_with_a_lone_surrogate_kills_only_its_interpr
         assert not repl.alive
 
 
+def test_python_repl_that_cannot_start_says_why():
+    """An interpreter the sandbox could not start (a path it does not show) was reported as
+    'exited with status 1' alone: bwrap's own error went to /dev/null."""
+    missing = f"/{uuid.uuid4().hex}/python3"
+    with Sandbox(SMALL.model_copy(update={"python": missing})) as box:
+        with pytest.raises(SandboxError) as raised:
+            PythonRepl(box)
+        assert raised.value.kind == "died"
+        assert f"{missing}: No such file or directory" in raised.value.reason
+        assert box.running == []
+
+
 def test_input_that_is_never_read_times_out():
     """The interpreter or shell stops reading (a signal handler that sleeps, a stopped
     shell) and the next call is bigger than the pipe's buffer: it times out, not hangs."""
