@@ -153,7 +153,10 @@ class Shell:
                 output = _printed(buffer, cap)
                 self.close()
                 self.sandbox.check(ExecResult(status, output, False, time.monotonic() - started))
-                raise SandboxError("died", f"the shell exited with status {status}", output) from None
+                reason = f"the shell exited with status {status}"
+                if not wrap:  # the start's own command: what it printed is the sandbox's or bash's
+                    reason += f": {output.strip()[:1000]}"
+                raise SandboxError("died", reason, output) from None
             buffer += chunk or b""
 
     def _exit_status(self) -> int:

@@ -867,6 +867,18 @@ def test_python_repl_a_forged_reply_with_a_lone_surrogate_kills_only_its_interpr
         assert not repl.alive
 
 
+def test_a_shell_that_cannot_start_says_why():
+    """A shell the sandbox could not start (a ro_binds path that does not exist) was reported
+    as 'exited with status 1' alone, bwrap's own error only in the output no report shows."""
+    missing = f"/{uuid.uuid4().hex}"
+    with Sandbox(SMALL.model_copy(update={"ro_binds": [missing]})) as box:
+        with pytest.raises(SandboxError) as raised:
+            Shell(box)
+        assert raised.value.kind == "died"
+        assert f"{missing}: No such file or directory" in raised.value.reason
+        assert box.running == []
+
+
 def test_python_repl_that_cannot_start_says_why():
     """An interpreter the sandbox could not start (a path it does not show) was reported as
     'exited with status 1' alone: bwrap's own error went to /dev/null."""
