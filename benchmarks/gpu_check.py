@@ -377,6 +377,14 @@ def check_trainer(folder: str, rows: int) -> dict:
     }
 
 
+def guarded(check) -> dict:
+    """``check()``'s summary, or a failed one naming the exception it raised."""
+    try:
+        return check()
+    except Exception as exc:
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-2000:]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vllm-venv", help="Environment built from deployments/vllm/requirements.txt.")
@@ -403,33 +411,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="treadle-gpu-check-") as folder:
         v0, v1, model_v0, model_v1, tokenizer = make_versions(folder)
         ref_v0, ref_v1 = model_v0.cuda().float().eval(), model_v1.cuda().float().eval()
-        try:
-            summary["torch"] = asyncio.run(check_torch(v0, v1, ref_v0, ref_v1, tokenizer))
-        except Exception as exc:
-            summary["torch"] = {
-                "ok": False,
-                "error": f"{type(exc).__name__}: {exc}",
-                "trace": traceback.format_exc()[-2000:],
-            }
-        try:
-            summary["training"] = check_training()
-        except Exception as exc:
-            summary["training"] = {
-                "ok": False,
-                "error": f"{type(exc).__name__}: {exc}",
-                "trace": traceback.format_exc()[-2000:],
-            }
-        if args.trainer_rows:
-            try:
-                summary["trainer"] = check_trainer(folder, args.trainer_rows)
-            except Exception as exc:
-                summary["trainer"] = {
-                    "ok": False,
-                    "error": f"{type(exc).__name__}: {exc}",
-                    "trace": traceback.format_exc()[-2000:],
-                }
-        else:
-            summary["trainer"] = {"ok": None, "skipped": True}
+        summary["torch"] = guarded(lambda: asyncio.run(check_torch(v0, v1, ref_v0, ref_v1, tokenizer)))
+        summary["training"] = guarded(check_training)
+        summary["trainer"] = (
+            guarded(lambda: check_trainer(folder, args.trainer_rows))
+            if args.trainer_rows
+            else {"ok": None, "skipped": True}
+        )
         if args.skip_vllm:
             summary["vllm"] = {"ok": None, "skipped": True}
         elif not args.vllm_venv:
