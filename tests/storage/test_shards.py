@@ -350,8 +350,8 @@ def test_a_background_flush_returns_before_its_commit_lands_and_close_waits_for_
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1"], ["t2"]]
 
 
-def test_a_failed_background_commit_loses_nothing_and_goes_into_the_next_shard(store, monkeypatch, caplog):
-    writer = BackgroundShardWriter(store, "w0", flush_records=2)
+def fail_first_append(writer: ShardWriter, monkeypatch) -> None:
+    """The first append of ``writer``'s commit log times out; the later ones land."""
     append = writer.tables.append
     failures = iter([OSError("timed out (injected)")])
 
@@ -362,6 +362,11 @@ def test_a_failed_background_commit_loses_nothing_and_goes_into_the_next_shard(s
         append(*args)
 
     monkeypatch.setattr(writer.tables, "append", flaky)
+
+
+def test_a_failed_background_commit_loses_nothing_and_goes_into_the_next_shard(store, monkeypatch, caplog):
+    writer = BackgroundShardWriter(store, "w0", flush_records=2)
+    fail_first_append(writer, monkeypatch)
     for i in range(4):
         writer.write(make_record(i))
     writer.close()
@@ -375,16 +380,7 @@ def test_a_failed_background_commit_loses_nothing_and_goes_into_the_next_shard(s
 
 def test_a_failed_background_commit_is_retried_when_due_with_no_write_after_it(local_store, monkeypatch):
     writer = BackgroundShardWriter(local_store, "w0", flush_records=100, flush_seconds=60)
-    append = writer.tables.append
-    failures = iter([OSError("timed out (injected)")])
-
-    def flaky(*args):
-        failure = next(failures, None)
-        if failure is not None:
-            raise failure
-        append(*args)
-
-    monkeypatch.setattr(writer.tables, "append", flaky)
+    fail_first_append(writer, monkeypatch)
     skew, real = [0.0], time.monotonic
     monkeypatch.setattr(shard_module.time, "monotonic", lambda: real() + skew[0])
     writer.write(make_record(0))

@@ -43,6 +43,14 @@ WAIT_S = 120.0
 SATURATED = PolicyInputs(unconsumed_shards=5, engine_queue_depth=0, trainer_idle=0.0)
 
 
+def two_replica_worker(tmp_path, run_id: str, **options) -> RolloutWorker:
+    """:func:`make_worker` of a run of two engine replicas in ``tmp_path``, its base version published."""
+    run = RunConfig(run_id=run_id, storage=StorageConfig(root=str(tmp_path / "runs")), engine={"replicas": 2})
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    return make_worker(store, run, **options)
+
+
 def make_worker(store: RunStore, run: RunConfig, **options) -> RolloutWorker:
     """Rollout worker ``w0`` of ``run``'s engines, gateway, service and mix, on ``store``."""
     return RolloutWorker(
@@ -178,12 +186,7 @@ def test_a_single_replica_worker_never_drains_its_replica(tmp_path, caplog):
 def test_a_plan_that_drains_a_replica_that_is_down_says_it_is_down_and_drains_it_once_back(tmp_path, caplog):
     """The trainer planned the drain from a status sent before the replica went down: the
     worker names it as down (not as a replica it does not know) and drains it when back."""
-    run = RunConfig(
-        run_id="elastic-down", storage=StorageConfig(root=str(tmp_path / "runs")), engine={"replicas": 2}
-    )
-    store = RunStore(run.storage, run.run_id)
-    ensure_base_version(WeightStore(store), TINY)
-    worker = make_worker(store, run)
+    worker = two_replica_worker(tmp_path, "elastic-down")
 
     async def body() -> None:
         await worker.start()
@@ -209,12 +212,7 @@ def test_a_plan_that_drains_a_replica_that_is_down_says_it_is_down_and_drains_it
 def test_a_plan_that_moves_a_drain_to_another_replica_drains_it_at_once(tmp_path, caplog):
     """The trainer cancelled the drain of one replica and drained the other between two reads
     of the plan: the one put back accepts first, so the other is not its last accepting."""
-    run = RunConfig(
-        run_id="elastic-move", storage=StorageConfig(root=str(tmp_path / "runs")), engine={"replicas": 2}
-    )
-    store = RunStore(run.storage, run.run_id)
-    ensure_base_version(WeightStore(store), TINY)
-    worker = make_worker(store, run)
+    worker = two_replica_worker(tmp_path, "elastic-move")
 
     async def body() -> None:
         await worker.start()
@@ -239,12 +237,7 @@ def test_with_no_readable_plan_a_drain_lasts_only_until_the_last_plan_applied_go
     """The trainer died leaving a plan the worker cannot read (or none): its replicas return
     to rollout once the last plan it applied is as old as a stale plan, as they would under
     that plan."""
-    run = RunConfig(
-        run_id="elastic-unread", storage=StorageConfig(root=str(tmp_path / "runs")), engine={"replicas": 2}
-    )
-    store = RunStore(run.storage, run.run_id)
-    ensure_base_version(WeightStore(store), TINY)
-    worker = make_worker(store, run, plan_max_age_s=30.0)
+    worker = two_replica_worker(tmp_path, "elastic-unread", plan_max_age_s=30.0)
 
     async def body() -> None:
         await worker.start()
