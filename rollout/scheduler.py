@@ -720,7 +720,8 @@ class StaticPolicy:
             q = self._queues.get(k)
             while q:
                 ticket, request, enqueued = q[0]
-                need = dict(request.demand)
+                # a zero demand may name a resource the reservation leaves out (submit lets it in)
+                need = {n: a for n, a in request.demand.items() if a > 0}
                 units = 1
                 if request.elastic is not None:
                     units = min(request.max_units, int(left.get(request.elastic, 0) + _EPS))

@@ -263,6 +263,22 @@ def test_static_policy_holds_reservation_for_the_trajectory_life():
     assert g.units == 2
 
 
+def test_a_zero_demand_on_a_resource_the_reservation_leaves_out_runs_in_the_reservation():
+    """submit lets in {"gpu": 0} under a cpu-only reservation; dispatch took it off the queue
+    and then failed on the missing gpu entry, with one reserved core taken and never given back."""
+    policy = StaticPolicy({"cpu": 4, "gpu": 1}, {"cpu": 2})
+    ticket = policy.submit(ResourceRequest(demand={"cpu": 1, "gpu": 0}, duration=1, trajectory_id="a"), 0)
+    (grant,) = policy.dispatch(0)
+    assert grant.ticket == ticket and grant.allocation == {"cpu": 1}
+    policy.release(grant, 1)
+    wide = policy.submit(ResourceRequest(demand={"cpu": 2}, duration=1, trajectory_id="a"), 1)
+    (grant,) = policy.dispatch(1)
+    assert grant.ticket == wide
+    policy.release(grant, 2)
+    policy.end_trajectory("a", 2)
+    assert policy.free == {"cpu": 4, "gpu": 1}
+
+
 def test_a_key_whose_only_queued_action_is_cancelled_leaves_the_admission_line():
     """Capacity 2, reservation 2: a holds the pool, b then c wait for it. b's only action is
     cancelled, so when a ends, c (next with something to run) takes the reservation; b stayed
