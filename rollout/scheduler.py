@@ -473,9 +473,9 @@ class _DurationEstimates:
 
     def observe(self, grant: Grant, now: float) -> None:
         request = grant.request
-        ran = now - grant.started_at
-        speedup = request.duration_on(1, 1.0) / request.duration_on(grant.units, 1.0)
-        sample = ran * speedup
+        # the T_1 that predicts this run, T(m) = T_1 / (E(m) m); the run scaled to one unit is
+        # T(1) = T_1 / E(1), which overstates T_1 when E(1) < 1
+        sample = (now - grant.started_at) / request.duration_on(grant.units, 1.0)
         old = self._t1.get(request.kind)
         self._t1[request.kind] = sample if old is None else (1 - self.alpha) * old + self.alpha * sample
 

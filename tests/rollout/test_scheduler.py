@@ -187,6 +187,24 @@ def test_amdahl_efficiency_matches_the_law():
         assert req.duration_on(m) == pytest.approx(8.0 * (0.25 + 0.75 / m))
 
 
+@pytest.mark.parametrize("units", [1, 2])
+def test_an_observed_run_predicts_the_next_of_its_kind_when_one_unit_is_not_fully_efficient(units):
+    """E(1) = 0.5, E(2) = 0.4: an action of T_1 = 2 s runs T(1) = 4 s on one core, 2.5 s on two.
+    The estimate took the run scaled to one unit, T(1) = 4 s, as T_1, and then predicted every
+    later run of the kind 1 / E(1) = 2 times too long."""
+    request = ResourceRequest(
+        elastic="cpu", min_units=units, max_units=units, efficiency=(0.5, 0.4), kind="k"
+    )
+    policy = ActionPolicy({"cpu": 2})
+    policy.submit(request, 0.0)
+    (grant,) = policy.dispatch(0.0)
+    ran = request.duration_on(units, 2.0)
+    policy.release(grant, ran)
+    policy.submit(request, ran)
+    (grant,) = policy.dispatch(ran)
+    assert grant.expected_finish - grant.started_at == pytest.approx(ran)
+
+
 request_strategy = st.builds(
     lambda cpu, mem, gpu, el, mx, dur: ResourceRequest(
         demand={k: v for k, v in (("cpu", cpu), ("mem", mem), ("gpu", gpu)) if v and not (el and k == "cpu")},
