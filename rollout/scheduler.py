@@ -484,8 +484,8 @@ def _check_capacity(capacity: Mapping[str, float]) -> dict[str, float]:
     if not capacity:
         raise ValueError("scheduler capacity must name at least one resource")
     for name, amount in capacity.items():
-        if amount < 0:
-            raise ValueError(f"scheduler capacity[{name!r}] must be >= 0, got {amount}")
+        if not (math.isfinite(amount) and amount >= 0):
+            raise ValueError(f"scheduler capacity[{name!r}] must be finite and >= 0, got {amount}")
     return dict(capacity)
 
 

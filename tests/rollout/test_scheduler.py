@@ -180,6 +180,18 @@ def test_a_request_that_is_not_finite_is_refused(fields):
         ResourceRequest(**fields)
 
 
+@pytest.mark.parametrize("amount", [math.nan, math.inf])
+@pytest.mark.parametrize(
+    "make", [lambda c: ActionPolicy(c), lambda c: StaticPolicy(c, {"cpu": 1})], ids=["action", "static"]
+)
+def test_a_capacity_that_is_not_finite_is_refused(make, amount):
+    """ActionPolicy let every request in under a NaN capacity (no fit check fails against NaN),
+    then no decision ever started one: the actions waited forever. An infinite one failed each
+    elastic request with OverflowError. Both policies now name the capacity at construction."""
+    with pytest.raises(ValueError, match=r"capacity\['cpu'\] must be finite"):
+        make({"cpu": amount, "mem": 4})
+
+
 def test_amdahl_efficiency_matches_the_law():
     eff = amdahl_efficiency(0.25, 4)
     req = ResourceRequest(elastic="cpu", max_units=4, duration=8.0, efficiency=eff)
