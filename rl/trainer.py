@@ -14,6 +14,7 @@ Read the loop in :meth:`Trainer.run`; one policy step in :meth:`Trainer._train_s
 
 from __future__ import annotations
 
+import bisect
 import io
 import json
 import logging
@@ -252,6 +253,7 @@ class Trainer:
             )
         path = Path(loaded)
         self.version = version
+        self._chain = self._recent_chain(version)
         self.policy, self.tokenizer = load_trained_policy(
             str(path), device=str(self.device), dtype=self.dtype
         )
@@ -308,6 +310,34 @@ class Trainer:
         logger.info(
             "trainer resumed from version %d at step %d (attempt %s)", version, self.step, self.attempt
         )
+
+    def _recent_chain(self, version: int) -> list[int]:
+        """``version`` and its newest ancestors, ``max_staleness + 1`` at most, oldest first:
+        what :meth:`staleness` counts on."""
+        chain = [version]
+        while len(chain) <= self.config.max_staleness:
+            try:
+                parent = self.weights.manifest(chain[0]).get("parent")
+            except (KeyError, CorruptVersion):  # deleted by retention: numbers count beyond it
+                break
+            if parent is None:
+                break
+            chain.insert(0, parent)
+        return chain
+
+    def staleness(self, min_version: int) -> int:
+        """Versions the trainer's policy is ahead of ``min_version``: the newer versions on its
+        chain. The difference of the numbers would also count those the chain skips (a number
+        a publish claimed before it was killed, a version a resumed trainer passed over as it
+        did not verify), and drop as stale samples within ``max_staleness``. Past the part of
+        the chain known (``max_staleness + 1`` versions) each number counts; a version newer
+        than the trainer's counts as the negative difference."""
+        chain = self._chain
+        if min_version > self.version:
+            return self.version - min_version
+        if min_version < chain[0]:
+            return len(chain) - 1 + chain[0] - min_version
+        return len(chain) - bisect.bisect_right(chain, min_version)
 
     def _load_torch(self, path: Path) -> dict:
         return torch.load(io.BytesIO(path.read_bytes()), map_location=self.device, weights_only=True)
@@ -385,6 +415,7 @@ class Trainer:
             parent,
         )
         self.version = version
+        self._chain = [*self._chain, version][-(self.config.max_staleness + 1) :]
         consumption.since_publish_shards = []
         consumption.since_publish_rows = Counter()
         self._steps_since_publish = 0
@@ -480,7 +511,7 @@ class Trainer:
         In GRPO mode a group goes whole when any member is stale: its advantages are taken
         over the whole group."""
         limit = self.config.max_staleness
-        stale = {id(s) for s in self.buffer if self.version - s.min_version > limit}
+        stale = {id(s) for s in self.buffer if self.staleness(s.min_version) > limit}
         if self._keep_groups:
             groups = {s.group_id for s in self.buffer if id(s) in stale and s.group_id is not None}
             stale |= {id(s) for s in self.buffer if s.group_id in groups}
@@ -840,7 +871,7 @@ class Trainer:
         for sample in samples:
             self.consumption.mark(sample.shard_id, [sample.row])
         seconds = time.perf_counter() - started
-        staleness = [self.version - s.min_version for s in samples]
+        staleness = [self.staleness(s.min_version) for s in samples]
         num_tokens = sum(s.num_tokens for s in samples)
         flat_adv = torch.cat([a[p.train_mask] for a, p in zip(advantages, parts, strict=True)])
         extra = {

@@ -42,7 +42,7 @@ from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables
-from storage.weights import WeightStore
+from storage.weights import CLAIM_FILE, WeightStore
 from tests.rl.synthetic import TINY, config, make_trajectories, write_shards
 from tests.storage.test_weights import readme_totals
 
@@ -194,6 +194,33 @@ def test_grpo_drops_a_group_whole_when_one_member_is_stale(store):
     trainer.run(drain=True)
     (step,) = read_steps(store)
     assert step["dropped_stale"] == 4 and step["num_samples"] == 2  # only the last pair is whole and fresh
+
+
+@pytest.mark.parametrize("skipped", ["claimed by a killed publish", "passed over"])
+def test_staleness_counts_the_versions_on_the_chain_not_the_numbers_it_skips(store, skipped):
+    """Version 1 never became a policy the trainer trained from (a publish killed after it
+    claimed the number, or a version that does not verify): the trainer's first version is
+    2, one update after 0, so samples of version 0 trained after it are 1 version behind and
+    are trained under max_staleness 1, not dropped as 2 behind."""
+    weights = WeightStore(store)
+    if skipped == "passed over":
+        policy, tokenizer = load_policy(weights.load(0))
+        publish_policy(weights, policy, tokenizer, parent=0)
+        os.truncate(os.path.join(weights.version_path(1), "config.json"), 0)
+    else:
+        os.makedirs(weights.version_path(1))
+        weights.fs.pipe_file(f"{weights.version_path(1)}/{CLAIM_FILE}", b"2026-01-01T00:00:00+00:00 pid 1\n")
+    write_shards(store, make_trajectories(store, 8, seed=22, version=0), per_shard=4)
+
+    trainer = Trainer(store, config(max_staleness=1, publish_every=1))
+    assert trainer.version == 0
+    trainer.run(drain=True)
+    steps = read_steps(store)
+    assert [(row["version"], row["staleness_max"], row["dropped_stale"]) for row in steps] == [
+        (0, 0, 0),
+        (2, 1, 0),
+    ]
+    assert [manifest["version"] for manifest in version_chain(weights)] == [0, 2, 3]
 
 
 def commit_raw_shard(store: RunStore, table: pa.Table, name: str) -> str:
