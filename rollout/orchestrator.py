@@ -24,7 +24,9 @@
   (a rollout worker's ``storage.quota.RunQuota``) it is the run's, shared by its workers and
   their restarts: blocks of rollouts are claimed before they launch, and what did not
   finish is given back when the orchestrator stops. One refused a claim claims once more
-  when it runs dry, taking up what other workers gave back meanwhile.
+  when it runs dry, taking up what other workers gave back meanwhile. A claim that fails
+  (storage unreachable) holds launching while rollouts are in flight, tried again as each
+  finishes; with none in flight it ends the run with its error.
 - Every finished rollout goes to the sink (a ``ShardWriter``), a group's records in one
   write so that they share a shard; ``stop()`` stops
   launching, cancels what is in flight, flushes the sink and records what was cut short.
@@ -244,10 +246,23 @@ class Orchestrator:
             return True
         if not self._quota_spent:
             block = max(cfg.concurrency // cfg.group_size, 1) * cfg.group_size
-            # a cancel waits for the claim, whose grant is given back, not held by no one
-            taken = await to_thread_to_the_end(
-                self.quota.claim, block, cfg.group_size, discard=self.quota.release
-            )
+            try:
+                # a cancel waits for the claim, whose grant is given back, not held by no one
+                taken = await to_thread_to_the_end(
+                    self.quota.claim, block, cfg.group_size, discard=self.quota.release
+                )
+            except Exception as exc:
+                if not self._in_flight:
+                    raise
+                # storage down past its client's retries: the rollouts in flight finish and
+                # are written, and the claim is tried again as each one does
+                log.warning(
+                    "could not claim rollouts from the run's max_rollouts (%s); launching waits, "
+                    "%d rollouts in flight go on",
+                    exc,
+                    len(self._in_flight),
+                )
+                return False
             self._granted += taken
             self._quota_spent = taken == 0
         return self._started() + cfg.group_size <= self._granted

@@ -311,6 +311,39 @@ def test_a_cancel_during_a_quota_claim_gives_the_claim_back(tiny, local_store):
     assert quota.claimed() == 0
 
 
+class FailingQuota(RunQuota):
+    """A run quota whose claims numbered in ``failing`` (0 = the first) fail as storage would."""
+
+    def __init__(self, *args, failing):
+        super().__init__(*args)
+        self.failing = failing
+        self.calls = 0
+
+    def claim(self, wanted, step=1):
+        self.calls += 1
+        if self.calls - 1 in self.failing:
+            raise OSError("storage unreachable")
+        return super().claim(wanted, step)
+
+
+def test_a_failed_quota_claim_waits_for_the_rollouts_in_flight_and_is_tried_again(tiny, local_store):
+    quota = FailingQuota(local_store, "rollouts", 8, failing={1, 2})
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
+    sink = ListSink()
+    _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, quota=quota))
+    assert quota.calls >= 4
+    assert stats.finished == 8 and len(sink.records) == 8 and stats.cut_short == []
+    assert quota.claimed() == 8
+
+
+def test_a_failed_quota_claim_with_nothing_in_flight_ends_the_run_with_its_error(tiny, local_store):
+    quota = FailingQuota(local_store, "rollouts", 8, failing={0})
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
+    with pytest.raises(OSError, match="storage unreachable"):
+        asyncio.run(run(tiny, config, streams("arith"), ListSink(), quota=quota))
+    assert quota.claimed() == 0
+
+
 class GatedEnv(ArithEnv):
     """``arith`` whose every answer waits for a permit from the test."""
 
