@@ -7,6 +7,8 @@ splits the tests over one forked worker per core it was started on (as many as t
 process limit leaves room for), and asks the scheduler for 1..``test_cores`` cores. A solution
 that makes the test run overrun its limits (a loop that never returns, too much memory or
 output) scores 0; a tester that never started is the sandbox's failure (``SandboxError``).
+Functions are split by what they compute on the test inputs' range (``(x+2)*2`` is
+``x*2+4``), so a function held out for eval never has its twin in train.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from envs.sandbox import SandboxError, python_in_sandbox, started_on
 HARNESS_PROCESSES = 4
 
 TEMPLATES = ("x*{a}+{b}", "(x+{a})*{b}", "x%{a}+{b}", "max(x,{a})-{b}", "x*x-{a}", "abs(x-{a})+{b}")
+INPUTS = range(-20, 21)
+"""Where the hidden tests' inputs are drawn from."""
 
 # The tester holds the tests and the pass marker; the solution runs in a child interpreter
 # (RUNNER) that is given only the inputs, its stdio on /dev/null, and sends back ints over a
@@ -134,6 +138,11 @@ with os.fdopen(out, "w") as pipe:
 """
 
 
+def split_key(body: str) -> str:
+    """The values of ``f(x) = body`` over :data:`INPUTS`: bodies of one function share a split."""
+    return ",".join(str(eval(body, {}, {"x": x})) for x in INPUTS)
+
+
 class CodeConfig(EnvConfig):
     """Test count of ``code``."""
 
@@ -158,14 +167,14 @@ class CodeEnv(Env):
 
         def make(rng: random.Random) -> Task:
             body = rng.choice(TEMPLATES).format(a=rng.randint(2, 9), b=rng.randint(1, 9))
-            inputs = [rng.randint(-20, 20) for _ in range(cfg.num_tests)]
+            inputs = [rng.choice(INPUTS) for _ in range(cfg.num_tests)]
             tests = [[x, eval(body, {}, {"x": x})] for x in inputs]
             return Task(
                 env=cls.name, id=body, prompt=f"write f(x) = {body}", data={"body": body, "tests": tests}
             )
 
         def accept(task: Task) -> bool:
-            return in_eval_split(task.id, cfg.eval_fraction) == (split == "eval")
+            return in_eval_split(split_key(task.data["body"]), cfg.eval_fraction) == (split == "eval")
 
         return sample_unique(random.Random(f"{seed}/{split}"), make, accept, n)
 

@@ -19,7 +19,7 @@ from envs.arith import add_without_carry, subtract_without_borrow
 from envs.base import Task, TooFewTasks, sample_unique
 from envs.guess import GuessConfig, problems
 from envs.pyrepl import PythonRepl
-from envs.registry import REGISTRY, demonstrate, make, task_set
+from envs.registry import REGISTRY, demonstrate, make, task_pool, task_set
 from envs.sandbox import COMMAND_KINDS, SandboxConfig, SandboxError, bwrap_path
 from envs.shell import Shell
 
@@ -144,6 +144,17 @@ def test_pytool_commuted_twins_share_a_split(monkeypatch):
             Task(env="pytool", id=f"{b}*{a}%{modulus}", prompt="", data={"expr": f"{b}*{a}%{modulus}"})
         )
     assert not [twin.id for twin in twins if in_train(twin)]
+
+
+def test_code_functions_written_two_ways_share_a_split():
+    """``(x+4)*2`` and ``x*2+8`` are one function: an eval task's is never a train task's."""
+
+    def function(task):
+        return tuple(eval(task.data["body"], {}, {"x": x}) for x in range(-20, 21))
+
+    train = {function(task) for task in task_pool("code", "train", seed=0, n=10_000)}
+    evals = task_pool("code", "eval", seed=0, n=10_000)
+    assert evals and not [task.id for task in evals if function(task) in train]
 
 
 def needs_borrow(a, b):

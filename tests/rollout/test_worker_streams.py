@@ -9,6 +9,7 @@ import pytest
 
 from envs import registry
 from envs.base import in_eval_split
+from envs.code import split_key
 from flows.config import RunConfig
 from rl.models import ensure_base_version
 from rollout.worker import RolloutWorker, task_streams
@@ -27,7 +28,7 @@ def test_an_env_with_fewer_train_tasks_than_the_pool_streams_every_one_of_them_c
     count = len({task.id for task in first})
     assert 0 < count < 2048
     assert [t.id for t in first[:count]] == [t.id for t in first[count : 2 * count]]
-    assert not any(in_eval_split(task.id, config.eval_fraction) for task in first)
+    assert not any(in_eval_split(split_key(task.data["body"]), config.eval_fraction) for task in first)
     # one with none at all fails at once, rather than handing the orchestrator an empty stream
     empty = registry.make_config("arith", max_operand=1, eval_fraction=0.99)
     with pytest.raises(ValueError, match="only 0 distinct tasks"):
