@@ -219,6 +219,7 @@ class AgentEnv(Env):
         self._server = await asyncio.start_unix_server(self._relay, self.socket_path, limit=65536)
         os.chmod(self.socket_path, 0o666)
         self.result = None
+        self.requests = 0
         return user(task.prompt)
 
     async def run(self) -> StepResult:

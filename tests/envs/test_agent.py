@@ -10,6 +10,7 @@ checks its record token by token.
 import asyncio
 import json
 import os
+import shlex
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -123,6 +124,8 @@ def test_agent_script_reports_a_command_it_cannot_run_and_goes_on(upstream):
     assert transcript[2]["content"] == "error: the command holds a NUL byte"
     assert transcript[4]["content"] == "\ufffd"
 
+
+ONE_REQUEST = "import os, urllib.request; urllib.request.urlopen(os.environ['OPENAI_BASE_URL'] + '/models')"
 
 CALL_ADMIN = r"""python3 - <<'PY'
 import os, urllib.error, urllib.request
@@ -260,6 +263,26 @@ def test_agent_program_runs_once_per_reset(upstream):
             await env.close()
 
     assert asyncio.run(episode()) == 1.0
+
+
+def test_agent_counts_the_model_calls_of_each_episode_alone(upstream):
+    """An env reset for a second episode reports that episode's gateway requests, not the sum."""
+    cfg = config(command=f"python3 -c {shlex.quote(ONE_REQUEST)}")
+    tasks = task_set("agent", "train", 0, 2, cfg)
+
+    async def episodes():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        try:
+            counts = []
+            for task in tasks:
+                await env.reset(task)
+                counts.append((await env.run()).info["gateway_requests"])
+            return counts
+        finally:
+            await env.close()
+
+    assert asyncio.run(episodes()) == [1, 1]
 
 
 def test_agent_eval_printing_nan_scores_zero(upstream):
