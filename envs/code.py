@@ -231,18 +231,25 @@ class CodeEnv(Env):
         except SandboxError as exc:
             if not self._by_action(exc):
                 raise
+            # stopped before the solution ran (an interpreter that cannot start): not its fault
+            require_started(exc.output, marker)
             return 0.0
         return tester_score(result.output, marker, len(task.data["tests"]))
+
+
+def require_started(output: str, marker: str) -> None:
+    """Raise :class:`SandboxError` when the tester never printed that it started: the
+    interpreter or the sandbox failed, before any solution ran."""
+    if f"{marker} started" not in output.splitlines():
+        raise SandboxError("start_failed", f"the test harness never started; it printed {output[-200:]!r}")
 
 
 def tester_score(output: str, marker: str, num_tests: int) -> float:
     """The share of tests passed that the tester printed; 0 when it started but did not get
     to the end (the solution brought it down). A tester that never started is no score of the
-    solution: the interpreter or the sandbox failed, so :class:`SandboxError` is raised."""
-    lines = output.splitlines()
-    if f"{marker} started" not in lines:
-        raise SandboxError("start_failed", f"the test harness never started; it printed {output[-200:]!r}")
-    for line in reversed(lines):
+    solution, so :class:`SandboxError` is raised (:func:`require_started`)."""
+    require_started(output, marker)
+    for line in reversed(output.splitlines()):
         passed = line.removeprefix(marker + " ")
         if passed != line and passed.isdecimal():
             return int(passed) / num_tests

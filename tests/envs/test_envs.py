@@ -5,8 +5,10 @@ import gc
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -590,6 +592,26 @@ def test_code_tester_that_never_started_is_an_env_error():
     with pytest.raises(SandboxError, match="never started") as error:
         asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
     assert error.value.kind not in COMMAND_KINDS
+
+
+@needs_bwrap
+def test_code_tester_stopped_before_it_started_is_an_env_error_not_a_zero():
+    """An interpreter that fails as it starts, in a way that reads as a limit (MemoryError),
+    ran no solution: the test run is the sandbox's failure, not a score of 0."""
+    folder = tempfile.mkdtemp()
+    try:
+        os.chmod(folder, 0o755)  # the sandbox's own uid runs it
+        python = os.path.join(folder, "python")
+        with open(python, "w") as handle:
+            handle.write("#!/bin/sh\necho 'Fatal Python error: MemoryError'\nexit 1\n")
+        os.chmod(python, 0o755)
+        task = task_set("code", "train", seed=6, n=1)[0]
+        sandbox = SMALL.model_copy(update={"python": python, "ro_binds": [folder]})
+        with pytest.raises(SandboxError, match="never started") as error:
+            asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
+        assert error.value.kind not in COMMAND_KINDS
+    finally:
+        shutil.rmtree(folder)
 
 
 # Solutions that know nothing of the task: read the tests or the pass marker off the tester
