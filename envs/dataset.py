@@ -226,6 +226,7 @@ class DatasetEnv(Env):
     @classmethod
     def tasks(cls, split: Split, seed: int, n: int, config: DatasetConfig | None = None) -> list[Task]:
         cfg = config or DatasetConfig()
+        make_verifier(cfg)  # a verifier that cannot be imported fails here, not in every reset
         tasks = []
         for row in _load_rows(cfg):
             prompt, answer = str(row[cfg.prompt_field]), str(row[cfg.answer_field])

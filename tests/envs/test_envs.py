@@ -744,6 +744,15 @@ def test_dataset_reads_its_rows_from_s3_with_keys_from_its_config_or_the_environ
     assert {(t.prompt, t.data["answer"]) for t in tasks} == {(r["prompt"], r["answer"]) for r in rows}
 
 
+@pytest.mark.parametrize("verifier", ["no_such_module:verify", "json:no_such_function"])
+def test_dataset_verifier_that_cannot_be_imported_fails_the_task_set(tmp_path, verifier):
+    """Not every episode's reset: a run with it would make nothing but env errors."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "say it", "answer": "it"}))
+    with pytest.raises(ValueError, match=f"verifier '{verifier}' cannot be imported"):
+        task_set("dataset", "train", 0, 1, {"path": str(path), "verifier": verifier, "eval_fraction": 0.5})
+
+
 LOOP_RAN = threading.Event()
 
 
