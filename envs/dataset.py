@@ -9,9 +9,9 @@ event loop, and every rollout of the worker with it, for as long as it takes. A 
 function runs on a thread too (without a limit: it cannot be stopped), for the same reason:
 its cost on the model's answer is unknown (a symbolic checker's on ``9**9**9**9``, say).
 Every row must be an object with a non-null prompt and answer (and id, when ``id_field`` is
-set; for the regex verifier, an answer that compiles; for the numeric one, an answer that is a
-number); a bad row or line fails the load with its file and number. A binary column is read
-as UTF-8 text.
+set; for the exact and regex verifiers, an answer that is not blank, and for the regex one, an
+answer that compiles; for the numeric one, an answer that is a number); a bad row or line
+fails the load with its file and number. A binary column is read as UTF-8 text.
 Rows are split into train and eval by a hash of their prompt, so the splits never share a
 prompt, even one that occurs under several ids; ``id_field`` only names the task.
 """
@@ -172,6 +172,9 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
         id_field = config.id_field or config.prompt_field
         if not str(row[id_field]).strip():
             raise ValueError(f"row {i} of {config.path} has a blank {id_field!r} (the task's id)")
+        if config.verifier in ("exact", "regex") and not str(row[config.answer_field]).strip():
+            # the model's answer is stripped: a blank one would be scored right
+            raise ValueError(f"row {i} of {config.path} has a blank {config.answer_field!r} (the reference)")
         if config.verifier == "regex":
             try:
                 regex.compile(str(row[config.answer_field]))

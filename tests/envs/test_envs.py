@@ -841,6 +841,15 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
             "row 1 of .*surrogate.jsonl: 'prompt' is not UTF-8 text",
         ),
         ("re.jsonl", b'{"prompt": "q", "answer": "(a"}', {"verifier": "regex"}, "row 0 .*not a regex"),
+        *(
+            (
+                "blank.jsonl",
+                b'{"prompt": "q", "answer": "a"}\n{"prompt": "r", "answer": " \\n"}',
+                {"verifier": verifier},
+                "row 1 of .*blank.jsonl has a blank 'answer'",
+            )
+            for verifier in ("exact", "regex")
+        ),
         (
             "noid.jsonl",
             b'{"prompt": "q", "answer": "a", "qid": 1}\n{"prompt": "r", "answer": "b"}',
