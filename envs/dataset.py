@@ -12,8 +12,9 @@ Every row must be an object with a non-null prompt and answer (and id, when ``id
 set; for the exact and regex verifiers, an answer that is not blank, and for the regex one, an
 answer that compiles; for the numeric one, an answer that is a number); a bad row or line
 fails the load with its file and number. A binary column is read as UTF-8 text.
-Rows are split into train and eval by a hash of their prompt, so the splits never share a
-prompt, even one that occurs under several ids; ``id_field`` only names the task.
+Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
+so the splits never share a prompt, even one that occurs under several ids or with a trailing
+newline; ``id_field`` only names the task.
 """
 
 from __future__ import annotations
@@ -234,7 +235,7 @@ class DatasetEnv(Env):
         for row in _load_rows(cfg):
             prompt, answer = str(row[cfg.prompt_field]), str(row[cfg.answer_field])
             row_id = str(row[cfg.id_field]) if cfg.id_field else prompt
-            if in_eval_split(prompt, cfg.eval_fraction) == (split == "eval"):
+            if in_eval_split(prompt.strip(), cfg.eval_fraction) == (split == "eval"):
                 tasks.append(Task(env=cls.name, id=row_id, prompt=prompt, data={"answer": answer}))
         if not tasks:
             raise ValueError(f"the {split} split of {cfg.path} is empty")

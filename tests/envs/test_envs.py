@@ -927,6 +927,14 @@ def test_dataset_split_keeps_a_prompt_under_many_ids_in_one_split(tmp_path):
     assert {t.id for t in train} | {t.id for t in evals} == {row["qid"] for row in rows}
 
 
+def test_dataset_split_keeps_a_prompt_written_with_surrounding_whitespace_in_one_split(tmp_path):
+    rows = [{"prompt": prompt, "answer": str(i)} for i in range(100) for prompt in (f"q{i}", f" q{i}\n")]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(map(json.dumps, rows)))
+    train, evals = (task_set("dataset", split, 0, 1000, {"path": str(path)}) for split in ("train", "eval"))
+    assert not {t.prompt.strip() for t in train} & {t.prompt.strip() for t in evals}
+
+
 def nan_verifier(answer, reference):
     return float("nan")
 
