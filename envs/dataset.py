@@ -236,7 +236,8 @@ class DatasetEnv(Env):
             prompt, answer = str(row[cfg.prompt_field]), str(row[cfg.answer_field])
             row_id = str(row[cfg.id_field]) if cfg.id_field else prompt
             if in_eval_split(prompt.strip(), cfg.eval_fraction) == (split == "eval"):
-                tasks.append(Task(env=cls.name, id=row_id, prompt=prompt, data={"answer": answer}))
+                data = {"answer": answer, "verifier": cfg.verifier}
+                tasks.append(Task(env=cls.name, id=row_id, prompt=prompt, data=data))
         if not tasks:
             raise ValueError(f"the {split} split of {cfg.path} is empty")
         rng = random.Random(f"{seed}/{split}")
@@ -245,7 +246,13 @@ class DatasetEnv(Env):
 
     @classmethod
     def demonstrate(cls, task: Task, flawed: bool = False, seed: int = 0) -> list[str]:
-        """The reference answer (``flawed``: half the time an empty answer)."""
+        """The reference answer (``flawed``: half the time an empty answer). A regex reference
+        is a pattern, not an answer: there is none to give (``NotImplementedError``)."""
+        if task.data.get("verifier") == "regex":
+            raise NotImplementedError(
+                "the dataset env has no scripted solver with verifier 'regex': its references are "
+                "patterns, not answers"
+            )
         if flawed and random.Random(f"{seed}/{task.id}").random() < 0.5:
             return [""]
         return [task.data["answer"]]

@@ -935,6 +935,18 @@ def test_dataset_split_keeps_a_prompt_written_with_surrounding_whitespace_in_one
     assert not {t.prompt.strip() for t in train} & {t.prompt.strip() for t in evals}
 
 
+def test_dataset_demonstrates_answers_never_regex_patterns(tmp_path):
+    """The warm start would teach the policy to answer with the patterns, which score 0."""
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": f"{i}+"}) for i in range(20)))
+    config = {"path": str(path), "eval_fraction": 0.5}
+    task = task_set("dataset", "train", 0, 1, config)[0]
+    assert asyncio.run(play("dataset", task, demonstrate(task), **config))[1] == 1.0
+    task = task_set("dataset", "train", 0, 1, config | {"verifier": "regex"})[0]
+    with pytest.raises(NotImplementedError, match="no scripted solver with verifier 'regex'"):
+        demonstrate(task)
+
+
 def nan_verifier(answer, reference):
     return float("nan")
 
