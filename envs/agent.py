@@ -35,7 +35,7 @@ import urllib.parse
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from envs.base import (
     ActionGate,
@@ -124,6 +124,15 @@ class AgentTask(BaseModel):
     data: dict = Field(
         default_factory=dict, description="Extra fields written to task.json for the agent and EVAL."
     )
+
+    @field_validator("data")
+    @classmethod
+    def _no_shadowing(cls, value: dict) -> dict:
+        # task.json holds the task's id and prompt beside these: one here would replace them there
+        shadowed = sorted({"id", "prompt"} & set(value))
+        if shadowed:
+            raise ValueError(f"must not hold {shadowed}: task.json takes them from the task itself")
+        return value
 
 
 class AgentConfig(EnvConfig):

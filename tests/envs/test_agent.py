@@ -285,6 +285,12 @@ def test_agent_counts_the_model_calls_of_each_episode_alone(upstream):
     assert asyncio.run(episodes()) == [1, 1]
 
 
+def test_agent_task_data_cannot_replace_the_id_or_prompt_in_task_json():
+    for key in ("id", "prompt"):
+        with pytest.raises(ValueError, match=f"must not hold \\['{key}'\\]"):
+            make("agent", config(tasks=[{"id": "t", "prompt": "p", "data": {key: "other"}}]))
+
+
 def test_agent_eval_printing_nan_scores_zero(upstream):
     cfg = config(command="true", eval_command="echo passed 0 of 0; echo nan")
 
