@@ -40,7 +40,7 @@ task mix cycles. Each parameter and why:
 
 Second figure, a stress case: the same two phases as one finite batch (320 long, then
 1,600 short) run to its makespan, with an admission bound of 64 trajectories in flight or
-untrained (the previous headline). There no policy can beat 1.026: the bound caps rollout
+waiting for the trainer (the previous headline). There no policy can beat 1.026: the bound caps rollout
 at 8 of 16 units and the last straggler fixes the end.
 
 For each: every fixed split 1..15 is run and the elastic controller starts from the best

@@ -17,7 +17,7 @@ trainer (``rl.config.SAOConfig``); the orchestrator stops launching while ``max_
 or more trajectories wait for the trainer (``rollout.orchestrator``'s backpressure) and
 keeps ``concurrency`` sessions launched, those without a session slot waiting in the
 engine queue. ``max_ahead`` is the cruder admission bound of the finite stress case:
-at most that many trajectories in flight or untrained.
+at most that many trajectories in flight or waiting for the trainer.
 
 A session is a sequence of turns of ``turn_s`` seconds (a generation, then its tool step).
 At a turn boundary a session on a draining replica moves, when the controller's
@@ -70,7 +70,7 @@ class ElasticWorkload(BaseModel):
     max_ahead: int | None = Field(
         64,
         ge=1,
-        description="Admission bound: most trajectories generated or in flight but not yet trained "
+        description="Admission bound: most trajectories in flight or waiting for the trainer "
         "(None: no such bound).",
     )
     batch_size: int = Field(64, ge=1, description="Trajectories per optimizer step of the trainer.")
@@ -291,13 +291,19 @@ def pending_limit(w: ElasticWorkload) -> int:
 
     At least one unit trains, so at most ``(units - 1) * sessions_per_replica`` sessions are
     live; the backlog grows while launching is allowed (below ``max_backlog``) and then by
-    at most the sessions live when it closed. ``max_ahead`` caps both together.
+    at most the sessions live when it closed. ``max_ahead`` caps live and backlog together,
+    not the trajectories the trainer has taken: at least one unit serves rollout, so at
+    most ``units - 1`` more are in training. Without either bound the backlog is unbounded.
     """
     live = (w.units - 1) * w.sessions_per_replica
+    limits = []
     if w.max_ahead is not None:
-        return min(w.max_ahead, 2 * live)
-    backlog = live if w.max_backlog is None else w.max_backlog + live
-    return live + backlog
+        limits.append(w.max_ahead + w.units - 1)
+    if w.max_backlog is not None:
+        limits.append(live + w.max_backlog + live)
+    if not limits:
+        raise ValueError("launched trajectories are unbounded: set max_ahead or max_backlog")
+    return min(limits)
 
 
 def makespan_lower_bound(w: ElasticWorkload) -> float:

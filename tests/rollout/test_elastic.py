@@ -527,3 +527,24 @@ def test_dropped_sessions_are_marked_and_their_rollout_counted():
     assert run.dropped == len(marked) > 0
     assert all(s.ended is not None for s in marked)
     assert run.dropped_session_s == pytest.approx(sum(s.turns_s + s.held_s for s in marked))
+
+
+def test_pending_limit_bounds_the_launched_untrained_trajectories_of_a_run():
+    # 10 s sessions on 2 slots, 100 s of training each: the backlog fills to max_ahead,
+    # far past 2 slots' worth, and the trainer holds one more
+    w = ElasticWorkload(
+        units=2,
+        sessions_per_replica=2,
+        long_sessions=0,
+        short_sessions=40,
+        short_median_s=10,
+        short_sigma=0,
+        short_train_s=100,
+        max_ahead=12,
+    )
+    run = simulate_elastic(w, 1)
+    pending = [s.live_sessions + s.backlog + s.train_units - s.idle_training for s in run.trace]
+    assert max(pending) == pytest.approx(13)
+    assert pending_limit(w) == 13
+    with pytest.raises(ValueError, match="unbounded"):
+        pending_limit(w.model_copy(update={"max_ahead": None, "concurrency": 2}))
