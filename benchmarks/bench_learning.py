@@ -273,6 +273,8 @@ def main() -> None:
         help="Comma-separated environments to run the arms on (arith, guess).",
     )
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error(f"--seeds must be at least 1, got {args.seeds}")
     args.envs = args.envs.split(",")
     if not args.envs or not set(args.envs) <= {"arith", "guess"}:
         parser.error(f"--envs must name arith and/or guess, got {','.join(args.envs)!r}")
