@@ -217,12 +217,17 @@ def evaluate_version(config: RunConfig, version: int | None = None, once: str | 
 
 def eval_setup(config: RunConfig, env: str) -> str:
     """Fingerprint of what an evaluation of ``env`` depends on besides the weights: the eval
-    settings (tasks, seed, temperature), the env's config and the rollout limits."""
+    settings (tasks, seed, temperature), the env's config, the rollout limits (a rollout out
+    of time scores 0) and the reward model the env names."""
+    env_config = config.env_config(env)
+    scorer = env_config.reward_model and config.service.reward_models[env_config.reward_model]
     setup = {
         "eval": config.eval.model_dump(mode="json"),
-        "env": config.env_config(env).model_dump(mode="json"),
+        "env": env_config.model_dump(mode="json"),
         "max_turns": config.service.max_turns,
         "max_new_tokens": config.service.max_new_tokens,
+        "timeout_s": config.service.timeout_s,
+        "reward_model": scorer and scorer.model_dump(mode="json"),
         "gateway": config.gateway.model_dump(mode="json"),
     }
     return hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]

@@ -97,7 +97,8 @@ def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_th
 
 def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, monkeypatch):
     """A row stands for the measurement that made it: another eval temperature or seed, another
-    env config or turn budget, or a row from before the setup was recorded, is measured again
+    env config, turn, token or time budget or reward model, or a row from before the
+    setup was recorded, is measured again
     (the pipeline's reward before RL was the old setup's, beside an after in the new one)."""
     from datetime import UTC, datetime
 
@@ -118,6 +119,14 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
         {"eval": {"seed": 99}},
         {"envs": {"guess": {"max_turns": 3}}},
         {"service": {"max_new_tokens": 5}},
+        {"service": {"timeout_s": 7.0}},
+        *(
+            {
+                "envs": {"arith": {"reward_model": "judge"}},
+                "service": {"reward_models": {"judge": {"path": path}}},
+            }
+            for path in ("judge-a", "judge-b")
+        ),
     ]
     for n, change in enumerate(otherwise, start=2):
         changed = tiny_config(tmp_path / "runs", "eval-setup", warm_start={"enabled": False}, **change)
