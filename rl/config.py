@@ -61,6 +61,11 @@ class TinyModelConfig(BaseModel):
     def _heads_fit(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must divide hidden_size ({self.hidden_size})")
+        if (self.hidden_size // self.num_heads) % 2:
+            raise ValueError(
+                f"hidden_size / num_heads ({self.hidden_size} / {self.num_heads}) must be even: it is "
+                "each head's size, which RoPE rotates in pairs"
+            )
         kv_heads = self.num_kv_heads or self.num_heads
         if self.num_heads % kv_heads:
             raise ValueError(f"num_kv_heads ({kv_heads}) must divide num_heads ({self.num_heads})")

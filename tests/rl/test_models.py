@@ -142,6 +142,8 @@ def test_placed_in_bfloat16_computes_what_a_bfloat16_checkpoint_load_computes(we
 def test_bad_tiny_config_names_the_field():
     with pytest.raises(ValidationError, match=r"num_heads \(5\) must divide hidden_size \(32\)"):
         TinyModelConfig(hidden_size=32, num_heads=5)
+    with pytest.raises(ValidationError, match=r"hidden_size / num_heads \(36 / 4\) must be even"):
+        TinyModelConfig(hidden_size=36, num_heads=4)
     with pytest.raises(ValidationError, match="arch"):
         TinyModelConfig(arch="gpt2")
     with pytest.raises(ValidationError, match="vocab_size"):
