@@ -89,28 +89,35 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
     The rollout task only drives its engine and env actors, so it asks for no CPU of its
     own; processing and training take one each, and training on CUDA a GPU too: without it
     Ray may place the trainer on a node with none (the head) or on one whose GPUs engine
-    actors hold. Ray shows the task only its GPU, as ``cuda`` (``cuda:0``).
+    actors hold. Ray shows the task only its GPU, as ``cuda`` (``cuda:0``). Ray would keep
+    a task that no node can place (a trainer on CUDA, a cluster without a GPU) pending for
+    ever, and the flow waiting on it: each is first placed by a probe, which fails the run
+    after ``engine.load_timeout_s``, naming what it asks for.
     """
     from prefect_ray.context import remote_options
     from prefect_ray.task_runners import RayTaskRunner
 
+    from rollout.ray_actors import wait_placeable
     from rollout.ray_engine import actor_device, connect_ray
     from tasks.process import process_shards
     from tasks.rollout import rollouts
     from tasks.train import train
 
     connect_ray(config.ray_address, config.ray_node_ip)
+    process_options = {"num_cpus": 1}
+    train_options = {"num_cpus": 1, "num_gpus": 1 if config.trainer_device.startswith("cuda") else 0}
+    for kind, options in (("process-shards", process_options), ("train", train_options)):
+        wait_placeable(kind, options, config.engine.load_timeout_s, "engine.load_timeout_s")
     with RayTaskRunner(address=config.ray_address) as runner:
         with remote_options(num_cpus=0):
             rollout_run = runner.submit(
                 rollouts, {"config": config, "deadline": deadline, "signals": signals}
             )
-        with remote_options(num_cpus=1):
+        with remote_options(**process_options):
             process_run = runner.submit(
                 process_shards, {"config": config, "deadline": deadline + DRAIN_SECONDS, "signals": signals}
             )
-        trainer_gpus = 1 if config.trainer_device.startswith("cuda") else 0
-        with remote_options(num_cpus=1, num_gpus=trainer_gpus):
+        with remote_options(**train_options):
             train_config = config.model_copy(update={"trainer_device": actor_device(config.trainer_device)})
             train_run = runner.submit(
                 train, {"config": train_config, "deadline": deadline, "signals": signals}

@@ -17,7 +17,7 @@ from ray.exceptions import RayActorError
 
 
 class ActorStartError(RuntimeError):
-    """An actor's constructor raised, or an actor was not started in time."""
+    """An actor's constructor raised, or an actor or task was not started in time."""
 
 
 def wait_actors_started(
@@ -46,9 +46,36 @@ def wait_actors_started(
     raise ActorStartError(
         f"{kind} actors {[refs[ref] for ref in pending]} did not start within {timeout_s:g} s "
         f"({setting}), asking for {options} each: no node of the Ray cluster had that free, or "
-        f"starting them took longer (cluster total {ray.cluster_resources()}, "
-        f"free {ray.available_resources()})"
+        f"starting them took longer ({_cluster_resources()})"
     )
+
+
+def wait_placeable(kind: str, options: dict[str, Any], timeout_s: float, setting: str) -> None:
+    """Return once a Ray task asking for ``options`` (``num_cpus``, ``num_gpus`` …) has run on
+    a node of the cluster, as the ``kind`` task submitted next with them will.
+
+    Ray keeps a task whose resources no node has pending for ever (an autoscaler may add a
+    node), and whoever waits on its result waits as long: a probe not run within
+    ``timeout_s`` (the config's ``setting``) is cancelled and raises an
+    :class:`ActorStartError` naming what it asks for and what the cluster has.
+    """
+    probe = ray.remote(**options)(_placed).remote()
+    ready, _ = ray.wait([probe], timeout=timeout_s)
+    if ready:
+        return
+    ray.cancel(probe)
+    raise ActorStartError(
+        f"the {kind} task did not start within {timeout_s:g} s ({setting}), asking for {options}: "
+        f"no node of the Ray cluster had that free ({_cluster_resources()})"
+    )
+
+
+def _placed() -> None:
+    """The probe of :func:`wait_placeable`: that it ran is the answer."""
+
+
+def _cluster_resources() -> str:
+    return f"cluster total {ray.cluster_resources()}, free {ray.available_resources()}"
 
 
 def _failed_starts(ready: list, refs: dict) -> list[tuple[str, str]]:

@@ -21,7 +21,7 @@ from envs.arith import ArithEnv
 from envs.base import EnvHostLost
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
-from rollout import ray_engine
+from rollout import ray_actors, ray_engine
 from rollout.engines.base import EngineError, EngineStats, SamplingParams
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
@@ -691,6 +691,8 @@ def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, devi
 
     monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", RecordingRunner)
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    # this cluster has no GPU, on which the probe fails the run (see the test below)
+    monkeypatch.setattr(ray_actors, "wait_placeable", lambda *args: None)
     config = RunConfig(run_id="gpu-trainer", cluster="ray", trainer_device=device)
 
     assert pipeline._run_on_ray(config, deadline=0.0, signals="s") == ("rollouts", "process-shards", "train")
@@ -701,3 +703,37 @@ def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, devi
     assert (
         submitted["rollouts"][0].get("num_gpus", 0) == 0 == submitted["process-shards"][0].get("num_gpus", 0)
     )
+
+
+def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_tasks(monkeypatch):
+    """The trainer on CUDA asks Ray for a GPU, which no node of this cluster has: Ray would
+    keep the train task pending for ever, and the flow waiting on it once the rollouts and
+    processing ended. The run fails once ``engine.load_timeout_s`` has passed, naming the
+    request, before any task is submitted."""
+    import prefect_ray.task_runners
+
+    from flows import pipeline
+
+    submitted = []
+
+    class RecordingRunner:
+        def __init__(self, address=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            pass
+
+        def submit(self, task, parameters):
+            submitted.append(task.name)
+            return task.name
+
+    monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", RecordingRunner)
+    monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    config = RunConfig(run_id="no-gpu", cluster="ray", trainer_device="cuda", engine={"load_timeout_s": 1})
+
+    with pytest.raises(ActorStartError, match=r"^the train task did not start within 1 s .*'num_gpus': 1"):
+        pipeline._run_on_ray(config, deadline=0.0, signals="s")
+    assert submitted == []
