@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 from ray._private import ray_constants
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayError, RayTaskError
 
 from rollout.config import TorchEngineConfig
 from rollout.engines.base import EngineError, EngineStats, Generation, SamplingParams
@@ -222,8 +222,8 @@ class RayEngine:
             raise
         except RayTaskError as exc:
             raise exc.cause from None
-        except RayActorError as exc:
-            raise EngineError(f"engine actor {self.name!r} died: {exc}") from None
+        except RayError as exc:  # not only RayActorError: one the memory monitor killed is OutOfMemoryError
+            raise EngineError(f"engine actor {self.name!r} lost: {type(exc).__name__}: {exc}") from None
 
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         # a cancelled caller (its rollout is gone) stops the actor decoding tokens nobody reads
@@ -243,7 +243,7 @@ class RayEngine:
             return self._final_stats
         try:
             return ray.get(self.actor.stats.remote(), timeout=10)
-        except (RayActorError, ray.exceptions.GetTimeoutError):
+        except RayError:  # dead, killed (OutOfMemoryError), restarting or slow (GetTimeoutError)
             return EngineStats()
 
     async def health(self) -> bool:

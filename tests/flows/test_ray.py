@@ -15,6 +15,7 @@ import time
 import pytest
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from envs import registry
 from envs.arith import ArithEnv
@@ -547,6 +548,32 @@ def test_ray_engines_no_node_can_place_fail_the_start_with_what_they_ask_for(run
     with pytest.raises(EngineError, match=r"did not start within 1 s.*'num_gpus': 1"):
         build_engines(config, weights.load(0), 0, cluster="ray", store=store)
     assert len(killed) == 2
+
+
+def test_calls_on_an_engine_actor_lost_with_any_ray_error_fail_as_engine_errors():
+    """Calls on an actor that is gone fail with Ray errors beside ``RayActorError``: one the
+    memory monitor killed with ``OutOfMemoryError``, one held to a node that no longer exists
+    (here one that never did) with ``ActorUnschedulableError``. Each is an ``EngineError``,
+    which the router fails over and the rollout service counts as an infra error, not as the
+    environment's own; the probe says down and ``stats()`` gives empty counters, instead of
+    the raw Ray error failing the worker's status."""
+    gone = NodeAffinitySchedulingStrategy("ab" * 28, soft=False)
+
+    async def body():
+        remote = RayEngine(
+            TorchEngineConfig(),
+            "/unused",
+            name="gone",
+            actor_options={"num_cpus": 1, "scheduling_strategy": gone},
+        )
+        try:
+            with pytest.raises(EngineError, match=r"^engine actor 'gone' lost: ActorUnschedulableError: "):
+                await remote.generate("s", PROMPTS[0], PARAMS)
+            return await remote.health(), remote.stats()
+        finally:
+            await remote.close()
+
+    assert asyncio.run(body()) == (False, EngineStats())
 
 
 async def restarted_pid(engine: RayEngine, before: int) -> int | None:
