@@ -13,7 +13,7 @@ from typing import Any
 
 import ray
 from ray.actor import ActorHandle
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 
 
 class ActorStartError(RuntimeError):
@@ -79,8 +79,10 @@ def _cluster_resources() -> str:
 
 
 def _failed_starts(ready: list, refs: dict) -> list[tuple[str, str]]:
-    """The name and error of each actor whose answered ``ready`` probe says its constructor
-    raised: the error's own line, the last of the traceback Ray quotes."""
+    """The name and error of each actor whose answered ``ready`` probe says it will never
+    start: its constructor raised (the error's own line, the last of the traceback Ray
+    quotes), or Ray cannot place or prepare it (``ActorUnschedulableError``: the node it is
+    held to is gone; ``RuntimeEnvSetupError``). One that died after it started is restarted."""
     failed = []
     for ref in ready:
         try:
@@ -88,4 +90,6 @@ def _failed_starts(ready: list, refs: dict) -> list[tuple[str, str]]:
         except RayActorError as exc:
             if exc.actor_init_failed:
                 failed.append((refs[ref], str(exc).strip().splitlines()[-1]))
+        except RayError as exc:
+            failed.append((refs[ref], f"{type(exc).__name__}: {' '.join(str(exc).split())}"))
     return failed

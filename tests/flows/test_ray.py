@@ -576,6 +576,30 @@ def test_calls_on_an_engine_actor_lost_with_any_ray_error_fail_as_engine_errors(
     assert asyncio.run(body()) == (False, EngineStats())
 
 
+def test_env_workers_ray_cannot_place_fail_the_start_in_one_line_and_are_stopped(monkeypatch):
+    """Actors Ray will never place or prepare (held to a node that is gone, here one that never
+    was: ``ActorUnschedulableError``; a runtime env that fails to set up) answer the start's
+    probe with an error that is no ``RayActorError``: the start fails in one line naming the
+    actor and stops every actor, instead of that raw error leaving them all running."""
+    killed = []
+    kill = ray.kill
+    monkeypatch.setattr(ray, "kill", lambda actor, **kw: (killed.append(actor), kill(actor, **kw)))
+    gone = NodeAffinitySchedulingStrategy("ab" * 28, soft=False)
+    pool = RayEnvPool(
+        {"arith": registry.make_config("arith")},
+        num_workers=2,
+        actor_options={"num_cpus": 1, "scheduling_strategy": gone},
+    )
+
+    with pytest.raises(ActorStartError) as raised:
+        pool.wait_started(60)
+
+    message = str(raised.value)
+    assert message.startswith("env actor 'env-worker-0' could not start: ActorUnschedulableError: "), message
+    assert "\n" not in message
+    assert len(killed) == 2
+
+
 async def restarted_pid(engine: RayEngine, before: int) -> int | None:
     """The process id of ``engine``'s actor once Ray restarted it (None: not within 60 s)."""
     for _ in range(600):
