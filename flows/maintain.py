@@ -72,6 +72,12 @@ def maintain(
             older than this (at least ``MIN_RETENTION_HOURS``: a younger one may belong to a
             writer whose commit has not landed yet).
     """
+    store = run_store(config)
+    # a wrong root or run id (a deployment's form) would otherwise complete, having found nothing to do
+    if not store.fs.exists(store.path()):
+        raise FileNotFoundError(
+            f"run {config.run_id!r} is not at {store.uri}: nothing is stored there; check storage.root and run_id"
+        )
     with module_logs_to_run():
         states = {
             **{

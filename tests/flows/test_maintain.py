@@ -228,3 +228,14 @@ def test_the_maintain_deployment_says_each_step_the_flow_runs():
         "sweep shard files",
     ):
         assert step in said
+
+
+def test_a_maintain_run_on_a_run_that_does_not_exist_fails_naming_it(tmp_path):
+    """A deployment run (its form) with a wrong root or run id completed, having found
+    nothing to compact, prune or sweep; it fails naming where it looked."""
+    root = tmp_path / "runs"
+    state = maintain(tiny_config(root, "typo"), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(FileNotFoundError, match=r"run 'typo' is not at .*check storage\.root and run_id"):
+        state.result()
+    assert not root.exists()

@@ -16,6 +16,8 @@ import tasks.process
 import tasks.rollout
 import tasks.train
 import tasks.weights
+from storage.tables import Tables
+from tasks.common import run_store
 from tests.flows.conftest import tiny_config
 
 
@@ -40,6 +42,13 @@ def no_work(monkeypatch):
     )
 
 
+def with_a_table(config):
+    """``config``, its run holding a table (maintain fails on a run that does not exist)."""
+    row = {"version": 0, "env": "arith", "reward": 0.5, "count": 1, "time": 0}
+    Tables(run_store(config)).append("evals", [row])
+    return config
+
+
 @pytest.mark.parametrize(
     ("run", "named"),
     [
@@ -48,7 +57,7 @@ def no_work(monkeypatch):
         (lambda config: flows.rollout.rollout(config, "gpu-1", return_state=True), "nightly-1/gpu-1"),
         (lambda config: flows.evaluate.evaluate(config, 3, return_state=True), "nightly-1/v3"),
         (lambda config: flows.evaluate.evaluate(config, return_state=True), "nightly-1/newest"),
-        (lambda config: flows.maintain.maintain(config, return_state=True), "nightly-1"),
+        (lambda config: flows.maintain.maintain(with_a_table(config), return_state=True), "nightly-1"),
     ],
     ids=["train", "process", "rollout", "evaluate-a-version", "evaluate-the-newest", "maintain"],
 )
