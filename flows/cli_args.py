@@ -46,11 +46,20 @@ def parse(
     ``devices(config)`` (field -> torch device: those the flow uses in this process, on
     either cluster) names a CUDA device this machine lacks, or (with ``paths``: a flow that
     reads them) a local path of the config is missing (:func:`~flows.config.missing_path`)."""
-    # a fresh Prefect home migrates its database on the first start: slow on a busy machine
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    # the server's telemetry cannot reach its host from an offline machine, and its first
-    # write races the other start-up writes on a fresh SQLite database
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    defaults = {
+        # a fresh Prefect home migrates its database on the first start: slow on a busy machine
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+        # the server's telemetry cannot reach its host from an offline machine, and its first
+        # write races the other start-up writes on a fresh SQLite database
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    unset = {name: value for name, value in defaults.items() if name not in os.environ}
+    os.environ.update(unset)
+    if unset and "prefect.context" in sys.modules:
+        # the flow's module imported Prefect, which read its settings from the environment then
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--config",

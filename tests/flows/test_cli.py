@@ -733,3 +733,22 @@ def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
     assert "  v13   step 52     2026-01-01 00:00:00 (passed over, pruned)" in out
     assert out.count("passed over") == 1
     assert "  v29   step 116    2026-01-01 00:00:00 (pruned)" in out
+
+
+def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time():
+    """``python -m flows.<flow>`` imports Prefect (the flow's module) before its command line
+    is parsed: the 120 s for a fresh Prefect home to start its server went into the
+    environment after Prefect had read it, so the server still had Prefect's 20 s."""
+    probe = (
+        "import flows.maintain\n"
+        "from flows.cli_args import parse\n"
+        "from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS as timeout\n"
+        "parse('a flow', [])\n"
+        "print(timeout.value())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["120"]
