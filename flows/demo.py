@@ -1,7 +1,8 @@
 """``make demo``: the whole pipeline on the embedded default, then where to look.
 
-Uses the Prefect server started by ``make ui`` when one answers on 127.0.0.1:4200 (so
-the run shows up in the UI), and Prefect's ephemeral mode otherwise.
+Uses the Prefect API that ``PREFECT_API_URL`` names (in the environment or the Prefect
+profile); without one, the server started by ``make ui`` when one answers on 127.0.0.1:4200
+(so the run shows up in the UI), and Prefect's ephemeral mode otherwise.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ def _ui_running() -> bool:
 
 
 def main(argv: list[str] | None = None) -> None:
-    if "PREFECT_API_URL" not in os.environ and _ui_running():
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import PREFECT_API_URL
+
+    # an API the environment or the Prefect profile names (`prefect config set PREFECT_API_URL=…`) is kept
+    if PREFECT_API_URL.value() is None and _ui_running():
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
+        refresh_global_settings_context()
     from flows.cli import inspect_run, without_credentials
     from flows.cli_args import default_config, parse
     from flows.config import pipeline_devices
@@ -44,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.run_id is None and not any(item.partition("=")[0] == "run_id" for item in args.set):
         config = config.model_copy(update={"run_id": time.strftime("demo-%Y%m%d-%H%M%S")})
-    api = os.environ.get("PREFECT_API_URL")
+    api = PREFECT_API_URL.value()
     print(f"treadle demo — run {config.run_id}: tiny model on CPU, envs {sorted(config.orchestrator.mix)}")
     where = (
         f"server {without_credentials(api)}"

@@ -19,6 +19,7 @@ import pyarrow as pa
 import pytest
 import torch
 from deltalake import write_deltalake
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.cli import TABLES, inspect_run, main
 from flows.cli_args import parse
@@ -679,12 +680,34 @@ def test_the_demo_names_its_prefect_api_without_credentials(monkeypatch, capsys)
     def pipeline(config):
         raise KeyError("started")
 
-    monkeypatch.setenv("PREFECT_API_URL", "http://user:password@127.0.0.1:4300/api")
     monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
-    with pytest.raises(KeyError):
+    api = "http://user:password@127.0.0.1:4300/api"
+    with temporary_settings({PREFECT_API_URL: api}), pytest.raises(KeyError):
         flows.demo.main([])
     out = capsys.readouterr().out
     assert "Prefect: server http://127.0.0.1:4300/api" in out and "password" not in out
+
+
+def test_the_demo_reports_to_the_prefect_api_of_the_profile_not_the_environment_alone(
+    prefect_api, monkeypatch, capsys
+):
+    """An API set with ``prefect config set PREFECT_API_URL=…`` (here the test harness's) is
+    in Prefect's settings, not the environment: the demo said it ran in ephemeral mode, and
+    that the UI would show the run only after ``make ui``, while the run went to that API."""
+    import flows.demo
+    import flows.pipeline
+
+    def pipeline(config):
+        raise KeyError("started")
+
+    monkeypatch.setenv("PREFECT_API_URL", "unset below")  # so that the end of the test unsets it again
+    monkeypatch.delenv("PREFECT_API_URL")
+    monkeypatch.setattr(flows.demo, "_ui_running", lambda: True)  # not used over the profile's
+    monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
+    with pytest.raises(KeyError):
+        flows.demo.main([])
+    assert f"Prefect: server {prefect_api}\n" in capsys.readouterr().out
+    assert "PREFECT_API_URL" not in os.environ
 
 
 def test_the_demo_prints_arguments_that_reach_its_run_through_a_shell(tmp_path):
