@@ -269,7 +269,12 @@ def _ui(args) -> None:
         watch = f"Flows show up there with `export PREFECT_API_URL={url}/api`."
     print(f"Prefect UI: {url}  (API {url}/api). {watch} Ctrl-C stops it.", flush=True)
     server = [prefect, "server", "start", "--host", args.host, "--port", str(args.port)]
-    raise SystemExit(subprocess.run(server, check=False).returncode)
+    with subprocess.Popen(server) as process:
+        try:
+            code = process.wait()
+        except KeyboardInterrupt:  # Ctrl-C reached the server too: it shuts down, then so do we
+            code = process.wait()
+    raise SystemExit(code)
 
 
 def main(argv: list[str] | None = None) -> None:

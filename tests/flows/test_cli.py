@@ -516,11 +516,20 @@ def test_inspect_marks_the_versions_maintain_pruned(local_store):
 def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, capsys):
     started = []
 
-    def server(command, check):
-        started.append(command)
-        return subprocess.CompletedProcess(command, len(started))
+    class Server:
+        def __init__(self, command):
+            started.append(command)
 
-    monkeypatch.setattr(subprocess, "run", server)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def wait(self):
+            return len(started)
+
+    monkeypatch.setattr(subprocess, "Popen", Server)
     with pytest.raises(SystemExit) as failed:
         main(["ui", "--port", "4300"])
     assert failed.value.code == 1 and started[-1][-4:] == ["--host", "127.0.0.1", "--port", "4300"]
@@ -532,6 +541,53 @@ def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, 
         failed_again.value.code == 2
         and "`make demo` in another shell will show up there" in capsys.readouterr().out
     )
+
+
+FAKE_SERVER = """
+import signal, sys, time
+
+def stop(*_):
+    time.sleep(1)  # a server's shutdown takes a moment
+    print("server stopped", flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGINT, stop)
+print("server ready", flush=True)
+while True:
+    time.sleep(60)
+"""
+
+
+def test_ui_stopped_with_ctrl_c_lets_the_server_shut_down_and_exits_without_a_traceback(tmp_path):
+    """Ctrl-C, as ``treadle ui`` says to stop it: the server (here a stand-in that takes a
+    second to shut down) got SIGKILL a quarter of a second after it, and treadle printed a
+    KeyboardInterrupt traceback."""
+    fake = tmp_path / "prefect"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    fake.chmod(0o755)
+    probe = (
+        f"import shutil, flows.cli\nshutil.which = lambda *a, **k: {str(fake)!r}\nflows.cli.main(['ui'])\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for line in process.stdout:
+            if line == "server ready\n":
+                break
+        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends the terminal's foreground group
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    assert "server stopped" in out and "Traceback" not in err, err
+    assert process.returncode == 0
 
 
 def test_every_command_says_what_it_does(capfd, monkeypatch):
