@@ -381,17 +381,22 @@ def _options(annotation: Any) -> tuple[Any, ...]:
 def missing_path(config: RunConfig) -> str | None:
     """The first local path of ``config`` that does not exist, as one line naming its field;
     None when all are there. Without this check a missing ``model.path`` is found at the
-    warm start and a missing dataset file at the first task drawn, after the run started.
-    A ``model.path`` that is not there may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``),
-    which loads from the Hub: only one that cannot be an id is refused."""
+    warm start, a missing reward model as the rollout service starts and a missing dataset
+    file at the first task drawn, after the run started. A checkpoint path that is not there
+    may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``), which loads from the Hub: only
+    one that cannot be an id is refused."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    model = config.model.path
-    if model and not os.path.exists(model):
-        try:
-            validate_repo_id(model)
-        except HFValidationError:
-            return f"model.path {model!r} is neither a local directory nor a Hugging Face model id"
+    checkpoints = {"model.path": config.model.path} | {
+        f"service.reward_models.{name}.path": reward.path
+        for name, reward in config.service.reward_models.items()
+    }
+    for field, path in checkpoints.items():
+        if path and not os.path.exists(path):
+            try:
+                validate_repo_id(path)
+            except HFValidationError:
+                return f"{field} {path!r} is neither a local directory nor a Hugging Face model id"
     dataset = config.envs.dataset
     if (
         dataset is not None
@@ -405,11 +410,15 @@ def missing_path(config: RunConfig) -> str | None:
 
 def pipeline_devices(config: RunConfig) -> dict[str, str]:
     """The torch devices the pipeline uses in its own process, by field: the evaluation
-    engine's (every evaluation runs there) and, with cluster 'local', the trainer's (the
-    rollout engines' too with ``engine.kind`` torch); on Ray the trainer and the rollout
-    engines run on the cluster's nodes."""
+    engine's (every evaluation runs there) and, with cluster 'local', the trainer's and the
+    reward models' (the rollout engines' too with ``engine.kind`` torch); on Ray the trainer
+    and the rollout engines run on the cluster's nodes, and no reward model is served."""
     devices = {"trainer_device": config.trainer_device} if config.cluster == "local" else {}
-    return devices | {"engine.torch.device": config.engine.torch.device}
+    devices["engine.torch.device"] = config.engine.torch.device
+    service = config.service
+    if config.cluster == "local" and service.reward_models and service.reward_device is not None:
+        devices["service.reward_device"] = service.reward_device
+    return devices
 
 
 def missing_device(devices: dict[str, str]) -> str | None:

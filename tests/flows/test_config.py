@@ -347,6 +347,11 @@ def test_an_empty_config_file_fails_saying_so(tmp_path, text):
             "{tmp}/no-such.jsonl",
             "envs.dataset.path '{tmp}/no-such.jsonl' does not exist",
         ),
+        (
+            "service.reward_models",
+            "{{judge: {{path: {tmp}/no-such-judge}}}}",
+            "service.reward_models.judge.path '{tmp}/no-such-judge' is neither a local directory",
+        ),
     ],
 )
 def test_a_flow_given_a_local_path_that_does_not_exist_exits_naming_the_field(tmp_path, field, value, said):

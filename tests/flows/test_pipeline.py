@@ -238,6 +238,20 @@ def test_a_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+def test_a_pipeline_run_whose_reward_models_are_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(
+    tmp_path, prefect_api
+):
+    """The reward models are served in the flow's own process: on a device it lacks, the run
+    failed only once the warm start was over (a run started from a deployment's form)."""
+    service = {"reward_models": {"judge": {"path": str(tmp_path)}}, "reward_device": "cuda:99"}
+    config = tiny_config(tmp_path / "runs", "no-such-reward-gpu", service=service)
+    state = pipeline_module.pipeline(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=r"^service.reward_device is 'cuda:99', but this machine shows "):
+        state.result()
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
 def test_a_ray_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(
     tmp_path, prefect_api
 ):
