@@ -7,6 +7,7 @@ message that names the field.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import os
 import re
@@ -437,6 +438,18 @@ def missing_device(devices: dict[str, str]) -> str | None:
             seen = f"{count} CUDA device{'s' * (count != 1)}" if count else "no CUDA device"
             return f"{field} is {device!r}, but this machine shows {seen}"
     return None
+
+
+def missing_ray(config: RunConfig) -> str | None:
+    """With cluster 'ray', one line naming what this machine lacks of the ``ray`` extra (Ray,
+    prefect-ray); None when it has them or the run is local. Without this check the pipeline
+    fails once the warm start and the first evaluation are over."""
+    if config.cluster != "ray":
+        return None
+    missing = [name for name in ("ray", "prefect_ray") if importlib.util.find_spec(name) is None]
+    if not missing:
+        return None
+    return f"cluster is 'ray', but {' and '.join(missing)} is not installed: pip install 'treadle[ray]'"
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:

@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.config import RunConfig, missing_device, missing_path, pipeline_devices
+from flows.config import RunConfig, missing_device, missing_path, missing_ray, pipeline_devices
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
 from tasks.common import clear_signals, run_store, send_signal
@@ -145,7 +145,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     """
     # a run started from a deployment's form is checked here: the trainer's device is
     # first used once the warm start and the first evaluation are over
-    problem = missing_device(pipeline_devices(config)) or missing_path(config)
+    problem = missing_device(pipeline_devices(config)) or missing_ray(config) or missing_path(config)
     if problem is not None:
         raise ValueError(problem)
     with module_logs_to_run():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import re
+import sys
 import threading
 
 import pytest
@@ -248,6 +249,21 @@ def test_a_pipeline_run_whose_reward_models_are_on_a_cuda_device_the_machine_lac
     state = pipeline_module.pipeline(config, return_state=True)
     assert state.is_failed()
     with pytest.raises(ValueError, match=r"^service.reward_device is 'cuda:99', but this machine shows "):
+        state.result()
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize("missing", ["ray", "prefect_ray"])
+def test_a_ray_pipeline_run_on_a_machine_without_the_ray_extra_fails_before_the_warm_start(
+    tmp_path, prefect_api, monkeypatch, missing
+):
+    """It failed with ``No module named 'prefect_ray'`` once the warm start and the first
+    evaluation were over."""
+    monkeypatch.setitem(sys.modules, missing, None)  # its import then fails as if not installed
+    config = tiny_config(tmp_path / "runs", "no-ray", cluster="ray")
+    state = pipeline_module.pipeline(config, return_state=True)
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=rf"^cluster is 'ray', but {missing} is not installed: pip install"):
         state.result()
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
