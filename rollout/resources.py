@@ -17,8 +17,8 @@ import asyncio
 import logging
 import os
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator, Iterable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, asynccontextmanager, nullcontext
 
 import torch
 
@@ -267,18 +267,25 @@ class ServiceManager:
         return True
 
     @asynccontextmanager
-    async def use(self, name: str) -> AsyncIterator[torch.nn.Module]:
-        """The service's module on the device for the body (loaded, and others evicted, as needed)."""
+    async def use(
+        self, name: str, waiting: Callable[[], AbstractContextManager] = nullcontext
+    ) -> AsyncIterator[torch.nn.Module]:
+        """The service's module on the device for the body (loaded, and others evicted, as
+        needed). ``waiting()`` scopes each wait for the device (for the lock another's load
+        holds, for room or for an earlier caller): a rollout's clock books it as queue time."""
         if name not in self._modules:
             raise KeyError(f"unknown service {name!r}; registered: {sorted(self._modules)}")
         turn = object()
-        async with self._changed:
+        with waiting():
+            await self._changed.acquire()
+        try:
             self._arrivals.append(turn)
             try:
-                while self._arrivals[0] is not turn or (
-                    name not in self._resident and not self._make_room(self._sizes[name])
-                ):
-                    await self._changed.wait()
+                with waiting():
+                    while self._arrivals[0] is not turn or (
+                        name not in self._resident and not self._make_room(self._sizes[name])
+                    ):
+                        await self._changed.wait()
                 if name not in self._resident:
                     await self._load(name)
                 self._resident.move_to_end(name)
@@ -286,6 +293,8 @@ class ServiceManager:
             finally:
                 self._arrivals.remove(turn)
                 self._changed.notify_all()
+        finally:
+            self._changed.release()
         try:
             yield self._modules[name]
         finally:

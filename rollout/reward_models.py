@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -83,13 +83,19 @@ class RewardModels:
         ids = _render(tokenizer, messages)
         return ids[-self.configs[name].max_tokens :]
 
-    async def score(self, name: str, messages: Sequence[Mapping[str, Any]]) -> float:
-        """Reward model ``name``'s score of a conversation (loaded on the device for the call);
-        raises :class:`RewardModelError` when the model fails to score it."""
+    async def score(
+        self,
+        name: str,
+        messages: Sequence[Mapping[str, Any]],
+        waiting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    ) -> float:
+        """Reward model ``name``'s score of a conversation (loaded on the device for the call;
+        ``waiting()`` scopes each wait for the device, see ``ServiceManager.use``); raises
+        :class:`RewardModelError` when the model fails to score it."""
         self.check(name)
         try:
             ids = self.input_ids(name, messages)
-            async with self.manager.use(name) as model:
+            async with self.manager.use(name, waiting) as model:
                 # a cancelled caller keeps the model in use, so not evicted, under its forward
                 score = await to_thread_to_the_end(_forward, model, ids)
         except Exception as exc:

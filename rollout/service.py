@@ -591,7 +591,7 @@ class RolloutService:
             stage = "eval"
             scorer = getattr(getattr(env, "config", None), "reward_model", None)
             if scorer is not None:
-                needs, evaluate = self._reward_call(scorer, session)
+                needs, evaluate = self._reward_call(scorer, session, clock)
             else:
                 needs = _declared(env, "eval_request")
                 evaluate = functools.partial(self._watched, env, "evaluate")
@@ -716,17 +716,18 @@ class RolloutService:
                 env.cores = None
 
     def _reward_call(
-        self, name: str, session: Session
+        self, name: str, session: Session, clock: _Clock
     ) -> tuple[ResourceRequest | None, Callable[[], Awaitable[float]]]:
         """What a call of reward model ``name`` needs (one reward slot, under the action
-        scheduler) and the call, which scores the conversation."""
+        scheduler) and the call, which scores the conversation; its waits for device room
+        are queue time on ``clock``, as a wait for a scheduler grant is."""
         if self.rewards is None:
             raise KeyError(f"the env names reward model {name!r} but ServiceConfig.reward_models is empty")
         self.rewards.check(name)
         needs = None
         if isinstance(self.scheduler, ActionScheduler):
             needs = ResourceRequest(demand={REWARD_RESOURCE: 1}, kind=f"reward:{name}")
-        return needs, functools.partial(self.rewards.score, name, session.messages)
+        return needs, functools.partial(self.rewards.score, name, session.messages, clock.waiting_for_grant)
 
     async def _cleanup(
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None

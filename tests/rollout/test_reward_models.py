@@ -101,9 +101,9 @@ def test_rollouts_are_scored_by_their_envs_reward_model_in_a_reward_slot(tiny, j
         policy = service.scheduler.policy
         score = service.rewards.score
 
-        async def watched(name, messages):
+        async def watched(name, messages, waiting):
             held = policy.capacity[REWARD_RESOURCE] - policy.free[policy.names.index(REWARD_RESOURCE)]
-            value = await score(name, messages)
+            value = await score(name, messages, waiting)
             calls.append((name, [dict(m) for m in messages], value, held))
             return value
 
@@ -256,6 +256,64 @@ def test_a_cancelled_call_keeps_its_model_resident_until_its_forward_is_done(jud
     assert seen == [("cpu", [])], "judge-a was evicted under its running forward"
     assert models.manager.evictions == ["judge-a"]
     assert other == pytest.approx(reference_score(judges["judge-b"], MESSAGES), abs=1e-5)
+
+
+async def until(condition) -> None:
+    """Waits until ``condition()`` holds (fails after 60 s)."""
+    async with asyncio.timeout(60):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+def test_a_rollout_waiting_for_device_room_for_its_reward_model_waits_as_queue_time(
+    tiny, judges, monkeypatch
+):
+    """Two reward slots, device room for one judge: a rollout whose judge needs the room
+    that another's long forward holds waits for it as queue time, so the wait neither
+    counts against its active-time budget nor times it out."""
+    model, tokenizer = tiny
+    forward, release = reward_models._forward, threading.Event()
+    held = []
+
+    def held_forward(module, ids):
+        if not held:
+            held.append(True)
+            release.wait(60)
+        return forward(module, ids)
+
+    monkeypatch.setattr(reward_models, "_forward", held_forward)
+    one_model = max(
+        state_bytes(AutoModelForSequenceClassification.from_pretrained(p)) for p in judges.values()
+    )
+    config = ServiceConfig(
+        max_new_tokens=8,
+        timeout_s=2,
+        reward_slots=2,
+        reward_models={name: RewardModelConfig(path=path) for name, path in judges.items()},
+        reward_budget_mb=1.5 * one_model / 2**20,
+    )
+
+    async def body():
+        engine = TorchEngine(model, tokenizer)
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(gateway, judged_env, config)
+        manager = service.rewards.manager
+        tasks = [registry.task_set(name, "train", seed=0, n=1)[0] for name in ("arith", "guess")]
+        try:
+            first = asyncio.create_task(service.process(RolloutRequest(task=tasks[0], seed=1)))
+            await until(lambda: held)
+            second = asyncio.create_task(service.process(RolloutRequest(task=tasks[1], seed=1)))
+            await until(lambda: len(manager._arrivals) == 1)  # judge-b waits for judge-a's room
+            await asyncio.sleep(3)  # past the 2 s budget
+            release.set()
+            return await first, await second
+        finally:
+            await engine.close()
+
+    first, second = asyncio.run(body())
+    assert second.status in ("ok", "truncated"), second.error
+    assert second.timing["queue"] >= 3
+    assert first.status == "timeout"  # its own forward is active time
 
 
 def test_an_env_naming_an_unconfigured_reward_model_is_a_config_error():
