@@ -139,6 +139,7 @@ class AgentConfig(EnvConfig):
     """The agent program, its EVAL command and its tasks."""
 
     required_fields: ClassVar[tuple[str, ...]] = ("command", "tasks")
+    score_fields: ClassVar[tuple[str, ...]] = ("eval_command",)
 
     command: str = Field("", description="Shell command that runs the agent inside the sandbox.")
     eval_command: str = Field(

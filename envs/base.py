@@ -160,6 +160,11 @@ class EnvConfig(BaseModel):
     """Fields left empty by default that the env cannot run without (a run config with the
     env in its mix is refused without them)."""
 
+    score_fields: ClassVar[tuple[str, ...]] = ()
+    """Fields left empty by default that the env scores an episode with (its own EVAL):
+    with none of them and no ``reward_model`` set, every episode scores 0 (a run config with
+    the env in its mix is refused)."""
+
     max_turns: int = Field(8, ge=1, description="Actions allowed before the episode ends unfinished.")
     reward_model: str | None = Field(
         None,

@@ -331,6 +331,12 @@ class RunConfig(BaseModel):
             for field in getattr(type(config), "required_fields", ()):
                 if not getattr(config, field):
                     raise ValueError(f"envs.{name}.{field}: {name!r} is in orchestrator.mix and needs it set")
+            scored_by = getattr(type(config), "score_fields", ())
+            if scored_by and config.reward_model is None and not any(getattr(config, f) for f in scored_by):
+                fields = " or ".join(f"envs.{name}.{f}" for f in (*scored_by, "reward_model"))
+                raise ValueError(
+                    f"{fields}: {name!r} is in orchestrator.mix and, with none of them set, scores every episode 0"
+                )
         return self
 
     def env_config(self, name: str):

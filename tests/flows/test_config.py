@@ -93,6 +93,12 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
             "orchestrator:\n  mix: {agent: 1.0}\nwarm_start:\n  enabled: false\nenvs:\n  agent: {command: run}\n",
             "envs.agent.tasks: 'agent' is in orchestrator.mix and needs it set",
         ),
+        (
+            "orchestrator:\n  mix: {agent: 1.0}\nwarm_start:\n  enabled: false\n"
+            "envs:\n  agent: {command: run, tasks: [{id: t1, prompt: p}]}\n",
+            "envs.agent.eval_command or envs.agent.reward_model: 'agent' is in orchestrator.mix and, "
+            "with none of them set, scores every episode 0",
+        ),
         ("envs:\n  agent: {tasks: [{id: a, prompt: p, dta: {}}]}\n", "envs.agent.tasks.0.dta"),
         ("envs:\n  dataset: {path: rows.csv}\n", "envs.dataset.path: must end in .parquet, .jsonl or .json"),
         ("envs:\n  agent: {tasks: [{id: ' ', prompt: p}]}\n", "envs.agent.tasks.0.id"),
@@ -596,8 +602,20 @@ def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, f
     ],
 )
 def test_an_env_with_no_scripted_solver_loads_once_the_warm_start_leaves_it_out(tmp_path, text):
-    text += "envs:\n  agent: {command: python3 agent.py, tasks: [{id: t1, prompt: fix the bug}]}\n"
+    text += (
+        "envs:\n  agent: {command: python3 agent.py, eval_command: python3 check.py, "
+        "tasks: [{id: t1, prompt: fix the bug}]}\n"
+    )
     assert "agent" in load_config(write_config(tmp_path, text)).orchestrator.mix
+
+
+def test_an_agent_env_scored_by_a_reward_model_alone_loads(tmp_path):
+    text = (
+        "orchestrator:\n  mix: {agent: 1.0}\nwarm_start:\n  enabled: false\n"
+        "service:\n  reward_models: {judge: {path: /models/judge}}\n"
+        "envs:\n  agent: {command: python3 agent.py, reward_model: judge, tasks: [{id: t1, prompt: p}]}\n"
+    )
+    assert load_config(write_config(tmp_path, text)).envs.agent.reward_model == "judge"
 
 
 def test_a_vllm_api_key_that_comes_back_masked_is_refused_and_the_form_never_offers_it():
