@@ -14,7 +14,7 @@ from prefect import get_run_logger, task
 from prefect.runtime import task_run
 
 from envs import registry
-from envs.base import Split, Task
+from envs.base import Split, Task, TooFewTasks
 from flows.config import RunConfig
 from rl.models import build_tiny_model, load_trained_policy, model_eos_ids, padding_id, publish_policy
 from rl.sft import supervised_warm_start
@@ -37,7 +37,8 @@ def demonstration_data(
     """Token sequences and loss masks of the train-split demonstrations of each env in
     ``envs`` (the mix when None; ``warm_start.demos`` or ``demos_per_env`` of each, 0 leaving
     it out), laid out as the gateway does. An env that cannot give as many (too few train
-    problems, no scripted solver) is a ``ValueError`` naming the setting to change."""
+    problems, no scripted solver) is a ``ValueError`` naming the setting to change; any other
+    error (a demonstrator's bug) is raised as it is."""
     renderer = ChatRenderer(tokenizer, config.gateway.chat_template_kwargs)
     sequences, masks = [], []
     for name in envs or list(config.orchestrator.mix):
@@ -55,7 +56,7 @@ def demonstration_data(
                     lambda t: registry.demonstrate(t, flawed=config.warm_start.flawed, seed=config.seed),
                 )
             )
-        except (ValueError, NotImplementedError) as exc:  # too few problems; no scripted solver
+        except (TooFewTasks, NotImplementedError) as exc:  # too few problems; no scripted solver
             raise ValueError(
                 f"warm_start: {count} demonstrations of {name}: {exc}; set warm_start.demos.{name} "
                 "(0 leaves it out) or turn warm_start off"

@@ -12,6 +12,8 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 from prefect import flow
 
+from envs import registry
+from envs.arith import ArithEnv
 from flows.config import RunConfig
 from rl.models import build_tiny_model, load_policy, publish_policy, restore_master_weights
 from rl.trainer import Trainer
@@ -242,6 +244,37 @@ def test_demonstrations_an_env_cannot_give_are_a_config_error_naming_the_setting
         warm_start={"demos": {"code": 0, "arith": 2}},
     )
     assert len(demonstration_data(left_out, tokenizer, ["arith", "code"])[0]) == 2
+
+
+def test_a_demonstrators_own_error_is_raised_as_it_is_not_as_a_config_error(tmp_path, monkeypatch):
+    """A bug inside a demonstrator (a ``ValueError`` of its own) is no setting to change: it
+    surfaces with its message and the demonstrator in its traceback. An env with no scripted
+    solver (``NotImplementedError``) is still the config error naming the setting."""
+
+    class Broken(ArithEnv):
+        name = "broken"
+
+        @classmethod
+        def demonstrate(cls, task, flawed=False, seed=0):
+            return [str(int(task.prompt))]  # "3+4=" is no int
+
+    class Unsolved(ArithEnv):
+        name = "unsolved"
+
+        @classmethod
+        def demonstrate(cls, task, flawed=False, seed=0):
+            raise NotImplementedError("unsolved has no scripted solver")
+
+    for env in (Broken, Unsolved):
+        monkeypatch.setitem(registry.REGISTRY, env.name, env)  # what registry.register does
+    _, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    config = tiny_config(tmp_path / "runs", warm_start={"demos": {"broken": 2, "unsolved": 2}})
+    with pytest.raises(ValueError, match="invalid literal for int") as raised:
+        demonstration_data(config, tokenizer, ["broken"])
+    assert "warm_start.demos" not in str(raised.value)
+    assert any(entry.name == "demonstrate" for entry in raised.traceback)
+    with pytest.raises(ValueError, match=r"unsolved has no scripted solver; set warm_start\.demos\.unsolved"):
+        demonstration_data(config, tokenizer, ["unsolved"])
 
 
 def test_demonstrations_are_rendered_with_the_gateways_template_variables(tmp_path):
