@@ -219,9 +219,12 @@ def evaluate_version(config: RunConfig, version: int | None = None, once: str | 
 def eval_setup(config: RunConfig, env: str) -> str:
     """Fingerprint of what an evaluation of ``env`` depends on besides the weights: the eval
     settings (tasks, seed, temperature), the env's config, the rollout limits (a rollout out
-    of time scores 0) and the reward model the env names."""
+    of time scores 0), the reward model the env names and the precision and kind of device
+    of the engine that samples (``engine.torch``; not its batch, cache or prefill sizes,
+    which change only its speed)."""
     env_config = config.env_config(env)
     scorer = env_config.reward_model and config.service.reward_models[env_config.reward_model]
+    engine = config.engine.torch
     setup = {
         "eval": config.eval.model_dump(mode="json"),
         "env": env_config.model_dump(mode="json"),
@@ -230,6 +233,8 @@ def eval_setup(config: RunConfig, env: str) -> str:
         "timeout_s": config.service.timeout_s,
         "reward_model": scorer and scorer.model_dump(mode="json"),
         "gateway": config.gateway.model_dump(mode="json"),
+        # a device's kind samples with its own generator and kernels; which one of a kind does not
+        "engine": {"dtype": engine.dtype, "device": engine.device.split(":")[0]},
     }
     return hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
 

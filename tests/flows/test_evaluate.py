@@ -97,9 +97,10 @@ def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_th
 
 def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, monkeypatch):
     """A row stands for the measurement that made it: another eval temperature or seed, another
-    env config, turn, token or time budget or reward model, or a row from before the
-    setup was recorded, is measured again
-    (the pipeline's reward before RL was the old setup's, beside an after in the new one)."""
+    env config, turn, token or time budget or reward model, another engine dtype or kind of
+    device, or a row from before the setup was recorded, is measured again
+    (the pipeline's reward before RL was the old setup's, beside an after in the new one);
+    an engine setting that changes only its speed is not."""
     from datetime import UTC, datetime
 
     import tasks.weights
@@ -127,6 +128,8 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
             }
             for path in ("judge-a", "judge-b")
         ),
+        {"engine": {"torch": {"dtype": "bfloat16"}}},
+        {"engine": {"torch": {"device": "cuda"}}},
     ]
     for n, change in enumerate(otherwise, start=2):
         changed = tiny_config(tmp_path / "runs", "eval-setup", warm_start={"enabled": False}, **change)
@@ -134,6 +137,19 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
         assert len(calls) == n, f"{change}: the recorded eval of another setup was reused"
         evaluating(changed, 1, reuse=True)
         assert len(calls) == n, f"{change}: its own recorded eval was not reused"
+    speed_only = [
+        {"engine": {"replicas": 3, "torch": {"max_batch": 3, "kv_cache_bytes": 0, "max_prefill_tokens": 64}}},
+        {"engine": {"torch": {"device": "cuda:0"}}},  # the kind of device measured last
+    ]
+    for change in speed_only:
+        evaluating(
+            tiny_config(tmp_path / "runs", "eval-setup", warm_start={"enabled": False}, **change),
+            1,
+            reuse=True,
+        )
+        assert len(calls) == len(otherwise) + 1, (
+            f"{change}: the recorded eval of the same measurement was not reused"
+        )
 
     tables = Tables(run_store(config))
     tables.append(
