@@ -2,9 +2,12 @@
 flow (Prefect ephemeral mode, rollout + process + train at once on the tiny model) for
 ``--minutes``, sampled every few seconds.
 
-Baseline: the RSS once the run has warmed up (at a quarter of the RL time). ``ratio`` =
-RSS at the end / that baseline; a flow whose task states, buffers or caches grow without
-bound shows a ratio well above 1 and a positive slope.
+Baseline: the RSS once the run has warmed up, the first sample a quarter of the RL time
+after RL started. RL starts right after the evaluation of the starting version (the flow
+sets its deadline then), so its start is taken from the ``evals`` row that evaluation
+writes (the row's time is set just before its commit; warm start and evaluation come
+before it). ``ratio`` = RSS at the end / that baseline; a flow whose task states, buffers
+or caches grow without bound shows a ratio well above 1 and a positive slope.
 
     python benchmarks/bench_flow_memory.py --minutes 10
 """
@@ -35,6 +38,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0, help="RL time of the pipeline run.")
     parser.add_argument("--every", type=float, default=5.0, help="Seconds between RSS samples.")
     args = parser.parse_args()
+    # a warm baseline and a later sample need --every at most a quarter of the RL time
+    if args.minutes <= 0 or not 0 < args.every <= args.minutes * 15:
+        parser.error("--minutes must be above 0 and --every above 0 and at most --minutes * 15 s")
     # the run's data (about a GB for 10 minutes) and Prefect's home go when the run ends
     with (
         tempfile.TemporaryDirectory(prefix="treadle-bench-prefect-", ignore_cleanup_errors=True) as home,
@@ -49,6 +55,8 @@ def measure(args: argparse.Namespace, root: str) -> None:
     """Run the pipeline on ``root`` and print its RSS curve and the JSON line."""
     from flows.config import load_config
     from flows.pipeline import pipeline
+    from storage.tables import Tables
+    from tasks.common import run_store
 
     seconds = args.minutes * 60
     config = load_config(
@@ -57,7 +65,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
     )
     samples: list[tuple[float, float]] = []
     done = threading.Event()
-    started = time.monotonic()
+    started, wall_started = time.monotonic(), time.time()
 
     def sample() -> None:
         while not done.wait(args.every):
@@ -69,12 +77,13 @@ def measure(args: argparse.Namespace, root: str) -> None:
     done.set()
     sampler.join()
 
-    rl_start = next((t for t, _ in samples if t > 0), 0.0)
-    rl_samples = [(t, r) for t, r in samples if t >= rl_start]
-    warm_at = rl_samples[0][0] + (rl_samples[-1][0] - rl_samples[0][0]) / 4
-    warm = [r for t, r in rl_samples if t >= warm_at]
+    evals = Tables(run_store(config)).read("evals").to_pylist()
+    before = [row["time"].timestamp() for row in evals if row["version"] == result["before"]["version"]]
+    rl_start = max(before) - wall_started
+    warm_at = rl_start + seconds / 4
+    warm = [r for t, r in samples if t >= warm_at]
     baseline, final, peak = warm[0], warm[-1], max(warm)
-    times = [t for t, _ in rl_samples if t >= warm_at]
+    times = [t for t, _ in samples if t >= warm_at]
     mean_t, mean_r = sum(times) / len(times), sum(warm) / len(warm)
     slope = sum((t - mean_t) * (r - mean_r) for t, r in zip(times, warm, strict=True)) / max(
         sum((t - mean_t) ** 2 for t in times), 1e-9
@@ -89,6 +98,7 @@ def measure(args: argparse.Namespace, root: str) -> None:
                 "bench": "flow_memory",
                 "ratio": round(final / baseline, 3),
                 "rl_minutes": args.minutes,
+                "rl_start_s": round(rl_start, 1),
                 "rss_warm_mb": round(baseline, 1),
                 "rss_final_mb": round(final, 1),
                 "rss_peak_mb": round(peak, 1),
