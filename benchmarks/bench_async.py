@@ -4,8 +4,9 @@ The environment is ``arith`` behind a simulated tool call with heavy-tailed late
 (lognormal per step, plus rare long stragglers), so the model's real tokens are generated,
 processed and trained on. Four measurements, each on a fresh run with the same tiny model:
 
-- **generation alone**: ``run_rollouts`` for N rollouts (no trainer, no backpressure);
-- **training alone**: a ``Trainer`` draining N processed trajectories generated beforehand;
+- **generation alone**: ``run_rollouts`` for N rollouts, at least ``STEADY_ROLLOUTS`` (no
+  trainer, no backpressure);
+- **training alone**: a ``Trainer`` draining the processed trajectories of generation alone;
 - **sync**: generate a batch (``Orchestrator`` with ``max_rollouts``), wait for the slowest,
   process it, train on it (``Trainer.run(drain=True)``), publish, load the new version into
   the engine, repeat until N trajectories are trained;
@@ -13,8 +14,12 @@ processed and trained on. Four measurements, each on a fresh run with the same t
   ``flows/pipeline.py`` runs them, until N trajectories are trained.
 
 Trained trajectories per second of each, the trainer's idle fraction (wall time not spent
-in a policy step, over wall time) and the bound of perfect overlap (the slower of
-generation alone and training alone) are printed; the last line is a JSON object.
+in a policy step, over wall time) and the bound of perfect overlap are printed; the last
+line is a JSON object. The bound is the slower of generation in steady state (rollouts
+finished per second once a batch has finished and before the last one started: no engine
+load, no wait for the slowest last rollouts) and training in its steps (trajectories per
+second of policy-step time): start-up and tails left out, no overlap of the two, which
+pays for them, can train faster.
 
 ``python benchmarks/bench_async.py`` (``--trajectories`` to change N).
 """
@@ -57,6 +62,9 @@ from tasks.train import run_trainer
 TINY = TinyModelConfig(hidden_size=128, num_layers=4, num_heads=4, intermediate_size=256)
 BATCH = 32
 """Rollouts per synchronous batch, and rollouts in flight in every mode."""
+STEADY_ROLLOUTS = 4 * BATCH
+"""Rollouts generation alone runs at least: its steady state spans the two batches between
+the first finished and the last started."""
 
 LATENCY_MEDIAN_S = 0.25
 LATENCY_SIGMA = 1.0
@@ -143,18 +151,46 @@ class TrainCounter:
             "steps": self.steps,
             "wall_s": wall,
             "tps": self.trained / wall,
+            "step_tps": self.trained / self.step_seconds if self.step_seconds else math.inf,
             "trainer_idle": 1.0 - self.step_seconds / wall,
         }
 
 
-def generation_alone(root: str, n: int, token_budget: int) -> tuple[RunConfig, float]:
-    """N rollouts with nothing else running; returns the run and its rollouts per second."""
+def steady_rate(marks: list[tuple[float, int, int]], total: int) -> float:
+    """Rollouts finished per second between the first progress mark with a batch finished
+    (the engine loaded and warm) and the last with fewer than ``total`` started (after it,
+    nothing replaces a finished rollout: the run waits for its slowest).
+
+    Args:
+        marks: ``(seconds, finished, started)`` of each progress report, in time order.
+        total: rollouts the run starts in all.
+    """
+    first = next((m for m in marks if m[1] >= BATCH), None)
+    last = next((m for m in reversed(marks) if m[2] < total), None)
+    if first is None or last is None or last[0] <= first[0]:
+        raise ValueError(f"no steady state in {len(marks)} progress marks of {total} rollouts")
+    return (last[1] - first[1]) / (last[0] - first[0])
+
+
+def generation_alone(root: str, rollouts: int, token_budget: int) -> tuple[RunConfig, float, float]:
+    """``rollouts`` rollouts with nothing else running; returns the run, its rollouts per
+    second over the whole run and in steady state (:func:`steady_rate`)."""
     config = new_run(root, "gen-alone", token_budget, max_backlog=10**6)
-    config = config.model_copy(update={"stop": config.stop.model_copy(update={"max_rollouts": n})})
+    config = config.model_copy(update={"stop": config.stop.model_copy(update={"max_rollouts": rollouts})})
+    marks: list[tuple[float, int, int]] = []
+
+    def mark(status: dict) -> None:
+        stats = status["orchestrator"]
+        if stats is not None:
+            started = sum(task["started"] for task in stats["tasks"].values())
+            marks.append((time.perf_counter(), stats["finished"], started))
+
     started = time.perf_counter()
-    result = run_rollouts(config, math.inf, flush_records=8, flush_seconds=0.5)
+    result = run_rollouts(
+        config, math.inf, on_progress=mark, progress_every_s=0.1, flush_records=8, flush_seconds=0.5
+    )
     wall = time.perf_counter() - started
-    return config, result["orchestrator"]["finished"] / wall
+    return config, result["orchestrator"]["finished"] / wall, steady_rate(marks, rollouts)
 
 
 def mean_tokens(config: RunConfig) -> float:
@@ -254,14 +290,19 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     n = args.trajectories
     with tempfile.TemporaryDirectory(prefix="treadle-bench-async-") as root:
-        gen_config, gen_tps = generation_alone(root, n, token_budget=1)
+        gen_rollouts = max(n, STEADY_ROLLOUTS)
+        gen_config, gen_tps, gen_steady_tps = generation_alone(root, gen_rollouts, token_budget=1)
         budget = int(1.15 * BATCH * mean_tokens(gen_config))
         gen_config = gen_config.model_copy(update={"sao": run_config(root, "gen-alone", budget).sao})
-        train = training_alone(gen_config, n)
-        print(f"generation alone: {gen_tps:.1f} rollouts/s")
+        train = training_alone(gen_config, gen_rollouts)
+        print(
+            f"generation alone: {gen_tps:.1f} rollouts/s ({gen_rollouts} rollouts), "
+            f"{gen_steady_tps:.1f} in steady state"
+        )
         print(
             f"training alone:   {train['tps']:.1f} trajectories/s ({train['steps']} steps of "
-            f"{budget} tokens, {1 - train['trainer_idle']:.0%} of the time in steps)"
+            f"{budget} tokens, {1 - train['trainer_idle']:.0%} of the time in steps), "
+            f"{train['step_tps']:.1f} in its steps"
         )
         sync = synchronous(root, n, budget)
         print(
@@ -273,7 +314,7 @@ def main() -> None:
             f"async: {async_['tps']:.1f} trained trajectories/s ({async_['trained']} in {async_['wall_s']:.1f} s), "
             f"trainer idle {async_['trainer_idle']:.0%}"
         )
-    bound = min(gen_tps, train["tps"])
+    bound = min(gen_steady_tps, train["step_tps"])
     print(f"perfect-overlap bound: {bound:.1f} trajectories/s")
     print(
         json.dumps(
@@ -287,7 +328,9 @@ def main() -> None:
                 "trainer_idle_async": round(async_["trainer_idle"], 3),
                 "trainer_idle_sync": round(sync["trainer_idle"], 3),
                 "generation_alone_tps": round(gen_tps, 2),
+                "generation_steady_tps": round(gen_steady_tps, 2),
                 "training_alone_tps": round(train["tps"], 2),
+                "training_step_tps": round(train["step_tps"], 2),
                 "trajectories": n,
                 "batch": BATCH,
             }
