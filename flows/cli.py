@@ -301,9 +301,12 @@ def _parser() -> argparse.ArgumentParser:
         description="Run one flow on a run config. The flow's options: treadle run <flow> --help.",
     )
     run.add_argument("flow", choices=FLOWS, help="The flow to run.")
-    run.add_argument(
+    rest = run.add_argument(
         "rest", nargs=argparse.REMAINDER, metavar="ARGS", help="Arguments of the flow (--config, --set …)."
     )
+    # argparse marks every positional but '?' and '*' required, and names it in its error
+    # when the flow is missing: the flow's arguments may all be left out
+    rest.required = False
     run.set_defaults(handler=_run)
     for name, handler, helptext, description in (
         (

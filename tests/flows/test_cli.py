@@ -610,6 +610,14 @@ def test_every_command_says_what_it_does(capfd, monkeypatch):
     assert flow.returncode == 0 and flow.stdout.startswith("usage: treadle run maintain [-h]")
 
 
+def test_run_without_a_flow_names_the_flow_alone_as_required(capfd, monkeypatch):
+    """The flow's arguments may all be left out (``treadle run pipeline``): the error said
+    ``the following arguments are required: flow, ARGS``."""
+    shown = treadle_here(capfd, monkeypatch, "run")
+    assert shown.returncode == 2
+    assert shown.stderr.splitlines()[-1] == "treadle run: error: the following arguments are required: flow"
+
+
 def test_the_pipelines_help_names_every_stage_it_runs(capfd, monkeypatch):
     shown = treadle_here(capfd, monkeypatch, "run", "pipeline", "--help")
     assert shown.returncode == 0
