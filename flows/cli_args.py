@@ -39,13 +39,14 @@ def parse(
     argv: list[str] | None = None,
     extra=None,
     devices: Callable[[RunConfig], dict[str, str]] | None = None,
-    paths: bool = True,
+    paths: Callable[[RunConfig], str | None] | None = missing_path,
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
     config error's message (naming the field) when it does not load, or when a field of
     ``devices(config)`` (field -> torch device: those the flow uses in this process, on
-    either cluster) names a CUDA device this machine lacks, or (with ``paths``: a flow that
-    reads them) a local path of the config is missing (:func:`~flows.config.missing_path`)."""
+    either cluster) names a CUDA device this machine lacks, or ``paths(config)`` names a
+    local path of the config that is missing (:func:`~flows.config.missing_path`, with what
+    the flow reads; None: a flow that reads none)."""
     defaults = {
         # a fresh Prefect home migrates its database on the first start: slow on a busy machine
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
@@ -116,9 +117,7 @@ def parse(
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    problem = (missing_device(devices(config)) if devices else None) or (
-        missing_path(config) if paths else None
-    )
+    problem = (missing_device(devices(config)) if devices else None) or (paths(config) if paths else None)
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)

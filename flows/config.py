@@ -385,19 +385,23 @@ def _options(annotation: Any) -> tuple[Any, ...]:
     return (annotation,)
 
 
-def missing_path(config: RunConfig) -> str | None:
+def missing_path(config: RunConfig, model: bool = True, reward_models: bool = True) -> str | None:
     """The first local path of ``config`` that does not exist, as one line naming its field;
     None when all are there. Without this check a missing ``model.path`` is found at the
     warm start, a missing reward model as the rollout service starts and a missing dataset
     file at the first task drawn, after the run started. A checkpoint path that is not there
     may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``), which loads from the Hub: only
-    one that cannot be an id is refused."""
+    one that cannot be an id is refused. ``model``, ``reward_models``: whether the flow
+    loads ``model.path`` (it may warm-start) and the reward models (it serves a rollout
+    service); the dataset is read by every flow that draws tasks."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    checkpoints = {"model.path": config.model.path} | {
-        f"service.reward_models.{name}.path": reward.path
-        for name, reward in config.service.reward_models.items()
-    }
+    checkpoints = {"model.path": config.model.path} if model else {}
+    if reward_models:
+        checkpoints |= {
+            f"service.reward_models.{name}.path": reward.path
+            for name, reward in config.service.reward_models.items()
+        }
     for field, path in checkpoints.items():
         if path and not os.path.exists(path):
             try:
@@ -415,17 +419,54 @@ def missing_path(config: RunConfig) -> str | None:
     return None
 
 
+def train_devices(config: RunConfig) -> dict[str, str]:
+    """The torch devices the train flow uses in its own process, by field: the trainer's
+    (the warm start's too), on either cluster."""
+    return {"trainer_device": config.trainer_device}
+
+
+def evaluate_devices(config: RunConfig) -> dict[str, str]:
+    """The torch devices an evaluation uses in its own process, by field: the evaluation
+    engine's and, with cluster 'local', the reward models' (on Ray no reward model is served)."""
+    return {"engine.torch.device": config.engine.torch.device} | _reward_devices(config)
+
+
+def rollout_devices(config: RunConfig) -> dict[str, str]:
+    """The torch devices a rollout worker uses in its own process, by field: with cluster
+    'local', the engines' (``engine.kind`` torch) and the reward models'; on Ray the engines
+    run on the cluster's nodes, and no reward model is served."""
+    if config.cluster != "local":
+        return {}
+    engines = {"engine.torch.device": config.engine.torch.device} if config.engine.kind == "torch" else {}
+    return engines | _reward_devices(config)
+
+
+def _reward_devices(config: RunConfig) -> dict[str, str]:
+    """``service.reward_device`` when reward models are served (cluster 'local' only) on a
+    device the config names."""
+    service = config.service
+    if config.cluster == "local" and service.reward_models and service.reward_device is not None:
+        return {"service.reward_device": service.reward_device}
+    return {}
+
+
+def train_paths(config: RunConfig) -> str | None:
+    """:func:`missing_path` of what the train flow reads: it serves no reward model."""
+    return missing_path(config, reward_models=False)
+
+
+def evaluate_paths(config: RunConfig) -> str | None:
+    """:func:`missing_path` of what an evaluation reads: it loads a published version, not
+    ``model.path``."""
+    return missing_path(config, model=False)
+
+
 def pipeline_devices(config: RunConfig) -> dict[str, str]:
     """The torch devices the pipeline uses in its own process, by field: the evaluation
     engine's (every evaluation runs there) and, with cluster 'local', the trainer's and the
-    reward models' (the rollout engines' too with ``engine.kind`` torch); on Ray the trainer
-    and the rollout engines run on the cluster's nodes, and no reward model is served."""
-    devices = {"trainer_device": config.trainer_device} if config.cluster == "local" else {}
-    devices["engine.torch.device"] = config.engine.torch.device
-    service = config.service
-    if config.cluster == "local" and service.reward_models and service.reward_device is not None:
-        devices["service.reward_device"] = service.reward_device
-    return devices
+    rollout worker's; on Ray the trainer and the rollout engines run on the cluster's nodes."""
+    devices = train_devices(config) if config.cluster == "local" else {}
+    return devices | evaluate_devices(config) | rollout_devices(config)
 
 
 def missing_device(devices: dict[str, str]) -> str | None:
@@ -449,7 +490,8 @@ def missing_device(devices: dict[str, str]) -> str | None:
 def missing_ray(config: RunConfig) -> str | None:
     """With cluster 'ray', one line naming what this machine lacks of the ``ray`` extra (Ray,
     prefect-ray); None when it has them or the run is local. Without this check the pipeline
-    fails once the warm start and the first evaluation are over."""
+    fails once the warm start and the first evaluation are over, a rollout worker once the
+    warm start is."""
     if config.cluster != "ray":
         return None
     missing = [name for name in ("ray", "prefect_ray") if importlib.util.find_spec(name) is None]

@@ -13,7 +13,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.cli import one_line
-from flows.config import RunConfig
+from flows.config import RunConfig, evaluate_devices, evaluate_paths, missing_device
 from flows.run_logs import module_logs_to_run
 from storage.weights import WeightStore
 from tasks.common import run_store
@@ -37,6 +37,11 @@ def evaluate(
         config: the run.
         version: the weight version to evaluate; empty: the newest.
     """
+    # a run started from a deployment's form is checked here: the engine's device is
+    # first used once the version is downloaded, the reward models' at the first score
+    problem = missing_device(evaluate_devices(config)) or evaluate_paths(config)
+    if problem is not None:
+        raise ValueError(problem)
     with module_logs_to_run():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         from tasks.weights import evaluate_task
@@ -53,7 +58,8 @@ def main(argv: list[str] | None = None) -> None:
         "Evaluate a weight version.",
         argv,
         extra=lambda p: p.add_argument("--version", type=int, help="Weight version (default: the newest)."),
-        devices=lambda c: {"engine.torch.device": c.engine.torch.device},
+        devices=evaluate_devices,
+        paths=evaluate_paths,
     )
     problem = missing_version(config, args.version)
     if problem is not None:

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         "files that no commit lists (left by writers that died).",
         argv,
         extra=_maintain_arguments,
-        paths=False,
+        paths=None,
     )
     existing_run(run_store(config), hint="storage.root and --run-id")
     print(maintain(config, keep_last=args.keep_last, retention_hours=args.retention_hours))

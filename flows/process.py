@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
         "Process raw shards.",
         argv,
         extra=lambda p: p.add_argument("--once", action="store_true", help="One pass, then exit."),
-        paths=False,
+        paths=None,
     )
     if args.once:  # a continuous processor may start before the run's first write; one pass may not
         existing_run(run_store(config), hint="storage.root and --run-id")

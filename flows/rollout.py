@@ -12,7 +12,7 @@ from typing import Annotated, Any
 from prefect import flow
 from pydantic import Field
 
-from flows.config import RunConfig, schema_pattern
+from flows.config import RunConfig, missing_device, missing_path, missing_ray, rollout_devices, schema_pattern
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
 from storage.shards import NAME_PATTERN
@@ -32,6 +32,11 @@ def rollout(
         worker_name: the worker's name, its shard folder (letters, digits, ``_ . -``, not
             starting with ``.``); one running worker per name.
     """
+    # a run started from a deployment's form is checked here: the engines, the reward
+    # models and Ray are first used once the warm start is over
+    problem = missing_device(rollout_devices(config)) or missing_ray(config) or missing_path(config)
+    if problem is not None:
+        raise ValueError(problem)
     with module_logs_to_run():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         from tasks.rollout import rollouts
@@ -63,12 +68,7 @@ def main(argv: list[str] | None = None) -> None:
             default="worker-0",
             help="Worker name (its shard folder; default: %(default)s).",
         ),
-        # on Ray the engines run in actors on the cluster's nodes
-        devices=lambda c: (
-            {"engine.torch.device": c.engine.torch.device}
-            if c.engine.kind == "torch" and c.cluster == "local"
-            else {}
-        ),
+        devices=rollout_devices,
     )
     rollout(config, args.worker)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.config import RunConfig
+from flows.config import RunConfig, missing_device, train_devices, train_paths
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
 from tasks.report import report_task
@@ -26,6 +26,11 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
         drain: also stop once every committed processed shard is trained (a nightly run
             over what arrived since the last one).
     """
+    # a run started from a deployment's form is checked here: on a run that has a version
+    # the trainer's device is first used once the warm start is over
+    problem = missing_device(train_devices(config)) or train_paths(config)
+    if problem is not None:
+        raise ValueError(problem)
     with module_logs_to_run():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         from tasks.train import train as train_task
@@ -46,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
         extra=lambda p: p.add_argument(
             "--drain", action="store_true", help="Stop once every processed shard is trained."
         ),
-        devices=lambda c: {"trainer_device": c.trainer_device},
+        devices=train_devices,
+        paths=train_paths,
     )
     train(config, drain=args.drain)
 

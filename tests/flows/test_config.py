@@ -21,7 +21,17 @@ from pydantic import ValidationError
 from envs import registry
 from envs.arith import ArithEnv
 from flows.cli_args import parse
-from flows.config import ConfigError, RunConfig, load_config, missing_device, missing_path, pipeline_devices
+from flows.config import (
+    ConfigError,
+    RunConfig,
+    evaluate_devices,
+    load_config,
+    missing_device,
+    missing_path,
+    pipeline_devices,
+    rollout_devices,
+    train_paths,
+)
 from rl.config import SAOConfig
 from tests.flows.conftest import REPO
 
@@ -383,7 +393,7 @@ def test_flows_that_read_no_local_path_start_without_them(tmp_path):
     from flows.cli_args import parse
 
     argv = ["--set", f"model.path={tmp_path}/moved-model", "--set", f"storage.root={tmp_path}/runs"]
-    config, _ = parse("maintain", argv, paths=False)
+    config, _ = parse("maintain", argv, paths=None)
     assert config.model.path == f"{tmp_path}/moved-model"
     with pytest.raises(SystemExit):
         parse("rollout", argv)
@@ -409,6 +419,22 @@ def test_a_ray_pipeline_checks_the_devices_of_its_own_process_alone():
     assert missing_device(pipeline_devices(config)) is None
     local = config.model_copy(update={"cluster": "local"})
     assert pipeline_devices(local) == {"trainer_device": "cuda:99", "engine.torch.device": "cpu"}
+
+
+def test_each_flow_checks_what_it_uses_in_its_own_process(tmp_path):
+    """The train flow serves no reward model, so a reward model's missing checkpoint is no
+    reason to refuse it; on Ray a rollout worker's engines run on the cluster's nodes and no
+    reward model is served (nor in an evaluation), so their devices are not its own."""
+    judge = {"reward_models": {"judge": {"path": str(tmp_path / "no-such-judge")}}}
+    assert train_paths(load_config(TINY, {"service": judge})) is None
+    assert missing_path(load_config(TINY, {"service": judge})).startswith("service.reward_models.judge.path ")
+    on_gpus = {"engine": {"torch": {"device": "cuda:99"}}, "service": {**judge, "reward_device": "cuda:98"}}
+    local = load_config(TINY, on_gpus)
+    assert rollout_devices(local) == {"engine.torch.device": "cuda:99", "service.reward_device": "cuda:98"}
+    assert evaluate_devices(local) == rollout_devices(local)
+    ray = local.model_copy(update={"cluster": "ray"})
+    assert rollout_devices(ray) == {}
+    assert evaluate_devices(ray) == {"engine.torch.device": "cuda:99"}
 
 
 def _schema_properties(schema: dict) -> list[tuple[str, str, dict]]:

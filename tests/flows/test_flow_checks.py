@@ -1,0 +1,155 @@
+"""The train, rollout and evaluate flows check what they use in their own process as they
+start, as a run started from a deployment's form does (the command line refuses it before
+a flow run starts): a device this machine lacks (no machine shows 100 GPUs), a missing
+local path, a Ray cluster without the ray extra. Each fails the run at once with one line
+naming the field, before the warm start or the download of a weight version."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+import flows.evaluate
+import flows.rollout
+import flows.train
+from storage.tables import Tables
+from tasks.common import run_store
+from tasks.weights import build_base_version
+from tests.flows.conftest import tiny_config
+
+NO_WARM_START = {"enabled": False}
+
+
+def failed_with(state, pattern: str) -> None:
+    assert state.is_failed()
+    with pytest.raises(ValueError, match=pattern):
+        state.result()
+
+
+def reward_on_a_missing_gpu(tmp_path) -> dict:
+    """A reward model served on a CUDA device this machine lacks."""
+    return {"reward_models": {"judge": {"path": str(tmp_path)}}, "reward_device": "cuda:99"}
+
+
+@pytest.mark.parametrize("cluster", ["local", "ray"])
+def test_a_train_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(tmp_path, cluster):
+    """The nightly training of a run on a worker without its GPU failed only once the warm
+    start was over; with cluster 'ray' the train flow still trains in its own process."""
+    config = tiny_config(tmp_path / "runs", "no-such-gpu", trainer_device="cuda:99", cluster=cluster)
+    failed_with(
+        flows.train.train(config, drain=True, return_state=True),
+        r"^trainer_device is 'cuda:99', but this machine shows ",
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize(
+    ("field", "overrides"),
+    [
+        ("engine.torch.device", {"engine": {"torch": {"device": "cuda:99"}}}),
+        ("service.reward_device", {"service": "reward"}),
+    ],
+)
+def test_a_rollout_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(
+    tmp_path, field, overrides
+):
+    """Its engines and its reward models run in its own process with cluster 'local'."""
+    if overrides.get("service") == "reward":
+        overrides = {"service": reward_on_a_missing_gpu(tmp_path)}
+    config = tiny_config(tmp_path / "runs", "no-such-gpu", warm_start=NO_WARM_START, **overrides)
+    failed_with(
+        flows.rollout.rollout(config, return_state=True), rf"^{field} is 'cuda:99', but this machine shows "
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize("missing", ["ray", "prefect_ray"])
+def test_a_ray_rollout_run_on_a_machine_without_the_ray_extra_fails_before_the_warm_start(
+    tmp_path, monkeypatch, missing
+):
+    """It failed with ``No module named 'ray'`` once the warm start was over."""
+    monkeypatch.setitem(sys.modules, missing, None)  # its import then fails as if not installed
+    config = tiny_config(tmp_path / "runs", "no-ray", cluster="ray", warm_start=NO_WARM_START)
+    failed_with(
+        flows.rollout.rollout(config, return_state=True),
+        rf"^cluster is 'ray', but {missing} is not installed: pip install",
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize(
+    ("field", "overrides"),
+    [
+        ("engine.torch.device", {"engine": {"torch": {"device": "cuda:99"}}}),
+        ("service.reward_device", {"service": "reward"}),
+    ],
+)
+def test_an_evaluate_run_on_a_cuda_device_the_machine_lacks_fails_before_it_loads_the_version(
+    tmp_path, field, overrides
+):
+    """The evaluation engine and the reward models that score its episodes run in its own
+    process; the reward models' device was not checked at all, the engine's only on the
+    command line."""
+    if overrides.get("service") == "reward":
+        overrides = {"service": reward_on_a_missing_gpu(tmp_path)}
+    config = tiny_config(tmp_path / "runs", "no-such-gpu", warm_start=NO_WARM_START, **overrides)
+    build_base_version(config, log=lambda line: None)
+    failed_with(
+        flows.evaluate.evaluate(config, return_state=True), rf"^{field} is 'cuda:99', but this machine shows "
+    )
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda config: flows.train.train(config, return_state=True),
+        lambda config: flows.rollout.rollout(config, return_state=True),
+    ],
+    ids=["train", "rollout"],
+)
+def test_a_flow_run_whose_model_path_is_missing_fails_before_the_warm_start(tmp_path, run):
+    """A path that cannot be a Hugging Face model id either: it failed at the warm start's
+    load, retried as transient."""
+    missing = str(tmp_path / "no-such-checkpoint")
+    config = tiny_config(tmp_path / "runs", "no-checkpoint", model={"path": missing})
+    failed_with(
+        run(config), rf"^model.path '{missing}' is neither a local directory nor a Hugging Face model id"
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_rollout_run_whose_reward_model_is_missing_fails_before_the_warm_start(tmp_path):
+    """Its rollout service loads the reward models as it starts, once the warm start is over."""
+    missing = str(tmp_path / "no-such-judge")
+    config = tiny_config(
+        tmp_path / "runs",
+        "no-judge",
+        warm_start=NO_WARM_START,
+        service={"reward_models": {"judge": {"path": missing}}},
+    )
+    failed_with(
+        flows.rollout.rollout(config, return_state=True),
+        rf"^service.reward_models.judge.path '{missing}' is neither a local directory",
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_an_evaluate_run_needs_no_starting_checkpoint(tmp_path, capsys):
+    """It evaluates a published version: a ``model.path`` this machine lacks (the trainer's
+    machine held it) is no reason to refuse it, on the command line or in the flow."""
+    config = tiny_config(tmp_path / "runs", "eval-elsewhere", warm_start=NO_WARM_START)
+    build_base_version(config, log=lambda line: None)
+    overrides = {
+        "storage.root": tmp_path / "runs",
+        "model.path": tmp_path / "trainer-only",
+        "eval.tasks_per_env": 4,
+        "service.max_new_tokens": 8,
+    }
+    argv = ["--run-id", "eval-elsewhere"] + [f"--set={key}={value}" for key, value in overrides.items()]
+    flows.evaluate.main(argv)
+    printed = capsys.readouterr().out
+    assert printed.startswith("{'version': 0, 'reward': {"), printed
+    assert Tables(run_store(config)).read("evals").column("version").to_pylist() == [0] * len(
+        config.orchestrator.mix
+    )
