@@ -102,8 +102,6 @@ def supervised_warm_start(
     lengths = [len(s) for s in sequences]
     batches: list[list[int]] = []
     for step in range(config.max_steps):
-        if time.monotonic() - started > config.max_seconds:
-            break
         if not batches:
             batches = length_bucketed_batches(lengths, config.batch_size, generator)
         picked = batches.pop()
@@ -120,5 +118,8 @@ def supervised_warm_start(
         losses.append(loss.item())
         if on_step is not None:
             on_step(step, losses[-1])
+        # checked after a step: a budget spent before the first would leave no loss to report
+        if time.monotonic() - started > config.max_seconds:
+            break
     model.eval()
     return losses

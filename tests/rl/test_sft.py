@@ -60,3 +60,13 @@ def test_loss_masks_that_do_not_fit_their_demonstrations_are_refused(masks, mess
     with pytest.raises(ValueError, match=message):
         supervised_warm_start(model, [[5, 6, 7, 8, 9], [5, 6, 7]], masks, 0, SFTConfig(max_steps=1))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_a_budget_spent_before_the_first_step_still_trains_one():
+    """The warm start reports its first and last loss: a ``max_seconds`` that runs out at
+    once still gives one step, not an empty list."""
+    model, _ = build_tiny_model(SMALL)
+    losses = supervised_warm_start(
+        model, [[5, 6, 7, 8, 9]], [[False, False, True, True, True]], 0, SFTConfig(max_seconds=1e-12)
+    )
+    assert len(losses) == 1
