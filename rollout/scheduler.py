@@ -561,7 +561,10 @@ class ActionPolicy:
             times = [0.0] + [request.duration_on(m, t1) for m in range(1, hi + 1)]
         pending = Pending(fixed, elastic, lo, hi, times, now)
         if hi < lo or not _fits(_holding(pending, lo), [float(self.capacity[n]) for n in self.names]):
-            raise ValueError(f"ResourceRequest {dict(request.demand)} can never fit capacity {self.capacity}")
+            elastic_part = "" if request.elastic is None else f" and {request.min_units}+ {request.elastic!r}"
+            raise ValueError(
+                f"ResourceRequest {dict(request.demand)}{elastic_part} can never fit capacity {self.capacity}"
+            )
         return pending
 
     def submit(self, request: ResourceRequest, now: float) -> int:

@@ -163,6 +163,8 @@ def test_request_validation_names_the_problem():
         policy.submit(ResourceRequest(demand={"gpu": 1}), 0.0)
     with pytest.raises(ValueError, match="never fit"):
         policy.submit(ResourceRequest(demand={"cpu": 3}), 0.0)
+    with pytest.raises(ValueError, match=r"\{\} and 3\+ 'cpu' can never fit"):
+        policy.submit(ResourceRequest(elastic="cpu", min_units=3, max_units=4), 0.0)
 
 
 @pytest.mark.parametrize(
