@@ -3,8 +3,10 @@
 A multi-turn workload (64 sessions x 6 turns by default, growing context: each turn
 appends 8-24 new tokens then generates 8) runs through the TITO gateway twice in one
 process: once with sticky routing (consistent hashing, bounded loads) and once with
-round-robin, each on fresh replicas of the tiny model. The ideal prefill is the number of
-new tokens per turn (everything else is in some cache already).
+round-robin, each on fresh replicas of the tiny model. The ideal prefill (the fewest
+prompt tokens any routing could prefill) is each turn's new tokens plus the last token the
+session's previous turn generated: an engine caches the keys/values of the tokens it ran a
+forward on, and a turn's last sampled token never went through one.
 
 Last line: {"bench": "routing", "ratio": sticky_prefill / ideal, ...}. Target ratio <= 1.1.
 
@@ -45,11 +47,13 @@ async def run_workload(model, tokenizer, policy: str, args) -> dict[str, float]:
         nonlocal ideal
         rng = random.Random(index)
         session = gateway.open(task="bench", prompt_id=f"p{index}")
+        forwarded = 0  # leading session tokens the last turn ran a forward on: all but its last sampled one
         for turn in range(args.turns):
             new = [rng.randrange(4, vocab) for _ in range(rng.randint(8, 24))]
             session.add_tokens(new)
-            ideal += len(new)
+            ideal += len(session.tokens) - forwarded
             await session.generate(SamplingParams(max_new_tokens=args.new_tokens, seed=index * 1000 + turn))
+            forwarded = len(session.tokens) - 1
         gateway.close(session.session_id)
 
     started = time.perf_counter()
