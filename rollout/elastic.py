@@ -40,10 +40,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 Role = Literal["rollout", "draining", "train"]
 
 MOVE_HISTORY = 1024
-"""Moves a controller keeps in ``moves`` (at least; it trims at twice as many): its decisions
-look back at them (which units it borrowed, when a replica began to drain), so over a run of
-weeks an unbounded history would make each decision slower (a reviewer measured 5.7 ms per
-decision after 50,000 moves)."""
+"""Moves a controller keeps in ``moves`` (at least; it trims at twice as many), for its log and
+its cooldown; what its decisions need of older moves each unit keeps (``Unit.role_since``,
+``Unit.moved``: when a replica began to drain, which units it borrowed). An unbounded history
+would grow over a run of weeks."""
 
 
 class ElasticConfig(BaseModel):
@@ -152,13 +152,15 @@ class Move:
 @dataclass
 class Unit:
     """A capacity unit and the rollout sessions live on it (with their start times, when
-    known); ``role_since``: when it took its role (``None``: it started in it)."""
+    known); ``role_since``: when it took its role, ``moved``: the number of the move that gave
+    it (its controller's ``moves_made`` then; both ``None``: it started in it)."""
 
     name: str
     role: Role
     live_sessions: int = 0
     session_starts: list[float] = field(default_factory=list)
     role_since: float | None = None
+    moved: int | None = None
 
 
 @dataclass
@@ -313,9 +315,9 @@ class ElasticController:
 
     def _move(self, unit: Unit, target: Role, now: float, reason: str) -> Move:
         move = Move(now, unit.name, unit.role, target, reason)
-        unit.role, unit.role_since = target, now
         self.moves.append(move)
         self.moves_made += 1
+        unit.role, unit.role_since, unit.moved = target, now, self.moves_made
         if len(self.moves) > 2 * MOVE_HISTORY:
             del self.moves[:-MOVE_HISTORY]
         return move
@@ -473,11 +475,11 @@ class ElasticController:
 
     def _return_order(self, train: list[str]) -> list[str]:
         """Training units, the most recently borrowed from rollout first, then the rest last-first."""
-        borrowed = []
-        for move in reversed(self.moves):
-            if move.target == "train" and move.unit in train and move.unit not in borrowed:
-                borrowed.append(move.unit)
-        return borrowed + [n for n in reversed(train) if n not in borrowed]
+        # from the units, not ``moves``: a borrow trimmed from the history is still a borrow
+        borrowed = sorted(
+            (n for n in train if self.units[n].moved is not None), key=lambda n: -self.units[n].moved
+        )
+        return borrowed + [n for n in reversed(train) if self.units[n].moved is None]
 
     def log_record(self) -> dict:
         """Policy inputs, unit roles and the last moves, JSON-ready."""

@@ -548,3 +548,23 @@ def test_pending_limit_bounds_the_launched_untrained_trajectories_of_a_run():
     assert pending_limit(w) == 13
     with pytest.raises(ValueError, match="unbounded"):
         pending_limit(w.model_copy(update={"max_ahead": None, "concurrency": 2}))
+
+
+def test_a_borrowed_unit_goes_back_first_after_its_move_left_the_bounded_history(monkeypatch):
+    monkeypatch.setattr(elastic_module, "MOVE_HISTORY", 1)
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0", "t1"], ElasticConfig(cooldown_s=0))
+    live(ctl, "r0", 8)
+    live(ctl, "r2", 1)
+    # 15 free slots: idle r1 goes to training at once (7 left), r2 would leave -1
+    (lent,) = ctl.step(BEHIND, now=0.0)
+    assert (lent.unit, lent.target) == ("r1", "train")
+    for _ in range(5):
+        ctl.end_session("r0", now=1.0)
+    (drain,) = ctl.step(BEHIND, now=2.0)  # 12 free: r2 drains, 4 stay
+    (cancel,) = ctl.step(PolicyInputs(0, 0, 1.0), now=3.0)  # dry: the drain is cancelled
+    assert (drain.unit, cancel.unit, cancel.target) == ("r2", "r2", "rollout")
+    assert "r1" not in [m.unit for m in ctl.moves]
+    # the trainer runs dry and a replica's worth of sessions queue: the borrowed r1 comes
+    # back, not a training unit of its own
+    (back,) = ctl.step(PolicyInputs(0, 8, 1.0), now=4.0)
+    assert (back.unit, back.target) == ("r1", "rollout")
