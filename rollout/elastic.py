@@ -361,7 +361,8 @@ class ElasticController:
                 : max(min(cancel, cfg.max_moves_per_step), 0)
             ]:
                 moves.append(self._move(unit, "rollout", now, "drain cancelled: rollout needs its slots"))
-            idle_units = round(inputs.trainer_idle * len(train))
+            # a saturated trainer has no unit to spare, whatever its idle fraction rounds to
+            idle_units = 0 if trainer_saturated else round(inputs.trainer_idle * len(train))
             if trainer_dry:
                 idle_units = max(idle_units, 1)
             keep = cfg.min_train

@@ -568,3 +568,15 @@ def test_a_borrowed_unit_goes_back_first_after_its_move_left_the_bounded_history
     # back, not a training unit of its own
     (back,) = ctl.step(PolicyInputs(0, 8, 1.0), now=4.0)
     assert (back.unit, back.target) == ("r1", "rollout")
+
+
+def test_a_saturated_trainer_lends_no_unit_to_queued_sessions():
+    train = [f"t{i}" for i in range(12)]
+    ctl = ElasticController.create(["r0", "r1"], train, ElasticConfig(cooldown_s=0))
+    live(ctl, "r0", 8)
+    live(ctl, "r1", 8)
+    # 5% idle is saturated; over 12 units it rounds to 1 "idle" unit, which the trainer
+    # with 20 shards waiting has not: lent, it would be drained back once the queue clears
+    saturated_and_queued = PolicyInputs(20, 8, 0.05)
+    assert ctl.step(saturated_and_queued, now=0.0) == []
+    assert ctl.units_in("train") == train
