@@ -225,6 +225,8 @@ class ElasticController:
     ) -> ElasticController:
         """A controller with the given rollout and training units."""
         config = config or ElasticConfig()
+        if len(set(rollout)) != len(rollout) or len(set(train)) != len(train):
+            raise ValueError(f"unit names must differ: rollout {rollout}, train {train}")
         if set(rollout) & set(train):
             raise ValueError(f"units {sorted(set(rollout) & set(train))} are in both rollout and train")
         if len(rollout) < config.min_rollout or len(train) < config.min_train:

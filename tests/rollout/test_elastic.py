@@ -202,6 +202,9 @@ def test_a_controller_keeps_a_bounded_history_of_its_moves(monkeypatch):
 def test_config_validation():
     with pytest.raises(ValueError, match="both rollout and train"):
         ElasticController.create(["a"], ["a"])
+    # two names for one unit would pass min_rollout=2 with a single rollout unit
+    with pytest.raises(ValueError, match="unit names must differ"):
+        ElasticController.create(["a", "a"], ["t"], ElasticConfig(min_rollout=2))
     with pytest.raises(ValueError):
         ElasticConfig(high_backlog=0)
     # at 2 shards and 2% idle a trainer would be dry and saturated at once: its drains were
