@@ -266,6 +266,8 @@ class ElasticController:
         unit.live_sessions += 1
         if now is not None:
             unit.session_starts.append(now)
+            if self.started is None:  # the rate's interval opens before the first session ends
+                self.started = now
 
     def end_session(self, name: str, now: float, started: float | None = None) -> Move | None:
         """A session on ``name`` ended; a drained replica goes to training here (its session boundary).
@@ -466,7 +468,7 @@ class ElasticController:
             self.finished_at.append((now, count))
 
     def rollout_rate(self, now: float) -> float:
-        """Sessions finished per second over the last ``rate_window_s`` (or since the first decision or finish)."""
+        """Sessions finished per second over the last ``rate_window_s`` (or since the first decision, session start or finish)."""
         if self.started is None:
             self.started = now
         while self.finished_at and self.finished_at[0][0] < now - self.config.rate_window_s:

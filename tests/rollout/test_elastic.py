@@ -583,3 +583,14 @@ def test_a_saturated_trainer_lends_no_unit_to_queued_sessions():
     saturated_and_queued = PolicyInputs(20, 8, 0.05)
     assert ctl.step(saturated_and_queued, now=0.0) == []
     assert ctl.units_in("train") == train
+
+
+def test_the_rollout_rate_counts_from_the_first_session_start():
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
+    ctl.begin_session("r0", now=0.0)
+    ctl.begin_session("r1", now=0.0)
+    ctl.end_session("r0", now=300.0, started=0.0)
+    # one session in 301 s, not one in the 1 s since it ended (at 100 unit-s a trajectory
+    # the trainer would keep 100 units busy)
+    ctl.step(PolicyInputs(20, 0, 0.0, train_unit_s_per_trajectory=100.0), now=301.0)
+    assert ctl.last_rollout_rate == pytest.approx(1 / 301)
