@@ -1,10 +1,10 @@
 """Elastic capacity between rollout and training (QwenGyre, arXiv 2609.33848).
 
 Capacity units (engine replicas on a cluster, worker processes here) each serve rollout
-or training. When the trainer is saturated and rollout can spare slots (or holds more
-replicas than the measured rates call for), the controller drains rollout replicas, the
-least loaded first: a draining replica takes no new sessions, and once it holds none the
-unit is handed to the trainer. With ``migrate_at_turns`` (the default) each of its live
+or training. When the trainer is saturated and rollout can spare slots (no session waits
+for one), or holds more replicas than the measured rates call for, the controller drains
+rollout replicas, the least loaded first: a draining replica takes no new sessions, and
+once it holds none the unit is handed to the trainer. With ``migrate_at_turns`` (the default) each of its live
 sessions moves, at its next turn boundary, to an accepting replica with a free slot
 (``migrate_session``; the new replica re-prefills the session's tokens, which the gateway
 keeps), so a replica drains in about a turn; without it, or when no slot is free, its
@@ -390,7 +390,8 @@ class ElasticController:
                 lost = cfg.sessions_per_replica - (0 if cfg.migrate_at_turns else unit.live_sessions)
                 if len(moves) == cfg.max_moves_per_step or accepting <= cfg.min_rollout:
                     break
-                spare = free - lost >= cfg.headroom_slots
+                # with sessions queued the next decision would cancel a drain for spare slots
+                spare = wanted == 0 and free - lost >= cfg.headroom_slots
                 over_target = target is not None and accepting > target
                 if not (spare or over_target):
                     break

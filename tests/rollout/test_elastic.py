@@ -594,3 +594,15 @@ def test_the_rollout_rate_counts_from_the_first_session_start():
     # the trainer would keep 100 units busy)
     ctl.step(PolicyInputs(20, 0, 0.0, train_unit_s_per_trajectory=100.0), now=301.0)
     assert ctl.last_rollout_rate == pytest.approx(1 / 301)
+
+
+def test_a_saturated_trainer_does_not_drain_what_queued_sessions_would_cancel():
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0))
+    for name in ("r0", "r1", "r2"):
+        live(ctl, name, 2)
+    # a replica's worth of sessions queue while the trainer is saturated: a drain for spare
+    # slots would be cancelled at the next decision (the queue wants a replica) and made
+    # again at the one after, its sessions moved each time
+    saturated_and_queued = PolicyInputs(20, 8, 0.0)
+    moves = [m for t in range(4) for m in ctl.step(saturated_and_queued, now=float(t))]
+    assert [(m.unit, m.target) for m in moves] == []
