@@ -137,6 +137,17 @@ class PolicyInputs:
     train_unit_s_per_trajectory: float | None = None
     unconsumed_trajectories: int | None = None
 
+    def __post_init__(self) -> None:
+        # a NaN idle fraction is neither dry nor saturated and failed only in round() later
+        if not 0 <= self.trainer_idle <= 1:
+            raise ValueError(f"trainer_idle must be a fraction in [0, 1], got {self.trainer_idle}")
+        cost = self.train_unit_s_per_trajectory
+        if cost is not None and not 0 <= cost < math.inf:
+            raise ValueError(f"train_unit_s_per_trajectory must be finite and >= 0, got {cost}")
+        counts = (self.unconsumed_shards, self.engine_queue_depth, self.unconsumed_trajectories or 0)
+        if min(counts) < 0:
+            raise ValueError(f"queue counts must be >= 0, got {self}")
+
 
 @dataclass(frozen=True)
 class Move:

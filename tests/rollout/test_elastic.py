@@ -606,3 +606,17 @@ def test_a_saturated_trainer_does_not_drain_what_queued_sessions_would_cancel():
     saturated_and_queued = PolicyInputs(20, 8, 0.0)
     moves = [m for t in range(4) for m in ctl.step(saturated_and_queued, now=float(t))]
     assert [(m.unit, m.target) for m in moves] == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"trainer_idle": float("nan")},
+        {"trainer_idle": 1.5},
+        {"train_unit_s_per_trajectory": float("inf")},
+        {"engine_queue_depth": -1},
+    ],
+)
+def test_policy_inputs_refuse_values_no_decision_can_use(bad):
+    with pytest.raises(ValueError, match="must be"):
+        PolicyInputs(**{"unconsumed_shards": 0, "engine_queue_depth": 8, "trainer_idle": 0.5} | bad)
