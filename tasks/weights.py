@@ -82,7 +82,9 @@ def build_base_version(
     publishing: this base is then published under the next number. A claim made by
     ``owner`` (the same on every retry of the caller) whose publish failed is taken back at
     once; one whose publish wrote version 0 whole and failed only to point ``LATEST`` at it
-    is used as it is; a latest base version with no ``weights`` row (its publish landed, its
+    is used as it is; a ``LATEST`` naming a version without a manifest is passed over for
+    the newest complete one below it, as ``WeightStore.load_newest`` does (with none below,
+    a ``FileNotFoundError`` saying what to do); a latest base version with no ``weights`` row (its publish landed, its
     row did not) is recorded, while a trainer's is left to the trainer. ``on_publish`` is
     called with the version once this call recorded it: of two flows that meet a version
     between its publish and its row, only the one whose row lands announces it."""
@@ -93,6 +95,20 @@ def build_base_version(
     except CorruptVersion as error:
         log(f"{error}: pointing it at the newest complete version")
         latest = weights.recover_latest()
+    if latest is not None and latest not in (complete := weights.list()):
+        # its folder deleted (by hand, a retention race): the trainer and the workers start
+        # from the newest complete version below it (WeightStore.load_newest)
+        below = [version for version in complete if version < latest]
+        if not below:
+            raise FileNotFoundError(
+                f"{store.url('weights', 'LATEST')} names weight version {latest}, which has no manifest, "
+                "and no complete version is below it: restore that version's folder, or delete LATEST "
+                "to warm-start the run again"
+            )
+        log(
+            f"LATEST names weight version {latest}, which has no manifest; using version {below[-1]} below it"
+        )
+        latest = below[-1]
     if latest is not None:
         log(f"run {config.run_id} already has weight version {latest}; not warm-starting")
         # a retry of a warm start whose row failed to land: its version was never announced

@@ -360,3 +360,27 @@ def test_a_garbled_latest_does_not_stop_a_flow_from_starting(tmp_path):
     assert build_base_version(config, log=lines.append) == 0
     assert weights.list() == [0] and weights.latest() == 0
     assert "LATEST holds '', not a version number" in lines[0]
+
+
+def test_a_latest_naming_a_deleted_version_is_passed_over_as_the_trainer_does(tmp_path):
+    """LATEST names a version whose folder was deleted (by hand, a retention race) before its
+    row was written: the warm start goes on from the newest complete version below it, as the
+    trainer and the workers do (``load_newest``); with none below, a one-line error says what to do."""
+    config = tiny_config(tmp_path / "runs", "warm-deleted", warm_start={"enabled": False})
+    assert build_base_version(config) == 0
+    weights = WeightStore(run_store(config))
+    model, tokenizer = build_tiny_model(config.model.tiny)
+    publish_policy(weights, model, tokenizer, step=3, parent=0)
+    weights.fs.rm(weights.version_path(1), recursive=True)
+    lines: list[str] = []
+    assert build_base_version(config, log=lines.append) == 0
+    assert "LATEST names weight version 1, which has no manifest; using version 0 below it" in lines[0]
+    assert weights.list() == [0]  # nothing warm-started
+    weights.fs.rm(weights.version_path(0), recursive=True)
+    with pytest.raises(
+        FileNotFoundError, match=r"names weight version 1, which has no manifest, and no"
+    ) as error:
+        build_base_version(config, log=lines.append)
+    assert "delete LATEST to warm-start the run again" in str(error.value) and "\n" not in str(error.value)
+    weights.fs.rm_file(f"{weights.root}/LATEST")
+    assert build_base_version(config) == 0 and weights.list() == [0]
