@@ -210,8 +210,8 @@ class WeightStore:
         store: the run's storage (local folder or S3).
         prefix: folder inside the run: ``weights`` for the policy; another name (e.g.
             ``value``) keeps a second model's versions and ``LATEST`` apart.
-        cache_dir: where versions from a remote store are downloaded for loading;
-            defaults to ``$TREADLE_CACHE`` or ``~/.cache/treadle``.
+        cache_dir: where loads put the versions they fetch (downloaded from S3, hard-linked
+            from a local folder); defaults to ``$TREADLE_CACHE`` or ``~/.cache/treadle``.
     """
 
     def __init__(self, store: RunStore, cache_dir: str | os.PathLike | None = None, prefix: str = "weights"):
@@ -583,12 +583,13 @@ class WeightStore:
         """A local directory holding ``part`` of ``version`` (default: latest), those files verified.
 
         ``part`` (see ``PARTS``): ``"serving"`` for an engine or an evaluation, ``"tokenizer"``
-        for a tokenizer alone, ``"all"`` for a trainer that resumes. On a local store that is
-        the version directory itself; on a remote store the part's files are downloaded into
-        ``cache_dir`` (re-used on the next call if they still verify, as is a cached copy of a
-        larger part), and a download deletes the cached versions the store no longer has (see
-        ``retain``). Raises ``CorruptVersion`` naming the first file whose sha256 differs or
-        that is missing; other versions are unaffected.
+        for a tokenizer alone, ``"all"`` for a trainer that resumes. The part's files are
+        fetched into ``cache_dir`` (downloaded from S3; hard-linked from a local folder, copied
+        where the cache is on another file system), so a retention deleting the version from
+        the store leaves the caller's copy whole. A cached copy is re-used on the next call if
+        it still verifies, as is a cached copy of a larger part, and a fetch deletes the cached
+        versions the store no longer has (see ``retain``). Raises ``CorruptVersion`` naming the
+        first file whose sha256 differs or that is missing; other versions are unaffected.
         """
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
@@ -596,20 +597,14 @@ class WeightStore:
             version = self.latest()
             if version is None:
                 raise FileNotFoundError(f"no weight version published in {self.store.url(self.prefix)}")
-        manifest = self.manifest(version)
-        files = part_files(manifest, part)
-        if not self.store.config.is_s3:
-            local = self.version_path(version)
-            self._verify(local, files, version)
-            return local
-        return self._download(version, manifest, part)
+        return self._fetch(version, self.manifest(version), part)
 
     def _cached(self, version: int, part: Part) -> Path:
         """Where ``part`` of ``version`` is cached (every file: the version's own folder)."""
         name = version_dir_name(version)
         return self.cache_dir / name if part == "all" else self.cache_dir / part / name
 
-    def _download(self, version: int, manifest: dict, part: Part) -> str:
+    def _fetch(self, version: int, manifest: dict, part: Part) -> str:
         files = part_files(manifest, part)
         final = self._cached(version, part)
         for larger in PARTS[: PARTS.index(part)]:
@@ -631,8 +626,8 @@ class WeightStore:
                 remote = posixpath.join(self.version_path(version), name)
                 (staging / name).parent.mkdir(parents=True, exist_ok=True)
                 try:
-                    self.fs.get_file(remote, str(staging / name))
-                except FileNotFoundError:
+                    self._fetch_file(remote, staging / name)
+                except (FileNotFoundError, IsADirectoryError):
                     raise _missing_file(version, name) from None
             Path(staging, MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
             self._verify(str(staging), files, version)
@@ -648,6 +643,20 @@ class WeightStore:
         except OSError as exc:  # the download itself is whole
             log.warning("could not tidy the weight cache %s: %s", self.cache_dir, exc)
         return str(final)
+
+    def _fetch_file(self, stored: str, local: Path) -> None:
+        """Put the store's file ``stored`` at ``local``: downloaded from S3; from a local
+        folder a hard link (the file outlives its version's deletion), or a copy where the
+        link cannot be made (another file system)."""
+        if self.store.config.is_s3:
+            self.fs.get_file(stored, str(local))
+            return
+        try:
+            os.link(stored, local)
+        except (FileNotFoundError, IsADirectoryError):
+            raise
+        except OSError:
+            shutil.copyfile(stored, local)
 
     def _forget_removed(self) -> None:
         """Delete the cached copies of versions no longer in the store (deleted by ``retain``),

@@ -663,6 +663,7 @@ def test_an_engine_actor_whose_start_version_was_pruned_restarts_on_the_latest(t
         try:
             before = await remote.pid()
             assert weights.retain(keep_last=1) == [1]
+            weights.load(2)  # the worker follows LATEST: its fetch forgets its copy of version 1
             return await killed_and_restarted(remote, before)
         finally:
             await remote.close()

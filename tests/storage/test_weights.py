@@ -367,6 +367,26 @@ def test_a_download_deletes_the_cached_copies_of_versions_the_store_no_longer_ha
     assert cached == ["tokenizer/v000002", "v000000", "v000003"]
 
 
+def test_a_version_loaded_stays_whole_when_a_retention_deletes_it_from_the_store(
+    store, tmp_path, tokenizer_dir
+):
+    """An engine that has just loaded a version reads its files after ``load`` returned: a
+    retention (``keep_last=1``) deleting that version from the store meanwhile leaves the
+    engine's copy whole, on a local folder as on S3."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    models = [tiny_llama(seed=seed) for seed in range(3)]
+    publish_model(weights, models[0], tokenizer_dir)
+    publish_model(weights, models[1], tokenizer_dir)
+    serving = weights.load(1, "serving")
+    publish_model(weights, models[2], tokenizer_dir)
+    assert weights.retain(keep_last=1) == [0, 1]
+    loaded = AutoModelForCausalLM.from_pretrained(serving).eval()
+    AutoTokenizer.from_pretrained(serving)
+    ids = torch.tensor([[1, 4, 5]])
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(models[1], ids), rtol=0, atol=0)
+    assert weights.load(2, "serving") != serving and not Path(serving).exists()  # forgotten at the next load
+
+
 def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
     store, tmp_path, tokenizer_dir, monkeypatch
 ):

@@ -252,7 +252,7 @@ def test_a_worker_loads_its_version_onto_a_vllm_server_that_holds_another(local_
         try:
             await worker.start()
             assert worker.version == worker.engines[0].version == 1
-            assert ("reload", weights.load(1)) in server.events
+            assert ("reload", weights.load(1, "serving")) in server.events
             prompt = [5, 6, 7, 8]
             generation = await worker.engines[0].generate(
                 "s", prompt, SamplingParams(max_new_tokens=4, seed=3)
@@ -443,7 +443,8 @@ def test_a_worker_starts_past_a_garbled_latest_and_below_a_version_that_does_not
     model_file = f"{weights.version_path(1)}/model.safetensors"
     local_store.fs.pipe_file(model_file, local_store.fs.cat_file(model_file)[:-1])
     assert asyncio.run(started()) == 0
-    local_store.fs.rm_file(f"{weights.version_path(0)}/config.json")
+    config_file = f"{weights.version_path(0)}/config.json"  # rewritten in place: its cached hard link too
+    local_store.fs.pipe_file(config_file, local_store.fs.cat_file(config_file)[:-1])
     with pytest.raises(
         CorruptVersion, match=r"worker w0 has no weights to serve: .*; restore the version's files"
     ):
