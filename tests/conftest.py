@@ -95,6 +95,19 @@ def kept_fresh(publish: Callable[[], None], every_s: float = 0.1) -> Iterator[No
         thread.join()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def weights_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Weight loads fetch into ``$TREADLE_CACHE``: a folder of this session's, not the
+    user's ``~/.cache/treadle`` (set for the processes the tests start too)."""
+    before = os.environ.get("TREADLE_CACHE")
+    os.environ["TREADLE_CACHE"] = str(tmp_path_factory.mktemp("weights-cache"))
+    yield
+    if before is None:
+        os.environ.pop("TREADLE_CACHE", None)
+    else:
+        os.environ["TREADLE_CACHE"] = before
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket() as sock:
