@@ -10,7 +10,7 @@ import asyncio
 import hmac
 from typing import Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from envs.base import Id, Task
@@ -71,20 +71,26 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
         return {"ok": True}
 
     @app.post("/process", dependencies=[Depends(authorize)])
-    async def process(body: ProcessRequest) -> dict[str, Any]:
+    async def process(body: ProcessRequest, http: Request) -> dict[str, Any]:
         request = RolloutRequest(
             task=body.task, execution_id=body.execution_id, group_id=body.group_id, seed=body.seed
         )
         if body.rollout_id:
             request.rollout_id = body.rollout_id
+        rollout = asyncio.create_task(service.process(request))
+        # the server never cancels a handler whose client went away: its rollout would hold a
+        # slot and its env until it ended, for no one (and a retry of it be refused meanwhile)
+        watch = asyncio.create_task(_cancel_when_gone(http, rollout))
         try:
-            result = await asyncio.create_task(service.process(request))
+            result = await rollout
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # this handler is cancelled, not the rollout alone
                 raise
             raise HTTPException(409, f"rollout {request.rollout_id} was cancelled") from None
         except DuplicateRollout as exc:
             raise HTTPException(409, str(exc)) from None
+        finally:
+            watch.cancel()
         response = result.summary()
         if body.include_tokens:
             response["record"] = result.record
@@ -101,6 +107,13 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
         return service.status()
 
     return app
+
+
+async def _cancel_when_gone(http: Request, rollout: asyncio.Task) -> None:
+    """Cancel ``rollout`` once the client of ``http`` (its body read) has disconnected."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+    rollout.cancel()
 
 
 class ServiceServer(AppServer):

@@ -821,6 +821,47 @@ def test_a_self_driving_program_whose_last_call_is_over_the_context_is_truncated
     assert result.reward == (1.0 if then == "ends" else 0.0)
 
 
+def test_a_client_that_drops_its_process_request_cancels_its_rollout(tiny):
+    """A client gone (its timeout ran out, its process died) gets no answer: its rollout
+    must not go on holding a slot and its env until it ends on its own (here: never)."""
+
+    async def body():
+        reached, never = asyncio.Event(), asyncio.Event()
+        envs = []
+
+        def make_env(task):
+            envs.append(HeldEnv("step", reached, never))
+            return envs[-1]
+
+        async with (
+            running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service,
+            ServiceServer(service) as server,
+        ):
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                call = asyncio.create_task(
+                    client.post(
+                        "/process",
+                        json={"task": arith_task().model_dump(), "rollout_id": "job-1"},
+                        headers={"Authorization": f"Bearer {server.token}"},
+                    )
+                )
+                await asyncio.wait_for(reached.wait(), 60)
+                call.cancel()  # closes the connection
+                with pytest.raises(asyncio.CancelledError):
+                    await call
+            try:
+                await asyncio.wait_for(ended(service), 60)
+                return envs[0].closed
+            finally:
+                never.set()  # lets the server stop when the rollout was left running
+
+    async def ended(service):
+        while service.status()["in_flight"]:
+            await asyncio.sleep(0.01)
+
+    assert asyncio.run(body())
+
+
 @pytest.mark.parametrize("seed", [2**70, -(2**63) - 1, 2**63])
 def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, seed):
     # the caller's mistake, not an env error: no rollout runs
