@@ -4,14 +4,70 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import secrets
 
 import uvicorn
+from starlette.exceptions import HTTPException
 
 
 def bearer_token(token: str | None) -> str:
     """``token``, or a fresh random one when none is given."""
     return token or secrets.token_urlsafe(24)
+
+
+MAX_BODY_BYTES = 256 * 2**20
+"""The largest request body a server reads; a larger one is refused (413) before it is read
+or parsed, as is one sent without a length that grows past it."""
+
+
+class _BodyTooLarge(HTTPException):
+    # an HTTPException, so that a FastAPI app reading the body answers it (413), not as a
+    # body it failed to parse (400)
+    def __init__(self, limit: int):
+        super().__init__(413, _too_large(limit))
+
+
+class _BodyLimit:
+    """ASGI wrapper of ``app`` that refuses a request body over ``limit`` bytes with a 413:
+    the app reads and parses a body before it checks the bearer token, so anyone who can
+    connect could otherwise have the server hold one as large as its memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.limit:
+            return await _refuse(send, self.limit)
+        received = 0
+
+        async def limited():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise _BodyTooLarge(self.limit)
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _BodyTooLarge:
+            await _refuse(send, self.limit)
+
+
+async def _refuse(send, limit: int) -> None:
+    body = json.dumps({"detail": _too_large(limit)})
+    await send(
+        {"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]}
+    )
+    await send({"type": "http.response.body", "body": body.encode()})
+
+
+def _too_large(limit: int) -> str:
+    return f"the request body is over {limit} bytes (or its Content-Length is not a number)"
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -31,10 +87,23 @@ class AppServer:
     """
 
     def __init__(
-        self, app, *, host: str = "127.0.0.1", port: int = 0, uds: str | None = None, name: str = "local"
+        self,
+        app,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        uds: str | None = None,
+        name: str = "local",
+        max_body_bytes: int = MAX_BODY_BYTES,
     ):
         config = uvicorn.Config(
-            app, host=host, port=port, uds=uds, log_level="warning", lifespan="off", access_log=False
+            _BodyLimit(app, max_body_bytes),
+            host=host,
+            port=port,
+            uds=uds,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
         )
         self.app = app
         self._server = _EmbeddedServer(config)

@@ -862,6 +862,31 @@ def test_a_client_that_drops_its_process_request_cancels_its_rollout(tiny):
     assert asyncio.run(body())
 
 
+@pytest.mark.parametrize("sent", ["with a length", "chunked"])
+def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(tiny, sent):
+    """The body is read and parsed before the bearer token is checked: without a limit,
+    anyone who can connect could make the server hold a body as large as its memory."""
+    body = b'{"task": "' + b"x" * 5000 + b'"}'
+
+    async def chunks():
+        for i in range(0, len(body), 1000):
+            yield body[i : i + 1000]
+
+    async def run():
+        async with (
+            running_service(tiny, ServiceConfig(max_new_tokens=4)) as service,
+            ServiceServer(service, max_body_bytes=4096) as server,
+        ):
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                refused = await client.post("/process", content=body if sent == "with a length" else chunks())
+                served = await client.get("/health")
+            return refused, served
+
+    refused, served = asyncio.run(run())
+    assert refused.status_code == 413 and "4096 bytes" in refused.json()["detail"]
+    assert served.status_code == 200
+
+
 @pytest.mark.parametrize("seed", [2**70, -(2**63) - 1, 2**63])
 def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, seed):
     # the caller's mistake, not an env error: no rollout runs
