@@ -713,6 +713,27 @@ def test_ray_engines_on_a_node_without_the_runs_local_folder_fail_the_start_in_o
     assert len(killed) == 2
 
 
+def recording_runner(record):
+    """A stand-in for ``RayTaskRunner`` that submits nothing: ``record(task, parameters)``
+    sees each submission, which returns the task's name."""
+
+    class RecordingRunner:
+        def __init__(self, address=None):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            pass
+
+        def submit(self, task, parameters):
+            record(task, parameters)
+            return task.name
+
+    return RecordingRunner
+
+
 @pytest.mark.parametrize(("device", "gpus", "seen"), [("cuda:1", 1, "cuda"), ("cpu", 0, "cpu")])
 def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, device, gpus, seen):
     """The train task asks Ray for a GPU when the trainer runs on CUDA: without it Ray could
@@ -726,22 +747,11 @@ def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, devi
 
     submitted = {}
 
-    class RecordingRunner:
-        def __init__(self, address=None):
-            pass
+    def record(task, parameters):
+        options = dict(RemoteOptionsContext.get().current_remote_options)
+        submitted[task.name] = (options, parameters["config"].trainer_device)
 
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc_info):
-            pass
-
-        def submit(self, task, parameters):
-            options = dict(RemoteOptionsContext.get().current_remote_options)
-            submitted[task.name] = (options, parameters["config"].trainer_device)
-            return task.name
-
-    monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", RecordingRunner)
+    monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(record))
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
     # this cluster has no GPU, on which the probe fails the run (see the test below)
     monkeypatch.setattr(ray_actors, "wait_placeable", lambda *args: None)
@@ -767,22 +777,11 @@ def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_
     from flows import pipeline
 
     submitted = []
-
-    class RecordingRunner:
-        def __init__(self, address=None):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc_info):
-            pass
-
-        def submit(self, task, parameters):
-            submitted.append(task.name)
-            return task.name
-
-    monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", RecordingRunner)
+    monkeypatch.setattr(
+        prefect_ray.task_runners,
+        "RayTaskRunner",
+        recording_runner(lambda task, parameters: submitted.append(task.name)),
+    )
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
     config = RunConfig(run_id="no-gpu", cluster="ray", trainer_device="cuda", engine={"load_timeout_s": 1})
 
