@@ -284,7 +284,8 @@ class ElasticController:
         """A session on ``name`` ended; a drained replica goes to training here (its session boundary).
 
         ``started``: the session's start time as given to ``begin_session`` (its length then
-        trains the session-length model).
+        trains the session-length model); refused without it when every live session on
+        ``name`` was begun with a time.
         """
         unit = self._unit(name)
         self._take_session(unit, started, "end")
@@ -300,7 +301,8 @@ class ElasticController:
     ) -> Move | None:
         """A live session moves from draining ``source`` to accepting ``target`` at a turn boundary.
 
-        ``started``: its start time as given to ``begin_session`` (it keeps its age). When
+        ``started``: its start time as given to ``begin_session`` (it keeps its age; required
+        as in ``end_session``). When
         ``source`` is left empty it goes to training here, as at a session end.
         """
         if not self.config.migrate_at_turns:
@@ -319,9 +321,14 @@ class ElasticController:
         return None
 
     def _take_session(self, unit: Unit, started: float | None, what: str) -> None:
-        """Take one live session (the one started at ``started``, when given) off ``unit``."""
+        """Take one live session (the one started at ``started``, else one begun without a time) off ``unit``."""
         if unit.live_sessions < 1:
             raise ValueError(f"unit {unit.name!r} has no live session to {what}")
+        if started is None and len(unit.session_starts) == unit.live_sessions:
+            # taking a timed session without its start would leave that start in the forecast for good
+            raise ValueError(
+                f"unit {unit.name!r}: its live sessions were begun with a time; pass started to {what} one"
+            )
         if started is not None:
             if started not in unit.session_starts:
                 raise ValueError(f"unit {unit.name!r} has no live session started at {started}")

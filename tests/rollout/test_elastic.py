@@ -620,3 +620,21 @@ def test_a_saturated_trainer_does_not_drain_what_queued_sessions_would_cancel():
 def test_policy_inputs_refuse_values_no_decision_can_use(bad):
     with pytest.raises(ValueError, match="must be"):
         PolicyInputs(**{"unconsumed_shards": 0, "engine_queue_depth": 8, "trainer_idle": 0.5} | bad)
+
+
+def test_ending_or_migrating_a_timed_session_without_its_start_is_refused_and_changes_nothing():
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
+    ctl.begin_session("r0", 0.0)
+    ctl.begin_session("r1", 0.0)
+    ctl.end_session("r1", 10.0, started=0.0)  # a length for the forecast: 10 s
+    with pytest.raises(ValueError, match="pass started to end one"):
+        ctl.end_session("r0", 5.0)
+    ctl.units["r0"].role = "draining"
+    with pytest.raises(ValueError, match="pass started to migrate one"):
+        ctl.migrate_session("r0", "r1", 5.0)
+    assert (ctl.units["r0"].live_sessions, ctl.units["r0"].session_starts) == (1, [0.0])
+    assert ctl.forecast_completions(5.0) == 1.0
+    ctl.begin_session("r1")  # one begun without a time ends without one
+    ctl.end_session("r1", 6.0)
+    ctl.end_session("r0", 8.0, started=0.0)
+    assert ctl.forecast_completions(8.0) == 0.0
