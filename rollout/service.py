@@ -580,6 +580,7 @@ class RolloutService:
                     actions = _ProgramActions(self.scheduler, env, request.rollout_id, clock)
                     attach_actions(actions)
             first = await self._stage("init", clock, lambda: self._watched(env, "reset", task))
+            self._park(env)
             if not drives_itself:
                 session.add_messages(first)
             stage = "run"
@@ -706,14 +707,26 @@ class RolloutService:
         if needs is None or self.scheduler is None:
             return await call()
         needs = dataclasses.replace(needs, trajectory_id=request.rollout_id)
+        pid = env.resource_pid()
         async with contextlib.AsyncExitStack() as stack:
             with clock.waiting_for_grant():
-                grant = await stack.enter_async_context(self.scheduler.run(needs, pid=env.resource_pid()))
+                grant = await stack.enter_async_context(self.scheduler.run(needs, pid=pid))
             env.cores = grant.cores or None
             try:
                 return await call()
             finally:
                 env.cores = None
+                # the grant's end parks ``pid``: a process the env restarted in the action is another
+                if env.resource_pid() != pid:
+                    self._park(env)
+
+    def _park(self, env: Env) -> None:
+        """Park the env's persistent process on the parking cores, when the scheduler pins: one
+        that ``reset`` started, or an action restarted, runs on all the worker's cores until then."""
+        cpu = None if self.scheduler is None else self.scheduler.cpu
+        pid = env.resource_pid()
+        if cpu is not None and pid is not None:
+            cpu.park(pid)
 
     def _reward_call(
         self, name: str, session: Session, clock: _Clock

@@ -141,6 +141,37 @@ def test_action_scheduler_pins_the_sandbox_to_the_granted_core_and_reclaims_it(t
     assert service.scheduler.policy.queued == 0
 
 
+class ResetOnlyPyTool(ScriptedPyTool):
+    """Answers at once: its interpreter, started by ``reset``, never runs an action."""
+
+    script = ("answer: 0",)
+
+
+class RestartedPyTool(ScriptedPyTool):
+    """Its first action ends the interpreter, which the env restarts; records the pids around each step."""
+
+    script = ("run: import os; os._exit(3)", "answer: 0")
+
+    async def step(self, action):
+        before = self.resource_pid()
+        result = await super().step(action)
+        self.pids = [*getattr(self, "pids", []), (before, self.resource_pid())]
+        return result
+
+
+@pytest.mark.parametrize("env_cls", [ResetOnlyPyTool, RestartedPyTool])
+def test_an_interpreter_started_by_reset_or_restarted_in_an_action_is_parked(tiny, env_cls):
+    config = ServiceConfig(max_new_tokens=4, timeout_s=120, scheduler="action", scheduler_cores=2)
+    service, env, result, _ = _run(tiny, config, env_cls, "pytool", hold_one_core=False)
+    assert result.status in ("ok", "truncated"), result.error
+    if env_cls is RestartedPyTool:
+        (first, restarted), _ = env.pids
+        assert None not in (first, restarted) and first != restarted  # a new interpreter
+    # not on all the worker's cores until its next action: on the parking core like the first
+    assert env.parked == {service.scheduler.cpu.parking}
+    assert service.scheduler.cpu.available == service.scheduler.cpu.pool
+
+
 class StatefulPyTool(ScriptedPyTool):
     """Sets a variable in one action and reads it in the next."""
 
