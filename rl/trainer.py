@@ -48,9 +48,10 @@ from rl.models import (
     publish_policy,
 )
 from storage.config import RunStore
+from storage.schema import SchemaError
 from storage.shards import ShardInfo, ShardReader
 from storage.status import HeldRole
-from storage.tables import Tables
+from storage.tables import Tables, conform
 from storage.weights import CorruptVersion, WeightStore
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ VALUE_MODEL_FILE = "value_model.safetensors"
 VALUE_OPTIMIZER_FILE = "value_optimizer.pt"
 NON_FINITE_POLICY = "non-finite policy parameters"
 NON_FINITE_CRITIC = "non-finite critic loss or gradient norm"
+MAX_UNWRITTEN_ROWS = 1000
+"""``train_steps`` rows whose append failed that the trainer keeps to append with the next
+row; past it the oldest are dropped."""
 
 
 def token_values(
@@ -220,6 +224,8 @@ class Trainer:
         self._rejected_since_publish = 0
         self._trained_since_publish = 0
         self._step_extra: Callable[[], dict] | None = None
+        self._unwritten_rows: list[dict] = []
+        """``train_steps`` rows whose append failed, oldest first: appended with the next row."""
         self.idle_seconds = 0.0
         """Seconds spent in waits for new shards that have ended."""
         self.waiting_since: float | None = None
@@ -572,7 +578,8 @@ class Trainer:
                 a last partial batch is trained instead of waiting for more data.
             drain_event: drain from the moment it is set (the producers have finished).
             step_extra: called before each step's row is written; what it returns is merged
-                into the row's ``extra`` (e.g. the elastic controller's inputs and moves).
+                into the row's ``extra`` (e.g. the elastic controller's inputs and moves); when
+                it raises, the row goes without and the training goes on.
             role: the run's trainer role, held by this trainer: it is read back before each
                 publish, and once it is lost (``role.lost``) the trainer stops and publishes
                 nothing more (another trainer took the run and trains from its latest
@@ -889,8 +896,7 @@ class Trainer:
             "train_tokens": total_train,
             "rejected": dict(self._rejected),
         }
-        if self._step_extra is not None:
-            extra.update(self._step_extra())
+        extra.update(self._step_extra_fields())
         row = {
             "step": self.step,
             "version": self.version,
@@ -910,10 +916,55 @@ class Trainer:
             "time": datetime.now(UTC),
             "extra": json.dumps(extra),
         }
-        self.tables.append("train_steps", [row])
+        self._log_step(row)
         self._dropped_stale = 0
         self._rejected = Counter()
         return StepMetrics(row=row, extra=extra)
+
+    def _step_extra_fields(self) -> dict:
+        """What ``step_extra`` adds to the step's ``extra``; nothing when it raises (the step
+        is taken already: a failure of its metrics must not stop the training)."""
+        if self._step_extra is None:
+            return {}
+        try:
+            return self._step_extra()
+        except Exception as exc:
+            logger.warning("step %d: step_extra failed, its train_steps row goes without: %r", self.step, exc)
+            return {}
+
+    def _log_step(self, row: dict) -> None:
+        """Append ``row`` to ``train_steps``, after the rows of earlier steps whose append failed.
+
+        A failure is logged, not raised: the step is taken and its rows marked consumed, so
+        the trainer goes on (the rows go into the next published version as usual) and keeps
+        the rows to append with the next one (the last step's is lost). An append that raised although its commit
+        landed makes a row twice, which :func:`~storage.tables.one_row_per_step` reads once.
+        """
+        try:
+            conform("train_steps", [row])
+        except SchemaError as exc:  # it would fail every later append it went with
+            logger.warning("step %d: its train_steps row is dropped: %s", row["step"], exc)
+            rows = self._unwritten_rows
+        else:
+            rows = [*self._unwritten_rows, row]
+        if not rows:
+            return
+        try:
+            self.tables.append("train_steps", rows)
+        except Exception as exc:
+            kept = rows[-MAX_UNWRITTEN_ROWS:]
+            logger.warning(
+                "could not append %d train_steps rows (steps %d to %d), kept for the next step's "
+                "append (%d dropped): %r",
+                len(rows),
+                rows[0]["step"],
+                rows[-1]["step"],
+                len(rows) - len(kept),
+                exc,
+            )
+            self._unwritten_rows = kept
+        else:
+            self._unwritten_rows = []
 
     def _reject_batch(self, samples: list[Sample], reason: str) -> None:
         logger.warning("rejected a batch of %d samples: %s", len(samples), reason)

@@ -295,6 +295,64 @@ def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
     assert sorted(consumed) == sorted([info.shard_id for info in infos] + [nan_id])
 
 
+def fail_first_train_steps_append(tables: Tables, monkeypatch) -> None:
+    """The first append to ``train_steps`` through ``tables`` times out; the later ones land."""
+    append = tables.append
+    failures = iter([OSError("timed out (injected)")])
+
+    def flaky(name, rows, *args, **kwargs):
+        failure = next(failures, None) if name == "train_steps" else None
+        if failure is not None:
+            raise failure
+        return append(name, rows, *args, **kwargs)
+
+    monkeypatch.setattr(tables, "append", flaky)
+
+
+def test_a_failed_train_steps_append_keeps_training_and_its_row_goes_with_the_next(
+    store, monkeypatch, caplog
+):
+    """The append of step 1's row fails after its optimizer step: the trainer goes on, every
+    row is consumed once in the published versions, and step 1's row lands with step 2's."""
+    infos = write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    trainer = Trainer(store, config())
+    fail_first_train_steps_append(trainer.tables, monkeypatch)
+    with caplog.at_level("WARNING"):
+        summary = trainer.run(drain=True)
+
+    assert (summary.stop_reason, summary.steps) == ("drained", 3)
+    assert "could not append 1 train_steps rows (steps 1 to 1)" in caplog.text
+    assert "timed out (injected)" in caplog.text
+    assert [row["step"] for row in read_steps(store)] == [1, 2, 3]
+    chain = version_chain(trainer.weights)
+    consumed = [shard for manifest in chain for shard in manifest["metadata"].get("consumed_shards", [])]
+    assert sorted(consumed) == sorted(info.shard_id for info in infos)
+    assert sum(manifest["metadata"].get("trained_samples", 0) for manifest in chain) == 12
+    assert chain[-1]["step"] == 3
+
+
+def test_a_failing_step_extra_leaves_its_row_without_it_and_training_goes_on(store, caplog):
+    infos = write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    trainer = Trainer(store, config())
+    calls = iter([RuntimeError("bad decision (injected)")])
+
+    def step_extra() -> dict:
+        failure = next(calls, None)
+        if failure is not None:
+            raise failure
+        return {"elastic": {"moves": []}}
+
+    with caplog.at_level("WARNING"):
+        summary = trainer.run(drain=True, step_extra=step_extra)
+
+    assert (summary.stop_reason, summary.steps) == ("drained", 3)
+    assert "step 1: step_extra failed" in caplog.text and "bad decision (injected)" in caplog.text
+    extras = [json.loads(row["extra"]) for row in read_steps(store)]
+    assert ["elastic" in extra for extra in extras] == [False, True, True]
+    consumed = [s for m in version_chain(trainer.weights) for s in m["metadata"].get("consumed_shards", [])]
+    assert sorted(consumed) == sorted(info.shard_id for info in infos)
+
+
 def test_rejects_a_shard_generated_with_another_tokenizer(store, tmp_path, caplog):
     weights = WeightStore(store)
     trainer = Trainer(store, config(token_budget=1000))
