@@ -42,7 +42,21 @@ def _not_blank(value: str) -> str:
     return value
 
 
-Id = Annotated[str, AfterValidator(_not_blank)]
+def _encodable(value: str) -> str:
+    # JSON may carry a lone surrogate ("\udc80"): no tokenizer or table can take it
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"holds a lone surrogate at character {exc.start}, which UTF-8 cannot encode"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_encodable)]
+"""A string UTF-8 can encode (no lone surrogate)."""
+
+Id = Annotated[Text, AfterValidator(_not_blank)]
 """An id: something other than whitespace (a blank id names nothing, and a trajectory that
 carries one is refused when its shard is written)."""
 
@@ -54,7 +68,7 @@ class Task(BaseModel):
 
     env: Id = Field(description="Name of the environment the task belongs to.")
     id: Id = Field(description="Stable id of the task (the prompt id).")
-    prompt: str = Field(description="First user message.")
+    prompt: Text = Field(description="First user message.")
     data: dict[str, Any] = Field(
         default_factory=dict, description="What the env needs to check it; never shown."
     )

@@ -8,14 +8,32 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from typing import Any
+import json
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
+from envs import registry
 from envs.base import Id, Task
 from rollout.http_server import AppServer, bearer_token
 from rollout.service import DuplicateRollout, RolloutRequest, RolloutService
+
+
+def _registered(name: str) -> str:
+    if name not in registry.REGISTRY:
+        raise ValueError(f"unknown environment {name!r}; known: {sorted(registry.REGISTRY)}")
+    return name
+
+
+class ProcessTask(Task):
+    """A task whose env is registered in this process: naming another is the caller's
+    mistake (a 422), not an env error of the service."""
+
+    env: Annotated[Id, AfterValidator(_registered)] = Field(
+        description="Name of the environment the task belongs to (a registered one)."
+    )
 
 
 class ProcessRequest(BaseModel):
@@ -23,7 +41,7 @@ class ProcessRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task: Task = Field(description="The task instance (env name, id, prompt, private data).")
+    task: ProcessTask = Field(description="The task instance (env name, id, prompt, private data).")
     rollout_id: Id | None = Field(
         None,
         description="Id to cancel it by; generated when left out. An id in flight is refused (409).",
@@ -65,6 +83,13 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     app = FastAPI(title="treadle rollout service")
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        # FastAPI's own answer echoes each bad input, and cannot encode one holding a lone
+        # surrogate (a 500); ASCII JSON escapes any in a location (a key of the body)
+        detail = [{key: error[key] for key in ("type", "loc", "msg")} for error in exc.errors()]
+        return Response(json.dumps({"detail": detail}), 422, media_type="application/json")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

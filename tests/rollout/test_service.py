@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -930,6 +931,55 @@ def test_a_blank_id_is_refused_with_422_before_any_rollout_runs(tiny, field, bla
     response, status = asyncio.run(body())
     assert response.status_code == 422
     assert response.json()["detail"][0]["loc"][-1] == field.split(".")[-1]
+    assert status["finished"] == {}
+
+
+async def refused_process(tiny, request: dict) -> tuple[httpx.Response, dict]:
+    """The answer of ``/process`` to ``request`` (as JSON escapes it: a lone surrogate is
+    ``\\udc80``) and the service's status after it."""
+    async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+        transport = httpx.ASGITransport(app=create_app(service, "token"))
+        async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+            response = await client.post(
+                "/process",
+                content=json.dumps(request),
+                headers={"Authorization": "Bearer token", "Content-Type": "application/json"},
+            )
+        return response, service.status()
+
+
+@pytest.mark.parametrize("env", ["nope", "arith\x00", "ARITH"])
+def test_a_task_of_an_unknown_environment_is_refused_with_422_naming_the_known_ones(tiny, env):
+    # the caller's mistake: not an env error of the service (nor a NUL written into its log)
+    request = {"task": arith_task().model_dump() | {"env": env}}
+    response, status = asyncio.run(refused_process(tiny, request))
+    assert response.status_code == 422
+    error = response.json()["detail"][0]
+    assert error["loc"][-2:] == ["task", "env"]
+    assert "unknown environment" in error["msg"] and "'arith'" in error["msg"] and "'shell'" in error["msg"]
+    assert status["finished"] == {}
+
+
+@pytest.mark.parametrize("field", ["task.prompt", "task.id", "rollout_id", "group_id"])
+def test_a_string_holding_a_lone_surrogate_is_refused_with_422_naming_its_field(tiny, field):
+    # UTF-8 cannot encode it: the prompt was an env error ("InvalidRequest during run")
+    request = {"task": arith_task().model_dump()}
+    if field.startswith("task."):
+        request["task"][field.removeprefix("task.")] = "what is 1 + 1? \udc80"
+    else:
+        request[field] = "r-\udc80"
+    response, status = asyncio.run(refused_process(tiny, request))
+    assert response.status_code == 422
+    error = response.json()["detail"][0]
+    assert error["loc"][-1] == field.split(".")[-1] and "lone surrogate" in error["msg"]
+    assert status["finished"] == {}
+
+
+def test_a_key_holding_a_lone_surrogate_is_refused_with_422_not_a_500(tiny):
+    # FastAPI's own answer echoes the body, which UTF-8 cannot encode
+    request = {"task": arith_task().model_dump(), "r-\udc80": 1}
+    response, status = asyncio.run(refused_process(tiny, request))
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body"]
     assert status["finished"] == {}
 
 
