@@ -107,7 +107,11 @@ class EvalConfig(BaseModel):
         allow_inf_nan=False,
         description="Sampling temperature (near-greedy by default; finite, >= 1e-5).",
     )
-    seed: int = Field(1234, description="Seed of the eval task set.")
+    seed: int = Field(
+        1234,
+        description="Seed of the eval task set and of its sampling (rollout i samples with seed "
+        "seed * SEED_STRIDE + i, as an orchestrator's do).",
+    )
 
 
 class StopConfig(BaseModel):

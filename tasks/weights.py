@@ -18,6 +18,7 @@ from envs.base import Split, Task, TooFewTasks
 from flows.config import RunConfig
 from rl.models import build_tiny_model, load_trained_policy, model_eos_ids, padding_id, publish_policy
 from rl.sft import supervised_warm_start
+from rollout.config import SEED_STRIDE
 from rollout.demos import demonstrations
 from rollout.engines.torch_engine import TorchEngine
 from rollout.evaluate import EvalResult, evaluate
@@ -292,8 +293,9 @@ def eval_tasks(config: RunConfig, name: str, split: Split = "eval") -> list[Task
 def evaluate_weights(config: RunConfig, version: int | None = None, split: Split = "eval") -> EvalResult:
     """Reward of weight ``version`` (when None, the newest that verifies, as a rollout worker
     serves: ``WeightStore.load_newest``) on :func:`eval_tasks` of ``split`` of every env in
-    the mix, recorded nowhere (``train``: how well the policy does on the problems it trains
-    on, beside the held-out ones)."""
+    the mix, rollout ``i`` sampling with seed ``eval.seed * SEED_STRIDE + i``, recorded
+    nowhere (``train``: how well the policy does on the problems it trains on, beside the
+    held-out ones)."""
     weights = WeightStore(run_store(config))
     if version is None:
         version, path = weights.load_newest("serving")
@@ -317,6 +319,7 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
                 service_config=config.service,
                 temperature=config.eval.temperature,
                 gateway_config=gateway_config,
+                seed=config.eval.seed * SEED_STRIDE,
             )
         finally:
             await engine.close()

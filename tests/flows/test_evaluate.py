@@ -13,7 +13,7 @@ from rl.models import load_policy, publish_policy
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import run_store
-from tasks.weights import build_base_version, eval_tasks, evaluate_task
+from tasks.weights import build_base_version, eval_tasks, evaluate_task, evaluate_weights
 from tests.flows.conftest import tiny_config
 
 
@@ -159,6 +159,43 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
     )  # fmt: skip
     evaluating(config, 2, reuse=True)
     assert len(calls) == len(otherwise) + 2, "a row without its setup was reused"
+
+
+def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tmp_path, monkeypatch):
+    """Rollout i samples with seed ``eval.seed * SEED_STRIDE + i``: the same seed measures the
+    same, another samples otherwise (every evaluation sampled with seeds 0..n-1, the seed
+    picking the tasks only). The tasks are held fixed, so only the sampling can differ."""
+    import tasks.weights
+    from rollout.config import SEED_STRIDE
+    from rollout.service import RolloutService
+
+    config = tiny_config(
+        tmp_path / "runs", "eval-seed", warm_start={"enabled": False}, eval={"temperature": 1.0}
+    )
+    base = build_base_version(config, log=lambda line: None)
+    fixed = {name: eval_tasks(config, name) for name in config.orchestrator.mix}
+    monkeypatch.setattr(tasks.weights, "eval_tasks", lambda config, name, split: fixed[name])
+    sampled = []
+    process = RolloutService.process
+
+    async def recording(self, request):
+        result = await process(self, request)
+        sampled.append((request.task.env, request.task.id, request.seed, tuple(result.record["tokens"])))
+        return result
+
+    monkeypatch.setattr(RolloutService, "process", recording)
+
+    def evaluation(seed: int):
+        sampled.clear()
+        seeded = config.model_copy(update={"eval": config.eval.model_copy(update={"seed": seed})})
+        return evaluate_weights(seeded, base), sorted(sampled)
+
+    (first, rollouts), (again, repeated) = evaluation(7), evaluation(7)
+    assert again == first and repeated == rollouts
+    assert sorted(seed for *_, seed, _ in rollouts) == [7 * SEED_STRIDE + i for i in range(len(rollouts))]
+    _, other = evaluation(8)
+    assert [task for *task, _, _ in other] == [task for *task, _, _ in rollouts]
+    assert [tokens for *_, tokens in other] != [tokens for *_, tokens in rollouts]
 
 
 def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fails_and_records_nothing(
