@@ -147,6 +147,11 @@ class RayEnv:
     async def evaluate(self) -> float:
         return await self._call("evaluate")
 
+    def resource_pid(self) -> None:
+        """None: the env's processes run on its actor's node, out of reach of this worker's
+        CPU manager (the actor's own cores bound them)."""
+        return None
+
     async def close(self) -> None:
         """Close the remote env and its sandbox; safe to call twice."""
         if self._opened and not self._closed:
