@@ -353,17 +353,23 @@ def test_a_failing_step_extra_leaves_its_row_without_it_and_training_goes_on(sto
     assert sorted(consumed) == sorted(info.shard_id for info in infos)
 
 
+def swapped_tokenizer(tokenizer, folder):
+    """``tokenizer`` saved in ``folder`` with two ids swapped: a vocabulary of the same size
+    that is another's."""
+    tokenizer.save_pretrained(folder)
+    data = json.loads((folder / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    first, second = sorted(vocab)[:2]
+    vocab[first], vocab[second] = vocab[second], vocab[first]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    return folder
+
+
 def test_rejects_a_shard_generated_with_another_tokenizer(store, tmp_path, caplog):
     weights = WeightStore(store)
     trainer = Trainer(store, config(token_budget=1000))
     policy, tokenizer = load_policy(weights.load(0))
-    foreign = tmp_path / "foreign-tokenizer"
-    tokenizer.save_pretrained(foreign)
-    data = json.loads((foreign / "tokenizer.json").read_text())
-    vocab = data["model"]["vocab"]
-    first, second = sorted(vocab)[:2]  # same size, two ids swapped
-    vocab[first], vocab[second] = vocab[second], vocab[first]
-    (foreign / "tokenizer.json").write_text(json.dumps(data))
+    foreign = swapped_tokenizer(tokenizer, tmp_path / "foreign-tokenizer")
     version = weights.publish(policy.state_dict(), policy.config.to_dict(), foreign)
 
     infos = write_shards(store, make_trajectories(store, 2, seed=7, version=version), per_shard=2, worker="f")
@@ -386,14 +392,9 @@ def test_rejects_a_shard_with_a_version_of_another_tokenizer_between_two_of_its_
     weights = WeightStore(store)
     trainer = Trainer(store, config(token_budget=1000))
     policy, tokenizer = load_policy(weights.load(0))
-    own, foreign = tmp_path / "own-tokenizer", tmp_path / "foreign-tokenizer"
+    own = tmp_path / "own-tokenizer"
     tokenizer.save_pretrained(own)
-    tokenizer.save_pretrained(foreign)
-    data = json.loads((foreign / "tokenizer.json").read_text())
-    vocab = data["model"]["vocab"]
-    first, second = sorted(vocab)[:2]  # same size, two ids swapped
-    vocab[first], vocab[second] = vocab[second], vocab[first]
-    (foreign / "tokenizer.json").write_text(json.dumps(data))
+    foreign = swapped_tokenizer(tokenizer, tmp_path / "foreign-tokenizer")
     other = weights.publish(policy.state_dict(), policy.config.to_dict(), foreign)
     back = weights.publish(policy.state_dict(), policy.config.to_dict(), own)
     assert (other, back) == (1, 2)
