@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
 from rollout.router import Router
 from rollout.tool_calls import TAGS, ToolCallFormat, tool_call_message
-from storage.schema import STATUSES
+from storage.schema import LOGPROB_SLACK, STATUSES
 
 _MARK = "\u2063treadle-assistant-content\u2063"
 _PROBE_TOOL = {
@@ -577,6 +577,12 @@ def _check_generation(generation: Generation, vocab_size: int) -> None:
         raise EngineError(f"engine {generation.engine!r} returned a token id outside the vocabulary")
     if not all(math.isfinite(x) for x in generation.logprobs):  # the HTTP reply cannot hold NaN either
         raise EngineError(f"engine {generation.engine!r} returned a log-prob that is not finite")
+    # a record holding either is refused when written, with its whole group, after the
+    # rollout counted as done
+    if any(x > LOGPROB_SLACK for x in generation.logprobs):
+        raise EngineError(f"engine {generation.engine!r} returned a log-prob above 0")
+    if any(v < 0 for v in generation.versions):
+        raise EngineError(f"engine {generation.engine!r} returned a negative weight version")
 
 
 class Gateway:

@@ -172,6 +172,9 @@ PROCESSED_TOKEN_COLUMNS = ("train_mask", "loss_weight")
 MAX_TURN = 32766
 """Highest turn index: the ``trajectories`` table counts turns (highest index + 1) in int16."""
 
+LOGPROB_SLACK = 1e-6
+"""How far above 0 an action token's log-prob may lie (float rounding) and still count as ≤ 0."""
+
 TOKEN_BLOCK = 1 << 18
 """Tokens the per-token checks look at in one go (a few hundred KiB per column)."""
 
@@ -336,7 +339,7 @@ def _token_problems(
     located = []
     if not logprobs_ok:
         nonfinite = np.unique(row_of_token[mask & ~np.isfinite(logprobs)])
-        positive = np.setdiff1d(row_of_token[mask & (logprobs > 1e-6)], nonfinite)
+        positive = np.setdiff1d(row_of_token[mask & (logprobs > LOGPROB_SLACK)], nonfinite)
         located.append((0, nonfinite, "logprobs", "non-finite log-prob on an action token"))
         located.append((0, positive, "logprobs", "positive log-prob on an action token"))
     if not versions_ok:
@@ -385,10 +388,10 @@ def _token_checks(
 
 
 def _bounded(logprobs: np.ndarray, where: np.ndarray | bool = True) -> bool:
-    """Whether every log-prob (where ``where``) is finite and ≤ 0 (1e-6 of slack)."""
+    """Whether every log-prob (where ``where``) is finite and ≤ 0 (:data:`LOGPROB_SLACK` of slack)."""
     highest = np.maximum.reduce(logprobs, where=where, initial=-np.inf)
     lowest = np.minimum.reduce(logprobs, where=where, initial=0)
-    return bool(highest <= 1e-6 and lowest > -np.inf)
+    return bool(highest <= LOGPROB_SLACK and lowest > -np.inf)
 
 
 def _rows_with_null_entries(column: pa.ChunkedArray) -> np.ndarray:

@@ -468,6 +468,12 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
             def a_nan_logprob(generation):
                 return dataclasses.replace(generation, logprobs=[math.nan, *generation.logprobs[1:]])
 
+            def a_positive_logprob(generation):
+                return dataclasses.replace(generation, logprobs=[0.5, *generation.logprobs[1:]])
+
+            def a_negative_version(generation):
+                return dataclasses.replace(generation, versions=[-1, *generation.versions[1:]])
+
             engine.generate = generate
             session = gateway.open(task="t", prompt_id="p")
             prompt = tiny[1].encode("What is 2 + 3?")
@@ -478,6 +484,8 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
                 (one_logprob_short, "returned 4 tokens, 3 log-probs and 4 versions"),
                 (outside_the_vocabulary, "a token id outside the vocabulary"),
                 (a_nan_logprob, "a log-prob that is not finite"),
+                (a_positive_logprob, "a log-prob above 0"),
+                (a_negative_version, "a negative weight version"),
             ]:
                 faults.append(fault)
                 with pytest.raises(EngineError, match=why):
