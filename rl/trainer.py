@@ -657,6 +657,8 @@ class Trainer:
                 with self._idle_lock:
                     self.idle_seconds += time.monotonic() - waited
                     self.waiting_since = None
+        if stop_reason != "abandoned":
+            self._flush_unwritten_rows()
         publish_pending = self._steps_since_publish or self._pending_consumption()
         if self.config.publish_on_stop and publish_pending and stop_reason != "abandoned":
             if role is None or role.holds():
@@ -950,8 +952,9 @@ class Trainer:
 
         A failure is logged, not raised: the step is taken and its rows marked consumed, so
         the trainer goes on (the rows go into the next published version as usual) and keeps
-        the rows to append with the next one (the last step's is lost). An append that raised although its commit
-        landed makes a row twice, which :func:`~storage.tables.one_row_per_step` reads once.
+        the rows to append with the next one, or as it stops (:meth:`_flush_unwritten_rows`).
+        An append that raised although its commit landed makes a row twice, which
+        :func:`~storage.tables.one_row_per_step` reads once.
         """
         try:
             conform("train_steps", [row])
@@ -978,6 +981,23 @@ class Trainer:
             self._unwritten_rows = kept
         else:
             self._unwritten_rows = []
+
+    def _flush_unwritten_rows(self) -> None:
+        """Append the ``train_steps`` rows whose append failed, as the trainer stops: no later
+        step's append takes them. One more failure is logged and they are lost."""
+        rows, self._unwritten_rows = self._unwritten_rows, []
+        if not rows:
+            return
+        try:
+            self.tables.append("train_steps", rows)
+        except Exception as exc:
+            logger.warning(
+                "could not append %d train_steps rows (steps %d to %d) as the trainer stops; they are lost: %r",
+                len(rows),
+                rows[0]["step"],
+                rows[-1]["step"],
+                exc,
+            )
 
     def _reject_batch(self, samples: list[Sample], reason: str) -> None:
         logger.warning("rejected a batch of %d samples: %s", len(samples), reason)

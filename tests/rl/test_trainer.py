@@ -295,10 +295,11 @@ def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
     assert sorted(consumed) == sorted([info.shard_id for info in infos] + [nan_id])
 
 
-def fail_first_train_steps_append(tables: Tables, monkeypatch) -> None:
-    """The first append to ``train_steps`` through ``tables`` times out; the later ones land."""
+def fail_first_train_steps_append(tables: Tables, monkeypatch, after: int = 0) -> None:
+    """The first append to ``train_steps`` through ``tables`` after ``after`` that landed
+    times out; the later ones land."""
     append = tables.append
-    failures = iter([OSError("timed out (injected)")])
+    failures = iter([None] * after + [OSError("timed out (injected)")])
 
     def flaky(name, rows, *args, **kwargs):
         failure = next(failures, None) if name == "train_steps" else None
@@ -329,6 +330,21 @@ def test_a_failed_train_steps_append_keeps_training_and_its_row_goes_with_the_ne
     assert sorted(consumed) == sorted(info.shard_id for info in infos)
     assert sum(manifest["metadata"].get("trained_samples", 0) for manifest in chain) == 12
     assert chain[-1]["step"] == 3
+
+
+def test_a_failed_train_steps_append_of_the_last_step_is_appended_as_the_trainer_stops(
+    store, monkeypatch, caplog
+):
+    """No step follows the last one to take its row along: the trainer appends it as it stops."""
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    trainer = Trainer(store, config())
+    fail_first_train_steps_append(trainer.tables, monkeypatch, after=2)
+    with caplog.at_level("WARNING"):
+        summary = trainer.run(drain=True)
+
+    assert (summary.stop_reason, summary.steps) == ("drained", 3)
+    assert "could not append 1 train_steps rows (steps 3 to 3)" in caplog.text
+    assert [row["step"] for row in read_steps(store)] == [1, 2, 3]
 
 
 def test_a_failing_step_extra_leaves_its_row_without_it_and_training_goes_on(store, caplog):
