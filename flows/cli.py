@@ -269,7 +269,10 @@ def _ui(args) -> None:
         watch = f"Flows show up there with `export PREFECT_API_URL={url}/api`."
     print(f"Prefect UI: {url}  (API {url}/api). {watch} Ctrl-C stops it.", flush=True)
     server = [prefect, "server", "start", "--host", args.host, "--port", str(args.port)]
-    with subprocess.Popen(server) as process:
+    # as the flows' own servers (flows.cli_args.parse): an offline machine's server logged an
+    # ERROR at every start, its telemetry unable to reach its host
+    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"} | os.environ
+    with subprocess.Popen(server, env=env) as process:
         try:
             code = process.wait()
         except KeyboardInterrupt:  # Ctrl-C reached the server too: it shuts down, then so do we

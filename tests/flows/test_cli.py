@@ -117,6 +117,30 @@ def test_a_run_whose_tables_cannot_be_read_is_a_one_line_error(local_store):
         assert "Json error" in result.stderr and len(result.stderr.splitlines()) == 1
 
 
+@pytest.mark.parametrize(("given", "server_sees"), [(None, "false"), ("true", "true")])
+def test_ui_starts_its_server_without_telemetry_unless_the_environment_asks_for_it(
+    tmp_path, given, server_sees
+):
+    """The server ``treadle ui`` started sent telemetry, which on an offline machine logged
+    an ERROR at every start (the flows' servers had it off already)."""
+    fake = tmp_path / "prefect"
+    fake.write_text(
+        f"#!{sys.executable}\nimport os\nprint(os.environ.get('PREFECT_SERVER_ANALYTICS_ENABLED'))\n"
+    )
+    fake.chmod(0o755)
+    probe = (
+        f"import shutil, flows.cli\nshutil.which = lambda *a, **k: {str(fake)!r}\nflows.cli.main(['ui'])\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_ANALYTICS_ENABLED"}
+    if given is not None:
+        env["PREFECT_SERVER_ANALYTICS_ENABLED"] = given
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=env, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[-1] == server_sees
+
+
 def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(local_store, capfd, monkeypatch):
     run = ("--run-id", local_store.run_id, "--set", f"storage.root={local_store.config.root}")
     no_run = treadle_here(capfd, monkeypatch, "run", "evaluate", *run)
@@ -517,7 +541,7 @@ def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, 
     started = []
 
     class Server:
-        def __init__(self, command):
+        def __init__(self, command, env=None):
             started.append(command)
 
         def __enter__(self):
