@@ -80,9 +80,21 @@ def missing_version(config: RunConfig, version: int | None) -> str | None:
     if version is not None and version not in published:
         return (
             f"weight version {version} does not exist in {store.url('weights')}; "
-            f"published: v{published[0]} to v{published[-1]} ({len(published)} in all)"
+            f"kept: {version_ranges(published)} ({len(published)} in all)"
         )
     return None
+
+
+def version_ranges(versions: list[int]) -> str:
+    """Ascending ``versions`` as their runs of consecutive versions: ``v0, v3 to v4`` (those
+    between them were pruned)."""
+    runs: list[list[int]] = []
+    for version in versions:
+        if runs and version == runs[-1][-1] + 1:
+            runs[-1].append(version)
+        else:
+            runs.append([version])
+    return ", ".join(f"v{run[0]}" if len(run) == 1 else f"v{run[0]} to v{run[-1]}" for run in runs)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.cli import TABLES, inspect_run, main
 from flows.cli_args import parse
 from flows.config import load_config
+from flows.evaluate import missing_version
 from flows.sql import connect, extension_paths
 from rl.models import TinyModelConfig, ensure_base_version
 from storage.config import RunStore, StorageConfig
@@ -152,9 +153,23 @@ def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(loc
     no_version = treadle_here(capfd, monkeypatch, "run", "evaluate", *run, "--version", "3")
     assert no_version.returncode == 1 and "Traceback" not in no_version.stderr
     assert (
-        "weight version 3 does not exist" in no_version.stderr
-        and "published: v0 to v0 (1 in all)" in no_version.stderr
+        "weight version 3 does not exist" in no_version.stderr and "kept: v0 (1 in all)" in no_version.stderr
     )
+
+
+def test_evaluating_a_pruned_version_names_the_versions_kept_not_a_range_holding_it(local_store):
+    """After pruning, a missing version 2 was reported as not existing among "v0 to v4"."""
+    weights = WeightStore(local_store)
+    for step in range(5):
+        weights.publish({"w": torch.zeros(2)}, {}, None, step=step, tag="base" if step == 0 else None)
+    weights.retain(2)
+    config = load_config(
+        overrides={"run_id": local_store.run_id, "storage": {"root": local_store.config.root}}
+    )
+    assert missing_version(config, 2) == (
+        f"weight version 2 does not exist in {local_store.url('weights')}; kept: v0, v3 to v4 (3 in all)"
+    )
+    assert missing_version(config, 3) is None
 
 
 def test_evaluating_on_an_unreachable_store_is_a_one_line_error_without_credentials(capfd, monkeypatch):
