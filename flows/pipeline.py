@@ -195,6 +195,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from flows.cli import reachable
     from flows.cli_args import parse
 
     config, _ = parse(
@@ -202,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         devices=pipeline_devices,
     )
+    reachable(run_store(config))
     pipeline(config)
 
 

@@ -57,7 +57,9 @@ def _worker_name(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from flows.cli import reachable
     from flows.cli_args import parse
+    from tasks.common import run_store
 
     config, args = parse(
         "Generate rollouts into raw shards.",
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         devices=rollout_devices,
     )
+    reachable(run_store(config))
     rollout(config, args.worker)
 
 
