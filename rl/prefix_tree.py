@@ -69,8 +69,10 @@ class PrefixTree:
 
     ``parent[i]`` is the path that path ``i`` branches from (−1 for a root) and
     ``shared[i]`` the number of leading tokens they have in common (0 for a root). The
-    tree is such that the common prefix of any two paths is the smallest ``shared`` on the
-    tree path between them (paths in different trees share nothing).
+    smallest ``shared`` on the tree path between two paths is a prefix they have in common
+    (paths in different trees share nothing): their whole common prefix for a tree built
+    from the tokens (:func:`tree_from_tokens`), a lower bound for one built from declared
+    links (:func:`tree_from_parents`: two siblings may agree past both branch points).
 
     Attributes:
         parent: ``(n,)`` int64.
