@@ -299,15 +299,20 @@ class RunStore:
             with refused_create_exists(path), self.fs.open(path, "xb") as out:
                 out.write(payload)
             return
-        # written aside and linked into place: a reader never sees the object empty
+        # written aside and linked into place: a reader never sees the object empty; on disk
+        # before it is linked, and its entry after: a power loss must not leave it there empty
+        # (a quota's link that does not parse would refuse every claim of the run for ever)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         temp = f"{path}.tmp-{uuid.uuid4().hex}"
         with open(temp, "wb") as out:
             out.write(payload)
+            out.flush()
+            os.fsync(out.fileno())
         try:
             os.link(temp, path)
         finally:
             os.unlink(temp)
+        fsync_path(os.path.dirname(path))
 
     def __getstate__(self) -> dict:
         # the filesystem holds live connections (s3fs: an aiobotocore session and its event

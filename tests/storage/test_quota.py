@@ -3,6 +3,7 @@ claimants race."""
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections import Counter
@@ -101,3 +102,23 @@ def test_a_claim_or_release_whose_create_reply_was_lost_counts_once(store, monke
     monkeypatch.undo()
     assert RunQuota(store, "rollouts", 10).claimed() == 1
     assert quota.claim(10) == 9
+
+
+def test_a_local_link_is_on_disk_before_its_claim_returns(local_store, monkeypatch):
+    """A link's bytes and its folder entry are flushed before the claim counts: after a power
+    loss an empty link (which does not parse) would refuse every claim of the run for ever."""
+    synced: set[tuple[int, int]] = set()
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        stat = os.fstat(fd)
+        synced.add((stat.st_dev, stat.st_ino))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    quota = RunQuota(local_store, "rollouts", 10)
+    assert quota.claim(4) == 4
+    link = os.stat(quota._path(0))
+    folder = os.stat(quota.folder)
+    assert (link.st_dev, link.st_ino) in synced
+    assert (folder.st_dev, folder.st_ino) in synced
