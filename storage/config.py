@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import os
 import posixpath
+import time
 import urllib.parse
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from functools import cached_property
 
 import aiobotocore.session
@@ -296,8 +296,12 @@ class RunStore:
         if not payload:  # s3fs writes an empty object without the condition
             raise ValueError("create_exclusive needs a non-empty payload")
         if self.config.is_s3:
-            with refused_create_exists(path), self.fs.open(path, "xb") as out:
-                out.write(payload)
+
+            def put() -> None:
+                with self.fs.open(path, "xb") as out:
+                    out.write(payload)
+
+            create_on_s3(path, put)
             return
         # written aside and linked into place: a reader never sees the object empty; on disk
         # before it is linked, and its entry after: a power loss must not leave it there empty
@@ -334,22 +338,33 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
-@contextlib.contextmanager
-def refused_create_exists(path: str) -> Iterator[None]:
-    """Raise ``FileExistsError`` for an S3 conditional create (If-None-Match) in the block that
-    the store refused because ``path`` exists (HTTP 412 PreconditionFailed).
+CONFLICT_ATTEMPTS = 6
+"""Attempts of an S3 conditional create that the store answers 409 ConditionalRequestConflict."""
+
+
+def create_on_s3(path: str, create: Callable[[], None]) -> None:
+    """Run ``create``, an S3 conditional create (If-None-Match) of ``path``; raise
+    ``FileExistsError`` when the store refuses it because ``path`` exists (HTTP 412
+    PreconditionFailed).
 
     s3fs raises ``FileExistsError`` only when the reply names the failed condition, as AWS's
     does; MinIO and other S3-compatible stores answer PreconditionFailed without it, which
-    s3fs turns into a plain ``OSError`` (EINVAL)."""
-    try:
-        yield
-    except FileExistsError:
-        raise
-    except OSError as exc:
-        response = getattr(exc.__cause__, "response", None) or {}
-        code = (response.get("Error") or {}).get("Code")
-        status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-        if code == "PreconditionFailed" or status == 412:
-            raise FileExistsError(errno.EEXIST, f"{path} exists (conditional create refused)") from exc
-        raise
+    s3fs turns into a plain ``OSError`` (EINVAL). AWS answers 409 ConditionalRequestConflict
+    while another write or a delete of the key is in progress (two claimants racing, a lease
+    released as another takes it) and asks for a retry, which then stores the object or
+    meets the winner's (412): it is tried again, ``CONFLICT_ATTEMPTS`` times in all."""
+    for attempt in range(1, CONFLICT_ATTEMPTS + 1):
+        try:
+            create()
+            return
+        except FileExistsError:
+            raise
+        except OSError as exc:
+            response = getattr(exc.__cause__, "response", None) or {}
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                raise FileExistsError(errno.EEXIST, f"{path} exists (conditional create refused)") from exc
+            if code != "ConditionalRequestConflict" or attempt == CONFLICT_ATTEMPTS:
+                raise
+        time.sleep(0.05 * 2**attempt)

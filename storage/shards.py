@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.config import RunStore, fsync_path, refused_create_exists
+from storage.config import RunStore, create_on_s3, fsync_path
 from storage.schema import (
     PROCESSED_SCHEMA,
     SCHEMA_KEY,
@@ -373,8 +373,10 @@ class ShardWriter:
         # built in memory, then one PUT (multipart when large) that is all or nothing, and
         # conditional on absence when exclusive
         payload = _ipc_bytes(table)
-        with refused_create_exists(path):
-            self.store.fs.pipe_file(path, payload.to_pybytes(), mode="create" if exclusive else "overwrite")
+        data = payload.to_pybytes()
+        create_on_s3(
+            path, lambda: self.store.fs.pipe_file(path, data, mode="create" if exclusive else "overwrite")
+        )
         return zlib.crc32(payload)
 
     def _write_local(self, path: str, table: pa.Table, exclusive: bool) -> int:

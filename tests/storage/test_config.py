@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import http.server
 import pickle
 import re
+import threading
+from collections.abc import Iterator
 
 import pytest
 from pydantic import ValidationError
 
-from storage.config import RunStore, StorageConfig
+from storage.config import RunStore, StorageConfig, create_on_s3
 
 
 @pytest.mark.parametrize(
@@ -155,3 +158,81 @@ def test_an_endpoint_scheme_in_capitals_is_served_as_written_in_lower_case():
 def test_an_empty_endpoint_is_no_endpoint():
     """An empty field (a cleared form field, ``--endpoint-url "$UNSET"``) means AWS's own endpoint."""
     assert StorageConfig(root="s3://bucket", endpoint_url="").endpoint_url is None
+
+
+CONFLICT = (409, "ConditionalRequestConflict", "A conflicting conditional operation is in progress.")
+EXISTS = (412, "PreconditionFailed", "At least one of the pre-conditions you specified did not hold")
+
+
+class ScriptedPuts(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint that answers each PUT with the next of ``server.answers`` (a status, an
+    error code and message; 200 with no code: stored) and counts them in ``server.puts``."""
+
+    def do_PUT(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.server.puts += 1
+        status, code, message = self.server.answers.pop(0)
+        body = (
+            b""
+            if code is None
+            else f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode()
+        )
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        if status == 200:
+            self.send_header("ETag", '"0"')
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def scripted_puts() -> Iterator[http.server.ThreadingHTTPServer]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), ScriptedPuts)
+    server.puts = 0
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+def _creates(store: RunStore) -> dict:
+    """The conditional creates of the store: a lease's, a quota link's or a weight claim's, and
+    a shard's (``ShardWriter._upload``)."""
+    return {
+        "create_exclusive": lambda path: store.create_exclusive(path, b"payload"),
+        "pipe_file": lambda path: create_on_s3(
+            path, lambda: store.fs.pipe_file(path, b"payload", mode="create")
+        ),
+    }
+
+
+@pytest.mark.parametrize("create", ["create_exclusive", "pipe_file"])
+@pytest.mark.parametrize(("after", "created"), [((200, None, None), True), (EXISTS, False)])
+def test_a_conditional_create_that_meets_a_write_in_progress_is_tried_again(
+    scripted_puts, create, after, created
+):
+    """AWS answers 409 ConditionalRequestConflict to a conditional create while another write
+    or a delete of the key is in progress (racing claimants, a lease released while another
+    takes it), and asks for a retry: it was raised as a storage error, failing the claim."""
+    config = StorageConfig(
+        root="s3://bucket/runs",
+        endpoint_url=f"http://127.0.0.1:{scripted_puts.server_port}",
+        access_key_id="k",
+        secret_access_key="s",
+        retries=1,
+    )
+    store = RunStore(config, "run")
+    scripted_puts.answers = [CONFLICT, CONFLICT, after]
+    if created:
+        _creates(store)[create](store.path("lease"))
+    else:
+        with pytest.raises(FileExistsError):
+            _creates(store)[create](store.path("lease"))
+    assert scripted_puts.puts == 3
