@@ -44,7 +44,8 @@ def connect(store: RunStore):
     config = store.config
     if config.is_s3:
         options = config.delta_options()
-        endpoint = (config.endpoint_url or "").removeprefix("http://").removeprefix("https://")
+        url = config.endpoint() or ""
+        endpoint = url.removeprefix("http://").removeprefix("https://")
         connection.execute(
             "CREATE SECRET (TYPE s3, KEY_ID ?, SECRET ?, SESSION_TOKEN ?, REGION ?, ENDPOINT ?, "
             "URL_STYLE 'path', USE_SSL ?)",
@@ -54,7 +55,7 @@ def connect(store: RunStore):
                 options.get("AWS_SESSION_TOKEN", ""),
                 options["AWS_REGION"],
                 endpoint or "s3.amazonaws.com",
-                not (config.endpoint_url or "").startswith("http://"),
+                not url.startswith("http://"),
             ],
         )
     tables = Tables(store)

@@ -51,6 +51,38 @@ def not_masked(value: SecretStr | None, *, what: str, env: str) -> SecretStr | N
     return value
 
 
+ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+"""Environment variables that name an S3 endpoint when ``endpoint_url`` is unset, first
+found first, as botocore reads them."""
+
+
+def checked_endpoint(value: str | None, name: str) -> str | None:
+    """The endpoint ``value`` (given as ``name``) with its scheme in lower case; None when
+    empty. Refused when it holds credentials or is not an http(s) URL with a host."""
+    # botocore writes the endpoint into its errors, which reach logs and flow run states
+    if value is not None and "@" in urllib.parse.urlsplit(value).netloc:
+        raise ValueError(
+            f"{name} holds credentials (user:password@); give them as access_key_id and "
+            "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
+        )
+    # deltalake panics on an endpoint without a scheme or with a bad port ("TokioMultiThreadExecutor
+    # has crashed"); the value is not echoed: a scheme-less one may hold credentials unnoticed above
+    if not value:  # a form's or a shell's empty field: no endpoint, as before the check
+        return None
+    parts = urllib.parse.urlsplit(value)
+    try:
+        valid = parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number in range
+        valid = False
+    if not valid:
+        raise ValueError(
+            f"{name} must be an http:// or https:// URL with a host and an optional port, "
+            "e.g. http://127.0.0.1:9000"
+        )
+    # in lower case: deltalake's plain-HTTP switch and duckdb's SSL flag go by "http://"
+    return parts._replace(scheme=parts.scheme.lower()).geturl()
+
+
 class StorageConfig(BaseModel):
     """Object storage for shards, Delta tables and weight versions.
 
@@ -67,7 +99,9 @@ class StorageConfig(BaseModel):
         "./runs", description="Local folder or S3 URL (s3://bucket/prefix) that holds every run."
     )
     endpoint_url: str | None = Field(
-        None, description="S3 endpoint for MinIO-compatible stores, e.g. http://127.0.0.1:9000."
+        None,
+        description="S3 endpoint for MinIO-compatible stores, e.g. http://127.0.0.1:9000; defaults to "
+        "AWS_ENDPOINT_URL_S3, else AWS_ENDPOINT_URL.",
     )
     region: str | None = Field(
         None, description="S3 region; defaults to AWS_REGION, else AWS_DEFAULT_REGION, else us-east-1."
@@ -124,34 +158,8 @@ class StorageConfig(BaseModel):
 
     @field_validator("endpoint_url")
     @classmethod
-    def _endpoint_holds_no_credentials(cls, value: str | None) -> str | None:
-        # botocore writes the endpoint into its errors, which reach logs and flow run states
-        if value is not None and "@" in urllib.parse.urlsplit(value).netloc:
-            raise ValueError(
-                "endpoint_url holds credentials (user:password@); give them as access_key_id and "
-                "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
-            )
-        return value
-
-    @field_validator("endpoint_url")
-    @classmethod
     def _endpoint_is_an_http_url(cls, value: str | None) -> str | None:
-        # deltalake panics on an endpoint without a scheme or with a bad port ("TokioMultiThreadExecutor
-        # has crashed"); the value is not echoed: a scheme-less one may hold credentials unnoticed above
-        if not value:  # a form's or a shell's empty field: no endpoint, as before the check
-            return None
-        parts = urllib.parse.urlsplit(value)
-        try:
-            valid = parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0
-        except ValueError:  # a port that is not a number in range
-            valid = False
-        if not valid:
-            raise ValueError(
-                "endpoint_url must be an http:// or https:// URL with a host and an optional port, "
-                "e.g. http://127.0.0.1:9000"
-            )
-        # in lower case: deltalake's plain-HTTP switch and duckdb's SSL flag go by "http://"
-        return parts._replace(scheme=parts.scheme.lower()).geturl()
+        return checked_endpoint(value, "endpoint_url")
 
     @field_validator("access_key_id", "secret_access_key", "session_token")
     @classmethod
@@ -161,6 +169,18 @@ class StorageConfig(BaseModel):
     @property
     def is_s3(self) -> bool:
         return self.root.startswith(tuple(f"{scheme}://" for scheme in S3_SCHEMES))
+
+    def endpoint(self) -> str | None:
+        """The S3 endpoint every client is given: ``endpoint_url``, else one the environment
+        names (:data:`ENDPOINT_ENV`). Left to each client, botocore took it from there and
+        deltalake too, but refused an http:// one (its plain-HTTP switch is set here), and
+        duckdb ignored it."""
+        if self.endpoint_url:
+            return self.endpoint_url
+        for name in ENDPOINT_ENV:
+            if endpoint := checked_endpoint(os.environ.get(name), name):
+                return endpoint
+        return None
 
     def _credentials(self) -> tuple[str | None, str | None, str | None, str]:
         """Key id, secret, session token and region, each from this config or else the
@@ -205,8 +225,8 @@ class StorageConfig(BaseModel):
             return fsspec.filesystem("file", auto_mkdir=True)
         key, secret, token, region = self._credentials()
         client_kwargs = {"region_name": region}
-        if self.endpoint_url:
-            client_kwargs["endpoint_url"] = self.endpoint_url
+        if endpoint := self.endpoint():
+            client_kwargs["endpoint_url"] = endpoint
         # botocore asks for "100-continue" before an upload's body, and aiohttp waits for that
         # answer with no timeout: an endpoint that accepts and never answers held it for ever
         session = aiobotocore.session.AioSession()
@@ -249,9 +269,9 @@ class StorageConfig(BaseModel):
             options |= {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
             if token:
                 options["AWS_SESSION_TOKEN"] = token
-        if self.endpoint_url:
-            options["AWS_ENDPOINT_URL"] = self.endpoint_url
-            if self.endpoint_url.startswith("http://"):
+        if endpoint := self.endpoint():
+            options["AWS_ENDPOINT_URL"] = endpoint
+            if endpoint.startswith("http://"):
                 options["AWS_ALLOW_HTTP"] = "true"
         return options
 

@@ -7,11 +7,14 @@ import pickle
 import re
 import threading
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
 from pydantic import ValidationError
 
+from flows.sql import connect
 from storage.config import RunStore, StorageConfig, create_on_s3
+from storage.tables import Tables
 
 
 @pytest.mark.parametrize(
@@ -236,3 +239,28 @@ def test_a_conditional_create_that_meets_a_write_in_progress_is_tried_again(
         with pytest.raises(FileExistsError):
             _creates(store)[create](store.path("lease"))
     assert scripted_puts.puts == 3
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"])
+def test_an_endpoint_the_environment_names_serves_files_tables_and_sql_alike(
+    s3_server, monkeypatch, variable
+):
+    """botocore takes an unset endpoint from the environment, and so did deltalake, which then
+    refused an http:// one ("URL scheme is not allowed"), and duckdb, which went to AWS."""
+    monkeypatch.setenv(variable, s3_server.endpoint_url)
+    config = s3_server.config().model_copy(update={"endpoint_url": None})
+    store = RunStore(config, f"env-endpoint-{variable.lower()}")
+    row = {"version": 3, "env": "arith", "reward": 0.5, "count": 2, "time": datetime.now(UTC)}
+    Tables(store).append("evals", [row])
+    store.fs.pipe_file(store.path("note"), b"x")
+    assert Tables(store).read("evals", ["version"]).column("version").to_pylist() == [3]
+    assert connect(store).execute("SELECT version, count FROM evals").fetchall() == [(3, 2)]
+    listed = s3_server.boto3_client().list_objects_v2(Bucket=s3_server.bucket, Prefix=f"runs/{store.run_id}/")
+    assert f"runs/{store.run_id}/note" in {item["Key"] for item in listed["Contents"]}
+
+
+def test_an_endpoint_the_environment_names_is_checked_as_the_field_is(monkeypatch):
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "minio:9000")
+    with pytest.raises(ValueError, match="AWS_ENDPOINT_URL must be an http:// or https:// URL"):
+        StorageConfig(root="s3://bucket").delta_options()
+    assert StorageConfig(root="./runs").delta_options() == {}
