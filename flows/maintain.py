@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from typing import Annotated, Any
 
 from prefect import flow, task
@@ -21,6 +22,9 @@ from storage.shards import MIN_SWEEP_AGE_S, sweep_uncommitted
 from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
+
+_ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
+"""The colours deltalake writes into its errors' chains of causes."""
 
 MIN_RETENTION_HOURS = math.ceil(MIN_SWEEP_AGE_S / 3600)
 """Smallest ``retention_hours``: a younger uncommitted shard file may still be committed by
@@ -102,9 +106,15 @@ def maintain(
 
 
 def _first_line(state: State) -> str:
-    """What failed ``state``'s task, without the backtrace deltalake appends to its errors."""
+    """What failed ``state``'s task, on one line: deltalake's causes (its lines marked ``↳``,
+    where a storage error says what the store answered) joined to its first line, without
+    the backtrace it appends."""
     error = state.result(raise_on_failure=False)
-    return (str(error).splitlines() or [type(error).__name__])[0]
+    lines = _ANSI_CODES.sub("", str(error)).splitlines()
+    if not lines:
+        return type(error).__name__
+    causes = [line.strip().removeprefix("↳").strip() for line in lines[1:] if line.strip().startswith("↳")]
+    return ": ".join([lines[0], *causes])
 
 
 def _at_least(minimum: int):

@@ -10,11 +10,13 @@ import time
 
 import pytest
 from prefect.exceptions import ParameterTypeError
+from prefect.states import Failed
 from prefect.utilities.callables import parameter_schema
 
-from flows.maintain import MIN_RETENTION_HOURS, maintain
+from flows.maintain import MIN_RETENTION_HOURS, _first_line, maintain
 from flows.maintain import main as maintain_main
 from rl.models import load_policy, publish_policy
+from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader, ShardWriter
 from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
@@ -239,3 +241,21 @@ def test_a_maintain_run_on_a_run_that_does_not_exist_fails_naming_it(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"run 'typo' is not at .*check storage\.root and run_id"):
         state.result()
     assert not root.exists()
+
+
+def test_a_storage_error_of_a_step_is_reported_on_one_line_with_what_the_store_answered(echoing_endpoint):
+    """deltalake puts a storage error's cause on the lines after its first ("Kernel error ->
+    Generic S3 error"), which alone named no cause in maintain's error."""
+    config = StorageConfig(
+        root="s3://bucket/runs",
+        endpoint_url=echoing_endpoint,
+        retries=0,
+        access_key_id="AKIAKEYID123",
+        secret_access_key="secret-456",
+    )
+    with pytest.raises(OSError) as raised:
+        Tables(RunStore(config, "r")).version("shards")
+    reported = _first_line(Failed(data=raised.value))
+    assert "\n" not in reported and "\x1b" not in reported
+    assert "400 Bad Request" in reported and "<Code>ExpiredToken</Code>" in reported, reported
+    assert "AKIAKEYID123" not in reported
