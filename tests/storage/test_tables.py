@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import posixpath
 import subprocess
@@ -578,6 +579,60 @@ def test_a_store_error_that_echoes_the_credentials_is_raised_without_them(echoin
         assert "ExpiredToken" in reported, reported
         for secret in ("AKIAKEYID123", "secret-456", "session-token-789"):
             assert secret not in reported
+
+
+class InstanceMetadata(http.server.BaseHTTPRequestHandler):
+    """An EC2 instance metadata service whose role's temporary credentials are ``CREDENTIALS``."""
+
+    CREDENTIALS = {
+        "Code": "Success",
+        "AccessKeyId": "ASIAINSTANCEROLE1234",
+        "SecretAccessKey": "instance-secret-456",
+        "Token": "instance-session-token-789",
+        "Expiration": "2099-01-01T00:00:00Z",
+    }
+
+    def do_PUT(self):  # the IMDSv2 session token
+        self._answer(b"imds-session")
+
+    def do_GET(self):
+        listing = self.path.rstrip("/").endswith("security-credentials")
+        self._answer(b"role" if listing else json.dumps(self.CREDENTIALS).encode())
+
+    def _answer(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_credentials_deltalake_finds_itself_are_masked_in_the_errors_that_echo_them(
+    echoing_endpoint, monkeypatch
+):
+    """With no credentials in the config or the environment deltalake takes an instance's (or a
+    pod's) role; the key id and session token AWS echoes went into the error unmasked, as only
+    the config's and the environment's were known to be masked."""
+    for variable in [name for name in os.environ if name.startswith("AWS_")]:
+        monkeypatch.delenv(variable)
+    metadata = http.server.ThreadingHTTPServer(("127.0.0.1", 0), InstanceMetadata)
+    thread = threading.Thread(target=metadata.serve_forever)
+    thread.start()
+    monkeypatch.setenv("AWS_METADATA_ENDPOINT", f"http://127.0.0.1:{metadata.server_port}")
+    try:
+        config = StorageConfig(root="s3://bucket/runs", endpoint_url=echoing_endpoint, retries=0)
+        with pytest.raises(OSError) as raised:
+            Tables(RunStore(config, "r")).version("weights")
+    finally:
+        metadata.shutdown()
+        thread.join()
+        metadata.server_close()
+    reported = "".join(traceback.format_exception(raised.value))
+    assert "ExpiredToken" in reported, reported
+    for secret in ("ASIAINSTANCEROLE1234", "instance-session-token-789", "instance-secret-456"):
+        assert secret not in reported
 
 
 class SlowDownOnDataFiles(http.server.BaseHTTPRequestHandler):
