@@ -16,7 +16,8 @@
   than the trainer's ``token_budget``). A trainer short of a batch while shards are still
   on their way to it (the processor lags) does not count: they will feed it.
 - **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
-  filtering a group whose rewards are all equal is dropped, slots are refilled at once,
+  filtering a group whose rewards are all equal (a timeout's counting as 0, as the trainer
+  trains it; env and infra errors left out) is dropped, slots are refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
   are cancelled. A group whose member fails outside the service's classification or is
   cut short by a stop goes on with the members that finished, as a smaller group.
@@ -49,6 +50,7 @@ from envs.base import Task
 from envs.threads import to_thread_to_the_end
 from rollout.config import SEED_STRIDE, OrchestratorConfig
 from rollout.service import RolloutRequest, RolloutResult, RolloutService
+from storage.schema import EXCLUDED_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -419,7 +421,9 @@ class Orchestrator:
         self._finish_group(group)
 
     def _finish_group(self, group: _Group) -> None:
-        scored = [r.reward for r in group.results if r.status in ("ok", "truncated") and r.reward is not None]
+        # as the trainer scores them: a timeout (no reward) is trained as a failure, reward 0
+        # (rl.processor.combine_reward); only env and infra errors are left out
+        scored = [r.reward or 0.0 for r in group.results if r.status not in EXCLUDED_STATUSES]
         uniform = len(set(scored)) <= 1
         if self.config.filter_uniform_groups and uniform:
             self.stats.groups_filtered += 1

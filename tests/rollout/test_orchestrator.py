@@ -64,12 +64,15 @@ async def run(
     trainer_queue=None,
     trainer_starved=None,
     quota=None,
+    service_config=None,
 ):
     model, tokenizer = tiny
     engine = TorchEngine(model, tokenizer, name="torch-0")
     gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
     service = RolloutService(
-        gateway, make_env or (lambda task: registry.make(task.env)), ServiceConfig(max_new_tokens=4)
+        gateway,
+        make_env or (lambda task: registry.make(task.env)),
+        service_config or ServiceConfig(max_new_tokens=4),
     )
     orchestrator = Orchestrator(
         service,
@@ -639,3 +642,30 @@ def test_a_group_member_failing_outside_the_service_leaves_the_others_written(ti
     _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: CoinEnv()))
     assert stats.finished == 3 and stats.cut_short == []
     assert sink.writes == [3] and stats.groups_kept == 1
+
+
+class OneTimesOutInFour(OneStuckInFour):
+    """Every fourth environment made never answers (its rollout times out); the others score 1."""
+
+    async def evaluate(self) -> float:
+        return 1.0
+
+
+def test_a_group_whose_members_all_scored_alike_but_one_timed_out_is_kept(tiny):
+    # the trainer trains a timeout as reward 0: rewards 1, 1, 1, 0 are an informative group
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=4)
+    OneStuckInFour.made = itertools.count()
+    _, stats = asyncio.run(
+        run(
+            tiny,
+            config,
+            streams("arith"),
+            sink,
+            make_env=lambda task: OneTimesOutInFour(),
+            service_config=ServiceConfig(max_new_tokens=4, timeout_s=5),
+        )
+    )
+    assert stats.groups_kept == 1 and stats.groups_filtered == 0
+    rewards = sorted((record["status"] == "timeout", record["reward"]) for record in sink.records)
+    assert rewards == [(False, 1.0)] * 3 + [(True, None)]
