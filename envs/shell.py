@@ -4,7 +4,8 @@ The shell survives between actions (``cd``, exported variables and files persist
 is sent as one ``eval $'…'`` line with stdin from ``/dev/null``, followed by a ``printf`` of an
 end marker that holds a fresh random nonce and the exit status, so neither the command's output
 nor a guess can fake the end of a command. The terminal is switched to non-canonical mode with
-echo off (no line-length limit, no echoed input) and bash runs without readline.
+echo off (no line-length limit, no echoed input), set again before each command, and bash runs
+without readline.
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ class Shell:
         attrs[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG)
         attrs[6][termios.VMIN] = 1
         attrs[6][termios.VTIME] = 0
-        termios.tcsetattr(self.fd, termios.TCSANOW, attrs)
+        self._modes = attrs
         self.run("PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m", wrap=False)
 
     @property
@@ -104,6 +105,9 @@ class Shell:
             raise SandboxError("died", "the shell is not running")
         config = self.sandbox.config
         timeout = config.timeout_s if timeout is None else timeout
+        # a command may have changed the terminal (``reset``, ``stty sane <&2``): echoed, the
+        # next command would show in its own output, and past 4095 bytes, cut, never end
+        termios.tcsetattr(self.fd, termios.TCSANOW, self._modes)
         nonce = secrets.token_hex(8)
         body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
         line = f"{body}\nprintf '\\036TRD{nonce}:%s\\036' \"$?\"\n"

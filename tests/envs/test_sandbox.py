@@ -289,6 +289,18 @@ def test_shell_persists_state_and_reports_exit_status():
         assert shell.run("cat", timeout=2).output == ""
 
 
+def test_a_command_that_resets_the_terminal_leaves_the_next_commands_as_they_were():
+    """A command that set the terminal back to its defaults (``reset``, ``stty sane``) left
+    echo on, so every later command showed in its own output, and canonical mode, where a
+    command line past 4095 bytes was cut and never ended (a timeout)."""
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        shell.run("stty sane <&2")
+        assert shell.run("echo hi").output == "hi\n"
+        long = "x" * 5000
+        assert shell.run(f"echo {long} | wc -c").output == "5001\n"
+
+
 def test_shell_dies_on_gigabytes_and_infinite_loop():
     with Sandbox(SMALL) as box:
         shell = Shell(box)
