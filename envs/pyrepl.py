@@ -6,8 +6,9 @@ the code in one persistent namespace, echoes the value of a final expression lik
 answers one JSON line (``{"id", "output", "error", "truncated"}``) on its original stdout.
 Output is captured from ``sys.stdout``/``sys.stderr`` and capped inside the server at
 ``max_output_bytes`` bytes of UTF-8; bytes that child processes write straight to file
-descriptors are discarded. A copy of the server that the code forks exits once the code is
-done in it, without answering or reading another request.
+descriptors are discarded. The code's stdin is ``/dev/null``: ``input()`` raises ``EOFError``
+rather than waiting on the request channel. A copy of the server that the code forks exits once
+the code is done in it, without answering or reading another request.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from envs.sandbox import (
 SERVER = r"""
 import ast, io, json, os, sys, traceback
 proto = os.fdopen(os.dup(1), "w")
-null = os.open(os.devnull, os.O_WRONLY)
-os.dup2(null, 1); os.dup2(null, 2)
+requests = os.fdopen(os.dup(0))
+null = os.open(os.devnull, os.O_RDWR)
+os.dup2(null, 0); os.dup2(null, 1); os.dup2(null, 2)
 CAP = int(sys.argv[1])
 server = os.getpid()
 proto.write("ready\n"); proto.flush()
@@ -64,7 +66,7 @@ class Capped(io.TextIOBase):
         return "".join(self.parts).encode("utf-8", "surrogatepass")[:CAP].decode("utf-8", "ignore")
 
 namespace = {"__name__": "__main__"}
-for line in sys.stdin:
+for line in requests:
     request = json.loads(line)
     code = request["code"]
     out = Capped(); sys.stdout = sys.stderr = out

@@ -802,6 +802,17 @@ def test_python_repl_keeps_namespace_and_contains_attacks():
         assert PythonRepl(box).run("'fresh'").output == "'fresh'\n"
 
 
+def test_python_repl_code_reads_an_empty_stdin():
+    """The code's stdin was the request channel: ``input()`` waited there for a line that
+    never came until the timeout killed the interpreter, its variables lost."""
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        repl.run("x = 1")
+        failed = repl.run("n = input()")
+        assert failed.error == "EOFError"
+        assert repl.run("import sys; sys.stdin.read(), x").output == "('', 1)\n"
+
+
 def test_python_repl_caps_output_in_bytes():
     """The cap counts UTF-8 bytes, whatever the reply's JSON escaping makes of them."""
     cap = SMALL.max_output_bytes
