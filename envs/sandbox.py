@@ -350,11 +350,21 @@ class Sandbox:
         """The full argv that runs ``cmd`` inside this sandbox."""
         if self.closed:
             raise SandboxError("died", "the sandbox is closed")
+        self._reopen_workdir()
         if self.backend == "bwrap":
             return [*self._user(), *self._limits(), *self._bwrap(), *cmd]
         if self.backend == "apptainer":
             return [*self._apptainer(), *cmd]
         return [*self._user(), *self._limits(), *_unshare_net_prefix(self.uid is not None), *cmd]
+
+    def _reopen_workdir(self) -> None:
+        """Give the working directory's owner back what a command took (``chmod 000 .``):
+        a process started there, a shell or interpreter in place of a killed one, could not
+        enter it, a failed start the model brought on that the env raised as its own failure."""
+        with contextlib.suppress(OSError):  # a caller's folder this worker does not own
+            mode = os.stat(self.workdir).st_mode
+            if mode & 0o700 != 0o700:
+                os.chmod(self.workdir, mode | 0o700)
 
     def popen_kwargs(self) -> dict:
         """Keyword arguments for ``subprocess.Popen`` of an :meth:`argv` (cwd, env, own session)."""

@@ -333,6 +333,21 @@ def test_a_shell_or_interpreter_killed_with_every_process_slot_taken_starts_afre
         assert start(box).run(probe).output == "7\n"
 
 
+@pytest.mark.parametrize(
+    ("start", "lock", "probe"),
+    [(Shell, "chmod 000 .; exit", "echo 7"), (PythonRepl, "import os; os.chmod('.', 0); os._exit(0)", "7")],
+)
+def test_a_shell_or_interpreter_that_locked_its_folder_and_died_starts_afresh(start, lock, probe):
+    """A command that took the working directory's permissions (``chmod 000 .``) left no
+    process able to start there: the shell or interpreter started in place of the dead one
+    could not enter it ('died', status 1), which the env raised as its own failure."""
+    with Sandbox(SMALL) as box:
+        with pytest.raises(SandboxError) as raised:
+            start(box).run(lock)
+        assert raised.value.kind == "died"
+        assert start(box).run(probe).output == "7\n"
+
+
 def test_a_closed_or_killed_shell_or_interpreter_is_no_longer_tracked():
     """Once reaped, its pid can lead another process's group by the time the sandbox
     closes, and closing the sandbox SIGKILLs the group of every pid it tracks."""
