@@ -134,6 +134,23 @@ def _rows(table, columns: list[str]) -> list[dict[str, Any]]:
     return table.select([c for c in columns if c in table.column_names]).to_pylist()
 
 
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|!&~])")
+"""What starts markdown's inline syntax or splits a table cell; a backslash makes each literal."""
+
+
+def _text(value: str) -> str:
+    """``value`` as literal markdown text, on one line: a ``|`` would split a table cell, a
+    line break end the row, a ``*`` or ``_`` start emphasis."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(value.splitlines()))
+
+
+def _link(url: str) -> str:
+    """A markdown link to ``url``, shown as itself: its destination in ``<…>``, where a space
+    or a parenthesis of a local root (``/data/my runs (old)``) does not end it."""
+    destination = re.sub(r"([<>\\])", r"\\\1", url)
+    return f"[{_text(url)}](<{destination}>)"
+
+
 def _loss(value: float | None) -> str:
     """A loss for the report's table; a dash where there is none (no critic in GRPO mode)."""
     return "—" if value is None else f"{value:.4f}"
@@ -229,7 +246,7 @@ def report_run(config: RunConfig) -> str:
     try:
         with store.fs.open(store.path(png_path), "wb") as out:
             out.write(png)
-        stored = f"Curves as stored: [{store.url(png_path)}]({store.url(png_path)})"
+        stored = f"Curves as stored: {_link(store.url(png_path))}"
     except TRANSIENT_ERRORS as exc:  # the curves are embedded below; a storage error must not fail the run
         log.warning("curves of run %s not written to %s: %r", config.run_id, store.url(png_path), exc)
         stored = "Curves not stored (see the run's logs)."
@@ -245,7 +262,7 @@ def report_run(config: RunConfig) -> str:
         "| version | env | reward | tasks measured |",
         "|---|---|---|---|",
         *(
-            f"| {r['version']} | {r['env']} | {r['reward']:.3f} | {r['count']} |"
+            f"| {r['version']} | {_text(r['env'])} | {r['reward']:.3f} | {r['count']} |"
             for r in _rows(evals, EVALS_COLUMNS)
         ),
         "",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 from datetime import UTC, datetime, timedelta
+from urllib.parse import unquote
+
+from markdown_it import MarkdownIt
 
 from storage.tables import Tables, conform
 from tasks import report
@@ -167,3 +170,35 @@ def test_the_evals_artifact_rounds_rewards_and_the_report_heads_its_count_as_tas
         "|---|---|---|---|",
         "| 1 | arith | 0.430 | 3 |",
     ]
+
+
+def test_the_report_keeps_its_link_and_table_whole_for_a_root_with_spaces_and_an_env_with_a_pipe(
+    tmp_path, monkeypatch
+):
+    """A local root may hold spaces and parentheses, and a registered env's name any
+    character: rendered as CommonMark with tables, the curves' link still points at the
+    stored PNG and each evals row keeps its four cells, the env shown as it is named."""
+    root = tmp_path / "my runs (old)_*x*_"
+    config = tiny_config(root, "odd")
+    row = {"version": 1, "env": "a|b_*c*_", "reward": 0.5, "count": 3, "time": START, "tasks": 3}
+    Tables(run_store(config)).append("evals", [row])
+    monkeypatch.setattr(report, "create_table_artifact", lambda rows, key, description: None)
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+
+    tokens = MarkdownIt("commonmark").enable("table").parse(report.report_run(config))
+
+    png = run_store(config).url("reports/curves.png")
+    inlines = [t.children for t in tokens if t.type == "inline"]
+    links = [
+        (unquote(child.attrGet("href")), "".join(c.content for c in children[i + 1 :] if c.type == "text"))
+        for children in inlines
+        for i, child in enumerate(children)
+        if child.type == "link_open"
+    ]
+    assert links == [(png, png)]
+    cells = [
+        "".join(c.content for c in tokens[i + 1].children)
+        for i, t in enumerate(tokens)
+        if t.type == "td_open"
+    ]
+    assert cells == ["1", "a|b_*c*_", "0.500", "3"]
