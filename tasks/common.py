@@ -155,10 +155,16 @@ def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[thread
         watcher.join()
 
 
+def run_resource(config: RunConfig) -> dict[str, str]:
+    """The resource of the run's events (``treadle.run.<run id>``), which the process
+    deployment's trigger matches (deployments/prefect.yaml)."""
+    return {"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id}
+
+
 def announce_version(config: RunConfig, version: int) -> None:
     """Emit ``treadle.weights.published`` for weight version ``version`` of the run."""
     emit_event(
         event="treadle.weights.published",
-        resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
+        resource=run_resource(config),
         payload={"version": version, "path": WeightStore(run_store(config)).version_url(version)},
     )

@@ -26,7 +26,7 @@ from storage.status import (
 )
 from storage.tables import Tables
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_resource, run_store, watch_signal
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +162,7 @@ def _emit(config: RunConfig, outcome: ProcessedShard) -> None:
         }
     emit_event(
         event="treadle.shard.processed",
-        resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
+        resource=run_resource(config),
         payload=payload,
     )
 

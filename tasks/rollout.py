@@ -25,7 +25,7 @@ from storage.status import (
     RolloutStatusBoard,
     wait_until_free,
 )
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_store, watch_signal
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_resource, run_store, watch_signal
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ def rollouts(
     def committed(info: ShardInfo) -> None:
         emit_event(
             event="treadle.shard.committed",
-            resource={"prefect.resource.id": f"treadle.run.{config.run_id}", "treadle.run_id": config.run_id},
+            resource=run_resource(config),
             payload={
                 "shard_id": info.shard_id,
                 "rows": info.num_rows,

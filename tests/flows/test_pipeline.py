@@ -45,7 +45,7 @@ def test_pipeline_artifacts_progress_tables_and_curves(pipeline_run):
     (markdown,) = by_type["markdown"]
     assert markdown.key == f"{key}-report"
     png_url = pipeline_run.store.url("reports", "curves.png")
-    assert f"]({png_url})" in markdown.data
+    assert f"](<{png_url}>)" in markdown.data
     assert "| step | version | reward |" in markdown.data
     with pipeline_run.store.fs.open(pipeline_run.store.path("reports/curves.png"), "rb") as png:
         stored = png.read()
