@@ -21,6 +21,7 @@ from flows.config import (
     load_config,
     missing_device,
     missing_path,
+    missing_ray,
     yaml_problem,
 )
 
@@ -40,13 +41,15 @@ def parse(
     extra=None,
     devices: Callable[[RunConfig], dict[str, str]] | None = None,
     paths: Callable[[RunConfig], str | None] | None = missing_path,
+    ray: bool = False,
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
     config error's message (naming the field) when it does not load, or when a field of
     ``devices(config)`` (field -> torch device: those the flow uses in this process, on
     either cluster) names a CUDA device this machine lacks, or ``paths(config)`` names a
     local path of the config that is missing (:func:`~flows.config.missing_path`, with what
-    the flow reads; None: a flow that reads none)."""
+    the flow reads; None: a flow that reads none), or, for a flow that runs on Ray (``ray``),
+    the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`)."""
     defaults = {
         # a fresh Prefect home migrates its database on the first start: slow on a busy machine
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
@@ -117,7 +120,11 @@ def parse(
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    problem = (missing_device(devices(config)) if devices else None) or (paths(config) if paths else None)
+    problem = (
+        (missing_device(devices(config)) if devices else None)
+        or (missing_ray(config) if ray else None)
+        or (paths(config) if paths else None)
+    )
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)

@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         "Warm start, run rollout, process and train at once, then evaluate and report.",
         argv,
         devices=pipeline_devices,
+        ray=True,
     )
     reachable(run_store(config))
     pipeline(config)

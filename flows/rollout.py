@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             help="Worker name (its shard folder; default: %(default)s).",
         ),
         devices=rollout_devices,
+        ray=True,
     )
     reachable(run_store(config))
     rollout(config, args.worker)

@@ -5,6 +5,7 @@ run or version that does not exist."""
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import os
 import shlex
@@ -701,6 +702,29 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_is_a_usage_error_before_a
     accepted = treadle_here(capfd, monkeypatch, "run", "rollout", "--worker", "gpu-0.b_1", "--set", root)
     assert accepted.returncode == 0
     assert [worker for _, worker in started] == ["gpu-0.b_1"]
+
+
+@pytest.mark.parametrize("missing", ["ray", "prefect_ray"])
+@pytest.mark.parametrize("flow", ["pipeline", "rollout"])
+def test_a_ray_run_without_the_ray_extra_is_a_usage_error_before_a_flow_run(
+    capfd, monkeypatch, tmp_path, flow, missing
+):
+    """As a missing GPU or path: one line and status 2 from the command line, with no flow
+    run started (the flow run's own check failed it, with Prefect's traceback)."""
+    module = importlib.import_module(f"flows.{flow}")
+    started = []
+    monkeypatch.setattr(module, flow, lambda *args: started.append(args))
+    monkeypatch.setitem(sys.modules, missing, None)  # its import then fails as if not installed
+    run = ("--set", f"storage.root={tmp_path / 'runs'}")
+    refused = treadle_here(capfd, monkeypatch, "run", flow, *run, "--set", "cluster=ray")
+    assert (refused.returncode, refused.stdout) == (2, "")
+    assert (
+        refused.stderr
+        == f"error: cluster is 'ray', but {missing} is not installed: pip install 'treadle[ray]'\n"
+    )
+    assert started == []
+    assert treadle_here(capfd, monkeypatch, "run", flow, *run).returncode == 0
+    assert len(started) == 1
 
 
 def test_one_processing_pass_over_a_run_that_does_not_exist_is_an_error_before_a_flow_run(
