@@ -27,7 +27,7 @@ def _store(args):
     ``--run-id``. Credentials come from the config file or the environment only."""
     from pydantic import ValidationError
 
-    from storage.config import RunStore, StorageConfig
+    from storage.config import RunStore, StorageConfig, run_id_problem
 
     storage: dict = {}
     run_id = args.run_id
@@ -41,6 +41,8 @@ def _store(args):
             _bad_input(str(exc))
         storage = dict(config.storage)
         run_id = run_id or config.run_id
+    if problem := run_id_problem(run_id):  # the flows refuse it: no run can have it
+        _bad_input(f"--run-id: {problem}")
     flags = {"root": args.root, "endpoint_url": args.endpoint_url, "region": args.region}
     try:
         return RunStore(StorageConfig(**storage | {k: v for k, v in flags.items() if v is not None}), run_id)
@@ -49,8 +51,8 @@ def _store(args):
             f"{'.'.join(map(str, e['loc']))}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()
         )
         _bad_input(f"invalid storage: {problems}")
-    except ValueError as exc:  # the run id
-        _bad_input(f"--run-id: {exc}")
+    except ValueError as exc:  # a root and run id deltalake cannot take
+        _bad_input(str(exc))
 
 
 def _bad_input(message: str) -> NoReturn:

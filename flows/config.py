@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import os
-import re
 import types
 import typing
 from collections.abc import Hashable
@@ -35,7 +34,7 @@ from rollout.config import EngineConfig, OrchestratorConfig, ServiceConfig
 from rollout.elastic import ElasticConfig
 from rollout.engines.base import MIN_TEMPERATURE
 from rollout.gateway import GatewayConfig
-from storage.config import StorageConfig
+from storage.config import RUN_ID_PATTERN, StorageConfig, run_id_problem
 
 
 class ConfigError(ValueError):
@@ -133,10 +132,6 @@ class StopConfig(BaseModel):
         "those of earlier flow runs it resumes from. Workers claim blocks of up to orchestrator.concurrency; "
         "a worker killed outright keeps its unused block, so the run can end that many short.",
     )
-
-
-RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
-"""A run id: letters, digits, ``_ . -``, starting with a letter or digit."""
 
 
 def schema_pattern(pattern: str) -> str:
@@ -261,10 +256,8 @@ class RunConfig(BaseModel):
     @field_validator("run_id")
     @classmethod
     def _run_id(cls, value: str) -> str:
-        if not re.fullmatch(RUN_ID_PATTERN, value):
-            raise ValueError(
-                "run_id may hold letters, digits, '_', '.', '-' and must start with a letter or digit"
-            )
+        if problem := run_id_problem(value):
+            raise ValueError(problem)
         return value
 
     @model_validator(mode="after")

@@ -42,6 +42,17 @@ S3_SCHEMES = ("s3", "s3a")
 root without ``://`` is a local folder."""
 
 
+RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
+"""A run id: letters, digits, ``_ . -``, starting with a letter or digit."""
+
+
+def run_id_problem(run_id: str) -> str | None:
+    """Why ``run_id`` cannot name a run (:data:`RUN_ID_PATTERN`), as one line; None when it can."""
+    if re.fullmatch(RUN_ID_PATTERN, run_id):
+        return None
+    return "run_id may hold letters, digits, '_', '.', '-' and must start with a letter or digit"
+
+
 def _delta_unsafe(path: str) -> str | None:
     """The first character of ``path`` in :data:`DELTA_UNSAFE`, if any."""
     return next((c for c in path if c in DELTA_UNSAFE), None)

@@ -428,7 +428,7 @@ def test_a_bad_run_id_or_root_is_a_one_line_error_without_credentials(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text("run_id: r\nstorage:\n  access_key_id: key-id-123\n  secret_access_key: secret-456\n")
     for args, problem in (
-        (("inspect", "--run-id", "a/b"), "error: --run-id: run_id must be a non-empty name without '/'"),
+        (("inspect", "--run-id", "a/b"), "error: --run-id: run_id may hold letters, digits, '_', '.', '-'"),
         (
             ("sql", "--run-id", "r", "--root", "", "SELECT 1"),
             "error: invalid storage: root: root must name a folder",
@@ -442,6 +442,24 @@ def test_a_bad_run_id_or_root_is_a_one_line_error_without_credentials(tmp_path):
         assert result.returncode == 2 and result.stderr.startswith(problem), result.stderr
         assert len(result.stderr.splitlines()) == 1
         assert "key-id-123" not in result.stderr and "secret-456" not in result.stderr
+
+
+@pytest.mark.parametrize("run_id", ["a b", "-a", ".a", "a/b", "a\n"])
+def test_inspect_and_sql_refuse_a_run_id_the_flows_refuse_with_their_message(
+    capfd, monkeypatch, tmp_path, run_id
+):
+    """They looked for the run and said it had no tables, as if a run could have that id."""
+    root = str(tmp_path / "runs")
+    flow = treadle_here(
+        capfd, monkeypatch, "run", "maintain", f"--run-id={run_id}", "--set", f"storage.root={root}"
+    )
+    assert flow.returncode == 2 and len(flow.stderr.splitlines()) == 1, flow.stderr
+    problem = flow.stderr.rpartition("run_id: ")[2]
+    assert problem.startswith("run_id may hold letters"), flow.stderr
+    for command in (("inspect",), ("sql", "SELECT 1")):
+        refused = treadle_here(capfd, monkeypatch, *command, "--root", root, f"--run-id={run_id}")
+        assert (refused.returncode, refused.stdout) == (2, "")
+        assert refused.stderr == f"error: --run-id: {problem}"
 
 
 def test_sql_without_a_statement_is_an_error(local_store):
