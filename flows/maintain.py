@@ -105,6 +105,27 @@ def maintain(
         }
 
 
+def summary(result: dict[str, Any]) -> str:
+    """What a :func:`maintain` run's result did, a short line per table and one each for the
+    weight versions and shard files it removed."""
+    lines = []
+    for table in result["tables"]:
+        optimize = table.get("optimize")
+        if optimize is None:
+            done = table["skipped"]
+        elif "skipped" in optimize:
+            done = f"not compacted, {optimize['skipped']}; vacuumed {table['vacuumed_files']} files"
+        else:
+            removed, added = optimize.get("numFilesRemoved", 0), optimize.get("numFilesAdded", 0)
+            compacted = f"compacted {removed} files into {added}" if removed else "nothing to compact"
+            done = f"{compacted}, vacuumed {table['vacuumed_files']} files"
+        lines.append(f"{table['table']}: {done}")
+    versions = result["removed_versions"]
+    lines.append(f"weight versions pruned: {', '.join(f'v{v}' for v in versions) if versions else 'none'}")
+    lines.append(f"uncommitted shard files deleted: {len(result['removed_shard_files'])}")
+    return "\n".join(lines)
+
+
 def _first_line(state: State) -> str:
     """What failed ``state``'s task, on one line: deltalake's causes (its lines marked ``↳``,
     where a storage error says what the store answered) joined to its first line, without
@@ -158,7 +179,7 @@ def main(argv: list[str] | None = None) -> None:
         paths=None,
     )
     existing_run(run_store(config), hint="storage.root and --run-id")
-    print(maintain(config, keep_last=args.keep_last, retention_hours=args.retention_hours))
+    print(summary(maintain(config, keep_last=args.keep_last, retention_hours=args.retention_hours)))
 
 
 if __name__ == "__main__":

@@ -113,6 +113,24 @@ def _run_with_history(tmp_path, run_id):
     return config, store, orphan
 
 
+def test_maintain_prints_a_short_summary_of_what_it_did(tmp_path, capsys):
+    """It printed its whole result dict on one line of hundreds of characters."""
+    config, store, orphan = _run_with_history(tmp_path, "maintain-summary")
+    root = config.storage.root
+    maintain_main(["--run-id", config.run_id, "--set", f"storage.root={root}", "--retention-hours", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-7:] == [
+        "shards: compacted 4 files into 1, vacuumed 0 files",
+        "trajectories: not created yet",
+        "train_steps: not created yet",
+        "weights: not created yet",
+        "evals: compacted 3 files into 1, vacuumed 0 files",
+        "weight versions pruned: none",
+        "uncommitted shard files deleted: 1",
+    ]
+    assert not os.path.exists(store.path(orphan))
+
+
 def _garble(store, table, version):
     with open(store.path("tables", table, "_delta_log", f"{version:020d}.json"), "w") as commit:
         commit.write('{"add": {"path": ')
