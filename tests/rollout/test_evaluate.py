@@ -11,6 +11,7 @@ import pytest
 from envs import registry
 from envs.arith import ArithEnv
 from envs.base import StepResult
+from envs.guess import GuessEnv
 from rollout import service as service_module
 from rollout.engines.torch_engine import TorchEngine
 from rollout.evaluate import evaluate
@@ -32,21 +33,40 @@ class HeldArith(ArithEnv):
         await super().close()
 
 
+class ScoredArith(ArithEnv):
+    """``arith`` whose episode scores 1 on tasks with an odd first operand, else 0."""
+
+    async def evaluate(self) -> float:
+        return float(self._require_task().data["a"] % 2)
+
+
+class ScoredGuess(GuessEnv):
+    """``guess`` whose every episode scores 0.25."""
+
+    async def evaluate(self) -> float:
+        return 0.25
+
+
 def test_scores_each_environment_of_the_eval_set(tiny):  # noqa: F811
+    """Each env's reward is the mean of its own rollouts' scores, not of the whole set's."""
     model, tokenizer = tiny
-    tasks = registry.task_set("arith", "eval", seed=0, n=3) + registry.task_set("guess", "eval", seed=0, n=2)
+    arith = registry.task_set("arith", "eval", seed=0, n=4)
+    tasks = arith + registry.task_set("guess", "eval", seed=0, n=2)
+    odd = sum(task.data["a"] % 2 for task in arith)
+    assert 0 < odd < len(arith)
+    envs = {"arith": ScoredArith, "guess": ScoredGuess}
 
     async def body():
         engine = TorchEngine(model, tokenizer, name="torch-0")
         try:
-            return await evaluate(engine, tokenizer, tasks, lambda task: registry.make(task.env))
+            return await evaluate(engine, tokenizer, tasks, lambda task: envs[task.env]())
         finally:
             await engine.close()
 
     result = asyncio.run(body())
-    assert result.count == {"arith": 3, "guess": 2}
-    assert all(0.0 <= reward <= 1.0 for reward in result.reward.values())
-    assert sum(sum(s.values()) for s in result.statuses.values()) == 5
+    assert result.count == {"arith": 4, "guess": 2}
+    assert result.reward == {"arith": pytest.approx(odd / 4), "guess": pytest.approx(0.25)}
+    assert sum(sum(s.values()) for s in result.statuses.values()) == 6
 
 
 class CrashingArith(ArithEnv):
