@@ -9,7 +9,7 @@ import random
 import pytest
 
 from rollout.engines.base import EngineError
-from rollout.router import HashRing, NoReplicas, Router, RouterConfig
+from rollout.router import HashRing, NoReplicas, Router, RouterConfig, _hash
 
 SESSIONS = [f"session-{i}" for i in range(4000)]
 
@@ -18,7 +18,6 @@ def test_ring_owner_is_first_point_clockwise():
     ring = HashRing(["a", "b", "c"], virtual_nodes=8)
     points = sorted(ring._points)
     owners = dict(zip(ring._points, ring._owners, strict=True))
-    from rollout.router import _hash
 
     for key in SESSIONS[:200]:
         h = _hash(key)
@@ -88,12 +87,19 @@ def test_bounded_load_reference_walk():
     eps = 0.05
     router = Router(_replicas(3), RouterConfig(policy="sticky", load_epsilon=eps, virtual_nodes=16))
     ring = HashRing(router.replicas, virtual_nodes=16)
+    clockwise = sorted(zip(ring._points, ring._owners, strict=True))
     loads = dict.fromkeys(router.replicas, 0)
+    past_second = 0
     for s in SESSIONS[:300]:
         capacity = math.ceil((1 + eps) * (sum(loads.values()) + 1) / 3)
-        expected = next((n for n in ring.walk(s) if loads[n] < capacity), ring.walk(s)[0])
+        h = _hash(s)
+        order = [o for p, o in clockwise if p > h] + [o for p, o in clockwise if p <= h]
+        walk = list(dict.fromkeys(order))
+        expected = next((n for n in walk if loads[n] < capacity), walk[0])
+        past_second += expected == walk[2]
         loads[expected] += 1
         assert router.route(s).name == expected
+    assert past_second > 0, "some sessions find their owner and the next replica both full"
 
 
 def test_adding_a_replica_keeps_assigned_sessions_and_new_sessions_remap_minimally():
