@@ -131,11 +131,21 @@ class CoinEnv(ArithEnv):
         return self.coin
 
 
+class EvenLosesCoinEnv(CoinEnv):
+    """``CoinEnv`` that scores every rollout of a task with an even first operand 0: its
+    groups are uniform."""
+
+    async def evaluate(self) -> float:
+        return 0.0 if self._require_task().data["a"] % 2 == 0 else self.coin
+
+
 def test_group_mode_filters_uniform_groups_refills_and_cancels_redundant(tiny):
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=8, group_size=4, target_groups=5)
     sink = ListSink()
-    _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: CoinEnv()))
-    assert stats.groups_kept == 5
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), sink, make_env=lambda task: EvenLosesCoinEnv())
+    )
+    assert stats.groups_filtered > 0 and stats.groups_kept == 5
     assert len(sink.records) == 20
     assert sink.writes == [4] * 5  # a group in one write, so that it lands in one shard
     groups = {}
