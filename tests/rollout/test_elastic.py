@@ -230,7 +230,23 @@ def test_never_a_live_session_on_a_training_unit(ops):
     ctl = ElasticController.create(
         ["r0", "r1", "r2"], ["t0"], ElasticConfig(high_backlog=5, low_backlog=1, cooldown_s=0)
     )
-    for t, (op, idx, shards, idle, train_s) in enumerate(ops):
+
+    def check():
+        for unit in ctl.units.values():
+            assert not (unit.role == "train" and unit.live_sessions), unit
+        assert len(ctl.units_in("rollout")) + len(ctl.units_in("draining")) >= 1
+        assert len(ctl.units_in("train")) >= 1
+
+    # every run starts with a saturated trainer draining a replica that holds two sessions,
+    # one of which then ends: the drain must wait for the other
+    for name in ["r0", "r1", "r2"] * 2:
+        ctl.begin_session(name)
+    ctl.step(PolicyInputs(30, 0, 0.0), 0.0)
+    check()
+    (draining,) = ctl.units_in("draining")
+    ctl.end_session(draining, 0.0)
+    check()
+    for t, (op, idx, shards, idle, train_s) in enumerate(ops, start=1):
         if op == "begin" and ctl.routable():
             ctl.begin_session(ctl.routable()[idx % len(ctl.routable())])
         elif op == "end":
@@ -239,10 +255,7 @@ def test_never_a_live_session_on_a_training_unit(ops):
                 ctl.end_session(live[idx % len(live)], float(t))
         else:
             ctl.step(PolicyInputs(shards, 8 * idx, 1.0 if idle else 0.0, train_s), float(t))
-        for unit in ctl.units.values():
-            assert not (unit.role == "train" and unit.live_sessions), unit
-        assert len(ctl.units_in("rollout")) + len(ctl.units_in("draining")) >= 1
-        assert len(ctl.units_in("train")) >= 1
+        check()
 
 
 def test_simulated_pipeline_drains_without_interrupting_rollouts():
