@@ -235,6 +235,22 @@ def test_disable_dropout_switches_off_the_dropout_a_model_reads_from_its_config(
         torch.testing.assert_close(policy(ids).logits, policy(ids).logits, rtol=0, atol=0)
 
 
+def test_disable_dropout_switches_off_every_dropout_module():
+    """GPT-2 applies ``nn.Dropout`` modules built from its config: zeroing the config after
+    construction leaves their ``p`` as it was."""
+    policy = tiny_causal_lm("gpt2", vocab_size=64)
+    dropouts = [module for module in policy.modules() if isinstance(module, torch.nn.Dropout)]
+    assert dropouts
+    for module in dropouts:
+        module.p = 0.5
+    policy.train()
+    disable_dropout(policy)
+    assert [module.p for module in dropouts] == [0.0] * len(dropouts)
+    ids = torch.randint(4, 64, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(policy(ids).logits, policy(ids).logits, rtol=0, atol=0)
+
+
 def test_value_model_round_trips_through_its_own_weight_store(tiny, store, tmp_path):
     policy, tokenizer = tiny
     policy_weights = WeightStore(store, cache_dir=tmp_path / "cache")
