@@ -151,6 +151,9 @@ class Orchestrator:
             rollouts launch only as far as claims on it are granted (a block of up to
             ``concurrency`` at a time), and what did not finish is given back at the end.
             Without it ``max_rollouts`` counts this orchestrator's rollouts alone.
+        stop_launching: an outside stop (the run's stop signal, raised on another thread):
+            once it returns True no rollout launches; those in flight go on until :meth:`stop`
+            or they finish, and the run ends when none is left.
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class Orchestrator:
         trainer_starved: Callable[[], bool] | None = None,
         on_result: Callable[[RolloutResult], None] | None = None,
         quota: Quota | None = None,
+        stop_launching: Callable[[], bool] | None = None,
     ):
         self.service = service
         self.tasks = dict(tasks)
@@ -174,6 +178,7 @@ class Orchestrator:
         self.trainer_starved = trainer_starved
         self.on_result = on_result
         self.quota = quota
+        self.stop_launching = stop_launching
         self._granted = 0
         """Rollouts the quota granted this orchestrator."""
         self._quota_spent = False
@@ -228,6 +233,10 @@ class Orchestrator:
             return True
         return cfg.target_groups is not None and self.stats.groups_kept >= cfg.target_groups
 
+    def _no_more_launches(self) -> bool:
+        """Done, or stopped launching from outside (``stop_launching``)."""
+        return self._done() or (self.stop_launching is not None and self.stop_launching())
+
     def _started(self) -> int:
         return sum(c.started for c in self.stats.tasks.values())
 
@@ -274,7 +283,7 @@ class Orchestrator:
         orchestrator before now grants the next group: other workers give back what they did
         not use (stopped, cut short, lost), and a worker still running takes it up. Claimed
         once each time the orchestrator runs dry, so never in a loop against storage."""
-        if self.quota is None or not self._quota_spent or self._done():
+        if self.quota is None or not self._quota_spent or self._no_more_launches():
             return False
         self._quota_spent = False
         return await self._may_launch()
@@ -296,7 +305,7 @@ class Orchestrator:
         if self.backlog is None and self.trainer_queue is None:
             return
         started = time.perf_counter()
-        while not self._done() and self._trainer_lags():
+        while not self._no_more_launches() and self._trainer_lags():
             with contextlib.suppress(TimeoutError):
                 job = await asyncio.wait_for(self._completed.get(), self.config.backpressure_poll_s)
                 if job is not None:
@@ -339,12 +348,12 @@ class Orchestrator:
             while not self._done():
                 while (
                     len(self._in_flight) + self.config.group_size <= self.config.concurrency
-                    and not self._done()
+                    and not self._no_more_launches()
                     and not self._launched_enough()
                 ):
                     await self._wait_for_trainer()
                     # _may_launch may wait on storage: a stop() can land meanwhile
-                    if self._done() or not await self._may_launch() or self._done():
+                    if self._no_more_launches() or not await self._may_launch() or self._no_more_launches():
                         break
                     self._launch_group()
                 if not self._in_flight:

@@ -119,6 +119,8 @@ class RolloutWorker:
         before_commit: called before each raw shard is written; it raises
             :class:`~storage.status.InUse` once another worker took this one's name, and the
             shard is not committed (``close`` then raises it at once, without retrying).
+        stop_launching: the orchestrator's outside stop, looked at before each launch
+            (``Orchestrator``'s ``stop_launching``).
     """
 
     def __init__(
@@ -145,6 +147,7 @@ class RolloutWorker:
         trainer_poll_s: float = 0.25,
         close_retry_s: tuple[float, ...] = (1.0, 2.0, 4.0),
         before_commit: Callable[[], None] | None = None,
+        stop_launching: Callable[[], bool] | None = None,
     ):
         self.store = store
         self.name = name
@@ -170,6 +173,7 @@ class RolloutWorker:
         self.weight_poll_s = weight_poll_s
         self.close_retry_s = close_retry_s
         self.on_result = on_result
+        self.stop_launching = stop_launching
         self.cluster = cluster
         self._make_env = make_env
         self.engines: list[Engine] = []
@@ -292,6 +296,7 @@ class RolloutWorker:
             trainer_starved=self.trainer_starved,
             on_result=self.on_result,
             quota=self.quota(),
+            stop_launching=self.stop_launching,
         )
         return self
 

@@ -79,8 +79,9 @@ def run_rollouts(
     flush_records: int = 64,
     flush_seconds: float = 10.0,
 ) -> dict[str, Any]:
-    """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``;
-    ``on_shard`` is called (on the worker's commit thread) with each raw shard it commits. Every
+    """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``:
+    no rollout launches once ``stop`` is set, and those in flight are cut short at the next
+    beat (the run ends sooner once none is left); ``on_shard`` is called (on the worker's commit thread) with each raw shard it commits. Every
     ``progress_every_s`` (and once at start and at the end) the worker publishes its engine
     queue depth, live sessions and each replica's pinned sessions and drain state to
     ``status/rollout/<worker_name>.json`` for the trainer (``storage.status``); ``on_progress``
@@ -127,7 +128,7 @@ def run_rollouts(
         # two writers under one name would interleave its shard numbers, which the trainer
         # reads in order
         worker, env_pool = _build_worker(
-            config, worker_name, flush_records, flush_seconds, on_shard, role.require
+            config, worker_name, flush_records, flush_seconds, on_shard, role.require, stop
         )
     except BaseException:
         loading.stop()
@@ -230,10 +231,11 @@ def _build_worker(
     flush_seconds: float,
     on_shard: Callable[[ShardInfo], None] | None,
     before_commit: Callable[[], None],
+    stop: threading.Event | None = None,
 ) -> tuple[RolloutWorker, Any]:
     """The rollout worker of ``config`` and, on a Ray cluster, the env pool its environments
     run in, its actors started within ``engine.load_timeout_s`` (None locally; closed again
-    when the worker cannot be built)."""
+    when the worker cannot be built). Its orchestrator launches nothing once ``stop`` is set."""
     orchestrator = config.orchestrator.model_copy(update={"max_rollouts": max_rollouts(config)})
     env_pool = None
     if config.cluster == "ray":
@@ -261,6 +263,7 @@ def _build_worker(
             on_shard=on_shard,
             router=router_config(config),
             before_commit=before_commit,
+            stop_launching=stop.is_set if stop is not None else None,
         )
     except BaseException:
         if env_pool is not None:

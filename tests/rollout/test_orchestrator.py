@@ -65,6 +65,7 @@ async def run(
     trainer_starved=None,
     quota=None,
     service_config=None,
+    stop_launching=None,
 ):
     model, tokenizer = tiny
     engine = TorchEngine(model, tokenizer, name="torch-0")
@@ -83,6 +84,7 @@ async def run(
         trainer_queue=trainer_queue,
         trainer_starved=trainer_starved,
         quota=quota,
+        stop_launching=stop_launching,
     )
     try:
         job = asyncio.create_task(orchestrator.run())
@@ -262,6 +264,24 @@ def test_stop_cuts_in_flight_rollouts_short_and_flushes(tiny):
     )
     assert len(stats.cut_short) == 6 and stats.finished == 0
     assert sink.flushes == 1 and sink.records == []
+
+
+def test_an_outside_stop_launches_nothing_more_and_lets_the_rollouts_in_flight_finish(tiny):
+    """The run's stop signal, set on another thread as the first rollout starts: the two
+    launched already finish and are written, no third one launches, and the run ends."""
+    stop = threading.Event()
+
+    def make_env(task):
+        stop.set()
+        return registry.make(task.env)
+
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=2, max_rollouts=10)
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), sink, make_env=make_env, stop_launching=stop.is_set)
+    )
+    assert stats.tasks["arith"].started == stats.finished == len(sink.records) == 2
+    assert stats.cut_short == []
 
 
 class HeldQuota(RunQuota):

@@ -17,6 +17,7 @@ from flows.config import RunConfig
 from rl.models import ensure_base_version, publish_policy
 from rl.trainer import Trainer
 from rollout.engines.torch_engine import TorchEngine
+from rollout.orchestrator import Orchestrator
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.status import (
@@ -231,6 +232,32 @@ def test_a_worker_keeps_its_name_taken_while_its_engines_load(tmp_path, monkeypa
     final = board.read_worker("w0")
     time.sleep(0.5)
     assert not final.running and board.read_worker("w0") == final  # no beat after the last word
+
+
+def test_a_stop_raised_while_the_engines_load_launches_no_rollout(tmp_path, monkeypatch):
+    """The run's stop signal comes while the engines load, its next beat 1,000 s away: the
+    worker launches nothing (were one launched, it stops the run then, so as not to wait)."""
+    run, store = small_worker_run(tmp_path, "stop-while-loading")
+    stop, launched = threading.Event(), []
+    start, launch = RolloutWorker.start, Orchestrator._launch_group
+
+    async def start_then_stop(self):
+        worker = await start(self)
+        stop.set()
+        return worker
+
+    def recorded_launch(self):
+        group = launch(self)
+        launched.append(group.group_id)
+        self.stop()
+        return group
+
+    monkeypatch.setattr(RolloutWorker, "start", start_then_stop)
+    monkeypatch.setattr(Orchestrator, "_launch_group", recorded_launch)
+    result = run_rollouts(run, time.time() + WAIT_S, "w0", progress_every_s=1000.0, stop=stop)
+
+    assert launched == [] and result["orchestrator"]["finished"] == 0
+    assert not RolloutStatusBoard(store).read_worker("w0").running
 
 
 def test_a_second_trainer_on_a_run_with_a_running_trainer_refuses_to_start(tmp_path):
