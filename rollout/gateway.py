@@ -29,6 +29,9 @@ from rollout.router import Router
 from rollout.tool_calls import TAGS, ToolCallFormat, tool_call_message
 from storage.schema import LOGPROB_SLACK, STATUSES
 
+TIMING_KEYS = ("init", "run", "eval", "queue")
+"""The entries of a record's ``timing``, in seconds (``storage.schema.TIMING_TYPE``)."""
+
 _MARK = "\u2063treadle-assistant-content\u2063"
 _PROBE_TOOL = {
     "type": "function",
@@ -560,9 +563,7 @@ class Session:
             "progress": progress,
             "status": status,
             "engine": ",".join(engines) or None,
-            "timing": {k: float(timing.get(k, 0.0)) for k in ("init", "run", "eval", "queue")}
-            if timing
-            else None,
+            "timing": {k: float(timing.get(k, 0.0)) for k in TIMING_KEYS} if timing else None,
         }
 
 

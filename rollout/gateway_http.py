@@ -71,10 +71,10 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
-from rollout.gateway import Gateway, Session, TurnResult, UnknownSession, check_text
+from rollout.gateway import TIMING_KEYS, Gateway, Session, TurnResult, UnknownSession, check_text
 from rollout.http_server import AppServer, bearer_token
 from rollout.tool_calls import same_calls
 
@@ -146,6 +146,16 @@ class RecordRequest(BaseModel):
     progress: float | None = Field(None, description="Partial-progress score in [0, 1].")
     status: str | None = Field(None, description="ok, truncated, env_error, infra_error or timeout.")
     timing: dict[str, float] | None = Field(None, description="Seconds in init, run, eval, queue.")
+
+    @field_validator("timing")
+    @classmethod
+    def _seconds(cls, timing: dict[str, float] | None) -> dict[str, float] | None:
+        for key, seconds in (timing or {}).items():
+            if key not in TIMING_KEYS:
+                raise ValueError(f"unknown entry {key!r}; expected some of {TIMING_KEYS}")
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"{key}={seconds} is not a finite number of seconds >= 0")
+        return timing
 
 
 class TokenRequest(_Sampling):

@@ -227,6 +227,36 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
     asyncio.run(body())
 
 
+@pytest.mark.parametrize(
+    ("timing", "message"),
+    [
+        (b'{"run": NaN}', "run=nan is not a finite number of seconds >= 0"),
+        (b'{"run": Infinity}', "run=inf is not a finite number of seconds >= 0"),
+        (b'{"eval": -1.5}', "eval=-1.5 is not a finite number of seconds >= 0"),
+        (b'{"init": 1.0, "sandbox": 2.0}', "unknown entry 'sandbox'"),
+    ],
+)
+def test_a_record_with_a_bad_timing_entry_is_refused_naming_it(tiny, timing, message):
+    """NaN would come back as null, a negative stay, an unknown entry be dropped unseen."""
+
+    async def body():
+        async with serving(tiny) as (_, _, client):
+            sid = await open_session(client)
+            refused = await client.post(
+                f"/v1/sessions/{sid}/record",
+                content=b'{"reward": 1.0, "timing": ' + timing + b"}",
+                headers={"Content-Type": "application/json"},
+            )
+            assert refused.status_code == 400 and message in refused.json()["error"]["message"]
+            recorded = await client.post(
+                f"/v1/sessions/{sid}/record", json={"timing": {"init": 0.0, "run": 1.5}}
+            )
+            assert recorded.status_code == 200
+            assert recorded.json()["timing"] == {"init": 0.0, "run": 1.5, "eval": 0.0, "queue": 0.0}
+
+    asyncio.run(body())
+
+
 def same_reply(retry: dict, original: dict) -> bool:
     """Whether two OpenAI responses hold the same reply (all but their ids and times)."""
     return retry["choices"] == original["choices"] and retry["usage"] == original["usage"]
