@@ -336,6 +336,9 @@ class Session:
         rendered with others would follow a prompt the template would now write otherwise.
         """
         self._check_no_turn_generating()
+        for message in messages:  # all before any is queued: a refused request adds nothing
+            if not isinstance(message, Mapping) or "role" not in message:
+                raise InvalidRequest(f"a chat message needs a 'role', got {message!r}")
         template_kwargs = dict(template_kwargs) if template_kwargs else None
         if template_kwargs != self.template_kwargs:
             if self.tokens or self._pending:
@@ -355,10 +358,7 @@ class Session:
             if tools:
                 self.gateway.check_tools_served()
             self.tools = tools
-        for message in messages:
-            if not isinstance(message, Mapping) or "role" not in message:
-                raise InvalidRequest(f"a chat message needs a 'role', got {message!r}")
-            self._pending.append(dict(message))
+        self._pending.extend(dict(message) for message in messages)
 
     def add_tokens(self, token_ids: Sequence[int]) -> None:
         """Append tokens verbatim as context (not generated, never trained on)."""

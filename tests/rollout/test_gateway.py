@@ -400,6 +400,23 @@ def test_bad_input_is_a_clear_error_and_other_sessions_keep_working(tiny):
     asyncio.run(body())
 
 
+def test_messages_refused_for_one_without_a_role_queue_none_of_the_others(tiny):
+    _, tokenizer = tiny
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="arith", prompt_id="p1")
+            with pytest.raises(InvalidRequest, match="a chat message needs a 'role'"):
+                session.add_messages([{"role": "user", "content": "first try"}, {"content": "no role"}])
+            session.add_messages(USER)
+            turn = await session.generate(SamplingParams(max_new_tokens=2, seed=0))
+            prompt = tokenizer.encode(render(tokenizer, USER), add_special_tokens=False)
+            assert session.tokens == prompt + turn.token_ids
+            assert session.messages[:-1] == USER  # and the reply
+
+    asyncio.run(body())
+
+
 def test_closing_a_session_cancels_its_generating_turn_and_fails_the_queued_one(tiny):
     """The rollout is gone (its env closed the session): the turn on the engine is cancelled
     there rather than generating tokens nobody reads, and a turn waiting behind it fails
