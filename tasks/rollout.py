@@ -79,19 +79,19 @@ def run_rollouts(
     flush_records: int = 64,
     flush_seconds: float = 10.0,
 ) -> dict[str, Any]:
-    """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``:
-    no rollout launches once ``stop`` is set, and those in flight are cut short at the next
-    beat (the run ends sooner once none is left); ``on_shard`` is called (on the worker's commit thread) with each raw shard it commits. Every
-    ``progress_every_s`` (and once at start and at the end) the worker publishes its engine
-    queue depth, live sessions and each replica's pinned sessions and drain state to
-    ``status/rollout/<worker_name>.json`` for the trainer (``storage.status``); ``on_progress``
-    gets the same status, right after it is published; while its engines load (however long
-    that takes), an idle running status at the same pace. The worker follows the trainer's
-    elastic plan (``RolloutWorker.apply_plan``): with one engine replica nothing is ever drained.
-    A replica it drains for training counts as training once a status shows it empty, so that
-    status is published as soon as the worker sees it empty (``RolloutWorker.status_due``),
-    between the beats and without a progress report (and again every ``STATUS_RETRY_S`` while
-    publishing it fails).
+    """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``: no
+    rollout launches once ``stop`` is set, and those in flight are cut short at the next beat
+    (the run ends sooner once none is left); ``on_shard`` is called (on the worker's commit
+    thread) with each raw shard it commits. Every ``progress_every_s`` (and once at start and at
+    the end) the worker publishes its engine queue depth, live sessions and each replica's
+    pinned sessions and drain state to ``status/rollout/<worker_name>.json`` for the trainer
+    (``storage.status``); ``on_progress`` gets the same status, right after it is published;
+    while its engines load (however long that takes), an idle running status at the same pace.
+    The worker follows the trainer's elastic plan (``RolloutWorker.apply_plan``): with one
+    engine replica nothing is ever drained. A replica it drains for training counts as training
+    once a status shows it empty, so that status is published as soon as the worker sees it
+    empty (``RolloutWorker.status_due``), between the beats and without a progress report (and
+    again every ``STATUS_RETRY_S`` while publishing it fails).
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
     (one env worker per engine replica) on the cluster at ``config.ray_address``.
