@@ -20,7 +20,18 @@ import time
 
 from ptyprocess import PtyProcess
 
-from envs.sandbox import ExecResult, Sandbox, SandboxError, exited, kill_group, read_some, write_all
+from envs.sandbox import (
+    REAP_TIMEOUT_S,
+    ExecResult,
+    Sandbox,
+    SandboxError,
+    descendants,
+    exited,
+    kill_group,
+    read_some,
+    wait_ended,
+    write_all,
+)
 
 _MARK = b"\x1eTRD"
 
@@ -74,6 +85,7 @@ class Shell:
         self._reaping = threading.Lock()  # held to reap the shell, and to signal it or the run
         self._wake: int | None = os.eventfd(0, os.EFD_CLOEXEC)  # readable once the shell is killed
         self._killed = False
+        self._killed_tree: list[int] = []  # what a kill found running in bwrap's PID namespace
         attrs = termios.tcgetattr(self.fd)
         attrs[1] &= ~termios.OPOST
         attrs[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG)
@@ -155,8 +167,9 @@ class Shell:
                 self._kill()  # before it is reaped: what it left in its group goes too
                 status = self._exit_status()
                 output = _printed(buffer, cap)
+                seconds = time.monotonic() - started  # before close(), which may wait for the tree
                 self.close()
-                self.sandbox.check(ExecResult(status, output, False, time.monotonic() - started))
+                self.sandbox.check(ExecResult(status, output, False, seconds))
                 reason = f"the shell exited with status {status}"
                 if not wrap:  # the start's own command: what it printed is the sandbox's or bash's
                     reason += f": {output.strip()[:1000]}"
@@ -181,6 +194,11 @@ class Shell:
         (a pipe or socket of another rollout, whose data the run would take). The run is woken
         too, and lets go at once: a process that left the shell's session (``setsid``) is out of
         reach of the kill, and may hold the pty open past the run's deadline.
+
+        Under bwrap it returns once the processes the kill found have ended (at most
+        ``REAP_TIMEOUT_S``): its PID namespace dies whole, but a moment after its outer process,
+        and until then its processes count against ``max_processes``, so a shell started in this
+        one's place at once (after a fork loop ran past its timeout) could not start.
         """
         self._kill()
         with self._lock:
@@ -194,12 +212,16 @@ class Shell:
                     self.proc.terminate(force=True)
                 self.proc.close(force=True)
             self.sandbox.disown(self.proc)
+        wait_ended(self._killed_tree, time.monotonic() + REAP_TIMEOUT_S)
 
     def _kill(self) -> None:
         """SIGKILL the shell's group and session unless it is reaped (its pid may lead another
         process's group by then), and wake a run in flight."""
         with self._reaping:
             if not self.proc.terminated:
+                # elsewhere a process that left the session outlives the kill: not waited for
+                if self.sandbox.backend == "bwrap":
+                    self._killed_tree += descendants(self.proc.pid)
                 kill_group(self.proc.pid)
             self._killed = True
             if self._wake is not None:
