@@ -188,21 +188,20 @@ def existing_run(store, hint: str = "--root and --run-id"):
     return store
 
 
-def reachable(store):
-    """``store``, after checking that its storage answers a listing of the run's weight
-    versions (the first thing a warm start reads); exits with one line naming where it looked
-    when it does not. A wrong endpoint or refused credentials otherwise failed the flow run
-    after its task's retries, with a page of tracebacks."""
+def weight_versions(store) -> list[int]:
+    """The run's published weight versions (the first thing a warm start reads); exits with
+    one line naming where it looked when the storage does not answer. A wrong endpoint or
+    refused credentials otherwise failed the flow run after its task's retries, with a page
+    of tracebacks."""
     from storage.weights import WeightStore
 
     try:
-        WeightStore(store).list()
+        return WeightStore(store).list()
     except Exception as exc:  # an endpoint s3fs cannot reach raises botocore's errors, not OSError
         raise SystemExit(
             f"error: cannot read the weight versions in {store.url('weights')}: "
             + store.config.redacted(one_line(exc))
         ) from None
-    return store
 
 
 def one_line(exc: BaseException) -> str:

@@ -12,10 +12,9 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from flows.cli import one_line
+from flows.cli import weight_versions
 from flows.config import RunConfig, evaluate_devices, evaluate_paths, missing_device
 from flows.run_logs import module_logs_to_run
-from storage.weights import WeightStore
 from tasks.common import run_store
 from tasks.report import report_evals
 
@@ -69,12 +68,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def missing_version(config: RunConfig, version: int | None) -> str | None:
-    """Why ``version`` of the run (the newest when None) cannot be evaluated; None when it can."""
+    """Why ``version`` of the run (the newest when None) cannot be evaluated; None when it can
+    (exits with one line when the storage does not answer: :func:`~flows.cli.weight_versions`)."""
     store = run_store(config)
-    try:
-        published = WeightStore(store).list()
-    except Exception as exc:  # an endpoint s3fs cannot reach raises botocore's errors, not OSError
-        return f"cannot read the weight versions in {store.url('weights')}: {one_line(exc)}"
+    published = weight_versions(store)
     if not published:
         return f"no weight version published in {store.url('weights')} (check --run-id and storage.root)"
     if version is not None and version not in published:

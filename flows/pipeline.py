@@ -195,7 +195,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import reachable
+    from flows.cli import weight_versions
     from flows.cli_args import parse
 
     config, _ = parse(
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=pipeline_devices,
         ray=True,
     )
-    reachable(run_store(config))
+    weight_versions(run_store(config))
     pipeline(config)
 
 

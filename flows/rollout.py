@@ -57,7 +57,7 @@ def _worker_name(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import reachable
+    from flows.cli import weight_versions
     from flows.cli_args import parse
     from tasks.common import run_store
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=rollout_devices,
         ray=True,
     )
-    reachable(run_store(config))
+    weight_versions(run_store(config))
     rollout(config, args.worker)
 
 

@@ -43,7 +43,7 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
 
 
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import reachable
+    from flows.cli import weight_versions
     from flows.cli_args import parse
     from tasks.common import run_store
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=train_devices,
         paths=train_paths,
     )
-    reachable(run_store(config))
+    weight_versions(run_store(config))
     train(config, drain=args.drain)
 
 
