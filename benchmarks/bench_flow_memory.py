@@ -47,7 +47,9 @@ def main() -> None:
         tempfile.TemporaryDirectory(prefix="treadle-bench-memory-", ignore_cleanup_errors=True) as root,
     ):
         os.environ.setdefault("PREFECT_HOME", home)
-        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+        from flows.cli_args import set_prefect_defaults
+
+        set_prefect_defaults()
         measure(args, root)
 
 

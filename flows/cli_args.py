@@ -35,6 +35,27 @@ def default_config() -> str:
     return DEFAULT_CONFIG if os.path.exists(DEFAULT_CONFIG) else REPO_CONFIG
 
 
+PREFECT_DEFAULTS = {
+    # a fresh Prefect home migrates its database on the first start: slow on a busy machine
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
+    # the server's telemetry cannot reach its host from an offline machine, and its first
+    # write races the other start-up writes on a fresh SQLite database
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+}
+
+
+def set_prefect_defaults() -> None:
+    """Set each of :data:`PREFECT_DEFAULTS` the environment does not set, for the ephemeral
+    Prefect server a flow run in this process starts."""
+    unset = {name: value for name, value in PREFECT_DEFAULTS.items() if name not in os.environ}
+    os.environ.update(unset)
+    if unset and "prefect.context" in sys.modules:
+        # the flow's module imported Prefect, which read its settings from the environment then
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
+
+
 def parse(
     description: str,
     argv: list[str] | None = None,
@@ -50,20 +71,7 @@ def parse(
     local path of the config that is missing (:func:`~flows.config.missing_path`, with what
     the flow reads; None: a flow that reads none), or, for a flow that runs on Ray (``ray``),
     the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`)."""
-    defaults = {
-        # a fresh Prefect home migrates its database on the first start: slow on a busy machine
-        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",
-        # the server's telemetry cannot reach its host from an offline machine, and its first
-        # write races the other start-up writes on a fresh SQLite database
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    unset = {name: value for name, value in defaults.items() if name not in os.environ}
-    os.environ.update(unset)
-    if unset and "prefect.context" in sys.modules:
-        # the flow's module imported Prefect, which read its settings from the environment then
-        from prefect.context import refresh_global_settings_context
-
-        refresh_global_settings_context()
+    set_prefect_defaults()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--config",
