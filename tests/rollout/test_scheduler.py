@@ -536,6 +536,55 @@ def test_static_reservation_has_the_same_interface():
     asyncio.run(main())
 
 
+def amdahl_pending(fixed, t1, serial=None, min_units=1, max_units=1):
+    """A queued action built by hand: ``serial`` None is a fixed action on ``fixed``; else an
+    action elastic on resource 0 whose ``m`` units take ``T_1 (s + (1 - s) / m)`` (Amdahl)."""
+    if serial is None:
+        return Pending(list(fixed), -1, 1, 1, [t1, t1])
+    times = [0.0] + [t1 * (serial + (1 - serial) / m) for m in range(1, max_units + 1)]
+    return Pending(list(fixed), 0, min_units, max_units, times)
+
+
+def holding(p, units):
+    """What ``p`` holds on ``units`` elastic units (its fixed demand plus the units)."""
+    held = list(p.fixed)
+    if p.elastic >= 0:
+        held[p.elastic] += units
+    return held
+
+
+def need(p):
+    """What ``p`` needs to start: its fixed demand plus its minimum elastic units."""
+    return holding(p, p.min_units)
+
+
+def uses(p):
+    return [r for r, n in enumerate(need(p)) if n > 0]
+
+
+def test_a_policy_queues_a_request_as_its_durations_on_each_unit_count():
+    """The policy's form of a request, against the hand-built one: fixed demand in resource
+    order, the elastic resource's index, units capped by its capacity, ``T(m)`` per count."""
+    policy = ActionPolicy({"cpu": 3, "gpu": 2})
+    serial = 0.2
+    efficiency = tuple(1 / (m * (serial + (1 - serial) / m)) for m in range(1, 9))
+    request = ResourceRequest(
+        demand={"gpu": 1}, elastic="cpu", min_units=2, max_units=8, duration=10.0, efficiency=efficiency
+    )
+    got = policy._pending(request, 0.0)
+    want = amdahl_pending([0.0, 1.0], 10.0, serial, min_units=2, max_units=3)
+    assert (got.fixed, got.elastic, got.min_units, got.max_units) == ([0.0, 1.0], 0, 2, 3)
+    assert got.times == pytest.approx(want.times, rel=1e-12)
+    fixed = policy._pending(ResourceRequest(demand={"gpu": 2}, duration=4.0), 0.0)
+    assert (fixed.fixed, fixed.elastic, fixed.min_units, fixed.max_units, fixed.times) == (
+        [0.0, 2.0],
+        -1,
+        1,
+        1,
+        [4.0, 4.0],
+    )
+
+
 def slow_queue_estimate(rest, events, free, now):
     """Reference: walk time forward one finish at a time; start each action once it fits."""
     pending = sorted(((t, i, list(h)) for i, (t, h) in enumerate(events)), key=lambda e: (e[0], e[1]))
@@ -546,7 +595,7 @@ def slow_queue_estimate(rest, events, free, now):
             while pending and pending[0][0] <= t:  # everything finished by t has given back
                 for r, h in enumerate(pending.pop(0)[2]):
                     free[r] += h
-            if all(p.need[r] <= free[r] + 1e-9 for r in range(len(free))):
+            if all(n <= f + 1e-9 for n, f in zip(need(p), free, strict=True)):
                 break
             if not pending:
                 return float("inf")
@@ -554,9 +603,7 @@ def slow_queue_estimate(rest, events, free, now):
         units = 1
         if p.elastic >= 0:
             units = max(p.min_units, min(p.max_units, int(free[p.elastic] + 1e-9)))
-        held = list(p.fixed)
-        if p.elastic >= 0:
-            held[p.elastic] += units
+        held = holding(p, units)
         for r in range(len(free)):
             free[r] -= held[r]
         total += t + p.times[units] - now
@@ -574,19 +621,13 @@ def test_queue_estimate_matches_the_slow_walk(seed):
     from rollout.scheduler import _queue_estimate, _timeline
 
     rng = random.Random(seed)
-    policy = ActionPolicy({"cpu": 16, "gpu": 2})
-    rest = []
+    rest = []  # on 16 cpu, 2 gpu
     for _ in range(rng.randint(0, 12)):
         if rng.random() < 0.4:
-            req = ResourceRequest(
-                elastic="cpu", max_units=8, duration=rng.uniform(1, 20), efficiency=amdahl_efficiency(0.2, 8)
-            )
+            rest.append(amdahl_pending([0.0, 0.0], rng.uniform(1, 20), 0.2, rng.randint(1, 2), 8))
         else:
-            req = ResourceRequest(
-                demand=rng.choice([{"cpu": 1}, {"gpu": 1}, {"cpu": 2, "gpu": 1}]),
-                duration=rng.uniform(0.1, 5),
-            )
-        rest.append(policy._pending(req, 0.0))
+            fixed = rng.choice([[1.0, 0.0], [0.0, 1.0], [2.0, 1.0]])
+            rest.append(amdahl_pending(fixed, rng.uniform(0.1, 5)))
     events = [
         (rng.choice([1.0, 2.0, rng.uniform(0, 10)]), [float(rng.randint(0, 4)), float(rng.randint(0, 1))])
         for _ in range(rng.randint(0, 10))
@@ -607,13 +648,13 @@ def slow_decide(queue, free, running, now, window, max_evictions, reserve=None):
     for i, p in enumerate(queue):
         if len(rest) >= window and all(blocked):
             break
-        if not any(blocked[r] for r in p.uses) and all(
-            p.need[r] <= spare[r] + 1e-9 for r in range(len(free))
+        if not any(blocked[r] for r in uses(p)) and all(
+            n <= s + 1e-9 for n, s in zip(need(p), spare, strict=True)
         ):
             cands.append(i)
-            spare = [s - n for s, n in zip(spare, p.need, strict=True)]
+            spare = [s - n for s, n in zip(spare, need(p), strict=True)]
         else:
-            for r in p.uses:
+            for r in uses(p):
                 blocked[r] = True
             if len(rest) < window:  # past the window an action only starts or waits
                 rest.append(i)
@@ -623,7 +664,7 @@ def slow_decide(queue, free, running, now, window, max_evictions, reserve=None):
     for r in range(len(free)):
         capacity = free[r] + sum(a.holds[r] for a in running)
         holders = sum(1 for a in running if a.holds[r] > 0) + sum(
-            1 for i in cands + rest if r in queue[i].uses
+            1 for i in cands + rest if r in uses(queue[i])
         )
         price.append(max(holders - 1, 0) / capacity if capacity > 0 else 0.0)
 
@@ -656,10 +697,7 @@ def slow_decide(queue, free, running, now, window, max_evictions, reserve=None):
         units = {i: surplus_units[i] for i in cands[:keep]}
         left = list(free)
         for i, m in units.items():
-            p = queue[i]
-            left = [s - n for s, n in zip(left, p.fixed, strict=True)]
-            if p.elastic >= 0:
-                left[p.elastic] -= m
+            left = [s - n for s, n in zip(left, holding(queue[i], m), strict=True)]
         return greedy(units, left, lambda r: price[r])
 
     def cost(keep):
@@ -667,12 +705,8 @@ def slow_decide(queue, free, running, now, window, max_evictions, reserve=None):
         events = [(a.finish_at, a.holds) for a in running]
         total = 0.0
         for i, m in units.items():
-            p = queue[i]
-            held = list(p.fixed)
-            if p.elastic >= 0:
-                held[p.elastic] += m
-            events.append((now + p.times[m], held))
-            total += p.times[m]
+            events.append((now + queue[i].times[m], holding(queue[i], m)))
+            total += queue[i].times[m]
         waiting = [queue[i] for i in sorted(rest + cands[keep:])]
         return units, total + slow_queue_estimate(waiting, events, left, now)
 
@@ -703,19 +737,14 @@ def test_decide_matches_the_slow_reference(seed, free_cpu, window, max_evictions
     import random
 
     rng = random.Random(seed)
-    policy = ActionPolicy({"cpu": 16, "gpu": 2})
-    queue = []
+    queue = []  # on 16 cpu, 2 gpu
     for _ in range(rng.randint(1, 14)):
         if rng.random() < 0.5:
-            req = ResourceRequest(
-                elastic="cpu",
-                max_units=rng.randint(1, 8),
-                duration=rng.uniform(1, 40),
-                efficiency=amdahl_efficiency(rng.uniform(0.05, 0.5), 8),
-            )
+            most = rng.randint(1, 8)
+            t1, serial = rng.uniform(1, 40), rng.uniform(0.05, 0.5)
+            queue.append(amdahl_pending([0.0, 0.0], t1, serial, rng.randint(1, min(most, 2)), most))
         else:
-            req = ResourceRequest(demand=rng.choice([{"cpu": 1}, {"gpu": 1}]), duration=rng.uniform(0.1, 5))
-        queue.append(policy._pending(req, 0.0))
+            queue.append(amdahl_pending(rng.choice([[1.0, 0.0], [0.0, 1.0]]), rng.uniform(0.1, 5)))
     running = [Running(rng.uniform(0, 20), [float(rng.randint(1, 4)), 0.0]) for _ in range(rng.randint(0, 6))]
     free = [free_cpu, float(rng.randint(0, 2))]
     fast = decide(queue, free, running, 0.0, window=window, max_evictions=max_evictions, reserve=reserve)
