@@ -236,11 +236,14 @@ request_strategy = st.builds(
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(request_strategy, st.integers(0, 3)), min_size=1, max_size=40))
+@given(st.lists(st.tuples(request_strategy, st.integers(0, 3), st.booleans()), min_size=1, max_size=40))
 def test_limits_never_exceeded_and_everything_eventually_runs(ops):
+    """Random submits, releases and cancels of queued actions: no resource is ever held past
+    its capacity, the free amounts add up, and every action not cancelled runs."""
     capacity = {"cpu": 6, "mem": 16, "gpu": 2}
     policy = ActionPolicy(capacity, window=8)
     running = []
+    queued = set()
     now = 0.0
     submitted = 0
     finished = 0
@@ -254,23 +257,32 @@ def test_limits_never_exceeded_and_everything_eventually_runs(ops):
             assert held[k] <= capacity[k] + 1e-9, (k, held)
             assert policy.free[policy.names.index(k)] == pytest.approx(capacity[k] - held[k])
 
-    for request, n_release in ops:
+    def dispatch():
+        granted = policy.dispatch(now)
+        queued.difference_update(g.ticket for g in granted)
+        running.extend(granted)
+        check()
+
+    for request, n_release, cancel_oldest in ops:
         now += 1.0
-        policy.submit(request, now)
+        queued.add(policy.submit(request, now))
         submitted += 1
+        if cancel_oldest and queued:
+            ticket = min(queued)
+            assert policy.cancel(ticket)
+            queued.remove(ticket)
+            submitted -= 1
         for _ in range(min(n_release, len(running))):
             policy.release(running.pop(0), now)
             finished += 1
-        running += policy.dispatch(now)
-        check()
+        dispatch()
     while running or policy.queued:
         assert running, "queued actions but nothing running and nothing granted: deadlock"
         now += 1.0
         policy.release(running.pop(0), now)
         finished += 1
-        running += policy.dispatch(now)
-        check()
-    assert finished == submitted
+        dispatch()
+    assert finished == submitted and not queued
     assert policy.free == [6.0, 16.0, 2.0]
 
 
