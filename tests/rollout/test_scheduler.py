@@ -761,3 +761,36 @@ def test_decide_matches_the_slow_reference(seed, free_cpu, window, max_evictions
     free = [free_cpu, float(rng.randint(0, 2))]
     fast = decide(queue, free, running, 0.0, window=window, max_evictions=max_evictions, reserve=reserve)
     assert fast == slow_decide(queue, free, running, 0.0, window, max_evictions, reserve)
+
+
+def test_the_simulated_cluster_replays_a_hand_worked_burst_through_both_policies():
+    """Two trajectories think 8 s, then each runs a 40 s test run that scales perfectly to 2
+    cores, on a 2-core pool. Static, one core per trajectory: both run 40 s on their core,
+    completion 40 each. Ours: the first runs on both cores (done at 20 after its arrival),
+    the second waits for them and runs 20 s on both (40): mean 30 against 40, and the pool
+    is never over-held. Each then makes its reward call (pinned or pooled GPUs)."""
+    from rollout.simcluster import ActionWorkload, run_ours, run_static
+
+    workload = ActionWorkload(
+        bursts=1,
+        trajectories_per_burst=2,
+        turns_min=1,
+        turns_max=1,
+        think_sigma=0.0,
+        p_test=1.0,
+        test_median_s=40.0,
+        test_sigma=0.0,
+        serial_min=0.0,
+        serial_max=0.0,
+        test_max_units=2,
+        estimate_sigma=0.0,
+        services=1,
+    )
+    ours = run_ours(workload, cores=2, gpus=1)
+    static = run_static(workload, cores=2, cores_per_trajectory=1, gpus_per_service=1)
+    assert sorted(ours.by_kind["test"]) == pytest.approx([20.0, 40.0])
+    assert sorted(static.by_kind["test"]) == pytest.approx([40.0, 40.0])
+    assert ours.waits_by_kind["test"] == pytest.approx([0.0, 20.0])
+    for run in (ours, static):
+        assert len(run.by_kind["reward"]) == 2
+        assert run.peak["cpu"] <= 2 and run.peak["gpu"] <= 1
