@@ -53,6 +53,37 @@ def test_cores_granted_at_execution_and_reclaimed_after(child):
 
 
 @needs_two_cores
+@pytest.mark.parametrize("ending", ["raises", "cancelled"])
+def test_cores_are_reclaimed_and_the_process_parked_when_its_action_fails_or_is_cancelled(child, ending):
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    cpu = CpuManager(cores, parking={cores[0]})
+    sched = ActionScheduler({"cpu": 2}, cpu=cpu)
+    request = ResourceRequest(elastic="cpu", max_units=2, duration=1)
+
+    async def action(running):
+        async with sched.run(request, pid=child.pid) as grant:
+            assert cpu.affinity(child.pid) == grant.cores == frozenset(cores)
+            running.set()
+            if ending == "raises":
+                raise RuntimeError("the tool failed")
+            await asyncio.Event().wait()
+
+    async def main():
+        cpu.park(child.pid)
+        running = asyncio.Event()
+        task = asyncio.create_task(action(running))
+        await running.wait()
+        if ending == "cancelled":
+            task.cancel()
+        with pytest.raises(RuntimeError if ending == "raises" else asyncio.CancelledError):
+            await task
+        assert cpu.affinity(child.pid) == {cores[0]}
+        assert cpu.available == frozenset(cores) and sched.policy.free == [2.0]
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+@needs_two_cores
 def test_a_child_forked_while_the_tree_is_walked_runs_on_the_granted_cores(monkeypatch):
     """The process forks right after the walk read its children, before it is moved (bwrap
     starting the interpreter as the first action is bound): its child, which inherited the
