@@ -385,6 +385,43 @@ async def _held(manager, name) -> tuple[asyncio.Event, asyncio.Future]:
     return done, caller
 
 
+def test_a_failed_load_leaves_nothing_held_and_concurrent_calls_of_one_service_load_it_once(monkeypatch):
+    """``b``'s first load fails (the device ran out): its caller gets the error, ``b`` is not
+    resident and holds no bytes, and the next call loads it whole. Five calls of ``a`` at once
+    share one load."""
+    x = torch.randn(3, 16)
+    expected = make_service(1)(x)
+    manager = ServiceManager(device="cpu", budget_bytes=SERVICE_BYTES)
+    for seed, name in enumerate("ab"):
+        manager.register(name, make_service(seed))
+    real = manager._copy_in
+    failures = [RuntimeError("out of device memory")]
+
+    def copy_in(module, parked):
+        if failures:
+            module.to_empty(device=manager.device)  # fails part-way, its memory taken
+            raise failures.pop()
+        real(module, parked)
+
+    monkeypatch.setattr(manager, "_copy_in", copy_in)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="out of device memory"):
+            async with manager.use("b"):
+                pass
+        assert manager.resident == [] and manager.used_bytes == 0 and manager.loads == []
+        assert next(manager._modules["b"].parameters()).device.type == "meta"
+        async with manager.use("b") as module:
+            torch.testing.assert_close(module(x), expected)
+        order = []
+        await asyncio.gather(*(_use(manager, "a", order) for _ in range(5)))
+        assert order == ["a"] * 5
+        assert manager.loads == ["b", "a"] and manager.evictions == ["b"]
+        assert manager.used_bytes <= manager.budget_bytes
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
 def test_service_manager_errors():
     with pytest.raises(ValueError, match="budget_bytes"):
         ServiceManager(device="cpu")
