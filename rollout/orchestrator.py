@@ -134,6 +134,8 @@ class _Group:
     tasks: set[asyncio.Task] = field(default_factory=set)
     lost: int = 0
     """Members that will never finish: failed outside the service's classification, or cut short."""
+    cut_short: int = 0
+    """Of ``lost``, those a stop cut short (the stop reports them, not the group)."""
 
 
 class Orchestrator:
@@ -408,10 +410,11 @@ class Orchestrator:
         else:
             self._settle(group)
 
-    def _lose(self, group: _Group) -> None:
+    def _lose(self, group: _Group, cut_short: bool = False) -> None:
         """One member of ``group`` will never finish (failed outside the service's
-        classification, or cut short by a stop)."""
+        classification, or ``cut_short`` by a stop)."""
         group.lost += 1
+        group.cut_short += cut_short
         self._settle(group)
 
     def _settle(self, group: _Group) -> None:
@@ -419,7 +422,7 @@ class Orchestrator:
         smaller group, whose finished rollouts are written rather than kept back for ever."""
         if not group.results or len(group.results) + group.lost < group.size:
             return
-        if group.lost:
+        if group.lost > group.cut_short:
             log.warning(
                 "group %s lost %d of its %d rollouts; its %d finished ones go on as a smaller group",
                 group.group_id,
@@ -471,10 +474,16 @@ class Orchestrator:
                 if job in cancelled and job.cancelled():
                     self._in_flight.pop(job)
                     self.stats.cut_short.append(rollout_id)
-                    self._lose(self._groups.pop(job))
+                    self._lose(self._groups.pop(job), cut_short=True)
                 else:
                     self._collect(job)
             except Exception:
                 log.exception("could not write the records of rollout %s (or of its group)", rollout_id)
         if self.stats.cut_short:
-            log.info("stopped with %d rollouts cut short", len(self.stats.cut_short))
+            log.info(
+                "stopped with %d rollouts cut short%s",
+                len(self.stats.cut_short),
+                "; the finished members of their groups go on as smaller groups"
+                if self.config.group_size > 1
+                else "",
+            )

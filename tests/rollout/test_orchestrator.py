@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import threading
 
 import pytest
@@ -638,7 +639,10 @@ class OneStuckInFour(CoinEnv):
         return await super().step(action)
 
 
-def test_a_stop_writes_the_finished_members_of_a_group_it_cuts_short(tiny):
+def test_a_stop_writes_the_finished_members_of_a_group_it_cuts_short(tiny, caplog):
+    """The stop says so once, at INFO: a group it cut short has lost nothing to warn about."""
+    caplog.set_level(logging.INFO, logger="rollout.orchestrator")
+
     async def during(orchestrator):
         while orchestrator.stats.finished < 3:
             await asyncio.sleep(0.01)
@@ -653,9 +657,12 @@ def test_a_stop_writes_the_finished_members_of_a_group_it_cuts_short(tiny):
     assert len(stats.cut_short) == 1 and stats.finished == 3
     assert sink.writes == [3] and stats.groups_kept == 1  # one write: the group stays in one shard
     assert len({record["group_id"] for record in sink.records}) == 1
+    orchestrator_logs = [r for r in caplog.records if r.name == "rollout.orchestrator"]
+    assert [r.levelname for r in orchestrator_logs] == ["INFO"]
+    assert "1 rollouts cut short; the finished members of their groups go on as smaller groups" in caplog.text
 
 
-def test_a_group_member_failing_outside_the_service_leaves_the_others_written(tiny, monkeypatch):
+def test_a_group_member_failing_outside_the_service_leaves_the_others_written(tiny, monkeypatch, caplog):
     calls = itertools.count()
     process = RolloutService.process
 
@@ -672,6 +679,7 @@ def test_a_group_member_failing_outside_the_service_leaves_the_others_written(ti
     _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: CoinEnv()))
     assert stats.finished == 3 and stats.cut_short == []
     assert sink.writes == [3] and stats.groups_kept == 1
+    assert "lost 1 of its 4 rollouts; its 3 finished ones go on as a smaller group" in caplog.text
 
 
 class OneTimesOutInFour(OneStuckInFour):
