@@ -40,7 +40,7 @@ def _store(args):
         except ConfigError as exc:
             _bad_input(str(exc))
         storage = dict(config.storage)
-        run_id = run_id or config.run_id
+        run_id = config.run_id if run_id is None else run_id
     if problem := run_id_problem(run_id):  # the flows refuse it: no run can have it
         _bad_input(f"--run-id: {problem}")
     flags = {"root": args.root, "endpoint_url": args.endpoint_url, "region": args.region}
@@ -301,7 +301,7 @@ def _ui(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.command in ("inspect", "sql") and not (args.run_id or args.config):
+    if args.command in ("inspect", "sql") and args.run_id is None and not args.config:
         parser.error(f"{args.command} needs --run-id or --config")
     try:
         args.handler(args)

@@ -121,7 +121,7 @@ def parse(
         elif isinstance(parsed, (int, float, datetime.date)) and _text_only(annotation):
             parsed = value  # run_id=2024 names a run, not a number
         node[leaf] = parsed
-    if args.run_id:
+    if args.run_id is not None:  # an empty one is refused, not taken for none: it names no run
         overrides["run_id"] = args.run_id
     try:
         config = load_config(args.config or default_config(), overrides)

@@ -444,11 +444,13 @@ def test_a_bad_run_id_or_root_is_a_one_line_error_without_credentials(tmp_path):
         assert "key-id-123" not in result.stderr and "secret-456" not in result.stderr
 
 
-@pytest.mark.parametrize("run_id", ["a b", "-a", ".a", "a/b", "a\n"])
+@pytest.mark.parametrize("run_id", ["a b", "-a", ".a", "a/b", "a\n", ""])
 def test_inspect_and_sql_refuse_a_run_id_the_flows_refuse_with_their_message(
     capfd, monkeypatch, tmp_path, run_id
 ):
-    """They looked for the run and said it had no tables, as if a run could have that id."""
+    """They looked for the run and said it had no tables, as if a run could have that id. An
+    empty one (``--run-id "$RUN"``, RUN unset) was taken as no --run-id: a flow ran on its
+    config's run."""
     root = str(tmp_path / "runs")
     flow = treadle_here(
         capfd, monkeypatch, "run", "maintain", f"--run-id={run_id}", "--set", f"storage.root={root}"
