@@ -34,6 +34,9 @@ def _torch_device(value: str) -> str:
 TorchDevice = Annotated[str, AfterValidator(_torch_device)]
 """A config field naming a torch device (``cpu``, ``cuda``, ``cuda:1`` …), checked at load."""
 
+TorchSeed = Annotated[int, Field(ge=-(2**63), lt=2**64)]
+"""A config field holding a seed of ``torch.manual_seed``, which takes 64 bits, signed or not."""
+
 
 class TinyModelConfig(BaseModel):
     """The embedded default policy: a tiny decoder built from scratch on the CPU."""
@@ -55,7 +58,7 @@ class TinyModelConfig(BaseModel):
     )
     max_position_embeddings: int = Field(1024, ge=16, description="Longest sequence (prompt + generation).")
     tie_word_embeddings: bool = Field(True, description="Share the input embedding with the output head.")
-    seed: int = Field(0, description="Seed for the weight initialisation and the tokenizer corpus.")
+    seed: TorchSeed = Field(0, description="Seed for the weight initialisation and the tokenizer corpus.")
 
     @model_validator(mode="after")
     def _heads_fit(self) -> TinyModelConfig:
@@ -82,7 +85,7 @@ class SFTConfig(BaseModel):
     max_steps: int = Field(400, ge=1, description="Optimizer steps at most.")
     max_seconds: float = Field(60.0, gt=0, description="Wall-clock budget; training stops when it runs out.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    seed: int = Field(0, description="Seed of the batch order.")
+    seed: TorchSeed = Field(0, description="Seed of the batch order.")
 
 
 class SAOConfig(BaseModel):
@@ -172,4 +175,4 @@ class SAOConfig(BaseModel):
     poll_seconds: float = Field(
         1.0, gt=0, le=60, description="Wait between polls of the shard log when idle (at most 60 s)."
     )
-    seed: int = Field(0, description="Torch seed of the trainer.")
+    seed: TorchSeed = Field(0, description="Torch seed of the trainer.")

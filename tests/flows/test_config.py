@@ -71,6 +71,11 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("envs:\n  chess: {}\n", "envs: unknown environment 'chess'"),
         ("warm_start:\n  demos: {gues: 3}\n", "warm_start.demos: unknown environment 'gues'"),
         ("trainer_device: gpu\n", "trainer_device: 'gpu' is not a torch device"),
+        # torch.manual_seed takes 64 bits: past them the warm start or the trainer failed with
+        # "Overflow when unpacking long long", naming no field
+        ("model:\n  tiny: {seed: 18446744073709551616}\n", "model.tiny.seed: Input should be less than"),
+        ("warm_start:\n  sft: {seed: 18446744073709551616}\n", "warm_start.sft.seed"),
+        ("sao:\n  seed: -9223372036854775809\n", "sao.seed: Input should be greater than or equal"),
         ("eval:\n  temperature: 1.0e-7\n", "eval.temperature"),  # the engines refuse it
         ("eval:\n  temperature: .nan\n", "eval.temperature"),
         ("service:\n  top_p: 0.9\n", "service.top_p: 0.9 is below 1, and the trainer"),
