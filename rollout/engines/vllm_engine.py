@@ -102,13 +102,25 @@ class VLLMEngineConfig(BaseModel):
 
     @field_validator("base_url")
     @classmethod
-    def _base_url_holds_no_credentials(cls, value: str) -> str:
+    def _base_url_is_an_http_url_without_credentials(cls, value: str) -> str:
         # httpx would send them as basic auth, but the URL is a plain flow parameter, which
         # the Prefect API keeps as sent for every reader and the UI to see
-        if "@" in urllib.parse.urlsplit(value).netloc:
+        parts = urllib.parse.urlsplit(value)
+        if "@" in parts.netloc:
             raise ValueError(
                 "base_url holds credentials (user:password@); give the server's key as api_key "
                 "or as VLLM_API_KEY in the worker's environment"
+            )
+        # httpx cannot send to one (127.0.0.1:8000 has no scheme): the worker found that out
+        # after the warm start; not echoed, as a scheme-less one may hold credentials unnoticed above
+        try:
+            valid = parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # a port that is not a number in range
+            valid = False
+        if not valid:
+            raise ValueError(
+                "base_url must be an http:// or https:// URL with a host and an optional port, "
+                "e.g. http://127.0.0.1:8000"
             )
         return value
 

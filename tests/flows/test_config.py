@@ -71,6 +71,21 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("envs:\n  chess: {}\n", "envs: unknown environment 'chess'"),
         ("warm_start:\n  demos: {gues: 3}\n", "warm_start.demos: unknown environment 'gues'"),
         ("trainer_device: gpu\n", "trainer_device: 'gpu' is not a torch device"),
+        # a server that cannot be reached: the worker found it out after the warm start and
+        # the first evaluation, and took it out of service, or failed
+        *(
+            (
+                f"engine:\n  kind: vllm\n  vllm: [{{base_url: '{url}'}}]\n",
+                "engine.vllm.0.base_url: base_url must be an http:// or https:// URL with a host",
+            )
+            for url in (
+                "127.0.0.1:8000",
+                "ftp://vllm:8000",
+                "http://:8000",
+                "http://vllm:0",
+                "http://vllm:80000",
+            )
+        ),
         # torch.manual_seed takes 64 bits: past them the warm start or the trainer failed with
         # "Overflow when unpacking long long", naming no field
         ("model:\n  tiny: {seed: 18446744073709551616}\n", "model.tiny.seed: Input should be less than"),
@@ -617,6 +632,8 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_fails_the_rollout_flow_be
             {"engine": {"vllm": [{"base_url": "http://user:TOP-SECRET-VALUE@vllm:8000"}]}},
             "engine.vllm.0.base_url",
         ),
+        # no scheme: no netloc to find the credentials in, refused as no URL
+        ({"engine": {"vllm": [{"base_url": "user:TOP-SECRET-VALUE@vllm:8000"}]}}, "engine.vllm.0.base_url"),
     ],
 )
 def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, field):
