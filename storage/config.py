@@ -158,6 +158,11 @@ class StorageConfig(BaseModel):
         if not value.strip():
             raise ValueError("root must name a folder or URL")
         scheme, url, rest = value.partition("://")
+        head, colon, _ = value.partition(":")
+        if not url and colon and head.lower() in S3_SCHEMES:
+            # a local folder (./s3:/bucket) would keep each worker's data on its own disk;
+            # not echoed: without its slashes, user:secret@ goes unnoticed below
+            raise ValueError("root starts with an S3 scheme but is no S3 URL; write s3://bucket/prefix")
         # checked before anything that names the value: it reaches errors, logs and the weights table
         if url and "@" in rest.split("/", 1)[0]:
             raise ValueError(

@@ -90,6 +90,15 @@ def test_other_roots_are_refused_naming_the_value(root, message):
     assert repr(root) in str(error.value) or not root.strip()
 
 
+@pytest.mark.parametrize("root", ["s3:/bucket/runs", "s3:bucket/runs", "S3A:/bucket", "s3:"])
+def test_an_s3_url_short_of_its_slashes_is_refused_not_taken_for_a_local_folder(root):
+    """``s3:/bucket/runs`` was a local folder (./s3:/bucket/runs): each worker wrote its
+    rollouts to its own disk, where the trainer never saw them."""
+    with pytest.raises(ValidationError, match="root starts with an S3 scheme but is no S3 URL"):
+        StorageConfig(root=root)
+    assert StorageConfig(root="s3/runs").root == "s3/runs"  # a folder named s3 is one
+
+
 SECRET_INPUTS = [
     ({"aws_secret_access_key": "TOP-SECRET-VALUE"}, "aws_secret_access_key"),  # a misspelt field
     ({"secret_access_key": ["TOP-SECRET-VALUE"]}, "secret_access_key"),  # a wrong type
@@ -99,6 +108,7 @@ SECRET_INPUTS = [
     ({"endpoint_url": "key:TOP-SECRET-VALUE@127.0.0.1:9000"}, "endpoint_url must be an http"),
     ({"root": "s3://AKIAEXAMPLE:TOP-SECRET-VALUE@bucket/runs"}, "root holds credentials"),
     ({"root": "https://user:TOP-SECRET-VALUE@example.com/runs"}, "root holds credentials"),
+    ({"root": "s3:/AKIAEXAMPLE:TOP-SECRET-VALUE@bucket/runs"}, "root starts with an S3 scheme"),
 ]
 
 
