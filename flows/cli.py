@@ -178,10 +178,11 @@ def existing_run(store, hint: str = "--root and --run-id"):
 
     from storage.tables import TABLE_SCHEMAS, Tables
 
-    tables = Tables(store)
     try:
+        tables = Tables(store)
         empty = all(tables.version(name) is None for name in TABLE_SCHEMAS)
-    except (OSError, DeltaError) as exc:
+    # ValueError: an endpoint the environment names that is no URL (StorageConfig.endpoint)
+    except (OSError, DeltaError, ValueError) as exc:
         raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None
     if empty:
         raise SystemExit(f"error: no run at {store.uri}: it has no tables (check {hint})")

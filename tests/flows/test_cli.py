@@ -190,6 +190,34 @@ def test_a_flow_on_an_unreachable_store_is_a_one_line_error_before_a_flow_run(fl
     assert "key-id-123" not in result.stderr and "secret-456" not in result.stderr
 
 
+@pytest.mark.parametrize("command", [("inspect",), ("sql", "SELECT 1"), ("maintain",), ("process", "--once")])
+@pytest.mark.parametrize(
+    ("endpoint", "said"),
+    [
+        ("127.0.0.1:9000", "AWS_ENDPOINT_URL must be an http:// or https:// URL"),
+        ("http://key-id-123:secret-456@127.0.0.1:9000", "AWS_ENDPOINT_URL holds credentials"),
+    ],
+)
+def test_an_endpoint_in_the_environment_that_is_no_url_is_a_one_line_error(
+    command, endpoint, said, capfd, monkeypatch
+):
+    """The environment's endpoint is checked as the store is first used: the commands that
+    first look for the run's tables ended in a traceback."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    if command[0] in ("inspect", "sql"):
+        args = (command[0], "--root", "s3://bucket/runs", "--run-id", "r", *command[1:])
+    else:
+        args = ("run", *command, "--run-id", "r", "--set", "storage.root=s3://bucket/runs")
+    result = treadle_here(capfd, monkeypatch, *args)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert (
+        result.stderr.startswith("error: cannot read the run at s3://bucket/runs/r: ")
+        and said in result.stderr
+    )
+    assert "secret-456" not in result.stderr
+
+
 def test_sql_on_a_new_run_answers_for_tables_not_written_yet_and_reports_bad_sql(local_store):
     """Only ``trajectories`` exists: the other tables are empty views with their columns; a
     value holding tabs, newlines, carriage returns or quotes stays in its field; a bad query
