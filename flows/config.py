@@ -236,6 +236,11 @@ class RunConfig(BaseModel):
             raise ValueError(f"{', '.join(wrong)}: a boolean where a number is wanted")
         return data
 
+    @field_validator("ray_address")
+    @classmethod
+    def _ray_address(cls, value: str | None) -> str | None:
+        return value or None  # a form's empty field: ray.init refuses ""
+
     @field_validator("ray_node_ip")
     @classmethod
     def _ray_node_ip(cls, value: str | None) -> str | None:

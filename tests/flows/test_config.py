@@ -154,6 +154,13 @@ def test_a_local_ray_is_on_loopback_unless_the_config_names_another_address_or_l
     assert load_config(write_config(tmp_path, "ray_node_ip: null\n")).ray_node_ip is None
 
 
+def test_an_empty_ray_address_starts_a_local_ray_as_none_does(tmp_path):
+    """A form's or a file's empty field: Ray refused it ("Invalid address format: ") once
+    the warm start and the first evaluation were over."""
+    assert load_config(write_config(tmp_path, "ray_address: ''\n")).ray_address is None
+    assert RunConfig(ray_address="auto").ray_address == "auto"
+
+
 def test_a_check_of_the_whole_config_fails_with_its_own_message_alone(tmp_path):
     path = write_config(tmp_path, "orchestrator:\n  mix: {chess: 1.0}\n")
     with pytest.raises(ConfigError) as failed:
