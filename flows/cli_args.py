@@ -98,6 +98,8 @@ def parse(
             parser.error(f"--set needs KEY=VALUE, got {item!r}")
         node = overrides
         *parents, leaf = key.split(".")
+        if not all((*parents, leaf)):
+            parser.error(f"--set {key!r}: a field's name has an empty part")
         for depth in range(1, len(parents) + 1):
             section = ".".join(parents[:depth])
             if _holds_a_list(_annotation(section)):

@@ -219,6 +219,9 @@ def with_sets(sets: list[str]) -> list[str]:
             ["engine.vllm.0.base_url=http://127.0.0.1:8000"],
             "--set engine.vllm.0.base_url: engine.vllm is a list, which --set sets whole: engine.vllm=[...]",
         ),
+        # a field named by an empty part: the config's error named no field ("Extra inputs …")
+        (["sao..lr=1"], "--set 'sao..lr': a field's name has an empty part"),
+        (["=hunter2"], "--set '': a field's name has an empty part"),
         (
             ["storage.secret_access_key=hunter2: [x"],
             "--set storage.secret_access_key: its value is not YAML (expected ',' or ']', but got "
