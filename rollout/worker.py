@@ -96,6 +96,11 @@ def worker_seed(seed: int, worker: str, resumed_at: int = 0) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:5], "big")
 
 
+def _clock(epoch_s: float) -> str:
+    """A plan's time (seconds since the epoch) as its writer's UTC clock read it."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(epoch_s))
+
+
 class RolloutWorker:
     """Runs rollouts for one run until stopped; see the module docstring.
 
@@ -418,7 +423,7 @@ class RolloutWorker:
             self._warn_plan(
                 "stale",
                 plan,
-                f"worker {self.name} ignores the elastic plan of {plan.time:.0f}: {now - plan.time:.0f} s old "
+                f"worker {self.name} ignores the elastic plan of {_clock(plan.time)}: {now - plan.time:.0f} s old "
                 f"(> {self.plan_max_age_s:.0f} s), so no trainer is steering; every replica takes new sessions",
             )
         router = self.router
@@ -445,10 +450,10 @@ class RolloutWorker:
             if replica not in wanted:
                 router.undrain(replica)
                 log.info(
-                    "worker %s puts replica %s back in rollout (elastic plan of %.0f)",
+                    "worker %s puts replica %s back in rollout (elastic plan of %s)",
                     self.name,
                     replica,
-                    plan.time,
+                    _clock(plan.time),
                 )
         to_drain = [r for r in router.replicas if r in wanted and r not in router.draining]
         accepting = [r for r in router.replicas if r not in router.draining]
@@ -462,7 +467,9 @@ class RolloutWorker:
                 break
             router.drain(replica)
             accepting.remove(replica)
-            log.info("worker %s drains replica %s (elastic plan of %.0f)", self.name, replica, plan.time)
+            log.info(
+                "worker %s drains replica %s (elastic plan of %s)", self.name, replica, _clock(plan.time)
+            )
         if stale:
             return False
         self.plan_time = plan.time

@@ -142,6 +142,9 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
                 )
                 plans.publish(stale)
                 await until(lambda: "s old" in caplog.text, "the stale plan's warning")
+            # its time as a reader would look it up, not seconds since the epoch
+            written = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(stale.time))
+            assert f"ignores the elastic plan of {written}: " in caplog.text
             await until(lambda: router.draining == [], "the worker to stop draining under a stale plan")
             assert worker.plan_time == plan.time
             router.drain(drained)
