@@ -156,6 +156,9 @@ class Orchestrator:
         stop_launching: an outside stop (the run's stop signal, raised on another thread):
             once it returns True no rollout launches; those in flight go on until :meth:`stop`
             or they finish, and the run ends when none is left.
+        serving: whether an engine replica is in service; while it returns False launching
+            waits (each rollout would fail at once as an ``infra_error``, in a loop that
+            writes failed rows and spends ``max_rollouts``), until a replica is back or a stop.
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class Orchestrator:
         on_result: Callable[[RolloutResult], None] | None = None,
         quota: Quota | None = None,
         stop_launching: Callable[[], bool] | None = None,
+        serving: Callable[[], bool] | None = None,
     ):
         self.service = service
         self.tasks = dict(tasks)
@@ -181,6 +185,7 @@ class Orchestrator:
         self.on_result = on_result
         self.quota = quota
         self.stop_launching = stop_launching
+        self.serving = serving
         self._granted = 0
         """Rollouts the quota granted this orchestrator."""
         self._quota_spent = False
@@ -302,17 +307,22 @@ class Orchestrator:
             log.warning("could not give back %d unused rollouts of the run's max_rollouts: %s", unused, exc)
 
     async def _wait_for_trainer(self) -> None:
-        """Hold launching while the trainer lags; rollouts that finish meanwhile are written
-        as usual (the pause holds back new work, never finished work)."""
-        if self.backlog is None and self.trainer_queue is None:
+        """Hold launching while the trainer lags or no replica is in service; rollouts that
+        finish meanwhile are written as usual (the pause holds back new work, never finished work)."""
+        if self.backlog is None and self.trainer_queue is None and self.serving is None:
             return
+        if self.serving is not None and not self.serving():
+            log.warning("no engine replica is in service: launching waits for one to be back")
         started = time.perf_counter()
-        while not self._no_more_launches() and self._trainer_lags():
+        while not self._no_more_launches() and (self._trainer_lags() or not self._serving()):
             with contextlib.suppress(TimeoutError):
                 job = await asyncio.wait_for(self._completed.get(), self.config.backpressure_poll_s)
                 if job is not None:
                     self._collect(job)
         self.stats.paused_s += time.perf_counter() - started
+
+    def _serving(self) -> bool:
+        return self.serving is None or self.serving()
 
     def _trainer_lags(self) -> bool:
         cfg = self.config

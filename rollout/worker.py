@@ -302,6 +302,7 @@ class RolloutWorker:
             on_result=self.on_result,
             quota=self.quota(),
             stop_launching=self.stop_launching,
+            serving=lambda: bool(self.router.replicas),
         )
         return self
 

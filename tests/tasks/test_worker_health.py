@@ -93,6 +93,58 @@ def test_a_replica_that_comes_back_loads_the_current_version_before_it_serves(lo
     assert worker.version == worker.engines[1].version == 0
 
 
+def test_a_worker_with_no_replica_in_service_launches_nothing_until_one_is_back(local_store):
+    """A worker whose only replica died launched rollout after rollout, each an infra_error
+    at once (no replica to route to): a hot loop that wrote thousands of failed rows a minute
+    and spent the run's max_rollouts on them. Launching now waits for a replica in service."""
+    run = RunConfig(orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    ensure_base_version(WeightStore(local_store), TINY)
+    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
+    up = {"torch-0": True}
+
+    async def body() -> None:
+        await worker.start()
+        engine = worker.engines[0]
+        real_health, real_generate = engine.health, engine.generate
+
+        async def health() -> bool:
+            return up["torch-0"] and await real_health()
+
+        async def generate(*args, **kwargs):
+            if not up["torch-0"]:
+                raise EngineError("the engine process died (injected)")
+            return await real_generate(*args, **kwargs)
+
+        engine.health, engine.generate = health, generate
+        run_task = asyncio.create_task(worker.run(max_seconds=600))
+        try:
+            await until(lambda: worker.orchestrator.stats.finished >= 4, "rollouts to finish")
+            up["torch-0"] = False
+            await until(lambda: worker.router.replicas == [], "the dead replica to leave service")
+            await asyncio.sleep(0.2)  # the rollouts in flight when it died end
+            launched = worker.orchestrator.stats.tasks["arith"].started
+            await asyncio.sleep(1.0)
+            assert worker.orchestrator.stats.tasks["arith"].started == launched
+            up["torch-0"] = True
+            await until(lambda: worker.router.replicas == ["torch-0"], "the replica to come back")
+            await until(
+                lambda: (
+                    worker.orchestrator.stats.tasks["arith"].statuses["ok"]
+                    + worker.orchestrator.stats.tasks["arith"].statuses["truncated"]
+                    > 4 + 2
+                ),
+                "rollouts to finish again",
+            )
+        finally:
+            worker.stop()
+            await run_task
+            await worker.close()
+
+    asyncio.run(body())
+    statuses = worker.orchestrator.stats.tasks["arith"].statuses
+    assert statuses["infra_error"] <= 2, statuses  # at most those in flight when it died
+
+
 @pytest.mark.parametrize("fault", ["raises", "hangs"])
 @pytest.mark.parametrize("health_check_s", [0.05, None])
 def test_a_version_one_replica_fails_to_load_is_retried_there_and_the_others_keep_it(
