@@ -302,7 +302,7 @@ class RolloutWorker:
             on_result=self.on_result,
             quota=self.quota(),
             stop_launching=self.stop_launching,
-            serving=lambda: bool(self.router.replicas),
+            serving=self.serving,
         )
         return self
 
@@ -320,6 +320,20 @@ class RolloutWorker:
                         f"{engine.name}'s max_model_len={length}; lower it to {length} or relaunch the "
                         f"server with --max-model-len {limit}"
                     )
+
+    def serving(self) -> bool:
+        """Whether an engine replica is in service; with none, launching waits for the health
+        check to bring one back. Raises ``EngineError`` when none can come back: with no
+        health check (``router.health_check_s`` None), a replica taken out stays out."""
+        if self.router.replicas:
+            return True
+        if self.router.config.health_check_s is None:
+            raise EngineError(
+                f"worker {self.name}: every engine replica is out of service ({', '.join(self.router.down)}) "
+                "and router.health_check_s is null, so none comes back; restart the worker once they are up, "
+                "or set router.health_check_s"
+            )
+        return False
 
     def quota(self) -> RunQuota | None:
         """The run's ``max_rollouts``, which every worker of the run and every restart shares."""

@@ -97,25 +97,10 @@ def test_a_worker_with_no_replica_in_service_launches_nothing_until_one_is_back(
     """A worker whose only replica died launched rollout after rollout, each an infra_error
     at once (no replica to route to): a hot loop that wrote thousands of failed rows a minute
     and spent the run's max_rollouts on them. Launching now waits for a replica in service."""
-    run = RunConfig(orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
-    ensure_base_version(WeightStore(local_store), TINY)
-    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
-    up = {"torch-0": True}
+    worker, up = dying_worker(local_store, health_check_s=0.05)
 
     async def body() -> None:
         await worker.start()
-        engine = worker.engines[0]
-        real_health, real_generate = engine.health, engine.generate
-
-        async def health() -> bool:
-            return up["torch-0"] and await real_health()
-
-        async def generate(*args, **kwargs):
-            if not up["torch-0"]:
-                raise EngineError("the engine process died (injected)")
-            return await real_generate(*args, **kwargs)
-
-        engine.health, engine.generate = health, generate
         run_task = asyncio.create_task(worker.run(max_seconds=600))
         try:
             await until(lambda: worker.orchestrator.stats.finished >= 4, "rollouts to finish")
@@ -143,6 +128,60 @@ def test_a_worker_with_no_replica_in_service_launches_nothing_until_one_is_back(
     asyncio.run(body())
     statuses = worker.orchestrator.stats.tasks["arith"].statuses
     assert statuses["infra_error"] <= 2, statuses  # at most those in flight when it died
+
+
+def test_a_worker_whose_replicas_are_all_out_with_no_health_check_fails_saying_so(local_store):
+    """With no health check nothing brings a replica back: waiting would last until the
+    deadline (for ever without one), so the worker fails, naming the setting, and what
+    finished is written."""
+    worker, up = dying_worker(local_store, health_check_s=None)
+
+    async def body() -> None:
+        await worker.start()
+        try:
+            run_task = asyncio.create_task(worker.run(max_seconds=600))
+            await until(lambda: worker.orchestrator.stats.finished >= 4, "rollouts to finish")
+            up["torch-0"] = False
+            with pytest.raises(
+                EngineError, match=r"out of service \(torch-0\) and router.health_check_s is null"
+            ):
+                await asyncio.wait_for(run_task, 60)
+        finally:
+            await worker.close()
+
+    asyncio.run(body())
+    stats = worker.orchestrator.stats
+    assert stats.tasks["arith"].statuses["infra_error"] <= 2, stats.tasks
+    reader = ShardReader(local_store)
+    assert sum(reader.read(shard).num_rows for shard in reader.poll()[0]) == stats.written >= 4
+
+
+def dying_worker(local_store, health_check_s):
+    """A one-replica worker whose replica dies (fails its probes and every generation) while
+    ``up["torch-0"]`` is False."""
+    run = RunConfig(orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    ensure_base_version(WeightStore(local_store), TINY)
+    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=health_check_s))
+    up = {"torch-0": True}
+    real_start = worker.start
+
+    async def start():
+        await real_start()
+        engine = worker.engines[0]
+        real_health, real_generate = engine.health, engine.generate
+
+        async def health() -> bool:
+            return up["torch-0"] and await real_health()
+
+        async def generate(*args, **kwargs):
+            if not up["torch-0"]:
+                raise EngineError("the engine process died (injected)")
+            return await real_generate(*args, **kwargs)
+
+        engine.health, engine.generate = health, generate
+
+    worker.start = start
+    return worker, up
 
 
 @pytest.mark.parametrize("fault", ["raises", "hangs"])
