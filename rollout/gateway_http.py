@@ -75,7 +75,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
 from rollout.gateway import TIMING_KEYS, Gateway, Session, TurnResult, UnknownSession, check_text
-from rollout.http_server import AppServer, bearer_token
+from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bearer_token
 from rollout.tool_calls import same_calls
 
 SESSION_HEADER = "X-Treadle-Session"
@@ -660,6 +660,7 @@ class GatewayServer(AppServer):
         token: str | None = None,
         model_name: str = "treadle-policy",
         sampling: RunSampling | None = None,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
     ):
         self.token = bearer_token(token)
         super().__init__(
@@ -668,4 +669,5 @@ class GatewayServer(AppServer):
             port=port,
             uds=uds,
             name="gateway",
+            drain_timeout_s=drain_timeout_s,
         )

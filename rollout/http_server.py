@@ -21,6 +21,12 @@ MAX_BODY_BYTES = 256 * 2**20
 or parsed, as is one sent without a length that grows past it."""
 
 
+DRAIN_TIMEOUT_S = 30.0
+"""How long :meth:`AppServer.stop` lets the requests in flight finish; those still running
+then are cancelled and answered 500. Without a bound, one client that stalls mid-body (or a
+request whose work never ends) held the stop, and a worker's shutdown behind it, for ever."""
+
+
 class _BodyTooLarge(HTTPException):
     # an HTTPException, so that a FastAPI app reading the body answers it (413), not as a
     # body it failed to parse (400)
@@ -95,6 +101,7 @@ class AppServer:
         uds: str | None = None,
         name: str = "local",
         max_body_bytes: int = MAX_BODY_BYTES,
+        drain_timeout_s: float = DRAIN_TIMEOUT_S,
     ):
         config = uvicorn.Config(
             _BodyLimit(app, max_body_bytes),
@@ -104,6 +111,7 @@ class AppServer:
             log_level="warning",
             lifespan="off",
             access_log=False,
+            timeout_graceful_shutdown=drain_timeout_s,
         )
         self.app = app
         self._server = _EmbeddedServer(config)
@@ -145,7 +153,8 @@ class AppServer:
             raise RuntimeError(f"the {self.name} server cannot listen on {where} (exit {exc.code})") from None
 
     async def stop(self) -> None:
-        """Stop serving and wait for the server task to end."""
+        """Stop serving and wait for the server task to end: the requests in flight finish, or
+        are cancelled after ``drain_timeout_s``."""
         if self._task is None:
             return
         self._server.should_exit = True

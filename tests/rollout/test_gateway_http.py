@@ -1157,3 +1157,36 @@ def test_a_signal_to_the_process_reaches_its_handler_and_the_gateway_keeps_servi
         asyncio.run(body())
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_client_stalled_mid_body_does_not_hold_the_servers_stop_for_ever(tiny):
+    """A stop lets the requests in flight finish, but not without end: one whose client sent
+    half its body and went quiet held the stop (and a worker's shutdown behind it) for ever.
+    Past the drain timeout it is cancelled and answered 500, and the stop returns."""
+    model, tokenizer = tiny
+
+    async def body():
+        engine = TorchEngine(copy.deepcopy(model), tokenizer, name="live")
+        server = await GatewayServer(Gateway(Router([engine]), tokenizer), drain_timeout_s=1).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            head = (
+                f"POST /v1/sessions HTTP/1.1\r\nHost: gateway\r\nAuthorization: Bearer {server.token}\r\n"
+                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            )
+            writer.write(head.encode() + b'{"task"')
+            await writer.drain()
+            while not server._server.server_state.tasks:  # the request is in flight, reading its body
+                await asyncio.sleep(0.01)
+            started = time.monotonic()
+            await asyncio.wait_for(server.stop(), 20)
+            stopped = time.monotonic() - started
+            reply = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+        finally:
+            await engine.close()
+        return stopped, reply
+
+    stopped, reply = asyncio.run(body())
+    assert stopped < 10
+    assert reply.startswith(b"HTTP/1.1 500")
