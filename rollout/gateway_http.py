@@ -71,7 +71,7 @@ from typing import Any, Literal
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
 from rollout.gateway import TIMING_KEYS, Gateway, Session, TurnResult, UnknownSession, check_text
@@ -163,9 +163,11 @@ class TokenRequest(_Sampling):
 
     model_config = ConfigDict(extra="forbid")
 
-    token_ids: list[int] = Field(default_factory=list, description="New tokens appended before generating.")
+    token_ids: list[StrictInt] = Field(
+        default_factory=list, description="New tokens appended before generating."
+    )
     max_new_tokens: int | None = Field(None, description="Token budget of this turn.")
-    stop_ids: list[int] | None = Field(None, description="Token ids that end the action; default EOS.")
+    stop_ids: list[StrictInt] | None = Field(None, description="Token ids that end the action; default EOS.")
 
 
 class StreamOptions(BaseModel):
@@ -183,7 +185,8 @@ class CompletionRequest(_Sampling):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
-    prompt: str | list[int]
+    # strict: a list holding "3" is a batch of text prompts to the OpenAI API, true no token id
+    prompt: str | list[StrictInt]
     max_tokens: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -347,7 +350,7 @@ def create_app(
     def params(
         body: _Sampling,
         max_new_tokens: int | None,
-        stop_ids: list[int] | None = None,
+        stop_ids: list[StrictInt] | None = None,
         session: Session | None = None,
     ) -> SamplingParams | Callable[[], SamplingParams]:
         temperature = sampling.temperature if body.temperature is None else body.temperature

@@ -179,7 +179,7 @@ def test_token_endpoint_round_trip_and_record(tiny):
 
 def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
     async def body():
-        async with serving(tiny, max_context_tokens=32) as (_, _, client):
+        async with serving(tiny, max_context_tokens=32) as (gateway, _, client):
             sid = await open_session(client)
             headers = {SESSION_HEADER: sid}
             cases = [
@@ -192,11 +192,20 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
                 ({"token_ids": [5], "temperature": 5e-6}, "temperature must be a finite number >= 1e-05"),
                 ({"token_ids": [5], "seed": 2**64}, "seed must be a 64-bit integer"),
                 ({"token_ids": [5], "max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+                # JSON true and "3" are no token ids: not recorded as tokens 1 and 3
+                ({"token_ids": [True, 2]}, "token_ids.0: Input should be a valid integer"),
+                ({"token_ids": ["3"]}, "token_ids.0: Input should be a valid integer"),
+                ({"token_ids": [5], "stop_ids": [True]}, "stop_ids.0: Input should be a valid integer"),
             ]
             for payload, message in cases:
                 response = await client.post("/v1/generate", json=payload, headers=headers)
                 assert response.status_code == 400, (payload, response.text)
                 assert message in response.json()["error"]["message"]
+            for prompt in ([True], ["3"]):  # to the OpenAI API, ["3"] is a batch of one text prompt
+                response = await client.post("/v1/completions", json={"prompt": prompt}, headers=headers)
+                assert response.status_code == 400, (prompt, response.text)
+                assert "prompt.list[int].0: Input should be a valid integer" in response.text
+            assert gateway.session(sid).tokens == []
             not_a_number = await client.post(  # JSON has no NaN; Python's parser takes it anyway
                 "/v1/generate",
                 content=b'{"token_ids": [5], "temperature": NaN}',
