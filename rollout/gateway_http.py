@@ -673,4 +673,5 @@ class GatewayServer(AppServer):
             uds=uds,
             name="gateway",
             drain_timeout_s=drain_timeout_s,
+            token=self.token,
         )

@@ -146,4 +146,4 @@ class ServiceServer(AppServer):
 
     def __init__(self, service: RolloutService, *, token: str | None = None, **bind: Any):
         self.token = bearer_token(token)
-        super().__init__(create_app(service, self.token), name="rollout-service", **bind)
+        super().__init__(create_app(service, self.token), name="rollout-service", token=self.token, **bind)

@@ -128,6 +128,14 @@ def test_bearer_token_is_required(tiny):
                     headers={"Authorization": "Bearer nope", SESSION_HEADER: "x"},
                 )
                 assert wrong.status_code == 401 and server.token not in wrong.text
+            # answered from its headers alone: a server that read the body (never sent whole) would wait
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            head = "POST /v1/generate HTTP/1.1\r\nHost: gateway\r\nContent-Length: 1000000\r\n\r\n"
+            writer.write(head.encode() + b'{"token_ids": [')
+            await writer.drain()
+            reply = await asyncio.wait_for(reader.read(), 10)
+            writer.close()
+            assert reply.startswith(b"HTTP/1.1 401") and b"missing or wrong bearer token" in reply
             assert (await client.get("/v1/models")).status_code == 200
 
     asyncio.run(body())
