@@ -102,8 +102,9 @@ class GuessEnv(Env):
         pool = problems(cfg, split)
         if not pool:
             raise ValueError(f"the {split} split of guess {cfg.low}-{cfg.high} is empty; widen the range")
-        rng = random.Random(f"{seed}/{split}")
-        picks = [rng.choice(pool) for _ in range(n)]
+        # each problem once before any twice: an evaluation's mean weighs none of them double
+        drawn = random.Random(f"{seed}/{split}").sample(pool, min(n, len(pool)))
+        picks = [drawn[i % len(drawn)] for i in range(n)]
         return [
             Task(
                 env=cls.name,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from envs.agent import AgentEnv
@@ -58,18 +59,31 @@ def task_set(
 
 
 def task_pool(
-    name: str, split: Split, seed: int, n: int, config: EnvConfig | dict[str, Any] | None = None
+    name: str,
+    split: Split,
+    seed: int,
+    n: int,
+    config: EnvConfig | dict[str, Any] | None = None,
+    *,
+    distinct: bool = False,
 ) -> list[Task]:
     """:func:`task_set`, but every distinct task of ``split`` when an env that draws distinct
     tasks holds fewer than ``n`` (``code``'s few hundred functions, a small ``max_operand``);
     one that holds none raises. Envs that repeat their tasks to make ``n`` (``dataset``,
-    ``agent``, ``guess``) give ``n``."""
+    ``agent``, ``guess``) give ``n``; with ``distinct``, the first of each problem (prompt and
+    data) only: an evaluation's set, whose mean would weigh a repeated problem more."""
     try:
-        return task_set(name, split, seed, n, config)
+        tasks = task_set(name, split, seed, n, config)
     except TooFewTasks as exc:
         if not exc.available:
             raise
-        return task_set(name, split, seed, exc.available, config)
+        tasks = task_set(name, split, seed, exc.available, config)
+    if not distinct:
+        return tasks
+    problems: dict[str, Task] = {}
+    for task in tasks:
+        problems.setdefault(json.dumps([task.prompt, task.data], sort_keys=True, default=str), task)
+    return list(problems.values())
 
 
 def demonstrate(task: Task, flawed: bool = False, seed: int = 0) -> list[str]:

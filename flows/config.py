@@ -99,7 +99,11 @@ class EvalConfig(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
-    tasks_per_env: int = Field(100, ge=1, description="Held-out tasks per environment.")
+    tasks_per_env: int = Field(
+        100,
+        ge=1,
+        description="Held-out tasks per environment, each problem once (fewer where the split holds fewer).",
+    )
     temperature: float = Field(
         1e-3,
         ge=MIN_TEMPERATURE,

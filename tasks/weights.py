@@ -284,9 +284,9 @@ def _statuses(counts: dict[str, int]) -> str:
 
 def eval_tasks(config: RunConfig, name: str, split: Split = "eval") -> list[Task]:
     """The ``eval.tasks_per_env`` problems of env ``name``'s ``split`` an evaluation runs
-    (:func:`~envs.registry.task_pool`: all of a split of fewer distinct ones)."""
+    (:func:`~envs.registry.task_pool`: all of a split of fewer distinct ones, each once)."""
     return registry.task_pool(
-        name, split, config.eval.seed, config.eval.tasks_per_env, config.env_config(name)
+        name, split, config.eval.seed, config.eval.tasks_per_env, config.env_config(name), distinct=True
     )
 
 

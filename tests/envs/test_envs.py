@@ -201,6 +201,46 @@ def test_guess_splits_share_numbers_not_problems(config):
     assert all(t.prompt == f"guess {t.data['low']}-{t.data['high']}" for t in sampled)
 
 
+def test_guess_draws_each_problem_of_its_split_once_before_any_twice():
+    """An evaluation's 100 tasks of the 336 held-out problems were 100 draws with replacement:
+    about 13 were a second rollout of a problem, which weighed twice in its mean."""
+    problem = lambda t: (t.data["low"], t.data["high"], t.data["target"])  # noqa: E731
+    held_out = len(problems(GuessConfig(), "eval"))
+    for seed in range(3):
+        tasks = task_set("guess", "eval", seed=seed, n=100)
+        assert len({problem(t) for t in tasks}) == 100
+        assert len({t.id for t in tasks}) == 100
+    tasks = task_set("guess", "eval", seed=0, n=2 * held_out + 1)
+    counts = {}
+    for task in tasks:
+        counts[problem(task)] = counts.get(problem(task), 0) + 1
+    assert len(counts) == held_out and set(counts.values()) == {2, 3}
+
+
+def test_a_distinct_task_pool_holds_each_problem_once(tmp_path):
+    """An evaluation scores each problem once: the envs that repeat their tasks to make ``n``
+    give a distinct pool their split's problems, once each (an 8-row split asked for 12 gave
+    4 rows twice, and a mean that weighed them double)."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n" for i in range(20)))
+    config = {"path": str(path), "eval_fraction": 0.3}
+    repeated = task_pool("dataset", "eval", 0, 12, config)
+    held_out = {t.prompt for t in repeated}
+    assert len(repeated) == 12 and len(held_out) < 12
+    distinct = task_pool("dataset", "eval", 0, 12, config, distinct=True)
+    assert sorted(t.prompt for t in distinct) == sorted(held_out)
+    assert [t.prompt for t in distinct] == [t.prompt for t in repeated[: len(held_out)]]
+    agent = {"command": "true", "tasks": [{"id": f"t{i}", "prompt": f"p{i}"} for i in range(40)]}
+    tasks = task_pool("agent", "eval", 0, 50, agent, distinct=True)
+    assert len(tasks) == len({t.id for t in tasks}) < 50
+    guess = {"low": 1, "high": 12, "min_width": 8, "max_width": 8}
+    tasks = task_pool("guess", "eval", 0, 50, guess, distinct=True)
+    assert len(tasks) == len(problems(GuessConfig(**guess), "eval"))
+    assert len(task_pool("arith", "eval", 0, 50, {"max_operand": 9}, distinct=True)) == len(
+        task_pool("arith", "eval", 0, 50, {"max_operand": 9})
+    )
+
+
 def test_guess_config_rejects_impossible_windows():
     with pytest.raises(ValueError, match="min_width"):
         GuessConfig(min_width=12, max_width=8)

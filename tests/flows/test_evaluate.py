@@ -6,6 +6,7 @@ import json
 import os
 from typing import Any
 
+import pyarrow.compute as pc
 import pytest
 from prefect import flow
 
@@ -66,6 +67,31 @@ def test_an_env_whose_eval_split_holds_fewer_tasks_than_asked_is_evaluated_on_al
     again = evaluating(config, base, reuse=True)
     assert again["statuses"] == {} and again["count"] == first["count"], "the recorded row is reused"
     assert Tables(run_store(config)).read("evals").num_rows == 2
+
+
+def test_an_env_that_repeats_its_tasks_is_evaluated_on_each_problem_once(tmp_path):
+    """A dataset whose eval split holds fewer rows than ``tasks_per_env`` gave the rows again
+    to make up the number: the row counted as that many tasks measured, and its mean weighed
+    the first rows more. Guess drew its problems with replacement (a problem scored twice)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20))
+    )
+    config = tiny_config(
+        tmp_path / "runs", "eval-distinct", warm_start={"enabled": False},
+        envs={"dataset": {"path": str(rows), "eval_fraction": 0.3}},
+        orchestrator={"mix": {"arith": 0.5, "guess": 0.3, "dataset": 0.2}}, eval={"tasks_per_env": 12},
+    )  # fmt: skip
+    held_out = eval_tasks(config, "dataset")
+    assert 0 < len(held_out) < 12 and len({task.prompt for task in held_out}) == len(held_out)
+    wider = config.model_copy(update={"eval": config.eval.model_copy(update={"tasks_per_env": 80})})
+    problems = {(t.data["low"], t.data["high"], t.data["target"]) for t in eval_tasks(wider, "guess")}
+    assert len(problems) == 80
+    base = build_base_version(config, log=lambda line: None)
+    measured = evaluating(config, base)
+    assert measured["count"] == {"arith": 12, "guess": 12, "dataset": len(held_out)}
+    row = Tables(run_store(config)).read("evals").filter(pc.equal(pc.field("env"), "dataset")).to_pylist()
+    assert [(r["count"], r["tasks"]) for r in row] == [(len(held_out), len(held_out))]
 
 
 def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_the_policy(
