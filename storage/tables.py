@@ -123,7 +123,7 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
 critic): a NaN there made every ``AVG(value_loss)`` NaN. ``evals.count`` is the rollouts
 measured, ``evals.tasks`` the tasks evaluated, those that failed outside the policy included
 (null in rows written before it was added); ``evals.setup`` a fingerprint of what the
-measurement depended on besides the weights (the eval settings, the env's config, the
+measurement depended on besides the weights (the eval settings and tasks, the env's config, the
 rollout limits; null in rows written before it was added). ``shards.crc32`` is the CRC-32 of the shard's
 file as written, which its readers check (null in rows written before it was added: those
 shards are read unchecked). ``weights.dropped_stale`` and

@@ -235,15 +235,18 @@ def evaluate_version(config: RunConfig, version: int | None = None, once: str | 
 
 def eval_setup(config: RunConfig, env: str) -> str:
     """Fingerprint of what an evaluation of ``env`` depends on besides the weights: the eval
-    settings (tasks, seed, temperature), the env's config, the rollout limits (a rollout out
-    of time scores 0), the reward model the env names and the precision and kind of device
-    of the engine that samples (``engine.torch``; not its batch, cache or prefill sizes,
-    which change only its speed)."""
+    settings (tasks, seed, temperature), the held-out tasks themselves (a dataset file
+    rewritten under its path, an env that draws its tasks otherwise), the env's config, the
+    rollout limits (a rollout out of time scores 0), the reward model the env names and the
+    precision and kind of device of the engine that samples (``engine.torch``; not its batch,
+    cache or prefill sizes, which change only its speed)."""
     env_config = config.env_config(env)
     scorer = env_config.reward_model and config.service.reward_models[env_config.reward_model]
     engine = config.engine.torch
+    tasks = [task.model_dump(mode="json") for task in eval_tasks(config, env)]
     setup = {
         "eval": config.eval.model_dump(mode="json"),
+        "tasks": hashlib.sha256(json.dumps(tasks, sort_keys=True).encode()).hexdigest(),
         "env": env_config.model_dump(mode="json"),
         "max_turns": config.service.max_turns,
         "max_new_tokens": config.service.max_new_tokens,

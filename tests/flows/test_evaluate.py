@@ -187,6 +187,35 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
     assert len(calls) == len(otherwise) + 2, "a row without its setup was reused"
 
 
+def test_a_rerun_on_other_held_out_tasks_does_not_reuse_the_recorded_eval(tmp_path, monkeypatch):
+    """A row stands for the tasks it measured: a dataset file rewritten between two runs of a
+    run (other rows, the same path and config) gives other held-out tasks, which are measured
+    again rather than reported by the old rows' reward."""
+    import envs.dataset
+    import tasks.weights
+    from rollout.evaluate import EvalResult
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": "1"}) + "\n" for i in range(40)))
+    config = tiny_config(
+        tmp_path / "runs", "eval-tasks", warm_start={"enabled": False}, envs={"dataset": {"path": str(rows)}},
+        orchestrator={"mix": {"arith": 0.5, "guess": 0.3, "dataset": 0.2}},
+    )  # fmt: skip
+    mix = list(config.orchestrator.mix)
+    calls = []
+    measured = EvalResult(1, {e: 0.5 for e in mix}, {e: 4 for e in mix}, {e: {"ok": 4} for e in mix})
+    monkeypatch.setattr(
+        tasks.weights, "evaluate_weights", lambda config, version: calls.append(1) or measured
+    )
+    evaluating(config, 1, reuse=True)
+    evaluating(config, 1, reuse=True)
+    assert len(calls) == 1, "the same tasks are reused"
+    rows.write_text("".join(json.dumps({"prompt": f"r{i}", "answer": "2"}) + "\n" for i in range(40)))
+    monkeypatch.setattr(envs.dataset, "_ROWS", {})  # as a new process reads the file
+    evaluating(config, 1, reuse=True)
+    assert len(calls) == 2, "the recorded eval of other held-out tasks was reused"
+
+
 def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tmp_path, monkeypatch):
     """Rollout i samples with seed ``eval.seed * SEED_STRIDE + i``: the same seed measures the
     same, another samples otherwise (every evaluation sampled with seeds 0..n-1, the seed
