@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import re
 import signal
 import socket
 import time
@@ -133,7 +134,10 @@ def test_bearer_token_is_required(tiny):
             head = "POST /v1/generate HTTP/1.1\r\nHost: gateway\r\nContent-Length: 1000000\r\n\r\n"
             writer.write(head.encode() + b'{"token_ids": [')
             await writer.drain()
-            reply = await asyncio.wait_for(reader.read(), 10)
+            # the response alone: the connection stays open after it (keep-alive, 5 s)
+            reply = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            length = int(re.search(rb"(?i)content-length: *(\d+)", reply)[1])
+            reply += await asyncio.wait_for(reader.readexactly(length), 10)
             writer.close()
             assert reply.startswith(b"HTTP/1.1 401") and b"missing or wrong bearer token" in reply
             assert (await client.get("/v1/models")).status_code == 200

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import sys
 import time
 
@@ -913,7 +914,10 @@ def test_a_request_without_the_bearer_token_is_answered_401_without_its_body_rea
             writer.write(head.encode() + b'{"task": [')
             await writer.drain()
             try:
-                return await asyncio.wait_for(reader.read(), 10)
+                # the response alone: the connection stays open after it (keep-alive, 5 s)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+                length = int(re.search(rb"(?i)content-length: *(\d+)", head)[1])
+                return head + await asyncio.wait_for(reader.readexactly(length), 10)
             finally:
                 writer.close()
 
