@@ -207,6 +207,23 @@ class ChatRenderer:
         return tuple(dict.fromkeys(ids))
 
 
+RENDER_INLINE_CHARS = 16_384
+"""Queued chat text up to this many characters is rendered on the event loop (rendering takes
+about a microsecond a character on one core); more goes to a worker thread: a client's 15 MB
+message took 14 s to tokenize, the event loop stalled all that time."""
+
+
+def _text_size(value: Any) -> int:
+    """Characters of the strings in ``value`` (messages, tools: JSON-like data)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, Mapping):
+        return sum(_text_size(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return sum(_text_size(v) for v in value)
+    return 0
+
+
 def check_text(text: str, what: str) -> str:
     """``text``, or :class:`InvalidRequest` when it holds a lone surrogate (text decoded with
     ``surrogateescape``, or a JSON ``\\udc80`` escape): it has no UTF-8 form, and a tokenizer
@@ -376,13 +393,32 @@ class Session:
             )
 
     def _pending_flush(self) -> None:
+        if self._pending:
+            new, self._pending = self._pending, []
+            self._take(new, self._rendered(new))
+
+    async def _pending_flush_off_loop(self) -> None:
+        """:meth:`_pending_flush`, with queued text over :data:`RENDER_INLINE_CHARS` rendered
+        on a worker thread (the tokenizer lets go of the GIL): a long message would otherwise
+        stall the event loop, every rollout, the gateway and the heartbeats with it."""
         if not self._pending:
             return
         new, self._pending = self._pending, []
+        if _text_size([new, self.tools if not self.tokens else None]) <= RENDER_INLINE_CHARS:
+            ids = self._rendered(new)
+        else:
+            ids = await asyncio.to_thread(self._rendered, new)
+            if self.closed:
+                raise UnknownSession(f"session {self.session_id!r} was closed while its messages rendered")
+        self._take(new, ids)
+
+    def _rendered(self, new: list[dict[str, Any]]) -> list[int]:
         renderer = self.renderer
         if renderer is None:
             raise InvalidRequest("this gateway has no tokenizer with a chat template; send token ids")
-        ids = renderer.first(new, self.tools) if not self.tokens else renderer.delta(new, self.last_action)
+        return renderer.first(new, self.tools) if not self.tokens else renderer.delta(new, self.last_action)
+
+    def _take(self, new: list[dict[str, Any]], ids: list[int]) -> None:
         self.gateway.check_ids(ids, what="rendered messages")
         self._append(ids)
         self.messages.extend(new)
@@ -450,7 +486,7 @@ class Session:
                 params = params()
             if prepare is not None:
                 prepare()
-            self._pending_flush()
+            await self._pending_flush_off_loop()
             if not self.tokens:
                 raise InvalidRequest("empty prompt: add messages or token ids before generating")
             params = params or SamplingParams(

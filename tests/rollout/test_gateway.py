@@ -9,6 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import threading
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ import torch
 from rl.models import TinyModelConfig, build_tiny_model, model_eos_ids, publish_policy
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
-from rollout.gateway import ChatRenderer, Gateway, GatewayConfig, UnknownSession
+from rollout.gateway import RENDER_INLINE_CHARS, ChatRenderer, Gateway, GatewayConfig, UnknownSession
 from rollout.router import Router, RouterConfig
 from storage.schema import TRAJECTORY_SCHEMA, to_table, validate
 from storage.weights import WeightStore
@@ -456,6 +457,59 @@ def test_closing_a_session_cancels_its_generating_turn_and_fails_the_queued_one(
             assert router.load(router.replicas[0]) == 0 and router.session_ages() == {router.replicas[0]: []}
 
     asyncio.run(body())
+
+
+def recording_threads(renderer: ChatRenderer, threads: list[int], gate: threading.Event | None = None):
+    """Make ``renderer`` note the thread of each encode in ``threads``, and wait for ``gate``."""
+    real_encode = renderer.encode
+
+    def encode(text):
+        threads.append(threading.get_ident())
+        if gate is not None:
+            assert gate.wait(30)
+        return real_encode(text)
+
+    renderer.encode = encode
+
+
+def test_a_long_message_is_rendered_off_the_event_loop_and_a_short_one_on_it(tiny):
+    """Tokenizing 15 MB of chat text took 14 s, every rollout, the gateway and the heartbeats
+    waiting on the event loop meanwhile."""
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            threads = []
+            recording_threads(session.renderer, threads)
+            session.add_messages(USER)
+            await session.generate(SamplingParams(max_new_tokens=2, seed=0))
+            assert threads == [threading.get_ident()]
+            session.add_messages([{"role": "user", "content": "7" * RENDER_INLINE_CHARS}])
+            with pytest.raises(ContextLimit, match="over max_context_tokens=512"):
+                await session.generate(SamplingParams(max_new_tokens=2, seed=0))
+            assert len(threads) > 1 and threading.get_ident() not in threads[1:]
+
+    asyncio.run(body())
+
+
+def test_a_session_closed_while_its_long_message_renders_appends_nothing(tiny):
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            gate = threading.Event()
+            threads = []
+            recording_threads(session.renderer, threads, gate)
+            session.add_messages([{"role": "user", "content": "7" * RENDER_INLINE_CHARS}])
+            turn = asyncio.create_task(session.generate(SamplingParams(max_new_tokens=2, seed=0)))
+            while not threads:
+                await asyncio.sleep(0.01)
+            gateway.close(session.session_id)
+            gate.set()
+            with pytest.raises(UnknownSession, match="closed while its messages rendered"):
+                await turn
+            assert session.tokens == [] and session.context_limit is None
+
+    asyncio.run(asyncio.wait_for(body(), 60))
 
 
 def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_records(tiny):
