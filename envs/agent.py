@@ -164,6 +164,7 @@ class AgentEnv(Env):
     config_cls = AgentConfig
     drives_itself = True
     scripted_solver = False
+    shows_task_id = True  # in task.json
 
     def __init__(self, config: AgentConfig | None = None, **overrides):
         super().__init__(config, **overrides)

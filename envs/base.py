@@ -219,6 +219,9 @@ class Env(ABC):
     config_cls: ClassVar[type[EnvConfig]] = EnvConfig
     scripted_solver: ClassVar[bool] = True
     """Whether :meth:`demonstrate` can solve a task (the warm start's demonstrations)."""
+    shows_task_id: ClassVar[bool] = False
+    """Whether the env gives a task's id to what it runs (then part of the problem, beside its
+    prompt and data)."""
 
     def __init__(self, config: EnvConfig | None = None, **overrides: Any):
         data = (config.model_dump() if config is not None else {}) | overrides

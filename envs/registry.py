@@ -71,7 +71,8 @@ def task_pool(
     tasks holds fewer than ``n`` (``code``'s few hundred functions, a small ``max_operand``);
     one that holds none raises. Envs that repeat their tasks to make ``n`` (``dataset``,
     ``agent``, ``guess``) give ``n``; with ``distinct``, the first of each problem (prompt and
-    data) only: an evaluation's set, whose mean would weigh a repeated problem more."""
+    data, and id where the env shows it: ``agent``'s task.json) only: an evaluation's set,
+    whose mean would weigh a repeated problem more."""
     try:
         tasks = task_set(name, split, seed, n, config)
     except TooFewTasks as exc:
@@ -80,9 +81,11 @@ def task_pool(
         tasks = task_set(name, split, seed, exc.available, config)
     if not distinct:
         return tasks
+    shows_id = env_class(name).shows_task_id
     problems: dict[str, Task] = {}
     for task in tasks:
-        problems.setdefault(json.dumps([task.prompt, task.data], sort_keys=True, default=str), task)
+        problem = [task.prompt, task.data, task.id if shows_id else None]
+        problems.setdefault(json.dumps(problem, sort_keys=True, default=str), task)
     return list(problems.values())
 
 

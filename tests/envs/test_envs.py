@@ -241,6 +241,21 @@ def test_a_distinct_task_pool_holds_each_problem_once(tmp_path):
     )
 
 
+def test_a_distinct_agent_task_pool_keeps_tasks_that_differ_only_in_their_id():
+    """The agent program and its EVAL read the task's id in task.json: agent tasks of the same
+    prompt and data but other ids (one per repository, say) are other problems, each one
+    evaluated (the pool kept the first of them only)."""
+    agent = {
+        "command": "true",
+        "tasks": [{"id": f"repo-{i}", "prompt": "fix the failing test"} for i in range(60)],
+    }
+    held_out = task_set("agent", "eval", 0, 1, agent)[0]
+    ids = {t.id for t in task_pool("agent", "eval", 0, 60, agent)}
+    assert len(ids) > 1 and held_out.id in ids
+    tasks = task_pool("agent", "eval", 0, 60, agent, distinct=True)
+    assert sorted(t.id for t in tasks) == sorted(ids)
+
+
 def test_guess_config_rejects_impossible_windows():
     with pytest.raises(ValueError, match="min_width"):
         GuessConfig(min_width=12, max_width=8)
