@@ -92,18 +92,23 @@ def checked_endpoint(value: str | None, name: str) -> str | None:
     # has crashed"); the value is not echoed: a scheme-less one may hold credentials unnoticed above
     if not value:  # a form's or a shell's empty field: no endpoint, as before the check
         return None
-    parts = urllib.parse.urlsplit(value)
-    try:
-        valid = parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0
-    except ValueError:  # a port that is not a number in range
-        valid = False
-    if not valid:
+    if not is_http_url(value):
         raise ValueError(
             f"{name} must be an http:// or https:// URL with a host and an optional port, "
             "e.g. http://127.0.0.1:9000"
         )
+    parts = urllib.parse.urlsplit(value)
     # in lower case: deltalake's plain-HTTP switch and duckdb's SSL flag go by "http://"
     return parts._replace(scheme=parts.scheme.lower()).geturl()
+
+
+def is_http_url(value: str) -> bool:
+    """Whether ``value`` is an http:// or https:// URL with a host and, if any, a port in 1-65535."""
+    parts = urllib.parse.urlsplit(value)
+    try:
+        return parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0
+    except ValueError:  # a port that is not a number in range
+        return False
 
 
 class StorageConfig(BaseModel):

@@ -52,7 +52,7 @@ from rollout.engines.base import (
     NotServing,
     SamplingParams,
 )
-from storage.config import not_masked
+from storage.config import is_http_url, not_masked
 
 logger = logging.getLogger(__name__)
 
@@ -113,11 +113,7 @@ class VLLMEngineConfig(BaseModel):
             )
         # httpx cannot send to one (127.0.0.1:8000 has no scheme): the worker found that out
         # after the warm start; not echoed, as a scheme-less one may hold credentials unnoticed above
-        try:
-            valid = parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0
-        except ValueError:  # a port that is not a number in range
-            valid = False
-        if not valid:
+        if not is_http_url(value):
             raise ValueError(
                 "base_url must be an http:// or https:// URL with a host and an optional port, "
                 "e.g. http://127.0.0.1:8000"
