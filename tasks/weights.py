@@ -198,15 +198,24 @@ def _wait_for_version(weights: WeightStore) -> int | None:
     return latest
 
 
-def evaluate_version(config: RunConfig, version: int | None = None, once: str | None = None) -> EvalResult:
+def evaluate_version(
+    config: RunConfig,
+    version: int | None = None,
+    once: str | None = None,
+    tasks: dict[str, list[Task]] | None = None,
+) -> EvalResult:
     """Held-out reward of weight ``version`` (the newest that verifies when None) on every env in the mix,
     recorded in the ``evals`` table with the rollouts measured (those that failed outside the
     policy are not). An env whose every rollout failed so (an engine or a sandbox that never
     worked) measured nothing: that raises ``RuntimeError`` naming it, and nothing is recorded.
 
     ``once``: an id of this evaluation (see ``Tables.append``): a second call with it, a retry
-    of one whose rows landed before it raised, records nothing."""
-    result = evaluate_weights(config, version)
+    of one whose rows landed before it raised, records nothing.
+
+    ``tasks``: :func:`held_out_tasks` of ``config`` where the caller listed them already; each
+    row's setup is that of the tasks measured."""
+    tasks = held_out_tasks(config) if tasks is None else tasks
+    result = evaluate_weights(config, version, tasks=tasks)
     unmeasured = [env for env, count in result.count.items() if count == 0]
     if unmeasured:
         raise RuntimeError(
@@ -224,7 +233,7 @@ def evaluate_version(config: RunConfig, version: int | None = None, once: str | 
                 "count": result.count[env],
                 "time": datetime.now(UTC),
                 "tasks": sum(result.statuses[env].values()),
-                "setup": eval_setup(config, env),
+                "setup": eval_setup(config, env, tasks[env]),
             }
             for env in result.reward
         ],
@@ -233,20 +242,21 @@ def evaluate_version(config: RunConfig, version: int | None = None, once: str | 
     return result
 
 
-def eval_setup(config: RunConfig, env: str) -> str:
+def eval_setup(config: RunConfig, env: str, tasks: list[Task] | None = None) -> str:
     """Fingerprint of what an evaluation of ``env`` depends on besides the weights: the eval
     settings (tasks, seed, temperature), the held-out tasks themselves (a dataset file
     rewritten under its path, an env that draws its tasks otherwise), the env's config, the
     rollout limits (a rollout out of time scores 0), the reward model the env names and the
     precision and kind of device of the engine that samples (``engine.torch``; not its batch,
-    cache or prefill sizes, which change only its speed)."""
+    cache or prefill sizes, which change only its speed). ``tasks``: :func:`eval_tasks` of
+    ``env``, where the caller listed them already."""
     env_config = config.env_config(env)
     scorer = env_config.reward_model and config.service.reward_models[env_config.reward_model]
     engine = config.engine.torch
-    tasks = [task.model_dump(mode="json") for task in eval_tasks(config, env)]
+    listed = [task.model_dump(mode="json") for task in (eval_tasks(config, env) if tasks is None else tasks)]
     setup = {
         "eval": config.eval.model_dump(mode="json"),
-        "tasks": hashlib.sha256(json.dumps(tasks, sort_keys=True).encode()).hexdigest(),
+        "tasks": hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest(),
         "env": env_config.model_dump(mode="json"),
         "max_turns": config.service.max_turns,
         "max_new_tokens": config.service.max_new_tokens,
@@ -259,13 +269,17 @@ def eval_setup(config: RunConfig, env: str) -> str:
     return hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def recorded_eval(config: RunConfig, version: int | None) -> EvalResult | None:
+def recorded_eval(
+    config: RunConfig, version: int | None, tasks: dict[str, list[Task]] | None = None
+) -> EvalResult | None:
     """``version``'s latest row of each env of the mix in the ``evals`` table measured as
-    ``config`` would measure it (the same :func:`eval_setup`); None unless every env has
-    one. Its ``statuses`` are empty: the table does not keep them."""
+    ``config`` would measure it (the same :func:`eval_setup`, of :func:`held_out_tasks` or of
+    ``tasks`` where the caller listed them); None unless every env has one. Its ``statuses``
+    are empty: the table does not keep them."""
     evals = Tables(run_store(config)).read("evals").sort_by("time").to_pylist()
     mix = list(config.orchestrator.mix)
-    setups = {env: eval_setup(config, env) for env in mix}
+    tasks = held_out_tasks(config) if tasks is None else tasks
+    setups = {env: eval_setup(config, env, tasks[env]) for env in mix}
     latest = {
         row["env"]: row
         for row in evals
@@ -293,18 +307,33 @@ def eval_tasks(config: RunConfig, name: str, split: Split = "eval") -> list[Task
     )
 
 
-def evaluate_weights(config: RunConfig, version: int | None = None, split: Split = "eval") -> EvalResult:
+def held_out_tasks(config: RunConfig) -> dict[str, list[Task]]:
+    """:func:`eval_tasks` of every env of the mix: listed once per evaluation, so that the
+    setup recorded is that of the tasks measured (a set listed anew may differ, and ranking
+    a large one takes seconds)."""
+    return {name: eval_tasks(config, name) for name in config.orchestrator.mix}
+
+
+def evaluate_weights(
+    config: RunConfig,
+    version: int | None = None,
+    split: Split = "eval",
+    *,
+    tasks: dict[str, list[Task]] | None = None,
+) -> EvalResult:
     """Reward of weight ``version`` (when None, the newest that verifies, as a rollout worker
     serves: ``WeightStore.load_newest``) on :func:`eval_tasks` of ``split`` of every env in
     the mix, rollout ``i`` sampling with seed ``eval.seed * SEED_STRIDE + i``, recorded
     nowhere (``train``: how well the policy does on the problems it trains on, beside the
-    held-out ones)."""
+    held-out ones). ``tasks``: those of each env to run instead (``split`` then unused)."""
     weights = WeightStore(run_store(config))
     if version is None:
         version, path = weights.load_newest("serving")
     else:
         path = weights.load(version, "serving")
-    tasks = [task for name in config.orchestrator.mix for task in eval_tasks(config, name, split)]
+    if tasks is None:
+        tasks = {name: eval_tasks(config, name, split) for name in config.orchestrator.mix}
+    listed = [task for name in config.orchestrator.mix for task in tasks[name]]
 
     async def run() -> EvalResult:
         engine = TorchEngine.from_config(config.engine.torch, path, name="eval", version=version)
@@ -317,7 +346,7 @@ def evaluate_weights(config: RunConfig, version: int | None = None, split: Split
             return await evaluate(
                 engine,
                 engine.tokenizer,
-                tasks,
+                listed,
                 lambda t: registry.make(t.env, config.env_config(t.env)),
                 service_config=config.service,
                 temperature=config.eval.temperature,
@@ -347,12 +376,13 @@ def evaluate_task(config: RunConfig, version: int | None = None, reuse: bool = F
     ``reuse``: a version the ``evals`` table holds already (:func:`recorded_eval`) is not
     evaluated again, so a rerun of a run does not add a second row for its start."""
     recorded = None
+    tasks = held_out_tasks(config)
     if reuse:
         if version is None:  # the one evaluate_weights would measure, not LATEST's when that does not verify
             version = WeightStore(run_store(config)).load_newest("serving")[0]
-        recorded = recorded_eval(config, version)
+        recorded = recorded_eval(config, version, tasks)
     # a retry of this task run repeats its id: rows a failed attempt committed are not added again
-    result = recorded or evaluate_version(config, version, once=f"evals/task-run-{task_run.id}")
+    result = recorded or evaluate_version(config, version, once=f"evals/task-run-{task_run.id}", tasks=tasks)
     how = " (recorded by an earlier evaluation)" if recorded else ""
     get_run_logger().info("version %d held-out reward%s: %s", result.version, how, result.reward)
     return {

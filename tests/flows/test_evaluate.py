@@ -14,7 +14,7 @@ from rl.models import load_policy, publish_policy
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import run_store
-from tasks.weights import build_base_version, eval_tasks, evaluate_task, evaluate_weights
+from tasks.weights import build_base_version, eval_setup, eval_tasks, evaluate_task, evaluate_weights
 from tests.flows.conftest import tiny_config
 
 
@@ -94,6 +94,45 @@ def test_an_env_that_repeats_its_tasks_is_evaluated_on_each_problem_once(tmp_pat
     assert [(r["count"], r["tasks"]) for r in row] == [(len(held_out), len(held_out))]
 
 
+def test_an_evaluation_lists_the_held_out_tasks_of_each_env_once(tmp_path, monkeypatch):
+    """Each env's held-out set is listed once per evaluation and passed on, so the row's setup
+    is that of the tasks measured. The pipeline's evaluation listed it for the recorded rows'
+    lookup, for the measurement and for the row's setup apart (a guess env of a million
+    problems ranked them three times, about a second each), the setup recorded being that of
+    another listing than the one measured."""
+    import envs.registry
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20))
+    )
+    config = tiny_config(
+        tmp_path / "runs", "eval-once", warm_start={"enabled": False}, envs={"dataset": {"path": str(rows)}},
+        orchestrator={"mix": {"arith": 0.5, "guess": 0.3, "dataset": 0.2}}, eval={"tasks_per_env": 2},
+    )  # fmt: skip
+    base = build_base_version(config, log=lambda line: None)
+    listed = []
+    task_pool = envs.registry.task_pool
+
+    def listing(name, *args, **kwargs):
+        listed.append(name)
+        return task_pool(name, *args, **kwargs)
+
+    monkeypatch.setattr(envs.registry, "task_pool", listing)
+    mix = sorted(config.orchestrator.mix)
+    first = evaluating(config, base, reuse=True)  # the pipeline's: none recorded, so measured
+    assert first["statuses"] and sorted(listed) == mix
+    listed.clear()
+    assert evaluating(config, base, reuse=True)["statuses"] == {}  # reused
+    assert sorted(listed) == mix
+    listed.clear()
+    evaluating(config, base)  # the evaluate flow's
+    assert sorted(listed) == mix
+    monkeypatch.setattr(envs.registry, "task_pool", task_pool)
+    setups = {row["env"]: row["setup"] for row in Tables(run_store(config)).read("evals").to_pylist()}
+    assert setups == {env: eval_setup(config, env) for env in mix}
+
+
 def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_the_policy(
     tmp_path, monkeypatch
 ):
@@ -112,7 +151,7 @@ def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_th
     )
     calls = []
     monkeypatch.setattr(
-        tasks.weights, "evaluate_weights", lambda config, version: calls.append(1) or measured
+        tasks.weights, "evaluate_weights", lambda config, version, tasks: calls.append(1) or measured
     )
     evaluating(config, base, reuse=True)
     again = evaluating(config, base, reuse=True)
@@ -136,7 +175,7 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
     monkeypatch.setattr(
         tasks.weights,
         "evaluate_weights",
-        lambda config, version: calls.append(config) or _measured(config, 1),
+        lambda config, version, tasks: calls.append(config) or _measured(config, 1),
     )
     evaluating(config, 1, reuse=True)
     evaluating(config, 1, reuse=True)
@@ -205,7 +244,7 @@ def test_a_rerun_on_other_held_out_tasks_does_not_reuse_the_recorded_eval(tmp_pa
     calls = []
     measured = EvalResult(1, {e: 0.5 for e in mix}, {e: 4 for e in mix}, {e: {"ok": 4} for e in mix})
     monkeypatch.setattr(
-        tasks.weights, "evaluate_weights", lambda config, version: calls.append(1) or measured
+        tasks.weights, "evaluate_weights", lambda config, version, tasks: calls.append(1) or measured
     )
     evaluating(config, 1, reuse=True)
     evaluating(config, 1, reuse=True)
@@ -269,7 +308,7 @@ def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fa
         count={"arith": 4, "guess": 0},
         statuses={"arith": {"ok": 4}, "guess": {"env_error": 1, "infra_error": 3}},
     )
-    monkeypatch.setattr(tasks.weights, "evaluate_weights", lambda config, version: measured)
+    monkeypatch.setattr(tasks.weights, "evaluate_weights", lambda config, version, tasks: measured)
     state = evaluate(config, 0, return_state=True)
     assert state.is_failed()
     with pytest.raises(RuntimeError, match=r"guess \(1 env_error, 3 infra_error\)"):
@@ -317,7 +356,7 @@ def test_the_newest_version_evaluated_is_the_newest_that_verifies(tmp_path):
     assert Tables(run_store(config)).read("evals").num_rows == len(config.orchestrator.mix)
 
 
-def _measured(config, version):
+def _measured(config, version, tasks=None):
     from rollout.evaluate import EvalResult
 
     return EvalResult(
