@@ -44,11 +44,14 @@ def version_chain(weights: WeightStore) -> list[dict]:
     return chain[::-1]
 
 
-def start_train_flow(config_path, api_url: str) -> subprocess.Popen:
+def start_train_flow(config_path, api_url: str, tmp_path) -> subprocess.Popen:
+    """The train flow in a process of its own; its temporary folders (a publish's staging,
+    left behind by a process killed mid-publish) under ``tmp_path`` rather than /tmp."""
+    (tmp_path / "flow-tmp").mkdir(exist_ok=True)
     return subprocess.Popen(
         [sys.executable, "-m", "flows.train", "--config", str(config_path), "--drain"],
         cwd=REPO,
-        env=dict(os.environ, PREFECT_API_URL=api_url, OMP_NUM_THREADS="1"),
+        env=dict(os.environ, PREFECT_API_URL=api_url, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "flow-tmp")),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -78,7 +81,7 @@ def test_killed_train_flow_resumes_without_losing_or_repeating_a_shard(tmp_path,
     config_path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
     weights = WeightStore(store)
 
-    first = start_train_flow(config_path, prefect_api)
+    first = start_train_flow(config_path, prefect_api, tmp_path)
     try:
         while (weights.latest() or 0) < 1:
             assert first.poll() is None, f"train flow ended before publishing: {first.stderr.read()[-3000:]}"
@@ -90,7 +93,7 @@ def test_killed_train_flow_resumes_without_losing_or_repeating_a_shard(tmp_path,
     killed_at = weights.latest()
     assert killed_at < NUM_SHARDS * ROWS_PER_SHARD // 3, "the first run drained before it was killed"
 
-    second = start_train_flow(config_path, prefect_api)
+    second = start_train_flow(config_path, prefect_api, tmp_path)
     try:
         _, stderr = second.communicate(timeout=300)
     finally:

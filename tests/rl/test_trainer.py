@@ -1056,14 +1056,21 @@ print("done", flush=True)
 """
 
 
+def killed_child_env(tmp_path) -> dict[str, str]:
+    """The environment of a child the test kills: its temporary folders (a publish's staging),
+    which only a child that ends runs the cleanup of, under ``tmp_path`` rather than /tmp."""
+    (tmp_path / "child-tmp").mkdir(exist_ok=True)
+    return dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", TMPDIR=str(tmp_path / "child-tmp"))
+
+
 @pytest.mark.slow
-def test_exactly_once_across_sigkill_restarts(store):
+def test_exactly_once_across_sigkill_restarts(store, tmp_path):
     infos = write_shards(store, make_trajectories(store, 40, seed=13), per_shard=4)
     num_rows = {info.shard_id: info.num_rows for info in infos}
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env = killed_child_env(tmp_path)
     kills = 0
     for attempt in range(4):
         child = subprocess.Popen(
@@ -1127,13 +1134,13 @@ Trainer(store, config).run(drain=True)
 """
 
 
-def test_a_trainer_killed_between_a_versions_manifest_and_latest_resumes_from_that_version(store):
+def test_a_trainer_killed_between_a_versions_manifest_and_latest_resumes_from_that_version(store, tmp_path):
     """The killed trainer's version is complete (LATEST still names its parent): the next
     trainer resumes from it, so no other version trains its rows again."""
     infos = write_shards(store, make_trajectories(store, 12, seed=5), per_shard=3)
     child = subprocess.run(
         [sys.executable, "-c", KILLED_BEFORE_LATEST, store.config.root, store.run_id],
-        env=dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1"),
+        env=killed_child_env(tmp_path),
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,
