@@ -217,12 +217,13 @@ class RunConfig(BaseModel):
         "local", description="'local': threads in this process; 'ray': engines and env workers as Ray actors."
     )
     ray_address: str | None = Field(
-        None, description="Ray cluster address ('auto', ray://host:10001); None starts a local Ray."
+        None,
+        description="Ray cluster address ('auto', ray://host:10001); None or 'local' starts a local Ray.",
     )
     ray_node_ip: str | None = Field(
         "127.0.0.1",
         description=(
-            "Address of the local Ray that a run without ray_address starts: on 127.0.0.1 its "
+            "Address of the local Ray that a run without ray_address (or with 'local') starts: on 127.0.0.1 its "
             "processes listen on loopback only; on another address of this machine (for other nodes "
             "to join) or null (Ray picks it, or joins the cluster RAY_ADDRESS or `ray start` names) "
             "on every interface."

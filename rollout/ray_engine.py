@@ -35,14 +35,16 @@ LOOPBACK = "127.0.0.1"
 
 def connect_ray(address: str | None = None, node_ip: str | None = LOOPBACK) -> None:
     """Connect this process to the Ray cluster at ``address`` ('auto', ``ray://host:10001``),
-    or start a local Ray instance on ``node_ip`` when ``address`` is None; nothing when
-    already connected. On 127.0.0.1 every process of the instance listens on loopback only,
-    on another address on every interface. With ``node_ip`` None, or ``RAY_ADDRESS`` set,
-    ``ray.init()`` decides as it does alone: it joins the cluster that ``RAY_ADDRESS`` or a
-    ``ray start`` on this machine names, else starts one on the machine's address."""
+    or start a local Ray instance on ``node_ip`` when ``address`` is None or 'local'; nothing
+    when already connected. On 127.0.0.1 every process of the instance listens on loopback
+    only, on another address on every interface. With ``node_ip`` None, or ``RAY_ADDRESS`` set
+    and ``address`` None, ``ray.init()`` decides as it does alone: it joins the cluster that
+    ``RAY_ADDRESS`` or a ``ray start`` on this machine names, else starts one on the machine's
+    address."""
     if ray.is_initialized():
         return
-    if address is not None or node_ip is None or os.environ.get("RAY_ADDRESS"):
+    local = address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+    if not local or node_ip is None:
         ray.init(address=address, include_dashboard=False)
     elif node_ip == LOOPBACK:
         _start_on_loopback()

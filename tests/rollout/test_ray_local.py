@@ -1,5 +1,5 @@
-"""The local Ray instance a run starts (no ``ray_address``) listens on 127.0.0.1 only. It
-starts in a subprocess: tests/flows/test_ray.py keeps one Ray in the test process."""
+"""The local Ray instance a run starts (no ``ray_address``, or ``local``) listens on 127.0.0.1
+only. It starts in a subprocess: tests/flows/test_ray.py keeps one Ray in the test process."""
 
 from __future__ import annotations
 
@@ -11,11 +11,13 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json
+import sys
 
 import psutil
 import ray
@@ -29,7 +31,7 @@ def ping():
     return "pong"
 
 
-config = RunConfig(cluster="ray")
+config = RunConfig(cluster="ray", ray_address=sys.argv[1] or None)
 connect_ray(config.ray_address, config.ray_node_ip)
 assert ray.get(ping.remote()) == "pong"  # a worker is up and listening too
 driver = psutil.Process()  # its core worker listens too
@@ -68,10 +70,18 @@ def _stop_leftovers(started: list[tuple[int, float]]) -> None:
     psutil.wait_procs(leftovers, timeout=30)
 
 
-def test_a_local_ray_started_by_a_run_listens_on_loopback_only():
+@pytest.mark.parametrize("address", ["", "local"])
+def test_a_local_ray_started_by_a_run_listens_on_loopback_only(address):
+    """``ray_address: local`` (``ray.init``'s own word for a new local instance) starts one on
+    ``ray_node_ip`` too: it went to Ray's default, the machine's address on every interface."""
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", SCRIPT, address],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.splitlines()[-1])
