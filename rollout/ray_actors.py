@@ -8,6 +8,7 @@ call on it fails for the rest of the run.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,8 +35,15 @@ def wait_actors_started(
     cluster has.
     """
     refs = {actor.pid.remote(): name for name, actor in actors.items()}
-    ready, pending = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
-    failed = _failed_starts(ready, refs)
+    deadline = time.monotonic() + timeout_s
+    pending, failed = list(refs), []
+    # answers taken as they come: a constructor that raised fails the start at once, not once
+    # an actor still pending has had all of timeout_s
+    while pending and not failed:
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0))
+        if not ready:
+            break
+        failed = _failed_starts(ready, refs)
     if not pending and not failed:
         return
     for actor in actors.values():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+import re
 import sys
 import threading
 import time
@@ -599,7 +600,9 @@ def test_env_workers_ray_cannot_place_fail_the_start_in_one_line_and_are_stopped
         pool.wait_started(60)
 
     message = str(raised.value)
-    assert message.startswith("env actor 'env-worker-0' could not start: ActorUnschedulableError: "), message
+    # the start fails on the first answer that says so, whichever actor's it is
+    expected = r"env actor 'env-worker-[01]' could not start: ActorUnschedulableError: "
+    assert re.match(expected, message), message
     assert "\n" not in message
     assert len(killed) == 2
 
@@ -792,3 +795,23 @@ def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_
     with pytest.raises(ActorStartError, match=r"^the train task did not start within 1 s .*'num_gpus': 1"):
         pipeline._run_on_ray(config, deadline=0.0, signals="s")
     assert submitted == []
+
+
+def test_an_actor_whose_constructor_raised_fails_the_start_without_waiting_for_one_still_pending(tmp_path):
+    """One engine actor's constructor raised (its node lacks the run's folder) while another
+    is still pending (no node has its GPU free yet): the start fails at once with the error,
+    instead of holding it for ``load_timeout_s`` (600 s by default) for the pending one, and
+    stops the pending one too."""
+    elsewhere = RunStore(StorageConfig(root=str(tmp_path / "on-the-driver")), "run")
+    failing = RayEngine(TorchEngineConfig(), "/nonexistent/v000000", name="no-folder", store=elsewhere)
+    pending = RayEngine(TorchEngineConfig(), "/unused", name="no-gpu", actor_options={"num_gpus": 1})
+    actors = {engine.name: engine.actor for engine in (failing, pending)}
+
+    started = time.monotonic()
+    with pytest.raises(
+        ActorStartError, match=r"^engine actor 'no-folder' could not start: .*nor is the run's"
+    ):
+        ray_actors.wait_actors_started("engine", actors, {"num_cpus": 1}, 120, "engine.load_timeout_s")
+    assert time.monotonic() - started < 60
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(pending.actor.pid.remote(), timeout=60)
