@@ -17,7 +17,9 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
 - weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` calling
   the worker extension ``treadle_reload_weights(path)`` of
   ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
-  block computed by the old weights is reused.
+  block computed by the old weights is reused; vLLM refuses that reset (``{"success": false}``)
+  while blocks are held, e.g. by a request whose client gave up but which it has not aborted
+  yet, so it is retried for up to ``reset_wait_s``.
 - ``GET /health`` for health checks; ``GET /metrics`` (Prometheus text) for the
   scheduler's ``vllm:num_requests_waiting`` gauge, the engine's queue depth.
 
@@ -64,6 +66,9 @@ WAITING_GAUGE = "vllm:num_requests_waiting"
 cache), summed over its label sets (one per engine core)."""
 _WAITING_SAMPLE = re.compile(rf"^{re.escape(WAITING_GAUGE)}(?:\{{[^}}]*\}})?\s+(\S+)", re.MULTILINE)
 
+_RESET_RETRY_S = 0.05
+"""Seconds between tries of a prefix-cache reset the server refused."""
+
 _WRONG_SHAPE = (AttributeError, KeyError, IndexError, TypeError, ValueError, OverflowError)
 """What reading the fields of a JSON answer of another shape raises (``int`` of ``1e999`` raises
 ``OverflowError``): an ``EngineError``, as the infrastructure failing."""
@@ -98,6 +103,11 @@ class VLLMEngineConfig(BaseModel):
     )
     reload_method: str = Field(
         "treadle_reload_weights", description="Worker-extension method that loads a weight directory."
+    )
+    reset_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a reload retries the prefix-cache reset that vLLM refuses while blocks are held.",
     )
 
     @field_validator("base_url")
@@ -322,8 +332,22 @@ class VLLMEngine:
                 "/collective_rpc",
                 json={"method": self.config.reload_method, "kwargs": {"path": str(path)}},
             )
-            # vLLM answers an empty 200 (and an error status when the reset fails); a server
-            # answering JSON says whether it reset in {"success": ...}
+            await self._reset_prefix_cache()
+            self.version = version
+            self._stats.extra["reloads"] = self._stats.extra.get("reloads", 0.0) + 1
+            logger.info("%s loaded weight version %d from %s", self.name, version, path)
+        finally:
+            async with self._gate:
+                self._reloading = False
+                self._gate.notify_all()
+
+    async def _reset_prefix_cache(self) -> None:
+        """``POST /reset_prefix_cache`` until the server says it reset, for up to ``reset_wait_s``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.reset_wait_s
+        while True:
+            # vLLM answers {"success": bool}; older versions answered an empty 200 whether or not
+            # it reset
             reset = await self._json("POST", "/reset_prefix_cache", empty_ok=True)
             try:
                 success = reset is None or reset.get("success", True)
@@ -332,15 +356,14 @@ class VLLMEngine:
                     f"vLLM server {self.name} answered JSON of another shape on /reset_prefix_cache: "
                     f"{reset!r:.200}"
                 ) from exc
-            if not success:
-                raise EngineError(f"vLLM server {self.name} could not reset its prefix cache")
-            self.version = version
-            self._stats.extra["reloads"] = self._stats.extra.get("reloads", 0.0) + 1
-            logger.info("%s loaded weight version %d from %s", self.name, version, path)
-        finally:
-            async with self._gate:
-                self._reloading = False
-                self._gate.notify_all()
+            if success:
+                return
+            if loop.time() >= deadline:
+                raise EngineError(
+                    f"vLLM server {self.name} could not reset its prefix cache within "
+                    f"{self.config.reset_wait_s:g} s (blocks still held by a running request)"
+                )
+            await asyncio.sleep(_RESET_RETRY_S)
 
     def end_session(self, session_id: str) -> None:
         """Nothing to do: vLLM's prefix cache is shared and content-addressed."""

@@ -459,33 +459,90 @@ def test_a_reload_that_fails_midway_refuses_to_generate_until_a_reload_succeeds(
 
 
 @pytest.mark.parametrize(
-    ("reshape", "reset"),
+    ("empty", "reshape"),
     [
-        pytest.param(None, True, id="empty-as-vllm"),
-        pytest.param(lambda _: {"success": True}, True, id="success-true"),
-        pytest.param(lambda _: {}, True, id="success-left-out"),
-        pytest.param(lambda _: {"success": False}, False, id="success-false"),
+        pytest.param(False, None, id="success-true-as-vllm"),
+        pytest.param(True, None, id="empty-as-older-vllm"),
+        pytest.param(False, lambda _: {}, id="success-left-out"),
     ],
 )
 def test_a_reload_reads_whether_the_prefix_cache_was_reset_from_an_empty_or_json_answer(
-    tiny, tmp_path, reshape, reset
+    tiny, tmp_path, empty, reshape
 ):
     model = _fresh_model(tiny)
     tiny[0].save_pretrained(tmp_path / "v1")
 
     async def body(server, engine):
+        server.app.state.empty_reset = empty
         if reshape is not None:
             server.app.state.reshape_next["/reset_prefix_cache"] = reshape
-        if reset:
-            await engine.load_version(1, str(tmp_path / "v1"))
-            assert engine.version == 1
-        else:
-            with pytest.raises(EngineError, match="vLLM server vllm-0 could not reset its prefix cache"):
-                await engine.load_version(1, str(tmp_path / "v1"))
-            assert engine.version == UNKNOWN_VERSION
+        await engine.load_version(1, str(tmp_path / "v1"))
+        assert engine.version == 1
+        assert [kind for kind, _ in server.events] == ["reload", "reset_prefix_cache"]
         assert not server.app.state.reshape_next, "the reshaped answer was the one read"
 
     asyncio.run(_with_server(model, body))
+
+
+async def _given_up_on_while_it_runs(server, engine) -> None:
+    """A request the client cancelled (its session closed mid-turn) that the server still
+    runs (held by ``app.state.hold``), holding blocks of its prefix cache."""
+    server.app.state.hold = asyncio.Event()
+    given_up = asyncio.create_task(engine.generate("a", PROMPT, SamplingParams(max_new_tokens=3, seed=2)))
+
+    async def running():
+        return server.app.state.scheduler["running"] == 1
+
+    await _until(running)
+    given_up.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await given_up
+
+
+def test_a_reload_retries_a_prefix_cache_reset_refused_while_a_request_given_up_on_still_runs(tiny, tmp_path):
+    """vLLM answers {"success": false} while blocks are held, by a request whose client gave up
+    but which the server has not aborted yet, and says callers may retry: the reload does,
+    instead of failing midway and taking the replica out until its health check reloads it."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        await _given_up_on_while_it_runs(server, engine)
+        reload = asyncio.create_task(engine.load_version(1, str(tmp_path / "v1")))
+
+        async def refused():
+            return ("reset_prefix_cache_refused", None) in server.events
+
+        await _until(refused)
+        server.app.state.hold.set()
+        await asyncio.wait_for(reload, 30)
+        assert engine.version == 1
+        kinds = [kind for kind, _ in server.events]
+        assert kinds[0] == "reload" and kinds[-1] == "reset_prefix_cache", kinds
+        assert set(kinds[1:-1]) == {"reset_prefix_cache_refused", "completion-start", "completion-end"}, kinds
+        after = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
+        assert after.versions == [1] * 3
+
+    asyncio.run(_with_server(model, body, reset_wait_s=30.0))
+
+
+def test_a_prefix_cache_reset_refused_for_reset_wait_s_fails_the_reload_midway(tiny, tmp_path):
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        await _given_up_on_while_it_runs(server, engine)
+        with pytest.raises(
+            EngineError, match=r"vLLM server vllm-0 could not reset its prefix cache within 0\.3 s"
+        ):
+            await engine.load_version(1, str(tmp_path / "v1"))
+        assert engine.version == UNKNOWN_VERSION
+        refusals = [kind for kind, _ in server.events].count("reset_prefix_cache_refused")
+        assert refusals > 1, "retried before giving up"
+        server.app.state.hold.set()
+        await _refuses_until_reloaded(engine, tmp_path / "v1")
+
+    asyncio.run(_with_server(model, body, reset_wait_s=0.3))
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,9 @@ model doing a plain forward pass per token:
   it also stops at the model's EOS ids (``eos_ids``) unless ``ignore_eos`` is set.
 - ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
   in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache``
-  (answering 200 with an empty body, as vLLM does; its next call answers 500 while
+  (answering ``{"success": bool}`` as vLLM's ``vllm/frontend/entrypoints/serve/dev/cache/api_router.py``
+  does: false, resetting nothing, while a request is running and holds blocks; an empty 200, as
+  vLLM answered before, while ``app.state.empty_reset`` is True; its next call answers 500 while
   ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
 - any path in ``app.state.garble_next``: its next call answers 200 with an HTML page, as a
   proxy in front of a server can; any path in ``app.state.reshape_next`` (path -> function of
@@ -83,6 +85,8 @@ def create_standin_app(
     app.state.reshape_next = {}  # endpoint path -> function rewriting its next JSON answer
     app.state.metrics = True
     app.state.hold = None
+    app.state.scheduler = scheduler
+    app.state.empty_reset = False
 
     @app.middleware("http")
     async def garble(request: Request, call_next):
@@ -229,9 +233,12 @@ def create_standin_app(
         if "/reset_prefix_cache" in app.state.fail_next:
             app.state.fail_next.discard("/reset_prefix_cache")
             return JSONResponse({"error": "prefix cache reset failed (injected)"}, 500)
+        if scheduler["running"]:
+            events.append(("reset_prefix_cache_refused", None))
+            return {"success": False}
         cache.clear()
         events.append(("reset_prefix_cache", None))
-        return Response(status_code=200)
+        return Response(status_code=200) if app.state.empty_reset else {"success": True}
 
     return app
 
