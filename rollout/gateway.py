@@ -17,7 +17,7 @@ import functools
 import math
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -443,7 +443,7 @@ class Session:
     async def generate(
         self,
         params: SamplingParams | Callable[[], SamplingParams] | None = None,
-        prepare: Callable[[], None] | None = None,
+        prepare: Callable[[], Awaitable[None] | None] | None = None,
         parse_tool_calls: bool = True,
         request: Any = None,
     ) -> TurnResult:
@@ -457,9 +457,9 @@ class Session:
         with its length) is then of the history this turn follows, not of the one a request
         found before it waited for another turn.
 
-        ``prepare`` runs first, under the session's lock: what a request adds (its new
-        messages or tokens, checked against the history) and the turn generated from it are
-        one step, so a second request on the session (a client's retry while the first one
+        ``prepare`` runs first (awaited when it returns an awaitable), under the session's
+        lock: what a request adds (its new messages or tokens, checked against the history)
+        and the turn generated from it are one step, so a second request on the session (a client's retry while the first one
         still generates) waits for that turn and is checked against the history it left,
         instead of slipping its tokens in front of the turn's action.
 
@@ -485,7 +485,9 @@ class Session:
             if callable(params):
                 params = params()
             if prepare is not None:
-                prepare()
+                prepared = prepare()
+                if prepared is not None:
+                    await prepared
             await self._pending_flush_off_loop()
             if not self.tokens:
                 raise InvalidRequest("empty prompt: add messages or token ids before generating")

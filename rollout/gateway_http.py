@@ -59,6 +59,7 @@ input, 503 engine failure.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import secrets
@@ -74,7 +75,15 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
-from rollout.gateway import TIMING_KEYS, Gateway, Session, TurnResult, UnknownSession, check_text
+from rollout.gateway import (
+    RENDER_INLINE_CHARS,
+    TIMING_KEYS,
+    Gateway,
+    Session,
+    TurnResult,
+    UnknownSession,
+    check_text,
+)
 from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bearer_token
 from rollout.tool_calls import same_calls
 
@@ -456,11 +465,11 @@ def create_app(
         openai_only(body)
         sampling = params(body, body.max_tokens, session=session)
 
-        def prepare() -> None:
+        async def prepare() -> None:
             if isinstance(body.prompt, list):
                 _append_token_prompt(gateway, session, body.prompt)
             else:
-                _append_text_prompt(gateway, session, body.prompt)
+                await _append_text_prompt(gateway, session, body.prompt)
 
         turn = await session.generate(sampling, prepare=prepare, request=body)
         if isinstance(body.prompt, str):
@@ -600,7 +609,7 @@ def _new_messages(session: Session, messages: list[dict[str, Any]]) -> list[dict
     return messages[len(history) :]
 
 
-def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -> None:
+async def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -> None:
     """Append the tokens of what ``prompt`` adds to the session's transcript, which becomes
     ``prompt`` before the generation: a retry after a failed one appends nothing again."""
     if gateway.tokenizer is None:
@@ -609,14 +618,25 @@ def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -> None
     if not session.tokens:
         if not prompt:
             raise InvalidRequest("empty prompt")
-        session.add_tokens(list(gateway.tokenizer.encode(prompt)))
+        session.add_tokens(await _encoded(gateway, session, prompt))
     elif not prompt.startswith(session.transcript):
         raise InvalidRequest(
             "the prompt does not extend the session's history (earlier prompts plus completions)"
         )
     elif suffix := prompt[len(session.transcript) :]:
-        session.add_tokens(list(gateway.tokenizer.encode(suffix, add_special_tokens=False)))
+        session.add_tokens(await _encoded(gateway, session, suffix, add_special_tokens=False))
     session.transcript = prompt
+
+
+async def _encoded(gateway: Gateway, session: Session, text: str, **kwargs: Any) -> list[int]:
+    """The tokens of ``text``; text over :data:`RENDER_INLINE_CHARS` is tokenized on a worker
+    thread, as queued chat text is rendered, so that it does not stall the event loop."""
+    if len(text) <= RENDER_INLINE_CHARS:
+        return list(gateway.tokenizer.encode(text, **kwargs))
+    ids = await asyncio.to_thread(gateway.tokenizer.encode, text, **kwargs)
+    if session.closed:
+        raise UnknownSession(f"session {session.session_id!r} was closed while its prompt was tokenized")
+    return list(ids)
 
 
 def _append_token_prompt(gateway: Gateway, session: Session, prompt: list[int]) -> None:

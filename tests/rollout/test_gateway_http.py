@@ -11,6 +11,7 @@ import json
 import re
 import signal
 import socket
+import threading
 import time
 
 import httpx
@@ -22,7 +23,7 @@ from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
-from rollout.gateway import Gateway, GatewayConfig
+from rollout.gateway import RENDER_INLINE_CHARS, Gateway, GatewayConfig
 from rollout.gateway_http import SESSION_HEADER, GatewayServer, RunSampling
 from rollout.router import Router, RouterConfig
 from storage.schema import to_table, validate
@@ -1098,6 +1099,39 @@ def test_openai_text_completions_append_only_the_new_suffix(tiny):
             )
             assert tokens.status_code == 200
             assert gateway.session(token_sid).tokens[:3] == [1, 40, 41]
+
+    asyncio.run(body())
+
+
+def test_a_long_text_prompt_is_tokenized_off_the_event_loop_and_a_short_one_on_it(tiny, monkeypatch):
+    """As queued chat text: a long text completion prompt tokenized on the event loop stalled
+    every rollout, the gateway and the heartbeats for as long (about a microsecond a character)."""
+    _, tokenizer = tiny
+    threads = []
+    real_encode = tokenizer.encode
+
+    def encode(text, *args, **kwargs):
+        threads.append(threading.get_ident())
+        return real_encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+
+    async def body():
+        async with serving(tiny) as (_, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            threads.clear()
+            short = await client.post(
+                "/v1/completions", json={"prompt": "What is 2 + 3?", "max_tokens": 2}, headers=headers
+            )
+            assert short.status_code == 200, short.text
+            assert threads == [threading.get_ident()]
+            prompt = "What is 2 + 3?" + short.json()["choices"][0]["text"] + "7" * (RENDER_INLINE_CHARS + 1)
+            threads.clear()
+            long = await client.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=headers
+            )
+            assert long.status_code == 400 and "max_context_tokens=256" in long.json()["error"]["message"]
+            assert threads and threading.get_ident() not in threads
 
     asyncio.run(body())
 
