@@ -153,7 +153,6 @@ class ElasticPlanner:
         self.last_plan = self.plan(now)
         record = self.controller.log_record()
         record["elastic"]["time"] = now
-        record["elastic"]["applied"] = True
         record["elastic"]["decided"] = [asdict(m) for m in decided]
         return record
 

@@ -51,7 +51,7 @@ PLAN_REFRESH_S = 5.0
 """Seconds after which an unchanged elastic plan is published again (workers ignore stale plans)."""
 TRAIN_COST_STEPS = 20
 """Policy steps over which the controller's training cost per trajectory is measured."""
-DECISION_FIELDS = ("time", "inputs", "rollout_rate", "forecast_completions", "decided")
+DECISION_FIELDS = ("time", "applied", "inputs", "rollout_rate", "forecast_completions", "decided")
 """What ``extra["elastic"]["decisions"]`` keeps of each decision (roles and live sessions
 are the step's own record's)."""
 TRAINER_STATUS_S = 0.25
@@ -122,9 +122,10 @@ def run_trainer(
     trainer's idle fraction since the last decision, the time of a wait for data in
     progress included, and what a trajectory costs to train: step seconds times the
     trainer's own units, per trajectory, over the last ``TRAIN_COST_STEPS`` steps), the
-    units' roles, its recent moves and the moves it decided; and in ``decisions`` every
-    decision since the previous row (the step's own last), each with its time, inputs and
-    the moves it decided, so no move goes unlogged (those after the last row go to the
+    units' roles, its recent moves, the moves it decided and whether its plan was published
+    (``applied``; not: the workers follow the last plan until a decision publishes); and in
+    ``decisions`` every decision since the previous row (the step's own last), each with its
+    time, ``applied``, inputs and the moves it decided, so no move goes unlogged (those after the last row go to the
     log); consecutive decisions that moved nothing are kept as the latest, with their
     ``count``. The queue depth comes from ``engine_queue_depth`` when the caller can reach the
     engines, else from the fresh workers' statuses, whose counts (fresh, stopped, stale,
@@ -255,18 +256,21 @@ def run_trainer(
             status_cache.update(read_at=time.monotonic(), read=read, error=error)
         return status_cache["read"]
 
-    def publish(plan: ElasticPlan) -> None:
+    def publish(plan: ElasticPlan) -> bool:
+        """Publish ``plan`` unless the one published lately says the same; whether the
+        workers can read it (False: they keep following the last plan)."""
         if role.lost.is_set():  # the plan is the new trainer's
-            return
+            return False
         roles = (plan.accepting, plan.draining, plan.train, plan.running)
         if roles == published["plan"] and time.monotonic() - published["at"] < PLAN_REFRESH_S:
-            return
+            return True
         try:
             plans.publish(plan)
         except Exception as exc:  # the next decision publishes again; workers keep the last plan
             log.warning("could not publish the elastic plan: %s", exc)
-            return
+            return False
         published.update(plan=roles, at=time.monotonic())
+        return True
 
     def decide() -> dict[str, Any]:
         """One elastic decision (the caller holds ``deciding``), kept in ``decisions``; its record.
@@ -301,7 +305,7 @@ def run_trainer(
             unconsumed_trajectories=trainer.buffered_samples(),
         )
         record = elastic.decide(fresh, inputs, time.time())
-        publish(elastic.last_plan)
+        record["elastic"]["applied"] = publish(elastic.last_plan)
         keep_decision(decisions, {key: record["elastic"][key] for key in DECISION_FIELDS})
         return {**record, **extra}
 

@@ -604,6 +604,41 @@ def test_a_failed_status_read_skips_the_decision_and_the_last_plan_stands(tmp_pa
     assert all(r["applied"] and r["roles"]["w0/torch-1"] == "train" for r in records[1:])
 
 
+def test_a_decision_whose_plan_could_not_be_published_is_not_logged_as_applied(tmp_path, monkeypatch):
+    """The first decision hands the drained replica to training, but its plan does not
+    reach the bucket: the workers still follow the last plan, so its row must not say the
+    decision was applied; the next decision publishes the plan and says it was."""
+    run, store = trainer_run(tmp_path, "elastic-unpublished")
+    write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    lend_a_replica(planner, RolloutStatusBoard(store))
+    publishes, publish = [], ElasticPlanBoard.publish
+
+    def unreachable_once(self, plan):
+        publishes.append(plan)
+        if len(publishes) == 1:
+            raise OSError("S3 unreachable for a moment")
+        publish(self, plan)
+
+    monkeypatch.setattr(ElasticPlanBoard, "publish", unreachable_once)
+    monkeypatch.setattr("tasks.train.STATUS_REFRESH_S", 0.0)
+    run_trainer(
+        run,
+        time.time() + 600,
+        drain=True,
+        engine_queue_depth=lambda: 0,
+        elastic=planner,
+        status_max_age_s=600,
+    )
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    records = [json.loads(row["extra"])["elastic"] for row in rows]
+    assert [(m["unit"], m["target"]) for m in records[0]["decided"]] == [("w0/torch-1", "train")]
+    assert [r["applied"] for r in records] == [False, True, True]
+    assert [d["applied"] for d in records[0]["decisions"]] == [False]
+
+
 def train_through_two_decisions(
     run, planner, inputs: list, end: threading.Event, then=None, **kwargs
 ) -> None:
