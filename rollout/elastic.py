@@ -164,7 +164,8 @@ class Move:
 class Unit:
     """A capacity unit and the rollout sessions live on it (with their start times, when
     known); ``role_since``: when it took its role, ``moved``: the number of the move that gave
-    it (its controller's ``moves_made`` then; both ``None``: it started in it)."""
+    it (its controller's ``moves_made`` then; both ``None``: it started in it); ``home``: the
+    role it started in (a rollout unit in training is borrowed)."""
 
     name: str
     role: Role
@@ -172,6 +173,11 @@ class Unit:
     session_starts: list[float] = field(default_factory=list)
     role_since: float | None = None
     moved: int | None = None
+    home: Role | None = None
+
+    def __post_init__(self) -> None:
+        if self.home is None:
+            self.home = self.role
 
 
 @dataclass
@@ -392,14 +398,19 @@ class ElasticController:
                 keep = max(keep, math.ceil(rate * inputs.train_unit_s_per_trajectory))
             if need is not None:
                 keep = max(keep, need)
-            lendable = min(
-                wanted - len(moves), idle_units, len(train) - keep, cfg.max_moves_per_step - len(moves)
-            )
-            for name in self._return_order(train)[: max(lendable, 0)]:
-                reason = "trainer queue ran dry" if trainer_dry else "trainer has idle units"
-                moves.append(
-                    self._move(self.units[name], "rollout", now, f"{reason}, engines have queued sessions")
-                )
+            room = min(len(train) - keep, cfg.max_moves_per_step - len(moves))
+            lendable = min(wanted - len(moves), idle_units, room)
+            order = self._return_order(train)
+            reason = "trainer queue ran dry" if trainer_dry else "trainer has idle units"
+            reason = f"{reason}, engines have queued sessions"
+            borrowed = [n for n in order if self.units[n].home == "rollout"]
+            if trainer_dry and min(len(borrowed), room) > lendable:
+                # hand back what was borrowed though no session queues: engines that batch
+                # every session they get never queue, and the unit would never come back
+                order, lendable = borrowed, min(len(borrowed), room)
+                reason = "trainer queue ran dry, borrowed unit handed back"
+            for name in order[: max(lendable, 0)]:
+                moves.append(self._move(self.units[name], "rollout", now, reason))
         if trainer_saturated and not moves:
             free = sum(cfg.sessions_per_replica - u.live_sessions for u in rollout)
             accepting = len(rollout)

@@ -566,6 +566,32 @@ def test_pending_limit_bounds_the_launched_untrained_trajectories_of_a_run():
         pending_limit(w.model_copy(update={"max_ahead": None, "concurrency": 2}))
 
 
+def test_a_dry_trainer_hands_borrowed_units_back_though_no_session_queues():
+    """In the pipeline the engines batch every session the orchestrator runs, so none queue
+    and a lent replica would stay in training for good however long the trainer starves.
+    Run dry, it comes back; the trainer's own unit stays, and so does a borrowed unit the
+    measured training cost still calls for."""
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
+    live(ctl, "r0", 3)
+    (lent,) = ctl.step(BEHIND, now=0.0)
+    assert (lent.unit, lent.target) == ("r1", "train")
+    dry_unqueued = PolicyInputs(0, 0, 1.0)
+    (back,) = ctl.step(dry_unqueued, now=1.0)
+    assert (back.unit, back.source, back.target) == ("r1", "train", "rollout")
+    assert ctl.step(dry_unqueued, now=2.0) == [] and ctl.units_in("train") == ["t0"]
+
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
+    live(ctl, "r0", 1)
+    (lent,) = ctl.step(BEHIND, now=0.0)
+    assert (lent.unit, lent.target) == ("r1", "train")
+    for t in range(10):  # 10 sessions end over 100 s: 0.1 a second
+        ctl.begin_session("r0")
+        ctl.end_session("r0", now=10.0 * t + 10.0)
+    # at 20 unit-s a trajectory the trainer keeps ceil(0.1 * 20) = 2 units busy: r1 stays
+    assert ctl.step(PolicyInputs(0, 0, 1.0, train_unit_s_per_trajectory=20.0), now=100.0) == []
+    assert sorted(ctl.units_in("train")) == ["r1", "t0"]
+
+
 def test_a_borrowed_unit_goes_back_first_after_its_move_left_the_bounded_history(monkeypatch):
     monkeypatch.setattr(elastic_module, "MOVE_HISTORY", 1)
     ctl = ElasticController.create(["r0", "r1", "r2"], ["t0", "t1"], ElasticConfig(cooldown_s=0))
@@ -577,7 +603,7 @@ def test_a_borrowed_unit_goes_back_first_after_its_move_left_the_bounded_history
     for _ in range(5):
         ctl.end_session("r0", now=1.0)
     (drain,) = ctl.step(BEHIND, now=2.0)  # 12 free: r2 drains, 4 stay
-    (cancel,) = ctl.step(PolicyInputs(0, 0, 1.0), now=3.0)  # dry: the drain is cancelled
+    (cancel,) = ctl.step(PolicyInputs(1, 8, 0.0), now=3.0)  # sessions queue: the drain is cancelled
     assert (drain.unit, cancel.unit, cancel.target) == ("r2", "r2", "rollout")
     assert "r1" not in [m.unit for m in ctl.moves]
     # the trainer runs dry and a replica's worth of sessions queue: the borrowed r1 comes

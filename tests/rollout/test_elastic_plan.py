@@ -125,6 +125,21 @@ def test_a_dry_trainer_with_queued_sessions_hands_the_replica_back():
     assert planner.controller.units_in("train") == [TRAINER_UNIT], "the trainer's own unit stays"
 
 
+def test_a_dry_trainer_hands_the_replica_back_though_its_engines_queue_nothing():
+    """The worker's engines batch every session it runs (no queue): the replica lent to
+    training still comes back once the trainer runs dry, not only at the trainer's stop."""
+    planner = ElasticPlanner(CONFIG)
+    planner.decide([status("w0", {"r0": 5, "r1": 0})], SATURATED, now=10.0)
+    planner.decide([status("w0", {"r0": 5, "r1": 0}, draining=["r1"], plan_time=10.0)], SATURATED, now=11.0)
+    assert planner.last_plan.train == ["w0/r1"]
+    dry = PolicyInputs(unconsumed_shards=0, engine_queue_depth=0, trainer_idle=1.0)
+    record = planner.decide(
+        [status("w0", {"r0": 8, "r1": 0}, draining=["r1"], plan_time=11.0)], dry, now=20.0
+    )
+    assert [(m["unit"], m["target"]) for m in record["elastic"]["decided"]] == [("w0/r1", "rollout")]
+    assert roles(planner.last_plan) == (["w0/r0", "w0/r1"], [], [])
+
+
 def test_a_dry_trainer_hands_back_replicas_only_never_a_trainer_unit():
     """Two trainer units, min_train 1: queued sessions and a dry trainer would lend t1, but no
     worker serves it; a phantom accepting unit would never come back (each worker's last
