@@ -44,15 +44,20 @@ def connect(store: RunStore):
     config = store.config
     if config.is_s3:
         options = config.delta_options()
+        credentials = (
+            options.get("AWS_ACCESS_KEY_ID", ""),
+            options.get("AWS_SECRET_ACCESS_KEY", ""),
+            options.get("AWS_SESSION_TOKEN", ""),
+        )
+        if not credentials[0]:
+            credentials = role_credentials()
         url = config.endpoint() or ""
         endpoint = url.removeprefix("http://").removeprefix("https://")
         connection.execute(
             "CREATE SECRET (TYPE s3, KEY_ID ?, SECRET ?, SESSION_TOKEN ?, REGION ?, ENDPOINT ?, "
             "URL_STYLE 'path', USE_SSL ?)",
             [
-                options.get("AWS_ACCESS_KEY_ID", ""),
-                options.get("AWS_SECRET_ACCESS_KEY", ""),
-                options.get("AWS_SESSION_TOKEN", ""),
+                *credentials,
                 options["AWS_REGION"],
                 endpoint or "s3.amazonaws.com",
                 not url.startswith("http://"),
@@ -73,6 +78,35 @@ def connect(store: RunStore):
         scan = f"delta_scan({_literal(_delta_scan_url(tables.uri(name)))})"
         connection.execute(f"CREATE VIEW {name} AS SELECT *{added} FROM {scan}")
     return connection
+
+
+ROLE_PROVIDERS = ("assume-role-with-web-identity", "container-role", "iam-role")
+"""botocore's credential providers of a machine's role, those deltalake falls back on when the
+run's config and the environment give no key: a pod's web identity, a container's (ECS, EKS)
+or the instance's role."""
+
+
+def role_credentials() -> tuple[str, str, str]:
+    """Key id, secret and session token of the machine's role, or empty ones when it has none.
+    duckdb signs nothing with an S3 secret whose key is empty: given one, a run that deltalake
+    reads with the role's credentials refused the views' requests. Raises ``OSError`` when the
+    role's credentials endpoint fails or is not one botocore asks."""
+    import botocore.credentials
+    import botocore.exceptions
+    import botocore.session
+
+    resolver = botocore.credentials.create_credential_resolver(botocore.session.get_session())
+    try:
+        found = botocore.credentials.CredentialResolver(
+            [provider for provider in resolver.providers if provider.METHOD in ROLE_PROVIDERS]
+        ).load_credentials()
+    # ValueError: an AWS_CONTAINER_CREDENTIALS_FULL_URI botocore refuses to ask
+    except (botocore.exceptions.BotoCoreError, ValueError) as exc:
+        raise OSError(f"cannot get the credentials of the machine's role: {exc}") from None
+    if found is None:
+        return "", "", ""
+    frozen = found.get_frozen_credentials()
+    return frozen.access_key, frozen.secret_key, frozen.token or ""
 
 
 def _delta_scan_url(url: str) -> str:

@@ -5,14 +5,19 @@ run or version that does not exist."""
 from __future__ import annotations
 
 import csv
+import http.client
+import http.server
 import importlib
 import io
+import json
 import os
 import shlex
 import signal
 import socket
 import subprocess
 import sys
+import threading
+import urllib.parse
 from datetime import UTC, datetime
 
 import duckdb
@@ -386,6 +391,97 @@ def test_sql_uses_the_runs_credentials_over_a_persistent_duckdb_secret_for_its_b
     connection = connect(store)
 
     assert connection.execute("SELECT task, reward FROM trajectories").fetchall() == [("arith", 0.5)]
+
+
+class RoleOnlyProxy(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint in front of ``target`` that lets through only requests signed with the
+    role's credentials, and hands those out at ``/credentials`` (as a container's or pod's
+    credentials endpoint does)."""
+
+    target = ""
+    key_id, secret, token = "ASIAROLEKEY", "role-secret", "role-token"
+
+    def do_GET(self):
+        if self.path == "/credentials":
+            return self._answer(
+                200,
+                json.dumps(
+                    {
+                        "AccessKeyId": self.key_id,
+                        "SecretAccessKey": self.secret,
+                        "Token": self.token,
+                        "Expiration": "2099-01-01T00:00:00Z",
+                    }
+                ).encode(),
+            )
+        signed = f"Credential={self.key_id}/" in self.headers.get("Authorization", "")
+        if not signed or self.headers.get("X-Amz-Security-Token") != self.token:
+            return self._answer(403, b"<Error><Code>AccessDenied</Code><Message>unsigned</Message></Error>")
+        upstream = http.client.HTTPConnection(urllib.parse.urlsplit(self.target).netloc, timeout=30)
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
+        reply = upstream.getresponse()
+        data = reply.read()
+        self.send_response(reply.status)
+        for name, value in reply.getheaders():
+            if name.lower() not in ("content-length", "transfer-encoding", "connection"):
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+
+    do_HEAD = do_GET
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_sql_signs_with_the_machines_role_when_the_run_gives_no_credentials(s3_server, monkeypatch):
+    """With no key in the run's config nor the environment, deltalake reads the run with the
+    credentials of the machine's role (an instance profile, a container's or pod's role), as
+    the README says; the views' requests went unsigned, and the store refused them."""
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), RoleOnlyProxy)
+    RoleOnlyProxy.target = s3_server.endpoint_url
+    thread = threading.Thread(target=proxy.serve_forever)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{proxy.server_port}"
+        Tables(RunStore(s3_server.config("role"), "by-role")).append(
+            "trajectories", [trajectory_row("arith", 0, 0.5, "ok")]
+        )
+        for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+            monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"{url}/credentials")
+        # deltalake (0.x's object_store) takes a container's role only at ECS's own address
+        written = TABLE_SCHEMAS["trajectories"].names
+        monkeypatch.setattr(Tables, "columns", lambda self, name: written if name == "trajectories" else None)
+        store = RunStore(StorageConfig(root=f"s3://{s3_server.bucket}/role", endpoint_url=url), "by-role")
+
+        assert connect(store).execute("SELECT task, reward FROM trajectories").fetchall() == [("arith", 0.5)]
+    finally:
+        proxy.shutdown()
+        thread.join()
+        proxy.server_close()
+
+
+def test_sql_whose_role_credentials_cannot_be_had_is_a_one_line_error(monkeypatch, capfd):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"http://127.0.0.1:{free_port()}/credentials")
+    monkeypatch.setattr(Tables, "version", lambda self, name: 0)
+    run = ("--root", "s3://bucket/runs", "--endpoint-url", f"http://127.0.0.1:{free_port()}", "--run-id", "r")
+    result = treadle_here(capfd, monkeypatch, "sql", *run, "SELECT 1")
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith(
+        "error: cannot read the run at s3://bucket/runs/r: cannot get the credentials of the machine's role: "
+    ), result.stderr
 
 
 def test_a_store_error_that_echoes_the_credentials_is_reported_without_them(echoing_endpoint):
