@@ -37,8 +37,11 @@ def connect(store: RunStore):
     import duckdb
 
     # a persistent secret of the user's (~/.duckdb/stored_secrets) scoped to the run's bucket
-    # would win over the run's own, sending the queries to its endpoint with its credentials
-    connection = duckdb.connect(config={"allow_persistent_secrets": False})
+    # would win over the run's own, sending the queries to its endpoint with its credentials;
+    # a name that is no table would be looked up among the variables of the querying code
+    connection = duckdb.connect(
+        config={"allow_persistent_secrets": False, "python_enable_replacements": False}
+    )
     for path in extension_paths():
         connection.execute(f"LOAD {_literal(path)}")
     config = store.config

@@ -596,6 +596,20 @@ def test_sql_without_a_statement_is_an_error(local_store):
         assert (result.returncode, result.stdout, result.stderr) == (1, "", "error: no SQL statement\n")
 
 
+def test_sql_on_a_table_the_run_lacks_names_no_python_object_of_treadle(local_store):
+    """duckdb's Python client reads a table name it does not know from the variables of the
+    code that runs the query: a misnamed table was looked up among ``flows.cli``'s functions
+    ("Python Object 'weight_versions' of type 'function' found on line …")."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    for name in ("weight_versions", "TABLES"):
+        result = treadle("sql", *run, f"SELECT * FROM {name}")
+        assert result.returncode == 1, result.stderr
+        assert result.stderr.startswith(f"error: Catalog Error: Table with name {name} does not exist!"), (
+            result.stderr
+        )
+
+
 def test_sql_with_more_than_one_statement_is_an_error_not_the_last_ones_rows(local_store):
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
