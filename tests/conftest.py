@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import IO
 
 import pytest
@@ -106,6 +108,16 @@ def weights_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ.pop("TREADLE_CACHE", None)
     else:
         os.environ["TREADLE_CACHE"] = before
+
+
+def readme_query(mentioning: str) -> str:
+    """The one SQL query in the README's inline code that holds ``mentioning``, on one line."""
+    readme = Path(__file__).resolve().parents[1] / "README.md"
+    text = re.sub(r"```.*?```", "", readme.read_text(), flags=re.DOTALL)
+    (query,) = [
+        q for q in (" ".join(code.split()) for code in re.findall(r"`([^`]+)`", text)) if mentioning in q
+    ]
+    return query
 
 
 def free_port() -> int:

@@ -21,13 +21,14 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import DeltaError
 
-from flows.sql import extension_paths
+from flows.sql import connect, extension_paths
 from storage import tables as tables_module
 from storage.config import RunStore, StorageConfig
 from storage.leases import SlotLease
 from storage.schema import SchemaError
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables, one_row_per_step
 from tasks.common import is_transient
+from tests.conftest import readme_query
 
 
 def weight_row(version: int, tag: str | None = None) -> dict:
@@ -554,6 +555,22 @@ def test_one_row_per_step_drops_the_steps_a_dead_trainer_logged_after_the_versio
         "(SELECT 1 FROM train_steps u WHERE u.time > t.time AND u.step <= t.step) ORDER BY step"
     )
     assert readme.fetchall() == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 10.0)]
+
+
+def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_once(local_store):
+    """A trainer whose ``train_steps`` append raised although its commit landed appends the same
+    rows again with its next step (``Trainer._log_step``): the rows are there twice, each pair
+    with one time. ``one_row_per_step`` reads each step once; the README's query read them twice."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    rows = [step_row(step, 0.5) | {"time": start + timedelta(seconds=step)} for step in (1, 2, 3)]
+    tables = Tables(local_store)
+    tables.append("train_steps", rows[:2])
+    tables.append("train_steps", rows)
+    assert one_row_per_step(tables.read("train_steps")).column("step").to_pylist() == [1, 2, 3]
+
+    kept = connect(local_store).execute(readme_query("u.step <= t.step") + " ORDER BY step").fetchall()
+
+    assert [row[0] for row in kept] == [1, 2, 3]
 
 
 def test_a_store_error_that_echoes_the_credentials_is_raised_without_them(echoing_endpoint):

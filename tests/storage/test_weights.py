@@ -41,6 +41,7 @@ from storage.weights import (
     sha256_file,
     tokenizer_fingerprint,
 )
+from tests.conftest import readme_query
 
 
 @pytest.fixture
@@ -74,18 +75,6 @@ def tiny_llama(seed: int, tie: bool = True) -> LlamaForCausalLM:
         tie_word_embeddings=tie,
     )
     return LlamaForCausalLM(config).eval()
-
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def readme_query(mentioning: str) -> str:
-    """The one SQL query in the README's inline code that holds ``mentioning``, on one line."""
-    text = re.sub(r"```.*?```", "", (REPO / "README.md").read_text(), flags=re.DOTALL)
-    (query,) = [
-        q for q in (" ".join(code.split()) for code in re.findall(r"`([^`]+)`", text)) if mentioning in q
-    ]
-    return query
 
 
 def readme_totals(store: RunStore) -> tuple:
