@@ -13,10 +13,11 @@ Formats (``GatewayConfig.tool_call_format``):
 
 A call without ``arguments`` has none (``{}``), and the last block may lack its closing tag
 when the reply ends right after its JSON (the model stopped there). A block that does not
-hold a call (JSON that does not parse or holds ``NaN``/``Infinity`` or a number past a
-float's range, no ``name``, arguments that are not an object, keys other than those two, a
-block the token budget cut short) stays in the content as written: the client sees what the
-model wrote, and the reward can judge it.
+hold a call (JSON that does not parse or holds ``NaN``/``Infinity``, a number past a
+float's range or the escape of a lone surrogate such as ``\\ud800``, which no UTF-8 reply
+can hold, no ``name``, arguments that are not an object, keys other than those two, a block
+the token budget cut short) stays in the content as written: the client sees what the model
+wrote, and the reward can judge it.
 """
 
 from __future__ import annotations
@@ -86,6 +87,10 @@ def _hermes_call(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
     if not isinstance(name, str) or not name.strip() or not isinstance(arguments, dict):
         return None, at
     if set(value) - {"name", "arguments"}:  # e.g. "parameters": dropping it would lose the arguments
+        return None, at
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:  # the reply holding it could not be sent (HTTP 500)
         return None, at
     return {"name": name, "arguments": arguments}, after + len(_CLOSE) * closed
 

@@ -72,6 +72,8 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
         '<tool_call>{"name": "f", "parameters": {"n": 1}}</tool_call>',  # not silently dropped
         '<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>',  # strict JSON readers refuse NaN
         '<tool_call>{"name": "f", "arguments": {"x": -1e400}}</tool_call>',  # re-serialised as -Infinity
+        r'<tool_call>{"name": "f", "arguments": {"s": "\ud800"}}</tool_call>',  # a lone surrogate: no UTF-8
+        r'<tool_call>{"name": "f\udc80", "arguments": {}}</tool_call>',
         '<tool_call>{"name": "f", "arguments": {}} and more',  # unclosed, and not the end
         '<tool_call>\n{"name": "get_weather", "arguments": {"ci',  # cut by the token budget
         "<tool_call>" + "[" * 5000,  # nested deeper than the JSON decoder recurses
@@ -100,6 +102,12 @@ def test_the_message_carries_ids_json_arguments_and_no_content_when_only_calls()
         '<tool_call>{"name": "f", "arguments": {"city": "Zürich"}}</tool_call>', "hermes"
     )
     assert zurich["tool_calls"][0]["function"]["arguments"] == '{"city": "Zürich"}'
+    # an escaped surrogate pair is one character; a lone one (above) has no UTF-8 form, and the
+    # reply holding it could not be sent (HTTP 500)
+    emoji = tool_call_message(
+        r'<tool_call>{"name": "f", "arguments": {"s": "\ud83d\ude00"}}</tool_call>', "hermes"
+    )
+    assert emoji["tool_calls"][0]["function"]["arguments"].encode() == '{"s": "😀"}'.encode()
     with pytest.raises(ValueError, match="unknown tool_call_format"):
         tool_call_message(CALL_TEXT, "mistral")
 
