@@ -148,6 +148,21 @@ def _tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_buffers()
 
 
+def _ties(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """Each parameter or buffer name that holds a tensor named before it (tied embeddings:
+    T5's, BART's), with that first name: a move to ``meta`` and back unties them."""
+    first: dict[int, str] = {}
+    ties = []
+    for name, tensor in (
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ):
+        owner = first.setdefault(id(tensor), name)
+        if owner != name:
+            ties.append((name, owner))
+    return ties
+
+
 def state_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and buffers: what it holds on a device."""
     return sum(t.numel() * t.element_size() for _, t in _tensors(module))
@@ -180,6 +195,7 @@ class ServiceManager:
         self._modules: dict[str, torch.nn.Module] = {}
         self._parked: dict[str, dict[str, torch.Tensor]] = {}
         self._sizes: dict[str, int] = {}
+        self._ties: dict[str, list[tuple[str, str]]] = {}
         self._resident: OrderedDict[str, None] = OrderedDict()
         self._in_use: dict[str, int] = {}
         self._changed = asyncio.Condition()
@@ -195,6 +211,7 @@ class ServiceManager:
         if size > self.budget_bytes:
             raise ValueError(f"service {name!r} needs {size} bytes, more than the budget {self.budget_bytes}")
         pin = self.device.type == "cuda"
+        self._ties[name] = _ties(module)
         parked = {}
         for key, tensor in _tensors(module):
             copy = tensor.detach().to("cpu", copy=True)
@@ -231,7 +248,9 @@ class ServiceManager:
         A caller cancelled meanwhile leaves the copy to finish (the service is then
         resident) before the cancel goes on, so no other load touches a half-copied module."""
         module = self._modules[name]
-        copying = asyncio.ensure_future(asyncio.to_thread(self._copy_in, module, self._parked[name]))
+        copying = asyncio.ensure_future(
+            asyncio.to_thread(self._copy_in, module, self._parked[name], self._ties[name])
+        )
         try:
             await _to_the_end(copying)
         finally:
@@ -241,8 +260,15 @@ class ServiceManager:
             else:
                 module.to("meta")
 
-    def _copy_in(self, module: torch.nn.Module, parked: dict[str, torch.Tensor]) -> None:
+    def _copy_in(
+        self, module: torch.nn.Module, parked: dict[str, torch.Tensor], ties: list[tuple[str, str]]
+    ) -> None:
         module.to_empty(device=self.device)
+        for name, owner in ties:
+            holder, _, leaf = name.rpartition(".")
+            submodule = module.get_submodule(holder)
+            shared = module.get_parameter if leaf in submodule._parameters else module.get_buffer
+            setattr(submodule, leaf, shared(owner))
         with torch.no_grad():
             for key, tensor in _tensors(module):
                 tensor.copy_(parked[key], non_blocking=True)

@@ -255,6 +255,41 @@ def test_services_lru_eviction_order_and_outputs_survive_parking():
     assert next(evicted.parameters()).device.type == "meta"
 
 
+class TiedService(torch.nn.Module):
+    """Input and output embeddings that are one tensor, as T5's and BART's sequence
+    classifiers tie their encoder's and decoder's embeddings to a shared one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(8, 4)
+        self.out = torch.nn.Linear(4, 8, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.out(self.embed(ids))
+
+
+def test_a_service_with_tied_weights_loads_them_tied_every_time():
+    """Moving a module to ``meta`` and back unties what it shares: the load then looked for
+    the second name's parked copy (KeyError, every call of such a reward model failed) and
+    would have put the tensor on the device twice, past the bytes budgeted for it."""
+    ids = torch.arange(8)
+    expected = TiedService()(ids)
+    manager = ServiceManager(device="cpu", budget_bytes=8 * 4 * 4)
+    manager.register("tied", TiedService())
+    manager.register("other", TiedService())
+
+    async def main():
+        for name in ("tied", "other", "tied"):  # each load evicts the other
+            async with manager.use(name) as module:
+                assert module.out.weight is module.embed.weight
+                torch.testing.assert_close(module(ids), expected)
+        assert manager.evictions == ["tied", "other"]
+
+    asyncio.run(main())
+
+
 def test_a_service_is_last_used_when_its_call_ends():
     """A long call to ``a`` begins before a short call to ``b`` and ends after it: ``b`` is
     the least recently used, so ``c`` evicts it. Ordered by when calls began, ``a`` was
@@ -397,11 +432,11 @@ def test_a_failed_load_leaves_nothing_held_and_concurrent_calls_of_one_service_l
     real = manager._copy_in
     failures = [RuntimeError("out of device memory")]
 
-    def copy_in(module, parked):
+    def copy_in(module, *rest):
         if failures:
             module.to_empty(device=manager.device)  # fails part-way, its memory taken
             raise failures.pop()
-        real(module, parked)
+        real(module, *rest)
 
     monkeypatch.setattr(manager, "_copy_in", copy_in)
 
@@ -441,9 +476,9 @@ def slow_copies(manager, monkeypatch, seconds=0.3):
     """Each load of ``manager`` takes ``seconds`` more, as a copy of gigabytes onto a GPU does."""
     real = manager._copy_in
 
-    def slow(module, parked):
+    def slow(*args):
         time.sleep(seconds)
-        real(module, parked)
+        real(*args)
 
     monkeypatch.setattr(manager, "_copy_in", slow)
 
@@ -500,10 +535,10 @@ def test_a_caller_cancelled_while_it_gives_its_service_back_leaves_it_evictable(
     copying, go_on = threading.Event(), threading.Event()
     real = manager._copy_in
 
-    def held_copy(module, parked):
+    def held_copy(*args):
         copying.set()
         go_on.wait(10)
-        real(module, parked)
+        real(*args)
 
     async def main():
         done_with_a, caller = await _held(manager, "a")
