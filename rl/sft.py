@@ -86,7 +86,15 @@ def supervised_warm_start(
         raise ValueError("no demonstrations to train on")
     if len(masks) != len(sequences):
         raise ValueError(f"{len(sequences)} demonstrations but {len(masks)} loss masks")
+    # positions past the model's table: an IndexError deep in torch where they are learned
+    # (GPT-2), positions no engine serves where they are computed (RoPE)
+    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     for index, (tokens, mask) in enumerate(zip(sequences, masks, strict=True)):
+        if positions is not None and len(tokens) > positions:
+            raise ValueError(
+                f"demonstration {index} has {len(tokens)} tokens, more than the {positions} positions "
+                "of the model (max_position_embeddings)"
+            )
         # a mask of another length is not an error to pad_batch: one of length 1 broadcasts
         # over the whole demonstration, training on every token
         if len(mask) != len(tokens):

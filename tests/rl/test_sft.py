@@ -10,6 +10,7 @@ import torch
 from rl.config import SFTConfig, TinyModelConfig
 from rl.models import build_tiny_model
 from rl.sft import length_bucketed_batches, masked_nll, supervised_warm_start
+from tests.rl.architectures import tiny_causal_lm
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 
@@ -70,3 +71,17 @@ def test_a_budget_spent_before_the_first_step_still_trains_one():
         model, [[5, 6, 7, 8, 9]], [[False, False, True, True, True]], 0, SFTConfig(max_seconds=1e-12)
     )
     assert len(losses) == 1
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_a_demonstration_longer_than_the_models_positions_is_refused(arch):
+    """GPT-2's learned position table raised an IndexError deep in torch; Llama's RoPE trained
+    without a word on positions the engine never serves."""
+    model = tiny_causal_lm(arch, vocab_size=64)  # max_position_embeddings 64
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    sequences = [[5] * 64, [5] * 65]
+    masks = [[False] * 32 + [True] * 32, [False] * 32 + [True] * 33]
+    with pytest.raises(ValueError, match="demonstration 1 has 65 tokens, more than the 64 positions"):
+        supervised_warm_start(model, sequences, masks, 0, SFTConfig(max_steps=1))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    assert len(supervised_warm_start(model, sequences[:1], masks[:1], 0, SFTConfig(max_steps=1))) == 1
