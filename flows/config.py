@@ -326,13 +326,21 @@ class RunConfig(BaseModel):
                         f"envs.{name}.reward_model: reward models are not served with cluster 'ray'"
                     )
         if self.warm_start.enabled:
-            for name in self.orchestrator.mix:
-                count = self.warm_start.demos.get(name, self.warm_start.demos_per_env)
+            counts = {
+                name: self.warm_start.demos.get(name, self.warm_start.demos_per_env)
+                for name in self.orchestrator.mix
+            }
+            for name, count in counts.items():
                 if count and not env_class(name).scripted_solver:
                     raise ValueError(
                         f"warm_start.demos.{name}: {name!r} has no scripted solver to demonstrate with; "
                         f"set warm_start.demos.{name} to 0 or turn warm_start off"
                     )
+            if not any(counts.values()):
+                raise ValueError(
+                    "warm_start.demos: no environment of orchestrator.mix has demonstrations to warm-start "
+                    "on; give one some or turn warm_start off"
+                )
         for name in self.orchestrator.mix:
             config = self.env_config(name)
             for field in getattr(type(config), "required_fields", ()):

@@ -111,6 +111,11 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
             "orchestrator:\n  mix: {arith: 0.5, agent: 0.5}\n",
             "warm_start.demos.agent: 'agent' has no scripted solver to demonstrate with",
         ),
+        # the warm start failed at run time with "no demonstrations to train on", naming no setting
+        (
+            "warm_start:\n  demos: {arith: 0}\n",
+            "warm_start.demos: no environment of orchestrator.mix has demonstrations to warm-start on",
+        ),
         ("orchestrator:\n  group_size: 8\n  concurrency: 4\n", "exceeds concurrency"),
         ("orchestrator:\n  group_size: 4\n  max_rollouts: 2\n", "is below group_size"),
         ("orchestrator:\n  group_size: 4\nstop:\n  max_rollouts: 3\n", "is below orchestrator.group_size"),
