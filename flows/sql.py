@@ -93,13 +93,14 @@ def role_credentials() -> tuple[str, str, str]:
     """Key id, secret and session token of the machine's role, or empty ones when it has none.
     duckdb signs nothing with an S3 secret whose key is empty: given one, a run that deltalake
     reads with the role's credentials refused the views' requests. Raises ``OSError`` when the
-    role's credentials endpoint fails or is not one botocore asks."""
+    role's credentials endpoint fails or is not one botocore asks, or ``AWS_PROFILE`` names a
+    profile the AWS config lacks."""
     import botocore.credentials
     import botocore.exceptions
     import botocore.session
 
-    resolver = botocore.credentials.create_credential_resolver(botocore.session.get_session())
     try:
+        resolver = botocore.credentials.create_credential_resolver(botocore.session.get_session())
         found = botocore.credentials.CredentialResolver(
             [provider for provider in resolver.providers if provider.METHOD in ROLE_PROVIDERS]
         ).load_credentials()

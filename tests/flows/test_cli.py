@@ -471,10 +471,23 @@ def test_sql_signs_with_the_machines_role_when_the_run_gives_no_credentials(s3_s
         proxy.server_close()
 
 
-def test_sql_whose_role_credentials_cannot_be_had_is_a_one_line_error(monkeypatch, capfd):
+@pytest.mark.parametrize("unreadable", ["endpoint", "profile"])
+def test_sql_whose_role_credentials_cannot_be_had_is_a_one_line_error(
+    monkeypatch, capfd, tmp_path, unreadable
+):
+    """The role's credentials endpoint does not answer, or ``AWS_PROFILE`` names a profile the
+    AWS config lacks (botocore raised that before it looked for a role: a traceback)."""
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", f"http://127.0.0.1:{free_port()}/credentials")
+    if unreadable == "endpoint":
+        monkeypatch.setenv(
+            "AWS_CONTAINER_CREDENTIALS_FULL_URI", f"http://127.0.0.1:{free_port()}/credentials"
+        )
+    else:
+        (tmp_path / "aws-config").write_text("[default]\nregion = us-east-1\n")
+        monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+        monkeypatch.setenv("AWS_PROFILE", "absent")
+        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     monkeypatch.setattr(Tables, "version", lambda self, name: 0)
     run = ("--root", "s3://bucket/runs", "--endpoint-url", f"http://127.0.0.1:{free_port()}", "--run-id", "r")
     result = treadle_here(capfd, monkeypatch, "sql", *run, "SELECT 1")
