@@ -583,14 +583,7 @@ def test_a_failed_status_read_skips_the_decision_and_the_last_plan_stands(tmp_pa
     # every step reads the statuses; with a depth callable no ticker decides in between
     monkeypatch.setattr("tasks.train.STATUS_REFRESH_S", 0.0)
     with caplog.at_level(logging.WARNING, logger="tasks.train"):
-        result = run_trainer(
-            run,
-            time.time() + 600,
-            drain=True,
-            engine_queue_depth=lambda: 0,
-            elastic=planner,
-            status_max_age_s=600,
-        )
+        result = drain_with_an_idle_engine(run, planner)
     assert result["steps"] == 3 and len(reads) == 3
     assert "S3 unreachable for a moment" in caplog.text
     running = [plan for plan in published if plan.running]
@@ -624,7 +617,17 @@ def test_a_decision_whose_plan_could_not_be_published_is_not_logged_as_applied(t
 
     monkeypatch.setattr(ElasticPlanBoard, "publish", unreachable_once)
     monkeypatch.setattr("tasks.train.STATUS_REFRESH_S", 0.0)
-    run_trainer(
+    drain_with_an_idle_engine(run, planner)
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    records = [json.loads(row["extra"])["elastic"] for row in rows]
+    assert [(m["unit"], m["target"]) for m in records[0]["decided"]] == [("w0/torch-1", "train")]
+    assert [r["applied"] for r in records] == [False, True, True]
+    assert [d["applied"] for d in records[0]["decisions"]] == [False]
+
+
+def drain_with_an_idle_engine(run, planner) -> dict:
+    """``run_trainer`` on ``planner`` until it has trained every shard, its engines queueing nothing."""
+    return run_trainer(
         run,
         time.time() + 600,
         drain=True,
@@ -632,11 +635,6 @@ def test_a_decision_whose_plan_could_not_be_published_is_not_logged_as_applied(t
         elastic=planner,
         status_max_age_s=600,
     )
-    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
-    records = [json.loads(row["extra"])["elastic"] for row in rows]
-    assert [(m["unit"], m["target"]) for m in records[0]["decided"]] == [("w0/torch-1", "train")]
-    assert [r["applied"] for r in records] == [False, True, True]
-    assert [d["applied"] for d in records[0]["decisions"]] == [False]
 
 
 def train_through_two_decisions(
