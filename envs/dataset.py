@@ -200,7 +200,7 @@ def _json_rows(path: str, data: bytes) -> list:
     """The rows of a JSON-lines file, or of a ``.json`` file holding one array of rows (a
     ``.json`` file in JSON lines, as ``datasets``' ``to_json`` writes, is read as such)."""
     try:
-        text = data.decode()
+        text = data.decode("utf-8-sig")  # a byte-order mark (Notepad, PowerShell) is no part of row 1
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path} is not UTF-8 text: {exc}") from exc
     if path.endswith(".json") and text.lstrip().startswith("["):

@@ -970,6 +970,22 @@ def test_dataset_jsonl_lines_end_only_at_newlines(tmp_path):
     }
 
 
+@pytest.mark.parametrize(
+    "name, layout", [("data.jsonl", "lines"), ("data.json", "lines"), ("data.json", "array")]
+)
+def test_dataset_reads_a_file_that_starts_with_a_byte_order_mark(tmp_path, name, layout):
+    """Notepad and PowerShell write UTF-8 with a BOM: it is no part of the first row."""
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
+    text = json.dumps(rows) if layout == "array" else "\r\n".join(map(json.dumps, rows)) + "\r\n"
+    path = tmp_path / name
+    path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+    config = {"path": str(path), "eval_fraction": 0.5}
+    tasks = [task for split in ("train", "eval") for task in task_set("dataset", split, 0, 100, config)]
+    assert {(task.prompt, task.data["answer"]) for task in tasks} == {
+        (r["prompt"], r["answer"]) for r in rows
+    }
+
+
 def test_dataset_split_keeps_a_prompt_under_many_ids_in_one_split(tmp_path):
     rows = [
         {"qid": f"{i}-{copy}", "prompt": f"q{i}", "answer": str(i)} for i in range(100) for copy in range(4)
