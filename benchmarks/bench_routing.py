@@ -6,7 +6,8 @@ process: once with sticky routing (consistent hashing, bounded loads) and once w
 round-robin, each on fresh replicas of the tiny model. The ideal prefill (the fewest
 prompt tokens any routing could prefill) is each turn's new tokens plus the last token the
 session's previous turn generated: an engine caches the keys/values of the tokens it ran a
-forward on, and a turn's last sampled token never went through one.
+forward on, and a turn's last sampled token never went through one. Both policies must
+generate the same tokens in every session (seeded sampling; asserted).
 
 Last line: {"bench": "routing", "ratio": sticky_prefill / ideal, ...}. Target ratio <= 1.1.
 
@@ -31,8 +32,9 @@ from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router, RouterConfig
 
 
-async def run_workload(model, tokenizer, policy: str, args) -> dict[str, float]:
-    """Run every session's turns concurrently under ``policy``; prefill counts and wall time."""
+async def run_workload(model, tokenizer, policy: str, args) -> dict:
+    """Run every session's turns concurrently under ``policy``; prefill counts, wall time and
+    each session's tokens."""
     engines = [
         TorchEngine(copy.deepcopy(model), tokenizer, name=f"torch-{i}", max_batch=64)
         for i in range(args.replicas)
@@ -42,6 +44,7 @@ async def run_workload(model, tokenizer, policy: str, args) -> dict[str, float]:
     )
     vocab = len(tokenizer)
     ideal = 0
+    tokens: dict[int, list[int]] = {}
 
     async def session_loop(index: int) -> None:
         nonlocal ideal
@@ -54,6 +57,7 @@ async def run_workload(model, tokenizer, policy: str, args) -> dict[str, float]:
             ideal += len(session.tokens) - forwarded
             await session.generate(SamplingParams(max_new_tokens=args.new_tokens, seed=index * 1000 + turn))
             forwarded = len(session.tokens) - 1
+        tokens[index] = list(session.tokens)
         gateway.close(session.session_id)
 
     started = time.perf_counter()
@@ -67,6 +71,7 @@ async def run_workload(model, tokenizer, policy: str, args) -> dict[str, float]:
         "prefill_reused": float(sum(s.prefill_reused for s in stats)),
         "ideal": float(ideal),
         "wall_s": wall,
+        "tokens": tokens,
     }
 
 
@@ -83,6 +88,10 @@ def main() -> None:
 
     sticky = asyncio.run(run_workload(model, tokenizer, "sticky", args))
     round_robin = asyncio.run(run_workload(model, tokenizer, "round_robin", args))
+    # seeded sampling gives the same tokens whatever the cache held: a prefill saved by
+    # reusing the wrong keys/values would show here, not as a better ratio
+    differ = [i for i in sticky["tokens"] if sticky["tokens"][i] != round_robin["tokens"][i]]
+    assert not differ, f"sessions {differ[:5]} generated other tokens under sticky routing than round-robin"
     result = {
         "bench": "routing",
         "ratio": sticky["prefill_computed"] / sticky["ideal"],
