@@ -2,6 +2,8 @@
 
 Same tiny model (the embedded default), same prompts, same number of new tokens, one run.
 Baseline: Hugging Face ``model.generate`` (sampling, KV cache) called once per prompt.
+Both sides must generate every token asked for, and the engine the same tokens for each
+prompt at every concurrency (seeded sampling; asserted).
 Last line: ``{"bench": "engine", "ratio": tokens/s at concurrency 64 / sequential tokens/s, ...}``.
 """
 
@@ -47,17 +49,17 @@ def sequential_generate(model, prompts: list[list[int]], new_tokens: int) -> tup
 
 
 async def engine_throughput(engine: TorchEngine, prompts: list[list[int]], new_tokens: int, concurrency: int):
-    """Tokens generated and seconds taken with ``concurrency`` requests in flight at all times."""
+    """Each prompt's generated tokens and the seconds taken with ``concurrency`` requests in
+    flight at all times."""
     queue = list(enumerate(prompts))
-    generated = 0
+    generated: dict[int, list[int]] = {}
 
     async def client():
-        nonlocal generated
         while queue:
             index, prompt = queue.pop()
             params = SamplingParams(max_new_tokens=new_tokens, seed=index)
             generation = await engine.generate(f"c{concurrency}-{index}", prompt, params)
-            generated += len(generation.token_ids)
+            generated[index] = generation.token_ids
 
     start = time.perf_counter()
     await asyncio.gather(*[client() for _ in range(concurrency)])
@@ -76,9 +78,13 @@ async def main(args) -> dict:
 
     engine = TorchEngine(model, tokenizer, name="bench", max_batch=64, kv_cache_bytes=0)
     results = {}
+    outputs = {}
     try:
         for concurrency in (1, 8, 64):
-            tokens, seconds = await engine_throughput(engine, prompts, args.new_tokens, concurrency)
+            outputs[concurrency], seconds = await engine_throughput(
+                engine, prompts, args.new_tokens, concurrency
+            )
+            tokens = sum(len(ids) for ids in outputs[concurrency].values())
             results[concurrency] = tokens / seconds
             print(
                 f"TorchEngine concurrency {concurrency:>2}: {tokens} tokens in {seconds:.2f}s = {results[concurrency]:.0f} tok/s"
@@ -86,6 +92,14 @@ async def main(args) -> dict:
         stats = engine.stats()
     finally:
         await engine.close()
+    # seeded sampling gives each prompt the same tokens alone or batched: batching that got
+    # faster by mixing up rows would show here
+    assert outputs[8] == outputs[1] and outputs[64] == outputs[1], "batched generations differ from unbatched"
+    engine_tokens = sum(len(ids) for ids in outputs[1].values())
+    assert sequential_tokens == engine_tokens == len(prompts) * args.new_tokens, (
+        f"generated {sequential_tokens} (model.generate) and {engine_tokens} (TorchEngine) tokens, "
+        f"asked for {len(prompts) * args.new_tokens}"
+    )
     return {
         "bench": "engine",
         "ratio": round(results[64] / sequential, 3),
