@@ -15,7 +15,7 @@ overhead per action, as CPU time (the process's CPU seconds / actions) and as wa
 (active rollout time minus the simulated latency, per action; this includes waiting for
 the event loop). ``concurrent`` is the peak number of rollouts inside INIT/RUN/EVAL at once
 (not queued); ``ratio`` = concurrent / 1,000 (GLM-5's reported figure). Target: 10,000
-concurrent within 2 GB RSS.
+concurrent within 2 GB RSS. Every rollout must end ``ok`` and be written (asserted).
 
     python benchmarks/bench_concurrency.py [--concurrent 10000] [--rollouts 20000] [--sink count]
 """
@@ -322,6 +322,10 @@ def main() -> None:
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
 
+    # failed rollouts end early: counted, they would pass for a higher rate
+    assert result["statuses"] == {"ok": args.rollouts} and result["written"] == args.rollouts, (
+        f"{args.rollouts} rollouts asked for, statuses {result['statuses']}, {result['written']} records written"
+    )
     concurrent = result["concurrent"]
     actions = result["actions"]
     growth = result["peak_rss"] - result["baseline_rss"]
