@@ -404,13 +404,21 @@ class Session:
         if not self._pending:
             return
         new, self._pending = self._pending, []
-        if _text_size([new, self.tools if not self.tokens else None]) <= RENDER_INLINE_CHARS:
-            ids = self._rendered(new)
-        else:
-            ids = await asyncio.to_thread(self._rendered, new)
-            if self.closed:
-                raise UnknownSession(f"session {self.session_id!r} was closed while its messages rendered")
-        self._take(new, ids)
+        chars = _text_size([new, self.tools if not self.tokens else None])
+        self._take(new, await self.tokenized(chars, "messages rendered", self._rendered, new))
+
+    async def tokenized(
+        self, chars: int, what: str, tokenize: Callable[..., Sequence[int]], *args: Any, **kwargs: Any
+    ) -> list[int]:
+        """``tokenize(*args, **kwargs)`` of ``chars`` characters of text: on the event loop up
+        to :data:`RENDER_INLINE_CHARS`, on a worker thread above (the tokenizer lets go of the
+        GIL); a session closed meanwhile raises :class:`UnknownSession` naming ``what``."""
+        if chars <= RENDER_INLINE_CHARS:
+            return list(tokenize(*args, **kwargs))
+        ids = await asyncio.to_thread(tokenize, *args, **kwargs)
+        if self.closed:
+            raise UnknownSession(f"session {self.session_id!r} was closed while its {what}")
+        return list(ids)
 
     def _rendered(self, new: list[dict[str, Any]]) -> list[int]:
         renderer = self.renderer
@@ -459,9 +467,10 @@ class Session:
 
         ``prepare`` runs first (awaited when it returns an awaitable), under the session's
         lock: what a request adds (its new messages or tokens, checked against the history)
-        and the turn generated from it are one step, so a second request on the session (a client's retry while the first one
-        still generates) waits for that turn and is checked against the history it left,
-        instead of slipping its tokens in front of the turn's action.
+        and the turn generated from it are one step, so a second request on the session (a
+        client's retry while the first one still generates) waits for that turn and is
+        checked against the history it left, instead of slipping its tokens in front of the
+        turn's action.
 
         ``request`` stands for what the caller asked for, equal (``==``) for a resent request.
         When it equals the last turn's and nothing was added to the session since, that

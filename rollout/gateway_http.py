@@ -59,7 +59,6 @@ input, 503 engine failure.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import secrets
@@ -76,7 +75,6 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, m
 
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
 from rollout.gateway import (
-    RENDER_INLINE_CHARS,
     TIMING_KEYS,
     Gateway,
     Session,
@@ -618,25 +616,24 @@ async def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -
     if not session.tokens:
         if not prompt:
             raise InvalidRequest("empty prompt")
-        session.add_tokens(await _encoded(gateway, session, prompt))
+        session.add_tokens(
+            await session.tokenized(len(prompt), "prompt was tokenized", gateway.tokenizer.encode, prompt)
+        )
     elif not prompt.startswith(session.transcript):
         raise InvalidRequest(
             "the prompt does not extend the session's history (earlier prompts plus completions)"
         )
     elif suffix := prompt[len(session.transcript) :]:
-        session.add_tokens(await _encoded(gateway, session, suffix, add_special_tokens=False))
+        session.add_tokens(
+            await session.tokenized(
+                len(suffix),
+                "prompt was tokenized",
+                gateway.tokenizer.encode,
+                suffix,
+                add_special_tokens=False,
+            )
+        )
     session.transcript = prompt
-
-
-async def _encoded(gateway: Gateway, session: Session, text: str, **kwargs: Any) -> list[int]:
-    """The tokens of ``text``; text over :data:`RENDER_INLINE_CHARS` is tokenized on a worker
-    thread, as queued chat text is rendered, so that it does not stall the event loop."""
-    if len(text) <= RENDER_INLINE_CHARS:
-        return list(gateway.tokenizer.encode(text, **kwargs))
-    ids = await asyncio.to_thread(gateway.tokenizer.encode, text, **kwargs)
-    if session.closed:
-        raise UnknownSession(f"session {session.session_id!r} was closed while its prompt was tokenized")
-    return list(ids)
 
 
 def _append_token_prompt(gateway: Gateway, session: Session, prompt: list[int]) -> None:
