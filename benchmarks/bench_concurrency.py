@@ -270,7 +270,7 @@ async def run(args: argparse.Namespace, sink, tokenizer) -> dict[str, Any]:
     latency = LatencyEnv.latency
     actions = latency.steps
     low, high = len(finished_at) // 4, len(finished_at) * 3 // 4
-    steady = (high - low) / (finished_at[high] - finished_at[low]) if high > low else float("nan")
+    steady = (high - low) / (finished_at[high] - finished_at[low])
     return {
         "concurrent": int(peak["concurrent"]),
         "orchestrator_peak_in_flight": stats.peak_in_flight,
@@ -303,6 +303,15 @@ def main() -> None:
     parser.add_argument("--sink", choices=["count", "shards"], default="count", help="where records go")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    for name, value, least in (
+        ("--concurrent", args.concurrent, 1),
+        ("--rollouts", args.rollouts, 2),
+        ("--turns", args.turns, 1),
+    ):
+        if value < least:
+            parser.error(f"{name} must be at least {least}, not {value}")
+    if args.median_s <= 0 or args.sigma < 0 or args.straggler_s < 0 or not 0 <= args.straggler_p <= 1:
+        parser.error("--median-s must be > 0, --sigma and --straggler-s >= 0, --straggler-p in [0, 1]")
 
     tokenizer = train_tokenizer()
     folder = tempfile.mkdtemp(prefix="bench-concurrency-") if args.sink == "shards" else None

@@ -147,6 +147,12 @@ def main() -> None:
     )
     parser.add_argument("--side", choices=["treadle", "full"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.tokens < 4:
+        parser.error(f"--tokens must be at least 4 (two rows of two), not {args.tokens}")
+    if not 0 < args.action_share <= 1:
+        parser.error(
+            f"--action-share must be in (0, 1]: with none the two sides have nothing to compare, not {args.action_share}"
+        )
     if args.side:
         print(json.dumps(one_pass(args.side, args.tokens, args.action_share)))
         return
