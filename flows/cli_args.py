@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
+import signal
 import sys
 import types
 import typing
@@ -54,6 +56,33 @@ def set_prefect_defaults() -> None:
         from prefect.context import refresh_global_settings_context
 
         refresh_global_settings_context()
+
+
+def stops_as_on_ctrl_c(main: Callable[..., None]) -> Callable[..., None]:
+    """``main``, a flow's command, made to take SIGTERM (``docker stop``, Kubernetes, systemd)
+    as it takes Ctrl-C: the flow run ends Crashed, its tasks' cleanup runs, and Prefect's
+    temporary server is stopped at exit. Killed by Python's default action, the process
+    left that server running, orphaned. Either signal ends it with one line, no traceback,
+    and the status a shell gives a process killed by the signal."""
+
+    @functools.wraps(main)
+    def command(*args, **kwargs) -> None:
+        received = [signal.SIGINT]
+
+        def interrupt(signum, frame) -> None:
+            received.append(signal.Signals(signum))
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGTERM, interrupt)
+        try:
+            main(*args, **kwargs)
+        except KeyboardInterrupt:
+            print(f"stopped by {received[-1].name}", file=sys.stderr)
+            raise SystemExit(128 + received[-1]) from None
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    return command
 
 
 def parse(

@@ -14,6 +14,8 @@ import time
 import urllib.request
 from typing import TYPE_CHECKING
 
+from flows.cli_args import stops_as_on_ctrl_c
+
 if TYPE_CHECKING:
     from flows.config import RunConfig
 
@@ -28,6 +30,7 @@ def _ui_running() -> bool:
         return False
 
 
+@stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
     from prefect.context import refresh_global_settings_context
     from prefect.settings import PREFECT_API_URL

@@ -13,6 +13,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.cli import weight_versions
+from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig, evaluate_devices, evaluate_paths, missing_device
 from flows.run_logs import module_logs_to_run
 from tasks.common import run_store
@@ -50,6 +51,7 @@ def evaluate(
         return result
 
 
+@stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
     from flows.cli_args import parse
 

@@ -16,6 +16,7 @@ from prefect import flow, task
 from prefect.client.schemas.objects import State
 from pydantic import Field
 
+from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig
 from flows.run_logs import module_logs_to_run
 from storage.shards import MIN_SWEEP_AGE_S, sweep_uncommitted
@@ -167,6 +168,7 @@ def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import existing_run
     from flows.cli_args import parse

@@ -14,6 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig, missing_device, missing_path, missing_ray, pipeline_devices
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
@@ -194,6 +195,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         }
 
 
+@stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import weight_versions
     from flows.cli_args import parse

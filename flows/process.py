@@ -9,6 +9,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
@@ -32,6 +33,7 @@ def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[st
         return process_pending(config)
 
 
+@stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import existing_run
     from flows.cli_args import parse

@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from prefect import flow
 from pydantic import Field
 
+from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig, missing_device, missing_path, missing_ray, rollout_devices, schema_pattern
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
@@ -56,6 +57,7 @@ def _worker_name(text: str) -> str:
     return text
 
 
+@stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import weight_versions
     from flows.cli_args import parse

@@ -11,6 +11,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig, missing_device, train_devices, train_paths
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
@@ -42,6 +43,7 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
         return result
 
 
+@stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import weight_versions
     from flows.cli_args import parse

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.parse
 from datetime import UTC, datetime
 
@@ -1076,3 +1077,73 @@ def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time()
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["120"]
+
+
+def session_members(leader: int) -> list[str]:
+    """The command lines of the live processes in the session ``leader`` started."""
+    members = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rpartition(")")[2].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+            continue
+        if int(fields[3]) == leader and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
+            members.append(command)
+    return members
+
+
+@pytest.mark.slow
+def test_a_flow_stopped_with_sigterm_stops_prefects_temporary_server_and_says_so(tmp_path):
+    """SIGTERM (``docker stop``, Kubernetes, systemd) to ``treadle run`` in Prefect's
+    ephemeral mode, while rollouts run: the process died by the signal's default action and
+    left Prefect's temporary server running, reparented to init, for ever. Now it ends as on
+    Ctrl-C: the server is stopped, one line says why, and the status is 128 + SIGTERM."""
+    from tests.flows.conftest import tiny_config
+
+    config = tiny_config(
+        tmp_path / "runs", "sigterm", warm_start={"enabled": False}, stop={"max_seconds": 300}
+    )
+    config_path = tmp_path / "run.yaml"
+    config_path.write_text(json.dumps(config.model_dump(mode="json")))
+    (tmp_path / "flow-tmp").mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),  # its own database for the temporary server
+        "OMP_NUM_THREADS": "1",
+        "TMPDIR": str(tmp_path / "flow-tmp"),
+    }
+    stderr = tmp_path / "stderr"  # a file: a server left behind would hold a pipe open
+    with stderr.open("w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "run", "rollout", "--config", str(config_path)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            start_new_session=True,
+        )
+    shards = tmp_path / "runs" / "sigterm" / "shards" / "raw"
+    try:
+        while not (shards.exists() and any(shards.rglob("*.arrow"))):  # rollouts are being written
+            assert process.poll() is None, f"the flow ended before writing a shard: {stderr.read_text()}"
+            time.sleep(0.2)
+        assert any("uvicorn" in command for command in session_members(process.pid))
+        process.send_signal(signal.SIGTERM)  # to the process alone, as docker stop sends it
+        process.wait(timeout=300)
+        left = session_members(process.pid)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        for pid in filter(str.isdigit, os.listdir("/proc")):  # what outlived its leader (the server, before)
+            try:
+                if os.getsid(int(pid)) == process.pid:
+                    os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+    err = stderr.read_text()
+    assert left == [], left
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "stopped by SIGTERM\n" in err and "Traceback" not in err, err[-3000:]
