@@ -45,7 +45,7 @@ from functools import cache
 from typing import IO, Literal, get_args
 
 from ptyprocess import PtyProcess, PtyProcessError
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from envs.threads import to_thread_to_the_end
 
@@ -135,7 +135,9 @@ class SandboxConfig(BaseModel):
         "file system, no network, process or memory limit); false hands it to the model as plain output.",
     )
     apptainer_image: str | None = Field(
-        None, description="Image (.sif, directory or docker://) for the apptainer backend; required there."
+        None,
+        validate_default=True,
+        description="Image (.sif, directory or docker://) for the apptainer backend; required there.",
     )
     apptainer_bin: str = Field("apptainer", description="Apptainer or Singularity executable.")
     ro_binds: list[str] = Field(
@@ -154,6 +156,14 @@ class SandboxConfig(BaseModel):
         None,
         description="Host folder under which working directories are made; the system temp dir if unset.",
     )
+
+    @field_validator("apptainer_image")
+    @classmethod
+    def _image_for_apptainer(cls, value: str | None, info: ValidationInfo) -> str | None:
+        # else every sandbox failed to start, each rollout an infra_error, once the run was under way
+        if info.data.get("backend") == "apptainer" and not value:
+            raise ValueError("the apptainer backend needs an image (.sif, directory or docker://)")
+        return value
 
 
 @dataclass
@@ -245,8 +255,6 @@ class Sandbox:
     def __init__(self, config: SandboxConfig | None = None, workdir: str | None = None):
         self.config = config or SandboxConfig()
         self.backend = resolve_backend(self.config.backend)
-        if self.backend == "apptainer" and not self.config.apptainer_image:
-            raise SandboxError("start_failed", "the apptainer backend needs apptainer_image")
         self._owns_dir = workdir is None
         self.workdir = os.path.realpath(
             workdir or tempfile.mkdtemp(prefix="treadle-sbx-", dir=self.config.root_dir)

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from envs.pyrepl import PythonRepl
 from envs.sandbox import UID_BASE, Sandbox, SandboxConfig, SandboxError, bwrap_path, remove_tree
@@ -991,9 +992,15 @@ def test_apptainer_command_line():
         assert inside[-3:] == ["bash", "-c", "echo hi"]
     finally:
         box.close()
-    with pytest.raises(SandboxError) as raised:
-        Sandbox(SandboxConfig(backend="apptainer"))
-    assert raised.value.kind == "start_failed"
+
+
+def test_the_apptainer_backend_without_an_image_is_refused_as_the_config_loads():
+    """Refused by the sandbox as it started, each rollout an infra_error once the run was under way."""
+    with pytest.raises(ValidationError, match="apptainer_image\n.*the apptainer backend needs an image"):
+        SandboxConfig(backend="apptainer")
+    with pytest.raises(ValidationError, match="apptainer_image"):
+        SandboxConfig(backend="apptainer", apptainer_image="")
+    assert SandboxConfig(backend="process").apptainer_image is None
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")

@@ -136,6 +136,10 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ),
         ("envs:\n  agent: {tasks: [{id: a, prompt: p, dta: {}}]}\n", "envs.agent.tasks.0.dta"),
         ("envs:\n  dataset: {path: rows.csv}\n", "envs.dataset.path: must end in .parquet, .jsonl or .json"),
+        (
+            "envs:\n  code: {sandbox: {backend: apptainer}}\n",
+            "envs.code.sandbox.apptainer_image: the apptainer backend needs an image",
+        ),
         ("envs:\n  agent: {tasks: [{id: ' ', prompt: p}]}\n", "envs.agent.tasks.0.id"),
         (
             "orchestrator:\n  mix: {dataset: 1.0}\nwarm_start:\n  enabled: false\nenvs:\n  dataset: {path: ''}\n",
