@@ -352,7 +352,25 @@ class RunConfig(BaseModel):
                 raise ValueError(
                     f"{fields}: {name!r} is in orchestrator.mix and, with none of them set, scores every episode 0"
                 )
+            if isinstance(config, AgentConfig) and (limit := self._cores_per_action()) is not None:
+                field, most = limit
+                if config.action_cores > most:
+                    # else the scheduler refused every action of its program: each rollout an env_error
+                    raise ValueError(
+                        f"envs.{name}.action_cores ({config.action_cores}) exceeds {field} ({most}): "
+                        "no action of its program could be granted its cores"
+                    )
         return self
+
+    def _cores_per_action(self) -> tuple[str, int] | None:
+        """The field that bounds the cores one action may be granted, and its value; None when
+        no field of the config does (no scheduler, or the machine's cores)."""
+        service = self.service
+        if service.scheduler == "static":
+            return "service.scheduler_static_cores", service.scheduler_static_cores
+        if service.scheduler == "action" and service.scheduler_cores is not None:
+            return "service.scheduler_cores", service.scheduler_cores
+        return None
 
     def env_config(self, name: str):
         """The validated config of environment ``name``."""

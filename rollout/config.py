@@ -157,6 +157,20 @@ class ServiceConfig(BaseModel):
         "models on CPU.",
     )
 
+    @model_validator(mode="after")
+    def _reservation_fits(self) -> ServiceConfig:
+        # else the rollout service refused it as it started: at the first evaluation, after the warm start
+        if (
+            self.scheduler == "static"
+            and self.scheduler_cores is not None
+            and self.scheduler_static_cores > self.scheduler_cores
+        ):
+            raise ValueError(
+                f"scheduler_static_cores ({self.scheduler_static_cores}) exceeds scheduler_cores "
+                f"({self.scheduler_cores}): no rollout could reserve its cores"
+            )
+        return self
+
 
 class OrchestratorConfig(BaseModel):
     """How many rollouts run at once, on which tasks, and when to stop."""

@@ -157,6 +157,47 @@ def test_bad_config_fails_naming_the_field(tmp_path, text, named):
         load_config(write_config(tmp_path, text))
 
 
+AGENT_RUN = (
+    "orchestrator:\n  mix: {agent: 1.0}\nwarm_start:\n  enabled: false\nenvs:\n  agent: {command: run, "
+    "eval_command: score, action_cores: 2, tasks: [{id: t1, prompt: p}]}\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        # the scheduler refused every action of the agent's program, each rollout an env_error
+        (
+            AGENT_RUN + "service:\n  scheduler: static\n",
+            "envs.agent.action_cores (2) exceeds service.scheduler_static_cores (1)",
+        ),
+        (
+            AGENT_RUN + "service:\n  scheduler_cores: 1\n",
+            "envs.agent.action_cores (2) exceeds service.scheduler_cores (1)",
+        ),
+        # the rollout service refused it as it started: at the first evaluation, after the warm start
+        (
+            "service:\n  scheduler: static\n  scheduler_cores: 2\n  scheduler_static_cores: 4\n",
+            "service: scheduler_static_cores (4) exceeds scheduler_cores (2)",
+        ),
+    ],
+)
+def test_cores_that_the_scheduler_could_never_grant_are_refused_naming_the_fields(tmp_path, text, said):
+    with pytest.raises(ConfigError) as failed:
+        load_config(write_config(tmp_path, text))
+    assert said in str(failed.value)
+
+
+def test_an_agent_whose_actions_fit_the_scheduler_loads(tmp_path):
+    for service in (
+        "scheduler: static\n  scheduler_static_cores: 2",
+        "scheduler_cores: 2",
+        "scheduler: none",
+    ):
+        config = load_config(write_config(tmp_path, AGENT_RUN + f"service:\n  {service}\n"))
+        assert config.env_config("agent").action_cores == 2
+
+
 def test_a_local_ray_is_on_loopback_unless_the_config_names_another_address_or_leaves_it_to_ray(tmp_path):
     assert RunConfig().ray_node_ip == "127.0.0.1"
     assert load_config(write_config(tmp_path, "ray_node_ip: 10.0.0.5\n")).ray_node_ip == "10.0.0.5"

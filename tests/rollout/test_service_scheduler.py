@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from envs import registry
 from envs.arith import ArithEnv
@@ -344,11 +345,22 @@ def test_code_test_run_is_elastic_and_starts_on_the_granted_cores(tiny):
 def test_scheduler_config_errors_name_the_field():
     with pytest.raises(ValueError, match="scheduler_cores"):
         make_scheduler(ServiceConfig(scheduler_cores=len(os.sched_getaffinity(0)) + 1))
-    with pytest.raises(ValueError, match="scheduler_static_cores"):
-        make_scheduler(ServiceConfig(scheduler="static", scheduler_cores=1, scheduler_static_cores=2))
+    with pytest.raises(ValueError, match="scheduler_static_cores"):  # over the cores this process may use
+        make_scheduler(
+            ServiceConfig(scheduler="static", scheduler_static_cores=len(os.sched_getaffinity(0)) + 1)
+        )
     assert make_scheduler(ServiceConfig(scheduler="none")) is None
     unpinned = make_scheduler(ServiceConfig(scheduler_cores=64, scheduler_pin=False))
     assert unpinned.cpu is None and unpinned.policy.capacity == {"cpu": 64}
+
+
+def test_a_static_reservation_over_the_scheduler_cores_is_refused_as_the_config_loads():
+    """The rollout service refused it as it started: at the first evaluation, after the warm start."""
+    with pytest.raises(ValidationError, match=r"scheduler_static_cores \(2\) exceeds scheduler_cores \(1\)"):
+        ServiceConfig(scheduler="static", scheduler_cores=1, scheduler_static_cores=2)
+    # only the static scheduler reserves them; with the machine's cores, the service checks as it starts
+    assert ServiceConfig(scheduler="action", scheduler_cores=1, scheduler_static_cores=2).scheduler_cores == 1
+    assert ServiceConfig(scheduler="static", scheduler_static_cores=2).scheduler_cores is None
 
 
 def test_closing_a_gate_whose_acquire_has_not_started_gives_everything_back():
