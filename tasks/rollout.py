@@ -217,11 +217,12 @@ def run_rollouts(
 
 
 def max_rollouts(config: RunConfig) -> int | None:
-    """The run's limit of rollouts, the total of its quota (``stop.max_rollouts``, else
-    ``orchestrator.max_rollouts``); None: no limit."""
-    if config.stop.max_rollouts is not None:
-        return config.stop.max_rollouts
-    return config.orchestrator.max_rollouts
+    """The run's limit of rollouts, the total of its quota: the smaller of ``stop.max_rollouts``
+    and ``orchestrator.max_rollouts`` (each an "at most"); None: no limit."""
+    limits = [
+        limit for limit in (config.stop.max_rollouts, config.orchestrator.max_rollouts) if limit is not None
+    ]
+    return min(limits, default=None)
 
 
 def _build_worker(

@@ -63,3 +63,19 @@ def test_a_quota_that_cannot_be_read_for_the_bar_does_not_fail_the_rollouts(tmp_
 
     assert state.is_completed() and state.result()["orchestrator"]["finished"] == 4
     assert "last progress report of worker w0 failed, the work goes on" in caplog.text
+
+
+def test_with_both_rollout_limits_set_the_smaller_ends_the_run_and_its_bar(tmp_path):
+    """``orchestrator.max_rollouts`` and ``stop.max_rollouts`` each promise "at most": with
+    both set, the smaller orchestrator one was ignored and the run went on to the other."""
+    config = tiny_config(
+        tmp_path / "runs", "both", warm_start={"enabled": False}, orchestrator={"max_rollouts": 4},
+        stop={"max_seconds": 300, "max_rollouts": LIMIT},
+    )  # fmt: skip
+    build_base_version(config, log=lambda line: None)
+
+    state = rollout(config, "w0", return_state=True)
+
+    assert state.is_completed() and state.result()["orchestrator"]["finished"] == 4
+    assert RunQuota(run_store(config), "rollouts", 4).claimed() == 4
+    assert bar_of(state).data == 100.0
