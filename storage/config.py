@@ -155,7 +155,11 @@ class StorageConfig(BaseModel):
     read_timeout: float = Field(
         60.0, gt=0, description="Seconds to wait for an S3 response (per attempt) before failing."
     )
-    retries: int = Field(3, ge=0, description="Attempts for an S3 request before the error is raised.")
+    retries: int = Field(
+        3,
+        ge=0,
+        description="Retries of a failed S3 request after its first attempt before the error is raised.",
+    )
 
     @field_validator("root")
     @classmethod

@@ -274,3 +274,25 @@ def test_an_endpoint_the_environment_names_is_checked_as_the_field_is(monkeypatc
     with pytest.raises(ValueError, match="AWS_ENDPOINT_URL must be an http:// or https:// URL"):
         StorageConfig(root="s3://bucket").delta_options()
     assert StorageConfig(root="./runs").delta_options() == {}
+
+
+SLOW_DOWN = (503, "SlowDown", "Please reduce your request rate.")
+
+
+@pytest.mark.parametrize("retries", [0, 2])
+def test_retries_counts_the_attempts_after_the_first(scripted_puts, retries):
+    """botocore's ``max_attempts`` (and deltalake's ``max_retries``) count the retries after the
+    first attempt: ``retries`` 2 sends a request 3 times, 0 once."""
+    config = StorageConfig(
+        root="s3://bucket/runs",
+        endpoint_url=f"http://127.0.0.1:{scripted_puts.server_port}",
+        access_key_id="k",
+        secret_access_key="s",
+        retries=retries,
+    )
+    store = RunStore(config, "run")
+    scripted_puts.answers = [SLOW_DOWN] * (retries + 2)
+    with pytest.raises(OSError):
+        store.fs.pipe_file(store.path("note"), b"x")
+    assert scripted_puts.puts == retries + 1
+    assert config.delta_options()["max_retries"] == str(retries)
