@@ -308,9 +308,12 @@ class Session:
     succeeds. A self-driving env's program sees such a failure only as an HTTP error: the
     rollout service reads it here to classify the rollout."""
     context_limit: str | None = None
-    """Why the session's last turn did not fit under ``max_context_tokens`` or in the
-    engine's context (``ContextLimit``); None once a turn succeeds. Read, like :attr:`engine_error`, to
-    classify a self-driving env's rollout."""
+    """Why the session's last turn did not fit under ``max_context_tokens``, in the engine's
+    context or in :attr:`max_turns` (``ContextLimit``); None once a turn succeeds. Read, like
+    :attr:`engine_error`, to classify a self-driving env's rollout."""
+    max_turns: int | None = None
+    """Most turns the session may generate (a self-driving env's program's model calls, which
+    the rollout service bounds as it bounds the turns it drives); None: no limit."""
     _pending: list[dict[str, Any]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _generating: asyncio.Future | None = None
@@ -491,6 +494,10 @@ class Session:
                 and not self._pending
             ):
                 return self.turns[-1]
+            if self.max_turns is not None and self.num_turns >= self.max_turns:
+                self._out_of_context(
+                    f"session {self.session_id!r} has generated its max_turns={self.max_turns} turns"
+                )
             if callable(params):
                 params = params()
             if prepare is not None:

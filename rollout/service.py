@@ -573,6 +573,8 @@ class RolloutService:
             env = self.make_env(task)
             drives_itself = getattr(env, "drives_itself", False)
             if drives_itself:
+                # its program's model calls are its turns: capped as those of a driven env are
+                session.max_turns = min(self.config.max_turns, env.config.max_turns)
                 server = await self.gateway_server()
                 env.attach_gateway(GatewaySession(f"{server.url}/v1", server.token, session.session_id))
                 attach_actions = getattr(env, "attach_actions", None)

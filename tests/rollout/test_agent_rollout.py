@@ -189,3 +189,38 @@ def test_the_agent_program_runs_on_granted_cores_between_model_calls_and_is_park
     assert json.loads(envs[0].result.output.strip().splitlines()[-1]) == [granted] * 3
     assert parked == [cpu.parking] * 2
     assert cpu.available == cpu.pool and service.scheduler.policy.free == [2.0]
+
+
+@pytest.mark.parametrize(
+    ("env_turns", "service_turns"), [(2, 32), (8, 2)], ids=["env-max_turns", "service-max_turns"]
+)
+def test_the_agent_programs_model_calls_are_capped_by_max_turns(tiny, env_turns, service_turns):
+    """``envs.agent.max_turns`` and ``service.max_turns`` bounded a driven env's turns alone:
+    an agent program's model calls went through however many it made. The call past them is
+    refused (HTTP 400), nothing of it recorded, and the rollout ends truncated."""
+    model, tokenizer = tiny
+    config = agent_config() | {"max_turns": env_turns, "eval_command": "echo 1"}
+    task = registry.task_set("agent", "train", 0, 1, config)[0]
+    envs = []
+
+    def make_env(task):
+        envs.append(registry.make("agent", config))
+        return envs[-1]
+
+    async def body():
+        engine = RecordingEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(gateway, make_env, ServiceConfig(timeout_s=120, max_turns=service_turns))
+        try:
+            return await service.process(RolloutRequest(task=task)), engine.calls
+        finally:
+            await service.close()
+            await engine.close()
+
+    result, calls = asyncio.run(body())
+    assert envs[0].requests == 3, "the program asked for its third turn"
+    assert len(calls) == 2 and result.turns == 2
+    assert envs[0].result.exit_code != 0 and "HTTP Error 400" in envs[0].result.output
+    assert result.status == "truncated" and "max_turns=2" in result.error
+    assert result.reward == 1.0, "the program's work is scored, as a truncated rollout's is"
+    assert len(action_spans(result.record["action_mask"])) == 2
