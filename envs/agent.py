@@ -146,10 +146,11 @@ class AgentConfig(EnvConfig):
         "", description="Shell command run in the sandbox after the agent; last line = score."
     )
     max_turns: int = Field(
-        8,
+        32,
         ge=1,
-        description="Model calls the program may make (with service.max_turns, the lower holds); one past "
-        "them is refused (HTTP 400) and the rollout ends truncated.",
+        description="Model calls the program may make (with service.max_turns, the lower holds; a coding "
+        "agent makes many, so the default is service.max_turns's); one past them is refused (HTTP 400) "
+        "and the rollout ends truncated.",
     )
     agent_timeout_s: float = Field(600.0, gt=0, description="Wall-clock limit of the whole agent run.")
     action_cores: int = Field(
