@@ -323,9 +323,14 @@ def test_a_worker_name_is_free_when_its_status_is_missing_stopped_or_stale(local
     ):
         board.publish(stopped_or_stale)
         assert board.read_worker("w0") == stopped_or_stale
-        started = time.monotonic()
-        free_name(board, max_age_s=30)
-        assert time.monotonic() - started < 1.0
+        reads = []
+
+        def read(reads=reads):
+            reads.append(1)
+            return board.read_worker("w0")
+
+        wait_until_free(read, "w0", "rename it", max_age_s=30)
+        assert len(reads) == 1  # free at the first look: no waiting
 
 
 def test_a_dead_workers_fresh_status_is_waited_out_and_a_live_one_refused(store, caplog):
@@ -335,7 +340,7 @@ def test_a_dead_workers_fresh_status_is_waited_out_and_a_live_one_refused(store,
     # 5 s: the publish and the first read (on S3, on a loaded machine) must see it still fresh
     with caplog.at_level(logging.WARNING, logger="storage.status"):
         free_name(board, max_age_s=5.0, poll_s=0.1)  # nobody updates it: a dead worker
-    assert 5.0 < time.time() - dead.time < 15.0  # returned once its status went stale
+    assert 5.0 < time.time() - dead.time < 60.0  # returned once its status went stale
     assert "waiting up to 5 s" in caplog.text
 
     def live_worker() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
@@ -441,17 +442,17 @@ def test_a_trainer_whose_announcements_fail_keeps_training(tmp_path, caplog):
     assert "announcement of published weight versions failed" in caplog.text
 
 
-def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_path):
+def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_path, caplog):
     run = RunConfig(run_id="no-weights", storage=StorageConfig(root=str(tmp_path / "runs")))
     board = RolloutStatusBoard(RunStore(run.storage, run.run_id))
     with pytest.raises(FileNotFoundError, match="no weight version"):
         run_rollouts(run, time.time() + WAIT_S, "w0")
     status = board.read_worker("w0")
     assert status is not None and not status.running
-    started = time.monotonic()
-    with pytest.raises(FileNotFoundError):  # the retry is not held back by the failed start
+    # the retry is not held back by the failed start
+    with caplog.at_level(logging.WARNING, logger="storage.status"), pytest.raises(FileNotFoundError):
         run_rollouts(run, time.time() + WAIT_S, "w0")
-    assert time.monotonic() - started < 10
+    assert "waiting up to" not in caplog.text
 
 
 def test_a_worker_that_cannot_even_be_built_says_it_stopped(tmp_path):
