@@ -18,7 +18,7 @@ import torch
 
 from envs import registry
 from envs.arith import ArithEnv
-from envs.base import EnvHostLost, ResourceRequest, StepResult, Task
+from envs.base import EnvConfig, EnvHostLost, ResourceRequest, StepResult, Task
 from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout import service as service_module
@@ -642,6 +642,8 @@ class OneCallProgram(ArithEnv):
     name = "arith"
     drives_itself = True
     calls = 1
+    # max_turns bounds a program's calls, and arith's config allows one turn
+    config_cls = EnvConfig
 
     def attach_gateway(self, gateway) -> None:
         self.gateway = gateway
