@@ -26,6 +26,7 @@ from storage.status import (
     wait_until_free,
 )
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_resource, run_store, watch_signal
+from tasks.event_loop import run_async
 
 log = logging.getLogger(__name__)
 
@@ -206,9 +207,9 @@ def run_rollouts(
         }
 
     try:
-        result = asyncio.run(main())
+        result = run_async(main())
     finally:
-        loading.stop()  # main stops it, unless asyncio.run refused to run main
+        loading.stop()  # main stops it, unless run_async refused to run main
         if env_pool is not None:
             env_pool.close()
     if role.lost.is_set():

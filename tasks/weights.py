@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
 import time
@@ -26,6 +25,7 @@ from rollout.gateway import ChatRenderer
 from storage.tables import Tables
 from storage.weights import CorruptVersion, VersionTaken, WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, announce_version, reporting, run_store
+from tasks.event_loop import run_async
 
 BASE_VERSION_WAIT_S = 300.0
 """How old the claim of version 0 may grow (its publish renews it while uploading) before a
@@ -49,7 +49,7 @@ def demonstration_data(
             continue
         try:
             tasks = registry.task_set(name, "train", config.seed, count, env_config)
-            seqs, msks = asyncio.run(
+            seqs, msks = run_async(
                 demonstrations(
                     renderer,
                     lambda t, c=env_config: registry.make(t.env, c),
@@ -356,7 +356,7 @@ def evaluate_weights(
         finally:
             await engine.close()
 
-    return asyncio.run(run())
+    return run_async(run())
 
 
 @task(name="warm-start", **SIDE_EFFECTS, **STORAGE_RETRIES)

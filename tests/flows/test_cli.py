@@ -4,6 +4,7 @@ run or version that does not exist."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import http.client
 import http.server
@@ -1113,6 +1114,7 @@ def test_a_flow_stopped_with_sigterm_stops_prefects_temporary_server_and_says_so
         "PREFECT_HOME": str(tmp_path / "prefect-home"),  # its own database for the temporary server
         "OMP_NUM_THREADS": "1",
         "TMPDIR": str(tmp_path / "flow-tmp"),
+        "PYTHONFAULTHANDLER": "1",
     }
     stderr = tmp_path / "stderr"  # a file: a server left behind would hold a pipe open
     with stderr.open("w") as log:
@@ -1131,7 +1133,13 @@ def test_a_flow_stopped_with_sigterm_stops_prefects_temporary_server_and_says_so
             time.sleep(0.2)
         assert any("uvicorn" in command for command in session_members(process.pid))
         process.send_signal(signal.SIGTERM)  # to the process alone, as docker stop sends it
-        process.wait(timeout=300)
+        try:
+            process.wait(timeout=300)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)  # the fault handler writes every thread's stack
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=30)
+            pytest.fail(f"still running 300 s after SIGTERM: {stderr.read_text()[-8000:]}")
         left = session_members(process.pid)
     finally:
         if process.poll() is None:
