@@ -1,10 +1,11 @@
-"""The event loop a task runs its async work on, stopped by SIGTERM as asyncio is by Ctrl-C."""
+"""The event loop a task runs its async work on, on a thread of its own so that a signal
+stops that work as a whole."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
+import contextlib
+import contextvars
 import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
@@ -13,56 +14,78 @@ T = TypeVar("T")
 
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)``, with SIGTERM taken as asyncio takes Ctrl-C: ``main`` is
-    cancelled, its cleanup runs (rollouts committed, engines closed), and only then is the
-    signal handed to the SIGTERM handler installed before (Prefect's during a flow run, which
-    crashes the run). That handler raises at whatever line the main thread runs: landing in
-    one of ``main``'s background tasks, its exception became that task's result, and ``main``
-    ran on as though no signal had come. A second SIGTERM goes to that handler at once.
-    Off the main thread, where no signal is handled, it is ``asyncio.run(main)``."""
+    """``asyncio.run(main)``, stopped as a whole by what a signal's handler raises (Ctrl-C's
+    ``KeyboardInterrupt``; during a flow run, the ``TerminationSignal`` of Prefect's SIGTERM
+    handler, by which a deployment run is cancelled): ``main`` is cancelled, its cleanup runs
+    (rollouts committed, engines closed), and then the signal's exception is raised here.
+
+    The loop runs on a thread of its own, in this thread's context, while this thread waits:
+    a handler runs in the main thread, and with the loop there its exception was raised at
+    whatever line the loop ran, often inside a background task, which asyncio then ended with
+    that error while ``main`` ran on as though no signal had come. A second signal during the
+    cleanup is raised at once (the loop's thread still finishes the cleanup before the
+    interpreter exits). Off the main thread, where no handler runs, it is ``asyncio.run(main)``."""
     if threading.current_thread() is not threading.main_thread():
         return asyncio.run(main)
-    return asyncio.run(_cancelled_by_sigterm(main))
-
-
-async def _cancelled_by_sigterm(main: Coroutine[Any, Any, T]) -> T:
-    previous = signal.getsignal(signal.SIGTERM)
-    if previous == signal.SIG_IGN:
-        return await main
-    task = asyncio.current_task()
-    loop = asyncio.get_running_loop()
-    received: list[int] = []
-
-    def cancel_main(signum: int, frame: Any) -> None:
-        if received:
-            _deliver(previous, signum, frame)
-            return
-        received.append(signum)
-        task.cancel()
-        loop.call_soon_threadsafe(lambda: None)  # wakes a loop waiting in select
-
-    signal.signal(signal.SIGTERM, cancel_main)
-    cancelled = None
+    loop = _LoopThread(main)
     try:
-        result = await main
-    except asyncio.CancelledError as exc:
-        if not received:
-            raise
-        cancelled = exc
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    if received:
-        _deliver(previous, signal.SIGTERM, None)
-    if cancelled is not None:
-        raise cancelled
-    return result
+        loop.start()
+        loop.finished.wait()
+    except BaseException:
+        loop.cancel()
+        if loop.started():  # else it closes main unrun as it starts
+            loop.finished.wait()
+        raise
+    return loop.outcome()
 
 
-def _deliver(handler: Any, signum: int, frame: Any) -> None:
-    """What ``handler`` (a value of :func:`signal.getsignal`) does with ``signum``: a Python
-    handler is called; the default action ends the process, as the signal would have."""
-    if callable(handler):
-        handler(signum, frame)
-    elif handler != signal.SIG_IGN:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+class _LoopThread:
+    """``asyncio.run(main)`` on a thread started in the caller's context."""
+
+    def __init__(self, main: Coroutine[Any, Any, Any]):
+        self.finished = threading.Event()
+        self._main = main
+        self._lock = threading.Lock()  # the main task and whether it is cancelled, read and set together
+        self._task: asyncio.Task | None = None
+        self._cancelled = False
+        self._result: Any = None
+        self._error: BaseException | None = None
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="event-loop")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    def cancel(self) -> None:
+        """Cancel ``main``, now if it runs, else as it starts."""
+        with self._lock:
+            self._cancelled = True
+            task = self._task
+        if task is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed: main has ended
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def outcome(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    def _run(self) -> None:
+        try:
+            self._result = asyncio.run(self._top())
+        except BaseException as error:
+            self._error = error
+        finally:
+            self.finished.set()
+
+    async def _top(self) -> Any:
+        with self._lock:
+            self._task = asyncio.current_task()
+            cancelled = self._cancelled
+        if cancelled:
+            self._main.close()
+            raise asyncio.CancelledError
+        return await self._main

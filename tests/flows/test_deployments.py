@@ -26,10 +26,12 @@ from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from prefect.deployments import run_deployment
 from prefect.events import Event
 from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.states import Cancelling
 from prefect.workers.process import ProcessWorker
 
 from storage.schema import TRAJECTORY_SCHEMA, to_table
 from storage.shards import ShardWriter
+from storage.status import RolloutStatusBoard
 from storage.tables import Tables
 from tasks.common import run_store
 from tasks.weights import build_base_version
@@ -237,3 +239,91 @@ def wait_for_flow_run(client, deployment_id, tmp_path: Path, timeout_s: float = 
             f"no run of the triggered deployment: {(tmp_path / 'server.log').read_text()[-3000:]}"
         )
         time.sleep(1)
+
+
+@pytest.mark.slow
+def test_a_rollout_deployment_cancelled_through_the_api_ends_cancelled_with_every_finished_rollout_committed(
+    tmp_path,
+):
+    """Cancel in the UI: the worker sends the flow run's process SIGTERM, which Prefect's
+    handler raises wherever the main thread is, an event-loop task among them. The rollouts
+    stop, the buffered ones are committed, the worker's last status says it stopped, and the
+    run ends Cancelled."""
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_API_URL=api_url,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        PREFECT_CLI_PROMPT="false",
+        OMP_NUM_THREADS="1",
+    )
+    config = tiny_config(
+        tmp_path / "runs", "cancel", warm_start={"enabled": False}, stop={"max_seconds": 900}
+    )
+    build_base_version(config)
+    raw = tmp_path / "runs" / "cancel" / "shards" / "raw"
+    processes: list[subprocess.Popen] = []
+    try:
+        server = start(
+            [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            env,
+            tmp_path / "server.log",
+        )
+        processes.append(server)
+        wait_healthy(api_url, server, tmp_path / "server.log")
+        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+            client.create_work_pool(
+                WorkPoolCreate(
+                    name="gpu",
+                    type="process",
+                    base_job_template=ProcessWorker.get_default_base_job_template(),
+                )
+            )
+            deploy = subprocess.run(
+                [str(PREFECT), "--no-prompt", "deploy", "--name", "gpu-worker", "--prefect-file",
+                 "deployments/prefect.yaml"],
+                cwd=REPO,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )  # fmt: skip
+            assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+            processes.append(
+                start(
+                    [str(PREFECT), "worker", "start", "--pool", "gpu", "--type", "process"],
+                    env,
+                    tmp_path / "worker.log",
+                    cwd=tmp_path,
+                )
+            )
+            flow_run = run_deployment(
+                "rollout/gpu-worker", parameters={"config": config.model_dump(mode="json")}, timeout=0
+            )
+            deadline = time.monotonic() + 300
+            while not (raw.exists() and any(raw.rglob("*.arrow"))):  # rollouts are being committed
+                state = client.read_flow_run(flow_run.id).state
+                assert not state.is_final(), f"{state}: {(tmp_path / 'worker.log').read_text()[-3000:]}"
+                assert time.monotonic() < deadline, (tmp_path / "worker.log").read_text()[-3000:]
+                time.sleep(0.5)
+            client.set_flow_run_state(flow_run.id, Cancelling())
+            cancelled = wait_final(client, flow_run.id, tmp_path)
+    finally:
+        for process in reversed(processes):
+            stop(process)
+    assert cancelled.state.is_cancelled(), (cancelled.state, (tmp_path / "worker.log").read_text()[-3000:])
+    store = run_store(config)
+    (final,), corrupt = RolloutStatusBoard(store).read()
+    shards = Tables(store).read("shards").to_pylist()
+    committed = sum(s["num_rows"] for s in shards if s["kind"] == "raw")
+    assert (final.worker, final.running, final.engine_queue_depth, final.live_sessions, corrupt) == (
+        "gpu-0",
+        False,
+        0,
+        0,
+        0,
+    )
+    assert committed == final.finished > 0
