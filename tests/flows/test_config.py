@@ -490,6 +490,23 @@ def test_a_hub_model_id_and_paths_that_exist_pass_the_path_check(tmp_path):
     assert missing_path(load_config(TINY, {"envs": {"dataset": {"path": "s3://bucket/rows.jsonl"}}})) is None
 
 
+def test_a_cuda_device_is_missing_from_the_first_index_the_machine_does_not_show():
+    """The check's edge, which cuda:99 alone leaves untested: ``cuda:N`` on a machine showing
+    N devices is missing, and so is plain ``cuda`` (device 0) on one showing none; the
+    devices it shows are not."""
+    import torch
+
+    count = torch.cuda.device_count()
+    said = missing_device({"trainer_device": f"cuda:{count}"})
+    assert said is not None and said.startswith(f"trainer_device is 'cuda:{count}', but this machine shows ")
+    if count:
+        assert missing_device({"trainer_device": "cuda", "engine.torch.device": f"cuda:{count - 1}"}) is None
+    else:
+        assert missing_device({"trainer_device": "cuda"}) == (
+            "trainer_device is 'cuda', but this machine shows no CUDA device"
+        )
+
+
 def test_a_ray_pipeline_checks_the_devices_of_its_own_process_alone():
     """On Ray the trainer runs on a cluster node (given its GPU as ``cuda``), so the
     pipeline's own machine need not show the trainer's device; the evaluation engine runs
