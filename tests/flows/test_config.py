@@ -226,6 +226,13 @@ def test_grpo_loads_with_groups_of_two_or_more_rollouts():
     assert (config.sao.mode, config.orchestrator.group_size) == ("grpo", 2)
 
 
+def test_a_run_of_exactly_one_group_loads():
+    """``stop.max_rollouts`` equal to ``orchestrator.group_size`` launches one group: the
+    refusal is of a limit below it alone."""
+    config = load_config(TINY, {"orchestrator": {"group_size": 4}, "stop": {"max_rollouts": 4}})
+    assert (config.orchestrator.group_size, config.stop.max_rollouts) == (4, 4)
+
+
 def test_a_config_that_is_not_utf8_fails_naming_the_file(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("run_id: d\xe9mo\n".encode("latin-1"))
