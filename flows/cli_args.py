@@ -6,6 +6,7 @@ import argparse
 import datetime
 import functools
 import os
+import re
 import signal
 import sys
 import types
@@ -124,7 +125,8 @@ def parse(
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
-            parser.error(f"--set needs KEY=VALUE, got {item!r}")
+            named = re.match(r"[\w.]*", item).group()  # not what follows: a value (``key: secret``)
+            parser.error(f"--set needs KEY=VALUE: no '=' after {named!r}")
         node = overrides
         *parents, leaf = key.split(".")
         if not all((*parents, leaf)):

@@ -279,6 +279,12 @@ def with_sets(sets: list[str]) -> list[str]:
         # a field named by an empty part: the config's error named no field ("Extra inputs …")
         (["sao..lr=1"], "--set 'sao..lr': a field's name has an empty part"),
         (["=hunter2"], "--set '': a field's name has an empty part"),
+        # taken as the field set to null: stop.max_seconds was no limit at all
+        (["stop.max_seconds"], "--set needs KEY=VALUE: no '=' after 'stop.max_seconds'"),
+        (
+            ["storage.secret_access_key: hunter2"],
+            "--set needs KEY=VALUE: no '=' after 'storage.secret_access_key'",
+        ),
         (
             ["storage.secret_access_key=hunter2: [x"],
             "--set storage.secret_access_key: its value is not YAML (expected ',' or ']', but got "
