@@ -8,6 +8,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray.exceptions
+from botocore.exceptions import EndpointConnectionError
+from deltalake.exceptions import CommitFailedError
 from prefect import flow, task
 
 import tasks.report
@@ -32,8 +35,28 @@ def calls(error: type[Exception], attempts: Path) -> int:
     return fails_once(error, attempts)
 
 
+class NoEndpoint(EndpointConnectionError):
+    """botocore's error for an S3 endpoint it cannot reach (no ``OSError``), made with a message."""
+
+    def __init__(self, message: str):
+        super().__init__(endpoint_url=message)
+
+
 @pytest.mark.parametrize(
-    "error", [OSError, TimeoutError, ConnectionError, ConnectionResetError, BrokenPipeError]
+    "error",
+    [
+        OSError,
+        TimeoutError,
+        ConnectionError,
+        ConnectionResetError,
+        BrokenPipeError,
+        NoEndpoint,
+        CommitFailedError,  # a Delta commit that lost a race
+        # a Ray actor, worker or node lost under the task
+        ray.exceptions.RayActorError,
+        ray.exceptions.WorkerCrashedError,
+        ray.exceptions.NodeDiedError,
+    ],
 )
 def test_a_transient_error_is_retried(prefect_api, tmp_path, error):
     assert calls(error, tmp_path / "attempts") == 2
