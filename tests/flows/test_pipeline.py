@@ -160,13 +160,13 @@ def test_artifact_keys_are_valid_and_keep_runs_with_similar_ids_apart():
 
 
 class SignalledTask:
-    """A task's future that ends once signal ``stop`` of its flow run is raised."""
+    """A task's future that ends once signal ``name`` of its flow run is raised."""
 
-    def __init__(self, store, key: str):
-        self.store, self.key, self.waited = store, key, False
+    def __init__(self, store, key: str, name: str):
+        self.store, self.key, self.name, self.waited = store, key, name, False
 
     def wait(self) -> None:
-        assert self.store.fs.exists(self.store.path(signal_path(self.key, "stop")))
+        assert self.store.fs.exists(self.store.path(signal_path(self.key, self.name))), self.name
         self.waited = True
 
 
@@ -176,7 +176,8 @@ def test_a_pipeline_that_is_interrupted_removes_its_signals_once_its_tasks_are_o
     config = tiny_config(tmp_path / "runs", "interrupted")
     store = run_store(config)
     send_signal(store, "another-run", "stop")
-    tasks = [SignalledTask(store, "this-run") for _ in range(3)]
+    # the signal each task ends at: the process task watches for the rollouts' end alone
+    tasks = [SignalledTask(store, "this-run", name) for name in ("stop", "rollouts-done", "stop")]
 
     def interrupted(futures):
         raise KeyboardInterrupt
