@@ -558,9 +558,11 @@ def test_sql_starts_without_importing_the_models(local_store):
     assert result.stdout == "task\narith\n[]\n"
 
 
-def test_inspect_needs_a_run():
-    result = treadle("inspect", "--root", "/nonexistent")
-    assert result.returncode == 2 and "needs --run-id or --config" in result.stderr
+def test_inspect_and_sql_need_a_run():
+    for command in (("inspect",), ("sql", "SELECT 1")):
+        result = treadle(command[0], "--root", "/nonexistent", *command[1:])
+        assert result.returncode == 2, result.stderr
+        assert result.stderr.splitlines()[-1] == f"treadle: error: {command[0]} needs --run-id or --config"
 
 
 def test_a_bad_run_id_or_root_is_a_one_line_error_without_credentials(tmp_path):
