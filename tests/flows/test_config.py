@@ -436,6 +436,19 @@ def test_numbers_load_as_before_booleans_where_they_are_booleans(tmp_path):
     )
 
 
+@pytest.mark.parametrize("text", ["- sao\n- stop\n", "sao\n"])
+def test_a_config_file_that_is_no_mapping_fails_saying_so(tmp_path, text):
+    path = write_config(tmp_path, text)
+    with pytest.raises(ConfigError, match=f"^run config {path} must be a mapping at the top level$"):
+        load_config(path)
+
+
+def test_a_config_file_that_does_not_exist_fails_naming_it(tmp_path):
+    path = tmp_path / "no-such.yaml"
+    with pytest.raises(ConfigError, match=f"^cannot read run config {path}: .*No such file or directory"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("text", ["", "# nothing set yet\n"])
 def test_an_empty_config_file_fails_saying_so(tmp_path, text):
     path = write_config(tmp_path, text)
