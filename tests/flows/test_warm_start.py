@@ -67,14 +67,16 @@ def test_a_trainer_starting_before_the_base_version_is_recorded_leaves_it_one_ro
     publisher then records it too."""
     config = tiny_config(tmp_path / "runs", "warm-trainer", warm_start={"enabled": False})
     real_publish = weight_tasks.publish_policy
+    trainers = []
 
     def publish_then_start_a_trainer(*args, **kwargs) -> int:
         version = real_publish(*args, **kwargs)
-        Trainer(run_store(config), config.sao)
+        trainers.append(Trainer(run_store(config), config.sao))
         return version
 
     monkeypatch.setattr(weight_tasks, "publish_policy", publish_then_start_a_trainer)
     assert build_base_version(config, log=lambda line: None) == 0
+    assert trainers[0].recorded_resumed, "the trainer did not record it: only one writer was tested"
     assert Tables(run_store(config)).read("weights").column("version").to_pylist() == [0]
 
 
