@@ -95,6 +95,23 @@ def test_dis_non_finite_values_on_tokens_outside_the_loss_leave_it_finite():
     assert logprobs.grad.tolist() == [[-1.0, 0.0, 0.0, 0.0]]
 
 
+def test_dis_ratio_statistics_are_over_the_action_tokens_only():
+    # every action ratio is below 1 (0.8, 0.5); the padding's ratio would read as exp(0) = 1
+    logprobs = torch.tensor([[math.log(0.8), math.log(0.5), -3.0, -0.1]], dtype=torch.float64)
+    mask = torch.tensor([[True, True, False, False]])
+    _, stats = dis_policy_loss(
+        logprobs,
+        torch.zeros(1, 4, dtype=torch.float64),
+        torch.ones(1, 4, dtype=torch.float64),
+        mask,
+        0.3,
+        5.0,
+    )
+    assert stats["max_ratio"] == pytest.approx(0.8)
+    assert stats["mean_ratio"] == pytest.approx(0.65)
+    assert stats["masked_low"] == pytest.approx(0.5) and stats["masked_high"] == 0.0
+
+
 def test_dis_all_masked_gives_zero_loss_with_a_graph():
     logprobs = torch.randn(2, 3, requires_grad=True)
     loss, stats = dis_policy_loss(
