@@ -1056,6 +1056,17 @@ def test_shards_committed_before_checksums_were_recorded_still_read(store):
     assert not reader.quarantined(info)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_shard_holding_other_than_its_committed_rows_is_quarantined_not_read(store, rows):
+    """A shard committed (without a checksum) as 2 rows whose file holds another number."""
+    info = commit_foreign_file(store, 0, ipc_bytes(make_table(0, rows)))
+    reader = ShardReader(store)
+
+    assert reader.read(info) is None and reader.quarantined(info)
+    reason = store.fs.cat_file(store.path(quarantine_path(info.path) + ".reason")).decode()
+    assert f"holds {rows} rows but its commit says 2" in reason
+
+
 @pytest.mark.parametrize("extra_column", [True, False])
 def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(local_store, extra_column):
     """A shard whose schema names a later record version (a worker upgraded before this
