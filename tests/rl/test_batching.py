@@ -98,3 +98,29 @@ def test_keep_groups_does_not_join_samples_without_a_group():
     buffer = deque(samples)
     assert [s.trajectory_id for s in take_batch(buffer, 11, keep_groups=True)] == ["t0"]
     assert [s.trajectory_id for s in buffer] == ["t1", "t2"]
+
+
+def test_a_samples_min_version_is_its_oldest_action_token_version():
+    # a multi-turn row whose turns were sampled by versions 1 then 3 (prompt tokens: −1)
+    row = processed("mixed", tokens=(3, 4, 5, 6, 7), mask=[False, False, True, False, True])
+    row["versions"] = [-1, -1, 1, -1, 3]
+    (sample,), rejected = samples_of([row])
+    assert rejected == [] and sample.min_version == 1
+
+
+def test_a_sample_ends_at_its_last_action_token_and_its_reward_sits_there():
+    # the observation after row "tail"'s last action (tokens 7, 8) enters neither its sample nor the batch
+    tail = processed("tail", tokens=(3, 4, 5, 6, 7, 8), mask=[False, True, False, True, False, False])
+    full = processed("full", tokens=(3, 4, 5, 6, 7, 8), mask=[False] * 5 + [True])
+    samples, rejected = samples_of([tail, full])
+    assert rejected == [] and [s.tokens.tolist() for s in samples] == [[3, 4, 5, 6], [3, 4, 5, 6, 7, 8]]
+    batch = pad_batch(samples, pad_id=0)
+    assert batch.input_ids.tolist() == [[3, 4, 5, 6, 0, 0], [3, 4, 5, 6, 7, 8]]
+    assert batch.rewards.tolist() == [[0.0, 0.0, 0.0, 1.0, 0.0, 0.0], [0.0] * 5 + [1.0]]
+
+
+def test_a_batch_takes_the_samples_that_fill_its_token_budget_exactly():
+    samples, _ = samples_of([processed(f"t{i}") for i in range(3)])
+    buffer = deque(samples)
+    assert [s.trajectory_id for s in take_batch(buffer, 8)] == ["t0", "t1"]
+    assert [s.trajectory_id for s in buffer] == ["t2"]
