@@ -313,13 +313,17 @@ class Orchestrator:
             return
         if self.serving is not None and not self.serving():
             log.warning("no engine replica is in service: launching waits for one to be back")
-        started = time.perf_counter()
+        counted = time.perf_counter()
         while not self._no_more_launches() and (self._trainer_lags() or not self._serving()):
             with contextlib.suppress(TimeoutError):
                 job = await asyncio.wait_for(self._completed.get(), self.config.backpressure_poll_s)
                 if job is not None:
                     self._collect(job)
-        self.stats.paused_s += time.perf_counter() - started
+            # counted as it goes: a status published during a long pause shows it
+            now = time.perf_counter()
+            self.stats.paused_s += now - counted
+            counted = now
+        self.stats.paused_s += time.perf_counter() - counted
 
     def _serving(self) -> bool:
         return self.serving is None or self.serving()

@@ -168,13 +168,14 @@ def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
     async def during(orchestrator):
         await asyncio.sleep(0.5)
         during.started_while_paused = sum(c.started for c in orchestrator.stats.tasks.values())
+        during.paused_s_while_paused = orchestrator.stats.paused_s  # what a status shows mid-pause
         backlog["shards"] = 0
 
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8, max_backlog=8)
     _, stats = asyncio.run(
         run(tiny, config, streams("arith"), ListSink(), backlog=lambda: backlog["shards"], during=during)
     )
-    assert during.started_while_paused == 0
+    assert during.started_while_paused == 0 and during.paused_s_while_paused >= 0.2
     assert stats.finished == 8 and stats.paused_s >= 0.4
 
 

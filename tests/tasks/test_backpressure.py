@@ -143,12 +143,28 @@ def test_rollouts_pause_for_the_backlog_while_the_processor_lags_behind_a_starve
         while (status := TrainerStatusBoard(store).read()) is None or not status.running:
             assert time.monotonic() < deadline, "the trainer never said it runs"
             time.sleep(0.05)
-        result = run_rollouts(run, time.time() + 8, flush_records=1)
+        # past max_backlog: the rollouts in flight finish, and one commit may still be on its way
+        most = 2 + 1 + 2 + 1
+        rollouts_stop = threading.Event()
+
+        def watch(status: dict) -> None:
+            """Stop once the worker has paused a while, or has run past the bound (failed)."""
+            stats = status["orchestrator"]
+            if stats["paused_s"] > 1.0 or stats["finished"] > most:
+                rollouts_stop.set()
+
+        result = run_rollouts(
+            run,
+            time.time() + 300,
+            flush_records=1,
+            stop=rollouts_stop,
+            on_progress=watch,
+            progress_every_s=0.2,
+        )
     finally:
         stop.set()
         trainer.join()
     raw, _ = ShardReader(store, kind="raw").poll()
     stats = result["orchestrator"]
-    # past max_backlog: the rollouts in flight finish, and one commit may still be on its way
-    assert len(raw) == stats["finished"] <= 2 + 1 + 2 + 1, stats
+    assert len(raw) == stats["finished"] <= most, stats
     assert stats["paused_s"] > 1.0, stats
