@@ -455,6 +455,37 @@ def test_a_replica_whose_probe_hangs_is_taken_out_and_the_others_are_probed():
     assert router.replicas == ["r1"]
 
 
+def test_a_draining_replica_that_goes_down_and_comes_back_is_still_draining():
+    """r1 drains (the elastic plan is handing it elsewhere), fails a probe and recovers while
+    r0 still accepts: it comes back draining, and new sessions keep away from it."""
+    import asyncio
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky"))
+    router.drain("r1")
+    up = {"r0": True, "r1": False}
+    for engine in engines:
+
+        async def health(name=engine.name) -> bool:
+            return up[name]
+
+        engine.health = health
+
+    async def body():
+        try:
+            await router.check_health()
+            assert router.down == ["r1"] and router.draining == ["r1"]
+            up["r1"] = True
+            await router.check_health()
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(body())
+    assert sorted(router.replicas) == ["r0", "r1"] and router.draining == ["r1"]
+    assert {router.route(session).name for session in SESSIONS[:50]} == {"r0"}
+
+
 def test_a_draining_replica_back_while_the_accepting_one_is_down_accepts_again():
     """r1 drains and goes down; r0, the replica accepting, goes down too; r1 comes back alone:
     new sessions go to it, as they would have had r0 failed while r1 was up, rather than
