@@ -13,7 +13,7 @@ import torch
 
 from envs import registry
 from envs.arith import ArithEnv
-from envs.base import StepResult
+from envs.base import EnvHostLost, StepResult
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
@@ -708,3 +708,38 @@ def test_a_group_whose_members_all_scored_alike_but_one_timed_out_is_kept(tiny):
     assert stats.groups_kept == 1 and stats.groups_filtered == 0
     rewards = sorted((record["status"] == "timeout", record["reward"]) for record in sink.records)
     assert rewards == [(False, 1.0)] * 3 + [(True, None)]
+
+
+class OneFailsInFour(CoinEnv):
+    """Every fourth environment made fails: the first such loses its host (``infra_error``), the
+    next raises (``env_error``); the others score 1."""
+
+    made = itertools.count()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.index = next(self.made)
+
+    async def step(self, action: str) -> StepResult:
+        if self.index == 3:
+            raise EnvHostLost("the env's host died (injected)")
+        if self.index == 7:
+            raise RuntimeError("a bug in the env (injected)")
+        return await super().step(action)
+
+    async def evaluate(self) -> float:
+        return 1.0
+
+
+def test_a_group_uniform_but_for_an_errored_member_is_filtered_and_only_its_infra_error_written(tiny):
+    """Env and infra errors are never trained on, so they leave a group's rewards 1, 1, 1
+    uniform (counted as reward 0 it would be kept); of a filtered group only the infra_error
+    row is written, for the run's failure counts."""
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=8)
+    OneFailsInFour.made = itertools.count()
+    _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: OneFailsInFour()))
+    statuses = stats.tasks["arith"].statuses
+    assert stats.finished == 8 and statuses["infra_error"] == 1 and statuses["env_error"] == 1
+    assert stats.groups_filtered == 2 and stats.groups_kept == 0
+    assert sink.writes == [1] and [record["status"] for record in sink.records] == ["infra_error"]
