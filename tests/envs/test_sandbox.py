@@ -958,12 +958,15 @@ def test_input_that_is_never_read_times_out():
         assert Shell(box).run("echo back").output == "back\n"
 
 
-def test_process_fallback_enforces_limits_and_timeout():
+def test_process_fallback_enforces_limits_and_timeout(monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "worker-secret")
     config = SMALL.model_copy(update={"backend": "process"})
     with Sandbox(config) as box:
         assert box.backend == "process"
         assert box.run("pwd").output.strip() == box.workdir
-        assert "AWS_SECRET_ACCESS_KEY" not in box.run("env").output
+        env = box.run("env").output
+        assert f"HOME={box.workdir}\n" in env
+        assert "AWS_SECRET_ACCESS_KEY" not in env and "worker-secret" not in env
         with pytest.raises(SandboxError) as raised:
             box.run("python3 -c 'x = bytearray(2 * 1024**3)'")
         assert raised.value.kind == "memory_limit"
