@@ -19,6 +19,7 @@ import torch
 from envs import registry
 from envs.arith import ArithEnv
 from envs.base import EnvConfig, EnvHostLost, ResourceRequest, StepResult, Task
+from envs.sandbox import SandboxError
 from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout import service as service_module
@@ -265,6 +266,37 @@ def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny, env, s
     result = asyncio.run(body())
     assert result.status == status and result.reward is None
     assert str(env.error) in result.error
+
+
+class SandboxDiedEnv(BrokenEnv):
+    error = SandboxError("died", "the shell exited with status 1")
+
+
+class SandboxStartFailedEnv(ArithEnv):
+    name = "arith"
+
+    async def reset(self, task: Task) -> list[dict[str, str]]:
+        raise SandboxError("start_failed", "bwrap cannot create namespaces")
+
+
+@pytest.mark.parametrize(
+    ("env", "status", "error"),
+    [
+        (
+            SandboxStartFailedEnv,
+            "infra_error",
+            "sandbox start_failed during init: bwrap cannot create namespaces",
+        ),
+        (SandboxDiedEnv, "env_error", "sandbox died during run: the shell exited with status 1"),
+    ],
+)
+def test_a_sandbox_error_is_an_infra_error_as_the_env_starts_and_an_env_error_after(tiny, env, status, error):
+    async def body():
+        async with running_service(tiny, make_env=lambda task: env()) as service:
+            return await service.process(RolloutRequest(task=arith_task()))
+
+    result = asyncio.run(body())
+    assert (result.status, result.error, result.reward) == (status, error, None)
 
 
 class ExitingEnv(ArithEnv):
