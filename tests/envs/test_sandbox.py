@@ -20,7 +20,15 @@ import pytest
 from pydantic import ValidationError
 
 from envs.pyrepl import PythonRepl
-from envs.sandbox import UID_BASE, Sandbox, SandboxConfig, SandboxError, bwrap_path, remove_tree
+from envs.sandbox import (
+    UID_BASE,
+    Sandbox,
+    SandboxConfig,
+    SandboxError,
+    _unshare_net_prefix,
+    bwrap_path,
+    remove_tree,
+)
 from envs.shell import Shell, ansi_c_quote
 from rollout.resources import CpuManager
 
@@ -55,7 +63,12 @@ def test_attack_is_contained(command, kind):
     serves_after()
 
 
-def test_network_is_closed():
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_network_is_closed(backend):
+    config = SMALL.model_copy(update={"backend": backend})
+    with Sandbox(config) as box:
+        if backend == "process" and not _unshare_net_prefix(box.uid is not None):
+            pytest.skip("unshare -n is not permitted here: the process backend keeps the network")
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(1)
@@ -65,7 +78,7 @@ def test_network_is_closed():
     accepting = threading.Thread(target=lambda: accepted.append(_accept(listener)), daemon=True)
     accepting.start()
     code = f"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)"
-    with Sandbox(SMALL) as box:
+    with Sandbox(config) as box:
         with pytest.raises(SandboxError) as raised:
             box.run(["python3", "-c", code])
         assert raised.value.kind == "network"
