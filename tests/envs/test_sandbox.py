@@ -113,6 +113,17 @@ def test_write_outside_leaves_host_untouched(tmp_path):
     assert not os.path.exists("/usr/pwned")
 
 
+def test_without_violations_are_errors_a_write_outside_is_plain_output():
+    with Sandbox(SMALL.model_copy(update={"violations_are_errors": False})) as box:
+        ran = box.run("touch /usr/pwned")
+        assert ran.exit_code != 0 and "Read-only file system" in ran.output
+        shell = Shell(box).run("touch /usr/pwned")
+        assert shell.exit_code != 0 and "Read-only file system" in shell.output
+        repl = PythonRepl(box).run("open('/usr/pwned', 'w')")
+        assert repl.error == "OSError" and "Read-only file system" in repl.output
+    assert not os.path.exists("/usr/pwned")
+
+
 def test_memory_backed_dev_holds_at_most_memory_mb():
     """bwrap's /dev is a tmpfs: files written there take the worker's memory, which no rlimit
     counts. It was writable, up to half the host's memory per sandbox; now only /dev/shm is,
