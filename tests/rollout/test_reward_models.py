@@ -377,3 +377,11 @@ def test_a_reward_model_without_a_chat_template_reads_the_calls_as_json_lines(ju
         'tool_call: {"name": "probe", "arguments": {"n": 8, "é": 1}}'
     )
     assert models.input_ids("judge-a", messages) == tokenizer(expected)["input_ids"]
+
+
+def test_a_conversation_longer_than_max_tokens_is_read_by_its_last_tokens(judges):
+    models = RewardModels({"judge-a": RewardModelConfig(path=judges["judge-a"], max_tokens=5)}, device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(judges["judge-a"])
+    full = tokenizer.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]
+    assert len(full) > 5
+    assert models.input_ids("judge-a", MESSAGES) == full[-5:]
