@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 from typing import Any
 
 import ray
@@ -40,16 +42,23 @@ def connect_ray(address: str | None = None, node_ip: str | None = LOOPBACK) -> N
     only, on another address on every interface. With ``node_ip`` None, or ``RAY_ADDRESS`` set
     and ``address`` None, ``ray.init()`` decides as it does alone: it joins the cluster that
     ``RAY_ADDRESS`` or a ``ray start`` on this machine names, else starts one on the machine's
-    address."""
+    address. A SIGTERM handler the process installed is kept: ``ray.init`` makes SIGTERM
+    ``sys.exit``, which took the place of a Prefect flow run's handler (by which a deployment
+    run is cancelled; without it the run crashed)."""
     if ray.is_initialized():
         return
-    local = address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
-    if not local or node_ip is None:
-        ray.init(address=address, include_dashboard=False)
-    elif node_ip == LOOPBACK:
-        _start_on_loopback()
-    else:
-        ray.init(address="local", include_dashboard=False, _node_ip_address=node_ip)
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        local = address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+        if not local or node_ip is None:
+            ray.init(address=address, include_dashboard=False)
+        elif node_ip == LOOPBACK:
+            _start_on_loopback()
+        else:
+            ray.init(address="local", include_dashboard=False, _node_ip_address=node_ip)
+    finally:
+        if callable(sigterm) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 def _start_on_loopback() -> None:

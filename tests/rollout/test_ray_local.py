@@ -1,5 +1,5 @@
 """The local Ray instance a run starts (no ``ray_address``, or ``local``) listens on 127.0.0.1
-only. It starts in a subprocess: tests/flows/test_ray.py keeps one Ray in the test process."""
+only, and leaves the process's SIGTERM handler as it was. It starts in a subprocess: tests/flows/test_ray.py keeps one Ray in the test process."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = """
 import json
+import signal
 import sys
 
 import psutil
@@ -31,8 +32,14 @@ def ping():
     return "pong"
 
 
+def own_handler(signum, frame):
+    pass
+
+
+signal.signal(signal.SIGTERM, own_handler)  # as a Prefect flow run installs its own
 config = RunConfig(cluster="ray", ray_address=sys.argv[1] or None)
 connect_ray(config.ray_address, config.ray_node_ip)
+sigterm_kept = signal.getsignal(signal.SIGTERM) is own_handler
 assert ray.get(ping.remote()) == "pong"  # a worker is up and listening too
 driver = psutil.Process()  # its core worker listens too
 children = driver.children(recursive=True)
@@ -45,7 +52,7 @@ for process in [driver, *children]:
                 listening.append((process.name(), connection.laddr.ip, connection.laddr.port))
     except psutil.NoSuchProcess:
         pass
-print(json.dumps({"listening": listening, "started": started}))
+print(json.dumps({"listening": listening, "started": started, "sigterm_kept": sigterm_kept}))
 ray.shutdown()
 """
 
@@ -90,3 +97,4 @@ def test_a_local_ray_started_by_a_run_listens_on_loopback_only(address):
     assert {"gcs_server", "raylet"} <= names, report["listening"]
     beyond = [(name, ip, port) for name, ip, port in report["listening"] if not _on_loopback(ip)]
     assert beyond == [], f"Ray processes listening beyond loopback: {beyond}"
+    assert report["sigterm_kept"], "ray.init's SIGTERM handler replaced the process's own"
