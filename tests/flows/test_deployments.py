@@ -77,6 +77,28 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float
     raise AssertionError(f"prefect server not healthy after {timeout_s} s: {log.read_text()[-3000:]}")
 
 
+def start_server(tmp_path: Path, processes: list[subprocess.Popen]) -> tuple[str, dict[str, str]]:
+    """Start a ``prefect server`` on a free port of 127.0.0.1, its database in ``tmp_path``
+    (added to ``processes``, which the caller stops), and wait until it answers; its API URL
+    and the environment of the processes that use it."""
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = dict(
+        os.environ,
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_API_URL=api_url,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        PREFECT_CLI_PROMPT="false",
+        OMP_NUM_THREADS="1",
+    )
+    log = tmp_path / "server.log"
+    server = start([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log)
+    processes.append(server)
+    wait_healthy(api_url, server, log)
+    return api_url, env
+
+
 def write_raw_shards(config) -> list[str]:
     """Raw shards of valid trajectories with token ids inside the tiny vocabulary."""
     writer = ShardWriter(run_store(config), "worker-0")
@@ -92,29 +114,12 @@ def write_raw_shards(config) -> list[str]:
 
 @pytest.mark.slow
 def test_deployments_run_on_a_real_server_and_worker(tmp_path):
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    env = dict(
-        os.environ,
-        PREFECT_HOME=str(tmp_path / "prefect-home"),
-        PREFECT_API_URL=api_url,
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_WORKER_QUERY_SECONDS="1",
-        PREFECT_CLI_PROMPT="false",
-        OMP_NUM_THREADS="1",
-    )
     config = tiny_config(tmp_path / "runs", "demo", warm_start={"enabled": False}, eval={"tasks_per_env": 3})
     build_base_version(config)
     raw_shards = write_raw_shards(config)
     processes: list[subprocess.Popen] = []
     try:
-        server = start(
-            [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env,
-            tmp_path / "server.log",
-        )
-        processes.append(server)
-        wait_healthy(api_url, server, tmp_path / "server.log")
+        api_url, env = start_server(tmp_path, processes)
         with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
             for pool in ("cpu", "gpu"):
                 client.create_work_pool(
@@ -249,17 +254,6 @@ def test_a_rollout_deployment_cancelled_through_the_api_ends_cancelled_with_ever
     handler raises wherever the main thread is, an event-loop task among them. The rollouts
     stop, the buffered ones are committed, the worker's last status says it stopped, and the
     run ends Cancelled."""
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    env = dict(
-        os.environ,
-        PREFECT_HOME=str(tmp_path / "prefect-home"),
-        PREFECT_API_URL=api_url,
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-        PREFECT_WORKER_QUERY_SECONDS="1",
-        PREFECT_CLI_PROMPT="false",
-        OMP_NUM_THREADS="1",
-    )
     config = tiny_config(
         tmp_path / "runs", "cancel", warm_start={"enabled": False}, stop={"max_seconds": 900}
     )
@@ -267,13 +261,7 @@ def test_a_rollout_deployment_cancelled_through_the_api_ends_cancelled_with_ever
     raw = tmp_path / "runs" / "cancel" / "shards" / "raw"
     processes: list[subprocess.Popen] = []
     try:
-        server = start(
-            [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            env,
-            tmp_path / "server.log",
-        )
-        processes.append(server)
-        wait_healthy(api_url, server, tmp_path / "server.log")
+        api_url, env = start_server(tmp_path, processes)
         with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
             client.create_work_pool(
                 WorkPoolCreate(

@@ -68,6 +68,16 @@ def _replicas(n: int, prefix: str = "r"):
     return [VLLMEngine(config, name=f"{prefix}{i}") for i in range(n)]
 
 
+def _answer_health_from(engines, up: dict[str, bool]) -> None:
+    """Make each engine's health probe answer ``up[its name]``, read at each probe."""
+    for engine in engines:
+
+        async def health(name=engine.name) -> bool:
+            return up[name]
+
+        engine.health = health
+
+
 def test_sticky_sessions_keep_their_replica_and_loads_are_bounded():
     eps = 0.1
     router = Router(_replicas(4), RouterConfig(policy="sticky", load_epsilon=eps))
@@ -364,12 +374,7 @@ def test_a_recovered_replica_is_restored_before_it_is_back_in_service():
     up = {"r0": False, "r1": True}
     restored = []
 
-    for engine in engines:
-
-        async def health(name=engine.name) -> bool:
-            return up[name]
-
-        engine.health = health
+    _answer_health_from(engines, up)
 
     async def restore(engine) -> None:
         if not restored:
@@ -407,12 +412,7 @@ def test_when_the_last_accepting_replica_fails_the_least_loaded_draining_one_acc
     router.drain("r2")
     router.end_session(next(s for s in SESSIONS[:30] if router.assignment(s) == "r2"))
     up = {"r0": False, "r1": True, "r2": True}
-    for engine in engines:
-
-        async def health(name=engine.name) -> bool:
-            return up[name]
-
-        engine.health = health
+    _answer_health_from(engines, up)
 
     async def body():
         try:
@@ -464,12 +464,7 @@ def test_a_draining_replica_that_goes_down_and_comes_back_is_still_draining():
     router = Router(engines, RouterConfig(policy="sticky"))
     router.drain("r1")
     up = {"r0": True, "r1": False}
-    for engine in engines:
-
-        async def health(name=engine.name) -> bool:
-            return up[name]
-
-        engine.health = health
+    _answer_health_from(engines, up)
 
     async def body():
         try:
@@ -496,12 +491,7 @@ def test_a_draining_replica_back_while_the_accepting_one_is_down_accepts_again()
     router = Router(engines, RouterConfig(policy="sticky"))
     router.drain("r1")
     up = {"r0": True, "r1": False}
-    for engine in engines:
-
-        async def health(name=engine.name) -> bool:
-            return up[name]
-
-        engine.health = health
+    _answer_health_from(engines, up)
 
     async def body():
         try:
