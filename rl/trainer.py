@@ -930,6 +930,7 @@ class Trainer:
             "step_seconds": seconds,
             "time": datetime.now(UTC),
             "extra": json.dumps(extra),
+            "trajectory_ids": [s.trajectory_id for s in samples],
         }
         self._log_step(row)
         self._dropped_stale = 0

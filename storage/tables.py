@@ -91,6 +91,7 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             pa.field("step_seconds", pa.float32(), nullable=False),
             pa.field("time", UTC_MICROS, nullable=False),
             pa.field("extra", pa.string()),
+            pa.field("trajectory_ids", pa.list_(pa.string())),
         ]
     ),
     "weights": pa.schema(
@@ -120,7 +121,9 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
 }
 """Canonical schema of each Delta table; a field marked not-nullable must be given.
 ``train_steps.value_loss`` is null for a step that took no critic step (GRPO mode has no
-critic): a NaN there made every ``AVG(value_loss)`` NaN. ``evals.count`` is the rollouts
+critic): a NaN there made every ``AVG(value_loss)`` NaN. ``train_steps.trajectory_ids`` are
+the trajectories the step trained on, the ``trajectory_id`` of their ``trajectories`` rows
+(null in rows written before it was added). ``evals.count`` is the rollouts
 measured, ``evals.tasks`` the tasks evaluated, those that failed outside the policy included
 (null in rows written before it was added); ``evals.setup`` a fingerprint of what the
 measurement depended on besides the weights (the eval settings and tasks, the env's config, the

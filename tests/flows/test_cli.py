@@ -105,6 +105,26 @@ def test_sql_answers_over_the_runs_tables(pipeline_run):
     assert sum(counts.values()) == pipeline_run.result["rollouts"]["finished"]
 
 
+def test_sql_joins_each_policy_step_to_the_trajectories_it_trained_on(pipeline_run):
+    config = pipeline_run.config
+    result = treadle(
+        "sql",
+        "--root",
+        config.storage.root,
+        "--run-id",
+        config.run_id,
+        "SELECT count(*) AS trained, count(DISTINCT s.id) AS once, count(t.trajectory_id) AS selected, "
+        "(SELECT sum(num_samples) FROM train_steps) AS samples FROM (SELECT unnest(trajectory_ids) AS id "
+        "FROM train_steps) s LEFT JOIN (SELECT * FROM trajectories WHERE selected) t ON t.trajectory_id = s.id",
+    )
+    assert result.returncode == 0, result.stderr
+    header, row = result.stdout.strip().splitlines()
+    counts = dict(zip(header.split("\t"), map(int, row.split("\t")), strict=True))
+    assert counts["trained"] > 0 and counts["trained"] == counts["samples"]
+    # each trained once, and each a selected trajectory of the run
+    assert counts["once"] == counts["trained"] == counts["selected"], counts
+
+
 def test_a_run_that_does_not_exist_is_an_error_not_an_empty_run():
     for command in (("inspect",), ("sql", "SELECT * FROM trajectories")):
         result = treadle(command[0], "--root", "/nonexistent", "--run-id", "none", *command[1:])

@@ -92,7 +92,8 @@ def test_a_trainer_whose_role_was_taken_before_it_publishes_publishes_nothing(st
 
 
 def test_trains_every_row_once_and_logs_each_step(store):
-    infos = write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    records = make_trajectories(store, 12, seed=1)
+    infos = write_shards(store, records, per_shard=3)
     trainer = Trainer(store, config())
     seen = []
     summary = trainer.run(drain=True, progress=seen.append)
@@ -110,6 +111,10 @@ def test_trains_every_row_once_and_logs_each_step(store):
     assert first["staleness_max"] == 0 and json.loads(first["extra"])["staleness_hist"] == {"0": 4}
     assert len(json.loads(first["extra"])["value_losses"]) == 2
     assert np.isfinite(first["policy_loss"]) and first["value_loss"] > 0
+    # each step names the trajectories it trained on: every one once over the run
+    assert [len(row["trajectory_ids"]) for row in steps] == [row["num_samples"] for row in steps]
+    trained = [trajectory for row in steps for trajectory in row["trajectory_ids"]]
+    assert sorted(trained) == sorted(record["trajectory_id"] for record in records)
 
     chain = version_chain(trainer.weights)
     consumed = [shard for manifest in chain for shard in manifest["metadata"].get("consumed_shards", [])]
@@ -162,6 +167,7 @@ def test_drops_samples_older_than_max_staleness(store):
     for version in range(4):
         records += make_trajectories(store, 2, seed=10 + version, version=version)
     write_shards(store, records, per_shard=8)
+    fresh = sorted(record["trajectory_id"] for record in records[4:])
 
     trainer = Trainer(store, config(max_staleness=1, token_budget=1000))
     assert trainer.version == 3
@@ -169,7 +175,7 @@ def test_drops_samples_older_than_max_staleness(store):
     steps = read_steps(store)
     assert len(steps) == 1
     assert steps[0]["dropped_stale"] == 4  # versions 0 and 1 are 3 and 2 behind
-    assert steps[0]["num_samples"] == 4
+    assert steps[0]["num_samples"] == 4 and sorted(steps[0]["trajectory_ids"]) == fresh
     assert steps[0]["staleness_max"] == 1 and json.loads(steps[0]["extra"])["staleness_hist"] == {
         "0": 2,
         "1": 2,

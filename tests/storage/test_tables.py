@@ -427,6 +427,17 @@ def step_row(step: int, value_loss: float | None) -> dict:
     }  # fmt: skip
 
 
+def trajectory_row(trajectory_id: str) -> dict:
+    """A ``trajectories`` row of a selected, one-turn trajectory."""
+    return {
+        "trajectory_id": trajectory_id, "execution_id": trajectory_id, "task": "arith",
+        "prompt_id": "p0", "shard_id": "raw/w0/00000000", "reward": 1.0, "status": "ok",
+        "num_tokens": 8, "num_action_tokens": 4, "num_train_tokens": 4, "num_turns": 1,
+        "min_version": 0, "max_version": 0, "selected": True,
+        "processed_at": datetime(2026, 1, 1, tzinfo=UTC),
+    }  # fmt: skip
+
+
 def test_a_train_steps_table_created_with_value_loss_required_takes_steps_without_a_critic(store):
     """A run's table made before ``value_loss`` became nullable still marks it NOT NULL in
     its log: appends of null value losses (GRPO) land, old rows and the change feed stay."""
@@ -503,6 +514,35 @@ def test_a_table_made_before_a_column_was_added_reads_it_as_null_and_takes_appen
     assert scanned.fetchone() == (4, 2)
     operations = [commit["operation"] for commit in DeltaTable(uri, storage_options=options).history()]
     assert operations.count("ADD COLUMN") == 1, operations
+
+
+def test_a_train_steps_table_made_before_trajectory_ids_takes_steps_that_name_their_trajectories(
+    store, request
+):
+    """A run begun before ``train_steps`` named each step's trajectories: the first append
+    adds the list column, older rows read it as null, and duckdb joins the steps to the
+    trajectories they trained on."""
+    schema = TABLE_SCHEMAS["train_steps"]
+    old_schema = schema.remove(schema.get_field_index("trajectory_ids"))
+    uri = Tables(store).uri("train_steps")
+    write_deltalake(
+        uri,
+        pa.Table.from_pylist([step_row(1, 0.5)], schema=old_schema),
+        mode="append",
+        configuration=TABLE_CONFIGURATION,
+        storage_options=store.config.delta_options(),
+    )
+    Tables(store).append("train_steps", [step_row(2, 0.25) | {"trajectory_ids": ["a", "b"]}])
+    Tables(store).append("trajectories", [trajectory_row("a"), trajectory_row("b"), trajectory_row("c")])
+
+    steps = Tables(store).read("train_steps").sort_by("step")
+    assert steps.column("trajectory_ids").to_pylist() == [None, ["a", "b"]]
+    tables = {name: f"delta_scan('{Tables(store).uri(name)}')" for name in ("train_steps", "trajectories")}
+    joined = _duckdb_with_delta(store, request).execute(
+        f"SELECT s.step, t.trajectory_id FROM (SELECT step, unnest(trajectory_ids) AS id FROM "
+        f"{tables['train_steps']}) s JOIN {tables['trajectories']} t ON t.trajectory_id = s.id ORDER BY 2"
+    )
+    assert joined.fetchall() == [(2, "a"), (2, "b")]
 
 
 def test_a_table_lacking_a_required_column_is_refused_naming_it(local_store):
