@@ -41,7 +41,7 @@ from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
-from storage.tables import Tables
+from storage.tables import Tables, one_row_per_step
 from storage.weights import CLAIM_FILE, WeightStore
 from tests.rl.synthetic import TINY, config, make_trajectories, write_shards
 from tests.storage.test_weights import readme_totals
@@ -1071,7 +1071,8 @@ def killed_child_env(tmp_path) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_exactly_once_across_sigkill_restarts(store, tmp_path):
-    infos = write_shards(store, make_trajectories(store, 40, seed=13), per_shard=4)
+    records = make_trajectories(store, 40, seed=13)
+    infos = write_shards(store, records, per_shard=4)
     num_rows = {info.shard_id: info.num_rows for info in infos}
     rng = random.Random()
     seed = rng.randrange(1 << 30)
@@ -1120,6 +1121,12 @@ def test_exactly_once_across_sigkill_restarts(store, tmp_path):
     assert trained == 40, f"seed {seed}"
     # the final state agrees with the chain: one step per 3 rows, counting every restart
     assert chain[-1]["step"] == 14, f"seed {seed}"
+    # the steps whose rows the README keeps (those that went into the weights) name every
+    # trajectory once, though killed trainers logged some steps that a restart took again
+    steps = one_row_per_step(Tables(store).read("train_steps")).to_pylist()
+    assert [row["step"] for row in steps] == list(range(1, 15)), f"seed {seed}"
+    trained_ids = [trajectory for row in steps for trajectory in row["trajectory_ids"]]
+    assert sorted(trained_ids) == sorted(record["trajectory_id"] for record in records), f"seed {seed}"
 
 
 KILLED_BEFORE_LATEST = """
