@@ -23,6 +23,7 @@ from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.status import (
     ElasticPlanBoard,
+    HeldRole,
     InUse,
     RolloutStatus,
     RolloutStatusBoard,
@@ -353,6 +354,42 @@ def test_a_trainer_whose_role_was_taken_stops_without_publishing_anything_more(t
     assert plans and all(plan.running for plan in plans)  # no release of the new trainer's replicas
     assert all(status.running for status in written)
     assert {status.owner for status in written} == {first_owner, "new"}
+
+
+def test_a_trainer_whose_role_was_taken_while_it_loaded_stops_before_its_first_step(tmp_path, monkeypatch):
+    """Another trainer takes the run while this one loads its models, and this one's loading
+    heartbeat finds the other's status: once loaded it raises InUse, with shards waiting it
+    takes no step, and it publishes no weight version, announcement, plan or status over the
+    new holder's."""
+    monkeypatch.setattr(train_task, "TRAINER_LOADING_BEAT_S", 0.05)
+    run, store = run_with_processed_shards(tmp_path, "taken-while-loading", publish_every=1)
+    board = TrainerStatusBoard(store)
+    written = published_by(monkeypatch, TrainerStatusBoard)
+    plans = published_by(monkeypatch, ElasticPlanBoard)
+    refused = threading.Event()
+    held_publish, build = HeldRole.publish, train_task.Trainer
+
+    def noticing(self, status):
+        published = held_publish(self, status)
+        if not published:
+            refused.set()
+        return published
+
+    def taken_while_loading(*args, **kwargs):
+        board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner="new"))
+        assert refused.wait(WAIT_S)  # the heartbeat found the new holder's status
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(HeldRole, "publish", noticing)
+    monkeypatch.setattr(train_task, "Trainer", taken_while_loading)
+    steps, announced = [], []
+    with pytest.raises(
+        InUse, match="the trainer of run .* was taken over by another process.*while it loaded"
+    ):
+        run_trainer(run, time.time() + WAIT_S, on_step=steps.append, on_publish=announced.append)
+    assert (steps, announced, plans) == ([], [], [])
+    assert WeightStore(store).list() == [0] and Tables(store).read("train_steps").num_rows == 0
+    assert written[-1].owner == "new" and all(status.running for status in written)
 
 
 @pytest.mark.parametrize("noticed_at", ["status", "publish"])
