@@ -12,6 +12,7 @@ import re
 import sys
 import threading
 import time
+from collections import Counter
 
 import pytest
 import ray
@@ -24,12 +25,13 @@ from envs.base import EnvHostLost
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
 from rollout import ray_actors, ray_engine
-from rollout.engines.base import EngineError, EngineStats, SamplingParams
+from rollout.engines.base import EngineError, EngineStats, InvalidRequest, SamplingParams
 from rollout.engines.factory import EngineConfig, build_engines
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig
 from rollout.ray_actors import ActorStartError
 from rollout.ray_engine import EngineHost, RayEngine
 from rollout.ray_env import RayEnvPool
+from rollout.router import Router
 from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader
 from storage.weights import WeightStore
@@ -579,6 +581,101 @@ def test_calls_on_an_engine_actor_lost_with_any_ray_error_fail_as_engine_errors(
             await remote.close()
 
     assert asyncio.run(body()) == (False, EngineStats())
+
+
+def counted(engine: RayEngine, calls: Counter) -> RayEngine:
+    """``engine``, with each of its ``generate`` calls counted in ``calls[engine.name]``."""
+    generate = engine.generate
+
+    async def counting(*args):
+        calls[engine.name] += 1
+        return await generate(*args)
+
+    engine.generate = counting
+    return engine
+
+
+def test_an_error_the_engine_raises_on_its_actor_is_itself_and_only_a_lost_actor_is_failed_over(run):
+    """A request the engine refuses on its actor (a token id outside the vocabulary) comes
+    back as that ``InvalidRequest``, not an ``EngineError``: the router neither probes nor
+    retries it, and the replica stays in service. A call on an actor that is gone is an
+    ``EngineError`` the router fails over: retried once, on the session's new replica."""
+    _, _, weights = run
+    gone = NodeAffinitySchedulingStrategy("ab" * 28, soft=False)
+
+    async def body():
+        calls: Counter = Counter()
+        live = counted(RayEngine(TorchEngineConfig(), weights.load(0), name="live", version=0), calls)
+        lost = counted(
+            RayEngine(
+                TorchEngineConfig(),
+                "/unused",
+                name="lost",
+                actor_options={"num_cpus": 1, "scheduling_strategy": gone},
+            ),
+            calls,
+        )
+        try:
+            refusing = Router([live])
+            refusing.route("bad")  # pinned to live before lost joins
+            refusing.add(lost)
+            with pytest.raises(InvalidRequest, match=r"prompt_ids\[1\] = 1000000 is not a token id"):
+                await refusing.generate("bad", [5, 1_000_000], PARAMS)
+            refused = dict(calls), refusing.replicas, refusing.down
+            calls.clear()
+            failing = Router([lost])
+            failing.route("moved")
+            failing.add(live)
+            generation = await failing.generate("moved", PROMPTS[0], PARAMS)
+            return refused, (dict(calls), failing.replicas, failing.down), generation
+        finally:
+            await live.close()
+            await lost.close()
+
+    refused, failed_over, generation = asyncio.run(body())
+    assert refused == ({"live": 1}, ["live", "lost"], [])
+    assert failed_over == ({"lost": 1, "live": 1}, ["live"], ["lost"])
+    assert len(generation.token_ids) > 0
+
+
+def test_an_error_an_env_raises_on_its_worker_comes_back_as_itself_from_one_call(monkeypatch):
+    """The env's own step raises on the actor: the driver gets that error as itself, not an
+    ``EnvHostLost`` (the rollout service counts it as the env's error, not an infra one), from
+    one call of the env's step, and the env is still open on the actor."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+
+    @registry.register
+    class PickySums(ArithEnv):
+        name = "picky_sums"
+        steps = 0
+
+        async def step(self, action):
+            self.steps += 1
+            raise ValueError(f"no move {action!r}")
+
+        async def evaluate(self):
+            return float(self.steps)
+
+    task = registry.task_set("picky_sums", "train", seed=0, n=1)[0]
+
+    async def body():
+        pool = RayEnvPool({"picky_sums": registry.make_config("picky_sums")}, num_workers=1)
+        try:
+            env = pool.make_env(task)
+            await env.reset(task)
+            with pytest.raises(Exception) as raised:
+                await env.step("up")
+            (actor,) = pool.actors
+            return (
+                type(raised.value),
+                str(raised.value),
+                await env.evaluate(),
+                await actor.open_count.remote(),
+            )
+        finally:
+            pool.close()
+
+    assert asyncio.run(body()) == (ValueError, "no move 'up'", 1.0, 1)
 
 
 def test_env_workers_ray_cannot_place_fail_the_start_in_one_line_and_are_stopped(monkeypatch):
