@@ -399,6 +399,50 @@ def test_a_recovered_replica_is_restored_before_it_is_back_in_service():
     assert restored == [("failed", "r0"), ("r0", False)], "restored once, while still out of service"
 
 
+def test_a_replica_two_concurrent_checks_restore_is_put_back_once(caplog):
+    """The worker's periodic check and another one (a weight load's) both find r0 recovered
+    and both await ``restore`` on it; the first to finish puts it back, the second leaves it
+    in service (it would raise adding it again): each check answers, r0 serves once."""
+    import asyncio
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky"))
+    up = {"r0": False, "r1": True}
+    _answer_health_from(engines, up)
+    restoring: list[tuple[str, bool]] = []
+
+    async def body():
+        both_restoring, release = asyncio.Event(), asyncio.Event()
+
+        async def restore(engine) -> None:
+            restoring.append((engine.name, engine.name in router.replicas))
+            if len(restoring) == 2:
+                both_restoring.set()
+            await release.wait()
+
+        try:
+            await router.check_health()
+            assert router.down == ["r0"]
+            up["r0"] = True
+            checks = [asyncio.create_task(router.check_health(restore=restore)) for _ in range(2)]
+            await both_restoring.wait()
+            release.set()
+            return await asyncio.gather(*checks)
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    with caplog.at_level("INFO", logger="rollout.router"):
+        answers = asyncio.run(body())
+    assert answers == [{"r1": True, "r0": True}] * 2
+    assert restoring == [("r0", False), ("r0", False)]
+    assert sorted(router.replicas) == ["r0", "r1"] and router.down == []
+    assert [r.getMessage() for r in caplog.records if "putting it back" in r.getMessage()] == [
+        "replica r0 is healthy again; putting it back"
+    ]
+    assert {router.route(session).name for session in SESSIONS[:200]} == {"r0", "r1"}
+
+
 def test_when_the_last_accepting_replica_fails_the_least_loaded_draining_one_accepts_again():
     """The elastic plan left r0 accepting and drains r1 and r2; r0 fails its probe: new
     sessions go to the least loaded draining replica instead of failing with NoReplicas."""
