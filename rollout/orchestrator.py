@@ -149,6 +149,8 @@ class Orchestrator:
         trainer_queue: policy steps' worth of data the trainer holds untrained (None when unknown).
         trainer_starved: whether the trainer cannot step before more data comes (it has read
             every committed shard and holds less than one batch); the backlog then holds nothing back.
+        on_result: called with each finished rollout's result once it is written (or kept in
+            its group); an error it raises ends :meth:`run` as a sink's does.
         quota: the run's ``max_rollouts``, shared with its other workers and their restarts:
             rollouts launch only as far as claims on it are granted (a block of up to
             ``concurrency`` at a time), and what did not finish is given back at the end.
@@ -416,13 +418,13 @@ class Orchestrator:
         if result.reward is not None:
             counters.reward_sum += result.reward
             counters.rewarded += 1
-        if self.on_result is not None:
-            self.on_result(result)
         group.results.append(result)
         if self.config.group_size == 1:
             self._write([result])
         else:
             self._settle(group)
+        if self.on_result is not None:  # once the result is kept: an error it raises loses nothing
+            self.on_result(result)
 
     def _lose(self, group: _Group, cut_short: bool = False) -> None:
         """One member of ``group`` will never finish (failed outside the service's
@@ -492,7 +494,10 @@ class Orchestrator:
                 else:
                     self._collect(job)
             except Exception:
-                log.exception("could not write the records of rollout %s (or of its group)", rollout_id)
+                log.exception(
+                    "could not write the records of rollout %s (or of its group), or its on_result failed",
+                    rollout_id,
+                )
         if self.stats.cut_short:
             log.info(
                 "stopped with %d rollouts cut short%s",

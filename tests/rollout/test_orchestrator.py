@@ -67,6 +67,7 @@ async def run(
     quota=None,
     service_config=None,
     stop_launching=None,
+    on_result=None,
 ):
     model, tokenizer = tiny
     engine = TorchEngine(model, tokenizer, name="torch-0")
@@ -86,6 +87,7 @@ async def run(
         trainer_starved=trainer_starved,
         quota=quota,
         stop_launching=stop_launching,
+        on_result=on_result,
     )
     try:
         job = asyncio.create_task(orchestrator.run())
@@ -623,6 +625,52 @@ def test_a_sink_that_fails_ends_the_run_with_its_error_after_cancelling_and_flus
     assert status["in_flight"] == 0
     assert sink.writes == [1, 1] and sink.flushes == 1 and stats.written == 0
     assert f"could not write the records of rollout {jobs[1].get_name()}" in caplog.text
+
+
+def test_on_result_gets_each_finished_rollout_once_with_the_result_written(tiny):
+    reported = []
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=3, max_rollouts=7)
+    _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, on_result=reported.append))
+    assert stats.finished == stats.written == 7
+    assert len({result.rollout_id for result in reported}) == 7
+    assert [result.record for result in reported] == sink.records
+
+
+def test_an_on_result_that_raises_ends_the_run_with_its_error_and_loses_no_finished_rollout(tiny, caplog):
+    """Two rollouts finish before run() collects either, a third never does; ``on_result``
+    raises at each: the run ends with its error, the third is cancelled, and both finished
+    rollouts are written (the first was counted finished and never written) and flushed."""
+    model, tokenizer = tiny
+    sink = ListSink()
+    envs = iter([ArithEnv(), ArithEnv(), StuckEnv()])
+    reported = []
+
+    def on_result(result) -> None:
+        reported.append(result)
+        raise RuntimeError("the progress report failed (injected)")
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+        service = RolloutService(gateway, lambda task: next(envs), ServiceConfig(max_new_tokens=4))
+        config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=3, max_rollouts=3)
+        orchestrator = Orchestrator(service, streams("arith"), sink, config, on_result=on_result)
+        try:
+            jobs = [job for _ in range(3) for job in orchestrator._launch_group().tasks]
+            await asyncio.wait_for(asyncio.wait(jobs[:2]), 60)
+            # bounded: were the error not to end it, the stuck rollout would keep it running
+            with pytest.raises(RuntimeError, match="the progress report failed"):
+                await asyncio.wait_for(orchestrator.run(), 60)
+            return orchestrator.stats, jobs, service.status()
+        finally:
+            await engine.close()
+
+    stats, jobs, status = asyncio.run(body())
+    assert jobs[2].cancelled() and stats.cut_short == [jobs[2].get_name()] and status["in_flight"] == 0
+    assert sorted(result.rollout_id for result in reported) == sorted(job.get_name() for job in jobs[:2])
+    assert [result.record for result in reported] == sink.records and sink.flushes == 1
+    assert stats.finished == stats.written == 2
 
 
 class OneStuckInFour(CoinEnv):
