@@ -117,7 +117,7 @@ def inspect_run(store) -> str:
         rows = shards.filter(pc.equal(shards.column("kind"), kind))
         total = pc.sum(rows.column("num_rows")).as_py() or 0
         lines.append(f"  {kind:<10} {rows.num_rows} shards, {total} trajectories")
-    steps = one_row_per_step(tables.read("train_steps"))
+    steps = one_row_per_step(tables.read("train_steps", columns=["step", "time"]))
     lines.append(f"\npolicy steps logged: {steps.num_rows}")
     return "\n".join(lines)
 

@@ -196,6 +196,10 @@ def artifact_key(run_id: str) -> str:
 EVALS_COLUMNS = ["version", "env", "reward", "count"]
 """The columns of the ``evals`` table the run's artifacts show."""
 
+STEPS_COLUMNS = ["step", "version", "reward_mean", "policy_loss", "value_loss", "masked_fraction", "kl"]
+"""The columns of the ``train_steps`` table the report shows (not the trajectory ids: a long
+run's would be most of what is read)."""
+
 
 EVALS_DECIMALS = 4
 """Decimals of the rewards the evals artifact shows: a float32 reward's further digits are
@@ -228,7 +232,7 @@ def report_run(config: RunConfig) -> str:
     ``s3://`` URL, while the page itself is kept by the Prefect API."""
     store = run_store(config)
     tables = Tables(store)
-    steps = one_row_per_step(tables.read("train_steps"))
+    steps = one_row_per_step(tables.read("train_steps", columns=[*STEPS_COLUMNS, "time"]))
     evals = tables.read("evals").sort_by("version")
     shards = tables.read("shards")
     key = artifact_key(config.run_id)
@@ -277,7 +281,7 @@ def report_run(config: RunConfig) -> str:
             f"| {r['masked_fraction']:.3f} | {r['kl']:.4f} |"
             for r in _rows(
                 steps.slice(max(steps.num_rows - REPORT_STEPS, 0)),
-                ["step", "version", "reward_mean", "policy_loss", "value_loss", "masked_fraction", "kl"],
+                STEPS_COLUMNS,
             )
         ),
     ]
