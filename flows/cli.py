@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 import urllib.parse
+import urllib.request
 from typing import NoReturn
 
 FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
@@ -277,20 +281,84 @@ def _tsv_field(value) -> str:
     return text
 
 
+def prefect_server(host: str, port: int, *options: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``prefect server start`` on ``host:port`` with
+    ``options``: ``treadle ui``'s server and a flow command's temporary one."""
+    prefect = shutil.which("prefect", path=os.path.dirname(sys.executable)) or "prefect"
+    command = [prefect, "server", "start", "--host", host, "--port", str(port), *options]
+    # as the flows' own servers (flows.cli_args.parse): an offline machine's server logged an
+    # ERROR at every start, its telemetry unable to reach its host
+    return command, {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"} | os.environ
+
+
+def temporary_api() -> None:
+    """Start a Prefect server of this process's own on 127.0.0.1 and point the Prefect API at
+    it for the rest of the process (stopped at exit), when no API is set (environment or
+    profile): what a flow command does just before its flow run, after the checks that would
+    fail it (the server takes seconds to start). Prefect's ephemeral mode starts its server in
+    the command's process group: Ctrl-C stopped that server too, and the flow engine then tried
+    for a minute or more to report the flow run Crashed to it, and ended with a ConnectError
+    traceback. This server has a session of its own, out of reach of the terminal's signals."""
+    from prefect.context import refresh_global_settings_context
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+
+    if PREFECT_API_URL.value() is not None:
+        return
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # with its UI, which the flow run's "View at" link names; without the scheduler, as in
+    # Prefect's ephemeral mode: it would add runs of the local database's deployments
+    command, env = prefect_server("127.0.0.1", port, "--no-scheduler")
+    server = subprocess.Popen(
+        command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    # before Prefect's own exit handlers, which run first and send their last logs and events
+    atexit.register(_stop_server, server)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+    while not _healthy(url):
+        if server.poll() is not None:
+            raise SystemExit(f"error: the temporary Prefect server exited with status {server.returncode}")
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"error: the temporary Prefect server did not answer at {url} within "
+                f"{PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()} s"
+            )
+        time.sleep(0.1)
+    os.environ["PREFECT_API_URL"] = url
+    refresh_global_settings_context()
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    """Stop ``server``, the leader of its own process group, and whatever it started."""
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
 def _ui(args) -> None:
     from flows.demo import UI_URL
 
-    prefect = shutil.which("prefect", path=os.path.dirname(sys.executable)) or "prefect"
     url = f"http://{args.host}:{args.port}"
     if url == UI_URL:
         watch = "`make demo` in another shell will show up there."
     else:  # `make demo` only looks for a server at UI_URL
         watch = f"Flows show up there with `export PREFECT_API_URL={url}/api`."
     print(f"Prefect UI: {url}  (API {url}/api). {watch} Ctrl-C stops it.", flush=True)
-    server = [prefect, "server", "start", "--host", args.host, "--port", str(args.port)]
-    # as the flows' own servers (flows.cli_args.parse): an offline machine's server logged an
-    # ERROR at every start, its telemetry unable to reach its host
-    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"} | os.environ
+    server, env = prefect_server(args.host, args.port)
     with subprocess.Popen(server, env=env) as process:
         try:
             code = process.wait()

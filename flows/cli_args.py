@@ -61,10 +61,11 @@ def set_prefect_defaults() -> None:
 
 def stops_as_on_ctrl_c(main: Callable[..., None]) -> Callable[..., None]:
     """``main``, a flow's command, made to take SIGTERM (``docker stop``, Kubernetes, systemd)
-    as it takes Ctrl-C: the flow run ends Crashed, its tasks' cleanup runs, and Prefect's
-    temporary server is stopped at exit. Killed by Python's default action, the process
-    left that server running, orphaned. Either signal ends it with one line, no traceback,
-    and the status a shell gives a process killed by the signal."""
+    and SIGHUP (its terminal closed) as it takes Ctrl-C: the flow run ends Crashed, its tasks'
+    cleanup runs, and the command's temporary Prefect server (:func:`flows.cli.temporary_api`)
+    is stopped at exit. Killed by Python's default action, the process left that server
+    running, orphaned. Each signal ends it with one line, no traceback, and the status a shell
+    gives a process killed by the signal."""
 
     @functools.wraps(main)
     def command(*args, **kwargs) -> None:
@@ -74,14 +75,15 @@ def stops_as_on_ctrl_c(main: Callable[..., None]) -> Callable[..., None]:
             received.append(signal.Signals(signum))
             raise KeyboardInterrupt
 
-        previous = signal.signal(signal.SIGTERM, interrupt)
+        previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
         try:
             main(*args, **kwargs)
         except KeyboardInterrupt:
             print(f"stopped by {received[-1].name}", file=sys.stderr)
             raise SystemExit(128 + received[-1]) from None
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
 
     return command
 

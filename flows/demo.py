@@ -2,7 +2,8 @@
 
 Uses the Prefect API that ``PREFECT_API_URL`` names (in the environment or the Prefect
 profile); without one, the server started by ``make ui`` when one answers on 127.0.0.1:4200
-(so the run shows up in the UI), and Prefect's ephemeral mode otherwise.
+(so the run shows up in the UI), and a temporary server of its own otherwise
+(:func:`~flows.cli.temporary_api`).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     if PREFECT_API_URL.value() is None and _ui_running():
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
         refresh_global_settings_context()
-    from flows.cli import inspect_run, without_credentials
+    from flows.cli import inspect_run, temporary_api, without_credentials
     from flows.cli_args import default_config, parse
     from flows.config import pipeline_devices
 
@@ -58,9 +59,10 @@ def main(argv: list[str] | None = None) -> None:
     where = (
         f"server {without_credentials(api)}"
         if api
-        else "ephemeral mode (start `make ui` first to watch it in the UI)"
+        else "a temporary server of its own (start `make ui` first to watch it in the UI)"
     )
     print(f"Prefect: {where}")
+    temporary_api()
     started = time.monotonic()
     result = pipeline(config)
     store = run_store(config)

@@ -12,7 +12,7 @@ from prefect import flow
 from prefect.runtime import flow_run
 from pydantic import Field
 
-from flows.cli import weight_versions
+from flows.cli import temporary_api, weight_versions
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig, evaluate_devices, evaluate_paths, missing_device
 from flows.run_logs import module_logs_to_run
@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(1)
+    temporary_api()
     print(evaluate(config, args.version))
 
 

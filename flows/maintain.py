@@ -170,7 +170,7 @@ def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
 
 @stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import existing_run
+    from flows.cli import existing_run, temporary_api
     from flows.cli_args import parse
 
     config, args = parse(
@@ -181,6 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         paths=None,
     )
     existing_run(run_store(config), hint="storage.root and --run-id")
+    temporary_api()
     print(summary(maintain(config, keep_last=args.keep_last, retention_hours=args.retention_hours)))
 
 

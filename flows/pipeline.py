@@ -197,7 +197,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
 
 @stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import weight_versions
+    from flows.cli import temporary_api, weight_versions
     from flows.cli_args import parse
 
     config, _ = parse(
@@ -207,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
         ray=True,
     )
     weight_versions(run_store(config))
+    temporary_api()
     pipeline(config)
 
 

@@ -35,7 +35,7 @@ def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[st
 
 @stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import existing_run
+    from flows.cli import existing_run, temporary_api
     from flows.cli_args import parse
     from tasks.common import run_store
 
@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.once:  # a continuous processor may start before the run's first write; one pass may not
         existing_run(run_store(config), hint="storage.root and --run-id")
+    temporary_api()
     process(config, continuous=not args.once)
 
 

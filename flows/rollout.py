@@ -59,7 +59,7 @@ def _worker_name(text: str) -> str:
 
 @stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import weight_versions
+    from flows.cli import temporary_api, weight_versions
     from flows.cli_args import parse
     from tasks.common import run_store
 
@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         ray=True,
     )
     weight_versions(run_store(config))
+    temporary_api()
     rollout(config, args.worker)
 
 

@@ -45,7 +45,7 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
 
 @stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
-    from flows.cli import weight_versions
+    from flows.cli import temporary_api, weight_versions
     from flows.cli_args import parse
     from tasks.common import run_store
 
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         paths=train_paths,
     )
     weight_versions(run_store(config))
+    temporary_api()
     train(config, drain=args.drain)
 
 

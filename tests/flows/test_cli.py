@@ -20,7 +20,9 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
@@ -1102,38 +1104,41 @@ def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time()
     assert result.stdout.split() == ["120"]
 
 
-def session_members(leader: int) -> list[str]:
-    """The command lines of the live processes in the session ``leader`` started."""
-    members = []
+def processes_of(home: Path) -> dict[int, str]:
+    """The live processes (id: command line) whose environment names ``home`` as their
+    ``PREFECT_HOME``: a flow command's and its Prefect server's, in whatever session."""
+    members = {}
+    marker = f"PREFECT_HOME={home}".encode()
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                fields = stat.read().rpartition(")")[2].split()
+                state = stat.read().rpartition(")")[2].split()[0]
+            with open(f"/proc/{entry}/environ", "rb") as environ:
+                named = marker in environ.read().split(b"\0")
             with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
                 command = cmdline.read().replace(b"\0", b" ").decode(errors="replace")
-        except (FileNotFoundError, ProcessLookupError):  # it ended meanwhile
+        except (FileNotFoundError, ProcessLookupError, PermissionError):  # ended meanwhile, or not ours
             continue
-        if int(fields[3]) == leader and fields[0] != "Z":  # fields after the name: state, ppid, pgrp, session
-            members.append(command)
+        if named and state != "Z":
+            members[int(entry)] = command
     return members
 
 
-@pytest.mark.slow
-def test_a_flow_stopped_with_sigterm_stops_prefects_temporary_server_and_says_so(tmp_path):
-    """SIGTERM (``docker stop``, Kubernetes, systemd) to ``treadle run`` in Prefect's
-    ephemeral mode, while rollouts run: the process died by the signal's default action and
-    left Prefect's temporary server running, reparented to init, for ever. Now it ends as on
-    Ctrl-C: the server is stopped, one line says why, and the status is 128 + SIGTERM."""
+def stop_a_rollout(
+    tmp_path: Path, stop: Callable[[subprocess.Popen], None], timeout: float
+) -> tuple[int, str]:
+    """``treadle run rollout`` in Prefect's ephemeral mode (no API set), stopped with ``stop``
+    once rollouts are being written; its status and stderr, after checking that a Prefect
+    server ran for it and that none is left."""
     from tests.flows.conftest import tiny_config
 
-    config = tiny_config(
-        tmp_path / "runs", "sigterm", warm_start={"enabled": False}, stop={"max_seconds": 300}
-    )
+    config = tiny_config(tmp_path / "runs", "stop", warm_start={"enabled": False}, stop={"max_seconds": 300})
     config_path = tmp_path / "run.yaml"
     config_path.write_text(json.dumps(config.model_dump(mode="json")))
     (tmp_path / "flow-tmp").mkdir()
+    home = tmp_path / "prefect-home"  # its own database for the temporary server, and a mark on its processes
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),  # its own database for the temporary server
+        "PREFECT_HOME": str(home),
         "OMP_NUM_THREADS": "1",
         "TMPDIR": str(tmp_path / "flow-tmp"),
         "PYTHONFAULTHANDLER": "1",
@@ -1146,34 +1151,56 @@ def test_a_flow_stopped_with_sigterm_stops_prefects_temporary_server_and_says_so
             env=env,
             stdout=subprocess.DEVNULL,
             stderr=log,
-            start_new_session=True,
+            start_new_session=True,  # the test's own process group is not the terminal's here
         )
-    shards = tmp_path / "runs" / "sigterm" / "shards" / "raw"
+    shards = tmp_path / "runs" / "stop" / "shards" / "raw"
     try:
         while not (shards.exists() and any(shards.rglob("*.arrow"))):  # rollouts are being written
             assert process.poll() is None, f"the flow ended before writing a shard: {stderr.read_text()}"
             time.sleep(0.2)
-        assert any("uvicorn" in command for command in session_members(process.pid))
-        process.send_signal(signal.SIGTERM)  # to the process alone, as docker stop sends it
+        assert set(processes_of(home)) - {process.pid}, "no Prefect server runs for the command"
+        stop(process)
         try:
-            process.wait(timeout=300)
+            process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             process.send_signal(signal.SIGABRT)  # the fault handler writes every thread's stack
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(timeout=30)
-            pytest.fail(f"still running 300 s after SIGTERM: {stderr.read_text()[-8000:]}")
-        left = session_members(process.pid)
+            pytest.fail(f"still running {timeout} s after it was stopped: {stderr.read_text()[-8000:]}")
+        left = list(processes_of(home).values())
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
-        for pid in filter(str.isdigit, os.listdir("/proc")):  # what outlived its leader (the server, before)
-            try:
-                if os.getsid(int(pid)) == process.pid:
-                    os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                continue
+        for pid in processes_of(home):  # what outlived the command (its server, before)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     err = stderr.read_text()
     assert left == [], left
-    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    return process.returncode, err
+
+
+@pytest.mark.slow
+def test_a_flow_stopped_with_sigterm_stops_prefects_temporary_server_and_says_so(tmp_path):
+    """SIGTERM (``docker stop``, Kubernetes, systemd) to ``treadle run`` in Prefect's
+    ephemeral mode, while rollouts run: the process died by the signal's default action and
+    left Prefect's temporary server running, reparented to init, for ever. Now it ends as on
+    Ctrl-C: the server is stopped, one line says why, and the status is 128 + SIGTERM."""
+    code, err = stop_a_rollout(tmp_path, lambda process: process.send_signal(signal.SIGTERM), timeout=300)
+    assert code == 128 + signal.SIGTERM, err[-3000:]
     assert "stopped by SIGTERM\n" in err and "Traceback" not in err, err[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
+def test_a_flow_stopped_from_its_terminal_reports_its_end_and_leaves_no_server(tmp_path, signum):
+    """Ctrl-C (SIGINT) or a closed terminal (SIGHUP) reaches the terminal's whole foreground
+    process group. With no Prefect API set, Prefect's ephemeral server was in that group: it
+    stopped at once, and the flow engine tried for over a minute to report the flow run
+    Crashed to it, then ended with a ConnectError traceback (status 1); a SIGHUP killed the
+    command by its default action. Now the command's server is out of the group: the run is
+    reported, one line says why it stopped, and the server is stopped at exit."""
+    code, err = stop_a_rollout(tmp_path, lambda process: os.killpg(process.pid, signum), timeout=60)
+    assert code == 128 + signum, err[-3000:]
+    assert f"stopped by {signum.name}\n" in err and "Traceback" not in err, err[-3000:]
+    assert "Finished in state Crashed('Execution was aborted by an interrupt signal.')" in err, err[-3000:]
