@@ -30,13 +30,24 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
     loop = _LoopThread(main)
     try:
         loop.start()
-        loop.finished.wait()
+        _wait(loop.finished)
     except BaseException:
         loop.cancel()
         if loop.started():  # else it closes main unrun as it starts
-            loop.finished.wait()
+            _wait(loop.finished)
         raise
     return loop.outcome()
+
+
+WAKE_SECONDS = 0.1
+"""How often the main thread, waiting on the loop, wakes: the kernel may give a signal to any
+thread, and then its handler runs only once the main thread runs Python again (a wait without
+a timeout is interrupted only by a signal given to the main thread itself)."""
+
+
+def _wait(finished: threading.Event) -> None:
+    while not finished.wait(WAKE_SECONDS):
+        pass
 
 
 class _LoopThread:

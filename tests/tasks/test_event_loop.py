@@ -56,7 +56,7 @@ def test_sigterm_sent_while_a_background_task_runs_cancels_main_which_cleans_up_
     async def main() -> str:
         sigterm_from_a_background_task(log)
         try:
-            await asyncio.sleep(5)
+            await asyncio.sleep(60)
             log.append("main ran to its end")
         except asyncio.CancelledError:
             log.append("main cancelled")
@@ -77,7 +77,7 @@ def test_a_main_that_stops_gracefully_on_cancellation_still_raises_the_signal(si
     async def main() -> str:
         sigterm_from_a_background_task(log)
         try:
-            await asyncio.sleep(5)
+            await asyncio.sleep(60)
         except asyncio.CancelledError:
             log.append("stopped early")
         return "partial result"
@@ -87,23 +87,50 @@ def test_a_main_that_stops_gracefully_on_cancellation_still_raises_the_signal(si
     assert log == ["background ran on", "stopped early"]
 
 
+def test_a_signal_the_kernel_gives_to_the_loops_thread_still_stops_main_at_once(sigterm_raises_stopped):
+    """A process-wide signal goes to any thread that does not block it, and Python runs its
+    handler in the main thread only once that thread runs again: one waiting on the loop
+    without a timeout ran it when ``main`` had ended on its own (here, after its 60 s)."""
+    log = []
+
+    async def main() -> None:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})  # this thread takes it
+        sigterm_from_a_background_task(log)
+        try:
+            await asyncio.sleep(60)
+            log.append("main ran to its end")
+        except asyncio.CancelledError:
+            log.append("main cancelled")
+            raise
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the main thread does not
+    try:
+        with pytest.raises(Stopped):
+            run_async(main())
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    assert log == ["background ran on", "main cancelled"]
+
+
 def test_a_second_signal_during_the_cleanup_is_raised_at_once_and_the_cleanup_still_finishes(
     sigterm_raises_stopped,
 ):
     log = []
+    release = threading.Event()
 
     async def main() -> None:
         sigterm_from_a_background_task(log)
         try:
-            await asyncio.sleep(5)
+            await asyncio.sleep(60)
         finally:
             os.kill(os.getpid(), signal.SIGTERM)
-            await asyncio.sleep(1)  # a slow cleanup
+            await asyncio.to_thread(release.wait, 60)  # a slow cleanup: until the test has looked
             log.append("cleanup finished")
 
     with pytest.raises(Stopped):
         run_async(main())
     assert log == ["background ran on"]
+    release.set()
     deadline = time.monotonic() + 60
     while log == ["background ran on"] and time.monotonic() < deadline:
         time.sleep(0.05)
