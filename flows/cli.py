@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from typing import NoReturn
 
 FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
@@ -311,7 +312,12 @@ def temporary_api() -> None:
     # Prefect's ephemeral mode: it would add runs of the local database's deployments
     command, env = prefect_server("127.0.0.1", port, "--no-scheduler")
     server = subprocess.Popen(
-        command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, start_new_session=True
+        command,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=_stopped_with(os.getpid()),
     )
     # before Prefect's own exit handlers, which run first and send their last logs and events
     atexit.register(_stop_server, server)
@@ -328,6 +334,30 @@ def temporary_api() -> None:
         time.sleep(0.1)
     os.environ["PREFECT_API_URL"] = url
     refresh_global_settings_context()
+
+
+PR_SET_PDEATHSIG = 1
+"""prctl's option for the signal a process gets when its parent dies (linux/prctl.h)."""
+
+
+def _stopped_with(parent: int) -> Callable[[], None] | None:
+    """What a child of ``parent`` runs before its command so that it gets SIGTERM when
+    ``parent`` dies, however it dies (SIGKILL, the OOM killer), where Linux offers it (None
+    elsewhere). Linux sends it when the thread that started the child ends: start it from the
+    main thread. Resolved here: the child, forked from a process with threads, only calls it."""
+    import ctypes
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except AttributeError:
+        return None
+
+    def stop_with_parent() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it died before that: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return stop_with_parent
 
 
 def _healthy(url: str) -> bool:

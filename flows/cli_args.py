@@ -75,7 +75,12 @@ def stops_as_on_ctrl_c(main: Callable[..., None]) -> Callable[..., None]:
             received.append(signal.Signals(signum))
             raise KeyboardInterrupt
 
-        previous = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGTERM, signal.SIGHUP)}
+        # a signal ignored stays so: ``nohup`` ignores SIGHUP for the run to outlive its terminal
+        previous = {
+            signum: signal.signal(signum, interrupt)
+            for signum in (signal.SIGTERM, signal.SIGHUP)
+            if signal.getsignal(signum) is not signal.SIG_IGN
+        }
         try:
             main(*args, **kwargs)
         except KeyboardInterrupt:

@@ -1204,3 +1204,70 @@ def test_a_flow_stopped_from_its_terminal_reports_its_end_and_leaves_no_server(t
     assert code == 128 + signum, err[-3000:]
     assert f"stopped by {signum.name}\n" in err and "Traceback" not in err, err[-3000:]
     assert "Finished in state Crashed('Execution was aborted by an interrupt signal.')" in err, err[-3000:]
+
+
+def test_a_command_run_under_nohup_goes_on_when_its_terminal_closes():
+    """``nohup treadle run …`` ignores SIGHUP so that the run outlives its terminal: the
+    command must keep it ignored rather than stop on it as on Ctrl-C, while a SIGHUP that is
+    not ignored stops it with the status a shell gives a process the signal killed."""
+    from flows.cli_args import stops_as_on_ctrl_c
+
+    @stops_as_on_ctrl_c
+    def command() -> str:
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(0.1)  # the handler runs between bytecodes: at the latest here
+        return "went on"
+
+    previous = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        assert command() is None
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        signal.signal(signal.SIGHUP, signal.SIG_DFL)
+        with pytest.raises(SystemExit) as stopped:
+            command()
+        assert stopped.value.code == 128 + signal.SIGHUP
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGHUP, previous)
+
+
+KILLED_COMMAND = """
+import sys
+from flows.cli import temporary_api
+temporary_api()
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+def test_a_command_killed_outright_takes_its_temporary_prefect_server_with_it(tmp_path):
+    """The server a command starts for itself has a session of its own (out of reach of
+    Ctrl-C), so a SIGKILL to the command (the OOM killer, ``kill -9``) would leave it running
+    for ever, holding its port and the Prefect database: it is stopped when the command dies."""
+    home = tmp_path / "prefect-home"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home)}
+    command = subprocess.Popen(
+        [sys.executable, "-c", KILLED_COMMAND],
+        cwd=REPO,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert command.stdout.readline() == "ready\n"
+        servers = set(processes_of(home)) - {command.pid}
+        assert servers, "no Prefect server runs for the command"
+        command.kill()
+        command.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while processes_of(home) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = processes_of(home)
+    finally:
+        command.kill()
+        for pid in processes_of(home):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert left == {}, left
