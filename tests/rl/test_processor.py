@@ -908,3 +908,42 @@ def test_config_rejects_bad_values():
         ProcessorConfig(j_max=0)
     with pytest.raises(ValueError, match="weighting"):
         ProcessorConfig(weighting="sequence")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    n_executions=st.integers(1, 4),
+    max_paths=st.integers(1, 9),
+    j_max=st.one_of(st.none(), st.integers(1, 4)),
+)
+def test_each_processed_row_carries_its_own_trajectorys_id_and_tokens(seed, n_executions, max_paths, j_max):
+    """What joins a trained row to the ``trajectories`` table: a branch's processed row is the
+    branch's own path under its own id, its parent's row the parent's (whichever of them
+    trains the prefix they share), the ids of the processed rows are those of the selected
+    ``trajectories`` rows, once each, and each such row counts the tokens its processed row
+    trains. A repeated id and an excluded status never reach a processed row."""
+    rng = np.random.default_rng(seed)
+    records = random_shard(seed, n_executions, max_paths)
+    copy = dict(records[int(rng.integers(len(records)))])  # the id again, other tokens
+    copy |= {"execution_id": "other", "parent_id": None, "branch_at": None}
+    copy |= {"tokens": [7, 8, 9], "action_mask": [False, True, True], "logprobs": [0.0, -0.5, -0.5]}
+    copy |= {"turn": [0, 1, 1], "versions": [-1, 3, 3]}
+    broken = record("broken", "other", [7, 8, 6], [False, True, True], status="env_error")
+    records += [copy, broken]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=j_max, seed=seed), shard_id="s0")
+
+    first = {}
+    for row in records:
+        first.setdefault(row["trajectory_id"], row)
+    processed = result.processed.to_pylist()
+    ids = [row["trajectory_id"] for row in processed]
+    selected = [row for row in result.trajectories if row["selected"]]
+    assert sorted(ids) == sorted(row["trajectory_id"] for row in selected) and len(set(ids)) == len(ids)
+    assert copy["tokens"] not in [row["tokens"] for row in processed] and "broken" not in ids
+    train_tokens = {row["trajectory_id"]: row["num_train_tokens"] for row in selected}
+    for row in processed:
+        raw = first[row["trajectory_id"]]
+        for column in ("execution_id", "parent_id", *TOKEN_COLUMNS):
+            assert row[column] == pytest.approx(raw[column]), (row["trajectory_id"], column)
+        assert sum(row["train_mask"]) == train_tokens[row["trajectory_id"]]
