@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_file
 from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausalLM
 
+from flows.sql import connect
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.logprobs import token_logprobs
@@ -35,6 +36,7 @@ from rl.models import (
     publish_policy,
     restore_master_weights,
 )
+from rl.process_loop import ShardProcessor
 from rl.processor import ProcessorConfig, process_shard
 from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_values
 from storage.config import RunStore, StorageConfig
@@ -43,6 +45,7 @@ from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables, one_row_per_step
 from storage.weights import CLAIM_FILE, WeightStore
+from tests.conftest import readme_query
 from tests.rl.synthetic import TINY, config, make_trajectories, write_shards
 from tests.storage.test_weights import readme_totals
 
@@ -200,6 +203,7 @@ def test_grpo_drops_a_group_whole_when_one_member_is_stale(store):
     trainer.run(drain=True)
     (step,) = read_steps(store)
     assert step["dropped_stale"] == 4 and step["num_samples"] == 2  # only the last pair is whole and fresh
+    assert sorted(step["trajectory_ids"]) == [record["trajectory_id"] for record in fresh[2:]]
 
 
 @pytest.mark.parametrize("skipped", ["claimed by a killed publish", "passed over"])
@@ -694,6 +698,79 @@ def branching_group_shard(store: RunStore) -> dict[str, str]:
     writer.close()
     rows = result.processed.select(["trajectory_id", "execution_id"]).to_pylist()
     return {row["trajectory_id"]: row["execution_id"] for row in rows}
+
+
+def raw_lineage_shards(store: RunStore) -> None:
+    """Two raw shards of the run: the first holds a branching execution (a root and its
+    branch after the observation), an exact retry of another root, a second row under an
+    id already there and an ``env_error`` row; the second a row with an action at position 0
+    (the trainer rejects it) and one whose reward 3e38 overflows the critic's loss in SAO mode, the
+    policy loss in GRPO mode (its batch is rejected)."""
+    records = make_trajectories(store, 8, seed=50)
+    root, other = records[0], records[1]
+    branch = {name: list(value) if isinstance(value, list) else value for name, value in root.items()}
+    branch |= {"trajectory_id": "branch", "parent_id": root["trajectory_id"], "branch_at": 9}
+    branch["tokens"] = root["tokens"][:9] + [201, 202]
+    branch["logprobs"] = root["logprobs"][:9] + [-1.0, -1.0]
+    retry = dict(other) | {"trajectory_id": "retry", "parent_id": other["trajectory_id"]}
+    again = dict(records[2]) | {"execution_id": "again", "tokens": records[3]["tokens"]}
+    failed = dict(records[3]) | {"trajectory_id": "failed", "execution_id": "failed", "status": "env_error"}
+    records[5]["action_mask"][0], records[5]["versions"][0] = True, 0
+    records[6]["reward"] = 3e38
+    writer = ShardWriter(store, "w0")
+    for shard in ([root, branch, *records[1:4], retry, again, failed], records[4:]):
+        writer.write_table(to_table(shard, TRAJECTORY_SCHEMA))
+        writer.flush()
+    writer.close()
+
+
+@pytest.mark.parametrize("mode", ["sao", "grpo"])
+def test_the_steps_that_went_into_the_weights_name_each_selected_trajectory_they_trained_once(
+    store, mode, monkeypatch
+):
+    """From raw shards through the processor to a trainer that trains every row and is then
+    restarted from the base version (it published nothing): the kept ``train_steps`` rows,
+    the README's join among them, name each trajectory trained into the weights once, each a
+    selected row of ``trajectories`` under its own id (a branch's and its parent's both), and
+    none that the trainer rejected, alone or in a batch."""
+    raw_lineage_shards(store)
+    ShardProcessor(store, ProcessorConfig(j_max=None)).poll()
+    trajectories = Tables(store).read("trajectories").to_pylist()
+    selected = {row["trajectory_id"] for row in trajectories if row["selected"]}
+    assert {"t50-0", "branch", "t50-1", "t50-2"} <= selected and not {"retry", "failed"} & selected
+    assert [row["selected"] for row in trajectories if row["trajectory_id"] == "t50-2"] == [True, False]
+
+    overrides = {"mode": mode, "token_budget": 33, "micro_token_budget": 33, "publish_every": 100}
+    Trainer(store, config(**overrides, publish_on_stop=False)).run(drain=True)
+    trainer = Trainer(store, config(**overrides))
+    rejected = []
+    reject_batch = trainer._reject_batch
+    monkeypatch.setattr(
+        trainer,
+        "_reject_batch",
+        lambda samples, reason: [rejected.extend(samples), reject_batch(samples, reason)],
+    )
+    trainer.run(drain=True)
+
+    steps = one_row_per_step(Tables(store).read("train_steps")).to_pylist()
+    assert [row["step"] for row in steps] == list(range(1, trainer.step + 1))
+    named = [trajectory for row in steps for trajectory in row["trajectory_ids"]]
+    assert len(named) == len(set(named)) and set(named) <= selected
+    assert {"t50-0", "branch"} <= set(named) and "t50-5" not in named
+    assert not {s.trajectory_id for s in rejected} & set(named)
+    assert set(named) | {s.trajectory_id for s in rejected} | {"t50-5"} == selected
+    assert "t50-6" in {s.trajectory_id for s in rejected}  # its batch overflows, in either mode
+    if mode == "grpo":  # a GRPO step names every member of the groups it trained, the branch with its root
+        group_of = {row["trajectory_id"]: row["group_id"] for row in trajectories if row["selected"]}
+        for row in steps:
+            groups = {group_of[trajectory] for trajectory in row["trajectory_ids"]}
+            assert {trajectory for trajectory in named if group_of[trajectory] in groups} == set(
+                row["trajectory_ids"]
+            )
+    joined = connect(store).execute(
+        f"SELECT step, count(*) FROM ({readme_query('unnest(trajectory_ids)')}) GROUP BY step ORDER BY step"
+    )
+    assert joined.fetchall() == [(row["step"], len(row["trajectory_ids"])) for row in steps]
 
 
 @pytest.mark.parametrize("normalize_std", [False, True])
