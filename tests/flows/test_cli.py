@@ -89,18 +89,18 @@ def test_inspect_prints_versions_rewards_and_shards(pipeline_run):
     assert f"policy steps logged: {pipeline_run.result['trained']['steps']}" in out
 
 
-def test_sql_answers_over_the_runs_tables(pipeline_run):
-    config = pipeline_run.config
-    result = treadle(
-        "sql",
-        "--root",
-        config.storage.root,
-        "--run-id",
-        config.run_id,
-        "SELECT task, count(*) AS n FROM trajectories GROUP BY task ORDER BY task",
-    )
+def sql_on(run, statement: str) -> list[str]:
+    """The lines ``treadle sql`` prints for ``statement`` on the pipeline run ``run``."""
+    config = run.config
+    result = treadle("sql", "--root", config.storage.root, "--run-id", config.run_id, statement)
     assert result.returncode == 0, result.stderr
-    header, *rows = result.stdout.strip().splitlines()
+    return result.stdout.strip().splitlines()
+
+
+def test_sql_answers_over_the_runs_tables(pipeline_run):
+    header, *rows = sql_on(
+        pipeline_run, "SELECT task, count(*) AS n FROM trajectories GROUP BY task ORDER BY task"
+    )
     assert header == "task\tn"
     counts = {task: int(n) for task, n in (row.split("\t") for row in rows)}
     assert set(counts) == {"arith", "guess"}
@@ -108,19 +108,12 @@ def test_sql_answers_over_the_runs_tables(pipeline_run):
 
 
 def test_sql_joins_each_policy_step_to_the_trajectories_it_trained_on(pipeline_run):
-    config = pipeline_run.config
-    result = treadle(
-        "sql",
-        "--root",
-        config.storage.root,
-        "--run-id",
-        config.run_id,
+    header, row = sql_on(
+        pipeline_run,
         "SELECT count(*) AS trained, count(DISTINCT s.id) AS once, count(t.trajectory_id) AS selected, "
         "(SELECT sum(num_samples) FROM train_steps) AS samples FROM (SELECT unnest(trajectory_ids) AS id "
         "FROM train_steps) s LEFT JOIN (SELECT * FROM trajectories WHERE selected) t ON t.trajectory_id = s.id",
     )
-    assert result.returncode == 0, result.stderr
-    header, row = result.stdout.strip().splitlines()
     counts = dict(zip(header.split("\t"), map(int, row.split("\t")), strict=True))
     assert counts["trained"] > 0 and counts["trained"] == counts["samples"]
     # each trained once, and each a selected trajectory of the run

@@ -438,6 +438,21 @@ def trajectory_row(trajectory_id: str) -> dict:
     }  # fmt: skip
 
 
+def older_train_steps(store: RunStore, schema: pa.Schema) -> str:
+    """A ``train_steps`` table made by an older treadle whose schema was ``schema``, holding
+    step 1; returns its URI."""
+    uri = Tables(store).uri("train_steps")
+    row = {name: value for name, value in step_row(1, 0.5).items() if name in schema.names}
+    write_deltalake(
+        uri,
+        pa.Table.from_pylist([row], schema=schema),
+        mode="append",
+        configuration=TABLE_CONFIGURATION,
+        storage_options=store.config.delta_options(),
+    )
+    return uri
+
+
 def test_a_train_steps_table_created_with_value_loss_required_takes_steps_without_a_critic(store):
     """A run's table made before ``value_loss`` became nullable still marks it NOT NULL in
     its log: appends of null value losses (GRPO) land, old rows and the change feed stay."""
@@ -446,14 +461,7 @@ def test_a_train_steps_table_created_with_value_loss_required_takes_steps_withou
     index = schema.get_field_index("value_loss")
     old_schema = schema.set(index, schema.field("value_loss").with_nullable(False))
     options = store.config.delta_options()
-    uri = Tables(store).uri("train_steps")
-    write_deltalake(
-        uri,
-        pa.Table.from_pylist([step_row(1, 0.5)], schema=old_schema),
-        mode="append",
-        configuration=TABLE_CONFIGURATION,
-        storage_options=options,
-    )
+    uri = older_train_steps(store, old_schema)
     stale = DeltaTable(uri, storage_options=options)
     assert not stale.schema().fields[index].nullable
 
@@ -480,15 +488,7 @@ def test_a_table_made_before_a_column_was_added_reads_it_as_null_and_takes_appen
     schema = TABLE_SCHEMAS["train_steps"]
     old_schema = schema.remove(schema.get_field_index("extra"))
     options = store.config.delta_options()
-    uri = Tables(store).uri("train_steps")
-    old_row = {k: v for k, v in step_row(1, 0.5).items() if k != "extra"}
-    write_deltalake(
-        uri,
-        pa.Table.from_pylist([old_row], schema=old_schema),
-        mode="append",
-        configuration=TABLE_CONFIGURATION,
-        storage_options=options,
-    )
+    uri = older_train_steps(store, old_schema)
     before = Tables(store).read("train_steps")
     assert before.schema == schema and before.column("extra").to_pylist() == [None]
     assert Tables(store).read("train_steps", columns=["extra", "step"]).to_pylist() == [
@@ -524,14 +524,7 @@ def test_a_train_steps_table_made_before_trajectory_ids_takes_steps_that_name_th
     trajectories they trained on."""
     schema = TABLE_SCHEMAS["train_steps"]
     old_schema = schema.remove(schema.get_field_index("trajectory_ids"))
-    uri = Tables(store).uri("train_steps")
-    write_deltalake(
-        uri,
-        pa.Table.from_pylist([step_row(1, 0.5)], schema=old_schema),
-        mode="append",
-        configuration=TABLE_CONFIGURATION,
-        storage_options=store.config.delta_options(),
-    )
+    older_train_steps(store, old_schema)
     Tables(store).append("train_steps", [step_row(2, 0.25) | {"trajectory_ids": ["a", "b"]}])
     Tables(store).append("trajectories", [trajectory_row("a"), trajectory_row("b"), trajectory_row("c")])
 
