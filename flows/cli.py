@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
+import fcntl
 import importlib
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -15,7 +18,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NoReturn
 
 FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
@@ -301,37 +304,44 @@ def temporary_api() -> None:
     for a minute or more to report the flow run Crashed to it, and ended with a ConnectError
     traceback. This server has a session of its own, out of reach of the terminal's signals."""
     from prefect.context import refresh_global_settings_context
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_HOME,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    )
 
     if PREFECT_API_URL.value() is not None:
         return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    # with its UI, which the flow run's "View at" link names; without the scheduler, as in
-    # Prefect's ephemeral mode: it would add runs of the local database's deployments
-    command, env = prefect_server("127.0.0.1", port, "--no-scheduler")
-    server = subprocess.Popen(
-        command,
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,
-        preexec_fn=_stopped_with(os.getpid()),
-    )
-    # before Prefect's own exit handlers, which run first and send their last logs and events
-    atexit.register(_stop_server, server)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
-    while not _healthy(url):
-        if server.poll() is not None:
-            raise SystemExit(f"error: the temporary Prefect server exited with status {server.returncode}")
-        if time.monotonic() > deadline:
-            raise SystemExit(
-                f"error: the temporary Prefect server did not answer at {url} within "
-                f"{PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()} s"
-            )
-        time.sleep(0.1)
+    with _starting_alone(PREFECT_HOME.value()):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        # with its UI, which the flow run's "View at" link names; without the scheduler, as in
+        # Prefect's ephemeral mode: it would add runs of the local database's deployments
+        command, env = prefect_server("127.0.0.1", port, "--no-scheduler")
+        server = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_stopped_with(os.getpid()),
+        )
+        # before Prefect's own exit handlers, which run first and send their last logs and events
+        atexit.register(_stop_server, server)
+        url = f"http://127.0.0.1:{port}/api"
+        deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+        while not _healthy(url):
+            if server.poll() is not None:
+                raise SystemExit(
+                    f"error: the temporary Prefect server exited with status {server.returncode}"
+                )
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"error: the temporary Prefect server did not answer at {url} within "
+                    f"{PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()} s"
+                )
+            time.sleep(0.1)
     os.environ["PREFECT_API_URL"] = url
     refresh_global_settings_context()
 
@@ -358,6 +368,22 @@ def _stopped_with(parent: int) -> Callable[[], None] | None:
             os.kill(os.getpid(), signal.SIGTERM)
 
     return stop_with_parent
+
+
+@contextlib.contextmanager
+def _starting_alone(home: pathlib.Path) -> Iterator[None]:
+    """Hold off the other commands' server starts on ``home`` (its Prefect database): each
+    server migrates the database at its start, and one that raced another's on a fresh
+    database exited with status 3 (an index or constraint the other had just made)."""
+    with contextlib.ExitStack() as stack:
+        try:
+            home.mkdir(parents=True, exist_ok=True)
+            lock = stack.enter_context(open(home / "treadle-server-start.lock", "a"))
+        except OSError:  # no database there either: the server fails and says why
+            pass
+        else:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _healthy(url: str) -> bool:

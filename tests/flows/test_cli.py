@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -1263,4 +1264,85 @@ def test_a_command_killed_outright_takes_its_temporary_prefect_server_with_it(tm
         for pid in processes_of(home):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+    assert left == {}, left
+
+
+STARTING_COMMAND = """
+from flows.cli import temporary_api
+temporary_api()
+print("ready", flush=True)
+"""
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def children_of(pid: int, among: dict[int, str]) -> list[int]:
+    """The processes of ``among`` whose parent is ``pid``."""
+    children = []
+    for child in among:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError), open(f"/proc/{child}/stat") as stat:
+            if int(stat.read().rpartition(")")[2].split()[1]) == pid:  # fields after the name: state, ppid
+                children.append(child)
+    return children
+
+
+@pytest.mark.slow
+def test_flow_commands_started_at_once_on_a_fresh_prefect_home_each_get_their_server(tmp_path):
+    """Flow commands started together (``treadle run rollout`` and ``treadle run train`` in two
+    shells) share one PREFECT_HOME, and so the database each one's server migrates at its
+    start: on a fresh one, a server whose migration raced another's exited with status 3 (an
+    index or constraint the other had just made, its traceback on the terminal), and so did
+    its command. Prefect's ephemeral mode started such a server again. Now a command starts
+    its server once none other on that home is starting: the second command's server starts
+    only once the first's answers, and each command gets its own."""
+    home = tmp_path / "prefect-home"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home)}
+
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", STARTING_COMMAND],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    first = start()
+    second = None
+    try:
+        servers = []
+        while not servers:  # its server is migrating the database (forked, not yet the server: not yet)
+            assert first.poll() is None, first.communicate()
+            time.sleep(0.05)
+            processes = processes_of(home)
+            servers = [
+                processes[pid] for pid in children_of(first.pid, processes) if " --port " in processes[pid]
+            ]
+        port = servers[0].split(" --port ")[1].split()[0]
+        second = start()
+        started_alongside = False
+        while not _answers(f"http://127.0.0.1:{port}/api/health") and first.poll() is None:
+            started_alongside = started_alongside or bool(children_of(second.pid, processes_of(home)))
+        outcomes = [first.communicate(timeout=240), second.communicate(timeout=240)]
+    finally:
+        for command in (first, second):
+            if command is not None:
+                command.kill()
+                command.wait()
+        left = processes_of(home)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    errors = [err[-3000:] for _, err in outcomes]
+    assert not started_alongside, "the second command started its server while the first's was starting"
+    assert [first.returncode, second.returncode] == [0, 0], errors
+    assert [out for out, _ in outcomes] == ["ready\n"] * 2, errors
+    assert "Traceback" not in "".join(errors), errors
     assert left == {}, left
