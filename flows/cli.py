@@ -319,14 +319,20 @@ def temporary_api() -> None:
         # with its UI, which the flow run's "View at" link names; without the scheduler, as in
         # Prefect's ephemeral mode: it would add runs of the local database's deployments
         command, env = prefect_server("127.0.0.1", port, "--no-scheduler")
-        server = subprocess.Popen(
-            command,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_stopped_with(os.getpid()),
-        )
+        try:
+            server = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=_stopped_with(os.getpid()),
+            )
+        except OSError as exc:  # no `prefect` beside this Python or on PATH
+            raise SystemExit(
+                f"error: cannot start a temporary Prefect server: {command[0]}: {exc.strerror} "
+                "(set PREFECT_API_URL to a running server's API)"
+            ) from None
         # before Prefect's own exit handlers, which run first and send their last logs and events
         atexit.register(_stop_server, server)
         url = f"http://127.0.0.1:{port}/api"

@@ -1346,3 +1346,27 @@ def test_flow_commands_started_at_once_on_a_fresh_prefect_home_each_get_their_se
     assert [out for out, _ in outcomes] == ["ready\n"] * 2, errors
     assert "Traceback" not in "".join(errors), errors
     assert left == {}, left
+
+
+def test_a_flow_command_without_a_prefect_executable_says_so_in_one_line(tmp_path):
+    """A flow command with no API set starts ``prefect server start``: with no ``prefect``
+    executable beside its Python or on PATH (a Python whose scripts went elsewhere), it
+    ended with a FileNotFoundError traceback. Now one line says what is missing and what
+    to do instead."""
+    missing = tmp_path / "bin" / "prefect"
+    probe = (
+        f"import shutil, flows.cli\nshutil.which = lambda *a, **k: {str(missing)!r}\n"
+        "flows.cli.temporary_api()\nprint('ready')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(tmp_path / "home")
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=env, timeout=60
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stdout == ""
+    assert result.stderr.splitlines() == [
+        f"error: cannot start a temporary Prefect server: {missing}: No such file or directory "
+        "(set PREFECT_API_URL to a running server's API)"
+    ], result.stderr
