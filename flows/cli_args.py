@@ -48,8 +48,9 @@ PREFECT_DEFAULTS = {
 
 
 def set_prefect_defaults() -> None:
-    """Set each of :data:`PREFECT_DEFAULTS` the environment does not set, for the ephemeral
-    Prefect server a flow run in this process starts."""
+    """Set each of :data:`PREFECT_DEFAULTS` the environment does not set, for the temporary
+    Prefect server a flow command starts (:func:`flows.cli.temporary_api`, which waits the
+    ephemeral start-up timeout for it)."""
     unset = {name: value for name, value in PREFECT_DEFAULTS.items() if name not in os.environ}
     os.environ.update(unset)
     if unset and "prefect.context" in sys.modules:
