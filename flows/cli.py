@@ -76,7 +76,8 @@ def spaced(values: list, limit: int = INSPECT_VERSIONS) -> set:
 
 def inspect_run(store) -> str:
     """A run's versions, held-out reward per version, reward of the generated data per
-    version, and shard counts, from its Delta tables. Long version lists are thinned to
+    version, shard counts, and the policy steps that went into the weights with the
+    trajectories they trained on, from its Delta tables. Long version lists are thinned to
     evenly spaced versions (``treadle sql`` shows every row)."""
     import pyarrow.compute as pc
 
@@ -125,8 +126,9 @@ def inspect_run(store) -> str:
         rows = shards.filter(pc.equal(shards.column("kind"), kind))
         total = pc.sum(rows.column("num_rows")).as_py() or 0
         lines.append(f"  {kind:<10} {rows.num_rows} shards, {total} trajectories")
-    steps = one_row_per_step(tables.read("train_steps", columns=["step", "time"]))
-    lines.append(f"\npolicy steps logged: {steps.num_rows}")
+    steps = one_row_per_step(tables.read("train_steps", columns=["step", "time", "num_samples"]))
+    trained = pc.sum(steps.column("num_samples")).as_py() or 0
+    lines.append(f"\npolicy steps logged: {steps.num_rows}, on {trained} trajectories")
     return "\n".join(lines)
 
 
