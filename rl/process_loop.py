@@ -196,6 +196,10 @@ class ShardProcessor:
     def _notify(self, outcome: ProcessedShard) -> None:
         if outcome.skipped:
             log.warning("raw shard %s skipped: %s", outcome.raw.shard_id, outcome.skipped)
+        errors = [] if outcome.counters is None else outcome.counters.errors
+        if errors:
+            more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
+            log.warning("raw shard %s: %s%s", outcome.raw.shard_id, "; ".join(errors[:5]), more)
         if self.on_shard is not None:
             self.on_shard(outcome)
 

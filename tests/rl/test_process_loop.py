@@ -221,3 +221,21 @@ def test_a_raw_shard_of_a_newer_treadle_stops_the_processor_and_gets_no_twin(loc
     assert [(twin.worker, twin.seq) for twin in twins] == [("w0", 0)]
     assert local_store.fs.exists(local_store.path(info.path))
     assert processed_ids(local_store) == ["t0"]
+
+
+def test_the_rows_a_shard_drops_for_broken_links_or_keeps_without_their_parent_are_logged(
+    local_store, caplog
+):
+    """The processor's per-row messages (where a branch's tokens contradict its declared
+    parent, a parent not in the shard) reach the log: a user whose agent framework writes
+    wrong ``branch_at`` values learns which rows and why, not only a count."""
+    with ShardWriter(local_store, "w0", flush_records=3) as writer:
+        writer.write(record("p", "e", [1, 2, 3, 4], [False, True, True, True]))
+        writer.write(record("c", "e", [1, 2, 9, 5], [False, True, True, True], parent="p", branch_at=3))
+        writer.write(record("orphan", "f", [1, 2, 3], [False, True, True], parent="gone", branch_at=2))
+    with caplog.at_level("WARNING"):
+        (outcome,) = ShardProcessor(local_store).poll()
+    assert outcome.counters.dropped["prefix_mismatch"] == 1
+    assert "raw/w0/00000000" in caplog.text
+    assert "trajectory 'c': tokens before branch_at 3 differ from parent 'p' at 2" in caplog.text
+    assert "trajectory 'orphan': parent 'gone' is not in its execution" in caplog.text
