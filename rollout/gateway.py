@@ -17,6 +17,7 @@ import functools
 import math
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -31,6 +32,8 @@ from storage.schema import LOGPROB_SLACK, STATUSES
 
 TIMING_KEYS = ("init", "run", "eval", "queue")
 """The entries of a record's ``timing``, in seconds (``storage.schema.TIMING_TYPE``)."""
+REMEMBERED_EXECUTIONS = 1 << 16
+"""Trajectories whose execution id a gateway keeps for the branches opened from them later."""
 
 _MARK = "\u2063treadle-assistant-content\u2063"
 _PROBE_TOOL = {
@@ -673,6 +676,9 @@ class Gateway:
         closing token where it has one, and ``GatewayConfig.eos_token_ids``."""
         self._skipped_in_tool_text = self._special_ids_but_tool_tags()
         self._sessions: dict[str, Session] = {}
+        self._executions: OrderedDict[str, str] = OrderedDict()
+        """Execution id of each trajectory opened here, newest last (at most
+        :data:`REMEMBERED_EXECUTIONS`): what a branch of it opened later joins."""
 
     def _special_ids_but_tool_tags(self) -> frozenset[int]:
         """Special token ids a reply's text for tool parsing leaves out: all but the tool-call
@@ -727,17 +733,28 @@ class Gateway:
         branch_at: int | None = None,
         session_id: str | None = None,
     ) -> Session:
-        """Open a session for one rollout; ids left out are generated."""
+        """Open a session for one rollout; ids left out are generated. A branch (``parent_id``)
+        without ``execution_id`` joins its parent's execution: the one its parent was opened
+        with here, else (a parent this gateway did not open, or opened long ago) the parent's
+        id, which is a root's execution id by default."""
         if not task or not prompt_id:
             raise InvalidRequest("a session needs a task and a prompt_id")
+        if branch_at is not None and parent_id is None:
+            raise InvalidRequest(f"branch_at {branch_at} needs the parent_id it branched from")
         trajectory_id = trajectory_id or uuid.uuid4().hex
         session_id = session_id or uuid.uuid4().hex
         if session_id in self._sessions:
             raise InvalidRequest(f"session {session_id!r} is already open")
+        if not execution_id:
+            execution_id = self._executions.get(parent_id, parent_id) if parent_id else trajectory_id
+        self._executions[trajectory_id] = execution_id
+        self._executions.move_to_end(trajectory_id)
+        if len(self._executions) > REMEMBERED_EXECUTIONS:
+            self._executions.popitem(last=False)
         info = SessionInfo(
             session_id=session_id,
             trajectory_id=trajectory_id,
-            execution_id=execution_id or trajectory_id,
+            execution_id=execution_id,
             task=task,
             prompt_id=prompt_id,
             group_id=group_id,

@@ -132,10 +132,21 @@ class OpenSessionRequest(BaseModel):
 
     task: str = Field(description="Environment name.")
     prompt_id: str = Field(description="Prompt id within the task.")
-    execution_id: str | None = Field(None, description="Agent execution id; defaults to the trajectory id.")
+    execution_id: str | None = Field(
+        None,
+        description="Agent execution id; defaults to the parent's for a branch (parent_id), else to the "
+        "trajectory id.",
+    )
     trajectory_id: str | None = Field(None, description="Trajectory id; generated when left out.")
     group_id: str | None = Field(None, description="Group id (group sampling only).")
     parent_id: str | None = Field(None, description="Trajectory this one branched from.")
+    branch_at: int | None = Field(
+        None,
+        ge=0,
+        lt=2**31,
+        description="Token index where this one diverged from its parent (with parent_id); where "
+        "their tokens first differ when left out.",
+    )
     session_id: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9._:~-]{1,256}$",

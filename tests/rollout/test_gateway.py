@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rl.models import TinyModelConfig, build_tiny_model, model_eos_ids, publish_policy
+from rl.processor import process_shard
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import RENDER_INLINE_CHARS, ChatRenderer, Gateway, GatewayConfig, UnknownSession
@@ -212,6 +213,45 @@ def test_generated_tokens_are_never_re_tokenized(tiny):
             assert record["tokens"][start : start + len(turn.token_ids)] == turn.token_ids
 
     asyncio.run(body())
+
+
+def test_a_branch_opened_without_an_execution_id_joins_its_parents_execution(tiny):
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            root = gateway.open(task="arith", prompt_id="p1", trajectory_id="root")
+            root.add_messages(USER)
+            await root.generate(SamplingParams(max_new_tokens=4, seed=1))
+            records = [root.record(reward=0.0)]
+            gateway.close(root.session_id)
+            parent = "root"
+            for name in ("retry", "retry-of-retry"):
+                branch = gateway.open(task="arith", prompt_id="p1", trajectory_id=name, parent_id=parent)
+                branch.add_messages(USER)
+                await branch.generate(SamplingParams(max_new_tokens=4, seed=len(name)))
+                records.append(branch.record(reward=1.0))
+                gateway.close(branch.session_id)
+                parent = name
+            return records
+
+    records = asyncio.run(body())
+    assert [r["execution_id"] for r in records] == ["root"] * 3
+    result = process_shard(to_table(records, TRAJECTORY_SCHEMA), shard_id="s")
+    assert result.counters.executions_in == 1 and result.counters.errors == []
+
+
+def test_a_branch_takes_the_execution_its_parent_was_given_or_else_its_parents_id(tiny):
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            gateway.open(task="arith", prompt_id="p1", trajectory_id="a", execution_id="exec-a")
+            opened = {
+                "child": gateway.open(task="arith", prompt_id="p1", parent_id="a"),
+                "explicit": gateway.open(task="arith", prompt_id="p1", parent_id="a", execution_id="mine"),
+                # a parent this gateway never opened: the execution a root gets by default
+                "elsewhere": gateway.open(task="arith", prompt_id="p1", parent_id="other-gateways"),
+            }
+            return {name: session.info.execution_id for name, session in opened.items()}
+
+    assert asyncio.run(body()) == {"child": "exec-a", "explicit": "mine", "elsewhere": "other-gateways"}
 
 
 def test_record_is_canonical_and_marks_actions_turns_versions(tiny):

@@ -190,6 +190,28 @@ def test_token_endpoint_round_trip_and_record(tiny):
     asyncio.run(body())
 
 
+def test_a_branch_opened_over_http_records_its_link_and_joins_its_parents_execution(tiny):
+    async def body():
+        async with serving(tiny) as (_, _, client):
+            await open_session(client, trajectory_id="root")
+            sid = await open_session(client, trajectory_id="retry", parent_id="root", branch_at=3)
+            opened = (await client.post(f"/v1/sessions/{sid}/record", json={})).json()
+            refused = [
+                ({"branch_at": 3}, "branch_at 3 needs the parent_id it branched from"),
+                ({"parent_id": "root", "branch_at": -1}, "branch_at"),
+                ({"parent_id": "root", "branch_at": 2**31}, "branch_at"),
+            ]
+            for fields, message in refused:
+                response = await client.post(
+                    "/v1/sessions", json={"task": "arith", "prompt_id": "p1", **fields}
+                )
+                assert response.status_code == 400 and message in response.text, (fields, response.text)
+            return opened
+
+    row = asyncio.run(body())
+    assert (row["execution_id"], row["parent_id"], row["branch_at"]) == ("root", "root", 3)
+
+
 def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
     async def body():
         async with serving(tiny, max_context_tokens=32) as (gateway, _, client):
