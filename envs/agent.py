@@ -180,6 +180,7 @@ class AgentEnv(Env):
         self.requests = 0
         self.result: ExecResult | None = None
         self.actions: ActionGate | None = None
+        self._connections = 0  # relay connections open now
 
     @classmethod
     def tasks(cls, split: Split, seed: int, n: int, config: AgentConfig | None = None) -> list[Task]:
@@ -289,7 +290,19 @@ class AgentEnv(Env):
         await super().close()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Forward one HTTP request from the sandbox to the gateway, with its key and session put in."""
+        """Forward one HTTP request from the sandbox to the gateway, with its key and session put in.
+
+        At most ``max_processes`` connections are served at once (the relay inside serves each
+        on threads of its own, so no more go through it); one past them is answered 503. The
+        program can also connect to the socket itself, and each connection it holds open holds
+        a descriptor of this worker, which every rollout here shares.
+        """
+        if self._connections >= self.config.sandbox.max_processes:
+            with contextlib.suppress(Exception):
+                await _reply(writer, 503, "too many connections to the relay at once")
+            writer.close()
+            return
+        self._connections += 1
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             request_line, *header_lines = head.decode("latin-1").split("\r\n")
@@ -352,6 +365,7 @@ class AgentEnv(Env):
             with contextlib.suppress(Exception):
                 await _reply(writer, 400, "malformed request")
         finally:
+            self._connections -= 1
             with contextlib.suppress(Exception):
                 writer.close()
 

@@ -222,6 +222,53 @@ def test_agent_relay_answers_502_when_the_gateway_is_unreachable():
     assert relayed_statuses("http://127.0.0.1:9/v1", UNREACHABLE) == ["502", "400"]
 
 
+FLOOD = r"""python3 - <<'PY'
+import os, socket, time
+held = []
+for _ in range(300):
+    held.append(socket.socket(socket.AF_UNIX))
+    held[-1].connect(".gateway.sock")
+open("held", "w").close()
+while not os.path.exists("counted"):
+    time.sleep(0.01)
+with socket.socket(socket.AF_UNIX) as s:
+    s.connect(".gateway.sock")
+    s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+    print(s.recv(100).split()[1].decode())
+PY"""
+
+
+def test_agent_relay_connections_held_open_take_a_bounded_share_of_the_workers_descriptors(upstream):
+    """A program that opens connection after connection to the relay's socket and never sends
+    a request held one descriptor of the worker for each, all the worker's (and with them the
+    other rollouts') in the end; past ``max_processes`` at once it is answered 503."""
+    cfg = config(command=FLOOD, agent_timeout_s=30)
+
+    async def episode():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        try:
+            before = len(os.listdir("/proc/self/fd"))
+            run = asyncio.ensure_future(env.run())
+            workdir = Path(env.sandbox.workdir)
+            deadline = time.monotonic() + 20
+            while not (workdir / "held").exists() and not run.done():
+                assert time.monotonic() < deadline, "the program never held its connections"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.5)  # the worker accepts what is still queued
+            during = len(os.listdir("/proc/self/fd"))
+            (workdir / "counted").touch()
+            return before, during, await run, env.result.output
+        finally:
+            await env.close()
+
+    before, during, result, output = asyncio.run(episode())
+    assert result.info["exit_code"] == 0, output
+    assert during - before <= cfg["sandbox"]["max_processes"] + 8
+    assert output.split() == ["503"]
+
+
 def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
     env = AgentEnv(**config(command="true", eval_command="echo no score"))
     task = task_set("agent", "train", 0, 1, config())[0]
