@@ -252,8 +252,11 @@ class AgentEnv(Env):
         if self.actions is not None:
             await self.actions.acting()
         try:
-            # The program starts on its first action's cores.
-            self.result = await sandbox.run_async(argv, self.config.agent_timeout_s, cores=self.cores)
+            # The program starts on its first action's cores. Its output is its log, which holds
+            # what the model's commands printed: not read for what the isolation stopped.
+            self.result = await sandbox.run_async(
+                argv, self.config.agent_timeout_s, cores=self.cores, violations=False
+            )
         finally:
             if self.actions is not None:
                 self.actions.waiting()
@@ -273,7 +276,7 @@ class AgentEnv(Env):
         self._require_task()
         if not self.config.eval_command or self.sandbox is None:
             return 0.0
-        result = await self.sandbox.run_async(self.config.eval_command, cores=self.cores)
+        result = await self.sandbox.run_async(self.config.eval_command, cores=self.cores, violations=False)
         lines = result.output.strip().splitlines()
         try:
             score = float(lines[-1])

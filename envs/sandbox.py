@@ -411,11 +411,20 @@ class Sandbox:
         return self._result(exit_code, output, stopped, started, timeout)
 
     async def run_async(
-        self, command: str | list[str], timeout: float | None = None, cores: frozenset[int] | None = None
+        self,
+        command: str | list[str],
+        timeout: float | None = None,
+        cores: frozenset[int] | None = None,
+        violations: bool = True,
     ) -> ExecResult:
         """:meth:`run` for the event loop, started on ``cores``: its output and exit are
         awaited on the loop, so a long command holds no worker thread (only its start,
-        short, takes one)."""
+        short, takes one).
+
+        ``violations=False``: the output is not read for what the isolation stopped (whatever
+        ``violations_are_errors`` says), for a command whose output holds what other programs
+        printed (an agent program's log of its tools, an EVAL's report on the agent's code):
+        only what the sandbox itself stops it for is raised."""
         cmd, timeout = self._command(command, timeout)
         started = time.monotonic()
 
@@ -439,7 +448,7 @@ class Sandbox:
             self._let_go(proc)
             if proc.returncode is None:  # cancelled: reap the killed command, shielded from a second cancel
                 await asyncio.shield(exit_code_async(proc, REAP_TIMEOUT_S))
-        return self._result(exit_code, output, stopped, started, timeout)
+        return self._result(exit_code, output, stopped, started, timeout, violations)
 
     def _command(self, command: str | list[str], timeout: float | None) -> tuple[list[str], float]:
         cmd = ["bash", "-c", command] if isinstance(command, str) else list(command)
@@ -473,7 +482,13 @@ class Sandbox:
             proc.wait(REAP_TIMEOUT_S)
 
     def _result(
-        self, exit_code: int, output: bytes, stopped: str | None, started: float, timeout: float
+        self,
+        exit_code: int,
+        output: bytes,
+        stopped: str | None,
+        started: float,
+        timeout: float,
+        violations: bool = True,
     ) -> ExecResult:
         if self.closed:
             raise SandboxError(
@@ -482,12 +497,19 @@ class Sandbox:
         result = ExecResult(
             exit_code, output.decode(errors="replace"), stopped == "output", time.monotonic() - started
         )
-        self.check(result, stopped, timeout)
+        self.check(result, stopped, timeout, violations)
         return result
 
-    def check(self, result: ExecResult, stopped: str | None = None, timeout: float | None = None) -> None:
+    def check(
+        self,
+        result: ExecResult,
+        stopped: str | None = None,
+        timeout: float | None = None,
+        violations: bool = True,
+    ) -> None:
         """Raise the :class:`SandboxError` that ``result`` shows, if any (``timeout``: the
-        wall-clock limit the command ran under, default ``timeout_s``)."""
+        wall-clock limit the command ran under, default ``timeout_s``; ``violations``: read
+        the output for what the isolation stopped, with ``violations_are_errors``)."""
         cap = self.config.max_output_bytes
         if stopped and VIOLATION_PATTERNS[0][1].search(result.output.encode()):
             raise SandboxError(
@@ -514,7 +536,7 @@ class Sandbox:
             raise SandboxError(
                 "file_size_limit", f"a file grew past {self.config.file_size_mb} MiB", result.output
             )
-        if self.config.violations_are_errors and result.exit_code != 0:
+        if violations and self.config.violations_are_errors and result.exit_code != 0:
             raw = result.output.encode()
             for kind, pattern in VIOLATION_PATTERNS:
                 match = pattern.search(raw)

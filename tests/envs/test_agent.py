@@ -354,6 +354,30 @@ def test_agent_eval_printing_nan_scores_zero(upstream):
     assert asyncio.run(episode()) == 0.0
 
 
+def test_what_the_agents_work_printed_never_turns_its_program_or_eval_into_a_sandbox_error(upstream):
+    """The program's log and EVAL's report hold what the model's commands and code printed:
+    a program that logged a tool's refused connection and exited 1, and an EVAL whose failing
+    test printed ``MemoryError`` and exited 1 after the score, were raised as the sandbox's
+    ``network`` and ``memory_limit`` (env_error, the episode never trained on, its score lost)."""
+    cfg = config(
+        command="echo 'tool: curl: (7) Connection refused'; exit 1",
+        eval_command="echo 'test_big FAILED: MemoryError'; echo 0.5; exit 1",
+    )
+
+    async def episode():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        try:
+            return await env.run(), await env.evaluate()
+        finally:
+            await env.close()
+
+    result, score = asyncio.run(episode())
+    assert result.info["exit_code"] == 1
+    assert score == 0.5
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_agent_eval_asks_for_cores_and_runs_on_those_granted(upstream):
     core = max(os.sched_getaffinity(0))
