@@ -14,7 +14,8 @@ it isolated under one of three backends (see ``docs/sandboxes.md``):
 Every backend runs the command under rlimits (CPU seconds, address space, file size, process
 count) with a scrubbed environment; callers add a wall-clock timeout and an output cap. When the
 worker runs as root, each sandbox also gets its own unprivileged uid (unique among the live
-sandboxes of the process), so that the process-count limit counts that sandbox alone.
+sandboxes of the workers of its network namespace), so that the process-count limit counts that
+sandbox alone.
 
 Failures the sandbox contains are raised as :class:`SandboxError` with a ``kind``. Those in
 :data:`COMMAND_KINDS` are brought on by the command itself (what it ran or printed): an
@@ -27,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import errno
 import logging
 import math
 import os
@@ -35,6 +37,7 @@ import secrets
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -834,7 +837,8 @@ def _session_pids(sid: int) -> list[int]:
     return pids
 
 
-_uids_in_use: set[int] = set()
+# the claim of each uid a live sandbox of this process holds (see _claim_uid)
+_uid_claims: dict[int, socket.socket] = {}
 _uids_lock = threading.Lock()
 
 
@@ -858,20 +862,34 @@ def _sandbox_uids_mapped() -> bool:
 
 
 def _claim_uid() -> int:
-    """A per-sandbox uid that no live sandbox of this process holds and no process runs as."""
+    """A per-sandbox uid that no live sandbox of a worker in this network namespace holds and
+    no process runs as.
+
+    The claim is an abstract Unix socket named for the uid, bound for the sandbox's life: a
+    bind is atomic between processes (the env workers of a node, whose sandboxes may not have
+    run anything yet), and the kernel lets go of it when the worker dies."""
     while True:
         uid = UID_BASE + secrets.randbelow(UID_RANGE)
         if _uid_pids(uid):
             continue
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0treadle-sandbox-uid-{uid}")
+        except OSError as exc:
+            claim.close()
+            if exc.errno == errno.EADDRINUSE:
+                continue
+            raise
         with _uids_lock:
-            if uid not in _uids_in_use:
-                _uids_in_use.add(uid)
-                return uid
+            _uid_claims[uid] = claim
+        return uid
 
 
 def _release_uid(uid: int) -> None:
     with _uids_lock:
-        _uids_in_use.discard(uid)
+        claim = _uid_claims.pop(uid, None)
+    if claim is not None:
+        claim.close()
 
 
 def _uid_pids(uid: int) -> list[int]:

@@ -799,6 +799,35 @@ def test_live_sandboxes_never_share_a_uid(monkeypatch):
             box.close()
 
 
+ANOTHER_WORKER = """
+import secrets, sys
+secrets.randbelow = lambda n: 5
+from envs.sandbox import Sandbox, SandboxConfig
+box = Sandbox(SandboxConfig(backend="bwrap"))
+print(box.uid, flush=True)
+sys.stdin.read()
+box.close()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
+def test_a_uid_another_worker_holds_for_a_sandbox_that_runs_nothing_yet_is_not_claimed(monkeypatch):
+    """Env workers on one node (Ray actors) each claimed uids alone: a sandbox of one that ran
+    nothing yet (a code env's until its tests run) had its uid claimed by another, and the
+    first of the two closed killed the other's commands (close() kills every process of its uid)."""
+    other = subprocess.Popen(
+        [sys.executable, "-c", ANOTHER_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert other.stdout.readline().strip() == str(UID_BASE + 5)
+        draws = iter([5, 7])
+        monkeypatch.setattr(secrets, "randbelow", lambda n: next(draws))
+        with Sandbox(SMALL) as box:
+            assert box.uid == UID_BASE + 7
+    finally:
+        other.communicate(timeout=30)
+
+
 def test_shell_output_cap_is_exact():
     """A command that printed a few bytes past the cap and ended came back whole, its end
     marker read before the cap was checked; it is an output_limit with the first ``cap``
