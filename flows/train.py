@@ -25,7 +25,9 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
     Args:
         config: the run.
         drain: also stop once every committed processed shard is trained (a nightly run
-            over what arrived since the last one).
+            over what arrived since the last one; with ``sao.publish_every`` null it publishes
+            one version as it stops, and the versions it would publish as it went do not age
+            that backlog past ``sao.max_staleness``).
     """
     # a run started from a deployment's form is checked here: on a run that has a version
     # the trainer's device is first used once the warm start is over

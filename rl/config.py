@@ -156,7 +156,13 @@ class SAOConfig(BaseModel):
     max_staleness: int = Field(
         4, ge=0, description="Drop a sample whose oldest action token is more than this many versions old."
     )
-    publish_every: int = Field(4, ge=1, description="Publish a weight version every N policy steps.")
+    publish_every: int | None = Field(
+        4,
+        ge=1,
+        description="Publish a weight version every N policy steps. None: only when the trainer stops "
+        "(publish_on_stop), as a batch run on what arrived since the last (train/nightly) does: its own "
+        "versions would age that backlog past max_staleness within a few publishes.",
+    )
     publish_dtype: TorchDtype | None = Field(
         None,
         description="Dtype of the policy weights the engines load ('bfloat16' halves what each fetches "
@@ -176,3 +182,12 @@ class SAOConfig(BaseModel):
         1.0, gt=0, le=60, description="Wait between polls of the shard log when idle (at most 60 s)."
     )
     seed: TorchSeed = Field(0, description="Torch seed of the trainer.")
+
+    @model_validator(mode="after")
+    def _publishes(self) -> SAOConfig:
+        if self.publish_every is None and not self.publish_on_stop:
+            raise ValueError(
+                "publish_every null publishes only at the stop: it needs publish_on_stop true (else the "
+                "trainer never publishes)"
+            )
+        return self

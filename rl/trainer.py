@@ -3,11 +3,11 @@
 It reads processed shards as they are committed, drops samples that are too stale,
 batches the rest by a token budget and, for each policy step, runs K critic steps, computes
 advantages with the updated critic (observation-skip GAE) and takes a DIS policy step
-(PAPERS.md, SAO). Every ``publish_every`` steps it publishes a weight version whose extra
-files hold everything a restarted trainer needs: optimizer states, the value model, the
-step counter and the shards (and rows) consumed. Consumption is recorded only in published
-versions, so after a crash the rows consumed since ``LATEST`` are read and trained again,
-and every committed trajectory ends up in exactly one published version.
+(PAPERS.md, SAO). Every ``publish_every`` steps (or only as it stops) it publishes a weight
+version whose extra files hold everything a restarted trainer needs: optimizer states, the
+value model, the step counter and the shards (and rows) consumed. Consumption is recorded
+only in published versions, so after a crash the rows consumed since ``LATEST`` are read and
+trained again, and every committed trajectory ends up in exactly one published version.
 
 Read the loop in :meth:`Trainer.run`; one policy step in :meth:`Trainer._train_step`.
 """
@@ -640,7 +640,7 @@ class Trainer:
                 )
                 if progress is not None and metrics is not None:
                     progress({**metrics.row, "extra": metrics.extra})
-                if self._steps_since_publish >= self.config.publish_every and (role is None or role.holds()):
+                if self._publishes_now() and (role is None or role.holds()):
                     versions.append(self._publish_and_tell(on_publish))
                 continue
             if draining and new_shards == 0:
@@ -673,6 +673,10 @@ class Trainer:
         if on_publish is not None:
             on_publish(version)
         return version
+
+    def _publishes_now(self) -> bool:
+        every = self.config.publish_every
+        return every is not None and self._steps_since_publish >= every
 
     def _pending_consumption(self) -> bool:
         return bool(

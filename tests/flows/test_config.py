@@ -677,6 +677,8 @@ def test_prefect_yaml_schedules_pools_and_trigger():
     assert nightly["parameters"]["drain"] is True
     assert nightly["work_pool"]["name"] == "gpu"
     assert nightly["work_pool"]["job_variables"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
+    # one version as it stops: its own versions would age the day's backlog past max_staleness
+    assert RunConfig.model_validate(nightly["parameters"]["config"]).sao.publish_every is None
     for name in ("train/nightly", "rollout/gpu-worker"):
         gpu = RunConfig.model_validate(deployments[name]["parameters"]["config"])
         assert (gpu.engine.torch.device, gpu.trainer_device) == ("cuda", "cuda"), name

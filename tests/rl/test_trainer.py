@@ -187,6 +187,34 @@ def test_drops_samples_older_than_max_staleness(store):
     assert metadata["dropped_stale"] == 4 and metadata["trained_samples"] == 4
 
 
+@pytest.mark.parametrize("publish_every", [1, None])
+def test_a_drained_backlog_of_one_version_is_trained_whole_only_when_publishing_at_the_stop(
+    store, publish_every
+):
+    """A nightly run: a day of rollouts, all made by the version it starts from. Publishing as
+    it goes ages the backlog past ``max_staleness`` within a few steps; publishing only when it
+    stops keeps every sample as fresh as that version."""
+    records = make_trajectories(store, 24, seed=3, version=0)
+    write_shards(store, records, per_shard=4)
+    trainer = Trainer(store, config(max_staleness=1, token_budget=44, publish_every=publish_every))
+    summary = trainer.run(drain=True)
+    weights = WeightStore(store)
+    trained = sum(row["num_samples"] for row in read_steps(store))
+    stale = sum(weights.manifest(v)["metadata"]["dropped_stale"] for v in summary.versions)
+    assert trained + stale == len(records)
+    if publish_every is None:
+        assert (trained, len(summary.versions)) == (len(records), 1)
+    else:
+        assert stale > 0
+
+
+def test_publishing_only_at_the_stop_needs_publish_on_stop():
+    with pytest.raises(
+        ValueError, match="publish_every null publishes only at the stop: it needs publish_on_stop"
+    ):
+        config(publish_every=None, publish_on_stop=False)
+
+
 def test_grpo_drops_a_group_whole_when_one_member_is_stale(store):
     weights = WeightStore(store)
     policy, tokenizer = load_policy(weights.load(0))
