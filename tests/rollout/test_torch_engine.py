@@ -503,15 +503,18 @@ def test_session_cache_is_a_memory_bounded_lru(tiny):
             after = engine.stats()
             again_a = await engine.generate("a", prompts["a"] + outputs["a"].token_ids, params)
             again_c = await engine.generate("c", prompts["c"] + outputs["c"].token_ids, params)
-            return after, again_a, again_c
+            return outputs, after, again_a, again_c
         finally:
             await engine.close()
 
-    after, again_a, again_c = asyncio.run(run())
+    outputs, after, again_a, again_c = asyncio.run(run())
     assert after.extra["evictions"] == 1 and after.extra["cache_sessions"] == 2
     assert after.extra["cache_bytes"] == 2 * per_session <= budget
     assert again_a.cached_tokens == 0  # the least recently used session was evicted
     assert again_c.cached_tokens == 15
+    for name, again in (("a", again_a), ("c", again_c)):  # re-prefilled or cached, the same log-probs
+        prompt = prompts[name] + outputs[name].token_ids
+        assert_logprobs_match(again.logprobs, reference_logprobs(model, prompt, again.token_ids))
 
 
 def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path):
@@ -760,6 +763,57 @@ def test_a_cancelled_generation_leaves_no_session_cache(tiny):
 
     stats = asyncio.run(run())
     assert stats.extra["cache_sessions"] == 0 and stats.extra["cache_bytes"] == 0
+
+
+def test_a_request_cancelled_mid_decode_leaves_the_batch_and_the_others_go_on_unchanged(tiny):
+    """The middle row of a batch of three is cancelled after a few decode steps: it keeps no
+    cache, and the rows beside it sample what they would alone, with exact log-probs."""
+    model, _ = tiny
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [20, 21]]
+    params = [SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, seed=i) for i in range(3)]
+    blocked = threading.Event()
+    release = threading.Event()
+    box = {}
+
+    def hold(stats):
+        if stats.extra["decode_steps"] == 1:  # every request in the batch before the second step
+            engine = box["engine"]
+            wait_for(
+                lambda: engine.stats().queue_depth + engine.stats().extra["active"] == len(prompts),
+                "all requests to arrive",
+            )
+        elif stats.extra["decode_steps"] == 4 and not blocked.is_set():
+            blocked.set()
+            wait_for(release.is_set, "the middle request to be cancelled")
+
+    async def run():
+        engine = box["engine"] = engine_for(model, on_step=hold)
+        alone_engine = engine_for(model)
+        try:
+            tasks = [
+                asyncio.create_task(engine.generate(f"s{i}", p, sp))
+                for i, (p, sp) in enumerate(zip(prompts, params, strict=True))
+            ]
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            tasks[1].cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await tasks[1]
+            release.set()
+            kept = await asyncio.wait_for(asyncio.gather(tasks[0], tasks[2]), DEADLINE_S)
+            alone = [await alone_engine.generate(f"a{i}", prompts[i], params[i]) for i in (0, 2)]
+            return kept, alone, engine.stats()
+        finally:
+            release.set()
+            await asyncio.gather(engine.close(), alone_engine.close())
+
+    kept, alone, stats = asyncio.run(run())
+    assert stats.extra["max_batch_seen"] == 3 and stats.extra["active"] == 0
+    assert stats.requests == 2 and stats.extra["cache_sessions"] == 2, "the cancelled request kept no cache"
+    for index, together, single in zip((0, 2), kept, alone, strict=True):
+        assert together.token_ids == single.token_ids and len(together.token_ids) == 12
+        assert_logprobs_match(
+            together.logprobs, reference_logprobs(model, prompts[index], together.token_ids, 0.8, 0.9)
+        )
 
 
 def test_a_session_ended_while_its_last_turn_finishes_keeps_no_cache(tiny):
