@@ -97,6 +97,8 @@ class OrchestratorStats:
     cut_short: list[str] = field(default_factory=list)
     cancelled_elsewhere: list[str] = field(default_factory=list)
     paused_s: float = 0.0
+    paused: str | None = None
+    """Why launching waits, while it does (None while it launches)."""
     peak_in_flight: int = 0
 
     @property
@@ -113,6 +115,7 @@ class OrchestratorStats:
             "cut_short": len(self.cut_short),
             "cancelled_elsewhere": len(self.cancelled_elsewhere),
             "paused_s": round(self.paused_s, 3),
+            "paused": self.paused,
             "peak_in_flight": self.peak_in_flight,
             "tasks": {
                 name: {
@@ -316,7 +319,8 @@ class Orchestrator:
         if self.serving is not None and not self.serving():
             log.warning("no engine replica is in service: launching waits for one to be back")
         counted = time.perf_counter()
-        while not self._no_more_launches() and (self._trainer_lags() or not self._serving()):
+        while not self._no_more_launches() and (reason := self._pause_reason()) is not None:
+            self.stats.paused = reason
             with contextlib.suppress(TimeoutError):
                 job = await asyncio.wait_for(self._completed.get(), self.config.backpressure_poll_s)
                 if job is not None:
@@ -326,18 +330,22 @@ class Orchestrator:
             self.stats.paused_s += now - counted
             counted = now
         self.stats.paused_s += time.perf_counter() - counted
+        self.stats.paused = None
 
-    def _serving(self) -> bool:
-        return self.serving is None or self.serving()
-
-    def _trainer_lags(self) -> bool:
+    def _pause_reason(self) -> str | None:
+        """Why launching must wait now: the trainer lags or no replica is in service (None: it may launch)."""
         cfg = self.config
         starved = self.trainer_starved is not None and self.trainer_starved()
-        if self.backlog is not None and self.backlog() > cfg.max_backlog and not starved:
-            return True
+        backlog = None if self.backlog is None else self.backlog()
+        if backlog is not None and backlog > cfg.max_backlog and not starved:
+            return f"backlog {backlog} shards > max_backlog {cfg.max_backlog}: waits for a new weight version"
         queue = None if self.trainer_queue is None else self.trainer_queue()
         limit = cfg.max_trainer_batches
-        return queue is not None and limit is not None and queue > limit
+        if queue is not None and limit is not None and queue > limit:
+            return f"the trainer holds {queue:.1f} steps' worth untrained > max_trainer_batches {limit:g}"
+        if self.serving is not None and not self.serving():
+            return "no engine replica in service"
+        return None
 
     def _launch_group(self) -> _Group:
         name = self._next_task_name()

@@ -275,13 +275,18 @@ def _build_worker(
 
 
 def rollout_detail(status: dict[str, Any]) -> str:
-    """One line of a worker's status: served version and mean reward per task."""
+    """One line of a worker's status: served version, mean reward per task, and why launching
+    waits while it does."""
     rewards = ", ".join(
         f"{name} {counters['mean_reward']:.2f}"
         for name, counters in sorted(status["orchestrator"]["tasks"].items())
         if counters["mean_reward"] is not None
     )
-    return f"serving v{status['version']}, backlog {status['backlog']} shards, mean reward {rewards or '—'}"
+    paused = status["orchestrator"]["paused"]
+    return (
+        f"serving v{status['version']}, backlog {status['backlog']} shards, mean reward {rewards or '—'}"
+        + (f", paused: {paused}" if paused else "")
+    )
 
 
 @task(name="rollouts", **SIDE_EFFECTS, **STORAGE_RETRIES)

@@ -171,6 +171,7 @@ def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
         await asyncio.sleep(0.5)
         during.started_while_paused = sum(c.started for c in orchestrator.stats.tasks.values())
         during.paused_s_while_paused = orchestrator.stats.paused_s  # what a status shows mid-pause
+        during.paused_while_paused = orchestrator.stats.as_dict()["paused"]
         backlog["shards"] = 0
 
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8, max_backlog=8)
@@ -178,7 +179,9 @@ def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
         run(tiny, config, streams("arith"), ListSink(), backlog=lambda: backlog["shards"], during=during)
     )
     assert during.started_while_paused == 0 and during.paused_s_while_paused >= 0.2
-    assert stats.finished == 8 and stats.paused_s >= 0.4
+    # a worker's progress line says it waits and for what, not only a count that stands still
+    assert during.paused_while_paused == "backlog 100 shards > max_backlog 8: waits for a new weight version"
+    assert stats.finished == 8 and stats.paused_s >= 0.4 and stats.paused is None
 
 
 @pytest.mark.parametrize(("starved", "pauses"), [(None, True), (False, True), (True, False)])
@@ -213,6 +216,7 @@ def test_a_full_trainer_queue_pauses_launching_until_it_shrinks(tiny, limit):
     async def during(orchestrator):
         await asyncio.sleep(0.5)
         during.started_while_full = sum(c.started for c in orchestrator.stats.tasks.values())
+        during.paused = orchestrator.stats.paused
         queue["batches"] = 2.0  # at the limit is not above it
 
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8, max_trainer_batches=limit)
@@ -221,9 +225,10 @@ def test_a_full_trainer_queue_pauses_launching_until_it_shrinks(tiny, limit):
     )
     assert stats.finished == 8
     if limit is None:  # off: the queue is not looked at
-        assert during.started_while_full > 0 and stats.paused_s < 0.4
+        assert during.started_while_full > 0 and stats.paused_s < 0.4 and during.paused is None
     else:
         assert during.started_while_full == 0 and stats.paused_s >= 0.4
+        assert during.paused == "the trainer holds 2.5 steps' worth untrained > max_trainer_batches 2"
 
 
 def test_the_trainer_queue_limit_must_leave_the_trainer_a_full_batch():

@@ -20,7 +20,7 @@ from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader, ShardWriter
 from storage.status import TRAINER_STATUS_NAME, TRAINER_STATUS_PREFIX, TrainerStatus, TrainerStatusBoard
 from storage.weights import WeightStore
-from tasks.rollout import run_rollouts
+from tasks.rollout import rollout_detail, run_rollouts
 from tasks.train import run_trainer
 from tests.rl.test_processor import record
 from tests.rl.test_trainer import TINY, config
@@ -151,6 +151,7 @@ def test_rollouts_pause_for_the_backlog_while_the_processor_lags_behind_a_starve
             """Stop once the worker has paused a while, or has run past the bound (failed)."""
             stats = status["orchestrator"]
             if stats["paused_s"] > 1.0 or stats["finished"] > most:
+                watch.detail = rollout_detail(status)
                 rollouts_stop.set()
 
         result = run_rollouts(
@@ -168,3 +169,7 @@ def test_rollouts_pause_for_the_backlog_while_the_processor_lags_behind_a_starve
     stats = result["orchestrator"]
     assert len(raw) == stats["finished"] <= most, stats
     assert stats["paused_s"] > 1.0, stats
+    assert (
+        ", paused: backlog " in watch.detail
+        and "> max_backlog 2: waits for a new weight version" in watch.detail
+    )
