@@ -512,9 +512,10 @@ class Sandbox:
     ) -> None:
         """Raise the :class:`SandboxError` that ``result`` shows, if any (``timeout``: the
         wall-clock limit the command ran under, default ``timeout_s``; ``violations``: read
-        the output for what the isolation stopped, with ``violations_are_errors``)."""
+        the output for what the isolation stopped: a stopped command's for the process limit,
+        one that failed with ``violations_are_errors``)."""
         cap = self.config.max_output_bytes
-        if stopped and VIOLATION_PATTERNS[0][1].search(result.output.encode()):
+        if stopped and violations and VIOLATION_PATTERNS[0][1].search(result.output.encode()):
             raise SandboxError(
                 "process_limit", f"command hit the process limit and was stopped ({stopped})", result.output
             )

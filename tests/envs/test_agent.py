@@ -440,10 +440,16 @@ def test_agent_programs_hold_no_thread_of_the_default_executor(upstream):
 
 @pytest.mark.parametrize(
     ("command", "kind"),
-    [("exec > /dev/null; sleep 30", "timeout"), ("yes", "output_limit")],
+    [
+        ("exec > /dev/null; sleep 30", "timeout"),
+        ("yes", "output_limit"),
+        ("echo 'tool: BlockingIOError: [Errno 11] Resource temporarily unavailable'; sleep 30", "timeout"),
+    ],
 )
 def test_an_agent_program_past_its_limits_is_stopped(upstream, command, kind):
-    """The wall-clock limit (also after the program closes its stdout) and the output cap hold."""
+    """The wall-clock limit (also after the program closes its stdout) and the output cap hold,
+    and are what the error says: a program that ran past its limit was reported as having hit
+    the process limit when its log held a tool's ``Errno 11`` (its output read all the same)."""
     cfg = config(command=command, agent_timeout_s=1)
     env = make("agent", cfg)
 
