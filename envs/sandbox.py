@@ -264,11 +264,13 @@ class Sandbox:
         )
         self.uid: int | None = None
         if os.geteuid() == 0 and self.backend != "apptainer" and _sandbox_uids_mapped():
-            uid = _claim_uid()
+            uid = None
             try:
+                uid = _claim_uid()
                 os.chown(self.workdir, uid, uid)
             except BaseException:
-                _release_uid(uid)
+                if uid is not None:
+                    _release_uid(uid)
                 if self._owns_dir:
                     remove_tree(self.workdir)
                 raise

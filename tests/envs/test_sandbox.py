@@ -828,6 +828,20 @@ def test_a_uid_another_worker_holds_for_a_sandbox_that_runs_nothing_yet_is_not_c
         other.communicate(timeout=30)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
+def test_a_sandbox_that_cannot_claim_its_uid_leaves_no_working_folder(monkeypatch, tmp_path):
+    """A worker out of file descriptors cannot open the uid's claim: the sandbox is refused
+    with that error, and the folder made for it is removed."""
+
+    def no_descriptors(*args, **kwargs):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(socket, "socket", no_descriptors)
+    with pytest.raises(OSError, match="Too many open files"):
+        Sandbox(SMALL.model_copy(update={"root_dir": str(tmp_path)}))
+    assert os.listdir(tmp_path) == []
+
+
 def test_shell_output_cap_is_exact():
     """A command that printed a few bytes past the cap and ended came back whole, its end
     marker read before the cap was checked; it is an output_limit with the first ``cap``
