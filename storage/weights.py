@@ -362,7 +362,9 @@ class WeightStore:
         directory (as :meth:`load`): the one ``LATEST`` names or, when it is corrupt or
         missing, the newest complete version below it that verifies (any complete version
         when ``LATEST`` holds no number). Each version passed over is logged as a warning
-        saying what is wrong with it.
+        saying what is wrong with it. When every one fails and ``LATEST`` has moved on
+        meanwhile (the trainer published newer versions and its retention deleted those being
+        loaded), the versions up to the new ``LATEST`` are tried.
 
         Raises:
             FileNotFoundError: when no version is complete.
@@ -373,15 +375,25 @@ class WeightStore:
         if not candidates:
             raise FileNotFoundError(f"no weight version published in {self.store.url(self.prefix)}")
         problems = []
-        if latest is not None and candidates[0] != latest:
-            problems.append(f"LATEST names weight version {latest}, which has no manifest")
-            log.warning("%s; trying the versions below it", problems[-1])
-        for version in candidates:
-            try:
-                return version, self.load(version, part)
-            except (CorruptVersion, KeyError) as error:  # KeyError: deleted meanwhile by retain
-                problems.append(str(error.args[0]))
+        while True:
+            if latest is not None and candidates and candidates[0] != latest:
+                problems.append(f"LATEST names weight version {latest}, which has no manifest")
                 log.warning("%s; trying the versions below it", problems[-1])
+            for version in candidates:
+                try:
+                    return version, self.load(version, part)
+                except (CorruptVersion, KeyError) as error:  # KeyError: deleted meanwhile by retain
+                    problems.append(str(error.args[0]))
+                    log.warning("%s; trying the versions below it", problems[-1])
+            # newer versions published meanwhile, their retention deleting those tried
+            moved = self._readable_latest()
+            if latest is None or moved is None or moved <= latest:
+                break
+            log.warning(
+                "LATEST moved on to weight version %d meanwhile; trying the versions above %d", moved, latest
+            )
+            candidates = [v for v in reversed(self.list()) if latest < v <= moved]
+            latest = moved
         raise CorruptVersion(
             f"no weight version of {self.store.url(self.prefix)} verifies ({'; '.join(problems)})"
         )
@@ -590,6 +602,8 @@ class WeightStore:
         it still verifies, as is a cached copy of a larger part, and a fetch deletes the cached
         versions the store no longer has (see ``retain``). Raises ``CorruptVersion`` naming the
         first file whose sha256 differs or that is missing; other versions are unaffected.
+        Raises ``KeyError`` when the version does not exist, or is deleted (by ``retain``)
+        while its files are fetched.
         """
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
@@ -628,6 +642,11 @@ class WeightStore:
                 try:
                     self._fetch_file(remote, staging / name)
                 except (FileNotFoundError, IsADirectoryError):
+                    if not self.fs.exists(posixpath.join(self.version_path(version), MANIFEST_FILE)):
+                        raise KeyError(
+                            f"weight version {version} was deleted from {self.store.url(self.prefix)} "
+                            "while it was being loaded (by a retention: keep_versions, the maintain flow)"
+                        ) from None
                     raise _missing_file(version, name) from None
             Path(staging, MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
             self._verify(str(staging), files, version)

@@ -758,3 +758,48 @@ def test_a_publish_that_takes_back_its_own_old_claim_renews_it_before_uploading(
     assert publish_model(weights, tiny_llama(seed=0), tokenizer_dir, version=0, owner="task-a") == 0
     assert removed == [[]]
     weights.load(0)
+
+
+def test_a_load_that_a_retention_overtakes_takes_the_newer_latest(
+    store, tokenizer_dir, tmp_path, monkeypatch
+):
+    """A worker or an evaluation downloading LATEST's version while the trainer publishes two
+    more and its ``keep_versions`` deletes it (and every version below): the load is told the
+    version was deleted, not that it is corrupt, and ``load_newest`` goes on to the new LATEST
+    rather than failing with "no weight version verifies"."""
+    trainer = WeightStore(store, cache_dir=tmp_path / "trainer")
+    models = [tiny_llama(seed=seed) for seed in range(4)]
+    for model in models[:2]:
+        publish_model(trainer, model, tokenizer_dir)
+    worker = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "worker")
+    fetch_file = worker._fetch_file
+
+    def overtaken(stored, local):
+        if trainer.latest() == 1:  # the first file of version 1: the trainer moves on meanwhile
+            for model in models[2:]:
+                publish_model(trainer, model, tokenizer_dir)
+            assert trainer.retain(keep_last=2) == [0, 1]
+        fetch_file(stored, local)
+
+    monkeypatch.setattr(worker, "_fetch_file", overtaken)
+    version, path = worker.load_newest("serving")
+    assert version == 3
+    ids = torch.tensor([[1, 4, 5]])
+    loaded = AutoModelForCausalLM.from_pretrained(path).eval()
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(models[3], ids), rtol=0, atol=0)
+
+    for model in models[:2]:  # the same race under a load of one named version
+        publish_model(trainer, model, tokenizer_dir)
+    racing = trainer.latest()
+    monkeypatch.setattr(
+        worker,
+        "_fetch_file",
+        lambda stored, local: (
+            trainer.fs.rm(trainer.version_path(racing), recursive=True),
+            fetch_file(stored, local),
+        ),
+    )
+    with pytest.raises(
+        KeyError, match=f"weight version {racing} was deleted from .* while it was being loaded"
+    ):
+        worker.load(racing, "serving")
