@@ -352,11 +352,19 @@ class Tables:
     @_credentials_masked
     def vacuum(self, name: str, retention_hours: int = 168) -> list[str]:
         """Delete files of ``name`` no longer referenced and older than ``retention_hours``;
-        returns the deleted paths."""
+        returns the deleted files' names (paths inside the table).
+
+        deltalake (1.6.6) lists again each file an earlier vacuum deleted, until the commit
+        that removed it leaves the log; so only files present before are returned."""
         table = self._open(name)
         if table is None:
             return []
-        return table.vacuum(retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False)
+        folder = self.store.path("tables", name)
+        present = {posixpath.basename(path) for path in self.store.fs.ls(folder, detail=False, refresh=True)}
+        listed = table.vacuum(
+            retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False
+        )
+        return [file for file in map(posixpath.basename, listed) if file in present]
 
     @_credentials_masked
     def check_log(self, name: str) -> None:
