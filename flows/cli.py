@@ -90,16 +90,17 @@ def inspect_run(store) -> str:
     kept = set(WeightStore(store).list())
     skipped = passed_over(weights)
     shown = spaced([row["version"] for row in weights])
-    lines.append(f"\nweight versions: {len(weights)} published, {len(kept)} kept (showing {len(shown)})")
-    for row in weights:
-        if row["version"] in shown or row["tag"] or row["version"] in skipped:
-            tag = f" [{row['tag']}]" if row["tag"] else ""
-            marks = ["passed over"] if row["version"] in skipped else []
-            marks += ["pruned"] if row["version"] not in kept else []
-            marked = f" ({', '.join(marks)})" if marks else ""
-            lines.append(
-                f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}{marked}"
-            )
+    # tagged and passed-over versions are listed too, where thinning leaves them out
+    listed = [row for row in weights if row["version"] in shown or row["tag"] or row["version"] in skipped]
+    lines.append(f"\nweight versions: {len(weights)} published, {len(kept)} kept (showing {len(listed)})")
+    for row in listed:
+        tag = f" [{row['tag']}]" if row["tag"] else ""
+        marks = ["passed over"] if row["version"] in skipped else []
+        marks += ["pruned"] if row["version"] not in kept else []
+        marked = f" ({', '.join(marks)})" if marks else ""
+        lines.append(
+            f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}{marked}"
+        )
     evals = tables.read("evals").sort_by([("version", "ascending"), ("env", "ascending")])
     lines.append("\nheld-out reward per version:")
     lines += [

@@ -1082,6 +1082,8 @@ def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
     assert "  v13   step 52     2026-01-01 00:00:00 (passed over, pruned)" in out
     assert out.count("passed over") == 1
     assert "  v29   step 116    2026-01-01 00:00:00 (pruned)" in out
+    listed = [line for line in out.splitlines() if line.startswith("  v") and " step " in line]
+    assert f"(showing {len(listed)})" in out and len(listed) == 17
 
 
 def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time():
