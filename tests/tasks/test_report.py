@@ -6,6 +6,7 @@ import random
 from datetime import UTC, datetime, timedelta
 from urllib.parse import unquote
 
+import matplotlib.pyplot as plt
 from markdown_it import MarkdownIt
 
 from storage.tables import Tables, conform
@@ -120,10 +121,15 @@ def test_a_grpo_runs_report_shows_no_value_loss(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "create_table_artifact", lambda rows, key, description: None)
     monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
 
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+
     markdown = report.report_run(config)
 
     listed = [line for line in markdown.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[4] for line in listed] == ["—", "—"]
+    (losses,) = [axes for axes in figures[0].axes if axes.get_title() == "losses"]
+    assert [text.get_text() for text in losses.get_legend().get_texts()] == ["policy"]
 
 
 def test_a_report_whose_curves_cannot_be_stored_still_reports(tmp_path, monkeypatch, caplog):
