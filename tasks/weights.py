@@ -9,6 +9,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
+import numpy as np
 from prefect import get_run_logger, task
 from prefect.runtime import task_run
 
@@ -289,7 +290,8 @@ def recorded_eval(
         return None
     return EvalResult(
         version=version,
-        reward={env: latest[env]["reward"] for env in mix},
+        # the table's float32 as the digits it holds (0.43, not the 0.4300000071525574 it widens to)
+        reward={env: float(str(np.float32(latest[env]["reward"]))) for env in mix},
         count={env: latest[env]["count"] for env in mix},
         statuses={},
     )

@@ -226,6 +226,30 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
     assert len(calls) == len(otherwise) + 2, "a row without its setup was reused"
 
 
+def test_a_reused_eval_gives_the_rewards_it_recorded_not_their_float32_noise(tmp_path, monkeypatch):
+    """The ``evals`` table keeps a reward as a float32: read back as is, a rerun's reward
+    before RL (logged, returned, printed by the demo) was 0.4300000071525574 for the 0.43
+    measured."""
+    import tasks.weights
+    from rollout.evaluate import EvalResult
+
+    config = tiny_config(tmp_path / "runs", "eval-digits", warm_start={"enabled": False})
+    monkeypatch.setattr(
+        tasks.weights,
+        "evaluate_weights",
+        lambda config, version, tasks: EvalResult(
+            version=version,
+            reward={"arith": 0.43, "guess": 1 / 3},
+            count={"arith": 4, "guess": 4},
+            statuses={"arith": {"ok": 4}, "guess": {"ok": 4}},
+        ),
+    )
+    evaluating(config, 1, reuse=True)
+    again = evaluating(config, 1, reuse=True)
+    assert again["statuses"] == {}, "the recorded eval is reused"
+    assert again["reward"] == {"arith": 0.43, "guess": 0.33333334}
+
+
 def test_a_rerun_on_other_held_out_tasks_does_not_reuse_the_recorded_eval(tmp_path, monkeypatch):
     """A row stands for the tasks it measured: a dataset file rewritten between two runs of a
     run (other rows, the same path and config) gives other held-out tasks, which are measured
