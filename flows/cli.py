@@ -129,7 +129,7 @@ def inspect_run(store) -> str:
         lines.append(f"  {kind:<10} {rows.num_rows} shards, {total} trajectories")
     steps = one_row_per_step(tables.read("train_steps", columns=["step", "time", "num_samples"]))
     trained = pc.sum(steps.column("num_samples")).as_py() or 0
-    lines.append(f"\npolicy steps logged: {steps.num_rows}, on {trained} trajectories")
+    lines.append(f"\npolicy steps: {steps.num_rows}, on {trained} trajectories")
     return "\n".join(lines)
 
 

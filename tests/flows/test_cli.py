@@ -90,9 +90,7 @@ def test_inspect_prints_versions_rewards_and_shards(pipeline_run):
     steps = Tables(RunStore(config.storage, config.run_id)).read("train_steps").to_pylist()
     trained = sum(row["num_samples"] for row in steps)
     assert trained > 0
-    assert (
-        f"policy steps logged: {pipeline_run.result['trained']['steps']}, on {trained} trajectories\n" in out
-    )
+    assert f"policy steps: {pipeline_run.result['trained']['steps']}, on {trained} trajectories\n" in out
 
 
 def sql_on(run, statement: str) -> list[str]:
