@@ -763,6 +763,21 @@ class RolloutService:
         for _ in range(cancels):
             asyncio.current_task().uncancel()
 
+    async def _close_env(self, env: Env) -> None:
+        """``env.close()``, left running past ``ENV_CLOSE_TIMEOUT_S``: cancelled and not awaited,
+        since a close that goes on when cancelled (one waiting for its thread) would hold the
+        rollout as long as it hangs."""
+        closing = asyncio.ensure_future(self._watched(env, "close"))
+        await asyncio.wait([closing], timeout=ENV_CLOSE_TIMEOUT_S)
+        if not closing.done():
+            closing.cancel()
+            # what it raises once it ends has been reported as this timeout
+            closing.add_done_callback(lambda task: task.cancelled() or task.exception())
+            raise TimeoutError(
+                f"{type(env).__name__}.close did not return within {ENV_CLOSE_TIMEOUT_S:g} s; left running"
+            )
+        closing.result()
+
     async def _release(
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None
     ) -> None:
@@ -775,6 +790,6 @@ class RolloutService:
                 self.scheduler.end_trajectory(rollout_id)
         if env is not None:
             with _logged("closing the env", rollout_id):
-                await asyncio.wait_for(self._watched(env, "close"), ENV_CLOSE_TIMEOUT_S)
+                await self._close_env(env)
         with _logged("closing the gateway session", rollout_id), contextlib.suppress(LookupError):
             self.gateway.close(session.session_id)

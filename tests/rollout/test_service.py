@@ -514,20 +514,36 @@ def test_a_cancel_while_the_env_closes_keeps_the_finished_rollout_and_closes_its
     assert sum(status["finished"].values()) == 1
 
 
-def test_an_env_whose_close_hangs_is_left_and_the_rollout_still_ends(tiny, monkeypatch, caplog):
+class StubbornCloseEnv(HeldEnv):
+    """``HeldEnv`` whose close goes on waiting when cancelled (a close that waits for its thread)."""
+
+    async def close(self) -> None:
+        while True:
+            with contextlib.suppress(asyncio.CancelledError):
+                return await super().close()
+
+
+@pytest.mark.parametrize("env", [HeldEnv, StubbornCloseEnv])
+def test_an_env_whose_close_hangs_is_left_and_the_rollout_still_ends(tiny, monkeypatch, caplog, env):
     monkeypatch.setattr(service_module, "ENV_CLOSE_TIMEOUT_S", 0.2)
 
     async def body():
         reached, never = asyncio.Event(), asyncio.Event()
         async with running_service(
-            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: HeldEnv("close", reached, never)
+            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: env("close", reached, never)
         ) as service:
-            result = await asyncio.wait_for(service.process(RolloutRequest(task=arith_task())), 60)
-            return result, service.gateway.sessions
+            request = RolloutRequest(task=arith_task())
+            result = await asyncio.wait_for(service.process(request), 60)
+            sessions = service.gateway.sessions
+            never.set()  # the close left running may end now
+            return result, request.rollout_id, sessions
 
-    result, sessions = asyncio.run(body())
+    result, rollout_id, sessions = asyncio.run(body())
     assert result.status in ("ok", "truncated") and sessions == []
-    assert "closing the env of rollout" in caplog.text
+    assert (
+        f"closing the env of rollout {rollout_id} failed: {env.__name__}.close did not return "
+        "within 0.2 s; left running" in caplog.text
+    )
 
 
 class CancelledCloseEnv(HeldEnv):
