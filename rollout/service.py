@@ -29,9 +29,10 @@ that failed to score the episode (``RewardModelError``) is ``infra_error`` (neve
 never trained on); a sandbox that stopped the agent's command, or an environment that
 raised (a ``CancelledError`` of its own included: only a cancel of the rollout cancels it),
 whose output the gateway rejects (a malformed message, a token outside the vocabulary) or
-whose reward or progress the record cannot hold (not a number, not finite, progress
-outside [0, 1]), is ``env_error``; running out of the time budget is ``timeout``; running
-out of turns or context is ``truncated``.
+whose reward or progress the record cannot hold (not a number, not finite, no reward,
+progress outside [0, 1]), is ``env_error``; running out of the time budget is ``timeout``
+(a stage whose env call returns past it included: one that blocked the event loop, or went
+on when cancelled); running out of turns or context is ``truncated``.
 
 An env's calls run on the service's event loop, so one that blocks inside its async code
 (``time.sleep``, a blocking subprocess call, heavy work not moved to a thread) holds every
@@ -177,11 +178,12 @@ class InvalidScore(ValueError):
     """An env scored a reward or reported a progress that the record cannot hold (an env error)."""
 
 
-def checked_reward(reward: object, env: str) -> float | None:
-    """The reward ``env`` scored, as a float: a finite real number, or None (not scored);
-    anything else raises :class:`InvalidScore`."""
+def checked_reward(reward: object, env: str) -> float:
+    """The reward ``env`` scored, as a float: a finite real number; anything else raises
+    :class:`InvalidScore` (None included: the trainer would take an episode scored ``ok``
+    without a reward as a failure, reward 0)."""
     if reward is None:
-        return None
+        raise InvalidScore(f"{env} scored no reward: its evaluate returned None")
     if not isinstance(reward, numbers.Real):
         raise InvalidScore(
             f"{env} scored a reward of type {type(reward).__name__} ({reward!r}), not a number"
@@ -538,13 +540,18 @@ class RolloutService:
             remaining = clock.remaining()
             if remaining <= 0:
                 raise RolloutTimeout(f"no time left for {name}")
+            past = f"{name} ran past the rollout's {clock.budget:g} s budget"
             try:
                 async with asyncio.timeout(remaining) as clock.deadline:
-                    return await work()
+                    result = await work()
             except TimeoutError as exc:
                 if not clock.deadline.expired():  # the env's own timeout (a tool's): its error
                     raise
-                raise RolloutTimeout(f"{name} ran past the rollout's {clock.budget:.0f} s budget") from exc
+                raise RolloutTimeout(past) from exc
+            # work that held the event loop past the deadline, or went on when cancelled at it
+            if time.perf_counter() - started - clock.resource_wait > remaining:
+                raise RolloutTimeout(past)
+            return result
         finally:
             clock.deadline = None
             # waiting for an action's resources is queue time, not stage time

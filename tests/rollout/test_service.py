@@ -396,6 +396,10 @@ class StringRewardEnv(NanRewardEnv):
     reward = "1.0"
 
 
+class NoRewardEnv(NanRewardEnv):
+    reward = None  # an evaluate that forgot its return
+
+
 class OutOfRangeProgressEnv(ArithEnv):
     name = "arith"
     progress = 5.0
@@ -413,6 +417,7 @@ class StringProgressEnv(OutOfRangeProgressEnv):
     [
         (NanRewardEnv, "non-finite reward nan"),
         (StringRewardEnv, "scored a reward of type str ('1.0'), not a number"),
+        (NoRewardEnv, "scored no reward: its evaluate returned None"),
         (OutOfRangeProgressEnv, "progress 5.0, outside [0, 1]"),
         (StringProgressEnv, "reported progress of type str ('0.5'), not a number"),
     ],
@@ -426,6 +431,47 @@ def test_a_score_the_record_cannot_hold_is_an_env_error_and_the_record_stays_val
     assert result.status == "env_error" and reason in result.error
     assert result.reward is None and (result.progress is None) == issubclass(env, OutOfRangeProgressEnv)
     validate(to_table([result.record]))  # the worker writes it like any other
+
+
+class LateEvalEnv(ArithEnv):
+    """``arith`` done in one step, whose evaluate returns after the 1 s budget: it ``blocks``
+    the event loop past it, or goes on when cancelled at the deadline."""
+
+    name = "arith"
+    blocks = True
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(observation=[], reward=1.0, done=True, progress=1.0)
+
+    async def evaluate(self) -> float:
+        if self.blocks:
+            time.sleep(1.5)
+        else:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(1.5)
+            await asyncio.sleep(0.5)
+        return 1.0
+
+
+class CancelIgnoringEvalEnv(LateEvalEnv):
+    blocks = False
+
+
+@pytest.mark.parametrize("env", [LateEvalEnv, CancelIgnoringEvalEnv])
+def test_an_evaluate_that_returns_past_the_budget_is_a_timeout_not_scored(tiny, env):
+    # as a RUN past the budget is: its EVAL finds no time left
+    async def body():
+        config = ServiceConfig(timeout_s=1.0, max_new_tokens=4)
+        async with running_service(tiny, config, make_env=lambda task: env()) as service:
+            return await service.process(RolloutRequest(task=arith_task()))
+
+    result = asyncio.run(body())
+    assert (result.status, result.reward, result.error) == (
+        "timeout",
+        None,
+        "eval ran past the rollout's 1 s budget",
+    )
+    assert result.timing["eval"] > 1.0
 
 
 class CancelledUnderEnv(ArithEnv):
