@@ -354,6 +354,10 @@ class Tables:
         """Delete files of ``name`` no longer referenced and older than ``retention_hours``;
         returns the deleted files' names (paths inside the table).
 
+        Unreferenced means removed by a commit, or never committed: the files of a writer or
+        a compaction killed before its commit (a full vacuum; the retention keeps a live
+        writer's file, whose commit lands within minutes).
+
         deltalake (1.6.6) lists again each file an earlier vacuum deleted, until the commit
         that removed it leaves the log; so only files present before are returned."""
         table = self._open(name)
@@ -362,7 +366,7 @@ class Tables:
         folder = self.store.path("tables", name)
         present = {posixpath.basename(path) for path in self.store.fs.ls(folder, detail=False, refresh=True)}
         listed = table.vacuum(
-            retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False
+            retention_hours=retention_hours, dry_run=False, enforce_retention_duration=False, full=True
         )
         return [file for file in map(posixpath.basename, listed) if file in present]
 

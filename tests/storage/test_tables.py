@@ -197,6 +197,23 @@ def test_vacuum_returns_only_the_files_it_deleted(store):
     assert sorted(tables.read("weights").column("version").to_pylist()) == [0, 1, 2, 3]
 
 
+def test_vacuum_deletes_the_files_of_a_writer_killed_before_its_commit(store):
+    """A writer or compaction killed between writing its data file and committing it leaves
+    the file unlisted by any commit: vacuum takes it once past the retention, not before."""
+    tables = Tables(store)
+    for version in range(2):
+        tables.append("weights", [weight_row(version)])
+    committed = next(iter(tables._open("weights").file_uris()))
+    orphan = store.path("tables", "weights", "part-00001-killed-writer-c000.zstd.parquet")
+    store.fs.pipe(orphan, store.fs.cat(committed))
+
+    assert tables.vacuum("weights", retention_hours=1) == []
+    assert store.fs.exists(orphan)
+    assert tables.vacuum("weights", retention_hours=0) == [posixpath.basename(orphan)]
+    assert not store.fs.exists(orphan)
+    assert sorted(tables.read("weights").column("version").to_pylist()) == [0, 1]
+
+
 def test_two_processes_compacting_a_table_at_once_leave_each_row_once(store):
     """deltalake lets two compactions of the same files both commit, each with the rows
     rewritten, so the table holds them twice (checked here on the library itself); through
