@@ -319,18 +319,20 @@ class Orchestrator:
         if self.serving is not None and not self.serving():
             log.warning("no engine replica is in service: launching waits for one to be back")
         counted = time.perf_counter()
-        while not self._no_more_launches() and (reason := self._pause_reason()) is not None:
-            self.stats.paused = reason
-            with contextlib.suppress(TimeoutError):
-                job = await asyncio.wait_for(self._completed.get(), self.config.backpressure_poll_s)
-                if job is not None:
-                    self._collect(job)
-            # counted as it goes: a status published during a long pause shows it
-            now = time.perf_counter()
-            self.stats.paused_s += now - counted
-            counted = now
-        self.stats.paused_s += time.perf_counter() - counted
-        self.stats.paused = None
+        try:
+            while not self._no_more_launches() and (reason := self._pause_reason()) is not None:
+                self.stats.paused = reason
+                with contextlib.suppress(TimeoutError):
+                    job = await asyncio.wait_for(self._completed.get(), self.config.backpressure_poll_s)
+                    if job is not None:
+                        self._collect(job)
+                # counted as it goes: a status published during a long pause shows it
+                now = time.perf_counter()
+                self.stats.paused_s += now - counted
+                counted = now
+        finally:  # a cancel mid-pause too: a status published after it must not say it waits
+            self.stats.paused_s += time.perf_counter() - counted
+            self.stats.paused = None
 
     def _pause_reason(self) -> str | None:
         """Why launching must wait now: the trainer lags or no replica is in service (None: it may launch)."""

@@ -184,6 +184,35 @@ def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
     assert stats.finished == 8 and stats.paused_s >= 0.4 and stats.paused is None
 
 
+def test_a_cancel_mid_pause_leaves_no_pause_reason_in_the_stats(tiny):
+    """A status published after the orchestrator's task is cancelled mid-pause (a flow
+    cancelled) must not still say that it waits for the trainer."""
+    model, tokenizer = tiny
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+        service = RolloutService(
+            gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
+        )
+        config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_backlog=8)
+        orchestrator = Orchestrator(service, streams("arith"), ListSink(), config, backlog=lambda: 100)
+        try:
+            job = asyncio.create_task(orchestrator.run())
+            await until(lambda: orchestrator.stats.paused is not None)
+            await asyncio.sleep(0.3)
+            job.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await job
+        finally:
+            await engine.close()
+        return orchestrator.stats
+
+    stats = asyncio.run(body())
+    assert stats.paused is None and stats.as_dict()["paused"] is None
+    assert stats.paused_s >= 0.3  # the pause until the cancel is counted
+
+
 @pytest.mark.parametrize(("starved", "pauses"), [(None, True), (False, True), (True, False)])
 def test_the_backlog_pauses_launching_unless_the_trainer_is_starved(tiny, starved, pauses):
     # a trainer that has read everything and is short of a full batch cannot step, so
