@@ -21,6 +21,7 @@ finishes after a newer one leaves it alone, and one that raced a newer one (both
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -71,6 +72,7 @@ times the policy's size, that only a trainer reads."""
 RESERVED_FILES = frozenset({MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_IN_USE_FILE = re.compile(r"^\.(v\d{6,})\.in-use$")
 _STAGING_DIR = re.compile(r"^\.\w+-v\d{6,}\.tmp-[0-9a-f]{32}$")
 STAGING_STALE_S = 3600.0
 """A download's staging folder untouched this long was left by a process that died mid-download."""
@@ -224,6 +226,8 @@ class WeightStore:
         default_cache = os.environ.get("TREADLE_CACHE") or os.path.join(Path.home(), ".cache", "treadle")
         run_key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
         self.cache_dir = Path(cache_dir or default_cache) / prefix / run_key
+        self._in_use: dict[Part, int] = {}
+        self._in_use_lock = threading.Lock()
 
     def version_path(self, version: int) -> str:
         """Store path (no scheme) of a version's directory."""
@@ -604,6 +608,11 @@ class WeightStore:
         first file whose sha256 differs or that is missing; other versions are unaffected.
         Raises ``KeyError`` when the version does not exist, or is deleted (by ``retain``)
         while its files are fetched.
+
+        Processes may share ``cache_dir`` (engines on one machine): the copy a load returns
+        stays until this store loads ``part`` again, whatever the others' tidying does (a
+        shared lock on the copy's ``.in-use`` file, released by that next load or the
+        process's end).
         """
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
@@ -611,7 +620,40 @@ class WeightStore:
             version = self.latest()
             if version is None:
                 raise FileNotFoundError(f"no weight version published in {self.store.url(self.prefix)}")
-        return self._fetch(version, self.manifest(version), part)
+        path = Path(self._fetch(version, self.manifest(version), part))
+        self._use(part, path)
+        # a tidy that took the copy before it was marked in use follows the version's deletion
+        if not self.fs.exists(posixpath.join(self.version_path(version), MANIFEST_FILE)):
+            raise KeyError(
+                f"weight version {version} was deleted from {self.store.url(self.prefix)} "
+                "while it was being loaded (by a retention: keep_versions, the maintain flow)"
+            )
+        try:
+            self._forget_removed()
+        except OSError as exc:  # the copy itself is whole
+            log.warning("could not tidy the weight cache %s: %s", self.cache_dir, exc)
+        return str(path)
+
+    @staticmethod
+    def _in_use_file(copy: Path) -> Path:
+        return copy.parent / f".{copy.name}.in-use"
+
+    def _use(self, part: Part, copy: Path) -> None:
+        """Mark ``copy`` in use by this store's ``part``, and the copy it held before not."""
+        marker = self._in_use_file(copy)
+        while True:
+            handle = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(handle, fcntl.LOCK_SH)
+            with contextlib.suppress(FileNotFoundError):
+                # a tidy that deleted the file meanwhile: the lock would be on a name no one sees
+                if os.fstat(handle).st_ino == os.stat(marker).st_ino:
+                    break
+            os.close(handle)
+        with self._in_use_lock:
+            before = self._in_use.get(part)
+            self._in_use[part] = handle
+        if before is not None:
+            os.close(before)
 
     def _cached(self, version: int, part: Part) -> Path:
         """Where ``part`` of ``version`` is cached (every file: the version's own folder)."""
@@ -657,10 +699,6 @@ class WeightStore:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        try:
-            self._forget_removed()
-        except OSError as exc:  # the download itself is whole
-            log.warning("could not tidy the weight cache %s: %s", self.cache_dir, exc)
         return str(final)
 
     def _fetch_file(self, stored: str, local: Path) -> None:
@@ -678,16 +716,21 @@ class WeightStore:
             shutil.copyfile(stored, local)
 
     def _forget_removed(self) -> None:
-        """Delete the cached copies of versions no longer in the store (deleted by ``retain``),
-        and the staging folders of downloads whose process died (untouched for
-        :data:`STAGING_STALE_S`; one still downloading writes into its folder)."""
-        kept = set(self.list())
+        """Delete the cached copies of versions no longer in the store (deleted by ``retain``)
+        that no process uses (see :meth:`load`), and the staging folders of downloads whose
+        process died (untouched for :data:`STAGING_STALE_S`; one still downloading writes
+        into its folder)."""
+        kept = {version_dir_name(version) for version in self.list()}
         folders = [self.cache_dir / part for part in PARTS[1:] if (self.cache_dir / part).is_dir()]
+        removed: set[Path] = set()
         for folder in [self.cache_dir, *folders]:
-            for cached in folder.iterdir():
-                match = _VERSION_DIR.match(cached.name)
-                if match and int(match.group(1)) not in kept:
-                    shutil.rmtree(cached, ignore_errors=True)
+            for entry in folder.iterdir():
+                marker = _IN_USE_FILE.match(entry.name)
+                copy = marker.group(1) if marker else entry.name if _VERSION_DIR.match(entry.name) else None
+                if copy is not None and copy not in kept:
+                    removed.add(folder / copy)
+        for copy in sorted(removed):
+            self._forget_copy(copy)
         stale_before = time.time() - STAGING_STALE_S
         for staging in self.cache_dir.iterdir():
             if not _STAGING_DIR.match(staging.name):
@@ -695,6 +738,20 @@ class WeightStore:
             with contextlib.suppress(FileNotFoundError):  # its download finished meanwhile
                 if _last_modified(staging) < stale_before:
                     shutil.rmtree(staging, ignore_errors=True)
+
+    def _forget_copy(self, copy: Path) -> None:
+        """Delete ``copy`` and its in-use file, unless a process holds it in use."""
+        marker = self._in_use_file(copy)
+        handle = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return
+            shutil.rmtree(copy, ignore_errors=True)
+            marker.unlink(missing_ok=True)
+        finally:
+            os.close(handle)
 
     @staticmethod
     def _verify(local_dir: str, files: dict[str, str], version: int) -> None:

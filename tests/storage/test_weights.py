@@ -351,9 +351,17 @@ def test_a_download_deletes_the_cached_copies_of_versions_the_store_no_longer_ha
         weights.load(version, part)
     assert weights.retain(keep_last=1) == [1]
     publish_model(weights, model, tokenizer_dir)
+
+    def cached():
+        return sorted(
+            path.relative_to(weights.cache_dir).as_posix() for path in weights.cache_dir.rglob("v0*")
+        )
+
     weights.load(3)
-    cached = sorted(path.relative_to(weights.cache_dir).as_posix() for path in weights.cache_dir.rglob("v0*"))
-    assert cached == ["tokenizer/v000002", "v000000", "v000003"]
+    # the serving copy of 1 stays while this store has loaded no other serving copy since
+    assert cached() == ["serving/v000001", "tokenizer/v000002", "v000000", "v000003"]
+    weights.load(3, "serving")
+    assert cached() == ["tokenizer/v000002", "v000000", "v000003"]
 
 
 def test_a_version_loaded_stays_whole_when_a_retention_deletes_it_from_the_store(
@@ -374,6 +382,29 @@ def test_a_version_loaded_stays_whole_when_a_retention_deletes_it_from_the_store
     ids = torch.tensor([[1, 4, 5]])
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(models[1], ids), rtol=0, atol=0)
     assert weights.load(2, "serving") != serving and not Path(serving).exists()  # forgotten at the next load
+
+
+def test_a_copy_one_engine_loaded_stays_whole_while_another_sharing_its_cache_tidies(
+    store, tmp_path, tokenizer_dir
+):
+    """Engines on one machine share the weight cache. One's load tidying away the copies of
+    versions a retention deleted must leave the copy another has just loaded (and reads after
+    ``load`` returned) until that one loads another version."""
+    engine_a = WeightStore(store, cache_dir=tmp_path / "cache")
+    engine_b = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "cache")
+    models = [tiny_llama(seed=seed) for seed in range(3)]
+    publish_model(engine_a, models[0], tokenizer_dir)
+    publish_model(engine_a, models[1], tokenizer_dir)
+    serving = engine_a.load(1, "serving")
+    publish_model(engine_a, models[2], tokenizer_dir)
+    assert engine_a.retain(keep_last=1) == [0, 1]
+
+    assert engine_b.load(2, "serving") != serving
+    loaded = AutoModelForCausalLM.from_pretrained(serving).eval()
+    ids = torch.tensor([[1, 4, 5]])
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(models[1], ids), rtol=0, atol=0)
+    assert engine_a.load(2, "serving") != serving and not Path(serving).exists()
+    assert engine_b.load(2, "serving") == engine_a.load(2, "serving")
 
 
 def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
