@@ -111,7 +111,7 @@ def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTOR
         values = [row.get(field.name) for row in rows]
         try:
             columns[field.name] = _array(values, field.type)
-        except (pa.ArrowException, TypeError, ValueError) as exc:
+        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             raise SchemaError(f"column {field.name!r}: cannot convert to {field.type}: {exc}") from exc
     return pa.table(columns, schema=schema)
 

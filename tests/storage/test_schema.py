@@ -164,6 +164,15 @@ def test_a_float_or_bool_given_for_an_integer_column_is_refused_not_truncated(ch
 
 
 @pytest.mark.parametrize(
+    ("change", "column"),
+    [({"tokens": [2**64] * 24}, "tokens"), ({"branch_at": -(2**63) - 1}, "branch_at")],
+)
+def test_an_integer_beyond_64_bits_is_refused_naming_its_column(change, column):
+    with pytest.raises(SchemaError, match=f"column '{column}': cannot convert to .*int32"):
+        to_table([make_record(0) | change])
+
+
+@pytest.mark.parametrize(
     ("column", "values"),
     [("action_mask", pa.array([[0, 2] * 12] * 2)), ("tokens", pa.array([[1.0] * 24] * 2))],
 )
