@@ -331,8 +331,11 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> ValueModel:
-        """A randomly initialised value model with the architecture of ``config``."""
-        return cls(AutoModel.from_config(config))
+        """A randomly initialised value model with the architecture of ``config``, in float32
+        as its head is, whatever dtype ``config`` names (a checkpoint's ``bfloat16``):
+        ``placed`` casts it."""
+        # from_config builds in the config's dtype and writes the one it used back into it
+        return cls(AutoModel.from_config(copy.deepcopy(config), dtype=torch.float32))
 
     @classmethod
     def from_policy(cls, policy: PreTrainedModel) -> ValueModel:

@@ -355,3 +355,26 @@ def test_a_master_file_whose_tensor_has_another_shape_is_refused_before_anything
         restore_master_weights(model, tmp_path)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_value_model_round_trips_whatever_dtype_its_config_names(tiny, weights, local_store, tmp_path):
+    """A policy loaded in bfloat16 leaves ``dtype: bfloat16`` in the config the value model
+    copies: built from it, the backbone was bfloat16 under a float32 head (its forward pass
+    raised), and a float32 value model loaded from its own version came back rounded."""
+    built, tokenizer = tiny
+    policy, _ = load_policy(weights.load(publish_policy(weights, built, tokenizer)), dtype=torch.bfloat16)
+    assert policy.config.dtype == torch.bfloat16
+    value = placed(ValueModel.from_policy(policy), "cpu", torch.float32)
+    with torch.no_grad():
+        for parameter in value.parameters():
+            parameter.add_(torch.randn_like(parameter) * 1e-3)
+    value_weights = WeightStore(local_store, cache_dir=tmp_path / "cache", prefix="value")
+    loaded = ValueModel.load(value_weights.load(value.publish(value_weights, step=1)))
+    for name, tensor in value.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+    fresh = ValueModel.from_config(policy.config)
+    assert policy.config.dtype == torch.bfloat16
+    ids = torch.tensor([tokenizer.encode("12+7=19", add_special_tokens=False)])
+    assert {p.dtype for p in fresh.parameters()} == {torch.float32}
+    assert fresh(ids).shape == ids.shape
