@@ -226,9 +226,12 @@ def publish_policy(
         if model.generation_config is not None:  # served with the tokenizer's files, not as an extra
             with open(os.path.join(tokenizer_dir, GENERATION_CONFIG_FILE), "w") as handle:
                 handle.write(model.generation_config.to_json_string())
+        # what save_pretrained writes: vLLM picks its class by architectures and serves in dtype
+        # ('auto'), which a config built rather than loaded lacks or a cast model has stale
+        written = {"architectures": [type(model).__name__], "dtype": str(model.dtype).removeprefix("torch.")}
         return weights.publish(
             checkpoint_state_dict(model),
-            model.config.to_dict(),
+            model.config.to_dict() | written,
             tokenizer_dir,
             extra_files=extra_files,
             dtype=target,

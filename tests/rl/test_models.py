@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 
@@ -378,3 +379,22 @@ def test_value_model_round_trips_whatever_dtype_its_config_names(tiny, weights, 
     ids = torch.tensor([tokenizer.encode("12+7=19", add_special_tokens=False)])
     assert {p.dtype for p in fresh.parameters()} == {torch.float32}
     assert fresh(ids).shape == ids.shape
+
+
+def test_a_policy_built_from_a_config_is_published_with_the_architecture_and_dtype_save_pretrained_names(
+    tiny, weights, tmp_path
+):
+    """vLLM picks its model class by ``architectures`` and serves in the config's ``dtype``
+    ('auto'): a config built rather than loaded has neither, and a model cast after its
+    config was made still names its old dtype."""
+    _, tokenizer = tiny
+    model = placed(tiny_causal_lm("qwen3", vocab_size=len(tokenizer)), "cpu", torch.bfloat16)
+    assert model.config.architectures is None
+    path = weights.load(publish_policy(weights, model, tokenizer))
+    model.save_pretrained(tmp_path / "saved")
+    with open(os.path.join(path, "config.json")) as handle:
+        published = json.load(handle)
+    with open(tmp_path / "saved" / "config.json") as handle:
+        saved = json.load(handle)
+    assert published["architectures"] == saved["architectures"] == ["Qwen3ForCausalLM"]
+    assert published["dtype"] == saved["dtype"] == "bfloat16"
