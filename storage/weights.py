@@ -76,6 +76,9 @@ _IN_USE_FILE = re.compile(r"^\.(v\d{6,})\.in-use$")
 _STAGING_DIR = re.compile(r"^\.\w+-v\d{6,}\.tmp-[0-9a-f]{32}$")
 STAGING_STALE_S = 3600.0
 """A download's staging folder untouched this long was left by a process that died mid-download."""
+_IN_USE: dict[tuple[Path, str], int] = {}
+"""The in-use file this process holds locked per cache folder and part (see :meth:`WeightStore.load`)."""
+_IN_USE_LOCK = threading.Lock()
 _HASH_CHUNK = 1 << 20
 
 
@@ -226,8 +229,6 @@ class WeightStore:
         default_cache = os.environ.get("TREADLE_CACHE") or os.path.join(Path.home(), ".cache", "treadle")
         run_key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
         self.cache_dir = Path(cache_dir or default_cache) / prefix / run_key
-        self._in_use: dict[Part, int] = {}
-        self._in_use_lock = threading.Lock()
 
     def version_path(self, version: int) -> str:
         """Store path (no scheme) of a version's directory."""
@@ -610,9 +611,9 @@ class WeightStore:
         while its files are fetched.
 
         Processes may share ``cache_dir`` (engines on one machine): the copy a load returns
-        stays until this store loads ``part`` again, whatever the others' tidying does (a
-        shared lock on the copy's ``.in-use`` file, released by that next load or the
-        process's end).
+        stays until this process loads ``part`` of the run's weights again, whatever the
+        others' tidying does (a shared lock on the copy's ``.in-use`` file, released by that
+        next load or the process's end).
         """
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
@@ -639,7 +640,7 @@ class WeightStore:
         return copy.parent / f".{copy.name}.in-use"
 
     def _use(self, part: Part, copy: Path) -> None:
-        """Mark ``copy`` in use by this store's ``part``, and the copy it held before not."""
+        """Mark ``copy`` in use by this process's ``part``, and the copy it held before not."""
         marker = self._in_use_file(copy)
         while True:
             handle = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
@@ -649,9 +650,9 @@ class WeightStore:
                 if os.fstat(handle).st_ino == os.stat(marker).st_ino:
                     break
             os.close(handle)
-        with self._in_use_lock:
-            before = self._in_use.get(part)
-            self._in_use[part] = handle
+        with _IN_USE_LOCK:
+            before = _IN_USE.get((self.cache_dir, part))
+            _IN_USE[self.cache_dir, part] = handle
         if before is not None:
             os.close(before)
 

@@ -7,6 +7,8 @@ import json
 import os
 import posixpath
 import re
+import subprocess
+import sys
 import threading
 import time
 from datetime import UTC, datetime, timedelta
@@ -384,27 +386,51 @@ def test_a_version_loaded_stays_whole_when_a_retention_deletes_it_from_the_store
     assert weights.load(2, "serving") != serving and not Path(serving).exists()  # forgotten at the next load
 
 
+ANOTHER_ENGINE = """
+import json, sys
+from storage.config import RunStore, StorageConfig
+from storage.weights import WeightStore
+config, run_id, cache_dir, version = json.loads(sys.argv[1])
+print(WeightStore(RunStore(StorageConfig(**config), run_id), cache_dir=cache_dir).load(version, "serving"))
+"""
+
+
 def test_a_copy_one_engine_loaded_stays_whole_while_another_sharing_its_cache_tidies(
     store, tmp_path, tokenizer_dir
 ):
-    """Engines on one machine share the weight cache. One's load tidying away the copies of
-    versions a retention deleted must leave the copy another has just loaded (and reads after
-    ``load`` returned) until that one loads another version."""
-    engine_a = WeightStore(store, cache_dir=tmp_path / "cache")
-    engine_b = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "cache")
+    """Engines on one machine (processes) share the weight cache. One's load tidying away the
+    copies of versions a retention deleted must leave the copy another has just loaded (and
+    reads after ``load`` returned) until that one loads another version."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
     models = [tiny_llama(seed=seed) for seed in range(3)]
-    publish_model(engine_a, models[0], tokenizer_dir)
-    publish_model(engine_a, models[1], tokenizer_dir)
-    serving = engine_a.load(1, "serving")
-    publish_model(engine_a, models[2], tokenizer_dir)
-    assert engine_a.retain(keep_last=1) == [0, 1]
+    publish_model(weights, models[0], tokenizer_dir)
+    publish_model(weights, models[1], tokenizer_dir)
+    serving = weights.load(1, "serving")
+    publish_model(weights, models[2], tokenizer_dir)
+    assert weights.retain(keep_last=1) == [0, 1]
 
-    assert engine_b.load(2, "serving") != serving
+    config = {
+        name: value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        for name, value in store.config
+    }
+    other = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            ANOTHER_ENGINE,
+            json.dumps([config, store.run_id, str(tmp_path / "cache"), 2]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+        check=True,
+    )
+    assert other.stdout.strip() == weights.load(2, "tokenizer")  # its copy, in the same cache
     loaded = AutoModelForCausalLM.from_pretrained(serving).eval()
     ids = torch.tensor([[1, 4, 5]])
     torch.testing.assert_close(logits_of(loaded, ids), logits_of(models[1], ids), rtol=0, atol=0)
-    assert engine_a.load(2, "serving") != serving and not Path(serving).exists()
-    assert engine_b.load(2, "serving") == engine_a.load(2, "serving")
+    assert weights.load(2, "serving") != serving and not Path(serving).exists()
 
 
 def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
