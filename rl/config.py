@@ -181,6 +181,13 @@ class SAOConfig(BaseModel):
     poll_seconds: float = Field(
         1.0, gt=0, le=60, description="Wait between polls of the shard log when idle (at most 60 s)."
     )
+    read_ahead_batches: int = Field(
+        8,
+        ge=1,
+        description="Steps' worth of tokens (token_budget each) the trainer reads ahead into memory; the "
+        "shards past it wait in storage until its buffer drains below it, so a large backlog (a nightly "
+        "run's, a restart's) costs storage, not memory.",
+    )
     seed: TorchSeed = Field(0, description="Torch seed of the trainer.")
 
     @model_validator(mode="after")

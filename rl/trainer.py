@@ -223,6 +223,9 @@ class Trainer:
         self._resume()
         self.buffer: deque[Sample] = deque()
         self.offset = -1
+        self.unread: deque[ShardInfo] = deque()
+        """Shards polled from the log and not read yet (``read_ahead_batches`` holds them back),
+        in the log's order."""
         self.newest_read: dict[str, int] = {}
         """For each worker, the newest sequence number among its shards this trainer has read
         (a processed shard keeps its raw shard's number): the rollout workers' backpressure
@@ -440,36 +443,38 @@ class Trainer:
     # -- data ----------------------------------------------------------------------------
 
     def ingest(self) -> int:
-        """Poll the processed-shard log and buffer the new rows; returns new shards read.
+        """Poll the processed-shard log and buffer the rows of the shards polled, until the
+        buffer holds ``read_ahead_batches`` steps' worth of tokens; returns new shards read.
 
-        The offset moves on only once every shard of the poll is read: when a read raises
-        (a transient storage error), the next poll meets them all again, and skips those
-        read already. Moved on first, a trainer that went on would never read the rest, and
-        its worker's mark, passing over numbers it never met, would count them consumed.
+        A shard is let go of only once read: when a read raises (a transient storage error),
+        the next call meets it again. Let go of first, a trainer that went on would never read
+        it, and its worker's mark, passing over numbers it never met, would count it consumed.
         """
-        infos, offset = self.reader.poll(self.offset)
-        read = 0
+        infos, self.offset = self.reader.poll(self.offset)
         # by number, which ShardReader.poll gives already: the marks rely on it, so the trainer
         # does not leave it to the reader
-        for info in sorted(infos, key=lambda info: info.seq):
+        self.unread.extend(sorted(infos, key=lambda info: info.seq))
+        limit = self.config.read_ahead_batches * self.config.token_budget
+        read = 0
+        newest = dict(self.newest_read)
+        while self.unread and self.buffered_tokens() < limit:
+            info = self.unread[0]
             if info.shard_id in self.consumption.num_rows:
-                continue
-            if self.consumption.consumed(info):
+                pass
+            elif self.consumption.consumed(info):
                 self.consumption.saw(info)
-                continue
-            try:
-                self._ingest_shard(info)
-            except BaseException:
-                # not in flight: the next poll reads it again (rows it rejected stay marked)
-                self.consumption.num_rows.pop(info.shard_id, None)
-                raise
-            read += 1
-        self.offset = offset
+            else:
+                try:
+                    self._ingest_shard(info)
+                except BaseException:
+                    # not in flight: the next call reads it again (rows it rejected stay marked)
+                    self.consumption.num_rows.pop(info.shard_id, None)
+                    raise
+                read += 1
+            self.unread.popleft()
+            newest[info.worker] = max(info.seq, newest.get(info.worker, -1))
         # after the rows are buffered, so that a status never shows a shard read and its
         # rows missing; replaced whole, as the status thread reads it
-        newest = dict(self.newest_read)
-        for info in infos:
-            newest[info.worker] = max(info.seq, newest.get(info.worker, -1))
         self.newest_read = newest
         return read
 
@@ -554,6 +559,16 @@ class Trainer:
         """Samples (trajectories) waiting in the buffer (safe to call from another thread)."""
         return len(tuple(self.buffer))
 
+    def queued_tokens(self) -> int:
+        """Tokens waiting to be trained: the buffer's and those of the shards not read yet (as
+        their commits count them; safe to call from another thread)."""
+        return self.buffered_tokens() + sum(info.num_tokens for info in tuple(self.unread))
+
+    def queued_samples(self) -> int:
+        """Trajectories waiting to be trained: the buffer's and the rows of the shards not read
+        yet (safe to call from another thread)."""
+        return self.buffered_samples() + sum(info.num_rows for info in tuple(self.unread))
+
     def idle_seconds_at(self, now: float) -> float:
         """Seconds waited for new shards up to monotonic time ``now``, the wait in progress
         included (safe from another thread): a poll wait lasts up to ``poll_seconds``."""
@@ -562,8 +577,9 @@ class Trainer:
             return self.idle_seconds + waiting
 
     def unconsumed_shards(self) -> int:
-        """Shards ingested whose rows are still waiting in the buffer (safe from another thread)."""
-        return len({sample.shard_id for sample in tuple(self.buffer)})
+        """Shards whose rows wait in the buffer, and those not read yet (safe from another thread)."""
+        unread = {info.shard_id for info in tuple(self.unread)}
+        return len({sample.shard_id for sample in tuple(self.buffer)} | unread)
 
     # -- the loop ------------------------------------------------------------------------
 

@@ -399,7 +399,11 @@ class TrainerStatus(BaseModel):
     time: float = Field(
         allow_inf_nan=False, description="Epoch seconds (the trainer's clock) at which it wrote this status."
     )
-    buffered_tokens: int = Field(ge=0, description="Tokens of processed samples read and not yet trained.")
+    buffered_tokens: int = Field(
+        ge=0,
+        description="Tokens of processed samples not yet trained: in the trainer's buffer, or in shards "
+        "it polled and holds back until the buffer drains (SAOConfig.read_ahead_batches).",
+    )
     token_budget: int = Field(ge=1, description="Tokens the trainer takes per policy step.")
     running: bool = Field(True, description="False once the trainer stopped: nothing waits on it.")
     newest_read: dict[str, int] = Field(

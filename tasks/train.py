@@ -302,7 +302,7 @@ def run_trainer(
             engine_queue_depth=depth,
             trainer_idle=round(min(max(idle, 0.0), 1.0), 4),
             train_unit_s_per_trajectory=train_unit_s_per_trajectory(),
-            unconsumed_trajectories=trainer.buffered_samples(),
+            unconsumed_trajectories=trainer.queued_samples(),
         )
         record = elastic.decide(fresh, inputs, time.time())
         record["elastic"]["applied"] = publish(elastic.last_plan)
@@ -338,7 +338,7 @@ def run_trainer(
     def publish_queue(running: bool) -> None:
         # read before the tokens: the trainer marks a shard read after buffering its rows
         newest_read = trainer.newest_read
-        tokens = trainer.buffered_tokens()
+        tokens = trainer.queued_tokens()
         unchanged = (tokens, newest_read) == (reported["tokens"], reported["newest_read"])
         if running and unchanged and time.monotonic() - reported["at"] < PLAN_REFRESH_S:
             return  # on S3 every status is a PUT

@@ -130,6 +130,40 @@ def test_trains_every_row_once_and_logs_each_step(store):
     ]
 
 
+def test_a_backlog_past_the_read_ahead_waits_in_storage_and_each_row_is_trained_once(store):
+    """A trainer that finds more shards than ``read_ahead_batches`` steps' worth (a nightly
+    run's backlog, a restart's) reads only that far into memory and the rest as its buffer
+    drains; the workers' backpressure and the elastic controller still see the whole queue."""
+    records = make_trajectories(store, 36, seed=7)
+    infos = write_shards(store, records, per_shard=3)  # 12 shards of 33 tokens
+    trainer = Trainer(store, config(read_ahead_batches=1, max_staleness=20))
+
+    assert trainer.ingest() == 2  # 66 tokens buffered reach the 44 of one step
+    assert trainer.buffered_samples() == 6 and [info.shard_id for info in trainer.unread] == [
+        info.shard_id for info in infos[2:]
+    ]
+    assert trainer.queued_tokens() == 36 * 11 and trainer.queued_samples() == 36
+    assert trainer.unconsumed_shards() == 12
+    assert trainer.newest_read == {"proc": infos[1].seq}
+    assert trainer.ingest() == 0  # nothing more while the buffer holds a step's worth
+
+    buffered = []
+    ingest = trainer.ingest
+
+    def counted() -> int:
+        read = ingest()
+        buffered.append(trainer.buffered_tokens())
+        return read
+
+    trainer.ingest = counted
+    trainer.run(drain=True)
+    assert max(buffered) <= 44 + 33  # the read-ahead and one shard past it
+    trained = [trajectory for row in read_steps(store) for trajectory in row["trajectory_ids"]]
+    assert sorted(trained) == sorted(record["trajectory_id"] for record in records)
+    assert consumed_rows(trainer.weights) == {info.shard_id: 3 for info in infos}
+    assert trainer.newest_read == {"proc": infos[-1].seq} and not trainer.unread
+
+
 def test_on_policy_ratios_are_1_at_the_temperature_the_rollouts_sampled_at(store):
     """Rollout log-probs are of softmax(logits / T): a trainer told the rollouts' temperature
     takes the policy's at it too, so the ratios of its first (on-policy) step are 1."""

@@ -314,18 +314,42 @@ def test_a_trainer_keeps_the_run_taken_while_it_loads(tmp_path, monkeypatch):
     assert not final.running and board.read() == final  # no beat after the last word
 
 
-def run_with_processed_shards(tmp_path, run_id: str, publish_every: int) -> tuple[RunConfig, RunStore]:
-    """A run at version 0 whose trainer finds 4 processed shards of 3 trajectories waiting."""
+def run_with_processed_shards(tmp_path, run_id: str, publish_every: int, **sao) -> tuple[RunConfig, RunStore]:
+    """A run at version 0 whose trainer finds 4 processed shards of 3 trajectories (33
+    tokens each) waiting."""
     run = RunConfig(
         run_id=run_id,
         storage=StorageConfig(root=str(tmp_path / "runs")),
-        sao=config(publish_every=publish_every),
+        sao=config(publish_every=publish_every, **sao),
     )
     store = RunStore(run.storage, run.run_id)
     weights = WeightStore(store)
     weights.record(Tables(store), ensure_base_version(weights, TINY))  # as the warm start does
     write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
     return run, store
+
+
+def test_the_trainers_status_counts_the_shards_it_has_not_read_yet_as_waiting(tmp_path):
+    """The workers pause on the trainer's queue (``max_trainer_batches``): the shards that the
+    trainer's read-ahead holds back in storage wait for it as much as its buffer does."""
+    run, store = run_with_processed_shards(
+        tmp_path, "read-ahead-status", publish_every=100, read_ahead_batches=1
+    )
+    board = TrainerStatusBoard(store)
+    seen: list[int] = []
+
+    def first_step(row: dict) -> None:
+        # 2 shards read (66 tokens), 44 trained: 22 in the buffer and 2 shards (66) unread
+        deadline = time.monotonic() + 30
+        while (status := board.read()) is None or status.buffered_tokens != 88:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        seen.append(status.buffered_tokens)
+
+    stop = threading.Event()
+    run_trainer(run, time.time() + WAIT_S, on_step=lambda row: (first_step(row), stop.set()), stop=stop)
+    assert seen[0] == 88
 
 
 def test_a_trainer_whose_role_was_taken_stops_without_publishing_anything_more(tmp_path, monkeypatch):
