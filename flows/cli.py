@@ -182,16 +182,26 @@ def without_credentials(url: str) -> str:
     return parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()
 
 
-def existing_run(store, hint: str = "--root and --run-id"):
+def existing_run(store, hint: str = "--root and --run-id", unreadable_logs: bool = False):
     """``store``, after checking that the run has a table; exits with an error naming
-    ``hint`` when it has none (a wrong root or id would otherwise look like an empty run)."""
+    ``hint`` when it has none (a wrong root or id would otherwise look like an empty run).
+    ``unreadable_logs``: a table whose Delta log does not parse counts as one the run has,
+    for a command that reports it itself after its other steps (maintain); else it is the error."""
     from deltalake.exceptions import DeltaError
 
     from storage.tables import TABLE_SCHEMAS, Tables
 
+    def present(name: str) -> bool:
+        try:
+            return tables.version(name) is not None
+        except DeltaError:
+            if not unreadable_logs:
+                raise
+            return True
+
     try:
         tables = Tables(store)
-        empty = all(tables.version(name) is None for name in TABLE_SCHEMAS)
+        empty = not any(present(name) for name in TABLE_SCHEMAS)
     # ValueError: an endpoint the environment names that is no URL (StorageConfig.endpoint)
     except (OSError, DeltaError, ValueError) as exc:
         raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None

@@ -277,3 +277,18 @@ def test_a_storage_error_of_a_step_is_reported_on_one_line_with_what_the_store_a
     assert "\n" not in reported and "\x1b" not in reported
     assert "400 Bad Request" in reported and "<Code>ExpiredToken</Code>" in reported, reported
     assert "AKIAKEYID123" not in reported
+
+
+def test_the_maintain_command_on_a_corrupt_shards_table_runs_every_other_step(tmp_path):
+    """The command's check that the run exists read the tables' logs in turn up to the first
+    one it found: a shards log that did not parse refused the whole run, nothing compacted or
+    pruned (another table's log did not, the check never reaching it)."""
+    config, store, orphan = _run_with_history(tmp_path, "maintain-command-corrupt-shards")
+    _garble(store, "shards", 3)
+    root = config.storage.root
+
+    with pytest.raises(RuntimeError, match=r"sweep-shards: table 'shards': cannot load its Delta log"):
+        maintain_main(["--run-id", config.run_id, "--set", f"storage.root={root}", "--retention-hours", "1"])
+
+    assert os.path.exists(store.path(orphan))
+    assert Tables(store).version("evals") == 3  # compacted all the same
