@@ -46,16 +46,17 @@ async def evaluate(
     every rollout failed so has reward NaN and count 0.
 
     ``service_config`` is the run's: the episodes are scored under the turn, time and token
-    budgets and by the reward models the policy trains with, at ``temperature`` and
-    ``concurrency`` rollouts at once. A self-driving program's model call samples at
+    budgets, stage limits and by the reward models the policy trains with, at ``temperature``
+    and at most ``concurrency`` rollouts at once. A self-driving program's model call samples at
     ``temperature`` unless it asks for another: nothing here is trained on.
     """
     gateway = Gateway(Router([engine]), tokenizer, gateway_config)
+    config = service_config or ServiceConfig()
     service = RolloutService(
         gateway,
         make_env,
-        (service_config or ServiceConfig()).model_copy(
-            update={"temperature": temperature, "run_workers": concurrency}
+        config.model_copy(
+            update={"temperature": temperature, "run_workers": min(concurrency, config.run_workers)}
         ),
         fixed_sampling=False,
     )

@@ -13,6 +13,7 @@ from envs.arith import ArithEnv
 from envs.base import StepResult
 from envs.guess import GuessEnv
 from rollout import service as service_module
+from rollout.config import ServiceConfig
 from rollout.engines.torch_engine import TorchEngine
 from rollout.evaluate import evaluate
 from tests.rollout.test_orchestrator import tiny  # noqa: F401
@@ -149,3 +150,46 @@ def test_a_self_driving_program_samples_at_the_eval_temperature_unless_it_asks_a
 
     assert asyncio.run(body()) == [(1e-3, 1.0), (0.9, 1.0)]
     assert env.answers == [(200, None), (200, None)]
+
+
+class CountedArith(ArithEnv):
+    """``arith`` whose step holds its RUN slot a moment; counts the steps running at once."""
+
+    name = "arith"
+    running = 0
+    most = 0
+
+    async def step(self, action):
+        cls = type(self)
+        cls.running += 1
+        cls.most = max(cls.most, cls.running)
+        try:
+            await asyncio.sleep(0.05)
+        finally:
+            cls.running -= 1
+        return await super().step(action)
+
+
+def test_an_evaluation_keeps_the_runs_limit_of_rollouts_in_the_run_stage(tiny):  # noqa: F811
+    """``service.run_workers`` bounds the rollouts in RUN at once (sandboxes, agent programs)
+    in an evaluation too; it used to be replaced by the evaluation's concurrency (64)."""
+    model, tokenizer = tiny
+    tasks = registry.task_set("arith", "eval", seed=0, n=8)
+    CountedArith.running = CountedArith.most = 0
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        try:
+            return await evaluate(
+                engine,
+                tokenizer,
+                tasks,
+                lambda task: CountedArith(),
+                service_config=ServiceConfig(run_workers=2),
+            )
+        finally:
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert sum(result.statuses["arith"].values()) == len(tasks)
+    assert CountedArith.most == 2
