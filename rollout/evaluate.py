@@ -16,6 +16,9 @@ from rollout.router import Router
 from rollout.service import RolloutRequest, RolloutService
 from storage.schema import EXCLUDED_STATUSES
 
+EVAL_CONCURRENCY = 64
+"""Rollouts an evaluation runs at once, unless its caller asks for fewer."""
+
 
 @dataclass
 class EvalResult:
@@ -35,7 +38,7 @@ async def evaluate(
     *,
     service_config: ServiceConfig | None = None,
     temperature: float = 1e-3,
-    concurrency: int = 64,
+    concurrency: int = EVAL_CONCURRENCY,
     gateway_config: GatewayConfig | None = None,
     seed: int = 0,
 ) -> EvalResult:

@@ -21,7 +21,7 @@ from rl.sft import supervised_warm_start
 from rollout.config import SEED_STRIDE
 from rollout.demos import demonstrations
 from rollout.engines.torch_engine import TorchEngine
-from rollout.evaluate import EvalResult, evaluate
+from rollout.evaluate import EVAL_CONCURRENCY, EvalResult, evaluate
 from rollout.gateway import ChatRenderer
 from storage.tables import Tables
 from storage.weights import CorruptVersion, VersionTaken, WeightStore
@@ -352,6 +352,8 @@ def evaluate_weights(
                 lambda t: registry.make(t.env, config.env_config(t.env)),
                 service_config=config.service,
                 temperature=config.eval.temperature,
+                # no more in flight than the run's rollout workers hold (their sandboxes, programs)
+                concurrency=min(EVAL_CONCURRENCY, config.orchestrator.concurrency),
                 gateway_config=gateway_config,
                 seed=config.eval.seed * SEED_STRIDE,
             )

@@ -465,3 +465,29 @@ def test_a_retried_evaluation_whose_rows_landed_before_it_raised_records_them_on
         (1, "arith", 0.25),
         (1, "guess", 0.5),
     ]
+
+
+def test_an_evaluation_runs_no_more_rollouts_at_once_than_the_runs_concurrency(tmp_path, monkeypatch):
+    """``orchestrator.concurrency`` is what the run's machine holds of rollouts in flight (their
+    sandboxes, agent programs); an evaluation ran 64 at once whatever it said."""
+    from rollout.service import RolloutService
+
+    config = tiny_config(
+        tmp_path / "runs", "eval-concurrency", warm_start={"enabled": False}, orchestrator={"concurrency": 2}
+    )
+    base = build_base_version(config, log=lambda line: None)
+    process = RolloutService.process
+    in_flight = {"now": 0, "most": 0}
+
+    async def counted(self, request):
+        in_flight["now"] += 1
+        in_flight["most"] = max(in_flight["most"], in_flight["now"])
+        try:
+            return await process(self, request)
+        finally:
+            in_flight["now"] -= 1
+
+    monkeypatch.setattr(RolloutService, "process", counted)
+    result = evaluate_weights(config, base)
+    assert sum(result.count.values()) == 4 * len(config.orchestrator.mix)
+    assert in_flight["most"] == 2
