@@ -27,6 +27,7 @@ from storage.status import (
 )
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_resource, run_store, watch_signal
 from tasks.event_loop import run_async
+from tasks.train import elastic_config
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,12 @@ async def first_set(events: tuple[asyncio.Event, ...], timeout: float) -> None:
 
 def router_config(config: RunConfig) -> RouterConfig:
     """The worker's router: a drained replica's sessions move at their next turn exactly
-    when the trainer's controller counts on it (``elastic.migrate_at_turns``)."""
-    return RouterConfig(migrate_on_drain=config.elastic.migrate_at_turns)
+    when the trainer's controller counts on it (``elastic.migrate_at_turns``), and only
+    into a free session slot of a replica (``elastic.sessions_per_replica``), as it counts."""
+    return RouterConfig(
+        migrate_on_drain=config.elastic.migrate_at_turns,
+        migration_slots=elastic_config(config).sessions_per_replica,
+    )
 
 
 def run_rollouts(

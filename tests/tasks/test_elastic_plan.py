@@ -13,11 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from flows.config import RunConfig
+from flows.config import ElasticRunConfig, RunConfig
 from rl.models import ensure_base_version
 from rollout.elastic import ElasticConfig, PolicyInputs
 from rollout.elastic_plan import ElasticPlanner
 from rollout.engines.base import SamplingParams
+from rollout.router import Router
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.status import (
@@ -476,6 +477,35 @@ def test_the_workers_router_migrates_drained_sessions_exactly_when_the_controlle
     assert router_config(RunConfig()).migrate_on_drain is True
     staying = RunConfig.model_validate({"elastic": {"migrate_at_turns": False}})
     assert router_config(staying).migrate_on_drain is False
+
+
+def test_the_workers_router_moves_a_drained_session_only_into_a_free_session_slot():
+    """``elastic.sessions_per_replica`` are a replica's session slots: the controller drains a
+    replica counting on its sessions finding free slots elsewhere (or staying where none is
+    free), and the worker's router moved them onto a full replica all the same."""
+    from tests.rollout.test_router import _replicas
+
+    run = RunConfig.model_validate(
+        {
+            "engine": {"replicas": 2},
+            "orchestrator": {"concurrency": 4},
+            "elastic": {"sessions_per_replica": 2},
+        }
+    )
+    router = Router(_replicas(2), router_config(run))
+    for session in ("a", "b", "c"):
+        router.route(session)
+    assert sorted(router.load(name) for name in router.replicas) == [1, 2]
+    full = max(router.replicas, key=router.load)
+    (drained,) = [name for name in router.replicas if name != full]
+    (mover,) = [s for s in ("a", "b", "c") if router.assignment(s) == drained]
+    router.drain(drained)
+    assert router.route(mover).name == drained, "moved onto a replica with no free slot"
+    assert router.migrations == 0
+    router.end_session(next(s for s in ("a", "b", "c") if router.assignment(s) == full))
+    assert router.route(mover).name == full and router.migrations == 1
+    # unset, a replica's slots are its share of the worker's concurrency
+    assert router_config(run.model_copy(update={"elastic": ElasticRunConfig()})).migration_slots == 2
 
 
 def test_a_replicas_session_slots_are_its_share_of_the_workers_concurrency():
