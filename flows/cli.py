@@ -434,7 +434,11 @@ def _ui(args) -> None:
         watch = f"Flows show up there with `export PREFECT_API_URL={url}/api`."
     print(f"Prefect UI: {url}  (API {url}/api). {watch} Ctrl-C stops it.", flush=True)
     server, env = prefect_server(args.host, args.port)
-    with subprocess.Popen(server, env=env) as process:
+    # the server goes with this process however it ends (a SIGKILL too)
+    with subprocess.Popen(server, env=env, preexec_fn=_stopped_with(os.getpid())) as process:
+        # a stop that reaches only this process (a service manager's, `kill`): the server
+        # shuts down as on Ctrl-C, then so do we
+        signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGTERM))
         try:
             code = process.wait()
         except KeyboardInterrupt:  # Ctrl-C reached the server too: it shuts down, then so do we

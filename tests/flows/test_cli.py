@@ -789,16 +789,25 @@ def stop(*_):
     sys.exit(0)
 
 signal.signal(signal.SIGINT, stop)
+signal.signal(signal.SIGTERM, stop)
 print("server ready", flush=True)
 while True:
     time.sleep(60)
 """
 
 
-def test_ui_stopped_with_ctrl_c_lets_the_server_shut_down_and_exits_without_a_traceback(tmp_path):
+@pytest.mark.parametrize(
+    "stop",
+    [
+        lambda pid: os.killpg(pid, signal.SIGINT),  # Ctrl-C: the terminal's foreground group
+        lambda pid: os.kill(pid, signal.SIGTERM),  # a service manager's stop, `kill`: treadle alone
+    ],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ui_stopped_lets_the_server_shut_down_and_exits_without_a_traceback(tmp_path, stop):
     """Ctrl-C, as ``treadle ui`` says to stop it: the server (here a stand-in that takes a
     second to shut down) got SIGKILL a quarter of a second after it, and treadle printed a
-    KeyboardInterrupt traceback."""
+    KeyboardInterrupt traceback. A SIGTERM to treadle alone left the server running, orphaned."""
     fake = tmp_path / "prefect"
     fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
     fake.chmod(0o755)
@@ -817,7 +826,7 @@ def test_ui_stopped_with_ctrl_c_lets_the_server_shut_down_and_exits_without_a_tr
         for line in process.stdout:
             if line == "server ready\n":
                 break
-        os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C sends the terminal's foreground group
+        stop(process.pid)
         out, err = process.communicate(timeout=60)
     finally:
         if process.poll() is None:
