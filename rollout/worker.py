@@ -207,6 +207,8 @@ class RolloutWorker:
         self.trainer_status = TrainerStatusBoard(store)
         self.trainer_poll_s = trainer_poll_s
         self._trainer: TrainerStatus | None = None
+        self._read_errors: dict[str, str] = {}
+        """The error each polled object (trainer status, elastic plan) last failed to read with."""
 
     def make_env(self, task: Task) -> Env:
         if self._make_env is not None:
@@ -246,8 +248,22 @@ class RolloutWorker:
                 await asyncio.to_thread(self.refresh_trainer_queue, time.time())
             except Exception as exc:  # storage unreachable for a moment: the queue is unknown
                 self._trainer = None
-                log.warning("worker %s could not read the trainer's status: %s", self.name, exc)
+                self._read_failed("the trainer's status", exc)
+            else:
+                self._read_again("the trainer's status")
             await asyncio.sleep(self.trainer_poll_s)
+
+    def _read_failed(self, what: str, exc: Exception) -> None:
+        """Warn that ``what`` could not be read, once per distinct error while it lasts: a loop
+        reads it every second or more often, for as long as storage is down."""
+        error = f"{type(exc).__name__}: {exc}"
+        if self._read_errors.get(what) != error:
+            log.warning("worker %s could not read %s: %s", self.name, what, exc)
+        self._read_errors[what] = error
+
+    def _read_again(self, what: str) -> None:
+        if self._read_errors.pop(what, None) is not None:
+            log.info("worker %s reads %s again", self.name, what)
 
     async def start(self) -> RolloutWorker:
         """Build engines on the newest version that verifies (``WeightStore.load_newest``:
@@ -507,9 +523,10 @@ class RolloutWorker:
         while True:
             try:
                 plan = await asyncio.to_thread(self.plans.read)
+                self._read_again("the elastic plan")
                 self.apply_plan(plan, time.time())
             except Exception as exc:  # storage unreachable for a moment: replicas stay as they are
-                log.warning("worker %s could not read the elastic plan: %s", self.name, exc)
+                self._read_failed("the elastic plan", exc)
             self._check_emptied()
             await asyncio.sleep(self.plan_poll_s)
 

@@ -4,6 +4,7 @@ and whether the worker's shards have reached the trainer through the processor."
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -57,6 +58,36 @@ def test_a_corrupt_trainer_status_leaves_the_queue_unknown(worker, caplog):
     with caplog.at_level(logging.WARNING, logger="storage.status"):
         worker.refresh_trainer_queue(NOW)
     assert worker.trainer_queue() is None and "not a valid status" in caplog.text
+
+
+def test_a_trainer_status_that_cannot_be_read_is_warned_of_once_while_it_lasts(tmp_path, caplog):
+    """The worker reads the trainer's status four times a second: one that cannot be read
+    (storage down, credentials refused) was warned of at every read, 345,600 lines a day for
+    one lasting that long. It is warned of once per distinct error, and its end is logged."""
+    run = RunConfig(run_id="queue", storage=StorageConfig(root=str(tmp_path / "runs")))
+    worker = make_worker(RunStore(run.storage, run.run_id), run, trainer_poll_s=0.01)
+    path = worker.store.path(TRAINER_STATUS_PREFIX, TRAINER_STATUS_NAME)
+    os.makedirs(path)  # reading it raises IsADirectoryError at every poll
+
+    async def follow(seconds: float) -> None:
+        reader = asyncio.create_task(worker.follow_trainer())
+        await asyncio.sleep(seconds)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+    with caplog.at_level(logging.INFO, logger="rollout.worker"):
+        asyncio.run(follow(0.5))
+        failed = [r for r in caplog.records if "could not read the trainer's status" in r.getMessage()]
+        assert len(failed) == 1 and worker.trainer_queue() is None
+        os.rmdir(path)
+        TrainerStatusBoard(worker.store).publish(
+            TrainerStatus(time=time.time(), buffered_tokens=2000, token_budget=1000)
+        )
+        asyncio.run(follow(0.2))
+    assert worker.trainer_queue() == 2.0
+    assert [r.getMessage() for r in caplog.records if "trainer's status again" in r.getMessage()] == [
+        "worker w0 reads the trainer's status again"
+    ]
 
 
 def commit_raw(worker: RolloutWorker, count: int) -> None:
