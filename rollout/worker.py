@@ -173,7 +173,7 @@ class RolloutWorker:
         )
         self.env_configs = dict(env_configs)
         self.seed = worker_seed(seed, name, resumed_at)
-        self.weights = WeightStore(store)
+        self.weights = WeightStore(store, one_copy=True)
         self.router_config = router or RouterConfig()
         self.weight_poll_s = weight_poll_s
         self.close_retry_s = close_retry_s

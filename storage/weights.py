@@ -33,6 +33,7 @@ import tempfile
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -76,9 +77,6 @@ _IN_USE_FILE = re.compile(r"^\.(v\d{6,})\.in-use$")
 _STAGING_DIR = re.compile(r"^\.\w+-v\d{6,}\.tmp-[0-9a-f]{32}$")
 STAGING_STALE_S = 3600.0
 """A download's staging folder untouched this long was left by a process that died mid-download."""
-_IN_USE: dict[tuple[Path, str], int] = {}
-"""The in-use file this process holds locked per cache folder and part (see :meth:`WeightStore.load`)."""
-_IN_USE_LOCK = threading.Lock()
 _HASH_CHUNK = 1 << 20
 
 
@@ -105,6 +103,13 @@ def _corrupt_file(version: int, name: str, actual: str, expected: str) -> Corrup
 
 class VersionTaken(FileExistsError):
     """The version number a publish asked for is claimed by another publish."""
+
+
+def _let_go(in_use: dict[str, tuple[int, Path]]) -> None:
+    """Close the in-use files a collected store held locked (see :meth:`WeightStore.load`)."""
+    for handle, _ in in_use.values():
+        os.close(handle)
+    in_use.clear()
 
 
 def version_dir_name(version: int) -> str:
@@ -217,9 +222,20 @@ class WeightStore:
             ``value``) keeps a second model's versions and ``LATEST`` apart.
         cache_dir: where loads put the versions they fetch (downloaded from S3, hard-linked
             from a local folder); defaults to ``$TREADLE_CACHE`` or ``~/.cache/treadle``.
+        one_copy: a load deletes the copy this store's part used before, unless a process
+            uses it (it deletes it at its own next load): for a process that loads each new
+            version for days (a rollout worker, an engine actor), whose cache would otherwise
+            keep a copy per version while the store keeps them all (``keep_versions`` None).
     """
 
-    def __init__(self, store: RunStore, cache_dir: str | os.PathLike | None = None, prefix: str = "weights"):
+    def __init__(
+        self,
+        store: RunStore,
+        cache_dir: str | os.PathLike | None = None,
+        prefix: str = "weights",
+        *,
+        one_copy: bool = False,
+    ):
         if not re.fullmatch(r"[A-Za-z0-9_.-]+", prefix) or prefix in (".", ".."):
             raise ValueError(f"prefix must be one folder name, got {prefix!r}")
         self.store = store
@@ -229,6 +245,11 @@ class WeightStore:
         default_cache = os.environ.get("TREADLE_CACHE") or os.path.join(Path.home(), ".cache", "treadle")
         run_key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
         self.cache_dir = Path(cache_dir or default_cache) / prefix / run_key
+        self.one_copy = one_copy
+        self._in_use: dict[Part, tuple[int, Path]] = {}
+        self._in_use_lock = threading.Lock()
+        # a store made for one load lets its copy go once collected, not at the process's end
+        weakref.finalize(self, _let_go, self._in_use)
 
     def version_path(self, version: int) -> str:
         """Store path (no scheme) of a version's directory."""
@@ -605,15 +626,16 @@ class WeightStore:
         where the cache is on another file system), so a retention deleting the version from
         the store leaves the caller's copy whole. A cached copy is re-used on the next call if
         it still verifies, as is a cached copy of a larger part, and a fetch deletes the cached
-        versions the store no longer has (see ``retain``). Raises ``CorruptVersion`` naming the
+        versions the store no longer has (see ``retain``), and with ``one_copy`` the copy this
+        store's ``part`` used before, either one only if no process uses it. Raises ``CorruptVersion`` naming the
         first file whose sha256 differs or that is missing; other versions are unaffected.
         Raises ``KeyError`` when the version does not exist, or is deleted (by ``retain``)
         while its files are fetched.
 
         Processes may share ``cache_dir`` (engines on one machine): the copy a load returns
-        stays until this process loads ``part`` of the run's weights again, whatever the
-        others' tidying does (a shared lock on the copy's ``.in-use`` file, released by that
-        next load or the process's end).
+        stays while this store lives and loads no other copy of ``part``, whatever the others'
+        tidying does (a shared lock on the copy's ``.in-use`` file, let go of by that next
+        load or when the store is collected).
         """
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
@@ -640,7 +662,8 @@ class WeightStore:
         return copy.parent / f".{copy.name}.in-use"
 
     def _use(self, part: Part, copy: Path) -> None:
-        """Mark ``copy`` in use by this process's ``part``, and the copy it held before not."""
+        """Mark ``copy`` in use by this store's ``part``, and the copy it held before not (with
+        ``one_copy`` deleted, unless a store, this one's other parts included, uses it)."""
         marker = self._in_use_file(copy)
         while True:
             handle = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
@@ -650,11 +673,13 @@ class WeightStore:
                 if os.fstat(handle).st_ino == os.stat(marker).st_ino:
                     break
             os.close(handle)
-        with _IN_USE_LOCK:
-            before = _IN_USE.get((self.cache_dir, part))
-            _IN_USE[self.cache_dir, part] = handle
+        with self._in_use_lock:
+            before = self._in_use.get(part)
+            self._in_use[part] = (handle, copy)
         if before is not None:
-            os.close(before)
+            os.close(before[0])
+            if self.one_copy and before[1] != copy:
+                self._forget_copy(before[1])
 
     def _cached(self, version: int, part: Part) -> Path:
         """Where ``part`` of ``version`` is cached (every file: the version's own folder)."""

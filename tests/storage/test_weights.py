@@ -433,6 +433,33 @@ def test_a_copy_one_engine_loaded_stays_whole_while_another_sharing_its_cache_ti
     assert weights.load(2, "serving") != serving and not Path(serving).exists()
 
 
+def test_a_store_that_loads_version_after_version_keeps_one_copy_per_part(store, tmp_path, tokenizer_dir):
+    """A rollout worker loads each version the trainer publishes, for days. With every version
+    kept in the store (``keep_versions`` None), each load left its copy in the cache: a
+    model's size more on the worker's disk per version (downloaded from S3, or copied from a
+    folder on another file system). With ``one_copy`` a store's load deletes the copy its part
+    used before, unless another process sharing the cache uses it: that one deletes it at its
+    own next load."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache", one_copy=True)
+    other = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "cache", one_copy=True)
+    model = tiny_llama(seed=0)
+    for _ in range(4):
+        publish_model(weights, model, tokenizer_dir)
+
+    def cached():
+        return sorted(
+            path.relative_to(weights.cache_dir).as_posix() for path in weights.cache_dir.rglob("v0*")
+        )
+
+    held = other.load(1, "serving")
+    for version in range(4):
+        path = weights.load(version, "serving")
+        assert weights.load(version, "serving") == path  # loaded again: the same copy stays
+    assert cached() == ["serving/v000001", "serving/v000003"] and Path(held, "config.json").is_file()
+    other.load(3, "serving")
+    assert cached() == ["serving/v000003"]
+
+
 def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
     store, tmp_path, tokenizer_dir, monkeypatch
 ):
