@@ -25,6 +25,7 @@ from rollout.engines.base import EngineError, EngineStats, Generation, SamplingP
 from rollout.engines.torch_engine import TorchEngine
 from rollout.ray_actors import ActorStartError, wait_actors_started
 from storage.config import RunStore
+from storage.weights import WeightStore
 
 CLOSE_TIMEOUT_S = 10.0
 """How long :meth:`RayEngine.close` waits for each of the actor's last answers (its counters,
@@ -79,34 +80,35 @@ def actor_device(device: str) -> str:
     return "cuda" if device.startswith("cuda") else device
 
 
-def _local_dir(path: str, version: int, store: RunStore | None) -> str:
-    """``path`` when this node has it, else version ``version`` fetched from ``store``."""
+def _local_dir(path: str, version: int, weights: WeightStore | None) -> str:
+    """``path`` when this node has it, else version ``version`` fetched from ``weights``.
+
+    One ``WeightStore`` for all of an actor's fetches: each holds its copy in use by an open
+    file until its next load (see ``WeightStore.load``), so a store made per fetch left a file
+    descriptor open, and a copy in the cache, per version the actor loaded."""
     if os.path.isdir(path):
         return path
-    if store is None:
+    if weights is None:
         raise EngineError(f"weight directory {path} is not on this node and no run store was given")
+    store = weights.store
     if not store.config.is_s3 and not os.path.isdir(store.uri):
         raise EngineError(
             f"weight directory {path} is not on this node, nor is the run's folder {store.uri}: "
             "engines on other machines need the run on s3:// storage (or a folder every node mounts)"
         )
-    from storage.weights import WeightStore
-
-    return WeightStore(store).load(version, "serving")
+    return weights.load(version, "serving")
 
 
-def _start_dir(path: str, version: int, store: RunStore | None) -> tuple[str, int]:
+def _start_dir(path: str, version: int, weights: WeightStore | None) -> tuple[str, int]:
     """The directory and version an actor starts on: ``_local_dir`` of ``version``, or the
     store's newest version that verifies (``WeightStore.load_newest``, as a worker's engines
     start on) once retention deleted ``version``. Ray restarts an actor with its first
     arguments, so on the version its worker started on, which is pruned when the worker
     started on an untagged one; a constructor that raises is not restarted again."""
     try:
-        return _local_dir(path, version, store), version
+        return _local_dir(path, version, weights), version
     except KeyError:  # the store no longer has it
-        from storage.weights import WeightStore
-
-        newest, path = WeightStore(store).load_newest("serving")
+        newest, path = weights.load_newest("serving")
         return path, newest
 
 
@@ -122,8 +124,8 @@ class EngineHost:
         version: int,
         store: RunStore | None = None,
     ):
-        self.store = store
-        path, version = _start_dir(model_dir, version, store)
+        self.weights = None if store is None else WeightStore(store, one_copy=True)
+        path, version = _start_dir(model_dir, version, self.weights)
         self.engine = TorchEngine.from_config(
             TorchEngineConfig.model_validate(config | {"device": actor_device(config["device"])}),
             path,
@@ -138,7 +140,7 @@ class EngineHost:
         """Load ``version`` from ``path``; returns the version served and this process's id."""
         # a version fetched from the store takes seconds to minutes: in a thread, so the
         # actor goes on answering generations and health probes meanwhile
-        local = await asyncio.to_thread(_local_dir, path, version, self.store)
+        local = await asyncio.to_thread(_local_dir, path, version, self.weights)
         await self.engine.load_version(version, local)
         return self.engine.version, os.getpid()
 

@@ -795,6 +795,39 @@ def test_an_engine_host_whose_start_version_was_pruned_starts_on_the_newest_that
         asyncio.run(host.close())
 
 
+def test_an_engine_host_fetching_version_after_version_holds_one_open_file_and_one_copy(tmp_path):
+    """A host on a node without its worker's weight folders fetches each version it loads
+    from the store. Each fetch went through a WeightStore of its own, whose lock on the copy
+    (an open file) was never closed: a file descriptor more per version, until the actor ran
+    out of them, and every copy held in use, so none was ever deleted."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "fetching-host")
+    weights = WeightStore(store)
+    model, tokenizer = build_tiny_model(TINY)
+    publish_policy(weights, model, tokenizer, step=0)
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def body():
+        host = EngineHost(TorchEngineConfig().model_dump(), "/nonexistent/v000000", "host", 0, store)
+        try:
+            await host.load_version(0, "/nonexistent/v000000")
+            before = open_files()
+            for version in range(1, 6):
+                publish_policy(weights, model, tokenizer, step=version)
+                assert await host.load_version(version, f"/nonexistent/v{version:06d}") == (
+                    version,
+                    os.getpid(),
+                )
+            return before, open_files()
+        finally:
+            await host.close()
+
+    before, after = asyncio.run(body())
+    assert after == before
+    assert sorted(p.name for p in weights.cache_dir.rglob("v0*")) == ["v000005"]
+
+
 def test_ray_engines_on_a_node_without_the_runs_local_folder_fail_the_start_in_one_line(
     tmp_path, monkeypatch
 ):
