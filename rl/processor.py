@@ -93,7 +93,9 @@ class ProcessorConfig(BaseModel):
         3,
         ge=1,
         description="Attempts of the rescore callable per execution before the rows that need it are "
-        "dropped with reason 'rescore_failed'.",
+        "dropped with reason 'rescore_failed'. Only for a processor given one (ShardProcessor's "
+        "rescore, a library hook for rows written without progress); the process flow gives none: its "
+        "rows carry the progress their env scored at the rollout, if any.",
     )
     seed: int = Field(
         0,
