@@ -91,6 +91,23 @@ def generated_versions(table: pa.Table) -> set[int]:
     return {int(v) for v in pc.unique(pc.drop_null(flat)).to_pylist()}
 
 
+def resume_optimizer(optimizer: torch.optim.Optimizer, path: Path, lr: float, weight_decay: float) -> None:
+    """Load ``optimizer``'s saved moments and step counts from ``path``, keeping this run's
+    settings: ``load_state_dict`` also restores the saved learning rate and weight decay,
+    which would silently override a config changed for the resumed run.
+
+    Read onto the CPU: ``load_state_dict`` moves the moments to their parameters' device but
+    leaves each step count where it was read to. AdamW keeps those on the CPU; read onto a
+    GPU, its every step would read each one back with ``.item()``, a sync per parameter.
+    """
+    optimizer.load_state_dict(
+        torch.load(io.BytesIO(path.read_bytes()), map_location="cpu", weights_only=True)
+    )
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+        group["weight_decay"] = weight_decay
+
+
 @dataclass
 class StepMetrics:
     """What one policy step reports (a ``train_steps`` row, ``extra`` as a dict)."""
@@ -299,11 +316,16 @@ class Trainer:
                 weight_decay=self.config.weight_decay,
             )
             if (path / VALUE_OPTIMIZER_FILE).is_file():
-                self._resume_optimizer(
-                    self.value_optimizer, path / VALUE_OPTIMIZER_FILE, self.config.value_lr
+                resume_optimizer(
+                    self.value_optimizer,
+                    path / VALUE_OPTIMIZER_FILE,
+                    self.config.value_lr,
+                    self.config.weight_decay,
                 )
         if (path / POLICY_OPTIMIZER_FILE).is_file():
-            self._resume_optimizer(self.policy_optimizer, path / POLICY_OPTIMIZER_FILE, self.config.lr)
+            resume_optimizer(
+                self.policy_optimizer, path / POLICY_OPTIMIZER_FILE, self.config.lr, self.config.weight_decay
+            )
         if self.config.activation_checkpointing:
             for model in (self.policy, self.value_model and self.value_model.backbone):
                 if model is not None:
@@ -356,18 +378,6 @@ class Trainer:
         if min_version < chain[0]:
             return len(chain) - 1 + chain[0] - min_version
         return len(chain) - bisect.bisect_right(chain, min_version)
-
-    def _load_torch(self, path: Path) -> dict:
-        return torch.load(io.BytesIO(path.read_bytes()), map_location=self.device, weights_only=True)
-
-    def _resume_optimizer(self, optimizer: torch.optim.Optimizer, path: Path, lr: float) -> None:
-        """Load ``optimizer``'s saved moments and step counts, keeping this run's settings:
-        ``load_state_dict`` also restores the saved learning rate and weight decay, which
-        would silently override a config changed for the resumed run."""
-        optimizer.load_state_dict(self._load_torch(path))
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-            group["weight_decay"] = self.config.weight_decay
 
     @staticmethod
     def _torch_bytes(obj: dict) -> bytes:

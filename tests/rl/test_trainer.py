@@ -38,7 +38,14 @@ from rl.models import (
 )
 from rl.process_loop import ShardProcessor
 from rl.processor import ProcessorConfig, process_shard
-from rl.trainer import STATE_FILE, VALUE_MODEL_FILE, Trainer, token_values
+from rl.trainer import (
+    POLICY_OPTIMIZER_FILE,
+    STATE_FILE,
+    VALUE_MODEL_FILE,
+    Trainer,
+    resume_optimizer,
+    token_values,
+)
 from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
@@ -1118,6 +1125,26 @@ def test_a_resumed_trainer_keeps_its_saved_moments_but_takes_the_configs_learnin
     resumed = next(iter(second.policy_optimizer.state_dict()["state"].values()))
     assert float(resumed["step"]) == 1.0
     torch.testing.assert_close(saved["exp_avg"], resumed["exp_avg"])
+
+
+def test_a_resumed_optimizer_keeps_its_step_counts_on_the_cpu_with_parameters_on_another_device(store):
+    """AdamW keeps its step counts on the CPU and reads each with ``.item()`` at every step:
+    read back onto the parameters' device (the trainer's GPU), each step synced once per
+    parameter. The meta device stands in for a GPU here: ``.item()`` raises on it."""
+    write_shards(store, make_trajectories(store, 8, seed=8), per_shard=4)
+    first = Trainer(store, config(publish_every=1, publish_on_stop=False))
+    first.run(max_steps=1)
+    saved = Path(first.weights.load(first.version, "all")) / POLICY_OPTIMIZER_FILE
+    params = [torch.nn.Parameter(p.detach().to("meta")) for p in first.policy.parameters()]
+    optimizer = torch.optim.AdamW(params)
+    resume_optimizer(optimizer, saved, lr=1e-3, weight_decay=0.0)
+    states = [optimizer.state[p] for p in params]
+    assert {s["step"].device.type for s in states} == {"cpu"}
+    assert {s["exp_avg"].device.type for s in states} == {"meta"}
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    assert [float(s["step"]) for s in states] == [2.0] * len(params)
 
 
 def test_sao_raises_the_probability_of_the_rewarded_action(store):

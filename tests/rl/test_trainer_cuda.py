@@ -86,6 +86,8 @@ def test_a_version_trained_on_cuda_loads_on_the_cpu_and_resumes_on_either_device
         assert again.step == 2 and again.version == first.version
         resumed = list(again.policy_optimizer.state.values())
         assert {s["exp_avg"].device.type for s in resumed} == {device}
+        # AdamW reads a step count with .item() at every step: on the GPU, a sync per parameter
+        assert {s["step"].device.type for s in resumed} == {"cpu"}
         for a, b in zip(moments, resumed, strict=True):
             torch.testing.assert_close(a, b["exp_avg"].cpu(), rtol=0, atol=0)
         for (name, a), b in zip(
