@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Sequence
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 
 def carry_rewards_to_actions(rewards: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
@@ -102,7 +104,6 @@ def skip_observation_gae(
     values = values.detach()
     lam_rows = _as_row_tensor(lam, values, "lam")
     carried = carry_rewards_to_actions(rewards.to(values.dtype), action_mask)
-    batch = values.shape[0]
     counts = action_mask.sum(dim=1)
     width = int(counts.max()) if counts.numel() else 0
     # each row's action positions in order, then its other positions (a stable sort)
@@ -110,19 +111,35 @@ def skip_observation_gae(
     is_action = torch.arange(width, device=values.device) < counts[:, None]
     action_values = values.gather(1, order)
     action_rewards = carried.gather(1, order)
-    compact = torch.zeros_like(action_values)
-    next_value = torch.zeros(batch, dtype=values.dtype, device=values.device)
-    next_advantage = torch.zeros_like(next_value)
-    for j in reversed(range(width)):
-        delta = action_rewards[:, j] + gamma * next_value - action_values[:, j]
-        advantage_j = torch.where(is_action[:, j], delta + gamma * lam_rows * next_advantage, 0.0)
-        compact[:, j] = advantage_j
-        # a row's slots past its last action token stay 0, so the chain starts from 0 there
-        next_value = torch.where(is_action[:, j], action_values[:, j], 0.0)
-        next_advantage = advantage_j
+    # a row's slots past its last action token hold 0, so its chain starts from 0 there
+    next_values = F.pad(torch.where(is_action, action_values, 0.0)[:, 1:], (0, 1))
+    deltas = action_rewards + gamma * next_values - action_values
+    compact = _discounted_sums(deltas, gamma * lam_rows, is_action)
     advantages = torch.zeros_like(values).scatter_(1, order, compact)
     returns = torch.where(action_mask, advantages + values, torch.zeros_like(values))
     return advantages, returns
+
+
+def _discounted_sums(deltas: torch.Tensor, discounts: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """``A_j = δ_j + c·A_{j+1}`` along each row from its end (``A`` 0 past the end and where
+    ``live`` is false), for ``deltas`` and ``live`` ``(B, W)`` and ``discounts`` ``(B,)``.
+
+    The chain is sequential in ``j``, so it runs one step per column: in numpy on the host,
+    where a step costs about a microsecond, instead of several torch operations (a kernel
+    launch each on a GPU). Each step rounds as the same torch operations would, so the sums
+    are bit for bit theirs, in the deltas' dtype; bfloat16, which numpy lacks, is summed in
+    float32.
+    """
+    dtype = torch.float32 if deltas.dtype == torch.bfloat16 else deltas.dtype
+    delta = deltas.detach().to("cpu", dtype).T.contiguous().numpy()
+    on = live.cpu().T.contiguous().numpy()
+    discount = discounts.detach().to("cpu", dtype).numpy()
+    out = np.zeros_like(delta)
+    running = np.zeros_like(discount)
+    for j in range(len(delta) - 1, -1, -1):
+        running = np.where(on[j], delta[j] + discount * running, 0)
+        out[j] = running
+    return torch.from_numpy(out.T).to(deltas.device, deltas.dtype)
 
 
 @torch.no_grad()

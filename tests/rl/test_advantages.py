@@ -112,6 +112,51 @@ def test_skip_observation_gae_matches_reference(seed, batch, length, gamma, per_
     torch.testing.assert_close(returns, torch.tensor(want_ret, dtype=torch.float64))
 
 
+def stepwise_skip_gae(rewards, values, mask, gamma, lam):
+    """The observation-skip GAE as it was first written: every step of the chain a few torch
+    operations on the batch's column (before the chain moved to the host)."""
+    lam_rows = (
+        lam if isinstance(lam, torch.Tensor) else torch.full((values.shape[0],), lam, dtype=values.dtype)
+    )
+    carried = carry_rewards_to_actions(rewards.to(values.dtype), mask)
+    counts = mask.sum(dim=1)
+    width = int(counts.max()) if counts.numel() else 0
+    order = torch.argsort((~mask).to(torch.uint8), dim=1, stable=True)[:, :width]
+    is_action = torch.arange(width) < counts[:, None]
+    action_values, action_rewards = values.gather(1, order), carried.gather(1, order)
+    compact = torch.zeros_like(action_values)
+    next_value = torch.zeros(values.shape[0], dtype=values.dtype)
+    next_advantage = torch.zeros_like(next_value)
+    for j in reversed(range(width)):
+        delta = action_rewards[:, j] + gamma * next_value - action_values[:, j]
+        advantage_j = torch.where(is_action[:, j], delta + gamma * lam_rows * next_advantage, 0.0)
+        compact[:, j] = advantage_j
+        next_value = torch.where(is_action[:, j], action_values[:, j], 0.0)
+        next_advantage = advantage_j
+    advantages = torch.zeros_like(values).scatter_(1, order, compact)
+    return advantages, torch.where(mask, advantages + values, torch.zeros_like(values))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", range(6))
+def test_skip_gae_is_bit_for_bit_the_stepwise_torch_chain(seed, dtype):
+    rng = random.Random(seed)
+    rewards, values, mask = random_case(rng, rng.randint(1, 6), rng.randint(1, 400))
+    gamma = rng.choice([1.0, 0.99, 0.7])
+    lam = rng.choice([0.95, torch.tensor([rng.uniform(0, 1) for _ in mask], dtype=dtype)])
+    rewards, values, mask = (
+        torch.tensor(rewards, dtype=dtype),
+        torch.tensor(values, dtype=dtype),
+        torch.tensor(mask),
+    )
+
+    advantages, returns = skip_observation_gae(rewards, values, mask, gamma, lam)
+    want_advantages, want_returns = stepwise_skip_gae(rewards, values, mask, gamma, lam)
+
+    assert advantages.dtype == dtype and torch.equal(advantages, want_advantages)
+    assert torch.equal(returns, want_returns)
+
+
 def test_skip_gae_hand_example_links_across_observations():
     # prompt, action(2 tokens), observation(2), action(1), trailing observation with the reward
     mask = torch.tensor([[False, True, True, False, False, True, False]])
