@@ -85,8 +85,10 @@ def run_rollouts(
     flush_records: int = 64,
     flush_seconds: float = 10.0,
 ) -> dict[str, Any]:
-    """Run rollouts until ``deadline`` (epoch seconds), ``stop`` or ``stop.max_rollouts``: no
-    rollout launches once ``stop`` is set, and those in flight are cut short at the next beat
+    """Run rollouts until ``deadline`` (epoch seconds), ``stop``, ``stop.max_rollouts`` or, seen
+    at a beat, a served weight version at ``stop.max_policy_steps`` (the trainer stopped there:
+    nothing more would be trained): no rollout launches once ``stop`` is set (or that version
+    is served), and those in flight are cut short at the next beat
     (the run ends sooner once none is left); ``on_shard`` is called (on the worker's commit
     thread) with each raw shard it commits. Every ``progress_every_s`` (and once at start and at
     the end) the worker publishes its engine queue depth, live sessions and each replica's
@@ -163,6 +165,20 @@ def run_rollouts(
 
     finished = asyncio.Event()
     report_progress = reporting(on_progress, f"progress report of worker {worker_name}")
+    steps_of: dict[int, int] = {}
+
+    def trained_enough() -> bool:
+        """Whether the version served holds ``stop.max_policy_steps`` policy steps."""
+        version = worker.version
+        if version not in steps_of:
+            try:
+                steps_of[version] = int(worker.weights.manifest(version).get("step", 0))
+            except Exception as exc:  # pruned, or storage unreachable: the next beat looks again
+                log.warning(
+                    "worker %s could not read the step of weight version %s: %s", worker_name, version, exc
+                )
+                return False
+        return steps_of[version] >= config.stop.max_policy_steps
 
     async def report() -> None:
         # ends between two statuses, so none lands after the final one
@@ -172,6 +188,14 @@ def run_rollouts(
             if finished.is_set():
                 return
             if stop is not None and stop.is_set():
+                worker.stop()
+            if config.stop.max_policy_steps is not None and await asyncio.to_thread(trained_enough):
+                log.info(
+                    "worker %s stops: it serves weight version %s, at the run's stop.max_policy_steps %d",
+                    worker_name,
+                    worker.version,
+                    config.stop.max_policy_steps,
+                )
                 worker.stop()
             if worker.status_due.is_set():  # a drained replica emptied: the trainer waits to see it
                 worker.status_due.clear()

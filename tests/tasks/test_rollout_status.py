@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from flows.config import RunConfig
-from rl.models import ensure_base_version, publish_policy
+from rl.models import build_tiny_model, ensure_base_version, publish_policy
 from rl.trainer import Trainer
 from rollout.engines.torch_engine import TorchEngine
 from rollout.orchestrator import Orchestrator
@@ -136,6 +136,34 @@ def small_worker_run(tmp_path, run_id: str) -> tuple[RunConfig, RunStore]:
     store = RunStore(run.storage, run.run_id)
     ensure_base_version(WeightStore(store), TINY)
     return run, store
+
+
+def test_a_worker_stops_once_it_serves_a_version_at_the_runs_max_policy_steps(tmp_path):
+    """A rollout flow run apart from its trainer, with no wall-clock limit: once the trainer
+    stopped at ``stop.max_policy_steps`` and published that step's version, nothing more the
+    worker rolls out would be trained, so it stops (it rolled out until its deadline)."""
+    run, store = small_worker_run(tmp_path, "steps-reached")
+    run = run.model_copy(
+        update={"stop": run.stop.model_copy(update={"max_seconds": None, "max_policy_steps": 3})}
+    )
+    model, tokenizer = build_tiny_model(TINY)
+    rolled = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        rollouts = pool.submit(
+            run_rollouts,
+            run,
+            time.time() + WAIT_S,
+            "w0",
+            progress_every_s=0.1,
+            on_progress=lambda s: rolled.set(),
+        )
+        assert rolled.wait(WAIT_S)
+        publish_policy(WeightStore(store), model, tokenizer, step=2)
+        time.sleep(1.0)
+        assert not rollouts.done()  # a version short of the limit: the trainer goes on
+        publish_policy(WeightStore(store), model, tokenizer, step=3)
+        result = rollouts.result(timeout=120)
+    assert result["version"] == 2
 
 
 @pytest.mark.parametrize("noticed_at", ["status", "commit"])
