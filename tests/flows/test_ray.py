@@ -920,9 +920,10 @@ def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_
         recording_runner(lambda task, parameters: submitted.append(task.name)),
     )
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
-    config = RunConfig(run_id="no-gpu", cluster="ray", trainer_device="cuda", engine={"load_timeout_s": 1})
+    # long enough for the tasks this cluster can place to start on a loaded machine
+    config = RunConfig(run_id="no-gpu", cluster="ray", trainer_device="cuda", engine={"load_timeout_s": 10})
 
-    with pytest.raises(ActorStartError, match=r"^the train task did not start within 1 s .*'num_gpus': 1"):
+    with pytest.raises(ActorStartError, match=r"^the train task did not start within 10 s .*'num_gpus': 1"):
         pipeline._run_on_ray(config, deadline=0.0, signals="s")
     assert submitted == []
 
