@@ -44,6 +44,13 @@ from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, WeightStore
 
 _CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
+OWN_LAYERS = {"use_kernels": False}
+"""``from_pretrained`` options of every model load here: transformers' own layers. With the
+``kernels`` package installed (a dependency of transformers), transformers 5 swaps in kernels
+from the Hugging Face Hub by default, fetched at load (and on a GPU run): downloaded code no test
+here ran, failed attempts on an offline cluster, and kernels picked per train or eval mode, so a
+trainer's log-probs could differ from an engine's on the same weights."""
+
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
 
@@ -156,7 +163,7 @@ def load_policy(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Any Hugging Face causal LM and its tokenizer from a local directory, in eval mode."""
     with PRETRAINED_LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **OWN_LAYERS)
     return model.to(device).eval(), load_tokenizer(path)
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedModel
 
-from rl.models import converts_checkpoint_layout, placed
+from rl.models import OWN_LAYERS, converts_checkpoint_layout, placed
 from rollout.config import TorchEngineConfig
 from rollout.engines.base import (
     ContextLimit,
@@ -166,7 +166,7 @@ class TorchEngine:
 
             path = str(model)
             with PRETRAINED_LOAD_LOCK:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **OWN_LAYERS)
             tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
         self.model = placed(model, device, dtype).eval()
         self.tokenizer = tokenizer
@@ -389,7 +389,7 @@ class TorchEngine:
         try:
             with PRETRAINED_LOAD_LOCK:
                 model, info = AutoModelForCausalLM.from_pretrained(
-                    path, dtype=self.dtype, output_loading_info=True
+                    path, dtype=self.dtype, output_loading_info=True, **OWN_LAYERS
                 )
         except (OSError, RuntimeError, ValueError) as exc:
             raise EngineError(

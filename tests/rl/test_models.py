@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import threading
@@ -10,6 +11,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
+from transformers import AutoConfig, AutoModelForSequenceClassification
 
 from rl.models import (
     MASTER_WEIGHTS_FILE,
@@ -27,6 +29,9 @@ from rl.models import (
     restore_master_weights,
 )
 from rl.tokenizer import IM_END, IM_START
+from rollout.config import RewardModelConfig
+from rollout.engines.torch_engine import TorchEngine
+from rollout.reward_models import RewardModels
 from storage.weights import MODEL_FILE, WeightStore
 from tests.rl.architectures import ARCHITECTURES, tiny_causal_lm, tiny_gemma3_with_vision
 from tests.rl.moe import tiny_mixture_of_experts
@@ -116,6 +121,28 @@ def test_base_version_is_published_once_and_loads_like_a_checkpoint(tiny, weight
     assert loaded_tokenizer.chat_template == tokenizer.chat_template
     assert load_tokenizer(weights.load(0)).eos_token == IM_END
     assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+
+
+def test_every_load_of_a_checkpoint_runs_transformers_own_layers_not_hub_kernels(tiny, weights, tmp_path):
+    """With the ``kernels`` package installed, ``from_pretrained`` (transformers 5) swaps in
+    kernels from the Hugging Face Hub by default, per train or eval mode: the policy a trainer
+    loads, the engine's and a reward model each ran code fetched at load, not the layers tested."""
+    ensure_base_version(weights, SMALL)
+    path = weights.load(0)
+    policy, tokenizer = load_policy(path)
+    engine = TorchEngine(path, device="cpu")
+    judge = tmp_path / "judge"
+    AutoModelForSequenceClassification.from_config(
+        AutoConfig.from_pretrained(path, num_labels=1)
+    ).save_pretrained(judge)
+    tokenizer.save_pretrained(judge)
+    models = RewardModels({"judge": RewardModelConfig(path=str(judge))}, device="cpu")
+    try:
+        assert not policy.use_kernels and not policy.train().use_kernels
+        assert not engine.model.use_kernels
+        assert not models.manager._modules["judge"].use_kernels
+    finally:
+        asyncio.run(engine.close())
 
 
 def test_placed_in_bfloat16_computes_what_a_bfloat16_checkpoint_load_computes(weights):
