@@ -71,6 +71,10 @@ from storage.weights import CorruptVersion, WeightStore
 
 log = logging.getLogger(__name__)
 
+LOAD_RETRY_MAX_S = 60.0
+"""Longest wait before a weight version whose load failed is tried again (the waits double from
+``weight_poll_s``); a newer version is tried at the next poll."""
+
 
 def task_streams(
     names: list[str], env_configs: Mapping[str, EnvConfig], seed: int, pool: int = 2048
@@ -188,6 +192,9 @@ class RolloutWorker:
         self.version_loads: list[tuple[int, float]] = []
         self._refused: int | None = None
         """The newest version refused as corrupt: not fetched again (immutable, it stays so)."""
+        self._retry: tuple[int, int, float] | None = None
+        """A version whose load failed: (version, failures in a row, monotonic time before which
+        it is not tried again)."""
         self._shards_at_version = 0
         self.orchestrator: Orchestrator | None = None
         self.service: RolloutService | None = None
@@ -371,12 +378,22 @@ class RolloutWorker:
         latest = await asyncio.to_thread(self.weights.latest)
         if latest is None or latest in (self.version, self._refused):
             return False
+        retry = self._retry if self._retry is not None and self._retry[0] == latest else None
+        if retry is not None and time.monotonic() < retry[2]:
+            return False
         try:
             path = await asyncio.to_thread(self.weights.load, latest, "serving")
+            await self._load_on(self.engines, latest, path)
         except CorruptVersion:
             self._refused = latest
             raise
-        await self._load_on(self.engines, latest, path)
+        except Exception:
+            # tried again later and later (each try verifies the copy's digests, a model's size
+            # read, and warns), while a newer version is tried at the next poll
+            failures = 1 if retry is None else retry[1] + 1
+            self._retry = (latest, failures, time.monotonic() + self.retry_wait_s(failures))
+            raise
+        self._retry = None
         self.version = latest
         self._shards_at_version = self.writer.committed
         self.version_loads.append((latest, time.time()))
@@ -422,13 +439,22 @@ class RolloutWorker:
             )
         return [*down, *failed]
 
+    def retry_wait_s(self, failures: int) -> float:
+        """Seconds before a version whose load failed ``failures`` times in a row is tried again."""
+        return min(self.weight_poll_s * 2**failures, LOAD_RETRY_MAX_S)
+
     async def _follow_weights(self) -> None:
         while True:
             await asyncio.sleep(self.weight_poll_s)
             try:
                 await self.sync_weights()
             except Exception as exc:  # a half-visible or corrupt version: keep serving the current one
-                log.warning("worker %s could not load a new weight version: %s", self.name, exc)
+                retry = (
+                    ""
+                    if self._retry is None
+                    else f"; tried again in {self.retry_wait_s(self._retry[1]):.1f} s"
+                )
+                log.warning("worker %s could not load a new weight version: %s%s", self.name, exc, retry)
 
     def apply_plan(self, plan: ElasticPlan | None, now: float) -> bool:
         """Drain and undrain this worker's replicas as ``plan`` says; False when it is ignored.

@@ -476,6 +476,46 @@ def test_a_replica_whose_probe_hangs_does_not_hold_up_a_new_version(local_store,
     asyncio.run(body())
 
 
+def test_a_version_no_replica_can_load_is_tried_again_later_and_later_and_a_newer_one_at_once(local_store):
+    """Every replica fails to load version 1 (it does not fit, the server refuses it): each
+    weight poll tried it again, verifying the copy's digests (the model's size read) and
+    warning, once a second for as long as it was LATEST. Now the waits double, up to
+    ``LOAD_RETRY_MAX_S``; a newer version is tried at once."""
+    run = RunConfig(engine={"replicas": 1}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 1})
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    worker = make_worker(local_store, run, weight_poll_s=30.0)
+    model, tokenizer = load_policy(weights.load(0))
+    tried: list[int] = []
+
+    async def body() -> list[bool]:
+        await worker.start()
+        engine = worker.engines[0]
+        real_load = engine.load_version
+
+        async def load_version(version, path):
+            tried.append(version)
+            if version == 1:
+                raise EngineError("version 1 does not fit on this replica (injected)")
+            await real_load(version, path)
+
+        engine.load_version = load_version
+        try:
+            publish_policy(weights, model, tokenizer, step=1)
+            with pytest.raises(EngineError, match="does not fit"):
+                await worker.sync_weights()
+            held_back = await worker.sync_weights()
+            publish_policy(weights, model, tokenizer, step=2)
+            return [held_back, await worker.sync_weights()]
+        finally:
+            await worker.close()
+
+    assert asyncio.run(body()) == [False, True]
+    assert tried == [1, 2] and worker.version == 2
+    worker.weight_poll_s = 1.0
+    assert [worker.retry_wait_s(failures) for failures in (1, 2, 5, 6)] == [2.0, 4.0, 32.0, 60.0]
+
+
 def test_a_corrupt_version_is_refused_once_and_the_next_one_is_loaded(store, monkeypatch):
     """LATEST names a version whose weights do not match its manifest: the worker keeps
     serving its version and does not fetch and hash the refused one again at every poll
