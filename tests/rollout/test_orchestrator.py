@@ -54,6 +54,15 @@ def streams(*names: str):
     return {name: itertools.cycle(registry.task_set(name, "train", seed=0, n=32)) for name in names}
 
 
+def arith_service(model, tokenizer) -> tuple[TorchEngine, RolloutService]:
+    """A rollout service on one TorchEngine replica of ``model``, 4-token turns."""
+    engine = TorchEngine(model, tokenizer, name="torch-0")
+    gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+    return engine, RolloutService(
+        gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
+    )
+
+
 async def run(
     tiny,
     config,
@@ -190,11 +199,7 @@ def test_a_cancel_mid_pause_leaves_no_pause_reason_in_the_stats(tiny):
     model, tokenizer = tiny
 
     async def body():
-        engine = TorchEngine(model, tokenizer, name="torch-0")
-        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
-        service = RolloutService(
-            gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
-        )
+        engine, service = arith_service(model, tokenizer)
         config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_backlog=8)
         orchestrator = Orchestrator(service, streams("arith"), ListSink(), config, backlog=lambda: 100)
         try:
@@ -360,11 +365,7 @@ def test_a_cancel_during_a_quota_claim_gives_the_claim_back(tiny, local_store):
     quota = HeldQuota(local_store, "rollouts", 8)
 
     async def body():
-        engine = TorchEngine(model, tokenizer, name="torch-0")
-        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
-        service = RolloutService(
-            gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
-        )
+        engine, service = arith_service(model, tokenizer)
         config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
         orchestrator = Orchestrator(service, streams("arith"), ListSink(), config, quota=quota)
         try:
@@ -559,11 +560,7 @@ def test_a_rollout_done_when_the_stop_comes_is_collected_not_cut_short(tiny):
     sink = ListSink()
 
     async def body():
-        engine = TorchEngine(model, tokenizer, name="torch-0")
-        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
-        service = RolloutService(
-            gateway, lambda task: registry.make(task.env), ServiceConfig(max_new_tokens=4)
-        )
+        engine, service = arith_service(model, tokenizer)
         orchestrator = Orchestrator(service, streams("arith"), sink, OrchestratorConfig(mix={"arith": 1.0}))
         try:
             (job,) = orchestrator._launch_group().tasks

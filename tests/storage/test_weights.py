@@ -366,12 +366,9 @@ def test_a_download_deletes_the_cached_copies_of_versions_the_store_no_longer_ha
     assert cached() == ["tokenizer/v000002", "v000000", "v000003"]
 
 
-def test_a_version_loaded_stays_whole_when_a_retention_deletes_it_from_the_store(
-    store, tmp_path, tokenizer_dir
-):
-    """An engine that has just loaded a version reads its files after ``load`` returned: a
-    retention (``keep_last=1``) deleting that version from the store meanwhile leaves the
-    engine's copy whole, on a local folder as on S3."""
+def serving_one_then_retaining_the_newest(store, tmp_path, tokenizer_dir) -> tuple[WeightStore, list, str]:
+    """Versions 0-2 of three models; version 1 loaded to serve (its copy returned) before 2 is
+    published and a retention (``keep_last=1``) deletes 0 and 1 from the store."""
     weights = WeightStore(store, cache_dir=tmp_path / "cache")
     models = [tiny_llama(seed=seed) for seed in range(3)]
     publish_model(weights, models[0], tokenizer_dir)
@@ -379,6 +376,16 @@ def test_a_version_loaded_stays_whole_when_a_retention_deletes_it_from_the_store
     serving = weights.load(1, "serving")
     publish_model(weights, models[2], tokenizer_dir)
     assert weights.retain(keep_last=1) == [0, 1]
+    return weights, models, serving
+
+
+def test_a_version_loaded_stays_whole_when_a_retention_deletes_it_from_the_store(
+    store, tmp_path, tokenizer_dir
+):
+    """An engine that has just loaded a version reads its files after ``load`` returned: a
+    retention (``keep_last=1``) deleting that version from the store meanwhile leaves the
+    engine's copy whole, on a local folder as on S3."""
+    weights, models, serving = serving_one_then_retaining_the_newest(store, tmp_path, tokenizer_dir)
     loaded = AutoModelForCausalLM.from_pretrained(serving).eval()
     AutoTokenizer.from_pretrained(serving)
     ids = torch.tensor([[1, 4, 5]])
@@ -401,13 +408,7 @@ def test_a_copy_one_engine_loaded_stays_whole_while_another_sharing_its_cache_ti
     """Engines on one machine (processes) share the weight cache. One's load tidying away the
     copies of versions a retention deleted must leave the copy another has just loaded (and
     reads after ``load`` returned) until that one loads another version."""
-    weights = WeightStore(store, cache_dir=tmp_path / "cache")
-    models = [tiny_llama(seed=seed) for seed in range(3)]
-    publish_model(weights, models[0], tokenizer_dir)
-    publish_model(weights, models[1], tokenizer_dir)
-    serving = weights.load(1, "serving")
-    publish_model(weights, models[2], tokenizer_dir)
-    assert weights.retain(keep_last=1) == [0, 1]
+    weights, models, serving = serving_one_then_retaining_the_newest(store, tmp_path, tokenizer_dir)
 
     config = {
         name: value.get_secret_value() if hasattr(value, "get_secret_value") else value

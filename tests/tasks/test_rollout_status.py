@@ -152,7 +152,7 @@ def test_a_worker_stops_once_it_serves_a_version_at_the_runs_max_policy_steps(tm
         rollouts = pool.submit(
             run_rollouts,
             run,
-            time.time() + WAIT_S,
+            time.time() + 300,  # the deadline a worker that never stops meets, past the wait below
             "w0",
             progress_every_s=0.1,
             on_progress=lambda s: rolled.set(),
