@@ -569,7 +569,8 @@ def _trajectory_rows(
     )
     columns = {name: table.column(name).to_pylist() for name in names}
     columns |= {name: values.tolist() for name, values in stats.items()}
-    token_lists = table.column("tokens").to_pylist() if decode is not None else None
+    # one row's tokens as Python ints at a time: the whole column would be ~36 bytes a token
+    tokens = table.column("tokens")
     out = []
     for i in range(table.num_rows):
         row = {name: columns[name][i] for name in columns}
@@ -579,9 +580,9 @@ def _trajectory_rows(
             "progress": progress[i],
             "selected": reasons[i] is None,
             "drop_reason": reasons[i],
-            "text": _decoded(decode, token_lists[i], columns["trajectory_id"][i])
-            if token_lists is not None
-            else None,
+            "text": None
+            if decode is None
+            else _decoded(decode, tokens[i].as_py(), columns["trajectory_id"][i]),
             "processed_at": processed_at,
         }
         out.append(row)

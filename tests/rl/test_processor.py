@@ -7,6 +7,7 @@ batch for the gradient.
 
 from __future__ import annotations
 
+import gc
 from collections import Counter, defaultdict
 from datetime import UTC, datetime
 
@@ -888,6 +889,52 @@ def test_a_row_that_does_not_decode_keeps_its_place_with_no_text(caplog):
     assert texts == {"e-a": "1 2 3", "e-b": None}
     assert result.processed.num_rows == 2
     assert "e-b does not decode" in caplog.text
+
+
+def test_the_text_of_each_row_decodes_its_own_tokens_across_chunks_and_broken_rows():
+    """Slow reference: each input row's text is the decode of that row's token list (None
+    for a null list too), whatever the table's chunks."""
+    records = random_shard(5, 4, 6)
+    for i in (1, 4):
+        records[i]["tokens"] = None
+    records[6]["tokens"] = [*records[6]["tokens"][:1], None, *records[6]["tokens"][2:]]
+    table = to_table(records)
+    table = pa.concat_tables([table.slice(0, 3), table.slice(3, 4), table.slice(7)])
+    assert table.column("tokens").num_chunks == 3
+
+    def decode(ids):
+        return repr(ids)
+
+    result = process_shard(table, ProcessorConfig(seed=0), shard_id="s", decode=decode)
+    assert [row["trajectory_id"] for row in result.trajectories] == [r["trajectory_id"] for r in records]
+    assert [row["text"] for row in result.trajectories] == [repr(r["tokens"]) for r in records]
+
+
+def test_decoding_holds_one_rows_tokens_as_python_ints_at_a_time():
+    """A shard of 1,000 rows of 32k tokens as Python lists at once is ~1 GB: while one row
+    is decoded, no other row's tokens may be alive as a Python list."""
+    records = [
+        record(f"t{i}", f"e{i}", range(100 * i, 100 * i + 50 + i), [False] + [True] * (49 + i))
+        for i in range(6)
+    ]
+    table = to_table(records)
+    wanted = {tuple(r["tokens"]) for r in records}
+    del records
+    others_alive = []
+
+    def decode(ids):
+        others_alive.append(
+            sum(
+                1
+                for obj in gc.get_objects()
+                if type(obj) is list and obj is not ids and 50 <= len(obj) < 56 and tuple(obj) in wanted
+            )
+        )
+        return "text"
+
+    result = process_shard(table, ProcessorConfig(seed=0), shard_id="s", decode=decode)
+    assert [row["text"] for row in result.trajectories] == ["text"] * 6
+    assert others_alive == [0] * 6
 
 
 def test_trajectory_rows_fit_the_delta_table_schema():
