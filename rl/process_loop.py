@@ -71,12 +71,16 @@ class ShardProcessor:
         self._saved, self._saved_at = self.offset, 0.0
         # raw shards after the offset have their twins after it too: committed later
         self._twins = _twins_in(shards)
+        self._polled_twins: set[tuple[str, int]] = set()
+        """Twins committed (or found) since the current poll began: once it returns, the
+        offset is past their raw shards, and ``_twins`` holds only these, which is what a
+        processor started at the new offset reads from the log."""
         self._twins_unsure = False
         """A twin commit raised: it may have landed all the same (its reply lost, the
         ``shards`` table unreadable), so the log is read again before committing another."""
         self._recorded: set[str] | None = None
-        """Raw shards with rows in ``trajectories``; read when first needed (a twin met) and
-        again after an append that raised (its reply may be lost with the rows landed)."""
+        """Raw shards with rows in ``trajectories``; read when a poll first needs it (a twin met)
+        and again after an append that raised (its reply may be lost with the rows landed)."""
 
     def _resume(self) -> tuple[int, pa.Table]:
         """The saved offset and the ``shards`` rows committed after it; -1 and the whole log
@@ -121,9 +125,14 @@ class ShardProcessor:
         The offset moves on only once every one of them is processed: if one raises, the
         next poll sees them all again, and skips those already processed.
         """
+        self._polled_twins = set()
         shards, latest = self.raw.poll(self.offset)
         processed = [self._process(shard) for shard in shards]
         self.offset = latest
+        # no raw shard up to the offset is polled again: only the twins, and the recorded
+        # shards, of those after it can be met, so neither grows with the age of the run
+        self._twins, self._polled_twins = self._polled_twins, set()
+        self._recorded = None
         if time.monotonic() - self._saved_at >= SAVE_EVERY_S:
             try:
                 self.save()
@@ -147,7 +156,9 @@ class ShardProcessor:
     def _process(self, raw: ShardInfo) -> ProcessedShard:
         if self._twins_unsure:
             # the poll that raised left the offset where it was
-            self._twins |= _twins_in(self.tables.changes("shards", self.offset)[0])
+            found = _twins_in(self.tables.changes("shards", self.offset)[0])
+            self._twins |= found
+            self._polled_twins |= found
             self._twins_unsure = False
         twin_done = (raw.worker, raw.seq) in self._twins
         if twin_done and self._recorded is None:
@@ -191,6 +202,7 @@ class ShardProcessor:
             self._twins_unsure = True
             raise
         self._twins.add((raw.worker, raw.seq))
+        self._polled_twins.add((raw.worker, raw.seq))
         return info
 
     def _notify(self, outcome: ProcessedShard) -> None:

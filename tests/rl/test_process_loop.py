@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 
 import rl.process_loop as process_loop
@@ -147,6 +148,34 @@ def test_without_its_saved_offset_a_restarted_processor_processes_nothing_twice(
     assert processed_ids(local_store) == ["t0", "t1", "t2"]
     ids = Tables(local_store).read("trajectories").column("trajectory_id").to_pylist()
     assert sorted(ids) == ["t0", "t1", "t2"]
+
+
+def test_a_long_lived_processor_remembers_only_the_last_polls_twins_and_processes_nothing_twice(local_store):
+    """What it keeps to skip done shards does not grow with the run: no raw shard up to the
+    offset is polled again. It keeps the twins committed since the last poll's read, as a
+    processor started at the new offset would: a second commit row of the last raw shard
+    (an append retried after its reply was lost) is still skipped."""
+    commit_raw_shards(local_store, range(2))
+    ShardProcessor(local_store).poll()
+    local_store.fs.rm(ProcessOffsetBoard(local_store).path)
+    processor = ShardProcessor(local_store)
+    assert [o.skipped for o in processor.poll()] == ["already processed"] * 2
+    assert (processor._twins, processor._recorded) == (set(), None)
+    for i in range(2, 7):
+        commit_raw_shards(local_store, range(i, i + 1))
+        assert [o.skipped for o in processor.poll()] == [None]
+        assert processor._twins == {("w0", i)}
+    tables = Tables(local_store)
+    shards = tables.read("shards")
+    tables.append("shards", shards.filter(pc.equal(shards.column("shard_id"), "raw/w0/00000006")))
+    assert [o.skipped for o in processor.poll()] == ["already processed"]
+    assert processor.poll() == []
+    assert (processor._twins, processor._recorded) == (set(), None)
+    expected = [f"t{i}" for i in range(7)]
+    assert processed_ids(local_store) == expected
+    assert sorted(tables.read("trajectories").column("trajectory_id").to_pylist()) == expected
+    twins = [row["shard_id"] for row in tables.read("shards").to_pylist() if row["kind"] == "processed"]
+    assert sorted(twins) == [f"processed/w0/{i:08d}" for i in range(7)]
 
 
 @pytest.mark.parametrize("offset", [10_000, 0])
