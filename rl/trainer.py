@@ -658,8 +658,10 @@ class Trainer:
             draining = drain or (drain_event is not None and drain_event.is_set())
             new_shards = self.ingest()
             self.drop_stale()
+            # shards held back by the read-ahead are data still to read, whatever this poll read
+            nothing_new = new_shards == 0 and not self.unread
             full = self.buffered_tokens() >= self.config.token_budget
-            if full or (draining and new_shards == 0 and self.buffer):
+            if full or (draining and nothing_new and self.buffer):
                 self._pretrain_value()
                 metrics = self._train_step(
                     take_batch(self.buffer, self.config.token_budget, self._keep_groups)
@@ -669,10 +671,10 @@ class Trainer:
                 if self._publishes_now() and (role is None or role.holds()):
                     versions.append(self._publish_and_tell(on_publish))
                 continue
-            if draining and new_shards == 0:
+            if draining and nothing_new:
                 stop_reason = "drained"
                 break
-            if new_shards == 0:
+            if nothing_new:
                 waited = time.monotonic()
                 wait = self.config.poll_seconds
                 if max_seconds is not None:  # never sleep past the deadline

@@ -171,6 +171,18 @@ def test_a_backlog_past_the_read_ahead_waits_in_storage_and_each_row_is_trained_
     assert trainer.newest_read == {"proc": infos[-1].seq} and not trainer.unread
 
 
+def test_a_drain_reads_the_shards_held_back_after_the_buffer_goes_stale(store):
+    """Shards bigger than the read-ahead leave the buffer past it after a step, so the next
+    poll reads nothing; when that buffer is then dropped as stale, the shards still held back
+    are data, not a drained log: the trainer reads them before it stops or waits idle."""
+    records = make_trajectories(store, 36, seed=7)
+    infos = write_shards(store, records, per_shard=12)  # 3 shards of 132 tokens, 3 steps' worth each
+    trainer = Trainer(store, config(read_ahead_batches=1, max_staleness=0, publish_every=1))
+    summary = trainer.run(drain=True)
+    assert summary.stop_reason == "drained" and not trainer.unread
+    assert consumed_rows(trainer.weights) == {info.shard_id: 12 for info in infos}
+
+
 def test_on_policy_ratios_are_1_at_the_temperature_the_rollouts_sampled_at(store):
     """Rollout log-probs are of softmax(logits / T): a trainer told the rollouts' temperature
     takes the policy's at it too, so the ratios of its first (on-policy) step are 1."""
