@@ -643,8 +643,12 @@ class WeightStore:
             version = self.latest()
             if version is None:
                 raise FileNotFoundError(f"no weight version published in {self.store.url(self.prefix)}")
-        path = Path(self._fetch(version, self.manifest(version), part))
+        manifest = self.manifest(version)
+        path = Path(self._fetch(version, manifest, part))
         self._use(part, path)
+        while not path.is_dir():  # another store's ``one_copy`` deleted it before it was marked
+            path = Path(self._fetch(version, manifest, part))
+            self._use(part, path)
         # a tidy that took the copy before it was marked in use follows the version's deletion
         if not self.fs.exists(posixpath.join(self.version_path(version), MANIFEST_FILE)):
             raise KeyError(

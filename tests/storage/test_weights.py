@@ -461,6 +461,37 @@ def test_a_store_that_loads_version_after_version_keeps_one_copy_per_part(store,
     assert cached() == ["serving/v000003"]
 
 
+def test_a_copy_deleted_between_its_fetch_and_its_marking_in_use_is_fetched_again(
+    store, tmp_path, tokenizer_dir
+):
+    """A load verifies a cached copy (hashing it: seconds for a real model) before it marks
+    it in use. A ``one_copy`` store sharing the cache (another engine, a rollout worker) that
+    moves on meanwhile deletes that copy, the version still in the store: the load must not
+    return a folder that is gone."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache", one_copy=True)
+    other = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "cache")
+    models = [tiny_llama(seed=seed) for seed in range(2)]
+    for model in models:
+        publish_model(weights, model, tokenizer_dir)
+    held = weights.load(0, "serving")
+    fetch = other._fetch
+
+    def fetch_then_the_worker_moves_on(*args):
+        path = fetch(*args)
+        if path == held:
+            weights.load(1, "serving")  # lands before this load marks the copy in use
+        return path
+
+    other._fetch = fetch_then_the_worker_moves_on
+    serving = other.load(0, "serving")
+    assert Path(serving, "config.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(serving).eval()
+    ids = torch.tensor([[1, 4, 5]])
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(models[0], ids), rtol=0, atol=0)
+    weights.load(1, "serving")  # loaded again: the copy other holds stays
+    assert Path(serving, "config.json").is_file()
+
+
 def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
     store, tmp_path, tokenizer_dir, monkeypatch
 ):
