@@ -166,6 +166,7 @@ def run_rollouts(
     finished = asyncio.Event()
     report_progress = reporting(on_progress, f"progress report of worker {worker_name}")
     steps_of: dict[int, int] = {}
+    step_error: list[str] = []
 
     def trained_enough() -> bool:
         """Whether the version served holds ``stop.max_policy_steps`` policy steps."""
@@ -174,10 +175,12 @@ def run_rollouts(
             try:
                 steps_of[version] = int(worker.weights.manifest(version).get("step", 0))
             except Exception as exc:  # pruned, or storage unreachable: the next beat looks again
-                log.warning(
-                    "worker %s could not read the step of weight version %s: %s", worker_name, version, exc
-                )
+                error = f"could not read the step of weight version {version}: {exc}"
+                if step_error != [error]:  # once while it lasts, not at every beat
+                    log.warning("worker %s %s", worker_name, error)
+                step_error[:] = [error]
                 return False
+            step_error.clear()
         return steps_of[version] >= config.stop.max_policy_steps
 
     async def report() -> None:
