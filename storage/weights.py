@@ -222,10 +222,10 @@ class WeightStore:
             ``value``) keeps a second model's versions and ``LATEST`` apart.
         cache_dir: where loads put the versions they fetch (downloaded from S3, hard-linked
             from a local folder); defaults to ``$TREADLE_CACHE`` or ``~/.cache/treadle``.
-        one_copy: a load deletes the copy this store's part used before, unless a process
-            uses it (it deletes it at its own next load): for a process that loads each new
-            version for days (a rollout worker, an engine actor), whose cache would otherwise
-            keep a copy per version while the store keeps them all (``keep_versions`` None).
+        one_copy: a load deletes the copy this store's part used before, unless another
+            store (of any process) holds it in use: for a process that loads each new version
+            for days (a rollout worker, an engine actor), whose cache would otherwise keep a
+            copy per version while the store keeps them all (``keep_versions`` None).
     """
 
     def __init__(
@@ -627,7 +627,7 @@ class WeightStore:
         the store leaves the caller's copy whole. A cached copy is re-used on the next call if
         it still verifies, as is a cached copy of a larger part, and a fetch deletes the cached
         versions the store no longer has (see ``retain``), and with ``one_copy`` the copy this
-        store's ``part`` used before, either one only if no process uses it. Raises ``CorruptVersion`` naming the
+        store's ``part`` used before, either one only if no store holds it in use. Raises ``CorruptVersion`` naming the
         first file whose sha256 differs or that is missing; other versions are unaffected.
         Raises ``KeyError`` when the version does not exist, or is deleted (by ``retain``)
         while its files are fetched.
@@ -747,7 +747,7 @@ class WeightStore:
 
     def _forget_removed(self) -> None:
         """Delete the cached copies of versions no longer in the store (deleted by ``retain``)
-        that no process uses (see :meth:`load`), and the staging folders of downloads whose
+        that no store holds in use (see :meth:`load`), and the staging folders of downloads whose
         process died (untouched for :data:`STAGING_STALE_S`; one still downloading writes
         into its folder)."""
         kept = {version_dir_name(version) for version in self.list()}
@@ -770,7 +770,7 @@ class WeightStore:
                     shutil.rmtree(staging, ignore_errors=True)
 
     def _forget_copy(self, copy: Path) -> None:
-        """Delete ``copy`` and its in-use file, unless a process holds it in use."""
+        """Delete ``copy`` and its in-use file, unless a store (of any process) holds it in use."""
         marker = self._in_use_file(copy)
         handle = os.open(marker, os.O_RDWR | os.O_CREAT, 0o644)
         try:
