@@ -438,11 +438,13 @@ def _ui(args) -> None:
     with subprocess.Popen(server, env=env, preexec_fn=_stopped_with(os.getpid())) as process:
         # a stop that reaches only this process (a service manager's, `kill`): the server
         # shuts down as on Ctrl-C, then so do we
-        signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGTERM))
+        before = signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGTERM))
         try:
             code = process.wait()
         except KeyboardInterrupt:  # Ctrl-C reached the server too: it shuts down, then so do we
             code = process.wait()
+        finally:
+            signal.signal(signal.SIGTERM, before)
     raise SystemExit(code)
 
 

@@ -754,7 +754,7 @@ def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, 
     started = []
 
     class Server:
-        def __init__(self, command, env=None):
+        def __init__(self, command, env=None, preexec_fn=None):
             started.append(command)
 
         def __enter__(self):
@@ -767,9 +767,11 @@ def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, 
             return len(started)
 
     monkeypatch.setattr(subprocess, "Popen", Server)
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as failed:
         main(["ui", "--port", "4300"])
     assert failed.value.code == 1 and started[-1][-4:] == ["--host", "127.0.0.1", "--port", "4300"]
+    assert signal.getsignal(signal.SIGTERM) is on_sigterm  # its server's forwarding ends with it
     out = capsys.readouterr().out
     assert "export PREFECT_API_URL=http://127.0.0.1:4300/api" in out and "make demo" not in out
     with pytest.raises(SystemExit) as failed_again:
