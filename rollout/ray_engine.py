@@ -83,9 +83,9 @@ def actor_device(device: str) -> str:
 def _local_dir(path: str, version: int, weights: WeightStore | None) -> str:
     """``path`` when this node has it, else version ``version`` fetched from ``weights``.
 
-    One ``WeightStore`` for all of an actor's fetches: each holds its copy in use by an open
-    file until its next load (see ``WeightStore.load``), so a store made per fetch left a file
-    descriptor open, and a copy in the cache, per version the actor loaded."""
+    One ``WeightStore`` for all of an actor's fetches: a store holds the copy its load returned
+    in use until its next load (see ``WeightStore.load``); one made per fetch would let it go
+    once collected, before the engine read it, and could not delete the copy before it."""
     if os.path.isdir(path):
         return path
     if weights is None:

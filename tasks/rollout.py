@@ -167,6 +167,7 @@ def run_rollouts(
     report_progress = reporting(on_progress, f"progress report of worker {worker_name}")
     steps_of: dict[int, int] = {}
     step_error: list[str] = []
+    reached_limit: list[int] = []  # the version that stopped it: said once, not at every beat left
 
     def trained_enough() -> bool:
         """Whether the version served holds ``stop.max_policy_steps`` policy steps."""
@@ -192,12 +193,14 @@ def run_rollouts(
                 return
             if stop is not None and stop.is_set():
                 worker.stop()
-            if config.stop.max_policy_steps is not None and await asyncio.to_thread(trained_enough):
+            limit = config.stop.max_policy_steps
+            if limit is not None and not reached_limit and await asyncio.to_thread(trained_enough):
+                reached_limit.append(worker.version)
                 log.info(
                     "worker %s stops: it serves weight version %s, at the run's stop.max_policy_steps %d",
                     worker_name,
                     worker.version,
-                    config.stop.max_policy_steps,
+                    limit,
                 )
                 worker.stop()
             if worker.status_due.is_set():  # a drained replica emptied: the trainer waits to see it
