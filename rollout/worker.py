@@ -255,12 +255,12 @@ class RolloutWorker:
                 await asyncio.to_thread(self.refresh_trainer_queue, time.time())
             except Exception as exc:  # storage unreachable for a moment: the queue is unknown
                 self._trainer = None
-                self._read_failed("the trainer's status", exc)
+                self.read_failed("the trainer's status", exc)
             else:
-                self._read_again("the trainer's status")
+                self.read_again("the trainer's status")
             await asyncio.sleep(self.trainer_poll_s)
 
-    def _read_failed(self, what: str, exc: Exception) -> None:
+    def read_failed(self, what: str, exc: Exception) -> None:
         """Warn that ``what`` could not be read, once per distinct error while it lasts: a loop
         reads it every second or more often, for as long as storage is down."""
         error = f"{type(exc).__name__}: {exc}"
@@ -268,7 +268,8 @@ class RolloutWorker:
             log.warning("worker %s could not read %s: %s", self.name, what, exc)
         self._read_errors[what] = error
 
-    def _read_again(self, what: str) -> None:
+    def read_again(self, what: str) -> None:
+        """Say that ``what``, which :meth:`read_failed` warned of, is read again."""
         if self._read_errors.pop(what, None) is not None:
             log.info("worker %s reads %s again", self.name, what)
 
@@ -549,10 +550,10 @@ class RolloutWorker:
         while True:
             try:
                 plan = await asyncio.to_thread(self.plans.read)
-                self._read_again("the elastic plan")
+                self.read_again("the elastic plan")
                 self.apply_plan(plan, time.time())
             except Exception as exc:  # storage unreachable for a moment: replicas stay as they are
-                self._read_failed("the elastic plan", exc)
+                self.read_failed("the elastic plan", exc)
             self._check_emptied()
             await asyncio.sleep(self.plan_poll_s)
 

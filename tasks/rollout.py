@@ -166,22 +166,19 @@ def run_rollouts(
     finished = asyncio.Event()
     report_progress = reporting(on_progress, f"progress report of worker {worker_name}")
     steps_of: dict[int, int] = {}
-    step_error: list[str] = []
     reached_limit: list[int] = []  # the version that stopped it: said once, not at every beat left
 
     def trained_enough() -> bool:
         """Whether the version served holds ``stop.max_policy_steps`` policy steps."""
         version = worker.version
         if version not in steps_of:
+            what = f"the step of weight version {version}"
             try:
                 steps_of[version] = int(worker.weights.manifest(version).get("step", 0))
             except Exception as exc:  # pruned, or storage unreachable: the next beat looks again
-                error = f"could not read the step of weight version {version}: {exc}"
-                if step_error != [error]:  # once while it lasts, not at every beat
-                    log.warning("worker %s %s", worker_name, error)
-                step_error[:] = [error]
+                worker.read_failed(what, exc)
                 return False
-            step_error.clear()
+            worker.read_again(what)
         return steps_of[version] >= config.stop.max_policy_steps
 
     async def report() -> None:
