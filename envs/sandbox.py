@@ -4,7 +4,8 @@ A :class:`Sandbox` owns one private working directory and turns a command into a
 it isolated under one of three backends (see ``docs/sandboxes.md``):
 
 - ``bwrap`` (bubblewrap): read-only system directories, the working directory the only writable
-  path, new PID/network/IPC/UTS namespaces, a new session, killed with its parent;
+  path, new PID/network/IPC/UTS namespaces and no user namespace of its own, a new session,
+  killed with its parent;
 - ``apptainer`` (Apptainer/Singularity, for HPC clusters): ``exec --containall --no-privs
   --net --network none`` of a user-chosen image with the working directory bound;
 - ``process`` (fallback, used only when bwrap is missing, with a loud warning): rlimits, a new
@@ -70,6 +71,7 @@ ErrorKind = Literal[
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+DISABLE_USERNS = ["--unshare-user", "--disable-userns"]
 UID_BASE = 2_000_000_000
 UID_RANGE = 1 << 20
 REAP_TIMEOUT_S = 5.0
@@ -199,15 +201,23 @@ def bwrap_path() -> str | None:
 
 
 @cache
-def _bwrap_sizes_tmpfs() -> bool:
-    """Whether this bwrap takes ``--size`` for a tmpfs (bubblewrap 0.7 and later)."""
+def _bwrap_takes(*options: str) -> bool:
+    """Whether this bwrap runs a sandbox with ``options`` here (newer options, or ones the
+    kernel or a container may refuse)."""
     path = bwrap_path()
     if path is None:
         return False
-    probe = [path, "--ro-bind", "/", "/", "--size", "1048576", "--tmpfs", "/tmp", "--unshare-all", "true"]
+    probe = [path, "--ro-bind", "/", "/", *options, "--unshare-all", "true"]
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        if subprocess.run(probe, capture_output=True, timeout=10).returncode == 0:
-            return True
+        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+    return False
+
+
+@cache
+def _bwrap_sizes_tmpfs() -> bool:
+    """Whether this bwrap takes ``--size`` for a tmpfs (bubblewrap 0.7 and later)."""
+    if _bwrap_takes("--size", "1048576", "--tmpfs", "/tmp"):
+        return True
     log.warning(
         "bwrap takes no --size for a tmpfs (bubblewrap < 0.7): /dev/shm in bwrap sandboxes is unbounded"
     )
@@ -215,6 +225,18 @@ def _bwrap_sizes_tmpfs() -> bool:
 
 
 @cache
+def _bwrap_disables_userns() -> bool:
+    """Whether this bwrap can keep sandboxed code from making user namespaces of its own
+    (bubblewrap 0.8 and later, where a user namespace can be made here)."""
+    if _bwrap_takes(*DISABLE_USERNS):
+        return True
+    log.warning(
+        "bwrap cannot disable user namespaces here (bubblewrap < 0.8, or none can be made): "
+        "code in bwrap sandboxes can make its own"
+    )
+    return False
+
+
 def _unshare_net_prefix(as_uid: bool) -> tuple[str, ...]:
     """The ``unshare`` prefix that drops the network for the process backend, if permitted.
 
@@ -334,6 +356,8 @@ class Sandbox:
         args += ["--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         args += ["--bind", self.workdir, self.workdir, "--remount-ro", "/"]
         args += ["--chdir", self.workdir, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
+        if _bwrap_disables_userns():
+            args += DISABLE_USERNS
         for key, value in self.env().items():
             args += ["--setenv", key, value]
         return [*args, "--"]

@@ -113,6 +113,18 @@ def test_write_outside_leaves_host_untouched(tmp_path):
     assert not os.path.exists("/usr/pwned")
 
 
+def test_code_in_a_sandbox_cannot_make_a_user_namespace_of_its_own():
+    """A user namespace of its own gives sandboxed code root's capabilities over new mount,
+    network and PID namespaces, and the kernel's namespaced-root code paths as attack surface:
+    nothing a tool call or test run needs."""
+    with Sandbox(SMALL) as box:
+        assert box.run("id -u").exit_code == 0
+        nested = box.run("unshare --user --map-root-user id -u")
+        assert nested.exit_code != 0, nested.output
+        assert "unshare failed" in nested.output
+    serves_after()
+
+
 def test_without_violations_are_errors_a_write_outside_is_plain_output():
     with Sandbox(SMALL.model_copy(update={"violations_are_errors": False})) as box:
         ran = box.run("touch /usr/pwned")
