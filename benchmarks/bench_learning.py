@@ -150,7 +150,7 @@ def run_sft(config: RunConfig, seconds: float, on_mark, env: str) -> dict:
     deadline = time.time() + seconds
     thread = threading.Thread(
         target=supervised_warm_start,
-        args=(model, sequences, masks, padding_id(tokenizer), sft, on_step),
+        args=(model, sequences, masks, padding_id(tokenizer, model), sft, on_step),
     )
     thread.start()
     on_mark(deadline, lambda: not thread.is_alive())

@@ -128,12 +128,16 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
-def padding_id(tokenizer) -> int:
-    """The id that pads batches: the tokenizer's pad token, else its EOS, else 0 (many
-    checkpoints define no pad token; padded positions are masked out of every loss)."""
-    if tokenizer.pad_token_id is not None:
-        return int(tokenizer.pad_token_id)
-    return int(tokenizer.eos_token_id or 0)
+def padding_id(tokenizer, model: PreTrainedModel) -> int:
+    """The id that pads ``model``'s batches: the tokenizer's pad token, else its EOS, else 0,
+    the first of them that is a row of the model's input embedding. Many checkpoints define no
+    pad token, and a pad token added to a tokenizer without resizing the model lies past its
+    embedding; padded positions are masked out of every loss, so any row does."""
+    rows = model.get_input_embeddings().num_embeddings
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None and 0 <= candidate < rows:
+            return int(candidate)
+    return 0
 
 
 def checkpoint_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:

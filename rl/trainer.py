@@ -297,7 +297,7 @@ class Trainer:
         self.vocab_size = self.policy.get_input_embeddings().num_embeddings
         self.tokenizer_fingerprint = self.weights.manifest(version).get("tokenizer_fingerprint")
         self._fingerprints: dict[int, str | None] = {}
-        self.pad_id = padding_id(self.tokenizer)
+        self.pad_id = padding_id(self.tokenizer, self.policy)
         self.policy_optimizer = torch.optim.AdamW(
             self.policy.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
         )

@@ -146,7 +146,7 @@ def build_base_version(
                 log(f"warm start: step {step}, loss {loss:.3f}")
 
         losses = supervised_warm_start(
-            model, sequences, masks, padding_id(tokenizer), config.warm_start.sft, on_step=on_step
+            model, sequences, masks, padding_id(tokenizer, model), config.warm_start.sft, on_step=on_step
         )
         metadata["warm_start"] = {
             "demonstrations": len(sequences),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import threading
@@ -24,6 +25,7 @@ from rl.models import (
     load_policy,
     load_tokenizer,
     load_trained_policy,
+    padding_id,
     placed,
     publish_policy,
     restore_master_weights,
@@ -102,6 +104,26 @@ def test_special_tokens_and_chat_template(tiny):
     assert ids[0] == tokenizer.convert_tokens_to_ids(IM_START)
     assert tokenizer.decode(ids) == f"{IM_START}user\nWhat is 2+3?{IM_END}\n{IM_START}assistant\n"
     assert tokenizer.convert_tokens_to_ids(IM_END) in ids
+
+
+def test_the_padding_id_is_a_row_of_the_models_embedding_whatever_pad_token_the_tokenizer_names(tiny):
+    """A tokenizer given a pad token of its own without the model's embedding resized names an
+    id past the embedding's last row: every padded batch then indexed past it, an IndexError on
+    a CPU and a device-side assert on a GPU. Padded positions are masked out of every loss, so
+    any row does: the EOS pads instead, else id 0."""
+    model, tokenizer = tiny
+    rows = model.get_input_embeddings().num_embeddings
+    assert padding_id(tokenizer, model) == tokenizer.pad_token_id == 0
+    own = copy.deepcopy(tokenizer)
+    own.add_special_tokens({"pad_token": "<|own_pad|>"})
+    assert own.pad_token_id >= rows
+    assert padding_id(own, model) == own.eos_token_id
+    eos_id = own.eos_token_id
+    own.add_special_tokens({"eos_token": "<|own_eos|>"})
+    assert own.eos_token_id >= rows and own.eos_token_id != eos_id
+    assert padding_id(own, model) == 0
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[eos_id, padding_id(own, model)]]))
 
 
 def test_base_version_is_published_once_and_loads_like_a_checkpoint(tiny, weights):
