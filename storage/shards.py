@@ -710,8 +710,8 @@ class ShardReader:
         )
 
     def quarantined(self, shard: ShardInfo) -> bool:
-        """Whether ``shard`` was moved to quarantine (its ``.reason`` file says why)."""
-        return self.store.fs.exists(self.store.path(quarantine_path(shard.path) + ".reason"))
+        """Whether ``shard`` was moved to quarantine (its ``.reason`` file, beside it, says why)."""
+        return self.store.fs.exists(self.store.path(quarantine_path(shard.path)))
 
     def _quarantine(self, shard: ShardInfo, reason: str) -> None:
         target = quarantine_path(shard.path)
@@ -723,8 +723,12 @@ class ShardReader:
                 "shard %s (%s) was moved to quarantine by another reader meanwhile", shard.shard_id, reason
             )
             return
-        with fs.open(self.store.path(target + ".reason"), "w") as out:
-            out.write(f"shard {shard.shard_id}: {reason}\n")
+        try:
+            with fs.open(self.store.path(target + ".reason"), "w") as out:
+                out.write(f"shard {shard.shard_id}: {reason}\n")
+        except OSError as exc:
+            # the shard is moved already: the log keeps the reason
+            reason += f" (its .reason file could not be written: {exc})"
         log.warning("quarantined shard %s to %s: %s", shard.shard_id, target, reason)
 
 

@@ -834,6 +834,31 @@ def test_two_readers_of_one_bad_shard_both_go_on_and_one_quarantines_it(store, m
     assert first.quarantined(info) and second.quarantined(info)
 
 
+def test_a_shard_whose_reason_cannot_be_written_is_still_quarantined_and_said_why(store, monkeypatch, caplog):
+    """The shard was moved, then writing its ``.reason`` failed: the error went up through
+    ``read`` and the reason was lost, and every later read said the committed shard's file was
+    missing, as if it were gone."""
+    good = ipc_bytes(make_table(0, 2))
+    info = commit_foreign_file(store, 0, good[: len(good) // 2])
+    real_open = store.fs.open
+
+    def refusing_reasons(path, mode="rb", **kwargs):
+        if path.endswith(".reason"):
+            raise PermissionError(f"no writes to {path}")
+        return real_open(path, mode, **kwargs)
+
+    monkeypatch.setattr(store.fs, "open", refusing_reasons)
+    reader = ShardReader(store)
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        assert reader.read(info) is None
+        assert reader.read(info) is None
+    first, second = (record.getMessage() for record in caplog.records)
+    assert "cannot read the Arrow IPC file" in first and "no writes to" in first, first
+    assert "quarantined before" in second, second
+    assert reader.quarantined(info)
+    assert store.fs.exists(store.path(quarantine_path(info.path)))
+
+
 def test_a_flipped_bit_anywhere_in_a_shard_never_makes_read_raise(local_store):
     # without a checksum some flips go unnoticed (a token changes); the others must end in
     # quarantine, whatever part of Arrow they trip (a corrupt length once asked for 256 TiB)
