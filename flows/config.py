@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import math
 import os
 import types
 import typing
@@ -375,6 +376,14 @@ class RunConfig(BaseModel):
     def env_config(self, name: str):
         """The validated config of environment ``name``."""
         return make_config(name, self.envs.configured().get(name))
+
+    def elastic_settings(self) -> ElasticConfig:
+        """The ``elastic`` section as the controller and the workers' routers take it: session
+        slots left unset are a replica's share of a worker's ``orchestrator.concurrency``."""
+        slots = self.elastic.sessions_per_replica or math.ceil(
+            self.orchestrator.concurrency / self.engine.replica_count
+        )
+        return ElasticConfig(**self.elastic.model_dump() | {"sessions_per_replica": slots})
 
 
 def booleans_for_numbers(model: type[BaseModel], data: Any, prefix: str = "") -> list[str]:

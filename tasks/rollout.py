@@ -27,7 +27,6 @@ from storage.status import (
 )
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_resource, run_store, watch_signal
 from tasks.event_loop import run_async
-from tasks.train import elastic_config
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +69,7 @@ def router_config(config: RunConfig) -> RouterConfig:
     into a free session slot of a replica (``elastic.sessions_per_replica``), as it counts."""
     return RouterConfig(
         migrate_on_drain=config.elastic.migrate_at_turns,
-        migration_slots=elastic_config(config).sessions_per_replica,
+        migration_slots=config.elastic_settings().sessions_per_replica,
     )
 
 

@@ -14,7 +14,7 @@ from prefect import task
 
 from flows.config import RunConfig
 from rl.trainer import Trainer
-from rollout.elastic import ElasticConfig, PolicyInputs
+from rollout.elastic import PolicyInputs
 from rollout.elastic_plan import ElasticPlanner
 from storage.heartbeat import Heartbeat
 from storage.status import (
@@ -63,15 +63,6 @@ TRAINER_LOADING_BEAT_S = 5.0
 counts for ``DEFAULT_MAX_AGE_S``)."""
 
 
-def elastic_config(config: RunConfig) -> ElasticConfig:
-    """The run's ``elastic`` section; session slots left unset are a replica's share of a
-    worker's ``orchestrator.concurrency``."""
-    slots = config.elastic.sessions_per_replica or math.ceil(
-        config.orchestrator.concurrency / config.engine.replica_count
-    )
-    return ElasticConfig(**config.elastic.model_dump() | {"sessions_per_replica": slots})
-
-
 def keep_decision(decisions: list[dict[str, Any]], entry: dict[str, Any]) -> None:
     """Append ``entry`` to ``decisions``, a run of decisions that moved nothing kept as its
     latest with ``count`` saying how many it stands for (the ticker decides every second:
@@ -98,7 +89,7 @@ def run_trainer(
     ``stop.max_policy_steps`` — or, with ``drain`` (or once ``drain_event`` is set), until
     no processed shard is waiting; the steps since the last version are published at the end.
 
-    Elastic capacity: an :class:`ElasticPlanner` (default: ``elastic_config(config)``)
+    Elastic capacity: an :class:`ElasticPlanner` (default: ``config.elastic_settings()``)
     decides over the rollout workers' engine replicas, named from the status objects they
     publish in the run's storage (``storage.status``, read at most every
     ``STATUS_REFRESH_S``; workers whose status is older than ``status_max_age_s`` leave),
@@ -209,7 +200,7 @@ def run_trainer(
     # resumes from it with its row written, and would never announce it
     seen["version"] = trainer.version - 1 if trainer.recorded_resumed else trainer.version
     check_published()
-    elastic = elastic or ElasticPlanner(elastic_config(config))
+    elastic = elastic or ElasticPlanner(config.elastic_settings())
     # (unit-seconds, trajectories) of the last steps: what a trajectory costs to train
     step_costs: deque[tuple[float, int]] = deque(maxlen=TRAIN_COST_STEPS)
     deciding = threading.Lock()  # the ticker thread decides while the trainer thread steps

@@ -34,7 +34,7 @@ from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
 from tasks.rollout import router_config, run_rollouts, status_object
-from tasks.train import elastic_config, keep_decision, run_trainer
+from tasks.train import keep_decision, run_trainer
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
 from tests.rollout.test_elastic_plan import status as replica_status
 
@@ -518,13 +518,13 @@ def test_a_replicas_session_slots_are_its_share_of_the_workers_concurrency():
             "orchestrator": {"concurrency": 512},
         }
     )
-    assert elastic_config(vllm).sessions_per_replica == 256
+    assert vllm.elastic_settings().sessions_per_replica == 256
     torch_replicas = RunConfig.model_validate(
         {"engine": {"replicas": 3}, "orchestrator": {"concurrency": 64}}
     )
-    assert elastic_config(torch_replicas).sessions_per_replica == 22
+    assert torch_replicas.elastic_settings().sessions_per_replica == 22
     fixed = RunConfig.model_validate({"elastic": {"sessions_per_replica": 5}})
-    assert elastic_config(fixed).sessions_per_replica == 5
+    assert fixed.elastic_settings().sessions_per_replica == 5
 
 
 def test_a_failing_progress_report_does_not_stop_the_trainer(tmp_path, caplog):
