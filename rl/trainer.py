@@ -232,7 +232,7 @@ class Trainer:
         self.temperature = temperature
         self.device = torch.device(device)
         self.dtype = dtype
-        self.weights = WeightStore(store)
+        self.weights = WeightStore(store, one_copy=True)
         self.tables = Tables(store)
         self.reader = ShardReader(store, kind="processed")
         self.attempt = uuid.uuid4().hex[:12]
@@ -332,6 +332,7 @@ class Trainer:
                     enable_activation_checkpointing(model)
 
         state = json.loads((path / STATE_FILE).read_text()) if (path / STATE_FILE).is_file() else {}
+        self.weights.release()  # all of the version is read: its copy need not stay on disk
         self.step = int(state.get("step", self.weights.manifest(version).get("step", 0)))
         self.value_pretrain_done = int(state.get("value_pretrain_done", 0))
         self.consumption = _Consumption(

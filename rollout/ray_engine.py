@@ -157,6 +157,8 @@ class EngineHost:
 
     async def close(self) -> None:
         await self.engine.close()
+        if self.weights is not None:
+            self.weights.release()
 
     def pid(self) -> int:
         return os.getpid()

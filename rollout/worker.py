@@ -714,9 +714,9 @@ class RolloutWorker:
 
     async def close(self) -> None:
         """Commit what is buffered, then stop the service and the engines, whether or not
-        that commit landed. A commit that fails is tried again after each wait of
-        ``close_retry_s`` (the records stay in the writer meanwhile); the last failure is
-        raised once everything is stopped."""
+        that commit landed, and let the weight cache drop the copy they served. A commit that
+        fails is tried again after each wait of ``close_retry_s`` (the records stay in the
+        writer meanwhile); the last failure is raised once everything is stopped."""
         try:
             await self._close_writer()
         finally:
@@ -725,6 +725,7 @@ class RolloutWorker:
                     await self.service.close()
             finally:
                 await asyncio.gather(*(engine.close() for engine in self.engines), return_exceptions=True)
+                self.weights.release()
 
     async def _close_writer(self) -> None:
         for wait in (*self.close_retry_s, None):

@@ -222,10 +222,12 @@ class WeightStore:
             ``value``) keeps a second model's versions and ``LATEST`` apart.
         cache_dir: where loads put the versions they fetch (downloaded from S3, hard-linked
             from a local folder); defaults to ``$TREADLE_CACHE`` or ``~/.cache/treadle``.
-        one_copy: a load deletes the copy this store's part used before, unless another
-            store (of any process) holds it in use: for a process that loads each new version
-            for days (a rollout worker, an engine actor), whose cache would otherwise keep a
-            copy per version while the store keeps them all (``keep_versions`` None).
+        one_copy: a load deletes the copy this store's part used before, and ``release``
+            every copy this store holds, unless another store (of any process) holds it in
+            use: for a process that loads each new version for days (a rollout worker, an
+            engine actor) or loads once (a trainer, an evaluation), whose cache would
+            otherwise keep a copy per version while the store keeps them all
+            (``keep_versions`` None).
     """
 
     def __init__(
@@ -635,7 +637,7 @@ class WeightStore:
         Processes may share ``cache_dir`` (engines on one machine): the copy a load returns
         stays while this store lives and loads no other copy of ``part``, whatever the others'
         tidying does (a shared lock on the copy's ``.in-use`` file, let go of by that next
-        load or when the store is collected).
+        load, by :meth:`release` or when the store is collected).
         """
         if part not in PARTS:
             raise ValueError(f"part must be one of {PARTS}, got {part!r}")
@@ -660,6 +662,19 @@ class WeightStore:
         except OSError as exc:  # the copy itself is whole
             log.warning("could not tidy the weight cache %s: %s", self.cache_dir, exc)
         return str(path)
+
+    def release(self) -> None:
+        """Let go of the copies this store's loads hold (see :meth:`load`); with ``one_copy``,
+        delete each one no other store holds. For a process done with what it loaded: an
+        evaluation that ended, a trainer with its model and optimizer read, a worker that stops.
+        The store stays usable: a later load fetches again."""
+        with self._in_use_lock:
+            held = list(self._in_use.values())
+            self._in_use.clear()
+        for handle, copy in held:
+            os.close(handle)
+            if self.one_copy:
+                self._forget_copy(copy)
 
     @staticmethod
     def _in_use_file(copy: Path) -> Path:

@@ -328,13 +328,13 @@ def evaluate_weights(
     the mix, rollout ``i`` sampling with seed ``eval.seed * SEED_STRIDE + i``, recorded
     nowhere (``train``: how well the policy does on the problems it trains on, beside the
     held-out ones). ``tasks``: those of each env to run instead (``split`` then unused)."""
-    weights = WeightStore(run_store(config))
+    if tasks is None:
+        tasks = {name: eval_tasks(config, name, split) for name in config.orchestrator.mix}
+    weights = WeightStore(run_store(config), one_copy=True)
     if version is None:
         version, path = weights.load_newest("serving")
     else:
         path = weights.load(version, "serving")
-    if tasks is None:
-        tasks = {name: eval_tasks(config, name, split) for name in config.orchestrator.mix}
     listed = [task for name in config.orchestrator.mix for task in tasks[name]]
 
     async def run() -> EvalResult:
@@ -360,7 +360,10 @@ def evaluate_weights(
         finally:
             await engine.close()
 
-    return run_async(run())
+    try:
+        return run_async(run())
+    finally:
+        weights.release()
 
 
 @task(name="warm-start", **SIDE_EFFECTS, **STORAGE_RETRIES)

@@ -380,6 +380,18 @@ def test_the_newest_version_evaluated_is_the_newest_that_verifies(tmp_path):
     assert Tables(run_store(config)).read("evals").num_rows == len(config.orchestrator.mix)
 
 
+def test_an_evaluation_leaves_no_copy_of_the_version_it_measured_in_the_weight_cache(tmp_path):
+    """The pipeline evaluates version after version for as long as it trains: each evaluation
+    left its version's copy in the weight cache for good, a model's size on disk apiece."""
+    config = tiny_config(
+        tmp_path / "runs", "eval-cache", warm_start={"enabled": False}, eval={"tasks_per_env": 1}
+    )
+    base = build_base_version(config, log=lambda line: None)
+    cache = WeightStore(run_store(config)).cache_dir
+    assert evaluate_weights(config, base).version == base
+    assert not [path for path in cache.rglob("v0*") if path.is_dir()]
+
+
 def _measured(config, version, tasks=None):
     from rollout.evaluate import EvalResult
 

@@ -799,7 +799,8 @@ def test_an_engine_host_fetching_version_after_version_holds_one_open_file_and_o
     """A host on a node without its worker's weight folders fetches each version it loads
     from the store. Each fetch went through a WeightStore of its own, whose lock on the copy
     (an open file) was never closed: a file descriptor more per version, until the actor ran
-    out of them, and every copy held in use, so none was ever deleted."""
+    out of them, and every copy held in use, so none was ever deleted. Closed, the host lets
+    the last copy go too."""
     store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "fetching-host")
     weights = WeightStore(store)
     model, tokenizer = build_tiny_model(TINY)
@@ -807,6 +808,9 @@ def test_an_engine_host_fetching_version_after_version_holds_one_open_file_and_o
 
     def open_files() -> int:
         return len(os.listdir("/proc/self/fd"))
+
+    def cached() -> list[str]:
+        return sorted(p.name for p in weights.cache_dir.rglob("v0*"))
 
     async def body():
         host = EngineHost(TorchEngineConfig().model_dump(), "/nonexistent/v000000", "host", 0, store)
@@ -819,13 +823,14 @@ def test_an_engine_host_fetching_version_after_version_holds_one_open_file_and_o
                     version,
                     os.getpid(),
                 )
-            return before, open_files()
+            return before, open_files(), cached()
         finally:
             await host.close()
 
-    before, after = asyncio.run(body())
+    before, after, held = asyncio.run(body())
     assert after == before
-    assert sorted(p.name for p in weights.cache_dir.rglob("v0*")) == ["v000005"]
+    assert held == ["v000005"]
+    assert cached() == []
 
 
 def test_ray_engines_on_a_node_without_the_runs_local_folder_fail_the_start_in_one_line(

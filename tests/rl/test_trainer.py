@@ -931,6 +931,17 @@ def test_resume_restores_step_optimizer_value_model_and_consumption(store):
     assert sorted(rows.values()) == [3, 3, 3, 3]
 
 
+def test_a_resumed_trainer_leaves_no_copy_of_its_version_in_the_weight_cache(store):
+    """A trainer reads the version it resumes from (policy, value model, both optimizers'
+    moments) once, as it starts: that copy stayed in the weight cache for good, a whole version
+    with its optimizer state on the trainer's disk per restart (each nightly run)."""
+    write_shards(store, make_trajectories(store, 6, seed=8), per_shard=3)
+    Trainer(store, config(publish_every=1, publish_on_stop=False)).run(max_steps=1)
+    resumed = Trainer(store, config())
+    assert resumed.version == 1 and resumed.step == 1
+    assert not [path for path in resumed.weights.cache_dir.rglob("v0*") if path.is_dir()]
+
+
 def same_state(a: dict, b: dict) -> bool:
     """Whether two (possibly nested) state dicts hold bit-identical tensors and equal values."""
     if a.keys() != b.keys():

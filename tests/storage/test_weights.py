@@ -461,6 +461,44 @@ def test_a_store_that_loads_version_after_version_keeps_one_copy_per_part(store,
     assert cached() == ["serving/v000003"]
 
 
+def test_a_store_released_leaves_no_copy_in_the_cache_that_no_other_store_holds(
+    store, tmp_path, tokenizer_dir
+):
+    """An evaluation's store, a trainer's once its model and optimizer are read, a worker's
+    once it stops: each load's copy stayed in the cache for good (``one_copy`` deletes only a
+    store's previous copy, at its next load), a trainer's whole version with its optimizer
+    state per restart. Released, a ``one_copy`` store deletes its copies unless another store
+    holds them; a store without ``one_copy`` only lets go of them."""
+    publish_model(WeightStore(store), tiny_llama(seed=0), tokenizer_dir)
+    cache = tmp_path / "cache"
+
+    evaluation = WeightStore(store, cache_dir=cache, one_copy=True)
+
+    def cached():
+        return sorted(
+            path.relative_to(evaluation.cache_dir).as_posix() for path in cache.rglob("v0*") if path.is_dir()
+        )
+
+    trainer = WeightStore(RunStore(store.config, store.run_id), cache_dir=cache, one_copy=True)
+    keeper = WeightStore(RunStore(store.config, store.run_id), cache_dir=cache)
+    held = evaluation.load(0, "serving")
+    assert Path(trainer.load(0, "all"), "model.safetensors").is_file()
+    assert cached() == ["serving/v000000", "v000000"]
+    assert trainer.load(0, "serving") != held  # the whole version's copy serves too
+    trainer.release()
+    assert cached() == ["serving/v000000"] and Path(held, "config.json").is_file()
+    keeper.load(0, "serving")
+    evaluation.release()
+    assert cached() == ["serving/v000000"] and Path(held, "config.json").is_file()
+    keeper.release()
+    assert cached() == ["serving/v000000"]
+    again = WeightStore(store, cache_dir=cache, one_copy=True)
+    assert again.load(0, "serving") == held
+    again.release()
+    assert cached() == []
+    assert Path(WeightStore(store, cache_dir=cache).load(0, "serving"), "config.json").is_file()
+
+
 def test_a_copy_deleted_between_its_fetch_and_its_marking_in_use_is_fetched_again(
     store, tmp_path, tokenizer_dir
 ):

@@ -282,7 +282,8 @@ def test_a_reload_the_health_check_runs_is_awaited_whatever_the_others_do(local_
 def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(local_store, failures):
     """The last shard's commit fails ``failures`` times: with 3 retries it lands on the third
     attempt (every rollout committed), or close raises the last failure; either way the
-    engines are stopped."""
+    engines are stopped and the copy of the version they served leaves the weight cache (it
+    stayed there for good, a model's size on the machine's disk per worker run)."""
     run = RunConfig(
         engine={"replicas": 2},
         orchestrator={"mix": {"arith": 1.0}, "concurrency": 2, "max_rollouts": 4},
@@ -314,6 +315,7 @@ def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(lo
     assert len(attempts) == min(failures + 1, 4)
     assert attempts[0] == stats.finished == 4
     assert all(engine._closed for engine in worker.engines)
+    assert not [path for path in worker.weights.cache_dir.rglob("v0*") if path.is_dir()]
     if failures <= len(worker.close_retry_s):
         reader = ShardReader(local_store)
         assert sum(reader.read(shard).num_rows for shard in reader.poll()[0]) == stats.finished > 0
