@@ -23,8 +23,10 @@ import asyncio
 import importlib
 import json
 import math
+import posixpath
 import random
 import re
+import urllib.parse
 from collections.abc import Callable
 from decimal import Decimal, InvalidOperation, Overflow
 from typing import ClassVar
@@ -71,8 +73,14 @@ class DatasetConfig(EnvConfig):
     @field_validator("path")
     @classmethod
     def _known_format(cls, value: str) -> str:
+        # checked before anything names the value: it reaches errors, logs and the flow run's parameters
+        if "@" in urllib.parse.urlsplit(value).netloc:
+            raise ValueError(
+                "holds credentials (user:secret@ before the bucket); give them as storage.access_key_id and "
+                "storage.secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
+            )
         if value and not value.endswith(FORMATS):
-            raise ValueError(f"must end in .parquet, .jsonl or .json, got {value!r}")
+            raise ValueError(f"must end in .parquet, .jsonl or .json, got {posixpath.basename(value)!r}")
         return value
 
     @field_validator("verifier")

@@ -739,6 +739,8 @@ def test_a_worker_name_that_cannot_name_a_shard_folder_fails_the_rollout_flow_be
         ),
         # no scheme: no netloc to find the credentials in, refused as no URL
         ({"engine": {"vllm": [{"base_url": "user:TOP-SECRET-VALUE@vllm:8000"}]}}, "engine.vllm.0.base_url"),
+        ({"envs": {"dataset": {"path": "s3://KEY:TOP-SECRET-VALUE@bucket/rows.jsonl"}}}, "envs.dataset.path"),
+        ({"envs": {"dataset": {"path": "https://user:TOP-SECRET-VALUE@host/rows.csv"}}}, "envs.dataset.path"),
     ],
 )
 def test_a_run_config_error_names_the_field_but_never_shows_a_credential(data, field):
