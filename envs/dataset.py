@@ -36,7 +36,7 @@ import regex
 from pydantic import Field, field_validator
 
 from envs.base import Env, EnvConfig, Split, StepResult, Task, clamp_score, in_eval_split, user
-from storage.config import StorageConfig
+from storage.config import S3_SCHEMES, StorageConfig
 
 FORMATS = (".parquet", ".jsonl", ".json")
 
@@ -81,7 +81,12 @@ class DatasetConfig(EnvConfig):
             )
         if value and not value.endswith(FORMATS):
             raise ValueError(f"must end in .parquet, .jsonl or .json, got {posixpath.basename(value)!r}")
-        return value
+        scheme, url, rest = value.partition("://")
+        if not url:
+            return value
+        if scheme.lower() not in S3_SCHEMES:
+            raise ValueError(f"must be a local file or an s3:// URL, not a {scheme}:// one")
+        return f"{scheme.lower()}://{rest}"
 
     @field_validator("verifier")
     @classmethod
@@ -154,7 +159,11 @@ def _load_rows(config: DatasetConfig) -> tuple[dict, ...]:
 def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
     if not config.path:
         raise ValueError("dataset env needs config.path (a .parquet, .jsonl or .json file)")
-    fs = (config.storage or StorageConfig()).filesystem() if "://" in config.path else None
+    fs = None
+    if "://" in config.path:
+        # the file's URL as the root: a storage section for its endpoint and keys (or none, the
+        # environment's) leaves the default root, a local folder, which would read it from disk
+        fs = (config.storage or StorageConfig()).model_copy(update={"root": config.path}).filesystem()
     opener = fs.open if fs is not None else open
     if config.path.endswith(".parquet"):
         with opener(config.path, "rb") as handle:

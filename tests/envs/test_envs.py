@@ -799,6 +799,26 @@ def test_dataset_reads_its_rows_from_s3_with_keys_from_its_config_or_the_environ
     assert {(t.prompt, t.data["answer"]) for t in tasks} == {(r["prompt"], r["answer"]) for r in rows}
 
 
+@pytest.mark.parametrize("storage", ["endpoint", "none"])
+def test_dataset_reads_its_rows_from_s3_whatever_the_runs_root(s3_server, monkeypatch, storage):
+    """A storage section that gives the endpoint alone, or none at all (endpoint and keys from
+    the environment, as every other S3 read takes them), leaves ``root`` a local folder: the
+    file's own s3:// URL makes the read an S3 one."""
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
+    url = f"s3://{s3_server.bucket}/datasets/root-{storage}.jsonl"
+    s3_server.config().filesystem().pipe_file(url, "\n".join(json.dumps(r) for r in rows).encode())
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_access_key)
+    monkeypatch.delenv("AWS_SESSION_TOKEN", raising=False)
+    config = {"path": url, "eval_fraction": 0.25}
+    if storage == "endpoint":
+        config["storage"] = {"endpoint_url": s3_server.endpoint_url}
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
+    tasks = [task for split in ("train", "eval") for task in task_set("dataset", split, 0, 100, config)]
+    assert {(t.prompt, t.data["answer"]) for t in tasks} == {(r["prompt"], r["answer"]) for r in rows}
+
+
 @pytest.mark.parametrize("verifier", ["no_such_module:verify", "json:no_such_function"])
 def test_dataset_verifier_that_cannot_be_imported_fails_the_task_set(tmp_path, verifier):
     """Not every episode's reset: a run with it would make nothing but env errors."""

@@ -137,6 +137,10 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("envs:\n  agent: {tasks: [{id: a, prompt: p, dta: {}}]}\n", "envs.agent.tasks.0.dta"),
         ("envs:\n  dataset: {path: rows.csv}\n", "envs.dataset.path: must end in .parquet, .jsonl or .json"),
         (
+            "envs:\n  dataset: {path: 'https://host/rows.jsonl'}\n",
+            "envs.dataset.path: must be a local file or an s3:// URL, not a https:// one",
+        ),
+        (
             "envs:\n  code: {sandbox: {backend: apptainer}}\n",
             "envs.code.sandbox.apptainer_image: the apptainer backend needs an image",
         ),
