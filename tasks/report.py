@@ -47,11 +47,12 @@ class ProgressReporter:
         self.description = description
         self.total = total
         self.deadline = deadline if deadline is not None and math.isfinite(deadline) else None
-        self.started = time.time()
+        self.started = time.time()  # the deadline's clock (epoch seconds, shared by the run's tasks)
         self.every_s = every_s
         self.log_every_s = log_every_s
-        self._last = 0.0
-        self._last_log = self.started
+        # paced by the monotonic clock: by the wall clock, one set back silenced them for as long
+        self._last = -math.inf
+        self._last_log = time.monotonic()
         self.logger = get_run_logger()
         self.artifact_id = None
         try:
@@ -63,11 +64,12 @@ class ProgressReporter:
         if self.total:
             return min(100.0, 100.0 * count / self.total)
         if self.deadline and self.deadline > self.started:
-            return min(100.0, 100.0 * (time.time() - self.started) / (self.deadline - self.started))
+            elapsed = (time.time() - self.started) / (self.deadline - self.started)
+            return min(100.0, max(0.0, 100.0 * elapsed))
         return 0.0
 
     def update(self, count: int, final: bool = False, detail: str = "") -> None:
-        now = time.time()
+        now = time.monotonic()
         if final or now - self._last_log >= self.log_every_s:
             self._last_log = now
             self.logger.info("%s: %d%s", self.description, count, f" — {detail}" if detail else "")

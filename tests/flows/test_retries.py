@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import types
 from pathlib import Path
 
 import httpx
@@ -104,6 +106,44 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
     assert reporting_flow() == 10
     assert "progress artifact of rollouts not updated, the work goes on" in caplog.text
     assert "progress artifact of trainer steps not created" in caplog.text
+
+
+def test_progress_keeps_its_pace_when_the_wall_clock_is_set_back(prefect_api, monkeypatch, caplog):
+    """Paced by the wall clock, progress went silent, its bar and its log lines both, for as
+    long as the clock was set back (an hour here: NTP correcting a clock that ran fast), and
+    a bar toward a deadline went below 0 %."""
+    clock = {"wall": time.time(), "monotonic": time.monotonic()}
+    monkeypatch.setattr(
+        tasks.report,
+        "time",
+        types.SimpleNamespace(time=lambda: clock["wall"], monotonic=lambda: clock["monotonic"]),
+    )
+
+    @task(**SIDE_EFFECTS)
+    def reports() -> None:
+        counted = ProgressReporter("rollouts", total=10, every_s=2.0, log_every_s=10.0)
+        timed = ProgressReporter("steps", deadline=clock["wall"] + 100.0, every_s=2.0, log_every_s=10.0)
+        for count in (1, 2, 3):
+            clock["wall"] += 11.0 - (3600.0 if count == 2 else 0.0)
+            clock["monotonic"] += 11.0
+            counted.update(count)
+            timed.update(count)
+
+    @flow
+    def reporting_flow() -> None:
+        reports()
+
+    with caplog.at_level(logging.INFO):
+        state = reporting_flow(return_state=True)
+    assert state.is_completed()
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollouts: ")] == [
+        "rollouts: 1",
+        "rollouts: 2",
+        "rollouts: 3",
+    ]
+    bars = {a.description: a.data for a in artifacts_of([state.state_details.flow_run_id])}
+    assert bars == {"rollouts: 3": 30.0, "steps: 3": 0.0}  # its time toward the deadline is set back too
+    assert "invalid value" not in caplog.text
 
 
 def test_an_unreachable_prefect_api_at_the_run_report_does_not_fail_the_flow(
