@@ -99,7 +99,7 @@ def inspect_run(store) -> str:
         marks += ["pruned"] if row["version"] not in kept else []
         marked = f" ({', '.join(marks)})" if marks else ""
         lines.append(
-            f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S}{tag}{marked}"
+            f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S} UTC{tag}{marked}"
         )
     evals = tables.read("evals").sort_by([("version", "ascending"), ("env", "ascending")])
     lines.append("\nheld-out reward per version:")

@@ -22,7 +22,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
@@ -1089,11 +1089,22 @@ def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
     ]
     Tables(local_store).append("weights", rows)
     out = inspect_run(local_store)
-    assert "  v13   step 52     2026-01-01 00:00:00 (passed over, pruned)" in out
+    assert "  v13   step 52     2026-01-01 00:00:00 UTC (passed over, pruned)" in out
     assert out.count("passed over") == 1
-    assert "  v29   step 116    2026-01-01 00:00:00 (pruned)" in out
+    assert "  v29   step 116    2026-01-01 00:00:00 UTC (pruned)" in out
     listed = [line for line in out.splitlines() if line.startswith("  v") and " step " in line]
     assert f"(showing {len(listed)})" in out and len(listed) == 17
+
+
+def test_inspect_says_its_times_are_utc(local_store):
+    """The tables hold UTC times; shown bare, a publish at 02:00 in Lisbon's summer read as
+    01:00, an hour off the local clock that ``treadle sql`` shows it by."""
+    lisbon_summer = timezone(timedelta(hours=1))
+    row = {"version": 0, "step": 0, "path": "weights/v000000", "num_consumed_shards": 0}
+    Tables(local_store).append(
+        "weights", [row | {"created_at": datetime(2026, 7, 1, 2, tzinfo=lisbon_summer)}]
+    )
+    assert "  v0    step 0      2026-07-01 01:00:00 UTC (pruned)" in inspect_run(local_store)
 
 
 def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time():
