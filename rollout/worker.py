@@ -478,11 +478,17 @@ class RolloutWorker:
             return False
         stale = plan.running and not is_fresh(plan.time, now, self.plan_max_age_s)
         if stale:
+            why = (
+                f"{now - plan.time:.0f} s old (> {self.plan_max_age_s:.0f} s), so no trainer is steering"
+                if plan.time <= now
+                else f"dated {plan.time - now:.0f} s ahead of this worker's clock (> {self.plan_max_age_s:.0f} s): "
+                "the trainer's and this machine's clocks disagree"
+            )
             self._warn_plan(
                 "stale",
                 plan,
-                f"worker {self.name} ignores the elastic plan of {_clock(plan.time)}: {now - plan.time:.0f} s old "
-                f"(> {self.plan_max_age_s:.0f} s), so no trainer is steering; every replica takes new sessions",
+                f"worker {self.name} ignores the elastic plan of {_clock(plan.time)}: {why}; "
+                "every replica takes new sessions",
             )
         router = self.router
         wanted = set() if stale else plan.drained(self.name)

@@ -263,6 +263,30 @@ def test_with_no_readable_plan_a_drain_lasts_only_until_the_last_plan_applied_go
     asyncio.run(body())
 
 
+def test_a_plan_dated_ahead_of_the_workers_clock_is_said_to_be_ahead_not_negative_seconds_old(
+    tmp_path, caplog
+):
+    """The trainer's clock runs 100 s ahead of the worker's: its plan is ignored as a stale
+    one is, and the warning said it was "-100 s old", and that no trainer was steering."""
+    worker = two_replica_worker(tmp_path, "elastic-ahead", plan_max_age_s=30.0)
+
+    async def body() -> None:
+        await worker.start()
+        try:
+            plan = ElasticPlan(time=1100.0, accepting=["w0/torch-0"], draining=["w0/torch-1"])
+            with caplog.at_level(logging.WARNING):
+                assert not worker.apply_plan(plan, 1000.0)
+            assert worker.router.draining == []
+            (warning,) = [r.getMessage() for r in caplog.records if r.name == "rollout.worker"]
+            assert "-100 s" not in warning and "no trainer is steering" not in warning
+            assert "dated 100 s ahead of this worker's clock (> 30 s)" in warning
+            assert "clocks" in warning and "every replica takes new sessions" in warning
+        finally:
+            await worker.close()
+
+    asyncio.run(body())
+
+
 def test_a_worker_says_at_once_that_a_replica_it_drains_is_empty_not_at_its_next_beat(tmp_path):
     """The trainer counts a drained replica as training only once a status shows it empty:
     with a beat of 60 s, that status still comes within seconds of the plan."""
