@@ -52,7 +52,7 @@ from rl.models import (
 from storage.config import RunStore
 from storage.schema import SchemaError
 from storage.shards import ShardInfo, ShardReader
-from storage.status import HeldRole
+from storage.status import HeldRole, InUse
 from storage.tables import Tables, conform
 from storage.weights import CorruptVersion, WeightStore
 
@@ -386,8 +386,10 @@ class Trainer:
         torch.save(obj, buffer)
         return buffer.getvalue()
 
-    def publish(self) -> int:
-        """Publish the policy with the trainer's full state; returns the new version."""
+    def publish(self, before_commit: Callable[[], None] | None = None) -> int:
+        """Publish the policy with the trainer's full state; returns the new version.
+        ``before_commit`` goes to ``WeightStore.publish``: what it raises leaves the version
+        incomplete."""
         consumption = self.consumption
         state = {
             "step": self.step,
@@ -424,6 +426,7 @@ class Trainer:
             parent=parent,
             metadata=metadata,
             extra_files=extra,
+            before_commit=before_commit,
         )
         self.weights.record(self.tables, version)
         if self.config.keep_versions is not None:
@@ -621,9 +624,10 @@ class Trainer:
                 into the row's ``extra`` (e.g. the elastic controller's inputs and moves); when
                 it raises, the row goes without and the training goes on.
             role: the run's trainer role, held by this trainer: it is read back before each
-                publish, and once it is lost (``role.lost``) the trainer stops and publishes
-                nothing more (another trainer took the run and trains from its latest
-                version: what this one trained since is left to it).
+                publish and again once the version's files are uploaded, just before its
+                manifest makes it complete, and once it is lost (``role.lost``) the trainer
+                stops and publishes nothing more (another trainer took the run and trains
+                from its latest version: what this one trained since is left to it).
             on_publish: called with each version this call publishes, once it is published
                 (before the trainer goes on: a failure later in the call cannot lose it).
 
@@ -669,8 +673,10 @@ class Trainer:
                 )
                 if progress is not None and metrics is not None:
                     progress({**metrics.row, "extra": metrics.extra})
-                if self._publishes_now() and (role is None or role.holds()):
-                    versions.append(self._publish_and_tell(on_publish))
+                if self._publishes_now():
+                    version = self._publish_and_tell(on_publish, role)
+                    if version is not None:
+                        versions.append(version)
                 continue
             if draining and nothing_new:
                 stop_reason = "drained"
@@ -690,15 +696,31 @@ class Trainer:
             self._flush_unwritten_rows()
         publish_pending = self._steps_since_publish or self._pending_consumption()
         if self.config.publish_on_stop and publish_pending and stop_reason != "abandoned":
-            if role is None or role.holds():
-                versions.append(self._publish_and_tell(on_publish))
-            else:
+            version = self._publish_and_tell(on_publish, role)
+            if version is None:
                 stop_reason = "abandoned"
+            else:
+                versions.append(version)
         logger.info("trainer stopped (%s) at step %d", stop_reason, self.step)
         return TrainSummary(steps=self.step, versions=versions, stop_reason=stop_reason)
 
-    def _publish_and_tell(self, on_publish: Callable[[int], None] | None) -> int:
-        version = self.publish()
+    def _publish_and_tell(
+        self, on_publish: Callable[[int], None] | None, role: HeldRole | None
+    ) -> int | None:
+        """Publish and tell ``on_publish``; None, with nothing published, when ``role`` is
+        found lost before the upload or before the manifest.
+
+        What remains is the manifest's own write: a new holder's status that lands after the
+        read-back is not seen, and the version still completes. It races the new holder only
+        if that one write outlasts the holder's claim and model load (it resumes from the
+        newest complete version after them); neither ``O_EXCL`` nor a conditional PUT makes a
+        write depend on another object, so the store cannot close it."""
+        if role is not None and not role.holds():
+            return None
+        try:
+            version = self.publish(before_commit=None if role is None else role.require)
+        except InUse:
+            return None
         if on_publish is not None:
             on_publish(version)
         return version

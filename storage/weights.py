@@ -34,7 +34,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -277,6 +277,7 @@ class WeightStore:
         version: int | None = None,
         owner: str | None = None,
         dtype: torch.dtype | None = None,
+        before_commit: Callable[[], None] | None = None,
     ) -> int:
         """Write a new version and point ``LATEST`` at it unless it names a newer one; returns
         its number.
@@ -297,6 +298,9 @@ class WeightStore:
                 taken back instead of raising :class:`VersionTaken`.
             dtype: store the floating-point tensors in this dtype (tied ones still once) and
                 say so in ``config.json``; default: as given.
+            before_commit: called once the files are uploaded, just before the manifest makes
+                the version complete; what it raises stops the publish, and the version stays
+                incomplete, as a publish killed there leaves it (``retain`` deletes it).
         """
         if version is not None and version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
@@ -342,6 +346,8 @@ class WeightStore:
             fingerprint = (
                 tokenizer_fingerprint(tokenizer_json.read_bytes()) if tokenizer_json.is_file() else None
             )
+        if before_commit is not None:
+            before_commit()
         manifest = {
             "version": version,
             "step": int(step),

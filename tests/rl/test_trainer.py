@@ -101,6 +101,40 @@ def test_a_trainer_whose_role_was_taken_before_it_publishes_publishes_nothing(st
     assert summary.steps >= 1 and WeightStore(store).list() == [0] and role.lost.is_set()
 
 
+@pytest.mark.parametrize("publish_every", [1, 100])
+def test_a_trainer_whose_role_is_taken_while_it_uploads_a_version_leaves_it_incomplete(
+    store, publish_every, monkeypatch
+):
+    """Another trainer takes the run after the read-back before a publish, while the version's
+    files upload (a step's publish, or the one on stop): the read-back before its manifest
+    finds it, and the version never becomes complete, so ``LATEST`` stays where the new
+    trainer resumed from."""
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    board = TrainerStatusBoard(store)
+    role = HeldRole(board.read, board.publish, "the trainer role")
+
+    def status(owner: str = "") -> TrainerStatus:
+        return TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner=owner)
+
+    assert role.publish(status())
+    trainer = Trainer(store, config(publish_every=publish_every))
+    upload = trainer.weights.fs.put_file
+    uploads = []
+
+    def put_file(local, stored, *args, **kwargs):
+        if not uploads:  # the new trainer's status lands as the first file uploads
+            board.publish(status(owner="the-new-one"))
+        uploads.append(stored)
+        return upload(local, stored, *args, **kwargs)
+
+    monkeypatch.setattr(trainer.weights.fs, "put_file", put_file)
+    summary = trainer.run(drain=True, role=role)
+    assert (summary.stop_reason, summary.versions) == ("abandoned", [])
+    assert uploads and role.lost.is_set()
+    weights = WeightStore(store)
+    assert weights.list() == [0] and weights.latest() == 0
+
+
 def test_trains_every_row_once_and_logs_each_step(store):
     records = make_trajectories(store, 12, seed=1)
     infos = write_shards(store, records, per_shard=3)
