@@ -86,7 +86,8 @@ def inspect_run(store) -> str:
 
     tables = Tables(store)
     lines = [f"run {store.uri}"]
-    weights = tables.read("weights").sort_by("version").to_pylist()
+    weights_table = tables.read("weights")
+    weights = weights_table.sort_by("version").to_pylist()
     kept = set(WeightStore(store).list())
     skipped = passed_over(weights)
     shown = spaced([row["version"] for row in weights])
@@ -127,7 +128,9 @@ def inspect_run(store) -> str:
         rows = shards.filter(pc.equal(shards.column("kind"), kind))
         total = pc.sum(rows.column("num_rows")).as_py() or 0
         lines.append(f"  {kind:<10} {rows.num_rows} shards, {total} trajectories")
-    steps = one_row_per_step(tables.read("train_steps", columns=["step", "time", "num_samples"]))
+    steps = one_row_per_step(
+        tables.read("train_steps", columns=["step", "time", "num_samples"]), weights_table
+    )
     trained = pc.sum(steps.column("num_samples")).as_py() or 0
     lines.append(f"\npolicy steps: {steps.num_rows}, on {trained} trajectories")
     return "\n".join(lines)

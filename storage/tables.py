@@ -504,21 +504,33 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
         raise SchemaError(f"table {name!r}: cannot cast to the canonical schema: {exc}") from exc
 
 
-def one_row_per_step(steps: pa.Table) -> pa.Table:
+def one_row_per_step(steps: pa.Table, weights: pa.Table) -> pa.Table:
     """``train_steps`` rows of the policy steps the run's weights went through, one per step,
-    in step order.
+    in step order; ``weights`` is the run's ``weights`` table (its ``step`` and ``created_at``).
 
     A trainer restarted after a failure resumes from its last published version and logs
     the steps after it again; the rows its predecessor logged after that version, logged
     again or not (the run may end first), went into no weights. So a row stays when no row
-    logged after it has a step at or below its own.
+    logged after it has a step at or below its own, and a version published after it has
+    reached its step: a trainer's steps since its last version show once it publishes them.
     """
     ordered = steps.sort_by("time")
     step = ordered.column("step").to_numpy()
     # (N,) the lowest step logged after each row (none after the last)
     lowest_after = np.full(len(step), np.iinfo(np.int64).max)
     lowest_after[:-1] = np.minimum.accumulate(step[::-1])[::-1][1:]
-    return ordered.filter(pa.array(step < lowest_after)).sort_by("step")
+    published = weights.sort_by("created_at")
+    created = _micros(published.column("created_at"))
+    # (V + 1,) the newest step of the versions from each one on (none past the last)
+    reached_from = np.full(len(created) + 1, -1, dtype=np.int64)
+    reached_from[:-1] = np.maximum.accumulate(published.column("step").to_numpy()[::-1])[::-1]
+    reached_after = reached_from[np.searchsorted(created, _micros(ordered.column("time")), side="right")]
+    return ordered.filter(pa.array((step < lowest_after) & (step <= reached_after))).sort_by("step")
+
+
+def _micros(times: pa.ChunkedArray) -> np.ndarray:
+    """UTC timestamps as integer microseconds."""
+    return times.cast(UTC_MICROS).cast(pa.int64()).to_numpy()
 
 
 def _fetched(name: str, stream: Callable[[], Any]) -> pa.Table:

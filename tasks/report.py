@@ -235,7 +235,10 @@ def report_run(config: RunConfig) -> str:
     ``s3://`` URL, while the page itself is kept by the Prefect API."""
     store = run_store(config)
     tables = Tables(store)
-    steps = one_row_per_step(tables.read("train_steps", columns=[*STEPS_COLUMNS, "time"]))
+    steps = one_row_per_step(
+        tables.read("train_steps", columns=[*STEPS_COLUMNS, "time"]),
+        tables.read("weights", columns=["step", "created_at"]),
+    )
     evals = tables.read("evals").sort_by("version")
     shards = tables.read("shards")
     key = artifact_key(config.run_id)

@@ -839,6 +839,25 @@ def raw_lineage_shards(store: RunStore) -> None:
     writer.close()
 
 
+def test_steps_a_trainer_left_unpublished_are_not_kept_when_the_trainer_after_it_takes_none(store):
+    """A trainer publishes version 1 at step 2, takes step 3 and is gone without publishing
+    it; the next resumes from version 1 and stops before a step (its deadline
+    had passed). The kept rows, and the README's query's, are those of steps 1 and 2 only."""
+    write_shards(store, make_trajectories(store, 16, seed=3), per_shard=4)
+    Trainer(store, config(publish_every=2, publish_on_stop=False)).run(max_steps=3, drain=True)
+    assert [row["step"] for row in read_steps(store)] == [1, 2, 3]
+    assert WeightStore(store).list() == [0, 1]
+    resumed = Trainer(store, config())
+    summary = resumed.run(max_seconds=0)
+    assert (summary.steps, summary.versions, summary.stop_reason) == (2, [], "max_seconds")
+
+    tables = Tables(store)
+    kept = one_row_per_step(tables.read("train_steps"), tables.read("weights"))
+    assert kept.column("step").to_pylist() == [1, 2]
+    readme = connect(store).execute(readme_query("u.step <= t.step").replace("DISTINCT *", "DISTINCT step"))
+    assert sorted(row[0] for row in readme.fetchall()) == [1, 2]
+
+
 @pytest.mark.parametrize("mode", ["sao", "grpo"])
 def test_the_steps_that_went_into_the_weights_name_each_selected_trajectory_they_trained_once(
     store, mode, monkeypatch
@@ -867,7 +886,7 @@ def test_the_steps_that_went_into_the_weights_name_each_selected_trajectory_they
     )
     trainer.run(drain=True)
 
-    steps = one_row_per_step(Tables(store).read("train_steps")).to_pylist()
+    steps = one_row_per_step(Tables(store).read("train_steps"), Tables(store).read("weights")).to_pylist()
     assert [row["step"] for row in steps] == list(range(1, trainer.step + 1))
     named = [trajectory for row in steps for trajectory in row["trajectory_ids"]]
     assert len(named) == len(set(named)) and set(named) <= selected
@@ -1346,7 +1365,7 @@ def test_exactly_once_across_sigkill_restarts(store, tmp_path):
     assert chain[-1]["step"] == 14, f"seed {seed}"
     # the steps whose rows the README keeps (those that went into the weights) name every
     # trajectory once, though killed trainers logged some steps that a restart took again
-    steps = one_row_per_step(Tables(store).read("train_steps")).to_pylist()
+    steps = one_row_per_step(Tables(store).read("train_steps"), Tables(store).read("weights")).to_pylist()
     assert [row["step"] for row in steps] == list(range(1, 15)), f"seed {seed}"
     trained_ids = [trajectory for row in steps for trajectory in row["trajectory_ids"]]
     assert sorted(trained_ids) == sorted(record["trajectory_id"] for record in records), f"seed {seed}"

@@ -586,6 +586,14 @@ def test_a_table_lacking_a_required_column_is_refused_naming_it(local_store):
     assert DeltaTable(uri).version() == 0, "nothing committed"
 
 
+def published(*versions: tuple[int, float]) -> pa.Table:
+    """A ``weights`` table of versions given as (step, seconds into 2026 they were published)."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    return pa.Table.from_pylist(
+        [{"step": step, "created_at": start + timedelta(seconds=second)} for step, second in versions]
+    )
+
+
 def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():
     """A restarted trainer logs steps 3 and 4 again after resuming from the version of step 2."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
@@ -595,10 +603,11 @@ def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():
         for step, second in logged
     ]
     steps = pa.Table.from_pylist(rows)
-    kept = one_row_per_step(steps)
+    weights = published((0, -1), (2, 1.5), (5, 13))
+    kept = one_row_per_step(steps, weights)
     assert kept.column("step").to_pylist() == [1, 2, 3, 4, 5]
     assert kept.column("policy_loss").to_pylist() == [0.0, 1.0, 10.0, 11.0, 12.0]
-    assert one_row_per_step(steps.slice(0, 0)).num_rows == 0
+    assert one_row_per_step(steps.slice(0, 0), weights).num_rows == 0
 
 
 def test_one_row_per_step_drops_the_steps_a_dead_trainer_logged_after_the_version_resumed_from():
@@ -613,16 +622,37 @@ def test_one_row_per_step_drops_the_steps_a_dead_trainer_logged_after_the_versio
             for step, second in logged
         ]
     )
-    kept = one_row_per_step(steps)
+    weights = published((0, -1), (3, 2.5), (4, 11))
+    kept = one_row_per_step(steps, weights)
     assert kept.column("step").to_pylist() == [1, 2, 3, 4]
     assert kept.column("policy_loss").to_pylist() == [0.0, 1.0, 2.0, 10.0]
     connection = duckdb.connect()
     connection.register("train_steps", steps)
-    readme = connection.execute(
-        "SELECT step, policy_loss FROM train_steps t WHERE NOT EXISTS "
-        "(SELECT 1 FROM train_steps u WHERE u.time > t.time AND u.step <= t.step) ORDER BY step"
+    connection.register("weights", weights)
+    readme = connection.execute(readme_query("u.step <= t.step").replace("DISTINCT *", "step, policy_loss"))
+    assert sorted(readme.fetchall()) == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 10.0)]
+
+
+def test_the_steps_a_dead_trainer_logged_after_its_last_version_are_dropped_when_none_takes_them_again(
+    local_store,
+):
+    """A trainer publishes version 1 at step 2, logs steps 3 and 4 and dies; the next resumes
+    from version 1 and stops before taking a step (its deadline had passed). Steps 3 and 4
+    went into no weights: ``one_row_per_step`` and the README's query keep steps 1 and 2."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    tables = Tables(local_store)
+    tables.append("weights", [weight_row(0) | {"step": 0, "created_at": start}])
+    tables.append(
+        "train_steps", [step_row(step, 0.5) | {"time": start + timedelta(seconds=step)} for step in (1, 2)]
     )
-    assert readme.fetchall() == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 10.0)]
+    tables.append("weights", [weight_row(1) | {"step": 2, "created_at": start + timedelta(seconds=2.5)}])
+    tables.append(
+        "train_steps", [step_row(step, 0.5) | {"time": start + timedelta(seconds=step)} for step in (3, 4)]
+    )
+    kept = one_row_per_step(tables.read("train_steps"), tables.read("weights"))
+    assert kept.column("step").to_pylist() == [1, 2]
+    readme = connect(local_store).execute(readme_query("u.step <= t.step") + " ORDER BY step").fetchall()
+    assert [row[0] for row in readme] == [1, 2]
 
 
 def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_once(local_store):
@@ -634,7 +664,10 @@ def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_
     tables = Tables(local_store)
     tables.append("train_steps", rows[:2])
     tables.append("train_steps", rows)
-    assert one_row_per_step(tables.read("train_steps")).column("step").to_pylist() == [1, 2, 3]
+    tables.append("weights", [weight_row(0) | {"step": 3, "created_at": start + timedelta(seconds=4)}])
+    assert one_row_per_step(tables.read("train_steps"), tables.read("weights")).column(
+        "step"
+    ).to_pylist() == [1, 2, 3]
 
     kept = connect(local_store).execute(readme_query("u.step <= t.step") + " ORDER BY step").fetchall()
 

@@ -90,11 +90,24 @@ def test_the_shards_artifact_sums_each_worker_and_kind_against_a_loop():
     assert report.shards_by_worker(conform("shards", [])) == []
 
 
+def version_row(step: int) -> dict:
+    """A ``weights`` row of the version published just after ``step`` (its steps are in the weights)."""
+    return {
+        "version": step // 2,
+        "step": step,
+        "parent": None,
+        "path": f"weights/v{step // 2:06d}",
+        "num_consumed_shards": 1,
+        "created_at": START + timedelta(seconds=step + 0.5),
+    }
+
+
 def test_a_long_runs_report_lists_its_latest_steps_and_one_shard_row_per_worker(tmp_path, monkeypatch):
     config = tiny_config(tmp_path / "runs", "long-run")
     tables = Tables(run_store(config))
     tables.append("shards", [shard_row("raw", f"w{i % 3}", i, (0, 1), 4) for i in range(500)])
     tables.append("train_steps", [step_row(step) for step in range(1, 201)])
+    tables.append("weights", [version_row(200)])
     made = {}
     monkeypatch.setattr(
         report, "create_table_artifact", lambda rows, key, description: made.update({key: rows})
@@ -117,7 +130,9 @@ def test_a_long_runs_report_lists_its_latest_steps_and_one_shard_row_per_worker(
 def test_a_grpo_runs_report_shows_no_value_loss(tmp_path, monkeypatch):
     """GRPO has no critic: its steps' value loss is null, shown as a dash and left out of the curve."""
     config = tiny_config(tmp_path / "runs", "grpo-run")
-    Tables(run_store(config)).append("train_steps", [step_row(1, None), step_row(2, None)])
+    tables = Tables(run_store(config))
+    tables.append("train_steps", [step_row(1, None), step_row(2, None)])
+    tables.append("weights", [version_row(2)])
     monkeypatch.setattr(report, "create_table_artifact", lambda rows, key, description: None)
     monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
 
