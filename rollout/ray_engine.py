@@ -125,6 +125,9 @@ class EngineHost:
         store: RunStore | None = None,
     ):
         self.weights = None if store is None else WeightStore(store, one_copy=True)
+        # one load at a time: a load lets go of the copy before it (one_copy deletes it), so an
+        # older fetch finishing last would delete the newer copy and serve the older version
+        self._loading = asyncio.Lock()
         path, version = _start_dir(model_dir, version, self.weights)
         self.engine = TorchEngine.from_config(
             TorchEngineConfig.model_validate(config | {"device": actor_device(config["device"])}),
@@ -140,8 +143,9 @@ class EngineHost:
         """Load ``version`` from ``path``; returns the version served and this process's id."""
         # a version fetched from the store takes seconds to minutes: in a thread, so the
         # actor goes on answering generations and health probes meanwhile
-        local = await asyncio.to_thread(_local_dir, path, version, self.weights)
-        await self.engine.load_version(version, local)
+        async with self._loading:
+            local = await asyncio.to_thread(_local_dir, path, version, self.weights)
+            await self.engine.load_version(version, local)
         return self.engine.version, os.getpid()
 
     def end_session(self, session_id: str) -> None:

@@ -833,6 +833,38 @@ def test_an_engine_host_fetching_version_after_version_holds_one_open_file_and_o
     assert cached() == []
 
 
+def test_an_engine_host_asked_for_two_versions_at_once_ends_on_the_newer_with_its_copy_kept(tmp_path):
+    """A worker's new version can reach a host while the one before is still downloading.
+    The older fetch finishing last marked its copy in use, which let go of (and deleted) the
+    newer one, and the engine went back to the older version."""
+    store = RunStore(StorageConfig(root=str(tmp_path / "runs")), "two-loads-host")
+    weights = WeightStore(store)
+    model, tokenizer = build_tiny_model(TINY)
+    for version in range(3):
+        publish_policy(weights, model, tokenizer, step=version)
+
+    async def body():
+        host = EngineHost(TorchEngineConfig().model_dump(), "/nonexistent/v000000", "host", 0, store)
+        load = host.weights.load
+
+        def slow_download_of_version_1(version, part):
+            if version == 1:
+                time.sleep(1.0)
+            return load(version, part)
+
+        host.weights.load = slow_download_of_version_1
+        try:
+            older = asyncio.create_task(host.load_version(1, "/nonexistent/v000001"))
+            await asyncio.sleep(0.2)
+            newer = await host.load_version(2, "/nonexistent/v000002")
+            await older
+            return newer[0], host.engine.version, sorted(p.name for p in weights.cache_dir.rglob("v0*"))
+        finally:
+            await host.close()
+
+    assert asyncio.run(body()) == (2, 2, ["v000002"])
+
+
 def test_ray_engines_on_a_node_without_the_runs_local_folder_fail_the_start_in_one_line(
     tmp_path, monkeypatch
 ):
