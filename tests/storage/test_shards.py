@@ -79,14 +79,14 @@ def test_records_flush_every_n_and_read_back_whole(store):
     assert reader.poll(after=offset) == ([], offset)
 
 
-def test_records_written_together_are_never_split_across_shards(local_store):
-    writer = ShardWriter(local_store, "w0", flush_records=3)
+def test_records_written_together_are_never_split_across_shards(store):
+    writer = ShardWriter(store, "w0", flush_records=3)
     assert writer.write(make_record(0)) is None
     info = writer.write_many([make_record(i) for i in range(1, 5)])
     assert info.num_rows == 5
     writer.close()
-    (shard,), _ = ShardReader(local_store).poll()
-    assert ids_of(ShardReader(local_store).read(shard)) == [f"t{i}" for i in range(5)]
+    (shard,), _ = ShardReader(store).poll()
+    assert ids_of(ShardReader(store).read(shard)) == [f"t{i}" for i in range(5)]
 
 
 def test_poll_after_an_offset_lists_only_new_shards(store):
@@ -103,21 +103,21 @@ def test_poll_after_an_offset_lists_only_new_shards(store):
     assert ShardReader(store, kind="processed").poll()[0] == []
 
 
-def test_time_based_flush_happens_on_the_next_write(local_store):
-    patient = ShardWriter(local_store, "patient", flush_records=100, flush_seconds=3600)
+def test_time_based_flush_happens_on_the_next_write(store):
+    patient = ShardWriter(store, "patient", flush_records=100, flush_seconds=3600)
     assert patient.write(make_record(0)) is None and patient.write(make_record(1)) is None
-    eager = ShardWriter(local_store, "eager", flush_records=100, flush_seconds=0.05)
+    eager = ShardWriter(store, "eager", flush_records=100, flush_seconds=0.05)
     assert eager.write(make_record(2)) is None
     time.sleep(0.1)
     info = eager.write(make_record(3))
     assert info is not None and info.num_rows == 2
 
 
-def test_flush_if_due_commits_records_that_waited_with_no_write_after_them(local_store):
-    patient = ShardWriter(local_store, "patient", flush_records=100, flush_seconds=3600)
+def test_flush_if_due_commits_records_that_waited_with_no_write_after_them(store):
+    patient = ShardWriter(store, "patient", flush_records=100, flush_seconds=3600)
     patient.write(make_record(0))
     assert patient.flush_if_due() is None
-    eager = ShardWriter(local_store, "eager", flush_records=100, flush_seconds=0.05)
+    eager = ShardWriter(store, "eager", flush_records=100, flush_seconds=0.05)
     assert eager.flush_if_due() is None  # nothing buffered
     eager.write(make_record(1))
     time.sleep(0.1)
@@ -378,8 +378,8 @@ def test_a_failed_background_commit_loses_nothing_and_goes_into_the_next_shard(s
     assert ids_of(reader.read(shards[0])) == ["t0", "t1", "t2", "t3"]
 
 
-def test_a_failed_background_commit_is_retried_when_due_with_no_write_after_it(local_store, monkeypatch):
-    writer = BackgroundShardWriter(local_store, "w0", flush_records=100, flush_seconds=60)
+def test_a_failed_background_commit_is_retried_when_due_with_no_write_after_it(store, monkeypatch):
+    writer = BackgroundShardWriter(store, "w0", flush_records=100, flush_seconds=60)
     fail_first_append(writer, monkeypatch)
     skew, real = [0.0], time.monotonic
     monkeypatch.setattr(shard_module.time, "monotonic", lambda: real() + skew[0])
@@ -392,7 +392,7 @@ def test_a_failed_background_commit_is_retried_when_due_with_no_write_after_it(l
     writer.flush_if_due()  # no record was written since: the failed one is due again
     concurrent.futures.wait([writer._in_flight])
     assert writer.committed == 1
-    reader = ShardReader(local_store)
+    reader = ShardReader(store)
     shards, _ = reader.poll()
     assert [ids_of(reader.read(s)) for s in shards] == [["t0"]]
     writer.close()
@@ -438,8 +438,8 @@ def test_a_background_commit_refused_as_in_use_is_raised_at_the_next_flush(store
     assert Tables(store).read("shards").num_rows == 0
 
 
-def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_raises(local_store, monkeypatch):
-    writer = BackgroundShardWriter(local_store, "w0", flush_records=2, max_unsaved_records=3)
+def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_raises(store, monkeypatch):
+    writer = BackgroundShardWriter(store, "w0", flush_records=2, max_unsaved_records=3)
     down = OSError("endpoint unreachable (injected)")
     with monkeypatch.context() as patch:
         patch.setattr(writer.tables, "append", lambda *args: (_ for _ in ()).throw(down))
@@ -450,7 +450,7 @@ def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_rais
         with pytest.raises(OSError, match="unreachable"):
             writer.close()
     writer.close()
-    reader = ShardReader(local_store)
+    reader = ShardReader(store)
     shards, _ = reader.poll()
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2", "t3"]]
     with pytest.raises(RuntimeError, match="closed"):
@@ -619,8 +619,8 @@ def test_rows_with_blank_ids_are_refused_at_the_flush_and_named_by_their_row_whe
     ]
 
 
-def test_a_failed_commit_retries_the_admitted_rows_without_refusing_them_again(local_store, monkeypatch):
-    writer = ShardWriter(local_store, "w0", flush_records=10)
+def test_a_failed_commit_retries_the_admitted_rows_without_refusing_them_again(store, monkeypatch):
+    writer = ShardWriter(store, "w0", flush_records=10)
     writer.write(make_record(0))
     writer.write(bad_versions(1))
     with monkeypatch.context() as patch:
@@ -630,32 +630,32 @@ def test_a_failed_commit_retries_the_admitted_rows_without_refusing_them_again(l
         with pytest.raises(OSError, match="down"):
             writer.flush()
     info = writer.flush()
-    assert ids_of(ShardReader(local_store).read(info)) == ["t0"]
+    assert ids_of(ShardReader(store).read(info)) == ["t0"]
     assert writer.refused == 1
-    assert quarantined_refusals(local_store, "w0")[0] == ["bad1"]
+    assert quarantined_refusals(store, "w0")[0] == ["bad1"]
 
 
-def test_refused_rows_that_cannot_be_kept_aside_fail_the_flush_and_lose_nothing(local_store, monkeypatch):
+def test_refused_rows_that_cannot_be_kept_aside_fail_the_flush_and_lose_nothing(store, monkeypatch):
     """The store fails as refused rows are moved to the quarantine: the flush raises,
     every record stays buffered, and the retry refuses the bad row once and commits the rest."""
-    writer = ShardWriter(local_store, "w0", flush_records=10)
+    writer = ShardWriter(store, "w0", flush_records=10)
     writer.write(make_record(0))
     writer.write(bad_versions(1))
     writer.write(make_record(2))
     with monkeypatch.context() as patch:
         patch.setattr(
-            local_store.fs,
+            store.fs,
             "pipe_file",
             lambda *args, **kwargs: (_ for _ in ()).throw(OSError("down (injected)")),
         )
         with pytest.raises(OSError, match="down"):
             writer.flush()
     assert writer.refused == 0
-    assert ShardReader(local_store).poll()[0] == []
+    assert ShardReader(store).poll()[0] == []
     info = writer.flush()
-    assert ids_of(ShardReader(local_store).read(info)) == ["t0", "t2"]
+    assert ids_of(ShardReader(store).read(info)) == ["t0", "t2"]
     assert writer.refused == 1
-    assert quarantined_refusals(local_store, "w0")[0] == ["bad1"]
+    assert quarantined_refusals(store, "w0")[0] == ["bad1"]
 
 
 def test_a_background_writer_checks_rows_on_its_commit_thread_and_refuses_only_the_bad(store):
@@ -788,7 +788,7 @@ def test_a_shard_written_before_columns_were_added_reads_them_as_null(store):
         ("extra column", "unexpected ['score']"),
     ],
 )
-def test_a_shard_whose_schema_differs_otherwise_is_still_quarantined(local_store, change, reason):
+def test_a_shard_whose_schema_differs_otherwise_is_still_quarantined(store, change, reason):
     table = make_table(0, 2).drop_columns(["engine"])
     if change == "required column missing":
         table = table.drop_columns(["status"])
@@ -798,10 +798,10 @@ def test_a_shard_whose_schema_differs_otherwise_is_still_quarantined(local_store
         )
     else:
         table = table.append_column("score", pa.array([1.0, 2.0]))
-    info = commit_foreign_file(local_store, 0, ipc_bytes(table))
-    reader = ShardReader(local_store)
+    info = commit_foreign_file(store, 0, ipc_bytes(table))
+    reader = ShardReader(store)
     assert reader.read(info) is None and reader.quarantined(info)
-    text = local_store.fs.cat_file(local_store.path(quarantine_path(info.path) + ".reason")).decode()
+    text = store.fs.cat_file(store.path(quarantine_path(info.path) + ".reason")).decode()
     assert reason in text, text
 
 
@@ -1093,7 +1093,7 @@ def test_a_shard_holding_other_than_its_committed_rows_is_quarantined_not_read(s
 
 
 @pytest.mark.parametrize("extra_column", [True, False])
-def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(local_store, extra_column):
+def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(store, extra_column):
     """A shard whose schema names a later record version (a worker upgraded before this
     reader): reading it raises naming both versions, and the shard is neither read under
     the old meaning nor quarantined, so an upgraded reader still gets its rows."""
@@ -1101,12 +1101,12 @@ def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(local_s
     if extra_column:
         table = table.append_column("score", pa.array([1.0, 2.0]))
     newer = table.replace_schema_metadata({"treadle.schema": "trajectory/2"})
-    info = commit_foreign_file(local_store, 0, ipc_bytes(newer))
-    reader = ShardReader(local_store)
+    info = commit_foreign_file(store, 0, ipc_bytes(newer))
+    reader = ShardReader(store)
     with pytest.raises(SchemaError, match="raw/w9/00000000.*trajectory/2.*trajectory/1"):
         reader.read(info)
     assert not reader.quarantined(info)
-    assert local_store.fs.cat_file(local_store.path(info.path)) == ipc_bytes(newer)
+    assert store.fs.cat_file(store.path(info.path)) == ipc_bytes(newer)
 
 
 def _read_whole(store: RunStore, shard: ShardInfo) -> None:

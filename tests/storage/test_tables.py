@@ -85,8 +85,8 @@ def test_append_and_read_back_in_the_canonical_schema(store):
     assert rows[2]["created_at"] == datetime(2026, 1, 2, tzinfo=UTC)
 
 
-def test_bad_rows_are_refused_naming_table_and_column(local_store):
-    tables = Tables(local_store)
+def test_bad_rows_are_refused_naming_table_and_column(store):
+    tables = Tables(store)
     row = weight_row(0)
     del row["path"]
     with pytest.raises(SchemaError, match=r"'weights'.*'path'.*required"):
@@ -655,13 +655,13 @@ def test_the_steps_a_dead_trainer_logged_after_its_last_version_are_dropped_when
     assert [row[0] for row in readme] == [1, 2]
 
 
-def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_once(local_store):
+def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_once(store):
     """A trainer whose ``train_steps`` append raised although its commit landed appends the same
     rows again with its next step (``Trainer._log_step``): the rows are there twice, each pair
     with one time. ``one_row_per_step`` reads each step once; the README's query read them twice."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
     rows = [step_row(step, 0.5) | {"time": start + timedelta(seconds=step)} for step in (1, 2, 3)]
-    tables = Tables(local_store)
+    tables = Tables(store)
     tables.append("train_steps", rows[:2])
     tables.append("train_steps", rows)
     tables.append("weights", [weight_row(0) | {"step": 3, "created_at": start + timedelta(seconds=4)}])
@@ -669,7 +669,7 @@ def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_
         "step"
     ).to_pylist() == [1, 2, 3]
 
-    kept = connect(local_store).execute(readme_query("u.step <= t.step") + " ORDER BY step").fetchall()
+    kept = connect(store).execute(readme_query("u.step <= t.step") + " ORDER BY step").fetchall()
 
     assert [row[0] for row in kept] == [1, 2, 3]
 
