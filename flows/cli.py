@@ -328,44 +328,119 @@ def temporary_api() -> None:
 
     if PREFECT_API_URL.value() is not None:
         return
+    timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
+    taken = []
     with _starting_alone(PREFECT_HOME.value()):
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        # with its UI, which the flow run's "View at" link names; without the scheduler, as in
-        # Prefect's ephemeral mode: it would add runs of the local database's deployments
-        command, env = prefect_server("127.0.0.1", port, "--no-scheduler")
-        try:
-            server = subprocess.Popen(
-                command,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=_stopped_with(os.getpid()),
-            )
-        except OSError as exc:  # no `prefect` beside this Python or on PATH
-            raise SystemExit(
-                f"error: cannot start a temporary Prefect server: {command[0]}: {exc.strerror} "
-                "(set PREFECT_API_URL to a running server's API)"
-            ) from None
-        # before Prefect's own exit handlers, which run first and send their last logs and events
-        atexit.register(_stop_server, server)
-        url = f"http://127.0.0.1:{port}/api"
-        deadline = time.monotonic() + PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
-        while not _healthy(url):
-            if server.poll() is not None:
+        # a port free when picked is bound by the server seconds later: another program may
+        # take it meanwhile (it then answers at the server's URL), which loses this start only
+        for _ in range(SERVER_START_TRIES):
+            if taken:
+                print(
+                    f"the temporary Prefect server's port {taken[-1]} was taken: starting it on another",
+                    file=sys.stderr,
+                )
+            port = unused_port()
+            server = _start_server(port)
+            if _answers(server, port, timeout):
+                break
+            if _bindable(port):
                 raise SystemExit(
                     f"error: the temporary Prefect server exited with status {server.returncode}"
                 )
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"error: the temporary Prefect server did not answer at {url} within "
-                    f"{PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()} s"
-                )
-            time.sleep(0.1)
-    os.environ["PREFECT_API_URL"] = url
+            taken.append(str(port))
+        else:
+            raise SystemExit(
+                "error: the temporary Prefect server could not start: another program took each port it "
+                f"was given ({', '.join(taken)}) before it listened (set PREFECT_API_URL to a running "
+                "server's API)"
+            )
+    os.environ["PREFECT_API_URL"] = f"http://127.0.0.1:{port}/api"
     refresh_global_settings_context()
+
+
+SERVER_START_TRIES = 3
+"""How many ports a flow command's temporary Prefect server is started on before the command
+gives up, each taken by another program before the server listened."""
+
+
+def unused_port() -> int:
+    """A TCP port on 127.0.0.1 that no socket holds now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_server(port: int) -> subprocess.Popen:
+    """A flow command's temporary Prefect server on 127.0.0.1:``port``, stopped at exit."""
+    # with its UI, which the flow run's "View at" link names; without the scheduler, as in
+    # Prefect's ephemeral mode: it would add runs of the local database's deployments
+    command, env = prefect_server("127.0.0.1", port, "--no-scheduler")
+    try:
+        server = subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=_stopped_with(os.getpid()),
+        )
+    except OSError as exc:  # no `prefect` beside this Python or on PATH
+        raise SystemExit(
+            f"error: cannot start a temporary Prefect server: {command[0]}: {exc.strerror} "
+            "(set PREFECT_API_URL to a running server's API)"
+        ) from None
+    # before Prefect's own exit handlers, which run first and send their last logs and events
+    atexit.register(_stop_server, server)
+    return server
+
+
+def _answers(server: subprocess.Popen, port: int, timeout: float) -> bool:
+    """Whether ``server``, started on ``port``, answers there within ``timeout`` s (False: it
+    exited first)."""
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + timeout
+    # the health check alone would take the answer of another program holding the port
+    while not (_healthy(url) and _listening(server, port)):
+        if server.poll() is not None:
+            return False
+        if time.monotonic() > deadline:
+            raise SystemExit(
+                f"error: the temporary Prefect server did not answer at {url} within {timeout} s"
+            )
+        time.sleep(0.1)
+    return True
+
+
+def _listening(server: subprocess.Popen, port: int) -> bool:
+    """Whether ``server`` holds a socket listening on IPv4 ``port``, where Linux's /proc
+    says (True elsewhere)."""
+    try:
+        with open("/proc/net/tcp") as table:
+            rows = [line.split() for line in table.readlines()[1:]]
+    except OSError:
+        return True
+    # local address as hex ip:port, state 0A (LISTEN), inode
+    listening = {f"socket:[{row[9]}]" for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A"}
+    try:
+        descriptors = os.listdir(f"/proc/{server.pid}/fd")
+    except OSError:  # it has exited
+        return False
+    for descriptor in descriptors:
+        with contextlib.suppress(OSError):  # closed meanwhile
+            if os.readlink(f"/proc/{server.pid}/fd/{descriptor}") in listening:
+                return True
+    return False
+
+
+def _bindable(port: int) -> bool:
+    """Whether a server could bind 127.0.0.1:``port`` now (as Prefect's binds it)."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 PR_SET_PDEATHSIG = 1

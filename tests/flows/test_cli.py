@@ -21,7 +21,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
@@ -1403,3 +1403,123 @@ def test_a_flow_command_without_a_prefect_executable_says_so_in_one_line(tmp_pat
         f"error: cannot start a temporary Prefect server: {missing}: No such file or directory "
         "(set PREFECT_API_URL to a running server's API)"
     ], result.stderr
+
+
+ONE_TASK_COMMAND = """
+import sys
+import flows.cli
+from prefect import flow, get_run_logger, task
+from prefect.events import emit_event
+
+held = iter([int(sys.argv[1])] if sys.argv[1] else [])
+picked = flows.cli.unused_port
+flows.cli.unused_port = lambda: next(held, None) or picked()
+
+
+@task
+def one():
+    return 1
+
+
+@flow(name="one-task")
+def one_task():
+    get_run_logger().info("last words")
+    return one()
+
+
+flows.cli.temporary_api()
+print(flows.cli.os.environ["PREFECT_API_URL"], one_task(), flush=True)
+for i in range(int(sys.argv[2])):  # left for the exit to send
+    emit_event(event="treadle.probe", resource={"prefect.resource.id": f"treadle.probe.{i}"})
+"""
+
+
+def one_task_command(home: Path, held: int | None = None, events: int = 0) -> subprocess.CompletedProcess:
+    """A one-task flow run by a command with no Prefect API set (its server on ``home``),
+    the port ``held`` given to its first server, ``events`` emitted just before it exits;
+    checked to leave no process behind."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # as a flow command gives it
+    }
+    try:
+        return subprocess.run(
+            [sys.executable, "-c", ONE_TASK_COMMAND, str(held or ""), str(events)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=env,
+            timeout=240,
+        )
+    finally:
+        left = processes_of(home)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        assert left == {}, left
+
+
+@contextlib.contextmanager
+def another_health_check() -> Iterator[tuple[int, list[str]]]:
+    """Another program's server on a port of 127.0.0.1 that answers ``/api/health`` as
+    Prefect's does (and nothing else): its port and the paths asked of it."""
+    seen = []
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            seen.append(self.path)
+            self.send_response(200 if self.path == "/api/health" else 404)
+            self.end_headers()
+            self.wfile.write(b"true")
+
+        do_POST = do_PATCH = do_PUT = do_DELETE = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        try:
+            yield other.server_address[1], seen
+        finally:
+            other.shutdown()
+
+
+@pytest.mark.slow
+def test_a_flow_command_whose_servers_port_is_taken_starts_it_on_another_and_uses_its_own(tmp_path):
+    """The port of a command's temporary server is picked free seconds before the server binds
+    it: another program that took it meanwhile answered the health check at the server's URL,
+    so the flow ran against that program, or the server's start failed the command. Now the
+    command checks that what answers is its own server and starts it on another port."""
+    with another_health_check() as (held, seen):
+        result = one_task_command(tmp_path / "prefect-home", held=held)
+    assert result.returncode == 0, result.stderr[-3000:]
+    url, value = result.stdout.split()
+    assert value == "1" and url.startswith("http://127.0.0.1:") and url != f"http://127.0.0.1:{held}/api"
+    assert set(seen) <= {"/api/health"}, seen
+    assert f"port {held} was taken: starting it on another" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_flow_command_whose_servers_ports_are_all_taken_says_so_in_one_line(tmp_path):
+    """Each port the command gives its temporary server taken by another program: it stops
+    after a few, naming them, and talks to none of them as if it were its server."""
+    home = tmp_path / "prefect-home"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # as a flow command gives it
+    }
+    with another_health_check() as (held, seen):
+        probe = f"import flows.cli\nflows.cli.unused_port = lambda: {held}\n{STARTING_COMMAND}"
+        result = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=env, timeout=240
+        )
+    assert result.returncode == 1 and result.stdout == "", result.stderr[-3000:]
+    assert result.stderr.splitlines()[-1] == (
+        "error: the temporary Prefect server could not start: another program took each port it was "
+        f"given ({held}, {held}, {held}) before it listened (set PREFECT_API_URL to a running server's API)"
+    ), result.stderr[-3000:]
+    assert result.stderr.count(f"port {held} was taken: starting it on another") == 2, result.stderr[-3000:]
+    assert set(seen) <= {"/api/health"}, seen
+    assert processes_of(home) == {}
