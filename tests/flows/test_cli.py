@@ -15,6 +15,7 @@ import os
 import shlex
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -1523,3 +1524,25 @@ def test_a_flow_command_whose_servers_ports_are_all_taken_says_so_in_one_line(tm
     assert result.stderr.count(f"port {held} was taken: starting it on another") == 2, result.stderr[-3000:]
     assert set(seen) <= {"/api/health"}, seen
     assert processes_of(home) == {}
+
+
+@pytest.mark.slow
+def test_a_flow_commands_last_logs_and_events_reach_its_temporary_server(tmp_path):
+    """A flow command stops its temporary server at exit, after Prefect's exit has sent the
+    logs and events still queued (Prefect may say "Still processing items" while it does):
+    they are all in the server's database, for ``treadle ui`` on that Prefect home to show."""
+    home = tmp_path / "prefect-home"
+    result = one_task_command(home, events=20)
+    assert result.returncode == 0, result.stderr[-3000:]
+    with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:
+        (flow_run, state), *others = db.execute("select id, state_type from flow_run").fetchall()
+        logs = [
+            message for (message,) in db.execute("select message from log where flow_run_id = ?", (flow_run,))
+        ]
+        events = [name for (name,) in db.execute("select event from events")]
+        tasks = db.execute("select state_type from task_run where flow_run_id = ?", (flow_run,)).fetchall()
+    assert others == [] and state == "COMPLETED"
+    assert tasks == [("COMPLETED",)]
+    assert "last words" in logs and logs.count("Finished in state Completed()") == 2, logs
+    assert events.count("treadle.probe") == 20, events
+    assert "prefect.flow-run.Completed" in events and "prefect.task-run.Completed" in events, events
