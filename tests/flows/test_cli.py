@@ -1269,7 +1269,10 @@ def test_a_command_killed_outright_takes_its_temporary_prefect_server_with_it(tm
     Ctrl-C), so a SIGKILL to the command (the OOM killer, ``kill -9``) would leave it running
     for ever, holding its port and the Prefect database: it is stopped when the command dies."""
     home = tmp_path / "prefect-home"
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home)}
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # as a flow command gives it
+    }
     command = subprocess.Popen(
         [sys.executable, "-c", KILLED_COMMAND],
         cwd=REPO,
@@ -1331,7 +1334,10 @@ def test_flow_commands_started_at_once_on_a_fresh_prefect_home_each_get_their_se
     its server once none other on that home is starting: the second command's server starts
     only once the first's answers, and each command gets its own."""
     home = tmp_path / "prefect-home"
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home)}
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # as a flow command gives it
+    }
 
     def start() -> subprocess.Popen:
         return subprocess.Popen(
