@@ -162,6 +162,12 @@ def parse(
         elif isinstance(parsed, (int, float, datetime.date)) and _text_only(annotation):
             parsed = value  # run_id=2024 names a run, not a number
         node[leaf] = parsed
+        for field in _secrets_in(key, parsed, annotation):
+            print(
+                f"warning: --set {field} puts a secret on the command line, where ps and the shell's "
+                "history show it: give it in the config file or the environment instead",
+                file=sys.stderr,
+            )
     if args.run_id is not None:  # an empty one is refused, not taken for none: it names no run
         overrides["run_id"] = args.run_id
     try:
@@ -194,6 +200,28 @@ def _annotation(key: str) -> Any:
         model = inner
     field = model.model_fields.get(name)
     return field and field.annotation
+
+
+def _secrets_in(key: str, value: Any, annotation: Any) -> list[str]:
+    """The fields holding a secret (``SecretStr``) that ``value``, given for the field
+    ``key`` of type ``annotation``, sets: the field itself, or fields of a section or of a
+    list's sections."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    kinds = set(typing.get_args(annotation) if union else [annotation])
+    if SecretStr in kinds:
+        return [key]
+    model = _section_model(annotation)
+    if model is not None and isinstance(value, dict):
+        return [
+            secret
+            for name, inner in value.items()
+            if name in model.model_fields
+            for secret in _secrets_in(f"{key}.{name}", inner, model.model_fields[name].annotation)
+        ]
+    if _holds_a_list(annotation) and isinstance(value, list):
+        (item,) = [typing.get_args(kind)[0] for kind in kinds if typing.get_origin(kind) is list]
+        return [secret for i, inner in enumerate(value) for secret in _secrets_in(f"{key}[{i}]", inner, item)]
+    return []
 
 
 def _section_model(annotation: Any) -> type[BaseModel] | None:

@@ -349,6 +349,24 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
     assert config.storage.retries == 5
 
 
+def test_a_secret_set_on_the_command_line_is_warned_of_without_showing_it(capsys):
+    """A key given with ``--set`` is in the command line, which ``ps`` shows every user of the
+    machine and the shell keeps in its history: it is taken, with a warning naming the field
+    and where to give it instead, never the value."""
+    sets = [
+        "storage={root: ./runs, secret_access_key: TOP-SECRET-1}",
+        "engine.vllm=[{base_url: 'http://127.0.0.1:8000'}, {api_key: TOP-SECRET-2}]",
+    ]
+    config, _ = parse("test", with_sets(sets))
+    assert config.storage.secret_access_key.get_secret_value() == "TOP-SECRET-1"
+    warned = capsys.readouterr().err
+    assert "TOP-SECRET" not in warned
+    for field in ("storage.secret_access_key", "engine.vllm[1].api_key"):
+        assert f"warning: --set {field} puts a secret on the command line" in warned, warned
+    parse("test", with_sets(["storage.retries=5", "run_id=key"]))
+    assert capsys.readouterr().err == ""
+
+
 def test_a_value_set_for_a_text_field_of_an_environment_stays_text():
     """The environments' sections may be left unset (``envs.agent`` is an ``AgentConfig`` or
     None): ``true`` is the agent's whole shell command there, not a boolean, and a number
