@@ -81,21 +81,27 @@ def read_steps(store: RunStore) -> list[dict]:
     return sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
 
 
+def trainer_status(owner: str = "") -> TrainerStatus:
+    return TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner=owner)
+
+
+def held_trainer_role(store: RunStore) -> tuple[TrainerStatusBoard, HeldRole]:
+    """The run's trainer status board, and its trainer role held by this process."""
+    board = TrainerStatusBoard(store)
+    role = HeldRole(board.read, board.publish, "the trainer role")
+    assert role.publish(trainer_status())
+    return board, role
+
+
 @pytest.mark.parametrize("publish_every", [1, 100])
 def test_a_trainer_whose_role_was_taken_before_it_publishes_publishes_nothing(store, publish_every):
     """Another trainer took the run while this one trained, with no status renewal between:
     the read-back before the publish (a step's, or the one on stop) finds it, and the
     trainer stops with nothing published."""
     write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
-    board = TrainerStatusBoard(store)
-    role = HeldRole(board.read, board.publish, "the trainer role")
-
-    def status(owner: str = "") -> TrainerStatus:
-        return TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner=owner)
-
-    assert role.publish(status())
+    board, role = held_trainer_role(store)
     trainer = Trainer(store, config(publish_every=publish_every))
-    board.publish(status(owner="the-new-one"))
+    board.publish(trainer_status(owner="the-new-one"))
     summary = trainer.run(drain=True, role=role)
     assert (summary.stop_reason, summary.versions, summary.steps) == ("abandoned", [], trainer.step)
     assert summary.steps >= 1 and WeightStore(store).list() == [0] and role.lost.is_set()
@@ -110,20 +116,14 @@ def test_a_trainer_whose_role_is_taken_while_it_uploads_a_version_leaves_it_inco
     finds it, and the version never becomes complete, so ``LATEST`` stays where the new
     trainer resumed from."""
     write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
-    board = TrainerStatusBoard(store)
-    role = HeldRole(board.read, board.publish, "the trainer role")
-
-    def status(owner: str = "") -> TrainerStatus:
-        return TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner=owner)
-
-    assert role.publish(status())
+    board, role = held_trainer_role(store)
     trainer = Trainer(store, config(publish_every=publish_every))
     upload = trainer.weights.fs.put_file
     uploads = []
 
     def put_file(local, stored, *args, **kwargs):
         if not uploads:  # the new trainer's status lands as the first file uploads
-            board.publish(status(owner="the-new-one"))
+            board.publish(trainer_status(owner="the-new-one"))
         uploads.append(stored)
         return upload(local, stored, *args, **kwargs)
 
