@@ -412,8 +412,8 @@ def _answers(server: subprocess.Popen, port: int, timeout: float) -> bool:
 
 
 def _listening(server: subprocess.Popen, port: int) -> bool:
-    """Whether ``server`` holds a socket listening on IPv4 ``port``, where Linux's /proc
-    says (True elsewhere)."""
+    """Whether ``server`` or a process it started (its process group, as ``_stop_server``
+    stops) holds a socket listening on IPv4 ``port``, where Linux's /proc says (True elsewhere)."""
     try:
         with open("/proc/net/tcp") as table:
             rows = [line.split() for line in table.readlines()[1:]]
@@ -421,15 +421,24 @@ def _listening(server: subprocess.Popen, port: int) -> bool:
         return True
     # local address as hex ip:port, state 0A (LISTEN), inode
     listening = {f"socket:[{row[9]}]" for row in rows if row[1].endswith(f":{port:04X}") and row[3] == "0A"}
-    try:
-        descriptors = os.listdir(f"/proc/{server.pid}/fd")
-    except OSError:  # it has exited
-        return False
-    for descriptor in descriptors:
-        with contextlib.suppress(OSError):  # closed meanwhile
-            if os.readlink(f"/proc/{server.pid}/fd/{descriptor}") in listening:
-                return True
+    for pid in _group(server.pid):
+        with contextlib.suppress(OSError):  # ended meanwhile
+            for descriptor in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    if os.readlink(f"/proc/{pid}/fd/{descriptor}") in listening:
+                        return True
     return False
+
+
+def _group(leader: int) -> list[int]:
+    """The live processes of ``leader``'s process group, by /proc."""
+    members = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
+            # the fields after the name: state, ppid, pgrp
+            if int(stat.read().rpartition(")")[2].split()[2]) == leader:
+                members.append(int(entry))
+    return members
 
 
 def _bindable(port: int) -> bool:

@@ -1552,3 +1552,44 @@ def test_a_flow_commands_last_logs_and_events_reach_its_temporary_server(tmp_pat
     assert "last words" in logs and logs.count("Finished in state Completed()") == 2, logs
     assert events.count("treadle.probe") == 20, events
     assert "prefect.flow-run.Completed" in events and "prefect.task-run.Completed" in events, events
+
+
+SERVED_FROM_A_CHILD = """
+import sys
+import flows.cli
+
+started = flows.cli.prefect_server
+
+
+def launched(host, port, *options):
+    command, env = started(host, port, *options)
+    launcher = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+    return [sys.executable, "-c", launcher, *command], env
+
+
+flows.cli.prefect_server = launched
+"""
+
+
+@pytest.mark.slow
+def test_a_flow_command_whose_server_listens_from_a_process_it_started_uses_it(tmp_path):
+    """A ``prefect`` that serves from a process of its own (a wrapper script that does not
+    exec, a Prefect whose ``server start`` runs uvicorn as a child; ``_stop_server`` stops
+    its whole group for that): the listening socket is that process's, not the started one's,
+    and the command waited out the startup timeout on a server that answered, then failed
+    saying it did not answer."""
+    home = tmp_path / "prefect-home"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "60",
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", SERVED_FROM_A_CHILD + STARTING_COMMAND],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=240,
+    )
+    assert (result.returncode, result.stdout) == (0, "ready\n"), result.stderr[-3000:]
+    assert processes_of(home) == {}
