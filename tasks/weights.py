@@ -384,12 +384,20 @@ def evaluate_task(config: RunConfig, version: int | None = None, reuse: bool = F
     evaluated again, so a rerun of a run does not add a second row for its start."""
     recorded = None
     tasks = held_out_tasks(config)
-    if reuse:
-        if version is None:  # the one evaluate_weights would measure, not LATEST's when that does not verify
-            version = WeightStore(run_store(config)).load_newest("serving")[0]
-        recorded = recorded_eval(config, version, tasks)
-    # a retry of this task run repeats its id: rows a failed attempt committed are not added again
-    result = recorded or evaluate_version(config, version, once=f"evals/task-run-{task_run.id}", tasks=tasks)
+    # its copy, held until the evaluation has loaded it, leaves the weight cache with it
+    newest = WeightStore(run_store(config), one_copy=True)
+    try:
+        if reuse:
+            # the one evaluate_weights would measure, not LATEST's when that does not verify
+            if version is None:
+                version = newest.load_newest("serving")[0]
+            recorded = recorded_eval(config, version, tasks)
+        # a retry of this task run repeats its id: rows a failed attempt committed are not added again
+        result = recorded or evaluate_version(
+            config, version, once=f"evals/task-run-{task_run.id}", tasks=tasks
+        )
+    finally:
+        newest.release()
     how = " (recorded by an earlier evaluation)" if recorded else ""
     get_run_logger().info("version %d held-out reward%s: %s", result.version, how, result.reward)
     return {

@@ -392,6 +392,20 @@ def test_an_evaluation_leaves_no_copy_of_the_version_it_measured_in_the_weight_c
     assert not [path for path in cache.rglob("v0*") if path.is_dir()]
 
 
+def test_a_rerun_that_reuses_the_newest_versions_eval_leaves_no_copy_of_it_in_the_weight_cache(tmp_path):
+    """A rerun's evaluation of its start (``reuse``, no version named) loads the newest version
+    that verifies to learn its number: when the ``evals`` table held it already, nothing was
+    measured and that copy stayed in the weight cache for good, a model's size per rerun."""
+    config = tiny_config(
+        tmp_path / "runs", "eval-reuse-cache", warm_start={"enabled": False}, eval={"tasks_per_env": 1}
+    )
+    base = build_base_version(config, log=lambda line: None)
+    cache = WeightStore(run_store(config)).cache_dir
+    for _ in range(2):  # measured, then the recorded row reused
+        assert evaluating(config, reuse=True)["version"] == base
+        assert not [path for path in cache.rglob("v0*") if path.is_dir()]
+
+
 def _measured(config, version, tasks=None):
     from rollout.evaluate import EvalResult
 
