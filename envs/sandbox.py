@@ -200,14 +200,29 @@ def bwrap_path() -> str | None:
     return path
 
 
+def _run_as(uid: int | None) -> list[str]:
+    """The prefix that runs a command as ``uid`` (None: as this process)."""
+    return [] if uid is None else ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+
+
 @cache
-def _bwrap_takes(*options: str) -> bool:
+def _bwrap_takes(*options: str, as_uid: bool = False) -> bool:
     """Whether this bwrap runs a sandbox with ``options`` here (newer options, or ones the
-    kernel or a container may refuse)."""
+    kernel or a container may refuse); ``as_uid``: run as an unprivileged sandbox uid (what a
+    root worker runs bwrap as)."""
     path = bwrap_path()
     if path is None:
         return False
-    probe = [path, "--ro-bind", "/", "/", *options, "--unshare-all", "true"]
+    probe = [
+        *_run_as(UID_BASE if as_uid else None),
+        path,
+        "--ro-bind",
+        "/",
+        "/",
+        *options,
+        "--unshare-all",
+        "true",
+    ]
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
     return False
@@ -225,10 +240,12 @@ def _bwrap_sizes_tmpfs() -> bool:
 
 
 @cache
-def _bwrap_disables_userns() -> bool:
+def _bwrap_disables_userns(as_uid: bool) -> bool:
     """Whether this bwrap can keep sandboxed code from making user namespaces of its own
-    (bubblewrap 0.8 and later, where a user namespace can be made here)."""
-    if _bwrap_takes(*DISABLE_USERNS):
+    (bubblewrap 0.8 and later, where the user it runs as may make one: root may where a
+    sandbox uid may not, with a setuid bwrap and unprivileged user namespaces off); ``as_uid``
+    as for :func:`_bwrap_takes`."""
+    if _bwrap_takes(*DISABLE_USERNS, as_uid=as_uid):
         return True
     log.warning(
         "bwrap cannot disable user namespaces here (bubblewrap < 0.8, or none can be made): "
@@ -245,7 +262,7 @@ def _unshare_net_prefix(as_uid: bool) -> tuple[str, ...]:
     unshare = shutil.which("unshare")
     if unshare is None:
         return ()
-    user = ["setpriv", f"--reuid={UID_BASE}", f"--regid={UID_BASE}", "--clear-groups", "--"] if as_uid else []
+    user = _run_as(UID_BASE if as_uid else None)
     for prefix in ((unshare, "-n"), (unshare, "-r", "-n")):
         if subprocess.run([*user, *prefix, "true"], capture_output=True, timeout=10).returncode == 0:
             return prefix
@@ -334,9 +351,7 @@ class Sandbox:
         ]
 
     def _user(self) -> list[str]:
-        if self.uid is None:
-            return []
-        return ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups", "--"]
+        return _run_as(self.uid)
 
     def _bwrap(self) -> list[str]:
         args = [bwrap_path() or "bwrap"]
@@ -356,7 +371,7 @@ class Sandbox:
         args += ["--tmpfs", "/dev/shm", "--remount-ro", "/dev"]
         args += ["--bind", self.workdir, self.workdir, "--remount-ro", "/"]
         args += ["--chdir", self.workdir, "--unshare-all", "--die-with-parent", "--new-session", "--clearenv"]
-        if _bwrap_disables_userns():
+        if _bwrap_disables_userns(self.uid is not None):
             args += DISABLE_USERNS
         for key, value in self.env().items():
             args += ["--setenv", key, value]

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from envs import sandbox as sandbox_module
 from envs.pyrepl import PythonRepl
 from envs.sandbox import (
     UID_BASE,
@@ -123,6 +124,33 @@ def test_code_in_a_sandbox_cannot_make_a_user_namespace_of_its_own():
         assert nested.exit_code != 0, nested.output
         assert "unshare failed" in nested.output
     serves_after()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
+@pytest.mark.parametrize("sandbox_uid_may", [True, False])
+def test_whether_bwrap_may_disable_user_namespaces_is_asked_as_the_user_it_runs_as(
+    monkeypatch, sandbox_uid_may
+):
+    """A root worker runs bwrap as a sandbox uid. Where root may make a user namespace and that
+    uid may not (a setuid bwrap, unprivileged user namespaces off), a probe run as root said
+    yes, and every sandbox would then fail to start on ``--unshare-user``."""
+    run = subprocess.run
+
+    def refused_to_the_sandbox_uid(argv, **kwargs):
+        if argv[0] == "setpriv" and "--disable-userns" in argv and not sandbox_uid_may:
+            return subprocess.CompletedProcess(argv, 1, b"", b"bwrap: No permissions to create new namespace")
+        return run(argv, **kwargs)
+
+    monkeypatch.setattr(sandbox_module.subprocess, "run", refused_to_the_sandbox_uid)
+    sandbox_module._bwrap_takes.cache_clear()
+    sandbox_module._bwrap_disables_userns.cache_clear()
+    try:
+        with Sandbox(SMALL) as box:
+            assert box.uid is not None
+            assert ("--disable-userns" in box.argv(["true"])) == sandbox_uid_may
+    finally:
+        sandbox_module._bwrap_takes.cache_clear()
+        sandbox_module._bwrap_disables_userns.cache_clear()
 
 
 def test_without_violations_are_errors_a_write_outside_is_plain_output():
