@@ -46,7 +46,7 @@ def shard_processor(
     ``before_commit`` is called before each processed shard is committed (it raises once
     another processor holds the run's processor role)."""
     store = run_store(config)
-    weights = WeightStore(store)
+    weights = WeightStore(store, one_copy=True)
     loaded: list = []
 
     def decode(ids: list[int]) -> str:
@@ -56,6 +56,7 @@ def shard_processor(
             except FileNotFoundError:
                 raise LookupError(f"run {config.run_id} has no weight version, so no tokenizer yet") from None
             loaded.append(load_tokenizer(path))
+            weights.release()
         return loaded[0].decode(ids, skip_special_tokens=False)
 
     return ShardProcessor(

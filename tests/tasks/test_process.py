@@ -59,6 +59,18 @@ def test_a_processor_decodes_with_the_newest_tokenizer_that_verifies(tmp_path):
     assert len(texts) == 2 and all(texts), texts
 
 
+def test_a_processor_keeps_no_copy_of_the_tokenizer_it_loaded_in_the_weight_cache(tmp_path):
+    """The tokenizer is read into memory once: its copy stayed in the weight cache for good,
+    one per processor run."""
+    config = tiny_config(tmp_path / "runs", "process-cache")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    commit_raw(store, raw_records(store, 2, seed=1))
+    assert len(shard_processor(config).poll()) == 1
+    assert all(Tables(store).read("trajectories").column("text").to_pylist())
+    assert not [path for path in WeightStore(store).cache_dir.rglob("v0*") if path.is_dir()]
+
+
 def raw_records(store, count: int, seed: int) -> list[dict]:
     return [
         {k: v for k, v in record.items() if k not in ("train_mask", "loss_weight")}
