@@ -157,6 +157,29 @@ def test_skip_gae_is_bit_for_bit_the_stepwise_torch_chain(seed, dtype):
     assert torch.equal(returns, want_returns)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_skip_gae_on_bfloat16_chains_in_float32_and_rounds_once(seed):
+    # small integer rewards and values with γ = 1: every δ is exact in bfloat16 and every
+    # A = Σ δ·0.5^k exact in float32, so a float32 chain rounded once at the end is the
+    # float64 reference rounded to bfloat16 (a bfloat16 chain would round at each step)
+    rng = random.Random(seed)
+    _, _, mask = random_case(rng, 4, 24)
+    rewards = [[float(rng.randint(-4, 4)) if rng.random() < 0.3 else 0.0 for _ in row] for row in mask]
+    values = [[float(rng.randint(-4, 4)) for _ in row] for row in mask]
+
+    advantages, _ = skip_observation_gae(
+        torch.tensor(rewards, dtype=torch.bfloat16),
+        torch.tensor(values, dtype=torch.bfloat16),
+        torch.tensor(mask),
+        1.0,
+        0.5,
+    )
+    want, _ = reference_skip_gae(rewards, values, mask, 1.0, [0.5] * len(mask))
+
+    assert advantages.dtype == torch.bfloat16
+    assert torch.equal(advantages, torch.tensor(want, dtype=torch.float64).to(torch.bfloat16))
+
+
 def test_skip_gae_hand_example_links_across_observations():
     # prompt, action(2 tokens), observation(2), action(1), trailing observation with the reward
     mask = torch.tensor([[False, True, True, False, False, True, False]])
@@ -312,6 +335,18 @@ def test_a_group_of_equal_rewards_has_zero_advantage_with_std_normalization(rewa
     )
     assert torch.equal(plain, torch.zeros(7))
     assert torch.equal(branched, torch.zeros(8))
+
+
+@pytest.mark.parametrize("spread", [1e-3, 1e-4])
+def test_group_advantages_default_eps_shows_on_a_narrow_group(spread):
+    # rewards 0, s, 2s: mean s, unbiased std s, so the default eps = 1e-6 is a visible share of it
+    rewards = torch.tensor([0.0, spread, 2 * spread])
+    values = rewards.tolist()
+    mean = sum(values) / 3
+    std = math.sqrt(sum((x - mean) ** 2 for x in values) / 2)
+    want = [(x - mean) / (std + 1e-6) for x in values]
+    got = group_advantages(rewards, ["g"] * 3, normalize_std=True)
+    torch.testing.assert_close(got, torch.tensor(want), rtol=1e-4, atol=0.0)
 
 
 def test_group_advantages_accepts_tensor_ids_and_checks_length():
