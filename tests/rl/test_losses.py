@@ -122,6 +122,54 @@ def test_dis_all_masked_gives_zero_loss_with_a_graph():
     assert torch.all(logprobs.grad == 0)
 
 
+@pytest.mark.parametrize(("ratio", "side"), [(0.5, "masked_low"), (7.0, "masked_high")])
+def test_dis_statistics_of_a_single_action_token_outside_the_interval(ratio, side):
+    # one action token, masked: every fraction is over that one token
+    logprobs = torch.tensor([[0.0, math.log(ratio)]], dtype=torch.float64)
+    mask = torch.tensor([[False, True]])
+    loss, stats = dis_policy_loss(
+        logprobs,
+        torch.zeros(1, 2, dtype=torch.float64),
+        torch.ones(1, 2, dtype=torch.float64),
+        mask,
+        0.3,
+        5.0,
+    )
+    other = "masked_high" if side == "masked_low" else "masked_low"
+    assert stats[side] == 1.0 and stats[other] == 0.0 and stats["masked_fraction"] == 1.0
+    assert stats["max_ratio"] == pytest.approx(ratio) and stats["num_tokens"] == 1.0
+    assert loss.item() == 0.0
+
+
+@pytest.mark.parametrize(
+    ("eps_low", "eps_high"), [(0.0, 5.0), (-0.1, 5.0), (1.5, 5.0), (0.3, 0.0), (0.3, -1.0)]
+)
+def test_dis_rejects_an_empty_or_inverted_trust_interval(eps_low, eps_high):
+    with pytest.raises(ValueError, match="need 0 < eps_low <= 1 and eps_high > 0"):
+        dis_policy_loss(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1, 2),
+            torch.ones(1, 2, dtype=torch.bool),
+            eps_low,
+            eps_high,
+        )
+
+
+def test_dis_accepts_an_eps_low_of_one_as_no_lower_bound():
+    # ε_low = 1: every ratio > 0 is inside on the low side
+    logprobs = torch.tensor([[0.0, math.log(1e-3)]], dtype=torch.float64)
+    _, stats = dis_policy_loss(
+        logprobs,
+        torch.zeros(1, 2, dtype=torch.float64),
+        torch.ones(1, 2, dtype=torch.float64),
+        torch.tensor([[False, True]]),
+        1.0,
+        5.0,
+    )
+    assert stats["masked_fraction"] == 0.0
+
+
 def test_dis_rejects_mismatched_shapes():
     with pytest.raises(ValueError, match="share one"):
         dis_policy_loss(
@@ -196,6 +244,19 @@ def test_value_loss_matches_reference(seed, clip):
     assert loss.item() == pytest.approx(
         reference_value_loss(values, returns, mask, old, clip), rel=1e-9, abs=1e-12
     )
+
+
+def test_explained_variance_of_a_single_action_token_is_zero_not_nan():
+    # one masked token: no variance to explain (a sample variance of one value is NaN)
+    values = torch.tensor([[0.3, -0.2, 1.0]], dtype=torch.float64)
+    returns = torch.tensor([[1.0, 0.5, -1.0]], dtype=torch.float64)
+    mask = torch.tensor([[False, True, False]])
+    loss, stats = value_loss(values, returns, mask)
+    assert stats["explained_variance"] == 0.0
+    assert stats["explained_variance"] == reference_explained_variance(
+        values.tolist(), returns.tolist(), mask.tolist()
+    )
+    assert loss.item() == pytest.approx(0.5 * 0.7**2)
 
 
 def test_clipped_value_loss_needs_old_values():
