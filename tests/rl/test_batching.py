@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 from collections import deque
 
+import numpy as np
 import pytest
 
-from rl.batching import pad_batch, samples_from_table, take_batch
-from storage.schema import PROCESSED_SCHEMA, to_table
+from rl.batching import Sample, micro_batches, pad_batch, samples_from_table, take_batch
+from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table
 
 PROMPT_ACTION = [False, False, True, True]
 
@@ -124,3 +126,76 @@ def test_a_batch_takes_the_samples_that_fill_its_token_budget_exactly():
     buffer = deque(samples)
     assert [s.trajectory_id for s in take_batch(buffer, 8)] == ["t0", "t1"]
     assert [s.trajectory_id for s in buffer] == ["t2"]
+
+
+def test_a_negative_token_id_rejects_the_whole_shard_and_is_named():
+    samples, rejected = samples_of([processed("a"), processed("b", tokens=(3, -1, 5, 6))])
+    assert samples == []
+    reason = "token id -1 outside the policy's vocabulary of 10: shard from another tokenizer"
+    assert rejected == [(0, "a", reason), (1, "b", reason)]
+
+
+@pytest.mark.parametrize("status", ["env_error", "infra_error"])
+def test_a_failure_outside_the_policy_rejects_the_row(status):
+    samples, rejected = samples_of([processed("x", status=status), processed("fine")])
+    assert rejected == [(0, "x", f"status {status!r} is excluded from the loss")]
+    assert [s.trajectory_id for s in samples] == ["fine"]
+
+
+def test_a_row_with_actions_but_no_trained_token_is_rejected():
+    samples, rejected = samples_of([processed("untrained", train_mask=[False] * 4), processed("fine")])
+    assert rejected == [(0, "untrained", "no trainable tokens (train_mask empty)")]
+    assert [s.trajectory_id for s in samples] == ["fine"]
+
+
+def test_a_raw_shard_trains_every_action_token_with_weight_one():
+    # no train_mask / loss_weight columns: they default to action_mask and 1
+    row = processed("raw", tokens=(3, 4, 5, 6, 7), mask=[False, True, False, True, True])
+    del row["train_mask"], row["loss_weight"]
+    (sample,), rejected = samples_from_table(to_table([row], TRAJECTORY_SCHEMA), "raw/w/0", 10)
+    assert rejected == []
+    assert sample.train_mask.tolist() == [False, True, False, True, True]
+    assert sample.loss_weight.tolist() == [1.0] * 5
+
+
+def test_sequence_rewards_are_each_samples_own_in_order():
+    samples, _ = samples_of(
+        [processed("a", reward=0.25), processed("b", reward=-1.5), processed("c", reward=2.0)]
+    )
+    assert pad_batch(samples, pad_id=0).sequence_rewards.tolist() == [0.25, -1.5, 2.0]
+
+
+def test_keep_groups_takes_the_rest_of_the_group_past_the_budget():
+    rows = [processed(f"t{i}", group_id="g" if i < 4 else "h") for i in range(6)]
+    buffer = deque(samples_of(rows)[0])
+    # the budget holds one 4-token sample; the three others of its group follow it
+    assert [s.trajectory_id for s in take_batch(buffer, 4, keep_groups=True)] == ["t0", "t1", "t2", "t3"]
+    assert [s.trajectory_id for s in buffer] == ["t4", "t5"]
+
+
+def sample_of_length(n: int) -> Sample:
+    ones = np.ones(n, dtype=bool)
+    return Sample(
+        "s", 0, f"t{n}", "e", np.zeros(n, np.int64), np.zeros(n, np.float32), ones, ones, ones, 0.0, 0, None
+    )
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_micro_batches_are_the_longest_runs_within_the_budget(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 9) for _ in range(rng.randint(1, 25))]
+    budget = rng.randint(1, 30)
+    parts = micro_batches([sample_of_length(n) for n in lengths], budget)
+    sizes = [[s.num_tokens for s in part] for part in parts]
+    assert [n for part in sizes for n in part] == lengths  # every sample once, in order
+    for k, part in enumerate(sizes):
+        # rows × longest row within the budget (a single longer row is a part of its own)
+        assert len(part) == 1 or len(part) * max(part) <= budget, (part, budget)
+        if k + 1 < len(sizes):  # the next part's first row would not have fitted
+            grown = [*part, sizes[k + 1][0]]
+            assert len(grown) * max(grown) > budget, (grown, budget)
+
+
+def test_a_micro_batch_that_fills_its_budget_exactly_is_one_part():
+    parts = micro_batches([sample_of_length(n) for n in (5, 3, 5, 2)], micro_token_budget=15)
+    assert [[s.num_tokens for s in part] for part in parts] == [[5, 3, 5], [2]]
