@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from rl.batching import micro_batches, pad_batch, samples_from_table
 from rl.logprobs import token_logprobs
 from rl.models import TinyModelConfig, build_tiny_model
-from rl.prefix_tree import path_symbols, sorted_paths, tree_from_parents, tree_from_tokens
+from rl.prefix_tree import path_symbols, select_paths, sorted_paths, tree_from_parents, tree_from_tokens
 from rl.processor import ProcessorConfig, combine_reward, process_shard
 from storage.schema import PROCESSED_SCHEMA, TOKEN_COLUMNS, TRAJECTORY_SCHEMA, to_table, validate
 
@@ -239,6 +239,53 @@ def test_reconstruction_from_tokens_equals_reconstruction_from_parent_ids(seed, 
     expected = brute_common_prefix(records)
     np.testing.assert_array_equal(from_parents.common_prefix(), expected)
     np.testing.assert_array_equal(from_tokens.common_prefix(), expected)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), n_paths=st.integers(2, 10))
+def test_reconstruction_with_token_ids_past_30_bits_matches_the_brute_force(seed, n_paths):
+    # ids of 2**30 and more take 64-bit symbols: 12-byte records, three 32-bit words each
+    records = random_execution(np.random.default_rng(seed), "e", n_paths)
+    for row in records:
+        row["tokens"] = [t + 2**30 for t in row["tokens"]]
+    symbols, starts, lengths = flat_paths(records)
+    assert symbols.dtype["symbol"] == np.int64
+    from_tokens = tree_from_tokens(symbols, starts, lengths)
+    from_parents, errors = tree_from_parents(
+        [r["trajectory_id"] for r in records],
+        [r["parent_id"] for r in records],
+        [r["branch_at"] for r in records],
+        symbols,
+        starts,
+        lengths,
+    )
+    assert errors == []
+    expected = brute_common_prefix(records)
+    np.testing.assert_array_equal(from_tokens.common_prefix(), expected)
+    np.testing.assert_array_equal(from_parents.common_prefix(), expected)
+
+
+class _LowestDraw:
+    """A random generator whose every draw is 0.0 (``random.random`` can return it)."""
+
+    def random(self) -> float:
+        return 0.0
+
+
+def test_a_draw_of_zero_never_selects_a_path_that_adds_nothing():
+    # "a-retry" repeats "a": in sorted order the retry comes first and has gain 0
+    records = [
+        record("a", "e", [1, 2, 3], [False, True, True]),
+        record("a-retry", "e", [1, 2, 3], [False, True, True]),
+        record("b", "e", [1, 5], [False, True]),
+    ]
+    symbols, starts, lengths = flat_paths(records)
+    order, lcp = sorted_paths(symbols, starts, lengths)
+    mask = np.concatenate([np.array(r["action_mask"]) for r in records])
+    action_cumsum = np.concatenate([[0], np.cumsum(mask)])
+    selection = select_paths(order, lcp, lengths, starts, action_cumsum, None, _LowestDraw())
+    assert selection.selected.tolist() == [True, False, True]
+    assert selection.reason == [None, "duplicate", None]
 
 
 def test_identical_paths_collapse_and_prefixes_are_duplicates():
