@@ -272,8 +272,10 @@ class _LowestDraw:
         return 0.0
 
 
+@pytest.mark.timeout(60)
 def test_a_draw_of_zero_never_selects_a_path_that_adds_nothing():
-    # "a-retry" repeats "a": in sorted order the retry comes first and has gain 0
+    # "a-retry" repeats "a": in sorted order the retry comes first and has gain 0; picking it
+    # would leave the remaining gain unchanged, and the sampling would pick it forever
     records = [
         record("a", "e", [1, 2, 3], [False, True, True]),
         record("a-retry", "e", [1, 2, 3], [False, True, True]),
