@@ -56,6 +56,13 @@ def test_a_lone_action_takes_every_unit_that_shortens_it():
     assert decide([elastic(10, 2, (1.0, 0.6))], [2.0]) == [(0, 2)]
 
 
+@pytest.mark.parametrize("reserve", [None, [0.0]])
+def test_a_unit_that_does_not_shorten_an_action_is_not_given(reserve):
+    # a fully serial action: T(m) = 10 on any number of cores, so a second core gains nothing,
+    # priced or (beyond a zero reserve) not
+    assert decide([elastic(10, 4, (1.0, 0.5, 1 / 3, 0.25))], [4.0], reserve=reserve) == [(0, 1)]
+
+
 def test_a_crowded_pool_prices_poorly_used_units():
     # Same action, but two running actions hold the other two of 4 cores: the price of a
     # core-second is 2 others / 4 cores = 0.5, so the second core costs 0.5 * 6.67 = 3.33 s
@@ -219,6 +226,21 @@ def test_an_observed_run_predicts_the_next_of_its_kind_when_one_unit_is_not_full
     assert grant.expected_finish - grant.started_at == pytest.approx(ran)
 
 
+def test_the_duration_estimate_is_a_moving_average_weighing_the_newest_run_by_alpha():
+    # runs of 10 s then 20 s on one fully efficient unit: T_1 = 0.8 * 10 + 0.2 * 20 = 12
+    policy = ActionPolicy({"cpu": 1})
+    request = ResourceRequest(demand={"cpu": 1}, kind="k")
+    now = 0.0
+    for ran in (10.0, 20.0):
+        policy.submit(request, now)
+        (grant,) = policy.dispatch(now)
+        now += ran
+        policy.release(grant, now)
+    policy.submit(request, now)
+    (grant,) = policy.dispatch(now)
+    assert grant.expected_finish - grant.started_at == pytest.approx(12.0)
+
+
 request_strategy = st.builds(
     lambda cpu, mem, gpu, el, mx, dur: ResourceRequest(
         demand={k: v for k, v in (("cpu", cpu), ("mem", mem), ("gpu", gpu)) if v and not (el and k == "cpu")},
@@ -305,6 +327,16 @@ def test_static_policy_holds_reservation_for_the_trajectory_life():
     policy.end_trajectory("b", 3)
     (g,) = policy.dispatch(3)
     assert g.units == 2
+
+
+def test_ending_a_trajectory_that_never_held_a_reservation_frees_nothing():
+    policy = StaticPolicy({"cpu": 4}, {"cpu": 4})
+    policy.end_trajectory("never-admitted", 0)
+    assert policy.free == {"cpu": 4}
+    policy.submit(ResourceRequest(demand={"cpu": 1}, duration=1, trajectory_id="a"), 0)
+    policy.submit(ResourceRequest(demand={"cpu": 1}, duration=1, trajectory_id="b"), 0)
+    # the pool holds one reservation: b waits for a's
+    assert [g.request.trajectory_id for g in policy.dispatch(0)] == ["a"]
 
 
 def test_a_zero_demand_on_a_resource_the_reservation_leaves_out_runs_in_the_reservation():
