@@ -314,3 +314,36 @@ def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypat
     for tid, column, what in _reference_errors(table):
         expected.setdefault(row_of[tid], []).append(f"column {column!r}: {what}")
     assert rows_with_errors(table) == dict(sorted(expected.items()))
+
+
+@pytest.mark.parametrize("status", STATUSES)
+def test_every_known_status_is_valid(status):
+    record = make_record(0)
+    record["status"] = status
+    assert find_errors(to_table([record])) == []
+
+
+def test_the_highest_turn_index_is_valid_also_beside_a_row_past_it():
+    records = [make_record(i) for i in range(2)]
+    records[0]["turn"] = [storage.schema.MAX_TURN] * len(records[0]["tokens"])
+    assert find_errors(to_table(records[:1])) == []
+    records[1]["turn"][3] = storage.schema.MAX_TURN + 1
+    assert find_errors(to_table(records)) == [("t1", "turn", "turn index outside [0, 32766]")]
+
+
+def test_a_processed_table_without_loss_weight_is_refused_not_read_as_raw():
+    table = make_processed_table(0, 2)
+    table = table.drop_columns(["loss_weight"])
+    with pytest.raises(SchemaError, match=r"missing columns \['loss_weight'\]"):
+        validate(table)
+
+
+def test_validate_names_the_first_five_bad_rows_and_counts_the_rest():
+    records = [make_record(i) for i in range(8)]
+    for record in records[:6]:
+        record["status"] = "exploded"
+    with pytest.raises(SchemaError) as info:
+        validate(to_table(records))
+    message = str(info.value)
+    assert [f"'t{i}'" in message for i in range(8)] == [True] * 5 + [False] * 3
+    assert message.endswith(" (and 1 more)")
