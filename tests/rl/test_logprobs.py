@@ -164,6 +164,22 @@ def test_a_chunked_pass_never_holds_more_than_one_chunk_of_logits(monkeypatch, c
         assert seen.rows == chunk, "a pass held logits of more positions than one chunk"
     else:
         assert seen.rows == wanted, "an unchunked pass works out every wanted position at once"
+    # what the forward keeps for the backward: a chunked pass recomputes each chunk's
+    # logits there (activation checkpointing), so it keeps none; one tensor at a time
+    # above says nothing of how many chunks stay alive until the backward
+    kept = []
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() and tensor.shape[-1] == VOCAB and tensor.shape != (HIDDEN, VOCAB):
+            kept.append(tensor.numel() // VOCAB)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        token_logprobs(model, input_ids, attention_mask, where=where)
+        if chunked:  # and with just two chunks, the second of them one position long
+            monkeypatch.setattr(rl.logprobs, "LOGIT_CHUNK_ELEMENTS", (wanted - 1) * VOCAB)
+            token_logprobs(model, input_ids, attention_mask, where=where)
+    assert sum(kept) == 0 if chunked else sum(kept) >= wanted
 
 
 @pytest.mark.parametrize(
