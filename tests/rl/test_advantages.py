@@ -361,9 +361,10 @@ def test_group_advantages_accepts_tensor_ids_and_checks_length():
 
 
 def test_adaptive_lambda_formula():
-    lengths = torch.tensor([1, 20, 100, 1000])
+    # up to α·L = 500: λ = 0.998, so an upper bound below 1 would show
+    lengths = torch.tensor([1, 20, 100, 1000, 10_000])
     got = adaptive_lambda(lengths, alpha=0.05)
-    want = [max(0.0, 1 - 1 / (0.05 * n)) for n in (1, 20, 100, 1000)]
+    want = [max(0.0, 1 - 1 / (0.05 * n)) for n in (1, 20, 100, 1000, 10_000)]
     torch.testing.assert_close(got, torch.tensor(want))
     with pytest.raises(ValueError, match="alpha"):
         adaptive_lambda(lengths, alpha=0.0)
