@@ -459,8 +459,8 @@ def test_a_trainer_whose_role_was_taken_announces_its_own_versions_only(tmp_path
     publish = Trainer.publish
     theirs = []
 
-    def then_taken(self):
-        version = publish(self)
+    def then_taken(self, before_commit=None):
+        version = publish(self, before_commit)
         if not theirs:
             board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=44, owner="new"))
             theirs.append(publish_policy(self.weights, self.policy, self.tokenizer, step=0, parent=version))
