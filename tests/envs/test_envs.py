@@ -126,6 +126,46 @@ def test_arith_commuted_twins_share_a_split():
     assert not [t.prompt for t in evals if (t.data["b"], t.data["a"]) in train]
 
 
+@pytest.mark.parametrize(
+    "op, action, reward, progress",
+    [
+        ("+", " 47\n", 1.0, 1.0),  # the model's whitespace is not part of its answer
+        ("+", "470", 0.0, 0.0),  # the answer and more is wrong
+        ("+", "46", 0.0, 0.5),
+        ("+", "7", 0.0, 0.5),  # digits aligned from the right: the 7 is right
+        ("+", "147", 0.0, 2 / 3),  # an extra digit counts against
+        ("+", "74", 0.0, 0.0),
+        ("-", "-23", 1.0, 1.0),
+        ("-", "23", 0.0, 2 / 3),
+    ],
+)
+def test_arith_rewards_the_exact_answer_and_scores_digits_right_from_the_right(op, action, reward, progress):
+    task = Task(env="arith", id=f"12{op}35=", prompt=f"12{op}35=", data={"a": 12, "b": 35, "op": op})
+    result, score = asyncio.run(play("arith", task, [action]))
+    assert result.done and result.reward == score == reward
+    assert result.progress == pytest.approx(progress)
+    assert result.info == {"expected": 47 if op == "+" else -23}
+
+
+def test_arith_draws_every_operand_from_zero_to_max_operand():
+    config = {"max_operand": 3, "ops": ["+", "-"]}
+    drawn = [
+        (t.data["a"], t.data["op"], t.data["b"])
+        for split in ("train", "eval")
+        for t in task_pool("arith", split, 0, 100, config, distinct=True)
+    ]
+    assert sorted(drawn) == sorted((a, op, b) for a in range(4) for b in range(4) for op in "+-")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"ops": []}, {"max_turns": 2}, {"eval_fraction": 0.0}, {"eval_fraction": 1.0}, {"max_operand": 0}],
+)
+def test_arith_config_refuses_out_of_range_settings(config):
+    with pytest.raises(ValueError, match=next(iter(config))):
+        task_set("arith", "train", 0, 1, config)
+
+
 def test_pytool_commuted_twins_share_a_split(monkeypatch):
     """The train split's own filter refuses the twin ``b*a%m`` of every eval task ``a*b%m``."""
     filters = []
