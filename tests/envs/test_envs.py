@@ -2,6 +2,7 @@
 
 import asyncio
 import gc
+import hashlib
 import json
 import os
 import random
@@ -239,6 +240,68 @@ def test_guess_splits_share_numbers_not_problems(config):
     sampled = task_set("guess", "eval", seed=0, n=300, config=config)
     assert {(t.data["low"], t.data["high"], t.data["target"]) for t in sampled} <= set(evals)
     assert all(t.prompt == f"guess {t.data['low']}-{t.data['high']}" for t in sampled)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"low": 0, "high": 15, "min_width": 2, "max_width": 16, "eval_fraction": 0.9},
+        {"eval_fraction": 0.37},
+    ],
+)
+def test_guess_splits_match_a_reference_listing_ranked_by_hash(config):
+    """Every window of ``min_width..max_width`` numbers inside ``low..high``, with each of its
+    numbers; per number, the ``round(eval_fraction * count)`` (at least 1, never all) of its
+    windows ranked first by hash are eval."""
+    cfg = GuessConfig(**config)
+    mine = {}
+    for lo in range(cfg.low, cfg.high + 1):
+        for hi in range(lo, cfg.high + 1):
+            if cfg.min_width <= hi - lo + 1 <= cfg.max_width:
+                for t in range(lo, hi + 1):
+                    mine.setdefault(t, []).append((lo, hi, t))
+    want = {"train": set(), "eval": set()}
+    for windows in mine.values():
+        ranked = sorted(
+            windows, key=lambda p: hashlib.sha256(f"guess/{p[0]}-{p[1]}/{p[2]}".encode()).digest()
+        )
+        held = min(max(1, round(cfg.eval_fraction * len(ranked))), len(ranked) - 1)
+        want["eval"] |= set(ranked[:held])
+        want["train"] |= set(ranked[held:])
+    for split in ("train", "eval"):
+        got = problems(cfg, split)
+        assert got == sorted(want[split])
+
+
+def test_guess_config_takes_windows_up_to_the_whole_range_and_a_million_problems():
+    assert GuessConfig(low=1, high=16, min_width=8, max_width=16).max_width == 16
+    assert GuessConfig(low=1, high=8124, min_width=125, max_width=125).max_width == 125  # 8000 * 125
+
+
+def test_guess_a_split_with_no_problem_is_a_clear_error():
+    """One window as wide as the range: each number has one problem, never held out."""
+    config = {"low": 1, "high": 8, "min_width": 8, "max_width": 8}
+    train = task_set("guess", "train", 0, 20, config)  # its 8 problems, repeated under distinct ids
+    assert len({t.id for t in train}) == 20 and len({t.data["target"] for t in train}) == 8
+    with pytest.raises(ValueError, match="the eval split of guess 1-8 is empty"):
+        task_set("guess", "eval", 0, 3, config)
+
+
+def test_guess_feedback_never_widens_the_window_and_reads_a_padded_or_negative_number():
+    task = Task(env="guess", id="1-16:8", prompt="guess 1-16", data={"target": 8, "low": 1, "high": 16})
+
+    async def run():
+        env = make("guess", max_turns=10)
+        await env.reset(task)
+        return [await env.step(action) for action in (" 10\n", "12", "-3", "5", "2")]
+
+    steps = asyncio.run(run())
+    assert [s.observation[0]["content"] for s in steps] == ["lower", "lower", "higher", "higher", "higher"]
+    assert [s.progress for s in steps] == [7 / 16, 7 / 16, 7 / 16, 12 / 16, 12 / 16]
+    assert [s.info for s in steps] == [{"turns": i} for i in range(1, 6)]
+    with pytest.raises(ValueError, match="max_turns"):
+        GuessConfig(max_turns=0)
 
 
 def test_guess_draws_each_problem_of_its_split_once_before_any_twice():
