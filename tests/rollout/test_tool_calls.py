@@ -84,6 +84,14 @@ def test_what_is_not_a_well_formed_call_stays_in_the_content_as_written(text):
     assert tool_call_message(text, "hermes") is None
 
 
+def test_the_content_around_a_call_keeps_its_inner_spacing():
+    call = '<tool_call>{"name": "f"}</tool_call>'
+    assert parse_hermes(f" before \n{call}\n after ") == (
+        "before \n\n after",
+        [{"name": "f", "arguments": {}}],
+    )
+
+
 def test_a_bad_block_between_good_ones_stays_where_it_was():
     bad = "<tool_call>oops</tool_call>"
     content, calls = parse_hermes(f"{CALL_TEXT} then {bad} end")
@@ -145,6 +153,7 @@ def test_a_clients_own_calls_resent_as_they_were_sent_match_and_odd_shapes_never
     bare = [{"name": "f", "arguments": {"x": 1}}]  # Qwen's templates render a call without "function"
     assert same_calls(bare, copy.deepcopy(bare))
     assert not same_calls(bare, [{"function": {"name": "f", "arguments": {"x": 1}}}])
+    assert not same_calls(bare, [{"name": "g", "arguments": {"x": 2}}])  # calls without "function" differ
     ours = tool_call_message(CALL_TEXT, "hermes")["tool_calls"]
     deep = {"name": "get_weather", "arguments": "[" * 100_000}
     assert not same_calls(ours, [{"function": deep}])
