@@ -43,6 +43,7 @@ from rl.trainer import (
     STATE_FILE,
     VALUE_MODEL_FILE,
     Trainer,
+    _Consumption,
     resume_optimizer,
     token_values,
 )
@@ -612,6 +613,85 @@ def unlogged_shard(shard_id: str, num_rows: int) -> ShardInfo:
     """A shard ``kind/worker/seq`` of ``num_rows`` rows that is in no log."""
     kind, worker, seq = shard_id.split("/")
     return ShardInfo(shard_id, kind, f"shards/{shard_id}.arrow", worker, int(seq), num_rows, 0, -1, -1)
+
+
+def test_consumption_marks_agree_with_a_reference_of_every_consumed_row():
+    """Shards opened in each worker's number order (as ``ingest`` reads them), rows consumed in
+    any order, and restarts from the saved state replayed as ``ingest`` does: a shard counts
+    as consumed exactly when every row of it is, a restart hands back each shard's rows
+    consumed before it, and the state keeps a mark per worker over its run of consumed
+    shards with only what lies above it listed (checked against a slow reference)."""
+    rng = random.Random(11)
+    for _ in range(300):
+        infos = [
+            unlogged_shard(f"processed/{worker}/{seq}", rng.randint(0, 3))
+            for worker, count in (("a", rng.randint(1, 5)), ("b", rng.randint(1, 5)))
+            for seq in range(count)
+        ]
+        unopened = {worker: [i for i in infos if i.worker == worker] for worker in ("a", "b")}
+        reference: dict[str, set[int]] = {}
+        opened: list[ShardInfo] = []
+        consumption = _Consumption()
+        marked = {"shards": [], "rows": 0}
+        while any(unopened.values()) or any(len(reference[i.shard_id]) < i.num_rows for i in opened):
+            action = rng.random()
+            open_rows = [
+                (i.shard_id, row) for i in opened for row in range(i.num_rows) if row not in reference[i.shard_id]
+            ]
+            if action < 0.1:  # a restart from the state a version saves; the log read again
+                consumption = _Consumption(
+                    through=dict(consumption.through),
+                    done=set(consumption.done),
+                    rows={shard: set(rows) for shard, rows in consumption.rows.items()},
+                )
+                marked = {"shards": [], "rows": 0}
+                for info in opened:
+                    if consumption.consumed(info):
+                        consumption.saw(info)
+                    else:
+                        assert consumption.open(info) == reference[info.shard_id]
+            elif action < 0.4 and any(unopened.values()):
+                info = unopened[rng.choice([w for w, left in unopened.items() if left])].pop(0)
+                assert not consumption.consumed(info)
+                assert consumption.open(info) == set()
+                reference[info.shard_id] = set()
+                opened.append(info)
+                if info.num_rows == 0:
+                    marked["shards"].append(info.shard_id)
+            elif open_rows:
+                shard_id, row = rng.choice(open_rows)
+                consumption.mark(shard_id, [row])
+                reference[shard_id].add(row)
+                marked["rows"] += 1
+                if len(reference[shard_id]) == next(i.num_rows for i in opened if i.shard_id == shard_id):
+                    marked["shards"].append(shard_id)
+            done = {i.shard_id for i in opened if len(reference[i.shard_id]) == i.num_rows}
+            assert {i.shard_id for i in opened if consumption.consumed(i)} == done
+            through = {}
+            for worker in ("a", "b"):
+                run = -1
+                for info in (i for i in opened if i.worker == worker):
+                    if info.shard_id not in done:
+                        break
+                    run = info.seq
+                if run >= 0:
+                    through[worker] = run
+            assert consumption.through == through
+            assert consumption.done == {s for s in done if int(s.rsplit("/", 1)[1]) > through.get(s.split("/")[1], -1)}
+            assert consumption.rows == {
+                i.shard_id: reference[i.shard_id] for i in opened if i.shard_id not in done and reference[i.shard_id]
+            } | {s: r for s, r in consumption.rows.items() if not r}
+            assert consumption.since_publish_shards == marked["shards"]
+            assert sum(consumption.since_publish_rows.values()) == marked["rows"]
+
+
+def test_a_row_consumed_twice_is_refused_and_nothing_of_its_mark_is_kept():
+    consumption = _Consumption()
+    consumption.open(unlogged_shard("processed/a/0", 3))
+    consumption.mark("processed/a/0", [0])
+    with pytest.raises(RuntimeError, match=r"rows of shard processed/a/0 consumed twice: \[0\]"):
+        consumption.mark("processed/a/0", [1, 0])
+    assert consumption.rows == {"processed/a/0": {0}} and consumption.since_publish_rows["processed/a/0"] == 1
 
 
 def open_batch(trainer: Trainer, records: list[dict], shard_id: str = "processed/x/0") -> list:

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from rollout.engines.base import EngineError
-from rollout.router import HashRing, NoReplicas, Router, RouterConfig, _hash
+from rollout.router import SESSION_LENGTHS_KEPT, HashRing, NoReplicas, Router, RouterConfig, _hash
 
 SESSIONS = [f"session-{i}" for i in range(4000)]
 
@@ -593,3 +593,91 @@ def test_an_aborted_generation_is_an_engine_failure_failed_over_when_its_replica
     generation = asyncio.run(body())
     assert generation.finish_reason == "stop" and generation.engine != aborting
     assert router.replicas == [generation.engine] and router.assignment("s") == generation.engine
+
+
+@pytest.mark.parametrize("policy", ["sticky", "round_robin"])
+def test_an_ended_session_is_forgotten_by_the_replicas_that_may_cache_it(policy):
+    """A pinned session's replica alone drops its cache; under round_robin, which pins
+    nothing, every replica in service does (any may hold some of it)."""
+    engines = _replicas(3)
+    told: list[tuple[str, str]] = []
+    for engine in engines:
+        engine.end_session = lambda session_id, name=engine.name: told.append((name, session_id))
+    router = Router(engines, RouterConfig(policy=policy))
+    served = router.route("s").name
+    router.end_session("s")
+    expected = ["r0", "r1", "r2"] if policy == "round_robin" else [served]
+    assert sorted(told) == [(name, "s") for name in expected]
+
+
+def test_a_replica_that_is_down_can_be_set_draining_and_comes_back_draining():
+    """The elastic plan may drain a replica while its health check has it out: it is known,
+    so the drain holds, and it takes no new session once back."""
+    import asyncio
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky"))
+    router.take_down("r1")
+    router.drain("r1")
+    assert router.down == ["r1"] and router.draining == ["r1"]
+    _answer_health_from(engines, {"r0": True, "r1": True})
+
+    async def body():
+        try:
+            await router.check_health()
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(body())
+    assert sorted(router.replicas) == ["r0", "r1"] and router.draining == ["r1"]
+    assert {router.route(session).name for session in SESSIONS[:50]} == {"r0"}
+
+
+def test_session_lengths_keep_only_the_most_recent_ended_sessions(monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("rollout.router.time.monotonic", lambda: clock[0])
+    router = Router(_replicas(2))
+    for i in range(SESSION_LENGTHS_KEPT + 5):
+        clock[0] = float(i)
+        router.route(f"s{i}")
+        clock[0] += i
+        router.end_session(f"s{i}")
+    assert router.sessions_ended == SESSION_LENGTHS_KEPT + 5
+    assert list(router.session_lengths) == [float(i) for i in range(5, SESSION_LENGTHS_KEPT + 5)]
+
+
+def test_a_finished_generation_leaves_no_in_flight_count_behind():
+    """The in-flight count of a session whose requests all finished is dropped, not kept at
+    zero: a worker routes sessions for days."""
+    import asyncio
+
+    from rollout.engines.base import SamplingParams
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(failover=False))
+
+    async def body():
+        try:
+            for session in ("a", "b"):
+                with pytest.raises(EngineError):
+                    await router.generate(session, [1, 2], SamplingParams(max_new_tokens=1))
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(body())
+    assert router._in_flight == {}
+
+
+def test_a_draining_replica_taken_out_of_service_is_no_longer_draining():
+    """``remove`` forgets the drain: ``draining`` names replicas in service or down only, and
+    the replica put back later takes new sessions like any other."""
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="least_loaded"))
+    router.drain("r1")
+    router.remove("r1")
+    assert router.draining == []
+    router.add(engines[1])
+    router.route("a")
+    assert router.route("b").name == "r1"
