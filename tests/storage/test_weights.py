@@ -651,6 +651,84 @@ def test_retain_keeps_last_and_tagged(weights, tokenizer_dir):
         weights.retain(0)
 
 
+def test_retention_keeps_the_directory_latest_names_though_its_manifest_is_gone(weights, tokenizer_dir):
+    """LATEST stays: a version whose manifest was lost is passed over by a load, but its
+    directory is not taken for a crashed publish's leftovers, however old its claim."""
+    model = tiny_llama(seed=0)
+    for _ in range(3):
+        publish_model(weights, model, tokenizer_dir)
+    weights.fs.rm_file(posixpath.join(weights.version_path(1), "manifest.json"))
+    weights.fs.pipe_file(posixpath.join(weights.root, "LATEST"), b"1\n")
+
+    assert weights.retain(keep_last=1, in_flight_s=0) == []
+    assert weights.fs.exists(weights.version_path(1)) and weights.list() == [0, 2]
+
+
+def test_a_retention_that_prunes_nothing_at_or_below_latest_reads_no_checkpoint(
+    weights, tokenizer_dir, caplog
+):
+    """Only a retention about to delete a version at or below LATEST looks for the newest one
+    that verifies (reading checkpoints whole): one that keeps them all reads none."""
+    model = tiny_llama(seed=0)
+    for _ in range(3):
+        publish_model(weights, model, tokenizer_dir)
+    corrupt(weights, 2, "model.safetensors")
+
+    assert weights.retain(keep_last=3) == []
+    assert "retention keeps the versions down to one that verifies" not in caplog.text
+
+
+def test_retention_deletes_an_unfinished_version_only_below_the_newest_once_its_claim_is_old(
+    weights, tokenizer_dir
+):
+    """An incomplete directory is a crashed publish's leftovers only below the newest complete
+    version (above it, it is the next version) and once its claim is older than
+    ``in_flight_s`` (a publish still uploading renews it)."""
+    model = tiny_llama(seed=0)
+    for _ in range(2):
+        publish_model(weights, model, tokenizer_dir)
+
+    def killed() -> None:
+        raise RuntimeError("killed before its manifest")
+
+    with pytest.raises(RuntimeError, match="killed before its manifest"):
+        publish_model(weights, model, tokenizer_dir, before_commit=killed)
+    assert weights.retain(keep_last=1, in_flight_s=0) == [0]
+    assert weights.fs.exists(weights.version_path(2))
+
+    publish_model(weights, model, tokenizer_dir)
+    assert weights.retain(keep_last=1) == [1]
+    assert weights.fs.exists(weights.version_path(2))
+    assert weights.retain(keep_last=1, in_flight_s=0) == [2]
+    assert not weights.fs.exists(weights.version_path(2)) and weights.list() == [3]
+
+
+def test_a_retention_killed_while_deleting_a_version_leaves_no_complete_looking_remains(
+    weights, tokenizer_dir, monkeypatch
+):
+    """The manifest goes before the files: a retention that dies deleting them leaves a
+    directory no reader takes for a version."""
+    model = tiny_llama(seed=0)
+    for _ in range(2):
+        publish_model(weights, model, tokenizer_dir)
+
+    def killed(path, recursive=False):
+        raise OSError("killed while deleting the files")
+
+    monkeypatch.setattr(weights.fs, "rm", killed)
+    with pytest.raises(OSError, match="killed while deleting the files"):
+        weights.retain(keep_last=1)
+    assert weights.list() == [1]
+
+
+def test_a_cached_copy_missing_a_file_is_fetched_again(weights, tokenizer_dir):
+    model = tiny_llama(seed=0)
+    version = publish_model(weights, model, tokenizer_dir)
+    os.remove(os.path.join(weights.load(version), "config.json"))
+
+    assert os.path.isfile(os.path.join(weights.load(version), "config.json"))
+
+
 def test_bad_publish_arguments(weights, tokenizer_dir, tmp_path):
     state = tiny_llama(seed=0).state_dict()
     config = tiny_llama(seed=0).config.to_dict()
