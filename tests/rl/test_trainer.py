@@ -636,7 +636,10 @@ def test_consumption_marks_agree_with_a_reference_of_every_consumed_row():
         while any(unopened.values()) or any(len(reference[i.shard_id]) < i.num_rows for i in opened):
             action = rng.random()
             open_rows = [
-                (i.shard_id, row) for i in opened for row in range(i.num_rows) if row not in reference[i.shard_id]
+                (i.shard_id, row)
+                for i in opened
+                for row in range(i.num_rows)
+                if row not in reference[i.shard_id]
             ]
             if action < 0.1:  # a restart from the state a version saves; the log read again
                 consumption = _Consumption(
@@ -677,9 +680,13 @@ def test_consumption_marks_agree_with_a_reference_of_every_consumed_row():
                 if run >= 0:
                     through[worker] = run
             assert consumption.through == through
-            assert consumption.done == {s for s in done if int(s.rsplit("/", 1)[1]) > through.get(s.split("/")[1], -1)}
+            assert consumption.done == {
+                s for s in done if int(s.rsplit("/", 1)[1]) > through.get(s.split("/")[1], -1)
+            }
             assert consumption.rows == {
-                i.shard_id: reference[i.shard_id] for i in opened if i.shard_id not in done and reference[i.shard_id]
+                i.shard_id: reference[i.shard_id]
+                for i in opened
+                if i.shard_id not in done and reference[i.shard_id]
             } | {s: r for s, r in consumption.rows.items() if not r}
             assert consumption.since_publish_shards == marked["shards"]
             assert sum(consumption.since_publish_rows.values()) == marked["rows"]
