@@ -563,6 +563,7 @@ def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
         tokenizer_only = WeightStore(store, cache_dir=tmp_path / "tokenizer-only").load(0, "tokenizer")
         assert (
             not Path(tokenizer_only, "model.safetensors").exists()
+            and not Path(tokenizer_only, "model.safetensors.index.json").exists()
             and Path(tokenizer_only, "config.json").exists()
         )
     with pytest.raises(CorruptVersion, match="'policy_optimizer.pt' is corrupt"):
