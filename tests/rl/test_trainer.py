@@ -349,6 +349,25 @@ def test_staleness_counts_the_versions_on_the_chain_not_the_numbers_it_skips(sto
     assert [manifest["version"] for manifest in version_chain(weights)] == [0, 2, 3]
 
 
+def test_staleness_past_a_chain_cut_by_retention_counts_each_version_once(store):
+    """Retention deleted versions 1 and 2, so the chain the trainer knows of its version 3 is
+    [2, 3] (2 named by 3's manifest, whose own is gone): samples of version 1 are two updates
+    behind (2 → 3 on the chain, 1 → 2 past it) and are trained under max_staleness 2, not
+    counted three behind and dropped."""
+    weights = WeightStore(store)
+    policy, tokenizer = load_policy(weights.load(0))
+    for parent in range(3):
+        publish_policy(weights, policy, tokenizer, parent=parent)
+    weights.retain(1)
+    assert weights.list() == [0, 3]  # the base version stays
+    write_shards(store, make_trajectories(store, 4, seed=23, version=1), per_shard=4)
+    trainer = Trainer(store, config(max_staleness=2, publish_every=1))
+    assert trainer.version == 3 and trainer.staleness(1) == 2
+    trainer.run(drain=True)
+    (step,) = read_steps(store)
+    assert (step["staleness_max"], step["dropped_stale"], step["num_samples"]) == (2, 0, 4)
+
+
 def commit_raw_shard(store: RunStore, table: pa.Table, name: str) -> str:
     """Write an Arrow file and commit it without the writer's validation (bad data on purpose)."""
     path = f"shards/processed/bad/{name}.arrow"
