@@ -202,12 +202,17 @@ def _annotation(key: str) -> Any:
     return field and field.annotation
 
 
+def _kinds(annotation: Any) -> set:
+    """The types a field of this type may hold: each member of a union, else the type itself."""
+    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+    return set(typing.get_args(annotation) if union else [annotation])
+
+
 def _secrets_in(key: str, value: Any, annotation: Any) -> list[str]:
     """The fields holding a secret (``SecretStr``) that ``value``, given for the field
     ``key`` of type ``annotation``, sets: the field itself, or fields of a section or of a
     list's sections."""
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    kinds = set(typing.get_args(annotation) if union else [annotation])
+    kinds = _kinds(annotation)
     if SecretStr in kinds:
         return [key]
     model = _section_model(annotation)
@@ -227,8 +232,7 @@ def _secrets_in(key: str, value: Any, annotation: Any) -> list[str]:
 def _section_model(annotation: Any) -> type[BaseModel] | None:
     """The model a field of this type holds (``Model``, or ``Model`` or None), None when it
     holds none."""
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    kinds = set(typing.get_args(annotation) if union else [annotation]) - {type(None)}
+    kinds = _kinds(annotation) - {type(None)}
     if len(kinds) != 1:
         return None
     (kind,) = kinds
@@ -237,15 +241,11 @@ def _section_model(annotation: Any) -> type[BaseModel] | None:
 
 def _holds_a_list(annotation: Any) -> bool:
     """Whether a field of this type holds a list (``list[X]``, or that or None)."""
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    return any(
-        typing.get_origin(kind) is list for kind in (typing.get_args(annotation) if union else [annotation])
-    )
+    return any(typing.get_origin(kind) is list for kind in _kinds(annotation))
 
 
 def _text_only(annotation: Any) -> bool:
     """Whether a field of this type holds text and nothing else (``str``, a secret, or
     either or None)."""
-    union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    kinds = set(typing.get_args(annotation) if union else [annotation]) - {type(None)}
+    kinds = _kinds(annotation) - {type(None)}
     return bool(kinds) and kinds <= {str, SecretStr}
