@@ -677,3 +677,66 @@ def test_ending_or_migrating_a_timed_session_without_its_start_is_refused_and_ch
     ctl.end_session("r1", 6.0)
     ctl.end_session("r0", 8.0, started=0.0)
     assert ctl.forecast_completions(8.0) == 0.0
+
+
+def test_a_session_exactly_as_old_as_a_seen_length_is_counted_as_outliving_it():
+    # P(L <= a + H | L > a): a length equal to the age has ended, it is no live session's future
+    model = SessionLengths(window=4)
+    for length in (10.0, 20.0):
+        model.record(length)
+    assert model.ends_within(10.0, 10.0) == 1.0  # of the lengths above 10 only 20, which ends by 20
+    assert model.ends_within(20.0, 100.0) == 0.0
+
+
+def test_create_refuses_duplicate_training_names_and_too_few_training_units():
+    with pytest.raises(ValueError, match="unit names must differ"):
+        ElasticController.create(["r0"], ["t", "t"], ElasticConfig(min_train=2))
+    with pytest.raises(ValueError, match="min_train=2"):
+        ElasticController.create(["r0"], ["t0"], ElasticConfig(min_train=2))
+
+
+def test_a_free_training_cost_is_a_valid_measurement():
+    assert PolicyInputs(0, 0, 0.5, train_unit_s_per_trajectory=0.0).train_unit_s_per_trajectory == 0.0
+
+
+def test_the_decision_a_cooldown_after_a_move_is_made():
+    # the pipeline decides every cooldown_s: the tick exactly one cooldown after a move decides
+    config = ElasticConfig(cooldown_s=30.0, max_moves_per_step=1)
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], config)
+    (first,) = ctl.step(BEHIND, now=0.0)
+    assert ctl.step(BEHIND, now=29.0) == []
+    (second,) = ctl.step(BEHIND, now=30.0)
+    assert (first.target, second.target) == ("train", "train")
+
+
+def test_a_backlog_of_exactly_high_backlog_shards_saturates_the_trainer():
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=0))
+    (move,) = ctl.step(PolicyInputs(unconsumed_shards=2, engine_queue_depth=0, trainer_idle=0.0), now=0.0)
+    assert move.target == "train"
+
+
+def test_fewer_queued_sessions_than_a_replica_holds_still_borrow_an_idle_unit():
+    ctl = ElasticController.create(["r0"], ["t0", "t1"], ElasticConfig(cooldown_s=0))
+    # 3 shards: not dry; half idle (1 unit); 5 queued sessions want ceil(5 / 8) = 1 replica
+    (move,) = ctl.step(PolicyInputs(3, 5, 0.5), now=0.0)
+    assert (move.unit, move.target) == ("t1", "rollout")
+
+
+def test_queued_sessions_cancel_the_drain_farthest_from_done_first():
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0))
+    live(ctl, "r0", 2)
+    live(ctl, "r1", 5)
+    live(ctl, "r2", 1)
+    ctl.units["r1"].role = ctl.units["r2"].role = "draining"
+    # 8 queued sessions want one replica back: r1 (5 sessions to move) is cancelled, r2 nearly
+    # empty keeps draining
+    (cancel,) = ctl.step(PolicyInputs(3, 8, 0.0), now=0.0)
+    assert (cancel.unit, cancel.target) == ("r1", "rollout")
+    assert ctl.units_in("draining") == ["r2"]
+
+
+def test_a_dry_trainer_lends_a_unit_to_queued_sessions_however_its_idle_fraction_rounds():
+    ctl = ElasticController.create(["r0"], ["t0", "t1"], ElasticConfig(cooldown_s=0))
+    # dry at 10% idle: round(0.1 * 2) = 0 idle units, but a dry trainer has one to spare
+    (move,) = ctl.step(PolicyInputs(0, 8, 0.1), now=0.0)
+    assert (move.unit, move.target) == ("t1", "rollout")
