@@ -740,3 +740,34 @@ def test_a_dry_trainer_lends_a_unit_to_queued_sessions_however_its_idle_fraction
     # dry at 10% idle: round(0.1 * 2) = 0 idle units, but a dry trainer has one to spare
     (move,) = ctl.step(PolicyInputs(0, 8, 0.1), now=0.0)
     assert (move.unit, move.target) == ("t1", "rollout")
+
+
+def test_the_rollout_rate_is_over_its_window_not_the_whole_run():
+    ctl = ElasticController.create(["r0"], ["t0"], ElasticConfig(rate_window_s=100.0))
+    ctl.record_finished(2, now=0.0)
+    ctl.record_finished(5, now=950.0)
+    # 5 sessions in the last 100 s, not 5 in the 1000 s since the run began
+    assert ctl.rollout_rate(1000.0) == pytest.approx(0.05)
+    # a finish exactly one window old is still in it
+    assert ctl.rollout_rate(1050.0) == pytest.approx(0.05)
+
+
+def test_a_cancelled_drain_is_the_replica_the_queue_wanted_no_training_unit_follows():
+    ctl = ElasticController.create(["r0", "r1"], ["t0", "t1"], ElasticConfig(cooldown_s=0))
+    live(ctl, "r1", 3)
+    ctl.units["r1"].role = "draining"
+    # 8 queued sessions want one replica: r1 back is that one; the idle trainer lends none
+    (cancel,) = ctl.step(PolicyInputs(3, 8, 1.0), now=0.0)
+    assert (cancel.unit, cancel.target) == ("r1", "rollout")
+
+
+def test_cancelled_drains_count_against_the_moves_of_one_decision():
+    config = ElasticConfig(cooldown_s=0, max_moves_per_step=2)
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0", "t1", "t2", "t3"], config)
+    for name in ("r1", "r2"):
+        live(ctl, name, 3)
+        ctl.units[name].role = "draining"
+    # 32 queued sessions want 4 replicas and 4 training units sit idle, but one decision
+    # moves at most 2 units: the two drains are cancelled and nothing is lent
+    moves = ctl.step(PolicyInputs(3, 32, 1.0), now=0.0)
+    assert sorted((m.unit, m.target) for m in moves) == [("r1", "rollout"), ("r2", "rollout")]
