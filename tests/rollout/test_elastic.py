@@ -771,3 +771,21 @@ def test_cancelled_drains_count_against_the_moves_of_one_decision():
     # moves at most 2 units: the two drains are cancelled and nothing is lent
     moves = ctl.step(PolicyInputs(3, 32, 1.0), now=0.0)
     assert sorted((m.unit, m.target) for m in moves) == [("r1", "rollout"), ("r2", "rollout")]
+
+
+def test_training_demand_counts_the_backlog_and_the_forecast_hand_worked():
+    ctl = ElasticController.create(["r0"], ["t0"], ElasticConfig(forecast_horizon_s=600.0))
+    per_shard = PolicyInputs(4, 0, 0.5, train_unit_s_per_trajectory=100.0)
+    # (4 shards at one trajectory each + 2 forecast) * 100 unit-s over 600 s
+    assert ctl.training_demand(per_shard, 2.0) == pytest.approx(1.0)
+    counted = PolicyInputs(4, 0, 0.5, train_unit_s_per_trajectory=100.0, unconsumed_trajectories=16)
+    assert ctl.training_demand(counted, 2.0) == pytest.approx(3.0)
+    assert ctl.training_demand(counted, None) is None
+
+
+def test_the_balanced_split_leaves_the_trainer_its_min_train_units():
+    ctl = ElasticController.create(["r0"], ["t0"])
+    live(ctl, "r0", 8)
+    # rho = 8 / (0.01 * 8) = 100 replica-s a trajectory against 1 of training: 2 * 100 / 101
+    # rounds to 2 rollout units, but one of the 2 stays in training
+    assert ctl.balanced_rollout_units(0.01, 1.0) == 1
