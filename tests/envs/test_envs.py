@@ -19,7 +19,7 @@ import pytest
 
 from envs import pytool
 from envs.arith import add_without_carry, subtract_without_borrow
-from envs.base import Task, TooFewTasks, sample_unique
+from envs.base import Task, TooFewTasks, in_eval_split, sample_unique
 from envs.guess import GuessConfig, problems
 from envs.pyrepl import PythonRepl
 from envs.registry import REGISTRY, demonstrate, make, task_pool, task_set
@@ -851,15 +851,19 @@ def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
     cases = [
         ({"verifier": "exact"}, want, 1.0),
         ({"verifier": "exact"}, want + "0", 0.0),
+        ({"verifier": "exact"}, f" {want}\n", 1.0),
         ({"verifier": "numeric", "tolerance": 0.01}, str(float(want) + 0.005), 1.0),
         ({"verifier": "numeric", "tolerance": 0.01}, "nope", 0.0),
         ({"verifier": "regex"}, want, 1.0),
+        ({"verifier": "regex"}, f" {want}\n", 1.0),
+        ({"verifier": "regex"}, want + "0", 0.0),  # the pattern must match all of the answer
         ({"verifier": "operator:eq"}, want, 1.0),
         ({"verifier": "operator:eq"}, "x", 0.0),
     ]
     for config, answer, score in cases:
         result, final = asyncio.run(play("dataset", task, [answer], path=str(parquet), **config))
         assert result.reward == final == score, (config, answer)
+        assert type(result.reward) is float, config  # operator:eq's bool too
     with pytest.raises(ValueError, match="verifier"):
         make("dataset", path=str(jsonl), verifier="not a verifier")
     with pytest.raises(ValueError, match="no field"):
@@ -929,6 +933,14 @@ def test_dataset_verifier_that_cannot_be_imported_fails_the_task_set(tmp_path, v
     path.write_text(json.dumps({"prompt": "say it", "answer": "it"}))
     with pytest.raises(ValueError, match=f"verifier '{verifier}' cannot be imported"):
         task_set("dataset", "train", 0, 1, {"path": str(path), "verifier": verifier, "eval_fraction": 0.5})
+
+
+def test_dataset_config_refuses_credentials_and_malformed_verifiers_and_lowers_the_s3_scheme():
+    with pytest.raises(ValueError, match="path\n.*holds credentials"):
+        make("dataset", path="s3://AKIAEXAMPLE:secret@bucket/rows.jsonl")
+    with pytest.raises(ValueError, match="verifier must be exact, numeric, regex or 'pkg.mod:fn'"):
+        make("dataset", path="rows.jsonl", verifier="operator:eq and more")
+    assert make("dataset", path="S3://bucket/rows.jsonl").config.path == "s3://bucket/rows.jsonl"
 
 
 LOOP_RAN = threading.Event()
@@ -1076,7 +1088,10 @@ def test_dataset_bad_files_fail_the_load_naming_file_and_row(tmp_path, name, con
 def test_dataset_reads_a_json_file_holding_an_array_or_json_lines(tmp_path, layout):
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
     path = tmp_path / "rows.json"
-    path.write_text(json.dumps(rows) if layout == "array" else "\n".join(map(json.dumps, rows)))
+    # pretty-printed after a blank line; lines apart by lines of blanks
+    path.write_text(
+        "\n" + json.dumps(rows, indent=2) if layout == "array" else "\n \t\n".join(map(json.dumps, rows))
+    )
     tasks = task_set("dataset", "train", 0, 5, {"path": str(path)})
     assert len(tasks) == 5 and all(task.data["answer"] == task.prompt[1:] for task in tasks)
 
@@ -1141,6 +1156,30 @@ def test_dataset_demonstrates_answers_never_regex_patterns(tmp_path):
         demonstrate(task)
 
 
+def test_dataset_flawed_demonstrator_answers_blank_about_half_the_time(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(400)))
+    tasks = task_set("dataset", "train", 0, 300, {"path": str(path)})
+    flawed = [demonstrate(task, flawed=True) for task in tasks]
+    assert {tuple(answer) for answer in flawed} - {(task.data["answer"],) for task in tasks} == {("",)}
+    assert 0.3 < sum(answer == [""] for answer in flawed) / len(tasks) < 0.7
+
+
+def test_dataset_tasks_are_the_split_shuffled_by_seed_and_repeated_past_its_end(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(40)))
+    config = {"path": str(path), "eval_fraction": 0.5}
+    split = [f"q{i}" for i in range(40) if not in_eval_split(f"q{i}", 0.5)]
+    orders = [[t.id for t in task_set("dataset", "train", seed, len(split), config)] for seed in range(3)]
+    assert all(sorted(order) == sorted(split) for order in orders)
+    assert split not in orders and len({tuple(order) for order in orders}) == 3
+    assert [t.id for t in task_set("dataset", "train", 0, 2 * len(split) + 1, config)] == [
+        *orders[0],
+        *orders[0],
+        orders[0][0],
+    ]
+
+
 def nan_verifier(answer, reference):
     return float("nan")
 
@@ -1161,6 +1200,7 @@ def test_dataset_verifier_returning_nan_scores_zero(tmp_path):
         ("18446744073709551616", "1.8446744073709551616e19", 1.0),
         ("0.1", "0.1000005", 1.0),
         ("0.1", "0.1000015", 0.0),
+        ("0.1", "0.100001", 1.0),  # 1e-6 apart: at the tolerance, not past it
         ("inf", "1e999", 0.0),  # past the float range, but a finite number
         ("inf", "inf", 1.0),
         ("1", "1e999999999", 0.0),
