@@ -20,6 +20,7 @@ import pytest
 from envs import pytool
 from envs.arith import add_without_carry, subtract_without_borrow
 from envs.base import Task, TooFewTasks, in_eval_split, sample_unique
+from envs.code import HARNESS_PROCESSES
 from envs.guess import GuessConfig, problems
 from envs.pyrepl import PythonRepl
 from envs.registry import REGISTRY, demonstrate, make, task_pool, task_set
@@ -198,6 +199,27 @@ def test_code_functions_written_two_ways_share_a_split():
     train = {function(task) for task in task_pool("code", "train", seed=0, n=10_000)}
     evals = task_pool("code", "eval", seed=0, n=10_000)
     assert evals and not [task.id for task in evals if function(task) in train]
+
+
+def test_code_eval_split_holds_about_its_fraction_of_the_functions():
+    train, evals = (len(task_pool("code", split, seed=0, n=10_000)) for split in ("train", "eval"))
+    assert 0.03 < evals / (train + evals) < 0.25
+
+
+def test_code_tasks_hold_num_tests_tests_of_their_function():
+    for task in task_set("code", "train", seed=4, n=50, config={"num_tests": 7}):
+        body = task.data["body"]
+        assert task.id == body and task.prompt == f"write f(x) = {body}"
+        assert len(task.data["tests"]) == 7
+        assert all(-20 <= x <= 20 and want == eval(body, {}, {"x": x}) for x, want in task.data["tests"])
+
+
+def test_code_flawed_demonstrator_is_off_by_one_about_half_the_time():
+    tasks = task_set("code", "train", seed=3, n=200)
+    right = [demonstrate(task)[0] for task in tasks]
+    flawed = [demonstrate(task, flawed=True)[0] for task in tasks]
+    assert all(bad in (good, good + "+1") for good, bad in zip(right, flawed, strict=True))
+    assert 0.3 < sum(bad != good for good, bad in zip(right, flawed, strict=True)) / len(tasks) < 0.7
 
 
 def needs_borrow(a, b):
@@ -697,10 +719,13 @@ def test_code_scores_fraction_of_hidden_tests():
     _, score = asyncio.run(play("code", task, demonstrate(task), sandbox=SMALL))
     assert score == 1.0
     body = task.data["body"]
-    partial = f"def f(x):\n    return {body} if x >= 0 else None"
     expected = sum(x >= 0 for x, _ in task.data["tests"]) / len(task.data["tests"])
-    _, score = asyncio.run(play("code", task, [partial], sandbox=SMALL))
-    assert score == pytest.approx(expected)
+    assert 0 < expected < 1
+    # wrong on x < 0 by one, by an answer that is no int or no JSON, or by SystemExit: those tests only
+    for wrong in (f"{body} + 1", "None", "True", "{x}", "exit()"):
+        partial = f"def f(x):\n    return {body} if x >= 0 else {wrong}"
+        _, score = asyncio.run(play("code", task, [partial], sandbox=SMALL))
+        assert score == pytest.approx(expected), wrong
     _, score = asyncio.run(play("code", task, ["this is not python"], sandbox=SMALL))
     assert score == 0.0
 
@@ -741,6 +766,71 @@ def test_code_test_run_works_in_process_when_no_worker_can_be_forked(monkeypatch
     sandbox = SMALL.model_copy(update={"backend": "bwrap", "max_processes": 4})
     _, score = asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
     assert score == 1.0
+
+
+def code_task(tests):
+    return Task(env="code", id="f", prompt="write f", data={"body": "f", "tests": tests})
+
+
+@needs_bwrap
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: the runner is the only worker")
+def test_code_a_worker_that_died_loses_its_own_tests_only():
+    tests = [[x, 3 * x + 1] for x in (0, -1, 2, -3, 4, -5)]  # two workers: 0, 2, 4 and -1, -3, -5
+    sandbox = SMALL.model_copy(update={"max_processes": HARNESS_PROCESSES + 2})
+    solution = "import os\ndef f(x):\n    if x < 0:\n        os._exit(0)\n    return 3 * x + 1\n"
+    _, score = asyncio.run(play("code", code_task(tests), [solution], sandbox=sandbox))
+    assert score == 0.5
+
+
+@needs_bwrap
+def test_code_answers_are_ints_not_bools_even_written_past_the_runner():
+    """``True == 1``: booleans must not pass tests that want 1, returned by ``f`` or written
+    by the solution straight to the tester's pipe."""
+    task = code_task([[x, 1] for x in range(4)])
+    past_the_runner = (
+        "import json, os, sys\n"
+        "os.write(int(sys.argv[1]), json.dumps([True] * len(json.loads(sys.argv[2]))).encode())\n"
+        "os._exit(0)\n"
+    )
+    for solution, want in (
+        ("def f(x):\n    return 1", 1.0),
+        ("def f(x):\n    return True", 0.0),
+        (past_the_runner, 0.0),
+    ):
+        _, score = asyncio.run(play("code", task, [solution], sandbox=SMALL))
+        assert score == want, solution
+
+
+@needs_bwrap
+def test_code_episode_without_a_solution_scores_zero():
+    async def run():
+        env = make("code", sandbox=SMALL)
+        try:
+            await env.reset(task_set("code", "train", seed=6, n=1)[0])
+            return await env.evaluate()
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()) == 0.0
+
+
+@needs_bwrap
+def test_code_test_run_stopped_by_closing_the_env_is_an_env_error_not_a_zero():
+    """The sandbox closed under a running test run (the rollout cancelled): no score of the solution."""
+    task = task_set("code", "train", seed=6, n=1)[0]
+
+    async def run():
+        env = make("code", sandbox=SMALL)
+        await env.reset(task)
+        await env.step("def f(x):\n    while True: pass")
+        evaluation = asyncio.create_task(env.evaluate())
+        await asyncio.sleep(1)  # the tester has started
+        await env.close()
+        with pytest.raises(SandboxError, match="closed while the command ran") as error:
+            await evaluation
+        assert error.value.kind == "died"
+
+    asyncio.run(run())
 
 
 @needs_bwrap
@@ -800,6 +890,7 @@ CHEATS = {
     "memory": READ_TESTER_MEMORY,
     "always_equal": "class Yes:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes()\n",
     "equal_int": "class Yes(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes(0)\n",
+    "kill_tester": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\n",
 }
 
 
