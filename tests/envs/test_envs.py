@@ -1271,6 +1271,25 @@ def test_dataset_tasks_are_the_split_shuffled_by_seed_and_repeated_past_its_end(
     ]
 
 
+def test_dataset_episode_without_an_answer_scores_zero_on_a_reused_env(tmp_path):
+    """A reset env must not keep the last episode's score for one that ends with no step."""
+    path = tmp_path / "data.jsonl"
+    path.write_text(json.dumps({"prompt": "say it", "answer": "it"}))
+    task = Task(env="dataset", id="t", prompt="say it", data={"answer": "it"})
+
+    async def run():
+        env = make("dataset", path=str(path), eval_fraction=0.5)
+        try:
+            await env.reset(task)
+            assert (await env.step("it")).reward == await env.evaluate() == 1.0
+            await env.reset(task)
+            return await env.evaluate()
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()) == 0.0
+
+
 def nan_verifier(answer, reference):
     return float("nan")
 
