@@ -681,3 +681,128 @@ def test_a_draining_replica_taken_out_of_service_is_no_longer_draining():
     router.add(engines[1])
     router.route("a")
     assert router.route("b").name == "r1"
+
+
+def test_a_replica_not_serving_is_taken_out_though_its_probe_answers_up():
+    """A replica whose weight reload failed midway is up (its probe answers) but refuses to
+    generate with NotServing: the request fails over, and the replica stays out until a
+    health check restores it, instead of the request failing while it stays in service."""
+    import asyncio
+
+    from rollout.engines.base import Generation, NotServing, SamplingParams
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failover=True))
+    stuck = router.route("s").name
+    for engine in engines:
+
+        async def generate(session_id, prompt_ids, params, name=engine.name) -> Generation:
+            if name == stuck:
+                raise NotServing(f"replica {name} serves no weight version")
+            return Generation([5, 6], [-0.5, -0.5], [0, 0], "stop", engine=name)
+
+        async def health() -> bool:
+            return True
+
+        engine.generate, engine.health = generate, health
+
+    async def body():
+        try:
+            return await router.generate("s", [1, 2, 3], SamplingParams(max_new_tokens=2))
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    generation = asyncio.run(body())
+    assert generation.engine != stuck and generation.finish_reason == "stop"
+    assert router.down == [stuck] and router.assignment("s") == generation.engine
+
+
+def test_a_replica_whose_probe_raises_is_taken_out_and_the_others_are_probed():
+    """A health probe that raises (a dead actor's client) counts as down for that replica
+    alone: the check answers for every replica instead of raising."""
+    import asyncio
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky"))
+
+    async def raises() -> bool:
+        raise RuntimeError("the actor died unexpectedly")
+
+    async def answers() -> bool:
+        return True
+
+    engines[0].health, engines[1].health = raises, answers
+
+    async def body():
+        try:
+            return await router.check_health()
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    assert asyncio.run(body()) == {"r0": False, "r1": True}
+    assert router.replicas == ["r1"] and router.down == ["r0"]
+
+
+def test_without_failover_a_failed_request_raises_and_its_replica_stays_in_service():
+    """failover off: an engine error is the caller's, even from a replica whose probe says
+    down; the router neither probes it out nor retries elsewhere."""
+    import asyncio
+
+    from rollout.engines.base import SamplingParams
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failover=False))
+    _answer_health_from(engines, {"r0": False, "r1": False})
+    served = router.route("s").name
+
+    async def body():
+        try:
+            with pytest.raises(EngineError, match="unreachable"):
+                await router.generate("s", [1, 2, 3], SamplingParams(max_new_tokens=2))
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(body())
+    assert router.replicas == ["r0", "r1"] and router.down == [] and router.assignment("s") == served
+
+
+def test_two_requests_failing_on_one_replica_at_once_both_fail_over():
+    """Two sessions' requests fail on the same replica and both probe it: the first takes it
+    out, the second finds it out already and retries too, rather than failing because the
+    replica is no longer in service."""
+    import asyncio
+
+    from rollout.engines.base import Generation, SamplingParams
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failover=True))
+    first, second = [s for s in SESSIONS if router.route(s).name == "r0"][:2]
+
+    async def body():
+        both_probing = asyncio.Barrier(2)
+        for engine in engines:
+
+            async def generate(session_id, prompt_ids, params, name=engine.name) -> Generation:
+                if name == "r0":
+                    raise EngineError("replica r0 is unreachable")
+                return Generation([5], [-0.5], [0], "stop", engine=name)
+
+            async def health(name=engine.name) -> bool:
+                if name == "r0":
+                    await both_probing.wait()
+                return name != "r0"
+
+            engine.generate, engine.health = generate, health
+        try:
+            params = SamplingParams(max_new_tokens=1)
+            return await asyncio.gather(*(router.generate(s, [1, 2], params) for s in (first, second)))
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    generations = asyncio.run(body())
+    assert [g.engine for g in generations] == ["r1", "r1"]
+    assert router.replicas == ["r1"] and router.down == ["r0"]
