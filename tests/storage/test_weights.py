@@ -783,6 +783,50 @@ def test_publishers_racing_for_a_number_never_write_into_one_directory(
         publish_model(a, first, tokenizer_dir, extra_files={CLAIM_FILE: b""})
 
 
+def test_a_retry_of_a_publish_that_completed_does_not_write_over_its_version(weights, tokenizer_dir):
+    """An attempt that wrote its manifest and then failed (say, on its weights row) is retried
+    under the same owner: its claim is its own but the version is complete, so the retry must
+    not upload into it (a loader may be reading those files) and gets VersionTaken."""
+    first = tiny_llama(seed=0)
+    assert publish_model(weights, first, tokenizer_dir, version=0, owner="task-a") == 0
+    published = weights.manifest(0)
+    with pytest.raises(VersionTaken, match="weight version 0 of .* is claimed by another publish"):
+        publish_model(weights, tiny_llama(seed=1), tokenizer_dir, version=0, owner="task-a")
+    assert weights.manifest(0) == published and weights.list() == [0]
+    ids = torch.tensor([[1, 4, 5, 6]])
+    loaded = AutoModelForCausalLM.from_pretrained(weights.load(0))
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(first, ids))
+
+
+def test_latest_never_names_a_version_another_publish_is_still_writing(weights, tokenizer_dir):
+    """A publish of version 0 reads the versions back after writing LATEST while another
+    publish has claimed 1 and is still uploading: LATEST stays on 0, the newest complete one,
+    rather than naming a version that has no manifest yet."""
+    assert weights._claim(1, "uploading") == 1
+    assert publish_model(weights, tiny_llama(seed=0), tokenizer_dir, version=0) == 0
+    assert weights.latest() == 0 and weights.recover_latest() == 0
+    assert weights.load_newest()[0] == 0
+
+
+def test_recovery_moves_a_latest_left_on_an_older_version_to_the_newest(weights, tokenizer_dir):
+    """A publish wrote its manifest and died before LATEST: recovery points LATEST at the
+    newest complete version, not only when LATEST is missing or garbled."""
+    for seed in range(3):
+        publish_model(weights, tiny_llama(seed=seed), tokenizer_dir)
+    weights.fs.pipe_file(posixpath.join(weights.root, "LATEST"), b"1\n")
+    assert weights.recover_latest() == 2 and weights.latest() == 2
+
+
+def test_a_publish_never_takes_a_number_at_or_below_latest(weights, tokenizer_dir):
+    """LATEST names version 1, whose directory is gone (deleted by hand): the next publish
+    takes 2, as a number at or below LATEST would never become the latest."""
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    publish_model(weights, tiny_llama(seed=1), tokenizer_dir)
+    weights.fs.rm(weights.version_path(1), recursive=True)
+    assert publish_model(weights, tiny_llama(seed=2), tokenizer_dir) == 2
+    assert weights.latest() == 2 and weights.list() == [0, 2]
+
+
 def test_a_claim_being_renewed_is_never_read_as_a_dead_one(local_store, monkeypatch):
     """A publisher that lost the race for a version reads the winner's claim while the winner
     renews it: a claim seen empty half-way through a write would read as infinitely old."""
