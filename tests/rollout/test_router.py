@@ -3,12 +3,13 @@ minimal remapping when replicas come and go, failover of a dead replica."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 
 import pytest
 
-from rollout.engines.base import EngineError
+from rollout.engines.base import EngineError, Generation, NotServing, SamplingParams
 from rollout.router import SESSION_LENGTHS_KEPT, HashRing, NoReplicas, Router, RouterConfig, _hash
 
 SESSIONS = [f"session-{i}" for i in range(4000)]
@@ -261,13 +262,11 @@ def test_a_generation_in_flight_finishes_on_its_replica_and_the_next_turn_moves(
     """Real TorchEngine replicas on the tiny model: drained mid-generation, the turn's tokens
     and log-probs equal an undisturbed run's; the next turn re-prefills the whole history on
     the new replica and the old one drops the session's cache."""
-    import asyncio
     import copy
 
     import torch
 
     from rl.models import TinyModelConfig, build_tiny_model
-    from rollout.engines.base import SamplingParams
     from rollout.engines.torch_engine import TorchEngine
 
     torch.manual_seed(0)
@@ -335,9 +334,6 @@ def test_a_session_ended_while_its_failed_replica_is_probed_is_not_pinned_again(
     """The client closes its session while the router probes the replica its request failed
     on: the request fails and the session stays unpinned, instead of being re-pinned to the
     next replica, where nothing would ever release it."""
-    import asyncio
-
-    from rollout.engines.base import SamplingParams
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky", failover=True))
@@ -367,7 +363,6 @@ def test_a_session_ended_while_its_failed_replica_is_probed_is_not_pinned_again(
 def test_a_recovered_replica_is_restored_before_it_is_back_in_service():
     """``check_health`` awaits ``restore`` on a replica that came back before routing to it
     again; while ``restore`` fails, the replica stays out."""
-    import asyncio
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky"))
@@ -403,7 +398,6 @@ def test_a_replica_two_concurrent_checks_restore_is_put_back_once(caplog):
     """The worker's periodic check and another one (a weight load's) both find r0 recovered
     and both await ``restore`` on it; the first to finish puts it back, the second leaves it
     in service (it would raise adding it again): each check answers, r0 serves once."""
-    import asyncio
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky"))
@@ -446,7 +440,6 @@ def test_a_replica_two_concurrent_checks_restore_is_put_back_once(caplog):
 def test_when_the_last_accepting_replica_fails_the_least_loaded_draining_one_accepts_again():
     """The elastic plan left r0 accepting and drains r1 and r2; r0 fails its probe: new
     sessions go to the least loaded draining replica instead of failing with NoReplicas."""
-    import asyncio
 
     engines = _replicas(3)
     router = Router(engines, RouterConfig(policy="sticky"))
@@ -473,7 +466,6 @@ def test_when_the_last_accepting_replica_fails_the_least_loaded_draining_one_acc
 
 
 def test_a_replica_whose_probe_hangs_is_taken_out_and_the_others_are_probed():
-    import asyncio
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky", health_timeout_s=0.2))
@@ -502,7 +494,6 @@ def test_a_replica_whose_probe_hangs_is_taken_out_and_the_others_are_probed():
 def test_a_draining_replica_that_goes_down_and_comes_back_is_still_draining():
     """r1 drains (the elastic plan is handing it elsewhere), fails a probe and recovers while
     r0 still accepts: it comes back draining, and new sessions keep away from it."""
-    import asyncio
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky"))
@@ -529,7 +520,6 @@ def test_a_draining_replica_back_while_the_accepting_one_is_down_accepts_again()
     """r1 drains and goes down; r0, the replica accepting, goes down too; r1 comes back alone:
     new sessions go to it, as they would have had r0 failed while r1 was up, rather than
     failing with NoReplicas until r0 is back."""
-    import asyncio
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky"))
@@ -558,9 +548,6 @@ def test_an_aborted_generation_is_an_engine_failure_failed_over_when_its_replica
     """A vLLM server shutting down ends its requests with finish_reason abort: that cut
     action is not returned as the policy's. Its replica found down, the request is retried on
     another; found up (a pause), the request fails with EngineError."""
-    import asyncio
-
-    from rollout.engines.base import Generation, SamplingParams
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky", failover=True))
@@ -613,7 +600,6 @@ def test_an_ended_session_is_forgotten_by_the_replicas_that_may_cache_it(policy)
 def test_a_replica_that_is_down_can_be_set_draining_and_comes_back_draining():
     """The elastic plan may drain a replica while its health check has it out: it is known,
     so the drain holds, and it takes no new session once back."""
-    import asyncio
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky"))
@@ -650,9 +636,6 @@ def test_session_lengths_keep_only_the_most_recent_ended_sessions(monkeypatch):
 def test_a_finished_generation_leaves_no_in_flight_count_behind():
     """The in-flight count of a session whose requests all finished is dropped, not kept at
     zero: a worker routes sessions for days."""
-    import asyncio
-
-    from rollout.engines.base import SamplingParams
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(failover=False))
@@ -687,9 +670,6 @@ def test_a_replica_not_serving_is_taken_out_though_its_probe_answers_up():
     """A replica whose weight reload failed midway is up (its probe answers) but refuses to
     generate with NotServing: the request fails over, and the replica stays out until a
     health check restores it, instead of the request failing while it stays in service."""
-    import asyncio
-
-    from rollout.engines.base import Generation, NotServing, SamplingParams
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky", failover=True))
@@ -721,7 +701,6 @@ def test_a_replica_not_serving_is_taken_out_though_its_probe_answers_up():
 def test_a_replica_whose_probe_raises_is_taken_out_and_the_others_are_probed():
     """A health probe that raises (a dead actor's client) counts as down for that replica
     alone: the check answers for every replica instead of raising."""
-    import asyncio
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky"))
@@ -748,9 +727,6 @@ def test_a_replica_whose_probe_raises_is_taken_out_and_the_others_are_probed():
 def test_without_failover_a_failed_request_raises_and_its_replica_stays_in_service():
     """failover off: an engine error is the caller's, even from a replica whose probe says
     down; the router neither probes it out nor retries elsewhere."""
-    import asyncio
-
-    from rollout.engines.base import SamplingParams
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky", failover=False))
@@ -773,9 +749,6 @@ def test_two_requests_failing_on_one_replica_at_once_both_fail_over():
     """Two sessions' requests fail on the same replica and both probe it: the first takes it
     out, the second finds it out already and retries too, rather than failing because the
     replica is no longer in service."""
-    import asyncio
-
-    from rollout.engines.base import Generation, SamplingParams
 
     engines = _replicas(2)
     router = Router(engines, RouterConfig(policy="sticky", failover=True))
