@@ -168,7 +168,7 @@ class ActionGate(Protocol):
 class EnvConfig(BaseModel):
     """Settings every environment shares; each env subclasses it for its own fields."""
 
-    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
 
     required_fields: ClassVar[tuple[str, ...]] = ()
     """Fields left empty by default that the env cannot run without (a run config with the

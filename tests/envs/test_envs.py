@@ -1027,8 +1027,9 @@ def test_dataset_verifier_that_cannot_be_imported_fails_the_task_set(tmp_path, v
 
 
 def test_dataset_config_refuses_credentials_and_malformed_verifiers_and_lowers_the_s3_scheme():
-    with pytest.raises(ValueError, match="path\n.*holds credentials"):
+    with pytest.raises(ValueError, match="path\n.*holds credentials") as refused:
         make("dataset", path="s3://AKIAEXAMPLE:secret@bucket/rows.jsonl")
+    assert "AKIAEXAMPLE" not in str(refused.value) and "secret@bucket" not in str(refused.value)
     with pytest.raises(ValueError, match="verifier must be exact, numeric, regex or 'pkg.mod:fn'"):
         make("dataset", path="rows.jsonl", verifier="operator:eq and more")
     assert make("dataset", path="S3://bucket/rows.jsonl").config.path == "s3://bucket/rows.jsonl"
