@@ -202,12 +202,17 @@ class ChatRenderer:
         if self.tokenizer.eos_token_id is not None:
             ids.append(int(self.tokenizer.eos_token_id))
         closing_ids = self.encode(self.closing)
-        if (
-            closing_ids
-            and self.tokenizer.convert_ids_to_tokens(closing_ids[0]) in self.tokenizer.all_special_tokens
-        ):
+        if closing_ids and closing_ids[0] in special_ids(self.tokenizer):
             ids.append(closing_ids[0])
         return tuple(dict.fromkeys(ids))
+
+
+def special_ids(tokenizer) -> frozenset[int]:
+    """Ids of the tokenizer's special tokens: those it names (EOS, pad …) and every added
+    token marked special, which decoding drops too, named or not (a Llama 3 tokenizer whose
+    EOS is ``<|end_of_text|>`` closes turns with ``<|eot_id|>``, special but unnamed)."""
+    added = tokenizer.added_tokens_decoder
+    return frozenset(tokenizer.all_special_ids) | {i for i, token in added.items() if token.special}
 
 
 RENDER_INLINE_CHARS = 16_384
@@ -687,7 +692,7 @@ class Gateway:
             return frozenset()
         vocab = self.tokenizer.get_vocab()
         tags = {vocab[tag] for tag in TAGS[self.config.tool_call_format] if tag in vocab}
-        return frozenset(self.tokenizer.all_special_ids) - tags
+        return special_ids(self.tokenizer) - tags
 
     def renderer_with(self, template_kwargs: Mapping[str, Any] | None) -> ChatRenderer | None:
         """The renderer of messages sent with ``template_kwargs`` over the config's."""

@@ -14,6 +14,7 @@ import threading
 import pytest
 import torch
 
+import rollout.gateway as gateway_module
 from rl.models import TinyModelConfig, build_tiny_model, model_eos_ids, publish_policy
 from rl.processor import process_shard
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
@@ -150,6 +151,22 @@ def test_a_template_that_counts_turns_in_the_prompt_it_leaves_out_of_earlier_tur
         ChatRenderer(numbered).delta([{"role": "user", "content": "again"}], None)
 
 
+def test_a_template_that_closes_earlier_assistant_turns_otherwise_than_the_last_is_refused(tiny):
+    """The closing the session writes after an action is the one the template gives the last
+    assistant turn; a template closing earlier turns with other text would follow the action
+    with something the model never saw in that place."""
+    _, tokenizer = tiny
+    closing_by_place = copy.deepcopy(tokenizer)
+    closing_by_place.chat_template = (
+        "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] }}"
+        "{% if message['role'] == 'assistant' and not loop.last %}{{ '<|im_start|>\\n' }}"
+        "{% else %}{{ '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    with pytest.raises(InvalidRequest, match="renders earlier messages differently"):
+        ChatRenderer(closing_by_place).delta([{"role": "user", "content": "again"}], None)
+
+
 QWEN3_LIKE = (
     "{% set quiet = enable_thinking is defined and enable_thinking is false %}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
@@ -183,6 +200,61 @@ def test_the_chat_template_gets_the_configured_variables_on_every_turn(tiny, kwa
             assert appended.endswith("again<|im_end|>\n" + prompt_end)
 
     asyncio.run(body())
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+def test_a_session_keeps_the_tools_and_template_variables_of_its_first_messages(tiny):
+    """Messages still queued were rendered with neither yet, but they will be: the tools and
+    variables of the first ``add_messages`` hold from then on, not only once tokens exist."""
+    model, tokenizer = tiny
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = QWEN3_LIKE
+    again = [{"role": "user", "content": "again"}]
+
+    async def body():
+        async with running_gateway((model, thinking)) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER, template_kwargs={"enable_thinking": False})
+            with pytest.raises(InvalidRequest, match="differ from the {'enable_thinking': False}"):
+                session.add_messages(again)
+            await session.generate(SamplingParams(max_new_tokens=2, seed=0))
+            with pytest.raises(InvalidRequest, match="differ from the {'enable_thinking': False}"):
+                session.add_messages(again, template_kwargs={"enable_thinking": True})
+            assert session.messages[: len(USER)] == USER and len(session.messages) == len(USER) + 1
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER, [WEATHER_TOOL])
+            with pytest.raises(InvalidRequest, match="tool definitions differ"):
+                session.add_messages(again)
+            assert session.tools == [WEATHER_TOOL] and session._pending == USER
+
+    asyncio.run(body())
+
+
+def test_the_templates_closing_token_stops_a_turn_beside_the_eos_only_if_it_is_special(tiny):
+    """Qwen's EOS is ``<|endoftext|>`` and its turns close with ``<|im_end|>``: both stop."""
+    _, tokenizer = tiny
+    qwen_like = copy.deepcopy(tokenizer)
+    qwen_like.eos_token = "<|bos|>"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert ChatRenderer(qwen_like).stop_ids() == (qwen_like.eos_token_id, im_end)
+    plain = copy.deepcopy(qwen_like)
+    plain.chat_template = plain.chat_template.replace("<|im_end|>", "END")
+    assert ChatRenderer(plain).stop_ids() == (qwen_like.eos_token_id,)
+
+
+def test_an_eos_id_configured_past_the_vocabulary_is_refused(tiny):
+    _, tokenizer = tiny
+    with pytest.raises(ValueError, match=rf"holds {len(tokenizer)}, outside the vocabulary"):
+        Gateway(Router([]), tokenizer, GatewayConfig(eos_token_ids=[len(tokenizer)]))
+    assert Gateway(Router([]), tokenizer, GatewayConfig(eos_token_ids=[len(tokenizer) - 1])).stop_ids[-1] == (
+        len(tokenizer) - 1
+    )
 
 
 @pytest.mark.parametrize("name", ["tokenize", "add_generation_prompt", "continue_final_message"])
@@ -254,6 +326,21 @@ def test_a_branch_takes_the_execution_its_parent_was_given_or_else_its_parents_i
     assert asyncio.run(body()) == {"child": "exec-a", "explicit": "mine", "elsewhere": "other-gateways"}
 
 
+def test_a_gateway_forgets_the_executions_of_its_oldest_trajectories_first(tiny, monkeypatch):
+    monkeypatch.setattr(gateway_module, "REMEMBERED_EXECUTIONS", 2)
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            for name in ("a", "b", "c"):
+                gateway.open(task="arith", prompt_id="p1", trajectory_id=name, execution_id=f"exec-{name}")
+            return [
+                gateway.open(task="arith", prompt_id="p1", parent_id=parent).info.execution_id
+                for parent in ("b", "c", "a")
+            ]
+
+    assert asyncio.run(body()) == ["exec-b", "exec-c", "a"]
+
+
 def test_record_is_canonical_and_marks_actions_turns_versions(tiny):
     async def body():
         async with running_gateway(tiny) as gateway:
@@ -296,12 +383,16 @@ def test_record_is_canonical_and_marks_actions_turns_versions(tiny):
 
 
 def test_stop_token_is_kept_and_status_ok(tiny):
+    """The status follows the last action: one that stopped after a truncated one is ok."""
     model, tokenizer = tiny
 
     async def body():
         async with running_gateway(tiny) as gateway:
             session = gateway.open(task="t", prompt_id="p")
             session.add_messages(USER)
+            cut = await session.generate(SamplingParams(max_new_tokens=1, stop_ids=(), seed=0))
+            assert cut.truncated and session.record()["status"] == "truncated"
+            session.add_messages([{"role": "user", "content": "go on"}])
             every_id = tuple(range(len(tokenizer)))
             turn = await session.generate(SamplingParams(max_new_tokens=5, stop_ids=every_id, seed=0))
             assert turn.finish_reason == "stop" and len(turn.token_ids) == 1
@@ -499,6 +590,50 @@ def test_closing_a_session_cancels_its_generating_turn_and_fails_the_queued_one(
     asyncio.run(body())
 
 
+def test_a_turn_cancelled_by_its_caller_stays_cancelled_when_its_session_closes_meanwhile(tiny):
+    """A rollout cancelled (a worker stopping) while its env closes the session: the caller's
+    cancellation goes on up, not swallowed into an ``UnknownSession`` error."""
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            (engine,) = gateway.router._engines.values()
+            started = asyncio.Event()
+            real_generate = engine.generate
+
+            async def generate(*args, **kwargs):
+                started.set()
+                return await real_generate(*args, **kwargs)
+
+            engine.generate = generate
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER)
+            turn = asyncio.create_task(session.generate(SamplingParams(max_new_tokens=400, seed=0)))
+            await started.wait()
+            turn.cancel()
+            gateway.close(session.session_id)
+            with pytest.raises(asyncio.CancelledError):
+                await turn
+            assert turn.cancelled()
+
+    asyncio.run(body())
+
+
+def test_a_session_generates_exactly_its_max_turns(tiny):
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.max_turns = 2
+            session.add_messages(USER)
+            for _ in range(2):
+                await session.generate(SamplingParams(max_new_tokens=2, seed=0))
+                session.add_tokens([7])
+            with pytest.raises(ContextLimit, match="max_turns=2"):
+                await session.generate(SamplingParams(max_new_tokens=2, seed=0))
+            assert session.num_turns == 2 and "max_turns=2" in session.context_limit
+
+    asyncio.run(body())
+
+
 def recording_threads(renderer: ChatRenderer, threads: list[int], gate: threading.Event | None = None):
     """Make ``renderer`` note the thread of each encode in ``threads``, and wait for ``gate``."""
     real_encode = renderer.encode
@@ -573,8 +708,16 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
             def one_logprob_short(generation):
                 return dataclasses.replace(generation, logprobs=generation.logprobs[:-1])
 
+            def one_version_short(generation):
+                return dataclasses.replace(generation, versions=generation.versions[:-1])
+
             def outside_the_vocabulary(generation):
                 return dataclasses.replace(generation, token_ids=[10**9] * len(generation.token_ids))
+
+            def just_past_the_vocabulary(generation):
+                return dataclasses.replace(
+                    generation, token_ids=[gateway.vocab_size] * len(generation.token_ids)
+                )
 
             def a_nan_logprob(generation):
                 return dataclasses.replace(generation, logprobs=[math.nan, *generation.logprobs[1:]])
@@ -593,7 +736,9 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
             for fault, why in [
                 (fails, "the replica went away"),
                 (one_logprob_short, "returned 4 tokens, 3 log-probs and 4 versions"),
+                (one_version_short, "returned 4 tokens, 4 log-probs and 3 versions"),
                 (outside_the_vocabulary, "a token id outside the vocabulary"),
+                (just_past_the_vocabulary, "a token id outside the vocabulary"),
                 (a_nan_logprob, "a log-prob that is not finite"),
                 (a_positive_logprob, "a log-prob above 0"),
                 (a_negative_version, "a negative weight version"),
@@ -618,6 +763,29 @@ def test_generation_budget_is_clamped_to_the_context(tiny):
             assert len(turn.token_ids) == 3 and len(session.tokens) == 20
             with pytest.raises(InvalidRequest, match="leaves no room"):
                 await session.generate(SamplingParams(max_new_tokens=5))
+            full = gateway.open(task="t", prompt_id="p")
+            full.add_tokens(list(range(10, 30)))
+            assert len(full.tokens) == 20, "a session may hold exactly max_context_tokens"
+            with pytest.raises(ContextLimit, match="21 tokens"):
+                gateway.open(task="t", prompt_id="p").add_tokens(list(range(10, 31)))
+
+    asyncio.run(body())
+
+
+def test_a_budget_clamped_to_the_context_keeps_the_requests_seed(tiny):
+    """The clamped request is the one asked for with room's budget: the same seed samples the
+    same tokens as a request that asked for that budget itself."""
+
+    async def body():
+        async with running_gateway(tiny, config=GatewayConfig(max_context_tokens=20)) as gateway:
+            turns = []
+            for max_new_tokens in (50, 3):
+                session = gateway.open(task="t", prompt_id="p")
+                session.add_tokens(list(range(10, 27)))
+                turns.append(await session.generate(SamplingParams(max_new_tokens=max_new_tokens, seed=7)))
+            assert len(turns[0].token_ids) == 3
+            assert turns[0].token_ids == turns[1].token_ids
+            assert turns[0].logprobs == turns[1].logprobs
 
     asyncio.run(body())
 

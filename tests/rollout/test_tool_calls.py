@@ -521,6 +521,25 @@ def test_tool_markers_held_as_special_tokens_are_kept_for_parsing():
     asyncio.run(engine.close())
 
 
+def test_the_text_calls_are_parsed_from_drops_special_tokens_the_tokenizer_does_not_name():
+    """A Llama 3 tokenizer whose EOS is ``<|end_of_text|>`` ends turns with ``<|eot_id|>``,
+    an added special token it names nowhere: decoding drops it, and so must the text the
+    calls are parsed from, or the reply's content ends with the marker."""
+    model, tokenizer = build_tiny_model(
+        TinyModelConfig(hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32)
+    )
+    tokenizer.eos_token = "<|bos|>"
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert im_end not in tokenizer.all_special_ids, "precondition: <|im_end|> is special but unnamed"
+    engine = TorchEngine(model, tokenizer)
+    gateway = Gateway(Router([engine]), tokenizer)
+    action = _tokens(tokenizer, "Looking.\n" + CALL_TEXT) + [im_end]
+    assert im_end in gateway.stop_ids
+    assert gateway.tool_text(action) == gateway.decode(action) == "Looking.\n" + CALL_TEXT
+    assert tool_call_message(gateway.tool_text(action), "hermes")["content"] == "Looking."
+    asyncio.run(engine.close())
+
+
 def test_a_block_without_a_call_keeps_its_special_token_markers_in_the_content():
     """Where ``<tool_call>`` is a special token, a reply whose block holds no call still shows
     the client the block as written, markers and all, as it does beside a well-formed call."""
