@@ -197,7 +197,8 @@ class ChatRenderer:
         return self.encode(closing + body)
 
     def stop_ids(self) -> tuple[int, ...]:
-        """Token ids that end an assistant turn: EOS and the template's closing token."""
+        """Token ids that end an assistant turn: EOS and the template's closing token, where
+        that is a special token (a plain one, a newline say, would end turns mid-text)."""
         ids = []
         if self.tokenizer.eos_token_id is not None:
             ids.append(int(self.tokenizer.eos_token_id))
