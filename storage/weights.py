@@ -222,12 +222,13 @@ class WeightStore:
             ``value``) keeps a second model's versions and ``LATEST`` apart.
         cache_dir: where loads put the versions they fetch (downloaded from S3, hard-linked
             from a local folder); defaults to ``$TREADLE_CACHE`` or ``~/.cache/treadle``.
-        one_copy: a load deletes the copy this store's part used before, and ``release``
+        one_copy: a load deletes the other cached copies of its part, and ``release``
             every copy this store holds, unless another store (of any process) holds it in
             use: for a process that loads each new version for days (a rollout worker, an
             engine actor) or loads once (a trainer, an evaluation), whose cache would
             otherwise keep a copy per version while the store keeps them all
-            (``keep_versions`` None).
+            (``keep_versions`` None). The copies a killed process or a load still running
+            at ``release`` left go at the next such load.
     """
 
     def __init__(
@@ -634,8 +635,8 @@ class WeightStore:
         where the cache is on another file system), so a retention deleting the version from
         the store leaves the caller's copy whole. A cached copy is re-used on the next call if
         it still verifies, as is a cached copy of a larger part, and a fetch deletes the cached
-        versions the store no longer has (see ``retain``), and with ``one_copy`` the copy this
-        store's ``part`` used before, either one only if no store holds it in use. Raises ``CorruptVersion`` naming the
+        versions the store no longer has (see ``retain``), and with ``one_copy`` the other copies
+        of ``part``, either one only if no store holds it in use. Raises ``CorruptVersion`` naming the
         first file whose sha256 differs or that is missing; other versions are unaffected.
         Raises ``KeyError`` when the version does not exist, or is deleted (by ``retain``)
         while its files are fetched.
@@ -665,6 +666,9 @@ class WeightStore:
             )
         try:
             self._forget_removed()
+            if self.one_copy:
+                for copy in self._copies(self._cached(version, part).parent):
+                    self._forget_copy(copy)
         except OSError as exc:  # the copy itself is whole
             log.warning("could not tidy the weight cache %s: %s", self.cache_dir, exc)
         return str(path)
@@ -773,15 +777,10 @@ class WeightStore:
         into its folder)."""
         kept = {version_dir_name(version) for version in self.list()}
         folders = [self.cache_dir / part for part in PARTS[1:] if (self.cache_dir / part).is_dir()]
-        removed: set[Path] = set()
         for folder in [self.cache_dir, *folders]:
-            for entry in folder.iterdir():
-                marker = _IN_USE_FILE.match(entry.name)
-                copy = marker.group(1) if marker else entry.name if _VERSION_DIR.match(entry.name) else None
-                if copy is not None and copy not in kept:
-                    removed.add(folder / copy)
-        for copy in sorted(removed):
-            self._forget_copy(copy)
+            for copy in self._copies(folder):
+                if copy.name not in kept:
+                    self._forget_copy(copy)
         stale_before = time.time() - STAGING_STALE_S
         for staging in self.cache_dir.iterdir():
             if not _STAGING_DIR.match(staging.name):
@@ -789,6 +788,16 @@ class WeightStore:
             with contextlib.suppress(FileNotFoundError):  # its download finished meanwhile
                 if _last_modified(staging) < stale_before:
                     shutil.rmtree(staging, ignore_errors=True)
+
+    @staticmethod
+    def _copies(folder: Path) -> list[Path]:
+        """The version copies cached in ``folder``, found by their folder or their in-use file."""
+        names = set()
+        for entry in folder.iterdir():
+            marker = _IN_USE_FILE.match(entry.name)
+            if marker or _VERSION_DIR.match(entry.name):
+                names.add(marker.group(1) if marker else entry.name)
+        return [folder / name for name in sorted(names)]
 
     def _forget_copy(self, copy: Path) -> None:
         """Delete ``copy`` and its in-use file, unless a store (of any process) holds it in use."""

@@ -499,6 +499,48 @@ def test_a_store_released_leaves_no_copy_in_the_cache_that_no_other_store_holds(
     assert Path(WeightStore(store, cache_dir=cache).load(0, "serving"), "config.json").is_file()
 
 
+A_KILLED_WORKER = """
+import json, os, signal, sys
+from storage.config import RunStore, StorageConfig
+from storage.weights import WeightStore
+config, run_id, cache_dir = json.loads(sys.argv[1])
+WeightStore(RunStore(StorageConfig(**config), run_id), cache_dir=cache_dir, one_copy=True).load(0, "serving")
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_copies_a_killed_process_left_go_at_the_next_one_copy_load(store, tmp_path, tokenizer_dir):
+    """A worker killed (OOM, SIGKILL) never releases its copy, and no later store ever held
+    it to let it go: a model's size on the disk per kill while the store keeps every version.
+    The next ``one_copy`` load of the part deletes it, and leaves a copy another store holds."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache", one_copy=True)
+    for seed in range(3):
+        publish_model(weights, tiny_llama(seed=seed), tokenizer_dir)
+    config = {
+        name: value.get_secret_value() if hasattr(value, "get_secret_value") else value
+        for name, value in store.config
+    }
+    killed = subprocess.run(
+        [sys.executable, "-c", A_KILLED_WORKER, json.dumps([config, store.run_id, str(tmp_path / "cache")])],
+        capture_output=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    assert killed.returncode == -9, killed.stderr
+
+    def cached():
+        return sorted(path.name for path in (weights.cache_dir / "serving").glob("v*"))
+
+    assert cached() == ["v000000"]
+    holder = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "cache")
+    held = holder.load(1, "serving")
+    weights.load(2, "serving")
+    assert cached() == ["v000001", "v000002"] and Path(held, "config.json").is_file()
+    holder.release()
+    weights.load(2, "serving")
+    assert cached() == ["v000002"]
+
+
 def test_a_copy_deleted_between_its_fetch_and_its_marking_in_use_is_fetched_again(
     store, tmp_path, tokenizer_dir
 ):
