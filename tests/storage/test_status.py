@@ -50,14 +50,15 @@ def test_no_worker_yet_sums_to_nothing(store):
 def test_fresh_running_workers_are_summed_stale_and_stopped_ones_counted_apart(store):
     writer = RolloutStatusBoard(store)
     writer.publish(status("w0", depth=3, sessions=5, age=1.0))
-    writer.publish(status("w1", depth=4, sessions=2, age=29.0))
+    writer.publish(status("w1", depth=4, sessions=2, age=30.0))  # exactly max_age_s old: still counts
     writer.publish(status("w2", depth=50, sessions=50, age=31.0))
     writer.publish(status("w3", depth=0, sessions=0, age=500.0, running=False))
+    writer.publish(status("w4", depth=9, sessions=9, age=2.0, running=False))  # stopped just now
     reader = RolloutStatusBoard(store)  # another process would open its own board
     summary = reader.summary(now=NOW, max_age_s=30.0)
     assert summary.as_dict() == {
         "workers": 2,
-        "stopped": 1,
+        "stopped": 2,
         "stale": 1,
         "corrupt": 0,
         "engine_queue_depth": 7,
@@ -123,12 +124,16 @@ def test_a_corrupt_status_is_skipped_with_a_warning(store, caplog, payload, prob
     assert "w9.json" in message and problem in message
 
 
-def test_files_that_are_not_status_objects_are_ignored(local_store):
+def test_files_that_are_not_status_objects_are_ignored(local_store, monkeypatch):
     board = RolloutStatusBoard(local_store)
     board.publish(status("w0", depth=1))
     root = local_store.path(ROLLOUT_STATUS_PREFIX)
     local_store.fs.pipe_file(posixpath.join(root, ".w1.json.tmp-abc"), b"{half")  # a crashed writer's temp
+    local_store.fs.pipe_file(posixpath.join(root, ".w2.json"), b"{half")  # hidden: no worker's name
     local_store.fs.pipe_file(posixpath.join(root, "notes.txt"), b"hello")
+    listed = board.fs.ls
+    # a status listed, then deleted before it is read (its run's folder cleaned up meanwhile)
+    monkeypatch.setattr(board.fs, "ls", lambda *a, **k: [*listed(*a, **k), posixpath.join(root, "gone.json")])
     statuses, corrupt = board.read()
     assert [s.worker for s in statuses] == ["w0"] and corrupt == 0
 
@@ -185,6 +190,7 @@ def test_the_elastic_plan_round_trips_and_says_which_replicas_each_worker_drains
     read = ElasticPlanBoard(store).read()
     assert read == plan.model_copy(update={"time": NOW + 1})
     assert (read.drained("w0"), read.drained("w1"), read.drained("w2")) == ({"torch-1"}, {"torch-1"}, set())
+    assert read.drained("w") == set(), "w0's replicas are not those of a worker named w"
     released = ElasticPlan(time=NOW, draining=["w0/torch-1"], running=False)
     assert released.drained("w0") == set(), "a stopped trainer's plan drains nothing"
 
@@ -276,6 +282,8 @@ def test_a_held_role_is_lost_to_another_holders_fresh_running_status_only(store)
     third.require()  # still third's: nothing raised
     assert board.read().owner == third.owner and board.read().running
     assert third.publish(trainer_status(running=False))
+    # a role once lost stays lost, though its taker stopped: the first has not checked it since
+    assert not first.holds() and not first.publish(trainer_status())
     fourth = HeldRole(board.read, board.publish, "fourth")
     assert fourth.publish(trainer_status()) and board.read().owner == fourth.owner  # a stopped one neither
 
@@ -333,6 +341,7 @@ def test_a_worker_name_is_free_when_its_status_is_missing_stopped_or_stale(local
         assert len(reads) == 1  # free at the first look: no waiting
 
 
+@pytest.mark.timeout(180)  # a live worker never refused would be waited on for ever
 def test_a_dead_workers_fresh_status_is_waited_out_and_a_live_one_refused(store, caplog):
     board = RolloutStatusBoard(store)
     dead = RolloutStatus(worker="w0", time=time.time(), engine_queue_depth=0, live_sessions=0, running=True)
