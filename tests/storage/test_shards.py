@@ -125,14 +125,16 @@ def test_flush_if_due_commits_records_that_waited_with_no_write_after_them(store
     assert info is not None and info.num_rows == 1
 
 
-def test_a_new_writer_resumes_after_the_last_committed_seq(store):
-    with ShardWriter(store, "w0", flush_records=1) as writer:
-        writer.write(make_record(0))
-        writer.write(make_record(1))
-    with ShardWriter(store, "w0") as writer:
-        writer.write(make_record(2))
+def test_a_new_writer_resumes_after_the_last_committed_seq(store, caplog):
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        with ShardWriter(store, "w0", flush_records=1) as writer:
+            writer.write(make_record(0))
+            writer.write(make_record(1))
+        with ShardWriter(store, "w0") as writer:
+            writer.write(make_record(2))
     shards, _ = ShardReader(store).poll()
     assert [(s.worker, s.seq) for s in shards] == [("w0", 0), ("w0", 1), ("w0", 2)]
+    assert "skipping" not in caplog.text  # each number tried was free: none taken twice
     with pytest.raises(RuntimeError, match="closed"):
         writer.write(make_record(3))
 
@@ -296,6 +298,39 @@ def test_rows_behind_an_unconfirmed_commit_are_refused_once_and_none_is_lost(
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
 
 
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
+def test_rows_of_a_landed_commit_are_not_committed_again_when_refusing_after_it_fails(
+    store, monkeypatch, writer_class
+):
+    """An unconfirmed commit is found to have landed, then keeping a bad row aside fails:
+    the retry commits only the rows written after that commit, never its rows again."""
+    writer = writer_class(store, "w0", flush_records=100)
+    writer.write_table(make_table(0, 3))
+    append = writer.tables.append
+    flush = writer.close if writer_class is BackgroundShardWriter else writer.flush
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost(append))
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(OSError):
+            flush()
+    writer.write_table(make_table(3, 2))
+    writer.write(bad_versions(9))
+    with monkeypatch.context() as patch:
+        patch.setattr(
+            store.fs,
+            "pipe_file",
+            lambda *args, **kwargs: (_ for _ in ()).throw(OSError("down (injected)")),
+        )
+        with pytest.raises(OSError, match="down"):
+            flush()
+    writer.close()
+
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
+    assert writer.refused == 1 and writer.committed == 2
+
+
 def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(store, monkeypatch):
     writer = ShardWriter(store, "p", kind="processed")
     with monkeypatch.context() as patch:  # the first attempt fails at its commit
@@ -312,6 +347,8 @@ def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(st
     (shard,), _ = reader.poll()
     assert shard == info and reader.read(shard).num_rows == 3
     assert writer.write_table(make_processed_table(3, 1)) is None and writer.flush().seq == 6
+    writer.commit(make_processed_table(4, 1), seq=2)  # a lower number never takes the writer back
+    assert writer.write_table(make_processed_table(5, 1)) is None and writer.flush().seq == 7
 
 
 CALLER = contextvars.ContextVar("caller")
