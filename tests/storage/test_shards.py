@@ -351,6 +351,30 @@ def test_commit_writes_at_the_derived_number_and_a_retry_lands_under_it_again(st
     assert writer.write_table(make_processed_table(5, 1)) is None and writer.flush().seq == 7
 
 
+def test_a_failed_retry_of_a_commit_that_may_have_landed_leaves_its_file_in_place(store, monkeypatch):
+    """A commit under a given number whose landing cannot be confirmed is retried, and the
+    retry fails while writing: the file the landed commit lists must stay."""
+    writer = ShardWriter(store, "p", kind="processed")
+    append = writer.tables.append
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost(append))
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(TimeoutError):
+            writer.commit(make_processed_table(0, 3), seq=5)
+
+    def dropped(sink, table):
+        sink.write(b"ARROW1\0\0")
+        raise OSError("connection dropped (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(shard_module, "_write_ipc", dropped)
+        with pytest.raises(OSError, match="dropped"):
+            writer.commit(make_processed_table(0, 3), seq=5)
+    reader = ShardReader(store, kind="processed")
+    (shard,), _ = reader.poll()
+    assert ids_of(reader.read(shard)) == ids_of(make_processed_table(0, 3))
+
+
 CALLER = contextvars.ContextVar("caller")
 
 
@@ -1021,24 +1045,31 @@ def test_a_local_shard_is_on_disk_before_its_commit_lands(local_store, monkeypat
     """Its file and the folder entry of its rename are flushed to disk before the commit: a
     power loss must not leave a committed shard empty (quarantined, its rows lost)."""
     events: list[tuple[str, str]] = []
-    real_fsync, real_append = os.fsync, Tables.append
+    real_fsync, real_replace, real_append = os.fsync, os.replace, Tables.append
 
     def fsync(fd: int) -> None:
         events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
         real_fsync(fd)
+
+    def replace(source: str, target: str) -> None:
+        events.append(("rename", target))
+        real_replace(source, target)
 
     def append(tables, name, rows):
         events.append(("commit", name))
         return real_append(tables, name, rows)
 
     monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(Tables, "append", append)
     writer = ShardWriter(local_store, "w0", flush_records=2)
     info = writer.write_many([make_record(0), make_record(1)])
     path = local_store.path(info.path)
-    synced = {target for kind, target in events[: events.index(("commit", "shards"))] if kind == "fsync"}
-    assert os.path.dirname(path) in synced
+    renamed, committed = events.index(("rename", path)), events.index(("commit", "shards"))
+    synced = {target for kind, target in events[:renamed] if kind == "fsync"}
     assert any(os.path.basename(target).startswith(os.path.basename(path) + "-") for target in synced)
+    # the folder synced after the rename: its placeholder's entry synced before it is not the shard's
+    assert ("fsync", os.path.dirname(path)) in events[renamed:committed]
 
 
 def test_a_poll_from_the_start_orders_a_workers_shards_by_number_whatever_the_writers_clocks(
