@@ -375,6 +375,21 @@ def test_a_failed_retry_of_a_commit_that_may_have_landed_leaves_its_file_in_plac
     assert ids_of(reader.read(shard)) == ids_of(make_processed_table(0, 3))
 
 
+def test_a_numbered_commit_that_cannot_be_confirmed_leaves_the_buffered_records_alone(store, monkeypatch):
+    """``commit`` does not touch buffered records: its own doubt (the caller retries under the
+    same number) never takes them for the rows of the commit that may have landed."""
+    writer = ShardWriter(store, "p", kind="processed", flush_records=100)
+    writer.write_table(make_processed_table(10, 2))
+    append = writer.tables.append
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost(append))
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(TimeoutError):
+            writer.commit(make_processed_table(0, 3), seq=5)
+    info = writer.flush()
+    assert ids_of(ShardReader(store, kind="processed").read(info)) == ids_of(make_processed_table(10, 2))
+
+
 CALLER = contextvars.ContextVar("caller")
 
 
