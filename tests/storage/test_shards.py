@@ -139,6 +139,16 @@ def test_a_new_writer_resumes_after_the_last_committed_seq(store, caplog):
         writer.write(make_record(3))
 
 
+def test_a_writer_numbers_its_shards_apart_from_other_kinds_and_workers_of_its_name(store):
+    ShardWriter(store, "p", kind="processed").commit(make_processed_table(0, 1), seq=7)
+    ShardWriter(store, "w1").write_table(make_table(0, 1))
+    with ShardWriter(store, "w1", flush_records=1) as writer:
+        writer.write(make_record(1))
+    assert ShardWriter(store, "p").next_seq == 0
+    assert ShardWriter(store, "w0").next_seq == 0
+    assert ShardWriter(store, "w1").next_seq == 1
+
+
 def test_two_writers_under_one_name_never_overwrite_each_others_shards(store, caplog):
     first, second = ShardWriter(store, "w0", flush_records=2), ShardWriter(store, "w0", flush_records=2)
     store.create_exclusive(store.path("shards/raw/w0/00000002.arrow"), b"a writer that died")
@@ -240,7 +250,7 @@ def test_a_commit_that_lands_but_reports_an_error_counts_as_committed(store, mon
 
 
 @pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
-def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monkeypatch, writer_class):
+def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monkeypatch, writer_class, caplog):
     """The commit lands but its reply is lost, and the shards table cannot be read to check:
     the writer commits nothing until it can tell, then counts that commit and goes on."""
     committed = []
@@ -248,7 +258,7 @@ def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monke
     writer.write_table(make_table(0, 3))
     append = writer.tables.append
 
-    with monkeypatch.context() as patch:
+    with monkeypatch.context() as patch, caplog.at_level(logging.WARNING, logger="storage.shards"):
         patch.setattr(writer.tables, "append", reply_lost(append))
         patch.setattr(writer.tables, "read", unreadable)
         with pytest.raises(OSError):  # the lost reply, or (committing in the background) the doubt
@@ -264,6 +274,20 @@ def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monke
     shards, _ = reader.poll()
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2"], ["t3", "t4"]]
     assert [info.seq for info in committed] == [0, 1] and writer.committed == 2
+    assert writer.last_seq == 1 and "skipping" not in caplog.text  # goes on after the landed one
+
+
+def test_an_unconfirmed_commit_found_landed_with_nothing_after_it_is_the_last_committed(store, monkeypatch):
+    writer = ShardWriter(store, "w0", flush_records=100)
+    writer.write_table(make_table(0, 3))
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost(writer.tables.append))
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(OSError):
+            writer.flush()
+    assert writer.last_seq is None and writer.committed == 0
+    assert writer.flush() is None  # nothing left but the rows that landed
+    assert writer.last_seq == 0 and writer.committed == 1
 
 
 @pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
