@@ -450,6 +450,30 @@ def test_a_background_flush_returns_before_its_commit_lands_and_close_waits_for_
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1"], ["t2"]]
 
 
+def test_a_background_commit_still_running_is_not_due_again_and_does_not_block_the_caller(store, monkeypatch):
+    writer = BackgroundShardWriter(store, "w0", flush_records=2, flush_seconds=0.05)
+    entered, release = threading.Event(), threading.Event()
+    append = writer.tables.append
+
+    def held(*args):
+        entered.set()
+        assert release.wait(30)
+        append(*args)
+
+    monkeypatch.setattr(writer.tables, "append", held)
+    writer.write_table(make_table(0, 2))
+    assert entered.wait(30)
+    time.sleep(0.1)  # the handed-over records have waited flush_seconds, their commit still runs
+    timer = threading.Timer(5, release.set)
+    timer.start()
+    assert writer.flush_if_due() is None
+    assert not release.is_set()  # it returned without waiting on the commit
+    release.set()
+    timer.cancel()
+    writer.close()
+    assert writer.committed == 1
+
+
 def fail_first_append(writer: ShardWriter, monkeypatch) -> None:
     """The first append of ``writer``'s commit log times out; the later ones land."""
     append = writer.tables.append
