@@ -910,6 +910,7 @@ def test_a_shard_written_before_columns_were_added_reads_them_as_null(store):
         ("required column missing", "missing ['status', 'engine']"),
         ("column type changed", "reward: double (nullable=True) instead of float"),
         ("extra column", "unexpected ['score']"),
+        ("required column was nullable", "task: string (nullable=True) instead of string (nullable=False)"),
     ],
 )
 def test_a_shard_whose_schema_differs_otherwise_is_still_quarantined(store, change, reason):
@@ -920,8 +921,11 @@ def test_a_shard_whose_schema_differs_otherwise_is_still_quarantined(store, chan
         table = table.set_column(
             table.schema.get_field_index("reward"), "reward", pc.cast(table.column("reward"), pa.float64())
         )
-    else:
+    elif change == "extra column":
         table = table.append_column("score", pa.array([1.0, 2.0]))
+    else:
+        task = table.schema.get_field_index("task")
+        table = table.cast(table.schema.set(task, table.schema.field(task).with_nullable(True)))
     info = commit_foreign_file(store, 0, ipc_bytes(table))
     reader = ShardReader(store)
     assert reader.read(info) is None and reader.quarantined(info)
