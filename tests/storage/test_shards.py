@@ -25,6 +25,7 @@ import pytest
 import s3fs.core
 from botocore.exceptions import EndpointConnectionError
 from deltalake import write_deltalake
+from deltalake.exceptions import DeltaError
 
 from storage import shards as shard_module
 from storage.config import RunStore, StorageConfig
@@ -606,6 +607,20 @@ def test_sweeping_removes_only_old_files_no_commit_lists(store, monkeypatch):
     (shard,), _ = reader.poll()
     assert ids_of(reader.read(shard)) == ["t0", "t1"]
     assert sweep_uncommitted(store, older_than_s=3600) == []
+
+
+def test_sweeping_a_run_whose_shards_commit_is_empty_raises_and_deletes_nothing(store, monkeypatch):
+    """A commit whose bytes a crash lost reads as committing nothing: its shard's file must
+    not be taken for one whose commit never landed."""
+    with ShardWriter(store, "w0", flush_records=2) as writer:
+        writer.write_table(make_table(0, 2))
+        writer.write_table(make_table(2, 2))
+    version = Tables(store).version("shards")
+    store.fs.pipe_file(store.path("tables", "shards", "_delta_log", f"{version:020d}.json"), b"")
+    hours_later(monkeypatch, 2)
+    with pytest.raises(DeltaError, match=f"table 'shards': its commit {version} is empty"):
+        sweep_uncommitted(store, older_than_s=3600)
+    assert store.fs.exists(store.path("shards/raw/w0/00000001.arrow"))
 
 
 def test_sweeping_a_run_whose_shards_table_is_lost_keeps_every_shard_file(store, monkeypatch, caplog):
