@@ -90,6 +90,14 @@ def test_records_written_together_are_never_split_across_shards(store):
     assert ids_of(ShardReader(store).read(shard)) == [f"t{i}" for i in range(5)]
 
 
+def test_a_shard_of_version_0_tokens_says_version_0_and_one_without_generated_tokens_says_none(local_store):
+    writer = ShardWriter(local_store, "w0", flush_records=100)
+    writer.write_many([make_record(0), make_record(5)])  # every generated token from version 0
+    assert (lambda info: (info.min_version, info.max_version))(writer.flush()) == (0, 0)
+    writer.write(make_record(1) | {"action_mask": [False] * 24, "versions": [-1] * 24})
+    assert (lambda info: (info.min_version, info.max_version))(writer.flush()) == (-1, -1)
+
+
 def test_poll_after_an_offset_lists_only_new_shards(store):
     writer = ShardWriter(store, "w0", flush_records=100)
     assert ShardReader(store).poll() == ([], -1)
