@@ -1194,3 +1194,54 @@ def test_an_env_that_blocks_the_event_loop_is_named_in_a_warning_once_and_counte
     assert "asyncio.to_thread" in warnings[0]
     assert status["loop_blocks"]["BlockingEnv.evaluate"] == 2
     assert status["loop_blocks"]["BlockingEnv.step"] >= 2
+
+
+class DoneAtOnceEnv(ArithEnv):
+    """``arith`` done on its first step, scored ``reward`` however the action went."""
+
+    name = "arith"
+    reward = 0.75
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(observation=[], reward=self.reward, done=True, progress=1.0)
+
+    async def evaluate(self) -> float:
+        return self.reward
+
+
+def test_an_action_cut_at_its_token_budget_is_truncated_and_keeps_its_reward(tiny):
+    # one token per action: the tiny model's action ends at the budget, not at a stop token
+    async def body():
+        config = ServiceConfig(max_new_tokens=1)
+        async with running_service(tiny, config, make_env=lambda task: DoneAtOnceEnv()) as service:
+            return await service.process(RolloutRequest(task=arith_task(), seed=0))
+
+    result = asyncio.run(body())
+    assert (result.status, result.reward, result.progress, result.error) == ("truncated", 0.75, 1.0, None)
+    assert (result.record["status"], result.record["reward"]) == ("truncated", 0.75)
+
+
+class NeverDoneEnv(ArithEnv):
+    """``arith`` whose steps never end the episode, each reporting half the task done."""
+
+    name = "arith"
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult(
+            observation=[{"role": "user", "content": "again"}], reward=0.0, done=False, progress=0.5
+        )
+
+    async def evaluate(self) -> float:
+        return 0.25
+
+
+def test_a_rollout_out_of_turns_is_truncated_after_max_turns_and_still_scored(tiny):
+    async def body():
+        config = ServiceConfig(max_new_tokens=4, max_turns=3)
+        async with running_service(tiny, config, make_env=lambda task: NeverDoneEnv()) as service:
+            return await service.process(RolloutRequest(task=arith_task(), seed=0))
+
+    result = asyncio.run(body())
+    assert (result.status, result.turns, result.reward, result.progress) == ("truncated", 3, 0.25, 0.5)
+    assert (result.record["reward"], result.record["progress"]) == (0.25, 0.5)
+    validate(to_table([result.record]))
