@@ -868,6 +868,35 @@ def test_an_engine_failure_a_self_driving_program_gives_up_on_is_an_infra_error(
         assert "died (injected)" in result.error
 
 
+class RaisingOnFailureProgram(OneCallProgram):
+    """Makes one chat call and raises on its HTTP error (a scaffold that fails on a 503)."""
+
+    async def run(self) -> StepResult:
+        gateway = self.gateway
+        headers = {"Authorization": f"Bearer {gateway.api_key}", gateway.header: gateway.session_id}
+        async with httpx.AsyncClient() as client:
+            response = await client.post(
+                f"{gateway.base_url}/chat/completions",
+                headers=headers,
+                json={"model": "policy", "messages": [{"role": "user", "content": "2+2?"}], "max_tokens": 4},
+            )
+        response.raise_for_status()
+        return StepResult([], 0.0, True, 0.0)
+
+
+def test_a_self_driving_program_that_raises_on_an_engine_failure_is_an_infra_error(tiny):
+    # not an env_error: the program failed because the engine did
+    async def body():
+        model, tokenizer = tiny
+        engine = FailingOnceEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine], RouterConfig(failover=False)), tokenizer, GatewayConfig())
+        return await one_program_rollout(engine, gateway, RaisingOnFailureProgram())
+
+    result = asyncio.run(body())
+    assert result.status == "infra_error" and result.reward is None
+    assert "died (injected)" in result.error
+
+
 class LongMessageProgram(OneCallProgram):
     """Sends one message too long for the context (HTTP 400), then, as ``then`` says, ends
     there, fails on it, or retries with a short one."""
