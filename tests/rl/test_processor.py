@@ -1036,3 +1036,86 @@ def test_each_processed_row_carries_its_own_trajectorys_id_and_tokens(seed, n_ex
         for column in ("execution_id", "parent_id", *TOKEN_COLUMNS):
             assert row[column] == pytest.approx(raw[column]), (row["trajectory_id"], column)
         assert sum(row["train_mask"]) == train_tokens[row["trajectory_id"]]
+
+
+def test_an_invalid_record_is_counted_on_its_own_lists():
+    """A row dropped as ``invalid_record`` still reports its size in the ``trajectories``
+    table, counted on the lists it has: its action tokens (True entries, not the mask's
+    length) and its turns (none without a turn list)."""
+    good = record("good", "e", [0, 1, 2, 3], [False, True, True, True])
+    short = record("short", "e", [0, 1, 2, 5, 6], [False, True, False, True, True])
+    short["logprobs"] = short["logprobs"][:3]
+    no_turns = record("no-turns", "e", [0, 1, 7], [False, False, True])
+    no_turns["turn"] = None
+    result = process_shard(to_table([good, short, no_turns]), ProcessorConfig(j_max=None), shard_id="s")
+
+    rows = {row["trajectory_id"]: row for row in result.trajectories}
+    assert [rows[t]["drop_reason"] for t in ("good", "short", "no-turns")] == [
+        None,
+        "invalid_record",
+        "invalid_record",
+    ]
+
+    def size(row):
+        return row["num_tokens"], row["num_action_tokens"], row["num_turns"], row["num_train_tokens"]
+
+    assert size(rows["good"]) == (4, 3, 2, 3)
+    assert size(rows["short"]) == (5, 3, 3, 0)
+    assert size(rows["no-turns"]) == (3, 1, 0, 0)
+    assert (result.counters.tokens_in, result.counters.action_tokens_in) == (12, 7)
+
+
+def test_executions_of_the_same_shape_draw_their_leaves_independently():
+    """Each execution's generator is derived from the seed and its id: two executions with
+    the same paths must not always keep the same leaf."""
+
+    def execution(eid):
+        prompt = [9, 9]
+        rows = [record(f"{eid}-0", eid, [*prompt, 0], [False, False, True])]
+        rows += [
+            record(f"{eid}-{k}", eid, [*prompt, k], [False, False, True], parent=f"{eid}-0", branch_at=2)
+            for k in range(1, 4)
+        ]
+        return rows
+
+    table = to_table(execution("a") + execution("b"))
+    same = []
+    for seed in range(40):
+        processed = process_shard(table, ProcessorConfig(j_max=1, seed=seed), shard_id="s").processed
+        kept = sorted(processed.column("trajectory_id").to_pylist())
+        assert len(kept) == 2
+        same.append(kept[0][2:] == kept[1][2:])
+    # independent draws of one of four leaves agree a quarter of the time
+    assert sum(same) < 40
+
+
+@pytest.mark.parametrize("status", ["infra_error", "env_error"])
+def test_a_failure_outside_the_policy_with_a_link_its_tokens_deny_is_dropped_for_the_link(status):
+    """Like a duplicate id or an invalid record, a broken link is the drop reason of a row
+    whatever its status (the writer's defect is what the table reports), and it gets no reward."""
+    records = [
+        record("root", "e", [1, 2, 3], [False, True, True]),
+        record("past", "e", [1, 2, 4], [False, True, True], parent="root", branch_at=9, status=status),
+    ]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
+    rows = {r["trajectory_id"]: r for r in result.trajectories}
+    assert (rows["past"]["drop_reason"], rows["past"]["reward"]) == ("branch_past_end", None)
+    assert result.counters.dropped == {"branch_past_end": 1}
+
+
+def test_with_partial_progress_off_nothing_is_rescored_nor_dropped_when_rescoring_fails():
+    """``progress_weight=0`` turns partial progress off: progress cannot change a reward, so
+    a failing rescore must neither be called nor drop the rows without progress."""
+    calls = []
+
+    def rescore(rows):
+        calls.append(rows.num_rows)
+        raise RuntimeError("eval crashed")
+
+    records = two_path_execution("e", reward=0.0)
+    config = ProcessorConfig(j_max=None, progress_weight=0.0)
+    result = process_shard(to_table(records), config, shard_id="s", rescore=rescore)
+    assert calls == []
+    assert [r["drop_reason"] for r in result.trajectories] == [None, None]
+    assert sorted(result.processed.column("reward").to_pylist()) == [0.0, 1.0]
+    assert result.counters.rescore_calls == 0 and result.counters.dropped == {}
