@@ -473,7 +473,7 @@ def test_a_background_commit_still_running_is_not_due_again_and_does_not_block_t
     writer.write_table(make_table(0, 2))
     assert entered.wait(30)
     time.sleep(0.1)  # the handed-over records have waited flush_seconds, their commit still runs
-    timer = threading.Timer(5, release.set)
+    timer = threading.Timer(20, release.set)  # ends the wait of a caller that blocks on the commit
     timer.start()
     assert writer.flush_if_due() is None
     assert not release.is_set()  # it returned without waiting on the commit
