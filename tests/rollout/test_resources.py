@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rollout import resources
-from rollout.resources import CpuManager, ServiceManager
+from rollout.resources import CpuManager, ServiceManager, state_bytes
 from rollout.scheduler import ActionScheduler, ResourceRequest
 
 needs_two_cores = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
@@ -200,10 +200,13 @@ def test_the_parking_cores_are_granted_last():
     assert cpu.allocate(1) == {0}
     cpu.free({0, 2})
     assert cpu.allocate(2) == {0, 2}
+    assert CpuManager({5, 3, 7}).parking == {3}, "by default sandboxes park on the lowest core"
 
 
 def test_cpu_manager_rejects_bad_use():
     cpu = CpuManager({0})
+    with pytest.raises(ValueError, match="needs n >= 1, got 0"):
+        cpu.allocate(0)
     with pytest.raises(ValueError, match="only 1 of 1 cores free"):
         cpu.allocate(2)
     cores = cpu.allocate(1)
@@ -379,6 +382,74 @@ def test_a_service_that_needs_room_is_not_starved_by_steady_calls_to_resident_on
     asyncio.run(main())
 
 
+def test_a_call_to_a_resident_service_waits_behind_an_earlier_caller_waiting_for_room():
+    """``a`` and ``b`` are in use and fill the budget; ``c`` waits for room. A second call to
+    ``a`` arriving after it is served after it, though ``a`` is resident: otherwise steady
+    calls to ``a`` would keep it in use, and ``c`` waiting, for ever."""
+    manager = ServiceManager(device="cpu", budget_bytes=2 * SERVICE_BYTES)
+    for seed, name in enumerate("abc"):
+        manager.register(name, make_service(seed))
+
+    async def main():
+        served = []
+        release_b = asyncio.Event()
+
+        async def call(name, label, until=None):
+            async with manager.use(name):
+                served.append(label)
+                if until is not None:
+                    await until.wait()
+
+        holding_a = asyncio.Event()
+        first_a = asyncio.ensure_future(call("a", "a1", holding_a))
+        held_b = asyncio.ensure_future(call("b", "b", release_b))
+        while len(served) < 2:
+            await asyncio.sleep(0)
+        waiting_c = asyncio.ensure_future(call("c", "c"))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        second_a = asyncio.ensure_future(call("a", "a2"))
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert served == ["a1", "b"], "the second call to a waits behind c"
+        release_b.set()
+        await asyncio.wait_for(asyncio.gather(held_b, waiting_c, second_a), 30)
+        holding_a.set()
+        await first_a
+        return served
+
+    assert asyncio.run(main()) == ["a1", "b", "c", "a2"]
+
+
+class ScaledByABuffer(torch.nn.Module):
+    """A module whose output depends on a non-persistent buffer (as a rotary table is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 4)
+        self.register_buffer("scale", torch.arange(1.0, 5.0), persistent=False)
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+def test_a_services_buffers_are_parked_and_loaded_with_its_parameters():
+    torch.manual_seed(0)
+    module = ScaledByABuffer()
+    x = torch.randn(3, 16)
+    expected = module(x)
+    manager = ServiceManager(device="cpu", budget_bytes=10_000)
+    manager.register("scaled", module)
+
+    async def main():
+        async with manager.use("scaled") as loaded:
+            return loaded(x)
+
+    torch.testing.assert_close(asyncio.run(main()), expected, rtol=0, atol=0)
+    assert manager.used_bytes == (16 * 4 + 4 + 4) * 4
+    assert state_bytes(ScaledByABuffer().half()) == (16 * 4 + 4 + 4) * 2
+
+
 def test_room_that_in_use_services_block_evicts_nothing():
     """``c`` needs both slots while ``a`` is in use: ``b`` (idle) stays resident until ``c``
     can really load, instead of being evicted for nothing."""
@@ -460,6 +531,8 @@ def test_a_failed_load_leaves_nothing_held_and_concurrent_calls_of_one_service_l
 def test_service_manager_errors():
     with pytest.raises(ValueError, match="budget_bytes"):
         ServiceManager(device="cpu")
+    with pytest.raises(ValueError, match="budget_bytes must be > 0, got 0"):
+        ServiceManager(device="cpu", budget_bytes=0)
     manager = ServiceManager(device="cpu", budget_bytes=100)
     with pytest.raises(ValueError, match="more than the budget"):
         manager.register("big", make_service(0))
