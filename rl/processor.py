@@ -521,7 +521,8 @@ def _row_stats(table: pa.Table, rows: np.ndarray, paths: _Paths) -> dict[str, np
     """Per input row ``(N,)`` int64: ``num_tokens``, ``num_action_tokens``, ``num_turns``
     (highest turn index + 1), ``min_version``/``max_version`` over action tokens (−1
     without any) and a zeroed ``num_train_tokens``. Rows outside ``rows`` (``invalid_record``)
-    are counted on their own lists."""
+    get their tokens, action tokens and turns each counted on its own list (the lists may
+    differ in length), and versions −1."""
     n = table.num_rows
     stats = {name: np.zeros(n, dtype=np.int64) for name in ("num_tokens", "num_action_tokens", "num_turns")}
     stats |= {name: np.full(n, -1, dtype=np.int64) for name in ("min_version", "max_version")}
