@@ -19,7 +19,7 @@ import duckdb
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
-from deltalake.exceptions import DeltaError
+from deltalake.exceptions import CommitFailedError, DeltaError
 
 from flows.sql import connect, extension_paths
 from storage import tables as tables_module
@@ -161,10 +161,13 @@ def test_a_reused_snapshot_is_loaded_again_after_snapshot_appends(store, monkeyp
     opens = []
     load = tables._open
     monkeypatch.setattr(tables, "_open", lambda name: opens.append(name) or load(name))
+    opened_by = []
     for version in range(7):
+        before = len(opens)
         tables.append("weights", [weight_row(version)])
+        opened_by += [version] * (len(opens) - before)
     # append 0 creates the table; 1 loads a snapshot that serves 1-3; 4 loads one for 4-6
-    assert len(opens) == 3
+    assert opened_by == [0, 1, 4]
     assert sorted(Tables(store).read("weights").column("version").to_pylist()) == list(range(7))
 
 
@@ -387,6 +390,27 @@ APPENDER = textwrap.dedent(
     os._exit(0)  # deltalake's runtime threads can abort an orderly interpreter exit
     """
 )
+
+
+def test_an_append_that_conflicts_on_every_attempt_raises_and_lands_nothing(local_store, monkeypatch):
+    """A commit conflict that outlasts the retries is raised, not swallowed as "appended
+    nothing": the caller must know its rows are not in the table."""
+    tables = Tables(local_store)
+    tables.append("weights", [weight_row(0)])
+    attempts = []
+
+    def conflicting(*args, **kwargs):
+        attempts.append(1)
+        raise CommitFailedError("conflict")
+
+    monkeypatch.setattr(tables_module, "write_deltalake", conflicting)
+    monkeypatch.setattr(tables_module.time, "sleep", lambda seconds: None)
+    with pytest.raises(CommitFailedError):
+        tables.append("weights", [weight_row(1)])
+    assert len(attempts) == tables_module.COMMIT_ATTEMPTS
+    monkeypatch.undo()
+    assert tables.append("weights", [weight_row(1)])
+    assert sorted(Tables(local_store).read("weights").column("version").to_pylist()) == [0, 1]
 
 
 def test_two_processes_appending_at_once_lose_nothing(store):
