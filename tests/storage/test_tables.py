@@ -337,6 +337,22 @@ def test_appends_compact_a_fragmented_table_and_readers_of_its_changes_notice_no
     assert sorted(tables.read("weights").column("version").to_pylist()) == list(range(20))
 
 
+def test_an_append_whose_compaction_fails_lands_once_and_says_so(local_store, monkeypatch, caplog):
+    """The append has committed before it compacts: a failed compaction is logged, and the
+    append reports success (raising would make its caller append the rows again)."""
+    monkeypatch.setattr(tables_module, "COMPACT_FILES", 2)
+    tables = Tables(local_store)
+
+    def failing(self, name, now=None):
+        raise OSError("store refused the compaction")
+
+    monkeypatch.setattr(Tables, "optimize", failing)
+    for version in range(4):
+        assert tables.append("weights", [weight_row(version)])
+    assert sorted(Tables(local_store).read("weights").column("version").to_pylist()) == [0, 1, 2, 3]
+    assert "could not compact table weights" in caplog.text
+
+
 def _duckdb_with_delta(store: RunStore, request: pytest.FixtureRequest) -> duckdb.DuckDBPyConnection:
     """duckdb with the delta and httpfs extensions loaded from their wheels' files (its
     own extension download needs the internet), and the S3 test server's secret when
