@@ -116,6 +116,19 @@ def test_changes_return_rows_of_later_commits_and_skip_compaction(store):
     assert tables.changes("weights", after=new_offset)[0].num_rows == 0
 
 
+def test_changes_return_only_appended_rows_not_those_a_delete_removed(local_store):
+    """An operator's DELETE (a bad row removed by hand) is a commit whose change feed holds
+    the removed rows as deletes: a consumer of the appended rows must not take them again."""
+    tables = Tables(local_store)
+    for version in range(3):
+        tables.append("weights", [weight_row(version)])
+    _, offset = tables.changes("weights")
+    DeltaTable(tables.uri("weights")).delete("version = 1")
+    tables.append("weights", [weight_row(3)])
+    rows, _ = tables.changes("weights", after=offset)
+    assert rows.column("version").to_pylist() == [3]
+
+
 def test_changes_read_the_change_feed_a_few_commits_at_a_time(store, monkeypatch):
     # deltalake reads the commit files of a change feed with the GIL held: a read of a long
     # range would stall every other thread of the process until all of them are read
