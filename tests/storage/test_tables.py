@@ -504,6 +504,25 @@ def test_rows_appended_once_land_once_when_the_table_is_created_while_the_writer
     assert Tables(store).read("weights").column("version").to_pylist() == [0]
 
 
+def test_rows_appended_once_land_once_when_another_writer_creates_the_table_during_the_create(
+    local_store, monkeypatch
+):
+    """The other writer's create lands between this create's check for the table and its
+    commit, which then fails with a commit conflict: the table is there, and the rows the
+    other writer appended with the same id are found in it."""
+    first, second = Tables(local_store), Tables(local_store)
+    create = DeltaTable.create
+
+    def created_by_the_other_meanwhile(*args, **kwargs):
+        monkeypatch.setattr(DeltaTable, "create", create)
+        assert second.append("weights", [weight_row(0, tag="base")], once="weights/v000000")
+        raise CommitFailedError("Transaction failed: version already exists: 0")
+
+    monkeypatch.setattr(DeltaTable, "create", created_by_the_other_meanwhile)
+    assert not first.append("weights", [weight_row(0, tag="base")], once="weights/v000000")
+    assert Tables(local_store).read("weights").column("version").to_pylist() == [0]
+
+
 def step_row(step: int, value_loss: float | None) -> dict:
     """A ``train_steps`` row; ``value_loss`` None for a step with no critic (GRPO)."""
     return {
