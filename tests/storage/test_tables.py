@@ -953,4 +953,9 @@ def test_an_empty_commit_file_reads_as_no_rows_and_check_log_names_the_table_and
     assert Tables(store).version("weights") == 3
     with pytest.raises(DeltaError, match=r"^table 'weights': its commit 2 is empty \(0 bytes"):
         Tables(store).check_log("weights")
+    store.fs.pipe_file(store.path("tables", "weights", "_delta_log", f"{1:020d}.json"), b"")
+    with pytest.raises(
+        DeltaError, match=r"its commit 1 is empty \(0 bytes: lost in a crash\? and so are \[2\]\)"
+    ):
+        Tables(store).check_log("weights")
     Tables(store).check_log("evals")  # not created yet: nothing to check
