@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from datetime import UTC, datetime, timedelta
 
+import deltalake.table
 import duckdb
 import pyarrow as pa
 import pytest
@@ -643,6 +644,24 @@ def test_a_train_steps_table_made_before_trajectory_ids_takes_steps_that_name_th
         f"{tables['train_steps']}) s JOIN {tables['trajectories']} t ON t.trajectory_id = s.id ORDER BY 2"
     )
     assert joined.fetchall() == [(2, "a"), (2, "b")]
+
+
+def test_an_older_table_whose_column_cannot_be_added_fails_the_append_with_that_error(
+    local_store, monkeypatch
+):
+    """An ADD COLUMNS commit that fails while no other writer added the column is the
+    append's error (not a later, vaguer schema mismatch), and the table is left as it was."""
+    schema = TABLE_SCHEMAS["train_steps"]
+    older_train_steps(local_store, schema.remove(schema.get_field_index("extra")))
+
+    def refused(self, fields):
+        raise DeltaError("store refused the ADD COLUMNS commit")
+
+    monkeypatch.setattr(deltalake.table.TableAlterer, "add_columns", refused)
+    with pytest.raises(DeltaError, match="store refused the ADD COLUMNS commit"):
+        Tables(local_store).append("train_steps", [step_row(2, 0.25)])
+    monkeypatch.undo()
+    assert Tables(local_store).read("train_steps").column("step").to_pylist() == [1]
 
 
 def test_a_table_lacking_a_required_column_is_refused_naming_it(local_store):
