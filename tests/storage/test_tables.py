@@ -117,6 +117,17 @@ def test_changes_return_rows_of_later_commits_and_skip_compaction(store):
     assert tables.changes("weights", after=new_offset)[0].num_rows == 0
 
 
+def test_a_table_made_by_its_first_append_has_the_change_feed_enabled(local_store):
+    """Other readers of the change feed (Spark's ``readChangeFeed``) refuse a table
+    whose metadata does not enable it, whichever append made the table."""
+    tables = Tables(local_store)
+    tables.append("weights", [weight_row(0)])
+    tables.append("train_steps", [step_row(1, None)], once="step/1")
+    for name in ("weights", "train_steps"):
+        configuration = tables._open(name).metadata().configuration
+        assert configuration.get("delta.enableChangeDataFeed") == "true", name
+
+
 def test_changes_return_only_appended_rows_not_those_a_delete_removed(local_store):
     """An operator's DELETE (a bad row removed by hand) is a commit whose change feed holds
     the removed rows as deletes: a consumer of the appended rows must not take them again."""
