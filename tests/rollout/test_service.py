@@ -531,19 +531,30 @@ class HeldEnv(ArithEnv):
 def test_a_cancel_while_the_env_closes_keeps_the_finished_rollout_and_closes_its_session(tiny, cancels):
     """Cancelled while its env closes (after EVAL: its record is complete), a rollout waits
     for the close, ends its gateway session (releasing its replica) and returns its result;
-    however many cancels come (an orchestrator stopping, then its own task cancelled)."""
+    however many cancels come (an orchestrator stopping, then its own task cancelled). The
+    cancels are dropped: the calling task is left with none pending, so the next rollout it
+    runs tells its env's own CancelledError from a cancel (an env error, not a cancel)."""
+
+    async def caller(service, request):
+        result = await service.process(request)
+        pending = asyncio.current_task().cancelling()
+        try:
+            after = await service.process(RolloutRequest(task=arith_task()))
+        except asyncio.CancelledError:
+            return result, pending, "cancelled"
+        return result, pending, after.error
 
     async def body():
         reached, release = asyncio.Event(), asyncio.Event()
         envs = []
 
         def make_env(task):
-            envs.append(HeldEnv("close", reached, release))
+            envs.append(CancelledUnderEnv() if envs else HeldEnv("close", reached, release))
             return envs[-1]
 
         async with running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service:
             request = RolloutRequest(task=arith_task())
-            job = asyncio.create_task(service.process(request))
+            job = asyncio.create_task(caller(service, request))
             await asyncio.wait_for(reached.wait(), 60)
             assert service.cancel(request.rollout_id)
             for _ in range(cancels - 1):
@@ -551,16 +562,25 @@ def test_a_cancel_while_the_env_closes_keeps_the_finished_rollout_and_closes_its
                 job.cancel()
             await asyncio.sleep(0)  # the cancels land while the env is closing
             release.set()
-            result = await job
+            result, pending, later = await job
             assert envs[0].closed, "the env is closed before process() returns"
             router = service.gateway.router
-            return result, service.gateway.sessions, router.load(router.replicas[0]), service.status()
+            return (
+                result,
+                pending,
+                later,
+                service.gateway.sessions,
+                router.load(router.replicas[0]),
+                service.status(),
+            )
 
-    result, sessions, load, status = asyncio.run(body())
+    result, pending, later, sessions, load, status = asyncio.run(body())
+    assert later == "CancelledError during run, not from a cancel of the rollout"
+    assert pending == 0
     assert result.status in ("ok", "truncated") and result.reward is not None, result.error
     validate(to_table([result.record]))
     assert sessions == [] and load == 0 and status["in_flight"] == 0
-    assert sum(status["finished"].values()) == 1
+    assert sum(status["finished"].values()) == 2
 
 
 class StubbornCloseEnv(HeldEnv):
