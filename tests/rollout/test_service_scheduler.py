@@ -608,3 +608,76 @@ def test_a_static_rollout_waiting_for_its_reservation_does_not_hold_the_eval_slo
     results = asyncio.run(body())
     assert [r.status in ("ok", "truncated") for r in results] == [True, True], [r.error for r in results]
     assert service.scheduler.policy.free == {"cpu": 1}
+
+
+class EndsWhileWaiting(OverlappingReplies):
+    """A self-driving env whose program ends (its process died) while its gate waits for a grant."""
+
+    async def run(self) -> StepResult:
+        self.started = asyncio.create_task(self.gate.acting())  # the program starts: no core is free
+        await asyncio.sleep(0.3)
+        return StepResult([], 1.0, True, 1.0)
+
+
+def test_a_wait_the_program_left_when_it_ended_is_run_time_not_taken_from_eval(tiny):
+    """The gate's wait that RUN's end cut off is ended when the gate closes, after RUN's
+    stage has booked its time: it is not carried into EVAL (whose time it would make
+    negative, and whose budget check it would loosen) nor booked as queue time."""
+    config = ServiceConfig(timeout_s=120, scheduler="action", scheduler_cores=2)
+    service, engine = _service(tiny, config, lambda task: EndsWhileWaiting(service))
+    task = registry.task_set("arith", "train", seed=0, n=1)[0]
+
+    async def body():
+        try:
+            every_core = ResourceRequest(demand={"cpu": 2}, duration=1.0, trajectory_id="other")
+            async with service.scheduler.run(every_core):
+                result = await service.process(RolloutRequest(task=task, seed=0))
+            service.scheduler.end_trajectory("other")
+            return result
+        finally:
+            await service.close()
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert result.status == "ok", result.error
+    assert result.timing["run"] >= 0.3
+    assert 0.0 <= result.timing["eval"] < 0.3 and result.timing["queue"] < 0.3
+    assert service.scheduler.policy.free == [2.0] and service.scheduler.policy.queued == 0
+
+
+class EvalOnlyOnOneCore(ArithEnv):
+    """``arith`` whose only scheduled action is its evaluation."""
+
+    def eval_request(self):
+        return ResourceRequest(demand={"cpu": 1}, kind="eval")
+
+
+def test_a_static_rollouts_wait_for_its_reservation_before_eval_is_queue_time(tiny):
+    config = ServiceConfig(
+        max_new_tokens=4,
+        timeout_s=120,
+        scheduler="static",
+        scheduler_cores=1,
+        scheduler_static_cores=1,
+        scheduler_pin=False,
+    )
+    service, engine = _service(tiny, config, lambda task: EvalOnlyOnOneCore())
+    task = registry.task_set("arith", "train", seed=0, n=1)[0]
+
+    async def body():
+        try:
+            await service.scheduler.admit("other")  # holds the only core's reservation
+            job = asyncio.create_task(service.process(RolloutRequest(task=task, seed=0)))
+            policy = service.scheduler.policy
+            while not any(policy._queues.values()):  # the rollout waits for its reservation
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            service.scheduler.end_trajectory("other")
+            return await asyncio.wait_for(job, 60)
+        finally:
+            await service.close()
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    assert result.timing["queue"] >= 0.3 and result.timing["eval"] < 0.3
