@@ -681,3 +681,51 @@ def test_a_static_rollouts_wait_for_its_reservation_before_eval_is_queue_time(ti
     result = asyncio.run(body())
     assert result.status in ("ok", "truncated"), result.error
     assert result.timing["queue"] >= 0.3 and result.timing["eval"] < 0.3
+
+
+class CoresSeen(ArithEnv):
+    """``arith`` whose steps are scheduled and whose evaluation is not; records the cores it is told of."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.seen: list[frozenset[int] | None] = []
+
+    def action_request(self, action):
+        return ResourceRequest(demand={"cpu": 1}, kind="tool")
+
+    async def step(self, action):
+        self.seen.append(self.cores)
+        return await super().step(action)
+
+    async def evaluate(self):
+        self.seen.append(self.cores)
+        return await super().evaluate()
+
+
+def test_an_env_is_told_of_its_granted_cores_only_while_its_action_runs(tiny):
+    """The cores of a step's grant are the env's while the step runs; its unscheduled
+    evaluation, after the grant went back, is told of none (a test run started on them
+    would run on cores the scheduler has given to another rollout)."""
+    config = ServiceConfig(
+        max_new_tokens=4, timeout_s=120, max_turns=1, scheduler="action", scheduler_cores=2
+    )
+    envs = []
+
+    def make_env(task):
+        envs.append(CoresSeen())
+        return envs[-1]
+
+    service, engine = _service(tiny, config, make_env)
+    task = registry.task_set("arith", "train", seed=0, n=1)[0]
+
+    async def body():
+        try:
+            return await service.process(RolloutRequest(task=task, seed=0))
+        finally:
+            await service.close()
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    step, evaluation = envs[0].seen
+    assert step is not None and len(step) == 1 and evaluation is None
