@@ -594,21 +594,25 @@ class StubbornCloseEnv(HeldEnv):
 
 @pytest.mark.parametrize("env", [HeldEnv, StubbornCloseEnv])
 def test_an_env_whose_close_hangs_is_left_and_the_rollout_still_ends(tiny, monkeypatch, caplog, env):
+    """The hung close is cancelled as it is left: one that stops when cancelled never
+    finishes; one that goes on when cancelled finishes once it is let."""
     monkeypatch.setattr(service_module, "ENV_CLOSE_TIMEOUT_S", 0.2)
+    hung = env("close", asyncio.Event(), asyncio.Event())
 
     async def body():
-        reached, never = asyncio.Event(), asyncio.Event()
         async with running_service(
-            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: env("close", reached, never)
+            tiny, ServiceConfig(max_new_tokens=4), make_env=lambda task: hung
         ) as service:
             request = RolloutRequest(task=arith_task())
             result = await asyncio.wait_for(service.process(request), 60)
             sessions = service.gateway.sessions
-            never.set()  # the close left running may end now
+            hung.release.set()  # the close left running may end now
+            await asyncio.sleep(0.05)
             return result, request.rollout_id, sessions
 
     result, rollout_id, sessions = asyncio.run(body())
     assert result.status in ("ok", "truncated") and sessions == []
+    assert hung.closed == (env is StubbornCloseEnv)
     assert (
         f"closing the env of rollout {rollout_id} failed: {env.__name__}.close did not return "
         "within 0.2 s; left running" in caplog.text
