@@ -237,7 +237,10 @@ def test_a_session_keeps_the_tools_and_template_variables_of_its_first_messages(
 
 
 def test_the_templates_closing_token_stops_a_turn_beside_the_eos_only_if_it_is_special(tiny):
-    """Qwen's EOS is ``<|endoftext|>`` and its turns close with ``<|im_end|>``: both stop."""
+    """A tokenizer whose EOS is not its turns' closing token (a Qwen base model's is
+    ``<|endoftext|>``): both stop, the closing one whether the tokenizer names it among its
+    special tokens or only marks it special (here, once EOS moves off it, it is unnamed), and
+    a closing of plain text does not."""
     _, tokenizer = tiny
     qwen_like = copy.deepcopy(tokenizer)
     qwen_like.eos_token = "<|bos|>"

@@ -79,6 +79,20 @@ def _answer_health_from(engines, up: dict[str, bool]) -> None:
         engine.health = health
 
 
+def _a_request_fails(router: Router, engines) -> None:
+    """Session ``s``'s request fails with the dead server's error; the engines are closed after."""
+
+    async def body():
+        try:
+            with pytest.raises(EngineError, match="unreachable"):
+                await router.generate("s", [1, 2, 3], SamplingParams(max_new_tokens=2))
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(body())
+
+
 def test_sticky_sessions_keep_their_replica_and_loads_are_bounded():
     eps = 0.1
     router = Router(_replicas(4), RouterConfig(policy="sticky", load_epsilon=eps))
@@ -345,15 +359,7 @@ def test_a_session_ended_while_its_failed_replica_is_probed_is_not_pinned_again(
 
     failing.health = probe_while_the_session_ends
 
-    async def body():
-        try:
-            with pytest.raises(EngineError, match="unreachable"):
-                await router.generate("s", [1, 2, 3], SamplingParams(max_new_tokens=2))
-        finally:
-            for engine in engines:
-                await engine.close()
-
-    asyncio.run(body())
+    _a_request_fails(router, engines)
     (other,) = router.replicas
     assert other != failing.name
     assert router.assignment("s") is None and router.load(other) == 0
@@ -733,15 +739,7 @@ def test_without_failover_a_failed_request_raises_and_its_replica_stays_in_servi
     _answer_health_from(engines, {"r0": False, "r1": False})
     served = router.route("s").name
 
-    async def body():
-        try:
-            with pytest.raises(EngineError, match="unreachable"):
-                await router.generate("s", [1, 2, 3], SamplingParams(max_new_tokens=2))
-        finally:
-            for engine in engines:
-                await engine.close()
-
-    asyncio.run(body())
+    _a_request_fails(router, engines)
     assert router.replicas == ["r0", "r1"] and router.down == [] and router.assignment("s") == served
 
 

@@ -423,6 +423,21 @@ def test_a_numbered_commit_that_cannot_be_confirmed_leaves_the_buffered_records_
     assert ids_of(ShardReader(store, kind="processed").read(info)) == ids_of(make_processed_table(10, 2))
 
 
+def hold_appends(writer: ShardWriter, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """Hold each commit of ``writer`` at its log append: ``entered`` is set once one waits
+    there, which goes on when ``release`` is set."""
+    entered, release = threading.Event(), threading.Event()
+    append = writer.tables.append
+
+    def held(*args):
+        entered.set()
+        assert release.wait(30)
+        append(*args)
+
+    monkeypatch.setattr(writer.tables, "append", held)
+    return entered, release
+
+
 CALLER = contextvars.ContextVar("caller")
 
 
@@ -436,15 +451,7 @@ def test_a_background_flush_returns_before_its_commit_lands_and_close_waits_for_
             (info.seq, CALLER.get(None), threading.current_thread() is threading.main_thread())
         ),
     )
-    entered, release = threading.Event(), threading.Event()
-    append = writer.tables.append
-
-    def held(*args):
-        entered.set()
-        assert release.wait(30)
-        append(*args)
-
-    monkeypatch.setattr(writer.tables, "append", held)
+    entered, release = hold_appends(writer, monkeypatch)
     CALLER.set("rollout loop")
     assert [writer.write(make_record(i)) for i in range(2)] == [None, None]  # the flush is handed over
     assert entered.wait(30)
@@ -461,15 +468,7 @@ def test_a_background_flush_returns_before_its_commit_lands_and_close_waits_for_
 
 def test_a_background_commit_still_running_is_not_due_again_and_does_not_block_the_caller(store, monkeypatch):
     writer = BackgroundShardWriter(store, "w0", flush_records=2, flush_seconds=0.05)
-    entered, release = threading.Event(), threading.Event()
-    append = writer.tables.append
-
-    def held(*args):
-        entered.set()
-        assert release.wait(30)
-        append(*args)
-
-    monkeypatch.setattr(writer.tables, "append", held)
+    entered, release = hold_appends(writer, monkeypatch)
     writer.write_table(make_table(0, 2))
     assert entered.wait(30)
     time.sleep(0.1)  # the handed-over records have waited flush_seconds, their commit still runs
