@@ -791,7 +791,10 @@ class WeightStore:
 
     @staticmethod
     def _copies(folder: Path) -> list[Path]:
-        """The version copies cached in ``folder``, found by their folder or their in-use file."""
+        """The version copies cached in ``folder`` (none where it is not made yet), found by
+        their folder or their in-use file."""
+        if not folder.is_dir():
+            return []
         names = set()
         for entry in folder.iterdir():
             marker = _IN_USE_FILE.match(entry.name)

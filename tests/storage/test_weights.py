@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import posixpath
 import re
@@ -539,6 +540,20 @@ def test_copies_a_killed_process_left_go_at_the_next_one_copy_load(store, tmp_pa
     holder.release()
     weights.load(2, "serving")
     assert cached() == ["v000002"]
+
+
+def test_a_part_served_from_a_larger_parts_copy_tidies_without_a_warning(
+    store, tmp_path, tokenizer_dir, caplog
+):
+    """A tokenizer loaded from a cached serving copy has no folder of its own parts yet: the
+    tidy of its part's copies finds nothing to do, and says nothing."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache", one_copy=True)
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    serving = weights.load(0, "serving")
+    tokenizer = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "cache", one_copy=True)
+    with caplog.at_level(logging.WARNING, logger="storage.weights"):
+        assert tokenizer.load(0, "tokenizer") == serving
+    assert caplog.records == []
 
 
 def test_a_copy_deleted_between_its_fetch_and_its_marking_in_use_is_fetched_again(
