@@ -886,17 +886,86 @@ def test_an_engine_actor_uses_the_gpu_ray_gave_it_whatever_index_was_configured(
     assert [actor_device(d) for d in ("cuda:3", "cuda", "cpu")] == ["cuda", "cuda", "cpu"]
 
 
+def edited_version(source: str, folder, edit) -> str:
+    """A copy of the version folder ``source`` whose policy tensors ``edit`` changed in place."""
+    shutil.copytree(source, folder)
+    tensors = load_file(folder / MODEL_FILE)
+    edit(tensors)
+    save_file(tensors, folder / MODEL_FILE)
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"max_batch": 0}, "max_batch must be >= 1, got 0"),
+        ({"kv_cache_bytes": -1}, "kv_cache_bytes must be >= 0, got -1"),
+        ({"max_prefill_tokens": 0}, "max_prefill_tokens must be >= 1, got 0"),
+    ],
+)
+def test_engine_settings_out_of_range_are_refused(tiny, setting, message):
+    with pytest.raises(ValueError, match=message):
+        engine_for(tiny[0], **setting)
+
+
+def test_a_version_whose_tensors_do_not_fit_is_refused_and_the_engine_keeps_its_own(
+    tiny, other_model, weights, tmp_path
+):
+    """A missing, an unexpected or a wrongly shaped tensor fails the load with a clear error
+    before it reaches the engine thread (where ``load_state_dict`` would stop the engine);
+    a trainer's value model saved beside the policy is not read as part of it."""
+    model, _ = tiny
+    source = weights.load(1)
+
+    def missing(tensors):
+        del tensors["model.layers.0.mlp.up_proj.weight"]
+
+    def unexpected(tensors):
+        tensors["model.layers.0.extra.weight"] = torch.zeros(3)
+
+    def misshapen(tensors):
+        tensors["model.norm.weight"] = torch.ones(31)
+
+    cases = [
+        (missing, r"missing \['model.layers.0.mlp.up_proj.weight'\], unexpected \[\]"),
+        (unexpected, r"missing \[\], unexpected \['model.layers.0.extra.weight'\]"),
+        (misshapen, r"model.norm.weight has shape \(31,\), the model expects \(32,\)"),
+    ]
+    with_value_model = tmp_path / "with-value-model"
+    shutil.copytree(source, with_value_model)
+    save_file({"score.weight": torch.zeros(1, 32)}, with_value_model / "value_model.safetensors")
+    prompt = [2, 40, 41, 42]
+    params = SamplingParams(max_new_tokens=4, seed=0)
+
+    async def run():
+        engine = engine_for(model)
+        try:
+            for edit, message in cases:
+                path = edited_version(source, tmp_path / edit.__name__, edit)
+                with pytest.raises(EngineError, match=message):
+                    await engine.load_version(2, path)
+            kept = engine.version, await engine.health()
+            await engine.load_version(1, str(with_value_model))
+            return kept, engine.version, await engine.generate("s", prompt, params)
+        finally:
+            await engine.close()
+
+    kept, version, generation = asyncio.run(run())
+    assert kept == (0, True) and version == 1 and generation.versions == [1] * 4
+    assert_logprobs_match(generation.logprobs, reference_logprobs(other_model, prompt, generation.token_ids))
+
+
 def test_mixture_of_experts_engine_loads_versions_in_their_checkpoint_layout(tiny, tmp_path):
     _, tokenizer = tiny
     first, second = (tiny_mixture_of_experts(len(tokenizer), seed) for seed in (0, 1))
     store = WeightStore(RunStore(StorageConfig(root=str(tmp_path / "runs")), "run"))
     publish_policy(store, first, tokenizer)
     publish_policy(store, second, tokenizer, parent=0, step=1)
-    broken = tmp_path / "broken"
-    shutil.copytree(store.load(1), broken)
-    tensors = load_file(broken / MODEL_FILE)
-    del tensors["model.layers.0.mlp.experts.2.up_proj.weight"]
-    save_file(tensors, broken / MODEL_FILE)
+    broken = edited_version(
+        store.load(1),
+        tmp_path / "broken",
+        lambda tensors: tensors.pop("model.layers.0.mlp.experts.2.up_proj.weight"),
+    )
     prompt = [2, 40, 41, 42, 43]
     params = SamplingParams(max_new_tokens=6, seed=3)
 
@@ -904,7 +973,7 @@ def test_mixture_of_experts_engine_loads_versions_in_their_checkpoint_layout(tin
         engine = TorchEngine(store.load(0), name="moe")
         try:
             with pytest.raises(EngineError, match="do not load"):
-                await engine.load_version(2, str(broken))
+                await engine.load_version(2, broken)
             before = await engine.generate("a", prompt, params)
             await engine.load_version(1, store.load(1))
             after = await engine.generate("b", prompt, params)
