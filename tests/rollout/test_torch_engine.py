@@ -190,12 +190,26 @@ def test_multi_turn_session_prefills_only_new_tokens(tiny):
             after_second = engine.stats()
             diverging = await engine.generate("s", [*second_prompt[:5], 60, 61], params)
             engine.end_session("s")
+            ended = engine.stats()
             forgotten = await engine.generate("s", [*second_prompt, *second.token_ids], params)
-            return first, second, second_prompt, diverging, forgotten, after_first, after_second
+            retried = await engine.generate("s", [*second_prompt, *second.token_ids], params)
+            return (
+                first,
+                second,
+                second_prompt,
+                diverging,
+                forgotten,
+                retried,
+                after_first,
+                after_second,
+                ended,
+            )
         finally:
             await engine.close()
 
-    first, second, second_prompt, diverging, forgotten, after_first, after_second = asyncio.run(run())
+    first, second, second_prompt, diverging, forgotten, retried, after_first, after_second, ended = (
+        asyncio.run(run())
+    )
     assert after_first.prefill_computed == len(first_prompt)
     cached = len(first_prompt) + len(first.token_ids) - 1  # the last sampled token was never fed
     assert second.cached_tokens == cached
@@ -207,6 +221,11 @@ def test_multi_turn_session_prefills_only_new_tokens(tiny):
         diverging.logprobs, reference_logprobs(model, [*second_prompt[:5], 60, 61], diverging.token_ids)
     )
     assert forgotten.cached_tokens == 0
+    assert ended.extra["cache_sessions"] == 0 and ended.extra["cache_bytes"] == 0
+    # the same prompt again reuses all of it but its last token, which is fed for its logits
+    retried_prompt = [*second_prompt, *second.token_ids]
+    assert retried.cached_tokens == len(retried_prompt) - 1
+    assert_logprobs_match(retried.logprobs, reference_logprobs(model, retried_prompt, retried.token_ids))
 
 
 def test_concurrent_requests_share_decode_steps_and_equal_unbatched_runs(tiny):
@@ -475,13 +494,15 @@ def test_weight_update_drops_session_caches_of_the_old_weights(tiny, other_model
         try:
             first = await engine.generate("s", prompt, params)
             await engine.load_version(1, weights.load(1))
+            loaded = engine.stats()
             second_prompt = prompt + first.token_ids + [50, 51]
             second = await engine.generate("s", second_prompt, params)
-            return first, second, second_prompt
+            return first, second, second_prompt, loaded
         finally:
             await engine.close()
 
-    first, second, second_prompt = asyncio.run(run())
+    first, second, second_prompt, loaded = asyncio.run(run())
+    assert loaded.extra["cache_sessions"] == 0 and loaded.extra["cache_bytes"] == 0
     assert_logprobs_match(first.logprobs, reference_logprobs(model, prompt, first.token_ids))
     assert second.cached_tokens == 0 and second.versions == [1] * 6
     assert_logprobs_match(second.logprobs, reference_logprobs(other_model, second_prompt, second.token_ids))
@@ -537,6 +558,7 @@ def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path
                 ([], "prompt_ids is empty"),
                 ([5, vocab], rf"prompt_ids\[1\] = {vocab} is not a token id in \[0, {vocab}\)"),
                 ([-1], r"prompt_ids\[0\] = -1 is not a token id"),
+                ([5, True], r"prompt_ids\[1\] = True is not a token id"),
                 ([5] * 97, "prompt has 97 tokens, leaving no room to generate in the model's 96 positions"),
                 ([5] * 96, "prompt has 96 tokens, leaving no room to generate in the model's 96 positions"),
             ]
@@ -549,7 +571,7 @@ def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path
                 await engine.load_version(3, str(tmp_path))
             release.set()
             good = await long_run
-            edge = await engine.generate("edge", [5] * 94, SamplingParams(max_new_tokens=10, seed=0))
+            edge = await engine.generate("edge", [0] + [5] * 93, SamplingParams(max_new_tokens=10, seed=0))
             return good, edge, engine.version, await engine.health()
         finally:
             release.set()
@@ -763,6 +785,7 @@ def test_a_cancelled_generation_leaves_no_session_cache(tiny):
 
     stats = asyncio.run(run())
     assert stats.extra["cache_sessions"] == 0 and stats.extra["cache_bytes"] == 0
+    assert stats.decode_tokens <= 4, "the cancelled row decoded past the step in flight when it was cancelled"
 
 
 def test_a_request_cancelled_mid_decode_leaves_the_batch_and_the_others_go_on_unchanged(tiny):
