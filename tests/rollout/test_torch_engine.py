@@ -106,6 +106,27 @@ def held_step(blocked: threading.Event, release: threading.Event, what: str, aft
     return hold
 
 
+def held_until_arrived(box: dict, count: int):
+    """An ``on_step`` hook that holds the engine thread after its first decode step until
+    ``count`` requests are queued or decoding on ``box["engine"]``, so they share the batch."""
+
+    def hold(stats) -> None:
+        if stats.extra["decode_steps"] == 1:
+            engine = box["engine"]
+            wait_for(
+                lambda: engine.stats().queue_depth + engine.stats().extra["active"] == count,
+                "all requests to arrive",
+            )
+
+    return hold
+
+
+def kv_bytes_per_token(model) -> int:
+    """Bytes of the float32 keys and values the engine keeps per cached token of ``model``."""
+    config = model.config
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+
+
 def crash(*args, **kwargs):
     """Stands in for a model call that hits a CUDA error on the engine thread."""
     raise RuntimeError("CUDA error: an illegal memory access was encountered")
@@ -239,16 +260,8 @@ def test_concurrent_requests_share_decode_steps_and_equal_unbatched_runs(tiny):
     ]
     engine_box = {}
 
-    def hold_first_step(stats):
-        if stats.extra["decode_steps"] == 1:  # let every request arrive before the second step
-            engine = engine_box["engine"]
-            wait_for(
-                lambda: engine.stats().queue_depth + engine.stats().extra["active"] == len(prompts),
-                "all requests to arrive",
-            )
-
     async def run():
-        batched_engine = engine_for(model, on_step=hold_first_step)
+        batched_engine = engine_for(model, on_step=held_until_arrived(engine_box, len(prompts)))
         engine_box["engine"] = batched_engine
         alone_engine = engine_for(model)
         try:
@@ -510,8 +523,7 @@ def test_weight_update_drops_session_caches_of_the_old_weights(tiny, other_model
 
 def test_session_cache_is_a_memory_bounded_lru(tiny):
     model, _ = tiny
-    config = model.config
-    bytes_per_token = config.num_hidden_layers * 2 * config.num_key_value_heads * config.head_dim * 4
+    bytes_per_token = kv_bytes_per_token(model)
     prompts = {name: [2, 40 + i, 41, 42, 43, 44, 45, 46, 47, 48] for i, name in enumerate("abc")}
     params = SamplingParams(max_new_tokens=6, seed=0)
     per_session = (10 + 6 - 1) * bytes_per_token
@@ -536,6 +548,73 @@ def test_session_cache_is_a_memory_bounded_lru(tiny):
     for name, again in (("a", again_a), ("c", again_c)):  # re-prefilled or cached, the same log-probs
         prompt = prompts[name] + outputs[name].token_ids
         assert_logprobs_match(again.logprobs, reference_logprobs(model, prompt, again.token_ids))
+
+
+def test_a_session_too_large_for_the_cache_is_not_kept_and_pushes_no_other_out(tiny):
+    model, _ = tiny
+    params = SamplingParams(max_new_tokens=2, seed=0)
+    budget = 10 * kv_bytes_per_token(model)
+
+    async def run():
+        engine = engine_for(model, kv_cache_bytes=budget)
+        try:
+            await engine.generate("small", [5, 6, 7], params)
+            await engine.generate("large", list(range(5, 45)), params)
+            return engine.stats()
+        finally:
+            await engine.close()
+
+    stats = asyncio.run(run())
+    assert stats.extra["cache_sessions"] == 1 and stats.extra["evictions"] == 0
+    assert stats.extra["cache_bytes"] == 4 * kv_bytes_per_token(model)
+
+
+def test_two_live_turns_of_one_session_leave_one_cache_counted_once(tiny):
+    """The turn that finishes last replaces the other's cache: the byte count must drop the
+    replaced one, or the LRU believes itself fuller than it is and evicts live sessions."""
+    model, _ = tiny
+    box: dict = {}
+    lengths = (4, 9)
+
+    async def run():
+        engine = box["engine"] = engine_for(model, on_step=held_until_arrived(box, 2))
+        try:
+            await asyncio.gather(
+                *[engine.generate("s", [5, 6, 7], SamplingParams(max_new_tokens=n, seed=n)) for n in lengths]
+            )
+            return engine.stats()
+        finally:
+            await engine.close()
+
+    stats = asyncio.run(run())
+    assert stats.extra["max_batch_seen"] == 2 and stats.extra["cache_sessions"] == 1
+    kept_tokens = 3 + max(lengths) - 1  # the longer turn finishes last
+    assert stats.extra["cache_bytes"] == kept_tokens * kv_bytes_per_token(model)
+
+
+def test_the_decode_batch_holds_at_most_max_batch_requests(tiny):
+    model, _ = tiny
+    prompts = [[5, 6, 7], [8, 9], [20, 21, 22, 23]]
+    params = SamplingParams(max_new_tokens=6, temperature=0.8, seed=4)
+    box: dict = {}
+
+    async def run():
+        engine = box["engine"] = engine_for(model, max_batch=2, on_step=held_until_arrived(box, len(prompts)))
+        try:
+            generations = await asyncio.gather(
+                *[engine.generate(f"s{i}", prompt, params) for i, prompt in enumerate(prompts)]
+            )
+            return generations, engine.stats()
+        finally:
+            await engine.close()
+
+    generations, stats = asyncio.run(run())
+    assert stats.extra["max_batch_seen"] == 2
+    for prompt, generation in zip(prompts, generations, strict=True):
+        assert len(generation.token_ids) == 6
+        assert_logprobs_match(
+            generation.logprobs, reference_logprobs(model, prompt, generation.token_ids, temperature=0.8)
+        )
 
 
 def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path):
