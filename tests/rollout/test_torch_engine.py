@@ -155,6 +155,17 @@ def test_sampling_logprobs_match_a_slow_reference():
     assert (fast[3] > -math.inf).sum() == 1  # a tiny nucleus keeps only the top token
 
 
+def test_a_nucleus_ends_with_the_token_whose_mass_reaches_top_p():
+    """Four equally likely tokens (their float32 masses exact): top_p 0.5 is reached by two
+    tokens, so the third, whose mass before it is exactly 0.5, is outside the nucleus."""
+    logits = torch.zeros(2, 4)
+    fast = sampling_logprobs(logits, torch.tensor([1.0, 1.0]), torch.tensor([0.5, 0.75]))
+    assert (fast > -math.inf).sum(dim=-1).tolist() == [2, 3]
+    kept = fast[fast > -math.inf]
+    torch.testing.assert_close(kept[:2], torch.full((2,), math.log(1 / 2)))
+    torch.testing.assert_close(kept[2:], torch.full((3,), math.log(1 / 3)))
+
+
 def test_a_full_nucleus_keeps_every_token_beside_a_row_with_a_smaller_one():
     """top_p 1 samples from the whole distribution whatever the other rows of the batch ask:
     over a large vocabulary the float32 running mass reaches 1 before the last tokens, which
