@@ -878,6 +878,34 @@ def test_a_cancelled_generation_leaves_no_session_cache(tiny):
     assert stats.decode_tokens <= 4, "the cancelled row decoded past the step in flight when it was cancelled"
 
 
+def test_a_request_cancelled_while_queued_is_never_prefilled(tiny):
+    model, _ = tiny
+    blocked = threading.Event()
+    release = threading.Event()
+    hold_first_step = held_step(blocked, release, "the queued request to be cancelled")
+
+    async def run():
+        engine = engine_for(model, on_step=hold_first_step)
+        try:
+            running = asyncio.create_task(engine.generate("a", [5, 6, 7], SamplingParams(max_new_tokens=5)))
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            queued = asyncio.create_task(engine.generate("b", list(range(10, 30)), SamplingParams()))
+            await asyncio.sleep(0)
+            assert engine.stats().queue_depth == 1
+            queued.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await queued
+            release.set()
+            await asyncio.wait_for(running, DEADLINE_S)
+            return engine.stats()
+        finally:
+            release.set()
+            await engine.close()
+
+    stats = asyncio.run(run())
+    assert stats.prefill_computed == 3 and stats.decode_tokens == 5 and stats.queue_depth == 0
+
+
 def test_a_request_cancelled_mid_decode_leaves_the_batch_and_the_others_go_on_unchanged(tiny):
     """The middle row of a batch of three is cancelled after a few decode steps: it keeps no
     cache, and the rows beside it sample what they would alone, with exact log-probs."""
