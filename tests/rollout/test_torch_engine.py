@@ -358,6 +358,38 @@ def test_next_turns_of_concurrent_sessions_prefill_in_one_forward(tiny, max_pref
         assert_logprobs_match(second.logprobs, reference_logprobs(model, prompt, second.token_ids))
 
 
+@pytest.mark.parametrize(("max_prefill_tokens", "forwards"), [(8, 1), (7, 2)])
+def test_max_prefill_tokens_bounds_a_forward_inclusively(tiny, max_prefill_tokens, forwards):
+    """Two queued 4-token prompts make 8 padded tokens: one forward under a bound of 8, two under 7."""
+    model, _ = tiny
+    blocked = threading.Event()
+    release = threading.Event()
+    hold_first_step = held_step(blocked, release, "both prompts to queue")
+
+    async def run():
+        engine = engine_for(model, on_step=hold_first_step, max_prefill_tokens=max_prefill_tokens)
+        try:
+            gate = asyncio.create_task(engine.generate("gate", [3], SamplingParams(max_new_tokens=1)))
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            before = engine.stats()
+            both = [
+                asyncio.create_task(
+                    engine.generate(f"s{i}", [5 + i, 6, 7, 8], SamplingParams(max_new_tokens=1))
+                )
+                for i in range(2)
+            ]
+            await asyncio.sleep(0)
+            release.set()
+            await asyncio.wait_for(asyncio.gather(gate, *both), DEADLINE_S)
+            return before, engine.stats()
+        finally:
+            release.set()
+            await engine.close()
+
+    before, after = asyncio.run(run())
+    assert after.extra["prefill_forwards"] - before.extra["prefill_forwards"] == forwards
+
+
 def test_a_batched_prefill_near_the_context_limit_keeps_within_the_models_positions():
     """A row prefilled beside one with more new tokens is right-padded: its padding must not
     take positions past the model's last, which a learned position table (GPT-2) has no
@@ -774,6 +806,8 @@ def test_close_fails_waiting_requests_and_refuses_new_ones(tiny):
         assert not await engine.health()
         with pytest.raises(EngineError, match="not serving"):
             await engine.generate("c", [5], SamplingParams())
+        with pytest.raises(EngineError, match="not serving"):  # refused before reading any weights
+            await engine.load_version(1, "/no/such/version")
 
     asyncio.run(run())
 
