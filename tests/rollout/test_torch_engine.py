@@ -912,6 +912,45 @@ def test_a_cancelled_generation_leaves_no_session_cache(tiny):
     assert stats.decode_tokens <= 4, "the cancelled row decoded past the step in flight when it was cancelled"
 
 
+def test_a_cancelled_next_turn_leaves_its_session_no_cache(tiny):
+    """The next turn takes its session's cache; cancelled, it gives none back: the cache of the
+    turn before would only push live sessions out of the LRU."""
+    model, _ = tiny
+    blocked = threading.Event()
+    release = threading.Event()
+    hold = held_step(blocked, release, "the next turn to be cancelled", after_tokens=7)
+
+    async def run():
+        engine = engine_for(model, on_step=hold)
+        try:
+            first = await engine.generate("s", [5, 6, 7], SamplingParams(max_new_tokens=4, seed=0))
+            after_first = engine.stats()
+            running = asyncio.create_task(
+                engine.generate("s", [5, 6, 7, *first.token_ids, 8], SamplingParams(max_new_tokens=50))
+            )
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            running.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await running
+            release.set()
+            await asyncio.to_thread(
+                wait_for,
+                lambda: engine.stats().extra["active"] == 0,
+                "the cancelled row to leave",
+                DEADLINE_S,
+            )
+            return after_first, engine.stats()
+        finally:
+            release.set()
+            await engine.close()
+
+    after_first, stats = asyncio.run(run())
+    assert after_first.extra["cache_sessions"] == 1
+    assert (
+        stats.prefill_reused == 6 and stats.extra["cache_sessions"] == 0 and stats.extra["cache_bytes"] == 0
+    )
+
+
 def test_a_request_cancelled_while_queued_is_never_prefilled(tiny):
     model, _ = tiny
     blocked = threading.Event()
