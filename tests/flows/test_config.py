@@ -25,6 +25,7 @@ from flows.config import (
     ConfigError,
     RunConfig,
     evaluate_devices,
+    evaluate_paths,
     load_config,
     missing_device,
     missing_path,
@@ -568,15 +569,28 @@ def test_a_ray_pipeline_checks_the_devices_of_its_own_process_alone():
 
 def test_each_flow_checks_what_it_uses_in_its_own_process(tmp_path):
     """The train flow serves no reward model, so a reward model's missing checkpoint is no
-    reason to refuse it; on Ray a rollout worker's engines run on the cluster's nodes and no
-    reward model is served (nor in an evaluation), so their devices are not its own."""
+    reason to refuse it, nor a moved starting checkpoint an evaluation, which loads a
+    published version; on Ray a rollout worker's engines run on the cluster's nodes and no
+    reward model is served (nor in an evaluation), so their devices are not its own; a
+    worker whose engines are vLLM servers runs no torch engine."""
     judge = {"reward_models": {"judge": {"path": str(tmp_path / "no-such-judge")}}}
     assert train_paths(load_config(TINY, {"service": judge})) is None
     assert missing_path(load_config(TINY, {"service": judge})).startswith("service.reward_models.judge.path ")
+    moved = load_config(TINY, {"model": {"path": str(tmp_path / "moved-model")}})
+    assert missing_path(moved).startswith("model.path ")
+    assert evaluate_paths(moved) is None
     on_gpus = {"engine": {"torch": {"device": "cuda:99"}}, "service": {**judge, "reward_device": "cuda:98"}}
     local = load_config(TINY, on_gpus)
     assert rollout_devices(local) == {"engine.torch.device": "cuda:99", "service.reward_device": "cuda:98"}
     assert evaluate_devices(local) == rollout_devices(local)
+    servers = {
+        "kind": "vllm",
+        "vllm": [{"base_url": "http://127.0.0.1:8000/v1"}],
+        "torch": {"device": "cuda:99"},
+    }
+    assert rollout_devices(load_config(TINY, on_gpus | {"engine": servers})) == {
+        "service.reward_device": "cuda:98"
+    }
     ray = local.model_copy(update={"cluster": "ray"})
     assert rollout_devices(ray) == {}
     assert evaluate_devices(ray) == {"engine.torch.device": "cuda:99"}
