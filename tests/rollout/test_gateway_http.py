@@ -24,7 +24,7 @@ from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from rollout.gateway import RENDER_INLINE_CHARS, Gateway, GatewayConfig
-from rollout.gateway_http import SESSION_HEADER, GatewayServer, RunSampling
+from rollout.gateway_http import SESSION_HEADER, GatewayServer, RunSampling, create_app
 from rollout.router import Router, RouterConfig
 from storage.schema import to_table, validate
 from tests.rollout.test_gateway import QWEN3_LIKE
@@ -160,6 +160,7 @@ def test_token_endpoint_round_trip_and_record(tiny):
             assert len(out["token_ids"]) == len(out["logprobs"]) == len(out["versions"]) == 5
             assert out["versions"] == [0] * 5 and out["finish_reason"] == "length"
             assert all(lp <= 0 for lp in out["logprobs"])
+            assert out["num_tokens"] == len(prompt) + 5
             second = await client.post(
                 # unseeded; no stop ids, so the turn surely runs to its budget and the record says truncated
                 "/v1/generate",
@@ -231,6 +232,7 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
                 ({"token_ids": [True, 2]}, "token_ids.0: Input should be a valid integer"),
                 ({"token_ids": ["3"]}, "token_ids.0: Input should be a valid integer"),
                 ({"token_ids": [5], "stop_ids": [True]}, "stop_ids.0: Input should be a valid integer"),
+                ({"token_ids": [5], "stop_ids": [999999]}, "stop_ids[0] = 999999 is outside the vocabulary"),
             ]
             for payload, message in cases:
                 response = await client.post("/v1/generate", json=payload, headers=headers)
@@ -252,8 +254,9 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
                 "/v1/generate", json={"token_ids": [1]}, headers={SESSION_HEADER: "ghost"}
             )
             assert unknown.status_code == 404 and "ghost" in unknown.json()["error"]["message"]
-            missing = await client.post("/v1/generate", json={"token_ids": [1]})
-            assert missing.status_code == 400 and SESSION_HEADER in missing.json()["error"]["message"]
+            for missing_headers in ({}, {SESSION_HEADER: ""}):
+                missing = await client.post("/v1/generate", json={"token_ids": [1]}, headers=missing_headers)
+                assert missing.status_code == 400 and SESSION_HEADER in missing.json()["error"]["message"]
             ok = await client.post(
                 "/v1/generate", json={"token_ids": [5, 6], "max_new_tokens": 2}, headers=headers
             )
@@ -508,6 +511,7 @@ def test_a_resent_request_with_other_parameters_or_after_a_later_turn_is_refused
 def test_engine_failure_is_503_and_other_sessions_are_served(tiny):
     async def body():
         async with serving(tiny, dead_replica=True) as (gateway, _, client):
+            assert (await client.get("/health")).json() == {"ok": True, "replicas": 2}
             on_dead = on_live = None
             while on_dead is None or on_live is None:
                 sid = await open_session(client)
@@ -552,7 +556,9 @@ def test_openai_chat_resending_the_conversation_is_recorded_token_exactly(tiny):
             assert tokenizer.encode(choice["message"]["content"], add_special_tokens=False) != action, (
                 "precondition: re-encoding the returned text would change the tokens"
             )
-            conversation = [*USER, choice["message"], {"role": "user", "content": "again"}]
+            # a scaffold that strips (or pads) the returned text resends the same message
+            resent = choice["message"] | {"content": f" {choice['message']['content']}\n"}
+            conversation = [*USER, resent, {"role": "user", "content": "again"}]
             second = await client.post(
                 "/v1/chat/completions",
                 json={"messages": conversation, "max_tokens": 4, "seed": 1},
@@ -562,13 +568,22 @@ def test_openai_chat_resending_the_conversation_is_recorded_token_exactly(tiny):
             assert session.tokens[: len(prompt) + len(action)] == prompt + action
             assert session.tokens[len(prompt) : len(prompt) + len(action)] == action
             assert session.num_turns == 2 and len(session.messages) == 5
-            diverged = [*USER, {"role": "assistant", "content": "something else"}, *conversation[3:]]
-            diverged += [{"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}]
-            bad = await client.post("/v1/chat/completions", json={"messages": diverged}, headers=headers)
-            assert (
-                bad.status_code == 400
-                and "differs from the session's history" in bad.json()["error"]["message"]
-            )
+            later = [
+                *conversation[3:],
+                {"role": "assistant", "content": "y"},
+                {"role": "user", "content": "z"},
+            ]
+            for other in [
+                {"role": "assistant", "content": "something else"},
+                choice["message"] | {"role": "user"},
+            ]:
+                diverged = [*USER, other, *later]
+                bad = await client.post("/v1/chat/completions", json={"messages": diverged}, headers=headers)
+                assert (
+                    bad.status_code == 400
+                    and "message 2 (" in bad.json()["error"]["message"]
+                    and "differs from the session's history" in bad.json()["error"]["message"]
+                ), other
 
     asyncio.run(body())
 
@@ -963,6 +978,9 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
                 ("skip_special_tokens", False),
                 ("include_stop_str_in_output", True),
                 ("stop_token_ids", [other_id]),
+                ("stop_token_ids", [*gateway.stop_ids, other_id]),
+                ("n", 2),
+                ("stop", ["\n"]),
                 ("min_tokens", 2),
                 ("top_logprobs", 2),
                 ("top_k", 5),
@@ -1073,11 +1091,13 @@ def test_without_a_chat_template_a_completion_stops_at_eos(tiny):
                 pytest.fail("no seed samples EOS within 63 tokens")
             action = unstopped[: unstopped.index(eos) + 1]
             headers = {SESSION_HEADER: await open_session(client)}
-            completion = {"prompt": text, "max_tokens": 64, "seed": seed}
+            completion = {"prompt": text, "max_tokens": 64, "seed": seed, "logprobs": 0}
             response = await client.post("/v1/completions", json=completion, headers=headers)
             assert response.status_code == 200, response.text
             choice = response.json()["choices"][0]
             assert choice["finish_reason"] == "stop" and choice["token_ids"] == action
+            # each log-prob names its token as sampled, the special ones too
+            assert choice["logprobs"]["tokens"][-1] == tokenizer.eos_token
             headers = {SESSION_HEADER: await open_session(client)}
             request = {"token_ids": tokenizer.encode(text), "max_new_tokens": 64, "seed": seed}
             token_turn = (await client.post("/v1/generate", json=request, headers=headers)).json()
@@ -1121,6 +1141,132 @@ def test_openai_text_completions_append_only_the_new_suffix(tiny):
             )
             assert tokens.status_code == 200
             assert gateway.session(token_sid).tokens[:3] == [1, 40, 41]
+
+    asyncio.run(body())
+
+
+def test_a_completion_prompt_must_be_non_empty_and_extend_the_session(tiny):
+    """An empty prompt, text or tokens, is refused as the token endpoint refuses one; a token
+    prompt that rewrites the session's tokens is refused and changes nothing."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            for prompt in ("", []):
+                empty = await client.post("/v1/completions", json={"prompt": prompt}, headers=headers)
+                assert empty.status_code == 400 and empty.json()["error"]["message"] == "empty prompt"
+            session = gateway.session(headers[SESSION_HEADER])
+            assert session.tokens == []
+            first = await client.post(
+                "/v1/completions", json={"prompt": [1, 40, 41], "max_tokens": 2}, headers=headers
+            )
+            assert first.status_code == 200, first.text
+            held = list(session.tokens)
+            for prompt in ([1, 40, 99], [1, 40], [7, *held]):
+                other = await client.post("/v1/completions", json={"prompt": prompt}, headers=headers)
+                assert other.status_code == 400, (prompt, other.text)
+                assert "does not extend the session's tokens" in other.json()["error"]["message"]
+            assert session.tokens == held and session.num_turns == 1
+            # the session's tokens as they are: the next turn goes on from them
+            again = await client.post(
+                "/v1/completions", json={"prompt": held, "max_tokens": 2, "seed": 3}, headers=headers
+            )
+            assert again.status_code == 200, again.text
+            assert session.tokens == held + again.json()["choices"][0]["token_ids"]
+
+    asyncio.run(body())
+
+
+def sse_chunks(response: httpx.Response) -> list:
+    """The JSON chunks of a server-sent event stream, which must end with ``[DONE]``."""
+    events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
+    assert events[-1] == "[DONE]", events
+    return [json.loads(event) for event in events[:-1]]
+
+
+def test_a_replys_budget_usage_and_log_probs_are_as_the_request_asks(tiny):
+    """``max_completion_tokens`` (the OpenAI API's newer name) wins over ``max_tokens`` and
+    neither falls back to the gateway's budget; usage counts the prompt the turn saw; log-probs
+    and a stream's usage chunk come only when asked for."""
+    _, tokenizer = tiny
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            engine = gateway.router.engine("live")
+            headers = {SESSION_HEADER: await open_session(client)}
+            chat = {"messages": USER, "max_tokens": 6, "max_completion_tokens": 2, "seed": 1}
+            response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+            assert response.status_code == 200, response.text
+            reply = response.json()
+            prompt = tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+            action = reply["choices"][0]["token_ids"]
+            assert reply["usage"] == {
+                "prompt_tokens": len(tokenizer.encode(prompt, add_special_tokens=False)),
+                "completion_tokens": len(action),
+                "total_tokens": len(gateway.session(headers[SESSION_HEADER]).tokens),
+            }
+            assert reply["choices"][0]["logprobs"] is None
+            turn = await client.post(
+                "/v1/generate", json={"token_ids": [5]}, headers={SESSION_HEADER: await open_session(client)}
+            )
+            assert turn.status_code == 200, turn.text
+            assert [p.max_new_tokens for p in engine.params] == [2, gateway.config.max_new_tokens]
+
+            for options, chunks in [
+                ({}, 2),
+                ({"stream_options": {"include_usage": False}}, 2),
+                ({"stream_options": {"include_usage": True}}, 3),
+            ]:
+                headers = {SESSION_HEADER: await open_session(client)}
+                streamed = {"messages": USER, "max_tokens": 2, "stream": True, **options}
+                response = await client.post("/v1/chat/completions", json=streamed, headers=headers)
+                assert response.status_code == 200, response.text
+                events = sse_chunks(response)
+                assert len(events) == chunks, (options, events)
+                assert all("usage" not in event for event in events[:2])
+
+    asyncio.run(body())
+
+
+def test_a_chat_request_retried_after_an_engine_failure_appends_its_messages_once(tiny):
+    """As a text completion's: the failed turn left the conversation's new messages in the
+    session, so the client's retry of the same request sends nothing new and is served."""
+    _, tokenizer = tiny
+
+    async def body():
+        async with serving(tiny, dead_replica=True) as (gateway, _, client):
+            router = gateway.router
+            sid = None
+            while sid is None:
+                candidate = await open_session(client)
+                if router.route(candidate).name == "dead":
+                    sid = candidate
+            headers = {SESSION_HEADER: sid}
+            request = {"messages": USER, "max_tokens": 3, "seed": 0}
+            failed = await client.post("/v1/chat/completions", json=request, headers=headers)
+            assert failed.status_code == 503, failed.text
+            router.remove(router.assignment(sid))
+            retried = await client.post("/v1/chat/completions", json=request, headers=headers)
+            assert retried.status_code == 200, retried.text
+            session = gateway.session(sid)
+            assert [m["role"] for m in session.messages] == ["system", "user", "assistant"]
+            return session.tokens, retried.json()["choices"][0]["token_ids"]
+
+    tokens, action = asyncio.run(body())
+    prompt = tokenizer.apply_chat_template(USER, add_generation_prompt=True, tokenize=False)
+    assert tokens == tokenizer.encode(prompt, add_special_tokens=False) + action
+
+
+def test_an_app_without_a_bearer_token_is_refused(tiny):
+    model, tokenizer = tiny
+
+    async def body():
+        engine = TorchEngine(copy.deepcopy(model), tokenizer, name="live")
+        try:
+            with pytest.raises(ValueError, match="the gateway needs a non-empty bearer token"):
+                create_app(Gateway(Router([engine]), tokenizer), "")
+        finally:
+            await engine.close()
 
     asyncio.run(body())
 
