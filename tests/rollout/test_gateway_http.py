@@ -1224,6 +1224,9 @@ def test_a_replys_budget_usage_and_log_probs_are_as_the_request_asks(tiny):
                 events = sse_chunks(response)
                 assert len(events) == chunks, (options, events)
                 assert all("usage" not in event for event in events[:2])
+                assert {event["object"] for event in events} == {"chat.completion.chunk"}
+                text, end = (event["choices"][0] for event in events[:2])
+                assert text["finish_reason"] is None and end["finish_reason"] in ("stop", "length")
 
     asyncio.run(body())
 
