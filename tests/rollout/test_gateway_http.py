@@ -18,6 +18,7 @@ import httpx
 import openai
 import pytest
 import torch
+from tokenizers.processors import TemplateProcessing
 
 from rl.models import TinyModelConfig, build_tiny_model
 from rollout.engines.base import SamplingParams
@@ -473,8 +474,15 @@ def test_a_resent_request_with_other_parameters_or_after_a_later_turn_is_refused
                 refused = await client.post("/v1/chat/completions", json=request | other, headers=headers)
                 assert refused.status_code == 400, (other, refused.text)
                 assert "send the whole conversation" in refused.json()["error"]["message"]
+            answered = [*USER, first.json()["choices"][0]["message"]]
+            for other in [{}, {"seed": 2}]:  # the conversation with its reply and nothing new
+                refused = await client.post(
+                    "/v1/chat/completions", json=request | other | {"messages": answered}, headers=headers
+                )
+                assert refused.status_code == 400, (other, refused.text)
+                assert "send the whole conversation" in refused.json()["error"]["message"]
             assert session.record() == record
-            conversation = [*USER, first.json()["choices"][0]["message"], {"role": "user", "content": "more"}]
+            conversation = [*answered, {"role": "user", "content": "more"}]
             later = {"model": "any", "messages": conversation, "max_tokens": 2}
             second = await client.post("/v1/chat/completions", json=later, headers=headers)
             assert second.status_code == 200, second.text
@@ -1272,6 +1280,37 @@ def test_an_app_without_a_bearer_token_is_refused(tiny):
             await engine.close()
 
     asyncio.run(body())
+
+
+def test_a_text_completions_later_suffix_gets_no_special_tokens_of_a_tokenizer_that_adds_bos(tiny):
+    """A Llama-like tokenizer begins every encoding with BOS: only the session's first prompt
+    holds it, not each suffix a later prompt adds."""
+    model, tokenizer = tiny
+    bos = copy.deepcopy(tokenizer)
+    bos.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos.bos_token} $A", special_tokens=[(bos.bos_token, bos.bos_token_id)]
+    )
+    assert bos.encode(" answer:")[0] == bos.bos_token_id, "precondition: the tokenizer adds BOS"
+
+    async def body():
+        async with serving((model, bos)) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            prompt = "What is 2 + 3?"
+            first = await client.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": 3}, headers=headers
+            )
+            assert first.status_code == 200, first.text
+            prompt += first.json()["choices"][0]["text"] + " answer:"
+            second = await client.post(
+                "/v1/completions", json={"prompt": prompt, "max_tokens": 2}, headers=headers
+            )
+            assert second.status_code == 200, second.text
+            turns = [response.json()["choices"][0]["token_ids"] for response in (first, second)]
+            return gateway.session(headers[SESSION_HEADER]).tokens, turns
+
+    tokens, (first, second) = asyncio.run(body())
+    suffix = bos.encode(" answer:", add_special_tokens=False)
+    assert tokens == bos.encode("What is 2 + 3?") + first + suffix + second
 
 
 def test_a_long_text_prompt_is_tokenized_off_the_event_loop_and_a_short_one_on_it(tiny, monkeypatch):
