@@ -1,6 +1,7 @@
 """Sandbox attacks: each is contained, reported as a SandboxError kind, and the worker keeps serving."""
 
 import asyncio
+import concurrent.futures
 import errno
 import os
 import resource
@@ -28,7 +29,9 @@ from envs.sandbox import (
     SandboxError,
     _unshare_net_prefix,
     bwrap_path,
+    python_in_sandbox,
     remove_tree,
+    resolve_backend,
 )
 from envs.shell import Shell, ansi_c_quote
 from rollout.resources import CpuManager
@@ -1180,3 +1183,162 @@ def test_a_worker_that_reaps_for_its_container_is_left_no_zombie_sandbox_process
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[0] == f"{[*range(8), 9]} 0"
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_config_env_is_set_inside_over_the_scrubbed_defaults(backend):
+    config = SMALL.model_copy(update={"backend": backend, "env": {"LANG": "C", "TREADLE_GREETING": "hi"}})
+    with Sandbox(config) as box:
+        assert box.run("echo $LANG $TREADLE_GREETING").output == "C hi\n"
+
+
+def test_ro_binds_are_readable_and_never_writable_inside():
+    shared = tempfile.mkdtemp(prefix="treadle-ro-")
+    try:
+        os.chmod(shared, 0o777)  # writable by the sandbox's uid too: only the bind stops the write
+        Path(shared, "data.txt").write_text("host data")
+        with Sandbox(SMALL.model_copy(update={"ro_binds": [shared]})) as box:
+            assert box.run(f"cat {shared}/data.txt").output == "host data"
+            with pytest.raises(SandboxError) as raised:
+                box.run(f"touch {shared}/pwned")
+            assert raised.value.kind == "write_outside"
+        assert os.listdir(shared) == ["data.txt"]
+    finally:
+        shutil.rmtree(shared)
+
+
+def test_a_bwrap_command_leads_a_session_of_its_own_inside_the_namespace():
+    """``--new-session``: the command is cut off from any terminal outside (no TIOCSTI
+    injection into it); without it, its session's leader is outside the namespace (id 0)."""
+    with Sandbox(SMALL) as box:
+        assert box.run("python3 -c 'import os; print(os.getsid(0))'").output != "0\n"
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_commands_may_write_no_core_dump(backend):
+    """Not even under a worker that may: a core dump fills the working directory."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    if hard == 0:
+        pytest.skip("this worker may write no core dump itself")
+    resource.setrlimit(resource.RLIMIT_CORE, (hard, hard))
+    try:
+        with Sandbox(SMALL.model_copy(update={"backend": backend})) as box:
+            assert box.run("ulimit -c").output == "0\n"
+    finally:
+        resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+
+
+def test_a_closed_sandbox_starts_nothing():
+    box = Sandbox(SMALL)
+    box.close()
+    for start in (lambda: box.argv(["true"]), lambda: box.run("true"), lambda: Shell(box)):
+        with pytest.raises(SandboxError) as raised:
+            start()
+        assert raised.value.kind == "died"
+
+
+def test_a_command_that_ignores_sigxcpu_is_still_a_cpu_limit_and_a_quick_sigkill_is_not():
+    """Past the soft CPU limit comes SIGXCPU, one second later SIGKILL; a command that kills
+    itself well within its CPU seconds is a plain failure."""
+    spin = "import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True: pass"
+    with Sandbox(SMALL.model_copy(update={"cpu_seconds": 1, "timeout_s": 120})) as box:
+        with pytest.raises(SandboxError) as raised:
+            box.run(["python3", "-c", spin])
+        assert raised.value.kind == "cpu_limit"
+    with Sandbox(SMALL.model_copy(update={"cpu_seconds": 30})) as box:
+        assert box.run("kill -9 $$").exit_code in (-signal.SIGKILL, 128 + signal.SIGKILL)
+
+
+def test_a_successful_command_that_prints_a_violation_message_is_plain_output():
+    with Sandbox(SMALL) as box:
+        assert box.run("echo 'touch: Read-only file system'").output == "touch: Read-only file system\n"
+
+
+def test_a_command_read_without_violations_raises_only_what_the_sandbox_stopped():
+    """``run_async(violations=False)``: output that names the isolation (another program's
+    log) is not taken for it, neither from a failed command nor from one stopped at its timeout."""
+    with Sandbox(SMALL) as box:
+        failed = asyncio.run(box.run_async("echo 'Read-only file system'; exit 1", violations=False))
+        assert (failed.exit_code, failed.output) == (1, "Read-only file system\n")
+        with pytest.raises(SandboxError) as raised:
+            asyncio.run(
+                box.run_async(
+                    "echo 'fork: Resource temporarily unavailable'; sleep 60", timeout=1, violations=False
+                )
+            )
+        assert raised.value.kind == "timeout"
+
+
+@pytest.mark.parametrize("on_loop", [False, True], ids=["run", "run_async"])
+def test_command_output_cap_is_exact(on_loop):
+    """``max_output_bytes`` printed is the whole output; one byte more is an output_limit
+    with the first ``max_output_bytes`` bytes."""
+    cap = SMALL.max_output_bytes
+    with Sandbox(SMALL) as box:
+
+        def run(command):
+            return asyncio.run(box.run_async(command)) if on_loop else box.run(command)
+
+        assert run(f"head -c {cap} /dev/zero | tr '\\0' x").output == "x" * cap
+        with pytest.raises(SandboxError) as raised:
+            run(f"head -c {cap + 1} /dev/zero | tr '\\0' x")
+        assert raised.value.kind == "output_limit"
+        assert raised.value.output == "x" * cap
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
+def test_closing_a_process_sandbox_kills_what_left_its_session():
+    """Without bwrap's PID namespace a ``setsid`` process is out of the group kill's reach:
+    the close kills every process of the sandbox's uid."""
+    box = Sandbox(SMALL.model_copy(update={"backend": "process"}))
+    box.run(f"exec >/dev/null 2>&1; {ESCAPE} while [ ! -e escaped ]; do sleep 0.05; done")
+    escaped = _escaped(box)
+    assert _cmdline(str(escaped)) == "sleep 120 "
+    box.close()
+    deadline = time.monotonic() + 5
+    while _cmdline(str(escaped)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _cmdline(str(escaped))
+
+
+def test_closing_a_sandbox_keeps_the_callers_working_directory(tmp_path):
+    with Sandbox(SMALL.model_copy(update={"backend": "process"}), workdir=str(tmp_path)) as box:
+        box.run("echo kept > result.txt")
+    assert (tmp_path / "result.txt").read_text() == "kept\n"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_a_command_started_on_cores_runs_there_and_its_start_thread_gets_its_cores_back():
+    everywhere = os.sched_getaffinity(0)
+    core = max(everywhere)
+
+    async def run(box: Sandbox) -> tuple[str, set[int]]:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        pinned = await box.run_async(
+            "python3 -c 'import os; print(sorted(os.sched_getaffinity(0)))'", cores={core}
+        )
+        return pinned.output, await loop.run_in_executor(None, os.sched_getaffinity, 0)
+
+    with Sandbox(SMALL) as box:
+        assert asyncio.run(run(box)) == (f"[{core}]\n", everywhere)
+
+
+def test_a_named_backend_that_cannot_run_is_refused_and_auto_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no bwrap to find
+    bwrap_path.cache_clear()
+    try:
+        with pytest.raises(SandboxError) as raised:
+            resolve_backend("bwrap")
+        assert raised.value.kind == "start_failed"
+        assert resolve_backend("auto") == "process"
+        assert "bubblewrap (bwrap) is not available" in caplog.text
+    finally:
+        bwrap_path.cache_clear()
+
+
+def test_a_python_the_sandbox_cannot_find_is_a_start_failure():
+    with pytest.raises(SandboxError) as raised:
+        python_in_sandbox(SMALL.model_copy(update={"python": f"python-{uuid.uuid4().hex}"}))
+    assert raised.value.kind == "start_failed"
+    assert python_in_sandbox(SMALL).startswith("/")
