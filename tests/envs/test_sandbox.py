@@ -1342,3 +1342,39 @@ def test_a_python_the_sandbox_cannot_find_is_a_start_failure():
         python_in_sandbox(SMALL.model_copy(update={"python": f"python-{uuid.uuid4().hex}"}))
     assert raised.value.kind == "start_failed"
     assert python_in_sandbox(SMALL).startswith("/")
+
+
+WORKER_THAT_DIES = """
+import sys
+from envs.sandbox import Sandbox, SandboxConfig
+box = Sandbox(SandboxConfig(backend="bwrap", timeout_s=600))
+print(box.workdir, flush=True)
+box.run(sys.argv[1])
+"""
+
+
+def test_a_bwrap_command_ends_with_the_worker_that_was_killed_under_it():
+    """A worker killed outright (OOM, SIGKILL) runs no close: ``--die-with-parent`` ends its
+    sandboxes' commands, which ran on otherwise, each holding its process slots."""
+    mine = (f"sleep 304.{uuid.uuid4().int % 10**9}",)
+    worker = subprocess.Popen(
+        [sys.executable, "-c", WORKER_THAT_DIES, mine[0]],
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    workdir = worker.stdout.readline().strip()
+    try:
+        deadline = time.monotonic() + 30
+        while not _pids_running(mine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _pids_running(mine)
+        worker.kill()
+        worker.wait()
+        deadline = time.monotonic() + 5
+        while _pids_running(mine) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _pids_running(mine) == []
+    finally:
+        worker.stdout.close()
+        remove_tree(workdir)
