@@ -1378,3 +1378,40 @@ def test_a_bwrap_command_ends_with_the_worker_that_was_killed_under_it():
     finally:
         worker.stdout.close()
         remove_tree(workdir)
+
+
+WORKER_WITH_PROCESSES = """
+import subprocess, sys
+from envs.sandbox import Sandbox, SandboxConfig
+held = [subprocess.Popen(["sleep", "60"]) for _ in range(30)]
+try:
+    with Sandbox(SandboxConfig(backend=sys.argv[2], max_processes=16, root_dir=sys.argv[1])) as box:
+        print(box.run("sleep 0.1 & sleep 0.1 & sleep 0.1 & wait; echo forked").output.strip())
+finally:
+    for proc in held:
+        proc.kill()
+        proc.wait()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs a worker as another uid")
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_a_worker_that_runs_sandboxes_as_itself_leaves_them_their_max_processes(backend):
+    """A worker that is not root runs its sandboxes as its own uid, whose processes RLIMIT_NPROC
+    counts too: a worker already running more than ``max_processes`` left its commands none."""
+    nobody = 65534
+    root_dir = tempfile.mkdtemp(prefix="treadle-nobody-")
+    os.chown(root_dir, nobody, nobody)
+    try:
+        ran = subprocess.run(
+            ["setpriv", f"--reuid={nobody}", f"--regid={nobody}", "--clear-groups"]
+            + [sys.executable, "-c", WORKER_WITH_PROCESSES, root_dir, backend],
+            cwd=Path(__file__).parents[2],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert ran.returncode == 0, ran.stderr[-2000:]
+        assert ran.stdout == "forked\n"
+    finally:
+        shutil.rmtree(root_dir)
