@@ -72,6 +72,8 @@ ErrorKind = Literal[
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
 DISABLE_USERNS = ["--unshare-user", "--disable-userns"]
+BWRAP_PROCESSES = 2
+"""bwrap's own processes under a sandbox's uid: its outer process and its PID namespace's init."""
 UID_BASE = 2_000_000_000
 UID_RANGE = 1 << 20
 REAP_TIMEOUT_S = 5.0
@@ -340,6 +342,8 @@ class Sandbox:
             # RLIMIT_NPROC counts every process of the real uid, the worker's own included (root's
             # too, in a user namespace; in the host's, root is not held to it at all).
             nproc += len(_uid_pids(os.getuid()))
+        if self.backend == "bwrap":
+            nproc += BWRAP_PROCESSES
         return [
             "prlimit",
             f"--cpu={cfg.cpu_seconds}:{cfg.cpu_seconds + 1}",

@@ -402,6 +402,40 @@ def test_a_shell_or_interpreter_killed_with_every_process_slot_taken_starts_afre
         assert start(box).run(probe).output == "7\n"
 
 
+FORK_CHILDREN = """
+import os, sys, time
+children = []
+for _ in range(int(sys.argv[1])):
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        print(exc.strerror)
+        break
+    if pid == 0:
+        time.sleep(2)
+        os._exit(0)
+    children.append(pid)
+for pid in children:
+    os.waitpid(pid, 0)
+print(len(children), "forked")
+"""
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_max_processes_counts_the_commands_processes_alone_on_every_backend(backend):
+    """bwrap's outer process and its PID namespace's init run under the sandbox's uid: counted
+    against ``max_processes``, they left a bwrap command two processes fewer than a
+    process-backend one (at the lowest setting, 4, a shell with three children failed)."""
+    config = SMALL.model_copy(update={"backend": backend, "max_processes": 4})
+    # a sandbox each: a bwrap command's processes take a moment to go once it ended
+    with Sandbox(config) as box:
+        assert box.run(["python3", "-c", FORK_CHILDREN, "3"]).output == "3 forked\n"
+    with Sandbox(config) as box:
+        assert box.run(["python3", "-c", FORK_CHILDREN, "4"]).output == (
+            "Resource temporarily unavailable\n3 forked\n"
+        )
+
+
 @pytest.mark.parametrize(
     ("start", "lock", "probe"),
     [(Shell, "chmod 000 .; exit", "echo 7"), (PythonRepl, "import os; os.chmod('.', 0); os._exit(0)", "7")],
