@@ -193,7 +193,7 @@ class PythonRepl:
                 "output_limit", f"code printed more than {config.max_output_bytes} bytes", result.output
             )
         if result.error:
-            self.sandbox.check(ExecResult(1, result.output, False, time.monotonic() - started))
+            self.sandbox.check(ExecResult(1, result.output, time.monotonic() - started))
         return result
 
     def _read_line(self, started: float, deadline: float, late: SandboxError) -> bytes:
@@ -243,7 +243,7 @@ class PythonRepl:
         status = -1 if status is None else status
         said = self._start_errors()
         self.close()
-        self.sandbox.check(ExecResult(status, "", False, time.monotonic() - started))
+        self.sandbox.check(ExecResult(status, "", time.monotonic() - started))
         raise SandboxError(
             "died", f"the Python interpreter exited with status {status}" + (f": {said}" if said else "")
         )

@@ -179,7 +179,6 @@ class ExecResult:
 
     exit_code: int
     output: str
-    truncated: bool
     seconds: float
 
 
@@ -542,9 +541,7 @@ class Sandbox:
             raise SandboxError(
                 "died", "the sandbox was closed while the command ran", output.decode(errors="replace")
             )
-        result = ExecResult(
-            exit_code, output.decode(errors="replace"), stopped == "output", time.monotonic() - started
-        )
+        result = ExecResult(exit_code, output.decode(errors="replace"), time.monotonic() - started)
         self.check(result, stopped, timeout, violations)
         return result
 

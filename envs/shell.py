@@ -143,7 +143,7 @@ class Shell:
                     )
                 output = bytes(buffer[: match.start()])
                 result = ExecResult(
-                    int(match.group(1)), output.decode(errors="replace"), False, time.monotonic() - started
+                    int(match.group(1)), output.decode(errors="replace"), time.monotonic() - started
                 )
                 self.sandbox.check(result)
                 return result
@@ -169,7 +169,7 @@ class Shell:
                 output = _printed(buffer, cap)
                 seconds = time.monotonic() - started  # before close(), which may wait for the tree
                 self.close()
-                self.sandbox.check(ExecResult(status, output, False, seconds))
+                self.sandbox.check(ExecResult(status, output, seconds))
                 reason = f"the shell exited with status {status}"
                 if not wrap:  # the start's own command: what it printed is the sandbox's or bash's
                     reason += f": {output.strip()[:1000]}"
