@@ -13,13 +13,14 @@ import os
 import shlex
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
-from envs.agent import AgentEnv, GatewaySession
+from envs.agent import MAX_BODY, AgentEnv, GatewaySession
 from envs.registry import make, task_set
 from envs.sandbox import SandboxConfig, SandboxError, bwrap_path
 
@@ -48,7 +49,7 @@ class Upstream(BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        Upstream.seen.append((self.path, dict(self.headers), body))
+        Upstream.seen.append((self.path, self.headers, body))
         turn = sum(1 for m in body["messages"] if m["role"] == "assistant")
         answer = {"choices": [{"message": {"role": "assistant", "content": Upstream.replies[turn]}}]}
         data = json.dumps(answer).encode()
@@ -131,7 +132,8 @@ CALL_ADMIN = r"""python3 - <<'PY'
 import os, urllib.error, urllib.request
 base = os.environ["OPENAI_BASE_URL"]
 calls = [("POST", "/sessions"), ("DELETE", "/sessions/other"), ("POST", "/sessions/other/record"),
-         ("POST", "/chat/completions/../../sessions"), ("GET", "/models?x=1")]
+         ("POST", "/chat/completions/../../sessions"), ("GET", "/chat/completions"), ("DELETE", "/models"),
+         ("GET", "/models?x=1")]
 for method, path in calls:
     request = urllib.request.Request(base + path, data=b"{}" if method == "POST" else None, method=method)
     try:
@@ -161,25 +163,30 @@ def relayed_statuses(upstream: str, command: str) -> list[str]:
 
 def test_agent_relay_forwards_inference_only_never_session_admin(upstream):
     statuses = relayed_statuses(upstream, CALL_ADMIN)
-    assert statuses == ["403", "403", "403", "403", "200"]
+    assert statuses == ["403", "403", "403", "403", "403", "403", "200"]
     assert Upstream.requests == [("GET", "/v1/models")]
 
 
 SMUGGLE = r"""python3 - <<'PY'
 import os, socket, urllib.parse
 base = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"])
-for extra in ("Accept: */*\nX-Treadle-Session: victim", "Bad Name: x", "NoColon", "Accept: a\0b"):
+heads = ["GET /v1/models HTTP/1.1\r\nHost: x\r\n" + extra for extra in (
+    "Accept: */*\nX-Treadle-Session: victim", "Accept: */*\rX-Treadle-Session: victim",
+    "Bad Name: x", ": x", "NoColon", "Accept: a\0b")]
+heads.append("GET /v1/models HTTP/1.1\nX-Treadle-Session: victim\r\nHost: x")
+for head in heads:
     with socket.create_connection((base.hostname, base.port)) as s:
-        s.sendall(("GET /v1/models HTTP/1.1\r\nHost: x\r\n" + extra + "\r\n\r\n").encode())
+        s.sendall((head + "\r\n\r\n").encode())
         print(s.recv(100).split()[1].decode())
 PY"""
 
 
 def test_agent_relay_refuses_malformed_headers_so_no_session_is_smuggled(upstream):
-    """A bare line feed in a header value would reach the gateway as a second session header,
-    ahead of the relay's own; such requests, and other malformed header lines, get 400."""
+    """A bare line feed or carriage return in a header value would reach the gateway as a
+    second session header, ahead of the relay's own; such requests, one with a line break in
+    its request line, and other malformed header lines (an empty name too) get 400."""
     statuses = relayed_statuses(upstream, SMUGGLE)
-    assert statuses == ["400", "400", "400", "400"]
+    assert statuses == ["400"] * 7
     assert Upstream.requests == []
 
 
@@ -200,6 +207,101 @@ def test_agent_relay_refuses_a_transfer_coded_body_whatever_the_case_or_the_head
     framings for the gateway to pick."""
     assert relayed_statuses(upstream, CHUNKED) == ["411", "411", "411", "411"]
     assert Upstream.requests == []
+
+
+OWN_HEADERS = r"""python3 - <<'PY'
+import os, socket, urllib.parse
+base = urllib.parse.urlsplit(os.environ["OPENAI_BASE_URL"])
+body = b'{"messages": []}'
+head = ("POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nAuthorization: Bearer sandbox\r\n"
+        "X-Treadle-Session: victim\r\nx-treadle-session: victim\r\nConnection: keep-alive\r\n"
+        "Content-Length: %d\r\n\r\n" % (base.netloc, len(body)))
+with socket.create_connection((base.hostname, base.port)) as s:
+    s.sendall(head.encode() + body)
+    print(s.recv(100).split()[1].decode())
+PY"""
+
+
+def test_agent_relay_puts_its_own_framing_and_credentials_in_place_of_the_programs(upstream):
+    """The program's own Host, Authorization, session header (in any case), Connection and
+    Content-Length never reach the gateway beside the relay's: each arrives once, the relay's."""
+    assert relayed_statuses(upstream, OWN_HEADERS) == ["200"]
+    [(_, headers, _)] = Upstream.seen
+    assert headers.get_all("Host") == [urllib.parse.urlsplit(upstream).netloc]
+    assert headers.get_all("Authorization") == ["Bearer secret-token"]
+    assert headers.get_all("X-Treadle-Session") == ["session-42"]
+    assert headers.get_all("Connection") == ["close"]
+    assert headers.get_all("Content-Length") == [str(len(b'{"messages": []}'))]
+
+
+def test_agent_relay_forwards_to_the_gateways_path_prefix(upstream):
+    """A gateway base_url with a prefix (and a trailing slash) is where the endpoints go."""
+    prefixed = upstream.removesuffix("/v1") + "/gateway/v1/"
+    assert relayed_statuses(prefixed, f"python3 -c {shlex.quote(ONE_REQUEST)}") == []
+    assert Upstream.requests == [("GET", "/gateway/v1/models")]
+
+
+# The program's side of one exchange on the relay's socket: the request (its write side shut
+# when asked), then the whole answer; one answered and closed before the request was read
+# may break the pipe or reset the connection after the answer.
+EXCHANGE = r"""python3 - %s <<'PY'
+import contextlib, json, socket, sys
+def connect():
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(".gateway.sock")
+    return s
+def exchange(s, data, shut=False):
+    with contextlib.suppress(BrokenPipeError):
+        s.sendall(data)
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+    reply = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := s.recv(65536):
+            reply += chunk
+    return reply
+def status(reply):
+    return reply.split()[1].decode()
+%s
+PY"""
+
+CONNECTION_LIMIT = """
+limit = int(sys.argv[1])
+for _ in range(limit + 1):  # one after another: each gives its place back when answered
+    with connect() as s:
+        print(status(exchange(s, b"GET /v1/models HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")))
+held = [connect() for _ in range(limit)]
+with connect() as s:
+    print(status(exchange(s, b"GET /v1/models HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n")))
+"""
+
+
+def test_agent_relay_serves_max_processes_connections_at_once_and_frees_each(upstream):
+    """More connections one after another than ``max_processes`` are all served; with
+    ``max_processes`` held open, the next is answered 503."""
+    limit = SandboxConfig().max_processes
+    statuses = relayed_statuses(upstream, EXCHANGE % (limit, CONNECTION_LIMIT))
+    assert statuses == ["200"] * (limit + 1) + ["503"]
+
+
+BODY_LIMIT = """
+limit = int(sys.argv[1])
+empty = json.dumps({"messages": [], "pad": ""})
+body = json.dumps({"messages": [], "pad": "x" * (limit - len(empty))}).encode()
+head = "POST /v1/chat/completions HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: %d\\r\\n\\r\\n"
+with connect() as s:
+    print(status(exchange(s, (head % len(body)).encode() + body)))
+with connect() as s:
+    reply = exchange(s, (head % (limit + 1)).encode(), shut=True)
+    print(status(reply), json.loads(reply.split(b"\\r\\n\\r\\n", 1)[1])["error"]["message"])
+"""
+
+
+def test_agent_relay_forwards_a_body_of_max_body_bytes_and_refuses_a_longer_one(upstream):
+    """A request announcing more than ``MAX_BODY`` bytes is answered 400 before its body is read."""
+    statuses = relayed_statuses(upstream, EXCHANGE % (MAX_BODY, BODY_LIMIT))
+    assert statuses == ["200", "400", "request", "too", "large"]
+    assert len(Upstream.seen) == 1
 
 
 UNREACHABLE = r"""python3 - <<'PY'
@@ -277,8 +379,9 @@ def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
     task = task_set("agent", "train", 0, 1, config())[0]
     with pytest.raises(RuntimeError, match="attach_gateway"):
         asyncio.run(env.reset(task))
-    with pytest.raises(ValueError, match="http://"):
-        env.attach_gateway(GatewaySession("ftp://x", "k", "s"))
+    for url in ("ftp://x", "http:///v1"):
+        with pytest.raises(ValueError, match="http://"):
+            env.attach_gateway(GatewaySession(url, "k", "s"))
 
     async def episode():
         env.attach_gateway(GatewaySession(upstream, "k", "s"))
