@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from envs.agent import MAX_BODY, AgentEnv, GatewaySession
+from envs.agent import MAX_BODY, AgentConfig, AgentEnv, GatewaySession
+from envs.base import in_eval_split
 from envs.registry import make, task_set
 from envs.sandbox import SandboxConfig, SandboxError, bwrap_path
 
@@ -436,6 +437,52 @@ def test_agent_counts_the_model_calls_of_each_episode_alone(upstream):
             await env.close()
 
     assert asyncio.run(episodes()) == [1, 1]
+
+
+def test_agent_env_needs_a_command_and_scores_zero_without_an_eval_command(upstream):
+    """With no EVAL command (a reward model scores the rollout instead) nothing runs to score it."""
+    task = task_set("agent", "train", 0, 1, config())[0]
+    with pytest.raises(ValueError, match="needs config.command"):
+        asyncio.run(make("agent", config(command="")).reset(task))
+
+    async def episode():
+        env = make("agent", config(command="true", eval_command=""))
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        await env.reset(task)
+        try:
+            await env.run()
+            return await env.evaluate()
+        finally:
+            await env.close()
+
+    assert asyncio.run(episode()) == 0.0
+
+
+def test_agent_env_refuses_a_split_with_no_tasks():
+    one = config(tasks=[{"id": "t0", "prompt": "p"}])
+    split = "train" if in_eval_split("t0", AgentConfig().eval_fraction) else "eval"
+    with pytest.raises(ValueError, match=f"agent env has no {split} tasks \\(1 tasks configured\\)"):
+        task_set("agent", split, 0, 1, one)
+
+
+def test_a_closed_agent_env_keeps_no_descriptor_of_the_worker(upstream):
+    """Each episode's relay socket is closed with it: one episode after another holds no more."""
+    cfg = config(command="true")
+    tasks = task_set("agent", "train", 0, 2, cfg)
+
+    async def episodes():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        counts = []
+        for task in tasks:
+            await env.reset(task)
+            await env.run()
+            await env.close()
+            counts.append(len(os.listdir("/proc/self/fd")))
+        return counts
+
+    first, second = asyncio.run(episodes())
+    assert second == first
 
 
 def test_agent_task_data_cannot_replace_the_id_or_prompt_in_task_json():
