@@ -12,7 +12,8 @@ from envs.base import in_eval_split
 from envs.code import split_key
 from flows.config import RunConfig
 from rl.models import ensure_base_version
-from rollout.worker import RolloutWorker, task_streams
+from rollout.config import OrchestratorConfig
+from rollout.worker import RolloutWorker, task_streams, worker_seed
 from storage.config import RunStore, StorageConfig
 from storage.shards import ShardWriter
 from storage.weights import WeightStore
@@ -72,3 +73,14 @@ def test_two_workers_of_a_run_roll_out_different_tasks_with_different_sampling_s
     tasks_resumed, seed_resumed = asyncio.run(first_rollouts("w0"))
     assert tasks_resumed != tasks_0 and seed_resumed != seed_0
     assert asyncio.run(first_rollouts("w0")) == (tasks_resumed, seed_resumed)
+
+
+def test_a_workers_seed_is_a_valid_orchestrator_seed():
+    seeds = [
+        worker_seed(seed, f"w{i}", resumed_at)
+        for seed in (0, 2**62)
+        for i in range(50)
+        for resumed_at in (0, 7)
+    ]
+    for seed in seeds:
+        OrchestratorConfig(mix={"arith": 1.0}, seed=seed)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from flows.config import RunConfig
-from rl.models import ensure_base_version
+from rl.models import ensure_base_version, load_policy, publish_policy
 from rl.process_loop import ShardProcessor
 from rl.trainer import Trainer
 from rollout.worker import RolloutWorker
@@ -98,28 +98,84 @@ def commit_raw(worker: RolloutWorker, count: int) -> None:
     worker.writer.close()
 
 
-def test_a_trainer_short_of_a_batch_is_starved_only_once_it_has_read_the_workers_newest_shard(worker):
-    def says(newest_read: dict[str, int], buffered_tokens: int = 0) -> bool:
-        status = TrainerStatus(
-            time=NOW, buffered_tokens=buffered_tokens, token_budget=1000, newest_read=newest_read
-        )
-        TrainerStatusBoard(worker.store).publish(status)
-        worker.refresh_trainer_queue(NOW)
-        return worker.trainer_starved()
+def starved_by(worker: RolloutWorker, newest_read: dict[str, int], buffered_tokens: int = 0) -> bool:
+    """Whether ``worker`` sees the trainer starved once the trainer says it read ``newest_read``
+    and holds ``buffered_tokens`` (a batch is 1000)."""
+    status = TrainerStatus(
+        time=NOW, buffered_tokens=buffered_tokens, token_budget=1000, newest_read=newest_read
+    )
+    TrainerStatusBoard(worker.store).publish(status)
+    worker.refresh_trainer_queue(NOW)
+    return worker.trainer_starved()
 
+
+def test_a_trainer_short_of_a_batch_is_starved_only_once_it_has_read_the_workers_newest_shard(worker):
     assert not worker.trainer_starved()  # no trainer status: the backlog is in charge
-    assert says({})  # this worker committed nothing: nothing is on its way
+    assert starved_by(worker, {})  # this worker committed nothing: nothing is on its way
     commit_raw(worker, 3)
     assert worker.writer.last_seq == 2
-    assert not says({})  # its shards have not reached the trainer: the processor lags
-    assert not says({"w0": 1, "w1": 7})
-    assert says({"w0": 2})
-    assert not says({"w0": 2}, buffered_tokens=1000)  # a full batch: it can step
+    assert not starved_by(worker, {})  # its shards have not reached the trainer: the processor lags
+    assert not starved_by(worker, {"w0": 1, "w1": 7})
+    assert starved_by(worker, {"w0": 2})
+    assert not starved_by(worker, {"w0": 2}, buffered_tokens=1000)  # a full batch: it can step
     TrainerStatusBoard(worker.store).publish(
         TrainerStatus(time=NOW, buffered_tokens=0, token_budget=1000, running=False, newest_read={"w0": 2})
     )
     worker.refresh_trainer_queue(NOW)
     assert not worker.trainer_starved()  # a stopped trainer says nothing about starving
+
+
+def test_a_trainer_that_has_read_none_of_the_workers_shards_has_not_read_its_first_one(worker):
+    """Shard 0 is this worker's newest: a trainer that names no shard of it has not read it."""
+    commit_raw(worker, 1)
+    assert worker.writer.last_seq == 0
+    assert not starved_by(worker, {"w1": 4})
+    assert starved_by(worker, {"w0": 0})
+
+
+def test_a_trainer_status_that_stops_being_readable_leaves_the_queue_unknown(worker):
+    """The last status read says the trainer holds little: once storage fails, the worker
+    does not go on pausing or running on by that old word."""
+    worker.trainer_poll_s = 0.01
+    TrainerStatusBoard(worker.store).publish(
+        TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=1000)
+    )
+    worker.refresh_trainer_queue(time.time())
+    assert worker.trainer_queue() == 0.0 and worker.trainer_starved()
+
+    path = worker.store.path(TRAINER_STATUS_PREFIX, TRAINER_STATUS_NAME)
+    os.remove(path)
+    os.makedirs(path)  # reading it raises IsADirectoryError at every poll
+
+    async def follow() -> None:
+        reader = asyncio.create_task(worker.follow_trainer())
+        await asyncio.sleep(0.1)
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+    asyncio.run(follow())
+    assert worker.trainer_queue() is None and not worker.trainer_starved()
+
+
+def test_a_new_weight_version_clears_the_backlog(worker):
+    """The backlog counts the shards committed since the engines last took a new version:
+    the trainer's next version is what lets paused rollouts go on."""
+    weights = WeightStore(worker.store)
+    ensure_base_version(weights, TINY)
+    model, tokenizer = load_policy(weights.load(0))
+
+    async def body() -> tuple[int, int]:
+        await worker.start()
+        try:
+            commit_raw(worker, 2)
+            before = worker.backlog()
+            publish_policy(weights, model, tokenizer, step=1)
+            assert await worker.sync_weights()
+            return before, worker.backlog()
+        finally:
+            await worker.close()
+
+    assert asyncio.run(body()) == (2, 0)
 
 
 def test_the_workers_shards_reach_the_trainers_status_only_through_the_processor(worker):

@@ -177,10 +177,30 @@ def test_a_single_replica_worker_never_drains_its_replica(tmp_path, caplog):
                 assert worker.apply_plan(plan, time.time())
                 assert worker.apply_plan(plan, time.time())  # the same plan again: no second warning
                 assert worker.apply_plan(ElasticPlan(time=plan.time + 1, train=["w0/torch-9"]), time.time())
+                newer = ElasticPlan(time=plan.time + 2, draining=["w0/torch-0"])
+                assert worker.apply_plan(newer, time.time())  # a newer plan: warned of again
             assert worker.router.draining == []
             warnings = [r.getMessage() for r in caplog.records if r.name == "rollout.worker"]
-            assert len(warnings) == 2, warnings
+            assert len(warnings) == 3, warnings
             assert "last accepting replica" in warnings[0] and "unknown replicas ['torch-9']" in warnings[1]
+            assert "last accepting replica" in warnings[2]
+        finally:
+            await worker.close()
+
+    asyncio.run(body())
+
+
+def test_a_plan_that_drains_every_replica_keeps_the_last_one_accepting(tmp_path, caplog):
+    worker = two_replica_worker(tmp_path, "elastic-all")
+
+    async def body() -> None:
+        await worker.start()
+        try:
+            now = time.time()
+            with caplog.at_level(logging.WARNING):
+                assert worker.apply_plan(ElasticPlan(time=now, draining=["w0/torch-0", "w0/torch-1"]), now)
+            assert worker.router.draining == ["torch-0"]
+            assert "keeps torch-1 accepting: it is its last accepting replica" in caplog.text
         finally:
             await worker.close()
 
@@ -281,6 +301,26 @@ def test_a_plan_dated_ahead_of_the_workers_clock_is_said_to_be_ahead_not_negativ
             assert "-100 s" not in warning and "no trainer is steering" not in warning
             assert "dated 100 s ahead of this worker's clock (> 30 s)" in warning
             assert "clocks" in warning and "every replica takes new sessions" in warning
+        finally:
+            await worker.close()
+
+    asyncio.run(body())
+
+
+def test_the_last_plan_of_a_stopped_trainer_is_applied_quietly_however_old(tmp_path, caplog):
+    """A stopped trainer's last plan puts every replica back in rollout and stays in force:
+    it is not a running trainer's plan gone stale, and no one is warned of it."""
+    worker = two_replica_worker(tmp_path, "elastic-stopped", plan_max_age_s=30.0)
+
+    async def body() -> None:
+        await worker.start()
+        try:
+            assert worker.apply_plan(ElasticPlan(time=1000.0, draining=["w0/torch-1"]), 1000.0)
+            released = ElasticPlan(time=1001.0, accepting=["w0/torch-0", "w0/torch-1"], running=False)
+            with caplog.at_level(logging.WARNING):
+                assert worker.apply_plan(released, 5000.0)
+            assert worker.router.draining == [] and worker.plan_time == 1001.0
+            assert not [r for r in caplog.records if r.name == "rollout.worker"]
         finally:
             await worker.close()
 

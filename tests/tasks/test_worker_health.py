@@ -443,6 +443,42 @@ def test_a_vllm_server_down_at_start_serves_once_it_is_up_and_has_loaded_the_ver
     asyncio.run(body())
 
 
+def test_a_vllm_server_up_at_start_that_fails_to_load_the_version_stays_out_of_service(
+    local_store, monkeypatch
+):
+    """A server that answers its probes but refuses the worker's version holds weights of no
+    known version: it is taken out of service, and the other serves."""
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    launched_with, _ = load_policy(weights.load(0))
+    real_load = VLLMEngine.load_version
+
+    async def load_version(engine, version, path) -> None:
+        if engine.name == "vllm-0":
+            raise EngineError("vllm-0 refuses the weights (injected)")
+        await real_load(engine, version, path)
+
+    monkeypatch.setattr(VLLMEngine, "load_version", load_version)
+
+    async def body() -> None:
+        servers = [await StandinServer(launched_with, max_model_len=256).start() for _ in range(2)]
+        run = RunConfig(
+            engine={"kind": "vllm", "vllm": [{"base_url": server.url} for server in servers]},
+            gateway={"max_context_tokens": 256},
+            orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
+        )
+        worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
+        try:
+            await worker.start()
+            assert worker.router.replicas == ["vllm-1"] and worker.router.down == ["vllm-0"]
+        finally:
+            await worker.close()
+            for server in servers:
+                await server.stop()
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("health_check_s", [0.05, None])
 def test_a_replica_whose_probe_hangs_does_not_hold_up_a_new_version(local_store, health_check_s):
     """``torch-1``'s health probe never answers (a stuck actor): loading version 1 counts it
@@ -478,6 +514,19 @@ def test_a_replica_whose_probe_hangs_does_not_hold_up_a_new_version(local_store,
     asyncio.run(body())
 
 
+def refuse_version_1(engine, tried: list[int]) -> None:
+    """Make ``engine`` fail every load of version 1, recording each version it is asked to load."""
+    real_load = engine.load_version
+
+    async def load_version(version, path):
+        tried.append(version)
+        if version == 1:
+            raise EngineError("version 1 does not fit on this replica (injected)")
+        await real_load(version, path)
+
+    engine.load_version = load_version
+
+
 def test_a_version_no_replica_can_load_is_tried_again_later_and_later_and_a_newer_one_at_once(local_store):
     """Every replica fails to load version 1 (it does not fit, the server refuses it): each
     weight poll tried it again, verifying the copy's digests (the model's size read) and
@@ -492,16 +541,7 @@ def test_a_version_no_replica_can_load_is_tried_again_later_and_later_and_a_newe
 
     async def body() -> list[bool]:
         await worker.start()
-        engine = worker.engines[0]
-        real_load = engine.load_version
-
-        async def load_version(version, path):
-            tried.append(version)
-            if version == 1:
-                raise EngineError("version 1 does not fit on this replica (injected)")
-            await real_load(version, path)
-
-        engine.load_version = load_version
+        refuse_version_1(worker.engines[0], tried)
         try:
             publish_policy(weights, model, tokenizer, step=1)
             with pytest.raises(EngineError, match="does not fit"):
@@ -516,6 +556,49 @@ def test_a_version_no_replica_can_load_is_tried_again_later_and_later_and_a_newe
     assert tried == [1, 2] and worker.version == 2
     worker.weight_poll_s = 1.0
     assert [worker.retry_wait_s(failures) for failures in (1, 2, 5, 6)] == [2.0, 4.0, 32.0, 60.0]
+
+
+def test_each_failed_load_of_a_version_doubles_the_wait_before_the_next(local_store, caplog):
+    """The worker's weight loop counts the failures of one version in a row: each warning
+    says the next try waits twice as long as the last one did."""
+    run = RunConfig(engine={"replicas": 1}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 1})
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    worker = make_worker(local_store, run, weight_poll_s=0.05)
+    model, tokenizer = load_policy(weights.load(0))
+    tried: list[int] = []
+
+    def waits() -> list[str]:
+        said = [
+            r.getMessage() for r in caplog.records if "could not load a new weight version" in r.getMessage()
+        ]
+        return [message.rsplit("tried again in ", 1)[1] for message in said]
+
+    async def body() -> None:
+        await worker.start()
+        refuse_version_1(worker.engines[0], tried)
+        follower = asyncio.create_task(worker._follow_weights())
+        try:
+            publish_policy(weights, model, tokenizer, step=1)
+            await until(lambda: len(waits()) >= 3, "three failed loads of version 1")
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await worker.close()
+
+    with caplog.at_level(logging.WARNING, logger="rollout.worker"):
+        asyncio.run(body())
+    assert waits()[:3] == ["0.1 s", "0.2 s", "0.4 s"]
+    assert set(tried) == {1} and worker.version == 0
+
+
+def corrupt_model(weights: WeightStore, version: int) -> None:
+    """Flip the last byte of ``version``'s model file: it no longer matches its manifest."""
+    fs = weights.store.fs
+    model_file = f"{weights.version_path(version)}/model.safetensors"
+    payload = bytearray(fs.cat_file(model_file))
+    payload[-1] ^= 0xFF
+    fs.pipe_file(model_file, bytes(payload))
 
 
 def test_a_corrupt_version_is_refused_once_and_the_next_one_is_loaded(store, monkeypatch):
@@ -535,10 +618,7 @@ def test_a_corrupt_version_is_refused_once_and_the_next_one_is_loaded(store, mon
         await worker.start()
         try:
             publish_policy(weights, model, tokenizer, step=1)
-            model_file = f"{weights.version_path(1)}/model.safetensors"
-            payload = bytearray(store.fs.cat_file(model_file))
-            payload[-1] ^= 0xFF
-            store.fs.pipe_file(model_file, bytes(payload))
+            corrupt_model(weights, 1)
             with pytest.raises(CorruptVersion, match="model.safetensors"):
                 await worker.sync_weights()
             synced = [await worker.sync_weights() for _ in range(3)]
