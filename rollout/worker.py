@@ -387,6 +387,7 @@ class RolloutWorker:
             await self._load_on(self.engines, latest, path)
         except CorruptVersion:
             self._refused = latest
+            self._retry = None  # an older version's wait: this one is never tried again
             raise
         except Exception:
             # tried again later and later (each try verifies the copy's digests, a model's size

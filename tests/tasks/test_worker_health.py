@@ -601,6 +601,41 @@ def corrupt_model(weights: WeightStore, version: int) -> None:
     fs.pipe_file(model_file, bytes(payload))
 
 
+def test_a_corrupt_version_after_a_failed_one_is_not_said_to_be_tried_again(local_store, caplog):
+    """Version 1 failed to load (tried again later), then version 2 came corrupt: a refused
+    version is never tried again, and its warning said it was, with version 1's wait."""
+    run = RunConfig(engine={"replicas": 1}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 1})
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    worker = make_worker(local_store, run, weight_poll_s=0.05)
+    model, tokenizer = load_policy(weights.load(0))
+
+    def refused() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "model.safetensors" in r.getMessage()]
+
+    async def body() -> None:
+        await worker.start()
+        refuse_version_1(worker.engines[0], [])
+        try:
+            publish_policy(weights, model, tokenizer, step=1)
+            with pytest.raises(EngineError, match="does not fit"):
+                await worker.sync_weights()
+            publish_policy(weights, model, tokenizer, step=2)
+            corrupt_model(weights, 2)
+            follower = asyncio.create_task(worker._follow_weights())
+            await until(refused, "the corrupt version's warning")
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+        finally:
+            await worker.close()
+
+    with caplog.at_level(logging.WARNING, logger="rollout.worker"):
+        asyncio.run(body())
+    (warning,) = refused()
+    assert "could not load a new weight version" in warning and "tried again" not in warning
+    assert worker.version == 0
+
+
 def test_a_corrupt_version_is_refused_once_and_the_next_one_is_loaded(store, monkeypatch):
     """LATEST names a version whose weights do not match its manifest: the worker keeps
     serving its version and does not fetch and hash the refused one again at every poll
