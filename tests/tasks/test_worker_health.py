@@ -16,6 +16,7 @@ from rollout.engines.base import EngineError, SamplingParams
 from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine
 from rollout.router import RouterConfig
 from storage.shards import ShardReader
+from storage.status import InUse
 from storage.weights import CorruptVersion, WeightStore
 from tests.rl.test_trainer import TINY
 from tests.rollout.vllm_standin import StandinServer
@@ -319,6 +320,23 @@ def test_close_retries_the_last_commit_and_stops_the_engines_whatever_it_does(lo
     if failures <= len(worker.close_retry_s):
         reader = ShardReader(local_store)
         assert sum(reader.read(shard).num_rows for shard in reader.poll()[0]) == stats.finished > 0
+
+
+def test_close_does_not_retry_a_commit_refused_because_another_worker_took_the_name(local_store, caplog):
+    """Another worker runs under this one's name: its shards, not these, come next, so the
+    refused commit is raised at once, not tried again after each wait."""
+    run = RunConfig(orchestrator={"mix": {"arith": 1.0}})
+    worker = make_worker(local_store, run, close_retry_s=(0.01, 0.01, 0.01))
+    attempts = []
+
+    def close() -> None:
+        attempts.append(worker.writer.unsaved_records)
+        raise InUse("rollout worker name 'w0' was taken over (injected)")
+
+    worker.writer.close = close
+    with caplog.at_level(logging.WARNING, logger="rollout.worker"), pytest.raises(InUse, match="taken over"):
+        asyncio.run(worker.close())
+    assert len(attempts) == 1 and "trying again" not in caplog.text
 
 
 def test_a_worker_loads_its_version_onto_a_vllm_server_that_holds_another(local_store):
