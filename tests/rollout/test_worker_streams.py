@@ -84,3 +84,19 @@ def test_a_workers_seed_is_a_valid_orchestrator_seed():
     ]
     for seed in seeds:
         OrchestratorConfig(mix={"arith": 1.0}, seed=seed)
+
+
+def test_each_rollouts_env_is_made_with_the_runs_config_of_that_env(tmp_path):
+    run = RunConfig(run_id="envs", storage=StorageConfig(root=str(tmp_path / "runs")))
+    config = registry.make_config("arith", max_operand=5, ops=["-"])
+    worker = RolloutWorker(
+        RunStore(run.storage, run.run_id),
+        "w0",
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator,
+        env_configs={"arith": config},
+    )
+    task = next(task_streams(["arith"], {"arith": config}, seed=0)["arith"])
+    assert worker.make_env(task).config == config
