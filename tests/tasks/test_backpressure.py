@@ -25,7 +25,7 @@ from tasks.rollout import rollout_detail, run_rollouts
 from tasks.train import run_trainer
 from tests.rl.test_processor import record
 from tests.rl.test_trainer import TINY, config
-from tests.tasks.test_elastic_plan import make_worker
+from tests.tasks.test_elastic_plan import make_worker, until
 
 NOW = 1_000_000.0
 
@@ -149,7 +149,7 @@ def test_a_trainer_status_that_stops_being_readable_leaves_the_queue_unknown(wor
 
     async def follow() -> None:
         reader = asyncio.create_task(worker.follow_trainer())
-        await asyncio.sleep(0.1)
+        await until(lambda: worker.trainer_queue() is None, "a failed read to clear the queue")
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
 
