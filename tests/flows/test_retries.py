@@ -146,6 +146,64 @@ def test_progress_keeps_its_pace_when_the_wall_clock_is_set_back(prefect_api, mo
     assert "invalid value" not in caplog.text
 
 
+def test_progress_sends_its_bar_and_log_lines_at_their_pace_and_the_final_one_always(
+    prefect_api, monkeypatch, caplog
+):
+    """A bar at most every ``every_s``, a log line at most every ``log_every_s`` (each at the
+    pace exactly), the final update sent and logged at once with its detail; a bar toward a
+    total ends at the count (the work may end short of it) and never passes 100 %, one toward
+    a deadline ends full, and a deadline already passed at the start shows 0 %."""
+    clock = {"wall": time.time(), "monotonic": time.monotonic()}
+    monkeypatch.setattr(
+        tasks.report,
+        "time",
+        types.SimpleNamespace(time=lambda: clock["wall"], monotonic=lambda: clock["monotonic"]),
+    )
+    bars: list[tuple[str, float]] = []
+    monkeypatch.setattr(
+        tasks.report,
+        "update_progress_artifact",
+        lambda artifact_id, progress, description: bars.append((description, progress)),
+    )
+
+    def tick(seconds: float) -> None:
+        clock["wall"] += seconds
+        clock["monotonic"] += seconds
+
+    @task(**SIDE_EFFECTS)
+    def reports() -> None:
+        counted = ProgressReporter("rollouts", total=10, every_s=2.0, log_every_s=10.0)
+        for seconds, count in ((1, 1), (1, 2), (1, 3), (7, 4), (2, 12)):
+            tick(seconds)
+            counted.update(count, detail="busy")
+        tick(0.5)
+        counted.update(7, final=True, detail="done")
+        timed = ProgressReporter("steps", deadline=clock["wall"] + 100.0)
+        tick(10)
+        timed.update(1, final=True)
+        late = ProgressReporter("late", deadline=clock["wall"])
+        tick(1)
+        late.update(1)
+
+    @flow
+    def reporting_flow() -> None:
+        reports()
+
+    with caplog.at_level(logging.INFO):
+        assert reporting_flow(return_state=True).is_completed()
+    assert bars == [
+        ("rollouts: 1", 10.0),
+        ("rollouts: 3", 30.0),
+        ("rollouts: 4", 40.0),
+        ("rollouts: 12", 100.0),
+        ("rollouts: 7", 70.0),
+        ("steps: 1", 100.0),
+        ("late: 1", 0.0),
+    ]
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith(("rollouts: ", "steps: "))]
+    assert logged == ["rollouts: 4 — busy", "rollouts: 7 — done", "steps: 1"]
+
+
 def test_an_unreachable_prefect_api_at_the_run_report_does_not_fail_the_flow(
     prefect_api, tmp_path, monkeypatch, caplog
 ):
