@@ -3,6 +3,7 @@ cancels the async work, lets it clean up, and is raised once it has."""
 
 import asyncio
 import contextvars
+import gc
 import os
 import signal
 import subprocess
@@ -10,6 +11,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -197,18 +199,24 @@ def test_ctrl_c_cancels_main_which_cleans_up_before_keyboard_interrupt_is_raised
 
 
 def test_main_cancelled_before_its_loop_starts_never_runs():
+    """It is closed unrun: no 'coroutine was never awaited' warning in the run's log."""
     ran = []
 
     async def main() -> None:
         ran.append(True)
 
-    loop = _LoopThread(main())
-    loop.cancel()
-    loop.start()
-    loop.finished.wait(timeout=60)
-    with pytest.raises(asyncio.CancelledError):
-        loop.outcome()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop = _LoopThread(main())
+        loop.cancel()
+        loop.start()
+        loop.finished.wait(timeout=60)
+        with pytest.raises(asyncio.CancelledError):
+            loop.outcome()
+        del loop
+        gc.collect()
     assert ran == []
+    assert not [w for w in caught if "never awaited" in str(w.message)]
 
 
 def test_off_the_main_thread_it_runs_main_as_asyncio_run_does():
@@ -222,3 +230,20 @@ def test_off_the_main_thread_it_runs_main_as_asyncio_run_does():
     thread.start()
     thread.join(timeout=30)
     assert results == ["ran"]
+
+
+def test_a_loop_thread_that_cannot_start_raises_its_error_at_once(monkeypatch):
+    """Out of threads, the start fails: its error is raised, not waited on for a loop that
+    never ran."""
+
+    def out_of_threads(self) -> None:
+        raise RuntimeError("can't start new thread")
+
+    async def main() -> None:
+        pass
+
+    monkeypatch.setattr(_LoopThread, "start", out_of_threads)
+    unrun = main()
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        run_async(unrun)
+    unrun.close()
