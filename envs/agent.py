@@ -95,7 +95,15 @@ FORWARDED = {
     ("POST", "/v1/generate"),
     ("GET", "/v1/models"),
 }
-_DROP_HEADERS = {"host", "authorization", "connection", "keep-alive", "proxy-connection", "content-length"}
+_DROP_HEADERS = {
+    "host",
+    "authorization",
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "content-length",
+    "expect",
+}
 MAX_BODY = 16 * 1024 * 1024
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """An HTTP header name (RFC 9110 token)."""
@@ -331,6 +339,11 @@ class AgentEnv(Env):
             if length > MAX_BODY:
                 await _reply(writer, 400, "request too large")
                 return
+            if fields.get("expect", "").lower() == "100-continue":
+                # curl asks before a large body and waits a second for the go-ahead; the
+                # gateway gets the body whole, so the relay gives it
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                await writer.drain()
             body = await reader.readexactly(length)
             gateway = self.gateway
             upstream_url = urllib.parse.urlsplit(gateway.base_url)

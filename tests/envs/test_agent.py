@@ -286,6 +286,28 @@ def test_agent_relay_serves_max_processes_connections_at_once_and_frees_each(ups
     assert statuses == ["200"] * (limit + 1) + ["503"]
 
 
+EXPECT_CONTINUE = """
+body = b'{"messages": []}'
+head = b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: x\\r\\nExpect: 100-continue\\r\\nContent-Length: %d\\r\\n\\r\\n"
+with connect() as s:
+    s.settimeout(60)  # no answer at all: the relay waits for the body, the program for its go-ahead
+    s.sendall(head % len(body))
+    interim = b""
+    while not interim.endswith(b"\\r\\n\\r\\n") and (chunk := s.recv(1)):
+        interim += chunk
+    print(status(interim))
+    print(status(exchange(s, body)))
+"""
+
+
+def test_agent_relay_tells_a_program_that_expects_100_continue_to_send_its_body(upstream):
+    """curl asks for it (``Expect: 100-continue``) before a large body: the relay answers it
+    and reads the body, which it forwards whole, without the expectation."""
+    assert relayed_statuses(upstream, EXCHANGE % ("", EXPECT_CONTINUE)) == ["100", "200"]
+    [(_, headers, body)] = Upstream.seen
+    assert body == {"messages": []} and "Expect" not in headers
+
+
 BODY_LIMIT = """
 limit = int(sys.argv[1])
 empty = json.dumps({"messages": [], "pad": ""})
