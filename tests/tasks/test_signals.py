@@ -3,9 +3,12 @@ moment delays a signal, never loses it."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
-from tasks.common import send_signal, signal_path
+from tasks import common
+from tasks.common import clear_signals, send_signal, signal_path, watch_signal
 
 
 def flaky_pipe(store, monkeypatch, failures: int) -> list[str]:
@@ -35,3 +38,53 @@ def test_a_signal_the_store_keeps_refusing_is_an_error(local_store, monkeypatch)
     with pytest.raises(ConnectionResetError, match="injected"):
         send_signal(local_store, "k", "stop", retry_s=(0.01, 0.01))
     assert len(attempts) == 3
+
+
+@pytest.fixture
+def fast_watch(monkeypatch):
+    monkeypatch.setattr(common, "SIGNAL_POLL_S", 0.01)
+
+
+def watchers(name: str) -> list[threading.Thread]:
+    return [thread for thread in threading.enumerate() if thread.name == f"signal-{name}"]
+
+
+def test_a_watched_signal_is_seen_once_raised_and_not_before(local_store, fast_watch):
+    with watch_signal(local_store, "k", "rollouts-done") as raised:
+        send_signal(local_store, "another-key", "rollouts-done")
+        assert not raised.wait(0.1)
+        send_signal(local_store, "k", "rollouts-done")
+        assert raised.wait(30)
+    assert not watchers("rollouts-done")
+
+
+def test_a_watcher_ends_with_its_block_when_no_signal_came(local_store, fast_watch):
+    with watch_signal(local_store, "k", "never") as raised:
+        assert watchers("never")
+    assert not raised.is_set() and not watchers("never")
+
+
+def test_without_a_key_there_is_nothing_to_watch(local_store):
+    with watch_signal(local_store, None, "stop") as raised:
+        assert raised is None and not watchers("stop")
+
+
+def test_clearing_removes_the_signals_of_its_key_alone(local_store):
+    send_signal(local_store, "k", "stop")
+    send_signal(local_store, "other", "stop")
+    clear_signals(local_store, "k")
+    clear_signals(local_store, "never-signalled")
+    assert not local_store.fs.exists(local_store.path(signal_path("k", "stop")))
+    assert local_store.fs.exists(local_store.path(signal_path("other", "stop")))
+
+
+def test_a_store_that_refuses_to_clear_the_signals_is_an_error(local_store, monkeypatch):
+    """The pipeline warns of the signals it leaves behind; a silent failure would not."""
+    send_signal(local_store, "k", "stop")
+
+    def refused(path, **kwargs):
+        raise ConnectionResetError("connection reset (injected)")
+
+    monkeypatch.setattr(local_store.fs, "rm", refused)
+    with pytest.raises(ConnectionResetError, match="injected"):
+        clear_signals(local_store, "k")
