@@ -7,6 +7,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from rl import process_loop
@@ -219,3 +220,35 @@ def test_a_processor_whose_role_was_taken_before_it_commits_commits_nothing(tmp_
     assert sorted(tables.read("shards").column("kind").to_pylist()) == shard_kinds
     assert tables.read("trajectories").num_rows == 0
     assert board.read().owner == "the-new-one" and board.read().running
+
+
+def test_a_pass_sums_up_its_shards_drops_and_skips(tmp_path):
+    """The summary a flow reports: one trajectory of a shard dropped as a duplicate, and a
+    raw shard whose file went missing skipped, each counted by its reason."""
+    config = tiny_config(tmp_path / "runs", "summary")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    [record] = raw_records(store, 1, seed=6)
+    commit_raw(store, [record, {**record, "trajectory_id": f"{record['trajectory_id']}-twice"}])
+    commit_raw(store, raw_records(store, 1, seed=7), worker="w1")
+    [lost] = [row for row in Tables(store).read("shards").to_pylist() if row["worker"] == "w1"]
+    store.fs.rm(store.path(lost["path"]))
+    summary = process_pending.fn(config)
+    assert summary["shards"] == 1 and summary["skipped_file missing"] == 1
+    assert (summary["trajectories_in"], summary["trajectories_out"]) == (2, 1)
+    assert summary["dropped"] == {"duplicate": 1}
+
+
+def test_a_processor_whose_shard_reports_fail_processes_on_and_says_so(tmp_path, caplog):
+    """The Prefect API away for a moment fails the event of a processed shard, not the shard."""
+    config = tiny_config(tmp_path / "runs", "reports-fail")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    commit_raw(store, raw_records(store, 2, seed=5))
+
+    def unreachable(outcome):
+        raise httpx.ConnectError("Prefect API unreachable (injected)")
+
+    assert run_processor(config, time.time(), on_shard=unreachable)["shards"] == 1
+    assert Tables(store).read("trajectories").num_rows == 2
+    assert "report of a processed shard failed, the work goes on" in caplog.text
