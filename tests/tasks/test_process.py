@@ -105,6 +105,7 @@ def test_a_pending_pass_is_bounded_by_what_was_pending_when_it_started(tmp_path,
     assert process_pending.fn(config)["shards"] == 1
     assert Tables(store).read("trajectories").num_rows == 2
     assert not ProcessorStatusBoard(store).read().running
+    assert not [thread for thread in threading.enumerate() if thread.name == "processor status"]
     assert process_pending.fn(config)["shards"] == 1  # the next pass takes the late one
     assert Tables(store).read("trajectories").num_rows == 4
 
