@@ -24,17 +24,17 @@ from tests.flows.prefect_api import artifacts_of
 
 
 @task(**SIDE_EFFECTS, **{**STORAGE_RETRIES, "retry_delay_seconds": 0})
-def fails_once(error: type[Exception], attempts: Path) -> int:
+def fails_at_first(error: type[Exception], attempts: Path, failures: int) -> int:
     with attempts.open("a") as out:
         out.write("attempt\n")
-    if len(attempts.read_text().splitlines()) == 1:
-        raise error("first attempt fails")
+    if len(attempts.read_text().splitlines()) <= failures:
+        raise error("an early attempt fails")
     return 2
 
 
 @flow
-def calls(error: type[Exception], attempts: Path) -> int:
-    return fails_once(error, attempts)
+def calls(error: type[Exception], attempts: Path, failures: int = 1) -> int:
+    return fails_at_first(error, attempts, failures)
 
 
 class NoEndpoint(EndpointConnectionError):
@@ -62,6 +62,13 @@ class NoEndpoint(EndpointConnectionError):
 )
 def test_a_transient_error_is_retried(prefect_api, tmp_path, error):
     assert calls(error, tmp_path / "attempts") == 2
+
+
+def test_a_transient_error_is_retried_three_times_then_fails_the_task(prefect_api, tmp_path):
+    assert calls(ConnectionResetError, tmp_path / "outage", failures=3) == 2
+    with pytest.raises(ConnectionResetError):
+        calls(ConnectionResetError, tmp_path / "longer", failures=4)
+    assert len((tmp_path / "longer").read_text().splitlines()) == 4
 
 
 @pytest.mark.parametrize(
