@@ -253,3 +253,18 @@ def test_a_processor_whose_shard_reports_fail_processes_on_and_says_so(tmp_path,
     assert run_processor(config, time.time(), on_shard=unreachable)["shards"] == 1
     assert Tables(store).read("trajectories").num_rows == 2
     assert "report of a processed shard failed, the work goes on" in caplog.text
+
+
+def test_the_text_column_keeps_the_special_tokens(tmp_path):
+    """The text is what the policy saw: an end-of-turn token stays in it."""
+    config = tiny_config(tmp_path / "runs", "special-tokens")
+    store = run_store(config)
+    weights = WeightStore(store)
+    ensure_base_version(weights, TINY)
+    _, tokenizer = load_policy(weights.load(0))
+    [record] = raw_records(store, 1, seed=8)
+    record["tokens"][-1] = tokenizer.eos_token_id
+    commit_raw(store, [record])
+    assert len(shard_processor(config).poll()) == 1
+    [text] = Tables(store).read("trajectories").column("text").to_pylist()
+    assert text.endswith(tokenizer.eos_token), text
