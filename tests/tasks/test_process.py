@@ -268,3 +268,25 @@ def test_the_text_column_keeps_the_special_tokens(tmp_path):
     assert len(shard_processor(config).poll()) == 1
     [text] = Tables(store).read("trajectories").column("text").to_pylist()
     assert text.endswith(tokenizer.eos_token), text
+
+
+def test_a_processor_told_to_stop_drains_once_and_returns_before_its_deadline(tmp_path, monkeypatch):
+    """The rollouts are done (``stop`` set): what they committed is processed, and the
+    processor returns rather than poll on to its deadline."""
+    config = tiny_config(tmp_path / "runs", "stopped")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    commit_raw(store, raw_records(store, 2, seed=9))
+    polls = []
+    poll = ShardProcessor.poll
+
+    def polled_once(self):
+        polls.append(self)
+        assert len(polls) == 1, "polled on after its stop"
+        return poll(self)
+
+    monkeypatch.setattr(ShardProcessor, "poll", polled_once)
+    stop = threading.Event()
+    stop.set()
+    assert run_processor(config, time.time() + 3600, stop=stop)["shards"] == 1
+    assert Tables(store).read("trajectories").num_rows == 2
