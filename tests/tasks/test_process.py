@@ -290,3 +290,20 @@ def test_a_processor_told_to_stop_drains_once_and_returns_before_its_deadline(tm
     stop.set()
     assert run_processor(config, time.time() + 3600, stop=stop)["shards"] == 1
     assert Tables(store).read("trajectories").num_rows == 2
+
+
+@pytest.mark.parametrize("how", ["continuous", "pending"])
+def test_a_processor_saves_its_place_in_the_log_when_it_ends(tmp_path, monkeypatch, how):
+    """Even with no periodic save due: the next processor of the run starts after the
+    shards this one processed rather than going over them again."""
+    monkeypatch.setattr(process_loop, "SAVE_EVERY_S", float("inf"))
+    config = tiny_config(tmp_path / "runs", "saves-offset")
+    store = run_store(config)
+    ensure_base_version(WeightStore(store), TINY)
+    commit_raw(store, raw_records(store, 2, seed=10))
+    start = {
+        "continuous": lambda: run_processor(config, time.time()),
+        "pending": lambda: process_pending.fn(config),
+    }[how]
+    assert start()["shards"] == 1
+    assert ShardProcessor(store, config.processor).poll() == []
