@@ -77,6 +77,7 @@ async def run(
     service_config=None,
     stop_launching=None,
     on_result=None,
+    serving=None,
 ):
     model, tokenizer = tiny
     engine = TorchEngine(model, tokenizer, name="torch-0")
@@ -97,6 +98,7 @@ async def run(
         quota=quota,
         stop_launching=stop_launching,
         on_result=on_result,
+        serving=serving,
     )
     try:
         job = asyncio.create_task(orchestrator.run())
@@ -822,3 +824,40 @@ def test_a_group_uniform_but_for_an_errored_member_is_filtered_and_only_its_infr
     assert stats.finished == 8 and statuses["infra_error"] == 1 and statuses["env_error"] == 1
     assert stats.groups_filtered == 2 and stats.groups_kept == 0
     assert sink.writes == [1] and [record["status"] for record in sink.records] == ["infra_error"]
+
+
+def test_each_start_goes_to_the_task_furthest_below_its_share(tiny):
+    # one at a time, so the records come in start order: guess (the larger share) goes first,
+    # then arith once guess is a full share ahead of it
+    config = OrchestratorConfig(mix={"arith": 1.0, "guess": 3.0}, concurrency=1, max_rollouts=4)
+    sink = ListSink()
+    asyncio.run(run(tiny, config, streams("arith", "guess"), sink))
+    assert [record["task"] for record in sink.records] == ["guess", "arith", "guess", "guess"]
+
+
+def test_a_task_weighted_zero_is_left_out_of_the_mix():
+    orchestrator = Orchestrator(
+        None, streams("arith", "guess"), ListSink(), OrchestratorConfig(mix={"arith": 1.0, "guess": 0.0})
+    )
+    assert orchestrator.mix == {"arith": 1.0}
+    orchestrator.set_mix({"arith": 0.0, "guess": 2.0})
+    assert orchestrator.mix == {"guess": 1.0}
+
+
+def test_launching_waits_while_no_engine_replica_is_in_service(tiny, caplog):
+    in_service = {"on": False}
+
+    async def during(orchestrator):
+        await asyncio.sleep(0.5)
+        during.started = sum(c.started for c in orchestrator.stats.tasks.values())
+        during.paused = orchestrator.stats.paused
+        in_service["on"] = True
+
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=4)
+    with caplog.at_level(logging.WARNING, logger="rollout.orchestrator"):
+        _, stats = asyncio.run(
+            run(tiny, config, streams("arith"), ListSink(), serving=lambda: in_service["on"], during=during)
+        )
+    assert during.started == 0 and during.paused == "no engine replica in service"
+    assert "no engine replica is in service" in caplog.text
+    assert stats.finished == 4 and stats.paused is None
