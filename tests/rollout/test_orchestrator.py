@@ -183,7 +183,8 @@ def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
         during.started_while_paused = sum(c.started for c in orchestrator.stats.tasks.values())
         during.paused_s_while_paused = orchestrator.stats.paused_s  # what a status shows mid-pause
         during.paused_while_paused = orchestrator.stats.as_dict()["paused"]
-        backlog["shards"] = 0
+        backlog["shards"] = 8  # at the limit is not above it
+        await until(lambda: orchestrator.stats.tasks["arith"].started > 0)
 
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8, max_backlog=8)
     _, stats = asyncio.run(
@@ -254,6 +255,7 @@ def test_a_full_trainer_queue_pauses_launching_until_it_shrinks(tiny, limit):
         during.started_while_full = sum(c.started for c in orchestrator.stats.tasks.values())
         during.paused = orchestrator.stats.paused
         queue["batches"] = 2.0  # at the limit is not above it
+        await until(lambda: orchestrator.stats.tasks["arith"].started > 0)
 
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8, max_trainer_batches=limit)
     _, stats = asyncio.run(
