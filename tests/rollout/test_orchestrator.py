@@ -863,3 +863,36 @@ def test_launching_waits_while_no_engine_replica_is_in_service(tiny, caplog):
     assert during.started == 0 and during.paused == "no engine replica in service"
     assert "no engine replica is in service" in caplog.text
     assert stats.finished == 4 and stats.paused is None
+
+
+def test_rollout_seeds_count_up_from_the_base_seeds_stride(tiny):
+    model, tokenizer = tiny
+    seeds = []
+
+    async def body():
+        engine, service = arith_service(model, tokenizer)
+        process = service.process
+
+        async def recorded(request):
+            seeds.append(request.seed)
+            return await process(request)
+
+        service.process = recorded
+        config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=1, max_rollouts=3, seed=3)
+        try:
+            await Orchestrator(service, streams("arith"), ListSink(), config).run()
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
+    assert seeds == [3 * SEED_STRIDE + 1, 3 * SEED_STRIDE + 2, 3 * SEED_STRIDE + 3]
+
+
+def test_groups_of_two_share_a_group_id(tiny):
+    config = OrchestratorConfig(
+        mix={"arith": 1.0}, concurrency=2, group_size=2, max_rollouts=4, filter_uniform_groups=False
+    )
+    sink = ListSink()
+    asyncio.run(run(tiny, config, streams("arith"), sink))
+    ids = [record["group_id"] for record in sink.records]
+    assert len(ids) == 4 and all(ids) and len(set(ids)) == 2
