@@ -896,3 +896,37 @@ def test_groups_of_two_share_a_group_id(tiny):
     asyncio.run(run(tiny, config, streams("arith"), sink))
     ids = [record["group_id"] for record in sink.records]
     assert len(ids) == 4 and all(ids) and len(set(ids)) == 2
+
+
+class UnreleasableQuota(RunQuota):
+    """A run quota whose storage is unreachable when rollouts are given back."""
+
+    def release(self, unused):
+        raise OSError("storage unreachable")
+
+
+def test_unused_rollouts_that_cannot_be_given_back_are_logged_and_the_run_still_ends(
+    tiny, local_store, caplog
+):
+    quota = UnreleasableQuota(local_store, "rollouts", 8)
+
+    async def during(orchestrator):
+        await until(lambda: orchestrator.stats.peak_in_flight == 4)
+        orchestrator.stop()
+
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
+    with caplog.at_level(logging.WARNING, logger="rollout.orchestrator"):
+        _, stats = asyncio.run(
+            run(
+                tiny,
+                config,
+                streams("arith"),
+                ListSink(),
+                make_env=lambda task: StuckEnv(),
+                quota=quota,
+                during=during,
+            )
+        )
+    assert len(stats.cut_short) == 4
+    assert "could not give back 4 unused rollouts" in caplog.text
+    assert quota.claimed() == 4
