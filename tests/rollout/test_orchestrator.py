@@ -930,3 +930,25 @@ def test_unused_rollouts_that_cannot_be_given_back_are_logged_and_the_run_still_
     assert len(stats.cut_short) == 4
     assert "could not give back 4 unused rollouts" in caplog.text
     assert quota.claimed() == 4
+
+
+def test_a_mix_naming_a_task_with_no_stream_is_refused():
+    config = OrchestratorConfig(mix={"arith": 1.0, "nosuch": 1.0})
+    with pytest.raises(ValueError, match=r"mix names tasks with no task stream: \['nosuch'\]"):
+        Orchestrator(None, streams("arith"), ListSink(), config)
+
+
+class HostAlwaysLost(ArithEnv):
+    name = "arith"
+
+    async def step(self, action: str) -> StepResult:
+        raise EnvHostLost("the env's host died (injected)")
+
+
+def test_a_group_whose_members_all_errored_is_filtered_with_its_infra_errors_written(tiny):
+    # nothing in it is trained on, so it has nothing to teach: not a kept group
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=4)
+    _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: HostAlwaysLost()))
+    assert stats.groups_filtered == 1 and stats.groups_kept == 0
+    assert sink.writes == [4] and {record["status"] for record in sink.records} == {"infra_error"}
