@@ -767,14 +767,19 @@ def test_a_group_member_failing_outside_the_service_leaves_the_others_written(ti
 
 
 class OneTimesOutInFour(OneStuckInFour):
-    """Every fourth environment made never answers (its rollout times out); the others score 1."""
+    """Every fourth environment made never answers (its rollout times out); the others score ``score``."""
+
+    score = 1.0
 
     async def evaluate(self) -> float:
-        return 1.0
+        return self.score
 
 
-def test_a_group_whose_members_all_scored_alike_but_one_timed_out_is_kept(tiny):
-    # the trainer trains a timeout as reward 0: rewards 1, 1, 1, 0 are an informative group
+@pytest.mark.parametrize("others", [1.0, 0.0])
+def test_a_group_whose_members_all_scored_alike_but_one_timed_out_is_scored_with_it_as_0(tiny, others):
+    # the trainer trains a timeout as reward 0: rewards 1, 1, 1, 0 are an informative group,
+    # 0, 0, 0, 0 a uniform one
+    OneTimesOutInFour.score = others
     sink = ListSink()
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=4)
     OneStuckInFour.made = itertools.count()
@@ -788,6 +793,9 @@ def test_a_group_whose_members_all_scored_alike_but_one_timed_out_is_kept(tiny):
             service_config=ServiceConfig(max_new_tokens=4, timeout_s=5),
         )
     )
+    if others == 0.0:
+        assert stats.groups_kept == 0 and stats.groups_filtered == 1 and sink.records == []
+        return
     assert stats.groups_kept == 1 and stats.groups_filtered == 0
     rewards = sorted((record["status"] == "timeout", record["reward"]) for record in sink.records)
     assert rewards == [(False, 1.0)] * 3 + [(True, None)]
