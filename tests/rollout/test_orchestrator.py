@@ -776,10 +776,12 @@ class OneTimesOutInFour(OneStuckInFour):
 
 
 @pytest.mark.parametrize("others", [1.0, 0.0])
-def test_a_group_whose_members_all_scored_alike_but_one_timed_out_is_scored_with_it_as_0(tiny, others):
+def test_a_group_whose_members_all_scored_alike_but_one_timed_out_is_scored_with_it_as_0(
+    tiny, others, monkeypatch
+):
     # the trainer trains a timeout as reward 0: rewards 1, 1, 1, 0 are an informative group,
     # 0, 0, 0, 0 a uniform one
-    OneTimesOutInFour.score = others
+    monkeypatch.setattr(OneTimesOutInFour, "score", others)
     sink = ListSink()
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=4)
     OneStuckInFour.made = itertools.count()
