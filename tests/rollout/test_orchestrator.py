@@ -299,8 +299,7 @@ class StuckEnv(ArithEnv):
 
 def test_stop_cuts_in_flight_rollouts_short_and_flushes(tiny):
     async def during(orchestrator):
-        while orchestrator.stats.peak_in_flight < 6:
-            await asyncio.sleep(0.01)
+        await until(lambda: orchestrator.stats.peak_in_flight >= 6)
         await asyncio.sleep(0.1)
         orchestrator.stop()
 
@@ -353,8 +352,7 @@ def test_a_stop_during_a_quota_claim_launches_nothing_and_gives_the_claim_back(t
     quota = HeldQuota(local_store, "rollouts", 8)
 
     async def during(orchestrator):
-        while not quota.claiming.is_set():
-            await asyncio.sleep(0.01)
+        await until(quota.claiming.is_set)
         orchestrator.stop()
         quota.go.set()
 
@@ -499,8 +497,7 @@ def test_rollouts_finished_while_paused_are_written_and_a_stop_keeps_them(tiny):
     lagging = {"on": False}
 
     async def during(orchestrator):
-        while orchestrator.stats.peak_in_flight < 4:
-            await asyncio.sleep(0.01)
+        await until(lambda: orchestrator.stats.peak_in_flight >= 4)
         lagging["on"] = True  # launching pauses with 4 in flight, each done 0.5 s later
         for _ in range(1000):
             if orchestrator.stats.written == 4:
@@ -611,8 +608,7 @@ def test_a_stop_while_a_finished_rollout_closes_its_env_still_writes_it(tiny):
 
 def test_a_rollout_cancelled_by_someone_else_is_logged_and_counted(tiny, caplog):
     async def during(orchestrator):
-        while not orchestrator.service.status()["in_flight"]:
-            await asyncio.sleep(0.01)
+        await until(lambda: orchestrator.service.status()["in_flight"])
         (rollout_id,) = orchestrator._in_flight.values()
         during.rollout_id = rollout_id
         assert orchestrator.service.cancel(rollout_id)  # the service's cancel, not a stop
