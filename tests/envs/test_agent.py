@@ -471,17 +471,7 @@ def test_agent_env_needs_a_command_and_scores_zero_without_an_eval_command(upstr
     with pytest.raises(ValueError, match="needs config.command"):
         asyncio.run(make("agent", config(command="")).reset(task))
 
-    async def episode():
-        env = make("agent", config(command="true", eval_command=""))
-        env.attach_gateway(GatewaySession(upstream, "k", "s"))
-        await env.reset(task)
-        try:
-            await env.run()
-            return await env.evaluate()
-        finally:
-            await env.close()
-
-    assert asyncio.run(episode()) == 0.0
+    assert scored(upstream, config(command="true", eval_command="")) == 0.0
 
 
 def test_agent_env_refuses_a_split_with_no_tasks():
@@ -517,10 +507,10 @@ def test_agent_task_data_cannot_replace_the_id_or_prompt_in_task_json():
             make("agent", config(tasks=[{"id": "t", "prompt": "p", "data": {key: "other"}}]))
 
 
-def test_agent_eval_printing_nan_scores_zero(upstream):
-    cfg = config(command="true", eval_command="echo passed 0 of 0; echo nan")
+def scored(upstream: str, cfg) -> float:
+    """The score of one episode of the agent env configured by ``cfg``, its program run to its end."""
 
-    async def episode():
+    async def episode() -> float:
         env = make("agent", cfg)
         env.attach_gateway(GatewaySession(upstream, "k", "s"))
         await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
@@ -530,7 +520,11 @@ def test_agent_eval_printing_nan_scores_zero(upstream):
         finally:
             await env.close()
 
-    assert asyncio.run(episode()) == 0.0
+    return asyncio.run(episode())
+
+
+def test_agent_eval_printing_nan_scores_zero(upstream):
+    assert scored(upstream, config(command="true", eval_command="echo passed 0 of 0; echo nan")) == 0.0
 
 
 def test_what_the_agents_work_printed_never_turns_its_program_or_eval_into_a_sandbox_error(upstream):

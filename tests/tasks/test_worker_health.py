@@ -408,6 +408,15 @@ def test_a_worker_whose_sessions_hold_more_than_its_vllm_server_does_not_start(l
     asyncio.run(body())
 
 
+def run_on(servers: list[StandinServer]) -> RunConfig:
+    """A run whose engines are ``servers`` (of 256 positions), one arith rollout at a time."""
+    return RunConfig(
+        engine={"kind": "vllm", "vllm": [{"base_url": server.url} for server in servers]},
+        gateway={"max_context_tokens": 256},
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
+    )
+
+
 def test_a_vllm_server_down_at_start_serves_once_it_is_up_and_has_loaded_the_version(
     local_store, monkeypatch
 ):
@@ -428,11 +437,7 @@ def test_a_vllm_server_down_at_start_serves_once_it_is_up_and_has_loaded_the_ver
 
     async def body() -> None:
         servers = [await StandinServer(launched_with, max_model_len=256).start() for _ in range(2)]
-        run = RunConfig(
-            engine={"kind": "vllm", "vllm": [{"base_url": server.url} for server in servers]},
-            gateway={"max_context_tokens": 256},
-            orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
-        )
+        run = run_on(servers)
         worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
         try:
             await worker.start()
@@ -480,11 +485,7 @@ def test_a_vllm_server_up_at_start_that_fails_to_load_the_version_stays_out_of_s
 
     async def body() -> None:
         servers = [await StandinServer(launched_with, max_model_len=256).start() for _ in range(2)]
-        run = RunConfig(
-            engine={"kind": "vllm", "vllm": [{"base_url": server.url} for server in servers]},
-            gateway={"max_context_tokens": 256},
-            orchestrator={"mix": {"arith": 1.0}, "concurrency": 1},
-        )
+        run = run_on(servers)
         worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05))
         try:
             await worker.start()
