@@ -116,6 +116,14 @@ async def open_session(client: httpx.AsyncClient, **fields) -> str:
     return response.json()["session_id"]
 
 
+async def session_on(client: httpx.AsyncClient, router: Router, replica: str) -> str:
+    """A new session that the router sends to ``replica``."""
+    while True:
+        sid = await open_session(client)
+        if router.route(sid).name == replica:
+            return sid
+
+
 def test_bearer_token_is_required(tiny):
     async def body():
         async with serving(tiny) as (_, server, client):
@@ -1035,11 +1043,7 @@ def test_a_text_completion_retried_after_an_engine_failure_appends_its_prompt_on
     async def body():
         async with serving(tiny, dead_replica=True) as (gateway, _, client):
             router = gateway.router
-            sid = None
-            while sid is None:
-                candidate = await open_session(client)
-                if router.route(candidate).name == "dead":
-                    sid = candidate
+            sid = await session_on(client, router, "dead")
             headers = {SESSION_HEADER: sid}
 
             async def failed_then_retried(text: str) -> dict:
@@ -1247,11 +1251,7 @@ def test_a_chat_request_retried_after_an_engine_failure_appends_its_messages_onc
     async def body():
         async with serving(tiny, dead_replica=True) as (gateway, _, client):
             router = gateway.router
-            sid = None
-            while sid is None:
-                candidate = await open_session(client)
-                if router.route(candidate).name == "dead":
-                    sid = candidate
+            sid = await session_on(client, router, "dead")
             headers = {SESSION_HEADER: sid}
             request = {"messages": USER, "max_tokens": 3, "seed": 0}
             failed = await client.post("/v1/chat/completions", json=request, headers=headers)
