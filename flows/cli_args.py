@@ -17,8 +17,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, SecretStr
 
+from envs.registry import REGISTRY
 from flows.config import (
     ConfigError,
+    EnvsConfig,
     Replacement,
     RunConfig,
     load_config,
@@ -187,19 +189,25 @@ def parse(
 
 
 def _annotation(key: str) -> Any:
-    """The type of the :class:`RunConfig` field that dotted ``key`` names, None when it names
-    none. A mapping given for a field of type ``dict`` (``orchestrator.mix``) replaces it; one
+    """The type of the :class:`RunConfig` field that dotted ``key`` names (a registered
+    environment's fields included), None when it names none. A mapping given for a field of type ``dict`` (``orchestrator.mix``) replaces it; one
     given for a section (a model, or a model or None: ``envs.agent``) merges into it."""
     model: type[BaseModel] = RunConfig
     *sections, name = key.split(".")
     for section in sections:
         field = model.model_fields.get(section)
-        inner = _section_model(field.annotation) if field else None
+        inner = _section_model(field.annotation) if field else _registered_env(model, section)
         if inner is None:
             return None
         model = inner
     field = model.model_fields.get(name)
     return field and field.annotation
+
+
+def _registered_env(model: type[BaseModel], name: str) -> type[BaseModel] | None:
+    """The config model of the environment registered as ``name``, when ``model`` is the
+    ``envs`` section (which takes a registered one under its name, beside its fields)."""
+    return REGISTRY[name].config_cls if model is EnvsConfig and name in REGISTRY else None
 
 
 def _kinds(annotation: Any) -> set:
