@@ -981,6 +981,14 @@ def test_the_default_config_is_found_outside_the_repository(tmp_path, monkeypatc
     assert config == load_config(REPO / "configs" / "tiny.yaml", {"run_id": "elsewhere"})
 
 
+def test_the_current_directorys_default_config_is_taken_over_the_repositorys(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "configs").mkdir()
+    (tmp_path / "configs" / "tiny.yaml").write_text("run_id: from-here\n")
+    config, _ = parse("a flow", [])
+    assert config.run_id == "from-here"
+
+
 @pytest.mark.parametrize(
     ("argv", "run_id"),
     [
@@ -1108,10 +1116,12 @@ def test_inspect_says_its_times_are_utc(local_store):
     assert "  v0    step 0      2026-07-01 01:00:00 UTC (pruned)" in inspect_run(local_store)
 
 
-def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time():
+@pytest.mark.parametrize(("given", "taken"), [(None, "120"), ("300", "300")])
+def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time(given, taken):
     """``python -m flows.<flow>`` imports Prefect (the flow's module) before its command line
     is parsed: the 120 s for a fresh Prefect home to start its server went into the
-    environment after Prefect had read it, so the server still had Prefect's 20 s."""
+    environment after Prefect had read it, so the server still had Prefect's 20 s. A time
+    the environment gives is kept."""
     probe = (
         "import flows.maintain\n"
         "from flows.cli_args import parse\n"
@@ -1120,11 +1130,13 @@ def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time()
         "print(timeout.value())\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    if given is not None:
+        env["PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"] = given
     result = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split() == ["120"]
+    assert result.stdout.split() == [taken]
 
 
 def processes_of(home: Path) -> dict[int, str]:

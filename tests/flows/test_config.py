@@ -19,6 +19,7 @@ from prefect.utilities.callables import parameter_schema
 from pydantic import ValidationError
 
 from envs import registry
+from envs.agent import AgentEnv
 from envs.arith import ArithEnv
 from flows.cli_args import parse
 from flows.config import (
@@ -281,6 +282,15 @@ def with_sets(sets: list[str]) -> list[str]:
             ["engine.vllm.0.base_url=http://127.0.0.1:8000"],
             "--set engine.vllm.0.base_url: engine.vllm is a list, which --set sets whole: engine.vllm=[...]",
         ),
+        (
+            ["engine.vllm.base_url=http://127.0.0.1:8000"],
+            "--set engine.vllm.base_url: engine.vllm is a list, which --set sets whole: engine.vllm=[...]",
+        ),
+        (
+            ["gateway.eos_token_ids.0=2"],
+            "--set gateway.eos_token_ids.0: gateway.eos_token_ids is a list, which --set sets whole: "
+            "gateway.eos_token_ids=[...]",
+        ),
         # a field named by an empty part: the config's error named no field ("Extra inputs …")
         (["sao..lr=1"], "--set 'sao..lr': a field's name has an empty part"),
         (["=hunter2"], "--set '': a field's name has an empty part"),
@@ -335,17 +345,20 @@ def test_a_mapping_set_on_the_command_line_replaces_a_mapping_field_and_updates_
 
 
 def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
-    """YAML reads ``2024`` as a number and ``2024-12-03`` as a date; a field that holds text
-    (a run id, a key) gets the characters given, while a number field still gets a number."""
+    """YAML reads ``2024`` and ``1.50`` as numbers and ``2024-12-03`` as a date; a field that
+    holds text (a run id, a key) gets the characters given, while a number field still gets
+    a number."""
     sets = [
         "run_id=2024",
         "storage.secret_access_key=123456",
+        "storage.session_token=1.50",
         "ray_address=2024-12-03",
         "storage.retries=5",
     ]
     config, _ = parse("test", with_sets(sets))
     assert config.run_id == "2024"
     assert config.storage.secret_access_key.get_secret_value() == "123456"
+    assert config.storage.session_token.get_secret_value() == "1.50"
     assert config.ray_address == "2024-12-03"
     assert config.storage.retries == 5
 
@@ -383,6 +396,41 @@ def test_overrides_merge_into_the_file_and_are_validated(tmp_path):
     assert (config.sao.lr, config.stop.max_seconds, config.sao.mode) == (0.5, 7, "sao")
     with pytest.raises(ConfigError, match=r"sao\.lr"):
         load_config(TINY, {"sao": {"lr": "fast"}})
+
+
+def test_a_value_set_for_a_text_field_of_a_registered_environment_stays_text(monkeypatch):
+    """A registered environment's section is no field of the run config: its fields' types
+    come from its own config, so text stays text there too (``true`` and ``2024`` were taken
+    for a boolean and a number, which its text fields refused)."""
+
+    class MyAgent(AgentEnv):
+        name = "my_agent"
+
+    monkeypatch.setitem(registry.REGISTRY, MyAgent.name, MyAgent)  # what registry.register does
+    config, _ = parse("test", with_sets(["envs.my_agent.command=true", "envs.my_agent.eval_command=2024"]))
+    agent = config.env_config("my_agent")
+    assert (agent.command, agent.eval_command) == ("true", "2024")
+
+
+def test_an_empty_run_id_on_the_command_line_is_refused_not_taken_for_none(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parse("test", ["--config", str(TINY), "--run-id", ""])
+    assert exited.value.code == 2
+    assert f"error: invalid run config {TINY}: run_id: run_id may hold letters" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("missing", ["ray", "prefect_ray"])
+def test_a_ray_flows_command_line_exits_naming_the_missing_extra(capsys, monkeypatch, missing):
+    """A flow that runs on Ray checks the extra before its flow starts; one that does not
+    (``ray=False``: the train flow) starts without it."""
+    monkeypatch.setitem(sys.modules, missing, None)  # its import then fails as if not installed
+    argv = with_sets(["cluster=ray"])
+    with pytest.raises(SystemExit) as exited:
+        parse("test", argv, ray=True)
+    assert exited.value.code == 2
+    assert f"error: cluster is 'ray', but {missing} is not installed: pip install" in capsys.readouterr().err
+    config, _ = parse("test", argv)
+    assert config.cluster == "ray"
 
 
 def test_flow_command_line_exits_with_the_field_name(tmp_path):
