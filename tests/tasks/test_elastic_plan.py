@@ -35,6 +35,7 @@ from storage.weights import WeightStore
 from tasks.process import run_processor
 from tasks.rollout import router_config, run_rollouts, status_object
 from tasks.train import keep_decision, run_trainer
+from tests.conftest import published_by
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
 from tests.rollout.test_elastic_plan import status as replica_status
 
@@ -719,6 +720,21 @@ def test_a_decision_whose_plan_could_not_be_published_is_not_logged_as_applied(t
     assert [d["applied"] for d in records[0]["decisions"]] == [False]
 
 
+def test_a_plan_the_same_as_the_one_published_lately_is_not_published_again(tmp_path, monkeypatch):
+    """Every step decides, and on S3 every plan published is a PUT: the first decision drains
+    ``w0/torch-1``, the next two leave it draining, and only the release at the end differs."""
+    run, store = trainer_run(tmp_path, "elastic-unchanged")
+    write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
+    RolloutStatusBoard(store).publish(worker_status({"torch-0": 3, "torch-1": 1}))
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    plans = published_by(monkeypatch, ElasticPlanBoard)
+    monkeypatch.setattr("tasks.train.PLAN_REFRESH_S", 3600.0)
+    assert drain_with_an_idle_engine(run, planner)["steps"] == 3
+    assert [(plan.draining, plan.running) for plan in plans] == [(["w0/torch-1"], True), ([], False)]
+
+
 def drain_with_an_idle_engine(run, planner) -> dict:
     """``run_trainer`` on ``planner`` until it has trained every shard, its engines queueing nothing."""
     return run_trainer(
@@ -828,6 +844,86 @@ def test_every_decision_since_the_last_step_reaches_the_next_row_with_its_moves(
         (m.time, m.unit, m.target) for m in planner.controller.moves[before:] if m.time <= records[-1]["time"]
     ]
     assert sorted(logged) == sorted(made)
+
+
+def test_the_moves_decided_after_the_last_train_steps_row_go_to_the_log(tmp_path, caplog):
+    """The trainer waits for data and is stopped before its first step: the ticker handed the
+    drained replica to training, and with no row to carry it that move is logged."""
+    run, store = trainer_run(tmp_path, "elastic-unlogged", poll_seconds=0.1)
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    lend_a_replica(planner, RolloutStatusBoard(store))
+    inputs = recording(planner)
+    stop = threading.Event()
+    with caplog.at_level(logging.INFO, logger="tasks.train"):
+        train_through_two_decisions(run, planner, inputs, stop, stop=stop)
+    (logged,) = [
+        r for r in caplog.records if r.message.startswith("elastic moves after the last train_steps row")
+    ]
+    assert "'unit': 'w0/torch-1'" in logged.message and "'target': 'train'" in logged.message
+
+
+def test_a_decision_of_the_ticker_that_fails_is_made_again_at_the_next_tick(tmp_path, caplog):
+    """The trainer waits for data, so only the ticker decides: its first decision raises,
+    the failure is logged and the ticker goes on deciding."""
+    run, store = trainer_run(tmp_path, "elastic-tick-fails", poll_seconds=30)
+    RolloutStatusBoard(store).publish(worker_status({"torch-0": 3, "torch-1": 1}))
+    planner = ElasticPlanner(ElasticConfig(sessions_per_replica=8, headroom_slots=0))
+    decide, failures = planner.decide, []
+
+    def fails_once(statuses, policy_inputs, now):
+        if not failures:
+            failures.append(now)
+            raise OSError("the controller's input could not be read (injected)")
+        return decide(statuses, policy_inputs, now)
+
+    planner.decide = fails_once
+    inputs = recording(planner)
+    stop = threading.Event()
+    with caplog.at_level(logging.WARNING, logger="tasks.train"):
+        train_through_two_decisions(run, planner, inputs, stop, stop=stop)
+    assert len(failures) == 1 and len(inputs) >= 2
+    assert "elastic decision failed: the controller's input could not be read (injected)" in caplog.text
+
+
+def test_the_workers_statuses_are_read_at_most_once_a_status_refresh(tmp_path, monkeypatch):
+    """Every step decides, but on S3 a read of the statuses is a listing and a GET per worker:
+    within ``STATUS_REFRESH_S`` (here an hour) the three steps decide on one read."""
+    run, store = trainer_run(tmp_path, "elastic-cached-read")
+    write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
+    reads, read = [], RolloutStatusBoard.read
+
+    def counted(self):
+        reads.append(time.time())
+        return read(self)
+
+    monkeypatch.setattr(RolloutStatusBoard, "read", counted)
+    monkeypatch.setattr("tasks.train.STATUS_REFRESH_S", 3600.0)
+    assert drain_with_an_idle_engine(run, ElasticPlanner(run.elastic_settings()))["steps"] == 3
+    assert len(reads) == 1
+
+
+def test_an_unchanged_trainer_queue_is_not_published_again(tmp_path, monkeypatch):
+    """The trainer waits for data: its queue is looked at every ``TRAINER_STATUS_S`` (here
+    10 ms), but on S3 every status is a PUT, and it publishes none while the queue stays the
+    same (within ``PLAN_REFRESH_S``, here an hour); it still says at the end that it stopped."""
+    monkeypatch.setattr("tasks.train.TRAINER_STATUS_S", 0.01)
+    monkeypatch.setattr("tasks.train.PLAN_REFRESH_S", 3600.0)
+    run, store = trainer_run(tmp_path, "queue-unchanged", poll_seconds=30)
+    written = published_by(monkeypatch, TrainerStatusBoard)
+    planner = ElasticPlanner(run.elastic_settings())
+    inputs, published = recording(planner), []
+
+    def while_it_waits() -> None:
+        before = len(written)
+        time.sleep(0.5)
+        published.append(len(written) - before)
+
+    stop = threading.Event()
+    train_through_two_decisions(run, planner, inputs, stop, then=while_it_waits, stop=stop)
+    assert published == [0]
+    assert not written[-1].running
 
 
 def test_a_run_of_decisions_that_moved_nothing_is_kept_as_its_latest_with_its_count():

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from flows.config import RunConfig
 from rl.models import ensure_base_version
 from rollout.worker import RolloutWorker
@@ -13,6 +15,7 @@ from storage.config import RunStore
 from storage.quota import RunQuota
 from storage.shards import ShardReader
 from storage.weights import WeightStore
+from tasks.rollout import max_rollouts
 from tests.rl.test_trainer import TINY
 
 
@@ -69,3 +72,14 @@ def test_a_quota_gives_back_what_was_not_used_and_never_passes_its_limit(local_s
     assert quota.claimed() == 7
     assert quota.claim(4, step=2) == 2
     assert quota.claimed() == 9
+
+
+@pytest.mark.parametrize(
+    ("stop", "orchestrator", "limit"),
+    [(8, 12, 8), (12, 8, 8), (None, 12, 12), (8, None, 8), (None, None, None)],
+)
+def test_a_runs_rollout_limit_is_the_smaller_of_its_two_limits(stop, orchestrator, limit):
+    """``stop.max_rollouts`` and ``orchestrator.max_rollouts`` each say "at most": the quota is
+    the smaller, and with neither there is none."""
+    run = RunConfig(stop={"max_rollouts": stop}, orchestrator={"max_rollouts": orchestrator})
+    assert max_rollouts(run) == limit

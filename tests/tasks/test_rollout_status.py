@@ -36,7 +36,7 @@ from storage.weights import WeightStore
 from tasks import rollout as rollout_task
 from tasks import train as train_task
 from tasks.process import run_processor
-from tasks.rollout import run_rollouts
+from tasks.rollout import first_set, run_rollouts
 from tasks.train import run_trainer
 from tests.conftest import kept_fresh, published_by
 from tests.rl.test_trainer import TINY, config, make_trajectories, write_shards
@@ -138,7 +138,7 @@ def small_worker_run(tmp_path, run_id: str) -> tuple[RunConfig, RunStore]:
     return run, store
 
 
-def test_a_worker_stops_once_it_serves_a_version_at_the_runs_max_policy_steps(tmp_path):
+def test_a_worker_stops_once_it_serves_a_version_at_the_runs_max_policy_steps(tmp_path, caplog):
     """A rollout flow run apart from its trainer, with no wall-clock limit: once the trainer
     stopped at ``stop.max_policy_steps`` and published that step's version, nothing more the
     worker rolls out would be trained, so it stops (it rolled out until its deadline)."""
@@ -148,7 +148,7 @@ def test_a_worker_stops_once_it_serves_a_version_at_the_runs_max_policy_steps(tm
     )
     model, tokenizer = build_tiny_model(TINY)
     rolled = threading.Event()
-    with ThreadPoolExecutor(1) as pool:
+    with caplog.at_level(logging.INFO, logger="tasks.rollout"), ThreadPoolExecutor(1) as pool:
         rollouts = pool.submit(
             run_rollouts,
             run,
@@ -164,6 +164,8 @@ def test_a_worker_stops_once_it_serves_a_version_at_the_runs_max_policy_steps(tm
         publish_policy(WeightStore(store), model, tokenizer, step=3)
         result = rollouts.result(timeout=120)
     assert result["version"] == 2
+    stops = [r.message for r in caplog.records if r.name == "tasks.rollout" and " stops: " in r.message]
+    assert stops == ["worker w0 stops: it serves weight version 2, at the run's stop.max_policy_steps 3"]
 
 
 @pytest.mark.parametrize("noticed_at", ["status", "commit"])
@@ -290,6 +292,28 @@ def test_a_stop_raised_while_the_engines_load_launches_no_rollout(tmp_path, monk
     assert not RolloutStatusBoard(store).read_worker("w0").running
 
 
+def test_a_stop_cuts_the_rollouts_in_flight_short_at_the_next_beat(tmp_path, monkeypatch):
+    """The run's stop signal comes while a generation hangs (an engine that never answers):
+    at its next beat the worker cuts the rollout in flight short rather than wait for it
+    until its deadline."""
+    run, store = small_worker_run(tmp_path, "stop-in-flight")
+    generating, stop = threading.Event(), threading.Event()
+
+    async def hangs(engine, *args):
+        generating.set()
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(TorchEngine, "generate", hangs)
+    with ThreadPoolExecutor(1) as pool:
+        deadline = time.time() + 180  # what a worker that waits for its rollouts meets, past the wait below
+        rollouts = pool.submit(run_rollouts, run, deadline, "w0", progress_every_s=0.1, stop=stop)
+        assert generating.wait(WAIT_S)
+        stop.set()
+        result = rollouts.result(timeout=120)
+    assert result["orchestrator"]["finished"] == 0
+    assert not RolloutStatusBoard(store).read_worker("w0").running
+
+
 def test_a_second_trainer_on_a_run_with_a_running_trainer_refuses_to_start(tmp_path):
     run = RunConfig(run_id="one-trainer", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
     store = RunStore(run.storage, run.run_id)
@@ -340,6 +364,25 @@ def test_a_trainer_keeps_the_run_taken_while_it_loads(tmp_path, monkeypatch):
     final = board.read()
     time.sleep(0.3)
     assert not final.running and board.read() == final  # no beat after the last word
+
+
+def test_a_trainer_that_fails_to_load_says_it_stopped(tmp_path, monkeypatch):
+    """Loading the trainer fails with a bug: its status says it stopped, so a retry is not
+    held back, and its loading heartbeat writes nothing after that last word."""
+    monkeypatch.setattr(train_task, "TRAINER_LOADING_BEAT_S", 0.05)
+    run = RunConfig(run_id="broken-trainer", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+
+    def broken(*args, **kwargs):
+        time.sleep(0.2)  # beats while it loads
+        raise ValueError("the model has a bug (injected)")
+
+    monkeypatch.setattr(train_task, "Trainer", broken)
+    with pytest.raises(ValueError, match="injected"):
+        run_trainer(run, time.time() + WAIT_S)
+    board = TrainerStatusBoard(RunStore(run.storage, run.run_id))
+    final = board.read()
+    time.sleep(0.3)
+    assert not final.running and board.read() == final
 
 
 def run_with_processed_shards(tmp_path, run_id: str, publish_every: int, **sao) -> tuple[RunConfig, RunStore]:
@@ -475,18 +518,36 @@ def test_a_trainer_whose_role_was_taken_announces_its_own_versions_only(tmp_path
     assert (WeightStore(store).list(), theirs, announced) == ([0, 1, 2], [2], [1])
 
 
-def test_a_trainer_announces_the_version_a_failed_attempt_published_without_its_row(tmp_path):
-    """An attempt of the train task published version 1 and failed before its ``weights``
-    row (and so its announcement): the retry resumes from 1, records it and announces it."""
-    run, store = run_with_processed_shards(tmp_path, "retried-trainer", publish_every=100)
+def run_with_an_unrecorded_version(tmp_path, run_id: str) -> tuple[RunConfig, RunStore]:
+    """:func:`run_with_processed_shards` where an attempt of the train task published version
+    1 and failed before its ``weights`` row (and so its announcement)."""
+    run, store = run_with_processed_shards(tmp_path, run_id, publish_every=100)
     weights = WeightStore(store)
     trainer = Trainer(store, run.sao)
     publish_policy(weights, trainer.policy, trainer.tokenizer, step=0, parent=0)
+    return run, store
+
+
+def test_a_trainer_announces_the_version_a_failed_attempt_published_without_its_row(tmp_path):
+    """The retry resumes from version 1, records it and announces it."""
+    run, store = run_with_an_unrecorded_version(tmp_path, "retried-trainer")
+    weights = WeightStore(store)
     announced = []
     result = run_trainer(run, time.time() + WAIT_S, on_publish=announced.append, drain=True)
     assert result["stop_reason"] == "drained"
     assert announced == weights.list()[1:] and announced[0] == 1
     assert sorted(Tables(store).read("weights").column("version").to_pylist()) == weights.list()
+
+
+def test_a_retry_that_takes_no_step_still_announces_the_version_it_resumed_from(tmp_path):
+    """The retry records version 1 as it resumes, then takes no step (its deadline passed):
+    a later retry finds the row written and would never announce it, so it is announced at
+    once, not with the next version published."""
+    run, store = run_with_an_unrecorded_version(tmp_path, "retried-idle")
+    announced = []
+    assert run_trainer(run, time.time(), on_publish=announced.append)["steps"] == 0
+    assert announced == [1]
+    assert 1 in Tables(store).read("weights").column("version").to_pylist()
 
 
 def test_a_trainer_leaves_a_version_recorded_by_another_flow_meanwhile_to_that_flow(tmp_path, monkeypatch):
@@ -551,9 +612,12 @@ def test_a_worker_that_cannot_even_be_built_says_it_stopped(tmp_path):
     log.mkdir(parents=True)
     (log / "00000000000000000000.json").write_text("not json\n")  # the writer cannot read its shards
     with pytest.raises(Exception, match="Json error"):
-        run_rollouts(run, time.time() + WAIT_S, "w0")
-    status = RolloutStatusBoard(store).read_worker("w0")
+        run_rollouts(run, time.time() + WAIT_S, "w0", progress_every_s=0.05)
+    board = RolloutStatusBoard(store)
+    status = board.read_worker("w0")
+    time.sleep(0.3)
     assert status is not None and not status.running
+    assert board.read_worker("w0") == status  # its loading heartbeat stopped: no beat after the last word
 
 
 def test_a_replica_slow_to_report_its_counters_does_not_hold_up_the_rollouts(tmp_path, monkeypatch):
@@ -587,7 +651,9 @@ def test_a_replica_slow_to_report_its_counters_does_not_hold_up_the_rollouts(tmp
     assert answers[1], "no generation finished while a status waited for the replica's counters"
 
 
-def test_a_status_due_ahead_of_the_beat_that_fails_to_publish_is_published_again(tmp_path, monkeypatch):
+def test_a_status_due_ahead_of_the_beat_that_fails_to_publish_is_published_again(
+    tmp_path, monkeypatch, caplog
+):
     """A drained replica emptied (``RolloutWorker.status_due``) and the status published at
     once for the trainer fails (a storage hiccup): it is published again shortly after, not
     left to the next beat (here 1,000 s away)."""
@@ -615,3 +681,22 @@ def test_a_status_due_ahead_of_the_beat_that_fails_to_publish_is_published_again
     run_rollouts(run, time.time() + WAIT_S, "w0", progress_every_s=1000.0)
 
     assert attempts == ["failed", True, False]
+    assert "worker w0 could not publish its status: store unreachable (injected)" in caplog.text
+
+
+@pytest.mark.parametrize("one_set", [True, False])
+def test_a_wait_for_the_first_of_two_events_leaves_no_wait_behind(one_set):
+    """Whether one event was set or the time ran out, the wait on the other is cancelled: the
+    report loop waits so at every beat, and a wait left behind each time would pile up."""
+
+    async def waits_left() -> list[asyncio.Task]:
+        unset, other = asyncio.Event(), asyncio.Event()
+        if one_set:
+            other.set()
+        await first_set((unset, other), WAIT_S if one_set else 0.01)
+        await asyncio.sleep(0)  # a cancelled wait is done at the loop's next turn
+        return [
+            task for task in asyncio.all_tasks() if task is not asyncio.current_task() and not task.done()
+        ]
+
+    assert asyncio.run(waits_left()) == []
