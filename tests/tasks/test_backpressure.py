@@ -261,3 +261,17 @@ def test_rollouts_pause_for_the_backlog_while_the_processor_lags_behind_a_starve
         ", paused: backlog " in watch.detail
         and "> max_backlog 2: waits for a new weight version" in watch.detail
     )
+
+
+def test_a_workers_progress_line_leaves_out_a_task_with_no_reward_yet():
+    status = {
+        "version": 3,
+        "backlog": 1,
+        "orchestrator": {
+            "tasks": {"arith": {"mean_reward": 0.5}, "code": {"mean_reward": None}},
+            "paused": None,
+        },
+    }
+    assert rollout_detail(status) == "serving v3, backlog 1 shards, mean reward arith 0.50"
+    status["orchestrator"]["tasks"] = {"code": {"mean_reward": None}}
+    assert rollout_detail(status) == "serving v3, backlog 1 shards, mean reward —"

@@ -592,6 +592,21 @@ def test_a_replicas_session_slots_are_its_share_of_the_workers_concurrency():
     assert fixed.elastic_settings().sessions_per_replica == 5
 
 
+def test_a_workers_status_object_carries_what_the_controller_forecasts_from():
+    """The trainer's rollout rate and session-end forecast come from these fields alone."""
+    status = {
+        "engine_queue_depth": 2,
+        "live_sessions": 3,
+        "orchestrator": {"finished": 7},
+        "session_ages": {"torch-0": [1.23456]},
+        "sessions_ended": 5,
+        "session_lengths": [2.34567, 3.0],
+    }
+    published = status_object("w0", status, running=True)
+    assert (published.finished, published.sessions_ended) == (7, 5)
+    assert (published.session_ages, published.session_lengths) == ({"torch-0": [1.235]}, [2.346, 3.0])
+
+
 def test_a_failing_progress_report_does_not_stop_the_trainer(tmp_path, caplog):
     run = RunConfig(run_id="report-fails", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
     store = RunStore(run.storage, run.run_id)
@@ -733,6 +748,43 @@ def test_a_plan_the_same_as_the_one_published_lately_is_not_published_again(tmp_
     monkeypatch.setattr("tasks.train.PLAN_REFRESH_S", 3600.0)
     assert drain_with_an_idle_engine(run, planner)["steps"] == 3
     assert [(plan.draining, plan.running) for plan in plans] == [(["w0/torch-1"], True), ([], False)]
+
+
+def test_a_changed_plan_is_published_at_once(tmp_path, monkeypatch):
+    """The first step drains ``w0/torch-1``; its worker then says it is empty under that plan,
+    and the next decision, well within ``PLAN_REFRESH_S``, hands it to training: that plan
+    reaches the workers at once, not when the last one would be published again."""
+    run, store = trainer_run(tmp_path, "elastic-changed")
+    write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
+    board = RolloutStatusBoard(store)
+    board.publish(worker_status({"torch-0": 3, "torch-1": 1}))
+    planner = ElasticPlanner(
+        ElasticConfig(high_backlog=1, low_backlog=0, sessions_per_replica=8, headroom_slots=0, cooldown_s=0)
+    )
+    plans = published_by(monkeypatch, ElasticPlanBoard)
+    monkeypatch.setattr("tasks.train.PLAN_REFRESH_S", 3600.0)
+    monkeypatch.setattr("tasks.train.STATUS_REFRESH_S", 0.0)
+
+    def emptied(row: dict) -> None:
+        if row["step"] == 1:
+            board.publish(
+                worker_status({"torch-0": 4, "torch-1": 0}, draining=["torch-1"], plan_time=plans[0].time)
+            )
+
+    run_trainer(
+        run,
+        time.time() + 600,
+        drain=True,
+        on_step=emptied,
+        engine_queue_depth=lambda: 0,
+        elastic=planner,
+        status_max_age_s=600,
+    )
+    assert [(plan.draining, plan.train, plan.running) for plan in plans] == [
+        (["w0/torch-1"], [], True),
+        ([], ["w0/torch-1"], True),
+        ([], [], False),
+    ]
 
 
 def drain_with_an_idle_engine(run, planner) -> dict:

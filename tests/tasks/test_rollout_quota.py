@@ -4,6 +4,7 @@ finish no more rollouts than it (``storage.quota.RunQuota``)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -11,11 +12,11 @@ import pytest
 from flows.config import RunConfig
 from rl.models import ensure_base_version
 from rollout.worker import RolloutWorker
-from storage.config import RunStore
+from storage.config import RunStore, StorageConfig
 from storage.quota import RunQuota
 from storage.shards import ShardReader
 from storage.weights import WeightStore
-from tasks.rollout import max_rollouts
+from tasks.rollout import max_rollouts, run_rollouts
 from tests.rl.test_trainer import TINY
 
 
@@ -83,3 +84,17 @@ def test_a_runs_rollout_limit_is_the_smaller_of_its_two_limits(stop, orchestrato
     the smaller, and with neither there is none."""
     run = RunConfig(stop={"max_rollouts": stop}, orchestrator={"max_rollouts": orchestrator})
     assert max_rollouts(run) == limit
+
+
+def test_a_worker_finishes_no_more_rollouts_than_the_runs_stop_max_rollouts(tmp_path):
+    """Only ``stop.max_rollouts`` limits the run: the worker's orchestrator counts to it."""
+    run = RunConfig(
+        run_id="stop-limit",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2, "group_size": 2},
+        service={"max_new_tokens": 4},
+        stop={"max_rollouts": 2},
+    )
+    ensure_base_version(WeightStore(RunStore(run.storage, run.run_id)), TINY)
+    result = run_rollouts(run, time.time() + 300, "w0", flush_records=1)
+    assert result["orchestrator"]["finished"] == 2
