@@ -787,6 +787,23 @@ def test_a_changed_plan_is_published_at_once(tmp_path, monkeypatch):
     ]
 
 
+def test_with_the_statuses_unread_a_row_says_the_workers_counts_are_unknown(tmp_path, monkeypatch):
+    """The queue depth comes from the workers' statuses, which cannot be read: every row says
+    why its decision was skipped, and that the workers' counts are unknown, not zero."""
+    run, store = trainer_run(tmp_path, "elastic-never-read")
+    write_shards(store, make_trajectories(store, 4, seed=5), per_shard=2)
+
+    def unreachable(self):
+        raise OSError("S3 unreachable (injected)")
+
+    monkeypatch.setattr(RolloutStatusBoard, "read", unreachable)
+    assert run_trainer(run, time.time() + 600, drain=True, status_max_age_s=600)["steps"] >= 1
+    for row in Tables(store).read("train_steps").to_pylist():
+        extra = json.loads(row["extra"])
+        assert extra["rollout_status"] is None
+        assert "S3 unreachable (injected)" in extra["elastic"]["skipped"]
+
+
 def drain_with_an_idle_engine(run, planner) -> dict:
     """``run_trainer`` on ``planner`` until it has trained every shard, its engines queueing nothing."""
     return run_trainer(

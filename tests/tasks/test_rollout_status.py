@@ -286,10 +286,13 @@ def test_a_stop_raised_while_the_engines_load_launches_no_rollout(tmp_path, monk
 
     monkeypatch.setattr(RolloutWorker, "start", start_then_stop)
     monkeypatch.setattr(Orchestrator, "_launch_group", recorded_launch)
+    written = published_by(monkeypatch, RolloutStatusBoard)
     result = run_rollouts(run, time.time() + WAIT_S, "w0", progress_every_s=1000.0, stop=stop)
 
     assert launched == [] and result["orchestrator"]["finished"] == 0
     assert not RolloutStatusBoard(store).read_worker("w0").running
+    # once started, before any beat, the worker said so with its engines' replicas
+    assert any(status.running and status.replica_sessions for status in written)
 
 
 def test_a_stop_cuts_the_rollouts_in_flight_short_at_the_next_beat(tmp_path, monkeypatch):
