@@ -139,7 +139,7 @@ def run_trainer(
     )
     role = HeldRole(queue_board.read, queue_board.publish, f"the trainer of run {config.run_id!r}")
     weights = WeightStore(store)
-    seen: dict[str, int | None] = {"version": None}
+    seen: dict[str, int] = {}  # "version": the newest checked, set once the trainer is built
 
     def announce(before: int, latest: int) -> None:
         for version in weights.list():
@@ -157,7 +157,7 @@ def run_trainer(
         latest = trainer.version
         if latest == seen["version"]:
             return
-        before = -1 if seen["version"] is None else seen["version"]
+        before = seen["version"]
         seen["version"] = latest
         if announce_versions is not None:
             announce_versions(before, latest)
