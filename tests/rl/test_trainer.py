@@ -440,11 +440,11 @@ def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
     assert sorted(consumed) == sorted([info.shard_id for info in infos] + [nan_id])
 
 
-def fail_first_train_steps_append(tables: Tables, monkeypatch, after: int = 0) -> None:
-    """The first append to ``train_steps`` through ``tables`` after ``after`` that landed
-    times out; the later ones land."""
+def fail_train_steps_appends(tables: Tables, monkeypatch, after: int = 0, count: int = 1) -> None:
+    """The ``count`` appends to ``train_steps`` through ``tables`` after the first ``after``
+    (which land) time out; the later ones land."""
     append = tables.append
-    failures = iter([None] * after + [OSError("timed out (injected)")])
+    failures = iter([None] * after + [OSError("timed out (injected)")] * count)
 
     def flaky(name, rows, *args, **kwargs):
         failure = next(failures, None) if name == "train_steps" else None
@@ -462,7 +462,7 @@ def test_a_failed_train_steps_append_keeps_training_and_its_row_goes_with_the_ne
     row is consumed once in the published versions, and step 1's row lands with step 2's."""
     infos = write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
     trainer = Trainer(store, config())
-    fail_first_train_steps_append(trainer.tables, monkeypatch)
+    fail_train_steps_appends(trainer.tables, monkeypatch)
     with caplog.at_level("WARNING"):
         summary = trainer.run(drain=True)
 
@@ -483,13 +483,46 @@ def test_a_failed_train_steps_append_of_the_last_step_is_appended_as_the_trainer
     """No step follows the last one to take its row along: the trainer appends it as it stops."""
     write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
     trainer = Trainer(store, config())
-    fail_first_train_steps_append(trainer.tables, monkeypatch, after=2)
+    fail_train_steps_appends(trainer.tables, monkeypatch, after=2)
     with caplog.at_level("WARNING"):
         summary = trainer.run(drain=True)
 
     assert (summary.stop_reason, summary.steps) == ("drained", 3)
     assert "could not append 1 train_steps rows (steps 3 to 3)" in caplog.text
     assert [row["step"] for row in read_steps(store)] == [1, 2, 3]
+
+
+def test_rows_of_failed_train_steps_appends_past_the_limit_keep_the_newest(store, monkeypatch, caplog):
+    """Appends that keep failing hold at most ``MAX_UNWRITTEN_ROWS`` rows: the oldest go, and
+    the newest land with the next append that does."""
+    monkeypatch.setattr("rl.trainer.MAX_UNWRITTEN_ROWS", 1)
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
+    trainer = Trainer(store, config())
+    fail_train_steps_appends(trainer.tables, monkeypatch, count=2)
+    with caplog.at_level("WARNING"):
+        assert trainer.run(drain=True).steps == 3
+
+    assert (
+        "could not append 2 train_steps rows (steps 1 to 2), kept for the next step's append (1 dropped)"
+        in (caplog.text)
+    )
+    assert [row["step"] for row in read_steps(store)] == [2, 3]
+
+
+def test_a_train_steps_row_the_schema_refuses_is_dropped_and_the_rows_kept_before_it_land(
+    store, monkeypatch, caplog
+):
+    """A row that cannot be cast to the table's schema (here a null version) would fail every
+    append it went with: it is dropped alone, and the rows an earlier failed append kept land."""
+    metrics, trainer = one_step(store, make_trajectories(store, 4, seed=1))
+    fail_train_steps_appends(trainer.tables, monkeypatch)
+    trainer._log_step({**metrics.row, "step": 2})
+    with caplog.at_level("WARNING"):
+        trainer._log_step({**metrics.row, "step": 3, "version": None})
+
+    assert "step 3: its train_steps row is dropped" in caplog.text
+    assert [row["step"] for row in read_steps(store)] == [1, 2]
+    assert trainer._unwritten_rows == []
 
 
 def test_a_failing_step_extra_leaves_its_row_without_it_and_training_goes_on(store, caplog):
