@@ -206,6 +206,12 @@ def test_a_backlog_past_the_read_ahead_waits_in_storage_and_each_row_is_trained_
     assert trainer.newest_read == {"proc": infos[-1].seq} and not trainer.unread
 
 
+def test_the_read_ahead_stops_once_the_buffer_holds_exactly_its_tokens(store):
+    write_shards(store, make_trajectories(store, 6, seed=7), per_shard=2)  # 3 shards of 22 tokens
+    trainer = Trainer(store, config(read_ahead_batches=1))
+    assert trainer.ingest() == 2 and trainer.buffered_tokens() == 44 and len(trainer.unread) == 1
+
+
 def test_a_drain_reads_the_shards_held_back_after_the_buffer_goes_stale(store):
     """Shards bigger than the read-ahead leave the buffer past it after a step, so the next
     poll reads nothing; when that buffer is then dropped as stale, the shards still held back
@@ -273,6 +279,51 @@ def test_drops_samples_older_than_max_staleness(store):
     }
     metadata = weights.manifest(weights.latest())["metadata"]
     assert metadata["dropped_stale"] == 4 and metadata["trained_samples"] == 4
+
+
+def test_each_steps_row_and_version_count_the_drops_and_rejections_since_the_one_before(store):
+    """A row's ``dropped_stale`` and its extra's ``rejected``, and a version's ``dropped_stale``,
+    ``rejected_rows`` and ``trained_samples``, are its own, not the run's totals: every drop
+    and rejection here happens before the first of two steps, each published."""
+    weights = WeightStore(store)
+    policy, tokenizer = load_policy(weights.load(0))
+    for parent in range(2):  # the trainer starts at version 2
+        publish_policy(weights, policy, tokenizer, parent=parent)
+    stale = make_trajectories(store, 2, seed=60, version=0)
+    fresh = make_trajectories(store, 9, seed=61, version=2)
+    fresh[0]["reward"] = None
+    write_shards(store, stale + fresh, per_shard=11)
+
+    summary = Trainer(store, config(max_staleness=1, publish_every=1)).run(drain=True)
+    steps = read_steps(store)
+    assert [row["num_samples"] for row in steps] == [4, 4]
+    assert [row["dropped_stale"] for row in steps] == [2, 0]
+    assert [json.loads(row["extra"])["rejected"] for row in steps] == [
+        {"reward is missing or not finite": 1},
+        {},
+    ]
+    metadata = [weights.manifest(version)["metadata"] for version in summary.versions]
+    assert [(m["dropped_stale"], m["rejected_rows"], m["trained_samples"]) for m in metadata] == [
+        (2, 1, 4),
+        (0, 0, 4),
+    ]
+
+
+def test_a_resumed_trainer_counts_staleness_along_max_staleness_versions_of_its_chain(store):
+    """Resumed at version 3, whose chain is 0 → 2 → 3 (number 1 claimed by a killed publish):
+    samples of version 0 are two updates behind, and max_staleness 2 trains them."""
+    weights = WeightStore(store)
+    os.makedirs(weights.version_path(1))
+    weights.fs.pipe_file(f"{weights.version_path(1)}/{CLAIM_FILE}", b"2026-01-01T00:00:00+00:00 pid 1\n")
+    policy, tokenizer = load_policy(weights.load(0))
+    assert [publish_policy(weights, policy, tokenizer, parent=parent) for parent in (0, 2)] == [2, 3]
+    write_shards(store, make_trajectories(store, 4, seed=62, version=0), per_shard=4)
+
+    trainer = Trainer(store, config(max_staleness=2))
+    assert [trainer.staleness(version) for version in (0, 2, 3)] == [2, 1, 0]
+    trainer.run(drain=True)
+    (step,) = read_steps(store)
+    assert (step["num_samples"], step["staleness_max"], step["dropped_stale"]) == (4, 2, 0)
 
 
 @pytest.mark.parametrize("publish_every", [1, None])
@@ -1327,6 +1378,30 @@ def test_keep_versions_deletes_all_but_the_newest_versions_after_each_publish(st
     assert trainer.version >= 3
     assert trainer.weights.list() == [0, trainer.version - 1, trainer.version]  # 0 is tagged base
     assert Trainer(store, config()).version == trainer.version
+
+
+def test_a_failed_deletion_of_old_versions_is_logged_and_the_next_publish_deletes_them(
+    store, monkeypatch, caplog
+):
+    """The version is published when its retention fails: the trainer goes on, and the next
+    publish's retention deletes what this one left."""
+    write_shards(store, make_trajectories(store, 12, seed=9), per_shard=3)
+    trainer = Trainer(store, config(publish_every=1, keep_versions=2))
+    retain = trainer.weights.retain
+    failures = iter([None, OSError("delete refused (injected)")])
+
+    def flaky(*args, **kwargs):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return retain(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.weights, "retain", flaky)
+    with caplog.at_level("WARNING"):
+        summary = trainer.run(drain=True)
+    assert (summary.stop_reason, summary.versions) == ("drained", [1, 2, 3])
+    assert "could not delete old weight versions after version 2: delete refused (injected)" in caplog.text
+    assert trainer.weights.list() == [0, 2, 3]
 
 
 def test_a_resumed_trainer_keeps_its_saved_moments_but_takes_the_configs_learning_rates(store):
