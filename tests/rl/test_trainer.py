@@ -347,6 +347,33 @@ def test_a_drained_backlog_of_one_version_is_trained_whole_only_when_publishing_
         assert stale > 0
 
 
+def test_rows_dropped_before_a_stop_with_no_step_since_are_published(store):
+    """The pipeline stops the trainer while it waits for a batch, after it dropped rows of a
+    shard as stale: the version it publishes as it stops lists them, so a resumed trainer
+    reads only the shard's rows still to train."""
+    weights = WeightStore(store)
+    policy, tokenizer = load_policy(weights.load(0))
+    for parent in range(2):  # the trainer starts at version 2
+        publish_policy(weights, policy, tokenizer, parent=parent)
+    records = make_trajectories(store, 2, seed=63, version=0) + make_trajectories(
+        store, 2, seed=64, version=2
+    )
+    (info,) = write_shards(store, records, per_shard=4)
+    trainer = Trainer(store, config(max_staleness=1))
+    assert trainer.ingest() == 1 and trainer.drop_stale() == 2
+    stop = threading.Event()
+    stop.set()
+
+    summary = trainer.run(stop_event=stop)
+    assert (summary.stop_reason, summary.steps, summary.versions) == ("stop_event", 0, [3])
+    metadata = weights.manifest(3)["metadata"]
+    assert (metadata["consumed_rows"], metadata["dropped_stale"]) == ({info.shard_id: 2}, 2)
+    resumed = Trainer(store, config(max_staleness=1))
+    assert resumed.ingest() == 1 and sorted(s.trajectory_id for s in resumed.buffer) == [
+        record["trajectory_id"] for record in records[2:]
+    ]
+
+
 def test_publishing_only_at_the_stop_needs_publish_on_stop():
     with pytest.raises(
         ValueError, match="publish_every null publishes only at the stop: it needs publish_on_stop"
@@ -1174,6 +1201,19 @@ def test_resume_restores_step_optimizer_value_model_and_consumption(store):
     assert sorted(rows.values()) == [3, 3, 3, 3]
 
 
+def test_a_rejected_row_of_a_shard_half_trained_before_a_restart_is_not_rejected_again(store):
+    """A shard's rejected row is consumed with the rows trained before the restart: the resumed
+    trainer trains the shard's last row and consumes each once."""
+    records = make_trajectories(store, 6, seed=65)
+    records[0]["reward"] = None
+    (info,) = write_shards(store, records, per_shard=6)
+    Trainer(store, config(publish_every=1, publish_on_stop=False)).run(max_steps=1)
+    resumed = Trainer(store, config(publish_every=1))
+    assert resumed.ingest() == 1 and [s.row for s in resumed.buffer] == [5]
+    resumed.run(drain=True)
+    assert resumed.step == 2 and consumed_rows(resumed.weights) == {info.shard_id: 6}
+
+
 def test_a_resumed_trainer_leaves_no_copy_of_its_version_in_the_weight_cache(store):
     """A trainer reads the version it resumes from (policy, value model, both optimizers'
     moments) once, as it starts: that copy stayed in the weight cache for good, a whole version
@@ -1500,6 +1540,29 @@ def test_an_idle_trainer_wakes_at_its_deadline_not_at_its_next_poll(store):
     summary = trainer.run(max_seconds=0.5)
     assert summary.stop_reason == "max_seconds"
     assert trainer.idle_seconds < 30
+
+
+def test_the_idle_seconds_count_the_wait_in_progress(store):
+    """The elastic controller reads the trainer's idle time while it waits for data: the wait
+    in progress counts up to the time it asks about."""
+    trainer = Trainer(store, config(poll_seconds=60))
+    stop = threading.Event()
+    runner = threading.Thread(target=trainer.run, kwargs={"stop_event": stop})
+    runner.start()
+    try:
+        deadline = time.monotonic() + 60
+        while trainer.waiting_since is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        began = trainer.waiting_since
+        assert began is not None and trainer.idle_seconds == 0
+        assert trainer.idle_seconds_at(began + 5) == 5 and trainer.idle_seconds_at(began - 1) == 0
+    finally:
+        stop.set()
+        runner.join()
+    assert (
+        trainer.waiting_since is None
+        and trainer.idle_seconds_at(time.monotonic()) == trainer.idle_seconds > 0
+    )
 
 
 CHILD = """
