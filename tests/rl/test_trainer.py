@@ -1523,6 +1523,15 @@ def test_stop_event_and_max_steps_stop_the_loop(store):
     assert trainer.step == 0
 
 
+def test_a_buffer_of_exactly_the_token_budget_is_trained_without_waiting_for_more(store):
+    """Not draining, a trainer trains as soon as its buffer holds ``token_budget`` tokens (the
+    deadline is there only to end the run if it waited instead)."""
+    write_shards(store, make_trajectories(store, 4, seed=12), per_shard=4)  # 44 tokens
+    trainer = Trainer(store, config(token_budget=44))
+    assert trainer.run(max_steps=1, max_seconds=120).stop_reason == "max_steps"
+    assert [row["num_tokens"] for row in read_steps(store)] == [44]
+
+
 def test_a_step_limit_the_resumed_run_has_reached_already_is_said_out_loud(store, caplog):
     write_shards(store, make_trajectories(store, 4, seed=12), per_shard=4)
     first = Trainer(store, config(token_budget=10_000))
