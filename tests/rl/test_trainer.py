@@ -106,6 +106,8 @@ def test_a_trainer_whose_role_was_taken_before_it_publishes_publishes_nothing(st
     summary = trainer.run(drain=True, role=role)
     assert (summary.stop_reason, summary.versions, summary.steps) == ("abandoned", [], trainer.step)
     assert summary.steps >= 1 and WeightStore(store).list() == [0] and role.lost.is_set()
+    # found before the upload: not a file of a version was written
+    assert not trainer.weights.fs.exists(trainer.weights.version_path(1))
 
 
 @pytest.mark.parametrize("publish_every", [1, 100])
