@@ -13,7 +13,7 @@ from fsspec.implementations.local import LocalFileSystem
 from prefect import flow
 
 from envs import registry
-from envs.arith import ArithEnv
+from envs.arith import ArithEnv, solve
 from flows.config import RunConfig
 from rl.models import build_tiny_model, load_policy, publish_policy, restore_master_weights
 from rl.trainer import Trainer
@@ -219,10 +219,14 @@ def test_a_checkpoint_whose_tokenizer_has_no_pad_token_is_warm_started(tmp_path)
         tmp_path / "runs",
         "warm-no-pad",
         model={"path": str(tmp_path / "checkpoint")},
-        warm_start={"demos_per_env": 8, "sft": {"max_steps": 2}},
+        warm_start={"demos": {"arith": 8, "guess": 4}, "sft": {"max_steps": 2}},
     )
-    assert build_base_version(config, log=print) == 0
-    assert WeightStore(run_store(config)).manifest(0)["metadata"]["warm_start"]["steps"] == 2
+    lines: list[str] = []
+    assert build_base_version(config, log=lines.append) == 0
+    warm = WeightStore(run_store(config)).manifest(0)["metadata"]["warm_start"]
+    assert (warm["steps"], warm["demonstrations"], warm["flawed"]) == (2, 12, True)
+    assert lines[-1].startswith(f"warm start: 2 steps on {warm['demonstrations']} demonstrations, loss ")
+    assert lines[-1].endswith(f" → {warm['final_loss']:.3f}"), "the manifest's loss is the last step's"
 
 
 def test_demonstrations_an_env_cannot_give_are_a_config_error_naming_the_setting(tmp_path):
@@ -373,16 +377,50 @@ def test_a_latest_naming_a_deleted_version_is_passed_over_as_the_trainer_does(tm
     weights = WeightStore(run_store(config))
     model, tokenizer = build_tiny_model(config.model.tiny)
     publish_policy(weights, model, tokenizer, step=3, parent=0)
-    weights.fs.rm(weights.version_path(1), recursive=True)
+    publish_policy(weights, model, tokenizer, step=4, parent=1)
+    weights.fs.rm(weights.version_path(2), recursive=True)
     lines: list[str] = []
-    assert build_base_version(config, log=lines.append) == 0
-    assert "LATEST names weight version 1, which has no manifest; using version 0 below it" in lines[0]
-    assert weights.list() == [0]  # nothing warm-started
-    weights.fs.rm(weights.version_path(0), recursive=True)
+    assert build_base_version(config, log=lines.append) == 1  # the newest below, not the oldest
+    assert "LATEST names weight version 2, which has no manifest; using version 1 below it" in lines[0]
+    assert weights.list() == [0, 1]  # nothing warm-started
+    for version in (0, 1):
+        weights.fs.rm(weights.version_path(version), recursive=True)
     with pytest.raises(
-        FileNotFoundError, match=r"names weight version 1, which has no manifest, and no"
+        FileNotFoundError, match=r"names weight version 2, which has no manifest, and no"
     ) as error:
         build_base_version(config, log=lines.append)
     assert "delete LATEST to warm-start the run again" in str(error.value) and "\n" not in str(error.value)
     weights.fs.rm_file(f"{weights.root}/LATEST")
     assert build_base_version(config) == 0 and weights.list() == [0]
+
+
+@pytest.mark.parametrize("flawed", [True, False])
+def test_the_demonstrations_are_the_train_splits_by_the_runs_demonstrator_and_seed(tmp_path, flawed):
+    """The warm start learns the train split's problems (the held-out ones stay unseen),
+    answered as ``warm_start.flawed`` says with the flaws the run's seed draws."""
+    _, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    config = tiny_config(tmp_path / "runs", seed=3, warm_start={"demos": {"arith": 6}, "flawed": flawed})
+    sequences, masks = demonstration_data(config, tokenizer, ["arith"])
+    shown = [
+        (tokenizer.decode(tokens), tokenizer.decode([t for t, m in zip(tokens, mask, strict=True) if m]))
+        for tokens, mask in zip(sequences, masks, strict=True)
+    ]
+    train = registry.task_set("arith", "train", 3, 6, config.env_config("arith"))
+    answers = [registry.demonstrate(task, flawed=flawed, seed=3)[0] for task in train]
+    assert [answer.removesuffix("<|im_end|>") for _, answer in shown] == answers
+    assert all(task.prompt in text for task, (text, _) in zip(train, shown, strict=True))
+    assert (answers != [str(solve(t.data["a"], t.data["op"], t.data["b"])) for t in train]) == flawed
+
+
+def test_without_a_warm_start_the_base_version_is_built_off_the_trainers_device(tmp_path):
+    """Publishing the starting policy as it is trains nothing: it needs no GPU, and a flow on
+    a machine without the trainer's device (a rollout worker) still starts the run (the
+    meta device stands in for a GPU here: a model put there has no weights to publish)."""
+    config = tiny_config(
+        tmp_path / "runs", "warm-off-device", trainer_device="meta", warm_start={"enabled": False}
+    )
+    assert build_base_version(config, log=lambda line: None) == 0
+    served, _ = load_policy(WeightStore(run_store(config)).load(0))
+    built, _ = build_tiny_model(config.model.tiny)
+    for (name, p), q in zip(built.named_parameters(), served.parameters(), strict=True):
+        assert torch.equal(p, q), name
