@@ -157,7 +157,8 @@ def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_th
     again = evaluating(config, base, reuse=True)
     assert len(calls) == 1, "the recorded evaluation was run again"
     assert again["statuses"] == {} and again["count"] == {"arith": 3, "guess": 4}
-    assert Tables(run_store(config)).read("evals").num_rows == 2
+    rows = Tables(run_store(config)).read("evals").to_pylist()
+    assert {row["env"]: (row["count"], row["tasks"]) for row in rows} == {"arith": (3, 4), "guess": (4, 4)}
 
 
 def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, monkeypatch):
@@ -184,6 +185,7 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
         {"eval": {"temperature": 0.7}},
         {"eval": {"seed": 99}},
         {"envs": {"guess": {"max_turns": 3}}},
+        {"service": {"max_turns": 3}},
         {"service": {"max_new_tokens": 5}},
         {"service": {"timeout_s": 7.0}},
         *(
@@ -195,6 +197,7 @@ def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, m
         ),
         {"engine": {"torch": {"dtype": "bfloat16"}}},
         {"engine": {"torch": {"device": "cuda"}}},
+        {"gateway": {"chat_template_kwargs": {"enable_thinking": False}}},
     ]
     for n, change in enumerate(otherwise, start=2):
         changed = tiny_config(tmp_path / "runs", "eval-setup", warm_start={"enabled": False}, **change)
@@ -282,9 +285,11 @@ def test_a_rerun_on_other_held_out_tasks_does_not_reuse_the_recorded_eval(tmp_pa
 def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tmp_path, monkeypatch):
     """Rollout i samples with seed ``eval.seed * SEED_STRIDE + i``: the same seed measures the
     same, another samples otherwise (every evaluation sampled with seeds 0..n-1, the seed
-    picking the tasks only). The tasks are held fixed, so only the sampling can differ."""
+    picking the tasks only). The tasks are held fixed, so only the sampling can differ; and
+    at the eval temperature near-greedy, not at all (the temperature reaches the sampler)."""
     import tasks.weights
     from rollout.config import SEED_STRIDE
+    from rollout.engines.base import MIN_TEMPERATURE
     from rollout.service import RolloutService
 
     config = tiny_config(
@@ -303,9 +308,11 @@ def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tm
 
     monkeypatch.setattr(RolloutService, "process", recording)
 
-    def evaluation(seed: int):
+    def evaluation(seed: int, temperature: float = 1.0):
         sampled.clear()
-        seeded = config.model_copy(update={"eval": config.eval.model_copy(update={"seed": seed})})
+        seeded = config.model_copy(
+            update={"eval": config.eval.model_copy(update={"seed": seed, "temperature": temperature})}
+        )
         return evaluate_weights(seeded, base), sorted(sampled)
 
     (first, rollouts), (again, repeated) = evaluation(7), evaluation(7)
@@ -314,6 +321,8 @@ def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tm
     _, other = evaluation(8)
     assert [task for *task, _, _ in other] == [task for *task, _, _ in rollouts]
     assert [tokens for *_, tokens in other] != [tokens for *_, tokens in rollouts]
+    (_, greedy), (_, greedy_other) = evaluation(7, MIN_TEMPERATURE), evaluation(8, MIN_TEMPERATURE)
+    assert [tokens for *_, tokens in greedy_other] == [tokens for *_, tokens in greedy]
 
 
 def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fails_and_records_nothing(
@@ -407,13 +416,16 @@ def test_a_rerun_that_reuses_the_newest_versions_eval_leaves_no_copy_of_it_in_th
 
 
 def _measured(config, version, tasks=None):
+    """A measurement of arith and guess (of those of them in ``tasks`` where given)."""
     from rollout.evaluate import EvalResult
 
+    reward = {"arith": 0.25 * version, "guess": 0.5}
+    envs = [env for env in reward if tasks is None or env in tasks]
     return EvalResult(
         version=version,
-        reward={"arith": 0.25 * version, "guess": 0.5},
-        count={"arith": 4, "guess": 4},
-        statuses={"arith": {"ok": 4}, "guess": {"ok": 4}},
+        reward={env: reward[env] for env in envs},
+        count={env: 4 for env in envs},
+        statuses={env: {"ok": 4} for env in envs},
     )
 
 
@@ -517,3 +529,76 @@ def test_an_evaluation_runs_no_more_rollouts_at_once_than_the_runs_concurrency(t
     result = evaluate_weights(config, base)
     assert sum(result.count.values()) == 4 * len(config.orchestrator.mix)
     assert in_flight["most"] == 2
+
+
+def test_a_rerun_whose_mix_gained_an_env_measures_the_version_again(tmp_path, monkeypatch):
+    """The recorded rows stand for the envs they measured: a rerun with another env in the
+    mix measures the version on all of them rather than reuse the rows of some."""
+    import tasks.weights
+
+    calls = []
+    monkeypatch.setattr(
+        tasks.weights,
+        "evaluate_weights",
+        lambda config, version, tasks: calls.append(sorted(tasks)) or _measured(config, version, tasks),
+    )
+    config = tiny_config(tmp_path / "runs", "eval-mix", warm_start={"enabled": False})
+    arith_only = config.model_copy(
+        update={"orchestrator": config.orchestrator.model_copy(update={"mix": {"arith": 1.0}})}
+    )
+    evaluating(arith_only, 1, reuse=True)
+    evaluating(config, 1, reuse=True)
+    assert calls == [["arith"], ["arith", "guess"]], "the rows of part of the mix were reused"
+    assert evaluating(config, 1, reuse=True)["statuses"] == {}
+
+
+def test_a_reused_eval_is_the_versions_latest_measurement_by_its_time(tmp_path):
+    """Of two rows of one env measured alike, the one measured last stands, whatever order
+    the table gives them back in (a Delta table keeps no order between its files)."""
+    from datetime import UTC, datetime
+
+    config = tiny_config(tmp_path / "runs", "eval-latest", warm_start={"enabled": False})
+    later = {"version": 2, "reward": 0.5, "count": 4, "tasks": 4, "time": datetime(2021, 1, 1, tzinfo=UTC)}
+    earlier = {**later, "reward": 0.125, "time": datetime(2020, 1, 1, tzinfo=UTC)}
+    Tables(run_store(config)).append(
+        "evals",
+        [  # the later measurement first
+            {**row, "env": env, "setup": eval_setup(config, env)}
+            for env in config.orchestrator.mix
+            for row in (later, earlier)
+        ],
+    )
+    assert evaluating(config, 2, reuse=True)["reward"] == {env: 0.5 for env in config.orchestrator.mix}
+
+
+def test_the_held_out_tasks_are_drawn_by_the_eval_seed_not_the_runs(tmp_path):
+    """A run's seed (its training tasks, its sampling) leaves the held-out set as it is, so the
+    evaluations of runs of other seeds measure the same problems; ``eval.seed`` draws another."""
+
+    def prompts(**overrides) -> list[str]:
+        return [task.prompt for task in eval_tasks(tiny_config(tmp_path / "runs", **overrides), "arith")]
+
+    assert prompts(seed=5) == prompts()
+    assert prompts(eval={"seed": 5}) != prompts()
+
+
+def test_an_evaluation_of_the_train_split_measures_the_train_tasks(tmp_path, monkeypatch):
+    """``evaluate_weights(..., "train")`` measures the problems the policy trains on, beside the
+    held-out ones it measures by default."""
+    from rollout.service import RolloutService
+
+    config = tiny_config(tmp_path / "runs", "eval-train-split", warm_start={"enabled": False})
+    base = build_base_version(config, log=lambda line: None)
+    measured = []
+    process = RolloutService.process
+
+    async def recording(self, request):
+        measured.append(request.task.prompt)
+        return await process(self, request)
+
+    monkeypatch.setattr(RolloutService, "process", recording)
+    for split in ("train", "eval"):
+        measured.clear()
+        evaluate_weights(config, base, split)
+        listed = [task.prompt for env in config.orchestrator.mix for task in eval_tasks(config, env, split)]
+        assert sorted(measured) == sorted(listed), split
