@@ -6,6 +6,7 @@ import os
 import posixpath
 import threading
 import time
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import torch
@@ -49,16 +50,20 @@ def test_flows_warm_starting_together_publish_one_version_zero(tmp_path):
     assert len(waited) == 1, logs
 
 
-def test_a_version_zero_claimed_by_a_process_that_died_is_given_up_on(tmp_path, monkeypatch):
+@pytest.mark.parametrize("claim", ["unreadable", "an hour old"])
+def test_a_version_zero_claimed_by_a_process_that_died_is_given_up_on(tmp_path, claim):
+    """A process died while it wrote its claim (unreadable), or after it (a claim last renewed
+    an hour ago, past ``BASE_VERSION_WAIT_S``): this base is published as the next version."""
     config = tiny_config(tmp_path / "runs", "warm-dead", warm_start={"enabled": False})
     store = run_store(config)
     weights = WeightStore(store)
-    store.create_exclusive(posixpath.join(weights.version_path(0), CLAIM_FILE), b"a process that died\n")
-    monkeypatch.setattr(weight_tasks, "BASE_VERSION_WAIT_S", 0.5)
+    renewed = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    text = b"a process that died\n" if claim == "unreadable" else f"{renewed} pid 1\n".encode()
+    store.create_exclusive(posixpath.join(weights.version_path(0), CLAIM_FILE), text)
     lines: list[str] = []
     assert build_base_version(config, log=lines.append) == 1
     assert weights.list() == [1] and weights.latest() == 1 and weights.manifest(1)["tag"] == "base"
-    assert "its claim not renewed for 0 s" in lines[-1]
+    assert f"its claim not renewed for {weight_tasks.BASE_VERSION_WAIT_S:.0f} s" in lines[-1]
     assert Tables(store).read("weights").column("version").to_pylist() == [1]
 
 
