@@ -10,7 +10,7 @@ import pyarrow.compute as pc
 import pytest
 from prefect import flow
 
-from rl.models import load_policy, publish_policy
+from rl.models import build_tiny_model, load_policy, publish_policy
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.common import run_store
@@ -602,3 +602,29 @@ def test_an_evaluation_of_the_train_split_measures_the_train_tasks(tmp_path, mon
         evaluate_weights(config, base, split)
         listed = [task.prompt for env in config.orchestrator.mix for task in eval_tasks(config, env, split)]
         assert sorted(measured) == sorted(listed), split
+
+
+def test_an_evaluation_ends_a_reply_at_every_eos_id_of_the_version(tmp_path, monkeypatch):
+    """As a rollout worker's gateway does (``test_worker_eos``): a model whose generation config
+    lists EOS ids besides its tokenizer's (Qwen2.5 instruct) ends a reply at each of them; an
+    evaluation that sampled on past them measured replies the workers never give."""
+    from rollout.service import RolloutService
+
+    config = tiny_config(tmp_path / "runs", "eval-eos", warm_start={"enabled": False})
+    config = config.model_copy(
+        update={"orchestrator": config.orchestrator.model_copy(update={"mix": {"arith": 1.0}})}
+    )
+    model, tokenizer = build_tiny_model(config.model.tiny)
+    model.generation_config.eos_token_id = list(range(len(tokenizer)))  # every token ends a reply
+    publish_policy(WeightStore(run_store(config)), model, tokenizer, step=0)
+    replies = []
+    process = RolloutService.process
+
+    async def recording(self, request):
+        result = await process(self, request)
+        replies.append(sum(result.record["action_mask"]))
+        return result
+
+    monkeypatch.setattr(RolloutService, "process", recording)
+    evaluate_weights(config, 0)
+    assert replies == [1] * config.eval.tasks_per_env
