@@ -628,3 +628,16 @@ def test_an_evaluation_ends_a_reply_at_every_eos_id_of_the_version(tmp_path, mon
     monkeypatch.setattr(RolloutService, "process", recording)
     evaluate_weights(config, 0)
     assert replies == [1] * config.eval.tasks_per_env
+
+
+def test_an_evaluation_leaves_no_engine_running(tmp_path):
+    """The pipeline evaluates version after version in one process: an engine left running
+    after its evaluation kept its thread and its copy of the model (on a GPU, its memory)."""
+    import threading
+
+    config = tiny_config(
+        tmp_path / "runs", "eval-closed", warm_start={"enabled": False}, eval={"tasks_per_env": 1}
+    )
+    base = build_base_version(config, log=lambda line: None)
+    assert evaluate_weights(config, base).version == base
+    assert not [thread for thread in threading.enumerate() if thread.name == "torch-engine-eval"]
