@@ -531,9 +531,12 @@ def test_an_evaluation_runs_no_more_rollouts_at_once_than_the_runs_concurrency(t
     assert in_flight["most"] == 2
 
 
-def test_a_rerun_whose_mix_gained_an_env_measures_the_version_again(tmp_path, monkeypatch):
+def test_a_rerun_whose_mix_gained_an_env_measures_the_version_again_and_one_that_lost_one_reuses_it(
+    tmp_path, monkeypatch
+):
     """The recorded rows stand for the envs they measured: a rerun with another env in the
-    mix measures the version on all of them rather than reuse the rows of some."""
+    mix measures the version on all of them rather than reuse the rows of some; one with an
+    env fewer reuses the rows of those it kept, passing over the others' rows."""
     import tasks.weights
 
     calls = []
@@ -550,6 +553,13 @@ def test_a_rerun_whose_mix_gained_an_env_measures_the_version_again(tmp_path, mo
     evaluating(config, 1, reuse=True)
     assert calls == [["arith"], ["arith", "guess"]], "the rows of part of the mix were reused"
     assert evaluating(config, 1, reuse=True)["statuses"] == {}
+    assert evaluating(arith_only, 1, reuse=True) == {
+        "version": 1,
+        "reward": {"arith": 0.25},
+        "count": {"arith": 4},
+        "statuses": {},
+    }
+    assert len(calls) == 2
 
 
 def test_a_reused_eval_is_the_versions_latest_measurement_by_its_time(tmp_path):
