@@ -877,6 +877,53 @@ def test_the_training_cost_counts_the_trainers_own_units_not_the_replicas_lent_t
         assert cost == pytest.approx(seconds / trajectories, rel=1e-5), step
 
 
+def test_the_training_cost_counts_each_of_the_trainers_own_units(tmp_path):
+    """A trainer of two units spends two unit-seconds on every second of a step: a trajectory
+    costs twice the step's seconds per trajectory."""
+    run, store = trainer_run(tmp_path, "elastic-two-units")
+    write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
+    planner = ElasticPlanner(run.elastic_settings(), trainer_units=("train0", "train1"))
+    assert drain_with_an_idle_engine(run, planner)["steps"] == 3
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    records = [json.loads(row["extra"])["elastic"] for row in rows]
+    for step in (1, 2):
+        seconds = sum(row["step_seconds"] for row in rows[:step])
+        trajectories = sum(row["num_samples"] for row in rows[:step])
+        cost = records[step]["inputs"]["train_unit_s_per_trajectory"]
+        assert cost == pytest.approx(2 * seconds / trajectories, rel=1e-5), step
+
+
+def test_the_trainers_idle_fraction_is_measured_since_the_last_decision(tmp_path):
+    """The trainer waits for data through two decisions, then its first step's report holds
+    it busy through two more: those count it busy, not idle for the share of the run it
+    spent waiting."""
+    run, store = trainer_run(tmp_path, "elastic-idle-since", poll_seconds=0.1)
+    planner = ElasticPlanner(run.elastic_settings())
+    inputs = recording(planner)
+    busy: list[int] = []
+
+    def working(row: dict) -> None:
+        if not busy:
+            busy.append(len(inputs))  # the step's own decision is the last one made
+            deadline = time.monotonic() + WAIT_S
+            while len(inputs) < busy[0] + 2:
+                assert time.monotonic() < deadline, "gave up waiting for the ticker's decisions"
+                time.sleep(0.05)
+
+    processed = threading.Event()
+    train_through_two_decisions(
+        run,
+        planner,
+        inputs,
+        processed,
+        then=lambda: write_shards(store, make_trajectories(store, 8, seed=5), per_shard=4),
+        drain_event=processed,
+        on_step=working,
+    )
+    assert all(i.trainer_idle > 0 for i in inputs[:2]), inputs
+    assert [i.trainer_idle for i in inputs[busy[0] : busy[0] + 2]] == [0.0, 0.0], inputs
+
+
 def test_every_decision_since_the_last_step_reaches_the_next_row_with_its_moves(tmp_path):
     """The trainer waits for data while the ticker decides (one decision hands the drained
     replica over); then shards arrive and the first step's row holds every decision since
