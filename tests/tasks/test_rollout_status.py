@@ -11,6 +11,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -166,6 +167,98 @@ def test_a_worker_stops_once_it_serves_a_version_at_the_runs_max_policy_steps(tm
     assert result["version"] == 2
     stops = [r.message for r in caplog.records if r.name == "tasks.rollout" and " stops: " in r.message]
     assert stops == ["worker w0 stops: it serves weight version 2, at the run's stop.max_policy_steps 3"]
+
+
+def test_a_worker_that_cannot_read_the_step_of_the_version_it_serves_goes_on_rolling_out(
+    tmp_path, monkeypatch, caplog
+):
+    """The run stops at ``stop.max_policy_steps``, but once the worker's engines are up the
+    manifest of the version they serve cannot be read (storage unreachable): that is not the
+    limit reached, so the worker rolls on, looking again at each beat, until its stop."""
+    run, store = small_worker_run(tmp_path, "steps-unread")
+    run = run.model_copy(update={"stop": run.stop.model_copy(update={"max_policy_steps": 3})})
+    start = RolloutWorker.start
+
+    def unreachable(version):
+        raise OSError("store unreachable (injected)")
+
+    async def start_then_unreadable(self):
+        worker = await start(self)
+        monkeypatch.setattr(self.weights, "manifest", unreachable)
+        return worker
+
+    monkeypatch.setattr(RolloutWorker, "start", start_then_unreadable)
+    stop, reports = threading.Event(), []
+
+    def on_progress(status: dict) -> None:
+        reports.append(status)
+        if len(reports) == 3:
+            stop.set()
+
+    with caplog.at_level(logging.INFO, logger="tasks.rollout"):
+        run_rollouts(
+            run, time.time() + WAIT_S, "w0", on_progress=on_progress, progress_every_s=0.1, stop=stop
+        )
+    assert len(reports) >= 3
+    assert not [r for r in caplog.records if r.name == "tasks.rollout" and " stops: " in r.message]
+    assert "could not read the step of weight version 0: store unreachable (injected)" in caplog.text
+
+
+def test_a_worker_publishes_its_status_once_a_beat_not_continuously(tmp_path, monkeypatch):
+    """Beats of 1,000 s; the first comes at once, the clock of ``tasks.rollout`` moved on by
+    a beat, and the run's stop with its report: the next beat is 1,000 s away, so the worker
+    ends once its rollouts in flight finish, with no status between (with the beat left in
+    the past it published one after another)."""
+    run, store = small_worker_run(tmp_path, "one-beat")
+    clock = {"offset": 0.0}
+    monkeypatch.setattr(
+        rollout_task,
+        "time",
+        SimpleNamespace(time=time.time, monotonic=lambda: time.monotonic() + clock["offset"]),
+    )
+    waits = []
+
+    async def first_beat_now(events, timeout):
+        waits.append(timeout)
+        if len(waits) == 1:
+            clock["offset"] += 1000.0
+            timeout = 0.0
+        await first_set(events, timeout)
+
+    monkeypatch.setattr(rollout_task, "first_set", first_beat_now)
+    stop, reports = threading.Event(), []
+
+    def on_progress(status: dict) -> None:
+        reports.append(status)
+        stop.set()
+
+    written = published_by(monkeypatch, RolloutStatusBoard)
+    run_rollouts(run, time.time() + WAIT_S, "w0", on_progress=on_progress, progress_every_s=1000.0, stop=stop)
+    assert len(reports) == 1
+    assert [status.running for status in written[-3:]] == [True, True, False]  # started, the beat, stopped
+
+
+def test_a_report_loop_that_fails_is_logged(tmp_path, monkeypatch, caplog):
+    """The worker's status cannot be taken at a beat: the loop that publishes it stops, and
+    the log says why rather than the statuses just ending."""
+    run, store = small_worker_run(tmp_path, "report-fails")
+    status, calls = RolloutWorker.status, []
+    stop = threading.Event()
+
+    async def fails_at_the_first_beat(self):
+        calls.append(self)
+        if len(calls) == 2:  # the first is the status published once the engines are up
+            stop.set()
+            raise OSError("the engines' counters could not be read (injected)")
+        return await status(self)
+
+    monkeypatch.setattr(RolloutWorker, "status", fails_at_the_first_beat)
+    with caplog.at_level(logging.WARNING, logger="tasks.rollout"):
+        run_rollouts(run, time.time() + WAIT_S, "w0", progress_every_s=0.1, stop=stop)
+    assert (
+        'worker w0 stopped reporting progress: OSError("the engines\' counters could not be read (injected)")'
+        in caplog.text
+    )
 
 
 @pytest.mark.parametrize("noticed_at", ["status", "commit"])
