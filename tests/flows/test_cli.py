@@ -1079,24 +1079,29 @@ def test_the_demo_prints_the_endpoint_and_region_a_set_override_gave_its_run(tmp
     ]  # fmt: skip
 
 
-def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
-    """A trainer that resumed below a version whose files did not verify trained its rows
-    again into a version whose parent is the one it resumed from: the version passed over is
-    listed, and marked, even where a long list is thinned."""
-    time = datetime(2026, 1, 1, tzinfo=UTC)
-    parents = {0: None} | {v: v - 1 for v in range(1, 30)} | {14: 12}
-    rows = [
+def weights_rows(parents: dict[int, int | None], tags: dict[int, str] | None = None) -> list[dict]:
+    """``weights`` rows of the versions of ``parents`` (version: its parent), each at step
+    four times its version, published at 2026-01-01 00:00 UTC, tagged as ``tags`` says."""
+    return [
         {
             "version": v,
             "step": 4 * v,
             "parent": parent,
             "path": f"weights/v{v:06d}",
             "num_consumed_shards": 1,
-            "created_at": time,
+            "created_at": datetime(2026, 1, 1, tzinfo=UTC),
+            "tag": (tags or {}).get(v),
         }
         for v, parent in parents.items()
     ]
-    Tables(local_store).append("weights", rows)
+
+
+def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
+    """A trainer that resumed below a version whose files did not verify trained its rows
+    again into a version whose parent is the one it resumed from: the version passed over is
+    listed, and marked, even where a long list is thinned."""
+    parents = {0: None} | {v: v - 1 for v in range(1, 30)} | {14: 12}
+    Tables(local_store).append("weights", weights_rows(parents))
     out = inspect_run(local_store)
     assert "  v13   step 52     2026-01-01 00:00:00 UTC (passed over, pruned)" in out
     assert out.count("passed over") == 1
@@ -1114,6 +1119,30 @@ def test_inspect_says_its_times_are_utc(local_store):
         "weights", [row | {"created_at": datetime(2026, 7, 1, 2, tzinfo=lisbon_summer)}]
     )
     assert "  v0    step 0      2026-07-01 01:00:00 UTC (pruned)" in inspect_run(local_store)
+
+
+def test_inspect_lists_and_marks_a_tagged_version_where_a_long_list_is_thinned(local_store):
+    """A base whose version 0 claim died is published as a later version, tagged ``base``."""
+    parents = {0: None} | {v: v - 1 for v in range(1, 30)}
+    Tables(local_store).append("weights", weights_rows(parents, tags={13: "base"}))
+    out = inspect_run(local_store)
+    assert "  v13   step 52     2026-01-01 00:00:00 UTC [base] (pruned)" in out
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  v") and " step " in line]
+    assert listed == [f"v{v}" for v in [*range(0, 13, 2), 13, *range(14, 29, 2), 29]]
+
+
+def test_inspect_thins_the_reward_of_generated_trajectories_to_evenly_spaced_versions(local_store):
+    Tables(local_store).append("trajectories", [trajectory_row("arith", v, 1.0, "ok") for v in range(30)])
+    out = inspect_run(local_store)
+    shown = [line.split()[0] for line in out.splitlines() if line.endswith("(1 trajectories)")]
+    assert shown == [f"v{v}" for v in [*range(0, 29, 2), 29]]
+
+
+def test_inspect_of_a_run_without_shards_or_policy_steps_counts_none(local_store):
+    Tables(local_store).append("weights", weights_rows({0: None}))
+    out = inspect_run(local_store)
+    assert "  raw        0 shards, 0 trajectories\n  processed  0 shards, 0 trajectories\n" in out
+    assert out.endswith("\npolicy steps: 0, on 0 trajectories")
 
 
 @pytest.mark.parametrize(("given", "taken"), [(None, "120"), ("300", "300")])
