@@ -332,15 +332,19 @@ def test_inspect_says_how_many_of_an_evaluations_tasks_were_measured(local_store
     Tables(local_store).append(
         "evals",
         [
-            {"version": 0, "env": "arith", "reward": 0.5, "count": 4, "tasks": 4, "time": time},
-            {"version": 0, "env": "code", "reward": 0.25, "count": 3, "tasks": 5, "time": time},
             {"version": 1, "env": "arith", "reward": 0.75, "count": 6, "tasks": None, "time": time},
+            {"version": 0, "env": "code", "reward": 0.25, "count": 3, "tasks": 5, "time": time},
+            {"version": 0, "env": "arith", "reward": 0.5, "count": 4, "tasks": 4, "time": time},
         ],
     )
     out = inspect_run(local_store)
-    assert "v0    arith    0.500  (4 tasks)" in out
-    assert "v0    code     0.250  (3 of 5 tasks measured)" in out
-    assert "v1    arith    0.750  (6 tasks)" in out
+    # by version, then env, whatever order the rows were written in
+    assert (
+        "held-out reward per version:\n"
+        "  v0    arith    0.500  (4 tasks)\n"
+        "  v0    code     0.250  (3 of 5 tasks measured)\n"
+        "  v1    arith    0.750  (6 tasks)\n"
+    ) in out
 
 
 def test_inspect_and_sql_reach_a_run_on_an_s3_compatible_store(s3_server, tmp_path):
@@ -706,6 +710,15 @@ def test_sql_prints_a_float32_column_with_the_digits_it_holds(local_store):
     assert result.returncode == 0, result.stderr
     # reward is float32; a double keeps all its digits
     assert result.stdout == "reward\twide\tthird\n0.43\t0.4300000071525574\t0.3333333333333333\n"
+
+
+def test_sql_prints_a_null_as_an_empty_field(local_store):
+    """An env error's trajectory has no reward: its field is empty, not ``None``."""
+    Tables(local_store).append("trajectories", [trajectory_row("code", 0, None, "env_error")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle("sql", *run, "SELECT task, reward, status FROM trajectories")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "task\treward\tstatus\ncode\t\tenv_error\n"
 
 
 def test_sql_reads_a_run_whose_path_holds_a_quote(tmp_path):
