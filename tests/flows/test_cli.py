@@ -609,6 +609,18 @@ def test_a_bad_run_id_or_root_is_a_one_line_error_without_credentials(tmp_path):
         assert "key-id-123" not in result.stderr and "secret-456" not in result.stderr
 
 
+def test_inspect_takes_the_root_and_run_id_given_over_those_of_its_config(
+    local_store, tmp_path, capfd, monkeypatch
+):
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    config = tmp_path / "run.yaml"
+    config.write_text(f"run_id: another\nstorage:\n  root: {tmp_path / 'elsewhere'}\n")
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle_here(capfd, monkeypatch, "inspect", "--config", str(config), *run)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith(f"run {local_store.uri}\n"), result.stdout
+
+
 @pytest.mark.parametrize("run_id", ["a b", "-a", ".a", "a/b", "a\n", ""])
 def test_inspect_and_sql_refuse_a_run_id_the_flows_refuse_with_their_message(
     capfd, monkeypatch, tmp_path, run_id
