@@ -533,6 +533,9 @@ def test_a_store_error_that_echoes_the_credentials_is_reported_without_them(echo
     for command in (("inspect",), ("sql", "SELECT 1")):
         result = treadle(*command[:1], *run, *command[1:], env=env)
         assert result.returncode == 1 and "ExpiredToken" in result.stderr, result.stderr
+        # deltalake's causes, on lines marked with a colored ↳, joined on the error's one line
+        assert len(result.stderr.splitlines()) == 1 and "400 Bad Request <Error>" in result.stderr
+        assert "\x1b" not in result.stderr and "↳" not in result.stderr, result.stderr
         for secret in ("AKIAKEYID123", "secret-456", "session-token-789"):
             assert secret not in result.stdout + result.stderr
 
