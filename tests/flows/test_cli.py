@@ -27,13 +27,14 @@ from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
 
 import duckdb
+import httpx
 import pyarrow as pa
 import pytest
 import torch
 from deltalake import write_deltalake
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.cli import TABLES, inspect_run, main
+from flows.cli import TABLES, _unreachable_api, inspect_run, main
 from flows.cli_args import parse
 from flows.config import load_config
 from flows.evaluate import missing_version
@@ -1003,6 +1004,24 @@ def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path)
         f"error: no Prefect API at http://127.0.0.1:{port}/api (unset PREFECT_API_URL or start one with treadle ui)"
     )
     assert "password" not in result.stderr
+
+
+def test_a_flows_own_error_from_a_refused_connection_is_not_taken_for_a_missing_prefect_api():
+    """A flow's RuntimeError raised from another connection (an inference server's) is the
+    flow's error: ``treadle run`` says there is no Prefect API only on Prefect's own."""
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        for message, unreachable in (
+            ("the engine did not answer", False),
+            (f"Failed to reach API at {url}", True),
+        ):
+            with pytest.raises(RuntimeError) as raised:
+                try:
+                    httpx.get(url)
+                except httpx.TransportError as exc:
+                    raise RuntimeError(message) from exc
+            assert _unreachable_api(raised.value) is unreachable, message
 
 
 def test_the_default_config_is_found_outside_the_repository(tmp_path, monkeypatch):
