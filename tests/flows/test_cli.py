@@ -987,6 +987,25 @@ def test_one_processing_pass_over_a_run_that_does_not_exist_is_an_error_before_a
     assert started == [True]
 
 
+def test_one_processing_pass_over_a_run_whose_delta_log_does_not_parse_is_an_error_before_a_flow_run(
+    local_store, capfd, monkeypatch
+):
+    """Unlike maintain, which reports such a table after its other steps."""
+    import flows.process
+
+    started = []
+    monkeypatch.setattr(flows.process, "process", lambda config, continuous: started.append(continuous))
+    log = local_store.path("tables/shards/_delta_log")
+    os.makedirs(log)
+    with open(f"{log}/{0:020d}.json", "w") as out:
+        out.write("not json{")
+    run = ("--run-id", local_store.run_id, "--set", f"storage.root={local_store.config.root}")
+    refused = treadle_here(capfd, monkeypatch, "run", "process", "--once", *run)
+    assert refused.returncode == 1 and len(refused.stderr.splitlines()) == 1, refused.stderr
+    assert refused.stderr.startswith(f"error: cannot read the run at {local_store.uri}: "), refused.stderr
+    assert "Json error" in refused.stderr and started == []
+
+
 def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path):
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     with socket.socket() as closed:  # bound, never listening: connections are refused
