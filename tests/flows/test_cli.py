@@ -753,6 +753,8 @@ def test_output_into_a_closed_pipe_ends_quietly_as_if_killed_by_sigpipe(local_st
     """As ``treadle sql … | head -1`` once ``head`` has exited: no traceback, status 141."""
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    # stdout buffered, as a shell's usually is: the closed pipe shows when the output is flushed
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONUNBUFFERED"}
     for command in (("inspect",), ("sql", "SELECT * FROM trajectories")):
         read_end, write_end = os.pipe()
         os.close(read_end)
@@ -763,6 +765,7 @@ def test_output_into_a_closed_pipe_ends_quietly_as_if_killed_by_sigpipe(local_st
                 stderr=subprocess.PIPE,
                 cwd=REPO,
                 timeout=120,
+                env=env,
             )
         finally:
             os.close(write_end)
