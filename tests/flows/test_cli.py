@@ -34,7 +34,7 @@ import torch
 from deltalake import write_deltalake
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.cli import TABLES, _unreachable_api, inspect_run, main
+from flows.cli import TABLES, _unreachable_api, inspect_run, main, spaced
 from flows.cli_args import parse
 from flows.config import load_config
 from flows.evaluate import missing_version
@@ -1179,6 +1179,13 @@ def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
     assert "  v29   step 116    2026-01-01 00:00:00 UTC (pruned)" in out
     listed = [line for line in out.splitlines() if line.startswith("  v") and " step " in line]
     assert f"(showing {len(listed)})" in out and len(listed) == 17
+
+
+def test_inspect_lists_about_twelve_evenly_spaced_versions_the_first_and_last_always():
+    assert spaced(list(range(12))) == set(range(12))
+    assert spaced(list(range(24))) == set(range(0, 24, 2)) | {23}
+    assert spaced(list(range(40))) == set(range(0, 40, 3)) | {39}
+    assert spaced([]) == set()
 
 
 def test_inspect_says_its_times_are_utc(local_store):
