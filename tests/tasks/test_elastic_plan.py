@@ -839,6 +839,21 @@ def train_through_two_decisions(
         trainer.join()
 
 
+def shards_after_two_decisions(run, store, planner, inputs: list, **kwargs) -> None:
+    """:func:`train_through_two_decisions` where, after the two decisions, shards of 8
+    trajectories arrive and the trainer drains them."""
+    processed = threading.Event()
+    train_through_two_decisions(
+        run,
+        planner,
+        inputs,
+        processed,
+        then=lambda: write_shards(store, make_trajectories(store, 8, seed=5), per_shard=4),
+        drain_event=processed,
+        **kwargs,
+    )
+
+
 def test_a_trainer_waiting_for_data_counts_as_idle_and_is_lent_nothing(tmp_path):
     """One shard of 22 tokens waits under the 44-token budget: the trainer sleeps 30 s
     polls for more. Each decision during the first poll counts the time waited so far."""
@@ -856,6 +871,20 @@ def test_a_trainer_waiting_for_data_counts_as_idle_and_is_lent_nothing(tmp_path)
     assert planner.controller.moves == [], "a waiting trainer is not saturated"
 
 
+def costed_at(store, units: int) -> list[dict]:
+    """The elastic records of the run's ``train_steps`` rows, by step, after checking that
+    each decision after the first step was given the steps so far at ``units`` unit-seconds
+    per second of a step, per trajectory trained."""
+    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
+    records = [json.loads(row["extra"])["elastic"] for row in rows]
+    for step in range(1, len(rows)):
+        seconds = sum(row["step_seconds"] for row in rows[:step])
+        trajectories = sum(row["num_samples"] for row in rows[:step])
+        cost = records[step]["inputs"]["train_unit_s_per_trajectory"]
+        assert cost == pytest.approx(units * seconds / trajectories, rel=1e-5), step
+    return records
+
+
 def test_the_training_cost_counts_the_trainers_own_units_not_the_replicas_lent_to_it(tmp_path):
     """The trainer steps on its one unit whatever is lent to it: a trajectory costs the step's
     seconds per trajectory, not twice that because a replica is lent."""
@@ -866,15 +895,9 @@ def test_the_training_cost_counts_the_trainers_own_units_not_the_replicas_lent_t
     )
     lend_a_replica(planner, RolloutStatusBoard(store))
     run_trainer(run, time.time() + 600, drain=True, elastic=planner, status_max_age_s=600)
-    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
-    records = [json.loads(row["extra"])["elastic"] for row in rows]
-    assert len(rows) == 3 and all(r["roles"]["w0/torch-1"] == "train" for r in records)
+    records = costed_at(store, units=1)
+    assert len(records) == 3 and all(r["roles"]["w0/torch-1"] == "train" for r in records)
     assert records[0]["inputs"]["train_unit_s_per_trajectory"] is None
-    for step in (1, 2):
-        seconds = sum(row["step_seconds"] for row in rows[:step])
-        trajectories = sum(row["num_samples"] for row in rows[:step])
-        cost = records[step]["inputs"]["train_unit_s_per_trajectory"]
-        assert cost == pytest.approx(seconds / trajectories, rel=1e-5), step
 
 
 def test_the_training_cost_counts_each_of_the_trainers_own_units(tmp_path):
@@ -884,13 +907,7 @@ def test_the_training_cost_counts_each_of_the_trainers_own_units(tmp_path):
     write_shards(store, make_trajectories(store, 12, seed=5), per_shard=2)
     planner = ElasticPlanner(run.elastic_settings(), trainer_units=("train0", "train1"))
     assert drain_with_an_idle_engine(run, planner)["steps"] == 3
-    rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
-    records = [json.loads(row["extra"])["elastic"] for row in rows]
-    for step in (1, 2):
-        seconds = sum(row["step_seconds"] for row in rows[:step])
-        trajectories = sum(row["num_samples"] for row in rows[:step])
-        cost = records[step]["inputs"]["train_unit_s_per_trajectory"]
-        assert cost == pytest.approx(2 * seconds / trajectories, rel=1e-5), step
+    costed_at(store, units=2)
 
 
 def test_the_trainers_idle_fraction_is_measured_since_the_last_decision(tmp_path):
@@ -910,16 +927,7 @@ def test_the_trainers_idle_fraction_is_measured_since_the_last_decision(tmp_path
                 assert time.monotonic() < deadline, "gave up waiting for the ticker's decisions"
                 time.sleep(0.05)
 
-    processed = threading.Event()
-    train_through_two_decisions(
-        run,
-        planner,
-        inputs,
-        processed,
-        then=lambda: write_shards(store, make_trajectories(store, 8, seed=5), per_shard=4),
-        drain_event=processed,
-        on_step=working,
-    )
+    shards_after_two_decisions(run, store, planner, inputs, on_step=working)
     assert all(i.trainer_idle > 0 for i in inputs[:2]), inputs
     assert [i.trainer_idle for i in inputs[busy[0] : busy[0] + 2]] == [0.0, 0.0], inputs
 
@@ -935,15 +943,7 @@ def test_every_decision_since_the_last_step_reaches_the_next_row_with_its_moves(
     lend_a_replica(planner, RolloutStatusBoard(store))
     before = len(planner.controller.moves)
     inputs = recording(planner)
-    processed = threading.Event()
-    train_through_two_decisions(
-        run,
-        planner,
-        inputs,
-        processed,
-        then=lambda: write_shards(store, make_trajectories(store, 8, seed=5), per_shard=4),
-        drain_event=processed,
-    )
+    shards_after_two_decisions(run, store, planner, inputs)
     rows = sorted(Tables(store).read("train_steps").to_pylist(), key=lambda row: row["step"])
     records = [json.loads(row["extra"])["elastic"] for row in rows]
     first = records[0]["decisions"]
