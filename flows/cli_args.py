@@ -190,8 +190,9 @@ def parse(
 
 def _annotation(key: str) -> Any:
     """The type of the :class:`RunConfig` field that dotted ``key`` names (a registered
-    environment's fields included), None when it names none. A mapping given for a field of type ``dict`` (``orchestrator.mix``) replaces it; one
-    given for a section (a model, or a model or None: ``envs.agent``) merges into it."""
+    environment's fields included), None when it names none. A mapping given for a field of
+    type ``dict`` (``orchestrator.mix``) replaces it; one given for a section (a model, or a
+    model or None: ``envs.agent``) merges into it."""
     model: type[BaseModel] = RunConfig
     *sections, name = key.split(".")
     for section in sections:
