@@ -193,21 +193,21 @@ def _annotation(key: str) -> Any:
     environment's fields included), None when it names none. A mapping given for a field of
     type ``dict`` (``orchestrator.mix``) replaces it; one given for a section (a model, or a
     model or None: ``envs.agent``) merges into it."""
-    model: type[BaseModel] = RunConfig
-    *sections, name = key.split(".")
-    for section in sections:
-        field = model.model_fields.get(section)
-        inner = _section_model(field.annotation) if field else _registered_env(model, section)
-        if inner is None:
+    annotation: Any = RunConfig
+    for name in key.split("."):
+        model = _section_model(annotation)
+        if model is None:
             return None
-        model = inner
+        annotation = _field_type(model, name)
+    return annotation
+
+
+def _field_type(model: type[BaseModel], name: str) -> Any:
+    """The type of ``model``'s field ``name``, None when it has none. The ``envs`` section
+    also takes an environment registered under its name, whose type is its config model."""
     field = model.model_fields.get(name)
-    return field and field.annotation
-
-
-def _registered_env(model: type[BaseModel], name: str) -> type[BaseModel] | None:
-    """The config model of the environment registered as ``name``, when ``model`` is the
-    ``envs`` section (which takes a registered one under its name, beside its fields)."""
+    if field is not None:
+        return field.annotation
     return REGISTRY[name].config_cls if model is EnvsConfig and name in REGISTRY else None
 
 
@@ -229,8 +229,7 @@ def _secrets_in(key: str, value: Any, annotation: Any) -> list[str]:
         return [
             secret
             for name, inner in value.items()
-            if name in model.model_fields
-            for secret in _secrets_in(f"{key}.{name}", inner, model.model_fields[name].annotation)
+            for secret in _secrets_in(f"{key}.{name}", inner, _field_type(model, name))
         ]
     if _holds_a_list(annotation) and isinstance(value, list):
         (item,) = [typing.get_args(kind)[0] for kind in kinds if typing.get_origin(kind) is list]

@@ -16,10 +16,10 @@ from prefect.cli.deploy._models import PrefectYamlModel
 from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
 from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
-from pydantic import ValidationError
+from pydantic import SecretStr, ValidationError
 
 from envs import registry
-from envs.agent import AgentEnv
+from envs.agent import AgentConfig, AgentEnv
 from envs.arith import ArithEnv
 from flows.cli_args import parse
 from flows.config import (
@@ -410,6 +410,30 @@ def test_a_value_set_for_a_text_field_of_a_registered_environment_stays_text(mon
     config, _ = parse("test", with_sets(["envs.my_agent.command=true", "envs.my_agent.eval_command=2024"]))
     agent = config.env_config("my_agent")
     assert (agent.command, agent.eval_command) == ("true", "2024")
+
+
+def test_a_secret_of_a_registered_environment_is_warned_of_set_alone_or_in_its_section(capsys, monkeypatch):
+    """A registered environment's config may hold a key: ``--set`` warns of it whether the
+    field is named or given inside a mapping for the environment or for all ``envs``."""
+
+    class KeyedConfig(AgentConfig):
+        api_key: SecretStr | None = None
+
+    class KeyedAgent(AgentEnv):
+        name = "keyed_agent"
+        config_cls = KeyedConfig
+
+    monkeypatch.setitem(registry.REGISTRY, KeyedAgent.name, KeyedAgent)
+    for given in (
+        "envs.keyed_agent.api_key=TOP-SECRET",
+        "envs.keyed_agent={command: 'true', api_key: TOP-SECRET}",
+        "envs={keyed_agent: {command: 'true', api_key: TOP-SECRET}}",
+    ):
+        config, _ = parse("test", with_sets([given]))
+        assert config.env_config("keyed_agent").api_key.get_secret_value() == "TOP-SECRET"
+        warned = capsys.readouterr().err
+        assert "TOP-SECRET" not in warned
+        assert "warning: --set envs.keyed_agent.api_key puts a secret on the command line" in warned, given
 
 
 def test_an_empty_run_id_on_the_command_line_is_refused_not_taken_for_none(capsys):
