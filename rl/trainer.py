@@ -622,7 +622,8 @@ class Trainer:
             drain_event: drain from the moment it is set (the producers have finished).
             step_extra: called before each step's row is written; what it returns is merged
                 into the row's ``extra`` (e.g. the elastic controller's inputs and moves); when
-                it raises, the row goes without and the training goes on.
+                it raises or returns no mapping JSON can hold, the row goes without and the
+                training goes on.
             role: the run's trainer role, held by this trainer: it is read back before each
                 publish and again once the version's files are uploaded, just before its
                 manifest makes it complete, and once it is lost (``role.lost``) the trainer
@@ -993,12 +994,17 @@ class Trainer:
         return StepMetrics(row=row, extra=extra)
 
     def _step_extra_fields(self) -> dict:
-        """What ``step_extra`` adds to the step's ``extra``; nothing when it raises (the step
-        is taken already: a failure of its metrics must not stop the training)."""
+        """What ``step_extra`` adds to the step's ``extra``; nothing when it raises or returns
+        what is no mapping JSON can hold (the step is taken already: a failure of its metrics
+        must not stop the training)."""
         if self._step_extra is None:
             return {}
         try:
-            return self._step_extra()
+            fields = self._step_extra()
+            if not isinstance(fields, dict):
+                raise TypeError(f"it returned a {type(fields).__name__}, not a dict")
+            json.dumps(fields)
+            return fields
         except Exception as exc:
             logger.warning("step %d: step_extra failed, its train_steps row goes without: %r", self.step, exc)
             return {}

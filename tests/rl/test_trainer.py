@@ -605,22 +605,34 @@ def test_a_train_steps_row_the_schema_refuses_is_dropped_and_the_rows_kept_befor
     assert trainer._unwritten_rows == []
 
 
-def test_a_failing_step_extra_leaves_its_row_without_it_and_training_goes_on(store, caplog):
+def raising() -> dict:
+    raise RuntimeError("bad decision (injected)")
+
+
+@pytest.mark.parametrize(
+    ("first", "said"),
+    [
+        (raising, "bad decision (injected)"),
+        (lambda: {"elastic": {"moves": {1, 2}}}, "set is not JSON serializable"),
+        (lambda: [("elastic", 1)], "it returned a list, not a dict"),
+    ],
+    ids=["raises", "not-json", "not-a-dict"],
+)
+def test_a_failing_step_extra_leaves_its_row_without_it_and_training_goes_on(store, caplog, first, said):
+    """What ``step_extra`` gives is checked before the step's row takes it: one that raises,
+    or returns what ``train_steps``' JSON cannot hold, leaves that row without it."""
     infos = write_shards(store, make_trajectories(store, 12, seed=1), per_shard=3)
     trainer = Trainer(store, config())
-    calls = iter([RuntimeError("bad decision (injected)")])
+    calls = iter([first])
 
     def step_extra() -> dict:
-        failure = next(calls, None)
-        if failure is not None:
-            raise failure
-        return {"elastic": {"moves": []}}
+        return next(calls, lambda: {"elastic": {"moves": []}})()
 
     with caplog.at_level("WARNING"):
         summary = trainer.run(drain=True, step_extra=step_extra)
 
     assert (summary.stop_reason, summary.steps) == ("drained", 3)
-    assert "step 1: step_extra failed" in caplog.text and "bad decision (injected)" in caplog.text
+    assert "step 1: step_extra failed" in caplog.text and said in caplog.text
     extras = [json.loads(row["extra"]) for row in read_steps(store)]
     assert ["elastic" in extra for extra in extras] == [False, True, True]
     consumed = [s for m in version_chain(trainer.weights) for s in m["metadata"].get("consumed_shards", [])]
