@@ -110,18 +110,17 @@ def inspect_run(store) -> str:
     # not the decoded text, which holds most of the table's bytes
     trajectories = tables.read("trajectories", columns=["max_version", "task", "reward", "trajectory_id"])
     lines.append("\nreward of generated trajectories by the newest version that generated them:")
-    if trajectories.num_rows:
-        grouped = trajectories.group_by(["max_version", "task"]).aggregate(
-            [("reward", "mean"), ("trajectory_id", "count")]
-        )
-        rows = sorted(grouped.to_pylist(), key=lambda r: (r["max_version"], r["task"]))
-        shown = spaced(sorted({r["max_version"] for r in rows}))
-        for r in rows:
-            if r["max_version"] in shown:
-                count = r["trajectory_id_count"]
-                # a group of env/infra errors only has no reward at all
-                mean = "—" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
-                lines.append(f"  v{r['max_version']:<4} {r['task']:<8} {mean:>5}  ({count} trajectories)")
+    grouped = trajectories.group_by(["max_version", "task"]).aggregate(
+        [("reward", "mean"), ("trajectory_id", "count")]
+    )
+    rows = sorted(grouped.to_pylist(), key=lambda r: (r["max_version"], r["task"]))
+    shown = spaced(sorted({r["max_version"] for r in rows}))
+    for r in rows:
+        if r["max_version"] in shown:
+            count = r["trajectory_id_count"]
+            # a group of env/infra errors only has no reward at all
+            mean = "—" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
+            lines.append(f"  v{r['max_version']:<4} {r['task']:<8} {mean:>5}  ({count} trajectories)")
     shards = tables.read("shards", columns=["kind", "num_rows"])
     lines.append("\nshards:")
     for kind in ("raw", "processed"):
