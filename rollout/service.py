@@ -69,6 +69,7 @@ from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.resources import CpuManager
 from rollout.reward_models import REWARD_RESOURCE, RewardModelError, RewardModels
 from rollout.scheduler import ActionScheduler, StaticReservation
+from storage.schema import EXCLUDED_STATUSES
 
 log = logging.getLogger(__name__)
 
@@ -638,10 +639,10 @@ class RolloutService:
                 raise
             # not the rollout's cancel: the env's own (it awaited a future cancelled under it)
             status, error = "env_error", f"CancelledError during {stage}, not from a cancel of the rollout"
-            log.warning("rollout %s of %s/%s: %s", request.rollout_id, task.env, task.id, error)
         except Exception as exc:  # an environment's own bug must not take the worker down
             status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
-            log.warning("rollout %s of %s/%s: %s", request.rollout_id, task.env, task.id, error)
+        if status in EXCLUDED_STATUSES:  # the record keeps the status only: this says why
+            log.warning("rollout %s of %s/%s: %s: %s", request.rollout_id, task.env, task.id, status, error)
         await self._cleanup(env, session, request, actions)
         reward, progress = state["reward"], state["progress"]
         reward = reward if status in ("ok", "truncated") else None

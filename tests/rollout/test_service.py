@@ -290,13 +290,17 @@ class SandboxStartFailedEnv(ArithEnv):
         (SandboxDiedEnv, "env_error", "sandbox died during run: the shell exited with status 1"),
     ],
 )
-def test_a_sandbox_error_is_an_infra_error_as_the_env_starts_and_an_env_error_after(tiny, env, status, error):
+def test_a_sandbox_error_is_an_infra_error_as_the_env_starts_and_an_env_error_after(
+    tiny, env, status, error, caplog
+):
     async def body():
         async with running_service(tiny, make_env=lambda task: env()) as service:
             return await service.process(RolloutRequest(task=arith_task()))
 
     result = asyncio.run(body())
     assert (result.status, result.error, result.reward) == (status, error, None)
+    # no table row holds the reason: the warning is where a run shows why its rollouts failed
+    assert f"{status}: {error}" in caplog.text
 
 
 class ExitingEnv(ArithEnv):
