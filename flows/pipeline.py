@@ -15,7 +15,14 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flows.cli_args import stops_as_on_ctrl_c
-from flows.config import RunConfig, missing_device, missing_path, missing_ray, pipeline_devices
+from flows.config import (
+    RunConfig,
+    empty_split,
+    missing_device,
+    missing_path,
+    missing_ray,
+    pipeline_devices,
+)
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
 from tasks.common import clear_signals, run_store, send_signal
@@ -146,7 +153,12 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     """
     # a run started from a deployment's form is checked here: the trainer's device is
     # first used once the warm start and the first evaluation are over
-    problem = missing_device(pipeline_devices(config)) or missing_ray(config) or missing_path(config)
+    problem = (
+        missing_device(pipeline_devices(config))
+        or missing_ray(config)
+        or missing_path(config)
+        or empty_split(config)
+    )
     if problem is not None:
         raise ValueError(problem)
     with module_logs_to_run():

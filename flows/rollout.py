@@ -13,7 +13,15 @@ from prefect import flow
 from pydantic import Field
 
 from flows.cli_args import stops_as_on_ctrl_c
-from flows.config import RunConfig, missing_device, missing_path, missing_ray, rollout_devices, schema_pattern
+from flows.config import (
+    RunConfig,
+    empty_split,
+    missing_device,
+    missing_path,
+    missing_ray,
+    rollout_devices,
+    schema_pattern,
+)
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
 from storage.shards import NAME_PATTERN
@@ -35,7 +43,12 @@ def rollout(
     """
     # a run started from a deployment's form is checked here: the engines, the reward
     # models and Ray are first used once the warm start is over
-    problem = missing_device(rollout_devices(config)) or missing_ray(config) or missing_path(config)
+    problem = (
+        missing_device(rollout_devices(config))
+        or missing_ray(config)
+        or missing_path(config)
+        or empty_split(config, ("train",))
+    )
     if problem is not None:
         raise ValueError(problem)
     with module_logs_to_run():

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 import flows.evaluate
+import flows.pipeline
 import flows.rollout
 import flows.train
 from storage.tables import Tables
@@ -153,3 +154,34 @@ def test_an_evaluate_run_needs_no_starting_checkpoint(tmp_path, capsys):
     assert Tables(run_store(config)).read("evals").column("version").to_pylist() == [0] * len(
         config.orchestrator.mix
     )
+
+
+def agent_with_tasks(ids: list[str], eval_fraction: float) -> dict:
+    """An agent-only run on the tasks ``ids``, split by ``eval_fraction``."""
+    tasks = [{"id": task_id, "prompt": "p"} for task_id in ids]
+    agent = {"command": "true", "eval_command": "echo 1", "eval_fraction": eval_fraction, "tasks": tasks}
+    return {"orchestrator": {"mix": {"agent": 1.0}}, "warm_start": NO_WARM_START, "envs": {"agent": agent}}
+
+
+@pytest.mark.parametrize(
+    ("ids", "eval_fraction", "run", "split"),
+    [
+        # with 0.1 each of t0..t19 is a train task; with 0.25, t7 and t16 are eval tasks
+        (["t0", "t1", "t2"], 0.1, lambda config: flows.pipeline.pipeline(config, return_state=True), "eval"),
+        (["t7", "t16"], 0.25, lambda config: flows.pipeline.pipeline(config, return_state=True), "train"),
+        (["t7", "t16"], 0.25, lambda config: flows.rollout.rollout(config, return_state=True), "train"),
+    ],
+    ids=["pipeline-no-eval", "pipeline-no-train", "rollout-no-train"],
+)
+def test_a_flow_run_whose_agent_tasks_leave_a_split_it_draws_from_empty_fails_before_the_warm_start(
+    tmp_path, ids, eval_fraction, run, split
+):
+    """Twenty agent tasks held none out with the default eval_fraction: the pipeline failed
+    with "agent env has no eval tasks" at its first evaluation, once the warm start was over."""
+    config = tiny_config(tmp_path / "runs", "agent-split", **agent_with_tasks(ids, eval_fraction))
+    failed_with(
+        run(config),
+        rf"^envs.agent.tasks: none of its {len(ids)} tasks falls in the {split} split "
+        rf"\(envs.agent.eval_fraction {eval_fraction}, by a hash of each id\): add tasks",
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
