@@ -17,6 +17,7 @@ from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
 from storage.heartbeat import Heartbeat
 from storage.quota import RunQuota
+from storage.schema import EXCLUDED_STATUSES
 from storage.shards import ShardInfo
 from storage.status import (
     HeldRole,
@@ -306,16 +307,24 @@ def _build_worker(
 
 
 def rollout_detail(status: dict[str, Any]) -> str:
-    """One line of a worker's status: served version, mean reward per task, and why launching
+    """One line of a worker's status: served version, mean reward per task, rollouts per
+    task that failed outside the policy (a sandbox, an engine: no reward), and why launching
     waits while it does."""
+    tasks = sorted(status["orchestrator"]["tasks"].items())
     rewards = ", ".join(
         f"{name} {counters['mean_reward']:.2f}"
-        for name, counters in sorted(status["orchestrator"]["tasks"].items())
+        for name, counters in tasks
         if counters["mean_reward"] is not None
     )
+    failures = {
+        name: sum(counters["statuses"].get(failed, 0) for failed in EXCLUDED_STATUSES)
+        for name, counters in tasks
+    }
+    failed = ", ".join(f"{name} {count}" for name, count in failures.items() if count)
     paused = status["orchestrator"]["paused"]
     return (
         f"serving v{status['version']}, backlog {status['backlog']} shards, mean reward {rewards or '—'}"
+        + (f", failed outside the policy: {failed}" if failed else "")
         + (f", paused: {paused}" if paused else "")
     )
 

@@ -268,10 +268,34 @@ def test_a_workers_progress_line_leaves_out_a_task_with_no_reward_yet():
         "version": 3,
         "backlog": 1,
         "orchestrator": {
-            "tasks": {"arith": {"mean_reward": 0.5}, "code": {"mean_reward": None}},
+            "tasks": {
+                "arith": {"mean_reward": 0.5, "statuses": {"ok": 2}},
+                "code": {"mean_reward": None, "statuses": {}},
+            },
             "paused": None,
         },
     }
     assert rollout_detail(status) == "serving v3, backlog 1 shards, mean reward arith 0.50"
-    status["orchestrator"]["tasks"] = {"code": {"mean_reward": None}}
+    status["orchestrator"]["tasks"] = {"code": {"mean_reward": None, "statuses": {}}}
     assert rollout_detail(status) == "serving v3, backlog 1 shards, mean reward —"
+
+
+def test_a_workers_progress_line_counts_the_rollouts_of_each_task_that_failed_outside_the_policy():
+    """A run whose code and pytool sandboxes could not start printed "mean reward shell 0.03"
+    alone: the tasks whose every rollout failed were left out as tasks with no reward yet."""
+    status = {
+        "version": 29,
+        "backlog": 2,
+        "orchestrator": {
+            "tasks": {
+                "shell": {"mean_reward": 0.03, "statuses": {"ok": 52, "truncated": 59, "timeout": 1}},
+                "code": {"mean_reward": None, "statuses": {"env_error": 138}},
+                "pytool": {"mean_reward": 0.0, "statuses": {"ok": 3, "infra_error": 115, "env_error": 2}},
+            },
+            "paused": None,
+        },
+    }
+    assert rollout_detail(status) == (
+        "serving v29, backlog 2 shards, mean reward pytool 0.00, shell 0.03, "
+        "failed outside the policy: code 138, pytool 117"
+    )
