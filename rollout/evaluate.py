@@ -6,7 +6,7 @@ import asyncio
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from envs.base import Env, Task
 from rollout.config import ServiceConfig
@@ -22,12 +22,14 @@ EVAL_CONCURRENCY = 64
 
 @dataclass
 class EvalResult:
-    """Mean reward, rollouts measured and rollouts by status, per environment."""
+    """Mean reward, rollouts measured and rollouts by status, per environment; ``errors``:
+    the reason of the last rollout of each env that failed outside the policy."""
 
     version: int
     reward: dict[str, float]
     count: dict[str, int]
     statuses: dict[str, dict[str, int]]
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 async def evaluate(
@@ -79,14 +81,18 @@ async def evaluate(
         await service.close()
     rewards: dict[str, list[float]] = defaultdict(list)
     statuses: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    errors: dict[str, str] = {}
     for result in results:
         env = result.record["task"]
         statuses[env][result.status] += 1
-        if result.status not in EXCLUDED_STATUSES:
+        if result.status in EXCLUDED_STATUSES:
+            errors[env] = result.error
+        else:
             rewards[env].append(result.reward or 0.0)
     return EvalResult(
         version=engine.version,
         reward={env: sum(rewards[env]) / len(rewards[env]) if rewards[env] else math.nan for env in statuses},
         count={env: len(rewards[env]) for env in statuses},
         statuses={env: dict(s) for env, s in statuses.items()},
+        errors=errors,
     )

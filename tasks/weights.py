@@ -221,7 +221,10 @@ def evaluate_version(
     if unmeasured:
         raise RuntimeError(
             f"version {result.version} not evaluated: every rollout of "
-            + ", ".join(f"{env} ({_statuses(result.statuses[env])})" for env in unmeasured)
+            + ", ".join(
+                f"{env} ({_statuses(result.statuses[env])}; the last: {result.errors[env]})"
+                for env in unmeasured
+            )
             + " failed outside the policy (engine, sandbox, environment host)"
         )
     Tables(run_store(config)).append(

@@ -340,11 +340,17 @@ def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fa
         reward={"arith": 0.5, "guess": float("nan")},
         count={"arith": 4, "guess": 0},
         statuses={"arith": {"ok": 4}, "guess": {"env_error": 1, "infra_error": 3}},
+        errors={"guess": "sandbox start_failed during init: bwrap: execvp python3: No such file"},
     )
     monkeypatch.setattr(tasks.weights, "evaluate_weights", lambda config, version, tasks: measured)
     state = evaluate(config, 0, return_state=True)
     assert state.is_failed()
-    with pytest.raises(RuntimeError, match=r"guess \(1 env_error, 3 infra_error\)"):
+    # the reason too: the error that ends the run said only "engine, sandbox, environment host"
+    with pytest.raises(
+        RuntimeError,
+        match=r"guess \(1 env_error, 3 infra_error; the last: sandbox start_failed during init: bwrap: "
+        r"execvp python3: No such file\)",
+    ):
         state.result()
     assert Tables(run_store(config)).read("evals").num_rows == 0
 

@@ -107,6 +107,7 @@ def test_rollouts_that_fail_outside_the_policy_are_left_out_of_the_reward(tiny):
     assert result.count == {"arith": len(tasks) - crashing} and result.reward == {"arith": 1.0}
     unmeasured = asyncio.run(body(every_crash))
     assert unmeasured.count == {"arith": 0} and math.isnan(unmeasured.reward["arith"])
+    assert unmeasured.errors == {"arith": "RuntimeError during run: the environment crashed"}
 
 
 def test_a_rollout_that_raises_leaves_no_other_rollout_running(tiny, monkeypatch):  # noqa: F811
