@@ -17,12 +17,14 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, SecretStr
 
+from envs.base import Split
 from envs.registry import REGISTRY
 from flows.config import (
     ConfigError,
     EnvsConfig,
     Replacement,
     RunConfig,
+    empty_split,
     load_config,
     missing_device,
     missing_path,
@@ -103,6 +105,7 @@ def parse(
     devices: Callable[[RunConfig], dict[str, str]] | None = None,
     paths: Callable[[RunConfig], str | None] | None = missing_path,
     ray: bool = False,
+    splits: tuple[Split, ...] = (),
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
     config error's message (naming the field) when it does not load, or when a field of
@@ -110,7 +113,9 @@ def parse(
     either cluster) names a CUDA device this machine lacks, or ``paths(config)`` names a
     local path of the config that is missing (:func:`~flows.config.missing_path`, with what
     the flow reads; None: a flow that reads none), or, for a flow that runs on Ray (``ray``),
-    the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`)."""
+    the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`),
+    or an env of the mix holds no task of one of the ``splits`` the flow draws from
+    (:func:`~flows.config.empty_split`)."""
     set_prefect_defaults()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
@@ -181,6 +186,7 @@ def parse(
         (missing_device(devices(config)) if devices else None)
         or (missing_ray(config) if ray else None)
         or (paths(config) if paths else None)
+        or (empty_split(config, splits) if splits else None)
     )
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         "The treadle demo: warm start, then rollout + process + train at once.",
         argv,
         devices=pipeline_devices,
+        splits=("train", "eval"),
     )
     from flows.pipeline import pipeline
     from tasks.common import run_store

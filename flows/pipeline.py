@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         devices=pipeline_devices,
         ray=True,
+        splits=("train", "eval"),
     )
     weight_versions(run_store(config))
     temporary_api()

@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         devices=rollout_devices,
         ray=True,
+        splits=("train",),
     )
     weight_versions(run_store(config))
     temporary_api()

@@ -1,7 +1,8 @@
 """The train, rollout and evaluate flows check what they use in their own process as they
 start, as a run started from a deployment's form does (the command line refuses it before
 a flow run starts): a device this machine lacks (no machine shows 100 GPUs), a missing
-local path, a Ray cluster without the ray extra. Each fails the run at once with one line
+local path, a Ray cluster without the ray extra, agent tasks none of which falls in a split
+the flow draws from. Each fails the run at once with one line
 naming the field, before the warm start or the download of a weight version."""
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import sys
 
 import pytest
+import yaml
 
+import flows.demo
 import flows.evaluate
 import flows.pipeline
 import flows.rollout
@@ -170,8 +173,9 @@ def agent_with_tasks(ids: list[str], eval_fraction: float) -> dict:
         (["t0", "t1", "t2"], 0.1, lambda config: flows.pipeline.pipeline(config, return_state=True), "eval"),
         (["t7", "t16"], 0.25, lambda config: flows.pipeline.pipeline(config, return_state=True), "train"),
         (["t7", "t16"], 0.25, lambda config: flows.rollout.rollout(config, return_state=True), "train"),
+        (["t0", "t1", "t2"], 0.1, lambda config: flows.evaluate.evaluate(config, return_state=True), "eval"),
     ],
-    ids=["pipeline-no-eval", "pipeline-no-train", "rollout-no-train"],
+    ids=["pipeline-no-eval", "pipeline-no-train", "rollout-no-train", "evaluate-no-eval"],
 )
 def test_a_flow_run_whose_agent_tasks_leave_a_split_it_draws_from_empty_fails_before_the_warm_start(
     tmp_path, ids, eval_fraction, run, split
@@ -184,4 +188,35 @@ def test_a_flow_run_whose_agent_tasks_leave_a_split_it_draws_from_empty_fails_be
         rf"^envs.agent.tasks: none of its {len(ids)} tasks falls in the {split} split "
         rf"\(envs.agent.eval_fraction {eval_fraction}, by a hash of each id\): add tasks",
     )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize(
+    ("main", "ids", "split"),
+    [
+        (flows.pipeline.main, ["t0", "t1", "t2"], "eval"),
+        (flows.pipeline.main, ["t7", "t16"], "train"),
+        (flows.rollout.main, ["t7", "t16"], "train"),
+        (flows.evaluate.main, ["t0", "t1", "t2"], "eval"),
+        (flows.demo.main, ["t7", "t16"], "train"),
+    ],
+    ids=["pipeline-no-eval", "pipeline-no-train", "rollout-no-train", "evaluate-no-eval", "demo-no-train"],
+)
+def test_a_flow_command_whose_agent_tasks_leave_a_split_it_draws_from_empty_exits_in_one_line(
+    tmp_path, capsys, main, ids, split
+):
+    """Refused by the command line as the other checks are, before a flow run starts."""
+    fraction = 0.25 if split == "train" else 0.1
+    config = tmp_path / "agent.yaml"
+    config.write_text(
+        yaml.safe_dump({"storage": {"root": str(tmp_path / "runs")}, **agent_with_tasks(ids, fraction)})
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", str(config)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: envs.agent.tasks: none of its {len(ids)} tasks falls in the {split} split"
+    ), err
+    assert err.count("\n") == 1
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
