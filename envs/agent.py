@@ -50,7 +50,7 @@ from envs.base import (
     in_eval_split,
     user,
 )
-from envs.sandbox import ExecResult, SandboxError, python_in_sandbox
+from envs.sandbox import ExecResult, python_in_sandbox
 
 RELAY = r"""
 import os, socket, sys, threading
@@ -289,8 +289,10 @@ class AgentEnv(Env):
         try:
             score = float(lines[-1])
         except (IndexError, ValueError):
-            raise SandboxError(
-                "died", f"EVAL command printed no score (exit {result.exit_code})", result.output
+            # the command's fault, not the sandbox's: what it printed last says why
+            raise ValueError(
+                f"eval_command printed no score on its last line (exit {result.exit_code}): "
+                f"{result.output.strip()[-200:]!r}"
             ) from None
         return clamp_score(score)
 

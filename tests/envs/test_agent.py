@@ -419,7 +419,7 @@ def test_agent_needs_a_gateway_and_reports_eval_failures(upstream):
         finally:
             await env.close()
 
-    with pytest.raises(SandboxError, match="no score"):
+    with pytest.raises(ValueError, match="printed no score"):
         asyncio.run(episode())
 
 
@@ -525,6 +525,19 @@ def scored(upstream: str, cfg) -> float:
 
 def test_agent_eval_printing_nan_scores_zero(upstream):
     assert scored(upstream, config(command="true", eval_command="echo passed 0 of 0; echo nan")) == 0.0
+
+
+@pytest.mark.parametrize("printed", ["", "tests ran: see above"])
+def test_an_eval_that_prints_no_score_is_an_error_of_its_command_not_of_the_sandbox(upstream, printed):
+    """It was raised as the sandbox dying ("sandbox died during eval"), which sent a user
+    looking at the sandbox; the command is at fault, and what it printed says why."""
+    cfg = config(command="true", eval_command=f"echo '{printed}'; exit 3")
+    with pytest.raises(
+        ValueError, match=r"^eval_command printed no score on its last line \(exit 3\)"
+    ) as raised:
+        scored(upstream, cfg)
+    assert not isinstance(raised.value, SandboxError)
+    assert repr(printed) in str(raised.value)
 
 
 def test_what_the_agents_work_printed_never_turns_its_program_or_eval_into_a_sandbox_error(upstream):
