@@ -114,13 +114,15 @@ def inspect_run(store) -> str:
         [("reward", "mean"), ("trajectory_id", "count")]
     )
     rows = sorted(grouped.to_pylist(), key=lambda r: (r["max_version"], r["task"]))
-    shown = spaced(sorted({r["max_version"] for r in rows}))
+    # max_version -1: rollouts that failed before any token, which no version generated
+    shown = spaced(sorted({r["max_version"] for r in rows if r["max_version"] >= 0}))
     for r in rows:
-        if r["max_version"] in shown:
+        if r["max_version"] < 0 or r["max_version"] in shown:
             count = r["trajectory_id_count"]
             # a group of env/infra errors only has no reward at all
             mean = "—" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
-            lines.append(f"  v{r['max_version']:<4} {r['task']:<8} {mean:>5}  ({count} trajectories)")
+            version = f"v{r['max_version']}" if r["max_version"] >= 0 else "none"
+            lines.append(f"  {version:<5} {r['task']:<8} {mean:>5}  ({count} trajectories)")
     shards = tables.read("shards", columns=["kind", "num_rows"])
     lines.append("\nshards:")
     for kind in ("raw", "processed"):

@@ -307,7 +307,7 @@ def test_inspect_shows_a_group_without_rewards_as_a_dash(local_store):
         [trajectory_row("arith", 1, 1.0, "ok"), trajectory_row("code", -1, None, "env_error")],
     )
     out = inspect_run(local_store)
-    assert "v-1   code         —  (1 trajectories)" in out
+    assert "none  code         —  (1 trajectories)" in out
     assert "v1    arith    1.000  (1 trajectories)" in out
 
 
@@ -1214,6 +1214,20 @@ def test_inspect_thins_the_reward_of_generated_trajectories_to_evenly_spaced_ver
     out = inspect_run(local_store)
     shown = [line.split()[0] for line in out.splitlines() if line.endswith("(1 trajectories)")]
     assert shown == [f"v{v}" for v in [*range(0, 29, 2), 29]]
+
+
+def test_inspect_shows_rollouts_that_generated_no_token_apart_and_still_thins_from_version_0(local_store):
+    """Rollouts that failed before any token (a sandbox that did not start) have no version,
+    ``max_version`` -1: shown as "v-1" and thinned as the first version, they pushed version
+    0, the data the base generated, out of the list."""
+    rows = [trajectory_row("agent", -1, None, "infra_error")] + [
+        trajectory_row("arith", v, 1.0, "ok") for v in range(30)
+    ]
+    Tables(local_store).append("trajectories", rows)
+    out = inspect_run(local_store)
+    assert "  none  agent        —  (1 trajectories)" in out
+    shown = [line.split()[0] for line in out.splitlines() if line.endswith("(1 trajectories)")]
+    assert shown == ["none"] + [f"v{v}" for v in [*range(0, 29, 2), 29]]
 
 
 def test_inspect_of_a_run_without_shards_or_policy_steps_counts_none(local_store):
