@@ -23,7 +23,7 @@ EVAL_CONCURRENCY = 64
 @dataclass
 class EvalResult:
     """Mean reward, rollouts measured and rollouts by status, per environment; ``errors``:
-    the reason of the last rollout of each env that failed outside the policy."""
+    the reason of the last rollout (in task order) of each env that failed outside the policy."""
 
     version: int
     reward: dict[str, float]
@@ -47,8 +47,9 @@ async def evaluate(
     """Roll out each task once on ``engine``: per env, the mean reward of its rollouts (one
     the policy failed scores 0) and how many there are. A rollout that failed outside the
     policy (``env_error``, ``infra_error``: a crashed environment, a dead engine) measures
-    nothing about it and is left out of both, counted only in ``statuses``; an env whose
-    every rollout failed so has reward NaN and count 0.
+    nothing about it and is left out of both, counted in ``statuses`` (and the reason of the
+    last in task order kept in ``errors``); an env whose every rollout failed so has reward
+    NaN and count 0.
 
     ``service_config`` is the run's: the episodes are scored under the turn, time and token
     budgets, stage limits and by the reward models the policy trains with, at ``temperature``

@@ -87,7 +87,9 @@ def failing_every_rollout() -> str:
     with module_logs_to_run():
         service = logging.getLogger("rollout.service")
         for i in range(500):
-            service.warning("rollout %s of %s/%s: %s", f"r{i}", "arith", i, "ValueError during run: bug")
+            service.warning(
+                "rollout %s of %s/%s: %s: %s", f"r{i}", "arith", i, "env_error", "ValueError during run: bug"
+            )
         service.warning("replica %s is down", "r0")
     return str(FlowRunContext.get().flow_run.id)
 
