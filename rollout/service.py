@@ -641,8 +641,13 @@ class RolloutService:
             status, error = "env_error", f"CancelledError during {stage}, not from a cancel of the rollout"
         except Exception as exc:  # an environment's own bug must not take the worker down
             status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
-        if status in EXCLUDED_STATUSES:  # the record keeps the status only: this says why
-            log.warning("rollout %s of %s/%s: %s: %s", request.rollout_id, task.env, task.id, status, error)
+        if status in EXCLUDED_STATUSES:
+            # the record keeps the status only: this says why. A logger per env: the flow
+            # run's logs take a few records of a logger a minute (flows.run_logs), so an env
+            # failing every rollout does not keep the others' failures out of the UI
+            log.getChild(task.env).warning(
+                "rollout %s of %s/%s: %s: %s", request.rollout_id, task.env, task.id, status, error
+            )
         await self._cleanup(env, session, request, actions)
         reward, progress = state["reward"], state["progress"]
         reward = reward if status in ("ok", "truncated") else None

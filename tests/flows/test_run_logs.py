@@ -84,23 +84,32 @@ def test_a_module_in_prefects_extra_loggers_is_sent_once():
 
 @flow
 def failing_every_rollout() -> str:
+    """What the rollout service logs when one env fails every rollout and another once."""
+    failed = "rollout %s of %s/%s: %s: %s"
     with module_logs_to_run():
         service = logging.getLogger("rollout.service")
         for i in range(500):
-            service.warning(
-                "rollout %s of %s/%s: %s: %s", f"r{i}", "arith", i, "env_error", "ValueError during run: bug"
+            service.getChild("arith").warning(
+                failed, f"r{i}", "arith", i, "env_error", "ValueError during run: bug"
             )
+        service.getChild("code").warning(
+            failed, "r500", "code", 0, "infra_error", "sandbox start_failed: no bwrap"
+        )
         service.warning("replica %s is down", "r0")
     return str(FlowRunContext.get().flow_run.id)
 
 
 def test_a_warning_repeated_every_rollout_reaches_the_flow_run_a_few_times_and_the_console_every_time(caplog):
     """An environment that fails every rollout logs a warning per rollout: the flow run's
-    logs (the Prefect API) take the first few of the minute, the console every one."""
+    logs (the Prefect API) take the first few of the minute, the console every one. Each
+    env's failures have a logger of their own, so another env's still reach the flow run."""
     flow_run_id = failing_every_rollout()
-    ours = [entry for entry in run_logs(flow_run_id) if entry[0] == "rollout.service"]
-    repeated = [message for _, _, message in ours if message.startswith("rollout ")]
+    ours = [entry for entry in run_logs(flow_run_id) if entry[0].startswith("rollout.service")]
+    repeated = [message for name, _, message in ours if name == "rollout.service.arith"]
     assert len(repeated) == REPEATS_PER_WINDOW
     assert "on the worker's console only" in repeated[-1]
-    assert [message for _, _, message in ours if not message.startswith("rollout ")] == ["replica r0 is down"]
-    assert sum(record.name == "rollout.service" for record in caplog.records) == 501
+    assert [message for name, _, message in ours if name == "rollout.service.code"] == [
+        "rollout r500 of code/0: infra_error: sandbox start_failed: no bwrap"
+    ]
+    assert [message for name, _, message in ours if name == "rollout.service"] == ["replica r0 is down"]
+    assert sum(record.name.startswith("rollout.service") for record in caplog.records) == 502

@@ -268,6 +268,22 @@ def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny, env, s
     assert str(env.error) in result.error
 
 
+def test_each_envs_failed_rollouts_are_warned_on_a_logger_of_its_own(tiny, caplog):
+    """The Prefect UI takes a few records a minute per logger and message template: with one
+    logger for every env, an env whose sandbox failed every rollout kept the failures of the
+    others out of the UI for as long as it failed."""
+    tasks = [arith_task(), arith_task().model_copy(update={"env": "code"})]
+    envs = {"arith": BrokenEnv, "code": type("BrokenCodeEnv", (BrokenEnv,), {"name": "code"})}
+
+    async def body():
+        async with running_service(tiny, make_env=lambda task: envs[task.env]()) as service:
+            return [await service.process(RolloutRequest(task=task)) for task in tasks]
+
+    assert [result.status for result in asyncio.run(body())] == ["env_error", "env_error"]
+    warned = [record.name for record in caplog.records if "the verifier crashed" in record.getMessage()]
+    assert warned == ["rollout.service.arith", "rollout.service.code"]
+
+
 class SandboxDiedEnv(BrokenEnv):
     error = SandboxError("died", "the shell exited with status 1")
 
