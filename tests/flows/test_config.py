@@ -19,6 +19,7 @@ from prefect.flows import load_flow_from_entrypoint
 from prefect.utilities.callables import parameter_schema
 from pydantic import SecretStr, ValidationError
 
+import flows.rollout
 from envs import registry
 from envs.agent import AgentConfig, AgentEnv
 from envs.arith import ArithEnv
@@ -571,20 +572,20 @@ def test_an_empty_config_file_fails_saying_so(tmp_path, text):
         ),
     ],
 )
-def test_a_flow_given_a_local_path_that_does_not_exist_exits_naming_the_field(tmp_path, field, value, said):
+def test_a_flow_given_a_local_path_that_does_not_exist_exits_naming_the_field(
+    tmp_path, capsys, field, value, said
+):
     """Refused as the command starts: found at the warm start or the first task otherwise."""
     value, said = value.format(tmp=tmp_path), said.format(tmp=tmp_path)
-    result = subprocess.run(
-        [sys.executable, "-m", "flows.rollout", "--set", f"{field}={value}"]
-        + ["--set", f"storage.root={tmp_path}/runs", "--set", "warm_start.enabled=false"],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=120,
-    )
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.startswith(f"error: {said}"), result.stderr
-    assert result.stderr.count("\n") == 1
+    with pytest.raises(SystemExit) as exited:
+        flows.rollout.main(
+            ["--set", f"{field}={value}"]
+            + ["--set", f"storage.root={tmp_path}/runs", "--set", "warm_start.enabled=false"]
+        )
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err[-3000:]
+    assert err.startswith(f"error: {said}"), err
+    assert err.count("\n") == 1
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
