@@ -308,8 +308,9 @@ def _build_worker(
 
 def rollout_detail(status: dict[str, Any]) -> str:
     """One line of a worker's status: served version, mean reward per task, rollouts per
-    task that failed outside the policy (a sandbox, an engine: no reward), and why launching
-    waits while it does."""
+    task that failed outside the policy (a sandbox, an engine: no reward), the groups dropped
+    for uniform rewards (never written: the run's tables hold fewer rollouts than finished),
+    and why launching waits while it does."""
     tasks = sorted(status["orchestrator"]["tasks"].items())
     rewards = ", ".join(
         f"{name} {counters['mean_reward']:.2f}"
@@ -322,9 +323,12 @@ def rollout_detail(status: dict[str, Any]) -> str:
     }
     failed = ", ".join(f"{name} {count}" for name, count in failures.items() if count)
     paused = status["orchestrator"]["paused"]
+    dropped = status["orchestrator"].get("groups_filtered", 0)
+    groups = dropped + status["orchestrator"].get("groups_kept", 0)
     return (
         f"serving v{status['version']}, backlog {status['backlog']} shards, mean reward {rewards or '—'}"
         + (f", failed outside the policy: {failed}" if failed else "")
+        + (f", {dropped} of {groups} groups dropped (every reward in them equal)" if dropped else "")
         + (f", paused: {paused}" if paused else "")
     )
 

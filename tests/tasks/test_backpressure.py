@@ -299,3 +299,24 @@ def test_a_workers_progress_line_counts_the_rollouts_of_each_task_that_failed_ou
         "serving v29, backlog 2 shards, mean reward pytool 0.00, shell 0.03, "
         "failed outside the policy: code 138, pytool 117"
     )
+
+
+def test_a_workers_progress_line_counts_the_groups_dropped_for_uniform_rewards():
+    """A GRPO run (group_size 4, filter_uniform_groups) printed "Rollouts finished: 8532" while
+    its tables held 4820 trajectories: the 928 groups dropped for equal rewards were told nowhere."""
+    status = {
+        "version": 7,
+        "backlog": 0,
+        "orchestrator": {
+            "tasks": {"dataset": {"mean_reward": 0.25, "statuses": {"ok": 40}}},
+            "groups_kept": 6,
+            "groups_filtered": 4,
+            "paused": None,
+        },
+    }
+    assert rollout_detail(status) == (
+        "serving v7, backlog 0 shards, mean reward dataset 0.25, "
+        "4 of 10 groups dropped (every reward in them equal)"
+    )
+    status["orchestrator"]["groups_filtered"] = 0
+    assert rollout_detail(status) == "serving v7, backlog 0 shards, mean reward dataset 0.25"
