@@ -69,6 +69,12 @@ class RewardModels:
         on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
         if budget_bytes is None and on_cpu:
             budget_bytes = max(sum(state_bytes(m) for m in models.values()), 1)
+        for name, model in models.items():
+            if budget_bytes is not None and (size := state_bytes(model)) > budget_bytes:
+                raise ValueError(
+                    f"reward model {name!r} needs {size / 2**20:.2f} MB on its device, more than "
+                    f"service.reward_budget_mb ({budget_bytes / 2**20:.3g})"
+                )
         self.manager = ServiceManager(device=device, budget_bytes=budget_bytes)
         for name, model in models.items():
             self.manager.register(name, model)

@@ -27,7 +27,7 @@ from rollout.gateway import Gateway, GatewayConfig
 from rollout.resources import state_bytes
 from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
 from rollout.router import Router
-from rollout.service import RolloutRequest, RolloutService, ServiceConfig
+from rollout.service import RolloutRequest, RolloutService, ServiceConfig, make_reward_models
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
@@ -326,6 +326,20 @@ def test_an_env_naming_an_unconfigured_reward_model_is_a_config_error():
         ValueError, match=r"envs.arith.reward_model: 'judge' is not one of service.reward_models"
     ):
         RunConfig.model_validate({"envs": {"arith": {"reward_model": "judge"}}})
+
+
+def test_a_reward_budget_no_model_fits_is_refused_naming_the_setting(judges):
+    """``reward_budget_mb: 0.01`` failed a run with "service 'judge_a' needs 107072 bytes, more
+    than the budget 10485": neither the setting nor its unit was named."""
+    config = ServiceConfig(
+        reward_models={name: RewardModelConfig(path=path) for name, path in judges.items()},
+        reward_budget_mb=0.01,
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"^reward model '[\w-]+' needs 0\.\d+ MB on its device, more than service\.reward_budget_mb \(0\.01\)$",
+    ):
+        make_reward_models(config)
 
 
 def test_held_out_evaluation_scores_with_the_run_s_reward_models(tiny, judges):
