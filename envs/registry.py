@@ -71,16 +71,34 @@ def task_pool(
     tasks holds fewer than ``n`` (``code``'s few hundred functions, a small ``max_operand``);
     one that holds none raises. Envs that repeat their tasks to make ``n`` (``dataset``,
     ``agent``, ``guess``) give ``n``; with ``distinct``, the first of each problem (prompt and
-    data, and id where the env shows it: ``agent``'s task.json) only: an evaluation's set,
-    whose mean would weigh a repeated problem more."""
+    data, and id where the env shows it: ``agent``'s task.json) only, ``n`` of them where the
+    split holds ``n``: an evaluation's set, whose mean would weigh a repeated problem more."""
     try:
         tasks = task_set(name, split, seed, n, config)
     except TooFewTasks as exc:
         if not exc.available:
             raise
         tasks = task_set(name, split, seed, exc.available, config)
+        return _first_of_each(name, tasks) if distinct else tasks
     if not distinct:
         return tasks
+    problems, size = _first_of_each(name, tasks), n
+    # a draw that repeats problems (rows sharing a prompt) holds fewer than n where the split
+    # may hold more: draw twice as many until n come or a larger draw brings no new one
+    while len(problems) < n:
+        size *= 2
+        try:
+            more = _first_of_each(name, task_set(name, split, seed, size, config))
+        except TooFewTasks:  # an env that draws distinct ids, some of one problem: it has no more
+            break
+        if len(more) <= len(problems):
+            break
+        problems = more
+    return problems[:n]
+
+
+def _first_of_each(name: str, tasks: list[Task]) -> list[Task]:
+    """The first task of each problem in ``tasks``, in order (see :func:`task_pool`)."""
     shows_id = env_class(name).shows_task_id
     problems: dict[str, Task] = {}
     for task in tasks:

@@ -366,6 +366,22 @@ def test_a_distinct_task_pool_holds_each_problem_once(tmp_path):
     )
 
 
+def test_a_distinct_task_pool_of_a_split_with_repeated_prompts_gives_n_problems_where_it_holds_them(tmp_path):
+    """A dataset of 200 rows over 100 sums held out 23 rows of 10 distinct prompts, and an
+    evaluation asked for 10 problems measured 8: the first 10 rows drawn held 2 repeats."""
+    path = tmp_path / "rows.jsonl"
+    rows = [{"id": f"r{i}", "prompt": f"{i % 100}?", "answer": str(i % 100)} for i in range(200)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = {"path": str(path), "id_field": "id", "eval_fraction": 0.1}
+    held_out = {t.prompt for t in task_pool("dataset", "eval", 0, 200, config)}
+    n = len(held_out)
+    drawn = task_pool("dataset", "eval", 0, n, config)
+    assert len({t.prompt for t in drawn}) < n, "the draw of n rows repeats a prompt (else this tests nothing)"
+    distinct = task_pool("dataset", "eval", 0, n, config, distinct=True)
+    assert len(distinct) == n and {t.prompt for t in distinct} == held_out
+    assert task_pool("dataset", "eval", 0, n - 1, config, distinct=True) == distinct[: n - 1]
+
+
 def test_a_distinct_agent_task_pool_keeps_tasks_that_differ_only_in_their_id():
     """The agent program and its EVAL read the task's id in task.json: agent tasks of the same
     prompt and data but other ids (one per repository, say) are other problems, each one
