@@ -81,6 +81,23 @@ def _wind_down(
     return rollout_run.result(), process_run.result(), train_run.result()
 
 
+def untrained_warning(orchestrator: dict[str, Any]) -> str:
+    """Why a run took no policy step, from its rollout worker's counters: what it finished and
+    wrote, and the groups it dropped for equal rewards (never written)."""
+    dropped = orchestrator["groups_filtered"]
+    groups = orchestrator["groups_kept"] + dropped
+    return (
+        f"no policy step: the trainer got too little to train on; {orchestrator['written']} of "
+        f"{orchestrator['finished']} rollouts finished were written"
+        + (
+            f", {dropped} of {groups} groups dropped with every reward in them equal "
+            "(orchestrator.filter_uniform_groups)"
+            if dropped
+            else ""
+        )
+    )
+
+
 def _clear_signals(store: RunStore, signals: str) -> None:
     """Remove the signals of ``signals`` once its tasks are over; a store that fails to is
     logged: a few leftover files must not fail a run whose tasks are done (nor replace the
@@ -188,6 +205,8 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
                 process_shards.submit(config, deadline + DRAIN_SECONDS, signals=signals),
                 train.submit(config, deadline, signals=signals),
             )
+        if not trained["steps"]:
+            logger.warning(untrained_warning(generated["orchestrator"]))
         after = evaluate_task(config, reuse=True)
         report_task(config)
         gain = {

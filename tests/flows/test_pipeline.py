@@ -282,3 +282,18 @@ def test_a_ray_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_
     with pytest.raises(ValueError, match=r"^engine.torch.device is 'cuda:99', but this machine shows "):
         state.result()
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_the_warning_of_a_run_that_took_no_policy_step_tells_the_groups_dropped_for_equal_rewards():
+    """A GRPO run whose untrained policy failed every task (12844 rollouts, all 3211 groups
+    dropped for equal rewards) logged "Policy steps: 0" and ended Completed, with no word why."""
+    stats = {"finished": 12844, "written": 0, "groups_kept": 0, "groups_filtered": 3211}
+    assert pipeline_module.untrained_warning(stats) == (
+        "no policy step: the trainer got too little to train on; 0 of 12844 rollouts finished were "
+        "written, 3211 of 3211 groups dropped with every reward in them equal "
+        "(orchestrator.filter_uniform_groups)"
+    )
+    stats = {"finished": 40, "written": 40, "groups_kept": 0, "groups_filtered": 0}
+    assert pipeline_module.untrained_warning(stats) == (
+        "no policy step: the trainer got too little to train on; 40 of 40 rollouts finished were written"
+    )
