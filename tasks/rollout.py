@@ -356,6 +356,10 @@ def rollouts(
         """The bar's count, given the rollouts this worker finished."""
         return finished if quota is None else quota.claimed()
 
+    def detail(status: dict[str, Any]) -> str:
+        """What the progress line says after the count, from the worker's status."""
+        return f"this worker finished {status['orchestrator']['finished']}, {rollout_detail(status)}"
+
     def committed(info: ShardInfo) -> None:
         emit_event(
             event="treadle.shard.committed",
@@ -374,16 +378,15 @@ def rollouts(
             config,
             deadline,
             worker_name,
-            on_progress=lambda s: progress.update(
-                counted(s["orchestrator"]["finished"]),
-                detail=f"this worker finished {s['orchestrator']['finished']}, {rollout_detail(s)}",
-            ),
+            on_progress=lambda s: progress.update(counted(s["orchestrator"]["finished"]), detail=detail(s)),
             on_shard=committed,
             stop=stop,
         )
     # the quota's storage may fail for a moment: the rollouts are committed already
     last_report = reporting(
-        lambda: progress.update(counted(result["orchestrator"]["finished"]), final=True),
+        lambda: progress.update(
+            counted(result["orchestrator"]["finished"]), final=True, detail=detail(result)
+        ),
         f"last progress report of worker {worker_name}",
     )
     last_report()

@@ -7,11 +7,18 @@ from collections.abc import Callable
 from uuid import UUID
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+from prefect.client.schemas.filters import (
+    ArtifactFilter,
+    ArtifactFilterFlowRunId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
 from prefect.client.schemas.objects import Artifact
+from prefect.client.schemas.sorting import LogSort
 from prefect.events import Event
 from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogHandler
 
 
 def artifacts_of(flow_run_ids: list[UUID]) -> list[Artifact]:
@@ -27,6 +34,18 @@ def artifacts_of(flow_run_ids: list[UUID]) -> list[Artifact]:
             },
         )
     return Artifact.model_validate_list(response.json())
+
+
+def run_logs(flow_run_id) -> list[tuple[str, int, str]]:
+    """Logger name, level and message of every log of a flow run (its tasks' included), oldest
+    first (read page by page: the API answers at most a page at a time)."""
+    APILogHandler().flush()
+    log_filter = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]))
+    logs: list = []
+    with get_client(sync_client=True) as client:
+        while page := client.read_logs(log_filter=log_filter, offset=len(logs), sort=LogSort.TIMESTAMP_ASC):
+            logs += page
+    return [(log.name, log.level, log.message) for log in logs]
 
 
 def read_events(resource_id: str, prefix: str = "treadle.") -> list[Event]:

@@ -16,7 +16,7 @@ from storage.tables import Tables
 from tasks.common import run_store, send_signal, signal_path, signals_dir
 from tasks.report import artifact_key
 from tests.flows.conftest import tiny_config
-from tests.flows.prefect_api import artifacts_of, count, wait_for_events
+from tests.flows.prefect_api import artifacts_of, count, run_logs, wait_for_events
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -30,6 +30,16 @@ def test_pipeline_completes_and_trains(pipeline_run):
     assert result["processed"]["shards"] >= 1
     assert result["trained"]["steps"] >= 1
     assert set(result["gain"]) == {"arith", "guess"}
+
+
+def test_the_last_rollout_progress_line_tells_what_the_workers_rollouts_came_to(pipeline_run):
+    """The last line was the count alone: a run shorter than the log pace never showed its
+    served version, rewards, failures or dropped groups."""
+    lines = [m for _, _, m in run_logs(pipeline_run.flow_run_id) if m.startswith("Rollouts finished: ")]
+    finished = pipeline_run.result["rollouts"]["finished"]
+    assert re.match(
+        rf"Rollouts finished: \d+ — this worker finished {finished}, serving v\d+, ", lines[-1]
+    ), lines
 
 
 def test_pipeline_artifacts_progress_tables_and_curves(pipeline_run):

@@ -6,20 +6,13 @@ import logging
 import threading
 import warnings
 
-from prefect import flow, get_client
-from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect import flow
 from prefect.context import FlowRunContext
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import PREFECT_LOGGING_EXTRA_LOGGERS, temporary_settings
 
 from flows.run_logs import REPEATS_PER_WINDOW, module_logs_to_run
-
-
-def run_logs(flow_run_id) -> list[tuple[str, int, str]]:
-    APILogHandler().flush()
-    with get_client(sync_client=True) as client:
-        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
-    return [(log.name, log.level, log.message) for log in logs]
+from tests.flows.prefect_api import run_logs
 
 
 @flow
