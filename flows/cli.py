@@ -106,7 +106,7 @@ def inspect_run(store) -> str:
     lines.append("\nheld-out reward per version:")
     lines += [
         f"  v{r['version']:<4} {r['env']:<8} {r['reward']:.3f}  ({_measured(r)})" for r in evals.to_pylist()
-    ]
+    ] or ["  no evaluations"]
     # not the decoded text, which holds most of the table's bytes
     trajectories = tables.read("trajectories", columns=["max_version", "task", "reward", "trajectory_id"])
     lines.append("\nreward of generated trajectories by the newest version that generated them:")
@@ -123,6 +123,8 @@ def inspect_run(store) -> str:
             mean = "—" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
             version = f"v{r['max_version']}" if r["max_version"] >= 0 else "none"
             lines.append(f"  {version:<5} {r['task']:<8} {mean:>5}  ({count} trajectories)")
+    if not rows:
+        lines.append("  no trajectories")
     shards = tables.read("shards", columns=["kind", "num_rows"])
     lines.append("\nshards:")
     for kind in ("raw", "processed"):

@@ -1233,6 +1233,11 @@ def test_inspect_shows_rollouts_that_generated_no_token_apart_and_still_thins_fr
 def test_inspect_of_a_run_without_shards_or_policy_steps_counts_none(local_store):
     Tables(local_store).append("weights", weights_rows({0: None}))
     out = inspect_run(local_store)
+    assert "held-out reward per version:\n  no evaluations\n" in out
+    assert (
+        "reward of generated trajectories by the newest version that generated them:\n  no trajectories\n"
+        in out
+    )
     assert "  raw        0 shards, 0 trajectories\n  processed  0 shards, 0 trajectories\n" in out
     assert out.endswith("\npolicy steps: 0, on 0 trajectories")
 
