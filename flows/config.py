@@ -135,7 +135,8 @@ class StopConfig(BaseModel):
         ge=1,
         description="Finish at most this many rollouts in the whole run: all its workers together, counting "
         "those of earlier flow runs it resumes from. Workers claim blocks of up to orchestrator.concurrency; "
-        "a worker killed outright keeps its unused block, so the run can end that many short.",
+        "a worker killed outright keeps its unused block, so the run can end that many short. In group mode "
+        "a group launches whole: the run ends at the largest multiple of orchestrator.group_size not above it.",
     )
 
 
