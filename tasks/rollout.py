@@ -323,8 +323,8 @@ def rollout_detail(status: dict[str, Any]) -> str:
     }
     failed = ", ".join(f"{name} {count}" for name, count in failures.items() if count)
     paused = status["orchestrator"]["paused"]
-    dropped = status["orchestrator"].get("groups_filtered", 0)
-    groups = dropped + status["orchestrator"].get("groups_kept", 0)
+    dropped = status["orchestrator"]["groups_filtered"]
+    groups = dropped + status["orchestrator"]["groups_kept"]
     return (
         f"serving v{status['version']}, backlog {status['backlog']} shards, mean reward {rewards or '—'}"
         + (f", failed outside the policy: {failed}" if failed else "")

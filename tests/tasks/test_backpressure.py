@@ -272,6 +272,8 @@ def test_a_workers_progress_line_leaves_out_a_task_with_no_reward_yet():
                 "arith": {"mean_reward": 0.5, "statuses": {"ok": 2}},
                 "code": {"mean_reward": None, "statuses": {}},
             },
+            "groups_kept": 0,
+            "groups_filtered": 0,
             "paused": None,
         },
     }
@@ -292,6 +294,8 @@ def test_a_workers_progress_line_counts_the_rollouts_of_each_task_that_failed_ou
                 "code": {"mean_reward": None, "statuses": {"env_error": 138}},
                 "pytool": {"mean_reward": 0.0, "statuses": {"ok": 3, "infra_error": 115, "env_error": 2}},
             },
+            "groups_kept": 0,
+            "groups_filtered": 0,
             "paused": None,
         },
     }
