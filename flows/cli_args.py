@@ -26,6 +26,7 @@ from flows.config import (
     RunConfig,
     empty_split,
     load_config,
+    missing_cores,
     missing_device,
     missing_path,
     missing_ray,
@@ -115,7 +116,9 @@ def parse(
     the flow reads; None: a flow that reads none), or, for a flow that runs on Ray (``ray``),
     the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`),
     or an env of the mix holds no task of one of the ``splits`` the flow draws from
-    (:func:`~flows.config.empty_split`)."""
+    (:func:`~flows.config.empty_split`), or, for a flow that rolls out (``splits`` given),
+    its scheduler asks for more cores than this process may use
+    (:func:`~flows.config.missing_cores`)."""
     set_prefect_defaults()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
@@ -186,7 +189,7 @@ def parse(
         (missing_device(devices(config)) if devices else None)
         or (missing_ray(config) if ray else None)
         or (paths(config) if paths else None)
-        or (empty_split(config, splits) if splits else None)
+        or ((empty_split(config, splits) or missing_cores(config)) if splits else None)
     )
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

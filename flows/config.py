@@ -484,6 +484,40 @@ def empty_split(config: RunConfig, splits: tuple[Split, ...] = ("train", "eval")
     return None
 
 
+def missing_cores(config: RunConfig) -> str | None:
+    """One line naming the field that asks the rollout service's scheduler for more CPU cores
+    than this process may use; None when they fit. Every flow that rolls out runs a service
+    in its own process (the pipeline's evaluations, a rollout worker, an evaluation). Without
+    this check the scheduler refused it as the service started, after the warm start, or,
+    with ``service.scheduler_cores`` unset, refused every action of an agent's program."""
+    service = config.service
+    if service.scheduler == "none":
+        return None
+    usable = len(os.sched_getaffinity(0))
+    here = f"the {usable} core{'s' * (usable != 1)} this process may use"
+    if service.scheduler_cores is not None:
+        if service.scheduler_pin and service.scheduler_cores > usable:
+            return (
+                f"service.scheduler_cores ({service.scheduler_cores}) exceeds {here}: lower it or set "
+                "service.scheduler_pin false"
+            )
+        return None  # what it must hold was checked against it as the config loaded
+    if service.scheduler == "static" and service.scheduler_static_cores > usable:
+        return (
+            f"service.scheduler_static_cores ({service.scheduler_static_cores}) exceeds {here} "
+            "(service.scheduler_cores unset): no rollout could reserve its cores"
+        )
+    if service.scheduler == "action":
+        for name in config.orchestrator.mix:
+            env_config = config.env_config(name)
+            if isinstance(env_config, AgentConfig) and env_config.action_cores > usable:
+                return (
+                    f"envs.{name}.action_cores ({env_config.action_cores}) exceeds {here} "
+                    "(service.scheduler_cores unset): no action of its program could be granted its cores"
+                )
+    return None
+
+
 def train_devices(config: RunConfig) -> dict[str, str]:
     """The torch devices the train flow uses in its own process, by field: the trainer's
     (the warm start's too), on either cluster."""

@@ -14,7 +14,14 @@ from pydantic import Field
 
 from flows.cli import temporary_api, weight_versions
 from flows.cli_args import stops_as_on_ctrl_c
-from flows.config import RunConfig, empty_split, evaluate_devices, evaluate_paths, missing_device
+from flows.config import (
+    RunConfig,
+    empty_split,
+    evaluate_devices,
+    evaluate_paths,
+    missing_cores,
+    missing_device,
+)
 from flows.run_logs import module_logs_to_run
 from tasks.common import run_store
 from tasks.report import report_evals
@@ -40,7 +47,10 @@ def evaluate(
     # a run started from a deployment's form is checked here: the engine's device is
     # first used once the version is downloaded, the reward models' at the first score
     problem = (
-        missing_device(evaluate_devices(config)) or evaluate_paths(config) or empty_split(config, ("eval",))
+        missing_device(evaluate_devices(config))
+        or evaluate_paths(config)
+        or empty_split(config, ("eval",))
+        or missing_cores(config)
     )
     if problem is not None:
         raise ValueError(problem)

@@ -18,6 +18,7 @@ from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import (
     RunConfig,
     empty_split,
+    missing_cores,
     missing_device,
     missing_path,
     missing_ray,
@@ -175,6 +176,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         or missing_ray(config)
         or missing_path(config)
         or empty_split(config)
+        or missing_cores(config)
     )
     if problem is not None:
         raise ValueError(problem)

@@ -2,11 +2,12 @@
 start, as a run started from a deployment's form does (the command line refuses it before
 a flow run starts): a device this machine lacks (no machine shows 100 GPUs), a missing
 local path, a Ray cluster without the ray extra, agent tasks none of which falls in a split
-the flow draws from. Each fails the run at once with one line
+the flow draws from, a scheduler asking for more cores than the process may use. Each fails the run at once with one line
 naming the field, before the warm start or the download of a weight version."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -17,6 +18,7 @@ import flows.evaluate
 import flows.pipeline
 import flows.rollout
 import flows.train
+from flows.config import missing_cores
 from storage.tables import Tables
 from tasks.common import run_store
 from tasks.weights import build_base_version
@@ -220,3 +222,95 @@ def test_a_flow_command_whose_agent_tasks_leave_a_split_it_draws_from_empty_exit
     ), err
     assert err.count("\n") == 1
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def beyond_this_process() -> int:
+    """One core more than this process may use."""
+    return len(os.sched_getaffinity(0)) + 1
+
+
+def asking_too_many_cores(case: str) -> tuple[dict, str]:
+    """A config section that asks the rollout scheduler for more cores than this process may
+    use, by ``case``, and the field the refusal names."""
+    cores = beyond_this_process()
+    if case == "scheduler_cores":
+        return {"service": {"scheduler_cores": cores}}, "service.scheduler_cores"
+    if case == "static_cores":
+        return {"service": {"scheduler": "static", "scheduler_static_cores": cores}}, (
+            "service.scheduler_static_cores"
+        )
+    agent = agent_with_tasks(["t0", "t1", "t7", "t16"], 0.25)
+    agent["envs"]["agent"]["action_cores"] = cores
+    return agent, "envs.agent.action_cores"
+
+
+@pytest.mark.parametrize(
+    ("run", "case"),
+    [
+        (lambda config: flows.pipeline.pipeline(config, return_state=True), "action_cores"),
+        (lambda config: flows.rollout.rollout(config, return_state=True), "scheduler_cores"),
+        (lambda config: flows.evaluate.evaluate(config, return_state=True), "static_cores"),
+    ],
+    ids=["pipeline", "rollout", "evaluate"],
+)
+def test_a_flow_run_whose_scheduler_asks_for_more_cores_than_the_process_has_fails_before_the_warm_start(
+    tmp_path, run, case
+):
+    """The scheduler refused pinned cores the process lacks, or a static reservation past
+    them, as the rollout service started, after the warm start; an agent's action past them
+    was refused action by action, every rollout an env_error."""
+    overrides, field = asking_too_many_cores(case)
+    config = tiny_config(tmp_path / "runs", "few-cores", **{"warm_start": NO_WARM_START, **overrides})
+    failed_with(
+        run(config),
+        rf"^{field} \({beyond_this_process()}\) exceeds the {beyond_this_process() - 1} cores? this "
+        "process may use",
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize(
+    ("main", "case"),
+    [
+        (flows.pipeline.main, "scheduler_cores"),
+        (flows.rollout.main, "static_cores"),
+        (flows.evaluate.main, "action_cores"),
+        (flows.demo.main, "action_cores"),
+    ],
+    ids=["pipeline", "rollout", "evaluate", "demo"],
+)
+def test_a_flow_command_whose_scheduler_asks_for_more_cores_than_the_process_has_exits_in_one_line(
+    tmp_path, capsys, main, case
+):
+    overrides, field = asking_too_many_cores(case)
+    config = tmp_path / "cores.yaml"
+    config.write_text(yaml.safe_dump({"storage": {"root": str(tmp_path / "runs")}, **overrides}))
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", str(config)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {field} ({beyond_this_process()}) exceeds the "), err
+    assert err.count("\n") == 1
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize(
+    "service",
+    [
+        {"scheduler_cores": 10_000, "scheduler_pin": False},
+        {"scheduler": "none", "scheduler_cores": 10_000},
+        {
+            "scheduler_cores": 10_000,
+            "scheduler_pin": False,
+            "scheduler": "static",
+            "scheduler_static_cores": 10_000,
+        },
+    ],
+    ids=["unpinned", "no-scheduler", "unpinned-static"],
+)
+def test_cores_the_scheduler_hands_out_without_pinning_them_may_exceed_the_process(tmp_path, service):
+    """Unpinned, they are the scheduler's count, not the machine's (many sandboxes share a core)."""
+    agent = agent_with_tasks(["t0", "t1", "t7", "t16"], 0.25)
+    agent["envs"]["agent"]["action_cores"] = 10_000
+    config = tiny_config(tmp_path / "runs", "unpinned", **agent, service=service)
+    assert missing_cores(config) is None
