@@ -199,7 +199,10 @@ class AgentEnv(Env):
             if in_eval_split(t.id, cfg.eval_fraction) == (split == "eval")
         ]
         if not chosen:
-            raise ValueError(f"agent env has no {split} tasks ({len(cfg.tasks)} tasks configured)")
+            raise ValueError(
+                f"none of its {len(cfg.tasks)} tasks falls in the {split} split (eval_fraction "
+                f"{cfg.eval_fraction}, by a hash of each id): add tasks or change eval_fraction"
+            )
         random.Random(f"{seed}/{split}").shuffle(chosen)
         return [chosen[i % len(chosen)] for i in range(n)]
 

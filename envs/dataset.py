@@ -256,7 +256,11 @@ class DatasetEnv(Env):
                 data = {"answer": answer, "verifier": cfg.verifier}
                 tasks.append(Task(env=cls.name, id=row_id, prompt=prompt, data=data))
         if not tasks:
-            raise ValueError(f"the {split} split of {cfg.path} is empty")
+            raise ValueError(
+                f"none of the {len(_load_rows(cfg))} rows of {cfg.path} falls in the {split} split "
+                f"(eval_fraction {cfg.eval_fraction}, by a hash of each prompt): add rows or change "
+                "eval_fraction"
+            )
         rng = random.Random(f"{seed}/{split}")
         rng.shuffle(tasks)
         return [tasks[i % len(tasks)] for i in range(n)]

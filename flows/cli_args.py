@@ -115,7 +115,7 @@ def parse(
     local path of the config that is missing (:func:`~flows.config.missing_path`, with what
     the flow reads; None: a flow that reads none), or, for a flow that runs on Ray (``ray``),
     the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`),
-    or an env of the mix holds no task of one of the ``splits`` the flow draws from
+    or an env of the mix cannot draw a task of one of the ``splits`` the flow draws from
     (:func:`~flows.config.empty_split`), or, for a flow that rolls out (``splits`` given),
     its scheduler asks for more cores than this process may use
     (:func:`~flows.config.missing_cores`)."""

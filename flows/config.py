@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from envs.agent import AgentConfig
 from envs.arith import ArithConfig
-from envs.base import EnvConfig, Split, in_eval_split
+from envs.base import EnvConfig, Split
 from envs.code import CodeConfig
 from envs.dataset import DatasetConfig
 from envs.guess import GuessConfig
@@ -463,24 +463,22 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
 
 
 def empty_split(config: RunConfig, splits: tuple[Split, ...] = ("train", "eval")) -> str | None:
-    """One line naming the first env of the mix whose task list is part of the config
-    (``agent``'s ``tasks``) and holds no task of one of ``splits``, those the flow draws from:
-    rollouts draw train tasks, evaluations eval ones; None when each split has some. A task's
-    split is a hash of its id, so twenty tasks may hold none out. Without this check the run
-    failed at its first evaluation or rollout, once the warm start was over."""
+    """One line naming the first env of the mix that cannot draw a task of one of ``splits``,
+    those the flow draws from (rollouts draw train tasks, evaluations eval ones), and why:
+    a split its tasks leave empty (a task's split is a hash of its id, so twenty agent tasks
+    may hold none out), a dataset file that does not read, a verifier that does not import;
+    None when each draws. Without this check the run failed at its first evaluation or
+    rollout, once the warm start was over. A dataset file is read once per process: the
+    flow's first draw then reads it from memory."""
     for name in config.orchestrator.mix:
         env_config = config.env_config(name)
-        if not isinstance(env_config, AgentConfig):
-            continue
-        fraction = env_config.eval_fraction
-        held_out = [in_eval_split(task.id, fraction) for task in env_config.tasks]
         for split in splits:
-            if (split == "eval") not in held_out:
-                return (
-                    f"envs.{name}.tasks: none of its {len(held_out)} tasks falls in the {split} split "
-                    f"(envs.{name}.eval_fraction {fraction}, by a hash of each id): add tasks or change "
-                    f"envs.{name}.eval_fraction"
-                )
+            try:
+                env_class(name).tasks(split, config.seed, 1, env_config)
+            except ValueError as exc:
+                return f"envs.{name}: {exc}"
+            except Exception as exc:
+                return f"envs.{name}: {split} tasks could not be drawn: {type(exc).__name__}: {exc}"
     return None
 
 

@@ -7,6 +7,7 @@ naming the field, before the warm start or the download of a weight version."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -18,6 +19,8 @@ import flows.evaluate
 import flows.pipeline
 import flows.rollout
 import flows.train
+from envs.base import in_eval_split
+from envs.dataset import DatasetConfig
 from flows.config import missing_cores
 from storage.tables import Tables
 from tasks.common import run_store
@@ -187,8 +190,8 @@ def test_a_flow_run_whose_agent_tasks_leave_a_split_it_draws_from_empty_fails_be
     config = tiny_config(tmp_path / "runs", "agent-split", **agent_with_tasks(ids, eval_fraction))
     failed_with(
         run(config),
-        rf"^envs.agent.tasks: none of its {len(ids)} tasks falls in the {split} split "
-        rf"\(envs.agent.eval_fraction {eval_fraction}, by a hash of each id\): add tasks",
+        rf"^envs.agent: none of its {len(ids)} tasks falls in the {split} split "
+        rf"\(eval_fraction {eval_fraction}, by a hash of each id\): add tasks",
     )
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
@@ -217,9 +220,7 @@ def test_a_flow_command_whose_agent_tasks_leave_a_split_it_draws_from_empty_exit
         main(["--config", str(config)])
     assert exited.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(
-        f"error: envs.agent.tasks: none of its {len(ids)} tasks falls in the {split} split"
-    ), err
+    assert err.startswith(f"error: envs.agent: none of its {len(ids)} tasks falls in the {split} split"), err
     assert err.count("\n") == 1
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
@@ -314,3 +315,76 @@ def test_cores_the_scheduler_hands_out_without_pinning_them_may_exceed_the_proce
     agent["envs"]["agent"]["action_cores"] = 10_000
     config = tiny_config(tmp_path / "runs", "unpinned", **agent, service=service)
     assert missing_cores(config) is None
+
+
+def dataset_only(path) -> dict:
+    """A run on the dataset at ``path`` alone."""
+    return {
+        "orchestrator": {"mix": {"dataset": 1.0}},
+        "warm_start": NO_WARM_START,
+        "envs": {"dataset": {"path": str(path)}},
+    }
+
+
+def rows_of_one_split(split: str, count: int) -> list[dict]:
+    """``count`` rows whose prompts all fall in ``split`` at the default eval_fraction."""
+    prompts = (f"{i}+1=" for i in range(10_000))
+    chosen = [p for p in prompts if in_eval_split(p, DatasetConfig().eval_fraction) == (split == "eval")]
+    return [{"prompt": prompt, "answer": "1"} for prompt in chosen[:count]]
+
+
+@pytest.mark.parametrize(
+    ("rows", "run", "problem"),
+    [
+        (
+            rows_of_one_split("train", 5),
+            lambda config: flows.pipeline.pipeline(config, return_state=True),
+            r"none of the 5 rows of .*rows.jsonl falls in the eval split \(eval_fraction 0.1, by a hash of "
+            r"each prompt\): add rows",
+        ),
+        (
+            rows_of_one_split("eval", 3),
+            lambda config: flows.rollout.rollout(config, return_state=True),
+            r"none of the 3 rows of .*rows.jsonl falls in the train split",
+        ),
+        (
+            [{"prompt": "1+1="}],
+            lambda config: flows.evaluate.evaluate(config, return_state=True),
+            r"row 0 of .*rows.jsonl has no field 'answer' \(fields: \['prompt'\]\)",
+        ),
+    ],
+    ids=["pipeline-no-eval", "rollout-no-train", "evaluate-no-answer"],
+)
+def test_a_flow_run_whose_dataset_cannot_give_a_task_it_draws_fails_before_the_warm_start(
+    tmp_path, rows, run, problem
+):
+    """A few rows may hold none out (the split is a hash of each prompt): the pipeline failed
+    with "the eval split of … is empty" at its first evaluation, once the warm start was over;
+    a row without its answer, as the first task was drawn."""
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = tiny_config(tmp_path / "runs", "dataset-split", **dataset_only(path))
+    failed_with(run(config), rf"^envs.dataset: {problem}")
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize("main", [flows.pipeline.main, flows.evaluate.main])
+def test_a_flow_command_whose_guess_range_holds_no_eval_problem_exits_in_one_line(tmp_path, capsys, main):
+    """One window as wide as the range holds every problem in train."""
+    config = tmp_path / "guess.yaml"
+    guess = {"low": 1, "high": 8, "min_width": 8, "max_width": 8}
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "storage": {"root": str(tmp_path / "runs")},
+                "orchestrator": {"mix": {"guess": 1.0}},
+                "envs": {"guess": guess},
+            }
+        )
+    )
+    with pytest.raises(SystemExit) as exited:
+        main(["--config", str(config)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err == "error: envs.guess: the eval split of guess 1-8 is empty; widen the range\n"
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
