@@ -180,7 +180,9 @@ class ServiceManager:
     evicted is not starved by steady calls to them.
 
     ``loads`` and ``evictions`` name the latest :data:`RECENT_SWAPS` services loaded and
-    evicted, oldest first (a long-lived rollout service swaps without end).
+    evicted, oldest first (a long-lived rollout service swaps without end); ``reloads``
+    counts the loads of a service evicted before, the cost of a budget that holds fewer
+    than all of them.
     """
 
     def __init__(self, device: str | None = None, budget_bytes: int | None = None):
@@ -202,6 +204,8 @@ class ServiceManager:
         self._arrivals: deque[object] = deque()
         self._recent_loads: deque[str] = deque(maxlen=RECENT_SWAPS)
         self._recent_evictions: deque[str] = deque(maxlen=RECENT_SWAPS)
+        self._loaded_before: set[str] = set()
+        self.reloads = 0
 
     def register(self, name: str, module: torch.nn.Module) -> None:
         """Park ``module`` in CPU memory under ``name``."""
@@ -257,6 +261,8 @@ class ServiceManager:
             if copying.exception() is None:
                 self._resident[name] = None
                 self._recent_loads.append(name)
+                self.reloads += name in self._loaded_before
+                self._loaded_before.add(name)
             else:
                 module.to("meta")
 

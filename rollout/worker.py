@@ -685,6 +685,7 @@ class RolloutWorker:
     async def status(self) -> dict[str, Any]:
         # off the event loop: a replica's stats() may wait on it (RayEngine up to 10 s)
         engine_stats = await asyncio.gather(*(asyncio.to_thread(engine.stats) for engine in self.engines))
+        rewards = self.service.rewards if self.service else None
         return {
             "version": self.version,
             "backlog": self.backlog(),
@@ -698,6 +699,7 @@ class RolloutWorker:
             "prefill_computed": sum(s.prefill_computed for s in engine_stats),
             "prefill_reused": sum(s.prefill_reused for s in engine_stats),
             "decode_tokens": sum(s.decode_tokens for s in engine_stats),
+            "reward_reloads": rewards.manager.reloads if rewards else 0,
         }
 
     def _routing_status(self) -> dict[str, Any]:

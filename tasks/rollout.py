@@ -310,7 +310,8 @@ def rollout_detail(status: dict[str, Any]) -> str:
     """One line of a worker's status: served version, mean reward per task, rollouts per
     task that failed outside the policy (a sandbox, an engine: no reward), the groups dropped
     for uniform rewards (never written: the run's tables hold fewer rollouts than finished),
-    and why launching waits while it does."""
+    the reward models loaded again after an eviction (a device budget that holds fewer than
+    all: each reload waits for a copy), and why launching waits while it does."""
     tasks = sorted(status["orchestrator"]["tasks"].items())
     rewards = ", ".join(
         f"{name} {counters['mean_reward']:.2f}"
@@ -329,6 +330,11 @@ def rollout_detail(status: dict[str, Any]) -> str:
         f"serving v{status['version']}, backlog {status['backlog']} shards, mean reward {rewards or '—'}"
         + (f", failed outside the policy: {failed}" if failed else "")
         + (f", {dropped} of {groups} groups dropped (every reward in them equal)" if dropped else "")
+        + (
+            f", reward models reloaded {reloads} times (their device budget holds fewer than all)"
+            if (reloads := status["reward_reloads"])
+            else ""
+        )
         + (f", paused: {paused}" if paused else "")
     )
 

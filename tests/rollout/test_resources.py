@@ -251,10 +251,13 @@ def test_services_lru_eviction_order_and_outputs_survive_parking():
         assert manager.evictions == ["b", "a"]
         assert manager.resident == ["c", "b"]
         assert manager.loads == ["a", "b", "c", "b"]
+        assert manager.reloads == 1  # b's second load
+        await call("a")  # c is least recently used
+        assert manager.reloads == 2
         assert manager.used_bytes <= manager.budget_bytes
 
     asyncio.run(main())
-    evicted = manager._modules["a"]
+    evicted = manager._modules["c"]
     assert next(evicted.parameters()).device.type == "meta"
 
 

@@ -128,6 +128,7 @@ def test_rollouts_are_scored_by_their_envs_reward_model_in_a_reward_slot(tiny, j
     manager = service.rewards.manager
     assert manager.loads == ["judge-a", "judge-b", "judge-a"]
     assert manager.evictions == ["judge-a", "judge-b"]
+    assert manager.reloads == 1
     policy = service.scheduler.policy
     assert policy.free == [float(policy.capacity[name]) for name in policy.names]  # all given back
 
@@ -399,3 +400,40 @@ def test_a_conversation_longer_than_max_tokens_is_read_by_its_last_tokens(judges
     full = tokenizer.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]
     assert len(full) > 5
     assert models.input_ids("judge-a", MESSAGES) == full[-5:]
+
+
+def test_a_workers_status_counts_the_reward_models_loaded_again_after_an_eviction(judges, tmp_path):
+    """Two judges under a budget that holds one swap on the device as arith and guess rollouts
+    alternate: the worker's status (and its progress line) counts the reloads."""
+    from rl.models import ensure_base_version
+    from storage.config import RunStore, StorageConfig
+    from storage.weights import WeightStore
+    from tasks.rollout import rollout_detail, run_rollouts
+    from tests.rl.test_trainer import TINY as POLICY
+
+    one_model = max(
+        state_bytes(AutoModelForSequenceClassification.from_pretrained(path)) for path in judges.values()
+    )
+    run = RunConfig(
+        run_id="reward-reloads",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        orchestrator={"mix": {"arith": 0.5, "guess": 0.5}, "concurrency": 2},
+        envs={name: {"reward_model": judge} for name, judge in JUDGES.items()},
+        service={
+            "max_new_tokens": 4,
+            "reward_models": {name: {"path": path} for name, path in judges.items()},
+            "reward_budget_mb": 1.5 * one_model / 2**20,
+        },
+    )
+    ensure_base_version(WeightStore(RunStore(run.storage, run.run_id)), POLICY)
+    stop = threading.Event()
+    seen: list[dict] = []
+
+    def on_progress(status: dict) -> None:
+        seen.append(status)
+        if status["reward_reloads"] >= 2 or status["orchestrator"]["finished"] >= 60:
+            stop.set()
+
+    run_rollouts(run, time.time() + 600, "w0", on_progress=on_progress, progress_every_s=0.1, stop=stop)
+    assert seen[-1]["reward_reloads"] >= 2, seen[-1]["orchestrator"]
+    assert "reward models reloaded" in rollout_detail(seen[-1])

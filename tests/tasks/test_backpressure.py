@@ -276,6 +276,7 @@ def test_a_workers_progress_line_leaves_out_a_task_with_no_reward_yet():
             "groups_filtered": 0,
             "paused": None,
         },
+        "reward_reloads": 0,
     }
     assert rollout_detail(status) == "serving v3, backlog 1 shards, mean reward arith 0.50"
     status["orchestrator"]["tasks"] = {"code": {"mean_reward": None, "statuses": {}}}
@@ -298,6 +299,7 @@ def test_a_workers_progress_line_counts_the_rollouts_of_each_task_that_failed_ou
             "groups_filtered": 0,
             "paused": None,
         },
+        "reward_reloads": 0,
     }
     assert rollout_detail(status) == (
         "serving v29, backlog 2 shards, mean reward pytool 0.00, shell 0.03, "
@@ -317,6 +319,7 @@ def test_a_workers_progress_line_counts_the_groups_dropped_for_uniform_rewards()
             "groups_filtered": 4,
             "paused": None,
         },
+        "reward_reloads": 0,
     }
     assert rollout_detail(status) == (
         "serving v7, backlog 0 shards, mean reward dataset 0.25, "
@@ -324,3 +327,22 @@ def test_a_workers_progress_line_counts_the_groups_dropped_for_uniform_rewards()
     )
     status["orchestrator"]["groups_filtered"] = 0
     assert rollout_detail(status) == "serving v7, backlog 0 shards, mean reward dataset 0.25"
+
+
+def test_a_workers_progress_line_counts_the_reward_models_loaded_again_after_an_eviction():
+    """Two reward models under a budget that holds one swapped on every call, told nowhere."""
+    status = {
+        "version": 2,
+        "backlog": 0,
+        "orchestrator": {
+            "tasks": {"arith": {"mean_reward": 0.5, "statuses": {"ok": 9}}},
+            "groups_kept": 0,
+            "groups_filtered": 0,
+            "paused": None,
+        },
+        "reward_reloads": 7,
+    }
+    assert rollout_detail(status) == (
+        "serving v2, backlog 0 shards, mean reward arith 0.50, "
+        "reward models reloaded 7 times (their device budget holds fewer than all)"
+    )
