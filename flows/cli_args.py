@@ -30,6 +30,7 @@ from flows.config import (
     missing_device,
     missing_path,
     missing_ray,
+    reward_over_budget,
     yaml_problem,
 )
 
@@ -118,7 +119,8 @@ def parse(
     or an env of the mix cannot draw a task of one of the ``splits`` the flow draws from
     (:func:`~flows.config.empty_split`), or, for a flow that rolls out (``splits`` given),
     its scheduler asks for more cores than this process may use
-    (:func:`~flows.config.missing_cores`)."""
+    (:func:`~flows.config.missing_cores`) or a reward model outgrows its device budget
+    (:func:`~flows.config.reward_over_budget`)."""
     set_prefect_defaults()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
@@ -189,7 +191,11 @@ def parse(
         (missing_device(devices(config)) if devices else None)
         or (missing_ray(config) if ray else None)
         or (paths(config) if paths else None)
-        or ((empty_split(config, splits) or missing_cores(config)) if splits else None)
+        or (
+            (empty_split(config, splits) or missing_cores(config) or reward_over_budget(config))
+            if splits
+            else None
+        )
     )
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
+import json
 import math
 import os
 import types
@@ -514,6 +515,48 @@ def missing_cores(config: RunConfig) -> str | None:
                     "(service.scheduler_cores unset): no action of its program could be granted its cores"
                 )
     return None
+
+
+def reward_over_budget(config: RunConfig) -> str | None:
+    """One line naming the first reward model whose checkpoint alone holds more than
+    ``service.reward_budget_mb`` (in float32, as the rollout service loads it); None when
+    each fits or no budget is set. Without this check the rollout service refused it as it
+    loaded the models, after the warm start. A checkpoint's size is read from the headers of
+    its safetensors files in a local directory; one held otherwise is left to that load."""
+    service = config.service
+    if service.scheduler != "action" or service.reward_budget_mb is None:
+        return None
+    budget = int(service.reward_budget_mb * 2**20)
+    for name, reward in service.reward_models.items():
+        size = _float32_bytes(Path(reward.path))
+        if size is not None and size > budget:
+            return (
+                f"reward model {name!r} needs {size / 2**20:.2f} MB on its device, more than "
+                f"service.reward_budget_mb ({service.reward_budget_mb:.3g})"
+            )
+    return None
+
+
+def _float32_bytes(checkpoint: Path) -> int | None:
+    """Bytes the tensors of the safetensors files in ``checkpoint`` take in float32; None
+    when it holds none, or one that does not read (the model's load says why)."""
+    files = sorted(checkpoint.glob("*.safetensors")) if checkpoint.is_dir() else []
+    if not files:
+        return None
+    elements = 0
+    for file in files:
+        try:
+            with file.open("rb") as handle:
+                length = int.from_bytes(handle.read(8), "little")
+                if length > file.stat().st_size:
+                    return None
+                header = json.loads(handle.read(length))
+            elements += sum(
+                math.prod(entry["shape"]) for key, entry in header.items() if key != "__metadata__"
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+    return elements * 4
 
 
 def train_devices(config: RunConfig) -> dict[str, str]:

@@ -21,6 +21,7 @@ from flows.config import (
     evaluate_paths,
     missing_cores,
     missing_device,
+    reward_over_budget,
 )
 from flows.run_logs import module_logs_to_run
 from tasks.common import run_store
@@ -51,6 +52,7 @@ def evaluate(
         or evaluate_paths(config)
         or empty_split(config, ("eval",))
         or missing_cores(config)
+        or reward_over_budget(config)
     )
     if problem is not None:
         raise ValueError(problem)

@@ -23,6 +23,7 @@ from flows.config import (
     missing_path,
     missing_ray,
     pipeline_devices,
+    reward_over_budget,
 )
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
@@ -177,6 +178,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         or missing_path(config)
         or empty_split(config)
         or missing_cores(config)
+        or reward_over_budget(config)
     )
     if problem is not None:
         raise ValueError(problem)

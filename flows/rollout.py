@@ -20,6 +20,7 @@ from flows.config import (
     missing_device,
     missing_path,
     missing_ray,
+    reward_over_budget,
     rollout_devices,
     schema_pattern,
 )
@@ -50,6 +51,7 @@ def rollout(
         or missing_path(config)
         or empty_split(config, ("train",))
         or missing_cores(config)
+        or reward_over_budget(config)
     )
     if problem is not None:
         raise ValueError(problem)

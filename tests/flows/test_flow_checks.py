@@ -12,7 +12,9 @@ import os
 import sys
 
 import pytest
+import torch
 import yaml
+from transformers import AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
 
 import flows.demo
 import flows.evaluate
@@ -21,7 +23,8 @@ import flows.rollout
 import flows.train
 from envs.base import in_eval_split
 from envs.dataset import DatasetConfig
-from flows.config import missing_cores
+from flows.config import _float32_bytes, missing_cores, reward_over_budget
+from rollout.resources import state_bytes
 from storage.tables import Tables
 from tasks.common import run_store
 from tasks.weights import build_base_version
@@ -388,3 +391,87 @@ def test_a_flow_command_whose_guess_range_holds_no_eval_problem_exits_in_one_lin
     err = capsys.readouterr().err
     assert err == "error: envs.guess: the eval split of guess 1-8 is empty; widen the range\n"
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.fixture(scope="module")
+def judge(tmp_path_factory):
+    """A one-label sequence-classification checkpoint (no tokenizer: the checks read no more)."""
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    path = tmp_path_factory.mktemp("judge")
+    LlamaForSequenceClassification(config).save_pretrained(path)
+    return path
+
+
+def test_a_checkpoints_size_read_from_its_headers_is_at_most_what_it_holds_loaded(judge):
+    """What the rollout service measures once it loads the model: its float32 tensors, plus
+    the buffers no checkpoint stores (rotary frequencies)."""
+    loaded = state_bytes(AutoModelForSequenceClassification.from_pretrained(judge, dtype=torch.float32))
+    read = _float32_bytes(judge)
+    assert loaded - 1024 <= read <= loaded
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda config: flows.pipeline.pipeline(config, return_state=True),
+        lambda config: flows.rollout.rollout(config, return_state=True),
+        lambda config: flows.evaluate.evaluate(config, return_state=True),
+    ],
+    ids=["pipeline", "rollout", "evaluate"],
+)
+def test_a_flow_run_whose_reward_model_outgrows_its_budget_fails_before_the_warm_start(tmp_path, judge, run):
+    """The rollout service refused it as it loaded the models, after the warm start."""
+    service = {"reward_models": {"judge": {"path": str(judge)}}, "reward_budget_mb": 0.01}
+    config = tiny_config(
+        tmp_path / "runs",
+        "judge-too-big",
+        warm_start=NO_WARM_START,
+        service=service,
+        envs={"arith": {"reward_model": "judge"}},
+    )
+    megabytes = _float32_bytes(judge) / 2**20
+    failed_with(
+        run(config),
+        rf"^reward model 'judge' needs {megabytes:.2f} MB on its device, more than service.reward_budget_mb \(0.01\)$",
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_flow_command_whose_reward_model_outgrows_its_budget_exits_in_one_line(tmp_path, judge, capsys):
+    service = {"reward_models": {"judge": {"path": str(judge)}}, "reward_budget_mb": 0.01}
+    config = tmp_path / "judge.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "storage": {"root": str(tmp_path / "runs")},
+                "service": service,
+                "envs": {"arith": {"reward_model": "judge"}},
+            }
+        )
+    )
+    with pytest.raises(SystemExit) as exited:
+        flows.pipeline.main(["--config", str(config)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("error: reward model 'judge' needs ")
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize(
+    "service",
+    [{"reward_budget_mb": 10.0}, {}, {"reward_budget_mb": 0.01, "scheduler": "static"}],
+    ids=["fits", "no-budget", "static-pins-every-model"],
+)
+def test_a_reward_model_within_its_budget_or_with_none_set_is_not_refused(tmp_path, judge, service):
+    config = tiny_config(
+        tmp_path / "runs", "judge-fits", service={"reward_models": {"judge": {"path": str(judge)}}, **service}
+    )
+    assert reward_over_budget(config) is None
