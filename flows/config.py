@@ -437,9 +437,17 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``), which loads from the Hub: only
     one that cannot be an id is refused. ``model``, ``reward_models``: whether the flow
     loads ``model.path`` (it may warm-start) and the reward models (it serves a rollout
-    service); the dataset is read by every flow that draws tasks."""
+    service); the dataset is read by every flow that draws tasks. A local ``storage.root``
+    that is a file, or lies under one, is refused too (it need not exist: it is created);
+    it failed once the flow had started, reading the run's ``LATEST``."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    if not config.storage.is_s3:
+        existing = os.path.abspath(config.storage.root)
+        while not os.path.exists(existing) and existing != os.path.dirname(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing):
+            return f"storage.root {config.storage.root!r} is no folder: {existing!r} is a file"
     checkpoints = {"model.path": config.model.path} if model else {}
     if reward_models:
         checkpoints |= {

@@ -589,6 +589,22 @@ def test_a_flow_given_a_local_path_that_does_not_exist_exits_naming_the_field(
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+@pytest.mark.parametrize("under", ["", "/runs"])
+def test_a_flow_given_a_storage_root_in_a_file_exits_naming_the_field(tmp_path, capsys, under):
+    """A root that is a file, or lies under one, failed once the flow had started, with a
+    traceback (NotADirectoryError) reading the run's LATEST; a root not there yet is created."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder\n")
+    root = f"{notes}{under}"
+    with pytest.raises(SystemExit) as exited:
+        flows.rollout.main(["--set", f"storage.root={root}", "--set", "warm_start.enabled=false"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2, err[-3000:]
+    assert err == f"error: storage.root {root!r} is no folder: {str(notes)!r} is a file\n"
+    assert notes.read_text() == "not a folder\n"
+    assert missing_path(load_config(TINY, {"storage": {"root": f"{tmp_path}/new/runs"}})) is None
+
+
 def test_flows_that_read_no_local_path_start_without_them(tmp_path):
     """maintain and process read the run's storage only: a finished run whose model folder
     moved can still be maintained."""
