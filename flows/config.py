@@ -447,6 +447,8 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
         while not os.path.exists(existing) and existing != os.path.dirname(existing):
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing):
+            if existing == os.path.abspath(config.storage.root):
+                return f"storage.root {config.storage.root!r} is a file, not a folder"
             return f"storage.root {config.storage.root!r} is no folder: {existing!r} is a file"
     checkpoints = {"model.path": config.model.path} if model else {}
     if reward_models:

@@ -600,7 +600,8 @@ def test_a_flow_given_a_storage_root_in_a_file_exits_naming_the_field(tmp_path, 
         flows.rollout.main(["--set", f"storage.root={root}", "--set", "warm_start.enabled=false"])
     err = capsys.readouterr().err
     assert exited.value.code == 2, err[-3000:]
-    assert err == f"error: storage.root {root!r} is no folder: {str(notes)!r} is a file\n"
+    said = f"is no folder: {str(notes)!r} is a file" if under else "is a file, not a folder"
+    assert err == f"error: storage.root {root!r} {said}\n"
     assert notes.read_text() == "not a folder\n"
     assert missing_path(load_config(TINY, {"storage": {"root": f"{tmp_path}/new/runs"}})) is None
 
