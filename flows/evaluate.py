@@ -24,6 +24,8 @@ from flows.config import (
     reward_over_budget,
 )
 from flows.run_logs import module_logs_to_run
+from storage.config import RunStore
+from storage.weights import WeightStore
 from tasks.common import run_store
 from tasks.report import report_evals
 
@@ -54,6 +56,9 @@ def evaluate(
         or missing_cores(config)
         or reward_over_budget(config)
     )
+    if problem is None:
+        store = run_store(config)
+        problem = absent_version(store, WeightStore(store).list(), version)
     if problem is not None:
         raise ValueError(problem)
     with module_logs_to_run():
@@ -89,9 +94,15 @@ def missing_version(config: RunConfig, version: int | None) -> str | None:
     """Why ``version`` of the run (the newest when None) cannot be evaluated; None when it can
     (exits with one line when the storage does not answer: :func:`~flows.cli.weight_versions`)."""
     store = run_store(config)
-    published = weight_versions(store)
+    return absent_version(store, weight_versions(store), version)
+
+
+def absent_version(store: RunStore, published: list[int], version: int | None) -> str | None:
+    """Why ``version`` (the newest when None) is not among the run's ``published`` versions;
+    None when it is. A pruned one, given in a deployment's form, failed the flow run with a
+    ``KeyError`` once its tasks were listed."""
     if not published:
-        return f"no weight version published in {store.url('weights')} (check --run-id and storage.root)"
+        return f"no weight version published in {store.url('weights')} (check run_id and storage.root)"
     if version is not None and version not in published:
         return (
             f"weight version {version} does not exist in {store.url('weights')}; "

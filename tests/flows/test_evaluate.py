@@ -8,6 +8,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 import pytest
+import torch
 from prefect import flow
 
 from rl.models import build_tiny_model, load_policy, publish_policy
@@ -16,6 +17,14 @@ from storage.weights import WeightStore
 from tasks.common import run_store
 from tasks.weights import build_base_version, eval_setup, eval_tasks, evaluate_task, evaluate_weights
 from tests.flows.conftest import tiny_config
+
+
+def holding_versions(config, last: int) -> None:
+    """Publish stand-in weight versions 0 to ``last`` in ``config``'s run: the evaluate flow
+    refuses a version the run does not hold before it measures anything."""
+    weights = WeightStore(run_store(config))
+    for step in range(last + 1):
+        weights.publish({"w": torch.zeros(2)}, {}, None, step=step)
 
 
 @flow
@@ -343,6 +352,7 @@ def test_an_evaluation_whose_every_rollout_of_an_env_failed_on_infrastructure_fa
         errors={"guess": "sandbox start_failed during init: bwrap: execvp python3: No such file"},
     )
     monkeypatch.setattr(tasks.weights, "evaluate_weights", lambda config, version, tasks: measured)
+    holding_versions(config, 0)
     state = evaluate(config, 0, return_state=True)
     assert state.is_failed()
     # the reason too: the error that ends the run said only "engine, sandbox, environment host"
@@ -442,6 +452,7 @@ def test_the_evaluate_flow_updates_the_runs_keyed_evals_artifact_with_every_vers
     from tests.flows.prefect_api import artifacts_of
 
     config = tiny_config(tmp_path / "runs", "Eval_Keyed", warm_start={"enabled": False})
+    holding_versions(config, 2)
     monkeypatch.setattr(tasks.weights, "evaluate_weights", _measured)
     states = [evaluate(config, version, return_state=True) for version in (1, 2)]
     assert all(state.is_completed() for state in states)
@@ -467,6 +478,7 @@ def test_an_artifact_the_prefect_api_refuses_does_not_fail_an_evaluation_already
         raise httpx.ConnectError("the Prefect API is away")
 
     config = tiny_config(tmp_path / "runs", "eval-api-away", warm_start={"enabled": False})
+    holding_versions(config, 1)
     monkeypatch.setattr(tasks.weights, "evaluate_weights", _measured)
     monkeypatch.setattr(SyncPrefectClient, "create_artifact", unreachable)
 
@@ -486,6 +498,7 @@ def test_a_retried_evaluation_whose_rows_landed_before_it_raised_records_them_on
     from flows.evaluate import evaluate
 
     config = tiny_config(tmp_path / "runs", "eval-retried", warm_start={"enabled": False})
+    holding_versions(config, 1)
     monkeypatch.setattr(tasks.weights, "evaluate_weights", _measured)
     monkeypatch.setattr(
         tasks.weights, "evaluate_task", tasks.weights.evaluate_task.with_options(retry_delay_seconds=0)
@@ -657,3 +670,32 @@ def test_an_evaluation_leaves_no_engine_running(tmp_path):
     base = build_base_version(config, log=lambda line: None)
     assert evaluate_weights(config, base).version == base
     assert not [thread for thread in threading.enumerate() if thread.name == "torch-engine-eval"]
+
+
+@pytest.mark.parametrize("pruned", [True, False], ids=["pruned-version", "no-version"])
+def test_the_evaluate_flow_given_a_version_the_run_does_not_hold_fails_in_one_line_before_its_tasks(
+    tmp_path, monkeypatch, pruned
+):
+    """A pruned version given in a deployment's form failed the flow run with
+    ``KeyError: 'weight version 1 does not exist…'`` once its tasks were listed."""
+    import tasks.weights
+    from flows.evaluate import evaluate
+
+    config = tiny_config(tmp_path / "runs", "eval-pruned")
+    store = run_store(config)
+    if pruned:
+        holding_versions(config, 3)
+        WeightStore(store).retain(2)
+    started = []
+    monkeypatch.setattr(tasks.weights, "evaluate_task", lambda *args: started.append(args))
+    state = evaluate(config, 1, return_state=True)
+    assert state.is_failed()
+    said = (
+        f"weight version 1 does not exist in {store.url('weights')}; kept: v2 to v3 (2 in all)"
+        if pruned
+        else f"no weight version published in {store.url('weights')} (check run_id and storage.root)"
+    )
+    with pytest.raises(ValueError) as raised:
+        state.result()
+    assert str(raised.value) == said
+    assert started == []
