@@ -220,11 +220,22 @@ def weight_versions(store) -> list[int]:
     """The run's published weight versions (the first thing a warm start reads); exits with
     one line naming where it looked when the storage does not answer. A wrong endpoint or
     refused credentials otherwise failed the flow run after its task's retries, with a page
-    of tracebacks."""
+    of tracebacks. An absent bucket, which lists as a run with no versions (and so failed
+    the warm start's publish, after its training), is named."""
     from storage.weights import WeightStore
 
     try:
-        return WeightStore(store).list()
+        versions = WeightStore(store).list()
+        if not versions and store.config.is_s3:
+            bucket = store.path().split("/", 1)[0]
+            try:
+                store.fs.call_s3("head_bucket", Bucket=bucket)
+            except FileNotFoundError:  # its 404
+                raise SystemExit(
+                    f"error: bucket {bucket!r} of {store.uri} does not exist at "
+                    f"{store.config.endpoint() or 'AWS'} (create it, or check storage.root)"
+                ) from None
+        return versions
     except Exception as exc:  # an endpoint s3fs cannot reach raises botocore's errors, not OSError
         raise SystemExit(
             f"error: cannot read the weight versions in {store.url('weights')}: "

@@ -220,6 +220,29 @@ def test_a_flow_on_an_unreachable_store_is_a_one_line_error_before_a_flow_run(fl
     assert "key-id-123" not in result.stderr and "secret-456" not in result.stderr
 
 
+@pytest.mark.parametrize("flow", ["evaluate", "train", "rollout", "pipeline"])
+def test_a_flow_on_a_bucket_that_does_not_exist_is_a_one_line_error_before_a_flow_run(
+    flow, s3_server, capfd, monkeypatch
+):
+    """An absent bucket lists as a run with no weight versions: the pipeline warm-started,
+    trained for minutes, then failed its publish with a page of tracebacks."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_server.access_key_id)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_server.secret_access_key)
+    args = (
+        "--set",
+        "storage.root=s3://no-such-bucket/runs",
+        "--set",
+        f"storage.endpoint_url={s3_server.endpoint_url}",
+    )
+    result = treadle_here(capfd, monkeypatch, "run", flow, "--run-id", "r", *args)
+    assert result.returncode == 1 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr == (
+        f"error: bucket 'no-such-bucket' of s3://no-such-bucket/runs/r does not exist at "
+        f"{s3_server.endpoint_url} (create it, or check storage.root)\n"
+    )
+    assert "Flow run" not in result.stdout
+
+
 @pytest.mark.parametrize("command", [("inspect",), ("sql", "SELECT 1"), ("maintain",), ("process", "--once")])
 @pytest.mark.parametrize(
     ("endpoint", "said"),
