@@ -9,6 +9,7 @@ import fcntl
 import importlib
 import os
 import pathlib
+import posixpath
 import re
 import shutil
 import signal
@@ -79,6 +80,7 @@ def inspect_run(store) -> str:
     version, shard counts, and the policy steps that went into the weights with the
     trajectories they trained on, from its Delta tables. Long version lists are thinned to
     evenly spaced versions (``treadle sql`` shows every row)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     from storage.tables import Tables, one_row_per_step
@@ -125,12 +127,21 @@ def inspect_run(store) -> str:
             lines.append(f"  {version:<5} {r['task']:<8} {mean:>5}  ({count} trajectories)")
     if not rows:
         lines.append("  no trajectories")
-    shards = tables.read("shards", columns=["kind", "num_rows"])
+    shards = tables.read("shards", columns=["kind", "num_rows", "path"])
+    bad = pc.is_in(shards.column("path"), pa.array(quarantined_shards(store), pa.string()))
     lines.append("\nshards:")
     for kind in ("raw", "processed"):
-        rows = shards.filter(pc.equal(shards.column("kind"), kind))
+        of_kind = pc.equal(shards.column("kind"), kind)
+        rows = shards.filter(of_kind)
         total = pc.sum(rows.column("num_rows")).as_py() or 0
-        lines.append(f"  {kind:<10} {rows.num_rows} shards, {total} trajectories")
+        line = f"  {kind:<10} {rows.num_rows} shards, {total} trajectories"
+        if (held := shards.filter(pc.and_(of_kind, bad))).num_rows:
+            lost = pc.sum(held.column("num_rows")).as_py()
+            line += (
+                f"; {held.num_rows} quarantined ({lost} trajectories: shards/quarantine/{kind}/, "
+                "a .reason file beside each says why)"
+            )
+        lines.append(line)
     steps = one_row_per_step(
         tables.read("train_steps", columns=["step", "time", "num_samples"]), weights_table
     )
@@ -148,6 +159,17 @@ def passed_over(weights: list[dict]) -> set[int]:
         if row["parent"] is not None and row["version"] - row["parent"] > 1
     ]
     return {row["version"] for row in weights if any(p < row["version"] < v for p, v in skips)}
+
+
+def quarantined_shards(store) -> list[str]:
+    """Run-relative paths of the committed shards a reader moved to quarantine (see
+    :meth:`storage.shards.ShardReader.read`), as the ``shards`` table names them."""
+    root = store.path("shards", "quarantine")
+    return [
+        posixpath.join("shards", posixpath.relpath(path, root))
+        for path in store.fs.find(root)
+        if path.endswith(".arrow")
+    ]
 
 
 def _measured(row: dict) -> str:

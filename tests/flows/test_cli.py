@@ -41,10 +41,12 @@ from flows.evaluate import missing_version
 from flows.sql import connect, extension_paths
 from rl.models import TinyModelConfig, ensure_base_version
 from storage.config import RunStore, StorageConfig
+from storage.shards import ShardReader, ShardWriter
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tests.conftest import free_port
 from tests.flows.conftest import REPO
+from tests.storage.records import make_record
 
 
 def treadle(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -332,6 +334,24 @@ def test_inspect_shows_a_group_without_rewards_as_a_dash(local_store):
     out = inspect_run(local_store)
     assert "none  code         —  (1 trajectories)" in out
     assert "v1    arith    1.000  (1 trajectories)" in out
+
+
+def test_inspect_counts_the_shards_quarantined_and_says_where_their_reasons_are(store):
+    """A quarantined shard was told only in the process flow's log: inspect showed 48 raw
+    shards of 2612 trajectories and 2556 processed, with nothing to say where the rest went."""
+    writer = ShardWriter(store, "w0", flush_records=3)
+    for i in range(9):
+        writer.write(make_record(i))
+    writer.close()
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    store.fs.pipe_file(store.path(shards[1].path), b"not an arrow file")
+    assert [reader.read(shard) is None for shard in shards] == [False, True, False]
+    out = inspect_run(store)
+    assert (
+        "  raw        3 shards, 9 trajectories; 1 quarantined (3 trajectories: shards/quarantine/raw" in out
+    )
+    assert "  processed  0 shards, 0 trajectories\n" in out
 
 
 def test_inspect_reads_the_trajectories_without_their_text(local_store, monkeypatch):
