@@ -125,14 +125,14 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
     from prefect_ray.task_runners import RayTaskRunner
 
     from rollout.ray_actors import wait_placeable
-    from rollout.ray_engine import actor_device, connect_ray
+    from rollout.ray_engine import actor_device
     from tasks.process import process_shards
-    from tasks.rollout import rollouts
+    from tasks.rollout import connect_run_ray, rollouts
     from tasks.train import train
 
-    connect_ray(config.ray_address, config.ray_node_ip)
     process_options = {"num_cpus": 1}
     train_options = {"num_cpus": 1, "num_gpus": 1 if config.trainer_device.startswith("cuda") else 0}
+    connect_run_ray(config, task_cpus=process_options["num_cpus"] + train_options["num_cpus"])
     for kind, options in (("process-shards", process_options), ("train", train_options)):
         wait_placeable(kind, options, config.engine.load_timeout_s, "engine.load_timeout_s")
     with RayTaskRunner(address=config.ray_address) as runner:

@@ -36,7 +36,9 @@ its resources free) or hangs would hold the close, and the rollout task, for eve
 LOOPBACK = "127.0.0.1"
 
 
-def connect_ray(address: str | None = None, node_ip: str | None = LOOPBACK) -> None:
+def connect_ray(
+    address: str | None = None, node_ip: str | None = LOOPBACK, num_cpus: int | None = None
+) -> None:
     """Connect this process to the Ray cluster at ``address`` ('auto', ``ray://host:10001``),
     or start a local Ray instance on ``node_ip`` when ``address`` is None or 'local'; nothing
     when already connected. On 127.0.0.1 every process of the instance listens on loopback
@@ -45,7 +47,12 @@ def connect_ray(address: str | None = None, node_ip: str | None = LOOPBACK) -> N
     ``RAY_ADDRESS`` or a ``ray start`` on this machine names, else starts one on the machine's
     address. A SIGTERM handler the process installed is kept: ``ray.init`` makes SIGTERM
     ``sys.exit``, which took the place of a Prefect flow run's handler (by which a deployment
-    run is cancelled; without it the run crashed)."""
+    run is cancelled; without it the run crashed).
+
+    A local instance started on ``node_ip`` has ``num_cpus`` logical CPUs when given (Ray's
+    default: one per core): a run's own instance holds only the run's tasks and actors, and
+    they wait on each other (a trainer holds its CPU waiting for rollouts whose actors wait for
+    a free CPU), so each needs one of its own, whatever the machine's cores."""
     if ray.is_initialized():
         return
     sigterm = signal.getsignal(signal.SIGTERM)
@@ -54,22 +61,22 @@ def connect_ray(address: str | None = None, node_ip: str | None = LOOPBACK) -> N
         if not local or node_ip is None:
             ray.init(address=address, include_dashboard=False)
         elif node_ip == LOOPBACK:
-            _start_on_loopback()
+            _start_on_loopback(num_cpus)
         else:
-            ray.init(address="local", include_dashboard=False, _node_ip_address=node_ip)
+            ray.init(address="local", include_dashboard=False, _node_ip_address=node_ip, num_cpus=num_cpus)
     finally:
         if callable(sigterm) and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, sigterm)
 
 
-def _start_on_loopback() -> None:
+def _start_on_loopback(num_cpus: int | None) -> None:
     """Start a local Ray instance whose processes all listen on 127.0.0.1."""
     # Ray takes a node address of 127.0.0.1 for the machine's own (and its servers then
     # listen on every interface) unless it runs with clusters off, as on macOS and Windows
     enabled = ray_constants.ENABLE_RAY_CLUSTER
     ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK)
+        ray.init(address="local", include_dashboard=False, _node_ip_address=LOOPBACK, num_cpus=num_cpus)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = enabled
 

@@ -258,6 +258,18 @@ def max_rollouts(config: RunConfig) -> int | None:
     return min(limits, default=None)
 
 
+def connect_run_ray(config: RunConfig, task_cpus: int = 0) -> None:
+    """Connect to the Ray cluster of ``config`` (see ``rollout.ray_engine.connect_ray``); a
+    local instance it starts has a CPU for each Ray actor of the rollout worker (an environment
+    worker per engine replica, and the torch engines' actors) and ``task_cpus`` more, for the
+    Ray tasks the caller runs beside them."""
+    from rollout.ray_engine import connect_ray
+
+    engine = config.engine
+    actors = engine.replica_count + (engine.replicas if engine.kind == "torch" else 0)
+    connect_ray(config.ray_address, config.ray_node_ip, num_cpus=actors + task_cpus)
+
+
 def _build_worker(
     config: RunConfig,
     worker_name: str,
@@ -273,10 +285,9 @@ def _build_worker(
     orchestrator = config.orchestrator.model_copy(update={"max_rollouts": max_rollouts(config)})
     env_pool = None
     if config.cluster == "ray":
-        from rollout.ray_engine import connect_ray
         from rollout.ray_env import RayEnvPool
 
-        connect_ray(config.ray_address, config.ray_node_ip)
+        connect_run_ray(config)
         env_configs = {name: config.env_config(name) for name in orchestrator.mix}
         env_pool = RayEnvPool(env_configs, num_workers=config.engine.replica_count)
         env_pool.wait_started(config.engine.load_timeout_s)

@@ -941,6 +941,26 @@ def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, devi
     )
 
 
+def test_the_pipeline_starts_a_local_ray_with_a_cpu_for_each_of_its_tasks_and_actors(monkeypatch):
+    """Processing and training hold a CPU each for the whole run, waiting for rollouts: a local
+    Ray of one CPU per core (2 here) kept the rollout worker's actors pending until the
+    trainer's deadline. The instance the run starts counts one for each task and actor."""
+    import prefect_ray.task_runners
+
+    from flows import pipeline
+
+    asked = []
+    monkeypatch.setattr(ray_engine, "connect_ray", lambda address, node_ip, num_cpus: asked.append(num_cpus))
+    monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(lambda *args: None))
+    monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    config = RunConfig(run_id="sized", cluster="ray", engine={"replicas": 3})
+
+    pipeline._run_on_ray(config, deadline=0.0, signals="s")
+
+    # an engine actor and an env worker per replica, processing and training
+    assert asked == [3 + 3 + 2]
+
+
 def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_tasks(monkeypatch):
     """The trainer on CUDA asks Ray for a GPU, which no node of this cluster has: Ray would
     keep the train task pending for ever, and the flow waiting on it once the rollouts and

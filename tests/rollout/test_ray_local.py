@@ -98,3 +98,39 @@ def test_a_local_ray_started_by_a_run_listens_on_loopback_only(address):
     beyond = [(name, ip, port) for name, ip, port in report["listening"] if not _on_loopback(ip)]
     assert beyond == [], f"Ray processes listening beyond loopback: {beyond}"
     assert report["sigterm_kept"], "ray.init's SIGTERM handler replaced the process's own"
+
+
+SIZED_SCRIPT = """
+import json
+import sys
+
+import ray
+
+from flows.config import RunConfig
+from tasks.rollout import connect_run_ray
+
+config = RunConfig(cluster="ray", engine={"replicas": int(sys.argv[1])})
+connect_run_ray(config, task_cpus=2)
+print(json.dumps({"cpus": ray.cluster_resources()["CPU"]}))
+ray.shutdown()
+"""
+
+
+def test_the_local_ray_a_run_starts_has_a_cpu_for_each_of_its_tasks_and_actors_beyond_the_cores():
+    """The run's tasks and actors wait on each other: with Ray's one CPU per core, a 2-core
+    machine ran the pipeline's process and train tasks and kept the rollout worker's env and
+    engine actors pending until the trainer's deadline, and the run wrote no rollout."""
+    replicas = os.cpu_count()
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    run = subprocess.run(
+        [sys.executable, "-c", SIZED_SCRIPT, str(replicas)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    # an env worker and an engine actor per replica, and the two tasks
+    assert report["cpus"] == 2 * replicas + 2
