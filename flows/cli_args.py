@@ -31,6 +31,7 @@ from flows.config import (
     missing_path,
     missing_ray,
     reward_over_budget,
+    unreachable_ray,
     yaml_problem,
 )
 
@@ -115,7 +116,8 @@ def parse(
     either cluster) names a CUDA device this machine lacks, or ``paths(config)`` names a
     local path of the config that is missing (:func:`~flows.config.missing_path`, with what
     the flow reads; None: a flow that reads none), or, for a flow that runs on Ray (``ray``),
-    the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`),
+    the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`)
+    or nothing answers at its ``ray_address`` (:func:`~flows.config.unreachable_ray`),
     or an env of the mix cannot draw a task of one of the ``splits`` the flow draws from
     (:func:`~flows.config.empty_split`), or, for a flow that rolls out (``splits`` given),
     its scheduler asks for more cores than this process may use
@@ -189,7 +191,7 @@ def parse(
         raise SystemExit(2) from None
     problem = (
         (missing_device(devices(config)) if devices else None)
-        or (missing_ray(config) if ray else None)
+        or ((missing_ray(config) or unreachable_ray(config)) if ray else None)
         or (paths(config) if paths else None)
         or (
             (empty_split(config, splits) or missing_cores(config) or reward_over_budget(config))

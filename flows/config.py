@@ -12,6 +12,8 @@ import ipaddress
 import json
 import math
 import os
+import re
+import socket
 import types
 import typing
 from collections.abc import Hashable
@@ -648,6 +650,34 @@ def missing_ray(config: RunConfig) -> str | None:
     if not missing:
         return None
     return f"cluster is 'ray', but {' and '.join(missing)} is not installed: pip install 'treadle[ray]'"
+
+
+RAY_REACH_TIMEOUT_S = 10.0
+"""How long :func:`unreachable_ray` waits for the cluster's port to accept a connection."""
+
+_HOST_PORT = re.compile(r"^(?:ray://)?(?P<host>\[[^]]+\]|[^:/\[\]]+)(?::(?P<port>\d+))?$")
+
+
+def unreachable_ray(config: RunConfig) -> str | None:
+    """With cluster 'ray' and a ``ray_address`` naming a host (``ray://host:10001``, or a head's
+    ``host:6379``), one line when nothing accepts a connection at its port; None otherwise
+    ('auto', 'local' or none: Ray finds or starts the cluster). Without this check a run
+    failed once the warm start and the first evaluation were over, with Ray's traceback: a
+    ``ray://`` address after 30 s, a head's address only after minutes of retries."""
+    if config.cluster != "ray" or config.ray_address in (None, "auto", "local"):
+        return None
+    match = _HOST_PORT.match(config.ray_address)
+    if match is None or (match["port"] is None and not config.ray_address.startswith("ray://")):
+        return None
+    port = int(match["port"] or 10001)  # the Ray client's port when ray:// names none
+    try:
+        socket.create_connection((match["host"].strip("[]"), port), timeout=RAY_REACH_TIMEOUT_S).close()
+    except OSError as exc:
+        return (
+            f"nothing answers at ray_address {config.ray_address} ({exc.strerror or exc}): "
+            "start the Ray cluster, or fix the address"
+        )
+    return None
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:

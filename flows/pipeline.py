@@ -24,6 +24,7 @@ from flows.config import (
     missing_ray,
     pipeline_devices,
     reward_over_budget,
+    unreachable_ray,
 )
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
@@ -175,6 +176,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     problem = (
         missing_device(pipeline_devices(config))
         or missing_ray(config)
+        or unreachable_ray(config)
         or missing_path(config)
         or empty_split(config)
         or missing_cores(config)

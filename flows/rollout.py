@@ -23,6 +23,7 @@ from flows.config import (
     reward_over_budget,
     rollout_devices,
     schema_pattern,
+    unreachable_ray,
 )
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
@@ -48,6 +49,7 @@ def rollout(
     problem = (
         missing_device(rollout_devices(config))
         or missing_ray(config)
+        or unreachable_ray(config)
         or missing_path(config)
         or empty_split(config, ("train",))
         or missing_cores(config)

@@ -1011,6 +1011,40 @@ def test_a_ray_run_without_the_ray_extra_is_a_usage_error_before_a_flow_run(
     assert len(started) == 1
 
 
+@pytest.mark.parametrize("form", ["ray://127.0.0.1:{port}", "127.0.0.1:{port}"])
+@pytest.mark.parametrize("flow", ["pipeline", "rollout"])
+def test_a_ray_run_at_an_address_nothing_answers_is_a_usage_error_before_a_flow_run(
+    capfd, monkeypatch, tmp_path, flow, form
+):
+    """A Ray client's address failed the pipeline with Ray's traceback once the warm start and
+    the first evaluation were over; a head's address retried for minutes. Now one line and
+    status 2; an address that answers starts the flow run."""
+    module = importlib.import_module(f"flows.{flow}")
+    started = []
+    monkeypatch.setattr(module, flow, lambda *args: started.append(args))
+    run = ("--set", f"storage.root={tmp_path / 'runs'}", "--set", "cluster=ray")
+    with socket.socket() as closed, socket.socket() as listening:
+        closed.bind(("127.0.0.1", 0))  # bound but not listening: connections are refused
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        address = form.format(port=closed.getsockname()[1])
+        refused = treadle_here(capfd, monkeypatch, "run", flow, *run, "--set", f"ray_address={address}")
+        assert (refused.returncode, refused.stdout) == (2, "")
+        assert refused.stderr == (
+            f"error: nothing answers at ray_address {address} (Connection refused): "
+            "start the Ray cluster, or fix the address\n"
+        )
+        assert started == []
+        answering = form.format(port=listening.getsockname()[1])
+        assert (
+            treadle_here(
+                capfd, monkeypatch, "run", flow, *run, "--set", f"ray_address={answering}"
+            ).returncode
+            == 0
+        )
+    assert len(started) == 1
+
+
 def test_one_processing_pass_over_a_run_that_does_not_exist_is_an_error_before_a_flow_run(
     capfd, monkeypatch, tmp_path
 ):

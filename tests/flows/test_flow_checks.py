@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 
 import pytest
@@ -87,6 +88,22 @@ def test_a_ray_rollout_run_on_a_machine_without_the_ray_extra_fails_before_the_w
         flows.rollout.rollout(config, return_state=True),
         rf"^cluster is 'ray', but {missing} is not installed: pip install",
     )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize("flow", ["pipeline", "rollout"])
+def test_a_ray_run_at_an_address_nothing_answers_fails_before_the_warm_start(tmp_path, flow):
+    """The pipeline failed with Ray's traceback once the warm start and the first evaluation
+    were over (a rollout worker once the warm start was)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound but not listening: connections are refused
+        address = f"ray://127.0.0.1:{closed.getsockname()[1]}"
+        config = tiny_config(tmp_path / "runs", "no-cluster", cluster="ray", ray_address=address)
+        run = getattr(flows, flow)
+        failed_with(
+            getattr(run, flow)(config, return_state=True),
+            rf"^nothing answers at ray_address {address} \(Connection refused\)",
+        )
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
