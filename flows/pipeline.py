@@ -120,15 +120,17 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
     actors hold. Ray shows the task only its GPU, as ``cuda`` (``cuda:0``). Ray would keep
     a task that no node can place (a trainer on CUDA, a cluster without a GPU) pending for
     ever, and the flow waiting on it: each is first placed by a probe, which fails the run
-    after ``engine.load_timeout_s``, naming what it asks for.
+    after ``engine.load_timeout_s``, naming what it asks for. So are they all at once with the
+    rollout worker's actors: processing and training hold their CPUs for the whole run, and an
+    actor that found none free waited for them (the run wrote no rollout before its deadline).
     """
     from prefect_ray.context import remote_options
     from prefect_ray.task_runners import RayTaskRunner
 
-    from rollout.ray_actors import wait_placeable
+    from rollout.ray_actors import wait_placeable, wait_placeable_together
     from rollout.ray_engine import actor_device
     from tasks.process import process_shards
-    from tasks.rollout import connect_run_ray, rollouts
+    from tasks.rollout import connect_run_ray, rollout_actor_resources, rollouts
     from tasks.train import train
 
     process_options = {"num_cpus": 1}
@@ -136,6 +138,12 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
     connect_run_ray(config, task_cpus=process_options["num_cpus"] + train_options["num_cpus"])
     for kind, options in (("process-shards", process_options), ("train", train_options)):
         wait_placeable(kind, options, config.engine.load_timeout_s, "engine.load_timeout_s")
+    wait_placeable_together(
+        "processing, training and the rollout worker's actors",
+        [process_options, train_options, *rollout_actor_resources(config)],
+        config.engine.load_timeout_s,
+        "engine.load_timeout_s",
+    )
     with RayTaskRunner(address=config.ray_address) as runner:
         with remote_options(num_cpus=0):
             rollout_run = runner.submit(

@@ -78,6 +78,41 @@ def wait_placeable(kind: str, options: dict[str, Any], timeout_s: float, setting
     )
 
 
+def wait_placeable_together(
+    what: str, requests: list[dict[str, Any]], timeout_s: float, setting: str
+) -> None:
+    """Return once the cluster has room for every one of ``requests`` (the ``num_cpus`` and
+    ``num_gpus`` of tasks and actors) at once, as ``what`` asks for them together.
+
+    Ray places each task or actor as it comes: one that waits for a CPU another holds for the
+    whole run (the trainer's, waiting for rollouts) waits until that one's deadline. A
+    placement group of them all not placed within ``timeout_s`` (the config's ``setting``)
+    raises an :class:`ActorStartError` naming what they ask for and what the cluster has; the
+    group is removed either way, before the tasks and actors are started.
+    """
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundles = [
+        bundle
+        for request in requests
+        if (bundle := {name: request[key] for key, name in _RESOURCES.items() if request.get(key)})
+    ]
+    group = placement_group(bundles)
+    try:
+        ready = group.wait(timeout_seconds=timeout_s)
+    finally:
+        remove_placement_group(group)
+    if not ready:
+        raise ActorStartError(
+            f"{what} did not fit on the Ray cluster at once within {timeout_s:g} s ({setting}), asking for "
+            f"{requests}: no set of its nodes had that free ({_cluster_resources()})"
+        )
+
+
+_RESOURCES = {"num_cpus": "CPU", "num_gpus": "GPU"}
+"""The Ray resource of each option a task or actor asks for."""
+
+
 def _placed() -> None:
     """The probe of :func:`wait_placeable`: that it ran is the answer."""
 

@@ -175,6 +175,12 @@ class EngineHost:
         return os.getpid()
 
 
+def engine_actor_resources(config: TorchEngineConfig) -> dict[str, int]:
+    """What an engine actor asks Ray for by default: one CPU, and one GPU when the engine runs
+    on CUDA."""
+    return {"num_gpus": 1, "num_cpus": 1} if config.device.startswith("cuda") else {"num_cpus": 1}
+
+
 EngineActor = ray.remote(EngineHost)
 """The Ray actor class hosting one :class:`EngineHost` per replica."""
 
@@ -214,13 +220,7 @@ class RayEngine:
     ):
         if not ray.is_initialized():
             raise EngineError("RayEngine needs a connected Ray cluster: call ray.init() first")
-        options = {
-            "max_restarts": -1,
-            **(
-                actor_options
-                or ({"num_gpus": 1, "num_cpus": 1} if config.device.startswith("cuda") else {"num_cpus": 1})
-            ),
-        }
+        options = {"max_restarts": -1, **(actor_options or engine_actor_resources(config))}
         self.name = name
         self.version = version
         self._loaded_in: int | None = None

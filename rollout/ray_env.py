@@ -27,6 +27,10 @@ from rollout.ray_actors import wait_actors_started
 log = logging.getLogger(__name__)
 
 
+ENV_WORKER_RESOURCES = {"num_cpus": 1}
+"""What an environment-worker actor asks Ray for by default."""
+
+
 class UnknownEnv(KeyError):
     """No environment of that id is open on the worker."""
 
@@ -182,7 +186,7 @@ class RayEnvPool:
         if not ray.is_initialized():
             raise RuntimeError("RayEnvPool needs a connected Ray cluster: call ray.init() first")
         envs = {name: (registry.env_class(name), config.model_dump()) for name, config in env_configs.items()}
-        self.actor_options = {"max_restarts": -1, **(actor_options or {"num_cpus": 1})}
+        self.actor_options = {"max_restarts": -1, **(actor_options or ENV_WORKER_RESOURCES)}
         self.names = [f"env-worker-{i}" for i in range(num_workers)]
         self.actors = [EnvWorkerActor.options(**self.actor_options).remote(envs) for _ in self.names]
         self._next = itertools.cycle(self.actors)

@@ -265,9 +265,19 @@ def connect_run_ray(config: RunConfig, task_cpus: int = 0) -> None:
     Ray tasks the caller runs beside them."""
     from rollout.ray_engine import connect_ray
 
+    cpus = sum(options["num_cpus"] for options in rollout_actor_resources(config)) + task_cpus
+    connect_ray(config.ray_address, config.ray_node_ip, num_cpus=cpus)
+
+
+def rollout_actor_resources(config: RunConfig) -> list[dict[str, int]]:
+    """What each Ray actor of a rollout worker of ``config`` asks for: an environment worker
+    per engine replica, and the torch engines' actors."""
+    from rollout.ray_engine import engine_actor_resources
+    from rollout.ray_env import ENV_WORKER_RESOURCES
+
     engine = config.engine
-    actors = engine.replica_count + (engine.replicas if engine.kind == "torch" else 0)
-    connect_ray(config.ray_address, config.ray_node_ip, num_cpus=actors + task_cpus)
+    engines = [engine_actor_resources(engine.torch)] * engine.replicas if engine.kind == "torch" else []
+    return [ENV_WORKER_RESOURCES] * engine.replica_count + engines
 
 
 def _build_worker(

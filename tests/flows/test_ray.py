@@ -927,8 +927,9 @@ def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, devi
 
     monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(record))
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
-    # this cluster has no GPU, on which the probe fails the run (see the test below)
+    # this cluster has no GPU, on which the probes fail the run (see the tests below)
     monkeypatch.setattr(ray_actors, "wait_placeable", lambda *args: None)
+    monkeypatch.setattr(ray_actors, "wait_placeable_together", lambda *args: None)
     config = RunConfig(run_id="gpu-trainer", cluster="ray", trainer_device=device)
 
     assert pipeline._run_on_ray(config, deadline=0.0, signals="s") == ("rollouts", "process-shards", "train")
@@ -951,6 +952,8 @@ def test_the_pipeline_starts_a_local_ray_with_a_cpu_for_each_of_its_tasks_and_ac
 
     asked = []
     monkeypatch.setattr(ray_engine, "connect_ray", lambda address, node_ip, num_cpus: asked.append(num_cpus))
+    # this cluster has 4 CPUs, which this run's tasks and actors do not fit in (see the test below)
+    monkeypatch.setattr(ray_actors, "wait_placeable_together", lambda *args: None)
     monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(lambda *args: None))
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
     config = RunConfig(run_id="sized", cluster="ray", engine={"replicas": 3})
@@ -983,6 +986,43 @@ def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_
     with pytest.raises(ActorStartError, match=r"^the train task did not start within 10 s .*'num_gpus': 1"):
         pipeline._run_on_ray(config, deadline=0.0, signals="s")
     assert submitted == []
+
+
+def test_a_pipeline_whose_tasks_and_actors_the_cluster_cannot_hold_at_once_fails_before_submitting_them(
+    monkeypatch,
+):
+    """This cluster has 4 CPUs, and the run asks for 6: processing and training (placed each
+    alone) held theirs for the whole run, and the rollout worker's actors waited for a CPU
+    until the trainer's deadline, the run writing no rollout. It fails once
+    ``engine.load_timeout_s`` has passed, naming what they ask for, before any task is
+    submitted; a run they fit in goes on to submit its tasks."""
+    import prefect_ray.task_runners
+
+    from flows import pipeline
+
+    submitted = []
+    monkeypatch.setattr(
+        prefect_ray.task_runners,
+        "RayTaskRunner",
+        recording_runner(lambda task, parameters: submitted.append(task.name)),
+    )
+    monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    # long enough for the tasks this cluster can place to start on a loaded machine
+    config = RunConfig(run_id="too-big", cluster="ray", engine={"replicas": 2, "load_timeout_s": 10})
+
+    with pytest.raises(
+        ActorStartError,
+        match=r"^processing, training and the rollout worker's actors did not fit on the Ray cluster at once "
+        r"within 10 s \(engine.load_timeout_s\), asking for \[\{'num_cpus': 1\}, \{'num_cpus': 1, 'num_gpus': 0\}, "
+        r"(\{'num_cpus': 1\}, ){3}\{'num_cpus': 1\}\]: .*'CPU': 4\.0",
+    ):
+        pipeline._run_on_ray(config, deadline=0.0, signals="s")
+    assert submitted == []
+
+    pipeline._run_on_ray(
+        config.model_copy(update={"engine": config.engine.model_copy(update={"replicas": 1})}), 0.0, "s"
+    )
+    assert sorted(submitted) == ["process-shards", "rollouts", "train"]
 
 
 def test_an_actor_whose_constructor_raised_fails_the_start_without_waiting_for_one_still_pending(tmp_path):
