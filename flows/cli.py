@@ -147,6 +147,15 @@ def inspect_run(store) -> str:
     )
     trained = pc.sum(steps.column("num_samples")).as_py() or 0
     lines.append(f"\npolicy steps: {steps.num_rows}, on {trained} trajectories")
+    # a passed-over version's are its resumed trainer's to drop again
+    published = [row for row in weights if row["version"] not in skipped]
+    stale = sum(row["dropped_stale"] or 0 for row in published)
+    rejected = sum(row["rejected_rows"] or 0 for row in published)
+    if stale or rejected:
+        lines[-1] += (
+            f"; {stale} dropped as stale, {rejected} rejected (by the versions published: "
+            "weights.dropped_stale, weights.rejected_rows)"
+        )
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ import importlib
 import io
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -94,7 +95,9 @@ def test_inspect_prints_versions_rewards_and_shards(pipeline_run):
     steps = Tables(RunStore(config.storage, config.run_id)).read("train_steps").to_pylist()
     trained = sum(row["num_samples"] for row in steps)
     assert trained > 0
-    assert f"policy steps: {pipeline_run.result['trained']['steps']}, on {trained} trajectories\n" in out
+    assert re.search(
+        rf"\npolicy steps: {pipeline_run.result['trained']['steps']}, on {trained} trajectories(;|\n)", out
+    )
 
 
 def sql_on(run, statement: str) -> list[str]:
@@ -1256,6 +1259,24 @@ def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
     assert "  v29   step 116    2026-01-01 00:00:00 UTC (pruned)" in out
     listed = [line for line in out.splitlines() if line.startswith("  v") and " step " in line]
     assert f"(showing {len(listed)})" in out and len(listed) == 17
+
+
+def test_inspect_counts_the_trajectories_dropped_as_stale_and_rejected_by_the_versions_published(local_store):
+    """500 trajectories dropped as stale as a trainer stopped were in its last version's
+    manifest alone: no train_steps row holds them, and inspect said "39 steps on 2989
+    trajectories" of 3489 processed. A passed-over version's drops are its resumed
+    trainer's to count again."""
+    parents = {0: None, 1: 0, 2: 1, 3: 1}
+    counts = {1: (20, 1), 2: (1000, 1000), 3: (500, 2)}
+    rows = weights_rows(parents)
+    for row in rows:
+        row["dropped_stale"], row["rejected_rows"] = counts.get(row["version"], (None, None))
+    Tables(local_store).append("weights", rows)
+    out = inspect_run(local_store)
+    assert out.endswith(
+        "\npolicy steps: 0, on 0 trajectories; 520 dropped as stale, 3 rejected (by the versions "
+        "published: weights.dropped_stale, weights.rejected_rows)"
+    )
 
 
 def test_inspect_lists_about_twelve_evenly_spaced_versions_the_first_and_last_always():
