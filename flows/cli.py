@@ -268,9 +268,16 @@ def weight_versions(store) -> list[int]:
                 ) from None
         return versions
     except Exception as exc:  # an endpoint s3fs cannot reach raises botocore's errors, not OSError
+        refused = (
+            " (the server refused the credentials, or what they may do: check storage.access_key_id "
+            "and storage.secret_access_key, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+            if isinstance(exc, PermissionError)
+            else ""
+        )
         raise SystemExit(
             f"error: cannot read the weight versions in {store.url('weights')}: "
             + store.config.redacted(one_line(exc))
+            + refused
         ) from None
 
 

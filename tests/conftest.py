@@ -127,11 +127,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_moto(port: int, log: IO[bytes]) -> subprocess.Popen:
+def _start_moto(port: int, log: IO[bytes], env: dict[str, str] | None = None) -> subprocess.Popen:
     # The request log goes to a file: an unread pipe fills up and stalls the server.
     executable = os.path.join(os.path.dirname(sys.executable), "moto_server")
     return subprocess.Popen(
-        [executable, "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT
+        [executable, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -180,6 +183,23 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+        log.close()
+
+
+@pytest.fixture(scope="session")
+def s3_checking_credentials(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The endpoint of a ``moto_server`` that checks every request's credentials against its
+    IAM users (it has none, so it refuses every key)."""
+    log = open(tmp_path_factory.mktemp("moto-auth") / "server.log", "w+b")  # noqa: SIM115 (closed at teardown)
+    port = free_port()
+    process = _start_moto(port, log, {"INITIAL_NO_AUTH_ACTION_COUNT": "0"})
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        _wait_until_serving(process, endpoint, log)
+        yield endpoint
+    finally:
+        process.kill()
+        process.wait()
         log.close()
 
 

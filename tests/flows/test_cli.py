@@ -248,6 +248,28 @@ def test_a_flow_on_a_bucket_that_does_not_exist_is_a_one_line_error_before_a_flo
     assert "Flow run" not in result.stdout
 
 
+def test_a_flow_whose_credentials_the_server_refuses_says_so_in_one_line(
+    s3_checking_credentials, capfd, monkeypatch
+):
+    """The server's refusal read "Forbidden" alone (a HEAD reply has no body to name the key)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "unknown-key-id")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-its-secret")
+    args = (
+        "--set",
+        "storage.root=s3://bucket/runs",
+        "--set",
+        f"storage.endpoint_url={s3_checking_credentials}",
+    )
+    result = treadle_here(capfd, monkeypatch, "run", "evaluate", "--run-id", "r", *args)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == (
+        "error: cannot read the weight versions in s3://bucket/runs/r/weights: Forbidden (the server "
+        "refused the credentials, or what they may do: check storage.access_key_id and "
+        "storage.secret_access_key, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)\n"
+    )
+    assert "not-its-secret" not in result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("command", [("inspect",), ("sql", "SELECT 1"), ("maintain",), ("process", "--once")])
 @pytest.mark.parametrize(
     ("endpoint", "said"),
