@@ -550,9 +550,12 @@ def reward_over_budget(config: RunConfig) -> str | None:
 
 
 def _float32_bytes(checkpoint: Path) -> int | None:
-    """Bytes the tensors of the safetensors files in ``checkpoint`` take in float32; None
-    when it holds none, or one that does not read (the model's load says why)."""
-    files = sorted(checkpoint.glob("*.safetensors")) if checkpoint.is_dir() else []
+    """Bytes the tensors of the safetensors files a load of ``checkpoint`` reads take in
+    float32: its ``model.safetensors``, else the shards its ``model.safetensors.index.json``
+    names (any other safetensors file beside them, an adapter or a consolidated copy, is not
+    loaded); None when it holds neither, or one that does not read (the model's load says
+    why)."""
+    files = _loaded_safetensors(checkpoint)
     if not files:
         return None
     elements = 0
@@ -569,6 +572,17 @@ def _float32_bytes(checkpoint: Path) -> int | None:
         except (OSError, ValueError, KeyError, TypeError):
             return None
     return elements * 4
+
+
+def _loaded_safetensors(checkpoint: Path) -> list[Path]:
+    """The safetensors files ``from_pretrained`` reads from the folder ``checkpoint``."""
+    if (checkpoint / "model.safetensors").is_file():
+        return [checkpoint / "model.safetensors"]
+    try:
+        weight_map = json.loads((checkpoint / "model.safetensors.index.json").read_text())["weight_map"]
+        return [checkpoint / name for name in sorted(set(weight_map.values()))]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return []
 
 
 def train_devices(config: RunConfig) -> dict[str, str]:

@@ -492,3 +492,38 @@ def test_a_reward_model_within_its_budget_or_with_none_set_is_not_refused(tmp_pa
         tmp_path / "runs", "judge-fits", service={"reward_models": {"judge": {"path": str(judge)}}, **service}
     )
     assert reward_over_budget(config) is None
+
+
+@pytest.mark.parametrize("beside", ["consolidated.safetensors", "adapter_model.safetensors"])
+def test_a_checkpoints_size_counts_only_the_files_its_load_reads(tmp_path, judge, beside):
+    """A folder may hold safetensors files its load never reads (Mistral's repositories keep
+    ``consolidated.safetensors`` beside ``model.safetensors``, a PEFT run its adapter): each
+    counted too refused a judge whose loaded model fits its budget."""
+    folder = tmp_path / "judge"
+    folder.mkdir()
+    for file in judge.iterdir():
+        (folder / file.name).write_bytes(file.read_bytes())
+    (folder / beside).write_bytes((judge / "model.safetensors").read_bytes())
+    loaded = state_bytes(AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32))
+    assert _float32_bytes(folder) == _float32_bytes(judge) <= loaded
+    service = {"reward_models": {"judge": {"path": str(folder)}}, "reward_budget_mb": 1.01 * loaded / 2**20}
+    assert reward_over_budget(tiny_config(tmp_path / "runs", "judge-beside", service=service)) is None
+
+
+def test_a_sharded_checkpoints_size_is_that_of_the_shards_its_index_names(tmp_path):
+    """A checkpoint saved in shards is read from the files its index names, each once."""
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    model = LlamaForSequenceClassification(config)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1
+    loaded = state_bytes(AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.float32))
+    assert loaded - 1024 <= _float32_bytes(tmp_path) <= loaded
