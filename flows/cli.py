@@ -266,6 +266,8 @@ def weight_versions(store) -> list[int]:
                     f"error: bucket {bucket!r} of {store.uri} does not exist at "
                     f"{store.config.endpoint() or 'AWS'} (create it, or check storage.root)"
                 ) from None
+            except PermissionError:  # s3:ListBucket granted under a prefix only: the listing read
+                pass
         return versions
     except Exception as exc:  # an endpoint s3fs cannot reach raises botocore's errors, not OSError
         refused = (

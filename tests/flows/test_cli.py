@@ -35,7 +35,7 @@ import torch
 from deltalake import write_deltalake
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.cli import TABLES, _unreachable_api, inspect_run, main, spaced
+from flows.cli import TABLES, _unreachable_api, inspect_run, main, spaced, weight_versions
 from flows.cli_args import parse
 from flows.config import load_config
 from flows.evaluate import missing_version
@@ -514,6 +514,12 @@ class RoleOnlyProxy(http.server.BaseHTTPRequestHandler):
         signed = f"Credential={self.key_id}/" in self.headers.get("Authorization", "")
         if not signed or self.headers.get("X-Amz-Security-Token") != self.token:
             return self._answer(403, b"<Error><Code>AccessDenied</Code><Message>unsigned</Message></Error>")
+        self._forward()
+
+    do_HEAD = do_GET
+
+    def _forward(self) -> None:
+        """Send the request on to ``target`` and its answer back."""
         upstream = http.client.HTTPConnection(urllib.parse.urlsplit(self.target).netloc, timeout=30)
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
         upstream.request(self.command, self.path, body=body, headers=dict(self.headers))
@@ -527,8 +533,6 @@ class RoleOnlyProxy(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(data)
-
-    do_HEAD = do_GET
 
     def _answer(self, status: int, body: bytes) -> None:
         self.send_response(status)
@@ -562,6 +566,42 @@ def test_sql_signs_with_the_machines_role_when_the_run_gives_no_credentials(s3_s
         store = RunStore(StorageConfig(root=f"s3://{s3_server.bucket}/role", endpoint_url=url), "by-role")
 
         assert connect(store).execute("SELECT task, reward FROM trajectories").fetchall() == [("arith", 0.5)]
+    finally:
+        proxy.shutdown()
+        thread.join()
+        proxy.server_close()
+
+
+class PrefixListingProxy(RoleOnlyProxy):
+    """An S3 endpoint in front of ``target`` whose credentials may list the bucket under a
+    prefix only (an IAM policy's ``s3:prefix`` condition on ``s3:ListBucket``): a HEAD of the
+    bucket itself, which names no prefix, is refused with 403 as AWS refuses it."""
+
+    def do_GET(self):
+        if self.command == "HEAD" and urllib.parse.urlsplit(self.path).path.strip("/").count("/") == 0:
+            return self._answer(403, b"")
+        self._forward()
+
+    do_HEAD = do_GET
+
+
+def test_a_new_run_in_a_bucket_its_credentials_list_under_a_prefix_only_is_not_refused(s3_server):
+    """Credentials that may list the run's prefix but not head its bucket read a new run as
+    one with no weight versions, as before the absent-bucket check: that check's 403 failed
+    every first run in such a shared bucket with 'cannot read the weight versions'."""
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), PrefixListingProxy)
+    PrefixListingProxy.target = s3_server.endpoint_url
+    thread = threading.Thread(target=proxy.serve_forever)
+    thread.start()
+    try:
+        config = s3_server.config("shared").model_copy(
+            update={"endpoint_url": f"http://127.0.0.1:{proxy.server_port}"}
+        )
+        store = RunStore(config, "new-run")
+        with pytest.raises(PermissionError):
+            store.fs.call_s3("head_bucket", Bucket=s3_server.bucket)
+
+        assert weight_versions(store) == []
     finally:
         proxy.shutdown()
         thread.join()
