@@ -477,7 +477,9 @@ def test_agent_env_needs_a_command_and_scores_zero_without_an_eval_command(upstr
 def test_agent_env_refuses_a_split_with_no_tasks():
     one = config(tasks=[{"id": "t0", "prompt": "p"}])
     split = "train" if in_eval_split("t0", AgentConfig().eval_fraction) else "eval"
-    with pytest.raises(ValueError, match=f"^none of its 1 tasks falls in the {split} split \\(eval_fraction 0.1,"):
+    with pytest.raises(
+        ValueError, match=f"^none of its 1 tasks falls in the {split} split \\(eval_fraction 0.1,"
+    ):
         task_set("agent", split, 0, 1, one)
 
 
