@@ -4,6 +4,7 @@ tells a nightly training of one run from an evaluation of another."""
 from __future__ import annotations
 
 import pytest
+import torch
 from prefect.client.orchestration import get_client
 
 import flows.evaluate
@@ -17,6 +18,7 @@ import tasks.rollout
 import tasks.train
 import tasks.weights
 from storage.tables import Tables
+from storage.weights import WeightStore
 from tasks.common import run_store
 from tests.flows.conftest import tiny_config
 
@@ -49,14 +51,26 @@ def with_a_table(config):
     return config
 
 
+def with_versions(config):
+    """``config``, its run holding weight versions 0 to 3 (the evaluate flow refuses a
+    version the run does not hold)."""
+    weights = WeightStore(run_store(config))
+    for step in range(4):
+        weights.publish({"w": torch.zeros(2)}, {}, None, step=step)
+    return config
+
+
 @pytest.mark.parametrize(
     ("run", "named"),
     [
         (lambda config: flows.train.train(config, drain=True, return_state=True), "nightly-1"),
         (lambda config: flows.process.process(config, continuous=False, return_state=True), "nightly-1"),
         (lambda config: flows.rollout.rollout(config, "gpu-1", return_state=True), "nightly-1/gpu-1"),
-        (lambda config: flows.evaluate.evaluate(config, 3, return_state=True), "nightly-1/v3"),
-        (lambda config: flows.evaluate.evaluate(config, return_state=True), "nightly-1/newest"),
+        (lambda config: flows.evaluate.evaluate(with_versions(config), 3, return_state=True), "nightly-1/v3"),
+        (
+            lambda config: flows.evaluate.evaluate(with_versions(config), return_state=True),
+            "nightly-1/newest",
+        ),
         (lambda config: flows.maintain.maintain(with_a_table(config), return_state=True), "nightly-1"),
     ],
     ids=["train", "process", "rollout", "evaluate-a-version", "evaluate-the-newest", "maintain"],
