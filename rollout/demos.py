@@ -9,6 +9,7 @@ exactly the tokens RL will later sample.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 
 from envs.base import Env, Task
@@ -52,11 +53,26 @@ async def demonstrations(
     make_env: Callable[[Task], Env],
     tasks: Sequence[Task],
     solve: Callable[[Task], Sequence[str]],
+    concurrency: int = 1,
+    on_done: Callable[[], None] | None = None,
 ) -> tuple[list[list[int]], list[list[bool]]]:
-    """Token sequences and loss masks of ``solve(task)`` for every task."""
-    sequences, masks = [], []
-    for task in tasks:
-        tokens, mask = await demonstration(renderer, make_env(task), task, solve(task))
-        sequences.append(tokens)
-        masks.append(mask)
-    return sequences, masks
+    """Token sequences and loss masks of ``solve(task)`` for every task, in task order. At
+    most ``concurrency`` are played at once (an env in a sandbox waits on its processes: one
+    at a time, two thousand shell demonstrations took minutes); ``on_done`` is called as each
+    ends. The first error raised stops the others, each closing its env."""
+    actions = [solve(task) for task in tasks]
+    slots = asyncio.Semaphore(concurrency)
+
+    async def play(task: Task, moves: Sequence[str]) -> tuple[list[int], list[bool]]:
+        async with slots:
+            played = await demonstration(renderer, make_env(task), task, moves)
+        if on_done is not None:
+            on_done()
+        return played
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            jobs = [group.create_task(play(task, moves)) for task, moves in zip(tasks, actions, strict=True)]
+    except ExceptionGroup as errors:
+        raise errors.exceptions[0] from None
+    return [job.result()[0] for job in jobs], [job.result()[1] for job in jobs]

@@ -28,19 +28,24 @@ from storage.weights import CorruptVersion, VersionTaken, WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, announce_version, reporting, run_store
 from tasks.event_loop import run_async
 
+PROGRESS_EVERY_S = 15.0
+"""How often the warm start logs its progress (demonstrations played, steps taken)."""
+
 BASE_VERSION_WAIT_S = 300.0
 """How old the claim of version 0 may grow (its publish renews it while uploading) before a
 process that lost the race to publish it takes the claimer for dead."""
 
 
 def demonstration_data(
-    config: RunConfig, tokenizer, envs: list[str] | None = None
+    config: RunConfig, tokenizer, envs: list[str] | None = None, log: Callable[[str], None] | None = None
 ) -> tuple[list[list[int]], list[list[bool]]]:
     """Token sequences and loss masks of the train-split demonstrations of each env in
     ``envs`` (the mix when None; ``warm_start.demos`` or ``demos_per_env`` of each, 0 leaving
-    it out), laid out as the gateway does. An env that cannot give as many (too few train
-    problems, no scripted solver) is a ``ValueError`` naming the setting to change; any other
-    error (a demonstrator's bug) is raised as it is."""
+    it out), laid out as the gateway does, up to ``orchestrator.concurrency`` played at once
+    (the sandboxes the run's machine holds); ``log`` is told how many are done every
+    :data:`PROGRESS_EVERY_S`. An env that cannot give as many (too few train problems, no
+    scripted solver) is a ``ValueError`` naming the setting to change; any other error (a
+    demonstrator's bug) is raised as it is."""
     renderer = ChatRenderer(tokenizer, config.gateway.chat_template_kwargs)
     sequences, masks = [], []
     for name in envs or list(config.orchestrator.mix):
@@ -56,6 +61,8 @@ def demonstration_data(
                     lambda t, c=env_config: registry.make(t.env, c),
                     tasks,
                     lambda t: registry.demonstrate(t, flawed=config.warm_start.flawed, seed=config.seed),
+                    concurrency=config.orchestrator.concurrency,
+                    on_done=_progress(log, name, count),
                 )
             )
         except (TooFewTasks, NotImplementedError) as exc:  # too few problems; no scripted solver
@@ -66,6 +73,21 @@ def demonstration_data(
         sequences += seqs
         masks += msks
     return sequences, masks
+
+
+def _progress(log: Callable[[str], None] | None, name: str, count: int) -> Callable[[], None]:
+    """What is called as each of ``count`` demonstrations of ``name`` ends: it tells ``log``
+    how many are, every :data:`PROGRESS_EVERY_S`."""
+    done, last = 0, time.monotonic()
+
+    def on_done() -> None:
+        nonlocal done, last
+        done += 1
+        if log is not None and time.monotonic() - last >= PROGRESS_EVERY_S:
+            last = time.monotonic()
+            log(f"warm start: {done} of {count} demonstrations of {name} played")
+
+    return on_done
 
 
 def build_base_version(
@@ -137,11 +159,11 @@ def build_base_version(
     }
     if config.warm_start.enabled:
         started = time.monotonic()
-        sequences, masks = demonstration_data(config, tokenizer)
-        last_log = [started]
+        sequences, masks = demonstration_data(config, tokenizer, log=log)
+        last_log = [time.monotonic()]
 
         def on_step(step: int, loss: float) -> None:
-            if time.monotonic() - last_log[0] >= 15:
+            if time.monotonic() - last_log[0] >= PROGRESS_EVERY_S:
                 last_log[0] = time.monotonic()
                 log(f"warm start: step {step}, loss {loss:.3f}")
 

@@ -429,3 +429,14 @@ def test_without_a_warm_start_the_base_version_is_built_off_the_trainers_device(
     built, _ = build_tiny_model(config.model.tiny)
     for (name, p), q in zip(built.named_parameters(), served.parameters(), strict=True):
         assert torch.equal(p, q), name
+
+
+def test_the_warm_start_tells_how_many_demonstrations_it_has_played(tmp_path, monkeypatch):
+    """Two thousand shell demonstrations, one sandbox each, took minutes with nothing logged."""
+    monkeypatch.setattr(weight_tasks, "PROGRESS_EVERY_S", 0.0)
+    _, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    config = tiny_config(tmp_path / "runs", warm_start={"demos": {"arith": 3}})
+    lines: list[str] = []
+    sequences, _ = demonstration_data(config, tokenizer, ["arith"], log=lines.append)
+    assert len(sequences) == 3
+    assert lines == [f"warm start: {done} of 3 demonstrations of arith played" for done in (1, 2, 3)]

@@ -1,0 +1,88 @@
+"""Demonstrations played several at once come out as one at a time gives them, in task
+order; the first error stops the others, every env closed."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import pytest
+
+from envs import registry
+from envs.arith import ArithEnv
+from rl.models import TinyModelConfig, build_tiny_model
+from rollout.demos import demonstrations
+from rollout.gateway import ChatRenderer
+
+
+@pytest.fixture(scope="module")
+def renderer() -> ChatRenderer:
+    _, tokenizer = build_tiny_model(TinyModelConfig())
+    return ChatRenderer(tokenizer)
+
+
+class CountedArith(ArithEnv):
+    """The arith env, counting the episodes open at once; one whose task is ``fails``
+    raises as it steps."""
+
+    open_now = 0
+    most_open = 0
+    closed = 0
+    fails: str | None = None
+
+    async def reset(self, task):
+        cls = type(self)
+        cls.open_now += 1
+        cls.most_open = max(cls.most_open, cls.open_now)
+        await asyncio.sleep(0.01)  # a sandbox's start: the others go on meanwhile
+        return await super().reset(task)
+
+    async def step(self, action):
+        if self.task.id == type(self).fails:
+            raise RuntimeError(f"the demonstrator's bug on {self.task.id}")
+        return await super().step(action)
+
+    async def close(self):
+        type(self).open_now -= 1
+        type(self).closed += 1
+        await super().close()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    for name in ("open_now", "most_open", "closed"):
+        monkeypatch.setattr(CountedArith, name, 0)
+    monkeypatch.setattr(CountedArith, "fails", None)
+    return CountedArith
+
+
+def play(renderer, tasks, concurrency, on_done=None):
+    return asyncio.run(
+        demonstrations(
+            renderer,
+            lambda task: CountedArith(),
+            tasks,
+            lambda task: registry.demonstrate(task),
+            concurrency=concurrency,
+            on_done=on_done,
+        )
+    )
+
+
+def test_demonstrations_played_at_once_are_those_played_one_at_a_time_in_task_order(renderer, counted):
+    tasks = registry.task_set("arith", "train", 0, 40)
+    one_at_a_time = play(renderer, tasks, 1)
+    assert counted.most_open == 1
+    done = []
+    at_once = play(renderer, tasks, 8, on_done=lambda: done.append(1))
+    assert at_once == one_at_a_time
+    assert counted.most_open == 8
+    assert len(done) == 40 and counted.closed == 80
+
+
+def test_a_demonstrations_error_is_raised_as_it_is_and_every_env_is_closed(renderer, counted):
+    tasks = registry.task_set("arith", "train", 0, 40)
+    counted.fails = tasks[5].id
+    with pytest.raises(RuntimeError, match=rf"^the demonstrator's bug on {re.escape(tasks[5].id)}$"):
+        play(renderer, tasks, 8)
+    assert counted.open_now == 0, "an env left open"
