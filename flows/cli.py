@@ -273,7 +273,7 @@ def weight_versions(store) -> list[int]:
         refused = (
             " (the server refused the credentials, or what they may do: check storage.access_key_id "
             "and storage.secret_access_key, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
-            if isinstance(exc, PermissionError)
+            if isinstance(exc, PermissionError) and store.config.is_s3
             else ""
         )
         raise SystemExit(

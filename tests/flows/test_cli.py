@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import sqlite3
@@ -1891,3 +1892,29 @@ def test_a_flow_command_whose_server_listens_from_a_process_it_started_uses_it(t
     )
     assert (result.returncode, result.stdout) == (0, "ready\n"), result.stderr[-3000:]
     assert processes_of(home) == {}
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0 or shutil.which("setpriv") is None,
+    reason="takes root's right to read any folder away with setpriv",
+)
+def test_a_local_run_the_flow_may_not_read_is_not_blamed_on_s3_credentials(tmp_path):
+    """A run on a local disk whose weights folder the flow may not read: its PermissionError
+    was told as an S3 server refusing the credentials, naming settings a local run has not."""
+    weights = tmp_path / "runs" / "r" / "weights"
+    weights.mkdir(parents=True)
+    weights.chmod(0)
+    code = (
+        "from flows.cli import weight_versions\n"
+        "from storage.config import RunStore, StorageConfig\n"
+        f"weight_versions(RunStore(StorageConfig(root={str(tmp_path / 'runs')!r}), 'r'))\n"
+    )
+    result = subprocess.run(
+        ["setpriv", "--bounding-set=-dac_override,-dac_read_search", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.startswith(f"error: cannot read the weight versions in {weights}: "), result.stderr
+    assert "Permission denied" in result.stderr
+    assert "credentials" not in result.stderr
