@@ -74,5 +74,7 @@ async def demonstrations(
         async with asyncio.TaskGroup() as group:
             jobs = [group.create_task(play(task, moves)) for task, moves in zip(tasks, actions, strict=True)]
     except ExceptionGroup as errors:
-        raise errors.exceptions[0] from None
-    return [job.result()[0] for job in jobs], [job.result()[1] for job in jobs]
+        first = errors.exceptions[0]
+    else:
+        return [job.result()[0] for job in jobs], [job.result()[1] for job in jobs]
+    raise first  # out of the except: raised as it is, its cause kept and no group as its context

@@ -86,3 +86,21 @@ def test_a_demonstrations_error_is_raised_as_it_is_and_every_env_is_closed(rende
     with pytest.raises(RuntimeError, match=rf"^the demonstrator's bug on {re.escape(tasks[5].id)}$"):
         play(renderer, tasks, 8)
     assert counted.open_now == 0, "an env left open"
+
+
+def test_a_demonstrations_error_keeps_the_error_it_was_raised_from(renderer, counted, monkeypatch):
+    """Unwrapped from the task group with ``from None``, the error lost its cause (the
+    sandbox's error a demonstrator's was raised from), which one at a time it had kept."""
+    tasks = registry.task_set("arith", "train", 0, 4)
+
+    async def step(self, action):
+        try:
+            raise OSError("the sandbox went away")
+        except OSError as gone:
+            raise RuntimeError("the demonstrator's bug") from gone
+
+    monkeypatch.setattr(CountedArith, "step", step)
+    with pytest.raises(RuntimeError, match="^the demonstrator's bug$") as raised:
+        play(renderer, tasks, 2)
+    assert isinstance(raised.value.__cause__, OSError)
+    assert str(raised.value.__cause__) == "the sandbox went away"
