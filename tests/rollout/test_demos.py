@@ -104,3 +104,24 @@ def test_a_demonstrations_error_keeps_the_error_it_was_raised_from(renderer, cou
         play(renderer, tasks, 2)
     assert isinstance(raised.value.__cause__, OSError)
     assert str(raised.value.__cause__) == "the sandbox went away"
+
+
+def test_demonstrations_cancelled_close_every_env_and_end_cancelled(renderer, counted):
+    """A signal cancels the warm start's demonstrations (``run_async``): the episodes open
+    then are closed, and the cancel is not taken for a demonstration's error."""
+    tasks = registry.task_set("arith", "train", 0, 40)
+
+    async def cancelled_midway():
+        job = asyncio.ensure_future(
+            demonstrations(renderer, lambda task: CountedArith(), tasks, registry.demonstrate, concurrency=8)
+        )
+        while counted.open_now < 8:
+            await asyncio.sleep(0)
+        job.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await job
+
+    asyncio.run(cancelled_midway())
+    assert counted.most_open == 8
+    assert counted.open_now == 0, "an env left open"
+    assert counted.closed < 40
