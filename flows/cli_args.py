@@ -24,13 +24,11 @@ from flows.config import (
     EnvsConfig,
     Replacement,
     RunConfig,
-    empty_split,
     load_config,
-    missing_cores,
     missing_device,
     missing_path,
     missing_ray,
-    reward_over_budget,
+    rollout_problem,
     unreachable_ray,
     yaml_problem,
 )
@@ -118,11 +116,9 @@ def parse(
     the flow reads; None: a flow that reads none), or, for a flow that runs on Ray (``ray``),
     the config asks for Ray and this machine lacks the extra (:func:`~flows.config.missing_ray`)
     or nothing answers at its ``ray_address`` (:func:`~flows.config.unreachable_ray`),
-    or an env of the mix cannot draw a task of one of the ``splits`` the flow draws from
-    (:func:`~flows.config.empty_split`), or, for a flow that rolls out (``splits`` given),
-    its scheduler asks for more cores than this process may use
-    (:func:`~flows.config.missing_cores`) or a reward model outgrows its device budget
-    (:func:`~flows.config.reward_over_budget`)."""
+    or, for a flow that rolls out and draws tasks of ``splits``, what
+    :func:`~flows.config.rollout_problem` finds (a task it cannot draw, more cores than this
+    process may use, a reward model past its budget)."""
     set_prefect_defaults()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
@@ -193,11 +189,7 @@ def parse(
         (missing_device(devices(config)) if devices else None)
         or ((missing_ray(config) or unreachable_ray(config)) if ray else None)
         or (paths(config) if paths else None)
-        or (
-            (empty_split(config, splits) or missing_cores(config) or reward_over_budget(config))
-            if splits
-            else None
-        )
+        or (rollout_problem(config, splits) if splits else None)
     )
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

@@ -475,6 +475,15 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     return None
 
 
+def rollout_problem(config: RunConfig, splits: tuple[Split, ...]) -> str | None:
+    """Why a flow that runs a rollout service in its own process (the pipeline's evaluations,
+    a rollout worker, an evaluation) and draws tasks of ``splits`` cannot, as one line: a
+    task it cannot draw (:func:`empty_split`), more cores than the process may use
+    (:func:`missing_cores`), a reward model past its budget (:func:`reward_over_budget`);
+    None when it can."""
+    return empty_split(config, splits) or missing_cores(config) or reward_over_budget(config)
+
+
 def empty_split(config: RunConfig, splits: tuple[Split, ...] = ("train", "eval")) -> str | None:
     """One line naming the first env of the mix that cannot draw a task of one of ``splits``,
     those the flow draws from (rollouts draw train tasks, evaluations eval ones), and why:

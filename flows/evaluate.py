@@ -16,12 +16,10 @@ from flows.cli import temporary_api, weight_versions
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import (
     RunConfig,
-    empty_split,
     evaluate_devices,
     evaluate_paths,
-    missing_cores,
     missing_device,
-    reward_over_budget,
+    rollout_problem,
 )
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
@@ -52,9 +50,7 @@ def evaluate(
     problem = (
         missing_device(evaluate_devices(config))
         or evaluate_paths(config)
-        or empty_split(config, ("eval",))
-        or missing_cores(config)
-        or reward_over_budget(config)
+        or rollout_problem(config, ("eval",))
     )
     if problem is None:
         store = run_store(config)

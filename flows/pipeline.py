@@ -17,13 +17,11 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import (
     RunConfig,
-    empty_split,
-    missing_cores,
     missing_device,
     missing_path,
     missing_ray,
     pipeline_devices,
-    reward_over_budget,
+    rollout_problem,
     unreachable_ray,
 )
 from flows.run_logs import module_logs_to_run
@@ -186,9 +184,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         or missing_ray(config)
         or unreachable_ray(config)
         or missing_path(config)
-        or empty_split(config)
-        or missing_cores(config)
-        or reward_over_budget(config)
+        or rollout_problem(config, ("train", "eval"))
     )
     if problem is not None:
         raise ValueError(problem)

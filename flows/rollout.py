@@ -15,13 +15,11 @@ from pydantic import Field
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import (
     RunConfig,
-    empty_split,
-    missing_cores,
     missing_device,
     missing_path,
     missing_ray,
-    reward_over_budget,
     rollout_devices,
+    rollout_problem,
     schema_pattern,
     unreachable_ray,
 )
@@ -51,9 +49,7 @@ def rollout(
         or missing_ray(config)
         or unreachable_ray(config)
         or missing_path(config)
-        or empty_split(config, ("train",))
-        or missing_cores(config)
-        or reward_over_budget(config)
+        or rollout_problem(config, ("train",))
     )
     if problem is not None:
         raise ValueError(problem)
