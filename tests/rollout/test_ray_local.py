@@ -77,13 +77,12 @@ def _stop_leftovers(started: list[tuple[int, float]]) -> None:
     psutil.wait_procs(leftovers, timeout=30)
 
 
-@pytest.mark.parametrize("address", ["", "local"])
-def test_a_local_ray_started_by_a_run_listens_on_loopback_only(address):
-    """``ray_address: local`` (``ray.init``'s own word for a new local instance) starts one on
-    ``ray_node_ip`` too: it went to Ray's default, the machine's address on every interface."""
+def report_of(script: str, argument: str) -> dict:
+    """The JSON last line ``script`` prints, run with ``argument`` in a fresh interpreter
+    that starts a Ray of its own (``RAY_ADDRESS`` unset)."""
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
     run = subprocess.run(
-        [sys.executable, "-c", SCRIPT, address],
+        [sys.executable, "-c", script, argument],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -91,7 +90,14 @@ def test_a_local_ray_started_by_a_run_listens_on_loopback_only(address):
         timeout=180,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.splitlines()[-1])
+    return json.loads(run.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("address", ["", "local"])
+def test_a_local_ray_started_by_a_run_listens_on_loopback_only(address):
+    """``ray_address: local`` (``ray.init``'s own word for a new local instance) starts one on
+    ``ray_node_ip`` too: it went to Ray's default, the machine's address on every interface."""
+    report = report_of(SCRIPT, address)
     _stop_leftovers(report["started"])
     names = {name for name, _, _ in report["listening"]}
     assert {"gcs_server", "raylet"} <= names, report["listening"]
@@ -121,16 +127,6 @@ def test_the_local_ray_a_run_starts_has_a_cpu_for_each_of_its_tasks_and_actors_b
     machine ran the pipeline's process and train tasks and kept the rollout worker's env and
     engine actors pending until the trainer's deadline, and the run wrote no rollout."""
     replicas = os.cpu_count()
-    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
-    run = subprocess.run(
-        [sys.executable, "-c", SIZED_SCRIPT, str(replicas)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    report = json.loads(run.stdout.splitlines()[-1])
+    report = report_of(SIZED_SCRIPT, str(replicas))
     # an env worker and an engine actor per replica, and the two tasks
     assert report["cpus"] == 2 * replicas + 2
