@@ -307,6 +307,12 @@ class RunConfig(BaseModel):
                 "renormalised over the top-p nucleus: every DIS ratio would be off; set it to 1 "
                 "(service.temperature is fine: the trainer takes its log-probs at it)"
             )
+        compact_at, limit = self.service.compact_at, self.gateway.max_context_tokens
+        if compact_at is not None and compact_at >= limit:
+            raise ValueError(
+                f"service.compact_at: {compact_at} is not below gateway.max_context_tokens ({limit}): "
+                "a prompt would be cut short before it could be compacted"
+            )
         rollouts, group = self.stop.max_rollouts, self.orchestrator.group_size
         if self.sao.mode == "grpo" and group == 1:
             raise ValueError(

@@ -111,6 +111,22 @@ class ServiceConfig(BaseModel):
         description="Nucleus sampling threshold; a run config needs 1 (the trainer cannot reproduce "
         "log-probs renormalised over a nucleus).",
     )
+    compact_at: int | None = Field(
+        None,
+        ge=1,
+        description="Context management of the rollouts the service drives (not of an env that drives "
+        "its own program): when a turn's prompt would hold more tokens than this, the turn goes on in a "
+        "branch of the rollout's execution whose context is the task's first messages and the last "
+        "compact_keep_turns turns. The branches are rows of one execution that share the first messages' "
+        "tokens: the processor trains those once and at most processor.j_max rows. None: the context "
+        "grows until gateway.max_context_tokens cuts the rollout short (truncated).",
+    )
+    compact_keep_turns: int = Field(
+        1,
+        ge=1,
+        description="Turns (an action and the observation that answers it) a compacted context keeps, "
+        "the latest one included.",
+    )
     scheduler: Literal["action", "static", "none"] = Field(
         "action",
         description="Resources for tool calls and test runs: 'action' grants them per action "

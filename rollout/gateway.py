@@ -419,6 +419,15 @@ class Session:
         chars = _text_size([new, self.tools if not self.tokens else None])
         self._take(new, await self.tokenized(chars, "messages rendered", self._rendered, new))
 
+    async def prompt_size(self, messages: Sequence[Mapping[str, Any]]) -> int:
+        """Tokens the next prompt would hold with ``messages`` queued after what is queued
+        now, rendered as :meth:`generate` will render them (nothing is queued)."""
+        new = [*self._pending, *(dict(message) for message in messages)]
+        if not new:
+            return len(self.tokens)
+        chars = _text_size([new, self.tools if not self.tokens else None])
+        return len(self.tokens) + len(await self.tokenized(chars, "messages measured", self._rendered, new))
+
     async def tokenized(
         self, chars: int, what: str, tokenize: Callable[..., Sequence[int]], *args: Any, **kwargs: Any
     ) -> list[int]:
@@ -770,6 +779,39 @@ class Gateway:
         session = Session(info=info, gateway=self, renderer=self.renderer)
         self._sessions[session_id] = session
         return session
+
+    async def branch(self, parent: Session, messages: Sequence[Mapping[str, Any]]) -> Session:
+        """Open a branch of ``parent`` whose context is ``messages`` (rendered now, with the
+        parent's tools and template variables): a new trajectory of the same execution, task,
+        prompt and group, whose ``branch_at`` is where its tokens leave the parent's. Raises
+        :class:`ContextLimit` (recorded on ``parent``) when they would not fit."""
+        renderer = parent.renderer
+        if renderer is None:
+            raise InvalidRequest("this gateway has no tokenizer with a chat template; send token ids")
+        messages = [dict(message) for message in messages]
+        ids = await parent.tokenized(
+            _text_size([messages, parent.tools]), "branch rendered", renderer.first, messages, parent.tools
+        )
+        self.check_ids(ids, what="rendered messages")
+        if len(ids) > self.config.max_context_tokens:
+            parent._out_of_context(
+                f"a branch of session {parent.session_id!r} would hold {len(ids)} tokens, over "
+                f"max_context_tokens={self.config.max_context_tokens}"
+            )
+        shared = min(len(ids), len(parent.tokens))
+        branch_at = next((i for i in range(shared) if ids[i] != parent.tokens[i]), shared)
+        info = parent.info
+        child = self.open(
+            task=info.task,
+            prompt_id=info.prompt_id,
+            execution_id=info.execution_id,
+            group_id=info.group_id,
+            parent_id=info.trajectory_id,
+            branch_at=branch_at,
+        )
+        child.tools, child.template_kwargs, child.renderer = parent.tools, parent.template_kwargs, renderer
+        child._take(messages, ids)
+        return child
 
     def session(self, session_id: str) -> Session:
         """The open session ``session_id``."""

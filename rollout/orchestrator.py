@@ -475,7 +475,7 @@ class Orchestrator:
     def _write(self, results: list[RolloutResult]) -> None:
         if not results:
             return
-        self.sink.write_many([result.record for result in results])
+        self.sink.write_many([record for result in results for record in result.records])
         self.stats.written += len(results)
 
     async def _cancel_in_flight(self) -> None:

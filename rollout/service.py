@@ -96,7 +96,10 @@ class RolloutRequest:
 
 @dataclass
 class RolloutResult:
-    """What a rollout produced: the canonical record plus a summary."""
+    """What a rollout produced: the canonical record plus a summary. A rollout whose context
+    was compacted (``ServiceConfig.compact_at``) holds one record per context: ``branches``
+    are those it left, oldest first, and ``record`` the last; all have its status, reward and
+    progress, and only ``record`` its timing."""
 
     rollout_id: str
     record: dict[str, Any]
@@ -106,6 +109,12 @@ class RolloutResult:
     timing: dict[str, float]
     turns: int
     error: str | None = None
+    branches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def records(self) -> list[dict[str, Any]]:
+        """Every record of the rollout, ``record`` last."""
+        return [*self.branches, self.record]
 
     def summary(self) -> dict[str, Any]:
         """The result without the per-token columns (for logs and HTTP status)."""
@@ -120,6 +129,7 @@ class RolloutResult:
             "timing": self.timing,
             "turns": self.turns,
             "num_tokens": len(self.record["tokens"]),
+            "branches": len(self.branches),
             "error": self.error,
         }
 
@@ -574,7 +584,14 @@ class RolloutService:
         )
         env: Env | None = None
         actions: _ProgramActions | None = None
-        state = {"reward": None, "progress": None, "done": False}
+        state = {
+            "reward": None,
+            "progress": None,
+            "done": False,
+            "session": session,
+            "left": [],
+            "history": [],
+        }
         status, error = "ok", None
         stage = "init"
         try:
@@ -593,6 +610,7 @@ class RolloutService:
             self._park(env)
             if not drives_itself:
                 session.add_messages(first)
+                state["history"] = list(first)
             stage = "run"
             run = self._drive if drives_itself else self._run
             await self._stage("run", clock, lambda: run(env, session, request, state, clock))
@@ -600,9 +618,12 @@ class RolloutService:
                 await actions.close()  # the program has ended: no wait of its gate runs into EVAL
                 clock.resource_wait = 0.0  # a wait it dropped belongs to RUN, over by now
             stage = "eval"
+            session = state["session"]
             scorer = getattr(getattr(env, "config", None), "reward_model", None)
             if scorer is not None:
-                needs, evaluate = self._reward_call(scorer, session, clock)
+                needs, evaluate = self._reward_call(
+                    scorer, session.messages if drives_itself else state["history"], clock
+                )
             else:
                 needs = _declared(env, "eval_request")
                 evaluate = functools.partial(self._watched, env, "evaluate")
@@ -635,7 +656,7 @@ class RolloutService:
             status, error = "env_error", str(exc)
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # the rollout is cancelled
-                await self._cleanup(env, session, request, actions)
+                await self._cleanup(env, state["session"], request, actions)
                 raise
             # not the rollout's cancel: the env's own (it awaited a future cancelled under it)
             status, error = "env_error", f"CancelledError during {stage}, not from a cancel of the rollout"
@@ -648,11 +669,13 @@ class RolloutService:
             log.getChild(task.env).warning(
                 "rollout %s of %s/%s: %s: %s", request.rollout_id, task.env, task.id, status, error
             )
+        session = state["session"]
         await self._cleanup(env, session, request, actions)
         reward, progress = state["reward"], state["progress"]
         reward = reward if status in ("ok", "truncated") else None
         if status == "truncated" and reward is None:
             reward = 0.0
+        left = [s.record(reward=reward, progress=progress, status=status) for s in state["left"]]
         record = session.record(reward=reward, progress=progress, status=status, timing=clock.timing)
         return RolloutResult(
             rollout_id=request.rollout_id,
@@ -661,14 +684,21 @@ class RolloutService:
             reward=reward,
             progress=progress,
             timing=dict(clock.timing),
-            turns=session.num_turns,
+            turns=session.num_turns + sum(s.num_turns for s in state["left"]),
             error=error,
+            branches=left,
         )
 
     async def _run(
         self, env: Env, session: Session, request: RolloutRequest, state: dict, clock: _Clock
     ) -> None:
+        """RUN for an env the service drives: a turn of the model, then the env's step, until
+        the env is done. The whole conversation goes to ``state["history"]``; a prompt past
+        ``compact_at`` goes on in a branch (:meth:`_compacted`), which becomes ``state["session"]``."""
         seed = request.seed
+        history = state["history"]
+        starts: list[int] = []
+        """Where each turn's action sits in ``history``."""
         for turn in range(self.config.max_turns):
             params = SamplingParams(
                 max_new_tokens=self.config.max_new_tokens,
@@ -677,7 +707,10 @@ class RolloutService:
                 stop_ids=self.gateway.stop_ids,
                 seed=None if seed is None else turn_seed(seed, turn),
             )
-            action = (await session.generate(params)).text
+            generated = await session.generate(params)
+            action = generated.text
+            starts.append(len(history))
+            history.append(generated.message)
             result = await self._act(
                 _declared(env, "action_request", action),
                 env,
@@ -689,7 +722,33 @@ class RolloutService:
             if result.done:
                 state["done"] = True
                 return
-            session.add_messages(result.observation)
+            history.extend(result.observation)
+            branch = await self._compacted(session, result.observation, history, starts)
+            if branch is None:
+                session.add_messages(result.observation)
+            else:
+                state["left"].append(session)
+                state["session"] = session = branch
+
+    async def _compacted(
+        self,
+        session: Session,
+        observation: list[dict[str, Any]],
+        history: list[dict[str, Any]],
+        starts: list[int],
+    ) -> Session | None:
+        """A branch of ``session`` holding the first messages and the last
+        ``compact_keep_turns`` turns of ``history`` (``session`` is then closed: it will not
+        generate again) when its prompt with ``observation`` would pass ``compact_at`` and
+        ``history`` holds more turns than that; else None."""
+        keep = self.config.compact_keep_turns
+        if self.config.compact_at is None or len(starts) <= keep:
+            return None
+        if await session.prompt_size(observation) <= self.config.compact_at:
+            return None
+        branch = await self.gateway.branch(session, [*history[: starts[0]], *history[starts[-keep] :]])
+        self.gateway.close(session.session_id)
+        return branch
 
     async def _drive(
         self, env: Env, session: Session, request: RolloutRequest, state: dict, clock: _Clock
@@ -744,7 +803,7 @@ class RolloutService:
             cpu.park(pid)
 
     def _reward_call(
-        self, name: str, session: Session, clock: _Clock
+        self, name: str, messages: list[dict[str, Any]], clock: _Clock
     ) -> tuple[ResourceRequest | None, Callable[[], Awaitable[float]]]:
         """What a call of reward model ``name`` needs (one reward slot, under the action
         scheduler) and the call, which scores the conversation; its waits for device room
@@ -755,7 +814,7 @@ class RolloutService:
         needs = None
         if isinstance(self.scheduler, ActionScheduler):
             needs = ResourceRequest(demand={REWARD_RESOURCE: 1}, kind=f"reward:{name}")
-        return needs, functools.partial(self.rewards.score, name, session.messages, clock.waiting_for_grant)
+        return needs, functools.partial(self.rewards.score, name, messages, clock.waiting_for_grant)
 
     async def _cleanup(
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None

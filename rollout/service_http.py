@@ -119,6 +119,7 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
         response = result.summary()
         if body.include_tokens:
             response["record"] = result.record
+            response["branches"] = result.branches
         return response
 
     @app.post("/cancel", dependencies=[Depends(authorize)])

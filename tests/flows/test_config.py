@@ -98,6 +98,10 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("eval:\n  temperature: 1.0e-7\n", "eval.temperature"),  # the engines refuse it
         ("eval:\n  temperature: .nan\n", "eval.temperature"),
         ("service:\n  top_p: 0.9\n", "service.top_p: 0.9 is below 1, and the trainer"),
+        (
+            "service:\n  compact_at: 4096\n",
+            "service.compact_at: 4096 is not below gateway.max_context_tokens",
+        ),
         ("sao:\n  lr: .inf\n", "sao.lr: Input should be a finite number"),
         ("processor:\n  success_threshold: .nan\n", "processor.success_threshold: Input should be a finite"),
         ("storage:\n  read_timeout: .inf\n", "storage.read_timeout: Input should be a finite number"),

@@ -133,6 +133,41 @@ def test_rollouts_are_scored_by_their_envs_reward_model_in_a_reward_slot(tiny, j
     assert policy.free == [float(policy.capacity[name]) for name in policy.names]  # all given back
 
 
+def test_a_compacted_rollouts_reward_model_reads_its_whole_conversation_not_its_last_context(tiny, judges):
+    model, tokenizer = tiny
+    task = registry.task_set("guess", "train", seed=0, n=1)[0]
+    first = Gateway(Router([]), tokenizer).renderer.first(asyncio.run(judged_env(task).reset(task)))
+    config = ServiceConfig(
+        max_new_tokens=4,
+        compact_at=len(first) + 24,
+        reward_models={name: RewardModelConfig(path=path) for name, path in judges.items()},
+    )
+    read: list[list[dict]] = []
+
+    async def body():
+        engine = TorchEngine(model, tokenizer)
+        service = RolloutService(Gateway(Router([engine]), tokenizer), judged_env, config)
+        score = service.rewards.score
+
+        async def watched(name, messages, waiting):
+            read.append([dict(m) for m in messages])
+            return await score(name, messages, waiting)
+
+        service.rewards.score = watched
+        try:
+            return await service.process(RolloutRequest(task=task, seed=1))
+        finally:
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    assert result.branches and result.turns > 1
+    (messages,) = read
+    assert sum(m["role"] == "assistant" for m in messages) == result.turns
+    assert messages[0]["content"] == task.prompt
+    assert result.reward == pytest.approx(reference_score(judges["judge-b"], messages), abs=1e-5)
+
+
 @pytest.mark.parametrize("fails", ["raises", "nan"])
 def test_a_reward_model_that_fails_to_score_is_an_infra_error_and_the_service_keeps_scoring(
     tiny, judges, monkeypatch, fails

@@ -1,0 +1,201 @@
+"""Context compaction (``ServiceConfig.compact_at``): a rollout whose prompt grows past the
+threshold goes on in branches of its execution, each holding the task's first messages and
+its last turns, and the processor trains their shared prefix once."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+import torch
+
+from envs.arith import ArithEnv
+from envs.base import StepResult
+from rl.models import TinyModelConfig, build_tiny_model
+from rl.processor import ProcessorConfig, process_shard
+from rollout.config import OrchestratorConfig
+from rollout.engines.torch_engine import TorchEngine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.orchestrator import Orchestrator
+from rollout.router import Router
+from rollout.service import RolloutRequest, RolloutService, ServiceConfig
+from storage.schema import to_table, validate
+
+TINY = TinyModelConfig(
+    hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
+)
+TURNS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return build_tiny_model(TINY)
+
+
+class NotesEnv(ArithEnv):
+    """``arith`` that answers each of its ``TURNS`` actions with a numbered note, then scores 1."""
+
+    name = "arith"
+
+    async def step(self, action: str) -> StepResult:
+        self.turns += 1
+        note = [{"role": "user", "content": f"note {self.turns} of the task"}]
+        return StepResult(observation=note, reward=0.0, done=self.turns == TURNS, progress=self.turns / TURNS)
+
+    async def evaluate(self) -> float:
+        return 1.0
+
+
+def task():
+    return ArithEnv.tasks("train", seed=0, n=1)[0]
+
+
+def gateway_for(tiny, engine) -> Gateway:
+    return Gateway(Router([engine]), tiny[1], GatewayConfig(max_context_tokens=1024))
+
+
+def rollout(tiny, config: ServiceConfig, env: type[NotesEnv] = NotesEnv):
+    async def body():
+        engine = TorchEngine(*tiny)
+        gateway = gateway_for(tiny, engine)
+        service = RolloutService(gateway, lambda t: env(), config)
+        try:
+            result = await service.process(RolloutRequest(task=task(), seed=3))
+            return result, gateway.sessions
+        finally:
+            await engine.close()
+
+    return asyncio.run(body())
+
+
+def prompts(record) -> list[int]:
+    """The length of the prompt each action of ``record`` was generated from."""
+    mask = record["action_mask"]
+    return [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
+
+
+def first_prompt_size(tiny) -> int:
+    messages = asyncio.run(NotesEnv().reset(task()))
+    return len(Gateway(Router([]), tiny[1]).renderer.first(messages))
+
+
+@pytest.mark.parametrize("keep", [1, 2])
+def test_a_rollout_past_compact_at_goes_on_in_branches_holding_the_first_messages_and_its_last_turns(
+    tiny, keep
+):
+    _, tokenizer = tiny
+    compact_at = first_prompt_size(tiny) + 70
+    config = ServiceConfig(max_new_tokens=4, compact_at=compact_at, compact_keep_turns=keep)
+    result, still_open = rollout(tiny, config)
+
+    assert still_open == []  # every branch's session, and the last one's, closed
+    # truncated: the untrained model's last action may run to max_new_tokens; scored all the same
+    assert result.status in ("ok", "truncated") and result.reward == 1.0 and result.turns == TURNS
+    records = result.records
+    assert len(records) >= 2 and records[-1] is result.record
+    validate(to_table(records))
+    assert sum(len(prompts(r)) for r in records) == TURNS
+    assert [r["trajectory_id"] for r in records[:-1]] == [r["parent_id"] for r in records[1:]]
+    assert records[0]["parent_id"] is None and records[0]["branch_at"] is None
+    assert len({r["execution_id"] for r in records}) == 1
+    for record in records:
+        assert (record["reward"], record["status"], record["progress"]) == (1.0, result.status, 1.0)
+        assert all(p <= compact_at for p in prompts(record))
+    assert [r["timing"] is None for r in records] == [True] * (len(records) - 1) + [False]
+
+    seen = 0
+    for parent, child in zip(records, records[1:], strict=False):
+        at = child["branch_at"]
+        assert child["tokens"][:at] == parent["tokens"][:at]
+        assert child["tokens"][at] != parent["tokens"][at]
+        assert not any(child["action_mask"][:at])
+        seen += len(prompts(parent))
+        context = tokenizer.decode(child["tokens"][: prompts(child)[0]])
+        # the task, then the last ``keep`` turns: their notes, and none before them
+        assert context.startswith(tokenizer.decode(parent["tokens"][:at]))
+        kept = range(seen - keep + 1, seen + 1)
+        assert [n for n in range(1, seen + 1) if f"note {n} " in context] == list(kept)
+
+
+def test_without_compact_at_a_rollout_is_one_record_however_long(tiny):
+    result, _ = rollout(tiny, ServiceConfig(max_new_tokens=4))
+    assert result.branches == [] and result.records == [result.record]
+    assert len(prompts(result.record)) == TURNS
+    assert max(prompts(result.record)) > first_prompt_size(tiny) + 70
+
+
+class LongNoteEnv(NotesEnv):
+    """:class:`NotesEnv` whose third note is longer than the whole context."""
+
+    async def step(self, action: str) -> StepResult:
+        result = await super().step(action)
+        if self.turns == 3:
+            result.observation[0]["content"] += " word" * 1000
+        return result
+
+
+def test_a_branch_that_cannot_fit_the_context_truncates_the_rollout(tiny):
+    result, still_open = rollout(
+        tiny, ServiceConfig(max_new_tokens=4, compact_at=first_prompt_size(tiny) + 70), env=LongNoteEnv
+    )
+    assert still_open == []
+    assert result.status == "truncated" and result.reward == 0.0 and result.turns == 3
+    assert (
+        result.error.startswith("context limit: a branch of session")
+        and "over max_context_tokens=1024" in result.error
+    )
+    assert result.branches == []  # the rollout's one context, cut short where the branch failed
+
+
+def test_the_processor_trains_the_shared_first_messages_once_and_every_action_of_each_branch(tiny):
+    compact_at = first_prompt_size(tiny) + 70
+    result, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=compact_at))
+    records = result.records
+    processed = process_shard(to_table(records), ProcessorConfig(j_max=None), shard_id="s")
+
+    assert processed.counters.errors == []
+    assert processed.counters.trajectories_out == len(records)
+    train_masks = processed.processed.column("train_mask").to_pylist()
+    for record, trained in zip(records, train_masks, strict=True):
+        assert trained == record["action_mask"]  # a branch's actions are its own
+    rows = processed.trajectories
+    assert {row["drop_reason"] for row in rows} == {None}
+
+
+class ListSink:
+    def __init__(self):
+        self.writes: list[list[dict]] = []
+
+    def write_many(self, records):
+        self.writes.append(list(records))
+
+    def flush(self):
+        return None
+
+
+def test_the_orchestrator_writes_a_compacted_rollouts_records_together(tiny):
+    sink = ListSink()
+    compact_at = first_prompt_size(tiny) + 70
+
+    async def body():
+        engine = TorchEngine(*tiny)
+        config = ServiceConfig(max_new_tokens=4, compact_at=compact_at)
+        service = RolloutService(gateway_for(tiny, engine), lambda t: NotesEnv(), config)
+        tasks = {"arith": itertools.cycle(ArithEnv.tasks("train", seed=0, n=8))}
+        try:
+            await Orchestrator(
+                service, tasks, sink, OrchestratorConfig(mix={"arith": 1.0}, concurrency=2, max_rollouts=3)
+            ).run()
+        finally:
+            await engine.close()
+
+    asyncio.run(body())
+    assert len(sink.writes) == 3
+    for records in sink.writes:
+        assert len(records) >= 2
+        assert len({r["execution_id"] for r in records}) == 1
+        assert sum(r["parent_id"] is None for r in records) == 1
+    ids = [r["trajectory_id"] for records in sink.writes for r in records]
+    assert len(set(ids)) == len(ids)
