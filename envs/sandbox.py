@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import ctypes
 import errno
+import hashlib
 import logging
 import math
 import os
@@ -39,6 +40,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import tempfile
 import threading
@@ -299,8 +301,10 @@ class Sandbox:
         self.config = config or SandboxConfig()
         self.backend = resolve_backend(self.config.backend)
         self._owns_dir = workdir is None
+        if self._owns_dir:
+            _sweep_once(self.config.root_dir)
         self.workdir = os.path.realpath(
-            workdir or tempfile.mkdtemp(prefix="treadle-sbx-", dir=self.config.root_dir)
+            workdir or tempfile.mkdtemp(prefix=_folder_prefix(os.getpid()), dir=self.config.root_dir)
         )
         self.uid: int | None = None
         if os.geteuid() == 0 and self.backend != "apptainer" and _sandbox_uids_mapped():
@@ -780,6 +784,92 @@ def _proc_status(pid: str) -> dict[str, str]:
     """The fields of ``/proc/<pid>/status``."""
     with open(f"/proc/{pid}/status") as handle:
         return dict(line.split(":", 1) for line in handle if ":" in line)
+
+
+OWNED_FOLDER = re.compile(r"treadle-sbx-([0-9a-f]{8})-(\d+)-(\d+)-")
+"""The name of a sandbox folder that records its owner: host key, pid, start time (see :func:`_folder_prefix`)."""
+
+# the sandbox roots this process has swept (see _sweep_once)
+_swept_roots: set[str] = set()
+_sweep_lock = threading.Lock()
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot), or None if none runs under that id."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+@cache
+def _host_key() -> str | None:
+    """8 hex digits for this host's boot and this process's PID namespace: the pids that
+    folders with this key record are ones this process can look up. None where ``/proc`` is
+    not this namespace's (an ancestor's, not remounted), whose ids are not this process's."""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
+        with open("/proc/sys/kernel/random/boot_id") as handle:
+            boot = handle.read().strip()
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc
+        return None
+    return hashlib.blake2b(f"{boot}:{namespace}".encode(), digest_size=4).hexdigest()
+
+
+@cache
+def _folder_prefix(pid: int) -> str:
+    """The name prefix of the sandbox folders process ``pid`` (this one; a forked child asks
+    again) makes: its host key, pid and start time, so that a later worker can tell that it
+    died (SIGKILL, out of memory) without removing them (:func:`sweep_abandoned`)."""
+    key = _host_key()
+    started = _start_time(pid)
+    return "treadle-sbx-" if key is None or started is None else f"treadle-sbx-{key}-{pid}-{started}-"
+
+
+def _sweep_once(root: str | None) -> None:
+    """:func:`sweep_abandoned` under ``root``, the first time a sandbox of this process is made there."""
+    where = os.path.realpath(root or tempfile.gettempdir())
+    with _sweep_lock:
+        if where in _swept_roots:
+            return
+        _swept_roots.add(where)
+    sweep_abandoned(where)
+
+
+def sweep_abandoned(root: str) -> list[str]:
+    """Remove the sandbox folders under ``root`` whose owner is dead; returns their paths.
+
+    A worker killed with SIGKILL (or by the out-of-memory killer) never closes its sandboxes.
+    Only folders provably abandoned go: named for a process of this host and PID namespace
+    (:func:`_folder_prefix`) that no longer runs (no process has that pid, or one that started
+    at another time), and which this worker may remove (its own, or any when it is root).
+    A live worker's folders, other hosts' (a shared ``root_dir``) and unmarked ones stay.
+    """
+    key = _host_key()
+    if key is None:
+        return []
+    euid = os.geteuid()
+    removed = []
+    for name in os.listdir(root):
+        match = OWNED_FOLDER.match(name)
+        if match is None or match.group(1) != key:
+            continue
+        path = os.path.join(root, name)
+        try:
+            info = os.lstat(path)
+        except OSError:  # removed meanwhile
+            continue
+        if not stat.S_ISDIR(info.st_mode) or (euid != 0 and info.st_uid != euid):
+            continue
+        if _start_time(int(match.group(2))) != int(match.group(3)):
+            remove_tree(path)
+            removed.append(path)
+    if removed:
+        log.info("removed %d sandbox folders of dead workers under %s", len(removed), root)
+    return removed
 
 
 def remove_tree(path: str) -> None:

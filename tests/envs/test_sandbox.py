@@ -841,6 +841,58 @@ def test_a_root_worker_whose_user_namespace_maps_few_uids_runs_its_sandboxes_as_
     assert os.listdir(tmp_path) == []
 
 
+WORKER_HOLDING_A_SANDBOX = """
+import sys, time
+from envs.sandbox import Sandbox, SandboxConfig
+
+box = Sandbox(SandboxConfig(backend="process", root_dir=sys.argv[1]))
+open(box.workdir + "/left.txt", "w").close()
+print(box.workdir, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_new_sandbox_removes_the_folders_of_a_worker_killed_with_sigkill_and_no_other(tmp_path):
+    """A worker killed with SIGKILL never closes its sandboxes, and nothing removed their
+    folders. The first sandbox a worker makes under a root removes those whose owner is dead,
+    and keeps a live worker's folders and folders that name no owner."""
+    killed, live = (
+        subprocess.Popen(
+            [sys.executable, "-c", WORKER_HOLDING_A_SANDBOX, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    )
+    abandoned, held = (worker.stdout.readline().strip() for worker in (killed, live))
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert os.path.exists(os.path.join(abandoned, "left.txt"))
+        unmarked = tmp_path / "treadle-sbx-unmarked"
+        unmarked.mkdir()
+        with Sandbox(SMALL.model_copy(update={"root_dir": str(tmp_path)})) as box:
+            left = sorted(os.listdir(tmp_path))
+            assert left == sorted(map(os.path.basename, [held, str(unmarked), box.workdir]))
+    finally:
+        live.kill()
+        live.wait()
+        live.stdout.close()
+        killed.stdout.close()
+
+
+def test_a_sandbox_folder_whose_owners_pid_runs_a_later_process_is_abandoned(tmp_path):
+    """A pid is reused: the folder of a dead worker whose pid a process started since has
+    (here this one) is removed; one recording this process's own start is kept."""
+    prefix = f"treadle-sbx-{sandbox_module._host_key()}-{os.getpid()}-"
+    reused, own = (
+        tmp_path / f"{prefix}1-reused",
+        tmp_path / f"{prefix}{sandbox_module._start_time(os.getpid())}-own",
+    )
+    reused.mkdir()
+    own.mkdir()
+    assert sandbox_module.sweep_abandoned(str(tmp_path)) == [str(reused)]
+    assert os.listdir(tmp_path) == [own.name]
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
 def test_a_sandbox_whose_folder_cannot_be_given_to_its_uid_leaves_no_folder(tmp_path, monkeypatch):
     """The chown of the working directory fails (a root_dir on NFS that squashes root): the
