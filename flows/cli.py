@@ -141,6 +141,12 @@ def inspect_run(store) -> str:
                 f"; {held.num_rows} quarantined ({lost} trajectories: shards/quarantine/{kind}/, "
                 "a .reason file beside each says why)"
             )
+        files, refused = refused_records(store, kind)
+        if files:
+            line += (
+                f"; {refused} refused by their writers ({files} files: shards/quarantine/{kind}/<worker>/"
+                "refused-*.arrow, a .reason file beside each says why)"
+            )
         lines.append(line)
     steps = one_row_per_step(
         tables.read("train_steps", columns=["step", "time", "num_samples"]), weights_table
@@ -179,6 +185,19 @@ def quarantined_shards(store) -> list[str]:
         for path in store.fs.find(root)
         if path.endswith(".arrow")
     ]
+
+
+def refused_records(store, kind: str) -> tuple[int, int]:
+    """Files and rows of the ``kind`` records that shard writers refused (they failed
+    validation; see :meth:`storage.shards.ShardWriter._admitted`), kept under the quarantine."""
+    import pyarrow as pa
+
+    files = store.fs.glob(store.path("shards", "quarantine", kind, "*", "refused-*.arrow"))
+    rows = 0
+    for path in files:
+        with store.fs.open(path, "rb") as source:
+            rows += pa.ipc.open_file(source).read_all().num_rows
+    return len(files), rows
 
 
 def _measured(row: dict) -> str:

@@ -380,6 +380,27 @@ def test_inspect_counts_the_shards_quarantined_and_says_where_their_reasons_are(
     assert "  processed  0 shards, 0 trajectories\n" in out
 
 
+def test_inspect_counts_the_records_shard_writers_refused_and_says_where_they_are(store):
+    """Records that fail validation are refused by their shard writer and kept in
+    ``refused-*.arrow`` files under the quarantine: inspect counted neither, so they went
+    unseen unless someone read the rollout worker's log."""
+    for worker in ("w0", "w1"):
+        writer = ShardWriter(store, worker, flush_records=10)
+        writer.write_many(
+            [make_record(0), make_record(1) | {"trajectory_id": f"bad-{worker}", "versions": [-3] * 24}]
+        )
+        writer.close()
+    writer = ShardWriter(store, "w0", flush_records=10)
+    writer.write(make_record(2) | {"task": ""})
+    writer.close()
+    out = inspect_run(store)
+    assert (
+        "  raw        2 shards, 2 trajectories; 3 refused by their writers (3 files: "
+        "shards/quarantine/raw/<worker>/refused-*.arrow, a .reason file beside each says why)\n" in out
+    )
+    assert "  processed  0 shards, 0 trajectories\n" in out
+
+
 def test_inspect_reads_the_trajectories_without_their_text(local_store, monkeypatch):
     """The decoded text holds most of a ``trajectories`` table's bytes: read whole, a long
     run's table took gigabytes of memory (1.2 GB for 100k trajectories of 2 KB of text)."""
