@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
         paths=evaluate_paths,
         splits=("eval",),
     )
-    problem = missing_version(config, args.version)
+    problem = missing_version(config, args.version, hint="--run-id and storage.root")
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(1)
@@ -86,19 +86,26 @@ def main(argv: list[str] | None = None) -> None:
     print(evaluate(config, args.version))
 
 
-def missing_version(config: RunConfig, version: int | None) -> str | None:
+def missing_version(
+    config: RunConfig, version: int | None, hint: str = "run_id and storage.root"
+) -> str | None:
     """Why ``version`` of the run (the newest when None) cannot be evaluated; None when it can
-    (exits with one line when the storage does not answer: :func:`~flows.cli.weight_versions`)."""
+    (exits with one line when the storage does not answer: :func:`~flows.cli.weight_versions`).
+    ``hint``: as for :func:`absent_version`."""
     store = run_store(config)
-    return absent_version(store, weight_versions(store), version)
+    return absent_version(store, weight_versions(store), version, hint)
 
 
-def absent_version(store: RunStore, published: list[int], version: int | None) -> str | None:
+def absent_version(
+    store: RunStore, published: list[int], version: int | None, hint: str = "run_id and storage.root"
+) -> str | None:
     """Why ``version`` (the newest when None) is not among the run's ``published`` versions;
     None when it is. A pruned one, given in a deployment's form, failed the flow run with a
-    ``KeyError`` once its tasks were listed."""
+    ``KeyError`` once its tasks were listed. ``hint``: what to check when the run has no
+    version, as the caller's user names it (the command line's ``--run-id``, a flow run's
+    parameter ``run_id``)."""
     if not published:
-        return f"no weight version published in {store.url('weights')} (check run_id and storage.root)"
+        return f"no weight version published in {store.url('weights')} (check {hint})"
     if version is not None and version not in published:
         return (
             f"weight version {version} does not exist in {store.url('weights')}; "

@@ -184,7 +184,7 @@ def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(loc
     no_run = treadle_here(capfd, monkeypatch, "run", "evaluate", *run)
     assert no_run.returncode == 1 and "Traceback" not in no_run.stderr
     assert no_run.stderr == (
-        f"error: no weight version published in {local_store.url('weights')} (check run_id and storage.root)\n"
+        f"error: no weight version published in {local_store.url('weights')} (check --run-id and storage.root)\n"
     )
     ensure_base_version(WeightStore(local_store), TinyModelConfig(hidden_size=32, num_heads=2))
     no_version = treadle_here(capfd, monkeypatch, "run", "evaluate", *run, "--version", "3")
