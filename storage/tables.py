@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import posixpath
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -176,17 +177,27 @@ that finds the lease held skips its compaction."""
 COMPACTION_PREFIX = "status/compaction"
 
 
+ANSI_CODES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+"""Terminal escape sequences (CSI): the colours deltalake writes into its errors' chains of causes."""
+
+
+def without_ansi_codes(text: str) -> str:
+    """``text`` without terminal escape sequences, for a log or an error message."""
+    return ANSI_CODES.sub("", text)
+
+
 def _credentials_masked(method: Callable) -> Callable:
     """``method`` of :class:`Tables`, its storage errors raised with the credentials masked
     (``StorageConfig.redacted``): deltalake quotes a failed request's body, in which AWS echoes
-    the key id and the session token, and a flow's error goes to the Prefect API's logs."""
+    the key id and the session token, and a flow's error goes to the Prefect API's logs; and
+    without deltalake's colour codes, which a retried task's log showed raw."""
 
     @functools.wraps(method)
     def masked(self: Tables, *args: Any, **kwargs: Any) -> Any:
         try:
             return method(self, *args, **kwargs)
         except (DeltaError, OSError) as exc:
-            message = self.store.config.redacted(str(exc))
+            message = self.store.config.redacted(without_ansi_codes(str(exc)))
             if message == str(exc):
                 raise
             raise type(exc)(message) from None
@@ -262,7 +273,12 @@ class Tables:
             except CommitFailedError as exc:
                 if attempt == COMMIT_ATTEMPTS:
                     raise
-                log.info("commit to table %s conflicted (attempt %d): %s; retrying", name, attempt, exc)
+                log.info(
+                    "commit to table %s conflicted (attempt %d): %s; retrying",
+                    name,
+                    attempt,
+                    without_ansi_codes(str(exc)),
+                )
                 time.sleep(0.05 * 2**attempt)
 
     @_credentials_masked

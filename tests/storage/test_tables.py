@@ -29,7 +29,7 @@ from storage.leases import SlotLease
 from storage.schema import SchemaError
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables, one_row_per_step
 from tasks.common import is_transient
-from tests.conftest import readme_query
+from tests.conftest import free_port, readme_query
 
 
 def weight_row(version: int, tag: str | None = None) -> dict:
@@ -452,6 +452,56 @@ def test_an_append_that_conflicts_on_every_attempt_raises_and_lands_nothing(loca
     monkeypatch.undo()
     assert tables.append("weights", [weight_row(1)])
     assert sorted(Tables(local_store).read("weights").column("version").to_pylist()) == [0, 1]
+
+
+def unreachable_store() -> RunStore:
+    """A run on an S3 endpoint where nothing listens (each request refused at once)."""
+    config = StorageConfig(
+        root="s3://bucket/runs",
+        endpoint_url=f"http://127.0.0.1:{free_port()}",
+        access_key_id="key",
+        secret_access_key="secret",
+        retries=0,
+    )
+    return RunStore(config, "run")
+
+
+def test_a_storage_error_of_deltalake_is_raised_without_its_colour_codes():
+    """deltalake colours the chain of causes of its storage errors with ANSI escape codes: a
+    task retried on one logged it (Prefect logs the error's repr) with ``\\x1b[31m↳\\x1b[0m``
+    between the causes. The causes are kept."""
+    with pytest.raises(OSError) as raised:
+        Tables(unreachable_store()).version("weights")
+    assert "Connection refused" in str(raised.value)
+    assert "\x1b" not in str(raised.value)
+
+
+def test_a_retried_commit_conflict_is_logged_without_colour_codes(local_store, monkeypatch, caplog):
+    """The log of a commit retried after a conflict quoted deltalake's error as it came, its
+    colour codes with it."""
+    store = unreachable_store()
+    with pytest.raises(OSError) as raised:
+        DeltaTable(Tables(store).uri("weights"), storage_options=store.config.delta_options())
+    coloured = str(raised.value)
+    assert "\x1b[" in coloured
+    tables = Tables(local_store)
+    tables.append("weights", [weight_row(0)])
+    write = tables_module.write_deltalake
+    conflicts = iter([CommitFailedError(coloured)])
+
+    def conflicting_once(*args, **kwargs):
+        for conflict in conflicts:
+            raise conflict
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(tables_module, "write_deltalake", conflicting_once)
+    monkeypatch.setattr(tables_module.time, "sleep", lambda seconds: None)
+    with caplog.at_level("INFO", logger=tables_module.log.name):
+        assert tables.append("weights", [weight_row(1)])
+    # caplog.text has pytest's own removal of escape codes: the records are what the handlers get
+    (logged,) = [record.getMessage() for record in caplog.records if "conflicted" in record.getMessage()]
+    assert "conflicted (attempt 1)" in logged and "Connection refused" in logged
+    assert "\x1b" not in logged
 
 
 def test_two_processes_appending_at_once_lose_nothing(store):
