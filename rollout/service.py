@@ -723,7 +723,8 @@ class RolloutService:
                 state["done"] = True
                 return
             history.extend(result.observation)
-            branch = await self._compacted(session, result.observation, history, starts)
+            last = turn == self.config.max_turns - 1  # no turn follows to go on in a branch
+            branch = None if last else await self._compacted(session, result.observation, history, starts)
             if branch is None:
                 session.add_messages(result.observation)
             else:

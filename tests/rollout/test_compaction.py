@@ -199,3 +199,14 @@ def test_the_orchestrator_writes_a_compacted_rollouts_records_together(tiny):
         assert sum(r["parent_id"] is None for r in records) == 1
     ids = [r["trajectory_id"] for records in sink.writes for r in records]
     assert len(set(ids)) == len(ids)
+
+
+def test_a_rollout_cut_at_max_turns_opens_no_branch_after_its_last_action(tiny):
+    """The last turn service.max_turns allows is past compact_at: no branch is opened for a
+    turn that will never be generated (it would be a row of the rollout without an action)."""
+    config = ServiceConfig(max_new_tokens=4, max_turns=3, compact_at=first_prompt_size(tiny) + 1)
+    result, still_open = rollout(tiny, config)
+
+    assert still_open == []
+    assert result.status == "truncated" and result.turns == 3
+    assert [len(prompts(r)) for r in result.records] == [2, 1]
