@@ -129,7 +129,7 @@ class RolloutResult:
             "timing": self.timing,
             "turns": self.turns,
             "num_tokens": len(self.record["tokens"]),
-            "branches": len(self.branches),
+            "num_branches": len(self.branches),
             "error": self.error,
         }
 

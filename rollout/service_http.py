@@ -62,7 +62,9 @@ class ProcessRequest(BaseModel):
         "it and t: rollout.service.turn_seed).",
     )
     include_tokens: bool = Field(
-        True, description="Return the whole trajectory record, not just the summary."
+        True,
+        description="Return the whole trajectory record (and, under ServiceConfig.compact_at, the records of "
+        "the contexts it left, in 'branches'), not just the summary.",
     )
 
 

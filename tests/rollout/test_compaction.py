@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import httpx
 import pytest
 import torch
 
@@ -20,6 +21,7 @@ from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import Orchestrator
 from rollout.router import Router
 from rollout.service import RolloutRequest, RolloutService, ServiceConfig
+from rollout.service_http import create_app
 from storage.schema import to_table, validate
 
 TINY = TinyModelConfig(
@@ -210,3 +212,38 @@ def test_a_rollout_cut_at_max_turns_opens_no_branch_after_its_last_action(tiny):
     assert still_open == []
     assert result.status == "truncated" and result.turns == 3
     assert [len(prompts(r)) for r in result.records] == [2, 1]
+
+
+def test_the_service_http_api_counts_a_rollouts_branches_under_one_name_and_returns_them_under_another(tiny):
+    """``/process`` without tokens gives the summary; with them, the same summary (the count
+    of branches an int either way) plus the records."""
+    config = ServiceConfig(max_new_tokens=4, compact_at=first_prompt_size(tiny) + 70)
+
+    async def body():
+        engine = TorchEngine(*tiny)
+        service = RolloutService(gateway_for(tiny, engine), lambda t: NotesEnv(), config)
+        transport = httpx.ASGITransport(app=create_app(service, "token"))
+        try:
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://service", timeout=60
+            ) as client:
+                return [
+                    (
+                        await client.post(
+                            "/process",
+                            json={"task": task().model_dump(), "seed": 3, "include_tokens": tokens},
+                            headers={"Authorization": "Bearer token"},
+                        )
+                    ).json()
+                    for tokens in (False, True)
+                ]
+        finally:
+            await engine.close()
+
+    summary, whole = asyncio.run(body())
+    assert summary["num_branches"] == whole["num_branches"] == len(whole["branches"]) >= 1
+    assert "branches" not in summary and "record" not in summary
+    assert [b["parent_id"] for b in whole["branches"][1:]] == [
+        b["trajectory_id"] for b in whole["branches"][:-1]
+    ]
+    assert whole["record"]["parent_id"] == whole["branches"][-1]["trajectory_id"]
