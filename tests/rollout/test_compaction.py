@@ -247,3 +247,49 @@ def test_the_service_http_api_counts_a_rollouts_branches_under_one_name_and_retu
         b["trajectory_id"] for b in whole["branches"][:-1]
     ]
     assert whole["record"]["parent_id"] == whole["branches"][-1]["trajectory_id"]
+
+
+class HeldNotesEnv(NotesEnv):
+    """:class:`NotesEnv` whose last step sets ``reached`` and never returns."""
+
+    def __init__(self, reached: asyncio.Event):
+        super().__init__()
+        self.reached = reached
+
+    async def step(self, action: str) -> StepResult:
+        if self.turns == TURNS - 1:
+            self.reached.set()
+            await asyncio.Event().wait()
+        return await super().step(action)
+
+
+@pytest.mark.parametrize("end", ["cancel", "timeout"])
+def test_a_rollout_cancelled_or_timed_out_in_a_branch_leaves_no_session_open(tiny, end):
+    config = ServiceConfig(
+        max_new_tokens=4,
+        compact_at=first_prompt_size(tiny) + 70,
+        timeout_s=3 if end == "timeout" else 600,
+    )
+
+    async def body():
+        engine = TorchEngine(*tiny)
+        gateway = gateway_for(tiny, engine)
+        reached = asyncio.Event()
+        service = RolloutService(gateway, lambda t: HeldNotesEnv(reached), config)
+        try:
+            job = asyncio.create_task(service.process(RolloutRequest(task=task(), seed=3, rollout_id="r")))
+            await reached.wait()
+            if end == "cancel":
+                assert service.cancel("r")
+                with pytest.raises(asyncio.CancelledError):
+                    await job
+                return None, gateway.sessions
+            return await job, gateway.sessions
+        finally:
+            await engine.close()
+
+    result, still_open = asyncio.run(body())
+    assert still_open == []
+    if end == "timeout":
+        assert result.status == "timeout" and result.branches
+        assert {r["status"] for r in result.records} == {"timeout"}
