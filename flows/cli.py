@@ -110,21 +110,33 @@ def inspect_run(store) -> str:
         f"  v{r['version']:<4} {r['env']:<8} {r['reward']:.3f}  ({_measured(r)})" for r in evals.to_pylist()
     ] or ["  no evaluations"]
     # not the decoded text, which holds most of the table's bytes
-    trajectories = tables.read("trajectories", columns=["max_version", "task", "reward", "trajectory_id"])
-    lines.append("\nreward of generated trajectories by the newest version that generated them:")
-    grouped = trajectories.group_by(["max_version", "task"]).aggregate(
-        [("reward", "mean"), ("trajectory_id", "count")]
+    trajectories = tables.read(
+        "trajectories", columns=["execution_id", "max_version", "task", "reward", "trajectory_id"]
     )
-    rows = sorted(grouped.to_pylist(), key=lambda r: (r["max_version"], r["task"]))
+    lines.append("\nreward of generated trajectories by the newest version that generated them:")
+    # an execution counts once: a compacted rollout's contexts are rows that share its reward
+    executions = trajectories.group_by(["execution_id", "task"]).aggregate(
+        [("reward", "mean"), ("max_version", "max"), ("trajectory_id", "count")]
+    )
+    grouped = executions.group_by(["max_version_max", "task"]).aggregate(
+        [("reward_mean", "mean"), ("execution_id", "count"), ("trajectory_id_count", "sum")]
+    )
+    rows = sorted(grouped.to_pylist(), key=lambda r: (r["max_version_max"], r["task"]))
     # max_version -1: rollouts that failed before any token, which no version generated
-    shown = spaced(sorted({r["max_version"] for r in rows if r["max_version"] >= 0}))
+    shown = spaced(sorted({r["max_version_max"] for r in rows if r["max_version_max"] >= 0}))
     for r in rows:
-        if r["max_version"] < 0 or r["max_version"] in shown:
-            count = r["trajectory_id_count"]
+        version = r["max_version_max"]
+        if version < 0 or version in shown:
+            count, executions_count = r["trajectory_id_count_sum"], r["execution_id_count"]
+            counted = (
+                f"{count} trajectories"
+                if count == executions_count
+                else f"{executions_count} executions, {count} trajectories"
+            )
             # a group of env/infra errors only has no reward at all
-            mean = "—" if r["reward_mean"] is None else f"{r['reward_mean']:.3f}"
-            version = f"v{r['max_version']}" if r["max_version"] >= 0 else "none"
-            lines.append(f"  {version:<5} {r['task']:<8} {mean:>5}  ({count} trajectories)")
+            mean = "—" if r["reward_mean_mean"] is None else f"{r['reward_mean_mean']:.3f}"
+            named = f"v{version}" if version >= 0 else "none"
+            lines.append(f"  {named:<5} {r['task']:<8} {mean:>5}  ({counted})")
     if not rows:
         lines.append("  no trajectories")
     shards = tables.read("shards", columns=["kind", "num_rows", "path"])

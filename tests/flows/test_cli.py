@@ -362,6 +362,18 @@ def test_inspect_shows_a_group_without_rewards_as_a_dash(local_store):
     assert "v1    arith    1.000  (1 trajectories)" in out
 
 
+def test_inspect_counts_an_executions_reward_once_however_many_trajectories_it_holds(local_store):
+    """A compacted rollout's contexts are rows of one execution sharing its reward: a failed
+    rollout of three contexts weighs as much as a solved one of one context."""
+    failed = [
+        trajectory_row("guess", 2, 0.0, "ok") | {"trajectory_id": f"f{i}", "execution_id": "f"}
+        for i in range(3)
+    ]
+    solved = trajectory_row("guess", 2, 1.0, "ok") | {"trajectory_id": "s", "execution_id": "s"}
+    Tables(local_store).append("trajectories", [*failed, solved])
+    assert "v2    guess    0.500  (2 executions, 4 trajectories)" in inspect_run(local_store)
+
+
 def test_inspect_counts_the_shards_quarantined_and_says_where_their_reasons_are(store):
     """A quarantined shard was told only in the process flow's log: inspect showed 48 raw
     shards of 2612 trajectories and 2556 processed, with nothing to say where the rest went."""
