@@ -54,6 +54,7 @@ class RewardModels:
         budget_bytes: int | None = None,
     ):
         models, self.tokenizers, self.configs = {}, {}, dict(configs)
+        self.max_tokens: dict[str, int] = {}
         for name, config in self.configs.items():
             with PRETRAINED_LOAD_LOCK:
                 model = AutoModelForSequenceClassification.from_pretrained(
@@ -66,6 +67,9 @@ class RewardModels:
                 )
             models[name] = model
             self.tokenizers[name] = AutoTokenizer.from_pretrained(config.path)
+            # a model with learned positions (GPT-2, BERT) fails on a longer input
+            positions = getattr(model.config, "max_position_embeddings", None)
+            self.max_tokens[name] = min(config.max_tokens, positions or config.max_tokens)
         on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
         if budget_bytes is None and on_cpu:
             budget_bytes = max(sum(state_bytes(m) for m in models.values()), 1)
@@ -85,11 +89,12 @@ class RewardModels:
             raise KeyError(f"unknown reward model {name!r}; configured: {sorted(self.configs)}")
 
     def input_ids(self, name: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
-        """The tokens reward model ``name`` reads for a conversation (its last ``max_tokens``)."""
+        """The tokens reward model ``name`` reads for a conversation: its last ``max_tokens``,
+        or fewer where the model has fewer positions (``max_position_embeddings``)."""
         self.check(name)
         tokenizer = self.tokenizers[name]
         ids = _render(tokenizer, messages)
-        return ids[-self.configs[name].max_tokens :]
+        return ids[-self.max_tokens[name] :]
 
     async def score(
         self,

@@ -13,6 +13,8 @@ import torch
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    GPT2Config,
+    GPT2ForSequenceClassification,
     LlamaConfig,
     LlamaForSequenceClassification,
 )
@@ -435,6 +437,36 @@ def test_a_conversation_longer_than_max_tokens_is_read_by_its_last_tokens(judges
     full = tokenizer.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]
     assert len(full) > 5
     assert models.input_ids("judge-a", MESSAGES) == full[-5:]
+
+
+def test_a_conversation_longer_than_the_models_positions_is_read_by_its_last_tokens_that_fit(tiny, tmp_path):
+    """A checkpoint with learned positions (GPT-2's 16 here) reads no more tokens than it has
+    positions for, whatever max_tokens says (the default 2048 failed every longer conversation,
+    each an infra error)."""
+    _, tokenizer = tiny
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_positions=16,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(3)
+    GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    models = RewardModels({"short": RewardModelConfig(path=str(tmp_path))}, device="cpu")
+    messages = [{"role": "user", "content": "guess " + " ".join(map(str, range(3, 15)))}, MESSAGES[1]]
+    full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert len(full) > 16
+    assert models.input_ids("short", messages) == full[-16:]
+    reference = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = float(reference(input_ids=torch.tensor([full[-16:]])).logits[0, 0])
+    assert asyncio.run(models.score("short", messages)) == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_workers_status_counts_the_reward_models_loaded_again_after_an_eviction(judges, tmp_path):
