@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pathlib
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
@@ -272,10 +273,10 @@ def eval_setup(config: RunConfig, env: str, tasks: list[Task] | None = None) -> 
     """Fingerprint of what an evaluation of ``env`` depends on besides the weights: the eval
     settings (tasks, seed, temperature), the held-out tasks themselves (a dataset file
     rewritten under its path, an env that draws its tasks otherwise), the env's config, the
-    rollout limits (a rollout out of time scores 0), the reward model the env names and the
-    precision and kind of device of the engine that samples (``engine.torch``; not its batch,
-    cache or prefill sizes, which change only its speed). ``tasks``: :func:`eval_tasks` of
-    ``env``, where the caller listed them already."""
+    rollout limits (a rollout out of time scores 0), the reward model the env names (its
+    settings and :func:`checkpoint_files`) and the precision and kind of device of the engine
+    that samples (``engine.torch``; not its batch, cache or prefill sizes, which change only
+    its speed). ``tasks``: :func:`eval_tasks` of ``env``, where the caller listed them already."""
     env_config = config.env_config(env)
     scorer = env_config.reward_model and config.service.reward_models[env_config.reward_model]
     engine = config.engine.torch
@@ -287,12 +288,24 @@ def eval_setup(config: RunConfig, env: str, tasks: list[Task] | None = None) -> 
         "max_turns": config.service.max_turns,
         "max_new_tokens": config.service.max_new_tokens,
         "timeout_s": config.service.timeout_s,
-        "reward_model": scorer and scorer.model_dump(mode="json"),
+        "reward_model": scorer and {**scorer.model_dump(mode="json"), "files": checkpoint_files(scorer.path)},
         "gateway": config.gateway.model_dump(mode="json"),
         # a device's kind samples with its own generator and kernels; which one of a kind does not
         "engine": {"dtype": engine.dtype, "device": engine.device.split(":")[0]},
     }
     return hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpoint_files(path: str) -> list[tuple[str, int, int]]:
+    """Name, size and modification time (ns) of each file of the checkpoint directory ``path``:
+    a checkpoint saved anew under its path scores otherwise (none for a path that is not there)."""
+    root = pathlib.Path(path)
+    files = []
+    for file in root.rglob("*"):
+        if file.is_file():
+            stat = file.stat()
+            files.append((str(file.relative_to(root)), stat.st_size, stat.st_mtime_ns))
+    return sorted(files)
 
 
 def recorded_eval(

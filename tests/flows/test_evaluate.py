@@ -291,6 +291,44 @@ def test_a_rerun_on_other_held_out_tasks_does_not_reuse_the_recorded_eval(tmp_pa
     assert len(calls) == 2, "the recorded eval of other held-out tasks was reused"
 
 
+def test_a_reward_model_written_anew_under_its_path_is_another_setup(tmp_path):
+    """A row scored by a reward model stands for that checkpoint: one retrained and saved
+    under the same path scores otherwise, so a rerun's reward before RL would have been the old
+    judge's, beside an after by the new one (the setup named only the path)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    judge = tmp_path / "judge"
+    config = tiny_config(
+        tmp_path / "runs",
+        "eval-judge",
+        warm_start={"enabled": False},
+        envs={"arith": {"reward_model": "judge"}},
+        service={"reward_models": {"judge": {"path": str(judge)}}},
+    )
+    _, tokenizer = build_tiny_model(config.model.tiny)
+
+    def save_judge(seed: int) -> None:
+        torch.manual_seed(seed)
+        LlamaForSequenceClassification(
+            LlamaConfig(
+                vocab_size=len(tokenizer),
+                hidden_size=16,
+                intermediate_size=32,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                num_labels=1,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        ).save_pretrained(judge)
+        tokenizer.save_pretrained(judge)
+
+    save_judge(1)
+    first = eval_setup(config, "arith")
+    assert eval_setup(config, "arith") == first, "the same checkpoint is the same setup"
+    save_judge(2)
+    assert eval_setup(config, "arith") != first, "a checkpoint saved anew under its path kept its setup"
+
+
 def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tmp_path, monkeypatch):
     """Rollout i samples with seed ``eval.seed * SEED_STRIDE + i``: the same seed measures the
     same, another samples otherwise (every evaluation sampled with seeds 0..n-1, the seed
