@@ -485,9 +485,14 @@ def rollout_problem(config: RunConfig, splits: tuple[Split, ...]) -> str | None:
     """Why a flow that runs a rollout service in its own process (the pipeline's evaluations,
     a rollout worker, an evaluation) and draws tasks of ``splits`` cannot, as one line: a
     task it cannot draw (:func:`empty_split`), more cores than the process may use
-    (:func:`missing_cores`), a reward model past its budget (:func:`reward_over_budget`);
-    None when it can."""
-    return empty_split(config, splits) or missing_cores(config) or reward_over_budget(config)
+    (:func:`missing_cores`), a reward model past its budget (:func:`reward_over_budget`) or
+    with more than one label (:func:`reward_not_one_label`); None when it can."""
+    return (
+        empty_split(config, splits)
+        or missing_cores(config)
+        or reward_over_budget(config)
+        or reward_not_one_label(config)
+    )
 
 
 def empty_split(config: RunConfig, splits: tuple[Split, ...] = ("train", "eval")) -> str | None:
@@ -562,6 +567,37 @@ def reward_over_budget(config: RunConfig) -> str | None:
                 f"service.reward_budget_mb ({service.reward_budget_mb:.3g})"
             )
     return None
+
+
+def reward_not_one_label(config: RunConfig) -> str | None:
+    """One line naming the first reward model whose checkpoint has other than one label, as
+    the rollout service refuses it once it loads the models (after the warm start); None when
+    each has one. The labels are read from the ``config.json`` of a local directory; a
+    checkpoint held otherwise is left to that load."""
+    for name, reward in config.service.reward_models.items():
+        labels = _num_labels(Path(reward.path))
+        if labels is not None and labels != 1:
+            return (
+                f"reward model {name!r} at {reward.path} has {labels} labels; a reward model has one "
+                "(its logit is the reward)"
+            )
+    return None
+
+
+def _num_labels(checkpoint: Path) -> int | None:
+    """The labels a load of ``checkpoint`` gives its classifier, counted as transformers counts
+    them from its ``config.json``: its ``id2label`` map, else ``num_labels``, else 2 (the
+    default a saved config leaves out); None when it has no ``config.json`` that reads."""
+    try:
+        config = json.loads((checkpoint / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    if isinstance(config.get("id2label"), dict):
+        return len(config["id2label"])
+    labels = config.get("num_labels", 2)
+    return labels if isinstance(labels, int) else None
 
 
 def _float32_bytes(checkpoint: Path) -> int | None:

@@ -482,6 +482,45 @@ def test_a_flow_command_whose_reward_model_outgrows_its_budget_exits_in_one_line
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+@pytest.mark.parametrize("labels", [2, 3])
+def test_a_flow_command_whose_reward_model_has_more_than_one_label_exits_in_one_line(
+    tmp_path, labels, capsys
+):
+    """The rollout service refused it as it loaded the models: after the warm start, with the
+    evaluation's traceback. Two labels are the default a config.json leaves unsaid."""
+    judge = tmp_path / "judge"
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=labels,
+        pad_token_id=0,
+    )
+    LlamaForSequenceClassification(config).save_pretrained(judge)
+    capsys.readouterr()  # the save's progress bar
+    run = tmp_path / "judge.yaml"
+    run.write_text(
+        yaml.safe_dump(
+            {
+                "storage": {"root": str(tmp_path / "runs")},
+                "service": {"reward_models": {"judge": {"path": str(judge)}}},
+                "envs": {"arith": {"reward_model": "judge"}},
+            }
+        )
+    )
+    with pytest.raises(SystemExit) as exited:
+        flows.pipeline.main(["--config", str(run)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: reward model 'judge' at {judge} has {labels} labels; a reward model has one "
+        "(its logit is the reward)\n"
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
 @pytest.mark.parametrize(
     "service",
     [{"reward_budget_mb": 10.0}, {}, {"reward_budget_mb": 0.01, "scheduler": "static"}],
