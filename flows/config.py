@@ -485,11 +485,13 @@ def rollout_problem(config: RunConfig, splits: tuple[Split, ...]) -> str | None:
     """Why a flow that runs a rollout service in its own process (the pipeline's evaluations,
     a rollout worker, an evaluation) and draws tasks of ``splits`` cannot, as one line: a
     task it cannot draw (:func:`empty_split`), more cores than the process may use
-    (:func:`missing_cores`), a reward model past its budget (:func:`reward_over_budget`) or
-    with more than one label (:func:`reward_not_one_label`); None when it can."""
+    (:func:`missing_cores`), a sandbox folder that is not there (:func:`missing_sandbox_root`),
+    a reward model past its budget (:func:`reward_over_budget`) or with more than one label
+    (:func:`reward_not_one_label`); None when it can."""
     return (
         empty_split(config, splits)
         or missing_cores(config)
+        or missing_sandbox_root(config)
         or reward_over_budget(config)
         or reward_not_one_label(config)
     )
@@ -566,6 +568,20 @@ def reward_over_budget(config: RunConfig) -> str | None:
                 f"reward model {name!r} needs {size / 2**20:.2f} MB on its device, more than "
                 f"service.reward_budget_mb ({service.reward_budget_mb:.3g})"
             )
+    return None
+
+
+def missing_sandbox_root(config: RunConfig) -> str | None:
+    """One line naming the first env of the mix whose ``sandbox.root_dir`` is not a folder;
+    None when each is, or is unset. Every sandbox of the env is made in that folder: without
+    this check each of its rollouts failed, and the pipeline at its first evaluation, once the
+    warm start was over. On Ray the sandboxes are made on the env actors' nodes: not checked."""
+    if config.cluster != "local":
+        return None
+    for name in config.orchestrator.mix:
+        root = config.env_config(name).sandbox.root_dir
+        if root is not None and not os.path.isdir(root):
+            return f"envs.{name}.sandbox.root_dir {root!r} is not a folder"
     return None
 
 

@@ -164,6 +164,28 @@ def test_a_rollout_run_whose_reward_model_is_missing_fails_before_the_warm_start
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda config: flows.pipeline.pipeline(config, return_state=True),
+        lambda config: flows.rollout.rollout(config, return_state=True),
+    ],
+    ids=["pipeline", "rollout"],
+)
+def test_a_flow_run_whose_sandbox_folder_is_missing_fails_before_the_warm_start(tmp_path, run):
+    """The env's every sandbox is made under ``sandbox.root_dir``: each rollout of it was an
+    env_error, and the pipeline failed at its first evaluation, once the warm start was over."""
+    missing = str(tmp_path / "no-such-folder")
+    config = tiny_config(
+        tmp_path / "runs",
+        "no-sandbox-folder",
+        envs={"code": {"sandbox": {"root_dir": missing}}},
+        orchestrator={"mix": {"arith": 0.5, "code": 0.5}},
+    )
+    failed_with(run(config), rf"^envs.code.sandbox.root_dir '{missing}' is not a folder$")
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
 def test_an_evaluate_run_needs_no_starting_checkpoint(tmp_path, capsys):
     """It evaluates a published version: a ``model.path`` this machine lacks (the trainer's
     machine held it) is no reason to refuse it, on the command line or in the flow."""
