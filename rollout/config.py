@@ -84,7 +84,10 @@ class RewardModelConfig(BaseModel):
         description="Local directory of a sequence-classification checkpoint with one label and its tokenizer."
     )
     max_tokens: int = Field(
-        2048, ge=1, description="Longest input; a longer conversation keeps its last max_tokens tokens."
+        2048,
+        ge=1,
+        description="Longest input; a longer conversation keeps its last max_tokens tokens (fewer where the "
+        "model has fewer positions: its max_position_embeddings).",
     )
 
 
