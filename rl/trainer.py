@@ -23,7 +23,7 @@ import threading
 import time
 import uuid
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -67,6 +67,16 @@ NON_FINITE_CRITIC = "non-finite critic loss or gradient norm"
 MAX_UNWRITTEN_ROWS = 1000
 """``train_steps`` rows whose append failed that the trainer keeps to append with the next
 row; past it the oldest are dropped."""
+
+
+def execution_mean_reward(samples: Sequence[Sample]) -> float:
+    """Mean reward of the executions ``samples`` hold, each execution once (the mean of its
+    samples'): a compacted rollout's contexts are samples of one execution sharing its reward,
+    which a mean over samples would count once per context."""
+    rewards: dict[str, list[float]] = {}
+    for sample in samples:
+        rewards.setdefault(sample.execution_id, []).append(sample.reward)
+    return sum(sum(r) / len(r) for r in rewards.values()) / len(rewards)
 
 
 def token_values(
@@ -981,7 +991,7 @@ class Trainer:
             "num_samples": len(samples),
             "num_tokens": num_tokens,
             "tokens_per_s": num_tokens / max(seconds, 1e-9),
-            "reward_mean": sum(s.reward for s in samples) / len(samples),
+            "reward_mean": execution_mean_reward(samples),
             "dropped_stale": self._dropped_stale,
             "step_seconds": seconds,
             "time": datetime.now(UTC),

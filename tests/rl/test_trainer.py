@@ -174,6 +174,18 @@ def test_trains_every_row_once_and_logs_each_step(store):
     ]
 
 
+def test_a_steps_reward_counts_each_execution_once_however_many_of_its_rows_it_trains(store):
+    """Three rows of one execution (a compacted rollout's contexts) with reward 0 and one of
+    another with reward 1 in a step: its reward is 0.5, not 0.25."""
+    records = make_trajectories(store, 4, seed=1)
+    for i, record in enumerate(records):
+        record["execution_id"], record["reward"] = ("failed", 0.0) if i < 3 else ("solved", 1.0)
+    write_shards(store, records, per_shard=4)
+    Trainer(store, config()).run(drain=True)
+    (step,) = read_steps(store)
+    assert step["num_samples"] == 4 and step["reward_mean"] == 0.5
+
+
 def test_a_backlog_past_the_read_ahead_waits_in_storage_and_each_row_is_trained_once(store):
     """A trainer that finds more shards than ``read_ahead_batches`` steps' worth (a nightly
     run's backlog, a restart's) reads only that far into memory and the rest as its buffer
