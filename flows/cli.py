@@ -19,6 +19,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import NoReturn
 
@@ -104,11 +105,19 @@ def inspect_run(store) -> str:
         lines.append(
             f"  v{row['version']:<4} step {row['step']:<6} {row['created_at']:%Y-%m-%d %H:%M:%S} UTC{tag}{marked}"
         )
-    evals = tables.read("evals").sort_by([("version", "ascending"), ("env", "ascending")])
+    evals = tables.read("evals").sort_by(
+        [("version", "ascending"), ("env", "ascending"), ("time", "ascending")]
+    )
     lines.append("\nheld-out reward per version:")
-    lines += [
-        f"  v{r['version']:<4} {r['env']:<8} {r['reward']:.3f}  ({_measured(r)})" for r in evals.to_pylist()
-    ] or ["  no evaluations"]
+    # the latest evaluation of each setup; setups differ where the eval settings, the env's
+    # config or its reward model changed between evaluations of one version: named then
+    latest = {(r["version"], r["env"], r["setup"]): r for r in evals.to_pylist()}
+    setups = Counter((version, env) for version, env, _ in latest)
+    for (version, env, setup), r in latest.items():
+        named = f", setup {(setup or 'unrecorded')[:8]}" if setups[version, env] > 1 else ""
+        lines.append(f"  v{version:<4} {env:<8} {r['reward']:.3f}  ({_measured(r)}{named})")
+    if not latest:
+        lines.append("  no evaluations")
     # not the decoded text, which holds most of the table's bytes
     trajectories = tables.read(
         "trajectories", columns=["execution_id", "max_version", "task", "reward", "trajectory_id"]

@@ -452,6 +452,28 @@ def test_inspect_says_how_many_of_an_evaluations_tasks_were_measured(local_store
     ) in out
 
 
+def test_inspect_shows_each_setup_of_a_versions_evaluation_once_named_where_there_are_several(local_store):
+    """A version evaluated again after its env's reward model changed has a row of each setup;
+    one evaluated twice with one setup shows its latest."""
+    early, late = datetime(2026, 1, 1, tzinfo=UTC), datetime(2026, 1, 2, tzinfo=UTC)
+    row = {"count": 4, "tasks": 4}
+    Tables(local_store).append(
+        "evals",
+        [
+            row | {"version": 1, "env": "arith", "reward": 0.25, "time": early, "setup": "aaaaaaaa11"},
+            row | {"version": 1, "env": "arith", "reward": 0.5, "time": late, "setup": "bbbbbbbb22"},
+            row | {"version": 1, "env": "guess", "reward": 0.75, "time": early, "setup": "cccccccc33"},
+            row | {"version": 1, "env": "guess", "reward": 1.0, "time": late, "setup": "cccccccc33"},
+        ],
+    )
+    assert (
+        "held-out reward per version:\n"
+        "  v1    arith    0.250  (4 tasks, setup aaaaaaaa)\n"
+        "  v1    arith    0.500  (4 tasks, setup bbbbbbbb)\n"
+        "  v1    guess    1.000  (4 tasks)\n"
+    ) in inspect_run(local_store)
+
+
 def test_inspect_and_sql_reach_a_run_on_an_s3_compatible_store(s3_server, tmp_path):
     store = RunStore(s3_server.config(), "on-s3")
     Tables(store).append("trajectories", [trajectory_row("arith", 0, 0.5, "ok")])
