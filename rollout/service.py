@@ -460,6 +460,7 @@ class RolloutService:
         self._gateway_server_lock = asyncio.Lock()
         self.scheduler = make_scheduler(self.config)
         self.rewards = make_reward_models(self.config)
+        self._warned_compact_at = False
         self.loop_blocks: Counter[str] = Counter()
         """Stretches past ``loop_block_warn_s`` by ``<env>.<call>`` (its class's name)."""
 
@@ -749,6 +750,17 @@ class RolloutService:
             return None
         branch = await self.gateway.branch(session, [*history[: starts[0]], *history[starts[-keep] :]])
         self.gateway.close(session.session_id)
+        if len(branch.tokens) > self.config.compact_at and not self._warned_compact_at:
+            self._warned_compact_at = True
+            log.warning(
+                "service.compact_at %d is below a compacted context (%d tokens: the first messages and "
+                "the last %d turns of a %s rollout): each turn past it opens a branch, a row of one action; "
+                "raise compact_at or lower compact_keep_turns",
+                self.config.compact_at,
+                len(branch.tokens),
+                keep,
+                session.info.task,
+            )
         return branch
 
     async def _drive(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 
 import httpx
 import pytest
@@ -293,3 +294,24 @@ def test_a_rollout_cancelled_or_timed_out_in_a_branch_leaves_no_session_open(tin
     if end == "timeout":
         assert result.status == "timeout" and result.branches
         assert {r["status"] for r in result.records} == {"timeout"}
+
+
+def test_a_compact_at_below_a_compacted_context_is_warned_once(tiny, caplog):
+    """A threshold the first messages and the kept turns already pass makes a branch of every
+    turn past it: said once, with what a compacted context holds."""
+    size = first_prompt_size(tiny)
+    with caplog.at_level(logging.WARNING, logger="rollout.service"):
+        result, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=size + 5, compact_keep_turns=2))
+    warned = [r.getMessage() for r in caplog.records if "compact_at" in r.getMessage()]
+    assert len(result.branches) == TURNS - 3  # a branch after each turn from the third on
+    assert len(warned) == 1 and warned[0].startswith(
+        f"service.compact_at {size + 5} is below a compacted context"
+    )
+    assert "the last 2 turns of a arith rollout" in warned[0]
+
+
+def test_a_compact_at_above_every_compacted_context_is_not_warned(tiny, caplog):
+    with caplog.at_level(logging.WARNING, logger="rollout.service"):
+        result, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=first_prompt_size(tiny) + 70))
+    assert result.branches
+    assert not [r for r in caplog.records if "compact_at" in r.getMessage()]
