@@ -67,8 +67,12 @@ class RewardModels:
                 )
             models[name] = model
             self.tokenizers[name] = AutoTokenizer.from_pretrained(config.path)
-            # a model with learned positions (GPT-2, BERT) fails on a longer input
+            # a model with learned positions (GPT-2, BERT) fails on a longer input; RoBERTa's
+            # start after its padding id, so that its 514 hold 512 tokens
             positions = getattr(model.config, "max_position_embeddings", None)
+            padding_id = getattr(getattr(model.base_model, "embeddings", None), "padding_idx", None)
+            if positions and padding_id is not None:
+                positions -= padding_id + 1
             self.max_tokens[name] = min(config.max_tokens, positions or config.max_tokens)
         on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cpu"
         if budget_bytes is None and on_cpu:

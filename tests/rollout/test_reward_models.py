@@ -17,6 +17,8 @@ from transformers import (
     GPT2ForSequenceClassification,
     LlamaConfig,
     LlamaForSequenceClassification,
+    RobertaConfig,
+    RobertaForSequenceClassification,
 )
 
 from envs import registry
@@ -467,6 +469,35 @@ def test_a_conversation_longer_than_the_models_positions_is_read_by_its_last_tok
     with torch.no_grad():
         expected = float(reference(input_ids=torch.tensor([full[-16:]])).logits[0, 0])
     assert asyncio.run(models.score("short", messages)) == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_roberta_checkpoint_reads_no_more_tokens_than_its_positions_after_its_padding_id(tiny, tmp_path):
+    """RoBERTa numbers its positions from its padding id + 1: of its max_position_embeddings
+    (17 here, padding id 0) it uses 16, and a conversation cut to 17 tokens failed its forward
+    ('IndexError: index out of range in self'), as RoBERTa's 514 hold 512 tokens."""
+    _, tokenizer = tiny
+    config = RobertaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.pad_token_id + 1 + 16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(4)
+    RobertaForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    models = RewardModels({"roberta": RewardModelConfig(path=str(tmp_path))}, device="cpu")
+    messages = [{"role": "user", "content": "guess " + " ".join(map(str, range(3, 15)))}, MESSAGES[1]]
+    full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert len(full) > 17
+    assert models.input_ids("roberta", messages) == full[-16:]
+    reference = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = float(reference(input_ids=torch.tensor([full[-16:]])).logits[0, 0])
+    assert asyncio.run(models.score("roberta", messages)) == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_workers_status_counts_the_reward_models_loaded_again_after_an_eviction(judges, tmp_path):
