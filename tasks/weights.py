@@ -298,11 +298,14 @@ def eval_setup(config: RunConfig, env: str, tasks: list[Task] | None = None) -> 
 
 def checkpoint_files(path: str) -> list[tuple[str, int, int]]:
     """Name, size and modification time (ns) of each file of the checkpoint directory ``path``:
-    a checkpoint saved anew under its path scores otherwise (none for a path that is not there)."""
+    a checkpoint saved anew under its path scores otherwise (none for a path that is not there).
+    Hidden files and folders are not the checkpoint's: ``hf download --local-dir`` rewrites its
+    bookkeeping in ``.cache/huggingface`` each time it finds the files up to date."""
     root = pathlib.Path(path)
     files = []
     for file in root.rglob("*"):
-        if file.is_file():
+        hidden = any(part.startswith(".") for part in file.relative_to(root).parts)
+        if file.is_file() and not hidden:
             stat = file.stat()
             files.append((str(file.relative_to(root)), stat.st_size, stat.st_mtime_ns))
     return sorted(files)

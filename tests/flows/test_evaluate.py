@@ -294,7 +294,9 @@ def test_a_rerun_on_other_held_out_tasks_does_not_reuse_the_recorded_eval(tmp_pa
 def test_a_reward_model_written_anew_under_its_path_is_another_setup(tmp_path):
     """A row scored by a reward model stands for that checkpoint: one retrained and saved
     under the same path scores otherwise, so a rerun's reward before RL would have been the old
-    judge's, beside an after by the new one (the setup named only the path)."""
+    judge's, beside an after by the new one (the setup named only the path). What a download
+    tool keeps beside the files is not the checkpoint: it changing re-evaluated every version."""
+    from huggingface_hub._local_folder import write_download_metadata
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     judge = tmp_path / "judge"
@@ -325,6 +327,10 @@ def test_a_reward_model_written_anew_under_its_path_is_another_setup(tmp_path):
     save_judge(1)
     first = eval_setup(config, "arith")
     assert eval_setup(config, "arith") == first, "the same checkpoint is the same setup"
+    # `hf download --local-dir` run again over an up-to-date checkpoint rewrites its bookkeeping
+    # in .cache/huggingface (a timestamp); the checkpoint's files stay as they were
+    write_download_metadata(judge, "model.safetensors", commit_hash="0" * 40, etag="x")
+    assert eval_setup(config, "arith") == first, "the download's bookkeeping changed the setup"
     save_judge(2)
     assert eval_setup(config, "arith") != first, "a checkpoint saved anew under its path kept its setup"
 
