@@ -16,6 +16,7 @@ from envs.arith import ArithEnv
 from envs.base import StepResult
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.processor import ProcessorConfig, process_shard
+from rollout import service as service_module
 from rollout.config import OrchestratorConfig
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
@@ -265,12 +266,19 @@ class HeldNotesEnv(NotesEnv):
 
 
 @pytest.mark.parametrize("end", ["cancel", "timeout"])
-def test_a_rollout_cancelled_or_timed_out_in_a_branch_leaves_no_session_open(tiny, end):
-    config = ServiceConfig(
-        max_new_tokens=4,
-        compact_at=first_prompt_size(tiny) + 70,
-        timeout_s=3 if end == "timeout" else 600,
-    )
+def test_a_rollout_cancelled_or_timed_out_in_a_branch_leaves_no_session_open(tiny, end, monkeypatch):
+    clocks = []
+
+    class RecordedClock(service_module._Clock):
+        """The rollout's clock, kept: the test ends its budget once the rollout is held in a
+        branch, however long the turns before took (a 3 s budget hung the test past it)."""
+
+        def __init__(self, budget: float):
+            super().__init__(budget)
+            clocks.append(self)
+
+    monkeypatch.setattr(service_module, "_Clock", RecordedClock)
+    config = ServiceConfig(max_new_tokens=4, compact_at=first_prompt_size(tiny) + 70, timeout_s=600)
 
     async def body():
         engine = TorchEngine(*tiny)
@@ -285,6 +293,8 @@ def test_a_rollout_cancelled_or_timed_out_in_a_branch_leaves_no_session_open(tin
                 with pytest.raises(asyncio.CancelledError):
                     await job
                 return None, gateway.sessions
+            (clock,) = clocks
+            clock.deadline.reschedule(asyncio.get_running_loop().time())  # out of time in its branch
             return await job, gateway.sessions
         finally:
             await engine.close()
