@@ -153,6 +153,37 @@ def test_a_branch_that_cannot_fit_the_context_truncates_the_rollout(tiny):
     assert result.branches == []  # the rollout's one context, cut short where the branch failed
 
 
+class TwoNotesEnv(NotesEnv):
+    """:class:`NotesEnv` whose every observation is two messages: its note, then a reminder."""
+
+    async def step(self, action: str) -> StepResult:
+        result = await super().step(action)
+        result.observation.append({"role": "user", "content": f"reminder {self.turns} of the task"})
+        return result
+
+
+def test_a_branch_keeps_every_message_of_an_observation_of_its_kept_turns(tiny):
+    _, tokenizer = tiny
+    config = ServiceConfig(max_new_tokens=4, compact_at=first_prompt_size(tiny) + 90, compact_keep_turns=2)
+    result, still_open = rollout(tiny, config, env=TwoNotesEnv)
+    assert still_open == [] and result.turns == TURNS and len(result.records) >= 2
+    seen = 0
+    for parent, child in itertools.pairwise(result.records):
+        seen += len(prompts(parent))
+        context = tokenizer.decode(child["tokens"][: prompts(child)[0]])
+        for word in ("note", "reminder"):
+            assert [n for n in range(1, seen + 1) if f"{word} {n} " in context] == [seen - 1, seen]
+
+
+def test_a_rollout_compacts_once_it_holds_more_turns_than_a_branch_keeps(tiny):
+    """Past compact_at from its first turn, a rollout that keeps 3 turns stays in its first
+    context until it holds 4, then goes on in a new branch every turn but the last."""
+    config = ServiceConfig(max_new_tokens=4, compact_at=first_prompt_size(tiny) + 1, compact_keep_turns=3)
+    result, still_open = rollout(tiny, config)
+    assert still_open == [] and result.turns == TURNS
+    assert [len(prompts(record)) for record in result.records] == [4, 1, 1, 1, 1]
+
+
 def test_the_processor_trains_the_shared_first_messages_once_and_every_action_of_each_branch(tiny):
     compact_at = first_prompt_size(tiny) + 70
     result, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=compact_at))
