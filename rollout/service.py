@@ -698,8 +698,7 @@ class RolloutService:
         ``compact_at`` goes on in a branch (:meth:`_compacted`), which becomes ``state["session"]``."""
         seed = request.seed
         history = state["history"]
-        starts: list[int] = []
-        """Where each turn's action sits in ``history``."""
+        starts: list[int] = []  # where each turn's action sits in history
         for turn in range(self.config.max_turns):
             params = SamplingParams(
                 max_new_tokens=self.config.max_new_tokens,
