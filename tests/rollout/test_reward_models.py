@@ -13,6 +13,9 @@ import torch
 from transformers import (
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    BertTokenizerFast,
     GPT2Config,
     GPT2ForSequenceClassification,
     LlamaConfig,
@@ -498,6 +501,37 @@ def test_a_roberta_checkpoint_reads_no_more_tokens_than_its_positions_after_its_
     with torch.no_grad():
         expected = float(reference(input_ids=torch.tensor([full[-16:]])).logits[0, 0])
     assert asyncio.run(models.score("roberta", messages)) == pytest.approx(expected, abs=1e-5)
+
+
+def test_an_encoder_checkpoint_cut_to_its_positions_keeps_the_cls_token_it_classifies_from(tmp_path):
+    """BERT (and RoBERTa, DeBERTa) classify from the state of their leading [CLS]: a conversation
+    cut to its last tokens lost it, and the model scored the state of a token in the middle of
+    the text (without an error: every conversation past 512 tokens scored so)."""
+    words = [f"w{i}" for i in range(20)]
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ":", "user", "assistant", *words]
+    tokenizer = BertTokenizerFast(vocab={word: i for i, word in enumerate(vocab)}, do_lower_case=False)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        max_position_embeddings=16,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_labels=1,
+    )
+    torch.manual_seed(5)
+    BertForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    models = RewardModels({"bert": RewardModelConfig(path=str(tmp_path))}, device="cpu")
+    messages = [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": "w3"}]
+    full = tokenizer("user: " + " ".join(words) + "\nassistant: w3")["input_ids"]
+    assert len(full) > 16 and full[0] == tokenizer.cls_token_id
+    read = [tokenizer.cls_token_id, *full[-15:]]
+    assert models.input_ids("bert", messages) == read
+    reference = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        expected = float(reference(input_ids=torch.tensor([read])).logits[0, 0])
+    assert asyncio.run(models.score("bert", messages)) == pytest.approx(expected, abs=1e-5)
 
 
 def test_a_workers_status_counts_the_reward_models_loaded_again_after_an_eviction(judges, tmp_path):
