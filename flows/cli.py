@@ -124,27 +124,29 @@ def inspect_run(store) -> str:
     )
     lines.append("\nreward of generated trajectories by the newest version that generated them:")
     # an execution counts once: a compacted rollout's contexts are rows that share its reward
-    executions = trajectories.group_by(["execution_id", "task"]).aggregate(
-        [("reward", "mean"), ("max_version", "max"), ("trajectory_id", "count")]
+    executions = (
+        trajectories.group_by(["execution_id", "task"])
+        .aggregate([("reward", "mean"), ("max_version", "max"), ("trajectory_id", "count")])
+        .rename_columns(
+            {"reward_mean": "reward", "max_version_max": "version", "trajectory_id_count": "rows"}
+        )
     )
-    grouped = executions.group_by(["max_version_max", "task"]).aggregate(
-        [("reward_mean", "mean"), ("execution_id", "count"), ("trajectory_id_count", "sum")]
+    grouped = (
+        executions.group_by(["version", "task"])
+        .aggregate([("reward", "mean"), ("execution_id", "count"), ("rows", "sum")])
+        .rename_columns({"reward_mean": "reward", "execution_id_count": "executions", "rows_sum": "rows"})
     )
-    rows = sorted(grouped.to_pylist(), key=lambda r: (r["max_version_max"], r["task"]))
+    rows = sorted(grouped.to_pylist(), key=lambda r: (r["version"], r["task"]))
     # max_version -1: rollouts that failed before any token, which no version generated
-    shown = spaced(sorted({r["max_version_max"] for r in rows if r["max_version_max"] >= 0}))
+    shown = spaced(sorted({r["version"] for r in rows if r["version"] >= 0}))
     for r in rows:
-        version = r["max_version_max"]
-        if version < 0 or version in shown:
-            count, executions_count = r["trajectory_id_count_sum"], r["execution_id_count"]
-            counted = (
-                f"{count} trajectories"
-                if count == executions_count
-                else f"{executions_count} executions, {count} trajectories"
-            )
+        if r["version"] < 0 or r["version"] in shown:
+            counted = f"{r['rows']} trajectories"
+            if r["rows"] != r["executions"]:
+                counted = f"{r['executions']} executions, {counted}"
             # a group of env/infra errors only has no reward at all
-            mean = "—" if r["reward_mean_mean"] is None else f"{r['reward_mean_mean']:.3f}"
-            named = f"v{version}" if version >= 0 else "none"
+            mean = "—" if r["reward"] is None else f"{r['reward']:.3f}"
+            named = f"v{r['version']}" if r["version"] >= 0 else "none"
             lines.append(f"  {named:<5} {r['task']:<8} {mean:>5}  ({counted})")
     if not rows:
         lines.append("  no trajectories")
@@ -162,11 +164,12 @@ def inspect_run(store) -> str:
                 f"; {held.num_rows} quarantined ({lost} trajectories: shards/quarantine/{kind}/, "
                 "a .reason file beside each says why)"
             )
-        files, refused = refused_records(store, kind)
+        files, refused, unreadable = refused_records(store, kind)
         if files:
+            unread = f", {unreadable} of them unreadable" if unreadable else ""
             line += (
-                f"; {refused} refused by their writers ({files} files: shards/quarantine/{kind}/<worker>/"
-                "refused-*.arrow, a .reason file beside each says why)"
+                f"; {refused} refused by their writers ({files} files{unread}: shards/quarantine/{kind}/"
+                "<worker>/refused-*.arrow, a .reason file beside each says why)"
             )
         lines.append(line)
     steps = one_row_per_step(
@@ -208,17 +211,21 @@ def quarantined_shards(store) -> list[str]:
     ]
 
 
-def refused_records(store, kind: str) -> tuple[int, int]:
-    """Files and rows of the ``kind`` records that shard writers refused (they failed
-    validation; see :meth:`storage.shards.ShardWriter._admitted`), kept under the quarantine."""
+def refused_records(store, kind: str) -> tuple[int, int, int]:
+    """Files, rows and files that do not read as Arrow of the ``kind`` records that shard
+    writers refused (they failed validation; see :meth:`storage.shards.ShardWriter._admitted`),
+    kept under the quarantine. Rows are counted from the files' batch headers."""
     import pyarrow as pa
 
     files = store.fs.glob(store.path("shards", "quarantine", kind, "*", "refused-*.arrow"))
-    rows = 0
+    rows = unreadable = 0
     for path in files:
         with store.fs.open(path, "rb") as source:
-            rows += pa.ipc.open_file(source).read_all().num_rows
-    return len(files), rows
+            try:
+                rows += pa.ipc.open_file(source).count_rows()
+            except pa.ArrowInvalid:
+                unreadable += 1
+    return len(files), rows, unreadable
 
 
 def _measured(row: dict) -> str:

@@ -411,6 +411,10 @@ def test_inspect_counts_the_records_shard_writers_refused_and_says_where_they_ar
         "shards/quarantine/raw/<worker>/refused-*.arrow, a .reason file beside each says why)\n" in out
     )
     assert "  processed  0 shards, 0 trajectories\n" in out
+    # a file that does not read (cut short) is counted apart, and inspect goes on
+    first = sorted(store.fs.glob(store.path("shards", "quarantine", "raw", "*", "refused-*.arrow")))[0]
+    store.fs.pipe(first, store.fs.cat(first)[:100])
+    assert "; 2 refused by their writers (3 files, 1 of them unreadable: " in inspect_run(store)
 
 
 def test_inspect_reads_the_trajectories_without_their_text(local_store, monkeypatch):
