@@ -313,6 +313,13 @@ class RunConfig(BaseModel):
                 f"service.compact_at: {compact_at} is not below gateway.max_context_tokens ({limit}): "
                 "a prompt would be cut short before it could be compacted"
             )
+        keep, turns = self.service.compact_keep_turns, self.service.max_turns
+        if compact_at is not None and keep > turns - 2:
+            raise ValueError(
+                f"service.compact_keep_turns: {keep} leaves no turn to compact in service.max_turns {turns}: "
+                "a branch opens once a rollout holds more turns than it keeps, and a turn must follow it; "
+                f"keep at most {turns - 2}"
+            )
         rollouts, group = self.stop.max_rollouts, self.orchestrator.group_size
         if self.sao.mode == "grpo" and group == 1:
             raise ValueError(

@@ -102,6 +102,10 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
             "service:\n  compact_at: 4096\n",
             "service.compact_at: 4096 is not below gateway.max_context_tokens",
         ),
+        (
+            "service:\n  compact_at: 1024\n  max_turns: 4\n  compact_keep_turns: 3\n",
+            "service.compact_keep_turns: 3 leaves no turn to compact in service.max_turns 4",
+        ),
         ("sao:\n  lr: .inf\n", "sao.lr: Input should be a finite number"),
         ("processor:\n  success_threshold: .nan\n", "processor.success_threshold: Input should be a finite"),
         ("storage:\n  read_timeout: .inf\n", "storage.read_timeout: Input should be a finite number"),
