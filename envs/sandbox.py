@@ -805,18 +805,21 @@ def _start_time(pid: int) -> int | None:
 
 @cache
 def _host_key() -> str | None:
-    """8 hex digits for this host's boot and this process's PID namespace: the pids that
-    folders with this key record are ones this process can look up. None where ``/proc`` is
-    not this namespace's (an ancestor's, not remounted), whose ids are not this process's."""
+    """8 hex digits for this host's boot and this process's PID and time namespaces: the pids
+    that folders with this key record are ones this process can look up, and their start
+    times read as this process reads them (a time namespace shifts them). None where ``/proc``
+    is not this namespace's (an ancestor's, not remounted), whose ids are not this process's."""
     try:
         if os.readlink("/proc/self") != str(os.getpid()):
             return None
         with open("/proc/sys/kernel/random/boot_id") as handle:
             boot = handle.read().strip()
-        namespace = os.stat("/proc/self/ns/pid").st_ino
+        namespaces = [os.stat("/proc/self/ns/pid").st_ino]
     except OSError:  # no /proc
         return None
-    return hashlib.blake2b(f"{boot}:{namespace}".encode(), digest_size=4).hexdigest()
+    with contextlib.suppress(OSError):  # kernels before 5.6 have no time namespaces
+        namespaces.append(os.stat("/proc/self/ns/time").st_ino)
+    return hashlib.blake2b(f"{boot}:{namespaces}".encode(), digest_size=4).hexdigest()
 
 
 @cache

@@ -1504,3 +1504,27 @@ def test_a_worker_that_runs_sandboxes_as_itself_leaves_them_their_max_processes(
         assert ran.stdout == "forked\n"
     finally:
         shutil.rmtree(root_dir)
+
+
+def test_a_live_workers_folder_is_kept_when_it_runs_in_another_time_namespace(tmp_path):
+    """A time namespace shifts the start times ``/proc`` gives: a live worker in another one
+    (``unshare --time``, a container restored by CRIU) recorded a start this process reads
+    otherwise, and its folder was removed as a dead worker's."""
+    command = ["unshare", "--time", "--fork", "--boottime", "1000"]
+    if shutil.which("unshare") is None or subprocess.run([*command, "true"], capture_output=True).returncode:
+        pytest.skip("this machine may not make a time namespace (unshare --time)")
+    unshare = subprocess.Popen(
+        [*command, sys.executable, "-c", WORKER_HOLDING_A_SANDBOX, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    held = unshare.stdout.readline().strip()
+    try:
+        assert held and sandbox_module.sweep_abandoned(str(tmp_path)) == []
+        assert os.listdir(tmp_path) == [os.path.basename(held)]
+    finally:
+        if held:  # the worker unshare forked, named in its folder: killing unshare leaves it running
+            os.kill(int(sandbox_module.OWNED_FOLDER.match(os.path.basename(held)).group(2)), signal.SIGKILL)
+        unshare.kill()
+        unshare.wait()
+        unshare.stdout.close()
