@@ -102,6 +102,13 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
             "service:\n  compact_at: 4096\n",
             "service.compact_at: 4096 is not below gateway.max_context_tokens",
         ),
+        # a prompt just under compact_at is not compacted, and its action was cut to the room
+        # left under the limit, silently: a turn cut short like one that ran out of tokens
+        (
+            "service:\n  compact_at: 4090\n",
+            "service.compact_at: 4090 leaves 6 tokens under gateway.max_context_tokens 4096 "
+            "for an action of service.max_new_tokens 32",
+        ),
         (
             "service:\n  compact_at: 1024\n  max_turns: 4\n  compact_keep_turns: 3\n",
             "service.compact_keep_turns: 3 leaves no turn to compact in service.max_turns 4",
