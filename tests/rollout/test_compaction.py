@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 
 import httpx
 import pytest
@@ -14,6 +15,9 @@ import torch
 
 from envs.arith import ArithEnv
 from envs.base import StepResult
+from envs.pytool import PyToolEnv
+from envs.sandbox import bwrap_path
+from envs.shell_env import ShellEnv
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.processor import ProcessorConfig, process_shard
 from rollout import service as service_module
@@ -30,6 +34,7 @@ TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
 )
 TURNS = 8
+needs_bwrap = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
 
 
 @pytest.fixture(scope="module")
@@ -356,3 +361,49 @@ def test_a_compact_at_above_every_compacted_context_is_not_warned(tiny, caplog):
         result, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=first_prompt_size(tiny) + 70))
     assert result.branches
     assert not [r for r in caplog.records if "compact_at" in r.getMessage()]
+
+
+SCRIPTS = {
+    "pytool": ["run: x = 41", "run: y = 1", "run: print(x + y)", "answer: 42"],
+    "shell": ["mkdir deep", "cd deep", "echo kept > here.txt", "cat here.txt; basename $PWD", "done"],
+}
+SEEN = {"pytool": "\n42<|im_end|>", "shell": "\nkept\ndeep<|im_end|>"}
+
+
+@needs_bwrap
+@pytest.mark.parametrize("name", ["pytool", "shell"])
+def test_a_tool_env_keeps_its_sandbox_across_a_compaction(tiny, name):
+    """Only the model's context is compacted: the interpreter's variables and the shell's
+    directory, made in turns the last context no longer holds, are still there."""
+    base = PyToolEnv if name == "pytool" else ShellEnv
+    script = SCRIPTS[name]
+    workdirs = []
+
+    class Scripted(base):
+        async def reset(self, task):
+            first = await super().reset(task)
+            workdirs.append(self.sandbox.workdir)
+            return first
+
+        async def step(self, action: str) -> StepResult:
+            return await super().step(script[self.turns])
+
+    config = base.config_cls(max_turns=len(script))
+    task = base.tasks("train", seed=0, n=1)[0]
+
+    async def body():
+        engine = TorchEngine(*tiny)
+        gateway = gateway_for(tiny, engine)
+        service = RolloutService(
+            gateway, lambda t: Scripted(config), ServiceConfig(max_new_tokens=4, compact_at=60)
+        )
+        try:
+            return await service.process(RolloutRequest(task=task, seed=3)), gateway.sessions
+        finally:
+            await engine.close()
+
+    result, still_open = asyncio.run(body())
+    assert still_open == [] and len(workdirs) == 1 and not os.path.exists(workdirs[0])
+    assert result.turns == len(script) and result.branches
+    last = tiny[1].decode(result.record["tokens"])
+    assert script[0].removeprefix("run: ") not in last and SEEN[name] in last
