@@ -308,17 +308,11 @@ class RunConfig(BaseModel):
                 "(service.temperature is fine: the trainer takes its log-probs at it)"
             )
         compact_at, limit = self.service.compact_at, self.gateway.max_context_tokens
-        if compact_at is not None and compact_at >= limit:
-            raise ValueError(
-                f"service.compact_at: {compact_at} is not below gateway.max_context_tokens ({limit}): "
-                "a prompt would be cut short before it could be compacted"
-            )
         if compact_at is not None and compact_at + self.service.max_new_tokens > limit:
             raise ValueError(
-                f"service.compact_at: {compact_at} leaves {limit - compact_at} tokens under "
-                f"gateway.max_context_tokens {limit} for an action of service.max_new_tokens "
-                f"{self.service.max_new_tokens}: a prompt at most compact_at, not compacted, would have its "
-                f"action cut short; keep compact_at at most {limit - self.service.max_new_tokens}"
+                f"service.compact_at: {compact_at} plus service.max_new_tokens {self.service.max_new_tokens} "
+                f"passes gateway.max_context_tokens {limit}: a prompt at most compact_at, not compacted, "
+                f"would have its action cut short; keep compact_at at most {limit - self.service.max_new_tokens}"
             )
         keep, turns = self.service.compact_keep_turns, self.service.max_turns
         if compact_at is not None and keep > turns - 2:

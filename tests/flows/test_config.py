@@ -100,14 +100,15 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("service:\n  top_p: 0.9\n", "service.top_p: 0.9 is below 1, and the trainer"),
         (
             "service:\n  compact_at: 4096\n",
-            "service.compact_at: 4096 is not below gateway.max_context_tokens",
+            "service.compact_at: 4096 plus service.max_new_tokens 32 passes gateway.max_context_tokens 4096",
         ),
         # a prompt just under compact_at is not compacted, and its action was cut to the room
         # left under the limit, silently: a turn cut short like one that ran out of tokens
         (
             "service:\n  compact_at: 4090\n",
-            "service.compact_at: 4090 leaves 6 tokens under gateway.max_context_tokens 4096 "
-            "for an action of service.max_new_tokens 32",
+            "service.compact_at: 4090 plus service.max_new_tokens 32 passes gateway.max_context_tokens "
+            "4096: a prompt at most compact_at, not compacted, would have its action cut short; keep "
+            "compact_at at most 4064",
         ),
         (
             "service:\n  compact_at: 1024\n  max_turns: 4\n  compact_keep_turns: 3\n",
