@@ -444,6 +444,17 @@ def test_a_conversation_longer_than_max_tokens_is_read_by_its_last_tokens(judges
     assert models.input_ids("judge-a", MESSAGES) == full[-5:]
 
 
+def assert_reads_and_scores(path, messages: list[dict], read: list[int]) -> None:
+    """The checkpoint at ``path``, loaded as a reward model, reads ``read`` of ``messages`` and
+    scores it as the plain Hugging Face load of the checkpoint scores ``read``."""
+    models = RewardModels({"judge": RewardModelConfig(path=str(path))}, device="cpu")
+    assert models.input_ids("judge", messages) == read
+    reference = AutoModelForSequenceClassification.from_pretrained(path).eval()
+    with torch.no_grad():
+        expected = float(reference(input_ids=torch.tensor([read])).logits[0, 0])
+    assert asyncio.run(models.score("judge", messages)) == pytest.approx(expected, abs=1e-5)
+
+
 def test_a_conversation_longer_than_the_models_positions_is_read_by_its_last_tokens_that_fit(tiny, tmp_path):
     """A checkpoint with learned positions (GPT-2's 16 here) reads no more tokens than it has
     positions for, whatever max_tokens says (the default 2048 failed every longer conversation,
@@ -463,15 +474,10 @@ def test_a_conversation_longer_than_the_models_positions_is_read_by_its_last_tok
     torch.manual_seed(3)
     GPT2ForSequenceClassification(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    models = RewardModels({"short": RewardModelConfig(path=str(tmp_path))}, device="cpu")
     messages = [{"role": "user", "content": "guess " + " ".join(map(str, range(3, 15)))}, MESSAGES[1]]
     full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     assert len(full) > 16
-    assert models.input_ids("short", messages) == full[-16:]
-    reference = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        expected = float(reference(input_ids=torch.tensor([full[-16:]])).logits[0, 0])
-    assert asyncio.run(models.score("short", messages)) == pytest.approx(expected, abs=1e-5)
+    assert_reads_and_scores(tmp_path, messages, full[-16:])
 
 
 def test_a_roberta_checkpoint_reads_no_more_tokens_than_its_positions_after_its_padding_id(tiny, tmp_path):
@@ -492,15 +498,10 @@ def test_a_roberta_checkpoint_reads_no_more_tokens_than_its_positions_after_its_
     torch.manual_seed(4)
     RobertaForSequenceClassification(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    models = RewardModels({"roberta": RewardModelConfig(path=str(tmp_path))}, device="cpu")
     messages = [{"role": "user", "content": "guess " + " ".join(map(str, range(3, 15)))}, MESSAGES[1]]
     full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     assert len(full) > 17
-    assert models.input_ids("roberta", messages) == full[-16:]
-    reference = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        expected = float(reference(input_ids=torch.tensor([full[-16:]])).logits[0, 0])
-    assert asyncio.run(models.score("roberta", messages)) == pytest.approx(expected, abs=1e-5)
+    assert_reads_and_scores(tmp_path, messages, full[-16:])
 
 
 def test_an_encoder_checkpoint_cut_to_its_positions_keeps_the_cls_token_it_classifies_from(tmp_path):
@@ -522,16 +523,10 @@ def test_an_encoder_checkpoint_cut_to_its_positions_keeps_the_cls_token_it_class
     torch.manual_seed(5)
     BertForSequenceClassification(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    models = RewardModels({"bert": RewardModelConfig(path=str(tmp_path))}, device="cpu")
     messages = [{"role": "user", "content": " ".join(words)}, {"role": "assistant", "content": "w3"}]
     full = tokenizer("user: " + " ".join(words) + "\nassistant: w3")["input_ids"]
     assert len(full) > 16 and full[0] == tokenizer.cls_token_id
-    read = [tokenizer.cls_token_id, *full[-15:]]
-    assert models.input_ids("bert", messages) == read
-    reference = AutoModelForSequenceClassification.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        expected = float(reference(input_ids=torch.tensor([read])).logits[0, 0])
-    assert asyncio.run(models.score("bert", messages)) == pytest.approx(expected, abs=1e-5)
+    assert_reads_and_scores(tmp_path, messages, [tokenizer.cls_token_id, *full[-15:]])
 
 
 def test_a_workers_status_counts_the_reward_models_loaded_again_after_an_eviction(judges, tmp_path):
