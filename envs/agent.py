@@ -105,6 +105,10 @@ _DROP_HEADERS = {
     "expect",
 }
 MAX_BODY = 16 * 1024 * 1024
+GATEWAY_SOCKET = ".gateway.sock"
+"""The gateway's Unix socket in an episode's sandbox folder, which the program's relay reaches."""
+SOCKET_PATH_MAX = 107
+"""Bytes of the longest path a Unix socket address holds (``sun_path`` less its NUL)."""
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """An HTTP header name (RFC 9110 token)."""
 
@@ -177,6 +181,7 @@ class AgentEnv(Env):
 
     name = "agent"
     config_cls = AgentConfig
+    makes_sandboxes = True
     drives_itself = True
     scripted_solver = False
     shows_task_id = True  # in task.json
@@ -245,7 +250,7 @@ class AgentEnv(Env):
         sandbox = await self._new_sandbox()
         with open(os.path.join(sandbox.workdir, "task.json"), "w") as handle:
             json.dump({"id": task.id, "prompt": task.prompt, **task.data}, handle)
-        self.socket_path = os.path.join(sandbox.workdir, ".gateway.sock")
+        self.socket_path = os.path.join(sandbox.workdir, GATEWAY_SOCKET)
         self._server = await asyncio.start_unix_server(self._relay, self.socket_path, limit=65536)
         os.chmod(self.socket_path, 0o666)
         self.result = None

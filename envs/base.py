@@ -219,6 +219,8 @@ class Env(ABC):
     config_cls: ClassVar[type[EnvConfig]] = EnvConfig
     scripted_solver: ClassVar[bool] = True
     """Whether :meth:`demonstrate` can solve a task (the warm start's demonstrations)."""
+    makes_sandboxes: ClassVar[bool] = False
+    """Whether its episodes run in sandboxes (made under ``config.sandbox.root_dir``)."""
     shows_task_id: ClassVar[bool] = False
     """Whether the env gives a task's id to what it runs (then part of the problem, beside its
     prompt and data)."""

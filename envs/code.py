@@ -160,6 +160,7 @@ class CodeEnv(Env):
 
     name = "code"
     config_cls = CodeConfig
+    makes_sandboxes = True
 
     @classmethod
     def tasks(cls, split: Split, seed: int, n: int, config: CodeConfig | None = None) -> list[Task]:

@@ -53,6 +53,7 @@ class PyToolEnv(Env):
 
     name = "pytool"
     config_cls = PyToolConfig
+    makes_sandboxes = True
 
     @classmethod
     def tasks(cls, split: Split, seed: int, n: int, config: PyToolConfig | None = None) -> list[Task]:

@@ -832,6 +832,17 @@ def _folder_prefix(pid: int) -> str:
     return "treadle-sbx-" if key is None or started is None else f"treadle-sbx-{key}-{pid}-{started}-"
 
 
+FOLDER_SUFFIX = 8
+"""Characters ``tempfile.mkdtemp`` adds to a sandbox folder's prefix."""
+
+
+def folder_path_bytes(root_dir: str | None) -> int:
+    """Bytes of the path of a sandbox folder this process makes under ``root_dir`` (the
+    system temp dir when None)."""
+    root = os.path.realpath(root_dir or tempfile.gettempdir())
+    return len(os.fsencode(os.path.join(root, _folder_prefix(os.getpid())))) + FOLDER_SUFFIX
+
+
 def _sweep_once(root: str | None) -> None:
     """:func:`sweep_abandoned` under ``root``, the first time a sandbox of this process is made there."""
     where = os.path.realpath(root or tempfile.gettempdir())

@@ -94,6 +94,7 @@ class ShellEnv(Env):
 
     name = "shell"
     config_cls = ShellConfig
+    makes_sandboxes = True
 
     @classmethod
     def tasks(cls, split: Split, seed: int, n: int, config: ShellConfig | None = None) -> list[Task]:

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import socket
+import tempfile
 import types
 import typing
 from collections.abc import Hashable
@@ -580,16 +581,33 @@ def reward_over_budget(config: RunConfig) -> str | None:
 
 
 def missing_sandbox_root(config: RunConfig) -> str | None:
-    """One line naming the first env of the mix whose ``sandbox.root_dir`` is not a folder;
-    None when each is, or is unset. Every sandbox of the env is made in that folder: without
-    this check each of its rollouts failed, and the pipeline at its first evaluation, once the
-    warm start was over. On Ray the sandboxes are made on the env actors' nodes: not checked."""
+    """One line naming the first env of the mix that makes sandboxes whose ``sandbox.root_dir``
+    is not a folder, or, for an env that drives its own program, is too long for the gateway
+    socket in its sandbox folders; None when each is fine. Without this check each rollout of
+    the env failed (``FileNotFoundError``, ``AF_UNIX path too long``), and the pipeline at its
+    first evaluation, once the warm start was over. On Ray the sandboxes are made on the env
+    actors' nodes: not checked."""
+    from envs.agent import GATEWAY_SOCKET, SOCKET_PATH_MAX
+    from envs.sandbox import folder_path_bytes
+
     if config.cluster != "local":
         return None
     for name in config.orchestrator.mix:
+        if not env_class(name).makes_sandboxes:
+            continue
         root = config.env_config(name).sandbox.root_dir
         if root is not None and not os.path.isdir(root):
             return f"envs.{name}.sandbox.root_dir {root!r} is not a folder"
+        if getattr(env_class(name), "drives_itself", False):
+            path_bytes = folder_path_bytes(root) + 1 + len(GATEWAY_SOCKET)
+            over = path_bytes - SOCKET_PATH_MAX
+            if over > 0:
+                where = f"sandbox.root_dir {root!r}" if root else f"the temp dir {tempfile.gettempdir()!r}"
+                return (
+                    f"envs.{name}: {where} is too long for the gateway socket in its sandbox folders: "
+                    f"its path would be {path_bytes} bytes, over the {SOCKET_PATH_MAX} a Unix socket "
+                    f"address holds; use a root_dir {over} byte{'s' * (over != 1)} shorter"
+                )
     return None
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -22,9 +23,11 @@ import flows.evaluate
 import flows.pipeline
 import flows.rollout
 import flows.train
+from envs.agent import GATEWAY_SOCKET, SOCKET_PATH_MAX
 from envs.base import in_eval_split
 from envs.dataset import DatasetConfig
-from flows.config import _float32_bytes, missing_cores, reward_over_budget
+from envs.sandbox import Sandbox, SandboxConfig, folder_path_bytes
+from flows.config import _float32_bytes, missing_cores, missing_sandbox_root, reward_over_budget
 from rollout.resources import state_bytes
 from storage.tables import Tables
 from tasks.common import run_store
@@ -184,6 +187,49 @@ def test_a_flow_run_whose_sandbox_folder_is_missing_fails_before_the_warm_start(
     )
     failed_with(run(config), rf"^envs.code.sandbox.root_dir '{missing}' is not a folder$")
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_sandbox_folder_is_checked_only_for_an_env_that_makes_sandboxes(tmp_path):
+    """arith makes none: a root_dir set on it (a YAML anchor shared by every env) that is not
+    there refuses nothing."""
+    config = tiny_config(tmp_path / "runs", envs={"arith": {"sandbox": {"root_dir": str(tmp_path / "none")}}})
+    assert missing_sandbox_root(config) is None
+
+
+def test_an_agent_whose_sandbox_folders_are_too_deep_for_its_gateway_socket_is_refused_at_the_byte(tmp_path):
+    """Its program reaches the gateway through a Unix socket in its sandbox folder, whose path
+    a socket address holds up to 107 bytes: past that every rollout failed ('AF_UNIX path too
+    long'). A root_dir whose socket path is 107 bytes binds; one byte longer is refused."""
+    with tempfile.TemporaryDirectory(dir="/tmp") as short:
+        room = SOCKET_PATH_MAX - (folder_path_bytes(short) + 1 + len(GATEWAY_SOCKET))
+        if room < 2:
+            pytest.skip(f"{short} leaves no room for a sandbox folder under it")
+        fits, too_long = os.path.join(short, "d" * (room - 1)), os.path.join(short, "d" * room)
+        for root in (fits, too_long):
+            os.mkdir(root)
+
+        def config(root: str):
+            run = agent_with_tasks([f"t{i}" for i in range(20)], 0.25)
+            run["envs"]["agent"]["sandbox"] = {"root_dir": root}
+            return tiny_config(tmp_path / "runs", **run)
+
+        assert missing_sandbox_root(config(fits)) is None
+        assert missing_sandbox_root(config(too_long)) == (
+            f"envs.agent: sandbox.root_dir {too_long!r} is too long for the gateway socket in its sandbox "
+            f"folders: its path would be {SOCKET_PATH_MAX + 1} bytes, over the {SOCKET_PATH_MAX} a Unix "
+            "socket address holds; use a root_dir 1 byte shorter"
+        )
+        for root, binds in ((fits, True), (too_long, False)):
+            with (
+                Sandbox(SandboxConfig(backend="process", root_dir=root)) as box,
+                socket.socket(socket.AF_UNIX) as s,
+            ):
+                path = os.path.join(box.workdir, GATEWAY_SOCKET)
+                if binds:
+                    s.bind(path)
+                else:
+                    with pytest.raises(OSError, match="AF_UNIX path too long"):
+                        s.bind(path)
 
 
 def test_an_evaluate_run_needs_no_starting_checkpoint(tmp_path, capsys):
