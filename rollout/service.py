@@ -753,8 +753,8 @@ class RolloutService:
             self._warned_compact_at = True
             log.warning(
                 "service.compact_at %d is below a compacted context (%d tokens: the first messages and "
-                "the last %d turns of a %s rollout): each turn past it opens a branch, a row of one action; "
-                "raise compact_at or lower compact_keep_turns",
+                "the last %d turns of a %s rollout): a rollout whose compacted context passes it opens a "
+                "branch on each turn after, a row of one action; raise compact_at or lower compact_keep_turns",
                 self.config.compact_at,
                 len(branch.tokens),
                 keep,
