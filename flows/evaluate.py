@@ -23,8 +23,7 @@ from flows.config import (
 )
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
-from storage.weights import WeightStore
-from tasks.common import run_store
+from tasks.common import published_versions, run_store
 from tasks.report import report_evals
 
 
@@ -53,8 +52,7 @@ def evaluate(
         or rollout_problem(config, ("eval",))
     )
     if problem is None:
-        store = run_store(config)
-        problem = absent_version(store, WeightStore(store).list(), version)
+        problem = absent_version(run_store(config), published_versions(config), version)
     if problem is not None:
         raise ValueError(problem)
     with module_logs_to_run():

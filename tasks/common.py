@@ -12,6 +12,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError
 from deltalake.exceptions import CommitFailedError
+from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
 
@@ -85,6 +86,12 @@ def reporting(callback: Callable[..., None] | None, what: str) -> Callable[..., 
 
 def run_store(config: RunConfig) -> RunStore:
     return RunStore(config.storage, config.run_id)
+
+
+@task(name="list-versions", **STORAGE_RETRIES)
+def published_versions(config: RunConfig) -> list[int]:
+    """The run's published weight versions, ascending: a storage read a retry can clear."""
+    return WeightStore(run_store(config)).list()
 
 
 SIGNAL_POLL_S = 1.0

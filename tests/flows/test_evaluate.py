@@ -743,3 +743,32 @@ def test_the_evaluate_flow_given_a_version_the_run_does_not_hold_fails_in_one_li
         state.result()
     assert str(raised.value) == said
     assert started == []
+
+
+def test_the_evaluate_flow_retries_a_transient_error_listing_the_runs_versions(tmp_path, monkeypatch):
+    """The flow lists the run's versions before its tasks; an S3 503 there failed a nightly
+    evaluation at once, where every other storage read of the flow is retried."""
+    import flows.evaluate
+    import tasks.weights
+
+    config = tiny_config(tmp_path / "runs", "eval-listing-retried")
+    holding_versions(config, 1)
+    listed, refused = WeightStore.list, []
+
+    def fails_once(self):
+        if not refused:
+            refused.append("list")
+            raise OSError("503 Slow Down (injected)")
+        return listed(self)
+
+    monkeypatch.setattr(WeightStore, "list", fails_once)
+    monkeypatch.setattr(
+        flows.evaluate,
+        "published_versions",
+        flows.evaluate.published_versions.with_options(retry_delay_seconds=0),
+    )
+    started = []
+    monkeypatch.setattr(tasks.weights, "evaluate_task", lambda *args: started.append(args) or {})
+    monkeypatch.setattr(flows.evaluate, "report_evals", lambda config: None)
+    assert flows.evaluate.evaluate(config, 1) == {}
+    assert refused == ["list"] and started == [(config, 1)]
