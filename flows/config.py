@@ -396,6 +396,14 @@ class RunConfig(BaseModel):
         """The validated config of environment ``name``."""
         return make_config(name, self.envs.configured().get(name))
 
+    def mix_service(self) -> ServiceConfig:
+        """The ``service`` section as the run's rollout services take it: holding only the reward
+        models an env of ``orchestrator.mix`` names. One configured for no env of the mix is not
+        loaded (its memory, device budget and load time are spared) nor checked at the start."""
+        named = {self.env_config(name).reward_model for name in self.orchestrator.mix}
+        used = {name: reward for name, reward in self.service.reward_models.items() if name in named}
+        return self.service.model_copy(update={"reward_models": used})
+
     def elastic_settings(self) -> ElasticConfig:
         """The ``elastic`` section as the controller and the workers' routers take it: session
         slots left unset are a replica's share of a worker's ``orchestrator.concurrency``."""
@@ -453,8 +461,8 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     file at the first task drawn, after the run started. A checkpoint path that is not there
     may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``), which loads from the Hub: only
     one that cannot be an id is refused. ``model``, ``reward_models``: whether the flow
-    loads ``model.path`` (it may warm-start) and the reward models (it serves a rollout
-    service); the dataset is read by every flow that draws tasks. A local ``storage.root``
+    loads ``model.path`` (it may warm-start) and the reward models an env of the mix names (it
+    serves a rollout service, :meth:`RunConfig.mix_service`); the dataset is read by every flow that draws tasks. A local ``storage.root``
     that is a file, or lies under one, is refused too (it need not exist: it is created);
     it failed once the flow had started, reading the run's ``LATEST``."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -471,7 +479,7 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     if reward_models:
         checkpoints |= {
             f"service.reward_models.{name}.path": reward.path
-            for name, reward in config.service.reward_models.items()
+            for name, reward in config.mix_service().reward_models.items()
         }
     for field, path in checkpoints.items():
         if path and not os.path.exists(path):
@@ -561,7 +569,8 @@ def missing_cores(config: RunConfig) -> str | None:
 
 
 def reward_over_budget(config: RunConfig) -> str | None:
-    """One line naming the first reward model whose checkpoint alone holds more than
+    """One line naming the first reward model an env of the mix names (those the rollout
+    service loads, :meth:`RunConfig.mix_service`) whose checkpoint alone holds more than
     ``service.reward_budget_mb`` (in float32, as the rollout service loads it); None when
     each fits or no budget is set. Without this check the rollout service refused it as it
     loaded the models, after the warm start. A checkpoint's size is read from the headers of
@@ -570,7 +579,7 @@ def reward_over_budget(config: RunConfig) -> str | None:
     if service.scheduler != "action" or service.reward_budget_mb is None:
         return None
     budget = int(service.reward_budget_mb * 2**20)
-    for name, reward in service.reward_models.items():
+    for name, reward in config.mix_service().reward_models.items():
         size = _float32_bytes(Path(reward.path))
         if size is not None and size > budget:
             return (
@@ -612,11 +621,12 @@ def missing_sandbox_root(config: RunConfig) -> str | None:
 
 
 def reward_not_one_label(config: RunConfig) -> str | None:
-    """One line naming the first reward model whose checkpoint has other than one label, as
+    """One line naming the first reward model an env of the mix names (those the rollout
+    service loads, :meth:`RunConfig.mix_service`) whose checkpoint has other than one label, as
     the rollout service refuses it once it loads the models (after the warm start); None when
     each has one. The labels are read from the ``config.json`` of a local directory; a
     checkpoint held otherwise is left to that load."""
-    for name, reward in config.service.reward_models.items():
+    for name, reward in config.mix_service().reward_models.items():
         labels = _num_labels(Path(reward.path))
         if labels is not None and labels != 1:
             return (
@@ -703,7 +713,7 @@ def rollout_devices(config: RunConfig) -> dict[str, str]:
 def _reward_devices(config: RunConfig) -> dict[str, str]:
     """``service.reward_device`` when reward models are served (cluster 'local' only) on a
     device the config names."""
-    service = config.service
+    service = config.mix_service()
     if config.cluster == "local" and service.reward_models and service.reward_device is not None:
         return {"service.reward_device": service.reward_device}
     return {}

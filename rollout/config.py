@@ -157,7 +157,8 @@ class ServiceConfig(BaseModel):
     reward_models: dict[str, RewardModelConfig] = Field(
         default_factory=dict,
         description="Reward-model services by name; an env whose config names one as reward_model is "
-        "scored by it in EVAL.",
+        "scored by it in EVAL. A run loads (and checks at its start) only those an env of its "
+        "orchestrator.mix names.",
     )
     reward_slots: int = Field(
         1,

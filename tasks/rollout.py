@@ -307,7 +307,7 @@ def _build_worker(
             worker_name,
             engine=config.engine,
             gateway=config.gateway,
-            service=config.service,
+            service=config.mix_service(),
             orchestrator=orchestrator,
             env_configs={name: config.env_config(name) for name in orchestrator.mix},
             seed=config.seed,

@@ -391,7 +391,7 @@ def evaluate_weights(
                 engine.tokenizer,
                 listed,
                 lambda t: registry.make(t.env, config.env_config(t.env)),
-                service_config=config.service,
+                service_config=config.mix_service(),
                 temperature=config.eval.temperature,
                 # no more in flight than the run's rollout workers hold (their sandboxes, programs)
                 concurrency=min(EVAL_CONCURRENCY, config.orchestrator.concurrency),

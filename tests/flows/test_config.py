@@ -569,33 +569,32 @@ def test_an_empty_config_file_fails_saying_so(tmp_path, text):
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "said"),
+    ("sets", "said"),
     [
         (
-            "model.path",
-            "{tmp}/no-such-model",
+            ["model.path={tmp}/no-such-model"],
             "model.path '{tmp}/no-such-model' is neither a local directory",
         ),
         (
-            "envs.dataset.path",
-            "{tmp}/no-such.jsonl",
+            ["envs.dataset.path={tmp}/no-such.jsonl"],
             "envs.dataset.path '{tmp}/no-such.jsonl' does not exist",
         ),
         (
-            "service.reward_models",
-            "{{judge: {{path: {tmp}/no-such-judge}}}}",
+            [
+                "service.reward_models={{judge: {{path: {tmp}/no-such-judge}}}}",
+                "envs.arith.reward_model=judge",
+            ],
             "service.reward_models.judge.path '{tmp}/no-such-judge' is neither a local directory",
         ),
     ],
+    ids=["model", "dataset", "reward-model"],
 )
-def test_a_flow_given_a_local_path_that_does_not_exist_exits_naming_the_field(
-    tmp_path, capsys, field, value, said
-):
+def test_a_flow_given_a_local_path_that_does_not_exist_exits_naming_the_field(tmp_path, capsys, sets, said):
     """Refused as the command starts: found at the warm start or the first task otherwise."""
-    value, said = value.format(tmp=tmp_path), said.format(tmp=tmp_path)
+    said = said.format(tmp=tmp_path)
     with pytest.raises(SystemExit) as exited:
         flows.rollout.main(
-            ["--set", f"{field}={value}"]
+            [arg for field in sets for arg in ("--set", field.format(tmp=tmp_path))]
             + ["--set", f"storage.root={tmp_path}/runs", "--set", "warm_start.enabled=false"]
         )
     err = capsys.readouterr().err
@@ -680,12 +679,16 @@ def test_each_flow_checks_what_it_uses_in_its_own_process(tmp_path):
     reward model is served (nor in an evaluation), so their devices are not its own; a
     worker whose engines are vLLM servers runs no torch engine."""
     judge = {"reward_models": {"judge": {"path": str(tmp_path / "no-such-judge")}}}
-    assert train_paths(load_config(TINY, {"service": judge})) is None
-    assert missing_path(load_config(TINY, {"service": judge})).startswith("service.reward_models.judge.path ")
+    judged = {"service": judge, "envs": {"arith": {"reward_model": "judge"}}}
+    assert train_paths(load_config(TINY, judged)) is None
+    assert missing_path(load_config(TINY, judged)).startswith("service.reward_models.judge.path ")
     moved = load_config(TINY, {"model": {"path": str(tmp_path / "moved-model")}})
     assert missing_path(moved).startswith("model.path ")
     assert evaluate_paths(moved) is None
-    on_gpus = {"engine": {"torch": {"device": "cuda:99"}}, "service": {**judge, "reward_device": "cuda:98"}}
+    on_gpus = judged | {
+        "engine": {"torch": {"device": "cuda:99"}},
+        "service": {**judge, "reward_device": "cuda:98"},
+    }
     local = load_config(TINY, on_gpus)
     assert rollout_devices(local) == {"engine.torch.device": "cuda:99", "service.reward_device": "cuda:98"}
     assert evaluate_devices(local) == rollout_devices(local)

@@ -27,7 +27,17 @@ from envs.agent import GATEWAY_SOCKET, SOCKET_PATH_MAX
 from envs.base import in_eval_split
 from envs.dataset import DatasetConfig
 from envs.sandbox import Sandbox, SandboxConfig, folder_path_bytes
-from flows.config import _float32_bytes, missing_cores, missing_sandbox_root, reward_over_budget
+from flows.config import (
+    _float32_bytes,
+    evaluate_devices,
+    missing_cores,
+    missing_path,
+    missing_sandbox_root,
+    reward_not_one_label,
+    reward_over_budget,
+    rollout_devices,
+    rollout_problem,
+)
 from rollout.resources import state_bytes
 from storage.tables import Tables
 from tasks.common import run_store
@@ -43,9 +53,14 @@ def failed_with(state, pattern: str) -> None:
         state.result()
 
 
+JUDGED_ARITH = {"arith": {"reward_model": "judge"}}
+"""arith scored by reward model 'judge': a run loads (and checks) only the reward models its envs name."""
+
+
 def reward_on_a_missing_gpu(tmp_path) -> dict:
-    """A reward model served on a CUDA device this machine lacks."""
-    return {"reward_models": {"judge": {"path": str(tmp_path)}}, "reward_device": "cuda:99"}
+    """Overrides serving arith's reward model on a CUDA device this machine lacks."""
+    service = {"reward_models": {"judge": {"path": str(tmp_path)}}, "reward_device": "cuda:99"}
+    return {"service": service, "envs": JUDGED_ARITH}
 
 
 @pytest.mark.parametrize("cluster", ["local", "ray"])
@@ -72,7 +87,7 @@ def test_a_rollout_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_
 ):
     """Its engines and its reward models run in its own process with cluster 'local'."""
     if overrides.get("service") == "reward":
-        overrides = {"service": reward_on_a_missing_gpu(tmp_path)}
+        overrides = reward_on_a_missing_gpu(tmp_path)
     config = tiny_config(tmp_path / "runs", "no-such-gpu", warm_start=NO_WARM_START, **overrides)
     failed_with(
         flows.rollout.rollout(config, return_state=True), rf"^{field} is 'cuda:99', but this machine shows "
@@ -124,7 +139,7 @@ def test_an_evaluate_run_on_a_cuda_device_the_machine_lacks_fails_before_it_load
     process; the reward models' device was not checked at all, the engine's only on the
     command line."""
     if overrides.get("service") == "reward":
-        overrides = {"service": reward_on_a_missing_gpu(tmp_path)}
+        overrides = reward_on_a_missing_gpu(tmp_path)
     config = tiny_config(tmp_path / "runs", "no-such-gpu", warm_start=NO_WARM_START, **overrides)
     build_base_version(config, log=lambda line: None)
     failed_with(
@@ -159,6 +174,7 @@ def test_a_rollout_run_whose_reward_model_is_missing_fails_before_the_warm_start
         "no-judge",
         warm_start=NO_WARM_START,
         service={"reward_models": {"judge": {"path": missing}}},
+        envs=JUDGED_ARITH,
     )
     failed_with(
         flows.rollout.rollout(config, return_state=True),
@@ -596,9 +612,54 @@ def test_a_flow_command_whose_reward_model_has_more_than_one_label_exits_in_one_
 )
 def test_a_reward_model_within_its_budget_or_with_none_set_is_not_refused(tmp_path, judge, service):
     config = tiny_config(
-        tmp_path / "runs", "judge-fits", service={"reward_models": {"judge": {"path": str(judge)}}, **service}
+        tmp_path / "runs",
+        "judge-fits",
+        service={"reward_models": {"judge": {"path": str(judge)}}, **service},
+        envs=JUDGED_ARITH,
     )
     assert reward_over_budget(config) is None
+
+
+def test_a_reward_model_no_env_of_the_mix_names_blocks_no_run_and_is_checked_once_one_does(tmp_path, judge):
+    """The rollout service loads only the reward models an env of the mix names: one for
+    an env out of the mix (pytool) or for none, missing or with two labels past the budget,
+    refused the run all the same."""
+    wide = tmp_path / "wide"
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=2,
+        pad_token_id=0,
+    )
+    LlamaForSequenceClassification(config).save_pretrained(wide)
+    reward_models = {
+        "judge": {"path": str(judge)},
+        "wide": {"path": str(wide)},
+        "absent": {"path": str(tmp_path / "no-such-judge")},
+    }
+    service = {"reward_models": reward_models, "reward_budget_mb": 1.01 * _float32_bytes(judge) / 2**20}
+    envs = {"arith": {"reward_model": "judge"}, "pytool": {"reward_model": "wide"}}
+    config = tiny_config(tmp_path / "runs", "spare-judges", service=service, envs=envs)
+    assert missing_path(config) is None
+    assert rollout_problem(config, ("train", "eval")) is None
+    on_gpu = tiny_config(
+        tmp_path / "runs", "spare-judge-gpu", service=reward_on_a_missing_gpu(tmp_path)["service"]
+    )
+    assert rollout_devices(on_gpu) == evaluate_devices(on_gpu) == {"engine.torch.device": "cpu"}
+
+    used = tiny_config(
+        tmp_path / "runs", "wide-judge", service=service, envs={"guess": {"reward_model": "wide"}}
+    )
+    assert rollout_problem(used, ("train",)).startswith("reward model 'wide' needs ")
+    assert reward_not_one_label(used).startswith("reward model 'wide' at ")
+    used = tiny_config(
+        tmp_path / "runs", "absent-judge", service=service, envs={"guess": {"reward_model": "absent"}}
+    )
+    assert missing_path(used).startswith("service.reward_models.absent.path ")
 
 
 @pytest.mark.parametrize("beside", ["consolidated.safetensors", "adapter_model.safetensors"])
@@ -614,7 +675,8 @@ def test_a_checkpoints_size_counts_only_the_files_its_load_reads(tmp_path, judge
     loaded = state_bytes(AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32))
     assert _float32_bytes(folder) == _float32_bytes(judge) <= loaded
     service = {"reward_models": {"judge": {"path": str(folder)}}, "reward_budget_mb": 1.01 * loaded / 2**20}
-    assert reward_over_budget(tiny_config(tmp_path / "runs", "judge-beside", service=service)) is None
+    config = tiny_config(tmp_path / "runs", "judge-beside", service=service, envs=JUDGED_ARITH)
+    assert reward_over_budget(config) is None
 
 
 def test_a_sharded_checkpoints_size_is_that_of_the_shards_its_index_names(tmp_path):

@@ -256,7 +256,9 @@ def test_a_pipeline_run_whose_reward_models_are_on_a_cuda_device_the_machine_lac
     """The reward models are served in the flow's own process: on a device it lacks, the run
     failed only once the warm start was over (a run started from a deployment's form)."""
     service = {"reward_models": {"judge": {"path": str(tmp_path)}}, "reward_device": "cuda:99"}
-    config = tiny_config(tmp_path / "runs", "no-such-reward-gpu", service=service)
+    config = tiny_config(
+        tmp_path / "runs", "no-such-reward-gpu", service=service, envs={"arith": {"reward_model": "judge"}}
+    )
     state = pipeline_module.pipeline(config, return_state=True)
     assert state.is_failed()
     with pytest.raises(ValueError, match=r"^service.reward_device is 'cuda:99', but this machine shows "):

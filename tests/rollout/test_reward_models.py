@@ -564,3 +564,52 @@ def test_a_workers_status_counts_the_reward_models_loaded_again_after_an_evictio
     run_rollouts(run, time.time() + 600, "w0", on_progress=on_progress, progress_every_s=0.1, stop=stop)
     assert seen[-1]["reward_reloads"] >= 2, seen[-1]["orchestrator"]
     assert "reward models reloaded" in rollout_detail(seen[-1])
+
+
+@pytest.mark.parametrize("flow", ["rollouts", "evaluation"])
+def test_a_run_loads_only_the_reward_models_the_envs_of_its_mix_name(judges, tmp_path, monkeypatch, flow):
+    """Every configured reward model was loaded, by a rollout worker and by an evaluation,
+    those of no env of the mix too: guess's judge (guess is out of the mix) cost its memory
+    and load for nothing, and one that does not load (a folder holding no checkpoint, named by
+    no env) failed the run."""
+    from rl.models import ensure_base_version
+    from rollout import service as service_module
+    from storage.config import RunStore, StorageConfig
+    from storage.weights import WeightStore
+    from tasks.rollout import run_rollouts
+    from tasks.weights import evaluate_weights
+    from tests.rl.test_trainer import TINY as POLICY
+
+    loaded: list[list[str]] = []
+
+    class Recorded(RewardModels):
+        def __init__(self, configs, **kwargs):
+            loaded.append(sorted(configs))
+            super().__init__(configs, **kwargs)
+
+    monkeypatch.setattr(service_module, "RewardModels", Recorded)
+    (tmp_path / "no-checkpoint").mkdir()
+    run = RunConfig(
+        run_id="unused-judges",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        orchestrator={"mix": {"arith": 1.0}, "concurrency": 2},
+        envs={name: {"reward_model": judge} for name, judge in JUDGES.items()},
+        service={
+            "max_new_tokens": 4,
+            "reward_models": {name: {"path": path} for name, path in judges.items()}
+            | {"spare": {"path": str(tmp_path / "no-checkpoint")}},
+        },
+        eval={"tasks_per_env": 4},
+        stop={"max_rollouts": 4},
+    )
+    assert list(run.mix_service().reward_models) == ["judge-a"]
+    ensure_base_version(WeightStore(RunStore(run.storage, run.run_id)), POLICY)
+    if flow == "rollouts":
+        tasks = run_rollouts(run, time.time() + 600, "w0")["orchestrator"]["tasks"]
+        finished, statuses = tasks["arith"]["finished"], tasks["arith"]["statuses"]
+    else:
+        result = evaluate_weights(run)
+        finished, statuses = result.count["arith"], result.statuses["arith"]
+    assert loaded == [["judge-a"]]
+    assert finished == 4
+    assert set(statuses) <= {"ok", "truncated"}, statuses
