@@ -29,6 +29,7 @@ from flows.config import (
     missing_path,
     missing_ray,
     rollout_problem,
+    too_few_demos,
     unreachable_ray,
     yaml_problem,
 )
@@ -107,6 +108,7 @@ def parse(
     paths: Callable[[RunConfig], str | None] | None = missing_path,
     ray: bool = False,
     splits: tuple[Split, ...] = (),
+    warm_starts: bool = False,
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
     config error's message (naming the field) when it does not load, or when a field of
@@ -118,7 +120,9 @@ def parse(
     or nothing answers at its ``ray_address`` (:func:`~flows.config.unreachable_ray`),
     or, for a flow that rolls out and draws tasks of ``splits``, what
     :func:`~flows.config.rollout_problem` finds (a task it cannot draw, more cores than this
-    process may use, a reward model past its budget)."""
+    process may use, a reward model past its budget), or, for a flow that may warm-start
+    (``warm_starts``), more demonstrations asked of an env than it holds train tasks
+    (:func:`~flows.config.too_few_demos`)."""
     set_prefect_defaults()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
@@ -190,6 +194,7 @@ def parse(
         or ((missing_ray(config) or unreachable_ray(config)) if ray else None)
         or (paths(config) if paths else None)
         or (rollout_problem(config, splits) if splits else None)
+        or (too_few_demos(config) if warm_starts else None)
     )
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

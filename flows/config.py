@@ -26,12 +26,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from envs.agent import AgentConfig
 from envs.arith import ArithConfig
-from envs.base import EnvConfig, Split
+from envs.base import EnvConfig, Split, TooFewTasks
 from envs.code import CodeConfig
 from envs.dataset import DatasetConfig
 from envs.guess import GuessConfig
 from envs.pytool import PyToolConfig
-from envs.registry import REGISTRY, env_class, make_config
+from envs.registry import REGISTRY, env_class, make_config, task_set
 from envs.shell_env import ShellConfig
 from rl.config import SAOConfig, SFTConfig, TinyModelConfig, TorchDevice
 from rl.processor import ProcessorConfig
@@ -67,7 +67,12 @@ class WarmStartConfig(BaseModel):
     enabled: bool = Field(
         True, description="Warm-start version 0 on demonstrations when the run has no weights."
     )
-    demos_per_env: int = Field(2000, ge=1, description="Demonstrations per environment in the mix.")
+    demos_per_env: int = Field(
+        2000,
+        ge=1,
+        description="Demonstrations per environment in the mix; a run asking one for more than its train "
+        "split holds distinct tasks (code's 327) is refused at its start.",
+    )
     demos: dict[str, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict,
         description="Demonstrations of particular environments, overriding demos_per_env (e.g. fewer "
@@ -77,6 +82,10 @@ class WarmStartConfig(BaseModel):
         True, description="Use each env's flawed demonstrator, so RL has something left to learn."
     )
     sft: SFTConfig = Field(default_factory=SFTConfig, description="Optimizer settings of the warm start.")
+
+    def count(self, env: str) -> int:
+        """Demonstrations of ``env``: ``demos[env]``, else ``demos_per_env``."""
+        return self.demos.get(env, self.demos_per_env)
 
 
 class ElasticRunConfig(ElasticConfig):
@@ -346,10 +355,7 @@ class RunConfig(BaseModel):
                         f"envs.{name}.reward_model: reward models are not served with cluster 'ray'"
                     )
         if self.warm_start.enabled:
-            counts = {
-                name: self.warm_start.demos.get(name, self.warm_start.demos_per_env)
-                for name in self.orchestrator.mix
-            }
+            counts = {name: self.warm_start.count(name) for name in self.orchestrator.mix}
             for name, count in counts.items():
                 if count and not env_class(name).scripted_solver:
                     raise ValueError(
@@ -531,6 +537,36 @@ def empty_split(config: RunConfig, splits: tuple[Split, ...] = ("train", "eval")
                 return f"envs.{name}: {exc}"
             except Exception as exc:
                 return f"envs.{name}: {split} tasks could not be drawn: {type(exc).__name__}: {exc}"
+    return None
+
+
+def too_few_demos(config: RunConfig) -> str | None:
+    """One line naming the setting that asks the warm start for more demonstrations of an env
+    of the mix than its train split holds distinct tasks (``code``'s 327 under the default
+    ``demos_per_env``), and how many it holds; None when each gives them (an env that repeats
+    its tasks by design gives any number) or warm_start is off. The tasks are drawn as the warm
+    start draws them. Without this check the run failed once the flow had started (a Ray
+    cluster up), at its warm start. A draw that fails otherwise is left to :func:`empty_split`
+    and to the warm start, which name why."""
+    if not config.warm_start.enabled:
+        return None
+    for name in config.orchestrator.mix:
+        count = config.warm_start.count(name)
+        if count == 0:
+            continue
+        try:
+            task_set(name, "train", config.seed, count, config.env_config(name))
+        except TooFewTasks as exc:
+            setting = (
+                f"warm_start.demos.{name}" if name in config.warm_start.demos else "warm_start.demos_per_env"
+            )
+            return (
+                f"{setting} ({count}) asks for more demonstrations of {name} than the {exc.available} distinct "
+                f"tasks its train split holds; set warm_start.demos.{name} to at most {exc.available} "
+                "(0 leaves it out) or turn warm_start off"
+            )
+        except Exception:
+            continue
     return None
 
 

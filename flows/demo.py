@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> None:
         argv,
         devices=pipeline_devices,
         splits=("train", "eval"),
+        warm_starts=True,
     )
     from flows.pipeline import pipeline
     from tasks.common import run_store

@@ -22,6 +22,7 @@ from flows.config import (
     missing_ray,
     pipeline_devices,
     rollout_problem,
+    too_few_demos,
     unreachable_ray,
 )
 from flows.run_logs import module_logs_to_run
@@ -185,6 +186,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         or unreachable_ray(config)
         or missing_path(config)
         or rollout_problem(config, ("train", "eval"))
+        or too_few_demos(config)
     )
     if problem is not None:
         raise ValueError(problem)
@@ -247,6 +249,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=pipeline_devices,
         ray=True,
         splits=("train", "eval"),
+        warm_starts=True,
     )
     weight_versions(run_store(config))
     temporary_api()

@@ -21,6 +21,7 @@ from flows.config import (
     rollout_devices,
     rollout_problem,
     schema_pattern,
+    too_few_demos,
     unreachable_ray,
 )
 from flows.pipeline import deadline_of
@@ -50,6 +51,7 @@ def rollout(
         or unreachable_ray(config)
         or missing_path(config)
         or rollout_problem(config, ("train",))
+        or too_few_demos(config)
     )
     if problem is not None:
         raise ValueError(problem)
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         devices=rollout_devices,
         ray=True,
         splits=("train",),
+        warm_starts=True,
     )
     weight_versions(run_store(config))
     temporary_api()

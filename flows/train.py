@@ -12,7 +12,7 @@ from typing import Any
 from prefect import flow
 
 from flows.cli_args import stops_as_on_ctrl_c
-from flows.config import RunConfig, missing_device, train_devices, train_paths
+from flows.config import RunConfig, missing_device, too_few_demos, train_devices, train_paths
 from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
 from tasks.report import report_task
@@ -31,7 +31,7 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
     """
     # a run started from a deployment's form is checked here: on a run that has a version
     # the trainer's device is first used once the warm start is over
-    problem = missing_device(train_devices(config)) or train_paths(config)
+    problem = missing_device(train_devices(config)) or train_paths(config) or too_few_demos(config)
     if problem is not None:
         raise ValueError(problem)
     with module_logs_to_run():
@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         ),
         devices=train_devices,
         paths=train_paths,
+        warm_starts=True,
     )
     weight_versions(run_store(config))
     temporary_api()

@@ -51,7 +51,7 @@ def demonstration_data(
     sequences, masks = [], []
     for name in envs or list(config.orchestrator.mix):
         env_config = config.env_config(name)
-        count = config.warm_start.demos.get(name, config.warm_start.demos_per_env)
+        count = config.warm_start.count(name)
         if count == 0:
             continue
         try:

@@ -28,7 +28,9 @@ from envs.base import in_eval_split
 from envs.dataset import DatasetConfig
 from envs.sandbox import Sandbox, SandboxConfig, folder_path_bytes
 from flows.config import (
+    Replacement,
     _float32_bytes,
+    _merge,
     evaluate_devices,
     missing_cores,
     missing_path,
@@ -37,6 +39,7 @@ from flows.config import (
     reward_over_budget,
     rollout_devices,
     rollout_problem,
+    too_few_demos,
 )
 from rollout.resources import state_bytes
 from storage.tables import Tables
@@ -265,6 +268,85 @@ def test_an_evaluate_run_needs_no_starting_checkpoint(tmp_path, capsys):
     assert printed.startswith("{'version': 0, 'reward': {"), printed
     assert Tables(run_store(config)).read("evals").column("version").to_pylist() == [0] * len(
         config.orchestrator.mix
+    )
+
+
+CODE_ONLY = {"orchestrator": {"mix": Replacement({"code": 1.0})}, "warm_start": {"demos_per_env": 2000}}
+"""A run warm-starting on 2000 demonstrations of code, whose train split holds 327 tasks."""
+
+
+@pytest.mark.parametrize(
+    "run",
+    [
+        lambda config: flows.pipeline.pipeline(config, return_state=True),
+        lambda config: flows.rollout.rollout(config, return_state=True),
+        lambda config: flows.train.train(config, return_state=True),
+    ],
+    ids=["pipeline", "rollout", "train"],
+)
+def test_a_flow_run_asking_more_demonstrations_than_an_env_holds_fails_before_the_warm_start(tmp_path, run):
+    """The default demos_per_env asks code for 2000 of its 327 train tasks: the run failed at
+    its warm start, once the flow (and on Ray the cluster) had started."""
+    config = tiny_config(tmp_path / "runs", "code-demos", **CODE_ONLY)
+    failed_with(
+        run(config),
+        r"^warm_start.demos_per_env \(2000\) asks for more demonstrations of code than the 327 distinct "
+        r"tasks its train split holds; set warm_start.demos.code to at most 327 \(0 leaves it out\) or "
+        r"turn warm_start off$",
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_flow_command_asking_more_demonstrations_than_an_env_holds_exits_in_one_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
+        flows.train.main(
+            ["--set", "orchestrator.mix={code: 1.0}", "--set", "warm_start.demos={code: 400}"]
+            + ["--set", f"storage.root={tmp_path}/runs"]
+        )
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: warm_start.demos.code (400) asks for more demonstrations of code than the 327 distinct "
+        "tasks its train split holds; set warm_start.demos.code to at most 327 (0 leaves it out) or turn "
+        "warm_start off\n"
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"warm_start": {"demos": {"code": 327}}},  # every train task, each once
+        {"warm_start": {"enabled": False}},
+        {
+            "orchestrator": {"mix": Replacement({"code": 1.0, "guess": 1.0})},
+            "warm_start": {"demos": {"code": 0}},
+        },
+        {
+            "orchestrator": {"mix": Replacement({"arith": 1.0})},
+            "envs": {"arith": {"max_operand": 3}},
+            "warm_start": {"demos_per_env": 16},
+        },
+    ],
+    ids=["all-code-tasks", "no-warm-start", "code-left-out", "arith-holds-enough"],
+)
+def test_demonstrations_an_env_gives_are_not_refused(tmp_path, overrides):
+    """guess repeats its problems by design: any number of its demonstrations is drawn; arith
+    with max_operand 3 holds 16 train sums, as many as the 16 asked for."""
+    config = tiny_config(tmp_path / "runs", "demos-fit", **_merge(CODE_ONLY, overrides))
+    assert too_few_demos(config) is None
+
+
+def test_an_env_asked_for_more_demonstrations_than_its_train_split_holds_is_refused(tmp_path):
+    """arith with max_operand 3 holds 16 distinct train sums: 17 of them are refused."""
+    config = tiny_config(
+        tmp_path / "runs",
+        "few-sums",
+        orchestrator={"mix": Replacement({"arith": 1.0})},
+        envs={"arith": {"max_operand": 3}},
+        warm_start={"demos_per_env": 17},
+    )
+    assert too_few_demos(config).startswith(
+        "warm_start.demos_per_env (17) asks for more demonstrations of arith than the 16 distinct tasks"
     )
 
 
