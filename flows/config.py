@@ -136,7 +136,14 @@ class StopConfig(BaseModel):
 
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
 
-    max_seconds: float | None = Field(120.0, gt=0, description="Wall-clock budget of rollout and training.")
+    max_seconds: float | None = Field(
+        120.0,
+        gt=0,
+        description="Wall-clock budget of rollout and training, counted from when the rollout worker is up "
+        "(its engines loaded and, on Ray, its env actors started): a start-up, a fresh Ray cluster's above "
+        "all, is not counted. The pipeline's processing and training share that deadline; a train or "
+        "process flow run alone counts from its own start, after the warm start.",
+    )
     max_policy_steps: int | None = Field(
         None,
         ge=1,

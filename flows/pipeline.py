@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import math
-import time
 import uuid
 from typing import Any
 
@@ -27,15 +25,11 @@ from flows.config import (
 )
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
-from tasks.common import clear_signals, run_store, send_signal
+from tasks.common import SIGNAL_POLL_S, clear_signals, read_signal, run_store, send_signal
 from tasks.report import report_task
 
 DRAIN_SECONDS = 10.0
 """How long past the deadline the process task may go on, to process the last shards."""
-
-
-def deadline_of(config: RunConfig) -> float:
-    return time.time() + config.stop.max_seconds if config.stop.max_seconds else math.inf
 
 
 def _wind_down(
@@ -110,7 +104,28 @@ def _clear_signals(store: RunStore, signals: str) -> None:
         get_run_logger().warning("could not remove the signals of %s: %s", signals, exc)
 
 
-def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict, dict, dict]:
+def _deadline(config: RunConfig, signals: str, rollout_run: PrefectFuture) -> float:
+    """The run's deadline, ``stop.max_seconds`` from when its rollout worker is up: what the
+    rollouts task raises in signal ``started`` once its engines are loaded (and on Ray its env
+    actors started), so that a start-up, a fresh Ray cluster's above all, eats none of a
+    short run's budget. Raises why the rollouts task ended before; a flow stopping meanwhile
+    stops it."""
+    store = run_store(config)
+    try:
+        while (started := read_signal(store, signals, "started")) is None:
+            rollout_run.wait(timeout=SIGNAL_POLL_S)
+            if rollout_run.state.is_final() and read_signal(store, signals, "started") is None:
+                rollout_run.result()  # raises its error
+                raise RuntimeError("the rollouts task ended without its worker coming up")
+    except BaseException:
+        send_signal(store, signals, "stop")
+        rollout_run.wait()
+        _clear_signals(store, signals)
+        raise
+    return float(started)
+
+
+def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
     """The three long-running tasks as Ray tasks on the cluster at ``config.ray_address``.
 
     The rollout task only drives its engine and env actors, so it asks for no CPU of its
@@ -145,9 +160,8 @@ def _run_on_ray(config: RunConfig, deadline: float, signals: str) -> tuple[dict,
     )
     with RayTaskRunner(address=config.ray_address) as runner:
         with remote_options(num_cpus=0):
-            rollout_run = runner.submit(
-                rollouts, {"config": config, "deadline": deadline, "signals": signals}
-            )
+            rollout_run = runner.submit(rollouts, {"config": config, "deadline": None, "signals": signals})
+        deadline = _deadline(config, signals, rollout_run)
         with remote_options(**process_options):
             process_run = runner.submit(
                 process_shards, {"config": config, "deadline": deadline + DRAIN_SECONDS, "signals": signals}
@@ -205,15 +219,16 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         # the newest version that verifies: the one the trainer and the workers start from
         before = evaluate_task(config, reuse=True)
         logger.info("version %d held-out reward before RL: %s", before["version"], before["reward"])
-        deadline = deadline_of(config)
         signals = uuid.uuid4().hex
         if config.cluster == "ray":
-            generated, processed, trained = _run_on_ray(config, deadline, signals)
+            generated, processed, trained = _run_on_ray(config, signals)
         else:
+            rollout_run = rollouts.submit(config, None, signals=signals)
+            deadline = _deadline(config, signals, rollout_run)
             generated, processed, trained = _wind_down(
                 config,
                 signals,
-                rollouts.submit(config, deadline, signals=signals),
+                rollout_run,
                 process_shards.submit(config, deadline + DRAIN_SECONDS, signals=signals),
                 train.submit(config, deadline, signals=signals),
             )

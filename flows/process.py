@@ -11,8 +11,8 @@ from prefect import flow
 
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig
-from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
+from tasks.common import deadline_of
 
 
 @flow(name="process", flow_run_name="{config.run_id}", log_prints=True)

@@ -24,7 +24,6 @@ from flows.config import (
     too_few_demos,
     unreachable_ray,
 )
-from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
 from storage.shards import NAME_PATTERN
 
@@ -61,7 +60,7 @@ def rollout(
         from tasks.weights import warm_start
 
         warm_start(config)
-        return rollouts(config, deadline_of(config), worker_name)
+        return rollouts(config, None, worker_name)
 
 
 def _worker_name(text: str) -> str:

@@ -13,8 +13,8 @@ from prefect import flow
 
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig, missing_device, too_few_demos, train_devices, train_paths
-from flows.pipeline import deadline_of
 from flows.run_logs import module_logs_to_run
+from tasks.common import deadline_of
 from tasks.report import report_task
 
 

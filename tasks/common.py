@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import posixpath
 import threading
 import time
@@ -88,6 +89,11 @@ def run_store(config: RunConfig) -> RunStore:
     return RunStore(config.storage, config.run_id)
 
 
+def deadline_of(config: RunConfig) -> float:
+    """The epoch seconds at which ``stop.max_seconds`` from now runs out (inf without one)."""
+    return time.time() + config.stop.max_seconds if config.stop.max_seconds else math.inf
+
+
 @task(name="list-versions", **STORAGE_RETRIES)
 def published_versions(config: RunConfig) -> list[int]:
     """The run's published weight versions, ascending: a storage read a retry can clear."""
@@ -110,22 +116,39 @@ def signal_path(key: str, name: str) -> str:
     return posixpath.join(signals_dir(key), name)
 
 
-def send_signal(store: RunStore, key: str, name: str, retry_s: tuple[float, ...] = SIGNAL_RETRY_S) -> None:
+def send_signal(
+    store: RunStore,
+    key: str,
+    name: str,
+    retry_s: tuple[float, ...] = SIGNAL_RETRY_S,
+    content: str | None = None,
+) -> None:
     """Raise signal ``name`` for the tasks sharing ``key``, wherever they run (threads,
-    processes, Ray workers on other machines: the run's store is what they share).
+    processes, Ray workers on other machines: the run's store is what they share), holding
+    ``content`` (:func:`read_signal`; its name when None).
 
     A store error is retried after each wait of ``retry_s``, then raised: a task that never
     hears its signal runs on to its deadline, or for ever without one.
     """
     for wait in (*retry_s, None):
         try:
-            store.fs.pipe_file(store.path(signal_path(key, name)), name.encode())
+            store.fs.pipe_file(
+                store.path(signal_path(key, name)), (name if content is None else content).encode()
+            )
             return
         except Exception as exc:
             if wait is None:
                 raise
             log.warning("could not raise signal %r (%s); trying again in %.1f s", name, exc, wait)
             time.sleep(wait)
+
+
+def read_signal(store: RunStore, key: str, name: str) -> str | None:
+    """What signal ``name`` of ``key`` holds; None while it is not raised."""
+    try:
+        return store.fs.cat_file(store.path(signal_path(key, name))).decode()
+    except FileNotFoundError:
+        return None
 
 
 def clear_signals(store: RunStore, key: str) -> None:

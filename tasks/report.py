@@ -60,6 +60,11 @@ class ProgressReporter:
         except Exception as exc:  # the Prefect API may be unreachable for a moment: the work goes on
             self.logger.warning("progress artifact of %s not created: %r", description, exc)
 
+    def time_toward(self, deadline: float) -> None:
+        """Measure elapsed time toward ``deadline`` from now: a deadline set once the work is up."""
+        self.started = time.time()
+        self.deadline = deadline if math.isfinite(deadline) else None
+
     def _percent(self, count: int) -> float:
         if self.total:
             return min(100.0, 100.0 * count / self.total)

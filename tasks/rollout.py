@@ -26,7 +26,16 @@ from storage.status import (
     RolloutStatusBoard,
     wait_until_free,
 )
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_resource, run_store, watch_signal
+from tasks.common import (
+    SIDE_EFFECTS,
+    STORAGE_RETRIES,
+    deadline_of,
+    reporting,
+    run_resource,
+    run_store,
+    send_signal,
+    watch_signal,
+)
 from tasks.event_loop import run_async
 
 log = logging.getLogger(__name__)
@@ -76,7 +85,7 @@ def router_config(config: RunConfig) -> RouterConfig:
 
 def run_rollouts(
     config: RunConfig,
-    deadline: float,
+    deadline: float | Callable[[], float],
     worker_name: str = "worker-0",
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     progress_every_s: float = 5.0,
@@ -85,7 +94,8 @@ def run_rollouts(
     flush_records: int = 64,
     flush_seconds: float = 10.0,
 ) -> dict[str, Any]:
-    """Run rollouts until ``deadline`` (epoch seconds), ``stop``, ``stop.max_rollouts`` or, seen
+    """Run rollouts until ``deadline`` (epoch seconds; a function is called once the worker is
+    up, its engines loaded and on Ray its env actors started, for it), ``stop``, ``stop.max_rollouts`` or, seen
     at a beat, a served weight version at ``stop.max_policy_steps`` (the trainer stopped there:
     nothing more would be trained): no rollout launches once ``stop`` is set (or that version
     is served), and those in flight are cut short at the next beat
@@ -220,8 +230,9 @@ def run_rollouts(
             finally:  # stopped before the worker's own statuses, so that no idle one lands after them
                 await asyncio.to_thread(loading.stop)
             await publish_status(running=True)
+            end = await asyncio.to_thread(deadline) if callable(deadline) else deadline
             reporter = asyncio.create_task(report())
-            stats = await worker.run(max_seconds=max(deadline - time.time(), 0.001))
+            stats = await worker.run(max_seconds=max(end - time.time(), 0.001))
         finally:
             finished.set()
             if reporter is not None:
@@ -362,11 +373,14 @@ def rollout_detail(status: dict[str, Any]) -> str:
 
 @task(name="rollouts", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def rollouts(
-    config: RunConfig, deadline: float, worker_name: str = "worker-0", signals: str | None = None
+    config: RunConfig, deadline: float | None, worker_name: str = "worker-0", signals: str | None = None
 ) -> dict[str, Any]:
     """Generate rollouts into raw shards until the deadline; emits ``treadle.shard.committed``
     per raw shard; returns the worker's counters. With ``signals`` (a key of
-    :func:`tasks.common.send_signal`) it also stops at signal ``stop``."""
+    :func:`tasks.common.send_signal`) it also stops at signal ``stop``. ``deadline`` None:
+    ``stop.max_seconds`` from when the worker is up (its start-up, a Ray cluster's actors and
+    engines loading, left out), raised with ``signals`` as signal ``started`` holding it, for
+    the tasks that share the run's deadline."""
     from tasks.report import ProgressReporter
 
     limit = max_rollouts(config)
@@ -400,10 +414,17 @@ def rollouts(
             },
         )
 
+    def deadline_from_start() -> float:
+        end = deadline_of(config)
+        progress.time_toward(end)
+        if signals is not None:
+            send_signal(run_store(config), signals, "started", content=repr(end))
+        return end
+
     with watch_signal(run_store(config), signals, "stop") as stop:
         result = run_rollouts(
             config,
-            deadline,
+            deadline_from_start if deadline is None else deadline,
             worker_name,
             on_progress=lambda s: progress.update(counted(s["orchestrator"]["finished"]), detail=detail(s)),
             on_shard=committed,

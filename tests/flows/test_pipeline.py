@@ -7,8 +7,10 @@ import base64
 import re
 import sys
 import threading
+import time
 
 import pytest
+from prefect.states import Failed
 
 from flows import pipeline as pipeline_module
 from flows.sql import connect
@@ -197,6 +199,79 @@ def test_a_pipeline_that_is_interrupted_removes_its_signals_once_its_tasks_are_o
         pipeline_module._wind_down(config, "this-run", *tasks)
     assert all(task.waited for task in tasks)
     assert store.fs.ls(store.path("status/signals"), detail=False) == [store.path(signals_dir("another-run"))]
+
+
+def test_the_pipelines_wall_clock_budget_counts_from_when_its_rollout_worker_is_up(
+    tmp_path, prefect_api, monkeypatch
+):
+    """stop.max_seconds counted from the flow's start (before the tasks were submitted): a
+    worker's start-up, on a fresh Ray cluster tens of seconds of actors and engines, ate a
+    short run's budget. The rollouts, processing and training now share one deadline, taken
+    once the worker is up: no earlier than its start-up's end plus the budget."""
+    import tasks.process
+    import tasks.train
+    from rollout.worker import RolloutWorker
+
+    up, deadlines = [], {}
+    start, run = RolloutWorker.start, RolloutWorker.run
+
+    async def started(worker):
+        await start(worker)
+        up.append(time.time())
+
+    async def running(worker, max_seconds=None):
+        deadlines["rollouts"] = time.time() + max_seconds
+        return await run(worker, max_seconds)
+
+    def spying(module, name, key):
+        real = getattr(module, name)
+
+        def spy(config, deadline, *args, **kwargs):
+            deadlines[key] = deadline
+            return real(config, deadline, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, spy)
+
+    monkeypatch.setattr(RolloutWorker, "start", started)
+    monkeypatch.setattr(RolloutWorker, "run", running)
+    spying(tasks.train, "run_trainer", "train")
+    spying(tasks.process, "run_processor", "process")
+    budget = 2.0
+    config = tiny_config(
+        tmp_path / "runs",
+        "budget-from-start",
+        warm_start={"enabled": False},
+        eval={"tasks_per_env": 1},
+        stop={"max_seconds": budget},
+    )
+    state = _pipeline_in_thread(config)
+    assert state.is_completed(), state.message
+    (worker_up,) = up
+    assert deadlines["train"] >= worker_up + budget
+    assert deadlines["rollouts"] >= worker_up + budget
+    assert deadlines["process"] == deadlines["train"] + pipeline_module.DRAIN_SECONDS
+
+
+class RolloutsFailedAtStart:
+    """The future of a rollouts task that failed before its worker came up."""
+
+    state = Failed()
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+    def result(self) -> dict:
+        raise ValueError("the engines did not load (injected)")
+
+
+def test_a_pipeline_whose_rollout_worker_never_comes_up_raises_why_and_leaves_no_signals(tmp_path):
+    """Its deadline is taken once the worker is up: a rollouts task that failed before is the
+    run's error, not a wait for ever, and processing and training are never started."""
+    config = tiny_config(tmp_path / "runs", "no-worker")
+    with pytest.raises(ValueError, match=r"^the engines did not load \(injected\)$"):
+        pipeline_module._deadline(config, "this-run", RolloutsFailedAtStart())
+    store = run_store(config)
+    assert not store.fs.exists(store.path(signals_dir("this-run")))
 
 
 class FinishedTask:

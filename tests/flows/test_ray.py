@@ -927,12 +927,13 @@ def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, devi
 
     monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(record))
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    monkeypatch.setattr(pipeline, "_deadline", lambda config, signals, rollout_run: 0.0)
     # this cluster has no GPU, on which the probes fail the run (see the tests below)
     monkeypatch.setattr(ray_actors, "wait_placeable", lambda *args: None)
     monkeypatch.setattr(ray_actors, "wait_placeable_together", lambda *args: None)
     config = RunConfig(run_id="gpu-trainer", cluster="ray", trainer_device=device)
 
-    assert pipeline._run_on_ray(config, deadline=0.0, signals="s") == ("rollouts", "process-shards", "train")
+    assert pipeline._run_on_ray(config, signals="s") == ("rollouts", "process-shards", "train")
 
     options, trainer_device = submitted["train"]
     assert options.get("num_gpus", 0) == gpus and options["num_cpus"] == 1
@@ -956,9 +957,10 @@ def test_the_pipeline_starts_a_local_ray_with_a_cpu_for_each_of_its_tasks_and_ac
     monkeypatch.setattr(ray_actors, "wait_placeable_together", lambda *args: None)
     monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(lambda *args: None))
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    monkeypatch.setattr(pipeline, "_deadline", lambda config, signals, rollout_run: 0.0)
     config = RunConfig(run_id="sized", cluster="ray", engine={"replicas": 3})
 
-    pipeline._run_on_ray(config, deadline=0.0, signals="s")
+    pipeline._run_on_ray(config, signals="s")
 
     # an engine actor and an env worker per replica, processing and training
     assert asked == [3 + 3 + 2]
@@ -980,11 +982,12 @@ def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_
         recording_runner(lambda task, parameters: submitted.append(task.name)),
     )
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    monkeypatch.setattr(pipeline, "_deadline", lambda config, signals, rollout_run: 0.0)
     # long enough for the tasks this cluster can place to start on a loaded machine
     config = RunConfig(run_id="no-gpu", cluster="ray", trainer_device="cuda", engine={"load_timeout_s": 10})
 
     with pytest.raises(ActorStartError, match=r"^the train task did not start within 10 s .*'num_gpus': 1"):
-        pipeline._run_on_ray(config, deadline=0.0, signals="s")
+        pipeline._run_on_ray(config, signals="s")
     assert submitted == []
 
 
@@ -1007,6 +1010,7 @@ def test_a_pipeline_whose_tasks_and_actors_the_cluster_cannot_hold_at_once_fails
         recording_runner(lambda task, parameters: submitted.append(task.name)),
     )
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
+    monkeypatch.setattr(pipeline, "_deadline", lambda config, signals, rollout_run: 0.0)
     # long enough for the tasks this cluster can place to start on a loaded machine
     config = RunConfig(run_id="too-big", cluster="ray", engine={"replicas": 2, "load_timeout_s": 10})
 
@@ -1016,11 +1020,11 @@ def test_a_pipeline_whose_tasks_and_actors_the_cluster_cannot_hold_at_once_fails
         r"within 10 s \(engine.load_timeout_s\), asking for \[\{'num_cpus': 1\}, \{'num_cpus': 1, 'num_gpus': 0\}, "
         r"(\{'num_cpus': 1\}, ){3}\{'num_cpus': 1\}\]: .*'CPU': 4\.0",
     ):
-        pipeline._run_on_ray(config, deadline=0.0, signals="s")
+        pipeline._run_on_ray(config, signals="s")
     assert submitted == []
 
     pipeline._run_on_ray(
-        config.model_copy(update={"engine": config.engine.model_copy(update={"replicas": 1})}), 0.0, "s"
+        config.model_copy(update={"engine": config.engine.model_copy(update={"replicas": 1})}), "s"
     )
     assert sorted(submitted) == ["process-shards", "rollouts", "train"]
 
