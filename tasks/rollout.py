@@ -30,6 +30,7 @@ from tasks.common import (
     SIDE_EFFECTS,
     STORAGE_RETRIES,
     deadline_of,
+    read_signal,
     reporting,
     run_resource,
     run_store,
@@ -415,10 +416,13 @@ def rollouts(
         )
 
     def deadline_from_start() -> float:
-        end = deadline_of(config)
+        store = run_store(config)
+        # a retry keeps the deadline its first attempt gave the tasks that share it
+        held = None if signals is None else read_signal(store, signals, "started")
+        end = deadline_of(config) if held is None else float(held)
         progress.time_toward(end)
-        if signals is not None:
-            send_signal(run_store(config), signals, "started", content=repr(end))
+        if signals is not None and held is None:
+            send_signal(store, signals, "started", content=repr(end))
         return end
 
     with watch_signal(run_store(config), signals, "stop") as stop:

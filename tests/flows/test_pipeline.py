@@ -252,6 +252,40 @@ def test_the_pipelines_wall_clock_budget_counts_from_when_its_rollout_worker_is_
     assert deadlines["process"] == deadlines["train"] + pipeline_module.DRAIN_SECONDS
 
 
+def test_a_retried_rollouts_task_keeps_the_deadline_its_first_attempt_gave_the_pipeline(
+    tmp_path, prefect_api, monkeypatch
+):
+    """A rollouts task retried after a transient error took a new deadline, a whole budget
+    from its retry, while processing and training kept the first one."""
+    from prefect import flow
+
+    import tasks.rollout
+    from rollout.worker import RolloutWorker
+    from tasks.weights import build_base_version
+
+    ends, run = [], RolloutWorker.run
+
+    async def running(worker, max_seconds=None):
+        ends.append(time.time() + max_seconds)
+        return await run(worker, min(max_seconds, 1.0))  # its deadline recorded, not waited for
+
+    monkeypatch.setattr(RolloutWorker, "run", running)
+    config = tiny_config(
+        tmp_path / "runs", "retried-deadline", warm_start={"enabled": False}, stop={"max_seconds": 600.0}
+    )
+    build_base_version(config)
+    first = time.time() + 5.0
+    send_signal(run_store(config), "this-run", "started", content=repr(first))
+
+    @flow
+    def retried() -> dict:
+        return tasks.rollout.rollouts(config, None, signals="this-run")
+
+    retried()
+    (end,) = ends
+    assert end < first + 60
+
+
 class RolloutsFailedAtStart:
     """The future of a rollouts task that failed before its worker came up."""
 
