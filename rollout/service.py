@@ -754,11 +754,12 @@ class RolloutService:
             log.warning(
                 "service.compact_at %d is below a compacted context (%d tokens: the first messages and "
                 "the last %d turns of a %s rollout): a rollout whose compacted context passes it opens a "
-                "branch on each turn after, a row of one action; raise compact_at or lower compact_keep_turns",
+                "branch on each turn after, a row of one action; raise compact_at%s",
                 self.config.compact_at,
                 len(branch.tokens),
                 keep,
                 session.info.task,
+                " or lower compact_keep_turns" if keep > 1 else "",  # 1 is its least
             )
         return branch
 

@@ -354,6 +354,18 @@ def test_a_compact_at_below_a_compacted_context_is_warned_once(tiny, caplog):
         f"service.compact_at {size + 5} is below a compacted context"
     )
     assert "the last 2 turns of a arith rollout" in warned[0]
+    assert warned[0].endswith("raise compact_at or lower compact_keep_turns")
+
+
+def test_a_compact_at_below_a_context_of_one_kept_turn_is_warned_only_to_be_raised(tiny, caplog):
+    """compact_keep_turns is at its least (1): the warning does not ask to lower it."""
+    size = first_prompt_size(tiny)
+    with caplog.at_level(logging.WARNING, logger="rollout.service"):
+        result, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=size + 2, compact_keep_turns=1))
+    (warned,) = [r.getMessage() for r in caplog.records if "compact_at" in r.getMessage()]
+    assert result.branches
+    assert "the last 1 turns of a arith rollout" in warned
+    assert warned.endswith("raise compact_at") and "compact_keep_turns" not in warned
 
 
 def test_a_compact_at_above_every_compacted_context_is_not_warned(tiny, caplog):
