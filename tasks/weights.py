@@ -273,9 +273,9 @@ def eval_setup(config: RunConfig, env: str, tasks: list[Task] | None = None) -> 
     """Fingerprint of what an evaluation of ``env`` depends on besides the weights: the eval
     settings (tasks, seed, temperature), the held-out tasks themselves (a dataset file
     rewritten under its path, an env that draws its tasks otherwise), the env's config, the
-    rollout limits (a rollout out of time scores 0), the reward model the env names (its
-    settings and :func:`checkpoint_files`) and the precision and kind of device of the engine
-    that samples (``engine.torch``; not its batch, cache or prefill sizes, which change only
+    rollout limits (a rollout out of time scores 0), the context compaction (what the model
+    sees in later turns), the reward model the env names (its settings and
+    :func:`checkpoint_files`) and the precision and kind of device of the engine that samples (``engine.torch``; not its batch, cache or prefill sizes, which change only
     its speed). ``tasks``: :func:`eval_tasks` of ``env``, where the caller listed them already."""
     env_config = config.env_config(env)
     scorer = env_config.reward_model and config.service.reward_models[env_config.reward_model]
@@ -293,6 +293,11 @@ def eval_setup(config: RunConfig, env: str, tasks: list[Task] | None = None) -> 
         # a device's kind samples with its own generator and kernels; which one of a kind does not
         "engine": {"dtype": engine.dtype, "device": engine.device.split(":")[0]},
     }
+    if config.service.compact_at is not None:  # absent when off: the setups recorded before it stay
+        setup["compaction"] = {
+            "compact_at": config.service.compact_at,
+            "compact_keep_turns": config.service.compact_keep_turns,
+        }
     return hashlib.sha256(json.dumps(setup, sort_keys=True).encode()).hexdigest()[:16]
 
 
