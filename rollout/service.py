@@ -753,7 +753,7 @@ class RolloutService:
             self._warned_compact_at = True
             log.warning(
                 "service.compact_at %d is below a compacted context (%d tokens: the first messages and "
-                "the last %d turns of a %s rollout): a rollout whose compacted context passes it opens a "
+                "the last %d turns of a rollout of %s): a rollout whose compacted context passes it opens a "
                 "branch on each turn after, a row of one action; raise compact_at%s",
                 self.config.compact_at,
                 len(branch.tokens),

@@ -353,7 +353,7 @@ def test_a_compact_at_below_a_compacted_context_is_warned_once(tiny, caplog):
     assert len(warned) == 1 and warned[0].startswith(
         f"service.compact_at {size + 5} is below a compacted context"
     )
-    assert "the last 2 turns of a arith rollout" in warned[0]
+    assert "the last 2 turns of a rollout of arith" in warned[0]
     assert warned[0].endswith("raise compact_at or lower compact_keep_turns")
 
 
@@ -364,7 +364,7 @@ def test_a_compact_at_below_a_context_of_one_kept_turn_is_warned_only_to_be_rais
         result, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=size + 2, compact_keep_turns=1))
     (warned,) = [r.getMessage() for r in caplog.records if "compact_at" in r.getMessage()]
     assert result.branches
-    assert "the last 1 turns of a arith rollout" in warned
+    assert "the last 1 turns of a rollout of arith" in warned
     assert warned.endswith("raise compact_at") and "compact_keep_turns" not in warned
 
 
