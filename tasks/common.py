@@ -143,12 +143,23 @@ def send_signal(
             time.sleep(wait)
 
 
-def read_signal(store: RunStore, key: str, name: str) -> str | None:
-    """What signal ``name`` of ``key`` holds; None while it is not raised."""
-    try:
-        return store.fs.cat_file(store.path(signal_path(key, name))).decode()
-    except FileNotFoundError:
-        return None
+def read_signal(
+    store: RunStore, key: str, name: str, retry_s: tuple[float, ...] = SIGNAL_RETRY_S
+) -> str | None:
+    """What signal ``name`` of ``key`` holds; None while it is not raised, or while its file is
+    still being written (empty: a local store's write is not atomic).
+
+    A store error is retried after each wait of ``retry_s``, then raised."""
+    for wait in (*retry_s, None):
+        try:
+            return store.fs.cat_file(store.path(signal_path(key, name))).decode() or None
+        except FileNotFoundError:
+            return None
+        except Exception as exc:
+            if wait is None:
+                raise
+            log.warning("could not read signal %r (%s); trying again in %.1f s", name, exc, wait)
+            time.sleep(wait)
 
 
 def clear_signals(store: RunStore, key: str) -> None:

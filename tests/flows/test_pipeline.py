@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from prefect.states import Failed
+from prefect.states import Failed, Running
 
 from flows import pipeline as pipeline_module
 from flows.sql import connect
@@ -306,6 +306,49 @@ def test_a_pipeline_whose_rollout_worker_never_comes_up_raises_why_and_leaves_no
         pipeline_module._deadline(config, "this-run", RolloutsFailedAtStart())
     store = run_store(config)
     assert not store.fs.exists(store.path(signals_dir("this-run")))
+
+
+class RolloutsStarting:
+    """The future of a rollouts task whose worker is still starting: each wait lets ``step``
+    do what the task does meanwhile."""
+
+    def __init__(self, step):
+        self.step = step
+        self.state = Running()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self.step()
+
+
+def test_a_pipeline_takes_its_deadline_once_the_store_answers_again(tmp_path, monkeypatch):
+    """A store error reading signal 'started' (an S3 503) failed the run, after its warm start
+    and first evaluation: every other signal outlives a store away for a moment."""
+    config = tiny_config(tmp_path / "runs", "flaky-started")
+    store = run_store(config)
+    failures = []
+    cat_file = type(store.fs).cat_file
+
+    def flaky_cat(fs, path, *args, **kwargs):
+        if len(failures) < 2:
+            failures.append(path)
+            raise ConnectionResetError("connection reset (injected)")
+        return cat_file(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(store.fs), "cat_file", flaky_cat)
+    send_signal(store, "this-run", "started", content="1234.5")
+    assert pipeline_module._deadline(config, "this-run", RolloutsStarting(lambda: None)) == 1234.5
+    assert len(failures) == 2
+
+
+def test_a_pipeline_waits_for_a_started_signal_still_being_written(tmp_path):
+    """A local store's write is not atomic: the file of signal 'started' is there, empty, before
+    its content. Read then, it failed the run (no deadline in '') and left the rollouts running."""
+    config = tiny_config(tmp_path / "runs", "started-being-written")
+    store = run_store(config)
+    store.fs.makedirs(store.path(signals_dir("this-run")), exist_ok=True)
+    store.fs.touch(store.path(signal_path("this-run", "started")))
+    written = RolloutsStarting(lambda: send_signal(store, "this-run", "started", content="1234.5"))
+    assert pipeline_module._deadline(config, "this-run", written) == 1234.5
 
 
 class FinishedTask:
