@@ -474,10 +474,11 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     file at the first task drawn, after the run started. A checkpoint path that is not there
     may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``), which loads from the Hub: only
     one that cannot be an id is refused. ``model``, ``reward_models``: whether the flow
-    loads ``model.path`` (it may warm-start) and the reward models an env of the mix names (it
-    serves a rollout service, :meth:`RunConfig.mix_service`); the dataset is read by every flow that draws tasks. A local ``storage.root``
-    that is a file, or lies under one, is refused too (it need not exist: it is created);
-    it failed once the flow had started, reading the run's ``LATEST``."""
+    loads ``model.path`` (it may warm-start) and the reward models an env of the mix names
+    (it serves a rollout service, :meth:`RunConfig.mix_service`); the dataset is read by
+    every flow that draws tasks. A local ``storage.root`` that is a file, or lies under one,
+    is refused too (it need not exist: it is created); it failed once the flow had started,
+    reading the run's ``LATEST``."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if not config.storage.is_s3:

@@ -95,16 +95,17 @@ def run_rollouts(
     flush_records: int = 64,
     flush_seconds: float = 10.0,
 ) -> dict[str, Any]:
-    """Run rollouts until ``deadline`` (epoch seconds; a function is called once the worker is
-    up, its engines loaded and on Ray its env actors started, for it), ``stop``, ``stop.max_rollouts`` or, seen
-    at a beat, a served weight version at ``stop.max_policy_steps`` (the trainer stopped there:
-    nothing more would be trained): no rollout launches once ``stop`` is set (or that version
-    is served), and those in flight are cut short at the next beat
-    (the run ends sooner once none is left); ``on_shard`` is called (on the worker's commit
-    thread) with each raw shard it commits. Every ``progress_every_s`` (and once at start and at
-    the end) the worker publishes its engine queue depth, live sessions and each replica's
-    pinned sessions and drain state to ``status/rollout/<worker_name>.json`` for the trainer
-    (``storage.status``); ``on_progress`` gets the same status, right after it is published;
+    """Run rollouts until ``deadline`` (epoch seconds, or a function called for them once the
+    worker is up: its engines loaded and, on Ray, its env actors started), ``stop``,
+    ``stop.max_rollouts`` or, seen at a beat, a served weight version at
+    ``stop.max_policy_steps`` (the trainer stopped there: nothing more would be trained): no
+    rollout launches once ``stop`` is set (or that version is served), and those in flight are
+    cut short at the next beat (the run ends sooner once none is left); ``on_shard`` is called
+    (on the worker's commit thread) with each raw shard it commits. Every ``progress_every_s``
+    (and once at start and at the end) the worker publishes its engine queue depth, live
+    sessions and each replica's pinned sessions and drain state to
+    ``status/rollout/<worker_name>.json`` for the trainer (``storage.status``); ``on_progress``
+    gets the same status, right after it is published;
     while its engines load (however long that takes), an idle running status at the same pace.
     The worker follows the trainer's elastic plan (``RolloutWorker.apply_plan``): with one
     engine replica nothing is ever drained. A replica it drains for training counts as training

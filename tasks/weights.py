@@ -276,7 +276,8 @@ def eval_setup(config: RunConfig, env: str, tasks: list[Task] | None = None) -> 
     rollout limits (a rollout out of time scores 0), the context compaction (what the model
     sees in later turns), the reward model the env names (its settings and
     :func:`checkpoint_files`) and the precision and kind of device of the engine that samples
-    (``engine.torch``; not its batch, cache or prefill sizes, which change only its speed). ``tasks``: :func:`eval_tasks` of ``env``, where the caller listed them already."""
+    (``engine.torch``; not its batch, cache or prefill sizes, which change only its speed).
+    ``tasks``: :func:`eval_tasks` of ``env``, where the caller listed them already."""
     env_config = config.env_config(env)
     scorer = env_config.reward_model and config.service.reward_models[env_config.reward_model]
     engine = config.engine.torch

@@ -172,8 +172,8 @@ def test_a_rerun_reuses_a_recorded_eval_that_left_out_rollouts_failed_outside_th
 
 def test_a_rerun_measured_otherwise_does_not_reuse_the_recorded_eval(tmp_path, monkeypatch):
     """A row stands for the measurement that made it: another eval temperature or seed, another
-    env config, turn, token or time budget, context compaction or reward model, another engine dtype or kind of
-    device, or a row from before the setup was recorded, is measured again
+    env config, turn, token or time budget, context compaction or reward model, another engine
+    dtype or kind of device, or a row from before the setup was recorded, is measured again
     (the pipeline's reward before RL was the old setup's, beside an after in the new one);
     an engine setting that changes only its speed is not."""
     from datetime import UTC, datetime
