@@ -160,7 +160,7 @@ def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
     )
     with RayTaskRunner(address=config.ray_address) as runner:
         with remote_options(num_cpus=0):
-            rollout_run = runner.submit(rollouts, {"config": config, "deadline": None, "signals": signals})
+            rollout_run = runner.submit(rollouts, {"config": config, "signals": signals})
         deadline = _deadline(config, signals, rollout_run)
         with remote_options(**process_options):
             process_run = runner.submit(
@@ -223,7 +223,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         if config.cluster == "ray":
             generated, processed, trained = _run_on_ray(config, signals)
         else:
-            rollout_run = rollouts.submit(config, None, signals=signals)
+            rollout_run = rollouts.submit(config, signals=signals)
             deadline = _deadline(config, signals, rollout_run)
             generated, processed, trained = _wind_down(
                 config,

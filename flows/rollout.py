@@ -60,7 +60,7 @@ def rollout(
         from tasks.weights import warm_start
 
         warm_start(config)
-        return rollouts(config, None, worker_name)
+        return rollouts(config, worker_name)
 
 
 def _worker_name(text: str) -> str:

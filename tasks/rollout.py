@@ -374,15 +374,12 @@ def rollout_detail(status: dict[str, Any]) -> str:
 
 
 @task(name="rollouts", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def rollouts(
-    config: RunConfig, deadline: float | None, worker_name: str = "worker-0", signals: str | None = None
-) -> dict[str, Any]:
-    """Generate rollouts into raw shards until the deadline; emits ``treadle.shard.committed``
-    per raw shard; returns the worker's counters. With ``signals`` (a key of
-    :func:`tasks.common.send_signal`) it also stops at signal ``stop``. ``deadline`` None:
-    ``stop.max_seconds`` from when the worker is up (its start-up, a Ray cluster's actors and
-    engines loading, left out), raised with ``signals`` as signal ``started`` holding it, for
-    the tasks that share the run's deadline."""
+def rollouts(config: RunConfig, worker_name: str = "worker-0", signals: str | None = None) -> dict[str, Any]:
+    """Generate rollouts into raw shards until the deadline, ``stop.max_seconds`` from when
+    the worker is up (its start-up, a Ray cluster's actors and engines loading, left out);
+    emits ``treadle.shard.committed`` per raw shard; returns the worker's counters. With
+    ``signals`` (a key of :func:`tasks.common.send_signal`) it also stops at signal ``stop``,
+    and raises its deadline as signal ``started`` for the tasks that share it."""
     from tasks.report import ProgressReporter
 
     limit = max_rollouts(config)
@@ -392,7 +389,6 @@ def rollouts(
     progress = ProgressReporter(
         "Rollouts finished" if quota is None else "Rollouts of the run, done or in flight",
         total=limit,
-        deadline=deadline,
     )
 
     def counted(finished: int) -> int:
@@ -429,7 +425,7 @@ def rollouts(
     with watch_signal(run_store(config), signals, "stop") as stop:
         result = run_rollouts(
             config,
-            deadline_from_start if deadline is None else deadline,
+            deadline_from_start,
             worker_name,
             on_progress=lambda s: progress.update(counted(s["orchestrator"]["finished"]), detail=detail(s)),
             on_shard=committed,

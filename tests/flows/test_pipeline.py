@@ -279,7 +279,7 @@ def test_a_retried_rollouts_task_keeps_the_deadline_its_first_attempt_gave_the_p
 
     @flow
     def retried() -> dict:
-        return tasks.rollout.rollouts(config, None, signals="this-run")
+        return tasks.rollout.rollouts(config, signals="this-run")
 
     retried()
     (end,) = ends
