@@ -94,7 +94,7 @@ def deadline_of(config: RunConfig) -> float:
     return time.time() + config.stop.max_seconds if config.stop.max_seconds else math.inf
 
 
-@task(name="list-versions", **STORAGE_RETRIES)
+@task(name="list-versions", cache_policy=NO_CACHE, **STORAGE_RETRIES)
 def published_versions(config: RunConfig) -> list[int]:
     """The run's published weight versions, ascending: a storage read a retry can clear."""
     return WeightStore(run_store(config)).list()
