@@ -29,6 +29,12 @@ import pytest
 
 from storage.config import RunStore, StorageConfig
 
+# Two workers share the two cores of CI: torch's default of a thread per core in each
+# oversubscribes them, and its threads spin against each other (a tiny model's step took
+# several times as long). Set before any test module imports torch; the processes the
+# tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 @dataclass(frozen=True)
 class S3Server:
