@@ -1485,6 +1485,30 @@ def test_a_flows_command_line_gives_prefects_ephemeral_server_its_startup_time(g
     assert result.stdout.split() == [taken]
 
 
+@pytest.fixture(scope="module")
+def migrated_prefect_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Prefect database migrated to the installed Prefect's schema: a server started on a
+    fresh home spends about half its start migrating one, and only
+    ``test_flow_commands_started_at_once_on_a_fresh_prefect_home_each_get_their_server`` is
+    about fresh homes."""
+    home = tmp_path_factory.mktemp("migrated-prefect-home")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {"PREFECT_HOME": str(home)}
+    prefect = shutil.which("prefect", path=os.path.dirname(sys.executable)) or "prefect"
+    upgrade = subprocess.run(
+        [prefect, "server", "database", "upgrade", "-y"], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert upgrade.returncode == 0, upgrade.stderr[-3000:]
+    return home / "prefect.db"
+
+
+def migrated_home(tmp_path: Path, migrated_prefect_db: Path) -> Path:
+    """A Prefect home of this test's own, holding a copy of ``migrated_prefect_db``."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    shutil.copy(migrated_prefect_db, home / "prefect.db")
+    return home
+
+
 def processes_of(home: Path) -> dict[int, str]:
     """The live processes (id: command line) whose environment names ``home`` as their
     ``PREFECT_HOME``: a flow command's and its Prefect server's, in whatever session."""
@@ -1506,18 +1530,18 @@ def processes_of(home: Path) -> dict[int, str]:
 
 
 def stop_a_rollout(
-    tmp_path: Path, stop: Callable[[subprocess.Popen], None], timeout: float
+    tmp_path: Path, home: Path, stop: Callable[[subprocess.Popen], None], timeout: float
 ) -> tuple[int, str]:
-    """``treadle run rollout`` in Prefect's ephemeral mode (no API set), stopped with ``stop``
-    once rollouts are being written; its status and stderr, after checking that a Prefect
-    server ran for it and that none is left."""
+    """``treadle run rollout`` in Prefect's ephemeral mode (no API set; ``home`` the Prefect
+    home of its temporary server, and a mark on its processes), stopped with ``stop`` once
+    rollouts are being written; its status and stderr, after checking that a Prefect server
+    ran for it and that none is left."""
     from tests.flows.conftest import tiny_config
 
     config = tiny_config(tmp_path / "runs", "stop", warm_start={"enabled": False}, stop={"max_seconds": 300})
     config_path = tmp_path / "run.yaml"
     config_path.write_text(json.dumps(config.model_dump(mode="json")))
     (tmp_path / "flow-tmp").mkdir()
-    home = tmp_path / "prefect-home"  # its own database for the temporary server, and a mark on its processes
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "PREFECT_HOME": str(home),
         "OMP_NUM_THREADS": "1",
@@ -1562,26 +1586,34 @@ def stop_a_rollout(
 
 
 @pytest.mark.slow
-def test_a_flow_stopped_with_sigterm_stops_prefects_temporary_server_and_says_so(tmp_path):
+def test_a_flow_stopped_with_sigterm_stops_prefects_temporary_server_and_says_so(
+    tmp_path, migrated_prefect_db
+):
     """SIGTERM (``docker stop``, Kubernetes, systemd) to ``treadle run`` in Prefect's
     ephemeral mode, while rollouts run: the process died by the signal's default action and
     left Prefect's temporary server running, reparented to init, for ever. Now it ends as on
     Ctrl-C: the server is stopped, one line says why, and the status is 128 + SIGTERM."""
-    code, err = stop_a_rollout(tmp_path, lambda process: process.send_signal(signal.SIGTERM), timeout=300)
+    home = migrated_home(tmp_path, migrated_prefect_db)
+    code, err = stop_a_rollout(
+        tmp_path, home, lambda process: process.send_signal(signal.SIGTERM), timeout=300
+    )
     assert code == 128 + signal.SIGTERM, err[-3000:]
     assert "stopped by SIGTERM\n" in err and "Traceback" not in err, err[-3000:]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGHUP], ids=["SIGINT", "SIGHUP"])
-def test_a_flow_stopped_from_its_terminal_reports_its_end_and_leaves_no_server(tmp_path, signum):
+def test_a_flow_stopped_from_its_terminal_reports_its_end_and_leaves_no_server(
+    tmp_path, migrated_prefect_db, signum
+):
     """Ctrl-C (SIGINT) or a closed terminal (SIGHUP) reaches the terminal's whole foreground
     process group. With no Prefect API set, Prefect's ephemeral server was in that group: it
     stopped at once, and the flow engine tried for over a minute to report the flow run
     Crashed to it, then ended with a ConnectError traceback (status 1); a SIGHUP killed the
     command by its default action. Now the command's server is out of the group: the run is
     reported, one line says why it stopped, and the server is stopped at exit."""
-    code, err = stop_a_rollout(tmp_path, lambda process: os.killpg(process.pid, signum), timeout=60)
+    home = migrated_home(tmp_path, migrated_prefect_db)
+    code, err = stop_a_rollout(tmp_path, home, lambda process: os.killpg(process.pid, signum), timeout=60)
     assert code == 128 + signum, err[-3000:]
     assert f"stopped by {signum.name}\n" in err and "Traceback" not in err, err[-3000:]
     assert "Finished in state Crashed('Execution was aborted by an interrupt signal.')" in err, err[-3000:]
@@ -1622,11 +1654,11 @@ sys.stdin.read()
 
 
 @pytest.mark.slow
-def test_a_command_killed_outright_takes_its_temporary_prefect_server_with_it(tmp_path):
+def test_a_command_killed_outright_takes_its_temporary_prefect_server_with_it(tmp_path, migrated_prefect_db):
     """The server a command starts for itself has a session of its own (out of reach of
     Ctrl-C), so a SIGKILL to the command (the OOM killer, ``kill -9``) would leave it running
     for ever, holding its port and the Prefect database: it is stopped when the command dies."""
-    home = tmp_path / "prefect-home"
+    home = migrated_home(tmp_path, migrated_prefect_db)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # as a flow command gives it
@@ -1851,13 +1883,15 @@ def another_health_check() -> Iterator[tuple[int, list[str]]]:
 
 
 @pytest.mark.slow
-def test_a_flow_command_whose_servers_port_is_taken_starts_it_on_another_and_uses_its_own(tmp_path):
+def test_a_flow_command_whose_servers_port_is_taken_starts_it_on_another_and_uses_its_own(
+    tmp_path, migrated_prefect_db
+):
     """The port of a command's temporary server is picked free seconds before the server binds
     it: another program that took it meanwhile answered the health check at the server's URL,
     so the flow ran against that program, or the server's start failed the command. Now the
     command checks that what answers is its own server and starts it on another port."""
     with another_health_check() as (held, seen):
-        result = one_task_command(tmp_path / "prefect-home", held=held)
+        result = one_task_command(migrated_home(tmp_path, migrated_prefect_db), held=held)
     assert result.returncode == 0, result.stderr[-3000:]
     url, value = result.stdout.split()
     assert value == "1" and url.startswith("http://127.0.0.1:") and url != f"http://127.0.0.1:{held}/api"
@@ -1867,10 +1901,10 @@ def test_a_flow_command_whose_servers_port_is_taken_starts_it_on_another_and_use
 
 
 @pytest.mark.slow
-def test_a_flow_command_whose_servers_ports_are_all_taken_says_so_in_one_line(tmp_path):
+def test_a_flow_command_whose_servers_ports_are_all_taken_says_so_in_one_line(tmp_path, migrated_prefect_db):
     """Each port the command gives its temporary server taken by another program: it stops
     after a few, naming them, and talks to none of them as if it were its server."""
-    home = tmp_path / "prefect-home"
+    home = migrated_home(tmp_path, migrated_prefect_db)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "120",  # as a flow command gives it
@@ -1891,11 +1925,11 @@ def test_a_flow_command_whose_servers_ports_are_all_taken_says_so_in_one_line(tm
 
 
 @pytest.mark.slow
-def test_a_flow_commands_last_logs_and_events_reach_its_temporary_server(tmp_path):
+def test_a_flow_commands_last_logs_and_events_reach_its_temporary_server(tmp_path, migrated_prefect_db):
     """A flow command stops its temporary server at exit, after Prefect's exit has sent the
     logs and events still queued (Prefect may say "Still processing items" while it does):
     they are all in the server's database, for ``treadle ui`` on that Prefect home to show."""
-    home = tmp_path / "prefect-home"
+    home = migrated_home(tmp_path, migrated_prefect_db)
     result = one_task_command(home, events=20)
     assert result.returncode == 0, result.stderr[-3000:]
     with contextlib.closing(sqlite3.connect(home / "prefect.db")) as db:
@@ -1930,13 +1964,13 @@ flows.cli.prefect_server = launched
 
 
 @pytest.mark.slow
-def test_a_flow_command_whose_server_listens_from_a_process_it_started_uses_it(tmp_path):
+def test_a_flow_command_whose_server_listens_from_a_process_it_started_uses_it(tmp_path, migrated_prefect_db):
     """A ``prefect`` that serves from a process of its own (a wrapper script that does not
     exec, a Prefect whose ``server start`` runs uvicorn as a child; ``_stop_server`` stops
     its whole group for that): the listening socket is that process's, not the started one's,
     and the command waited out the startup timeout on a server that answered, then failed
     saying it did not answer."""
-    home = tmp_path / "prefect-home"
+    home = migrated_home(tmp_path, migrated_prefect_db)
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"} | {
         "PREFECT_HOME": str(home),
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "60",
