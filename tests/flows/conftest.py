@@ -14,7 +14,7 @@ from uuid import UUID
 
 import pytest
 from prefect.client.schemas.objects import State
-from prefect.settings import PREFECT_API_URL
+from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.testing.utilities import prefect_test_harness
 
 from flows.config import RunConfig, _merge, load_config
@@ -47,8 +47,14 @@ def tiny_config(root: Path, run_id: str = "test", **overrides: Any) -> RunConfig
 
 @pytest.fixture(scope="session", autouse=True)
 def prefect_api():
-    """A temporary Prefect API (SQLite in a temp dir) for the whole session; its URL."""
-    with prefect_test_harness(server_startup_timeout=180):
+    """A temporary Prefect API (SQLite in a temp dir) for the whole session; its URL. Flow runs
+    in the tests' process send Prefect no heartbeats: the thread that sends them sleeps a
+    second at a time, and each flow call waited up to that second for it at its end (nothing
+    of treadle's uses them; the flow commands the tests start still send them)."""
+    with (
+        temporary_settings(updates={"flows.heartbeat_frequency": None}),
+        prefect_test_harness(server_startup_timeout=180),
+    ):
         yield PREFECT_API_URL.value()
 
 
