@@ -343,14 +343,27 @@ def test_a_worker_says_at_once_that_a_replica_it_drains_is_empty_not_at_its_next
     plan = ElasticPlan(time=time.time(), accepting=["w0/torch-0"], draining=["w0/torch-1"])
     ElasticPlanBoard(store).publish(plan)
     seen: list[RolloutStatus] = []
+    stop, written = threading.Event(), threading.Event()
     with ThreadPoolExecutor(1) as pool:
-        rollouts = pool.submit(run_rollouts, run, time.time() + 15, "w0", progress_every_s=60)
+        rollouts = pool.submit(
+            run_rollouts,
+            run,
+            time.time() + 15,
+            "w0",
+            progress_every_s=60,
+            stop=stop,
+            on_shard=lambda info: written.set(),
+            flush_records=1,
+        )
         while not rollouts.done():
             status = board.read_worker("w0")
             if status is not None and status.running and status.draining:
                 seen.append(status)
                 break
             time.sleep(0.05)
+        # ended once torch-0 has written a rollout, not at the deadline
+        written.wait(WAIT_S)
+        stop.set()
         result = rollouts.result(timeout=WAIT_S)
     assert seen, "no status showed the drain before the worker stopped"
     (status,) = seen
