@@ -313,6 +313,18 @@ def _error(status: int, kind: str, message: str, headers: dict[str, str] | None 
     )
 
 
+def _body_problem(error: dict[str, Any]) -> str:
+    """One validation error of a request body, for people: FastAPI locates a JSON syntax error
+    by its character offset, which would read as a field name."""
+    if error.get("type") == "json_invalid":
+        reason = error.get("ctx", {}).get("error", error.get("msg"))
+        return f"not valid JSON: {reason} (char {error['loc'][-1]})"
+    if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
+        return "the request has no body; send a JSON object"
+    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
+
+
 class _Unauthorized(Exception):
     pass
 
@@ -348,10 +360,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body')}: {e.get('msg')}"
-            for e in exc.errors()
-        )
+        problems = "; ".join(_body_problem(e) for e in exc.errors())
         return _error(400, "invalid_request_error", f"bad request body: {problems}")
 
     @app.exception_handler(EngineError)

@@ -284,6 +284,31 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
 
 
 @pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            b"{not json",
+            "bad request body: not valid JSON: Expecting property name enclosed in double quotes (char 1)",
+        ),
+        (b'{"token_ids": [5]} x', "bad request body: not valid JSON: Extra data (char 19)"),
+        (b"", "bad request body: the request has no body; send a JSON object"),
+    ],
+)
+def test_a_body_that_is_no_json_object_is_refused_saying_why(tiny, content, message):
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            sid = await open_session(client)
+            headers = {SESSION_HEADER: sid, "Content-Type": "application/json"}
+            for path in ("/v1/generate", "/v1/chat/completions"):
+                response = await client.post(path, content=content, headers=headers)
+                assert response.status_code == 400, response.text
+                assert response.json()["error"]["message"].startswith(message), response.text
+            assert gateway.session(sid).tokens == []
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
     ("timing", "message"),
     [
         (b'{"run": NaN}', "run=nan is not a finite number of seconds >= 0"),
