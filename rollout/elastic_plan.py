@@ -91,10 +91,12 @@ class ElasticPlanner:
         ``now`` each (the status's own delay, a few seconds at most, is not subtracted). The
         rollouts each worker finished and the sessions it ended since its last status count
         as finished now (the controller's rollout rate) and train its session-length model
-        (the newest lengths); a worker's first status, or a restarted worker's, only sets
-        where its counts start. Returns the moves made here: draining replicas that their
-        worker confirms empty go to training, replicas in training that their worker reports
-        sessions on, or no longer drains, drain again (see the module docstring).
+        (the newest lengths; a compacted rollout is one session, whose rows reach the trainer
+        when its last context ends: ``rollout.router.Router``); a worker's first status, or a
+        restarted worker's, only sets where its counts start. Returns the moves made here:
+        draining replicas that their worker confirms empty go to training, replicas in
+        training that their worker reports sessions on, or no longer drains, drain again (see
+        the module docstring).
         """
         seen: dict[str, tuple[RolloutStatus, str]] = {}
         for status in statuses:

@@ -158,7 +158,12 @@ class Router:
     call :meth:`end_session` when a rollout finishes. ``migrations`` counts sessions moved
     off draining replicas; ``sessions_ended`` counts ended sessions and ``session_lengths``
     holds the last ``SESSION_LENGTHS_KEPT`` of their lengths (seconds from first routing to
-    end; not tracked under ``round_robin``, which pins nothing).
+    end; not tracked under ``round_robin``, which pins nothing). A compacted rollout's
+    contexts are sessions one after another, each ended as its branch opens
+    (``end_session``'s ``continued_in``): for these counts, and ``session_ages``, they are
+    one session, from the first context's routing to the last one's end, because the
+    rollout's trajectories go to the trainer only once it ends (the elastic controller's
+    forecast reads them so).
     """
 
     def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
@@ -292,15 +297,28 @@ class Router:
                 return name
         return walk[0]
 
-    def end_session(self, session_id: str) -> None:
+    def end_session(self, session_id: str, continued_in: str | None = None) -> None:
         """Release ``session_id``'s assignment and let its replica drop its cache (under
-        ``round_robin``, which pins nothing, every replica in service: any may hold one)."""
+        ``round_robin``, which pins nothing, every replica in service: any may hold one).
+
+        ``continued_in``: the session its rollout goes on in (the branch a compacted context
+        continues in). The replica is released all the same, so a draining one empties at
+        this context boundary, but the rollout has not ended: ``continued_in`` takes over its
+        start, and the rollout counts in ``sessions_ended`` and ``session_lengths`` when that
+        one ends.
+        """
+        if continued_in == session_id:
+            raise ValueError(f"session {session_id!r} cannot continue in itself")
         if self.config.policy == "round_robin":
             for engine in self._engines.values():
                 engine.end_session(session_id)
         self._release(session_id)
         started = self._started.pop(session_id, None)
-        if started is not None:
+        if started is None:
+            return
+        if continued_in is not None:
+            self._started[continued_in] = started
+        else:
             self.sessions_ended += 1
             self.session_lengths.append(time.monotonic() - started)
 

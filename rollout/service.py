@@ -748,7 +748,7 @@ class RolloutService:
         if await session.prompt_size(observation) <= self.config.compact_at:
             return None
         branch = await self.gateway.branch(session, [*history[: starts[0]], *history[starts[-keep] :]])
-        self.gateway.close(session.session_id)
+        self.gateway.close(session.session_id, continued_in=branch.session_id)
         if len(branch.tokens) > self.config.compact_at and not self._warned_compact_at:
             self._warned_compact_at = True
             log.warning(

@@ -87,12 +87,19 @@ class RolloutStatus(BaseModel):
     )
     session_ages: dict[str, list[float]] = Field(
         default_factory=dict,
-        description="Seconds each live session has run at ``time``, by the replica it is pinned to.",
+        description="Seconds each live session has run at ``time``, by the replica it is pinned to "
+        "(a compacted rollout's context: since its first context was routed).",
     )
-    sessions_ended: int = Field(0, ge=0, description="Sessions the worker's router ended since it started.")
+    sessions_ended: int = Field(
+        0,
+        ge=0,
+        description="Sessions the worker's router ended since it started (a compacted rollout's "
+        "contexts count once, when its last one ends).",
+    )
     session_lengths: list[float] = Field(
         default_factory=list,
-        description="Lengths (seconds) of the most recently ended sessions, the newest last.",
+        description="Lengths (seconds) of the most recently ended sessions, the newest last (a compacted "
+        "rollout's: from its first context's routing to its last one's end).",
     )
     owner: str = Field("", description="Which worker process wrote it (a random id per start).")
 

@@ -8,6 +8,7 @@ import asyncio
 import itertools
 import logging
 import os
+import types
 
 import httpx
 import pytest
@@ -20,15 +21,19 @@ from envs.sandbox import bwrap_path
 from envs.shell_env import ShellEnv
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.processor import ProcessorConfig, process_shard
+from rollout import router as router_module
 from rollout import service as service_module
 from rollout.config import OrchestratorConfig
+from rollout.elastic import ElasticConfig
+from rollout.elastic_plan import ElasticPlanner
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import Orchestrator
-from rollout.router import Router
+from rollout.router import Router, RouterConfig
 from rollout.service import RolloutRequest, RolloutService, ServiceConfig
 from rollout.service_http import create_app
 from storage.schema import to_table, validate
+from storage.status import RolloutStatus
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
@@ -299,6 +304,79 @@ class HeldNotesEnv(NotesEnv):
             self.reached.set()
             await asyncio.Event().wait()
         return await super().step(action)
+
+
+def routing_status(router: Router) -> RolloutStatus:
+    """What a rollout worker publishes of ``router`` (``RolloutWorker.status``)."""
+    loads = {name: router.load(name) for name in router.replicas}
+    return RolloutStatus(
+        worker="w0",
+        time=0.0,
+        engine_queue_depth=0,
+        live_sessions=sum(loads.values()),
+        running=True,
+        replica_sessions=loads,
+        draining=router.draining,
+        session_ages=router.session_ages(),
+        sessions_ended=router.sessions_ended,
+        session_lengths=list(router.session_lengths),
+    )
+
+
+def test_the_elastic_forecast_counts_a_compacted_rollout_once_from_its_start_and_drains_at_its_contexts(
+    tiny, monkeypatch
+):
+    """The elastic controller takes a session's end as a trajectory on its way to the trainer
+    and learns session lengths to forecast those ends; a compacted rollout's rows are written
+    only when it ends, so its contexts are one session to the forecast: it ends once, 80 s
+    long (8 steps of 10 s on the router's clock), and a live one is as old as its rollout.
+    A replica drained under it still empties at a context boundary: with sessions left where
+    they run (no migration), the branch opened after the drain goes to the other replica."""
+    clock = [0.0]
+    monkeypatch.setattr(router_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    seen: list[RolloutStatus] = []  # the worker's status at each step of the two rollouts
+    engines = [TorchEngine(*tiny, name=f"torch-{i}") for i in range(2)]
+    router = Router(engines, RouterConfig(migrate_on_drain=False))
+
+    class ClockedNotesEnv(NotesEnv):
+        async def step(self, action: str) -> StepResult:
+            clock[0] += 10.0
+            if not seen:
+                (first,) = [name for name, ages in router.session_ages().items() if ages]
+                router.drain(first)
+            seen.append(routing_status(router))
+            return await super().step(action)
+
+    config = ServiceConfig(max_new_tokens=4, compact_at=first_prompt_size(tiny) + 70)
+
+    async def body():
+        gateway = Gateway(router, tiny[1], GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(gateway, lambda t: ClockedNotesEnv(), config)
+        try:
+            return [await service.process(RolloutRequest(task=task(), seed=3)) for _ in range(2)]
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    results = asyncio.run(body())
+    assert [len(result.records) >= 2 for result in results] == [True, True]  # compacted
+    assert (router.sessions_ended, list(router.session_lengths)) == (2, [80.0, 80.0])
+    first_steps, second_steps = seen[:TURNS], seen[TURNS:]
+    for steps in (first_steps, second_steps):
+        assert [[a for ages in s.session_ages.values() for a in ages] for s in steps] == [
+            [10.0 * (k + 1)] for k in range(TURNS)
+        ]
+    (drained,) = first_steps[0].draining
+    assert first_steps[0].replica_sessions[drained] == 1
+    assert first_steps[-1].replica_sessions[drained] == 0 and first_steps[-1].live_sessions == 1
+
+    planner = ElasticPlanner(ElasticConfig(forecast_horizon_s=20))
+    planner.observe([first_steps[0]], now=1000.0)  # sets where the worker's counts start
+    planner.observe([second_steps[4]], now=1000.0)
+    assert planner.controller.lengths.ordered == [80.0]
+    assert planner.controller.forecast_completions(1000.0) == 0.0  # 50 s into a rollout of 80
+    planner.observe([second_steps[6]], now=1000.0)
+    assert planner.controller.forecast_completions(1000.0) == 1.0  # 70 s in: it ends within 20 s
 
 
 @pytest.mark.parametrize("end", ["cancel", "timeout"])

@@ -344,6 +344,29 @@ def test_session_ages_and_lengths_count_from_first_routing_across_moves(monkeypa
     assert router.session_ages() == {first: [9.0]}
 
 
+def test_a_rollout_continued_in_a_new_session_ends_once_and_is_as_old_as_its_first(monkeypatch):
+    """A compacted rollout's contexts: each ending frees its replica (a drained one empties at
+    that boundary, migration off), and the rollout ends once, as long as all of them."""
+    clock = [0.0]
+    monkeypatch.setattr("rollout.router.time.monotonic", lambda: clock[0])
+    router = Router(_replicas(2), RouterConfig(policy="least_loaded", migrate_on_drain=False))
+    first = router.route("c1").name
+    router.drain(first)
+    clock[0] = 10.0
+    assert router.route("c1").name == first, "no migration: it stays until its context ends"
+    router.end_session("c1", continued_in="c2")
+    assert router.load(first) == 0 and router.sessions_ended == 0
+    clock[0] = 15.0
+    second = router.route("c2").name
+    assert second != first and router.session_ages() == {first: [], second: [15.0]}
+    clock[0] = 20.0
+    router.end_session("c2", continued_in="c3")
+    router.end_session("c3")  # it ended before routing its first turn
+    assert (router.sessions_ended, list(router.session_lengths)) == (1, [20.0])
+    with pytest.raises(ValueError, match="cannot continue in itself"):
+        router.end_session("c4", continued_in="c4")
+
+
 def test_a_session_ended_while_its_failed_replica_is_probed_is_not_pinned_again():
     """The client closes its session while the router probes the replica its request failed
     on: the request fails and the session stays unpinned, instead of being re-pinned to the
