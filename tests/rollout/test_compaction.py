@@ -229,14 +229,17 @@ def test_the_orchestrator_writes_a_compacted_rollouts_records_together(tiny):
         config = ServiceConfig(max_new_tokens=4, compact_at=compact_at)
         service = RolloutService(gateway_for(tiny, engine), lambda t: NotesEnv(), config)
         tasks = {"arith": itertools.cycle(ArithEnv.tasks("train", seed=0, n=8))}
+        orchestrator = Orchestrator(
+            service, tasks, sink, OrchestratorConfig(mix={"arith": 1.0}, concurrency=2, max_rollouts=3)
+        )
         try:
-            await Orchestrator(
-                service, tasks, sink, OrchestratorConfig(mix={"arith": 1.0}, concurrency=2, max_rollouts=3)
-            ).run()
+            await orchestrator.run()
         finally:
             await engine.close()
+        return orchestrator.stats.as_dict()["finished"]
 
-    asyncio.run(body())
+    # the worker's count of finished rollouts (its status's ``finished``): rollouts, not rows
+    assert asyncio.run(body()) == 3
     assert len(sink.writes) == 3
     for records in sink.writes:
         assert len(records) >= 2
