@@ -20,7 +20,8 @@ How many training units to keep when lending: the most of ``min_train``, the mea
 rate (sessions finished per second times unit-seconds per trajectory) and the forecast
 (``forecast_completions``: each live session of age ``a`` ends within the next
 ``forecast_horizon_s`` ``H`` with probability ``P(L <= a + H | L > a)`` under the
-empirical distribution of recently finished session lengths; expected completions times
+empirical distribution of recently finished session lengths, bringing as many trajectories
+as those sessions wrote (a compacted rollout one per context); expected trajectories times
 unit-seconds per trajectory over ``H``). The measured rate lags at a phase change (no long
 session has finished yet when a long phase starts); the forecast does not, because it
 reads the ages of the sessions now live. Everything is observable in the pipeline:
@@ -30,6 +31,7 @@ session start/end times, queue depths, unconsumed trajectories, trainer idle tim
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -182,29 +184,50 @@ class Unit:
 
 @dataclass
 class SessionLengths:
-    """Empirical distribution of the last ``window`` finished session lengths (seconds).
+    """Empirical distribution of the last ``window`` finished session lengths (seconds), each
+    with the trajectories its session wrote: one, or a compacted rollout's one per context,
+    all written when it ends.
 
-    Learned online from session start/end events; says how likely a live session of a
-    given age is to end within a horizon, with no knowledge of any session's own length.
+    Learned online from session start/end events; says how many trajectories a live session
+    of a given age is expected to bring within a horizon, with no knowledge of any session's
+    own length.
     """
 
     window: int
-    recent: deque[float] = field(default_factory=deque)
+    recent: deque[tuple[float, int]] = field(default_factory=deque)
     ordered: list[float] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    """The trajectories of the session of each length in ``ordered``, in its order."""
+    _cumulative: list[int] | None = field(default=None, repr=False)
 
-    def record(self, length: float) -> None:
-        """Add one finished session's length, forgetting the oldest beyond ``window``."""
-        self.recent.append(length)
-        bisect.insort(self.ordered, length)
+    def record(self, length: float, rows: int = 1) -> None:
+        """Add one finished session's length and trajectories, forgetting the oldest beyond ``window``."""
+        if rows < 1:
+            raise ValueError(f"a finished session wrote at least one trajectory, got {rows}")
+        self.recent.append((length, rows))
+        at = bisect.bisect_right(self.ordered, length)
+        self.ordered.insert(at, length)
+        self.rows.insert(at, rows)
         if len(self.recent) > self.window:
-            del self.ordered[bisect.bisect_left(self.ordered, self.recent.popleft())]
+            length, rows = self.recent.popleft()
+            # among sessions of its length, one with as many trajectories
+            at = self.rows.index(rows, bisect.bisect_left(self.ordered, length))
+            del self.ordered[at], self.rows[at]
+        self._cumulative = None
 
     def ends_within(self, age: float, horizon: float) -> float:
-        """P(length <= age + horizon | length > age); 0 for a session older than any seen (or no data)."""
-        longer = len(self.ordered) - bisect.bisect_right(self.ordered, age)
+        """E[rows · 1(length <= age + horizon) | length > age]: the trajectories a session of age
+        ``age`` brings within ``horizon``, expected (P(length <= age + horizon | length > age)
+        when every session wrote one); 0 for a session older than any seen (or no data)."""
+        outlived = bisect.bisect_right(self.ordered, age)
+        longer = len(self.ordered) - outlived
         if longer == 0:
             return 0.0
-        ending = bisect.bisect_right(self.ordered, age + horizon) - bisect.bisect_right(self.ordered, age)
+        if self._cumulative is None:
+            self._cumulative = [0, *itertools.accumulate(self.rows)]
+        ending = (
+            self._cumulative[bisect.bisect_right(self.ordered, age + horizon)] - self._cumulative[outlived]
+        )
         return ending / longer
 
 
@@ -472,11 +495,14 @@ class ElasticController:
         return min(max(balanced, self.config.min_rollout), total - self.config.min_train)
 
     def forecast_completions(self, now: float) -> float | None:
-        """Sessions expected to end within ``forecast_horizon_s``, from the live sessions' ages.
+        """Trajectories expected from the sessions that end within ``forecast_horizon_s``, from
+        the live sessions' ages.
 
         Each live session (start time known) of age ``a`` ends within the horizon ``H`` with
-        probability ``P(L <= a + H | L > a)`` under the session-length model; the sum is the
-        expected count. ``None`` before any session with a known start has finished.
+        probability ``P(L <= a + H | L > a)`` under the session-length model, bringing the
+        trajectories it wrote (one, or a compacted rollout's one per context, as the ended
+        sessions did: ``SessionLengths.ends_within``); the sum is the expected count. ``None``
+        before any session with a known start has finished.
         """
         if not self.lengths.ordered:
             self.last_forecast = None

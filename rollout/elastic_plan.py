@@ -91,12 +91,12 @@ class ElasticPlanner:
         ``now`` each (the status's own delay, a few seconds at most, is not subtracted). The
         rollouts each worker finished and the sessions it ended since its last status count
         as finished now (the controller's rollout rate) and train its session-length model
-        (the newest lengths; a compacted rollout is one session, whose rows reach the trainer
-        when its last context ends: ``rollout.router.Router``); a worker's first status, or a
-        restarted worker's, only sets where its counts start. Returns the moves made here:
-        draining replicas that their worker confirms empty go to training, replicas in
-        training that their worker reports sessions on, or no longer drains, drain again (see
-        the module docstring).
+        (the newest lengths, each with its session's contexts: a compacted rollout is one
+        session, whose rows, one per context, reach the trainer when its last context ends,
+        ``rollout.router.Router``); a worker's first status, or a restarted worker's, only
+        sets where its counts start. Returns the moves made here: draining replicas that their
+        worker confirms empty go to training, replicas in training that their worker reports
+        sessions on, or no longer drains, drain again (see the module docstring).
         """
         seen: dict[str, tuple[RolloutStatus, str]] = {}
         for status in statuses:
@@ -108,9 +108,15 @@ class ElasticPlanner:
             self._finished[status.worker] = status.finished
             last = self._ended.get(status.worker)
             if last is not None and status.sessions_ended > last:
-                new = min(status.sessions_ended - last, len(status.session_lengths))
-                for length in status.session_lengths[len(status.session_lengths) - new :]:
-                    self.controller.lengths.record(length)
+                lengths = status.session_lengths
+                contexts = status.session_contexts
+                if len(contexts) != len(lengths):  # a worker that does not count them
+                    contexts = [1] * len(lengths)
+                new = min(status.sessions_ended - last, len(lengths))
+                for length, rows in zip(
+                    lengths[len(lengths) - new :], contexts[len(lengths) - new :], strict=True
+                ):
+                    self.controller.lengths.record(length, rows)
             self._ended[status.worker] = status.sessions_ended
             for replica in status.replica_sessions:
                 seen[replica_unit(status.worker, replica)] = (status, replica)

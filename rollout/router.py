@@ -162,8 +162,9 @@ class Router:
     contexts are sessions one after another, each ended as its branch opens
     (``end_session``'s ``continued_in``): for these counts, and ``session_ages``, they are
     one session, from the first context's routing to the last one's end, because the
-    rollout's trajectories go to the trainer only once it ends (the elastic controller's
-    forecast reads them so).
+    rollout's trajectories, one per context, go to the trainer only once it ends (the
+    elastic controller's forecast reads them so); ``session_contexts`` holds the contexts of
+    each session in ``session_lengths`` (1 for one never compacted).
     """
 
     def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
@@ -180,6 +181,8 @@ class Router:
         self._started: dict[str, float] = {}
         self.sessions_ended = 0
         self.session_lengths: deque[float] = deque(maxlen=SESSION_LENGTHS_KEPT)
+        self.session_contexts: deque[int] = deque(maxlen=SESSION_LENGTHS_KEPT)
+        self._contexts_before: Counter[str] = Counter()
         for engine in engines:
             self.add(engine)
 
@@ -304,8 +307,8 @@ class Router:
         ``continued_in``: the session its rollout goes on in (the branch a compacted context
         continues in). The replica is released all the same, so a draining one empties at
         this context boundary, but the rollout has not ended: ``continued_in`` takes over its
-        start, and the rollout counts in ``sessions_ended`` and ``session_lengths`` when that
-        one ends.
+        start and its contexts, and the rollout counts in ``sessions_ended``,
+        ``session_lengths`` and ``session_contexts`` when that one ends.
         """
         if continued_in == session_id:
             raise ValueError(f"session {session_id!r} cannot continue in itself")
@@ -316,11 +319,14 @@ class Router:
         started = self._started.pop(session_id, None)
         if started is None:
             return
+        contexts = self._contexts_before.pop(session_id, 0) + 1
         if continued_in is not None:
             self._started[continued_in] = started
+            self._contexts_before[continued_in] = contexts
         else:
             self.sessions_ended += 1
             self.session_lengths.append(time.monotonic() - started)
+            self.session_contexts.append(contexts)
 
     def session_ages(self) -> dict[str, list[float]]:
         """Seconds since each live session was first routed, by the replica it is pinned to

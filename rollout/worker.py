@@ -703,7 +703,7 @@ class RolloutWorker:
         }
 
     def _routing_status(self) -> dict[str, Any]:
-        """The router's drains, moves and session ages and lengths (empty before ``start``)."""
+        """The router's drains, moves and session ages, lengths and contexts (empty before ``start``)."""
         router = self.router
         if router is None:
             return {
@@ -712,6 +712,7 @@ class RolloutWorker:
                 "session_ages": {},
                 "sessions_ended": 0,
                 "session_lengths": [],
+                "session_contexts": [],
             }
         return {
             "draining": router.draining,
@@ -719,6 +720,7 @@ class RolloutWorker:
             "session_ages": router.session_ages(),
             "sessions_ended": router.sessions_ended,
             "session_lengths": list(router.session_lengths),
+            "session_contexts": list(router.session_contexts),
         }
 
     async def close(self) -> None:

@@ -37,6 +37,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -100,6 +101,11 @@ class RolloutStatus(BaseModel):
         default_factory=list,
         description="Lengths (seconds) of the most recently ended sessions, the newest last (a compacted "
         "rollout's: from its first context's routing to its last one's end).",
+    )
+    session_contexts: list[Annotated[int, Field(ge=1)]] = Field(
+        default_factory=list,
+        description="Contexts (trajectories written) of each session in ``session_lengths``, in its order: "
+        "more than one for a compacted rollout (empty from a worker that did not count them: one each).",
     )
     owner: str = Field("", description="Which worker process wrote it (a random id per start).")
 

@@ -310,7 +310,7 @@ class HeldNotesEnv(NotesEnv):
 
 
 def routing_status(router: Router) -> RolloutStatus:
-    """What a rollout worker publishes of ``router`` (``RolloutWorker.status``)."""
+    """What a rollout worker publishes of ``router`` (``RolloutWorker.status``, ``tasks.rollout``)."""
     loads = {name: router.load(name) for name in router.replicas}
     return RolloutStatus(
         worker="w0",
@@ -323,18 +323,20 @@ def routing_status(router: Router) -> RolloutStatus:
         session_ages=router.session_ages(),
         sessions_ended=router.sessions_ended,
         session_lengths=list(router.session_lengths),
+        session_contexts=list(router.session_contexts),
     )
 
 
 def test_the_elastic_forecast_counts_a_compacted_rollout_once_from_its_start_and_drains_at_its_contexts(
     tiny, monkeypatch
 ):
-    """The elastic controller takes a session's end as a trajectory on its way to the trainer
-    and learns session lengths to forecast those ends; a compacted rollout's rows are written
-    only when it ends, so its contexts are one session to the forecast: it ends once, 80 s
-    long (8 steps of 10 s on the router's clock), and a live one is as old as its rollout.
-    A replica drained under it still empties at a context boundary: with sessions left where
-    they run (no migration), the branch opened after the drain goes to the other replica."""
+    """The elastic controller takes a session's end as trajectories on their way to the
+    trainer and learns session lengths to forecast those ends; a compacted rollout's rows,
+    one per context, are written only when it ends, so its contexts are one session to the
+    forecast: it ends once, 80 s long (8 steps of 10 s on the router's clock), bringing its
+    rows, and a live one is as old as its rollout. A replica drained under it still empties
+    at a context boundary: with sessions left where they run (no migration), the branch
+    opened after the drain goes to the other replica."""
     clock = [0.0]
     monkeypatch.setattr(router_module, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     seen: list[RolloutStatus] = []  # the worker's status at each step of the two rollouts
@@ -364,6 +366,8 @@ def test_the_elastic_forecast_counts_a_compacted_rollout_once_from_its_start_and
     results = asyncio.run(body())
     assert [len(result.records) >= 2 for result in results] == [True, True]  # compacted
     assert (router.sessions_ended, list(router.session_lengths)) == (2, [80.0, 80.0])
+    rows = [len(result.records) for result in results]
+    assert list(router.session_contexts) == rows
     first_steps, second_steps = seen[:TURNS], seen[TURNS:]
     for steps in (first_steps, second_steps):
         assert [[a for ages in s.session_ages.values() for a in ages] for s in steps] == [
@@ -376,10 +380,11 @@ def test_the_elastic_forecast_counts_a_compacted_rollout_once_from_its_start_and
     planner = ElasticPlanner(ElasticConfig(forecast_horizon_s=20))
     planner.observe([first_steps[0]], now=1000.0)  # sets where the worker's counts start
     planner.observe([second_steps[4]], now=1000.0)
-    assert planner.controller.lengths.ordered == [80.0]
+    assert (planner.controller.lengths.ordered, planner.controller.lengths.rows) == ([80.0], rows[:1])
     assert planner.controller.forecast_completions(1000.0) == 0.0  # 50 s into a rollout of 80
     planner.observe([second_steps[6]], now=1000.0)
-    assert planner.controller.forecast_completions(1000.0) == 1.0  # 70 s in: it ends within 20 s
+    # 70 s in, it ends within 20 s, bringing as many rows as the first
+    assert planner.controller.forecast_completions(1000.0) == rows[0]
 
 
 @pytest.mark.parametrize("end", ["cancel", "timeout"])

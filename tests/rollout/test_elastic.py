@@ -679,6 +679,33 @@ def test_ending_or_migrating_a_timed_session_without_its_start_is_refused_and_ch
     assert ctl.forecast_completions(8.0) == 0.0
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    sessions=st.lists(st.tuples(st.integers(0, 8).map(float), st.integers(1, 4)), min_size=1, max_size=30),
+    window=st.integers(1, 6),
+    age=st.integers(-1, 9).map(float),
+    horizon=st.integers(0, 9).map(float),
+)
+def test_expected_trajectories_within_a_horizon_match_a_count_over_the_window(sessions, window, age, horizon):
+    """A compacted rollout's session brings a trajectory per context: ``ends_within`` is the sum
+    of the trajectories of the kept sessions that end within the horizon over the count of
+    those that outlived ``age``, counted here over the last ``window`` sessions (ties in
+    length and forgotten sessions included)."""
+    model = SessionLengths(window=window)
+    for recorded in range(1, len(sessions) + 1):
+        model.record(*sessions[recorded - 1])
+        kept = sessions[:recorded][-window:]
+        longer = [(length, rows) for length, rows in kept if length > age]
+        ending = sum(rows for length, rows in longer if length <= age + horizon)
+        assert model.ends_within(age, horizon) == pytest.approx(ending / len(longer) if longer else 0.0)
+        assert sorted(zip(model.ordered, model.rows, strict=True)) == sorted(kept)
+
+
+def test_a_session_must_have_written_a_trajectory():
+    with pytest.raises(ValueError, match="at least one trajectory, got 0"):
+        SessionLengths(window=4).record(10.0, 0)
+
+
 def test_a_session_exactly_as_old_as_a_seen_length_is_counted_as_outliving_it():
     # P(L <= a + H | L > a): a length equal to the age has ended, it is no live session's future
     model = SessionLengths(window=4)

@@ -251,3 +251,29 @@ def test_session_ages_and_new_lengths_from_statuses_drive_the_forecast():
         assert planner.controller.lengths.ordered == [10.0, 20.0, 30.0, 40.0]
     assert sorted(planner.controller.units["w0/r0"].session_starts) == [77.0, 97.0]
     assert planner.controller.last_forecast == pytest.approx(0.75)
+    assert planner.controller.lengths.rows == [1, 1, 1, 1]  # a worker that counts no contexts
+
+
+def test_the_forecast_counts_the_trajectories_of_compacted_rollouts_from_their_contexts():
+    """Ended sessions of 10 s (one context) and 30 s (a rollout compacted into 3 contexts);
+    live ones aged 5 and 25 s; horizon 10 s: the first ends by 15 with P = 1/2, as the 10 s
+    one did, bringing its 1 trajectory; the second, past 10 s, ends by 35 as the 30 s one
+    did, bringing 3: 0.5 + 3 trajectories expected (1.5 counting a session as one)."""
+    planner = ElasticPlanner(ElasticConfig(forecast_horizon_s=10, cooldown_s=0))
+
+    def worker(ended, lengths, contexts):
+        return status("w0", {"r0": 2}).model_copy(
+            update={
+                "session_ages": {"r0": [5.0, 25.0]},
+                "sessions_ended": ended,
+                "session_lengths": lengths,
+                "session_contexts": contexts,
+            }
+        )
+
+    planner.decide([worker(0, [], [])], DRY, now=100.0)
+    planner.decide([worker(2, [10.0, 30.0], [1, 3])], DRY, now=101.0)
+    assert (planner.controller.lengths.ordered, planner.controller.lengths.rows) == ([10.0, 30.0], [1, 3])
+    assert planner.controller.last_forecast == pytest.approx(3.5)
+    planner.decide([worker(3, [10.0, 30.0, 12.0], [1, 3, 1])], DRY, now=102.0)  # only the new one
+    assert planner.controller.lengths.rows == [1, 1, 3]

@@ -363,6 +363,10 @@ def test_a_rollout_continued_in_a_new_session_ends_once_and_is_as_old_as_its_fir
     router.end_session("c2", continued_in="c3")
     router.end_session("c3")  # it ended before routing its first turn
     assert (router.sessions_ended, list(router.session_lengths)) == (1, [20.0])
+    assert list(router.session_contexts) == [3]
+    router.route("s")
+    router.end_session("s")
+    assert list(router.session_contexts) == [3, 1]
     with pytest.raises(ValueError, match="cannot continue in itself"):
         router.end_session("c4", continued_in="c4")
 

@@ -614,10 +614,12 @@ def test_a_workers_status_object_carries_what_the_controller_forecasts_from():
         "session_ages": {"torch-0": [1.23456]},
         "sessions_ended": 5,
         "session_lengths": [2.34567, 3.0],
+        "session_contexts": [1, 4],
     }
     published = status_object("w0", status, running=True)
     assert (published.finished, published.sessions_ended) == (7, 5)
     assert (published.session_ages, published.session_lengths) == ({"torch-0": [1.235]}, [2.346, 3.0])
+    assert published.session_contexts == [1, 4]
 
 
 def test_a_failing_progress_report_does_not_stop_the_trainer(tmp_path, caplog):
