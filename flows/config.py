@@ -476,9 +476,10 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     one that cannot be an id is refused. ``model``, ``reward_models``: whether the flow
     loads ``model.path`` (it may warm-start) and the reward models an env of the mix names
     (it serves a rollout service, :meth:`RunConfig.mix_service`); the dataset is read by
-    every flow that draws tasks. A local ``storage.root`` that is a file, or lies under one,
-    is refused too (it need not exist: it is created); it failed once the flow had started,
-    reading the run's ``LATEST``."""
+    every flow that draws tasks, all of them of the mix: one set for a run whose mix leaves
+    ``dataset`` out is read by none, and not checked. A local ``storage.root`` that is a
+    file, or lies under one, is refused too (it need not exist: it is created); it failed
+    once the flow had started, reading the run's ``LATEST``."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if not config.storage.is_s3:
@@ -504,6 +505,7 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     dataset = config.envs.dataset
     if (
         dataset is not None
+        and "dataset" in config.orchestrator.mix
         and dataset.path
         and "://" not in dataset.path
         and not os.path.exists(dataset.path)

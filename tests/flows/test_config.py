@@ -576,7 +576,7 @@ def test_an_empty_config_file_fails_saying_so(tmp_path, text):
             "model.path '{tmp}/no-such-model' is neither a local directory",
         ),
         (
-            ["envs.dataset.path={tmp}/no-such.jsonl"],
+            ["orchestrator.mix={{dataset: 1.0}}", "envs.dataset.path={tmp}/no-such.jsonl"],
             "envs.dataset.path '{tmp}/no-such.jsonl' does not exist",
         ),
         (
@@ -636,12 +636,14 @@ def test_flows_that_read_no_local_path_start_without_them(tmp_path):
 def test_a_hub_model_id_and_paths_that_exist_pass_the_path_check(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"prompt": "1+1", "answer": "2"}\n')
+    on_data = {"orchestrator": {"mix": {"dataset": 1.0}}}  # beside arith and guess
     config = load_config(
-        TINY, {"model": {"path": "Qwen/Qwen3-0.6B"}, "envs": {"dataset": {"path": str(data)}}}
+        TINY, on_data | {"model": {"path": "Qwen/Qwen3-0.6B"}, "envs": {"dataset": {"path": str(data)}}}
     )
     assert missing_path(config) is None
     assert missing_path(load_config(TINY, {"model": {"path": str(tmp_path)}})) is None
-    assert missing_path(load_config(TINY, {"envs": {"dataset": {"path": "s3://bucket/rows.jsonl"}}})) is None
+    s3 = on_data | {"envs": {"dataset": {"path": "s3://bucket/rows.jsonl"}}}
+    assert missing_path(load_config(TINY, s3)) is None
 
 
 def test_a_cuda_device_is_missing_from_the_first_index_the_machine_does_not_show():

@@ -32,6 +32,7 @@ from flows.config import (
     _float32_bytes,
     _merge,
     evaluate_devices,
+    evaluate_paths,
     missing_cores,
     missing_path,
     missing_sandbox_root,
@@ -40,6 +41,7 @@ from flows.config import (
     rollout_devices,
     rollout_problem,
     too_few_demos,
+    train_paths,
 )
 from rollout.resources import state_bytes
 from storage.tables import Tables
@@ -742,6 +744,18 @@ def test_a_reward_model_no_env_of_the_mix_names_blocks_no_run_and_is_checked_onc
         tmp_path / "runs", "absent-judge", service=service, envs={"guess": {"reward_model": "absent"}}
     )
     assert missing_path(used).startswith("service.reward_models.absent.path ")
+
+
+def test_a_dataset_no_env_of_the_mix_draws_from_blocks_no_run_and_is_checked_once_one_does(tmp_path):
+    """Every flow draws its tasks from the envs of the mix: a dataset file set for a run whose
+    mix leaves ``dataset`` out is read by none, yet its absence refused the run."""
+    absent = tmp_path / "no-such.jsonl"
+    spare = tiny_config(tmp_path / "runs", "spare-dataset", envs={"dataset": {"path": str(absent)}})
+    assert "dataset" not in spare.orchestrator.mix
+    assert missing_path(spare) is None
+    assert evaluate_paths(spare) is None and train_paths(spare) is None
+    used = tiny_config(tmp_path / "runs", "absent-dataset", **dataset_only(absent))
+    assert missing_path(used) == evaluate_paths(used) == f"envs.dataset.path {str(absent)!r} does not exist"
 
 
 @pytest.mark.parametrize("beside", ["consolidated.safetensors", "adapter_model.safetensors"])
