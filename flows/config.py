@@ -70,8 +70,8 @@ class WarmStartConfig(BaseModel):
     demos_per_env: int = Field(
         2000,
         ge=1,
-        description="Demonstrations per environment in the mix; a run asking one for more than its train "
-        "split holds distinct tasks (code's 327) is refused at its start.",
+        description="Demonstrations per environment in the mix; a new run asking one for more than its "
+        "train split holds distinct tasks (code's 327) is refused at its start.",
     )
     demos: dict[str, Annotated[int, Field(ge=0)]] = Field(
         default_factory=dict,
@@ -557,9 +557,17 @@ def too_few_demos(config: RunConfig) -> str | None:
     its tasks by design gives any number) or warm_start is off. The tasks are drawn as the warm
     start draws them. Without this check the run failed once the flow had started (a Ray
     cluster up), at its warm start. A draw that fails otherwise is left to :func:`empty_split`
-    and to the warm start, which name why."""
+    and to the warm start, which name why. A run that has a weight version (a rerun, a flow
+    resuming) does not warm-start, and is not refused: the run's store is read for that, only
+    when a setting would be."""
     if not config.warm_start.enabled:
         return None
+    problem = _demos_past_train_split(config)
+    return None if problem is None or _has_weights(config) else problem
+
+
+def _demos_past_train_split(config: RunConfig) -> str | None:
+    """:func:`too_few_demos` of a run with no weight version."""
     for name in config.orchestrator.mix:
         count = config.warm_start.count(name)
         if count == 0:
@@ -578,6 +586,24 @@ def too_few_demos(config: RunConfig) -> str | None:
         except Exception:
             continue
     return None
+
+
+def _has_weights(config: RunConfig) -> bool:
+    """Whether the run's store has a weight version that the warm start takes as the run's
+    (it then publishes none): ``LATEST`` names one, or, garbled, a complete version is there
+    to point it at. A store that does not answer is taken for one that has: its read is left
+    to the flow, whose command and warm start say why it fails."""
+    from storage.config import RunStore
+    from storage.weights import CorruptVersion, WeightStore
+
+    weights = WeightStore(RunStore(config.storage, config.run_id))
+    try:
+        try:
+            return weights.latest() is not None
+        except CorruptVersion:
+            return bool(weights.list())
+    except Exception:  # an endpoint s3fs cannot reach raises botocore's errors, not OSError
+        return True
 
 
 def missing_cores(config: RunConfig) -> str | None:

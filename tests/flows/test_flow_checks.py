@@ -352,6 +352,47 @@ def test_an_env_asked_for_more_demonstrations_than_its_train_split_holds_is_refu
     )
 
 
+def test_a_run_that_has_a_weight_version_is_not_refused_demonstrations_it_does_not_warm_start_on(
+    tmp_path,
+):
+    """A rerun of a run (or a flow resuming it) starts from its weight version and plays no
+    demonstration, yet it was refused more of code than its train split holds, on the command
+    line and in the flow; a garbled ``LATEST`` the warm start points at a complete version
+    counts, and a new run of the same storage is still refused, as is one whose garbled
+    ``LATEST`` names nothing the warm start could take."""
+    from flows.cli_args import parse
+
+    build_base_version(
+        tiny_config(tmp_path / "runs", "code-rerun", warm_start=NO_WARM_START), log=lambda line: None
+    )
+    config = tiny_config(tmp_path / "runs", "code-rerun", **CODE_ONLY)
+    assert too_few_demos(config) is None
+    argv = ["--run-id", "code-rerun", "--set", f"storage.root={tmp_path}/runs"]
+    argv += ["--set", "orchestrator.mix={code: 1.0}", "--set", "warm_start.demos_per_env=2000"]
+    assert parse("train", argv, warm_starts=True)[0].run_id == "code-rerun"
+    (tmp_path / "runs" / "code-rerun" / "weights" / "LATEST").write_text("garbled\n")
+    assert too_few_demos(config) is None
+    refused = "warm_start.demos_per_env (2000) asks for more demonstrations of code"
+    assert too_few_demos(tiny_config(tmp_path / "runs", "code-new", **CODE_ONLY)).startswith(refused)
+    (tmp_path / "runs" / "code-garbled" / "weights").mkdir(parents=True)
+    (tmp_path / "runs" / "code-garbled" / "weights" / "LATEST").write_text("garbled\n")
+    assert too_few_demos(tiny_config(tmp_path / "runs", "code-garbled", **CODE_ONLY)).startswith(refused)
+
+
+def test_demonstrations_are_not_refused_on_a_store_that_does_not_answer(tmp_path, monkeypatch):
+    """Whether the run has a weight version is unknown: its flow command then says why the
+    store does not answer (:func:`flows.cli.weight_versions`), where a refusal of its
+    demonstrations would have sent a rerun to change a setting it does not use."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key-id-123")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-456")
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        storage = {"root": "s3://bucket/runs", "endpoint_url": f"http://127.0.0.1:{closed.getsockname()[1]}"}
+        assert (
+            too_few_demos(tiny_config(tmp_path / "runs", "code-away", storage=storage, **CODE_ONLY)) is None
+        )
+
+
 def agent_with_tasks(ids: list[str], eval_fraction: float) -> dict:
     """An agent-only run on the tasks ``ids``, split by ``eval_fraction``."""
     tasks = [{"id": task_id, "prompt": "p"} for task_id in ids]
