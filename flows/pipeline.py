@@ -118,9 +118,15 @@ def _deadline(config: RunConfig, signals: str, rollout_run: PrefectFuture) -> fl
                 rollout_run.result()  # raises its error
                 raise RuntimeError("the rollouts task ended without its worker coming up")
     except BaseException:
-        send_signal(store, signals, "stop")
-        rollout_run.wait()
-        _clear_signals(store, signals)
+        try:
+            send_signal(store, signals, "stop")
+        except Exception as exc:  # what ended the wait stays the run's error
+            get_run_logger().error(
+                "could not raise signal 'stop'; the rollouts task runs to its deadline: %s", exc
+            )
+        else:  # it stops at the signal: removed once it is over
+            rollout_run.wait()
+            _clear_signals(store, signals)
         raise
     return float(started)
 

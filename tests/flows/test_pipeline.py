@@ -308,6 +308,31 @@ def test_a_pipeline_whose_rollout_worker_never_comes_up_raises_why_and_leaves_no
     assert not store.fs.exists(store.path(signals_dir("this-run")))
 
 
+def test_a_pipeline_whose_rollout_worker_never_comes_up_raises_why_when_the_store_refuses_its_stop(
+    tmp_path, prefect_api, monkeypatch, caplog
+):
+    """The store refusing signal 'stop' (down past its retries) as the run ended for a rollouts
+    task that failed before its worker came up: the store's error replaced the rollouts' as the
+    run's error. The refusal is logged."""
+    from prefect import flow
+
+    config = tiny_config(tmp_path / "runs", "stop-refused")
+
+    def refused(store, key, name, *args, **kwargs):
+        raise OSError(f"the store refused signal {name!r} (injected)")
+
+    monkeypatch.setattr(pipeline_module, "send_signal", refused)
+
+    @flow
+    def waiting():
+        return pipeline_module._deadline(config, "this-run", RolloutsFailedAtStart())
+
+    with pytest.raises(ValueError, match=r"^the engines did not load \(injected\)$"):
+        waiting()
+    assert "could not raise signal 'stop'" in caplog.text
+    assert "the store refused signal 'stop' (injected)" in caplog.text
+
+
 class RolloutsStarting:
     """The future of a rollouts task whose worker is still starting: each wait lets ``step``
     do what the task does meanwhile."""
