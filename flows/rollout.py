@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import argparse
 import re
+import uuid
 from typing import Annotated, Any
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from pydantic import Field
 
 from flows.cli_args import stops_as_on_ctrl_c
@@ -26,6 +27,7 @@ from flows.config import (
 )
 from flows.run_logs import module_logs_to_run
 from storage.shards import NAME_PATTERN
+from tasks.common import clear_signals, run_store
 
 
 @flow(name="rollout", flow_run_name="{config.run_id}/{worker_name}", log_prints=True)
@@ -60,7 +62,15 @@ def rollout(
         from tasks.weights import warm_start
 
         warm_start(config)
-        return rollouts(config, worker_name)
+        # this flow run's own key: a retry of the task keeps the deadline its first attempt raised
+        signals = uuid.uuid4().hex
+        try:
+            return rollouts(config, worker_name, signals=signals)
+        finally:
+            try:
+                clear_signals(run_store(config), signals)
+            except Exception as exc:  # a leftover file must not fail the run, nor replace its error
+                get_run_logger().warning("could not remove the signals of %s: %s", signals, exc)
 
 
 def _worker_name(text: str) -> str:
@@ -77,7 +87,6 @@ def _worker_name(text: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import temporary_api, weight_versions
     from flows.cli_args import parse
-    from tasks.common import run_store
 
     config, args = parse(
         "Generate rollouts into raw shards.",

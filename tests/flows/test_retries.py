@@ -292,3 +292,40 @@ def test_a_load_that_fails_for_good_is_not_retried_when_its_stopped_status_canno
     with pytest.raises(ValueError, match="injected"):
         loads_once(tiny_config(tmp_path / "runs", f"{role}-fails-to-load"))
     assert len(loads) == 1
+
+
+def test_a_retried_rollouts_task_of_the_rollout_flow_keeps_its_first_attempts_deadline(
+    prefect_api, tmp_path, monkeypatch
+):
+    """A standalone worker's rollouts task retried after a transient error took a new deadline,
+    a whole stop.max_seconds from its retry: each retry lengthened the run. The flow leaves no
+    signals behind."""
+    import tasks.rollout
+    from flows.rollout import rollout
+    from tasks.common import run_store
+    from tasks.weights import build_base_version
+
+    run_rollouts, ends = tasks.rollout.run_rollouts, []
+
+    def recording(config, deadline, *args, **kwargs):
+        def end() -> float:
+            ends.append(deadline())
+            if len(ends) == 1:
+                raise ConnectionResetError("the store dropped the connection (injected)")
+            return time.time()  # its deadline recorded, not waited for
+
+        return run_rollouts(config, end, *args, **kwargs)
+
+    monkeypatch.setattr(tasks.rollout, "run_rollouts", recording)
+    config = tiny_config(
+        tmp_path / "runs", "rollout-retried", warm_start={"enabled": False}, stop={"max_seconds": 600.0}
+    )
+    build_base_version(config, log=lambda line: None)
+
+    state = rollout(config, "w0", return_state=True)
+
+    assert state.is_completed(), state.message
+    first, retried = ends
+    assert retried == first
+    store = run_store(config)
+    assert not store.fs.exists(store.path("status/signals")) or not store.fs.ls(store.path("status/signals"))

@@ -33,7 +33,7 @@ def no_work(monkeypatch):
     """The flows' tasks replaced by ones that do nothing: only the flow runs are looked at."""
     done = {"steps": 0, "versions": 0, "stop_reason": "drained"}
     monkeypatch.setattr(tasks.weights, "warm_start", lambda config: 0)
-    monkeypatch.setattr(tasks.rollout, "rollouts", lambda *args: {})
+    monkeypatch.setattr(tasks.rollout, "rollouts", lambda *args, **kwargs: {})
     monkeypatch.setattr(tasks.process, "process_pending", lambda config: {})
     monkeypatch.setattr(tasks.train, "train", lambda *args: done)
     monkeypatch.setattr(flows.train, "report_task", lambda config: "")
