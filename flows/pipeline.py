@@ -25,11 +25,8 @@ from flows.config import (
 )
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
-from tasks.common import SIGNAL_POLL_S, clear_signals, read_signal, run_store, send_signal
+from tasks.common import clear_signals, run_store, send_signal
 from tasks.report import report_task
-
-DRAIN_SECONDS = 10.0
-"""How long past the deadline the process task may go on, to process the last shards."""
 
 
 def _wind_down(
@@ -44,8 +41,11 @@ def _wind_down(
     Whichever ends first (its stop condition, or a failure): training or processing over
     stops the rollouts; rollouts over end processing once it has processed what they
     committed; processing over makes the trainer train what is left and stop.
-    So no stop condition (a step count with no wall-clock limit) leaves a task running.
-    A failed task's error is raised once all three are over. The signals go once all three
+    So no stop condition (a step count with no wall-clock limit) leaves a task running, nor
+    does a rollouts task that fails before its worker is up leave processing and training
+    waiting for the deadline it never raised.
+    A failed task's error is raised once all three are over, a signal the store refused
+    meanwhile logged. The signals go once all three
     are over, however the flow ends: they are this flow run's alone (``signals`` is its own key).
     """
     store = run_store(config)
@@ -58,7 +58,7 @@ def _wind_down(
         process_run.wait()
         send_signal(store, signals, "processed")
         train_run.wait()
-    except BaseException:  # the flow itself is stopping (cancelled, interrupted): end them all
+    except BaseException as error:  # the flow is stopping (cancelled, interrupted, a signal refused): end all
         sent = True
         for name in ("stop", "rollouts-done", "processed"):
             try:  # one signal that cannot be raised must not keep the others from being sent
@@ -72,6 +72,10 @@ def _wind_down(
             for run in (rollout_run, process_run, train_run):
                 run.wait()
             _clear_signals(store, signals)
+        if isinstance(error, Exception):  # a signal the store refused: a task's failure is the run's error
+            for run in (rollout_run, process_run, train_run):
+                if run.state.is_failed():
+                    run.result()  # raises its error
         raise
     _clear_signals(store, signals)
     return rollout_run.result(), process_run.result(), train_run.result()
@@ -104,33 +108,6 @@ def _clear_signals(store: RunStore, signals: str) -> None:
         get_run_logger().warning("could not remove the signals of %s: %s", signals, exc)
 
 
-def _deadline(config: RunConfig, signals: str, rollout_run: PrefectFuture) -> float:
-    """The run's deadline, ``stop.max_seconds`` from when its rollout worker is up: what the
-    rollouts task raises in signal ``started`` once its engines are loaded (and on Ray its env
-    actors started), so that a start-up, a fresh Ray cluster's above all, eats none of a
-    short run's budget. Raises why the rollouts task ended before; a flow stopping meanwhile
-    stops it."""
-    store = run_store(config)
-    try:
-        while (started := read_signal(store, signals, "started")) is None:
-            rollout_run.wait(timeout=SIGNAL_POLL_S)
-            if rollout_run.state.is_final() and read_signal(store, signals, "started") is None:
-                rollout_run.result()  # raises its error
-                raise RuntimeError("the rollouts task ended without its worker coming up")
-    except BaseException:
-        try:
-            send_signal(store, signals, "stop")
-        except Exception as exc:  # what ended the wait stays the run's error
-            get_run_logger().error(
-                "could not raise signal 'stop'; the rollouts task runs to its deadline: %s", exc
-            )
-        else:  # it stops at the signal: removed once it is over
-            rollout_run.wait()
-            _clear_signals(store, signals)
-        raise
-    return float(started)
-
-
 def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
     """The three long-running tasks as Ray tasks on the cluster at ``config.ray_address``.
 
@@ -143,6 +120,8 @@ def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
     after ``engine.load_timeout_s``, naming what it asks for. So are they all at once with the
     rollout worker's actors: processing and training hold their CPUs for the whole run, and an
     actor that found none free waited for them (the run wrote no rollout before its deadline).
+    The three are submitted at once: processing and training wait for the deadline the
+    rollouts raise once their worker is up, the trainer loading meanwhile.
     """
     from prefect_ray.context import remote_options
     from prefect_ray.task_runners import RayTaskRunner
@@ -167,16 +146,11 @@ def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
     with RayTaskRunner(address=config.ray_address) as runner:
         with remote_options(num_cpus=0):
             rollout_run = runner.submit(rollouts, {"config": config, "signals": signals})
-        deadline = _deadline(config, signals, rollout_run)
         with remote_options(**process_options):
-            process_run = runner.submit(
-                process_shards, {"config": config, "deadline": deadline + DRAIN_SECONDS, "signals": signals}
-            )
+            process_run = runner.submit(process_shards, {"config": config, "signals": signals})
         with remote_options(**train_options):
             train_config = config.model_copy(update={"trainer_device": actor_device(config.trainer_device)})
-            train_run = runner.submit(
-                train, {"config": train_config, "deadline": deadline, "signals": signals}
-            )
+            train_run = runner.submit(train, {"config": train_config, "signals": signals})
         return _wind_down(config, signals, rollout_run, process_run, train_run)
 
 
@@ -229,14 +203,14 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         if config.cluster == "ray":
             generated, processed, trained = _run_on_ray(config, signals)
         else:
-            rollout_run = rollouts.submit(config, signals=signals)
-            deadline = _deadline(config, signals, rollout_run)
+            # processing and training wait for the deadline the rollouts raise once their worker
+            # is up (stop.max_seconds from then): the trainer loads meanwhile
             generated, processed, trained = _wind_down(
                 config,
                 signals,
-                rollout_run,
-                process_shards.submit(config, deadline + DRAIN_SECONDS, signals=signals),
-                train.submit(config, deadline, signals=signals),
+                rollouts.submit(config, signals=signals),
+                process_shards.submit(config, signals=signals),
+                train.submit(config, signals=signals),
             )
         if not trained["steps"]:
             logger.warning(untrained_warning(generated["orchestrator"]))

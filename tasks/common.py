@@ -162,6 +162,18 @@ def read_signal(
             time.sleep(wait)
 
 
+def deadline_once_started(store: RunStore, key: str, *ends: threading.Event | None) -> float | None:
+    """The run's deadline, which the rollouts task sharing ``key`` raises in signal ``started``
+    once its worker is up (looked for every :data:`SIGNAL_POLL_S`); None once one of ``ends``
+    is set first: the run ends before its worker came up (its rollouts task failed, or the run
+    was stopped)."""
+    while (started := read_signal(store, key, "started")) is None:
+        if any(end is not None and end.is_set() for end in ends):
+            return None
+        time.sleep(SIGNAL_POLL_S)
+    return float(started)
+
+
 def clear_signals(store: RunStore, key: str) -> None:
     """Remove the signals of ``key`` once no task watches them."""
     with contextlib.suppress(FileNotFoundError):

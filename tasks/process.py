@@ -26,12 +26,23 @@ from storage.status import (
 )
 from storage.tables import Tables
 from storage.weights import WeightStore
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, reporting, run_resource, run_store, watch_signal
+from tasks.common import (
+    SIDE_EFFECTS,
+    STORAGE_RETRIES,
+    deadline_once_started,
+    reporting,
+    run_resource,
+    run_store,
+    watch_signal,
+)
 
 log = logging.getLogger(__name__)
 
 STATUS_EVERY_S = 5.0
 """How often a running processor renews its status (it goes stale after 30 s)."""
+DRAIN_SECONDS = 10.0
+"""How long past the run's deadline a process task given none goes on, to process the last
+shards of the rollouts that end at it."""
 
 
 def shard_processor(
@@ -126,21 +137,23 @@ def holding_the_processor(config: RunConfig) -> Iterator[HeldRole]:
 
 def run_processor(
     config: RunConfig,
-    deadline: float,
+    deadline: float | Callable[[], float],
     poll_s: float = 0.5,
     on_shard: Callable[[ProcessedShard], None] | None = None,
     stop: threading.Event | None = None,
 ) -> dict[str, Any]:
-    """Process raw shards as they are committed until ``deadline``, then drain once more
-    (holding the run's processor role; raises :class:`~storage.status.InUse` once it is lost)."""
+    """Process raw shards as they are committed until ``deadline`` (epoch seconds, or a function
+    called for them once the run's processor role is held), then drain once more (holding the
+    role; raises :class:`~storage.status.InUse` once it is lost)."""
     with holding_the_processor(config) as role:
+        end = deadline() if callable(deadline) else deadline
         processor = shard_processor(
             config,
             reporting(on_shard, "report of a processed shard"),
             role.require,
         )
         totals = ProcessTotals()
-        while time.time() < deadline and not (stop is not None and stop.is_set()) and not role.lost.is_set():
+        while time.time() < end and not (stop is not None and stop.is_set()) and not role.lost.is_set():
             new = processor.poll()
             totals.add(new)
             if not new:
@@ -169,13 +182,31 @@ def _emit(config: RunConfig, outcome: ProcessedShard) -> None:
 
 
 @task(name="process-shards", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def process_shards(config: RunConfig, deadline: float, signals: str | None = None) -> dict[str, Any]:
+def process_shards(
+    config: RunConfig, deadline: float | None = None, signals: str | None = None
+) -> dict[str, Any]:
     """Process raw shards continuously until the deadline; emits an event per shard. With
     ``signals`` (a key of :func:`tasks.common.send_signal`) it also ends at signal
-    ``rollouts-done``, after processing what the rollouts committed."""
-    with watch_signal(run_store(config), signals, "rollouts-done") as rollouts_done:
+    ``rollouts-done``, after processing what the rollouts committed. Without ``deadline`` it
+    is :data:`DRAIN_SECONDS` past the one the rollouts task sharing ``signals`` raises in
+    signal ``started`` once its worker is up; ``rollouts-done`` first, it processes what is
+    pending once and ends."""
+    if deadline is None and signals is None:
+        raise ValueError(
+            "the process-shards task needs a deadline, or the signals key of a rollouts task that raises it"
+        )
+    store = run_store(config)
+    with watch_signal(store, signals, "rollouts-done") as rollouts_done:
+
+        def deadline_from_start() -> float:
+            started = deadline_once_started(store, signals, rollouts_done)
+            return time.time() if started is None else started + DRAIN_SECONDS
+
         return run_processor(
-            config, deadline, on_shard=lambda outcome: _emit(config, outcome), stop=rollouts_done
+            config,
+            deadline_from_start if deadline is None else deadline,
+            on_shard=lambda outcome: _emit(config, outcome),
+            stop=rollouts_done,
         )
 
 

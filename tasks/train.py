@@ -37,6 +37,7 @@ from tasks.common import (
     SIDE_EFFECTS,
     STORAGE_RETRIES,
     announce_version,
+    deadline_once_started,
     reporting,
     run_store,
     watch_signal,
@@ -75,7 +76,7 @@ def keep_decision(decisions: list[dict[str, Any]], entry: dict[str, Any]) -> Non
 
 def run_trainer(
     config: RunConfig,
-    deadline: float,
+    deadline: float | Callable[[], float],
     on_step: Callable[[dict[str, Any]], None] | None = None,
     on_publish: Callable[[int], None] | None = None,
     stop: threading.Event | None = None,
@@ -85,7 +86,8 @@ def run_trainer(
     elastic: ElasticPlanner | None = None,
     status_max_age_s: float = DEFAULT_MAX_AGE_S,
 ) -> dict[str, Any]:
-    """Train on processed shards until ``deadline`` (epoch seconds), ``stop`` or
+    """Train on processed shards until ``deadline`` (epoch seconds, or a function called for
+    them once the trainer is loaded, its status kept fresh while it waits), ``stop`` or
     ``stop.max_policy_steps`` — or, with ``drain`` (or once ``drain_event`` is set), until
     no processed shard is waiting; the steps since the last version are published at the end.
 
@@ -185,6 +187,7 @@ def run_trainer(
         trainer = Trainer(
             store, config.sao, device=config.trainer_device, temperature=config.service.temperature
         )
+        end = deadline() if callable(deadline) else deadline
     except BaseException:
         loading.stop()
         try:
@@ -351,7 +354,7 @@ def run_trainer(
     reporter.start()
     try:
         summary = trainer.run(
-            max_seconds=max(deadline - time.time(), 0.0),
+            max_seconds=max(end - time.time(), 0.0),
             max_steps=config.stop.max_policy_steps,
             stop_event=stop,
             progress=progress,
@@ -383,13 +386,20 @@ def run_trainer(
 
 @task(name="train", **SIDE_EFFECTS, **STORAGE_RETRIES)
 def train(
-    config: RunConfig, deadline: float, drain: bool = False, signals: str | None = None
+    config: RunConfig, deadline: float | None = None, drain: bool = False, signals: str | None = None
 ) -> dict[str, Any]:
     """Run the trainer until the deadline (or until drained); emits an event per published
     weight version. With ``signals`` (a key of :func:`tasks.common.send_signal`) it also
-    stops at signal ``stop`` and drains from signal ``processed``."""
+    stops at signal ``stop`` and drains from signal ``processed``. Without ``deadline`` it is
+    the one the rollouts task sharing ``signals`` raises in signal ``started`` once its worker
+    is up: the trainer loads meanwhile, and trains nothing when ``stop`` or ``processed``
+    comes first."""
     from tasks.report import ProgressReporter
 
+    if deadline is None and signals is None:
+        raise ValueError(
+            "the train task needs a deadline, or the signals key of a rollouts task that raises it"
+        )
     progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps, deadline=deadline)
 
     store = run_store(config)
@@ -397,9 +407,16 @@ def train(
         watch_signal(store, signals, "stop") as stop,
         watch_signal(store, signals, "processed") as processed,
     ):
+
+        def deadline_from_start() -> float:
+            started = deadline_once_started(store, signals, stop, processed)
+            end = time.time() if started is None else started
+            progress.time_toward(end)
+            return end
+
         result = run_trainer(
             config,
-            deadline,
+            deadline_from_start if deadline is None else deadline,
             on_step=lambda row: progress.update(
                 row["step"],
                 detail=f"version {row['version']}, reward {row['reward_mean']:.2f}, "

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from prefect.states import Failed, Running
+from prefect.states import Failed
 
 from flows import pipeline as pipeline_module
 from flows.sql import connect
@@ -227,8 +227,11 @@ def test_the_pipelines_wall_clock_budget_counts_from_when_its_rollout_worker_is_
         real = getattr(module, name)
 
         def spy(config, deadline, *args, **kwargs):
-            deadlines[key] = deadline
-            return real(config, deadline, *args, **kwargs)
+            def recorded() -> float:
+                deadlines[key] = deadline() if callable(deadline) else deadline
+                return deadlines[key]
+
+            return real(config, recorded, *args, **kwargs)
 
         monkeypatch.setattr(module, name, spy)
 
@@ -249,7 +252,43 @@ def test_the_pipelines_wall_clock_budget_counts_from_when_its_rollout_worker_is_
     (worker_up,) = up
     assert deadlines["train"] >= worker_up + budget
     assert deadlines["rollouts"] >= worker_up + budget
-    assert deadlines["process"] == deadlines["train"] + pipeline_module.DRAIN_SECONDS
+    assert deadlines["process"] == deadlines["train"] + tasks.process.DRAIN_SECONDS
+
+
+def test_the_trainer_loads_while_the_rollout_worker_starts(tmp_path, prefect_api, monkeypatch):
+    """Processing and training were submitted only once the rollout worker was up: the trainer's
+    own load (its model and optimizer) came out of the run's budget, and the run's wall time
+    grew by the worker's start-up. The three are submitted at once, processing and training
+    waiting for the worker's deadline themselves: here the worker starts once the trainer loads."""
+    import asyncio
+
+    import tasks.train
+    from rollout.worker import RolloutWorker
+
+    loading, waited = threading.Event(), []
+    build, start = tasks.train.Trainer, RolloutWorker.start
+
+    def loaded(*args, **kwargs):
+        loading.set()
+        return build(*args, **kwargs)
+
+    async def started(worker):
+        # the bound only ends a wait that fails the test: a trainer that never loads meanwhile
+        waited.append(await asyncio.to_thread(loading.wait, 120))
+        await start(worker)
+
+    monkeypatch.setattr(tasks.train, "Trainer", loaded)
+    monkeypatch.setattr(RolloutWorker, "start", started)
+    config = tiny_config(
+        tmp_path / "runs",
+        "trainer-loads-meanwhile",
+        warm_start={"enabled": False},
+        eval={"tasks_per_env": 1},
+        stop={"max_seconds": 2.0},
+    )
+    state = _pipeline_in_thread(config)
+    assert state.is_completed(), state.message
+    assert waited == [True]
 
 
 def test_a_retried_rollouts_task_keeps_the_deadline_its_first_attempt_gave_the_pipeline(
@@ -286,94 +325,44 @@ def test_a_retried_rollouts_task_keeps_the_deadline_its_first_attempt_gave_the_p
     assert end < first + 60
 
 
-class RolloutsFailedAtStart:
-    """The future of a rollouts task that failed before its worker came up."""
+def test_a_pipeline_whose_rollout_worker_never_comes_up_raises_why_and_leaves_no_signals(
+    tmp_path, prefect_api, monkeypatch
+):
+    """A rollouts task that failed before its worker came up raised no deadline: it is the
+    run's error, not a wait for ever; processing and training, waiting for that deadline, end
+    without training, and the run leaves no signals."""
+    import tasks.process
+    import tasks.rollout
+    import tasks.train
 
-    state = Failed()
+    results = {}
 
-    def wait(self, timeout: float | None = None) -> None:
-        pass
-
-    def result(self) -> dict:
+    def broken(*args, **kwargs):
         raise ValueError("the engines did not load (injected)")
 
+    def recording(module, name, key):
+        real = getattr(module, name)
 
-def test_a_pipeline_whose_rollout_worker_never_comes_up_raises_why_and_leaves_no_signals(tmp_path):
-    """Its deadline is taken once the worker is up: a rollouts task that failed before is the
-    run's error, not a wait for ever, and processing and training are never started."""
-    config = tiny_config(tmp_path / "runs", "no-worker")
+        def recorded(*args, **kwargs):
+            results[key] = real(*args, **kwargs)
+            return results[key]
+
+        monkeypatch.setattr(module, name, recorded)
+
+    monkeypatch.setattr(tasks.rollout, "_build_worker", broken)
+    recording(tasks.train, "run_trainer", "train")
+    recording(tasks.process, "run_processor", "process")
+    config = tiny_config(
+        tmp_path / "runs", "no-worker", warm_start={"enabled": False}, eval={"tasks_per_env": 1}
+    )
+    state = _pipeline_in_thread(config)
+    assert state.is_failed()
     with pytest.raises(ValueError, match=r"^the engines did not load \(injected\)$"):
-        pipeline_module._deadline(config, "this-run", RolloutsFailedAtStart())
+        state.result()
+    assert results["train"]["steps"] == 0 and results["train"]["versions"] == []
+    assert results["process"].get("shards", 0) == 0
     store = run_store(config)
-    assert not store.fs.exists(store.path(signals_dir("this-run")))
-
-
-def test_a_pipeline_whose_rollout_worker_never_comes_up_raises_why_when_the_store_refuses_its_stop(
-    tmp_path, prefect_api, monkeypatch, caplog
-):
-    """The store refusing signal 'stop' (down past its retries) as the run ended for a rollouts
-    task that failed before its worker came up: the store's error replaced the rollouts' as the
-    run's error. The refusal is logged."""
-    from prefect import flow
-
-    config = tiny_config(tmp_path / "runs", "stop-refused")
-
-    def refused(store, key, name, *args, **kwargs):
-        raise OSError(f"the store refused signal {name!r} (injected)")
-
-    monkeypatch.setattr(pipeline_module, "send_signal", refused)
-
-    @flow
-    def waiting():
-        return pipeline_module._deadline(config, "this-run", RolloutsFailedAtStart())
-
-    with pytest.raises(ValueError, match=r"^the engines did not load \(injected\)$"):
-        waiting()
-    assert "could not raise signal 'stop'" in caplog.text
-    assert "the store refused signal 'stop' (injected)" in caplog.text
-
-
-class RolloutsStarting:
-    """The future of a rollouts task whose worker is still starting: each wait lets ``step``
-    do what the task does meanwhile."""
-
-    def __init__(self, step):
-        self.step = step
-        self.state = Running()
-
-    def wait(self, timeout: float | None = None) -> None:
-        self.step()
-
-
-def test_a_pipeline_takes_its_deadline_once_the_store_answers_again(tmp_path, monkeypatch):
-    """A store error reading signal 'started' (an S3 503) failed the run, after its warm start
-    and first evaluation: every other signal outlives a store away for a moment."""
-    config = tiny_config(tmp_path / "runs", "flaky-started")
-    store = run_store(config)
-    failures = []
-    cat_file = type(store.fs).cat_file
-
-    def flaky_cat(fs, path, *args, **kwargs):
-        if len(failures) < 2:
-            failures.append(path)
-            raise ConnectionResetError("connection reset (injected)")
-        return cat_file(fs, path, *args, **kwargs)
-
-    monkeypatch.setattr(type(store.fs), "cat_file", flaky_cat)
-    send_signal(store, "this-run", "started", content="1234.5")
-    assert pipeline_module._deadline(config, "this-run", RolloutsStarting(lambda: None)) == 1234.5
-    assert len(failures) == 2
-
-
-def test_a_pipeline_waits_for_a_started_signal_still_being_written(tmp_path):
-    """A local store's write is not atomic: the file of signal 'started' is there, empty, before
-    its content. Read then, it failed the run (no deadline in '') and left the rollouts running."""
-    config = tiny_config(tmp_path / "runs", "started-being-written")
-    store = run_store(config)
-    store.fs.makedirs(store.path(signals_dir("this-run")), exist_ok=True)
-    store.fs.touch(store.path(signal_path("this-run", "started")))
-    written = RolloutsStarting(lambda: send_signal(store, "this-run", "started", content="1234.5"))
-    assert pipeline_module._deadline(config, "this-run", written) == 1234.5
+    assert not store.fs.exists(store.path("status/signals")) or not store.fs.ls(store.path("status/signals"))
 
 
 class FinishedTask:
@@ -414,6 +403,45 @@ def test_a_pipeline_whose_signals_cannot_be_removed_still_returns_its_tasks_resu
     assert state.is_completed()
     assert state.result() == ({"task": "rollouts"}, {"task": "process"}, {"task": "train"})
     assert store.fs.exists(store.path(signal_path("this-run", "processed")))
+
+
+class RolloutsFailedAtStart:
+    """The future of a rollouts task that failed before its worker came up."""
+
+    state = Failed()
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+    def result(self) -> dict:
+        raise ValueError("the engines did not load (injected)")
+
+
+def test_a_pipeline_whose_rollouts_task_failed_raises_its_error_when_the_store_refuses_its_signals(
+    tmp_path, prefect_api, monkeypatch, caplog
+):
+    """The store refusing the signals (down past its retries) as the run wound down after a
+    rollouts task that failed before its worker came up: the store's error replaced the
+    rollouts' as the run's error. The refusals are logged."""
+    from prefect import flow
+
+    config = tiny_config(tmp_path / "runs", "signals-refused")
+
+    def refused(store, key, name, *args, **kwargs):
+        raise OSError(f"the store refused signal {name!r} (injected)")
+
+    monkeypatch.setattr(pipeline_module, "send_signal", refused)
+    monkeypatch.setattr(pipeline_module, "as_completed", iter)  # the rollouts end first
+
+    @flow
+    def winding_down():
+        tasks = [RolloutsFailedAtStart(), FinishedTask({"task": "process"}), FinishedTask({"task": "train"})]
+        return pipeline_module._wind_down(config, "this-run", *tasks)
+
+    with pytest.raises(ValueError, match=r"^the engines did not load \(injected\)$"):
+        winding_down()
+    assert "could not raise signal 'rollouts-done'" in caplog.text
+    assert "the store refused signal 'rollouts-done' (injected)" in caplog.text
 
 
 def test_a_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(tmp_path, prefect_api):

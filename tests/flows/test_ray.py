@@ -927,7 +927,6 @@ def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, devi
 
     monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(record))
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
-    monkeypatch.setattr(pipeline, "_deadline", lambda config, signals, rollout_run: 0.0)
     # this cluster has no GPU, on which the probes fail the run (see the tests below)
     monkeypatch.setattr(ray_actors, "wait_placeable", lambda *args: None)
     monkeypatch.setattr(ray_actors, "wait_placeable_together", lambda *args: None)
@@ -957,7 +956,6 @@ def test_the_pipeline_starts_a_local_ray_with_a_cpu_for_each_of_its_tasks_and_ac
     monkeypatch.setattr(ray_actors, "wait_placeable_together", lambda *args: None)
     monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(lambda *args: None))
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
-    monkeypatch.setattr(pipeline, "_deadline", lambda config, signals, rollout_run: 0.0)
     config = RunConfig(run_id="sized", cluster="ray", engine={"replicas": 3})
 
     pipeline._run_on_ray(config, signals="s")
@@ -982,7 +980,6 @@ def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_
         recording_runner(lambda task, parameters: submitted.append(task.name)),
     )
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
-    monkeypatch.setattr(pipeline, "_deadline", lambda config, signals, rollout_run: 0.0)
     # long enough for the tasks this cluster can place to start on a loaded machine
     config = RunConfig(run_id="no-gpu", cluster="ray", trainer_device="cuda", engine={"load_timeout_s": 10})
 
@@ -1010,7 +1007,6 @@ def test_a_pipeline_whose_tasks_and_actors_the_cluster_cannot_hold_at_once_fails
         recording_runner(lambda task, parameters: submitted.append(task.name)),
     )
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
-    monkeypatch.setattr(pipeline, "_deadline", lambda config, signals, rollout_run: 0.0)
     # long enough for the tasks this cluster can place to start on a loaded machine
     config = RunConfig(run_id="too-big", cluster="ray", engine={"replicas": 2, "load_timeout_s": 10})
 

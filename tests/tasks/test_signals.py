@@ -8,7 +8,14 @@ import threading
 import pytest
 
 from tasks import common
-from tasks.common import clear_signals, send_signal, signal_path, watch_signal
+from tasks.common import (
+    clear_signals,
+    deadline_once_started,
+    send_signal,
+    signal_path,
+    signals_dir,
+    watch_signal,
+)
 
 
 def flaky_pipe(store, monkeypatch, failures: int) -> list[str]:
@@ -88,3 +95,56 @@ def test_a_store_that_refuses_to_clear_the_signals_is_an_error(local_store, monk
     monkeypatch.setattr(local_store.fs, "rm", refused)
     with pytest.raises(ConnectionResetError, match="injected"):
         clear_signals(local_store, "k")
+
+
+def test_a_task_waiting_for_the_run_to_start_takes_its_deadline_once_the_store_answers_again(
+    local_store, monkeypatch
+):
+    """A store error reading signal 'started' (an S3 503) is retried: every other signal
+    outlives a store away for a moment."""
+    failures = []
+    cat_file = type(local_store.fs).cat_file
+
+    def flaky_cat(fs, path, *args, **kwargs):
+        if len(failures) < 2:
+            failures.append(path)
+            raise ConnectionResetError("connection reset (injected)")
+        return cat_file(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(type(local_store.fs), "cat_file", flaky_cat)
+    send_signal(local_store, "k", "started", content="1234.5")
+    assert deadline_once_started(local_store, "k") == 1234.5
+    assert len(failures) == 2
+
+
+class FinishedOnFirstLook:
+    """An end never set; the first look at it finishes writing signal 'started'."""
+
+    def __init__(self, store):
+        self.store, self.looks = store, 0
+
+    def is_set(self) -> bool:
+        if not self.looks:
+            send_signal(self.store, "k", "started", content="1234.5")
+        self.looks += 1
+        return False
+
+
+def test_a_task_waits_for_a_started_signal_still_being_written(local_store):
+    """A local store's write is not atomic: the file of signal 'started' is there, empty, before
+    its content; read then, it is not raised yet (no deadline in '')."""
+    local_store.fs.makedirs(local_store.path(signals_dir("k")), exist_ok=True)
+    local_store.fs.touch(local_store.path(signal_path("k", "started")))
+    written = FinishedOnFirstLook(local_store)
+    assert deadline_once_started(local_store, "k", written) == 1234.5
+    assert written.looks == 1
+
+
+def test_a_task_waiting_for_the_run_to_start_ends_without_a_deadline_at_its_end_signal(local_store):
+    """The rollouts task failed before its worker came up, or the run was stopped: no
+    deadline will come, and the waiting task ends."""
+    ended = threading.Event()
+    ended.set()
+    assert deadline_once_started(local_store, "k", None, ended) is None
+    send_signal(local_store, "k", "started", content="1234.5")
+    assert deadline_once_started(local_store, "k", ended) == 1234.5
