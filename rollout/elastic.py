@@ -17,7 +17,8 @@ hands borrowed units back. A live rollout is never
 interrupted: a session moves only between turns, never mid-generation.
 
 How many training units to keep when lending: the most of ``min_train``, the measured
-rate (sessions finished per second times unit-seconds per trajectory) and the forecast
+rate (trajectories the finished sessions wrote per second, a compacted rollout's one per
+context, times unit-seconds per trajectory) and the forecast
 (``forecast_completions``: each live session of age ``a`` ends within the next
 ``forecast_horizon_s`` ``H`` with probability ``P(L <= a + H | L > a)`` under the
 empirical distribution of recently finished session lengths, bringing as many trajectories
@@ -88,7 +89,8 @@ class ElasticConfig(BaseModel):
     rate_window_s: float = Field(
         600.0,
         gt=0,
-        description="Seconds of finished sessions over which the rollout output rate is measured.",
+        description="Seconds of finished sessions over which the rollout output rate (their trajectories "
+        "per second) is measured.",
     )
     forecast_horizon_s: float = Field(
         600.0,
@@ -309,18 +311,21 @@ class ElasticController:
             if self.started is None:  # the rate's interval opens before the first session ends
                 self.started = now
 
-    def end_session(self, name: str, now: float, started: float | None = None) -> Move | None:
+    def end_session(self, name: str, now: float, started: float | None = None, rows: int = 1) -> Move | None:
         """A session on ``name`` ended; a drained replica goes to training here (its session boundary).
 
         ``started``: the session's start time as given to ``begin_session`` (its length then
         trains the session-length model); refused without it when every live session on
-        ``name`` was begun with a time.
+        ``name`` was begun with a time. ``rows``: the trajectories it wrote (a compacted
+        rollout's one per context).
         """
+        if rows < 1:
+            raise ValueError(f"a finished session wrote at least one trajectory, got {rows}")
         unit = self._unit(name)
         self._take_session(unit, started, "end")
         if started is not None:
-            self.lengths.record(now - started)
-        self.record_finished(1, now)
+            self.lengths.record(now - started, rows)
+        self.record_finished(rows, now)
         if unit.role == "draining" and unit.live_sessions == 0:
             return self._move(unit, "train", now, "drained at session boundary")
         return None
@@ -481,10 +486,12 @@ class ElasticController:
     def balanced_rollout_units(self, rate: float, train_unit_s: float | None) -> int | None:
         """Rollout replicas at which rollout and training output match, from measured rates.
 
-        By Little's law the mean session lasts ``live / rate`` seconds, so one trajectory
-        costs ``rho = live / (rate * sessions_per_replica)`` replica-seconds of rollout and
-        ``tau = train_unit_s`` unit-seconds of training; ``N * rho / (rho + tau)`` of the
-        ``N`` units balance the two. ``None`` while either rate is unknown.
+        ``rate``: trajectories per second (``rollout_rate``). By Little's law the mean session
+        lasts ``live / session_rate`` seconds and brings ``rate / session_rate`` trajectories,
+        so one trajectory costs ``rho = live / (rate * sessions_per_replica)`` replica-seconds
+        of rollout and ``tau = train_unit_s`` unit-seconds of training;
+        ``N * rho / (rho + tau)`` of the ``N`` units balance the two. ``None`` while either
+        rate is unknown.
         """
         live = sum(u.live_sessions for u in self.units.values())
         if train_unit_s is None or rate <= 0 or live == 0:
@@ -516,15 +523,18 @@ class ElasticController:
         return self.last_forecast
 
     def record_finished(self, count: int, now: float) -> None:
-        """``count`` sessions finished at ``now`` (for a driver that learns them in batches,
-        e.g. from the workers' published counts, rather than one ``end_session`` each)."""
+        """Finished sessions wrote ``count`` trajectories at ``now`` (for a driver that learns
+        them in batches, e.g. from the workers' published counts, rather than one
+        ``end_session`` each)."""
         if self.started is None:
             self.started = now
         if count > 0:
             self.finished_at.append((now, count))
 
     def rollout_rate(self, now: float) -> float:
-        """Sessions finished per second over the last ``rate_window_s`` (or since the first decision, session start or finish)."""
+        """Trajectories the finished sessions wrote, per second, over the last ``rate_window_s``
+        (or since the first decision, session start or finish): as the training cost, per
+        trajectory, so a compacted rollout counts one per context."""
         if self.started is None:
             self.started = now
         while self.finished_at and self.finished_at[0][0] < now - self.config.rate_window_s:

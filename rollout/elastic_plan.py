@@ -80,7 +80,7 @@ class ElasticPlanner:
         self.trainer_units = trainer_units
         self.controller = ReplicaController(config, {name: Unit(name, "train") for name in trainer_units})
         self.last_plan: ElasticPlan | None = None
-        self._finished: dict[str, int] = {}
+        self._finished: dict[str, tuple[int, int | None]] = {}
         self._ended: dict[str, int] = {}
 
     def observe(self, statuses: list[RolloutStatus], now: float) -> list[Move]:
@@ -89,23 +89,30 @@ class ElasticPlanner:
         New replicas join as rollout units, those of workers no longer reporting leave, and
         each unit's live sessions become its pinned count, started ``age`` seconds before
         ``now`` each (the status's own delay, a few seconds at most, is not subtracted). The
-        rollouts each worker finished and the sessions it ended since its last status count
-        as finished now (the controller's rollout rate) and train its session-length model
-        (the newest lengths, each with its session's contexts: a compacted rollout is one
-        session, whose rows, one per context, reach the trainer when its last context ends,
-        ``rollout.router.Router``); a worker's first status, or a restarted worker's, only
-        sets where its counts start. Returns the moves made here: draining replicas that their
-        worker confirms empty go to training, replicas in training that their worker reports
-        sessions on, or no longer drains, drain again (see the module docstring).
+        trajectories of the rollouts each worker finished (``finished_rows``: a compacted
+        rollout writes one per context; one a rollout from a worker that does not count them)
+        and the sessions it ended since its last status count as finished now (the
+        controller's rate, in trajectories as the trainer's cost is) and train its
+        session-length model (the newest lengths, each with its session's contexts: a
+        compacted rollout is one session, whose rows, one per context, reach the trainer when
+        its last context ends, ``rollout.router.Router``); a worker's first status, or a
+        restarted worker's, only sets where its counts start. Returns the moves made here:
+        draining replicas that their worker confirms empty go to training, replicas in
+        training that their worker reports sessions on, or no longer drains, drain again (see
+        the module docstring).
         """
         seen: dict[str, tuple[RolloutStatus, str]] = {}
         for status in statuses:
             if not status.running:
                 continue
             last = self._finished.get(status.worker)
-            if last is not None and status.finished >= last:
-                self.controller.record_finished(status.finished - last, now)
-            self._finished[status.worker] = status.finished
+            if last is not None and status.finished >= last[0]:
+                rows, last_rows = status.finished_rows, last[1]
+                if rows is None or last_rows is None:
+                    self.controller.record_finished(status.finished - last[0], now)
+                elif rows >= last_rows:
+                    self.controller.record_finished(rows - last_rows, now)
+            self._finished[status.worker] = (status.finished, status.finished_rows)
             last = self._ended.get(status.worker)
             if last is not None and status.sessions_ended > last:
                 lengths = status.session_lengths

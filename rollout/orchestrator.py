@@ -87,9 +87,12 @@ class TaskCounters:
 @dataclass
 class OrchestratorStats:
     """What the orchestrator did; ``cut_short`` names rollouts cancelled by a stop,
-    ``cancelled_elsewhere`` those cancelled by something else (the service's ``cancel``)."""
+    ``cancelled_elsewhere`` those cancelled by something else (the service's ``cancel``);
+    ``finished_rows``: the records (trajectories) of the finished rollouts, one each but a
+    compacted rollout's one per context."""
 
     tasks: dict[str, TaskCounters] = field(default_factory=lambda: defaultdict(TaskCounters))
+    finished_rows: int = 0
     written: int = 0
     groups_kept: int = 0
     groups_filtered: int = 0
@@ -108,6 +111,7 @@ class OrchestratorStats:
     def as_dict(self) -> dict[str, Any]:
         return {
             "finished": self.finished,
+            "finished_rows": self.finished_rows,
             "written": self.written,
             "groups_kept": self.groups_kept,
             "groups_filtered": self.groups_filtered,
@@ -424,6 +428,7 @@ class Orchestrator:
         result: RolloutResult = job.result()
         counters = self.stats.tasks[result.record["task"]]
         counters.finished += 1
+        self.stats.finished_rows += len(result.records)
         counters.statuses[result.status] += 1
         if result.reward is not None:
             counters.reward_sum += result.reward

@@ -83,8 +83,12 @@ class RolloutStatus(BaseModel):
     plan_time: float | None = Field(
         None, description="``time`` of the last elastic plan the worker applied (None: none yet)."
     )
-    finished: int = Field(
-        0, ge=0, description="Rollouts the worker finished since it started (the trainer's rollout rate)."
+    finished: int = Field(0, ge=0, description="Rollouts the worker finished since it started.")
+    finished_rows: int | None = Field(
+        None,
+        ge=0,
+        description="Trajectories (rows) of the rollouts in ``finished``, the trainer's rollout rate: one "
+        "each, a compacted rollout's one per context (None from a worker that did not count them: one each).",
     )
     session_ages: dict[str, list[float]] = Field(
         default_factory=dict,

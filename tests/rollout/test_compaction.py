@@ -236,11 +236,14 @@ def test_the_orchestrator_writes_a_compacted_rollouts_records_together(tiny):
             await orchestrator.run()
         finally:
             await engine.close()
-        return orchestrator.stats.as_dict()["finished"]
+        return orchestrator.stats.as_dict()
 
-    # the worker's count of finished rollouts (its status's ``finished``): rollouts, not rows
-    assert asyncio.run(body()) == 3
+    stats = asyncio.run(body())
+    # the worker's count of finished rollouts (its status's ``finished``): rollouts, not rows;
+    # their rows (``finished_rows``) are the trainer's rollout rate
+    assert stats["finished"] == 3
     assert len(sink.writes) == 3
+    assert stats["finished_rows"] == sum(len(records) for records in sink.writes)
     for records in sink.writes:
         assert len(records) >= 2
         assert len({r["execution_id"] for r in records}) == 1

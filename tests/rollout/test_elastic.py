@@ -635,6 +635,21 @@ def test_the_rollout_rate_counts_from_the_first_session_start():
     assert ctl.last_rollout_rate == pytest.approx(1 / 301)
 
 
+def test_a_compacted_rollout_ending_counts_a_trajectory_per_context_in_the_rate_and_lengths():
+    """A rollout compacted into 3 contexts writes 3 rows: 3 trajectories in 10 s, at 10 unit-s
+    a trajectory, keep ceil(0.3 * 10) = 3 of the 4 idle training units busy; with sessions
+    queued for 2 replicas only 1 is lent (2, counting the rollout as 1 trajectory)."""
+    ctl = ElasticController.create(["r0"], ["t0", "t1", "t2", "t3"], ElasticConfig(cooldown_s=0))
+    ctl.begin_session("r0", now=0.0)
+    ctl.end_session("r0", now=10.0, started=0.0, rows=3)
+    assert (ctl.lengths.ordered, ctl.lengths.rows) == ([10.0], [3])
+    moves = ctl.step(PolicyInputs(2, 16, 1.0, train_unit_s_per_trajectory=10.0), now=10.0)
+    assert ctl.last_rollout_rate == pytest.approx(0.3)
+    assert [(m.unit, m.target) for m in moves] == [("t3", "rollout")]
+    with pytest.raises(ValueError, match="at least one trajectory, got 0"):
+        ctl.end_session("r0", now=10.0, rows=0)
+
+
 def test_a_saturated_trainer_does_not_drain_what_queued_sessions_would_cancel():
     ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0))
     for name in ("r0", "r1", "r2"):

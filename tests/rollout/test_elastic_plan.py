@@ -277,3 +277,46 @@ def test_the_forecast_counts_the_trajectories_of_compacted_rollouts_from_their_c
     assert planner.controller.last_forecast == pytest.approx(3.5)
     planner.decide([worker(3, [10.0, 30.0, 12.0], [1, 3, 1])], DRY, now=102.0)  # only the new one
     assert planner.controller.lengths.rows == [1, 1, 3]
+
+
+def test_the_rollout_rate_counts_the_trajectories_of_compacted_rollouts_and_keeps_their_trainer():
+    """Each finished rollout was compacted into 3 contexts, 3 rows for the trainer: 10 in 10 s
+    are 3 trajectories/s, which at 0.6 unit-s a trajectory keep ceil(1.8) = 2 training units
+    busy. The engines queue sessions and half the trainer's 2 units idle: the replica lent to
+    training stays (counted as 1 trajectory/s, 1 unit would do and it went back)."""
+    planner = ElasticPlanner(CONFIG)
+
+    def worker(sessions, finished, rows, **update):
+        return status("w0", sessions, **update).model_copy(
+            update={"finished": finished, "finished_rows": rows}
+        )
+
+    planner.decide([worker({"r0": 5, "r1": 0}, 0, 0)], SATURATED, now=10.0)
+    planner.decide([worker({"r0": 5, "r1": 0}, 0, 0, draining=["r1"], plan_time=10.0)], SATURATED, now=11.0)
+    assert planner.last_plan.train == ["w0/r1"]
+    queued = PolicyInputs(
+        unconsumed_shards=2, engine_queue_depth=8, trainer_idle=0.5, train_unit_s_per_trajectory=0.6
+    )
+    record = planner.decide(
+        [worker({"r0": 8, "r1": 0}, 10, 30, draining=["r1"], plan_time=11.0)], queued, now=20.0
+    )
+    assert record["elastic"]["decided"] == []
+    assert planner.last_plan.train == ["w0/r1"]
+    assert planner.controller.last_rollout_rate == pytest.approx(3.0)
+
+
+def test_the_balanced_split_counts_the_trajectories_of_compacted_rollouts():
+    """As in the test above of the balanced split, 5 rollouts/s over 11 live sessions on 3
+    replicas, but each rollout wrote 3 rows: a trajectory costs rho = 11 / (15 * 4) = 0.183
+    replica-s of rollout, so at tau = 0.3 unit-s of training round(4 * rho / (rho + tau)) =
+    2 units belong to rollout (counting rollouts, 3) and the least loaded replica drains."""
+    full = {"r0": 4, "r1": 3, "r2": 4}
+    planner = ElasticPlanner(ElasticConfig(sessions_per_replica=4, headroom_slots=0, cooldown_s=0))
+    inputs = PolicyInputs(
+        unconsumed_shards=5, engine_queue_depth=0, trainer_idle=0.0, train_unit_s_per_trajectory=0.3
+    )
+    for finished, now in ((100, 0.0), (150, 10.0)):
+        update = {"finished": finished, "finished_rows": 3 * finished}
+        planner.decide([status("w0", full).model_copy(update=update)], inputs, now)
+    assert planner.last_plan.draining == ["w0/r1"]
+    assert planner.controller.last_rollout_rate == pytest.approx(15.0)

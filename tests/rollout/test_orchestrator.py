@@ -663,7 +663,7 @@ def test_on_result_gets_each_finished_rollout_once_with_the_result_written(tiny)
     sink = ListSink()
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=3, max_rollouts=7)
     _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, on_result=reported.append))
-    assert stats.finished == stats.written == 7
+    assert stats.finished == stats.written == stats.finished_rows == 7
     assert len({result.rollout_id for result in reported}) == 7
     assert [result.record for result in reported] == sink.records
 

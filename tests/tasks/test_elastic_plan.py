@@ -610,14 +610,16 @@ def test_a_workers_status_object_carries_what_the_controller_forecasts_from():
     status = {
         "engine_queue_depth": 2,
         "live_sessions": 3,
-        "orchestrator": {"finished": 7},
+        "orchestrator": {"finished": 7, "finished_rows": 9},
         "session_ages": {"torch-0": [1.23456]},
         "sessions_ended": 5,
         "session_lengths": [2.34567, 3.0],
         "session_contexts": [1, 4],
     }
     published = status_object("w0", status, running=True)
-    assert (published.finished, published.sessions_ended) == (7, 5)
+    assert (published.finished, published.finished_rows, published.sessions_ended) == (7, 9, 5)
+    older = status_object("w0", {**status, "orchestrator": {"finished": 7}}, running=True)
+    assert older.finished_rows is None  # a worker that does not count them
     assert (published.session_ages, published.session_lengths) == ({"torch-0": [1.235]}, [2.346, 3.0])
     assert published.session_contexts == [1, 4]
 
