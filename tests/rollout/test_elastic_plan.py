@@ -320,3 +320,18 @@ def test_the_balanced_split_counts_the_trajectories_of_compacted_rollouts():
         planner.decide([status("w0", full).model_copy(update=update)], inputs, now)
     assert planner.last_plan.draining == ["w0/r1"]
     assert planner.controller.last_rollout_rate == pytest.approx(15.0)
+
+
+def test_a_restarted_worker_whose_row_count_starts_again_only_sets_where_it_starts():
+    """Restarted between statuses, it finished more rollouts than before but wrote fewer rows
+    (its counts started again): no negative or mixed count reaches the rate."""
+    planner = ElasticPlanner(CONFIG)
+
+    def worker(finished, rows):
+        return status("w0", {"r0": 1}).model_copy(update={"finished": finished, "finished_rows": rows})
+
+    planner.decide([worker(5, 15)], DRY, now=0.0)
+    planner.decide([worker(6, 6)], DRY, now=10.0)
+    assert planner.controller.last_rollout_rate == 0.0
+    planner.decide([worker(8, 12)], DRY, now=20.0)
+    assert planner.controller.last_rollout_rate == pytest.approx(6 / 20)
