@@ -748,7 +748,9 @@ class Gateway:
         branch_at: int | None = None,
         session_id: str | None = None,
     ) -> Session:
-        """Open a session for one rollout; ids left out are generated. A branch (``parent_id``)
+        """Open a session for one rollout; ids left out are generated, and a ``trajectory_id``
+        given must be new to this gateway (neither an open session's nor one of the last
+        :data:`REMEMBERED_EXECUTIONS` it opened). A branch (``parent_id``)
         without ``execution_id`` joins its parent's execution: the one its parent was opened
         with here, else (a parent this gateway did not open, or opened long ago) the parent's
         id, which is a root's execution id by default."""
@@ -756,14 +758,22 @@ class Gateway:
             raise InvalidRequest("a session needs a task and a prompt_id")
         if branch_at is not None and parent_id is None:
             raise InvalidRequest(f"branch_at {branch_at} needs the parent_id it branched from")
-        trajectory_id = trajectory_id or uuid.uuid4().hex
         session_id = session_id or uuid.uuid4().hex
         if session_id in self._sessions:
             raise InvalidRequest(f"session {session_id!r} is already open")
+        if not trajectory_id:
+            trajectory_id = uuid.uuid4().hex
+        elif trajectory_id in self._executions or any(
+            s.info.trajectory_id == trajectory_id for s in self._sessions.values()
+        ):
+            raise InvalidRequest(
+                f"trajectory {trajectory_id!r} was already opened on this gateway and two records may "
+                "not share a trajectory_id (the processor drops one as duplicate_id): send a new one or "
+                "leave it out"
+            )
         if not execution_id:
             execution_id = self._executions.get(parent_id, parent_id) if parent_id else trajectory_id
         self._executions[trajectory_id] = execution_id
-        self._executions.move_to_end(trajectory_id)
         if len(self._executions) > REMEMBERED_EXECUTIONS:
             self._executions.popitem(last=False)
         info = SessionInfo(

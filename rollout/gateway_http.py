@@ -137,7 +137,11 @@ class OpenSessionRequest(BaseModel):
         description="Agent execution id; defaults to the parent's for a branch (parent_id), else to the "
         "trajectory id.",
     )
-    trajectory_id: str | None = Field(None, description="Trajectory id; generated when left out.")
+    trajectory_id: str | None = Field(
+        None,
+        description="Trajectory id; generated when left out. One this gateway already opened (still open, or "
+        "among the last 65,536 it opened) is refused: two records may not share it.",
+    )
     group_id: str | None = Field(None, description="Group id (group sampling only).")
     parent_id: str | None = Field(None, description="Trajectory this one branched from.")
     branch_at: int | None = Field(

@@ -344,6 +344,20 @@ def test_a_gateway_forgets_the_executions_of_its_oldest_trajectories_first(tiny,
     assert asyncio.run(body()) == ["exec-b", "exec-c", "a"]
 
 
+def test_an_open_sessions_trajectory_id_is_refused_after_the_gateway_forgot_its_execution(tiny, monkeypatch):
+    monkeypatch.setattr(gateway_module, "REMEMBERED_EXECUTIONS", 1)
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            gateway.open(task="arith", prompt_id="p1", trajectory_id="a")
+            gateway.open(task="arith", prompt_id="p1", trajectory_id="b")
+            with pytest.raises(InvalidRequest, match="trajectory 'a' was already opened"):
+                gateway.open(task="arith", prompt_id="p1", trajectory_id="a")
+            return len(gateway.sessions)
+
+    assert asyncio.run(body()) == 2
+
+
 def test_record_is_canonical_and_marks_actions_turns_versions(tiny):
     async def body():
         async with running_gateway(tiny) as gateway:
