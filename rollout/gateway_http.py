@@ -82,7 +82,7 @@ from rollout.gateway import (
     UnknownSession,
     check_text,
 )
-from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bearer_token
+from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_token
 from rollout.tool_calls import same_calls
 
 SESSION_HEADER = "X-Treadle-Session"
@@ -317,18 +317,6 @@ def _error(status: int, kind: str, message: str, headers: dict[str, str] | None 
     )
 
 
-def _body_problem(error: dict[str, Any]) -> str:
-    """One validation error of a request body, for people: FastAPI locates a JSON syntax error
-    by its character offset, which would read as a field name."""
-    if error.get("type") == "json_invalid":
-        reason = error.get("ctx", {}).get("error", error.get("msg"))
-        return f"not valid JSON: {reason} (char {error['loc'][-1]})"
-    if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
-        return "the request has no body; send a JSON object"
-    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
-    return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
-
-
 class _Unauthorized(Exception):
     pass
 
@@ -364,8 +352,7 @@ def create_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        problems = "; ".join(_body_problem(e) for e in exc.errors())
-        return _error(400, "invalid_request_error", f"bad request body: {problems}")
+        return _error(400, "invalid_request_error", bad_body(exc))
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError):

@@ -1,4 +1,5 @@
-"""Serve an ASGI app with uvicorn inside the running event loop (TCP on 127.0.0.1 or a Unix socket)."""
+"""Serve an ASGI app with uvicorn inside the running event loop (TCP on 127.0.0.1 or a Unix
+socket), and the one-line reason the apps answer a body they cannot take with (:func:`bad_body`)."""
 
 from __future__ import annotations
 
@@ -6,14 +7,33 @@ import asyncio
 import contextlib
 import json
 import secrets
+from typing import Any
 
 import uvicorn
+from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 
 def bearer_token(token: str | None) -> str:
     """``token``, or a fresh random one when none is given."""
     return token or secrets.token_urlsafe(24)
+
+
+def bad_body(exc: RequestValidationError) -> str:
+    """The one-line message of a 400 for a request body that does not parse or validate."""
+    return "bad request body: " + "; ".join(_body_problem(error) for error in exc.errors())
+
+
+def _body_problem(error: dict[str, Any]) -> str:
+    """One validation error of a request body, for people: FastAPI locates a JSON syntax error
+    by its character offset, which would read as a field name."""
+    if error.get("type") == "json_invalid":
+        reason = error.get("ctx", {}).get("error", error.get("msg"))
+        return f"not valid JSON: {reason} (char {error['loc'][-1]})"
+    if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
+        return "the request has no body; send a JSON object"
+    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
 
 
 MAX_BODY_BYTES = 256 * 2**20

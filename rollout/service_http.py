@@ -1,7 +1,10 @@
 """HTTP API of the rollout service: ``/process``, ``/cancel``, ``/status`` (ProRL Agent style).
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Serve it on
-127.0.0.1 or on a Unix domain socket with :class:`ServiceServer`.
+127.0.0.1 or on a Unix domain socket with :class:`ServiceServer`. Errors are JSON
+``{"detail": message}``: 400 a body that does not parse or validate (one line saying why, as
+the gateway answers one), 401 bad token, 404 no such rollout in flight to cancel, 409 a
+rollout id already in flight or a rollout cancelled.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from envs import registry
 from envs.base import Id, Task
-from rollout.http_server import AppServer, bearer_token
+from rollout.http_server import AppServer, bad_body, bearer_token
 from rollout.service import DuplicateRollout, RolloutRequest, RolloutService
 
 
@@ -29,7 +32,7 @@ def _registered(name: str) -> str:
 
 class ProcessTask(Task):
     """A task whose env is registered in this process: naming another is the caller's
-    mistake (a 422), not an env error of the service."""
+    mistake (a 400), not an env error of the service."""
 
     env: Annotated[Id, AfterValidator(_registered)] = Field(
         description="Name of the environment the task belongs to (a registered one)."
@@ -88,10 +91,9 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
-        # FastAPI's own answer echoes each bad input, and cannot encode one holding a lone
-        # surrogate (a 500); ASCII JSON escapes any in a location (a key of the body)
-        detail = [{key: error[key] for key in ("type", "loc", "msg")} for error in exc.errors()]
-        return Response(json.dumps({"detail": detail}), 422, media_type="application/json")
+        # not FastAPI's 422, which leaves out the parser's reason and echoes each bad input
+        # (a 500 for one holding a lone surrogate); ASCII JSON escapes any in a location
+        return Response(json.dumps({"detail": bad_body(exc)}), 400, media_type="application/json")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

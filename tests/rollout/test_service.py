@@ -1099,7 +1099,7 @@ def test_a_request_without_the_bearer_token_is_answered_401_without_its_body_rea
 
 
 @pytest.mark.parametrize("seed", [2**70, -(2**63) - 1, 2**63])
-def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, seed):
+def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_400(tiny, seed):
     # the caller's mistake, not an env error: no rollout runs
     async def body():
         async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
@@ -1113,13 +1113,13 @@ def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_422(tiny, se
             return response, service.status()
 
     response, status = asyncio.run(body())
-    assert response.status_code == 422 and "seed" in response.text
+    assert response.status_code == 400 and response.json()["detail"].startswith("bad request body: seed: ")
     assert status["finished"] == {}
 
 
 @pytest.mark.parametrize("field", ["rollout_id", "execution_id", "group_id", "task.id", "task.env"])
 @pytest.mark.parametrize("blank", ["", "  ", "\t\n", "\x1f"])
-def test_a_blank_id_is_refused_with_422_before_any_rollout_runs(tiny, field, blank):
+def test_a_blank_id_is_refused_with_400_before_any_rollout_runs(tiny, field, blank):
     """A blank group id would pool every such rollout into one GRPO group; a blank task id
     would get the trajectory refused when its shard is written, after the rollout ran; a
     blank env name is the caller's mistake, not an env error (an empty one was a 500)."""
@@ -1139,39 +1139,61 @@ def test_a_blank_id_is_refused_with_422_before_any_rollout_runs(tiny, field, bla
             return response, service.status()
 
     response, status = asyncio.run(body())
-    assert response.status_code == 422
-    assert response.json()["detail"][0]["loc"][-1] == field.split(".")[-1]
+    assert response.status_code == 400
+    assert response.json()["detail"].startswith(f"bad request body: {field}: "), response.text
     assert status["finished"] == {}
 
 
-async def refused_process(tiny, request: dict) -> tuple[httpx.Response, dict]:
-    """The answer of ``/process`` to ``request`` (as JSON escapes it: a lone surrogate is
-    ``\\udc80``) and the service's status after it."""
+async def refused_process(tiny, request: dict | bytes) -> tuple[httpx.Response, dict]:
+    """The answer of ``/process`` to ``request`` (a dict as JSON escapes it: a lone surrogate
+    is ``\\udc80``; bytes as they are) and the service's status after it."""
     async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
         transport = httpx.ASGITransport(app=create_app(service, "token"))
         async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
             response = await client.post(
                 "/process",
-                content=json.dumps(request),
+                content=request if isinstance(request, bytes) else json.dumps(request),
                 headers={"Authorization": "Bearer token", "Content-Type": "application/json"},
             )
         return response, service.status()
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"{not json", "not valid JSON: Expecting property name enclosed in double quotes (char 1)"),
+        (b"", "the request has no body; send a JSON object"),
+        (
+            b'{"task": {"env": "arith", "id": "a-0", "prompt": "1 + 1?"}} x',
+            "not valid JSON: Extra data (char 60)",
+        ),
+        (b'{"task": {"env": "arith", "id": "a-0"}}', "task.prompt: Field required"),
+        (b'{"task": {"env": "arith", "id": "a-0", "prompt": "1 + 1?"}, "tokens": 1}', "tokens: Extra inputs"),
+    ],
+)
+def test_a_malformed_body_is_refused_with_a_one_line_400_saying_why(tiny, content, message):
+    # as the gateway's endpoints answer one, not FastAPI's 422 that leaves the parser's reason out
+    response, status = asyncio.run(refused_process(tiny, content))
+    assert response.status_code == 400, response.text
+    assert response.json()["detail"].startswith(f"bad request body: {message}"), response.text
+    assert "\n" not in response.json()["detail"]
+    assert status["finished"] == {}
+
+
 @pytest.mark.parametrize("env", ["nope", "arith\x00", "ARITH"])
-def test_a_task_of_an_unknown_environment_is_refused_with_422_naming_the_known_ones(tiny, env):
+def test_a_task_of_an_unknown_environment_is_refused_with_400_naming_the_known_ones(tiny, env):
     # the caller's mistake: not an env error of the service (nor a NUL written into its log)
     request = {"task": arith_task().model_dump() | {"env": env}}
     response, status = asyncio.run(refused_process(tiny, request))
-    assert response.status_code == 422
-    error = response.json()["detail"][0]
-    assert error["loc"][-2:] == ["task", "env"]
-    assert "unknown environment" in error["msg"] and "'arith'" in error["msg"] and "'shell'" in error["msg"]
+    assert response.status_code == 400
+    error = response.json()["detail"]
+    assert error.startswith("bad request body: task.env: Value error, unknown environment"), error
+    assert "'arith'" in error and "'shell'" in error
     assert status["finished"] == {}
 
 
 @pytest.mark.parametrize("field", ["task.prompt", "task.id", "rollout_id", "group_id"])
-def test_a_string_holding_a_lone_surrogate_is_refused_with_422_naming_its_field(tiny, field):
+def test_a_string_holding_a_lone_surrogate_is_refused_with_400_naming_its_field(tiny, field):
     # UTF-8 cannot encode it: the prompt was an env error ("InvalidRequest during run")
     request = {"task": arith_task().model_dump()}
     if field.startswith("task."):
@@ -1179,17 +1201,20 @@ def test_a_string_holding_a_lone_surrogate_is_refused_with_422_naming_its_field(
     else:
         request[field] = "r-\udc80"
     response, status = asyncio.run(refused_process(tiny, request))
-    assert response.status_code == 422
-    error = response.json()["detail"][0]
-    assert error["loc"][-1] == field.split(".")[-1] and "lone surrogate" in error["msg"]
+    assert response.status_code == 400
+    error = response.json()["detail"]
+    assert error.startswith(f"bad request body: {field}: ") and "lone surrogate" in error, error
     assert status["finished"] == {}
 
 
-def test_a_key_holding_a_lone_surrogate_is_refused_with_422_not_a_500(tiny):
+def test_a_key_holding_a_lone_surrogate_is_refused_with_400_not_a_500(tiny):
     # FastAPI's own answer echoes the body, which UTF-8 cannot encode
     request = {"task": arith_task().model_dump(), "r-\udc80": 1}
     response, status = asyncio.run(refused_process(tiny, request))
-    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body"]
+    assert response.status_code == 400
+    assert response.json()["detail"] == (
+        "bad request body: Input should be a valid string, unable to parse raw data as a unicode string"
+    )
     assert status["finished"] == {}
 
 
@@ -1221,7 +1246,7 @@ def test_http_api_process_status_cancel_and_auth(tiny, transport, tmp_path):
     assert body["status"] in ("ok", "truncated") and body["task"] == "arith"
     assert set(body["timing"]) == {"init", "run", "eval", "queue"}
     validate(to_table([body["record"]]))
-    assert bad.status_code == 422
+    assert bad.status_code == 400 and bad.json()["detail"].startswith("bad request body: task.id: ")
     assert missing.status_code == 404
     assert sum(status.json()["finished"].values()) == 1
 
