@@ -247,6 +247,14 @@ def check_text(text: str, what: str) -> str:
     return text
 
 
+def _check_id(value: str, name: str) -> None:
+    """Raise :class:`InvalidRequest` unless ``value`` is text with something other than
+    whitespace in it: a record carrying another id could neither be sent nor written."""
+    check_text(value, name)
+    if not value.strip():
+        raise InvalidRequest(f"{name} {value!r} is blank: an id must hold something other than whitespace")
+
+
 @dataclass(frozen=True)
 class SessionInfo:
     """Ids that place one rollout in the run."""
@@ -748,14 +756,24 @@ class Gateway:
         branch_at: int | None = None,
         session_id: str | None = None,
     ) -> Session:
-        """Open a session for one rollout; ids left out are generated, and a ``trajectory_id``
+        """Open a session for one rollout; ids given must hold text other than whitespace (no
+        lone surrogate), ids left out (``None``) are generated, and a ``trajectory_id``
         given must be new to this gateway (neither an open session's nor one of the last
         :data:`REMEMBERED_EXECUTIONS` it opened). A branch (``parent_id``)
         without ``execution_id`` joins its parent's execution: the one its parent was opened
         with here, else (a parent this gateway did not open, or opened long ago) the parent's
         id, which is a root's execution id by default."""
-        if not task or not prompt_id:
-            raise InvalidRequest("a session needs a task and a prompt_id")
+        ids = {
+            "task": task,
+            "prompt_id": prompt_id,
+            "execution_id": execution_id,
+            "trajectory_id": trajectory_id,
+            "group_id": group_id,
+            "parent_id": parent_id,
+        }
+        for name, value in ids.items():
+            if value is not None:
+                _check_id(value, name)
         if branch_at is not None and parent_id is None:
             raise InvalidRequest(f"branch_at {branch_at} needs the parent_id it branched from")
         session_id = session_id or uuid.uuid4().hex

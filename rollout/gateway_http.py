@@ -73,6 +73,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
+from envs.base import Id
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
 from rollout.gateway import (
     TIMING_KEYS,
@@ -130,20 +131,20 @@ class OpenSessionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task: str = Field(description="Environment name.")
-    prompt_id: str = Field(description="Prompt id within the task.")
-    execution_id: str | None = Field(
+    task: Id = Field(description="Environment name.")
+    prompt_id: Id = Field(description="Prompt id within the task.")
+    execution_id: Id | None = Field(
         None,
         description="Agent execution id; defaults to the parent's for a branch (parent_id), else to the "
         "trajectory id.",
     )
-    trajectory_id: str | None = Field(
+    trajectory_id: Id | None = Field(
         None,
         description="Trajectory id; generated when left out. One this gateway already opened (still open, or "
         "among the last 65,536 it opened) is refused: two records may not share it.",
     )
-    group_id: str | None = Field(None, description="Group id (group sampling only).")
-    parent_id: str | None = Field(None, description="Trajectory this one branched from.")
+    group_id: Id | None = Field(None, description="Group id (group sampling only).")
+    parent_id: Id | None = Field(None, description="Trajectory this one branched from.")
     branch_at: int | None = Field(
         None,
         ge=0,

@@ -344,6 +344,29 @@ def test_a_gateway_forgets_the_executions_of_its_oldest_trajectories_first(tiny,
     assert asyncio.run(body()) == ["exec-b", "exec-c", "a"]
 
 
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        ("p-\udce9", "'\\\\udce9' at character 2 is a lone surrogate"),
+        ("", "is blank: an id must hold something other than whitespace"),
+        (" \t", "is blank: an id must hold something other than whitespace"),
+    ],
+    ids=["lone-surrogate", "empty", "whitespace"],
+)
+def test_open_refuses_an_id_that_is_no_text_or_blank(tiny, value, reason):
+    """Its record could not be sent over HTTP nor written to a shard (the schema wants the ids
+    of a trajectory to hold something other than whitespace); an empty id is no id left out."""
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            for name in ("task", "prompt_id", "execution_id", "trajectory_id", "group_id", "parent_id"):
+                with pytest.raises(InvalidRequest, match=f"^{name}.*{reason}"):
+                    gateway.open(**{"task": "arith", "prompt_id": "p1", name: value})
+            return gateway.sessions
+
+    assert asyncio.run(body()) == []
+
+
 def test_an_open_sessions_trajectory_id_is_refused_after_the_gateway_forgot_its_execution(tiny, monkeypatch):
     monkeypatch.setattr(gateway_module, "REMEMBERED_EXECUTIONS", 1)
 

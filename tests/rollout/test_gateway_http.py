@@ -245,6 +245,34 @@ def test_a_trajectory_id_this_gateway_already_opened_is_refused_naming_it(tiny):
     asyncio.run(body())
 
 
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        # the record of such a session could not be sent (a bare 500), nor written to a shard
+        ("p-\udce9", "holds a lone surrogate at character 2"),
+        ("", "an id must hold something other than whitespace"),
+        (" \t", "an id must hold something other than whitespace"),
+    ],
+    ids=["lone-surrogate", "empty", "whitespace"],
+)
+def test_a_session_whose_ids_are_no_text_or_blank_is_refused_at_open(tiny, value, reason):
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            for name in ("task", "prompt_id", "execution_id", "trajectory_id", "group_id", "parent_id"):
+                response = await client.post(
+                    "/v1/sessions",
+                    # json.dumps escapes a lone surrogate; httpx's json= would fail to encode it
+                    content=json.dumps({"task": "arith", "prompt_id": "p1", name: value}),
+                    headers={"Content-Type": "application/json"},
+                )
+                assert response.status_code == 400, (name, response.text)
+                message = response.json()["error"]["message"]
+                assert f"{name}: Value error, {reason}" in message and "\n" not in message, message
+            assert gateway.sessions == []
+
+    asyncio.run(body())
+
+
 def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
     async def body():
         async with serving(tiny, max_context_tokens=32) as (gateway, _, client):
