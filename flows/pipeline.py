@@ -66,7 +66,9 @@ def _wind_down(
             except Exception as exc:
                 sent = False
                 get_run_logger().error(
-                    "could not raise signal %r; the tasks waiting for it run to their deadline: %s", name, exc
+                    "could not raise signal %r; the tasks waiting for it on Ray run to their deadline: %s",
+                    name,
+                    exc,
                 )
         if sent:  # each task stops at its signal: removed once none is left to watch them
             for run in (rollout_run, process_run, train_run):

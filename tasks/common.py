@@ -105,6 +105,11 @@ SIGNAL_POLL_S = 1.0
 SIGNAL_RETRY_S = (0.5, 1.0, 2.0, 4.0)
 """Waits between the attempts to raise a signal when the store fails."""
 
+_raised_here: set[str] = set()
+"""The path of each signal raised in this process and not cleared: its tasks that run as
+threads hear one the store refused."""
+_raised_here_lock = threading.Lock()
+
 
 def signals_dir(key: str) -> str:
     """Where the signals of the tasks sharing ``key`` lie, relative to the run."""
@@ -127,14 +132,16 @@ def send_signal(
     processes, Ray workers on other machines: the run's store is what they share), holding
     ``content`` (:func:`read_signal`; its name when None).
 
-    A store error is retried after each wait of ``retry_s``, then raised: a task that never
-    hears its signal runs on to its deadline, or for ever without one.
+    A store error is retried after each wait of ``retry_s``, then raised: a task of this
+    process (a thread) hears the signal all the same, another runs on to its deadline, or
+    for ever without one.
     """
+    path = store.path(signal_path(key, name))
+    with _raised_here_lock:
+        _raised_here.add(path)
     for wait in (*retry_s, None):
         try:
-            store.fs.pipe_file(
-                store.path(signal_path(key, name)), (name if content is None else content).encode()
-            )
+            store.fs.pipe_file(path, (name if content is None else content).encode())
             return
         except Exception as exc:
             if wait is None:
@@ -176,8 +183,11 @@ def deadline_once_started(store: RunStore, key: str, *ends: threading.Event | No
 
 def clear_signals(store: RunStore, key: str) -> None:
     """Remove the signals of ``key`` once no task watches them."""
+    folder = store.path(signals_dir(key))
+    with _raised_here_lock:
+        _raised_here.difference_update([path for path in _raised_here if posixpath.dirname(path) == folder])
     with contextlib.suppress(FileNotFoundError):
-        store.fs.rm(store.path(signals_dir(key)), recursive=True)
+        store.fs.rm(folder, recursive=True)
 
 
 @contextlib.contextmanager
@@ -193,7 +203,7 @@ def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[thread
     def watch() -> None:
         while not done.wait(SIGNAL_POLL_S):
             try:
-                if store.fs.exists(path):
+                if path in _raised_here or store.fs.exists(path):
                     raised.set()
                     return
             except Exception as exc:  # the store away for a moment: look again next time

@@ -365,6 +365,35 @@ def test_a_pipeline_whose_rollout_worker_never_comes_up_raises_why_and_leaves_no
     assert not store.fs.exists(store.path("status/signals")) or not store.fs.ls(store.path("status/signals"))
 
 
+def test_a_pipeline_whose_rollout_worker_never_comes_up_ends_when_the_store_refuses_its_signals(
+    tmp_path, prefect_api, monkeypatch
+):
+    """A store refusing writes (a full disk) as a rollouts task failed before its worker came
+    up: processing and training, which wait for the deadline that worker raises, never heard
+    the run end, and the flow waited for them for ever. Its own threads hear it all the same."""
+    import tasks.rollout
+
+    def broken(*args, **kwargs):
+        raise ValueError("the engines did not load (injected)")
+
+    monkeypatch.setattr(tasks.rollout, "_build_worker", broken)
+    config = tiny_config(
+        tmp_path / "runs", "disk-full", warm_start={"enabled": False}, eval={"tasks_per_env": 1}
+    )
+    fs_type = type(run_store(config).fs)
+    pipe_file = fs_type.pipe_file
+
+    def full(fs, path, *args, **kwargs):
+        if "/status/signals/" in str(path):
+            raise OSError(28, "No space left on device (injected)")
+        return pipe_file(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(fs_type, "pipe_file", full)
+    state = _pipeline_in_thread(config)
+    with pytest.raises(ValueError, match=r"^the engines did not load \(injected\)$"):
+        state.result()
+
+
 class FinishedTask:
     """A task's future that is over, with ``value`` as its result."""
 

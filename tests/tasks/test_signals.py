@@ -65,6 +65,22 @@ def test_a_watched_signal_is_seen_once_raised_and_not_before(local_store, fast_w
     assert not watchers("rollouts-done")
 
 
+def test_a_signal_the_store_refused_is_heard_by_the_tasks_of_this_process(
+    local_store, monkeypatch, fast_watch
+):
+    """A store that refuses writes (a full disk) kept a pipeline's tasks, threads of its own
+    process, from hearing their end: those waiting for a rollout worker that failed before it
+    came up waited for ever, and the flow with them. Removing the signals forgets them."""
+    flaky_pipe(local_store, monkeypatch, failures=10)
+    with watch_signal(local_store, "k", "rollouts-done") as raised:
+        with pytest.raises(ConnectionResetError, match="injected"):
+            send_signal(local_store, "k", "rollouts-done", retry_s=())
+        assert raised.wait(30)  # the bound only ends a wait that fails the test
+    clear_signals(local_store, "k")
+    with watch_signal(local_store, "k", "rollouts-done") as raised:
+        assert not raised.wait(0.1)
+
+
 def test_a_watcher_ends_with_its_block_when_no_signal_came(local_store, fast_watch):
     with watch_signal(local_store, "k", "never") as raised:
         assert watchers("never")
