@@ -75,6 +75,9 @@ def _wind_down(
                 run.wait()
             _clear_signals(store, signals)
         if isinstance(error, Exception):  # a signal the store refused: a task's failure is the run's error
+            if sent:  # raised on a second try: the tasks were wound down, their results stand
+                get_run_logger().warning("the run's store refused a signal, then took it: %s", error)
+                return rollout_run.result(), process_run.result(), train_run.result()
             for run in (rollout_run, process_run, train_run):
                 if run.state.is_failed():
                     run.result()  # raises its error

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from prefect.states import Failed
+from prefect.states import Completed, Failed
 
 from flows import pipeline as pipeline_module
 from flows.sql import connect
@@ -397,6 +397,8 @@ def test_a_pipeline_whose_rollout_worker_never_comes_up_ends_when_the_store_refu
 class FinishedTask:
     """A task's future that is over, with ``value`` as its result."""
 
+    state = Completed()
+
     def __init__(self, value: dict):
         self.value = value
 
@@ -432,6 +434,40 @@ def test_a_pipeline_whose_signals_cannot_be_removed_still_returns_its_tasks_resu
     assert state.is_completed()
     assert state.result() == ({"task": "rollouts"}, {"task": "process"}, {"task": "train"})
     assert store.fs.exists(store.path(signal_path("this-run", "processed")))
+
+
+def test_a_pipeline_whose_signal_the_store_refused_once_returns_its_tasks_results(
+    tmp_path, prefect_api, monkeypatch, caplog
+):
+    """A store away past the retries of one signal, back for the next: the signals were all
+    raised on the second try and the three tasks ended as they do, yet the store's error
+    failed the run before its last evaluation and report. It is logged."""
+    from prefect import flow
+
+    config = tiny_config(tmp_path / "runs", "signal-refused-once")
+    refusals = []
+
+    def refused_once(store, key, name, *args, **kwargs):
+        if not refusals:
+            refusals.append(name)
+            raise OSError(f"the store refused signal {name!r} (injected)")
+        send_signal(store, key, name, *args, **kwargs)
+
+    monkeypatch.setattr(pipeline_module, "send_signal", refused_once)
+    monkeypatch.setattr(pipeline_module, "as_completed", iter)  # the rollouts end first
+
+    @flow
+    def winding_down():
+        tasks = [FinishedTask({"task": name}) for name in ("rollouts", "process", "train")]
+        return pipeline_module._wind_down(config, "this-run", *tasks)
+
+    state = winding_down(return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == ({"task": "rollouts"}, {"task": "process"}, {"task": "train"})
+    assert refusals == ["rollouts-done"]
+    assert "the store refused signal 'rollouts-done' (injected)" in caplog.text
+    store = run_store(config)
+    assert not store.fs.exists(store.path(signals_dir("this-run")))
 
 
 class RolloutsFailedAtStart:
