@@ -758,8 +758,8 @@ class Gateway:
     ) -> Session:
         """Open a session for one rollout; ids given must hold text other than whitespace (no
         lone surrogate), ids left out (``None``) are generated, and a ``trajectory_id``
-        given must be new to this gateway (neither an open session's nor one of the last
-        :data:`REMEMBERED_EXECUTIONS` it opened). A branch (``parent_id``)
+        given must be no open session's (a closed one's may open again: a rollout abandoned
+        unrecorded and retried). A branch (``parent_id``)
         without ``execution_id`` joins its parent's execution: the one its parent was opened
         with here, else (a parent this gateway did not open, or opened long ago) the parent's
         id, which is a root's execution id by default."""
@@ -781,17 +781,16 @@ class Gateway:
             raise InvalidRequest(f"session {session_id!r} is already open")
         if not trajectory_id:
             trajectory_id = uuid.uuid4().hex
-        elif trajectory_id in self._executions or any(
-            s.info.trajectory_id == trajectory_id for s in self._sessions.values()
-        ):
+        elif any(s.info.trajectory_id == trajectory_id for s in self._sessions.values()):
             raise InvalidRequest(
-                f"trajectory {trajectory_id!r} was already opened on this gateway and two records may "
-                "not share a trajectory_id (the processor drops one as duplicate_id): send a new one or "
-                "leave it out"
+                f"trajectory {trajectory_id!r} is open on this gateway already and two records may not "
+                "share a trajectory_id (the processor drops one as duplicate_id): close that session, "
+                "or send a new id or none"
             )
         if not execution_id:
             execution_id = self._executions.get(parent_id, parent_id) if parent_id else trajectory_id
         self._executions[trajectory_id] = execution_id
+        self._executions.move_to_end(trajectory_id)
         if len(self._executions) > REMEMBERED_EXECUTIONS:
             self._executions.popitem(last=False)
         info = SessionInfo(

@@ -140,8 +140,8 @@ class OpenSessionRequest(BaseModel):
     )
     trajectory_id: Id | None = Field(
         None,
-        description="Trajectory id; generated when left out. One this gateway already opened (still open, or "
-        "among the last 65,536 it opened) is refused: two records may not share it.",
+        description="Trajectory id; generated when left out. One an open session of this gateway holds is "
+        "refused: two records may not share it.",
     )
     group_id: Id | None = Field(None, description="Group id (group sampling only).")
     parent_id: Id | None = Field(None, description="Trajectory this one branched from.")

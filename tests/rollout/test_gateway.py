@@ -374,7 +374,7 @@ def test_an_open_sessions_trajectory_id_is_refused_after_the_gateway_forgot_its_
         async with running_gateway(tiny) as gateway:
             gateway.open(task="arith", prompt_id="p1", trajectory_id="a")
             gateway.open(task="arith", prompt_id="p1", trajectory_id="b")
-            with pytest.raises(InvalidRequest, match="trajectory 'a' was already opened"):
+            with pytest.raises(InvalidRequest, match="trajectory 'a' is open"):
                 gateway.open(task="arith", prompt_id="p1", trajectory_id="a")
             return len(gateway.sessions)
 
