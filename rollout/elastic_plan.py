@@ -80,7 +80,7 @@ class ElasticPlanner:
         self.trainer_units = trainer_units
         self.controller = ReplicaController(config, {name: Unit(name, "train") for name in trainer_units})
         self.last_plan: ElasticPlan | None = None
-        self._finished: dict[str, tuple[int, int | None]] = {}
+        self._finished: dict[str, tuple[int, int]] = {}
         self._ended: dict[str, int] = {}
 
     def observe(self, statuses: list[RolloutStatus], now: float) -> list[Move]:
@@ -105,14 +105,11 @@ class ElasticPlanner:
         for status in statuses:
             if not status.running:
                 continue
+            produced = status.finished if status.finished_rows is None else status.finished_rows
             last = self._finished.get(status.worker)
-            if last is not None and status.finished >= last[0]:
-                rows, last_rows = status.finished_rows, last[1]
-                if rows is None or last_rows is None:
-                    self.controller.record_finished(status.finished - last[0], now)
-                elif rows >= last_rows:
-                    self.controller.record_finished(rows - last_rows, now)
-            self._finished[status.worker] = (status.finished, status.finished_rows)
+            if last is not None and status.finished >= last[0] and produced >= last[1]:
+                self.controller.record_finished(produced - last[1], now)
+            self._finished[status.worker] = (status.finished, produced)
             last = self._ended.get(status.worker)
             if last is not None and status.sessions_ended > last:
                 lengths = status.session_lengths
