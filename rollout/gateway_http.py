@@ -52,26 +52,45 @@ refuses a request for others (beyond ``SAMPLING_REL_TOL``): the engines record l
 from, and the trainer takes the policy's at the run's temperature over the whole vocabulary,
 so a token sampled otherwise carries a log-prob its DIS ratio cannot be compared with.
 
+``DELETE /v1/sessions/{id}`` ends a session unrecorded. A session opened over
+``POST /v1/sessions`` with no request in progress and none for over ``GatewayServer``'s
+``idle_timeout_s`` (:data:`IDLE_TIMEOUT_S` by default; None: never) is ended so too, with a
+line logged, and a later request naming it is told so in its 404: a harness that crashed
+leaves no session pinned to its replica for the server's life. Sessions opened in-process
+(the rollout service's) are not ended so: their opener closes each, and their pauses (a tool
+call, a test run) are bounded by its rollout's timeout.
+
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
-``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown session, 400 bad
-input, 503 engine failure.
+``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
+session, 400 bad input, 503 engine failure.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import logging
 import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 from envs.base import Id
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
@@ -86,7 +105,16 @@ from rollout.gateway import (
 from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_token
 from rollout.tool_calls import same_calls
 
+logger = logging.getLogger(__name__)
+
 SESSION_HEADER = "X-Treadle-Session"
+
+IDLE_TIMEOUT_S = 1800.0
+"""Default of :class:`GatewayServer`'s ``idle_timeout_s``: a harness may run a test suite or a
+long tool call between two requests of a session (the rollout service gives a whole rollout
+300 s), and one that crashed has its sessions ended within the half hour."""
+REMEMBERED_EXPIRIES = 1 << 16
+"""Sessions ended for idling whose ids a server keeps, to say so to a later request (404)."""
 
 SAMPLING_REL_TOL = 1e-6
 """How far (relatively) a training request's temperature or top_p may be from the run's and
@@ -322,11 +350,118 @@ class _Unauthorized(Exception):
     pass
 
 
+@dataclass
+class _Activity:
+    session: Session
+    since: float
+    """When its last request ended (or it opened)."""
+    requests: int = 0
+    """Its requests in progress (a turn queued or generating, a record …)."""
+
+
+@dataclass
+class IdleSessions:
+    """The sessions opened over HTTP (``POST /v1/sessions``), each ended by :meth:`sweep` as
+    ``DELETE`` ends it (unrecorded) once it has had no request in progress, and none for over
+    ``idle_timeout_s`` seconds since its last one ended: a harness that crashed or forgot
+    leaves none pinned to its replica (a live session for the worker's status and the elastic
+    controller) for the server's life. Sessions opened in-process (the rollout service's,
+    which it always closes) are never ended here. ``clock`` gives seconds (monotonic)."""
+
+    gateway: Gateway
+    idle_timeout_s: float
+    clock: Callable[[], float] = time.monotonic
+    _open: dict[str, _Activity] = field(default_factory=dict)
+    _expired: OrderedDict[str, float] = field(default_factory=OrderedDict)
+    """Idle seconds of the last :data:`REMEMBERED_EXPIRIES` sessions ended here, by id."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s > 0):
+            raise ValueError(f"idle_timeout_s={self.idle_timeout_s} is not a finite number of seconds > 0")
+
+    @property
+    def sweep_every_s(self) -> float:
+        """Seconds between two sweeps of :meth:`run`: a session is ended at most this late."""
+        return min(self.idle_timeout_s / 4, 15.0)
+
+    def opened(self, session: Session) -> None:
+        """Track ``session``, just opened over HTTP (idle from now)."""
+        self._expired.pop(session.session_id, None)
+        self._open[session.session_id] = _Activity(session, since=self.clock())
+
+    @contextlib.contextmanager
+    def request(self, session_id: str | None) -> Iterator[None]:
+        """A request naming ``session_id``: it is not idle until the request ends."""
+        activity = self._open.get(session_id) if session_id else None
+        if activity is None:
+            yield
+            return
+        activity.requests += 1
+        try:
+            yield
+        finally:
+            activity.requests -= 1
+            activity.since = self.clock()
+
+    def idle_for(self, session_id: str) -> float | None:
+        """Seconds since ``session_id``'s last request ended (or it opened); None while it has
+        one in progress, or when it is no session opened over HTTP that is still open."""
+        activity = self._open.get(session_id)
+        if activity is None or activity.session.closed or activity.requests:
+            return None
+        return self.clock() - activity.since
+
+    def why_closed(self, session_id: str | None) -> str | None:
+        """Why ``session_id`` is closed, if :meth:`sweep` ended it."""
+        idle = self._expired.get(session_id) if session_id else None
+        if idle is None:
+            return None
+        return (
+            f"session {session_id!r} was closed after {idle:.1f} s idle (no request for over "
+            f"idle_timeout_s={self.idle_timeout_s:g} s); open a new one"
+        )
+
+    def sweep(self) -> list[str]:
+        """End the sessions idle for over ``idle_timeout_s``; returns their ids."""
+        ended = []
+        for session_id, activity in list(self._open.items()):
+            if activity.session.closed:  # deleted, or closed in-process
+                del self._open[session_id]
+                continue
+            idle = self.idle_for(session_id)
+            if idle is None or idle <= self.idle_timeout_s:
+                continue
+            del self._open[session_id]
+            self.gateway.close(session_id)
+            self._expired[session_id] = idle
+            if len(self._expired) > REMEMBERED_EXPIRIES:
+                self._expired.popitem(last=False)
+            logger.warning(
+                "closed session %r after %.1f s idle (idle_timeout_s=%g)",
+                session_id,
+                idle,
+                self.idle_timeout_s,
+            )
+            ended.append(session_id)
+        return ended
+
+    async def run(self) -> None:
+        """:meth:`sweep` every :attr:`sweep_every_s` seconds, until cancelled."""
+        while True:
+            await asyncio.sleep(self.sweep_every_s)
+            self.sweep()
+
+
 def create_app(
-    gateway: Gateway, token: str, model_name: str = "treadle-policy", sampling: RunSampling | None = None
+    gateway: Gateway,
+    token: str,
+    model_name: str = "treadle-policy",
+    sampling: RunSampling | None = None,
+    idle: IdleSessions | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``gateway`` at ``sampling`` (default: temperature and top_p 1,
-    not fixed); requests must carry ``Bearer token``."""
+    not fixed); requests must carry ``Bearer token``. The sessions it opens are given to
+    ``idle``, which is told of every request naming one (whoever sweeps it ends them)."""
     sampling = sampling or RunSampling()
     if not token:
         raise ValueError("the gateway needs a non-empty bearer token")
@@ -343,9 +478,14 @@ def create_app(
             401, "authentication_error", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
         )
 
+    def named(request: Request) -> str | None:
+        """The session a request names (in its path, else its header)."""
+        return request.path_params.get("session_id") or request.headers.get(SESSION_HEADER)
+
     @app.exception_handler(UnknownSession)
     async def _unknown(request: Request, exc: UnknownSession):
-        return _error(404, "not_found_error", str(exc))
+        why = idle.why_closed(named(request)) if idle is not None else None
+        return _error(404, "not_found_error", why or str(exc))
 
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
@@ -359,7 +499,11 @@ def create_app(
     async def _engine(request: Request, exc: EngineError):
         return _error(503, "engine_unavailable", f"engine failure: {exc}")
 
-    auth = [Depends(authorize)]
+    async def in_progress(request: Request) -> AsyncIterator[None]:
+        with idle.request(named(request)):
+            yield
+
+    auth = [Depends(authorize)] if idle is None else [Depends(authorize), Depends(in_progress)]
 
     def session_of(session_id: str | None) -> Session:
         if not session_id:
@@ -432,6 +576,8 @@ def create_app(
     @app.post("/v1/sessions", dependencies=auth)
     async def open_session(body: OpenSessionRequest) -> dict[str, Any]:
         session = gateway.open(**body.model_dump())
+        if idle is not None:
+            idle.opened(session)
         info = session.info
         return {
             "session_id": info.session_id,
@@ -680,7 +826,9 @@ def _chat_logprobs(gateway: Gateway, turn: TurnResult) -> dict[str, Any]:
 class GatewayServer(AppServer):
     """Serves a gateway on 127.0.0.1 (``port=0`` picks a free port) or a Unix domain socket
     (``uds``; clients use ``http://gateway``) at ``sampling``. The bearer token is generated
-    when not given; read it from ``.token``."""
+    when not given; read it from ``.token``. A session opened over HTTP with no request for
+    over ``idle_timeout_s`` seconds is ended (:class:`IdleSessions`); None keeps it until it is
+    deleted."""
 
     def __init__(
         self,
@@ -693,10 +841,13 @@ class GatewayServer(AppServer):
         model_name: str = "treadle-policy",
         sampling: RunSampling | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        idle_timeout_s: float | None = IDLE_TIMEOUT_S,
     ):
         self.token = bearer_token(token)
+        self.idle = IdleSessions(gateway, idle_timeout_s) if idle_timeout_s is not None else None
+        self._sweeping: asyncio.Task | None = None
         super().__init__(
-            create_app(gateway, self.token, model_name, sampling),
+            create_app(gateway, self.token, model_name, sampling, self.idle),
             host=host,
             port=port,
             uds=uds,
@@ -704,3 +855,16 @@ class GatewayServer(AppServer):
             drain_timeout_s=drain_timeout_s,
             token=self.token,
         )
+
+    async def start(self):
+        await super().start()
+        if self.idle is not None:
+            self._sweeping = asyncio.create_task(self.idle.run())
+        return self
+
+    async def stop(self) -> None:
+        if self._sweeping is not None:
+            self._sweeping.cancel()
+            await asyncio.gather(self._sweeping, return_exceptions=True)
+            self._sweeping = None
+        await super().stop()

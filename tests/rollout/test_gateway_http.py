@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import copy
 import json
+import logging
 import re
 import signal
 import socket
@@ -25,7 +26,7 @@ from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from rollout.gateway import RENDER_INLINE_CHARS, Gateway, GatewayConfig
-from rollout.gateway_http import SESSION_HEADER, GatewayServer, RunSampling, create_app
+from rollout.gateway_http import IDLE_TIMEOUT_S, SESSION_HEADER, GatewayServer, RunSampling, create_app
 from rollout.router import Router, RouterConfig
 from storage.schema import to_table, validate
 from tests.rollout.test_gateway import QWEN3_LIKE
@@ -83,6 +84,7 @@ async def serving(
     max_context_tokens: int = 256,
     delay: float = 0.0,
     sampling: RunSampling | None = None,
+    idle_timeout_s: float | None = IDLE_TIMEOUT_S,
 ):
     model, tokenizer = tiny
     engines = [SlowTorchEngine(copy.deepcopy(model), tokenizer, name="live", delay=delay)]
@@ -93,7 +95,7 @@ async def serving(
     gateway = Gateway(
         router, tokenizer, GatewayConfig(max_context_tokens=max_context_tokens, max_new_tokens=8)
     )
-    server = await GatewayServer(gateway, uds=uds, sampling=sampling).start()
+    server = await GatewayServer(gateway, uds=uds, sampling=sampling, idle_timeout_s=idle_timeout_s).start()
     transport = httpx.AsyncHTTPTransport(uds=uds) if uds else None
     client = httpx.AsyncClient(
         base_url=server.url,
@@ -1532,3 +1534,136 @@ def test_a_client_stalled_mid_body_does_not_hold_the_servers_stop_for_ever(tiny)
     stopped, reply = asyncio.run(body())
     assert stopped < 10
     assert reply.startswith(b"HTTP/1.1 500")
+
+
+async def closed(gateway: Gateway, session_id: str) -> None:
+    """Until ``session_id`` is no open session of ``gateway``."""
+    deadline = time.monotonic() + 30
+    while session_id in gateway.sessions:
+        assert time.monotonic() < deadline, f"session {session_id!r} was never ended"
+        await asyncio.sleep(0.01)
+
+
+def live_sessions(router: Router) -> int:
+    return sum(len(ages) for ages in router.session_ages().values())
+
+
+def test_a_session_abandoned_over_http_is_ended_after_its_idle_time_and_a_later_request_told_why(
+    tiny, caplog
+):
+    """A harness that opened a session and never deleted it (it crashed) left it open and
+    pinned for the server's life: a live session for the worker's status, its tokens in
+    memory, its trajectory_id held. Past the idle time it is ended as DELETE ends it, logged
+    in one line, and a request naming it is told why it is gone; a session opened in-process
+    (the rollout service's, which closes its own) is not ended."""
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=0.3) as (gateway, _, client):
+            router = gateway.router
+            own = gateway.open(task="arith", prompt_id="p1")
+            sid = await open_session(client, trajectory_id="abandoned")
+            headers = {SESSION_HEADER: sid}
+            turn = await client.post(
+                "/v1/generate", json={"token_ids": [1, 2], "max_new_tokens": 2}, headers=headers
+            )
+            assert turn.status_code == 200, turn.text
+            assert live_sessions(router) == 1 and router.load("live") == 1
+
+            await closed(gateway, sid)
+            assert gateway.sessions == [own.session_id]
+            assert live_sessions(router) == 0 and router.load("live") == 0 and router.assignment(sid) is None
+            assert router.sessions_ended == 1
+            requests = [
+                client.post("/v1/generate", json={"token_ids": [3]}, headers=headers),
+                client.post("/v1/chat/completions", json={"messages": USER}, headers=headers),
+                client.post(f"/v1/sessions/{sid}/record", json={}),
+                client.delete(f"/v1/sessions/{sid}"),
+            ]
+            for request in requests:
+                response = await request
+                assert response.status_code == 404, response.text
+                message = response.json()["error"]["message"]
+                assert re.fullmatch(
+                    rf"session '{sid}' was closed after \d+\.\d s idle \(no request for over "
+                    r"idle_timeout_s=0.3 s\); open a new one",
+                    message,
+                ), message
+            # its trajectory_id is free for a retry
+            await open_session(client, trajectory_id="abandoned")
+
+    with caplog.at_level(logging.WARNING, logger="rollout.gateway_http"):
+        asyncio.run(body())
+    logged = [r.getMessage() for r in caplog.records if r.name == "rollout.gateway_http"]
+    assert logged and re.fullmatch(
+        r"closed session '[0-9a-f]+' after \d+\.\d s idle \(idle_timeout_s=0.3\)", logged[0]
+    )
+
+
+def test_a_session_with_requests_in_flight_is_not_idle_and_counts_idle_from_their_end(tiny):
+    """A turn generating or queued across the idle time does not count as idle: the session
+    is ended only once it has had no request for the idle time since its last one ended
+    (driven by the server's clock, set by hand)."""
+    now = [0.0]
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=60) as (gateway, server, client):
+            server.idle.clock = lambda: now[0]
+            engine = gateway.router.engine("live")
+            engine.gate = asyncio.Event()
+            sid = await open_session(client)
+            headers = {SESSION_HEADER: sid}
+            session = gateway.session(sid)
+            session._lock = WatchedLock()
+            generating = asyncio.create_task(
+                client.post("/v1/generate", json={"token_ids": [1, 2], "max_new_tokens": 2}, headers=headers)
+            )
+            await turn_running(session)
+            queued = asyncio.create_task(
+                client.post("/v1/generate", json={"token_ids": [3], "max_new_tokens": 2}, headers=headers)
+            )
+            await session._lock.contended.wait()
+            now[0] = 1000.0
+            assert server.idle.sweep() == [] and gateway.sessions == [sid]
+            engine.gate.set()
+            for response in (await generating, await queued):
+                assert response.status_code == 200, response.text
+            deadline = time.monotonic() + 30
+            while (
+                server.idle.idle_for(sid) is None
+            ):  # the requests' ends are stamped once their replies are sent
+                assert time.monotonic() < deadline, "the requests never ended"
+                await asyncio.sleep(0.01)
+            assert server.idle.idle_for(sid) == 0.0
+            now[0] = 1059.0
+            assert server.idle.sweep() == [] and gateway.sessions == [sid]
+            now[0] = 1061.0
+            assert server.idle.sweep() == [sid] and gateway.sessions == []
+            gone = await client.post("/v1/generate", json={"token_ids": [3]}, headers=headers)
+            assert gone.status_code == 404 and "closed after 61.0 s idle" in gone.text, gone.text
+
+    asyncio.run(body())
+
+
+def test_with_the_idle_timeout_off_an_abandoned_session_stays_open(tiny):
+    """``idle_timeout_s=None`` ends no session; a server ends only the sessions opened over it
+    (here: while another server of the same gateway, with a short idle time, ends its own)."""
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=None) as (gateway, server, client):
+            assert server.idle is None
+            kept = await open_session(client)
+            async with (
+                GatewayServer(gateway, idle_timeout_s=0.3) as sweeping,
+                httpx.AsyncClient(
+                    base_url=sweeping.url, headers={"Authorization": f"Bearer {sweeping.token}"}, timeout=60
+                ) as other,
+            ):
+                ended = await open_session(other)
+                await closed(gateway, ended)
+            assert gateway.sessions == [kept]
+            turn = {"token_ids": [1, 2], "max_new_tokens": 2}
+            assert (
+                await client.post("/v1/generate", json=turn, headers={SESSION_HEADER: kept})
+            ).status_code == 200
+
+    asyncio.run(body())
