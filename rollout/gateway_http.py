@@ -52,7 +52,10 @@ refuses a request for others (beyond ``SAMPLING_REL_TOL``): the engines record l
 from, and the trainer takes the policy's at the run's temperature over the whole vocabulary,
 so a token sampled otherwise carries a log-prob its DIS ratio cannot be compared with.
 
-``DELETE /v1/sessions/{id}`` ends a session unrecorded. A session opened over
+``DELETE /v1/sessions/{id}`` ends a session unrecorded; ``?continued_in=<session id>`` names
+the open session its rollout goes on in (a compacted context's branch), so that the router
+counts the rollout once, from its first context's start to its last one's end
+(:meth:`Router.end_session <rollout.router.Router.end_session>`). A session opened over
 ``POST /v1/sessions`` with no request in progress and none for over ``GatewayServer``'s
 ``idle_timeout_s`` (:data:`IDLE_TIMEOUT_S` by default; None: never) is ended so too, with a
 line logged, and a later request naming it is told so in its 404: a harness that crashed
@@ -88,6 +91,8 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictInt,
+    TypeAdapter,
+    ValidationError,
     field_validator,
     model_validator,
 )
@@ -350,6 +355,19 @@ class _Unauthorized(Exception):
     pass
 
 
+_ID = TypeAdapter(Id)
+
+
+def _query_id(name: str, value: str) -> str:
+    """``value`` of query parameter ``name`` if it is an :data:`envs.base.Id`, else
+    :class:`InvalidRequest` saying why."""
+    try:
+        return _ID.validate_python(value)
+    except ValidationError as exc:
+        (error,) = exc.errors()
+        raise InvalidRequest(f"{name} {value!r}: {error.get('ctx', {}).get('error', error['msg'])}") from None
+
+
 @dataclass
 class _Activity:
     session: Session
@@ -593,8 +611,18 @@ def create_app(
             raise InvalidRequest(str(exc)) from exc
 
     @app.delete("/v1/sessions/{session_id}", dependencies=auth)
-    async def close_session(session_id: str) -> dict[str, Any]:
-        gateway.close(session_id)
+    async def close_session(session_id: str, continued_in: str | None = None) -> dict[str, Any]:
+        if continued_in is not None:
+            _query_id("continued_in", continued_in)
+        gateway.session(session_id)
+        if continued_in == session_id:
+            raise InvalidRequest(f"session {session_id!r} cannot continue in itself")
+        if continued_in is not None and continued_in not in gateway.sessions:
+            raise InvalidRequest(
+                f"continued_in {continued_in!r} is no open session: open the one the rollout goes on "
+                "in before deleting this one"
+            )
+        gateway.close(session_id, continued_in)
         return {"closed": session_id}
 
     @app.post("/v1/generate", dependencies=auth)

@@ -1667,3 +1667,44 @@ def test_with_the_idle_timeout_off_an_abandoned_session_stays_open(tiny):
             ).status_code == 200
 
     asyncio.run(body())
+
+
+def test_a_delete_continued_in_a_branch_counts_the_rollout_once(tiny):
+    """An outside harness that continues a compacted rollout in a branch and deletes the
+    parent with ``continued_in`` has the router count one ended rollout of two contexts, as
+    the in-process rollout service does; a ``continued_in`` that is no id, the session itself
+    or no open session is refused with a one-line 400 that closes nothing."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            router = gateway.router
+            turn = {"token_ids": [1, 2], "max_new_tokens": 2}
+            parent = await open_session(client, trajectory_id="context-1")
+            branch = await open_session(client, trajectory_id="context-2", parent_id="context-1")
+            for sid in (parent, branch):
+                response = await client.post("/v1/generate", json=turn, headers={SESSION_HEADER: sid})
+                assert response.status_code == 200, response.text
+            refused = [
+                ("", "continued_in '': an id must hold something other than whitespace"),
+                (" ", "continued_in ' ': an id must hold something other than whitespace"),
+                (parent, f"session '{parent}' cannot continue in itself"),
+                ("elsewhere", "continued_in 'elsewhere' is no open session"),
+            ]
+            for continued_in, message in refused:
+                response = await client.delete(
+                    f"/v1/sessions/{parent}", params={"continued_in": continued_in}
+                )
+                assert response.status_code == 400, response.text
+                text = response.json()["error"]["message"]
+                assert text.startswith(message) and "\n" not in text, text
+            unknown = await client.delete("/v1/sessions/nobody", params={"continued_in": branch})
+            assert unknown.status_code == 404
+            assert sorted(gateway.sessions) == sorted([parent, branch]) and live_sessions(router) == 2
+
+            response = await client.delete(f"/v1/sessions/{parent}", params={"continued_in": branch})
+            assert response.status_code == 200, response.text
+            assert gateway.sessions == [branch] and router.sessions_ended == 0 and live_sessions(router) == 1
+            assert (await client.delete(f"/v1/sessions/{branch}")).status_code == 200
+            assert (router.sessions_ended, list(router.session_contexts)) == (1, [2])
+
+    asyncio.run(body())
