@@ -395,7 +395,10 @@ class IdleSessions:
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s > 0):
-            raise ValueError(f"idle_timeout_s={self.idle_timeout_s} is not a finite number of seconds > 0")
+            raise ValueError(
+                f"idle_timeout_s={self.idle_timeout_s} is not a finite number of seconds > 0 (None: never end "
+                "a session for idling)"
+            )
 
     @property
     def sweep_every_s(self) -> float:

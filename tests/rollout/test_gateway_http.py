@@ -1651,6 +1651,11 @@ def test_with_the_idle_timeout_off_an_abandoned_session_stays_open(tiny):
     async def body():
         async with serving(tiny, idle_timeout_s=None) as (gateway, server, client):
             assert server.idle is None
+            for bad in (0, -1, float("inf"), float("nan")):
+                with pytest.raises(
+                    ValueError, match=r"idle_timeout_s=\S+ is not a finite number of seconds > 0"
+                ):
+                    GatewayServer(gateway, idle_timeout_s=bad)
             kept = await open_session(client)
             async with (
                 GatewayServer(gateway, idle_timeout_s=0.3) as sweeping,
