@@ -1553,12 +1553,15 @@ def test_a_session_abandoned_over_http_is_ended_after_its_idle_time_and_a_later_
 ):
     """A harness that opened a session and never deleted it (it crashed) left it open and
     pinned for the server's life: a live session for the worker's status, its tokens in
-    memory, its trajectory_id held. Past the idle time it is ended as DELETE ends it, logged
-    in one line, and a request naming it is told why it is gone; a session opened in-process
-    (the rollout service's, which closes its own) is not ended."""
+    memory, its trajectory_id held. Past the idle time (the server's clock, set by hand, run
+    past it) the server's sweep ends it as DELETE ends it, logs it in one line, and a request
+    naming it is told why it is gone; a session opened in-process (the rollout service's,
+    which closes its own) is not ended."""
+    now = [0.0]
 
     async def body():
-        async with serving(tiny, idle_timeout_s=0.3) as (gateway, _, client):
+        async with serving(tiny, idle_timeout_s=0.3) as (gateway, server, client):
+            server.idle.clock = lambda: now[0]
             router = gateway.router
             own = gateway.open(task="arith", prompt_id="p1")
             sid = await open_session(client, trajectory_id="abandoned")
@@ -1569,6 +1572,7 @@ def test_a_session_abandoned_over_http_is_ended_after_its_idle_time_and_a_later_
             assert turn.status_code == 200, turn.text
             assert live_sessions(router) == 1 and router.load("live") == 1
 
+            now[0] = 100.0
             await closed(gateway, sid)
             assert gateway.sessions == [own.session_id]
             assert live_sessions(router) == 0 and router.load("live") == 0 and router.assignment(sid) is None
@@ -1582,21 +1586,18 @@ def test_a_session_abandoned_over_http_is_ended_after_its_idle_time_and_a_later_
             for request in requests:
                 response = await request
                 assert response.status_code == 404, response.text
-                message = response.json()["error"]["message"]
-                assert re.fullmatch(
-                    rf"session '{sid}' was closed after \d+\.\d s idle \(no request for over "
-                    r"idle_timeout_s=0.3 s\); open a new one",
-                    message,
-                ), message
+                assert response.json()["error"]["message"] == (
+                    f"session '{sid}' was closed after 100.0 s idle (no request for over "
+                    "idle_timeout_s=0.3 s); open a new one"
+                )
             # its trajectory_id is free for a retry
             await open_session(client, trajectory_id="abandoned")
+            return sid
 
     with caplog.at_level(logging.WARNING, logger="rollout.gateway_http"):
-        asyncio.run(body())
+        sid = asyncio.run(body())
     logged = [r.getMessage() for r in caplog.records if r.name == "rollout.gateway_http"]
-    assert logged and re.fullmatch(
-        r"closed session '[0-9a-f]+' after \d+\.\d s idle \(idle_timeout_s=0.3\)", logged[0]
-    )
+    assert logged == [f"closed session '{sid}' after 100.0 s idle (idle_timeout_s=0.3)"]
 
 
 def test_a_session_with_requests_in_flight_is_not_idle_and_counts_idle_from_their_end(tiny):
