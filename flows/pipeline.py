@@ -123,15 +123,20 @@ def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
     a task that no node can place (a trainer on CUDA, a cluster without a GPU) pending for
     ever, and the flow waiting on it: each is first placed by a probe, which fails the run
     after ``engine.load_timeout_s``, naming what it asks for. So are they all at once with the
-    rollout worker's actors: processing and training hold their CPUs for the whole run, and an
-    actor that found none free waited for them (the run wrote no rollout before its deadline).
+    rollout worker's actors, in one placement group held for the run: processing and training
+    hold their CPUs for the whole run, and an actor that found none free waited for them (the
+    run wrote no rollout before its deadline); placed freely, processing could take the CPU of
+    the node whose GPU the trainer needs, or another job what the check found free. Each
+    runs in its bundle (the rollout task, which asks for nothing, places its actors in theirs);
+    the group is removed once the run is over, however it ends, stopping any of them still running.
     The three are submitted at once: processing and training wait for the deadline the
     rollouts raise once their worker is up, the trainer loading meanwhile.
     """
     from prefect_ray.context import remote_options
     from prefect_ray.task_runners import RayTaskRunner
+    from ray.util.placement_group import remove_placement_group
 
-    from rollout.ray_actors import wait_placeable, wait_placeable_together
+    from rollout.ray_actors import in_bundle, reserve_together, wait_placeable
     from rollout.ray_engine import actor_device
     from tasks.process import process_shards
     from tasks.rollout import connect_run_ray, rollout_actor_resources, rollouts
@@ -142,21 +147,30 @@ def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
     connect_run_ray(config, task_cpus=process_options["num_cpus"] + train_options["num_cpus"])
     for kind, options in (("process-shards", process_options), ("train", train_options)):
         wait_placeable(kind, options, config.engine.load_timeout_s, "engine.load_timeout_s")
-    wait_placeable_together(
+    requests = [process_options, train_options, *rollout_actor_resources(config)]
+    group = reserve_together(
         "processing, training and the rollout worker's actors",
-        [process_options, train_options, *rollout_actor_resources(config)],
+        requests,
         config.engine.load_timeout_s,
         "engine.load_timeout_s",
     )
-    with RayTaskRunner(address=config.ray_address) as runner:
-        with remote_options(num_cpus=0):
-            rollout_run = runner.submit(rollouts, {"config": config, "signals": signals})
-        with remote_options(**process_options):
-            process_run = runner.submit(process_shards, {"config": config, "signals": signals})
-        with remote_options(**train_options):
-            train_config = config.model_copy(update={"trainer_device": actor_device(config.trainer_device)})
-            train_run = runner.submit(train, {"config": train_config, "signals": signals})
-        return _wind_down(config, signals, rollout_run, process_run, train_run)
+    process_bundle, train_bundle, *actor_bundles = (in_bundle(group, i) for i in range(len(requests)))
+    try:
+        with RayTaskRunner(address=config.ray_address) as runner:
+            with remote_options(num_cpus=0):
+                rollout_run = runner.submit(
+                    rollouts, {"config": config, "signals": signals, "placements": actor_bundles}
+                )
+            with remote_options(**process_options, **process_bundle):
+                process_run = runner.submit(process_shards, {"config": config, "signals": signals})
+            with remote_options(**train_options, **train_bundle):
+                train_config = config.model_copy(
+                    update={"trainer_device": actor_device(config.trainer_device)}
+                )
+                train_run = runner.submit(train, {"config": train_config, "signals": signals})
+            return _wind_down(config, signals, rollout_run, process_run, train_run)
+    finally:
+        remove_placement_group(group)
 
 
 @flow(

@@ -15,6 +15,8 @@ from typing import Any
 import ray
 from ray.actor import ActorHandle
 from ray.exceptions import RayActorError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 
 class ActorStartError(RuntimeError):
@@ -78,35 +80,45 @@ def wait_placeable(kind: str, options: dict[str, Any], timeout_s: float, setting
     )
 
 
-def wait_placeable_together(
+def reserve_together(
     what: str, requests: list[dict[str, Any]], timeout_s: float, setting: str
-) -> None:
-    """Return once the cluster has room for every one of ``requests`` (the ``num_cpus`` and
-    ``num_gpus`` of tasks and actors) at once, as ``what`` asks for them together.
+) -> PlacementGroup:
+    """A placement group holding a bundle for each of ``requests`` (the ``num_cpus`` and
+    ``num_gpus`` of tasks and actors; each asks for one at least), in their order, once the
+    cluster has room for them all at once, as ``what`` asks for them together.
 
     Ray places each task or actor as it comes: one that waits for a CPU another holds for the
-    whole run (the trainer's, waiting for rollouts) waits until that one's deadline. A
-    placement group of them all not placed within ``timeout_s`` (the config's ``setting``)
-    raises an :class:`ActorStartError` naming what they ask for and what the cluster has; the
-    group is removed either way, before the tasks and actors are started.
+    whole run (the trainer's, waiting for rollouts) waits until that one's deadline, and one
+    placed freely may take what another needs (processing on the CPU of the one node with the
+    trainer's GPU). Each runs in its bundle (:func:`in_bundle`), which nothing else takes; the
+    caller removes the group (``remove_placement_group``) once they are over, which stops any
+    still running. A group not placed within ``timeout_s`` (the config's ``setting``) is
+    removed and raises an :class:`ActorStartError` naming what they ask for and what the
+    cluster has.
     """
-    from ray.util.placement_group import placement_group, remove_placement_group
-
-    bundles = [
-        bundle
-        for request in requests
-        if (bundle := {name: request[key] for key, name in _RESOURCES.items() if request.get(key)})
-    ]
-    group = placement_group(bundles)
+    group = placement_group(
+        [{name: request[key] for key, name in _RESOURCES.items() if request.get(key)} for request in requests]
+    )
     try:
-        ready = group.wait(timeout_seconds=timeout_s)
-    finally:
+        if not group.wait(timeout_seconds=timeout_s):
+            raise ActorStartError(
+                f"{what} did not fit on the Ray cluster at once within {timeout_s:g} s ({setting}), asking "
+                f"for {requests}: no set of its nodes had that free ({_cluster_resources()})"
+            )
+    except BaseException:  # a group left pending would take the room as soon as it freed
         remove_placement_group(group)
-    if not ready:
-        raise ActorStartError(
-            f"{what} did not fit on the Ray cluster at once within {timeout_s:g} s ({setting}), asking for "
-            f"{requests}: no set of its nodes had that free ({_cluster_resources()})"
+        raise
+    return group
+
+
+def in_bundle(group: PlacementGroup, index: int) -> dict[str, Any]:
+    """The Ray option that runs a task or actor in bundle ``index`` of ``group``; what it
+    starts runs outside the group (not captured), or in a bundle of its own too."""
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=index, placement_group_capture_child_tasks=False
         )
+    }
 
 
 _RESOURCES = {"num_cpus": "CPU", "num_gpus": "GPU"}

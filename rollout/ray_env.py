@@ -14,7 +14,7 @@ import itertools
 import logging
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -173,6 +173,9 @@ class RayEnvPool:
         actor_options: Ray options of each actor (default: one CPU). An actor that dies
             is restarted (``max_restarts=-1`` unless set here): the envs it held are lost,
             later rollouts on it run.
+        placements: Ray options placing each actor, one per worker in order (its bundle of a
+            placement group the caller holds: ``rollout.ray_actors.in_bundle``); a restarted
+            actor comes back in its bundle. None: Ray places each freely.
     """
 
     def __init__(
@@ -180,15 +183,21 @@ class RayEnvPool:
         env_configs: Mapping[str, EnvConfig],
         num_workers: int = 1,
         actor_options: dict[str, Any] | None = None,
+        placements: Sequence[dict[str, Any]] | None = None,
     ):
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        if placements is not None and len(placements) != num_workers:
+            raise ValueError(f"placements must name one per worker ({num_workers}), got {len(placements)}")
         if not ray.is_initialized():
             raise RuntimeError("RayEnvPool needs a connected Ray cluster: call ray.init() first")
         envs = {name: (registry.env_class(name), config.model_dump()) for name, config in env_configs.items()}
         self.actor_options = {"max_restarts": -1, **(actor_options or ENV_WORKER_RESOURCES)}
         self.names = [f"env-worker-{i}" for i in range(num_workers)]
-        self.actors = [EnvWorkerActor.options(**self.actor_options).remote(envs) for _ in self.names]
+        self.actors = [
+            EnvWorkerActor.options(**self.actor_options, **placement).remote(envs)
+            for placement in placements or [{}] * num_workers
+        ]
         self._next = itertools.cycle(self.actors)
         self.env_names = sorted(envs)
 

@@ -42,7 +42,7 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from envs import registry
@@ -117,6 +117,9 @@ class RolloutWorker:
         flush_records: records per raw shard; shards are written and committed off the event
             loop (``BackgroundShardWriter``), and ``on_shard`` is called with each once committed.
         cluster: ``"ray"`` runs the engines as Ray actors (``rollout.ray_engine``).
+        engine_placements: on Ray, the options placing each engine actor, one per replica
+            (its bundle of a placement group the caller holds: ``build_engines``); None: Ray
+            places them freely.
         router: the sticky router's settings (whether a drained replica's sessions move at
             their next turn must agree with the trainer's ``elastic.migrate_at_turns``).
         make_env: builds each rollout's env (e.g. ``RayEnvPool.make_env``); default: in process.
@@ -150,6 +153,7 @@ class RolloutWorker:
         on_shard: Callable[[ShardInfo], None] | None = None,
         router: RouterConfig | None = None,
         cluster: Literal["local", "ray"] = "local",
+        engine_placements: Sequence[dict[str, Any]] | None = None,
         make_env: Callable[[Task], Env] | None = None,
         plan_poll_s: float = 1.0,
         plan_max_age_s: float = DEFAULT_MAX_AGE_S,
@@ -184,6 +188,7 @@ class RolloutWorker:
         self.on_result = on_result
         self.stop_launching = stop_launching
         self.cluster = cluster
+        self.engine_placements = engine_placements
         self._make_env = make_env
         self.engines: list[Engine] = []
         self.version: int | None = None
@@ -287,7 +292,7 @@ class RolloutWorker:
                 "or start a new run"
             ) from None
         self.engines = await asyncio.to_thread(
-            build_engines, self.engine_config, path, version, self.cluster, self.store
+            build_engines, self.engine_config, path, version, self.cluster, self.store, self.engine_placements
         )
         self.router = Router(self.engines, self.router_config)
         # a vLLM server holds what it was launched with or last loaded, not necessarily this

@@ -96,6 +96,7 @@ def run_rollouts(
     on_shard: Callable[[ShardInfo], None] | None = None,
     flush_records: int = 64,
     flush_seconds: float = 10.0,
+    placements: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Run rollouts until ``deadline`` (epoch seconds, or a function called for them once the
     worker is up: its engines loaded and, on Ray, its env actors started), ``stop``,
@@ -116,7 +117,10 @@ def run_rollouts(
     again every ``STATUS_RETRY_S`` while publishing it fails).
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
-    (one env worker per engine replica) on the cluster at ``config.ray_address``.
+    (one env worker per engine replica) on the cluster at ``config.ray_address``; with
+    ``placements`` (the Ray options of each, in the order of :func:`rollout_actor_resources`:
+    their bundles of a placement group the caller holds) each runs in its bundle, else Ray
+    places them freely.
     ``flush_records`` and ``flush_seconds`` bound how much a raw shard holds and how long
     a finished rollout waits in the buffer before its shard is committed.
 
@@ -150,7 +154,7 @@ def run_rollouts(
         # two writers under one name would interleave its shard numbers, which the trainer
         # reads in order
         worker, env_pool = _build_worker(
-            config, worker_name, flush_records, flush_seconds, on_shard, role.require, stop
+            config, worker_name, flush_records, flush_seconds, on_shard, role.require, stop, placements
         )
     except BaseException:
         loading.stop()
@@ -286,7 +290,8 @@ def connect_run_ray(config: RunConfig, task_cpus: int = 0) -> None:
 
 def rollout_actor_resources(config: RunConfig) -> list[dict[str, int]]:
     """What each Ray actor of a rollout worker of ``config`` asks for: an environment worker
-    per engine replica, and the torch engines' actors."""
+    per engine replica, then the torch engines' actors (the order of ``run_rollouts``'s
+    ``placements``)."""
     from rollout.ray_engine import engine_actor_resources
     from rollout.ray_env import ENV_WORKER_RESOURCES
 
@@ -303,18 +308,23 @@ def _build_worker(
     on_shard: Callable[[ShardInfo], None] | None,
     before_commit: Callable[[], None],
     stop: threading.Event | None = None,
+    placements: list[dict[str, Any]] | None = None,
 ) -> tuple[RolloutWorker, Any]:
     """The rollout worker of ``config`` and, on a Ray cluster, the env pool its environments
     run in, its actors started within ``engine.load_timeout_s`` (None locally; closed again
-    when the worker cannot be built). Its orchestrator launches nothing once ``stop`` is set."""
+    when the worker cannot be built), each actor placed by its entry of ``placements`` (see
+    :func:`run_rollouts`). Its orchestrator launches nothing once ``stop`` is set."""
     orchestrator = config.orchestrator.model_copy(update={"max_rollouts": max_rollouts(config)})
     env_pool = None
+    workers = config.engine.replica_count
+    env_placements = None if placements is None else placements[:workers]
+    engine_placements = None if placements is None else placements[workers:]
     if config.cluster == "ray":
         from rollout.ray_env import RayEnvPool
 
         connect_run_ray(config)
         env_configs = {name: config.env_config(name) for name in orchestrator.mix}
-        env_pool = RayEnvPool(env_configs, num_workers=config.engine.replica_count)
+        env_pool = RayEnvPool(env_configs, num_workers=workers, placements=env_placements)
         env_pool.wait_started(config.engine.load_timeout_s)
     try:
         worker = RolloutWorker(
@@ -329,6 +339,7 @@ def _build_worker(
             flush_records=flush_records,
             flush_seconds=flush_seconds,
             cluster=config.cluster,
+            engine_placements=engine_placements,
             make_env=env_pool.make_env if env_pool is not None else None,
             on_shard=on_shard,
             router=router_config(config),
@@ -376,12 +387,18 @@ def rollout_detail(status: dict[str, Any]) -> str:
 
 
 @task(name="rollouts", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def rollouts(config: RunConfig, worker_name: str = "worker-0", signals: str | None = None) -> dict[str, Any]:
+def rollouts(
+    config: RunConfig,
+    worker_name: str = "worker-0",
+    signals: str | None = None,
+    placements: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Generate rollouts into raw shards until the deadline, ``stop.max_seconds`` from when
     the worker is up (its start-up, a Ray cluster's actors and engines loading, left out);
     emits ``treadle.shard.committed`` per raw shard; returns the worker's counters. With
     ``signals`` (a key of :func:`tasks.common.send_signal`) it also stops at signal ``stop``,
-    and raises its deadline as signal ``started`` for the tasks that share it."""
+    and raises its deadline as signal ``started`` for the tasks that share it. ``placements``
+    places its Ray actors (see :func:`run_rollouts`)."""
     from tasks.report import ProgressReporter
 
     limit = max_rollouts(config)
@@ -432,6 +449,7 @@ def rollouts(config: RunConfig, worker_name: str = "worker-0", signals: str | No
             on_progress=lambda s: progress.update(counted(s["orchestrator"]["finished"]), detail=detail(s)),
             on_shard=committed,
             stop=stop,
+            placements=placements,
         )
     # the quota's storage may fail for a moment: the rollouts are committed already
     last_report = reporting(

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import torch
 
@@ -19,6 +20,7 @@ def build_engines(
     version: int,
     cluster: Literal["local", "ray"] = "local",
     store: RunStore | None = None,
+    placements: Sequence[dict[str, Any]] | None = None,
 ) -> list[Engine]:
     """Engine replicas serving weight version ``version`` (local directory ``model_dir``);
     vLLM replicas, clients of servers that hold weights of their own, are at
@@ -26,7 +28,9 @@ def build_engines(
 
     With ``cluster="ray"`` each torch replica runs in a Ray actor (``rollout.ray_engine``),
     returned once every actor has started (within ``config.load_timeout_s``, else an
-    ``EngineError``); ``store`` lets actors on other nodes fetch the version themselves.
+    ``EngineError``); ``store`` lets actors on other nodes fetch the version themselves, and
+    ``placements`` (one per replica, in order) places each actor in its bundle of a placement
+    group the caller holds (``rollout.ray_actors.in_bundle``); None: Ray places them freely.
     """
     if config.kind == "vllm":
         # the servers' weights are unknown until ``version`` is loaded onto them
@@ -35,10 +39,23 @@ def build_engines(
             for i, server in enumerate(config.vllm)
         ]
     if cluster == "ray":
-        from rollout.ray_engine import RayEngine, wait_started
+        from rollout.ray_engine import RayEngine, engine_actor_resources, wait_started
 
+        if placements is not None and len(placements) != config.replicas:
+            raise ValueError(
+                f"placements must name one per replica ({config.replicas}), got {len(placements)}"
+            )
         engines = [
-            RayEngine(config.torch, model_dir, name=f"ray-torch-{i}", version=version, store=store)
+            RayEngine(
+                config.torch,
+                model_dir,
+                name=f"ray-torch-{i}",
+                version=version,
+                store=store,
+                actor_options=None
+                if placements is None
+                else engine_actor_resources(config.torch) | placements[i],
+            )
             for i in range(config.replicas)
         ]
         return wait_started(engines, config.load_timeout_s)

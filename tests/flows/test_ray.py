@@ -17,6 +17,7 @@ from collections import Counter
 import pytest
 import ray
 import torch
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from envs import registry
@@ -908,6 +909,12 @@ def recording_runner(record):
     return RecordingRunner
 
 
+def slivers(what, requests, timeout_s, setting):
+    """A placement group with a bundle per one of ``requests``, each a sliver of a CPU
+    whatever it asks for: this cluster holds it."""
+    return placement_group([{"CPU": 0.01}] * len(requests))
+
+
 @pytest.mark.parametrize(("device", "gpus", "seen"), [("cuda:1", 1, "cuda"), ("cpu", 0, "cpu")])
 def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, device, gpus, seen):
     """The train task asks Ray for a GPU when the trainer runs on CUDA: without it Ray could
@@ -929,7 +936,7 @@ def test_the_pipeline_asks_ray_for_a_gpu_for_a_trainer_on_cuda(monkeypatch, devi
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
     # this cluster has no GPU, on which the probes fail the run (see the tests below)
     monkeypatch.setattr(ray_actors, "wait_placeable", lambda *args: None)
-    monkeypatch.setattr(ray_actors, "wait_placeable_together", lambda *args: None)
+    monkeypatch.setattr(ray_actors, "reserve_together", slivers)
     config = RunConfig(run_id="gpu-trainer", cluster="ray", trainer_device=device)
 
     assert pipeline._run_on_ray(config, signals="s") == ("rollouts", "process-shards", "train")
@@ -953,7 +960,7 @@ def test_the_pipeline_starts_a_local_ray_with_a_cpu_for_each_of_its_tasks_and_ac
     asked = []
     monkeypatch.setattr(ray_engine, "connect_ray", lambda address, node_ip, num_cpus: asked.append(num_cpus))
     # this cluster has 4 CPUs, which this run's tasks and actors do not fit in (see the test below)
-    monkeypatch.setattr(ray_actors, "wait_placeable_together", lambda *args: None)
+    monkeypatch.setattr(ray_actors, "reserve_together", slivers)
     monkeypatch.setattr(prefect_ray.task_runners, "RayTaskRunner", recording_runner(lambda *args: None))
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
     config = RunConfig(run_id="sized", cluster="ray", engine={"replicas": 3})
