@@ -154,8 +154,8 @@ def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
         config.engine.load_timeout_s,
         "engine.load_timeout_s",
     )
-    process_bundle, train_bundle, *actor_bundles = (in_bundle(group, i) for i in range(len(requests)))
     try:
+        process_bundle, train_bundle, *actor_bundles = (in_bundle(group, i) for i in range(len(requests)))
         with RayTaskRunner(address=config.ray_address) as runner:
             with remote_options(num_cpus=0):
                 rollout_run = runner.submit(

@@ -911,8 +911,12 @@ def recording_runner(record):
 
 def slivers(what, requests, timeout_s, setting):
     """A placement group with a bundle per one of ``requests``, each a sliver of a CPU
-    whatever it asks for: this cluster holds it."""
-    return placement_group([{"CPU": 0.01}] * len(requests))
+    whatever it asks for: this cluster holds it. Placed before it is returned, as the group
+    ``reserve_together`` returns: one removed while Ray was still placing it kept its
+    bundles, and the next test found the cluster short of them."""
+    group = placement_group([{"CPU": 0.01}] * len(requests))
+    ray.get(group.ready())
+    return group
 
 
 @pytest.mark.parametrize(("device", "gpus", "seen"), [("cuda:1", 1, "cuda"), ("cpu", 0, "cpu")])

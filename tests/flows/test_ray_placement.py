@@ -17,6 +17,8 @@ from ray.util import placement_group_table
 from flows import pipeline
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
+from rollout.engines.factory import EngineConfig, build_engines
+from rollout.ray_env import RayEnvPool
 from storage.config import RunStore, StorageConfig
 from storage.weights import WeightStore
 from tasks.rollout import run_rollouts
@@ -168,3 +170,10 @@ def test_a_run_that_fails_or_is_stopped_removes_its_placement_group(cluster, mon
     with pytest.raises(type(error)):
         pipeline._run_on_ray(RunConfig(run_id="failed", cluster="ray"), signals="s")
     assert placement_group_table(groups[-1].placement_group)["state"] == "REMOVED"
+
+
+def test_placements_that_do_not_name_one_per_actor_are_refused():
+    with pytest.raises(ValueError, match=r"^placements must name one per worker \(2\), got 1$"):
+        RayEnvPool({}, num_workers=2, placements=[{}])
+    with pytest.raises(ValueError, match=r"^placements must name one per replica \(2\), got 3$"):
+        build_engines(EngineConfig(replicas=2), "/unused", 0, "ray", placements=[{}] * 3)
