@@ -119,6 +119,7 @@ def workload(seed: int, executions: int) -> pa.Table:
         "status": pa.array(["ok"] * n),
         "engine": pa.array(["torch-0"] * n),
         "timing": pa.nulls(n, TRAJECTORY_SCHEMA.field("timing").type),
+        "error": pa.nulls(n, pa.string()),
     }
     return pa.table(data, schema=TRAJECTORY_SCHEMA)
 

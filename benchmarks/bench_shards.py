@@ -87,6 +87,7 @@ def make_batch(seed: int, rows: int, mean_tokens: int) -> pa.Table:
         "status": ["ok"] * rows,
         "engine": ["torch-0"] * rows,
         "timing": pa.nulls(rows, TRAJECTORY_SCHEMA.field("timing").type),
+        "error": pa.nulls(rows, pa.string()),
     }
     return validate(pa.table(columns).cast(TRAJECTORY_SCHEMA))
 

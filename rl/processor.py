@@ -567,6 +567,7 @@ def _trajectory_rows(
         "group_id",
         "status",
         "engine",
+        "error",
     )
     columns = {name: table.column(name).to_pylist() for name in names}
     columns |= {name: values.tolist() for name, values in stats.items()}

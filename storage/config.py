@@ -18,19 +18,7 @@ import fsspec
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 from pydantic.json_schema import SkipJsonSchema
 
-MASKED = "**********"
-"""What Prefect stores (and hands back) in place of a ``SecretStr`` parameter's value."""
-
-ECHOED_CREDENTIALS = re.compile(
-    r"(?P<open><(?P<tag>AWSAccessKeyId|Token-\d+|StringToSign|StringToSignBytes|CanonicalRequest"
-    r"|CanonicalRequestBytes|SignatureProvided)>).*?(?P<close></(?P=tag)>)",
-    re.DOTALL,
-)
-"""Elements of an S3 error body that echo the request's credentials: the key id, the session
-token, and what was signed (its canonical request holds the token's header)."""
-
-AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
-"""An AWS access key id (long-term ``AKIA…``, temporary ``ASIA…``)."""
+from storage.redaction import MASKED, redact
 
 DELTA_UNSAFE = "%[]^|\\"
 """Characters deltalake cannot take in a table's path: it reads ``%XX`` as an escaped
@@ -244,21 +232,23 @@ class StorageConfig(BaseModel):
         )
         return key, secret, token, region
 
+    def secrets(self) -> list[str]:
+        """The credentials in use (key id, secret, session token), from this config or the
+        environment: what :meth:`redacted` masks, for other text that must not hold them (a
+        rollout's ``error``)."""
+        key, secret, token, _ = self._credentials()
+        return [value for value in (key, secret, token) if value]
+
     def redacted(self, text: str) -> str:
         """``text`` with the credentials in use masked: AWS echoes the key id and the session
         token in some error bodies (a bad signature, an expired token), and deltalake quotes a
         failed request's body whole. Those of this config or the environment are masked
         wherever they appear; those deltalake found itself (an instance's or a pod's role) in
-        the error body's elements that echo them (:data:`ECHOED_CREDENTIALS`), and any AWS key
-        id."""
+        the error body's elements that echo them (``storage.redaction.ECHOED_CREDENTIALS``),
+        and any AWS key id."""
         if not self.is_s3:
             return text
-        key, secret, token, _ = self._credentials()
-        for value in (key, secret, token):
-            if value:
-                text = text.replace(value, MASKED)
-        text = ECHOED_CREDENTIALS.sub(rf"\g<open>{MASKED}\g<close>", text)
-        return AWS_KEY_ID.sub(MASKED, text)
+        return redact(text, self.secrets())
 
     def filesystem(self) -> fsspec.AbstractFileSystem:
         """A fresh fsspec filesystem for ``root`` (local or s3fs)."""

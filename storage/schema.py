@@ -2,7 +2,8 @@
 
 One row per trajectory. Per-token columns are lists of equal length. Processed shards
 carry two more per-token columns (``train_mask``, ``loss_weight``) written by the
-trajectory processor; everything else is the same record.
+trajectory processor; everything else is the same record. Beyond DESIGN.md's record,
+``error`` says why a rollout ended as it did (:data:`ADDED_COLUMNS`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+
+from storage.redaction import redact
 
 STATUSES = ("ok", "truncated", "env_error", "infra_error", "timeout")
 """Known values of ``status``."""
@@ -52,8 +55,9 @@ TRAJECTORY_SCHEMA = pa.schema(
         pa.field("status", pa.string(), nullable=False),
         pa.field("engine", pa.string()),
         pa.field("timing", TIMING_TYPE),
+        pa.field("error", pa.string()),
     ],
-    metadata={"treadle.schema": "trajectory/1"},
+    metadata={"treadle.schema": "trajectory/2"},
 )
 
 PROCESSED_SCHEMA = pa.schema(
@@ -62,11 +66,26 @@ PROCESSED_SCHEMA = pa.schema(
         pa.field("train_mask", pa.list_(pa.bool_()), nullable=False),
         pa.field("loss_weight", pa.list_(pa.float32()), nullable=False),
     ],
-    metadata={"treadle.schema": "processed/1"},
+    metadata={"treadle.schema": "processed/2"},
 )
 """Processed shard: the trajectory record plus ``train_mask`` (action tokens this row
 trains; a shared prefix is trained in one row only) and ``loss_weight`` (per-token weight
 of the loss term)."""
+
+ADDED_COLUMNS = ("error",)
+"""Columns added to the record since its first version (``error`` in ``trajectory/2`` and
+``processed/2``). Each is nullable, and a table written before it (a shard of an older
+treadle) lacks it: :func:`cast` and the shard reader read it as null. ``error``: why the rollout failed (``env_error``, ``infra_error``, ``timeout``) or which limit
+truncated it (the context; null for a truncation at ``max_turns`` or the token budget, which
+the status says), as the rollout service warned it; null for ``ok``."""
+
+MAX_ERROR_CHARS = 1000
+"""Most characters an ``error`` holds. Enough for the classification, the stage and the start
+of the exception's message (``sandbox start_failed during init: …``); an env whose exception
+carries a whole test log or traceback would otherwise put it in every row of the
+``trajectories`` table and every SQL answer that shows the column. At the bound a failed
+row's ``error`` is a few percent of its per-token columns (about 14 bytes a token: 28 KB for
+2,000 tokens)."""
 
 
 class SchemaError(ValueError):
@@ -81,11 +100,11 @@ class NewerSchemaError(SchemaError):
 
 
 SCHEMA_KEY = b"treadle.schema"
-"""Schema metadata naming the record and its version (``trajectory/1``)."""
+"""Schema metadata naming the record and its version (``trajectory/2``)."""
 
 
 def newer_record(found: pa.Schema, canonical: pa.Schema) -> str | None:
-    """``found``'s record version (``trajectory/2``) when its metadata names a later
+    """``found``'s record version (``trajectory/3``) when its metadata names a later
     version of ``canonical``'s record, else None (the same or an earlier version, another
     record, or no version named)."""
     name, version = _record_version(found)
@@ -101,6 +120,16 @@ def _record_version(schema: pa.Schema) -> tuple[str | None, int | None]:
     if not (version.isascii() and version.isdigit()):
         return None, None
     return name, int(version)
+
+
+def error_text(text: str, secrets: Iterable[str | None] = ()) -> str:
+    """``text`` as a record's ``error``: ``secrets``, echoed S3 credentials and AWS key ids
+    masked (:func:`storage.redaction.redact`), a lone surrogate (output decoded with
+    ``surrogateescape``: no table can hold it) written as its escape, then cut to
+    :data:`MAX_ERROR_CHARS` (ending in ``…``). Masked first, so a cut never leaves the start
+    of a secret unmasked."""
+    text = redact(text, secrets).encode("utf-8", "backslashreplace").decode("utf-8")
+    return text if len(text) <= MAX_ERROR_CHARS else text[: MAX_ERROR_CHARS - 1] + "…"
 
 
 def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
@@ -143,13 +172,17 @@ def _castable(found: pa.DataType, wanted: pa.DataType) -> bool:
 
 
 def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
-    """Select and cast ``table``'s columns to ``schema`` (extra columns are dropped); a table
-    already of ``schema`` is returned as it is."""
+    """Select and cast ``table``'s columns to ``schema`` (extra columns are dropped; one of
+    :data:`ADDED_COLUMNS` it lacks, as a table of an earlier record version does, is null);
+    a table already of ``schema`` is returned as it is."""
     if table.schema.equals(schema, check_metadata=True):
         return table
     missing = [name for name in schema.names if name not in table.column_names]
-    if missing:
-        raise SchemaError(f"missing columns {missing}")
+    required = [name for name in missing if name not in ADDED_COLUMNS]
+    if required:
+        raise SchemaError(f"missing columns {required}")
+    for name in missing:
+        table = table.append_column(name, pa.nulls(table.num_rows, schema.field(name).type))
     _check_unrepeated(table.schema, schema)
     for field in schema:
         actual = table.schema.field(field.name).type
@@ -185,13 +218,14 @@ def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     Checks: required ids present (not null, empty or whitespace only), per-token lists of equal length with no null entry,
     finite log-probs ≤ 0 and versions ≥ 0 on action tokens, turn indexes in
     [0, :data:`MAX_TURN`], ``status`` in
-    :data:`STATUSES`, ``progress`` null or in [0, 1], ``reward`` null or finite, and for
+    :data:`STATUSES`, ``progress`` null or in [0, 1], ``reward`` null or finite, ``error``
+    null or at most :data:`MAX_ERROR_CHARS` characters, and for
     processed tables ``train_mask`` only where ``action_mask`` and every ``loss_weight``
     finite and ≥ 0. The checks run vectorised: row checks over whole columns, per-token
     checks over each record batch where it lies in memory (token values are not copied
     unless a check fails). Order: missing ids row by row, list lengths and
-    null entries column by column, status, progress and reward row by row, per-token checks
-    row by row.
+    null entries column by column, status, progress, reward and error row by row, per-token
+    checks row by row.
     """
     return [error for _, _, error in sorted(_problems(table), key=lambda problem: problem[0])]
 
@@ -305,6 +339,11 @@ def _problems(table: pa.Table) -> list[_Problem]:
     reward = table.column("reward")
     for row in np.flatnonzero(pc.fill_null(pc.is_finite(reward), True).to_numpy(zero_copy_only=False) == 0):
         add((2, row, 2), row, "reward", f"{reward[row].as_py()} is not finite")
+    error = table.column("error")
+    too_long = pc.fill_null(pc.greater(pc.utf8_length(error), MAX_ERROR_CHARS), False)
+    for row in np.flatnonzero(too_long.to_numpy(zero_copy_only=False)):
+        what = f"holds {len(error[row].as_py())} characters, over {MAX_ERROR_CHARS}"
+        add((2, row, 3), row, "error", what)
 
     start = 0
     for batch in table.to_batches():

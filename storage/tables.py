@@ -71,6 +71,7 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
             pa.field("text", pa.string()),
             pa.field("engine", pa.string()),
             pa.field("processed_at", UTC_MICROS, nullable=False),
+            pa.field("error", pa.string()),
         ]
     ),
     "train_steps": pa.schema(
@@ -121,6 +122,8 @@ TABLE_SCHEMAS: dict[str, pa.Schema] = {
     ),
 }
 """Canonical schema of each Delta table; a field marked not-nullable must be given.
+``trajectories.error`` is the record's (``storage.schema``): why the rollout failed or was
+truncated, null for one that did not and in rows written before it was added.
 ``train_steps.value_loss`` is null for a step that took no critic step (GRPO mode has no
 critic): a NaN there made every ``AVG(value_loss)`` NaN. ``train_steps.trajectory_ids`` are
 the trajectories the step trained on, the ``trajectory_id`` of their ``trajectories`` rows

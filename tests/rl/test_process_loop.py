@@ -7,16 +7,18 @@ import os
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
+from deltalake import write_deltalake
 
 import rl.process_loop as process_loop
 from rl.process_loop import ShardProcessor
 from storage.schema import NewerSchemaError
 from storage.shards import ShardReader, ShardWriter
 from storage.status import ProcessOffset, ProcessOffsetBoard
-from storage.tables import Tables
+from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
 from tests.rl.test_processor import record
-from tests.storage.foreign_shards import commit_foreign_file, ipc_bytes
+from tests.storage.foreign_shards import commit_foreign_file, first_version, ipc_bytes
 from tests.storage.records import make_table
+from tests.storage.test_tables import trajectory_row
 
 
 def commit_raw_shards(store, ids: range) -> None:
@@ -240,7 +242,7 @@ def test_a_raw_shard_of_a_newer_treadle_stops_the_processor_and_gets_no_twin(loc
     commit_raw_shards(local_store, range(1))
     newer = make_table(5, 2).append_column("score", pa.array([1.0, 2.0]))
     info = commit_foreign_file(
-        local_store, 1, ipc_bytes(newer.replace_schema_metadata({"treadle.schema": "trajectory/2"}))
+        local_store, 1, ipc_bytes(newer.replace_schema_metadata({"treadle.schema": "trajectory/3"}))
     )
     processor = ShardProcessor(local_store)
     for _ in range(2):
@@ -268,3 +270,48 @@ def test_the_rows_a_shard_drops_for_broken_links_or_keeps_without_their_parent_a
     assert "raw/w0/00000000" in caplog.text
     assert "trajectory 'c': tokens before branch_at 3 differ from parent 'p' at 2" in caplog.text
     assert "trajectory 'orphan': parent 'gone' is not in its execution" in caplog.text
+
+
+def test_a_run_begun_before_the_record_had_error_processes_on_with_the_reasons_of_new_rollouts(store):
+    """A run the previous treadle began: a raw shard of ``trajectory/1`` not processed yet and
+    a ``trajectories`` table without ``error``. The processor reads the old shard (``error``
+    null, not quarantined) and a new one holding why its rollout failed; the table takes the
+    column at the next append, older rows null, and the processed twins carry it."""
+    old_info = commit_foreign_file(store, 0, ipc_bytes(first_version(make_table(0, 2, prefix="old"))))
+    schema = TABLE_SCHEMAS["trajectories"]
+    write_deltalake(
+        Tables(store).uri("trajectories"),
+        pa.Table.from_pylist(
+            [trajectory_row("before")], schema=schema.remove(schema.get_field_index("error"))
+        ),
+        mode="append",
+        configuration=TABLE_CONFIGURATION,
+        storage_options=store.config.delta_options(),
+    )
+    assert Tables(store).columns("trajectories") == [n for n in schema.names if n != "error"]
+    failed = record("t1", "e1", [1, 2, 3, 4], [False, False, True, True], reward=None, status="env_error")
+    failed["error"] = "sandbox start_failed during init: bwrap cannot create namespaces"
+    with ShardWriter(store, "w0") as writer:
+        writer.write_many([record("t0", "e0", [1, 2, 3, 4], [False, False, True, True]), failed])
+
+    outcomes = ShardProcessor(store).poll()
+    assert sorted((o.raw.shard_id, o.skipped) for o in outcomes) == [
+        ("raw/w0/00000000", None),
+        (old_info.shard_id, None),
+    ]
+    assert not ShardReader(store).quarantined(old_info)
+    rows = Tables(store).read("trajectories")
+    errors = dict(
+        zip(rows.column("trajectory_id").to_pylist(), rows.column("error").to_pylist(), strict=True)
+    )
+    assert errors == {
+        "before": None,
+        "old0": None,
+        "old1": None,
+        "t0": None,
+        "t1": "sandbox start_failed during init: bwrap cannot create namespaces",
+    }
+    reader = ShardReader(store, kind="processed")
+    twins = {shard.worker: reader.read(shard) for shard in reader.poll()[0]}
+    assert twins["w9"].column("error").to_pylist() == [None, None]
+    assert twins["w0"].column("trajectory_id").to_pylist() == ["t0"]  # an env_error is never trained on

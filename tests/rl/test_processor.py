@@ -48,6 +48,7 @@ TRAJECTORY_COLUMNS = {
     "text",
     "engine",
     "processed_at",
+    "error",
 }
 
 

@@ -12,12 +12,12 @@ from storage.shards import ShardInfo
 from storage.tables import Tables
 
 
-def commit_foreign_file(store: RunStore, seq: int, payload: bytes) -> ShardInfo:
-    """Put ``payload`` where shard ``raw/w9/<seq>`` goes and commit it."""
+def commit_foreign_file(store: RunStore, seq: int, payload: bytes, kind: str = "raw") -> ShardInfo:
+    """Put ``payload`` where shard ``<kind>/w9/<seq>`` goes and commit it."""
     info = ShardInfo(
-        shard_id=f"raw/w9/{seq:08d}",
-        kind="raw",
-        path=f"shards/raw/w9/{seq:08d}.arrow",
+        shard_id=f"{kind}/w9/{seq:08d}",
+        kind=kind,
+        path=f"shards/{kind}/w9/{seq:08d}.arrow",
         worker="w9",
         seq=seq,
         num_rows=2,
@@ -38,3 +38,12 @@ def ipc_bytes(table: pa.Table) -> bytes:
     with pa.ipc.new_file(sink, table.schema) as out:
         out.write_table(table)
     return sink.getvalue()
+
+
+def first_version(table: pa.Table) -> pa.Table:
+    """``table`` (raw or processed records) as treadle wrote it before the record had ``error``:
+    without the column, its schema naming version 1 (``trajectory/1``, ``processed/1``)."""
+    named = table.schema.metadata[b"treadle.schema"].decode().partition("/")[0]
+    fields = [field for field in table.schema if field.name != "error"]
+    schema = pa.schema(fields, metadata={"treadle.schema": f"{named}/1"})
+    return pa.Table.from_arrays([table.column(field.name) for field in fields], schema=schema)

@@ -7,12 +7,15 @@ import pyarrow as pa
 import pytest
 
 import storage.schema
+from storage.redaction import MASKED
 from storage.schema import (
+    MAX_ERROR_CHARS,
     PROCESSED_SCHEMA,
     STATUSES,
     TRAJECTORY_SCHEMA,
     SchemaError,
     cast,
+    error_text,
     find_errors,
     rows_with_errors,
     to_table,
@@ -239,6 +242,9 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
             errors.append((row["trajectory_id"], "progress", f"{row['progress']} is outside [0, 1]"))
         if row["reward"] is not None and not np.isfinite(row["reward"]):
             errors.append((row["trajectory_id"], "reward", f"{row['reward']} is not finite"))
+        if row["error"] is not None and len(row["error"]) > MAX_ERROR_CHARS:
+            what = f"holds {len(row['error'])} characters, over {MAX_ERROR_CHARS}"
+            errors.append((row["trajectory_id"], "error", what))
     for row in rows:
         if any(len(row[name]) != len(row["tokens"]) or None in row[name] for name in token_columns):
             continue
@@ -303,6 +309,8 @@ def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypat
             record["reward"] = float(rng.choice([np.nan, np.inf, -np.inf]))
         elif fault == 12:
             record["execution_id"] = " \t"
+        elif fault == 13:  # characters, not UTF-8 bytes, are counted: the bound and one past it
+            record["error"] = "é" * int(rng.choice([MAX_ERROR_CHARS, MAX_ERROR_CHARS + 1]))
         records.append(record)
     table = to_table(records, PROCESSED_SCHEMA)
     table = pa.concat_tables([table.slice(0, len(records) // 2), table.slice(len(records) // 2)])
@@ -347,3 +355,59 @@ def test_validate_names_the_first_five_bad_rows_and_counts_the_rest():
     message = str(info.value)
     assert [f"'t{i}'" in message for i in range(8)] == [True] * 5 + [False] * 3
     assert message.endswith(" (and 1 more)")
+
+
+def test_an_error_over_the_bound_is_refused_naming_its_length():
+    records = [make_record(i) | {"status": "env_error"} for i in range(2)]
+    records[0]["error"] = "x" * MAX_ERROR_CHARS
+    records[1]["error"] = "x" * (MAX_ERROR_CHARS + 1)
+    assert find_errors(to_table(records)) == [
+        ("t1", "error", f"holds 1001 characters, over {MAX_ERROR_CHARS}")
+    ]
+    assert validate(to_table(records[:1])).column("error").to_pylist() == ["x" * MAX_ERROR_CHARS]
+
+
+def test_a_table_of_the_first_record_version_casts_with_error_null():
+    """A table written before ``error`` (``trajectory/1``, ``processed/1``) lacks the column:
+    it reads as null, raw or processed; a column that was always there is still required."""
+    for schema, table in [
+        (TRAJECTORY_SCHEMA, make_table(0, 2)),
+        (PROCESSED_SCHEMA, make_processed_table(0, 2)),
+    ]:
+        version = schema.metadata[b"treadle.schema"].decode().replace("/2", "/1")
+        older = table.drop_columns(["error"]).replace_schema_metadata({"treadle.schema": version})
+        read = validate(cast(older, schema))
+        assert read.schema.equals(schema, check_metadata=True)
+        assert read.column("error").to_pylist() == [None, None]
+        assert read.drop_columns(["error"]).equals(table.drop_columns(["error"]))
+    with pytest.raises(SchemaError, match=r"missing columns \['status'\]"):
+        cast(make_table(0, 1).drop_columns(["error", "status"]))
+
+
+def test_error_text_masks_secrets_before_it_cuts_to_the_bound():
+    secret = "s3cr3t-value"
+    key_id = "AKIAABCDEFGHIJKLMNOP"
+    text = (
+        f"RuntimeError during eval: curl -u key:{secret} failed; key {key_id}; "
+        "<Error><Token-0>session-token</Token-0></Error>"
+    )
+    masked = error_text(text, [secret, None])
+    assert masked == (
+        f"RuntimeError during eval: curl -u key:{MASKED} failed; key {MASKED}; "
+        f"<Error><Token-0>{MASKED}</Token-0></Error>"
+    )
+    # a secret that straddles the bound is masked whole, not cut into a readable start
+    long = "x" * (MAX_ERROR_CHARS - 5) + secret + "y" * 5000
+    cut = error_text(long, [secret])
+    assert len(cut) == MAX_ERROR_CHARS and cut.endswith("…")
+    assert cut == ("x" * (MAX_ERROR_CHARS - 5) + MASKED)[: MAX_ERROR_CHARS - 1] + "…"
+    assert "s3cr" not in cut
+    # one secret holding another is masked whole
+    assert error_text("token abc123 and abc", ["abc", "abc123"]) == f"token {MASKED} and {MASKED}"
+    assert error_text(cut, [secret]) == cut
+
+
+def test_error_text_writes_a_lone_surrogate_as_its_escape_so_the_record_stays_writable():
+    text = error_text("UnicodeDecodeError in output b'\udcff'")
+    assert text == "UnicodeDecodeError in output b'\\udcff'"
+    assert validate(to_table([make_record(0) | {"status": "env_error", "error": text}])).num_rows == 1

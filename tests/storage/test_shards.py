@@ -33,6 +33,7 @@ from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError, cas
 from storage.shards import (
     COMPRESSION,
     MIN_SWEEP_AGE_S,
+    SHARD_SCHEMAS,
     BackgroundShardWriter,
     ShardInfo,
     ShardReader,
@@ -44,7 +45,7 @@ from storage.status import InUse
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tests.conftest import free_port
-from tests.storage.foreign_shards import commit_foreign_file, ipc_bytes
+from tests.storage.foreign_shards import commit_foreign_file, first_version, ipc_bytes
 from tests.storage.records import make_processed_table, make_record, make_table
 
 
@@ -908,6 +909,34 @@ def test_bad_shards_are_quarantined_with_a_reason_and_reading_goes_on(store, cap
     assert "quarantined before" in caplog.records[-1].message
 
 
+@pytest.mark.parametrize("kind", ["raw", "processed"])
+def test_a_shard_of_the_first_record_version_reads_with_error_null_and_is_not_quarantined(store, kind):
+    """A shard treadle wrote before the record had ``error`` (``trajectory/1``,
+    ``processed/1``): read whole, with ``error`` null, by the processor's and the trainer's
+    readers alike."""
+    schema = SHARD_SCHEMAS[kind]
+    current = make_table(0, 2) if kind == "raw" else make_processed_table(0, 2)
+    info = commit_foreign_file(store, 0, ipc_bytes(first_version(current)), kind=kind)
+    reader = ShardReader(store, kind=kind)
+    table = reader.read(info)
+    assert table is not None and table.schema.equals(schema, check_metadata=True)
+    assert table.column("error").to_pylist() == [None, None]
+    assert table.drop_columns(["error"]).equals(current.drop_columns(["error"]))
+    assert not reader.quarantined(info)
+
+
+def test_a_records_error_is_written_and_read_back(local_store):
+    records = [
+        make_record(0),
+        make_record(1) | {"status": "env_error", "error": "sandbox died during run: exit 1"},
+    ]
+    with ShardWriter(local_store, "w0") as writer:
+        writer.write_many(records)
+    reader = ShardReader(local_store)
+    (shard,) = reader.poll()[0]
+    assert reader.read(shard).column("error").to_pylist() == [None, "sandbox died during run: exit 1"]
+
+
 def test_a_shard_written_before_columns_were_added_reads_them_as_null(store):
     """A shard of an older treadle: no ``engine`` nor ``timing`` column (nullable now), and
     ``reward`` marked required: it reads whole in the canonical schema, not quarantined."""
@@ -1257,10 +1286,10 @@ def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(store, 
     table = make_table(0, 2)
     if extra_column:
         table = table.append_column("score", pa.array([1.0, 2.0]))
-    newer = table.replace_schema_metadata({"treadle.schema": "trajectory/2"})
+    newer = table.replace_schema_metadata({"treadle.schema": "trajectory/3"})
     info = commit_foreign_file(store, 0, ipc_bytes(newer))
     reader = ShardReader(store)
-    with pytest.raises(SchemaError, match="raw/w9/00000000.*trajectory/2.*trajectory/1"):
+    with pytest.raises(SchemaError, match="raw/w9/00000000.*trajectory/3.*trajectory/2"):
         reader.read(info)
     assert not reader.quarantined(info)
     assert store.fs.cat_file(store.path(info.path)) == ipc_bytes(newer)
