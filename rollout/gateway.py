@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
 from rollout.router import Router
 from rollout.tool_calls import TAGS, ToolCallFormat, tool_call_message
-from storage.schema import LOGPROB_SLACK, STATUSES
+from storage.schema import LOGPROB_SLACK, MAX_ERROR_CHARS, STATUSES, error_text
 
 TIMING_KEYS = ("init", "run", "eval", "queue")
 """The entries of a record's ``timing``, in seconds (``storage.schema.TIMING_TYPE``)."""
@@ -610,16 +610,21 @@ class Session:
         progress: float | None = None,
         status: str | None = None,
         timing: Mapping[str, float] | None = None,
+        error: str | None = None,
     ) -> dict[str, Any]:
         """The canonical trajectory record of this session (valid under ``storage.schema``).
 
         ``status`` defaults to ``truncated`` when the last action hit its token budget and
-        ``ok`` otherwise; ``timing`` holds seconds for ``init``, ``run``, ``eval``, ``queue``.
+        ``ok`` otherwise; ``timing`` holds seconds for ``init``, ``run``, ``eval``, ``queue``;
+        ``error`` says why the rollout failed or was truncated, at most ``MAX_ERROR_CHARS``
+        characters (credentials in it are masked: ``storage.schema.error_text``).
         """
         if status is None:
             status = "truncated" if self.turns and self.turns[-1].truncated else "ok"
         if status not in STATUSES:
             raise ValueError(f"unknown status {status!r}; expected one of {STATUSES}")
+        if error is not None and len(error) > MAX_ERROR_CHARS:
+            raise ValueError(f"error holds {len(error)} characters, over {MAX_ERROR_CHARS}")
         if reward is not None and not math.isfinite(reward):
             raise ValueError(f"reward {reward} is not a finite number")
         if progress is not None and not 0 <= progress <= 1:
@@ -642,6 +647,7 @@ class Session:
             "reward": reward,
             "progress": progress,
             "status": status,
+            "error": None if error is None else error_text(error),
             "engine": ",".join(engines) or None,
             "timing": {k: float(timing.get(k, 0.0)) for k in TIMING_KEYS} if timing else None,
         }

@@ -97,7 +97,7 @@ from pydantic import (
     model_validator,
 )
 
-from envs.base import Id
+from envs.base import Id, Text
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
 from rollout.gateway import (
     TIMING_KEYS,
@@ -109,6 +109,7 @@ from rollout.gateway import (
 )
 from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_token
 from rollout.tool_calls import same_calls
+from storage.schema import MAX_ERROR_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -202,6 +203,11 @@ class RecordRequest(BaseModel):
     progress: float | None = Field(None, description="Partial-progress score in [0, 1].")
     status: str | None = Field(None, description="ok, truncated, env_error, infra_error or timeout.")
     timing: dict[str, float] | None = Field(None, description="Seconds in init, run, eval, queue.")
+    error: Text | None = Field(
+        None,
+        description=f"Why the rollout failed or was truncated, at most {MAX_ERROR_CHARS} characters "
+        "(credentials in it are masked).",
+    )
 
     @field_validator("timing")
     @classmethod

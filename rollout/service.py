@@ -32,7 +32,10 @@ whose output the gateway rejects (a malformed message, a token outside the vocab
 whose reward or progress the record cannot hold (not a number, not finite, no reward,
 progress outside [0, 1]), is ``env_error``; running out of the time budget is ``timeout``
 (a stage whose env call returns past it included: one that blocked the event loop, or went
-on when cancelled); running out of turns or context is ``truncated``.
+on when cancelled); running out of turns or context is ``truncated``. The record's ``error``
+says why (``None`` for ``ok``, and for a truncation at ``max_turns`` or the token budget, which
+the status and the record's turns and tokens say): the reason the warning of an ``env_error``
+or ``infra_error`` gives, credentials masked and cut to ``storage.schema.MAX_ERROR_CHARS``.
 
 An env's calls run on the service's event loop, so one that blocks inside its async code
 (``time.sleep``, a blocking subprocess call, heavy work not moved to a thread) holds every
@@ -55,7 +58,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -69,7 +72,7 @@ from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.resources import CpuManager
 from rollout.reward_models import REWARD_RESOURCE, RewardModelError, RewardModels
 from rollout.scheduler import ActionScheduler, StaticReservation
-from storage.schema import EXCLUDED_STATUSES
+from storage.schema import EXCLUDED_STATUSES, error_text
 
 log = logging.getLogger(__name__)
 
@@ -433,6 +436,10 @@ class RolloutService:
         fixed_sampling: refuse (HTTP 400) a program's call that asks for another temperature or
             top_p: training rollouts, whose log-probs the trainer compares with its own at the
             run's; ``False`` (evaluation) lets the program choose.
+        secrets: values masked wherever a rollout's error holds them, in its record and its
+            warning (the run's storage credentials); the token of the service's HTTP gateway
+            is masked too, and AWS key ids and echoed S3 credentials always are
+            (``storage.schema.error_text``).
     """
 
     def __init__(
@@ -442,11 +449,13 @@ class RolloutService:
         config: ServiceConfig | None = None,
         *,
         fixed_sampling: bool = True,
+        secrets: Iterable[str] = (),
     ):
         self.gateway = gateway
         self.make_env = make_env
         self.config = config or ServiceConfig()
         self.fixed_sampling = fixed_sampling
+        self.secrets = list(secrets)
         self._slots = {
             "init": asyncio.Semaphore(self.config.init_workers),
             "run": asyncio.Semaphore(self.config.run_workers),
@@ -663,10 +672,13 @@ class RolloutService:
             status, error = "env_error", f"CancelledError during {stage}, not from a cancel of the rollout"
         except Exception as exc:  # an environment's own bug must not take the worker down
             status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
+        if error is not None:
+            server = self._gateway_server
+            error = error_text(error, [*self.secrets, server.token if server is not None else None])
         if status in EXCLUDED_STATUSES:
-            # the record keeps the status only: this says why. A logger per env: the flow
-            # run's logs take a few records of a logger a minute (flows.run_logs), so an env
-            # failing every rollout does not keep the others' failures out of the UI
+            # A logger per env: the flow run's logs take a few records of a logger a minute
+            # (flows.run_logs), so an env failing every rollout does not keep the others'
+            # failures out of the UI
             log.getChild(task.env).warning(
                 "rollout %s of %s/%s: %s: %s", request.rollout_id, task.env, task.id, status, error
             )
@@ -676,8 +688,10 @@ class RolloutService:
         reward = reward if status in ("ok", "truncated") else None
         if status == "truncated" and reward is None:
             reward = 0.0
-        left = [s.record(reward=reward, progress=progress, status=status) for s in state["left"]]
-        record = session.record(reward=reward, progress=progress, status=status, timing=clock.timing)
+        left = [s.record(reward=reward, progress=progress, status=status, error=error) for s in state["left"]]
+        record = session.record(
+            reward=reward, progress=progress, status=status, timing=clock.timing, error=error
+        )
         return RolloutResult(
             rollout_id=request.rollout_id,
             record=record,

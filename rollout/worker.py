@@ -318,7 +318,9 @@ class RolloutWorker:
         self.version = version
         self._shards_at_version = self.writer.committed
         gateway = Gateway(self.router, tokenizer, gateway_config)
-        service = self.service = RolloutService(gateway, self.make_env, self.service_config)
+        service = self.service = RolloutService(
+            gateway, self.make_env, self.service_config, secrets=self.store.config.secrets()
+        )
         streams = task_streams(list(self.orchestrator_config.mix), self.env_configs, self.seed)
         self.orchestrator = Orchestrator(
             service,

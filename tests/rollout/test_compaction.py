@@ -429,6 +429,8 @@ def test_a_rollout_cancelled_or_timed_out_in_a_branch_leaves_no_session_open(tin
     if end == "timeout":
         assert result.status == "timeout" and result.branches
         assert {r["status"] for r in result.records} == {"timeout"}
+        # every context of the rollout says why it ended, as its status does
+        assert {r["error"] for r in result.records} == {result.error} and "budget" in result.error
 
 
 def test_a_compact_at_below_a_compacted_context_is_warned_once(tiny, caplog):

@@ -28,7 +28,7 @@ from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from rollout.gateway import RENDER_INLINE_CHARS, Gateway, GatewayConfig
 from rollout.gateway_http import IDLE_TIMEOUT_S, SESSION_HEADER, GatewayServer, RunSampling, create_app
 from rollout.router import Router, RouterConfig
-from storage.schema import to_table, validate
+from storage.schema import MAX_ERROR_CHARS, to_table, validate
 from tests.rollout.test_gateway import QWEN3_LIKE
 
 TINY = TinyModelConfig(
@@ -390,6 +390,41 @@ def test_a_record_with_a_bad_timing_entry_is_refused_naming_it(tiny, timing, mes
             assert recorded.json()["timing"] == {"init": 0.0, "run": 1.5, "eval": 0.0, "queue": 0.0}
 
     asyncio.run(body())
+
+
+def test_a_harness_states_why_its_rollout_failed_within_the_bound(tiny):
+    """An outside harness's ``error`` goes into the record as the service's does: at most
+    ``MAX_ERROR_CHARS`` characters (one more is refused, with nothing recorded), text UTF-8
+    can encode, AWS key ids masked; a shard holds the record."""
+
+    async def body():
+        async with serving(tiny) as (_, _, client):
+            sid = await open_session(client)
+            path = f"/v1/sessions/{sid}/record"
+            too_long = await client.post(
+                path, json={"status": "env_error", "error": "x" * (MAX_ERROR_CHARS + 1)}
+            )
+            assert too_long.status_code == 400
+            assert (
+                f"error holds 1001 characters, over {MAX_ERROR_CHARS}" in too_long.json()["error"]["message"]
+            )
+            surrogate = await client.post(
+                path,
+                content=b'{"status": "env_error", "error": "bad \\udc80 byte"}',
+                headers={"Content-Type": "application/json"},
+            )
+            assert surrogate.status_code == 400 and "lone surrogate" in surrogate.json()["error"]["message"]
+            said = "harness: tests crashed (key AKIAABCDEFGHIJKLMNOP) "
+            stated = said + "x" * (MAX_ERROR_CHARS - len(said))
+            recorded = await client.post(path, json={"status": "env_error", "error": stated})
+            assert recorded.status_code == 200, recorded.text
+            record = recorded.json()
+            assert record["error"] == stated.replace("AKIAABCDEFGHIJKLMNOP", "**********")
+            assert (await client.post(path, json={"status": "ok"})).json()["error"] is None
+            return record
+
+    record = asyncio.run(body())
+    assert validate(to_table([record])).column("error").to_pylist() == [record["error"]]
 
 
 def same_reply(retry: dict, original: dict) -> bool:

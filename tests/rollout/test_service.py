@@ -29,7 +29,7 @@ from rollout.gateway import Gateway, GatewayConfig
 from rollout.router import Router, RouterConfig
 from rollout.service import DuplicateRollout, RolloutRequest, RolloutResult, RolloutService, ServiceConfig
 from rollout.service_http import ServiceServer, create_app
-from storage.schema import to_table, validate
+from storage.schema import MAX_ERROR_CHARS, to_table, validate
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
@@ -43,11 +43,15 @@ def tiny():
 
 
 @contextlib.asynccontextmanager
-async def running_service(tiny, config: ServiceConfig | None = None, replicas: int = 1, make_env=None):
+async def running_service(
+    tiny, config: ServiceConfig | None = None, replicas: int = 1, make_env=None, secrets=()
+):
     model, tokenizer = tiny
     engines = [TorchEngine(model, tokenizer, name=f"torch-{i}") for i in range(replicas)]
     gateway = Gateway(Router(engines), tokenizer, GatewayConfig(max_context_tokens=1024))
-    service = RolloutService(gateway, make_env or (lambda task: registry.make(task.env)), config)
+    service = RolloutService(
+        gateway, make_env or (lambda task: registry.make(task.env)), config, secrets=secrets
+    )
     try:
         yield service
     finally:
@@ -163,8 +167,8 @@ def test_a_rollout_past_its_budget_times_out_and_the_service_keeps_serving(tiny)
 
     slow, fast, status = asyncio.run(body())
     assert slow.status == "timeout" and slow.reward is None
-    assert "budget" in slow.error
-    assert fast.status in ("ok", "truncated")
+    assert "budget" in slow.error and slow.record["error"] == slow.error
+    assert fast.status in ("ok", "truncated") and fast.record["error"] is None
     assert status["finished"]["timeout"] == 1 and sum(status["finished"].values()) == 2
 
 
@@ -265,7 +269,51 @@ def test_an_environment_that_raises_is_an_env_error_with_its_reason(tiny, env, s
 
     result = asyncio.run(body())
     assert result.status == status and result.reward is None
-    assert str(env.error) in result.error
+    assert str(env.error) in result.error and result.record["error"] == result.error
+
+
+class LeakingEnv(ArithEnv):
+    """``arith`` whose step raises with ``message`` (what a failing tool printed, say)."""
+
+    name = "arith"
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    async def step(self, action: str) -> StepResult:
+        raise RuntimeError(self.message)
+
+
+def test_a_failed_rollouts_error_holds_no_secret_and_is_bounded_in_its_record_and_warning(tiny, caplog):
+    """An env's exception may quote what the process holds (the run's storage secret, the
+    service gateway's token, an AWS key id) and run to megabytes (a test suite's whole
+    output): the record and the warning hold it masked and cut to ``MAX_ERROR_CHARS``."""
+    key_id = "AKIAABCDEFGHIJKLMNOP"
+
+    async def body():
+        async with running_service(tiny, secrets=["storage-secret-value"]) as service:
+            token = (await service.gateway_server()).token
+            message = (
+                f"curl -H 'Bearer {token}' -u {key_id}:storage-secret-value failed\n" + "log line\n" * 10_000
+            )
+            service.make_env = lambda task: LeakingEnv(message)
+            result = await service.process(RolloutRequest(task=arith_task()))
+            await service.close()
+            return result, token
+
+    result, token = asyncio.run(body())
+    error = result.record["error"]
+    assert result.status == "env_error" and result.error == error
+    assert error.startswith(
+        "RuntimeError during run: curl -H 'Bearer **********' -u **********:********** failed"
+    )
+    assert len(error) == MAX_ERROR_CHARS and error.endswith("…")
+    validate(to_table([result.record]))
+    warned = [r.getMessage() for r in caplog.records if r.name == "rollout.service.arith"]
+    assert warned == [f"rollout {result.rollout_id} of arith/{arith_task().id}: env_error: {error}"]
+    for secret in (token, key_id, "storage-secret-value"):
+        assert secret not in error and secret not in caplog.text
 
 
 def test_each_envs_failed_rollouts_are_warned_on_a_logger_of_its_own(tiny, caplog):
@@ -315,7 +363,8 @@ def test_a_sandbox_error_is_an_infra_error_as_the_env_starts_and_an_env_error_af
 
     result = asyncio.run(body())
     assert (result.status, result.error, result.reward) == (status, error, None)
-    # no table row holds the reason: the warning is where a run shows why its rollouts failed
+    # the record holds the reason the worker's warning gives
+    assert result.record["error"] == error
     assert f"{status}: {error}" in caplog.text
 
 
@@ -401,6 +450,7 @@ def test_only_running_out_of_context_is_truncated_other_output_the_gateway_rejec
 
     result = asyncio.run(body())
     assert result.status == status and reason in result.error
+    assert result.record["error"] == result.error
     assert result.reward == (0.0 if status == "truncated" else None)
 
 
