@@ -46,7 +46,7 @@ from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader, ShardWriter
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
-from tests.conftest import free_port
+from tests.conftest import free_port, readme_query
 from tests.flows.conftest import REPO
 from tests.storage.records import make_record
 
@@ -130,6 +130,16 @@ def test_sql_joins_each_policy_step_to_the_trajectories_it_trained_on(pipeline_r
     assert counts["trained"] > 0 and counts["trained"] == counts["samples"]
     # each trained once, and each a selected trajectory of the run
     assert counts["once"] == counts["trained"] == counts["selected"], counts
+
+
+def test_sql_answers_the_readmes_why_rollouts_failed_query_and_every_failure_has_its_reason(pipeline_run):
+    header, *rows = sql_on(pipeline_run, readme_query("GROUP BY task, status, error"))
+    assert header == "task\tstatus\terror\trollouts"
+    failed = "FROM trajectories WHERE status IN ('env_error', 'infra_error', 'timeout')"
+    _, counts = sql_on(pipeline_run, f"SELECT count(*) AS failed, count(error) AS said {failed}")
+    total, said = map(int, counts.split("\t"))
+    assert said == total
+    assert total <= sum(int(row.rsplit("\t", 1)[1]) for row in rows)
 
 
 def test_a_run_that_does_not_exist_is_an_error_not_an_empty_run():

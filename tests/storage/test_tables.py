@@ -826,6 +826,32 @@ def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_
     assert [row[0] for row in kept] == [1, 2, 3]
 
 
+def test_a_trajectories_table_made_before_error_takes_rows_with_it_and_the_readmes_query_groups_them(store):
+    """A run's ``trajectories`` table made before the record had ``error``: the next append
+    adds the column (its older rows null), and the README's "why rollouts failed" query counts
+    the failures by env, status and reason, the rows without one left out."""
+    schema = TABLE_SCHEMAS["trajectories"]
+    write_deltalake(
+        Tables(store).uri("trajectories"),
+        pa.Table.from_pylist([trajectory_row("old")], schema=schema.remove(schema.get_field_index("error"))),
+        mode="append",
+        configuration=TABLE_CONFIGURATION,
+        storage_options=store.config.delta_options(),
+    )
+    start_failed = "sandbox start_failed during init: bwrap cannot create namespaces"
+    failed = [
+        trajectory_row("a") | {"status": "infra_error", "reward": None, "error": start_failed},
+        trajectory_row("b") | {"status": "infra_error", "reward": None, "error": start_failed},
+        trajectory_row("c") | {"task": "code", "status": "timeout", "reward": None, "error": "ran past 60 s"},
+    ]
+    Tables(store).append("trajectories", [*failed, trajectory_row("d")])
+
+    rows = Tables(store).read("trajectories").sort_by("trajectory_id")
+    assert rows.column("error").to_pylist() == [start_failed, start_failed, "ran past 60 s", None, None]
+    answer = connect(store).execute(readme_query("GROUP BY task, status, error")).fetchall()
+    assert answer == [("arith", "infra_error", start_failed, 2), ("code", "timeout", "ran past 60 s", 1)]
+
+
 def test_a_store_error_that_echoes_the_credentials_is_raised_without_them(echoing_endpoint):
     """A flow's error reaches the Prefect API's logs and its state message: an error body in
     which the store echoes the key id and the session token must not carry them there."""
