@@ -75,9 +75,10 @@ of the loss term)."""
 ADDED_COLUMNS = ("error",)
 """Columns added to the record since its first version (``error`` in ``trajectory/2`` and
 ``processed/2``). Each is nullable, and a table written before it (a shard of an older
-treadle) lacks it: :func:`cast` and the shard reader read it as null. ``error``: why the rollout failed (``env_error``, ``infra_error``, ``timeout``) or which limit
-truncated it (the context; null for a truncation at ``max_turns`` or the token budget, which
-the status says), as the rollout service warned it; null for ``ok``."""
+treadle) lacks it: :func:`cast` and the shard reader read it as null. ``error``: why the
+rollout failed (``env_error``, ``infra_error``, ``timeout``) or which limit truncated it (the
+context; null for a truncation at ``max_turns`` or the token budget, which the status says),
+as the rollout service warned it; null for ``ok``."""
 
 MAX_ERROR_CHARS = 1000
 """Most characters an ``error`` holds. Enough for the classification, the stage and the start
