@@ -79,13 +79,14 @@ import secrets
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -526,11 +527,23 @@ def create_app(
     async def _engine(request: Request, exc: EngineError):
         return _error(503, "engine_unavailable", f"engine failure: {exc}")
 
-    async def in_progress(request: Request) -> AsyncIterator[None]:
-        with idle.request(named(request)):
-            yield
+    class InProgress(APIRoute):
+        """A route whose request keeps the session it names from idling from when it is
+        routed, before its body is read (a slow one would otherwise leave the sweep a gap),
+        until its response is made."""
 
-    auth = [Depends(authorize)] if idle is None else [Depends(authorize), Depends(in_progress)]
+        def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
+            handle = super().get_route_handler()
+
+            async def tracked(request: Request) -> Response:
+                with idle.request(named(request)):
+                    return await handle(request)
+
+            return tracked
+
+    if idle is not None:
+        app.router.route_class = InProgress
+    auth = [Depends(authorize)]
 
     def session_of(session_id: str | None) -> Session:
         if not session_id:

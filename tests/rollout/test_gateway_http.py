@@ -1663,12 +1663,7 @@ def test_a_session_with_requests_in_flight_is_not_idle_and_counts_idle_from_thei
             engine.gate.set()
             for response in (await generating, await queued):
                 assert response.status_code == 200, response.text
-            deadline = time.monotonic() + 30
-            while (
-                server.idle.idle_for(sid) is None
-            ):  # the requests' ends are stamped once their replies are sent
-                assert time.monotonic() < deadline, "the requests never ended"
-                await asyncio.sleep(0.01)
+            # each request's end is stamped as its reply is made, before it is sent
             assert server.idle.idle_for(sid) == 0.0
             now[0] = 1059.0
             assert server.idle.sweep() == [] and gateway.sessions == [sid]
@@ -1747,5 +1742,44 @@ def test_a_delete_continued_in_a_branch_counts_the_rollout_once(tiny):
             assert gateway.sessions == [branch] and router.sessions_ended == 0 and live_sessions(router) == 1
             assert (await client.delete(f"/v1/sessions/{branch}")).status_code == 200
             assert (router.sessions_ended, list(router.session_contexts)) == (1, [2])
+
+    asyncio.run(body())
+
+
+def test_a_request_whose_body_is_still_arriving_keeps_its_session_from_the_sweep(tiny):
+    """A request is in progress from when it is routed, not from when its body has arrived:
+    a harness that sends a turn just before the idle time runs out, its body slow to arrive
+    (a long conversation, a slow link), had its session ended by a sweep that came meanwhile,
+    and a 404 saying it was idle. The body held back until a sweep has run past the idle time
+    (the server's clock, set by hand), the turn is answered."""
+    now = [0.0]
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=60) as (gateway, server, client):
+            server.idle.clock = lambda: now[0]
+            sid = await open_session(client)
+            release = asyncio.Event()
+
+            async def slow_body():
+                yield b'{"token_ids": [1, 2], '
+                await release.wait()
+                yield b'"max_new_tokens": 2}'
+
+            turn = asyncio.create_task(
+                client.post(
+                    "/v1/generate",
+                    content=slow_body(),
+                    headers={SESSION_HEADER: sid, "Content-Type": "application/json"},
+                )
+            )
+            deadline = time.monotonic() + 30
+            while server.idle.idle_for(sid) is not None:
+                assert time.monotonic() < deadline, "the request arriving was never counted in progress"
+                await asyncio.sleep(0.01)
+            now[0] = 1000.0
+            assert server.idle.sweep() == [] and gateway.sessions == [sid]
+            release.set()
+            response = await turn
+            assert response.status_code == 200, response.text
 
     asyncio.run(body())
