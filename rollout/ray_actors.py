@@ -34,7 +34,8 @@ def wait_actors_started(
     an actor whose resources (``options``, each) no node has free pending for ever (an
     autoscaler may add a node): one not started within ``timeout_s`` (the config's
     ``setting``) stops them all too, and raises one naming what it asks for and what the
-    cluster has.
+    cluster has; or, for actors placed in a placement group's bundles (``options``' scheduling
+    strategy), naming the group instead, a bundle of which another actor still held.
     """
     refs = {actor.pid.remote(): name for name, actor in actors.items()}
     deadline = time.monotonic() + timeout_s
@@ -53,10 +54,19 @@ def wait_actors_started(
     if failed:
         name, error = failed[0]
         raise ActorStartError(f"{kind} actor {name!r} could not start: {error}")
+    asked = {key: value for key, value in options.items() if key != "scheduling_strategy"}
+    strategy = options.get("scheduling_strategy")
+    if isinstance(strategy, PlacementGroupSchedulingStrategy):
+        where, cluster = (
+            f" in its bundle of placement group {strategy.placement_group.id.hex()}: the bundle still "
+            "held (an earlier actor not yet stopped)",
+            "",
+        )
+    else:
+        where, cluster = ": no node of the Ray cluster had that free", f" ({_cluster_resources()})"
     raise ActorStartError(
-        f"{kind} actors {[refs[ref] for ref in pending]} did not start within {timeout_s:g} s "
-        f"({setting}), asking for {options} each: no node of the Ray cluster had that free, or "
-        f"starting them took longer ({_cluster_resources()})"
+        f"{kind} actors {[refs[ref] for ref in pending]} did not start within {timeout_s:g} s ({setting}), "
+        f"asking for {asked} each{where}, or starting them took longer{cluster}"
     )
 
 

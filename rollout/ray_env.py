@@ -194,9 +194,10 @@ class RayEnvPool:
         envs = {name: (registry.env_class(name), config.model_dump()) for name, config in env_configs.items()}
         self.actor_options = {"max_restarts": -1, **(actor_options or ENV_WORKER_RESOURCES)}
         self.names = [f"env-worker-{i}" for i in range(num_workers)]
+        self.placements = list(placements or [{}] * num_workers)
         self.actors = [
             EnvWorkerActor.options(**self.actor_options, **placement).remote(envs)
-            for placement in placements or [{}] * num_workers
+            for placement in self.placements
         ]
         self._next = itertools.cycle(self.actors)
         self.env_names = sorted(envs)
@@ -208,7 +209,8 @@ class RayEnvPool:
         user's env module importable on the driver only) is never restarted, and would lose
         every rollout sent to it (see :func:`wait_actors_started`)."""
         actors = dict(zip(self.names, self.actors, strict=True))
-        wait_actors_started("env", actors, self.actor_options, timeout_s, "engine.load_timeout_s")
+        options = self.actor_options | self.placements[0]
+        wait_actors_started("env", actors, options, timeout_s, "engine.load_timeout_s")
 
     def make_env(self, task: Task) -> RayEnv:
         """A proxy for a new env of ``task.env`` on the next actor."""

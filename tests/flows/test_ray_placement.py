@@ -13,11 +13,14 @@ from prefect_ray.context import RemoteOptionsContext
 from ray._private import state
 from ray.cluster_utils import Cluster
 from ray.util import placement_group_table
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from flows import pipeline
 from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
+from rollout.engines.base import EngineError
 from rollout.engines.factory import EngineConfig, build_engines
+from rollout.ray_actors import ActorStartError, in_bundle
 from rollout.ray_env import RayEnvPool
 from storage.config import RunStore, StorageConfig
 from storage.weights import WeightStore
@@ -177,3 +180,35 @@ def test_placements_that_do_not_name_one_per_actor_are_refused():
         RayEnvPool({}, num_workers=2, placements=[{}])
     with pytest.raises(ValueError, match=r"^placements must name one per replica \(2\), got 3$"):
         build_engines(EngineConfig(replicas=2), "/unused", 0, "ray", placements=[{}] * 3)
+
+
+def test_engine_and_env_actors_whose_bundles_are_held_fail_the_start_naming_their_group(cluster):
+    """An actor placed in a bundle still held (an earlier attempt's actor not yet stopped)
+    that does not start in time fails the start in one line that names the placement group,
+    not the scheduling strategy's object nor a cluster short of room."""
+    group = placement_group([{"CPU": 1}])
+    ray.get(group.ready(), timeout=300)
+    holder = Job.options(num_cpus=1, **in_bundle(group, 0)).remote()
+    try:
+        ray.get(holder.node.remote(), timeout=300)
+        with pytest.raises(EngineError) as engine:
+            build_engines(
+                EngineConfig(replicas=1, load_timeout_s=0.5),
+                "/unused",
+                0,
+                "ray",
+                placements=[in_bundle(group, 0)],
+            )
+        pool = RayEnvPool({}, num_workers=1, placements=[in_bundle(group, 0)])
+        with pytest.raises(ActorStartError) as env:
+            pool.wait_started(0.5)
+        for kind, name, error in (("engine", "ray-torch-0", engine), ("env", "env-worker-0", env)):
+            assert str(error.value) == (
+                f"{kind} actors [{name!r}] did not start within 0.5 s (engine.load_timeout_s), asking for "
+                f"{{'max_restarts': -1, 'num_cpus': 1}} each in its bundle of placement group "
+                f"{group.id.hex()}: the bundle still held (an earlier actor not yet stopped), or starting them "
+                "took longer"
+            )
+    finally:
+        ray.kill(holder)
+        remove_placement_group(group)
