@@ -496,8 +496,11 @@ def create_app(
     app = FastAPI(title="treadle TITO gateway")
     expected = f"Bearer {token}".encode()
 
+    def authorized(authorization: str | None) -> bool:
+        return authorization is not None and secrets.compare_digest(authorization.encode(), expected)
+
     def authorize(authorization: str | None = Header(None)) -> None:
-        if authorization is None or not secrets.compare_digest(authorization.encode(), expected):
+        if not authorized(authorization):
             raise _Unauthorized
 
     @app.exception_handler(_Unauthorized)
@@ -528,15 +531,16 @@ def create_app(
         return _error(503, "engine_unavailable", f"engine failure: {exc}")
 
     class InProgress(APIRoute):
-        """A route whose request keeps the session it names from idling from when it is
-        routed, before its body is read (a slow one would otherwise leave the sweep a gap),
-        until its response is made."""
+        """A route whose authorized request keeps the session it names from idling from when
+        it is routed, before its body is read (a slow one would otherwise leave the sweep a
+        gap), until its response is made."""
 
         def get_route_handler(self) -> Callable[[Request], Awaitable[Response]]:
             handle = super().get_route_handler()
 
             async def tracked(request: Request) -> Response:
-                with idle.request(named(request)):
+                own = authorized(request.headers.get("authorization"))
+                with idle.request(named(request) if own else None):
                     return await handle(request)
 
             return tracked

@@ -1783,3 +1783,32 @@ def test_a_request_whose_body_is_still_arriving_keeps_its_session_from_the_sweep
             assert response.status_code == 200, response.text
 
     asyncio.run(body())
+
+
+def test_a_request_refused_for_its_token_does_not_keep_a_session_from_idling(tiny):
+    """Only an authorized request counts as the session's: one with a wrong or no bearer
+    token naming a session (whoever learned its id) is refused 401 and leaves its idle time
+    running (the server's clock, set by hand)."""
+    now = [0.0]
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=60) as (gateway, server, client):
+            server.idle.clock = lambda: now[0]
+            sid = await open_session(client)
+            now[0] = 50.0
+            turn = {"token_ids": [1, 2], "max_new_tokens": 2}
+            for authorization in ("Bearer wrong", ""):
+                refused = [
+                    await client.post(
+                        "/v1/generate",
+                        json=turn,
+                        headers={SESSION_HEADER: sid, "Authorization": authorization},
+                    ),
+                    await client.delete(f"/v1/sessions/{sid}", headers={"Authorization": authorization}),
+                ]
+                assert [response.status_code for response in refused] == [401, 401]
+            assert server.idle.idle_for(sid) == 50.0
+            now[0] = 61.0
+            assert server.idle.sweep() == [sid]
+
+    asyncio.run(body())
