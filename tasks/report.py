@@ -8,6 +8,7 @@ import io
 import logging
 import math
 import re
+import threading
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.context import SettingsContext, SyncClientContext, get_settings_context
 
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
@@ -34,7 +36,12 @@ class ProgressReporter:
     log line (what the console shows while a flow runs) at most every ``log_every_s``.
     The final update is sent and logged whatever the pace; its bar is the count toward
     ``total`` (the work may end short of it), else full.
-    An artifact the Prefect API fails to take is logged and skipped, never raised."""
+    The bars are sent by a thread of their own, so that the work never waits for the Prefect
+    API: its client retries an API it reached once for about a minute while it does not
+    answer (a server restarted, or gone), and the trainer and the rollout worker's status
+    stood still meanwhile. A bar handed over while one is being sent replaces any still
+    waiting. An artifact the Prefect API fails to take is logged (once, until one is taken
+    again) and skipped, never raised."""
 
     def __init__(
         self,
@@ -55,6 +62,10 @@ class ProgressReporter:
         self._last_log = time.monotonic()
         self.logger = get_run_logger()
         self.artifact_id = None
+        self._lock = threading.Lock()
+        self._waiting: tuple[float, str] | None = None  # the newest bar not sent yet
+        self._sender: threading.Thread | None = None  # alive while it has bars to send
+        self._failing = False
         try:
             self.artifact_id = create_progress_artifact(0.0, description=f"{description}: 0")
         except Exception as exc:  # the Prefect API may be unreachable for a moment: the work goes on
@@ -83,16 +94,48 @@ class ProgressReporter:
         self._last = now
         if self.artifact_id is None:
             return
-        try:
-            update_progress_artifact(
-                self.artifact_id,
-                100.0 if final and not self.total else self._percent(count),
-                description=f"{self.description}: {count}",
+        bar = (100.0 if final and not self.total else self._percent(count), f"{self.description}: {count}")
+        with self._lock:
+            self._waiting = bar
+            if self._sender is not None:
+                return
+            self._sender = threading.Thread(
+                target=self._send_waiting,
+                args=(get_settings_context().model_copy(),),  # this task run's API
+                name=f"progress of {self.description}",
+                daemon=True,
             )
-        except Exception as exc:
-            self.logger.warning(
-                "progress artifact of %s not updated, the work goes on: %r", self.description, exc
-            )
+            self._sender.start()
+
+    def _send_waiting(self, settings: SettingsContext) -> None:
+        """Send the bar waiting until none is left, each with a Prefect client of its own: the
+        task run's is closed with its flow run, which may end first, and one that reached the
+        API before waits for it to answer again."""
+        with settings:
+            while True:
+                with self._lock:
+                    bar, self._waiting = self._waiting, None
+                    if bar is None:
+                        self._sender = None
+                        return
+                try:
+                    with SyncClientContext():
+                        update_progress_artifact(self.artifact_id, bar[0], description=bar[1])
+                except Exception as exc:
+                    if not self._failing:
+                        self.logger.warning(
+                            "progress artifact of %s not updated, the work goes on: %r", self.description, exc
+                        )
+                    self._failing = True
+                else:
+                    self._failing = False
+
+    def sent(self) -> None:
+        """Wait until the bars handed over so far are sent, or failed."""
+        with self._lock:
+            sender = self._sender
+        if sender is not None:
+            sender.join()
 
 
 REPORT_STEPS = 50

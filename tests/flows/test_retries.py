@@ -4,6 +4,9 @@
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import threading
 import time
 import types
 from pathlib import Path
@@ -14,6 +17,7 @@ import ray.exceptions
 from botocore.exceptions import EndpointConnectionError
 from deltalake.exceptions import CommitFailedError
 from prefect import flow, task
+from prefect.server.api.server import SubprocessASGIServer
 
 import tasks.report
 from storage.weights import VersionTaken
@@ -102,6 +106,7 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
         progress = ProgressReporter("rollouts", total=10)
         monkeypatch.setattr(tasks.report, "update_progress_artifact", unreachable)
         progress.update(10, final=True)
+        progress.sent()
         monkeypatch.setattr(tasks.report, "create_progress_artifact", unreachable)
         ProgressReporter("trainer steps").update(3, final=True)
         return 10
@@ -113,6 +118,45 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
     assert reporting_flow() == 10
     assert "progress artifact of rollouts not updated, the work goes on" in caplog.text
     assert "progress artifact of trainer steps not created" in caplog.text
+
+
+def test_progress_does_not_wait_for_a_prefect_api_that_does_not_answer(prefect_api):
+    """Prefect's client retries an API it reached once for about a minute while it does not
+    answer (its server restarted, or gone). Each bar was sent from the work's own thread: a
+    pipeline whose server restarted trained 2 policy steps in the 35 s it was away (7 in the
+    10 s before), and one whose server stayed down stood still until the client gave up.
+    A bar is handed over and sent once the API answers again. The server is stopped
+    (SIGSTOP) rather than ended: it is the session's."""
+    server = SubprocessASGIServer().server_process
+    resumed_by_watchdog = threading.Event()
+
+    def resume() -> None:  # where update waits for the server: the test fails instead of hanging
+        resumed_by_watchdog.set()
+        os.kill(server.pid, signal.SIGCONT)
+
+    @task(**SIDE_EFFECTS)
+    def reports() -> bool:
+        progress = ProgressReporter("steps", total=10)
+        os.kill(server.pid, signal.SIGSTOP)
+        watchdog = threading.Timer(30.0, resume)
+        watchdog.start()
+        try:
+            progress.update(3)
+            waited = resumed_by_watchdog.is_set()
+        finally:
+            watchdog.cancel()
+            os.kill(server.pid, signal.SIGCONT)
+        progress.sent()
+        return waited
+
+    @flow
+    def reporting_flow() -> bool:
+        return reports()
+
+    state = reporting_flow(return_state=True)
+    assert state.result() is False, "the update waited for the server to answer"
+    bars = {a.description: a.data for a in artifacts_of([state.state_details.flow_run_id])}
+    assert bars == {"steps: 3": 30.0}
 
 
 def test_progress_keeps_its_pace_when_the_wall_clock_is_set_back(prefect_api, monkeypatch, caplog):
@@ -135,6 +179,8 @@ def test_progress_keeps_its_pace_when_the_wall_clock_is_set_back(prefect_api, mo
             clock["monotonic"] += 11.0
             counted.update(count)
             timed.update(count)
+        counted.sent()
+        timed.sent()
 
     @flow
     def reporting_flow() -> None:
@@ -183,14 +229,18 @@ def test_progress_sends_its_bar_and_log_lines_at_their_pace_and_the_final_one_al
         for seconds, count in ((1, 1), (1, 2), (1, 3), (7, 4), (2, 12)):
             tick(seconds)
             counted.update(count, detail="busy")
+            counted.sent()  # else a bar handed over while one is sent replaces the one waiting
         tick(0.5)
         counted.update(7, final=True, detail="done")
+        counted.sent()
         timed = ProgressReporter("steps", deadline=clock["wall"] + 100.0)
         tick(10)
         timed.update(1, final=True)
+        timed.sent()
         late = ProgressReporter("late", deadline=clock["wall"])
         tick(1)
         late.update(1)
+        late.sent()
 
     @flow
     def reporting_flow() -> None:
