@@ -21,7 +21,10 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    import httpx
 
 FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
 TABLES = ("shards", "trajectories", "train_steps", "weights", "evals")
@@ -240,16 +243,27 @@ def _run(args) -> None:
     module = importlib.import_module(f"flows.{args.flow}")
     # the flow parses sys.argv: its usage and errors then name `treadle run <flow>`
     sys.argv = [f"treadle run {args.flow}", *args.rest]
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
     try:
         module.main()
     except RuntimeError as exc:
         if not _unreachable_api(exc):
             raise
-        from prefect.settings import PREFECT_API_URL
-
         url = without_credentials(PREFECT_API_URL.value() or "")
         raise SystemExit(
             f"error: no Prefect API at {url} (unset PREFECT_API_URL or start one with treadle ui)"
+        ) from None
+    except httpx.TransportError as exc:
+        # the flow engine's own request, once its client gave up: a server gone mid-run failed
+        # the command at the flow run's end, after the work, with a page of tracebacks
+        if not _prefect_api_request(exc):
+            raise
+        url = without_credentials(PREFECT_API_URL.value() or "")
+        raise SystemExit(
+            f"error: lost the Prefect API at {url} ({type(exc).__name__}: {exc}): the flow run's "
+            "state there is not its last; what the run wrote is in its storage"
         ) from None
 
 
@@ -258,6 +272,19 @@ def _unreachable_api(exc: RuntimeError) -> bool:
     import httpx
 
     return str(exc).startswith("Failed to reach API") and isinstance(exc.__cause__, httpx.TransportError)
+
+
+def _prefect_api_request(exc: httpx.TransportError) -> bool:
+    """Whether ``exc`` failed a request to the Prefect API at PREFECT_API_URL (not one of the
+    flow's own connections: an inference server's, the storage's)."""
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()
+    try:
+        url = str(exc.request.url)
+    except RuntimeError:  # raised with no request
+        return False
+    return bool(api) and url.startswith(api.rstrip("/") + "/")
 
 
 def without_credentials(url: str) -> str:

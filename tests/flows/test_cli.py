@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
+import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -1256,6 +1257,41 @@ def test_a_flows_own_error_from_a_refused_connection_is_not_taken_for_a_missing_
                 except httpx.TransportError as exc:
                     raise RuntimeError(message) from exc
             assert _unreachable_api(raised.value) is unreachable, message
+
+
+def test_a_prefect_api_lost_during_a_flow_run_is_one_line_and_a_flows_own_refused_connection_is_not(
+    capfd, monkeypatch
+):
+    """A self-hosted server gone mid-run and not back when the flow run ends: the flow engine's
+    request for its last state, once its client gave up, raised ConnectError out of ``treadle
+    run`` with a page of tracebacks, after the work was done and in storage. A refused
+    connection of the flow's own (an inference server's) stays its error."""
+    from prefect.client.orchestration import get_client
+
+    import flows.evaluate
+
+    with socket.socket() as gone, socket.socket() as engine:  # bound, never listening: refused
+        gone.bind(("127.0.0.1", 0))
+        engine.bind(("127.0.0.1", 0))
+        api = f"http://127.0.0.1:{gone.getsockname()[1]}/api"
+
+        def ends_without_the_api() -> None:  # as the flow engine asks for a flow run's last state
+            get_client(sync_client=True).read_flow_run(uuid.uuid4())
+
+        def engine_refuses() -> None:
+            httpx.get(f"http://127.0.0.1:{engine.getsockname()[1]}/api/v1/generate")
+
+        with temporary_settings(updates={PREFECT_API_URL: api}):
+            monkeypatch.setattr(flows.evaluate, "main", ends_without_the_api)
+            result = treadle_here(capfd, monkeypatch, "run", "evaluate")
+            assert result.returncode == 1 and "Traceback" not in result.stderr
+            assert result.stderr.splitlines() == [
+                f"error: lost the Prefect API at {api} (ConnectError: [Errno 111] Connection refused): "
+                "the flow run's state there is not its last; what the run wrote is in its storage"
+            ]
+            monkeypatch.setattr(flows.evaluate, "main", engine_refuses)
+            with pytest.raises(httpx.ConnectError):
+                main(["run", "evaluate"])
 
 
 def test_the_default_config_is_found_outside_the_repository(tmp_path, monkeypatch):
