@@ -10,8 +10,10 @@ import math
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
+import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
 from prefect import get_run_logger, task
@@ -291,9 +293,31 @@ def report_run(config: RunConfig) -> str:
     shards = tables.read("shards")
     key = artifact_key(config.run_id)
     # the run's results are in its tables already: an API blip here must not fail the run
-    table_artifact = reporting(create_table_artifact, f"a table artifact of run {config.run_id}")
-    markdown_artifact = reporting(create_markdown_artifact, f"the report artifact of run {config.run_id}")
-    reporting(_create_evals_artifact, f"a table artifact of run {config.run_id}")(config, evals)
+    unanswered: list[httpx.TransportError] = []
+
+    def artifact(create: Callable[..., Any], what: str) -> Callable[..., None]:
+        """``create`` guarded, and skipped once the Prefect API left one unanswered: Prefect's
+        client waits about a minute for an API it reached before, and a server gone for good
+        held the run's end that long for each artifact."""
+
+        def guarded(*args: Any, **kwargs: Any) -> None:
+            if unanswered:
+                return
+            try:
+                create(*args, **kwargs)
+            except httpx.TransportError as exc:
+                unanswered.append(exc)
+                log.warning(
+                    "%s and the rest of the report not sent: the Prefect API does not answer: %r", what, exc
+                )
+            except Exception as exc:
+                log.warning("%s failed, the work goes on: %r", what, exc)
+
+        return guarded
+
+    table_artifact = artifact(create_table_artifact, f"a table artifact of run {config.run_id}")
+    markdown_artifact = artifact(create_markdown_artifact, f"the report artifact of run {config.run_id}")
+    artifact(_create_evals_artifact, f"a table artifact of run {config.run_id}")(config, evals)
     table_artifact(
         shards_by_worker(shards),
         key=f"{key}-shards",
