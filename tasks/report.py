@@ -42,8 +42,10 @@ class ProgressReporter:
     API: its client retries an API it reached once for about a minute while it does not
     answer (a server restarted, or gone), and the trainer and the rollout worker's status
     stood still meanwhile. A bar handed over while one is being sent replaces any still
-    waiting. An artifact the Prefect API fails to take is logged (once, until one is taken
-    again) and skipped, never raised."""
+    waiting; the final one is waited for, so that it lands before the task ends (sent with a
+    client that never reached the API, it fails at once where no server listens). An artifact
+    the Prefect API fails to take is logged (once, until one is taken again) and skipped,
+    never raised."""
 
     def __init__(
         self,
@@ -99,15 +101,16 @@ class ProgressReporter:
         bar = (100.0 if final and not self.total else self._percent(count), f"{self.description}: {count}")
         with self._lock:
             self._waiting = bar
-            if self._sender is not None:
-                return
-            self._sender = threading.Thread(
-                target=self._send_waiting,
-                args=(get_settings_context().model_copy(),),  # this task run's API
-                name=f"progress of {self.description}",
-                daemon=True,
-            )
-            self._sender.start()
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_waiting,
+                    args=(get_settings_context().model_copy(),),  # this task run's API
+                    name=f"progress of {self.description}",
+                    daemon=True,
+                )
+                self._sender.start()
+        if final:
+            self.sent()
 
     def _send_waiting(self, settings: SettingsContext) -> None:
         """Send the bar waiting until none is left, each with a Prefect client of its own: the

@@ -106,7 +106,6 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
         progress = ProgressReporter("rollouts", total=10)
         monkeypatch.setattr(tasks.report, "update_progress_artifact", unreachable)
         progress.update(10, final=True)
-        progress.sent()
         monkeypatch.setattr(tasks.report, "create_progress_artifact", unreachable)
         ProgressReporter("trainer steps").update(3, final=True)
         return 10
@@ -232,11 +231,9 @@ def test_progress_sends_its_bar_and_log_lines_at_their_pace_and_the_final_one_al
             counted.sent()  # else a bar handed over while one is sent replaces the one waiting
         tick(0.5)
         counted.update(7, final=True, detail="done")
-        counted.sent()
         timed = ProgressReporter("steps", deadline=clock["wall"] + 100.0)
         tick(10)
         timed.update(1, final=True)
-        timed.sent()
         late = ProgressReporter("late", deadline=clock["wall"])
         tick(1)
         late.update(1)
