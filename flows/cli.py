@@ -261,10 +261,17 @@ def _run(args) -> None:
         if not _prefect_api_request(exc):
             raise
         url = without_credentials(PREFECT_API_URL.value() or "")
-        raise SystemExit(
+        print(
             f"error: lost the Prefect API at {url} ({type(exc).__name__}: {exc}): the flow run's "
-            "state there is not its last; what the run wrote is in its storage"
-        ) from None
+            "state there is not its last; what the run wrote is in its storage",
+            file=sys.stderr,
+        )
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # not SystemExit: at the interpreter's exit Prefect's workers try each event and log
+        # record they hold against the lost API (about 7 s an event), and the hundreds a run
+        # holds kept the command from exiting for many minutes after that line
+        os._exit(1)
 
 
 def _unreachable_api(exc: RuntimeError) -> bool:

@@ -24,7 +24,6 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta, timezone
 from pathlib import Path
@@ -1259,39 +1258,74 @@ def test_a_flows_own_error_from_a_refused_connection_is_not_taken_for_a_missing_
             assert _unreachable_api(raised.value) is unreachable, message
 
 
-def test_a_prefect_api_lost_during_a_flow_run_is_one_line_and_a_flows_own_refused_connection_is_not(
-    capfd, monkeypatch
+LOST_API_FLOW = """
+import uuid
+
+import flows.cli
+import flows.evaluate
+from prefect.client.orchestration import get_client
+from prefect.events import emit_event
+from prefect.events.worker import EventsWorker
+
+servers = []
+start_server = flows.cli._start_server
+flows.cli._start_server = lambda port: servers.append(start_server(port)) or servers[-1]
+
+
+def ends_without_the_api():
+    flows.cli.temporary_api()
+    emit_event(event="treadle.test", resource={"prefect.resource.id": "treadle.test.0"})
+    EventsWorker.instance().wait_until_empty()  # its client reached the API: it will try again
+    flows.cli._stop_server(servers[0])
+    for n in range(1, 4):  # held by Prefect's events worker for the API gone
+        emit_event(event="treadle.test", resource={"prefect.resource.id": f"treadle.test.{n}"})
+    get_client(sync_client=True).read_flow_run(uuid.uuid4())  # as the engine asks for the last state
+
+
+flows.evaluate.main = ends_without_the_api
+flows.cli.main(["run", "evaluate"])
+"""
+
+
+def test_a_prefect_api_lost_during_a_flow_run_ends_the_command_at_once_with_one_line(
+    tmp_path, migrated_prefect_db
 ):
     """A self-hosted server gone mid-run and not back when the flow run ends: the flow engine's
     request for its last state, once its client gave up, raised ConnectError out of ``treadle
-    run`` with a page of tracebacks, after the work was done and in storage. A refused
-    connection of the flow's own (an inference server's) stays its error."""
-    from prefect.client.orchestration import get_client
+    run`` with a page of tracebacks, after the work was done and in storage; then Prefect's
+    events worker, whose client had reached the API, tried each event it held at the
+    interpreter's exit, about 7 s each (a pipeline's 147 would have held its exit for 17
+    minutes). Here the command's temporary server is the one that goes."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(migrated_home(tmp_path, migrated_prefect_db)), "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", LOST_API_FLOW], capture_output=True, text=True, cwd=REPO, env=env, timeout=600
+    )
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr and "Still processing items" not in result.stderr, result.stderr
+    (line,) = result.stderr.splitlines()
+    assert re.fullmatch(
+        r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
+        r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage",
+        line,
+    ), line
 
+
+def test_a_flows_own_refused_connection_is_not_taken_for_a_lost_prefect_api(monkeypatch):
+    """A ConnectError of the flow's own (an inference server's) stays its error: ``treadle run``
+    says it lost the Prefect API only for a request to PREFECT_API_URL."""
     import flows.evaluate
 
-    with socket.socket() as gone, socket.socket() as engine:  # bound, never listening: refused
-        gone.bind(("127.0.0.1", 0))
+    with socket.socket() as engine:  # bound, never listening: refused
         engine.bind(("127.0.0.1", 0))
-        api = f"http://127.0.0.1:{gone.getsockname()[1]}/api"
-
-        def ends_without_the_api() -> None:  # as the flow engine asks for a flow run's last state
-            get_client(sync_client=True).read_flow_run(uuid.uuid4())
 
         def engine_refuses() -> None:
             httpx.get(f"http://127.0.0.1:{engine.getsockname()[1]}/api/v1/generate")
 
-        with temporary_settings(updates={PREFECT_API_URL: api}):
-            monkeypatch.setattr(flows.evaluate, "main", ends_without_the_api)
-            result = treadle_here(capfd, monkeypatch, "run", "evaluate")
-            assert result.returncode == 1 and "Traceback" not in result.stderr
-            assert result.stderr.splitlines() == [
-                f"error: lost the Prefect API at {api} (ConnectError: [Errno 111] Connection refused): "
-                "the flow run's state there is not its last; what the run wrote is in its storage"
-            ]
-            monkeypatch.setattr(flows.evaluate, "main", engine_refuses)
-            with pytest.raises(httpx.ConnectError):
-                main(["run", "evaluate"])
+        monkeypatch.setattr(sys, "argv", sys.argv[:])  # ``treadle run`` sets the flow's argv
+        monkeypatch.setattr(flows.evaluate, "main", engine_refuses)
+        with pytest.raises(httpx.ConnectError):
+            main(["run", "evaluate"])
 
 
 def test_the_default_config_is_found_outside_the_repository(tmp_path, monkeypatch):
