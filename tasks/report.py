@@ -11,6 +11,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
@@ -23,7 +24,13 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.context import SettingsContext, SyncClientContext, get_settings_context
+from prefect.context import (
+    ContextModel,
+    FlowRunContext,
+    SyncClientContext,
+    TaskRunContext,
+    get_settings_context,
+)
 
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
@@ -41,11 +48,13 @@ class ProgressReporter:
     The bars are sent by a thread of their own, so that the work never waits for the Prefect
     API: its client retries an API it reached once for about a minute while it does not
     answer (a server restarted, or gone), and the trainer and the rollout worker's status
-    stood still meanwhile. A bar handed over while one is being sent replaces any still
-    waiting; the final one is waited for, so that it lands before the task ends (sent with a
-    client that never reached the API, it fails at once where no server listens). An artifact
-    the Prefect API fails to take is logged (once, until one is taken again) and skipped,
-    never raised."""
+    stood still meanwhile, and a task started while it did not answer waited that long before
+    any work. The thread creates the artifact (at 0) first; a bar handed over while one is
+    being sent replaces any still waiting, and one sent while the artifact is not created
+    (the API did not take it) creates it at that bar. The final bar is waited for, so that it
+    lands before the task ends (sent with a client that never reached the API, it fails at
+    once where no server listens). An artifact the Prefect API fails to take is logged
+    (once, until one is taken again) and skipped, never raised."""
 
     def __init__(
         self,
@@ -66,14 +75,16 @@ class ProgressReporter:
         self._last_log = time.monotonic()
         self.logger = get_run_logger()
         self.artifact_id = None
+        # this task run's settings (its API) and runs (the artifact's links), for the sender
+        self._contexts = [
+            c for c in (get_settings_context(), FlowRunContext.get(), TaskRunContext.get()) if c is not None
+        ]
         self._lock = threading.Lock()
         self._waiting: tuple[float, str] | None = None  # the newest bar not sent yet
         self._sender: threading.Thread | None = None  # alive while it has bars to send
         self._failing = False
-        try:
-            self.artifact_id = create_progress_artifact(0.0, description=f"{description}: 0")
-        except Exception as exc:  # the Prefect API may be unreachable for a moment: the work goes on
-            self.logger.warning("progress artifact of %s not created: %r", description, exc)
+        with self._lock:
+            self._send(first=(0.0, f"{description}: 0"))
 
     def time_toward(self, deadline: float) -> None:
         """Measure elapsed time toward ``deadline`` from now: a deadline set once the work is up."""
@@ -96,44 +107,59 @@ class ProgressReporter:
         if not final and now - self._last < self.every_s:
             return
         self._last = now
-        if self.artifact_id is None:
-            return
         bar = (100.0 if final and not self.total else self._percent(count), f"{self.description}: {count}")
         with self._lock:
             self._waiting = bar
-            if self._sender is None:
-                self._sender = threading.Thread(
-                    target=self._send_waiting,
-                    args=(get_settings_context().model_copy(),),  # this task run's API
-                    name=f"progress of {self.description}",
-                    daemon=True,
-                )
-                self._sender.start()
+            self._send()
         if final:
             self.sent()
 
-    def _send_waiting(self, settings: SettingsContext) -> None:
-        """Send the bar waiting until none is left, each with a Prefect client of its own: the
+    def _send(self, first: tuple[float, str] | None = None) -> None:
+        """Start the sender unless it is alive, sending ``first`` (never replaced), then the bar
+        waiting; called holding the lock."""
+        if self._sender is None:
+            self._sender = threading.Thread(
+                target=self._send_waiting,
+                args=([c.model_copy() for c in self._contexts], first),  # each entered once, by its thread
+                name=f"progress of {self.description}",
+                daemon=True,
+            )
+            self._sender.start()
+
+    def _send_waiting(self, contexts: list[ContextModel], bar: tuple[float, str] | None) -> None:
+        """Send ``bar``, then the bar waiting until none is left, each with a Prefect client of
+        its own, in ``contexts`` (entered here), creating the artifact while it is not: the
         task run's is closed with its flow run, which may end first, and one that reached the
-        API before waits for it to answer again."""
-        with settings:
+        API before waits for it to answer again (a minute where it is gone)."""
+        with ExitStack() as entered:
+            for context in contexts:
+                entered.enter_context(context)
             while True:
                 with self._lock:
-                    bar, self._waiting = self._waiting, None
+                    if bar is None:
+                        bar, self._waiting = self._waiting, None
                     if bar is None:
                         self._sender = None
                         return
+                creating = self.artifact_id is None
                 try:
                     with SyncClientContext():
-                        update_progress_artifact(self.artifact_id, bar[0], description=bar[1])
+                        if creating:
+                            self.artifact_id = create_progress_artifact(bar[0], description=bar[1])
+                        else:
+                            update_progress_artifact(self.artifact_id, bar[0], description=bar[1])
                 except Exception as exc:
                     if not self._failing:
                         self.logger.warning(
-                            "progress artifact of %s not updated, the work goes on: %r", self.description, exc
+                            "progress artifact of %s not %s, the work goes on: %r",
+                            self.description,
+                            "created" if creating else "updated",
+                            exc,
                         )
                     self._failing = True
                 else:
                     self._failing = False
+                bar = None
 
     def sent(self) -> None:
         """Wait until the bars handed over so far are sent, or failed."""

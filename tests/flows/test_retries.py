@@ -158,6 +158,74 @@ def test_progress_does_not_wait_for_a_prefect_api_that_does_not_answer(prefect_a
     assert bars == {"steps: 3": 30.0}
 
 
+def test_a_progress_bar_started_while_the_prefect_api_does_not_answer_does_not_wait_for_it(prefect_api):
+    """The bar's artifact was created on the work's own thread: a task started while its
+    server restarted (rollouts, train) waited about a minute before any work. It is created
+    by the bars' thread, and updated there once the API answers again."""
+    server = SubprocessASGIServer().server_process
+    resumed_by_watchdog = threading.Event()
+
+    def resume() -> None:  # where the creation waits for the server: the test fails instead of hanging
+        resumed_by_watchdog.set()
+        os.kill(server.pid, signal.SIGCONT)
+
+    @task(**SIDE_EFFECTS)
+    def reports() -> bool:
+        os.kill(server.pid, signal.SIGSTOP)
+        watchdog = threading.Timer(30.0, resume)
+        watchdog.start()
+        try:
+            progress = ProgressReporter("steps", total=10)
+            progress.update(3)
+            waited = resumed_by_watchdog.is_set()
+        finally:
+            watchdog.cancel()
+            os.kill(server.pid, signal.SIGCONT)
+        progress.sent()
+        return waited
+
+    @flow
+    def reporting_flow() -> bool:
+        return reports()
+
+    state = reporting_flow(return_state=True)
+    assert state.result() is False, "the progress reporter waited for the server to answer"
+    bars = {a.description: a.data for a in artifacts_of([state.state_details.flow_run_id])}
+    assert bars == {"steps: 3": 30.0}
+
+
+def test_a_progress_artifact_the_prefect_api_did_not_take_is_created_by_a_later_bar(
+    prefect_api, monkeypatch, caplog
+):
+    """The final bar of a task whose API did not take its artifact at the start creates it."""
+    create, refused = tasks.report.create_progress_artifact, []
+
+    def refuses_once(*args, **kwargs):
+        if not refused:
+            refused.append(kwargs["description"])
+            raise httpx.ConnectError("Prefect API unreachable for a moment")
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(tasks.report, "create_progress_artifact", refuses_once)
+
+    @task(**SIDE_EFFECTS)
+    def reports() -> None:
+        progress = ProgressReporter("steps", total=10)
+        progress.sent()
+        progress.update(10, final=True)
+
+    @flow
+    def reporting_flow() -> None:
+        reports()
+
+    state = reporting_flow(return_state=True)
+    assert state.is_completed()
+    bars = {a.description: a.data for a in artifacts_of([state.state_details.flow_run_id])}
+    assert bars == {"steps: 10": 100.0}
+    assert refused == ["steps: 0"]
+    assert "progress artifact of steps not created, the work goes on" in caplog.text
+
+
 def test_progress_keeps_its_pace_when_the_wall_clock_is_set_back(prefect_api, monkeypatch, caplog):
     """Paced by the wall clock, progress went silent, its bar and its log lines both, for as
     long as the clock was set back (an hour here: NTP correcting a clock that ran fast), and
