@@ -119,63 +119,30 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
     assert "progress artifact of trainer steps not created" in caplog.text
 
 
-def test_progress_does_not_wait_for_a_prefect_api_that_does_not_answer(prefect_api):
+@pytest.mark.parametrize("stopped_before", ["the_first_bar", "the_reporter"])
+def test_progress_does_not_wait_for_a_prefect_api_that_does_not_answer(prefect_api, stopped_before):
     """Prefect's client retries an API it reached once for about a minute while it does not
     answer (its server restarted, or gone). Each bar was sent from the work's own thread: a
     pipeline whose server restarted trained 2 policy steps in the 35 s it was away (7 in the
-    10 s before), and one whose server stayed down stood still until the client gave up.
-    A bar is handed over and sent once the API answers again. The server is stopped
-    (SIGSTOP) rather than ended: it is the session's."""
+    10 s before), and one whose server stayed down stood still until the client gave up; the
+    bar's artifact was created there too, so a task started meanwhile (rollouts, train)
+    waited that long before any work. The bar is created and sent once the API answers
+    again. The server is stopped (SIGSTOP) rather than ended: it is the session's."""
     server = SubprocessASGIServer().server_process
     resumed_by_watchdog = threading.Event()
 
-    def resume() -> None:  # where update waits for the server: the test fails instead of hanging
+    def resume() -> None:  # where the reporter waits for the server: the test fails instead of hanging
         resumed_by_watchdog.set()
         os.kill(server.pid, signal.SIGCONT)
 
     @task(**SIDE_EFFECTS)
     def reports() -> bool:
-        progress = ProgressReporter("steps", total=10)
+        started = ProgressReporter("steps", total=10) if stopped_before == "the_first_bar" else None
         os.kill(server.pid, signal.SIGSTOP)
         watchdog = threading.Timer(30.0, resume)
         watchdog.start()
         try:
-            progress.update(3)
-            waited = resumed_by_watchdog.is_set()
-        finally:
-            watchdog.cancel()
-            os.kill(server.pid, signal.SIGCONT)
-        progress.sent()
-        return waited
-
-    @flow
-    def reporting_flow() -> bool:
-        return reports()
-
-    state = reporting_flow(return_state=True)
-    assert state.result() is False, "the update waited for the server to answer"
-    bars = {a.description: a.data for a in artifacts_of([state.state_details.flow_run_id])}
-    assert bars == {"steps: 3": 30.0}
-
-
-def test_a_progress_bar_started_while_the_prefect_api_does_not_answer_does_not_wait_for_it(prefect_api):
-    """The bar's artifact was created on the work's own thread: a task started while its
-    server restarted (rollouts, train) waited about a minute before any work. It is created
-    by the bars' thread, and updated there once the API answers again."""
-    server = SubprocessASGIServer().server_process
-    resumed_by_watchdog = threading.Event()
-
-    def resume() -> None:  # where the creation waits for the server: the test fails instead of hanging
-        resumed_by_watchdog.set()
-        os.kill(server.pid, signal.SIGCONT)
-
-    @task(**SIDE_EFFECTS)
-    def reports() -> bool:
-        os.kill(server.pid, signal.SIGSTOP)
-        watchdog = threading.Timer(30.0, resume)
-        watchdog.start()
-        try:
-            progress = ProgressReporter("steps", total=10)
+            progress = started or ProgressReporter("steps", total=10)
             progress.update(3)
             waited = resumed_by_watchdog.is_set()
         finally:
