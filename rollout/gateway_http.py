@@ -57,9 +57,10 @@ the open session its rollout goes on in (a compacted context's branch), so that 
 counts the rollout once, from its first context's start to its last one's end
 (:meth:`Router.end_session <rollout.router.Router.end_session>`). A session opened over
 ``POST /v1/sessions`` with no request in progress and none for over ``GatewayServer``'s
-``idle_timeout_s`` (:data:`IDLE_TIMEOUT_S` by default; None: never) is ended so too, with a
-line logged, and a later request naming it is told so in its 404: a harness that crashed
-leaves no session pinned to its replica for the server's life. Sessions opened in-process
+``idle_timeout_s`` (:data:`IDLE_TIMEOUT_S` by default; None: never) is ended so too, its
+idle time left out of the length the router records, with a line logged, and a later
+request naming it is told so in its 404: a harness that crashed leaves no session pinned to
+its replica for the server's life. Sessions opened in-process
 (the rollout service's) are not ended so: their opener closes each, and their pauses (a tool
 call, a test run) are bounded by its rollout's timeout.
 
@@ -460,7 +461,7 @@ class IdleSessions:
             if idle is None or idle <= self.idle_timeout_s:
                 continue
             del self._open[session_id]
-            self.gateway.close(session_id)
+            self.gateway.close(session_id, idle_s=idle)
             self._expired[session_id] = idle
             if len(self._expired) > REMEMBERED_EXPIRIES:
                 self._expired.popitem(last=False)
@@ -644,9 +645,10 @@ def create_app(
         if continued_in == session_id:
             raise InvalidRequest(f"session {session_id!r} cannot continue in itself")
         if continued_in is not None and continued_in not in gateway.sessions:
+            why = idle.why_closed(continued_in) if idle is not None else None
             raise InvalidRequest(
-                f"continued_in {continued_in!r} is no open session: open the one the rollout goes on "
-                "in before deleting this one"
+                f"continued_in {continued_in!r} is no open session: "
+                + (why or "open the one the rollout goes on in before deleting this one")
             )
         gateway.close(session_id, continued_in)
         return {"closed": session_id}

@@ -300,7 +300,7 @@ class Router:
                 return name
         return walk[0]
 
-    def end_session(self, session_id: str, continued_in: str | None = None) -> None:
+    def end_session(self, session_id: str, continued_in: str | None = None, idle_s: float = 0.0) -> None:
         """Release ``session_id``'s assignment and let its replica drop its cache (under
         ``round_robin``, which pins nothing, every replica in service: any may hold one).
 
@@ -309,6 +309,10 @@ class Router:
         this context boundary, but the rollout has not ended: ``continued_in`` takes over its
         start and its contexts, and the rollout counts in ``sessions_ended``,
         ``session_lengths`` and ``session_contexts`` when that one ends.
+
+        ``idle_s``: seconds the session sat unused before this end (one ended for idling, its
+        client gone), left out of its length: the elastic controller forecasts from the
+        lengths, and a crashed harness's sessions would each add the whole idle timeout.
         """
         if continued_in == session_id:
             raise ValueError(f"session {session_id!r} cannot continue in itself")
@@ -325,7 +329,7 @@ class Router:
             self._contexts_before[continued_in] = contexts
         else:
             self.sessions_ended += 1
-            self.session_lengths.append(time.monotonic() - started)
+            self.session_lengths.append(max(0.0, time.monotonic() - started - idle_s))
             self.session_contexts.append(contexts)
 
     def session_ages(self) -> dict[str, list[float]]:

@@ -1612,6 +1612,8 @@ def test_a_session_abandoned_over_http_is_ended_after_its_idle_time_and_a_later_
             assert gateway.sessions == [own.session_id]
             assert live_sessions(router) == 0 and router.load("live") == 0 and router.assignment(sid) is None
             assert router.sessions_ended == 1
+            # its 100 s idle on the server's hand-set clock is left out of the moment it was open
+            assert list(router.session_lengths) == [0.0]
             requests = [
                 client.post("/v1/generate", json={"token_ids": [3]}, headers=headers),
                 client.post("/v1/chat/completions", json={"messages": USER}, headers=headers),
@@ -1625,6 +1627,12 @@ def test_a_session_abandoned_over_http_is_ended_after_its_idle_time_and_a_later_
                     f"session '{sid}' was closed after 100.0 s idle (no request for over "
                     "idle_timeout_s=0.3 s); open a new one"
                 )
+            other = await open_session(client)
+            refused = await client.delete(f"/v1/sessions/{other}", params={"continued_in": sid})
+            assert refused.status_code == 400 and refused.json()["error"]["message"] == (
+                f"continued_in '{sid}' is no open session: session '{sid}' was closed after 100.0 s "
+                "idle (no request for over idle_timeout_s=0.3 s); open a new one"
+            )
             # its trajectory_id is free for a retry
             await open_session(client, trajectory_id="abandoned")
             return sid

@@ -344,6 +344,20 @@ def test_session_ages_and_lengths_count_from_first_routing_across_moves(monkeypa
     assert router.session_ages() == {first: [9.0]}
 
 
+def test_a_session_ended_for_idling_leaves_its_idle_time_out_of_its_length(monkeypatch):
+    """A gateway ends a session its client left unused past its idle timeout: its length,
+    which the elastic controller forecasts from, is the time it was used."""
+    clock = [0.0]
+    monkeypatch.setattr("rollout.router.time.monotonic", lambda: clock[0])
+    router = Router(_replicas(2), RouterConfig(policy="least_loaded"))
+    router.route("used")
+    router.route("never-used")
+    clock[0] = 1850.0
+    router.end_session("used", idle_s=1800.0)
+    router.end_session("never-used", idle_s=1900.0)  # idle since it opened, on its own clock
+    assert (router.sessions_ended, list(router.session_lengths)) == (2, [50.0, 0.0])
+
+
 def test_a_rollout_continued_in_a_new_session_ends_once_and_is_as_old_as_its_first(monkeypatch):
     """A compacted rollout's contexts: each ending frees its replica (a drained one empties at
     that boundary, migration off), and the rollout ends once, as long as all of them."""
