@@ -111,6 +111,7 @@ from rollout.gateway import (
 )
 from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_token
 from rollout.tool_calls import same_calls
+from storage.redaction import redact
 from storage.schema import MAX_ERROR_CHARS
 
 logger = logging.getLogger(__name__)
@@ -383,6 +384,8 @@ class _Activity:
     """When its last request ended (or it opened)."""
     requests: int = 0
     """Its requests in progress (a turn queued or generating, a record …)."""
+    close_failed: bool = False
+    """Whether a sweep's close of it raised (logged once; each later round tries again)."""
 
 
 @dataclass
@@ -451,7 +454,8 @@ class IdleSessions:
         )
 
     def sweep(self) -> list[str]:
-        """End the sessions idle for over ``idle_timeout_s``; returns their ids."""
+        """End the sessions idle for over ``idle_timeout_s``; returns their ids. A session whose
+        close raises is logged (once) and left for the next sweep; the others are ended."""
         ended = []
         for session_id, activity in list(self._open.items()):
             if activity.session.closed:  # deleted, or closed in-process
@@ -460,8 +464,19 @@ class IdleSessions:
             idle = self.idle_for(session_id)
             if idle is None or idle <= self.idle_timeout_s:
                 continue
+            try:
+                self.gateway.close(session_id, idle_s=idle)
+            except Exception as exc:  # one session's failure must not keep the others open
+                if not activity.close_failed:
+                    activity.close_failed = True
+                    logger.error(
+                        "could not close session %r idle for %.1f s (%s); the sweep tries it again each round",
+                        session_id,
+                        idle,
+                        _why(exc),
+                    )
+                continue
             del self._open[session_id]
-            self.gateway.close(session_id, idle_s=idle)
             self._expired[session_id] = idle
             if len(self._expired) > REMEMBERED_EXPIRIES:
                 self._expired.popitem(last=False)
@@ -475,10 +490,29 @@ class IdleSessions:
         return ended
 
     async def run(self) -> None:
-        """:meth:`sweep` every :attr:`sweep_every_s` seconds, until cancelled."""
+        """:meth:`sweep` every :attr:`sweep_every_s` seconds, until cancelled. A sweep that
+        raises is logged, once until one succeeds, and the next one runs: a task that ended
+        on it would leave every later idle session open for the server's life."""
+        failing = False
         while True:
             await asyncio.sleep(self.sweep_every_s)
-            self.sweep()
+            try:
+                self.sweep()
+            except Exception as exc:
+                if not failing:
+                    logger.error(
+                        "the idle-session sweep failed (%s); it runs again every %g s",
+                        _why(exc),
+                        self.sweep_every_s,
+                    )
+                failing = True
+            else:
+                failing = False
+
+
+def _why(exc: Exception) -> str:
+    """``exc`` in one line for a log, credentials masked (``storage.redaction.redact``)."""
+    return f"{type(exc).__name__}: {redact(str(exc))}"
 
 
 def create_app(

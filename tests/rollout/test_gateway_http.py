@@ -1820,3 +1820,63 @@ def test_a_request_refused_for_its_token_does_not_keep_a_session_from_idling(tin
             assert server.idle.sweep() == [sid]
 
     asyncio.run(body())
+
+
+def test_a_session_the_sweep_cannot_close_is_logged_once_and_the_others_still_expire(
+    tiny, caplog, monkeypatch
+):
+    """A sweep whose close of one session raised ended the sweeping task, silently: no session
+    expired for the rest of the server's life. The failure is logged once, naming the session
+    (its message masked); the other idle session is ended all the same, the failing one is
+    tried again each round, silently, and ended once its close works. A round that fails as a
+    whole (here its clock) is logged and the next rounds run (the server's clock set by hand)."""
+    now = [0.0]
+    clock_broken = [False]
+
+    def clock() -> float:
+        if clock_broken[0]:
+            raise RuntimeError("clock unavailable")
+        return now[0]
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=0.3) as (gateway, server, client):
+            server.idle.clock = clock
+            stuck = await open_session(client, session_id="stuck")
+            other = await open_session(client, session_id="other")
+            close = gateway.close
+
+            def close_but_stuck(session_id, *args, **kwargs):
+                if session_id == stuck:
+                    raise RuntimeError("replica release failed (key AKIAABCDEFGHIJKLMNOP)")
+                close(session_id, *args, **kwargs)
+
+            monkeypatch.setattr(gateway, "close", close_but_stuck)
+            now[0] = 100.0
+            await closed(gateway, other)
+            assert server.idle.sweep() == [] and server.idle.sweep() == []
+            assert gateway.sessions == [stuck]
+            monkeypatch.setattr(gateway, "close", close)
+            await closed(gateway, stuck)
+
+            later = await open_session(client, session_id="later")
+            clock_broken[0] = True
+            deadline = time.monotonic() + 30
+            while not any("sweep failed" in r.getMessage() for r in caplog.records):
+                assert time.monotonic() < deadline, "the failed round was never logged"
+                await asyncio.sleep(0.01)
+            clock_broken[0] = False
+            now[0] = 200.0
+            await closed(gateway, later)
+            assert not server._sweeping.done()
+
+    with caplog.at_level(logging.WARNING, logger="rollout.gateway_http"):
+        asyncio.run(body())
+    logged = [r.getMessage() for r in caplog.records if r.name == "rollout.gateway_http"]
+    assert logged == [
+        "could not close session 'stuck' idle for 100.0 s (RuntimeError: replica release failed "
+        "(key **********)); the sweep tries it again each round",
+        "closed session 'other' after 100.0 s idle (idle_timeout_s=0.3)",
+        "closed session 'stuck' after 100.0 s idle (idle_timeout_s=0.3)",
+        "the idle-session sweep failed (RuntimeError: clock unavailable); it runs again every 0.075 s",
+        "closed session 'later' after 100.0 s idle (idle_timeout_s=0.3)",
+    ]
