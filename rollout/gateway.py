@@ -604,6 +604,12 @@ class Session:
             self._last_request = (request, len(self.tokens))
             return result
 
+    @property
+    def default_status(self) -> str:
+        """The status :meth:`record` gives when none is sent: ``truncated`` when the last action
+        hit its token budget, else ``ok``."""
+        return "truncated" if self.turns and self.turns[-1].truncated else "ok"
+
     def record(
         self,
         reward: float | None = None,
@@ -620,7 +626,7 @@ class Session:
         characters (credentials in it are masked: ``storage.schema.error_text``).
         """
         if status is None:
-            status = "truncated" if self.turns and self.turns[-1].truncated else "ok"
+            status = self.default_status
         if status not in STATUSES:
             raise ValueError(f"unknown status {status!r}; expected one of {STATUSES}")
         if error is not None and len(error) > MAX_ERROR_CHARS:

@@ -112,7 +112,7 @@ from rollout.gateway import (
 from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_token
 from rollout.tool_calls import same_calls
 from storage.redaction import redact
-from storage.schema import MAX_ERROR_CHARS
+from storage.schema import MAX_ERROR_CHARS, STATUSES
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class RecordRequest(BaseModel):
     error: Text | None = Field(
         None,
         description=f"Why the rollout failed or was truncated, at most {MAX_ERROR_CHARS} characters "
-        "(credentials in it are masked).",
+        "(credentials in it are masked); refused with status ok, sent or defaulted.",
     )
 
     @field_validator("timing")
@@ -666,8 +666,18 @@ def create_app(
 
     @app.post("/v1/sessions/{session_id}/record", dependencies=auth)
     async def record(session_id: str, body: RecordRequest) -> dict[str, Any]:
+        session = gateway.session(session_id)
+        if body.error is not None and (body.status or session.default_status) == "ok":
+            said = (
+                "status ok" if body.status else "status ok (the default: its last action was not truncated)"
+            )
+            others = ", ".join(status for status in STATUSES if status != "ok")
+            raise InvalidRequest(
+                f"{said} with an error: an ok rollout has none; send the status the error explains "
+                f"({others}) or leave error out"
+            )
         try:
-            return gateway.session(session_id).record(**body.model_dump())
+            return session.record(**body.model_dump())
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
 

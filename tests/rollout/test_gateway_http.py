@@ -1880,3 +1880,44 @@ def test_a_session_the_sweep_cannot_close_is_logged_once_and_the_others_still_ex
         "the idle-session sweep failed (RuntimeError: clock unavailable); it runs again every 0.075 s",
         "closed session 'later' after 100.0 s idle (idle_timeout_s=0.3)",
     ]
+
+
+def test_a_record_saying_ok_with_an_error_is_refused_and_its_session_stays_open(tiny):
+    """``ok`` says the rollout ended as it should and ``error`` why it did not: a record with
+    both (``ok`` sent, or the default of a session whose last action was not cut at its budget)
+    is refused with a one-line 400 that does not echo the error, and the session stays open
+    for the harness to resend it with the status the error explains. A session whose last
+    action hit its budget defaults to ``truncated``, which an error may explain."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            sid = await open_session(client)
+            path = f"/v1/sessions/{sid}/record"
+            contradictory = [
+                ({"status": "ok", "error": "tests failed"}, "status ok"),
+                ({"error": "tests failed"}, "status ok (the default: its last action was not truncated)"),
+                ({"status": "ok", "error": ""}, "status ok"),
+            ]
+            for sent, said in contradictory:
+                refused = await client.post(path, json={"reward": 1.0, **sent})
+                assert refused.status_code == 400, refused.text
+                assert refused.json()["error"]["message"] == (
+                    f"{said} with an error: an ok rollout has none; send the status the error "
+                    "explains (truncated, env_error, infra_error, timeout) or leave error out"
+                )
+            assert gateway.sessions == [sid]
+            resent = await client.post(path, json={"status": "env_error", "error": "tests failed"})
+            assert resent.status_code == 200, resent.text
+            assert (resent.json()["status"], resent.json()["error"]) == ("env_error", "tests failed")
+
+            cut = await client.post(
+                "/v1/generate",
+                json={"token_ids": [1, 2], "max_new_tokens": 2, "stop_ids": []},
+                headers={SESSION_HEADER: sid},
+            )
+            assert cut.json()["finish_reason"] == "length", cut.text
+            truncated = await client.post(path, json={"error": "context limit: 256 tokens"})
+            assert truncated.status_code == 200, truncated.text
+            assert truncated.json()["status"] == "truncated"
+
+    asyncio.run(body())
