@@ -57,10 +57,10 @@ the open session its rollout goes on in (a compacted context's branch), so that 
 counts the rollout once, from its first context's start to its last one's end
 (:meth:`Router.end_session <rollout.router.Router.end_session>`). A session opened over
 ``POST /v1/sessions`` with no request in progress and none for over ``GatewayServer``'s
-``idle_timeout_s`` (:data:`IDLE_TIMEOUT_S` by default; None: never) is ended so too, its
-idle time left out of the length the router records, with a line logged, and a later
-request naming it is told so in its 404: a harness that crashed leaves no session pinned to
-its replica for the server's life. Sessions opened in-process
+``idle_timeout_s`` (:data:`IDLE_TIMEOUT_S` by default; None: never) is ended so too, with a
+line logged, counted by the router as expired rather than as an ended rollout (no record of
+it reaches the trainer), and a later request naming it is told so in its 404: a harness that
+crashed leaves no session pinned to its replica for the server's life. Sessions opened in-process
 (the rollout service's) are not ended so: their opener closes each, and their pauses (a tool
 call, a test run) are bounded by its rollout's timeout.
 
@@ -465,7 +465,7 @@ class IdleSessions:
             if idle is None or idle <= self.idle_timeout_s:
                 continue
             try:
-                self.gateway.close(session_id, idle_s=idle)
+                self.gateway.close(session_id, expired=True)
             except Exception as exc:  # one session's failure must not keep the others open
                 if not activity.close_failed:
                     activity.close_failed = True

@@ -164,7 +164,9 @@ class Router:
     one session, from the first context's routing to the last one's end, because the
     rollout's trajectories, one per context, go to the trainer only once it ends (the
     elastic controller's forecast reads them so); ``session_contexts`` holds the contexts of
-    each session in ``session_lengths`` (1 for one never compacted).
+    each session in ``session_lengths`` (1 for one never compacted). ``sessions_expired``
+    counts the sessions (rollouts, as above) ended for idling, their client gone: released
+    like the others, but no ended rollout, as none of them reaches the trainer.
     """
 
     def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
@@ -180,6 +182,7 @@ class Router:
         self.migrations = 0
         self._started: dict[str, float] = {}
         self.sessions_ended = 0
+        self.sessions_expired = 0
         self.session_lengths: deque[float] = deque(maxlen=SESSION_LENGTHS_KEPT)
         self.session_contexts: deque[int] = deque(maxlen=SESSION_LENGTHS_KEPT)
         self._contexts_before: Counter[str] = Counter()
@@ -300,7 +303,7 @@ class Router:
                 return name
         return walk[0]
 
-    def end_session(self, session_id: str, continued_in: str | None = None, idle_s: float = 0.0) -> None:
+    def end_session(self, session_id: str, continued_in: str | None = None, expired: bool = False) -> None:
         """Release ``session_id``'s assignment and let its replica drop its cache (under
         ``round_robin``, which pins nothing, every replica in service: any may hold one).
 
@@ -310,9 +313,10 @@ class Router:
         start and its contexts, and the rollout counts in ``sessions_ended``,
         ``session_lengths`` and ``session_contexts`` when that one ends.
 
-        ``idle_s``: seconds the session sat unused before this end (one ended for idling, its
-        client gone), left out of its length: the elastic controller forecasts from the
-        lengths, and a crashed harness's sessions would each add the whole idle timeout.
+        ``expired``: the session was ended for idling, its client gone (a harness that
+        crashed). Its replica is released all the same, but no record of its rollout reaches
+        the trainer, so it counts in ``sessions_expired`` only: the elastic controller
+        forecasts the trajectories live sessions will bring from ``session_lengths``.
         """
         if continued_in == session_id:
             raise ValueError(f"session {session_id!r} cannot continue in itself")
@@ -324,12 +328,14 @@ class Router:
         if started is None:
             return
         contexts = self._contexts_before.pop(session_id, 0) + 1
-        if continued_in is not None:
+        if expired:
+            self.sessions_expired += 1
+        elif continued_in is not None:
             self._started[continued_in] = started
             self._contexts_before[continued_in] = contexts
         else:
             self.sessions_ended += 1
-            self.session_lengths.append(max(0.0, time.monotonic() - started - idle_s))
+            self.session_lengths.append(time.monotonic() - started)
             self.session_contexts.append(contexts)
 
     def session_ages(self) -> dict[str, list[float]]:

@@ -718,6 +718,7 @@ class RolloutWorker:
                 "migrations": 0,
                 "session_ages": {},
                 "sessions_ended": 0,
+                "sessions_expired": 0,
                 "session_lengths": [],
                 "session_contexts": [],
             }
@@ -726,6 +727,7 @@ class RolloutWorker:
             "migrations": router.migrations,
             "session_ages": router.session_ages(),
             "sessions_ended": router.sessions_ended,
+            "sessions_expired": router.sessions_expired,
             "session_lengths": list(router.session_lengths),
             "session_contexts": list(router.session_contexts),
         }

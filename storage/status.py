@@ -99,7 +99,14 @@ class RolloutStatus(BaseModel):
         0,
         ge=0,
         description="Sessions the worker's router ended since it started (a compacted rollout's "
-        "contexts count once, when its last one ends).",
+        "contexts count once, when its last one ends), but for those in ``sessions_expired``.",
+    )
+    sessions_expired: int = Field(
+        0,
+        ge=0,
+        description="Sessions its gateway ended for idling since it started (a harness that crashed): "
+        "their replicas are freed, but no record of them reaches the trainer, so they are no ended "
+        "rollouts for the elastic forecast.",
     )
     session_lengths: list[float] = Field(
         default_factory=list,

@@ -61,6 +61,7 @@ def status_object(worker_name: str, status: dict[str, Any], running: bool) -> Ro
         finished_rows=(status.get("orchestrator") or {}).get("finished_rows"),
         session_ages={r: [round(a, 3) for a in ages] for r, ages in status.get("session_ages", {}).items()},
         sessions_ended=status.get("sessions_ended", 0),
+        sessions_expired=status.get("sessions_expired", 0),
         session_lengths=[round(length, 3) for length in status.get("session_lengths", [])],
         session_contexts=status.get("session_contexts", []),
     )

@@ -344,18 +344,32 @@ def test_session_ages_and_lengths_count_from_first_routing_across_moves(monkeypa
     assert router.session_ages() == {first: [9.0]}
 
 
-def test_a_session_ended_for_idling_leaves_its_idle_time_out_of_its_length(monkeypatch):
-    """A gateway ends a session its client left unused past its idle timeout: its length,
-    which the elastic controller forecasts from, is the time it was used."""
+def test_a_session_ended_for_idling_frees_its_replica_but_is_no_ended_rollout(monkeypatch):
+    """A gateway ends a session its client left unused past its idle timeout (a harness that
+    crashed): its replica is released (a drained one empties), but no record of it reaches the
+    trainer, so it counts in ``sessions_expired`` and not in ``sessions_ended`` nor the lengths
+    the elastic controller forecasts finished trajectories from; a compacted rollout whose last
+    context idled out counts once, as expired."""
     clock = [0.0]
     monkeypatch.setattr("rollout.router.time.monotonic", lambda: clock[0])
-    router = Router(_replicas(2), RouterConfig(policy="least_loaded"))
-    router.route("used")
-    router.route("never-used")
+    router = Router(_replicas(2), RouterConfig(policy="least_loaded", migrate_on_drain=False))
+    crashed = router.route("crashed").name
+    router.route("finished")
+    router.drain(crashed)
     clock[0] = 1850.0
-    router.end_session("used", idle_s=1800.0)
-    router.end_session("never-used", idle_s=1900.0)  # idle since it opened, on its own clock
-    assert (router.sessions_ended, list(router.session_lengths)) == (2, [50.0, 0.0])
+    router.end_session("crashed", expired=True)
+    router.end_session("finished")
+    assert router.load(crashed) == 0 and router.assignment("crashed") is None
+    assert (router.sessions_ended, router.sessions_expired) == (1, 1)
+    assert (list(router.session_lengths), list(router.session_contexts)) == ([1850.0], [1])
+    router.route("c1")
+    router.end_session("c1", continued_in="c2")
+    router.route("c2")
+    router.end_session("c2", expired=True)
+    router.end_session("c2", expired=True)  # ending twice counts once
+    router.end_session("never-routed", expired=True)
+    assert (router.sessions_ended, router.sessions_expired, list(router.session_lengths)) == (1, 2, [1850.0])
+    assert router.session_ages() == {name: [] for name in router.replicas}
 
 
 def test_a_rollout_continued_in_a_new_session_ends_once_and_is_as_old_as_its_first(monkeypatch):

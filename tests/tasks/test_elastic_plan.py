@@ -156,6 +156,12 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
             await until(lambda: worker.plan_time == released.time, "the worker to apply the release")
             assert router.draining == []
             assert (await router.generate("s99", prompt, params)).engine in {kept, drained}
+
+            # a session its gateway ended for idling counts apart from the ended rollouts
+            router.end_session("s0")
+            router.end_session("s1", expired=True)
+            status = await worker.status()
+            assert (status["sessions_ended"], status["sessions_expired"]) == (1, 1)
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)
@@ -613,11 +619,13 @@ def test_a_workers_status_object_carries_what_the_controller_forecasts_from():
         "orchestrator": {"finished": 7, "finished_rows": 9},
         "session_ages": {"torch-0": [1.23456]},
         "sessions_ended": 5,
+        "sessions_expired": 2,
         "session_lengths": [2.34567, 3.0],
         "session_contexts": [1, 4],
     }
     published = status_object("w0", status, running=True)
     assert (published.finished, published.finished_rows, published.sessions_ended) == (7, 9, 5)
+    assert published.sessions_expired == 2
     older = status_object("w0", {**status, "orchestrator": {"finished": 7}}, running=True)
     assert older.finished_rows is None  # a worker that does not count them
     assert (published.session_ages, published.session_lengths) == ({"torch-0": [1.235]}, [2.346, 3.0])
