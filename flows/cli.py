@@ -30,6 +30,8 @@ FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
 TABLES = ("shards", "trajectories", "train_steps", "weights", "evals")
 """The tables of a run, named in ``treadle sql --help``: those of ``storage.tables.TABLE_SCHEMAS``,
 spelled out because importing it (pyarrow, deltalake) would slow every command's start."""
+VIEWS = ("kept_steps", "trained", "versions")
+"""The views over them, named in ``treadle sql --help``: those of ``flows.sql.VIEWS``."""
 INSPECT_VERSIONS = 12
 """About how many versions ``treadle inspect`` lists (evenly spaced, first and last always)."""
 
@@ -714,7 +716,8 @@ def _parser() -> argparse.ArgumentParser:
             _sql,
             "Run SQL over a run's Delta tables (each table is a view).",
             "Run one SQL query (duckdb) over a run's Delta tables and print the result as "
-            "tab-separated values. Tables: " + ", ".join(TABLES) + ".",
+            "tab-separated values. Tables: " + ", ".join(TABLES) + ". Views over them (the README says "
+            "what they hold): " + ", ".join(VIEWS) + ".",
         ),
     ):
         command = sub.add_parser(name, help=helptext, description=description)

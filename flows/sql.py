@@ -5,6 +5,7 @@ extensions are loaded by file path from their PyPI wheels (``duckdb-extension-de
 ``duckdb-extension-httpfs``). Every table of the run is a view of the same name (empty, with
 the table's columns, until the run first writes it); a column added to a table's schema since
 the run wrote the table reads as null, as ``Tables.read`` gives it, until its next append adds it.
+Over those views, those of :data:`VIEWS` read what the trainer learned from.
 """
 
 from __future__ import annotations
@@ -14,6 +15,36 @@ import os
 
 from storage.config import S3_SCHEMES, RunStore
 from storage.tables import TABLE_SCHEMAS, Tables
+
+VIEWS: dict[str, str] = {
+    "kept_steps": """
+        SELECT DISTINCT * FROM train_steps s
+        WHERE NOT EXISTS (SELECT 1 FROM train_steps later WHERE later.time > s.time AND later.step <= s.step)
+            AND EXISTS (SELECT 1 FROM weights w WHERE w.created_at > s.time AND w.step >= s.step)""",
+    "trained": """
+        SELECT s.step, s.version, t.*
+        FROM (SELECT step, version, unnest(trajectory_ids) AS trajectory_id FROM kept_steps) s
+        JOIN trajectories t ON t.trajectory_id = s.trajectory_id AND t.selected""",
+    "versions": """
+        SELECT *,
+            EXISTS (SELECT 1 FROM weights w WHERE w.parent < v.version AND w.version > v.version) AS passed_over
+        FROM weights v""",
+}
+"""Views over the tables' views, by name (with another Delta reader, run these queries over the
+tables):
+
+- ``kept_steps``: the ``train_steps`` rows of the policy steps that went into the weights, one
+  per step, as :func:`storage.tables.one_row_per_step` reads them. A trainer restarted from
+  ``LATEST`` logs the steps after that version again, and the steps its predecessor logged
+  after that version went into no weights: a row stays when no row logged after it has a step
+  at or below its own and a version published after it reached its step; a row that a retried
+  append wrote twice is read once.
+- ``trained``: one row per kept step and trajectory it trained on: the step's ``step`` and
+  ``version`` (the version it started from) and the trajectory's selected ``trajectories`` row.
+- ``versions``: the ``weights`` rows with ``passed_over``, true for a version that a later
+  version's parent skips (a trainer resumed below it, its files did not verify, and trained its
+  rows again), as :func:`flows.cli.passed_over` finds them.
+"""
 
 
 def extension_paths() -> list[str]:
@@ -33,7 +64,7 @@ def extension_paths() -> list[str]:
 
 
 def connect(store: RunStore):
-    """A duckdb connection with one view per table of the run."""
+    """A duckdb connection with one view per table of the run, and those of :data:`VIEWS`."""
     import duckdb
 
     # a persistent secret of the user's (~/.duckdb/stored_secrets) scoped to the run's bucket
@@ -80,6 +111,8 @@ def connect(store: RunStore):
         )
         scan = f"delta_scan({_literal(_delta_scan_url(tables.uri(name)))})"
         connection.execute(f"CREATE VIEW {name} AS SELECT *{added} FROM {scan}")
+    for name, query in VIEWS.items():
+        connection.execute(f"CREATE VIEW {name} AS {query}")
     return connection
 
 

@@ -36,10 +36,11 @@ import torch
 from deltalake import write_deltalake
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.cli import TABLES, _unreachable_api, inspect_run, main, spaced, weight_versions
+from flows.cli import TABLES, VIEWS, _unreachable_api, inspect_run, main, spaced, weight_versions
 from flows.cli_args import parse
 from flows.config import load_config
 from flows.evaluate import missing_version
+from flows.sql import VIEWS as VIEW_QUERIES
 from flows.sql import connect, extension_paths
 from rl.models import TinyModelConfig, ensure_base_version
 from storage.config import RunStore, StorageConfig
@@ -833,6 +834,20 @@ def test_sql_without_a_statement_is_an_error(local_store):
         assert (result.returncode, result.stdout, result.stderr) == (1, "", "error: no SQL statement\n")
 
 
+def test_sql_views_of_a_run_that_has_only_its_base_version_answer_no_rows(local_store):
+    """A new run whose trainer has published its base version and taken no step: its
+    ``train_steps`` and ``trajectories`` tables are not written yet, and the views over them
+    answer no rows rather than fail."""
+    Tables(local_store).append("weights", weights_rows({0: None}))
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    counts = (
+        "SELECT (SELECT count(*) FROM kept_steps) AS steps, (SELECT count(*) FROM trained) AS trained, "
+        "(SELECT count(*) FROM versions WHERE NOT passed_over) AS versions"
+    )
+    result = treadle("sql", *run, counts)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "steps\ttrained\tversions\n0\t0\t1\n", "")
+
+
 def test_sql_on_a_table_the_run_lacks_names_no_python_object_of_treadle(local_store):
     """duckdb's Python client reads a table name it does not know from the variables of the
     code that runs the query: a misnamed table was looked up among ``flows.cli``'s functions
@@ -1061,7 +1076,10 @@ def test_every_command_says_what_it_does(capfd, monkeypatch):
 
     assert "weight versions (pruned ones marked)" in help_of("inspect")
     assert tuple(TABLE_SCHEMAS) == TABLES
-    assert f"Tables: {', '.join(TABLE_SCHEMAS)}." in help_of("sql")
+    sql = help_of("sql")
+    assert f"Tables: {', '.join(TABLE_SCHEMAS)}." in sql
+    assert tuple(VIEW_QUERIES) == VIEWS
+    assert f"Views over them (the README says what they hold): {', '.join(VIEWS)}." in sql
     run = help_of("run")
     assert "The flow's options: treadle run <flow> --help." in run
     assert "maintain} The flow to run. ARGS Arguments of the flow (--config, --set …)." in run

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_file
 from transformers import GPT2Config, GPT2LMHeadModel, MambaConfig, MambaForCausalLM
 
+from flows.cli import passed_over
 from flows.sql import connect
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
@@ -1085,7 +1086,7 @@ def raw_lineage_shards(store: RunStore) -> None:
 def test_steps_a_trainer_left_unpublished_are_not_kept_when_the_trainer_after_it_takes_none(store):
     """A trainer publishes version 1 at step 2, takes step 3 and is gone without publishing
     it; the next resumes from version 1 and stops before a step (its deadline
-    had passed). The kept rows, and the README's query's, are those of steps 1 and 2 only."""
+    had passed). The kept rows, and ``treadle sql``'s ``kept_steps``, are those of steps 1 and 2 only."""
     write_shards(store, make_trajectories(store, 16, seed=3), per_shard=4)
     Trainer(store, config(publish_every=2, publish_on_stop=False)).run(max_steps=3, drain=True)
     assert [row["step"] for row in read_steps(store)] == [1, 2, 3]
@@ -1097,8 +1098,8 @@ def test_steps_a_trainer_left_unpublished_are_not_kept_when_the_trainer_after_it
     tables = Tables(store)
     kept = one_row_per_step(tables.read("train_steps"), tables.read("weights"))
     assert kept.column("step").to_pylist() == [1, 2]
-    readme = connect(store).execute(readme_query("u.step <= t.step").replace("DISTINCT *", "DISTINCT step"))
-    assert sorted(row[0] for row in readme.fetchall()) == [1, 2]
+    viewed = connect(store).execute("SELECT step FROM kept_steps ORDER BY step")
+    assert viewed.fetchall() == [(1,), (2,)]
 
 
 @pytest.mark.parametrize("mode", ["sao", "grpo"])
@@ -1107,7 +1108,7 @@ def test_the_steps_that_went_into_the_weights_name_each_selected_trajectory_they
 ):
     """From raw shards through the processor to a trainer that trains every row and is then
     restarted from the base version (it published nothing): the kept ``train_steps`` rows,
-    the README's join among them, name each trajectory trained into the weights once, each a
+    and the README's query over ``trained``, name each trajectory trained into the weights once, each a
     selected row of ``trajectories`` under its own id (a branch's and its parent's both), and
     none that the trainer rejected, alone or in a batch."""
     raw_lineage_shards(store)
@@ -1145,9 +1146,64 @@ def test_the_steps_that_went_into_the_weights_name_each_selected_trajectory_they
                 row["trajectory_ids"]
             )
     joined = connect(store).execute(
-        f"SELECT step, count(*) FROM ({readme_query('unnest(trajectory_ids)')}) GROUP BY step ORDER BY step"
+        f"SELECT step, count(*) FROM ({readme_query('FROM trained')}) GROUP BY step ORDER BY step"
     )
     assert joined.fetchall() == [(row["step"], len(row["trajectory_ids"])) for row in steps]
+
+
+def test_the_sql_views_read_a_restarted_trainers_tables_as_inspect_does(store, monkeypatch):
+    """A trainer whose append of step 1's ``train_steps`` row raised although its commit
+    landed (the row lands again with step 2's) publishes versions 1 and 2 at steps 1 and 2.
+    Version 2's files do not verify: the trainer resumed from version 1 logs step 2 and on
+    again, into version 3 and on. ``treadle sql``'s ``kept_steps`` are the rows
+    ``one_row_per_step`` keeps, ``trained`` joins each to the selected ``trajectories`` rows it
+    names, and ``versions`` marks version 2 passed over, as ``passed_over`` does."""
+    raw_lineage_shards(store)
+    ShardProcessor(store, ProcessorConfig(j_max=None)).poll()
+    overrides = {"token_budget": 33, "micro_token_budget": 33, "publish_every": 1}
+    first = Trainer(store, config(**overrides))
+    append = first.tables.append
+    raises_once = iter([OSError("timed out after its commit (injected)")])
+
+    def landed_then_raised(name, rows, *args, **kwargs):
+        append(name, rows, *args, **kwargs)
+        if name == "train_steps" and (failure := next(raises_once, None)):
+            raise failure
+
+    monkeypatch.setattr(first.tables, "append", landed_then_raised)
+    first.run(max_steps=2)
+    os.truncate(os.path.join(WeightStore(store).version_path(2), STATE_FILE), 0)
+    resumed = Trainer(store, config(**overrides))
+    assert (resumed.step, resumed.passed_over) == (1, [2])
+    resumed.run(drain=True)
+
+    tables = Tables(store)
+    steps, weights, trajectories = (tables.read(name) for name in ("train_steps", "weights", "trajectories"))
+    assert sorted(steps.column("step").to_pylist())[:4] == [1, 1, 2, 2]  # step 1 twice, step 2 twice
+    kept = one_row_per_step(steps, weights).to_pylist()
+    assert [row["step"] for row in kept] == list(range(1, resumed.step + 1))
+    db = connect(store)
+
+    def viewed(query: str) -> list[dict]:
+        return db.execute(query).to_arrow_table().to_pylist()
+
+    assert viewed("SELECT * FROM kept_steps ORDER BY step") == kept
+
+    selected = {row["trajectory_id"]: row for row in trajectories.to_pylist() if row["selected"]}
+    joined = [
+        {"step": row["step"], "version": row["version"]} | selected[trajectory_id]
+        for row in kept
+        for trajectory_id in row["trajectory_ids"]
+    ]
+    assert len(joined) == sum(row["num_samples"] for row in kept) > 0
+    joined.sort(key=lambda row: (row["step"], row["trajectory_id"]))
+    assert viewed("SELECT * FROM trained ORDER BY step, trajectory_id") == joined
+
+    skipped = passed_over(weights.to_pylist())
+    assert skipped == {2}
+    assert viewed("SELECT * FROM versions ORDER BY version") == [
+        row | {"passed_over": row["version"] in skipped} for row in weights.sort_by("version").to_pylist()
+    ]
 
 
 @pytest.mark.parametrize("normalize_std", [False, True])

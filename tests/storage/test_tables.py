@@ -22,7 +22,7 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError, DeltaError
 
-from flows.sql import connect, extension_paths
+from flows.sql import VIEWS, connect, extension_paths
 from storage import tables as tables_module
 from storage.config import RunStore, StorageConfig
 from storage.leases import SlotLease
@@ -707,6 +707,22 @@ def test_a_train_steps_table_made_before_trajectory_ids_takes_steps_that_name_th
     assert joined.fetchall() == [(2, "a"), (2, "b")]
 
 
+def test_the_views_over_a_train_steps_table_made_before_trajectory_ids_read_no_trajectories_trained(
+    local_store,
+):
+    """A run whose ``train_steps`` table an older treadle made without ``trajectory_ids``, not
+    appended to since: ``kept_steps`` reads its steps with the column null, and ``trained``
+    answers no rows rather than fail."""
+    schema = TABLE_SCHEMAS["train_steps"]
+    older_train_steps(local_store, schema.remove(schema.get_field_index("trajectory_ids")))
+    published_at = datetime(2026, 1, 1, 0, 1, tzinfo=UTC)
+    Tables(local_store).append("weights", [weight_row(1) | {"step": 1, "created_at": published_at}])
+    Tables(local_store).append("trajectories", [trajectory_row("a")])
+    db = connect(local_store)
+    assert db.execute("SELECT step, trajectory_ids FROM kept_steps").fetchall() == [(1, None)]
+    assert db.execute("SELECT count(*) FROM trained").fetchall() == [(0,)]
+
+
 def test_an_older_table_whose_column_cannot_be_added_fails_the_append_with_that_error(
     local_store, monkeypatch
 ):
@@ -765,7 +781,7 @@ def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():
 def test_one_row_per_step_drops_the_steps_a_dead_trainer_logged_after_the_version_resumed_from():
     """A trainer logs steps 1-5 and dies (its last version at step 3); the next resumes from
     step 3 and logs step 4 before the run ends. Its step 5 went into no weights: the rows are
-    steps 1-4, as the README's query over ``train_steps`` gives them too."""
+    steps 1-4, as the query of ``treadle sql``'s ``kept_steps`` view gives them too."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
     logged = [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (4, 10)]
     steps = pa.Table.from_pylist(
@@ -781,8 +797,8 @@ def test_one_row_per_step_drops_the_steps_a_dead_trainer_logged_after_the_versio
     connection = duckdb.connect()
     connection.register("train_steps", steps)
     connection.register("weights", weights)
-    readme = connection.execute(readme_query("u.step <= t.step").replace("DISTINCT *", "step, policy_loss"))
-    assert sorted(readme.fetchall()) == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 10.0)]
+    viewed = connection.execute(f"SELECT step, policy_loss FROM ({VIEWS['kept_steps']}) ORDER BY step")
+    assert viewed.fetchall() == [(1, 0.0), (2, 1.0), (3, 2.0), (4, 10.0)]
 
 
 def test_the_steps_a_dead_trainer_logged_after_its_last_version_are_dropped_when_none_takes_them_again(
@@ -790,7 +806,7 @@ def test_the_steps_a_dead_trainer_logged_after_its_last_version_are_dropped_when
 ):
     """A trainer publishes version 1 at step 2, logs steps 3 and 4 and dies; the next resumes
     from version 1 and stops before taking a step (its deadline had passed). Steps 3 and 4
-    went into no weights: ``one_row_per_step`` and the README's query keep steps 1 and 2."""
+    went into no weights: ``one_row_per_step`` and the ``kept_steps`` view keep steps 1 and 2."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
     tables = Tables(local_store)
     tables.append("weights", [weight_row(0) | {"step": 0, "created_at": start}])
@@ -803,14 +819,15 @@ def test_the_steps_a_dead_trainer_logged_after_its_last_version_are_dropped_when
     )
     kept = one_row_per_step(tables.read("train_steps"), tables.read("weights"))
     assert kept.column("step").to_pylist() == [1, 2]
-    readme = connect(local_store).execute(readme_query("u.step <= t.step") + " ORDER BY step").fetchall()
-    assert [row[0] for row in readme] == [1, 2]
+    viewed = connect(local_store).execute("SELECT step FROM kept_steps ORDER BY step").fetchall()
+    assert viewed == [(1,), (2,)]
 
 
-def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_once(store):
+def test_the_readmes_kept_steps_query_reads_a_step_whose_append_was_made_twice_once(store):
     """A trainer whose ``train_steps`` append raised although its commit landed appends the same
     rows again with its next step (``Trainer._log_step``): the rows are there twice, each pair
-    with one time. ``one_row_per_step`` reads each step once; the README's query read them twice."""
+    with one time. ``one_row_per_step`` and the README's query over ``kept_steps`` read each
+    step once."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
     rows = [step_row(step, 0.5) | {"time": start + timedelta(seconds=step)} for step in (1, 2, 3)]
     tables = Tables(store)
@@ -821,7 +838,7 @@ def test_the_readmes_train_steps_query_reads_a_step_whose_append_was_made_twice_
         "step"
     ).to_pylist() == [1, 2, 3]
 
-    kept = connect(store).execute(readme_query("u.step <= t.step") + " ORDER BY step").fetchall()
+    kept = connect(store).execute(readme_query("FROM kept_steps")).fetchall()
 
     assert [row[0] for row in kept] == [1, 2, 3]
 
