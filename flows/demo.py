@@ -84,6 +84,8 @@ Where to look:
   summary again:        .venv/bin/treadle inspect {where}
   SQL (duckdb):         .venv/bin/treadle sql {where} \\
                           "SELECT version, env, reward FROM evals ORDER BY version, env"
+  what it trained on:   .venv/bin/treadle sql {where} \\
+                          "SELECT step, task, reward, text FROM trained ORDER BY step DESC LIMIT 5"
   UI:                   {"open " + UI_URL + " (flow runs, artifacts, events)" if api else "run `make ui`, then `make demo` again to see the run there"}"""
     )
     if arith is None or round(arith, 6) < 0.15:
