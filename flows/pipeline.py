@@ -25,8 +25,13 @@ from flows.config import (
 )
 from flows.run_logs import module_logs_to_run
 from storage.config import RunStore
-from tasks.common import clear_signals, run_store, send_signal
+from tasks.common import SIGNAL_RETRY_S, clear_signals, run_store, send_signal
 from tasks.report import report_task
+
+WIND_DOWN_RETRY_S = (*SIGNAL_RETRY_S, 8.0, 16.0, 32.0)
+"""Waits between the attempts to raise each signal as the tasks wind down in order: longer than
+a signal's own, since one refused past them is raised with the others at once, and training may
+then stop before processing has handled the last shards."""
 
 
 def _wind_down(
@@ -44,19 +49,21 @@ def _wind_down(
     So no stop condition (a step count with no wall-clock limit) leaves a task running, nor
     does a rollouts task that fails before its worker is up leave processing and training
     waiting for the deadline it never raised.
-    A failed task's error is raised once all three are over, a signal the store refused
-    meanwhile logged. The signals go once all three
+    A signal the store refuses is tried again for longer than a task's own
+    (:data:`WIND_DOWN_RETRY_S`), so that each task still ends after the one before it; refused
+    past that, or the flow stopping, all three are raised at once and the refusal logged.
+    A failed task's error is raised once all three are over. The signals go once all three
     are over, however the flow ends: they are this flow run's alone (``signals`` is its own key).
     """
     store = run_store(config)
     try:
         first = next(as_completed([rollout_run, process_run, train_run]))
         if first is not rollout_run:  # nothing more will be trained, or processed: rollouts stop
-            send_signal(store, signals, "stop")
+            send_signal(store, signals, "stop", WIND_DOWN_RETRY_S)
         rollout_run.wait()
-        send_signal(store, signals, "rollouts-done")
+        send_signal(store, signals, "rollouts-done", WIND_DOWN_RETRY_S)
         process_run.wait()
-        send_signal(store, signals, "processed")
+        send_signal(store, signals, "processed", WIND_DOWN_RETRY_S)
         train_run.wait()
     except BaseException as error:  # the flow is stopping (cancelled, interrupted, a signal refused): end all
         sent = True

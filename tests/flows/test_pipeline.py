@@ -389,6 +389,7 @@ def test_a_pipeline_whose_rollout_worker_never_comes_up_ends_when_the_store_refu
         return pipe_file(fs, path, *args, **kwargs)
 
     monkeypatch.setattr(fs_type, "pipe_file", full)
+    monkeypatch.setattr(pipeline_module, "WIND_DOWN_RETRY_S", ())  # no store to wait for here
     state = _pipeline_in_thread(config)
     with pytest.raises(ValueError, match=r"^the engines did not load \(injected\)$"):
         state.result()
@@ -468,6 +469,68 @@ def test_a_pipeline_whose_signal_the_store_refused_once_returns_its_tasks_result
     assert "the store refused signal 'rollouts-done' (injected)" in caplog.text
     store = run_store(config)
     assert not store.fs.exists(store.path(signals_dir("this-run")))
+
+
+class TaskEndingAtSignals:
+    """A task's future that, once over, kept which of the trainer's signals were raised."""
+
+    state = Completed()
+
+    def __init__(self, store, key: str, name: str):
+        self.store, self.key, self.name, self.trainer_told = store, key, name, None
+
+    def wait(self) -> None:
+        self.trainer_told = [
+            signal
+            for signal in ("stop", "processed")
+            if self.store.fs.exists(self.store.path(signal_path(self.key, signal)))
+        ]
+
+    def result(self) -> dict:
+        return {"task": self.name}
+
+
+def test_a_signal_the_store_refused_past_its_retries_then_took_still_ends_the_tasks_in_order(
+    tmp_path, prefect_api, monkeypatch
+):
+    """A store that refused 'rollouts-done' past a signal's retries, then took it: the flow
+    raised the three signals at once, so training was told to stop (and drain) while
+    processing still handled the last shards, which no trainer of the run then saw. The
+    refused signal is tried again in order: processing ends before the trainer hears of it."""
+    from prefect import flow
+
+    from tasks.common import SIGNAL_RETRY_S
+
+    config = tiny_config(tmp_path / "runs", "signal-refused-in-order")
+    store = run_store(config)
+    fs_type = type(store.fs)
+    pipe_file = fs_type.pipe_file
+    refused = []
+
+    def away_for_a_while(fs, path, *args, **kwargs):
+        if str(path).endswith("/rollouts-done") and len(refused) <= len(SIGNAL_RETRY_S):
+            refused.append(path)
+            raise ConnectionResetError("connection reset (injected)")
+        return pipe_file(fs, path, *args, **kwargs)
+
+    monkeypatch.setattr(fs_type, "pipe_file", away_for_a_while)
+    monkeypatch.setattr(
+        pipeline_module, "WIND_DOWN_RETRY_S", (0.01,) * len(pipeline_module.WIND_DOWN_RETRY_S)
+    )
+    monkeypatch.setattr(pipeline_module, "as_completed", iter)  # the rollouts end first
+    tasks = [TaskEndingAtSignals(store, "this-run", name) for name in ("rollouts", "process", "train")]
+
+    @flow
+    def winding_down():
+        return pipeline_module._wind_down(config, "this-run", *tasks)
+
+    state = winding_down(return_state=True)
+    assert state.is_completed(), state.message
+    assert state.result() == ({"task": "rollouts"}, {"task": "process"}, {"task": "train"})
+    assert len(refused) == len(SIGNAL_RETRY_S) + 1, "the store refused the signal past its retries"
+    rollouts, process, train = tasks
+    assert process.trainer_told == [], "training was told to stop before processing ended"
+    assert train.trainer_told == ["processed"]
 
 
 class RolloutsFailedAtStart:
