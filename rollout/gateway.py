@@ -863,19 +863,22 @@ class Gateway:
     def sessions(self) -> list[str]:
         return list(self._sessions)
 
-    def close(self, session_id: str, continued_in: str | None = None, expired: bool = False) -> None:
+    def close(
+        self, session_id: str, continued_in: str | None = None, expired: bool = False, idle_s: float = 0.0
+    ) -> None:
         """End a session: release its replica assignment and the engine's cache for it; a turn
         of it still waiting to run or generating fails with :class:`UnknownSession` (its
         engine call cancelled). ``continued_in``: the session its rollout goes on in (a
         compacted context's branch), for the router's count of ended rollouts; ``expired``:
-        ended for idling, its client gone, counted apart from them
+        ended for idling, its client gone, counted apart from them; ``idle_s``: how long it
+        sat unused before this end, left out of its length
         (:meth:`Router.end_session <rollout.router.Router.end_session>`)."""
         session = self.session(session_id)
         del self._sessions[session_id]
         session.closed = True
         if session._generating is not None:
             session._generating.cancel()
-        self.router.end_session(session_id, continued_in, expired)
+        self.router.end_session(session_id, continued_in, expired, idle_s)
 
     def check_ids(self, token_ids: Sequence[int], *, what: str) -> None:
         """Raise :class:`InvalidRequest` unless every id is an int in the vocabulary."""

@@ -58,11 +58,13 @@ counts the rollout once, from its first context's start to its last one's end
 (:meth:`Router.end_session <rollout.router.Router.end_session>`). A session opened over
 ``POST /v1/sessions`` with no request in progress and none for over ``GatewayServer``'s
 ``idle_timeout_s`` (:data:`IDLE_TIMEOUT_S` by default; None: never) is ended so too, with a
-line logged, counted by the router as expired rather than as an ended rollout (no record of
-it reaches the trainer), and a later request naming it is told so in its 404: a harness that
-crashed leaves no session pinned to its replica for the server's life. Sessions opened in-process
-(the rollout service's) are not ended so: their opener closes each, and their pauses (a tool
-call, a test run) are bounded by its rollout's timeout.
+line logged, and a later request naming it is told so in its 404: a harness that crashed
+leaves no session pinned to its replica for the server's life. The router counts it as
+expired rather than as an ended rollout (no record of it reaches the trainer), unless its
+``POST /v1/sessions/{id}/record`` was answered: its harness holds the record, and it counts
+as an ended rollout, as long as up to its last request's end (its idle time left out).
+Sessions opened in-process (the rollout service's) are not ended so: their opener closes
+each, and their pauses (a tool call, a test run) are bounded by its rollout's timeout.
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
@@ -386,16 +388,20 @@ class _Activity:
     """Its requests in progress (a turn queued or generating, a record …)."""
     close_failed: bool = False
     """Whether a sweep's close of it raised (logged once; each later round tries again)."""
+    recorded: bool = False
+    """Whether a record of it was answered: its harness holds what the trainer learns from."""
 
 
 @dataclass
 class IdleSessions:
     """The sessions opened over HTTP (``POST /v1/sessions``), each ended by :meth:`sweep` as
-    ``DELETE`` ends it (unrecorded) once it has had no request in progress, and none for over
+    ``DELETE`` ends it once it has had no request in progress, and none for over
     ``idle_timeout_s`` seconds since its last one ended: a harness that crashed or forgot
     leaves none pinned to its replica (a live session for the worker's status and the elastic
-    controller) for the server's life. Sessions opened in-process (the rollout service's,
-    which it always closes) are never ended here. ``clock`` gives seconds (monotonic)."""
+    controller) for the server's life. One whose record was answered counts as an ended
+    rollout, as long as up to its last request's end; any other as expired (no record of it
+    reaches the trainer). Sessions opened in-process (the rollout service's, which it always
+    closes) are never ended here. ``clock`` gives seconds (monotonic)."""
 
     gateway: Gateway
     idle_timeout_s: float
@@ -435,6 +441,12 @@ class IdleSessions:
             activity.requests -= 1
             activity.since = self.clock()
 
+    def recorded(self, session_id: str) -> None:
+        """``session_id``'s record was answered (if it is a session opened over HTTP)."""
+        activity = self._open.get(session_id)
+        if activity is not None:
+            activity.recorded = True
+
     def idle_for(self, session_id: str) -> float | None:
         """Seconds since ``session_id``'s last request ended (or it opened); None while it has
         one in progress, or when it is no session opened over HTTP that is still open."""
@@ -465,7 +477,7 @@ class IdleSessions:
             if idle is None or idle <= self.idle_timeout_s:
                 continue
             try:
-                self.gateway.close(session_id, expired=True)
+                self.gateway.close(session_id, expired=not activity.recorded, idle_s=idle)
             except Exception as exc:  # one session's failure must not keep the others open
                 if not activity.close_failed:
                     activity.close_failed = True
@@ -677,9 +689,12 @@ def create_app(
                 f"({others}) or leave error out"
             )
         try:
-            return session.record(**body.model_dump())
+            record = session.record(**body.model_dump())
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
+        if idle is not None:
+            idle.recorded(session_id)
+        return record
 
     @app.delete("/v1/sessions/{session_id}", dependencies=auth)
     async def close_session(session_id: str, continued_in: str | None = None) -> dict[str, Any]:

@@ -166,7 +166,8 @@ class Router:
     elastic controller's forecast reads them so); ``session_contexts`` holds the contexts of
     each session in ``session_lengths`` (1 for one never compacted). ``sessions_expired``
     counts the sessions (rollouts, as above) ended for idling, their client gone: released
-    like the others, but no ended rollout, as none of them reaches the trainer.
+    like the others, but no ended rollout, as none of them reaches the trainer (one whose
+    client got its record before it idled out is an ended rollout, its idle time left out).
     """
 
     def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
@@ -303,7 +304,9 @@ class Router:
                 return name
         return walk[0]
 
-    def end_session(self, session_id: str, continued_in: str | None = None, expired: bool = False) -> None:
+    def end_session(
+        self, session_id: str, continued_in: str | None = None, expired: bool = False, idle_s: float = 0.0
+    ) -> None:
         """Release ``session_id``'s assignment and let its replica drop its cache (under
         ``round_robin``, which pins nothing, every replica in service: any may hold one).
 
@@ -317,9 +320,15 @@ class Router:
         crashed). Its replica is released all the same, but no record of its rollout reaches
         the trainer, so it counts in ``sessions_expired`` only: the elastic controller
         forecasts the trajectories live sessions will bring from ``session_lengths``.
+
+        ``idle_s``: seconds the session sat unused before this end (one ended for idling whose
+        client got its record, then never ended it), left out of its length: the rollout
+        ended with its last request, and the idle timeout would lengthen the forecast's.
         """
         if continued_in == session_id:
             raise ValueError(f"session {session_id!r} cannot continue in itself")
+        if not (math.isfinite(idle_s) and idle_s >= 0):
+            raise ValueError(f"idle_s={idle_s} is not a finite number of seconds >= 0")
         if self.config.policy == "round_robin":
             for engine in self._engines.values():
                 engine.end_session(session_id)
@@ -335,7 +344,7 @@ class Router:
             self._contexts_before[continued_in] = contexts
         else:
             self.sessions_ended += 1
-            self.session_lengths.append(time.monotonic() - started)
+            self.session_lengths.append(max(0.0, time.monotonic() - started - idle_s))
             self.session_contexts.append(contexts)
 
     def session_ages(self) -> dict[str, list[float]]:

@@ -14,6 +14,7 @@ import signal
 import socket
 import threading
 import time
+import types
 
 import httpx
 import openai
@@ -1644,6 +1645,47 @@ def test_a_session_abandoned_over_http_is_ended_after_its_idle_time_and_a_later_
         sid = asyncio.run(body())
     logged = [r.getMessage() for r in caplog.records if r.name == "rollout.gateway_http"]
     assert logged == [f"closed session '{sid}' after 100.0 s idle (idle_timeout_s=0.3)"]
+
+
+def test_a_session_whose_record_was_answered_and_that_idles_out_is_an_ended_rollout(tiny, monkeypatch):
+    """A harness that got its session's record (a 200), which may well reach the trainer, and
+    never deleted the session: the sweep counted it as expired, as a crashed harness's, out of
+    the ended rollouts and lengths the elastic controller forecasts from. It counts as an
+    ended rollout, as long as up to its last request's end; a session whose record was refused
+    (a 400) still counts as expired. The server's and the router's clocks are set by hand."""
+    now = [0.0]
+    monkeypatch.setattr("rollout.router.time", types.SimpleNamespace(monotonic=lambda: now[0]))
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=60) as (gateway, server, client):
+            server.idle.clock = lambda: now[0]
+            router = gateway.router
+            recorded, refused = await open_session(client), await open_session(client)
+            now[0] = 2.0
+            for sid in (recorded, refused):
+                turn = await client.post(
+                    "/v1/generate",
+                    json={"token_ids": [1, 2], "max_new_tokens": 2},
+                    headers={SESSION_HEADER: sid},
+                )
+                assert turn.status_code == 200, turn.text
+            now[0] = 7.0
+            answered = await client.post(f"/v1/sessions/{recorded}/record", json={"reward": 1.0})
+            assert answered.status_code == 200, answered.text
+            bad = await client.post(f"/v1/sessions/{refused}/record", json={"status": "ok", "error": "boom"})
+            assert bad.status_code == 400, bad.text
+
+            now[0] = 107.0
+            server.idle.sweep()
+            assert gateway.sessions == []
+            assert (router.sessions_ended, router.sessions_expired) == (1, 1)
+            assert (list(router.session_lengths), list(router.session_contexts)) == ([5.0], [1])
+            gone = await client.post(
+                "/v1/generate", json={"token_ids": [3]}, headers={SESSION_HEADER: recorded}
+            )
+            assert gone.status_code == 404 and "closed after 100.0 s idle" in gone.text, gone.text
+
+    asyncio.run(body())
 
 
 def test_a_session_with_requests_in_flight_is_not_idle_and_counts_idle_from_their_end(tiny):

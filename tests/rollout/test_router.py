@@ -372,6 +372,32 @@ def test_a_session_ended_for_idling_frees_its_replica_but_is_no_ended_rollout(mo
     assert router.session_ages() == {name: [] for name in router.replicas}
 
 
+def test_a_session_ended_for_idling_after_its_record_is_an_ended_rollout_without_its_idle_time(monkeypatch):
+    """A gateway ends a session left unused past its idle timeout whose client got its record
+    and never ended it: the record may reach the trainer, so the session counts as an ended
+    rollout, as long as up to its last request (``idle_s``, its idle time, left out); a
+    compacted rollout counts from its first context's start."""
+    clock = [10.0]
+    monkeypatch.setattr("rollout.router.time.monotonic", lambda: clock[0])
+    router = Router(_replicas(2), RouterConfig(policy="least_loaded"))
+    router.route("recorded")
+    router.route("c1")
+    clock[0] = 20.0
+    router.end_session("c1", continued_in="c2")
+    router.route("c2")
+    clock[0] = 1860.0
+    router.end_session("recorded", idle_s=1800.0)
+    router.end_session("c2", idle_s=1820.0)
+    assert (router.sessions_ended, router.sessions_expired) == (2, 0)
+    assert (list(router.session_lengths), list(router.session_contexts)) == ([50.0, 30.0], [1, 2])
+    assert router.session_ages() == {name: [] for name in router.replicas}
+    router.route("s")
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match=r"^idle_s=\S+ is not a finite number of seconds >= 0$"):
+            router.end_session("s", idle_s=bad)
+    assert router.assignment("s") is not None, "a refused end leaves the session routed"
+
+
 def test_a_rollout_continued_in_a_new_session_ends_once_and_is_as_old_as_its_first(monkeypatch):
     """A compacted rollout's contexts: each ending frees its replica (a drained one empties at
     that boundary, migration off), and the rollout ends once, as long as all of them."""
