@@ -1329,6 +1329,77 @@ def test_a_prefect_api_lost_during_a_flow_run_ends_the_command_at_once_with_one_
     ), line
 
 
+LOST_AT_THE_REPORT_FLOW = """
+import sys
+import time
+
+import flows.cli
+import flows.evaluate
+import tasks.report
+from prefect import flow, task
+from flows.config import load_config
+
+servers = []
+start_server = flows.cli._start_server
+flows.cli._start_server = lambda port: servers.append(start_server(port)) or servers[-1]
+tasks.report.API_BACK_WITHIN_S = 1.0
+ROOT = sys.argv[1]  # before ``treadle run`` sets the flow's argv
+
+
+@task
+def work() -> None:
+    flows.cli._stop_server(servers[0])
+
+
+@flow
+def ends_at_the_report(config) -> None:
+    work()
+    print(f"work done at {time.monotonic()}", file=sys.stderr, flush=True)
+    tasks.report.report_task(config)
+
+
+def run_to_its_report():
+    flows.cli.temporary_api()
+    ends_at_the_report(load_config("configs/tiny.yaml", {"run_id": "gone", "storage": {"root": ROOT}}))
+
+
+flows.evaluate.main = run_to_its_report
+flows.cli.main(["run", "evaluate"])
+"""
+
+
+def test_a_prefect_api_gone_before_the_run_report_ends_the_command_soon_after_the_work(
+    tmp_path, migrated_prefect_db
+):
+    """A real flow whose temporary server is gone for good when its work is done: Prefect's
+    client waited about a minute for the report's first artifact and a minute again for the
+    flow run's last state before the command's one line (2.5 minutes after the work in a
+    pipeline). The report now waits ``API_BACK_WITHIN_S`` (here 1 s) for the API, skips its
+    artifacts and has the client stop retrying: the last state fails at once."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(migrated_home(tmp_path, migrated_prefect_db)), "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", LOST_AT_THE_REPORT_FLOW, str(tmp_path / "runs")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
+    exited = time.monotonic()  # the system's clock: the command's too
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert re.fullmatch(
+        r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
+        r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage",
+        lines[-1],
+    ), result.stderr
+    assert "the report of run gone not sent: the Prefect API did not answer within 1 s" in result.stderr
+    (done,) = (float(line.split()[-1]) for line in lines if line.startswith("work done at "))
+    # the client's retries alone took 62 s for the last state
+    assert exited - done < 60, result.stderr
+
+
 def test_a_flows_own_refused_connection_is_not_taken_for_a_lost_prefect_api(monkeypatch):
     """A ConnectError of the flow's own (an inference server's) stays its error: ``treadle run``
     says it lost the Prefect API only for a request to PREFECT_API_URL."""

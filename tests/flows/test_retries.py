@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 import types
@@ -17,7 +18,9 @@ import ray.exceptions
 from botocore.exceptions import EndpointConnectionError
 from deltalake.exceptions import CommitFailedError
 from prefect import flow, task
+from prefect.context import refresh_global_settings_context
 from prefect.server.api.server import SubprocessASGIServer
+from prefect.settings import PREFECT_API_URL, temporary_settings
 
 import tasks.report
 from storage.weights import VersionTaken
@@ -319,6 +322,68 @@ def test_an_unreachable_prefect_api_at_the_run_report_does_not_fail_the_flow(
         "a table artifact of run report-blip and the rest of the report not sent: the Prefect API "
         "does not answer: ConnectError('Prefect API unreachable')"
     ) in caplog.text
+
+
+def test_the_run_report_gives_up_on_a_prefect_api_that_stays_away_after_a_short_wait(
+    prefect_api, tmp_path, monkeypatch, caplog
+):
+    """A server gone for good at the run's end: Prefect's client waited about a minute for the
+    report's first artifact, and about a minute again for the flow run's last state (``treadle
+    run`` exited 1 about 2.5 minutes after the work). The report now waits
+    ``API_BACK_WITHIN_S`` for the API to answer, then sends none of its artifacts and has the
+    process's Prefect client stop retrying, so that the last state fails at once."""
+    attempts = []
+    monkeypatch.setattr(tasks.report, "create_table_artifact", lambda *a, **kw: attempts.append(kw["key"]))
+    monkeypatch.setattr(tasks.report, "create_markdown_artifact", lambda *a, **kw: attempts.append(kw["key"]))
+    monkeypatch.setattr(tasks.report, "API_BACK_WITHIN_S", 0.5)
+    retries = os.environ.get("PREFECT_CLIENT_MAX_RETRIES")
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{closed.getsockname()[1]}/api"
+
+        @flow
+        def reporting_flow() -> str:
+            with temporary_settings({PREFECT_API_URL: gone}):
+                return tasks.report.report_run(tiny_config(tmp_path, "report-gone"))
+
+        try:
+            assert reporting_flow().startswith("# Run `report-gone`")
+            assert os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == "0"
+        finally:
+            if retries is None:
+                os.environ.pop("PREFECT_CLIENT_MAX_RETRIES", None)
+            else:
+                os.environ["PREFECT_CLIENT_MAX_RETRIES"] = retries
+            refresh_global_settings_context()
+    assert attempts == []
+    assert (
+        "the report of run report-gone not sent: the Prefect API did not answer within 0.5 s, nor will "
+        "the flow run's last state be"
+    ) in caplog.text
+
+
+def test_the_run_report_waits_for_a_prefect_api_that_answers_again(prefect_api, tmp_path):
+    """A server restarting at the run's end (here stopped, SIGSTOP, and resumed 2 s later)
+    gets the report: the run gives up on an API only once it stayed away
+    ``API_BACK_WITHIN_S``."""
+    server = SubprocessASGIServer().server_process
+
+    @flow
+    def reporting_flow() -> str:
+        os.kill(server.pid, signal.SIGSTOP)
+        resume = threading.Timer(2.0, os.kill, (server.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            return tasks.report.report_run(tiny_config(tmp_path, "report-back"))
+        finally:
+            resume.cancel()
+            os.kill(server.pid, signal.SIGCONT)
+
+    state = reporting_flow(return_state=True)
+    assert state.result().startswith("# Run `report-back`")
+    keys = {a.key for a in artifacts_of([state.state_details.flow_run_id])}
+    assert f"{tasks.report.artifact_key('report-back')}-report" in keys
+    assert "PREFECT_CLIENT_MAX_RETRIES" not in os.environ
 
 
 def test_a_transient_storage_error_at_the_run_report_is_retried(prefect_api, tmp_path, monkeypatch):
