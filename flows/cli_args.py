@@ -124,6 +124,9 @@ def parse(
     (``warm_starts``), more demonstrations asked of an env than it holds train tasks
     (:func:`~flows.config.too_few_demos`)."""
     set_prefect_defaults()
+    from flows.run_logs import one_line_per_unsent_event  # imports Prefect: after its defaults
+
+    one_line_per_unsent_event()
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--config",

@@ -109,3 +109,43 @@ def module_logs_to_run() -> Iterator[None]:
 def _under(logger: str, name: str) -> bool:
     """Whether ``logger`` is the logger ``name`` or one of its children."""
     return logger == name or logger.startswith(f"{name}.")
+
+
+class _UnsentEventErrors(logging.Filter):
+    """Drops the ERROR Prefect's events worker logs for an event its client could not send
+    (``Service 'EventsWorker' failed to process item Event(...)``, the whole event) right after
+    that client's WARNING that it cannot connect to the API and the event may be lost: a server
+    away mid-run logged both for each event, about one every 7 s. Records are matched by their
+    logger, template and thread; any other (a message Prefect changed) is kept."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._warned: set[int | None] = set()  # threads whose events client just warned
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name == EVENTS_CLIENT_LOGGER:
+            if str(record.msg).startswith("Unable to connect to"):
+                self._warned.add(record.thread)
+            return True
+        warned = record.thread in self._warned
+        self._warned.discard(record.thread)
+        return not (
+            warned
+            and str(record.msg).startswith("Service %r failed to process item")
+            and record.args is not None
+            and record.args[0] == "EventsWorker"
+        )
+
+
+EVENTS_CLIENT_LOGGER = "prefect.events.clients"
+SERVICES_LOGGER = "prefect._internal.concurrency"
+"""Where Prefect's events client warns that it cannot connect, and where its worker then logs
+the event it failed to send."""
+_unsent_event_errors = _UnsentEventErrors()
+
+
+def one_line_per_unsent_event() -> None:
+    """Have Prefect log one line, not two, for each event it cannot send to an API that is
+    away (see :class:`_UnsentEventErrors`)."""
+    for name in (EVENTS_CLIENT_LOGGER, SERVICES_LOGGER):
+        logging.getLogger(name).addFilter(_unsent_event_errors)

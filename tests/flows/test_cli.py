@@ -1336,8 +1336,10 @@ import time
 import flows.cli
 import flows.evaluate
 import tasks.report
+from flows.cli_args import parse
 from prefect import flow, task
-from flows.config import load_config
+from prefect.events import emit_event
+from prefect.events.worker import EventsWorker
 
 servers = []
 start_server = flows.cli._start_server
@@ -1348,7 +1350,10 @@ ROOT = sys.argv[1]  # before ``treadle run`` sets the flow's argv
 
 @task
 def work() -> None:
+    EventsWorker.instance().wait_until_empty()  # its client reached the API: it will try again
     flows.cli._stop_server(servers[0])
+    emit_event(event="treadle.test", resource={"prefect.resource.id": "treadle.test"})
+    EventsWorker.instance().wait_until_empty()  # the event not sent
 
 
 @flow
@@ -1359,8 +1364,9 @@ def ends_at_the_report(config) -> None:
 
 
 def run_to_its_report():
+    config, _ = parse("a flow", ["--run-id", "gone", "--set", f"storage.root={ROOT}"])
     flows.cli.temporary_api()
-    ends_at_the_report(load_config("configs/tiny.yaml", {"run_id": "gone", "storage": {"root": ROOT}}))
+    ends_at_the_report(config)
 
 
 flows.evaluate.main = run_to_its_report
@@ -1375,7 +1381,9 @@ def test_a_prefect_api_gone_before_the_run_report_ends_the_command_soon_after_th
     client waited about a minute for the report's first artifact and a minute again for the
     flow run's last state before the command's one line (2.5 minutes after the work in a
     pipeline). The report now waits ``API_BACK_WITHIN_S`` (here 1 s) for the API, skips its
-    artifacts and has the client stop retrying: the last state fails at once."""
+    artifacts and has the client stop retrying: the last state fails at once. Prefect's events
+    worker logged a warning and an error for each event it could not send meanwhile: now the
+    warning alone."""
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env |= {"PREFECT_HOME": str(migrated_home(tmp_path, migrated_prefect_db)), "PYTHONPATH": str(REPO)}
     result = subprocess.run(
@@ -1398,6 +1406,8 @@ def test_a_prefect_api_gone_before_the_run_report_ends_the_command_soon_after_th
     (done,) = (float(line.split()[-1]) for line in lines if line.startswith("work done at "))
     # the client's retries alone took 62 s for the last state
     assert exited - done < 60, result.stderr
+    assert "prefect.events.clients - Unable to connect to 'ws://127.0.0.1:" in result.stderr
+    assert "failed to process item" not in result.stderr
 
 
 def test_a_flows_own_refused_connection_is_not_taken_for_a_lost_prefect_api(monkeypatch):
