@@ -26,7 +26,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
-from rollout.router import Router
+from rollout.router import Router, check_end
 from rollout.tool_calls import TAGS, ToolCallFormat, tool_call_message
 from storage.schema import LOGPROB_SLACK, MAX_ERROR_CHARS, STATUSES, error_text
 
@@ -874,6 +874,7 @@ class Gateway:
         sat unused before this end, left out of its length
         (:meth:`Router.end_session <rollout.router.Router.end_session>`)."""
         session = self.session(session_id)
+        check_end(session_id, continued_in, expired, idle_s)
         del self._sessions[session_id]
         session.closed = True
         if session._generating is not None:

@@ -151,6 +151,18 @@ class HashRing:
         return walk[0]
 
 
+def check_end(session_id: str, continued_in: str | None, expired: bool, idle_s: float) -> None:
+    """Raise ``ValueError`` unless :meth:`Router.end_session` takes these arguments."""
+    if continued_in == session_id:
+        raise ValueError(f"session {session_id!r} cannot continue in itself")
+    if expired and continued_in is not None:
+        raise ValueError(
+            f"session {session_id!r} expired: it continues in no session ({continued_in!r} given)"
+        )
+    if not (math.isfinite(idle_s) and idle_s >= 0):
+        raise ValueError(f"idle_s={idle_s} is not a finite number of seconds >= 0")
+
+
 class Router:
     """Assigns sessions to engine replicas and forwards their generation requests.
 
@@ -325,10 +337,7 @@ class Router:
         client got its record, then never ended it), left out of its length: the rollout
         ended with its last request, and the idle timeout would lengthen the forecast's.
         """
-        if continued_in == session_id:
-            raise ValueError(f"session {session_id!r} cannot continue in itself")
-        if not (math.isfinite(idle_s) and idle_s >= 0):
-            raise ValueError(f"idle_s={idle_s} is not a finite number of seconds >= 0")
+        check_end(session_id, continued_in, expired, idle_s)
         if self.config.policy == "round_robin":
             for engine in self._engines.values():
                 engine.end_session(session_id)

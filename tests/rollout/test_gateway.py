@@ -922,3 +922,31 @@ def test_failed_replica_is_taken_out_and_the_next_turn_is_re_prefilled_elsewhere
             assert sum(record["action_mask"]) == 8
 
     asyncio.run(body())
+
+
+def test_a_close_the_router_refuses_leaves_the_session_open_and_routed(tiny):
+    """A close with arguments the router refuses (an idle time that is no number of seconds, a
+    session continuing in itself, an expired one continuing in another) raised only after the
+    gateway had forgotten the session: its replica stayed pinned, and no close could release
+    it. The close is refused before anything is ended."""
+
+    async def body():
+        async with running_gateway(tiny, replicas=2) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages([{"role": "user", "content": "hi"}])
+            await session.generate(SamplingParams(max_new_tokens=2, seed=0))
+            sid = session.session_id
+            name = gateway.router.assignment(sid)
+            for bad in (
+                {"idle_s": math.nan},
+                {"continued_in": sid},
+                {"expired": True, "continued_in": "next"},
+            ):
+                with pytest.raises(ValueError):
+                    gateway.close(sid, **bad)
+                assert gateway.session(sid) is session and not session.closed
+                assert gateway.router.assignment(sid) == name
+            gateway.close(sid, expired=True, idle_s=5.0)
+            assert gateway.router.assignment(sid) is None and gateway.router.sessions_expired == 1
+
+    asyncio.run(body())

@@ -858,3 +858,16 @@ def test_two_requests_failing_on_one_replica_at_once_both_fail_over():
     generations = asyncio.run(body())
     assert [g.engine for g in generations] == ["r1", "r1"]
     assert router.replicas == ["r1"] and router.down == ["r0"]
+
+
+def test_a_session_cannot_both_expire_and_continue_in_another():
+    """An expired session's client is gone: no session goes on with its rollout. Ending one so
+    with ``continued_in`` counted it expired and dropped the continuation's start, so that
+    branch's end later counted nowhere; it is refused, the session left routed."""
+    router = Router(_replicas(2), RouterConfig(policy="least_loaded"))
+    router.route("c1")
+    with pytest.raises(
+        ValueError, match=r"^session 'c1' expired: it continues in no session \('c2' given\)$"
+    ):
+        router.end_session("c1", continued_in="c2", expired=True)
+    assert router.assignment("c1") is not None and router.sessions_expired == 0
