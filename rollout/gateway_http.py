@@ -679,7 +679,10 @@ def create_app(
     @app.post("/v1/sessions/{session_id}/record", dependencies=auth)
     async def record(session_id: str, body: RecordRequest) -> dict[str, Any]:
         session = gateway.session(session_id)
-        if body.error is not None and (body.status or session.default_status) == "ok":
+        if (
+            body.error is not None
+            and (session.default_status if body.status is None else body.status) == "ok"
+        ):
             said = (
                 "status ok" if body.status else "status ok (the default: its last action was not truncated)"
             )

@@ -1966,3 +1966,20 @@ def test_a_record_saying_ok_with_an_error_is_refused_and_its_session_stays_open(
             assert truncated.json()["status"] == "truncated"
 
     asyncio.run(body())
+
+
+def test_a_record_with_an_empty_status_and_an_error_is_refused_for_its_status(tiny):
+    """An empty status was taken for none: a record sending ``""`` with an error was told it
+    said ``ok`` by default, and one sending it without an error that its status is unknown. It
+    is refused for the status it sent, error or not."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            sid = await open_session(client)
+            for sent in ({"status": ""}, {"status": "", "error": "tests failed"}):
+                refused = await client.post(f"/v1/sessions/{sid}/record", json=sent)
+                assert refused.status_code == 400, refused.text
+                assert refused.json()["error"]["message"].startswith("unknown status ''; expected one of")
+            assert gateway.sessions == [sid]
+
+    asyncio.run(body())
