@@ -863,6 +863,11 @@ class Gateway:
     def sessions(self) -> list[str]:
         return list(self._sessions)
 
+    def trajectories_of(self, execution_id: str) -> list[str]:
+        """The trajectories opened on this gateway (the last ``REMEMBERED_EXECUTIONS``) that
+        belong to execution ``execution_id``."""
+        return [tid for tid, eid in self._executions.items() if eid == execution_id]
+
     def close(
         self, session_id: str, continued_in: str | None = None, expired: bool = False, idle_s: float = 0.0
     ) -> None:

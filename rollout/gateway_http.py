@@ -69,6 +69,13 @@ each, and their pauses (a tool call, a test run) are bounded by its rollout's ti
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
 session, 400 bad input, 503 engine failure.
+
+A server given somewhere to write (``GatewayServer``'s ``write``: a rollout worker's raw shards)
+writes records for its harness: ``POST /v1/records`` takes every record of one execution and
+writes them together (the processor joins an execution's rows within one shard), and
+``"write": true`` on a record writes that record alone, for an execution of one trajectory.
+Records are checked first (fields, ``storage.schema``'s checks, one execution id, no trajectory
+written before by this server): a refused body writes nothing.
 """
 
 from __future__ import annotations
@@ -81,11 +88,12 @@ import math
 import secrets
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import pyarrow as pa
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -114,7 +122,14 @@ from rollout.gateway import (
 from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_token
 from rollout.tool_calls import same_calls
 from storage.redaction import redact
-from storage.schema import MAX_ERROR_CHARS, STATUSES
+from storage.schema import (
+    MAX_ERROR_CHARS,
+    STATUSES,
+    TRAJECTORY_SCHEMA,
+    SchemaError,
+    rows_with_errors,
+    to_table,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +139,8 @@ IDLE_TIMEOUT_S = 1800.0
 """Default of :class:`GatewayServer`'s ``idle_timeout_s``: a harness may run a test suite or a
 long tool call between two requests of a session (the rollout service gives a whole rollout
 300 s), and one that crashed has its sessions ended within the half hour."""
+REMEMBERED_WRITES = 1 << 16
+"""Trajectories written by a server whose ids it keeps, to refuse writing one again."""
 REMEMBERED_EXPIRIES = 1 << 16
 """Sessions ended for idling whose ids a server keeps, to say so to a later request (404)."""
 
@@ -213,6 +230,12 @@ class RecordRequest(BaseModel):
         description=f"Why the rollout failed or was truncated, at most {MAX_ERROR_CHARS} characters "
         "(credentials in it are masked); refused with status ok, sent or defaulted.",
     )
+    write: bool = Field(
+        False,
+        description="Also write the record into a raw shard of the server's run, as an execution of this "
+        "one row; refused where the server writes nothing, or where another trajectory opened on it "
+        "shares the execution (send the execution's records to POST /v1/records).",
+    )
 
     @field_validator("timing")
     @classmethod
@@ -223,6 +246,18 @@ class RecordRequest(BaseModel):
             if not (math.isfinite(seconds) and seconds >= 0):
                 raise ValueError(f"{key}={seconds} is not a finite number of seconds >= 0")
         return timing
+
+
+class WriteRequest(BaseModel):
+    """Body of ``POST /v1/records``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    records: list[dict[str, Any]] = Field(
+        min_length=1,
+        description="Every record of one execution (one execution_id), as POST /v1/sessions/{id}/record "
+        "answered them: written together into one raw shard, where the processor joins them.",
+    )
 
 
 class TokenRequest(_Sampling):
@@ -527,16 +562,72 @@ def _why(exc: Exception) -> str:
     return f"{type(exc).__name__}: {redact(str(exc))}"
 
 
+@dataclass
+class RecordSink:
+    """Writes an execution's records through ``write`` (a table of ``storage.schema``'s
+    trajectory records, which must land in one raw shard: a rollout worker's shard writer's
+    ``write_table``), once they are checked: a body refused here writes nothing. A trajectory it
+    wrote already (among the last :data:`REMEMBERED_WRITES`) is refused: a retry of a write
+    whose answer was lost would otherwise train it twice."""
+
+    write: Callable[[pa.Table], Any]
+    _written: OrderedDict[str, None] = field(default_factory=OrderedDict)
+
+    def execution(self, records: list[dict[str, Any]]) -> dict[str, Any]:
+        """Check ``records`` (one execution's) and write them; raises :class:`InvalidRequest` saying
+        what is wrong."""
+        for i, record in enumerate(records):
+            unknown = sorted(set(record) - set(TRAJECTORY_SCHEMA.names))
+            if unknown:
+                raise InvalidRequest(
+                    f"record {i}: unknown fields {unknown}; send records as the record endpoint answers them"
+                )
+        try:
+            table = to_table(records)
+            problems = rows_with_errors(table)
+        except SchemaError as exc:
+            raise InvalidRequest(f"the records do not fit the trajectory schema: {exc}") from None
+        if problems:
+            row, what = next(iter(problems.items()))
+            raise InvalidRequest(
+                f"record {row}: {'; '.join(what)}"
+                + (f" (and {len(problems) - 1} more records)" if len(problems) > 1 else "")
+            )
+        executions = sorted(set(table.column("execution_id").to_pylist()))
+        if len(executions) > 1:
+            raise InvalidRequest(
+                f"the records hold executions {executions}: write each execution by itself, all its records "
+                "in one request (the processor joins an execution's rows within one shard)"
+            )
+        ids = table.column("trajectory_id").to_pylist()
+        repeated = sorted(tid for tid, count in Counter(ids).items() if count > 1)
+        if repeated:
+            raise InvalidRequest(f"trajectory ids {repeated} repeat: two records may not share one")
+        again = [tid for tid in ids if tid in self._written]
+        if again:
+            raise InvalidRequest(
+                f"trajectories {again} were written already; nothing of this request was written"
+            )
+        self.write(table)
+        for tid in ids:
+            self._written[tid] = None
+        while len(self._written) > REMEMBERED_WRITES:
+            self._written.popitem(last=False)
+        return {"written": len(ids), "execution_id": executions[0]}
+
+
 def create_app(
     gateway: Gateway,
     token: str,
     model_name: str = "treadle-policy",
     sampling: RunSampling | None = None,
     idle: IdleSessions | None = None,
+    sink: RecordSink | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``gateway`` at ``sampling`` (default: temperature and top_p 1,
     not fixed); requests must carry ``Bearer token``. The sessions it opens are given to
-    ``idle``, which is told of every request naming one (whoever sweeps it ends them)."""
+    ``idle``, which is told of every request naming one (whoever sweeps it ends them). The
+    records it is asked to write go to ``sink``; without one such a request is refused."""
     sampling = sampling or RunSampling()
     if not token:
         raise ValueError("the gateway needs a non-empty bearer token")
@@ -676,9 +767,27 @@ def create_app(
             "execution_id": info.execution_id,
         }
 
+    def writing() -> RecordSink:
+        if sink is None:
+            raise InvalidRequest("this server writes no records: write them into a raw shard yourself")
+        return sink
+
+    @app.post("/v1/records", dependencies=auth)
+    async def write_records(body: WriteRequest) -> dict[str, Any]:
+        return writing().execution(body.records)
+
     @app.post("/v1/sessions/{session_id}/record", dependencies=auth)
     async def record(session_id: str, body: RecordRequest) -> dict[str, Any]:
         session = gateway.session(session_id)
+        if body.write:
+            writing()
+            info = session.info
+            others = [t for t in gateway.trajectories_of(info.execution_id) if t != info.trajectory_id]
+            if others:
+                raise InvalidRequest(
+                    f"execution {info.execution_id!r} also holds trajectories {others}: record each without "
+                    "write and send the execution's records together to POST /v1/records"
+                )
         if (
             body.error is not None
             and (session.default_status if body.status is None else body.status) == "ok"
@@ -692,9 +801,11 @@ def create_app(
                 f"({others}) or leave error out"
             )
         try:
-            record = session.record(**body.model_dump())
+            record = session.record(**body.model_dump(exclude={"write"}))
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from exc
+        if body.write:
+            sink.execution([record])
         if idle is not None:
             idle.recorded(session_id)
         return record
@@ -946,7 +1057,7 @@ class GatewayServer(AppServer):
     (``uds``; clients use ``http://gateway``) at ``sampling``. The bearer token is generated
     when not given; read it from ``.token``. A session opened over HTTP with no request for
     over ``idle_timeout_s`` seconds is ended (:class:`IdleSessions`); None keeps it until it is
-    deleted."""
+    deleted. With ``write`` (see :class:`RecordSink`) it writes the records it is asked to."""
 
     def __init__(
         self,
@@ -960,12 +1071,15 @@ class GatewayServer(AppServer):
         sampling: RunSampling | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         idle_timeout_s: float | None = IDLE_TIMEOUT_S,
+        write: Callable[[pa.Table], Any] | None = None,
     ):
         self.token = bearer_token(token)
         self.idle = IdleSessions(gateway, idle_timeout_s) if idle_timeout_s is not None else None
         self._sweeping: asyncio.Task | None = None
         super().__init__(
-            create_app(gateway, self.token, model_name, sampling, self.idle),
+            create_app(
+                gateway, self.token, model_name, sampling, self.idle, RecordSink(write) if write else None
+            ),
             host=host,
             port=port,
             uds=uds,

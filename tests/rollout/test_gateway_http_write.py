@@ -1,0 +1,107 @@
+"""The gateway's HTTP server writing its harness's records (``GatewayServer(write=…)``): a real
+uvicorn server, a real httpx client, a real TorchEngine on the tiny model, and a real
+``ShardWriter`` on a local folder."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+
+import httpx
+
+from rollout.engines.torch_engine import TorchEngine
+from rollout.gateway import Gateway, GatewayConfig
+from rollout.gateway_http import SESSION_HEADER, GatewayServer
+from rollout.router import Router
+from storage.shards import ShardReader, ShardWriter
+from tests.rollout.test_gateway_http import tiny  # noqa: F401  (the module's model fixture)
+
+
+@contextlib.asynccontextmanager
+async def writing(tiny, write=None):  # noqa: F811
+    model, tokenizer = tiny
+    engine = TorchEngine(copy.deepcopy(model), tokenizer, name="live")
+    gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=256, max_new_tokens=4))
+    server = await GatewayServer(gateway, write=write).start()
+    client = httpx.AsyncClient(
+        base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}, timeout=60
+    )
+    try:
+        yield client
+    finally:
+        await client.aclose()
+        await server.stop()
+        await engine.close()
+
+
+async def recorded(client: httpx.AsyncClient, **fields) -> dict:
+    """A session opened with ``fields``, one turn taken, recorded (unwritten) and deleted."""
+    opened = await client.post("/v1/sessions", json={"task": "arith", "prompt_id": "p1", **fields})
+    assert opened.status_code == 200, opened.text
+    session = opened.json()["session_id"]
+    turn = await client.post("/v1/generate", json={"token_ids": [5, 6]}, headers={SESSION_HEADER: session})
+    assert turn.status_code == 200, turn.text
+    record = (await client.post(f"/v1/sessions/{session}/record", json={"reward": 0.5})).json()
+    await client.delete(f"/v1/sessions/{session}")
+    return record
+
+
+def test_an_execution_is_written_whole_into_one_shard_and_a_bad_one_writes_nothing(tiny, local_store):  # noqa: F811
+    writer = ShardWriter(local_store, "harness", flush_records=1000)
+
+    async def body():
+        async with writing(tiny, writer.write_table) as client:
+            root = await recorded(client, trajectory_id="root")
+            branch = await recorded(client, parent_id="root", branch_at=1)
+            assert branch["execution_id"] == "root"
+            other = await recorded(client)
+
+            refusals = {
+                "two executions": [root, other],
+                "an unknown field": [{**root, "rewrd": 1.0}],
+                "a schema error": [{**root, "logprobs": root["logprobs"][:-1]}],
+                "a repeated id": [root, {**branch, "trajectory_id": "root"}],
+            }
+            for why, records in refusals.items():
+                refused = await client.post("/v1/records", json={"records": records})
+                assert refused.status_code == 400, why
+                assert writer._buffered_rows == 0, why
+
+            written = await client.post("/v1/records", json={"records": [root, branch]})
+            assert written.json() == {"written": 2, "execution_id": "root"}
+            again = await client.post("/v1/records", json={"records": [branch]})
+            assert again.status_code == 400 and "written already" in again.text
+
+            # a record written alone must be its execution's only trajectory
+            opened = await client.post(
+                "/v1/sessions", json={"task": "arith", "prompt_id": "p1", "trajectory_id": "lone"}
+            )
+            lone = opened.json()["session_id"]
+            await client.post("/v1/generate", json={"token_ids": [5]}, headers={SESSION_HEADER: lone})
+            await client.post("/v1/sessions", json={"task": "arith", "prompt_id": "p1", "parent_id": "lone"})
+            split = await client.post(f"/v1/sessions/{lone}/record", json={"write": True})
+            assert split.status_code == 400 and "POST /v1/records" in split.text
+
+            return branch["trajectory_id"]
+
+    branch_id = asyncio.run(body())
+    writer.close()
+    reader = ShardReader(local_store, "raw")
+    (shard,) = reader.poll()[0]
+    assert reader.read(shard).column("trajectory_id").to_pylist() == ["root", branch_id]
+
+
+def test_a_server_with_nowhere_to_write_refuses_to_write(tiny):  # noqa: F811
+    async def body():
+        async with writing(tiny) as client:
+            record = await recorded(client)
+            refused = await client.post("/v1/records", json={"records": [record]})
+            assert refused.status_code == 400 and "writes no records" in refused.text
+            opened = (await client.post("/v1/sessions", json={"task": "arith", "prompt_id": "p1"})).json()
+            write = await client.post(f"/v1/sessions/{opened['session_id']}/record", json={"write": True})
+            assert write.status_code == 400 and "writes no records" in write.text
+            kept = await client.post(f"/v1/sessions/{opened['session_id']}/record", json={})
+            assert kept.status_code == 200  # the session stays open and recordable
+
+    asyncio.run(body())
