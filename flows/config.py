@@ -35,7 +35,7 @@ from envs.registry import REGISTRY, env_class, make_config, task_set
 from envs.shell_env import ShellConfig
 from rl.config import SAOConfig, SFTConfig, TinyModelConfig, TorchDevice
 from rl.processor import ProcessorConfig
-from rollout.config import EngineConfig, OrchestratorConfig, ServiceConfig
+from rollout.config import EngineConfig, GatewayHTTPConfig, OrchestratorConfig, ServiceConfig
 from rollout.elastic import ElasticConfig
 from rollout.engines.base import MIN_TEMPERATURE
 from rollout.gateway import GatewayConfig
@@ -217,6 +217,11 @@ class RunConfig(BaseModel):
     )
     service: ServiceConfig = Field(
         default_factory=ServiceConfig, description="Rollout service pools and sampling."
+    )
+    gateway_http: GatewayHTTPConfig = Field(
+        default_factory=GatewayHTTPConfig,
+        description="The gateway's HTTP API that each rollout worker serves to agent harnesses outside "
+        "the run (off by default), writing their records into its raw shards.",
     )
     orchestrator: OrchestratorConfig = Field(
         default_factory=OrchestratorConfig, description="Task mix, concurrency, backpressure."

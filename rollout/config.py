@@ -7,6 +7,7 @@ Kept apart from that code so that a run config loads without torch and transform
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -262,3 +263,59 @@ class OrchestratorConfig(BaseModel):
                 "so it would never stop the run: stop after a number of rollouts with max_rollouts"
             )
         return self
+
+
+class GatewayHTTPConfig(BaseModel):
+    """The gateway's HTTP API (``rollout.gateway_http``) that a rollout worker serves to agent
+    harnesses outside the run, and the raw shards it writes their records into."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+    port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="TCP port each rollout worker serves the API on, for its life (0: a free one; the "
+        "worker logs its URL). None: not served.",
+    )
+    host: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address it listens on: loopback only by default; 0.0.0.0 for every interface (plain "
+        "HTTP: put TLS in front of it beyond a trusted network).",
+    )
+    token_env: str = Field(
+        "TREADLE_GATEWAY_TOKEN",
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Environment variable holding the bearer token every request but /health must carry; "
+        "a worker serving the API refuses to start while it is unset or empty.",
+    )
+    idle_timeout_s: float | None = Field(
+        1800.0,
+        gt=0,
+        description="A session opened over HTTP with no request for this many seconds is ended "
+        "unrecorded (a crashed harness's); None: never.",
+    )
+    serve_only: bool = Field(
+        False,
+        description="The worker runs none of its own rollouts (orchestrator.mix): it serves the API and "
+        "loads each new weight version until the deadline or a stop. Needs port.",
+    )
+
+    @model_validator(mode="after")
+    def _serving(self) -> GatewayHTTPConfig:
+        if self.serve_only and self.port is None:
+            raise ValueError("serve_only without port: the worker would neither roll out nor serve; set port")
+        return self
+
+    def token(self) -> str:
+        """The bearer token, from the environment variable ``token_env``; ``ValueError`` when it
+        is unset or blank."""
+        token = os.environ.get(self.token_env, "")
+        if not token.strip():
+            raise ValueError(
+                f"gateway_http.port is set, so the worker serves the gateway, but environment variable "
+                f"{self.token_env} (gateway_http.token_env), its bearer token, is "
+                f"{'empty' if self.token_env in os.environ else 'unset'}: set it to the token harnesses send"
+            )
+        return token

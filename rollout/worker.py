@@ -3,7 +3,9 @@
 It serves the newest weight version, writes every finished rollout to raw shards, and
 follows the trainer: a background loop polls ``weights/LATEST`` and loads each new
 version into every engine between decode steps, so each token keeps the version that
-really produced it.
+really produced it. Given ``http`` (``GatewayHTTPConfig``) it also serves the gateway's HTTP API
+(``rollout.gateway_http``) to harnesses outside the run while it runs, writing the records they
+send into its raw shards, beside its own rollouts or, serving only, instead of them.
 
 Backpressure: the backlog the orchestrator sees is the number of shards this worker
 committed since its engines last picked up a new version. When the trainer lags, no new
@@ -47,11 +49,12 @@ from typing import Any, Literal
 
 from envs import registry
 from envs.base import Env, EnvConfig, Task
-from rollout.config import EngineConfig, OrchestratorConfig, ServiceConfig
+from rollout.config import EngineConfig, GatewayHTTPConfig, OrchestratorConfig, ServiceConfig
 from rollout.engines.base import Engine, EngineError
 from rollout.engines.factory import build_engines
 from rollout.engines.vllm_engine import VLLMEngine
 from rollout.gateway import Gateway, GatewayConfig
+from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.orchestrator import Orchestrator, OrchestratorStats
 from rollout.router import Router, RouterConfig, probe_health
 from rollout.service import RolloutResult, RolloutService
@@ -133,6 +136,10 @@ class RolloutWorker:
             shard is not committed (``close`` then raises it at once, without retrying).
         stop_launching: the orchestrator's outside stop, looked at before each launch
             (``Orchestrator``'s ``stop_launching``).
+        http: the gateway's HTTP API for outside harnesses, served while :meth:`run` runs when its
+            ``port`` is set (the bearer token read from its ``token_env`` here, so that a worker
+            without one fails before its engines load); the records they ask it to write go into
+            this worker's raw shards. With ``serve_only`` no rollout of ``orchestrator.mix`` runs.
     """
 
     def __init__(
@@ -161,7 +168,12 @@ class RolloutWorker:
         close_retry_s: tuple[float, ...] = (1.0, 2.0, 4.0),
         before_commit: Callable[[], None] | None = None,
         stop_launching: Callable[[], bool] | None = None,
+        http: GatewayHTTPConfig | None = None,
     ):
+        self.http = http if http is not None and http.port is not None else None
+        self._http_token = self.http.token() if self.http is not None else None
+        self.http_server: GatewayServer | None = None
+        self._stopped = asyncio.Event()
         self.store = store
         self.name = name
         self.engine_config = engine
@@ -599,14 +611,49 @@ class RolloutWorker:
         prober = asyncio.create_task(self._check_health())
         timer = asyncio.get_running_loop().call_later(max_seconds, self.stop) if max_seconds else None
         try:
+            await self._serve_http()
+            if self.http is not None and self.http.serve_only:
+                await self._stopped.wait()
+                return self.orchestrator.stats
             return await self.orchestrator.run()
         finally:
             if timer is not None:
                 timer.cancel()
-            loops = (follower, planner, queue_reader, flusher, prober)
-            for loop in loops:
-                loop.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            try:
+                await self._stop_http()
+            finally:
+                loops = (follower, planner, queue_reader, flusher, prober)
+                for loop in loops:
+                    loop.cancel()
+                await asyncio.gather(*loops, return_exceptions=True)
+
+    async def _serve_http(self) -> None:
+        """Start the gateway's HTTP API for outside harnesses, if asked for (``http``)."""
+        if self.http is None:
+            return
+        sampling = RunSampling(self.service_config.temperature, self.service_config.top_p, fixed=True)
+        self.http_server = await GatewayServer(
+            self.service.gateway,
+            host=self.http.host,
+            port=self.http.port,
+            token=self._http_token,
+            sampling=sampling,
+            idle_timeout_s=self.http.idle_timeout_s,
+            write=self.writer.write_table,
+        ).start()
+        log.info(
+            "worker %s serves the gateway at %s%s",
+            self.name,
+            self.http_server.url,
+            " (serve only: none of its own rollouts)" if self.http.serve_only else "",
+        )
+
+    async def _stop_http(self) -> None:
+        """Stop the HTTP API (its requests in flight finish first), before the writer closes."""
+        if self.http_server is not None:
+            server, self.http_server = self.http_server, None
+            await server.stop()
+            log.info("worker %s stopped serving the gateway", self.name)
 
     async def _flush_when_due(self) -> None:
         """Commit finished rollouts once they have waited ``flush_seconds``, also while none
@@ -676,6 +723,7 @@ class RolloutWorker:
             ) from None
 
     def stop(self) -> None:
+        self._stopped.set()
         if self.orchestrator is not None:
             self.orchestrator.stop()
 

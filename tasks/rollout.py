@@ -346,6 +346,7 @@ def _build_worker(
             router=router_config(config),
             before_commit=before_commit,
             stop_launching=stop.is_set if stop is not None else None,
+            http=config.gateway_http,
         )
     except BaseException:
         if env_pool is not None:

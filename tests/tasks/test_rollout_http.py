@@ -1,0 +1,198 @@
+"""The rollout task serves the gateway's HTTP API to a harness outside the run (``gateway_http``):
+a real worker on the tiny model, real HTTP through httpx, real local-folder storage, and the
+record the harness asks it to write processed from the worker's committed raw shard."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from flows.config import RunConfig
+from rl.models import build_tiny_model, ensure_base_version, publish_policy
+from rollout.gateway_http import SESSION_HEADER
+from rollout.worker import RolloutWorker
+from storage.config import RunStore, StorageConfig
+from storage.shards import ShardReader
+from storage.status import RolloutStatusBoard
+from storage.tables import Tables
+from storage.weights import WeightStore
+from tasks.process import run_processor
+from tasks.rollout import run_rollouts
+from tests.conftest import free_port
+from tests.rl.test_trainer import TINY
+
+WAIT_S = 600.0
+"""A bound on every wait, never reached unless something hangs."""
+TOKEN = "harness-token-5e1f"
+
+
+def serving_run(tmp_path, port: int, **gateway_http) -> tuple[RunConfig, RunStore]:
+    run = RunConfig(
+        run_id="served",
+        storage=StorageConfig(root=str(tmp_path / "runs")),
+        service={"max_new_tokens": 4},
+        gateway_http={"port": port, **gateway_http},
+    )
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    return run, store
+
+
+@contextlib.contextmanager
+def serving_worker(run: RunConfig) -> Iterator[tuple[Future, threading.Event]]:
+    """``run_rollouts`` of worker w0 on a thread, and its stop (set on the way out, whatever happens)."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(1) as pool:
+        worker = pool.submit(
+            run_rollouts, run, time.time() + WAIT_S, "w0", progress_every_s=0.2, stop=stop, flush_seconds=600
+        )
+        try:
+            yield worker, stop
+        finally:
+            stop.set()
+
+
+def until_serving(client: httpx.Client, worker) -> None:
+    """Wait (bounded) until the worker's server answers, failing at once if the worker ended."""
+    end = time.monotonic() + WAIT_S
+    while time.monotonic() < end:
+        if worker.done():
+            worker.result()
+            pytest.fail("the worker ended before it served")
+        try:
+            client.get("/health")
+            return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    pytest.fail("the worker never served")
+
+
+def test_a_harness_drives_a_serve_only_worker_over_http_and_its_written_record_is_processed(
+    tmp_path, monkeypatch, caplog
+):
+    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
+    port = free_port()
+    run, store = serving_run(tmp_path, port, serve_only=True)
+    caplog.set_level("INFO", logger="rollout.worker")
+    with (
+        serving_worker(run) as (worker, stop),
+        httpx.Client(
+            base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+        ) as client,
+    ):
+        until_serving(client, worker)
+        assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+        opened = client.post("/v1/sessions", json={"task": "arith", "prompt_id": "p1"}).json()
+        header = {SESSION_HEADER: opened["session_id"]}
+        first = client.post("/v1/generate", json={"token_ids": [5, 6, 7]}, headers=header).json()
+        second = client.post("/v1/generate", json={"token_ids": [8]}, headers=header).json()
+        assert first["versions"] and set(first["versions"] + second["versions"]) == {0}
+
+        # a bad body writes nothing, and the session can still be recorded and written
+        bad = client.post("/v1/records", json={"records": [{"trajectory_id": "x"}]})
+        assert bad.status_code == 400, bad.text
+        record = client.post(
+            f"/v1/sessions/{opened['session_id']}/record", json={"reward": 1.0, "write": True}
+        ).json()
+        again = client.post(
+            f"/v1/sessions/{opened['session_id']}/record", json={"reward": 1.0, "write": True}
+        )
+        assert again.status_code == 400 and "written already" in again.text
+        assert client.delete(f"/v1/sessions/{opened['session_id']}").status_code == 200
+
+        # serving only, the worker still follows the trainer: a new version serves the next session
+        model, tokenizer = build_tiny_model(TINY)
+        publish_policy(WeightStore(store), model, tokenizer, step=1)
+        versions: list[int] = []
+        end = time.monotonic() + WAIT_S
+        while 1 not in versions and time.monotonic() < end:
+            other = client.post("/v1/sessions", json={"task": "arith", "prompt_id": "p2"}).json()[
+                "session_id"
+            ]
+            versions = client.post(
+                "/v1/generate", json={"token_ids": [5]}, headers={SESSION_HEADER: other}
+            ).json()["versions"]
+            client.delete(f"/v1/sessions/{other}")
+        assert 1 in versions
+
+        stop.set()
+        result = worker.result(WAIT_S)
+        with pytest.raises(httpx.TransportError):  # stopped with the worker
+            client.get("/health")
+
+    assert result["orchestrator"]["finished"] == 0  # none of its own rollouts
+    assert f"worker w0 serves the gateway at http://127.0.0.1:{port}" in caplog.text
+    assert TOKEN not in caplog.text
+    assert not RolloutStatusBoard(store).read_worker("w0").running
+
+    reader = ShardReader(store, "raw")
+    (shard,) = reader.poll()[0]
+    assert shard.worker == "w0"
+    assert reader.read(shard).column("trajectory_id").to_pylist() == [record["trajectory_id"]]
+    assert run_processor(run, time.time())["shards"] == 1
+    trajectories = Tables(store).read("trajectories")
+    assert trajectories.column("trajectory_id").to_pylist() == [record["trajectory_id"]]
+
+
+def test_a_worker_serving_the_gateway_without_its_token_refuses_to_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", "  ")
+    run, store = serving_run(tmp_path, 0)
+    with pytest.raises(ValueError, match="TREADLE_GATEWAY_TOKEN .*is empty: set it"):
+        run_rollouts(run, time.time() + WAIT_S, "w0")
+    monkeypatch.delenv("TREADLE_GATEWAY_TOKEN")
+    with pytest.raises(ValueError, match="TREADLE_GATEWAY_TOKEN .*is unset: set it"):
+        run_rollouts(run, time.time() + WAIT_S, "w0")
+    assert not RolloutStatusBoard(store).read_worker("w0").running
+
+
+def test_serve_only_without_a_port_is_refused():
+    with pytest.raises(ValueError, match="serve_only without port"):
+        RunConfig(gateway_http={"serve_only": True})
+
+
+def test_a_worker_cancelled_while_rolling_out_beside_the_server_stops_serving(tmp_path, monkeypatch):
+    """Not serve-only: its own rollouts run beside the server; a cancelled run (a cancelled
+    deployment run, Ctrl-C) stops the server before the worker closes, and its rollouts commit."""
+    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
+    run, store = serving_run(tmp_path, 0)
+    worker = RolloutWorker(
+        store,
+        "w0",
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator.model_copy(update={"concurrency": 2}),
+        env_configs={"arith": run.env_config("arith")},
+        flush_seconds=600,
+        http=run.gateway_http,
+    )
+
+    async def body():
+        await worker.start()
+        running = asyncio.create_task(worker.run())
+        try:
+            while worker.http_server is None or not worker.orchestrator.stats.written:
+                await asyncio.sleep(0.05)
+            url = worker.http_server.url
+            async with httpx.AsyncClient(base_url=url) as client:
+                assert (await client.get("/health")).status_code == 200
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+                assert worker.http_server is None
+                with pytest.raises(httpx.TransportError):
+                    await client.get("/health")
+        finally:
+            running.cancel()
+            await worker.close()
+
+    asyncio.run(asyncio.wait_for(body(), WAIT_S))
+    (shard,) = ShardReader(store, "raw").poll()[0]
+    assert shard.num_rows >= 1
