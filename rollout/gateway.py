@@ -863,6 +863,12 @@ class Gateway:
     def sessions(self) -> list[str]:
         return list(self._sessions)
 
+    def in_open_rollout(self, trajectory_id: str) -> bool:
+        """Whether an open session belongs to the execution of trajectory ``trajectory_id`` (the
+        one it was opened with here, else its own id: a root's by default), so its rollout is live."""
+        execution = self._executions.get(trajectory_id, trajectory_id)
+        return any(session.info.execution_id == execution for session in self._sessions.values())
+
     def trajectories_of(self, execution_id: str) -> list[str]:
         """The trajectories opened on this gateway (the last ``REMEMBERED_EXECUTIONS``) that
         belong to execution ``execution_id``."""

@@ -68,7 +68,10 @@ each, and their pauses (a tool call, a test run) are bounded by its rollout's ti
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
-session, 400 bad input, 503 engine failure.
+session, 400 bad input, 503 engine failure, 429 (with ``Retry-After``) a new rollout while the
+server's ``backpressure`` says why it must wait (a rollout worker's: the trainer lags). Only
+``POST /v1/sessions`` is held back so, and not for a branch whose parent's execution has an open
+session: a rollout under way goes on to its end, as the worker's own rollouts in flight do.
 
 A server given somewhere to write (``GatewayServer``'s ``write``: a rollout worker's raw shards)
 writes records for its harness: ``POST /v1/records`` takes every record of one execution and
@@ -139,6 +142,10 @@ IDLE_TIMEOUT_S = 1800.0
 """Default of :class:`GatewayServer`'s ``idle_timeout_s``: a harness may run a test suite or a
 long tool call between two requests of a session (the rollout service gives a whole rollout
 300 s), and one that crashed has its sessions ended within the half hour."""
+RETRY_AFTER_S = 5
+"""``Retry-After`` (seconds) of a session open refused for backpressure: what holds it back clears
+as the trainer steps (a new weight version, a shorter queue), seconds apart at the least, and a
+run's harnesses all waiting would otherwise ask many times a second."""
 REMEMBERED_WRITES = 1 << 16
 """Trajectories written by a server whose ids it keeps, to refuse writing one again."""
 REMEMBERED_EXPIRIES = 1 << 16
@@ -623,11 +630,13 @@ def create_app(
     sampling: RunSampling | None = None,
     idle: IdleSessions | None = None,
     sink: RecordSink | None = None,
+    backpressure: Callable[[], str | None] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving ``gateway`` at ``sampling`` (default: temperature and top_p 1,
     not fixed); requests must carry ``Bearer token``. The sessions it opens are given to
     ``idle``, which is told of every request naming one (whoever sweeps it ends them). The
-    records it is asked to write go to ``sink``; without one such a request is refused."""
+    records it is asked to write go to ``sink``; without one such a request is refused. While
+    ``backpressure`` answers why (not None), a new rollout is refused with a 429."""
     sampling = sampling or RunSampling()
     if not token:
         raise ValueError("the gateway needs a non-empty bearer token")
@@ -756,7 +765,16 @@ def create_app(
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "treadle"}]}
 
     @app.post("/v1/sessions", dependencies=auth)
-    async def open_session(body: OpenSessionRequest) -> dict[str, Any]:
+    async def open_session(body: OpenSessionRequest) -> Any:
+        why = backpressure() if backpressure is not None else None
+        if why is not None and (body.parent_id is None or not gateway.in_open_rollout(body.parent_id)):
+            return _error(
+                429,
+                "rate_limit_error",
+                f"no new rollout opens while the trainer lags ({why}); retry after {RETRY_AFTER_S} s "
+                "(the turns and branches of open rollouts are served meanwhile)",
+                {"Retry-After": str(RETRY_AFTER_S)},
+            )
         session = gateway.open(**body.model_dump())
         if idle is not None:
             idle.opened(session)
@@ -1057,7 +1075,9 @@ class GatewayServer(AppServer):
     (``uds``; clients use ``http://gateway``) at ``sampling``. The bearer token is generated
     when not given; read it from ``.token``. A session opened over HTTP with no request for
     over ``idle_timeout_s`` seconds is ended (:class:`IdleSessions`); None keeps it until it is
-    deleted. With ``write`` (see :class:`RecordSink`) it writes the records it is asked to."""
+    deleted. With ``write`` (see :class:`RecordSink`) it writes the records it is asked to. While
+    ``backpressure`` answers why a new rollout must wait for the trainer (not None),
+    ``POST /v1/sessions`` of one is refused with a 429 (see the module docstring)."""
 
     def __init__(
         self,
@@ -1072,13 +1092,20 @@ class GatewayServer(AppServer):
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         idle_timeout_s: float | None = IDLE_TIMEOUT_S,
         write: Callable[[pa.Table], Any] | None = None,
+        backpressure: Callable[[], str | None] | None = None,
     ):
         self.token = bearer_token(token)
         self.idle = IdleSessions(gateway, idle_timeout_s) if idle_timeout_s is not None else None
         self._sweeping: asyncio.Task | None = None
         super().__init__(
             create_app(
-                gateway, self.token, model_name, sampling, self.idle, RecordSink(write) if write else None
+                gateway,
+                self.token,
+                model_name,
+                sampling,
+                self.idle,
+                RecordSink(write) if write else None,
+                backpressure,
             ),
             host=host,
             port=port,

@@ -340,6 +340,14 @@ class Orchestrator:
 
     def _pause_reason(self) -> str | None:
         """Why launching must wait now: the trainer lags or no replica is in service (None: it may launch)."""
+        reason = self.backpressure()
+        if reason is None and self.serving is not None and not self.serving():
+            return "no engine replica in service"
+        return reason
+
+    def backpressure(self) -> str | None:
+        """Why a new rollout must wait now for the trainer (see the module docstring), None when
+        it may start. A rollout worker's gateway server asks it too, before it opens a harness's."""
         cfg = self.config
         starved = self.trainer_starved is not None and self.trainer_starved()
         backlog = None if self.backlog is None else self.backlog()
@@ -349,8 +357,6 @@ class Orchestrator:
         limit = cfg.max_trainer_batches
         if queue is not None and limit is not None and queue > limit:
             return f"the trainer holds {queue:.1f} steps' worth untrained > max_trainer_batches {limit:g}"
-        if self.serving is not None and not self.serving():
-            return "no engine replica in service"
         return None
 
     def _launch_group(self) -> _Group:

@@ -140,6 +140,8 @@ class RolloutWorker:
             ``port`` is set (the bearer token read from its ``token_env`` here, so that a worker
             without one fails before its engines load); the records they ask it to write go into
             this worker's raw shards. With ``serve_only`` no rollout of ``orchestrator.mix`` runs.
+            A harness's new rollout is refused (429) while this worker's own would wait for the
+            trainer (:meth:`Orchestrator.backpressure <rollout.orchestrator.Orchestrator.backpressure>`).
     """
 
     def __init__(
@@ -640,6 +642,7 @@ class RolloutWorker:
             sampling=sampling,
             idle_timeout_s=self.http.idle_timeout_s,
             write=self.writer.write_table,
+            backpressure=self.orchestrator.backpressure,
         ).start()
         log.info(
             "worker %s serves the gateway at %s%s",

@@ -15,6 +15,7 @@ import socket
 import threading
 import time
 import types
+from collections.abc import Callable
 
 import httpx
 import openai
@@ -27,7 +28,14 @@ from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from rollout.gateway import RENDER_INLINE_CHARS, Gateway, GatewayConfig
-from rollout.gateway_http import IDLE_TIMEOUT_S, SESSION_HEADER, GatewayServer, RunSampling, create_app
+from rollout.gateway_http import (
+    IDLE_TIMEOUT_S,
+    RETRY_AFTER_S,
+    SESSION_HEADER,
+    GatewayServer,
+    RunSampling,
+    create_app,
+)
 from rollout.router import Router, RouterConfig
 from storage.schema import MAX_ERROR_CHARS, to_table, validate
 from tests.rollout.test_gateway import QWEN3_LIKE
@@ -86,6 +94,7 @@ async def serving(
     delay: float = 0.0,
     sampling: RunSampling | None = None,
     idle_timeout_s: float | None = IDLE_TIMEOUT_S,
+    backpressure: Callable[[], str | None] | None = None,
 ):
     model, tokenizer = tiny
     engines = [SlowTorchEngine(copy.deepcopy(model), tokenizer, name="live", delay=delay)]
@@ -96,7 +105,9 @@ async def serving(
     gateway = Gateway(
         router, tokenizer, GatewayConfig(max_context_tokens=max_context_tokens, max_new_tokens=8)
     )
-    server = await GatewayServer(gateway, uds=uds, sampling=sampling, idle_timeout_s=idle_timeout_s).start()
+    server = await GatewayServer(
+        gateway, uds=uds, sampling=sampling, idle_timeout_s=idle_timeout_s, backpressure=backpressure
+    ).start()
     transport = httpx.AsyncHTTPTransport(uds=uds) if uds else None
     client = httpx.AsyncClient(
         base_url=server.url,
@@ -223,6 +234,65 @@ def test_a_branch_opened_over_http_records_its_link_and_joins_its_parents_execut
 
     row = asyncio.run(body())
     assert (row["execution_id"], row["parent_id"], row["branch_at"]) == ("root", "root", 3)
+
+
+def test_only_a_session_that_starts_a_rollout_waits_for_the_servers_backpressure(tiny):
+    """While ``backpressure`` says why, a new rollout is refused with a 429 in the gateway's
+    error format. A turn, and a branch whose parent's execution (the one it was opened with, not
+    its own id) has an open session, are part of a rollout under way and are served; a branch
+    of a rollout that ended starts a new one."""
+    waits_for: list[str] = []
+
+    async def body():
+        async with serving(tiny, backpressure=lambda: waits_for[-1] if waits_for else None) as (_, _, client):
+            root = await open_session(client, trajectory_id="root", execution_id="e1")
+            sibling = await open_session(client, trajectory_id="sibling", execution_id="e1")
+            ended = await open_session(client, trajectory_id="ended")
+            for session_id in (root, ended):
+                await client.delete(f"/v1/sessions/{session_id}")
+            waits_for.append("the trainer is far behind")
+            new = {"task": "arith", "prompt_id": "p2"}
+            answers = {
+                "new": await client.post("/v1/sessions", json=new),
+                "unauthorized": await client.post(
+                    "/v1/sessions", json=new, headers={"Authorization": "Bearer wrong"}
+                ),
+                "bad body": await client.post("/v1/sessions", json={"task": "arith"}),
+                "branch of a live rollout": await client.post(
+                    "/v1/sessions", json={**new, "parent_id": "root"}
+                ),
+                "branch of an ended one": await client.post(
+                    "/v1/sessions", json={**new, "parent_id": "ended"}
+                ),
+                "turn": await client.post(
+                    "/v1/generate", json={"token_ids": [5]}, headers={SESSION_HEADER: sibling}
+                ),
+            }
+            waits_for.clear()
+            answers["new, once it may"] = await client.post("/v1/sessions", json=new)
+            return answers
+
+    answers = asyncio.run(body())
+    assert {what: answer.status_code for what, answer in answers.items()} == {
+        "new": 429,
+        "unauthorized": 401,
+        "bad body": 400,
+        "branch of a live rollout": 200,
+        "branch of an ended one": 429,
+        "turn": 200,
+        "new, once it may": 200,
+    }
+    refused = answers["new"]
+    assert refused.headers["Retry-After"] == str(RETRY_AFTER_S)
+    assert refused.json() == {
+        "error": {
+            "message": f"no new rollout opens while the trainer lags (the trainer is far behind); retry after "
+            f"{RETRY_AFTER_S} s (the turns and branches of open rollouts are served meanwhile)",
+            "type": "rate_limit_error",
+            "code": 429,
+        }
+    }
+    assert answers["branch of a live rollout"].json()["execution_id"] == "e1"
 
 
 def test_a_trajectory_id_an_open_session_holds_is_refused_naming_it(tiny):
