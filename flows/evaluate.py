@@ -21,7 +21,7 @@ from flows.config import (
     missing_device,
     rollout_problem,
 )
-from flows.run_logs import module_logs_to_run
+from flows.run_body import run_body
 from storage.config import RunStore
 from tasks.common import published_versions, run_store
 from tasks.report import report_evals
@@ -55,7 +55,7 @@ def evaluate(
         problem = absent_version(run_store(config), published_versions(config), version)
     if problem is not None:
         raise ValueError(problem)
-    with module_logs_to_run():
+    with run_body():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         from tasks.weights import evaluate_task
 

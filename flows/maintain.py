@@ -18,7 +18,7 @@ from pydantic import Field
 
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig
-from flows.run_logs import module_logs_to_run
+from flows.run_body import run_body
 from storage.shards import MIN_SWEEP_AGE_S, sweep_uncommitted
 from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
@@ -83,7 +83,7 @@ def maintain(
         raise FileNotFoundError(
             f"run {config.run_id!r} is not at {store.uri}: nothing is stored there; check storage.root and run_id"
         )
-    with module_logs_to_run():
+    with run_body():
         states = {
             **{
                 f"compact-table {name}": compact_table(config, name, retention_hours, return_state=True)

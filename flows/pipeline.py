@@ -23,7 +23,7 @@ from flows.config import (
     too_few_demos,
     unreachable_ray,
 )
-from flows.run_logs import module_logs_to_run
+from flows.run_body import run_body
 from storage.config import RunStore
 from tasks.common import SIGNAL_RETRY_S, clear_signals, run_store, send_signal
 from tasks.report import report_task
@@ -210,7 +210,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
     )
     if problem is not None:
         raise ValueError(problem)
-    with module_logs_to_run():
+    with run_body():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         import torch
 

@@ -11,7 +11,7 @@ from prefect import flow
 
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig
-from flows.run_logs import module_logs_to_run
+from flows.run_body import run_body
 from tasks.common import deadline_of
 
 
@@ -24,7 +24,7 @@ def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[st
         continuous: process shards as they are committed until the stop condition; off: one
             pass over the shards pending when it starts, then end.
     """
-    with module_logs_to_run():
+    with run_body():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         from tasks.process import process_pending, process_shards
 

@@ -25,7 +25,7 @@ from flows.config import (
     too_few_demos,
     unreachable_ray,
 )
-from flows.run_logs import module_logs_to_run
+from flows.run_body import run_body
 from storage.shards import NAME_PATTERN
 from tasks.common import clear_signals, run_store
 
@@ -56,7 +56,7 @@ def rollout(
     )
     if problem is not None:
         raise ValueError(problem)
-    with module_logs_to_run():
+    with run_body():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         from tasks.rollout import rollouts
         from tasks.weights import warm_start

@@ -13,7 +13,7 @@ from prefect import flow
 
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig, missing_device, too_few_demos, train_devices, train_paths
-from flows.run_logs import module_logs_to_run
+from flows.run_body import run_body
 from tasks.common import deadline_of
 from tasks.report import report_task
 
@@ -34,7 +34,7 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
     problem = missing_device(train_devices(config)) or train_paths(config) or too_few_demos(config)
     if problem is not None:
         raise ValueError(problem)
-    with module_logs_to_run():
+    with run_body():
         # the tasks import torch and transformers: here, so that --help and a bad config answer at once
         from tasks.train import train as train_task
         from tasks.weights import warm_start

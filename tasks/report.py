@@ -7,7 +7,6 @@ import hashlib
 import io
 import logging
 import math
-import os
 import re
 import threading
 import time
@@ -25,17 +24,15 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.client.orchestration import get_client
 from prefect.context import (
     ContextModel,
     FlowRunContext,
     SyncClientContext,
     TaskRunContext,
     get_settings_context,
-    refresh_global_settings_context,
 )
-from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
+from flows import run_body
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, TRANSIENT_ERRORS, reporting, run_store
@@ -175,42 +172,6 @@ class ProgressReporter:
 
 REPORT_STEPS = 50
 """Policy steps the report's table lists, the latest."""
-
-API_BACK_WITHIN_S = 15.0
-"""How long the run's report waits for a Prefect API that does not answer (a server
-restarting) before the run gives up on it: Prefect's client waits about a minute for each
-request to an API it reached before, and a server gone for good held the run's end that long
-for the report and again for the flow run's last state."""
-
-
-def prefect_api_answers(within_s: float, every_s: float = 0.5) -> bool:
-    """Whether the Prefect API answers its health check within ``within_s`` seconds, asked
-    every ``every_s`` with a client of its own that does not retry (True without an API URL:
-    nothing to wait for)."""
-    if not PREFECT_API_URL.value():
-        return True
-    deadline = time.monotonic() + within_s
-    while True:
-        try:
-            with (
-                temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}),
-                get_client(sync_client=True, httpx_settings={"timeout": every_s + 1.0}) as client,
-            ):
-                if client.api_healthcheck() is None:
-                    return True
-        except Exception:  # raised entering the client: its version check did not connect
-            pass
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(every_s)
-
-
-def stop_retrying_prefect_api() -> None:
-    """Make this process's Prefect client give up on a request at its first failure, so that
-    the flow run's last state fails at once where the API is gone (``treadle run`` then ends
-    with one line) instead of after about a minute of retries."""
-    os.environ["PREFECT_CLIENT_MAX_RETRIES"] = "0"
-    refresh_global_settings_context()
 
 
 def shards_by_worker(shards: pa.Table) -> list[dict[str, Any]]:
@@ -362,15 +323,15 @@ def report_run(config: RunConfig) -> str:
     shards = tables.read("shards")
     key = artifact_key(config.run_id)
     # the run's results are in its tables already: an API blip here must not fail the run
-    unanswered = not prefect_api_answers(API_BACK_WITHIN_S)
+    unanswered = not run_body.prefect_api_answers(run_body.API_BACK_WITHIN_S)
     if unanswered:
         log.warning(
             "the report of run %s not sent: the Prefect API did not answer within %g s, nor will "
             "the flow run's last state be",
             config.run_id,
-            API_BACK_WITHIN_S,
+            run_body.API_BACK_WITHIN_S,
         )
-        stop_retrying_prefect_api()
+        run_body.stop_retrying_prefect_api()
 
     def artifact(create: Callable[..., Any], what: str) -> Callable[..., None]:
         """``create`` guarded, and skipped once the Prefect API left one unanswered: Prefect's

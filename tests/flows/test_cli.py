@@ -1335,6 +1335,7 @@ import time
 
 import flows.cli
 import flows.evaluate
+import flows.run_body
 import tasks.report
 from flows.cli_args import parse
 from prefect import flow, task
@@ -1344,7 +1345,7 @@ from prefect.events.worker import EventsWorker
 servers = []
 start_server = flows.cli._start_server
 flows.cli._start_server = lambda port: servers.append(start_server(port)) or servers[-1]
-tasks.report.API_BACK_WITHIN_S = 1.0
+flows.run_body.API_BACK_WITHIN_S = 1.0
 ROOT = sys.argv[1]  # before ``treadle run`` sets the flow's argv
 
 
@@ -1408,6 +1409,72 @@ def test_a_prefect_api_gone_before_the_run_report_ends_the_command_soon_after_th
     assert exited - done < 60, result.stderr
     assert "prefect.events.clients - Unable to connect to 'ws://127.0.0.1:" in result.stderr
     assert "failed to process item" not in result.stderr
+
+
+LOST_IN_MAINTAIN_FLOW = """
+import sys
+import time
+
+import flows.cli
+import flows.maintain
+import flows.run_body
+from prefect import task
+
+servers = []
+start_server = flows.cli._start_server
+flows.cli._start_server = lambda port: servers.append(start_server(port)) or servers[-1]
+flows.run_body.API_BACK_WITHIN_S = 1.0
+sweep_shards = flows.maintain.sweep_shards
+
+
+@task
+def sweep_then_lose_the_api(config, retention_hours):
+    removed = sweep_shards.fn(config, retention_hours)
+    flows.cli._stop_server(servers[0])
+    sys.stderr.write(f"work done at {time.monotonic()}\\n")  # not print: the flow logs prints
+    return removed
+
+
+flows.maintain.sweep_shards = sweep_then_lose_the_api
+flows.cli.main(["run", "maintain", "--run-id", sys.argv[2], "--set", f"storage.root={sys.argv[1]}"])
+"""
+
+
+def test_a_prefect_api_gone_at_the_end_of_a_flow_without_a_report_ends_the_command_soon_after_the_work(
+    local_store, migrated_prefect_db
+):
+    """``treadle run maintain`` (a flow without a report) whose temporary server is gone for
+    good when its last step is done: Prefect's client retried the flow run's last state for
+    about a minute before the command's one line. Every flow's body now ends by asking the
+    API's health, waits ``API_BACK_WITHIN_S`` (here 1 s) for an API that does not answer, then
+    has the client stop retrying: the last state fails at once."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    home = migrated_home(Path(local_store.config.root).parent, migrated_prefect_db)
+    env |= {"PREFECT_HOME": str(home), "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", LOST_IN_MAINTAIN_FLOW, local_store.config.root, local_store.run_id],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+        timeout=600,
+    )
+    exited = time.monotonic()  # the system's clock: the command's too
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    (done,) = (float(line.split()[-1]) for line in lines if line.startswith("work done at "))
+    assert re.fullmatch(
+        r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
+        r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage",
+        lines[-1],
+    ), result.stderr
+    assert (
+        "the Prefect API did not answer within 1 s: the flow run's last state will not reach it"
+        in result.stderr
+    )
+    # the client's retries alone took about a minute for the last state
+    assert exited - done < 40, result.stderr
 
 
 def test_a_flows_own_refused_connection_is_not_taken_for_a_lost_prefect_api(monkeypatch):

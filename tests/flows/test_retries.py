@@ -22,6 +22,7 @@ from prefect.context import refresh_global_settings_context
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
+import flows.run_body
 import tasks.report
 from storage.weights import VersionTaken
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES
@@ -335,7 +336,7 @@ def test_the_run_report_gives_up_on_a_prefect_api_that_stays_away_after_a_short_
     attempts = []
     monkeypatch.setattr(tasks.report, "create_table_artifact", lambda *a, **kw: attempts.append(kw["key"]))
     monkeypatch.setattr(tasks.report, "create_markdown_artifact", lambda *a, **kw: attempts.append(kw["key"]))
-    monkeypatch.setattr(tasks.report, "API_BACK_WITHIN_S", 0.5)
+    monkeypatch.setattr(flows.run_body, "API_BACK_WITHIN_S", 0.5)
     retries = os.environ.get("PREFECT_CLIENT_MAX_RETRIES")
     with socket.socket() as closed:  # bound, never listening: connections are refused
         closed.bind(("127.0.0.1", 0))
@@ -360,6 +361,43 @@ def test_the_run_report_gives_up_on_a_prefect_api_that_stays_away_after_a_short_
         "the report of run report-gone not sent: the Prefect API did not answer within 0.5 s, nor will "
         "the flow run's last state be"
     ) in caplog.text
+
+
+def test_a_flow_body_that_fails_gives_up_on_a_prefect_api_that_stays_away(prefect_api, monkeypatch):
+    """A flow body that raises while the API is gone: Prefect's client retried the flow run's
+    Failed state for about a minute. The body's end asks the API's health, waits
+    ``API_BACK_WITHIN_S``, then has the client stop retrying, so that the state fails at once."""
+    monkeypatch.setattr(flows.run_body, "API_BACK_WITHIN_S", 0.5)
+    retries = os.environ.get("PREFECT_CLIENT_MAX_RETRIES")
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        gone = f"http://127.0.0.1:{closed.getsockname()[1]}/api"
+
+        @flow
+        def failing_flow() -> None:
+            with temporary_settings({PREFECT_API_URL: gone}), flows.run_body.run_body():
+                raise ValueError("the work failed")
+
+        try:
+            with pytest.raises(ValueError, match="the work failed"):
+                failing_flow()
+            assert os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == "0"
+        finally:
+            if retries is None:
+                os.environ.pop("PREFECT_CLIENT_MAX_RETRIES", None)
+            else:
+                os.environ["PREFECT_CLIENT_MAX_RETRIES"] = retries
+            refresh_global_settings_context()
+
+
+def test_a_flow_body_leaves_the_retries_of_a_prefect_api_that_answers(prefect_api):
+    @flow
+    def healthy_flow() -> str:
+        with flows.run_body.run_body():
+            return "done"
+
+    assert healthy_flow() == "done"
+    assert "PREFECT_CLIENT_MAX_RETRIES" not in os.environ
 
 
 def test_the_run_report_waits_for_a_prefect_api_that_answers_again(prefect_api, tmp_path):

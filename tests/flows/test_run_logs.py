@@ -11,7 +11,16 @@ from prefect.context import FlowRunContext
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import PREFECT_LOGGING_EXTRA_LOGGERS, temporary_settings
 
-from flows.run_logs import REPEATS_PER_WINDOW, module_logs_to_run
+from flows.maintain import maintain
+from flows.run_logs import (
+    EVENTS_CLIENT_LOGGER,
+    REPEATS_PER_WINDOW,
+    SERVICES_LOGGER,
+    _unsent_event_errors,
+    module_logs_to_run,
+)
+from tasks.common import run_store
+from tests.flows.conftest import tiny_config
 from tests.flows.prefect_api import run_logs
 
 
@@ -106,3 +115,19 @@ def test_a_warning_repeated_every_rollout_reaches_the_flow_run_a_few_times_and_t
     ]
     assert [message for name, _, message in ours if name == "rollout.service"] == ["replica r0 is down"]
     assert sum(record.name.startswith("rollout.service") for record in caplog.records) == 502
+
+
+def test_a_flow_run_not_started_by_a_flow_command_logs_one_line_per_unsent_event(tmp_path):
+    """A flow run a Prefect worker starts from a deployment goes through no flow command
+    (``parse()``), which alone had Prefect's events client log one line per event it cannot
+    send: such a run logged two. Every flow's body now filters them, once however many runs
+    the process starts."""
+    loggers = [logging.getLogger(name) for name in (EVENTS_CLIENT_LOGGER, SERVICES_LOGGER)]
+    for logger in loggers:
+        logger.removeFilter(_unsent_event_errors)
+    config = tiny_config(tmp_path / "runs", "unfiltered")
+    store = run_store(config)
+    store.fs.makedirs(store.path())  # an empty run: nothing to maintain
+    for _ in range(2):
+        maintain(config)
+    assert [logger.filters.count(_unsent_event_errors) for logger in loggers] == [1, 1]
