@@ -42,7 +42,7 @@ def prefect_api_answers(within_s: float, every_s: float = 0.5) -> bool:
             ):
                 if client.api_healthcheck() is None:
                     return True
-        except Exception:  # raised entering the client: its version check did not connect
+        except Exception:  # the client could not be made or asked: asked again until the deadline
             pass
         if time.monotonic() >= deadline:
             return False

@@ -116,6 +116,24 @@ def weights_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
         os.environ["TREADLE_CACHE"] = before
 
 
+@pytest.fixture(autouse=True)
+def prefect_client_retries_kept() -> Iterator[None]:
+    """A flow that ends while its Prefect API is gone stops the client's retries for the whole
+    process (``flows.run_body.stop_retrying_prefect_api``, as a run's end should): the tests
+    after one such in-process flow get them back."""
+    before = os.environ.get("PREFECT_CLIENT_MAX_RETRIES")
+    yield
+    if os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == before:
+        return
+    if before is None:
+        os.environ.pop("PREFECT_CLIENT_MAX_RETRIES", None)
+    else:
+        os.environ["PREFECT_CLIENT_MAX_RETRIES"] = before
+    from prefect.context import refresh_global_settings_context
+
+    refresh_global_settings_context()
+
+
 def readme_query(mentioning: str) -> str:
     """The one SQL query in the README's inline code that holds ``mentioning``, on one line."""
     readme = Path(__file__).resolve().parents[1] / "README.md"
