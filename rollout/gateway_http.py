@@ -68,10 +68,7 @@ each, and their pauses (a tool call, a test run) are bounded by its rollout's ti
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
-session, 400 bad input, 503 engine failure, 429 (with ``Retry-After``) a new rollout while the
-server's ``backpressure`` says why it must wait (a rollout worker's: the trainer lags). Only
-``POST /v1/sessions`` is held back so, and not for a branch whose parent's execution has an open
-session: a rollout under way goes on to its end, as the worker's own rollouts in flight do.
+session, 400 bad input, 503 engine failure or a write that failed (nothing written).
 
 A server given somewhere to write (``GatewayServer``'s ``write``: a rollout worker's raw shards)
 writes records for its harness: ``POST /v1/records`` takes every record of one execution and
@@ -569,13 +566,19 @@ def _why(exc: Exception) -> str:
     return f"{type(exc).__name__}: {redact(str(exc))}"
 
 
+class NotWritten(Exception):
+    """A :class:`RecordSink`'s ``write`` failed, keeping none of the records."""
+
+
 @dataclass
 class RecordSink:
     """Writes an execution's records through ``write`` (a table of ``storage.schema``'s
     trajectory records, which must land in one raw shard: a rollout worker's shard writer's
     ``write_table``), once they are checked: a body refused here writes nothing. A trajectory it
     wrote already (among the last :data:`REMEMBERED_WRITES`) is refused: a retry of a write
-    whose answer was lost would otherwise train it twice."""
+    whose answer was lost would otherwise train it twice. ``write`` raises only when the
+    records will not be committed (:class:`NotWritten`, 503: the harness may send them again);
+    a writer that keeps them for a later commit when this one fails must not raise."""
 
     write: Callable[[pa.Table], Any]
     _written: OrderedDict[str, None] = field(default_factory=OrderedDict)
@@ -615,7 +618,10 @@ class RecordSink:
             raise InvalidRequest(
                 f"trajectories {again} were written already; nothing of this request was written"
             )
-        self.write(table)
+        try:
+            self.write(table)
+        except Exception as exc:
+            raise NotWritten(f"nothing of this request was written ({_why(exc)}); send it again") from exc
         for tid in ids:
             self._written[tid] = None
         while len(self._written) > REMEMBERED_WRITES:
@@ -676,6 +682,10 @@ def create_app(
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError):
         return _error(503, "engine_unavailable", f"engine failure: {exc}")
+
+    @app.exception_handler(NotWritten)
+    async def _not_written(request: Request, exc: NotWritten):
+        return _error(503, "write_unavailable", str(exc))
 
     class InProgress(APIRoute):
         """A route whose authorized request keeps the session it names from idling from when

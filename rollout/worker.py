@@ -47,6 +47,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
+import pyarrow as pa
+
 from envs import registry
 from envs.base import Env, EnvConfig, Task
 from rollout.config import EngineConfig, GatewayHTTPConfig, OrchestratorConfig, ServiceConfig
@@ -641,8 +643,7 @@ class RolloutWorker:
             token=self._http_token,
             sampling=sampling,
             idle_timeout_s=self.http.idle_timeout_s,
-            write=self.writer.write_table,
-            backpressure=self.orchestrator.backpressure,
+            write=self._write_harness_records,
         ).start()
         log.info(
             "worker %s serves the gateway at %s%s",
@@ -650,6 +651,25 @@ class RolloutWorker:
             self.http_server.url,
             " (serve only: none of its own rollouts)" if self.http.serve_only else "",
         )
+
+    def _write_harness_records(self, table: pa.Table) -> None:
+        """Buffer the records a harness sent over HTTP (``GatewayServer``'s ``write``); raises
+        only when they will not be committed (the writer closed, or the worker's name taken). A
+        flush this write sets off that fails keeps them for the next one, as the flusher's does:
+        the harness is told they are written, and its resend is refused rather than committed twice."""
+        if self.writer.closed:
+            raise RuntimeError(f"worker {self.name} is stopping: its raw shards take no more records")
+        try:
+            self.writer.write_table(table)
+        except InUse:
+            raise
+        except Exception as exc:
+            log.warning(
+                "worker %s could not commit its buffered records (a harness's among them); the next "
+                "flush retries them: %s",
+                self.name,
+                exc,
+            )
 
     async def _stop_http(self) -> None:
         """Stop the HTTP API (its requests in flight finish first), before the writer closes."""

@@ -196,6 +196,11 @@ class ShardWriter:
         """Shards this writer has committed."""
         return self._committed
 
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` has run: a write then raises, buffering nothing."""
+        return self._closed
+
     def write(self, record: Mapping[str, Any]) -> ShardInfo | None:
         """Buffer one record; returns the shard it completed, if this write flushed one."""
         return self.write_table(to_table([record], self.schema))

@@ -105,3 +105,28 @@ def test_a_server_with_nowhere_to_write_refuses_to_write(tiny):  # noqa: F811
             assert kept.status_code == 200  # the session stays open and recordable
 
     asyncio.run(body())
+
+
+def test_a_write_that_fails_answers_503_and_its_resend_is_written(tiny, local_store):  # noqa: F811
+    """A write that keeps nothing (a closed writer) is answered as a JSON 503, not a bare 500, and
+    its records are not taken for written: the harness's resend writes them."""
+    closed = ShardWriter(local_store, "gone")
+    closed.close()
+    writer = ShardWriter(local_store, "harness", flush_records=1000)
+    writes = iter([closed.write_table, writer.write_table])
+
+    async def body():
+        async with writing(tiny, lambda table: next(writes)(table)) as client:
+            record = await recorded(client)
+            failed = await client.post("/v1/records", json={"records": [record]})
+            assert failed.status_code == 503, failed.text
+            assert "nothing of this request was written" in failed.json()["error"]["message"]
+            resent = await client.post("/v1/records", json={"records": [record]})
+            assert resent.status_code == 200, resent.text
+            return record["trajectory_id"]
+
+    trajectory = asyncio.run(body())
+    writer.close()
+    reader = ShardReader(local_store, "raw")
+    (shard,) = reader.poll()[0]
+    assert reader.read(shard).column("trajectory_id").to_pylist() == [trajectory]
