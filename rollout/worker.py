@@ -177,6 +177,8 @@ class RolloutWorker:
         self.http = http if http is not None and http.port is not None else None
         self._http_token = self.http.token() if self.http is not None else None
         self.http_server: GatewayServer | None = None
+        self.harness_records = 0
+        """Records that harnesses had this worker write over HTTP (buffered: committed as its own)."""
         self._stopped = asyncio.Event()
         self.store = store
         self.name = name
@@ -670,6 +672,7 @@ class RolloutWorker:
                 self.name,
                 exc,
             )
+        self.harness_records += table.num_rows
 
     async def _stop_http(self) -> None:
         """Stop the HTTP API (its requests in flight finish first), before the writer closes."""
@@ -778,6 +781,8 @@ class RolloutWorker:
             "prefill_reused": sum(s.prefill_reused for s in engine_stats),
             "decode_tokens": sum(s.decode_tokens for s in engine_stats),
             "reward_reloads": rewards.manager.reloads if rewards else 0,
+            "gateway_url": self.http_server.url if self.http_server is not None else None,
+            "harness_records": self.harness_records,
         }
 
     def _routing_status(self) -> dict[str, Any]:

@@ -360,7 +360,9 @@ def rollout_detail(status: dict[str, Any]) -> str:
     task that failed outside the policy (a sandbox, an engine: no reward), the groups dropped
     for uniform rewards (never written: the run's tables hold fewer rollouts than finished),
     the reward models loaded again after an eviction (a device budget that holds fewer than
-    all: each reload waits for a copy), and why launching waits while it does."""
+    all: each reload waits for a copy), and why launching waits while it does. A worker serving
+    the gateway's HTTP API (``gateway_http``) says where, and how many records harnesses had it
+    write: its own INFO log line with the URL does not reach the console."""
     tasks = sorted(status["orchestrator"]["tasks"].items())
     rewards = ", ".join(
         f"{name} {counters['mean_reward']:.2f}"
@@ -385,6 +387,12 @@ def rollout_detail(status: dict[str, Any]) -> str:
             else ""
         )
         + (f", paused: {paused}" if paused else "")
+        + (f", gateway at {url}" if (url := status.get("gateway_url")) else "")
+        + (
+            f", {written} record{'' if written == 1 else 's'} written by harnesses"
+            if (written := status.get("harness_records"))
+            else ""
+        )
     )
 
 

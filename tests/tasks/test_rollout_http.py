@@ -24,7 +24,7 @@ from storage.status import RolloutStatusBoard, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
-from tasks.rollout import run_rollouts
+from tasks.rollout import rollout_detail, run_rollouts
 from tests.conftest import free_port
 from tests.rl.test_trainer import TINY
 from tests.rollout.test_gateway_http_write import recorded
@@ -47,12 +47,19 @@ def serving_run(tmp_path, port: int, **gateway_http) -> tuple[RunConfig, RunStor
 
 
 @contextlib.contextmanager
-def serving_worker(run: RunConfig) -> Iterator[tuple[Future, threading.Event]]:
+def serving_worker(run: RunConfig, on_progress=None) -> Iterator[tuple[Future, threading.Event]]:
     """``run_rollouts`` of worker w0 on a thread, and its stop (set on the way out, whatever happens)."""
     stop = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         worker = pool.submit(
-            run_rollouts, run, time.time() + WAIT_S, "w0", progress_every_s=0.2, stop=stop, flush_seconds=600
+            run_rollouts,
+            run,
+            time.time() + WAIT_S,
+            "w0",
+            on_progress=on_progress,
+            progress_every_s=0.2,
+            stop=stop,
+            flush_seconds=600,
         )
         try:
             yield worker, stop
@@ -82,13 +89,21 @@ def test_a_harness_drives_a_serve_only_worker_over_http_and_its_written_record_i
     port = free_port()
     run, store = serving_run(tmp_path, port, serve_only=True)
     caplog.set_level("INFO", logger="rollout.worker")
+    progress: list[str] = []
     with (
-        serving_worker(run) as (worker, stop),
+        serving_worker(run, lambda status: progress.append(rollout_detail(status))) as (worker, stop),
         httpx.Client(
             base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
         ) as client,
     ):
         until_serving(client, worker)
+        # the line after the next is of a status taken while it serves: it names the URL
+        serving_line = len(progress) + 1
+        end = time.monotonic() + WAIT_S
+        while len(progress) <= serving_line:
+            assert time.monotonic() < end and not worker.done()
+            time.sleep(0.05)
+        assert f"gateway at http://127.0.0.1:{port}" in progress[serving_line]
         assert client.get("/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
         opened = client.post("/v1/sessions", json={"task": "arith", "prompt_id": "p1"}).json()
@@ -130,6 +145,9 @@ def test_a_harness_drives_a_serve_only_worker_over_http_and_its_written_record_i
             client.get("/health")
 
     assert result["orchestrator"]["finished"] == 0  # none of its own rollouts
+    # the console shows the run's progress lines, not the worker's INFO records: they say where it
+    # serves (waited for above: port 0 picks one) and what harnesses had written
+    assert "1 record written by harnesses" in rollout_detail(result)
     assert f"worker w0 serves the gateway at http://127.0.0.1:{port}" in caplog.text
     assert TOKEN not in caplog.text
     assert not RolloutStatusBoard(store).read_worker("w0").running
