@@ -177,6 +177,16 @@ def test_serve_only_without_a_port_is_refused():
         RunConfig(gateway_http={"serve_only": True})
 
 
+def test_serve_only_with_a_rollout_limit_is_refused():
+    """A serve-only worker runs none of the rollouts stop.max_rollouts counts (a harness's records
+    are not among them): without stop.max_seconds the run would never end."""
+    with pytest.raises(ValueError, match="stop.max_rollouts .*gateway_http.serve_only"):
+        RunConfig(
+            gateway_http={"port": 0, "serve_only": True}, stop={"max_rollouts": 64, "max_seconds": None}
+        )
+    RunConfig(gateway_http={"port": 0, "serve_only": True}, stop={"max_policy_steps": 3, "max_seconds": None})
+
+
 def test_a_worker_cancelled_while_rolling_out_beside_the_server_stops_serving(tmp_path, monkeypatch):
     """Not serve-only: its own rollouts run beside the server; a cancelled run (a cancelled
     deployment run, Ctrl-C) stops the server before the worker closes, and its rollouts commit."""
