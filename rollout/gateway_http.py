@@ -68,7 +68,11 @@ each, and their pauses (a tool call, a test run) are bounded by its rollout's ti
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
-session, 400 bad input, 503 engine failure or a write that failed (nothing written).
+session, 400 bad input, 503 engine failure or a write that failed (nothing written), 429 (with
+``Retry-After``) a new rollout while the server's ``backpressure`` says why it must wait (a
+rollout worker's: the trainer lags). Only ``POST /v1/sessions`` is held back so, and not for a
+branch whose parent's execution has an open session: a rollout under way goes on to its end, as
+the worker's own rollouts in flight do.
 
 A server given somewhere to write (``GatewayServer``'s ``write``: a rollout worker's raw shards)
 writes records for its harness: ``POST /v1/records`` takes every record of one execution and

@@ -646,6 +646,7 @@ class RolloutWorker:
             sampling=sampling,
             idle_timeout_s=self.http.idle_timeout_s,
             write=self._write_harness_records,
+            backpressure=self.orchestrator.backpressure,
         ).start()
         log.info(
             "worker %s serves the gateway at %s%s",

@@ -28,6 +28,7 @@ from tasks.rollout import rollout_detail, run_rollouts
 from tests.conftest import free_port
 from tests.rl.test_trainer import TINY
 from tests.rollout.test_gateway_http_write import recorded
+from tests.tasks.test_elastic_plan import until
 
 WAIT_S = 600.0
 """A bound on every wait, never reached unless something hangs."""
@@ -284,3 +285,92 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
         tid for shard in reader.poll()[0] for tid in reader.read(shard).column("trajectory_id").to_pylist()
     ]
     assert sorted(written) == sorted(ids)
+
+
+def test_a_harness_opening_a_rollout_while_the_trainer_lags_is_told_to_retry_and_open_ones_go_on(
+    tmp_path, monkeypatch
+):
+    """A serve-only worker whose harness's written records pile up past max_backlog (or whose
+    trainer holds too much untrained): a new rollout is refused with a 429 saying why, as the
+    worker's own would wait; a turn of an open session and a branch of a live rollout are served,
+    and a new rollout opens once the trainer catches up."""
+    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
+    run, store = serving_run(tmp_path, 0, serve_only=True)
+    worker = RolloutWorker(
+        store,
+        "w0",
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator.model_copy(update={"max_backlog": 1}),
+        env_configs={"arith": run.env_config("arith")},
+        flush_records=1,
+        trainer_poll_s=0.05,
+        http=run.gateway_http,
+    )
+    rollout = {"task": "arith", "prompt_id": "p1"}
+
+    async def body():
+        await worker.start()
+        running = asyncio.create_task(worker.run())
+        try:
+            await until(lambda: worker.http_server is not None, "the worker to serve")
+            async with httpx.AsyncClient(
+                base_url=worker.http_server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
+            ) as client:
+
+                async def turn(session_id: str) -> httpx.Response:
+                    return await client.post(
+                        "/v1/generate", json={"token_ids": [5, 6]}, headers={SESSION_HEADER: session_id}
+                    )
+
+                live = (await client.post("/v1/sessions", json=rollout)).json()
+                assert (await turn(live["session_id"])).status_code == 200
+                written = []
+                for _ in range(2):  # a shard each (flush_records 1): a backlog of 2 > max_backlog 1
+                    opened = (await client.post("/v1/sessions", json=rollout)).json()
+                    await turn(opened["session_id"])
+                    reply = await client.post(
+                        f"/v1/sessions/{opened['session_id']}/record", json={"reward": 1.0, "write": True}
+                    )
+                    assert reply.status_code == 200, reply.text
+                    await client.delete(f"/v1/sessions/{opened['session_id']}")
+                    written.append(opened["trajectory_id"])
+                await until(lambda: worker.backlog() == 2, "the written records to commit")
+
+                refused = await client.post("/v1/sessions", json=rollout)
+                assert refused.status_code == 429 and refused.headers["Retry-After"] == str(RETRY_AFTER_S)
+                error = refused.json()["error"]
+                assert error["code"] == 429 and error["type"] == "rate_limit_error"
+                assert (
+                    "(backlog 2 shards > max_backlog 1: waits for a new weight version)" in error["message"]
+                )
+                assert (await turn(live["session_id"])).status_code == 200
+                branch = await client.post(
+                    "/v1/sessions", json={**rollout, "parent_id": live["trajectory_id"]}
+                )
+                assert branch.status_code == 200, branch.text
+                ended = await client.post("/v1/sessions", json={**rollout, "parent_id": written[0]})
+                assert ended.status_code == 429  # its rollout ended: a branch of it is a new one
+                worker.service.gateway.close(worker.service.gateway.open(**rollout).session_id)
+
+                model, tokenizer = build_tiny_model(TINY)
+                await asyncio.to_thread(publish_policy, WeightStore(store), model, tokenizer, step=1)
+                await until(lambda: worker.backlog() == 0, "the new version to clear the backlog")
+                assert (await client.post("/v1/sessions", json=rollout)).status_code == 200
+
+                board = TrainerStatusBoard(store)
+                board.publish(TrainerStatus(time=time.time(), buffered_tokens=5000, token_budget=1000))
+                await until(lambda: worker.trainer_queue() == 5.0, "the trainer's queue")
+                refused = await client.post("/v1/sessions", json=rollout)
+                assert refused.status_code == 429
+                assert "the trainer holds 5.0 steps' worth untrained > max_trainer_batches 2" in refused.text
+                board.publish(TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=1000))
+                await until(lambda: worker.trainer_queue() == 0, "the trainer to catch up")
+                assert (await client.post("/v1/sessions", json=rollout)).status_code == 200
+        finally:
+            worker.stop()
+            await asyncio.gather(running, return_exceptions=True)
+            await worker.close()
+
+    asyncio.run(asyncio.wait_for(body(), WAIT_S))
