@@ -43,8 +43,9 @@ or parsed, as is one sent without a length that grows past it."""
 
 DRAIN_TIMEOUT_S = 30.0
 """How long :meth:`AppServer.stop` lets the requests in flight finish; those still running
-then are cancelled and answered 500. Without a bound, one client that stalls mid-body (or a
-request whose work never ends) held the stop, and a worker's shutdown behind it, for ever."""
+then are cancelled and answered 503 (the server is stopping). Without a bound, one client
+that stalls mid-body (or a request whose work never ends) held the stop, and a worker's
+shutdown behind it, for ever."""
 
 
 class _BodyTooLarge(HTTPException):
@@ -111,15 +112,52 @@ def _without_body(receive):
 
 
 async def _refuse(send, limit: int) -> None:
-    body = json.dumps({"detail": _too_large(limit)})
+    await _answer(send, 413, _too_large(limit))
+
+
+async def _answer(send, status: int, detail: str) -> None:
+    body = json.dumps({"detail": detail})
     await send(
-        {"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json")]}
+        {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
     )
     await send({"type": "http.response.body", "body": body.encode()})
 
 
 def _too_large(limit: int) -> str:
     return f"the request body is over {limit} bytes (or its Content-Length is not a number)"
+
+
+class _AnsweredOnStop:
+    """ASGI wrapper of ``app`` that answers a request the end of the drain cancels (once
+    ``stopping`` is set) with a 503 saying the server stops: uvicorn answered it a bare 500
+    "Internal Server Error" and logged a traceback for each (40 at a worker's SIGTERM under
+    40 harness requests). One whose response has started (a stream) cannot be answered
+    again: its connection closes."""
+
+    def __init__(self, app, name: str, drain_timeout_s: float):
+        self.app, self.name, self.drain_timeout_s = app, name, drain_timeout_s
+        self.stopping = False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if started or not self.stopping:
+                raise
+            detail = (
+                f"the {self.name} server is stopping: the request did not finish within "
+                f"its {self.drain_timeout_s} s drain"
+            )
+            await _answer(send, 503, detail)
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -152,8 +190,9 @@ class AppServer:
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         token: str | None = None,
     ):
+        self._answering = _AnsweredOnStop(_BodyLimit(app, max_body_bytes, token), name, drain_timeout_s)
         config = uvicorn.Config(
-            _BodyLimit(app, max_body_bytes, token),
+            self._answering,
             host=host,
             port=port,
             uds=uds,
@@ -203,9 +242,10 @@ class AppServer:
 
     async def stop(self) -> None:
         """Stop serving and wait for the server task to end: the requests in flight finish, or
-        are cancelled after ``drain_timeout_s``."""
+        are cancelled after ``drain_timeout_s`` and answered 503."""
         if self._task is None:
             return
+        self._answering.stopping = True
         self._server.should_exit = True
         await self._task
         self._task = None

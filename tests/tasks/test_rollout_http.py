@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Iterator
@@ -16,7 +17,8 @@ import pytest
 
 from flows.config import RunConfig
 from rl.models import build_tiny_model, ensure_base_version, publish_policy
-from rollout.gateway_http import RETRY_AFTER_S, SESSION_HEADER
+from rollout import worker as worker_module
+from rollout.gateway_http import RETRY_AFTER_S, SESSION_HEADER, GatewayServer
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader
@@ -226,6 +228,64 @@ def test_a_worker_cancelled_while_rolling_out_beside_the_server_stops_serving(tm
     asyncio.run(asyncio.wait_for(body(), WAIT_S))
     (shard,) = ShardReader(store, "raw").poll()[0]
     assert shard.num_rows >= 1
+
+
+def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_path, monkeypatch):
+    """A worker stopped as SIGTERM stops it (its run cancelled: tasks.event_loop.run_async)
+    while harness requests generate answers each of them over HTTP once its drain is over: a
+    503 naming the stop, where uvicorn answered a bare 500 "Internal Server Error" and logged
+    a traceback for each. The drain is cut to none so that the requests, each of the model's
+    whole context, are surely running at its end."""
+    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
+    monkeypatch.setattr(worker_module, "GatewayServer", functools.partial(GatewayServer, drain_timeout_s=0))
+    run, store = serving_run(tmp_path, 0, serve_only=True)
+    worker = RolloutWorker(
+        store,
+        "w0",
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator,
+        env_configs={"arith": run.env_config("arith")},
+        flush_seconds=600,
+        http=run.gateway_http,
+    )
+    requests = 3
+
+    async def generate(client: httpx.AsyncClient, prompt_id: str) -> httpx.Response:
+        opened = (await client.post("/v1/sessions", json={"task": "arith", "prompt_id": prompt_id})).json()
+        return await client.post(
+            "/v1/generate",
+            json={"token_ids": [5, 6, 7], "max_new_tokens": TINY.max_position_embeddings, "stop_ids": []},
+            headers={SESSION_HEADER: opened["session_id"]},
+        )
+
+    async def body() -> list[httpx.Response]:
+        await worker.start()
+        running = asyncio.create_task(worker.run())
+        try:
+            while worker.http_server is None:
+                await asyncio.sleep(0.05)
+            async with httpx.AsyncClient(
+                base_url=worker.http_server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=WAIT_S
+            ) as client:
+                sent = [asyncio.create_task(generate(client, f"p{i}")) for i in range(requests)]
+                (engine,) = worker.engines
+                while engine.stats().extra["active"] < requests:
+                    assert not any(task.done() for task in sent), [
+                        task.result().text for task in sent if task.done()
+                    ]
+                    await asyncio.sleep(0.01)
+                running.cancel()
+                await asyncio.gather(running, return_exceptions=True)
+                return await asyncio.gather(*sent)
+        finally:
+            running.cancel()
+            await worker.close()
+
+    answers = asyncio.run(asyncio.wait_for(body(), WAIT_S))
+    assert [answer.status_code for answer in answers] == [503] * requests, [a.text for a in answers]
+    assert all("the gateway server is stopping" in answer.json()["detail"] for answer in answers)
 
 
 def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refused(tmp_path, monkeypatch):
