@@ -26,6 +26,7 @@ from flows.config import (
     RunConfig,
     load_config,
     missing_device,
+    missing_gateway_token,
     missing_path,
     missing_ray,
     rollout_problem,
@@ -109,6 +110,7 @@ def parse(
     ray: bool = False,
     splits: tuple[Split, ...] = (),
     warm_starts: bool = False,
+    serves_gateway: bool = False,
 ) -> tuple[RunConfig, argparse.Namespace]:
     """Parse ``--config``, ``--run-id`` and ``--set a.b=value`` overrides; exit with the
     config error's message (naming the field) when it does not load, or when a field of
@@ -122,7 +124,9 @@ def parse(
     :func:`~flows.config.rollout_problem` finds (a task it cannot draw, more cores than this
     process may use, a reward model past its budget), or, for a flow that may warm-start
     (``warm_starts``), more demonstrations asked of an env than it holds train tasks
-    (:func:`~flows.config.too_few_demos`)."""
+    (:func:`~flows.config.too_few_demos`), or, for a flow whose rollout worker may serve the
+    gateway's HTTP API (``serves_gateway``), its bearer token missing from this machine's
+    environment (:func:`~flows.config.missing_gateway_token`)."""
     set_prefect_defaults()
     from flows.run_logs import one_line_per_unsent_event  # imports Prefect: after its defaults
 
@@ -198,6 +202,7 @@ def parse(
         or (paths(config) if paths else None)
         or (rollout_problem(config, splits) if splits else None)
         or (too_few_demos(config) if warm_starts else None)
+        or (missing_gateway_token(config) if serves_gateway else None)
     )
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)

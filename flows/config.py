@@ -852,6 +852,21 @@ def missing_ray(config: RunConfig) -> str | None:
     return f"cluster is 'ray', but {' and '.join(missing)} is not installed: pip install 'treadle[ray]'"
 
 
+def missing_gateway_token(config: RunConfig) -> str | None:
+    """With ``gateway_http.port`` set on a local cluster, one line naming the environment
+    variable (``gateway_http.token_env``) of the gateway's bearer token when it is unset or
+    blank; None otherwise. Without this check the run failed once its rollout task started,
+    with that task's traceback. On Ray the worker reads the variable on its own node, and
+    says so there."""
+    if config.cluster != "local" or config.gateway_http.port is None:
+        return None
+    try:
+        config.gateway_http.token()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 RAY_REACH_TIMEOUT_S = 10.0
 """How long :func:`unreachable_ray` waits for the cluster's port to accept a connection."""
 

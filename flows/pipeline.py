@@ -16,6 +16,7 @@ from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import (
     RunConfig,
     missing_device,
+    missing_gateway_token,
     missing_path,
     missing_ray,
     pipeline_devices,
@@ -207,6 +208,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         or missing_path(config)
         or rollout_problem(config, ("train", "eval"))
         or too_few_demos(config)
+        or missing_gateway_token(config)
     )
     if problem is not None:
         raise ValueError(problem)
@@ -271,6 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         ray=True,
         splits=("train", "eval"),
         warm_starts=True,
+        serves_gateway=True,
     )
     weight_versions(run_store(config))
     temporary_api()

@@ -17,6 +17,7 @@ from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import (
     RunConfig,
     missing_device,
+    missing_gateway_token,
     missing_path,
     missing_ray,
     rollout_devices,
@@ -53,6 +54,7 @@ def rollout(
         or missing_path(config)
         or rollout_problem(config, ("train",))
         or too_few_demos(config)
+        or missing_gateway_token(config)
     )
     if problem is not None:
         raise ValueError(problem)
@@ -101,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         ray=True,
         splits=("train",),
         warm_starts=True,
+        serves_gateway=True,
     )
     weight_versions(run_store(config))
     temporary_api()

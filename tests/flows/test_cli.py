@@ -2267,3 +2267,16 @@ def test_a_local_run_the_flow_may_not_read_is_not_blamed_on_s3_credentials(tmp_p
     assert result.stderr.startswith(f"error: cannot read the weight versions in {weights}: "), result.stderr
     assert "Permission denied" in result.stderr
     assert "credentials" not in result.stderr
+
+
+@pytest.mark.parametrize("flow", ["rollout", "pipeline"])
+def test_serving_the_gateway_without_its_token_is_a_one_line_error_before_a_flow_run(
+    flow, capfd, monkeypatch
+):
+    """A local worker serving the gateway's HTTP API read its bearer token only once the
+    rollout task ran: the run ended with that task's traceback."""
+    monkeypatch.delenv("TREADLE_GATEWAY_TOKEN", raising=False)
+    result = treadle_here(capfd, monkeypatch, "run", flow, "--run-id", "r", "--set", "gateway_http.port=0")
+    assert result.returncode == 2 and len(result.stderr.splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("error: ") and "TREADLE_GATEWAY_TOKEN" in result.stderr
+    assert "Traceback" not in result.stderr and "Flow run" not in result.stdout

@@ -34,6 +34,7 @@ from flows.config import (
     evaluate_devices,
     evaluate_paths,
     missing_cores,
+    missing_gateway_token,
     missing_path,
     missing_sandbox_root,
     reward_not_one_label,
@@ -833,3 +834,18 @@ def test_a_sharded_checkpoints_size_is_that_of_the_shards_its_index_names(tmp_pa
     assert len(list(tmp_path.glob("*.safetensors"))) > 1
     loaded = state_bytes(AutoModelForSequenceClassification.from_pretrained(tmp_path, dtype=torch.float32))
     assert loaded - 1024 <= _float32_bytes(tmp_path) <= loaded
+
+
+def test_a_missing_gateway_token_is_refused_on_this_machine_and_left_to_the_worker_on_ray(
+    tmp_path, monkeypatch
+):
+    """On Ray the worker reads the token on its own node, whose environment this one does not see."""
+    local = tiny_config(tmp_path / "runs", "token", gateway_http={"port": 0, "token_env": "T_GATEWAY"})
+    monkeypatch.setenv("T_GATEWAY", " ")
+    assert "environment variable T_GATEWAY (gateway_http.token_env)" in missing_gateway_token(local)
+    assert "is empty" in missing_gateway_token(local)
+    assert missing_gateway_token(local.model_copy(update={"cluster": "ray"})) is None
+    monkeypatch.setenv("T_GATEWAY", "secret")
+    assert missing_gateway_token(local) is None
+    monkeypatch.delenv("T_GATEWAY")
+    assert missing_gateway_token(tiny_config(tmp_path / "runs", "token")) is None
