@@ -118,7 +118,7 @@ def run_rollouts(
     again every ``STATUS_RETRY_S`` while publishing it fails).
 
     With ``config.cluster == "ray"`` the engines and the environments run in Ray actors
-    (one env worker per engine replica) on the cluster at ``config.ray_address``; with
+    (one env worker per engine replica, none serving only) on the cluster at ``config.ray_address``; with
     ``placements`` (the Ray options of each, in the order of :func:`rollout_actor_resources`:
     their bundles of a placement group the caller holds) each runs in its bundle, else Ray
     places them freely.
@@ -290,15 +290,22 @@ def connect_run_ray(config: RunConfig, task_cpus: int = 0) -> None:
 
 
 def rollout_actor_resources(config: RunConfig) -> list[dict[str, int]]:
-    """What each Ray actor of a rollout worker of ``config`` asks for: an environment worker
-    per engine replica, then the torch engines' actors (the order of ``run_rollouts``'s
+    """What each Ray actor of a rollout worker of ``config`` asks for: its environment workers
+    (:func:`env_workers`), then the torch engines' actors (the order of ``run_rollouts``'s
     ``placements``)."""
     from rollout.ray_engine import engine_actor_resources
     from rollout.ray_env import ENV_WORKER_RESOURCES
 
     engine = config.engine
     engines = [engine_actor_resources(engine.torch)] * engine.replicas if engine.kind == "torch" else []
-    return [ENV_WORKER_RESOURCES] * engine.replica_count + engines
+    return [ENV_WORKER_RESOURCES] * env_workers(config) + engines
+
+
+def env_workers(config: RunConfig) -> int:
+    """How many Ray environment workers a rollout worker of ``config`` starts: one per engine
+    replica, none when it serves only (``gateway_http.serve_only``): it runs no env, the
+    harnesses outside the run run theirs."""
+    return 0 if config.gateway_http.serve_only else config.engine.replica_count
 
 
 def _build_worker(
@@ -317,16 +324,17 @@ def _build_worker(
     :func:`run_rollouts`). Its orchestrator launches nothing once ``stop`` is set."""
     orchestrator = config.orchestrator.model_copy(update={"max_rollouts": max_rollouts(config)})
     env_pool = None
-    workers = config.engine.replica_count
+    workers = env_workers(config)
     env_placements = None if placements is None else placements[:workers]
     engine_placements = None if placements is None else placements[workers:]
     if config.cluster == "ray":
         from rollout.ray_env import RayEnvPool
 
         connect_run_ray(config)
-        env_configs = {name: config.env_config(name) for name in orchestrator.mix}
-        env_pool = RayEnvPool(env_configs, num_workers=workers, placements=env_placements)
-        env_pool.wait_started(config.engine.load_timeout_s)
+        if workers:
+            env_configs = {name: config.env_config(name) for name in orchestrator.mix}
+            env_pool = RayEnvPool(env_configs, num_workers=workers, placements=env_placements)
+            env_pool.wait_started(config.engine.load_timeout_s)
     try:
         worker = RolloutWorker(
             run_store(config),
