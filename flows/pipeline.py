@@ -25,6 +25,7 @@ from flows.config import (
     unreachable_ray,
 )
 from flows.run_body import run_body
+from rollout.config import GatewayHTTPConfig
 from storage.config import RunStore
 from tasks.common import SIGNAL_RETRY_S, clear_signals, run_store, send_signal
 from tasks.report import report_task
@@ -94,9 +95,21 @@ def _wind_down(
     return rollout_run.result(), process_run.result(), train_run.result()
 
 
-def untrained_warning(orchestrator: dict[str, Any]) -> str:
-    """Why a run took no policy step, from its rollout worker's counters: what it finished and
-    wrote, and the groups it dropped for equal rewards (never written)."""
+def untrained_warning(rollouts: dict[str, Any], http: GatewayHTTPConfig) -> str:
+    """Why a run took no policy step, from what its rollout task returned (``rollouts``): what
+    the worker finished and wrote, the groups it dropped for equal rewards (never written), and,
+    for a worker serving the gateway's HTTP API (``http``), the records harnesses had it write:
+    a worker serving only runs none of its own."""
+    orchestrator = rollouts["orchestrator"]
+    count = rollouts["harness_records"]
+    harnesses = (
+        f"harnesses wrote {count} record{'' if count == 1 else 's'}" if count else "harnesses wrote no record"
+    )
+    if http.serve_only:
+        return (
+            "no policy step: the trainer got too little to train on; the rollout worker served harnesses "
+            f"only (gateway_http.serve_only), and {harnesses}"
+        )
     dropped = orchestrator["groups_filtered"]
     groups = orchestrator["groups_kept"] + dropped
     return (
@@ -108,6 +121,7 @@ def untrained_warning(orchestrator: dict[str, Any]) -> str:
             if dropped
             else ""
         )
+        + (f", and {harnesses}" if http.port is not None else "")
     )
 
 
@@ -241,7 +255,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
                 train.submit(config, signals=signals),
             )
         if not trained["steps"]:
-            logger.warning(untrained_warning(generated["orchestrator"]))
+            logger.warning(untrained_warning(generated, config.gateway_http))
         after = evaluate_task(config, reuse=True)
         report_task(config)
         gain = {

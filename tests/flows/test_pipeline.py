@@ -14,6 +14,7 @@ from prefect.states import Completed, Failed
 
 from flows import pipeline as pipeline_module
 from flows.sql import connect
+from rollout.config import GatewayHTTPConfig
 from storage.tables import Tables
 from tasks.common import run_store, send_signal, signal_path, signals_dir
 from tasks.report import artifact_key
@@ -633,12 +634,45 @@ def test_the_warning_of_a_run_that_took_no_policy_step_tells_the_groups_dropped_
     """A GRPO run whose untrained policy failed every task (12844 rollouts, all 3211 groups
     dropped for equal rewards) logged "Policy steps: 0" and ended Completed, with no word why."""
     stats = {"finished": 12844, "written": 0, "groups_kept": 0, "groups_filtered": 3211}
-    assert pipeline_module.untrained_warning(stats) == (
+    assert pipeline_module.untrained_warning(worker_result(stats), GatewayHTTPConfig()) == (
         "no policy step: the trainer got too little to train on; 0 of 12844 rollouts finished were "
         "written, 3211 of 3211 groups dropped with every reward in them equal "
         "(orchestrator.filter_uniform_groups)"
     )
     stats = {"finished": 40, "written": 40, "groups_kept": 0, "groups_filtered": 0}
-    assert pipeline_module.untrained_warning(stats) == (
+    assert pipeline_module.untrained_warning(worker_result(stats), GatewayHTTPConfig()) == (
         "no policy step: the trainer got too little to train on; 40 of 40 rollouts finished were written"
+    )
+
+
+def worker_result(orchestrator: dict[str, int], harness_records: int = 0) -> dict:
+    """What the rollout task returns, as far as the warning of a run without a policy step reads it."""
+    return {"orchestrator": orchestrator, "harness_records": harness_records}
+
+
+NOTHING_OF_ITS_OWN = {"finished": 0, "written": 0, "groups_kept": 0, "groups_filtered": 0}
+
+
+@pytest.mark.parametrize(
+    ("harness_records", "said"),
+    [(0, "harnesses wrote no record"), (1, "harnesses wrote 1 record"), (3, "harnesses wrote 3 records")],
+)
+def test_the_warning_of_a_serve_only_run_that_took_no_policy_step_tells_what_harnesses_wrote(
+    harness_records, said
+):
+    """It said "0 of 0 rollouts finished were written": a serve-only worker runs none, and the
+    records harnesses had it write, the run's only ones, went unmentioned."""
+    http = GatewayHTTPConfig(port=0, serve_only=True)
+    assert pipeline_module.untrained_warning(worker_result(NOTHING_OF_ITS_OWN, harness_records), http) == (
+        "no policy step: the trainer got too little to train on; the rollout worker served harnesses only "
+        f"(gateway_http.serve_only), and {said}"
+    )
+
+
+def test_the_warning_of_a_run_serving_harnesses_beside_its_own_rollouts_tells_what_they_wrote():
+    stats = {"finished": 8, "written": 8, "groups_kept": 2, "groups_filtered": 0}
+    http = GatewayHTTPConfig(port=0)
+    assert pipeline_module.untrained_warning(worker_result(stats, 2), http) == (
+        "no policy step: the trainer got too little to train on; 8 of 8 rollouts finished were written, "
+        "and harnesses wrote 2 records"
     )
