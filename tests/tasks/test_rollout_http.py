@@ -50,6 +50,24 @@ def serving_run(tmp_path, port: int, **gateway_http) -> tuple[RunConfig, RunStor
     return run, store
 
 
+def arith_worker(
+    run: RunConfig, store: RunStore, orchestrator: dict | None = None, **options
+) -> RolloutWorker:
+    """Worker w0 of ``run`` on the arith env, serving its ``gateway_http``; ``orchestrator``
+    overrides fields of the run's orchestrator config."""
+    return RolloutWorker(
+        store,
+        "w0",
+        engine=run.engine,
+        gateway=run.gateway,
+        service=run.service,
+        orchestrator=run.orchestrator.model_copy(update=orchestrator or {}),
+        env_configs={"arith": run.env_config("arith")},
+        http=run.gateway_http,
+        **options,
+    )
+
+
 @contextlib.contextmanager
 def serving_worker(run: RunConfig, on_progress=None) -> Iterator[tuple[Future, threading.Event]]:
     """``run_rollouts`` of worker w0 on a thread, and its stop (set on the way out, whatever happens)."""
@@ -196,17 +214,7 @@ def test_a_worker_cancelled_while_rolling_out_beside_the_server_stops_serving(tm
     deployment run, Ctrl-C) stops the server before the worker closes, and its rollouts commit."""
     monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
     run, store = serving_run(tmp_path, 0)
-    worker = RolloutWorker(
-        store,
-        "w0",
-        engine=run.engine,
-        gateway=run.gateway,
-        service=run.service,
-        orchestrator=run.orchestrator.model_copy(update={"concurrency": 2}),
-        env_configs={"arith": run.env_config("arith")},
-        flush_seconds=600,
-        http=run.gateway_http,
-    )
+    worker = arith_worker(run, store, orchestrator={"concurrency": 2}, flush_seconds=600)
 
     async def body():
         await worker.start()
@@ -240,17 +248,7 @@ def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_
     monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
     monkeypatch.setattr(worker_module, "GatewayServer", functools.partial(GatewayServer, drain_timeout_s=0))
     run, store = serving_run(tmp_path, 0, serve_only=True)
-    worker = RolloutWorker(
-        store,
-        "w0",
-        engine=run.engine,
-        gateway=run.gateway,
-        service=run.service,
-        orchestrator=run.orchestrator,
-        env_configs={"arith": run.env_config("arith")},
-        flush_seconds=600,
-        http=run.gateway_http,
-    )
+    worker = arith_worker(run, store, flush_seconds=600)
     requests = 3
 
     async def generate(client: httpx.AsyncClient, prompt_id: str) -> httpx.Response:
@@ -302,19 +300,7 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
         if store_down.is_set():
             raise OSError("the store is down")
 
-    worker = RolloutWorker(
-        store,
-        "w0",
-        engine=run.engine,
-        gateway=run.gateway,
-        service=run.service,
-        orchestrator=run.orchestrator,
-        env_configs={"arith": run.env_config("arith")},
-        flush_records=1,
-        flush_seconds=600,
-        before_commit=before_commit,
-        http=run.gateway_http,
-    )
+    worker = arith_worker(run, store, flush_records=1, flush_seconds=600, before_commit=before_commit)
     ids = [f"t{i}" for i in range(worker.writer.max_unsaved_records + 2)]
 
     async def body():
@@ -357,18 +343,7 @@ def test_a_harness_opening_a_rollout_while_the_trainer_lags_is_told_to_retry_and
     and a new rollout opens once the trainer catches up."""
     monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
     run, store = serving_run(tmp_path, 0, serve_only=True)
-    worker = RolloutWorker(
-        store,
-        "w0",
-        engine=run.engine,
-        gateway=run.gateway,
-        service=run.service,
-        orchestrator=run.orchestrator.model_copy(update={"max_backlog": 1}),
-        env_configs={"arith": run.env_config("arith")},
-        flush_records=1,
-        trainer_poll_s=0.05,
-        http=run.gateway_http,
-    )
+    worker = arith_worker(run, store, orchestrator={"max_backlog": 1}, flush_records=1, trainer_poll_s=0.05)
     rollout = {"task": "arith", "prompt_id": "p1"}
 
     async def body():
