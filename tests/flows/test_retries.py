@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -10,6 +11,7 @@ import socket
 import threading
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +20,6 @@ import ray.exceptions
 from botocore.exceptions import EndpointConnectionError
 from deltalake.exceptions import CommitFailedError
 from prefect import flow, task
-from prefect.context import refresh_global_settings_context
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -325,6 +326,14 @@ def test_an_unreachable_prefect_api_at_the_run_report_does_not_fail_the_flow(
     ) in caplog.text
 
 
+@contextlib.contextmanager
+def gone_api() -> Iterator[str]:
+    """The API URL of a port bound but never listening: its connections are refused."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{closed.getsockname()[1]}/api"
+
+
 def test_the_run_report_gives_up_on_a_prefect_api_that_stays_away_after_a_short_wait(
     prefect_api, tmp_path, monkeypatch, caplog
 ):
@@ -337,25 +346,15 @@ def test_the_run_report_gives_up_on_a_prefect_api_that_stays_away_after_a_short_
     monkeypatch.setattr(tasks.report, "create_table_artifact", lambda *a, **kw: attempts.append(kw["key"]))
     monkeypatch.setattr(tasks.report, "create_markdown_artifact", lambda *a, **kw: attempts.append(kw["key"]))
     monkeypatch.setattr(flows.run_body, "API_BACK_WITHIN_S", 0.5)
-    retries = os.environ.get("PREFECT_CLIENT_MAX_RETRIES")
-    with socket.socket() as closed:  # bound, never listening: connections are refused
-        closed.bind(("127.0.0.1", 0))
-        gone = f"http://127.0.0.1:{closed.getsockname()[1]}/api"
+    with gone_api() as gone:
 
         @flow
         def reporting_flow() -> str:
             with temporary_settings({PREFECT_API_URL: gone}):
                 return tasks.report.report_run(tiny_config(tmp_path, "report-gone"))
 
-        try:
-            assert reporting_flow().startswith("# Run `report-gone`")
-            assert os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == "0"
-        finally:
-            if retries is None:
-                os.environ.pop("PREFECT_CLIENT_MAX_RETRIES", None)
-            else:
-                os.environ["PREFECT_CLIENT_MAX_RETRIES"] = retries
-            refresh_global_settings_context()
+        assert reporting_flow().startswith("# Run `report-gone`")
+    assert os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == "0"  # the conftest fixture restores it
     assert attempts == []
     assert (
         "the report of run report-gone not sent: the Prefect API did not answer within 0.5 s, nor will "
@@ -368,26 +367,16 @@ def test_a_flow_body_that_fails_gives_up_on_a_prefect_api_that_stays_away(prefec
     Failed state for about a minute. The body's end asks the API's health, waits
     ``API_BACK_WITHIN_S``, then has the client stop retrying, so that the state fails at once."""
     monkeypatch.setattr(flows.run_body, "API_BACK_WITHIN_S", 0.5)
-    retries = os.environ.get("PREFECT_CLIENT_MAX_RETRIES")
-    with socket.socket() as closed:  # bound, never listening: connections are refused
-        closed.bind(("127.0.0.1", 0))
-        gone = f"http://127.0.0.1:{closed.getsockname()[1]}/api"
+    with gone_api() as gone:
 
         @flow
         def failing_flow() -> None:
             with temporary_settings({PREFECT_API_URL: gone}), flows.run_body.run_body():
                 raise ValueError("the work failed")
 
-        try:
-            with pytest.raises(ValueError, match="the work failed"):
-                failing_flow()
-            assert os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == "0"
-        finally:
-            if retries is None:
-                os.environ.pop("PREFECT_CLIENT_MAX_RETRIES", None)
-            else:
-                os.environ["PREFECT_CLIENT_MAX_RETRIES"] = retries
-            refresh_global_settings_context()
+        with pytest.raises(ValueError, match="the work failed"):
+            failing_flow()
+    assert os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == "0"  # the conftest fixture restores it
 
 
 def test_a_flow_body_leaves_the_retries_of_a_prefect_api_that_answers(prefect_api):
