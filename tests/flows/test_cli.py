@@ -1329,6 +1329,18 @@ def test_a_prefect_api_lost_during_a_flow_run_ends_the_command_at_once_with_one_
     ), line
 
 
+def run_losing_its_api(home: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
+    """``script`` run with ``args`` in a Python process of its own on Prefect home ``home`` (no
+    API URL: the script starts and stops its server), and when it exited, by the system's
+    monotonic clock (the script's too)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(home), "PYTHONPATH": str(REPO)}
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=REPO, env=env, timeout=600
+    )
+    return result, time.monotonic()
+
+
 LOST_AT_THE_REPORT_FLOW = """
 import sys
 import time
@@ -1385,17 +1397,9 @@ def test_a_prefect_api_gone_before_the_run_report_ends_the_command_soon_after_th
     artifacts and has the client stop retrying: the last state fails at once. Prefect's events
     worker logged a warning and an error for each event it could not send meanwhile: now the
     warning alone."""
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env |= {"PREFECT_HOME": str(migrated_home(tmp_path, migrated_prefect_db)), "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", LOST_AT_THE_REPORT_FLOW, str(tmp_path / "runs")],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
+    result, exited = run_losing_its_api(
+        migrated_home(tmp_path, migrated_prefect_db), LOST_AT_THE_REPORT_FLOW, str(tmp_path / "runs")
     )
-    exited = time.monotonic()  # the system's clock: the command's too
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
     assert re.fullmatch(
@@ -1449,18 +1453,12 @@ def test_a_prefect_api_gone_at_the_end_of_a_flow_without_a_report_ends_the_comma
     API's health, waits ``API_BACK_WITHIN_S`` (here 1 s) for an API that does not answer, then
     has the client stop retrying: the last state fails at once."""
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    home = migrated_home(Path(local_store.config.root).parent, migrated_prefect_db)
-    env |= {"PREFECT_HOME": str(home), "PYTHONPATH": str(REPO)}
-    result = subprocess.run(
-        [sys.executable, "-c", LOST_IN_MAINTAIN_FLOW, local_store.config.root, local_store.run_id],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        env=env,
-        timeout=600,
+    result, exited = run_losing_its_api(
+        migrated_home(Path(local_store.config.root).parent, migrated_prefect_db),
+        LOST_IN_MAINTAIN_FLOW,
+        local_store.config.root,
+        local_store.run_id,
     )
-    exited = time.monotonic()  # the system's clock: the command's too
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
     (done,) = (float(line.split()[-1]) for line in lines if line.startswith("work done at "))
