@@ -9,7 +9,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import httpx
@@ -66,6 +66,16 @@ def arith_worker(
         http=run.gateway_http,
         **options,
     )
+
+
+@contextlib.asynccontextmanager
+async def harness_client(worker: RolloutWorker) -> AsyncIterator[httpx.AsyncClient]:
+    """A harness's client of ``worker``'s gateway, with its token, once the worker serves it."""
+    await until(lambda: worker.http_server is not None, "the worker to serve")
+    async with httpx.AsyncClient(
+        base_url=worker.http_server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=WAIT_S
+    ) as client:
+        yield client
 
 
 @contextlib.contextmanager
@@ -263,11 +273,7 @@ def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_
         await worker.start()
         running = asyncio.create_task(worker.run())
         try:
-            while worker.http_server is None:
-                await asyncio.sleep(0.05)
-            async with httpx.AsyncClient(
-                base_url=worker.http_server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=WAIT_S
-            ) as client:
+            async with harness_client(worker) as client:
                 sent = [asyncio.create_task(generate(client, f"p{i}")) for i in range(requests)]
                 (engine,) = worker.engines
                 while engine.stats().extra["active"] < requests:
@@ -307,11 +313,7 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
         await worker.start()
         running = asyncio.create_task(worker.run())
         try:
-            while worker.http_server is None:
-                await asyncio.sleep(0.05)
-            async with httpx.AsyncClient(
-                base_url=worker.http_server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
-            ) as client:
+            async with harness_client(worker) as client:
                 record = await recorded(client)
                 for tid in ids:
                     execution = {"records": [{**record, "trajectory_id": tid, "execution_id": tid}]}
@@ -350,10 +352,7 @@ def test_a_harness_opening_a_rollout_while_the_trainer_lags_is_told_to_retry_and
         await worker.start()
         running = asyncio.create_task(worker.run())
         try:
-            await until(lambda: worker.http_server is not None, "the worker to serve")
-            async with httpx.AsyncClient(
-                base_url=worker.http_server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60
-            ) as client:
+            async with harness_client(worker) as client:
 
                 async def turn(session_id: str) -> httpx.Response:
                     return await client.post(
