@@ -308,7 +308,7 @@ class StorageConfig(BaseModel):
 
 
 class RunStore:
-    """The storage of one run: ``<root>/<run_id>/…`` (see DESIGN.md, storage layout)."""
+    """The storage of one run: ``<root>/<run_id>/…`` (see README.md, Storage)."""
 
     def __init__(self, config: StorageConfig, run_id: str):
         if not run_id or "/" in run_id or run_id in (".", ".."):

@@ -1,8 +1,8 @@
-"""The canonical trajectory record (DESIGN.md) as an Arrow schema, and its validation.
+"""The canonical trajectory record as an Arrow schema, and its validation.
 
 One row per trajectory. Per-token columns are lists of equal length. Processed shards
 carry two more per-token columns (``train_mask``, ``loss_weight``) written by the
-trajectory processor; everything else is the same record. Beyond DESIGN.md's record,
+trajectory processor; everything else is the same record. Beyond the record's first version,
 ``error`` says why a rollout ended as it did (:data:`ADDED_COLUMNS`).
 """
 

@@ -1,4 +1,4 @@
-"""The Delta tables of a run (DESIGN.md, storage layout): one canonical schema each.
+"""The Delta tables of a run (README.md, Storage): one canonical schema each.
 
 Every write is cast to the table's schema first. Appends are safe with several writers
 at once: on S3 each commit is a conditional put (see ``StorageConfig.delta_options``),
