@@ -31,41 +31,26 @@ from tasks.rollout import rollout_actor_resources, rollout_detail, run_rollouts
 from tests.conftest import free_port
 from tests.rl.test_trainer import TINY
 from tests.rollout.test_gateway_http_write import recorded
-from tests.tasks.test_elastic_plan import until
+from tests.tasks.test_elastic_plan import make_worker, until
 
 WAIT_S = 600.0
 """A bound on every wait, never reached unless something hangs."""
 TOKEN = "harness-token-5e1f"
 
 
-def serving_run(tmp_path, port: int, **gateway_http) -> tuple[RunConfig, RunStore]:
+def serving_run(
+    tmp_path, port: int, orchestrator: dict | None = None, **gateway_http
+) -> tuple[RunConfig, RunStore]:
     run = RunConfig(
         run_id="served",
         storage=StorageConfig(root=str(tmp_path / "runs")),
         service={"max_new_tokens": 4},
+        orchestrator=orchestrator or {},
         gateway_http={"port": port, **gateway_http},
     )
     store = RunStore(run.storage, run.run_id)
     ensure_base_version(WeightStore(store), TINY)
     return run, store
-
-
-def arith_worker(
-    run: RunConfig, store: RunStore, orchestrator: dict | None = None, **options
-) -> RolloutWorker:
-    """Worker w0 of ``run`` on the arith env, serving its ``gateway_http``; ``orchestrator``
-    overrides fields of the run's orchestrator config."""
-    return RolloutWorker(
-        store,
-        "w0",
-        engine=run.engine,
-        gateway=run.gateway,
-        service=run.service,
-        orchestrator=run.orchestrator.model_copy(update=orchestrator or {}),
-        env_configs={"arith": run.env_config("arith")},
-        http=run.gateway_http,
-        **options,
-    )
 
 
 @contextlib.asynccontextmanager
@@ -223,8 +208,8 @@ def test_a_worker_cancelled_while_rolling_out_beside_the_server_stops_serving(tm
     """Not serve-only: its own rollouts run beside the server; a cancelled run (a cancelled
     deployment run, Ctrl-C) stops the server before the worker closes, and its rollouts commit."""
     monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
-    run, store = serving_run(tmp_path, 0)
-    worker = arith_worker(run, store, orchestrator={"concurrency": 2}, flush_seconds=600)
+    run, store = serving_run(tmp_path, 0, orchestrator={"concurrency": 2})
+    worker = make_worker(store, run, http=run.gateway_http, flush_seconds=600)
 
     async def body():
         await worker.start()
@@ -258,7 +243,7 @@ def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_
     monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
     monkeypatch.setattr(worker_module, "GatewayServer", functools.partial(GatewayServer, drain_timeout_s=0))
     run, store = serving_run(tmp_path, 0, serve_only=True)
-    worker = arith_worker(run, store, flush_seconds=600)
+    worker = make_worker(store, run, http=run.gateway_http, flush_seconds=600)
     requests = 3
 
     async def generate(client: httpx.AsyncClient, prompt_id: str) -> httpx.Response:
@@ -306,7 +291,9 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
         if store_down.is_set():
             raise OSError("the store is down")
 
-    worker = arith_worker(run, store, flush_records=1, flush_seconds=600, before_commit=before_commit)
+    worker = make_worker(
+        store, run, http=run.gateway_http, flush_records=1, flush_seconds=600, before_commit=before_commit
+    )
     ids = [f"t{i}" for i in range(worker.writer.max_unsaved_records + 2)]
 
     async def body():
@@ -344,8 +331,8 @@ def test_a_harness_opening_a_rollout_while_the_trainer_lags_is_told_to_retry_and
     worker's own would wait; a turn of an open session and a branch of a live rollout are served,
     and a new rollout opens once the trainer catches up."""
     monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
-    run, store = serving_run(tmp_path, 0, serve_only=True)
-    worker = arith_worker(run, store, orchestrator={"max_backlog": 1}, flush_records=1, trainer_poll_s=0.05)
+    run, store = serving_run(tmp_path, 0, orchestrator={"max_backlog": 1}, serve_only=True)
+    worker = make_worker(store, run, http=run.gateway_http, flush_records=1, trainer_poll_s=0.05)
     rollout = {"task": "arith", "prompt_id": "p1"}
 
     async def body():
