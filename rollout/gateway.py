@@ -17,7 +17,7 @@ import functools
 import math
 import time
 import uuid
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
@@ -714,6 +714,9 @@ class Gateway:
         self._executions: OrderedDict[str, str] = OrderedDict()
         """Execution id of each trajectory opened here, newest last (at most
         :data:`REMEMBERED_EXECUTIONS`): what a branch of it opened later joins."""
+        self._execution_sizes: Counter[str] = Counter()
+        """How many trajectories of ``_executions`` each execution holds: a harness's write of a
+        record asks it, and a scan of ``_executions`` took milliseconds once it was full."""
 
     def _special_ids_but_tool_tags(self) -> frozenset[int]:
         """Special token ids a reply's text for tool parsing leaves out: all but the tool-call
@@ -801,10 +804,7 @@ class Gateway:
             )
         if not execution_id:
             execution_id = self._executions.get(parent_id, parent_id) if parent_id else trajectory_id
-        self._executions[trajectory_id] = execution_id
-        self._executions.move_to_end(trajectory_id)
-        if len(self._executions) > REMEMBERED_EXECUTIONS:
-            self._executions.popitem(last=False)
+        self._remember(trajectory_id, execution_id)
         info = SessionInfo(
             session_id=session_id,
             trajectory_id=trajectory_id,
@@ -869,9 +869,29 @@ class Gateway:
         execution = self._executions.get(trajectory_id, trajectory_id)
         return any(session.info.execution_id == execution for session in self._sessions.values())
 
+    def _remember(self, trajectory_id: str, execution_id: str) -> None:
+        """Keep ``trajectory_id``'s execution, the oldest forgotten past :data:`REMEMBERED_EXECUTIONS`."""
+        previous = self._executions.pop(trajectory_id, None)
+        if previous is not None:
+            self._forget_member(previous)
+        self._executions[trajectory_id] = execution_id
+        self._execution_sizes[execution_id] += 1
+        if len(self._executions) > REMEMBERED_EXECUTIONS:
+            self._forget_member(self._executions.popitem(last=False)[1])
+
+    def _forget_member(self, execution_id: str) -> None:
+        self._execution_sizes[execution_id] -= 1
+        if not self._execution_sizes[execution_id]:
+            del self._execution_sizes[execution_id]
+
+    def execution_size(self, execution_id: str) -> int:
+        """How many trajectories opened on this gateway (the last ``REMEMBERED_EXECUTIONS``)
+        belong to execution ``execution_id``."""
+        return self._execution_sizes[execution_id]
+
     def trajectories_of(self, execution_id: str) -> list[str]:
         """The trajectories opened on this gateway (the last ``REMEMBERED_EXECUTIONS``) that
-        belong to execution ``execution_id``."""
+        belong to execution ``execution_id`` (a scan of them all: see :meth:`execution_size`)."""
         return [tid for tid, eid in self._executions.items() if eid == execution_id]
 
     def close(

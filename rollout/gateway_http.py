@@ -814,8 +814,8 @@ def create_app(
         if body.write:
             writing()
             info = session.info
-            others = [t for t in gateway.trajectories_of(info.execution_id) if t != info.trajectory_id]
-            if others:
+            if gateway.execution_size(info.execution_id) > 1:
+                others = [t for t in gateway.trajectories_of(info.execution_id) if t != info.trajectory_id]
                 raise InvalidRequest(
                     f"execution {info.execution_id!r} also holds trajectories {others}: record each without "
                     "write and send the execution's records together to POST /v1/records"

@@ -9,6 +9,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import random
 import threading
 
 import pytest
@@ -342,6 +343,39 @@ def test_a_gateway_forgets_the_executions_of_its_oldest_trajectories_first(tiny,
             ]
 
     assert asyncio.run(body()) == ["exec-b", "exec-c", "a"]
+
+
+def test_an_executions_size_counts_its_remembered_trajectories_as_a_scan_of_them_does(tiny, monkeypatch):
+    """``execution_size`` against :meth:`Gateway.trajectories_of`'s scan, on random opens: roots,
+    branches, explicit executions, trajectory ids reopened (their session deleted first) and
+    the oldest forgotten past ``REMEMBERED_EXECUTIONS``."""
+    monkeypatch.setattr(gateway_module, "REMEMBERED_EXECUTIONS", 7)
+    rng = random.Random(0)
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            for _ in range(200):
+                tid = f"t{rng.randrange(12)}"
+                for session_id in gateway.sessions:
+                    if gateway.session(session_id).info.trajectory_id == tid:
+                        gateway.close(session_id)
+                kind = rng.randrange(3)
+                opened = gateway.open(
+                    task="arith",
+                    prompt_id="p1",
+                    trajectory_id=tid,
+                    parent_id=f"t{rng.randrange(12)}" if kind == 1 else None,
+                    execution_id=f"e{rng.randrange(3)}" if kind == 2 else None,
+                )
+                executions = {
+                    opened.info.execution_id,
+                    *(f"e{i}" for i in range(3)),
+                    *(f"t{i}" for i in range(12)),
+                }
+                for execution in executions:
+                    assert gateway.execution_size(execution) == len(gateway.trajectories_of(execution))
+
+    asyncio.run(body())
 
 
 @pytest.mark.parametrize(
