@@ -646,11 +646,13 @@ def create_app(
     not fixed); requests must carry ``Bearer token``. The sessions it opens are given to
     ``idle``, which is told of every request naming one (whoever sweeps it ends them). The
     records it is asked to write go to ``sink``; without one such a request is refused. While
-    ``backpressure`` answers why (not None), a new rollout is refused with a 429."""
+    ``backpressure`` answers why (not None), a new rollout is refused with a 429, counted in
+    ``app.state.sessions_refused``."""
     sampling = sampling or RunSampling()
     if not token:
         raise ValueError("the gateway needs a non-empty bearer token")
     app = FastAPI(title="treadle TITO gateway")
+    app.state.sessions_refused = 0
     expected = f"Bearer {token}".encode()
 
     def authorized(authorization: str | None) -> bool:
@@ -782,6 +784,7 @@ def create_app(
     async def open_session(body: OpenSessionRequest) -> Any:
         why = backpressure() if backpressure is not None else None
         if why is not None and (body.parent_id is None or not gateway.in_open_rollout(body.parent_id)):
+            app.state.sessions_refused += 1
             return _error(
                 429,
                 "rate_limit_error",
@@ -1128,6 +1131,11 @@ class GatewayServer(AppServer):
             drain_timeout_s=drain_timeout_s,
             token=self.token,
         )
+
+    @property
+    def sessions_refused(self) -> int:
+        """New rollouts refused with a 429 for backpressure since the server was made."""
+        return self.app.state.sessions_refused
 
     async def start(self):
         await super().start()

@@ -784,6 +784,17 @@ class RolloutWorker:
             "reward_reloads": rewards.manager.reloads if rewards else 0,
             "gateway_url": self.http_server.url if self.http_server is not None else None,
             "harness_records": self.harness_records,
+            **self._harness_status(),
+        }
+
+    def _harness_status(self) -> dict[str, Any]:
+        """What a worker serving the gateway (``http``) tells of outside harnesses: the new
+        rollouts it refused them (429) and why one would be refused now (None: it would open)."""
+        if self.http_server is None:
+            return {"harness_sessions_refused": 0, "backpressure": None}
+        return {
+            "harness_sessions_refused": self.http_server.sessions_refused,
+            "backpressure": self.orchestrator.backpressure(),
         }
 
     def _routing_status(self) -> dict[str, Any]:

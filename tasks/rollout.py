@@ -369,8 +369,10 @@ def rollout_detail(status: dict[str, Any]) -> str:
     for uniform rewards (never written: the run's tables hold fewer rollouts than finished),
     the reward models loaded again after an eviction (a device budget that holds fewer than
     all: each reload waits for a copy), and why launching waits while it does. A worker serving
-    the gateway's HTTP API (``gateway_http``) says where, and how many records harnesses had it
-    write: its own INFO log line with the URL does not reach the console."""
+    the gateway's HTTP API (``gateway_http``) says where, how many records harnesses had it
+    write (its own INFO log line with the URL does not reach the console) and how many new
+    rollouts it refused them while it waited for the trainer; a serve-only one, which launches
+    nothing, says it is paused while it would refuse one."""
     tasks = sorted(status["orchestrator"]["tasks"].items())
     rewards = ", ".join(
         f"{name} {counters['mean_reward']:.2f}"
@@ -382,7 +384,8 @@ def rollout_detail(status: dict[str, Any]) -> str:
         for name, counters in tasks
     }
     failed = ", ".join(f"{name} {count}" for name, count in failures.items() if count)
-    paused = status["orchestrator"]["paused"]
+    # a serve-only worker launches nothing of its own: its harnesses' new rollouts wait instead
+    paused = status["orchestrator"]["paused"] or status.get("backpressure")
     dropped = status["orchestrator"]["groups_filtered"]
     groups = dropped + status["orchestrator"]["groups_kept"]
     return (
@@ -399,6 +402,11 @@ def rollout_detail(status: dict[str, Any]) -> str:
         + (
             f", {written} record{'' if written == 1 else 's'} written by harnesses"
             if (written := status.get("harness_records"))
+            else ""
+        )
+        + (
+            f", {refused} new harness rollout{'' if refused == 1 else 's'} refused (429) while paused"
+            if (refused := status.get("harness_sessions_refused"))
             else ""
         )
     )

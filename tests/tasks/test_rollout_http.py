@@ -374,12 +374,19 @@ def test_a_harness_opening_a_rollout_while_the_trainer_lags_is_told_to_retry_and
                 assert branch.status_code == 200, branch.text
                 ended = await client.post("/v1/sessions", json={**rollout, "parent_id": written[0]})
                 assert ended.status_code == 429  # its rollout ended: a branch of it is a new one
+                status = await worker.status()
+                assert status["harness_sessions_refused"] == 2
+                line = rollout_detail(status)
+                assert "paused: backlog 2 shards > max_backlog 1: waits for a new weight version" in line
+                assert "2 new harness rollouts refused (429) while paused" in line
                 worker.service.gateway.close(worker.service.gateway.open(**rollout).session_id)
 
                 model, tokenizer = build_tiny_model(TINY)
                 await asyncio.to_thread(publish_policy, WeightStore(store), model, tokenizer, step=1)
                 await until(lambda: worker.backlog() == 0, "the new version to clear the backlog")
                 assert (await client.post("/v1/sessions", json=rollout)).status_code == 200
+                status = await worker.status()
+                assert status["backpressure"] is None and "paused:" not in rollout_detail(status)
 
                 board = TrainerStatusBoard(store)
                 board.publish(TrainerStatus(time=time.time(), buffered_tokens=5000, token_budget=1000))
