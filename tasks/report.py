@@ -297,10 +297,28 @@ def _create_evals_artifact(config: RunConfig, evals: pa.Table) -> None:
     )
 
 
+def _prefect_api_gone(what: str) -> bool:
+    """Whether the Prefect API stays away past ``run_body.API_BACK_WITHIN_S`` at a run's end,
+    where ``what`` (that run's report) is to be sent: then it is not, said once, and the
+    process's client stops retrying (each request would wait about a minute)."""
+    if run_body.prefect_api_answers(run_body.API_BACK_WITHIN_S):
+        return False
+    log.warning(
+        "%s not sent: the Prefect API did not answer within %g s, nor will the flow run's last state be",
+        what,
+        run_body.API_BACK_WITHIN_S,
+    )
+    run_body.stop_retrying_prefect_api()
+    return True
+
+
 def report_evals(config: RunConfig) -> None:
-    """The run's keyed evals table artifact, from its ``evals`` table now. An error reading
-    the table or from the Prefect API is logged, never raised: it comes once the evaluation
-    is recorded, and a failed flow run, run again, would record it a second time."""
+    """The run's keyed evals table artifact, from its ``evals`` table now, unless the Prefect
+    API stays away (:func:`_prefect_api_gone`). An error reading the table or from the Prefect
+    API is logged, never raised: it comes once the evaluation is recorded, and a failed flow
+    run, run again, would record it a second time."""
+    if _prefect_api_gone(f"the evals artifact of run {config.run_id}"):
+        return
 
     def publish() -> None:
         _create_evals_artifact(config, Tables(run_store(config)).read("evals").sort_by("version"))
@@ -323,15 +341,7 @@ def report_run(config: RunConfig) -> str:
     shards = tables.read("shards")
     key = artifact_key(config.run_id)
     # the run's results are in its tables already: an API blip here must not fail the run
-    unanswered = not run_body.prefect_api_answers(run_body.API_BACK_WITHIN_S)
-    if unanswered:
-        log.warning(
-            "the report of run %s not sent: the Prefect API did not answer within %g s, nor will "
-            "the flow run's last state be",
-            config.run_id,
-            run_body.API_BACK_WITHIN_S,
-        )
-        run_body.stop_retrying_prefect_api()
+    unanswered = _prefect_api_gone(f"the report of run {config.run_id}")
 
     def artifact(create: Callable[..., Any], what: str) -> Callable[..., None]:
         """``create`` guarded, and skipped once the Prefect API left one unanswered: Prefect's
