@@ -1709,6 +1709,11 @@ def test_a_session_abandoned_over_http_is_ended_after_its_idle_time_and_a_later_
             )
             # its trajectory_id is free for a retry
             await open_session(client, trajectory_id="abandoned")
+            # its id opened again and deleted is no longer said to have idled out
+            await open_session(client, session_id=sid)
+            assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 200
+            gone = await client.delete(f"/v1/sessions/{sid}")
+            assert gone.status_code == 404 and "idle" not in gone.json()["error"]["message"], gone.text
             return sid
 
     with caplog.at_level(logging.WARNING, logger="rollout.gateway_http"):
@@ -1788,7 +1793,7 @@ def test_a_session_with_requests_in_flight_is_not_idle_and_counts_idle_from_thei
                 assert response.status_code == 200, response.text
             # each request's end is stamped as its reply is made, before it is sent
             assert server.idle.idle_for(sid) == 0.0
-            now[0] = 1059.0
+            now[0] = 1060.0  # idle for the idle time, not over it
             assert server.idle.sweep() == [] and gateway.sessions == [sid]
             now[0] = 1061.0
             assert server.idle.sweep() == [sid] and gateway.sessions == []
@@ -1805,6 +1810,9 @@ def test_with_the_idle_timeout_off_an_abandoned_session_stays_open(tiny):
     async def body():
         async with serving(tiny, idle_timeout_s=None) as (gateway, server, client):
             assert server.idle is None
+            # a sweep every quarter of the idle time, but at least every 15 s: a session idle
+            # for the default half hour is ended within 15 s of it, not 7.5 minutes
+            assert GatewayServer(gateway).idle.sweep_every_s == 15.0
             for bad in (0, -1, float("inf"), float("nan")):
                 with pytest.raises(
                     ValueError, match=r"idle_timeout_s=\S+ is not a finite number of seconds > 0"
@@ -1832,7 +1840,8 @@ def test_a_delete_continued_in_a_branch_counts_the_rollout_once(tiny):
     """An outside harness that continues a compacted rollout in a branch and deletes the
     parent with ``continued_in`` has the router count one ended rollout of two contexts, as
     the in-process rollout service does; a ``continued_in`` that is no id, the session itself
-    or no open session is refused with a one-line 400 that closes nothing."""
+    or no open session is refused with a one-line 400 that closes nothing; a session that is not
+    open is a 404, whatever its ``continued_in``."""
 
     async def body():
         async with serving(tiny) as (gateway, _, client):
@@ -1856,8 +1865,9 @@ def test_a_delete_continued_in_a_branch_counts_the_rollout_once(tiny):
                 assert response.status_code == 400, response.text
                 text = response.json()["error"]["message"]
                 assert text.startswith(message) and "\n" not in text, text
-            unknown = await client.delete("/v1/sessions/nobody", params={"continued_in": branch})
-            assert unknown.status_code == 404
+            for continued_in in (branch, "nobody", "elsewhere"):
+                unknown = await client.delete("/v1/sessions/nobody", params={"continued_in": continued_in})
+                assert unknown.status_code == 404, (continued_in, unknown.text)
             assert sorted(gateway.sessions) == sorted([parent, branch]) and live_sessions(router) == 2
 
             response = await client.delete(f"/v1/sessions/{parent}", params={"continued_in": branch})
@@ -1995,6 +2005,59 @@ def test_a_session_the_sweep_cannot_close_is_logged_once_and_the_others_still_ex
         "the idle-session sweep failed (RuntimeError: clock unavailable); it runs again every 0.075 s",
         "closed session 'later' after 100.0 s idle (idle_timeout_s=0.3)",
     ]
+
+
+def test_the_sweeps_failures_are_logged_once_for_each_run_of_them(tiny, caplog):
+    """A sweep that fails each round is logged once, not every round (a line every
+    ``sweep_every_s``), and again when it fails after a round that worked: each run of failures
+    is one line. The sweep's outcomes are scripted; the rounds are waited for, not timed."""
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=0.3) as (_, server, _client):
+            outcomes = [RuntimeError("first"), RuntimeError("again"), None, RuntimeError("after one worked")]
+            swept = asyncio.Event()
+
+            def sweep() -> list[str]:
+                outcome = outcomes.pop(0) if outcomes else None
+                if not outcomes:
+                    swept.set()
+                if outcome is not None:
+                    raise outcome
+                return []
+
+            server.idle.sweep = sweep
+            await asyncio.wait_for(swept.wait(), 30)
+
+    with caplog.at_level(logging.WARNING, logger="rollout.gateway_http"):
+        asyncio.run(body())
+    logged = [r.getMessage() for r in caplog.records if r.name == "rollout.gateway_http"]
+    assert logged == [
+        f"the idle-session sweep failed (RuntimeError: {why}); it runs again every 0.075 s"
+        for why in ("first", "after one worked")
+    ]
+
+
+def test_a_server_remembers_the_last_sessions_it_ended_for_idling(tiny, monkeypatch):
+    """The ids of the sessions ended for idling are kept to tell a later request why its session
+    is gone, the last ``REMEMBERED_EXPIRIES`` of them (here 1): a server's memory of them is
+    bounded, the oldest forgotten first (the server's clock set by hand)."""
+    monkeypatch.setattr("rollout.gateway_http.REMEMBERED_EXPIRIES", 1)
+    now = [0.0]
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=60) as (_, server, client):
+            server.idle.clock = lambda: now[0]
+            older = await open_session(client)
+            now[0] = 10.0
+            newer = await open_session(client)
+            now[0] = 100.0
+            assert server.idle.sweep() == [older, newer]
+            gone = {sid: await client.delete(f"/v1/sessions/{sid}") for sid in (older, newer)}
+            assert [response.status_code for response in gone.values()] == [404, 404]
+            assert "idle" not in gone[older].json()["error"]["message"], gone[older].text
+            assert "closed after 90.0 s idle" in gone[newer].json()["error"]["message"], gone[newer].text
+
+    asyncio.run(body())
 
 
 def test_a_record_saying_ok_with_an_error_is_refused_and_its_session_stays_open(tiny):
