@@ -57,16 +57,25 @@ def test_an_execution_is_written_whole_into_one_shard_and_a_bad_one_writes_nothi
             assert branch["execution_id"] == "root"
             other = await recorded(client)
 
+            cut = {"logprobs": root["logprobs"][:-1]}
             refusals = {
-                "two executions": [root, other],
-                "an unknown field": [{**root, "rewrd": 1.0}],
-                "a schema error": [{**root, "logprobs": root["logprobs"][:-1]}],
-                "a repeated id": [root, {**branch, "trajectory_id": "root"}],
+                "two executions": ([root, other], "the records hold executions"),
+                "an unknown field": ([{**root, "rewrd": 1.0}], "record 0: unknown fields ['rewrd']"),
+                "a schema error": ([root, {**branch, **cut}], "record 1: "),
+                "schema errors": ([{**root, **cut}, {**branch, **cut}], " (and 1 more records)"),
+                "a repeated id": (
+                    [root, {**branch, "trajectory_id": "root"}],
+                    "trajectory ids ['root'] repeat",
+                ),
+                "no records": ([], "records: List should have at least 1 item"),
             }
-            for why, records in refusals.items():
+            for why, (records, message) in refusals.items():
                 refused = await client.post("/v1/records", json={"records": records})
                 assert refused.status_code == 400, why
+                assert message in refused.json()["error"]["message"], (why, refused.text)
                 assert writer._buffered_rows == 0, why
+            one_bad = await client.post("/v1/records", json={"records": [root, {**branch, **cut}]})
+            assert "more records" not in one_bad.text, one_bad.text
 
             written = await client.post("/v1/records", json={"records": [root, branch]})
             assert written.json() == {"written": 2, "execution_id": "root"}
@@ -130,3 +139,24 @@ def test_a_write_that_fails_answers_503_and_its_resend_is_written(tiny, local_st
     reader = ShardReader(local_store, "raw")
     (shard,) = reader.poll()[0]
     assert reader.read(shard).column("trajectory_id").to_pylist() == [trajectory]
+
+
+def test_a_server_refuses_to_write_again_the_last_trajectories_it_wrote(tiny, local_store, monkeypatch):  # noqa: F811
+    """A trajectory written already is refused, among the last ``REMEMBERED_WRITES`` written
+    (here 1): the server's memory of them is bounded, the oldest forgotten first."""
+    monkeypatch.setattr("rollout.gateway_http.REMEMBERED_WRITES", 1)
+    writer = ShardWriter(local_store, "harness", flush_records=1000)
+
+    async def body():
+        async with writing(tiny, writer.write_table) as client:
+            older, newer = await recorded(client), await recorded(client)
+            for record in (older, newer):
+                written = await client.post("/v1/records", json={"records": [record]})
+                assert written.status_code == 200, written.text
+            again = await client.post("/v1/records", json={"records": [newer]})
+            assert again.status_code == 400 and "written already" in again.text
+            forgotten = await client.post("/v1/records", json={"records": [older]})
+            assert forgotten.status_code == 200, forgotten.text
+
+    asyncio.run(body())
+    writer.close()
