@@ -330,6 +330,88 @@ def test_a_branch_takes_the_execution_its_parent_was_given_or_else_its_parents_i
     assert asyncio.run(body()) == {"child": "exec-a", "explicit": "mine", "elsewhere": "other-gateways"}
 
 
+def test_a_branch_leaves_its_parent_where_their_tokens_part_and_carries_its_rollouts_ids(tiny):
+    """``Gateway.branch`` (a compacted context's continuation): a branch whose messages render
+    to a prefix of its parent's tokens (its first messages alone) parts from it at their end,
+    one whose messages differ at the first token that does; either holds those messages and
+    is a trajectory of the parent's execution, task, prompt and group, linked to it, whose
+    later messages must keep the parent's template variables. A branch one token over ``max_context_tokens`` is a
+    :class:`ContextLimit` recorded on the parent; one that just fits opens."""
+    model, tokenizer = tiny
+    thinking = copy.deepcopy(tokenizer)
+    thinking.chat_template = QWEN3_LIKE
+    variables = {"enable_thinking": False}
+    other = [USER[0], {"role": "user", "content": "What is 4 + 4?"}]
+    longer = [
+        *USER,
+        {"role": "assistant", "content": "5"},
+        {"role": "user", "content": "now say it in words"},
+    ]
+    size = len(ChatRenderer(thinking, variables).first(longer))
+
+    async def body(max_context_tokens: int):
+        config = GatewayConfig(max_context_tokens=max_context_tokens)
+        async with running_gateway((model, thinking), config=config) as gateway:
+            parent = gateway.open(task="arith", prompt_id="p1", execution_id="e1", group_id="g1")
+            parent.add_messages(USER, template_kwargs=variables)
+            await parent.generate(SamplingParams(max_new_tokens=2, seed=0))
+            prefix = len(ChatRenderer(thinking, variables).first(USER))
+            assert len(parent.tokens) > prefix, (
+                "precondition: the parent's tokens go on past its first messages"
+            )
+            first = await gateway.branch(parent, USER)
+            assert first.info.branch_at == prefix and first.tokens == parent.tokens[:prefix]
+            differing = await gateway.branch(parent, other)
+            at = differing.info.branch_at
+            assert differing.tokens[:at] == parent.tokens[:at] and differing.tokens[at] != parent.tokens[at]
+            for child, messages in ((first, USER), (differing, other)):
+                assert child.messages == messages  # its conversation, as a scorer reads it
+                info = child.info
+                assert (info.execution_id, info.task, info.prompt_id, info.group_id, info.parent_id) == (
+                    "e1",
+                    "arith",
+                    "p1",
+                    "g1",
+                    parent.info.trajectory_id,
+                )
+                child.add_messages([{"role": "user", "content": "again"}], template_kwargs=variables)
+            try:
+                return await gateway.branch(parent, longer), parent
+            except ContextLimit as exc:
+                return exc, parent
+
+    fits, parent = asyncio.run(body(max_context_tokens=size))
+    assert len(fits.tokens) == size and parent.context_limit is None
+    over, parent = asyncio.run(body(max_context_tokens=size - 1))
+    assert isinstance(over, ContextLimit)
+    assert parent.context_limit.endswith(f"would hold {size} tokens, over max_context_tokens={size - 1}")
+
+
+def test_a_sessions_prompt_size_is_the_length_of_the_prompt_its_next_turn_generates_from(tiny):
+    """``prompt_size`` (what a rollout asks before it takes an observation, to compact first)
+    counts the messages still queued, the new ones and the tokens held, as the next turn
+    renders them; with nothing new it is the tokens held. Nothing is queued by asking."""
+    again = [{"role": "user", "content": "try again"}]
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="arith", prompt_id="p1")
+            assert await session.prompt_size([]) == 0
+            session.add_messages(USER[:1])
+            asked = await session.prompt_size(USER[1:])
+            session.add_messages(USER[1:])
+            assert await session.prompt_size([]) == asked
+            turn = await session.generate(SamplingParams(max_new_tokens=2, seed=0))
+            assert len(session.tokens) - len(turn.token_ids) == asked
+            assert await session.prompt_size([]) == len(session.tokens)
+            asked = await session.prompt_size(again)
+            session.add_messages(again)
+            turn = await session.generate(SamplingParams(max_new_tokens=2, seed=1))
+            assert len(session.tokens) - len(turn.token_ids) == asked
+
+    asyncio.run(body())
+
+
 def test_a_gateway_forgets_the_executions_of_its_oldest_trajectories_first(tiny, monkeypatch):
     monkeypatch.setattr(gateway_module, "REMEMBERED_EXECUTIONS", 2)
 
@@ -374,6 +456,8 @@ def test_an_executions_size_counts_its_remembered_trajectories_as_a_scan_of_them
                 }
                 for execution in executions:
                     assert gateway.execution_size(execution) == len(gateway.trajectories_of(execution))
+                # a forgotten execution's count goes with it: what the gateway keeps is bounded
+                assert len(gateway._execution_sizes) <= 7
 
     asyncio.run(body())
 
