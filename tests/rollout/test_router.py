@@ -391,6 +391,12 @@ def test_a_session_ended_for_idling_after_its_record_is_an_ended_rollout_without
     assert (router.sessions_ended, router.sessions_expired) == (2, 0)
     assert (list(router.session_lengths), list(router.session_contexts)) == ([50.0, 30.0], [1, 2])
     assert router.session_ages() == {name: [] for name in router.replicas}
+    # an idle time longer than the router saw the session (the gateway's clock read apart) is no
+    # negative length
+    router.route("brief")
+    clock[0] = 1865.0
+    router.end_session("brief", idle_s=60.0)
+    assert list(router.session_lengths)[-1] == 0.0
     router.route("s")
     for bad in (-1.0, math.inf, math.nan):
         with pytest.raises(ValueError, match=r"^idle_s=\S+ is not a finite number of seconds >= 0$"):
@@ -421,6 +427,9 @@ def test_a_rollout_continued_in_a_new_session_ends_once_and_is_as_old_as_its_fir
     router.route("s")
     router.end_session("s")
     assert list(router.session_contexts) == [3, 1]
+    router.route("c3")  # an id ended before, used again for a rollout of its own
+    router.end_session("c3")
+    assert list(router.session_contexts) == [3, 1, 1]
     with pytest.raises(ValueError, match="cannot continue in itself"):
         router.end_session("c4", continued_in="c4")
 
