@@ -417,6 +417,7 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
         ),
         (b'{"token_ids": [5]} x', "bad request body: not valid JSON: Extra data (char 19)"),
         (b"", "bad request body: the request has no body; send a JSON object"),
+        (b"[5]", "bad request body: Input should be a valid dictionary or object to extract fields from"),
     ],
 )
 def test_a_body_that_is_no_json_object_is_refused_saying_why(tiny, content, message):
