@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import gc
 import json
 import logging
 import re
@@ -15,6 +16,7 @@ import socket
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable
 
 import httpx
@@ -2036,6 +2038,26 @@ def test_the_sweeps_failures_are_logged_once_for_each_run_of_them(tiny, caplog):
         f"the idle-session sweep failed (RuntimeError: {why}); it runs again every 0.075 s"
         for why in ("first", "after one worked")
     ]
+
+
+def test_a_deleted_session_is_let_go_by_the_next_sweep(tiny):
+    """The sweep keeps each session opened over HTTP until it ends; one deleted (or closed
+    in-process) is let go at the next round, its tokens with it, not held for the server's life."""
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=60) as (gateway, server, client):
+            sid = await open_session(client)
+            turn = await client.post(
+                "/v1/generate", json={"token_ids": [1, 2], "max_new_tokens": 2}, headers={SESSION_HEADER: sid}
+            )
+            assert turn.status_code == 200, turn.text
+            session = weakref.ref(gateway.session(sid))
+            assert (await client.delete(f"/v1/sessions/{sid}")).status_code == 200
+            assert server.idle.sweep() == []
+            gc.collect()
+            assert session() is None, "the server still holds the deleted session"
+
+    asyncio.run(body())
 
 
 def test_a_server_remembers_the_last_sessions_it_ended_for_idling(tiny, monkeypatch):
