@@ -76,6 +76,10 @@ def test_an_execution_is_written_whole_into_one_shard_and_a_bad_one_writes_nothi
                 assert writer._buffered_rows == 0, why
             one_bad = await client.post("/v1/records", json={"records": [root, {**branch, **cut}]})
             assert "more records" not in one_bad.text, one_bad.text
+            # a field the request does not take is no option the server ignores
+            unknown = await client.post("/v1/records", json={"records": [root, branch], "flush": True})
+            assert unknown.status_code == 400 and "flush: Extra inputs are not permitted" in unknown.text
+            assert writer._buffered_rows == 0
 
             written = await client.post("/v1/records", json={"records": [root, branch]})
             assert written.json() == {"written": 2, "execution_id": "root"}
