@@ -18,6 +18,7 @@ from flows.run_logs import (
     SERVICES_LOGGER,
     _unsent_event_errors,
     module_logs_to_run,
+    one_line_per_unsent_event,
 )
 from tasks.common import run_store
 from tests.flows.conftest import tiny_config
@@ -131,3 +132,54 @@ def test_a_flow_run_not_started_by_a_flow_command_logs_one_line_per_unsent_event
     for _ in range(2):
         maintain(config)
     assert [logger.filters.count(_unsent_event_errors) for logger in loggers] == [1, 1]
+
+
+class Kept(logging.Handler):
+    """The messages of the records a logger's filters let through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_only_the_events_workers_error_right_after_its_clients_warning_on_its_thread_is_dropped():
+    """An API away: Prefect's events client warns that it cannot connect and its worker then
+    logs the event it failed to send, both in the worker's thread; the error goes. An error
+    with no such warning just before it in its thread (another record of the client's, or of
+    the thread's, between them), or another service's, is kept."""
+    one_line_per_unsent_event()
+    client, services = logging.getLogger(EVENTS_CLIENT_LOGGER), logging.getLogger(SERVICES_LOGGER)
+    kept = Kept()
+    for logger in (client, services):
+        logger.addHandler(kept)
+    unsent = ("Service %r failed to process item %r", "EventsWorker", "Event(event='treadle.test')")
+    try:
+        client.warning("Unable to connect to %r. Reason: %s.", "ws://api", "refused")
+        services.error(*unsent)  # dropped
+        services.error(*unsent)  # no warning just before it
+        client.warning("EventsClient(id=%d): %s", 1, "reconnecting")
+        services.error(*unsent)  # after another record of the client
+        client.warning("Unable to connect to %r. Reason: %s.", "ws://api", "refused")
+        other_thread = threading.Thread(target=services.error, args=unsent)
+        other_thread.start()
+        other_thread.join()
+        services.error("Service %r failed to process item %r", "APILogWorker", "log")
+        services.error(*unsent)  # the warning was followed by another record of its thread
+    finally:
+        for logger in (client, services):
+            logger.removeHandler(kept)
+    warning = "Unable to connect to 'ws://api'. Reason: refused."
+    error = "Service 'EventsWorker' failed to process item \"Event(event='treadle.test')\""
+    assert kept.messages == [
+        warning,
+        error,
+        "EventsClient(id=1): reconnecting",
+        error,
+        warning,
+        error,
+        "Service 'APILogWorker' failed to process item 'log'",
+        error,
+    ]
