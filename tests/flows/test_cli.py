@@ -1627,6 +1627,15 @@ def test_inspect_marks_a_version_a_trainer_passed_over(local_store):
     assert f"(showing {len(listed)})" in out and len(listed) == 17
 
 
+def test_the_sql_versions_view_marks_the_versions_inspect_marks_passed_over(local_store):
+    """Version 3 resumed from version 1 (version 2's files did not verify): ``treadle sql``'s
+    ``versions`` view marks version 2 alone, as inspect does."""
+    Tables(local_store).append("weights", weights_rows({0: None, 1: 0, 2: 1, 3: 1}))
+    viewed = connect(local_store).execute("SELECT version, passed_over FROM versions ORDER BY version")
+    assert viewed.fetchall() == [(0, False), (1, False), (2, True), (3, False)]
+    assert "  v2    step 8      2026-01-01 00:00:00 UTC (passed over" in inspect_run(local_store)
+
+
 def test_inspect_counts_the_trajectories_dropped_as_stale_and_rejected_by_the_versions_published(local_store):
     """500 trajectories dropped as stale as a trainer stopped were in its last version's
     manifest alone: no train_steps row holds them, and inspect said "39 steps on 2989

@@ -843,6 +843,19 @@ def test_the_readmes_kept_steps_query_reads_a_step_whose_append_was_made_twice_o
     assert [row[0] for row in kept] == [1, 2, 3]
 
 
+def test_the_trained_view_reads_the_selected_row_of_a_trajectory_whose_id_its_shard_repeated(local_store):
+    """A ``trajectory_id`` repeated within its shard has a second ``trajectories`` row, not
+    selected (``duplicate_id``): a step that trained on it has one ``trained`` row, the selected one."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    tables = Tables(local_store)
+    dropped = {"selected": False, "drop_reason": "duplicate_id", "text": "again"}
+    tables.append("trajectories", [trajectory_row("a") | {"text": "trained"}, trajectory_row("a") | dropped])
+    tables.append("train_steps", [step_row(1, 0.5) | {"trajectory_ids": ["a"], "time": start}])
+    tables.append("weights", [weight_row(1) | {"step": 1, "created_at": start + timedelta(seconds=1)}])
+    trained = connect(local_store).execute("SELECT step, trajectory_id, selected, text FROM trained")
+    assert trained.fetchall() == [(1, "a", True, "trained")]
+
+
 def test_a_trajectories_table_made_before_error_takes_rows_with_it_and_the_readmes_query_groups_them(store):
     """A run's ``trajectories`` table made before the record had ``error``: the next append
     adds the column (its older rows null), and the README's "why rollouts failed" query counts
