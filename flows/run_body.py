@@ -60,7 +60,10 @@ def stop_retrying_prefect_api() -> None:
 def _give_up_on_a_gone_api() -> None:
     """At a flow's end: stop the client's retries when the API does not answer within
     :data:`API_BACK_WITHIN_S`, unless they are stopped already (the run's report gave up)."""
-    if PREFECT_CLIENT_MAX_RETRIES.value() == 0 or prefect_api_answers(API_BACK_WITHIN_S):
+    # a flow run's settings keep the value they had as it started: the environment tells
+    # whether stop_retrying_prefect_api has run since
+    stopped = os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == "0" or PREFECT_CLIENT_MAX_RETRIES.value() == 0
+    if stopped or prefect_api_answers(API_BACK_WITHIN_S):
         return
     log.warning(
         "the Prefect API did not answer within %g s: the flow run's last state will not reach it",

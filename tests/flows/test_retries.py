@@ -395,6 +395,24 @@ def test_a_flow_body_leaves_the_retries_of_a_prefect_api_that_answers(prefect_ap
     assert "PREFECT_CLIENT_MAX_RETRIES" not in os.environ
 
 
+def test_a_flow_body_whose_run_gave_up_on_the_prefect_api_does_not_wait_for_it_again(
+    prefect_api, monkeypatch, caplog
+):
+    """The run's report gave up on the API (it stopped the client's retries): the body's end
+    does not wait ``API_BACK_WITHIN_S`` for it a second time, nor warn again."""
+    monkeypatch.setattr(flows.run_body, "API_BACK_WITHIN_S", 0.5)
+    with gone_api() as gone:
+
+        @flow
+        def reported_flow() -> str:
+            with temporary_settings({PREFECT_API_URL: gone}), flows.run_body.run_body():
+                flows.run_body.stop_retrying_prefect_api()  # as the report does
+                return "done"
+
+        assert reported_flow() == "done"
+    assert "did not answer" not in caplog.text
+
+
 def test_the_run_report_waits_for_a_prefect_api_that_answers_again(prefect_api, tmp_path):
     """A server restarting at the run's end (here stopped, SIGSTOP, and resumed 2 s later)
     gets the report: the run gives up on an API only once it stayed away
