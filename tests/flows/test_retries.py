@@ -368,20 +368,26 @@ def test_the_run_report_gives_up_on_a_prefect_api_that_stays_away_after_a_short_
     ) in caplog.text
 
 
-def test_a_flow_body_that_fails_gives_up_on_a_prefect_api_that_stays_away(prefect_api, monkeypatch):
-    """A flow body that raises while the API is gone: Prefect's client retried the flow run's
-    Failed state for about a minute. The body's end asks the API's health, waits
+@pytest.mark.parametrize("fails", [True, False], ids=["fails", "returns"])
+def test_a_flow_body_that_ends_gives_up_on_a_prefect_api_that_stays_away(prefect_api, monkeypatch, fails):
+    """A flow body that raises, or returns, while the API is gone: Prefect's client retried the
+    flow run's last state for about a minute. The body's end asks the API's health, waits
     ``API_BACK_WITHIN_S``, then has the client stop retrying, so that the state fails at once."""
     monkeypatch.setattr(flows.run_body, "API_BACK_WITHIN_S", 0.5)
     with gone_api() as gone:
 
         @flow
-        def failing_flow() -> None:
+        def ending_flow() -> str:
             with temporary_settings({PREFECT_API_URL: gone}), flows.run_body.run_body():
-                raise ValueError("the work failed")
+                if fails:
+                    raise ValueError("the work failed")
+                return "done"
 
-        with pytest.raises(ValueError, match="the work failed"):
-            failing_flow()
+        if fails:
+            with pytest.raises(ValueError, match="the work failed"):
+                ending_flow()
+        else:
+            assert ending_flow() == "done"
     assert os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == "0"  # the conftest fixture restores it
 
 
@@ -410,6 +416,14 @@ def test_a_flow_body_whose_run_gave_up_on_the_prefect_api_does_not_wait_for_it_a
                 return "done"
 
         assert reported_flow() == "done"
+    assert "did not answer" not in caplog.text
+
+
+def test_a_flow_body_without_a_prefect_api_url_neither_waits_nor_stops_the_retries(caplog):
+    """Without an API URL (a flow run against Prefect's ephemeral server) there is no API to wait for."""
+    with temporary_settings(restore_defaults={PREFECT_API_URL}), flows.run_body.run_body():
+        pass
+    assert "PREFECT_CLIENT_MAX_RETRIES" not in os.environ
     assert "did not answer" not in caplog.text
 
 
