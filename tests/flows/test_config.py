@@ -222,6 +222,24 @@ def test_an_agent_whose_actions_fit_the_scheduler_loads(tmp_path):
         assert config.env_config("agent").action_cores == 2
 
 
+@pytest.mark.parametrize(
+    ("text", "service"),
+    [
+        # the largest values the refusals of test_bad_config_fails_naming_the_field name
+        ("service:\n  compact_at: 4064\n", {"compact_at": 4064}),
+        (
+            "service:\n  compact_at: 1024\n  max_turns: 4\n  compact_keep_turns: 2\n",
+            {"max_turns": 4, "compact_keep_turns": 2},
+        ),
+        # without compaction, compact_keep_turns keeps nothing: one turn is a run's own choice
+        ("service:\n  max_turns: 1\n", {"compact_at": None, "max_turns": 1}),
+    ],
+)
+def test_compaction_settings_up_to_the_limits_their_refusals_name_load(tmp_path, text, service):
+    config = load_config(write_config(tmp_path, text))
+    assert {field: getattr(config.service, field) for field in service} == service
+
+
 def test_a_local_ray_is_on_loopback_unless_the_config_names_another_address_or_leaves_it_to_ray(tmp_path):
     assert RunConfig().ray_node_ip == "127.0.0.1"
     assert load_config(write_config(tmp_path, "ray_node_ip: 10.0.0.5\n")).ray_node_ip == "10.0.0.5"

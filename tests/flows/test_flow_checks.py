@@ -43,6 +43,7 @@ from flows.config import (
     rollout_problem,
     too_few_demos,
     train_paths,
+    unreachable_ray,
 )
 from rollout.resources import state_bytes
 from storage.tables import Tables
@@ -131,6 +132,26 @@ def test_a_ray_run_at_an_address_nothing_answers_fails_before_the_warm_start(tmp
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+def test_a_ray_client_address_without_a_port_is_tried_at_the_ray_clients_port(tmp_path):
+    with socket.socket() as client_server:
+        client_server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            client_server.bind(("127.0.0.1", 10001))
+        except OSError:
+            pytest.skip("port 10001 is taken on this machine")
+        client_server.listen()
+        config = tiny_config(tmp_path / "runs", "ray-client", cluster="ray", ray_address="ray://127.0.0.1")
+        assert unreachable_ray(config) is None
+
+
+@pytest.mark.parametrize("address", ["auto", "local", "127.0.0.1"])
+def test_a_ray_address_naming_no_cluster_port_is_left_to_ray(tmp_path, address):
+    """'auto' and 'local' have Ray find or start the cluster; a head's address without a port
+    (only a ray:// one has a default, the Ray client's 10001) names none to try here."""
+    config = tiny_config(tmp_path / "runs", "ray-finds-it", cluster="ray", ray_address=address)
+    assert unreachable_ray(config) is None
+
+
 @pytest.mark.parametrize(
     ("field", "overrides"),
     [
@@ -189,6 +210,14 @@ def test_a_rollout_run_whose_reward_model_is_missing_fails_before_the_warm_start
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+def test_the_reward_device_of_a_model_no_env_of_the_mix_names_is_not_checked(tmp_path):
+    """The rollout service loads no such model: a device this machine lacks for it refuses nothing."""
+    served = reward_on_a_missing_gpu(tmp_path)
+    assert rollout_devices(tiny_config(tmp_path / "runs", **served))["service.reward_device"] == "cuda:99"
+    unused = tiny_config(tmp_path / "runs", service=served["service"])
+    assert "service.reward_device" not in rollout_devices(unused)
+
+
 @pytest.mark.parametrize(
     "run",
     [
@@ -213,9 +242,16 @@ def test_a_flow_run_whose_sandbox_folder_is_missing_fails_before_the_warm_start(
 
 def test_a_sandbox_folder_is_checked_only_for_an_env_that_makes_sandboxes(tmp_path):
     """arith makes none: a root_dir set on it (a YAML anchor shared by every env) that is not
-    there refuses nothing."""
+    there refuses nothing. On Ray the sandboxes are made on the env actors' nodes: a folder
+    this machine lacks refuses nothing either."""
     config = tiny_config(tmp_path / "runs", envs={"arith": {"sandbox": {"root_dir": str(tmp_path / "none")}}})
     assert missing_sandbox_root(config) is None
+    code = {
+        "envs": {"code": {"sandbox": {"root_dir": str(tmp_path / "none")}}},
+        "orchestrator": {"mix": {"code": 1.0}},
+    }
+    assert missing_sandbox_root(tiny_config(tmp_path / "runs", cluster="ray", **code)) is None
+    assert missing_sandbox_root(tiny_config(tmp_path / "runs", **code)).endswith("is not a folder")
 
 
 def test_an_agent_whose_sandbox_folders_are_too_deep_for_its_gateway_socket_is_refused_at_the_byte(tmp_path):
@@ -300,9 +336,14 @@ def test_a_flow_run_asking_more_demonstrations_than_an_env_holds_fails_before_th
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
-def test_a_flow_command_asking_more_demonstrations_than_an_env_holds_exits_in_one_line(tmp_path, capsys):
+@pytest.mark.parametrize(
+    "main", [flows.train.main, flows.pipeline.main, flows.rollout.main], ids=["train", "pipeline", "rollout"]
+)
+def test_a_flow_command_asking_more_demonstrations_than_an_env_holds_exits_in_one_line(
+    tmp_path, capsys, main
+):
     with pytest.raises(SystemExit) as exited:
-        flows.train.main(
+        main(
             ["--set", "orchestrator.mix={code: 1.0}", "--set", "warm_start.demos={code: 400}"]
             + ["--set", f"storage.root={tmp_path}/runs"]
         )
@@ -460,10 +501,10 @@ def beyond_this_process() -> int:
     return len(os.sched_getaffinity(0)) + 1
 
 
-def asking_too_many_cores(case: str) -> tuple[dict, str]:
+def asking_too_many_cores(case: str, cores: int | None = None) -> tuple[dict, str]:
     """A config section that asks the rollout scheduler for more cores than this process may
-    use, by ``case``, and the field the refusal names."""
-    cores = beyond_this_process()
+    use (or for ``cores``), by ``case``, and the field the refusal names."""
+    cores = cores or beyond_this_process()
     if case == "scheduler_cores":
         return {"service": {"scheduler_cores": cores}}, "service.scheduler_cores"
     if case == "static_cores":
@@ -523,6 +564,13 @@ def test_a_flow_command_whose_scheduler_asks_for_more_cores_than_the_process_has
     assert err.startswith(f"error: {field} ({beyond_this_process()}) exceeds the "), err
     assert err.count("\n") == 1
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+@pytest.mark.parametrize("case", ["scheduler_cores", "static_cores", "action_cores"])
+def test_a_scheduler_asking_for_every_core_the_process_has_is_not_refused(tmp_path, case):
+    overrides, _ = asking_too_many_cores(case, cores=len(os.sched_getaffinity(0)))
+    config = tiny_config(tmp_path / "runs", "every-core", **{"warm_start": NO_WARM_START, **overrides})
+    assert missing_cores(config) is None
 
 
 @pytest.mark.parametrize(
@@ -595,6 +643,22 @@ def test_a_flow_run_whose_dataset_cannot_give_a_task_it_draws_fails_before_the_w
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     config = tiny_config(tmp_path / "runs", "dataset-split", **dataset_only(path))
     failed_with(run(config), rf"^envs.dataset: {problem}")
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_flow_command_whose_dataset_file_does_not_read_exits_in_one_line(tmp_path, capsys):
+    """A file that does not read is no ValueError of the env's: the command's one line names it all the same."""
+    path = tmp_path / "rows.jsonl"
+    path.mkdir()
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump({"storage": {"root": str(tmp_path / "runs")}, **dataset_only(path)}))
+    with pytest.raises(SystemExit) as exited:
+        flows.rollout.main(["--config", str(config)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err == (
+        f"error: envs.dataset: train tasks could not be drawn: IsADirectoryError: [Errno 21] Is a directory: "
+        f"{str(path)!r}\n"
+    )
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
@@ -746,6 +810,17 @@ def test_a_reward_model_within_its_budget_or_with_none_set_is_not_refused(tmp_pa
     assert reward_over_budget(config) is None
 
 
+def test_a_reward_model_is_refused_past_its_budget_at_the_byte(tmp_path, judge):
+    size = _float32_bytes(judge)
+
+    def budgeted(budget_bytes: int):
+        service = {"reward_models": {"judge": {"path": str(judge)}}, "reward_budget_mb": budget_bytes / 2**20}
+        return tiny_config(tmp_path / "runs", "judge-budget", service=service, envs=JUDGED_ARITH)
+
+    assert reward_over_budget(budgeted(size)) is None
+    assert reward_over_budget(budgeted(size - 1)).startswith("reward model 'judge' needs ")
+
+
 def test_a_reward_model_no_env_of_the_mix_names_blocks_no_run_and_is_checked_once_one_does(tmp_path, judge):
     """The rollout service loads only the reward models an env of the mix names: one for
     an env out of the mix (pytool) or for none, missing or with two labels past the budget,
@@ -849,3 +924,26 @@ def test_a_missing_gateway_token_is_refused_on_this_machine_and_left_to_the_work
     assert missing_gateway_token(local) is None
     monkeypatch.delenv("T_GATEWAY")
     assert missing_gateway_token(tiny_config(tmp_path / "runs", "token")) is None
+
+
+@pytest.mark.parametrize("flow", ["pipeline", "rollout"])
+def test_a_run_serving_the_gateway_without_its_token_fails_before_the_warm_start_and_its_command_in_one_line(
+    tmp_path, monkeypatch, capsys, flow
+):
+    """A deployment's run failed once its rollout task started, with that task's traceback."""
+    monkeypatch.delenv("T_GATEWAY", raising=False)
+    http = {"port": 0, "token_env": "T_GATEWAY"}
+    run = getattr(flows, flow)
+    said = (
+        r"^gateway_http\.port is set, so the worker serves the gateway, but environment variable T_GATEWAY "
+    )
+    failed_with(
+        getattr(run, flow)(tiny_config(tmp_path / "runs", "token", gateway_http=http), return_state=True),
+        said,
+    )
+    sets = [f"storage.root={tmp_path}/runs", "gateway_http.port=0", "gateway_http.token_env=T_GATEWAY"]
+    with pytest.raises(SystemExit) as exited:
+        run.main([arg for field in sets for arg in ("--set", field)])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.startswith("error: gateway_http.port is set")
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
