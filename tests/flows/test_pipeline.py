@@ -473,17 +473,17 @@ def test_a_pipeline_whose_signal_the_store_refused_once_returns_its_tasks_result
 
 
 class TaskEndingAtSignals:
-    """A task's future that, once over, kept which of the trainer's signals were raised."""
+    """A task's future that, once over, kept which signals were raised."""
 
     state = Completed()
 
     def __init__(self, store, key: str, name: str):
-        self.store, self.key, self.name, self.trainer_told = store, key, name, None
+        self.store, self.key, self.name, self.told = store, key, name, None
 
     def wait(self) -> None:
-        self.trainer_told = [
+        self.told = [
             signal
-            for signal in ("stop", "processed")
+            for signal in ("stop", "rollouts-done", "processed")
             if self.store.fs.exists(self.store.path(signal_path(self.key, signal)))
         ]
 
@@ -491,13 +491,22 @@ class TaskEndingAtSignals:
         return {"task": self.name}
 
 
+@pytest.mark.parametrize(
+    ("signal", "first", "told"),
+    [
+        ("rollouts-done", 0, [[], ["rollouts-done"], ["rollouts-done", "processed"]]),
+        ("stop", 2, [["stop"], ["stop", "rollouts-done"], ["stop", "rollouts-done", "processed"]]),
+    ],
+    ids=["rollouts-end-first", "training-ends-first"],
+)
 def test_a_signal_the_store_refused_past_its_retries_then_took_still_ends_the_tasks_in_order(
-    tmp_path, prefect_api, monkeypatch
+    tmp_path, prefect_api, monkeypatch, signal, first, told
 ):
     """A store that refused 'rollouts-done' past a signal's retries, then took it: the flow
     raised the three signals at once, so training was told to stop (and drain) while
     processing still handled the last shards, which no trainer of the run then saw. The
-    refused signal is tried again in order: processing ends before the trainer hears of it."""
+    refused signal is tried again in order: processing ends before the trainer hears of it,
+    and, when training ended first, the rollouts before processing hears they are done."""
     from prefect import flow
 
     from tasks.common import SIGNAL_RETRY_S
@@ -509,7 +518,7 @@ def test_a_signal_the_store_refused_past_its_retries_then_took_still_ends_the_ta
     refused = []
 
     def away_for_a_while(fs, path, *args, **kwargs):
-        if str(path).endswith("/rollouts-done") and len(refused) <= len(SIGNAL_RETRY_S):
+        if str(path).endswith(f"/{signal}") and len(refused) <= len(SIGNAL_RETRY_S):
             refused.append(path)
             raise ConnectionResetError("connection reset (injected)")
         return pipe_file(fs, path, *args, **kwargs)
@@ -518,7 +527,7 @@ def test_a_signal_the_store_refused_past_its_retries_then_took_still_ends_the_ta
     monkeypatch.setattr(
         pipeline_module, "WIND_DOWN_RETRY_S", (0.01,) * len(pipeline_module.WIND_DOWN_RETRY_S)
     )
-    monkeypatch.setattr(pipeline_module, "as_completed", iter)  # the rollouts end first
+    monkeypatch.setattr(pipeline_module, "as_completed", lambda runs: iter(runs[first:]))
     tasks = [TaskEndingAtSignals(store, "this-run", name) for name in ("rollouts", "process", "train")]
 
     @flow
@@ -529,9 +538,7 @@ def test_a_signal_the_store_refused_past_its_retries_then_took_still_ends_the_ta
     assert state.is_completed(), state.message
     assert state.result() == ({"task": "rollouts"}, {"task": "process"}, {"task": "train"})
     assert len(refused) == len(SIGNAL_RETRY_S) + 1, "the store refused the signal past its retries"
-    rollouts, process, train = tasks
-    assert process.trainer_told == [], "training was told to stop before processing ended"
-    assert train.trainer_told == ["processed"]
+    assert [task.told for task in tasks] == told, "a task was told of a signal before the one before it ended"
 
 
 class RolloutsFailedAtStart:
