@@ -131,6 +131,8 @@ def test_a_rollout_past_compact_at_goes_on_in_branches_holding_the_first_message
         assert context.startswith(tokenizer.decode(parent["tokens"][:at]))
         kept = range(seen - keep + 1, seen + 1)
         assert [n for n in range(1, seen + 1) if f"note {n} " in context] == list(kept)
+        # and their actions: one each, then the header of the action the branch goes on with
+        assert context.count("<|im_start|>assistant\n") == keep + 1
 
 
 def test_without_compact_at_a_rollout_is_one_record_however_long(tiny):
