@@ -162,6 +162,7 @@ def test_a_worker_drains_the_replica_the_trainer_plans_and_hands_it_over_once_em
             router.end_session("s1", expired=True)
             status = await worker.status()
             assert (status["sessions_ended"], status["sessions_expired"]) == (1, 1)
+            assert status["session_contexts"] == [1]  # the ended rollout's, one context long
         finally:
             follower.cancel()
             await asyncio.gather(follower, return_exceptions=True)

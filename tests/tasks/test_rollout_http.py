@@ -128,6 +128,9 @@ def test_a_harness_drives_a_serve_only_worker_over_http_and_its_written_record_i
         first = client.post("/v1/generate", json={"token_ids": [5, 6, 7]}, headers=header).json()
         second = client.post("/v1/generate", json={"token_ids": [8]}, headers=header).json()
         assert first["versions"] and set(first["versions"] + second["versions"]) == {0}
+        # its records are trained on: a turn at another temperature than the run's is refused
+        other = client.post("/v1/generate", json={"token_ids": [8], "temperature": 0.5}, headers=header)
+        assert other.status_code == 400 and "samples at the run's temperature" in other.text
 
         # a bad body writes nothing, and the session can still be recorded and written
         bad = client.post("/v1/records", json={"records": [{"trajectory_id": "x"}]})
