@@ -24,7 +24,7 @@ from rollout.ray_actors import ActorStartError, in_bundle
 from rollout.ray_env import RayEnvPool
 from storage.config import RunStore, StorageConfig
 from storage.weights import WeightStore
-from tasks.rollout import run_rollouts
+from tasks.rollout import rollout_actor_resources, run_rollouts
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 
@@ -173,6 +173,18 @@ def test_a_run_that_fails_or_is_stopped_removes_its_placement_group(cluster, mon
     with pytest.raises(type(error)):
         pipeline._run_on_ray(RunConfig(run_id="failed", cluster="ray"), signals="s")
     assert placement_group_table(groups[-1].placement_group)["state"] == "REMOVED"
+
+
+def test_a_workers_actors_ask_for_their_bundles_in_the_order_its_placements_are_handed_out():
+    """``run_rollouts`` hands the first placements to its env workers and the rest to its
+    torch engines: the GPU bundles the run holds must come last, one per engine replica."""
+    engine = {"replicas": 2, "torch": {"device": "cuda"}}
+    config = RunConfig(cluster="ray", engine=engine)
+    cpu, gpu = {"num_cpus": 1}, {"num_cpus": 1, "num_gpus": 1}
+    assert rollout_actor_resources(config) == [cpu, cpu, gpu, gpu]
+    servers = [{"base_url": "http://127.0.0.1:8000"}, {"base_url": "http://127.0.0.1:8001"}]
+    vllm = RunConfig(cluster="ray", engine={"kind": "vllm", "vllm": servers})
+    assert rollout_actor_resources(vllm) == [cpu, cpu]  # its engines are servers, no Ray actors
 
 
 def test_placements_that_do_not_name_one_per_actor_are_refused():
