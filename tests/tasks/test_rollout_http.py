@@ -23,7 +23,7 @@ from rollout.ray_engine import engine_actor_resources
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader
-from storage.status import RolloutStatusBoard, TrainerStatus, TrainerStatusBoard
+from storage.status import InUse, RolloutStatusBoard, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
@@ -324,6 +324,52 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
         tid for shard in reader.poll()[0] for tid in reader.read(shard).column("trajectory_id").to_pylist()
     ]
     assert sorted(written) == sorted(ids)
+
+
+def test_a_harness_write_counts_its_records_and_is_refused_once_the_workers_name_is_taken(
+    tmp_path, monkeypatch
+):
+    """A commit that finds the worker's name taken (another process took it over) stops its
+    shards for good: the harness's next write is told it was not written (503), not that it
+    was, and is not counted; the progress line counts the records it took, two for an
+    execution of two."""
+    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
+    run, store = serving_run(tmp_path, 0, serve_only=True)
+
+    def before_commit() -> None:
+        raise InUse("rollout worker 'w0' was taken over by another process (injected)")
+
+    worker = make_worker(
+        store, run, http=run.gateway_http, flush_records=2, flush_seconds=600, before_commit=before_commit
+    )
+
+    def execution(record: dict, name: str) -> dict:
+        return {
+            "records": [{**record, "trajectory_id": f"{name}-{i}", "execution_id": name} for i in range(2)]
+        }
+
+    closed = []
+
+    async def body() -> str:
+        await worker.start()
+        running = asyncio.create_task(worker.run())
+        try:
+            async with harness_client(worker) as client:
+                record = await recorded(client)
+                written = await client.post("/v1/records", json=execution(record, "e1"))
+                assert written.status_code == 200, written.text
+                detail = rollout_detail(await worker.status())
+                refused = await client.post("/v1/records", json=execution(record, "e2"))
+                assert refused.status_code == 503 and "taken over" in refused.text, refused.text
+            return detail
+        finally:
+            worker.stop()
+            await asyncio.gather(running, return_exceptions=True)
+            closed.extend(await asyncio.gather(worker.close(), return_exceptions=True))
+
+    assert "2 records written by harnesses" in asyncio.run(asyncio.wait_for(body(), WAIT_S))
+    assert worker.harness_records == 2
+    assert isinstance(closed[0], InUse)  # the worker stops on it too, committing nothing more
 
 
 def test_a_harness_opening_a_rollout_while_the_trainer_lags_is_told_to_retry_and_open_ones_go_on(
