@@ -110,6 +110,8 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
     def reports() -> int:
         progress = ProgressReporter("rollouts", total=10)
         monkeypatch.setattr(tasks.report, "update_progress_artifact", unreachable)
+        progress.update(5)
+        progress.sent()
         progress.update(10, final=True)
         monkeypatch.setattr(tasks.report, "create_progress_artifact", unreachable)
         ProgressReporter("trainer steps").update(3, final=True)
@@ -120,7 +122,8 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
         return reports()
 
     assert reporting_flow() == 10
-    assert "progress artifact of rollouts not updated, the work goes on" in caplog.text
+    # warned once while it lasts, not for every bar
+    assert caplog.text.count("progress artifact of rollouts not updated, the work goes on") == 1
     assert "progress artifact of trainer steps not created" in caplog.text
 
 
@@ -323,6 +326,31 @@ def test_an_unreachable_prefect_api_at_the_run_report_does_not_fail_the_flow(
     assert (
         "a table artifact of run report-blip and the rest of the report not sent: the Prefect API "
         "does not answer: ConnectError('Prefect API unreachable')"
+    ) in caplog.text
+
+
+def test_an_artifact_the_prefect_api_refuses_is_logged_and_the_rest_of_the_report_still_sent(
+    prefect_api, tmp_path, monkeypatch, caplog
+):
+    """An API that answers but refuses one artifact (a 422, say) is no API gone: the report's
+    other artifacts are still sent."""
+    sent = []
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("422 Unprocessable Entity (injected)")
+
+    monkeypatch.setattr(tasks.report, "create_table_artifact", refused)
+    monkeypatch.setattr(tasks.report, "create_markdown_artifact", lambda *a, **kw: sent.append(kw["key"]))
+
+    @flow
+    def reporting_flow() -> str:
+        return tasks.report.report_run(tiny_config(tmp_path, "report-refused"))
+
+    assert reporting_flow().startswith("# Run `report-refused`")
+    assert sent == [f"{tasks.report.artifact_key('report-refused')}-report"]
+    assert (
+        "a table artifact of run report-refused failed, the work goes on: "
+        "RuntimeError('422 Unprocessable Entity (injected)')"
     ) in caplog.text
 
 
