@@ -142,6 +142,17 @@ def test_without_compact_at_a_rollout_is_one_record_however_long(tiny):
     assert max(prompts(result.record)) > first_prompt_size(tiny) + 70
 
 
+def test_a_prompt_of_exactly_compact_at_tokens_stays_in_its_context(tiny):
+    """``compact_at`` is the longest prompt a context takes: a rollout whose last prompt is
+    that long is one record, and one a token past it goes on in a branch."""
+    whole, _ = rollout(tiny, ServiceConfig(max_new_tokens=4))
+    longest = prompts(whole.record)[-1]
+    at_limit, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=longest))
+    assert at_limit.records == [at_limit.record] and at_limit.record["tokens"] == whole.record["tokens"]
+    past, _ = rollout(tiny, ServiceConfig(max_new_tokens=4, compact_at=longest - 1))
+    assert len(past.records) >= 2
+
+
 class LongNoteEnv(NotesEnv):
     """:class:`NotesEnv` whose third note is longer than the whole context."""
 
