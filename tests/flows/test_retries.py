@@ -109,9 +109,14 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
     @task(**SIDE_EFFECTS)
     def reports() -> int:
         progress = ProgressReporter("rollouts", total=10)
+        update = tasks.report.update_progress_artifact
         monkeypatch.setattr(tasks.report, "update_progress_artifact", unreachable)
         progress.update(5)
         progress.sent()
+        progress.update(9, final=True)
+        monkeypatch.setattr(tasks.report, "update_progress_artifact", update)
+        progress.update(9, final=True)  # taken: a failure after it is warned of again
+        monkeypatch.setattr(tasks.report, "update_progress_artifact", unreachable)
         progress.update(10, final=True)
         monkeypatch.setattr(tasks.report, "create_progress_artifact", unreachable)
         ProgressReporter("trainer steps").update(3, final=True)
@@ -122,8 +127,8 @@ def test_an_unreachable_prefect_api_at_the_last_progress_report_does_not_fail_th
         return reports()
 
     assert reporting_flow() == 10
-    # warned once while it lasts, not for every bar
-    assert caplog.text.count("progress artifact of rollouts not updated, the work goes on") == 1
+    # warned once each time it starts failing, not for every bar
+    assert caplog.text.count("progress artifact of rollouts not updated, the work goes on") == 2
     assert "progress artifact of trainer steps not created" in caplog.text
 
 
