@@ -246,6 +246,39 @@ def test_progress_keeps_its_pace_when_the_wall_clock_is_set_back(prefect_api, mo
     assert "invalid value" not in caplog.text
 
 
+def test_progress_toward_a_deadline_set_once_the_work_is_up_counts_from_then(prefect_api, monkeypatch):
+    """The rollouts task learns its deadline once its worker is up (``stop.max_seconds`` from
+    then): its bar measures the time toward it from that moment, the start-up left out."""
+    clock = {"wall": time.time(), "monotonic": time.monotonic()}
+    monkeypatch.setattr(
+        tasks.report,
+        "time",
+        types.SimpleNamespace(time=lambda: clock["wall"], monotonic=lambda: clock["monotonic"]),
+    )
+    bars: list[tuple[str, float]] = []
+    monkeypatch.setattr(
+        tasks.report,
+        "update_progress_artifact",
+        lambda artifact_id, progress, description: bars.append((description, progress)),
+    )
+
+    @task(**SIDE_EFFECTS)
+    def reports() -> None:
+        progress = ProgressReporter("rollouts")
+        clock["wall"] += 50.0  # the worker starting up
+        progress.time_toward(clock["wall"] + 100.0)
+        clock["wall"] += 25.0
+        progress.update(1)
+        progress.sent()
+
+    @flow
+    def reporting_flow() -> None:
+        reports()
+
+    assert reporting_flow(return_state=True).is_completed()
+    assert bars == [("rollouts: 1", 25.0)]
+
+
 def test_progress_sends_its_bar_and_log_lines_at_their_pace_and_the_final_one_always(
     prefect_api, monkeypatch, caplog
 ):
