@@ -603,6 +603,13 @@ def test_a_retried_rollouts_task_of_the_rollout_flow_keeps_its_first_attempts_de
         return run_rollouts(config, end, *args, **kwargs)
 
     monkeypatch.setattr(tasks.rollout, "run_rollouts", recording)
+    time_toward, bars_toward = ProgressReporter.time_toward, []
+
+    def bar_toward(progress, deadline):
+        bars_toward.append(deadline)
+        time_toward(progress, deadline)
+
+    monkeypatch.setattr(ProgressReporter, "time_toward", bar_toward)
     config = tiny_config(
         tmp_path / "runs", "rollout-retried", warm_start={"enabled": False}, stop={"max_seconds": 600.0}
     )
@@ -613,5 +620,6 @@ def test_a_retried_rollouts_task_of_the_rollout_flow_keeps_its_first_attempts_de
     assert state.is_completed(), state.message
     first, retried = ends
     assert retried == first
+    assert bars_toward == [first, first]  # each attempt's progress bar, toward the deadline it runs to
     store = run_store(config)
     assert not store.fs.exists(store.path("status/signals")) or not store.fs.ls(store.path("status/signals"))
