@@ -206,6 +206,24 @@ def test_a_progress_artifact_the_prefect_api_did_not_take_is_created_by_a_later_
     assert "progress artifact of steps not created, the work goes on" in caplog.text
 
 
+def clock_and_bars(monkeypatch) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """``tasks.report``'s clocks, read from the returned ``clock`` (``wall`` and ``monotonic``,
+    set by hand), and the progress bars it updates, as ``(description, progress)``."""
+    clock = {"wall": time.time(), "monotonic": time.monotonic()}
+    monkeypatch.setattr(
+        tasks.report,
+        "time",
+        types.SimpleNamespace(time=lambda: clock["wall"], monotonic=lambda: clock["monotonic"]),
+    )
+    bars: list[tuple[str, float]] = []
+    monkeypatch.setattr(
+        tasks.report,
+        "update_progress_artifact",
+        lambda artifact_id, progress, description: bars.append((description, progress)),
+    )
+    return clock, bars
+
+
 def test_progress_keeps_its_pace_when_the_wall_clock_is_set_back(prefect_api, monkeypatch, caplog):
     """Paced by the wall clock, progress went silent, its bar and its log lines both, for as
     long as the clock was set back (an hour here: NTP correcting a clock that ran fast), and
@@ -249,18 +267,7 @@ def test_progress_keeps_its_pace_when_the_wall_clock_is_set_back(prefect_api, mo
 def test_progress_toward_a_deadline_set_once_the_work_is_up_counts_from_then(prefect_api, monkeypatch):
     """The rollouts task learns its deadline once its worker is up (``stop.max_seconds`` from
     then): its bar measures the time toward it from that moment, the start-up left out."""
-    clock = {"wall": time.time(), "monotonic": time.monotonic()}
-    monkeypatch.setattr(
-        tasks.report,
-        "time",
-        types.SimpleNamespace(time=lambda: clock["wall"], monotonic=lambda: clock["monotonic"]),
-    )
-    bars: list[tuple[str, float]] = []
-    monkeypatch.setattr(
-        tasks.report,
-        "update_progress_artifact",
-        lambda artifact_id, progress, description: bars.append((description, progress)),
-    )
+    clock, bars = clock_and_bars(monkeypatch)
 
     @task(**SIDE_EFFECTS)
     def reports() -> None:
@@ -286,18 +293,7 @@ def test_progress_sends_its_bar_and_log_lines_at_their_pace_and_the_final_one_al
     pace exactly), the final update sent and logged at once with its detail; a bar toward a
     total ends at the count (the work may end short of it) and never passes 100 %, one toward
     a deadline ends full, and a deadline already passed at the start shows 0 %."""
-    clock = {"wall": time.time(), "monotonic": time.monotonic()}
-    monkeypatch.setattr(
-        tasks.report,
-        "time",
-        types.SimpleNamespace(time=lambda: clock["wall"], monotonic=lambda: clock["monotonic"]),
-    )
-    bars: list[tuple[str, float]] = []
-    monkeypatch.setattr(
-        tasks.report,
-        "update_progress_artifact",
-        lambda artifact_id, progress, description: bars.append((description, progress)),
-    )
+    clock, bars = clock_and_bars(monkeypatch)
 
     def tick(seconds: float) -> None:
         clock["wall"] += seconds
