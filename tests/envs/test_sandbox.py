@@ -29,6 +29,7 @@ from envs.sandbox import (
     SandboxError,
     _unshare_net_prefix,
     bwrap_path,
+    folder_path_bytes,
     python_in_sandbox,
     remove_tree,
     resolve_backend,
@@ -881,16 +882,68 @@ def test_a_new_sandbox_removes_the_folders_of_a_worker_killed_with_sigkill_and_n
 
 def test_a_sandbox_folder_whose_owners_pid_runs_a_later_process_is_abandoned(tmp_path):
     """A pid is reused: the folder of a dead worker whose pid a process started since has
-    (here this one) is removed; one recording this process's own start is kept."""
+    (here this one) is removed; one recording this process's own start is kept. The dead
+    worker's start is a real one, a process started after this one: a start time read from
+    the wrong field of ``/proc/<pid>/stat`` would be the same for both."""
+    later = subprocess.Popen(["sleep", "60"])
+    try:
+        later_start = sandbox_module._start_time(later.pid)
+    finally:
+        later.kill()
+        later.wait()
     prefix = f"treadle-sbx-{sandbox_module._host_key()}-{os.getpid()}-"
-    reused, own = (
+    reused, reused_later, own = (
         tmp_path / f"{prefix}1-reused",
+        tmp_path / f"{prefix}{later_start}-reused",
         tmp_path / f"{prefix}{sandbox_module._start_time(os.getpid())}-own",
     )
-    reused.mkdir()
-    own.mkdir()
-    assert sandbox_module.sweep_abandoned(str(tmp_path)) == [str(reused)]
+    for folder in (reused, reused_later, own):
+        folder.mkdir()
+    assert sorted(sandbox_module.sweep_abandoned(str(tmp_path))) == sorted([str(reused), str(reused_later)])
     assert os.listdir(tmp_path) == [own.name]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a folder to another uid")
+def test_only_folders_of_dead_workers_this_worker_may_remove_are_swept(tmp_path, monkeypatch):
+    """A file or a link named as a dead worker's folder is no sandbox folder (a link in a shared
+    temp dir may point anywhere): it stays. A worker that is not root leaves another user's
+    folders, which it could not remove, to their owner; a root worker removes them."""
+    dead = f"treadle-sbx-{sandbox_module._host_key()}-{os.getpid()}-1-"
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "kept.txt").write_text("kept")
+    (tmp_path / f"{dead}file").write_text("not a folder")
+    (tmp_path / f"{dead}link").symlink_to(target)
+    (tmp_path / f"{dead}others").mkdir()
+    os.chown(tmp_path / f"{dead}others", 65534, 65534)
+    with monkeypatch.context() as not_root:
+        not_root.setattr(os, "geteuid", lambda: 1000)
+        assert sandbox_module.sweep_abandoned(str(tmp_path)) == []
+    assert sandbox_module.sweep_abandoned(str(tmp_path)) == [str(tmp_path / f"{dead}others")]
+    assert sorted(os.listdir(tmp_path)) == sorted([f"{dead}file", f"{dead}link", "target"])
+    assert (target / "kept.txt").read_text() == "kept"
+
+
+def test_a_sandbox_without_root_dir_sweeps_the_system_temp_dir(tmp_path, monkeypatch):
+    """With no ``root_dir`` the sandbox folders go to the system temp dir: a dead worker's
+    folders there are removed too."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(sandbox_module, "_swept_roots", set())
+    dead = tmp_path / f"treadle-sbx-{sandbox_module._host_key()}-{os.getpid()}-1-dead"
+    dead.mkdir()
+    with Sandbox(SMALL) as box:
+        assert os.listdir(tmp_path) == [os.path.basename(box.workdir)]
+
+
+def test_the_path_length_of_a_sandbox_folder_is_told_for_a_root_dir_behind_a_link(tmp_path):
+    """``folder_path_bytes`` (what the run checks a socket path against) is the length of the
+    sandbox folder's real path: a ``root_dir`` given through a link is resolved as the folder is."""
+    real = tmp_path / ("long-real-folder-" + "r" * 40)
+    real.mkdir()
+    link = tmp_path / "l"
+    link.symlink_to(real)
+    with Sandbox(SMALL.model_copy(update={"root_dir": str(link)})) as box:
+        assert folder_path_bytes(str(link)) == len(os.fsencode(box.workdir))
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
