@@ -1581,3 +1581,25 @@ def test_a_live_workers_folder_is_kept_when_it_runs_in_another_time_namespace(tm
         unshare.kill()
         unshare.wait()
         unshare.stdout.close()
+
+
+def test_a_live_workers_folder_is_kept_when_it_runs_in_another_pid_namespace(tmp_path):
+    """A worker in another PID namespace (a container sharing the temp dir) records a pid of
+    its namespace: looked up in this one, it names another process or none, and its live
+    folder would be removed as a dead worker's."""
+    command = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"]
+    if shutil.which("unshare") is None or subprocess.run([*command, "true"], capture_output=True).returncode:
+        pytest.skip("this machine may not make a PID namespace (unshare --pid)")
+    unshare = subprocess.Popen(
+        [*command, sys.executable, "-c", WORKER_HOLDING_A_SANDBOX, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        held = unshare.stdout.readline().strip()
+        assert held and sandbox_module.sweep_abandoned(str(tmp_path)) == []
+        assert os.listdir(tmp_path) == [os.path.basename(held)]
+    finally:
+        unshare.kill()  # --kill-child: the worker goes with it
+        unshare.wait()
+        unshare.stdout.close()
