@@ -174,6 +174,14 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
             "envs:\n  arith: {reward_model: judge}\n",
             "envs.arith.reward_model: reward models are not served with cluster 'ray'",
         ),
+        ("service:\n  compact_at: 0\n", "service.compact_at"),
+        ("service:\n  compact_keep_turns: 0\n", "service.compact_keep_turns"),
+        ("gateway_http:\n  port: 65536\n", "gateway_http.port"),
+        ("gateway_http:\n  host: ''\n", "gateway_http.host"),
+        # a name no shell can set: the worker would refuse to start for want of its token
+        ("gateway_http:\n  token_env: 'GATEWAY TOKEN'\n", "gateway_http.token_env"),
+        ("gateway_http:\n  idle_timeout_s: 0\n", "gateway_http.idle_timeout_s"),
+        ("gateway_http:\n  prot: 8080\n", "gateway_http.prot"),
     ],
 )
 def test_bad_config_fails_naming_the_field(tmp_path, text, named):
