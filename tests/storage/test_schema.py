@@ -17,6 +17,7 @@ from storage.schema import (
     cast,
     error_text,
     find_errors,
+    newer_record,
     rows_with_errors,
     to_table,
     validate,
@@ -369,7 +370,9 @@ def test_an_error_over_the_bound_is_refused_naming_its_length():
 
 def test_a_table_of_the_first_record_version_casts_with_error_null():
     """A table written before ``error`` (``trajectory/1``, ``processed/1``) lacks the column:
-    it reads as null, raw or processed; a column that was always there is still required."""
+    it reads as null, raw or processed; a column that was always there is still required.
+    A treadle of the first version refuses a table of this one (a newer record) rather than
+    dropping its ``error``."""
     for schema, table in [
         (TRAJECTORY_SCHEMA, make_table(0, 2)),
         (PROCESSED_SCHEMA, make_processed_table(0, 2)),
@@ -380,6 +383,7 @@ def test_a_table_of_the_first_record_version_casts_with_error_null():
         assert read.schema.equals(schema, check_metadata=True)
         assert read.column("error").to_pylist() == [None, None]
         assert read.drop_columns(["error"]).equals(table.drop_columns(["error"]))
+        assert newer_record(schema, older.schema) == version.replace("/1", "/2")
     with pytest.raises(SchemaError, match=r"missing columns \['status'\]"):
         cast(make_table(0, 1).drop_columns(["error", "status"]))
 
@@ -405,6 +409,30 @@ def test_error_text_masks_secrets_before_it_cuts_to_the_bound():
     # one secret holding another is masked whole
     assert error_text("token abc123 and abc", ["abc", "abc123"]) == f"token {MASKED} and {MASKED}"
     assert error_text(cut, [secret]) == cut
+    # a text at the bound is kept whole
+    assert error_text("x" * MAX_ERROR_CHARS) == "x" * MAX_ERROR_CHARS
+
+
+def test_error_text_masks_every_element_of_s3_error_bodies_that_echoes_credentials():
+    """An S3 endpoint refusing a signature echoes the key id (not always an AWS one: MinIO,
+    Ceph), the session token and what was signed, over lines; a retried request quotes one
+    body per try. Each such element is masked, what lies between them kept; a temporary
+    (``ASIA…``) key id is masked anywhere."""
+    echoed = {
+        "AWSAccessKeyId": "minio-key",
+        "StringToSign": "AWS4-HMAC-SHA256\n20260101T000000Z",
+        "StringToSignBytes": "41 57 53",
+        "SignatureProvided": "abcdef",
+        "CanonicalRequest": "GET\n/bucket\nx-amz-security-token:tok",
+        "CanonicalRequestBytes": "47 45 54",
+        "Token-1": "tok",
+    }
+    code = "<Code>SignatureDoesNotMatch</Code>"
+    body = f"<Error>{code}" + "".join(f"<{tag}>{value}</{tag}>" for tag, value in echoed.items()) + "</Error>"
+    masked = f"<Error>{code}" + "".join(f"<{tag}>{MASKED}</{tag}>" for tag in echoed) + "</Error>"
+    assert error_text(f"try 1: {body} try 2: {body} key ASIAABCDEFGHIJKLMNOP") == (
+        f"try 1: {masked} try 2: {masked} key {MASKED}"
+    )
 
 
 def test_error_text_writes_a_lone_surrogate_as_its_escape_so_the_record_stays_writable():
