@@ -108,6 +108,22 @@ def test_a_worker_replaces_its_own_status(store):
             b'{"worker": "w9", "time": NaN, "engine_queue_depth": 0, "live_sessions": 0, "running": true}',
             "time",
         ),
+        # counts the elastic planner feeds its controller, which refuses them (a session of 0 contexts)
+        (
+            b'{"worker": "w9", "time": 1.0, "engine_queue_depth": 0, "live_sessions": 0, "running": true, '
+            b'"session_lengths": [2.0], "session_contexts": [0]}',
+            "session_contexts",
+        ),
+        (
+            b'{"worker": "w9", "time": 1.0, "engine_queue_depth": 0, "live_sessions": 0, "running": true, '
+            b'"finished_rows": -1}',
+            "finished_rows",
+        ),
+        (
+            b'{"worker": "w9", "time": 1.0, "engine_queue_depth": 0, "live_sessions": 0, "running": true, '
+            b'"sessions_expired": -1}',
+            "sessions_expired",
+        ),
     ],
 )
 def test_a_corrupt_status_is_skipped_with_a_warning(store, caplog, payload, problem):
