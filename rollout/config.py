@@ -309,8 +309,9 @@ class GatewayHTTPConfig(BaseModel):
         return self
 
     def token(self) -> str:
-        """The bearer token, from the environment variable ``token_env``; ``ValueError`` when it
-        is unset or blank."""
+        """The bearer token, from the environment variable ``token_env``, without the whitespace
+        around it (a secret file's last newline: an HTTP header cannot carry it, so no request
+        would match); ``ValueError`` when it is unset or blank."""
         token = os.environ.get(self.token_env, "")
         if not token.strip():
             raise ValueError(
@@ -318,4 +319,4 @@ class GatewayHTTPConfig(BaseModel):
                 f"{self.token_env} (gateway_http.token_env), its bearer token, is "
                 f"{'empty' if self.token_env in os.environ else 'unset'}: set it to the token harnesses send"
             )
-        return token
+        return token.strip()
