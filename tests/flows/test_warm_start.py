@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import posixpath
 import threading
@@ -440,3 +441,30 @@ def test_the_warm_start_tells_how_many_demonstrations_it_has_played(tmp_path, mo
     sequences, _ = demonstration_data(config, tokenizer, ["arith"], log=lines.append)
     assert len(sequences) == 3
     assert lines == [f"warm start: {done} of 3 demonstrations of arith played" for done in (1, 2, 3)]
+    built: list[str] = []
+    build_base_version(config, log=built.append)
+    assert lines[-1] in built, "the warm start of the base version told nothing of its demonstrations"
+
+
+def test_the_demonstrations_are_played_as_many_at_once_as_the_runs_concurrency(tmp_path, monkeypatch):
+    """Each demonstration waits on its env (a sandbox's processes): played one at a time, two
+    thousand shell demonstrations took minutes on a machine holding ``orchestrator.concurrency``."""
+    playing, most = [0], [0]
+
+    class Slow(ArithEnv):
+        name = "slow"
+
+        async def reset(self, task):
+            playing[0] += 1
+            most[0] = max(most[0], playing[0])
+            await asyncio.sleep(0)
+            playing[0] -= 1
+            return await super().reset(task)
+
+    monkeypatch.setitem(registry.REGISTRY, Slow.name, Slow)
+    _, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    config = tiny_config(
+        tmp_path / "runs", warm_start={"demos": {"slow": 6}}, orchestrator={"concurrency": 3}
+    )
+    assert len(demonstration_data(config, tokenizer, ["slow"])[0]) == 6
+    assert most == [3]
