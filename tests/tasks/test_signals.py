@@ -11,6 +11,7 @@ from tasks import common
 from tasks.common import (
     clear_signals,
     deadline_once_started,
+    read_signal,
     send_signal,
     signal_path,
     signals_dir,
@@ -131,6 +132,22 @@ def test_a_task_waiting_for_the_run_to_start_takes_its_deadline_once_the_store_a
     send_signal(local_store, "k", "started", content="1234.5")
     assert deadline_once_started(local_store, "k") == 1234.5
     assert len(failures) == 2
+
+
+def test_a_started_signal_the_store_keeps_refusing_to_read_is_an_error(local_store, monkeypatch):
+    """Read as not raised, a store that stays away would leave the waiting task polling for
+    ever without a word."""
+    send_signal(local_store, "k", "started", content="1234.5")
+    reads = []
+
+    def refused(fs, path, *args, **kwargs):
+        reads.append(path)
+        raise ConnectionResetError("connection reset (injected)")
+
+    monkeypatch.setattr(type(local_store.fs), "cat_file", refused)
+    with pytest.raises(ConnectionResetError, match="injected"):
+        read_signal(local_store, "k", "started", retry_s=(0.01, 0.01))
+    assert len(reads) == 3
 
 
 class FinishedOnFirstLook:
