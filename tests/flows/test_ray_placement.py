@@ -20,7 +20,7 @@ from flows.config import RunConfig
 from rl.models import TinyModelConfig, build_tiny_model, publish_policy
 from rollout.engines.base import EngineError
 from rollout.engines.factory import EngineConfig, build_engines
-from rollout.ray_actors import ActorStartError, in_bundle
+from rollout.ray_actors import ActorStartError, in_bundle, reserve_together
 from rollout.ray_env import RayEnvPool
 from storage.config import RunStore, StorageConfig
 from storage.weights import WeightStore
@@ -173,6 +173,18 @@ def test_a_run_that_fails_or_is_stopped_removes_its_placement_group(cluster, mon
     with pytest.raises(type(error)):
         pipeline._run_on_ray(RunConfig(run_id="failed", cluster="ray"), signals="s")
     assert placement_group_table(groups[-1].placement_group)["state"] == "REMOVED"
+
+
+def test_a_placement_group_the_cluster_cannot_hold_is_removed_with_its_error(cluster):
+    """Left pending, the group of a run that gave up would take the room as soon as it freed,
+    from the next run or another job."""
+    before = set(placement_group_table())
+    with pytest.raises(
+        ActorStartError, match=r"^the run did not fit on the Ray cluster at once within 0\.5 s"
+    ):
+        reserve_together("the run", [{"num_cpus": 1}, {"num_cpus": 8}], 0.5, "engine.load_timeout_s")
+    (given_up,) = set(placement_group_table()) - before
+    assert placement_group_table()[given_up]["state"] == "REMOVED"
 
 
 def test_a_workers_actors_ask_for_their_bundles_in_the_order_its_placements_are_handed_out():
