@@ -292,6 +292,13 @@ def test_a_processor_told_to_stop_drains_once_and_returns_before_its_deadline(tm
     assert Tables(store).read("trajectories").num_rows == 2
 
 
+def test_a_process_task_given_neither_a_deadline_nor_a_signals_key_is_refused(tmp_path):
+    """With no rollouts task to raise its deadline in signal 'started', it would wait for ever."""
+    config = tiny_config(tmp_path / "runs", "no-deadline")
+    with pytest.raises(ValueError, match=r"^the process-shards task needs a deadline, or the signals key"):
+        process_task.process_shards.fn(config)
+
+
 @pytest.mark.parametrize("how", ["continuous", "pending"])
 def test_a_processor_saves_its_place_in_the_log_when_it_ends(tmp_path, monkeypatch, how):
     """Even with no periodic save due: the next processor of the run starts after the
