@@ -335,6 +335,13 @@ def test_a_reward_model_written_anew_under_its_path_is_another_setup(tmp_path):
     assert eval_setup(config, "arith") == first, "the download's bookkeeping changed the setup"
     save_judge(2)
     assert eval_setup(config, "arith") != first, "a checkpoint saved anew under its path kept its setup"
+    (judge / "1_Pooling").mkdir()  # a checkpoint's own folders (sentence-transformers keeps some)
+    (judge / "1_Pooling" / "config.json").write_text('{"pooling_mode_mean_tokens": true}')
+    pooled = eval_setup(config, "arith")
+    (judge / "1_Pooling" / "config.json").write_text('{"pooling_mode_cls_token": true, "mean": false}')
+    assert eval_setup(config, "arith") != pooled, (
+        "a file rewritten in a folder of the checkpoint kept its setup"
+    )
 
 
 def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tmp_path, monkeypatch):
