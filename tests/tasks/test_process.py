@@ -18,7 +18,7 @@ from storage.status import InUse, ProcessOffsetBoard, ProcessorStatus, Processor
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks import process as process_task
-from tasks.common import run_store
+from tasks.common import deadline_of, run_store
 from tasks.process import process_pending, run_processor, shard_processor
 from tests.conftest import kept_fresh, published_by
 from tests.flows.conftest import tiny_config
@@ -297,6 +297,15 @@ def test_a_process_task_given_neither_a_deadline_nor_a_signals_key_is_refused(tm
     config = tiny_config(tmp_path / "runs", "no-deadline")
     with pytest.raises(ValueError, match=r"^the process-shards task needs a deadline, or the signals key"):
         process_task.process_shards.fn(config)
+
+
+def test_a_process_flows_deadline_is_the_runs_wall_clock_budget_from_now_and_none_without_one(tmp_path):
+    before = time.time()
+    deadline = deadline_of(tiny_config(tmp_path / "runs", "budget", stop={"max_seconds": 20}))
+    assert before + 20 <= deadline <= time.time() + 20
+    assert deadline_of(
+        tiny_config(tmp_path / "runs", "no-budget", stop={"max_seconds": None, "max_rollouts": 4})
+    ) == float("inf")
 
 
 @pytest.mark.parametrize("how", ["continuous", "pending"])
