@@ -119,7 +119,7 @@ def inspect_run(store) -> str:
     latest = {(r["version"], r["env"], r["setup"]): r for r in evals.to_pylist()}
     setups = Counter((version, env) for version, env, _ in latest)
     for (version, env, setup), r in latest.items():
-        named = f", setup {(setup or 'unrecorded')[:8]}" if setups[version, env] > 1 else ""
+        named = f", setup {setup[:8] if setup else 'unrecorded'}" if setups[version, env] > 1 else ""
         lines.append(f"  v{version:<4} {env:<8} {r['reward']:.3f}  ({_measured(r)}{named})")
     if not latest:
         lines.append("  no evaluations")
