@@ -426,6 +426,10 @@ def test_inspect_counts_the_records_shard_writers_refused_and_says_where_they_ar
     first = sorted(store.fs.glob(store.path("shards", "quarantine", "raw", "*", "refused-*.arrow")))[0]
     store.fs.pipe(first, store.fs.cat(first)[:100])
     assert "; 2 refused by their writers (3 files, 1 of them unreadable: " in inspect_run(store)
+    # files none of which reads are still told, though they count no record
+    for path in store.fs.glob(store.path("shards", "quarantine", "raw", "*", "refused-*.arrow")):
+        store.fs.pipe(path, b"cut")
+    assert "; 0 refused by their writers (3 files, 3 of them unreadable: " in inspect_run(store)
 
 
 def test_inspect_reads_the_trajectories_without_their_text(local_store, monkeypatch):
@@ -479,12 +483,17 @@ def test_inspect_shows_each_setup_of_a_versions_evaluation_once_named_where_ther
             row | {"version": 1, "env": "arith", "reward": 0.5, "time": late, "setup": "bbbbbbbb22"},
             row | {"version": 1, "env": "guess", "reward": 0.75, "time": early, "setup": "cccccccc33"},
             row | {"version": 1, "env": "guess", "reward": 1.0, "time": late, "setup": "cccccccc33"},
+            # a row from before the setup was recorded, beside one with it
+            row | {"version": 1, "env": "code", "reward": 0.0, "time": early, "setup": None},
+            row | {"version": 1, "env": "code", "reward": 0.125, "time": late, "setup": "dddddddd44"},
         ],
     )
     assert (
         "held-out reward per version:\n"
         "  v1    arith    0.250  (4 tasks, setup aaaaaaaa)\n"
         "  v1    arith    0.500  (4 tasks, setup bbbbbbbb)\n"
+        "  v1    code     0.000  (4 tasks, setup unrecorded)\n"
+        "  v1    code     0.125  (4 tasks, setup dddddddd)\n"
         "  v1    guess    1.000  (4 tasks)\n"
     ) in inspect_run(local_store)
 
@@ -1650,6 +1659,17 @@ def test_inspect_counts_the_trajectories_dropped_as_stale_and_rejected_by_the_ve
     out = inspect_run(local_store)
     assert out.endswith(
         "\npolicy steps: 0, on 0 trajectories; 520 dropped as stale, 3 rejected (by the versions "
+        "published: weights.dropped_stale, weights.rejected_rows)"
+    )
+
+
+def test_inspect_counts_the_rejected_trajectories_where_none_was_dropped_as_stale(local_store):
+    rows = weights_rows({0: None, 1: 0})
+    for row in rows:
+        row["dropped_stale"], row["rejected_rows"] = (0, 2) if row["version"] == 1 else (None, None)
+    Tables(local_store).append("weights", rows)
+    assert inspect_run(local_store).endswith(
+        "\npolicy steps: 0, on 0 trajectories; 0 dropped as stale, 2 rejected (by the versions "
         "published: weights.dropped_stale, weights.rejected_rows)"
     )
 
