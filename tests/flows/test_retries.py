@@ -619,3 +619,37 @@ def test_a_retried_rollouts_task_of_the_rollout_flow_keeps_its_first_attempts_de
     assert bars_toward == [first, first]  # each attempt's progress bar, toward the deadline it runs to
     store = run_store(config)
     assert not store.fs.exists(store.path("status/signals")) or not store.fs.ls(store.path("status/signals"))
+
+
+@pytest.mark.parametrize("outcome", ["done", "failed"])
+def test_a_rollout_flow_whose_signals_cannot_be_removed_keeps_its_result_or_its_error(
+    prefect_api, tmp_path, monkeypatch, outcome
+):
+    """A store that refuses the removal of the flow run's signals leaves them behind with a
+    warning: it neither fails a run whose rollouts ended nor replaces their error."""
+    import flows.rollout
+    import tasks.rollout
+    import tasks.weights
+
+    def rollouts(config, worker_name, signals):
+        if outcome == "failed":
+            raise ValueError("the rollouts failed (injected)")
+        return {"worker": worker_name}
+
+    def refused(store, key):
+        raise OSError("the store refused the delete (injected)")
+
+    monkeypatch.setattr(tasks.weights, "warm_start", lambda config: None)
+    monkeypatch.setattr(tasks.rollout, "rollouts", rollouts)
+    monkeypatch.setattr(flows.rollout, "clear_signals", refused)
+    config = tiny_config(tmp_path / "runs", "signals-stay", warm_start={"enabled": False})
+
+    state = flows.rollout.rollout(config, "w0", return_state=True)
+
+    if outcome == "done":
+        assert state.is_completed(), state.message
+        assert state.result() == {"worker": "w0"}
+    else:
+        assert state.is_failed()
+        with pytest.raises(ValueError, match="the rollouts failed"):
+            state.result()
