@@ -36,7 +36,16 @@ import torch
 from deltalake import write_deltalake
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
-from flows.cli import TABLES, VIEWS, _unreachable_api, inspect_run, main, spaced, weight_versions
+from flows.cli import (
+    TABLES,
+    VIEWS,
+    _prefect_api_request,
+    _unreachable_api,
+    inspect_run,
+    main,
+    spaced,
+    weight_versions,
+)
 from flows.cli_args import parse
 from flows.config import load_config
 from flows.evaluate import missing_version
@@ -1499,6 +1508,20 @@ def test_a_flows_own_refused_connection_is_not_taken_for_a_lost_prefect_api(monk
         monkeypatch.setattr(flows.evaluate, "main", engine_refuses)
         with pytest.raises(httpx.ConnectError):
             main(["run", "evaluate"])
+
+
+def test_only_a_request_under_the_prefect_api_url_is_taken_for_the_prefect_apis():
+    """An error raised with no request (a flow's own, built by hand) and a request to another
+    path of the API's host are the flow's errors, not a lost Prefect API."""
+
+    def to(url: str) -> httpx.ConnectError:
+        return httpx.ConnectError("refused", request=httpx.Request("GET", url))
+
+    for api in ("http://127.0.0.1:4200/api", "http://127.0.0.1:4200/api/"):
+        with temporary_settings({PREFECT_API_URL: api}):
+            assert _prefect_api_request(to("http://127.0.0.1:4200/api/flow_runs/x"))
+            assert not _prefect_api_request(to("http://127.0.0.1:4200/apis/v1/generate"))
+            assert not _prefect_api_request(httpx.ConnectError("refused"))
 
 
 def test_the_default_config_is_found_outside_the_repository(tmp_path, monkeypatch):
