@@ -244,6 +244,7 @@ def test_a_flow_on_an_unreachable_store_is_a_one_line_error_before_a_flow_run(fl
     assert result.stderr.startswith("error: cannot read the weight versions in s3://bucket/runs/r/weights: ")
     assert endpoint in result.stderr and "Flow run" not in result.stdout + result.stderr
     assert "key-id-123" not in result.stderr and "secret-456" not in result.stderr
+    assert "refused the credentials" not in result.stderr, "no server answered to refuse them"
 
 
 @pytest.mark.parametrize("flow", ["evaluate", "train", "rollout", "pipeline"])
