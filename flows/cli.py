@@ -169,13 +169,14 @@ def inspect_run(store) -> str:
                 f"; {held.num_rows} quarantined ({lost} trajectories: shards/quarantine/{kind}/, "
                 "a .reason file beside each says why)"
             )
-        files, refused, unreadable = refused_records(store, kind)
-        if files:
-            unread = f", {unreadable} of them unreadable" if unreadable else ""
-            line += (
-                f"; {refused} refused by their writers ({files} files{unread}: shards/quarantine/{kind}/"
-                "<worker>/refused-*.arrow, a .reason file beside each says why)"
-            )
+        for what, why in SET_ASIDE.items():
+            files, records, unreadable = set_aside_records(store, kind, what)
+            if files:
+                unread = f", {unreadable} of them unreadable" if unreadable else ""
+                line += (
+                    f"; {records} {why} ({files} files{unread}: shards/quarantine/{kind}/"
+                    f"<worker>/{what}-*.arrow, a .reason file beside each says why)"
+                )
         lines.append(line)
     steps = one_row_per_step(
         tables.read("train_steps", columns=["step", "time", "num_samples"]), weights_table
@@ -216,13 +217,22 @@ def quarantined_shards(store) -> list[str]:
     ]
 
 
-def refused_records(store, kind: str) -> tuple[int, int, int]:
-    """Files, rows and files that do not read as Arrow of the ``kind`` records that shard
-    writers refused (they failed validation; see :meth:`storage.shards.ShardWriter._admitted`),
-    kept under the quarantine. Rows are counted from the files' batch headers."""
+SET_ASIDE = {
+    "refused": "refused by their writers",
+    "uncommitted": "never committed by a worker whose name another process took",
+}
+"""The records shard writers keep under the quarantine, by their files' prefix: those that
+failed validation (:meth:`storage.shards.ShardWriter._admitted`) and those of an abandoned
+writer (:meth:`storage.shards.ShardWriter.abandon`)."""
+
+
+def set_aside_records(store, kind: str, what: str) -> tuple[int, int, int]:
+    """Files, rows and files that do not read as Arrow of the ``kind`` records shard writers
+    kept under the quarantine in ``<what>-*.arrow`` files (see :data:`SET_ASIDE`). Rows are
+    counted from the files' batch headers."""
     import pyarrow as pa
 
-    files = store.fs.glob(store.path("shards", "quarantine", kind, "*", "refused-*.arrow"))
+    files = store.fs.glob(store.path("shards", "quarantine", kind, "*", f"{what}-*.arrow"))
     rows = unreadable = 0
     for path in files:
         with store.fs.open(path, "rb") as source:

@@ -841,6 +841,7 @@ class RolloutWorker:
                 await asyncio.to_thread(self.writer.close)
                 return
             except InUse:  # another worker has the name: its shards, not these, come next
+                await self._set_aside_uncommitted()
                 raise
             except Exception as exc:
                 if wait is None:
@@ -853,3 +854,24 @@ class RolloutWorker:
                     wait,
                 )
                 await asyncio.sleep(wait)
+
+    async def _set_aside_uncommitted(self) -> None:
+        """Keep the records this worker can no longer commit (its name taken) in the
+        quarantine, so that a rollout finished, or a harness's write answered, is not lost."""
+        why = f"not committed: another process took worker name {self.name!r} before their shard's commit"
+        try:
+            kept = await asyncio.to_thread(self.writer.abandon, why)
+        except Exception as exc:
+            log.error(
+                "worker %s could neither commit its last records nor set them aside: %s", self.name, exc
+            )
+            return
+        if kept is not None:
+            path, records = kept
+            log.error(
+                "worker %s kept the %d records it could not commit in %s (its name was taken; "
+                "they are in no shard and no table)",
+                self.name,
+                records,
+                self.writer.store.url(path),
+            )

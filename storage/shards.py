@@ -291,7 +291,7 @@ class ShardWriter:
             + ("; ".join(bad[row]) if row in bad else "refused with its group")
             for position, row in enumerate(np.flatnonzero(refused))
         ]
-        target = self._quarantine_refused(table.filter(pa.array(refused)), reasons)
+        target = self._quarantine(table.filter(pa.array(refused)), reasons, "refused")
         self.refused += len(reasons)
         log.error(
             "refused %d of %d %s records of %s that fail validation (kept in %s): %s",
@@ -304,10 +304,11 @@ class ShardWriter:
         )
         return table.filter(pa.array(~refused))
 
-    def _quarantine_refused(self, table: pa.Table, reasons: list[str]) -> str:
-        """Keep refused rows (and why) under the quarantine prefix; returns the run-relative path."""
+    def _quarantine(self, table: pa.Table, reasons: list[str], what: str) -> str:
+        """Keep rows no shard will hold (and why, a line per row) under the quarantine prefix,
+        in ``<what>-<id>.arrow``; returns the run-relative path."""
         target = quarantine_path(
-            posixpath.join("shards", self.kind, self.worker, f"refused-{uuid.uuid4().hex}.arrow")
+            posixpath.join("shards", self.kind, self.worker, f"{what}-{uuid.uuid4().hex}.arrow")
         )
         fs = self.store.fs
         if not self.store.config.is_s3:
@@ -484,6 +485,28 @@ class ShardWriter:
         self._closed = True
         return info
 
+    def abandon(self, why: str) -> tuple[str, int] | None:
+        """Close without committing anything more, for a writer that may not (another worker
+        took its name): the records it has not committed are kept under the quarantine prefix,
+        ``shards/quarantine/<kind>/<worker>/uncommitted-<id>.arrow``, each named with ``why`` in
+        the ``.reason`` file beside it. Returns that file's run-relative path and its number of
+        records (None: every record was committed). Raises when the store takes no file
+        (records kept, a later call tries again)."""
+        table = _merged(self._buffer) if self._buffer else None
+        if table is not None and self._unsure is not None:
+            try:
+                table = self._without_landed(table)
+            except OSError as exc:
+                why += f"; the first {self._unsure.num_rows} may be in shard {self._unsure.shard_id} ({exc})"
+        kept = None
+        if table is not None and table.num_rows:
+            ids = table.column("trajectory_id").to_pylist()
+            reasons = [f"{row_name(tid, i)}: {why}" for i, tid in enumerate(ids)]
+            kept = self._quarantine(table, reasons, "uncommitted"), table.num_rows
+        self._clear_buffer()
+        self._closed = True
+        return kept
+
     def __enter__(self) -> ShardWriter:
         return self
 
@@ -568,6 +591,18 @@ class BackgroundShardWriter(ShardWriter):
         self._committer.shutdown()
         self._closed = True
         return None
+
+    def abandon(self, why: str) -> tuple[str, int] | None:
+        """:meth:`ShardWriter.abandon`, once the commit in flight has ended: the records of
+        one that failed are kept with those buffered."""
+        with contextlib.suppress(InUse):
+            self._settle()
+        if self._unsaved is not None:
+            self._buffer.insert(0, self._unsaved)
+            self._unsaved = None
+        target = super().abandon(why)
+        self._committer.shutdown()
+        return target
 
     def _commit_and_announce(self, table: pa.Table) -> ShardInfo | None:
         table = self._retryable(table, self._keep_unsaved)

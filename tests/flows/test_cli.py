@@ -442,6 +442,24 @@ def test_inspect_counts_the_records_shard_writers_refused_and_says_where_they_ar
     assert "; 0 refused by their writers (3 files, 3 of them unreadable: " in inspect_run(store)
 
 
+def test_inspect_counts_the_records_a_worker_whose_name_was_taken_set_aside(store):
+    """An abandoned writer's records (its worker's name taken before their commit) are in no
+    shard: inspect counts them beside the refused ones, apart, and says where they are."""
+    writer = ShardWriter(store, "w0", flush_records=10)
+    writer.write_many([make_record(0), make_record(1) | {"trajectory_id": "bad", "versions": [-3] * 24}])
+    writer.close()
+    writer = ShardWriter(store, "w1", flush_records=10)
+    writer.write_many([make_record(2), make_record(3)])
+    writer.abandon("not committed: name taken (injected)")
+    out = inspect_run(store)
+    assert (
+        "  raw        1 shards, 1 trajectories; 1 refused by their writers (1 files: "
+        "shards/quarantine/raw/<worker>/refused-*.arrow, a .reason file beside each says why); "
+        "2 never committed by a worker whose name another process took (1 files: "
+        "shards/quarantine/raw/<worker>/uncommitted-*.arrow, a .reason file beside each says why)\n" in out
+    )
+
+
 def test_inspect_reads_the_trajectories_without_their_text(local_store, monkeypatch):
     """The decoded text holds most of a ``trajectories`` table's bytes: read whole, a long
     run's table took gigabytes of memory (1.2 GB for 100k trajectories of 2 KB of text)."""

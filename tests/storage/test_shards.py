@@ -571,6 +571,58 @@ def test_a_background_commit_refused_as_in_use_is_raised_at_the_next_flush(store
     assert Tables(store).read("shards").num_rows == 0
 
 
+def uncommitted_files(store, worker: str = "w0") -> list[str]:
+    return sorted(store.fs.glob(store.path("shards", "quarantine", "raw", worker, "uncommitted-*.arrow")))
+
+
+def test_a_writer_whose_name_was_taken_sets_its_uncommitted_records_aside_when_abandoned(store, caplog):
+    """The records of the refused commit and those buffered after it are kept whole in the
+    quarantine, each named in the reason file; none reaches a shard, and the writer is closed."""
+    taken = False
+
+    def before_commit() -> None:
+        if taken:
+            raise InUse("rollout worker name 'w0' was taken over (injected)")
+
+    writer = BackgroundShardWriter(store, "w0", flush_records=2, before_commit=before_commit)
+    writer.write_many([make_record(0), make_record(1)])
+    writer.flush()  # waits for that shard's commit
+    writer.write(make_record(2))
+    taken = True
+    writer.write(make_record(3))  # hands records 2 and 3 to the commit thread, which is refused
+    writer.write(make_record(4))
+    with pytest.raises(InUse):
+        writer.write(make_record(5))
+    path, rows = writer.abandon("not committed: name taken (injected)")
+    assert rows == 4 and writer.closed
+    assert path.startswith("shards/quarantine/raw/w0/uncommitted-") and uncommitted_files(store) == [
+        store.path(path)
+    ]
+    with store.fs.open(store.path(path), "rb") as source:
+        kept = pa.ipc.open_file(source).read_all()
+    assert ids_of(kept) == ["t2", "t3", "t4", "t5"]
+    validate(kept)
+    with store.fs.open(store.path(path + ".reason"), "r") as reason:
+        assert reason.read().splitlines() == [
+            f"trajectory 't{i}': not committed: name taken (injected)" for i in range(2, 6)
+        ]
+    shards, _ = ShardReader(store).poll()
+    assert [ids_of(ShardReader(store).read(shard)) for shard in shards] == [["t0", "t1"]]
+    with pytest.raises(RuntimeError, match="closed"):
+        writer.write(make_record(6))
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_abandoned_writer_with_every_record_committed_sets_nothing_aside(store, background):
+    kind = BackgroundShardWriter if background else ShardWriter
+    writer = kind(store, "w0", flush_records=2)
+    writer.write_many([make_record(0), make_record(1)])
+    assert writer.abandon("name taken (injected)") is None
+    assert writer.closed and uncommitted_files(store) == []
+    shards, _ = ShardReader(store).poll()
+    assert [ids_of(ShardReader(store).read(shard)) for shard in shards] == [["t0", "t1"]]
+
+
 def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_raises(store, monkeypatch):
     writer = BackgroundShardWriter(store, "w0", flush_records=2, max_unsaved_records=3)
     down = OSError("endpoint unreachable (injected)")

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
+import pyarrow as pa
 import pytest
 
 from flows.config import RunConfig
@@ -22,6 +23,7 @@ from rollout.engines.torch_engine import TorchEngine
 from rollout.orchestrator import Orchestrator
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
+from storage.schema import validate
 from storage.status import (
     ElasticPlanBoard,
     HeldRole,
@@ -262,12 +264,15 @@ def test_a_report_loop_that_fails_is_logged(tmp_path, monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("noticed_at", ["status", "commit"])
-def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, monkeypatch, noticed_at):
+def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(
+    tmp_path, monkeypatch, noticed_at, caplog
+):
     """Its status went unrenewed past the time it counts and another worker took its name:
     it commits none of its finished rollouts (two writers would interleave the name's shard
-    numbers), publishes no stopped status over the new holder's, and raises InUse. It finds
-    out at its next status (``status``) or, with no status due, when it would commit
-    (``commit``: its statuses every 1,000 s, its last shard at the deadline)."""
+    numbers) but keeps them in the quarantine, publishes no stopped status over the new
+    holder's, and raises InUse. It finds out at its next status (``status``) or, with no
+    status due, when it would commit (``commit``: its statuses every 1,000 s, its last shard
+    at the deadline)."""
     run, store = small_worker_run(tmp_path, "taken-worker")
     board = RolloutStatusBoard(store)
     written = published_by(monkeypatch, RolloutStatusBoard)
@@ -309,6 +314,14 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(tmp_path, 
     assert Tables(store).read("shards").num_rows == 0
     assert all(status.running for status in written)
     assert {status.owner for status in written} == {first_owner, "new"}
+    kept = store.fs.glob(store.path("shards/quarantine/raw/w0/uncommitted-*.arrow"))
+    if noticed_at == "status":  # a rollout had finished
+        (kept,) = kept
+        with store.fs.open(kept, "rb") as source:
+            records = validate(pa.ipc.open_file(source).read_all())
+        ids = records.column("trajectory_id").to_pylist()
+        assert ids and len(set(ids)) == len(ids)
+        assert f"worker w0 kept the {len(ids)} records it could not commit in {kept}" in caplog.text
 
 
 @pytest.mark.parametrize("slow", ["build", "start"])
