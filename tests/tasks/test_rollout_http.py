@@ -55,9 +55,17 @@ def serving_run(
 
 
 @contextlib.asynccontextmanager
-async def harness_client(worker: RolloutWorker) -> AsyncIterator[httpx.AsyncClient]:
-    """A harness's client of ``worker``'s gateway, with its token, once the worker serves it."""
-    await until(lambda: worker.http_server is not None, "the worker to serve")
+async def harness_client(worker: RolloutWorker, running: asyncio.Task) -> AsyncIterator[httpx.AsyncClient]:
+    """A harness's client of ``worker``'s gateway, with its token, once the worker serves it;
+    raises at once if its ``running`` run ends first (its error, if any), as it never will."""
+
+    def serving() -> bool:
+        if running.done():
+            running.result()
+            raise AssertionError("the worker's run ended before it served the gateway")
+        return worker.http_server is not None
+
+    await until(serving, "the worker to serve")
     async with httpx.AsyncClient(
         base_url=worker.http_server.url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=WAIT_S
     ) as client:
@@ -263,7 +271,7 @@ def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_
         await worker.start()
         running = asyncio.create_task(worker.run())
         try:
-            async with harness_client(worker) as client:
+            async with harness_client(worker, running) as client:
                 sent = [asyncio.create_task(generate(client, f"p{i}")) for i in range(requests)]
                 (engine,) = worker.engines
                 while engine.stats().extra["active"] < requests:
@@ -305,7 +313,7 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
         await worker.start()
         running = asyncio.create_task(worker.run())
         try:
-            async with harness_client(worker) as client:
+            async with harness_client(worker, running) as client:
                 record = await recorded(client)
                 for tid in ids:
                     execution = {"records": [{**record, "trajectory_id": tid, "execution_id": tid}]}
@@ -356,7 +364,7 @@ def test_a_harness_write_counts_its_records_and_is_refused_once_the_workers_name
         await worker.start()
         running = asyncio.create_task(worker.run())
         try:
-            async with harness_client(worker) as client:
+            async with harness_client(worker, running) as client:
                 record = await recorded(client)
                 written = await client.post("/v1/records", json=execution(record, "e1"))
                 assert written.status_code == 200, written.text
@@ -400,7 +408,7 @@ def test_a_harness_opening_a_rollout_while_the_trainer_lags_is_told_to_retry_and
         await worker.start()
         running = asyncio.create_task(worker.run())
         try:
-            async with harness_client(worker) as client:
+            async with harness_client(worker, running) as client:
 
                 async def turn(session_id: str) -> httpx.Response:
                     return await client.post(
