@@ -296,6 +296,14 @@ class GatewayHTTPConfig(BaseModel):
         description="A session opened over HTTP with no request for this many seconds is ended "
         "unrecorded (a crashed harness's); None: never.",
     )
+    drain_timeout_s: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a stopping worker lets the harness requests in flight finish before it "
+        "answers them 503 and goes on stopping; keep it under the supervisor's grace period "
+        "(Kubernetes' terminationGracePeriodSeconds, docker stop's --time) with room for the "
+        "worker's last commit.",
+    )
     serve_only: bool = Field(
         False,
         description="The worker runs none of its own rollouts (orchestrator.mix): it serves the API and "

@@ -645,6 +645,7 @@ class RolloutWorker:
             token=self._http_token,
             sampling=sampling,
             idle_timeout_s=self.http.idle_timeout_s,
+            drain_timeout_s=self.http.drain_timeout_s,
             write=self._write_harness_records,
             backpressure=self.orchestrator.backpressure,
         ).start()

@@ -181,6 +181,7 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         # a name no shell can set: the worker would refuse to start for want of its token
         ("gateway_http:\n  token_env: 'GATEWAY TOKEN'\n", "gateway_http.token_env"),
         ("gateway_http:\n  idle_timeout_s: 0\n", "gateway_http.idle_timeout_s"),
+        ("gateway_http:\n  drain_timeout_s: -1\n", "gateway_http.drain_timeout_s"),
         ("gateway_http:\n  prot: 8080\n", "gateway_http.prot"),
     ],
 )

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -18,8 +17,7 @@ import pytest
 
 from flows.config import RunConfig
 from rl.models import build_tiny_model, ensure_base_version, publish_policy
-from rollout import worker as worker_module
-from rollout.gateway_http import RETRY_AFTER_S, SESSION_HEADER, GatewayServer
+from rollout.gateway_http import RETRY_AFTER_S, SESSION_HEADER
 from rollout.ray_engine import engine_actor_resources
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
@@ -252,10 +250,9 @@ def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_
     while harness requests generate answers each of them over HTTP once its drain is over: a
     503 naming the stop, where uvicorn answered a bare 500 "Internal Server Error" and logged
     a traceback for each. The drain is cut to none so that the requests, each of the model's
-    whole context, are surely running at its end."""
+    whole context, are surely running at its end (``gateway_http.drain_timeout_s`` 0)."""
     monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
-    monkeypatch.setattr(worker_module, "GatewayServer", functools.partial(GatewayServer, drain_timeout_s=0))
-    run, store = serving_run(tmp_path, 0, serve_only=True)
+    run, store = serving_run(tmp_path, 0, serve_only=True, drain_timeout_s=0)
     worker = make_worker(store, run, http=run.gateway_http, flush_seconds=600)
     requests = 3
 
