@@ -74,8 +74,8 @@ def maintain(
         keep_last: weight versions kept, the newest (LATEST, tagged ones and the newest
             that verifies always stay).
         retention_hours: vacuumed table files and uncommitted shard files are deleted once
-            older than this (at least ``MIN_RETENTION_HOURS``: a younger one may belong to a
-            writer whose commit has not landed yet).
+            older than this (at least 1: a younger one may belong to a writer whose commit
+            has not landed yet).
     """
     store = run_store(config)
     # a wrong root or run id (a deployment's form) would otherwise complete, having found nothing to do

@@ -74,6 +74,13 @@ def test_retention_below_the_minimum_is_refused_by_the_flow_its_form_and_the_cli
     assert os.path.exists(store.path(in_flight))
 
 
+def test_the_forms_retention_hours_says_its_minimum_as_a_number():
+    # the deployment's form shows the docstring: a reader there cannot look a constant up
+    description = parameter_schema(maintain).properties["retention_hours"]["description"]
+    assert f"at least {MIN_RETENTION_HOURS}" in description
+    assert "MIN_RETENTION_HOURS" not in description
+
+
 def test_maintain_on_a_run_that_does_not_exist_is_an_error_before_the_flow_starts(tmp_path):
     root = tmp_path / "runs"
     with pytest.raises(SystemExit) as refused:
