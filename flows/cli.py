@@ -89,13 +89,13 @@ def inspect_run(store) -> str:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    from storage.tables import Tables, one_row_per_step
+    from storage.tables import STEP_ORDER, Tables, one_row_per_step, one_row_per_version
     from storage.weights import WeightStore
 
     tables = Tables(store)
     lines = [f"run {store.uri}"]
-    weights_table = tables.read("weights")
-    weights = weights_table.sort_by("version").to_pylist()
+    weights_table = one_row_per_version(tables.read("weights"))
+    weights = weights_table.to_pylist()
     kept = set(WeightStore(store).list())
     skipped = passed_over(weights)
     shown = spaced([row["version"] for row in weights])
@@ -178,9 +178,7 @@ def inspect_run(store) -> str:
                     f"<worker>/{what}-*.arrow, a .reason file beside each says why)"
                 )
         lines.append(line)
-    steps = one_row_per_step(
-        tables.read("train_steps", columns=["step", "time", "num_samples"]), weights_table
-    )
+    steps = one_row_per_step(tables.read("train_steps", columns=[*STEP_ORDER, "num_samples"]), weights_table)
     trained = pc.sum(steps.column("num_samples")).as_py() or 0
     lines.append(f"\npolicy steps: {steps.num_rows}, on {trained} trajectories")
     # a passed-over version's are its resumed trainer's to drop again

@@ -16,19 +16,28 @@ import os
 from storage.config import S3_SCHEMES, RunStore
 from storage.tables import TABLE_SCHEMAS, Tables
 
+WEIGHTS_ORDER = ", ".join(f"{column} NULLS LAST" for column in TABLE_SCHEMAS["weights"].names)
+"""The order of ``weights`` rows whose first of each version the ``versions`` view keeps, as
+:func:`storage.tables.one_row_per_version` does."""
+
 VIEWS: dict[str, str] = {
     "kept_steps": """
         SELECT DISTINCT * FROM train_steps s
-        WHERE NOT EXISTS (SELECT 1 FROM train_steps later WHERE later.time > s.time AND later.step <= s.step)
-            AND EXISTS (SELECT 1 FROM weights w WHERE w.created_at > s.time AND w.step >= s.step)""",
+        WHERE NOT EXISTS (
+            SELECT 1 FROM train_steps later
+            WHERE later.step <= s.step AND (later.time > s.time OR later.time = s.time
+                AND later.step = s.step AND (later.version > s.version
+                    OR later.version = s.version AND later.policy_loss > s.policy_loss)))
+            AND EXISTS (SELECT 1 FROM weights w WHERE w.created_at >= s.time AND w.step >= s.step)""",
     "trained": """
         SELECT s.step, s.version, t.*
         FROM (SELECT step, version, unnest(trajectory_ids) AS trajectory_id FROM kept_steps) s
         JOIN trajectories t ON t.trajectory_id = s.trajectory_id AND t.selected""",
-    "versions": """
+    "versions": f"""
+        WITH recorded AS (SELECT DISTINCT ON (version) * FROM weights ORDER BY {WEIGHTS_ORDER})
         SELECT *,
-            EXISTS (SELECT 1 FROM weights w WHERE w.parent < v.version AND w.version > v.version) AS passed_over
-        FROM weights v""",
+            EXISTS (SELECT 1 FROM recorded w WHERE w.parent < v.version AND w.version > v.version) AS passed_over
+        FROM recorded v""",
 }
 """Views over the tables' views, by name (with another Delta reader, run these queries over the
 tables):
@@ -37,13 +46,20 @@ tables):
   per step, as :func:`storage.tables.one_row_per_step` reads them. A trainer restarted from
   ``LATEST`` logs the steps after that version again, and the steps its predecessor logged
   after that version went into no weights: a row stays when no row logged after it has a step
-  at or below its own and a version published after it reached its step; a row that a retried
-  append wrote twice is read once.
+  at or below its own and a version published at or after its time reached its step; a row
+  that a retried append wrote twice is read once. Rows logged at one microsecond count as
+  logged in the order of their step, then ``version``, then ``policy_loss`` (see
+  :data:`storage.tables.STEP_ORDER`): of two rows of one step and microsecond, the one of the
+  newer version, then of the higher policy loss, stays.
 - ``trained``: one row per kept step and trajectory it trained on: the step's ``step`` and
   ``version`` (the version it started from) and the trajectory's selected ``trajectories`` row.
-- ``versions``: the ``weights`` rows with ``passed_over``, true for a version that a later
-  version's parent skips (a trainer resumed below it, its files did not verify, and trained its
-  rows again), as :func:`flows.cli.passed_over` finds them.
+- ``versions``: the ``weights`` rows, one per version, with ``passed_over``, true for a version
+  that a later version's parent skips (a trainer resumed below it, its files did not verify,
+  and trained its rows again), as :func:`flows.cli.passed_over` finds them. A row that a
+  retried append wrote twice is read once; of two rows of one version that differ (recorded
+  by writers that spelled the run's root differently, say), the least by the table's columns
+  in turn (``step``, ``parent``, ``path``, …, nulls last) stays, as in ``treadle inspect``
+  (:func:`storage.tables.one_row_per_version`).
 """
 
 

@@ -523,17 +523,29 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
         raise SchemaError(f"table {name!r}: cannot cast to the canonical schema: {exc}") from exc
 
 
+STEP_ORDER = ("time", "step", "version", "policy_loss")
+"""The order ``train_steps`` rows count as logged in: by ``time``, and rows logged at one
+microsecond (a coarse clock) by step, as one trainer logs them, then by version and policy
+loss, so that of two different rows of one step and microsecond one is kept whatever the order
+of the table's files."""
+
+
 def one_row_per_step(steps: pa.Table, weights: pa.Table) -> pa.Table:
     """``train_steps`` rows of the policy steps the run's weights went through, one per step,
-    in step order; ``weights`` is the run's ``weights`` table (its ``step`` and ``created_at``).
+    in step order; ``steps`` has at least the columns of :data:`STEP_ORDER`, ``weights`` is
+    the run's ``weights`` table (its ``step`` and ``created_at``).
 
     A trainer restarted after a failure resumes from its last published version and logs
     the steps after it again; the rows its predecessor logged after that version, logged
     again or not (the run may end first), went into no weights. So a row stays when no row
-    logged after it has a step at or below its own, and a version published after it has
-    reached its step: a trainer's steps since its last version show once it publishes them.
+    logged after it (in the order of :data:`STEP_ORDER`) has a step at or below its own, and
+    a version published at or after its time has reached its step: a trainer's steps since
+    its last version show once it publishes them, and a version published at the microsecond
+    a step was logged, which a trainer publishes after logging the step, holds it. Of two
+    rows of one step, microsecond, version and policy loss (one row appended twice), one
+    stays.
     """
-    ordered = steps.sort_by("time")
+    ordered = steps.sort_by([(column, "ascending") for column in STEP_ORDER])
     step = ordered.column("step").to_numpy()
     # (N,) the lowest step logged after each row (none after the last)
     lowest_after = np.full(len(step), np.iinfo(np.int64).max)
@@ -543,8 +555,25 @@ def one_row_per_step(steps: pa.Table, weights: pa.Table) -> pa.Table:
     # (V + 1,) the newest step of the versions from each one on (none past the last)
     reached_from = np.full(len(created) + 1, -1, dtype=np.int64)
     reached_from[:-1] = np.maximum.accumulate(published.column("step").to_numpy()[::-1])[::-1]
-    reached_after = reached_from[np.searchsorted(created, _micros(ordered.column("time")), side="right")]
+    # side="left": the versions published at or after each row's time
+    reached_after = reached_from[np.searchsorted(created, _micros(ordered.column("time")), side="left")]
     return ordered.filter(pa.array((step < lowest_after) & (step <= reached_after))).sort_by("step")
+
+
+def one_row_per_version(weights: pa.Table) -> pa.Table:
+    """The rows of ``weights`` (the run's ``weights`` table), one per version, in version order.
+
+    A row appended again after an append whose answer was lost (its commit had landed) is
+    there twice; so may be a version recorded by writers that spelled the run's root
+    differently (its ``path``). Rows are ordered by the table's columns in turn, nulls last,
+    and the first row of each version stays: the least ``step``, then ``parent``, then
+    ``path``, and so on.
+    """
+    ordered = weights.sort_by([(column, "ascending") for column in schema_of("weights").names])
+    version = ordered.column("version").to_numpy()
+    first = np.ones(len(version), dtype=bool)
+    first[1:] = version[1:] != version[:-1]
+    return ordered.filter(pa.array(first))
 
 
 def _micros(times: pa.ChunkedArray) -> np.ndarray:

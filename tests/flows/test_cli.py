@@ -1705,6 +1705,49 @@ def test_inspect_counts_the_trajectories_dropped_as_stale_and_rejected_by_the_ve
     )
 
 
+def test_a_weights_row_appended_twice_is_one_version_in_the_versions_view_and_in_inspect(local_store):
+    """An append of version 2's row whose answer was lost, made again: the row is there twice.
+    ``versions`` (and the README's totals over it) and inspect count the version once."""
+    rows = weights_rows({0: None, 1: 0, 2: 1})
+    for row in rows:
+        row["dropped_stale"], row["rejected_rows"] = (10 * row["version"], row["version"])
+    tables = Tables(local_store)
+    tables.append("weights", rows)
+    tables.append("weights", rows[2:])
+    db = connect(local_store)
+    assert db.execute("SELECT version FROM versions ORDER BY version").fetchall() == [(0,), (1,), (2,)]
+    totals = "SELECT SUM(dropped_stale), SUM(rejected_rows) FROM versions WHERE NOT passed_over"
+    assert db.execute(totals).fetchall() == [(30, 3)]
+    out = inspect_run(local_store)
+    assert "weight versions: 3 published, 0 kept (showing 3)" in out
+    assert out.count("  v2    step 8 ") == 1
+    assert out.endswith(
+        "; 30 dropped as stale, 3 rejected (by the versions published: "
+        "weights.dropped_stale, weights.rejected_rows)"
+    )
+
+
+def test_of_two_different_rows_of_one_version_the_view_and_inspect_keep_the_same_one(local_store):
+    """Version 1 recorded by writers that spelled the run's root differently (``s3a://``,
+    ``s3://``), their counts differing too: the row of the least ``path`` stays (rows of one
+    version are ordered by the table's columns), in ``versions`` and in inspect's totals alike."""
+    rows = weights_rows({0: None, 1: 0})
+    tables = Tables(local_store)
+    tables.append("weights", rows[:1])
+    for path, stale in (("s3a://bucket/run/weights/v000001", 7), ("s3://bucket/run/weights/v000001", 5)):
+        tables.append("weights", [rows[1] | {"path": path, "dropped_stale": stale, "rejected_rows": 0}])
+    viewed = connect(local_store).execute(
+        "SELECT version, path, dropped_stale FROM versions ORDER BY version"
+    )
+    assert viewed.fetchall() == [(0, "weights/v000000", None), (1, "s3://bucket/run/weights/v000001", 5)]
+    out = inspect_run(local_store)
+    assert "weight versions: 2 published" in out
+    assert out.endswith(
+        "; 5 dropped as stale, 0 rejected (by the versions published: "
+        "weights.dropped_stale, weights.rejected_rows)"
+    )
+
+
 def test_inspect_counts_the_rejected_trajectories_where_none_was_dropped_as_stale(local_store):
     rows = weights_rows({0: None, 1: 0})
     for row in rows:

@@ -786,7 +786,12 @@ def test_one_row_per_step_drops_the_steps_a_dead_trainer_logged_after_the_versio
     logged = [(1, 0), (2, 1), (3, 2), (4, 3), (5, 4), (4, 10)]
     steps = pa.Table.from_pylist(
         [
-            {"step": step, "time": start + timedelta(seconds=second), "policy_loss": float(second)}
+            {
+                "step": step,
+                "version": 0,
+                "time": start + timedelta(seconds=second),
+                "policy_loss": float(second),
+            }
             for step, second in logged
         ]
     )
@@ -1095,3 +1100,60 @@ def test_an_empty_commit_file_reads_as_no_rows_and_check_log_names_the_table_and
     ):
         Tables(store).check_log("weights")
     Tables(store).check_log("evals")  # not created yet: nothing to check
+
+
+def test_a_step_logged_at_the_microsecond_its_version_was_published_went_into_it():
+    """A trainer logs a step, then publishes the version that holds it: on a coarse clock both
+    read the same microsecond. ``one_row_per_step`` and the ``kept_steps`` view count the
+    version as published after the step, so the step stays."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    steps = pa.Table.from_pylist(
+        [step_row(step, None) | {"time": start + timedelta(seconds=step)} for step in (1, 2)]
+    )
+    weights = published((0, -1), (2, 2))
+    assert one_row_per_step(steps, weights).column("step").to_pylist() == [1, 2]
+    connection = duckdb.connect()
+    connection.register("train_steps", steps)
+    connection.register("weights", weights)
+    viewed = connection.execute(f"SELECT step FROM ({VIEWS['kept_steps']}) ORDER BY step")
+    assert viewed.fetchall() == [(1,), (2,)]
+
+
+@pytest.mark.parametrize("order", [[0, 1, 2], [2, 1, 0]])
+def test_of_rows_of_one_step_logged_at_one_microsecond_the_newest_version_stays_in_any_order(order):
+    """Two different rows of step 2 logged at the same microsecond: neither is logged after the
+    other, so both stayed in ``kept_steps``, and ``one_row_per_step`` kept whichever its input
+    held last. Rows at one microsecond count as logged in the order of their step, then their
+    version, then their policy loss: the row of the newest version stays, whatever the order of
+    the table's files."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    rows = [
+        step_row(1, None) | {"time": start},
+        step_row(2, None) | {"time": start + timedelta(seconds=1), "version": 1, "policy_loss": 0.9},
+        step_row(2, None) | {"time": start + timedelta(seconds=1), "version": 0, "policy_loss": 0.2},
+    ]
+    steps = pa.Table.from_pylist([rows[i] for i in order], schema=TABLE_SCHEMAS["train_steps"])
+    weights = published((0, -1), (2, 5))
+    kept = one_row_per_step(steps, weights)
+    assert kept.select(["step", "version"]).to_pylist() == [
+        {"step": 1, "version": 0},
+        {"step": 2, "version": 1},
+    ]
+    connection = duckdb.connect()
+    connection.register("train_steps", steps)
+    connection.register("weights", weights)
+    viewed = connection.execute(f"SELECT step, version FROM ({VIEWS['kept_steps']}) ORDER BY step")
+    assert viewed.fetchall() == [(1, 0), (2, 1)]
+
+
+def test_of_rows_of_one_step_and_version_logged_at_one_microsecond_the_highest_policy_loss_stays():
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    rows = [step_row(1, None) | {"time": start, "policy_loss": loss} for loss in (0.5, 0.7, 0.1)]
+    steps = pa.Table.from_pylist(rows, schema=TABLE_SCHEMAS["train_steps"])
+    weights = published((1, 1))
+    assert one_row_per_step(steps, weights).column("policy_loss").to_pylist() == [pytest.approx(0.7)]
+    connection = duckdb.connect()
+    connection.register("train_steps", steps)
+    connection.register("weights", weights)
+    viewed = connection.execute(f"SELECT policy_loss FROM ({VIEWS['kept_steps']})").fetchall()
+    assert viewed == [(pytest.approx(0.7),)]
