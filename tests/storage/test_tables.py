@@ -6,6 +6,7 @@ import http.server
 import json
 import os
 import posixpath
+import random
 import subprocess
 import sys
 import textwrap
@@ -1157,3 +1158,32 @@ def test_of_rows_of_one_step_and_version_logged_at_one_microsecond_the_highest_p
     connection.register("weights", weights)
     viewed = connection.execute(f"SELECT policy_loss FROM ({VIEWS['kept_steps']})").fetchall()
     assert viewed == [(pytest.approx(0.7),)]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_kept_steps_view_keeps_the_rows_one_row_per_step_keeps(seed):
+    """Random logs of restarted trainers, many rows and versions sharing a microsecond: the
+    view (window functions over the tables) and ``one_row_per_step`` keep the same rows."""
+    rng = random.Random(seed)
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    moments = [start + timedelta(seconds=second) for second in range(8)]
+    steps = pa.Table.from_pylist(
+        [
+            step_row(rng.randint(1, 6), None)
+            | {
+                "time": rng.choice(moments),
+                "version": rng.randint(0, 2),
+                "policy_loss": rng.choice([0.1, 0.2]),
+            }
+            for _ in range(rng.randint(0, 14))
+        ],
+        schema=TABLE_SCHEMAS["train_steps"],
+    )
+    weights = published(*((rng.randint(0, 6), rng.randint(0, 7)) for _ in range(rng.randint(1, 4))))
+    key = ["step", "time", "version", "policy_loss"]
+    kept = one_row_per_step(steps, weights).select(key).to_pylist()
+    connection = duckdb.connect()
+    connection.register("train_steps", steps)
+    connection.register("weights", weights)
+    viewed = connection.execute(f"SELECT {', '.join(key)} FROM ({VIEWS['kept_steps']}) ORDER BY step")
+    assert viewed.to_arrow_table().to_pylist() == kept
