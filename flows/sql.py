@@ -14,16 +14,16 @@ import glob
 import os
 
 from storage.config import S3_SCHEMES, RunStore
-from storage.tables import TABLE_SCHEMAS, Tables
+from storage.tables import STEP_ORDER, TABLE_SCHEMAS, Tables
 
 WEIGHTS_ORDER = ", ".join(f"{column} NULLS LAST" for column in TABLE_SCHEMAS["weights"].names)
 """The order of ``weights`` rows whose first of each version the ``versions`` view keeps, as
 :func:`storage.tables.one_row_per_version` does."""
 
 VIEWS: dict[str, str] = {
-    "kept_steps": """
+    "kept_steps": f"""
         WITH logged AS (
-            SELECT *, min(step) OVER (ORDER BY time, step, version, policy_loss
+            SELECT *, min(step) OVER (ORDER BY {", ".join(STEP_ORDER)}
                 ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS lowest_after
             FROM train_steps),
         reached AS (
