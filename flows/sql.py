@@ -27,16 +27,17 @@ VIEWS: dict[str, str] = {
                 ROWS BETWEEN 1 FOLLOWING AND UNBOUNDED FOLLOWING) AS lowest_after
             FROM train_steps),
         reached AS (
-            SELECT moment, published, max(step) OVER (
-                ORDER BY moment DESC, published DESC ROWS UNBOUNDED PRECEDING) AS step
-            FROM (SELECT created_at AS moment, step, true AS published FROM weights
-                UNION ALL SELECT DISTINCT time, NULL, false FROM train_steps))
-        SELECT DISTINCT s.* EXCLUDE (lowest_after)
+            SELECT moment, published, max(step) OVER later AS step,
+                last_value(version IGNORE NULLS) OVER later AS published_in
+            FROM (SELECT created_at AS moment, step, version, true AS published FROM weights
+                UNION ALL SELECT DISTINCT time, NULL, NULL, false FROM train_steps)
+            WINDOW later AS (ORDER BY moment DESC, published DESC, version DESC ROWS UNBOUNDED PRECEDING))
+        SELECT DISTINCT s.* EXCLUDE (lowest_after), r.published_in
         FROM logged s JOIN reached r ON r.moment = s.time AND NOT r.published
         WHERE (s.lowest_after IS NULL OR s.step < s.lowest_after) AND s.step <= r.step""",
     "trained": """
-        SELECT s.step, s.version, t.*
-        FROM (SELECT step, version, unnest(trajectory_ids) AS trajectory_id FROM kept_steps) s
+        SELECT s.step, s.version, s.published_in, t.*
+        FROM (SELECT step, version, published_in, unnest(trajectory_ids) AS trajectory_id FROM kept_steps) s
         JOIN trajectories t ON t.trajectory_id = s.trajectory_id AND t.selected""",
     "versions": f"""
         WITH recorded AS (SELECT DISTINCT ON (version) * FROM weights ORDER BY {WEIGHTS_ORDER})
@@ -58,9 +59,13 @@ tables):
   their step, then ``version``, then ``policy_loss`` (see :data:`storage.tables.STEP_ORDER`):
   of two rows of one step and microsecond, the one of the newer version, then of the higher
   policy loss, stays. Window functions, not a lookup per row, so that a run of 100,000 steps
-  reads in well under a second.
-- ``trained``: one row per kept step and trajectory it trained on: the step's ``step`` and
-  ``version`` (the version it started from) and the trajectory's selected ``trajectories`` row.
+  reads in well under a second. One column more than the table's: ``published_in``, the
+  version that holds the step's update, the first published at or after its time (the lowest
+  of those published at that microsecond): a trainer logs a step before it publishes it, and
+  a step stays kept only when its trainer published it before another trainer logged again.
+- ``trained``: one row per kept step and trajectory it trained on: the step's ``step``,
+  ``version`` (the version it started from) and ``published_in`` (the first version that
+  holds what it learned), and the trajectory's selected ``trajectories`` row.
 - ``versions``: the ``weights`` rows, one per version, with ``passed_over``, true for a version
   that a later version's parent skips (a trainer resumed below it, its files did not verify,
   and trained its rows again), as :func:`flows.cli.passed_over` finds them. A row that a

@@ -1146,7 +1146,7 @@ def test_the_steps_that_went_into_the_weights_name_each_selected_trajectory_they
                 row["trajectory_ids"]
             )
     joined = connect(store).execute(
-        f"SELECT step, count(*) FROM ({readme_query('FROM trained')}) GROUP BY step ORDER BY step"
+        f"SELECT step, count(*) FROM ({readme_query('text FROM trained')}) GROUP BY step ORDER BY step"
     )
     assert joined.fetchall() == [(row["step"], len(row["trajectory_ids"])) for row in steps]
 
@@ -1187,17 +1187,32 @@ def test_the_sql_views_read_a_restarted_trainers_tables_as_inspect_does(store, m
     def viewed(query: str) -> list[dict]:
         return db.execute(query).to_arrow_table().to_pylist()
 
-    assert viewed("SELECT * FROM kept_steps ORDER BY step") == kept
+    assert viewed("SELECT * EXCLUDE (published_in) FROM kept_steps ORDER BY step") == kept
+    # a step's update is in the next version published: step 1's in version 1, the rest in the
+    # resumed trainer's versions from 3 on, none in version 2 that it passed over
+    published_in = {row["step"]: row["published_in"] for row in viewed("SELECT * FROM kept_steps")}
+    assert published_in == {1: 1} | {step: step + 1 for step in range(2, resumed.step + 1)}
 
     selected = {row["trajectory_id"]: row for row in trajectories.to_pylist() if row["selected"]}
     joined = [
-        {"step": row["step"], "version": row["version"]} | selected[trajectory_id]
+        {"step": row["step"], "version": row["version"], "published_in": published_in[row["step"]]}
+        | selected[trajectory_id]
         for row in kept
         for trajectory_id in row["trajectory_ids"]
     ]
     assert len(joined) == sum(row["num_samples"] for row in kept) > 0
     joined.sort(key=lambda row: (row["step"], row["trajectory_id"]))
     assert viewed("SELECT * FROM trained ORDER BY step, trajectory_id") == joined
+    into_3 = readme_query("WHERE published_in").replace("= 12", "= 3")
+    assert (
+        sorted(viewed(into_3), key=lambda row: row["step"])
+        == [
+            {"step": row["step"], "task": row["task"], "reward": row["reward"]}
+            for row in joined
+            if row["published_in"] == 3
+        ]
+        != []
+    )
 
     skipped = passed_over(weights.to_pylist())
     assert skipped == {2}

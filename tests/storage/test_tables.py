@@ -756,10 +756,14 @@ def test_a_table_lacking_a_required_column_is_refused_naming_it(local_store):
 
 
 def published(*versions: tuple[int, float]) -> pa.Table:
-    """A ``weights`` table of versions given as (step, seconds into 2026 they were published)."""
+    """A ``weights`` table of versions given as (step, seconds into 2026 they were published),
+    numbered from 1 in the order given."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
     return pa.Table.from_pylist(
-        [{"step": step, "created_at": start + timedelta(seconds=second)} for step, second in versions]
+        [
+            {"version": version, "step": step, "created_at": start + timedelta(seconds=second)}
+            for version, (step, second) in enumerate(versions, 1)
+        ]
     )
 
 
@@ -1187,3 +1191,13 @@ def test_the_kept_steps_view_keeps_the_rows_one_row_per_step_keeps(seed):
     connection.register("weights", weights)
     viewed = connection.execute(f"SELECT {', '.join(key)} FROM ({VIEWS['kept_steps']}) ORDER BY step")
     assert viewed.to_arrow_table().to_pylist() == kept
+    # published_in: the version published first at or after the step's time (the lowest of
+    # those published at that one microsecond)
+    publishes = weights.to_pylist()
+    expected = []
+    for row in kept:
+        after = [w for w in publishes if w["created_at"] >= row["time"]]
+        first = min((w["created_at"] for w in after), default=None)
+        expected.append(min((w["version"] for w in after if w["created_at"] == first), default=None))
+    viewed = connection.execute(f"SELECT published_in FROM ({VIEWS['kept_steps']}) ORDER BY step")
+    assert [version for (version,) in viewed.fetchall()] == expected
