@@ -11,13 +11,16 @@ the version from the run's store itself.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import ray
 from ray._private import ray_constants
+from ray._private import utils as ray_utils
 from ray.exceptions import RayError, RayTaskError
 
 from rollout.config import TorchEngineConfig
@@ -47,7 +50,9 @@ def connect_ray(
     ``RAY_ADDRESS`` or a ``ray start`` on this machine names, else starts one on the machine's
     address. A SIGTERM handler the process installed is kept: ``ray.init`` makes SIGTERM
     ``sys.exit``, which took the place of a Prefect flow run's handler (by which a deployment
-    run is cancelled; without it the run crashed).
+    run is cancelled; without it the run crashed). Ctrl-C, SIGTERM or SIGHUP during the
+    connection waits for it to end, then shuts Ray down and stops the run as it would at any
+    other time (:func:`_signals_held`).
 
     A local instance started on ``node_ip`` has ``num_cpus`` logical CPUs when given (Ray's
     default: one per core): a run's own instance holds only the run's tasks and actors, and
@@ -55,18 +60,81 @@ def connect_ray(
     a free CPU), so each needs one of its own, whatever the machine's cores."""
     if ray.is_initialized():
         return
-    sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        local = address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+    local = address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+    with _signals_held():
         if not local or node_ip is None:
             ray.init(address=address, include_dashboard=False)
         elif node_ip == LOOPBACK:
             _start_on_loopback(num_cpus)
         else:
             ray.init(address="local", include_dashboard=False, _node_ip_address=node_ip, num_cpus=num_cpus)
+
+
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+"""The signals that stop a run (Ctrl-C, ``docker stop``, a closed terminal), held while
+``ray.init`` runs."""
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Run the body, a ``ray.init``, with each of :data:`HELD_SIGNALS` that arrives recorded
+    rather than acted on; then, when one came, shut Ray down and deliver it again, to the
+    handlers the process has after the start (its own, else Ray's for SIGTERM), which stop
+    the run as at any other time. Off the main thread, where no handler runs, it only runs the
+    body.
+
+    A signal acted on inside ``ray.init`` stopped the start wherever it was: Ray's SIGTERM
+    handler (``sys.exit``, installed as the start begins) ended a flow command with status
+    15 and without its "stopped by" line, and Ctrl-C or SIGTERM left the raylet's agents
+    (``DashboardAgent``, ``RuntimeEnvAgent``) running, orphaned. ``ray.init``'s own
+    time-outs bound how long a signal waits. Ray's SIGTERM handler is not installed during the
+    start, and afterwards only where the process had none of its own (as before: a Prefect
+    flow run's handler, by which a deployment run is cancelled, is kept)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    before = {signum: signal.getsignal(signum) for signum in HELD_SIGNALS}
+    after = dict(before)
+
+    def hold(signum, frame) -> None:
+        held.append(signum)
+
+    def keep_for_after(handler) -> None:  # in place of Ray's install of its SIGTERM handler
+        if not callable(before[signal.SIGTERM]):
+            after[signal.SIGTERM] = handler
+
+    # an ignored signal stays so (``nohup``), and one whose handler is not Python's cannot be restored
+    for signum, handler in before.items():
+        if handler not in (signal.SIG_IGN, None):
+            signal.signal(signum, hold)
+    install_sigterm = ray_utils.set_sigterm_handler
+    ray_utils.set_sigterm_handler = keep_for_after
+    alarm_before = any(signal.getitimer(signal.ITIMER_REAL))
+    try:
+        yield
     finally:
-        if callable(sigterm) and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, sigterm)
+        ray_utils.set_sigterm_handler = install_sigterm
+        if signal.SIGTERM in held and not alarm_before and any(signal.getitimer(signal.ITIMER_REAL)):
+            _cancel_abort_alarm()
+        if held:
+            ray.shutdown(wait_for_processes=True)
+        for signum, handler in after.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+        for signum in held:
+            signal.raise_signal(signum)
+
+
+def _cancel_abort_alarm() -> None:
+    """Cancel the alarm by which the failure signal handler of Ray's core worker aborts the
+    process: a SIGTERM once the core worker has started, at the end of ``ray.init``, goes to that
+    handler first, which writes a stack trace, passes the signal on, and arms an alarm that
+    aborts the process 3 s later (an exit by SIGABRT, during Ray's shutdown)."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    alarm = signal.getsignal(signal.SIGALRM)
+    if alarm is not None:
+        signal.signal(signal.SIGALRM, alarm)  # the handler the process had, in place of Ray's abort
 
 
 def _start_on_loopback(num_cpus: int | None) -> None:

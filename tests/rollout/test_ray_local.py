@@ -1,13 +1,19 @@
 """The local Ray instance a run starts (no ``ray_address``, or ``local``) listens on 127.0.0.1
-only, and leaves the process's SIGTERM handler as it was. It starts in a subprocess: tests/flows/test_ray.py keeps one Ray in the test process."""
+only, leaves the process's SIGTERM handler as it was, and, stopped by a signal as it starts,
+leaves no process behind. It starts in a subprocess: tests/flows/test_ray.py keeps one Ray in the test process."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -130,3 +136,154 @@ def test_the_local_ray_a_run_starts_has_a_cpu_for_each_of_its_tasks_and_actors_b
     report = report_of(SIZED_SCRIPT, str(replicas))
     # an env worker and an engine actor per replica, and the two tasks
     assert report["cpus"] == 2 * replicas + 2
+
+
+SIGNALLED_SCRIPT = """
+import os
+import signal
+import sys
+import time
+
+import ray._private.worker
+
+from flows.cli_args import stops_as_on_ctrl_c
+from flows.config import RunConfig
+from tasks.rollout import connect_run_ray
+
+if sys.argv[1] == "self":
+    connect = ray._private.worker.connect
+
+    def connect_then_signal(*args, **kwargs):
+        connect(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # at the end of ray.init, its core worker started
+
+    ray._private.worker.connect = connect_then_signal
+
+
+@stops_as_on_ctrl_c  # as a flow command: one line and the signal's status
+def main():
+    connect_run_ray(RunConfig(cluster="ray"))
+    print("connected", flush=True)
+    time.sleep(120)  # a signal that came once Ray was up stops the command here
+
+
+main()
+"""
+
+
+def _descendants(process: psutil.Process, seen: dict[tuple[int, float], str]) -> None:
+    """Add each process below ``process`` to ``seen`` as (pid, start time) -> its name now (one
+    seen between its fork and its exec has its parent's)."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in process.children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                seen[child.pid, child.create_time()] = child.name()
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _described(process: psutil.Process) -> str:
+    try:
+        return " ".join(process.cmdline()[:2])
+    except psutil.Error:  # it has just exited
+        return f"{process.pid} (exited)"
+
+
+def _survivors(seen: dict[tuple[int, float], str], temp_dir: str, within_s: float) -> list[psutil.Process]:
+    """The processes of ``seen`` still running ``within_s`` seconds from now (the same start
+    time: never one that reused a pid), and any other whose command line names ``temp_dir``,
+    the Ray instance's own: a process its Ray stopped may take a moment to exit."""
+    candidates = {}
+    for pid, created in seen:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process = psutil.Process(pid)
+            if process.create_time() == created:
+                candidates[pid] = process
+    for process in psutil.process_iter(["cmdline"]):
+        if any(temp_dir in part for part in process.info["cmdline"] or ()):
+            candidates.setdefault(process.pid, process)
+    running = [process for process in candidates.values() if _running(process)]
+    deadline = time.monotonic() + within_s
+    while running and time.monotonic() < deadline:
+        time.sleep(0.2)
+        running = [process for process in running if _running(process)]
+    return running
+
+
+def _stopped_while_ray_starts(
+    tmp_path: Path, signum: signal.Signals | None
+) -> tuple[int, str, str, list[str]]:
+    """Run :data:`SIGNALLED_SCRIPT` with its own Ray temp folder, send it ``signum`` once its
+    raylet runs (None: it sends itself SIGTERM), wait for it to end; its status, stdout,
+    stderr and the processes its Ray left running (killed before this returns)."""
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's sockets are made below it
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"  # files: a survivor would hold a pipe open
+    seen: dict[tuple[int, float], str] = {}
+    with stdout.open("w") as out, stderr.open("w") as err:
+        command = subprocess.Popen(
+            [sys.executable, "-c", SIGNALLED_SCRIPT, "self" if signum is None else "test"],
+            cwd=ROOT,
+            env=env | {"RAY_TMPDIR": temp_dir},
+            stdout=out,
+            stderr=err,
+        )
+    try:
+        driver = psutil.Process(command.pid)
+        deadline = time.monotonic() + 60
+        while signum is not None and "raylet" not in seen.values():
+            assert command.poll() is None, f"ended before Ray started: {stderr.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"no raylet within 60 s: {stderr.read_text()[-3000:]}"
+            _descendants(driver, seen)
+            time.sleep(0.05)
+        if signum is not None:
+            command.send_signal(signum)
+        deadline = time.monotonic() + 60
+        while command.poll() is None and time.monotonic() < deadline:
+            _descendants(driver, seen)
+            time.sleep(0.05)
+        left = [_described(process) for process in _survivors(seen, temp_dir, within_s=10)]
+    finally:
+        if command.poll() is None:
+            command.kill()
+            command.wait()
+        for process in _survivors(seen, temp_dir, within_s=0):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    return command.returncode, stdout.read_text(), stderr.read_text(), left
+
+
+def _assert_stopped_by(signum: signal.Signals, code: int, stdout: str, stderr: str, left: list[str]) -> None:
+    landed = "after" if "connected" in stdout else "while"
+    assert code == 128 + signum, f"(signal {landed} Ray started) {stderr[-3000:]}"
+    assert stderr.count("stopped by") == 1 and f"stopped by {signum.name}\n" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    assert left == [], f"left running by a signal {landed} Ray started"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_while_the_local_ray_starts_stops_the_command_as_elsewhere_and_leaves_no_ray_process(
+    tmp_path, signum
+):
+    """A SIGTERM that came while ``ray.init`` started the run's local Ray met Ray's own
+    handler: the command exited 15, without its "stopped by" line. A SIGTERM or Ctrl-C
+    interrupted the start wherever it was and left the raylet's agents (``DashboardAgent``,
+    ``RuntimeEnvAgent``) running, orphaned. Now the signal waits for the start to end, Ray is
+    shut down, and the signal stops the command as at any other time. It is sent once the
+    raylet runs: a signal that lands after the start ended must stop the command the same way."""
+    _assert_stopped_by(signum, *_stopped_while_ray_starts(tmp_path, signum))
+
+
+def test_a_sigterm_once_rays_core_worker_started_stops_the_command_as_elsewhere(tmp_path):
+    """At the end of ``ray.init``, once its core worker has started, a SIGTERM goes first to the
+    core worker's failure signal handler, which arms an alarm that aborts the process 3 s
+    later: the command died by SIGABRT while Ray shut down. The signal is sent there by the
+    command itself (after ``ray._private.worker.connect``), where a signal from outside lands
+    only now and then."""
+    _assert_stopped_by(signal.SIGTERM, *_stopped_while_ray_starts(tmp_path, None))
