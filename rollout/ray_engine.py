@@ -50,9 +50,10 @@ def connect_ray(
     ``RAY_ADDRESS`` or a ``ray start`` on this machine names, else starts one on the machine's
     address. A SIGTERM handler the process installed is kept: ``ray.init`` makes SIGTERM
     ``sys.exit``, which took the place of a Prefect flow run's handler (by which a deployment
-    run is cancelled; without it the run crashed). Ctrl-C, SIGTERM or SIGHUP during the
-    connection waits for it to end, then shuts Ray down and stops the run as it would at any
-    other time (:func:`_signals_held`).
+    run is cancelled; without it the run crashed). Ctrl-C, SIGTERM or SIGHUP while it starts a
+    local instance waits for the start to end, then shuts Ray down and stops the run as it
+    would at any other time (:func:`_signals_held`); while it joins a cluster, it stops the
+    connection at once (a cluster that does not answer would hold it for Ray's time-outs).
 
     A local instance started on ``node_ip`` has ``num_cpus`` logical CPUs when given (Ray's
     default: one per core): a run's own instance holds only the run's tasks and actors, and
@@ -61,7 +62,7 @@ def connect_ray(
     if ray.is_initialized():
         return
     local = address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
-    with _signals_held():
+    with _signals_held(hold=local):
         if not local or node_ip is None:
             ray.init(address=address, include_dashboard=False)
         elif node_ip == LOOPBACK:
@@ -76,12 +77,12 @@ HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
+def _signals_held(hold: bool = True) -> Iterator[None]:
     """Run the body, a ``ray.init``, with each of :data:`HELD_SIGNALS` that arrives recorded
-    rather than acted on; then, when one came, shut Ray down and deliver it again, to the
-    handlers the process has after the start (its own, else Ray's for SIGTERM), which stop
-    the run as at any other time. Off the main thread, where no handler runs, it only runs the
-    body.
+    rather than acted on (unless not ``hold``); then, when one came, shut Ray down and deliver
+    it again, to the handlers the process has after the start (its own, else Ray's for
+    SIGTERM), which stop the run as at any other time. Off the main thread, where no handler
+    runs, it only runs the body.
 
     A signal acted on inside ``ray.init`` stopped the start wherever it was: Ray's SIGTERM
     handler (``sys.exit``, installed as the start begins) ended a flow command with status
@@ -97,7 +98,7 @@ def _signals_held() -> Iterator[None]:
     before = {signum: signal.getsignal(signum) for signum in HELD_SIGNALS}
     after = dict(before)
 
-    def hold(signum, frame) -> None:
+    def keep(signum, frame) -> None:
         held.append(signum)
 
     def keep_for_after(handler) -> None:  # in place of Ray's install of its SIGTERM handler
@@ -106,8 +107,8 @@ def _signals_held() -> Iterator[None]:
 
     # an ignored signal stays so (``nohup``), and one whose handler is not Python's cannot be restored
     for signum, handler in before.items():
-        if handler not in (signal.SIG_IGN, None):
-            signal.signal(signum, hold)
+        if hold and handler not in (signal.SIG_IGN, None):
+            signal.signal(signum, keep)
     install_sigterm = ray_utils.set_sigterm_handler
     ray_utils.set_sigterm_handler = keep_for_after
     alarm_before = any(signal.getitimer(signal.ITIMER_REAL))

@@ -287,3 +287,18 @@ def test_a_sigterm_once_rays_core_worker_started_stops_the_command_as_elsewhere(
     command itself (after ``ray._private.worker.connect``), where a signal from outside lands
     only now and then."""
     _assert_stopped_by(signal.SIGTERM, *_stopped_while_ray_starts(tmp_path, None))
+
+
+@pytest.mark.parametrize("local", [True, False])
+def test_a_ctrl_c_while_connecting_waits_for_a_local_start_and_stops_joining_a_cluster_at_once(local):
+    """Starting a local Ray, the signal is held until the start ends (its agents would be left
+    orphaned); joining a cluster, which starts nothing here, it stops the connection at once
+    rather than after Ray's time-outs for a cluster that does not answer."""
+    from rollout.ray_engine import _signals_held
+
+    went_on = []
+    with pytest.raises(KeyboardInterrupt), _signals_held(hold=local):
+        signal.raise_signal(signal.SIGINT)
+        went_on.append(True)
+    assert went_on == ([True] if local else [])
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
