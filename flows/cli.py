@@ -21,10 +21,7 @@ import urllib.parse
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NoReturn
-
-if TYPE_CHECKING:
-    import httpx
+from typing import NoReturn
 
 FLOWS = ("pipeline", "rollout", "process", "train", "evaluate", "maintain")
 TABLES = ("shards", "trajectories", "train_steps", "weights", "evals")
@@ -256,6 +253,8 @@ def _run(args) -> None:
     import httpx
     from prefect.settings import PREFECT_API_URL
 
+    from flows.run_body import prefect_api_request
+
     try:
         module.main()
     except RuntimeError as exc:
@@ -268,7 +267,7 @@ def _run(args) -> None:
     except httpx.TransportError as exc:
         # the flow engine's own request, once its client gave up: a server gone mid-run failed
         # the command at the flow run's end, after the work, with a page of tracebacks
-        if not _prefect_api_request(exc):
+        if not prefect_api_request(exc):
             raise
         url = without_credentials(PREFECT_API_URL.value() or "")
         print(
@@ -289,19 +288,6 @@ def _unreachable_api(exc: RuntimeError) -> bool:
     import httpx
 
     return str(exc).startswith("Failed to reach API") and isinstance(exc.__cause__, httpx.TransportError)
-
-
-def _prefect_api_request(exc: httpx.TransportError) -> bool:
-    """Whether ``exc`` failed a request to the Prefect API at PREFECT_API_URL (not one of the
-    flow's own connections: an inference server's, the storage's)."""
-    from prefect.settings import PREFECT_API_URL
-
-    api = PREFECT_API_URL.value()
-    try:
-        url = str(exc.request.url)
-    except RuntimeError:  # raised with no request
-        return False
-    return bool(api) and url.startswith(api.rstrip("/") + "/")
 
 
 def without_credentials(url: str) -> str:

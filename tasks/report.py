@@ -303,12 +303,12 @@ def _prefect_api_gone(what: str) -> bool:
     process's client stops retrying (each request would wait about a minute)."""
     if run_body.prefect_api_answers(run_body.API_BACK_WITHIN_S):
         return False
+    run_body.stop_retrying_prefect_api()  # first: the warning is not sent to the API
     log.warning(
         "%s not sent: the Prefect API did not answer within %g s, nor will the flow run's last state be",
         what,
         run_body.API_BACK_WITHIN_S,
     )
-    run_body.stop_retrying_prefect_api()
     return True
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import logging
 import os
 import re
 import socket
@@ -117,18 +118,26 @@ def weights_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture(autouse=True)
-def prefect_client_retries_kept() -> Iterator[None]:
-    """A flow that ends while its Prefect API is gone stops the client's retries for the whole
-    process (``flows.run_body.stop_retrying_prefect_api``, as a run's end should): the tests
-    after one such in-process flow get them back."""
-    before = os.environ.get("PREFECT_CLIENT_MAX_RETRIES")
+def prefect_api_given_up_on_kept() -> Iterator[None]:
+    """A flow that ends while its Prefect API is gone gives up on it for the whole process
+    (``flows.run_body.stop_retrying_prefect_api``, as a run's end should: the client's retries,
+    logging to the API, errors in logging, the run loggers' filter): the tests after one such
+    in-process flow get them back."""
+    names = ("PREFECT_CLIENT_MAX_RETRIES", "PREFECT_LOGGING_TO_API_ENABLED")
+    before = {name: os.environ.get(name) for name in names}
+    raise_exceptions = logging.raiseExceptions
     yield
-    if os.environ.get("PREFECT_CLIENT_MAX_RETRIES") == before:
+    logging.raiseExceptions = raise_exceptions
+    run_body = sys.modules.get("flows.run_body")  # not imported: no flow gave up
+    for name in run_body.RUN_LOGGERS if run_body else ():
+        logging.getLogger(name).removeFilter(run_body._api_errors_in_one_line)
+    if all(os.environ.get(name) == value for name, value in before.items()):
         return
-    if before is None:
-        os.environ.pop("PREFECT_CLIENT_MAX_RETRIES", None)
-    else:
-        os.environ["PREFECT_CLIENT_MAX_RETRIES"] = before
+    for name, value in before.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     from prefect.context import refresh_global_settings_context
 
     refresh_global_settings_context()

@@ -39,7 +39,6 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.cli import (
     TABLES,
     VIEWS,
-    _prefect_api_request,
     _unreachable_api,
     inspect_run,
     main,
@@ -49,6 +48,7 @@ from flows.cli import (
 from flows.cli_args import parse
 from flows.config import load_config
 from flows.evaluate import missing_version
+from flows.run_body import prefect_api_request
 from flows.sql import VIEWS as VIEW_QUERIES
 from flows.sql import connect, extension_paths
 from rl.models import TinyModelConfig, ensure_base_version
@@ -1512,6 +1512,72 @@ def test_a_prefect_api_gone_at_the_end_of_a_flow_without_a_report_ends_the_comma
     assert exited - done < 40, result.stderr
 
 
+LOST_AT_THE_BODYS_END_FLOW = """
+import os
+
+# each log record sent to the API as it is logged, not in batches every 2 s
+os.environ |= {"PREFECT_LOGGING_TO_API_BATCH_SIZE": "1000", "PREFECT_LOGGING_TO_API_MAX_LOG_SIZE": "999"}
+
+import flows.cli
+import flows.evaluate
+import flows.run_body
+from prefect import flow
+from prefect.logging.handlers import APILogWorker
+
+servers = []
+start_server = flows.cli._start_server
+flows.cli._start_server = lambda port: servers.append(start_server(port)) or servers[-1]
+flows.run_body.API_BACK_WITHIN_S = 0.5
+
+
+@flow
+def loses_its_api() -> None:
+    with flows.run_body.run_body():
+        APILogWorker.instance().drain()  # the flow run's first records sent while its API answers
+        flows.cli._stop_server(servers[0])
+
+
+def run():
+    flows.cli.temporary_api()
+    loses_its_api()
+
+
+flows.evaluate.main = run
+flows.cli.main(["run", "evaluate"])
+"""
+
+
+def test_a_flow_run_that_gave_up_on_its_prefect_api_says_so_without_prefects_tracebacks(
+    tmp_path, migrated_prefect_db
+):
+    """A flow run whose temporary server is gone for good at its body's end: once the run gave
+    up on the API, the flow engine logged the ConnectError of the flow run's last state with
+    about 80 lines of client and httpx traceback, and Prefect's log worker wrote ``--- Error
+    logging to API ---`` and the error (no line end: the next line ran on) for each record it
+    could not send, the run's own warning among them. Now the run's logs stop going to the API
+    and the engine's error keeps its one line, before the command's own ``error:`` line."""
+    result, _ = run_losing_its_api(migrated_home(tmp_path, migrated_prefect_db), LOST_AT_THE_BODYS_END_FLOW)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert "Error logging to API" not in result.stderr, result.stderr
+    lines = result.stderr.splitlines()
+    assert re.fullmatch(
+        r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
+        r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage",
+        lines[-1],
+    ), result.stderr
+    gave_up = "the Prefect API did not answer within 0.5 s: the flow run's last state will not reach it"
+    assert f"flows.run_body - {gave_up}" in result.stderr, result.stderr
+    assert any(
+        re.search(
+            r"ERROR   \| Flow run '[\w-]+' - Encountered exception during execution: "
+            r"ConnectError\('\[Errno 111\] Connection refused'\)$",
+            line,
+        )
+        for line in lines
+    ), result.stderr
+
+
 def test_a_flows_own_refused_connection_is_not_taken_for_a_lost_prefect_api(monkeypatch):
     """A ConnectError of the flow's own (an inference server's) stays its error: ``treadle run``
     says it lost the Prefect API only for a request to PREFECT_API_URL."""
@@ -1538,9 +1604,9 @@ def test_only_a_request_under_the_prefect_api_url_is_taken_for_the_prefect_apis(
 
     for api in ("http://127.0.0.1:4200/api", "http://127.0.0.1:4200/api/"):
         with temporary_settings({PREFECT_API_URL: api}):
-            assert _prefect_api_request(to("http://127.0.0.1:4200/api/flow_runs/x"))
-            assert not _prefect_api_request(to("http://127.0.0.1:4200/apis/v1/generate"))
-            assert not _prefect_api_request(httpx.ConnectError("refused"))
+            assert prefect_api_request(to("http://127.0.0.1:4200/api/flow_runs/x"))
+            assert not prefect_api_request(to("http://127.0.0.1:4200/apis/v1/generate"))
+            assert not prefect_api_request(httpx.ConnectError("refused"))
 
 
 def test_the_default_config_is_found_outside_the_repository(tmp_path, monkeypatch):

@@ -21,7 +21,7 @@ from botocore.exceptions import EndpointConnectionError
 from deltalake.exceptions import CommitFailedError
 from prefect import flow, task
 from prefect.server.api.server import SubprocessASGIServer
-from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
 import flows.run_body
 import tasks.report
@@ -479,6 +479,49 @@ def test_a_flow_body_whose_run_gave_up_on_the_prefect_api_does_not_wait_for_it_a
 
         assert reported_flow() == "done"
     assert "did not answer" not in caplog.text
+
+
+def test_a_process_that_gave_up_on_the_prefect_api_logs_its_errors_in_one_line_and_others_in_full():
+    """Once a run gave up on the API, the flow engine's error for the last state loses its
+    traceback (the client's and httpx's frames: about 80 lines) and keeps its line; the flow's
+    own errors, a refused connection of its own among them, keep theirs. Logging to the API is
+    off, and its errors are not written to stderr."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("prefect.flow_runs")
+    api = "http://127.0.0.1:4200/api"
+
+    def logged(error: Exception) -> logging.LogRecord:
+        try:
+            raise error
+        except Exception:  # outside a flow run: not for the API, which would warn
+            logger.exception(
+                "Encountered exception during execution: %r", error, extra={"send_to_api": False}
+            )
+        return records[-1]
+
+    def refused(url: str) -> httpx.ConnectError:
+        return httpx.ConnectError("[Errno 111] Connection refused", request=httpx.Request("PUT", url))
+
+    logger.addHandler(handler)
+    try:
+        with temporary_settings({PREFECT_API_URL: api}):
+            assert logged(refused(f"{api}/flow_runs/x/set_state")).exc_info is not None
+        flows.run_body.stop_retrying_prefect_api()
+        with temporary_settings({PREFECT_API_URL: api}):
+            assert not PREFECT_LOGGING_TO_API_ENABLED.value() and not logging.raiseExceptions
+            last_state = logged(refused(f"{api}/flow_runs/x/set_state"))
+            own = [
+                logged(ValueError("the work failed")),
+                logged(refused("http://127.0.0.1:8000/v1/generate")),
+            ]
+    finally:
+        logger.removeHandler(handler)
+    assert last_state.exc_info is None and last_state.getMessage() == (
+        "Encountered exception during execution: ConnectError('[Errno 111] Connection refused')"
+    )
+    assert all(record.exc_info is not None for record in own)
 
 
 def test_a_flow_body_without_a_prefect_api_url_neither_waits_nor_stops_the_retries(caplog):
