@@ -1342,6 +1342,13 @@ flows.cli.main(["run", "evaluate"])
 """
 
 
+LOST_API_LINE = re.compile(
+    r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
+    r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage"
+)
+"""The one line a flow command ends with when its temporary Prefect server is gone."""
+
+
 def test_a_prefect_api_lost_during_a_flow_run_ends_the_command_at_once_with_one_line(
     tmp_path, migrated_prefect_db
 ):
@@ -1359,11 +1366,7 @@ def test_a_prefect_api_lost_during_a_flow_run_ends_the_command_at_once_with_one_
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr and "Still processing items" not in result.stderr, result.stderr
     (line,) = result.stderr.splitlines()
-    assert re.fullmatch(
-        r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
-        r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage",
-        line,
-    ), line
+    assert LOST_API_LINE.fullmatch(line), line
 
 
 def run_losing_its_api(home: Path, script: str, *args: str) -> tuple[subprocess.CompletedProcess, float]:
@@ -1439,11 +1442,7 @@ def test_a_prefect_api_gone_before_the_run_report_ends_the_command_soon_after_th
     )
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
-    assert re.fullmatch(
-        r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
-        r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage",
-        lines[-1],
-    ), result.stderr
+    assert LOST_API_LINE.fullmatch(lines[-1]), result.stderr
     assert "the report of run gone not sent: the Prefect API did not answer within 1 s" in result.stderr
     (done,) = (float(line.split()[-1]) for line in lines if line.startswith("work done at "))
     # the client's retries alone took 62 s for the last state
@@ -1499,11 +1498,7 @@ def test_a_prefect_api_gone_at_the_end_of_a_flow_without_a_report_ends_the_comma
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
     (done,) = (float(line.split()[-1]) for line in lines if line.startswith("work done at "))
-    assert re.fullmatch(
-        r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
-        r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage",
-        lines[-1],
-    ), result.stderr
+    assert LOST_API_LINE.fullmatch(lines[-1]), result.stderr
     assert (
         "the Prefect API did not answer within 1 s: the flow run's last state will not reach it"
         in result.stderr
@@ -1561,11 +1556,7 @@ def test_a_flow_run_that_gave_up_on_its_prefect_api_says_so_without_prefects_tra
     assert "Traceback" not in result.stderr, result.stderr
     assert "Error logging to API" not in result.stderr, result.stderr
     lines = result.stderr.splitlines()
-    assert re.fullmatch(
-        r"error: lost the Prefect API at http://127\.0\.0\.1:\d+/api \(ConnectError: \[Errno 111\] "
-        r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage",
-        lines[-1],
-    ), result.stderr
+    assert LOST_API_LINE.fullmatch(lines[-1]), result.stderr
     gave_up = "the Prefect API did not answer within 0.5 s: the flow run's last state will not reach it"
     assert f"flows.run_body - {gave_up}" in result.stderr, result.stderr
     assert any(
