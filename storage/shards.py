@@ -313,9 +313,10 @@ class ShardWriter:
         fs = self.store.fs
         if not self.store.config.is_s3:
             os.makedirs(posixpath.dirname(self.store.path(target)), exist_ok=True)
-        fs.pipe_file(self.store.path(target), _ipc_bytes(table).to_pybytes())
+        # the reason first: a failure after the rows' file would have them set aside twice by the retry
         with fs.open(self.store.path(target + ".reason"), "w") as out:
             out.write("".join(f"{reason}\n" for reason in reasons))
+        fs.pipe_file(self.store.path(target), _ipc_bytes(table).to_pybytes())
         return target
 
     def _clear_buffer(self) -> None:
@@ -496,6 +497,7 @@ class ShardWriter:
         if table is not None and self._unsure is not None:
             try:
                 table = self._without_landed(table)
+                self._keep_buffered(table)  # a call made again sets none of the landed rows aside
             except OSError as exc:
                 why += f"; the first {self._unsure.num_rows} may be in shard {self._unsure.shard_id} ({exc})"
         kept = None

@@ -623,6 +623,61 @@ def test_an_abandoned_writer_with_every_record_committed_sets_nothing_aside(stor
     assert [ids_of(ShardReader(store).read(shard)) for shard in shards] == [["t0", "t1"]]
 
 
+def store_down(*args, **kwargs):
+    raise OSError("store down (injected)")
+
+
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
+def test_an_abandon_tried_again_sets_aside_no_row_of_a_commit_it_found_landed(
+    store, monkeypatch, writer_class
+):
+    """The abandon finds that an unconfirmed commit landed, then the store takes no file: the
+    call made again sets aside only the rows written after that commit, not its rows too."""
+    writer = writer_class(store, "w0", flush_records=100)
+    writer.write_table(make_table(0, 3))
+    flush = writer.close if writer_class is BackgroundShardWriter else writer.flush
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost(writer.tables.append))
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(OSError):
+            flush()
+    writer.write_table(make_table(3, 2))
+    with monkeypatch.context() as patch:
+        patch.setattr(store.fs, "pipe_file", store_down)
+        with pytest.raises(OSError, match="store down"):
+            writer.abandon("name taken (injected)")
+    path, rows = writer.abandon("name taken (injected)")
+    with store.fs.open(store.path(path), "rb") as source:
+        assert ids_of(pa.ipc.open_file(source).read_all()) == ["t3", "t4"]
+    assert rows == 2 and uncommitted_files(store) == [store.path(path)]
+    assert writer.committed == 1
+
+
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
+def test_an_abandon_whose_reason_file_the_store_refused_sets_each_record_aside_once(
+    store, monkeypatch, writer_class
+):
+    """The store takes the records' file, then refuses its ``.reason`` file: the call made
+    again leaves one file of those records, not a second beside the first."""
+    writer = writer_class(store, "w0", flush_records=100)
+    writer.write_table(make_table(0, 2))
+    open_file = store.fs.open
+
+    def reason_refused(path, *args, **kwargs):
+        if path.endswith(".reason"):
+            raise OSError("store down (injected)")
+        return open_file(path, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(store.fs, "open", reason_refused)
+        with pytest.raises(OSError, match="store down"):
+            writer.abandon("name taken (injected)")
+    path, rows = writer.abandon("name taken (injected)")
+    assert rows == 2 and uncommitted_files(store) == [store.path(path)]
+    with store.fs.open(store.path(path + ".reason"), "r") as reason:
+        assert len(reason.read().splitlines()) == 2
+
+
 def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_raises(store, monkeypatch):
     writer = BackgroundShardWriter(store, "w0", flush_records=2, max_unsaved_records=3)
     down = OSError("endpoint unreachable (injected)")
