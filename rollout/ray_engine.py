@@ -118,13 +118,15 @@ def _signals_held(hold: bool = True) -> Iterator[None]:
         ray_utils.set_sigterm_handler = install_sigterm
         if signal.SIGTERM in held and not alarm_before and any(signal.getitimer(signal.ITIMER_REAL)):
             _cancel_abort_alarm()
-        if held:
-            ray.shutdown(wait_for_processes=True)
-        for signum, handler in after.items():
-            if handler is not None:
-                signal.signal(signum, handler)
-        for signum in held:
-            signal.raise_signal(signum)
+        try:
+            if held:
+                ray.shutdown(wait_for_processes=True)
+        finally:
+            for signum, handler in after.items():
+                if handler is not None:
+                    signal.signal(signum, handler)
+            for signum in held:
+                signal.raise_signal(signum)
 
 
 def _cancel_abort_alarm() -> None:

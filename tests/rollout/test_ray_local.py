@@ -302,3 +302,23 @@ def test_a_ctrl_c_while_connecting_waits_for_a_local_start_and_stops_joining_a_c
         went_on.append(True)
     assert went_on == ([True] if local else [])
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_ray_shutdown_that_fails_after_a_held_signal_gives_the_signals_back(monkeypatch):
+    """Ray's shutdown after a held Ctrl-C raised and left the holding handlers in place: the
+    process recorded Ctrl-C, SIGTERM and SIGHUP from then on and never stopped for them."""
+    from rollout import ray_engine
+
+    def failing_shutdown(**kwargs):
+        raise RuntimeError("shutdown failed (injected)")
+
+    monkeypatch.setattr(ray_engine.ray, "shutdown", failing_shutdown)
+    handlers = {signum: signal.getsignal(signum) for signum in ray_engine.HELD_SIGNALS}
+    try:
+        with pytest.raises(KeyboardInterrupt), ray_engine._signals_held():
+            signal.raise_signal(signal.SIGINT)
+        left = {signum: signal.getsignal(signum) for signum in ray_engine.HELD_SIGNALS}
+    finally:
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+    assert left == handlers
