@@ -179,6 +179,11 @@ class RolloutWorker:
         self.http_server: GatewayServer | None = None
         self.harness_records = 0
         """Records that harnesses had this worker write over HTTP (buffered: committed as its own)."""
+        self._name_taken: InUse | None = None
+        """Why a harness write was refused as the worker's name was taken: every later one is too."""
+        self._told_unwritten: set[str] = set()
+        """Trajectory ids of the harness write buffered, then answered as not written, as its
+        flush found the worker's name taken: none is set aside (its harness sends it again)."""
         self._stopped = asyncio.Event()
         self.store = store
         self.name = name
@@ -663,9 +668,13 @@ class RolloutWorker:
         the harness is told they are written, and its resend is refused rather than committed twice."""
         if self.writer.closed:
             raise RuntimeError(f"worker {self.name} is stopping: its raw shards take no more records")
+        if self._name_taken is not None:  # a flush would buffer them and answer them written
+            raise InUse(str(self._name_taken))
         try:
             self.writer.write_table(table)
-        except InUse:
+        except InUse as exc:
+            self._name_taken = exc
+            self._told_unwritten.update(table.column("trajectory_id").to_pylist())
             raise
         except Exception as exc:
             log.warning(
@@ -861,7 +870,7 @@ class RolloutWorker:
         quarantine, so that a rollout finished, or a harness's write answered, is not lost."""
         why = f"not committed: another process took worker name {self.name!r} before their shard's commit"
         try:
-            kept = await asyncio.to_thread(self.writer.abandon, why)
+            kept = await asyncio.to_thread(self.writer.abandon, why, self._told_unwritten)
         except Exception as exc:
             log.error(
                 "worker %s could neither commit its last records nor set them aside: %s", self.name, exc

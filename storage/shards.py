@@ -30,7 +30,7 @@ import re
 import time
 import uuid
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -486,13 +486,14 @@ class ShardWriter:
         self._closed = True
         return info
 
-    def abandon(self, why: str) -> tuple[str, int] | None:
+    def abandon(self, why: str, left_out: Collection[str] = ()) -> tuple[str, int] | None:
         """Close without committing anything more, for a writer that may not (another worker
         took its name): the records it has not committed are kept under the quarantine prefix,
         ``shards/quarantine/<kind>/<worker>/uncommitted-<id>.arrow``, each named with ``why`` in
-        the ``.reason`` file beside it. Returns that file's run-relative path and its number of
-        records (None: every record was committed). Raises when the store takes no file
-        (records kept, a later call tries again)."""
+        the ``.reason`` file beside it, but for those whose ``trajectory_id`` is in ``left_out``
+        (their writer was told they were not written: it sends them again). Returns that file's
+        run-relative path and its number of records (None: none is left). Raises when the store
+        takes no file (records kept, a later call tries again)."""
         table = _merged(self._buffer) if self._buffer else None
         if table is not None and self._unsure is not None:
             try:
@@ -500,6 +501,9 @@ class ShardWriter:
                 self._keep_buffered(table)  # a call made again sets none of the landed rows aside
             except OSError as exc:
                 why += f"; the first {self._unsure.num_rows} may be in shard {self._unsure.shard_id} ({exc})"
+        if table is not None and left_out:
+            told = pc.is_in(table.column("trajectory_id"), value_set=pa.array(sorted(left_out), pa.string()))
+            table = table.filter(pc.invert(pc.fill_null(told, False)))
         kept = None
         if table is not None and table.num_rows:
             ids = table.column("trajectory_id").to_pylist()
@@ -594,7 +598,7 @@ class BackgroundShardWriter(ShardWriter):
         self._closed = True
         return None
 
-    def abandon(self, why: str) -> tuple[str, int] | None:
+    def abandon(self, why: str, left_out: Collection[str] = ()) -> tuple[str, int] | None:
         """:meth:`ShardWriter.abandon`, once the commit in flight has ended: the records of
         one that failed are kept with those buffered."""
         with contextlib.suppress(InUse):
@@ -602,7 +606,7 @@ class BackgroundShardWriter(ShardWriter):
         if self._unsaved is not None:
             self._buffer.insert(0, self._unsaved)
             self._unsaved = None
-        target = super().abandon(why)
+        target = super().abandon(why, left_out)
         self._committer.shutdown()
         return target
 
