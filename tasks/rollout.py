@@ -132,8 +132,8 @@ def run_rollouts(
     worker that finds another's fresh status there (both started at once, or its own went
     unrenewed for ``DEFAULT_MAX_AGE_S`` and another took the name) commits no more shards,
     publishes no more statuses, stops, and raises :class:`~storage.status.InUse`; the
-    records it had not committed (its rollouts', a harness's) are kept in the quarantine,
-    ``shards/quarantine/raw/<worker>/uncommitted-*.arrow``, in no shard."""
+    records it had not committed (its rollouts', those a harness was told were written) are
+    kept in the quarantine, ``shards/quarantine/raw/<worker>/uncommitted-*.arrow``, in no shard."""
     board = RolloutStatusBoard(run_store(config))
     wait_until_free(
         lambda: board.read_worker(worker_name),
