@@ -300,7 +300,7 @@ class GatewayHTTPConfig(BaseModel):
         30.0,
         ge=0,
         description="Seconds a stopping worker lets the harness requests in flight finish before it "
-        "answers them 503 and goes on stopping; keep it under the supervisor's grace period "
+        "answers them 503 (cuts a streamed answer off) and goes on stopping; keep it under the supervisor's grace period "
         "(Kubernetes' terminationGracePeriodSeconds, docker stop's --time) with room for the "
         "worker's last commit.",
     )
