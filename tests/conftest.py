@@ -9,6 +9,7 @@ travel in ``StorageConfig`` fields, never through the environment.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import http.server
 import logging
 import os
@@ -16,6 +17,7 @@ import re
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -151,6 +153,21 @@ def readme_query(mentioning: str) -> str:
         q for q in (" ".join(code.split()) for code in re.findall(r"`([^`]+)`", text)) if mentioning in q
     ]
     return query
+
+
+@contextlib.contextmanager
+def one_ray_at_a_time() -> Iterator[None]:
+    """Hold the block against every other test process that starts Ray (pytest-xdist's workers,
+    other runs of the suite): a worker once died ("node down") while its Ray cluster ran beside
+    the local Rays that ``test_ray_local`` stops mid-start, and Ray instances started side by
+    side on one machine race for ports now and then (its dashboard agent's; the raylet shares
+    its agent's fate, and its driver, the worker, the raylet's)."""
+    with open(os.path.join(tempfile.gettempdir(), "treadle-tests-ray.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def free_port() -> int:

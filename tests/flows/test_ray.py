@@ -37,6 +37,7 @@ from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader
 from storage.weights import WeightStore
 from tasks.rollout import run_rollouts
+from tests.conftest import one_ray_at_a_time
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 
@@ -44,9 +45,10 @@ TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_s
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
     torch.set_num_threads(1)
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="treadle-tests")
-    yield
-    ray.shutdown()
+    with one_ray_at_a_time():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, namespace="treadle-tests")
+        yield
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")

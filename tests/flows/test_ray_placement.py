@@ -25,6 +25,7 @@ from rollout.ray_env import RayEnvPool
 from storage.config import RunStore, StorageConfig
 from storage.weights import WeightStore
 from tasks.rollout import rollout_actor_resources, run_rollouts
+from tests.conftest import one_ray_at_a_time
 
 TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64)
 
@@ -33,12 +34,13 @@ TINY = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, intermediate_s
 def cluster():
     """A head node with 2 CPUs and a node with 2 CPUs and a GPU; the GPU node's id."""
     torch.set_num_threads(1)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
-    gpu_node = cluster.add_node(num_cpus=2, num_gpus=1)
-    ray.init(address=cluster.address, log_to_driver=False, namespace="treadle-tests")
-    yield gpu_node.node_id
-    ray.shutdown()
-    cluster.shutdown()
+    with one_ray_at_a_time():
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "include_dashboard": False})
+        gpu_node = cluster.add_node(num_cpus=2, num_gpus=1)
+        ray.init(address=cluster.address, log_to_driver=False, namespace="treadle-tests")
+        yield gpu_node.node_id
+        ray.shutdown()
+        cluster.shutdown()
 
 
 @ray.remote

@@ -14,15 +14,17 @@ from envs import registry
 from envs.sandbox import bwrap_path
 from envs.shell_env import ShellEnv
 from rollout.ray_env import RayEnvPool
+from tests.conftest import one_ray_at_a_time
 
 pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="treadle-tests")
-    yield
-    ray.shutdown()
+    with one_ray_at_a_time():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="treadle-tests")
+        yield
+        ray.shutdown()
 
 
 async def _give_up_on_reset(env, task, waiting: str) -> None:

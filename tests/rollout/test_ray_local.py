@@ -19,7 +19,17 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.conftest import one_ray_at_a_time
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_other_ray():
+    """Each test here starts a Ray of its own, some stopped mid-start: one at a time on the machine."""
+    with one_ray_at_a_time():
+        yield
+
 
 SCRIPT = """
 import json
@@ -318,6 +328,8 @@ def test_a_ray_shutdown_that_fails_after_a_held_signal_gives_the_signals_back(mo
         raise RuntimeError("shutdown failed (injected)")
 
     monkeypatch.setattr(ray_engine.ray, "shutdown", failing_shutdown)
+    # as in a command's process: an earlier test in this process may have left another handler
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     handlers = {signum: signal.getsignal(signum) for signum in ray_engine.HELD_SIGNALS}
     try:
         with pytest.raises(KeyboardInterrupt), ray_engine._signals_held():
@@ -326,4 +338,5 @@ def test_a_ray_shutdown_that_fails_after_a_held_signal_gives_the_signals_back(mo
     finally:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
+        signal.signal(signal.SIGINT, before)
     assert left == handlers
