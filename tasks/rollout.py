@@ -390,11 +390,12 @@ def rollout_detail(status: dict[str, Any]) -> str:
     dropped = status["orchestrator"]["groups_filtered"]
     groups = dropped + status["orchestrator"]["groups_kept"]
     return (
-        f"serving v{status['version']}, backlog {status['backlog']} shards, mean reward {rewards or '—'}"
+        f"serving v{status['version']}, backlog {status['backlog']} shard{'' if status['backlog'] == 1 else 's'}, "
+        f"mean reward {rewards or '—'}"
         + (f", failed outside the policy: {failed}" if failed else "")
         + (f", {dropped} of {groups} groups dropped (every reward in them equal)" if dropped else "")
         + (
-            f", reward models reloaded {reloads} times (their device budget holds fewer than all)"
+            f", reward models reloaded {reloads} time{'' if reloads == 1 else 's'} (their device budget holds fewer than all)"
             if (reloads := status["reward_reloads"])
             else ""
         )

@@ -278,9 +278,9 @@ def test_a_workers_progress_line_leaves_out_a_task_with_no_reward_yet():
         },
         "reward_reloads": 0,
     }
-    assert rollout_detail(status) == "serving v3, backlog 1 shards, mean reward arith 0.50"
+    assert rollout_detail(status) == "serving v3, backlog 1 shard, mean reward arith 0.50"
     status["orchestrator"]["tasks"] = {"code": {"mean_reward": None, "statuses": {}}}
-    assert rollout_detail(status) == "serving v3, backlog 1 shards, mean reward —"
+    assert rollout_detail(status) == "serving v3, backlog 1 shard, mean reward —"
 
 
 def test_a_workers_progress_line_counts_the_rollouts_of_each_task_that_failed_outside_the_policy():
@@ -345,4 +345,8 @@ def test_a_workers_progress_line_counts_the_reward_models_loaded_again_after_an_
     assert rollout_detail(status) == (
         "serving v2, backlog 0 shards, mean reward arith 0.50, "
         "reward models reloaded 7 times (their device budget holds fewer than all)"
+    )
+    status["reward_reloads"] = 1
+    assert rollout_detail(status).endswith(
+        ", reward models reloaded 1 time (their device budget holds fewer than all)"
     )
