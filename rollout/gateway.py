@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import math
-import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -317,7 +316,6 @@ class Session:
     transcript: str = ""
     """The text-completion history as the client has seen it (prompts plus completions)."""
     turns: list[TurnResult] = field(default_factory=list)
-    generation_seconds: float = 0.0
     closed: bool = False
     """Set by :meth:`Gateway.close`; a turn still waiting for the session's lock then fails."""
     engine_error: str | None = None
@@ -550,13 +548,11 @@ class Session:
                     stop_ids=params.stop_ids,
                     seed=params.seed,
                 )
-            started = time.perf_counter()
             self._generating = asyncio.ensure_future(
                 self.gateway.router.generate(self.session_id, list(self.tokens), params)
             )
             try:
                 generation = await self._generating
-                self.generation_seconds += time.perf_counter() - started
                 _check_generation(generation, self.gateway.vocab_size)
             except asyncio.CancelledError:
                 if self.closed and not asyncio.current_task().cancelling():
