@@ -559,6 +559,7 @@ class ElasticController:
                 "inputs": asdict(self.last_inputs) if self.last_inputs else None,
                 "rollout_rate": round(self.last_rollout_rate, 6),
                 "forecast_completions": None if self.last_forecast is None else round(self.last_forecast, 3),
+                "training_demand": None if self.last_demand is None else round(self.last_demand, 3),
                 "roles": {n: u.role for n, u in self.units.items()},
                 "live_sessions": {n: u.live_sessions for n, u in self.units.items()},
                 "moves": [asdict(m) for m in self.moves[-8:]],

@@ -52,7 +52,15 @@ PLAN_REFRESH_S = 5.0
 """Seconds after which an unchanged elastic plan is published again (workers ignore stale plans)."""
 TRAIN_COST_STEPS = 20
 """Policy steps over which the controller's training cost per trajectory is measured."""
-DECISION_FIELDS = ("time", "applied", "inputs", "rollout_rate", "forecast_completions", "decided")
+DECISION_FIELDS = (
+    "time",
+    "applied",
+    "inputs",
+    "rollout_rate",
+    "forecast_completions",
+    "training_demand",
+    "decided",
+)
 """What ``extra["elastic"]["decisions"]`` keeps of each decision (roles and live sessions
 are the step's own record's)."""
 TRAINER_STATUS_S = 0.25

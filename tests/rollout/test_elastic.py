@@ -440,6 +440,8 @@ def test_lending_keeps_the_trainers_the_forecast_completions_need():
     moves = ctl.step(dry, now=1000.0)
     assert ctl.last_rollout_rate == 0.0 and ctl.last_forecast == pytest.approx(8.0)
     assert [(m.unit, m.target) for m in moves] == [("t3", "rollout"), ("t2", "rollout")]
+    # train_steps shows the number of trainers the decision kept, beside its inputs
+    assert ctl.log_record()["elastic"]["training_demand"] == pytest.approx(2.0)
     # the same queues with no session ages known: only min_train=1 is kept, 3 are lent
     blind = ElasticController.create(
         ["r0"], ["t0", "t1", "t2", "t3"], ElasticConfig(forecast_horizon_s=400.0)
@@ -447,6 +449,7 @@ def test_lending_keeps_the_trainers_the_forecast_completions_need():
     for _ in range(8):
         blind.begin_session("r0")
     assert len(blind.step(dry, now=1000.0)) == 3
+    assert blind.log_record()["elastic"]["training_demand"] is None
 
 
 def test_migrating_the_last_session_off_a_draining_replica_hands_it_to_training():

@@ -975,6 +975,7 @@ def test_every_decision_since_the_last_step_reaches_the_next_row_with_its_moves(
     first = records[0]["decisions"]
     assert len(first) >= 2 and first[-1]["time"] == records[0]["time"]
     assert first[0]["inputs"]["unconsumed_shards"] == 0, "the ticker's, before any data"
+    assert all("training_demand" in d for d in first), "the trainers each decision kept"
     assert sum(d["count"] for d in first) >= 3, "the ticker's two at least, and the step's own"
     assert ("w0/torch-1", "draining", "train") in {
         (m["unit"], m["source"], m["target"]) for m in first[0]["decided"]
