@@ -388,10 +388,9 @@ def _sql(args) -> None:
             f"error: treadle sql needs duckdb and its delta and httpfs extensions ({exc.name} is not "
             "installed): pip install 'treadle[sql]'"
         ) from None
-    import numpy as np
     from deltalake.exceptions import DeltaError
 
-    from flows.sql import connect
+    from flows.sql import connect, field_text
 
     store = existing_run(_store(args))
     try:
@@ -412,21 +411,15 @@ def _sql(args) -> None:
     except (OSError, DeltaError) as exc:  # the store refused the views' look at a table (masked)
         raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None
     print("\t".join(_tsv_field(d[0]) for d in result.description))
-    # duckdb hands a FLOAT over widened to a double (0.43 as 0.4300000071525574): printed as
-    # a float32, it shows the digits the table holds
-    single = [d[1] == "FLOAT" for d in result.description]
+    kinds = [d[1] for d in result.description]
     for row in rows:
-        fields = (
-            np.float32(v) if f32 and isinstance(v, float) else v for v, f32 in zip(row, single, strict=True)
-        )
-        print("\t".join(_tsv_field(v) for v in fields))
+        print("\t".join(_tsv_field(field_text(v, kind)) for v, kind in zip(row, kinds, strict=True)))
 
 
-def _tsv_field(value) -> str:
-    """``value`` as one tab-separated field: quoted as CSV quotes it when it holds a tab, a
+def _tsv_field(text: str) -> str:
+    """``text`` as one tab-separated field: quoted as CSV quotes it when it holds a tab, a
     line break or a quote (trajectory text does). The csv module leaves a bare carriage
     return unquoted, and readers then split the row there."""
-    text = "" if value is None else str(value)
     if any(c in text for c in '\t\n\r"'):
         return '"' + text.replace('"', '""') + '"'
     return text
@@ -710,8 +703,11 @@ def _parser() -> argparse.ArgumentParser:
             _sql,
             "Run SQL over a run's Delta tables (each table is a view).",
             "Run one SQL query (duckdb) over a run's Delta tables and print the result as "
-            "tab-separated values. Tables: " + ", ".join(TABLES) + ". Views over them (the README says "
-            "what they hold): " + ", ".join(VIEWS) + ".",
+            "tab-separated values, timestamps in UTC, lists, structs and maps as JSON. Tables: "
+            + ", ".join(TABLES)
+            + ". Views over them (the README says what they hold): "
+            + ", ".join(VIEWS)
+            + ".",
         ),
     ):
         command = sub.add_parser(name, help=helptext, description=description)

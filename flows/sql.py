@@ -11,7 +11,12 @@ Over those views, those of :data:`VIEWS` read what the trainer learned from.
 from __future__ import annotations
 
 import glob
+import json
 import os
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import numpy as np
 
 from storage.config import S3_SCHEMES, RunStore
 from storage.tables import STEP_ORDER, TABLE_SCHEMAS, Tables
@@ -102,6 +107,10 @@ def connect(store: RunStore):
     connection = duckdb.connect(
         config={"allow_persistent_secrets": False, "python_enable_replacements": False}
     )
+    # duckdb's session time zone is the machine's: timestamps came back in it, and a cast to
+    # DATE or strftime read the local day and hour, where treadle inspect reads UTC (the
+    # setting needs the icu extension, loaded only once the connection is open)
+    connection.execute("SET TimeZone = 'UTC'")
     for path in extension_paths():
         connection.execute(f"LOAD {_literal(path)}")
     config = store.config
@@ -143,6 +152,63 @@ def connect(store: RunStore):
     for name, query in VIEWS.items():
         connection.execute(f"CREATE VIEW {name} AS {query}")
     return connection
+
+
+NESTED = ("list", "array", "struct", "map")
+"""duckdb's kinds of type whose values ``treadle sql`` prints as JSON."""
+
+
+def field_text(value, kind) -> str:
+    """``value`` of duckdb type ``kind`` as ``treadle sql`` prints it: null as nothing; a
+    timestamp with a time zone in UTC (:func:`utc_text`); a list, struct or map as JSON, that
+    another tool reads as it is (Python's repr quoted strings with ``'`` and wrote ``None``); a
+    FLOAT with the digits it holds (duckdb hands one over widened to a double: 0.43 as
+    0.4300000071525574)."""
+    if value is None:
+        return ""
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(_jsonable(value, kind), ensure_ascii=False)
+    if isinstance(value, datetime) and value.tzinfo is not None:
+        return utc_text(value)
+    if isinstance(value, float) and kind is not None and kind.id == "float":
+        return str(np.float32(value))
+    return str(value)
+
+
+def utc_text(moment: datetime) -> str:
+    """``moment`` in UTC as ``treadle inspect`` prints it (``2026-01-01 00:00:00 UTC``), with
+    its microseconds when it has any."""
+    moment = moment.astimezone(UTC)
+    fraction = f".{moment.microsecond:06d}" if moment.microsecond else ""
+    return f"{moment:%Y-%m-%d %H:%M:%S}{fraction} UTC"
+
+
+def _jsonable(value, kind):
+    """``value`` of duckdb type ``kind`` as :func:`field_text` has ``json.dumps`` write it.
+    ``kind`` is ``None`` inside a UNION, whose member duckdb does not say: a FLOAT there keeps
+    its widened digits. A DECIMAL is a JSON number, as duckdb's ``to_json`` writes it; a
+    value JSON has no type for (a date, an interval, a UUID) is its text."""
+    kind_id = kind.id if kind is not None else None
+    children = [child for _, child in kind.children] if kind_id in NESTED else []
+    if isinstance(value, list | tuple):  # a LIST, or an ARRAY (of a fixed size)
+        item_kind = children[0] if children else None
+        return [_jsonable(item, item_kind) for item in value]
+    if isinstance(value, dict):
+        if kind_id == "struct":
+            return {name: _jsonable(value[name], child) for name, child in kind.children}
+        key_kind, value_kind = children if kind_id == "map" else (None, None)
+        # duckdb hands a map whose keys Python cannot hash (lists, structs) over as its
+        # lists of keys and of values
+        unhashable = key_kind is not None and key_kind.id in NESTED
+        pairs = zip(value["key"], value["value"], strict=True) if unhashable else value.items()
+        return {field_text(key, key_kind): _jsonable(item, value_kind) for key, item in pairs}
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return float(str(np.float32(value))) if kind_id == "float" else value
+    if isinstance(value, Decimal):
+        return float(value)
+    return field_text(value, kind)
 
 
 ROLE_PROVIDERS = ("assume-role-with-web-identity", "container-role", "iam-role")

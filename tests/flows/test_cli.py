@@ -969,6 +969,78 @@ def test_sql_prints_a_null_as_an_empty_field(local_store):
     assert result.stdout == "task\treward\tstatus\ncode\t\tenv_error\n"
 
 
+def test_sql_prints_timestamps_in_utc_marked_as_inspect_does_whatever_the_machines_time_zone(local_store):
+    """On a machine in São Paulo (UTC-3), a version published at midnight UTC on New Year's Day
+    printed as 21:00 the day before with a bare ``-03:00``, and its day in SQL was the 31st,
+    while ``treadle inspect`` printed it in UTC; a timestamp inside a list printed as a Python
+    ``datetime(...)`` repr. Both read in UTC now, with ``inspect``'s marker."""
+    rows = weights_rows({0: None, 1: 0})
+    rows[1]["created_at"] += timedelta(microseconds=250_000)
+    Tables(local_store).append("weights", rows)
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle(
+        "sql",
+        *run,
+        "SELECT version, created_at, created_at::DATE AS day, strftime(created_at, '%H:%M') AS hour, "
+        "[created_at] AS listed FROM weights ORDER BY version",
+        env=os.environ | {"TZ": "America/Sao_Paulo"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert list(csv.reader(io.StringIO(result.stdout, newline=""), delimiter="\t")) == [
+        ["version", "created_at", "day", "hour", "listed"],
+        ["0", "2026-01-01 00:00:00 UTC", "2026-01-01", "00:00", '["2026-01-01 00:00:00 UTC"]'],
+        ["1", "2026-01-01 00:00:00.250000 UTC", "2026-01-01", "00:00", '["2026-01-01 00:00:00.250000 UTC"]'],
+    ]
+    assert "  v0    step 0      2026-01-01 00:00:00 UTC " in inspect_run(local_store)
+
+
+def test_sql_prints_lists_structs_and_maps_as_json(local_store):
+    """A list, struct or map column printed as Python's repr (``['a-0', None]``, a float32 as
+    0.4300000071525574): its field is JSON now, with the digits a FLOAT holds, that another
+    tool reads as it is."""
+    step = {
+        "step": 1,
+        "version": 0,
+        "policy_loss": 0.43,
+        "masked_fraction": 0.0,
+        "mean_ratio": 1.0,
+        "kl": 0.0,
+        "staleness_mean": 0.0,
+        "staleness_max": 0,
+        "num_samples": 2,
+        "num_tokens": 16,
+        "tokens_per_s": 1.0,
+        "reward_mean": 0.5,
+        "dropped_stale": 0,
+        "step_seconds": 1.0,
+        "time": datetime(2026, 1, 1, tzinfo=UTC),
+        "trajectory_ids": ["arith-0", 'say "é"', None],
+    }
+    Tables(local_store).append("train_steps", [step])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle(
+        "sql",
+        *run,
+        "SELECT trajectory_ids, [policy_loss, NULL] AS losses, "
+        "{'id': trajectory_ids[1], 'loss': policy_loss, 'ids': trajectory_ids} AS step, "
+        "MAP {'loss': policy_loss} AS named, MAP {[step]: version} AS keyed, [1.5, 2.25] AS exact, "
+        "[]::INTEGER[] AS none FROM train_steps",
+    )
+    assert result.returncode == 0, result.stderr
+    header, row = csv.reader(io.StringIO(result.stdout, newline=""), delimiter="\t")
+    assert header == ["trajectory_ids", "losses", "step", "named", "keyed", "exact", "none"]
+    assert row == [
+        '["arith-0", "say \\"é\\"", null]',
+        "[0.43, null]",
+        '{"id": "arith-0", "loss": 0.43, "ids": ["arith-0", "say \\"é\\"", null]}',
+        '{"loss": 0.43}',
+        '{"[1]": 0}',
+        "[1.5, 2.25]",
+        "[]",
+    ]
+    assert json.loads(row[0]) == step["trajectory_ids"]
+
+
 def test_sql_reads_a_run_whose_path_holds_a_quote(tmp_path):
     store = RunStore(StorageConfig(root=str(tmp_path / "it's" / "runs")), "quoted")
     Tables(store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
