@@ -610,6 +610,20 @@ def test_a_writer_whose_name_was_taken_sets_its_uncommitted_records_aside_when_a
     assert [ids_of(ShardReader(store).read(shard)) for shard in shards] == [["t0", "t1"]]
     with pytest.raises(RuntimeError, match="closed"):
         writer.write(make_record(6))
+    assert writer.abandon("not committed: name taken (injected)") is None  # nothing set aside twice
+    assert uncommitted_files(store) == [store.path(path)]
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_an_abandoned_writer_whose_records_were_all_told_unwritten_sets_nothing_aside(store, background):
+    """Every buffered record's writer was told it was not written (it sends them again): no
+    file is left, not an empty one that ``treadle inspect`` would count."""
+    kind = BackgroundShardWriter if background else ShardWriter
+    writer = kind(store, "w0", flush_records=100)
+    writer.write_many([make_record(0), make_record(1)])
+    assert writer.abandon("name taken (injected)", left_out={"t0", "t1", "t9"}) is None
+    assert writer.closed and uncommitted_files(store) == []
+    assert ShardReader(store).poll()[0] == []
 
 
 @pytest.mark.parametrize("background", [False, True])
@@ -651,6 +665,31 @@ def test_an_abandon_tried_again_sets_aside_no_row_of_a_commit_it_found_landed(
         assert ids_of(pa.ipc.open_file(source).read_all()) == ["t3", "t4"]
     assert rows == 2 and uncommitted_files(store) == [store.path(path)]
     assert writer.committed == 1
+
+
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
+def test_an_abandon_that_cannot_tell_whether_a_commit_landed_sets_its_rows_aside_saying_so(
+    store, monkeypatch, writer_class
+):
+    """The ``shards`` table still cannot be read at the abandon: the rows of the commit that
+    may have landed are set aside with the rest, each reason naming the shard they may be in."""
+    writer = writer_class(store, "w0", flush_records=100)
+    writer.write_table(make_table(0, 3))
+    flush = writer.close if writer_class is BackgroundShardWriter else writer.flush
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost(writer.tables.append))
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(OSError):
+            flush()
+        writer.write_table(make_table(3, 1))
+        path, rows = writer.abandon("name taken (injected)")
+    assert rows == 4
+    with store.fs.open(store.path(path + ".reason"), "r") as reason:
+        lines = reason.read().splitlines()
+    assert [line.split(" (cannot tell")[0] for line in lines] == [
+        f"trajectory 't{i}': name taken (injected); the first 3 may be in shard raw/w0/00000000"
+        for i in range(4)
+    ]
 
 
 @pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
