@@ -1124,18 +1124,34 @@ def test_a_step_logged_at_the_microsecond_its_version_was_published_went_into_it
     assert viewed.fetchall() == [(1,), (2,)]
 
 
+def test_a_step_logged_at_the_microsecond_two_versions_were_published_is_kept_once_published_in_the_lower():
+    """Versions 2 and 3 published at the microsecond step 2 was logged (a coarse clock): the
+    ``kept_steps`` view keeps step 2 once, published in version 2, the first to hold it."""
+    start = datetime(2026, 1, 1, tzinfo=UTC)
+    steps = pa.Table.from_pylist(
+        [step_row(step, None) | {"time": start + timedelta(seconds=step)} for step in (1, 2)]
+    )
+    weights = published((0, -1), (2, 2), (3, 2))
+    assert one_row_per_step(steps, weights).column("step").to_pylist() == [1, 2]
+    connection = duckdb.connect()
+    connection.register("train_steps", steps)
+    connection.register("weights", weights)
+    viewed = connection.execute(f"SELECT step, published_in FROM ({VIEWS['kept_steps']}) ORDER BY step")
+    assert viewed.fetchall() == [(1, 2), (2, 2)]
+
+
 @pytest.mark.parametrize("order", [[0, 1, 2], [2, 1, 0]])
 def test_of_rows_of_one_step_logged_at_one_microsecond_the_newest_version_stays_in_any_order(order):
     """Two different rows of step 2 logged at the same microsecond: neither is logged after the
     other, so both stayed in ``kept_steps``, and ``one_row_per_step`` kept whichever its input
     held last. Rows at one microsecond count as logged in the order of their step, then their
-    version, then their policy loss: the row of the newest version stays, whatever the order of
-    the table's files."""
+    version, then their policy loss: the row of the newest version stays, its policy loss the
+    lower, whatever the order of the table's files."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
     rows = [
         step_row(1, None) | {"time": start},
-        step_row(2, None) | {"time": start + timedelta(seconds=1), "version": 1, "policy_loss": 0.9},
-        step_row(2, None) | {"time": start + timedelta(seconds=1), "version": 0, "policy_loss": 0.2},
+        step_row(2, None) | {"time": start + timedelta(seconds=1), "version": 1, "policy_loss": 0.2},
+        step_row(2, None) | {"time": start + timedelta(seconds=1), "version": 0, "policy_loss": 0.9},
     ]
     steps = pa.Table.from_pylist([rows[i] for i in order], schema=TABLE_SCHEMAS["train_steps"])
     weights = published((0, -1), (2, 5))
