@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from storage.status import InUse
 from storage.weights import CorruptVersion, WeightStore
 from tests.rl.test_trainer import TINY
 from tests.rollout.vllm_standin import StandinServer
+from tests.storage.records import make_record
 from tests.tasks.test_elastic_plan import make_worker, until
 
 
@@ -337,6 +339,27 @@ def test_close_does_not_retry_a_commit_refused_because_another_worker_took_the_n
     with caplog.at_level(logging.WARNING, logger="rollout.worker"), pytest.raises(InUse, match="taken over"):
         asyncio.run(worker.close())
     assert len(attempts) == 1 and "trying again" not in caplog.text
+
+
+def test_a_worker_whose_name_was_taken_says_so_when_its_records_cannot_be_set_aside_either(
+    local_store, caplog
+):
+    """The commit of the worker's last records is refused (another worker took its name) and
+    the store takes no file in the quarantine either: close raises that the name was taken,
+    not the store's error, and logs that those records are neither committed nor set aside."""
+    run = RunConfig(orchestrator={"mix": {"arith": 1.0}})
+
+    def taken() -> None:
+        raise InUse("rollout worker name 'w0' was taken over (injected)")
+
+    worker = make_worker(local_store, run, before_commit=taken)
+    worker.writer.write_many([make_record(0), make_record(1)])
+    blocked = local_store.path("shards", "quarantine", "raw", "w0")  # a file where its folder goes
+    os.makedirs(os.path.dirname(blocked))
+    local_store.fs.pipe_file(blocked, b"")
+    with caplog.at_level(logging.ERROR, logger="rollout.worker"), pytest.raises(InUse, match="taken over"):
+        asyncio.run(worker.close())
+    assert "worker w0 could neither commit its last records nor set them aside" in caplog.text
 
 
 def test_a_worker_loads_its_version_onto_a_vllm_server_that_holds_another(local_store):
