@@ -26,12 +26,17 @@ FORKER = textwrap.dedent(
     from storage.shards import ShardWriter
     from tests.storage.records import make_record
 
+    def say(line):
+        # one write: with PYTHONUNBUFFERED set, print writes the line and its end apart, and a
+        # writer's line could land between the forker's
+        os.write(1, f"{line}\\n".encode())
+
     def write_until_killed(config, run_id, life):
         writer = ShardWriter(RunStore(StorageConfig(**config), run_id), "crashy", flush_records=2)
         index = 0
         while True:
             if writer.write(make_record(index, num_tokens=16, prefix=f"L{life}-")):
-                print("committed", flush=True)
+                say("committed")
             index += 1
 
     config, run_id = json.loads(sys.argv[1])
@@ -45,9 +50,9 @@ FORKER = textwrap.dedent(
                 sys.stderr.flush()
             finally:
                 os._exit(1)
-        print(f"writer {pid}", flush=True)
+        say(f"writer {pid}")
         _, status = os.waitpid(pid, 0)
-        print(f"ended {os.waitstatus_to_exitcode(status)}", flush=True)
+        say(f"ended {os.waitstatus_to_exitcode(status)}")
     """
 )
 """Forks one writer per life from a process that imported the storage modules once (a fresh
