@@ -116,7 +116,9 @@ def _signals_held(hold: bool = True) -> Iterator[None]:
         yield
     finally:
         ray_utils.set_sigterm_handler = install_sigterm
-        if signal.SIGTERM in held and not alarm_before and any(signal.getitimer(signal.ITIMER_REAL)):
+        # an alarm armed during the start is the core worker's abort on a SIGTERM, held or (joining
+        # a cluster) acted on: the process stops as at any other time, not by SIGABRT 3 s later
+        if not alarm_before and any(signal.getitimer(signal.ITIMER_REAL)):
             _cancel_abort_alarm()
         try:
             if held:
@@ -133,7 +135,7 @@ def _cancel_abort_alarm() -> None:
     """Cancel the alarm by which the failure signal handler of Ray's core worker aborts the
     process: a SIGTERM once the core worker has started, at the end of ``ray.init``, goes to that
     handler first, which writes a stack trace, passes the signal on, and arms an alarm that
-    aborts the process 3 s later (an exit by SIGABRT, during Ray's shutdown)."""
+    aborts the process 3 s later (an exit by SIGABRT, during Ray's shutdown or the command's own exit)."""
     signal.setitimer(signal.ITIMER_REAL, 0)
     alarm = signal.getsignal(signal.SIGALRM)
     if alarm is not None:

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import one_ray_at_a_time
+from tests.conftest import free_port, one_ray_at_a_time
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -340,3 +340,69 @@ def test_a_ray_shutdown_that_fails_after_a_held_signal_gives_the_signals_back(mo
             signal.signal(signum, handler)
         signal.signal(signal.SIGINT, before)
     assert left == handlers
+
+
+JOINING_SCRIPT = """
+import atexit
+import os
+import signal
+import time
+
+import ray._private.worker
+
+from flows.cli_args import stops_as_on_ctrl_c
+from flows.config import RunConfig
+from tasks.rollout import connect_run_ray
+
+connect = ray._private.worker.connect
+
+
+def connect_then_signal(*args, **kwargs):
+    connect(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)  # at the end of ray.init, its core worker started
+
+
+ray._private.worker.connect = connect_then_signal
+atexit.register(time.sleep, 4)  # a flow command's exit takes seconds (its temporary Prefect server stops)
+
+
+@stops_as_on_ctrl_c
+def main():
+    connect_run_ray(RunConfig(cluster="ray", ray_address="auto"))
+    print("connected", flush=True)
+
+
+main()
+"""
+
+
+def test_a_sigterm_once_rays_core_worker_joined_a_cluster_stops_the_command_as_elsewhere(tmp_path):
+    """Joining a cluster, a SIGTERM is not held: it stops the command at once. Once the core
+    worker has started, it went first to the core worker's failure signal handler, whose alarm
+    was left armed, so the command, still exiting 3 s later, died by SIGABRT."""
+    temp_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's sockets are made below it
+    env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"} | {
+        "RAY_TMPDIR": temp_dir
+    }
+    stdout, stderr = tmp_path / "stdout", tmp_path / "stderr"  # files: a survivor would hold a pipe open
+    try:
+        head = [str(Path(sys.executable).parent / "ray"), "start", "--head", f"--port={free_port()}"]
+        options = [
+            "--num-cpus=1",
+            "--include-dashboard=false",
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ]
+        started = subprocess.run([*head, *options], env=env, capture_output=True, text=True, timeout=120)
+        assert started.returncode == 0, started.stderr[-3000:]
+        with stdout.open("w") as out, stderr.open("w") as err:
+            command = subprocess.run(
+                [sys.executable, "-c", JOINING_SCRIPT], cwd=ROOT, env=env, stdout=out, stderr=err, timeout=120
+            )
+    finally:
+        for process in _survivors({}, temp_dir, within_s=0):  # the cluster's, started above
+            with contextlib.suppress(psutil.NoSuchProcess):
+                process.kill()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+    assert command.returncode == 128 + signal.SIGTERM, stderr.read_text()[-3000:]
+    assert stderr.read_text().count("stopped by SIGTERM\n") == 1
