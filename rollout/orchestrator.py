@@ -352,7 +352,7 @@ class Orchestrator:
         starved = self.trainer_starved is not None and self.trainer_starved()
         backlog = None if self.backlog is None else self.backlog()
         if backlog is not None and backlog > cfg.max_backlog and not starved:
-            return f"backlog {backlog} shard{'' if backlog == 1 else 's'} > max_backlog {cfg.max_backlog}: waits for a new weight version"
+            return f"backlog {backlog} shards > max_backlog {cfg.max_backlog}: waits for a new weight version"
         queue = None if self.trainer_queue is None else self.trainer_queue()
         limit = cfg.max_trainer_batches
         if queue is not None and limit is not None and queue > limit:
