@@ -185,9 +185,10 @@ def utc_text(moment: datetime) -> str:
 
 def _jsonable(value, kind):
     """``value`` of duckdb type ``kind`` as :func:`field_text` has ``json.dumps`` write it.
-    ``kind`` is ``None`` inside a UNION, whose member duckdb does not say: a FLOAT there keeps
-    its widened digits. A DECIMAL is a JSON number, as duckdb's ``to_json`` writes it; a
-    value JSON has no type for (a date, an interval, a UUID) is its text."""
+    A value of a UNION is handed over without saying its member: a FLOAT there keeps its
+    widened digits. A DECIMAL is a JSON number, as duckdb's ``to_json`` writes it, through a
+    double (rounded past 17 significant digits); a value JSON has no type for (a date, an
+    interval, a UUID) is its text."""
     kind_id = kind.id if kind is not None else None
     children = [child for _, child in kind.children] if kind_id in NESTED else []
     if isinstance(value, list | tuple):  # a LIST, or an ARRAY (of a fixed size)
