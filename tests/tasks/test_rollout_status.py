@@ -24,6 +24,7 @@ from rollout.orchestrator import Orchestrator
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.schema import validate
+from storage.shards import BackgroundShardWriter
 from storage.status import (
     ElasticPlanBoard,
     HeldRole,
@@ -277,6 +278,14 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(
     board = RolloutStatusBoard(store)
     written = published_by(monkeypatch, RolloutStatusBoard)
     finished = threading.Event()
+    buffered: list[str] = []
+    write_many = BackgroundShardWriter.write_many
+
+    def buffering(self, records):
+        buffered.extend(record["trajectory_id"] for record in records)
+        return write_many(self, records)
+
+    monkeypatch.setattr(BackgroundShardWriter, "write_many", buffering)
 
     def on_progress(status: dict) -> None:
         if status["orchestrator"]["finished"]:
@@ -289,8 +298,8 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(
         )
         if noticed_at == "status":
             assert finished.wait(WAIT_S)
-        else:
-            while len(written) < 2:  # its claim: a status, and the same once it settled
+        else:  # a rollout finished: the status its engines' start published came before it
+            while not buffered:
                 assert not rollouts.done()
                 time.sleep(0.05)
         first_owner = written[0].owner
@@ -314,14 +323,12 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(
     assert Tables(store).read("shards").num_rows == 0
     assert all(status.running for status in written)
     assert {status.owner for status in written} == {first_owner, "new"}
-    kept = store.fs.glob(store.path("shards/quarantine/raw/w0/uncommitted-*.arrow"))
-    if noticed_at == "status":  # a rollout had finished
-        (kept,) = kept
-        with store.fs.open(kept, "rb") as source:
-            records = validate(pa.ipc.open_file(source).read_all())
-        ids = records.column("trajectory_id").to_pylist()
-        assert ids and len(set(ids)) == len(ids)
-        assert f"worker w0 kept the {len(ids)} records it could not commit in {kept}" in caplog.text
+    (kept,) = store.fs.glob(store.path("shards/quarantine/raw/w0/uncommitted-*.arrow"))
+    with store.fs.open(kept, "rb") as source:
+        records = validate(pa.ipc.open_file(source).read_all())
+    ids = records.column("trajectory_id").to_pylist()
+    assert sorted(ids) == sorted(buffered) and len(set(ids)) == len(ids)  # every finished rollout, once
+    assert f"worker w0 kept the {len(ids)} records it could not commit in {kept}" in caplog.text
 
 
 @pytest.mark.parametrize("slow", ["build", "start"])
