@@ -135,7 +135,8 @@ class RolloutWorker:
         close_retry_s: waits between the attempts ``close`` makes to commit the last shard.
         before_commit: called before each raw shard is written; it raises
             :class:`~storage.status.InUse` once another worker took this one's name, and the
-            shard is not committed (``close`` then raises it at once, without retrying).
+            shard is not committed (``close`` then sets the uncommitted records aside in the
+            quarantine and raises it, without retrying).
         stop_launching: the orchestrator's outside stop, looked at before each launch
             (``Orchestrator``'s ``stop_launching``).
         http: the gateway's HTTP API for outside harnesses, served while :meth:`run` runs when its
