@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -1137,3 +1138,24 @@ def test_a_load_that_a_retention_overtakes_takes_the_newer_latest(
         KeyError, match=f"weight version {racing} was deleted from .* while it was being loaded"
     ):
         worker.load(racing, "serving")
+
+
+def test_a_latest_write_that_fails_leaves_no_temporary_file(local_store, tokenizer_dir, monkeypatch):
+    """A rename of LATEST's temporary file that fails (EDQUOT, ENOSPC: the folder must grow)
+    fails the publish; the temporary file is deleted, as nothing else ever would (a retention
+    deletes version folders only)."""
+    weights = WeightStore(local_store)
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    real_replace = os.replace
+
+    def replace(source, target):
+        if os.path.basename(target) == "LATEST":
+            raise OSError(errno.EDQUOT, "Disk quota exceeded (injected)")
+        return real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="injected"):
+        publish_model(weights, tiny_llama(seed=1), tokenizer_dir)
+    monkeypatch.undo()
+    assert weights.recover_latest() == 1
+    assert sorted(os.listdir(weights.root)) == ["LATEST", "v000000", "v000001"]
