@@ -494,17 +494,27 @@ class Orchestrator:
         running (nor its sandbox) whatever happens next. Then, unless the groups wanted are all
         kept (the rest is redundant), one that finished before or despite the cancel is
         collected like any other, not counted as cut short; records that cannot be written are
-        logged, and the other rollouts are still collected."""
+        logged, and the other rollouts are still collected. A cancel of :meth:`run` meanwhile
+        (a stop, then the worker cancelled) does not end the wait: it is raised once they are
+        collected."""
         redundant = (
             self.config.target_groups is not None and self.stats.groups_kept >= self.config.target_groups
         )
         jobs = list(self._in_flight)
         cancelled = {job for job in jobs if job.cancel()}  # False for one already done
-        await asyncio.gather(*jobs, return_exceptions=True)
+        interrupted = False
+        pending = set(jobs)
+        while pending:
+            try:
+                _, pending = await asyncio.wait(pending)
+            except asyncio.CancelledError:
+                interrupted = True
         for job in jobs:
             if redundant:
                 self._in_flight.pop(job)
                 self._groups.pop(job)
+                if not job.cancelled():
+                    job.exception()  # retrieved: what it raised is as redundant as its result
                 continue
             rollout_id = self._in_flight[job]
             try:
@@ -527,3 +537,5 @@ class Orchestrator:
                 if self.config.group_size > 1
                 else "",
             )
+        if interrupted:
+            raise asyncio.CancelledError

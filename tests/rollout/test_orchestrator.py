@@ -606,6 +606,58 @@ def test_a_stop_while_a_finished_rollout_closes_its_env_still_writes_it(tiny):
     assert sink.flushes == 1
 
 
+class HeldCloseEnv(ArithEnv):
+    """``arith`` whose close sets ``closing`` and waits for ``release`` (a sandbox shutting down)."""
+
+    name = "arith"
+
+    def __init__(self, closing: asyncio.Event, release: asyncio.Event):
+        super().__init__()
+        self.closing, self.release = closing, release
+
+    async def close(self) -> None:
+        self.closing.set()
+        await self.release.wait()
+        await super().close()
+
+
+def test_run_cancelled_while_its_stop_waits_for_a_finished_rollout_still_writes_it(tiny):
+    """A stop waits for the rollouts it cancelled; run() cancelled meanwhile (a worker's stop,
+    then its flow run cancelled) still waits for them, writes the one that finished, and
+    then raises its cancel: nothing is lost nor left running."""
+    model, tokenizer = tiny
+    sink = ListSink()
+    closing, release = asyncio.Event(), asyncio.Event()
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=512))
+        service = RolloutService(
+            gateway, lambda task: HeldCloseEnv(closing, release), ServiceConfig(max_new_tokens=4)
+        )
+        config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=1, max_rollouts=1)
+        orchestrator = Orchestrator(service, streams("arith"), sink, config)
+        try:
+            runner = asyncio.create_task(orchestrator.run())
+            await asyncio.wait_for(closing.wait(), 60)  # EVAL is over: its record is complete
+            (job,) = orchestrator._in_flight
+            orchestrator.stop()
+            await until(job.cancelling)  # the stop cancelled it and waits for it
+            runner.cancel()
+            await asyncio.sleep(0.05)
+            release.set()
+            (outcome,) = await asyncio.gather(runner, return_exceptions=True)
+            return outcome, job.done(), orchestrator.stats, service.status()
+        finally:
+            await engine.close()
+
+    outcome, job_done, stats, status = asyncio.run(body())
+    assert isinstance(outcome, asyncio.CancelledError)
+    assert job_done and status["in_flight"] == 0
+    assert stats.written == stats.finished == len(sink.records) == 1 and stats.cut_short == []
+    assert sink.flushes == 1
+
+
 def test_a_rollout_cancelled_by_someone_else_is_logged_and_counted(tiny, caplog):
     async def during(orchestrator):
         await until(lambda: orchestrator.service.status()["in_flight"])
