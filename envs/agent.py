@@ -251,7 +251,11 @@ class AgentEnv(Env):
         with open(os.path.join(sandbox.workdir, "task.json"), "w") as handle:
             json.dump({"id": task.id, "prompt": task.prompt, **task.data}, handle)
         self.socket_path = os.path.join(sandbox.workdir, GATEWAY_SOCKET)
-        self._server = await asyncio.start_unix_server(self._relay, self.socket_path, limit=65536)
+        # held before it starts serving, whose start yields: a cancel there leaves it to close()
+        self._server = await asyncio.start_unix_server(
+            self._relay, self.socket_path, limit=65536, start_serving=False
+        )
+        await self._server.start_serving()
         os.chmod(self.socket_path, 0o666)
         self.result = None
         self.requests = 0

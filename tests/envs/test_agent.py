@@ -503,6 +503,37 @@ def test_a_closed_agent_env_keeps_no_descriptor_of_the_worker(upstream):
     assert second == first
 
 
+class CancelledAsItsRelayStarts(AgentEnv):
+    """An agent env whose reset is cancelled at its first wait after the sandbox is made: as
+    its relay server starts (a rollout cancelled, or out of time, in INIT)."""
+
+    async def _new_sandbox(self):
+        sandbox = await super()._new_sandbox()
+        asyncio.get_running_loop().call_soon(asyncio.current_task().cancel)
+        return sandbox
+
+
+def test_an_agent_env_whose_reset_is_cancelled_as_its_relay_starts_keeps_no_descriptor_once_closed(upstream):
+    cfg = config(command="true")
+    task = task_set("agent", "train", 0, 1, cfg)[0]
+
+    async def episodes():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(upstream, "k", "s"))
+        await env.reset(task)
+        await env.close()
+        before = len(os.listdir("/proc/self/fd"))
+        cancelled = CancelledAsItsRelayStarts(env.config)
+        cancelled.attach_gateway(GatewaySession(upstream, "k", "s"))
+        (outcome,) = await asyncio.gather(asyncio.create_task(cancelled.reset(task)), return_exceptions=True)
+        await cancelled.close()
+        return outcome, before, len(os.listdir("/proc/self/fd"))
+
+    outcome, before, after = asyncio.run(episodes())
+    assert isinstance(outcome, asyncio.CancelledError)
+    assert after == before
+
+
 def test_agent_task_data_cannot_replace_the_id_or_prompt_in_task_json():
     for key in ("id", "prompt"):
         with pytest.raises(ValueError, match=f"must not hold \\['{key}'\\]"):
