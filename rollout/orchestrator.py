@@ -37,7 +37,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 import uuid
@@ -326,10 +325,12 @@ class Orchestrator:
         try:
             while not self._no_more_launches() and (reason := self._pause_reason()) is not None:
                 self.stats.paused = reason
-                with contextlib.suppress(TimeoutError):
+                try:
                     job = await asyncio.wait_for(self._completed.get(), self.config.backpressure_poll_s)
-                    if job is not None:
-                        self._collect(job)
+                except TimeoutError:  # the poll's, not a sink's in _collect
+                    job = None
+                if job is not None:
+                    self._collect(job)
                 # counted as it goes: a status published during a long pause shows it
                 now = time.perf_counter()
                 self.stats.paused_s += now - counted

@@ -710,6 +710,34 @@ def test_a_sink_that_fails_ends_the_run_with_its_error_after_cancelling_and_flus
     assert f"could not write the records of rollout {jobs[1].get_name()}" in caplog.text
 
 
+class TimingOutSink(ListSink):
+    def write_many(self, records):
+        self.writes.append(len(records))
+        raise TimeoutError("the store timed out (injected)")
+
+
+def test_a_sink_that_times_out_while_launching_is_paused_ends_the_run_with_its_error(tiny):
+    """A rollout collected while launching waits for the trainer is written as any other: a
+    TimeoutError of the sink's is its failure, not the pause's poll running out."""
+    reads = []
+
+    def trainer_queue():
+        reads.append(None)  # the first launch goes ahead, then the trainer lags
+        return 0.0 if len(reads) == 1 else 10.0
+
+    sink = TimingOutSink()
+
+    async def during(orchestrator):
+        await until(lambda: sink.writes)
+        await asyncio.sleep(0.5)  # a few polls of the pause
+        orchestrator.stop()
+
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=2, backpressure_poll_s=0.05)
+    with pytest.raises(TimeoutError, match="injected"):
+        asyncio.run(run(tiny, config, streams("arith"), sink, trainer_queue=trainer_queue, during=during))
+    assert sink.writes == [1] and sink.flushes == 1
+
+
 def test_on_result_gets_each_finished_rollout_once_with_the_result_written(tiny):
     reported = []
     sink = ListSink()
