@@ -506,8 +506,9 @@ class Session:
         out while the turn queued or generated).
 
         Raises :class:`UnknownSession` when the session was closed while this turn waited for
-        the one before it (routing it would pin the closed session to a replica again) or
-        while it generated (the engine call is cancelled: nobody will read its tokens).
+        the one before it or while ``prepare`` ran (routing it would pin the closed session to
+        a replica again) or while it generated (the engine call is cancelled: nobody will read
+        its tokens).
         """
         async with self._lock:
             if self.closed:
@@ -528,6 +529,10 @@ class Session:
                 prepared = prepare()
                 if prepared is not None:
                     await prepared
+                    if self.closed:
+                        raise UnknownSession(
+                            f"session {self.session_id!r} was closed while its turn prepared"
+                        )
             await self._pending_flush_off_loop()
             if not self.tokens:
                 raise InvalidRequest("empty prompt: add messages or token ids before generating")

@@ -748,6 +748,29 @@ def test_closing_a_session_cancels_its_generating_turn_and_fails_the_queued_one(
     asyncio.run(body())
 
 
+def test_a_session_closed_while_its_turn_prepares_is_not_pinned_again(tiny):
+    """``prepare`` may be awaitable: a session closed while it ran is not routed, which would
+    pin the closed session to a replica for good (its load never back to 0, so a draining
+    replica never empties)."""
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER)
+
+            async def prepare() -> None:
+                await asyncio.sleep(0)
+                gateway.close(session.session_id)  # the rollout's env ends it meanwhile
+
+            with pytest.raises(UnknownSession, match="was closed while its turn prepared"):
+                await session.generate(SamplingParams(max_new_tokens=2, seed=0), prepare=prepare)
+            router = gateway.router
+            assert router.assignment(session.session_id) is None
+            assert router.load(router.replicas[0]) == 0 and router.session_ages() == {router.replicas[0]: []}
+
+    asyncio.run(body())
+
+
 def test_a_turn_cancelled_by_its_caller_stays_cancelled_when_its_session_closes_meanwhile(tiny):
     """A rollout cancelled (a worker stopping) while its env closes the session: the caller's
     cancellation goes on up, not swallowed into an ``UnknownSession`` error."""
