@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import aiohttp
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -874,8 +875,12 @@ def _open_ipc(store: RunStore, path: str) -> pa.NativeFile:
     """The bytes of the shard file at ``path``, as a file to parse; errors here are the
     store's (missing file, timeout), not the shard's."""
     if store.config.is_s3:
-        with store.fs.open(store.path(path), "rb") as source:
-            return pa.BufferReader(source.read())
+        try:
+            with store.fs.open(store.path(path), "rb") as source:
+                return pa.BufferReader(source.read())
+        except aiohttp.ClientError as exc:
+            # a body cut short (ClientPayloadError) is no OSError: raised as the I/O error it is
+            raise ConnectionError(f"reading shard file {path}: {exc}") from exc
     # Mapped rather than read: the IPC reader then decompresses straight from the page
     # cache instead of from a heap copy of every compressed buffer.
     return pa.memory_map(store.path(path), "rb")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import http.server
 import io
 import logging
 import multiprocessing
@@ -13,6 +14,8 @@ import socket
 import threading
 import time
 import types
+import urllib.error
+import urllib.request
 import uuid
 import zlib
 from datetime import timedelta
@@ -44,6 +47,7 @@ from storage.shards import (
 from storage.status import InUse
 from storage.tables import Tables
 from storage.weights import WeightStore
+from tasks.common import is_transient
 from tests.conftest import free_port
 from tests.storage.foreign_shards import commit_foreign_file, first_version, ipc_bytes
 from tests.storage.records import make_processed_table, make_record, make_table
@@ -1223,6 +1227,82 @@ def test_a_failed_fetch_raises_and_leaves_the_shard_for_the_next_read(store, mon
             reader.read(shard)
     assert ids_of(reader.read(shard)) == ["t0", "t1"]
     assert not store.fs.exists(store.path(quarantine_path(shard.path)))
+
+
+class CutsAShardsBody(http.server.BaseHTTPRequestHandler):
+    """Passes every request on to ``upstream`` (the S3 server), but sends only the first half
+    of the next shard file fetched and then closes the connection, as a connection dropped
+    while a response streams."""
+
+    protocol_version = "HTTP/1.1"
+    upstream = ""
+    cut = 0
+
+    def do_GET(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+        headers.setdefault("Content-Type", "application/octet-stream")  # not urllib's form type
+        request = urllib.request.Request(
+            self.upstream + self.path,
+            data=self.rfile.read(length) if length else None,
+            method=self.command,
+            headers=headers,
+        )
+        try:
+            with urllib.request.urlopen(request) as reply:
+                status, reply_headers, body = reply.status, reply.headers, reply.read()
+        except urllib.error.HTTPError as refused:
+            status, reply_headers, body = refused.code, refused.headers, refused.read()
+        self.send_response(status)
+        for key, value in reply_headers.items():
+            if key.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
+                self.send_header(key, value)
+        self.send_header("Content-Length", reply_headers["Content-Length"] or "0")
+        self.end_headers()
+        if (
+            self.command == "GET"
+            and self.path.partition("?")[0].endswith(".arrow")
+            and not CutsAShardsBody.cut
+        ):
+            CutsAShardsBody.cut += 1
+            body = body[: len(body) // 2]
+            self.close_connection = True
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_connection_dropped_while_a_shard_streams_is_a_transient_error_and_leaves_the_shard(s3_server):
+    """aiohttp raises a body cut short as ``ClientPayloadError``, neither an ``OSError`` nor a
+    botocore error: the process and train tasks took it for a bug and failed at once rather
+    than retrying their read."""
+    config = s3_server.config()
+    store = RunStore(config, f"run-{uuid.uuid4().hex[:12]}")
+    with ShardWriter(store, "w0") as writer:
+        writer.write_table(make_table(0, 2))
+    CutsAShardsBody.upstream, CutsAShardsBody.cut = s3_server.endpoint_url, 0
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CutsAShardsBody)
+    thread = threading.Thread(target=proxy.serve_forever)
+    thread.start()
+    try:
+        cutting = config.model_copy(update={"endpoint_url": f"http://127.0.0.1:{proxy.server_port}"})
+        reader = ShardReader(RunStore(cutting, store.run_id))
+        (shard,), _ = reader.poll()
+        with pytest.raises(Exception) as raised:
+            reader.read(shard)
+        assert CutsAShardsBody.cut == 1
+        assert is_transient(raised.value), repr(raised.value)
+        assert shard.path in str(raised.value)
+        assert not reader.quarantined(shard)
+        assert ids_of(reader.read(shard)) == ["t0", "t1"]
+    finally:
+        proxy.shutdown()
+        thread.join()
+        proxy.server_close()
 
 
 def test_an_unreachable_endpoint_fails_fast_with_a_clear_error():
