@@ -13,6 +13,7 @@ import functools
 import logging
 import posixpath
 import re
+import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -233,14 +234,17 @@ class Tables:
         ``once``: an id of these rows, kept in the commit (a Delta ``txn`` action): an
         append with an id that a commit of the table carries already appends nothing, and
         of two racing with one id, the one that commits second conflicts, finds the other's
-        commit when it retries and appends nothing.
+        commit when it retries and appends nothing. Each call's commit carries a number of its
+        own, so a retry that finds the id committed by this very call (its reply lost) says
+        the rows were appended.
 
         A table created by an older treadle is brought up to the canonical schema first (see
         :meth:`_upgrade`)."""
         table = conform(name, rows)
         if table.num_rows == 0:
             return False
-        transactions = [] if once is None else [Transaction(app_id=once, version=0)]
+        nonce = secrets.randbits(63)
+        transactions = [] if once is None else [Transaction(app_id=once, version=nonce)]
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             # The snapshot loaded for the last append is reused (deltalake moves it to its
             # own commit and rebases onto commits of other writers, which saves a log
@@ -254,9 +258,10 @@ class Tables:
                 # An append to a table not there yet commits onto whatever is there by then, and
                 # only a snapshot's commits are checked for ``once``: the table is made first.
                 snapshot = self._create(name)
-            if once is not None and snapshot is not None and snapshot.transaction_version(once) is not None:
+            found = None if once is None or snapshot is None else snapshot.transaction_version(once)
+            if found is not None:
                 self._for_append[name] = (snapshot, served)
-                return False
+                return found == nonce
             target = snapshot or self.uri(name)
             try:
                 write_deltalake(

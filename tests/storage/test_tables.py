@@ -1217,3 +1217,77 @@ def test_the_kept_steps_view_keeps_the_rows_one_row_per_step_keeps(seed):
         expected.append(min((w["version"] for w in after if w["created_at"] == first), default=None))
     viewed = connection.execute(f"SELECT published_in FROM ({VIEWS['kept_steps']}) ORDER BY step")
     assert [version for (version,) in viewed.fetchall()] == expected
+
+
+class LosesACommitsReply(http.server.BaseHTTPRequestHandler):
+    """Passes every request on to ``upstream`` (the S3 server), but answers the first PUT of a
+    Delta commit file, once the server has stored it, as S3 answers a request that failed
+    (503): the client's retry of that conditional PUT then finds the commit there."""
+
+    protocol_version = "HTTP/1.1"
+    upstream = ""
+    lost = 0
+
+    def do_GET(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
+        headers.setdefault("Content-Type", "application/octet-stream")  # not urllib's form type
+        request = urllib.request.Request(
+            self.upstream + self.path,
+            data=self.rfile.read(length) if length else None,
+            method=self.command,
+            headers=headers,
+        )
+        try:
+            with urllib.request.urlopen(request) as reply:
+                status, reply_headers, body = reply.status, dict(reply.headers), reply.read()
+        except urllib.error.HTTPError as refused:
+            status, reply_headers, body = refused.code, dict(refused.headers), refused.read()
+        if self.command == "PUT" and "/_delta_log/" in self.path and status == 200 and not self.lost:
+            LosesACommitsReply.lost += 1
+            status, reply_headers, body = 503, {}, b"<Error><Code>SlowDown</Code></Error>"
+        self.send_response(status)
+        for key, value in reply_headers.items():
+            if key.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
+                self.send_header(key, value)
+        self.send_header(
+            "Content-Length",
+            reply_headers.get("Content-Length", "0") if self.command == "HEAD" else str(len(body)),
+        )
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_rows_appended_once_whose_commit_reply_was_lost_say_they_were_appended(s3_server):
+    """The store client retries a commit PUT answered with a 5xx after it landed; the retry
+    finds the commit there and deltalake, taking it for another writer's, finds its ``once``
+    id in it: the conflict's retry then found the row recorded and said this call appended
+    nothing, so a warm start that recorded its base version never announced it."""
+    config = s3_server.config()
+    run_id = f"run-{os.urandom(6).hex()}"
+    Tables(RunStore(config, run_id)).append("weights", [weight_row(1)])
+    LosesACommitsReply.upstream, LosesACommitsReply.lost = s3_server.endpoint_url, 0
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LosesACommitsReply)
+    thread = threading.Thread(target=proxy.serve_forever)
+    thread.start()
+    try:
+        proxied = config.model_copy(
+            update={"endpoint_url": f"http://127.0.0.1:{proxy.server_port}", "retries": 1}
+        )
+        appended = Tables(RunStore(proxied, run_id)).append(
+            "weights", [weight_row(0, tag="base")], once="weights/v000000"
+        )
+    finally:
+        proxy.shutdown()
+        thread.join()
+        proxy.server_close()
+    assert LosesACommitsReply.lost == 1
+    assert sorted(Tables(RunStore(config, run_id)).read("weights").column("version").to_pylist()) == [0, 1]
+    assert appended
+    assert not Tables(RunStore(config, run_id)).append("weights", [weight_row(0)], once="weights/v000000")
