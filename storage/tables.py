@@ -515,9 +515,11 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
         ]
         source = pa.table(columns, names=schema.names)
     else:
+        rows = list(rows)
+        _check_no_fractions(name, schema, rows)
         try:
-            source = pa.Table.from_pylist(list(rows), schema=schema.with_metadata(None))
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError) as exc:
+            source = pa.Table.from_pylist(rows, schema=schema.with_metadata(None))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
             raise SchemaError(f"table {name!r}: cannot convert rows: {exc}") from exc
     for field in schema:
         if not field.nullable and source.column(field.name).null_count:
@@ -526,6 +528,17 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
         return source.cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         raise SchemaError(f"table {name!r}: cannot cast to the canonical schema: {exc}") from exc
+
+
+def _check_no_fractions(name: str, schema: pa.Schema, rows: list[Mapping[str, Any]]) -> None:
+    """Raise :class:`SchemaError` for a float that is not a whole number in an integer column
+    of ``rows``: pyarrow converts it by dropping its fraction (a table's cast refuses it)."""
+    integers = [field.name for field in schema if pa.types.is_integer(field.type)]
+    for row in rows:
+        for column in integers:
+            value = row.get(column) if isinstance(row, Mapping) else None
+            if isinstance(value, float | np.floating) and not float(value).is_integer():
+                raise SchemaError(f"table {name!r}: column {column!r} is an integer but was given {value!r}")
 
 
 STEP_ORDER = ("time", "step", "version", "policy_loss")

@@ -102,6 +102,22 @@ def test_bad_rows_are_refused_naming_table_and_column(store):
     assert tables.version("weights") is None
 
 
+def test_a_fraction_or_an_overflowing_int_given_to_an_integer_column_is_refused_not_changed(local_store):
+    """pyarrow converts a Python float into an integer column by dropping its fraction (a
+    ``count`` of 3.7 was stored as 3), where a table's float column is refused by the cast;
+    and an int past int64 raised ``OverflowError``, not the :class:`SchemaError` promised."""
+    tables = Tables(local_store)
+    with pytest.raises(SchemaError, match=r"'weights'.*'num_consumed_shards'.*2\.5"):
+        tables.append("weights", [weight_row(0) | {"num_consumed_shards": 2.5}])
+    with pytest.raises(SchemaError, match=r"'weights'.*'parent'.*nan"):
+        tables.append("weights", [weight_row(1) | {"parent": float("nan")}])
+    with pytest.raises(SchemaError, match="'weights'"):
+        tables.append("weights", [weight_row(0) | {"step": 2**70}])
+    assert tables.version("weights") is None
+    assert tables.append("weights", [weight_row(0) | {"num_consumed_shards": 2.0}])
+    assert tables.read("weights").column("num_consumed_shards").to_pylist() == [2]
+
+
 def test_changes_return_rows_of_later_commits_and_skip_compaction(store):
     tables = Tables(store)
     for version in range(4):
