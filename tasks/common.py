@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import aiohttp
 from botocore.exceptions import BotoCoreError
 from deltalake.exceptions import CommitFailedError
 from prefect import task
@@ -26,10 +27,16 @@ log = logging.getLogger(__name__)
 SIDE_EFFECTS = {"cache_policy": NO_CACHE}
 """Task options of every task that writes: never cached."""
 
-TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (OSError, BotoCoreError, CommitFailedError)
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    BotoCoreError,
+    aiohttp.ClientError,
+    CommitFailedError,
+)
 """Errors a second attempt can clear: storage and network I/O (``TimeoutError`` and
-``ConnectionError`` are ``OSError``s; deltalake raises its S3 errors as ``OSError``), a
-Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS` are excepted."""
+``ConnectionError`` are ``OSError``s; deltalake raises its S3 errors as ``OSError``; s3fs
+lets aiohttp's through, e.g. ``ClientPayloadError`` for a download a dropped connection cut
+short), a Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS` are excepted."""
 
 PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
     FileNotFoundError,

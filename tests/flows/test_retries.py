@@ -14,6 +14,7 @@ import types
 from collections.abc import Iterator
 from pathlib import Path
 
+import aiohttp
 import httpx
 import pytest
 import ray.exceptions
@@ -62,6 +63,7 @@ class NoEndpoint(EndpointConnectionError):
         ConnectionResetError,
         BrokenPipeError,
         NoEndpoint,
+        aiohttp.ClientPayloadError,  # an S3 download (a weight file, a status) cut short
         CommitFailedError,  # a Delta commit that lost a race
         # a Ray actor, worker or node lost under the task
         ray.exceptions.RayActorError,
