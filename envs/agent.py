@@ -194,6 +194,7 @@ class AgentEnv(Env):
         self.result: ExecResult | None = None
         self.actions: ActionGate | None = None
         self._connections = 0  # relay connections open now
+        self._relays: set[asyncio.Task] = set()  # their handlers, ended by close()
 
     @classmethod
     def tasks(cls, split: Split, seed: int, n: int, config: AgentConfig | None = None) -> list[Task]:
@@ -312,6 +313,13 @@ class AgentEnv(Env):
         if self._server is not None:
             self._server.close()
             self._server = None
+        # closing the server leaves the connections it accepted: a relay waiting for the
+        # gateway's answer would hold its two connections until the gateway answered
+        relays = list(self._relays)
+        for relay in relays:
+            relay.cancel()
+        if relays:
+            await asyncio.wait(relays)
         await super().close()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -322,12 +330,17 @@ class AgentEnv(Env):
         program can also connect to the socket itself, and each connection it holds open holds
         a descriptor of this worker, which every rollout here shares.
         """
+        if self._server is None:  # accepted as the env closed
+            writer.close()
+            return
         if self._connections >= self.config.sandbox.max_processes:
             with contextlib.suppress(Exception):
                 await _reply(writer, 503, "too many connections to the relay at once")
             writer.close()
             return
         self._connections += 1
+        self._relays.add(asyncio.current_task())
+        up_writer = None
         try:
             head = await reader.readuntil(b"\r\n\r\n")
             request_line, *header_lines = head.decode("latin-1").split("\r\n")
@@ -382,7 +395,6 @@ class AgentEnv(Env):
                     up_writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body)
                     await up_writer.drain()
                     reply = await up_reader.read()
-                    up_writer.close()
                 finally:
                     if self.actions is not None:
                         await self.actions.acting()
@@ -394,10 +406,15 @@ class AgentEnv(Env):
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, ConnectionError, OSError):
             with contextlib.suppress(Exception):
                 await _reply(writer, 400, "malformed request")
+        except asyncio.CancelledError:
+            pass  # close() ended it; asyncio would log a cancelled handler as an error
         finally:
             self._connections -= 1
-            with contextlib.suppress(Exception):
-                writer.close()
+            self._relays.discard(asyncio.current_task())
+            for stream in (writer, up_writer):
+                if stream is not None:
+                    with contextlib.suppress(Exception):
+                        stream.close()
 
 
 def _header_fields(lines: list[str]) -> list[tuple[str, str]] | None:

@@ -8,9 +8,12 @@ checks its record token by token.
 """
 
 import asyncio
+import gc
 import json
+import logging
 import os
 import shlex
+import socket
 import threading
 import time
 import urllib.parse
@@ -532,6 +535,43 @@ def test_an_agent_env_whose_reset_is_cancelled_as_its_relay_starts_keeps_no_desc
     outcome, before, after = asyncio.run(episodes())
     assert isinstance(outcome, asyncio.CancelledError)
     assert after == before
+
+
+def test_closing_an_agent_env_ends_its_relays_in_flight_and_their_gateway_connections(caplog):
+    """A relay waiting for the gateway's answer when its env closed (the rollout cancelled or
+    out of time while the model was called) went on holding the program's connection and the
+    gateway's, and a task on the loop, until the gateway answered. It ends quietly."""
+    gateway = socket.create_server(("127.0.0.1", 0))  # takes the connection, never answers
+    cfg = config(command="true")
+
+    async def episode():
+        env = make("agent", cfg)
+        env.attach_gateway(GatewaySession(f"http://127.0.0.1:{gateway.getsockname()[1]}/v1", "k", "s"))
+        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+        program = socket.socket(socket.AF_UNIX)
+        program.connect(env.socket_path)
+        program.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        deadline = time.monotonic() + 10
+        while env.requests == 0:
+            assert time.monotonic() < deadline, "the relay never reached the gateway"
+            await asyncio.sleep(0.01)
+        await env.close()
+        program.close()
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    gc.disable()  # a relay left behind is unreachable: a collection would close its sockets
+    try:
+        left = asyncio.run(episode())
+        relayed, _ = gateway.accept()
+    finally:
+        gc.enable()
+        gateway.close()
+    with relayed:
+        relayed.settimeout(10)
+        while relayed.recv(65536):  # the request, then the end of the connection
+            pass
+    assert left == []
+    assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
 
 
 def test_agent_task_data_cannot_replace_the_id_or_prompt_in_task_json():
