@@ -318,9 +318,11 @@ class AgentEnv(Env):
         relays = list(self._relays)
         for relay in relays:
             relay.cancel()
-        if relays:
-            await asyncio.wait(relays)
-        await super().close()
+        try:
+            if relays:
+                await asyncio.wait(relays)
+        finally:
+            await super().close()
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Forward one HTTP request from the sandbox to the gateway, with its key and session put in.

@@ -88,8 +88,10 @@ class PyToolEnv(Env):
 
     async def close(self) -> None:
         """Close the interpreter (its pipes, its process reaped), then the sandbox; safe to call twice."""
-        await self._close_process("repl")
-        await super().close()
+        try:
+            await self._close_process("repl")
+        finally:  # a cancel leaves the interpreter closing on its thread, not the sandbox
+            await super().close()
 
     def action_request(self, action: str) -> ResourceRequest | None:
         """A ``run:`` executes in the interpreter on one core; an answer needs nothing."""

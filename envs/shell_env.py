@@ -134,8 +134,10 @@ class ShellEnv(Env):
 
     async def close(self) -> None:
         """Close the shell (its pty, its process reaped), then the sandbox; safe to call twice."""
-        await self._close_process("shell")
-        await super().close()
+        try:
+            await self._close_process("shell")
+        finally:  # a cancel leaves the shell closing on its thread, not the sandbox
+            await super().close()
 
     def action_request(self, action: str) -> ResourceRequest | None:
         """A command runs in the shell on one core; an answer or ``done`` needs nothing."""

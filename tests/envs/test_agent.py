@@ -537,24 +537,31 @@ def test_an_agent_env_whose_reset_is_cancelled_as_its_relay_starts_keeps_no_desc
     assert after == before
 
 
+async def relaying_to(gateway: socket.socket) -> tuple[AgentEnv, socket.socket]:
+    """An agent env reset to talk to ``gateway``, and the program's connection to its relay,
+    whose request the relay has sent on to ``gateway``."""
+    cfg = config(command="true")
+    env = make("agent", cfg)
+    env.attach_gateway(GatewaySession(f"http://127.0.0.1:{gateway.getsockname()[1]}/v1", "k", "s"))
+    await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
+    program = socket.socket(socket.AF_UNIX)
+    program.connect(env.socket_path)
+    program.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+    deadline = time.monotonic() + 10
+    while env.requests == 0:
+        assert time.monotonic() < deadline, "the relay never reached the gateway"
+        await asyncio.sleep(0.01)
+    return env, program
+
+
 def test_closing_an_agent_env_ends_its_relays_in_flight_and_their_gateway_connections(caplog):
     """A relay waiting for the gateway's answer when its env closed (the rollout cancelled or
     out of time while the model was called) went on holding the program's connection and the
     gateway's, and a task on the loop, until the gateway answered. It ends quietly."""
     gateway = socket.create_server(("127.0.0.1", 0))  # takes the connection, never answers
-    cfg = config(command="true")
 
     async def episode():
-        env = make("agent", cfg)
-        env.attach_gateway(GatewaySession(f"http://127.0.0.1:{gateway.getsockname()[1]}/v1", "k", "s"))
-        await env.reset(task_set("agent", "train", 0, 1, cfg)[0])
-        program = socket.socket(socket.AF_UNIX)
-        program.connect(env.socket_path)
-        program.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
-        deadline = time.monotonic() + 10
-        while env.requests == 0:
-            assert time.monotonic() < deadline, "the relay never reached the gateway"
-            await asyncio.sleep(0.01)
+        env, program = await relaying_to(gateway)
         await env.close()
         program.close()
         return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
@@ -572,6 +579,26 @@ def test_closing_an_agent_env_ends_its_relays_in_flight_and_their_gateway_connec
             pass
     assert left == []
     assert [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR] == []
+
+
+def test_an_agent_env_close_cancelled_while_its_relays_end_still_closes_the_sandbox():
+    gateway = socket.create_server(("127.0.0.1", 0))
+
+    async def episode():
+        env, program = await relaying_to(gateway)
+        sandbox = env.sandbox
+        closing = asyncio.create_task(env.close())
+        await asyncio.sleep(0)  # it waits for the relay it cancelled
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        program.close()
+        return sandbox
+
+    with gateway:
+        sandbox = asyncio.run(episode())
+    assert sandbox.closed
+    assert not os.path.exists(sandbox.workdir)
 
 
 def test_agent_task_data_cannot_replace_the_id_or_prompt_in_task_json():

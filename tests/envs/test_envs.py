@@ -677,6 +677,27 @@ def zombie_children():
     return zombies
 
 
+@pytest.mark.parametrize("name", ["pytool", "shell"])
+def test_a_close_cancelled_while_its_interpreter_closes_still_closes_the_sandbox(name):
+    """A close cancelled while the interpreter (or shell) closed on its thread skipped the
+    sandbox: its folder, its uid and the uid's claim stayed for the worker's life."""
+
+    async def run():
+        env = make(name, sandbox=SMALL)
+        await env.reset(task_set(name, "train", seed=0, n=1)[0])
+        sandbox = env.sandbox
+        closing = asyncio.create_task(env.close())
+        await asyncio.sleep(0)  # the interpreter closes on a thread
+        closing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        return sandbox
+
+    sandbox = asyncio.run(run())
+    assert sandbox.closed
+    assert not os.path.exists(sandbox.workdir)
+
+
 @needs_bwrap
 def test_closed_envs_leave_no_open_fds_or_zombies():
     """close() must release the shell's pty and the interpreter's pipes and reap their processes
