@@ -18,7 +18,6 @@ sandbox's persistent process (``resource_pid``) to the granted cores while the a
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import math
 import random
@@ -282,16 +281,18 @@ class Env(ABC):
 
     async def _close_process(self, name: str) -> None:
         """Close the sandbox's persistent process (shell, interpreter) the attribute ``name``
-        holds, if ``reset`` set it, and clear it: safe to call twice, or before ``reset``."""
+        holds, if ``reset`` set it, and clear it: safe to call twice, or before ``reset``.
+        Cancelled, it still closes it (as :meth:`close` the sandbox): ``asyncio.to_thread``
+        drops work cancelled while it waits for a free thread."""
         process = getattr(self, name, None)
         if process is not None:
             setattr(self, name, None)
-            await asyncio.to_thread(process.close)
+            await to_thread_to_the_end(process.close)
 
     async def close(self) -> None:
         """Kill the env's sandbox and everything in it, if it has one; safe to call twice."""
         if self.sandbox is not None:
-            await asyncio.to_thread(self.sandbox.close)
+            await to_thread_to_the_end(self.sandbox.close)
             self.sandbox = None
 
     async def _new_sandbox(self) -> Sandbox:

@@ -17,7 +17,7 @@ async def to_thread_to_the_end(
     it waits for the thread to finish before raising, since a thread cannot be stopped and
     what the caller holds (a model it runs, say) must not be released beneath it. A result
     that comes back to a cancelled caller is handed to ``discard`` (run on a thread), so what
-    it holds is not left behind.
+    it holds is not left behind, however many cancels come meanwhile.
     """
     work = asyncio.ensure_future(asyncio.to_thread(fn, *args))
     try:
@@ -27,5 +27,5 @@ async def to_thread_to_the_end(
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.wait([work])
         if discard is not None and work.exception() is None:
-            await asyncio.to_thread(discard, work.result())
+            await to_thread_to_the_end(discard, work.result())
         raise

@@ -12,6 +12,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -537,6 +538,56 @@ def test_a_reset_cancelled_while_its_sandbox_is_built_leaves_no_sandbox_behind(t
     assert os.listdir(tmp_path) == []
 
 
+class Holding(ThreadPoolExecutor):
+    """One worker thread, and what was handed to it, in order."""
+
+    def __init__(self):
+        super().__init__(max_workers=1)
+        self.submitted: list = []
+
+    def submit(self, fn, /, *args, **kwargs):
+        self.submitted.append(fn)
+        return super().submit(fn, *args, **kwargs)
+
+
+async def handed(executor: Holding, count: int) -> None:
+    """Wait until ``executor`` has been handed ``count`` calls."""
+    deadline = time.monotonic() + 10
+    while len(executor.submitted) < count:
+        assert time.monotonic() < deadline, (
+            f"{len(executor.submitted)} calls handed to the thread, not {count}"
+        )
+        await asyncio.sleep(0.01)
+
+
+def test_a_reset_cancelled_again_while_its_sandbox_waits_to_be_closed_still_closes_it(tmp_path):
+    """The sandbox built for a cancelled reset is closed on a thread; a second cancel (the
+    rollout's, after its stage's timeout) while that close waited for a free worker thread
+    dropped it: the folder and uid stayed for the worker's life."""
+    config = SMALL.model_copy(update={"root_dir": str(tmp_path)})
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        executor = Holding()
+        loop.set_default_executor(executor)
+        first, second = threading.Event(), threading.Event()
+        holding = [loop.run_in_executor(None, first.wait)]
+        reset = asyncio.create_task(make("shell", sandbox=config).reset(WRITE_RED))
+        await handed(executor, 2)  # the sandbox waits for the thread
+        reset.cancel()
+        holding.append(loop.run_in_executor(None, second.wait))
+        first.set()  # the sandbox is built, then its close waits behind the second
+        await handed(executor, 4)
+        reset.cancel()
+        second.set()
+        await asyncio.gather(*holding)
+        with pytest.raises(asyncio.CancelledError):
+            await reset
+
+    asyncio.run(run())
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("name", ["pytool", "shell"])
 def test_a_reset_cancelled_while_its_interpreter_starts_closes_the_interpreter(name, monkeypatch):
     """The interpreter (or shell) started for a cancelled reset is closed then, not left
@@ -696,6 +747,35 @@ def test_a_close_cancelled_while_its_interpreter_closes_still_closes_the_sandbox
     sandbox = asyncio.run(run())
     assert sandbox.closed
     assert not os.path.exists(sandbox.workdir)
+
+
+@pytest.mark.parametrize("name", ["pytool", "shell", "code"])
+def test_a_close_cancelled_while_every_worker_thread_is_busy_still_closes_everything(name):
+    """A close cancelled while its thread waited for a free worker thread (other rollouts'
+    sandbox work) was never run: ``asyncio.to_thread`` drops work cancelled before it starts.
+    The interpreter (or shell), dropped by the env, kept its pipes and eventfd; the sandbox
+    its folder, uid and uid claim."""
+
+    async def run():
+        env = make(name, sandbox=SMALL)
+        await env.reset(task_set(name, "train", seed=0, n=1)[0])
+        process, sandbox = getattr(env, "repl", None) or getattr(env, "shell", None), env.sandbox
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(ThreadPoolExecutor(max_workers=1))
+        busy = threading.Event()
+        holding = loop.run_in_executor(None, busy.wait)
+        closing = asyncio.create_task(env.close())
+        await asyncio.sleep(0)  # its thread waits for the busy one
+        closing.cancel()
+        busy.set()
+        await holding
+        with pytest.raises(asyncio.CancelledError):
+            await closing
+        return process, sandbox
+
+    process, sandbox = asyncio.run(run())
+    assert process is None or process.closed
+    assert sandbox.closed and not os.path.exists(sandbox.workdir)
 
 
 @needs_bwrap
