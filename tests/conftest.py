@@ -292,11 +292,10 @@ class EchoingDenial(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def echoing_endpoint() -> Iterator[str]:
-    """URL of an S3 endpoint on 127.0.0.1 that refuses every request as AWS refuses an expired
-    session, with an error body that echoes the key id and the session token it was signed with."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), EchoingDenial)
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """Serve ``handler`` on 127.0.0.1 while the block runs; yields the server's URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever)
     thread.start()
     try:
@@ -305,3 +304,11 @@ def echoing_endpoint() -> Iterator[str]:
         server.shutdown()
         thread.join()
         server.server_close()
+
+
+@pytest.fixture
+def echoing_endpoint() -> Iterator[str]:
+    """URL of an S3 endpoint on 127.0.0.1 that refuses every request as AWS refuses an expired
+    session, with an error body that echoes the key id and the session token it was signed with."""
+    with serving(EchoingDenial) as url:
+        yield url

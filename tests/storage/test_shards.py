@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
-import http.server
 import io
 import logging
 import multiprocessing
@@ -14,8 +13,6 @@ import socket
 import threading
 import time
 import types
-import urllib.error
-import urllib.request
 import uuid
 import zlib
 from datetime import timedelta
@@ -51,6 +48,7 @@ from tasks.common import is_transient
 from tests.conftest import free_port
 from tests.storage.foreign_shards import commit_foreign_file, first_version, ipc_bytes
 from tests.storage.records import make_processed_table, make_record, make_table
+from tests.storage.s3_proxy import S3Proxy, proxying
 
 
 def ids_of(table: pa.Table) -> list[str]:
@@ -246,6 +244,17 @@ def unreadable(*args):
     raise OSError("shards table unreadable (injected)")
 
 
+def flush_unconfirmed(writer, patch) -> None:
+    """Write ``t0``-``t2`` and commit them (``close`` for a background writer) through an
+    append that lands but whose reply is lost, the ``shards`` table unreadable: the writer
+    cannot tell whether the commit landed. The patches stay on ``patch``."""
+    writer.write_table(make_table(0, 3))
+    patch.setattr(writer.tables, "append", reply_lost(writer.tables.append))
+    patch.setattr(writer.tables, "read", unreadable)
+    with pytest.raises(OSError):
+        (writer.close if isinstance(writer, BackgroundShardWriter) else writer.flush)()
+
+
 def test_a_commit_that_lands_but_reports_an_error_counts_as_committed(store, monkeypatch):
     writer = ShardWriter(store, "w0", flush_records=100)
     writer.write_table(make_table(0, 3))
@@ -293,12 +302,8 @@ def test_a_commit_that_cannot_be_confirmed_is_never_committed_twice(store, monke
 
 def test_an_unconfirmed_commit_found_landed_with_nothing_after_it_is_the_last_committed(store, monkeypatch):
     writer = ShardWriter(store, "w0", flush_records=100)
-    writer.write_table(make_table(0, 3))
     with monkeypatch.context() as patch:
-        patch.setattr(writer.tables, "append", reply_lost(writer.tables.append))
-        patch.setattr(writer.tables, "read", unreadable)
-        with pytest.raises(OSError):
-            writer.flush()
+        flush_unconfirmed(writer, patch)
     assert writer.last_seq is None and writer.committed == 0
     assert writer.flush() is None  # nothing left but the rows that landed
     assert writer.last_seq == 0 and writer.committed == 1
@@ -652,13 +657,8 @@ def test_an_abandon_tried_again_sets_aside_no_row_of_a_commit_it_found_landed(
     """The abandon finds that an unconfirmed commit landed, then the store takes no file: the
     call made again sets aside only the rows written after that commit, not its rows too."""
     writer = writer_class(store, "w0", flush_records=100)
-    writer.write_table(make_table(0, 3))
-    flush = writer.close if writer_class is BackgroundShardWriter else writer.flush
     with monkeypatch.context() as patch:
-        patch.setattr(writer.tables, "append", reply_lost(writer.tables.append))
-        patch.setattr(writer.tables, "read", unreadable)
-        with pytest.raises(OSError):
-            flush()
+        flush_unconfirmed(writer, patch)
     writer.write_table(make_table(3, 2))
     with monkeypatch.context() as patch:
         patch.setattr(store.fs, "pipe_file", store_down)
@@ -678,13 +678,8 @@ def test_an_abandon_that_cannot_tell_whether_a_commit_landed_sets_its_rows_aside
     """The ``shards`` table still cannot be read at the abandon: the rows of the commit that
     may have landed are set aside with the rest, each reason naming the shard they may be in."""
     writer = writer_class(store, "w0", flush_records=100)
-    writer.write_table(make_table(0, 3))
-    flush = writer.close if writer_class is BackgroundShardWriter else writer.flush
     with monkeypatch.context() as patch:
-        patch.setattr(writer.tables, "append", reply_lost(writer.tables.append))
-        patch.setattr(writer.tables, "read", unreadable)
-        with pytest.raises(OSError):
-            flush()
+        flush_unconfirmed(writer, patch)
         writer.write_table(make_table(3, 1))
         path, rows = writer.abandon("name taken (injected)")
     assert rows == 4
@@ -1229,51 +1224,23 @@ def test_a_failed_fetch_raises_and_leaves_the_shard_for_the_next_read(store, mon
     assert not store.fs.exists(store.path(quarantine_path(shard.path)))
 
 
-class CutsAShardsBody(http.server.BaseHTTPRequestHandler):
-    """Passes every request on to ``upstream`` (the S3 server), but sends only the first half
-    of the next shard file fetched and then closes the connection, as a connection dropped
-    while a response streams."""
+class CutsAShardsBody(S3Proxy):
+    """Passes every request on to the S3 server, but sends only the first half of the next
+    shard file fetched (its whole length announced) and then closes the connection, as a
+    connection dropped while a response streams."""
 
-    protocol_version = "HTTP/1.1"
-    upstream = ""
     cut = 0
 
     def do_GET(self):
-        length = int(self.headers.get("Content-Length") or 0)
-        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-        headers.setdefault("Content-Type", "application/octet-stream")  # not urllib's form type
-        request = urllib.request.Request(
-            self.upstream + self.path,
-            data=self.rfile.read(length) if length else None,
-            method=self.command,
-            headers=headers,
-        )
-        try:
-            with urllib.request.urlopen(request) as reply:
-                status, reply_headers, body = reply.status, reply.headers, reply.read()
-        except urllib.error.HTTPError as refused:
-            status, reply_headers, body = refused.code, refused.headers, refused.read()
-        self.send_response(status)
-        for key, value in reply_headers.items():
-            if key.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
-                self.send_header(key, value)
-        self.send_header("Content-Length", reply_headers["Content-Length"] or "0")
-        self.end_headers()
-        if (
-            self.command == "GET"
-            and self.path.partition("?")[0].endswith(".arrow")
-            and not CutsAShardsBody.cut
-        ):
+        status, headers, body = self.forward()
+        if self.command == "GET" and self.path.partition("?")[0].endswith(".arrow") and not self.cut:
             CutsAShardsBody.cut += 1
-            body = body[: len(body) // 2]
             self.close_connection = True
-        if self.command != "HEAD":
-            self.wfile.write(body)
+            self.answer(status, headers, body[: len(body) // 2], length=len(body))
+            return
+        self.answer(status, headers, body)
 
     do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
-
-    def log_message(self, *args):
-        pass
 
 
 def test_a_connection_dropped_while_a_shard_streams_is_a_transient_error_and_leaves_the_shard(s3_server):
@@ -1284,12 +1251,9 @@ def test_a_connection_dropped_while_a_shard_streams_is_a_transient_error_and_lea
     store = RunStore(config, f"run-{uuid.uuid4().hex[:12]}")
     with ShardWriter(store, "w0") as writer:
         writer.write_table(make_table(0, 2))
-    CutsAShardsBody.upstream, CutsAShardsBody.cut = s3_server.endpoint_url, 0
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), CutsAShardsBody)
-    thread = threading.Thread(target=proxy.serve_forever)
-    thread.start()
-    try:
-        cutting = config.model_copy(update={"endpoint_url": f"http://127.0.0.1:{proxy.server_port}"})
+    CutsAShardsBody.cut = 0
+    with proxying(CutsAShardsBody, s3_server.endpoint_url) as endpoint:
+        cutting = config.model_copy(update={"endpoint_url": endpoint})
         reader = ShardReader(RunStore(cutting, store.run_id))
         (shard,), _ = reader.poll()
         with pytest.raises(Exception) as raised:
@@ -1299,10 +1263,6 @@ def test_a_connection_dropped_while_a_shard_streams_is_a_transient_error_and_lea
         assert shard.path in str(raised.value)
         assert not reader.quarantined(shard)
         assert ids_of(reader.read(shard)) == ["t0", "t1"]
-    finally:
-        proxy.shutdown()
-        thread.join()
-        proxy.server_close()
 
 
 def test_an_unreachable_endpoint_fails_fast_with_a_clear_error():

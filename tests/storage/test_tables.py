@@ -12,8 +12,6 @@ import sys
 import textwrap
 import threading
 import traceback
-import urllib.error
-import urllib.request
 from datetime import UTC, datetime, timedelta
 
 import deltalake.table
@@ -31,6 +29,7 @@ from storage.schema import SchemaError
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables, one_row_per_step
 from tasks.common import is_transient
 from tests.conftest import free_port, readme_query
+from tests.storage.s3_proxy import S3Proxy, proxying
 
 
 def weight_row(version: int, tag: str | None = None) -> dict:
@@ -987,51 +986,22 @@ def test_credentials_deltalake_finds_itself_are_masked_in_the_errors_that_echo_t
         assert secret not in reported
 
 
-class SlowDownOnDataFiles(http.server.BaseHTTPRequestHandler):
-    """Passes every request on to ``upstream`` (the S3 server), except, while ``refusing``,
-    a GET of a Delta data file: that is answered as S3 answers a burst it throttles, 503
-    SlowDown, with a body that echoes the request's key id."""
+class SlowDownOnDataFiles(S3Proxy):
+    """Passes every request on to the S3 server, except, while ``refusing``, a GET of a Delta
+    data file: that is answered as S3 answers a burst it throttles, 503 SlowDown, with a body
+    that echoes the request's key id."""
 
-    protocol_version = "HTTP/1.1"  # keep-alive, as S3 serves
-    upstream = ""
     refusing = True
 
     def do_GET(self):
         if self.command == "GET" and self.path.partition("?")[0].endswith(".parquet") and self.refusing:
             key_id = self.headers.get("Authorization", "").partition("Credential=")[2].split("/")[0]
-            self._answer(
-                503,
-                {},
-                f"<Error><Code>SlowDown</Code><AWSAccessKeyId>{key_id}</AWSAccessKeyId></Error>".encode(),
-            )
+            body = f"<Error><Code>SlowDown</Code><AWSAccessKeyId>{key_id}</AWSAccessKeyId></Error>"
+            self.answer(503, {}, body.encode())
             return
-        length = int(self.headers.get("Content-Length") or 0)
-        request = urllib.request.Request(
-            self.upstream + self.path,
-            data=self.rfile.read(length) if length else None,
-            method=self.command,
-            headers={k: v for k, v in self.headers.items() if k.lower() != "host"},
-        )
-        try:
-            with urllib.request.urlopen(request) as reply:
-                self._answer(reply.status, reply.headers, reply.read())
-        except urllib.error.HTTPError as refused:
-            self._answer(refused.code, refused.headers, refused.read())
+        self.answer(*self.forward())
 
     do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
-
-    def _answer(self, status: int, headers, body: bytes) -> None:
-        self.send_response(status)
-        for key, value in headers.items():
-            if key.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
-                self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 def test_a_data_file_the_store_will_not_serve_is_a_transient_storage_error_naming_the_table(s3_server):
@@ -1044,14 +1014,9 @@ def test_a_data_file_the_store_will_not_serve_is_a_transient_storage_error_namin
     run_id = f"run-{os.urandom(6).hex()}"
     Tables(RunStore(config, run_id)).append("weights", [weight_row(0)])
     Tables(RunStore(config, run_id)).append("weights", [weight_row(1)])
-    SlowDownOnDataFiles.upstream = s3_server.endpoint_url
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), SlowDownOnDataFiles)
-    thread = threading.Thread(target=proxy.serve_forever)
-    thread.start()
-    try:
-        throttled = config.model_copy(
-            update={"endpoint_url": f"http://127.0.0.1:{proxy.server_port}", "retries": 0}
-        )
+    SlowDownOnDataFiles.refusing = True
+    with proxying(SlowDownOnDataFiles, s3_server.endpoint_url) as endpoint:
+        throttled = config.model_copy(update={"endpoint_url": endpoint, "retries": 0})
         tables = Tables(RunStore(throttled, run_id))
         assert tables.version("weights") == 1  # the log is served
         for call in (lambda: tables.read("weights"), lambda: tables.changes("weights")):
@@ -1062,11 +1027,6 @@ def test_a_data_file_the_store_will_not_serve_is_a_transient_storage_error_namin
             assert "SlowDown" in reported and s3_server.access_key_id not in reported, reported
         SlowDownOnDataFiles.refusing = False
         assert sorted(tables.read("weights").column("version").to_pylist()) == [0, 1]
-    finally:
-        SlowDownOnDataFiles.refusing = True
-        proxy.shutdown()
-        thread.join()
-        proxy.server_close()
 
 
 def test_a_truncated_data_file_is_a_storage_error_naming_the_table(local_store):
@@ -1235,49 +1195,21 @@ def test_the_kept_steps_view_keeps_the_rows_one_row_per_step_keeps(seed):
     assert [version for (version,) in viewed.fetchall()] == expected
 
 
-class LosesACommitsReply(http.server.BaseHTTPRequestHandler):
-    """Passes every request on to ``upstream`` (the S3 server), but answers the first PUT of a
-    Delta commit file, once the server has stored it, as S3 answers a request that failed
-    (503): the client's retry of that conditional PUT then finds the commit there."""
+class LosesACommitsReply(S3Proxy):
+    """Passes every request on to the S3 server, but answers the first PUT of a Delta commit
+    file, once the server has stored it, as S3 answers a request that failed (503): the
+    client's retry of that conditional PUT then finds the commit there."""
 
-    protocol_version = "HTTP/1.1"
-    upstream = ""
     lost = 0
 
     def do_GET(self):
-        length = int(self.headers.get("Content-Length") or 0)
-        headers = {k: v for k, v in self.headers.items() if k.lower() != "host"}
-        headers.setdefault("Content-Type", "application/octet-stream")  # not urllib's form type
-        request = urllib.request.Request(
-            self.upstream + self.path,
-            data=self.rfile.read(length) if length else None,
-            method=self.command,
-            headers=headers,
-        )
-        try:
-            with urllib.request.urlopen(request) as reply:
-                status, reply_headers, body = reply.status, dict(reply.headers), reply.read()
-        except urllib.error.HTTPError as refused:
-            status, reply_headers, body = refused.code, dict(refused.headers), refused.read()
+        status, headers, body = self.forward()
         if self.command == "PUT" and "/_delta_log/" in self.path and status == 200 and not self.lost:
             LosesACommitsReply.lost += 1
-            status, reply_headers, body = 503, {}, b"<Error><Code>SlowDown</Code></Error>"
-        self.send_response(status)
-        for key, value in reply_headers.items():
-            if key.lower() not in ("transfer-encoding", "content-length", "connection", "server", "date"):
-                self.send_header(key, value)
-        self.send_header(
-            "Content-Length",
-            reply_headers.get("Content-Length", "0") if self.command == "HEAD" else str(len(body)),
-        )
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+            status, headers, body = 503, {}, b"<Error><Code>SlowDown</Code></Error>"
+        self.answer(status, headers, body)
 
     do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
-
-    def log_message(self, *args):
-        pass
 
 
 def test_rows_appended_once_whose_commit_reply_was_lost_say_they_were_appended(s3_server):
@@ -1288,21 +1220,12 @@ def test_rows_appended_once_whose_commit_reply_was_lost_say_they_were_appended(s
     config = s3_server.config()
     run_id = f"run-{os.urandom(6).hex()}"
     Tables(RunStore(config, run_id)).append("weights", [weight_row(1)])
-    LosesACommitsReply.upstream, LosesACommitsReply.lost = s3_server.endpoint_url, 0
-    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), LosesACommitsReply)
-    thread = threading.Thread(target=proxy.serve_forever)
-    thread.start()
-    try:
-        proxied = config.model_copy(
-            update={"endpoint_url": f"http://127.0.0.1:{proxy.server_port}", "retries": 1}
-        )
+    LosesACommitsReply.lost = 0
+    with proxying(LosesACommitsReply, s3_server.endpoint_url) as endpoint:
+        proxied = config.model_copy(update={"endpoint_url": endpoint, "retries": 1})
         appended = Tables(RunStore(proxied, run_id)).append(
             "weights", [weight_row(0, tag="base")], once="weights/v000000"
         )
-    finally:
-        proxy.shutdown()
-        thread.join()
-        proxy.server_close()
     assert LosesACommitsReply.lost == 1
     assert sorted(Tables(RunStore(config, run_id)).read("weights").column("version").to_pylist()) == [0, 1]
     assert appended
