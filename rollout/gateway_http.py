@@ -68,7 +68,8 @@ each, and their pauses (a tool call, a test run) are bounded by its rollout's ti
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
-session, 400 bad input, 503 engine failure or a write that failed (nothing written), 429 (with
+session, 400 bad input, 413 a body over the server's limit, 503 engine failure, a write that
+failed (nothing written) or a request the stop's drain cut (type ``server_stopping``), 429 (with
 ``Retry-After``) a new rollout while the server's ``backpressure`` says why it must wait (a
 rollout worker's: the trainer lags). Only ``POST /v1/sessions`` is held back so, and not for a
 branch whose parent's execution has an open session: a rollout under way goes on to its end, as
@@ -112,6 +113,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from starlette.exceptions import HTTPException
 
 from envs.base import Id, Text
 from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
@@ -400,9 +402,14 @@ vLLM ignores the fields it does not know."""
 
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(
-        {"error": {"message": message, "type": kind, "code": status}}, status, headers=headers
-    )
+    return JSONResponse(_error_body(status, message, kind), status, headers=headers)
+
+
+def _error_body(status: int, message: str, kind: str | None = None) -> dict[str, Any]:
+    """The gateway's (OpenAI's) error shape; ``kind`` defaults by ``status``, for the errors the
+    server answers outside the app (a body over the limit, a request the stop's drain cut)."""
+    kind = kind or ("server_stopping" if status == 503 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "code": status}}
 
 
 class _Unauthorized(Exception):
@@ -680,6 +687,12 @@ def create_app(
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
         return _error(400, "invalid_request_error", str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, exc: HTTPException):
+        # FastAPI's own (an unknown path, a body over the limit while it is read) in the gateway's shape
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error(exc.status_code, kind, str(exc.detail), exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
@@ -1130,6 +1143,7 @@ class GatewayServer(AppServer):
             name="gateway",
             drain_timeout_s=drain_timeout_s,
             token=self.token,
+            error_body=_error_body,
         )
 
     @property

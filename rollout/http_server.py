@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -36,6 +37,16 @@ def _body_problem(error: dict[str, Any]) -> str:
     return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
 
 
+ErrorBody = Callable[[int, str], dict[str, Any]]
+"""The JSON body of an error answered outside the app (a 413, a 503 at the stop), from its
+status and message: the app's own errors' shape, so that its clients read them alike."""
+
+
+def detail_body(status: int, message: str) -> dict[str, Any]:
+    """FastAPI's error shape, ``{"detail": message}``: :class:`AppServer`'s default."""
+    return {"detail": message}
+
+
 MAX_BODY_BYTES = 256 * 2**20
 """The largest request body a server reads; a larger one is refused (413) before it is read
 or parsed, as is one sent without a length that grows past it."""
@@ -62,8 +73,9 @@ class _BodyLimit:
     anyone who can connect could otherwise have the server hold one as large as its memory,
     or, parsed, several times ``limit`` (a list of small ints takes 8 bytes an item)."""
 
-    def __init__(self, app, limit: int, token: str | None = None):
+    def __init__(self, app, limit: int, token: str | None = None, error_body: ErrorBody | None = None):
         self.app, self.limit = app, limit
+        self.error_body = error_body or detail_body
         self.expected = None if token is None else f"Bearer {token}".encode()
 
     async def __call__(self, scope, receive, send):
@@ -71,7 +83,7 @@ class _BodyLimit:
             return await self.app(scope, receive, send)
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.limit:
-            return await _refuse(send, self.limit)
+            return await _answer(send, 413, _too_large(self.limit), self.error_body)
         if self.expected is not None and not _authorized(scope, self.expected):
             # the app answers it (401, or /health's answer) from its headers alone
             return await self.app(scope, _without_body(receive), send)
@@ -88,7 +100,7 @@ class _BodyLimit:
         try:
             await self.app(scope, limited, send)
         except _BodyTooLarge:
-            await _refuse(send, self.limit)
+            await _answer(send, 413, _too_large(self.limit), self.error_body)
 
 
 def _authorized(scope, expected: bytes) -> bool:
@@ -111,12 +123,8 @@ def _without_body(receive):
     return empty
 
 
-async def _refuse(send, limit: int) -> None:
-    await _answer(send, 413, _too_large(limit))
-
-
-async def _answer(send, status: int, detail: str) -> None:
-    body = json.dumps({"detail": detail})
+async def _answer(send, status: int, detail: str, error_body: ErrorBody) -> None:
+    body = json.dumps(error_body(status, detail))
     await send(
         {"type": "http.response.start", "status": status, "headers": [(b"content-type", b"application/json")]}
     )
@@ -134,8 +142,9 @@ class _AnsweredOnStop:
     40 harness requests). One whose response has started (a stream) cannot be answered
     again: its connection closes."""
 
-    def __init__(self, app, name: str, drain_timeout_s: float):
+    def __init__(self, app, name: str, drain_timeout_s: float, error_body: ErrorBody):
         self.app, self.name, self.drain_timeout_s = app, name, drain_timeout_s
+        self.error_body = error_body
         self.stopping = False
 
     async def __call__(self, scope, receive, send):
@@ -157,7 +166,7 @@ class _AnsweredOnStop:
                 f"the {self.name} server is stopping: the request did not finish within "
                 f"its {self.drain_timeout_s} s drain"
             )
-            await _answer(send, 503, detail)
+            await _answer(send, 503, detail, self.error_body)
 
 
 class _EmbeddedServer(uvicorn.Server):
@@ -175,7 +184,8 @@ class AppServer:
     Binds 127.0.0.1 by default (``port=0`` picks a free port) or a Unix domain socket
     (``uds``); for a socket, clients use ``http://<name>`` with an httpx ``uds`` transport.
     ``token`` is the bearer token ``app`` requires: a request without it reaches the app
-    with its body unread.
+    with its body unread. ``error_body`` shapes the errors answered outside ``app`` (413, and 503
+    at the stop) as ``app`` shapes its own.
     """
 
     def __init__(
@@ -189,8 +199,11 @@ class AppServer:
         max_body_bytes: int = MAX_BODY_BYTES,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         token: str | None = None,
+        error_body: ErrorBody = detail_body,
     ):
-        self._answering = _AnsweredOnStop(_BodyLimit(app, max_body_bytes, token), name, drain_timeout_s)
+        self._answering = _AnsweredOnStop(
+            _BodyLimit(app, max_body_bytes, token, error_body), name, drain_timeout_s, error_body
+        )
         config = uvicorn.Config(
             self._answering,
             host=host,

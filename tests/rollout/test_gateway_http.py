@@ -2139,3 +2139,48 @@ def test_a_record_with_an_empty_status_and_an_error_is_refused_for_its_status(ti
             assert gateway.sessions == [sid]
 
     asyncio.run(body())
+
+
+def test_a_request_cut_by_the_drain_or_too_large_is_answered_as_the_gateways_errors_are(tiny):
+    """The gateway's errors are ``{"error": {"message", "type", "code"}}``, which a harness (an
+    OpenAI client) reads; the 503 of a request still in flight when the stop's drain ran out, and
+    the 413 of a body over the limit (and FastAPI's own errors: an unknown path) came as
+    ``{"detail": ...}``, the service server's shape."""
+    model, tokenizer = tiny
+
+    async def body():
+        engine = SlowTorchEngine(copy.deepcopy(model), tokenizer, name="live", delay=0)
+        engine.gate = asyncio.Event()  # never set: the turn outlasts the drain
+        server = await GatewayServer(Gateway(Router([engine]), tokenizer), drain_timeout_s=0.2).start()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+            head = f"POST /v1/sessions HTTP/1.1\r\nHost: g\r\nConnection: close\r\nContent-Length: {2**40}\r\n\r\n"
+            writer.write(head.encode())
+            await writer.drain()
+            head, _, huge = (await asyncio.wait_for(reader.read(), 10)).partition(b"\r\n\r\n")
+            writer.close()
+            async with httpx.AsyncClient(
+                base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}
+            ) as client:
+                unknown = await client.post("/v1/chat/completion", json={})
+                sid = await open_session(client)
+                turn = asyncio.create_task(
+                    client.post("/v1/generate", json={"token_ids": [1, 2, 3]}, headers={SESSION_HEADER: sid})
+                )
+                while not engine.params:  # the turn is generating
+                    await asyncio.sleep(0.01)
+                await server.stop()
+                huge = json.loads(huge[huge.index(b"{") : huge.rindex(b"}") + 1])
+                return head, huge, unknown, await turn
+        finally:
+            await server.stop()
+            await engine.close()
+
+    head, huge, unknown, cut = asyncio.run(body())
+    assert head.startswith(b"HTTP/1.1 413")
+    assert huge["error"]["code"] == 413 and huge["error"]["type"] == "invalid_request_error"
+    assert "bytes" in huge["error"]["message"]
+    assert unknown.status_code == 404 and unknown.json()["error"]["type"] == "not_found_error"
+    assert cut.status_code == 503
+    assert cut.json()["error"]["code"] == 503 and cut.json()["error"]["type"] == "server_stopping"
+    assert "the gateway server is stopping" in cut.json()["error"]["message"]

@@ -285,7 +285,7 @@ def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_
 
     answers = asyncio.run(asyncio.wait_for(body(), WAIT_S))
     assert [answer.status_code for answer in answers] == [503] * requests, [a.text for a in answers]
-    assert all("the gateway server is stopping" in answer.json()["detail"] for answer in answers)
+    assert all("the gateway server is stopping" in answer.json()["error"]["message"] for answer in answers)
 
 
 def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refused(tmp_path, monkeypatch):
