@@ -700,7 +700,7 @@ def create_app(
 
     @app.exception_handler(EngineError)
     async def _engine(request: Request, exc: EngineError):
-        return _error(503, "engine_unavailable", f"engine failure: {exc}")
+        return _error(503, "engine_unavailable", f"engine failure: {redact(str(exc))}")
 
     @app.exception_handler(NotWritten)
     async def _not_written(request: Request, exc: NotWritten):

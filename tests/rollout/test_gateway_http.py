@@ -26,7 +26,7 @@ import torch
 from tokenizers.processors import TemplateProcessing
 
 from rl.models import TinyModelConfig, build_tiny_model
-from rollout.engines.base import SamplingParams
+from rollout.engines.base import EngineError, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.engines.vllm_engine import VLLMEngine, VLLMEngineConfig
 from rollout.gateway import RENDER_INLINE_CHARS, Gateway, GatewayConfig
@@ -2184,3 +2184,42 @@ def test_a_request_cut_by_the_drain_or_too_large_is_answered_as_the_gateways_err
     assert cut.status_code == 503
     assert cut.json()["error"]["code"] == 503 and cut.json()["error"]["type"] == "server_stopping"
     assert "the gateway server is stopping" in cut.json()["error"]["message"]
+
+
+class LeakyEngine(TorchEngine):
+    """A real TorchEngine that fails every generation with an error echoing a credential, as
+    an S3 error body (a weight load's) or a proxy's page relayed in an EngineError may."""
+
+    async def generate(self, session_id, prompt_ids, params):
+        raise EngineError(
+            "vLLM server vllm@x answered 500 on /v1/completions: <AWSAccessKeyId>AKIAIOSFODNN7EXAMPLE"
+            "</AWSAccessKeyId> for key ASIAIOSFODNN7EXAMPLE"
+        )
+
+
+def test_an_engine_failure_answered_to_a_harness_masks_the_credentials_it_echoes(tiny):
+    """The 503 of an engine failure carried the engine's words as they were: the AWS key ids
+    an S3 error body or a proxy's page echoes left the process to the harness (the record of
+    such a turn, and the gateway's logs, mask them: ``storage.redaction``)."""
+    model, tokenizer = tiny
+
+    async def body():
+        engine = LeakyEngine(copy.deepcopy(model), tokenizer, name="live")
+        server = await GatewayServer(Gateway(Router([engine]), tokenizer)).start()
+        try:
+            async with httpx.AsyncClient(
+                base_url=server.url, headers={"Authorization": f"Bearer {server.token}"}
+            ) as client:
+                sid = await open_session(client)
+                return await client.post(
+                    "/v1/generate", json={"token_ids": [1, 2, 3]}, headers={SESSION_HEADER: sid}
+                )
+        finally:
+            await server.stop()
+            await engine.close()
+
+    failed = asyncio.run(body())
+    assert failed.status_code == 503
+    message = failed.json()["error"]["message"]
+    assert "answered 500 on /v1/completions" in message and "AWSAccessKeyId" in message
+    assert "AKIA" not in message and "ASIA" not in message
