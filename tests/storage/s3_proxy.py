@@ -17,14 +17,18 @@ HOP_HEADERS = ("transfer-encoding", "content-length", "connection", "server", "d
 
 class S3Proxy(http.server.BaseHTTPRequestHandler):
     """Passes every request on to ``upstream`` (the S3 server) and its answer back, with
-    keep-alive as S3 serves. A subclass changes what it must in :meth:`do_GET` with
+    keep-alive as S3 serves. A subclass changes what it must in :meth:`relay` with
     :meth:`forward` and :meth:`answer`."""
 
     protocol_version = "HTTP/1.1"
     upstream = ""
 
-    def do_GET(self):
+    def relay(self) -> None:
+        """Answer the request (any method)."""
         self.answer(*self.forward())
+
+    def do_GET(self):
+        self.relay()
 
     do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
 

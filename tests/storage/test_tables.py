@@ -993,15 +993,13 @@ class SlowDownOnDataFiles(S3Proxy):
 
     refusing = True
 
-    def do_GET(self):
+    def relay(self) -> None:
         if self.command == "GET" and self.path.partition("?")[0].endswith(".parquet") and self.refusing:
             key_id = self.headers.get("Authorization", "").partition("Credential=")[2].split("/")[0]
             body = f"<Error><Code>SlowDown</Code><AWSAccessKeyId>{key_id}</AWSAccessKeyId></Error>"
             self.answer(503, {}, body.encode())
             return
         self.answer(*self.forward())
-
-    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
 
 
 def test_a_data_file_the_store_will_not_serve_is_a_transient_storage_error_naming_the_table(s3_server):
@@ -1202,14 +1200,12 @@ class LosesACommitsReply(S3Proxy):
 
     lost = 0
 
-    def do_GET(self):
+    def relay(self) -> None:
         status, headers, body = self.forward()
         if self.command == "PUT" and "/_delta_log/" in self.path and status == 200 and not self.lost:
             LosesACommitsReply.lost += 1
             status, headers, body = 503, {}, b"<Error><Code>SlowDown</Code></Error>"
         self.answer(status, headers, body)
-
-    do_HEAD = do_PUT = do_POST = do_DELETE = do_GET
 
 
 def test_rows_appended_once_whose_commit_reply_was_lost_say_they_were_appended(s3_server):
