@@ -12,6 +12,7 @@ from envs.base import Env, Task
 from rollout.config import ServiceConfig
 from rollout.engines.base import Engine
 from rollout.gateway import Gateway, GatewayConfig
+from rollout.orchestrator import wait_through_cancels
 from rollout.router import Router
 from rollout.service import RolloutRequest, RolloutService
 from storage.schema import EXCLUDED_STATUSES
@@ -78,8 +79,12 @@ async def evaluate(
     finally:  # one that raised (or a cancel) leaves no sibling rollout running
         for job in jobs:
             job.cancel()
-        await asyncio.gather(*jobs, return_exceptions=True)
+        # a cancel while they wind down neither ends the wait nor skips the close of the
+        # service (its self-driving programs' HTTP gateway): it is raised after both
+        interrupted = await wait_through_cancels(jobs)
         await service.close()
+        if interrupted:
+            raise asyncio.CancelledError
     rewards: dict[str, list[float]] = defaultdict(list)
     statuses: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     errors: dict[str, str] = {}

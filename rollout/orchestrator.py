@@ -41,7 +41,7 @@ import logging
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -52,6 +52,20 @@ from rollout.service import RolloutRequest, RolloutResult, RolloutService
 from storage.schema import EXCLUDED_STATUSES
 
 log = logging.getLogger(__name__)
+
+
+async def wait_through_cancels(tasks: Iterable[asyncio.Future]) -> bool:
+    """Wait until every one of ``tasks`` is done, however many cancels of the caller land
+    meanwhile (a stop, then the worker cancelled): nothing is left running. True when one
+    landed, for the caller to raise once it is done with them."""
+    interrupted = False
+    pending = set(tasks)
+    while pending:
+        try:
+            _, pending = await asyncio.wait(pending)
+        except asyncio.CancelledError:
+            interrupted = True
+    return interrupted
 
 
 class Quota(Protocol):
@@ -503,13 +517,7 @@ class Orchestrator:
         )
         jobs = list(self._in_flight)
         cancelled = {job for job in jobs if job.cancel()}  # False for one already done
-        interrupted = False
-        pending = set(jobs)
-        while pending:
-            try:
-                _, pending = await asyncio.wait(pending)
-            except asyncio.CancelledError:
-                interrupted = True
+        interrupted = await wait_through_cancels(jobs)
         for job in jobs:
             if redundant:
                 self._in_flight.pop(job)

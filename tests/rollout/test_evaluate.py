@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 
+import httpx
 import pytest
 
 from envs import registry
@@ -17,7 +18,7 @@ from rollout.config import ServiceConfig
 from rollout.engines.torch_engine import TorchEngine
 from rollout.evaluate import evaluate
 from tests.rollout.test_orchestrator import tiny  # noqa: F401
-from tests.rollout.test_service import RecordingEngine, SamplingProgram, arith_task
+from tests.rollout.test_service import OneCallProgram, RecordingEngine, SamplingProgram, arith_task
 
 
 class HeldArith(ArithEnv):
@@ -133,6 +134,58 @@ def test_a_rollout_that_raises_leaves_no_other_rollout_running(tiny, monkeypatch
             await engine.close()
 
     assert asyncio.run(asyncio.wait_for(body(), 60)) == 3
+
+
+class SlowClosingProgram(OneCallProgram):
+    """A self-driving program that runs until cancelled; its close waits for ``release``."""
+
+    def __init__(self):
+        super().__init__()
+        self.running, self.closing, self.release = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def run(self):
+        self.running.set()
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        self.closing.set()
+        await self.release.wait()
+        await super().close()
+
+
+def test_a_cancel_while_an_evaluation_winds_down_still_stops_its_gateway_server(tiny, monkeypatch):  # noqa: F811
+    """One rollout raises, so the evaluation cancels the other and waits for it to close its
+    env; a cancel that lands meanwhile used to end that wait by raising out of it, skipping the
+    service's close: the HTTP gateway of its self-driving programs went on serving."""
+    model, tokenizer = tiny
+    tasks = registry.task_set("arith", "eval", seed=0, n=2)
+    program = SlowClosingProgram()
+    process = service_module.RolloutService.process
+
+    async def failing_one(self, request):
+        if request.seed == 0:
+            await program.running.wait()
+            raise RuntimeError("a bug in one rollout (injected)")
+        return await process(self, request)
+
+    monkeypatch.setattr(service_module.RolloutService, "process", failing_one)
+
+    async def body():
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        try:
+            evaluation = asyncio.create_task(evaluate(engine, tokenizer, tasks, lambda task: program))
+            await program.closing.wait()
+            evaluation.cancel()
+            program.release.set()
+            with pytest.raises(asyncio.CancelledError):
+                await evaluation
+            async with httpx.AsyncClient() as client:
+                with pytest.raises(httpx.ConnectError):
+                    await client.get(program.gateway.base_url)
+        finally:
+            await engine.close()
+
+    asyncio.run(asyncio.wait_for(body(), 60))
 
 
 def test_a_self_driving_program_samples_at_the_eval_temperature_unless_it_asks_another(tiny):  # noqa: F811
