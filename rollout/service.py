@@ -658,7 +658,8 @@ class RolloutService:
         except RewardModelError as exc:
             status, error = "infra_error", str(exc)
         except SandboxError as exc:
-            status = "infra_error" if stage == "init" else "env_error"
+            # after init a sandbox's other failures may be the agent's commands' doing
+            status = "infra_error" if stage == "init" or exc.kind == "start_failed" else "env_error"
             error = f"sandbox {exc.kind} during {stage}: {exc.reason}"
         except ContextLimit as exc:
             status, error = "truncated", f"context limit: {exc}"

@@ -343,6 +343,19 @@ class SandboxStartFailedEnv(ArithEnv):
         raise SandboxError("start_failed", "bwrap cannot create namespaces")
 
 
+class SandboxStartFailedInRunEnv(BrokenEnv):
+    error = SandboxError("start_failed", "could not start bash: no such file")
+
+
+class SandboxStartFailedInEvalEnv(ArithEnv):
+    """Scores in a sandbox of its own (as code's tester runs), which cannot start."""
+
+    name = "arith"
+
+    async def evaluate(self) -> float:
+        raise SandboxError("start_failed", "the test harness never started")
+
+
 @pytest.mark.parametrize(
     ("env", "status", "error"),
     [
@@ -351,12 +364,26 @@ class SandboxStartFailedEnv(ArithEnv):
             "infra_error",
             "sandbox start_failed during init: bwrap cannot create namespaces",
         ),
+        (
+            SandboxStartFailedInRunEnv,
+            "infra_error",
+            "sandbox start_failed during run: could not start bash: no such file",
+        ),
+        (
+            SandboxStartFailedInEvalEnv,
+            "infra_error",
+            "sandbox start_failed during eval: the test harness never started",
+        ),
         (SandboxDiedEnv, "env_error", "sandbox died during run: the shell exited with status 1"),
     ],
 )
-def test_a_sandbox_error_is_an_infra_error_as_the_env_starts_and_an_env_error_after(
+def test_a_sandbox_that_cannot_start_is_an_infra_error_and_one_that_dies_after_init_an_env_error(
     tiny, env, status, error, caplog
 ):
+    """A sandbox that could not start is the machine's failure in any stage (one started for
+    a step or for EVAL's tests too: they were env errors); what stops the agent's commands
+    after the env started may be their own doing."""
+
     async def body():
         async with running_service(tiny, make_env=lambda task: env()) as service:
             return await service.process(RolloutRequest(task=arith_task()))
