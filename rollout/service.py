@@ -785,11 +785,16 @@ class RolloutService:
         A program that ended (or failed) on an engine failure, which it saw only as an HTTP
         error, ends the rollout as that failure: an infra error, never scored. One whose last
         model call did not fit in the context is truncated: scored when the program ended
-        on it, 0 when it failed on it (as a rollout the service drives)."""
+        on it, 0 when it failed on it (as a rollout the service drives). One whose last call
+        was refused past ``max_turns`` is truncated and scored either way, as a driven
+        rollout out of turns is."""
         try:
             result = await self._watched(env, "run")
         except Exception:
             _raise_engine_error(session)
+            out_of_turns = session.max_turns is not None and session.num_turns >= session.max_turns
+            if session.context_limit is not None and out_of_turns:
+                return  # not done: EVAL scores its work, truncated
             if session.context_limit is not None:
                 raise ContextLimit(f"the program's last model call: {session.context_limit}") from None
             raise

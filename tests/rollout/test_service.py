@@ -1072,6 +1072,58 @@ def test_a_self_driving_program_whose_last_call_is_over_the_context_is_truncated
     assert result.reward == (1.0 if then == "ends" else 0.0)
 
 
+class TurnsProgram(OneCallProgram):
+    """Goes on calling the model until a call is refused (HTTP 400: past its max_turns), then,
+    as ``then`` says, ends there or fails on it; its work scores 1."""
+
+    then = "ends"
+
+    async def run(self) -> StepResult:
+        gateway = self.gateway
+        headers = {"Authorization": f"Bearer {gateway.api_key}", gateway.header: gateway.session_id}
+        messages = [{"role": "user", "content": "2+2?"}]
+        async with httpx.AsyncClient() as client:
+            while True:
+                response = await client.post(
+                    f"{gateway.base_url}/chat/completions",
+                    headers=headers,
+                    json={"model": "policy", "messages": messages, "max_tokens": 2},
+                )
+                if response.status_code != 200:
+                    break
+                messages += [response.json()["choices"][0]["message"], {"role": "user", "content": "and?"}]
+        if self.then == "fails":
+            response.raise_for_status()
+        return StepResult([], 0.0, True, 0.5)
+
+    async def evaluate(self) -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize("then", ["ends", "fails"])
+def test_a_self_driving_program_refused_past_max_turns_is_truncated_and_still_scored(tiny, then):
+    """As a driven env's rollout out of turns is: a program that fails on the refusal (a
+    scaffold that raises on an HTTP error) was truncated with reward 0, never evaluated."""
+
+    async def body():
+        model, tokenizer = tiny
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig())
+        env = TurnsProgram()
+        env.then = then
+        config = ServiceConfig(scheduler="none", max_new_tokens=2, max_turns=2)
+        service = RolloutService(gateway, lambda task: env, config)
+        try:
+            return await service.process(RolloutRequest(task=arith_task()))
+        finally:
+            await service.close()
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert (result.status, result.turns, result.reward) == ("truncated", 2, 1.0)
+    assert "max_turns=2" in result.error
+
+
 def test_a_client_that_drops_its_process_request_cancels_its_rollout(tiny):
     """A client gone (its timeout ran out, its process died) gets no answer: its rollout
     must not go on holding a slot and its env until it ends on its own (here: never)."""
