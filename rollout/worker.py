@@ -57,7 +57,7 @@ from rollout.engines.factory import build_engines
 from rollout.engines.vllm_engine import VLLMEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.gateway_http import GatewayServer, RunSampling
-from rollout.orchestrator import Orchestrator, OrchestratorStats
+from rollout.orchestrator import Orchestrator, OrchestratorStats, wait_through_cancels
 from rollout.router import Router, RouterConfig, probe_health
 from rollout.service import RolloutResult, RolloutService
 from storage.config import RunStore
@@ -724,11 +724,23 @@ class RolloutWorker:
                     ]
                     if stale:
                         path = await asyncio.to_thread(self.weights.load, version, "serving")
-                        # each awaited under the lock whatever the others do: one left loading
-                        # would overlap the next load of its replica
-                        await asyncio.gather(*(self._reload(engine, version, path) for engine in stale))
+                        await self._reload_all(stale, version, path)
             except Exception as exc:  # the next probe tries again
                 log.warning("worker %s could not check its replicas: %s", self.name, exc)
+
+    async def _reload_all(self, engines: list[Engine], version: int, path: str) -> None:
+        """:meth:`_reload` of each of ``engines`` at once, each awaited whatever the others do:
+        one left loading would overlap the next load of its replica (the caller holds the
+        loading lock), or go on after the worker stopped. A cancel cancels them all and is
+        raised once every one has ended."""
+        reloads = [asyncio.create_task(self._reload(engine, version, path)) for engine in engines]
+        try:
+            await asyncio.wait(reloads)
+        finally:
+            for reload in reloads:
+                reload.cancel()
+            if await wait_through_cancels(reloads):
+                raise asyncio.CancelledError
 
     async def _reload(self, engine: Engine, version: int, path: str) -> None:
         """:meth:`_load` for the health check, whose next probe retries a replica that fails."""
