@@ -6,7 +6,8 @@ returns the observation messages, reward, done and partial progress), and EVAL (
 the final score). Blocking work (sandboxes) runs in threads via ``asyncio.to_thread``: these
 calls run on the rollout worker's event loop, which a blocking one holds for every rollout
 (the service warns naming the env and call, ``ServiceConfig.loop_block_warn_s``).
-Failures of the sandbox are raised as :class:`envs.sandbox.SandboxError` (status ``env_error``),
+Failures of the sandbox are raised as :class:`envs.sandbox.SandboxError` (status ``env_error``;
+``infra_error`` for one that could not start),
 except those the model's own action brought on (:meth:`Env._by_action`): the action fails
 and the model is told why (:func:`stopped`), or the episode scores 0.
 

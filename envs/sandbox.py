@@ -21,7 +21,8 @@ sandbox alone.
 Failures the sandbox contains are raised as :class:`SandboxError` with a ``kind``. Those in
 :data:`COMMAND_KINDS` are brought on by the command itself (what it ran or printed): an
 environment whose commands are the model's actions reports them to the model as a failed
-action. Any other that escapes an environment becomes the rollout's ``env_error`` status.
+action. Any other that escapes an environment becomes the rollout's ``env_error`` status, or
+``infra_error`` for a sandbox that could not start (``start_failed``) or one lost during init.
 """
 
 from __future__ import annotations
@@ -109,7 +110,7 @@ class SandboxError(RuntimeError):
 
     ``kind`` names what happened (one of ``ErrorKind``); ``output`` is what the command printed.
     Raised out of an environment, the rollout service reports it as the ``env_error`` status
-    with ``reason``.
+    with ``reason`` (``infra_error`` when the sandbox could not start, or failed during init).
     """
 
     def __init__(self, kind: ErrorKind, reason: str, output: str = ""):
