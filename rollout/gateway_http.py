@@ -62,9 +62,11 @@ line logged, and a later request naming it is told so in its 404: a harness that
 leaves no session pinned to its replica for the server's life. The router counts it as
 expired rather than as an ended rollout (no record of it reaches the trainer), unless its
 ``POST /v1/sessions/{id}/record`` was answered: its harness holds the record, and it counts
-as an ended rollout, as long as up to its last request's end (its idle time left out).
-Sessions opened in-process (the rollout service's) are not ended so: their opener closes
-each, and their pauses (a tool call, a test run) are bounded by its rollout's timeout.
+as an ended rollout, as long as up to its last request's end (its idle time left out). One
+still open when the server stops is ended so at the stop (after its drain), idle or not: no
+harness can reach it any more. Sessions opened in-process (the rollout service's) are not
+ended so: their opener closes each, and their pauses (a tool call, a test run) are bounded
+by its rollout's timeout.
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
@@ -446,22 +448,25 @@ class _Activity:
 class IdleSessions:
     """The sessions opened over HTTP (``POST /v1/sessions``), each ended by :meth:`sweep` as
     ``DELETE`` ends it once it has had no request in progress, and none for over
-    ``idle_timeout_s`` seconds since its last one ended: a harness that crashed or forgot
-    leaves none pinned to its replica (a live session for the worker's status and the elastic
-    controller) for the server's life. One whose record was answered counts as an ended
+    ``idle_timeout_s`` seconds (None: never) since its last one ended: a harness that crashed
+    or forgot leaves none pinned to its replica (a live session for the worker's status and the
+    elastic controller) for the server's life. One whose record was answered counts as an ended
     rollout, as long as up to its last request's end; any other as expired (no record of it
-    reaches the trainer). Sessions opened in-process (the rollout service's, which it always
-    closes) are never ended here. ``clock`` gives seconds (monotonic)."""
+    reaches the trainer). :meth:`end_all` ends those still open so at the server's stop.
+    Sessions opened in-process (the rollout service's, which it always closes) are never ended
+    here. ``clock`` gives seconds (monotonic)."""
 
     gateway: Gateway
-    idle_timeout_s: float
+    idle_timeout_s: float | None
     clock: Callable[[], float] = time.monotonic
     _open: dict[str, _Activity] = field(default_factory=dict)
     _expired: OrderedDict[str, float] = field(default_factory=OrderedDict)
     """Idle seconds of the last :data:`REMEMBERED_EXPIRIES` sessions ended here, by id."""
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.idle_timeout_s) and self.idle_timeout_s > 0):
+        if self.idle_timeout_s is not None and not (
+            math.isfinite(self.idle_timeout_s) and self.idle_timeout_s > 0
+        ):
             raise ValueError(
                 f"idle_timeout_s={self.idle_timeout_s} is not a finite number of seconds > 0 (None: never end "
                 "a session for idling)"
@@ -469,8 +474,9 @@ class IdleSessions:
 
     @property
     def sweep_every_s(self) -> float:
-        """Seconds between two sweeps of :meth:`run`: a session is ended at most this late."""
-        return min(self.idle_timeout_s / 4, 15.0)
+        """Seconds between two sweeps of :meth:`run`: a session is ended at most this late (and
+        one closed otherwise let go)."""
+        return 15.0 if self.idle_timeout_s is None else min(self.idle_timeout_s / 4, 15.0)
 
     def opened(self, session: Session) -> None:
         """Track ``session``, just opened over HTTP (idle from now)."""
@@ -524,7 +530,7 @@ class IdleSessions:
                 del self._open[session_id]
                 continue
             idle = self.idle_for(session_id)
-            if idle is None or idle <= self.idle_timeout_s:
+            if idle is None or self.idle_timeout_s is None or idle <= self.idle_timeout_s:
                 continue
             try:
                 self.gateway.close(session_id, expired=not activity.recorded, idle_s=idle)
@@ -550,6 +556,24 @@ class IdleSessions:
             )
             ended.append(session_id)
         return ended
+
+    def end_all(self) -> None:
+        """End the sessions still open, counted as :meth:`sweep` counts them: the server stopped,
+        and no request can reach them (their harness cannot end them) to release their replicas."""
+        ended = 0
+        for session_id, activity in list(self._open.items()):
+            idle = self.idle_for(session_id) or 0.0
+            del self._open[session_id]
+            if activity.session.closed:
+                continue
+            try:
+                self.gateway.close(session_id, expired=not activity.recorded, idle_s=idle)
+            except Exception as exc:  # one session's failure must not keep the others open
+                logger.error("could not close session %r at the server's stop (%s)", session_id, _why(exc))
+                continue
+            ended += 1
+        if ended:
+            logger.info("closed %d sessions still open at the server's stop", ended)
 
     async def run(self) -> None:
         """:meth:`sweep` every :attr:`sweep_every_s` seconds, until cancelled. A sweep that
@@ -1105,9 +1129,10 @@ class GatewayServer(AppServer):
     (``uds``; clients use ``http://gateway``) at ``sampling``. The bearer token is generated
     when not given; read it from ``.token``. A session opened over HTTP with no request for
     over ``idle_timeout_s`` seconds is ended (:class:`IdleSessions`); None keeps it until it is
-    deleted. With ``write`` (see :class:`RecordSink`) it writes the records it is asked to. While
-    ``backpressure`` answers why a new rollout must wait for the trainer (not None),
-    ``POST /v1/sessions`` of one is refused with a 429 (see the module docstring)."""
+    deleted or the server stops (:meth:`stop` ends those still open). With ``write`` (see
+    :class:`RecordSink`) it writes the records it is asked to. While ``backpressure`` answers
+    why a new rollout must wait for the trainer (not None), ``POST /v1/sessions`` of one is
+    refused with a 429 (see the module docstring)."""
 
     def __init__(
         self,
@@ -1125,7 +1150,7 @@ class GatewayServer(AppServer):
         backpressure: Callable[[], str | None] | None = None,
     ):
         self.token = bearer_token(token)
-        self.idle = IdleSessions(gateway, idle_timeout_s) if idle_timeout_s is not None else None
+        self.idle = IdleSessions(gateway, idle_timeout_s)
         self._sweeping: asyncio.Task | None = None
         super().__init__(
             create_app(
@@ -1153,13 +1178,15 @@ class GatewayServer(AppServer):
 
     async def start(self):
         await super().start()
-        if self.idle is not None:
-            self._sweeping = asyncio.create_task(self.idle.run())
+        self._sweeping = asyncio.create_task(self.idle.run())
         return self
 
     async def stop(self) -> None:
+        """Stop serving (see :meth:`AppServer.stop`), then end the sessions opened over it that
+        are still open (:meth:`IdleSessions.end_all`): no harness can reach them any more."""
         if self._sweeping is not None:
             self._sweeping.cancel()
             await asyncio.gather(self._sweeping, return_exceptions=True)
             self._sweeping = None
         await super().stop()
+        self.idle.end_all()

@@ -104,9 +104,9 @@ class RolloutStatus(BaseModel):
     sessions_expired: int = Field(
         0,
         ge=0,
-        description="Sessions its gateway ended for idling since it started (a harness that crashed): "
-        "their replicas are freed, but no record of them reaches the trainer, so they are no ended "
-        "rollouts for the elastic forecast.",
+        description="Sessions its gateway ended for idling, or at its HTTP server's stop, since it started "
+        "(a harness that crashed, or was cut off): their replicas are freed, but no record of them "
+        "reaches the trainer, so they are no ended rollouts for the elastic forecast.",
     )
     session_lengths: list[float] = Field(
         default_factory=list,

@@ -1812,7 +1812,7 @@ def test_with_the_idle_timeout_off_an_abandoned_session_stays_open(tiny):
 
     async def body():
         async with serving(tiny, idle_timeout_s=None) as (gateway, server, client):
-            assert server.idle is None
+            assert server.idle.idle_timeout_s is None
             # a sweep every quarter of the idle time, but at least every 15 s: a session idle
             # for the default half hour is ended within 15 s of it, not 7.5 minutes
             assert GatewayServer(gateway).idle.sweep_every_s == 15.0
@@ -1835,6 +1835,47 @@ def test_with_the_idle_timeout_off_an_abandoned_session_stays_open(tiny):
             assert (
                 await client.post("/v1/generate", json=turn, headers={SESSION_HEADER: kept})
             ).status_code == 200
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize("idle_timeout_s", [IDLE_TIMEOUT_S, None])
+def test_the_sessions_opened_over_a_server_are_ended_at_its_stop(tiny, idle_timeout_s):
+    """A server stopped (the worker's end) left the sessions its harnesses opened open in the
+    gateway, pinned to their replicas, their tokens held, until the process ended: no request
+    could reach them any more to end them. Its stop ends them as the sweep would (one whose
+    record was answered an ended rollout, any other expired), whatever its idle timeout, and
+    leaves the sessions opened in-process, and over another server, to their openers."""
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=idle_timeout_s) as (gateway, server, client):
+            router = gateway.router
+            own = gateway.open(task="arith", prompt_id="p1")
+            async with (
+                GatewayServer(gateway, idle_timeout_s=idle_timeout_s) as other_server,
+                httpx.AsyncClient(
+                    base_url=other_server.url,
+                    headers={"Authorization": f"Bearer {other_server.token}"},
+                    timeout=60,
+                ) as other,
+            ):
+                kept = await open_session(other)
+                recorded, abandoned = await open_session(client), await open_session(client)
+                for sid in (recorded, abandoned):
+                    turn = await client.post(
+                        "/v1/generate",
+                        json={"token_ids": [1, 2], "max_new_tokens": 2},
+                        headers={SESSION_HEADER: sid},
+                    )
+                    assert turn.status_code == 200, turn.text
+                answered = await client.post(f"/v1/sessions/{recorded}/record", json={"reward": 1.0})
+                assert answered.status_code == 200, answered.text
+                assert live_sessions(router) == 2
+
+                await server.stop()
+                assert sorted(gateway.sessions) == sorted([own.session_id, kept])
+                assert live_sessions(router) == 0 and router.load("live") == 0
+                assert (router.sessions_ended, router.sessions_expired) == (1, 1)
 
     asyncio.run(body())
 
