@@ -52,6 +52,10 @@ refuses a request for others (beyond ``SAMPLING_REL_TOL``): the engines record l
 from, and the trainer takes the policy's at the run's temperature over the whole vocabulary,
 so a token sampled otherwise carries a log-prob its DIS ratio cannot be compared with.
 
+A ``POST /v1/sessions`` that names its ``session_id`` and is sent again (the same fields, null
+as left out) is a client's retry of a reply it never got: while the session it opened holds no
+token and no record, it is answered as it was (even under backpressure) and opens nothing more.
+
 ``DELETE /v1/sessions/{id}`` ends a session unrecorded; ``?continued_in=<session id>`` names
 the open session its rollout goes on in (a compacted context's branch), so that the router
 counts the rollout once, from its first context's start to its last one's end
@@ -224,7 +228,9 @@ class OpenSessionRequest(BaseModel):
         None,
         pattern=r"^[A-Za-z0-9._:~-]{1,256}$",
         description="Session id (letters, digits and . _ : ~ -, as it goes in URL paths); generated when "
-        "left out.",
+        "left out. One an open session holds is refused, but by the request that opened it sent again (the "
+        "same fields, null as left out: a retry after its reply was lost), answered as it was while the "
+        "session holds no token and no record.",
     )
 
 
@@ -442,6 +448,8 @@ class _Activity:
     """Whether a sweep's close of it raised (logged once; each later round tries again)."""
     recorded: bool = False
     """Whether a record of it was answered: its harness holds what the trainer learns from."""
+    opened_with: dict[str, Any] = field(default_factory=dict)
+    """The fields of the ``POST /v1/sessions`` that opened it, to know that request's retry."""
 
 
 @dataclass
@@ -478,10 +486,26 @@ class IdleSessions:
         one closed otherwise let go)."""
         return 15.0 if self.idle_timeout_s is None else min(self.idle_timeout_s / 4, 15.0)
 
-    def opened(self, session: Session) -> None:
-        """Track ``session``, just opened over HTTP (idle from now)."""
+    def opened(self, session: Session, request: OpenSessionRequest) -> None:
+        """Track ``session``, just opened over HTTP by ``request`` (idle from now)."""
         self._expired.pop(session.session_id, None)
-        self._open[session.session_id] = _Activity(session, since=self.clock())
+        self._open[session.session_id] = _Activity(session, self.clock(), opened_with=request.model_dump())
+
+    def retried(self, request: OpenSessionRequest) -> Session | None:
+        """The open session ``request`` opened already, if it is that open's retry (its reply was
+        lost): the same fields, for a session still as it opened (no token, no record answered),
+        which no harness can have used yet."""
+        activity = self._open.get(request.session_id) if request.session_id else None
+        if (
+            activity is None
+            or activity.session.closed
+            or activity.session.tokens
+            or activity.recorded
+            or activity.opened_with != request.model_dump()
+        ):
+            return None
+        activity.since = self.clock()
+        return activity.session
 
     @contextlib.contextmanager
     def request(self, session_id: str | None) -> Iterator[None]:
@@ -817,8 +841,19 @@ def create_app(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "treadle"}]}
 
+    def opened(session: Session) -> dict[str, Any]:
+        info = session.info
+        return {
+            "session_id": info.session_id,
+            "trajectory_id": info.trajectory_id,
+            "execution_id": info.execution_id,
+        }
+
     @app.post("/v1/sessions", dependencies=auth)
     async def open_session(body: OpenSessionRequest) -> Any:
+        retried = idle.retried(body) if idle is not None else None
+        if retried is not None:
+            return opened(retried)
         why = backpressure() if backpressure is not None else None
         if why is not None and (body.parent_id is None or not gateway.in_open_rollout(body.parent_id)):
             app.state.sessions_refused += 1
@@ -831,13 +866,8 @@ def create_app(
             )
         session = gateway.open(**body.model_dump())
         if idle is not None:
-            idle.opened(session)
-        info = session.info
-        return {
-            "session_id": info.session_id,
-            "trajectory_id": info.trajectory_id,
-            "execution_id": info.execution_id,
-        }
+            idle.opened(session, body)
+        return opened(session)
 
     def writing() -> RecordSink:
         if sink is None:

@@ -297,6 +297,51 @@ def test_only_a_session_that_starts_a_rollout_waits_for_the_servers_backpressure
     assert answers["branch of a live rollout"].json()["execution_id"] == "e1"
 
 
+def test_a_session_open_retried_after_its_lost_reply_answers_the_session_it_opened(tiny):
+    """A harness whose ``POST /v1/sessions`` with its own ``session_id`` succeeded but whose reply
+    was lost (its timeout ran out) and that sent it again got a 400, the session it opened left
+    pinned until its idle timeout. The same request again (the same fields, null as left out),
+    before any request has named the session, is its retry: answered as the first was, even
+    while backpressure refuses new rollouts, opening nothing more. Other fields, a session
+    already used, or one opened in-process are refused as before."""
+    waits_for: list[str] = []
+
+    async def body():
+        async with serving(tiny, backpressure=lambda: waits_for[-1] if waits_for else None) as (
+            gateway,
+            server,
+            client,
+        ):
+            request = {"task": "arith", "prompt_id": "p1", "session_id": "s1"}
+            first = await client.post("/v1/sessions", json=request)
+            assert first.status_code == 200, first.text
+            # the second with the session's header, as a client that sends it on every request does
+            for retry, headers in ((request, {}), ({**request, "group_id": None}, {SESSION_HEADER: "s1"})):
+                again = await client.post("/v1/sessions", json=retry, headers=headers)
+                assert again.status_code == 200, again.text
+                assert again.json() == first.json()
+                waits_for.append("the trainer is far behind")
+            assert gateway.sessions == ["s1"] and server.sessions_refused == 0
+            waits_for.clear()
+
+            other = await client.post("/v1/sessions", json={**request, "prompt_id": "p2"})
+            assert other.status_code == 400 and "session 's1' is already open" in other.text, other.text
+            turn = await client.post(
+                "/v1/generate",
+                json={"token_ids": [1, 2], "max_new_tokens": 2},
+                headers={SESSION_HEADER: "s1"},
+            )
+            assert turn.status_code == 200, turn.text
+            used = await client.post("/v1/sessions", json=request)
+            assert used.status_code == 400 and "session 's1' is already open" in used.text, used.text
+            gateway.open(task="arith", prompt_id="p1", session_id="mine")
+            mine = await client.post("/v1/sessions", json={**request, "session_id": "mine"})
+            assert mine.status_code == 400 and "session 'mine' is already open" in mine.text, mine.text
+            assert sorted(gateway.sessions) == ["mine", "s1"]
+
+    asyncio.run(body())
+
+
 def test_a_trajectory_id_an_open_session_holds_is_refused_naming_it(tiny):
     async def body():
         async with serving(tiny) as (gateway, _, client):
