@@ -86,13 +86,15 @@ writes records for its harness: ``POST /v1/records`` takes every record of one e
 writes them together (the processor joins an execution's rows within one shard), and
 ``"write": true`` on a record writes that record alone, for an execution of one trajectory.
 Records are checked first (fields, ``storage.schema``'s checks, one execution id, no trajectory
-written before by this server): a refused body writes nothing.
+written before by this server): a refused body writes nothing. A resend of a write whose reply
+was lost is refused so, saying that the same records were written already.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -635,12 +637,14 @@ class RecordSink:
     trajectory records, which must land in one raw shard: a rollout worker's shard writer's
     ``write_table``), once they are checked: a body refused here writes nothing. A trajectory it
     wrote already (among the last :data:`REMEMBERED_WRITES`) is refused: a retry of a write
-    whose answer was lost would otherwise train it twice. ``write`` raises only when the
+    whose answer was lost would otherwise train it twice; the refusal says whether the written
+    record is the one sent again. ``write`` raises only when the
     records will not be committed (:class:`NotWritten`, 503: the harness may send them again);
     a writer that keeps them for a later commit when this one fails must not raise."""
 
     write: Callable[[pa.Table], Any]
-    _written: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    _written: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
+    """A digest of each trajectory written, by id (:func:`_digest`)."""
 
     def execution(self, records: list[dict[str, Any]]) -> dict[str, Any]:
         """Check ``records`` (one execution's) and write them; raises :class:`InvalidRequest` saying
@@ -672,20 +676,33 @@ class RecordSink:
         repeated = sorted(tid for tid, count in Counter(ids).items() if count > 1)
         if repeated:
             raise InvalidRequest(f"trajectory ids {repeated} repeat: two records may not share one")
+        digests = dict(zip(ids, map(_digest, table.to_pylist()), strict=True))
         again = [tid for tid in ids if tid in self._written]
         if again:
+            changed = [tid for tid in again if self._written[tid] != digests[tid]]
+            if len(again) == len(ids) and not changed:
+                raise InvalidRequest(
+                    f"these records (trajectories {again}) were written already, by an earlier request of "
+                    "the same records; a resend writes them no more"
+                )
             raise InvalidRequest(
-                f"trajectories {again} were written already; nothing of this request was written"
+                f"trajectories {again} were written already by an earlier request"
+                + (f", {changed} with other contents than these" if changed else "")
+                + "; this request wrote nothing"
             )
         try:
             self.write(table)
         except Exception as exc:
             raise NotWritten(f"nothing of this request was written ({_why(exc)}); send it again") from exc
-        for tid in ids:
-            self._written[tid] = None
+        self._written.update(digests)
         while len(self._written) > REMEMBERED_WRITES:
             self._written.popitem(last=False)
         return {"written": len(ids), "execution_id": executions[0]}
+
+
+def _digest(record: dict[str, Any]) -> bytes:
+    """A 16-byte digest of ``record`` (a row of a trajectory table) that tells it from another."""
+    return hashlib.blake2b(json.dumps(record, sort_keys=True).encode(), digest_size=16).digest()
 
 
 def create_app(

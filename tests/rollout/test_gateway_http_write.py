@@ -105,6 +105,39 @@ def test_an_execution_is_written_whole_into_one_shard_and_a_bad_one_writes_nothi
     assert reader.read(shard).column("trajectory_id").to_pylist() == ["root", branch_id]
 
 
+def test_a_resent_write_is_told_its_records_were_written_already(tiny, local_store):  # noqa: F811
+    """A harness that resent a write whose answer it lost was told "nothing of this request was
+    written", though the first request had written these very records: it would take them for
+    lost. The resend is still refused (each trajectory is trained once), saying they were written
+    already by a request with the same records; one that changes a written record is told that
+    the written one differs and that it wrote nothing."""
+    writer = ShardWriter(local_store, "harness", flush_records=1000)
+
+    async def body():
+        async with writing(tiny, writer.write_table) as client:
+            root = await recorded(client, trajectory_id="root")
+            branch = await recorded(client, parent_id="root")
+            written = await client.post("/v1/records", json={"records": [root, branch]})
+            assert written.status_code == 200, written.text
+            ids = ["root", branch["trajectory_id"]]
+            answers = {
+                "resent": await client.post("/v1/records", json={"records": [root, branch]}),
+                "changed": await client.post(
+                    "/v1/records", json={"records": [root, {**branch, "reward": 0.25}]}
+                ),
+            }
+            return ids, {why: answer.json()["error"]["message"] for why, answer in answers.items()}
+
+    ids, messages = asyncio.run(body())
+    writer.close()
+    assert messages == {
+        "resent": f"these records (trajectories {ids}) were written already, by an earlier request of the "
+        "same records; a resend writes them no more",
+        "changed": f"trajectories {ids} were written already by an earlier request, {ids[1:]} with other "
+        "contents than these; this request wrote nothing",
+    }
+
+
 def test_a_server_with_nowhere_to_write_refuses_to_write(tiny):  # noqa: F811
     async def body():
         async with writing(tiny) as client:
