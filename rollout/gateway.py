@@ -779,30 +779,18 @@ class Gateway:
         without ``execution_id`` joins its parent's execution: the one its parent was opened
         with here, else (a parent this gateway did not open, or opened long ago) the parent's
         id, which is a root's execution id by default."""
-        ids = {
-            "task": task,
-            "prompt_id": prompt_id,
-            "execution_id": execution_id,
-            "trajectory_id": trajectory_id,
-            "group_id": group_id,
-            "parent_id": parent_id,
-        }
-        for name, value in ids.items():
-            if value is not None:
-                _check_id(value, name)
-        if branch_at is not None and parent_id is None:
-            raise InvalidRequest(f"branch_at {branch_at} needs the parent_id it branched from")
+        self.check_open(
+            task=task,
+            prompt_id=prompt_id,
+            execution_id=execution_id,
+            trajectory_id=trajectory_id,
+            group_id=group_id,
+            parent_id=parent_id,
+            branch_at=branch_at,
+            session_id=session_id,
+        )
         session_id = session_id or uuid.uuid4().hex
-        if session_id in self._sessions:
-            raise InvalidRequest(f"session {session_id!r} is already open")
-        if not trajectory_id:
-            trajectory_id = uuid.uuid4().hex
-        elif any(s.info.trajectory_id == trajectory_id for s in self._sessions.values()):
-            raise InvalidRequest(
-                f"trajectory {trajectory_id!r} is open on this gateway already and two records may not "
-                "share a trajectory_id (the processor drops one as duplicate_id): close that session, "
-                "or send a new id or none"
-            )
+        trajectory_id = trajectory_id or uuid.uuid4().hex
         if not execution_id:
             execution_id = self._executions.get(parent_id, parent_id) if parent_id else trajectory_id
         self._remember(trajectory_id, execution_id)
@@ -819,6 +807,41 @@ class Gateway:
         session = Session(info=info, gateway=self, renderer=self.renderer)
         self._sessions[session_id] = session
         return session
+
+    def check_open(
+        self,
+        *,
+        task: str,
+        prompt_id: str,
+        execution_id: str | None = None,
+        trajectory_id: str | None = None,
+        group_id: str | None = None,
+        parent_id: str | None = None,
+        branch_at: int | None = None,
+        session_id: str | None = None,
+    ) -> None:
+        """Raise :class:`InvalidRequest` unless :meth:`open` takes these arguments now, saying why."""
+        ids = {
+            "task": task,
+            "prompt_id": prompt_id,
+            "execution_id": execution_id,
+            "trajectory_id": trajectory_id,
+            "group_id": group_id,
+            "parent_id": parent_id,
+        }
+        for name, value in ids.items():
+            if value is not None:
+                _check_id(value, name)
+        if branch_at is not None and parent_id is None:
+            raise InvalidRequest(f"branch_at {branch_at} needs the parent_id it branched from")
+        if session_id and session_id in self._sessions:
+            raise InvalidRequest(f"session {session_id!r} is already open")
+        if trajectory_id and any(s.info.trajectory_id == trajectory_id for s in self._sessions.values()):
+            raise InvalidRequest(
+                f"trajectory {trajectory_id!r} is open on this gateway already and two records may not "
+                "share a trajectory_id (the processor drops one as duplicate_id): close that session, "
+                "or send a new id or none"
+            )
 
     async def branch(self, parent: Session, messages: Sequence[Mapping[str, Any]]) -> Session:
         """Open a branch of ``parent`` whose context is ``messages`` (rendered now, with the

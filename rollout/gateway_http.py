@@ -79,7 +79,7 @@ failed (nothing written) or a request the stop's drain cut (type ``server_stoppi
 ``Retry-After``) a new rollout while the server's ``backpressure`` says why it must wait (a
 rollout worker's: the trainer lags). Only ``POST /v1/sessions`` is held back so, and not for a
 branch whose parent's execution has an open session: a rollout under way goes on to its end, as
-the worker's own rollouts in flight do.
+the worker's own rollouts in flight do. One the gateway refuses for its fields is a 400 first.
 
 A server given somewhere to write (``GatewayServer``'s ``write``: a rollout worker's raw shards)
 writes records for its harness: ``POST /v1/records`` takes every record of one execution and
@@ -871,6 +871,7 @@ def create_app(
         retried = idle.retried(body) if idle is not None else None
         if retried is not None:
             return opened(retried)
+        gateway.check_open(**body.model_dump())  # a bad request is no rollout held back
         why = backpressure() if backpressure is not None else None
         if why is not None and (body.parent_id is None or not gateway.in_open_rollout(body.parent_id)):
             app.state.sessions_refused += 1

@@ -297,6 +297,38 @@ def test_only_a_session_that_starts_a_rollout_waits_for_the_servers_backpressure
     assert answers["branch of a live rollout"].json()["execution_id"] == "e1"
 
 
+def test_an_open_the_gateway_refuses_is_a_bad_request_under_backpressure_too(tiny):
+    """Under backpressure an open whose ids the gateway refuses (a blank id, ``branch_at``
+    without a parent, an id an open session holds) was answered 429 and counted as a new
+    rollout held back: its harness waited and sent it again, to be told it is bad only once
+    the trainer caught up. It is a 400 saying why, counted in no refusal."""
+
+    async def body():
+        async with serving(tiny, backpressure=lambda: "the trainer is far behind") as (
+            gateway,
+            server,
+            client,
+        ):
+            held = gateway.open(task="arith", prompt_id="p1", trajectory_id="held", session_id="held")
+            new = {"task": "arith", "prompt_id": "p1"}
+            answers = {
+                "blank id": await client.post("/v1/sessions", json={**new, "group_id": " "}),
+                "branch_at alone": await client.post("/v1/sessions", json={**new, "branch_at": 3}),
+                "open session id": await client.post("/v1/sessions", json={**new, "session_id": "held"}),
+                "open trajectory id": await client.post(
+                    "/v1/sessions", json={**new, "trajectory_id": "held"}
+                ),
+            }
+            assert server.sessions_refused == 0
+            assert (await client.post("/v1/sessions", json=new)).status_code == 429
+            assert server.sessions_refused == 1 and gateway.sessions == [held.session_id]
+            return answers
+
+    answers = asyncio.run(body())
+    assert {why: answer.status_code for why, answer in answers.items()} == dict.fromkeys(answers, 400)
+    assert all(answer.json()["error"]["type"] == "invalid_request_error" for answer in answers.values())
+
+
 def test_a_session_open_retried_after_its_lost_reply_answers_the_session_it_opened(tiny):
     """A harness whose ``POST /v1/sessions`` with its own ``session_id`` succeeded but whose reply
     was lost (its timeout ran out) and that sent it again got a 400, the session it opened left
