@@ -934,7 +934,7 @@ class Gateway:
         session.closed = True
         if session._generating is not None:
             session._generating.cancel()
-        self.router.end_session(session_id, continued_in, expired, idle_s)
+        self.router.end_session(session_id, continued_in, expired, idle_s, known=True)
 
     def check_ids(self, token_ids: Sequence[int], *, what: str) -> None:
         """Raise :class:`InvalidRequest` unless every id is an int in the vocabulary."""

@@ -179,7 +179,8 @@ class Router:
     each session in ``session_lengths`` (1 for one never compacted). ``sessions_expired``
     counts the sessions (rollouts, as above) ended for idling, their client gone: released
     like the others, but no ended rollout, as none of them reaches the trainer (one whose
-    client got its record before it idled out is an ended rollout, its idle time left out).
+    client got its record before it idled out is an ended rollout, its idle time left out);
+    those the gateway ends count even if never routed (``end_session``'s ``known``).
     """
 
     def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
@@ -317,7 +318,12 @@ class Router:
         return walk[0]
 
     def end_session(
-        self, session_id: str, continued_in: str | None = None, expired: bool = False, idle_s: float = 0.0
+        self,
+        session_id: str,
+        continued_in: str | None = None,
+        expired: bool = False,
+        idle_s: float = 0.0,
+        known: bool = False,
     ) -> None:
         """Release ``session_id``'s assignment and let its replica drop its cache (under
         ``round_robin``, which pins nothing, every replica in service: any may hold one).
@@ -336,6 +342,11 @@ class Router:
         ``idle_s``: seconds the session sat unused before this end (one ended for idling whose
         client got its record, then never ended it), left out of its length: the rollout
         ended with its last request, and the idle timeout would lengthen the forecast's.
+
+        ``known``: the caller knows the session was open until now and ends it once (the
+        gateway does): expired, it counts in ``sessions_expired`` even if it was never routed
+        (its client gone before its first turn). Otherwise a session the router never routed,
+        or that ended already, counts nowhere.
         """
         check_end(session_id, continued_in, expired, idle_s)
         if self.config.policy == "round_robin":
@@ -344,6 +355,8 @@ class Router:
         self._release(session_id)
         started = self._started.pop(session_id, None)
         if started is None:
+            if expired and known:
+                self.sessions_expired += 1
             return
         contexts = self._contexts_before.pop(session_id, 0) + 1
         if expired:

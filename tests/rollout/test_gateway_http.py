@@ -1843,6 +1843,25 @@ def test_a_session_whose_record_was_answered_and_that_idles_out_is_an_ended_roll
     asyncio.run(body())
 
 
+def test_a_session_that_idles_out_before_its_first_turn_counts_as_expired(tiny):
+    """A harness that crashed between opening its session and its first turn left a session the
+    router never routed: the sweep ended it, but the worker's status counted it in neither
+    ``sessions_expired`` nor ``sessions_ended``, as if it had never been. It counts as expired,
+    as one that idled out after a turn does (the server's clock set by hand)."""
+    now = [0.0]
+
+    async def body():
+        async with serving(tiny, idle_timeout_s=60) as (gateway, server, client):
+            server.idle.clock = lambda: now[0]
+            router = gateway.router
+            sid = await open_session(client)
+            now[0] = 100.0
+            assert server.idle.sweep() == [sid]
+            assert (router.sessions_expired, router.sessions_ended) == (1, 0)
+
+    asyncio.run(body())
+
+
 def test_a_session_with_requests_in_flight_is_not_idle_and_counts_idle_from_their_end(tiny):
     """A turn generating or queued across the idle time does not count as idle: the session
     is ended only once it has had no request for the idle time since its last one ended

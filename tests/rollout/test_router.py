@@ -369,6 +369,9 @@ def test_a_session_ended_for_idling_frees_its_replica_but_is_no_ended_rollout(mo
     router.end_session("c2", expired=True)  # ending twice counts once
     router.end_session("never-routed", expired=True)
     assert (router.sessions_ended, router.sessions_expired, list(router.session_lengths)) == (1, 2, [1850.0])
+    # one its gateway opened and ends once (known), its client gone before its first turn
+    router.end_session("opened, never routed", expired=True, known=True)
+    assert (router.sessions_ended, router.sessions_expired, list(router.session_lengths)) == (1, 3, [1850.0])
     assert router.session_ages() == {name: [] for name in router.replicas}
 
 
