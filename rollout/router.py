@@ -180,7 +180,8 @@ class Router:
     counts the sessions (rollouts, as above) ended for idling, their client gone: released
     like the others, but no ended rollout, as none of them reaches the trainer (one whose
     client got its record before it idled out is an ended rollout, its idle time left out);
-    those the gateway ends count even if never routed (``end_session``'s ``known``).
+    those the gateway ends count even if never routed (``end_session``'s ``known``), but
+    under ``round_robin``, which tracks no session, none counts.
     """
 
     def __init__(self, engines: Iterable[Engine], config: RouterConfig | None = None):
@@ -345,8 +346,9 @@ class Router:
 
         ``known``: the caller knows the session was open until now and ends it once (the
         gateway does): expired, it counts in ``sessions_expired`` even if it was never routed
-        (its client gone before its first turn). Otherwise a session the router never routed,
-        or that ended already, counts nowhere.
+        (its client gone before its first turn), except under ``round_robin``, which counts no
+        session. Otherwise a session the router never routed, or that ended already, counts
+        nowhere.
         """
         check_end(session_id, continued_in, expired, idle_s)
         if self.config.policy == "round_robin":
@@ -355,7 +357,7 @@ class Router:
         self._release(session_id)
         started = self._started.pop(session_id, None)
         if started is None:
-            if expired and known:
+            if expired and known and self.config.policy != "round_robin":
                 self.sessions_expired += 1
             return
         contexts = self._contexts_before.pop(session_id, 0) + 1

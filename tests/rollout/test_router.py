@@ -375,6 +375,17 @@ def test_a_session_ended_for_idling_frees_its_replica_but_is_no_ended_rollout(mo
     assert router.session_ages() == {name: [] for name in router.replicas}
 
 
+def test_round_robin_counts_no_session_ended_for_idling():
+    """``round_robin`` tracks no session, so it counts none as ended nor expired, routed or
+    ended by its gateway before its first turn alike: its counts stay all zero, not a part."""
+    router = Router(_replicas(2), RouterConfig(policy="round_robin"))
+    router.route("routed")
+    router.end_session("routed", expired=True)
+    router.end_session("opened, never routed", expired=True, known=True)
+    router.end_session("finished", known=True)
+    assert (router.sessions_ended, router.sessions_expired) == (0, 0)
+
+
 def test_a_session_ended_for_idling_after_its_record_is_an_ended_rollout_without_its_idle_time(monkeypatch):
     """A gateway ends a session left unused past its idle timeout whose client got its record
     and never ended it: the record may reach the trainer, so the session counts as an ended
