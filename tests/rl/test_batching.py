@@ -7,9 +7,12 @@ from collections import deque
 
 import numpy as np
 import pytest
+import torch
 
+from rl.advantages import adaptive_lambda, skip_observation_gae
 from rl.batching import Sample, micro_batches, pad_batch, samples_from_table, take_batch
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table
+from tests.rl.test_advantages import reference_skip_gae
 
 PROMPT_ACTION = [False, False, True, True]
 
@@ -199,3 +202,47 @@ def test_micro_batches_are_the_longest_runs_within_the_budget(seed):
 def test_a_micro_batch_that_fills_its_budget_exactly_is_one_part():
     parts = micro_batches([sample_of_length(n) for n in (5, 3, 5, 2)], micro_token_budget=15)
     assert [[s.num_tokens for s in part] for part in parts] == [[5, 3, 5], [2]]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_advantages_of_padded_micro_batches_are_each_rows_own(seed):
+    """Rows cut at their last action into samples, packed into micro-batches and right-padded
+    as the trainer does, get from observation-skip GAE (fixed and length-adaptive λ) the
+    advantages and returns the slow reference gives each whole row alone, its reward on its
+    last token (an observation after the last action included) and the critic's values the
+    same per token: cropping and padding add no step to the chain and move no reward."""
+    rng = random.Random(seed)
+    rows, values = [], {}
+    for i in range(rng.randint(1, 8)):
+        length = rng.randint(2, 14)
+        mask = [False] + [rng.random() < 0.5 for _ in range(length - 1)]
+        mask[rng.randrange(1, length)] = True
+        tid = f"t{i}"
+        rows.append(
+            processed(tid, tokens=[rng.randrange(10) for _ in mask], mask=mask, reward=rng.gauss(0, 1))
+        )
+        values[tid] = [rng.gauss(0, 1) for _ in mask]
+    samples, rejected = samples_of(rows)
+    assert rejected == []
+    gamma = rng.choice([1.0, 0.9])
+    by_id = {row["trajectory_id"]: row for row in rows}
+    for part in micro_batches(samples, rng.randint(1, 40)):
+        batch = pad_batch(part, pad_id=0)
+        value = torch.zeros(batch.input_ids.shape, dtype=torch.float64)
+        for b, sample in enumerate(part):
+            value[b, : sample.num_tokens] = torch.tensor(values[sample.trajectory_id][: sample.num_tokens])
+        for lam in (0.9, adaptive_lambda(batch.action_mask.sum(dim=1), alpha=0.5)):
+            advantages, returns = skip_observation_gae(batch.rewards, value, batch.action_mask, gamma, lam)
+            for b, sample in enumerate(part):
+                row = by_id[sample.trajectory_id]
+                row_lam = lam if isinstance(lam, float) else float(lam[b])
+                reward = [0.0] * len(row["tokens"])
+                reward[-1] = sample.reward
+                (want_adv,), (want_ret,) = reference_skip_gae(
+                    [reward], [values[sample.trajectory_id]], [row["action_mask"]], gamma, [row_lam]
+                )
+                n = sample.num_tokens
+                assert want_adv[n:] == [0.0] * (len(want_adv) - n)  # nothing to train past the cut
+                torch.testing.assert_close(advantages[b, :n], torch.tensor(want_adv[:n], dtype=torch.float64))
+                torch.testing.assert_close(returns[b, :n], torch.tensor(want_ret[:n], dtype=torch.float64))
+                assert not advantages[b, n:].any() and not returns[b, n:].any()

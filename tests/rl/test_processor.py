@@ -8,6 +8,7 @@ batch for the gradient.
 from __future__ import annotations
 
 import gc
+import random
 from collections import Counter, defaultdict
 from datetime import UTC, datetime
 
@@ -1120,3 +1121,112 @@ def test_with_partial_progress_off_nothing_is_rescored_nor_dropped_when_rescorin
     assert [r["drop_reason"] for r in result.trajectories] == [None, None]
     assert sorted(result.processed.column("reward").to_pylist()) == [0.0, 1.0]
     assert result.counters.rescore_calls == 0 and result.counters.dropped == {}
+
+
+def near_miss_execution(rng, eid, n_paths):
+    """A random execution whose branches often diverge from their parent only in the role
+    or the version of one token (the token id stays), or are an exact copy or a strict
+    prefix of it: the cases where sharing hinges on a token's whole record, not its id.
+    Version 0 (the initial weights) is among the versions: an action of version 0 and an
+    observation differ in their role alone."""
+    length = rng.randint(0, 12)
+    mask = [rng.random() < 0.6 for _ in range(length)]
+    paths = [
+        ([rng.randrange(4) for _ in range(length)], mask, [rng.choice([0, 3]) if m else -1 for m in mask])
+    ]
+    for _ in range(1, n_paths):
+        tokens, mask, versions = paths[rng.randrange(len(paths))]
+        at = rng.randint(0, len(tokens))
+        kind = rng.random()
+        if kind < 0.15:  # an exact copy
+            at = len(tokens)
+        new = (list(tokens[:at]), list(mask[:at]), list(versions[:at]))
+        if kind >= 0.3:  # not a strict prefix: the branch goes on past ``at``
+            if at < len(tokens) and rng.random() < 0.5:
+                # the parent's token id again, with its role flipped or by another version
+                action = not mask[at] if rng.random() < 0.5 else mask[at]
+                version = (7 if versions[at] != 7 else 0) if action else -1
+                for column, value in zip(new, (tokens[at], action, version), strict=True):
+                    column.append(value)
+            for _ in range(rng.randint(0, 6)):
+                action = rng.random() < 0.6
+                for column, value in zip(
+                    new, (rng.randrange(4), action, rng.choice([0, 3]) if action else -1), strict=True
+                ):
+                    column.append(value)
+        paths.append(new)
+    records = []
+    for k, (tokens, mask, versions) in enumerate(paths):
+        records.append(record(f"{eid}-{k}", eid, tokens, mask, reward=rng.random()))
+        records[-1]["versions"] = versions
+    return records
+
+
+def token_records(row):
+    """A row's tokens as (id, role, version on actions) records: what makes two tokens one."""
+    return [
+        (t, a, v if a else None)
+        for t, a, v in zip(row["tokens"], row["action_mask"], row["versions"], strict=True)
+    ]
+
+
+def action_nodes(row):
+    """The distinct trainable tokens of a row, as (execution, whole prefix of records)."""
+    key = token_records(row)
+    return {(row["execution_id"], tuple(key[: p + 1])) for p, a in enumerate(row["action_mask"]) if a}
+
+
+@pytest.mark.parametrize("seed", range(150))
+def test_role_and_version_divergences_share_nothing_and_drop_reasons_hold(seed):
+    """Against a brute force over whole-prefix records, on executions full of branches that
+    keep the parent's token id but flip its role or resample it under another version, exact
+    copies and strict prefixes: every trained token is trained once and is a real action
+    node; with no cap every node is trained; a ``duplicate`` is a prefix of another path of
+    its execution, a ``no_new_tokens`` path has every node trained, a ``not_selected`` one
+    has a node left and its execution used its ``j_max``; each selected row trains a token
+    and each execution's weights sum to 1."""
+    rng = random.Random(seed)
+    records = []
+    for e in range(rng.randint(1, 3)):
+        records += near_miss_execution(rng, f"e{e}", rng.randint(1, 8))
+    rng.shuffle(records)
+    j_max = rng.choice([None, 1, 2, 3])
+    result = process_shard(to_table(records), ProcessorConfig(j_max=j_max, seed=seed), shard_id="s")
+    validate(result.processed)
+
+    processed = result.processed.to_pylist()
+    trained = Counter()
+    for row in processed:
+        key = token_records(row)
+        for p, t in enumerate(row["train_mask"]):
+            if t:
+                trained[(row["execution_id"], tuple(key[: p + 1]))] += 1
+        assert any(row["train_mask"])
+    every_node = set().union(set(), *(action_nodes(r) for r in records))
+    assert set(trained.values()) <= {1}
+    assert set(trained) <= every_node
+    if j_max is None:
+        assert set(trained) == every_node
+
+    by_id = {r["trajectory_id"]: r for r in records}
+    kept = Counter(row["execution_id"] for row in processed)
+    for row in result.trajectories:
+        mine = by_id[row["trajectory_id"]]
+        if row["drop_reason"] == "duplicate":
+            assert any(
+                other is not mine
+                and other["execution_id"] == mine["execution_id"]
+                and token_records(other)[: len(mine["tokens"])] == token_records(mine)
+                for other in records
+            )
+        elif row["drop_reason"] == "no_new_tokens":
+            assert action_nodes(mine) <= set(trained)
+        elif row["drop_reason"] == "not_selected":
+            assert not action_nodes(mine) <= set(trained)
+            assert kept[mine["execution_id"]] == j_max
+        else:
+            assert row["drop_reason"] is None
+    sums = defaultdict(float)
+    for row in processed:
+        sums[row["execution_id"]] += sum(row["loss_weight"])
+    assert all(s == pytest.approx(1.0, rel=1e-5) for s in sums.values())
