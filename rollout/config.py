@@ -204,7 +204,9 @@ class OrchestratorConfig(BaseModel):
     concurrency: int = Field(64, ge=1, description="Rollouts in flight at once.")
     group_size: int = Field(1, ge=1, description="Rollouts per prompt: 1 for SAO, n for GRPO group mode.")
     filter_uniform_groups: bool = Field(
-        True, description="Group mode: drop groups whose rewards are all equal (DAPO dynamic sampling)."
+        True,
+        description="Group mode: drop groups whose rewards, as the trainer trains them (lifted by partial "
+        "progress), are all equal (DAPO dynamic sampling).",
     )
     target_groups: int | None = Field(
         None,

@@ -16,8 +16,9 @@
   than the trainer's ``token_budget``). A trainer short of a batch while shards are still
   on their way to it (the processor lags) does not count: they will feed it.
 - **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
-  filtering a group whose rewards are all equal (a timeout's counting as 0, as the trainer
-  trains it; env and infra errors left out) is dropped, slots are refilled at once,
+  filtering a group whose rewards, as the trainer trains them (``trained_reward``: lifted by
+  partial progress, a timeout's counting as 0; env and infra errors left out), are all equal is
+  dropped, slots are refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
   are cancelled. A group whose member fails outside the service's classification or is
   cut short by a stop goes on with the members that finished, as a smaller group.
@@ -66,6 +67,10 @@ async def wait_through_cancels(tasks: Iterable[asyncio.Future]) -> bool:
         except asyncio.CancelledError:
             interrupted = True
     return interrupted
+
+
+def _reward_alone(reward: float | None, progress: float | None) -> float:
+    return reward or 0.0
 
 
 class Quota(Protocol):
@@ -181,6 +186,9 @@ class Orchestrator:
         serving: whether an engine replica is in service; while it returns False launching
             waits (each rollout would fail at once as an ``infra_error``, in a loop that
             writes failed rows and spends ``max_rollouts``), until a replica is back or a stop.
+        trained_reward: the reward a rollout is trained with, from its ``reward`` and
+            ``progress`` (the run's ``rl.processor.combine_reward``), which group mode's filter
+            compares; without it, the reward alone (None as 0).
     """
 
     def __init__(
@@ -196,6 +204,7 @@ class Orchestrator:
         quota: Quota | None = None,
         stop_launching: Callable[[], bool] | None = None,
         serving: Callable[[], bool] | None = None,
+        trained_reward: Callable[[float | None, float | None], float] | None = None,
     ):
         self.service = service
         self.tasks = dict(tasks)
@@ -208,6 +217,7 @@ class Orchestrator:
         self.quota = quota
         self.stop_launching = stop_launching
         self.serving = serving
+        self.trained_reward = trained_reward or _reward_alone
         self._granted = 0
         """Rollouts the quota granted this orchestrator."""
         self._quota_spent = False
@@ -485,9 +495,12 @@ class Orchestrator:
         self._finish_group(group)
 
     def _finish_group(self, group: _Group) -> None:
-        # as the trainer scores them: a timeout (no reward) is trained as a failure, reward 0
-        # (rl.processor.combine_reward); only env and infra errors are left out
-        scored = [r.reward or 0.0 for r in group.results if r.status not in EXCLUDED_STATUSES]
+        # only env and infra errors are left out: a timeout (no reward) is trained as a failure
+        scored = [
+            self.trained_reward(r.reward, r.progress)
+            for r in group.results
+            if r.status not in EXCLUDED_STATUSES
+        ]
         uniform = len(set(scored)) <= 1
         if self.config.filter_uniform_groups and uniform:
             self.stats.groups_filtered += 1

@@ -145,6 +145,9 @@ class RolloutWorker:
             this worker's raw shards. With ``serve_only`` no rollout of ``orchestrator.mix`` runs.
             A harness's new rollout is refused (429) while this worker's own would wait for the
             trainer (:meth:`Orchestrator.backpressure <rollout.orchestrator.Orchestrator.backpressure>`).
+        trained_reward: the reward a rollout is trained with, from its reward and progress
+            (the run's ``rl.processor.combine_reward``), for group mode's filter
+            (``Orchestrator``'s ``trained_reward``).
     """
 
     def __init__(
@@ -174,6 +177,7 @@ class RolloutWorker:
         before_commit: Callable[[], None] | None = None,
         stop_launching: Callable[[], bool] | None = None,
         http: GatewayHTTPConfig | None = None,
+        trained_reward: Callable[[float | None, float | None], float] | None = None,
     ):
         self.http = http if http is not None and http.port is not None else None
         self._http_token = self.http.token() if self.http is not None else None
@@ -211,6 +215,7 @@ class RolloutWorker:
         self.close_retry_s = close_retry_s
         self.on_result = on_result
         self.stop_launching = stop_launching
+        self.trained_reward = trained_reward
         self.cluster = cluster
         self.engine_placements = engine_placements
         self._make_env = make_env
@@ -358,6 +363,7 @@ class RolloutWorker:
             quota=self.quota(),
             stop_launching=self.stop_launching,
             serving=self.serving,
+            trained_reward=self.trained_reward,
         )
         return self
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -13,6 +14,7 @@ from prefect import task
 from prefect.events import emit_event
 
 from flows.config import RunConfig
+from rl.processor import combine_reward
 from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
 from storage.heartbeat import Heartbeat
@@ -356,6 +358,7 @@ def _build_worker(
             before_commit=before_commit,
             stop_launching=stop.is_set if stop is not None else None,
             http=config.gateway_http,
+            trained_reward=functools.partial(combine_reward, config=config.processor),
         )
     except BaseException:
         if env_pool is not None:

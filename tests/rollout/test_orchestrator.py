@@ -4,6 +4,7 @@ with DAPO filtering and refill, backpressure, clean stop, and records landing in
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import threading
@@ -15,6 +16,7 @@ from envs import registry
 from envs.arith import ArithEnv
 from envs.base import EnvHostLost, StepResult
 from rl.models import TinyModelConfig, build_tiny_model
+from rl.processor import ProcessorConfig, combine_reward
 from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
@@ -78,6 +80,7 @@ async def run(
     stop_launching=None,
     on_result=None,
     serving=None,
+    trained_reward=None,
 ):
     model, tokenizer = tiny
     engine = TorchEngine(model, tokenizer, name="torch-0")
@@ -99,6 +102,7 @@ async def run(
         stop_launching=stop_launching,
         on_result=on_result,
         serving=serving,
+        trained_reward=trained_reward,
     )
     try:
         job = asyncio.create_task(orchestrator.run())
@@ -153,6 +157,43 @@ class EvenLosesCoinEnv(CoinEnv):
 
     async def evaluate(self) -> float:
         return 0.0 if self._require_task().data["a"] % 2 == 0 else self.coin
+
+
+class PartlyRightEnv(ArithEnv):
+    """``arith`` that fails every rollout (reward 0) with partial progress 0.2 or 0.8 by turns."""
+
+    name = "arith"
+    made = itertools.count()
+
+    async def step(self, action: str) -> StepResult:
+        result = await super().step(action)
+        result.progress = (0.2, 0.8)[next(self.made) % 2]
+        return result
+
+    async def evaluate(self) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize("progress_weight", [0.5, 0.0])
+def test_a_group_of_failures_is_uniform_only_if_their_trained_rewards_are(tiny, progress_weight):
+    """Rewards 0, 0 with progress 0.2, 0.8 are trained as 0.1, 0.4 under a progress weight of
+    0.5 (an informative group, kept), but as 0, 0 with progress scoring off (filtered)."""
+    PartlyRightEnv.made = itertools.count()
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=2, group_size=2, max_rollouts=2)
+    processor = ProcessorConfig(progress_weight=progress_weight)
+    _, stats = asyncio.run(
+        run(
+            tiny,
+            config,
+            streams("arith"),
+            sink,
+            make_env=lambda task: PartlyRightEnv(),
+            trained_reward=functools.partial(combine_reward, config=processor),
+        )
+    )
+    assert sorted(record["progress"] for record in sink.records) == ([0.2, 0.8] if progress_weight else [])
+    assert (stats.groups_kept, stats.groups_filtered) == ((1, 0) if progress_weight else (0, 1))
 
 
 def test_group_mode_filters_uniform_groups_refills_and_cancels_redundant(tiny):

@@ -816,3 +816,15 @@ def test_a_wait_for_the_first_of_two_events_leaves_no_wait_behind(one_set):
         ]
 
     assert asyncio.run(waits_left()) == []
+
+
+def test_a_workers_group_filter_compares_rewards_as_the_runs_processor_trains_them(tmp_path):
+    """The worker a rollout task builds scores a group's members for DAPO's filter with the
+    run's ``processor`` (``combine_reward``): a failure's partial progress lifts its reward
+    by ``progress_weight``, a success keeps its own."""
+    run, _ = small_worker_run(tmp_path, "trained-reward")
+    run = run.model_copy(update={"processor": run.processor.model_copy(update={"progress_weight": 0.25})})
+    worker, env_pool = rollout_task._build_worker(run, "w0", 64, 10.0, None, lambda: None)
+    assert env_pool is None
+    assert worker.trained_reward(0.0, 0.8) == pytest.approx(0.2)
+    assert worker.trained_reward(1.0, 0.1) == 1.0 and worker.trained_reward(None, None) == 0.0
