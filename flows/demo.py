@@ -40,22 +40,26 @@ def main(argv: list[str] | None = None) -> None:
     if PREFECT_API_URL.value() is None and _ui_running():
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
         refresh_global_settings_context()
-    from flows.cli import inspect_run, temporary_api, without_credentials
+    from flows.cli import inspect_run, temporary_api, weight_versions, without_credentials
     from flows.cli_args import default_config, parse
     from flows.config import pipeline_devices
 
+    # the checks of the pipeline's own command (flows.pipeline.main), whose flow this runs
     config, args = parse(
         "The treadle demo: warm start, then rollout + process + train at once.",
         argv,
         devices=pipeline_devices,
+        ray=True,
         splits=("train", "eval"),
         warm_starts=True,
+        serves_gateway=True,
     )
     from flows.pipeline import pipeline
     from tasks.common import run_store
 
     if args.run_id is None and not any(item.partition("=")[0] == "run_id" for item in args.set):
         config = config.model_copy(update={"run_id": time.strftime("demo-%Y%m%d-%H%M%S")})
+    weight_versions(run_store(config))
     api = PREFECT_API_URL.value()
     print(f"treadle demo — run {config.run_id}: tiny model on CPU, envs {sorted(config.orchestrator.mix)}")
     where = (

@@ -247,6 +247,27 @@ def test_a_flow_on_an_unreachable_store_is_a_one_line_error_before_a_flow_run(fl
     assert "refused the credentials" not in result.stderr, "no server answered to refuse them"
 
 
+def test_the_demo_on_an_unreachable_store_is_a_one_line_error_before_a_flow_run(capfd, monkeypatch):
+    """The demo runs the pipeline flow, but left the store to it: a wrong endpoint failed the
+    warm start after its retries, with tracebacks."""
+    import flows.demo
+
+    monkeypatch.setattr(flows.demo, "_ui_running", lambda: False)
+    with socket.socket() as closed:  # bound, never listening: connections are refused
+        closed.bind(("127.0.0.1", 0))
+        endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "key-id-123")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "secret-456")
+        args = ["--set", "storage.root=s3://bucket/runs", "--set", f"storage.endpoint_url={endpoint}"]
+        with pytest.raises(SystemExit) as exited:
+            flows.demo.main(["--run-id", "r", *args])
+    message = str(exited.value.code)
+    assert message.startswith("error: cannot read the weight versions in s3://bucket/runs/r/weights: ")
+    assert endpoint in message and "key-id-123" not in message and "secret-456" not in message
+    out, err = capfd.readouterr()
+    assert "Flow run" not in out + err
+
+
 @pytest.mark.parametrize("flow", ["evaluate", "train", "rollout", "pipeline"])
 def test_a_flow_on_a_bucket_that_does_not_exist_is_a_one_line_error_before_a_flow_run(
     flow, s3_server, capfd, monkeypatch

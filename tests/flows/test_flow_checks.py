@@ -132,6 +132,37 @@ def test_a_ray_run_at_an_address_nothing_answers_fails_before_the_warm_start(tmp
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+@pytest.mark.parametrize("case", ["gateway-token", "ray-address"])
+def test_the_demo_command_refuses_in_one_line_what_the_pipeline_command_refuses(
+    tmp_path, monkeypatch, capsys, case
+):
+    """``make demo`` runs the pipeline flow, but its command line checked less than the
+    pipeline's: a run serving the gateway without its token, or on a Ray address nothing
+    answers at, started a flow run that failed with a traceback."""
+    monkeypatch.setattr(flows.demo, "_ui_running", lambda: False)
+    monkeypatch.delenv("T_GATEWAY", raising=False)
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))  # bound but not listening: connections are refused
+        address = f"ray://127.0.0.1:{closed.getsockname()[1]}"
+        sets, said = {
+            "gateway-token": (
+                ["gateway_http.port=0", "gateway_http.token_env=T_GATEWAY"],
+                "error: gateway_http.port is set",
+            ),
+            "ray-address": (
+                ["cluster=ray", f"ray_address={address}"],
+                f"error: nothing answers at ray_address {address}",
+            ),
+        }[case]
+        sets = [f"storage.root={tmp_path}/runs", *sets]
+        with pytest.raises(SystemExit) as exited:
+            flows.demo.main([arg for field in sets for arg in ("--set", field)])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(said) and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
 def test_a_ray_client_address_without_a_port_is_tried_at_the_ray_clients_port(tmp_path):
     with socket.socket() as client_server:
         client_server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
