@@ -254,14 +254,19 @@ def curves_png(steps, evals) -> bytes:
         axes[1].plot(step, steps.column("value_loss").to_pylist(), label="value")
     axes[1].set(title="losses", xlabel="policy step")
     axes[1].legend()
-    for env in sorted(set(evals.column("env").to_pylist())):
+    envs = sorted(set(evals.column("env").to_pylist()))
+    lines = []
+    for env in envs:
         rows = evals.filter(pc.equal(evals.column("env"), env))
-        axes[2].plot(
-            rows.column("version").to_pylist(), rows.column("reward").to_pylist(), marker="o", label=env
+        lines += axes[2].plot(
+            rows.column("version").to_pylist(), rows.column("reward").to_pylist(), marker="o"
         )
     axes[2].set(title="held-out reward", xlabel="weight version")
     if evals.num_rows:  # a run not evaluated yet has no line to name
-        axes[2].legend()
+        # named as given: a label from the lines drops a name starting with "_", and two "$"
+        # make the name math markup (one that does not parse failed the report)
+        for text in axes[2].legend(lines, envs).get_texts():
+            text.set_parse_math(False)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=90)

@@ -8,6 +8,7 @@ from urllib.parse import unquote
 
 import matplotlib.pyplot as plt
 from markdown_it import MarkdownIt
+from matplotlib.cbook import is_math_text
 
 from storage.tables import Tables, conform
 from tasks import report
@@ -231,6 +232,27 @@ def test_the_report_keeps_its_link_and_table_whole_for_a_root_with_spaces_and_an
         if t.type == "td_open"
     ]
     assert cells == ["1", "a|b _*c*_", "0.500", "3"]  # one line: a line break would end the row
+
+
+def test_the_curves_name_each_env_as_it_is_named(tmp_path, monkeypatch):
+    """The held-out legend took an env's name as matplotlib markup: one holding two ``$``
+    was parsed as math (``$\\frac$`` failed the report, and so the run, after its work), one
+    starting with ``_`` was left out of the legend."""
+    config = tiny_config(tmp_path / "runs", "odd-envs")
+    envs = ["$\\frac$", "_held"]
+    rows = [{"version": 0, "env": env, "reward": 0.5, "count": 3, "time": START, "tasks": 3} for env in envs]
+    Tables(run_store(config)).append("evals", rows)
+    monkeypatch.setattr(report, "create_table_artifact", lambda rows, key, description: None)
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+
+    report.report_run(config)
+
+    (held_out,) = [axes for axes in figures[0].axes if axes.get_title() == "held-out reward"]
+    texts = held_out.get_legend().get_texts()
+    assert [text.get_text() for text in texts] == envs
+    assert not any(text.get_parse_math() and is_math_text(text.get_text()) for text in texts)
 
 
 def test_an_artifact_key_is_the_run_id_lowercased_with_its_hash():
