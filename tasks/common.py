@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import posixpath
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -77,6 +78,16 @@ commit atomically, processing is idempotent, the trainer resumes exactly from ``
 and warm start does nothing once a version exists."""
 
 
+URL_USERINFO = re.compile(r"(?<=://)[^/?#@\s'\"]*@")
+"""The ``user:password@`` of a URL."""
+
+
+def said(error: BaseException) -> str:
+    """``repr(error)`` for a log line, each URL in it without its ``user:password@``: an error
+    of Prefect's client names the URL it asked, with the password ``PREFECT_API_URL`` may hold."""
+    return URL_USERINFO.sub("", repr(error))
+
+
 def reporting(callback: Callable[..., None] | None, what: str) -> Callable[..., None] | None:
     """``callback`` made unable to stop the work it reports on (a progress artifact, an
     event: the Prefect API may be unreachable for a moment); its errors are logged."""
@@ -87,7 +98,7 @@ def reporting(callback: Callable[..., None] | None, what: str) -> Callable[..., 
         try:
             callback(*args, **kwargs)
         except Exception as exc:
-            log.warning("%s failed, the work goes on: %r", what, exc)
+            log.warning("%s failed, the work goes on: %s", what, said(exc))
 
     return guarded
 

@@ -35,7 +35,7 @@ from prefect.context import (
 from flows import run_body
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
-from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, TRANSIENT_ERRORS, reporting, run_store
+from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, TRANSIENT_ERRORS, reporting, run_store, said
 
 log = logging.getLogger(__name__)
 
@@ -152,10 +152,10 @@ class ProgressReporter:
                 except Exception as exc:
                     if not self._failing:
                         self.logger.warning(
-                            "progress artifact of %s not %s, the work goes on: %r",
+                            "progress artifact of %s not %s, the work goes on: %s",
                             self.description,
                             "created" if creating else "updated",
-                            exc,
+                            said(exc),
                         )
                     self._failing = True
                 else:
@@ -361,10 +361,12 @@ def report_run(config: RunConfig) -> str:
             except httpx.TransportError as exc:
                 unanswered = True
                 log.warning(
-                    "%s and the rest of the report not sent: the Prefect API does not answer: %r", what, exc
+                    "%s and the rest of the report not sent: the Prefect API does not answer: %s",
+                    what,
+                    said(exc),
                 )
             except Exception as exc:
-                log.warning("%s failed, the work goes on: %r", what, exc)
+                log.warning("%s failed, the work goes on: %s", what, said(exc))
 
         return guarded
 

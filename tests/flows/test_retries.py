@@ -390,6 +390,40 @@ def test_an_artifact_the_prefect_api_refuses_is_logged_and_the_rest_of_the_repor
     ) in caplog.text
 
 
+def refused_by_an_api_with_credentials(*args, **kwargs):
+    """What Prefect's client raises when the API at a ``PREFECT_API_URL`` holding a user and
+    password (basic auth) answers an error: the URL it asked, password included."""
+    api = httpx.Client(
+        base_url="http://treadle:s3cret-pw@127.0.0.1:4300/api",
+        transport=httpx.MockTransport(lambda request: httpx.Response(500, request=request)),
+    )
+    api.post("/artifacts/").raise_for_status()
+
+
+def test_an_artifact_refused_by_an_api_whose_url_holds_a_password_is_logged_without_it(
+    prefect_api, tmp_path, monkeypatch, caplog
+):
+    """The warnings quoted the client's error whole, and with it the password of the API's URL,
+    to the console and to the flow run's logs."""
+    monkeypatch.setattr(tasks.report, "create_progress_artifact", refused_by_an_api_with_credentials)
+    monkeypatch.setattr(tasks.report, "create_table_artifact", refused_by_an_api_with_credentials)
+    monkeypatch.setattr(tasks.report, "create_markdown_artifact", refused_by_an_api_with_credentials)
+
+    @flow
+    def reporting_flow() -> None:
+        ProgressReporter("steps", total=10).update(10, final=True)
+        tasks.report.report_run(tiny_config(tmp_path, "report-refused"))
+        tasks.report.report_evals(tiny_config(tmp_path, "report-refused"))
+
+    assert reporting_flow(return_state=True).is_completed()
+    warned = [r.getMessage() for r in caplog.records if "500 Internal Server Error" in r.getMessage()]
+    assert any(m.startswith("progress artifact of steps not created") for m in warned), warned
+    assert any(m.startswith("a table artifact of run report-refused failed") for m in warned), warned
+    assert any(m.startswith("the evals artifact of run report-refused failed") for m in warned), warned
+    assert all("http://127.0.0.1:4300/api/artifacts/" in m for m in warned), warned
+    assert "s3cret-pw" not in caplog.text
+
+
 @contextlib.contextmanager
 def gone_api() -> Iterator[str]:
     """The API URL of a port bound but never listening: its connections are refused."""
