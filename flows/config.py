@@ -439,7 +439,8 @@ class RunConfig(BaseModel):
 
 def booleans_for_numbers(model: type[BaseModel], data: Any, prefix: str = "") -> list[str]:
     """The dotted fields of ``data`` (the input of ``model``) given a boolean where ``model``
-    takes an int or a float (and no boolean), in its sections and mappings too."""
+    takes an int or a float (and no boolean), in its sections, mappings and lists too (an item
+    named by its index: ``gateway.eos_token_ids[1]``)."""
     if not isinstance(data, dict):
         return []
     return [
@@ -465,6 +466,13 @@ def _booleans_in(annotation: Any, value: Any, where: str) -> list[str]:
                 found
                 for key, item in value.items()
                 for found in _booleans_in(value_type, item, f"{where}.{key}")
+            ]
+        if typing.get_origin(option) is list and isinstance(value, list):
+            (item_type,) = typing.get_args(option)
+            return [
+                found
+                for i, item in enumerate(value)
+                for found in _booleans_in(item_type, item, f"{where}[{i}]")
             ]
     return []
 

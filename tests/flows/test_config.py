@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
 import subprocess
 import sys
 from datetime import timedelta
@@ -556,11 +557,14 @@ def test_a_flow_on_a_cuda_device_the_machine_lacks_exits_naming_the_field_before
         ("stop:\n  max_rollouts: true\n", "stop.max_rollouts: a boolean"),
         ("warm_start:\n  demos: {arith: true}\n", "warm_start.demos.arith: a boolean"),
         ("envs:\n  arith: {max_turns: true}\n", "envs.arith.max_turns: a boolean"),
+        # in a list: an eos token id 1, a vLLM server's one-second timeout
+        ("gateway:\n  eos_token_ids: [2, true]\n", "gateway.eos_token_ids[1]: a boolean"),
+        ("engine:\n  vllm: [{timeout_s: true}]\n", "engine.vllm[0].timeout_s: a boolean"),
     ],
 )
 def test_a_boolean_for_a_number_fails_naming_the_field(tmp_path, text, named):
     """pydantic's lax mode read ``true`` as 1: ``seed: true`` seeded 1."""
-    with pytest.raises(ConfigError, match=named.replace(".", r"\.")):
+    with pytest.raises(ConfigError, match=re.escape(named)):
         load_config(write_config(tmp_path, text))
 
 
