@@ -19,6 +19,9 @@ ECHOED_CREDENTIALS = re.compile(
 """Elements of an S3 error body that echo the request's credentials: the key id, the session
 token, and what was signed (its canonical request holds the token's header)."""
 
+URL_USERINFO = re.compile(r"(?<=://)[^/?#@\s'\"]*@")
+"""The ``user:password@`` of a URL (an endpoint's, Prefect's API URL)."""
+
 AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
 """An AWS access key id (long-term ``AKIA…``, temporary ``ASIA…``)."""
 
@@ -26,8 +29,10 @@ AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     """``text`` with each of ``secrets`` masked wherever it appears (the longest first: one
     that holds another is masked whole), the elements of an S3 error body that echo
-    credentials (:data:`ECHOED_CREDENTIALS`) and any AWS key id (:data:`AWS_KEY_ID`)."""
+    credentials (:data:`ECHOED_CREDENTIALS`), the ``user:password@`` of any URL
+    (:data:`URL_USERINFO`) and any AWS key id (:data:`AWS_KEY_ID`)."""
     for value in sorted(filter(None, secrets), key=len, reverse=True):
         text = text.replace(value, MASKED)
     text = ECHOED_CREDENTIALS.sub(rf"\g<open>{MASKED}\g<close>", text)
+    text = URL_USERINFO.sub(f"{MASKED}@", text)
     return AWS_KEY_ID.sub(MASKED, text)

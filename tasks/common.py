@@ -6,7 +6,6 @@ import contextlib
 import logging
 import math
 import posixpath
-import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from prefect.events import emit_event
 
 from flows.config import RunConfig
 from storage.config import RunStore
+from storage.redaction import redact
 from storage.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -78,14 +78,10 @@ commit atomically, processing is idempotent, the trainer resumes exactly from ``
 and warm start does nothing once a version exists."""
 
 
-URL_USERINFO = re.compile(r"(?<=://)[^/?#@\s'\"]*@")
-"""The ``user:password@`` of a URL."""
-
-
 def said(error: BaseException) -> str:
-    """``repr(error)`` for a log line, each URL in it without its ``user:password@``: an error
-    of Prefect's client names the URL it asked, with the password ``PREFECT_API_URL`` may hold."""
-    return URL_USERINFO.sub("", repr(error))
+    """``repr(error)`` for a log line, masked (:func:`storage.redaction.redact`): an error of
+    Prefect's client names the URL it asked, with the password ``PREFECT_API_URL`` may hold."""
+    return redact(repr(error))
 
 
 def reporting(callback: Callable[..., None] | None, what: str) -> Callable[..., None] | None:

@@ -420,7 +420,7 @@ def test_an_artifact_refused_by_an_api_whose_url_holds_a_password_is_logged_with
     assert any(m.startswith("progress artifact of steps not created") for m in warned), warned
     assert any(m.startswith("a table artifact of run report-refused failed") for m in warned), warned
     assert any(m.startswith("the evals artifact of run report-refused failed") for m in warned), warned
-    assert all("http://127.0.0.1:4300/api/artifacts/" in m for m in warned), warned
+    assert all("http://**********@127.0.0.1:4300/api/artifacts/" in m for m in warned), warned
     assert "s3cret-pw" not in caplog.text
 
 

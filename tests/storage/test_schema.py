@@ -435,6 +435,19 @@ def test_error_text_masks_every_element_of_s3_error_bodies_that_echoes_credentia
     )
 
 
+def test_error_text_masks_the_user_and_password_of_every_url_in_it():
+    """An endpoint or API URL given as ``scheme://user:password@host`` is quoted by the errors
+    of its client; its user and password are masked, the rest of the URL and text kept."""
+    text = (
+        "ClientError('500 for url http://treadle:s3cret-pw@127.0.0.1:4300/api/artifacts/') via "
+        "https://key-id@minio.local:9000/bucket and s3://bucket/key@v2, mailto user@example.com"
+    )
+    assert error_text(text) == (
+        f"ClientError('500 for url http://{MASKED}@127.0.0.1:4300/api/artifacts/') via "
+        f"https://{MASKED}@minio.local:9000/bucket and s3://bucket/key@v2, mailto user@example.com"
+    )
+
+
 def test_error_text_writes_a_lone_surrogate_as_its_escape_so_the_record_stays_writable():
     text = error_text("UnicodeDecodeError in output b'\udcff'")
     assert text == "UnicodeDecodeError in output b'\\udcff'"
