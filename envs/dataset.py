@@ -8,10 +8,12 @@ model's, and a reference pattern that backtracks on some answer would otherwise 
 event loop, and every rollout of the worker with it, for as long as it takes. A Python
 function runs on a thread too (without a limit: it cannot be stopped), for the same reason:
 its cost on the model's answer is unknown (a symbolic checker's on ``9**9**9**9``, say).
-Every row must be an object with a non-null prompt and answer (and id, when ``id_field`` is
-set; for the exact and regex verifiers, an answer that is not blank, and for the regex one, an
-answer that compiles; for the numeric one, an answer that is a number); a bad row or line
-fails the load with its file and number. A binary column is read as UTF-8 text.
+The file must hold a row, and every row must be an object with a non-null prompt and answer
+(and id, when ``id_field`` is set), each text or a number, not a list or an object (a
+chat-format prompt, a list of answers); for the exact and regex verifiers, an answer that is
+not blank, for the regex one, an answer that compiles, and for the numeric one, an answer that
+is a number. A bad row or line fails the load with its file and number (a file that is no
+Parquet, with its name). A binary column is read as UTF-8 text.
 Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
 so the splits never share a prompt, even one that occurs under several ids or with a trailing
 newline; ``id_field`` only names the task.
@@ -31,6 +33,7 @@ from collections.abc import Callable
 from decimal import Decimal, InvalidOperation, Overflow
 from typing import ClassVar
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import regex
 from pydantic import Field, field_validator
@@ -167,10 +170,15 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
     opener = fs.open if fs is not None else open
     if config.path.endswith(".parquet"):
         with opener(config.path, "rb") as handle:
-            rows = pq.read_table(handle).to_pylist()
+            try:
+                rows = pq.read_table(handle).to_pylist()
+            except pa.ArrowInvalid as exc:
+                raise ValueError(f"{config.path} is not a Parquet file pyarrow can read: {exc}") from exc
     else:  # .jsonl or .json (the config checks the path's ending)
         with opener(config.path, "rb") as handle:
             rows = _json_rows(config.path, handle.read())
+    if not rows:
+        raise ValueError(f"{config.path} holds no rows")
     required = (config.prompt_field, config.answer_field, *([config.id_field] if config.id_field else []))
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
@@ -180,6 +188,9 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
                 raise ValueError(f"row {i} of {config.path} has no field {field!r} (fields: {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"row {i} of {config.path} has a null {field!r}")
+            if isinstance(row[field], (list, dict)):  # str() would show the model a Python repr
+                kind = type(row[field]).__name__
+                raise ValueError(f"row {i} of {config.path}: {field!r} holds a {kind}, not text or a number")
             try:
                 if isinstance(row[field], bytes):  # a binary Parquet column: text without its UTF-8 tag
                     row[field] = row[field].decode()

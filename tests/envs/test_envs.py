@@ -1293,6 +1293,43 @@ def test_dataset_bad_files_fail_the_load_naming_file_and_row(tmp_path, name, con
         task_set("dataset", "train", 0, 1, {"path": str(path)} | config)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "kind"),
+    [
+        ("prompt", [{"role": "user", "content": "hi"}], "list"),
+        ("answer", ["4", "four"], "list"),
+        ("qid", {"n": 1}, "dict"),
+    ],
+)
+def test_dataset_refuses_a_prompt_answer_or_id_that_is_no_text_or_number(tmp_path, field, value, kind):
+    """A chat-format prompt (a list of messages) was shown to the model as its Python repr,
+    ``[{'role': 'user', ...}]``, and a list of answers scored as that repr."""
+    rows = [{"prompt": "q", "answer": "4", "qid": "a"}, {"prompt": "r", "answer": "5", "qid": "b"}]
+    rows[1][field] = value
+    path = tmp_path / "nested.jsonl"
+    path.write_text("\n".join(map(json.dumps, rows)))
+    with pytest.raises(ValueError, match=f"row 1 of .*nested.jsonl: '{field}' holds a {kind}, not text"):
+        task_set("dataset", "train", 0, 1, {"path": str(path), "id_field": "qid"})
+
+
+def test_dataset_a_file_that_is_no_parquet_fails_the_load_naming_it(tmp_path):
+    path = tmp_path / "broken.parquet"
+    path.write_bytes(b"not parquet\n")
+    with pytest.raises(ValueError, match="broken.parquet is not a Parquet file"):
+        task_set("dataset", "train", 0, 1, {"path": str(path)})
+
+
+@pytest.mark.parametrize(
+    ("name", "content"), [("empty.jsonl", ""), ("blank.jsonl", "\n \n"), ("empty.json", "[]")]
+)
+def test_dataset_a_file_without_rows_fails_the_load_saying_so(tmp_path, name, content):
+    """It said none of its 0 rows fell in the split, and to change eval_fraction."""
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError, match=f"{name} holds no rows"):
+        task_set("dataset", "train", 0, 1, {"path": str(path)})
+
+
 @pytest.mark.parametrize("layout", ["array", "lines"])
 def test_dataset_reads_a_json_file_holding_an_array_or_json_lines(tmp_path, layout):
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(20)]
