@@ -200,9 +200,18 @@ def clamp_score(score: float) -> float:
     return 0.0 if math.isnan(score) else min(max(score, 0.0), 1.0)
 
 
+def tail(text: str, max_chars: int) -> str:
+    """The last ``max_chars`` characters of ``text``, after a line saying how many were cut
+    before them: cut silently, a number cut to its last digits reads as another number."""
+    if len(text) <= max_chars:
+        return text
+    return f"[{len(text) - max_chars} characters cut]\n{text[-max_chars:]}"
+
+
 def stopped(exc: SandboxError, max_chars: int) -> str:
-    """What the model is told when the sandbox stopped its action: the end of its output, and why."""
-    shown = exc.output.strip()[-max_chars:]
+    """What the model is told when the sandbox stopped its action: the end of its output
+    (:func:`tail`), and why."""
+    shown = tail(exc.output.strip(), max_chars)
     return f"{shown}\n[stopped: {exc.kind}: {exc.reason}]".strip()
 
 

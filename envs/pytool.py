@@ -3,8 +3,10 @@
 User ``calc 123*456%97``; an action is ``run: <code>`` (observation: what it printed) or
 ``answer: <number>`` (ends the episode). The interpreter keeps its variables between runs.
 Progress is 0.5 once a run's whole output is the right number, 1 with the right answer.
-When the sandbox stops a run (too long, too much output, into the isolation) the observation
-says so (``[stopped: KIND: ...]``); an interpreter it killed starts afresh, variables gone.
+Output past ``max_observation_chars`` is cut to its end, after a line saying how many
+characters were cut. When the sandbox stops a run (too long, too much output, into the
+isolation) the observation says so (``[stopped: KIND: ...]``); an interpreter it killed
+starts afresh, variables gone.
 Problems are split by a canonical key (``456*123%97`` is ``123*456%97``), so a problem held
 out for eval never has its commuted twin in train.
 """
@@ -26,6 +28,7 @@ from envs.base import (
     in_eval_split,
     sample_unique,
     stopped,
+    tail,
     user,
 )
 from envs.pyrepl import PythonRepl
@@ -130,7 +133,7 @@ class PyToolEnv(Env):
             return stopped(exc, self.config.max_observation_chars)
         # the run computed the answer: its whole output is that number (printing many is no proof)
         self.seen_answer = self.seen_answer or result.output.strip() == expected
-        return result.output.strip()[-self.config.max_observation_chars :] or "(no output)"
+        return tail(result.output.strip(), self.config.max_observation_chars) or "(no output)"
 
     async def evaluate(self) -> float:
         task = self._require_task()

@@ -2,7 +2,8 @@
 
 Three kinds of task: ``put hello in a.txt`` (checked: the file's content), ``which file has
 KEY?`` and ``how many files in d1?`` (answered with ``answer: ...``). Every other action is a
-shell command; the observation is its output and, when it failed, ``[exit N]``, or
+shell command; the observation is its output (past ``max_observation_chars``, its end, after a
+line saying how many characters were cut) and, when it failed, ``[exit N]``, or
 ``[stopped: KIND: ...]`` when the sandbox stopped it (a shell it killed starts afresh, in the
 same directory). ``done`` ends the episode without an answer.
 """
@@ -26,6 +27,7 @@ from envs.base import (
     in_eval_split,
     sample_unique,
     stopped,
+    tail,
     user,
 )
 from envs.sandbox import SandboxError
@@ -168,7 +170,7 @@ class ShellEnv(Env):
                 self.shell = await to_thread_to_the_end(Shell, self.sandbox, discard=Shell.close)
             shown = stopped(exc, self.config.max_observation_chars)
             return self._ended(StepResult(user(shown), 0.0, done, 0.0, {"stopped": exc.kind}))
-        shown = result.output.strip()[-self.config.max_observation_chars :]
+        shown = tail(result.output.strip(), self.config.max_observation_chars)
         if result.exit_code:
             shown = f"{shown}\n[exit {result.exit_code}]".strip()
         return self._ended(

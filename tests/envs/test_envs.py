@@ -20,7 +20,7 @@ import pytest
 
 from envs import pytool
 from envs.arith import add_without_carry, subtract_without_borrow
-from envs.base import Task, TooFewTasks, in_eval_split, sample_unique
+from envs.base import Task, TooFewTasks, in_eval_split, sample_unique, stopped
 from envs.code import HARNESS_PROCESSES
 from envs.guess import GuessConfig, problems
 from envs.pyrepl import PythonRepl
@@ -519,6 +519,35 @@ def test_a_command_the_shell_is_stopped_for_shows_the_model_what_it_printed():
         f"[stopped: output_limit: command printed more than {SMALL.max_output_bytes} bytes; the shell was killed]"
     )
     assert "0123456789\n0123456789" in flooded
+
+
+@needs_bwrap
+@pytest.mark.parametrize("name", ["pytool", "shell"])
+def test_an_observation_cut_to_its_limit_says_how_much_was_cut(name):
+    """Output past ``max_observation_chars`` was cut to its end silently: a number cut to its
+    last digits reads as another number, which the model could take for the result."""
+    number = str(2**100)  # 31 digits
+    task = task_set(name, "train", seed=5, n=1)[0]
+    action = f"run: print({number})" if name == "pytool" else f"echo {number}"
+
+    async def run():
+        env = make(name, sandbox=SMALL, max_observation_chars=16)
+        await env.reset(task)
+        try:
+            return (await env.step(action)).observation[0]["content"]
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()) == f"[15 characters cut]\n{number[-16:]}"
+
+
+def test_what_the_model_is_told_of_a_stopped_action_says_how_much_output_was_cut():
+    exc = SandboxError("timeout", "ran past its 1 s limit", "0123456789" * 3)
+    assert (
+        stopped(exc, 16)
+        == "[14 characters cut]\n4567890123456789\n[stopped: timeout: ran past its 1 s limit]"
+    )
+    assert stopped(SandboxError("timeout", "late", "done\n"), 16) == "done\n[stopped: timeout: late]"
 
 
 def test_a_reset_cancelled_while_its_sandbox_is_built_leaves_no_sandbox_behind(tmp_path):
