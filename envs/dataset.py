@@ -12,8 +12,9 @@ The file must hold a row, and every row must be an object with a non-null prompt
 (and id, when ``id_field`` is set), each text or a number, not a list or an object (a
 chat-format prompt, a list of answers); for the exact and regex verifiers, an answer that is
 not blank, for the regex one, an answer that compiles, and for the numeric one, an answer that
-is a number. A bad row or line fails the load with its file and number (a file that is no
-Parquet, with its name). A binary column is read as UTF-8 text.
+is a number. A bad row fails the load with its file and where it is (a JSON-lines file's line,
+from 1; a Parquet file's or JSON array's row, from 0), a file that is no Parquet with its name.
+A binary column is read as UTF-8 text.
 Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
 so the splits never share a prompt, even one that occurs under several ids or with a trailing
 newline; ``id_field`` only names the task.
@@ -174,45 +175,45 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
                 rows = pq.read_table(handle).to_pylist()
             except pa.ArrowInvalid as exc:
                 raise ValueError(f"{config.path} is not a Parquet file pyarrow can read: {exc}") from exc
+        places = [f"row {i}" for i in range(len(rows))]
     else:  # .jsonl or .json (the config checks the path's ending)
         with opener(config.path, "rb") as handle:
-            rows = _json_rows(config.path, handle.read())
+            rows, places = _json_rows(config.path, handle.read())
     if not rows:
         raise ValueError(f"{config.path} holds no rows")
     required = (config.prompt_field, config.answer_field, *([config.id_field] if config.id_field else []))
-    for i, row in enumerate(rows):
+    for place, row in zip(places, rows, strict=True):
+        where = f"{place} of {config.path}"
         if not isinstance(row, dict):
-            raise ValueError(f"row {i} of {config.path} is not an object: {row!r:.80}")
+            raise ValueError(f"{where} is not an object: {row!r:.80}")
         for field in required:
             if field not in row:
-                raise ValueError(f"row {i} of {config.path} has no field {field!r} (fields: {sorted(row)})")
+                raise ValueError(f"{where} has no field {field!r} (fields: {sorted(row)})")
             if row[field] is None:
-                raise ValueError(f"row {i} of {config.path} has a null {field!r}")
+                raise ValueError(f"{where} has a null {field!r}")
             if isinstance(row[field], (list, dict)):  # str() would show the model a Python repr
                 kind = type(row[field]).__name__
-                raise ValueError(f"row {i} of {config.path}: {field!r} holds a {kind}, not text or a number")
+                raise ValueError(f"{where}: {field!r} holds a {kind}, not text or a number")
             try:
                 if isinstance(row[field], bytes):  # a binary Parquet column: text without its UTF-8 tag
                     row[field] = row[field].decode()
                 elif isinstance(row[field], str):  # JSON may escape half a surrogate pair ("\ud83d")
                     row[field].encode()
             except UnicodeError as exc:
-                raise ValueError(f"row {i} of {config.path}: {field!r} is not UTF-8 text: {exc}") from exc
+                raise ValueError(f"{where}: {field!r} is not UTF-8 text: {exc}") from exc
         id_field = config.id_field or config.prompt_field
         if not str(row[id_field]).strip():
-            raise ValueError(f"row {i} of {config.path} has a blank {id_field!r} (the task's id)")
+            raise ValueError(f"{where} has a blank {id_field!r} (the task's id)")
         if config.verifier in ("exact", "regex") and not str(row[config.answer_field]).strip():
             # the model's answer is stripped: a blank one would be scored right
-            raise ValueError(f"row {i} of {config.path} has a blank {config.answer_field!r} (the reference)")
+            raise ValueError(f"{where} has a blank {config.answer_field!r} (the reference)")
         if config.verifier == "regex":
             try:
                 regex.compile(str(row[config.answer_field]))
             except regex.error as exc:
-                raise ValueError(f"row {i} of {config.path}: reference is not a regex: {exc}") from exc
+                raise ValueError(f"{where}: reference is not a regex: {exc}") from exc
         if config.verifier == "numeric" and not _is_number(str(row[config.answer_field])):
-            raise ValueError(
-                f"row {i} of {config.path}: reference is not a number: {row[config.answer_field]!r:.80}"
-            )
+            raise ValueError(f"{where}: reference is not a number: {row[config.answer_field]!r:.80}")
     return tuple(rows)
 
 
@@ -224,19 +225,21 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def _json_rows(path: str, data: bytes) -> list:
+def _json_rows(path: str, data: bytes) -> tuple[list, list[str]]:
     """The rows of a JSON-lines file, or of a ``.json`` file holding one array of rows (a
-    ``.json`` file in JSON lines, as ``datasets``' ``to_json`` writes, is read as such)."""
+    ``.json`` file in JSON lines, as ``datasets``' ``to_json`` writes, is read as such), and
+    where each is: ``line N`` (from 1, as an editor counts them) or ``row i`` of the array."""
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark (Notepad, PowerShell) is no part of row 1
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path} is not UTF-8 text: {exc}") from exc
     if path.endswith(".json") and text.lstrip().startswith("["):
         try:
-            return json.loads(text)
+            rows = json.loads(text)
         except ValueError as exc:
             raise ValueError(f"{path}: not valid JSON: {exc}") from exc
-    rows = []
+        return rows, [f"row {i}" for i in range(len(rows))]
+    rows, places = [], []
     # only "\n" ends a line: str.splitlines() also splits at U+2028 and the like, which JSON
     # strings may hold unescaped
     for number, line in enumerate(text.split("\n"), 1):
@@ -246,7 +249,8 @@ def _json_rows(path: str, data: bytes) -> list:
                 rows.append(json.loads(line))
             except ValueError as exc:
                 raise ValueError(f"{path} line {number}: {exc}") from exc
-    return rows
+            places.append(f"line {number}")
+    return rows, places
 
 
 class DatasetEnv(Env):

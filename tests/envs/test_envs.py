@@ -1247,12 +1247,12 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
 @pytest.mark.parametrize(
     ("name", "content", "config", "error"),
     [
-        ("null.jsonl", b'{"prompt": "q", "answer": null}', {}, "row 0 of .*null.jsonl has a null 'answer'"),
+        ("null.jsonl", b'{"prompt": "q", "answer": null}', {}, "line 1 of .*null.jsonl has a null 'answer'"),
         (
             "scalar.jsonl",
-            b'{"prompt": "q", "answer": "a"}\n7',
+            b'{"prompt": "q", "answer": "a"}\n\n7',
             {},
-            "row 1 of .*scalar.jsonl is not an object",
+            "line 3 of .*scalar.jsonl is not an object",  # the line an editor shows, blank ones counted
         ),
         ("bad.jsonl", b'{"prompt": "q", "answer": "a"}\n\n{"prompt": }', {}, "bad.jsonl line 3: Expecting"),
         (
@@ -1266,15 +1266,15 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
             "surrogate.jsonl",
             b'{"prompt": "q", "answer": "a"}\n{"prompt": "r \\ud83d", "answer": "b"}',
             {},
-            "row 1 of .*surrogate.jsonl: 'prompt' is not UTF-8 text",
+            "line 2 of .*surrogate.jsonl: 'prompt' is not UTF-8 text",
         ),
-        ("re.jsonl", b'{"prompt": "q", "answer": "(a"}', {"verifier": "regex"}, "row 0 .*not a regex"),
+        ("re.jsonl", b'{"prompt": "q", "answer": "(a"}', {"verifier": "regex"}, "line 1 .*not a regex"),
         *(
             (
                 "blank.jsonl",
                 b'{"prompt": "q", "answer": "a"}\n{"prompt": "r", "answer": " \\n"}',
                 {"verifier": verifier},
-                "row 1 of .*blank.jsonl has a blank 'answer'",
+                "line 2 of .*blank.jsonl has a blank 'answer'",
             )
             for verifier in ("exact", "regex")
         ),
@@ -1282,25 +1282,25 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
             "noid.jsonl",
             b'{"prompt": "q", "answer": "a", "qid": 1}\n{"prompt": "r", "answer": "b"}',
             {"id_field": "qid"},
-            "row 1 of .*noid.jsonl has no field 'qid'",
+            "line 2 of .*noid.jsonl has no field 'qid'",
         ),
         (
             "nullid.jsonl",
             b'{"prompt": "q", "answer": "a", "qid": null}',
             {"id_field": "qid"},
-            "row 0 of .*nullid.jsonl has a null 'qid'",
+            "line 1 of .*nullid.jsonl has a null 'qid'",
         ),
         (
             "blankid.jsonl",
             b'{"prompt": "q", "answer": "a", "qid": "q1"}\n{"prompt": "r", "answer": "b", "qid": " "}',
             {"id_field": "qid"},
-            "row 1 of .*blankid.jsonl has a blank 'qid'",
+            "line 2 of .*blankid.jsonl has a blank 'qid'",
         ),
         (
             "blankprompt.jsonl",
             b'{"prompt": "q", "answer": "a"}\n{"prompt": "\\u001f", "answer": "b"}',
             {},
-            "row 1 of .*blankprompt.jsonl has a blank 'prompt'",
+            "line 2 of .*blankprompt.jsonl has a blank 'prompt'",
         ),
         *(
             (
@@ -1309,7 +1309,7 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
                 + json.dumps(bad).encode()
                 + b"}",
                 {"verifier": "numeric"},
-                "row 1 of .*num.jsonl: reference is not a number",
+                "line 2 of .*num.jsonl: reference is not a number",
             )
             for bad in ("1,000", "3/4", "$5", "NaN")
         ),
@@ -1337,7 +1337,7 @@ def test_dataset_refuses_a_prompt_answer_or_id_that_is_no_text_or_number(tmp_pat
     rows[1][field] = value
     path = tmp_path / "nested.jsonl"
     path.write_text("\n".join(map(json.dumps, rows)))
-    with pytest.raises(ValueError, match=f"row 1 of .*nested.jsonl: '{field}' holds a {kind}, not text"):
+    with pytest.raises(ValueError, match=f"line 2 of .*nested.jsonl: '{field}' holds a {kind}, not text"):
         task_set("dataset", "train", 0, 1, {"path": str(path), "id_field": "qid"})
 
 

@@ -659,7 +659,7 @@ def rows_of_one_split(split: str, count: int) -> list[dict]:
         (
             [{"prompt": "1+1="}],
             lambda config: flows.evaluate.evaluate(config, return_state=True),
-            r"row 0 of .*rows.jsonl has no field 'answer' \(fields: \['prompt'\]\)",
+            r"line 1 of .*rows.jsonl has no field 'answer' \(fields: \['prompt'\]\)",
         ),
     ],
     ids=["pipeline-no-eval", "rollout-no-train", "evaluate-no-answer"],
