@@ -161,10 +161,16 @@ class StorageConfig(BaseModel):
             # not echoed: without its slashes, user:secret@ goes unnoticed below
             raise ValueError("root starts with an S3 scheme but is no S3 URL; write s3://bucket/prefix")
         # checked before anything that names the value: it reaches errors, logs and the weights table
-        if url and "@" in rest.split("/", 1)[0]:
+        if url and "@" in rest.lstrip("/").split("/", 1)[0]:
             raise ValueError(
                 "root holds credentials (user:secret@ before the bucket); give them as access_key_id and "
                 "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
+            )
+        # not echoed either: a presigned URL's query holds its signature and session token
+        if url and ("?" in rest or "#" in rest):
+            raise ValueError(
+                "root holds a '?' or '#', which deltalake reads as the start of a URL's query or fragment "
+                "(every table of every run would be one); write s3://bucket/prefix"
             )
         if unsafe := _delta_unsafe(value):  # as RunStore refuses it, but at load, naming the field
             raise ValueError(
@@ -179,6 +185,10 @@ class StorageConfig(BaseModel):
         rest = rest.rstrip("/")
         if not rest or rest.startswith("/"):
             raise ValueError(f"root {value!r} names no bucket; use s3://bucket/prefix")
+        if any(segment in ("", ".", "..") for segment in rest.split("/")):
+            # deltalake resolves them (or refuses an empty one), s3fs takes them as written: the
+            # tables would not be where the run's shards and weights are
+            raise ValueError(f"root {value!r} holds an empty, '.' or '..' segment; write s3://bucket/prefix")
         return f"{scheme.lower()}://{rest}"
 
     @field_validator("endpoint_url")
@@ -313,6 +323,11 @@ class RunStore:
     def __init__(self, config: StorageConfig, run_id: str):
         if not run_id or "/" in run_id or run_id in (".", ".."):
             raise ValueError(f"run_id must be a non-empty name without '/', not '.' or '..', got {run_id!r}")
+        if config.is_s3 and ("?" in run_id or "#" in run_id):
+            raise ValueError(
+                f"run_id must hold no '?' or '#' on S3 (deltalake reads a URL's query or fragment there: "
+                f"every table of the run would be one), got {run_id!r}"
+            )
         self.config = config
         self.run_id = run_id
         if unsafe := _delta_unsafe(self.uri):

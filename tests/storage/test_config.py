@@ -62,6 +62,36 @@ def test_a_root_that_holds_what_deltalake_cannot_take_fails_at_load_naming_the_r
         StorageConfig(root=root)
 
 
+@pytest.mark.parametrize(
+    ("root", "problem"),
+    [
+        ("s3://bucket/p?x", "a '\\?' or '#'"),
+        ("s3://bucket/p#x", "a '\\?' or '#'"),
+        ("s3://bucket//p", "an empty, '.' or '..' segment"),
+        ("s3://bucket/a/./b", "an empty, '.' or '..' segment"),
+        ("s3://bucket/a/../b", "an empty, '.' or '..' segment"),
+    ],
+)
+def test_an_s3_root_whose_path_deltalake_reads_otherwise_fails_at_load_naming_the_root(root, problem):
+    """s3fs takes an S3 root's path as written, deltalake as a URL: with ``s3://bucket/p?x`` (or
+    ``#x``) every table of every run went to the one Delta table ``bucket/p`` (a run under
+    ``p#x`` read the weights row a run under ``p?x`` wrote); with ``a/./b`` or ``a/../b`` the
+    tables went to ``a/b`` or ``b``, away from the run's shards and weights (``Tables.vacuum``
+    and ``check_log``, which list the table with s3fs, found nothing there); ``//`` failed at
+    the first table access ("contained empty path segment")."""
+    with pytest.raises(ValidationError, match=rf"root\n.*holds {problem}"):
+        StorageConfig(root=root)
+
+
+@pytest.mark.parametrize("run_id", ["r?1", "r#1"])
+def test_a_run_id_that_deltalake_reads_as_a_query_is_refused_on_s3_only(tmp_path, run_id):
+    """On S3 every table of ``r?1`` would be the one Delta table ``<root>/r``; a local folder's
+    path reaches deltalake as a path, not as a URL, and takes them as written."""
+    with pytest.raises(ValueError, match="must hold no '\\?' or '#' on S3"):
+        RunStore(StorageConfig(root="s3://bucket/runs"), run_id)
+    assert RunStore(StorageConfig(root=str(tmp_path)), run_id).uri == str(tmp_path / run_id)
+
+
 def test_a_store_that_has_been_used_pickles_and_its_copy_reads_the_run(store):
     """A run store travels to Ray actors (engines on other nodes fetch weights from it) after
     the driver used it: its S3 filesystem (a live session) did not pickle, so the copy builds
@@ -109,6 +139,9 @@ SECRET_INPUTS = [
     ({"root": "s3://AKIAEXAMPLE:TOP-SECRET-VALUE@bucket/runs"}, "root holds credentials"),
     ({"root": "https://user:TOP-SECRET-VALUE@example.com/runs"}, "root holds credentials"),
     ({"root": "s3:/AKIAEXAMPLE:TOP-SECRET-VALUE@bucket/runs"}, "root starts with an S3 scheme"),
+    ({"root": "s3:///AKIAEXAMPLE:TOP-SECRET-VALUE@bucket/runs"}, "root holds credentials"),
+    ({"root": "https://bucket.s3.amazonaws.com/runs?X-Amz-Signature=TOP-SECRET-VALUE%3D"}, "root holds a"),
+    ({"root": "s3://bucket/runs?X-Amz-Security-Token=TOP-SECRET-VALUE"}, "root holds a"),
 ]
 
 
