@@ -70,8 +70,12 @@ found first, as botocore reads them."""
 def checked_endpoint(value: str | None, name: str) -> str | None:
     """The endpoint ``value`` (given as ``name``) with its scheme in lower case; None when
     empty. Refused when it holds credentials or is not an http(s) URL with a host."""
+    try:
+        netloc = "" if value is None else urllib.parse.urlsplit(value).netloc
+    except ValueError:  # an unclosed '[' of an IPv6 host: refused below, naming the field
+        netloc = ""
     # botocore writes the endpoint into its errors, which reach logs and flow run states
-    if value is not None and "@" in urllib.parse.urlsplit(value).netloc:
+    if "@" in netloc:
         raise ValueError(
             f"{name} holds credentials (user:password@); give them as access_key_id and "
             "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
@@ -92,10 +96,10 @@ def checked_endpoint(value: str | None, name: str) -> str | None:
 
 def is_http_url(value: str) -> bool:
     """Whether ``value`` is an http:// or https:// URL with a host and, if any, a port in 1-65535."""
-    parts = urllib.parse.urlsplit(value)
     try:
+        parts = urllib.parse.urlsplit(value)
         return parts.scheme.lower() in ("http", "https") and bool(parts.hostname) and parts.port != 0
-    except ValueError:  # a port that is not a number in range
+    except ValueError:  # a port that is not a number in range, an unclosed '[' of an IPv6 host
         return False
 
 

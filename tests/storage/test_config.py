@@ -153,7 +153,15 @@ def test_a_validation_error_names_the_field_but_never_shows_a_credential(storage
 
 
 @pytest.mark.parametrize(
-    "endpoint", ["127.0.0.1:9000", "localhost:9000", "minio.internal", "ftp://minio:21", "http://minio:port"]
+    "endpoint",
+    [
+        "127.0.0.1:9000",
+        "localhost:9000",
+        "minio.internal",
+        "ftp://minio:21",
+        "http://minio:port",
+        "http://[::1:9000",
+    ],
 )
 def test_an_endpoint_that_is_not_an_http_url_is_refused_naming_the_field(endpoint):
     # deltalake panicked on these ("TokioMultiThreadExecutor has crashed") at the first table access
@@ -302,8 +310,11 @@ def test_an_endpoint_the_environment_names_serves_files_tables_and_sql_alike(
     assert f"runs/{store.run_id}/note" in {item["Key"] for item in listed["Contents"]}
 
 
-def test_an_endpoint_the_environment_names_is_checked_as_the_field_is(monkeypatch):
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "minio:9000")
+@pytest.mark.parametrize("endpoint", ["minio:9000", "http://[::1:9000"])
+def test_an_endpoint_the_environment_names_is_checked_as_the_field_is(monkeypatch, endpoint):
+    """An unclosed IPv6 bracket raised urllib's bare "Invalid IPv6 URL" at the run's first
+    look at its storage, naming no variable."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
     with pytest.raises(ValueError, match="AWS_ENDPOINT_URL must be an http:// or https:// URL"):
         StorageConfig(root="s3://bucket").delta_options()
     assert StorageConfig(root="./runs").delta_options() == {}
