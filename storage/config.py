@@ -62,6 +62,9 @@ def not_masked(value: SecretStr | None, *, what: str, env: str) -> SecretStr | N
     return value
 
 
+DELTA_ENV_TOKENS = ("AWS_SESSION_TOKEN", "AWS_TOKEN")
+"""Environment variables deltalake takes a session token from whatever key its options give."""
+
 ENDPOINT_ENV = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 """Environment variables that name an S3 endpoint when ``endpoint_url`` is unset, first
 found first, as botocore reads them."""
@@ -314,6 +317,10 @@ class StorageConfig(BaseModel):
             options |= {"AWS_ACCESS_KEY_ID": key, "AWS_SECRET_ACCESS_KEY": secret}
             if token:
                 options["AWS_SESSION_TOKEN"] = token
+            elif any(os.environ.get(name) for name in DELTA_ENV_TOKENS):
+                # deltalake would send it with this key, to this endpoint; given empty, it sends an
+                # empty token header instead
+                options["AWS_SESSION_TOKEN"] = ""
         if endpoint := self.endpoint():
             options["AWS_ENDPOINT_URL"] = endpoint
             if endpoint.startswith("http://"):

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from flows.sql import connect
 from storage.config import RunStore, StorageConfig, create_on_s3
 from storage.tables import Tables
+from tests.conftest import serving
 
 
 @pytest.mark.parametrize(
@@ -190,7 +191,7 @@ def test_temporary_credentials_carry_their_session_token(monkeypatch):
 
     # the environment's token belongs to the environment's key, not to a configured one
     configured = StorageConfig(root="s3://bucket", access_key_id="key", secret_access_key="secret")
-    assert "AWS_SESSION_TOKEN" not in configured.delta_options()
+    assert configured.delta_options()["AWS_SESSION_TOKEN"] == ""  # deltalake reads it otherwise
     assert configured.filesystem().token is None
 
     with_token = StorageConfig(
@@ -199,6 +200,56 @@ def test_temporary_credentials_carry_their_session_token(monkeypatch):
     assert with_token.delta_options()["AWS_SESSION_TOKEN"] == "its-token"
     assert with_token.filesystem().token == "its-token"
     assert "its-token" not in repr(with_token)
+
+
+EMPTY_LISTING = (
+    b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">'
+    b"<Name>bucket</Name><KeyCount>0</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>"
+    b"</ListBucketResult>"
+)
+
+
+class RecordsTokens(http.server.BaseHTTPRequestHandler):
+    """An S3 endpoint with an empty bucket that records the session token each request
+    carried (None: no header) in ``RecordsTokens.tokens``."""
+
+    tokens: list[str | None] = []
+
+    def do_GET(self):
+        RecordsTokens.tokens.append(self.headers.get("X-Amz-Security-Token"))
+        listing = "list-type=2" in self.path
+        self.send_response(200 if listing else 404)
+        self.send_header("Content-Length", str(len(EMPTY_LISTING) if listing else 0))
+        self.end_headers()
+        if listing and self.command != "HEAD":
+            self.wfile.write(EMPTY_LISTING)
+
+    do_HEAD = do_PUT = do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("variable", ["AWS_SESSION_TOKEN", "AWS_TOKEN"])
+def test_the_environments_session_token_never_goes_with_a_configured_key(monkeypatch, variable):
+    """deltalake reads ``AWS_SESSION_TOKEN`` (and ``AWS_TOKEN``) from the environment whatever
+    its options say: with the key id and secret in the config, it signed the tables' requests
+    with that key and the environment's token (refused by a store that checks tokens, and the
+    environment's token sent to the configured endpoint), while s3fs sent no token."""
+    monkeypatch.setenv(variable, "env-token")
+    RecordsTokens.tokens = []
+    with serving(RecordsTokens) as url:
+        config = StorageConfig(
+            root="s3://bucket/runs",
+            endpoint_url=url,
+            access_key_id="key",
+            secret_access_key="secret",
+            retries=0,
+        )
+        store = RunStore(config, "r")
+        assert Tables(store).read("weights").num_rows == 0
+        assert not store.fs.exists(store.path("probe"))
+    assert RecordsTokens.tokens and "env-token" not in RecordsTokens.tokens
 
 
 def test_an_endpoint_scheme_in_capitals_is_served_as_written_in_lower_case():
