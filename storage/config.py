@@ -41,6 +41,13 @@ def run_id_problem(run_id: str) -> str | None:
     return "run_id may hold letters, digits, '_', '.', '-' and must start with a letter or digit"
 
 
+def _drops_from_a_url(text: str) -> bool:
+    """Whether ``text`` holds what deltalake, parsing an S3 path as a URL, does not take as
+    part of the path (s3fs does): a query's ``?``, a fragment's ``#``, or a control character
+    (dropped: a tab or a line break)."""
+    return any(c in "?#" or ord(c) < 32 or c == "\x7f" for c in text)
+
+
 def _delta_unsafe(path: str) -> str | None:
     """The first character of ``path`` in :data:`DELTA_UNSAFE`, if any."""
     return next((c for c in path if c in DELTA_UNSAFE), None)
@@ -174,10 +181,11 @@ class StorageConfig(BaseModel):
                 "secret_access_key, or as AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment"
             )
         # not echoed either: a presigned URL's query holds its signature and session token
-        if url and ("?" in rest or "#" in rest):
+        if url and _drops_from_a_url(rest):
             raise ValueError(
                 "root holds a '?' or '#', which deltalake reads as the start of a URL's query or fragment "
-                "(every table of every run would be one); write s3://bucket/prefix"
+                "(every table of every run would be one), or a control character, which it drops; write "
+                "s3://bucket/prefix"
             )
         if unsafe := _delta_unsafe(value):  # as RunStore refuses it, but at load, naming the field
             raise ValueError(
@@ -334,10 +342,10 @@ class RunStore:
     def __init__(self, config: StorageConfig, run_id: str):
         if not run_id or "/" in run_id or run_id in (".", ".."):
             raise ValueError(f"run_id must be a non-empty name without '/', not '.' or '..', got {run_id!r}")
-        if config.is_s3 and ("?" in run_id or "#" in run_id):
+        if config.is_s3 and _drops_from_a_url(run_id):
             raise ValueError(
-                f"run_id must hold no '?' or '#' on S3 (deltalake reads a URL's query or fragment there: "
-                f"every table of the run would be one), got {run_id!r}"
+                f"run_id must hold no '?', '#' or control character on S3 (deltalake takes none of them "
+                f"as part of a table's path), got {run_id!r}"
             )
         self.config = config
         self.run_id = run_id

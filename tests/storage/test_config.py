@@ -71,6 +71,8 @@ def test_a_root_that_holds_what_deltalake_cannot_take_fails_at_load_naming_the_r
         ("s3://bucket//p", "an empty, '.' or '..' segment"),
         ("s3://bucket/a/./b", "an empty, '.' or '..' segment"),
         ("s3://bucket/a/../b", "an empty, '.' or '..' segment"),
+        ("s3://bucket/a\tb", "a '\\?' or '#'.* or a control character"),
+        ("s3://bucket/runs\n", "a '\\?' or '#'.* or a control character"),
     ],
 )
 def test_an_s3_root_whose_path_deltalake_reads_otherwise_fails_at_load_naming_the_root(root, problem):
@@ -79,16 +81,18 @@ def test_an_s3_root_whose_path_deltalake_reads_otherwise_fails_at_load_naming_th
     ``p#x`` read the weights row a run under ``p?x`` wrote); with ``a/./b`` or ``a/../b`` the
     tables went to ``a/b`` or ``b``, away from the run's shards and weights (``Tables.vacuum``
     and ``check_log``, which list the table with s3fs, found nothing there); ``//`` failed at
-    the first table access ("contained empty path segment")."""
+    the first table access ("contained empty path segment"); a tab or line break deltalake
+    drops from the URL (``a\\tb`` made its tables ``ab``)."""
     with pytest.raises(ValidationError, match=rf"root\n.*holds {problem}"):
         StorageConfig(root=root)
 
 
-@pytest.mark.parametrize("run_id", ["r?1", "r#1"])
-def test_a_run_id_that_deltalake_reads_as_a_query_is_refused_on_s3_only(tmp_path, run_id):
-    """On S3 every table of ``r?1`` would be the one Delta table ``<root>/r``; a local folder's
-    path reaches deltalake as a path, not as a URL, and takes them as written."""
-    with pytest.raises(ValueError, match="must hold no '\\?' or '#' on S3"):
+@pytest.mark.parametrize("run_id", ["r?1", "r#1", "r\t1"])
+def test_a_run_id_that_deltalake_reads_otherwise_is_refused_on_s3_only(tmp_path, run_id):
+    """On S3 every table of ``r?1`` would be the one Delta table ``<root>/r`` (of ``r\\t1``:
+    ``<root>/r1``); a local folder's path reaches deltalake as a path, not as a URL, and
+    takes them as written."""
+    with pytest.raises(ValueError, match="must hold no '\\?', '#' or control character on S3"):
         RunStore(StorageConfig(root="s3://bucket/runs"), run_id)
     assert RunStore(StorageConfig(root=str(tmp_path)), run_id).uri == str(tmp_path / run_id)
 
