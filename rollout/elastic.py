@@ -389,7 +389,9 @@ class ElasticController:
         forecast = self.forecast_completions(now)
         demand = self.training_demand(inputs, forecast)
         self.last_demand = demand
-        if self.moves and now - self.moves[-1].time < cfg.cooldown_s:
+        # a move dated after now (the wall clock stepped back) holds nothing off: it would
+        # freeze every decision until the clock caught up with it
+        if self.moves and 0 <= now - self.moves[-1].time < cfg.cooldown_s:
             return []
         rollout = [self.units[n] for n in self.units_in("rollout")]
         draining = [self.units[n] for n in self.units_in("draining")]

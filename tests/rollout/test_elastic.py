@@ -834,3 +834,16 @@ def test_the_balanced_split_leaves_the_trainer_its_min_train_units():
     # rho = 8 / (0.01 * 8) = 100 replica-s a trajectory against 1 of training: 2 * 100 / 101
     # rounds to 2 rollout units, but one of the 2 stays in training
     assert ctl.balanced_rollout_units(0.01, 1.0) == 1
+
+
+def test_a_clock_stepped_back_does_not_hold_decisions_off_until_it_catches_up():
+    # the trainer decides on its wall clock: a move dated 600 s ahead of it after an NTP step
+    # back is no cooldown of 600 s (sessions queued all that time while the unit stayed lent)
+    ctl = ElasticController.create(["r0", "r1"], ["t0"], ElasticConfig(cooldown_s=30.0))
+    (lent,) = ctl.step(BEHIND, now=1000.0)
+    assert lent.target == "train"
+    assert ctl.step(DRY, now=1010.0) == []  # within the cooldown
+    (back,) = ctl.step(DRY, now=400.0)
+    assert (back.unit, back.target) == (lent.unit, "rollout")
+    # the cooldown runs from the move made after the step back
+    assert ctl.step(BEHIND, now=410.0) == []
