@@ -206,6 +206,8 @@ class SessionLengths:
         """Add one finished session's length and trajectories, forgetting the oldest beyond ``window``."""
         if rows < 1:
             raise ValueError(f"a finished session wrote at least one trajectory, got {rows}")
+        if math.isnan(length):  # it compares false with every length: no place in the sorted lengths
+            raise ValueError(f"a session length must be a number, got {length}")
         self.recent.append((length, rows))
         at = bisect.bisect_right(self.ordered, length)
         self.ordered.insert(at, length)

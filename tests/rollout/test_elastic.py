@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -847,3 +848,16 @@ def test_a_clock_stepped_back_does_not_hold_decisions_off_until_it_catches_up():
     assert (back.unit, back.target) == (lent.unit, "rollout")
     # the cooldown runs from the move made after the step back
     assert ctl.step(BEHIND, now=410.0) == []
+
+
+def test_a_session_length_that_is_no_number_is_refused_and_changes_nothing():
+    # a worker's status parses NaN lengths: kept, one sorted out of order, the model forgot other
+    # sessions than the oldest and then failed on a later record with "1 is not in list"
+    model = SessionLengths(window=3)
+    model.record(10.0)
+    with pytest.raises(ValueError, match="session length must be a number, got nan"):
+        model.record(math.nan)
+    for length in (5.0, 20.0, 1.0, 2.0, 3.0):
+        model.record(length)
+    assert model.ordered == [1.0, 2.0, 3.0]
+    assert model.ends_within(1.0, 1.0) == 0.5
