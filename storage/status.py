@@ -57,6 +57,11 @@ DEFAULT_MAX_AGE_S = 30.0
 """Seconds after which a running worker's status no longer counts (it publishes every few)."""
 
 
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+"""A duration a status reports: the elastic controller's forecast sorts them (a NaN has no
+place among them)."""
+
+
 class RolloutStatus(BaseModel):
     """What one rollout worker last said about its engines."""
 
@@ -81,7 +86,9 @@ class RolloutStatus(BaseModel):
         default_factory=list, description="The worker's replicas that take no new session (draining)."
     )
     plan_time: float | None = Field(
-        None, description="``time`` of the last elastic plan the worker applied (None: none yet)."
+        None,
+        allow_inf_nan=False,
+        description="``time`` of the last elastic plan the worker applied (None: none yet).",
     )
     finished: int = Field(0, ge=0, description="Rollouts the worker finished since it started.")
     finished_rows: int | None = Field(
@@ -90,7 +97,7 @@ class RolloutStatus(BaseModel):
         description="Trajectories (rows) of the rollouts in ``finished``, the trainer's rollout rate: one "
         "each, a compacted rollout's one per context (None from a worker that did not count them: one each).",
     )
-    session_ages: dict[str, list[float]] = Field(
+    session_ages: dict[str, list[Seconds]] = Field(
         default_factory=dict,
         description="Seconds each live session has run at ``time``, by the replica it is pinned to "
         "(a compacted rollout's context: since its first context was routed).",
@@ -108,7 +115,7 @@ class RolloutStatus(BaseModel):
         "(a harness that crashed, or was cut off): their replicas are freed, but no record of them "
         "reaches the trainer, so they are no ended rollouts for the elastic forecast.",
     )
-    session_lengths: list[float] = Field(
+    session_lengths: list[Seconds] = Field(
         default_factory=list,
         description="Lengths (seconds) of the most recently ended sessions, the newest last (a compacted "
         "rollout's: from its first context's routing to its last one's end).",

@@ -114,6 +114,20 @@ def test_a_worker_replaces_its_own_status(store):
             b'"session_lengths": [2.0], "session_contexts": [0]}',
             "session_contexts",
         ),
+        *(
+            (
+                b'{"worker": "w9", "time": 1.0, "engine_queue_depth": 0, "live_sessions": 0, "running": true, '
+                + field
+                + b"}",
+                name,
+            )
+            for field, name in [
+                (b'"session_lengths": [2.0, NaN]', "session_lengths"),
+                (b'"session_lengths": [-1.0]', "session_lengths"),
+                (b'"session_ages": {"torch-0": [Infinity]}', "session_ages"),
+                (b'"plan_time": NaN', "plan_time"),
+            ]
+        ),
         (
             b'{"worker": "w9", "time": 1.0, "engine_queue_depth": 0, "live_sessions": 0, "running": true, '
             b'"finished_rows": -1}',
