@@ -40,7 +40,7 @@ from transformers.utils.output_capturing import OutputRecorder
 
 from rl.config import TinyModelConfig, TorchDtype
 from rl.tokenizer import train_tokenizer
-from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, WeightStore
+from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, TOKENIZER_FILE, WeightStore
 
 _CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
@@ -124,8 +124,19 @@ def model_eos_ids(path: str | os.PathLike) -> list[int]:
 
 
 def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
-    """The tokenizer saved in a local model directory."""
-    return AutoTokenizer.from_pretrained(str(path))
+    """The tokenizer saved in a local model directory; a ``ValueError`` naming the directory
+    and its files where none loads (transformers' own error names neither, and one folder
+    without tokenizer files is told to install sentencepiece or tiktoken)."""
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as error:
+        if not os.path.isdir(path):  # a Hub model id
+            raise
+        files = sorted(os.listdir(path))
+        lacks = "" if TOKENIZER_FILE in files else f"it has no {TOKENIZER_FILE}; "
+        raise ValueError(
+            f"no tokenizer loads from {str(path)!r} ({lacks}its files: {files}): {error}"
+        ) from error
 
 
 def padding_id(tokenizer, model: PreTrainedModel) -> int:
@@ -165,9 +176,23 @@ def converts_checkpoint_layout(model: PreTrainedModel) -> bool:
 def load_policy(
     path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any Hugging Face causal LM and its tokenizer from a local directory, in eval mode."""
+    """Any Hugging Face causal LM and its tokenizer from a local directory, in eval mode.
+
+    A checkpoint whose tensors do not fill the model its config names is a ``ValueError``
+    naming them: ``from_pretrained`` only logs the tensors it lacks (a dropped tensor, a config
+    of more layers or of another architecture) and initialises them at random, and drops those
+    the model has no place for.
+    """
     with PRETRAINED_LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, **OWN_LAYERS)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=dtype, output_loading_info=True, **OWN_LAYERS
+        )
+    wrong = {kind: sorted(info.get(kind) or ())[:5] for kind in ("missing_keys", "unexpected_keys")}
+    if any(wrong.values()):
+        raise ValueError(
+            f"the checkpoint in {str(path)!r} does not fit the {type(model).__name__} its config.json "
+            f"names: missing {wrong['missing_keys']}, unexpected {wrong['unexpected_keys']} (the first five)"
+        )
     return model.to(device).eval(), load_tokenizer(path)
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from fsspec.implementations.local import LocalFileSystem
 from prefect import flow
+from safetensors.torch import load_file, save_file
 
 from envs import registry
 from envs.arith import ArithEnv, solve
@@ -468,3 +469,26 @@ def test_the_demonstrations_are_played_as_many_at_once_as_the_runs_concurrency(t
     )
     assert len(demonstration_data(config, tokenizer, ["slow"])[0]) == 6
     assert most == [3]
+
+
+def test_a_checkpoint_missing_a_tensor_fails_the_warm_start_and_publishes_nothing(tmp_path):
+    """The tensor was initialised at random and version 0 trained and published on it; a
+    rerun with the checkpoint mended then found that version and used it."""
+    model, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    checkpoint = tmp_path / "checkpoint"
+    model.save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    tensors = load_file(checkpoint / "model.safetensors")
+    del tensors["model.layers.0.self_attn.q_proj.weight"]
+    save_file(tensors, checkpoint / "model.safetensors", metadata={"format": "pt"})
+    config = tiny_config(
+        tmp_path / "runs", "warm-torn", model={"path": str(checkpoint)}, warm_start={"enabled": False}
+    )
+    with pytest.raises(ValueError, match=r"missing \['model.layers.0.self_attn.q_proj.weight'\]"):
+        build_base_version(config, log=lambda line: None)
+    weights = WeightStore(run_store(config))
+    assert weights.latest() is None and weights.list() == []
+    assert not weights.fs.exists(weights.version_path(0))
+
+    model.save_pretrained(checkpoint)
+    assert build_base_version(config, log=lambda line: None) == 0

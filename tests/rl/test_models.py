@@ -447,3 +447,79 @@ def test_a_policy_built_from_a_config_is_published_with_the_architecture_and_dty
         saved = json.load(handle)
     assert published["architectures"] == saved["architectures"] == ["Qwen3ForCausalLM"]
     assert published["dtype"] == saved["dtype"] == "bfloat16"
+
+
+def _checkpoint(tiny, path) -> str:
+    model, tokenizer = tiny
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def _edit_config(path, **fields) -> None:
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as handle:
+        config = json.load(handle)
+    with open(config_file, "w") as handle:
+        json.dump(config | fields, handle)
+
+
+def _drop_tensor(path, name) -> None:
+    tensors = load_file(os.path.join(path, MODEL_FILE))
+    del tensors[name]
+    save_file(tensors, os.path.join(path, MODEL_FILE), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (
+            lambda path: _drop_tensor(path, "model.layers.1.mlp.down_proj.weight"),
+            "missing.*layers.1.mlp.down_proj",
+        ),
+        (lambda path: _edit_config(path, num_hidden_layers=3), "missing.*layers.2"),
+        (lambda path: _edit_config(path, num_hidden_layers=1), "unexpected.*layers.1"),
+        (
+            lambda path: _edit_config(path, model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
+            "missing.*q_norm",
+        ),
+        (lambda path: _edit_config(path, model_type="bert", architectures=["BertModel"]), "missing.*bert"),
+    ],
+    ids=["tensor-dropped", "more-layers", "fewer-layers", "qwen3-config", "bert-config"],
+)
+def test_a_checkpoint_whose_weights_do_not_fill_its_model_is_refused_naming_the_tensors(
+    tiny, tmp_path, corrupt, message
+):
+    """``from_pretrained`` only logged the tensors the checkpoint lacked and initialised them
+    at random (a whole BertLMHeadModel from a Llama checkpoint whose config says bert), and
+    dropped those the model has no place for: a warm start trained and published that."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    corrupt(path)
+    with pytest.raises(ValueError, match=message) as raised:
+        load_policy(path)
+    assert path in str(raised.value)
+    with pytest.raises(ValueError, match=message):
+        load_trained_policy(path)
+
+
+def test_a_whole_checkpoint_tied_or_not_loads(tmp_path):
+    for tied in (True, False):
+        tiny = build_tiny_model(SMALL.model_copy(update={"tie_word_embeddings": tied}))
+        loaded, _ = load_policy(_checkpoint(tiny, tmp_path / f"tied-{tied}"))
+        ties = loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+        assert ties == tied
+        assert all(torch.equal(p, dict(tiny[0].named_parameters())[n]) for n, p in loaded.named_parameters())
+
+
+def test_a_checkpoint_without_its_tokenizer_files_is_refused_naming_the_folder(tiny, tmp_path):
+    """transformers said it could not instantiate a backend tokenizer and to install
+    sentencepiece or tiktoken, naming neither the folder nor the file it lacked."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    for name in os.listdir(path):
+        if name.startswith("tokenizer") or name == "chat_template.jinja":
+            os.remove(os.path.join(path, name))
+    with pytest.raises(ValueError, match="no tokenizer loads from .*checkpoint.*no tokenizer.json") as raised:
+        load_policy(path)
+    assert "config.json" in str(raised.value)
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        load_tokenizer(path)
