@@ -89,7 +89,16 @@ def supervised_warm_start(
     # positions past the model's table: an IndexError deep in torch where they are learned
     # (GPT-2), positions no engine serves where they are computed (RoPE)
     positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    # ids past the embedding (a tokenizer's tokens added without resizing the model): an
+    # IndexError deep in torch on CPU, a device-side assert on a GPU
+    rows = model.get_input_embeddings().num_embeddings
     for index, (tokens, mask) in enumerate(zip(sequences, masks, strict=True)):
+        outside = [token for token in tokens if not 0 <= token < rows]
+        if outside:
+            raise ValueError(
+                f"demonstration {index} holds token id {outside[0]}, outside the {rows} rows of the "
+                "model's input embedding"
+            )
         if positions is not None and len(tokens) > positions:
             raise ValueError(
                 f"demonstration {index} has {len(tokens)} tokens, more than the {positions} positions "

@@ -85,3 +85,19 @@ def test_a_demonstration_longer_than_the_models_positions_is_refused(arch):
         supervised_warm_start(model, sequences, masks, 0, SFTConfig(max_steps=1))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     assert len(supervised_warm_start(model, sequences[:1], masks[:1], 0, SFTConfig(max_steps=1))) == 1
+
+
+@pytest.mark.parametrize("token", [512, -1])
+def test_a_demonstration_holding_a_token_id_outside_the_models_embedding_is_refused(token):
+    """A tokenizer with tokens added past the model's embedding (its own chat tokens, a pad
+    token, without resizing the model) gave an IndexError deep in torch on CPU and a
+    device-side assert on a GPU, naming neither the demonstration nor the id."""
+    model, _ = build_tiny_model(SMALL)
+    rows = model.get_input_embeddings().num_embeddings
+    assert rows == 512
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    sequences = [[5, 6, 7], [5, token, 7, 8]]
+    masks = [[False, True, True], [False, True, True, True]]
+    with pytest.raises(ValueError, match=rf"demonstration 1 holds token id {token}, outside the 512 rows"):
+        supervised_warm_start(model, sequences, masks, 0, SFTConfig(max_steps=1))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
