@@ -85,7 +85,7 @@ class SFTConfig(BaseModel):
     max_steps: int = Field(400, ge=1, description="Optimizer steps at most.")
     max_seconds: float = Field(60.0, gt=0, description="Wall-clock budget; training stops when it runs out.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    seed: TorchSeed = Field(0, description="Seed of the batch order.")
+    seed: TorchSeed = Field(0, description="Seed of the batch order and of the dropout masks.")
 
 
 class SAOConfig(BaseModel):

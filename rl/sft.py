@@ -118,25 +118,34 @@ def supervised_warm_start(
     started = time.monotonic()
     lengths = [len(s) for s in sequences]
     batches: list[list[int]] = []
-    for step in range(config.max_steps):
-        if not batches:
-            batches = length_bucketed_batches(lengths, config.batch_size, generator)
-        picked = batches.pop()
-        input_ids, attention_mask, loss_mask = pad_batch(
-            [sequences[i] for i in picked], [masks[i] for i in picked], pad_id
-        )
-        loss_mask = loss_mask.to(device)
-        token_logp = token_logprobs(model, input_ids.to(device), attention_mask.to(device), where=loss_mask)
-        loss = masked_nll(token_logp, loss_mask)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        losses.append(loss.item())
-        if on_step is not None:
-            on_step(step, losses[-1])
-        # checked after a step: a budget spent before the first would leave no loss to report
-        if time.monotonic() - started > config.max_seconds:
-            break
+    # dropout draws its masks from the global generators: seeded here, so that the seed gives
+    # the same run whatever was drawn before; the caller's generators are left as they were
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.random.default_generator.manual_seed(config.seed)
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(config.seed)
+        for step in range(config.max_steps):
+            if not batches:
+                batches = length_bucketed_batches(lengths, config.batch_size, generator)
+            picked = batches.pop()
+            input_ids, attention_mask, loss_mask = pad_batch(
+                [sequences[i] for i in picked], [masks[i] for i in picked], pad_id
+            )
+            loss_mask = loss_mask.to(device)
+            token_logp = token_logprobs(
+                model, input_ids.to(device), attention_mask.to(device), where=loss_mask
+            )
+            loss = masked_nll(token_logp, loss_mask)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+            if on_step is not None:
+                on_step(step, losses[-1])
+            # checked after a step: a budget spent before the first would leave no loss to report
+            if time.monotonic() - started > config.max_seconds:
+                break
     model.eval()
     return losses

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -101,3 +102,22 @@ def test_a_demonstration_holding_a_token_id_outside_the_models_embedding_is_refu
     with pytest.raises(ValueError, match=rf"demonstration 1 holds token id {token}, outside the 512 rows"):
         supervised_warm_start(model, sequences, masks, 0, SFTConfig(max_steps=1))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_the_seed_makes_a_warm_start_reproducible_whatever_ran_before_it():
+    """A model with dropout (GPT-2's 0.1) drew its masks from the process's global generator:
+    the same demonstrations under the same seed gave other weights after other random draws."""
+    model = tiny_causal_lm("gpt2", vocab_size=64)
+    assert model.config.resid_pdrop > 0
+    rng = random.Random(0)
+    sequences = [[rng.randrange(3, 64) for _ in range(rng.randint(4, 20))] for _ in range(6)]
+    masks = [[index > 1 for index in range(len(tokens))] for tokens in sequences]
+    runs = []
+    for draws_before in (1, 2):
+        torch.manual_seed(draws_before)
+        trained = copy.deepcopy(model)
+        losses = supervised_warm_start(trained, sequences, masks, 0, SFTConfig(max_steps=3, batch_size=4))
+        runs.append((losses, trained.state_dict()))
+    (losses, weights), (again, weights_again) = runs
+    assert losses == again
+    assert all(torch.equal(weights[name], weights_again[name]) for name in weights)
