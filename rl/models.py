@@ -15,10 +15,12 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pathlib
 import tempfile
 from typing import TypeVar
 
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
@@ -181,12 +183,18 @@ def load_policy(
     A checkpoint whose tensors do not fill the model its config names is a ``ValueError``
     naming them: ``from_pretrained`` only logs the tensors it lacks (a dropped tensor, a config
     of more layers or of another architecture) and initialises them at random, and drops those
-    the model has no place for.
+    the model has no place for. A weights file that does not read (a download cut short) is a
+    ``ValueError`` naming it, where safetensors names none.
     """
-    with PRETRAINED_LOAD_LOCK:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            str(path), dtype=dtype, output_loading_info=True, **OWN_LAYERS
-        )
+    try:
+        with PRETRAINED_LOAD_LOCK:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=dtype, output_loading_info=True, **OWN_LAYERS
+            )
+    except SafetensorError as error:
+        raise ValueError(
+            f"the weights files {_unreadable_weights(path)} of {str(path)!r} do not read: {error}"
+        ) from error
     wrong = {kind: sorted(info.get(kind) or ())[:5] for kind in ("missing_keys", "unexpected_keys")}
     if any(wrong.values()):
         raise ValueError(
@@ -194,6 +202,19 @@ def load_policy(
             f"names: missing {wrong['missing_keys']}, unexpected {wrong['unexpected_keys']} (the first five)"
         )
     return model.to(device).eval(), load_tokenizer(path)
+
+
+def _unreadable_weights(path: str | os.PathLike) -> list[str]:
+    """The ``*.safetensors`` files of the local directory ``path`` whose header does not read
+    or whose tensors it places past the file's end (a download cut short)."""
+    unreadable = []
+    for file in sorted(pathlib.Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except SafetensorError:
+            unreadable.append(file.name)
+    return unreadable
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

@@ -523,3 +523,41 @@ def test_a_checkpoint_without_its_tokenizer_files_is_refused_naming_the_folder(t
     assert "config.json" in str(raised.value)
     with pytest.raises(ValueError, match="no tokenizer.json"):
         load_tokenizer(path)
+
+
+def _shard(path) -> None:
+    """Split the checkpoint's weights into two files and an index, as a large checkpoint is."""
+    tensors = load_file(os.path.join(path, MODEL_FILE))
+    os.remove(os.path.join(path, MODEL_FILE))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.safetensors": names[:8], "model-00002-of-00002.safetensors": names[8:]}
+    for file, held in shards.items():
+        save_file({name: tensors[name] for name in held}, os.path.join(path, file), metadata={"format": "pt"})
+    weight_map = {name: file for file, held in shards.items() for name in held}
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as handle:
+        json.dump({"metadata": {}, "weight_map": weight_map}, handle)
+
+
+def test_a_checkpoint_with_a_weights_file_cut_short_is_refused_naming_the_file(tiny, tmp_path):
+    """safetensors said 'Error while deserializing header: incomplete metadata, file not fully
+    covered', naming neither the checkpoint nor which of its files a download cut short."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    _shard(path)
+    assert load_policy(path)[0].num_parameters() == tiny[0].num_parameters()
+    cut = os.path.join(path, "model-00002-of-00002.safetensors")
+    with open(cut, "rb") as handle:
+        data = handle.read()
+    with open(cut, "wb") as handle:
+        handle.write(data[: len(data) // 2])
+    with pytest.raises(
+        ValueError, match=r"\['model-00002-of-00002.safetensors'\] of .*checkpoint.* do not read"
+    ):
+        load_policy(path)
+
+
+def test_a_checkpoint_whose_index_names_a_missing_file_is_refused_naming_it(tiny, tmp_path):
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    _shard(path)
+    os.remove(os.path.join(path, "model-00001-of-00002.safetensors"))
+    with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
+        load_policy(path)
