@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import pathlib
 import tempfile
@@ -43,6 +44,8 @@ from transformers.utils.output_capturing import OutputRecorder
 from rl.config import TinyModelConfig, TorchDtype
 from rl.tokenizer import train_tokenizer
 from storage.weights import MODEL_FILE, PRETRAINED_LOAD_LOCK, TOKENIZER_FILE, WeightStore
+
+log = logging.getLogger(__name__)
 
 _CONFIG_CLASSES = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
 
@@ -175,32 +178,52 @@ def converts_checkpoint_layout(model: PreTrainedModel) -> bool:
     return set(checkpoint_state_dict(model)) != set(model.state_dict())
 
 
-def load_policy(
-    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Any Hugging Face causal LM and its tokenizer from a local directory, in eval mode.
+def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype) -> PreTrainedModel:
+    """``model_class.from_pretrained(path)`` (an ``AutoModel…`` class) with transformers' own
+    layers (:data:`OWN_LAYERS`), checked.
 
     A checkpoint whose tensors do not fill the model its config names is a ``ValueError``
     naming them: ``from_pretrained`` only logs the tensors it lacks (a dropped tensor, a config
-    of more layers or of another architecture) and initialises them at random, and drops those
-    the model has no place for. A weights file that does not read (a download cut short) is a
-    ``ValueError`` naming it, where safetensors names none.
+    of more layers or of another architecture, a causal LM loaded as a reward model without its
+    score head) and initialises them at random. Tensors the model has no place for (a config of
+    fewer layers, a checkpoint's extra head) are left out with a warning naming them. A weights
+    file that does not read (a download cut short) is a ``ValueError`` naming it, where
+    safetensors names none.
     """
     try:
         with PRETRAINED_LOAD_LOCK:
-            model, info = AutoModelForCausalLM.from_pretrained(
+            model, info = model_class.from_pretrained(
                 str(path), dtype=dtype, output_loading_info=True, **OWN_LAYERS
             )
     except SafetensorError as error:
         raise ValueError(
             f"the weights files {_unreadable_weights(path)} of {str(path)!r} do not read: {error}"
         ) from error
-    wrong = {kind: sorted(info.get(kind) or ())[:5] for kind in ("missing_keys", "unexpected_keys")}
-    if any(wrong.values()):
+    missing, unexpected = (sorted(info.get(kind) or ()) for kind in ("missing_keys", "unexpected_keys"))
+    if missing:
         raise ValueError(
-            f"the checkpoint in {str(path)!r} does not fit the {type(model).__name__} its config.json "
-            f"names: missing {wrong['missing_keys']}, unexpected {wrong['unexpected_keys']} (the first five)"
+            f"the checkpoint in {str(path)!r} does not fill the {type(model).__name__} its config.json "
+            f"names: it lacks {missing[:5]}{' and more' if len(missing) > 5 else ''} ({len(missing)} in "
+            f"all; it holds {len(unexpected)} the model has no place for)"
         )
+    if unexpected:  # a checkpoint may carry more than its model uses (a head, extra layers)
+        log.warning(
+            "the checkpoint in %r holds %d tensor(s) the %s its config.json names has no place for, "
+            "left out: %s first",
+            str(path),
+            len(unexpected),
+            type(model).__name__,
+            unexpected[:5],
+        )
+    return model
+
+
+def load_policy(
+    path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Any Hugging Face causal LM and its tokenizer from a local directory, in eval mode,
+    checked (:func:`load_checked`)."""
+    model = load_checked(AutoModelForCausalLM, path, dtype)
     return model.to(device).eval(), load_tokenizer(path)
 
 

@@ -24,7 +24,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
 
 from envs.threads import to_thread_to_the_end
-from rl.models import OWN_LAYERS, PRETRAINED_LOAD_LOCK
+from rl.models import load_checked
 from rollout.config import RewardModelConfig
 from rollout.resources import ServiceManager, state_bytes
 
@@ -56,10 +56,7 @@ class RewardModels:
         models, self.tokenizers, self.configs = {}, {}, dict(configs)
         self.max_tokens: dict[str, int] = {}
         for name, config in self.configs.items():
-            with PRETRAINED_LOAD_LOCK:
-                model = AutoModelForSequenceClassification.from_pretrained(
-                    config.path, dtype=torch.float32, **OWN_LAYERS
-                )
+            model = load_checked(AutoModelForSequenceClassification, config.path, torch.float32)
             if model.config.num_labels != 1:
                 raise ValueError(
                     f"reward model {name!r} at {config.path} has {model.config.num_labels} labels; a reward "

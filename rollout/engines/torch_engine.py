@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import DynamicCache, PreTrainedModel
 
-from rl.models import OWN_LAYERS, converts_checkpoint_layout, placed
+from rl.models import OWN_LAYERS, converts_checkpoint_layout, load_checked, load_tokenizer, placed
 from rollout.config import TorchEngineConfig
 from rollout.engines.base import (
     ContextLimit,
@@ -162,12 +162,11 @@ class TorchEngine:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
         if isinstance(model, str | os.PathLike):
-            from transformers import AutoModelForCausalLM, AutoTokenizer
+            from transformers import AutoModelForCausalLM
 
             path = str(model)
-            with PRETRAINED_LOAD_LOCK:
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **OWN_LAYERS)
-            tokenizer = tokenizer or AutoTokenizer.from_pretrained(path)
+            model = load_checked(AutoModelForCausalLM, path, dtype)
+            tokenizer = tokenizer or load_tokenizer(path)
         self.model = placed(model, device, dtype).eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -178,8 +177,9 @@ class TorchEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.dtype = dtype
         self._converts_layout = converts_checkpoint_layout(self.model)
-        self.vocab_size = int(self.model.config.vocab_size)
-        self.max_positions = int(getattr(self.model.config, "max_position_embeddings", 0) or 2**31)
+        text_config = self.model.config.get_text_config()  # a model with a vision tower keeps them there
+        self.vocab_size = int(text_config.vocab_size)
+        self.max_positions = int(getattr(text_config, "max_position_embeddings", 0) or 2**31)
         self._on_step = on_step
         forward_parameters = inspect.signature(self.model.forward).parameters
         self._cache_argument = "cache" if "cache" in forward_parameters else "past_key_values"

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 import os
+import re
 import threading
 
 import pytest
@@ -32,6 +34,7 @@ from rl.models import (
 )
 from rl.tokenizer import IM_END, IM_START
 from rollout.config import RewardModelConfig
+from rollout.engines.base import SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.reward_models import RewardModels
 from storage.weights import MODEL_FILE, WeightStore
@@ -316,6 +319,25 @@ def test_value_model_round_trips_through_its_own_weight_store(tiny, store, tmp_p
         torch.testing.assert_close(loaded(ids), value(ids), rtol=0, atol=0)
 
 
+def test_the_torch_engine_serves_a_checkpoint_with_a_vision_tower_by_its_text_config(tiny):
+    """``Gemma3ForConditionalGeneration``'s config keeps the vocabulary and positions in its
+    ``text_config``: the engine failed to start (no ``vocab_size``), and would have taken the
+    positions as unbounded."""
+    _, tokenizer = tiny
+    model = tiny_gemma3_with_vision(len(tokenizer))
+    engine = TorchEngine(model, tokenizer)
+
+    async def generate():
+        try:
+            return await engine.generate("s", [1, 2, 3], SamplingParams(max_new_tokens=4, seed=1))
+        finally:
+            await engine.close()
+
+    text = model.config.get_text_config()
+    assert (engine.vocab_size, engine.max_positions) == (text.vocab_size, text.max_position_embeddings)
+    assert len(asyncio.run(generate()).token_ids) == 4
+
+
 def test_value_model_of_a_checkpoint_with_a_vision_tower_sizes_its_head_from_the_text_config(
     tiny, local_store, tmp_path
 ):
@@ -475,17 +497,16 @@ def _drop_tensor(path, name) -> None:
     [
         (
             lambda path: _drop_tensor(path, "model.layers.1.mlp.down_proj.weight"),
-            "missing.*layers.1.mlp.down_proj",
+            "lacks.*layers.1.mlp.down_proj",
         ),
-        (lambda path: _edit_config(path, num_hidden_layers=3), "missing.*layers.2"),
-        (lambda path: _edit_config(path, num_hidden_layers=1), "unexpected.*layers.1"),
+        (lambda path: _edit_config(path, num_hidden_layers=3), "lacks.*layers.2"),
         (
             lambda path: _edit_config(path, model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
-            "missing.*q_norm",
+            "lacks.*q_norm",
         ),
-        (lambda path: _edit_config(path, model_type="bert", architectures=["BertModel"]), "missing.*bert"),
+        (lambda path: _edit_config(path, model_type="bert", architectures=["BertModel"]), "lacks.*bert"),
     ],
-    ids=["tensor-dropped", "more-layers", "fewer-layers", "qwen3-config", "bert-config"],
+    ids=["tensor-dropped", "more-layers", "qwen3-config", "bert-config"],
 )
 def test_a_checkpoint_whose_weights_do_not_fill_its_model_is_refused_naming_the_tensors(
     tiny, tmp_path, corrupt, message
@@ -500,6 +521,27 @@ def test_a_checkpoint_whose_weights_do_not_fill_its_model_is_refused_naming_the_
     assert path in str(raised.value)
     with pytest.raises(ValueError, match=message):
         load_trained_policy(path)
+
+
+def test_an_engine_built_from_a_checkpoint_missing_a_tensor_is_refused_naming_it(tiny, tmp_path):
+    """The torch engine loads a path as the trainer does (``load_checked``): a tensor the
+    checkpoint lacks is not served at random."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    _drop_tensor(path, "model.layers.0.mlp.up_proj.weight")
+    with pytest.raises(ValueError, match=r"lacks \['model\.layers\.0\.mlp\.up_proj\.weight'\]"):
+        TorchEngine(path)
+
+
+def test_a_checkpoint_holding_tensors_its_model_has_no_place_for_loads_with_a_warning(tiny, tmp_path, caplog):
+    """A config of fewer layers than the checkpoint's (or a checkpoint's extra head): what the
+    model has a place for loads as saved, and the tensors left out are named in a warning."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    _edit_config(path, num_hidden_layers=1)
+    with caplog.at_level(logging.WARNING, logger="rl.models"):
+        loaded, _ = load_policy(path)
+    saved = dict(tiny[0].named_parameters())
+    assert all(torch.equal(p, saved[n]) for n, p in loaded.named_parameters())
+    assert re.search(r"holds 9 tensor\(s\) .* left out: \['model\.layers\.1\.", caplog.text), caplog.text
 
 
 def test_a_whole_checkpoint_tied_or_not_loads(tmp_path):

@@ -529,6 +529,18 @@ def test_an_encoder_checkpoint_cut_to_its_positions_keeps_the_cls_token_it_class
     assert_reads_and_scores(tmp_path, messages, [tokenizer.cls_token_id, *full[-15:]])
 
 
+def test_a_causal_lm_given_as_a_reward_model_is_refused_naming_the_head_it_lacks(tiny, tmp_path):
+    """A policy checkpoint (no score head) loaded as a reward model got a head initialised at
+    random, with a log line: every rollout of its env was scored by noise."""
+    model, tokenizer = tiny
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    config = RewardModelConfig(path=str(tmp_path))
+    with pytest.raises(ValueError, match=r"lacks \['score\.weight'\]") as raised:
+        RewardModels({"judge": config})
+    assert str(tmp_path) in str(raised.value)
+
+
 def test_a_workers_status_counts_the_reward_models_loaded_again_after_an_eviction(judges, tmp_path):
     """Two judges under a budget that holds one swap on the device as arith and guess rollouts
     alternate: the worker's status (and its progress line) counts the reloads."""
