@@ -13,13 +13,16 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   with ``ignore_eos``, so that they alone end a generation, as ``SamplingParams`` says.
   ``max_tokens`` is ``max_new_tokens`` clamped to the room the prompt leaves in the
   server's ``max_model_len`` (listed by ``GET /v1/models``), as TorchEngine clamps to the
-  model's positions.
+  model's positions. A temperature below :data:`VLLM_MIN_TEMPERATURE` is refused: vLLM would
+  sample (and report log-probs) at that floor instead. A server refusing a request past its
+  context (its ``max_model_len`` changed since it was read) is a ``ContextLimit``.
 - weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` calling
   the worker extension ``treadle_reload_weights(path)`` of
   ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
   block computed by the old weights is reused; vLLM refuses that reset (``{"success": false}``)
   while blocks are held, e.g. by a request whose client gave up but which it has not aborted
-  yet, so it is retried for up to ``reset_wait_s``.
+  yet, so it is retried for up to ``reset_wait_s``. A server started without dev mode answers
+  404 there: an ``EngineError`` naming the setting.
 - ``GET /health`` for health checks; ``GET /metrics`` (Prometheus text) for the
   scheduler's ``vllm:num_requests_waiting`` gauge, the engine's queue depth.
 
@@ -68,6 +71,20 @@ _WAITING_SAMPLE = re.compile(rf"^{re.escape(WAITING_GAUGE)}(?:\{{[^}}]*\}})?\s+(
 
 _RESET_RETRY_S = 0.05
 """Seconds between tries of a prefix-cache reset the server refused."""
+
+VLLM_MIN_TEMPERATURE = 1e-2
+"""The smallest temperature vLLM samples at: it raises one in (0, 0.01) to 0.01
+(``_MAX_TEMP`` in ``vllm/sampling_params.py``), so the log-probs it returns would be of
+another distribution than the one asked for."""
+
+_TOO_LONG = ("context length", "maximum model length", "cannot be greater than max_model_len")
+"""vLLM's words refusing a request past its ``max_model_len``: "...the model's context length is
+only N tokens..." (``vllm/renderers/params.py``; "This model's maximum context length is" before),
+"...longer than the maximum model length of N" (its engine core), "max_tokens=M cannot be greater
+than max_model_len" (``max_tokens`` alone past it)."""
+
+_DEV_MODE_PATHS = ("/collective_rpc", "/reset_prefix_cache")
+"""Endpoints a vLLM server serves only when started with ``VLLM_SERVER_DEV_MODE=1``."""
 
 _WRONG_SHAPE = (AttributeError, KeyError, IndexError, TypeError, ValueError, OverflowError)
 """What reading the fields of a JSON answer of another shape raises (``int`` of ``1e999`` raises
@@ -202,10 +219,17 @@ class VLLMEngine:
                 ) from exc
         if response.status_code == 400 or response.status_code == 422:
             message = _error_message(response)
-            # vLLM's words for a prompt (plus max_tokens) past the model's max_model_len
-            too_long = "maximum context length" in message or "maximum model length" in message
-            limit = ContextLimit if too_long else InvalidRequest
-            raise limit(f"vLLM server {self.name} rejected the request: {message}")
+            if any(words in message for words in _TOO_LONG):
+                # the max_model_len read from /v1/models is stale (a server restarted with another
+                # --max-model-len): the next request reads it again and is clamped to it
+                self._max_model_len = None
+                raise ContextLimit(f"vLLM server {self.name} rejected the request: {message}")
+            raise InvalidRequest(f"vLLM server {self.name} rejected the request: {message}")
+        if response.status_code == 404 and path in _DEV_MODE_PATHS:
+            raise EngineError(
+                f"vLLM server {self.name} has no {path} (404): start it with VLLM_SERVER_DEV_MODE=1 in its "
+                "environment, as deployments/vllm/launch.sh does"
+            )
         if response.status_code >= 300:
             raise EngineError(
                 f"vLLM server {self.name} answered {response.status_code} on {path}: {_error_message(response)}"
@@ -256,6 +280,12 @@ class VLLMEngine:
         """Generate from ``prompt_ids``; see the module docstring for what is sent."""
         if not prompt_ids:
             raise InvalidRequest("empty prompt")
+        if params.temperature < VLLM_MIN_TEMPERATURE:
+            raise InvalidRequest(
+                f"temperature {params.temperature:g} is below {VLLM_MIN_TEMPERATURE:g}, which vLLM samples at "
+                "instead (its log-probs would not be of the temperature asked for)"
+            )
+        seed = _signed_seed(params.seed)
         async with self._gate:
             self._held += 1
             try:
@@ -292,7 +322,7 @@ class VLLMEngine:
                 "repetition_penalty": 1.0,
                 "presence_penalty": 0.0,
                 "frequency_penalty": 0.0,
-                "seed": _signed_seed(params.seed),
+                "seed": seed,
                 "stop_token_ids": list(params.stop_ids),
                 "ignore_eos": True,
                 "logprobs": 1,
@@ -438,8 +468,12 @@ class VLLMEngine:
 def _signed_seed(seed: int | None) -> int | None:
     """``seed`` as the signed 64-bit integer vLLM takes: a seed in [2**63, 2**64) as the one
     with the same 64 bits, which ``torch.Generator.manual_seed`` (vLLM's and TorchEngine's)
-    reads alike."""
-    return seed - 2**64 if seed is not None and seed >= 2**63 else seed
+    reads alike. The one whose bits are -1 is refused: vLLM's ``SamplingParams`` takes a seed
+    of -1 as no seed (``vllm/sampling_params.py``) and would sample at random."""
+    signed = seed - 2**64 if seed is not None and seed >= 2**63 else seed
+    if signed == -1:
+        raise InvalidRequest(f"seed {seed} is -1 to vLLM, which takes it as no seed: give another seed")
+    return signed
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -159,14 +159,55 @@ def test_a_generation_stops_where_the_context_ends_as_in_the_torch_engine(tiny):
     asyncio.run(body())
 
 
-def test_every_64_bit_seed_is_served_as_the_torch_generator_takes_it(tiny):
-    """vLLM takes signed 64-bit seeds; SamplingParams also takes [2**63, 2**64), which
-    torch.Generator.manual_seed (vLLM's too) reads as the same 64 bits: 2**64 - 1 is -1."""
+def test_a_server_refusing_a_prompt_past_its_context_is_a_context_limit_and_its_length_is_read_again(tiny):
+    """/v1/models listed more room than the server holds (it restarted with a smaller
+    --max-model-len): vLLM refuses the request with 400 "...the model's context length is only
+    128 tokens...", a ContextLimit (the rollout is truncated), not an InvalidRequest; the next
+    request reads the server's max_model_len again and is clamped to it."""
     model = _fresh_model(tiny)
 
     async def body(server, engine):
-        unsigned = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=2**64 - 1))
-        signed = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=-1))
+        server.app.state.reshape_next["/v1/models"] = lambda answer: {
+            "data": [answer["data"][0] | {"max_model_len": 256}]
+        }
+        params = SamplingParams(max_new_tokens=8, seed=0)
+        with pytest.raises(ContextLimit, match="context length is only 128 tokens"):
+            await engine.generate("s", [5] * 125, params)
+        gen = await engine.generate("s", [5] * 125, params)
+        assert (len(gen.token_ids), gen.finish_reason) == (3, "length")
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_a_temperature_vllm_would_sample_at_another_is_refused(tiny):
+    """vLLM samples a temperature in (0, 0.01) at 0.01 (its log-probs are of that distribution,
+    not the one asked for): refused before it is sent. One above 2 vLLM refuses itself."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        with pytest.raises(InvalidRequest, match=r"temperature 0.005 .* 0.01"):
+            await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, temperature=0.005, seed=0))
+        with pytest.raises(InvalidRequest, match=r"temperature must be in \[0, 2\], got 2.5"):
+            await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, temperature=2.5, seed=0))
+        gen = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, temperature=0.01, seed=0))
+        expected = reference_logprobs(model, PROMPT, gen.token_ids, 0.01, 1.0)
+        assert max(abs(a - b) for a, b in zip(gen.logprobs, expected, strict=True)) < 1e-3
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_every_64_bit_seed_is_served_as_the_torch_generator_takes_it(tiny):
+    """vLLM takes signed 64-bit seeds; SamplingParams also takes [2**63, 2**64), which
+    torch.Generator.manual_seed (vLLM's too) reads as the same 64 bits: 2**64 - 1 is -1. But
+    vLLM takes a seed of -1 as no seed (it samples at random): refused, as it cannot be served."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        for seed in (-1, 2**64 - 1):
+            with pytest.raises(InvalidRequest, match=f"seed {seed} .*no seed"):
+                await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=seed))
+        unsigned = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=2**64 - 2))
+        signed = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=-2))
         assert unsigned.token_ids == signed.token_ids
         highest = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=2**63))
         lowest = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=8, seed=-(2**63)))
@@ -456,6 +497,26 @@ def test_a_reload_that_fails_midway_refuses_to_generate_until_a_reload_succeeds(
         await _refuses_until_reloaded(engine, tmp_path / "v1")
 
     asyncio.run(_with_server(model, body))
+
+
+def test_a_reload_on_a_server_without_dev_mode_names_the_setting_it_needs(tiny, tmp_path):
+    """vLLM serves /collective_rpc and /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1;
+    without it they answer 404 as any unknown path: the error says what to set."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body():
+        server = await StandinServer(model, max_model_len=128, dev_mode=False).start()
+        engine = VLLMEngine(VLLMEngineConfig(base_url=server.url), name="vllm-0")
+        try:
+            with pytest.raises(EngineError, match="no /collective_rpc .*VLLM_SERVER_DEV_MODE=1"):
+                await engine.load_version(1, str(tmp_path / "v1"))
+            assert engine.version == UNKNOWN_VERSION
+        finally:
+            await engine.close()
+            await server.stop()
+
+    asyncio.run(body())
 
 
 @pytest.mark.parametrize(

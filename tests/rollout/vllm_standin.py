@@ -11,9 +11,12 @@ model doing a plain forward pass per token:
   ``return_tokens_as_token_ids``, ``return_token_ids``, ``stop_token_ids``, ``ignore_eos``,
   ``seed``; log-probs are those of the sampling distribution (as vLLM's
   ``--logprobs-mode processed_logprobs``): temperature, then top-p, renormalised. As vLLM,
-  it also stops at the model's EOS ids (``eos_ids``) unless ``ignore_eos`` is set.
-- ``POST /collective_rpc`` with method ``treadle_reload_weights`` (as the worker extension
-  in ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache``
+  it also stops at the model's EOS ids (``eos_ids``) unless ``ignore_eos`` is set. As vLLM,
+  it refuses a temperature above 2 and samples one below 0.01 at 0.01, and refuses a request
+  past ``max_model_len`` with vLLM's 400 and words.
+- only with ``dev_mode`` (vLLM's ``VLLM_SERVER_DEV_MODE=1``; 404 otherwise): ``POST /collective_rpc``
+  with method ``treadle_reload_weights`` (as the worker extension in
+  ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache``
   (answering ``{"success": bool}`` as vLLM's ``vllm/frontend/entrypoints/serve/dev/cache/api_router.py``
   does: false, resetting nothing, while a request is running and holds blocks; an empty 200, as
   vLLM answered before, while ``app.state.empty_reset`` is True; its next call answers 500 while
@@ -46,6 +49,10 @@ from safetensors.torch import load_file
 
 from deployments.vllm.treadle_vllm_ext import policy_files
 
+_MAX_TEMP = 1e-2
+"""vLLM's name for the smallest temperature it samples at (``vllm/sampling_params.py``): it
+raises a lower one (above 0) to this, with a warning in its log only."""
+
 
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "BadRequestError", "code": status}}, status)
@@ -69,9 +76,15 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
 
 
 def create_standin_app(
-    model, model_name: str = "standin", max_model_len: int = 1024, max_num_seqs: int | None = None
+    model,
+    model_name: str = "standin",
+    max_model_len: int = 1024,
+    max_num_seqs: int | None = None,
+    dev_mode: bool = True,
 ) -> FastAPI:
-    """The stand-in app serving ``model`` (a Hugging Face causal LM on the CPU)."""
+    """The stand-in app serving ``model`` (a Hugging Face causal LM on the CPU); without
+    ``dev_mode`` (a vLLM server started without ``VLLM_SERVER_DEV_MODE=1``) it has no
+    ``/collective_rpc`` nor ``/reset_prefix_cache``: they answer 404, as any unknown path."""
     app = FastAPI(title="vLLM TEST STAND-IN")
     scheduler = {"running": 0, "waiting": 0}
     seqs = asyncio.Semaphore(max_num_seqs) if max_num_seqs is not None else None
@@ -135,17 +148,40 @@ def create_standin_app(
         if any(not 0 <= t < vocab for t in prompt):
             return _error(400, f"Token id out of vocabulary (size {vocab})")
         max_tokens = int(body.get("max_tokens") or 16)
-        if len(prompt) + max_tokens > max_model_len:
-            return _error(400, f"This model's maximum context length is {max_model_len} tokens.")
+        # vLLM's words (vllm/renderers/params.py, TokenizeParams), its typo included
+        if max_tokens > max_model_len:
+            return _error(
+                400,
+                f"max_tokens={max_tokens}cannot be greater than max_model_len=max_total_tokens={max_model_len}. "
+                f"Please request fewer output tokens. (parameter=max_tokens, value={max_tokens})",
+            )
+        if len(prompt) > max_model_len - max_tokens:
+            return _error(
+                400,
+                f"You passed {len(prompt)} input tokens and requested {max_tokens} output tokens. However, the "
+                f"model's context length is only {max_model_len} tokens, resulting in a maximum input length of "
+                f"{max_model_len - max_tokens} tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={len(prompt)})",
+            )
         if body.get("logprobs") is None or not body.get("return_tokens_as_token_ids"):
             return _error(400, "the stand-in only serves token-id requests with logprobs")
         temperature = float(body.get("temperature", 1.0))
+        # as vLLM's SamplingParams (vllm/sampling_params.py): above 2 refused, below 0.01 raised to 0.01
+        if temperature > 2.0:
+            return _error(
+                400,
+                f"temperature must be in [0, 2], got {temperature}. (parameter=temperature, value={temperature})",
+            )
+        if 0 < temperature < _MAX_TEMP:
+            temperature = _MAX_TEMP
         top_p = float(body.get("top_p", 1.0))
         stop_ids = set(body.get("stop_token_ids") or [])
         eos = set() if body.get("ignore_eos") else eos_ids(model)
         seed = body.get("seed")
         if seed is not None and not -(2**63) <= seed < 2**63:  # vLLM's bound: a signed 64-bit integer
             return _error(400, f"seed: Input should be less than or equal to {2**63 - 1}")
+        if seed == -1:  # as vLLM's SamplingParams (vllm/sampling_params.py): no seed
+            seed = None
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         scheduler["waiting"] += 1
         try:
@@ -207,6 +243,14 @@ def create_standin_app(
             if seqs is not None:
                 seqs.release()
 
+    if dev_mode:
+        _add_dev_endpoints(app, model, cache, events, scheduler)
+    return app
+
+
+def _add_dev_endpoints(app: FastAPI, model, cache: list[list[int]], events: list, scheduler: dict) -> None:
+    """The endpoints vLLM serves only in dev mode (``vllm/entrypoints/serve/dev/``)."""
+
     @app.post("/collective_rpc")
     async def collective_rpc(request: Request):
         body = await request.json()
@@ -240,8 +284,6 @@ def create_standin_app(
         events.append(("reset_prefix_cache", None))
         return Response(status_code=200) if app.state.empty_reset else {"success": True}
 
-    return app
-
 
 def eos_ids(model) -> set[int]:
     """The ids vLLM ends a generation at unless the request sets ``ignore_eos``: the model's
@@ -272,9 +314,14 @@ class StandinServer:
     """Runs the stand-in under uvicorn on 127.0.0.1 (free port) in the current event loop."""
 
     def __init__(
-        self, model, model_name: str = "standin", max_model_len: int = 1024, max_num_seqs: int | None = None
+        self,
+        model,
+        model_name: str = "standin",
+        max_model_len: int = 1024,
+        max_num_seqs: int | None = None,
+        dev_mode: bool = True,
     ):
-        self.app = create_standin_app(model, model_name, max_model_len, max_num_seqs)
+        self.app = create_standin_app(model, model_name, max_model_len, max_num_seqs, dev_mode)
         self._server = uvicorn.Server(
             uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
         )
