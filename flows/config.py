@@ -38,6 +38,7 @@ from rl.processor import ProcessorConfig
 from rollout.config import EngineConfig, GatewayHTTPConfig, OrchestratorConfig, ServiceConfig
 from rollout.elastic import ElasticConfig
 from rollout.engines.base import MIN_TEMPERATURE
+from rollout.engines.vllm_engine import VLLM_MIN_TEMPERATURE
 from rollout.gateway import GatewayConfig
 from storage.config import RUN_ID_PATTERN, StorageConfig, run_id_problem
 
@@ -328,6 +329,12 @@ class RunConfig(BaseModel):
                 "policy's log-probs over the whole vocabulary, cannot reproduce the engines' log-probs "
                 "renormalised over the top-p nucleus: every DIS ratio would be off; set it to 1 "
                 "(service.temperature is fine: the trainer takes its log-probs at it)"
+            )
+        if self.engine.kind == "vllm" and self.service.temperature < VLLM_MIN_TEMPERATURE:
+            raise ValueError(
+                f"service.temperature: {self.service.temperature:g} is below {VLLM_MIN_TEMPERATURE:g}, which "
+                "vLLM samples a smaller one at: its log-probs would not be those of the temperature the "
+                f"trainer takes them at; set it to {VLLM_MIN_TEMPERATURE:g} or more"
             )
         compact_at, limit = self.service.compact_at, self.gateway.max_context_tokens
         if compact_at is not None and compact_at + self.service.max_new_tokens > limit:

@@ -30,8 +30,8 @@ class ContextLimit(InvalidRequest):
 
 MIN_TEMPERATURE = 1e-5
 """Smallest sampling temperature. Far below it, logits divided by the temperature overflow
-to inf and the distribution cannot be sampled; and vLLM samples below 1e-5 greedily while
-reporting the log-probs of temperature 1, which are not those of what it sampled."""
+to inf and the distribution cannot be sampled. vLLM's floor is higher
+(``rollout.engines.vllm_engine.VLLM_MIN_TEMPERATURE``): it samples a smaller one at 0.01."""
 
 
 def mixed_seed(*parts: object) -> int:

@@ -13,9 +13,11 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   with ``ignore_eos``, so that they alone end a generation, as ``SamplingParams`` says.
   ``max_tokens`` is ``max_new_tokens`` clamped to the room the prompt leaves in the
   server's ``max_model_len`` (listed by ``GET /v1/models``), as TorchEngine clamps to the
-  model's positions. A temperature below :data:`VLLM_MIN_TEMPERATURE` is refused: vLLM would
-  sample (and report log-probs) at that floor instead. A server refusing a request past its
-  context (its ``max_model_len`` changed since it was read) is a ``ContextLimit``.
+  model's positions. vLLM samples a temperature below :data:`VLLM_MIN_TEMPERATURE` at that
+  floor, and reports the log-probs of that: an evaluation's near-greedy one is served so, and a
+  run's ``service.temperature`` (whose log-probs are trained on) below it is refused by the run's
+  config. A server refusing a request past its context (its ``max_model_len`` changed since it
+  was read) is a ``ContextLimit``.
 - weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` calling
   the worker extension ``treadle_reload_weights(path)`` of
   ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
@@ -74,8 +76,8 @@ _RESET_RETRY_S = 0.05
 
 VLLM_MIN_TEMPERATURE = 1e-2
 """The smallest temperature vLLM samples at: it raises one in (0, 0.01) to 0.01
-(``_MAX_TEMP`` in ``vllm/sampling_params.py``), so the log-probs it returns would be of
-another distribution than the one asked for."""
+(``_MAX_TEMP`` in ``vllm/sampling_params.py``), so the log-probs it returns are of another
+distribution than the one asked for."""
 
 _TOO_LONG = ("context length", "maximum model length", "cannot be greater than max_model_len")
 """vLLM's words refusing a request past its ``max_model_len``: "...the model's context length is
@@ -280,11 +282,6 @@ class VLLMEngine:
         """Generate from ``prompt_ids``; see the module docstring for what is sent."""
         if not prompt_ids:
             raise InvalidRequest("empty prompt")
-        if params.temperature < VLLM_MIN_TEMPERATURE:
-            raise InvalidRequest(
-                f"temperature {params.temperature:g} is below {VLLM_MIN_TEMPERATURE:g}, which vLLM samples at "
-                "instead (its log-probs would not be of the temperature asked for)"
-            )
         seed = _signed_seed(params.seed)
         async with self._gate:
             self._held += 1

@@ -99,6 +99,11 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
         ("eval:\n  temperature: 1.0e-7\n", "eval.temperature"),  # the engines refuse it
         ("eval:\n  temperature: .nan\n", "eval.temperature"),
         ("service:\n  top_p: 0.9\n", "service.top_p: 0.9 is below 1, and the trainer"),
+        # vLLM samples it at 0.01 and reports those log-probs, which the trainer would take at 0.005
+        (
+            "engine:\n  kind: vllm\n  vllm: [{base_url: 'http://127.0.0.1:8000'}]\nservice:\n  temperature: 0.005\n",
+            "service.temperature: 0.005 is below 0.01, which vLLM samples a smaller one at",
+        ),
         (
             "service:\n  compact_at: 4096\n",
             "service.compact_at: 4096 plus service.max_new_tokens 32 passes gateway.max_context_tokens 4096",
