@@ -22,8 +22,9 @@ token, and what was signed (its canonical request holds the token's header)."""
 AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
 """An AWS access key id (long-term ``AKIA…``, temporary ``ASIA…``)."""
 
-URL_USER_INFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#@'\"<>]+@")
-"""The user info of a URL (``https://user:password@host``, ``https://token@host``)."""
+URL_USER_INFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#'\"<>]+@")
+"""The user info of a URL (``https://user:password@host``, ``https://token@host``): up to
+the authority's last ``@``, as URL parsers take it (a password may hold one)."""
 
 SIGNED_REQUEST = re.compile(
     r"(?P<name>\bX-Amz-(?:Credential|Security-Token|Signature)\s*[=:]\s*)[^\s&#'\"<>]+", re.IGNORECASE

@@ -19,6 +19,8 @@ from storage.redaction import MASKED, redact
             f"Client error '401 Unauthorized' for url 'https://{MASKED}@api.github.com/repos'",
         ),
         ("GET http://minioadmin:SECRET@127.0.0.1:9000/bucket", f"GET http://{MASKED}@127.0.0.1:9000/bucket"),
+        # a password holding an '@' (a URL's host follows its last one: urllib, httpx)
+        ("GET http://user:p@ss@db.example:5432/x", f"GET http://{MASKED}@db.example:5432/x"),
     ],
 )
 def test_a_urls_user_info_is_masked(text, masked):
