@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedTokenizerBase
 
 from envs.threads import to_thread_to_the_end
-from rl.models import load_checked
+from rl.models import load_checked, load_tokenizer
 from rollout.config import RewardModelConfig
 from rollout.resources import ServiceManager, state_bytes
 
@@ -63,7 +63,7 @@ class RewardModels:
                     "model has one (its logit is the reward)"
                 )
             models[name] = model
-            self.tokenizers[name] = AutoTokenizer.from_pretrained(config.path)
+            self.tokenizers[name] = load_tokenizer(config.path)
             # a model with learned positions (GPT-2, BERT) fails on a longer input; RoBERTa's
             # start after its padding id, so that its 514 hold 512 tokens
             positions = getattr(model.config, "max_position_embeddings", None)

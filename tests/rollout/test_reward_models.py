@@ -541,6 +541,27 @@ def test_a_causal_lm_given_as_a_reward_model_is_refused_naming_the_head_it_lacks
     assert str(tmp_path) in str(raised.value)
 
 
+def test_a_reward_model_without_a_tokenizer_is_refused_naming_its_directory(tmp_path):
+    """Its tokenizer was loaded with transformers' own call, whose error names no directory and
+    tells one without tokenizer files to install sentencepiece or tiktoken; it is loaded as the
+    engine's is (``rl.models.load_tokenizer``)."""
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_labels=1,
+        pad_token_id=0,
+    )
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="it has no tokenizer.json") as raised:
+        RewardModels({"judge": RewardModelConfig(path=str(tmp_path))})
+    assert str(tmp_path) in str(raised.value)
+
+
 def test_a_workers_status_counts_the_reward_models_loaded_again_after_an_eviction(judges, tmp_path):
     """Two judges under a budget that holds one swap on the device as arith and guess rollouts
     alternate: the worker's status (and its progress line) counts the reloads."""
