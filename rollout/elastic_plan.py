@@ -130,6 +130,10 @@ class ElasticPlanner:
         moves = []
         for name, (status, replica) in seen.items():
             unit = units.setdefault(name, Unit(name, "rollout"))
+            if unit.role_since is not None and unit.role_since > now:
+                # the wall clock stepped back: the plans made from now on, stamped before the
+                # move, would not confirm it until the clock caught up with it
+                unit.role_since = now
             unit.live_sessions = status.replica_sessions[replica]
             unit.session_starts = [now - age for age in status.session_ages.get(replica, [])]
             if unit.role == "draining" and unit.live_sessions == 0 and self._confirmed(status, replica, unit):

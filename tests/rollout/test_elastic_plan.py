@@ -115,6 +115,22 @@ def test_a_drain_is_confirmed_after_its_move_left_the_bounded_history(monkeypatc
     assert planner.last_plan.train == ["w0/r1"]
 
 
+def test_a_drain_under_way_when_the_clock_steps_back_is_confirmed_by_the_plans_after_it():
+    """The trainer stamps its plans with its wall clock: a replica that began to drain at 1000 s,
+    its sessions still finishing when an NTP step took the clock back to 400 s, was confirmed
+    only by a plan stamped 1000 s or later, so it stayed draining, lent to nobody, until the
+    clock caught up, however many plans its worker applied with it empty meanwhile."""
+    planner = ElasticPlanner(CONFIG)
+    planner.decide([status("w0", {"r0": 5, "r1": 1})], SATURATED, now=1000.0)
+    assert planner.last_plan.draining == ["w0/r1"]
+    still_busy = status("w0", {"r0": 6, "r1": 1}, draining=["r1"], plan_time=1000.0)
+    planner.decide([still_busy], SATURATED, now=400.0)
+    assert planner.last_plan.train == []
+    # applied a plan made after the step back, and empty now
+    planner.decide([status("w0", {"r0": 7, "r1": 0}, draining=["r1"], plan_time=400.0)], SATURATED, now=410.0)
+    assert roles(planner.last_plan) == (["w0/r0"], [], ["w0/r1"])
+
+
 def test_a_dry_trainer_with_queued_sessions_hands_the_replica_back():
     planner = ElasticPlanner(CONFIG)
     planner.decide([status("w0", {"r0": 5, "r1": 0})], SATURATED, now=10.0)
