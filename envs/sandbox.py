@@ -321,6 +321,7 @@ class Sandbox:
                 raise
             self.uid = uid
         self._procs: list[subprocess.Popen | PtyProcess] = []
+        self._closing = threading.Lock()  # a process is tracked either before close() or not at all
         self.closed = False
 
     @property
@@ -518,7 +519,7 @@ class Sandbox:
             )
         except OSError as exc:
             raise SandboxError("start_failed", f"could not start {cmd[0]!r}: {exc}") from exc
-        self._procs.append(proc)
+        self.adopt(proc)
         return proc
 
     def _let_go(self, proc: subprocess.Popen) -> None:
@@ -597,8 +598,15 @@ class Sandbox:
                     )
 
     def adopt(self, handle: subprocess.Popen | PtyProcess) -> None:
-        """Track a long-lived process (shell, interpreter) so :meth:`close` kills and reaps it."""
-        self._procs.append(handle)
+        """Track a long-lived process (shell, interpreter) so :meth:`close` kills and reaps it;
+        one started as the sandbox closed (from another thread) is killed and reaped here, and
+        its owner finds the sandbox closed."""
+        with self._closing:
+            if not self.closed:
+                self._procs.append(handle)
+                return
+        kill_group(handle.pid)
+        _reap([handle], time.monotonic() + REAP_TIMEOUT_S)
 
     def disown(self, handle: subprocess.Popen | PtyProcess) -> None:
         """Stop tracking a process that is dead and reaped: by the time :meth:`close` runs,
@@ -613,15 +621,16 @@ class Sandbox:
     def close(self) -> None:
         """Kill every process started here (reaping those it tracks) and remove the working
         directory (if made here)."""
-        if self.closed:
-            return
-        self.closed = True
-        handles = list(self._procs)
+        with self._closing:
+            if self.closed:
+                return
+            self.closed = True
+            handles = list(self._procs)
+            self._procs.clear()
         for handle in handles:
             pid = getattr(handle, "pid", None)
             if pid:
                 kill_group(pid)
-        self._procs.clear()
         _reap(handles, time.monotonic() + REAP_TIMEOUT_S)
         if self.uid is not None:
             for pid in _uid_pids(self.uid):

@@ -1603,3 +1603,58 @@ def test_a_live_workers_folder_is_kept_when_it_runs_in_another_pid_namespace(tmp
         unshare.kill()  # --kill-child: the worker goes with it
         unshare.wait()
         unshare.stdout.close()
+
+
+class _ClosingOnStart:
+    """``subprocess`` as the sandbox module sees it, but each ``Popen`` closes ``box`` once the
+    process has started: a close from another thread (the env's, under a cancelled rollout
+    whose command runs on in its thread) that lands while the command starts."""
+
+    def __init__(self, box: Sandbox):
+        closing = self
+
+        class Popen(subprocess.Popen):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                box.close()
+                closing.closed_at = time.monotonic()
+
+        self.Popen = Popen
+
+    def __getattr__(self, name):
+        return getattr(subprocess, name)
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_a_command_that_starts_as_the_sandbox_closes_is_killed_with_it(backend, monkeypatch, tmp_path):
+    """close() kills what it tracks; a command that started while it ran was tracked after
+    it and ran on in the closed sandbox until its own timeout. Here the sandbox runs as the
+    worker (no uid of its own to find the command by) in the caller's folder (which close
+    leaves, so bwrap still finds it)."""
+    monkeypatch.setattr(sandbox_module, "_sandbox_uids_mapped", lambda: False)
+    box = Sandbox(SMALL.model_copy(update={"backend": backend}), workdir=str(tmp_path))
+    closing = _ClosingOnStart(box)
+    monkeypatch.setattr(sandbox_module, "subprocess", closing)
+    with pytest.raises(SandboxError) as raised:
+        box.run("sleep 30", timeout=10)
+    assert raised.value.kind == "died"
+    assert time.monotonic() - closing.closed_at < 5  # far below the timeout
+    assert box.running == []
+
+
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_a_process_adopted_by_a_closed_sandbox_is_killed_and_reaped(backend, monkeypatch, tmp_path):
+    """A shell or interpreter whose sandbox closed between its start and its adoption was
+    never killed: close() had already run, and nothing else would (as above: no uid of its
+    own, the caller's folder)."""
+    monkeypatch.setattr(sandbox_module, "_sandbox_uids_mapped", lambda: False)
+    box = Sandbox(SMALL.model_copy(update={"backend": backend}), workdir=str(tmp_path))
+    proc = subprocess.Popen(box.argv(["sleep", "30"]), **box.popen_kwargs())
+    try:
+        box.close()
+        box.adopt(proc)
+        assert proc.returncode == -signal.SIGKILL
+        assert box.running == []
+    finally:
+        proc.kill()
+        proc.wait()
