@@ -450,14 +450,10 @@ class Sandbox:
             output, stopped = read_capped(
                 proc.stdout.fileno(), self.config.max_output_bytes, started + timeout
             )
-            if stopped is None:
-                # EOF does not end the command: it may have closed its stdout and run on.
-                try:
-                    proc.wait(max(0.0, started + timeout - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    stopped = "timeout"
-            if stopped:
-                kill_group(proc.pid)
+            # EOF does not end the command: it may have closed its stdout and run on.
+            if stopped is None and not _ends_within(proc, started + timeout - time.monotonic()):
+                stopped = "timeout"
+            _kill_unreaped(proc)  # with the jobs it left, before its reaping frees its pid
             exit_code = proc.wait()
         finally:
             self._let_go(proc)
@@ -492,10 +488,9 @@ class Sandbox:
         try:
             output, stopped = await read_capped_async(proc.stdout, self.config.max_output_bytes, deadline)
             # EOF does not end the command: it may have closed its stdout and run on.
-            if stopped is None and await exit_code_async(proc, deadline - time.monotonic()) is None:
+            if stopped is None and not await ended_async(proc, deadline - time.monotonic()):
                 stopped = "timeout"
-            if stopped:
-                kill_group(proc.pid)
+            _kill_unreaped(proc)  # with the jobs it left, before its reaping frees its pid
             exit_code = await exit_code_async(proc)
         finally:
             self._let_go(proc)
@@ -523,7 +518,7 @@ class Sandbox:
         return proc
 
     def _let_go(self, proc: subprocess.Popen) -> None:
-        kill_group(proc.pid)
+        _kill_unreaped(proc)
         proc.stdout.close()
         self.disown(proc)
         reap_orphaned_namespaces()
@@ -941,6 +936,13 @@ def kill_group(pid: int) -> None:
             os.kill(member, signal.SIGKILL)
 
 
+def _kill_unreaped(proc: subprocess.Popen) -> None:
+    """:func:`kill_group` of ``proc`` unless it is reaped (here or by a ``close()``): its pid
+    may lead another process's group by then."""
+    if proc.returncode is None:
+        kill_group(proc.pid)
+
+
 def exited(pid: int) -> bool:
     """Whether the child ``pid`` has ended (or was reaped), leaving it unreaped: until it is
     reaped its number cannot go to another process, so its group can still be killed."""
@@ -1095,30 +1097,57 @@ async def read_capped_async(pipe: IO[bytes], cap: int, deadline: float) -> tuple
 
 async def exit_code_async(proc: subprocess.Popen, timeout: float | None = None) -> int | None:
     """``proc``'s exit status once it ends (awaited on a pidfd), or None if ``timeout`` passes first."""
-    if proc.poll() is not None:  # also keeps a reaped pid, perhaps reused since, from pidfd_open
-        return proc.returncode
+    if not await ended_async(proc, timeout):
+        return None
+    return proc.wait()
+
+
+async def ended_async(proc: subprocess.Popen, timeout: float | None = None) -> bool:
+    """Whether ``proc`` ends within ``timeout`` (awaited on a pidfd), leaving it unreaped
+    (see :func:`exited`)."""
+    if proc.returncode is not None or exited(proc.pid):  # a reaped pid, perhaps reused since
+        return True
     loop = asyncio.get_running_loop()
     try:
         pidfd = os.pidfd_open(proc.pid)
     except OSError:  # no descriptor to spare (EMFILE): poll instead
-        return await _polled_exit_code(proc, timeout)
+        return await _polled_end(proc, timeout)
     ended = loop.create_future()
     loop.add_reader(pidfd, lambda: ended.done() or ended.set_result(None))
     try:
         await asyncio.wait_for(ended, timeout)
     except TimeoutError:
-        return None
+        return False
     finally:
         loop.remove_reader(pidfd)
         os.close(pidfd)
-    return proc.wait()
+    return True
 
 
-async def _polled_exit_code(proc: subprocess.Popen, timeout: float | None) -> int | None:
-    """:func:`exit_code_async` without a pidfd: polls the process every 10 ms."""
+async def _polled_end(proc: subprocess.Popen, timeout: float | None) -> bool:
+    """:func:`ended_async` without a pidfd: polls the process every 10 ms."""
     deadline = None if timeout is None else time.monotonic() + timeout
-    while proc.poll() is None:
+    while proc.returncode is None and not exited(proc.pid):
         if deadline is not None and time.monotonic() >= deadline:
-            return None
+            return False
         await asyncio.sleep(0.01)
-    return proc.returncode
+    return True
+
+
+def _ends_within(proc: subprocess.Popen, timeout: float) -> bool:
+    """Whether ``proc`` ends within ``timeout`` seconds, leaving it unreaped (see :func:`exited`)."""
+    if proc.returncode is not None or exited(proc.pid):  # a reaped pid, perhaps reused since
+        return True
+    try:
+        pidfd = os.pidfd_open(proc.pid)
+    except OSError:  # no descriptor to spare (EMFILE): poll instead
+        deadline = time.monotonic() + timeout
+        while not exited(proc.pid):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+    try:
+        return _ready(pidfd, select.POLLIN, timeout)
+    finally:
+        os.close(pidfd)

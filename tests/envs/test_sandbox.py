@@ -1658,3 +1658,24 @@ def test_a_process_adopted_by_a_closed_sandbox_is_killed_and_reaped(backend, mon
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("on_loop", [False, True], ids=["run", "run_async"])
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_a_command_that_ended_is_killed_with_its_group_before_it_is_reaped(backend, on_loop, monkeypatch):
+    """After a command ended, its group was killed (for the jobs it left) once it was reaped:
+    its pid was free by then, and may lead another process's group (another sandbox's
+    command, each leads its own). Each kill must find the command's pid still its own."""
+    real_kill_group = sandbox_module.kill_group
+    unreaped_at_kill = []
+
+    def recording_kill_group(pid):
+        unreaped_at_kill.append(os.path.exists(f"/proc/{pid}"))
+        real_kill_group(pid)
+
+    with Sandbox(SMALL.model_copy(update={"backend": backend})) as box:
+        monkeypatch.setattr(sandbox_module, "kill_group", recording_kill_group)
+        result = asyncio.run(box.run_async("exit 3")) if on_loop else box.run("exit 3")
+        assert result.exit_code == 3
+        assert box.running == []
+    assert unreaped_at_kill and all(unreaped_at_kill), unreaped_at_kill
