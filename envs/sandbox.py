@@ -389,7 +389,8 @@ class Sandbox:
     def _apptainer(self) -> list[str]:
         cfg = self.config
         args = [
-            cfg.apptainer_bin,
+            # found here: Popen would look a bare name up on the scrubbed PATH of popen_kwargs
+            shutil.which(cfg.apptainer_bin) or cfg.apptainer_bin,
             "exec",
             "--containall",
             "--no-privs",

@@ -1236,7 +1236,7 @@ def test_apptainer_command_line():
         argv = box.argv(["bash", "-c", "echo hi"])
         image = argv.index("/images/tools.sif")
         options = argv[:image]
-        assert options[:2] == ["apptainer", "exec"]
+        assert os.path.basename(options[0]) == "apptainer" and options[1] == "exec"
         for flag in ("--containall", "--no-privs", "--no-home", "--net"):
             assert flag in options
         assert options[options.index("--network") + 1] == "none"
@@ -1248,6 +1248,24 @@ def test_apptainer_command_line():
         assert inside[-3:] == ["bash", "-c", "echo hi"]
     finally:
         box.close()
+
+
+def test_an_apptainer_found_on_the_workers_path_runs(tmp_path, monkeypatch):
+    """Popen looks a bare name up on the PATH of the environment it is given, the scrubbed
+    one (``/usr/bin:/bin``): an apptainer the worker finds elsewhere (``module load``, or
+    ``/usr/local/bin``, where a build from source goes) could not start, every sandbox a
+    start_failed."""
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    fake = tools / "treadle-test-apptainer"
+    fake.write_text('#!/bin/sh\necho "apptainer $1"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    config = SandboxConfig(
+        backend="apptainer", apptainer_image="/images/tools.sif", apptainer_bin="treadle-test-apptainer"
+    )
+    with Sandbox(config) as box:
+        assert box.run("echo hi").output == "apptainer exec\n"
 
 
 def test_the_apptainer_backend_without_an_image_is_refused_as_the_config_loads():
