@@ -625,7 +625,7 @@ class Sandbox:
             self._procs.clear()
         for handle in handles:
             pid = getattr(handle, "pid", None)
-            if pid:
+            if pid and not _reaped(handle):  # a reaped pid may lead another process's group
                 kill_group(pid)
         _reap(handles, time.monotonic() + REAP_TIMEOUT_S)
         if self.uid is not None:
@@ -914,6 +914,13 @@ def _reap(handles: list[subprocess.Popen | PtyProcess], deadline: float) -> None
         handles = [handle for handle in handles if not _ended(handle)]
         if handles:
             time.sleep(0.01)
+
+
+def _reaped(handle: subprocess.Popen | PtyProcess) -> bool:
+    """Whether ``handle``'s process has been reaped (by its run, or its owner); reaps nothing."""
+    if isinstance(handle, subprocess.Popen):
+        return handle.returncode is not None
+    return handle.terminated
 
 
 def _ended(handle: subprocess.Popen | PtyProcess) -> bool:

@@ -1697,3 +1697,29 @@ def test_a_command_that_ended_is_killed_with_its_group_before_it_is_reaped(backe
         assert result.exit_code == 3
         assert box.running == []
     assert unreaped_at_kill and all(unreaped_at_kill), unreaped_at_kill
+
+
+def test_a_close_under_a_run_never_kills_the_group_of_the_command_the_run_reaped(monkeypatch):
+    """A close() from another thread that came after the run had reaped its command, before
+    the run let go of it, killed the group of the reaped pid, which may lead another
+    process's group by then."""
+    real_kill_group = sandbox_module.kill_group
+    unreaped_at_kill = []
+
+    def recording_kill_group(pid):
+        unreaped_at_kill.append(os.path.exists(f"/proc/{pid}"))
+        real_kill_group(pid)
+
+    box = Sandbox(SMALL)
+    real_disown = box.disown
+
+    def close_then_disown(handle):
+        box.close()
+        real_disown(handle)
+
+    monkeypatch.setattr(sandbox_module, "kill_group", recording_kill_group)
+    monkeypatch.setattr(box, "disown", close_then_disown)
+    with pytest.raises(SandboxError) as raised:
+        box.run("exit 3")
+    assert raised.value.kind == "died"
+    assert all(unreaped_at_kill), unreaped_at_kill
