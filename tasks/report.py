@@ -385,7 +385,7 @@ def report_run(config: RunConfig) -> str:
             out.write(png)
         stored = f"Curves as stored: {_link(store.url(png_path))}"
     except TRANSIENT_ERRORS as exc:  # the curves are embedded below; a storage error must not fail the run
-        log.warning("curves of run %s not written to %s: %r", config.run_id, store.url(png_path), exc)
+        log.warning("curves of run %s not written to %s: %s", config.run_id, store.url(png_path), said(exc))
         stored = "Curves not stored (see the run's logs)."
     lines = [
         f"# Run `{config.run_id}`",

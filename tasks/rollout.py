@@ -36,6 +36,7 @@ from tasks.common import (
     reporting,
     run_resource,
     run_store,
+    said,
     send_signal,
     watch_signal,
 )
@@ -250,7 +251,7 @@ def run_rollouts(
             if reporter is not None:
                 (reported,) = await asyncio.gather(reporter, return_exceptions=True)
                 if isinstance(reported, Exception):
-                    log.warning("worker %s stopped reporting progress: %r", worker_name, reported)
+                    log.warning("worker %s stopped reporting progress: %s", worker_name, said(reported))
             try:
                 await worker.close()
             finally:

@@ -170,6 +170,26 @@ def test_a_report_whose_curves_cannot_be_stored_still_reports(tmp_path, monkeypa
     assert any("curves of run unstored not written" in r.getMessage() for r in caplog.records)
 
 
+def test_a_curves_write_refused_with_an_echoed_key_id_is_logged_masked(tmp_path, monkeypatch, caplog):
+    """An S3 error body quotes the key id it was sent: the warning logged it unmasked."""
+    config = tiny_config(tmp_path / "runs", "refused")
+    store = run_store(config)
+    Tables(store).append("train_steps", [step_row(1)])
+
+    def refused(*args, **kwargs):
+        raise PermissionError("AccessDenied: <AWSAccessKeyId>AKIAABCDEFGHIJKLMNOP</AWSAccessKeyId>")
+
+    monkeypatch.setattr(type(store.fs), "open", refused)
+    monkeypatch.setattr(report, "create_table_artifact", lambda rows, key, description: None)
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+
+    assert "Curves not stored" in report.report_run(config)
+    (warned,) = [
+        r.getMessage() for r in caplog.records if "curves of run refused not written" in r.getMessage()
+    ]
+    assert "AccessDenied" in warned and "AKIAABCDEFGHIJKLMNOP" not in warned
+
+
 def test_the_evals_artifact_rounds_rewards_and_the_report_heads_its_count_as_tasks_measured(
     tmp_path, monkeypatch
 ):
