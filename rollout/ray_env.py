@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
+from ray import cloudpickle
 from ray.exceptions import RayError, RayTaskError
 
 from envs import registry
@@ -33,6 +34,34 @@ ENV_WORKER_RESOURCES = {"num_cpus": 1}
 
 class UnknownEnv(KeyError):
     """No environment of that id is open on the worker."""
+
+
+def _rebuilt(cls: type[BaseException], args: tuple, state: dict) -> BaseException:
+    """An exception of ``cls`` with ``args`` and attributes ``state``, made without its ``__init__``."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+class _Carried(Exception):
+    """Carries an env's exception that pickling cannot rebuild (an ``__init__`` whose arguments
+    are not its ``args``, as ``SandboxError``'s): unpickled, it is that exception again."""
+
+    def __init__(self, exc: BaseException):
+        super().__init__(str(exc))
+        self.exc = exc
+
+    def __reduce__(self):
+        return _rebuilt, (type(self.exc), self.exc.args, vars(self.exc))
+
+
+def _survives_pickling(exc: Exception) -> bool:
+    try:
+        cloudpickle.loads(cloudpickle.dumps(exc))
+    except Exception:
+        return False
+    return True
 
 
 @ray.remote
@@ -65,6 +94,11 @@ class EnvWorkerActor:
         calls.add(call)
         try:
             return await call
+        except Exception as exc:
+            # one Ray could not rebuild on the driver came back as an UnserializableException
+            if _survives_pickling(exc):
+                raise
+            raise _Carried(exc) from exc
         finally:
             calls.discard(call)
 

@@ -1,5 +1,5 @@
 """Environment workers as Ray actors (a local Ray instance this module starts): what closing
-an env does to its calls still running on the actor."""
+an env or the pool does to calls still running on the actor, and errors that cross Ray."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 import ray
 
 from envs import registry
-from envs.sandbox import bwrap_path
+from envs.arith import ArithEnv
+from envs.sandbox import SandboxError, bwrap_path
 from envs.shell_env import ShellEnv
 from rollout.ray_env import RayEnvPool
 from tests.conftest import one_ray_at_a_time
@@ -121,3 +122,39 @@ def test_closing_an_env_whose_driver_gave_up_on_its_open_closes_it(tmp_path, mon
             pool.close()
 
     assert asyncio.run(body()) == 0
+
+
+def test_a_sandbox_error_an_env_raises_on_its_worker_comes_back_as_itself(monkeypatch):
+    """``SandboxError`` does not survive pickling (its ``__init__`` takes ``kind`` and ``reason``,
+    its ``args`` hold one string), so Ray failed to rebuild it on the driver and the proxy
+    took the ``UnserializableException`` for a lost worker: an ``EnvHostLost``, counted as an
+    infra error, where the local env gives the sandbox's own error with its kind."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+
+    @registry.register
+    class DyingSums(ArithEnv):
+        name = "dying_sums"
+
+        async def step(self, action):
+            raise SandboxError("died", "the shell is not running", "partial output")
+
+    task = registry.task_set("dying_sums", "train", seed=0, n=1)[0]
+
+    async def body():
+        pool = RayEnvPool({"dying_sums": registry.make_config("dying_sums")}, num_workers=1)
+        try:
+            env = pool.make_env(task)
+            await env.reset(task)
+            with pytest.raises(SandboxError) as raised:
+                await env.step("ls")
+            return raised.value
+        finally:
+            pool.close()
+
+    error = asyncio.run(body())
+    assert (str(error), error.kind, error.reason, error.output) == (
+        "died: the shell is not running",
+        "died",
+        "the shell is not running",
+        "partial output",
+    )
