@@ -19,7 +19,7 @@ from typing import Any
 
 import ray
 from ray import cloudpickle
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import RayError, RayTaskError, TaskCancelledError
 
 from envs import registry
 from envs.base import Env, EnvConfig, EnvHostLost, StepResult, Task
@@ -149,7 +149,8 @@ class RayEnv:
 
     Errors raised by the remote env come back as themselves (a ``SandboxError`` stays one,
     so the rollout service classifies it as usual). A worker that died, or was restarted
-    since it opened this env (the env died with it), is an :class:`EnvHostLost`.
+    since it opened this env (the env died with it), is an :class:`EnvHostLost`, and so is a
+    call the env's close or the pool's stopped on the worker.
     """
 
     def __init__(self, actor, name: str, env_id: str | None = None):
@@ -166,6 +167,10 @@ class RayEnv:
             if self._opened and isinstance(exc.cause, UnknownEnv):
                 raise EnvHostLost(
                     f"environment worker restarted since it opened {self.env_id!r}: the env is gone"
+                ) from None
+            if isinstance(exc.cause, TaskCancelledError):  # not the env's error: its close's, or the pool's
+                raise EnvHostLost(
+                    f"environment {self.env_id!r} was closed on its worker while its {method} ran"
                 ) from None
             raise exc.cause from None
         except RayError as exc:  # the actor died or is restarting, or its node is gone
@@ -248,6 +253,8 @@ class RayEnvPool:
 
     def make_env(self, task: Task) -> RayEnv:
         """A proxy for a new env of ``task.env`` on the next actor."""
+        if not self.actors:
+            raise RuntimeError("the environment pool is closed: its workers are stopped")
         if task.env not in self.env_names:
             raise KeyError(f"environment {task.env!r} is not one this pool was built for: {self.env_names}")
         return RayEnv(next(self._next), task.env)

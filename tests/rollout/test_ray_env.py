@@ -12,6 +12,7 @@ import ray
 
 from envs import registry
 from envs.arith import ArithEnv
+from envs.base import EnvHostLost
 from envs.sandbox import SandboxError, bwrap_path
 from envs.shell_env import ShellEnv
 from rollout.ray_env import RayEnvPool
@@ -158,3 +159,40 @@ def test_a_sandbox_error_an_env_raises_on_its_worker_comes_back_as_itself(monkey
         "the shell is not running",
         "partial output",
     )
+
+
+def test_a_call_its_env_is_closed_under_is_host_lost_and_a_closed_pool_makes_no_envs(tmp_path, monkeypatch):
+    """Closing an env (as the pool's close does to every env still open) cancels its calls
+    still running on the actor; the caller awaiting one got Ray's raw ``TaskCancelledError``,
+    which the rollout service counted as the env's own error. And the closed pool went on
+    handing out envs on its killed actors, each lost on its first call."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    waiting = str(tmp_path / "waiting")
+
+    @registry.register
+    class StuckSums(ArithEnv):
+        name = "stuck_sums"
+
+        async def step(self, action):
+            open(waiting, "w").close()
+            await asyncio.sleep(60)
+
+    task = registry.task_set("stuck_sums", "train", seed=0, n=1)[0]
+
+    async def body():
+        pool = RayEnvPool({"stuck_sums": registry.make_config("stuck_sums")}, num_workers=1)
+        try:
+            env = pool.make_env(task)
+            await env.reset(task)
+            step = asyncio.ensure_future(env.step("1"))
+            while not os.path.exists(waiting):
+                await asyncio.sleep(0.01)
+            await env.close()
+            with pytest.raises(EnvHostLost, match="closed on its worker while its step ran"):
+                await step
+        finally:
+            pool.close()
+        with pytest.raises(RuntimeError, match="environment pool is closed"):
+            pool.make_env(task)
+
+    asyncio.run(body())
