@@ -10,11 +10,12 @@ Only tasks, actions and observations cross the wire.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -64,6 +65,18 @@ def _survives_pickling(exc: Exception) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _crossing_ray() -> Iterator[None]:
+    """Run an env's code, its exceptions made to come back as themselves on the driver: one Ray
+    could not rebuild there came back as an ``UnserializableException``, a lost worker's."""
+    try:
+        yield
+    except Exception as exc:
+        if _survives_pickling(exc):
+            raise
+        raise _Carried(exc) from exc
+
+
 @ray.remote
 class EnvWorkerActor:
     """Hosts live environments by id; every method is async so envs interleave."""
@@ -79,7 +92,8 @@ class EnvWorkerActor:
         if env_id in self.envs:
             raise ValueError(f"environment id {env_id!r} is already open on this worker")
         cls, config = self.envs_known[name]
-        self.envs[env_id] = cls(cls.config_cls.model_validate(config))
+        with _crossing_ray():
+            self.envs[env_id] = cls(cls.config_cls.model_validate(config))
 
     def _env(self, env_id: str) -> Env:
         try:
@@ -93,12 +107,8 @@ class EnvWorkerActor:
         calls = self.calls.setdefault(env_id, set())
         calls.add(call)
         try:
-            return await call
-        except Exception as exc:
-            # one Ray could not rebuild on the driver came back as an UnserializableException
-            if _survives_pickling(exc):
-                raise
-            raise _Carried(exc) from exc
+            with _crossing_ray():
+                return await call
         finally:
             calls.discard(call)
 
@@ -125,7 +135,8 @@ class EnvWorkerActor:
         if calls:
             await asyncio.wait(calls)
         if env is not None:
-            await env.close()
+            with _crossing_ray():
+                await env.close()
 
     async def close_all(self) -> int:
         """Close every open env, each whatever the others' closes raise (logged here)."""

@@ -129,7 +129,8 @@ def test_a_sandbox_error_an_env_raises_on_its_worker_comes_back_as_itself(monkey
     """``SandboxError`` does not survive pickling (its ``__init__`` takes ``kind`` and ``reason``,
     its ``args`` hold one string), so Ray failed to rebuild it on the driver and the proxy
     took the ``UnserializableException`` for a lost worker: an ``EnvHostLost``, counted as an
-    infra error, where the local env gives the sandbox's own error with its kind."""
+    infra error, where the local env gives the sandbox's own error with its kind. Raised by the
+    env's constructor (the open), its step or its close."""
     monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
 
     @registry.register
@@ -139,25 +140,42 @@ def test_a_sandbox_error_an_env_raises_on_its_worker_comes_back_as_itself(monkey
         async def step(self, action):
             raise SandboxError("died", "the shell is not running", "partial output")
 
+        async def close(self):
+            raise SandboxError("died", "the sandbox is closed")
+
+    @registry.register
+    class UnopenableSums(ArithEnv):
+        name = "unopenable_sums"
+
+        def __init__(self, config):
+            raise SandboxError("start_failed", "bwrap is missing")
+
     task = registry.task_set("dying_sums", "train", seed=0, n=1)[0]
+    configs = {name: registry.make_config(name) for name in ("dying_sums", "unopenable_sums")}
+
+    async def raised(call) -> tuple:
+        with pytest.raises(SandboxError) as error:
+            await call
+        return str(error.value), error.value.kind, error.value.reason, error.value.output
 
     async def body():
-        pool = RayEnvPool({"dying_sums": registry.make_config("dying_sums")}, num_workers=1)
+        pool = RayEnvPool(configs, num_workers=1)
         try:
             env = pool.make_env(task)
             await env.reset(task)
-            with pytest.raises(SandboxError) as raised:
-                await env.step("ls")
-            return raised.value
+            unopenable = task.model_copy(update={"env": "unopenable_sums"})
+            return (
+                await raised(env.step("ls")),
+                await raised(env.close()),
+                await raised(pool.make_env(unopenable).reset(unopenable)),
+            )
         finally:
             pool.close()
 
-    error = asyncio.run(body())
-    assert (str(error), error.kind, error.reason, error.output) == (
-        "died: the shell is not running",
-        "died",
-        "the shell is not running",
-        "partial output",
+    assert asyncio.run(body()) == (
+        ("died: the shell is not running", "died", "the shell is not running", "partial output"),
+        ("died: the sandbox is closed", "died", "the sandbox is closed", ""),
+        ("start_failed: bwrap is missing", "start_failed", "bwrap is missing", ""),
     )
 
 
