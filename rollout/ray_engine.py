@@ -23,6 +23,7 @@ from ray._private import ray_constants
 from ray._private import utils as ray_utils
 from ray.exceptions import RayError, RayTaskError
 
+from envs.threads import to_thread_to_the_end
 from rollout.config import TorchEngineConfig
 from rollout.engines.base import EngineError, EngineStats, Generation, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
@@ -224,7 +225,8 @@ class EngineHost:
         # a version fetched from the store takes seconds to minutes: in a thread, so the
         # actor goes on answering generations and health probes meanwhile
         async with self._loading:
-            local = await asyncio.to_thread(_local_dir, path, version, self.weights)
+            # a cancelled load (timed out) holds the lock until its fetch's thread is done
+            local = await to_thread_to_the_end(_local_dir, path, version, self.weights)
             await self.engine.load_version(version, local)
         return self.engine.version, os.getpid()
 

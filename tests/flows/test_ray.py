@@ -248,6 +248,50 @@ def test_an_engine_host_answers_generations_while_it_fetches_a_version_from_the_
     assert loaded == 1 and pid == os.getpid()
 
 
+def test_an_engine_hosts_load_cancelled_while_it_fetches_holds_off_the_next_load_until_its_fetch_ends(
+    run, monkeypatch
+):
+    """A load that times out is cancelled, but its fetch's thread cannot be: the host let go of
+    its one-load-at-a-time lock at the cancel, and the next load fetched beside it (the older
+    fetch finishing last lets go of the newer copy, ``one_copy``)."""
+    _, store, weights = run
+    fetching, released = threading.Event(), threading.Event()
+    at_once, most = [0], [0]
+    load = WeightStore.load
+
+    def held_load(self, version, *args, **kwargs):
+        at_once[0] += 1
+        most[0] = max(most[0], at_once[0])
+        fetching.set()
+        try:
+            released.wait(30)
+            return load(self, version, *args, **kwargs)
+        finally:
+            at_once[0] -= 1
+
+    async def body():
+        host = EngineHost(TorchEngineConfig().model_dump(), weights.load(0), "host", 0, store)
+        monkeypatch.setattr(WeightStore, "load", held_load)
+        try:
+            first = asyncio.create_task(host.load_version(1, "/nonexistent/v000001"))
+            while not fetching.is_set():
+                await asyncio.sleep(0.01)
+            first.cancel()
+            await asyncio.sleep(0.1)  # the cancel lands while the fetch is held
+            second = asyncio.create_task(host.load_version(1, "/nonexistent/v000001"))
+            await asyncio.sleep(0.2)  # a second fetch, were it let start, would be under way
+            released.set()
+            with pytest.raises(asyncio.CancelledError):
+                await first
+            return await second
+        finally:
+            released.set()
+            await host.close()
+
+    loaded, _ = asyncio.run(body())
+    assert loaded == 1 and most[0] == 1
+
+
 def test_ray_engine_without_the_directory_or_a_store_fails_clearly():
     async def body():
         engine = RayEngine(TorchEngineConfig(), "/nonexistent/v000000", name="lost")
