@@ -25,6 +25,7 @@ from ray.exceptions import RayError, RayTaskError, TaskCancelledError
 from envs import registry
 from envs.base import Env, EnvConfig, EnvHostLost, StepResult, Task
 from rollout.ray_actors import wait_actors_started
+from storage.redaction import redact
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class EnvWorkerActor:
             try:
                 await self.close(env_id)
             except Exception as exc:
-                log.warning("could not close environment %s: %r", env_id, exc)
+                log.warning("could not close environment %s: %s", env_id, redact(repr(exc)))
         return len(env_ids)
 
     def open_count(self) -> int:

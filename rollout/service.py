@@ -58,7 +58,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -72,6 +72,7 @@ from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.resources import CpuManager
 from rollout.reward_models import REWARD_RESOURCE, RewardModelError, RewardModels
 from rollout.scheduler import ActionScheduler, StaticReservation
+from storage.redaction import redact
 from storage.schema import EXCLUDED_STATUSES, error_text
 
 log = logging.getLogger(__name__)
@@ -277,13 +278,14 @@ def _raise_engine_error(session: Session) -> None:
 
 
 @contextlib.contextmanager
-def _logged(what: str, rollout_id: str) -> Iterator[None]:
-    """Log what the body raises instead of raising it, a ``CancelledError`` of its own included
-    (an env's close that awaited a future cancelled under it): only a cancel of the task is raised."""
+def _logged(what: str, rollout_id: str, secrets: Sequence[str | None]) -> Iterator[None]:
+    """Log what the body raises instead of raising it (``secrets`` and credentials masked, as in
+    a record's error), a ``CancelledError`` of its own included (an env's close that awaited a
+    future cancelled under it): only a cancel of the task is raised."""
     try:
         yield
     except Exception as exc:
-        log.warning("%s of rollout %s failed: %s", what, rollout_id, exc)
+        log.warning("%s of rollout %s failed: %s", what, rollout_id, redact(str(exc), secrets))
     except asyncio.CancelledError:
         if asyncio.current_task().cancelling():
             raise
@@ -888,13 +890,16 @@ class RolloutService:
     ) -> None:
         rollout_id = request.rollout_id
         if actions is not None:
-            with _logged("giving back the program's grant", rollout_id):
+            with _logged("giving back the program's grant", rollout_id, self.secrets):
                 await actions.close()
         if self.scheduler is not None:
-            with _logged("ending the trajectory in the scheduler", rollout_id):
+            with _logged("ending the trajectory in the scheduler", rollout_id, self.secrets):
                 self.scheduler.end_trajectory(rollout_id)
         if env is not None:
-            with _logged("closing the env", rollout_id):
+            with _logged("closing the env", rollout_id, self.secrets):
                 await self._close_env(env)
-        with _logged("closing the gateway session", rollout_id), contextlib.suppress(LookupError):
+        with (
+            _logged("closing the gateway session", rollout_id, self.secrets),
+            contextlib.suppress(LookupError),
+        ):
             self.gateway.close(session.session_id)

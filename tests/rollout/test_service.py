@@ -441,6 +441,30 @@ def test_an_env_that_calls_sys_exit_fails_its_rollout_alone(tiny, exits, status,
         assert "closing the env of rollout" in caplog.text
 
 
+class LeakyCloseEnv(ArithEnv):
+    """``arith`` whose close fails quoting a secret of the run and a key id (an S3 error body)."""
+
+    async def close(self) -> None:
+        await super().close()
+        raise OSError("cleanup refused: secret storage-secret-value, key AKIAABCDEFGHIJKLMNOP")
+
+
+def test_an_env_close_that_fails_quoting_credentials_is_logged_masked(tiny, caplog):
+    async def body():
+        async with running_service(
+            tiny,
+            ServiceConfig(max_new_tokens=4),
+            make_env=lambda task: LeakyCloseEnv(),
+            secrets=["storage-secret-value"],
+        ) as service:
+            return await service.process(RolloutRequest(task=arith_task()))
+
+    result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    assert "closing the env of rollout" in caplog.text and "cleanup refused" in caplog.text
+    assert "storage-secret-value" not in caplog.text and "AKIAABCDEFGHIJKLMNOP" not in caplog.text
+
+
 class BadObservationEnv(ArithEnv):
     """``arith`` whose step answers with ``observation`` and goes on."""
 
