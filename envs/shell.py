@@ -86,13 +86,19 @@ class Shell:
         self._wake: int | None = os.eventfd(0, os.EFD_CLOEXEC)  # readable once the shell is killed
         self._killed = False
         self._killed_tree: list[int] = []  # what a kill found running in bwrap's PID namespace
-        attrs = termios.tcgetattr(self.fd)
-        attrs[1] &= ~termios.OPOST
-        attrs[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG)
-        attrs[6][termios.VMIN] = 1
-        attrs[6][termios.VTIME] = 0
-        self._modes = attrs
-        self.run("PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m", wrap=False)
+        try:
+            attrs = termios.tcgetattr(self.fd)
+            attrs[1] &= ~termios.OPOST
+            attrs[3] &= ~(termios.ECHO | termios.ICANON | termios.ISIG)
+            attrs[6][termios.VMIN] = 1
+            attrs[6][termios.VTIME] = 0
+            self._modes = attrs
+            self.run("PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m", wrap=False)
+        except BaseException:
+            # a sandbox closed as the shell started (its adopt killed the shell) raises here too:
+            # no caller holds the shell to close its pty and eventfd
+            self.close()
+            raise
 
     @property
     def alive(self) -> bool:

@@ -1723,3 +1723,30 @@ def test_a_close_under_a_run_never_kills_the_group_of_the_command_the_run_reaped
         box.run("exit 3")
     assert raised.value.kind == "died"
     assert all(unreaped_at_kill), unreaped_at_kill
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("start", [Shell, PythonRepl])
+def test_a_shell_or_interpreter_whose_sandbox_closed_as_it_started_leaves_no_descriptor_open(
+    start, monkeypatch, tmp_path
+):
+    """A sandbox closed from another thread between the start of a shell or interpreter and
+    its adoption: it is killed there, and the start raised without closing its pty or pipes
+    and eventfd, a leak per start in a long-lived worker. The error is kept: closing them must
+    not wait for the garbage collector."""
+    before = _open_fds()  # the sandbox's uid claim (a socket) is open until it closes
+    box = Sandbox(SMALL, workdir=str(tmp_path))
+    real_adopt = box.adopt
+
+    def close_then_adopt(handle):
+        box.close()
+        real_adopt(handle)
+
+    monkeypatch.setattr(box, "adopt", close_then_adopt)
+    with pytest.raises(SandboxError) as raised:
+        start(box)
+    assert raised.value.kind == "died"
+    assert _open_fds() == before
