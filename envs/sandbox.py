@@ -303,10 +303,15 @@ class Sandbox:
         self.backend = resolve_backend(self.config.backend)
         self._owns_dir = workdir is None
         if self._owns_dir:
-            _sweep_once(self.config.root_dir)
-        self.workdir = os.path.realpath(
-            workdir or tempfile.mkdtemp(prefix=_folder_prefix(os.getpid()), dir=self.config.root_dir)
-        )
+            root = self.config.root_dir or tempfile.gettempdir()
+            try:
+                _sweep_once(root)
+                workdir = tempfile.mkdtemp(prefix=_folder_prefix(os.getpid()), dir=root)
+            except OSError as exc:  # a root_dir missing, full, not a folder
+                raise SandboxError(
+                    "start_failed", f"could not make a working folder under {root}: {exc}"
+                ) from exc
+        self.workdir = os.path.realpath(workdir)
         self.uid: int | None = None
         if os.geteuid() == 0 and self.backend != "apptainer" and _sandbox_uids_mapped():
             uid = None

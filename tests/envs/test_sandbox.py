@@ -1750,3 +1750,20 @@ def test_a_shell_or_interpreter_whose_sandbox_closed_as_it_started_leaves_no_des
         start(box)
     assert raised.value.kind == "died"
     assert _open_fds() == before
+
+
+@pytest.mark.parametrize("root", ["missing", "a_file"])
+def test_a_sandbox_whose_root_dir_takes_no_folder_fails_to_start(root, tmp_path):
+    """A root_dir that is missing (or full, or not a folder) raised the OSError of the sweep
+    or of mkdtemp: the rollout was an env_error, where a sandbox that cannot start is an
+    infra_error. Both the first sandbox made there (which sweeps it) and a later one."""
+    path = tmp_path / root
+    if root == "a_file":
+        path.write_text("")
+    config = SMALL.model_copy(update={"root_dir": str(path)})
+    for _ in range(2):
+        with pytest.raises(SandboxError) as raised:
+            Sandbox(config)
+        assert raised.value.kind == "start_failed"
+        assert str(path) in raised.value.reason
+        assert ("No such file" if root == "missing" else "Not a directory") in raised.value.reason
