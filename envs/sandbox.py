@@ -634,9 +634,7 @@ class Sandbox:
                 kill_group(pid)
         _reap(handles, time.monotonic() + REAP_TIMEOUT_S)
         if self.uid is not None:
-            for pid in _uid_pids(self.uid):
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
+            _kill_uid(self.uid)
             _release_uid(self.uid)
         reap_orphaned_namespaces()
         if self._owns_dir:
@@ -1055,6 +1053,19 @@ def _claim_uid() -> int:
         with _uids_lock:
             _uid_claims[uid] = claim
         return uid
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid``: a ``kill -9 -1`` sent as ``uid`` reaches all of them
+    but itself at once, and no fork gets past it (a fork fails once its parent has a SIGKILL
+    pending), where a scan of /proc kills what it found, not a child forked since. The scan
+    stays for what the kill could not reach (its start refused)."""
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "check": False}
+    with contextlib.suppress(OSError):
+        subprocess.run([*_run_as(uid), "kill", "-9", "-1"], **quiet)
+    for pid in _uid_pids(uid):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _release_uid(uid: int) -> None:

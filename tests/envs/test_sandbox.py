@@ -1767,3 +1767,74 @@ def test_a_sandbox_whose_root_dir_takes_no_folder_fails_to_start(root, tmp_path)
         assert raised.value.kind == "start_failed"
         assert str(path) in raised.value.reason
         assert ("No such file" if root == "missing" else "Not a directory") in raised.value.reason
+
+
+FORK_CHAINS = r"""
+import ctypes, os, shlex, subprocess, threading, time
+from envs.sandbox import Sandbox, SandboxConfig, _proc_status, _uid_pids
+
+def live(uid):
+    pids = []
+    for pid in _uid_pids(uid):
+        try:
+            if not _proc_status(str(pid))["State"].strip().startswith("Z"):
+                pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+# the chains' orphans come here, reaped at once: no zombies pile up to the process limit and
+# stop the chains by themselves (whatever reaps orphans on this host, and how soon)
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+box = Sandbox(SandboxConfig(backend="process", max_processes=128, timeout_s=10))
+uid = box.uid
+stop = threading.Event()
+
+def reap():
+    while not stop.is_set():
+        for child in open("/proc/self/task/%d/children" % os.getpid()).read().split():
+            try:
+                ours = os.stat("/proc/" + child).st_uid == uid and int(child) not in box.running
+                if ours and _proc_status(child)["State"].strip().startswith("Z"):
+                    os.waitpid(int(child), os.WNOHANG)
+            except OSError:
+                pass
+        time.sleep(0.001)
+
+threading.Thread(target=reap, daemon=True).start()
+# 24 chains, each a process that forks a child and exits, the child likewise, on and on (and
+# again after a fork refused while the zombies await their reaping)
+chains = (
+    "import os\nfor _ in range(24):\n if not os.fork():\n  while True:\n   try:\n"
+    "    if os.fork():\n     break\n   except OSError:\n    pass\n  break"
+)
+try:
+    box.run(f"setsid -w python3 -c {shlex.quote(chains)} </dev/null >/dev/null 2>&1")
+    deadline = time.monotonic() + 5
+    while len(live(uid)) < 24 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("running", len(live(uid)))
+    box.close()
+    deadline = time.monotonic() + 5
+    while live(uid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    print("survived", len(live(uid)))
+finally:
+    box.close()
+    while live(uid):  # a chain survived: end it, whoever holds the uid next
+        subprocess.run(["setpriv", f"--reuid={uid}", "--", "kill", "-9", "-1"], capture_output=True)
+    stop.set()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
+def test_close_kills_every_process_of_the_sandboxs_uid_however_fast_it_forks():
+    """Under the process backend (no PID namespace to end with the sandbox), close() killed
+    its uid's processes in one scan of /proc: one that forked since the scan found it has a
+    child the kill never reaches, and a process that forks a child and exits over and over
+    outlived the sandbox. Run in a process of its own, the chains' subreaper."""
+    done = subprocess.run([sys.executable, "-c", FORK_CHAINS], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    counts = dict(line.split() for line in done.stdout.splitlines())
+    assert int(counts["running"]) >= 24, done.stdout
+    assert counts["survived"] == "0", done.stdout
