@@ -1,9 +1,9 @@
 """A persistent bash on a pseudo-terminal inside a sandbox.
 
 The shell survives between actions (``cd``, exported variables and files persist). Each command
-is sent as one ``eval $'…'`` line with stdin from ``/dev/null``, followed by a ``printf`` of an
-end marker that holds a fresh random nonce and the exit status, so neither the command's output
-nor a guess can fake the end of a command. The terminal is switched to non-canonical mode with
+is sent as one ``eval $'…'`` with stdin from ``/dev/null``, followed on the same line by a
+``printf`` of an end marker that holds a fresh random nonce and the exit status, so neither the
+command's output nor a guess can fake the end of a command. The terminal is switched to non-canonical mode with
 echo off (no line-length limit, no echoed input), set again before each command, and bash runs
 without readline.
 """
@@ -128,7 +128,9 @@ class Shell:
         termios.tcsetattr(self.fd, termios.TCSANOW, self._modes)
         nonce = secrets.token_hex(8)
         body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
-        line = f"{body}\nprintf '\\036TRD{nonce}:%s\\036' \"$?\"\n"
+        # one line, which bash reads whole before it runs any of it: a printf on a line of its
+        # own could stay in the terminal past bash's 1024-byte read, for the command to read
+        line = f"{body}; printf '\\036TRD{nonce}:%s\\036' \"$?\"\n"
         started = time.monotonic()
         if not write_all(self.fd, line.encode(), started + timeout, self._wake):
             if self._killed:  # woken by close(), which closes the pty once this run lets go

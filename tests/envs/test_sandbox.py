@@ -1042,6 +1042,21 @@ def test_shell_output_cap_is_exact():
         assert shell.run("echo ok").output == "ok\n"
 
 
+def test_a_command_cannot_read_its_end_marker_from_the_terminal_to_fake_it():
+    """bash reads its input 1024 bytes at a time, and runs a complete line at once: the end
+    marker's ``printf``, sent on a line of its own, stayed in the terminal when the command's
+    line ended within the first read, where the command could read it (from its stdout or
+    stderr, the terminal) and print the marker, nonce and all, with the exit status it chose.
+    Here for each length of a command around that read's end."""
+    spoof = 'IFS= read -r -t 0.01 t <&2; n=${t#*TRD}; printf "\\036TRD%s:0\\036" "${n%%:*}"; (exit 3) #'
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        for size in range(1030, 960, -1):
+            command = spoof + "x" * (size - len(ansi_c_quote(spoof)))
+            assert len(ansi_c_quote(command)) == size
+            assert shell.run(command).exit_code == 3, size
+
+
 def test_ansi_c_quote_round_trips_through_bash():
     text = 'a\'b\\c\n\t"$HOME" `x` é \x01'
     with Sandbox(SMALL) as box:
