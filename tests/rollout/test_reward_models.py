@@ -5,6 +5,8 @@ call and evicted least recently used under the device budget."""
 from __future__ import annotations
 
 import asyncio
+import os
+import shutil
 import threading
 import time
 
@@ -35,6 +37,7 @@ from rollout.resources import state_bytes
 from rollout.reward_models import REWARD_RESOURCE, RewardModelConfig, RewardModels
 from rollout.router import Router
 from rollout.service import RolloutRequest, RolloutService, ServiceConfig, make_reward_models
+from storage.weights import MODEL_FILE
 
 TINY = TinyModelConfig(
     hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_position_embeddings=1024
@@ -541,22 +544,13 @@ def test_a_causal_lm_given_as_a_reward_model_is_refused_naming_the_head_it_lacks
     assert str(tmp_path) in str(raised.value)
 
 
-def test_a_reward_model_without_a_tokenizer_is_refused_naming_its_directory(tmp_path):
+def test_a_reward_model_without_a_tokenizer_is_refused_naming_its_directory(judges, tmp_path):
     """Its tokenizer was loaded with transformers' own call, whose error names no directory and
     tells one without tokenizer files to install sentencepiece or tiktoken; it is loaded as the
     engine's is (``rl.models.load_tokenizer``)."""
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_labels=1,
-        pad_token_id=0,
-    )
-    LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    judge = next(iter(judges.values()))
+    for name in ("config.json", MODEL_FILE):
+        shutil.copy(os.path.join(judge, name), tmp_path)
     with pytest.raises(ValueError, match="it has no tokenizer.json") as raised:
         RewardModels({"judge": RewardModelConfig(path=str(tmp_path))})
     assert str(tmp_path) in str(raised.value)
