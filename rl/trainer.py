@@ -211,8 +211,9 @@ class Trainer:
         config: :class:`SAOConfig`.
         device: torch device of the policy and value model.
         dtype: parameter dtype of both models; not float16, whose AdamW steps underflow
-            (``eps`` 1e-8 is 0 there) and make the parameters NaN at the first step: keep
-            float32 and set ``mixed_precision`` for half-precision matmuls.
+            (``eps`` 1e-8 is 0 there) and make the parameters NaN at the first step, nor
+            bfloat16, where a step of about ``lr`` rounds away on every weight above about
+            256·lr: keep float32 and set ``mixed_precision`` for half-precision matmuls.
         temperature: the temperature the rollouts sampled at (the run's ``service.temperature``):
             the engines record log-probs of ``softmax(logits / temperature)``, so the policy's
             log-probs are taken at it too, or every DIS ratio is off even on-policy.
@@ -220,7 +221,7 @@ class Trainer:
     Raises:
         FileNotFoundError: when the store holds no weight version to start from (publish
             one first, e.g. with ``rl.models.ensure_base_version``).
-        ValueError: for float16 parameters.
+        ValueError: for float16 or bfloat16 parameters.
     """
 
     def __init__(
@@ -236,6 +237,12 @@ class Trainer:
             raise ValueError(
                 "float16 parameters cannot be trained with AdamW (its eps underflows and the first step "
                 "makes them NaN); keep float32 and set mixed_precision='bf16' for half-precision matmuls"
+            )
+        if dtype == torch.bfloat16:
+            raise ValueError(
+                "bfloat16 parameters cannot be trained with AdamW (its step of about lr rounds away on "
+                f"every weight above about 256·lr, {256 * config.lr:g} here, so the policy barely moves); "
+                "keep float32 and set mixed_precision='bf16' for half-precision matmuls"
             )
         self.store = store
         self.config = config

@@ -28,6 +28,7 @@ from flows.cli import passed_over
 from flows.sql import connect
 from rl.advantages import skip_observation_gae
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
+from rl.config import SAOConfig
 from rl.logprobs import token_logprobs
 from rl.models import (
     MASTER_WEIGHTS_FILE,
@@ -494,7 +495,17 @@ def test_float16_parameters_are_refused_at_once(store):
     every later batch be rejected."""
     with pytest.raises(ValueError, match="float16 parameters cannot be trained with AdamW"):
         Trainer(store, config(), dtype=torch.float16)
-    assert Trainer(store, config(), dtype=torch.bfloat16).policy.dtype == torch.bfloat16
+
+
+def test_bfloat16_parameters_are_refused_at_once(store):
+    """AdamW moves each parameter by about ``lr`` a step (exactly ``lr`` at the first), which
+    rounds away in bfloat16 for every weight above about 256·lr: at the default lr of 1e-5 one step left
+    over 80% of the tiny policy's parameters as they were, and a larger model's ~0.02 weights
+    would never move; the trainer would go on publishing versions that learned nothing."""
+    weight = torch.tensor(0.02, dtype=torch.bfloat16)
+    assert weight - SAOConfig().lr == weight  # the update is lost
+    with pytest.raises(ValueError, match="bfloat16 parameters cannot be trained with AdamW"):
+        Trainer(store, config(), dtype=torch.bfloat16)
 
 
 def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
@@ -1673,6 +1684,7 @@ def test_the_idle_seconds_count_the_wait_in_progress(store):
 
 CHILD = """
 import sys
+from rl.config import SAOConfig
 from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
 from rl.trainer import Trainer
