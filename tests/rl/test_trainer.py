@@ -993,6 +993,53 @@ def test_value_clip_scores_the_second_critic_step_against_the_pre_step_values(st
     assert not unchanged(clipped_trainer.value_model, parameters(plain_trainer.value_model))
 
 
+@pytest.mark.parametrize("micro_token_budget", [11, 1000])
+def test_the_critics_gradient_over_micro_batches_is_the_whole_batchs(store, micro_token_budget):
+    """Accumulated over micro-batches (one row each, all at once) the critic step's loss and
+    gradient are ½·mean (V − R)² over every action token of the batch, the targets R from
+    observation-skip GAE on the detached pre-step values, as a slow reference computes it row
+    by row; rows of unequal length, and loss weights the critic does not use (it fits every
+    action token, a shared prefix to each branch's return)."""
+    gamma, lam = 0.97, 0.9
+    records = with_rewards(make_trajectories(store, 4, seed=33), [1.0, 0.0, 2.0, -1.0])
+    for column in ("tokens", "logprobs", "action_mask", "turn", "versions", "train_mask", "loss_weight"):
+        records[3][column] = records[3][column][:9]
+    for i, record in enumerate(records):
+        record["loss_weight"] = [0.5 + (i + t) % 3 for t in range(len(record["tokens"]))]
+    trainer = Trainer(
+        store, config(micro_token_budget=micro_token_budget, gamma=gamma, value_lam=lam, max_grad_norm=1e9)
+    )
+    with torch.no_grad():  # a critic whose values are not all 0 (its head starts at zero)
+        head = trainer.value_model.head.weight
+        head.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(0)))
+    samples = open_batch(trainer, records)
+
+    loss, count = torch.zeros(()), 0
+    for record in records:
+        tokens = torch.tensor([record["tokens"]])
+        values = token_values(trainer.value_model, tokens, torch.ones_like(tokens, dtype=torch.bool))[0]
+        held = values.detach()
+        actions = [t for t, m in enumerate(record["action_mask"]) if m]
+        advantage, after = 0.0, 0.0  # the next action token's advantage and value (0 past the last)
+        for t in reversed(actions):
+            reward = record["reward"] if t == actions[-1] else 0.0
+            advantage = reward + gamma * after - float(held[t]) + gamma * lam * advantage
+            after = float(held[t])
+            loss = loss + 0.5 * (values[t] - (advantage + after)) ** 2
+            count += 1
+    (loss / count).backward()
+    want = {name: p.grad.clone() for name, p in trainer.value_model.named_parameters() if p.grad is not None}
+
+    stats = trainer._value_step(trainer._parts(samples), None)
+    assert stats["value_loss"] == pytest.approx(float(loss.detach()) / count, rel=1e-5)
+    assert want.keys() == {name for name, p in trainer.value_model.named_parameters() if p.grad is not None}
+    for name, p in trainer.value_model.named_parameters():
+        if name in want:
+            torch.testing.assert_close(
+                p.grad, want[name], rtol=1e-4, atol=1e-6 * float(want[name].abs().max())
+            )
+
+
 @pytest.mark.parametrize("micro_token_budget", [11, 22, 1000])
 def test_the_critics_explained_variance_is_over_the_whole_batch_however_it_is_split(
     store, micro_token_budget
