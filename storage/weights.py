@@ -851,12 +851,16 @@ class WeightStore:
 
     def claim_age(self, version: int) -> float:
         """Seconds since ``version``'s claim was made or last renewed by its publish
-        (infinite without a readable claim)."""
+        (infinite without a readable claim: none, a garbled one, or a file that holds the
+        version's name where its folder would be)."""
         try:
             claimed = self.fs.cat_file(posixpath.join(self.version_path(version), CLAIM_FILE)).decode()
-            return (datetime.now(UTC) - datetime.fromisoformat(claimed.split()[0])).total_seconds()
-        except (FileNotFoundError, UnicodeDecodeError, ValueError, IndexError):
+            made = datetime.fromisoformat(claimed.split()[0])
+        except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError, ValueError, IndexError):
             return float("inf")
+        if made.tzinfo is None:  # every claim holds its UTC offset: a time without one is garbled
+            return float("inf")
+        return (datetime.now(UTC) - made).total_seconds()
 
     def _verifies(self, version: int) -> bool:
         """Whether every file of ``version`` matches its manifest in the store (why not: logged)."""

@@ -780,6 +780,35 @@ def test_a_retention_killed_while_deleting_a_version_leaves_no_complete_looking_
     assert weights.list() == [1]
 
 
+def test_a_claim_with_no_time_zone_reads_as_unreadable_and_retention_goes_on(weights, tokenizer_dir):
+    """Every claim this treadle writes holds a UTC time with its offset: one without (garbled)
+    is no publish's, and retention deletes its leftovers rather than raising ``TypeError``
+    (which would stop every later retention of the run, the trainer's included)."""
+    model = tiny_llama(seed=0)
+    for _ in range(3):
+        publish_model(weights, model, tokenizer_dir)
+    weights.fs.rm_file(posixpath.join(weights.version_path(1), "manifest.json"))
+    weights.fs.pipe_file(posixpath.join(weights.version_path(1), "CLAIM"), b"2020-01-01T00:00:00 pid 1\n")
+
+    assert weights.claim_age(1) == float("inf")
+    assert weights.retain(keep_last=1) == [0, 1]
+    assert weights.list() == [2] and not weights.fs.exists(weights.version_path(1))
+
+
+def test_a_file_holding_a_version_name_is_swept_by_retention_not_raised_on(
+    local_store, tokenizer_dir, tmp_path
+):
+    weights = WeightStore(local_store, cache_dir=tmp_path / "cache")
+    model = tiny_llama(seed=0)
+    for _ in range(3):
+        publish_model(weights, model, tokenizer_dir)
+    weights.fs.rm(weights.version_path(1), recursive=True)
+    weights.fs.pipe_file(weights.version_path(1), b"left by hand, not a version folder")
+
+    assert weights.retain(keep_last=1) == [0, 1]
+    assert weights.list() == [2] and not weights.fs.exists(weights.version_path(1))
+
+
 def test_a_cached_copy_missing_a_file_is_fetched_again(weights, tokenizer_dir):
     model = tiny_llama(seed=0)
     version = publish_model(weights, model, tokenizer_dir)
