@@ -32,6 +32,11 @@ MIN_RETENTION_HOURS = math.ceil(MIN_SWEEP_AGE_S / 3600)
 its writer (see ``MIN_SWEEP_AGE_S``), and vacuum would remove files that readers of recent
 snapshots and the change feed still need."""
 
+MAX_RETENTION_HOURS = 1_000_000
+"""Largest ``retention_hours`` (114 years: files that old are never there to go). deltalake
+(1.6.6) panics computing a vacuum's cutoff past about 2.5e12 hours, and its PanicException
+crashed the flow at its first table, before any other step."""
+
 
 # named as the flow's errors name the step: five runs of one name in the UI cannot be told apart
 @task(name="compact-table", task_run_name="compact-table {table}", **SIDE_EFFECTS, **STORAGE_RETRIES)
@@ -63,7 +68,7 @@ def sweep_shards(config: RunConfig, retention_hours: int) -> list[str]:
 def maintain(
     config: RunConfig = RunConfig(),
     keep_last: Annotated[int, Field(ge=1)] = 5,
-    retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS)] = 168,
+    retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS, le=MAX_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
     """Compact and vacuum every table, drop old weight versions and delete shard files that
     no commit lists (left by writers that died). A step that fails (a table whose log or
@@ -75,7 +80,7 @@ def maintain(
             that verifies always stay).
         retention_hours: vacuumed table files and uncommitted shard files are deleted once
             older than this (at least 1: a younger one may belong to a writer whose commit
-            has not landed yet).
+            has not landed yet; at most 1000000).
     """
     store = run_store(config)
     # a wrong root or run id (a deployment's form) would otherwise complete, having found nothing to do
@@ -139,12 +144,14 @@ def _first_line(state: State) -> str:
     return ": ".join([lines[0], *causes])
 
 
-def _at_least(minimum: int):
+def _at_least(minimum: int, maximum: int | None = None):
     # argparse names the function in its message: "invalid integer value: 'x'"
     def integer(text: str) -> int:
         value = int(text)
         if value < minimum:
             raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if maximum is not None and value > maximum:
+            raise argparse.ArgumentTypeError(f"must be <= {maximum}, got {value}")
         return value
 
     return integer
@@ -162,9 +169,12 @@ def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--retention-hours",
-        type=_at_least(MIN_RETENTION_HOURS),
+        type=_at_least(MIN_RETENTION_HOURS, MAX_RETENTION_HOURS),
         default=168,
-        help=f"Age past which unreferenced files go (default: %(default)s; at least {MIN_RETENTION_HOURS}).",
+        help=(
+            f"Age past which unreferenced files go (default: %(default)s; at least {MIN_RETENTION_HOURS}, "
+            f"at most {MAX_RETENTION_HOURS})."
+        ),
     )
 
 

@@ -13,7 +13,7 @@ from prefect.exceptions import ParameterTypeError
 from prefect.states import Failed
 from prefect.utilities.callables import parameter_schema
 
-from flows.maintain import MIN_RETENTION_HOURS, _first_line, maintain
+from flows.maintain import MAX_RETENTION_HOURS, MIN_RETENTION_HOURS, _first_line, maintain
 from flows.maintain import main as maintain_main
 from rl.models import load_policy, publish_policy
 from storage.config import RunStore, StorageConfig
@@ -72,6 +72,26 @@ def test_retention_below_the_minimum_is_refused_by_the_flow_its_form_and_the_cli
         maintain_main(["--config", str(REPO / "configs" / "tiny.yaml"), "--retention-hours", "0"])
     assert "--retention-hours: must be >= 1, got 0" in capsys.readouterr().err
     assert os.path.exists(store.path(in_flight))
+
+
+def test_a_retention_past_what_vacuum_can_count_is_refused_and_the_most_allowed_runs(tmp_path, capsys):
+    """deltalake panics computing a vacuum's cutoff millions of years back: the flow crashed
+    at its first table, no other step run, on a PanicException."""
+    config, store, orphan = _run_with_history(tmp_path, "maintain-forever")
+
+    with pytest.raises(ParameterTypeError, match="retention_hours"):
+        maintain(config, retention_hours=2**50)
+    retention = parameter_schema(maintain).properties["retention_hours"]
+    assert (
+        retention["maximum"] == MAX_RETENTION_HOURS
+        and f"at most {MAX_RETENTION_HOURS}" in retention["description"]
+    )
+    with pytest.raises(SystemExit):
+        maintain_main(["--config", str(REPO / "configs" / "tiny.yaml"), "--retention-hours", str(2**50)])
+    assert f"--retention-hours: must be <= {MAX_RETENTION_HOURS}, got {2**50}" in capsys.readouterr().err
+
+    result = maintain(config, keep_last=1, retention_hours=MAX_RETENTION_HOURS)
+    assert result["removed_shard_files"] == [] and os.path.exists(store.path(orphan))
 
 
 def test_the_forms_retention_hours_says_its_minimum_as_a_number():
