@@ -14,7 +14,8 @@ chat-format prompt, a list of answers); for the exact and regex verifiers, an an
 not blank, for the regex one, an answer that compiles, and for the numeric one, an answer that
 is a number. A bad row fails the load with its file and where it is (a JSON-lines file's line,
 from 1; a Parquet file's or JSON array's row, from 0), a file that is no Parquet with its name.
-A binary column is read as UTF-8 text.
+A binary column is read as UTF-8 text, a boolean as JSON writes it (``true``), and an integral
+float as its integer (``2``, not ``2.0``).
 Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
 so the splits never share a prompt, even one that occurs under several ids or with a trailing
 newline; ``id_field`` only names the task.
@@ -201,20 +202,33 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
                     row[field].encode()
             except UnicodeError as exc:
                 raise ValueError(f"{where}: {field!r} is not UTF-8 text: {exc}") from exc
+            row[field] = _text(row[field])
         id_field = config.id_field or config.prompt_field
-        if not str(row[id_field]).strip():
+        if not row[id_field].strip():
             raise ValueError(f"{where} has a blank {id_field!r} (the task's id)")
-        if config.verifier in ("exact", "regex") and not str(row[config.answer_field]).strip():
+        if config.verifier in ("exact", "regex") and not row[config.answer_field].strip():
             # the model's answer is stripped: a blank one would be scored right
             raise ValueError(f"{where} has a blank {config.answer_field!r} (the reference)")
         if config.verifier == "regex":
             try:
-                regex.compile(str(row[config.answer_field]))
+                regex.compile(row[config.answer_field])
             except regex.error as exc:
                 raise ValueError(f"{where}: reference is not a regex: {exc}") from exc
-        if config.verifier == "numeric" and not _is_number(str(row[config.answer_field])):
+        if config.verifier == "numeric" and not _is_number(row[config.answer_field]):
             raise ValueError(f"{where}: reference is not a number: {row[config.answer_field]!r:.80}")
     return tuple(rows)
+
+
+def _text(value: object) -> str:
+    """A field's value as the model and the verifiers see it: a boolean as JSON writes it
+    (``true``, not Python's ``True``), and an integral float as the integer it is (``2``, not
+    ``2.0``: pandas stores a column of integers with a gap as floats). Past 2**53 a float
+    holds no one integer, and keeps its ``1e+16``."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return str(value)
 
 
 def _is_number(text: str) -> bool:
@@ -265,8 +279,8 @@ class DatasetEnv(Env):
         make_verifier(cfg)  # a verifier that cannot be imported fails here, not in every reset
         tasks = []
         for row in _load_rows(cfg):
-            prompt, answer = str(row[cfg.prompt_field]), str(row[cfg.answer_field])
-            row_id = str(row[cfg.id_field]) if cfg.id_field else prompt
+            prompt, answer = row[cfg.prompt_field], row[cfg.answer_field]
+            row_id = row[cfg.id_field] if cfg.id_field else prompt
             if in_eval_split(prompt.strip(), cfg.eval_fraction) == (split == "eval"):
                 data = {"answer": answer, "verifier": cfg.verifier}
                 tasks.append(Task(env=cls.name, id=row_id, prompt=prompt, data=data))

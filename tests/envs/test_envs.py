@@ -1123,6 +1123,31 @@ def test_dataset_binary_parquet_columns_are_read_as_text(tmp_path):
         task_set("dataset", "train", 0, 1, {"path": str(bad)})
 
 
+@pytest.mark.parametrize("name", ["data.jsonl", "data.parquet"])
+def test_dataset_boolean_and_integral_float_fields_read_as_json_writes_them(tmp_path, name):
+    """A JSON or Parquet ``true`` was the reference ``True``, and a float column's ``2.0``
+    (pandas makes a column of integers with a gap float64) the reference ``2.0``: the exact
+    verifier scored the answers ``true`` and ``2`` wrong."""
+    rows = [{"prompt": f"q{i}", "flag": i % 2 == 0, "value": [2.0, -3.0, 2.5][i % 3]} for i in range(12)]
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("\n".join(map(json.dumps, rows)))
+    for field, text in (
+        ("flag", {True: "true", False: "false"}),
+        ("value", {2.0: "2", -3.0: "-3", 2.5: "2.5"}),
+    ):
+        config = {"path": str(path), "answer_field": field, "eval_fraction": 0.5}
+        tasks = [task for split in ("train", "eval") for task in task_set("dataset", split, 0, 100, config)]
+        assert {(task.prompt, task.data["answer"]) for task in tasks} == {
+            (row["prompt"], text[row[field]]) for row in rows
+        }
+        first = next(task for task in tasks if task.prompt == "q0")
+        result, final = asyncio.run(play("dataset", first, [text[rows[0][field]]], **config))
+        assert result.reward == final == 1.0, field
+
+
 @pytest.mark.parametrize("credentials", ["config", "environment"])
 def test_dataset_reads_its_rows_from_s3_with_keys_from_its_config_or_the_environment(
     s3_server, monkeypatch, credentials
