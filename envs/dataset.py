@@ -18,7 +18,9 @@ A binary column is read as UTF-8 text, a boolean as JSON writes it (``true``), a
 float as its integer (``2``, not ``2.0``).
 Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
 so the splits never share a prompt, even one that occurs under several ids or with a trailing
-newline; ``id_field`` only names the task.
+newline; ``id_field`` only names the task. A prompt given again must come with the same
+reference (the same number, for the numeric verifier): with another, one answer would score 1
+on one task and 0 on its twin, and the load fails naming both rows.
 """
 
 from __future__ import annotations
@@ -183,6 +185,7 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
     if not rows:
         raise ValueError(f"{config.path} holds no rows")
     required = (config.prompt_field, config.answer_field, *([config.id_field] if config.id_field else []))
+    asked: dict[str, tuple[str, str]] = {}  # prompt, as the split keys it -> its first answer, where
     for place, row in zip(places, rows, strict=True):
         where = f"{place} of {config.path}"
         if not isinstance(row, dict):
@@ -216,7 +219,24 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
                 raise ValueError(f"{where}: reference is not a regex: {exc}") from exc
         if config.verifier == "numeric" and not _is_number(row[config.answer_field]):
             raise ValueError(f"{where}: reference is not a number: {row[config.answer_field]!r:.80}")
+        prompt, answer = row[config.prompt_field].strip(), row[config.answer_field]
+        first, first_place = asked.setdefault(prompt, (answer, place))
+        if not _same_reference(answer, first, config.verifier):
+            # the same answer would score 1 on one task and 0 on its twin
+            raise ValueError(
+                f"{where}: prompt {prompt!r:.80} has the answer {answer!r:.80}, but {first!r:.80} at "
+                f"{first_place}: give each prompt one reference (several right answers take a regex or "
+                "a 'pkg.mod:fn' verifier)"
+            )
     return tuple(rows)
+
+
+def _same_reference(answer: str, other: str, verifier: str) -> bool:
+    """Whether two references of one prompt score every answer alike (as far as we can tell:
+    two patterns or two references to a Python function are alike when written alike)."""
+    if verifier == "numeric":
+        return _numeric(answer.strip(), other.strip(), 0.0) == 1.0
+    return answer.strip() == other.strip()
 
 
 def _text(value: object) -> str:

@@ -1366,6 +1366,39 @@ def test_dataset_refuses_a_prompt_answer_or_id_that_is_no_text_or_number(tmp_pat
         task_set("dataset", "train", 0, 1, {"path": str(path), "id_field": "qid"})
 
 
+@pytest.mark.parametrize("name", ["data.jsonl", "data.parquet"])
+def test_dataset_refuses_a_prompt_given_twice_with_different_answers(tmp_path, name):
+    """One task would score an answer right and its twin the same answer wrong: the load
+    passed it, and RL trained on a reward that was a coin toss."""
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(4)] + [{"prompt": " q1\n", "answer": "5"}]
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        first, second = "row 1", "row 4"
+    else:
+        path.write_text("\n".join(map(json.dumps, rows)))
+        first, second = "line 2", "line 5"
+    with pytest.raises(
+        ValueError, match=rf"{second} of .*{name}: prompt 'q1' has the answer '5', but '1' at {first}"
+    ):
+        task_set("dataset", "train", 0, 1, {"path": str(path)})
+
+
+def test_dataset_takes_a_prompt_given_twice_with_one_answer(tmp_path):
+    """Written alike (around blanks), or, under the numeric verifier, as one number."""
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)]
+    rows += [{"prompt": "q1", "answer": " 1\n"}, {"prompt": "q2", "answer": "2.0"}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(map(json.dumps, rows)))
+    config = {"path": str(path), "eval_fraction": 0.5, "verifier": "numeric"}
+    tasks = [task for split in ("train", "eval") for task in task_set("dataset", split, 0, 100, config)]
+    assert {task.prompt for task in tasks} == {row["prompt"] for row in rows}
+    with pytest.raises(
+        ValueError, match="line 12 of .*: prompt 'q2' has the answer '2.0', but '2' at line 3"
+    ):
+        task_set("dataset", "train", 0, 1, config | {"verifier": "exact"})
+
+
 def test_dataset_a_file_that_is_no_parquet_fails_the_load_naming_it(tmp_path):
     path = tmp_path / "broken.parquet"
     path.write_bytes(b"not parquet\n")
