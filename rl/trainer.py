@@ -796,7 +796,8 @@ class Trainer:
     ) -> dict[str, float] | None:
         """One critic step on GAE targets (λ = ``value_lam``) from its own current values, over
         every action token: a shared prefix, trained once by the policy (``train_mask``), is
-        fitted to the return of each branch that holds it.
+        fitted to the return of each branch that holds it. Returns its ``value_loss``,
+        ``explained_variance`` and ``grad_norm`` (before clipping, as the policy step's).
 
         With a non-finite loss or gradient norm (a reward too large for float32 arithmetic)
         no step is taken and None is returned: a step on it would make the critic NaN, and
@@ -831,7 +832,7 @@ class Trainer:
         self.value_optimizer.step()
         # over the whole batch: a mean of the parts' ratios would change with the micro-batching
         explained = explained_variance(torch.cat(scored_values), torch.cat(scored_returns))
-        return {"value_loss": loss_total, "explained_variance": explained}
+        return {"value_loss": loss_total, "explained_variance": explained, "grad_norm": grad_norm}
 
     def _advantages(self, parts: list[Batch], samples: list[Sample]) -> list[torch.Tensor]:
         config = self.config
@@ -974,6 +975,7 @@ class Trainer:
             "mode": config.mode,
             "staleness_hist": {str(k): v for k, v in sorted(Counter(staleness).items())},
             "value_losses": [s["value_loss"] for s in value_stats],
+            "value_grad_norms": [s["grad_norm"] for s in value_stats],
             "explained_variance": value_stats[-1]["explained_variance"] if value_stats else None,
             "masked_low": weighted["masked_low"],
             "masked_high": weighted["masked_high"],

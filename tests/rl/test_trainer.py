@@ -1866,6 +1866,22 @@ def test_the_policy_loss_is_normalised_by_the_batchs_total_loss_weight(store):
     assert unit.extra["grad_norm"] > 0
 
 
+def test_a_step_reports_the_critics_gradient_norm_beside_the_policys(store):
+    """The step's ``extra`` held the policy's gradient norm but not the critic's: a critic
+    whose gradients blow up (or vanish) showed only in its losses. One norm per critic step,
+    before clipping, as the policy's; none in GRPO."""
+    records = with_rewards(make_trajectories(store, 4, seed=3), [1.0, 0.0, 2.0, -1.0])
+    metrics, trainer = one_step(store, records, value_steps=3, max_grad_norm=1e9)
+    norms = metrics.extra["value_grad_norms"]
+    # the last critic step's gradient is left on the critic (unclipped, under this max_grad_norm)
+    left = torch.cat([p.grad.flatten() for p in trainer.value_model.parameters() if p.grad is not None])
+    assert len(norms) == 3 and all(norm > 0 for norm in norms)
+    assert norms[-1] == pytest.approx(float(left.norm()), rel=1e-5)
+    assert json.loads(metrics.row["extra"])["value_grad_norms"] == norms
+    grpo, _ = one_step(store, records, mode="grpo")
+    assert grpo.extra["value_grad_norms"] == [] and grpo.extra["grad_norm"] > 0
+
+
 def test_a_batch_whose_trainable_tokens_all_weigh_zero_is_rejected(store):
     records = make_trajectories(store, 2, seed=3)
     for record in records:
