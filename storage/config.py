@@ -126,7 +126,9 @@ class StorageConfig(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="forbid", hide_input_in_errors=True)
 
     root: str = Field(
-        "./runs", description="Local folder or S3 URL (s3://bucket/prefix) that holds every run."
+        "./runs",
+        description="Local folder (a leading ~ is the home folder) or S3 URL (s3://bucket/prefix) that holds "
+        "every run.",
     )
     endpoint_url: str | None = Field(
         None,
@@ -169,6 +171,8 @@ class StorageConfig(BaseModel):
         if not value.strip():
             raise ValueError("root must name a folder or URL")
         scheme, url, rest = value.partition("://")
+        if not url:  # as a shell would: root ~/runs made a folder named '~' in the current one
+            value = os.path.expanduser(value)
         head, colon, _ = value.partition(":")
         if not url and colon and head.lower() in S3_SCHEMES:
             # a local folder (./s3:/bucket) would keep each worker's data on its own disk;

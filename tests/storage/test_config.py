@@ -37,6 +37,16 @@ def test_a_plain_path_is_a_local_folder(tmp_path):
     assert not store.config.is_s3 and store.uri == str(tmp_path / "runs" / "r1")
 
 
+def test_a_local_root_written_with_a_tilde_is_in_the_home_folder(tmp_path, monkeypatch):
+    """``root: ~/runs`` kept every run in a folder named ``~`` of the current directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    config = StorageConfig(root="~/runs")
+    assert config.root == str(tmp_path / "home" / "runs")
+    assert RunStore(config, "r1").uri == str(tmp_path / "home" / "runs" / "r1")
+    assert StorageConfig(root="s3://bucket/~/runs").root == "s3://bucket/~/runs"  # a key, not a home
+
+
 @pytest.mark.parametrize("run_id", ["", "a/b", ".", ".."])
 def test_a_run_id_that_is_not_one_folder_of_the_root_is_refused(tmp_path, run_id):
     # '..' made the run the root's parent folder (``treadle inspect --run-id ..`` read it)
