@@ -15,7 +15,7 @@ from functools import cached_property
 import aiobotocore.session
 import botocore.handlers
 import fsspec
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic.json_schema import SkipJsonSchema
 
 from storage.redaction import MASKED, redact
@@ -142,10 +142,14 @@ class StorageConfig(BaseModel):
     # them, and the Prefect server, which stores a run's parameters as sent, refuses a run
     # that carries them (the schema allows no other field).
     access_key_id: SkipJsonSchema[SecretStr | None] = Field(
-        None, description="S3 key id; defaults to AWS_ACCESS_KEY_ID.", exclude_if=_unset
+        None,
+        description="S3 key id, set with secret_access_key or not at all; defaults to AWS_ACCESS_KEY_ID.",
+        exclude_if=_unset,
     )
     secret_access_key: SkipJsonSchema[SecretStr | None] = Field(
-        None, description="S3 secret; defaults to AWS_SECRET_ACCESS_KEY.", exclude_if=_unset
+        None,
+        description="S3 secret, set with access_key_id or not at all; defaults to AWS_SECRET_ACCESS_KEY.",
+        exclude_if=_unset,
     )
     session_token: SkipJsonSchema[SecretStr | None] = Field(
         None,
@@ -219,6 +223,20 @@ class StorageConfig(BaseModel):
     @classmethod
     def _not_masked(cls, value: SecretStr | None) -> SecretStr | None:
         return not_masked(value, what="credentials", env="AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY")
+
+    @model_validator(mode="after")
+    def _key_pair_whole(self) -> StorageConfig:
+        # s3fs failed at its first request on the missing half, with an obscure error, and
+        # deltalake, given no key, used the machine's role instead
+        if self.is_s3 and bool(self.access_key_id) != bool(self.secret_access_key):
+            given, missing = ("access_key_id", "secret_access_key")
+            if not self.access_key_id:
+                given, missing = missing, given
+            raise ValueError(
+                f"{given} is set but {missing} is not: give both, or neither and set AWS_ACCESS_KEY_ID "
+                "and AWS_SECRET_ACCESS_KEY in the environment"
+            )
+        return self
 
     @property
     def is_s3(self) -> bool:

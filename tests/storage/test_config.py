@@ -189,10 +189,25 @@ def test_an_endpoint_that_is_not_an_http_url_is_refused_naming_the_field(endpoin
 @pytest.mark.parametrize("field", ["access_key_id", "secret_access_key", "session_token"])
 def test_a_credential_that_comes_back_masked_is_refused(field):
     # what Prefect stores for a SecretStr parameter, and hands back on a re-run
-    stored = StorageConfig(root="s3://bucket", **{field: "real-value"}).model_dump(mode="json")
+    pair = {"access_key_id": "real-key", "secret_access_key": "real-secret"}
+    stored = StorageConfig(root="s3://bucket", **pair | {field: "real-value"}).model_dump(mode="json")
     assert stored[field] == "**********"
     with pytest.raises(ValidationError, match=rf"{field}\n.*arrived masked.*AWS_ACCESS_KEY_ID"):
-        StorageConfig.model_validate(stored)
+        StorageConfig.model_validate(stored | {name: value for name, value in pair.items() if name != field})
+
+
+@pytest.mark.parametrize(
+    ("given", "missing"), [("access_key_id", "secret_access_key"), ("secret_access_key", "access_key_id")]
+)
+def test_half_of_a_key_pair_is_refused_naming_the_half_that_is_missing(monkeypatch, given, missing):
+    """s3fs failed at its first request on the half it lacked, with an obscure error, while
+    deltalake, given no key, used the machine's role."""
+    # refused even so: a pair comes whole from the config or from the environment
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(variable, "from-the-environment")
+    with pytest.raises(ValidationError, match=f"{given} is set but {missing} is not") as error:
+        StorageConfig(root="s3://bucket", **{given: "TOP-SECRET-VALUE"})
+    assert "TOP-SECRET-VALUE" not in str(error.value)
 
 
 def test_temporary_credentials_carry_their_session_token(monkeypatch):
