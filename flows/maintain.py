@@ -1,5 +1,6 @@
-"""The maintain flow: compact and vacuum the Delta tables, keep the last N weight versions,
-sweep shard files no commit lists.
+"""The maintain flow: compact and vacuum the Delta tables, keep the last N weight versions
+(and sweep the temporary files of LATEST that killed publishes left), sweep shard files no
+commit lists.
 
 Runs one table at a time (compaction and vacuum must not overlap on a table).
 ``python -m flows.maintain --config configs/tiny.yaml``
@@ -55,8 +56,9 @@ def compact_table(config: RunConfig, table: str, retention_hours: int) -> dict[s
 
 
 @task(name="retain-weights", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def retain_weights(config: RunConfig, keep_last: int) -> list[int]:
-    return WeightStore(run_store(config)).retain(keep_last)
+def retain_weights(config: RunConfig, keep_last: int) -> dict[str, list]:
+    weights = WeightStore(run_store(config))
+    return {"versions": weights.retain(keep_last), "latest_temps": weights.sweep_latest_temps()}
 
 
 @task(name="sweep-shards", **SIDE_EFFECTS, **STORAGE_RETRIES)
@@ -70,8 +72,9 @@ def maintain(
     keep_last: Annotated[int, Field(ge=1)] = 5,
     retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS, le=MAX_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
-    """Compact and vacuum every table, drop old weight versions and delete shard files that
-    no commit lists (left by writers that died). A step that fails (a table whose log or
+    """Compact and vacuum every table, drop old weight versions (and the temporary files of
+    LATEST that killed publishes left, once an hour old) and delete shard files that no
+    commit lists (left by writers that died). A step that fails (a table whose log or
     files cannot be read) leaves the others to run; the flow then raises naming each.
 
     Args:
@@ -106,14 +109,15 @@ def maintain(
             )
         return {
             "tables": [states[f"compact-table {name}"].result() for name in TABLE_SCHEMAS],
-            "removed_versions": states["retain-weights"].result(),
+            "removed_versions": states["retain-weights"].result()["versions"],
+            "removed_latest_temps": states["retain-weights"].result()["latest_temps"],
             "removed_shard_files": states["sweep-shards"].result(),
         }
 
 
 def summary(result: dict[str, Any]) -> str:
     """What a :func:`maintain` run's result did, a short line per table and one each for the
-    weight versions and shard files it removed."""
+    weight versions, LATEST's temporary files and shard files it removed."""
     lines = []
     for table in result["tables"]:
         optimize = table.get("optimize")
@@ -128,6 +132,7 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"{table['table']}: {done}")
     versions = result["removed_versions"]
     lines.append(f"weight versions pruned: {', '.join(f'v{v}' for v in versions) if versions else 'none'}")
+    lines.append(f"LATEST temporary files of killed publishes deleted: {len(result['removed_latest_temps'])}")
     lines.append(f"uncommitted shard files deleted: {len(result['removed_shard_files'])}")
     return "\n".join(lines)
 

@@ -63,6 +63,9 @@ CLAIM_FILE = "CLAIM"
 CLAIM_REFRESH_S = 30.0
 """While a publish uploads its files, its claim's time is renewed this often, so a claim
 older than a few of these belongs to a publish that died."""
+IN_FLIGHT_S = 3600.0
+"""A claim older than this belongs to a publish that died (see ``retain``), and so does a
+temporary file of ``LATEST`` this old (a live publish renames it away at once)."""
 TOKENIZER_FILE = "tokenizer.json"
 Part = Literal["all", "serving", "tokenizer"]
 PARTS: tuple[Part, ...] = ("all", "serving", "tokenizer")
@@ -75,6 +78,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _IN_USE_FILE = re.compile(r"^\.(v\d{6,})\.in-use$")
 _STAGING_DIR = re.compile(r"^\.\w+-v\d{6,}\.tmp-[0-9a-f]{32}$")
+_LATEST_TEMP = re.compile(rf"^{LATEST_FILE}\.tmp-[0-9a-f]{{32}}$")
 STAGING_STALE_S = 3600.0
 """A download's staging folder untouched this long was left by a process that died mid-download."""
 _HASH_CHUNK = 1 << 20
@@ -871,7 +875,9 @@ class WeightStore:
             return False
         return True
 
-    def retain(self, keep_last: int, in_flight_s: float = 3600.0, verified: int | None = None) -> list[int]:
+    def retain(
+        self, keep_last: int, in_flight_s: float = IN_FLIGHT_S, verified: int | None = None
+    ) -> list[int]:
         """Delete all but the newest ``keep_last`` versions; tagged versions and LATEST stay,
         and so does a version whose manifest is unreadable (it may be tagged; logged). So do
         the newest version at or below LATEST whose files all verify (what ``load_newest``
@@ -927,3 +933,17 @@ class WeightStore:
                     self.fs.rm_file(manifest_path)  # the version disappears before its files do
                 self.fs.rm(path, recursive=True)
         return doomed
+
+    def sweep_latest_temps(self, older_than_s: float = IN_FLIGHT_S) -> list[str]:
+        """Delete the temporary files of ``LATEST`` (written on a local folder, then renamed
+        over it) that publishes killed before the rename left, once older than
+        ``older_than_s``; returns their names, sorted."""
+        stale_before = time.time() - older_than_s
+        swept = []
+        for name in sorted(filter(_LATEST_TEMP.match, self._dir_names())):
+            path = posixpath.join(self.root, name)
+            with contextlib.suppress(FileNotFoundError):  # another sweep deleted it meanwhile
+                if self.fs.modified(path).timestamp() < stale_before:
+                    self.fs.rm_file(path)
+                    swept.append(name)
+        return swept

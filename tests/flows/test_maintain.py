@@ -42,9 +42,16 @@ def test_maintain_compacts_prunes_and_sweeps_only_old_uncommitted_files(tmp_path
         store.create_exclusive(store.path(leftover), b"left by a writer that died")
     two_hours_ago = time.time() - 7200
     os.utime(store.path(old), (two_hours_ago, two_hours_ago))
+    # left by a publish killed before renaming it over LATEST; the young one may be a live write
+    dead, live = (store.path("weights", f"LATEST.tmp-{seed * 32}") for seed in "ab")
+    for temp in (dead, live):
+        store.create_exclusive(temp, b"3\n")
+    os.utime(dead, (two_hours_ago, two_hours_ago))
 
     result = maintain(config, keep_last=1, retention_hours=1)
 
+    assert result["removed_latest_temps"] == [os.path.basename(dead)]
+    assert not os.path.exists(dead) and os.path.exists(live)
     assert result["removed_shard_files"] == [old]
     assert not os.path.exists(store.path(old)) and os.path.exists(store.path(young))
     assert result["removed_versions"] == [1, 2] and weights.list() == [0, 3]  # v0 is tagged base
@@ -146,13 +153,14 @@ def test_maintain_prints_a_short_summary_of_what_it_did(tmp_path, capsys):
     root = config.storage.root
     maintain_main(["--run-id", config.run_id, "--set", f"storage.root={root}", "--retention-hours", "1"])
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-7:] == [
+    assert lines[-8:] == [
         "shards: compacted 4 files into 1, vacuumed 0 files",
         "trajectories: not created yet",
         "train_steps: not created yet",
         "weights: not created yet",
         "evals: compacted 3 files into 1, vacuumed 0 files",
         "weight versions pruned: none",
+        "LATEST temporary files of killed publishes deleted: 0",
         "uncommitted shard files deleted: 1",
     ]
     assert not os.path.exists(store.path(orphan))

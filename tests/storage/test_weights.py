@@ -37,6 +37,7 @@ from storage.config import RunStore
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
 from storage.weights import (
     CLAIM_FILE,
+    IN_FLIGHT_S,
     MANIFEST_FILE,
     STAGING_STALE_S,
     CorruptVersion,
@@ -760,6 +761,26 @@ def test_retention_deletes_an_unfinished_version_only_below_the_newest_once_its_
     assert weights.fs.exists(weights.version_path(2))
     assert weights.retain(keep_last=1, in_flight_s=0) == [2]
     assert not weights.fs.exists(weights.version_path(2)) and weights.list() == [3]
+
+
+def test_latest_temp_files_of_killed_publishes_are_swept_once_as_old_as_a_dead_claim(
+    local_store, tokenizer_dir, tmp_path
+):
+    """A publish killed between writing LATEST's temporary file and renaming it over LATEST
+    left ``LATEST.tmp-<hex>`` in the weights folder, which nothing deleted; one younger than
+    ``IN_FLIGHT_S`` may be a write in progress."""
+    weights = WeightStore(local_store, cache_dir=tmp_path / "cache")
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    old, young = (f"LATEST.tmp-{seed * 32}" for seed in "ab")
+    for name in (old, young):
+        weights.fs.pipe_file(posixpath.join(weights.root, name), b"1\n")
+    long_ago = time.time() - IN_FLIGHT_S - 60
+    os.utime(posixpath.join(weights.root, old), (long_ago, long_ago))
+
+    assert weights.sweep_latest_temps() == [old]
+    assert not weights.fs.exists(posixpath.join(weights.root, old))
+    assert weights.fs.exists(posixpath.join(weights.root, young))
+    assert weights.latest() == 0 and weights.list() == [0]
 
 
 def test_a_retention_killed_while_deleting_a_version_leaves_no_complete_looking_remains(
