@@ -29,6 +29,7 @@ import asyncio
 import importlib
 import json
 import math
+import os
 import posixpath
 import random
 import re
@@ -56,7 +57,8 @@ class DatasetConfig(EnvConfig):
     max_turns: int = Field(1, ge=1, le=1, description="Single turn: the action is the answer.")
     path: str = Field(
         "",
-        description="Parquet (.parquet), JSON-lines (.jsonl) or JSON-array (.json) file, local or s3://.",
+        description="Parquet (.parquet), JSON-lines (.jsonl) or JSON-array (.json) file, local (a leading ~ is the "
+        "home folder) or s3://.",
     )
     storage: StorageConfig | None = Field(None, description="Endpoint and credentials for an s3:// path.")
     prompt_field: str = Field("prompt", description="Column holding the user message.")
@@ -90,7 +92,7 @@ class DatasetConfig(EnvConfig):
             raise ValueError(f"must end in .parquet, .jsonl or .json, got {posixpath.basename(value)!r}")
         scheme, url, rest = value.partition("://")
         if not url:
-            return value
+            return os.path.expanduser(value)
         if scheme.lower() not in S3_SCHEMES:
             raise ValueError(f"must be a local file or an s3:// URL, not a {scheme}:// one")
         return f"{scheme.lower()}://{rest}"

@@ -228,7 +228,7 @@ class StorageConfig(BaseModel):
     def _key_pair_whole(self) -> StorageConfig:
         # s3fs failed at its first request on the missing half, with an obscure error, and
         # deltalake, given no key, used the machine's role instead
-        if self.is_s3 and bool(self.access_key_id) != bool(self.secret_access_key):
+        if bool(self.access_key_id) != bool(self.secret_access_key):
             given, missing = ("access_key_id", "secret_access_key")
             if not self.access_key_id:
                 given, missing = missing, given

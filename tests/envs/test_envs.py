@@ -1206,6 +1206,19 @@ def test_dataset_config_refuses_credentials_and_malformed_verifiers_and_lowers_t
     assert make("dataset", path="S3://bucket/rows.jsonl").config.path == "s3://bucket/rows.jsonl"
 
 
+def test_dataset_path_under_the_home_folder_and_half_a_key_pair(monkeypatch, tmp_path):
+    """``~/rows.jsonl`` is the home folder's file, not one in a folder named ``~``; the
+    dataset's own storage section refuses half a key pair as the run's does (its s3:// path
+    is set as the root only when the file is read)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "say it", "answer": "it"}\n' * 2)
+    env = make("dataset", path="~/rows.jsonl")
+    assert env.config.path == str(tmp_path / "rows.jsonl")
+    with pytest.raises(ValueError, match="secret_access_key is set but access_key_id is not") as refused:
+        make("dataset", path="s3://bucket/rows.jsonl", storage={"secret_access_key": "TOP-SECRET-VALUE"})
+    assert "TOP-SECRET-VALUE" not in str(refused.value)
+
+
 LOOP_RAN = threading.Event()
 
 

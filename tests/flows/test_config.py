@@ -401,6 +401,7 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
     a number."""
     sets = [
         "run_id=2024",
+        "storage.access_key_id=2024",
         "storage.secret_access_key=123456",
         "storage.session_token=1.50",
         "ray_address=2024-12-03",
@@ -408,6 +409,7 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
     ]
     config, _ = parse("test", with_sets(sets))
     assert config.run_id == "2024"
+    assert config.storage.access_key_id.get_secret_value() == "2024"
     assert config.storage.secret_access_key.get_secret_value() == "123456"
     assert config.storage.session_token.get_secret_value() == "1.50"
     assert config.ray_address == "2024-12-03"
@@ -419,14 +421,14 @@ def test_a_secret_set_on_the_command_line_is_warned_of_without_showing_it(capsys
     machine and the shell keeps in its history: it is taken, with a warning naming the field
     and where to give it instead, never the value."""
     sets = [
-        "storage={root: ./runs, secret_access_key: TOP-SECRET-1}",
+        "storage={root: ./runs, access_key_id: TOP-SECRET-0, secret_access_key: TOP-SECRET-1}",
         "engine.vllm=[{base_url: 'http://127.0.0.1:8000'}, {api_key: TOP-SECRET-2}]",
     ]
     config, _ = parse("test", with_sets(sets))
     assert config.storage.secret_access_key.get_secret_value() == "TOP-SECRET-1"
     warned = capsys.readouterr().err
     assert "TOP-SECRET" not in warned
-    for field in ("storage.secret_access_key", "engine.vllm[1].api_key"):
+    for field in ("storage.access_key_id", "storage.secret_access_key", "engine.vllm[1].api_key"):
         assert f"warning: --set {field} puts a secret on the command line" in warned, warned
     parse("test", with_sets(["storage.retries=5", "run_id=key"]))
     assert capsys.readouterr().err == ""
@@ -817,14 +819,16 @@ def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
         bad_run = {"config": plain["config"] | {"run_id": run_id}}
         with pytest.raises(jsonschema.ValidationError, match="does not match"):
             jsonschema.validate(bad_run, schema)  # refused by the server, before a worker starts
-    for field in ("access_key_id", "secret_access_key", "session_token"):
-        for keyed in (
-            {"storage": {field: "AKIAEXAMPLE"}},
-            {"envs": {"dataset": {"storage": {field: "AKIAEXAMPLE"}}}},
-        ):
+    for keys in (
+        {"access_key_id": "AKIAEXAMPLE", "secret_access_key": "EXAMPLE"},
+        {"session_token": "EXAMPLE"},
+    ):
+        for keyed in ({"storage": keys}, {"envs": {"dataset": {"storage": keys}}}):
             with_key = RunConfig.model_validate(keyed).model_dump(mode="json")
-            with pytest.raises(jsonschema.ValidationError, match=f"'{field}' was unexpected"):
+            with pytest.raises(jsonschema.ValidationError) as refused:
                 jsonschema.validate({"config": with_key}, schema)
+            assert "unexpected" in refused.value.message
+            assert all(f"'{field}'" in refused.value.message for field in keys)
 
 
 def _deployments() -> list[dict]:
