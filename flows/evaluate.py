@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import Annotated, Any
 
@@ -64,6 +65,18 @@ def evaluate(
         return result
 
 
+def _version(text: str) -> int:
+    """``--version``, refused by argparse (exit 2, one line) when negative, as the flow's
+    parameter is: a version -1 was looked up and said not to exist."""
+    try:
+        version = int(text)
+    except ValueError:  # argparse would name the function: "invalid _version value"
+        raise argparse.ArgumentTypeError(f"invalid integer value: {text!r}") from None
+    if version < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {version}")
+    return version
+
+
 @stops_as_on_ctrl_c
 def main(argv: list[str] | None = None) -> None:
     from flows.cli_args import parse
@@ -71,7 +84,9 @@ def main(argv: list[str] | None = None) -> None:
     config, args = parse(
         "Evaluate a weight version.",
         argv,
-        extra=lambda p: p.add_argument("--version", type=int, help="Weight version (default: the newest)."),
+        extra=lambda p: p.add_argument(
+            "--version", type=_version, help="Weight version (default: the newest)."
+        ),
         devices=evaluate_devices,
         paths=evaluate_paths,
         splits=("eval",),

@@ -214,6 +214,22 @@ def test_evaluating_a_run_or_version_that_does_not_exist_is_a_one_line_error(loc
     )
 
 
+def test_a_negative_version_is_a_usage_error_before_the_runs_versions_are_read(capfd, monkeypatch, tmp_path):
+    """``--version -1`` was looked up, and answered that version -1 "does not exist"; the
+    flow's parameter and form refuse it (``ge=0``), and so does the command line, as it
+    refuses any other bad option: one line naming --version, status 2."""
+    import flows.evaluate
+
+    read = []
+    monkeypatch.setattr(flows.evaluate, "missing_version", lambda *args, **kwargs: read.append(args))
+    root = f"storage.root={tmp_path / 'runs'}"
+    for given, said in (("-1", "must be >= 0, got -1"), ("x", "invalid integer value: 'x'")):
+        refused = treadle_here(capfd, monkeypatch, "run", "evaluate", "--version", given, "--set", root)
+        assert refused.returncode == 2 and "Traceback" not in refused.stderr
+        assert refused.stderr.splitlines()[-1].endswith(f"argument --version: {said}")
+    assert read == []
+
+
 def test_evaluating_a_pruned_version_names_the_versions_kept_not_a_range_holding_it(local_store):
     """After pruning, a missing version 2 was reported as not existing among "v0 to v4"."""
     weights = WeightStore(local_store)
