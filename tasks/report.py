@@ -294,11 +294,20 @@ EVALS_DECIMALS = 4
 noise of the conversion (0.43 reads back as 0.4300000071525574)."""
 
 
+def latest_evals(evals: pa.Table) -> pa.Table:
+    """The ``evals`` rows that stand, by version then env: of a version's evaluations of an
+    env, the one measured last, as a rerun reuses (``tasks.weights.recorded_eval``); a
+    version evaluated again was two rows and two points at one version, neither saying which
+    stands (``treadle inspect`` names each setup's latest)."""
+    latest = {(r["version"], r["env"]): r for r in evals.sort_by("time").to_pylist()}
+    return pa.Table.from_pylist([latest[key] for key in sorted(latest)], schema=evals.schema)
+
+
 def _create_evals_artifact(config: RunConfig, evals: pa.Table) -> None:
     create_table_artifact(
         [{**r, "reward": round(r["reward"], EVALS_DECIMALS)} for r in _rows(evals, EVALS_COLUMNS)],
         key=f"{artifact_key(config.run_id)}-evals",
-        description="Held-out reward per weight version",
+        description="Held-out reward per weight version and env, its latest measurement",
     )
 
 
@@ -326,7 +335,7 @@ def report_evals(config: RunConfig) -> None:
         return
 
     def publish() -> None:
-        _create_evals_artifact(config, Tables(run_store(config)).read("evals").sort_by("version"))
+        _create_evals_artifact(config, latest_evals(Tables(run_store(config)).read("evals")))
 
     reporting(publish, f"the evals artifact of run {config.run_id}")()
 
@@ -342,7 +351,7 @@ def report_run(config: RunConfig) -> str:
         tables.read("train_steps", columns=[*STEPS_COLUMNS, "time"]),
         tables.read("weights", columns=["step", "created_at"]),
     )
-    evals = tables.read("evals").sort_by("version")
+    evals = latest_evals(tables.read("evals"))
     shards = tables.read("shards")
     key = artifact_key(config.run_id)
     # the run's results are in its tables already: an API blip here must not fail the run
@@ -395,6 +404,8 @@ def report_run(config: RunConfig) -> str:
         stored,
         "",
         "## Held-out reward",
+        "",
+        "The latest measurement of each version and env (`evals` holds every one).",
         "",
         "| version | env | reward | tasks measured |",
         "|---|---|---|---|",

@@ -212,7 +212,7 @@ def test_the_evals_artifact_rounds_rewards_and_the_report_heads_its_count_as_tas
         {"version": 1, "env": "arith", "reward": 0.43, "count": 3},
     ]
     lines = markdown.splitlines()
-    header = lines.index("## Held-out reward") + 2
+    header = lines.index("## Held-out reward") + 4
     assert lines[header : header + 4] == [
         "| version | env | reward | tasks measured |",
         "|---|---|---|---|",
@@ -279,3 +279,44 @@ def test_an_artifact_key_is_the_run_id_lowercased_with_its_hash():
     """Readable in the UI as the run's own name where Prefect allows its characters."""
     key = report.artifact_key("Exp_1")
     assert key.startswith("exp-1-") and key != report.artifact_key("exp_1")
+
+
+def test_a_version_evaluated_twice_is_shown_once_by_its_latest_measurement(tmp_path, monkeypatch):
+    """A version evaluated again (``treadle run evaluate --version 1`` measures anew) was two
+    rows of the report, two of the evals artifact, and two points of the curve at one version,
+    none saying which stands; the one measured last does, as for a rerun that reuses it."""
+    config = tiny_config(tmp_path / "runs", "evaluated-twice")
+    row = {"env": "arith", "count": 4, "time": START, "tasks": 4}
+    Tables(run_store(config)).append(
+        "evals",
+        [  # the later measurement first: a Delta table keeps no order between its files
+            row | {"version": 1, "reward": 0.5, "time": START + timedelta(hours=1)},
+            row | {"version": 1, "reward": 0.25},
+            row | {"version": 0, "reward": 0.125},
+        ],
+    )
+    made = {}
+    monkeypatch.setattr(
+        report, "create_table_artifact", lambda rows, key, description: made.update({key: rows})
+    )
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+
+    markdown = report.report_run(config)
+
+    shown = [
+        {"version": 0, "env": "arith", "reward": 0.125, "count": 4},
+        {"version": 1, "env": "arith", "reward": 0.5, "count": 4},
+    ]
+    key = f"{report.artifact_key('evaluated-twice')}-evals"
+    assert made.pop(key) == shown
+    assert [r for r in markdown.splitlines() if r.startswith("| ") and r[2].isdigit()] == [
+        "| 0 | arith | 0.125 | 4 |",
+        "| 1 | arith | 0.500 | 4 |",
+    ]
+    (held_out,) = [axes for axes in figures[0].axes if axes.get_title() == "held-out reward"]
+    (line,) = held_out.get_lines()
+    assert list(line.get_xdata()) == [0, 1] and list(line.get_ydata()) == [0.125, 0.5]
+    report.report_evals(config)
+    assert made[key] == shown
