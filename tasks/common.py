@@ -207,12 +207,17 @@ def clear_signals(store: RunStore, key: str) -> None:
 @contextlib.contextmanager
 def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[threading.Event | None]:
     """An event set once signal ``name`` of ``key`` is raised (None without a key); the
-    store is looked at every :data:`SIGNAL_POLL_S` while the block runs."""
+    store is looked at every :data:`SIGNAL_POLL_S` while the block runs.
+
+    An error a retry cannot clear (:func:`is_transient`: the signal's file forbidden) sets
+    the event too, so that the work ends rather than run on deaf to its end, and is raised
+    once the block ends (unless the block raised)."""
     if key is None:
         yield None
         return
     raised, done = threading.Event(), threading.Event()
     path = store.path(signal_path(key, name))
+    failed: list[Exception] = []
 
     def watch() -> None:
         while not done.wait(SIGNAL_POLL_S):
@@ -220,7 +225,13 @@ def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[thread
                 if path in _raised_here or store.fs.exists(path):
                     raised.set()
                     return
-            except Exception as exc:  # the store away for a moment: look again next time
+            except Exception as exc:
+                if not is_transient(exc):
+                    log.error("cannot look for signal %s at %s, ending the work: %s", name, path, said(exc))
+                    failed.append(exc)
+                    raised.set()
+                    return
+                # the store away for a moment: look again next time
                 log.warning("could not look for signal %s: %s", name, exc)
 
     watcher = threading.Thread(target=watch, name=f"signal-{name}", daemon=True)
@@ -230,6 +241,8 @@ def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[thread
     finally:
         done.set()
         watcher.join()
+    if failed:
+        raise failed[0]
 
 
 def run_resource(config: RunConfig) -> dict[str, str]:

@@ -88,6 +88,57 @@ def test_a_watcher_ends_with_its_block_when_no_signal_came(local_store, fast_wat
     assert not raised.is_set() and not watchers("never")
 
 
+def failing_exists(store, monkeypatch, error: Exception, failures: int | None = None) -> list[str]:
+    """Make the store's next ``failures`` looks for a file (all without a number) raise
+    ``error``; returns the looks made."""
+    looks: list[str] = []
+    exists = store.fs.exists
+
+    def look(path, **kwargs):
+        looks.append(path)
+        if failures is None or len(looks) <= failures:
+            raise error
+        return exists(path, **kwargs)
+
+    monkeypatch.setattr(store.fs, "exists", look)
+    return looks
+
+
+def test_a_watcher_the_store_fails_for_a_moment_sees_the_signal_once_it_answers(
+    local_store, monkeypatch, fast_watch
+):
+    looks = failing_exists(local_store, monkeypatch, ConnectionResetError("connection reset (injected)"), 2)
+    local_store.fs.pipe_file(local_store.path(signal_path("k", "stop")), b"stop")
+    with watch_signal(local_store, "k", "stop") as raised:
+        assert raised.wait(30)
+    assert len(looks) == 3
+
+
+def test_a_watcher_refused_the_signals_file_ends_the_work_and_fails_its_block(
+    local_store, monkeypatch, fast_watch, caplog
+):
+    """A lasting PermissionError was looked at again every second for ever, a warning each
+    time: the task never heard the signal that ends it (a pipeline's rollouts and trainer
+    without a deadline ran on for ever). Its work ends as at the signal, then the error
+    fails the block, and so the task, which does not retry it."""
+    looks = failing_exists(local_store, monkeypatch, PermissionError(13, "Permission denied (injected)"))
+    with pytest.raises(PermissionError, match="injected"), watch_signal(local_store, "k", "stop") as raised:
+        assert raised.wait(30)  # the bound only ends a wait that fails the test
+    assert len(looks) == 1 and not watchers("stop")
+    (said,) = [r for r in caplog.records if "signal stop" in r.getMessage()]
+    assert said.levelname == "ERROR" and "Permission denied (injected)" in said.getMessage()
+
+
+def test_a_watcher_whose_block_failed_raises_the_blocks_error(local_store, monkeypatch, fast_watch):
+    failing_exists(local_store, monkeypatch, PermissionError(13, "Permission denied (injected)"))
+    with (
+        pytest.raises(RuntimeError, match="the work failed"),
+        watch_signal(local_store, "k", "stop") as raised,
+    ):
+        assert raised.wait(30)
+        raise RuntimeError("the work failed")
+
+
 def test_without_a_key_there_is_nothing_to_watch(local_store):
     with watch_signal(local_store, None, "stop") as raised:
         assert raised is None and not watchers("stop")
