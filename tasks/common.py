@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
-from botocore.exceptions import BotoCoreError
+from botocore.exceptions import BotoCoreError, ParamValidationError, PartialCredentialsError, ProfileNotFound
 from deltalake.exceptions import CommitFailedError
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -37,7 +37,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 """Errors a second attempt can clear: storage and network I/O (``TimeoutError`` and
 ``ConnectionError`` are ``OSError``s; deltalake raises its S3 errors as ``OSError``; s3fs
 lets aiohttp's through, e.g. ``ClientPayloadError`` for a download a dropped connection cut
-short), a Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS` are excepted."""
+short), a Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS` and
+:data:`PERMANENT_BOTOCORE_ERRORS` are excepted."""
 
 PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
     FileNotFoundError,
@@ -49,12 +50,24 @@ PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
 """``OSError``s that say the same on every attempt: a path missing (no weight version, a
 model path that does not exist), taken (``VersionTaken``), forbidden or of the wrong kind."""
 
+PERMANENT_BOTOCORE_ERRORS: tuple[type[BotoCoreError], ...] = (
+    ProfileNotFound,
+    PartialCredentialsError,
+    ParamValidationError,
+)
+"""botocore's errors that say its config is wrong, the same on every attempt: an
+``AWS_PROFILE`` no config file names, a key id without its secret, a request botocore will not
+send (a bucket name S3 cannot hold). Not ``NoCredentialsError``: botocore raises it too when
+the instance metadata service did not answer an EC2 machine in time, and an attempt's fresh
+client looks again; nor ``CredentialRetrievalError``, a provider (STS, a container's
+endpoint) that failed to answer."""
+
 
 def is_transient(error: BaseException) -> bool:
     """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS` but not
-    :data:`PERMANENT_OS_ERRORS`, or a Ray actor, worker or node lost under a task; not an
-    error raised inside one)."""
-    if isinstance(error, PERMANENT_OS_ERRORS):
+    :data:`PERMANENT_OS_ERRORS` nor :data:`PERMANENT_BOTOCORE_ERRORS`, or a Ray actor, worker
+    or node lost under a task; not an error raised inside one)."""
+    if isinstance(error, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS):
         return False
     if isinstance(error, TRANSIENT_ERRORS):
         return True

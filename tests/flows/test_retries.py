@@ -18,7 +18,14 @@ import aiohttp
 import httpx
 import pytest
 import ray.exceptions
-from botocore.exceptions import EndpointConnectionError
+from botocore.exceptions import (
+    CredentialRetrievalError,
+    EndpointConnectionError,
+    NoCredentialsError,
+    ParamValidationError,
+    PartialCredentialsError,
+    ProfileNotFound,
+)
 from deltalake.exceptions import CommitFailedError
 from prefect import flow, task
 from prefect.server.api.server import SubprocessASGIServer
@@ -54,6 +61,42 @@ class NoEndpoint(EndpointConnectionError):
         super().__init__(endpoint_url=message)
 
 
+class NoCredentials(NoCredentialsError):
+    """botocore's error for credentials none of its providers gave, which it raises too when
+    the instance metadata service did not answer in time: made with a message (unused)."""
+
+    def __init__(self, message: str):
+        super().__init__()
+
+
+class NotRetrieved(CredentialRetrievalError):
+    """botocore's error for a credential provider that failed (STS, a container's endpoint)."""
+
+    def __init__(self, message: str):
+        super().__init__(provider="container-role", error_msg=message)
+
+
+class NoProfile(ProfileNotFound):
+    """botocore's error for an ``AWS_PROFILE`` no config file names."""
+
+    def __init__(self, message: str):
+        super().__init__(profile=message)
+
+
+class KeyIdAlone(PartialCredentialsError):
+    """botocore's error for a key id given without its secret."""
+
+    def __init__(self, message: str):
+        super().__init__(provider="env", cred_var=message)
+
+
+class BadRequest(ParamValidationError):
+    """botocore's error for a request it refuses to send (a bucket name S3 cannot hold)."""
+
+    def __init__(self, message: str):
+        super().__init__(report=message)
+
+
 @pytest.mark.parametrize(
     "error",
     [
@@ -63,6 +106,8 @@ class NoEndpoint(EndpointConnectionError):
         ConnectionResetError,
         BrokenPipeError,
         NoEndpoint,
+        NoCredentials,  # on EC2, where the instance metadata service may not answer for a moment
+        NotRetrieved,
         aiohttp.ClientPayloadError,  # an S3 download (a weight file, a status) cut short
         CommitFailedError,  # a Delta commit that lost a race
         # a Ray actor, worker or node lost under the task
@@ -94,6 +139,10 @@ def test_a_transient_error_is_retried_three_times_then_fails_the_task(prefect_ap
         NotADirectoryError,
         FileExistsError,
         VersionTaken,
+        # botocore's that say its config is wrong: a profile, a key id alone, a bucket name
+        NoProfile,
+        KeyIdAlone,
+        BadRequest,
     ],
 )
 def test_any_other_error_fails_the_task_at_once(prefect_api, tmp_path, error):
