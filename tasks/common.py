@@ -222,9 +222,11 @@ def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[thread
     """An event set once signal ``name`` of ``key`` is raised (None without a key); the
     store is looked at every :data:`SIGNAL_POLL_S` while the block runs.
 
-    An error a retry cannot clear (:func:`is_transient`: the signal's file forbidden) sets
-    the event too, so that the work ends rather than run on deaf to its end, and is raised
-    once the block ends (unless the block raised)."""
+    An error that says the same on every look (:data:`PERMANENT_OS_ERRORS`,
+    :data:`PERMANENT_BOTOCORE_ERRORS`: the signal's file forbidden) sets the event too, so
+    that the work ends rather than run on deaf to its end, and is raised once the block ends
+    (unless the block raised). Any other is looked past: ending a long run's work on an
+    error seen once would cost more than a warning a second."""
     if key is None:
         yield None
         return
@@ -239,13 +241,13 @@ def watch_signal(store: RunStore, key: str | None, name: str) -> Iterator[thread
                     raised.set()
                     return
             except Exception as exc:
-                if not is_transient(exc):
+                if isinstance(exc, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS):
                     log.error("cannot look for signal %s at %s, ending the work: %s", name, path, said(exc))
                     failed.append(exc)
                     raised.set()
                     return
                 # the store away for a moment: look again next time
-                log.warning("could not look for signal %s: %s", name, exc)
+                log.warning("could not look for signal %s: %s", name, said(exc))
 
     watcher = threading.Thread(target=watch, name=f"signal-{name}", daemon=True)
     watcher.start()
