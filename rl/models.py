@@ -39,6 +39,7 @@ from transformers import (
     Qwen3Config,
 )
 from transformers.core_model_loading import revert_weight_conversion
+from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from transformers.utils.output_capturing import OutputRecorder
 
 from rl.config import TinyModelConfig, TorchDtype
@@ -188,8 +189,12 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
     score head) and initialises them at random. Tensors the model has no place for (a config of
     fewer layers, a checkpoint's extra head) are left out with a warning naming them. A weights
     file that does not read (a download cut short) is a ``ValueError`` naming it, where
-    safetensors names none.
+    safetensors names none. A local folder holding no weights file is a ``FileNotFoundError``
+    (transformers raises a plain ``OSError``, which the tasks retry as storage's).
     """
+    names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in names):
+        raise FileNotFoundError(f"{str(path)!r} holds no weights: none of {', '.join(names)}")
     try:
         with PRETRAINED_LOAD_LOCK:
             model, info = model_class.from_pretrained(

@@ -597,6 +597,15 @@ def test_a_checkpoint_with_a_weights_file_cut_short_is_refused_naming_the_file(t
         load_policy(path)
 
 
+def test_a_checkpoint_folder_without_weights_is_a_file_not_found_not_a_plain_os_error(tiny, tmp_path):
+    """transformers raised a plain OSError, which the tasks retried three times as a storage
+    blip; a missing file is said the same on every attempt."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    os.remove(os.path.join(path, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match=r"checkpoint' holds no weights: none of model.safetensors"):
+        load_policy(path)
+
+
 def test_a_checkpoint_whose_index_names_a_missing_file_is_refused_naming_it(tiny, tmp_path):
     path = _checkpoint(tiny, tmp_path / "checkpoint")
     _shard(path)
