@@ -140,9 +140,16 @@ def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTOR
     for field in schema:
         values = [row.get(field.name) for row in rows]
         try:
-            columns[field.name] = _array(values, field.type)
+            wide = _array(values, _widened(field.type))
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             raise SchemaError(f"column {field.name!r}: cannot convert to {field.type}: {exc}") from exc
+        columns[field.name] = wide.cast(field.type)
+        if wide.type != field.type:
+            beyond = np.flatnonzero(beyond_float32(wide, columns[field.name]))
+            if len(beyond):
+                raise SchemaError(
+                    _beyond_float32(rows[beyond[0]].get("trajectory_id"), beyond[0], field.name)
+                )
     return pa.table(columns, schema=schema)
 
 
@@ -156,6 +163,50 @@ def _array(values: list[Any], type: pa.DataType) -> pa.Array:
     if not (pa.types.is_integer(found) or pa.types.is_null(found)):
         raise TypeError(f"got {array.type}")
     return array.cast(type)
+
+
+def _widened(type: pa.DataType) -> pa.DataType:
+    """``type`` with float64 for float32, in lists and structs too: Python's floats are
+    converted to it first, so that :func:`beyond_float32` sees the numbers given."""
+    if type == pa.float32():
+        return pa.float64()
+    if pa.types.is_list(type):
+        return pa.list_(_widened(type.value_type))
+    if pa.types.is_struct(type):
+        return pa.struct([field.with_type(_widened(field.type)) for field in type])
+    return type
+
+
+def beyond_float32(wide: pa.Array | pa.ChunkedArray, narrow: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """``(N,)`` True at the rows where ``narrow`` (``wide`` cast, e.g. float64 to float32)
+    holds an infinity, in a list entry or struct field too, that ``wide`` holds as a finite
+    number: Arrow casts 1e39 to a float32 infinity without a word."""
+    if isinstance(wide, pa.ChunkedArray):
+        pairs = zip(wide.chunks, narrow.chunks, strict=True)
+        return np.concatenate([np.zeros(0, dtype=bool), *(beyond_float32(w, n) for w, n in pairs)])
+    if pa.types.is_floating(wide.type):
+        lost = pc.and_(pc.is_finite(wide), pc.is_inf(narrow))
+        return pc.fill_null(lost, False).to_numpy(zero_copy_only=False)
+    rows = np.zeros(len(wide), dtype=bool)
+    if any(
+        kind(wide.type) for kind in (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list)
+    ):
+        entries = beyond_float32(pc.list_flatten(wide), pc.list_flatten(narrow))
+        if entries.any():
+            rows[pc.list_parent_indices(wide).to_numpy()[entries]] = True
+    elif pa.types.is_struct(wide.type):
+        for wide_field, narrow_field in zip(wide.flatten(), narrow.flatten(), strict=True):
+            rows |= beyond_float32(wide_field, narrow_field)
+    return rows
+
+
+def _beyond_float32(trajectory_id: str | None, row: int, column: str) -> str:
+    """The error for a number of ``column`` that :func:`beyond_float32` finds in ``row``."""
+    highest = np.finfo(np.float32).max
+    return (
+        f"{row_name(trajectory_id, row)}, column {column!r}: a number beyond float32's range "
+        f"(±{highest:.4g}) would be stored as infinity"
+    )
 
 
 def _value_type(type: pa.DataType) -> pa.DataType:
@@ -189,10 +240,20 @@ def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
         actual = table.schema.field(field.name).type
         if not _castable(_value_type(actual), _value_type(field.type)):
             raise SchemaError(f"column {field.name!r} has type {actual}, expected {field.type}")
+    table = table.select(schema.names)
     try:
-        return table.select(schema.names).cast(schema)
+        cast_table = table.cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         raise SchemaError(f"cannot cast to the canonical schema: {exc}") from exc
+    for field in schema:
+        column = table.column(field.name)
+        if column.type == field.type:
+            continue
+        beyond = np.flatnonzero(beyond_float32(column, cast_table.column(field.name)))
+        if len(beyond):
+            trajectory_id = cast_table.column("trajectory_id")[beyond[0]].as_py()
+            raise SchemaError(_beyond_float32(trajectory_id, beyond[0], field.name))
+    return cast_table
 
 
 ID_COLUMNS = ("trajectory_id", "execution_id", "task", "prompt_id")

@@ -177,6 +177,58 @@ def test_an_integer_beyond_64_bits_is_refused_naming_its_column(change, column):
 
 
 @pytest.mark.parametrize(
+    ("change", "column"),
+    [
+        ({"reward": 1e39}, "reward"),
+        ({"progress": -1e39}, "progress"),
+        ({"logprobs": [1e39] + [0.0] * 23}, "logprobs"),  # a prompt token: validate checks none
+        ({"timing": {"init": 0.1, "run": 1e39, "eval": 0.2, "queue": 0.0}}, "timing"),
+        ({"loss_weight": [1.0] * 23 + [np.float64(4e38)]}, "loss_weight"),
+    ],
+)
+def test_a_number_beyond_float32s_range_is_refused_naming_its_column_not_stored_as_infinity(change, column):
+    records = [make_record(i) | {"train_mask": [False] * 24, "loss_weight": [1.0] * 24} for i in range(4)]
+    records[2] |= change
+    message = f"trajectory 't2', column '{column}': a number beyond float32's range"
+    with pytest.raises(SchemaError, match=message):
+        to_table(records, PROCESSED_SCHEMA)
+    wide = pa.Table.from_pylist(records, schema=_widened(PROCESSED_SCHEMA))
+    with pytest.raises(SchemaError, match=message):
+        cast(wide, PROCESSED_SCHEMA)
+    if column in ("logprobs", "loss_weight"):
+        for layout in (pa.large_list(pa.float64()), pa.list_(pa.float64(), 24)):
+            relaid = wide.set_column(wide.schema.get_field_index(column), column, wide[column].cast(layout))
+            with pytest.raises(SchemaError, match=message):
+                cast(relaid, PROCESSED_SCHEMA)
+
+
+def test_float32s_own_extremes_infinities_and_nan_are_taken_as_they_are():
+    highest = float(np.finfo(np.float32).max)
+    record = make_record(0) | {"reward": float("inf"), "progress": float("nan")}
+    record["logprobs"] = [-highest, float("-inf")] + record["logprobs"][2:]
+    wide = pa.Table.from_pylist([record], schema=_widened(TRAJECTORY_SCHEMA))
+    for table in (to_table([record]), cast(wide)):
+        assert table.column("reward").to_pylist() == [float("inf")]
+        assert table.column("logprobs")[0].as_py()[:2] == [-highest, float("-inf")]
+        assert np.isnan(table.column("progress")[0].as_py())
+
+
+def _widened(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with float64 wherever it has float32 (in lists and structs too)."""
+
+    def wide(type: pa.DataType) -> pa.DataType:
+        if type == pa.float32():
+            return pa.float64()
+        if pa.types.is_list(type):
+            return pa.list_(wide(type.value_type))
+        if pa.types.is_struct(type):
+            return pa.struct([field.with_type(wide(field.type)) for field in type])
+        return type
+
+    return pa.schema([field.with_type(wide(field.type)) for field in schema])
+
+
+@pytest.mark.parametrize(
     ("column", "values"),
     [("action_mask", pa.array([[0, 2] * 12] * 2)), ("tokens", pa.array([[1.0] * 24] * 2))],
 )
