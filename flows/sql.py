@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -163,13 +164,16 @@ def field_text(value, kind) -> str:
     timestamp with a time zone in UTC (:func:`utc_text`); a list, struct or map as JSON, that
     another tool reads as it is (Python's repr quoted strings with ``'`` and wrote ``None``); a
     FLOAT with the digits it holds (duckdb hands one over widened to a double: 0.43 as
-    0.4300000071525574)."""
+    0.4300000071525574); NaN and the infinities as inside JSON (``NaN``, ``Infinity``,
+    ``-Infinity``, which ``float`` and duckdb's casts read too), not Python's ``nan``."""
     if value is None:
         return ""
     if isinstance(value, list | tuple | dict):
         return json.dumps(_jsonable(value, kind), ensure_ascii=False)
     if isinstance(value, datetime) and value.tzinfo is not None:
         return utc_text(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return json.dumps(value)
     if isinstance(value, float) and kind is not None and kind.id == "float":
         return str(np.float32(value))
     return str(value)

@@ -1078,6 +1078,24 @@ def test_sql_prints_lists_structs_and_maps_as_json(local_store):
     assert json.loads(row[0]) == step["trajectory_ids"]
 
 
+def test_sql_prints_nan_and_infinities_alike_in_a_field_and_inside_a_list_or_struct(local_store):
+    """A NaN printed ``nan`` in its own field and ``NaN`` inside a list (an infinity ``inf``
+    and ``Infinity``): both are JSON's spelling now, which a JSON reader, ``float`` and
+    duckdb's casts read back."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, float("nan"), "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle(
+        "sql",
+        *run,
+        "SELECT reward, reward::DOUBLE AS wide, 'inf'::DOUBLE AS up, '-inf'::FLOAT AS down, "
+        "[reward, 'inf'::FLOAT, '-inf'::FLOAT] AS listed, {'reward': reward} AS named FROM trajectories",
+    )
+    assert result.returncode == 0, result.stderr
+    header, row = csv.reader(io.StringIO(result.stdout, newline=""), delimiter="\t")
+    assert row == ["NaN", "NaN", "Infinity", "-Infinity", "[NaN, Infinity, -Infinity]", '{"reward": NaN}']
+    assert json.dumps(json.loads(row[4])[1:]) == json.dumps([float(row[2]), float(row[3])])
+
+
 def test_sql_reads_a_run_whose_path_holds_a_quote(tmp_path):
     store = RunStore(StorageConfig(root=str(tmp_path / "it's" / "runs")), "quoted")
     Tables(store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
