@@ -140,7 +140,7 @@ def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTOR
     for field in schema:
         values = [row.get(field.name) for row in rows]
         try:
-            wide = _array(values, _widened(field.type))
+            wide = _array(values, widened(field.type))
         except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
             raise SchemaError(f"column {field.name!r}: cannot convert to {field.type}: {exc}") from exc
         columns[field.name] = wide.cast(field.type)
@@ -165,15 +165,15 @@ def _array(values: list[Any], type: pa.DataType) -> pa.Array:
     return array.cast(type)
 
 
-def _widened(type: pa.DataType) -> pa.DataType:
+def widened(type: pa.DataType) -> pa.DataType:
     """``type`` with float64 for float32, in lists and structs too: Python's floats are
     converted to it first, so that :func:`beyond_float32` sees the numbers given."""
     if type == pa.float32():
         return pa.float64()
     if pa.types.is_list(type):
-        return pa.list_(_widened(type.value_type))
+        return pa.list_(widened(type.value_type))
     if pa.types.is_struct(type):
-        return pa.struct([field.with_type(_widened(field.type)) for field in type])
+        return pa.struct([field.with_type(widened(field.type)) for field in type])
     return type
 
 
@@ -200,13 +200,15 @@ def beyond_float32(wide: pa.Array | pa.ChunkedArray, narrow: pa.Array | pa.Chunk
     return rows
 
 
+BEYOND_FLOAT32 = (
+    f"a number beyond float32's range (±{np.finfo(np.float32).max:.4g}) would be stored as infinity"
+)
+"""What is wrong with a row that :func:`beyond_float32` finds."""
+
+
 def _beyond_float32(trajectory_id: str | None, row: int, column: str) -> str:
     """The error for a number of ``column`` that :func:`beyond_float32` finds in ``row``."""
-    highest = np.finfo(np.float32).max
-    return (
-        f"{row_name(trajectory_id, row)}, column {column!r}: a number beyond float32's range "
-        f"(±{highest:.4g}) would be stored as infinity"
-    )
+    return f"{row_name(trajectory_id, row)}, column {column!r}: {BEYOND_FLOAT32}"
 
 
 def _value_type(type: pa.DataType) -> pa.DataType:

@@ -27,7 +27,7 @@ from deltalake.exceptions import CommitFailedError, DeltaError, TableNotFoundErr
 
 from storage.config import RunStore
 from storage.leases import SlotLease
-from storage.schema import SchemaError
+from storage.schema import BEYOND_FLOAT32, SchemaError, beyond_float32, widened
 
 log = logging.getLogger(__name__)
 
@@ -517,17 +517,25 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
     else:
         rows = list(rows)
         _check_no_fractions(name, schema, rows)
+        wide = pa.schema([field.with_type(widened(field.type)) for field in schema])
         try:
-            source = pa.Table.from_pylist(rows, schema=schema.with_metadata(None))
+            source = pa.Table.from_pylist(rows, schema=wide)
         except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as exc:
             raise SchemaError(f"table {name!r}: cannot convert rows: {exc}") from exc
     for field in schema:
         if not field.nullable and source.column(field.name).null_count:
             raise SchemaError(f"table {name!r}: column {field.name!r} is required but has null values")
     try:
-        return source.cast(schema)
+        table = source.cast(schema)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
         raise SchemaError(f"table {name!r}: cannot cast to the canonical schema: {exc}") from exc
+    for field in schema:
+        if source.column(field.name).type == field.type:
+            continue
+        beyond = np.flatnonzero(beyond_float32(source.column(field.name), table.column(field.name)))
+        if len(beyond):
+            raise SchemaError(f"table {name!r}: column {field.name!r}, row {beyond[0]}: {BEYOND_FLOAT32}")
+    return table
 
 
 def _check_no_fractions(name: str, schema: pa.Schema, rows: list[Mapping[str, Any]]) -> None:

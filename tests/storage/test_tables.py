@@ -16,6 +16,7 @@ from datetime import UTC, datetime, timedelta
 
 import deltalake.table
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
@@ -115,6 +116,31 @@ def test_a_fraction_or_an_overflowing_int_given_to_an_integer_column_is_refused_
     assert tables.version("weights") is None
     assert tables.append("weights", [weight_row(0) | {"num_consumed_shards": 2.0}])
     assert tables.read("weights").column("num_consumed_shards").to_pylist() == [2]
+
+
+def test_a_number_beyond_float32s_range_is_refused_naming_its_row_not_stored_as_infinity(local_store):
+    """Arrow converts a float64 of 1e39 into a float32 column as an infinity, without a word."""
+    tables = Tables(local_store)
+    rows = [eval_row(0.5), eval_row(-1e39), eval_row(float("inf"))]
+    message = r"table 'evals': column 'reward', row 1: a number beyond float32's range"
+    with pytest.raises(SchemaError, match=message):
+        tables.append("evals", rows)
+    with pytest.raises(SchemaError, match=message):
+        tables.append("evals", pa.Table.from_pylist(rows))
+    assert tables.version("evals") is None
+    highest = float(np.finfo(np.float32).max)
+    assert tables.append("evals", [eval_row(highest), eval_row(float("-inf"))])
+    assert tables.read("evals").column("reward").to_pylist() == [highest, float("-inf")]
+
+
+def eval_row(reward: float) -> dict:
+    return {
+        "version": 0,
+        "env": "arith",
+        "reward": reward,
+        "count": 8,
+        "time": datetime(2026, 1, 1, tzinfo=UTC),
+    }
 
 
 def test_changes_return_rows_of_later_commits_and_skip_compaction(store):
