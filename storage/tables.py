@@ -517,6 +517,7 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
     else:
         rows = list(rows)
         _check_no_fractions(name, schema, rows)
+        _check_no_strings_for_lists(name, schema, rows)
         wide = pa.schema([field.with_type(widened(field.type)) for field in schema])
         try:
             source = pa.Table.from_pylist(rows, schema=wide)
@@ -547,6 +548,17 @@ def _check_no_fractions(name: str, schema: pa.Schema, rows: list[Mapping[str, An
             value = row.get(column) if isinstance(row, Mapping) else None
             if isinstance(value, float | np.floating) and not float(value).is_integer():
                 raise SchemaError(f"table {name!r}: column {column!r} is an integer but was given {value!r}")
+
+
+def _check_no_strings_for_lists(name: str, schema: pa.Schema, rows: list[Mapping[str, Any]]) -> None:
+    """Raise :class:`SchemaError` for a string in a list column of ``rows``: pyarrow converts
+    it as the list of its characters."""
+    lists = [field.name for field in schema if pa.types.is_list(field.type)]
+    for row in rows:
+        for column in lists:
+            value = row.get(column) if isinstance(row, Mapping) else None
+            if isinstance(value, str | bytes):
+                raise SchemaError(f"table {name!r}: column {column!r} is a list but was given {value!r}")
 
 
 STEP_ORDER = ("time", "step", "version", "policy_loss")

@@ -133,6 +133,23 @@ def test_a_number_beyond_float32s_range_is_refused_naming_its_row_not_stored_as_
     assert tables.read("evals").column("reward").to_pylist() == [highest, float("-inf")]
 
 
+def test_a_string_given_for_a_list_column_is_refused_not_split_into_characters(local_store):
+    """pyarrow reads a string as the sequence of its characters: ``trajectory_ids="arith-0"``
+    was stored as ``['a', 'r', 'i', 't', 'h', '-', '0']``."""
+    tables = Tables(local_store)
+    rows = [
+        step_row(1, None) | {"trajectory_ids": ["arith-0"]},
+        step_row(2, None) | {"trajectory_ids": "arith-1"},
+    ]
+    with pytest.raises(
+        SchemaError, match=r"table 'train_steps': column 'trajectory_ids' is a list but was given 'arith-1'"
+    ):
+        tables.append("train_steps", rows)
+    assert tables.version("train_steps") is None
+    assert tables.append("train_steps", rows[:1] + [step_row(2, None) | {"trajectory_ids": ("arith-1",)}])
+    assert tables.read("train_steps").column("trajectory_ids").to_pylist() == [["arith-0"], ["arith-1"]]
+
+
 def eval_row(reward: float) -> dict:
     return {
         "version": 0,
