@@ -427,14 +427,21 @@ class Tables:
         treadle may lack a column added since, or mark required a column that may be null
         now. A missing column is added (one ADD COLUMNS commit; the older rows read it as
         null), which needs it nullable in the canonical schema: a required one raises
-        :class:`SchemaError`. A required one that may be null now has its constraint dropped
-        (a CHANGE COLUMN commit), because deltalake (1.6) refuses an append of nulls into a
-        column its log marks NOT NULL, even with ``schema_mode="merge"``. Rows and the change
+        :class:`SchemaError`, as does a column the canonical schema lacks (deltalake's own
+        error names neither table nor column). A required one that may be null now has its
+        constraint dropped (a CHANGE COLUMN commit), because deltalake (1.6) refuses an append
+        of nulls into a column its log marks NOT NULL, even with ``schema_mode="merge"``. Rows and the change
         feed are untouched. When another writer upgrades the table first, this commit fails
         and the table, loaded again, has the change already.
         """
         canonical = schema_of(name)
         present = {field.name: field for field in table.schema().fields}
+        unknown = [column for column in present if column not in canonical.names]
+        if unknown:
+            raise SchemaError(
+                f"table {name!r} has the columns {unknown} this treadle does not know (added by a "
+                "newer treadle?): upgrade treadle to append to it"
+            )
         missing = [field for field in canonical if field.name not in present]
         if missing:
             required = [field.name for field in missing if not field.nullable]

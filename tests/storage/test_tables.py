@@ -825,6 +825,22 @@ def published(*versions: tuple[int, float]) -> pa.Table:
     )
 
 
+def test_a_table_holding_a_column_this_treadle_does_not_know_is_refused_naming_it(local_store):
+    """A table a newer treadle (or another tool) added a column to failed every append with
+    deltalake's ``Cannot cast schema, number of fields does not match: 7 vs 8``, naming neither
+    the table nor the column; its rows still read."""
+    schema = TABLE_SCHEMAS["evals"].append(pa.field("judge", pa.string()))
+    uri = Tables(local_store).uri("evals")
+    write_deltalake(
+        uri, pa.Table.from_pylist([eval_row(0.5) | {"judge": "j1"}], schema=schema), mode="append"
+    )
+    with pytest.raises(
+        SchemaError, match=r"table 'evals' has the columns \['judge'\] this treadle does not know"
+    ):
+        Tables(local_store).append("evals", [eval_row(0.25)])
+    assert Tables(local_store).read("evals").column("reward").to_pylist() == [0.5]
+
+
 def test_one_row_per_step_keeps_the_newest_row_of_a_step_logged_twice():
     """A restarted trainer logs steps 3 and 4 again after resuming from the version of step 2."""
     start = datetime(2026, 1, 1, tzinfo=UTC)
