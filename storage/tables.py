@@ -521,6 +521,15 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
             for f in schema
         ]
         source = pa.table(columns, names=schema.names)
+        for field in schema:
+            found = source.column(field.name).type
+            # Arrow casts 2 and 0.5 to True without a word
+            if pa.types.is_boolean(field.type) and not (
+                pa.types.is_boolean(found) or pa.types.is_null(found)
+            ):
+                raise SchemaError(
+                    f"table {name!r}: column {field.name!r} has type {found}, expected {field.type}"
+                )
     else:
         rows = list(rows)
         _check_no_fractions(name, schema, rows)

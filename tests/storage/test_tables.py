@@ -150,6 +150,19 @@ def test_a_string_given_for_a_list_column_is_refused_not_split_into_characters(l
     assert tables.read("train_steps").column("trajectory_ids").to_pylist() == [["arith-0"], ["arith-1"]]
 
 
+@pytest.mark.parametrize("selected", [[2, 0], [0.5, 0.0]])
+def test_a_table_column_of_numbers_for_a_boolean_one_is_refused_not_cast(local_store, selected):
+    """Arrow casts 2 and 0.5 to True without a word; a row of dicts giving them is refused."""
+    tables = Tables(local_store)
+    rows = pa.Table.from_pylist([trajectory_row("a"), trajectory_row("b")]).drop_columns(["selected"])
+    rows = rows.append_column("selected", pa.array(selected))
+    with pytest.raises(
+        SchemaError, match=r"table 'trajectories': column 'selected' has type (int64|double), expected bool"
+    ):
+        tables.append("trajectories", rows)
+    assert tables.version("trajectories") is None
+
+
 def eval_row(reward: float) -> dict:
     return {
         "version": 0,
