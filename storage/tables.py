@@ -534,6 +534,7 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
         rows = list(rows)
         _check_no_fractions(name, schema, rows)
         _check_no_strings_for_lists(name, schema, rows)
+        _check_no_numbers_for_times(name, schema, rows)
         wide = pa.schema([field.with_type(widened(field.type)) for field in schema])
         try:
             source = pa.Table.from_pylist(rows, schema=wide)
@@ -575,6 +576,17 @@ def _check_no_strings_for_lists(name: str, schema: pa.Schema, rows: list[Mapping
             value = row.get(column) if isinstance(row, Mapping) else None
             if isinstance(value, str | bytes):
                 raise SchemaError(f"table {name!r}: column {column!r} is a list but was given {value!r}")
+
+
+def _check_no_numbers_for_times(name: str, schema: pa.Schema, rows: list[Mapping[str, Any]]) -> None:
+    """Raise :class:`SchemaError` for a number in a timestamp column of ``rows``: pyarrow reads
+    it as microseconds since 1970 (``time.time()`` as a moment of January 1st, 1970)."""
+    times = [field.name for field in schema if pa.types.is_timestamp(field.type)]
+    for row in rows:
+        for column in times:
+            value = row.get(column) if isinstance(row, Mapping) else None
+            if isinstance(value, int | float | np.number):
+                raise SchemaError(f"table {name!r}: column {column!r} is a timestamp but was given {value!r}")
 
 
 STEP_ORDER = ("time", "step", "version", "policy_loss")

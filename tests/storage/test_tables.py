@@ -163,6 +163,18 @@ def test_a_table_column_of_numbers_for_a_boolean_one_is_refused_not_cast(local_s
     assert tables.version("trajectories") is None
 
 
+@pytest.mark.parametrize("moment", [1767225600, 1767225600.25, np.int64(1767225600)])
+def test_a_number_given_for_a_timestamp_is_refused_not_read_as_microseconds(local_store, moment):
+    """pyarrow reads a number as microseconds since 1970: ``time.time()`` in 2026 was stored
+    as 1970-01-01 00:29:27 UTC (a float's fraction dropped)."""
+    tables = Tables(local_store)
+    with pytest.raises(
+        SchemaError, match=r"table 'evals': column 'time' is a timestamp but was given .*1767225600"
+    ):
+        tables.append("evals", [eval_row(0.5) | {"time": moment}])
+    assert tables.version("evals") is None
+
+
 def eval_row(reward: float) -> dict:
     return {
         "version": 0,
