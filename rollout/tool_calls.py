@@ -90,7 +90,7 @@ def _hermes_call(text: str, at: int) -> tuple[dict[str, Any] | None, int]:
         return None, at
     try:
         json.dumps(value, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:  # the reply holding it could not be sent (HTTP 500)
+    except (UnicodeEncodeError, RecursionError):  # the reply holding it could not be sent (HTTP 500)
         return None, at
     return {"name": name, "arguments": arguments}, after + len(_CLOSE) * closed
 

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import shlex
+import sys
 
 import openai
 import pytest
@@ -82,6 +83,17 @@ def test_hermes_blocks_become_calls_and_the_rest_stays_content():
 def test_what_is_not_a_well_formed_call_stays_in_the_content_as_written(text):
     assert parse_hermes(text) == (text.strip(), [])
     assert tool_call_message(text, "hermes") is None
+
+
+def test_a_call_nested_just_below_the_decoders_limit_stays_content_and_never_raises():
+    """The arguments are decoded, then encoded to check the reply can be sent: encoding takes
+    a few frames more than decoding, so at the depth between the two limits the check raised
+    RecursionError, the turn the engine had generated was lost and the client got HTTP 500."""
+    for depth in range(1, sys.getrecursionlimit()):
+        nested = "[" * depth + "]" * depth
+        text = f'<tool_call>{{"name": "f", "arguments": {{"a": {nested}}}}}</tool_call>'
+        content, calls = parse_hermes(text)
+        assert (content, [call["name"] for call in calls]) in [("", ["f"]), (text, [])]
 
 
 def test_the_content_around_a_call_keeps_its_inner_spacing():
