@@ -38,7 +38,7 @@ CHAT_TEMPLATE = (
     "{% elif message['role'] == 'assistant' and message['tool_calls'] is defined and message['tool_calls'] %}"
     "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
     "{% for call in message['tool_calls'] %}"
-    "{% set function = call['function'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
     "{% if message['content'] or not loop.first %}{{ '\\n' }}{% endif %}"
     "{{ '<tool_call>\\n{\"name\": \"' + function['name'] + '\", \"arguments\": ' }}"
     "{% if function['arguments'] is string %}{{ function['arguments'] }}"
@@ -54,7 +54,8 @@ CHAT_TEMPLATE = (
 )
 """ChatML. Given ``tools``, a system turn lists them first (after the system message's own
 text) and asks for calls in the Hermes format the gateway parses (``rollout.tool_calls``):
-an assistant message's ``tool_calls`` are written as ``<tool_call>`` blocks and ``tool``
+an assistant message's ``tool_calls`` (each ``{"function": {"name", "arguments"}}`` or just
+``{"name", "arguments"}``) are written as ``<tool_call>`` blocks and ``tool``
 messages as ``<tool_response>`` blocks of one user turn, as in the Qwen2.5 and Qwen3 templates."""
 
 _WORDS = [

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import shlex
 import sys
@@ -216,6 +217,16 @@ def test_with_tools_the_template_lists_them_and_writes_calls_as_the_parser_reads
         [*CONVERSATION, tool_call_message(CALL_TEXT, "hermes")], tools=TOOLS, tokenize=False
     )
     assert only_calls.endswith(f"<|im_start|>assistant\n{CALL_TEXT}<|im_end|>\n")
+
+
+def test_the_template_writes_a_call_without_function_as_qwens_templates_do(tokenizer):
+    """Qwen2.5's and Qwen3's templates take a call as ``{"name", "arguments"}`` as well as
+    wrapped in ``function``: a client's own assistant message in that shape was refused
+    (HTTP 400) by the tiny model's template, which claims to write calls as they do."""
+    wrapped = tool_call_message(CALL_TEXT, "hermes")
+    bare = {**wrapped, "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
+    render = functools.partial(tokenizer.apply_chat_template, tools=TOOLS, tokenize=False)
+    assert render([*CONVERSATION, bare]) == render([*CONVERSATION, wrapped])
 
 
 def _tokens(tokenizer, text: str) -> list[int]:
