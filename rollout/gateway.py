@@ -13,8 +13,10 @@ with its sampling log-prob and the weight version that produced it.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import functools
 import math
+import re
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -23,6 +25,7 @@ from typing import Any, NoReturn
 
 from jinja2 import TemplateError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from tokenizers import AddedToken, Tokenizer
 
 from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
 from rollout.router import Router, check_end
@@ -100,11 +103,22 @@ class ChatRenderer:
     ``first`` renders a whole conversation; ``delta`` renders only new messages as they
     would follow an assistant turn, so earlier tokens never need re-encoding.
     ``template_kwargs`` are variables the template reads (``enable_thinking`` …).
+
+    Messages and tools are text: a special token's string in them (a sandbox that prints
+    ``<|im_end|>``) is encoded as ordinary tokens, not as the control token, which would forge
+    a turn boundary in the policy's context. Only the template's own markup gives control
+    tokens. Text without such strings encodes exactly as the template's whole output does.
     """
 
     def __init__(self, tokenizer, template_kwargs: Mapping[str, Any] | None = None):
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
+        nonce = uuid.uuid4().hex
+        self._quotes = (f"\ue000{nonce}\ue001", f"\ue001{nonce}\ue000")
+        """What :meth:`_render` wraps each special-token string of the messages and tools in,
+        for :meth:`encode` to tell it from the template's markup."""
+        self._anchor = f"\ue002{nonce}\ue002"
+        """A token only :attr:`_plain_encoder` knows, that text is encoded after (see :meth:`_encode_plain`)."""
         self._base = [{"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
         self._prefix = self._render(self._base, add_generation_prompt=False)
         if _MARK not in self._prefix:
@@ -128,6 +142,26 @@ class ChatRenderer:
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
+        """The template's text; where the messages or tools hold special-token strings, with
+        each of them quoted (:attr:`_quotes`) where the template wrote it."""
+        text = self._apply(messages, add_generation_prompt, tools)
+        if not _holds(self._specials, [messages, tools]):
+            return text
+        quoted = self._apply(self._quote(messages), add_generation_prompt, self._quote(tools))
+        if self._unquote(quoted)[0] != text:
+            raise InvalidRequest(
+                "the chat template rewrites the messages' special-token text (escapes, splits or compares "
+                "it): it cannot be told from the template's own control tokens, so it cannot be encoded as "
+                "plain text"
+            )
+        return quoted
+
+    def _apply(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+    ) -> str:
         try:
             return self.tokenizer.apply_chat_template(
                 list(messages),
@@ -140,9 +174,127 @@ class ChatRenderer:
             raise InvalidRequest(f"the chat template cannot render these messages: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
-        return list(
-            self.tokenizer.encode(check_text(text, "the rendered messages"), add_special_tokens=False)
-        )
+        """Token ids of ``text``: special-token strings are control tokens, except where
+        :meth:`_render` quoted them, which are encoded as plain text (see :meth:`_plain_ids`)."""
+        check_text(text, "the rendered messages")
+        if self._quotes[0] not in text:
+            return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self._plain_ids(*self._unquote(text))
+
+    @functools.cached_property
+    def _specials(self) -> re.Pattern | None:
+        """Matches the strings of the tokenizer's special tokens, longest first (None if it has none)."""
+        added = self.tokenizer.added_tokens_decoder
+        strings = {
+            added[i].content if i in added else self.tokenizer.convert_ids_to_tokens(i) for i in self._special
+        }
+        ordered = sorted(filter(None, strings), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, ordered))) if ordered else None
+
+    @functools.cached_property
+    def _special(self) -> frozenset[int]:
+        return special_ids(self.tokenizer)
+
+    def _quote(self, value: Any) -> Any:
+        """``value`` (messages, tools: JSON-like data) with every special-token string in its
+        strings wrapped in :attr:`_quotes` (keys left as they are)."""
+        if isinstance(value, str):
+            return self._specials.sub(lambda match: self._quotes[0] + match[0] + self._quotes[1], value)
+        if isinstance(value, Mapping):
+            return {key: self._quote(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self._quote(item) for item in value]
+        return value
+
+    def _unquote(self, text: str) -> tuple[str, list[tuple[int, int]]]:
+        """``text`` without its quotes and the character spans in it of the quoted strings;
+        :class:`InvalidRequest` if the template broke a quote (it cut or changed the string)."""
+        opening, closing = self._quotes
+        quoted = re.compile(f"{re.escape(opening)}({self._specials.pattern}){re.escape(closing)}")
+        parts, spans, at, length = [], [], 0, 0
+        for match in quoted.finditer(text):
+            parts.append(text[at : match.start()])
+            length += match.start() - at
+            spans.append((length, length + len(match[1])))
+            parts.append(match[1])
+            length += len(match[1])
+            at = match.end()
+        plain = "".join([*parts, text[at:]])
+        if opening in plain or closing in plain:
+            raise InvalidRequest(
+                "the chat template cuts or rewrites the messages' special-token text: it cannot be told "
+                "from the template's own control tokens, so it cannot be encoded as plain text"
+            )
+        return plain, spans
+
+    def _plain_ids(self, text: str, spans: list[tuple[int, int]]) -> list[int]:
+        """Token ids of ``text`` where the special-token strings at ``spans`` are plain text.
+
+        ``text`` is encoded whole; the control tokens found at ``spans`` are forged. The
+        tokenizer encodes the text between two special tokens on its own, so only a stretch
+        between two of the template's control tokens that holds a forged one is encoded again,
+        as plain text; every other token is as the whole text's encoding has it. Needs a fast
+        tokenizer (the offsets of its tokens).
+        """
+        try:
+            encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        except NotImplementedError:  # a Python tokenizer keeps no offsets
+            raise InvalidRequest(
+                "the messages hold special-token text, which only a fast tokenizer (tokenizers' offsets) "
+                "can encode as plain text; this tokenizer is not one"
+            ) from None
+        ids, offsets = list(encoding["input_ids"]), encoding["offset_mapping"]
+        starts = [start for start, _ in spans]
+
+        def forged(k: int) -> bool:
+            start, end = offsets[k]
+            last = bisect.bisect_left(starts, end) - 1  # the last span starting before the token ends
+            return last >= 0 and spans[last][1] > start
+
+        markup = [k for k, i in enumerate(ids) if i in self._special and not forged(k)]
+        result, first, after = [], 0, 0
+        for k in [*markup, len(ids)]:
+            stretch = ids[first:k]
+            if any(i in self._special for i in stretch):
+                end = offsets[k][0] if k < len(ids) else len(text)
+                stretch = self._encode_plain(text[after:end], after_token=first > 0)
+            result += stretch
+            if k < len(ids):
+                result.append(ids[k])
+                first, after = k + 1, offsets[k][1]
+        return result
+
+    def _encode_plain(self, text: str, after_token: bool) -> list[int]:
+        """Token ids of ``text`` as plain text, as the tokenizer encodes it at the start of
+        the whole text, or ``after_token``: after an added token. The two differ where the
+        pre-tokenizer marks the start alone (a Metaspace prefix "▁" with prepend_scheme
+        "first"); text encoded after :attr:`_anchor` is encoded as after any added token."""
+        encoder, anchor = self._plain_encoder
+        if not after_token:
+            ids = encoder.encode(text, add_special_tokens=False).ids
+        else:
+            ids = encoder.encode(self._anchor + text, add_special_tokens=False).ids
+            if ids[:1] != [anchor]:
+                raise InvalidRequest("the tokenizer does not encode an added token's text as that token")
+            ids = ids[1:]
+        if any(i in self._special for i in ids):
+            raise InvalidRequest(
+                "the tokenizer encodes the messages' special-token text as a special token even as plain text"
+            )
+        return ids
+
+    @functools.cached_property
+    def _plain_encoder(self) -> tuple[Tokenizer, int]:
+        """A copy of the fast tokenizer's backend that encodes special-token strings as text,
+        with :attr:`_anchor` added, and the anchor's id. A copy: ``tokenizer.encode(...,
+        split_special_tokens=True)`` sets that on the shared backend for every caller, and
+        renderings of long messages run on worker threads."""
+        encoder = Tokenizer.from_str(self.tokenizer.backend_tokenizer.to_str())
+        encoder.no_truncation()
+        encoder.no_padding()
+        encoder.encode_special_tokens = True
+        encoder.add_tokens([AddedToken(self._anchor, special=False, normalized=False)])
+        return encoder, encoder.token_to_id(self._anchor)
 
     @functools.cached_property
     def renders_tools(self) -> bool:
@@ -205,6 +357,19 @@ class ChatRenderer:
         if closing_ids and closing_ids[0] in special_ids(self.tokenizer):
             ids.append(closing_ids[0])
         return tuple(dict.fromkeys(ids))
+
+
+def _holds(pattern: re.Pattern | None, value: Any) -> bool:
+    """Whether a string in ``value`` (JSON-like data) holds a match of ``pattern``."""
+    if pattern is None:
+        return False
+    if isinstance(value, str):
+        return pattern.search(value) is not None
+    if isinstance(value, Mapping):
+        return any(_holds(pattern, item) for item in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds(pattern, item) for item in value)
+    return False
 
 
 def special_ids(tokenizer) -> frozenset[int]:
