@@ -34,6 +34,8 @@ from envs.sandbox import SandboxError
 from envs.shell import Shell
 from envs.threads import to_thread_to_the_end
 
+MAX_CHECKED_BYTES = 4096
+"""The longest file a ``write`` task's check reads; a longer one fails it."""
 WORDS = ("red", "sun", "cat", "map", "owl", "fig", "ice", "jam", "kit", "log", "net", "oak", "pen", "rug")
 
 
@@ -185,8 +187,13 @@ class ShellEnv(Env):
         if self.sandbox is None:
             return 0.0
         path = os.path.join(self.sandbox.workdir, data["file"])
-        content = await asyncio.to_thread(read_regular_file, path, 4096)
-        return float(content is not None and content.strip() == data["content"].encode())
+        # a byte more: a file longer than what is read is not the word, whatever it starts with
+        content = await asyncio.to_thread(read_regular_file, path, MAX_CHECKED_BYTES + 1)
+        return float(
+            content is not None
+            and len(content) <= MAX_CHECKED_BYTES
+            and content.strip() == data["content"].encode()
+        )
 
 
 def read_regular_file(path: str, size: int) -> bytes | None:

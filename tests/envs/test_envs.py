@@ -1061,6 +1061,18 @@ def test_shell_tasks_checked_at_eval():
         assert score == 0.0
 
 
+@needs_bwrap
+def test_shell_write_check_fails_a_file_that_holds_more_than_the_word_past_what_it_reads():
+    """The check read a file's first 4096 bytes: the word, whitespace to that length, then
+    anything at all passed as the word alone."""
+    for command, want in (
+        ("printf 'red%4093s' '' > a.txt", 1.0),  # the word and whitespace, 4096 bytes
+        ("printf 'red%4093s junk' '' > a.txt", 0.0),
+    ):
+        _, score = asyncio.run(play("shell", WRITE_RED, [command, "done"], sandbox=SMALL))
+        assert score == want, command
+
+
 def test_shell_eval_tasks_have_no_train_twin():
     """File contents do not decide a count or find answer: an eval task must not have a train
     task asking the same question of the same file names with the same answer."""
