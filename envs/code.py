@@ -187,6 +187,7 @@ class CodeEnv(Env):
 
     async def reset(self, task: Task) -> list[dict[str, str]]:
         self._start(task)
+        require_tests(task)
         await self._new_sandbox()
         self.solution: str | None = None
         return user(task.prompt)
@@ -236,6 +237,22 @@ class CodeEnv(Env):
             require_started(exc.output, marker)
             return 0.0
         return tester_score(result.output, marker, len(task.data["tests"]))
+
+
+def require_tests(task: Task) -> None:
+    """Raise ValueError unless ``task`` holds at least one test, each an ``[input, int]`` pair:
+    a task sent by a client with others made the tester fail or find no test passable, and
+    score every solution 0 (no test at all: divide by zero)."""
+    tests = task.data.get("tests")
+    if not (
+        isinstance(tests, list)
+        and tests
+        and all(isinstance(test, (list, tuple)) and len(test) == 2 and type(test[1]) is int for test in tests)
+    ):
+        raise ValueError(
+            f"code task {task.id!r}: tests must be a non-empty list of [input, expected int] pairs, "
+            f"got {tests!r:.200}"
+        )
 
 
 def require_started(output: str, marker: str) -> None:

@@ -928,6 +928,19 @@ def test_code_a_worker_that_died_loses_its_own_tests_only():
     assert score == 0.5
 
 
+@pytest.mark.parametrize(
+    "tests", [[], [[1]], [[1, 4.5]], [[1, "4"]], [[1, True]], [[1, 4], [2, 7, 9]], "[[1, 4]]", None]
+)
+def test_code_task_with_malformed_tests_is_refused_at_reset_not_scored_zero(tests):
+    """A task sent by a client with tests the tester cannot take (no pair, a fraction or a
+    string to expect) scored every solution 0, the right one too; with none, divided by zero."""
+    task = code_task(tests) if tests is not None else Task(env="code", id="f", prompt="write f")
+    env = make("code", sandbox=SMALL)
+    with pytest.raises(ValueError, match="code task 'f': tests must be a non-empty list"):
+        asyncio.run(env.reset(task))
+    assert env.sandbox is None
+
+
 @needs_bwrap
 def test_code_answers_are_ints_not_bools_even_written_past_the_runner():
     """``True == 1``: booleans must not pass tests that want 1, returned by ``f`` or written
