@@ -4,9 +4,10 @@ User ``write f(x) = x*3+1``; the action is Python source defining ``f``. The rew
 fraction of hidden tests passed, measured in the sandbox by a tester that gives the solution's
 interpreter only the inputs and checks its int answers itself. The test run is elastic: it
 splits the tests over one forked worker per core it was started on (as many as the sandbox's
-process limit leaves room for), and asks the scheduler for 1..``test_cores`` cores. A solution
-that makes the test run overrun its limits (a loop that never returns, too much memory or
-output) scores 0; a tester that never started is the sandbox's failure (``SandboxError``).
+process limit leaves room for, one per test at most), and asks the scheduler for
+1..``test_cores`` cores, no more than it has workers. A solution that makes the test run
+overrun its limits (a loop that never returns, too much memory or output) scores 0; a tester
+that never started is the sandbox's failure (``SandboxError``).
 Functions are split by what they compute on the test inputs' range (``(x+2)*2`` is
 ``x*2+4``), so a function held out for eval never has its twin in train.
 """
@@ -33,7 +34,7 @@ from envs.base import (
     sample_unique,
     user,
 )
-from envs.sandbox import SandboxError, python_in_sandbox, started_on
+from envs.sandbox import SandboxConfig, SandboxError, python_in_sandbox, started_on
 
 # Processes of the test run besides its workers: bwrap's two, the tester and the runner.
 HARNESS_PROCESSES = 4
@@ -138,6 +139,12 @@ with os.fdopen(out, "w") as pipe:
 """
 
 
+def most_workers(sandbox: SandboxConfig) -> int:
+    """The most workers a test run forks under the sandbox's process limit (at least one: the
+    runner works its chunk itself); a core granted past them would stand idle."""
+    return max(1, sandbox.max_processes - HARNESS_PROCESSES)
+
+
 def split_key(body: str) -> str:
     """The values of ``f(x) = body`` over :data:`INPUTS`: bodies of one function share a split."""
     return ",".join(str(eval(body, {}, {"x": x})) for x in INPUTS)
@@ -198,8 +205,10 @@ class CodeEnv(Env):
         return self._ended(StepResult([], 0.0, True, 0.0, {"scored_at": "eval"}))
 
     def eval_request(self) -> ResourceRequest | None:
-        """The test run: elastic on 1..``test_cores`` cores, Amdahl scaling."""
-        cores = self.config.test_cores
+        """The test run: elastic on 1..``test_cores`` cores, no more than it has workers (one
+        per test at most, :func:`most_workers`), Amdahl scaling."""
+        tests = len(self._require_task().data["tests"])
+        cores = min(self.config.test_cores, most_workers(self.config.sandbox), tests)
         return ResourceRequest(
             elastic="cpu",
             max_units=cores,
@@ -223,7 +232,7 @@ class CodeEnv(Env):
             "marker": marker,
             "tests": task.data["tests"],
             "runner": RUNNER,
-            "max_workers": sandbox.config.max_processes - HARNESS_PROCESSES,
+            "max_workers": most_workers(sandbox.config),
         }
         stdin = json.dumps(request).encode() + b"\n"
         python = python_in_sandbox(sandbox.config)

@@ -918,6 +918,26 @@ def code_task(tests):
     return Task(env="code", id="f", prompt="write f", data={"body": "f", "tests": tests})
 
 
+@pytest.mark.parametrize(
+    "max_processes, tests, cores", [(4, 5, 1), (HARNESS_PROCESSES + 2, 5, 2), (64, 3, 3), (64, 5, 4)]
+)
+def test_code_test_run_asks_for_no_more_cores_than_it_has_workers(max_processes, tests, cores):
+    """Under a process limit that leaves room for fewer workers than ``test_cores``, or with
+    fewer tests (one worker each at most), the test run asked the scheduler for ``test_cores``
+    cores and left the rest idle while it ran."""
+
+    async def run():
+        env = make("code", test_cores=4, sandbox=SMALL.model_copy(update={"max_processes": max_processes}))
+        try:
+            await env.reset(code_task([[x, x] for x in range(tests)]))
+            return env.eval_request()
+        finally:
+            await env.close()
+
+    request = asyncio.run(run())
+    assert request.max_units == cores and len(request.efficiency) == cores
+
+
 @needs_bwrap
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="one core: the runner is the only worker")
 def test_code_a_worker_that_died_loses_its_own_tests_only():
