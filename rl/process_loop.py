@@ -8,7 +8,8 @@ appended to the ``trajectories`` table. That makes the stage idempotent across r
 - a raw shard with a committed processed twin is never processed again;
 - a twin whose ``trajectories`` rows are missing (a crash between the two writes, or an
   append that raised) gets them recomputed (the selection is deterministic) and appended,
-  nothing else, unless the table shows that append landed after all.
+  nothing else, unless the table shows that append landed after all (a raw shard without
+  rows has none to miss).
 
 The processor keeps its offset in the ``shards`` log in the run's storage
 (``storage.status.ProcessOffsetBoard``, at most every ``SAVE_EVERY_S`` and on ``save``): a
@@ -161,10 +162,11 @@ class ShardProcessor:
             self._polled_twins |= found
             self._twins_unsure = False
         twin_done = (raw.worker, raw.seq) in self._twins
-        if twin_done and self._recorded is None:
+        if twin_done and raw.num_rows and self._recorded is None:
             self._recorded = self._read_recorded()
-        # a quarantined shard gets its (empty) twin and no trajectories row: the twin says it is done
-        if twin_done and (raw.shard_id in self._recorded or self.raw.quarantined(raw)):
+        # a shard without rows, or a quarantined one (its twin empty), has no trajectories row:
+        # its twin says it is done
+        if twin_done and (not raw.num_rows or raw.shard_id in self._recorded or self.raw.quarantined(raw)):
             return ProcessedShard(raw, None, None, skipped="already processed")
         table = self.raw.read(raw)
         if table is None:

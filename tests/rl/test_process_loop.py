@@ -235,6 +235,21 @@ def test_a_raw_shard_whose_file_is_missing_is_reported_so_once(local_store):
     assert processed_ids(local_store) == ["t0", "t2"]
 
 
+def test_a_restarted_processor_does_not_process_or_report_an_empty_raw_shard_again(local_store):
+    """A raw shard without rows (committed by a writer given its numbers) gets an empty twin
+    and no ``trajectories`` row: the twin alone says it is done."""
+    with ShardWriter(local_store, "w0", numbers_given=True) as writer:
+        writer.commit(make_table(0, 0), seq=0)
+    commit_raw_shards(local_store, range(1, 2))
+    heard = []
+    first = ShardProcessor(local_store, on_shard=heard.append).poll()
+    assert [(o.skipped, o.processed.num_rows) for o in first] == [(None, 0), (None, 1)]
+    local_store.fs.rm(ProcessOffsetBoard(local_store).path)
+    again = ShardProcessor(local_store, on_shard=heard.append).poll()
+    assert [o.skipped for o in again] == ["already processed"] * 2
+    assert [o.raw.shard_id for o in heard] == ["raw/w0/00000000", "raw/w0/00000001"]
+
+
 def test_a_raw_shard_of_a_newer_treadle_stops_the_processor_and_gets_no_twin(local_store):
     """A worker upgraded before the processor commits a shard of a later record version: the
     processor stops at it, naming it, rather than marking it processed with an empty twin
