@@ -592,10 +592,15 @@ def _trajectory_rows(
 
 
 def _decoded(decode: Decode, tokens: list[int], trajectory_id: str) -> str | None:
-    """The text of ``tokens``, or None when they do not decode (ids from another tokenizer):
-    the text is for people, and a row without it still trains."""
+    """The text of ``tokens``, a lone surrogate (a decoder's ``surrogateescape``: no table can
+    hold it, and its appends would fail shard after shard) written as its escape; None when
+    they do not decode (ids from another tokenizer) or not into a str: the text is for
+    people, and a row without it still trains."""
     try:
-        return decode(tokens)
+        text = decode(tokens)
+        if not isinstance(text, str):
+            raise TypeError(f"decode returned {type(text).__name__}, not str")
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
     except Exception as exc:
         log.warning("trajectory %s does not decode, its text is left empty: %s", trajectory_id, exc)
         return None

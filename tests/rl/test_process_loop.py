@@ -250,6 +250,24 @@ def test_a_restarted_processor_does_not_process_or_report_an_empty_raw_shard_aga
     assert [o.raw.shard_id for o in heard] == ["raw/w0/00000000", "raw/w0/00000001"]
 
 
+def test_a_decode_returning_what_the_text_column_cannot_hold_is_escaped_or_left_empty(local_store, caplog):
+    """A decoder's lone surrogate (``surrogateescape`` on bytes that are not UTF-8) or a
+    result that is not a string would fail every append of the shard's ``trajectories``
+    rows, and so hold back every later shard, poll after poll."""
+    commit_raw_shards(local_store, range(3))
+
+    texts = iter([b"\xff".decode("utf-8", "surrogateescape"), b"bytes", "text"])
+    outcomes = ShardProcessor(local_store, decode=lambda ids: next(texts)).poll()
+    assert [o.skipped for o in outcomes] == [None, None, None]
+    rows = Tables(local_store).read("trajectories", columns=["trajectory_id", "text"]).to_pylist()
+    assert sorted((row["trajectory_id"], row["text"]) for row in rows) == [
+        ("t0", "\\udcff"),
+        ("t1", None),
+        ("t2", "text"),
+    ]
+    assert "t1 does not decode" in caplog.text
+
+
 def test_a_raw_shard_of_a_newer_treadle_stops_the_processor_and_gets_no_twin(local_store):
     """A worker upgraded before the processor commits a shard of a later record version: the
     processor stops at it, naming it, rather than marking it processed with an empty twin
