@@ -60,8 +60,8 @@ class ShardProcessor:
     rescore: Rescore | None = None
     on_shard: Callable[[ProcessedShard], None] | None = None
     before_commit: Callable[[], None] | None = None
-    """Called before each processed shard is committed, and before the ``trajectories`` rows
-    of a raw shard whose twin was committed earlier; raising refuses them (nothing written)."""
+    """Called before each processed shard is committed, and before each raw shard's
+    ``trajectories`` rows are appended; raising refuses them (nothing written)."""
 
     def __post_init__(self):
         self.tables = Tables(self.store)
@@ -184,7 +184,7 @@ class ShardProcessor:
         )
         processed = None if twin_done else self._commit_twin(raw, _as_processed(result.processed))
         if result.trajectories:
-            if twin_done and self.before_commit is not None:  # no commit above checked for it
+            if self.before_commit is not None:  # the role may have been taken while the twin committed
                 self.before_commit()
             try:
                 self.tables.append("trajectories", result.trajectories)

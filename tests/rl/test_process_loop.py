@@ -13,7 +13,7 @@ import rl.process_loop as process_loop
 from rl.process_loop import ShardProcessor
 from storage.schema import NewerSchemaError
 from storage.shards import ShardReader, ShardWriter
-from storage.status import ProcessOffset, ProcessOffsetBoard
+from storage.status import InUse, ProcessOffset, ProcessOffsetBoard
 from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
 from tests.rl.test_processor import record
 from tests.storage.foreign_shards import commit_foreign_file, first_version, ipc_bytes
@@ -266,6 +266,37 @@ def test_a_decode_returning_what_the_text_column_cannot_hold_is_escaped_or_left_
         ("t2", "text"),
     ]
     assert "t1 does not decode" in caplog.text
+
+
+def test_a_processor_whose_role_is_taken_while_it_commits_a_twin_appends_none_of_its_rows(local_store):
+    """The new holder meets the twin without its ``trajectories`` rows and makes them up: the
+    rows of the one that lost the role would be the shard's second."""
+    commit_raw_shards(local_store, range(1))
+    holder = ["first"]
+
+    def held_by(name):
+        def require():
+            if holder[0] != name:
+                raise InUse(f"the role of {name} was taken")
+
+        return require
+
+    first = ShardProcessor(local_store, before_commit=held_by("first"))
+    real_append = first.tables.append
+
+    def taken_once_the_twin_lands(name, rows, *args):
+        appended = real_append(name, rows, *args)
+        if name == "shards" and holder == ["first"]:
+            holder[0] = "second"
+            second = ShardProcessor(local_store, before_commit=held_by("second"))
+            assert [o.skipped for o in second.poll()] == [None]  # it makes up the missing rows
+        return appended
+
+    first.tables.append = taken_once_the_twin_lands
+    with pytest.raises(InUse, match="role of first"):
+        first.poll()
+    assert Tables(local_store).read("trajectories").column("trajectory_id").to_pylist() == ["t0"]
+    assert processed_ids(local_store) == ["t0"]
 
 
 def test_a_raw_shard_of_a_newer_treadle_stops_the_processor_and_gets_no_twin(local_store):
