@@ -122,8 +122,8 @@ class ShardWriter:
     since the first buffered record (checked on each write).
 
     Each ``write``/``write_table`` is converted and cast at once: a record that does not
-    fit the schema's types, or a table that lacks a column, raises :class:`SchemaError` at
-    the call that gave it. The per-row checks (:func:`~storage.schema.validate`) run once
+    fit the schema's types, or a table that lacks a column or names a later version of the
+    record (:class:`NewerSchemaError`), raises :class:`SchemaError` at the call that gave it. The per-row checks (:func:`~storage.schema.validate`) run once
     per shard, when it is flushed (on the commit thread for :class:`BackgroundShardWriter`):
     run on single records, their tens of compute kernels cost over a millisecond a record,
     and each kernel gives up the GIL, so a thread that wrote records one by one waited on
@@ -217,6 +217,7 @@ class ShardWriter:
         this write flushed, if any."""
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
+        self._refuse_newer(table)
         table = cast(table, self.schema)
         if table.num_rows == 0:
             return None
@@ -227,6 +228,18 @@ class ShardWriter:
         if self._buffered_rows >= self.flush_records or self._due():
             return self.flush()
         return None
+
+    def _refuse_newer(self, table: pa.Table) -> None:
+        """Raise :class:`NewerSchemaError` when ``table``'s schema names a later version of
+        this writer's record: cast to this treadle's schema, its rows would lose the columns
+        added since and be labelled with the old version, for every reader to misread."""
+        newer = newer_record(table.schema, self.schema)
+        if newer is not None:
+            own = self.schema.metadata[SCHEMA_KEY].decode()
+            raise NewerSchemaError(
+                f"{self.kind} records for {self.worker} are {newer} records, newer than this "
+                f"treadle's {own}: upgrade treadle to write them"
+            )
 
     def flush_if_due(self) -> ShardInfo | None:
         """Flush when the oldest buffered record has waited ``flush_seconds``: ``write``
@@ -346,6 +359,7 @@ class ShardWriter:
         """
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
+        self._refuse_newer(table)
         info = self._commit(validate(cast(table, self.schema)), seq, exclusive=False)
         self._seq = None if self._seq is None else max(self._seq, seq + 1)
         self._announce(info)

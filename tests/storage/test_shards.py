@@ -29,7 +29,7 @@ from deltalake.exceptions import DeltaError
 
 from storage import shards as shard_module
 from storage.config import RunStore, StorageConfig
-from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, SchemaError, cast, validate
+from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, NewerSchemaError, SchemaError, cast, validate
 from storage.shards import (
     COMPRESSION,
     MIN_SWEEP_AGE_S,
@@ -1477,6 +1477,24 @@ def test_a_shard_written_by_a_newer_treadle_is_refused_and_left_in_place(store, 
         reader.read(info)
     assert not reader.quarantined(info)
     assert store.fs.cat_file(store.path(info.path)) == ipc_bytes(newer)
+
+
+@pytest.mark.parametrize("kind", ["raw", "processed"])
+def test_a_writer_refuses_records_of_a_newer_treadle_rather_than_writing_them_as_its_own(local_store, kind):
+    """A table whose schema names a later record version (rows a newer treadle wrote, copied
+    in by a tool): cast to this treadle's schema, its new columns would be dropped and its
+    rows labelled with the old version, so that even an upgraded reader misread them."""
+    table = make_table(0, 2) if kind == "raw" else make_processed_table(0, 2)
+    named = table.schema.metadata[b"treadle.schema"].decode().partition("/")[0]
+    newer = table.append_column("score", pa.array([1.0, 2.0])).replace_schema_metadata(
+        {"treadle.schema": f"{named}/9"}
+    )
+    writer = ShardWriter(local_store, "w0", kind=kind, flush_records=1)
+    with pytest.raises(NewerSchemaError, match=f"{named}/9 records, newer than this treadle's {named}/"):
+        writer.write_table(newer)
+    with pytest.raises(NewerSchemaError, match=f"{named}/9"):
+        writer.commit(newer, seq=3)
+    assert writer.flush() is None and ShardReader(local_store, kind=kind).poll()[0] == []
 
 
 def _read_whole(store: RunStore, shard: ShardInfo) -> None:
