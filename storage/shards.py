@@ -182,6 +182,9 @@ class ShardWriter:
         self._unsure: ShardInfo | None = None
         """A commit whose append raised while the ``shards`` table could not be read: it may
         have landed, so its records are not committed again until the table says."""
+        self._unsure_numbered: dict[int, ShardInfo] = {}
+        """The same for commits under a given number (:meth:`commit`), by number: a retry
+        of one first looks for it."""
         # read now, so that a store that cannot be reached fails the writer's start
         self._seq = None if numbers_given else self._seq_from_table()
 
@@ -355,12 +358,17 @@ class ShardWriter:
 
         For producers that derive the sequence number from their input (one processed
         shard per raw shard), so a retried commit lands under the same name; the caller
-        must not commit the same ``seq`` twice. Buffered records are not touched.
+        must not commit the same ``seq`` twice. A retry of a commit of this writer whose
+        landing could not be confirmed (the ``shards`` table unreadable) raises while it
+        still cannot be, and commits nothing once the table shows it landed (returning that
+        shard). Buffered records are not touched.
         """
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
         self._refuse_newer(table)
-        info = self._commit(validate(cast(table, self.schema)), seq, exclusive=False)
+        info = self._landed_before(seq) or self._commit(
+            validate(cast(table, self.schema)), seq, exclusive=False
+        )
         self._seq = None if self._seq is None else max(self._seq, seq + 1)
         self._announce(info)
         return info
@@ -449,6 +457,8 @@ class ShardWriter:
             landed = self._landed(info)
             if landed is None and exclusive:
                 self._unsure = info
+            elif landed is None:
+                self._unsure_numbered[seq] = info
             if not landed:
                 raise
             log.warning(
@@ -467,6 +477,29 @@ class ShardWriter:
             log.warning("cannot tell whether shard %s was committed: %s", info.shard_id, exc)
             return None
         return info.shard_id in set(shards.column("shard_id").to_pylist())
+
+    def _landed_before(self, seq: int) -> ShardInfo | None:
+        """Shard ``seq`` when an earlier :meth:`commit` of it could not be confirmed and did
+        land (counted as committed now); None when there was no such commit or it did not
+        land. Raises while the ``shards`` table still cannot say."""
+        info = self._unsure_numbered.get(seq)
+        if info is None:
+            return None
+        landed = self._landed(info)
+        if landed is None:
+            raise OSError(
+                f"cannot tell whether shard {info.shard_id} was committed (the shards table cannot be "
+                "read); it is not committed again until it can"
+            )
+        del self._unsure_numbered[seq]
+        if not landed:
+            return None
+        log.warning(
+            "shard %s, whose commit could not be confirmed, did land: counted as committed", info.shard_id
+        )
+        self._committed += 1
+        self.last_seq = seq
+        return info
 
     def _without_landed(self, table: pa.Table) -> pa.Table:
         """``table`` less the rows of a commit that could not be confirmed and did land.

@@ -409,13 +409,37 @@ def test_a_failed_retry_of_a_commit_that_may_have_landed_leaves_its_file_in_plac
         sink.write(b"ARROW1\0\0")
         raise OSError("connection dropped (injected)")
 
-    with monkeypatch.context() as patch:
+    with monkeypatch.context() as patch:  # retried by a process that knows nothing of the doubt
         patch.setattr(shard_module, "_write_ipc", dropped)
         with pytest.raises(OSError, match="dropped"):
-            writer.commit(make_processed_table(0, 3), seq=5)
+            ShardWriter(store, "p", kind="processed").commit(make_processed_table(0, 3), seq=5)
     reader = ShardReader(store, kind="processed")
     (shard,), _ = reader.poll()
     assert ids_of(reader.read(shard)) == ids_of(make_processed_table(0, 3))
+
+
+def test_a_numbered_commit_retried_after_one_that_could_not_be_confirmed_is_listed_once(store, monkeypatch):
+    """Shard 5's commit lands but its reply is lost while the shards table cannot be read, and
+    its caller retries it under the same number, as :meth:`ShardWriter.commit` asks: the retry
+    raises while the table still cannot say, then finds the commit landed and commits nothing
+    again. Before, the retry appended a second row, and every poll listed shard 5 twice."""
+    committed = []
+    writer = ShardWriter(store, "p", kind="processed", on_commit=committed.append)
+    append = writer.tables.append
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", reply_lost(append))
+        patch.setattr(writer.tables, "read", unreadable)
+        with pytest.raises(TimeoutError):
+            writer.commit(make_processed_table(0, 3), seq=5)
+        patch.setattr(writer.tables, "append", append)
+        with pytest.raises(OSError, match="cannot tell whether shard processed/p/00000005 was committed"):
+            writer.commit(make_processed_table(0, 3), seq=5)
+    info = writer.commit(make_processed_table(0, 3), seq=5)
+    reader = ShardReader(store, kind="processed")
+    shards, _ = reader.poll()
+    assert shards == [info] and ids_of(reader.read(info)) == ids_of(make_processed_table(0, 3))
+    assert committed == [info] and writer.committed == 1 and writer.last_seq == 5
+    assert writer.write_table(make_processed_table(3, 1)) is None and writer.flush().seq == 6
 
 
 def test_a_numbered_commit_that_cannot_be_confirmed_leaves_the_buffered_records_alone(store, monkeypatch):
