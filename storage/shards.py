@@ -595,7 +595,7 @@ class BackgroundShardWriter(ShardWriter):
         super().__init__(*args, **kwargs)
         self.max_unsaved_records = max_unsaved_records or 8 * self.flush_records
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shards-{self.worker}")
-        self._in_flight: Future[ShardInfo] | None = None
+        self._in_flight: Future[None] | None = None
         self._unsaved: pa.Table | None = None
         """Records handed over whose commit has not landed: in flight, or failed."""
         self._handed_at = 0.0
@@ -613,11 +613,11 @@ class BackgroundShardWriter(ShardWriter):
         self._unsaved = _merged(([self._unsaved] if retrying else []) + self._buffer)
         self._clear_buffer()
         if retrying and self.unsaved_records > self.max_unsaved_records:
-            self._commit_unsaved()
+            self._commit_unsaved(self._unsaved)
             return None
         self._handed_at = time.monotonic()
         self._in_flight = self._committer.submit(
-            contextvars.copy_context().run, self._commit_and_announce, self._unsaved
+            contextvars.copy_context().run, self._commit_unsaved, self._unsaved
         )
         return None
 
@@ -641,7 +641,7 @@ class BackgroundShardWriter(ShardWriter):
         self.flush()
         self._settle()
         if self._unsaved is not None:
-            self._commit_unsaved()
+            self._commit_unsaved(self._unsaved)
         self._committer.shutdown()
         self._closed = True
         return None
@@ -658,20 +658,15 @@ class BackgroundShardWriter(ShardWriter):
         self._committer.shutdown()
         return target
 
-    def _commit_and_announce(self, table: pa.Table) -> ShardInfo | None:
+    def _commit_unsaved(self, table: pa.Table) -> None:
+        """Commit ``table``, the unsaved records; they stay unsaved (what is left to retry of
+        them) unless it lands, and are no longer counted so once it has, before ``on_commit``
+        hears of it."""
         table = self._retryable(table, self._keep_unsaved)
-        if table.num_rows == 0:
-            return None
-        info = self._commit_next(table)
-        self._announce(info)
-        return info
-
-    def _commit_unsaved(self) -> None:
-        self._unsaved = self._retryable(self._unsaved, self._keep_unsaved)
-        if self._unsaved.num_rows:
-            info = self._commit_next(self._unsaved)
-            self._announce(info)
+        info = self._commit_next(table) if table.num_rows else None
         self._unsaved = None
+        if info is not None:
+            self._announce(info)
 
     def _keep_unsaved(self, table: pa.Table) -> None:
         self._unsaved = table
@@ -695,8 +690,6 @@ class BackgroundShardWriter(ShardWriter):
                 self.worker,
                 exc,
             )
-            return
-        self._unsaved = None
 
 
 class ShardReader:

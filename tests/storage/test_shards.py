@@ -500,6 +500,20 @@ def test_a_background_flush_returns_before_its_commit_lands_and_close_waits_for_
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1"], ["t2"]]
 
 
+def test_records_whose_background_commit_landed_are_no_longer_counted_unsaved(store):
+    """A rollout worker publishes ``unsaved_records`` in its status: records whose commit had
+    landed (``on_commit`` told of it) still counted there until the next flush settled it,
+    ``flush_seconds`` later with no write after them."""
+    heard = []
+    writer = BackgroundShardWriter(
+        store, "w0", flush_records=2, on_commit=lambda info: heard.append(writer.unsaved_records)
+    )
+    writer.write_table(make_table(0, 2))
+    concurrent.futures.wait([writer._in_flight])
+    assert writer.committed == 1 and heard == [0] and writer.unsaved_records == 0
+    writer.close()
+
+
 def test_a_background_commit_still_running_is_not_due_again_and_does_not_block_the_caller(store, monkeypatch):
     writer = BackgroundShardWriter(store, "w0", flush_records=2, flush_seconds=0.05)
     entered, release = hold_appends(writer, monkeypatch)
