@@ -730,8 +730,12 @@ class ShardReader:
         Only what the bytes hold quarantines a shard: an error while fetching them (a
         timeout, a dropped connection) is raised, and the shard stays for the next read. A
         shard written before the canonical schema gained a nullable column reads it as null;
-        one whose schema names a later record version raises :class:`NewerSchemaError`.
+        one whose schema names a later record version raises :class:`NewerSchemaError`, and
+        one of another kind than this reader's ``ValueError`` (read against the wrong schema,
+        a good shard would be quarantined).
         """
+        if shard.kind != self.kind:
+            raise ValueError(f"shard {shard.shard_id} is a {shard.kind} shard, not a {self.kind} one")
         try:
             source = _open_ipc(self.store, shard.path)
         except FileNotFoundError:

@@ -1452,6 +1452,18 @@ def _flipped_yet_valid(payload: bytes, schema: pa.Schema) -> bytes:
     raise AssertionError("no single-bit flip of the shard reads as valid records")
 
 
+def test_a_reader_given_a_shard_of_another_kind_refuses_it_and_leaves_it_in_place(store):
+    """A raw reader read a processed shard against the raw schema, found its extra columns
+    and moved the good shard to quarantine, where its own kind's reader no longer found it."""
+    with ShardWriter(store, "p0", kind="processed") as writer:
+        writer.write_table(make_processed_table(0, 2))
+    (shard,), _ = ShardReader(store, kind="processed").poll()
+    with pytest.raises(ValueError, match="shard processed/p0/00000000 is a processed shard, not a raw one"):
+        ShardReader(store).read(shard)
+    reader = ShardReader(store, kind="processed")
+    assert not reader.quarantined(shard) and reader.read(shard).num_rows == 2
+
+
 @pytest.mark.parametrize("kind", ["raw", "processed"])
 def test_a_shard_whose_bytes_changed_after_its_commit_is_quarantined_not_read(store, kind):
     table = make_table(0, 8) if kind == "raw" else make_processed_table(0, 8)
