@@ -365,6 +365,8 @@ class RolloutWorker:
             serving=self.serving,
             trained_reward=self.trained_reward,
         )
+        if self._stopped.is_set():  # stopped before, or while, the engines were built
+            self.orchestrator.stop()
         return self
 
     async def _check_context(self, engines: list[Engine]) -> None:

@@ -57,3 +57,23 @@ def test_a_stop_while_the_health_check_reloads_replicas_waits_for_every_reload(l
 
     asyncio.run(body())
     assert reloading_at_return == []
+
+
+def test_a_worker_stopped_before_it_started_runs_no_rollout(local_store):
+    """``stop`` before ``run`` builds the engines and the orchestrator (``run`` starts the worker
+    itself): the stop only set an event the orchestrator, made afterwards, never read, so the
+    worker ran rollouts until its max_rollouts or deadline."""
+    run = RunConfig(orchestrator={"mix": {"arith": 1.0}, "concurrency": 2, "max_rollouts": 2})
+    ensure_base_version(WeightStore(local_store), TINY)
+    worker = make_worker(local_store, run, flush_seconds=600)
+
+    async def body():
+        worker.stop()
+        try:
+            return await worker.run(max_seconds=600)
+        finally:
+            await worker.close()
+
+    stats = asyncio.run(body())
+    assert stats.tasks["arith"].started == 0
+    assert worker.writer.committed == 0
