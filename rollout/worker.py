@@ -407,7 +407,9 @@ class RolloutWorker:
         """Load the newest published version into every healthy engine; True when one was loaded.
 
         A version refused as corrupt (``CorruptVersion``, raised once) is not fetched again:
-        the engines keep theirs until a newer one is published.
+        the engines keep theirs until a newer one is published. ``LATEST`` that cannot be read
+        (storage unreachable, or garbled) loads nothing and is warned of once while it lasts
+        (:meth:`read_failed`): the weight loop reads it every ``weight_poll_s``.
         A replica that is down is skipped: it cannot load anything, and failing the whole
         update for it would make the healthy replicas reload the version at every poll.
         """
@@ -415,7 +417,12 @@ class RolloutWorker:
             return await self._sync_weights()
 
     async def _sync_weights(self) -> bool:
-        latest = await asyncio.to_thread(self.weights.latest)
+        try:
+            latest = await asyncio.to_thread(self.weights.latest)
+        except Exception as exc:  # storage unreachable, or LATEST garbled: the engines keep theirs
+            self.read_failed("the weights' LATEST", exc)
+            return False
+        self.read_again("the weights' LATEST")
         if latest is None or latest in (self.version, self._refused):
             return False
         retry = self._retry if self._retry is not None and self._retry[0] == latest else None

@@ -634,6 +634,48 @@ def test_each_failed_load_of_a_version_doubles_the_wait_before_the_next(local_st
     assert set(tried) == {1} and worker.version == 0
 
 
+def test_a_weights_pointer_storage_cannot_serve_is_warned_of_once_while_it_lasts(local_store, caplog):
+    """Storage unreachable: the weight loop read ``LATEST`` every ``weight_poll_s`` and warned at
+    every read for as long as it lasted, where the worker's other loops warn once per error. It
+    now warns once, says when it reads it again, and then loads the version published meanwhile."""
+    run = RunConfig(engine={"replicas": 1}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 1})
+    weights = WeightStore(local_store)
+    ensure_base_version(weights, TINY)
+    worker = make_worker(local_store, run, weight_poll_s=0.01)
+    model, tokenizer = load_policy(weights.load(0))
+    reads = []
+
+    async def body() -> None:
+        await worker.start()
+        real_latest = worker.weights.latest
+
+        def unreachable() -> int | None:
+            reads.append(1)
+            if len(reads) <= 5:
+                raise OSError("connection refused (injected)")
+            return real_latest()
+
+        worker.weights.latest = unreachable
+        follower = asyncio.create_task(worker._follow_weights())
+        try:
+            publish_policy(weights, model, tokenizer, step=1)
+            await until(lambda: worker.version == 1, "the worker to load version 1 once storage is back")
+        finally:
+            follower.cancel()
+            await asyncio.gather(follower, return_exceptions=True)
+            await worker.close()
+
+    with caplog.at_level(logging.INFO, logger="rollout.worker"):
+        asyncio.run(body())
+    said = [
+        r.getMessage() for r in caplog.records if "injected" in r.getMessage() or "again" in r.getMessage()
+    ]
+    assert said == [
+        "worker w0 could not read the weights' LATEST: connection refused (injected)",
+        "worker w0 reads the weights' LATEST again",
+    ]
+
+
 def corrupt_model(weights: WeightStore, version: int) -> None:
     """Flip the last byte of ``version``'s model file: it no longer matches its manifest."""
     fs = weights.store.fs
