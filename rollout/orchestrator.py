@@ -186,6 +186,9 @@ class Orchestrator:
         serving: whether an engine replica is in service; while it returns False launching
             waits (each rollout would fail at once as an ``infra_error``, in a loop that
             writes failed rows and spends ``max_rollouts``), until a replica is back or a stop.
+            One that raises (no replica can come back) stops launching as ``stop_launching``
+            does: the rollouts in flight run to their end and are written (one that needs a
+            model turn ends as an ``infra_error``), then the run ends with its error.
         trained_reward: the reward a rollout is trained with, from its ``reward`` and
             ``progress`` (the run's ``rl.processor.combine_reward``), which group mode's filter
             compares; without it, the reward alone (None as 0).
@@ -221,6 +224,8 @@ class Orchestrator:
         self._granted = 0
         """Rollouts the quota granted this orchestrator."""
         self._quota_spent = False
+        self._serving_error: Exception | None = None
+        """What ``serving`` raised: no replica can come back, so nothing launches again."""
         self.stats = OrchestratorStats()
         self._mix = self._normalise(self.config.mix)
         self._started_before_mix: Counter[str] = Counter()
@@ -273,8 +278,28 @@ class Orchestrator:
         return cfg.target_groups is not None and self.stats.groups_kept >= cfg.target_groups
 
     def _no_more_launches(self) -> bool:
-        """Done, or stopped launching from outside (``stop_launching``)."""
-        return self._done() or (self.stop_launching is not None and self.stop_launching())
+        """Done, stopped launching from outside (``stop_launching``), or no replica can serve again."""
+        if self._done() or self._serving_error is not None:
+            return True
+        return self.stop_launching is not None and self.stop_launching()
+
+    def _in_service(self) -> bool:
+        """``serving()`` (True without it); False for good once it raised (see ``serving``)."""
+        if self.serving is None:
+            return True
+        if self._serving_error is not None:
+            return False
+        try:
+            return self.serving()
+        except Exception as exc:
+            self._serving_error = exc
+            log.error(
+                "no engine replica can serve again (%s): nothing more launches; the %d rollouts in "
+                "flight run to their end and are written",
+                exc,
+                len(self._in_flight),
+            )
+            return False
 
     def _started(self) -> int:
         return sum(c.started for c in self.stats.tasks.values())
@@ -343,7 +368,7 @@ class Orchestrator:
         finish meanwhile are written as usual (the pause holds back new work, never finished work)."""
         if self.backlog is None and self.trainer_queue is None and self.serving is None:
             return
-        if self.serving is not None and not self.serving():
+        if not self._in_service() and self._serving_error is None:
             log.warning("no engine replica is in service: launching waits for one to be back")
         counted = time.perf_counter()
         try:
@@ -366,7 +391,7 @@ class Orchestrator:
     def _pause_reason(self) -> str | None:
         """Why launching must wait now: the trainer lags or no replica is in service (None: it may launch)."""
         reason = self.backpressure()
-        if reason is None and self.serving is not None and not self.serving():
+        if reason is None and not self._in_service():
             return "no engine replica in service"
         return reason
 
@@ -438,6 +463,8 @@ class Orchestrator:
                     self.sink.flush()
                 finally:
                     await self._release_unused()
+        if self._serving_error is not None:
+            raise self._serving_error
         return self.stats
 
     def _collect(self, job: asyncio.Task) -> None:

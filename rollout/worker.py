@@ -387,7 +387,9 @@ class RolloutWorker:
     def serving(self) -> bool:
         """Whether an engine replica is in service; with none, launching waits for the health
         check to bring one back. Raises ``EngineError`` when none can come back: with no
-        health check (``router.health_check_s`` None), a replica taken out stays out."""
+        health check (``router.health_check_s`` None), a replica taken out stays out: the
+        orchestrator launches nothing more, lets the rollouts in flight end, and the run fails
+        with it."""
         if self.router.replicas:
             return True
         if self.router.config.health_check_s is None:

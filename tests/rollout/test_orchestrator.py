@@ -17,11 +17,11 @@ from envs.arith import ArithEnv
 from envs.base import EnvHostLost, StepResult
 from rl.models import TinyModelConfig, build_tiny_model
 from rl.processor import ProcessorConfig, combine_reward
-from rollout.engines.base import SamplingParams
+from rollout.engines.base import EngineError, SamplingParams
 from rollout.engines.torch_engine import TorchEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.orchestrator import SEED_STRIDE, Orchestrator, OrchestratorConfig
-from rollout.router import Router
+from rollout.router import Router, RouterConfig
 from rollout.service import RolloutService, ServiceConfig
 from storage.quota import RunQuota
 from storage.shards import ShardReader, ShardWriter
@@ -990,6 +990,92 @@ def test_launching_waits_while_no_engine_replica_is_in_service(tiny, caplog):
     assert during.started == 0 and during.paused == "no engine replica in service"
     assert "no engine replica is in service" in caplog.text
     assert stats.finished == 4 and stats.paused is None
+
+
+class HeldEnv(ArithEnv):
+    """``arith`` that stops at its ``gate`` (``reset``, ``step`` or ``evaluate``) until the
+    test lets it go on; ``arrived[gate]`` is set once it waits there."""
+
+    name = "arith"
+
+    def __init__(self, gate: str, arrived: dict[str, asyncio.Event], go: dict[str, asyncio.Event]):
+        super().__init__()
+        self.gate, self.arrived, self.go = gate, arrived, go
+
+    async def _at(self, point: str) -> None:
+        if point == self.gate:
+            self.arrived[point].set()
+            await self.go[point].wait()
+
+    async def reset(self, task):
+        await self._at("reset")
+        return await super().reset(task)
+
+    async def step(self, action: str) -> StepResult:
+        await self._at("step")
+        return await super().step(action)
+
+    async def evaluate(self) -> float:
+        await self._at("evaluate")
+        return await super().evaluate()
+
+
+def test_with_every_replica_out_for_good_the_rollouts_in_flight_run_to_their_end_and_are_written(tiny):
+    """The only replica leaves service and nothing can bring it back (no health check:
+    ``serving`` raises) while three rollouts are in flight: one scoring its episode, one in its
+    last env step, one resetting its env. The first two need no model turn: they finish and
+    are written; the third's turn finds no replica and it is written as an infra_error. The
+    orchestrator cancelled both finished ones as it raised; now nothing new launches and
+    the run ends with the error once the rollouts in flight have ended."""
+    model, tokenizer = tiny
+    gates = ["evaluate", "step", "reset"]
+    role: dict[str, str] = {}
+    sink = ListSink()
+    raised = []
+
+    async def body():
+        arrived = {gate: asyncio.Event() for gate in gates}
+        go = {gate: asyncio.Event() for gate in gates}
+        waiting = iter(gates)
+
+        def make_env(task):
+            role[task.id] = next(waiting)
+            return HeldEnv(role[task.id], arrived, go)
+
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        router = Router([engine], RouterConfig(health_check_s=None))
+        gateway = Gateway(router, tokenizer, GatewayConfig(max_context_tokens=512))
+        service = RolloutService(gateway, make_env, ServiceConfig(max_new_tokens=4))
+
+        def serving() -> bool:  # as RolloutWorker.serving with no health check
+            if router.replicas:
+                return True
+            raised.append(True)
+            raise EngineError("every engine replica is out of service and none comes back")
+
+        config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=3)
+        orchestrator = Orchestrator(service, streams("arith"), sink, config, serving=serving)
+        try:
+            job = asyncio.create_task(orchestrator.run())
+            for gate in gates:
+                await asyncio.wait_for(arrived[gate].wait(), 60)
+            router.take_down("torch-0")
+            go["reset"].set()
+            await until(lambda: raised)
+            go["step"].set()
+            go["evaluate"].set()
+            with pytest.raises(EngineError, match="none comes back"):
+                await asyncio.wait_for(job, 60)
+            return orchestrator.stats
+        finally:
+            await engine.close()
+
+    stats = asyncio.run(body())
+    assert stats.cut_short == [] and stats.tasks["arith"].started == 3
+    statuses = {role[record["prompt_id"]]: record["status"] for record in sink.records}
+    assert statuses.keys() == set(gates) and statuses["reset"] == "infra_error"
+    assert statuses["evaluate"] in ("ok", "truncated") and statuses["step"] in ("ok", "truncated")
+    assert sink.flushes == 1 and len(raised) == 1
 
 
 def test_rollout_seeds_count_up_from_the_base_seeds_stride(tiny):
