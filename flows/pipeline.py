@@ -28,6 +28,7 @@ from flows.run_body import run_body
 from rollout.config import GatewayHTTPConfig
 from storage.config import RunStore
 from tasks.common import SIGNAL_RETRY_S, clear_signals, run_store, send_signal
+from tasks.event_loop import wait_awake
 from tasks.report import report_task
 
 WIND_DOWN_RETRY_S = (*SIGNAL_RETRY_S, 8.0, 16.0, 32.0)
@@ -54,19 +55,21 @@ def _wind_down(
     A signal the store refuses is tried again for longer than a task's own
     (:data:`WIND_DOWN_RETRY_S`), so that each task still ends after the one before it; refused
     past that, or the flow stopping, all three are raised at once and the refusal logged.
+    Its waits wake the main thread (:func:`~tasks.event_loop.wait_awake`): a Ctrl-C or a
+    cancellation's SIGTERM the kernel gave to another thread stops the flow at once.
     A failed task's error is raised once all three are over. The signals go once all three
     are over, however the flow ends: they are this flow run's alone (``signals`` is its own key).
     """
     store = run_store(config)
     try:
-        first = next(as_completed([rollout_run, process_run, train_run]))
+        first = wait_awake(lambda: next(as_completed([rollout_run, process_run, train_run])))
         if first is not rollout_run:  # nothing more will be trained, or processed: rollouts stop
             send_signal(store, signals, "stop", WIND_DOWN_RETRY_S)
-        rollout_run.wait()
+        wait_awake(rollout_run.wait)
         send_signal(store, signals, "rollouts-done", WIND_DOWN_RETRY_S)
-        process_run.wait()
+        wait_awake(process_run.wait)
         send_signal(store, signals, "processed", WIND_DOWN_RETRY_S)
-        train_run.wait()
+        wait_awake(train_run.wait)
     except BaseException as error:  # the flow is stopping (cancelled, interrupted, a signal refused): end all
         sent = True
         for name in ("stop", "rollouts-done", "processed"):
@@ -81,7 +84,7 @@ def _wind_down(
                 )
         if sent:  # each task stops at its signal: removed once none is left to watch them
             for run in (rollout_run, process_run, train_run):
-                run.wait()
+                wait_awake(run.wait)
             _clear_signals(store, signals)
         if isinstance(error, Exception):  # a signal the store refused: a task's failure is the run's error
             if sent:  # raised on a second try: the tasks were wound down, their results stand

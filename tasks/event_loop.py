@@ -1,5 +1,5 @@
 """The event loop a task runs its async work on, on a thread of its own so that a signal
-stops that work as a whole."""
+stops that work as a whole; and waits of the main thread that a signal interrupts."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import contextvars
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -48,6 +48,33 @@ a timeout is interrupted only by a signal given to the main thread itself)."""
 def _wait(finished: threading.Event) -> None:
     while not finished.wait(WAKE_SECONDS):
         pass
+
+
+def wait_awake(wait: Callable[[], T]) -> T:
+    """``wait()`` (a future's, which waits without a timeout) on a thread of its own, in this
+    thread's context, while the main thread waits for it waking every :data:`WAKE_SECONDS`: a
+    signal the kernel gave to another thread has its handler run, and its exception raised
+    here, at once rather than once ``wait`` returns. The thread goes on waiting then, and ends
+    with ``wait``. Off the main thread it is ``wait()``."""
+    if threading.current_thread() is not threading.main_thread():
+        return wait()
+    finished = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def waiting() -> None:
+        try:
+            outcome["result"] = wait()
+        except BaseException as error:
+            outcome["error"] = error
+        finally:
+            finished.set()
+
+    context = contextvars.copy_context()
+    threading.Thread(target=context.run, args=(waiting,), name="wait", daemon=True).start()
+    _wait(finished)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 class _LoopThread:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import re
+import signal
 import sys
 import threading
 import time
@@ -200,6 +201,56 @@ def test_a_pipeline_that_is_interrupted_removes_its_signals_once_its_tasks_are_o
         pipeline_module._wind_down(config, "this-run", *tasks)
     assert all(task.waited for task in tasks)
     assert store.fs.ls(store.path("status/signals"), detail=False) == [store.path(signals_dir("another-run"))]
+
+
+def test_a_ctrl_c_the_kernel_gives_to_a_tasks_thread_winds_the_pipeline_down_at_once(
+    tmp_path, prefect_api, monkeypatch
+):
+    """A process-wide signal goes to any thread that does not block it, and Python runs its
+    handler in the main thread only once that thread runs again: the flow, waiting on its tasks
+    without a timeout, heard a Ctrl-C (a cancellation's SIGTERM) given to a task's thread only
+    once a task had ended on its own (its deadline, or its stop condition), and its signals
+    told none of them to end."""
+    from prefect import flow, task
+    from prefect.cache_policies import NO_CACHE
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from tasks.common import watch_signal
+
+    config = tiny_config(tmp_path / "runs", "interrupted-in-a-task")
+    store = run_store(config)
+    waiting = threading.Event()
+    ended = {}
+
+    def as_completed(runs):
+        waiting.set()
+        return pipeline_module.as_completed.__wrapped__(runs)
+
+    as_completed.__wrapped__ = pipeline_module.as_completed
+    monkeypatch.setattr(pipeline_module, "as_completed", as_completed)
+
+    @task(cache_policy=NO_CACHE)
+    def ends_at(name: str, signal_name: str) -> None:
+        if name == "rollouts":  # the kernel gives the signal to this task's thread
+            waiting.wait()
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
+        with watch_signal(store, "this-run", signal_name) as told:
+            # the test's own bound on a flow that never hears the signal
+            ended[name] = "at its signal" if told.wait(30) else "on its own"
+
+    @flow(task_runner=ThreadPoolTaskRunner(max_workers=3))
+    def winding_down():
+        runs = [ends_at.submit(*names) for names in TASK_SIGNALS]
+        return pipeline_module._wind_down(config, "this-run", *runs)
+
+    with pytest.raises(KeyboardInterrupt):
+        winding_down()
+    assert ended == {name: "at its signal" for name, _ in TASK_SIGNALS}
+    assert not store.fs.exists(store.path(signals_dir("this-run")))
+
+
+TASK_SIGNALS = [("rollouts", "stop"), ("process", "rollouts-done"), ("train", "stop")]
+"""Each task of the pipeline and the signal it ends at when the flow is stopped."""
 
 
 def test_the_pipelines_wall_clock_budget_counts_from_when_its_rollout_worker_is_up(
