@@ -57,7 +57,7 @@ def _wind_down(
     past that, or the flow stopping, all three are raised at once and the refusal logged.
     Its waits wake the main thread (:func:`~tasks.event_loop.wait_awake`): a Ctrl-C or a
     cancellation's SIGTERM the kernel gave to another thread stops the flow at once.
-    A failed task's error is raised once all three are over. The signals go once all three
+    A failed or crashed task's error is raised once all three are over. The signals go once all three
     are over, however the flow ends: they are this flow run's alone (``signals`` is its own key).
     """
     store = run_store(config)
@@ -91,7 +91,7 @@ def _wind_down(
                 get_run_logger().warning("the run's store refused a signal, then took it: %s", error)
                 return rollout_run.result(), process_run.result(), train_run.result()
             for run in (rollout_run, process_run, train_run):
-                if run.state.is_failed():
+                if run.state.is_failed() or run.state.is_crashed():
                     run.result()  # raises its error
         raise
     _clear_signals(store, signals)

@@ -11,7 +11,7 @@ import threading
 import time
 
 import pytest
-from prefect.states import Completed, Failed
+from prefect.states import Completed, Crashed, Failed
 
 from flows import pipeline as pipeline_module
 from flows.sql import connect
@@ -629,6 +629,43 @@ def test_a_pipeline_whose_rollouts_task_failed_raises_its_error_when_the_store_r
         winding_down()
     assert "could not raise signal 'rollouts-done'" in caplog.text
     assert "the store refused signal 'rollouts-done' (injected)" in caplog.text
+
+
+class TrainerCrashed:
+    """The future of a train task whose worker died under it (Ray gives such a task a Crashed
+    state, not a Failed one)."""
+
+    state = Crashed()
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+    def result(self) -> dict:
+        raise RuntimeError("the trainer's worker died (injected)")
+
+
+def test_a_pipeline_whose_trainer_crashed_raises_its_error_when_the_store_refuses_its_signals(
+    tmp_path, prefect_api, monkeypatch
+):
+    """A trainer that crashed, and a store refusing the signals as the run wound down: only a
+    failed task's error was looked for, so the store's error replaced the crash as the run's."""
+    from prefect import flow
+
+    config = tiny_config(tmp_path / "runs", "trainer-crashed")
+
+    def refused(store, key, name, *args, **kwargs):
+        raise OSError(f"the store refused signal {name!r} (injected)")
+
+    monkeypatch.setattr(pipeline_module, "send_signal", refused)
+    monkeypatch.setattr(pipeline_module, "as_completed", lambda runs: iter(runs[2:]))  # training ends first
+
+    @flow
+    def winding_down():
+        tasks = [FinishedTask({"task": "rollouts"}), FinishedTask({"task": "process"}), TrainerCrashed()]
+        return pipeline_module._wind_down(config, "this-run", *tasks)
+
+    with pytest.raises(RuntimeError, match=r"^the trainer's worker died \(injected\)$"):
+        winding_down()
 
 
 def test_a_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_start(tmp_path, prefect_api):
