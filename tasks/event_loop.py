@@ -33,8 +33,10 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         _wait(loop.finished)
     except BaseException:
         loop.cancel()
-        if loop.started():  # else it closes main unrun as it starts
+        if loop.started():
             _wait(loop.finished)
+        else:  # a thread that still starts closes main unrun; one that could not start never will
+            main.close()
         raise
     return loop.outcome()
 
