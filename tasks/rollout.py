@@ -155,6 +155,15 @@ def run_rollouts(
         progress_every_s,
         f"status heartbeat of worker {worker_name}",
     )
+
+    def mark_stopped() -> None:
+        """Publish that the worker stopped, where its work never started (``main`` says so as
+        it ends); called once the loading heartbeat is stopped, so that none lands after."""
+        try:
+            role.publish(status_object(worker_name, idle, running=False))
+        except Exception as exc:  # its status goes stale instead; what stopped the start is the error
+            log.warning("worker %s could not mark itself stopped: %s", worker_name, exc)
+
     try:
         # two writers under one name would interleave its shard numbers, which the trainer
         # reads in order
@@ -163,10 +172,7 @@ def run_rollouts(
         )
     except BaseException:
         loading.stop()
-        try:
-            role.publish(status_object(worker_name, idle, running=False))
-        except Exception as exc:  # its status goes stale instead; what stopped the build is the error
-            log.warning("worker %s could not mark itself stopped: %s", worker_name, exc)
+        mark_stopped()
         raise
 
     async def publish_status(running: bool) -> tuple[dict[str, Any], bool]:
@@ -235,7 +241,10 @@ def run_rollouts(
             if report_progress is not None:
                 await asyncio.to_thread(report_progress, status)
 
+    began: list[bool] = []  # main ran: it says the worker stopped as it ends
+
     async def main() -> dict[str, Any]:
+        began.append(True)
         reporter = None
         try:
             try:
@@ -266,6 +275,8 @@ def run_rollouts(
         result = run_async(main())
     finally:
         loading.stop()  # main stops it, unless run_async refused to run main
+        if not began:  # the loop's thread could not start, or a signal came as it did
+            mark_stopped()
         if env_pool is not None:
             env_pool.close()
     if role.lost.is_set():

@@ -721,6 +721,31 @@ def test_a_worker_that_fails_to_start_says_it_stopped_and_frees_its_name(tmp_pat
     assert "waiting up to" not in caplog.text
 
 
+def test_a_worker_whose_event_loop_never_ran_says_it_stopped_and_frees_its_name(
+    tmp_path, monkeypatch, caplog
+):
+    """Built, but its async work never run (the loop's thread could not start, or a signal
+    came as it started: run_async closes main unrun): main, which says the worker stopped,
+    never ran, and its running status held the name until it went stale."""
+    from tasks import event_loop
+
+    def cannot_start(loop):
+        raise RuntimeError("can't start new thread (injected)")
+
+    monkeypatch.setattr(event_loop._LoopThread, "start", cannot_start)
+    run = RunConfig(run_id="no-loop", storage=StorageConfig(root=str(tmp_path / "runs")))
+    board = RolloutStatusBoard(RunStore(run.storage, run.run_id))
+    with pytest.raises(RuntimeError, match="injected"):
+        run_rollouts(run, time.time() + WAIT_S, "w0")
+    status = board.read_worker("w0")
+    assert status is not None and not status.running
+    monkeypatch.undo()
+    # the next start is not held back by the one whose loop never ran
+    with caplog.at_level(logging.WARNING, logger="storage.status"), pytest.raises(FileNotFoundError):
+        run_rollouts(run, time.time() + WAIT_S, "w0")
+    assert "waiting up to" not in caplog.text
+
+
 def test_a_worker_that_cannot_even_be_built_says_it_stopped(tmp_path):
     run = RunConfig(run_id="bad-table", storage=StorageConfig(root=str(tmp_path / "runs")))
     store = RunStore(run.storage, run.run_id)
