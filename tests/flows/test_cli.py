@@ -1785,6 +1785,26 @@ def test_the_demo_names_its_prefect_api_without_credentials(monkeypatch, capsys)
     assert "Prefect: server http://127.0.0.1:4300/api" in out and "password" not in out
 
 
+def test_the_demo_names_the_model_and_devices_it_runs_on(monkeypatch, capsys, tmp_path):
+    """It said "tiny model on CPU" whatever the config named."""
+    import flows.demo
+    import flows.pipeline
+
+    def pipeline(config):
+        raise KeyError("started")
+
+    monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
+    monkeypatch.setattr(flows.demo, "_ui_running", lambda: False)
+    with pytest.raises(KeyError):
+        flows.demo.main([])
+    assert ": the tiny model on cpu, envs ['arith', " in capsys.readouterr().out
+    checkpoint = tmp_path / "policy"
+    checkpoint.mkdir()
+    with pytest.raises(KeyError):
+        flows.demo.main(["--set", f"model.path={checkpoint}"])
+    assert f": {checkpoint} on " in capsys.readouterr().out
+
+
 def test_the_demo_reports_to_the_prefect_api_of_the_profile_not_the_environment_alone(
     prefect_api, monkeypatch, capsys
 ):
