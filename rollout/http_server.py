@@ -262,6 +262,11 @@ class AppServer:
         self._server.should_exit = True
         await self._task
         self._task = None
+        # uvicorn cancels the requests still running when the drain ends but does not wait for
+        # them: they unwind (a rollout closes its env) and answer their 503 before this returns
+        cut = set(self._server.server_state.tasks)
+        if cut:
+            await asyncio.wait(cut)
 
     async def __aenter__(self):
         return await self.start()

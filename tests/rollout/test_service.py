@@ -1189,6 +1189,40 @@ def test_a_client_that_drops_its_process_request_cancels_its_rollout(tiny):
     assert asyncio.run(body())
 
 
+def test_a_stop_returns_once_the_requests_its_drain_cut_short_have_ended(tiny):
+    """uvicorn cancels the requests still running when the drain ends but does not wait for
+    them: the stop returned while a cut /process still unwound (its rollout in flight, its env
+    open, its 503 unsent), and whatever the caller closed next went from under it."""
+
+    async def body():
+        reached, never = asyncio.Event(), asyncio.Event()
+        envs = []
+
+        def make_env(task):
+            envs.append(HeldEnv("step", reached, never))
+            return envs[-1]
+
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service:
+            server = await ServiceServer(service, drain_timeout_s=0).start()
+            async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                call = asyncio.create_task(
+                    client.post(
+                        "/process",
+                        json={"task": arith_task().model_dump()},
+                        headers={"Authorization": f"Bearer {server.token}"},
+                    )
+                )
+                await asyncio.wait_for(reached.wait(), 60)
+                await asyncio.wait_for(server.stop(), 60)
+                ended = {"in_flight": service.status()["in_flight"], "env_closed": envs[0].closed}
+                return ended, await call
+
+    ended, reply = asyncio.run(body())
+    assert ended == {"in_flight": 0, "env_closed": True}
+    assert reply.status_code == 503
+    assert reply.json()["detail"].startswith("the rollout-service server is stopping")
+
+
 @pytest.mark.parametrize("sent", ["with a length", "chunked"])
 def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(tiny, sent):
     """A body is read and parsed before the app looks at it: without a limit, a client could
