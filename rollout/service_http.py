@@ -87,7 +87,8 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
         if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
-    app = FastAPI(title="treadle rollout service")
+    # no OpenAPI schema nor docs pages: they would answer without the token
+    app = FastAPI(title="treadle rollout service", openapi_url=None)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:

@@ -1285,6 +1285,19 @@ def test_a_request_without_the_bearer_token_is_answered_401_without_its_body_rea
     assert b"missing or wrong bearer token" in reply
 
 
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"])
+def test_nothing_but_health_answers_without_the_bearer_token(tiny, path):
+    # FastAPI's own pages described every endpoint to anyone who could connect
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+            transport = httpx.ASGITransport(app=create_app(service, "token"))
+            async with httpx.AsyncClient(transport=transport, base_url="http://service") as client:
+                return await client.get(path)
+
+    response = asyncio.run(body())
+    assert response.status_code == 404, response.text
+
+
 @pytest.mark.parametrize("seed", [2**70, -(2**63) - 1, 2**63])
 def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_400(tiny, seed):
     # the caller's mistake, not an env error: no rollout runs
