@@ -16,7 +16,14 @@ from starlette.exceptions import HTTPException
 
 
 def bearer_token(token: str | None) -> str:
-    """``token``, or a fresh random one when none is given."""
+    """``token``, or a fresh random one when none is given; ``ValueError`` for one that an
+    ``Authorization`` header cannot carry (no request could match it)."""
+    header = f"Bearer {token}"
+    if token and not (header.isascii() and header.isprintable() and header == header.rstrip()):
+        raise ValueError(
+            "the bearer token must be printable ASCII with no whitespace at its end: an Authorization "
+            "header cannot carry it as it is, so no request would match it"
+        )
     return token or secrets.token_urlsafe(24)
 
 

@@ -1298,6 +1298,20 @@ def test_nothing_but_health_answers_without_the_bearer_token(tiny, path):
     assert response.status_code == 404, response.text
 
 
+@pytest.mark.parametrize("token", ["secret\n", "secret ", "s\u00e9cret", "sec\x00ret"])
+def test_a_bearer_token_no_authorization_header_can_carry_is_refused(tiny, token):
+    """A header loses the whitespace around a value and carries ASCII alone (httpx refuses
+    the rest): a server given such a token (a secret file's last newline) answered every
+    request 401, saying nothing of why."""
+
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+            with pytest.raises(ValueError, match="an Authorization header cannot carry it"):
+                ServiceServer(service, token=token)
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("seed", [2**70, -(2**63) - 1, 2**63])
 def test_a_seed_that_is_not_a_signed_64_bit_integer_is_refused_with_400(tiny, seed):
     # the caller's mistake, not an env error: no rollout runs
