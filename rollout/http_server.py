@@ -40,8 +40,14 @@ def _body_problem(error: dict[str, Any]) -> str:
         return f"not valid JSON: {reason} (char {error['loc'][-1]})"
     if error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
         return "the request has no body; send a JSON object"
-    where = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    where = ".".join(_location(p) for p in error.get("loc", ()) if p != "body")
     return f"{where}: {error.get('msg')}" if where else str(error.get("msg"))
+
+
+def _location(part: str | int) -> str:
+    # a key the client sent, quoted when it holds a line break or other control character,
+    # so that the message stays one line
+    return str(part) if str(part).isprintable() else repr(part)
 
 
 ErrorBody = Callable[[int, str], dict[str, Any]]

@@ -1383,6 +1383,7 @@ async def refused_process(tiny, request: dict | bytes) -> tuple[httpx.Response, 
         ),
         (b'{"task": {"env": "arith", "id": "a-0"}}', "task.prompt: Field required"),
         (b'{"task": {"env": "arith", "id": "a-0", "prompt": "1 + 1?"}, "tokens": 1}', "tokens: Extra inputs"),
+        (b'{"task": {"env": "arith", "id": "a-0", "prompt": "1 + 1?"}, "x\\ny": 1}', "'x\\ny': Extra inputs"),
     ],
 )
 def test_a_malformed_body_is_refused_with_a_one_line_400_saying_why(tiny, content, message):
