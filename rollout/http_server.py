@@ -268,12 +268,15 @@ class AppServer:
 
     async def stop(self) -> None:
         """Stop serving and wait for the server task to end: the requests in flight finish, or
-        are cancelled after ``drain_timeout_s`` and answered 503."""
+        are cancelled after ``drain_timeout_s`` and answered 503. Cancelled, it leaves the
+        server stopping (a later call waits for it)."""
         if self._task is None:
             return
         self._answering.stopping = True
         self._server.should_exit = True
-        await self._task
+        # a cancel of the caller must not cancel uvicorn midway: before it closes its socket,
+        # that left the server accepting and serving for the process's life
+        await asyncio.shield(self._task)
         self._task = None
         # uvicorn cancels the requests still running when the drain ends but does not wait for
         # them: they unwind (a rollout closes its env) and answer their 503 before this returns

@@ -1223,6 +1223,26 @@ def test_a_stop_returns_once_the_requests_its_drain_cut_short_have_ended(tiny):
     assert reply.json()["detail"].startswith("the rollout-service server is stopping")
 
 
+def test_a_stop_cancelled_midway_still_stops_the_server(tiny):
+    """A cancelled stop (a worker's shutdown cancelled in turn) cancelled uvicorn's serve task
+    with it, before that closed its socket: the server went on accepting and serving for the
+    process's life, and a later stop raised that task's CancelledError."""
+
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+            server = await ServiceServer(service).start()
+            stopping = asyncio.create_task(server.stop())
+            await asyncio.sleep(0)  # the stop has begun
+            stopping.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await stopping
+            await asyncio.wait_for(server.stop(), 60)
+            with pytest.raises(ConnectionRefusedError):
+                await asyncio.open_connection("127.0.0.1", server.port)
+
+    asyncio.run(body())
+
+
 @pytest.mark.parametrize("sent", ["with a length", "chunked"])
 def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(tiny, sent):
     """A body is read and parsed before the app looks at it: without a limit, a client could
