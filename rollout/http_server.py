@@ -241,6 +241,10 @@ class AppServer:
 
     async def start(self):
         """Start serving; returns once the socket is bound (cancelled, it stops the server first)."""
+        if (self._task is None or self._task.done()) and self._server.started:
+            # it ran and stopped: uvicorn's server serves once
+            self._server = _EmbeddedServer(self._server.config)
+            self._answering.stopping = False
         self._task = asyncio.create_task(self._serve())
         try:
             while not self._server.started:

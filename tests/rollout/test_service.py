@@ -1243,6 +1243,21 @@ def test_a_stop_cancelled_midway_still_stops_the_server(tiny):
     asyncio.run(body())
 
 
+def test_a_stopped_server_serves_again_once_started_again(tiny):
+    # uvicorn's server runs once: a second start took its stale state for a bound socket (IndexError)
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+            server = ServiceServer(service)
+            answers = []
+            for _ in range(2):
+                async with server, httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+                    status = await client.get("/status", headers={"Authorization": f"Bearer {server.token}"})
+                    answers.append(status.status_code)
+            return answers
+
+    assert asyncio.run(body()) == [200, 200]
+
+
 @pytest.mark.parametrize("sent", ["with a length", "chunked"])
 def test_a_body_over_the_limit_is_refused_with_413_before_it_is_read(tiny, sent):
     """A body is read and parsed before the app looks at it: without a limit, a client could
