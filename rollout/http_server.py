@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -13,6 +14,11 @@ from typing import Any
 import uvicorn
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+
+log = logging.getLogger(__name__)
+
+UNWIND_TIMEOUT_S = 60.0
+"""Seconds a stop waits for the requests its drain cut short to unwind (a rollout closing its env)."""
 
 
 def bearer_token(token: str | None) -> str:
@@ -286,7 +292,14 @@ class AppServer:
         # them: they unwind (a rollout closes its env) and answer their 503 before this returns
         cut = set(self._server.server_state.tasks)
         if cut:
-            await asyncio.wait(cut)
+            _, stuck = await asyncio.wait(cut, timeout=UNWIND_TIMEOUT_S)
+            if stuck:  # a request whose unwinding hangs must not hold the stop for ever
+                log.warning(
+                    "the %s server stopped with %d requests still unwinding %s s after their cancel",
+                    self.name,
+                    len(stuck),
+                    UNWIND_TIMEOUT_S,
+                )
 
     async def __aenter__(self):
         return await self.start()

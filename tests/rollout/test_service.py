@@ -1223,6 +1223,35 @@ def test_a_stop_returns_once_the_requests_its_drain_cut_short_have_ended(tiny):
     assert reply.json()["detail"].startswith("the rollout-service server is stopping")
 
 
+def test_a_stop_waits_a_bounded_time_for_a_request_that_never_ends_unwinding(monkeypatch, caplog):
+    """A request whose unwinding hangs (its cancel swallowed) must not hold the stop for ever."""
+    from rollout import http_server
+
+    monkeypatch.setattr(http_server, "UNWIND_TIMEOUT_S", 0.2)
+    reached, released = asyncio.Event(), asyncio.Event()
+
+    async def app(scope, receive, send):
+        reached.set()
+        while not released.is_set():
+            with contextlib.suppress(asyncio.CancelledError):
+                await released.wait()
+
+    async def body():
+        server = http_server.AppServer(app, drain_timeout_s=0)
+        await server.start()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=60) as client:
+            call = asyncio.create_task(client.get("/"))
+            await asyncio.wait_for(reached.wait(), 60)
+            await asyncio.wait_for(server.stop(), 30)
+            released.set()
+            with contextlib.suppress(httpx.HTTPError):
+                await call
+
+    with caplog.at_level(logging.WARNING, logger="rollout.http_server"):
+        asyncio.run(body())
+    assert "stopped with 1 requests still unwinding 0.2 s after their cancel" in caplog.text
+
+
 def test_a_stop_cancelled_midway_still_stops_the_server(tiny):
     """A cancelled stop (a worker's shutdown cancelled in turn) cancelled uvicorn's serve task
     with it, before that closed its socket: the server went on accepting and serving for the
