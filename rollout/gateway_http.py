@@ -723,7 +723,8 @@ def create_app(
     sampling = sampling or RunSampling()
     if not token:
         raise ValueError("the gateway needs a non-empty bearer token")
-    app = FastAPI(title="treadle TITO gateway")
+    # no OpenAPI schema nor docs pages: they would answer without the token
+    app = FastAPI(title="treadle TITO gateway", openapi_url=None)
     app.state.sessions_refused = 0
     expected = f"Bearer {token}".encode()
 

@@ -155,6 +155,9 @@ def test_bearer_token_is_required(tiny):
                     headers={"Authorization": "Bearer nope", SESSION_HEADER: "x"},
                 )
                 assert wrong.status_code == 401 and server.token not in wrong.text
+                # FastAPI's own pages would describe every endpoint to anyone who can connect
+                for page in ("/openapi.json", "/docs", "/redoc"):
+                    assert (await anonymous.get(page)).status_code == 404, page
             # answered from its headers alone: a server that read the body (never sent whole) would wait
             reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
             head = "POST /v1/generate HTTP/1.1\r\nHost: gateway\r\nContent-Length: 1000000\r\n\r\n"
