@@ -98,7 +98,6 @@ import hashlib
 import json
 import logging
 import math
-import secrets
 import time
 import uuid
 from collections import Counter, OrderedDict
@@ -133,7 +132,7 @@ from rollout.gateway import (
     UnknownSession,
     check_text,
 )
-from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_token
+from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_matches, bearer_token
 from rollout.tool_calls import same_calls
 from storage.redaction import redact
 from storage.schema import (
@@ -726,10 +725,10 @@ def create_app(
     # no OpenAPI schema nor docs pages: they would answer without the token
     app = FastAPI(title="treadle TITO gateway", openapi_url=None)
     app.state.sessions_refused = 0
-    expected = f"Bearer {token}".encode()
+    expected = token.encode()
 
     def authorized(authorization: str | None) -> bool:
-        return authorization is not None and secrets.compare_digest(authorization.encode(), expected)
+        return bearer_matches(authorization, expected)
 
     def authorize(authorization: str | None = Header(None)) -> None:
         if not authorized(authorization):

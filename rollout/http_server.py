@@ -95,7 +95,7 @@ class _BodyLimit:
     def __init__(self, app, limit: int, token: str | None = None, error_body: ErrorBody | None = None):
         self.app, self.limit = app, limit
         self.error_body = error_body or detail_body
-        self.expected = None if token is None else f"Bearer {token}".encode()
+        self.token = None if token is None else token.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -103,7 +103,7 @@ class _BodyLimit:
         length = dict(scope["headers"]).get(b"content-length", b"0")
         if not length.isdigit() or int(length) > self.limit:
             return await _answer(send, 413, _too_large(self.limit), self.error_body)
-        if self.expected is not None and not _authorized(scope, self.expected):
+        if self.token is not None and not _authorized(scope, self.token):
             # the app answers it (401, or /health's answer) from its headers alone
             return await self.app(scope, _without_body(receive), send)
         received = 0
@@ -122,10 +122,22 @@ class _BodyLimit:
             await _answer(send, 413, _too_large(self.limit), self.error_body)
 
 
-def _authorized(scope, expected: bytes) -> bool:
+def _authorized(scope, token: bytes) -> bool:
     # the first Authorization header, the one the app checks
-    sent = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
-    return secrets.compare_digest(sent, expected)
+    return bearer_matches(
+        next((value for name, value in scope["headers"] if name == b"authorization"), None), token
+    )
+
+
+def bearer_matches(authorization: str | bytes | None, token: bytes) -> bool:
+    """Whether an ``Authorization`` header's value is ``Bearer token``, its scheme in any case
+    (``bearer``: HTTP reads an auth scheme so), the token compared in constant time."""
+    if authorization is None:
+        return False
+    if isinstance(authorization, str):
+        authorization = authorization.encode()
+    scheme, _, sent = authorization.partition(b" ")
+    return scheme.lower() == b"bearer" and secrets.compare_digest(sent, token)
 
 
 def _without_body(receive):

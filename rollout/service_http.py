@@ -10,7 +10,6 @@ rollout id already in flight or a rollout cancelled.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from typing import Annotated, Any
 
@@ -20,7 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from envs import registry
 from envs.base import Id, Task
-from rollout.http_server import AppServer, bad_body, bearer_token
+from rollout.http_server import AppServer, bad_body, bearer_matches, bearer_token
 from rollout.service import DuplicateRollout, RolloutRequest, RolloutService
 
 
@@ -81,10 +80,10 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
     """The FastAPI app serving ``service``; requests must carry ``Bearer token``."""
     if not token:
         raise ValueError("the rollout service needs a non-empty bearer token")
-    expected = f"Bearer {token}".encode()
+    expected = token.encode()
 
     def authorize(authorization: str | None = Header(None)) -> None:
-        if authorization is None or not hmac.compare_digest(authorization.encode(), expected):
+        if not bearer_matches(authorization, expected):
             raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
 
     # no OpenAPI schema nor docs pages: they would answer without the token

@@ -155,6 +155,17 @@ def test_bearer_token_is_required(tiny):
                     headers={"Authorization": "Bearer nope", SESSION_HEADER: "x"},
                 )
                 assert wrong.status_code == 401 and server.token not in wrong.text
+                # an auth scheme is read in any case (RFC 9110), the token as it is
+                assert (await anonymous.get("/health")).status_code == 200
+                for scheme, token, status in (
+                    ("bearer", server.token, 200),
+                    ("BEARER", server.token.upper(), 401),
+                ):
+                    headers = {"Authorization": f"{scheme} {token}"}
+                    opened = await anonymous.post(
+                        "/v1/sessions", json={"task": "t", "prompt_id": "p"}, headers=headers
+                    )
+                    assert opened.status_code == status, opened.text
                 # FastAPI's own pages would describe every endpoint to anyone who can connect
                 for page in ("/openapi.json", "/docs", "/redoc"):
                     assert (await anonymous.get(page)).status_code == 404, page

@@ -1362,6 +1362,24 @@ def test_nothing_but_health_answers_without_the_bearer_token(tiny, path):
     assert response.status_code == 404, response.text
 
 
+def test_the_bearer_scheme_is_read_in_any_case_and_the_token_as_it_is(tiny):
+    """RFC 9110 reads an auth scheme in any case: a client sending ``bearer`` got a 401."""
+
+    async def body():
+        async with running_service(tiny, ServiceConfig(max_new_tokens=4)) as service:
+            server = await ServiceServer(service, token="Token-1").start()
+            try:
+                async with httpx.AsyncClient(base_url=server.url) as client:
+                    return [
+                        (await client.get("/status", headers={"Authorization": value})).status_code
+                        for value in ("bearer Token-1", "BEARER Token-1", "Bearer token-1", "Bearer  Token-1")
+                    ]
+            finally:
+                await server.stop()
+
+    assert asyncio.run(body()) == [200, 200, 401, 401]
+
+
 @pytest.mark.parametrize("token", ["secret\n", "secret ", "s\u00e9cret", "sec\x00ret"])
 def test_a_bearer_token_no_authorization_header_can_carry_is_refused(tiny, token):
     """A header loses the whitespace around a value and carries ASCII alone (httpx refuses
