@@ -88,6 +88,14 @@ than max_model_len" (``max_tokens`` alone past it)."""
 _DEV_MODE_PATHS = ("/collective_rpc", "/reset_prefix_cache")
 """Endpoints a vLLM server serves only when started with ``VLLM_SERVER_DEV_MODE=1``."""
 
+_BROKEN = (httpx.ConnectError, httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError)
+"""A connection that broke before any answer: a pooled keep-alive connection the server closed
+meanwhile (closed or reset as the request reached it), or a server restarting. Sending again is
+safe for every request this engine sends, even one the server may have run before the connection
+broke (a read error after the request went out): a generation only costs its compute again, a
+prefix-cache reset resets an empty cache, and a weight reload loads the same files again, after
+the first (vLLM runs ``collective_rpc`` calls one at a time). A timeout is not retried."""
+
 _WRONG_SHAPE = (AttributeError, KeyError, IndexError, TypeError, ValueError, OverflowError)
 """What reading the fields of a JSON answer of another shape raises (``int`` of ``1e999`` raises
 ``OverflowError``): an ``EngineError``, as the infrastructure failing."""
@@ -210,9 +218,7 @@ class VLLMEngine:
                 response = await self._client.request(method, path, **kwargs)
                 break
             except httpx.HTTPError as exc:
-                # a pooled connection the server closed meanwhile, or a server restarting: no
-                # answer came, so sending again repeats nothing that took effect here
-                broken = isinstance(exc, httpx.ConnectError | httpx.RemoteProtocolError)
+                broken = isinstance(exc, _BROKEN)
                 if broken and attempt < self.config.retries:
                     logger.info("vLLM server %s: %s on %s, retrying", self.name, type(exc).__name__, path)
                     continue
@@ -441,7 +447,7 @@ class VLLMEngine:
         for _ in range(self.config.retries):
             try:
                 return self._metrics_client.get("/metrics")
-            except (httpx.ConnectError, httpx.RemoteProtocolError) as exc:
+            except _BROKEN as exc:
                 logger.info("vLLM server %s: %s on /metrics, retrying", self.name, type(exc).__name__)
         return self._metrics_client.get("/metrics")
 

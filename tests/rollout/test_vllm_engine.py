@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import socket
+import struct
 
 import pytest
 import torch
@@ -717,10 +719,13 @@ def test_crashed_server_is_an_engine_error_and_router_fails_over(tiny):
 class DroppingProxy:
     """A TCP proxy on 127.0.0.1 in front of ``target`` (host, port) that reads the first
     ``drop`` connections' requests and closes them without an answer, as a server does with
-    a keep-alive connection it timed out; later connections are relayed."""
+    a keep-alive connection it timed out; later connections are relayed. With ``reset_on``, the
+    first request starting with those bytes is read and its connection reset (TCP RST), as
+    a server's socket does that got a request after the server closed it."""
 
-    def __init__(self, target: tuple[str, int], drop: int):
+    def __init__(self, target: tuple[str, int], drop: int, reset_on: bytes | None = None):
         self.target, self.drop, self.dropped = target, drop, 0
+        self.reset_on, self.resets = reset_on, 0
         self._server: asyncio.Server | None = None
 
     async def start(self) -> str:
@@ -737,11 +742,26 @@ class DroppingProxy:
 
         async def pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
             while data := await source.read(65536):
+                if (
+                    sink is upstream_writer
+                    and self.reset_on
+                    and not self.resets
+                    and data.startswith(self.reset_on)
+                ):
+                    self.resets += 1
+                    # no linger: close sends RST instead of FIN
+                    linger = struct.pack("ii", 1, 0)
+                    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+                    writer.close()
+                    upstream_writer.close()
+                    return
                 sink.write(data)
                 await sink.drain()
             sink.close()
 
-        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+        await asyncio.gather(
+            pipe(reader, upstream_writer), pipe(upstream_reader, writer), return_exceptions=True
+        )
 
     async def stop(self) -> None:
         self._server.close()
@@ -763,6 +783,35 @@ def test_a_connection_closed_before_any_answer_is_retried_retries_times(tiny, re
                 with pytest.raises(EngineError, match="RemoteProtocolError"):
                     await engine.generate("s", PROMPT, params)
             assert proxy.dropped == 1
+        finally:
+            await engine.close()
+            await proxy.stop()
+            await server.stop()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    "request_line", ["POST /v1/completions", "POST /collective_rpc", "POST /reset_prefix_cache"]
+)
+def test_a_connection_reset_after_the_request_went_out_is_retried_for_each_kind_of_request(
+    tiny, tmp_path, request_line
+):
+    """A reset connection fails the read (httpx ``ReadError``), or the rest of the send
+    (``WriteError``): a generation, a weight reload and its prefix-cache reset are each safe
+    to send again, so each is retried."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body():
+        server = await StandinServer(model).start()
+        target = ("127.0.0.1", int(server.url.rsplit(":", 1)[1]))
+        proxy = DroppingProxy(target, drop=0, reset_on=request_line.encode())
+        engine = VLLMEngine(VLLMEngineConfig(base_url=await proxy.start(), retries=1), name="vllm-0")
+        try:
+            await engine.load_version(1, str(tmp_path / "v1"))
+            gen = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=0))
+            assert proxy.resets == 1 and engine.version == 1 and gen.versions == [1] * 3
         finally:
             await engine.close()
             await proxy.stop()
