@@ -26,14 +26,16 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   yet, so it is retried for up to ``reset_wait_s``. A server started without dev mode answers
   404 there: an ``EngineError`` naming the setting.
 - ``GET /health`` for health checks; ``GET /metrics`` (Prometheus text) for the
-  scheduler's ``vllm:num_requests_waiting`` gauge, the engine's queue depth.
+  scheduler's ``vllm:num_requests_waiting`` gauge, the engine's queue depth, and for the
+  server process's ``process_start_time_seconds``, by which a health check finds a server
+  restarted since its weights were loaded (it serves its launch weights again).
 
 Version tags are exact: a reload waits for in-flight requests to finish and holds new ones
 back until the new weights are loaded, so every token of a request comes from one version.
 A reload that fails once the server may have begun loading leaves the weights unknown: the
 engine's version is then :data:`UNKNOWN_VERSION` and it refuses to generate (``NotServing``,
 which a router takes it out of service on) until a reload succeeds (the worker's health
-check reloads it).
+check reloads it); so does a health check finding the server restarted.
 """
 
 from __future__ import annotations
@@ -64,12 +66,18 @@ from storage.config import is_http_url, not_masked
 logger = logging.getLogger(__name__)
 
 UNKNOWN_VERSION = -1
-"""``VLLMEngine.version`` while the server's weights are unknown (a reload failed midway)."""
+"""``VLLMEngine.version`` while the server's weights are unknown (a reload failed midway, or a
+health check found the server restarted)."""
 
 WAITING_GAUGE = "vllm:num_requests_waiting"
 """The server's gauge of requests its scheduler holds waiting for room (batch slots or KV
 cache), summed over its label sets (one per engine core)."""
 _WAITING_SAMPLE = re.compile(rf"^{re.escape(WAITING_GAUGE)}(?:\{{[^}}]*\}})?\s+(\S+)", re.MULTILINE)
+
+_PROCESS_START = re.compile(r"^process_start_time_seconds\s+(\S+)", re.MULTILINE)
+"""The start time of the server's process in its ``/metrics`` (prometheus_client's process
+collector, in vLLM's registry unless it runs several API server processes): a new one is a
+restarted server."""
 
 _RESET_RETRY_S = 0.05
 """Seconds between tries of a prefix-cache reset the server refused."""
@@ -208,6 +216,9 @@ class VLLMEngine:
         """Requests waiting here for a weight reload to end."""
         self._gate = asyncio.Condition()
         self._reloading = False
+        self._server_start: float | None = None
+        """The start time of the server process that ``version`` was loaded onto (or first
+        probed, for a version given at construction); None while unread."""
 
     async def _request(self, method: str, path: str, **kwargs) -> httpx.Response:
         """One request, retried ``retries`` times while its connection breaks before any answer."""
@@ -297,8 +308,8 @@ class VLLMEngine:
                 self._held -= 1
             if self.version == UNKNOWN_VERSION:
                 raise NotServing(
-                    f"vLLM server {self.name} holds weights of an unknown version (a reload failed midway); "
-                    "it generates again once a reload succeeds"
+                    f"vLLM server {self.name} holds weights of an unknown version (a reload failed midway, "
+                    "or the server restarted); it generates again once a reload succeeds"
                 )
             self._inflight += 1
             version = self.version
@@ -360,6 +371,9 @@ class VLLMEngine:
             # from here on the server may hold some of the new weights: no token may carry
             # the old tag until this load has finished
             self.version = UNKNOWN_VERSION
+            # read before the load: a restart after this reading is found by the next probe,
+            # even one that came after the load
+            self._server_start = await self._server_start_time()
             await self._request(
                 "POST",
                 "/collective_rpc",
@@ -454,14 +468,49 @@ class VLLMEngine:
     async def health(self) -> bool:
         """True when ``GET /health`` answers 200 (False once this engine is closed); sent as
         :meth:`_request` sends, so a keep-alive connection the server closed meanwhile does not
-        take a healthy replica out of service."""
+        take a healthy replica out of service.
+
+        A server whose process started since its weights were loaded (a relaunched server,
+        serving its launch weights) is up, but its version is then :data:`UNKNOWN_VERSION`:
+        it refuses to generate until a reload (the worker's health check) loads the weights
+        again. A server without a :data:`_PROCESS_START` sample in ``/metrics`` cannot be
+        told restarted."""
         if self._client.is_closed:
             return False
         try:
             response = await self._request("GET", "/health", timeout=self.config.connect_timeout_s)
         except (EngineError, InvalidRequest):
             return False
-        return response.status_code == 200
+        if response.status_code != 200:
+            return False
+        known = self._server_start
+        started = await self._server_start_time()
+        # a reload begun or ended meanwhile reads the start time for its own version
+        if started is None or self._reloading or self._server_start != known:
+            return True
+        if known is None:
+            self._server_start = started
+        elif started != known:
+            self._server_start = started
+            if self.version != UNKNOWN_VERSION:
+                logger.warning(
+                    "vLLM server %s restarted since it loaded weight version %d: it serves its launch "
+                    "weights until they are loaded again",
+                    self.name,
+                    self.version,
+                )
+                self.version = UNKNOWN_VERSION
+        return True
+
+    async def _server_start_time(self) -> float | None:
+        """The :data:`_PROCESS_START` of the server's ``/metrics``; None when it lists none or
+        cannot be read."""
+        try:
+            response = await self._request("GET", "/metrics", timeout=self.config.connect_timeout_s)
+            sample = _PROCESS_START.search(response.text)
+            return float(sample.group(1)) if sample else None
+        except (EngineError, InvalidRequest, ValueError):
+            return None
 
     async def close(self) -> None:
         await self._client.aclose()

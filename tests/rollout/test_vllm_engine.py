@@ -36,8 +36,9 @@ def _fresh_model(tiny):
 
 
 async def _refuses_until_reloaded(engine, weights) -> None:
-    """An engine whose reload failed midway: version unknown, generation refused
-    (``NotServing``) until version 1 loads from ``weights``, whose tokens it then tags."""
+    """An engine whose reload failed midway, or whose server restarted: version unknown,
+    generation refused (``NotServing``) until version 1 loads from ``weights``, whose tokens it
+    then tags."""
     assert engine.version == UNKNOWN_VERSION
     with pytest.raises(NotServing, match="unknown version"):
         await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=1))
@@ -662,6 +663,52 @@ def test_a_replica_whose_reload_failed_midway_is_failed_over_and_restored_by_the
             assert again.versions == [1] * 3
         finally:
             await other.close()
+
+    asyncio.run(_with_server(model, body))
+
+
+def test_a_server_restarted_between_health_checks_is_found_by_the_probe_and_needs_its_weights_again(
+    tiny, tmp_path
+):
+    """A relaunched server serves its launch weights, not the version loaded onto it before:
+    the probe reads the server process's start time (/metrics), and on a new one takes the
+    version for unknown, so the replica refuses to generate (a router fails it over) until its
+    weights are loaded again, instead of tagging tokens with a version it no longer serves."""
+    weights = tmp_path / "v1"
+    tiny[0].save_pretrained(weights)
+
+    async def body():
+        server = await StandinServer(_fresh_model(tiny)).start()
+        port = int(server.url.rsplit(":", 1)[1])
+        engine = VLLMEngine(VLLMEngineConfig(base_url=server.url), name="vllm-0")
+        try:
+            await engine.load_version(1, str(weights))
+            assert await engine.health() and await engine.health()
+            assert engine.version == 1, "the same server process keeps its version"
+            await server.stop()
+            server = await StandinServer(_fresh_model(tiny), port=port).start()
+            assert await engine.health(), "the restarted server is up"
+            await _refuses_until_reloaded(engine, weights)
+            assert await engine.health() and engine.version == 1
+        finally:
+            await engine.close()
+            await server.stop()
+
+    asyncio.run(body())
+
+
+def test_a_server_without_a_process_start_time_keeps_its_version_through_health_checks(tiny, tmp_path):
+    """Without /metrics (or its process collector) a restart cannot be seen: the probe
+    answers as before and leaves the version alone."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        server.app.state.metrics = False
+        await engine.load_version(1, str(tmp_path / "v1"))
+        assert await engine.health() and engine.version == 1
+        server.app.state.metrics = True
+        assert await engine.health() and engine.version == 1
 
     asyncio.run(_with_server(model, body))
 

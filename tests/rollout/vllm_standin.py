@@ -5,8 +5,10 @@ A small FastAPI app that speaks the subset of the vLLM server protocol that
 model doing a plain forward pass per token:
 
 - ``GET /health``, ``GET /v1/models`` (with each model's ``max_model_len``), ``GET /metrics`` (the scheduler's
-  ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` gauges, in Prometheus'
-  text format; 404 while ``app.state.metrics`` is False)
+  ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` gauges, and the
+  ``process_start_time_seconds`` of prometheus_client's process collector, distinct for each
+  app as for each server process, in Prometheus' text format; 404 while ``app.state.metrics``
+  is False)
 - ``POST /v1/completions`` with the prompt as a list of token ids, ``logprobs``,
   ``return_tokens_as_token_ids``, ``return_token_ids``, ``stop_token_ids``, ``ignore_eos``,
   ``seed``; log-probs are those of the sampling distribution (as vLLM's
@@ -38,6 +40,7 @@ order so tests can check that a reload never overlaps a generation.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from typing import Any
 
@@ -75,6 +78,10 @@ def sampling_logprobs(logits: torch.Tensor, temperature: float, top_p: float) ->
     return logprobs
 
 
+_STARTS = itertools.count()
+"""Numbers the apps, so that each reports a start time of its own."""
+
+
 def create_standin_app(
     model,
     model_name: str = "standin",
@@ -100,6 +107,7 @@ def create_standin_app(
     app.state.hold = None
     app.state.scheduler = scheduler
     app.state.empty_reset = False
+    started = 1.7e9 + next(_STARTS)
 
     @app.middleware("http")
     async def garble(request: Request, call_next):
@@ -130,6 +138,9 @@ def create_standin_app(
                 f"vllm:num_requests_{state}{{{labels}}} {float(count)}\n"
                 for state, count in scheduler.items()
             )
+            + "# HELP process_start_time_seconds Start time of the process since unix epoch in seconds.\n"
+            "# TYPE process_start_time_seconds gauge\n"
+            f"process_start_time_seconds {started}\n"
         )
 
     @app.get("/v1/models")
@@ -311,7 +322,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 class StandinServer:
-    """Runs the stand-in under uvicorn on 127.0.0.1 (free port) in the current event loop."""
+    """Runs the stand-in under uvicorn on 127.0.0.1 (``port``, a free one when 0) in the current
+    event loop."""
 
     def __init__(
         self,
@@ -320,10 +332,11 @@ class StandinServer:
         max_model_len: int = 1024,
         max_num_seqs: int | None = None,
         dev_mode: bool = True,
+        port: int = 0,
     ):
         self.app = create_standin_app(model, model_name, max_model_len, max_num_seqs, dev_mode)
         self._server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
+            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
         )
         self._task: asyncio.Task | None = None
         self.url = ""
