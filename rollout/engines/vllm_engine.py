@@ -24,7 +24,9 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   block computed by the old weights is reused; vLLM refuses that reset (``{"success": false}``)
   while blocks are held, e.g. by a request whose client gave up but which it has not aborted
   yet, so it is retried for up to ``reset_wait_s``. A server started without dev mode answers
-  404 there: an ``EngineError`` naming the setting.
+  404 there: an ``EngineError`` naming the setting. vLLM answers any failure of the call
+  with a bare 500, one without the worker extension too: its ``EngineError`` names how
+  ``deployments/vllm/launch.sh`` loads the extension.
 - ``GET /health`` for health checks; ``GET /metrics`` (Prometheus text) for the
   scheduler's ``vllm:num_requests_waiting`` gauge, the engine's queue depth, and for the
   server process's ``process_start_time_seconds``, by which a health check finds a server
@@ -248,6 +250,15 @@ class VLLMEngine:
             raise EngineError(
                 f"vLLM server {self.name} has no {path} (404): start it with VLLM_SERVER_DEV_MODE=1 in its "
                 "environment, as deployments/vllm/launch.sh does"
+            )
+        if response.status_code >= 500 and path == "/collective_rpc":
+            # vLLM answers every failure of the call alike, whatever its cause, with a bare 500
+            # (the method missing from its workers too)
+            raise EngineError(
+                f"vLLM server {self.name} answered {response.status_code} on {path}: {_error_message(response)}; "
+                "its log has the cause. A server without treadle's worker extension answers so to "
+                f"{self.config.reload_method}: deployments/vllm/launch.sh loads it with --worker-extension-cls "
+                "treadle_vllm_ext.WeightReloadExtension and deployments/vllm on PYTHONPATH"
             )
         if response.status_code >= 300:
             raise EngineError(

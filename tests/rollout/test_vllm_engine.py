@@ -521,6 +521,25 @@ def test_a_reload_on_a_server_without_dev_mode_names_the_setting_it_needs(tiny, 
     asyncio.run(body())
 
 
+def test_a_reload_on_a_server_without_the_worker_extension_names_how_launch_sh_loads_it(tiny, tmp_path):
+    """vLLM answers a method its workers lack with a bare 500, as any failure of the call: the
+    error says where the cause is and how the extension is loaded."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        with pytest.raises(EngineError) as failed:
+            await engine.load_version(1, str(tmp_path / "v1"))
+        message = str(failed.value)
+        assert "answered 500 on /collective_rpc: Internal Server Error" in message
+        assert "its log has the cause" in message and "treadle_reload_v2" in message
+        assert "deployments/vllm/launch.sh" in message
+        assert "--worker-extension-cls treadle_vllm_ext.WeightReloadExtension" in message
+        assert engine.version == UNKNOWN_VERSION
+
+    asyncio.run(_with_server(model, body, reload_method="treadle_reload_v2"))
+
+
 @pytest.mark.parametrize(
     ("empty", "reshape"),
     [

@@ -18,7 +18,8 @@ model doing a plain forward pass per token:
   past ``max_model_len`` with vLLM's 400 and words.
 - only with ``dev_mode`` (vLLM's ``VLLM_SERVER_DEV_MODE=1``; 404 otherwise): ``POST /collective_rpc``
   with method ``treadle_reload_weights`` (as the worker extension in
-  ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses), ``POST /reset_prefix_cache``
+  ``deployments/vllm/treadle_vllm_ext.py``, whose choice of files it uses; another method
+  answers vLLM's bare 500), ``POST /reset_prefix_cache``
   (answering ``{"success": bool}`` as vLLM's ``vllm/frontend/entrypoints/serve/dev/cache/api_router.py``
   does: false, resetting nothing, while a request is running and holds blocks; an empty 200, as
   vLLM answered before, while ``app.state.empty_reset`` is True; its next call answers 500 while
@@ -266,7 +267,9 @@ def _add_dev_endpoints(app: FastAPI, model, cache: list[list[int]], events: list
     async def collective_rpc(request: Request):
         body = await request.json()
         if body.get("method") != "treadle_reload_weights":
-            return JSONResponse({"error": f"unknown method {body.get('method')!r}"}, 500)
+            # as vLLM: the workers' NotImplementedError reaches its HTTP server as an unhandled
+            # exception, answered by Starlette's plain 500
+            return PlainTextResponse("Internal Server Error", 500)
         path = body.get("kwargs", {}).get("path", "")
         try:
             files = policy_files(path)
