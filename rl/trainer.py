@@ -445,6 +445,15 @@ class Trainer:
             extra_files=extra,
             before_commit=before_commit,
         )
+        # the trainer is on the new version before anything else can fail: a trainer that goes
+        # on after a failed row append trains from it (a resumed trainer writes the row)
+        self.version = version
+        self._chain = [*self._chain, version][-(self.config.max_staleness + 1) :]
+        consumed_shards = len(consumption.since_publish_shards)
+        consumption.since_publish_shards = []
+        consumption.since_publish_rows = Counter()
+        self._steps_since_publish = 0
+        self._stale_since_publish = self._rejected_since_publish = self._trained_since_publish = 0
         self.weights.record(self.tables, version)
         if self.config.keep_versions is not None:
             try:
@@ -460,15 +469,9 @@ class Trainer:
             "published version %d at step %d (%d shards consumed since version %d)",
             version,
             self.step,
-            len(consumption.since_publish_shards),
+            consumed_shards,
             parent,
         )
-        self.version = version
-        self._chain = [*self._chain, version][-(self.config.max_staleness + 1) :]
-        consumption.since_publish_shards = []
-        consumption.since_publish_rows = Counter()
-        self._steps_since_publish = 0
-        self._stale_since_publish = self._rejected_since_publish = self._trained_since_publish = 0
         return version
 
     # -- data ----------------------------------------------------------------------------

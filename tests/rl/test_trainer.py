@@ -1599,6 +1599,30 @@ def test_a_failed_deletion_of_old_versions_is_logged_and_the_next_publish_delete
     assert trainer.weights.list() == [0, 2, 3]
 
 
+def test_a_version_whose_weights_row_failed_is_the_parent_of_the_next_one(store, monkeypatch):
+    """The weights table's append fails after a version is complete (a transient store
+    error): the call raises, and a trainer that goes on trains on from that version, its
+    next version listing only what it consumed since, so each row is in the chain once."""
+    infos = write_shards(store, make_trajectories(store, 12, seed=9), per_shard=3)
+    trainer = Trainer(store, config(publish_every=1))
+    record = trainer.weights.record
+    failures = [OSError("weights table append refused (injected)")]
+
+    def flaky(tables, version):
+        if failures:
+            raise failures.pop()
+        return record(tables, version)
+
+    monkeypatch.setattr(trainer.weights, "record", flaky)
+    with pytest.raises(OSError, match="weights table append refused"):
+        trainer.run(drain=True)
+    assert trainer.version == trainer.weights.latest() == 1
+    trainer.run(drain=True)
+    chain = [manifest["version"] for manifest in version_chain(trainer.weights)]
+    assert chain == trainer.weights.list() == list(range(trainer.version + 1))
+    assert consumed_rows(trainer.weights) == {info.shard_id: 3 for info in infos}
+
+
 def test_a_resumed_trainer_keeps_its_saved_moments_but_takes_the_configs_learning_rates(store):
     write_shards(store, make_trajectories(store, 8, seed=8), per_shard=4)
     first = Trainer(store, config(publish_every=1, publish_on_stop=False))
