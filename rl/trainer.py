@@ -50,7 +50,7 @@ from rl.models import (
     publish_policy,
 )
 from storage.config import RunStore
-from storage.schema import SchemaError
+from storage.schema import NewerSchemaError, SchemaError
 from storage.shards import ShardInfo, ShardReader
 from storage.status import HeldRole, InUse
 from storage.tables import Tables, conform
@@ -682,7 +682,12 @@ class Trainer:
                 stop_reason = "stop_event"
                 break
             draining = drain or (drain_event is not None and drain_event.is_set())
-            new_shards = self.ingest()
+            try:
+                new_shards = self.ingest()
+            except NewerSchemaError:
+                # the run stops here until treadle is upgraded: what it trained so far is kept
+                self._publish_before_failing(on_publish, role)
+                raise
             self.drop_stale()
             # shards held back by the read-ahead are data still to read, whatever this poll read
             nothing_new = new_shards == 0 and not self.unread
@@ -745,6 +750,20 @@ class Trainer:
         if on_publish is not None:
             on_publish(version)
         return version
+
+    def _publish_before_failing(
+        self, on_publish: Callable[[int], None] | None, role: HeldRole | None
+    ) -> None:
+        """As a clean stop does (``publish_on_stop``), before the run fails on data this
+        treadle cannot read: the steps since the last version would be lost with it, a whole
+        night's for a run that publishes only at its stop. What fails here is logged, so that
+        the error the run fails with stays the data's."""
+        try:
+            self._flush_unwritten_rows()
+            if self.config.publish_on_stop and (self._steps_since_publish or self._pending_consumption()):
+                self._publish_and_tell(on_publish, role)
+        except Exception as exc:
+            logger.error("could not publish what was trained before the run failed: %s", exc)
 
     def _publishes_now(self) -> bool:
         every = self.config.publish_every

@@ -50,13 +50,14 @@ from rl.trainer import (
     token_values,
 )
 from storage.config import RunStore, StorageConfig
-from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, to_table
+from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, NewerSchemaError, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
 from storage.tables import Tables, one_row_per_step
 from storage.weights import CLAIM_FILE, WeightStore
 from tests.conftest import readme_query
 from tests.rl.synthetic import TINY, config, make_trajectories, write_shards
+from tests.storage.foreign_shards import commit_foreign_file, ipc_bytes
 from tests.storage.test_weights import readme_totals
 
 REPO = Path(__file__).resolve().parents[2]
@@ -388,6 +389,22 @@ def test_rows_dropped_before_a_stop_with_no_step_since_are_published(store):
     assert resumed.ingest() == 1 and sorted(s.trajectory_id for s in resumed.buffer) == [
         record["trajectory_id"] for record in records[2:]
     ]
+
+
+def test_a_processed_shard_of_a_newer_treadle_stops_the_trainer_once_it_published_what_it_trained(store):
+    """The trainer failed at the shard, naming it, and what it had trained since its last
+    version was lost with the run: all of it for a run that publishes only at its stop."""
+    records = make_trajectories(store, 4, seed=7)
+    write_shards(store, records, per_shard=4)
+    newer = to_table(records[:2], PROCESSED_SCHEMA).replace_schema_metadata({"treadle.schema": "processed/3"})
+
+    def a_newer_shard_lands(row):
+        commit_foreign_file(store, 9, ipc_bytes(newer), kind="processed")
+
+    trainer = Trainer(store, config(publish_every=None))
+    with pytest.raises(NewerSchemaError, match="processed/w9/00000009"):
+        trainer.run(drain=True, progress=a_newer_shard_lands)
+    assert trainer.version == 1 and version_chain(trainer.weights)[-1]["step"] == 1
 
 
 def test_publishing_only_at_the_stop_needs_publish_on_stop():
