@@ -16,8 +16,9 @@ class EngineError(RuntimeError):
 
 class NotServing(EngineError):
     """The engine is up (it passes its health check) but serves nothing until its weights are
-    loaded again: a reload failed midway. A router takes it out of service as if down and
-    fails the request over; its health check's ``restore`` loads the weights."""
+    loaded again: a reload failed midway, or the server restarted onto its launch weights. A
+    router takes it out of service as if down and fails the request over; its health check's
+    ``restore`` loads the weights."""
 
 
 class InvalidRequest(ValueError):
