@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import time
+from datetime import UTC, datetime
 
 import pytest
 from prefect.exceptions import ParameterTypeError
@@ -138,8 +139,9 @@ def _run_with_history(tmp_path, run_id):
         for start in range(0, 8, 2):
             writer.write_table(make_table(start, 2))
     tables = Tables(store)
+    at = datetime.fromtimestamp(0, UTC)
     for version in range(3):
-        tables.append("evals", [{"version": version, "env": "count", "reward": 0.5, "count": 4, "time": 0}])
+        tables.append("evals", [{"version": version, "env": "count", "reward": 0.5, "count": 4, "time": at}])
     orphan = "shards/raw/w0/00000009.arrow"
     store.create_exclusive(store.path(orphan), b"left by a writer that died")
     two_hours_ago = time.time() - 7200

@@ -3,6 +3,8 @@ tells a nightly training of one run from an evaluation of another."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
+
 import pytest
 import torch
 from prefect.client.orchestration import get_client
@@ -46,7 +48,7 @@ def no_work(monkeypatch):
 
 def with_a_table(config):
     """``config``, its run holding a table (maintain fails on a run that does not exist)."""
-    row = {"version": 0, "env": "arith", "reward": 0.5, "count": 1, "time": 0}
+    row = {"version": 0, "env": "arith", "reward": 0.5, "count": 1, "time": datetime.fromtimestamp(0, UTC)}
     Tables(run_store(config)).append("evals", [row])
     return config
 
