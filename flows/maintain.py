@@ -56,9 +56,15 @@ def compact_table(config: RunConfig, table: str, retention_hours: int) -> dict[s
 
 
 @task(name="retain-weights", **SIDE_EFFECTS, **STORAGE_RETRIES)
-def retain_weights(config: RunConfig, keep_last: int) -> dict[str, list]:
-    weights = WeightStore(run_store(config))
-    return {"versions": weights.retain(keep_last), "latest_temps": weights.sweep_latest_temps()}
+def retain_weights(config: RunConfig, keep_last: int) -> list[int]:
+    return WeightStore(run_store(config)).retain(keep_last)
+
+
+# a task of its own: a retry of the sweep must not run retain again, which would report
+# nothing pruned, the versions gone at the first attempt
+@task(name="sweep-latest-temps", **SIDE_EFFECTS, **STORAGE_RETRIES)
+def sweep_latest_temps(config: RunConfig) -> list[str]:
+    return WeightStore(run_store(config)).sweep_latest_temps()
 
 
 @task(name="sweep-shards", **SIDE_EFFECTS, **STORAGE_RETRIES)
@@ -98,6 +104,7 @@ def maintain(
                 for name in TABLE_SCHEMAS
             },
             "retain-weights": retain_weights(config, keep_last, return_state=True),
+            "sweep-latest-temps": sweep_latest_temps(config, return_state=True),
             # a shards table that cannot be read fails the sweep before it deletes anything
             "sweep-shards": sweep_shards(config, retention_hours, return_state=True),
         }
@@ -109,8 +116,8 @@ def maintain(
             )
         return {
             "tables": [states[f"compact-table {name}"].result() for name in TABLE_SCHEMAS],
-            "removed_versions": states["retain-weights"].result()["versions"],
-            "removed_latest_temps": states["retain-weights"].result()["latest_temps"],
+            "removed_versions": states["retain-weights"].result(),
+            "removed_latest_temps": states["sweep-latest-temps"].result(),
             "removed_shard_files": states["sweep-shards"].result(),
         }
 

@@ -64,6 +64,32 @@ def test_maintain_compacts_prunes_and_sweeps_only_old_uncommitted_files(tmp_path
     assert Tables(store).read("shards").num_rows == 4
 
 
+def test_a_sweep_of_latest_temps_that_failed_once_does_not_hide_the_versions_pruned(tmp_path, monkeypatch):
+    """The sweep ran in the retain-weights task after retain: a transient error of the sweep
+    retried the task, whose second retain found nothing left to prune, so the flow reported
+    no version pruned."""
+    config = tiny_config(tmp_path / "runs", "maintain-sweep-retried", warm_start={"enabled": False})
+    build_base_version(config)
+    weights = WeightStore(run_store(config))
+    model, tokenizer = load_policy(weights.load(0))
+    for step in (1, 2):
+        publish_policy(weights, model, tokenizer, step=step, parent=step - 1)
+    sweep, failures = WeightStore.sweep_latest_temps, iter([OSError("timed out (injected)")])
+
+    def fails_once(self, *args, **kwargs):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return sweep(self, *args, **kwargs)
+
+    monkeypatch.setattr(WeightStore, "sweep_latest_temps", fails_once)
+
+    result = maintain(config, keep_last=1, retention_hours=1)
+
+    assert result["removed_versions"] == [1] and weights.list() == [0, 2]  # v0 is tagged base
+    assert result["removed_latest_temps"] == []
+
+
 def test_retention_below_the_minimum_is_refused_by_the_flow_its_form_and_the_cli(tmp_path, capsys):
     config = tiny_config(tmp_path / "runs", "maintain-zero", warm_start={"enabled": False})
     store = run_store(config)
@@ -266,7 +292,7 @@ def test_each_compaction_task_run_is_named_after_its_table(tmp_path):
     config, _, _ = _run_with_history(tmp_path, "maintain-names")
     state = maintain(config, keep_last=1, retention_hours=1, return_state=True)
     assert state.is_completed()
-    names = task_run_names(state.state_details.flow_run_id, len(TABLE_SCHEMAS) + 2)
+    names = task_run_names(state.state_details.flow_run_id, len(TABLE_SCHEMAS) + 3)
     compactions = [name for name in names if name.startswith("compact-table")]
     assert compactions == sorted(f"compact-table {table}" for table in TABLE_SCHEMAS)
 
@@ -282,6 +308,7 @@ def test_the_maintain_deployment_says_each_step_the_flow_runs():
     for step in (
         "Compact and vacuum the run's Delta tables",
         "prune old weight versions",
+        "LATEST's temporary files",
         "sweep shard files",
     ):
         assert step in said
