@@ -14,13 +14,14 @@ chat-format prompt, a list of answers); for the exact and regex verifiers, an an
 not blank, for the regex one, an answer that compiles, and for the numeric one, an answer that
 is a number. A bad row fails the load with its file and where it is (a JSON-lines file's line,
 from 1; a Parquet file's or JSON array's row, from 0), a file that is no Parquet with its name.
-A binary column is read as UTF-8 text, a boolean as JSON writes it (``true``), and an integral
-float as its integer (``2``, not ``2.0``).
+A binary column is read as UTF-8 text, a boolean as JSON writes it (``true``; the exact
+verifier takes ``True`` for it too), and an integral float as its integer (``2``, not ``2.0``).
 Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
 so the splits never share a prompt, even one that occurs under several ids or with a trailing
 newline; ``id_field`` only names the task. A prompt given again must come with the same
 reference (the same number, for the numeric verifier): with another, one answer would score 1
-on one task and 0 on its twin, and the load fails naming both rows.
+on one task and 0 on its twin, and the load fails naming both rows of the first such prompt
+and how many rows more are like it.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ def _numeric(answer: str, reference: str, tolerance: float) -> float:
 def make_verifier(config: DatasetConfig) -> Callable[[str, str], float]:
     """``verify(answer, reference) -> score in [0, 1]`` for ``config.verifier``."""
     if config.verifier == "exact":
-        return lambda answer, reference: float(answer.strip() == reference.strip())
+        return _exact
     if config.verifier == "numeric":
         return lambda answer, reference: _numeric(answer.strip(), reference.strip(), config.tolerance)
     if config.verifier == "regex":
@@ -137,6 +138,15 @@ def make_verifier(config: DatasetConfig) -> Callable[[str, str], float]:
     except (ImportError, AttributeError) as exc:
         raise ValueError(f"verifier {config.verifier!r} cannot be imported: {exc}") from exc
     return lambda answer, reference: float(fn(answer, reference))
+
+
+def _exact(answer: str, reference: str) -> float:
+    """1.0 when the two are the same text, less the whitespace around them; a boolean
+    reference (``true``, as JSON writes one) takes its word in any case (``True``)."""
+    answer, reference = answer.strip(), reference.strip()
+    if reference in ("true", "false"):
+        answer = answer.lower()
+    return float(answer == reference)
 
 
 def _regex_match(answer: str, reference: str, timeout: float) -> float:
@@ -188,6 +198,7 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
         raise ValueError(f"{config.path} holds no rows")
     required = (config.prompt_field, config.answer_field, *([config.id_field] if config.id_field else []))
     asked: dict[str, tuple[str, str]] = {}  # prompt, as the split keys it -> its first answer, where
+    conflicts: list[str] = []
     for place, row in zip(places, rows, strict=True):
         where = f"{place} of {config.path}"
         if not isinstance(row, dict):
@@ -225,11 +236,15 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
         first, first_place = asked.setdefault(prompt, (answer, place))
         if not _same_reference(answer, first, config.verifier):
             # the same answer would score 1 on one task and 0 on its twin
-            raise ValueError(
-                f"{where}: prompt {prompt!r:.80} has the answer {answer!r:.80}, but {first!r:.80} at "
-                f"{first_place}: give each prompt one reference (several right answers take a regex or "
-                "a 'pkg.mod:fn' verifier)"
+            conflicts.append(
+                f"{where}: prompt {prompt!r:.80} has the answer {answer!r:.80}, but {first!r:.80} at {first_place}"
             )
+    if conflicts:
+        more = f" (and {len(conflicts) - 1} more rows like it)" if len(conflicts) > 1 else ""
+        raise ValueError(
+            f"{conflicts[0]}{more}: give each prompt one reference (several right answers take a regex or "
+            "a 'pkg.mod:fn' verifier)"
+        )
     return tuple(rows)
 
 

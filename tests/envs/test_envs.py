@@ -22,6 +22,7 @@ from envs import pytool
 from envs.arith import add_without_carry, subtract_without_borrow
 from envs.base import Task, TooFewTasks, in_eval_split, sample_unique, stopped
 from envs.code import HARNESS_PROCESSES
+from envs.dataset import DatasetConfig, make_verifier
 from envs.guess import GuessConfig, problems
 from envs.pyrepl import PythonRepl
 from envs.registry import REGISTRY, demonstrate, make, task_pool, task_set
@@ -1191,6 +1192,16 @@ def test_dataset_boolean_and_integral_float_fields_read_as_json_writes_them(tmp_
         first = next(task for task in tasks if task.prompt == "q0")
         result, final = asyncio.run(play("dataset", first, [text[rows[0][field]]], **config))
         assert result.reward == final == 1.0, field
+    # a boolean's word in any case: the prompt may well have asked for "True or False"
+    verify = make_verifier(DatasetConfig(path="x.jsonl"))
+    assert [verify(answer, "true") for answer in ("True", " TRUE\n", "true", "False", "yes")] == [
+        1,
+        1,
+        1,
+        0,
+        0,
+    ]
+    assert verify("Two", "two") == 0.0
 
 
 @pytest.mark.parametrize("credentials", ["config", "environment"])
@@ -1429,6 +1440,11 @@ def test_dataset_refuses_a_prompt_given_twice_with_different_answers(tmp_path, n
     """One task would score an answer right and its twin the same answer wrong: the load
     passed it, and RL trained on a reward that was a coin toss."""
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(4)] + [{"prompt": " q1\n", "answer": "5"}]
+    rows += [
+        {"prompt": "q2", "answer": "6"},
+        {"prompt": "q3", "answer": "3"},
+        {"prompt": "q3", "answer": "7"},
+    ]
     path = tmp_path / name
     if name.endswith(".parquet"):
         pq.write_table(pa.Table.from_pylist(rows), path)
@@ -1437,7 +1453,9 @@ def test_dataset_refuses_a_prompt_given_twice_with_different_answers(tmp_path, n
         path.write_text("\n".join(map(json.dumps, rows)))
         first, second = "line 2", "line 5"
     with pytest.raises(
-        ValueError, match=rf"{second} of .*{name}: prompt 'q1' has the answer '5', but '1' at {first}"
+        ValueError,
+        match=rf"{second} of .*{name}: prompt 'q1' has the answer '5', but '1' at {first} \(and 2 more rows "
+        r"like it\): give each prompt one reference",
     ):
         task_set("dataset", "train", 0, 1, {"path": str(path)})
 
