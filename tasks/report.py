@@ -296,9 +296,10 @@ noise of the conversion (0.43 reads back as 0.4300000071525574)."""
 
 def latest_evals(evals: pa.Table) -> pa.Table:
     """The ``evals`` rows that stand, by version then env: of a version's evaluations of an
-    env, the one measured last, as a rerun reuses (``tasks.weights.recorded_eval``); a
+    env, the one measured last, whatever its setup (a rerun reuses the latest of its own
+    setup, ``tasks.weights.recorded_eval``; ``treadle inspect`` names each setup's latest). A
     version evaluated again was two rows and two points at one version, neither saying which
-    stands (``treadle inspect`` names each setup's latest)."""
+    stands."""
     latest = {(r["version"], r["env"]): r for r in evals.sort_by("time").to_pylist()}
     return pa.Table.from_pylist([latest[key] for key in sorted(latest)], schema=evals.schema)
 
