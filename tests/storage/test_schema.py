@@ -21,6 +21,7 @@ from storage.schema import (
     rows_with_errors,
     to_table,
     validate,
+    widened,
 )
 from tests.storage.records import make_processed_table, make_record, make_table
 
@@ -215,17 +216,7 @@ def test_float32s_own_extremes_infinities_and_nan_are_taken_as_they_are():
 
 def _widened(schema: pa.Schema) -> pa.Schema:
     """``schema`` with float64 wherever it has float32 (in lists and structs too)."""
-
-    def wide(type: pa.DataType) -> pa.DataType:
-        if type == pa.float32():
-            return pa.float64()
-        if pa.types.is_list(type):
-            return pa.list_(wide(type.value_type))
-        if pa.types.is_struct(type):
-            return pa.struct([field.with_type(wide(field.type)) for field in type])
-        return type
-
-    return pa.schema([field.with_type(wide(field.type)) for field in schema])
+    return pa.schema([field.with_type(widened(field.type)) for field in schema])
 
 
 @pytest.mark.parametrize(
