@@ -440,7 +440,10 @@ def _rescore(
     for _ in range(config.rescore_attempts):
         counters.rescore_calls += 1
         try:
-            value = float(rescore(rows))
+            value = rescore(rows)
+            if isinstance(value, str | bytes | bool | np.bool_):  # float() would take "0.5" and True
+                raise TypeError(f"returned {value!r:.80}, not a number")
+            value = float(value)
         except Exception as exc:  # the environment's EVAL may fail in any way; each is one attempt
             last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
         else:

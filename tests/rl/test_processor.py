@@ -773,7 +773,7 @@ def test_rescore_is_called_once_per_execution_and_retried_within_the_budget():
     assert result.counters.rescore_calls == 3 and result.counters.rescore_failures == 2
 
 
-@pytest.mark.parametrize("outcome", [RuntimeError("eval crashed"), 1.5, float("nan")])
+@pytest.mark.parametrize("outcome", [RuntimeError("eval crashed"), 1.5, float("nan"), "0.5", True, None])
 def test_rows_are_dropped_when_rescoring_runs_out(outcome):
     def rescore(rows):
         if isinstance(outcome, Exception):
