@@ -10,7 +10,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from typing import Any
 
@@ -36,6 +36,7 @@ from flows import run_body
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, TRANSIENT_ERRORS, reporting, run_store, said
+from tasks.weights import eval_setup, held_out_tasks
 
 log = logging.getLogger(__name__)
 
@@ -294,14 +295,34 @@ EVALS_DECIMALS = 4
 noise of the conversion (0.43 reads back as 0.4300000071525574)."""
 
 
-def latest_evals(evals: pa.Table) -> pa.Table:
+def latest_evals(evals: pa.Table, setups: Mapping[str, str] | None = None) -> pa.Table:
     """The ``evals`` rows that stand, by version then env: of a version's evaluations of an
-    env, the one measured last, whatever its setup (a rerun reuses the latest of its own
-    setup, ``tasks.weights.recorded_eval``; ``treadle inspect`` names each setup's latest). A
+    env, the one measured last under the run's setup (``setups``, env -> its
+    ``tasks.weights.eval_setup``, as a rerun reuses: the curve compares versions measured
+    alike), else the one measured last (``treadle inspect`` names each setup's latest). A
     version evaluated again was two rows and two points at one version, neither saying which
     stands."""
-    latest = {(r["version"], r["env"]): r for r in evals.sort_by("time").to_pylist()}
+
+    def rank(row: dict) -> tuple[bool, Any]:
+        return setups is not None and row.get("setup") == setups.get(row["env"]), row["time"]
+
+    latest: dict[tuple[int, str], dict] = {}
+    for row in evals.to_pylist():
+        key = (row["version"], row["env"])
+        if key not in latest or rank(row) >= rank(latest[key]):
+            latest[key] = row
     return pa.Table.from_pylist([latest[key] for key in sorted(latest)], schema=evals.schema)
+
+
+def run_setups(config: RunConfig) -> dict[str, str] | None:
+    """The setup each env of the run's mix is evaluated with (``tasks.weights.eval_setup``);
+    None, logged, when its held-out tasks cannot be listed (a dataset gone)."""
+    try:
+        tasks = held_out_tasks(config)
+        return {env: eval_setup(config, env, tasks[env]) for env in tasks}
+    except Exception as exc:
+        log.warning("the report shows each version's latest evaluation, whatever its setup: %s", said(exc))
+        return None
 
 
 def _create_evals_artifact(config: RunConfig, evals: pa.Table) -> None:
@@ -336,7 +357,9 @@ def report_evals(config: RunConfig) -> None:
         return
 
     def publish() -> None:
-        _create_evals_artifact(config, latest_evals(Tables(run_store(config)).read("evals")))
+        _create_evals_artifact(
+            config, latest_evals(Tables(run_store(config)).read("evals"), run_setups(config))
+        )
 
     reporting(publish, f"the evals artifact of run {config.run_id}")()
 
@@ -352,7 +375,7 @@ def report_run(config: RunConfig) -> str:
         tables.read("train_steps", columns=[*STEPS_COLUMNS, "time"]),
         tables.read("weights", columns=["step", "created_at"]),
     )
-    evals = latest_evals(tables.read("evals"))
+    evals = latest_evals(tables.read("evals"), run_setups(config))
     shards = tables.read("shards")
     key = artifact_key(config.run_id)
     # the run's results are in its tables already: an API blip here must not fail the run
@@ -406,7 +429,8 @@ def report_run(config: RunConfig) -> str:
         "",
         "## Held-out reward",
         "",
-        "The latest measurement of each version and env (`evals` holds every one).",
+        "The latest measurement of each version and env, under this run's evaluation setup where it has one "
+        "(`evals` holds every one).",
         "",
         "| version | env | reward | tasks measured |",
         "|---|---|---|---|",

@@ -281,6 +281,35 @@ def test_an_artifact_key_is_the_run_id_lowercased_with_its_hash():
     assert key.startswith("exp-1-") and key != report.artifact_key("exp_1")
 
 
+def test_a_version_evaluated_again_under_another_setup_does_not_replace_the_runs_own_point(
+    tmp_path, monkeypatch
+):
+    """A quick re-evaluation under other settings (fewer tasks, another temperature) was
+    the point shown, though the curve compares versions measured as the run measures them."""
+    config = tiny_config(tmp_path / "runs", "evaluated-elsewhere")
+    (own,) = {report.run_setups(config)["arith"]}
+    row = {"env": "arith", "count": 4, "time": START, "tasks": 4, "version": 1}
+    Tables(run_store(config)).append(
+        "evals",
+        [
+            row | {"reward": 0.25, "setup": own},
+            row | {"reward": 0.5, "setup": "another", "time": START + timedelta(hours=1)},
+            row | {"version": 2, "reward": 0.75, "setup": "another"},
+        ],
+    )
+    made = {}
+    monkeypatch.setattr(
+        report, "create_table_artifact", lambda rows, key, description: made.update({key: rows})
+    )
+    report.report_evals(config)
+    assert [
+        (r["version"], r["reward"]) for r in made[f"{report.artifact_key('evaluated-elsewhere')}-evals"]
+    ] == [
+        (1, 0.25),
+        (2, 0.75),  # no measurement under the run's setup: the latest stands
+    ]
+
+
 def test_a_version_evaluated_twice_is_shown_once_by_its_latest_measurement(tmp_path, monkeypatch):
     """A version evaluated again (``treadle run evaluate --version 1`` measures anew) was two
     rows of the report, two of the evals artifact, and two points of the curve at one version,
