@@ -36,7 +36,6 @@ from flows import run_body
 from flows.config import RunConfig
 from storage.tables import Tables, one_row_per_step
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, TRANSIENT_ERRORS, reporting, run_store, said
-from tasks.weights import eval_setup, held_out_tasks
 
 log = logging.getLogger(__name__)
 
@@ -317,6 +316,8 @@ def latest_evals(evals: pa.Table, setups: Mapping[str, str] | None = None) -> pa
 def run_setups(config: RunConfig) -> dict[str, str] | None:
     """The setup each env of the run's mix is evaluated with (``tasks.weights.eval_setup``);
     None, logged, when its held-out tasks cannot be listed (a dataset gone)."""
+    from tasks.weights import eval_setup, held_out_tasks  # torch: not for a flow's --help
+
     try:
         tasks = held_out_tasks(config)
         return {env: eval_setup(config, env, tasks[env]) for env in tasks}
