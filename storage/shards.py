@@ -123,8 +123,9 @@ class ShardWriter:
 
     Each ``write``/``write_table`` is converted and cast at once: a record that does not
     fit the schema's types, or a table that lacks a column or names a later version of the
-    record (:class:`NewerSchemaError`), raises :class:`SchemaError` at the call that gave it. The per-row checks (:func:`~storage.schema.validate`) run once
-    per shard, when it is flushed (on the commit thread for :class:`BackgroundShardWriter`):
+    record (:class:`NewerSchemaError`), raises :class:`SchemaError` at the call that gave
+    it. The per-row checks (:func:`~storage.schema.validate`) run once per shard, when it is
+    flushed (on the commit thread for :class:`BackgroundShardWriter`):
     run on single records, their tens of compute kernels cost over a millisecond a record,
     and each kernel gives up the GIL, so a thread that wrote records one by one waited on
     every busy thread of the process. A row that fails them is refused together with the

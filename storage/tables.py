@@ -430,8 +430,8 @@ class Tables:
         :class:`SchemaError`, as does a column the canonical schema lacks (deltalake's own
         error names neither table nor column). A required one that may be null now has its
         constraint dropped (a CHANGE COLUMN commit), because deltalake (1.6) refuses an append
-        of nulls into a column its log marks NOT NULL, even with ``schema_mode="merge"``. Rows and the change
-        feed are untouched. When another writer upgrades the table first, this commit fails
+        of nulls into a column its log marks NOT NULL, even with ``schema_mode="merge"``. Rows
+        and the change feed are untouched. When another writer upgrades the table first, this commit fails
         and the table, loaded again, has the change already.
         """
         canonical = schema_of(name)
