@@ -720,8 +720,7 @@ class Trainer:
                     self.waiting_since = None
         if stop_reason != "abandoned":
             self._flush_unwritten_rows()
-        publish_pending = self._steps_since_publish or self._pending_consumption()
-        if self.config.publish_on_stop and publish_pending and stop_reason != "abandoned":
+        if stop_reason != "abandoned" and self._publishes_at_stop():
             version = self._publish_and_tell(on_publish, role)
             if version is None:
                 stop_reason = "abandoned"
@@ -760,7 +759,7 @@ class Trainer:
         the error the run fails with stays the data's."""
         try:
             self._flush_unwritten_rows()
-            if self.config.publish_on_stop and (self._steps_since_publish or self._pending_consumption()):
+            if self._publishes_at_stop():
                 self._publish_and_tell(on_publish, role)
         except Exception as exc:
             logger.error("could not publish what was trained before the run failed: %s", exc)
@@ -768,6 +767,10 @@ class Trainer:
     def _publishes_now(self) -> bool:
         every = self.config.publish_every
         return every is not None and self._steps_since_publish >= every
+
+    def _publishes_at_stop(self) -> bool:
+        """Whether a stop publishes: ``publish_on_stop``, and steps or consumption since the last version."""
+        return self.config.publish_on_stop and bool(self._steps_since_publish or self._pending_consumption())
 
     def _pending_consumption(self) -> bool:
         return bool(
