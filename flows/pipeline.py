@@ -5,7 +5,9 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -71,21 +73,7 @@ def _wind_down(
         send_signal(store, signals, "processed", WIND_DOWN_RETRY_S)
         wait_awake(train_run.wait)
     except BaseException as error:  # the flow is stopping (cancelled, interrupted, a signal refused): end all
-        sent = True
-        for name in ("stop", "rollouts-done", "processed"):
-            try:  # one signal that cannot be raised must not keep the others from being sent
-                send_signal(store, signals, name)
-            except Exception as exc:
-                sent = False
-                get_run_logger().error(
-                    "could not raise signal %r; the tasks waiting for it on Ray run to their deadline: %s",
-                    name,
-                    exc,
-                )
-        if sent:  # each task stops at its signal: removed once none is left to watch them
-            for run in (rollout_run, process_run, train_run):
-                wait_awake(run.wait)
-            _clear_signals(store, signals)
+        sent = _end_all(store, signals, (rollout_run, process_run, train_run))
         if isinstance(error, Exception):  # a signal the store refused: a task's failure is the run's error
             if sent:  # raised on a second try: the tasks were wound down, their results stand
                 get_run_logger().warning("the run's store refused a signal, then took it: %s", error)
@@ -96,6 +84,44 @@ def _wind_down(
         raise
     _clear_signals(store, signals)
     return rollout_run.result(), process_run.result(), train_run.result()
+
+
+def _submitted(
+    config: RunConfig, signals: str, submits: Sequence[Callable[[], PrefectFuture]]
+) -> list[PrefectFuture]:
+    """The futures of ``submits`` (the rollout, process and train tasks' submissions), called in
+    turn. Stopped part way (a Ctrl-C, a submission that fails), the tasks already submitted are
+    told to end, and waited for, before the error is raised: no wind-down would end them else,
+    and a task without a deadline (or the flow waiting on its thread) ran on."""
+    runs: list[PrefectFuture] = []
+    try:
+        for submit in submits:
+            runs.append(submit())
+    except BaseException:
+        _end_all(run_store(config), signals, runs)
+        raise
+    return runs
+
+
+def _end_all(store: RunStore, signals: str, runs: Sequence[PrefectFuture]) -> bool:
+    """Raise the three signals at once, and, when each was raised, wait for ``runs`` to end at
+    them and remove the signals. Whether each was raised; one refused is logged."""
+    sent = True
+    for name in ("stop", "rollouts-done", "processed"):
+        try:  # one signal that cannot be raised must not keep the others from being sent
+            send_signal(store, signals, name)
+        except Exception as exc:
+            sent = False
+            get_run_logger().error(
+                "could not raise signal %r; the tasks waiting for it on Ray run to their deadline: %s",
+                name,
+                exc,
+            )
+    if sent:  # each task stops at its signal: removed once none is left to watch them
+        for run in runs:
+            wait_awake(run.wait)
+        _clear_signals(store, signals)
+    return sent
 
 
 def untrained_warning(rollouts: dict[str, Any], http: GatewayHTTPConfig) -> str:
@@ -181,19 +207,28 @@ def _run_on_ray(config: RunConfig, signals: str) -> tuple[dict, dict, dict]:
     )
     try:
         process_bundle, train_bundle, *actor_bundles = (in_bundle(group, i) for i in range(len(requests)))
+        train_config = config.model_copy(update={"trainer_device": actor_device(config.trainer_device)})
         with RayTaskRunner(address=config.ray_address) as runner:
-            with remote_options(num_cpus=0):
-                rollout_run = runner.submit(
-                    rollouts, {"config": config, "signals": signals, "placements": actor_bundles}
-                )
-            with remote_options(**process_options, **process_bundle):
-                process_run = runner.submit(process_shards, {"config": config, "signals": signals})
-            with remote_options(**train_options, **train_bundle):
-                train_config = config.model_copy(
-                    update={"trainer_device": actor_device(config.trainer_device)}
-                )
-                train_run = runner.submit(train, {"config": train_config, "signals": signals})
-            return _wind_down(config, signals, rollout_run, process_run, train_run)
+
+            def submit(task, parameters: dict, options: dict) -> PrefectFuture:
+                with remote_options(**options):
+                    return runner.submit(task, parameters)
+
+            tasks = (
+                (
+                    rollouts,
+                    {"config": config, "signals": signals, "placements": actor_bundles},
+                    {"num_cpus": 0},
+                ),
+                (
+                    process_shards,
+                    {"config": config, "signals": signals},
+                    {**process_options, **process_bundle},
+                ),
+                (train, {"config": train_config, "signals": signals}, {**train_options, **train_bundle}),
+            )
+            runs = _submitted(config, signals, [functools.partial(submit, *task) for task in tasks])
+            return _wind_down(config, signals, *runs)
     finally:
         remove_placement_group(group)
 
@@ -250,13 +285,15 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         else:
             # processing and training wait for the deadline the rollouts raise once their worker
             # is up (stop.max_seconds from then): the trainer loads meanwhile
-            generated, processed, trained = _wind_down(
+            runs = _submitted(
                 config,
                 signals,
-                rollouts.submit(config, signals=signals),
-                process_shards.submit(config, signals=signals),
-                train.submit(config, signals=signals),
+                [
+                    lambda task=task: task.submit(config, signals=signals)
+                    for task in (rollouts, process_shards, train)
+                ],
             )
+            generated, processed, trained = _wind_down(config, signals, *runs)
         if not trained["steps"]:
             logger.warning(untrained_warning(generated, config.gateway_http))
         after = evaluate_task(config, reuse=True)

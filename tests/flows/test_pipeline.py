@@ -256,6 +256,48 @@ def test_a_ctrl_c_the_kernel_gives_to_a_tasks_thread_winds_the_pipeline_down_at_
     assert not store.fs.exists(store.path(signals_dir("this-run")))
 
 
+def test_a_ctrl_c_while_the_pipeline_submits_its_tasks_ends_those_already_submitted(
+    tmp_path, prefect_api, monkeypatch
+):
+    """Interrupted between two submissions, the flow had not begun its wind-down: the rollouts
+    task, already running, was told nothing, and the flow's task runner waited on its thread
+    until the rollouts' own deadline (none at all without ``stop.max_seconds``)."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    import tasks.process
+    import tasks.rollout
+    import tasks.weights
+    from tasks.common import watch_signal
+
+    config = tiny_config(tmp_path / "runs", "interrupted-submitting")
+    store = run_store(config)
+    ended = {}
+    started = threading.Event()
+
+    @task(cache_policy=NO_CACHE)
+    def rollouts(config, signals: str) -> None:
+        with watch_signal(store, signals, "stop") as told:
+            started.set()
+            # the test's own bound on a flow that never raises the signal
+            ended["rollouts"] = "at its signal" if told.wait(30) else "on its own"
+
+    class Interrupted:
+        def submit(self, *args, **kwargs):
+            started.wait(30)  # a task runner cancels a task it has not started
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(tasks.rollout, "rollouts", rollouts)
+    monkeypatch.setattr(tasks.process, "process_shards", Interrupted())
+    monkeypatch.setattr(tasks.weights, "warm_start", lambda config: None)
+    monkeypatch.setattr(tasks.weights, "evaluate_task", lambda config, reuse: {"version": 0, "reward": {}})
+    with pytest.raises(KeyboardInterrupt):
+        pipeline_module.pipeline(config)
+    assert ended == {"rollouts": "at its signal"}
+    signals = store.path("status/signals")
+    assert not store.fs.exists(signals) or not store.fs.ls(signals)
+
+
 TASK_SIGNALS = [("rollouts", "stop"), ("process", "rollouts-done"), ("train", "stop")]
 """Each task of the pipeline and the signal it ends at when the flow is stopped."""
 
