@@ -14,7 +14,9 @@ Three policies:
 
 A replica that fails a health check is taken out; its sessions are assigned afresh on
 their next turn and that turn is prefilled in full on the new replica (the gateway holds
-every token, so nothing is lost).
+every token, so nothing is lost). So is one that passes its probe but fails the requests of
+several sessions in a row (a wedged engine), for a quarantine that doubles each time it is
+taken out again before it serves a request.
 
 A replica can be set draining (:meth:`Router.drain`): no new session goes to it, and with
 ``migrate_on_drain`` each session pinned to it moves at its next turn boundary — its next
@@ -37,7 +39,7 @@ from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rollout.engines.base import Engine, EngineError, Generation, NotServing, SamplingParams
 
@@ -89,6 +91,34 @@ class RouterConfig(BaseModel):
         description="Seconds a health probe may take; a replica whose probe hangs (a stuck actor) counts "
         "as down, and the other replicas' probes are not held up.",
     )
+    failing_sessions: int | None = Field(
+        3,
+        ge=1,
+        description="With failover, a replica whose probe answers up is taken out once the requests of "
+        "this many sessions failed on it with an engine error, one after another with no request served "
+        "between (a wedged engine: vLLM answering 500 to every generation while /health says OK). A "
+        "session counts once however often it fails, as what its prompt makes fail fails wherever it "
+        "goes; a request refused as invalid (too long, say) never counts (None: a replica whose probe "
+        "answers up stays in service whatever its requests do).",
+    )
+    quarantine_s: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds a replica taken out for failing sessions' requests stays out before a health "
+        "check may bring it back (it passes its probe, so it would be back at once); doubled each time "
+        "it is taken out again before it serves a request, up to quarantine_max_s.",
+    )
+    quarantine_max_s: float = Field(
+        600.0, gt=0, description="The longest quarantine of a replica taken out for failing requests."
+    )
+
+    @model_validator(mode="after")
+    def _quarantine_limit(self) -> RouterConfig:
+        if self.quarantine_max_s < self.quarantine_s:
+            raise ValueError(
+                f"router.quarantine_max_s={self.quarantine_max_s} is below quarantine_s={self.quarantine_s}"
+            )
+        return self
 
 
 class NoReplicas(EngineError):
@@ -201,6 +231,12 @@ class Router:
         self.session_lengths: deque[float] = deque(maxlen=SESSION_LENGTHS_KEPT)
         self.session_contexts: deque[int] = deque(maxlen=SESSION_LENGTHS_KEPT)
         self._contexts_before: Counter[str] = Counter()
+        self._failing: dict[str, set[str]] = {}
+        """Per replica in service, the sessions whose requests failed on it since it last served one."""
+        self._last_quarantine_s: dict[str, float] = {}
+        """Per replica taken out for failing requests since it last served one, its last quarantine."""
+        self._out_until: dict[str, float] = {}
+        """Per replica down in quarantine, the ``time.monotonic()`` before which it stays out."""
         for engine in engines:
             self.add(engine)
 
@@ -218,7 +254,8 @@ class Router:
 
     @property
     def down(self) -> list[str]:
-        """Names of the replicas out of service until a health check finds them healthy again, sorted."""
+        """Names of the replicas out of service until a health check finds them healthy again (past
+        their quarantine, for one taken out for failing requests), sorted."""
         return sorted(self._down)
 
     @property
@@ -248,6 +285,7 @@ class Router:
         if engine.name in self._engines:
             raise ValueError(f"replica {engine.name!r} is already in service")
         self._down.pop(engine.name, None)
+        self._out_until.pop(engine.name, None)
         self._engines[engine.name] = engine
         self._ring.add(engine.name)
 
@@ -256,6 +294,7 @@ class Router:
         if name not in self._engines:
             raise KeyError(f"replica {name!r} is not in service")
         engine = self._engines.pop(name)
+        self._failing.pop(name, None)
         self._draining.discard(name)
         self._ring.remove(name)
         for session_id in [s for s, r in self._assigned.items() if r == name]:
@@ -393,7 +432,9 @@ class Router:
         """Generate on ``session_id``'s replica; with ``failover``, a replica found down (or
         :class:`NotServing`) is taken out and the request is retried once on the session's new
         replica (not when the session ended meanwhile: the error is raised, and the session
-        stays unpinned).
+        stays unpinned). One found up fails the request, unless this session's is the
+        ``failing_sessions``-th whose requests failed on it in a row: it is taken out for its
+        quarantine and the request retried so (as is one taken out while this request failed).
 
         A generation the replica aborted is an :class:`EngineError` like a failed one: a vLLM
         server shutting down or paused mid-request ends it with ``abort``, an action cut short
@@ -401,16 +442,22 @@ class Router:
         engine = self.route(session_id)
         self._in_flight[session_id] += 1
         try:
-            return await _finished(engine, session_id, prompt_ids, params)
+            generation = await _finished(engine, session_id, prompt_ids, params)
+            self._served(engine.name)
+            return generation
         except EngineError as exc:
             if not self.config.failover:
                 raise
             # one that is up but not serving (NotServing) goes out as if down: the health
             # check's restore loads its weights before it is back
-            if not isinstance(exc, NotServing) and await probe_health(engine, self.config.health_timeout_s):
+            if isinstance(exc, NotServing) or not await probe_health(engine, self.config.health_timeout_s):
+                logger.warning(
+                    "replica %s failed (%s); taking it out and retrying elsewhere", engine.name, exc
+                )
+                self.take_down(engine.name)
+            # up: retried only if it is out now, taken out by this failure or another request's
+            elif engine.name in self._engines and not self._fails_too_often(engine.name, session_id):
                 raise
-            logger.warning("replica %s failed (%s); taking it out and retrying elsewhere", engine.name, exc)
-            self.take_down(engine.name)
             if self.config.policy != "round_robin" and session_id not in self._started:
                 raise  # end_session ran during the probe: routing again would pin it for good
             retry = self.route(session_id)
@@ -420,10 +467,40 @@ class Router:
             if not self._in_flight[session_id]:
                 del self._in_flight[session_id]
 
+    def _served(self, name: str) -> None:
+        self._failing.pop(name, None)
+        self._last_quarantine_s.pop(name, None)
+
+    def _fails_too_often(self, name: str, session_id: str) -> bool:
+        """Count ``session_id``'s failed request on replica ``name``, in service with its probe
+        answering up; once ``failing_sessions`` sessions' requests failed in a row, take it
+        out for its quarantine and answer True."""
+        limit = self.config.failing_sessions
+        failing = self._failing.setdefault(name, set())
+        failing.add(session_id)
+        if limit is None or len(failing) < limit:
+            return False
+        last = self._last_quarantine_s.get(name)
+        quarantine_s = (
+            self.config.quarantine_s if last is None else min(2 * last, self.config.quarantine_max_s)
+        )
+        self._last_quarantine_s[name] = quarantine_s
+        logger.warning(
+            "replica %s failed the requests of %d sessions in a row though its probe answers up; taking it "
+            "out for %.0f s and retrying elsewhere",
+            name,
+            len(failing),
+            quarantine_s,
+        )
+        self.take_down(name)
+        self._out_until[name] = time.monotonic() + quarantine_s
+        return True
+
     async def check_health(
         self, restore: Callable[[Engine], Awaitable[None]] | None = None
     ) -> dict[str, bool]:
-        """Probe every replica: take out those that fail, bring back those that recovered.
+        """Probe every replica: take out those that fail, bring back those that recovered (one
+        in quarantine once its quarantine has passed).
 
         A replica that was down may have restarted on other weights than it last loaded (a
         relaunched vLLM server serves its launch weights), so ``restore`` is awaited on a
@@ -437,7 +514,7 @@ class Router:
             if not ok and name in self._engines:
                 logger.warning("replica %s failed its health check; taking it out", name)
                 self.take_down(name)
-            elif ok and name in self._down:
+            elif ok and name in self._down and time.monotonic() >= self._out_until.get(name, 0.0):
                 if restore is not None:
                     try:
                         await restore(engine)

@@ -894,3 +894,198 @@ def test_a_session_cannot_both_expire_and_continue_in_another():
     ):
         router.end_session("c1", continued_in="c2", expired=True)
     assert router.assignment("c1") is not None and router.sessions_expired == 0
+
+
+def _wedge(engines, wedged: set[str], served: list[str] | None = None) -> None:
+    """Replicas named in ``wedged`` fail every generation with an engine error while their
+    probe answers up (vLLM answering 500 to every completion, /health OK); the others serve,
+    appending their name to ``served``."""
+    for engine in engines:
+
+        async def generate(session_id, prompt_ids, params, name=engine.name) -> Generation:
+            if name in wedged:
+                raise EngineError(f"vLLM server {name} answered 500 on /v1/completions")
+            if served is not None:
+                served.append(name)
+            return Generation([5], [-0.5], [0], "stop", engine=name)
+
+        async def health() -> bool:
+            return True
+
+        engine.generate, engine.health = generate, health
+
+
+def _run(router: Router, engines, requests):
+    """Await ``requests(router)`` (a coroutine), then close the engines; its answer."""
+
+    async def body():
+        try:
+            return await requests(router)
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    return asyncio.run(body())
+
+
+def test_a_replica_failing_the_requests_of_several_sessions_though_its_probe_answers_up_is_taken_out():
+    """A wedged replica answers its probe but fails every generation: the requests of the
+    first sessions fail (nothing yet tells the replica from their prompts), the request of
+    the ``failing_sessions``-th one takes it out and is retried on another replica, and new
+    sessions go there, instead of every rollout routed to it ending as an infra error (3 by
+    default)."""
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky"))
+    sessions = [s for s in SESSIONS if router.route(s).name == "r0"][:3]
+    _wedge(engines, {"r0"})
+    params = SamplingParams(max_new_tokens=1)
+
+    async def requests(router):
+        for session in sessions[:2]:
+            with pytest.raises(EngineError, match="answered 500"):
+                await router.generate(session, [1, 2], params)
+        assert router.replicas == ["r0", "r1"], "two sessions' failures leave it in service"
+        return await router.generate(sessions[2], [1, 2], params)
+
+    generation = _run(router, engines, requests)
+    assert generation.engine == "r1" and router.assignment(sessions[2]) == "r1"
+    assert router.replicas == ["r1"] and router.down == ["r0"]
+
+
+def test_failures_of_one_session_or_between_successes_do_not_take_a_replica_out():
+    """What one session's prompt makes fail (retried by its client again and again) counts
+    once, and a success on the replica starts the count again: a replica that serves other
+    sessions stays in service."""
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failing_sessions=2))
+    poisoned, fine, other, third = [s for s in SESSIONS if router.route(s).name == "r0"][:4]
+    wedged: set[str] = set()
+    _wedge(engines, wedged)
+    params = SamplingParams(max_new_tokens=1)
+
+    async def requests(router):
+        wedged.add("r0")
+        for _ in range(4):
+            with pytest.raises(EngineError):
+                await router.generate(poisoned, [1, 2], params)
+        wedged.clear()
+        await router.generate(fine, [1, 2], params)
+        wedged.add("r0")
+        with pytest.raises(EngineError):
+            await router.generate(other, [1, 2], params)
+        assert router.replicas == ["r0", "r1"]
+        return await router.generate(third, [1, 2], params)
+
+    generation = _run(router, engines, requests)
+    assert generation.engine == "r1", "the failures of two sessions in a row take it out"
+    assert router.down == ["r0"]
+
+
+def test_requests_failing_at_once_on_a_replica_taken_out_meanwhile_fail_over():
+    """Four sessions' requests fail on a wedged replica at once: two fail, the third's takes it
+    out and is retried, and the fourth finds it out already and is retried too."""
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failing_sessions=3))
+    sessions = [s for s in SESSIONS if router.route(s).name == "r0"][:4]
+    _wedge(engines, {"r0"})
+
+    async def requests(router):
+        params = SamplingParams(max_new_tokens=1)
+        answers = [router.generate(s, [1, 2], params) for s in sessions]
+        return await asyncio.gather(*answers, return_exceptions=True)
+
+    answers = _run(router, engines, requests)
+    assert sum(isinstance(a, EngineError) for a in answers) == 2
+    assert sorted(a.engine for a in answers if isinstance(a, Generation)) == ["r1", "r1"]
+    assert router.down == ["r0"]
+
+
+def test_without_a_limit_on_failing_sessions_a_replica_whose_probe_answers_up_stays():
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failing_sessions=None))
+    sessions = [s for s in SESSIONS if router.route(s).name == "r0"][:5]
+    _wedge(engines, {"r0"})
+
+    async def requests(router):
+        for session in sessions:
+            with pytest.raises(EngineError):
+                await router.generate(session, [1, 2], SamplingParams(max_new_tokens=1))
+
+    _run(router, engines, requests)
+    assert router.replicas == ["r0", "r1"]
+
+
+def test_a_replica_taken_out_for_failing_requests_comes_back_after_a_quarantine_doubled_each_time(
+    monkeypatch,
+):
+    """A wedged replica passes its probe, so a health check would put it back at once, and it
+    would fail the requests of ``failing_sessions`` more sessions at every check. It stays out
+    ``quarantine_s``, twice as long each time it is taken out again without serving a request
+    in between (up to ``quarantine_max_s``), and once it serves, its next quarantine is
+    ``quarantine_s`` again."""
+
+    now = [1000.0]
+    monkeypatch.setattr("rollout.router.time.monotonic", lambda: now[0])
+    engines = _replicas(2)
+    config = RouterConfig(policy="sticky", failing_sessions=1, quarantine_s=30, quarantine_max_s=100)
+    router = Router(engines, config)
+    sessions = iter([s for s in SESSIONS if router.route(s).name == "r0"])
+    wedged = {"r0"}
+    served: list[str] = []
+    _wedge(engines, wedged, served)
+    restored: list[tuple[float, str]] = []
+
+    async def restore(engine) -> None:
+        restored.append((now[0], engine.name))
+
+    async def take_out_and_wait(router, quarantine_s: float) -> None:
+        """Fail r0 out, then check at ``quarantine_s`` less and more a second."""
+        await router.generate(next(sessions), [1, 2], SamplingParams(max_new_tokens=1))
+        assert router.down == ["r0"]
+        start = now[0]
+        now[0] = start + quarantine_s - 1
+        assert await router.check_health(restore=restore) == {"r1": True, "r0": True}
+        assert router.down == ["r0"] and restored == [], "it stays out for its quarantine"
+        now[0] = start + quarantine_s + 1
+        await router.check_health(restore=restore)
+        assert router.down == [] and restored == [(now[0], "r0")], "restored, then back in service"
+        restored.clear()
+
+    async def requests(router):
+        for quarantine_s in (30, 60, 100, 100):
+            await take_out_and_wait(router, quarantine_s)
+        wedged.clear()
+        session = next(sessions)
+        await router.generate(session, [1, 2], SamplingParams(max_new_tokens=1))
+        assert served == ["r1"] * 4 + ["r0"]
+        wedged.add("r0")
+        await take_out_and_wait(router, 30)
+
+    _run(router, engines, requests)
+
+
+def test_a_replica_taken_down_by_its_probe_comes_back_at_the_next_check_without_quarantine(monkeypatch):
+    """Quarantine is for a replica whose probe said up while it failed requests: one whose
+    probe fails (restarting, say) comes back at the first check that finds it up."""
+    monkeypatch.setattr("rollout.router.time.monotonic", lambda: 1000.0)
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failing_sessions=1))
+    up = {"r0": False, "r1": True}
+    _answer_health_from(engines, up)
+
+    async def checks(router):
+        await router.check_health()
+        assert router.down == ["r0"]
+        up["r0"] = True
+        await router.check_health()
+
+    _run(router, engines, checks)
+    assert router.down == []
+
+
+def test_a_quarantine_shorter_than_its_doubling_limit_is_refused():
+    with pytest.raises(ValueError, match=r"quarantine_max_s=10.0 is below quarantine_s=30.0"):
+        RouterConfig(quarantine_s=30, quarantine_max_s=10)
