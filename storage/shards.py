@@ -726,7 +726,8 @@ class ShardReader:
         """The shard's records, validated; None (and the shard quarantined with a
         ``.reason`` file, and a warning logged) when it is missing, corrupt or invalid, or
         its bytes are not those its commit checksummed (a flipped bit in a token id still
-        parses).
+        parses). A shard that cannot be moved to quarantine (the store refuses the move) is
+        left in place and logged as an error, and each later read skips it the same way.
 
         Only what the bytes hold quarantines a shard: an error while fetching them (a
         timeout, a dropped connection) is raised, and the shard stays for the next read. A
@@ -813,6 +814,16 @@ class ShardReader:
         except FileNotFoundError:
             log.warning(
                 "shard %s (%s) was moved to quarantine by another reader meanwhile", shard.shard_id, reason
+            )
+            return
+        except Exception as exc:
+            # the bytes are bad whatever the store says: skipped, as every later read skips it
+            log.error(
+                "shard %s is skipped, and left at %s: it could not be moved to quarantine (%r): %s",
+                shard.shard_id,
+                shard.path,
+                exc,
+                reason,
             )
             return
         try:

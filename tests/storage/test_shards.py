@@ -1567,3 +1567,30 @@ def test_a_forked_process_reads_shards_after_its_parent_summed_some(local_store)
         child.join()
         pytest.fail("the forked process hung reading a shard")
     assert child.exitcode == 0
+
+
+def test_a_bad_shard_that_cannot_be_moved_to_quarantine_is_skipped_and_said_so(store, monkeypatch, caplog):
+    """The move to quarantine failed (no permission, an S3 error): the error went up through
+    ``read`` and stopped the consumer at the bad shard, every time it came back to it."""
+    good = ipc_bytes(make_table(0, 2))
+    bad = commit_foreign_file(store, 1, good[: len(good) // 2])
+    with ShardWriter(store, "w0") as writer:
+        writer.write_table(make_table(10, 2))
+
+    def refused(source, target, **kwargs):
+        raise PermissionError(f"no writes to {target} (injected)")
+
+    monkeypatch.setattr(store.fs, "mv", refused)
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        results = {shard.shard_id: reader.read(shard) for shard in shards}
+        assert reader.read(bad) is None  # read again (a restart): skipped again, not raised
+    assert results[bad.shard_id] is None
+    assert ids_of(results["raw/w0/00000000"]) == ["t10", "t11"]
+    messages = [record.getMessage() for record in caplog.records if bad.shard_id in record.getMessage()]
+    assert len(messages) == 2
+    for message in messages:
+        assert "could not be moved to quarantine" in message and "no writes to" in message, message
+        assert "cannot read the Arrow IPC file" in message, message
+    assert store.fs.exists(store.path(bad.path)) and not reader.quarantined(bad)
