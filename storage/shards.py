@@ -207,18 +207,26 @@ class ShardWriter:
         return self._closed
 
     def write(self, record: Mapping[str, Any]) -> ShardInfo | None:
-        """Buffer one record; returns the shard it completed, if this write flushed one."""
+        """Buffer one record; returns the shard it completed, if this write flushed one. An
+        error means what :meth:`write_table`'s does."""
         return self.write_table(to_table([record], self.schema))
 
     def write_many(self, records: Sequence[Mapping[str, Any]]) -> ShardInfo | None:
         """Buffer ``records`` together: they land in one shard (a GRPO group must not be
         split, its advantages are taken over the whole group); returns the shard this
-        write flushed, if any."""
+        write flushed, if any. An error means what :meth:`write_table`'s does."""
         return self.write_table(to_table(list(records), self.schema))
 
     def write_table(self, table: pa.Table) -> ShardInfo | None:
         """Buffer every row of ``table`` (never split across shards); returns the shard
-        this write flushed, if any."""
+        this write flushed, if any.
+
+        What a write raises before its rows are buffered (a closed writer, a
+        :class:`SchemaError`) took none of them. Once buffered they are kept, also when the
+        flush this write set off raises (as :meth:`flush` keeps them, see there): that error
+        carries a note saying so, and the caller must not write them again, or they would be
+        committed twice; a later flush or ``close`` commits them (``abandon`` sets them aside).
+        """
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
         self._refuse_newer(table)
@@ -230,7 +238,11 @@ class ShardWriter:
         self._buffer.append(table)
         self._buffered_rows += table.num_rows
         if self._buffered_rows >= self.flush_records or self._due():
-            return self.flush()
+            try:
+                return self.flush()
+            except Exception as exc:
+                exc.add_note(_kept(table.num_rows))
+                raise
         return None
 
     def _refuse_newer(self, table: pa.Table) -> None:
@@ -903,6 +915,19 @@ def _modified(info: Mapping[str, Any]) -> float:
 def quarantine_path(path: str) -> str:
     """Where a bad shard at ``path`` (``shards/<kind>/…``) is moved: ``shards/quarantine/<kind>/…``."""
     return posixpath.join("shards", "quarantine", posixpath.relpath(path, "shards"))
+
+
+def _kept(rows: int) -> str:
+    """The note on an error of a flush that a write set off: the write's rows were taken."""
+    what, them = (
+        ("the 1 record of this write is", "it")
+        if rows == 1
+        else (f"the {rows} records of this write are", "them")
+    )
+    return (
+        f"{what} kept by the writer: a later flush or close commits {them} (abandon sets {them} aside); "
+        f"do not write {them} again"
+    )
 
 
 def _merged(pieces: list[pa.Table]) -> pa.Table:

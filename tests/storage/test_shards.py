@@ -1594,3 +1594,30 @@ def test_a_bad_shard_that_cannot_be_moved_to_quarantine_is_skipped_and_said_so(s
         assert "could not be moved to quarantine" in message and "no writes to" in message, message
         assert "cannot read the Arrow IPC file" in message, message
     assert store.fs.exists(store.path(bad.path)) and not reader.quarantined(bad)
+
+
+def store_down_unreachable(*args):
+    raise OSError("endpoint unreachable (injected)")
+
+
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
+def test_a_write_whose_flush_fails_keeps_its_record_and_its_error_says_so(store, monkeypatch, writer_class):
+    """The write buffered its record, then the flush it set off raised a plain store error:
+    nothing told the caller that the record was taken, so one that wrote it again on the
+    error had it committed twice."""
+    background = writer_class is BackgroundShardWriter
+    # past one unsaved record a background writer commits in the caller's thread, and raises
+    writer = writer_class(store, "w0", flush_records=1, **({"max_unsaved_records": 1} if background else {}))
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", store_down_unreachable)
+        if background:
+            writer.write(make_record(0))  # fails on the commit thread
+        with pytest.raises(OSError, match="unreachable") as raised:
+            writer.write(make_record(1))
+    (note,) = raised.value.__notes__
+    assert "the 1 record of this write is kept" in note and "do not write it again" in note, note
+    writer.close()
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    written = [tid for shard in shards for tid in ids_of(reader.read(shard))]
+    assert written == (["t0", "t1"] if background else ["t1"])
