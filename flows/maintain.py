@@ -1,6 +1,6 @@
 """The maintain flow: compact and vacuum the Delta tables, keep the last N weight versions
 (and sweep the temporary files of LATEST that killed publishes left), sweep shard files no
-commit lists.
+commit lists, abort the incomplete multipart uploads that killed writers left on S3.
 
 Runs one table at a time (compaction and vacuum must not overlap on a table).
 ``python -m flows.maintain --config configs/tiny.yaml``
@@ -20,7 +20,7 @@ from pydantic import Field
 from flows.cli_args import stops_as_on_ctrl_c
 from flows.config import RunConfig
 from flows.run_body import run_body
-from storage.shards import MIN_SWEEP_AGE_S, sweep_uncommitted
+from storage.shards import MIN_SWEEP_AGE_S, abort_stale_uploads, sweep_uncommitted
 from storage.tables import TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tasks.common import SIDE_EFFECTS, STORAGE_RETRIES, run_store
@@ -72,6 +72,11 @@ def sweep_shards(config: RunConfig, retention_hours: int) -> list[str]:
     return sweep_uncommitted(run_store(config), older_than_s=retention_hours * 3600)
 
 
+@task(name="abort-stale-uploads", **SIDE_EFFECTS, **STORAGE_RETRIES)
+def abort_uploads(config: RunConfig, retention_hours: int) -> list[str]:
+    return abort_stale_uploads(run_store(config), older_than_s=retention_hours * 3600)
+
+
 @flow(name="maintain", flow_run_name="{config.run_id}", log_prints=True)
 def maintain(
     config: RunConfig = RunConfig(),
@@ -79,17 +84,19 @@ def maintain(
     retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS, le=MAX_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
     """Compact and vacuum every table, drop old weight versions (and the temporary files of
-    LATEST that killed publishes left, once an hour old) and delete shard files that no
-    commit lists (left by writers that died). A step that fails (a table whose log or
-    files cannot be read) leaves the others to run; the flow then raises naming each.
+    LATEST that killed publishes left, once an hour old), delete shard files that no
+    commit lists (left by writers that died) and abort the incomplete multipart uploads of
+    writers killed while sending a large file to S3 (their parts are stored, and billed,
+    until then). A step that fails (a table whose log or files cannot be read) leaves the
+    others to run; the flow then raises naming each.
 
     Args:
         config: the run.
         keep_last: weight versions kept, the newest (LATEST, tagged ones and the newest
             that verifies always stay).
-        retention_hours: vacuumed table files and uncommitted shard files are deleted once
-            older than this (at least 1: a younger one may belong to a writer whose commit
-            has not landed yet; at most 1000000).
+        retention_hours: vacuumed table files and uncommitted shard files are deleted, and
+            incomplete uploads aborted, once older than this (at least 1: a younger one may
+            belong to a writer whose commit has not landed yet; at most 1000000).
     """
     store = run_store(config)
     # a wrong root or run id (a deployment's form) would otherwise complete, having found nothing to do
@@ -105,6 +112,7 @@ def maintain(
             },
             "retain-weights": retain_weights(config, keep_last, return_state=True),
             "sweep-latest-temps": sweep_latest_temps(config, return_state=True),
+            "abort-stale-uploads": abort_uploads(config, retention_hours, return_state=True),
             # a shards table that cannot be read fails the sweep before it deletes anything
             "sweep-shards": sweep_shards(config, retention_hours, return_state=True),
         }
@@ -119,12 +127,14 @@ def maintain(
             "removed_versions": states["retain-weights"].result(),
             "removed_latest_temps": states["sweep-latest-temps"].result(),
             "removed_shard_files": states["sweep-shards"].result(),
+            "aborted_uploads": states["abort-stale-uploads"].result(),
         }
 
 
 def summary(result: dict[str, Any]) -> str:
     """What a :func:`maintain` run's result did, a short line per table and one each for the
-    weight versions, LATEST's temporary files and shard files it removed."""
+    weight versions, LATEST's temporary files and shard files it removed and the incomplete
+    uploads it aborted."""
     lines = []
     for table in result["tables"]:
         optimize = table.get("optimize")
@@ -141,6 +151,7 @@ def summary(result: dict[str, Any]) -> str:
     lines.append(f"weight versions pruned: {', '.join(f'v{v}' for v in versions) if versions else 'none'}")
     lines.append(f"LATEST temporary files of killed publishes deleted: {len(result['removed_latest_temps'])}")
     lines.append(f"uncommitted shard files deleted: {len(result['removed_shard_files'])}")
+    lines.append(f"incomplete uploads of killed writers aborted: {len(result['aborted_uploads'])}")
     return "\n".join(lines)
 
 

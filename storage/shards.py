@@ -905,6 +905,49 @@ def sweep_uncommitted(store: RunStore, older_than_s: float, tables: Tables | Non
     return sorted(removed)
 
 
+def abort_stale_uploads(store: RunStore, older_than_s: float) -> list[str]:
+    """Abort the incomplete multipart uploads under the run's prefix started more than
+    ``older_than_s`` ago; returns their run-relative keys. Nothing to do on a local folder.
+
+    s3fs sends a file of twice its 50 MiB part size or more in parts (a shard of long
+    trajectories; weight files, whatever their writer): a writer killed before completing
+    one (SIGKILL, out of memory) leaves its parts stored, and billed, but in no listing of
+    objects, until the upload is aborted. As for :func:`sweep_uncommitted`, an age below
+    :data:`MIN_SWEEP_AGE_S` raises ``ValueError`` (a younger upload may be a live writer's);
+    an upload that ended meanwhile (completed, or aborted by another sweep) is passed over.
+    """
+    if older_than_s < MIN_SWEEP_AGE_S:
+        raise ValueError(
+            f"older_than_s must be >= {MIN_SWEEP_AGE_S:.0f} s (a younger upload may belong to a "
+            f"writer still sending it), got {older_than_s}"
+        )
+    if not store.config.is_s3:
+        return []
+    bucket, prefix, _ = store.fs.split_path(store.path())
+    prefix += "/"  # not the uploads of a run whose id starts with this one's
+    cutoff = time.time() - older_than_s
+    aborted = []
+    markers: dict[str, str] = {}
+    while True:
+        page = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+        for upload in page.get("Uploads", []):
+            if upload["Initiated"].timestamp() > cutoff:
+                continue
+            try:
+                store.fs.call_s3(
+                    "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                )
+            except FileNotFoundError:
+                continue
+            aborted.append(upload["Key"].removeprefix(prefix))
+        if not page.get("IsTruncated"):
+            break
+        markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
+    if aborted:
+        log.warning("aborted %d incomplete uploads of %s: %s", len(aborted), store.uri, ", ".join(aborted))
+    return sorted(aborted)
+
+
 def _modified(info: Mapping[str, Any]) -> float:
     """Epoch seconds of a file's last change, from an fsspec listing (local or S3)."""
     if "mtime" in info:

@@ -38,6 +38,7 @@ from storage.shards import (
     ShardInfo,
     ShardReader,
     ShardWriter,
+    abort_stale_uploads,
     quarantine_path,
     sweep_uncommitted,
 )
@@ -1621,3 +1622,49 @@ def test_a_write_whose_flush_fails_keeps_its_record_and_its_error_says_so(store,
     shards, _ = reader.poll()
     written = [tid for shard in shards for tid in ids_of(reader.read(shard))]
     assert written == (["t0", "t1"] if background else ["t1"])
+
+
+def start_upload(store: RunStore, path: str) -> dict:
+    """Start a multipart upload of ``path`` with one part sent, as s3fs does for a large
+    shard, and leave it as a writer killed before completing it does; its listing."""
+    bucket, key, _ = store.fs.split_path(store.path(path))
+    upload = store.fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key)
+    store.fs.call_s3(
+        "upload_part", Bucket=bucket, Key=key, UploadId=upload["UploadId"], PartNumber=1, Body=b"x" * 1024
+    )
+    listed = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=key)["Uploads"]
+    return next(found for found in listed if found["UploadId"] == upload["UploadId"])
+
+
+def uploads_of(store: RunStore) -> list[str]:
+    bucket, prefix, _ = store.fs.split_path(store.path())
+    listed = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix + "/")
+    return [upload["UploadId"] for upload in listed.get("Uploads", [])]
+
+
+def test_incomplete_uploads_of_killed_writers_are_aborted_once_old_and_only_under_the_run(
+    s3_server, monkeypatch
+):
+    """A writer killed during a multipart upload (a shard of 100 MiB or more) left its parts
+    stored, and billed, for ever: nothing listed or removed them."""
+    store = RunStore(s3_server.config(), f"run-{uuid.uuid4().hex[:12]}")
+    beside = RunStore(s3_server.config(), store.run_id + "0")  # its prefix starts with this run's
+    killed = start_upload(store, "shards/raw/w0/00000000.arrow")
+    other = start_upload(beside, "shards/raw/w0/00000000.arrow")
+    started = killed["Initiated"].timestamp()
+    with pytest.raises(ValueError, match="older_than_s must be"):
+        abort_stale_uploads(store, older_than_s=60)
+
+    with monkeypatch.context() as patch:  # half an hour on: it may be a live writer's
+        patch.setattr(shard_module, "time", types.SimpleNamespace(time=lambda: started + 1800))
+        assert abort_stale_uploads(store, older_than_s=3600) == []
+    assert uploads_of(store) == [killed["UploadId"]]
+
+    monkeypatch.setattr(shard_module, "time", types.SimpleNamespace(time=lambda: started + 7200))
+    assert abort_stale_uploads(store, older_than_s=3600) == ["shards/raw/w0/00000000.arrow"]
+    assert uploads_of(store) == [] and uploads_of(beside) == [other["UploadId"]]
+    assert abort_stale_uploads(store, older_than_s=3600) == []
+
+
+def test_aborting_stale_uploads_of_a_local_run_does_nothing(local_store):
+    assert abort_stale_uploads(local_store, older_than_s=MIN_SWEEP_AGE_S) == []
