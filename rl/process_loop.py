@@ -175,8 +175,7 @@ class ShardProcessor:
             # an empty twin still tells the trainer, and through it the worker's
             # backpressure, that this shard has been dealt with
             processed = self._commit_twin(raw, PROCESSED_SCHEMA.empty_table())
-            why = "quarantined" if self.raw.quarantined(raw) else "file missing"
-            outcome = ProcessedShard(raw, processed, None, skipped=why)
+            outcome = ProcessedShard(raw, processed, None, skipped=self.raw.unread_reason(raw))
             self._notify(outcome)
             return outcome
         result = process_shard(

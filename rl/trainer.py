@@ -527,7 +527,7 @@ class Trainer:
             self._reject(info.shard_id, [r for r in range(info.num_rows) if r not in already], foreign)
             return
         if table is None:
-            reason = "shard quarantined" if self.reader.quarantined(info) else "shard file missing"
+            reason = f"shard {self.reader.unread_reason(info)}"
             self._reject(info.shard_id, [r for r in range(info.num_rows) if r not in already], reason)
             return
         samples, rejected = samples_from_table(table, info.shard_id, self.vocab_size)

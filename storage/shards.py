@@ -818,6 +818,15 @@ class ShardReader:
         """Whether ``shard`` was moved to quarantine (its ``.reason`` file, beside it, says why)."""
         return self.store.fs.exists(self.store.path(quarantine_path(shard.path)))
 
+    def unread_reason(self, shard: ShardInfo) -> str:
+        """Why :meth:`read` returned None for ``shard``: ``quarantined``, ``bad, left in place``
+        (its move to quarantine failed) or ``file missing``."""
+        if self.quarantined(shard):
+            return "quarantined"
+        if self.store.fs.exists(self.store.path(shard.path)):
+            return "bad, left in place"
+        return "file missing"
+
     def _quarantine(self, shard: ShardInfo, reason: str) -> None:
         target = quarantine_path(shard.path)
         fs = self.store.fs

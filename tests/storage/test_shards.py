@@ -1595,6 +1595,7 @@ def test_a_bad_shard_that_cannot_be_moved_to_quarantine_is_skipped_and_said_so(s
         assert "could not be moved to quarantine" in message and "no writes to" in message, message
         assert "cannot read the Arrow IPC file" in message, message
     assert store.fs.exists(store.path(bad.path)) and not reader.quarantined(bad)
+    assert reader.unread_reason(bad) == "bad, left in place"  # what the trainer and processing record
 
 
 def store_down_unreachable(*args):
