@@ -132,7 +132,15 @@ from rollout.gateway import (
     UnknownSession,
     check_text,
 )
-from rollout.http_server import DRAIN_TIMEOUT_S, AppServer, bad_body, bearer_matches, bearer_token
+from rollout.http_server import (
+    DRAIN_TIMEOUT_S,
+    READ_TIMEOUT_S,
+    UDS_MODE,
+    AppServer,
+    bad_body,
+    bearer_matches,
+    bearer_token,
+)
 from rollout.tool_calls import same_calls
 from storage.redaction import redact
 from storage.schema import (
@@ -1174,7 +1182,7 @@ def _chat_logprobs(gateway: Gateway, turn: TurnResult) -> dict[str, Any]:
 
 class GatewayServer(AppServer):
     """Serves a gateway on 127.0.0.1 (``port=0`` picks a free port) or a Unix domain socket
-    (``uds``; clients use ``http://gateway``) at ``sampling``. The bearer token is generated
+    (``uds``, made with ``uds_mode``; clients use ``http://gateway``) at ``sampling``. The bearer token is generated
     when not given; read it from ``.token``. A session opened over HTTP with no request for
     over ``idle_timeout_s`` seconds is ended (:class:`IdleSessions`); None keeps it until it is
     deleted or the server stops (:meth:`stop` ends those still open). With ``write`` (see
@@ -1189,10 +1197,12 @@ class GatewayServer(AppServer):
         host: str = "127.0.0.1",
         port: int = 0,
         uds: str | None = None,
+        uds_mode: int = UDS_MODE,
         token: str | None = None,
         model_name: str = "treadle-policy",
         sampling: RunSampling | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        read_timeout_s: float = READ_TIMEOUT_S,
         idle_timeout_s: float | None = IDLE_TIMEOUT_S,
         write: Callable[[pa.Table], Any] | None = None,
         backpressure: Callable[[], str | None] | None = None,
@@ -1213,8 +1223,10 @@ class GatewayServer(AppServer):
             host=host,
             port=port,
             uds=uds,
+            uds_mode=uds_mode,
             name="gateway",
             drain_timeout_s=drain_timeout_s,
+            read_timeout_s=read_timeout_s,
             token=self.token,
             error_body=_error_body,
         )

@@ -7,13 +7,18 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import secrets
+import socket
+import stat
 from collections.abc import Callable
 from typing import Any
 
+import h11
 import uvicorn
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +81,54 @@ DRAIN_TIMEOUT_S = 30.0
 then are cancelled and answered 503 (the server is stopping). Without a bound, one client
 that stalls mid-body (or a request whose work never ends) held the stop, and a worker's
 shutdown behind it, for ever."""
+
+
+READ_TIMEOUT_S = 60.0
+"""Seconds a client has to send a request, head and body, from the opening of its connection
+(on a kept-alive one, from the first byte of its next request); a client still sending then
+is disconnected. uvicorn bounds neither: its keep-alive timer stops at a request's first
+byte, so a client sending a byte a minute held a connection, and its file descriptor, for ever."""
+
+UDS_MODE = 0o600
+"""Permissions of a server's Unix socket: only its owner may connect (uvicorn made it 0666)."""
+
+
+class _ReadBoundH11(H11Protocol):
+    """uvicorn's h11 protocol, disconnecting a client whose request has not fully arrived
+    ``read_timeout_s`` after its connection opened or its first byte did (a subclass per
+    server sets it)."""
+
+    read_timeout_s = READ_TIMEOUT_S
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._read_deadline: asyncio.TimerHandle | None = self.loop.call_later(
+            self.read_timeout_s, self._read_timed_out
+        )
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._receiving():
+            if self._read_deadline is None:
+                self._read_deadline = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
+        elif self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+        super().connection_lost(exc)
+
+    def _receiving(self) -> bool:
+        # IDLE: the head has not fully arrived; SEND_BODY: the body has not
+        return self.conn.their_state in (h11.IDLE, h11.SEND_BODY)
+
+    def _read_timed_out(self) -> None:
+        self._read_deadline = None
+        if self._receiving():
+            self.transport.close()
 
 
 class _BodyTooLarge(HTTPException):
@@ -214,9 +267,11 @@ class AppServer:
 
     Binds 127.0.0.1 by default (``port=0`` picks a free port) or a Unix domain socket
     (``uds``); for a socket, clients use ``http://<name>`` with an httpx ``uds`` transport.
-    ``token`` is the bearer token ``app`` requires: a request without it reaches the app
-    with its body unread. ``error_body`` shapes the errors answered outside ``app`` (413, and 503
-    at the stop) as ``app`` shapes its own.
+    The socket file is made with ``uds_mode`` before it listens (a stale socket at its path is
+    replaced) and removed at the stop. ``token`` is the bearer token ``app`` requires: a request
+    without it reaches the app with its body unread. ``error_body`` shapes the errors answered
+    outside ``app`` (413, and 503 at the stop) as ``app`` shapes its own. A client has
+    ``read_timeout_s`` to send a request (see :data:`READ_TIMEOUT_S`).
     """
 
     def __init__(
@@ -226,9 +281,11 @@ class AppServer:
         host: str = "127.0.0.1",
         port: int = 0,
         uds: str | None = None,
+        uds_mode: int = UDS_MODE,
         name: str = "local",
         max_body_bytes: int = MAX_BODY_BYTES,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
+        read_timeout_s: float = READ_TIMEOUT_S,
         token: str | None = None,
         error_body: ErrorBody = detail_body,
     ):
@@ -240,6 +297,10 @@ class AppServer:
             host=host,
             port=port,
             uds=uds,
+            http=type("_ReadBoundH11", (_ReadBoundH11,), {"read_timeout_s": read_timeout_s}),
+            # uvicorn's default log_config runs logging.config.dictConfig, which closes every
+            # handler of the process and cuts uvicorn's loggers off from the host's handlers
+            log_config=None,
             log_level="warning",
             lifespan="off",
             access_log=False,
@@ -249,6 +310,8 @@ class AppServer:
         self._server = _EmbeddedServer(config)
         self._task: asyncio.Task | None = None
         self.uds = uds
+        self.uds_mode = uds_mode
+        self._bound: os.stat_result | None = None
         self.host = host
         self.port = port
         self.name = name
@@ -282,11 +345,39 @@ class AppServer:
     async def _serve(self) -> None:
         # uvicorn exits the process (SystemExit) when it cannot bind; that must reach the
         # caller as an error it can handle, not end the worker
+        where = f"Unix socket {self.uds}" if self.uds else f"{self.host}:{self.port}"
         try:
-            await self._server.serve()
+            sockets = [self._bind_uds()] if self.uds else None
+        except OSError as exc:
+            raise RuntimeError(f"the {self.name} server cannot listen on {where}: {exc}") from None
+        try:
+            await self._server.serve(sockets=sockets)
         except SystemExit as exc:
-            where = f"Unix socket {self.uds}" if self.uds else f"{self.host}:{self.port}"
             raise RuntimeError(f"the {self.name} server cannot listen on {where} (exit {exc.code})") from None
+
+    def _bind_uds(self) -> socket.socket:
+        """The server's Unix socket, bound with its mode set before it listens: uvicorn set the
+        mode after listening, a window in which anyone could connect and stay connected."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.stat(self.uds).st_mode):
+                os.remove(self.uds)  # a stale socket, as asyncio's create_unix_server replaces it
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.uds)
+            os.chmod(self.uds, self.uds_mode)
+            self._bound = os.stat(self.uds)
+        except OSError:
+            sock.close()
+            raise
+        return sock
+
+    def _remove_uds(self) -> None:
+        """Remove the socket file, unless another server has bound its path since."""
+        bound, self._bound = self._bound, None
+        with contextlib.suppress(FileNotFoundError):
+            now = os.stat(self.uds)
+            if bound is not None and (now.st_dev, now.st_ino) == (bound.st_dev, bound.st_ino):
+                os.remove(self.uds)
 
     async def stop(self) -> None:
         """Stop serving and wait for the server task to end: the requests in flight finish, or
@@ -298,8 +389,13 @@ class AppServer:
         self._server.should_exit = True
         # a cancel of the caller must not cancel uvicorn midway: before it closes its socket,
         # that left the server accepting and serving for the process's life
-        await asyncio.shield(self._task)
-        self._task = None
+        try:
+            await asyncio.shield(self._task)
+        finally:
+            if self._task.done():
+                self._task = None
+                if self.uds:
+                    self._remove_uds()
         # uvicorn cancels the requests still running when the drain ends but does not wait for
         # them: they unwind (a rollout closes its env) and answer their 503 before this returns
         cut = set(self._server.server_state.tasks)
