@@ -4,7 +4,8 @@ Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Serve it
 127.0.0.1 or on a Unix domain socket with :class:`ServiceServer`. Errors are JSON
 ``{"detail": message}``: 400 a body that does not parse or validate (one line saying why, as
 the gateway answers one), 401 bad token, 404 no such rollout in flight to cancel, 409 a
-rollout id already in flight or a rollout cancelled.
+rollout id already in flight or a rollout cancelled. A rollout whose client disconnects is
+cancelled; a request that reuses its id waits for it to end rather than being refused.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from envs import registry
 from envs.base import Id, Task
 from rollout.http_server import AppServer, bad_body, bearer_matches, bearer_token
-from rollout.service import DuplicateRollout, RolloutRequest, RolloutService
+from rollout.service import DuplicateRollout, RolloutRequest, RolloutResult, RolloutService
 
 
 def _registered(name: str) -> str:
@@ -46,7 +47,8 @@ class ProcessRequest(BaseModel):
     task: ProcessTask = Field(description="The task instance (env name, id, prompt, private data).")
     rollout_id: Id | None = Field(
         None,
-        description="Id to cancel it by; generated when left out. An id in flight is refused (409).",
+        description="Id to cancel it by; generated when left out. An id in flight is refused (409), unless "
+        "its client has disconnected: then this request waits for that rollout to end.",
     )
     execution_id: Id | None = Field(
         None,
@@ -88,6 +90,15 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
 
     # no OpenAPI schema nor docs pages: they would answer without the token
     app = FastAPI(title="treadle rollout service", openapi_url=None)
+    dropped: dict[str, asyncio.Task] = {}
+    """Rollouts cancelled because their client went away, by id, until they have unwound."""
+
+    async def after_dropped(request: RolloutRequest) -> RolloutResult:
+        # a client that dropped its request and retries it must not be refused as a duplicate
+        # of the rollout it gave up, still closing its env
+        if (prior := dropped.get(request.rollout_id)) is not None:
+            await asyncio.wait([prior])
+        return await service.process(request)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> Response:
@@ -106,10 +117,10 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
         )
         if body.rollout_id:
             request.rollout_id = body.rollout_id
-        rollout = asyncio.create_task(service.process(request))
+        rollout = asyncio.create_task(after_dropped(request))
         # the server never cancels a handler whose client went away: its rollout would hold a
         # slot and its env until it ended, for no one (and a retry of it be refused meanwhile)
-        watch = asyncio.create_task(_cancel_when_gone(http, rollout))
+        watch = asyncio.create_task(_cancel_when_gone(http, rollout, request.rollout_id, dropped))
         try:
             result = await rollout
         except asyncio.CancelledError:
@@ -139,11 +150,21 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
     return app
 
 
-async def _cancel_when_gone(http: Request, rollout: asyncio.Task) -> None:
-    """Cancel ``rollout`` once the client of ``http`` (its body read) has disconnected."""
+async def _cancel_when_gone(
+    http: Request, rollout: asyncio.Task, rollout_id: str, dropped: dict[str, asyncio.Task]
+) -> None:
+    """Cancel ``rollout`` once the client of ``http`` (its body read) has disconnected, and
+    hold it in ``dropped`` under ``rollout_id`` until it has ended."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
     rollout.cancel()
+    dropped[rollout_id] = rollout
+
+    def forget(_: asyncio.Task) -> None:
+        if dropped.get(rollout_id) is rollout:  # not a later retry of it, dropped in turn
+            del dropped[rollout_id]
+
+    rollout.add_done_callback(forget)
 
 
 class ServiceServer(AppServer):

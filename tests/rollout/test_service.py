@@ -1189,6 +1189,51 @@ def test_a_client_that_drops_its_process_request_cancels_its_rollout(tiny):
     assert asyncio.run(body())
 
 
+def test_a_retry_right_after_the_client_dropped_waits_for_the_dropped_rollout_to_unwind(tiny):
+    """A client that drops its /process (its timeout ran out) and retries it with the same
+    rollout id got a 409 "already in flight" while the dropped rollout still unwound (its env
+    closing): the retry must run once that one has ended."""
+
+    async def body():
+        stepping, step_release = asyncio.Event(), asyncio.Event()
+        closing, close_release = asyncio.Event(), asyncio.Event()
+
+        class SlowToClose(HeldEnv):
+            async def close(self) -> None:
+                closing.set()
+                await close_release.wait()
+                await super().close()
+
+        envs = []
+
+        def make_env(task):
+            envs.append(SlowToClose("step", stepping, step_release) if not envs else ArithEnv())
+            return envs[-1]
+
+        async with (
+            running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service,
+            ServiceServer(service) as server,
+            httpx.AsyncClient(
+                base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {server.token}"}
+            ) as client,
+        ):
+            request = {"task": arith_task().model_dump(), "rollout_id": "job-1", "include_tokens": False}
+            dropped = asyncio.create_task(client.post("/process", json=request))
+            await asyncio.wait_for(stepping.wait(), 60)
+            dropped.cancel()  # closes the connection
+            await asyncio.wait_for(closing.wait(), 60)
+            retry = asyncio.create_task(client.post("/process", json=request))
+            # a 409 comes back at once; the retry otherwise waits for the close
+            await asyncio.wait([retry], timeout=1)
+            close_release.set()
+            reply = await retry
+            return reply.status_code, reply.json(), len(envs)
+
+    status, reply, envs_made = asyncio.run(body())
+    assert status == 200, reply
+    assert (reply["rollout_id"], envs_made) == ("job-1", 2)
+
+
 def test_a_stop_returns_once_the_requests_its_drain_cut_short_have_ended(tiny):
     """uvicorn cancels the requests still running when the drain ends but does not wait for
     them: the stop returned while a cut /process still unwound (its rollout in flight, its env
