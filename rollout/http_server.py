@@ -354,6 +354,9 @@ class AppServer:
             await self._server.serve(sockets=sockets)
         except SystemExit as exc:
             raise RuntimeError(f"the {self.name} server cannot listen on {where} (exit {exc.code})") from None
+        finally:
+            if sockets:
+                self._remove_uds()
 
     def _bind_uds(self) -> socket.socket:
         """The server's Unix socket, bound with its mode set before it listens: uvicorn set the
@@ -389,13 +392,8 @@ class AppServer:
         self._server.should_exit = True
         # a cancel of the caller must not cancel uvicorn midway: before it closes its socket,
         # that left the server accepting and serving for the process's life
-        try:
-            await asyncio.shield(self._task)
-        finally:
-            if self._task.done():
-                self._task = None
-                if self.uds:
-                    self._remove_uds()
+        await asyncio.shield(self._task)
+        self._task = None
         # uvicorn cancels the requests still running when the drain ends but does not wait for
         # them: they unwind (a rollout closes its env) and answer their 503 before this returns
         cut = set(self._server.server_state.tasks)

@@ -96,6 +96,20 @@ def test_a_unix_socket_is_owner_only_and_removed_at_the_stop(tmp_path):
     assert not os.path.exists(path)
 
 
+def test_a_start_cancelled_midway_leaves_no_unix_socket_behind(tmp_path):
+    path = str(tmp_path / "server.sock")
+
+    async def body():
+        starting = asyncio.create_task(AppServer(hello, uds=path).start())
+        await asyncio.sleep(0)  # start() has created the server task and waits for it to bind
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+
+    asyncio.run(body())
+    assert not os.path.exists(path)
+
+
 def test_a_unix_socket_takes_the_mode_it_is_given_and_replaces_a_stale_one(tmp_path):
     """A socket file a crashed server left behind is replaced, as uvicorn replaced it."""
     path = str(tmp_path / "server.sock")
