@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -262,13 +263,28 @@ class _EmbeddedServer(uvicorn.Server):
         yield
 
 
+def _listening(path: str) -> bool:
+    """Whether a server accepts connections on the Unix socket at ``path``."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.setblocking(False)
+    try:
+        probe.connect(path)
+    except ConnectionRefusedError:
+        return False
+    except BlockingIOError:  # its backlog is full
+        return True
+    finally:
+        probe.close()
+    return True
+
+
 class AppServer:
     """Runs ``app`` under uvicorn as a task of the current event loop.
 
     Binds 127.0.0.1 by default (``port=0`` picks a free port) or a Unix domain socket
     (``uds``); for a socket, clients use ``http://<name>`` with an httpx ``uds`` transport.
     The socket file is made with ``uds_mode`` before it listens (a stale socket at its path is
-    replaced) and removed at the stop. ``token`` is the bearer token ``app`` requires: a request
+    replaced, one another server listens on is not) and removed at the stop. ``token`` is the bearer token ``app`` requires: a request
     without it reaches the app with its body unread. ``error_body`` shapes the errors answered
     outside ``app`` (413, and 503 at the stop) as ``app`` shapes its own. A client has
     ``read_timeout_s`` to send a request (see :data:`READ_TIMEOUT_S`).
@@ -363,7 +379,10 @@ class AppServer:
         mode after listening, a window in which anyone could connect and stay connected."""
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.stat(self.uds).st_mode):
-                os.remove(self.uds)  # a stale socket, as asyncio's create_unix_server replaces it
+                # asyncio replaced any socket, taking the path from a server still serving on it
+                if _listening(self.uds):
+                    raise OSError(errno.EADDRINUSE, "another server is listening on it")
+                os.remove(self.uds)  # a stale socket: its server is gone
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.bind(self.uds)

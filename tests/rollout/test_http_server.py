@@ -124,6 +124,29 @@ def test_a_unix_socket_takes_the_mode_it_is_given_and_replaces_a_stale_one(tmp_p
     assert asyncio.run(body()) == 0o660
 
 
+def test_a_unix_socket_another_server_listens_on_is_not_taken_from_it(tmp_path):
+    """asyncio replaced any socket file at the path: a second server (a worker started twice
+    with one config) silently took it from the first, whose clients then reached the second."""
+    path = str(tmp_path / "server.sock")
+
+    async def other(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"5")]})
+        await send({"type": "http.response.body", "body": b"other"})
+
+    async def body():
+        async with AppServer(hello, uds=path) as first:
+            with pytest.raises(
+                RuntimeError, match="cannot listen on Unix socket .* another server is listening"
+            ):
+                await AppServer(other, uds=path).start()
+            async with httpx.AsyncClient(
+                base_url=first.url, transport=httpx.AsyncHTTPTransport(uds=path), timeout=60
+            ) as client:
+                return (await client.get("/")).text
+
+    assert asyncio.run(body()) == "hello"
+
+
 def test_a_unix_socket_path_held_by_another_file_is_an_error(tmp_path):
     path = tmp_path / "server.sock"
     path.write_text("not a socket")
