@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NoReturn
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -62,7 +63,6 @@ STATE_FILE = "trainer_state.json"
 POLICY_OPTIMIZER_FILE = "policy_optimizer.pt"
 VALUE_MODEL_FILE = "value_model.safetensors"
 VALUE_OPTIMIZER_FILE = "value_optimizer.pt"
-NON_FINITE_POLICY = "non-finite policy parameters"
 NON_FINITE_CRITIC = "non-finite critic loss or gradient norm"
 MAX_UNWRITTEN_ROWS = 1000
 """``train_steps`` rows whose append failed that the trainer keeps to append with the next
@@ -116,6 +116,18 @@ def resume_optimizer(optimizer: torch.optim.Optimizer, path: Path, lr: float, we
     for group in optimizer.param_groups:
         group["lr"] = lr
         group["weight_decay"] = weight_decay
+
+
+class NonFinitePolicy(RuntimeError):
+    """The policy's parameters hold a NaN or an infinity, or (SAO) its loss or gradient norm
+    does on a batch the critic has taken its steps on.
+
+    Non-finite weights would refuse every batch after, each refusal consuming its rows, and
+    the stop would publish them as rejected (with those weights); a batch cannot be refused
+    once the critic moved on it. So the trainer stops: it has published nothing since its
+    last version, and a restarted trainer resumes both models from that version and trains
+    the rows consumed since again. The trainer that raised raises it again at its next step
+    or publish (its critic may hold the batch's steps)."""
 
 
 @dataclass
@@ -277,6 +289,8 @@ class Trainer:
         self.waiting_since: float | None = None
         """Monotonic time the wait for new shards in progress began (``None``: not waiting)."""
         self._idle_lock = threading.Lock()
+        self._failed: NonFinitePolicy | None = None
+        """What stopped the trainer for good: every later step or publish raises it again."""
 
     # -- state ---------------------------------------------------------------------------
 
@@ -406,7 +420,14 @@ class Trainer:
     def publish(self, before_commit: Callable[[], None] | None = None) -> int:
         """Publish the policy with the trainer's full state; returns the new version.
         ``before_commit`` goes to ``WeightStore.publish``: what it raises leaves the version
-        incomplete."""
+        incomplete.
+
+        Raises:
+            NonFinitePolicy: when the policy's parameters are not finite (a step made them
+                so): nothing is published, and the rows consumed since the last version are
+                trained again by a restarted trainer.
+        """
+        self._check_finite_policy("publishes nothing")
         consumption = self.consumption
         state = {
             "step": self.step,
@@ -900,10 +921,33 @@ class Trainer:
             self.device.type, dtype=torch.bfloat16, enabled=self.config.mixed_precision == "bf16"
         )
 
-    def _has_non_finite_parameters(self) -> bool:
-        """Whether a policy parameter is NaN or infinite (one pass over the weights, far
-        cheaper than a forward pass over the batch)."""
-        return any(not torch.isfinite(p).all() for p in self.policy.parameters())
+    def _non_finite_parameter(self) -> str | None:
+        """The name of a policy parameter holding a NaN or an infinity, or None (one pass over
+        the weights and one device sync, far cheaper than a forward pass over the batch)."""
+        named = list(self.policy.named_parameters())
+        finite = torch.stack([torch.isfinite(p).all() for _, p in named])
+        if bool(finite.all()):
+            return None
+        return named[int((~finite).nonzero()[0, 0])][0]
+
+    def _check_finite_policy(self, what: str) -> None:
+        """Raise :class:`NonFinitePolicy` when the trainer failed so before, or when a policy
+        parameter is not finite; ``what`` says what the trainer does not do then."""
+        if self._failed is not None:
+            raise self._failed
+        name = self._non_finite_parameter()
+        if name is not None:
+            self._fail(
+                f"the policy's parameter {name} holds a NaN or an infinity at step {self.step}, "
+                f"{self._steps_since_publish} steps after weight version {self.version}: the trainer "
+                f"stops and {what}. A restarted trainer resumes from version {self.version} and trains "
+                "the rows consumed since again; if that version's own weights are not finite, no "
+                "trainer can train from it"
+            )
+
+    def _fail(self, message: str) -> NoReturn:
+        self._failed = NonFinitePolicy(message)
+        raise self._failed
 
     def _train_step(self, samples: list[Sample]) -> StepMetrics | None:
         """K critic steps, advantages with the updated critic, one DIS policy step.
@@ -912,13 +956,21 @@ class Trainer:
         processor's ``loss_weight``): with each execution's weights summing to 1, the mean over
         the batch's executions of their token means; with every weight 1, the plain token mean.
 
-        A batch with no trainable token (or none of positive weight), or met by a policy with
-        non-finite parameters, is rejected before any update. A critic step with a non-finite
-        loss or gradient norm rejects the batch before the policy step, without that critic
-        step. A non-finite policy loss or gradient norm found after the backward pass (e.g. an
-        overflow) still rejects the batch, but by then the critic has taken its K steps.
+        A batch with no trainable token (or none of positive weight) is rejected before any
+        update. A critic step with a non-finite loss or gradient norm (a reward too large for
+        float32 arithmetic) rejects the batch before the policy step, without that critic
+        step. In GRPO a non-finite policy loss or gradient norm rejects the batch too, no
+        model having moved on it.
+
+        Raises:
+            NonFinitePolicy: before any update, when a policy parameter is not finite; in SAO,
+                when the policy loss or its gradient norm is not finite: the critic has taken
+                its K steps on the batch by then (undoing them would need a copy of its state
+                at every step), so the batch is not refused but the trainer stops, with the
+                steps in memory only.
         """
         config = self.config
+        self._check_finite_policy("consumes nothing more")
         started = time.perf_counter()
         parts = self._parts(samples)
         total_train = sum(int(p.train_mask.sum()) for p in parts)
@@ -932,10 +984,6 @@ class Trainer:
 
         value_stats = []
         if self.value_model is not None:
-            # a batch the policy step would reject must not train the critic either
-            if self._has_non_finite_parameters():
-                self._reject_batch(samples, NON_FINITE_POLICY)
-                return None
             old_values = self._old_values(parts)
             for _ in range(config.value_steps):
                 stats = self._value_step(parts, old_values)
@@ -982,8 +1030,18 @@ class Trainer:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(self.policy.parameters(), config.max_grad_norm))
         if not (math.isfinite(policy_loss) and math.isfinite(grad_norm)):
             self.policy_optimizer.zero_grad(set_to_none=True)
-            self._reject_batch(samples, f"non-finite policy loss {policy_loss} or gradient norm {grad_norm}")
-            return None
+            reason = f"non-finite policy loss {policy_loss} or gradient norm {grad_norm}"
+            if self.value_model is None:
+                self._reject_batch(samples, reason)
+                return None
+            self._fail(
+                f"{reason} at step {self.step + 1}, {self._steps_since_publish} steps after weight version "
+                f"{self.version}, on a batch of {len(samples)} samples (shards "
+                f"{sorted({s.shard_id for s in samples})}) the critic took its steps on: the trainer stops "
+                f"without consuming it or publishing. A restarted trainer resumes both models from version "
+                f"{self.version} and trains the rows consumed since again (and meets these shards again, "
+                "should their rewards or loss weights be what overflows)"
+            )
         self.policy_optimizer.step()
 
         self.step += 1

@@ -44,6 +44,7 @@ from rl.trainer import (
     POLICY_OPTIMIZER_FILE,
     STATE_FILE,
     VALUE_MODEL_FILE,
+    NonFinitePolicy,
     Trainer,
     _Consumption,
     resume_optimizer,
@@ -914,26 +915,95 @@ def unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(p, before[name]) for name, p in model.named_parameters())
 
 
-def test_a_batch_met_by_a_non_finite_policy_does_not_train_the_critic(store):
-    trainer = Trainer(store, config())
-    bad = open_batch(trainer, make_trajectories(store, 4, seed=20), "processed/x/0")
-    good = open_batch(trainer, make_trajectories(store, 4, seed=21), "processed/x/1")
-    output_embedding = trainer.policy.get_output_embeddings().weight
-    kept = float(output_embedding.detach()[0, 0])
-    critic = parameters(trainer.value_model)
+def a_restarted_trainer_trains_every_row_once(store: RunStore, records: list[dict], mode: str) -> None:
+    """A trainer started after one that stopped drains the log: every row of ``records`` is
+    trained once along the chain of versions, none rejected."""
+    Trainer(store, config(mode=mode)).run(drain=True)
+    chain = [manifest["metadata"] for manifest in version_chain(WeightStore(store))]
+    assert sum(metadata.get("trained_samples", 0) for metadata in chain) == len(records)
+    assert sum(metadata.get("rejected_rows", 0) + metadata.get("dropped_stale", 0) for metadata in chain) == 0
+
+
+@pytest.mark.parametrize("mode", ["sao", "grpo"])
+def test_a_policy_with_non_finite_weights_stops_the_trainer_before_it_consumes_or_publishes(store, mode):
+    """Refused batch by batch, the whole backlog was consumed as rejected and published so at
+    the stop (with the NaN weights): lost for training."""
+    records = make_trajectories(store, 12, seed=20)
+    write_shards(store, records, per_shard=4)
+    trainer = Trainer(store, config(mode=mode))
+    critic = None if trainer.value_model is None else parameters(trainer.value_model)
     with torch.no_grad():
-        output_embedding[0, 0] = float("nan")
+        trainer.policy.get_output_embeddings().weight[0, 0] = float("nan")
+
+    with pytest.raises(
+        NonFinitePolicy,
+        match=r"embed_tokens.weight holds a NaN or an infinity at step 0.*resumes from version 0",
+    ):
+        trainer.run(drain=True)
+    assert WeightStore(store).latest() == 0 and trainer.step == 0 and read_steps(store) == []
+    assert critic is None or unchanged(trainer.value_model, critic)
+    with pytest.raises(NonFinitePolicy):  # the trainer stays stopped
+        trainer.publish()
+
+    a_restarted_trainer_trains_every_row_once(store, records, mode)
+
+
+def test_a_step_that_makes_the_weights_non_finite_is_never_published(store):
+    """A NaN in the optimizer's moments (say, of a resumed optimizer file) turns a step with a
+    finite gradient into NaN weights: the publish after it refuses, so the rows that step
+    consumed stay in no version."""
+    records = make_trajectories(store, 12, seed=20)
+    write_shards(store, records, per_shard=4)
+    trainer = Trainer(store, config(publish_every=1))
+    assert trainer.run(max_steps=1).versions == [1]
+    for state in trainer.policy_optimizer.state.values():
+        state["exp_avg_sq"].fill_(float("nan"))
+
+    with pytest.raises(
+        NonFinitePolicy,
+        match=r"at step 2, 1 steps after weight version 1: the trainer stops and publishes nothing",
+    ):
+        trainer.run(drain=True)
+    assert WeightStore(store).latest() == 1
+
+    a_restarted_trainer_trains_every_row_once(store, records, "sao")
+
+
+def test_a_policy_loss_that_overflows_after_the_critics_steps_stops_the_trainer(store):
+    """Finite weights large enough that the policy's logits overflow: the batch was refused
+    after the critic had taken its K steps on it (the critic learning from a batch the trainer
+    refused), and so was every batch after it, each consumed."""
+    records = make_trajectories(store, 12, seed=20)
+    write_shards(store, records, per_shard=4)
+    trainer = Trainer(store, config())
+    with torch.no_grad():
+        trainer.policy.get_output_embeddings().weight.mul_(1e38)
+
+    with pytest.raises(
+        NonFinitePolicy, match=r"non-finite policy loss .* at step 1, 0 steps after weight version 0"
+    ):
+        trainer.run(drain=True)
+    assert WeightStore(store).latest() == 0 and read_steps(store) == []
+    with pytest.raises(NonFinitePolicy):  # its critic holds the batch's steps: it stays stopped
+        trainer.run(drain=True)
+
+    a_restarted_trainer_trains_every_row_once(store, records, "sao")
+
+
+def test_grpo_rejects_a_batch_whose_policy_loss_overflows_and_trains_on(store):
+    """No critic moves before the policy step in GRPO: a batch whose advantages overflow the
+    loss (rewards ±3e38 in a group) is refused, not a reason to stop."""
+    trainer = Trainer(store, config(mode="grpo"))
+    bad = open_batch(
+        trainer, with_rewards(make_trajectories(store, 4, seed=20), [3e38, -3e38, 0.0, 1.0]), "processed/x/0"
+    )
+    good = open_batch(trainer, make_trajectories(store, 4, seed=21), "processed/x/1")
+    policy = parameters(trainer.policy)
 
     assert trainer._train_step(bad) is None
-    assert trainer.step == 0 and not trainer.policy_optimizer.state
-    assert unchanged(trainer.value_model, critic)
-
-    with torch.no_grad():
-        output_embedding[0, 0] = kept
+    assert unchanged(trainer.policy, policy) and trainer.step == 0
     metrics = trainer._train_step(good)
-    assert metrics.extra["rejected"] == {"non-finite policy parameters": 4}
-    assert not unchanged(trainer.value_model, critic)
-    assert trainer.consumption.through == {"x": 1} and not trainer.consumption.done
+    assert metrics is not None and sum(metrics.extra["rejected"].values()) == 4
 
 
 def test_a_reward_that_overflows_the_critics_loss_is_rejected_and_leaves_the_critic_finite(store):
