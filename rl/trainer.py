@@ -143,7 +143,10 @@ class TrainSummary:
     """What :meth:`Trainer.run` did."""
 
     steps: int
+    """The policy step counter at the stop: over the whole run, the steps of the versions it
+    resumed from included, not those of this call alone."""
     versions: list[int]
+    """The versions this call published."""
     stop_reason: str
 
 
