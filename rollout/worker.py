@@ -3,7 +3,10 @@
 It serves the newest weight version, writes every finished rollout to raw shards, and
 follows the trainer: a background loop polls ``weights/LATEST`` and loads each new
 version into every engine between decode steps, so each token keeps the version that
-really produced it. Given ``http`` (``GatewayHTTPConfig``) it also serves the gateway's HTTP API
+really produced it. A replica that fails to load a version serves its old one while the
+health check retries, until it falls more than the trainer's ``max_staleness`` behind the
+newest: the trainer would drop its every token, so it leaves service until a load succeeds.
+Given ``http`` (``GatewayHTTPConfig``) it also serves the gateway's HTTP API
 (``rollout.gateway_http``) to harnesses outside the run while it runs, writing the records they
 send into its raw shards, beside its own rollouts or, serving only, instead of them.
 
@@ -54,7 +57,7 @@ from envs.base import Env, EnvConfig, Task
 from rollout.config import EngineConfig, GatewayHTTPConfig, OrchestratorConfig, ServiceConfig
 from rollout.engines.base import Engine, EngineError
 from rollout.engines.factory import build_engines
-from rollout.engines.vllm_engine import VLLMEngine
+from rollout.engines.vllm_engine import UNKNOWN_VERSION, VLLMEngine
 from rollout.gateway import Gateway, GatewayConfig
 from rollout.gateway_http import GatewayServer, RunSampling
 from rollout.orchestrator import Orchestrator, OrchestratorStats, wait_through_cancels
@@ -148,6 +151,13 @@ class RolloutWorker:
         trained_reward: the reward a rollout is trained with, from its reward and progress
             (the run's ``rl.processor.combine_reward``), for group mode's filter
             (``Orchestrator``'s ``trained_reward``).
+        max_staleness: the trainer's ``sao.max_staleness``: a replica whose weight version is
+            more than this many versions behind the newest published one (by version number)
+            leaves service, as the trainer would drop every token it generates; the health
+            check brings it back once it has loaded the worker's version, while that is within
+            the limit (with no health check, ``router.health_check_s`` null, it stays, warned
+            of). None: a replica that failed to load new versions serves its old one for as long
+            as they keep failing.
     """
 
     def __init__(
@@ -178,7 +188,11 @@ class RolloutWorker:
         stop_launching: Callable[[], bool] | None = None,
         http: GatewayHTTPConfig | None = None,
         trained_reward: Callable[[float | None, float | None], float] | None = None,
+        max_staleness: int | None = None,
     ):
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness} is negative: it counts versions (>= 0, or None)")
+        self.max_staleness = max_staleness
         self.http = http if http is not None and http.port is not None else None
         self._http_token = self.http.token() if self.http is not None else None
         self.http_server: GatewayServer | None = None
@@ -221,6 +235,10 @@ class RolloutWorker:
         self._make_env = make_env
         self.engines: list[Engine] = []
         self.version: int | None = None
+        self.newest: int | None = None
+        """The newest version published (``LATEST``) at its last read."""
+        self._stale_warned: int | None = None
+        """The newest version at the last warning of replicas too stale left in service."""
         self._loading = asyncio.Lock()
         """Held while weights are loaded into the engines (new versions, or a replica back up)."""
         self.version_loads: list[tuple[int, float]] = []
@@ -344,7 +362,7 @@ class RolloutWorker:
             gateway_config = gateway_config.model_copy(update={"vocab_size": model_vocab_size(path)})
         if gateway_config.eos_token_ids is None:
             gateway_config = gateway_config.model_copy(update={"eos_token_ids": model_eos_ids(path)})
-        self.version = version
+        self.version = self.newest = version
         self._shards_at_version = self.writer.committed
         gateway = Gateway(self.router, tokenizer, gateway_config)
         service = self.service = RolloutService(
@@ -414,9 +432,62 @@ class RolloutWorker:
         (:meth:`read_failed`): the weight loop reads it every ``weight_poll_s``.
         A replica that is down is skipped: it cannot load anything, and failing the whole
         update for it would make the healthy replicas reload the version at every poll.
+        Whatever the load does, a replica left too far behind the newest version leaves
+        service (:meth:`_take_out_stale`).
         """
         async with self._loading:
-            return await self._sync_weights()
+            try:
+                return await self._sync_weights()
+            finally:
+                self._take_out_stale()
+
+    def _too_stale(self, version: int) -> bool:
+        """Whether the trainer drops the tokens of ``version``: more than ``max_staleness``
+        versions behind the newest published."""
+        limit = self.max_staleness
+        return limit is not None and self.newest is not None and self.newest - version > limit
+
+    def _take_out_stale(self) -> None:
+        """Take out of service each replica whose version is :meth:`_too_stale` (one that failed
+        to load the versions since): the trainer would drop everything it generates. The health
+        check's restore puts it back once it loads the worker's version. With no health check
+        nothing would, while the weight loop's next load that succeeds brings the replicas up to
+        date in service: they stay, warned of once per newest version. A replica whose weights
+        are unknown (``UNKNOWN_VERSION``) is left to its own refusal to generate."""
+        router = self.router
+        if router is None:
+            return
+        stale = {
+            name: version
+            for name in router.replicas
+            if (version := router.engine(name).version) != UNKNOWN_VERSION and self._too_stale(version)
+        }
+        if stale and router.config.health_check_s is None:
+            if self._stale_warned != self.newest:
+                self._stale_warned = self.newest
+                log.warning(
+                    "worker %s: replicas %s serve weight versions more than max_staleness=%d behind the "
+                    "newest published, %d, so the trainer drops every token they generate; with "
+                    "router.health_check_s null nothing would bring them back: they serve until a load "
+                    "succeeds",
+                    self.name,
+                    stale,
+                    self.max_staleness,
+                    self.newest,
+                )
+            return
+        for name, version in stale.items():
+            log.warning(
+                "worker %s takes replica %s out of service: it serves weight version %d, more than "
+                "max_staleness=%d behind the newest published, %d, so the trainer drops every token "
+                "it generates; it is back once it loads a newer version",
+                self.name,
+                name,
+                version,
+                self.max_staleness,
+                self.newest,
+            )
+            router.take_down(name)
 
     async def _sync_weights(self) -> bool:
         try:
@@ -425,6 +496,8 @@ class RolloutWorker:
             self.read_failed("the weights' LATEST", exc)
             return False
         self.read_again("the weights' LATEST")
+        if latest is not None:
+            self.newest = latest
         if latest is None or latest in (self.version, self._refused):
             return False
         retry = self._retry if self._retry is not None and self._retry[0] == latest else None
@@ -725,8 +798,8 @@ class RolloutWorker:
 
         A replica that comes back loads this worker's weight version before it serves again,
         whatever version it last loaded: it missed the loads while down, or it restarted on
-        other weights. One in service that missed a load (a failed probe in ``sync_weights``)
-        loads it too."""
+        other weights; none comes back while that version is too stale (``max_staleness``).
+        One in service that missed a load (a failed probe in ``sync_weights``) loads it too."""
         interval = self.router.config.health_check_s
         if interval is None:
             return
@@ -774,6 +847,12 @@ class RolloutWorker:
 
     async def _load_current_version(self, engine: Engine) -> None:
         async with self._loading:  # not while sync_weights moves the version on
+            if self._too_stale(self.version):
+                raise EngineError(
+                    f"worker {self.name} serves weight version {self.version}, more than "
+                    f"max_staleness={self.max_staleness} behind the newest published, {self.newest}: "
+                    "its replicas stay out until a newer version loads"
+                )
             path = await asyncio.to_thread(self.weights.load, self.version, "serving")
             await self._load(engine, self.version, path)
 

@@ -371,6 +371,7 @@ def _build_worker(
             stop_launching=stop.is_set if stop is not None else None,
             http=config.gateway_http,
             trained_reward=functools.partial(combine_reward, config=config.processor),
+            max_staleness=config.sao.max_staleness,
         )
     except BaseException:
         if env_pool is not None:

@@ -853,3 +853,13 @@ def test_a_workers_group_filter_compares_rewards_as_the_runs_processor_trains_th
     assert env_pool is None
     assert worker.trained_reward(0.0, 0.8) == pytest.approx(0.2)
     assert worker.trained_reward(1.0, 0.1) == 1.0 and worker.trained_reward(None, None) == 0.0
+
+
+def test_a_workers_replicas_are_held_to_the_trainers_max_staleness(tmp_path):
+    """The worker a rollout task builds takes a replica out of service past the run's
+    ``sao.max_staleness``, the trainer's limit (it had none: a replica whose loads failed
+    served tokens the trainer dropped, for as long as they failed)."""
+    run, _ = small_worker_run(tmp_path, "max-staleness")
+    run = run.model_copy(update={"sao": run.sao.model_copy(update={"max_staleness": 2})})
+    worker, _ = rollout_task._build_worker(run, "w0", 64, 10.0, None, lambda: None)
+    assert worker.max_staleness == 2
