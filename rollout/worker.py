@@ -798,8 +798,10 @@ class RolloutWorker:
 
         A replica that comes back loads this worker's weight version before it serves again,
         whatever version it last loaded: it missed the loads while down, or it restarted on
-        other weights; none comes back while that version is too stale (``max_staleness``).
-        One in service that missed a load (a failed probe in ``sync_weights``) loads it too."""
+        other weights; none comes back while that version is too stale (``max_staleness``), nor a
+        vLLM server that holds fewer tokens than a session may (:meth:`_check_context`: one down
+        at start missed the start's check). One in service that missed a load (a failed probe in
+        ``sync_weights``) loads it too."""
         interval = self.router.config.health_check_s
         if interval is None:
             return
@@ -853,6 +855,7 @@ class RolloutWorker:
                     f"max_staleness={self.max_staleness} behind the newest published, {self.newest}: "
                     "its replicas stay out until a newer version loads"
                 )
+            await self._check_context([engine])
             path = await asyncio.to_thread(self.weights.load, self.version, "serving")
             await self._load(engine, self.version, path)
 
