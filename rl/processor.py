@@ -3,8 +3,10 @@ counters out (QwenGyre's trajectory processor, PAPERS.md).
 
 For each execution (rows sharing ``execution_id``) of a shard:
 
-1. **Check** each row: per-token lists present, without a null entry and of equal length
-   (else ``invalid_record``), a unique ``trajectory_id`` (``duplicate_id``), a declared
+1. **Check** each row: per-token lists present, without a null entry and of equal length,
+   finite log-probs on action tokens, a finite or null reward and a progress in [0, 1] or
+   null (else ``invalid_record``: the trainer would refuse the row, or its reward would
+   be out of bounds), a unique ``trajectory_id`` (``duplicate_id``), a declared
    ``parent_id``/``branch_at`` link that the tokens confirm (``branch_past_end``,
    ``prefix_mismatch``, ``cycle``), and a status outside ``EXCLUDED_STATUSES``
    (``env_error``, ``infra_error``: such rows never get a reward nor reach the loss, nor
@@ -195,9 +197,12 @@ def process_shard(
     table = cast(table, TRAJECTORY_SCHEMA)
     counters = ShardCounters(trajectories_in=table.num_rows)
     counters.executions_in = len(set(table.column("execution_id").to_pylist()))
-    rows = np.flatnonzero(_aligned_rows(table, counters))
-    work = table if len(rows) == table.num_rows else table.take(pa.array(rows, type=pa.int64()))
-    paths = _Paths.from_table(work)
+    rows = np.flatnonzero(_sound_rows(table, counters))
+    work, paths = _work(table, rows)
+    unscorable = _unscorable_rows(work, paths, counters)
+    if unscorable.any():
+        rows = rows[~unscorable]
+        work, paths = _work(table, rows)
     state = _RowState.from_table(work)
     for execution_id, members in _executions(state, counters).items():
         _process_execution(execution_id, members, work, paths, state, config, rescore, counters)
@@ -302,21 +307,51 @@ class _RowState:
         )
 
 
-def _aligned_rows(table: pa.Table, counters: ShardCounters) -> np.ndarray:
+def _sound_rows(table: pa.Table, counters: ShardCounters) -> np.ndarray:
     """``(N,)`` bool: rows whose per-token lists are all present, without a null entry and of
-    the length of ``tokens``; the others are reported (``invalid_record``)."""
+    the length of ``tokens``, whose reward is finite or null and whose progress is in
+    [0, 1] or null; the others are reported (``invalid_record``)."""
     lengths = {name: _list_lengths(table.column(name)) for name in TOKEN_COLUMNS}
     holes = {name: _rows_with_nulls(table.column(name)) for name in TOKEN_COLUMNS}
     aligned = np.all([(lengths[name] == lengths["tokens"]) & ~holes[name] for name in TOKEN_COLUMNS], axis=0)
-    bad = np.flatnonzero(~aligned).tolist()
+    reward, progress = table.column("reward"), table.column("progress")
+    finite_reward = pc.fill_null(pc.is_finite(reward), True).to_numpy(zero_copy_only=False)
+    in_range = pc.and_(pc.greater_equal(progress, 0), pc.less_equal(progress, 1))  # false on NaN
+    bounded_progress = pc.fill_null(in_range, True).to_numpy(zero_copy_only=False)
+    sound = aligned & finite_reward & bounded_progress
+    bad = np.flatnonzero(~sound).tolist()
     ids = table.column("trajectory_id").take(pa.array(bad, type=pa.int64())).to_pylist()
     for i, tid in zip(bad, ids, strict=True):
         nulls = [name for name in TOKEN_COLUMNS if holes[name][i]]
         mismatched = [name for name in TOKEN_COLUMNS if lengths[name][i] != lengths["tokens"][i]]
         problems = [f"{nulls} null or with null entries"] if nulls else []
         problems += [f"{mismatched} lengths differ from tokens"] if mismatched else []
+        problems += [] if finite_reward[i] else [f"reward {reward[i].as_py()} is not finite"]
+        problems += [] if bounded_progress[i] else [f"progress {progress[i].as_py()} is outside [0, 1]"]
         counters.errors.append(f"trajectory {tid!r}: {'; '.join(problems)}")
-    return aligned
+    return sound
+
+
+def _unscorable_rows(work: pa.Table, paths: _Paths, counters: ShardCounters) -> np.ndarray:
+    """``(n,)`` bool: rows with a non-finite log-prob on an action token, reported
+    (``invalid_record``). The trainer refuses such a row (:func:`rl.batching.samples_from_table`):
+    kept, it could be handed the prefix it shares with a sound row, which then trains nowhere."""
+    unscorable_token = paths.action & ~np.isfinite(paths.values["logprobs"])
+    unscorable = np.zeros(len(paths.lengths), dtype=bool)
+    if unscorable_token.any():
+        row_of_token = np.repeat(np.arange(len(paths.lengths)), paths.lengths)
+        unscorable[row_of_token[unscorable_token]] = True
+    bad = np.flatnonzero(unscorable).tolist()
+    ids = work.column("trajectory_id").take(pa.array(bad, type=pa.int64())).to_pylist()
+    for tid in ids:
+        counters.errors.append(f"trajectory {tid!r}: non-finite logprobs on an action token")
+    return unscorable
+
+
+def _work(table: pa.Table, rows: np.ndarray) -> tuple[pa.Table, _Paths]:
+    """The ``rows`` of ``table`` being processed, and their flat token data."""
+    work = table if len(rows) == table.num_rows else table.take(pa.array(rows, type=pa.int64()))
+    return work, _Paths.from_table(work)
 
 
 def _rows_with_nulls(column: pa.ChunkedArray) -> np.ndarray:

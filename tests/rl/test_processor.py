@@ -1230,3 +1230,51 @@ def test_role_and_version_divergences_share_nothing_and_drop_reasons_hold(seed):
     for row in processed:
         sums[row["execution_id"]] += sum(row["loss_weight"])
     assert all(s == pytest.approx(1.0, rel=1e-5) for s in sums.values())
+
+
+@pytest.mark.parametrize(
+    "column, value",
+    [
+        ("logprobs", float("nan")),
+        ("logprobs", float("-inf")),
+        ("reward", float("nan")),
+        ("reward", float("inf")),
+    ],
+)
+@pytest.mark.parametrize("seed", range(4))
+def test_a_row_the_trainer_would_refuse_never_owns_a_shared_prefix(column, value, seed):
+    """A non-finite action log-prob or reward (in a table that did not come through the
+    shard reader's validation) makes the trainer refuse the row; were it kept, dedup could
+    hand it the prefix it shares with a sound sibling, which would then train it nowhere,
+    and its tokens would take a share of its execution's weight. It is an ``invalid_record``."""
+    broken = record("broken", "e", [0, 1, 2, 3, 4], [False, True, True, True, True])
+    sound = record("sound", "e", [0, 1, 2, 5, 6], [False, True, True, True, True])
+    if column == "logprobs":
+        broken["logprobs"][4] = value
+    else:
+        broken["reward"] = value
+    records = [broken, sound] if seed % 2 else [sound, broken]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None, seed=seed), shard_id="s")
+
+    rows = {row["trajectory_id"]: row for row in result.trajectories}
+    assert rows["broken"]["drop_reason"] == "invalid_record" and rows["sound"]["selected"]
+    assert any("'broken'" in error and column in error for error in result.counters.errors)
+    samples, rejected = samples_from_table(result.processed, "s", vocab_size=16)
+    assert rejected == [] and [s.trajectory_id for s in samples] == ["sound"]
+    assert samples[0].train_mask.tolist() == [False, True, True, True, True]
+    assert float(samples[0].loss_weight.sum()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("progress", [1.5, -0.5, float("nan")])
+def test_progress_outside_zero_one_is_an_invalid_record(progress):
+    """Partial progress is in [0, 1]: a failed attempt's reward is at most
+    ``progress_weight`` (:func:`combine_reward`); a row claiming more progress is malformed,
+    not a success."""
+    bad = record("bad", "e", [0, 1, 2], [False, True, True], reward=0.0, progress=progress)
+    good = record("good", "e", [0, 1, 3], [False, True, True], reward=0.0, progress=0.5)
+    result = process_shard(to_table([bad, good]), ProcessorConfig(j_max=None), shard_id="s")
+
+    rows = {row["trajectory_id"]: row for row in result.trajectories}
+    assert rows["bad"]["drop_reason"] == "invalid_record" and rows["good"]["selected"]
+    assert any("'bad'" in error and "progress" in error for error in result.counters.errors)
+    assert result.processed.column("reward").to_pylist() == [0.25]
