@@ -880,8 +880,8 @@ class WeightStore:
     ) -> list[int]:
         """Delete all but the newest ``keep_last`` versions; tagged versions and LATEST stay,
         and so does a version whose manifest is unreadable (it may be tagged; logged). So do
-        the newest version at or below LATEST whose files all verify (what ``load_newest``
-        finds) and every version above it: when the newest ``keep_last`` do not verify, the
+        the newest version at or below LATEST (any, when LATEST holds no number) whose files
+        all verify (what ``load_newest`` finds) and every version above it: when the newest ``keep_last`` do not verify, the
         run still has the weights its trainer and workers start from. That version is found
         by reading the versions' files whole, from LATEST down, whenever a version at or
         below LATEST would otherwise be deleted (so a retention that prunes anything reads
@@ -897,7 +897,7 @@ class WeightStore:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         complete = self.list()
         keep = set(complete[-keep_last:])
-        latest = self.latest()
+        latest = self._readable_latest()
         if latest is not None:
             keep.add(latest)
         loadable = [v for v in reversed(complete) if latest is None or v <= latest]

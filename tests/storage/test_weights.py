@@ -302,6 +302,22 @@ def test_retention_keeps_the_newest_version_that_verifies_when_latest_does_not(
     assert weights.list() == [2, 3]
 
 
+def test_retention_with_a_garbled_latest_keeps_the_newest_version_that_verifies(
+    weights, tokenizer_dir, caplog
+):
+    """A garbled LATEST names no version, as for a load or a publish: retention raised
+    ``CorruptVersion`` instead, so the maintain flow's retain-weights step failed on every run
+    until someone rewrote LATEST by hand."""
+    for seed in range(4):
+        publish_model(weights, tiny_llama(seed=seed), tokenizer_dir)
+    corrupt(weights, 3, "model.safetensors")
+    weights.fs.pipe_file(posixpath.join(weights.root, "LATEST"), b"\x00garbage")
+
+    assert weights.retain(keep_last=1) == [0, 1]
+    assert weights.list() == [2, 3] and weights.load_newest()[0] == 2
+    assert "holds '\\x00garbage', not a version number" in caplog.text
+
+
 def test_latest_does_not_move_back_when_two_publishes_race(store, tokenizer_dir, tmp_path):
     """Publish A (v1) reads LATEST, publish B (v2) runs whole, then A writes LATEST."""
     slow = WeightStore(store, cache_dir=tmp_path / "a")
