@@ -738,7 +738,8 @@ class WeightStore:
                 self._verify(str(final), files, version)
                 return str(final)
             except CorruptVersion:
-                shutil.rmtree(final)
+                with contextlib.suppress(FileNotFoundError):  # another store's tidy deleted it meanwhile
+                    shutil.rmtree(final)
         final.parent.mkdir(parents=True, exist_ok=True)
         staging = self.cache_dir / f".{part}-{version_dir_name(version)}.tmp-{uuid.uuid4().hex}"
         try:

@@ -605,6 +605,31 @@ def test_a_copy_deleted_between_its_fetch_and_its_marking_in_use_is_fetched_agai
     assert Path(serving, "config.json").is_file()
 
 
+def test_a_cached_copy_deleted_while_it_is_verified_is_fetched_again(store, tmp_path, tokenizer_dir):
+    """A load re-verifies a cached copy before using it (hashing it: seconds for a real
+    model). A ``one_copy`` store sharing the cache that moves on meanwhile deletes that copy:
+    the verify then finds a file missing, and deleting the copy it took for corrupt raised
+    ``FileNotFoundError`` (which ``load_newest`` does not pass over either)."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache", one_copy=True)
+    other = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "cache")
+    models = [tiny_llama(seed=seed) for seed in range(2)]
+    for model in models:
+        publish_model(weights, model, tokenizer_dir)
+    held = weights.load(0, "serving")
+    verify = other._verify
+
+    def verify_while_the_worker_moves_on(local_dir, files, version):
+        if local_dir == held and Path(held).is_dir():
+            weights.load(1, "serving")  # deletes the copy of version 0, which other holds not yet
+        verify(local_dir, files, version)
+
+    other._verify = verify_while_the_worker_moves_on
+    serving = other.load(0, "serving")
+    loaded = AutoModelForCausalLM.from_pretrained(serving).eval()
+    ids = torch.tensor([[1, 4, 5]])
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(models[0], ids), rtol=0, atol=0)
+
+
 def test_an_engine_loads_the_policy_and_never_the_trainers_extra_files(
     store, tmp_path, tokenizer_dir, monkeypatch
 ):
