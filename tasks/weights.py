@@ -107,7 +107,7 @@ def build_base_version(
     publishing: this base is then published under the next number. A claim made by
     ``owner`` (the same on every retry of the caller) whose publish failed is taken back at
     once; one whose publish wrote version 0 whole and failed only to point ``LATEST`` at it
-    is used as it is; a ``LATEST`` naming a version without a manifest is passed over for
+    is used as it is, nothing built again; a ``LATEST`` naming a version without a manifest is passed over for
     the newest complete one below it, as ``WeightStore.load_newest`` does (with none below,
     a ``FileNotFoundError`` saying what to do); a latest base version with no ``weights`` row (its publish landed, its
     row did not) is recorded, while a trainer's is left to the trainer. ``on_publish`` is
@@ -119,6 +119,9 @@ def build_base_version(
         latest = weights.latest()
     except CorruptVersion as error:
         log(f"{error}: pointing it at the newest complete version")
+        latest = weights.recover_latest()
+    if latest is None and (complete := weights.list()):  # written whole, its LATEST write failed
+        log(f"weight version {complete[-1]} is complete and LATEST names no version: pointing LATEST at it")
         latest = weights.recover_latest()
     if latest is not None and latest not in (complete := weights.list()):
         # its folder deleted (by hand, a retention race): the trainer and the workers start
