@@ -76,6 +76,7 @@ times the policy's size, that only a trainer reads."""
 RESERVED_FILES = frozenset({MODEL_FILE, MODEL_INDEX_FILE, CONFIG_FILE, MANIFEST_FILE, CLAIM_FILE})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_VERSION_MANIFEST = re.compile(rf"^v(\d{{6,}})/{re.escape(MANIFEST_FILE)}$")
 _IN_USE_FILE = re.compile(r"^\.(v\d{6,})\.in-use$")
 _STAGING_DIR = re.compile(r"^\.\w+-v\d{6,}\.tmp-[0-9a-f]{32}$")
 _LATEST_TEMP = re.compile(rf"^{LATEST_FILE}\.tmp-[0-9a-f]{{32}}$")
@@ -553,13 +554,17 @@ class WeightStore:
         return int(text)
 
     def list(self) -> list[int]:
-        """Complete versions (those with a manifest), ascending."""
-        versions = []
-        for name in self._dir_names():
-            match = _VERSION_DIR.match(name)
-            if match and self.fs.exists(posixpath.join(self.root, name, MANIFEST_FILE)):
-                versions.append(int(match.group(1)))
-        return sorted(versions)
+        """Complete versions (those with a manifest), ascending. On S3 one listing of the
+        prefix's files (a request per thousand), not a request per version: a worker lists at
+        each load, and a run that keeps every version holds thousands."""
+        if self.store.config.is_s3:
+            if not self.fs.exists(self.root):  # an absent bucket too, whose listing raises
+                return []
+            names = [posixpath.relpath(path, self.root) for path in self.fs.find(self.root)]
+        else:  # a local find passes over a folder it may not read: a run would list as empty
+            names = [posixpath.join(name, MANIFEST_FILE) for name in self._dir_names()]
+            names = [name for name in names if self.fs.exists(posixpath.join(self.root, name))]
+        return sorted(int(match.group(1)) for match in map(_VERSION_MANIFEST.match, names) if match)
 
     def table_row(self, version: int) -> dict:
         """``version``'s row of the run's ``weights`` Delta table, from its manifest."""

@@ -318,6 +318,30 @@ def test_retention_with_a_garbled_latest_keeps_the_newest_version_that_verifies(
     assert "holds '\\x00garbage', not a version number" in caplog.text
 
 
+def test_listing_the_versions_makes_no_request_per_version(store, tokenizer_dir, monkeypatch):
+    """A worker lists the versions at each load (twice: the newest that verifies, the cached
+    copies to tidy) and a run keeps every version unless told otherwise: one request per
+    version (a HEAD of its manifest) made each load of a long run thousands of requests, and
+    seconds to minutes, on S3."""
+    if not store.config.is_s3:
+        pytest.skip("a request per version costs only on S3")
+    weights = WeightStore(store)
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    for version in range(1, 40):  # complete as far as a listing can tell, without 39 uploads
+        weights.fs.pipe_file(posixpath.join(weights.version_path(version), MANIFEST_FILE), b"{}")
+    weights.fs.pipe_file(posixpath.join(weights.version_path(40), CLAIM_FILE), b"being written")
+    requests = []
+    call_s3 = weights.fs._call_s3
+
+    async def counted(method, *args, **kwargs):
+        requests.append(method)
+        return await call_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(weights.fs, "_call_s3", counted)
+    assert weights.list() == list(range(40))
+    assert len(requests) <= 3, requests
+
+
 def test_latest_does_not_move_back_when_two_publishes_race(store, tokenizer_dir, tmp_path):
     """Publish A (v1) reads LATEST, publish B (v2) runs whole, then A writes LATEST."""
     slow = WeightStore(store, cache_dir=tmp_path / "a")
