@@ -1182,13 +1182,13 @@ def _chat_logprobs(gateway: Gateway, turn: TurnResult) -> dict[str, Any]:
 
 class GatewayServer(AppServer):
     """Serves a gateway on 127.0.0.1 (``port=0`` picks a free port) or a Unix domain socket
-    (``uds``, made with ``uds_mode``; clients use ``http://gateway``) at ``sampling``. The bearer token is generated
-    when not given; read it from ``.token``. A session opened over HTTP with no request for
-    over ``idle_timeout_s`` seconds is ended (:class:`IdleSessions`); None keeps it until it is
-    deleted or the server stops (:meth:`stop` ends those still open). With ``write`` (see
-    :class:`RecordSink`) it writes the records it is asked to. While ``backpressure`` answers
-    why a new rollout must wait for the trainer (not None), ``POST /v1/sessions`` of one is
-    refused with a 429 (see the module docstring)."""
+    (``uds``, made with ``uds_mode``; clients use ``http://gateway``) at ``sampling``. The
+    bearer token is generated when not given; read it from ``.token``. A session opened over
+    HTTP with no request for over ``idle_timeout_s`` seconds is ended (:class:`IdleSessions`);
+    None keeps it until it is deleted or the server stops (:meth:`stop` ends those still open).
+    With ``write`` (see :class:`RecordSink`) it writes the records it is asked to. While
+    ``backpressure`` answers why a new rollout must wait for the trainer (not None),
+    ``POST /v1/sessions`` of one is refused with a 429 (see the module docstring)."""
 
     def __init__(
         self,

@@ -281,13 +281,13 @@ def _listening(path: str) -> bool:
 class AppServer:
     """Runs ``app`` under uvicorn as a task of the current event loop.
 
-    Binds 127.0.0.1 by default (``port=0`` picks a free port) or a Unix domain socket
-    (``uds``); for a socket, clients use ``http://<name>`` with an httpx ``uds`` transport.
-    The socket file is made with ``uds_mode`` before it listens (a stale socket at its path is
-    replaced, one another server listens on is not) and removed at the stop. ``token`` is the bearer token ``app`` requires: a request
-    without it reaches the app with its body unread. ``error_body`` shapes the errors answered
-    outside ``app`` (413, and 503 at the stop) as ``app`` shapes its own. A client has
-    ``read_timeout_s`` to send a request (see :data:`READ_TIMEOUT_S`).
+    Binds 127.0.0.1 by default (``port=0`` picks a free port) or a Unix domain socket (``uds``);
+    for a socket, clients use ``http://<name>`` with an httpx ``uds`` transport. The socket file
+    is made with ``uds_mode`` before it listens (a stale socket at its path is replaced, one
+    another server listens on is not) and removed at the stop. ``token`` is the bearer token
+    ``app`` requires: a request without it reaches the app with its body unread. ``error_body``
+    shapes the errors answered outside ``app`` (413, and 503 at the stop) as ``app`` shapes its
+    own. A client has ``read_timeout_s`` to send a request (see :data:`READ_TIMEOUT_S`).
     """
 
     def __init__(

@@ -885,15 +885,15 @@ class WeightStore:
         self, keep_last: int, in_flight_s: float = IN_FLIGHT_S, verified: int | None = None
     ) -> list[int]:
         """Delete all but the newest ``keep_last`` versions; tagged versions and LATEST stay,
-        and so does a version whose manifest is unreadable (it may be tagged; logged). So do
-        the newest version at or below LATEST (any, when LATEST holds no number) whose files
-        all verify (what ``load_newest`` finds) and every version above it: when the newest ``keep_last`` do not verify, the
-        run still has the weights its trainer and workers start from. That version is found
-        by reading the versions' files whole, from LATEST down, whenever a version at or
-        below LATEST would otherwise be deleted (so a retention that prunes anything reads
-        at least LATEST's checkpoint, optimizer state included); ``verified`` names a
-        version known to verify (one this process has just published, hashed as it was
-        written), taken as it is without reading it.
+        and so does a version whose manifest is unreadable (it may be tagged; logged). So do the
+        newest version at or below LATEST (any, when LATEST holds no number) whose files all
+        verify (what ``load_newest`` finds) and every version above it: when the newest
+        ``keep_last`` do not verify, the run still has the weights its trainer and workers start
+        from. That version is found by reading the versions' files whole, from LATEST down,
+        whenever a version at or below LATEST would otherwise be deleted (so a retention that
+        prunes anything reads at least LATEST's checkpoint, optimizer state included);
+        ``verified`` names a version known to verify (one this process has just published,
+        hashed as it was written), taken as it is without reading it.
 
         Incomplete directories below the newest complete version (left by a crashed
         publish) are deleted too once claimed more than ``in_flight_s`` ago: a publish that

@@ -100,19 +100,19 @@ def build_base_version(
     """Publish version 0 if the run has none: the starting policy, warm-started on the
     environments' demonstrations when ``warm_start.enabled``. Returns the latest version.
 
-    Flows of one run started together (a trainer and a rollout worker on two machines)
-    may both warm-start; the first to claim version 0 publishes it and the others wait for
-    it and use it, however long its upload takes (the claim is renewed meanwhile). A claim
-    not renewed for ``BASE_VERSION_WAIT_S`` belongs to a process that died before
-    publishing: this base is then published under the next number. A claim made by
-    ``owner`` (the same on every retry of the caller) whose publish failed is taken back at
-    once; one whose publish wrote version 0 whole and failed only to point ``LATEST`` at it
-    is used as it is, nothing built again; a ``LATEST`` naming a version without a manifest is passed over for
-    the newest complete one below it, as ``WeightStore.load_newest`` does (with none below,
-    a ``FileNotFoundError`` saying what to do); a latest base version with no ``weights`` row (its publish landed, its
-    row did not) is recorded, while a trainer's is left to the trainer. ``on_publish`` is
-    called with the version once this call recorded it: of two flows that meet a version
-    between its publish and its row, only the one whose row lands announces it."""
+    Flows of one run started together (a trainer and a rollout worker on two machines) may both
+    warm-start; the first to claim version 0 publishes it and the others wait for it and use it,
+    however long its upload takes (the claim is renewed meanwhile). A claim not renewed for
+    ``BASE_VERSION_WAIT_S`` belongs to a process that died before publishing: this base is then
+    published under the next number. A claim made by ``owner`` (the same on every retry of the
+    caller) whose publish failed is taken back at once; one whose publish wrote version 0 whole
+    and failed only to point ``LATEST`` at it is used as it is, nothing built again; a
+    ``LATEST`` naming a version without a manifest is passed over for the newest complete one
+    below it, as ``WeightStore.load_newest`` does (with none below, a ``FileNotFoundError``
+    saying what to do); a latest base version with no ``weights`` row (its publish landed, its
+    row did not) is recorded, while a trainer's is left to the trainer. ``on_publish`` is called
+    with the version once this call recorded it: of two flows that meet a version between its
+    publish and its row, only the one whose row lands announces it."""
     store = run_store(config)
     weights = WeightStore(store)
     try:
