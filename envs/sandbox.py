@@ -152,7 +152,7 @@ class SandboxConfig(BaseModel):
     apptainer_bin: str = Field("apptainer", description="Apptainer or Singularity executable.")
     ro_binds: list[str] = Field(
         default_factory=list,
-        description="Extra host paths made visible read-only inside (e.g. a virtualenv).",
+        description="Extra absolute host paths made visible read-only inside (e.g. a virtualenv).",
     )
     env: dict[str, str] = Field(
         default_factory=dict,
@@ -173,6 +173,26 @@ class SandboxConfig(BaseModel):
         # else every sandbox failed to start, each rollout an infra_error, once the run was under way
         if info.data.get("backend") == "apptainer" and not value:
             raise ValueError("the apptainer backend needs an image (.sif, directory or docker://)")
+        return value
+
+    # else each bwrap command failed with bwrap's own complaint as its output, which the model
+    # saw as its command's failure, and each process-backend start raised a ValueError
+    @field_validator("env")
+    @classmethod
+    def _settable_env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, text in value.items():
+            if not key or "=" in key or "\0" in key + text:
+                raise ValueError(
+                    f"cannot set {key!r}: a name is non-empty, without '=' or NUL; a value has no NUL"
+                )
+        return value
+
+    @field_validator("ro_binds")
+    @classmethod
+    def _absolute_binds(cls, value: list[str]) -> list[str]:
+        for path in value:
+            if not os.path.isabs(path) or "\0" in path:
+                raise ValueError(f"a bind is an absolute host path without NUL, got {path!r}")
         return value
 
 

@@ -1292,6 +1292,24 @@ def test_the_apptainer_backend_without_an_image_is_refused_as_the_config_loads()
     assert SandboxConfig(backend="process").apptainer_image is None
 
 
+@pytest.mark.parametrize(
+    ("update", "field"),
+    [
+        ({"env": {"A=B": "x"}}, "env"),
+        ({"env": {"": "x"}}, "env"),
+        ({"env": {"A": "x\0y"}}, "env"),
+        ({"ro_binds": ["venv"]}, "ro_binds"),
+        ({"ro_binds": ["/opt\0x"]}, "ro_binds"),
+    ],
+)
+def test_an_env_or_ro_bind_no_sandbox_can_take_is_refused_as_the_config_loads(update, field):
+    """Taken as it was, every bwrap command failed with bwrap's own ``setenv failed`` or
+    ``Can't find source path`` as its output, which the model saw as its command's failure, and
+    the process backend raised a ValueError out of each start."""
+    with pytest.raises(ValidationError, match=field):
+        SandboxConfig(**update)
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores")
 def test_python_repl_is_whole_when_started_so_a_bind_reaches_the_interpreter():
     """Pinning a new interpreter's process tree moves the interpreter itself: the sandbox has
