@@ -74,6 +74,10 @@ ErrorKind = Literal[
 
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
 SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"
+LAUNCHER_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+"""The environment of what the worker runs to start, probe or kill a sandbox's processes (bwrap,
+setpriv, kill): never the worker's own, whose credentials a process of the sandbox's uid could
+read in ``/proc/<pid>/environ``."""
 DISABLE_USERNS = ["--unshare-user", "--disable-userns"]
 BWRAP_PROCESSES = 2
 """bwrap's own processes under a sandbox's uid: its outer process and its PID namespace's init."""
@@ -248,7 +252,7 @@ def _bwrap_takes(*options: str, as_uid: bool = False) -> bool:
         "true",
     ]
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        return subprocess.run(probe, capture_output=True, timeout=10).returncode == 0
+        return subprocess.run(probe, capture_output=True, timeout=10, env=LAUNCHER_ENV).returncode == 0
     return False
 
 
@@ -288,7 +292,8 @@ def _unshare_net_prefix(as_uid: bool) -> tuple[str, ...]:
         return ()
     user = _run_as(UID_BASE if as_uid else None)
     for prefix in ((unshare, "-n"), (unshare, "-r", "-n")):
-        if subprocess.run([*user, *prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+        probe = subprocess.run([*user, *prefix, "true"], capture_output=True, timeout=10, env=LAUNCHER_ENV)
+        if probe.returncode == 0:
             return prefix
     log.warning("unshare -n is not permitted here: process-backend sandboxes keep the network")
     return ()
@@ -455,7 +460,7 @@ class Sandbox:
 
     def popen_kwargs(self) -> dict:
         """Keyword arguments for ``subprocess.Popen`` of an :meth:`argv` (cwd, env, own session)."""
-        env = self.env() if self.backend == "process" else {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+        env = self.env() if self.backend == "process" else dict(LAUNCHER_ENV)
         return {"cwd": self.workdir, "env": env, "start_new_session": True, "close_fds": True}
 
     def run(
@@ -1082,7 +1087,7 @@ def _kill_uid(uid: int) -> None:
     stays for what the kill could not reach (its start refused)."""
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "check": False}
     with contextlib.suppress(OSError):
-        subprocess.run([*_run_as(uid), "kill", "-9", "-1"], **quiet)
+        subprocess.run([*_run_as(uid), "kill", "-9", "-1"], env=LAUNCHER_ENV, **quiet)
     for pid in _uid_pids(uid):
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGKILL)

@@ -1242,6 +1242,34 @@ def test_process_fallback_enforces_limits_and_timeout(monkeypatch):
         assert raised.value.kind == "timeout"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-sandbox uids need a root worker")
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_what_the_worker_runs_as_a_sandbox_uid_never_carries_its_environment(backend, monkeypatch):
+    """close() ran ``kill -9 -1`` as the sandbox's uid, and the probes ran as one, with the
+    worker's whole environment: its credentials were in ``/proc/<pid>/environ`` of a process
+    the sandbox's own processes (the same uid, under the process backend) may read."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "worker-secret")
+    run = subprocess.run
+    leaked = []
+
+    def watched(argv, **kwargs):
+        if argv[0] == "setpriv" and "worker-secret" in str(kwargs.get("env", os.environ)):
+            leaked.append(argv)
+        return run(argv, **kwargs)
+
+    monkeypatch.setattr(sandbox_module.subprocess, "run", watched)
+    sandbox_module._bwrap_takes.cache_clear()
+    sandbox_module._bwrap_disables_userns.cache_clear()
+    try:
+        with Sandbox(SMALL.model_copy(update={"backend": backend})) as box:
+            assert box.uid is not None
+            assert box.run("echo ok").output == "ok\n"
+    finally:
+        sandbox_module._bwrap_takes.cache_clear()
+        sandbox_module._bwrap_disables_userns.cache_clear()
+    assert leaked == []
+
+
 def test_apptainer_command_line():
     config = SandboxConfig(
         backend="apptainer", apptainer_image="/images/tools.sif", cpu_seconds=7, memory_mb=300
