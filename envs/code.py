@@ -43,9 +43,12 @@ TEMPLATES = ("x*{a}+{b}", "(x+{a})*{b}", "x%{a}+{b}", "max(x,{a})-{b}", "x*x-{a}
 INPUTS = range(-20, 21)
 """Where the hidden tests' inputs are drawn from."""
 
-# The tester holds the tests and the pass marker; the solution runs in a child interpreter
-# (RUNNER) that is given only the inputs, its stdio on /dev/null, and sends back ints over a
-# pipe. Undumpable, the tester keeps its memory and its stdout out of the child's reach via /proc.
+# The tester holds the tests and a token for each possible score, and prints the one of the
+# tests passed; the solution runs in a child interpreter (RUNNER) that is given only the inputs,
+# its stdio on /dev/null, and sends back ints over a pipe. Undumpable, the tester keeps its memory
+# and its stdout out of the child's reach via /proc; but bwrap's init holds the same output pipe,
+# which a sandbox of the worker's own uid may open, and read the tester's lines from before the
+# worker does: what it learns (the start token, its own score's) forges no better score.
 TESTER = r"""
 import ctypes, json, os, subprocess, sys
 libc = ctypes.CDLL(None)
@@ -58,8 +61,8 @@ def drop_capabilities():
         libc.prctl(24, cap)  # PR_CAPBSET_DROP
 
 request = json.loads(sys.stdin.readline())
-marker, tests = request["marker"], request["tests"]
-print(marker, "started", flush=True)
+tests, scores = request["tests"], request["scores"]
+print(request["started"], "started", flush=True)
 read, write = os.pipe()
 inputs = json.dumps([x for x, _ in tests])
 child = subprocess.Popen(
@@ -78,7 +81,7 @@ except ValueError:
 passed = 0
 if isinstance(results, list):
     passed = sum(type(got) is int and got == want for got, (_, want) in zip(results, tests))
-print(marker, passed, flush=True)
+print(scores[passed], flush=True)
 """
 
 # Runs the solution on the inputs, split over one forked worker per core it was started on (at
@@ -227,9 +230,11 @@ class CodeEnv(Env):
         path = os.path.join(sandbox.workdir, "solution.py")
         with open(path, "w", encoding="utf-8") as handle:  # what Python reads source as
             handle.write(solution)
-        marker = secrets.token_hex(8)
+        started = secrets.token_hex(8)
+        scores = [secrets.token_hex(8) for _ in range(len(task.data["tests"]) + 1)]
         request = {
-            "marker": marker,
+            "started": started,
+            "scores": scores,
             "tests": task.data["tests"],
             "runner": RUNNER,
             "max_workers": most_workers(sandbox.config),
@@ -243,9 +248,9 @@ class CodeEnv(Env):
             if not self._by_action(exc):
                 raise
             # stopped before the solution ran (an interpreter that cannot start): not its fault
-            require_started(exc.output, marker)
+            require_started(exc.output, started)
             return 0.0
-        return tester_score(result.output, marker, len(task.data["tests"]))
+        return tester_score(result.output, started, scores)
 
 
 def require_tests(task: Task) -> None:
@@ -264,20 +269,21 @@ def require_tests(task: Task) -> None:
         )
 
 
-def require_started(output: str, marker: str) -> None:
-    """Raise :class:`SandboxError` when the tester never printed that it started: the
-    interpreter or the sandbox failed, before any solution ran."""
-    if f"{marker} started" not in output.splitlines():
+def require_started(output: str, started: str) -> None:
+    """Raise :class:`SandboxError` when the tester never printed that it started (its token
+    ``started``): the interpreter or the sandbox failed, before any solution ran."""
+    if f"{started} started" not in output.splitlines():
         raise SandboxError("start_failed", f"the test harness never started; it printed {output[-200:]!r}")
 
 
-def tester_score(output: str, marker: str, num_tests: int) -> float:
-    """The share of tests passed that the tester printed; 0 when it started but did not get
-    to the end (the solution brought it down). A tester that never started is no score of the
-    solution, so :class:`SandboxError` is raised (:func:`require_started`)."""
-    require_started(output, marker)
+def tester_score(output: str, started: str, scores: list[str]) -> float:
+    """The share of tests passed, told by which of the tokens ``scores`` (one per number of
+    tests passed, 0 to all) the tester printed; 0 when it started but did not get to the end
+    (the solution brought it down). A tester that never started is no score of the solution,
+    so :class:`SandboxError` is raised (:func:`require_started`)."""
+    require_started(output, started)
+    passed = {token: count for count, token in enumerate(scores)}
     for line in reversed(output.splitlines()):
-        passed = line.removeprefix(marker + " ")
-        if passed != line and passed.isdecimal():
-            return int(passed) / num_tests
+        if line in passed:
+            return passed[line] / (len(scores) - 1)
     return 0.0

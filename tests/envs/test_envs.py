@@ -1042,7 +1042,7 @@ def test_code_tester_stopped_before_it_started_is_an_env_error_not_a_zero():
         shutil.rmtree(folder)
 
 
-# Solutions that know nothing of the task: read the tests or the pass marker off the tester
+# Solutions that know nothing of the task: read the tests or the full score's token off the tester
 # (its __main__, or its memory through /proc), or return an object (or int) that equals anything.
 READ_TESTER_MEMORY = """
 import json, os, re
@@ -1066,7 +1066,7 @@ def f(x):
 """
 CHEATS = {
     "lookup": "import __main__ as m\ndef f(x):\n    return dict(m.tests)[x]\n",
-    "marker": "import __main__ as m, os\nprint(m.marker, len(m.tests), flush=True)\nos._exit(0)\n",
+    "marker": "import __main__ as m, os\nprint(m.scores[-1], flush=True)\nos._exit(0)\n",
     "memory": READ_TESTER_MEMORY,
     "always_equal": "class Yes:\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes()\n",
     "equal_int": "class Yes(int):\n    def __eq__(self, other):\n        return True\ndef f(x):\n    return Yes(0)\n",
@@ -1082,6 +1082,55 @@ def test_code_cheats_score_nothing(cheat, backend):
     sandbox = SMALL.model_copy(update={"backend": backend})
     _, score = asyncio.run(play("code", task, [CHEATS[cheat]], sandbox=sandbox))
     assert score == 0.0
+    _, score = asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
+    assert score == 1.0
+
+
+# Reads what the tester printed before the solution ran off its output pipe, which bwrap's init
+# holds (/proc/1/fd/1), and prints each word it found as the pass marker, all tests passed.
+STEAL_THE_MARKER = """
+import json, os, signal, sys, time
+tests = len(json.loads(sys.argv[2]))
+pipe = os.open("/proc/1/fd/1", os.O_RDONLY | os.O_NONBLOCK)
+printed, until = b"", time.monotonic() + 10
+while not printed.endswith(b"\\n") and time.monotonic() < until:
+    try:
+        printed += os.read(pipe, 4096)
+    except BlockingIOError:
+        time.sleep(0.01)
+forged = printed + b"".join(b"%s %d\\n" % (word, tests) for word in printed.split())
+os.write(os.open("/proc/1/fd/1", os.O_WRONLY), forged)
+open("stolen", "w").close()
+os.kill(os.getppid(), signal.SIGKILL)
+"""
+
+
+@needs_bwrap
+def test_code_a_solution_that_reads_the_testers_output_before_the_worker_cannot_forge_a_pass(
+    tmp_path, monkeypatch
+):
+    """Sandboxes run as the worker's own uid (a worker that is not root, or in a user-namespaced
+    container) can open bwrap's init's descriptors. The tester printed its pass marker as it
+    started: a solution that read that line before the worker did (a worker busy elsewhere)
+    could print the marker with a full score and kill the tester. Here the worker reads the
+    output only once the solution has run."""
+    from envs import sandbox as sandbox_module
+
+    monkeypatch.setattr(sandbox_module, "_sandbox_uids_mapped", lambda: False)
+    read_capped = sandbox_module.read_capped
+
+    def late(fd, cap, deadline):
+        until = time.monotonic() + 10
+        while not list(tmp_path.glob("*/stolen")) and time.monotonic() < until:
+            time.sleep(0.01)
+        return read_capped(fd, cap, deadline)
+
+    monkeypatch.setattr(sandbox_module, "read_capped", late)
+    task = task_set("code", "train", seed=6, n=1)[0]
+    sandbox = SMALL.model_copy(update={"backend": "bwrap", "root_dir": str(tmp_path)})
+    _, score = asyncio.run(play("code", task, [STEAL_THE_MARKER], sandbox=sandbox))
+    assert score == 0.0
+    monkeypatch.setattr(sandbox_module, "read_capped", read_capped)
     _, score = asyncio.run(play("code", task, demonstrate(task), sandbox=sandbox))
     assert score == 1.0
 
