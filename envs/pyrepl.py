@@ -56,9 +56,13 @@ class Capped(io.TextIOBase):
     def writable(self):
         return True
     def write(self, s):
+        # a write that fails keeps nothing: what is kept is joined into the reply
+        if not isinstance(s, str):
+            raise TypeError(f"write() argument must be str, not {type(s).__name__}")
         if self.size > CAP:  # the code caught the OutputLimit and printed on
             raise OutputLimit()
-        self.parts.append(s); self.size += len(s.encode("utf-8", "surrogatepass"))
+        size = len(s.encode("utf-8", "surrogatepass"))
+        self.parts.append(s); self.size += size
         if self.size > CAP:
             raise OutputLimit()
         return len(s)

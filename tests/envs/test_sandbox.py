@@ -1110,6 +1110,20 @@ def test_python_repl_caps_output_in_bytes():
         assert repl.alive
 
 
+@pytest.mark.parametrize("written", ["b'x'", "42"])
+def test_python_repl_code_that_writes_no_text_to_stdout_gets_a_type_error_and_keeps_its_namespace(written):
+    """``sys.stdout.write(b'x')``, a common slip, was kept before the write failed, and the
+    server crashed joining it to the output: the interpreter died, its namespace lost, and the
+    model was told the interpreter exited rather than what Python says of the write."""
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        repl.run("kept = 7")
+        result = repl.run(f"import sys\nsys.stdout.write({written})")
+        assert result.error == "TypeError"
+        assert "write() argument must be str" in result.output
+        assert repl.run("print('after'); kept").output == "after\n7\n"
+
+
 def test_python_repl_code_that_catches_the_output_limit_is_still_an_output_limit():
     """Code whose bare ``except:`` swallowed the server's OutputLimit printed on: its output
     came back silently cut at the cap, with no output_limit."""
