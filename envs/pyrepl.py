@@ -4,9 +4,10 @@ A small server (:data:`SERVER`, stdlib only) runs in the sandbox, says ``ready``
 then reads one JSON request per line on stdin (``{"code": "...", "id": nonce}``); it executes
 the code in one persistent namespace, echoes the value of a final expression like a REPL, and
 answers one JSON line (``{"id", "output", "error", "truncated"}``) on its original stdout.
-Output is captured from ``sys.stdout``/``sys.stderr`` and capped inside the server at
-``max_output_bytes`` bytes of UTF-8; bytes that child processes write straight to file
-descriptors are discarded. The code's stdin is ``/dev/null``: ``input()`` raises ``EOFError``
+Output is captured from ``sys.stdout``/``sys.stderr`` (one object for every run, so that a
+stream the code kept, a logging handler's, writes to the run going on) and capped inside the
+server at ``max_output_bytes`` bytes of UTF-8; bytes that child processes write straight to
+file descriptors are discarded. The code's stdin is ``/dev/null``: ``input()`` raises ``EOFError``
 rather than waiting on the request channel. A copy of the server that the code forks exits once
 the code is done in it, without answering or reading another request.
 """
@@ -52,6 +53,8 @@ class OutputLimit(BaseException):
 
 class Capped(io.TextIOBase):
     def __init__(self):
+        self.clear()
+    def clear(self):
         self.parts, self.size = [], 0
     def writable(self):
         return True
@@ -70,10 +73,11 @@ class Capped(io.TextIOBase):
         return "".join(self.parts).encode("utf-8", "surrogatepass")[:CAP].decode("utf-8", "ignore")
 
 namespace = {"__name__": "__main__"}
+out = Capped()  # one for every run: what the code keeps of it (a logging handler) writes to the run now
 for line in requests:
     request = json.loads(line)
     code = request["code"]
-    out = Capped(); sys.stdout = sys.stderr = out
+    out.clear(); sys.stdout = sys.stderr = out
     error = None; truncated = False
     try:
         tree = ast.parse(code, "<action>")

@@ -1124,6 +1124,16 @@ def test_python_repl_code_that_writes_no_text_to_stdout_gets_a_type_error_and_ke
         assert repl.run("print('after'); kept").output == "after\n7\n"
 
 
+def test_python_repl_output_to_a_stream_an_earlier_run_kept_shows_in_the_run_that_writes_it():
+    """Each run had an output object of its own: a logging handler (or anything else holding
+    ``sys.stderr``) set up in one run wrote every later run's lines to that run's, never shown."""
+    with Sandbox(SMALL) as box:
+        repl = PythonRepl(box)
+        repl.run("import logging, sys\nlogging.basicConfig(level=logging.INFO)\nkept = sys.stdout")
+        assert repl.run("logging.info('later')").output == "INFO:root:later\n"
+        assert repl.run("print('kept', file=kept)").output == "kept\n"
+
+
 def test_python_repl_code_that_catches_the_output_limit_is_still_an_output_limit():
     """Code whose bare ``except:`` swallowed the server's OutputLimit printed on: its output
     came back silently cut at the cap, with no output_limit."""
