@@ -697,18 +697,29 @@ def _feed(pipe: IO[bytes], data: bytes) -> None:
         pipe.close()
 
 
+POLL_MAX_MS = 2**31 - 1
+"""The longest wait one ``poll`` takes, in milliseconds (about 25 days)."""
+
+
 def _ready(fd: int, event: int, timeout: float, wake: int | None = None) -> bool:
     """Whether ``fd`` is ready for ``event`` (or hung up, or failed), or ``wake`` is readable,
     within ``timeout`` seconds.
 
     ``poll``, not ``select``: a busy worker holds more than ``FD_SETSIZE`` (1024) descriptors,
-    and ``select`` refuses any numbered past that (``ValueError``).
+    and ``select`` refuses any numbered past that (``ValueError``). One poll waits at most
+    ``POLL_MAX_MS`` (``OverflowError`` past it): a longer ``timeout`` takes several.
     """
     poller = select.poll()
     poller.register(fd, event)
     if wake is not None:
         poller.register(wake, select.POLLIN)
-    return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
+    deadline = time.monotonic() + timeout
+    while True:
+        left_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+        if poller.poll(min(left_ms, POLL_MAX_MS)):
+            return True
+        if left_ms <= POLL_MAX_MS:
+            return False
 
 
 def _woken(wake: int | None) -> bool:

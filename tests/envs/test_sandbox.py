@@ -308,6 +308,15 @@ def test_timeout_holds_while_stdin_is_unread():
     serves_after()
 
 
+def test_a_wall_clock_limit_longer_than_poll_can_wait_runs_commands():
+    """``timeout_s`` above 2**31 ms (about 25 days: "no limit to speak of") made every
+    command, shell and interpreter raise ``OverflowError: timeout is too large`` from poll."""
+    with Sandbox(SMALL.model_copy(update={"timeout_s": 1e7})) as box:
+        assert box.run("echo run").output == "run\n"
+        assert Shell(box).run("echo shell").output == "shell\n"
+        assert PythonRepl(box).run("'repl'").output == "'repl'\n"
+
+
 def test_commands_run_while_the_worker_holds_over_1024_descriptors():
     """select() refuses a descriptor past FD_SETSIZE; a busy worker's pipes and ptys get there."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
