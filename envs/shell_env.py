@@ -123,6 +123,7 @@ class ShellEnv(Env):
 
     async def reset(self, task: Task) -> list[dict[str, str]]:
         self._start(task)
+        require_task_data(task)
         sandbox = await self._new_sandbox()
         for path, content in task.data.get("files", {}).items():
             full = os.path.join(sandbox.workdir, path)
@@ -194,6 +195,40 @@ class ShellEnv(Env):
             and len(content) <= MAX_CHECKED_BYTES
             and content.strip() == data["content"].encode()
         )
+
+
+def require_task_data(task: Task) -> None:
+    """Raise ValueError unless ``task.data`` is a task of this env: a known ``kind``; for
+    ``write`` the ``file`` to check and its ``content``; else the ``files`` to write (path to
+    text) and the ``answer``. Every path must stay in the working directory: a task sent by a
+    client with ``../`` or an absolute path in ``files`` had the worker, as root, write there."""
+    data = task.data
+    kind = data.get("kind")
+    if kind == "write":
+        problem = _path_problem(data.get("file")) or (
+            None if isinstance(data.get("content"), str) else "content must be a text"
+        )
+    elif kind in ("find", "count"):
+        files = data.get("files")
+        if not isinstance(files, dict) or not all(isinstance(text, str) for text in files.values()):
+            problem = "files must map paths to texts"
+        else:
+            problem = next(filter(None, map(_path_problem, files)), None) or (
+                None if isinstance(data.get("answer"), str) else "answer must be a text"
+            )
+    else:
+        problem = f"kind must be write, find or count, got {kind!r}"
+    if problem is not None:
+        raise ValueError(f"shell task {task.id!r}: {problem}")
+
+
+def _path_problem(path: object) -> str | None:
+    """Why ``path`` is no path inside the working directory, or None."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        return f"a path must be a non-empty text without NUL, got {path!r:.200}"
+    if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
+        return f"a path must be relative, without empty, '.' or '..' parts, got {path!r:.200}"
+    return None
 
 
 def read_regular_file(path: str, size: int) -> bytes | None:

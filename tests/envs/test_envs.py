@@ -962,6 +962,34 @@ def test_code_task_with_malformed_tests_is_refused_at_reset_not_scored_zero(test
     assert env.sandbox is None
 
 
+@pytest.mark.parametrize(
+    ("data", "problem"),
+    [
+        ({"kind": "count", "files": {"../escaped.txt": "red"}, "answer": "1"}, "relative, without empty"),
+        ({"kind": "find", "files": {"{outside}": "red"}, "answer": "x"}, "relative, without empty"),
+        ({"kind": "count", "files": {"d1//f.txt": "red"}, "answer": "1"}, "relative, without empty"),
+        ({"kind": "count", "files": {"d1/f.txt": 3}, "answer": "1"}, "files must map paths to texts"),
+        ({"kind": "count", "files": {"d1/f.txt": "red"}}, "answer must be a text"),
+        ({"kind": "write", "file": "../../x.txt", "content": "red"}, "relative, without empty"),
+        ({"kind": "write", "file": "a.txt"}, "content must be a text"),
+        ({"file": "a.txt", "content": "red"}, "kind must be write, find or count"),
+    ],
+)
+def test_shell_task_whose_paths_leave_the_working_directory_is_refused_at_reset(tmp_path, data, problem):
+    """A task sent by a client had its ``files`` written wherever their paths pointed (``../``,
+    an absolute path), by a worker that runs as root; one without a field raised a KeyError at
+    EVAL, after the episode."""
+    outside = tmp_path / "escaped.txt"
+    data = {
+        key: {name.format(outside=outside): text for name, text in value.items()} if key == "files" else value
+        for key, value in data.items()
+    }
+    env = make("shell", sandbox=SMALL)
+    with pytest.raises(ValueError, match=f"shell task 't': .*{problem}"):
+        asyncio.run(env.reset(Task(env="shell", id="t", prompt="how many files in d1?", data=data)))
+    assert env.sandbox is None and not outside.exists()
+
+
 @needs_bwrap
 def test_code_answers_are_ints_not_bools_even_written_past_the_runner():
     """``True == 1``: booleans must not pass tests that want 1, returned by ``f`` or written
