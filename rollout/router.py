@@ -461,7 +461,9 @@ class Router:
             if self.config.policy != "round_robin" and session_id not in self._started:
                 raise  # end_session ran during the probe: routing again would pin it for good
             retry = self.route(session_id)
-            return await _finished(retry, session_id, prompt_ids, params)
+            generation = await _finished(retry, session_id, prompt_ids, params)
+            self._served(retry.name)
+            return generation
         finally:
             self._in_flight[session_id] -= 1
             if not self._in_flight[session_id]:

@@ -1089,3 +1089,39 @@ def test_a_replica_taken_down_by_its_probe_comes_back_at_the_next_check_without_
 def test_a_quarantine_shorter_than_its_doubling_limit_is_refused():
     with pytest.raises(ValueError, match=r"quarantine_max_s=10.0 is below quarantine_s=30.0"):
         RouterConfig(quarantine_s=30, quarantine_max_s=10)
+
+
+def test_a_request_a_replica_serves_as_a_retry_starts_its_count_of_failing_sessions_again():
+    """r1 fails one session's request, then serves the retry of a request whose replica went
+    down, then fails another session's: no two failed in a row, so it stays in service (it
+    was taken out, with r0 down too, leaving none)."""
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failing_sessions=2))
+    on_r0 = next(s for s in SESSIONS if router.route(s).name == "r0")
+    first, second = [s for s in SESSIONS if router.route(s).name == "r1"][:2]
+    wedged: set[str] = set()
+    _wedge(engines, wedged)
+    down = engines[0]
+
+    async def down_generate(session_id, prompt_ids, params) -> Generation:
+        raise EngineError("vLLM server r0 unreachable")
+
+    async def down_health() -> bool:
+        return False
+
+    async def requests(router):
+        params = SamplingParams(max_new_tokens=1)
+        wedged.add("r1")
+        with pytest.raises(EngineError, match="answered 500"):
+            await router.generate(first, [1, 2], params)
+        wedged.clear()
+        down.generate, down.health = down_generate, down_health
+        retried = await router.generate(on_r0, [1, 2], params)
+        wedged.add("r1")
+        with pytest.raises(EngineError, match="answered 500"):
+            await router.generate(second, [1, 2], params)
+        return retried
+
+    assert _run(router, engines, requests).engine == "r1"
+    assert router.replicas == ["r1"] and router.down == ["r0"]
