@@ -14,7 +14,6 @@ Read the loop in :meth:`Trainer.run`; one policy step in :meth:`Trainer._train_s
 
 from __future__ import annotations
 
-import bisect
 import io
 import json
 import logging
@@ -55,7 +54,7 @@ from storage.schema import NewerSchemaError, SchemaError
 from storage.shards import ShardInfo, ShardReader
 from storage.status import HeldRole, InUse
 from storage.tables import Tables, conform
-from storage.weights import CorruptVersion, WeightStore
+from storage.weights import CorruptVersion, WeightStore, versions_ahead
 
 logger = logging.getLogger(__name__)
 
@@ -322,7 +321,7 @@ class Trainer:
             )
         path = Path(loaded)
         self.version = version
-        self._chain = self._recent_chain(version)
+        self._chain = self.weights.recent_chain(version, self.config.max_staleness + 1)
         self.policy, self.tokenizer = load_trained_policy(
             str(path), device=str(self.device), dtype=self.dtype
         )
@@ -386,33 +385,12 @@ class Trainer:
             "trainer resumed from version %d at step %d (attempt %s)", version, self.step, self.attempt
         )
 
-    def _recent_chain(self, version: int) -> list[int]:
-        """``version`` and its newest ancestors, ``max_staleness + 1`` at most, oldest first:
-        what :meth:`staleness` counts on."""
-        chain = [version]
-        while len(chain) <= self.config.max_staleness:
-            try:
-                parent = self.weights.manifest(chain[0]).get("parent")
-            except (KeyError, CorruptVersion):  # deleted by retention: numbers count beyond it
-                break
-            if parent is None:
-                break
-            chain.insert(0, parent)
-        return chain
-
     def staleness(self, min_version: int) -> int:
         """Versions the trainer's policy is ahead of ``min_version``: the newer versions on its
-        chain. The difference of the numbers would also count those the chain skips (a number
-        a publish claimed before it was killed, a version a resumed trainer passed over as it
-        did not verify), and drop as stale samples within ``max_staleness``. Past the part of
-        the chain known (``max_staleness + 1`` versions) each number counts; a version newer
-        than the trainer's counts as the negative difference."""
-        chain = self._chain
-        if min_version > self.version:
-            return self.version - min_version
-        if min_version < chain[0]:
-            return len(chain) - 1 + chain[0] - min_version
-        return len(chain) - bisect.bisect_right(chain, min_version)
+        chain (:func:`storage.weights.versions_ahead`; the difference of the numbers would drop
+        as stale samples within ``max_staleness``). Past the part of the chain known
+        (``max_staleness + 1`` versions) each number counts."""
+        return versions_ahead(self._chain, min_version)
 
     @staticmethod
     def _torch_bytes(obj: dict) -> bytes:

@@ -75,7 +75,7 @@ from storage.status import (
     TrainerStatusBoard,
     is_fresh,
 )
-from storage.weights import CorruptVersion, WeightStore
+from storage.weights import CorruptVersion, WeightStore, versions_ahead
 
 log = logging.getLogger(__name__)
 
@@ -152,12 +152,12 @@ class RolloutWorker:
             (the run's ``rl.processor.combine_reward``), for group mode's filter
             (``Orchestrator``'s ``trained_reward``).
         max_staleness: the trainer's ``sao.max_staleness``: a replica whose weight version is
-            more than this many versions behind the newest published one (by version number)
-            leaves service, as the trainer would drop every token it generates; the health
-            check brings it back once it has loaded the worker's version, while that is within
-            the limit (with no health check, ``router.health_check_s`` null, it stays, warned
-            of). None: a replica that failed to load new versions serves its old one for as long
-            as they keep failing.
+            more than this many versions behind the newest published one (counted on that
+            one's chain of parents, as the trainer counts) leaves service, as the trainer would
+            drop every token it generates; the health check brings it back once it has loaded
+            the worker's version, while that is within the limit (with no health check,
+            ``router.health_check_s`` null, it stays, warned of). None: a replica that failed
+            to load new versions serves its old one for as long as they keep failing.
     """
 
     def __init__(
@@ -237,6 +237,9 @@ class RolloutWorker:
         self.version: int | None = None
         self.newest: int | None = None
         """The newest version published (``LATEST``) at its last read."""
+        self._newest_chain: list[int] = []
+        """``newest`` and its newest ancestors (``WeightStore.recent_chain``): what
+        :meth:`_too_stale` counts on."""
         self._stale_warned: int | None = None
         """The newest version at the last warning of replicas too stale left in service."""
         self._loading = asyncio.Lock()
@@ -363,6 +366,7 @@ class RolloutWorker:
         if gateway_config.eos_token_ids is None:
             gateway_config = gateway_config.model_copy(update={"eos_token_ids": model_eos_ids(path)})
         self.version = self.newest = version
+        self._newest_chain = [version]
         self._shards_at_version = self.writer.committed
         gateway = Gateway(self.router, tokenizer, gateway_config)
         service = self.service = RolloutService(
@@ -443,9 +447,13 @@ class RolloutWorker:
 
     def _too_stale(self, version: int) -> bool:
         """Whether the trainer drops the tokens of ``version``: more than ``max_staleness``
-        versions behind the newest published."""
+        versions behind the newest published, on its chain."""
         limit = self.max_staleness
-        return limit is not None and self.newest is not None and self.newest - version > limit
+        return (
+            limit is not None
+            and bool(self._newest_chain)
+            and versions_ahead(self._newest_chain, version) > limit
+        )
 
     def _take_out_stale(self) -> None:
         """Take out of service each replica whose version is :meth:`_too_stale` (one that failed
@@ -496,7 +504,11 @@ class RolloutWorker:
             self.read_failed("the weights' LATEST", exc)
             return False
         self.read_again("the weights' LATEST")
-        if latest is not None:
+        if latest is not None and latest != self.newest:
+            if self.max_staleness is not None:
+                self._newest_chain = await asyncio.to_thread(
+                    self.weights.recent_chain, latest, self.max_staleness + 1
+                )
             self.newest = latest
         if latest is None or latest in (self.version, self._refused):
             return False

@@ -20,6 +20,7 @@ finishes after a newer one leaves it alone, and one that raced a newer one (both
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import fcntl
 import hashlib
@@ -115,6 +116,19 @@ def _let_go(in_use: dict[str, tuple[int, Path]]) -> None:
     for handle, _ in in_use.values():
         os.close(handle)
     in_use.clear()
+
+
+def versions_ahead(chain: list[int], version: int) -> int:
+    """Versions the newest of ``chain`` (a :meth:`WeightStore.recent_chain`) is ahead of
+    ``version``: the newer versions on its chain. The difference of the numbers would also
+    count those the chain skips (a number a publish claimed before it was killed, a version a
+    resumed trainer passed over as it did not verify). Past the part of the chain known each
+    number counts; a version newer than the chain's counts as the negative difference."""
+    if version > chain[-1]:
+        return chain[-1] - version
+    if version < chain[0]:
+        return len(chain) - 1 + chain[0] - version
+    return len(chain) - bisect.bisect_right(chain, version)
 
 
 def version_dir_name(version: int) -> str:
@@ -592,6 +606,20 @@ class WeightStore:
         """
         row_id = f"{self.prefix}/{version_dir_name(version)}"
         return tables.append("weights", [self.table_row(version)], once=row_id)
+
+    def recent_chain(self, version: int, length: int) -> list[int]:
+        """``version`` and its newest ancestors (its manifest's ``parent``, and so on), ``length``
+        at most, oldest first: what :func:`versions_ahead` counts on."""
+        chain = [version]
+        while len(chain) < length:
+            try:
+                parent = self.manifest(chain[0]).get("parent")
+            except (KeyError, CorruptVersion):  # deleted by retention: numbers count beyond it
+                break
+            if parent is None:
+                break
+            chain.insert(0, parent)
+        return chain
 
     def manifest(self, version: int) -> dict:
         """The parsed manifest of ``version``; ``KeyError`` if it was never completed."""

@@ -164,6 +164,39 @@ def test_a_worker_whose_only_replica_is_too_stale_waits_for_it_to_load_a_version
     assert any("replica torch-0 is healthy again but could not be restored" in m for m in caplog.messages)
 
 
+def test_staleness_counts_the_versions_on_the_newest_ones_chain_as_the_trainer_does(local_store):
+    """Version 3 is trained from version 1 (number 2 was claimed by a publish killed before
+    its manifest): the trainer counts one version newer than 1 on its chain and trains on
+    its tokens, so a replica left on version 1 keeps serving; by the difference of the
+    numbers it was out. Once version 4 follows, it is two behind and leaves service."""
+    weights = WeightStore(local_store)
+    run = RunConfig(engine={"replicas": 1}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 1})
+    ensure_base_version(weights, TINY)
+    worker = make_worker(local_store, run, router=RouterConfig(health_check_s=10.0), max_staleness=1)
+    model, tokenizer = load_policy(weights.load(0))
+
+    async def body() -> list[list[str]]:
+        await worker.start()
+        refusing = {"torch-0": False}
+        refuse_new_versions(worker.engines[0], refusing, [])
+        replicas = []
+        try:
+            publish_policy(weights, model, tokenizer, step=1, parent=0)
+            assert await worker.sync_weights()
+            refusing["torch-0"] = True
+            for version, parent in ((3, 1), (4, 3)):
+                publish_policy(weights, model, tokenizer, step=version, parent=parent, version=version)
+                with pytest.raises(EngineError, match="cannot load"):
+                    await worker.sync_weights()
+                replicas.append(worker.router.replicas)
+        finally:
+            await worker.close()
+        return replicas
+
+    assert asyncio.run(body()) == [["torch-0"], []]
+    assert worker.version == 1
+
+
 def test_a_negative_max_staleness_is_refused(local_store):
     run = RunConfig(orchestrator={"mix": {"arith": 1.0}})
     with pytest.raises(ValueError, match="max_staleness=-1 is negative"):
