@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import errno
 import logging
 import os
 import posixpath
@@ -924,6 +925,8 @@ def abort_stale_uploads(store: RunStore, older_than_s: float) -> list[str]:
     objects, until the upload is aborted. As for :func:`sweep_uncommitted`, an age below
     :data:`MIN_SWEEP_AGE_S` raises ``ValueError`` (a younger upload may be a live writer's);
     an upload that ended meanwhile (completed, or aborted by another sweep) is passed over.
+    A store that refuses the listing (credentials without the permission, a store without
+    multipart uploads) is logged and aborts nothing: the rest of a maintenance still runs.
     """
     if older_than_s < MIN_SWEEP_AGE_S:
         raise ValueError(
@@ -938,7 +941,13 @@ def abort_stale_uploads(store: RunStore, older_than_s: float) -> list[str]:
     aborted = []
     markers: dict[str, str] = {}
     while True:
-        page = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+        try:
+            page = store.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+        except OSError as exc:
+            if not isinstance(exc, PermissionError) and exc.errno != errno.ENOSYS:
+                raise
+            log.warning("cannot list the incomplete uploads of %s, none aborted: %s", store.uri, exc)
+            break
         for upload in page.get("Uploads", []):
             if upload["Initiated"].timestamp() > cutoff:
                 continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import contextvars
+import errno
 import io
 import logging
 import multiprocessing
@@ -1665,6 +1666,31 @@ def test_incomplete_uploads_of_killed_writers_are_aborted_once_old_and_only_unde
     assert abort_stale_uploads(store, older_than_s=3600) == ["shards/raw/w0/00000000.arrow"]
     assert uploads_of(store) == [] and uploads_of(beside) == [other["UploadId"]]
     assert abort_stale_uploads(store, older_than_s=3600) == []
+
+
+@pytest.mark.parametrize(
+    "refusal", [PermissionError("Access Denied"), OSError(errno.ENOSYS, "Not Implemented")]
+)
+def test_a_store_that_refuses_to_list_uploads_aborts_none_and_says_so(
+    s3_server, monkeypatch, caplog, refusal
+):
+    """Credentials without the listing permission (or a store without multipart uploads) failed
+    the maintain flow's step at every run, for an optional clean-up."""
+    store = RunStore(s3_server.config(), f"run-{uuid.uuid4().hex[:12]}")
+    call_s3 = store.fs.call_s3
+
+    def refused(method, *args, **kwargs):
+        if method == "list_multipart_uploads":
+            raise refusal
+        return call_s3(method, *args, **kwargs)
+
+    monkeypatch.setattr(store.fs, "call_s3", refused)
+    with caplog.at_level(logging.WARNING, logger="storage.shards"):
+        assert abort_stale_uploads(store, older_than_s=MIN_SWEEP_AGE_S) == []
+    assert any("cannot list the incomplete uploads" in message for message in caplog.messages)
+    refusal = OSError("the store is down (injected)")
+    with pytest.raises(OSError, match="down"):  # a store that is down is an error of the step
+        abort_stale_uploads(store, older_than_s=MIN_SWEEP_AGE_S)
 
 
 def test_aborting_stale_uploads_of_a_local_run_does_nothing(local_store):
