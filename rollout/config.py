@@ -306,6 +306,13 @@ class GatewayHTTPConfig(BaseModel):
         "(Kubernetes' terminationGracePeriodSeconds, docker stop's --time) with room for the "
         "worker's last commit.",
     )
+    read_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Seconds a harness has to send a request, head and body, once it began it; one still "
+        "sending then is disconnected (a stalled or hostile client holds no connection for ever). Raise it "
+        "for harnesses that write large records over a slow link.",
+    )
     serve_only: bool = Field(
         False,
         description="The worker runs none of its own rollouts (orchestrator.mix): it serves the API and "

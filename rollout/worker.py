@@ -754,6 +754,7 @@ class RolloutWorker:
             sampling=sampling,
             idle_timeout_s=self.http.idle_timeout_s,
             drain_timeout_s=self.http.drain_timeout_s,
+            read_timeout_s=self.http.read_timeout_s,
             write=self._write_harness_records,
             backpressure=self.orchestrator.backpressure,
         ).start()

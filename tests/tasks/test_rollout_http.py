@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -243,6 +244,35 @@ def test_a_worker_cancelled_while_rolling_out_beside_the_server_stops_serving(tm
     asyncio.run(asyncio.wait_for(body(), WAIT_S))
     (shard,) = ShardReader(store, "raw").poll()[0]
     assert shard.num_rows >= 1
+
+
+def test_a_harness_that_does_not_finish_its_request_within_the_runs_read_timeout_is_disconnected(
+    tmp_path, monkeypatch
+):
+    """``gateway_http.read_timeout_s`` bounds a stalled client: the worker's server had the
+    server's own default (60 s) whatever the run set."""
+    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
+    run, store = serving_run(tmp_path, 0, serve_only=True, read_timeout_s=0.5)
+    worker = make_worker(store, run, http=run.gateway_http)
+
+    async def body():
+        await worker.start()
+        running = asyncio.create_task(worker.run())
+        try:
+            await until(lambda: worker.http_server is not None, "the worker to serve")
+            host, port = urllib.parse.urlsplit(worker.http_server.url).netloc.split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: gateway\r\n")  # and no more
+            await writer.drain()
+            # the test's own bound, far past the run's timeout and far below the default
+            assert await asyncio.wait_for(reader.read(), 20) == b""
+            writer.close()
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await worker.close()
+
+    asyncio.run(asyncio.wait_for(body(), WAIT_S))
 
 
 def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_path, monkeypatch):
