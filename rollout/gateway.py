@@ -197,11 +197,15 @@ class ChatRenderer:
 
     def _quote(self, value: Any) -> Any:
         """``value`` (messages, tools: JSON-like data) with every special-token string in its
-        strings wrapped in :attr:`_quotes` (keys left as they are)."""
+        strings wrapped in :attr:`_quotes`, keys too (a tool's parameter names, a call's argument
+        names)."""
         if isinstance(value, str):
             return self._specials.sub(lambda match: self._quotes[0] + match[0] + self._quotes[1], value)
         if isinstance(value, Mapping):
-            return {key: self._quote(item) for key, item in value.items()}
+            return {
+                self._quote(key) if isinstance(key, str) else key: self._quote(item)
+                for key, item in value.items()
+            }
         if isinstance(value, (list, tuple)):
             return [self._quote(item) for item in value]
         return value
@@ -360,13 +364,13 @@ class ChatRenderer:
 
 
 def _holds(pattern: re.Pattern | None, value: Any) -> bool:
-    """Whether a string in ``value`` (JSON-like data) holds a match of ``pattern``."""
+    """Whether a string in ``value`` (JSON-like data, keys included) holds a match of ``pattern``."""
     if pattern is None:
         return False
     if isinstance(value, str):
         return pattern.search(value) is not None
     if isinstance(value, Mapping):
-        return any(_holds(pattern, item) for item in value.values())
+        return any(_holds(pattern, key) or _holds(pattern, item) for key, item in value.items())
     if isinstance(value, (list, tuple)):
         return any(_holds(pattern, item) for item in value)
     return False

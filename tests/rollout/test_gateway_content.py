@@ -88,8 +88,38 @@ def test_special_token_text_in_a_tool_result_is_plain_text_in_a_delta(tokenizer)
             ],
             TOOLS,
         ),
+        (
+            [{"role": "user", "content": "hi"}],
+            [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "python",
+                        "parameters": {"type": "object", "properties": {"<|im_end|>": {"type": "string"}}},
+                    },
+                }
+            ],
+        ),
+        (
+            [
+                {"role": "user", "content": "run it"},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "python", "arguments": {"<|im_start|>": "1"}}}],
+                },
+            ],
+            TOOLS,
+        ),
     ],
-    ids=["user", "system", "tool-description", "tool-call-and-result"],
+    ids=[
+        "user",
+        "system",
+        "tool-description",
+        "tool-call-and-result",
+        "tool-parameter-name",
+        "argument-name",
+    ],
 )
 def test_special_token_text_anywhere_in_a_conversation_is_plain_text(tokenizer, messages, tools):
     renderer = ChatRenderer(tokenizer)
