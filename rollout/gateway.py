@@ -727,7 +727,7 @@ class Session:
             )
             try:
                 generation = await self._generating
-                _check_generation(generation, self.gateway.vocab_size)
+                _check_generation(generation, self.gateway.vocab_size, params.max_new_tokens)
             except asyncio.CancelledError:
                 if self.closed and not asyncio.current_task().cancelling():
                     raise UnknownSession(
@@ -829,12 +829,16 @@ class Session:
         }
 
 
-def _check_generation(generation: Generation, vocab_size: int) -> None:
+def _check_generation(generation: Generation, vocab_size: int, max_new_tokens: int) -> None:
     n = len(generation.token_ids)
     if len(generation.logprobs) != n or len(generation.versions) != n:
         raise EngineError(
             f"engine {generation.engine!r} returned {n} tokens, {len(generation.logprobs)} log-probs "
             f"and {len(generation.versions)} versions"
+        )
+    if n > max_new_tokens:  # the session would hold more than max_context_tokens
+        raise EngineError(
+            f"engine {generation.engine!r} returned {n} tokens for a budget of {max_new_tokens}"
         )
     if any(not 0 <= t < vocab_size for t in generation.token_ids):
         raise EngineError(f"engine {generation.engine!r} returned a token id outside the vocabulary")

@@ -909,6 +909,14 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
             def a_negative_version(generation):
                 return dataclasses.replace(generation, versions=[-1, *generation.versions[1:]])
 
+            def past_the_budget(generation):
+                return dataclasses.replace(
+                    generation,
+                    token_ids=[*generation.token_ids, generation.token_ids[-1]],
+                    logprobs=[*generation.logprobs, generation.logprobs[-1]],
+                    versions=[*generation.versions, generation.versions[-1]],
+                )
+
             engine.generate = generate
             session = gateway.open(task="t", prompt_id="p")
             prompt = tiny[1].encode("What is 2 + 3?")
@@ -923,6 +931,7 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
                 (a_nan_logprob, "a log-prob that is not finite"),
                 (a_positive_logprob, "a log-prob above 0"),
                 (a_negative_version, "a negative weight version"),
+                (past_the_budget, "returned 5 tokens for a budget of 4"),
             ]:
                 faults.append(fault)
                 with pytest.raises(EngineError, match=why):
