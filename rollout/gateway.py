@@ -836,6 +836,8 @@ def _check_generation(generation: Generation, vocab_size: int, max_new_tokens: i
             f"engine {generation.engine!r} returned {n} tokens, {len(generation.logprobs)} log-probs "
             f"and {len(generation.versions)} versions"
         )
+    if not n:  # the next delta would follow the turn's prompt, leaving its assistant turn unclosed
+        raise EngineError(f"engine {generation.engine!r} returned no tokens")
     if n > max_new_tokens:  # the session would hold more than max_context_tokens
         raise EngineError(
             f"engine {generation.engine!r} returned {n} tokens for a budget of {max_new_tokens}"

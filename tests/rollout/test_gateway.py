@@ -909,6 +909,9 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
             def a_negative_version(generation):
                 return dataclasses.replace(generation, versions=[-1, *generation.versions[1:]])
 
+            def no_tokens(generation):
+                return dataclasses.replace(generation, token_ids=[], logprobs=[], versions=[])
+
             def past_the_budget(generation):
                 return dataclasses.replace(
                     generation,
@@ -931,6 +934,7 @@ def test_a_failed_or_malformed_engine_turn_is_an_engine_error_the_session_record
                 (a_nan_logprob, "a log-prob that is not finite"),
                 (a_positive_logprob, "a log-prob above 0"),
                 (a_negative_version, "a negative weight version"),
+                (no_tokens, "returned no tokens"),
                 (past_the_budget, "returned 5 tokens for a budget of 4"),
             ]:
                 faults.append(fault)
