@@ -32,9 +32,10 @@ whose output the gateway rejects (a malformed message, a token outside the vocab
 whose reward or progress the record cannot hold (not a number, not finite, no reward,
 progress outside [0, 1]), is ``env_error``; running out of the time budget is ``timeout``
 (a stage whose env call returns past it included: one that blocked the event loop, or went
-on when cancelled); running out of turns or context is ``truncated``. The record's ``error``
-says why (``None`` for ``ok``, and for a truncation at ``max_turns`` or the token budget, which
-the status and the record's turns and tokens say): the reason the warning of an ``env_error``
+on when cancelled; and one that, cancelled at it, raised an error of its own instead);
+running out of turns or context is ``truncated``. The record's ``error`` says why (``None``
+for ``ok``, and for a truncation at ``max_turns`` or the token budget, which the status and
+the record's turns and tokens say): the reason the warning of an ``env_error``
 or ``infra_error`` gives, credentials masked and cut to ``storage.schema.MAX_ERROR_CHARS``.
 
 An env's calls run on the service's event loop, so one that blocks inside its async code
@@ -567,8 +568,10 @@ class RolloutService:
             try:
                 async with asyncio.timeout(remaining) as clock.deadline:
                     result = await work()
-            except TimeoutError as exc:
-                if not clock.deadline.expired():  # the env's own timeout (a tool's): its error
+            except Exception as exc:
+                # past the deadline, what the work raised came of its cancel (a TimeoutError, or
+                # an env's own error in its place); before it, a TimeoutError is the env's own
+                if not clock.deadline.expired():
                     raise
                 raise RolloutTimeout(past) from exc
             # work that held the event loop past the deadline, or went on when cancelled at it

@@ -1685,3 +1685,49 @@ def test_a_rollout_out_of_turns_is_truncated_after_max_turns_and_still_scored(ti
     assert (result.status, result.turns, result.reward, result.progress) == ("truncated", 3, 0.25, 0.5)
     assert (result.record["reward"], result.record["progress"]) == (0.25, 0.5)
     validate(to_table([result.record]))
+
+
+class RaisesWhenCutEnv(ArithEnv):
+    """``arith`` whose ``hangs`` call waits for ever and, cancelled at the budget, raises an
+    error of its own instead of the cancel (a client that turns a cancel into its own error)."""
+
+    name = "arith"
+    hangs = "reset"
+
+    async def _hang(self) -> None:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            raise RuntimeError("connection closed while waiting for the command") from None
+
+    async def reset(self, task: Task):
+        if self.hangs == "reset":
+            await self._hang()
+        return await super().reset(task)
+
+    async def step(self, action: str) -> StepResult:
+        if self.hangs == "step":
+            await self._hang()
+        return await super().step(action)
+
+
+@pytest.mark.parametrize("hangs", ["reset", "step"])
+def test_an_env_that_raises_its_own_error_when_cut_at_the_budget_is_a_timeout(tiny, hangs):
+    # an env_error would leave the hang out of training; a timeout trains it as a failure
+    def make_env(task):
+        env = RaisesWhenCutEnv()
+        env.hangs = hangs
+        return env
+
+    async def body():
+        config = ServiceConfig(timeout_s=1.0, max_new_tokens=4)
+        async with running_service(tiny, config, make_env=make_env) as service:
+            return await service.process(RolloutRequest(task=arith_task()))
+
+    result = asyncio.run(body())
+    stage = "init" if hangs == "reset" else "run"
+    assert (result.status, result.reward, result.error) == (
+        "timeout",
+        None,
+        f"{stage} ran past the rollout's 1 s budget",
+    )
