@@ -678,6 +678,9 @@ class RolloutService:
             status, error = "env_error", f"CancelledError during {stage}, not from a cancel of the rollout"
         except Exception as exc:  # an environment's own bug must not take the worker down
             status, error = "env_error", f"{type(exc).__name__} during {stage}: {exc}"
+        except BaseException:  # not an env's failure to classify, but its env and session still close
+            await self._cleanup(env, state["session"], request, actions)
+            raise
         if error is not None:
             server = self._gateway_server
             error = error_text(error, [*self.secrets, server.token if server is not None else None])

@@ -1731,3 +1731,38 @@ def test_an_env_that_raises_its_own_error_when_cut_at_the_budget_is_a_timeout(ti
         None,
         f"{stage} ran past the rollout's 1 s budget",
     )
+
+
+class Abort(BaseException):
+    """Not an ``Exception``: what a library's own control flow may raise (a foreign cancel, an exit)."""
+
+
+class AbortingEnv(ArithEnv):
+    """``arith`` whose step raises :class:`Abort`; records its close."""
+
+    name = "arith"
+    closed = False
+
+    async def step(self, action: str) -> StepResult:
+        raise Abort("stop everything")
+
+    async def close(self) -> None:
+        self.closed = True
+        await super().close()
+
+
+def test_an_env_that_raises_a_base_exception_still_has_its_env_and_session_closed(tiny):
+    # left open, its sandbox and its gateway session (the engine's cache of it) would be held for ever
+    env = AbortingEnv()
+
+    async def body():
+        config = ServiceConfig(max_new_tokens=4)
+        async with running_service(tiny, config, make_env=lambda task: env) as service:
+            outcome = await asyncio.gather(
+                service.process(RolloutRequest(task=arith_task())), return_exceptions=True
+            )
+            return outcome[0], service.gateway.sessions, service.status()["in_flight"]
+
+    outcome, sessions, in_flight = asyncio.run(body())
+    assert isinstance(outcome, Abort)
+    assert env.closed and sessions == [] and in_flight == 0
