@@ -14,6 +14,7 @@ import logging
 import posixpath
 import re
 import secrets
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -217,6 +218,14 @@ class Tables:
         self._options = store.config.delta_options()
         self._for_append: dict[str, tuple[DeltaTable, int]] = {}
         """Per table, the snapshot the last append left and how many appends it has served."""
+        self._writer = secrets.token_hex(8)
+
+    def _writer_id(self) -> str:
+        """The ``txn`` app id of this object's appends on the calling thread. Not one per
+        append, so that a table's log holds one entry per writer; not one per process, so
+        that two writers (two objects, or one on two threads) never conflict with each
+        other's commits: their appends rebase onto them, as without it."""
+        return f"treadle-append/{self._writer}/{threading.get_ident()}"
 
     def uri(self, name: str) -> str:
         """URL of table ``name`` (what deltalake, duckdb or Spark are given)."""
@@ -238,13 +247,22 @@ class Tables:
         own, so a retry that finds the id committed by this very call (its reply lost) says
         the rows were appended.
 
+        Every commit also carries this writer's own ``txn`` (:meth:`_writer_id`, with the
+        call's number): when the store lost the reply to a commit that landed, deltalake's
+        retry finds the commit there and, without it, took it for another writer's and
+        committed the same data file again, which the change feed (:meth:`changes`) then read
+        twice. With it that retry conflicts, and the next attempt finds the call's number.
+
         A table created by an older treadle is brought up to the canonical schema first (see
         :meth:`_upgrade`)."""
         table = conform(name, rows)
         if table.num_rows == 0:
             return False
         nonce = secrets.randbits(63)
-        transactions = [] if once is None else [Transaction(app_id=once, version=nonce)]
+        writer = self._writer_id()
+        transactions = [Transaction(app_id=writer, version=nonce)]
+        if once is not None:
+            transactions.append(Transaction(app_id=once, version=nonce))
         for attempt in range(1, COMMIT_ATTEMPTS + 1):
             # The snapshot loaded for the last append is reused (deltalake moves it to its
             # own commit and rebases onto commits of other writers, which saves a log
@@ -262,6 +280,9 @@ class Tables:
             if found is not None:
                 self._for_append[name] = (snapshot, served)
                 return found == nonce
+            if attempt > 1 and snapshot is not None and snapshot.transaction_version(writer) == nonce:
+                self._for_append[name] = (snapshot, served)
+                return True
             target = snapshot or self.uri(name)
             try:
                 write_deltalake(

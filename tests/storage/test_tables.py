@@ -1310,3 +1310,23 @@ def test_rows_appended_once_whose_commit_reply_was_lost_say_they_were_appended(s
     assert sorted(Tables(RunStore(config, run_id)).read("weights").column("version").to_pylist()) == [0, 1]
     assert appended
     assert not Tables(RunStore(config, run_id)).append("weights", [weight_row(0)], once="weights/v000000")
+
+
+def test_rows_whose_commit_reply_was_lost_are_in_the_change_feed_once(s3_server):
+    """The store client retries a commit PUT answered with a 5xx after it landed; deltalake
+    takes the commit it finds for another writer's and commits the same data file again at
+    the next version. A snapshot lists the file once, but the change feed read it from both
+    commits: the processor and the trainer saw those rows twice."""
+    config = s3_server.config()
+    run_id = f"run-{os.urandom(6).hex()}"
+    Tables(RunStore(config, run_id)).append("weights", [weight_row(1)])
+    LosesACommitsReply.lost = 0
+    with proxying(LosesACommitsReply, s3_server.endpoint_url) as endpoint:
+        proxied = config.model_copy(update={"endpoint_url": endpoint, "retries": 1})
+        assert Tables(RunStore(proxied, run_id)).append("weights", [weight_row(0)])
+    assert LosesACommitsReply.lost == 1
+    tables = Tables(RunStore(config, run_id))
+    assert sorted(tables.read("weights").column("version").to_pylist()) == [0, 1]
+    changed, latest = tables.changes("weights", after=0)
+    assert changed.column("version").to_pylist() == [0]
+    assert changed.column("_commit_version").to_pylist() == [1]
