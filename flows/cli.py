@@ -635,6 +635,18 @@ def _stop_server(server: subprocess.Popen) -> None:
             server.wait()
 
 
+def _port(text: str) -> int:
+    """``--port``'s value: a TCP port a server can listen on and its URL name (not 0, which
+    has the system pick one)."""
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{text} is no TCP port: give one from 1 to 65535")
+    return port
+
+
 def _ui(args) -> None:
     from flows.demo import UI_URL
 
@@ -729,7 +741,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Start a Prefect server and its UI; runs reach it through PREFECT_API_URL.",
     )
     ui.add_argument("--host", default="127.0.0.1", help="Address to listen on (default: 127.0.0.1).")
-    ui.add_argument("--port", type=int, default=4200, help="Port to listen on (default: 4200).")
+    ui.add_argument("--port", type=_port, default=4200, help="Port to listen on (default: 4200).")
     ui.set_defaults(handler=_ui)
     return parser
 

@@ -1174,6 +1174,23 @@ def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, 
     )
 
 
+@pytest.mark.parametrize("port", ["99999", "-1", "0", "http"])
+def test_ui_on_a_port_that_cannot_be_listened_on_is_a_usage_error_before_its_server_starts(
+    port, monkeypatch, capsys
+):
+    """A port past 65535 reached the Prefect server, whose start failed with an
+    ``OverflowError`` traceback after the line that gave its URL; port 0 had it listen on a
+    port of the system's choosing that the URL printed does not name."""
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("the server started"))
+    with pytest.raises(SystemExit) as failed:
+        main(["ui", "--port", port])
+    out, err = capsys.readouterr()
+    assert failed.value.code == 2 and out == ""
+    assert err.splitlines()[-1] == (
+        f"treadle ui: error: argument --port: {port} is no TCP port: give one from 1 to 65535"
+    )
+
+
 FAKE_SERVER = """
 import signal, sys, time
 
