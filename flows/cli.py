@@ -404,6 +404,10 @@ def _sql(args) -> None:
         if result.description is None:  # a statement without a result set
             return
         rows = result.fetchall()
+    except RuntimeError as exc:
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # duckdb's "Query interrupted" on Ctrl-C
+            raise KeyboardInterrupt from None
+        raise
     except duckdb.Error as exc:
         # duckdb's delta extension quotes a refused request's body, in which AWS echoes the
         # key id and the session token (what Tables masks in deltalake's errors)
@@ -684,6 +688,9 @@ def main(argv: list[str] | None = None) -> None:
         # command killed by SIGPIPE; stdout goes to devnull so the exit's flush is silent
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise SystemExit(128 + signal.SIGPIPE) from None
+    except KeyboardInterrupt:  # Ctrl-C while a command reads a run (a flow's own says so itself)
+        print("stopped by SIGINT", file=sys.stderr)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -1129,6 +1129,53 @@ def test_output_into_a_closed_pipe_ends_quietly_as_if_killed_by_sigpipe(local_st
         assert (result.returncode, result.stderr) == (128 + signal.SIGPIPE, b"")
 
 
+def test_sql_stopped_by_ctrl_c_ends_with_one_line_and_the_status_of_an_interrupted_command(
+    local_store, capfd, monkeypatch
+):
+    """Ctrl-C on a query that runs long: duckdb interrupted it and treadle ended with a
+    ``KeyboardInterrupt`` then ``RuntimeError: Query interrupted`` traceback, status 1. The
+    query here never ends, so the signal reaches it wherever the command then is."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    ctrl_c = threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT))
+    ctrl_c.start()
+    try:
+        result = treadle_here(
+            capfd, monkeypatch, "sql", *run, "SELECT sum(hash(range)) FROM range(1e15::BIGINT)"
+        )
+    except KeyboardInterrupt:  # not pytest's to take: it would stop the session
+        pytest.fail("the interrupt left treadle as a KeyboardInterrupt")
+    finally:
+        ctrl_c.cancel()
+    assert (result.returncode, result.stdout, result.stderr) == (
+        128 + signal.SIGINT,
+        "",
+        "stopped by SIGINT\n",
+    )
+
+
+def test_inspect_stopped_by_ctrl_c_ends_with_one_line_and_the_status_of_an_interrupted_command(
+    local_store, capfd, monkeypatch
+):
+    """As on a store that is slow to answer: a ``KeyboardInterrupt`` traceback, status 130."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+
+    def ctrl_c(store):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("flows.cli.inspect_run", ctrl_c)
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    try:
+        result = treadle_here(capfd, monkeypatch, "inspect", *run)
+    except KeyboardInterrupt:  # not pytest's to take: it would stop the session
+        pytest.fail("the interrupt left treadle as a KeyboardInterrupt")
+    assert (result.returncode, result.stdout, result.stderr) == (
+        128 + signal.SIGINT,
+        "",
+        "stopped by SIGINT\n",
+    )
+
+
 def test_inspect_marks_the_versions_maintain_pruned(local_store):
     weights = WeightStore(local_store)
     for step in range(4):
