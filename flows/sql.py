@@ -14,7 +14,7 @@ import glob
 import json
 import math
 import os
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import numpy as np
@@ -165,7 +165,8 @@ def field_text(value, kind) -> str:
     another tool reads as it is (Python's repr quoted strings with ``'`` and wrote ``None``); a
     FLOAT with the digits it holds (duckdb hands one over widened to a double: 0.43 as
     0.4300000071525574); NaN and the infinities as inside JSON (``NaN``, ``Infinity``,
-    ``-Infinity``, which ``float`` and duckdb's casts read too), not Python's ``nan``."""
+    ``-Infinity``, which ``float`` and duckdb's casts read too), not Python's ``nan``; a
+    negative interval with a minus sign."""
     if value is None:
         return ""
     if isinstance(value, list | tuple | dict):
@@ -176,6 +177,8 @@ def field_text(value, kind) -> str:
         return json.dumps(value)
     if isinstance(value, float) and kind is not None and kind.id == "float":
         return str(np.float32(value))
+    if isinstance(value, timedelta) and value < timedelta(0):
+        return f"-{-value}"  # Python writes 35 s back as "-1 day, 23:59:25"
     return str(value)
 
 

@@ -1006,6 +1006,17 @@ def test_sql_prints_a_null_as_an_empty_field(local_store):
     assert result.stdout == "task\treward\tstatus\ncode\t\tenv_error\n"
 
 
+def test_sql_prints_a_negative_interval_with_a_minus_sign_not_as_a_day_back_and_hours_on(local_store):
+    """The time from a later row to an earlier one, 35 seconds back, printed as Python writes
+    a negative ``timedelta``: ``-1 day, 23:59:25``."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    query = "SELECT INTERVAL '-35 seconds' AS back, INTERVAL '90 minutes' AS ahead, [INTERVAL '-2 days'] AS listed"
+    result = treadle("sql", *run, query)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == 'back\tahead\tlisted\n-0:00:35\t1:30:00\t"[""-2 days, 0:00:00""]"\n'
+
+
 def test_sql_prints_timestamps_in_utc_marked_as_inspect_does_whatever_the_machines_time_zone(local_store):
     """On a machine in São Paulo (UTC-3), a version published at midnight UTC on New Year's Day
     printed as 21:00 the day before with a bare ``-03:00``, and its day in SQL was the 31st,
