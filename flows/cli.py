@@ -411,13 +411,28 @@ def _sql(args) -> None:
     except duckdb.Error as exc:
         # duckdb's delta extension quotes a refused request's body, in which AWS echoes the
         # key id and the session token (what Tables masks in deltalake's errors)
-        raise SystemExit(f"error: {store.config.redacted(str(exc))}") from None
+        raise SystemExit(f"error: {store.config.redacted(_run_tables_guessed(str(exc)))}") from None
     except (OSError, DeltaError) as exc:  # the store refused the views' look at a table (masked)
         raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None
     print("\t".join(_tsv_field(d[0]) for d in result.description))
     kinds = [d[1] for d in result.description]
     for row in rows:
         print("\t".join(_tsv_field(field_text(v, kind)) for v, kind in zip(row, kinds, strict=True)))
+
+
+def _run_tables_guessed(message: str) -> str:
+    """duckdb's ``message``, where it is for a table it lacks and its guess of the name meant
+    is no table or view of the run (one of duckdb's own: ``steps`` got "Did you mean
+    "sqlite_temp_schema"?"), with the run's tables and views in place of the guess."""
+    guess = re.search(r'\nDid you mean "([^"]*)"\?', message)
+    if (
+        not message.startswith("Catalog Error: Table with name ")
+        or guess is None
+        or guess[1] in TABLES + VIEWS
+    ):
+        return message
+    listed = f"\nThe run's tables: {', '.join(TABLES)}; views: {', '.join(VIEWS)}"
+    return message.replace(guess[0], listed, 1)
 
 
 def _tsv_field(text: str) -> str:

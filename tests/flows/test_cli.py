@@ -936,6 +936,21 @@ def test_sql_on_a_table_the_run_lacks_names_no_python_object_of_treadle(local_st
         )
 
 
+def test_sql_on_a_table_the_run_lacks_names_the_runs_tables_not_a_duckdb_system_view(local_store):
+    """duckdb guesses the nearest name among its own catalog too: ``steps`` got "Did you mean
+    "sqlite_temp_schema"?". Its guess stays where it names one of the run's tables."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    unlike = treadle("sql", *run, "SELECT * FROM steps")
+    assert unlike.returncode == 1 and "sqlite_temp_schema" not in unlike.stderr, unlike.stderr
+    assert unlike.stderr.splitlines()[:2] == [
+        "error: Catalog Error: Table with name steps does not exist!",
+        f"The run's tables: {', '.join(TABLES)}; views: {', '.join(VIEWS)}",
+    ]
+    typo = treadle("sql", *run, "SELECT * FROM trajectory")
+    assert typo.returncode == 1 and typo.stderr.splitlines()[1] == 'Did you mean "trajectories"?', typo.stderr
+
+
 def test_sql_with_more_than_one_statement_is_an_error_not_the_last_ones_rows(local_store):
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
