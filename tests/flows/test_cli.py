@@ -1160,19 +1160,33 @@ def test_sql_stopped_by_ctrl_c_ends_with_one_line_and_the_status_of_an_interrupt
 ):
     """Ctrl-C on a query that runs long: duckdb interrupted it and treadle ended with a
     ``KeyboardInterrupt`` then ``RuntimeError: Query interrupted`` traceback, status 1. The
-    query here never ends, so the signal reaches it wherever the command then is."""
+    query here never ends; the signal is sent once treadle has set its views up and asks
+    for the query."""
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
-    ctrl_c = threading.Timer(1, os.kill, (os.getpid(), signal.SIGINT))
-    ctrl_c.start()
+    endless = "SELECT sum(hash(range)) FROM range(1e15::BIGINT)"
+    connect_views = importlib.import_module("flows.sql").connect
+
+    class Interrupted:
+        def __init__(self, connection):
+            self.connection = connection
+
+        def __getattr__(self, name):
+            return getattr(self.connection, name)
+
+        def execute(self, query, *args):
+            if query == endless:
+                threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return self.connection.execute(query, *args)
+
+    monkeypatch.setattr("flows.sql.connect", lambda store: Interrupted(connect_views(store)))
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        result = treadle_here(
-            capfd, monkeypatch, "sql", *run, "SELECT sum(hash(range)) FROM range(1e15::BIGINT)"
-        )
+        result = treadle_here(capfd, monkeypatch, "sql", *run, endless)
     except KeyboardInterrupt:  # not pytest's to take: it would stop the session
         pytest.fail("the interrupt left treadle as a KeyboardInterrupt")
     finally:
-        ctrl_c.cancel()
+        signal.signal(signal.SIGINT, before)
     assert (result.returncode, result.stdout, result.stderr) == (
         128 + signal.SIGINT,
         "",
