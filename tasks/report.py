@@ -249,9 +249,10 @@ def curves_png(steps, evals) -> bytes:
     step = steps.column("step").to_pylist()
     axes[0].plot(step, steps.column("reward_mean").to_pylist(), marker=".")
     axes[0].set(title="reward of the trained data", xlabel="policy step")
-    axes[1].plot(step, steps.column("policy_loss").to_pylist(), label="policy")
+    # marked: a line through one step's point draws nothing
+    axes[1].plot(step, steps.column("policy_loss").to_pylist(), marker=".", label="policy")
     if steps.column("value_loss").null_count < steps.num_rows:  # GRPO has no critic: no line to name
-        axes[1].plot(step, steps.column("value_loss").to_pylist(), label="value")
+        axes[1].plot(step, steps.column("value_loss").to_pylist(), marker=".", label="value")
     axes[1].set(title="losses", xlabel="policy step")
     axes[1].legend()
     envs = sorted(set(evals.column("env").to_pylist()))

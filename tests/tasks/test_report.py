@@ -349,3 +349,22 @@ def test_a_version_evaluated_twice_is_shown_once_by_its_latest_measurement(tmp_p
     assert list(line.get_xdata()) == [0, 1] and list(line.get_ydata()) == [0.125, 0.5]
     report.report_evals(config)
     assert made[key] == shown
+
+
+def test_a_run_of_one_policy_step_shows_its_losses_as_points(tmp_path, monkeypatch):
+    """A line through one point draws nothing: the losses of a run of one step were an empty
+    plot beside its reward's point."""
+    config = tiny_config(tmp_path / "runs", "one-step")
+    tables = Tables(run_store(config))
+    tables.append("train_steps", [step_row(1)])
+    tables.append("weights", [version_row(1)])
+    monkeypatch.setattr(report, "create_table_artifact", lambda rows, key, description: None)
+    monkeypatch.setattr(report, "create_markdown_artifact", lambda text, key, description: None)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+
+    report.report_run(config)
+
+    (losses,) = [axes for axes in figures[0].axes if axes.get_title() == "losses"]
+    assert [line.get_label() for line in losses.get_lines()] == ["policy", "value"]
+    assert all(line.get_marker() not in (None, "None", "", " ") for line in losses.get_lines())
