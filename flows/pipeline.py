@@ -294,7 +294,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
                 ],
             )
             generated, processed, trained = _wind_down(config, signals, *runs)
-        if not trained["steps"]:
+        if not trained["new_steps"]:
             logger.warning(untrained_warning(generated, config.gateway_http))
         after = evaluate_task(config, reuse=True)
         report_task(config)

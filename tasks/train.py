@@ -98,6 +98,9 @@ def run_trainer(
     them once the trainer is loaded, its status kept fresh while it waits), ``stop`` or
     ``stop.max_policy_steps`` — or, with ``drain`` (or once ``drain_event`` is set), until
     no processed shard is waiting; the steps since the last version are published at the end.
+    Returns the policy step counter at the stop (``steps``: the run's, the steps of the version
+    it resumed from included), the steps this call took (``new_steps``), the versions it
+    published and why it stopped.
 
     Elastic capacity: an :class:`ElasticPlanner` (default: ``config.elastic_settings()``)
     decides over the rollout workers' engine replicas, named from the status objects they
@@ -360,6 +363,7 @@ def run_trainer(
 
     reporter = threading.Thread(target=report_queue, name="trainer-status", daemon=True)
     reporter.start()
+    resumed_at = trainer.step
     try:
         summary = trainer.run(
             max_seconds=max(end - time.time(), 0.0),
@@ -389,7 +393,12 @@ def run_trainer(
             f"{role.taken}; it stopped at policy step {summary.steps}, and what it trained since its "
             "last version is left to the other"
         )
-    return {"steps": summary.steps, "versions": summary.versions, "stop_reason": summary.stop_reason}
+    return {
+        "steps": summary.steps,
+        "new_steps": summary.steps - resumed_at,
+        "versions": summary.versions,
+        "stop_reason": summary.stop_reason,
+    }
 
 
 @task(name="train", **SIDE_EFFECTS, **STORAGE_RETRIES)

@@ -774,6 +774,45 @@ def test_a_ray_pipeline_run_on_a_cuda_device_the_machine_lacks_fails_before_the_
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+def test_a_rerun_whose_trainer_took_no_step_is_warned_though_the_runs_step_counter_is_not_zero(
+    tmp_path, prefect_api, monkeypatch, caplog
+):
+    """The train task's ``steps`` is the run's counter, the steps of the version it resumed from
+    included: a rerun that trained nothing ended at that step and was never warned."""
+    from prefect import task
+    from prefect.cache_policies import NO_CACHE
+
+    import tasks.process
+    import tasks.rollout
+    import tasks.train
+    import tasks.weights
+
+    orchestrator = {"finished": 8, "written": 8, "groups_kept": 0, "groups_filtered": 0}
+
+    @task(cache_policy=NO_CACHE)
+    def rollouts(config, signals: str) -> dict:
+        return {"orchestrator": orchestrator, "harness_records": 0}
+
+    @task(cache_policy=NO_CACHE)
+    def process_shards(config, signals: str) -> dict:
+        return {}
+
+    @task(cache_policy=NO_CACHE)
+    def train(config, signals: str) -> dict:
+        return {"steps": 3, "new_steps": 0, "versions": [], "stop_reason": "drained"}
+
+    monkeypatch.setattr(tasks.rollout, "rollouts", rollouts)
+    monkeypatch.setattr(tasks.process, "process_shards", process_shards)
+    monkeypatch.setattr(tasks.train, "train", train)
+    monkeypatch.setattr(tasks.weights, "warm_start", lambda config: None)
+    monkeypatch.setattr(tasks.weights, "evaluate_task", lambda config, reuse: {"version": 3, "reward": {}})
+    monkeypatch.setattr(pipeline_module, "report_task", lambda config: None)
+    with caplog.at_level("WARNING"):
+        result = pipeline_module.pipeline(tiny_config(tmp_path / "runs", "rerun-untrained"))
+    assert result["trained"]["steps"] == 3
+    assert any(m.startswith("no policy step: the trainer got too little") for m in caplog.messages)
+
+
 def test_the_warning_of_a_run_that_took_no_policy_step_tells_the_groups_dropped_for_equal_rewards():
     """A GRPO run whose untrained policy failed every task (12844 rollouts, all 3211 groups
     dropped for equal rewards) logged "Policy steps: 0" and ended Completed, with no word why."""

@@ -80,3 +80,18 @@ def test_a_version_is_announced_when_published_not_at_the_next_step(tmp_path, mo
     monkeypatch.setattr(Trainer, "ingest", real_ingest)
     assert run_trainer(run, time.time() + 600, drain=True, on_publish=announced.append)["versions"] == []
     assert announced == [0, 1]
+
+
+def test_a_rerun_that_trains_nothing_says_it_took_no_step(tmp_path):
+    """``steps`` is the run-wide counter: a second flow run over a run whose data is all
+    consumed reported step 1 though it trained nothing, and the pipeline's check for no step
+    (``not steps``) never warned."""
+    run = RunConfig(run_id="rerun", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 4, seed=1), per_shard=4)
+    first = run_trainer(run, time.time() + 600, drain=True)
+    assert (first["steps"], first["new_steps"], first["versions"]) == (1, 1, [1])
+
+    again = run_trainer(run, time.time() + 600, drain=True)
+    assert (again["steps"], again["new_steps"], again["versions"]) == (1, 0, [])
