@@ -351,12 +351,18 @@ class RunConfig(BaseModel):
                 f"keep at most {turns - 2}"
             )
         rollouts, group = self.stop.max_rollouts, self.orchestrator.group_size
-        if rollouts is not None and self.gateway_http.serve_only:
-            raise ValueError(
-                f"stop.max_rollouts ({rollouts}) counts the workers' own rollouts, and with gateway_http.serve_only "
-                "they run none (a harness's records are not counted): the run would never reach it; stop it with "
-                "stop.max_seconds or stop.max_policy_steps"
-            )
+        limits = {
+            "stop.max_rollouts": rollouts,
+            "orchestrator.max_rollouts": self.orchestrator.max_rollouts,
+            "orchestrator.target_groups": self.orchestrator.target_groups,
+        }
+        for field, limit in limits.items():
+            if limit is not None and self.gateway_http.serve_only:
+                raise ValueError(
+                    f"{field} ({limit}) counts the workers' own rollouts, and with gateway_http.serve_only "
+                    "they run none (a harness's records are not counted): the run would never reach it; stop "
+                    "it with stop.max_seconds or stop.max_policy_steps"
+                )
         if self.sao.mode == "grpo" and group == 1:
             raise ValueError(
                 "sao.mode: 'grpo' takes each rollout's reward less its group's mean, and with "

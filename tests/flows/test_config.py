@@ -290,6 +290,34 @@ def test_a_run_of_exactly_one_group_loads():
     assert (config.orchestrator.group_size, config.stop.max_rollouts) == (4, 4)
 
 
+SERVE_ONLY = {"gateway_http": {"port": 0, "serve_only": True}}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        ({"stop": {"max_rollouts": 64}}, "stop.max_rollouts (64) counts the workers' own rollouts"),
+        # the orchestrator's own limit and its group target went unchecked: neither is reached either
+        (
+            {"orchestrator": {"max_rollouts": 64}},
+            "orchestrator.max_rollouts (64) counts the workers' own rollouts",
+        ),
+        (
+            {"orchestrator": {"group_size": 2, "target_groups": 8}, "sao": {"mode": "grpo"}},
+            "orchestrator.target_groups (8) counts the workers' own rollouts",
+        ),
+    ],
+)
+def test_a_rollout_limit_of_a_worker_that_serves_only_is_refused_naming_it(overrides, said):
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        load_config(TINY, SERVE_ONLY | overrides)
+
+
+def test_a_worker_that_serves_only_loads_with_a_stop_it_reaches():
+    config = load_config(TINY, SERVE_ONLY | {"stop": {"max_policy_steps": 3}})
+    assert config.gateway_http.serve_only and config.stop.max_policy_steps == 3
+
+
 def test_a_config_that_is_not_utf8_fails_naming_the_file(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("run_id: d\xe9mo\n".encode("latin-1"))
