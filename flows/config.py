@@ -336,11 +336,12 @@ class RunConfig(BaseModel):
                 "vLLM samples a smaller one at: its log-probs would not be those of the temperature the "
                 f"trainer takes them at; set it to {VLLM_MIN_TEMPERATURE:g} or more"
             )
-        compact_at, limit = self.service.compact_at, self.gateway.max_context_tokens
+        compact_at = self.service.compact_at
+        limit_field, limit = self._context_limit()
         if compact_at is not None and compact_at + self.service.max_new_tokens > limit:
             raise ValueError(
                 f"service.compact_at: {compact_at} plus service.max_new_tokens {self.service.max_new_tokens} "
-                f"passes gateway.max_context_tokens {limit}: a prompt at most compact_at, not compacted, "
+                f"passes {limit_field} {limit}: a prompt at most compact_at, not compacted, "
                 f"would have its action cut short; keep compact_at at most {limit - self.service.max_new_tokens}"
             )
         keep, turns = self.service.compact_keep_turns, self.service.max_turns
@@ -418,6 +419,17 @@ class RunConfig(BaseModel):
                         "no action of its program could be granted its cores"
                     )
         return self
+
+    def _context_limit(self) -> tuple[str, int]:
+        """The field that bounds the tokens a rollout's context may hold, and its value: the
+        gateway's limit, or the embedded tiny model's positions where fewer (its engine cuts a
+        generation at the last one and refuses a prompt that reaches it). A checkpoint's
+        positions are not read here: a vLLM server's are checked as the worker starts."""
+        gateway = ("gateway.max_context_tokens", self.gateway.max_context_tokens)
+        positions = self.model.tiny.max_position_embeddings
+        if self.model.path is None and positions < gateway[1]:
+            return "model.tiny.max_position_embeddings", positions
+        return gateway
 
     def _cores_per_action(self) -> tuple[str, int] | None:
         """The field that bounds the cores one action may be granted, and its value; None when

@@ -44,6 +44,10 @@ TINY = REPO / "configs" / "tiny.yaml"
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
 
 
+HUB_MODEL = "model:\n  path: Qwen/Qwen3-0.6B\n"
+"""A model whose positions a run config does not know: only the gateway's limit is checked."""
+
+
 def write_config(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "run.yaml"
     path.write_text(text)
@@ -105,19 +109,27 @@ def test_the_gpu_config_loads_with_its_trainer_memory_settings():
             "service.temperature: 0.005 is below 0.01, which vLLM samples a smaller one at",
         ),
         (
-            "service:\n  compact_at: 4096\n",
+            HUB_MODEL + "service:\n  compact_at: 4096\n",
             "service.compact_at: 4096 plus service.max_new_tokens 32 passes gateway.max_context_tokens 4096",
         ),
         # a prompt just under compact_at is not compacted, and its action was cut to the room
         # left under the limit, silently: a turn cut short like one that ran out of tokens
         (
-            "service:\n  compact_at: 4090\n",
+            HUB_MODEL + "service:\n  compact_at: 4090\n",
             "service.compact_at: 4090 plus service.max_new_tokens 32 passes gateway.max_context_tokens "
             "4096: a prompt at most compact_at, not compacted, would have its action cut short; keep "
             "compact_at at most 4064",
         ),
+        # the tiny model's engine cuts a generation at its last position, and refuses a prompt
+        # that reaches it: under the gateway's limit, a context was never compacted but truncated
         (
-            "service:\n  compact_at: 1024\n  max_turns: 4\n  compact_keep_turns: 3\n",
+            "service:\n  compact_at: 1000\n",
+            "service.compact_at: 1000 plus service.max_new_tokens 32 passes "
+            "model.tiny.max_position_embeddings 1024: a prompt at most compact_at, not compacted, would "
+            "have its action cut short; keep compact_at at most 992",
+        ),
+        (
+            "service:\n  compact_at: 512\n  max_turns: 4\n  compact_keep_turns: 3\n",
             "service.compact_keep_turns: 3 leaves no turn to compact in service.max_turns 4",
         ),
         ("sao:\n  lr: .inf\n", "sao.lr: Input should be a finite number"),
@@ -241,9 +253,14 @@ def test_an_agent_whose_actions_fit_the_scheduler_loads(tmp_path):
     ("text", "service"),
     [
         # the largest values the refusals of test_bad_config_fails_naming_the_field name
-        ("service:\n  compact_at: 4064\n", {"compact_at": 4064}),
+        (HUB_MODEL + "service:\n  compact_at: 4064\n", {"compact_at": 4064}),
+        ("service:\n  compact_at: 992\n", {"compact_at": 992}),
         (
-            "service:\n  compact_at: 1024\n  max_turns: 4\n  compact_keep_turns: 2\n",
+            "model:\n  tiny: {max_position_embeddings: 8192}\nservice:\n  compact_at: 4064\n",
+            {"compact_at": 4064},
+        ),
+        (
+            "service:\n  compact_at: 512\n  max_turns: 4\n  compact_keep_turns: 2\n",
             {"max_turns": 4, "compact_keep_turns": 2},
         ),
         # without compaction, compact_keep_turns keeps nothing: one turn is a run's own choice
