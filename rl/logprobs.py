@@ -42,7 +42,9 @@ def token_logprobs(
             log-probs compare with the rollout's only at the temperature the rollout used.
 
     Returns:
-        ``(B, T)`` float32; position 0 (no context) is 0.
+        ``(B, T)`` float32; a row's first attended token (no context) reads 0, as does
+        position 0. Padding may be on either side: positions count from a row's first
+        attended token.
     """
     # a 0/1 integer mask (Hugging Face's convention) would index positions instead of
     # selecting them, giving other tokens' log-probs without an error
@@ -50,15 +52,18 @@ def token_logprobs(
         if mask is not None and mask.dtype != torch.bool:
             raise ValueError(f"{name} must be a bool tensor, got {mask.dtype}")
     wanted = attention_mask if where is None else where & attention_mask
-    wanted = wanted[:, 1:]
+    # a token is predicted from the one before it, which padding is not
+    wanted = wanted[:, 1:] & attention_mask[:, :-1]
+    # counted from each row's first token: left padding is no part of the sequence, and a learned
+    # position table (GPT-2) would otherwise see every token shifted by it
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask.long(), "position_ids": position_ids}
     if getattr(model.config, "model_type", None) not in PLAIN_HEAD_MODELS:
-        logits = model(input_ids=input_ids, attention_mask=attention_mask.long()).logits[:, :-1].float()
+        logits = model(**inputs).logits[:, :-1].float()
         logits = logits / temperature
         taken = logits.gather(-1, input_ids[:, 1:, None])[..., 0] - torch.logsumexp(logits, dim=-1)
         return F.pad(torch.where(wanted, taken, 0.0), (1, 0))
-    hidden = model.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask.long(), use_cache=False
-    ).last_hidden_state
+    hidden = model.get_decoder()(**inputs, use_cache=False).last_hidden_state
     head = model.get_output_embeddings()
     states = hidden[:, :-1][wanted]  # (N, H)
     targets = input_ids[:, 1:][wanted]  # (N,)

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen3Con
 
 import rl.logprobs
 from rl.logprobs import token_logprobs
+from tests.rl.architectures import ARCHITECTURES, tiny_causal_lm
 
 VOCAB = 509  # prime, so no other dimension of these models equals it
 HIDDEN = 32
@@ -193,3 +194,20 @@ def test_with_no_token_wanted_the_zeros_still_backpropagate(model_factory):
     logprobs = token_logprobs(model, input_ids, attention_mask, where=where)
     assert (logprobs == 0).all() and logprobs.requires_grad
     (-logprobs.sum()).backward()  # a masked NLL of 0, as the warm start takes on such a batch
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_left_padding_gives_the_log_probs_of_the_unpadded_sequence(model_type):
+    """Positions count from a row's first attended token: left padding read as positions
+    shifted the learned position embeddings (GPT-2, GPT-Neo) and changed every log-prob."""
+    model = tiny_causal_lm(model_type, VOCAB)
+    generator = torch.Generator().manual_seed(11)
+    tokens = torch.randint(3, VOCAB, (8,), generator=generator)
+    input_ids = torch.cat([torch.zeros(4, dtype=torch.long), tokens])[None]
+    attention_mask = torch.arange(12)[None] >= 4
+    with torch.no_grad():
+        padded = token_logprobs(model, input_ids, attention_mask)
+        logits = model(input_ids=tokens[None]).logits[0].double()
+    expected = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0].float()
+    torch.testing.assert_close(padded[0, 5:], expected, atol=1e-5, rtol=1e-5)
+    assert (padded[0, :5] == 0).all()
