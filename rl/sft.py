@@ -93,6 +93,9 @@ def supervised_warm_start(
     # IndexError deep in torch on CPU, a device-side assert on a GPU
     rows = model.get_input_embeddings().num_embeddings
     for index, (tokens, mask) in enumerate(zip(sequences, masks, strict=True)):
+        # a batch of only empty rows is a reshape error deep in the model's attention
+        if not tokens:
+            raise ValueError(f"demonstration {index} has no tokens")
         outside = [token for token in tokens if not 0 <= token < rows]
         if outside:
             raise ValueError(

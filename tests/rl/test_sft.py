@@ -121,3 +121,13 @@ def test_the_seed_makes_a_warm_start_reproducible_whatever_ran_before_it():
     (losses, weights), (again, weights_again) = runs
     assert losses == again
     assert all(torch.equal(weights[name], weights_again[name]) for name in weights)
+
+
+def test_an_empty_demonstration_is_refused_naming_it():
+    """A batch drawing only empty demonstrations failed deep in the model's attention with a
+    reshape error naming neither the demonstration nor what was wrong with it."""
+    model, _ = build_tiny_model(SMALL)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    with pytest.raises(ValueError, match="demonstration 1 has no tokens"):
+        supervised_warm_start(model, [[5, 6, 7], []], [[False, True, True], []], 0, SFTConfig(batch_size=1))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
