@@ -409,7 +409,9 @@ class ValueModel(nn.Module):
     def __init__(self, backbone: PreTrainedModel):
         super().__init__()
         self.backbone = backbone
-        self.head = nn.Linear(backbone.config.get_text_config().hidden_size, 1)
+        self.head = nn.Linear(
+            backbone.config.get_text_config().hidden_size, 1, device=backbone.device, dtype=backbone.dtype
+        )
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
@@ -427,7 +429,8 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_policy(cls, policy: PreTrainedModel) -> ValueModel:
-        """A value model whose backbone is a copy of the policy's (the head starts at zero)."""
+        """A value model whose backbone is a copy of the policy's (the head starts at zero, on
+        the policy's device and in its dtype)."""
         backbone = copy.deepcopy(policy.base_model)
         backbone.config.architectures = [type(backbone).__name__]
         return cls(backbone)

@@ -217,6 +217,17 @@ def test_value_model_copies_the_policy_backbone_independently(tiny):
     assert torch.equal(value(ids), torch.zeros(ids.shape))  # the head starts at zero
 
 
+def test_value_model_of_a_bfloat16_policy_runs_in_bfloat16(tiny):
+    """The head was built in float32 whatever the backbone's dtype: the value model of a
+    bfloat16 policy failed its first forward on a dtype mismatch."""
+    policy, _ = tiny
+    value = ValueModel.from_policy(copy.deepcopy(policy).to(torch.bfloat16))
+    assert value.head.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        values = value(torch.tensor([[5, 6, 7]]))
+    assert values.dtype == torch.bfloat16 and torch.equal(values, torch.zeros(1, 3, dtype=torch.bfloat16))
+
+
 def test_value_model_handles_padding_on_either_side(tiny):
     policy, _ = tiny
     value = ValueModel.from_policy(policy)
