@@ -507,7 +507,7 @@ class RolloutWorker:
         if latest is not None and latest != self.newest:
             if self.max_staleness is not None:
                 self._newest_chain = await asyncio.to_thread(
-                    self.weights.recent_chain, latest, self.max_staleness + 1
+                    self.weights.recent_chain, latest, self.max_staleness + 1, self._newest_chain
                 )
             self.newest = latest
         if latest is None or latest in (self.version, self._refused):

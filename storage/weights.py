@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -607,11 +607,16 @@ class WeightStore:
         row_id = f"{self.prefix}/{version_dir_name(version)}"
         return tables.append("weights", [self.table_row(version)], once=row_id)
 
-    def recent_chain(self, version: int, length: int) -> list[int]:
+    def recent_chain(self, version: int, length: int, known: Sequence[int] = ()) -> list[int]:
         """``version`` and its newest ancestors (its manifest's ``parent``, and so on), ``length``
-        at most, oldest first: what :func:`versions_ahead` counts on."""
+        at most, oldest first: what :func:`versions_ahead` counts on. ``known`` is such a chain
+        read before (of an older version): the walk stops at a version it holds and takes that
+        one's ancestors from it, so a new version's chain costs one manifest read."""
         chain = [version]
         while len(chain) < length:
+            if chain[0] in known:
+                at = known.index(chain[0])
+                return [*known[max(0, at - (length - len(chain))) : at], *chain]
             try:
                 parent = self.manifest(chain[0]).get("parent")
             except (KeyError, CorruptVersion):  # deleted by retention: numbers count beyond it

@@ -45,6 +45,7 @@ from storage.weights import (
     WeightStore,
     sha256_file,
     tokenizer_fingerprint,
+    versions_ahead,
 )
 from tests.conftest import readme_query
 
@@ -1274,3 +1275,27 @@ def test_a_latest_write_that_fails_leaves_no_temporary_file(local_store, tokeniz
     monkeypatch.undo()
     assert weights.recover_latest() == 1
     assert sorted(os.listdir(weights.root)) == ["LATEST", "v000000", "v000001"]
+
+
+def test_a_recent_chain_follows_parents_and_extends_a_known_one_with_one_read(weights, tokenizer_dir):
+    """Version 4 was trained from 2 (3 was another line): the chain follows parents, not numbers.
+    A worker read a new version's whole chain again at each one (``max_staleness + 1`` manifest
+    reads, each a request on S3); given the chain it read before, one."""
+    model = tiny_llama(seed=0)
+    for version, parent in ((0, None), (1, 0), (2, 1), (3, 2), (4, 2), (5, 4)):
+        publish_model(weights, model, tokenizer_dir, version=version, parent=parent)
+    assert weights.recent_chain(4, 10) == [0, 1, 2, 4]
+    assert weights.recent_chain(4, 3) == [1, 2, 4]
+    assert versions_ahead([1, 2, 4], 3) == 1 and versions_ahead([1, 2, 4], 0) == 3
+
+    read = []
+    manifest = weights.manifest
+
+    def counted(version: int) -> dict:
+        read.append(version)
+        return manifest(version)
+
+    weights.manifest = counted
+    assert weights.recent_chain(5, 3, known=[1, 2, 4]) == [2, 4, 5] and read == [5]
+    read.clear()
+    assert weights.recent_chain(5, 10, known=[0, 1, 2, 4]) == [0, 1, 2, 4, 5] and read == [5]
