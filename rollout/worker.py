@@ -235,10 +235,9 @@ class RolloutWorker:
         self._make_env = make_env
         self.engines: list[Engine] = []
         self.version: int | None = None
-        self.newest: int | None = None
-        """The newest version published (``LATEST``) at its last read."""
         self._newest_chain: list[int] = []
-        """``newest`` and its newest ancestors (``WeightStore.recent_chain``): what
+        """The newest version published (``LATEST``) at its last read, last, after its newest
+        ancestors (``WeightStore.recent_chain``, with ``max_staleness``): what
         :meth:`_too_stale` counts on."""
         self._stale_warned: int | None = None
         """The newest version at the last warning of replicas too stale left in service."""
@@ -365,7 +364,7 @@ class RolloutWorker:
             gateway_config = gateway_config.model_copy(update={"vocab_size": model_vocab_size(path)})
         if gateway_config.eos_token_ids is None:
             gateway_config = gateway_config.model_copy(update={"eos_token_ids": model_eos_ids(path)})
-        self.version = self.newest = version
+        self.version = version
         self._newest_chain = [version]
         self._shards_at_version = self.writer.committed
         gateway = Gateway(self.router, tokenizer, gateway_config)
@@ -445,6 +444,11 @@ class RolloutWorker:
             finally:
                 self._take_out_stale()
 
+    @property
+    def newest(self) -> int | None:
+        """The newest version published (``LATEST``) at its last read."""
+        return self._newest_chain[-1] if self._newest_chain else None
+
     def _too_stale(self, version: int) -> bool:
         """Whether the trainer drops the tokens of ``version``: more than ``max_staleness``
         versions behind the newest published, on its chain."""
@@ -505,11 +509,13 @@ class RolloutWorker:
             return False
         self.read_again("the weights' LATEST")
         if latest is not None and latest != self.newest:
-            if self.max_staleness is not None:
-                self._newest_chain = await asyncio.to_thread(
+            self._newest_chain = (
+                [latest]
+                if self.max_staleness is None
+                else await asyncio.to_thread(
                     self.weights.recent_chain, latest, self.max_staleness + 1, self._newest_chain
                 )
-            self.newest = latest
+            )
         if latest is None or latest in (self.version, self._refused):
             return False
         retry = self._retry if self._retry is not None and self._retry[0] == latest else None
