@@ -250,26 +250,26 @@ def _run(args) -> None:
     module = importlib.import_module(f"flows.{args.flow}")
     # the flow parses sys.argv: its usage and errors then name `treadle run <flow>`
     sys.argv = [f"treadle run {args.flow}", *args.rest]
+    module.main()
+
+
+def exit_on_prefect_api_error(exc: Exception) -> None:
+    """Ends the process with one line when ``exc`` says a flow command's Prefect API is not
+    there (no server at PREFECT_API_URL) or went away (the flow engine's own request, once its
+    client gave up); returns for any other error."""
     import httpx
     from prefect.settings import PREFECT_API_URL
 
     from flows.run_body import prefect_api_request
 
-    try:
-        module.main()
-    except RuntimeError as exc:
-        if not _unreachable_api(exc):
-            raise
-        url = without_credentials(PREFECT_API_URL.value() or "")
+    url = without_credentials(PREFECT_API_URL.value() or "")
+    if isinstance(exc, RuntimeError) and _unreachable_api(exc):
         raise SystemExit(
             f"error: no Prefect API at {url} (unset PREFECT_API_URL or start one with treadle ui)"
         ) from None
-    except httpx.TransportError as exc:
-        # the flow engine's own request, once its client gave up: a server gone mid-run failed
-        # the command at the flow run's end, after the work, with a page of tracebacks
-        if not prefect_api_request(exc):
-            raise
-        url = without_credentials(PREFECT_API_URL.value() or "")
+    # a server gone mid-run failed the command at the flow run's end, after the work, with a
+    # page of tracebacks
+    if isinstance(exc, httpx.TransportError) and prefect_api_request(exc):
         print(
             f"error: lost the Prefect API at {url} ({type(exc).__name__}: {exc}): the flow run's "
             "state there is not its last; what the run wrote is in its storage",

@@ -67,13 +67,15 @@ def set_prefect_defaults() -> None:
         refresh_global_settings_context()
 
 
-def stops_as_on_ctrl_c(main: Callable[..., None]) -> Callable[..., None]:
-    """``main``, a flow's command, made to take SIGTERM (``docker stop``, Kubernetes, systemd)
-    and SIGHUP (its terminal closed) as it takes Ctrl-C: the flow run ends Crashed, its tasks'
-    cleanup runs, and the command's temporary Prefect server (:func:`flows.cli.temporary_api`)
-    is stopped at exit. Killed by Python's default action, the process left that server
-    running, orphaned. Each signal ends it with one line, no traceback, and the status a shell
-    gives a process killed by the signal."""
+def flow_command(main: Callable[..., None]) -> Callable[..., None]:
+    """``main``, a flow's command (``python -m flows.<flow>``, ``treadle run <flow>``), made to
+    take SIGTERM (``docker stop``, Kubernetes, systemd) and SIGHUP (its terminal closed) as it
+    takes Ctrl-C: the flow run ends Crashed, its tasks' cleanup runs, and the command's
+    temporary Prefect server (:func:`flows.cli.temporary_api`) is stopped at exit. Killed by
+    Python's default action, the process left that server running, orphaned. Each signal ends
+    it with one line, no traceback, and the status a shell gives a process killed by the
+    signal; so does a Prefect API that is not there or went away
+    (:func:`flows.cli.exit_on_prefect_api_error`), with status 1."""
 
     @functools.wraps(main)
     def command(*args, **kwargs) -> None:
@@ -94,6 +96,11 @@ def stops_as_on_ctrl_c(main: Callable[..., None]) -> Callable[..., None]:
         except KeyboardInterrupt:
             print(f"stopped by {received[-1].name}", file=sys.stderr)
             raise SystemExit(128 + received[-1]) from None
+        except Exception as exc:
+            from flows.cli import exit_on_prefect_api_error
+
+            exit_on_prefect_api_error(exc)
+            raise
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)

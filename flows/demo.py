@@ -15,7 +15,7 @@ import time
 import urllib.request
 from typing import TYPE_CHECKING
 
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 
 if TYPE_CHECKING:
     from flows.config import RunConfig
@@ -31,7 +31,7 @@ def _ui_running() -> bool:
         return False
 
 
-@stops_as_on_ctrl_c
+@flow_command
 def main(argv: list[str] | None = None) -> None:
     from prefect.context import refresh_global_settings_context
     from prefect.settings import PREFECT_API_URL

@@ -14,7 +14,7 @@ from prefect.runtime import flow_run
 from pydantic import Field
 
 from flows.cli import temporary_api, weight_versions
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 from flows.config import (
     RunConfig,
     evaluate_devices,
@@ -77,7 +77,7 @@ def _version(text: str) -> int:
     return version
 
 
-@stops_as_on_ctrl_c
+@flow_command
 def main(argv: list[str] | None = None) -> None:
     from flows.cli_args import parse
 

@@ -17,7 +17,7 @@ from prefect import flow, task
 from prefect.client.schemas.objects import State
 from pydantic import Field
 
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 from flows.config import RunConfig
 from flows.run_body import run_body
 from storage.shards import MIN_SWEEP_AGE_S, abort_stale_uploads, sweep_uncommitted
@@ -201,7 +201,7 @@ def _maintain_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-@stops_as_on_ctrl_c
+@flow_command
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import existing_run, temporary_api
     from flows.cli_args import parse

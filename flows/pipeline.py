@@ -14,7 +14,7 @@ from prefect import flow, get_run_logger
 from prefect.futures import PrefectFuture, as_completed
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 from flows.config import (
     RunConfig,
     missing_device,
@@ -315,7 +315,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
         }
 
 
-@stops_as_on_ctrl_c
+@flow_command
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import temporary_api, weight_versions
     from flows.cli_args import parse

@@ -9,7 +9,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 from flows.config import RunConfig
 from flows.run_body import run_body
 from tasks.common import deadline_of
@@ -33,7 +33,7 @@ def process(config: RunConfig = RunConfig(), continuous: bool = True) -> dict[st
         return process_pending(config)
 
 
-@stops_as_on_ctrl_c
+@flow_command
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import existing_run, temporary_api
     from flows.cli_args import parse

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from prefect import flow, get_run_logger
 from pydantic import Field
 
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 from flows.config import (
     RunConfig,
     missing_device,
@@ -85,7 +85,7 @@ def _worker_name(text: str) -> str:
     return text
 
 
-@stops_as_on_ctrl_c
+@flow_command
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import temporary_api, weight_versions
     from flows.cli_args import parse

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 from flows.config import RunConfig, missing_device, too_few_demos, train_devices, train_paths
 from flows.run_body import run_body
 from tasks.common import deadline_of
@@ -45,7 +45,7 @@ def train(config: RunConfig = RunConfig(), drain: bool = False) -> dict[str, Any
         return result
 
 
-@stops_as_on_ctrl_c
+@flow_command
 def main(argv: list[str] | None = None) -> None:
     from flows.cli import temporary_api, weight_versions
     from flows.cli_args import parse

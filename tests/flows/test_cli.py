@@ -1501,7 +1501,10 @@ def test_one_processing_pass_over_a_run_whose_delta_log_does_not_parse_is_an_err
     assert "Json error" in refused.stderr and started == []
 
 
-def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path):
+@pytest.mark.parametrize("command", [("flows.cli", "run", "maintain"), ("flows.maintain",)])
+def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path, command):
+    """``treadle run <flow>`` and ``python -m flows.<flow>`` (``make demo``'s form) alike: the
+    module form ended on a traceback of Prefect's client."""
     Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
     with socket.socket() as closed:  # bound, never listening: connections are refused
         closed.bind(("127.0.0.1", 0))
@@ -1512,8 +1515,15 @@ def test_a_flow_without_a_prefect_api_is_a_one_line_error(local_store, tmp_path)
             "PREFECT_HOME": str(tmp_path / "prefect"),
         }
         run = ("--run-id", local_store.run_id, "--set", f"storage.root={local_store.config.root}")
-        result = treadle("run", "maintain", *run, env=env)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
+        result = subprocess.run(
+            [sys.executable, "-m", *command, *run],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            timeout=120,
+            env=env,
+        )
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.splitlines()[-1] == (
         f"error: no Prefect API at http://127.0.0.1:{port}/api (unset PREFECT_API_URL or start one with treadle ui)"
     )
@@ -2287,9 +2297,9 @@ def test_a_command_run_under_nohup_goes_on_when_its_terminal_closes():
     """``nohup treadle run …`` ignores SIGHUP so that the run outlives its terminal: the
     command must keep it ignored rather than stop on it as on Ctrl-C, while a SIGHUP that is
     not ignored stops it with the status a shell gives a process the signal killed."""
-    from flows.cli_args import stops_as_on_ctrl_c
+    from flows.cli_args import flow_command
 
-    @stops_as_on_ctrl_c
+    @flow_command
     def command() -> str:
         os.kill(os.getpid(), signal.SIGHUP)
         time.sleep(0.1)  # the handler runs between bytecodes: at the latest here

@@ -156,7 +156,7 @@ import time
 
 import ray._private.worker
 
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 from flows.config import RunConfig
 from tasks.rollout import connect_run_ray
 
@@ -170,7 +170,7 @@ if sys.argv[1] == "self":
     ray._private.worker.connect = connect_then_signal
 
 
-@stops_as_on_ctrl_c  # as a flow command: one line and the signal's status
+@flow_command  # as a flow command: one line and the signal's status
 def main():
     connect_run_ray(RunConfig(cluster="ray"))
     print("connected", flush=True)
@@ -350,7 +350,7 @@ import time
 
 import ray._private.worker
 
-from flows.cli_args import stops_as_on_ctrl_c
+from flows.cli_args import flow_command
 from flows.config import RunConfig
 from tasks.rollout import connect_run_ray
 
@@ -366,7 +366,7 @@ ray._private.worker.connect = connect_then_signal
 atexit.register(time.sleep, 4)  # a flow command's exit takes seconds (its temporary Prefect server stops)
 
 
-@stops_as_on_ctrl_c
+@flow_command
 def main():
     connect_run_ray(RunConfig(cluster="ray", ray_address="auto"))
     print("connected", flush=True)
