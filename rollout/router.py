@@ -97,9 +97,10 @@ class RouterConfig(BaseModel):
         description="With failover, a replica whose probe answers up is taken out once the requests of "
         "this many sessions failed on it with an engine error, one after another with no request served "
         "between (a wedged engine: vLLM answering 500 to every generation while /health says OK). A "
-        "session counts once however often it fails, as what its prompt makes fail fails wherever it "
-        "goes; a request refused as invalid (too long, say) never counts (None: a replica whose probe "
-        "answers up stays in service whatever its requests do).",
+        "failure counts only if neither its session nor its prompt failed on the replica since it last "
+        "served: what a prompt makes fail fails wherever it goes, and a GRPO group's sessions all start "
+        "on one prompt, at once; a request refused as invalid (too long, say) never counts (None: a "
+        "replica whose probe answers up stays in service whatever its requests do).",
     )
     quarantine_s: float = Field(
         30.0,
@@ -231,8 +232,9 @@ class Router:
         self.session_lengths: deque[float] = deque(maxlen=SESSION_LENGTHS_KEPT)
         self.session_contexts: deque[int] = deque(maxlen=SESSION_LENGTHS_KEPT)
         self._contexts_before: Counter[str] = Counter()
-        self._failing: dict[str, set[str]] = {}
-        """Per replica in service, the sessions whose requests failed on it since it last served one."""
+        self._failing: dict[str, tuple[set[str], set[int]]] = {}
+        """Per replica in service, the sessions whose requests failed on it since it last served one
+        and the hashes of their prompts (see ``_fails_too_often``)."""
         self._last_quarantine_s: dict[str, float] = {}
         """Per replica taken out for failing requests since it last served one, its last quarantine."""
         self._out_until: dict[str, float] = {}
@@ -433,8 +435,9 @@ class Router:
         :class:`NotServing`) is taken out and the request is retried once on the session's new
         replica (not when the session ended meanwhile: the error is raised, and the session
         stays unpinned). One found up fails the request, unless this session's is the
-        ``failing_sessions``-th whose requests failed on it in a row: it is taken out for its
-        quarantine and the request retried so (as is one taken out while this request failed).
+        ``failing_sessions``-th whose requests failed on it in a row, on distinct prompts: it is
+        taken out for its quarantine and the request retried so (as is one taken out while this
+        request failed).
 
         A generation the replica aborted is an :class:`EngineError` like a failed one: a vLLM
         server shutting down or paused mid-request ends it with ``abort``, an action cut short
@@ -456,7 +459,9 @@ class Router:
                 )
                 self.take_down(engine.name)
             # up: retried only if it is out now, taken out by this failure or another request's
-            elif engine.name in self._engines and not self._fails_too_often(engine.name, session_id):
+            elif engine.name in self._engines and not self._fails_too_often(
+                engine.name, session_id, prompt_ids
+            ):
                 raise
             if self.config.policy != "round_robin" and session_id not in self._started:
                 raise  # end_session ran during the probe: routing again would pin it for good
@@ -473,14 +478,25 @@ class Router:
         self._failing.pop(name, None)
         self._last_quarantine_s.pop(name, None)
 
-    def _fails_too_often(self, name: str, session_id: str) -> bool:
+    def _fails_too_often(self, name: str, session_id: str, prompt_ids: list[int]) -> bool:
         """Count ``session_id``'s failed request on replica ``name``, in service with its probe
         answering up; once ``failing_sessions`` sessions' requests failed in a row, take it
-        out for its quarantine and answer True."""
+        out for its quarantine and answer True.
+
+        A failure counts only when neither its session nor its exact prompt failed on ``name``
+        since it last served: a prompt that makes vLLM answer 500 fails on every replica, and
+        the sessions of a GRPO group send one prompt at once, so its failures are one piece of
+        evidence against the replica, not one per session. Only the full prompt is compared: a
+        shared prefix (a system prompt) would make every failure of a wedged replica look alike.
+        """
         limit = self.config.failing_sessions
-        failing = self._failing.setdefault(name, set())
-        failing.add(session_id)
-        if limit is None or len(failing) < limit:
+        sessions, prompts = self._failing.setdefault(name, (set(), set()))
+        prompt = hash(tuple(prompt_ids))
+        if session_id in sessions or prompt in prompts:
+            return False
+        sessions.add(session_id)
+        prompts.add(prompt)
+        if limit is None or len(sessions) < limit:
             return False
         last = self._last_quarantine_s.get(name)
         quarantine_s = (
@@ -491,7 +507,7 @@ class Router:
             "replica %s failed the requests of %d sessions in a row though its probe answers up; taking it "
             "out for %.0f s and retrying elsewhere",
             name,
-            len(failing),
+            len(sessions),
             quarantine_s,
         )
         self.take_down(name)

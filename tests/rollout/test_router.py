@@ -942,9 +942,9 @@ def test_a_replica_failing_the_requests_of_several_sessions_though_its_probe_ans
     params = SamplingParams(max_new_tokens=1)
 
     async def requests(router):
-        for session in sessions[:2]:
+        for i, session in enumerate(sessions[:2]):
             with pytest.raises(EngineError, match="answered 500"):
-                await router.generate(session, [1, 2], params)
+                await router.generate(session, [1, i], params)
         assert router.replicas == ["r0", "r1"], "two sessions' failures leave it in service"
         return await router.generate(sessions[2], [1, 2], params)
 
@@ -974,13 +974,50 @@ def test_failures_of_one_session_or_between_successes_do_not_take_a_replica_out(
         await router.generate(fine, [1, 2], params)
         wedged.add("r0")
         with pytest.raises(EngineError):
-            await router.generate(other, [1, 2], params)
+            await router.generate(other, [1, 3], params)
         assert router.replicas == ["r0", "r1"]
-        return await router.generate(third, [1, 2], params)
+        return await router.generate(third, [1, 4], params)
 
     generation = _run(router, engines, requests)
     assert generation.engine == "r1", "the failures of two sessions in a row take it out"
     assert router.down == ["r0"]
+
+
+def test_a_group_sharing_a_prompt_that_fails_everywhere_does_not_take_a_healthy_replica_out():
+    """A GRPO group's sessions start on one prompt, all at once: one that makes vLLM answer
+    500 (not 400) fails on every replica, for each session of the group. Counted per session,
+    the group looked like a wedged replica and took out the healthy one it landed on (then its
+    retries failed on the next); its failures count once, and the replica keeps serving."""
+
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failing_sessions=3))
+    *group, other = [s for s in SESSIONS if router.route(s).name == "r0"][:5]
+    poisoned = [7, 7, 7]
+    served: list[str] = []
+    for engine in engines:
+
+        async def generate(session_id, prompt_ids, params, name=engine.name) -> Generation:
+            if prompt_ids == poisoned:
+                raise EngineError(f"vLLM server {name} answered 500 on /v1/completions")
+            served.append(name)
+            return Generation([5], [-0.5], [0], "stop", engine=name)
+
+        async def health() -> bool:
+            return True
+
+        engine.generate, engine.health = generate, health
+
+    async def requests(router):
+        params = SamplingParams(max_new_tokens=1)
+        answers = [router.generate(s, poisoned, params) for s in group]
+        answers = await asyncio.gather(*answers, return_exceptions=True)
+        await router.generate(other, [1, 2], params)
+        return answers
+
+    answers = _run(router, engines, requests)
+    assert all(isinstance(a, EngineError) for a in answers), answers
+    assert router.replicas == ["r0", "r1"] and router.down == []
+    assert served == ["r0"]
 
 
 def test_requests_failing_at_once_on_a_replica_taken_out_meanwhile_fail_over():
@@ -994,7 +1031,7 @@ def test_requests_failing_at_once_on_a_replica_taken_out_meanwhile_fail_over():
 
     async def requests(router):
         params = SamplingParams(max_new_tokens=1)
-        answers = [router.generate(s, [1, 2], params) for s in sessions]
+        answers = [router.generate(s, [1, i], params) for i, s in enumerate(sessions)]
         return await asyncio.gather(*answers, return_exceptions=True)
 
     answers = _run(router, engines, requests)
@@ -1120,7 +1157,7 @@ def test_a_request_a_replica_serves_as_a_retry_starts_its_count_of_failing_sessi
         retried = await router.generate(on_r0, [1, 2], params)
         wedged.add("r1")
         with pytest.raises(EngineError, match="answered 500"):
-            await router.generate(second, [1, 2], params)
+            await router.generate(second, [1, 3], params)
         return retried
 
     assert _run(router, engines, requests).engine == "r1"
