@@ -283,9 +283,16 @@ class Router:
         return self._assigned.get(session_id)
 
     def add(self, engine: Engine) -> None:
-        """Put a replica in service; sessions already assigned stay where they are."""
+        """Put a replica in service; sessions already assigned stay where they are. One in
+        quarantine is refused until its quarantine has passed."""
         if engine.name in self._engines:
             raise ValueError(f"replica {engine.name!r} is already in service")
+        left_s = self._quarantine_left_s(engine.name)
+        if left_s > 0:
+            raise ValueError(
+                f"replica {engine.name!r} is in quarantine for {left_s:.0f} s more: it failed the requests "
+                "of several sessions though its probe answered up"
+            )
         self._down.pop(engine.name, None)
         self._out_until.pop(engine.name, None)
         self._engines[engine.name] = engine
@@ -532,18 +539,22 @@ class Router:
             if not ok and name in self._engines:
                 logger.warning("replica %s failed its health check; taking it out", name)
                 self.take_down(name)
-            elif ok and name in self._down and time.monotonic() >= self._out_until.get(name, 0.0):
+            elif ok and name in self._down and self._quarantine_left_s(name) <= 0:
                 if restore is not None:
                     try:
                         await restore(engine)
                     except Exception as exc:  # the next check tries again
                         logger.warning("replica %s is healthy again but could not be restored: %s", name, exc)
                         continue
-                if name in self._down:  # a concurrent check may have put it back meanwhile
+                # a concurrent check may have put it back meanwhile, and a request into quarantine
+                if name in self._down and self._quarantine_left_s(name) <= 0:
                     logger.info("replica %s is healthy again; putting it back", name)
                     self.add(engine)
                     self._keep_one_accepting(f"replica {name} is back")
         return dict(zip(names, results, strict=True))
+
+    def _quarantine_left_s(self, name: str) -> float:
+        return self._out_until.get(name, 0.0) - time.monotonic()
 
     def take_down(self, name: str) -> None:
         """Out of service until :meth:`check_health` finds it healthy again (and its ``restore``

@@ -1104,6 +1104,45 @@ def test_a_replica_taken_out_for_failing_requests_comes_back_after_a_quarantine_
     _run(router, engines, requests)
 
 
+def test_a_replica_quarantined_while_a_check_restores_it_stays_out(monkeypatch):
+    """Two checks find r0 recovered; the second restores it first and puts it back, where it
+    fails a request and goes into quarantine. The first, done restoring, put it back into
+    service through ``add`` at once; it stays out for its quarantine, and ``add`` refuses it."""
+    monkeypatch.setattr("rollout.router.time.monotonic", lambda: 1000.0)
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky", failing_sessions=1))
+    on_r0 = next(s for s in SESSIONS if router.route(s).name == "r0")
+    wedged = {"r0"}
+    _wedge(engines, wedged)
+    up = {"r0": False, "r1": True}
+    _answer_health_from(engines, up)
+
+    async def requests(router):
+        await router.check_health()
+        assert router.down == ["r0"]
+        up["r0"] = True
+        restoring, release = asyncio.Event(), asyncio.Event()
+
+        async def slow_restore(engine) -> None:
+            restoring.set()
+            await release.wait()
+
+        first = asyncio.create_task(router.check_health(restore=slow_restore))
+        await restoring.wait()
+        await router.check_health()
+        assert router.down == []
+        generation = await router.generate(on_r0, [1, 2], SamplingParams(max_new_tokens=1))
+        assert generation.engine == "r1" and router.down == ["r0"], "quarantined"
+        release.set()
+        await first
+        assert router.down == ["r0"], "the first check's restore does not end its quarantine"
+        with pytest.raises(ValueError, match=r"^replica 'r0' is in quarantine for 30 s more"):
+            router.add(engines[0])
+
+    _run(router, engines, requests)
+    assert router.down == ["r0"] and router.replicas == ["r1"]
+
+
 def test_a_replica_taken_down_by_its_probe_comes_back_at_the_next_check_without_quarantine(monkeypatch):
     """Quarantine is for a replica whose probe said up while it failed requests: one whose
     probe fails (restarting, say) comes back at the first check that finds it up."""
