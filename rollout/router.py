@@ -497,13 +497,15 @@ class Router:
         shared prefix (a system prompt) would make every failure of a wedged replica look alike.
         """
         limit = self.config.failing_sessions
+        if limit is None:  # nothing to count: a replica that never serves would grow its sets for ever
+            return False
         sessions, prompts = self._failing.setdefault(name, (set(), set()))
         prompt = hash(tuple(prompt_ids))
         if session_id in sessions or prompt in prompts:
             return False
         sessions.add(session_id)
         prompts.add(prompt)
-        if limit is None or len(sessions) < limit:
+        if len(sessions) < limit:
             return False
         last = self._last_quarantine_s.get(name)
         quarantine_s = (
