@@ -186,6 +186,11 @@ ANSI_CODES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 """Terminal escape sequences (CSI): the colours deltalake writes into its errors' chains of causes."""
 
 
+class StaleOffsetError(ValueError):
+    """An offset given to :meth:`Tables.changes` that the table's log never reached: the
+    table was recreated, or the offset was kept from another run's."""
+
+
 def without_ansi_codes(text: str) -> str:
     """``text`` without terminal escape sequences, for a log or an error message."""
     return ANSI_CODES.sub("", text)
@@ -313,9 +318,15 @@ class Tables:
     @_credentials_masked
     def read(self, name: str, columns: Sequence[str] | None = None) -> pa.Table:
         """The whole table ``name`` as Arrow, in its canonical schema, or only ``columns`` of
-        it, in that order (empty if never written)."""
+        it, in that order (empty if never written). A column the canonical schema lacks
+        raises ``ValueError`` naming it."""
         schema = schema_of(name)
         if columns is not None:
+            unknown = [column for column in columns if column not in schema.names]
+            if unknown:
+                raise ValueError(
+                    f"table {name!r} has no column {unknown[0]!r}; its columns are {schema.names}"
+                )
             schema = pa.schema([schema.field(column) for column in columns])
         table = self._open(name)
         if table is None:
@@ -348,12 +359,28 @@ class Tables:
         version as ``_commit_version`` and in no particular order: the change feed of the
         first versions reads their data files, which ``optimize`` + ``vacuum`` delete. A
         later version whose files were vacuumed cannot be read.
+
+        An ``after`` past the latest version, or >= 0 for a table that does not exist, raises
+        :class:`StaleOffsetError`: a table's log never goes back, so the offset is not this
+        table's (it was recreated, or the offset is another run's), and reading on from it
+        would return nothing forever.
         """
         table = self._open(name)
         if table is None:
+            if after >= 0:
+                raise StaleOffsetError(
+                    f"table {name!r}: asked for its changes after version {after}, but the table "
+                    "does not exist (deleted, or the offset is another run's)"
+                )
             return _with_commit_version(schema_of(name).empty_table()), after
         latest = table.version()
-        if latest <= after:
+        if latest < after:
+            raise StaleOffsetError(
+                f"table {name!r}: asked for its changes after version {after}, but its latest version "
+                f"is {latest}: the table was recreated, or the offset is another run's; read it from "
+                "the start (after=-1)"
+            )
+        if latest == after:
             return _with_commit_version(schema_of(name).empty_table()), after
         if after < 0:
             snapshot = _cast_read(name, _fetched(name, table.scan))

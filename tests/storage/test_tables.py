@@ -27,7 +27,7 @@ from storage import tables as tables_module
 from storage.config import RunStore, StorageConfig
 from storage.leases import SlotLease
 from storage.schema import SchemaError
-from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables, one_row_per_step
+from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, StaleOffsetError, Tables, one_row_per_step
 from tasks.common import is_transient
 from tests.conftest import free_port, readme_query
 from tests.storage.s3_proxy import S3Proxy, proxying
@@ -100,6 +100,17 @@ def test_bad_rows_are_refused_naming_table_and_column(store):
     with pytest.raises(ValueError, match="unknown table 'nope'"):
         tables.append("nope", [])
     assert tables.version("weights") is None
+
+
+def test_a_read_of_a_column_the_table_lacks_is_refused_naming_the_table_and_its_columns(local_store):
+    """Before the table is written as after: a typo is a caller's bug either way."""
+    tables = Tables(local_store)
+    refused = r"table 'weights' has no column 'versoin'; its columns are \['version', 'step'"
+    with pytest.raises(ValueError, match=refused):
+        tables.read("weights", columns=["version", "versoin"])
+    tables.append("weights", [weight_row(0)])
+    with pytest.raises(ValueError, match=refused):
+        tables.read("weights", columns=["version", "versoin"])
 
 
 def test_a_fraction_or_an_overflowing_int_given_to_an_integer_column_is_refused_not_changed(local_store):
@@ -199,6 +210,21 @@ def test_changes_return_rows_of_later_commits_and_skip_compaction(store):
     assert rows.column("version").to_pylist() == [4]
     assert new_offset == tables.version("weights") == 5
     assert tables.changes("weights", after=new_offset)[0].num_rows == 0
+
+
+def test_changes_after_a_version_the_table_never_reached_are_refused_naming_both(local_store):
+    """A cursor past the table's latest version (kept from a table since recreated, or from
+    another run) would read nothing forever: the read says so instead."""
+    tables = Tables(local_store)
+    for version in range(3):
+        tables.append("weights", [weight_row(version)])
+    with pytest.raises(StaleOffsetError, match=r"'weights'.*after version 7.*latest version is 2"):
+        tables.changes("weights", after=7)
+    local_store.fs.rm(local_store.path("tables", "weights"), recursive=True)
+    with pytest.raises(StaleOffsetError, match=r"'weights'.*after version 2.*does not exist"):
+        tables.changes("weights", after=2)
+    rows, offset = tables.changes("weights")
+    assert rows.num_rows == 0 and offset == -1
 
 
 def test_a_table_made_by_its_first_append_has_the_change_feed_enabled(local_store):
