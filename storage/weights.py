@@ -81,6 +81,7 @@ _VERSION_MANIFEST = re.compile(rf"^v(\d{{6,}})/{re.escape(MANIFEST_FILE)}$")
 _IN_USE_FILE = re.compile(r"^\.(v\d{6,})\.in-use$")
 _STAGING_DIR = re.compile(r"^\.\w+-v\d{6,}\.tmp-[0-9a-f]{32}$")
 _LATEST_TEMP = re.compile(rf"^{LATEST_FILE}\.tmp-[0-9a-f]{{32}}$")
+_VERSION_TEMP = re.compile(rf"^({CLAIM_FILE}|{re.escape(MANIFEST_FILE)})\.tmp-[0-9a-f]{{32}}$")
 STAGING_STALE_S = 3600.0
 """A download's staging folder untouched this long was left by a process that died mid-download."""
 _HASH_CHUNK = 1 << 20
@@ -974,12 +975,26 @@ class WeightStore:
         return doomed
 
     def sweep_latest_temps(self, older_than_s: float = IN_FLIGHT_S) -> list[str]:
-        """Delete the temporary files of ``LATEST`` (written on a local folder, then renamed
-        over it) that publishes killed before the rename left, once older than
-        ``older_than_s``; returns their names, sorted."""
+        """Delete the temporary files of ``LATEST``, and of each version's ``CLAIM`` and
+        manifest (written on a local folder, then moved into place), that publishes killed
+        before the move left, once older than ``older_than_s``; returns their names (a
+        version's as ``v000042/CLAIM.tmp-<hex>``), sorted. A kept version would keep its own
+        for ever. On S3 nothing writes them (each is one PUT): the versions' folders are not
+        listed there."""
         stale_before = time.time() - older_than_s
+        names = self._dir_names()
+        temps = list(filter(_LATEST_TEMP.match, names))
+        if not self.store.config.is_s3:
+            for folder in filter(_VERSION_DIR.match, names):
+                with contextlib.suppress(FileNotFoundError, NotADirectoryError):  # deleted by a retention
+                    inside = self.fs.ls(posixpath.join(self.root, folder), detail=False)
+                    temps += [
+                        posixpath.join(folder, name)
+                        for name in map(posixpath.basename, inside)
+                        if _VERSION_TEMP.match(name)
+                    ]
         swept = []
-        for name in sorted(filter(_LATEST_TEMP.match, self._dir_names())):
+        for name in sorted(temps):
             path = posixpath.join(self.root, name)
             with contextlib.suppress(FileNotFoundError):  # another sweep deleted it meanwhile
                 if self.fs.modified(path).timestamp() < stale_before:

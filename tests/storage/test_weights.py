@@ -849,6 +849,31 @@ def test_latest_temp_files_of_killed_publishes_are_swept_once_as_old_as_a_dead_c
     assert weights.latest() == 0 and weights.list() == [0]
 
 
+def test_claim_and_manifest_temp_files_of_killed_publishes_are_swept_from_kept_versions(
+    local_store, tokenizer_dir, tmp_path
+):
+    """On a local folder a claim (made, or renewed while uploading) and a manifest are written
+    to ``<name>.tmp-<hex>`` first: a publish killed in between left it in the version's folder,
+    which a kept version keeps for ever. Swept once as old as a dead claim; a younger one may
+    be a write in progress."""
+    weights = WeightStore(local_store, cache_dir=tmp_path / "cache")
+    publish_model(weights, tiny_llama(seed=0), tokenizer_dir)
+    folder = weights.version_path(0)
+    old = [f"CLAIM.tmp-{'a' * 32}", f"manifest.json.tmp-{'b' * 32}"]
+    young = f"CLAIM.tmp-{'c' * 32}"
+    for name in [*old, young]:
+        weights.fs.pipe_file(posixpath.join(folder, name), b"half")
+    long_ago = time.time() - IN_FLIGHT_S - 60
+    for name in old:
+        os.utime(posixpath.join(folder, name), (long_ago, long_ago))
+
+    assert weights.sweep_latest_temps() == sorted(f"v000000/{name}" for name in old)
+    assert sorted(map(posixpath.basename, weights.fs.ls(folder, detail=False))) == sorted(
+        [*weights.manifest(0)["files"], MANIFEST_FILE, CLAIM_FILE, young]
+    )
+    assert weights.load(0)
+
+
 def test_a_retention_killed_while_deleting_a_version_leaves_no_complete_looking_remains(
     weights, tokenizer_dir, monkeypatch
 ):
