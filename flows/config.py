@@ -364,6 +364,16 @@ class RunConfig(BaseModel):
                     "they run none (a harness's records are not counted): the run would never reach it; stop "
                     "it with stop.max_seconds or stop.max_policy_steps"
                 )
+        steps, every = self.stop.max_policy_steps, self.sao.publish_every
+        if steps is not None and every is not None and not self.sao.publish_on_stop and steps % every:
+            unpublished = steps % every
+            raise ValueError(
+                f"stop.max_policy_steps ({steps}) is not a multiple of sao.publish_every ({every}), and "
+                f"sao.publish_on_stop is false: the trainer would stop at step {steps} with its last "
+                f"{unpublished} step{'s' * (unpublished != 1)} unpublished (trained again, and lost again, "
+                "by each run resuming it), and no rollout worker would see a version at that step to stop "
+                f"on; make it a multiple of {every} or set sao.publish_on_stop true"
+            )
         if self.sao.mode == "grpo" and group == 1:
             raise ValueError(
                 "sao.mode: 'grpo' takes each rollout's reward less its group's mean, and with "

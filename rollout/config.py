@@ -68,6 +68,13 @@ class EngineConfig(BaseModel):
     def _servers_for_vllm(self) -> EngineConfig:
         if self.kind == "vllm" and not self.vllm:
             raise ValueError("engine.kind is 'vllm' but engine.vllm lists no server")
+        if self.kind == "torch" and self.vllm:
+            # else the run rolled out on an in-process model, its servers idle, without a word
+            count = len(self.vllm)
+            raise ValueError(
+                f"engine.kind is 'torch', so the {count} server{'s' * (count != 1)} engine.vllm lists "
+                "would go unused: set engine.kind to 'vllm' to roll out on them, or empty engine.vllm"
+            )
         return self
 
     @property

@@ -335,6 +335,44 @@ def test_a_worker_that_serves_only_loads_with_a_stop_it_reaches():
     assert config.gateway_http.serve_only and config.stop.max_policy_steps == 3
 
 
+def test_vllm_servers_listed_for_a_torch_engine_are_refused_without_showing_them():
+    """With ``engine.kind`` torch the servers of ``engine.vllm`` went unused, silently: a run
+    meant for them (kind left at its default) rolled out on an in-process model instead."""
+    servers = [{"base_url": "http://127.0.0.1:8000", "api_key": "TOP-SECRET"}]
+    with pytest.raises(ConfigError) as refused:
+        load_config(TINY, {"engine": {"vllm": servers}})
+    assert "engine: engine.kind is 'torch', so the 1 server engine.vllm lists would go unused" in str(
+        refused.value
+    )
+    assert "TOP-SECRET" not in str(refused.value)
+    assert load_config(TINY, {"engine": {"kind": "vllm", "vllm": servers}}).engine.replica_count == 1
+
+
+@pytest.mark.parametrize(
+    ("steps", "every", "on_stop"), [(6, 2, False), (5, 2, True), (5, None, True), (5, 2, False)]
+)
+def test_a_policy_step_limit_that_no_version_would_publish_is_refused(steps, every, on_stop):
+    """Without ``publish_on_stop`` the trainer publishes every ``publish_every`` steps only: it
+    stopped at ``max_policy_steps`` with the steps since its last version unpublished (trained
+    again, and lost again, by each run resuming it), and the rollout workers, which stop on a
+    version that holds ``max_policy_steps``, never served one."""
+    overrides = {
+        "stop": {"max_policy_steps": steps},
+        "sao": {"publish_every": every, "publish_on_stop": on_stop},
+    }
+    if steps % (every or steps) == 0 or on_stop:
+        assert load_config(TINY, overrides).stop.max_policy_steps == steps
+        return
+    with pytest.raises(
+        ConfigError,
+        match=re.escape(
+            "stop.max_policy_steps (5) is not a multiple of sao.publish_every (2), and sao.publish_on_stop is "
+            "false: the trainer would stop at step 5 with its last 1 step unpublished"
+        ),
+    ):
+        load_config(TINY, overrides)
+
+
 def test_a_config_that_is_not_utf8_fails_naming_the_file(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("run_id: d\xe9mo\n".encode("latin-1"))
@@ -468,6 +506,7 @@ def test_a_secret_set_on_the_command_line_is_warned_of_without_showing_it(capsys
     sets = [
         "storage={root: ./runs, access_key_id: TOP-SECRET-0, secret_access_key: TOP-SECRET-1}",
         "engine.vllm=[{base_url: 'http://127.0.0.1:8000'}, {api_key: TOP-SECRET-2}]",
+        "engine.kind=vllm",
     ]
     config, _ = parse("test", with_sets(sets))
     assert config.storage.secret_access_key.get_secret_value() == "TOP-SECRET-1"
