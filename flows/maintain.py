@@ -1,5 +1,5 @@
 """The maintain flow: compact and vacuum the Delta tables, keep the last N weight versions
-(and sweep the temporary files of LATEST that killed publishes left), sweep shard files no
+(and sweep the temporary files of LATEST, CLAIM and manifests that killed publishes left), sweep shard files no
 commit lists, abort the incomplete multipart uploads that killed writers left on S3.
 
 Runs one table at a time (compaction and vacuum must not overlap on a table).
@@ -84,7 +84,7 @@ def maintain(
     retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS, le=MAX_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
     """Compact and vacuum every table, drop old weight versions (and the temporary files of
-    LATEST that killed publishes left, once an hour old), delete shard files that no
+    LATEST, CLAIM and manifests that killed publishes left, once an hour old), delete shard files that no
     commit lists (left by writers that died) and abort the incomplete multipart uploads of
     writers killed while sending a large file to S3 (their parts are stored, and billed,
     until then). A step that fails (a table whose log or files cannot be read) leaves the
@@ -133,7 +133,7 @@ def maintain(
 
 def summary(result: dict[str, Any]) -> str:
     """What a :func:`maintain` run's result did, a short line per table and one each for the
-    weight versions, LATEST's temporary files and shard files it removed and the incomplete
+    weight versions, the temporary files of killed publishes and shard files it removed and the incomplete
     uploads it aborted."""
     lines = []
     for table in result["tables"]:
@@ -149,7 +149,7 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"{table['table']}: {done}")
     versions = result["removed_versions"]
     lines.append(f"weight versions pruned: {', '.join(f'v{v}' for v in versions) if versions else 'none'}")
-    lines.append(f"LATEST temporary files of killed publishes deleted: {len(result['removed_latest_temps'])}")
+    lines.append(f"temporary files of killed publishes deleted: {len(result['removed_latest_temps'])}")
     lines.append(f"uncommitted shard files deleted: {len(result['removed_shard_files'])}")
     lines.append(f"incomplete uploads of killed writers aborted: {len(result['aborted_uploads'])}")
     return "\n".join(lines)

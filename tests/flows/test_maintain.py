@@ -192,7 +192,7 @@ def test_maintain_prints_a_short_summary_of_what_it_did(tmp_path, capsys):
         "weights: not created yet",
         "evals: compacted 3 files into 1, vacuumed 0 files",
         "weight versions pruned: none",
-        "LATEST temporary files of killed publishes deleted: 0",
+        "temporary files of killed publishes deleted: 0",
         "uncommitted shard files deleted: 1",
         "incomplete uploads of killed writers aborted: 0",
     ]
