@@ -5,7 +5,8 @@ Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Serve it
 ``{"detail": message}``: 400 a body that does not parse or validate (one line saying why, as
 the gateway answers one), 401 bad token, 404 no such rollout in flight to cancel, 409 a
 rollout id already in flight or a rollout cancelled. A rollout whose client disconnects is
-cancelled; a request that reuses its id waits for it to end rather than being refused.
+cancelled; a request that reuses its id waits for it to end rather than being refused (a
+``/cancel`` of the id reaches it meanwhile).
 """
 
 from __future__ import annotations
@@ -92,12 +93,22 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
     app = FastAPI(title="treadle rollout service", openapi_url=None)
     dropped: dict[str, asyncio.Task] = {}
     """Rollouts cancelled because their client went away, by id, until they have unwound."""
+    retries: dict[str, set[asyncio.Task]] = {}
+    """Retries of a dropped rollout waiting for it to unwind, by id: not yet in the service's
+    flight, where a cancel would find them."""
 
     async def after_dropped(request: RolloutRequest) -> RolloutResult:
         # a client that dropped its request and retries it must not be refused as a duplicate
         # of the rollout it gave up, still closing its env
         if (prior := dropped.get(request.rollout_id)) is not None:
-            await asyncio.wait([prior])
+            waiting = retries.setdefault(request.rollout_id, set())
+            waiting.add(asyncio.current_task())
+            try:
+                await asyncio.wait([prior])
+            finally:
+                waiting.discard(asyncio.current_task())
+                if not waiting:
+                    retries.pop(request.rollout_id, None)
         return await service.process(request)
 
     @app.exception_handler(RequestValidationError)
@@ -139,7 +150,10 @@ def create_app(service: RolloutService, token: str) -> FastAPI:
 
     @app.post("/cancel", dependencies=[Depends(authorize)])
     async def cancel(body: CancelRequest) -> dict[str, Any]:
-        if not service.cancel(body.rollout_id):
+        waiting = list(retries.get(body.rollout_id, ()))
+        for retry in waiting:
+            retry.cancel()
+        if not service.cancel(body.rollout_id) and not waiting:
             raise HTTPException(404, f"no rollout {body.rollout_id!r} in flight")
         return {"cancelled": body.rollout_id}
 
