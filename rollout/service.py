@@ -440,9 +440,9 @@ class RolloutService:
             top_p: training rollouts, whose log-probs the trainer compares with its own at the
             run's; ``False`` (evaluation) lets the program choose.
         secrets: values masked wherever a rollout's error holds them, in its record and its
-            warning (the run's storage credentials); the token of the service's HTTP gateway
-            is masked too, and AWS key ids and echoed S3 credentials always are
-            (``storage.schema.error_text``).
+            warning, and in the warning of a cleanup step that fails (the run's storage
+            credentials); the token of the service's HTTP gateway is masked too, and AWS key
+            ids and echoed S3 credentials always are (``storage.schema.error_text``).
     """
 
     def __init__(
@@ -525,6 +525,12 @@ class RolloutService:
             "finished": dict(self.finished),
             "loop_blocks": dict(self.loop_blocks),
         }
+
+    def _masked(self) -> list[str | None]:
+        """What a rollout's error or a cleanup's warning masks: ``secrets`` and the token of the
+        HTTP gateway, which a self-driving env holds."""
+        server = self._gateway_server
+        return [*self.secrets, server.token if server is not None else None]
 
     async def _watched(self, env: Env, call: str, *args: Any) -> Any:
         """``env``'s ``call`` with ``args``, each stretch it holds the event loop timed."""
@@ -682,8 +688,7 @@ class RolloutService:
             await self._cleanup(env, state["session"], request, actions)
             raise
         if error is not None:
-            server = self._gateway_server
-            error = error_text(error, [*self.secrets, server.token if server is not None else None])
+            error = error_text(error, self._masked())
         if status in EXCLUDED_STATUSES:
             # A logger per env: the flow run's logs take a few records of a logger a minute
             # (flows.run_logs), so an env failing every rollout does not keep the others'
@@ -894,18 +899,18 @@ class RolloutService:
     async def _release(
         self, env: Env | None, session: Session, request: RolloutRequest, actions: _ProgramActions | None
     ) -> None:
-        rollout_id = request.rollout_id
+        rollout_id, secrets = request.rollout_id, self._masked()
         if actions is not None:
-            with _logged("giving back the program's grant", rollout_id, self.secrets):
+            with _logged("giving back the program's grant", rollout_id, secrets):
                 await actions.close()
         if self.scheduler is not None:
-            with _logged("ending the trajectory in the scheduler", rollout_id, self.secrets):
+            with _logged("ending the trajectory in the scheduler", rollout_id, secrets):
                 self.scheduler.end_trajectory(rollout_id)
         if env is not None:
-            with _logged("closing the env", rollout_id, self.secrets):
+            with _logged("closing the env", rollout_id, secrets):
                 await self._close_env(env)
         with (
-            _logged("closing the gateway session", rollout_id, self.secrets),
+            _logged("closing the gateway session", rollout_id, secrets),
             contextlib.suppress(LookupError),
         ):
             self.gateway.close(session.session_id)

@@ -930,6 +930,32 @@ async def one_program_rollout(engine, gateway: Gateway, env) -> RolloutResult:
         await engine.close()
 
 
+class LeakyCloseProgram(OneCallProgram):
+    """A self-driving env whose close fails quoting its program's environment, the token of
+    the service's HTTP gateway in it (a harness's command line in its error)."""
+
+    async def close(self) -> None:
+        await super().close()
+        raise OSError(f"harness exited 1: OPENAI_API_KEY={self.gateway.api_key} agent --task 1")
+
+
+def test_a_self_driving_env_close_that_fails_quoting_the_gateway_token_is_logged_masked(tiny, caplog):
+    """The token of the service's HTTP gateway, masked in a record's error and its warning,
+    was logged as it was when the env's close (or another cleanup step) quoted it."""
+
+    async def body():
+        model, tokenizer = tiny
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        env = LeakyCloseProgram()
+        result = await one_program_rollout(engine, Gateway(Router([engine]), tokenizer, GatewayConfig()), env)
+        return result, env.gateway.api_key
+
+    result, token = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    assert "closing the env of rollout" in caplog.text and "harness exited 1" in caplog.text
+    assert token not in caplog.text
+
+
 class SamplingProgram(OneCallProgram):
     """Goes on with one conversation, one chat call with each of ``asked`` (sampling fields),
     and keeps the answers' status codes and error messages."""
