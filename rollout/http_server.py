@@ -90,22 +90,41 @@ READ_TIMEOUT_S = 60.0
 is disconnected. uvicorn bounds neither: its keep-alive timer stops at a request's first
 byte, so a client sending a byte a minute held a connection, and its file descriptor, for ever."""
 
+MAX_CONNECTIONS: int | None = None
+"""The most connections a server holds open at once (None: no bound but the process's file
+descriptors). One past it is closed as soon as it is accepted, before a byte is read: uvicorn's
+``limit_concurrency`` still accepts it, and answers its requests 503 while as many connections
+are open, so idle connections of a client that cannot send a request refuse those that can."""
+
 UDS_MODE = 0o600
 """Permissions of a server's Unix socket: only its owner may connect (uvicorn made it 0666)."""
 
 
 class _ReadBoundH11(H11Protocol):
     """uvicorn's h11 protocol, disconnecting a client whose request has not fully arrived
-    ``read_timeout_s`` after its connection opened or its first byte did (a subclass per
-    server sets it)."""
+    ``read_timeout_s`` after its connection opened or its first byte did, and closing a
+    connection past ``max_connections`` at once (a subclass per server sets them)."""
 
     read_timeout_s = READ_TIMEOUT_S
+    max_connections = MAX_CONNECTIONS
+    server_name = "local"
+    warned = False  # of a connection past max_connections: later ones are not logged
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        self._read_deadline: asyncio.TimerHandle | None = self.loop.call_later(
-            self.read_timeout_s, self._read_timed_out
-        )
+        self._read_deadline: asyncio.TimerHandle | None = None
+        if self.max_connections is not None and len(self.connections) > self.max_connections:
+            if not self.warned:
+                type(self).warned = True
+                log.warning(
+                    "the %s server holds its max_connections %d: it closes each connection past "
+                    "them as it comes (later ones are not logged)",
+                    self.server_name,
+                    self.max_connections,
+                )
+            transport.close()
+            return
+        self._read_deadline = self.loop.call_later(self.read_timeout_s, self._read_timed_out)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -287,7 +306,8 @@ class AppServer:
     another server listens on is not) and removed at the stop. ``token`` is the bearer token
     ``app`` requires: a request without it reaches the app with its body unread. ``error_body``
     shapes the errors answered outside ``app`` (413, and 503 at the stop) as ``app`` shapes its
-    own. A client has ``read_timeout_s`` to send a request (see :data:`READ_TIMEOUT_S`).
+    own. A client has ``read_timeout_s`` to send a request (see :data:`READ_TIMEOUT_S`); a
+    connection past ``max_connections`` is closed at once (see :data:`MAX_CONNECTIONS`).
     """
 
     def __init__(
@@ -302,9 +322,12 @@ class AppServer:
         max_body_bytes: int = MAX_BODY_BYTES,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         read_timeout_s: float = READ_TIMEOUT_S,
+        max_connections: int | None = MAX_CONNECTIONS,
         token: str | None = None,
         error_body: ErrorBody = detail_body,
     ):
+        if max_connections is not None and max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1 (or None: no bound), not {max_connections}")
         self._answering = _AnsweredOnStop(
             _BodyLimit(app, max_body_bytes, token, error_body), name, drain_timeout_s, error_body
         )
@@ -313,7 +336,11 @@ class AppServer:
             host=host,
             port=port,
             uds=uds,
-            http=type("_ReadBoundH11", (_ReadBoundH11,), {"read_timeout_s": read_timeout_s}),
+            http=type(
+                "_ReadBoundH11",
+                (_ReadBoundH11,),
+                {"read_timeout_s": read_timeout_s, "max_connections": max_connections, "server_name": name},
+            ),
             # uvicorn's default log_config runs logging.config.dictConfig, which closes every
             # handler of the process and cuts uvicorn's loggers off from the host's handlers
             log_config=None,

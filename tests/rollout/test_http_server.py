@@ -202,3 +202,43 @@ def test_a_request_may_take_longer_than_the_read_bound_once_it_is_received():
             return [(await client.post("/", content=b"x" * 100_000)).text for _ in range(2)]
 
     assert asyncio.run(body()) == ["hello", "hello"]
+
+
+def test_a_connection_past_max_connections_is_closed_at_once_and_one_comes_in_once_another_ends(caplog):
+    """uvicorn accepts every connection: idle clients (each held up to read_timeout_s) could
+    take the server's file descriptors, and with them the process's."""
+
+    async def served(server) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+        """A connection whose request was answered, held open by the start of a second one
+        (uvicorn's 5 s keep-alive timer stops), or None when the server closed it."""
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            await asyncio.wait_for(reader.readuntil(b"hello"), 30)
+        except asyncio.IncompleteReadError:
+            writer.close()
+            return None
+        writer.write(b"GET / HTTP/1.1\r\n")
+        return reader, writer
+
+    async def body():
+        async with AppServer(hello, max_connections=2, name="test") as server:
+            held = [await served(server), await served(server)]
+            refused = await served(server)
+            _, writer = held.pop()
+            writer.close()
+            async with asyncio.timeout(30):  # until the server has seen the close
+                while (again := await served(server)) is None:
+                    await asyncio.sleep(0.01)
+            for _, writer in [*held, again]:
+                writer.close()
+            return None not in held, refused
+
+    assert asyncio.run(body()) == (True, None)
+    assert caplog.text.count("the test server holds its max_connections 2") == 1
+
+
+@pytest.mark.parametrize("limit", [0, -1])
+def test_a_max_connections_below_one_is_refused(limit):
+    with pytest.raises(ValueError, match="max_connections must be at least 1"):
+        AppServer(hello, max_connections=limit)
