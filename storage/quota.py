@@ -2,10 +2,10 @@
 
 The claims form a chain of objects ``quota/<name>/<k>`` (k = 0, 1, …), each created
 exclusively (:meth:`RunStore.create_exclusive`) and holding the total claimed once it is
-in (and a random mark of the create that made it, which a create retried after its reply
-was lost recognises). A claimant reads the newest link, adds what it takes (never past the
-limit) and creates the next link; of two claimants racing for one link one wins, and the
-other reads it and tries again. So the workers of a run, running at once or one after
+in (and a random mark of the create that made it, which a create whose reply was lost, then
+retried and refused or failed, recognises). A claimant reads the newest link, adds what it
+takes (never past the limit) and creates the next link; of two claimants racing for one link
+one wins, and the other reads it and tries again. So the workers of a run, running at once or one after
 another, restarted or rerun, together never hold more than the limit. A worker gives back
 what it did not use (:meth:`RunQuota.release`); one that dies keeps what it held, and the
 run falls short by it.
@@ -18,6 +18,7 @@ k + 1 deleted after others went past it, that create would succeed with a stale 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import posixpath
 import uuid
@@ -96,11 +97,22 @@ class RunQuota:
         except FileExistsError:
             # a create retried after its reply was lost finds the link it made: taken or given
             # back twice, the run would fall short, or pass its limit
-            link = json.loads(self.store.fs.cat_file(self._path(index)))
-            self._seen = index, int(link["total"])
-            return link.get("mark") == mark
+            return self._made(index, mark)
+        except Exception:
+            # one that got no reply at all may have made it: a claim that raised then left what
+            # it took held by no worker, the run short by it (a release, given back none)
+            with contextlib.suppress(Exception):
+                return self._made(index, mark)
+            raise
         self._seen = index, total
         return True
+
+    def _made(self, index: int, mark: str) -> bool:
+        """Whether link ``index`` is the one the create marked ``mark`` made (``FileNotFoundError``
+        when there is none)."""
+        link = json.loads(self.store.fs.cat_file(self._path(index)))
+        self._seen = index, int(link["total"])
+        return link.get("mark") == mark
 
     def _path(self, index: int) -> str:
         return posixpath.join(self.folder, f"{index:08d}")

@@ -9,6 +9,8 @@ import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from storage.config import RunStore
 from storage.quota import RunQuota
 
@@ -102,6 +104,37 @@ def test_a_claim_or_release_whose_create_reply_was_lost_counts_once(store, monke
     monkeypatch.undo()
     assert RunQuota(store, "rollouts", 10).claimed() == 1
     assert quota.claim(10) == 9
+
+
+def test_a_claim_or_release_whose_create_failed_after_it_was_made_counts_once(store, monkeypatch):
+    """A create whose reply never came (its retries timed out, the connection dropped) may
+    have made the link: the claim raised, and the rollouts it took were held by no worker and
+    never given back, so the run fell short by them; a release raised and was counted."""
+    real_create = store.create_exclusive
+
+    def reply_timed_out(path, payload):
+        real_create(path, payload)
+        raise TimeoutError("no reply to the PUT (injected)")
+
+    quota = RunQuota(store, "rollouts", 10)
+    monkeypatch.setattr(store, "create_exclusive", reply_timed_out)
+    assert quota.claim(4) == 4
+    quota.release(3)
+    monkeypatch.undo()
+    assert RunQuota(store, "rollouts", 10).claimed() == 1
+    assert quota.claim(10) == 9
+
+
+def test_a_create_that_failed_and_made_no_link_raises_its_error(store, monkeypatch):
+    def unreachable(path, payload):
+        raise ConnectionError("the store is unreachable (injected)")
+
+    quota = RunQuota(store, "rollouts", 10)
+    monkeypatch.setattr(store, "create_exclusive", unreachable)
+    with pytest.raises(ConnectionError, match="unreachable"):
+        quota.claim(4)
+    monkeypatch.undo()
+    assert quota.claimed() == 0
 
 
 def test_a_local_link_is_on_disk_before_its_claim_returns(local_store, monkeypatch):
