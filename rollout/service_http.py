@@ -168,10 +168,13 @@ async def _cancel_when_gone(
     http: Request, rollout: asyncio.Task, rollout_id: str, dropped: dict[str, asyncio.Task]
 ) -> None:
     """Cancel ``rollout`` once the client of ``http`` (its body read) has disconnected, and
-    hold it in ``dropped`` under ``rollout_id`` until it has ended."""
+    hold it in ``dropped`` under ``rollout_id`` until it has ended (unless a rollout dropped
+    before under that id, which it waited for, is still there)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
     rollout.cancel()
+    if (prior := dropped.get(rollout_id)) is not None and not prior.done():
+        return  # a retry dropped while it waited for ``prior``, which still holds the id
     dropped[rollout_id] = rollout
 
     def forget(_: asyncio.Task) -> None:

@@ -1261,6 +1261,16 @@ def test_a_retry_right_after_the_client_dropped_waits_for_the_dropped_rollout_to
     assert (reply["rollout_id"], envs_made) == ("job-1", 2)
 
 
+def rollout_tasks() -> int:
+    """The rollouts of the service's HTTP API in flight (their tasks started), a retry
+    waiting for a dropped one included."""
+    return sum(
+        task.get_coro().__qualname__.endswith("after_dropped")
+        and inspect.getcoroutinestate(task.get_coro()) != inspect.CORO_CREATED
+        for task in asyncio.all_tasks()
+    )
+
+
 def test_a_retry_waiting_for_its_dropped_rollout_is_cancelled_by_cancel(tiny):
     """A retry that waits for the rollout its client dropped was out of reach of /cancel:
     the cancel reached the dropped rollout alone (already cancelled, closing its env) and
@@ -1282,17 +1292,6 @@ def test_a_retry_waiting_for_its_dropped_rollout_is_cancelled_by_cancel(tiny):
             envs.append(SlowToClose("step", stepping, step_release) if not envs else ArithEnv())
             return envs[-1]
 
-        def retry_waits() -> bool:
-            # the dropped request's rollout and the retry's, which has run up to its wait
-            waiting = [
-                task.get_coro()
-                for task in asyncio.all_tasks()
-                if task.get_coro().__qualname__.endswith("after_dropped")
-            ]
-            return len(waiting) == 2 and all(
-                inspect.getcoroutinestate(coro) == inspect.CORO_SUSPENDED for coro in waiting
-            )
-
         async with (
             running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service,
             ServiceServer(service) as server,
@@ -1306,7 +1305,7 @@ def test_a_retry_waiting_for_its_dropped_rollout_is_cancelled_by_cancel(tiny):
             dropped.cancel()  # closes the connection
             await asyncio.wait_for(closing.wait(), 60)
             retry = asyncio.create_task(client.post("/process", json=request))
-            while not retry_waits():
+            while rollout_tasks() != 2:  # the dropped one and the retry's, run up to its wait
                 await asyncio.sleep(0.01)
             cancelled = await client.post("/cancel", json={"rollout_id": "job-1"})
             close_release.set()
@@ -1317,6 +1316,57 @@ def test_a_retry_waiting_for_its_dropped_rollout_is_cancelled_by_cancel(tiny):
     assert cancelled == 200
     assert (status, reply) == (409, {"detail": "rollout job-1 was cancelled"})
     assert envs_made == 1
+
+
+def test_a_retry_dropped_while_it_waits_leaves_the_next_retry_waiting_too(tiny):
+    """A retry whose client dropped it in turn while it waited took the place of the rollout
+    it waited for among those dropped, and was gone once its wait was cancelled: the next
+    retry found nothing to wait for and was refused 409 while that rollout still unwound."""
+
+    async def body():
+        stepping, step_release = asyncio.Event(), asyncio.Event()
+        closing, close_release = asyncio.Event(), asyncio.Event()
+
+        class SlowToClose(HeldEnv):
+            async def close(self) -> None:
+                closing.set()
+                await close_release.wait()
+                await super().close()
+
+        envs = []
+
+        def make_env(task):
+            envs.append(SlowToClose("step", stepping, step_release) if not envs else ArithEnv())
+            return envs[-1]
+
+        async with (
+            running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service,
+            ServiceServer(service) as server,
+            httpx.AsyncClient(
+                base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {server.token}"}
+            ) as client,
+        ):
+            request = {"task": arith_task().model_dump(), "rollout_id": "job-1", "include_tokens": False}
+            dropped = asyncio.create_task(client.post("/process", json=request))
+            await asyncio.wait_for(stepping.wait(), 60)
+            dropped.cancel()  # closes the connection
+            await asyncio.wait_for(closing.wait(), 60)
+            first_retry = asyncio.create_task(client.post("/process", json=request))
+            while rollout_tasks() != 2:
+                await asyncio.sleep(0.01)
+            first_retry.cancel()
+            while rollout_tasks() != 1:  # its wait cancelled
+                await asyncio.sleep(0.01)
+            retry = asyncio.create_task(client.post("/process", json=request))
+            while rollout_tasks() != 2 and not retry.done():
+                await asyncio.sleep(0.01)
+            close_release.set()
+            reply = await retry
+            return reply.status_code, reply.json(), len(envs)
+
+    status, reply, envs_made = asyncio.run(body())
+    assert status == 200, reply
+    assert (reply["rollout_id"], envs_made) == ("job-1", 2)
 
 
 def test_a_stop_returns_once_the_requests_its_drain_cut_short_have_ended(tiny):
