@@ -928,6 +928,8 @@ class Trainer:
 
     def _fail(self, message: str) -> NoReturn:
         self._failed = NonFinitePolicy(message)
+        # the trainer takes no step after this one, whose append would take them along
+        self._flush_unwritten_rows()
         raise self._failed
 
     def _train_step(self, samples: list[Sample]) -> StepMetrics | None:
@@ -1128,8 +1130,9 @@ class Trainer:
             self._unwritten_rows = []
 
     def _flush_unwritten_rows(self) -> None:
-        """Append the ``train_steps`` rows whose append failed, as the trainer stops: no later
-        step's append takes them. One more failure is logged and they are lost."""
+        """Append the ``train_steps`` rows whose append failed, as the trainer stops (or fails,
+        :meth:`_fail`): no later step's append takes them. One more failure is logged and they
+        are lost."""
         rows, self._unwritten_rows = self._unwritten_rows, []
         if not rows:
             return

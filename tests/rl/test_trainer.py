@@ -647,6 +647,26 @@ def test_a_train_steps_row_the_schema_refuses_is_dropped_and_the_rows_kept_befor
     assert trainer._unwritten_rows == []
 
 
+@pytest.mark.parametrize(("failures", "landed"), [(1, [1]), (2, [])])
+def test_rows_kept_from_a_failed_train_steps_append_land_when_a_non_finite_policy_stops_the_trainer(
+    store, monkeypatch, failures, landed
+):
+    """Step 1's append fails and its row is kept for the next append; the policy then turns
+    NaN, and no later step takes the row along: it is appended as the trainer stops. The
+    stop is the NonFinitePolicy error, also when that append fails too."""
+    write_shards(store, make_trajectories(store, 12, seed=1), per_shard=4)
+    trainer = Trainer(store, config(publish_every=None))
+    fail_train_steps_appends(trainer.tables, monkeypatch, count=failures)
+    trainer._train_step(open_batch(trainer, make_trajectories(store, 4, seed=2)))
+    assert [row["step"] for row in trainer._unwritten_rows] == [1] and read_steps(store) == []
+    with torch.no_grad():
+        trainer.policy.get_output_embeddings().weight[0, 0] = float("nan")
+
+    with pytest.raises(NonFinitePolicy, match="holds a NaN or an infinity at step 1"):
+        trainer.run(drain=True)
+    assert [row["step"] for row in read_steps(store)] == landed and trainer._unwritten_rows == []
+
+
 def raising() -> dict:
     raise RuntimeError("bad decision (injected)")
 
