@@ -797,12 +797,28 @@ class Trainer:
             batches.append(take_batch(queue, self.config.token_budget))
             pending = list(queue)
         losses = []
-        while self.value_pretrain_done < self.config.value_pretrain_steps:
-            parts = self._parts(batches[self.value_pretrain_done % len(batches)])
+        attempts = skipped_in_a_row = 0
+        # a step the critic skips (non-finite loss or gradient norm) does not count; once every
+        # batch skipped in a row, the rest waits for the next policy step's buffer
+        while self.value_pretrain_done < self.config.value_pretrain_steps and skipped_in_a_row < len(batches):
+            parts = self._parts(batches[attempts % len(batches)])
+            attempts += 1
             stats = self._value_step(parts, self._old_values(parts))
-            losses.append(math.nan if stats is None else stats["value_loss"])
+            if stats is None:
+                skipped_in_a_row += 1
+                continue
+            skipped_in_a_row = 0
+            losses.append(stats["value_loss"])
             self.value_pretrain_done += 1
-        logger.info("value pretraining: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
+        if losses:
+            logger.info("value pretraining: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
+        if self.value_pretrain_done < self.config.value_pretrain_steps:
+            logger.warning(
+                "value pretraining: every buffered batch gives a non-finite critic loss or gradient norm; "
+                "%d of %d steps done, the rest are tried before the next policy step",
+                self.value_pretrain_done,
+                self.config.value_pretrain_steps,
+            )
 
     def _parts(self, samples: list[Sample]) -> list[Batch]:
         return [

@@ -1426,6 +1426,26 @@ def test_value_pretraining_steps_only_the_critic_before_the_first_policy_step(st
     assert Trainer(store, config(value_pretrain_steps=3)).value_pretrain_done == 3  # not redone on resume
 
 
+@pytest.mark.parametrize(("good_batches", "done"), [(1, 3), (0, 0)])
+def test_a_value_pretraining_step_the_critic_skips_does_not_count(store, good_batches, done):
+    """A buffered batch whose reward overflows the critic's loss takes no critic step: it
+    does not count toward ``value_pretrain_steps``, which the batches that do train reach;
+    with no such batch nothing counts, and pretraining is tried again before the next step."""
+    trainer = Trainer(store, config(value_pretrain_steps=3))
+    bad = with_rewards(make_trajectories(store, 4, seed=20), [3e38, 0.0, 1.0, 0.0])
+    trainer.buffer.extend(open_batch(trainer, bad, "processed/x/0"))
+    for i in range(good_batches):
+        trainer.buffer.extend(
+            open_batch(trainer, make_trajectories(store, 4, seed=21 + i), f"processed/x/{i + 1}")
+        )
+    critic_steps = []
+    trainer.value_optimizer.register_step_post_hook(lambda *_: critic_steps.append(1))
+
+    trainer._pretrain_value()
+    assert (len(critic_steps), trainer.value_pretrain_done) == (done, done)
+    assert all(torch.isfinite(p).all() for p in trainer.value_model.parameters())
+
+
 def test_a_resumed_version_missing_from_the_weights_table_gets_its_row_once(store):
     # version 0 was published without a row (as by a trainer killed between the two)
     assert Tables(store).read("weights").num_rows == 0
