@@ -4,16 +4,16 @@ counters out (QwenGyre's trajectory processor, PAPERS.md).
 For each execution (rows sharing ``execution_id``) of a shard:
 
 1. **Check** each row: per-token lists present, without a null entry and of equal length,
-   finite log-probs on action tokens, a finite or null reward and a progress in [0, 1] or
-   null (else ``invalid_record``: the trainer would refuse the row, or its reward would
-   be out of bounds), a unique ``trajectory_id`` (``duplicate_id``), a declared
-   ``parent_id``/``branch_at`` link that the tokens confirm (``branch_past_end``,
-   ``prefix_mismatch``, ``cycle``), and a status outside ``EXCLUDED_STATUSES``
-   (``env_error``, ``infra_error``: such rows never get a reward nor reach the loss, nor
-   own a shared prefix). A bad row is reported and dropped; the rest goes on. A row whose
-   declared parent is not in the shard (its execution was split over shards, or the
-   writer refused the parent) is reported and kept, as a root of its own: the tree is
-   rebuilt from the tokens, which it still has.
+   finite log-probs on action tokens, no action token at position 0, a finite or null
+   reward and a progress in [0, 1] or null (else ``invalid_record``: the trainer would
+   refuse the row, or its reward would be out of bounds), a unique ``trajectory_id``
+   (``duplicate_id``), a declared ``parent_id``/``branch_at`` link that the tokens confirm
+   (``branch_past_end``, ``prefix_mismatch``, ``cycle``), and a status outside
+   ``EXCLUDED_STATUSES`` (``env_error``, ``infra_error``: such rows never get a reward nor
+   reach the loss, nor own a shared prefix). A bad row is reported and dropped; the rest
+   goes on. A row whose declared parent is not in the shard (its execution was split over
+   shards, or the writer refused the parent) is reported and kept, as a root of its own:
+   the tree is rebuilt from the tokens, which it still has.
 2. **Score** partial progress of unsuccessful rows (:func:`combine_reward`), re-scoring the
    execution through the injected ``rescore`` callable when a row has no ``progress``
    (``rescore_failed`` when every attempt fails).
@@ -333,19 +333,26 @@ def _sound_rows(table: pa.Table, counters: ShardCounters) -> np.ndarray:
 
 
 def _unscorable_rows(work: pa.Table, paths: _Paths, counters: ShardCounters) -> np.ndarray:
-    """``(n,)`` bool: rows with a non-finite log-prob on an action token, reported
-    (``invalid_record``). The trainer refuses such a row (:func:`rl.batching.samples_from_table`):
-    kept, it could be handed the prefix it shares with a sound row, which then trains nowhere."""
+    """``(n,)`` bool: rows with a non-finite log-prob on an action token, or an action token at
+    position 0 (nothing precedes it to score it from), reported (``invalid_record``). The
+    trainer refuses such a row (:func:`rl.batching.samples_from_table`): kept, it could be
+    handed the prefix it shares with a sound row, which then trains nowhere."""
     unscorable_token = paths.action & ~np.isfinite(paths.values["logprobs"])
-    unscorable = np.zeros(len(paths.lengths), dtype=bool)
+    non_finite = np.zeros(len(paths.lengths), dtype=bool)
     if unscorable_token.any():
         row_of_token = np.repeat(np.arange(len(paths.lengths)), paths.lengths)
-        unscorable[row_of_token[unscorable_token]] = True
-    bad = np.flatnonzero(unscorable).tolist()
-    ids = work.column("trajectory_id").take(pa.array(bad, type=pa.int64())).to_pylist()
-    for tid in ids:
-        counters.errors.append(f"trajectory {tid!r}: non-finite logprobs on an action token")
-    return unscorable
+        non_finite[row_of_token[unscorable_token]] = True
+    nonempty = paths.lengths > 0
+    action_first = np.zeros(len(paths.lengths), dtype=bool)
+    action_first[nonempty] = paths.action[paths.starts[nonempty]]
+    for rows, problem in (
+        (non_finite, "non-finite logprobs on an action token"),
+        (action_first & ~non_finite, "an action token at position 0, with no context to score it"),
+    ):
+        bad = np.flatnonzero(rows).tolist()
+        for tid in work.column("trajectory_id").take(pa.array(bad, type=pa.int64())).to_pylist():
+            counters.errors.append(f"trajectory {tid!r}: {problem}")
+    return non_finite | action_first
 
 
 def _work(table: pa.Table, rows: np.ndarray) -> tuple[pa.Table, _Paths]:

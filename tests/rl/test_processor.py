@@ -86,7 +86,8 @@ def random_execution(
 ):
     """A random branching execution: a root, branches at random points of random earlier
     paths (the token at the branch point is fresh, so the branch really diverges), and
-    exact retries. Returns records with parent_id/branch_at set."""
+    exact retries. Position 0 is never an action token (a rollout starts with its prompt).
+    Returns records with parent_id/branch_at set."""
     fresh = iter(range(fresh_from, fresh_from + 10_000))
 
     def tail(length):
@@ -95,7 +96,7 @@ def random_execution(
         return toks, mask
 
     length = int(rng.integers(1, max_len))
-    prompt = int(rng.integers(0, length + 1))
+    prompt = int(rng.integers(1, length + 1))
     toks, mask = tail(length)
     mask[:prompt] = [False] * prompt
     paths = [(toks, mask)]
@@ -109,7 +110,7 @@ def random_execution(
             at = int(rng.integers(0, len(ptoks) + 1))
             extra_toks, extra_mask = tail(int(rng.integers(0, max_len)))
             toks = ptoks[:at] + [next(fresh)] + extra_toks
-            mask = pmask[:at] + [bool(rng.random() < 0.6)] + extra_mask
+            mask = pmask[:at] + [bool(rng.random() < 0.6) and at > 0] + extra_mask
         declared = None if rng.random() < p_null_branch else at
         paths.append((toks, mask))
         records.append(record(f"{eid}-{k}", eid, toks, mask, parent=f"{eid}-{p}", branch_at=declared))
@@ -1128,7 +1129,8 @@ def near_miss_execution(rng, eid, n_paths):
     or the version of one token (the token id stays), or are an exact copy or a strict
     prefix of it: the cases where sharing hinges on a token's whole record, not its id.
     Version 0 (the initial weights) is among the versions: an action of version 0 and an
-    observation differ in their role alone."""
+    observation differ in their role alone. Position 0 is never an action token (a rollout
+    starts with its prompt)."""
     length = rng.randint(0, 12)
     mask = [rng.random() < 0.6 for _ in range(length)]
     paths = [
@@ -1157,6 +1159,7 @@ def near_miss_execution(rng, eid, n_paths):
         paths.append(new)
     records = []
     for k, (tokens, mask, versions) in enumerate(paths):
+        mask, versions = [False, *mask[1:]][: len(mask)], [-1, *versions[1:]][: len(versions)]
         records.append(record(f"{eid}-{k}", eid, tokens, mask, reward=rng.random()))
         records[-1]["versions"] = versions
     return records
@@ -1262,6 +1265,24 @@ def test_a_row_the_trainer_would_refuse_never_owns_a_shared_prefix(column, value
     samples, rejected = samples_from_table(result.processed, "s", vocab_size=16)
     assert rejected == [] and [s.trajectory_id for s in samples] == ["sound"]
     assert samples[0].train_mask.tolist() == [False, True, True, True, True]
+    assert float(samples[0].loss_weight.sum()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_row_whose_first_token_is_an_action_is_an_invalid_record(seed):
+    """Nothing precedes position 0 to score a token there from, and the trainer refuses a row
+    with an action token there (:func:`rl.batching.samples_from_table`): the processor drops
+    it too, rather than select it, train it, or give it a share of its execution's weight."""
+    first = record("first", "e", [7, 1, 2], [True, True, True])
+    sound = record("sound", "e", [0, 1, 2], [False, True, True])
+    records = [first, sound] if seed % 2 else [sound, first]
+    result = process_shard(to_table(records), ProcessorConfig(j_max=None, seed=seed), shard_id="s")
+
+    rows = {row["trajectory_id"]: row for row in result.trajectories}
+    assert rows["first"]["drop_reason"] == "invalid_record" and rows["sound"]["selected"]
+    assert any("'first'" in error and "position 0" in error for error in result.counters.errors)
+    samples, rejected = samples_from_table(result.processed, "s", vocab_size=16)
+    assert rejected == [] and [s.trajectory_id for s in samples] == ["sound"]
     assert float(samples[0].loss_weight.sum()) == pytest.approx(1.0)
 
 
