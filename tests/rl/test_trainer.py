@@ -178,6 +178,33 @@ def test_trains_every_row_once_and_logs_each_step(store):
     ]
 
 
+def test_an_execution_split_between_two_steps_trains_each_of_its_action_tokens_once(store):
+    """SAO batches by tokens alone, so a batch can end between the rows of one execution.
+    Nothing per-execution is taken over a batch: the processor fixed each token's loss weight
+    and which row trains a shared prefix, and a row's advantages are its own
+    (test_the_policy_gradient_over_micro_batches_is_the_whole_batchs). A split moves only the
+    normaliser Σ w, as any other batch composition does, and loses nothing: here the owner of
+    the shared prompt + first action trains it in step 1, the branch its own action in step 2."""
+    owner, branch = make_trajectories(store, 2, seed=9)
+    branch["execution_id"] = owner["execution_id"]
+    for column in ("tokens", "logprobs", "versions"):
+        branch[column][:7] = owner[column][:7]
+    branch["train_mask"] = [False] * 9 + [True] * 2
+    for record in (owner, branch):
+        record["loss_weight"] = [1 / 7 if trained else 0.0 for trained in record["train_mask"]]
+    write_shards(store, [owner, branch], per_shard=2)
+    trainer = Trainer(store, config(token_budget=11))
+    assert trainer.run(drain=True).steps == 2
+
+    steps = read_steps(store)
+    assert [row["trajectory_ids"] for row in steps] == [[owner["trajectory_id"]], [branch["trajectory_id"]]]
+    assert [json.loads(row["extra"])["train_tokens"] for row in steps] == [5, 2]
+    assert (
+        sum(manifest["metadata"].get("trained_samples", 0) for manifest in version_chain(trainer.weights))
+        == 2
+    )
+
+
 def test_a_steps_reward_counts_each_execution_once_however_many_of_its_rows_it_trains(store):
     """Three rows of one execution (a compacted rollout's contexts) with reward 0 and one of
     another with reward 1 in a step: its reward is 0.5, not 0.25."""
