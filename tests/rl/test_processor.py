@@ -958,8 +958,10 @@ def test_the_text_of_each_row_decodes_its_own_tokens_across_chunks_and_broken_ro
 def test_decoding_holds_one_rows_tokens_as_python_ints_at_a_time():
     """A shard of 1,000 rows of 32k tokens as Python lists at once is ~1 GB: while one row
     is decoded, no other row's tokens may be alive as a Python list."""
+    # ids no other test uses: a list of another test's still alive would count as a row's
+    base = 7_315_000
     records = [
-        record(f"t{i}", f"e{i}", range(100 * i, 100 * i + 50 + i), [False] + [True] * (49 + i))
+        record(f"t{i}", f"e{i}", range(base + 100 * i, base + 100 * i + 50 + i), [False] + [True] * (49 + i))
         for i in range(6)
     ]
     table = to_table(records)
