@@ -25,7 +25,8 @@
 - **Quota**: ``max_rollouts`` alone counts this orchestrator's rollouts; with a ``quota``
   (a rollout worker's ``storage.quota.RunQuota``) it is the run's, shared by its workers and
   their restarts: blocks of rollouts are claimed before they launch, and what did not
-  finish is given back when the orchestrator stops. One refused a claim claims once more
+  finish, or finished but the sink did not take (see ``Sink``), is given back when the
+  orchestrator stops. One refused a claim claims once more
   when it runs dry, taking up what other workers gave back meanwhile. A claim that fails
   (storage unreachable) holds launching while rollouts are in flight, tried again as each
   finishes; with none in flight it ends the run with its error.
@@ -51,6 +52,7 @@ from envs.threads import to_thread_to_the_end
 from rollout.config import SEED_STRIDE, OrchestratorConfig
 from rollout.service import RolloutRequest, RolloutResult, RolloutService
 from storage.schema import EXCLUDED_STATUSES
+from storage.shards import records_kept
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +84,12 @@ class Quota(Protocol):
 
 
 class Sink(Protocol):
-    """Where finished records go; ``write_many`` keeps its records together (one shard)."""
+    """Where finished records go; ``write_many`` keeps its records together (one shard).
+
+    An error ``write_many`` raises took none of its records, unless it carries a
+    ``storage.shards.RecordsKept`` note (``records_kept``): a ``ShardWriter`` whose flush
+    failed keeps them, and a later flush or its close commits them. The run's quota gets back
+    the rollouts of a write that took none, and keeps those of one that kept them."""
 
     def write_many(self, records: Sequence[Mapping[str, Any]]) -> Any: ...
 
@@ -224,6 +231,8 @@ class Orchestrator:
         self._granted = 0
         """Rollouts the quota granted this orchestrator."""
         self._quota_spent = False
+        self._unwritten = 0
+        """Finished rollouts whose records the sink did not take: given back to the quota."""
         self._serving_error: Exception | None = None
         """What ``serving`` raised: no replica can come back, so nothing launches again."""
         self.stats = OrchestratorStats()
@@ -353,8 +362,9 @@ class Orchestrator:
         return await self._may_launch()
 
     async def _release_unused(self) -> None:
-        """Give back the granted rollouts that did not finish (never launched, cut short, lost)."""
-        unused = self._granted - self.stats.finished
+        """Give back the granted rollouts that did not finish (never launched, cut short, lost)
+        and those that finished but whose records the sink did not take."""
+        unused = self._granted - self.stats.finished + self._unwritten
         if self.quota is None or unused <= 0:
             return
         try:
@@ -541,7 +551,12 @@ class Orchestrator:
     def _write(self, results: list[RolloutResult]) -> None:
         if not results:
             return
-        self.sink.write_many([record for result in results for record in result.records])
+        try:
+            self.sink.write_many([record for result in results for record in result.records])
+        except Exception as exc:
+            if not records_kept(exc):
+                self._unwritten += len(results)
+            raise
         self.stats.written += len(results)
 
     async def _cancel_in_flight(self) -> None:

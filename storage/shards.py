@@ -117,6 +117,38 @@ class ShardInfo:
     crc32: int | None = None
 
 
+class RecordsKept(str):
+    """The note a write adds to the error of the flush it set off (:meth:`ShardWriter.write_table`):
+    its ``records`` were buffered and are kept, a later flush or ``close`` commits them. A
+    note, not an error type of its own: the flush's error keeps its type (``InUse``, a
+    transient ``OSError``) for the callers that catch it, and the retries that go by it."""
+
+    records: int
+
+    def __new__(cls, records: int) -> RecordsKept:
+        what, them = (
+            ("the 1 record of this write is", "it")
+            if records == 1
+            else (f"the {records} records of this write are", "them")
+        )
+        note = super().__new__(
+            cls,
+            f"{what} kept by the writer: a later flush or close commits {them} (abandon sets "
+            f"{them} aside); do not write {them} again",
+        )
+        note.records = records
+        return note
+
+    def __getnewargs__(self) -> tuple[int]:  # unpickled (an error sent between processes) from its count
+        return (self.records,)
+
+
+def records_kept(error: BaseException) -> int:
+    """How many records the write that raised ``error`` kept (its :class:`RecordsKept` note);
+    0: it took none."""
+    return sum(note.records for note in getattr(error, "__notes__", ()) if isinstance(note, RecordsKept))
+
+
 class ShardWriter:
     """Buffers trajectory records and commits them as shards of at most a few
     ``flush_records`` rows, or whatever is buffered once ``flush_seconds`` have passed
@@ -225,8 +257,9 @@ class ShardWriter:
         What a write raises before its rows are buffered (a closed writer, a
         :class:`SchemaError`) took none of them. Once buffered they are kept, also when the
         flush this write set off raises (as :meth:`flush` keeps them, see there): that error
-        carries a note saying so, and the caller must not write them again, or they would be
-        committed twice; a later flush or ``close`` commits them (``abandon`` sets them aside).
+        carries a :class:`RecordsKept` note saying so (:func:`records_kept` reads it), and the
+        caller must not write them again, or they would be committed twice; a later flush or
+        ``close`` commits them (``abandon`` sets them aside).
         """
         if self._closed:
             raise RuntimeError(f"ShardWriter for {self.kind}/{self.worker} is closed")
@@ -242,7 +275,7 @@ class ShardWriter:
             try:
                 return self.flush()
             except Exception as exc:
-                exc.add_note(_kept(table.num_rows))
+                exc.add_note(RecordsKept(table.num_rows))
                 raise
         return None
 
@@ -976,19 +1009,6 @@ def _modified(info: Mapping[str, Any]) -> float:
 def quarantine_path(path: str) -> str:
     """Where a bad shard at ``path`` (``shards/<kind>/…``) is moved: ``shards/quarantine/<kind>/…``."""
     return posixpath.join("shards", "quarantine", posixpath.relpath(path, "shards"))
-
-
-def _kept(rows: int) -> str:
-    """The note on an error of a flush that a write set off: the write's rows were taken."""
-    what, them = (
-        ("the 1 record of this write is", "it")
-        if rows == 1
-        else (f"the {rows} records of this write are", "them")
-    )
-    return (
-        f"{what} kept by the writer: a later flush or close commits {them} (abandon sets {them} aside); "
-        f"do not write {them} again"
-    )
 
 
 def _merged(pieces: list[pa.Table]) -> pa.Table:

@@ -751,6 +751,39 @@ def test_a_sink_that_fails_ends_the_run_with_its_error_after_cancelling_and_flus
     assert f"could not write the records of rollout {jobs[1].get_name()}" in caplog.text
 
 
+def store_down(*args):
+    raise OSError("the store is down (injected)")
+
+
+def test_rollouts_a_failing_sink_did_not_write_are_given_back_to_the_runs_quota(tiny, local_store):
+    """A sink that fails ends the run: the rollouts whose records it did not take were counted
+    finished and kept from the run's quota, so its other workers (and its restart) fell short
+    of max_rollouts by them."""
+    quota = RunQuota(local_store, "rollouts", 8)
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
+    with pytest.raises(OSError, match="the store is down"):
+        asyncio.run(run(tiny, config, streams("arith"), BrokenSink(), quota=quota))
+    assert quota.claimed() == 0
+
+
+def test_rollouts_a_shard_writer_kept_from_its_failed_flush_still_count_in_the_runs_quota(
+    tiny, local_store, monkeypatch
+):
+    """A ShardWriter whose flush fails keeps the records of the write that set it off, and its
+    close commits them: given back as well, the run would pass max_rollouts by them."""
+    quota = RunQuota(local_store, "rollouts", 8)
+    writer = ShardWriter(local_store, "worker-0", flush_records=1)
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", store_down)
+        with pytest.raises(OSError, match="the store is down"):
+            asyncio.run(run(tiny, config, streams("arith"), writer, quota=quota))
+    writer.close()
+    reader = ShardReader(local_store)
+    committed = sum(reader.read(shard).num_rows for shard in reader.poll()[0])
+    assert quota.claimed() == committed >= 1
+
+
 class TimingOutSink(ListSink):
     def write_many(self, records):
         self.writes.append(len(records))

@@ -10,6 +10,7 @@ import io
 import logging
 import multiprocessing
 import os
+import pickle
 import socket
 import threading
 import time
@@ -41,6 +42,7 @@ from storage.shards import (
     ShardWriter,
     abort_stale_uploads,
     quarantine_path,
+    records_kept,
     sweep_uncommitted,
 )
 from storage.status import InUse
@@ -883,8 +885,9 @@ def test_a_worker_name_that_is_not_a_folder_of_its_own_is_refused(local_store, n
 def test_records_that_do_not_fit_the_types_or_columns_are_refused_at_the_call(local_store):
     writer = ShardWriter(local_store, "w0", flush_records=10)
     writer.write(make_record(0))
-    with pytest.raises(SchemaError, match="column 'tokens': cannot convert"):
+    with pytest.raises(SchemaError, match="column 'tokens': cannot convert") as raised:
         writer.write(make_record(1) | {"tokens": ["a"] * 24})
+    assert records_kept(raised.value) == 0  # refused at the call: none taken
     with pytest.raises(SchemaError, match="missing columns"):
         writer.write_table(make_table(1, 1).drop_columns(["status"]))
     info = writer.close()
@@ -1619,6 +1622,8 @@ def test_a_write_whose_flush_fails_keeps_its_record_and_its_error_says_so(store,
             writer.write(make_record(1))
     (note,) = raised.value.__notes__
     assert "the 1 record of this write is kept" in note and "do not write it again" in note, note
+    assert records_kept(raised.value) == 1
+    assert records_kept(pickle.loads(pickle.dumps(raised.value))) == 1  # sent to another process
     writer.close()
     reader = ShardReader(store)
     shards, _ = reader.poll()
