@@ -24,7 +24,7 @@ from rollout.orchestrator import SEED_STRIDE, Orchestrator, OrchestratorConfig
 from rollout.router import Router, RouterConfig
 from rollout.service import RolloutService, ServiceConfig
 from storage.quota import RunQuota
-from storage.shards import ShardReader, ShardWriter
+from storage.shards import BackgroundShardWriter, ShardReader, ShardWriter
 from tests.rollout.test_service import SlowEnv
 
 TINY = TinyModelConfig(
@@ -766,13 +766,16 @@ def test_rollouts_a_failing_sink_did_not_write_are_given_back_to_the_runs_quota(
     assert quota.claimed() == 0
 
 
+@pytest.mark.parametrize("writer_class", [ShardWriter, BackgroundShardWriter])
 def test_rollouts_a_shard_writer_kept_from_its_failed_flush_still_count_in_the_runs_quota(
-    tiny, local_store, monkeypatch
+    tiny, local_store, monkeypatch, writer_class
 ):
     """A ShardWriter whose flush fails keeps the records of the write that set it off, and its
-    close commits them: given back as well, the run would pass max_rollouts by them."""
+    close commits them: given back as well, the run would pass max_rollouts by them. (A
+    background one, a rollout worker's, raises once more than one record waits.)"""
     quota = RunQuota(local_store, "rollouts", 8)
-    writer = ShardWriter(local_store, "worker-0", flush_records=1)
+    background = {"max_unsaved_records": 1} if writer_class is BackgroundShardWriter else {}
+    writer = writer_class(local_store, "worker-0", flush_records=1, **background)
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, max_rollouts=8)
     with monkeypatch.context() as patch:
         patch.setattr(writer.tables, "append", store_down)
