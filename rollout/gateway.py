@@ -29,7 +29,7 @@ from tokenizers import AddedToken, Tokenizer
 
 from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
 from rollout.router import Router, check_end
-from rollout.tool_calls import TAGS, ToolCallFormat, tool_call_message
+from rollout.tool_calls import TAGS, ToolCallFormat, tool_call_message, with_object_arguments
 from storage.schema import LOGPROB_SLACK, MAX_ERROR_CHARS, STATUSES, error_text
 
 TIMING_KEYS = ("init", "run", "eval", "queue")
@@ -143,7 +143,9 @@ class ChatRenderer:
         tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
         """The template's text; where the messages or tools hold special-token strings, with
-        each of them quoted (:attr:`_quotes`) where the template wrote it."""
+        each of them quoted (:attr:`_quotes`) where the template wrote it. Assistant calls'
+        arguments sent as JSON strings are rendered as their objects (:func:`with_object_arguments`)."""
+        messages = with_object_arguments(messages)
         text = self._apply(messages, add_generation_prompt, tools)
         if not _holds(self._specials, [messages, tools]):
             return text

@@ -27,6 +27,7 @@ import json
 import math
 import re
 import uuid
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 ToolCallFormat = Literal["hermes"]
@@ -119,6 +120,34 @@ def tool_call_message(text: str, tool_call_format: ToolCallFormat) -> dict[str, 
             for call in calls
         ],
     }
+
+
+def with_object_arguments(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """``messages`` with each assistant call's ``arguments`` JSON string read as the object it
+    holds (a string that holds none stays as sent), for a chat template to render: Qwen2.5's
+    and Llama 3.1's write arguments through ``tojson``, which would quote the string a second
+    time, never as the model writes a call. vLLM reads them so too. ``messages`` are not changed."""
+    return [
+        {**message, "tool_calls": [_with_object_arguments(call) for call in message["tool_calls"]]}
+        if isinstance(message, Mapping) and isinstance(message.get("tool_calls"), list)
+        else message
+        for message in messages
+    ]
+
+
+def _with_object_arguments(call: Any) -> Any:
+    if not isinstance(call, Mapping):
+        return call
+    function = call.get("function")
+    if isinstance(function, Mapping):
+        return {**call, "function": _with_object_arguments(function)}
+    arguments = call.get("arguments")
+    if isinstance(arguments, str):
+        with contextlib.suppress(ValueError, RecursionError):
+            value = json.loads(arguments)
+            if isinstance(value, dict):
+                return {**call, "arguments": value}
+    return call
 
 
 def same_calls(seen: Any, sent: Any) -> bool:

@@ -21,8 +21,9 @@ import torch
 from envs import registry
 from envs.sandbox import SandboxConfig, bwrap_path
 from rl.models import TinyModelConfig, build_tiny_model
+from rl.tokenizer import CHAT_TEMPLATE
 from rollout.engines.torch_engine import TorchEngine
-from rollout.gateway import Gateway, GatewayConfig
+from rollout.gateway import ChatRenderer, Gateway, GatewayConfig
 from rollout.gateway_http import SESSION_HEADER, GatewayServer
 from rollout.router import Router
 from rollout.service import RolloutRequest, RolloutService, ServiceConfig
@@ -596,3 +597,31 @@ def test_a_block_without_a_call_keeps_its_special_token_markers_in_the_content()
             await engine.close()
 
     asyncio.run(body())
+
+
+def test_a_clients_tool_call_arguments_sent_as_a_json_string_render_as_the_object_the_model_wrote(tokenizer):
+    """OpenAI messages carry a call's arguments as a JSON string; Qwen2.5's template (and
+    Llama 3.1's) write them through ``tojson``, which quoted that string a second time, so a
+    client's own assistant call (a first prompt that holds one, a branch's context) reached
+    the policy as ``"arguments": "{\\"city\\": ...}"``, never as it writes calls. They are
+    read as JSON before rendering, as vLLM does; a string that is no JSON stays as sent."""
+    qwen25 = copy.deepcopy(tokenizer)
+    qwen25.chat_template = CHAT_TEMPLATE.replace(
+        "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+        "{% else %}{{ function['arguments'] | tojson }}{% endif %}",
+        "{{ function['arguments'] | tojson }}",
+    )
+    assert qwen25.chat_template != CHAT_TEMPLATE
+    renderer = ChatRenderer(qwen25)
+    called = tool_call_message(CALL_TEXT, "hermes")
+    as_written = {**called, "tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}
+    result = {"role": "tool", "content": "sunny"}
+    sent = [*CONVERSATION, called, result]
+    assert renderer.first(sent, TOOLS) == renderer.first([*CONVERSATION, as_written, result], TOOLS)
+    assert CALL_TEXT in qwen25.decode(renderer.first(sent, TOOLS))
+    assert renderer.delta([called, result], None) == renderer.delta([as_written, result], None)
+    assert called["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}', "left as sent"
+
+    not_json = copy.deepcopy(called)
+    not_json["tool_calls"][0]["function"]["arguments"] = "city=Paris"
+    assert '"arguments": "city=Paris"' in qwen25.decode(renderer.first([*CONVERSATION, not_json], TOOLS))
