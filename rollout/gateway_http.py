@@ -31,8 +31,9 @@ the message's ``tool_calls``, with ``finish_reason`` ``tool_calls``, as vLLM doe
 tool-call parser. A session keeps the tools of its first request; a resent assistant message
 matches the one returned when its calls name the same functions with equal arguments.
 ``tool_choice`` may be ``auto`` or ``none`` (nothing parsed); forcing a call would need
-constrained decoding, so ``required`` and a named function are refused, as is the
-deprecated ``functions``.
+constrained decoding, so ``required`` and a named function are refused, as are the
+deprecated ``functions`` and ``function_call``, and ``parallel_tool_calls: false``: a reply's
+calls are all the ones the model wrote, which one request cannot limit.
 
 ``chat_template_kwargs`` (vLLM's) are template variables over the run's
 ``GatewayConfig.chat_template_kwargs`` (Qwen3's ``enable_thinking`` …). A session keeps those
@@ -295,7 +296,7 @@ class TokenRequest(_Sampling):
     token_ids: list[StrictInt] = Field(
         default_factory=list, description="New tokens appended before generating."
     )
-    max_new_tokens: int | None = Field(None, description="Token budget of this turn.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Token budget of this turn.")
     stop_ids: list[StrictInt] | None = Field(None, description="Token ids that end the action; default EOS.")
 
 
@@ -316,7 +317,7 @@ class CompletionRequest(_Sampling):
     model: str | None = None
     # strict: a list holding "3" is a batch of text prompts to the OpenAI API, true no token id
     prompt: str | list[StrictInt]
-    max_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -360,8 +361,8 @@ class ChatRequest(_Sampling):
 
     model: str | None = None
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -411,6 +412,8 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),
     "reasoning_effort": (),
+    "parallel_tool_calls": (True,),
+    "function_call": (),
 }
 """vLLM's (and OpenAI's) request fields the gateway does not do, with the values (besides
 null) that ask for nothing it does not do; any other value is refused, naming the field.

@@ -454,7 +454,10 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
                 ({"token_ids": [5], "temperature": 0}, "temperature must be a finite number >= 1e-05"),
                 ({"token_ids": [5], "temperature": 5e-6}, "temperature must be a finite number >= 1e-05"),
                 ({"token_ids": [5], "seed": 2**64}, "seed must be a 64-bit integer"),
-                ({"token_ids": [5], "max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+                (
+                    {"token_ids": [5], "max_new_tokens": 0},
+                    "max_new_tokens: Input should be greater than or equal to 1",
+                ),
                 # JSON true and "3" are no token ids: not recorded as tokens 1 and 3
                 ({"token_ids": [True, 2]}, "token_ids.0: Input should be a valid integer"),
                 ({"token_ids": ["3"]}, "token_ids.0: Input should be a valid integer"),
@@ -491,7 +494,10 @@ def test_bad_input_gets_clear_errors_and_the_server_keeps_serving(tiny):
             chat = await client.post(
                 "/v1/chat/completions", json={"messages": USER, "max_tokens": 0}, headers=headers
             )
-            assert chat.status_code == 400 and "max_new_tokens must be >= 1" in chat.text
+            assert (
+                chat.status_code == 400
+                and "max_tokens: Input should be greater than or equal to 1" in chat.text
+            )
             # an id with a slash could be opened, then never closed: DELETE's path splits it
             slashed = await client.post(
                 "/v1/sessions", json={"task": "arith", "prompt_id": "p", "session_id": "run/1"}
@@ -1284,6 +1290,8 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
                 ("return_tokens_as_token_ids", True),
                 ("reasoning_effort", "low"),
                 ("logits_processors", ["my_module.MyProcessor"]),
+                ("parallel_tool_calls", False),
+                ("function_call", {"name": "f"}),
             ]
             for name, value in refused:
                 chat = {"messages": USER, "max_tokens": 2, name: value}
@@ -1304,11 +1312,37 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
                 "min_tokens": 0,
                 "top_k": -1,
                 "top_logprobs": None,
+                "parallel_tool_calls": True,
                 "user": "someone",
             }
             chat = {"messages": USER, "max_tokens": 2, **neutral}
             response = await client.post("/v1/chat/completions", json=chat, headers=headers)
             assert response.status_code == 200, response.text
+
+    asyncio.run(body())
+
+
+def test_a_token_budget_below_one_is_refused_naming_the_field_the_client_sent(tiny):
+    """A client that sends ``max_tokens: 0`` is told about ``max_tokens``, not about the
+    engines' ``max_new_tokens``, which it never sent."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            for path, field, request in [
+                ("/v1/chat/completions", "max_tokens", {"messages": USER}),
+                ("/v1/chat/completions", "max_completion_tokens", {"messages": USER, "max_tokens": 4}),
+                ("/v1/completions", "max_tokens", {"prompt": "What is 2 + 3?"}),
+                ("/v1/generate", "max_new_tokens", {"token_ids": [5]}),
+            ]:
+                for budget in (0, -1):
+                    response = await client.post(path, json={**request, field: budget}, headers=headers)
+                    assert response.status_code == 400, (path, field, response.text)
+                    assert re.search(rf"\b{field}\b", response.json()["error"]["message"]), (
+                        field,
+                        response.text,
+                    )
+            assert gateway.session(headers[SESSION_HEADER]).tokens == []
 
     asyncio.run(body())
 
