@@ -45,7 +45,9 @@ would otherwise sample every rollout alike, and each turn with the same random n
 stop strings, a text completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL`
 (``add_generation_prompt``, ``continue_final_message``, ``skip_special_tokens``,
 ``stop_token_ids``, ``min_tokens``, ``top_logprobs``, ``top_k`` …) set to ask for something
-the gateway does not do are refused, naming the field.
+the gateway does not do are refused, naming the field. A text completion's
+``add_special_tokens`` (vLLM's; default true) is honoured for the session's first prompt (false:
+a prompt that holds its own BOS); a chat request's must be false, as the template writes them.
 
 A request that leaves ``temperature`` or ``top_p`` unset samples at the server's
 :class:`RunSampling` (a rollout service's: its config's). A server of training rollouts
@@ -323,6 +325,11 @@ class CompletionRequest(_Sampling):
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: int | None = None
+    add_special_tokens: bool = Field(
+        True,
+        description="Whether the session's first text prompt is encoded with the tokenizer's special "
+        "tokens (a BOS); false for a prompt that holds its own (vLLM's). A later prompt's suffix never is.",
+    )
 
 
 class ChatMessage(BaseModel):
@@ -412,6 +419,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (),
     "return_tokens_as_token_ids": (False,),
     "reasoning_effort": (),
+    "add_special_tokens": (False,),
     "parallel_tool_calls": (True,),
     "function_call": (),
 }
@@ -985,7 +993,7 @@ def create_app(
             if isinstance(body.prompt, list):
                 _append_token_prompt(gateway, session, body.prompt)
             else:
-                await _append_text_prompt(gateway, session, body.prompt)
+                await _append_text_prompt(gateway, session, body.prompt, body.add_special_tokens)
 
         turn = await session.generate(sampling, prepare=prepare, request=body)
         if isinstance(body.prompt, str):
@@ -1125,9 +1133,13 @@ def _new_messages(session: Session, messages: list[dict[str, Any]]) -> list[dict
     return messages[len(history) :]
 
 
-async def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -> None:
+async def _append_text_prompt(
+    gateway: Gateway, session: Session, prompt: str, add_special_tokens: bool = True
+) -> None:
     """Append the tokens of what ``prompt`` adds to the session's transcript, which becomes
-    ``prompt`` before the generation: a retry after a failed one appends nothing again."""
+    ``prompt`` before the generation: a retry after a failed one appends nothing again. The
+    session's first prompt is encoded with the tokenizer's special tokens when
+    ``add_special_tokens``; a later suffix never is."""
     if gateway.tokenizer is None:
         raise InvalidRequest("this gateway has no tokenizer; send the prompt as token ids")
     check_text(prompt, "the prompt")
@@ -1135,7 +1147,13 @@ async def _append_text_prompt(gateway: Gateway, session: Session, prompt: str) -
         if not prompt:
             raise InvalidRequest("empty prompt")
         session.add_tokens(
-            await session.tokenized(len(prompt), "prompt was tokenized", gateway.tokenizer.encode, prompt)
+            await session.tokenized(
+                len(prompt),
+                "prompt was tokenized",
+                gateway.tokenizer.encode,
+                prompt,
+                add_special_tokens=add_special_tokens,
+            )
         )
     elif not prompt.startswith(session.transcript):
         raise InvalidRequest(

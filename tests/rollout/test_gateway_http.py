@@ -1626,6 +1626,40 @@ def test_a_text_completions_later_suffix_gets_no_special_tokens_of_a_tokenizer_t
     assert tokens == bos.encode("What is 2 + 3?") + first + suffix + second
 
 
+def test_a_text_prompt_that_holds_its_own_bos_is_sent_without_special_tokens_as_to_vllm(tiny):
+    """A client that renders its chat template itself sends the prompt with its BOS and
+    ``add_special_tokens: false`` (vLLM's field): the gateway added a second BOS all the same.
+    A chat request, whose template writes every special token, refuses ``true``."""
+    model, tokenizer = tiny
+    bos = copy.deepcopy(tokenizer)
+    bos.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos.bos_token} $A", special_tokens=[(bos.bos_token, bos.bos_token_id)]
+    )
+    prompt = f"{bos.bos_token}What is 2 + 3?"
+
+    async def body():
+        async with serving((model, bos)) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            completion = {"prompt": prompt, "max_tokens": 2, "add_special_tokens": False}
+            response = await client.post("/v1/completions", json=completion, headers=headers)
+            assert response.status_code == 200, response.text
+            tokens = gateway.session(headers[SESSION_HEADER]).tokens
+            assert tokens[: -len(response.json()["choices"][0]["token_ids"])] == bos.encode(
+                prompt, add_special_tokens=False
+            )
+            assert tokens.count(bos.bos_token_id) == 1
+
+            headers = {SESSION_HEADER: await open_session(client)}
+            chat = {"messages": USER, "max_tokens": 2, "add_special_tokens": True}
+            refused = await client.post("/v1/chat/completions", json=chat, headers=headers)
+            assert refused.status_code == 400, refused.text
+            assert "add_special_tokens" in refused.json()["error"]["message"]
+            chat["add_special_tokens"] = False
+            assert (await client.post("/v1/chat/completions", json=chat, headers=headers)).status_code == 200
+
+    asyncio.run(body())
+
+
 def test_a_long_text_prompt_is_tokenized_off_the_event_loop_and_a_short_one_on_it(tiny, monkeypatch):
     """As queued chat text: a long text completion prompt tokenized on the event loop stalled
     every rollout, the gateway and the heartbeats for as long (about a microsecond a character)."""
