@@ -5,7 +5,8 @@ session id in the ``X-Treadle-Session`` header; every request is recorded token-
 
 - ``/v1/chat/completions``: the request resends the whole conversation; the messages the
   session already holds are matched (never re-tokenized) and only the messages beyond
-  them are appended as tokens through the chat template.
+  them are appended as tokens through the chat template. A message's content is text: a list
+  of text parts is their texts joined by newlines (vLLM's reading); other parts are refused.
 - ``/v1/completions``: a text prompt must extend the session's transcript (prompts plus
   returned completions); only the new suffix is encoded. A token-id prompt must extend
   the session's tokens. Either way a request retried after an error appends nothing twice.
@@ -338,7 +339,27 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: str
-    content: str | None = Field(None, description="Text only: the gateway takes no content parts.")
+    content: str | None = Field(
+        None,
+        description="Text; a list of text parts is read as their texts joined by newlines, as vLLM reads "
+        "it for a text model's template. Other parts (images, audio, files) are refused.",
+    )
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_joined(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text" or not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"content part {i} (type {kind!r}) is no text part with a string 'text': the gateway "
+                    "takes text only"
+                )
+            texts.append(part["text"])
+        return "\n".join(texts)
 
 
 class FunctionDefinition(BaseModel):

@@ -1136,15 +1136,70 @@ def test_a_training_server_samples_a_near_equal_request_at_the_runs_exact_values
     asyncio.run(body())
 
 
+def test_a_messages_text_parts_are_its_content_as_vllm_joins_them(tiny):
+    """The OpenAI API's content may be a list of parts, which agent SDKs send: their texts,
+    joined by newlines as vLLM joins them for a text model's template, are the content. It
+    was refused (``Input should be a valid string``)."""
+    _, tokenizer = tiny
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "2 + 3?"}]
+    joined = [USER[0], {"role": "user", "content": "What is\n2 + 3?"}]
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            system = {"role": "system", "content": [{"type": "text", "text": USER[0]["content"]}]}
+            sent = [system, {"role": "user", "content": parts}]
+            first = await client.post(
+                "/v1/chat/completions", json={"messages": sent, "max_tokens": 2}, headers=headers
+            )
+            assert first.status_code == 200, first.text
+            session = gateway.session(headers[SESSION_HEADER])
+            prompt = tokenizer.apply_chat_template(joined, add_generation_prompt=True, tokenize=False)
+            assert session.tokens[: -len(session.turns[0].token_ids)] == tokenizer.encode(
+                prompt, add_special_tokens=False
+            )
+            reply = first.json()["choices"][0]["message"]["content"]
+            as_parts = [
+                *sent,
+                {"role": "assistant", "content": [{"type": "text", "text": reply}]},
+                {"role": "user", "content": [{"type": "text", "text": "again"}]},
+            ]
+            second = await client.post(
+                "/v1/chat/completions", json={"messages": as_parts, "max_tokens": 2}, headers=headers
+            )
+            assert second.status_code == 200, second.text
+            as_text = [
+                *joined,
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": "again"},
+                second.json()["choices"][0]["message"],
+                {"role": "user", "content": "once more"},
+            ]
+            third = await client.post(
+                "/v1/chat/completions", json={"messages": as_text, "max_tokens": 2}, headers=headers
+            )
+            assert third.status_code == 200, third.text
+            assert session.num_turns == 3
+
+    asyncio.run(body())
+
+
 def test_chat_messages_the_template_cannot_take_are_bad_requests(tiny):
-    parts = [{"type": "text", "text": "What is 2 + 3?"}]
+    parts = [{"type": "text", "text": "What is"}, {"type": "image_url", "image_url": {"url": "x"}}]
 
     async def body():
         async with serving(tiny) as (gateway, _, client):
             sid = await open_session(client)
             headers = {SESSION_HEADER: sid}
             cases = [
-                ({"role": "user", "content": parts}, "messages.0.content: Input should be a valid string"),
+                (
+                    {"role": "user", "content": parts},
+                    "messages.0.content: Value error, content part 1 (type 'image_url') is no text part",
+                ),
+                (
+                    {"role": "user", "content": ["hi"]},
+                    "messages.0.content: Value error, content part 0 (type 'str') is no text part",
+                ),
                 ({"role": "user", "content": 7}, "messages.0.content: Input should be a valid string"),
                 ({"role": 7, "content": "hi"}, "messages.0.role: Input should be a valid string"),
                 ({"role": "user"}, "the chat template cannot render these messages"),
