@@ -765,6 +765,7 @@ def create_app(
     # no OpenAPI schema nor docs pages: they would answer without the token
     app = FastAPI(title="treadle TITO gateway", openapi_url=None)
     app.state.sessions_refused = 0
+    created = int(time.time())
     expected = token.encode()
 
     def authorized(authorization: str | None) -> bool:
@@ -896,7 +897,14 @@ def create_app(
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "treadle"}]}
+        model = {
+            "id": model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "treadle",
+            "max_model_len": gateway.config.max_context_tokens,
+        }
+        return {"object": "list", "data": [model]}
 
     def opened(session: Session) -> dict[str, Any]:
         info = session.info

@@ -185,6 +185,23 @@ def test_bearer_token_is_required(tiny):
     asyncio.run(body())
 
 
+def test_the_model_list_is_as_openai_and_vllm_list_a_model(tiny):
+    """OpenAI's model object has a ``created`` time (the client's ``Model.created`` was None)
+    and vLLM's its ``max_model_len``, which harnesses read to budget their context: the most
+    tokens a session may hold here."""
+
+    async def body():
+        async with serving(tiny, max_context_tokens=200) as (_, server, _client):
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.token, max_retries=0)
+            (model,) = (await client.models.list()).data
+            assert model.id == "treadle-policy" and model.object == "model"
+            assert isinstance(model.created, int) and abs(model.created - time.time()) < 600
+            assert model.max_model_len == 200
+            await client.close()
+
+    asyncio.run(body())
+
+
 def test_token_endpoint_round_trip_and_record(tiny):
     async def body():
         async with serving(tiny) as (gateway, _, client):
