@@ -78,7 +78,9 @@ by its rollout's timeout.
 
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
 ``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
-session, 400 bad input, 413 a body over the server's limit, 503 engine failure, a write that
+session, 400 bad input (a prompt past the context in OpenAI's words, with its code
+``context_length_exceeded``, which harnesses match to end an episode; else the code is the
+status), 413 a body over the server's limit, 503 engine failure, a write that
 failed (nothing written) or a request the stop's drain cut (type ``server_stopping``), 429 (with
 ``Retry-After``) a new rollout while the server's ``backpressure`` says why it must wait (a
 rollout worker's: the trainer lags). Only ``POST /v1/sessions`` is held back so, and not for a
@@ -127,7 +129,7 @@ from pydantic import (
 from starlette.exceptions import HTTPException
 
 from envs.base import Id, Text
-from rollout.engines.base import EngineError, InvalidRequest, SamplingParams, mixed_seed
+from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams, mixed_seed
 from rollout.gateway import (
     TIMING_KEYS,
     Gateway,
@@ -793,6 +795,14 @@ def create_app(
     @app.exception_handler(InvalidRequest)
     async def _invalid(request: Request, exc: InvalidRequest):
         return _error(400, "invalid_request_error", str(exc))
+
+    @app.exception_handler(ContextLimit)
+    async def _context_limit(request: Request, exc: ContextLimit):
+        # OpenAI's words and code, which harnesses match to end an episode rather than fail it
+        # (litellm's ContextWindowExceededError: "This model's maximum context length is")
+        body = _error_body(400, f"This model's maximum context length is exceeded: {exc}")
+        body["error"]["code"] = "context_length_exceeded"
+        return JSONResponse(body, 400)
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):

@@ -826,6 +826,38 @@ def test_a_resent_request_with_other_parameters_or_after_a_later_turn_is_refused
     asyncio.run(body())
 
 
+def test_a_prompt_past_the_context_is_refused_in_openais_words_and_code(tiny):
+    """Agent harnesses end an episode gracefully on a context overflow they recognise by
+    OpenAI's ``context_length_exceeded`` code or its words (litellm's ContextWindowExceededError
+    matches "This model's maximum context length is"); the gateway's 400 had neither, so they
+    failed the episode as an error."""
+
+    async def body():
+        async with serving(tiny, max_context_tokens=48) as (gateway, server, _):
+            sid = gateway.open(task="agent", prompt_id="p1").session_id
+            client = openai.AsyncOpenAI(
+                base_url=f"{server.url}/v1",
+                api_key=server.token,
+                default_headers={SESSION_HEADER: sid},
+                max_retries=0,
+            )
+            long = [{"role": "user", "content": "What is 2 + 3? " * 20}]
+            with pytest.raises(openai.BadRequestError) as refused:
+                await client.chat.completions.create(model="any", messages=long, max_tokens=2)
+            assert refused.value.code == "context_length_exceeded"
+            assert refused.value.type == "invalid_request_error"
+            message = refused.value.body["message"]
+            assert message.startswith("This model's maximum context length is")
+            assert "over max_context_tokens=48" in message
+            with pytest.raises(openai.BadRequestError) as bad:  # other refusals keep their code
+                await client.chat.completions.create(model="any", messages=USER, max_tokens=2, n=2)
+            assert bad.value.code == "400"
+            assert gateway.session(sid).context_limit is not None
+            await client.close()
+
+    asyncio.run(body())
+
+
 def test_engine_failure_is_503_and_other_sessions_are_served(tiny):
     async def body():
         async with serving(tiny, dead_replica=True) as (gateway, _, client):
