@@ -807,6 +807,17 @@ def create_app(
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
         # FastAPI's own (an unknown path, a body over the limit while it is read) in the gateway's shape
+        # no route: a client of another API (Responses) or a mistyped URL; told what is served when
+        # it holds the token (the API is not described to anyone who can connect, as /docs is not)
+        if exc.status_code == 404 and authorized(request.headers.get("authorization")):
+            return _error(
+                404,
+                "not_found_error",
+                f"{request.method} {request.url.path} is not served: the gateway serves the OpenAI API's "
+                "/v1/chat/completions, /v1/completions and /v1/models, and /v1/sessions, /v1/generate and "
+                "/v1/records",
+                exc.headers,
+            )
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error(exc.status_code, kind, str(exc.detail), exc.headers)
 

@@ -202,6 +202,27 @@ def test_the_model_list_is_as_openai_and_vllm_list_a_model(tiny):
     asyncio.run(body())
 
 
+def test_a_client_of_an_endpoint_not_served_is_told_which_are(tiny):
+    """An OpenAI client on the Responses API (the Agents SDK's default) got a bare "Not Found",
+    as for a mistyped base URL; the 404 names the endpoints the gateway serves, to a client
+    that holds the token."""
+
+    async def body():
+        async with serving(tiny) as (_, server, _client):
+            client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=server.token, max_retries=0)
+            with pytest.raises(openai.NotFoundError) as refused:
+                await client.responses.create(model="any", input="What is 2 + 3?")
+            message = refused.value.body["message"]
+            assert "POST /v1/responses" in message and "/v1/chat/completions" in message
+            assert refused.value.body["type"] == "not_found_error"
+            await client.close()
+            async with httpx.AsyncClient(base_url=server.url) as anonymous:
+                response = await anonymous.post("/v1/responses", json={})
+                assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+
+    asyncio.run(body())
+
+
 def test_token_endpoint_round_trip_and_record(tiny):
     async def body():
         async with serving(tiny) as (gateway, _, client):
