@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import functools
+import json
 import math
 import re
 import uuid
@@ -147,6 +148,7 @@ class ChatRenderer:
         arguments sent as JSON strings are rendered as their objects (:func:`with_object_arguments`)."""
         messages = with_object_arguments(messages)
         text = self._apply(messages, add_generation_prompt, tools)
+        _check_written(messages, text)
         if not _holds(self._specials, [messages, tools]):
             return text
         quoted = self._apply(self._quote(messages), add_generation_prompt, self._quote(tools))
@@ -363,6 +365,28 @@ class ChatRenderer:
         if closing_ids and closing_ids[0] in special_ids(self.tokenizer):
             ids.append(closing_ids[0])
         return tuple(dict.fromkeys(ids))
+
+
+def _check_written(messages: Sequence[Mapping[str, Any]], text: str) -> None:
+    """Raise :class:`InvalidRequest` for a message of a role beyond OpenAI's four (system, user,
+    assistant, tool) whose text the template did not write into ``text``, as it is or as JSON
+    (``tojson``): Qwen's templates write only the roles they know, so a ``developer`` message
+    (OpenAI's newer system) vanished, and the policy was trained as if it had seen it."""
+    for message in messages:
+        content, role = message.get("content"), message.get("role")
+        if role in _ROLES or not isinstance(content, str):
+            continue
+        written = content.strip()
+        if written not in text and json.dumps(written, ensure_ascii=False)[1:-1] not in text:
+            raise InvalidRequest(
+                f"the chat template writes no text of a {role!r} message into the prompt, so the policy "
+                "would never see it" + ("; send it as a system message" if role == "developer" else "")
+            )
+
+
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+"""The roles chat templates are written for; a message of another (``developer``, ``function``
+…) may be left out of the prompt."""
 
 
 def _holds(pattern: re.Pattern | None, value: Any) -> bool:

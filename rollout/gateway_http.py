@@ -6,7 +6,8 @@ session id in the ``X-Treadle-Session`` header; every request is recorded token-
 - ``/v1/chat/completions``: the request resends the whole conversation; the messages the
   session already holds are matched (never re-tokenized) and only the messages beyond
   them are appended as tokens through the chat template. A message's content is text: a list
-  of text parts is their texts joined by newlines (vLLM's reading); other parts are refused.
+  of text parts is their texts joined by newlines (vLLM's reading); other parts are refused, as
+  is a message of a role the chat template leaves out of the prompt (Qwen's drop ``developer``).
 - ``/v1/completions``: a text prompt must extend the session's transcript (prompts plus
   returned completions); only the new suffix is encoded. A token-id prompt must extend
   the session's tokens. Either way a request retried after an error appends nothing twice.

@@ -168,6 +168,38 @@ def test_a_template_that_closes_earlier_assistant_turns_otherwise_than_the_last_
         ChatRenderer(closing_by_place).delta([{"role": "user", "content": "again"}], None)
 
 
+def test_a_message_the_template_leaves_out_of_the_prompt_is_refused(tiny):
+    """Qwen2.5's and Qwen3's templates write only the roles they know: a ``developer`` message
+    (OpenAI's newer name for system, which OpenAI clients send) vanished from the prompt, and the
+    policy was trained as if it had followed instructions it never saw. A message whose text the
+    template does not write is refused, in a first prompt and in a delta; a template that writes
+    every role takes it."""
+    _, tokenizer = tiny
+    known_roles = copy.deepcopy(tokenizer)
+    known_roles.chat_template = (
+        "{% for message in messages %}{% if message['role'] in ['system', 'user', 'assistant', 'tool'] %}"
+        "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    developer = {"role": "developer", "content": "Reply only digits."}
+    renderer = ChatRenderer(known_roles)
+    with pytest.raises(InvalidRequest, match="writes no text of a 'developer' message"):
+        renderer.first([developer, USER[1]])
+    with pytest.raises(InvalidRequest, match="writes no text of a 'developer' message"):
+        renderer.delta([developer], None)
+    assert renderer.first(USER) == ChatRenderer(tokenizer).first(USER)
+    assert renderer.first([{"role": "developer", "content": " "}, USER[1]])  # no text to miss
+    as_json = copy.deepcopy(tokenizer)  # as Llama 3.1's writes a tool message's content
+    as_json.chat_template = known_roles.chat_template.replace(
+        "{% if message['role'] in ['system', 'user', 'assistant', 'tool'] %}", "{% if true %}"
+    ).replace("message['content'] +", "(message['content'] | tojson) +")
+    quoted = {"role": "developer", "content": 'Say "5".\nNothing else. '}
+    assert '"Say \\"5\\".\\nNothing else. "' in as_json.decode(ChatRenderer(as_json).first([quoted, USER[1]]))
+    rendered = tokenizer.decode(ChatRenderer(tokenizer).first([developer, USER[1]]))
+    assert "<|im_start|>developer\nReply only digits." in rendered
+
+
 QWEN3_LIKE = (
     "{% set quiet = enable_thinking is defined and enable_thinking is false %}"
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
