@@ -446,6 +446,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (False,),
     "parallel_tool_calls": (True,),
     "function_call": (),
+    "max_completion_tokens": (),  # a chat request's field; a text completion's budget is max_tokens
 }
 """vLLM's (and OpenAI's) request fields the gateway does not do, with the values (besides
 null) that ask for nothing it does not do; any other value is refused, naming the field.

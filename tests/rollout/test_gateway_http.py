@@ -1423,7 +1423,12 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
                 response = await client.post("/v1/chat/completions", json=chat, headers=headers)
                 assert response.status_code == 400, (name, response.text)
                 assert name in response.json()["error"]["message"]
-            for name, value in [("logprobs", 2), ("echo", True), ("suffix", " is 5.")]:
+            for name, value in [
+                ("logprobs", 2),
+                ("echo", True),
+                ("suffix", " is 5."),
+                ("max_completion_tokens", 1),  # a chat field: the budget would be the default
+            ]:
                 completion = {"prompt": [1, 2, 3], "max_tokens": 2, name: value}
                 response = await client.post("/v1/completions", json=completion, headers=headers)
                 assert response.status_code == 400, (name, response.text)
