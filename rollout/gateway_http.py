@@ -44,10 +44,11 @@ request that sends others (or none, after some) is refused. ``seed`` is honoured
 training server a request's, on every endpoint, is first hashed with its session and the
 session's length when its turn starts: an agent program that sends one seed on every request
 would otherwise sample every rollout alike, and each turn with the same random numbers); ``n`` > 1,
-stop strings, a text completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL`
-(``add_generation_prompt``, ``continue_final_message``, ``skip_special_tokens``,
-``stop_token_ids``, ``min_tokens``, ``top_logprobs``, ``top_k`` …) set to ask for something
-the gateway does not do are refused, naming the field. A text completion's
+stop strings (but the text of a token a turn stops at anyway, ``<|im_end|>`` say), a text
+completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL` (``add_generation_prompt``,
+``continue_final_message``, ``skip_special_tokens``, ``stop_token_ids``, ``min_tokens``,
+``top_logprobs``, ``top_k`` …) set to ask for something the gateway does not do are refused,
+naming the field. A text completion's
 ``add_special_tokens`` (vLLM's; default true) is honoured for the session's first prompt (false:
 a prompt that holds its own BOS); a chat request's must be false, as the template writes them.
 
@@ -897,7 +898,18 @@ def create_app(
         if body.n != 1:
             raise InvalidRequest(f"n={body.n}: the gateway samples one choice per request")
         if body.stop:
-            raise InvalidRequest("stop strings are not supported: the gateway stops at token ids only")
+            # the text of a token the turn stops at anyway (a client's stop=["<|im_end|>"]) asks nothing
+            stops = [body.stop] if isinstance(body.stop, str) else body.stop
+            ends = sorted(
+                {gateway.tokenizer.decode([t], skip_special_tokens=False) for t in gateway.stop_ids}
+                if gateway.tokenizer
+                else ()
+            )
+            if not set(stops) <= set(ends):
+                raise InvalidRequest(
+                    f"stop={body.stop!r}: stop strings are not supported, the gateway stops at token ids only"
+                    + (f" (it stops at the tokens of {ends}, which stop may name)" if ends else "")
+                )
         if isinstance(body, CompletionRequest) and body.logprobs:
             raise InvalidRequest(
                 f"logprobs={body.logprobs}: the engines return the log-prob of the sampled token only; "

@@ -1407,6 +1407,7 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
                 ("stop_token_ids", [*gateway.stop_ids, other_id]),
                 ("n", 2),
                 ("stop", ["\n"]),
+                ("stop", ["<|im_end|>", "\n"]),
                 ("min_tokens", 2),
                 ("top_logprobs", 2),
                 ("top_k", 5),
@@ -1443,10 +1444,15 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
                 "top_k": -1,
                 "top_logprobs": None,
                 "parallel_tool_calls": True,
+                "stop": ["<|im_end|>"],  # the text of a token it stops at: stops there anyway
                 "user": "someone",
             }
             chat = {"messages": USER, "max_tokens": 2, **neutral}
             response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+            assert response.status_code == 200, response.text
+            completion = {"prompt": "What is 2 + 3?", "max_tokens": 2, "stop": "<|im_end|>"}
+            headers = {SESSION_HEADER: await open_session(client)}
+            response = await client.post("/v1/completions", json=completion, headers=headers)
             assert response.status_code == 200, response.text
 
     asyncio.run(body())
