@@ -367,6 +367,11 @@ class ChatRenderer:
         return tuple(dict.fromkeys(ids))
 
 
+_ROLES = frozenset({"system", "user", "assistant", "tool"})
+"""The roles chat templates are written for; a message of another (``developer``, ``function``
+…) may be left out of the prompt."""
+
+
 def _check_written(messages: Sequence[Mapping[str, Any]], text: str) -> None:
     """Raise :class:`InvalidRequest` for a message of a role beyond OpenAI's four (system, user,
     assistant, tool) whose text the template did not write into ``text``, as it is or as JSON
@@ -382,11 +387,6 @@ def _check_written(messages: Sequence[Mapping[str, Any]], text: str) -> None:
                 f"the chat template writes no text of a {role!r} message into the prompt, so the policy "
                 "would never see it" + ("; send it as a system message" if role == "developer" else "")
             )
-
-
-_ROLES = frozenset({"system", "user", "assistant", "tool"})
-"""The roles chat templates are written for; a message of another (``developer``, ``function``
-…) may be left out of the prompt."""
 
 
 def _holds(pattern: re.Pattern | None, value: Any) -> bool:

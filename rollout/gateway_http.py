@@ -48,9 +48,9 @@ stop strings (but the text of a token a turn stops at anyway, ``<|im_end|>`` say
 completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL` (``add_generation_prompt``,
 ``continue_final_message``, ``skip_special_tokens``, ``stop_token_ids``, ``min_tokens``,
 ``top_logprobs``, ``top_k`` …) set to ask for something the gateway does not do are refused,
-naming the field. A text completion's
-``add_special_tokens`` (vLLM's; default true) is honoured for the session's first prompt (false:
-a prompt that holds its own BOS); a chat request's must be false, as the template writes them.
+naming the field. A text completion's ``add_special_tokens`` (vLLM's; default true) is honoured
+for the session's first prompt (false: a prompt that holds its own BOS); a chat request's must
+be false, as the template writes them.
 
 A request that leaves ``temperature`` or ``top_p`` unset samples at the server's
 :class:`RunSampling` (a rollout service's: its config's). A server of training rollouts
@@ -809,9 +809,9 @@ def create_app(
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
-        # FastAPI's own (an unknown path, a body over the limit while it is read) in the gateway's shape
-        # no route: a client of another API (Responses) or a mistyped URL; told what is served when
-        # it holds the token (the API is not described to anyone who can connect, as /docs is not)
+        # FastAPI's own (an unknown path, a body over the limit while it is read) in the gateway's shape.
+        # An unknown path is a client of another API (Responses) or a mistyped URL: told what is served
+        # when it holds the token (the API is not described to anyone who can connect, as /docs is not)
         if exc.status_code == 404 and authorized(request.headers.get("authorization")):
             return _error(
                 404,
