@@ -320,6 +320,14 @@ class GatewayHTTPConfig(BaseModel):
         "sending then is disconnected (a stalled or hostile client holds no connection for ever). Raise it "
         "for harnesses that write large records over a slow link.",
     )
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="Most connections the API holds open at once; one past it is closed as soon as it is "
+        "accepted (harnesses see a dropped connection). Keep it above the harnesses' concurrent requests, "
+        "and below the worker's file-descriptor limit when the API is reachable beyond a trusted network. "
+        "None: no bound.",
+    )
     serve_only: bool = Field(
         False,
         description="The worker runs none of its own rollouts (orchestrator.mix): it serves the API and "

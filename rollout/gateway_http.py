@@ -1288,6 +1288,7 @@ class GatewayServer(AppServer):
         sampling: RunSampling | None = None,
         drain_timeout_s: float = DRAIN_TIMEOUT_S,
         read_timeout_s: float = READ_TIMEOUT_S,
+        max_connections: int | None = None,
         idle_timeout_s: float | None = IDLE_TIMEOUT_S,
         write: Callable[[pa.Table], Any] | None = None,
         backpressure: Callable[[], str | None] | None = None,
@@ -1312,6 +1313,7 @@ class GatewayServer(AppServer):
             name="gateway",
             drain_timeout_s=drain_timeout_s,
             read_timeout_s=read_timeout_s,
+            max_connections=max_connections,
             token=self.token,
             error_body=_error_body,
         )

@@ -761,6 +761,7 @@ class RolloutWorker:
             idle_timeout_s=self.http.idle_timeout_s,
             drain_timeout_s=self.http.drain_timeout_s,
             read_timeout_s=self.http.read_timeout_s,
+            max_connections=self.http.max_connections,
             write=self._write_harness_records,
             backpressure=self.orchestrator.backpressure,
         ).start()

@@ -246,6 +246,31 @@ def test_a_worker_cancelled_while_rolling_out_beside_the_server_stops_serving(tm
     assert shard.num_rows >= 1
 
 
+def test_a_connection_past_the_runs_max_connections_is_closed_at_once(tmp_path, monkeypatch):
+    """``gateway_http.max_connections`` bounds the connections the worker's server holds."""
+    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
+    run, store = serving_run(tmp_path, 0, serve_only=True, max_connections=1)
+    worker = make_worker(store, run, http=run.gateway_http)
+
+    async def body():
+        await worker.start()
+        running = asyncio.create_task(worker.run())
+        try:
+            async with harness_client(worker, running) as client:
+                assert (await client.get("/health")).status_code == 200  # its connection stays open
+                host, port = urllib.parse.urlsplit(worker.http_server.url).netloc.split(":")
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n")
+                assert await asyncio.wait_for(reader.read(), 20) == b""
+                writer.close()
+        finally:
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await worker.close()
+
+    asyncio.run(asyncio.wait_for(body(), WAIT_S))
+
+
 def test_a_harness_that_does_not_finish_its_request_within_the_runs_read_timeout_is_disconnected(
     tmp_path, monkeypatch
 ):
