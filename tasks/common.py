@@ -37,8 +37,8 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 """Errors a second attempt can clear: storage and network I/O (``TimeoutError`` and
 ``ConnectionError`` are ``OSError``s; deltalake raises its S3 errors as ``OSError``; s3fs
 lets aiohttp's through, e.g. ``ClientPayloadError`` for a download a dropped connection cut
-short), a Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS` and
-:data:`PERMANENT_BOTOCORE_ERRORS` are excepted."""
+short), a Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS`,
+:data:`PERMANENT_BOTOCORE_ERRORS` and :data:`PERMANENT_DELTA_ERRORS` are excepted."""
 
 PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
     FileNotFoundError,
@@ -63,11 +63,24 @@ client looks again; nor ``CredentialRetrievalError``, a provider (STS, a contain
 endpoint) that failed to answer."""
 
 
+PERMANENT_DELTA_ERRORS = (
+    "lacked the necessary privileges",
+    "lacked valid authentication credentials",
+    "<Code>NoSuchBucket</Code>",
+)
+"""What deltalake's plain ``OSError`` (it raises every S3 error as one) says when the server
+refused the credentials or what they may do (403, 401), or holds no such bucket: the same on
+every attempt, as s3fs's ``PermissionError`` and ``FileNotFoundError`` for them are."""
+
+
 def is_transient(error: BaseException) -> bool:
     """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS` but not
-    :data:`PERMANENT_OS_ERRORS` nor :data:`PERMANENT_BOTOCORE_ERRORS`, or a Ray actor, worker
-    or node lost under a task; not an error raised inside one)."""
+    :data:`PERMANENT_OS_ERRORS`, :data:`PERMANENT_BOTOCORE_ERRORS` nor deltalake's
+    :data:`PERMANENT_DELTA_ERRORS`, or a Ray actor, worker or node lost under a task; not an
+    error raised inside one)."""
     if isinstance(error, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS):
+        return False
+    if type(error) is OSError and any(text in str(error) for text in PERMANENT_DELTA_ERRORS):
         return False
     if isinstance(error, TRANSIENT_ERRORS):
         return True
