@@ -6,6 +6,7 @@ import contextlib
 import logging
 import math
 import posixpath
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -46,9 +47,12 @@ PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
     PermissionError,
     IsADirectoryError,
     NotADirectoryError,
+    ssl.SSLCertVerificationError,
 )
 """``OSError``s that say the same on every attempt: a path missing (no weight version, a
-model path that does not exist), taken (``VersionTaken``), forbidden or of the wrong kind."""
+model path that does not exist), taken (``VersionTaken``), forbidden or of the wrong kind,
+or a server whose certificate this machine does not trust (botocore's ``SSLError`` wraps
+one)."""
 
 PERMANENT_BOTOCORE_ERRORS: tuple[type[BotoCoreError], ...] = (
     ProfileNotFound,
@@ -67,10 +71,12 @@ PERMANENT_DELTA_ERRORS = (
     "lacked the necessary privileges",
     "lacked valid authentication credentials",
     "<Code>NoSuchBucket</Code>",
+    "invalid peer certificate",
 )
 """What deltalake's plain ``OSError`` (it raises every S3 error as one) says when the server
-refused the credentials or what they may do (403, 401), or holds no such bucket: the same on
-every attempt, as s3fs's ``PermissionError`` and ``FileNotFoundError`` for them are."""
+refused the credentials or what they may do (403, 401), holds no such bucket, or has a
+certificate this machine does not trust: the same on every attempt, as s3fs's errors for them
+are."""
 
 
 def is_transient(error: BaseException) -> bool:
@@ -78,7 +84,10 @@ def is_transient(error: BaseException) -> bool:
     :data:`PERMANENT_OS_ERRORS`, :data:`PERMANENT_BOTOCORE_ERRORS` nor deltalake's
     :data:`PERMANENT_DELTA_ERRORS`, or a Ray actor, worker or node lost under a task; not an
     error raised inside one)."""
-    if isinstance(error, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS):
+    wrapped = getattr(error, "kwargs", {}).get("error") if isinstance(error, BotoCoreError) else None
+    if isinstance(error, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS) or isinstance(
+        wrapped, ssl.SSLCertVerificationError
+    ):
         return False
     if type(error) is OSError and any(text in str(error) for text in PERMANENT_DELTA_ERRORS):
         return False

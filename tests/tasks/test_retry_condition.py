@@ -3,11 +3,24 @@ deltalake raises them from a real S3-compatible server."""
 
 from __future__ import annotations
 
+import datetime
+import http.server
+import ipaddress
+import ssl
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 from prefect.states import Failed
 
 from storage.config import RunStore, StorageConfig
 from storage.tables import Tables
+from storage.weights import WeightStore
 from tasks.common import retry_if_transient
 from tests.conftest import S3Server
 from tests.storage.s3_proxy import S3Proxy, proxying
@@ -56,3 +69,68 @@ def test_deltalake_failing_otherwise_is_retried(s3_server: S3Server):
         )
     assert type(error) is OSError and "503" in str(error), error
     assert retry_if_transient(None, None, Failed(data=error)) is True
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 signed by its own key, which no machine trusts, and the key."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "cert.pem", folder / "key.pem"
+    cert_path.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    return cert_path, key_path
+
+
+@pytest.fixture
+def untrusted_endpoint(tmp_path: Path) -> Iterator[str]:
+    """An https endpoint whose certificate this machine does not trust (an S3-compatible
+    server with a self-signed one, its CA not installed)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(*self_signed(tmp_path))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    thread = threading.Thread(target=server.serve_forever)
+    thread.start()
+    try:
+        yield f"https://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        thread.join()
+        server.server_close()
+
+
+def test_a_certificate_this_machine_does_not_trust_is_not_retried(untrusted_endpoint: str):
+    """An S3 endpoint whose certificate fails verification fails the same way on every
+    attempt: through s3fs (botocore's ``SSLError``, an ``OSError``) and through deltalake
+    (a plain ``OSError``) it was retried three times before failing."""
+    config = StorageConfig(
+        root="s3://bucket/runs",
+        endpoint_url=untrusted_endpoint,
+        region="us-east-1",
+        access_key_id="key-id",
+        secret_access_key="secret",
+        retries=0,
+    )
+    store = RunStore(config, "run-0")
+    for read in (WeightStore(store).list, lambda: Tables(store).version("shards")):
+        with pytest.raises(OSError) as raised:
+            read()
+        assert retry_if_transient(None, None, Failed(data=raised.value)) is False, raised.value
