@@ -39,7 +39,7 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 ``ConnectionError`` are ``OSError``s; deltalake raises its S3 errors as ``OSError``; s3fs
 lets aiohttp's through, e.g. ``ClientPayloadError`` for a download a dropped connection cut
 short), a Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS`,
-:data:`PERMANENT_BOTOCORE_ERRORS` and :data:`PERMANENT_DELTA_ERRORS` are excepted."""
+:data:`PERMANENT_BOTOCORE_ERRORS` and those saying :data:`PERMANENT_ERROR_TEXTS` are excepted."""
 
 PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
     FileNotFoundError,
@@ -67,29 +67,33 @@ client looks again; nor ``CredentialRetrievalError``, a provider (STS, a contain
 endpoint) that failed to answer."""
 
 
-PERMANENT_DELTA_ERRORS = (
+PERMANENT_ERROR_TEXTS = (
     "lacked the necessary privileges",
     "lacked valid authentication credentials",
     "<Code>NoSuchBucket</Code>",
     "invalid peer certificate",
+    "received corrupt message of type InvalidContentType",
+    "[SSL: WRONG_VERSION_NUMBER]",
 )
-"""What deltalake's plain ``OSError`` (it raises every S3 error as one) says when the server
-refused the credentials or what they may do (403, 401), holds no such bucket, or has a
-certificate this machine does not trust: the same on every attempt, as s3fs's errors for them
-are."""
+"""What an ``OSError`` of the storage clients says when the error is the same on every attempt:
+deltalake's (it raises every S3 error as a plain ``OSError``) when the server refused the
+credentials or what they may do (403, 401), holds no such bucket, or has a certificate this
+machine does not trust, as s3fs's errors for them are; and either's when an ``https://``
+endpoint answers in plain http (botocore's ``SSLError``: the wrong TLS version; deltalake's: a
+corrupt TLS message)."""
 
 
 def is_transient(error: BaseException) -> bool:
     """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS` but not
-    :data:`PERMANENT_OS_ERRORS`, :data:`PERMANENT_BOTOCORE_ERRORS` nor deltalake's
-    :data:`PERMANENT_DELTA_ERRORS`, or a Ray actor, worker or node lost under a task; not an
+    :data:`PERMANENT_OS_ERRORS`, :data:`PERMANENT_BOTOCORE_ERRORS` nor one saying
+    :data:`PERMANENT_ERROR_TEXTS`, or a Ray actor, worker or node lost under a task; not an
     error raised inside one)."""
     wrapped = getattr(error, "kwargs", {}).get("error") if isinstance(error, BotoCoreError) else None
     if isinstance(error, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS) or isinstance(
         wrapped, ssl.SSLCertVerificationError
     ):
         return False
-    if type(error) is OSError and any(text in str(error) for text in PERMANENT_DELTA_ERRORS):
+    if isinstance(error, OSError) and any(text in str(error) for text in PERMANENT_ERROR_TEXTS):
         return False
     if isinstance(error, TRANSIENT_ERRORS):
         return True

@@ -134,3 +134,15 @@ def test_a_certificate_this_machine_does_not_trust_is_not_retried(untrusted_endp
         with pytest.raises(OSError) as raised:
             read()
         assert retry_if_transient(None, None, Failed(data=raised.value)) is False, raised.value
+
+
+def test_https_to_an_endpoint_that_speaks_http_is_not_retried(s3_server: S3Server):
+    """``https://`` given for an S3-compatible server that serves plain http (MinIO's
+    default) fails the same on every attempt, through s3fs (botocore's ``SSLError``:
+    wrong version number) and deltalake (a corrupt TLS message)."""
+    https = s3_server.endpoint_url.replace("http://", "https://")
+    store = RunStore(s3_server.config().model_copy(update={"endpoint_url": https, "retries": 0}), "run-0")
+    for read in (WeightStore(store).list, lambda: Tables(store).version("shards")):
+        with pytest.raises(OSError) as raised:
+            read()
+        assert retry_if_transient(None, None, Failed(data=raised.value)) is False, raised.value
