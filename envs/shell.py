@@ -3,7 +3,13 @@
 The shell survives between actions (``cd``, exported variables and files persist). Each command
 is sent as one ``eval $'…'`` with stdin from ``/dev/null``, followed on the same line by a
 ``printf`` of an end marker that holds a fresh random nonce and the exit status, so neither the
-command's output nor a guess can fake the end of a command. The terminal is switched to non-canonical mode with
+command's output nor a guess can fake the end of a command. The marker goes to descriptor
+``MARK_FD``, a copy of the terminal the shell opens as it starts and closes for the command
+(its processes do not inherit it, and what the command does to it is undone once it ends), so
+a command that sends its own output elsewhere (``exec >out.log 2>&1``) still ends. It is
+``builtin printf``, which a function named ``printf`` does not shadow; a command that defines
+a function named ``builtin`` or disables the builtin (``enable -n printf``) does hide it, and
+runs into its timeout like one that never ends. The terminal is switched to non-canonical mode with
 echo off (no line-length limit, no echoed input), set again before each command, and bash runs
 without readline.
 """
@@ -34,6 +40,9 @@ from envs.sandbox import (
 )
 
 _MARK = b"\x1eTRD"
+MARK_FD = 63
+"""The shell's descriptor for end markers: past those scripts number by hand (3 to 9) and
+those bash takes for itself from 10 up."""
 
 
 def ansi_c_quote(text: str) -> str:
@@ -93,7 +102,10 @@ class Shell:
             attrs[6][termios.VMIN] = 1
             attrs[6][termios.VTIME] = 0
             self._modes = attrs
-            self.run("PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m", wrap=False)
+            self.run(
+                f"exec {MARK_FD}>&1; PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m",
+                wrap=False,
+            )
         except BaseException:
             # a sandbox closed as the shell started (its adopt killed the shell) raises here too:
             # no caller holds the shell to close its pty and eventfd
@@ -127,10 +139,10 @@ class Shell:
         # next command would show in its own output, and past 4095 bytes, cut, never end
         termios.tcsetattr(self.fd, termios.TCSANOW, self._modes)
         nonce = secrets.token_hex(8)
-        body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
+        body = f"eval {ansi_c_quote(command)} </dev/null {MARK_FD}>&-" if wrap else command
         # one line, which bash reads whole before it runs any of it: a printf on a line of its
         # own could stay in the terminal past bash's 1024-byte read, for the command to read
-        line = f"{body}; printf '\\036TRD{nonce}:%s\\036' \"$?\"\n"
+        line = f"{body}; builtin printf '\\036TRD{nonce}:%s\\036' \"$?\" >&{MARK_FD}\n"
         started = time.monotonic()
         if not write_all(self.fd, line.encode(), started + timeout, self._wake):
             if self._killed:  # woken by close(), which closes the pty once this run lets go

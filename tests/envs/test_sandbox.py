@@ -34,7 +34,7 @@ from envs.sandbox import (
     remove_tree,
     resolve_backend,
 )
-from envs.shell import Shell, ansi_c_quote
+from envs.shell import MARK_FD, Shell, ansi_c_quote
 from rollout.resources import CpuManager
 
 pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
@@ -1064,6 +1064,34 @@ def test_a_command_cannot_read_its_end_marker_from_the_terminal_to_fake_it():
             command = spoof + "x" * (size - len(ansi_c_quote(spoof)))
             assert len(ansi_c_quote(command)) == size
             assert shell.run(command).exit_code == 3, size
+
+
+@pytest.mark.parametrize(
+    ("hider", "shown"),
+    [
+        ("exec >out.log 2>&1; echo hidden", ""),
+        ("exec >&- 2>&-; echo hidden", ""),
+        ("printf() { :; }; echo() { :; }", ""),
+        (f"exec {MARK_FD}>/dev/null", "kept from sub\n"),
+    ],
+)
+def test_a_command_that_sends_its_output_elsewhere_leaves_the_end_marker_reachable(hider, shown):
+    """The end marker was printed to whatever stdout the shell had: a command that moved it
+    (``exec >out.log 2>&1``, common in scripts) or shadowed ``printf`` with a function hid the
+    marker of every command after it, each a timeout that killed the shell and its state.
+    What such a command prints goes where it said, and the exit status still comes back; what
+    it does to the marker's own descriptor is undone once it ends."""
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        shell.run("mkdir sub && cd sub && X=kept")
+        assert shell.run(hider, timeout=2).output == ""
+        result = shell.run("echo $X from $(basename $PWD); (exit 3)", timeout=2)
+        assert (result.output, result.exit_code, shell.alive) == (shown, 3, True)
+        if "out.log" in hider:
+            with open(os.path.join(box.workdir, "sub", "out.log")) as log:
+                assert log.read() == "hidden\nkept from sub\n"
+        if hider.startswith("printf"):
+            assert shell.run("builtin echo $X").output == "kept\n"
 
 
 def test_ansi_c_quote_round_trips_through_bash():
