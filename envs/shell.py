@@ -131,7 +131,9 @@ class Shell:
             return self._run(command, timeout, wrap)
 
     def _run(self, command: str, timeout: float | None, wrap: bool) -> ExecResult:
-        if not self.alive:
+        # a shell that exited before its start's command (bwrap refused a bind) is read to its
+        # end below, for what it printed
+        if not self.alive and (wrap or self.closed or self.sandbox.closed):
             raise SandboxError("died", "the shell is not running")
         config = self.sandbox.config
         timeout = config.timeout_s if timeout is None else timeout

@@ -21,6 +21,7 @@ import pytest
 from pydantic import ValidationError
 
 from envs import sandbox as sandbox_module
+from envs import shell as shell_module
 from envs.pyrepl import PythonRepl
 from envs.sandbox import (
     UID_BASE,
@@ -1235,9 +1236,23 @@ def test_python_repl_a_forged_reply_with_a_lone_surrogate_kills_only_its_interpr
         assert not repl.alive
 
 
-def test_a_shell_that_cannot_start_says_why():
+@pytest.mark.parametrize("exited_at_once", [False, True])
+def test_a_shell_that_cannot_start_says_why(exited_at_once, monkeypatch):
     """A shell the sandbox could not start (a ro_binds path that does not exist) was reported
-    as 'exited with status 1' alone, bwrap's own error only in the output no report shows."""
+    as 'exited with status 1' alone, bwrap's own error only in the output no report shows;
+    and when bwrap had already exited as the shell took its first command (a loaded
+    machine), as 'the shell is not running', without it."""
+    if exited_at_once:
+        spawn = shell_module.PtyProcess.spawn
+
+        def spawn_and_wait_for_the_exit(*args, **kwargs):
+            proc = spawn(*args, **kwargs)
+            deadline = time.monotonic() + 10
+            while not sandbox_module.exited(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return proc
+
+        monkeypatch.setattr(shell_module.PtyProcess, "spawn", spawn_and_wait_for_the_exit)
     missing = f"/{uuid.uuid4().hex}"
     with Sandbox(SMALL.model_copy(update={"ro_binds": [missing]})) as box:
         with pytest.raises(SandboxError) as raised:
