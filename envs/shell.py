@@ -11,7 +11,8 @@ a command that sends its own output elsewhere (``exec >out.log 2>&1``) still end
 a function named ``builtin`` or disables the builtin (``enable -n printf``) does hide it, and
 runs into its timeout like one that never ends. The terminal is switched to non-canonical mode with
 echo off (no line-length limit, no echoed input), set again before each command, and bash runs
-without readline.
+without readline. ``PAGER`` and ``GIT_PAGER`` are ``cat`` unless the sandbox's ``env`` sets them;
+a program run to be used on a terminal (``less``, ``vi``, ``top``) runs into its timeout.
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ class Shell:
             attrs[6][termios.VMIN] = 1
             attrs[6][termios.VTIME] = 0
             self._modes = attrs
+            # a pager (git's, man's) would wait on the terminal for a key until the timeout
             self.run(
-                f"exec {MARK_FD}>&1; PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m",
+                f"exec {MARK_FD}>&1; PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m; "
+                'export PAGER="${PAGER-cat}" GIT_PAGER="${GIT_PAGER-cat}"',
                 wrap=False,
             )
         except BaseException:

@@ -1095,6 +1095,19 @@ def test_a_command_that_sends_its_output_elsewhere_leaves_the_end_marker_reachab
             assert shell.run("builtin echo $X").output == "kept\n"
 
 
+@pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
+def test_a_command_that_pages_what_it_prints_to_a_terminal_prints_it_all():
+    """git (like man, psql, journalctl) sends what it prints to a terminal through a pager,
+    less by default, which waited for a key: ``git log`` of any history longer than a screen
+    ran into its timeout and killed the shell."""
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        commit = "git -c user.name=a -c user.email=a@b commit -q --allow-empty -m"
+        shell.run(f'git init -q && {commit} "$(seq 100)"')
+        result = shell.run("git log --format=%B", timeout=2)
+        assert result.output.split() == [str(line) for line in range(1, 101)]
+
+
 def test_ansi_c_quote_round_trips_through_bash():
     text = 'a\'b\\c\n\t"$HOME" `x` é \x01'
     with Sandbox(SMALL) as box:
