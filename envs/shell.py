@@ -2,7 +2,8 @@
 
 The shell survives between actions (``cd``, exported variables and files persist). Each command
 is sent as one ``eval $'…'`` with stdin from ``/dev/null``, followed on the same line by a
-``printf`` of an end marker that holds a fresh random nonce and the exit status, so neither the
+``printf`` of an end marker that holds a fresh random nonce, the exit status and the working
+directory the command left (a shell killed for a command starts afresh there), so neither the
 command's output nor a guess can fake the end of a command. The marker goes to descriptor
 ``MARK_FD``, a copy of the terminal the shell opens as it starts and closes for the command
 (its processes do not inherit it, and what the command does to it is undone once it ends), so
@@ -41,15 +42,21 @@ from envs.sandbox import (
 )
 
 _MARK = b"\x1eTRD"
+MAX_CWD_BYTES = 1024
+"""The longest working directory an end marker carries (it holds the first this many characters,
+and one of this many bytes or more is taken as cut); a shell killed in a longer one starts
+afresh in the sandbox's folder."""
+_MARK_BYTES = 64 + 4 * MAX_CWD_BYTES
+"""The most an end marker takes."""
 MARK_FD = 63
 """The shell's descriptor for end markers: past those scripts number by hand (3 to 9) and
 those bash takes for itself from 10 up."""
 
 
-def ansi_c_quote(text: str) -> str:
+def ansi_c_quote(text: str | bytes) -> str:
     """``text`` as a bash ``$'…'`` literal: every byte that is not plain printable ASCII escaped."""
     out = []
-    for byte in text.encode():
+    for byte in text if isinstance(text, bytes) else text.encode():
         char = chr(byte)
         if 0x20 <= byte < 0x7F and char not in "\\'":
             out.append(char)
@@ -73,8 +80,11 @@ def _printed(buffer: bytearray, cap: int) -> str:
 class Shell:
     """A bash that lives as long as its sandbox; :meth:`run` executes one command in it (blocking)."""
 
-    def __init__(self, sandbox: Sandbox):
+    def __init__(self, sandbox: Sandbox, cwd: str | None = None):
+        """Start bash in ``cwd`` (a killed shell's :attr:`cwd`), or in the sandbox's folder
+        when None or gone."""
         self.sandbox = sandbox
+        self.cwd = cwd  # where the last command that ended left the shell (None: not known)
         kwargs = sandbox.popen_kwargs()
         argv = sandbox.argv(["bash", "--norc", "--noprofile", "--noediting", "-i"])
         try:
@@ -104,11 +114,13 @@ class Shell:
             attrs[6][termios.VTIME] = 0
             self._modes = attrs
             # a pager (git's, man's) would wait on the terminal for a key until the timeout
-            self.run(
+            start = (
                 f"exec {MARK_FD}>&1; PS1=''; PS2=''; unset PROMPT_COMMAND MAILCHECK HISTFILE; set +H +m; "
-                'export PAGER="${PAGER-cat}" GIT_PAGER="${GIT_PAGER-cat}"',
-                wrap=False,
+                'export PAGER="${PAGER-cat}" GIT_PAGER="${GIT_PAGER-cat}"'
             )
+            if cwd is not None:
+                start += f"; builtin cd -- {ansi_c_quote(os.fsencode(cwd))} 2>/dev/null"
+            self.run(start, wrap=False)
         except BaseException:
             # a sandbox closed as the shell started (its adopt killed the shell) raises here too:
             # no caller holds the shell to close its pty and eventfd
@@ -147,7 +159,8 @@ class Shell:
         body = f"eval {ansi_c_quote(command)} </dev/null {MARK_FD}>&-" if wrap else command
         # one line, which bash reads whole before it runs any of it: a printf on a line of its
         # own could stay in the terminal past bash's 1024-byte read, for the command to read
-        line = f"{body}; builtin printf '\\036TRD{nonce}:%s\\036' \"$?\" >&{MARK_FD}\n"
+        fields = f'"$?" "${{PWD:0:{MAX_CWD_BYTES}}}"'
+        line = f"{body}; builtin printf '\\036TRD{nonce}:%s:%s\\036' {fields} >&{MARK_FD}\n"
         started = time.monotonic()
         if not write_all(self.fd, line.encode(), started + timeout, self._wake):
             if self._killed:  # woken by close(), which closes the pty once this run lets go
@@ -156,12 +169,14 @@ class Shell:
             raise SandboxError(
                 "timeout", f"the shell took no input for its {timeout:g} s wall-clock limit; it was killed"
             )
-        end = re.compile(re.escape(_MARK + nonce.encode()) + rb":(\d+)\x1e")
+        end = re.compile(re.escape(_MARK + nonce.encode()) + rb":(\d+):([^\x1e]*)\x1e")
         buffer = bytearray()
         cap = config.max_output_bytes
         while True:
-            match = end.search(buffer, max(0, len(buffer) - 65536 - 64))
+            match = end.search(buffer, max(0, len(buffer) - 65536 - _MARK_BYTES))
             if match:
+                cwd = match.group(2)
+                self.cwd = os.fsdecode(cwd) if 0 < len(cwd) < MAX_CWD_BYTES else None
                 if match.start() > cap:  # it ended, but printed more than the cap (read at once)
                     raise SandboxError(
                         "output_limit", f"command printed more than {cap} bytes", _printed(buffer, cap)
@@ -172,7 +187,7 @@ class Shell:
                 )
                 self.sandbox.check(result)
                 return result
-            if len(buffer) > cap + 64:
+            if len(buffer) > cap + _MARK_BYTES:
                 self.close()
                 raise SandboxError(
                     "output_limit",

@@ -5,7 +5,7 @@ KEY?`` and ``how many files in d1?`` (answered with ``answer: ...``). Every othe
 shell command; the observation is its output (past ``max_observation_chars``, its end, after a
 line saying how many characters were cut) and, when it failed, ``[exit N]``, or
 ``[stopped: KIND: ...]`` when the sandbox stopped it (a shell it killed starts afresh, in the
-same directory). ``done`` ends the episode without an answer.
+directory the last command that ended left). ``done`` ends the episode without an answer.
 """
 
 from __future__ import annotations
@@ -170,7 +170,9 @@ class ShellEnv(Env):
             if not self._by_action(exc):
                 raise
             if not self.shell.alive:
-                self.shell = await to_thread_to_the_end(Shell, self.sandbox, discard=Shell.close)
+                self.shell = await to_thread_to_the_end(
+                    Shell, self.sandbox, self.shell.cwd, discard=Shell.close
+                )
             shown = stopped(exc, self.config.max_observation_chars)
             return self._ended(StepResult(user(shown), 0.0, done, 0.0, {"stopped": exc.kind}))
         shown = tail(result.output.strip(), self.config.max_observation_chars)

@@ -500,6 +500,29 @@ def test_shell_commands_the_sandbox_stops_are_failed_actions():
 
 
 @needs_bwrap
+def test_a_shell_killed_for_a_command_starts_afresh_in_the_directory_it_was_in():
+    """A shell killed for a command (its timeout, its exit) started again in the sandbox's
+    folder: the model, told nothing of it, ran its next commands in another directory than
+    the one it had moved to. It goes back there, or stays in the folder when that is gone."""
+    actions = ["mkdir -p 'a b/c' && cd 'a b/c'", "sleep 30", "pwd", "cd .. && rmdir c && exit", "pwd"]
+
+    async def run():
+        env = make("shell", sandbox=SMALL.model_copy(update={"timeout_s": 1}), max_turns=len(actions))
+        await env.reset(WRITE_RED)
+        try:
+            return [await env.step(action) for action in actions], env.sandbox.workdir
+        finally:
+            await env.close()
+
+    results, workdir = asyncio.run(run())
+    assert [result.info.get("stopped") for result in results] == [None, "timeout", None, "died", None]
+    assert [results[2].observation[0]["content"], results[4].observation[0]["content"]] == [
+        f"{workdir}/a b/c",
+        workdir,
+    ]
+
+
+@needs_bwrap
 def test_a_command_the_shell_is_stopped_for_shows_the_model_what_it_printed():
     """A command run past its time or its output cap was shown to the model as the reason
     alone: what it had printed (a server's banner, an error before a hang) was dropped, as

@@ -35,7 +35,7 @@ from envs.sandbox import (
     remove_tree,
     resolve_backend,
 )
-from envs.shell import MARK_FD, Shell, ansi_c_quote
+from envs.shell import MARK_FD, MAX_CWD_BYTES, Shell, ansi_c_quote
 from rollout.resources import CpuManager
 
 pytestmark = pytest.mark.skipif(bwrap_path() is None, reason="bubblewrap is not installed")
@@ -1058,7 +1058,7 @@ def test_a_command_cannot_read_its_end_marker_from_the_terminal_to_fake_it():
     line ended within the first read, where the command could read it (from its stdout or
     stderr, the terminal) and print the marker, nonce and all, with the exit status it chose.
     Here for each length of a command around that read's end."""
-    spoof = 'IFS= read -r -t 0.01 t <&2; n=${t#*TRD}; printf "\\036TRD%s:0\\036" "${n%%:*}"; (exit 3) #'
+    spoof = 'IFS= read -r -t 0.01 t <&2; n=${t#*TRD}; printf "\\036TRD%s:0:\\036" "${n%%:*}"; (exit 3) #'
     with Sandbox(SMALL) as box:
         shell = Shell(box)
         for size in range(1030, 960, -1):
@@ -1093,6 +1093,27 @@ def test_a_command_that_sends_its_output_elsewhere_leaves_the_end_marker_reachab
                 assert log.read() == "hidden\nkept from sub\n"
         if hider.startswith("printf"):
             assert shell.run("builtin echo $X").output == "kept\n"
+
+
+def test_a_shell_started_in_a_killed_shells_directory_goes_back_there():
+    """The end marker carries the directory each command left, for a shell started in a
+    killed one's place: any bytes, up to ``MAX_CWD_BYTES`` (a command's whole output still
+    comes back in a directory that long); past it, the sandbox's folder."""
+    cap = SMALL.max_output_bytes
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        assert shell.cwd == box.workdir
+        shell.run("mkdir $'\\xff' && cd $'\\xff'")
+        assert shell.cwd == f"{box.workdir}/\udcff"
+        assert Shell(box, shell.cwd).run("[[ $PWD == */$'\\xff' ]]").exit_code == 0
+        deep = "/".join(["x" * ((MAX_CWD_BYTES - len(box.workdir) - 20) // 5)] * 5)
+        assert shell.run(f"cd .. && mkdir -p {deep} && cd {deep}").exit_code == 0
+        assert MAX_CWD_BYTES - 20 < len(shell.cwd) < MAX_CWD_BYTES
+        assert shell.run(f"head -c {cap} /dev/zero | tr '\\0' x").output == "x" * cap
+        assert Shell(box, shell.cwd).run("pwd").output == f"{shell.cwd}\n"
+        assert shell.run("mkdir deeper_than_that && cd deeper_than_that").exit_code == 0
+        assert shell.cwd is None
+        assert Shell(box, shell.cwd).run("pwd").output == f"{box.workdir}\n"
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
