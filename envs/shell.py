@@ -5,14 +5,15 @@ is sent as one ``eval $'…'`` with stdin from ``/dev/null``, followed on the sa
 ``printf`` of an end marker that holds a fresh random nonce, the exit status and the working
 directory the command left (a shell killed for a command starts afresh there), so neither the
 command's output nor a guess can fake the end of a command. The marker goes to descriptor
-``MARK_FD``, a copy of the terminal the shell opens as it starts and closes for the command
-(its processes do not inherit it, and what the command does to it is undone once it ends), so
-a command that sends its own output elsewhere (``exec >out.log 2>&1``) still ends. It is
-``builtin printf``, which a function named ``printf`` does not shadow; a command that defines
+``MARK_FD``, a copy of the terminal the shell opens as it starts, so a command that sends its
+own output elsewhere (``exec >out.log 2>&1``) still ends. It is ``builtin printf``, which a
+function named ``printf`` does not shadow. A command that closes or moves ``MARK_FD``, defines
 a function named ``builtin`` or disables the builtin (``enable -n printf``) does hide it, and
-runs into its timeout like one that never ends. The terminal is switched to non-canonical mode with
-echo off (no line-length limit, no echoed input), set again before each command, and bash runs
-without readline. ``PAGER`` and ``GIT_PAGER`` are ``cat`` unless the sandbox's ``env`` sets them;
+runs into its timeout like one that never ends. (Closed for the command, and restored after
+it, the descriptor would have to be made again at its number, which a command that lowered
+``ulimit -n`` below it forbids: the shell would die.) The terminal is switched to
+non-canonical mode with echo off (no line-length limit, no echoed input), set again before
+each command, and bash runs without readline. ``PAGER`` and ``GIT_PAGER`` are ``cat`` unless the sandbox's ``env`` sets them;
 a program run to be used on a terminal (``less``, ``vi``, ``top``) runs into its timeout.
 """
 
@@ -156,7 +157,7 @@ class Shell:
         # next command would show in its own output, and past 4095 bytes, cut, never end
         termios.tcsetattr(self.fd, termios.TCSANOW, self._modes)
         nonce = secrets.token_hex(8)
-        body = f"eval {ansi_c_quote(command)} </dev/null {MARK_FD}>&-" if wrap else command
+        body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
         # one line, which bash reads whole before it runs any of it: a printf on a line of its
         # own could stay in the terminal past bash's 1024-byte read, for the command to read
         fields = f'"$?" "${{PWD:0:{MAX_CWD_BYTES}}}"'
