@@ -159,9 +159,11 @@ class Shell:
         nonce = secrets.token_hex(8)
         body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
         # one line, which bash reads whole before it runs any of it: a printf on a line of its
-        # own could stay in the terminal past bash's 1024-byte read, for the command to read
+        # own could stay in the terminal past bash's 1024-byte read, for the command to read;
+        # the printf's trace (``set -x``) goes nowhere
         fields = f'"$?" "${{PWD:0:{MAX_CWD_BYTES}}}"'
-        line = f"{body}; builtin printf '\\036TRD{nonce}:%s:%s\\036' {fields} >&{MARK_FD}\n"
+        marker = f"builtin printf '\\036TRD{nonce}:%s:%s\\036' {fields} >&{MARK_FD}"
+        line = f"{body}; {{ {marker}; }} 2>/dev/null\n"
         started = time.monotonic()
         if not write_all(self.fd, line.encode(), started + timeout, self._wake):
             if self._killed:  # woken by close(), which closes the pty once this run lets go

@@ -1095,6 +1095,17 @@ def test_a_command_that_sends_its_output_elsewhere_leaves_the_end_marker_reachab
             assert shell.run("builtin echo $X").output == "kept\n"
 
 
+def test_a_traced_shell_shows_the_commands_trace_and_not_the_end_markers():
+    """With ``set -x`` (an agent debugging its script) every command's output ended on the
+    trace of the shell's own end-marker ``printf``, its nonce and working directory."""
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        shell.run("set -x")
+        output = shell.run("echo hi").output
+        assert "hi\n" in output and "+ echo hi\n" in output
+        assert "TRD" not in output and "printf" not in output
+
+
 def test_a_shell_started_in_a_killed_shells_directory_goes_back_there():
     """The end marker carries the directory each command left, for a shell started in a
     killed one's place: any bytes, up to ``MAX_CWD_BYTES`` (a command's whole output still
