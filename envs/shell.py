@@ -44,10 +44,10 @@ from envs.sandbox import (
 
 _MARK = b"\x1eTRD"
 MAX_CWD_BYTES = 1024
-"""The longest working directory an end marker carries (it holds the first this many characters,
-and one of this many bytes or more is taken as cut); a shell killed in a longer one starts
-afresh in the sandbox's folder."""
-_MARK_BYTES = 64 + 4 * MAX_CWD_BYTES
+"""The longest working directory an end marker carries (it holds the first this many bytes,
+and one this long is taken as cut); a shell killed in a longer one starts afresh in the
+sandbox's folder."""
+_MARK_BYTES = 64 + MAX_CWD_BYTES
 """The most an end marker takes."""
 MARK_FD = 63
 """The shell's descriptor for end markers: past those scripts number by hand (3 to 9) and
@@ -161,8 +161,9 @@ class Shell:
         # one line, which bash reads whole before it runs any of it: a printf on a line of its
         # own could stay in the terminal past bash's 1024-byte read, for the command to read;
         # the printf's trace (``set -x``) goes nowhere
-        fields = f'"$?" "${{PWD:0:{MAX_CWD_BYTES}}}"'
-        marker = f"builtin printf '\\036TRD{nonce}:%s:%s\\036' {fields} >&{MARK_FD}"
+        # "${PWD-}": with ``set -u``, an unset PWD would stop the printf
+        template = f"'\\036TRD{nonce}:%s:%.{MAX_CWD_BYTES}s\\036'"
+        marker = f'builtin printf {template} "$?" "${{PWD-}}" >&{MARK_FD}'
         line = f"{body}; {{ {marker}; }} 2>/dev/null\n"
         started = time.monotonic()
         if not write_all(self.fd, line.encode(), started + timeout, self._wake):

@@ -1109,7 +1109,8 @@ def test_a_traced_shell_shows_the_commands_trace_and_not_the_end_markers():
 def test_a_shell_started_in_a_killed_shells_directory_goes_back_there():
     """The end marker carries the directory each command left, for a shell started in a
     killed one's place: any bytes, up to ``MAX_CWD_BYTES`` (a command's whole output still
-    comes back in a directory that long); past it, the sandbox's folder."""
+    comes back in a directory that long); past it, or with PWD unset (under ``set -u``,
+    which stopped the marker's printf), the sandbox's folder."""
     cap = SMALL.max_output_bytes
     with Sandbox(SMALL) as box:
         shell = Shell(box)
@@ -1125,6 +1126,8 @@ def test_a_shell_started_in_a_killed_shells_directory_goes_back_there():
         assert shell.run("mkdir deeper_than_that && cd deeper_than_that").exit_code == 0
         assert shell.cwd is None
         assert Shell(box, shell.cwd).run("pwd").output == f"{box.workdir}\n"
+        shell.run("set -u; unset PWD", timeout=2)
+        assert (shell.run("echo ok", timeout=2).output, shell.cwd) == ("ok\n", None)
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
