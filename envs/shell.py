@@ -9,12 +9,14 @@ command's output nor a guess can fake the end of a command. The marker goes to d
 own output elsewhere (``exec >out.log 2>&1``) still ends. It is ``builtin printf``, which a
 function named ``printf`` does not shadow. A command that closes or moves ``MARK_FD``, defines
 a function named ``builtin`` or disables the builtin (``enable -n printf``) does hide it, and
-runs into its timeout like one that never ends. (Closed for the command, and restored after
-it, the descriptor would have to be made again at its number, which a command that lowered
-``ulimit -n`` below it forbids: the shell would die.) The terminal is switched to
-non-canonical mode with echo off (no line-length limit, no echoed input), set again before
-each command, and bash runs without readline. ``PAGER`` and ``GIT_PAGER`` are ``cat`` unless the sandbox's ``env`` sets them;
-a program run to be used on a terminal (``less``, ``vi``, ``top``) runs into its timeout.
+runs into its timeout like one that never ends. (It stays open through the command: closed
+for it and restored after, it would have to be made again at its number, which a command
+that lowered ``ulimit -n`` below it forbids, and the shell would die.)
+
+The terminal is switched to non-canonical mode with echo off (no line-length limit, no echoed
+input), set again before each command, and bash runs without readline. ``PAGER`` and
+``GIT_PAGER`` are ``cat`` unless the sandbox's ``env`` sets them; a program meant for a
+terminal (``less``, ``vi``, ``top``) runs into its timeout.
 """
 
 from __future__ import annotations
@@ -159,9 +161,8 @@ class Shell:
         nonce = secrets.token_hex(8)
         body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
         # one line, which bash reads whole before it runs any of it: a printf on a line of its
-        # own could stay in the terminal past bash's 1024-byte read, for the command to read;
-        # the printf's trace (``set -x``) goes nowhere
-        # "${PWD-}": with ``set -u``, an unset PWD would stop the printf
+        # own could stay in the terminal past bash's 1024-byte read, for the command to read.
+        # Its trace (``set -x``) goes nowhere; "${PWD-}": with ``set -u`` an unset PWD is an error
         template = f"'\\036TRD{nonce}:%s:%.{MAX_CWD_BYTES}s\\036'"
         marker = f'builtin printf {template} "$?" "${{PWD-}}" >&{MARK_FD}'
         line = f"{body}; {{ {marker}; }} 2>/dev/null\n"
