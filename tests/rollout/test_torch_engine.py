@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from rl.models import TinyModelConfig, build_tiny_model, load_policy, publish_policy
-from rollout.engines.base import Engine, EngineError, InvalidRequest, SamplingParams
+from rollout.engines.base import MIN_TEMPERATURE, Engine, EngineError, InvalidRequest, SamplingParams
 from rollout.engines.factory import EngineConfig, replica_device
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig, sampling_logprobs
 from rollout.ray_engine import actor_device
@@ -179,7 +179,7 @@ def test_a_full_nucleus_keeps_every_token_beside_a_row_with_a_smaller_one():
     torch.testing.assert_close(batched[0], torch.log_softmax(logits[0], dim=-1))
 
 
-@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.85)])
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.85), (MIN_TEMPERATURE, 1.0)])
 def test_logprobs_match_a_separate_forward_pass(tiny, temperature, top_p):
     model, tokenizer = tiny
     prompt = tokenizer.apply_chat_template(
@@ -449,16 +449,24 @@ def test_seeded_sampling_is_reproducible_and_stops_on_stop_ids(tiny):
             stopped = await engine.generate(
                 "w", [5, 6, 7], SamplingParams(max_new_tokens=16, seed=5, stop_ids=(stop_id,))
             )
-            return first, again, other, stopped, stop_id
+            # its last allowed token: a stop, as vLLM (its check_stop tests stop tokens before
+            # the budget), so the gateway does not call the action truncated
+            at_budget = await engine.generate(
+                "v",
+                [5, 6, 7],
+                SamplingParams(max_new_tokens=len(stopped.token_ids), seed=5, stop_ids=(stop_id,)),
+            )
+            return first, again, other, stopped, at_budget, stop_id
         finally:
             await engine.close()
 
-    first, again, other, stopped, stop_id = asyncio.run(run())
+    first, again, other, stopped, at_budget, stop_id = asyncio.run(run())
     assert first.token_ids == again.token_ids and first.logprobs == again.logprobs
     assert other.token_ids != first.token_ids
     assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == stop_id
     cut = first.token_ids.index(stop_id) + 1
     assert stopped.token_ids == first.token_ids[:cut]
+    assert at_budget.token_ids == stopped.token_ids and at_budget.finish_reason == "stop"
 
 
 def test_weight_update_mid_generation_tags_tokens_with_the_version_that_produced_them(
@@ -499,6 +507,68 @@ def test_weight_update_mid_generation_tags_tokens_with_the_version_that_produced
         generation.logprobs[5:], reference_logprobs(other_model, prompt + tokens[:5], tokens[5:])
     )
     assert_logprobs_match(later.logprobs, reference_logprobs(other_model, prompt, later.token_ids))
+
+
+def test_weight_update_mid_decode_of_a_padded_batch_tags_each_token_with_the_weights_that_sampled_it(
+    tiny, other_model, weights
+):
+    """Three requests of different lengths, one a next turn on its session's cache, decode
+    together when a version loads: each is re-prefilled beside the others (padded) under the
+    new weights, and every token's log-prob is that of the version it is tagged with, over
+    its whole context (the trainer's importance ratio divides by it)."""
+    model, _ = tiny
+    first_prompt = [2, 40, 41, 42]
+    box: dict = {"phase": None}
+    blocked = threading.Event()
+
+    def hold(stats):
+        engine = box["engine"]
+        if box["phase"] == "arrive":  # the first step after the three were sent
+            box["phase"] = "decode"
+            wait_for(
+                lambda: engine.stats().queue_depth + engine.stats().extra["active"] == 3,
+                "all three requests to arrive",
+            )
+        elif box["phase"] == "decode" and stats.decode_tokens >= box["reload_at"]:
+            box["phase"] = None
+            blocked.set()
+            wait_for(lambda: engine.stats().extra["pending_updates"] == 1, "the weight update to be queued")
+
+    async def run():
+        engine = engine_for(model, on_step=hold)
+        box["engine"] = engine
+        try:
+            first = await engine.generate("a", first_prompt, SamplingParams(max_new_tokens=4, seed=1))
+            prompts = [first_prompt + first.token_ids + [50, 51], list(range(60, 71)), [7]]
+            params = [
+                SamplingParams(max_new_tokens=14, seed=2),
+                SamplingParams(max_new_tokens=12, temperature=0.7, seed=3),
+                SamplingParams(max_new_tokens=16, temperature=1.3, top_p=0.8, seed=4),
+            ]
+            box["reload_at"] = engine.stats().decode_tokens + 15  # five tokens each
+            box["phase"] = "arrive"
+            running = [
+                asyncio.create_task(engine.generate(session, prompt, sampling))
+                for session, prompt, sampling in zip("abc", prompts, params, strict=True)
+            ]
+            await asyncio.to_thread(blocked.wait, DEADLINE_S)
+            await engine.load_version(1, weights.load(1))
+            return prompts, params, await asyncio.wait_for(asyncio.gather(*running), DEADLINE_S)
+        finally:
+            await engine.close()
+
+    prompts, params, generations = asyncio.run(run())
+    assert generations[0].cached_tokens == len(prompts[0]) - 3  # all but the observation and its last token
+    for prompt, sampling, generation in zip(prompts, params, generations, strict=True):
+        switch = generation.versions.index(1)
+        assert generation.versions == [0] * switch + [1] * (sampling.max_new_tokens - switch)
+        assert switch >= 5
+        tokens = generation.token_ids
+        t, p = sampling.temperature, sampling.top_p
+        expected = reference_logprobs(model, prompt, tokens[:switch], t, p) + reference_logprobs(
+            other_model, prompt + tokens[:switch], tokens[switch:], t, p
+        )
+        assert_logprobs_match(generation.logprobs, expected)
 
 
 def test_a_weight_update_its_caller_stopped_waiting_for_is_not_applied(tiny, weights):

@@ -886,6 +886,28 @@ def test_a_connection_reset_after_the_request_went_out_is_retried_for_each_kind_
     asyncio.run(body())
 
 
+def test_a_generation_that_times_out_is_an_engine_error_and_is_not_sent_again(tiny):
+    """The server may still be running a generation its client stopped waiting for: it is an
+    infrastructure failure (the router fails it over), never retried on the same server,
+    which would run it twice."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        await engine.max_model_len()  # read /v1/models before the server holds requests
+        server.app.state.hold = asyncio.Event()
+        try:
+            with pytest.raises(EngineError, match="ReadTimeout"):
+                await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=0))
+            assert server.app.state.scheduler["running"] == 1
+        finally:
+            server.app.state.hold.set()
+        after = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=3, seed=0))
+        stats = await asyncio.to_thread(engine.stats)  # it asks the server, served by this loop
+        assert len(after.token_ids) == 3 and stats.extra["in_flight"] == 0
+
+    asyncio.run(_with_server(model, body, timeout_s=1.0, retries=1))
+
+
 def test_the_health_probe_and_the_queue_read_retry_a_connection_closed_before_any_answer(tiny):
     """As a generation does: a probe that fails on a stale keep-alive connection would take a
     healthy replica out of service, and a failed queue read shows the elastic controller an
