@@ -17,7 +17,8 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   floor, and reports the log-probs of that: an evaluation's near-greedy one is served so, and a
   run's ``service.temperature`` (whose log-probs are trained on) below it is refused by the run's
   config. A server refusing a request past its context (its ``max_model_len`` changed since it
-  was read) is a ``ContextLimit``.
+  was read) is a ``ContextLimit``. The served model's name and length are read again after a
+  404 (a server relaunched under another name) or a restart the health check finds.
 - weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` calling
   the worker extension ``treadle_reload_weights(path)`` of
   ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
@@ -246,6 +247,10 @@ class VLLMEngine:
                 self._max_model_len = None
                 raise ContextLimit(f"vLLM server {self.name} rejected the request: {message}")
             raise InvalidRequest(f"vLLM server {self.name} rejected the request: {message}")
+        if response.status_code == 404 and path == "/v1/completions":
+            # vLLM's answer to a model it does not serve: the server was relaunched under another
+            # name (launch.sh names it by its MODEL_DIR); the next request reads it again
+            self._forget_served_model()
         if response.status_code == 404 and path in _DEV_MODE_PATHS:
             raise EngineError(
                 f"vLLM server {self.name} has no {path} (404): start it with VLLM_SERVER_DEV_MODE=1 in its "
@@ -301,6 +306,10 @@ class VLLMEngine:
             self._max_model_len = max_model_len
             self._model = card["id"]
         return self._model, self._max_model_len or None
+
+    def _forget_served_model(self) -> None:
+        """Have the next request read the served model's name and length from /v1/models again."""
+        self._model, self._max_model_len = self.config.model, None
 
     async def max_model_len(self) -> int | None:
         """The server's context length in tokens (prompt and generation), None when unknown."""
@@ -503,6 +512,7 @@ class VLLMEngine:
             self._server_start = started
         elif started != known:
             self._server_start = started
+            self._forget_served_model()  # a relaunch may serve it under another name and length
             if self.version != UNKNOWN_VERSION:
                 logger.warning(
                     "vLLM server %s restarted since it loaded weight version %d: it serves its launch "

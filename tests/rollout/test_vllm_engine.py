@@ -716,6 +716,41 @@ def test_a_server_restarted_between_health_checks_is_found_by_the_probe_and_need
     asyncio.run(body())
 
 
+@pytest.mark.parametrize("restart_seen", [True, False])
+def test_a_server_relaunched_under_another_model_name_is_asked_its_new_one(tiny, tmp_path, restart_seen):
+    """launch.sh serves the model under its MODEL_DIR, so a server relaunched from another
+    directory (a weight version's) lists another name. The name first read from /v1/models was
+    sent with every generation after, each refused 404: the replica never served again, however
+    often its weights were reloaded. A restart the probe sees, or a 404, has it read again."""
+    weights = tmp_path / "v1"
+    tiny[0].save_pretrained(weights)
+    params = SamplingParams(max_new_tokens=3, seed=1)
+
+    async def body():
+        server = await StandinServer(_fresh_model(tiny), model_name="/models/base").start()
+        port = int(server.url.rsplit(":", 1)[1])
+        engine = VLLMEngine(VLLMEngineConfig(base_url=server.url), name="vllm-0")
+        try:
+            await engine.load_version(1, str(weights))
+            await engine.generate("s", PROMPT, params)
+            await server.stop()
+            server = await StandinServer(_fresh_model(tiny), model_name="/models/v7", port=port).start()
+            server.app.state.metrics = restart_seen
+            assert await engine.health()
+            if restart_seen:
+                await _refuses_until_reloaded(engine, weights)
+            else:  # the restart is not seen: the first generation is refused, and fails over
+                with pytest.raises(EngineError, match="answered 404 on /v1/completions"):
+                    await engine.generate("s", PROMPT, params)
+            generation = await engine.generate("s", PROMPT, params)
+            assert generation.versions == [1] * 3
+        finally:
+            await engine.close()
+            await server.stop()
+
+    asyncio.run(body())
+
+
 def test_a_server_without_a_process_start_time_keeps_its_version_through_health_checks(tiny, tmp_path):
     """Without /metrics (or its process collector) a restart cannot be seen: the probe
     answers as before and leaves the version alone."""
