@@ -67,8 +67,13 @@ def dis_policy_loss(
         )
 
     num_tokens = int(action_mask.sum())
-    zeros = torch.zeros_like(logprobs)
-    log_ratio = torch.where(action_mask, logprobs.detach() - rollout_logprobs.to(logprobs.dtype), zeros)
+    # the ratio in float32 at least: rounded to bfloat16, a rollout log-prob of −20.06 reads
+    # −20.0 (a weight off by 6%), and float16's exp overflows past a log-ratio of 11
+    ratio_dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    zeros = torch.zeros_like(logprobs, dtype=ratio_dtype)
+    log_ratio = torch.where(
+        action_mask, logprobs.detach().to(ratio_dtype) - rollout_logprobs.to(ratio_dtype), zeros
+    )
     ratio = torch.exp(log_ratio)
     too_low = action_mask & (ratio <= 1.0 - eps_low)
     too_high = action_mask & (ratio >= 1.0 + eps_high)
@@ -79,10 +84,10 @@ def dis_policy_loss(
     token_weight = (
         is_weight
         if loss_weight is None
-        else is_weight * torch.where(kept, loss_weight.to(logprobs.dtype), zeros)
+        else is_weight * torch.where(kept, loss_weight.to(ratio_dtype), zeros)
     )
-    kept_advantages = torch.where(kept, advantages.detach().to(logprobs.dtype), zeros)
-    safe_logprobs = torch.where(kept, logprobs, zeros)
+    kept_advantages = torch.where(kept, advantages.detach().to(ratio_dtype), zeros)
+    safe_logprobs = torch.where(kept, logprobs, torch.zeros_like(logprobs))
     loss_sum = -(token_weight * kept_advantages * safe_logprobs).sum()
     loss = loss_sum / max(num_tokens, 1)
 
@@ -90,14 +95,17 @@ def dis_policy_loss(
         names = ("masked_fraction", "masked_low", "masked_high", "mean_ratio", "max_ratio", "kl")
         return loss, {**dict.fromkeys(names, 0.0), "num_tokens": 0.0}
     with torch.no_grad():
-        k3 = (ratio - 1.0) - log_ratio
+        # k3 ≈ x²/2 is far below float32's step near 1 when the policies nearly agree: as
+        # (r − 1) − log r in float32 it read 0 for x = 1e-4, or a negative KL
+        action_log_ratio = log_ratio[action_mask].double()
+        k3 = torch.expm1(action_log_ratio) - action_log_ratio
         stats = {
             "masked_fraction": float((too_low | too_high).sum()) / num_tokens,
             "masked_low": float(too_low.sum()) / num_tokens,
             "masked_high": float(too_high.sum()) / num_tokens,
-            "mean_ratio": float(ratio[action_mask].mean()),
-            "max_ratio": float(ratio[action_mask].max()),
-            "kl": float(k3[action_mask].mean()),
+            "mean_ratio": float(action_log_ratio.exp().mean()),
+            "max_ratio": float(action_log_ratio.max().exp()),
+            "kl": float(k3.mean()),
             "num_tokens": float(num_tokens),
         }
     return loss, stats

@@ -112,6 +112,56 @@ def test_dis_ratio_statistics_are_over_the_action_tokens_only():
     assert stats["masked_low"] == pytest.approx(0.5) and stats["masked_high"] == 0.0
 
 
+@pytest.mark.parametrize("log_ratio", [0.0, 1e-6, 1e-4, -3e-4, 1e-2])
+def test_dis_kl_of_near_on_policy_tokens_is_not_float32_rounding(log_ratio):
+    # k3 = e^x − 1 − x ≈ x²/2 is far below float32's step near 1 (1.2e-7) when the trainer
+    # and the engine nearly agree: worked out as (r − 1) − log r in float32 it read 0 for
+    # x = 1e-4 (true 5e-9) and could be negative
+    rollout = torch.full((1, 3), -1.5)
+    logprobs = rollout + torch.tensor([[log_ratio, log_ratio / 2, -log_ratio]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    _, stats = dis_policy_loss(logprobs, rollout, torch.ones(1, 3), mask, 0.3, 5.0)
+    ratios = (logprobs.double() - rollout.double())[0].tolist()
+    want = sum(math.expm1(x) - x for x in ratios) / 3
+    assert stats["kl"] >= 0.0
+    assert stats["kl"] == pytest.approx(want, rel=1e-6, abs=1e-30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dis_low_precision_log_probs_keep_the_rollouts_float32_precision(dtype):
+    # the float32 rollout log-probs were rounded to the policy's dtype before the ratio:
+    # in bfloat16 −20.06 reads −20.0 (a 6% weight lost) and −2.645 reads −2.641, pushing a
+    # ratio of 0.701 below the interval's 0.7; in float16 e^12 overflowed, giving an
+    # infinite KL
+    logprobs = torch.tensor([[-20.0, -3.0, -1.0]], dtype=dtype)
+    rollout = torch.tensor([[-20.06, -2.645, -13.0]])
+    advantages = torch.tensor([[1.0, -2.0, 0.5]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    loss, stats = dis_policy_loss(logprobs, rollout, advantages, mask, 0.3, 5.0)
+    want_loss, want_masked, want_ratio, want_kl = reference_dis(
+        logprobs.double().tolist(), rollout.double().tolist(), advantages.tolist(), mask.tolist(), 0.3, 5.0
+    )
+    assert stats["masked_fraction"] == pytest.approx(want_masked) == 1 / 3
+    assert loss.item() == pytest.approx(want_loss, rel=1e-6)
+    assert stats["mean_ratio"] == pytest.approx(want_ratio, rel=1e-6)
+    assert stats["kl"] == pytest.approx(want_kl, rel=1e-6)
+
+
+def test_dis_a_log_ratio_past_float32s_exp_masks_the_token_and_keeps_the_statistics_finite():
+    # e^100 overflows float32: the token is masked either way, but its ratio and k3 read inf
+    logprobs = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+    rollout = torch.tensor([[-101.0, -2.0]])
+    loss, stats = dis_policy_loss(
+        logprobs, rollout, torch.ones(1, 2), torch.ones(1, 2, dtype=torch.bool), 0.3, 5.0
+    )
+    loss.backward()
+    assert stats["masked_high"] == 0.5 and loss.item() == pytest.approx(1.0)
+    assert logprobs.grad.tolist() == [[0.0, -0.5]]
+    assert stats["max_ratio"] == pytest.approx(math.exp(100.0))
+    assert stats["mean_ratio"] == pytest.approx((math.exp(100.0) + 1.0) / 2)
+    assert stats["kl"] == pytest.approx((math.expm1(100.0) - 100.0) / 2)
+
+
 def test_dis_all_masked_gives_zero_loss_with_a_graph():
     logprobs = torch.randn(2, 3, requires_grad=True)
     loss, stats = dis_policy_loss(
