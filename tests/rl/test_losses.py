@@ -296,6 +296,28 @@ def test_value_loss_matches_reference(seed, clip):
     )
 
 
+@pytest.mark.parametrize("clip", [None, 0.2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_value_loss_of_low_precision_values_keeps_the_float32_targets(dtype, clip):
+    # the float32 returns and old values were rounded to the values' dtype first: in bfloat16
+    # a return of 100.3 read 100.5, and the error of a value of 100 grew from 0.3 to 0.5
+    values = torch.tensor([[100.0, 2.0, 50.0, 7.0]], dtype=dtype, requires_grad=True)
+    returns = torch.tensor([[100.3, 2.01, 49.0, 9.0]])
+    old = torch.tensor([[100.2, 2.0, 50.5, 7.0]])  # with the clip, token 2's clipped error wins
+    mask = torch.tensor([[True, True, True, False]])
+    loss, stats = value_loss(values, returns, mask, old_values=old, clip=clip)
+    loss.backward()
+    as_lists = [t.detach().double().tolist() for t in (values, returns, mask, old)]
+    assert loss.item() == pytest.approx(reference_value_loss(*as_lists, clip), rel=1e-5)
+    want_grad = [(v - r) / 3 for v, r in zip(as_lists[0][0][:3], as_lists[1][0][:3], strict=True)]
+    if clip is not None:
+        want_grad[2] = 0.0
+    assert values.grad[0, :3].double().tolist() == pytest.approx(want_grad, rel=1e-2)
+    assert stats["explained_variance"] == pytest.approx(
+        reference_explained_variance(as_lists[0], as_lists[1], mask.tolist()), rel=1e-6
+    )
+
+
 def test_explained_variance_of_a_single_action_token_is_zero_not_nan():
     # one masked token: no variance to explain (a sample variance of one value is NaN)
     values = torch.tensor([[0.3, -0.2, 1.0]], dtype=torch.float64)
