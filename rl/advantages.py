@@ -40,18 +40,21 @@ def carry_rewards_to_actions(rewards: torch.Tensor, action_mask: torch.Tensor) -
     return carried
 
 
-def _as_row_tensor(value: float | torch.Tensor, like: torch.Tensor, name: str) -> torch.Tensor:
-    """``value`` as a ``(B,)`` tensor on ``like``'s device and dtype."""
+def _as_row_tensor(
+    value: float | torch.Tensor, like: torch.Tensor, name: str, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``value`` as a ``(B,)`` tensor on ``like``'s device, in ``dtype`` (default ``like``'s)."""
     batch = like.shape[0]
+    dtype = like.dtype if dtype is None else dtype
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
-            return value.to(like).expand(batch)
+            return value.to(like.device, dtype).expand(batch)
         if value.shape != (batch,):
             raise ValueError(
                 f"{name} must be a float or a (B,) tensor with B={batch}, got shape {tuple(value.shape)}"
             )
-        return value.to(like)
-    return torch.full((batch,), float(value), dtype=like.dtype, device=like.device)
+        return value.to(like.device, dtype)
+    return torch.full((batch,), float(value), dtype=dtype, device=like.device)
 
 
 def _check_shapes(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
@@ -102,7 +105,8 @@ def skip_observation_gae(
     """
     _check_shapes(rewards, values, action_mask)
     values = values.detach()
-    lam_rows = _as_row_tensor(lam, values, "lam")
+    # the discount in the chain's dtype: rounded to bfloat16, λ = 0.999 would read 1.0
+    lam_rows = _as_row_tensor(lam, values, "lam", _chain_dtype(values.dtype))
     carried = carry_rewards_to_actions(rewards.to(values.dtype), action_mask)
     counts = action_mask.sum(dim=1)
     width = int(counts.max()) if counts.numel() else 0
@@ -120,6 +124,11 @@ def skip_observation_gae(
     return advantages, returns
 
 
+def _chain_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype :func:`_discounted_sums` sums ``dtype`` deltas in: numpy lacks bfloat16."""
+    return torch.float32 if dtype == torch.bfloat16 else dtype
+
+
 def _discounted_sums(deltas: torch.Tensor, discounts: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     """``A_j = δ_j + c·A_{j+1}`` along each row from its end (``A`` 0 past the end and where
     ``live`` is false), for ``deltas`` and ``live`` ``(B, W)`` and ``discounts`` ``(B,)``.
@@ -130,7 +139,7 @@ def _discounted_sums(deltas: torch.Tensor, discounts: torch.Tensor, live: torch.
     are bit for bit theirs, in the deltas' dtype; bfloat16, which numpy lacks, is summed in
     float32.
     """
-    dtype = torch.float32 if deltas.dtype == torch.bfloat16 else deltas.dtype
+    dtype = _chain_dtype(deltas.dtype)
     delta = deltas.detach().to("cpu", dtype).T.contiguous().numpy()
     on = live.cpu().T.contiguous().numpy()
     discount = discounts.detach().to("cpu", dtype).numpy()

@@ -180,6 +180,30 @@ def test_skip_gae_on_bfloat16_chains_in_float32_and_rounds_once(seed):
     assert torch.equal(advantages, torch.tensor(want, dtype=torch.float64).to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("lam", [0.999, torch.tensor([0.999, 0.99])])
+def test_skip_gae_on_bfloat16_keeps_lambda_near_1_unrounded(lam):
+    # λ was cast to the values' dtype first: in bfloat16 0.999 read 1.0 and 0.99 read 0.988,
+    # so the first of 300 action tokens got 1.0 instead of 0.999^299 = 0.74 of the reward
+    mask = [[True] * 300 + [False] * 100, [t % 4 != 3 for t in range(400)]]
+    rewards = [[0.0] * 399 + [1.0] for _ in mask]
+    values = [[0.0] * 400 for _ in mask]
+    lam_rows = lam.tolist() if isinstance(lam, torch.Tensor) else [lam] * 2
+
+    advantages, _ = skip_observation_gae(
+        torch.tensor(rewards, dtype=torch.bfloat16),
+        torch.tensor(values, dtype=torch.bfloat16),
+        torch.tensor(mask),
+        1.0,
+        lam,
+    )
+    want, _ = reference_skip_gae(rewards, values, mask, 1.0, lam_rows)
+
+    assert advantages.dtype == torch.bfloat16
+    torch.testing.assert_close(
+        advantages.double(), torch.tensor(want, dtype=torch.float64), rtol=2**-8, atol=0
+    )
+
+
 def test_skip_gae_hand_example_links_across_observations():
     # prompt, action(2 tokens), observation(2), action(1), trailing observation with the reward
     mask = torch.tensor([[False, True, True, False, False, True, False]])
