@@ -61,6 +61,34 @@ def test_dis_loss_matches_reference(seed, with_weight):
     assert stats["num_tokens"] == sum(map(sum, mask))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("seed", range(6))
+def test_dis_loss_of_any_float_dtype_matches_the_reference_on_its_values(seed, dtype):
+    # rows of length 1, all-masked rows and single action tokens among them
+    rng = random.Random(seed)
+    batch, length = rng.randint(1, 5), rng.choice([1, 2, rng.randint(3, 40)])
+    rollout = [[-rng.uniform(0.01, 30) for _ in range(length)] for _ in range(batch)]
+    logprobs = [[min(-1e-3, r + rng.uniform(-3.0, 3.0)) for r in row] for row in rollout]
+    advantages = [[rng.gauss(0, 1) for _ in range(length)] for _ in range(batch)]
+    mask = [[rng.random() < 0.6 for _ in range(length)] for _ in range(batch)]
+    mask[0] = [t == length - 1 for t in range(length)]
+    if batch > 1:
+        mask[1] = [False] * length
+    logprobs_t = torch.tensor(logprobs, dtype=dtype, requires_grad=True)
+    loss, stats = dis_policy_loss(
+        logprobs_t, torch.tensor(rollout), torch.tensor(advantages), torch.tensor(mask), 0.3, 5.0
+    )
+    loss.backward()
+    want_loss, want_masked, want_ratio, want_kl = reference_dis(
+        logprobs_t.detach().double().tolist(), rollout, advantages, mask, 0.3, 5.0
+    )
+    assert loss.item() == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    assert stats["masked_fraction"] == pytest.approx(want_masked)
+    assert stats["mean_ratio"] == pytest.approx(want_ratio, rel=1e-5)
+    assert stats["kl"] == pytest.approx(want_kl, rel=1e-5)
+    assert torch.isfinite(logprobs_t.grad).all()
+
+
 def test_dis_interval_is_open_and_padding_cannot_poison_the_loss():
     rollout = torch.zeros(1, 4, dtype=torch.float64)
     # ratios exactly 0.7, 6.0 (both borders: masked), 1.0 (kept), and a -inf pad position
