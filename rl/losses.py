@@ -46,10 +46,11 @@ def dis_policy_loss(
         loss_weight: optional ``(B, T)`` per-token weight from the trajectory processor.
 
     Returns:
-        ``(loss, stats)``: the scalar loss and detached diagnostics — ``masked_fraction``
-        (action tokens outside the interval), ``masked_low`` / ``masked_high`` (below / above
-        it), ``mean_ratio``, ``max_ratio``, ``kl`` (k3 estimate of KL(π_rollout ‖ πθ),
-        mean of ``(r − 1) − log r``), ``num_tokens``.
+        ``(loss, stats)``: the scalar loss (in float32 or wider, as the ratio is) and detached
+        diagnostics (worked out in float64) — ``masked_fraction`` (action tokens outside the
+        interval), ``masked_low`` / ``masked_high`` (below / above it), ``mean_ratio``,
+        ``max_ratio``, ``kl`` (k3 estimate of KL(π_rollout ‖ πθ), mean of
+        ``(r − 1) − log r``), ``num_tokens``.
     """
     if not (logprobs.shape == rollout_logprobs.shape == advantages.shape == action_mask.shape):
         raise ValueError(
