@@ -1,6 +1,8 @@
 """``code``: write a function; hidden unit tests run in the sandbox at EVAL.
 
-User ``write f(x) = x*3+1``; the action is Python source defining ``f``. The reward is the
+User ``write f(x) = x*3+1``; the action is Python source defining ``f``, or a reply holding it
+in Markdown code blocks (any language tag or none): then the last block that defines ``f`` at
+its top level, else the last block, is the source (:func:`solution_source`). The reward is the
 fraction of hidden tests passed, measured in the sandbox by a tester that gives the solution's
 interpreter only the inputs and checks its int answers itself. The test run is elastic: it
 splits the tests over one forked worker per core it was started on (as many as the sandbox's
@@ -18,6 +20,7 @@ import asyncio
 import json
 import os
 import random
+import re
 import secrets
 
 from pydantic import Field
@@ -142,6 +145,20 @@ with os.fdopen(out, "w") as pipe:
 """
 
 
+FENCED_BLOCK = re.compile(r"^```[^`\n]*\n(.*?)^```[ \t\r]*$", re.MULTILINE | re.DOTALL)
+DEFINES_F = re.compile(r"^(def f\b|f\s*=)", re.MULTILINE)
+
+
+def solution_source(action: str) -> str:
+    """The Python source in the model's reply ``action``: its last complete fenced block that
+    defines ``f``, else its last complete fenced block, else the whole reply (bare source; a
+    block cut by the token limit is no solution either way)."""
+    blocks = FENCED_BLOCK.findall(action)
+    if not blocks:
+        return action
+    return next((block for block in reversed(blocks) if DEFINES_F.search(block)), blocks[-1])
+
+
 def most_workers(sandbox: SandboxConfig) -> int:
     """The most workers a test run forks under the sandbox's process limit (at least one: the
     runner works its chunk itself); a core granted past them would stand idle."""
@@ -204,7 +221,7 @@ class CodeEnv(Env):
 
     async def step(self, action: str) -> StepResult:
         self._next_turn()
-        self.solution = action
+        self.solution = solution_source(action)
         return self._ended(StepResult([], 0.0, True, 0.0, {"scored_at": "eval"}))
 
     def eval_request(self) -> ResourceRequest | None:

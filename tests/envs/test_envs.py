@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from envs import pytool
+from envs import code, pytool
 from envs.arith import add_without_carry, subtract_without_borrow
 from envs.base import Task, TooFewTasks, in_eval_split, sample_unique, stopped
 from envs.code import HARNESS_PROCESSES
@@ -1030,6 +1030,41 @@ def test_code_answers_are_ints_not_bools_even_written_past_the_runner():
     ):
         _, score = asyncio.run(play("code", task, [solution], sandbox=SMALL))
         assert score == want, solution
+
+
+FENCED_SOLUTIONS = {
+    "python tag, trailing text": "Here it is:\n```python\n{solution}\n```\nIt returns the value asked for.",
+    "no tag": "```\n{solution}\n```",
+    "py tag, CRLF": "```py\r\n{solution}\r\n```\r\n",
+    "draft then answer": "Draft:\n```python\ndef f(x):\n    return 0\n```\nFixed:\n```python\n{solution}\n```",
+    "answer then usage": "```python\n{solution}\n```\nUse it so:\n```python\nprint(f(3))\n```",
+}
+
+
+@pytest.mark.parametrize("case", sorted(FENCED_SOLUTIONS))
+def test_code_solution_is_taken_from_a_fenced_block_of_the_reply(case):
+    """A chat model writes its solution in a Markdown code block, with a language tag or none,
+    and text around it: all of that was run as the source, a SyntaxError, and every right
+    solution so written scored 0. The block taken is the last that defines ``f``."""
+    solution = "def f(x):\n    return x * 3 + 1"
+    if "CRLF" in case:
+        solution = solution.replace("\n", "\r\n")
+    reply = FENCED_SOLUTIONS[case].format(solution=solution)
+    assert code.solution_source(reply).strip() == solution.strip()
+
+
+def test_code_solution_without_a_complete_fenced_block_is_the_reply_itself():
+    assert code.solution_source("def f(x):\n    return 1\n") == "def f(x):\n    return 1\n"
+    cut = "```python\ndef f(x):\n    return 1"  # a reply cut at its token limit
+    assert code.solution_source(cut) == cut
+
+
+@needs_bwrap
+def test_code_fenced_solution_is_scored_on_its_code():
+    task = task_set("code", "train", seed=6, n=1)[0]
+    reply = f"Sure:\n```python\n{demonstrate(task)[0]}\n```\nThis computes f."
+    _, score = asyncio.run(play("code", task, [reply], sandbox=SMALL))
+    assert score == 1.0
 
 
 @needs_bwrap
