@@ -2,14 +2,14 @@
 
 The program sees ``OPENAI_BASE_URL`` (``http://127.0.0.1:<port>/v1`` inside the sandbox) and a
 dummy ``OPENAI_API_KEY``, plus the task as ``TREADLE_TASK`` and ``task.json`` in its working
-directory. The sandbox keeps its network namespace closed: a relay inside listens on its own
-loopback and forwards each connection over a Unix socket in the working directory to this
-process, which forwards the HTTP request to the gateway with the real bearer token and the
-session header put in (the agent can neither see the token nor pick another session). Only the
-inference endpoints in :data:`FORWARDED` are forwarded; anything else (the gateway's session
-admin included) is answered 403. Every
-model call the agent makes is therefore recorded token-exactly by the gateway; it samples at the
-run's ``service.temperature`` and ``top_p`` (leave them unset: a training rollout's call asking
+directory (written again before EVAL, which reads it: what the program did to it is undone).
+The sandbox keeps its network namespace closed: a relay inside listens on its own loopback and
+forwards each connection over a Unix socket in the working directory to this process, which
+forwards the HTTP request to the gateway with the real bearer token and the session header put
+in (the agent can neither see the token nor pick another session). Only the inference endpoints
+in :data:`FORWARDED` are forwarded; anything else (the gateway's session admin included) is
+answered 403. Every model call the agent makes is therefore recorded token-exactly by the
+gateway; it samples at the run's ``service.temperature`` and ``top_p`` (leave them unset: a training rollout's call asking
 for others is refused with HTTP 400, as the trainer could not compare its log-probs). After the
 program ends, the EVAL command runs in the same sandbox and prints the score (a number in [0, 1]; NaN
 scores 0) as the last line of its output.
@@ -31,6 +31,7 @@ import json
 import os
 import random
 import re
+import secrets
 import urllib.parse
 from dataclasses import dataclass
 from typing import ClassVar
@@ -249,8 +250,7 @@ class AgentEnv(Env):
             raise RuntimeError("agent env: call attach_gateway(...) before reset")
         self._start(task)
         sandbox = await self._new_sandbox()
-        with open(os.path.join(sandbox.workdir, "task.json"), "w") as handle:
-            json.dump({"id": task.id, "prompt": task.prompt, **task.data}, handle)
+        write_task_json(sandbox.workdir, task)
         self.socket_path = os.path.join(sandbox.workdir, GATEWAY_SOCKET)
         # held before it starts serving, whose start yields: a cancel there leaves it to close()
         self._server = await asyncio.start_unix_server(
@@ -294,9 +294,11 @@ class AgentEnv(Env):
         )
 
     async def evaluate(self) -> float:
-        self._require_task()
+        task = self._require_task()
         if not self.config.eval_command or self.sandbox is None:
             return 0.0
+        # the program may have rewritten it (to name no test, say), and EVAL reads it
+        write_task_json(self.sandbox.workdir, task)
         result = await self.sandbox.run_async(self.config.eval_command, cores=self.cores, violations=False)
         lines = result.output.strip().splitlines()
         try:
@@ -417,6 +419,18 @@ class AgentEnv(Env):
                 if stream is not None:
                     with contextlib.suppress(Exception):
                         stream.close()
+
+
+def write_task_json(workdir: str, task: Task) -> None:
+    """Write ``task.json`` (the task's id, prompt and data) into ``workdir``, in place of
+    whatever is there: written to a new file, then renamed over it, so that no link the
+    program left there takes the write out of its folder."""
+    path = os.path.join(workdir, "task.json")
+    staged = os.path.join(workdir, f".task.json.{secrets.token_hex(8)}")
+    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(fd, "w") as handle:
+        json.dump({"id": task.id, "prompt": task.prompt, **task.data}, handle)
+    os.replace(staged, path)
 
 
 def _header_fields(lines: list[str]) -> list[tuple[str, str]] | None:

@@ -623,6 +623,35 @@ def scored(upstream: str, cfg) -> float:
     return asyncio.run(episode())
 
 
+# EVAL runs the tests task.json names; a program that passes none rewrites it to name none
+CHECK_NAMED_TESTS = (
+    "python3 -c \"import json; print(float(json.load(open('task.json'))['tests'] == ['t1', 't2']))\""
+)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        "rm task.json && echo '{\"tests\": []}' > task.json",
+        "rm task.json && echo '{\"tests\": []}' > forged.json && ln -s forged.json task.json",
+        "rm task.json && ln -s {outside} task.json",
+    ],
+)
+def test_agent_eval_reads_task_json_as_reset_wrote_it_not_as_the_program_left_it(upstream, tmp_path, tamper):
+    """task.json is the task for the agent and for EVAL: the program (the model's commands)
+    could rewrite it to name no test, and EVAL scored what it forged. It is written again
+    before EVAL, in place of whatever is there, through no link the program made (here to a
+    file of the worker's, outside the sandbox)."""
+    outside = tmp_path / "worker_file"
+    outside.write_text("the worker's own")
+    tasks = [{"id": f"t{i}", "prompt": "pass t1 and t2", "data": {"tests": ["t1", "t2"]}} for i in range(20)]
+    cfg = config(
+        command=tamper.replace("{outside}", str(outside)), eval_command=CHECK_NAMED_TESTS, tasks=tasks
+    )
+    assert scored(upstream, cfg) == 1.0
+    assert outside.read_text() == "the worker's own"
+
+
 def test_agent_eval_printing_nan_scores_zero(upstream):
     assert scored(upstream, config(command="true", eval_command="echo passed 0 of 0; echo nan")) == 0.0
 
