@@ -283,7 +283,8 @@ def _json_rows(path: str, data: bytes) -> tuple[list, list[str]]:
     try:
         text = data.decode("utf-8-sig")  # a byte-order mark (Notepad, PowerShell) is no part of row 1
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text: {exc}") from exc
+        line = exc.object.count(b"\n", 0, exc.start) + 1  # the object is the data less its mark
+        raise ValueError(f"{path} line {line} is not UTF-8 text: {exc}") from exc
     if path.endswith(".json") and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)

@@ -1485,10 +1485,16 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
         ),
         ("bad.jsonl", b'{"prompt": "q", "answer": "a"}\n\n{"prompt": }', {}, "bad.jsonl line 3: Expecting"),
         (
-            "latin1.jsonl",
-            '{"prompt": "café", "answer": "a"}'.encode("latin-1"),
+            "latin1.jsonl",  # the line, not a byte offset into a file of a million rows
+            '{"prompt": "q", "answer": "a"}\n{"prompt": "café", "answer": "b"}'.encode("latin-1"),
             {},
-            "latin1.jsonl is not UTF-8",
+            "latin1.jsonl line 2 is not UTF-8",
+        ),
+        (
+            "marked.jsonl",  # after a byte-order mark, which the decoder drops
+            b'\xef\xbb\xbf{"prompt": "q", "answer": "a"}\n\xff',
+            {},
+            "marked.jsonl line 2 is not UTF-8",
         ),
         ("array.json", b'[{"prompt": "q", "answer": "a"},', {}, "array.json: not valid JSON"),
         (
