@@ -31,7 +31,6 @@ import json
 import os
 import random
 import re
-import secrets
 import urllib.parse
 from dataclasses import dataclass
 from typing import ClassVar
@@ -50,6 +49,7 @@ from envs.base import (
     clamp_score,
     in_eval_split,
     user,
+    write_anew,
 )
 from envs.sandbox import ExecResult, python_in_sandbox
 
@@ -250,7 +250,7 @@ class AgentEnv(Env):
             raise RuntimeError("agent env: call attach_gateway(...) before reset")
         self._start(task)
         sandbox = await self._new_sandbox()
-        write_task_json(sandbox.workdir, task)
+        write_anew(sandbox.workdir, "task.json", task_json(task))
         self.socket_path = os.path.join(sandbox.workdir, GATEWAY_SOCKET)
         # held before it starts serving, whose start yields: a cancel there leaves it to close()
         self._server = await asyncio.start_unix_server(
@@ -298,7 +298,7 @@ class AgentEnv(Env):
         if not self.config.eval_command or self.sandbox is None:
             return 0.0
         # the program may have rewritten it (to name no test, say), and EVAL reads it
-        write_task_json(self.sandbox.workdir, task)
+        write_anew(self.sandbox.workdir, "task.json", task_json(task))
         result = await self.sandbox.run_async(self.config.eval_command, cores=self.cores, violations=False)
         lines = result.output.strip().splitlines()
         try:
@@ -421,16 +421,9 @@ class AgentEnv(Env):
                         stream.close()
 
 
-def write_task_json(workdir: str, task: Task) -> None:
-    """Write ``task.json`` (the task's id, prompt and data) into ``workdir``, in place of
-    whatever is there: written to a new file, then renamed over it, so that no link the
-    program left there takes the write out of its folder."""
-    path = os.path.join(workdir, "task.json")
-    staged = os.path.join(workdir, f".task.json.{secrets.token_hex(8)}")
-    fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    with os.fdopen(fd, "w") as handle:
-        json.dump({"id": task.id, "prompt": task.prompt, **task.data}, handle)
-    os.replace(staged, path)
+def task_json(task: Task) -> str:
+    """``task.json``: the task's id, prompt and data."""
+    return json.dumps({"id": task.id, "prompt": task.prompt, **task.data})
 
 
 def _header_fields(lines: list[str]) -> list[tuple[str, str]] | None:

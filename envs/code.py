@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import re
 import secrets
@@ -36,6 +35,7 @@ from envs.base import (
     in_eval_split,
     sample_unique,
     user,
+    write_anew,
 )
 from envs.sandbox import SandboxConfig, SandboxError, python_in_sandbox, started_on
 
@@ -244,9 +244,7 @@ class CodeEnv(Env):
 
     def _score(self, task: Task, solution: str) -> float:
         sandbox = self.sandbox
-        path = os.path.join(sandbox.workdir, "solution.py")
-        with open(path, "w", encoding="utf-8") as handle:  # what Python reads source as
-            handle.write(solution)
+        write_anew(sandbox.workdir, "solution.py", solution)
         started = secrets.token_hex(8)
         scores = [secrets.token_hex(8) for _ in range(len(task.data["tests"]) + 1)]
         request = {

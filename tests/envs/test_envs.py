@@ -1068,6 +1068,30 @@ def test_code_fenced_solution_is_scored_on_its_code():
 
 
 @needs_bwrap
+@pytest.mark.parametrize("backend", ["bwrap", "process"])
+def test_code_evaluated_again_never_writes_through_a_link_the_solution_left(tmp_path, backend):
+    """A solution that ran replaced solution.py with a link to a file of the worker's outside
+    the sandbox: the next evaluate wrote the solution's source there, on the worker's host."""
+    outside = tmp_path / "worker_file"
+    outside.write_text("the worker's own")
+    os.chmod(tmp_path, 0o755)
+    solution = f"import os\nos.remove('solution.py')\nos.symlink({str(outside)!r}, 'solution.py')\n"
+    task = task_set("code", "train", seed=6, n=1)[0]
+
+    async def run():
+        env = make("code", sandbox=SMALL.model_copy(update={"backend": backend}))
+        try:
+            await env.reset(task)
+            await env.step(solution)
+            return await env.evaluate(), await env.evaluate()
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()) == (0.0, 0.0)
+    assert outside.read_text() == "the worker's own"
+
+
+@needs_bwrap
 def test_code_episode_without_a_solution_scores_zero():
     async def run():
         env = make("code", sandbox=SMALL)
