@@ -89,7 +89,8 @@ print(scores[passed], flush=True)
 
 # Runs the solution on the inputs, split over one forked worker per core it was started on (at
 # most max_workers); a chunk whose worker cannot be forked (the process limit) runs in the
-# runner itself. Writes a JSON list to the pipe: f(x) where that is an int, else null.
+# runner itself. Writes a JSON list to the pipe: f(x) where that is an int JSON can write
+# (Python's int-to-text limit, 4300 digits by default), else null.
 RUNNER = r"""
 import json, os, sys
 out, inputs, max_workers = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
@@ -102,6 +103,8 @@ def results(chunk):
     for x in chunk:
         try:
             y = f(x)
+            if type(y) is int:
+                str(y)  # past the int-to-text limit: ValueError, as json.dump would raise
         except BaseException:
             y = None
         got.append(y if type(y) is int else None)

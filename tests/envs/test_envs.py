@@ -972,6 +972,18 @@ def test_code_a_worker_that_died_loses_its_own_tests_only():
     assert score == 0.5
 
 
+@needs_bwrap
+@pytest.mark.parametrize("max_processes", [HARNESS_PROCESSES, HARNESS_PROCESSES + 2])  # one worker, two
+def test_code_an_answer_too_long_to_write_loses_its_own_test_only(max_processes):
+    """An int past Python's 4300 digits cannot be written as JSON: returned for one input, it
+    broke the runner's (or a worker's) reply half-written, and every test scored 0."""
+    tests = [[x, 3 * x + 1] for x in range(4)]
+    sandbox = SMALL.model_copy(update={"max_processes": max_processes})
+    solution = "def f(x):\n    return 10 ** 5000 if x == 0 else 3 * x + 1\n"
+    _, score = asyncio.run(play("code", code_task(tests), [solution], sandbox=sandbox))
+    assert score == 0.75
+
+
 @pytest.mark.parametrize(
     "tests", [[], [[1]], [[1, 4.5]], [[1, "4"]], [[1, True]], [[1, 4], [2, 7, 9]], "[[1, 4]]", None]
 )
