@@ -7,9 +7,11 @@ fraction of hidden tests passed, measured in the sandbox by a tester that gives 
 interpreter only the inputs and checks its int answers itself. The test run is elastic: it
 splits the tests over one forked worker per core it was started on (as many as the sandbox's
 process limit leaves room for, one per test at most), and asks the scheduler for
-1..``test_cores`` cores, no more than it has workers. A solution that makes the test run
-overrun its limits (a loop that never returns, too much memory or output) scores 0; a tester
-that never started is the sandbox's failure (``SandboxError``).
+1..``test_cores`` cores, no more than it has workers. A call of ``f`` that runs past its share
+of the wall-clock limit (``timeout_s`` over twice the tests: a worker may run them all) fails
+its own test; a solution that makes the test run overrun its limits (a loop as it loads, too
+much memory or output) scores 0; a tester that never started is the sandbox's failure
+(``SandboxError``).
 Functions are split by what they compute on the test inputs' range (``(x+2)*2`` is
 ``x*2+4``), so a function held out for eval never has its twin in train.
 """
@@ -68,8 +70,9 @@ tests, scores = request["tests"], request["scores"]
 print(request["started"], "started", flush=True)
 read, write = os.pipe()
 inputs = json.dumps([x for x, _ in tests])
+args = [str(write), inputs, str(request["max_workers"]), str(request["call_s"])]
 child = subprocess.Popen(
-    [sys.executable, "-I", "-c", request["runner"], str(write), inputs, str(request["max_workers"])],
+    [sys.executable, "-I", "-c", request["runner"], *args],
     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[write],
     preexec_fn=drop_capabilities,
 )
@@ -90,21 +93,35 @@ print(scores[passed], flush=True)
 # Runs the solution on the inputs, split over one forked worker per core it was started on (at
 # most max_workers); a chunk whose worker cannot be forked (the process limit) runs in the
 # runner itself. Writes a JSON list to the pipe: f(x) where that is an int JSON can write
-# (Python's int-to-text limit, 4300 digits by default), else null.
+# (Python's int-to-text limit, 4300 digits by default), else null (as for a call that ran
+# past call_s seconds).
 RUNNER = r"""
-import json, os, sys
+import json, os, signal, sys
 out, inputs, max_workers = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
+call_s = float(sys.argv[4])
 namespace = {}
 exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
 f = namespace["f"]
+
+class Overran(BaseException):
+    pass
+
+def overran(signum, frame):
+    raise Overran()
+
+signal.signal(signal.SIGALRM, overran)
 
 def results(chunk):
     got = []
     for x in chunk:
         try:
-            y = f(x)
-            if type(y) is int:
-                str(y)  # past the int-to-text limit: ValueError, as json.dump would raise
+            signal.setitimer(signal.ITIMER_REAL, call_s)
+            try:
+                y = f(x)
+                if type(y) is int:
+                    str(y)  # past the int-to-text limit: ValueError, as json.dump would raise
+            finally:  # within the outer try: the alarm may go off before it is disarmed
+                signal.setitimer(signal.ITIMER_REAL, 0)
         except BaseException:
             y = None
         got.append(y if type(y) is int else None)
@@ -256,6 +273,7 @@ class CodeEnv(Env):
             "tests": task.data["tests"],
             "runner": RUNNER,
             "max_workers": most_workers(sandbox.config),
+            "call_s": sandbox.config.timeout_s / (2 * len(task.data["tests"])),
         }
         stdin = json.dumps(request).encode() + b"\n"
         python = python_in_sandbox(sandbox.config)

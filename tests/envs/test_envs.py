@@ -984,6 +984,17 @@ def test_code_an_answer_too_long_to_write_loses_its_own_test_only(max_processes)
     assert score == 0.75
 
 
+@needs_bwrap
+@pytest.mark.parametrize("hang", ["while True: pass", "import time; time.sleep(100)"])
+def test_code_a_call_that_never_returns_loses_its_own_test_only(hang):
+    """A solution right but for one input it hangs on ran the test run past its limit and
+    scored 0, however many tests it passed: each call now has its share of the limit."""
+    tests = [[x, 3 * x + 1] for x in range(4)]
+    solution = f"def f(x):\n    if x == 2:\n        {hang}\n    return 3 * x + 1\n"
+    _, score = asyncio.run(play("code", code_task(tests), [solution], sandbox=SMALL))
+    assert score == 0.75
+
+
 @pytest.mark.parametrize(
     "tests", [[], [[1]], [[1, 4.5]], [[1, "4"]], [[1, True]], [[1, 4], [2, 7, 9]], "[[1, 4]]", None]
 )
