@@ -220,16 +220,16 @@ def stopped(exc: SandboxError, max_chars: int) -> str:
 def write_anew(folder: str, name: str, text: str) -> None:
     """Write ``text`` (UTF-8, what Python reads source as) to the file ``name`` in ``folder``,
     in place of whatever is there: staged in a new file, then renamed over it, so that no link
-    a sandbox's code left in its folder takes the write out of it (onto a file of the worker's)."""
+    a sandbox's code left in its folder takes the write out of it (onto a file of the worker's),
+    and no folder it made there in its place fails the write."""
     staged = os.path.join(folder, f".{name}.{secrets.token_hex(8)}")
     fd = os.open(staged, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     with os.fdopen(fd, "w", encoding="utf-8") as handle:
         handle.write(text)
-    try:
-        os.replace(staged, os.path.join(folder, name))
-    except OSError:  # a folder of that name
-        os.unlink(staged)
-        raise
+    target = os.path.join(folder, name)
+    if os.path.isdir(target) and not os.path.islink(target):
+        os.rename(target, f"{staged}.set-aside")
+    os.replace(staged, target)
 
 
 def in_eval_split(key: str, eval_fraction: float) -> bool:

@@ -635,6 +635,7 @@ CHECK_NAMED_TESTS = (
         "rm task.json && echo '{\"tests\": []}' > task.json",
         "rm task.json && echo '{\"tests\": []}' > forged.json && ln -s forged.json task.json",
         "rm task.json && ln -s {outside} task.json",
+        "rm task.json && mkdir task.json && touch task.json/x",
     ],
 )
 def test_agent_eval_reads_task_json_as_reset_wrote_it_not_as_the_program_left_it(upstream, tmp_path, tamper):
