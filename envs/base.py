@@ -23,6 +23,7 @@ import hashlib
 import math
 import os
 import random
+import re
 import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
@@ -215,6 +216,15 @@ def stopped(exc: SandboxError, max_chars: int) -> str:
     (:func:`tail`), and why."""
     shown = tail(exc.output.strip(), max_chars)
     return f"{shown}\n[stopped: {exc.kind}: {exc.reason}]".strip()
+
+
+FENCED_BLOCK = re.compile(r"^```[^`\n]*\n(.*?)^```[ \t\r]*$", re.MULTILINE | re.DOTALL)
+
+
+def fenced_blocks(text: str) -> list[str]:
+    """The contents of the complete Markdown code blocks in ``text`` (any language tag or
+    none), in order: where a chat model puts the code of its reply."""
+    return FENCED_BLOCK.findall(text)
 
 
 def write_anew(folder: str, name: str, text: str) -> None:

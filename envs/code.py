@@ -34,6 +34,7 @@ from envs.base import (
     StepResult,
     Task,
     amdahl_efficiency,
+    fenced_blocks,
     in_eval_split,
     sample_unique,
     user,
@@ -165,7 +166,6 @@ with os.fdopen(out, "w") as pipe:
 """
 
 
-FENCED_BLOCK = re.compile(r"^```[^`\n]*\n(.*?)^```[ \t\r]*$", re.MULTILINE | re.DOTALL)
 DEFINES_F = re.compile(r"^(def f\b|f\s*=)", re.MULTILINE)
 
 
@@ -173,7 +173,7 @@ def solution_source(action: str) -> str:
     """The Python source in the model's reply ``action``: its last complete fenced block that
     defines ``f``, else its last complete fenced block, else the whole reply (bare source; a
     block cut by the token limit is no solution either way)."""
-    blocks = FENCED_BLOCK.findall(action)
+    blocks = fenced_blocks(action)
     if not blocks:
         return action
     return next((block for block in reversed(blocks) if DEFINES_F.search(block)), blocks[-1])

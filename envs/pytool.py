@@ -1,7 +1,8 @@
 """``pytool``: multi-turn — run Python in a persistent sandboxed interpreter, then answer.
 
-User ``calc 123*456%97``; an action is ``run: <code>`` (observation: what it printed) or
-``answer: <number>`` (ends the episode). The interpreter keeps its variables between runs.
+User ``calc 123*456%97``; an action is ``run: <code>`` (observation: what it printed; code
+written in Markdown code blocks after ``run:`` is the last block's) or ``answer: <number>``
+(ends the episode). The interpreter keeps its variables between runs.
 Progress is 0.5 once a run's whole output is the right number, 1 with the right answer.
 Output past ``max_observation_chars`` is cut to its end, after a line saying how many
 characters were cut. When the sandbox stops a run (too long, too much output, into the
@@ -25,6 +26,7 @@ from envs.base import (
     Split,
     StepResult,
     Task,
+    fenced_blocks,
     in_eval_split,
     sample_unique,
     stopped,
@@ -115,7 +117,8 @@ class PyToolEnv(Env):
             reward = float(self.answer == expected)
             return self._ended(StepResult([], reward, True, max(reward, 0.5 * self.seen_answer), {}))
         if text.startswith("run:"):
-            feedback = await self._run(text.removeprefix("run:").strip(), expected)
+            code = text.removeprefix("run:").strip()
+            feedback = await self._run((fenced_blocks(code) or [code])[-1], expected)
         else:
             feedback = "use run: or answer:"
         done = self.turns >= self.config.max_turns

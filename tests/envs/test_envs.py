@@ -870,6 +870,16 @@ def test_pytool_runs_python_then_answers():
 
 
 @needs_bwrap
+def test_pytool_runs_the_code_of_a_fenced_block_after_run():
+    """``run:`` then the code in a Markdown block, as a chat model writes it: the fence was
+    run as Python, a SyntaxError, and the run that computed the answer was no progress."""
+    task = task_set("pytool", "train", seed=5, n=1)[0]
+    run = f"run: I will compute it.\n```python\nprint({task.data['expr']})\n```\nThen answer."
+    result, _ = asyncio.run(play("pytool", task, [run], sandbox=SMALL, max_turns=1))
+    assert result.progress == 0.5
+
+
+@needs_bwrap
 def test_pytool_progress_needs_a_run_that_computes_the_answer():
     task = task_set("pytool", "train", seed=5, n=1)[0]
     cases = [
