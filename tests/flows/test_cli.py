@@ -1552,6 +1552,7 @@ LOST_API_FLOW = """
 import uuid
 
 import flows.cli
+import flows.cli_args
 import flows.evaluate
 from prefect.client.orchestration import get_client
 from prefect.events import emit_event
@@ -1572,7 +1573,7 @@ def ends_without_the_api():
     get_client(sync_client=True).read_flow_run(uuid.uuid4())  # as the engine asks for the last state
 
 
-flows.evaluate.main = ends_without_the_api
+flows.evaluate.main = flows.cli_args.flow_command(ends_without_the_api)  # as every flow's main is
 flows.cli.main(["run", "evaluate"])
 """
 
@@ -1621,6 +1622,7 @@ import sys
 import time
 
 import flows.cli
+import flows.cli_args
 import flows.evaluate
 import flows.run_body
 import tasks.report
@@ -1657,7 +1659,7 @@ def run_to_its_report():
     ends_at_the_report(config)
 
 
-flows.evaluate.main = run_to_its_report
+flows.evaluate.main = flows.cli_args.flow_command(run_to_its_report)  # as every flow's main is
 flows.cli.main(["run", "evaluate"])
 """
 
@@ -1750,6 +1752,7 @@ import os
 os.environ |= {"PREFECT_LOGGING_TO_API_BATCH_SIZE": "1000", "PREFECT_LOGGING_TO_API_MAX_LOG_SIZE": "999"}
 
 import flows.cli
+import flows.cli_args
 import flows.evaluate
 import flows.run_body
 from prefect import flow
@@ -1773,7 +1776,7 @@ def run():
     loses_its_api()
 
 
-flows.evaluate.main = run
+flows.evaluate.main = flows.cli_args.flow_command(run)  # as every flow's main is
 flows.cli.main(["run", "evaluate"])
 """
 
