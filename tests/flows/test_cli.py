@@ -45,7 +45,7 @@ from flows.cli import (
     spaced,
     weight_versions,
 )
-from flows.cli_args import parse
+from flows.cli_args import flow_command, parse
 from flows.config import load_config
 from flows.evaluate import missing_version
 from flows.run_body import prefect_api_request
@@ -1809,7 +1809,7 @@ def test_a_flow_run_that_gave_up_on_its_prefect_api_says_so_without_prefects_tra
 
 
 def test_a_flows_own_refused_connection_is_not_taken_for_a_lost_prefect_api(monkeypatch):
-    """A ConnectError of the flow's own (an inference server's) stays its error: ``treadle run``
+    """A ConnectError of the flow's own (an inference server's) stays its error: a flow command
     says it lost the Prefect API only for a request to PREFECT_API_URL."""
     import flows.evaluate
 
@@ -1820,7 +1820,7 @@ def test_a_flows_own_refused_connection_is_not_taken_for_a_lost_prefect_api(monk
             httpx.get(f"http://127.0.0.1:{engine.getsockname()[1]}/api/v1/generate")
 
         monkeypatch.setattr(sys, "argv", sys.argv[:])  # ``treadle run`` sets the flow's argv
-        monkeypatch.setattr(flows.evaluate, "main", engine_refuses)
+        monkeypatch.setattr(flows.evaluate, "main", flow_command(engine_refuses))  # as every flow's main is
         with pytest.raises(httpx.ConnectError):
             main(["run", "evaluate"])
 
@@ -2300,7 +2300,6 @@ def test_a_command_run_under_nohup_goes_on_when_its_terminal_closes():
     """``nohup treadle run …`` ignores SIGHUP so that the run outlives its terminal: the
     command must keep it ignored rather than stop on it as on Ctrl-C, while a SIGHUP that is
     not ignored stops it with the status a shell gives a process the signal killed."""
-    from flows.cli_args import flow_command
 
     @flow_command
     def command() -> str:
