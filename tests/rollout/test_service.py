@@ -1216,39 +1216,48 @@ def test_a_client_that_drops_its_process_request_cancels_its_rollout(tiny):
     assert asyncio.run(body())
 
 
+@contextlib.asynccontextmanager
+async def dropped_while_closing(tiny):
+    """A service's HTTP API whose client dropped /process of rollout ``job-1`` (its connection
+    closed), the rollout held closing its env: yields the client, the request to retry it
+    with, the event that lets the close finish, and the envs made (later ones are arith's)."""
+    stepping, step_release = asyncio.Event(), asyncio.Event()
+    closing, close_release = asyncio.Event(), asyncio.Event()
+
+    class SlowToClose(HeldEnv):
+        async def close(self) -> None:
+            closing.set()
+            await close_release.wait()
+            await super().close()
+
+    envs = []
+
+    def make_env(task):
+        envs.append(SlowToClose("step", stepping, step_release) if not envs else ArithEnv())
+        return envs[-1]
+
+    async with (
+        running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service,
+        ServiceServer(service) as server,
+        httpx.AsyncClient(
+            base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {server.token}"}
+        ) as client,
+    ):
+        request = {"task": arith_task().model_dump(), "rollout_id": "job-1", "include_tokens": False}
+        dropped = asyncio.create_task(client.post("/process", json=request))
+        await asyncio.wait_for(stepping.wait(), 60)
+        dropped.cancel()  # closes the connection
+        await asyncio.wait_for(closing.wait(), 60)
+        yield client, request, close_release, envs
+
+
 def test_a_retry_right_after_the_client_dropped_waits_for_the_dropped_rollout_to_unwind(tiny):
     """A client that drops its /process (its timeout ran out) and retries it with the same
     rollout id got a 409 "already in flight" while the dropped rollout still unwound (its env
     closing): the retry must run once that one has ended."""
 
     async def body():
-        stepping, step_release = asyncio.Event(), asyncio.Event()
-        closing, close_release = asyncio.Event(), asyncio.Event()
-
-        class SlowToClose(HeldEnv):
-            async def close(self) -> None:
-                closing.set()
-                await close_release.wait()
-                await super().close()
-
-        envs = []
-
-        def make_env(task):
-            envs.append(SlowToClose("step", stepping, step_release) if not envs else ArithEnv())
-            return envs[-1]
-
-        async with (
-            running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service,
-            ServiceServer(service) as server,
-            httpx.AsyncClient(
-                base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {server.token}"}
-            ) as client,
-        ):
-            request = {"task": arith_task().model_dump(), "rollout_id": "job-1", "include_tokens": False}
-            dropped = asyncio.create_task(client.post("/process", json=request))
-            await asyncio.wait_for(stepping.wait(), 60)
-            dropped.cancel()  # closes the connection
-            await asyncio.wait_for(closing.wait(), 60)
+        async with dropped_while_closing(tiny) as (client, request, close_release, envs):
             retry = asyncio.create_task(client.post("/process", json=request))
             # a 409 comes back at once; the retry otherwise waits for the close
             await asyncio.wait([retry], timeout=1)
@@ -1277,33 +1286,7 @@ def test_a_retry_waiting_for_its_dropped_rollout_is_cancelled_by_cancel(tiny):
     answered 200, and the retry then ran its rollout all the same."""
 
     async def body():
-        stepping, step_release = asyncio.Event(), asyncio.Event()
-        closing, close_release = asyncio.Event(), asyncio.Event()
-
-        class SlowToClose(HeldEnv):
-            async def close(self) -> None:
-                closing.set()
-                await close_release.wait()
-                await super().close()
-
-        envs = []
-
-        def make_env(task):
-            envs.append(SlowToClose("step", stepping, step_release) if not envs else ArithEnv())
-            return envs[-1]
-
-        async with (
-            running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service,
-            ServiceServer(service) as server,
-            httpx.AsyncClient(
-                base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {server.token}"}
-            ) as client,
-        ):
-            request = {"task": arith_task().model_dump(), "rollout_id": "job-1", "include_tokens": False}
-            dropped = asyncio.create_task(client.post("/process", json=request))
-            await asyncio.wait_for(stepping.wait(), 60)
-            dropped.cancel()  # closes the connection
-            await asyncio.wait_for(closing.wait(), 60)
+        async with dropped_while_closing(tiny) as (client, request, close_release, envs):
             retry = asyncio.create_task(client.post("/process", json=request))
             while rollout_tasks() != 2:  # the dropped one and the retry's, run up to its wait
                 await asyncio.sleep(0.01)
@@ -1324,33 +1307,7 @@ def test_a_retry_dropped_while_it_waits_leaves_the_next_retry_waiting_too(tiny):
     retry found nothing to wait for and was refused 409 while that rollout still unwound."""
 
     async def body():
-        stepping, step_release = asyncio.Event(), asyncio.Event()
-        closing, close_release = asyncio.Event(), asyncio.Event()
-
-        class SlowToClose(HeldEnv):
-            async def close(self) -> None:
-                closing.set()
-                await close_release.wait()
-                await super().close()
-
-        envs = []
-
-        def make_env(task):
-            envs.append(SlowToClose("step", stepping, step_release) if not envs else ArithEnv())
-            return envs[-1]
-
-        async with (
-            running_service(tiny, ServiceConfig(max_new_tokens=4), make_env=make_env) as service,
-            ServiceServer(service) as server,
-            httpx.AsyncClient(
-                base_url=server.url, timeout=60, headers={"Authorization": f"Bearer {server.token}"}
-            ) as client,
-        ):
-            request = {"task": arith_task().model_dump(), "rollout_id": "job-1", "include_tokens": False}
-            dropped = asyncio.create_task(client.post("/process", json=request))
-            await asyncio.wait_for(stepping.wait(), 60)
-            dropped.cancel()  # closes the connection
-            await asyncio.wait_for(closing.wait(), 60)
+        async with dropped_while_closing(tiny) as (client, request, close_release, envs):
             first_retry = asyncio.create_task(client.post("/process", json=request))
             while rollout_tasks() != 2:
                 await asyncio.sleep(0.01)
