@@ -54,7 +54,8 @@ async def evaluate(
 
     ``service_config`` is the run's: the episodes are scored under the turn, time and token
     budgets, stage limits and by the reward models the policy trains with, at ``temperature``
-    and at most ``concurrency`` rollouts at once. A self-driving program's model call samples at
+    and at most ``concurrency`` rollouts at once. The ``i``-th task of an env samples with seed
+    ``seed + i``, whatever the tasks of other envs in ``tasks``. A self-driving program's model call samples at
     ``temperature`` unless it asks for another: nothing here is trained on.
     """
     gateway = Gateway(Router([engine]), tokenizer, gateway_config)
@@ -69,11 +70,17 @@ async def evaluate(
     )
     slots = asyncio.Semaphore(concurrency)
 
-    async def one(i: int, task: Task):
+    async def one(task_seed: int, task: Task):
         async with slots:
-            return await service.process(RolloutRequest(task=task, seed=seed + i))
+            return await service.process(RolloutRequest(task=task, seed=task_seed))
 
-    jobs = [asyncio.ensure_future(one(i, t)) for i, t in enumerate(tasks)]
+    # numbered within each env: numbered across the list, an env's tasks sampled otherwise once
+    # the mix gained, lost or reordered another env, though the setup recorded was the same
+    placed: dict[str, int] = defaultdict(int)
+    jobs = []
+    for task in tasks:
+        jobs.append(asyncio.ensure_future(one(seed + placed[task.env], task)))
+        placed[task.env] += 1
     try:
         results = await asyncio.gather(*jobs)
     finally:  # one that raised (or a cancel) leaves no sibling rollout running

@@ -345,7 +345,7 @@ def test_a_reward_model_written_anew_under_its_path_is_another_setup(tmp_path):
 
 
 def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tmp_path, monkeypatch):
-    """Rollout i samples with seed ``eval.seed * SEED_STRIDE + i``: the same seed measures the
+    """An env's rollout i samples with seed ``eval.seed * SEED_STRIDE + i``: the same seed measures the
     same, another samples otherwise (every evaluation sampled with seeds 0..n-1, the seed
     picking the tasks only). The tasks are held fixed, so only the sampling can differ; and
     at the eval temperature near-greedy, not at all (the temperature reaches the sampler)."""
@@ -379,7 +379,9 @@ def test_the_eval_seed_seeds_the_sampling_of_an_evaluation_not_only_its_tasks(tm
 
     (first, rollouts), (again, repeated) = evaluation(7), evaluation(7)
     assert again == first and repeated == rollouts
-    assert sorted(seed for *_, seed, _ in rollouts) == [7 * SEED_STRIDE + i for i in range(len(rollouts))]
+    for env, listed in fixed.items():
+        seeds = sorted(seed for task_env, _, seed, _ in rollouts if task_env == env)
+        assert seeds == [7 * SEED_STRIDE + i for i in range(len(listed))]
     _, other = evaluation(8)
     assert [task for *task, _, _ in other] == [task for *task, _, _ in rollouts]
     assert [tokens for *_, tokens in other] != [tokens for *_, tokens in rollouts]

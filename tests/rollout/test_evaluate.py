@@ -71,6 +71,42 @@ def test_scores_each_environment_of_the_eval_set(tiny):  # noqa: F811
     assert sum(sum(s.values()) for s in result.statuses.values()) == 6
 
 
+def test_a_tasks_sampling_seed_does_not_depend_on_the_other_envs_evaluated_with_it(tiny, monkeypatch):  # noqa: F811
+    """Rollout seeds are numbered within each env: an env's tasks sample alike whether or not
+    other envs' tasks come before them in the list (a mix that gained, lost or reordered an
+    env), as the setup recorded for the env, which names none of the others, says they do."""
+    model, tokenizer = tiny
+    arith = registry.task_set("arith", "eval", seed=0, n=3)
+    guess = registry.task_set("guess", "eval", seed=0, n=2)
+    process = service_module.RolloutService.process
+    seeds: dict[tuple[str, str], list[int]] = {}
+
+    async def recording(self, request):
+        seeds.setdefault((request.task.env, request.task.id), []).append(request.seed)
+        return await process(self, request)
+
+    monkeypatch.setattr(service_module.RolloutService, "process", recording)
+    envs = {"arith": ScoredArith, "guess": ScoredGuess}
+
+    async def body(tasks):
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        try:
+            return await evaluate(engine, tokenizer, tasks, lambda task: envs[task.env](), seed=7)
+        finally:
+            await engine.close()
+
+    asyncio.run(body(arith))
+    asyncio.run(body(guess + arith))
+    asyncio.run(body(guess))
+    assert {(env, tuple(s)) for (env, _), s in seeds.items()} == {
+        ("arith", (7, 7)),
+        ("arith", (8, 8)),
+        ("arith", (9, 9)),
+        ("guess", (7, 7)),
+        ("guess", (8, 8)),
+    }
+
+
 class CrashingArith(ArithEnv):
     """``arith`` that scores every answer 1, and crashes on tasks whose first operand is even."""
 
