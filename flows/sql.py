@@ -166,7 +166,8 @@ def field_text(value, kind) -> str:
     FLOAT with the digits it holds (duckdb hands one over widened to a double: 0.43 as
     0.4300000071525574); NaN and the infinities as inside JSON (``NaN``, ``Infinity``,
     ``-Infinity``, which ``float`` and duckdb's casts read too), not Python's ``nan``; a
-    negative interval with a minus sign."""
+    negative interval with a minus sign; a BLOB as duckdb's cast to text writes it, not as
+    Python's ``b'...'``."""
     if value is None:
         return ""
     if isinstance(value, list | tuple | dict):
@@ -179,7 +180,14 @@ def field_text(value, kind) -> str:
         return str(np.float32(value))
     if isinstance(value, timedelta) and value < timedelta(0):
         return f"-{-value}"  # Python writes 35 s back as "-1 day, 23:59:25"
+    if isinstance(value, bytes):
+        return "".join(chr(byte) if byte in BLOB_PLAIN else f"\\x{byte:02X}" for byte in value)
     return str(value)
+
+
+BLOB_PLAIN = frozenset(range(0x20, 0x7F)) - {ord('"'), ord("'"), ord("\\")}
+"""The bytes a BLOB's text holds as they are, as duckdb's cast to VARCHAR writes it (any other
+byte as ``\\xHH``)."""
 
 
 def utc_text(moment: datetime) -> str:

@@ -1122,6 +1122,25 @@ def test_sql_prints_nan_and_infinities_alike_in_a_field_and_inside_a_list_or_str
     assert json.dumps(json.loads(row[4])[1:]) == json.dumps([float(row[2]), float(row[3])])
 
 
+def test_sql_prints_a_blob_as_duckdbs_cast_to_text_writes_it_not_as_pythons_bytes_repr(local_store):
+    """A BLOB (``encode(text)``, ``from_hex``) printed as Python's repr, ``b'\\x00a'``, and
+    inside a list as that repr in a JSON string: it reads as duckdb writes it as text now,
+    printable ASCII as it is and any other byte (and a quote or backslash) as ``\\xHH``."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    every_byte = bytes(range(256)).hex()
+    result = treadle(
+        "sql",
+        *run,
+        f"SELECT raw, raw::VARCHAR AS text, [from_hex('00615c')] AS listed "
+        f"FROM (SELECT from_hex('{every_byte}') AS raw)",
+    )
+    assert result.returncode == 0, result.stderr
+    header, (raw, text, listed) = csv.reader(io.StringIO(result.stdout, newline=""), delimiter="\t")
+    assert raw == text and raw.startswith("\\x00\\x01") and " !\\x22#" in raw
+    assert json.loads(listed) == ["\\x00a\\x5C"]
+
+
 def test_sql_reads_a_run_whose_path_holds_a_quote(tmp_path):
     store = RunStore(StorageConfig(root=str(tmp_path / "it's" / "runs")), "quoted")
     Tables(store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
