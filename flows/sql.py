@@ -161,15 +161,18 @@ NESTED = ("list", "array", "struct", "map")
 
 def field_text(value, kind) -> str:
     """``value`` of duckdb type ``kind`` as ``treadle sql`` prints it: null as nothing; a
-    timestamp with a time zone in UTC (:func:`utc_text`); a list, struct or map as JSON, that
-    another tool reads as it is (Python's repr quoted strings with ``'`` and wrote ``None``); a
-    FLOAT with the digits it holds (duckdb hands one over widened to a double: 0.43 as
+    timestamp with a time zone in UTC (:func:`utc_text`); a boolean as ``true`` or ``false``,
+    as duckdb and JSON spell it (Python's ``True`` differed from the same value inside a list);
+    a list, struct or map as JSON, that another tool reads as it is (Python's repr quoted
+    strings with ``'`` and wrote ``None``); a FLOAT with the digits it holds (duckdb hands one over widened to a double: 0.43 as
     0.4300000071525574); NaN and the infinities as inside JSON (``NaN``, ``Infinity``,
     ``-Infinity``, which ``float`` and duckdb's casts read too), not Python's ``nan``; a
     negative interval with a minus sign; a BLOB as duckdb's cast to text writes it, not as
     Python's ``b'...'``."""
     if value is None:
         return ""
+    if isinstance(value, bool):
+        return json.dumps(value)
     if isinstance(value, list | tuple | dict):
         return json.dumps(_jsonable(value, kind), ensure_ascii=False)
     if isinstance(value, datetime) and value.tzinfo is not None:

@@ -1122,6 +1122,27 @@ def test_sql_prints_nan_and_infinities_alike_in_a_field_and_inside_a_list_or_str
     assert json.dumps(json.loads(row[4])[1:]) == json.dumps([float(row[2]), float(row[3])])
 
 
+def test_sql_prints_a_boolean_alike_in_a_field_and_inside_a_list_or_struct(local_store):
+    """``selected`` printed ``True`` in its own field and ``true`` inside a list or struct:
+    both are spelled as duckdb and JSON spell them now (a filter on the field, ``awk '$1 ==
+    "true"'``, matched neither way)."""
+    Tables(local_store).append(
+        "trajectories", [trajectory_row("arith", 0, 1.0, "ok"), trajectory_row("code", 1, None, "env_error")]
+    )
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle(
+        "sql",
+        *run,
+        "SELECT selected, [selected] AS listed, {'selected': selected} AS named FROM trajectories ORDER BY task",
+    )
+    assert result.returncode == 0, result.stderr
+    assert list(csv.reader(io.StringIO(result.stdout, newline=""), delimiter="\t")) == [
+        ["selected", "listed", "named"],
+        ["true", "[true]", '{"selected": true}'],
+        ["false", "[false]", '{"selected": false}'],
+    ]
+
+
 def test_sql_prints_a_blob_as_duckdbs_cast_to_text_writes_it_not_as_pythons_bytes_repr(local_store):
     """A BLOB (``encode(text)``, ``from_hex``) printed as Python's repr, ``b'\\x00a'``, and
     inside a list as that repr in a JSON string: it reads as duckdb writes it as text now,
