@@ -209,9 +209,9 @@ def _jsonable(value, kind):
     interval, a UUID) is its text."""
     kind_id = kind.id if kind is not None else None
     children = [child for _, child in kind.children] if kind_id in NESTED else []
-    if isinstance(value, list | tuple):  # a LIST, or an ARRAY (of a fixed size)
-        item_kind = children[0] if children else None
-        return [_jsonable(item, item_kind) for item in value]
+    if isinstance(value, list | tuple):  # a LIST, an ARRAY (of a fixed size) or an unnamed STRUCT
+        kinds = children if kind_id == "struct" else [children[0] if children else None] * len(value)
+        return [_jsonable(item, item_kind) for item, item_kind in zip(value, kinds, strict=True)]
     if isinstance(value, dict):
         if kind_id == "struct":
             return {name: _jsonable(value[name], child) for name, child in kind.children}

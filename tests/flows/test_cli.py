@@ -1104,6 +1104,24 @@ def test_sql_prints_lists_structs_and_maps_as_json(local_store):
     assert json.loads(row[0]) == step["trajectory_ids"]
 
 
+def test_sql_prints_each_field_of_an_unnamed_struct_by_its_own_type(local_store):
+    """An unnamed struct (``row(…)``, ``(a, b)``) comes as a tuple, as a fixed-size array
+    does, and each of its fields was printed as the first field's type: a FLOAT after a
+    VARCHAR with its widened digits, a map with list keys after one as its key and value
+    lists."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 0.43, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    result = treadle(
+        "sql",
+        *run,
+        "SELECT (task, reward) AS pair, [row(task, reward)] AS listed, "
+        "row(task, MAP {[max_version]: reward}) AS keyed FROM trajectories",
+    )
+    assert result.returncode == 0, result.stderr
+    header, row = csv.reader(io.StringIO(result.stdout, newline=""), delimiter="\t")
+    assert row == ['["arith", 0.43]', '[["arith", 0.43]]', '["arith", {"[0]": 0.43}]']
+
+
 def test_sql_prints_nan_and_infinities_alike_in_a_field_and_inside_a_list_or_struct(local_store):
     """A NaN printed ``nan`` in its own field and ``NaN`` inside a list (an infinity ``inf``
     and ``Infinity``): both are JSON's spelling now, which a JSON reader, ``float`` and
