@@ -388,12 +388,10 @@ def _sql(args) -> None:
             f"error: treadle sql needs duckdb and its delta and httpfs extensions ({exc.name} is not "
             "installed): pip install 'treadle[sql]'"
         ) from None
-    from deltalake.exceptions import DeltaError
-
     from flows.sql import connect, field_text
 
     store = existing_run(_store(args))
-    try:
+    with _query_errors(store, duckdb.Error):
         connection = connect(store)
         statements = len(connection.extract_statements(args.query))
         if not statements:  # only whitespace or comments
@@ -403,21 +401,40 @@ def _sql(args) -> None:
         result = connection.execute(args.query)
         if result.description is None:  # a statement without a result set
             return
-        rows = result.fetchall()
+        # a batch at a time: the whole result, fetched at once, was held in memory (a run's
+        # trajectory text) before the first row showed, even to a reader that wanted ten (`| head`)
+        rows = result.fetchmany(SQL_BATCH_ROWS)
+    print("\t".join(_tsv_field(d[0]) for d in result.description))
+    kinds = [d[1] for d in result.description]
+    while rows:
+        for row in rows:
+            print("\t".join(_tsv_field(field_text(v, kind)) for v, kind in zip(row, kinds, strict=True)))
+        with _query_errors(store, duckdb.Error):
+            rows = result.fetchmany(SQL_BATCH_ROWS)
+
+
+SQL_BATCH_ROWS = 10_000
+"""Rows ``treadle sql`` fetches from duckdb at a time."""
+
+
+@contextlib.contextmanager
+def _query_errors(store, duckdb_error: type[Exception]) -> Iterator[None]:
+    """A query's errors on ``store`` as one line each (``SystemExit``), and duckdb's answer to
+    Ctrl-C as the ``KeyboardInterrupt`` it is."""
+    from deltalake.exceptions import DeltaError
+
+    try:
+        yield
     except RuntimeError as exc:
         if isinstance(exc.__cause__, KeyboardInterrupt):  # duckdb's "Query interrupted" on Ctrl-C
             raise KeyboardInterrupt from None
         raise
-    except duckdb.Error as exc:
+    except duckdb_error as exc:
         # duckdb's delta extension quotes a refused request's body, in which AWS echoes the
         # key id and the session token (what Tables masks in deltalake's errors)
         raise SystemExit(f"error: {store.config.redacted(_run_tables_guessed(str(exc)))}") from None
     except (OSError, DeltaError) as exc:  # the store refused the views' look at a table (masked)
         raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None
-    print("\t".join(_tsv_field(d[0]) for d in result.description))
-    kinds = [d[1] for d in result.description]
-    for row in rows:
-        print("\t".join(_tsv_field(field_text(v, kind)) for v, kind in zip(row, kinds, strict=True)))
 
 
 def _run_tables_guessed(message: str) -> str:

@@ -961,6 +961,21 @@ def test_sql_with_more_than_one_statement_is_an_error_not_the_last_ones_rows(loc
     assert (one.returncode, one.stdout) == (0, "n\n1\n"), one.stderr
 
 
+def test_sql_prints_the_rows_it_has_before_the_query_ends_and_a_late_error_in_one_line(local_store):
+    """The whole result was fetched before its first row was printed: a query over a run's
+    trajectory text held all of it in memory, and ``| head`` waited for the end. Rows are
+    printed a batch at a time now, so a query that fails after its first rows (here at the
+    300,000th, far past duckdb's look-ahead) prints those, then its error in one line."""
+    Tables(local_store).append("trajectories", [trajectory_row("arith", 0, 1.0, "ok")])
+    run = ("--root", local_store.config.root, "--run-id", local_store.run_id)
+    late = "SELECT CASE WHEN i < 300000 THEN i ELSE error('late failure') END AS i FROM range(300001) t(i)"
+    result = treadle("sql", *run, late)
+    assert result.returncode == 1
+    assert result.stdout.startswith("i\n0\n1\n2\n"), result.stdout[:100]
+    assert result.stderr.startswith("error: ") and "late failure" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.parametrize("missing", ["duckdb", "duckdb_extension_delta"])
 def test_sql_without_duckdb_installed_says_which_extra_to_install(local_store, monkeypatch, missing):
     """duckdb is in the ``sql`` extra: a plain install answers ``treadle sql`` with what to
