@@ -415,6 +415,8 @@ def _sql(args) -> None:
 
 SQL_BATCH_ROWS = 10_000
 """Rows ``treadle sql`` fetches from duckdb at a time."""
+STREAM_FAILED = "Attempting to execute an unsuccessful or closed pending query result\nError: "
+"""What duckdb puts before the error of a query that failed after its first rows were fetched."""
 
 
 @contextlib.contextmanager
@@ -430,9 +432,11 @@ def _query_errors(store, duckdb_error: type[Exception]) -> Iterator[None]:
             raise KeyboardInterrupt from None
         raise
     except duckdb_error as exc:
+        # an error raised while a later batch is fetched comes after a line of duckdb's own
+        message = str(exc).rpartition(STREAM_FAILED)[2]
         # duckdb's delta extension quotes a refused request's body, in which AWS echoes the
         # key id and the session token (what Tables masks in deltalake's errors)
-        raise SystemExit(f"error: {store.config.redacted(_run_tables_guessed(str(exc)))}") from None
+        raise SystemExit(f"error: {store.config.redacted(_run_tables_guessed(message))}") from None
     except (OSError, DeltaError) as exc:  # the store refused the views' look at a table (masked)
         raise SystemExit(f"error: cannot read the run at {store.uri}: {one_line(exc)}") from None
 
