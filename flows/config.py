@@ -127,8 +127,8 @@ class EvalConfig(BaseModel):
     )
     seed: int = Field(
         1234,
-        description="Seed of the eval task set and of its sampling (rollout i samples with seed "
-        "seed * SEED_STRIDE + i, as an orchestrator's do).",
+        description="Seed of the eval task set and of its sampling (an env's rollout i samples with seed "
+        "seed * SEED_STRIDE + i, as an orchestrator's do, whatever the other envs evaluated).",
     )
 
 

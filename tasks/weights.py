@@ -375,7 +375,7 @@ def evaluate_weights(
 ) -> EvalResult:
     """Reward of weight ``version`` (when None, the newest that verifies, as a rollout worker
     serves: ``WeightStore.load_newest``) on :func:`eval_tasks` of ``split`` of every env in
-    the mix, rollout ``i`` sampling with seed ``eval.seed * SEED_STRIDE + i``, recorded
+    the mix, an env's rollout ``i`` sampling with seed ``eval.seed * SEED_STRIDE + i``, recorded
     nowhere (``train``: how well the policy does on the problems it trains on, beside the
     held-out ones). ``tasks``: those of each env to run instead (``split`` then unused)."""
     if tasks is None:
