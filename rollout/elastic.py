@@ -445,6 +445,8 @@ class ElasticController:
                 moves.append(self._move(self.units[name], "rollout", now, reason))
         if trainer_saturated and not moves:
             free = sum(cfg.sessions_per_replica - u.live_sessions for u in rollout)
+            if cfg.migrate_at_turns:  # the sessions of earlier drains, not yet moved, take free slots too
+                free -= sum(u.live_sessions for u in draining)
             accepting = len(rollout)
             for unit in self._drain_order(rollout, now):
                 # migrating sessions take free slots elsewhere: the whole replica's slots are lost

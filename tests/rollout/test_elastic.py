@@ -861,3 +861,15 @@ def test_a_session_length_that_is_no_number_is_refused_and_changes_nothing():
         model.record(length)
     assert model.ordered == [1.0, 2.0, 3.0]
     assert model.ends_within(1.0, 1.0) == 0.5
+
+
+def test_a_drain_counts_the_slots_the_sessions_still_on_earlier_drains_will_take():
+    # r0 drains (its 2 sessions will move); at the next decision, before they have moved,
+    # r1 and r2 have 12 free slots but r0's 2 migrants take 2 of them: draining r1 would leave
+    # r2 2 free after the migrants of both, below the 4 of headroom
+    ctl = ElasticController.create(["r0", "r1", "r2"], ["t0"], ElasticConfig(cooldown_s=0))
+    for name in ("r0", "r1", "r2"):
+        live(ctl, name, 2)
+    assert [(m.unit, m.target) for m in ctl.step(BEHIND, now=0.0)] == [("r0", "draining")]
+    assert ctl.step(BEHIND, now=1.0) == []
+    assert ctl.units_in("rollout") == ["r1", "r2"]
