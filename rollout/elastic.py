@@ -149,7 +149,7 @@ class PolicyInputs:
         if cost is not None and not 0 <= cost < math.inf:
             raise ValueError(f"train_unit_s_per_trajectory must be finite and >= 0, got {cost}")
         counts = (self.unconsumed_shards, self.engine_queue_depth, self.unconsumed_trajectories or 0)
-        if min(counts) < 0:
+        if not all(count >= 0 for count in counts):  # a NaN count is neither dry nor saturated either
             raise ValueError(f"queue counts must be >= 0, got {self}")
 
 

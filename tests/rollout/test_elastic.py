@@ -673,6 +673,8 @@ def test_a_saturated_trainer_does_not_drain_what_queued_sessions_would_cancel():
         {"trainer_idle": 1.5},
         {"train_unit_s_per_trajectory": float("inf")},
         {"engine_queue_depth": -1},
+        {"engine_queue_depth": float("nan")},
+        {"unconsumed_shards": float("nan")},
     ],
 )
 def test_policy_inputs_refuse_values_no_decision_can_use(bad):
