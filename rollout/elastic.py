@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections import deque
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -444,22 +444,31 @@ class ElasticController:
             for name in order[: max(lendable, 0)]:
                 moves.append(self._move(self.units[name], "rollout", now, reason))
         if trainer_saturated and not moves:
-            free = sum(cfg.sessions_per_replica - u.live_sessions for u in rollout)
+            # free slots by pool: a replica's sessions move only within its pool
+            free: Counter[str | None] = Counter()
+            for unit in rollout:
+                free[self._pool(unit)] += cfg.sessions_per_replica - unit.live_sessions
             if cfg.migrate_at_turns:  # the sessions of earlier drains, not yet moved, take free slots too
-                free -= sum(u.live_sessions for u in draining)
+                for unit in draining:
+                    free[self._pool(unit)] -= unit.live_sessions
             accepting = len(rollout)
+            full: set[str | None] = set()
             for unit in self._drain_order(rollout, now):
+                pool = self._pool(unit)
                 # migrating sessions take free slots elsewhere: the whole replica's slots are lost
                 lost = cfg.sessions_per_replica - (0 if cfg.migrate_at_turns else unit.live_sessions)
                 if len(moves) == cfg.max_moves_per_step or accepting <= cfg.min_rollout:
                     break
+                if pool in full:
+                    continue
                 # with sessions queued the next decision would cancel a drain for spare slots
-                spare = wanted == 0 and free - lost >= cfg.headroom_slots
+                spare = wanted == 0 and free[pool] - lost >= cfg.headroom_slots
                 over_target = target is not None and accepting > target
                 if not (spare or over_target):
-                    break
+                    full.add(pool)
+                    continue
                 reason = "spare replica" if spare else "rollout above its balanced share"
-                free -= lost
+                free[pool] -= lost
                 accepting -= 1
                 moves.append(self._lend(unit, now, f"trainer saturated, {reason}"))
         return moves
@@ -488,6 +497,10 @@ class ElasticController:
     def _drain_order(self, rollout: list[Unit], now: float) -> list[Unit]:
         """Accepting replicas in the order they are drained: the fewest live sessions first."""
         return sorted(rollout, key=lambda u: u.live_sessions)
+
+    def _pool(self, unit: Unit) -> str | None:
+        """The pool of replicas among which ``unit``'s sessions move (``None``: all are one pool)."""
+        return None
 
     def balanced_rollout_units(self, rate: float, train_unit_s: float | None) -> int | None:
         """Rollout replicas at which rollout and training output match, from measured rates.

@@ -43,7 +43,9 @@ class ReplicaController(ElasticController):
     """An :class:`ElasticController` whose rollout units are workers' replicas: it never drains
     a worker's last accepting replica (each worker keeps its most loaded one), lends a
     replica only by draining it (its worker's confirmation hands it over, see the module
-    docstring), and hands back only replicas, never a trainer unit (no worker serves one)."""
+    docstring), keeps ``headroom_slots`` free on the drained replica's own worker (its
+    sessions move only there), and hands back only replicas, never a trainer unit (no worker
+    serves one)."""
 
     def _lend(self, unit: Unit, now: float, reason: str) -> Move:
         return self._move(unit, "draining", now, f"{reason} drains")
@@ -57,6 +59,10 @@ class ReplicaController(ElasticController):
 
     def _return_order(self, train: list[str]) -> list[str]:
         return [name for name in super()._return_order(train) if _worker_of(name) is not None]
+
+    def _pool(self, unit: Unit) -> str | None:
+        # a worker's router moves a drained replica's sessions only to that worker's replicas
+        return _worker_of(unit.name)
 
 
 class ElasticPlanner:

@@ -351,3 +351,12 @@ def test_a_restarted_worker_whose_row_count_starts_again_only_sets_where_it_star
     assert planner.controller.last_rollout_rate == 0.0
     planner.decide([worker(8, 12)], DRY, now=20.0)
     assert planner.controller.last_rollout_rate == pytest.approx(6 / 20)
+
+
+def test_a_drain_keeps_the_headroom_on_its_own_worker_whose_replicas_its_sessions_move_to():
+    # w0/r1's 2 sessions can move only to w0/r0, which is full: w1's 16 free slots are no
+    # room for them, so draining w0/r1 would leave its worker none of the 2 of headroom
+    planner = ElasticPlanner(CONFIG)
+    statuses = [status("w0", {"r0": 8, "r1": 2}), status("w1", {"r0": 0, "r1": 0})]
+    planner.decide(statuses, SATURATED, now=10.0)
+    assert roles(planner.last_plan) == (["w0/r0", "w0/r1", "w1/r0"], ["w1/r1"], [])
