@@ -349,7 +349,9 @@ def continuous_lower_bound(w: ElasticWorkload) -> float:
 def simulate_elastic(
     w: ElasticWorkload, rollout_units: int, controller: ElasticController | None = None
 ) -> ElasticRun:
-    """Run the pipeline with ``rollout_units`` rollout replicas at start; elastic if ``controller``.
+    """Run the pipeline with ``rollout_units`` rollout replicas at start; elastic if ``controller``
+    (over the workload's units ``u0``, ``u1``, ..., that many of them in rollout, with its
+    ``sessions_per_replica``).
 
     Ends when ``target_trained(w)`` trajectories are trained (a finite batch: when all are
     trained or dropped). A fixed split never drains, so its sessions never migrate.
@@ -369,6 +371,19 @@ def simulate_elastic(
         elastic = False
     else:
         elastic = True
+        if sorted(controller.units) != sorted(names):
+            raise ValueError(
+                f"the controller's units must be the workload's {names}, got {sorted(controller.units)}"
+            )
+        if len(controller.units_in("rollout")) != rollout_units:
+            raise ValueError(
+                f"the controller starts with {len(controller.units_in('rollout'))} rollout units, not {rollout_units}"
+            )
+        if controller.config.sessions_per_replica != w.sessions_per_replica:
+            raise ValueError(
+                f"the controller's sessions_per_replica ({controller.config.sessions_per_replica}) must be the "
+                f"workload's ({w.sessions_per_replica})"
+            )
     migrate = controller.config.migrate_at_turns
     role_ready: dict[str, float] = dict.fromkeys(names, 0.0)
     training: dict[str, bool] = dict.fromkeys(names, False)

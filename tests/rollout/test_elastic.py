@@ -875,3 +875,20 @@ def test_a_drain_counts_the_slots_the_sessions_still_on_earlier_drains_will_take
     assert [(m.unit, m.target) for m in ctl.step(BEHIND, now=0.0)] == [("r0", "draining")]
     assert ctl.step(BEHIND, now=1.0) == []
     assert ctl.units_in("rollout") == ["r1", "r2"]
+
+
+def test_a_simulation_refuses_a_controller_that_does_not_describe_its_workload():
+    w = ElasticWorkload(units=6, long_sessions=24, short_sessions=120, long_median_s=300, max_ahead=48)
+    names = [f"u{i}" for i in range(6)]
+    mismatched = [
+        # 3 of the 6 units: the run would have half the capacity its bounds and fixed splits have
+        (ElasticController.create(names[:2], names[2:3]), "units"),
+        (ElasticController.create(names[:2], names[2:]), "rollout"),
+        (
+            ElasticController.create(names[:3], names[3:], ElasticConfig(sessions_per_replica=2)),
+            "sessions_per_replica",
+        ),
+    ]
+    for controller, what in mismatched:
+        with pytest.raises(ValueError, match=what):
+            simulate_elastic(w, 3, controller)
