@@ -1,4 +1,5 @@
-"""The train flow killed mid-run and started again loses and repeats no processed shard."""
+"""The train flow: killed mid-run and started again, it loses and repeats no processed shard;
+run with train/nightly's parameters, it trains the backlog and publishes one version."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import time
 import pytest
 import yaml
 
+import flows.train
+from flows.config import RunConfig
 from storage.schema import PROCESSED_SCHEMA, to_table
 from storage.shards import ShardWriter
 from storage.weights import WeightStore
@@ -121,3 +124,35 @@ def kill_group(process: subprocess.Popen) -> None:
         os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=30)
     process.stderr.close()
+
+
+def test_the_nightly_deployments_parameters_train_the_backlog_and_publish_one_version(tmp_path):
+    (nightly,) = [
+        d
+        for d in yaml.safe_load((REPO / "deployments" / "prefect.yaml").read_text())["deployments"]
+        if d["entrypoint"] == "flows.train:train" and d["name"] == "nightly"
+    ]
+    parameters = nightly["parameters"]
+    # the deployment's run, on this machine's CPU and in a folder of the test's own; a stop
+    # minutes away rather than its hour, should it not drain
+    here = {
+        "storage": {"root": str(tmp_path / "runs")},
+        "trainer_device": "cpu",
+        "warm_start": {"enabled": False},
+        "stop": {"max_seconds": 120},
+    }
+    config = RunConfig.model_validate(parameters["config"] | here)
+    store = run_store(config)
+    build_base_version(config)
+    writer = ShardWriter(store, "proc", kind="processed", schema=PROCESSED_SCHEMA)
+    shards = {
+        writer.commit(processed_table(index * 40, 40, config.model.tiny.vocab_size), index).shard_id
+        for index in range(6)
+    }
+
+    result = flows.train.train(config, drain=parameters["drain"])
+
+    assert (result["stop_reason"], result["versions"]) == ("drained", [1])
+    assert result["steps"] > 1, "the backlog fits one step: one version per step would pass too"
+    assert WeightStore(store).list() == [0, 1]
+    assert set(WeightStore(store).manifest(1)["metadata"]["consumed_shards"]) == shards
