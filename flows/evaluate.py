@@ -37,7 +37,9 @@ def _run_name() -> str:
 
 @flow(name="evaluate", flow_run_name=_run_name, log_prints=True)
 def evaluate(
-    config: RunConfig = RunConfig(), version: Annotated[int, Field(ge=0)] | None = None
+    config: RunConfig = RunConfig(),
+    # strict: pydantic's lax mode read true as version 1 (the server's schema refuses it)
+    version: Annotated[int, Field(ge=0, strict=True)] | None = None,
 ) -> dict[str, Any]:
     """Held-out reward of a weight version on every env of the mix.
 

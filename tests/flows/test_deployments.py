@@ -315,3 +315,19 @@ def test_a_rollout_deployment_cancelled_through_the_api_ends_cancelled_with_ever
         0,
     )
     assert committed == final.finished > 0
+
+
+def test_a_boolean_for_the_evaluate_flows_version_is_refused_as_the_servers_schema_refuses_it():
+    from prefect.exceptions import ParameterTypeError
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools import ValidationError, validate
+
+    import flows.evaluate
+
+    evaluate = flows.evaluate.evaluate
+    with pytest.raises(ValidationError):  # a deployment's run: refused by the server
+        validate({"version": True}, parameter_schema(evaluate).model_dump(), raise_on_error=True)
+    # called from Python, pydantic's lax mode read true as version 1 and evaluated it
+    with pytest.raises(ParameterTypeError, match="version"):
+        evaluate.validate_parameters({"version": True})
+    assert evaluate.validate_parameters({"version": 3})["version"] == 3
