@@ -157,13 +157,34 @@ def same_calls(seen: Any, sent: Any) -> bool:
     may re-serialise the JSON string, or drop the ids). Any shape a client sent is compared,
     never raises."""
     seen, sent = seen or [], sent or []
-    if seen == sent:
+    if _same_json(seen, sent):
         return True
     if not isinstance(seen, list) or not isinstance(sent, list) or len(seen) != len(sent):
         return False
     for ours, theirs in zip(seen, sent, strict=True):
-        key = _call_key(ours)
-        if key is None or key != _call_key(theirs):
+        key, other = _call_key(ours), _call_key(theirs)
+        if key is None or other is None or not _same_json(key, other):
+            return False
+    return True
+
+
+def _same_json(a: Any, b: Any) -> bool:
+    """Whether two JSON-like values are equal, a boolean equal only to the same boolean
+    (Python's ``True == 1`` would take ``true`` resent as ``1`` for the same argument) and a
+    number to an equal number (``1.0`` re-serialised as ``1``). Iterative: any depth a client
+    sent is compared without a RecursionError."""
+    pending = [(a, b)]
+    while pending:
+        x, y = pending.pop()
+        if isinstance(x, Mapping) and isinstance(y, Mapping):
+            if x.keys() != y.keys():
+                return False
+            pending += [(x[key], y[key]) for key in x]
+        elif isinstance(x, (list, tuple)) and isinstance(y, (list, tuple)):
+            if len(x) != len(y):
+                return False
+            pending += zip(x, y, strict=True)
+        elif isinstance(x, bool) != isinstance(y, bool) or x != y:
             return False
     return True
 

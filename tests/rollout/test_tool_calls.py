@@ -152,6 +152,24 @@ def test_a_resent_call_matches_by_function_and_argument_values():
     assert same_calls(None, None) and same_calls(None, [])
 
 
+def test_a_resent_call_whose_booleans_became_numbers_differs():
+    """Python's ``True == 1`` made ``{"verbose": true}`` resent as ``{"verbose": 1}`` (and
+    ``false`` as ``0``, at any depth) count as the call the session holds, so a changed
+    history was taken as unchanged; a number re-serialised (``1.0`` as ``1``) still matches."""
+    ours = tool_call_message(
+        '<tool_call>{"name": "f", "arguments": {"verbose": true, "n": [false, 1.0]}}</tool_call>', "hermes"
+    )["tool_calls"]
+
+    def resent(arguments: str) -> list[dict]:
+        return [{"function": {"name": "f", "arguments": arguments}}]
+
+    assert same_calls(ours, resent('{"verbose":true,"n":[false,1]}'))
+    assert not same_calls(ours, resent('{"verbose": 1, "n": [false, 1.0]}'))
+    assert not same_calls(ours, resent('{"verbose": true, "n": [0, 1.0]}'))
+    assert not same_calls(ours, resent('{"verbose": true, "n": [false, true]}'))
+    assert not same_calls(ours, [{"function": {"name": "f", "arguments": {"verbose": 1.0, "n": [0, 1]}}}])
+
+
 def test_a_clients_own_calls_resent_as_they_were_sent_match_and_odd_shapes_never_raise():
     """A session's history also holds the assistant messages a client wrote itself, in any
     shape the chat template rendered: resent as sent they match (they raised TypeError or
