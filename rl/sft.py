@@ -113,6 +113,13 @@ def supervised_warm_start(
             raise ValueError(
                 f"demonstration {index} has {len(tokens)} tokens but {len(mask)} loss-mask entries"
             )
+    # position 0 is never trained (nothing predicts it): with no other token masked in, every
+    # loss is 0 and the policy would be published as warm-started without having learned
+    if not any(any(mask[1:]) for mask in masks):
+        raise ValueError(
+            f"no demonstration has a token to train: the loss masks of all {len(masks)} are false "
+            "on every token after the first"
+        )
     generator = torch.Generator().manual_seed(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     device = next(model.parameters()).device

@@ -131,3 +131,18 @@ def test_an_empty_demonstration_is_refused_naming_it():
     with pytest.raises(ValueError, match="demonstration 1 has no tokens"):
         supervised_warm_start(model, [[5, 6, 7], []], [[False, True, True], []], 0, SFTConfig(batch_size=1))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_demonstrations_whose_masks_train_no_token_are_refused():
+    """Loss masks false everywhere (or true only on position 0, which nothing predicts) gave a
+    loss of 0 at every step: the warm start reported 0.000 → 0.000 and the policy was published
+    as warm-started without having learned anything."""
+    model, _ = build_tiny_model(SMALL)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    sequences = [[5, 6, 7], [5, 6, 7, 8]]
+    masks = [[True, False, False], [False] * 4]
+    with pytest.raises(ValueError, match="no demonstration has a token to train"):
+        supervised_warm_start(model, sequences, masks, 0, SFTConfig(max_steps=2))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    masks[1][3] = True
+    assert len(supervised_warm_start(model, sequences, masks, 0, SFTConfig(max_steps=2))) == 2
