@@ -32,15 +32,47 @@ SIGNED_REQUEST = re.compile(
 """What makes a presigned S3 URL a credential until it expires (its query's key id, session
 token and signature), and a signed request's session token header."""
 
+_SECRET_ENV_NAME = (
+    r"(?:[A-Z0-9]+_)*(?:SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIALS|API_KEY|ACCESS_KEY|SECRET_KEY|PRIVATE_KEY)"
+)
+_SECRET_SETTING_NAME = (
+    r"(?i:aws_secret_access_key|aws_session_token|access_token|refresh_token|client_secret|api_key"
+    r"|password)"
+)
+SECRET_SETTING = re.compile(
+    rf"(?P<name>(?<![\w.-])(?:(?P<quote>['\"])(?:{_SECRET_ENV_NAME}|{_SECRET_SETTING_NAME})(?P=quote)[ \t]*[:=]"
+    rf"|{_SECRET_ENV_NAME}[ \t]*=|(?m:^)[ \t]*{_SECRET_ENV_NAME}[ \t]*:|{_SECRET_SETTING_NAME}[ \t]*=)[ \t]*)"
+    r"(?:(?P<open>['\"])[^\n]*?(?P=open)|(?P<unclosed>['\"]?)[^\s'\"&,;]+)"
+)
+"""A secret's value where a name says what it is: an environment's (``AWS_SECRET_ACCESS_KEY=…``,
+``'HF_TOKEN': '…'`` in a dump of ``os.environ``, ``GITHUB_TOKEN: …`` opening a line), a
+credentials file's or a URL query's setting (``aws_session_token = …``, ``?access_token=…``).
+Lower-case names are only these settings' (``eos_token=</s>``, ``max_tokens=100`` are no
+secrets), and a name followed by ``:`` is a setting only quoted or opening a line (``wrong
+password: try again``, ``variable HF_TOKEN: not set`` are none)."""
+
+AUTHORIZATION = re.compile(r"(?P<name>\bauthorization['\"]?[ \t]*[:=][ \t]*['\"]?)[^'\"\n]+", re.IGNORECASE)
+"""An ``Authorization`` header's value, whatever its scheme (``Bearer``, ``Basic``, ``token``,
+an AWS signature), up to its quote or the line's end."""
+
 
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     """``text`` with each of ``secrets`` masked wherever it appears (the longest first: one
     that holds another is masked whole), the elements of an S3 error body that echo
     credentials (:data:`ECHOED_CREDENTIALS`), a URL's user info (:data:`URL_USER_INFO`), a
-    presigned URL's credentials (:data:`SIGNED_REQUEST`) and any AWS key id (:data:`AWS_KEY_ID`)."""
+    presigned URL's credentials (:data:`SIGNED_REQUEST`), a named secret's value
+    (:data:`SECRET_SETTING`), an ``Authorization`` header's (:data:`AUTHORIZATION`) and any
+    AWS key id (:data:`AWS_KEY_ID`)."""
     for value in sorted(filter(None, secrets), key=len, reverse=True):
         text = text.replace(value, MASKED)
     text = ECHOED_CREDENTIALS.sub(rf"\g<open>{MASKED}\g<close>", text)
     text = URL_USER_INFO.sub(rf"\g<scheme>{MASKED}@", text)
     text = SIGNED_REQUEST.sub(rf"\g<name>{MASKED}", text)
+    text = SECRET_SETTING.sub(_masked_setting, text)
+    text = AUTHORIZATION.sub(rf"\g<name>{MASKED}", text)
     return AWS_KEY_ID.sub(MASKED, text)
+
+
+def _masked_setting(match: re.Match[str]) -> str:
+    quote = match["open"] or ""
+    return f"{match['name']}{quote or match['unclosed']}{MASKED}{quote}"

@@ -51,3 +51,56 @@ def test_the_credentials_of_a_presigned_url_and_of_a_signed_request_are_masked()
         f"&X-Amz-SignedHeaders=host&X-Amz-Security-Token={MASKED}&X-Amz-Signature={MASKED}'\n"
         f"x-amz-security-token: {MASKED}"
     )
+
+
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        (
+            "env: AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY HF_TOKEN=hf_abc PATH=/bin",
+            f"env: AWS_SECRET_ACCESS_KEY={MASKED} HF_TOKEN={MASKED} PATH=/bin",
+        ),
+        (
+            "environ({'OPENAI_API_KEY': 'sk-abc def', 'HOME': '/root', 'DB_PASSWORD': \"p'w\"})",
+            f"environ({{'OPENAI_API_KEY': '{MASKED}', 'HOME': '/root', 'DB_PASSWORD': \"{MASKED}\"}})",
+        ),
+        ("  GITHUB_TOKEN: ghp_abc\n  LANG: C", f"  GITHUB_TOKEN: {MASKED}\n  LANG: C"),
+        # an empty value masks nothing of the next line
+        ("HF_TOKEN=\nHOME=/root\nAPI_TOKEN=x", f"HF_TOKEN=\nHOME=/root\nAPI_TOKEN={MASKED}"),
+        # a dump cut short inside a quoted value (an error message truncated to its first bytes)
+        (
+            "environ({'HOME': '/root', 'HF_TOKEN': 'hf_abcdefgh",
+            f"environ({{'HOME': '/root', 'HF_TOKEN': '{MASKED}",
+        ),
+        (
+            "[default]\naws_secret_access_key = wJalr/K7MDENG\naws_session_token=IQoJb3JpZ2lu\nregion = us-east-1",
+            f"[default]\naws_secret_access_key = {MASKED}\naws_session_token={MASKED}\nregion = us-east-1",
+        ),
+        (
+            "401 for url 'https://api.example.com/v1?access_token=abc123&page=2'",
+            f"401 for url 'https://api.example.com/v1?access_token={MASKED}&page=2'",
+        ),
+        (
+            '{"client_secret": "s3cr3t", "client_id": "app"}',
+            f'{{"client_secret": "{MASKED}", "client_id": "app"}}',
+        ),
+        (
+            "curl -H 'Authorization: Bearer eyJhbGciOiJIUzI1NiJ9.e30.sig' https://x",
+            f"curl -H 'Authorization: {MASKED}' https://x",
+        ),
+        ("headers={'authorization': 'token ghp_abc'}", f"headers={{'authorization': '{MASKED}'}}"),
+    ],
+)
+def test_a_secret_in_an_environment_dump_a_setting_or_a_header_is_masked(text, masked):
+    """An env's tool that failed printing its environment (or a config file, a request's
+    headers) put the S3 secret key, API keys and tokens into a rollout's ``error`` as they were:
+    only URL user info, presigned URLs' parameters and AWS key ids were masked."""
+    assert redact(text) == masked
+
+
+def test_settings_that_only_look_secret_are_kept():
+    text = (
+        "eos_token=</s> pad_token: <pad> max_tokens=100 MAX_TOKENS=512 TOKENIZERS_PARALLELISM=false "
+        "wrong password: try again; the token: expired; Bearer token rejected; variable HF_TOKEN: not set"
+    )
+    assert redact(text) == text
