@@ -31,6 +31,7 @@ class RunQuota:
 
     def __init__(self, store: RunStore, name: str, limit: int):
         self.store = store
+        self.name = name
         self.folder = store.path("quota", name)
         self.limit = limit
         self._seen: tuple[int, int] | None = None
@@ -85,7 +86,7 @@ class RunQuota:
 
     def _read(self, index: int) -> int:
         """The total link ``index`` holds (``FileNotFoundError`` when there is none yet)."""
-        return int(json.loads(self.store.fs.cat_file(self._path(index)))["total"])
+        return self._parsed(index)["total"]
 
     def _link(self, index: int, total: int) -> bool:
         """Create link ``index`` holding ``total``; False when another claimant made it first."""
@@ -110,9 +111,26 @@ class RunQuota:
     def _made(self, index: int, mark: str) -> bool:
         """Whether link ``index`` is the one the create marked ``mark`` made (``FileNotFoundError``
         when there is none)."""
-        link = json.loads(self.store.fs.cat_file(self._path(index)))
-        self._seen = index, int(link["total"])
+        link = self._parsed(index)
+        self._seen = index, link["total"]
         return link.get("mark") == mark
+
+    def _parsed(self, index: int) -> dict:
+        """Link ``index``'s object (``FileNotFoundError`` when there is none yet); ``ValueError``
+        naming it when it is no link, which no claim can go past: its total is the chain's."""
+        payload = self.store.fs.cat_file(self._path(index))
+        try:
+            link = json.loads(payload)
+        except ValueError:
+            link = None
+        total = link.get("total") if isinstance(link, dict) else None
+        if type(total) is not int or total < 0:
+            raise ValueError(
+                f"quota link {self.store.url('quota', self.name, f'{index:08d}')} "
+                f"({len(payload)} bytes) is not a JSON object with a count 'total' >= 0: no claim on "
+                "the quota can go past it until it holds the total claimed by then again ('{\"total\": N}')"
+            )
+        return link
 
     def _path(self, index: int) -> str:
         return posixpath.join(self.folder, f"{index:08d}")

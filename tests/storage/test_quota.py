@@ -155,3 +155,19 @@ def test_a_local_link_is_on_disk_before_its_claim_returns(local_store, monkeypat
     folder = os.stat(quota.folder)
     assert (link.st_dev, link.st_ino) in synced
     assert (folder.st_dev, folder.st_ino) in synced
+
+
+@pytest.mark.parametrize(
+    "payload", [b"", b"\x00garbage", b"[4]", b'{"mark": "m"}', b'{"total": "4"}', b'{"total": -1}']
+)
+def test_a_link_that_does_not_parse_is_named_in_the_error(local_store, payload):
+    """A link damaged by hand or by a broken copy of the run's storage failed every claim with
+    a bare JSONDecodeError, KeyError or TypeError that named no file (a string total was even
+    taken as a number)."""
+    quota = RunQuota(local_store, "rollouts", 10)
+    assert quota.claim(2) == 2
+    with open(quota._path(1), "wb") as link:
+        link.write(payload)
+    for read in (RunQuota(local_store, "rollouts", 10).claim, quota.claim, quota.release):
+        with pytest.raises(ValueError, match=r"quota link .*rollouts/00000001 \(\d+ bytes\) is not"):
+            read(1)
