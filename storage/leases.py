@@ -124,6 +124,13 @@ class SlotLease:
                 if held_by != self.holder:
                     raise
                 break
+            except Exception:
+                # one that got no reply at all may have made it: raised, the take would leave it
+                # held by no one, every take refused until it lapsed
+                with contextlib.suppress(Exception):
+                    if self.store.fs.cat_file(path) == self.holder:
+                        break
+                raise
         self.held.append(path)
 
     def _forget_before(self, slot: int) -> None:
