@@ -29,6 +29,7 @@ deployment) reads what was committed since, not the whole log.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import posixpath
@@ -159,9 +160,14 @@ def _replace(store: RunStore, root: str, name: str, payload: bytes) -> None:
     os.makedirs(root, exist_ok=True)
     # no fsync: an object lost in a crash is replaced seconds later or goes stale
     temp = posixpath.join(root, f".{name}.tmp-{uuid.uuid4().hex}")
-    with open(temp, "wb") as handle:
-        handle.write(payload)
-    os.replace(temp, path)
+    try:
+        with open(temp, "wb") as handle:
+            handle.write(payload)
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
 
 
 def _problems(exc: ValidationError) -> str:

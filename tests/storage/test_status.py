@@ -392,3 +392,22 @@ def test_a_dead_workers_fresh_status_is_waited_out_and_a_live_one_refused(store,
         pytest.raises(InUse, match="rollout worker name 'w0' is in use: a running process .*; rename it"),
     ):
         free_name(board, max_age_s=30, poll_s=0.2)
+
+
+def test_a_status_write_that_fails_leaves_no_temp_file(local_store, monkeypatch):
+    """A publish that failed (a full disk) left its hidden temp file: a worker publishing every
+    few seconds on a full disk added one each time, never deleted."""
+    board = RolloutStatusBoard(local_store)
+    board.publish(status("w0", depth=1))
+
+    def disk_full(src, dst):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr("os.replace", disk_full)
+    for depth in range(3):
+        with pytest.raises(OSError, match="No space left"):
+            board.publish(status("w0", depth=depth))
+    monkeypatch.undo()
+    assert local_store.fs.ls(local_store.path(ROLLOUT_STATUS_PREFIX), detail=False) == [
+        local_store.path(ROLLOUT_STATUS_PREFIX, "w0.json")
+    ]
