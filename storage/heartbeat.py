@@ -26,7 +26,7 @@ class Heartbeat:
             try:
                 beat()
             except Exception as exc:  # a storage hiccup: the next beat replaces this one
-                log.warning("%s failed: %s", what, exc)
+                log.warning("%s failed: %s", what, str(exc) or type(exc).__name__)
 
     def stop(self) -> None:
         """Stop beating; once this returns no beat runs any more (stopping again does nothing)."""

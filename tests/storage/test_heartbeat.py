@@ -50,3 +50,19 @@ def test_stop_waits_for_a_running_beat_and_no_beat_follows():
     time.sleep(0.2)  # twenty periods
     assert len(calls) == count == 1
     heartbeat.stop()  # stopping again does nothing
+
+
+def test_a_beat_failing_with_an_empty_message_says_what_failed(caplog):
+    """A beat that timed out with a bare ``TimeoutError()`` logged "… failed: " and nothing
+    after it."""
+    calls = []
+
+    def beat() -> None:
+        calls.append(1)
+        raise TimeoutError()
+
+    with caplog.at_level(logging.WARNING, logger="storage.heartbeat"):
+        heartbeat = Heartbeat(beat, every_s=0.01, what="claim renewal")
+        wait_until(lambda: len(calls) >= 1)
+        heartbeat.stop()
+    assert caplog.records[0].getMessage() == "claim renewal failed: TimeoutError"
