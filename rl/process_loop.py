@@ -138,6 +138,7 @@ class ShardProcessor:
             try:
                 self.save()
             except Exception as exc:  # a restart then re-checks a little more of the log
+                self._saved_at = time.monotonic()  # tried again a save interval later, not every poll
                 log.warning("could not save the process offset %d: %s", self.offset, exc)
         return processed
 

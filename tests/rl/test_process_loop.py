@@ -379,3 +379,24 @@ def test_a_run_begun_before_the_record_had_error_processes_on_with_the_reasons_o
     twins = {shard.worker: reader.read(shard) for shard in reader.poll()[0]}
     assert twins["w9"].column("error").to_pylist() == [None, None]
     assert twins["w0"].column("trajectory_id").to_pylist() == ["t0"]  # an env_error is never trained on
+
+
+def test_an_offset_save_that_fails_is_tried_again_a_save_interval_later_not_at_every_poll(
+    local_store, monkeypatch, caplog
+):
+    """A store refusing the offset (an S3 outage, a status folder made read-only) is not
+    asked again at each poll, twice a second while idle, with a warning each time: the next
+    attempt waits ``SAVE_EVERY_S`` as a save that landed does."""
+    commit_raw_shards(local_store, range(1))
+    attempts = []
+
+    def refused(self, offset):
+        attempts.append(offset)
+        raise OSError("status folder is read-only")
+
+    monkeypatch.setattr(ProcessOffsetBoard, "publish", refused)
+    processor = ShardProcessor(local_store)
+    for _ in range(5):
+        processor.poll()
+    assert len(attempts) == 1
+    assert len([r for r in caplog.records if "could not save the process offset" in r.getMessage()]) == 1
