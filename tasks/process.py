@@ -75,11 +75,15 @@ def shard_processor(
     )
 
 
+COUNTS = ("shards", "trajectories_in", "trajectories_out", "tokens_in", "train_tokens_out")
+"""What every summary counts, at zero when no shard was processed."""
+
+
 class ProcessTotals:
     """Running totals over processed shards (a long run keeps these, not every outcome)."""
 
     def __init__(self) -> None:
-        self.totals: Counter = Counter()
+        self.totals: Counter = Counter(dict.fromkeys(COUNTS, 0))
         self.dropped: Counter = Counter()
 
     def add(self, outcomes: list[ProcessedShard]) -> ProcessTotals:

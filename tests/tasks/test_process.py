@@ -240,6 +240,22 @@ def test_a_pass_sums_up_its_shards_drops_and_skips(tmp_path):
     assert summary["dropped"] == {"duplicate": 1}
 
 
+def test_a_pass_with_nothing_pending_reports_zero_counts(tmp_path):
+    """A pass over no new shard (an event-triggered pass whose shard an earlier pass took)
+    reports the same counts as any other, at zero, rather than a summary without them."""
+    config = tiny_config(tmp_path / "runs", "nothing-pending")
+    ensure_base_version(WeightStore(run_store(config)), TINY)
+    summary = process_pending.fn(config)
+    assert summary == {
+        "shards": 0,
+        "trajectories_in": 0,
+        "trajectories_out": 0,
+        "tokens_in": 0,
+        "train_tokens_out": 0,
+        "dropped": {},
+    }
+
+
 def test_a_processor_whose_shard_reports_fail_processes_on_and_says_so(tmp_path, caplog):
     """The Prefect API away for a moment fails the event of a processed shard, not the shard."""
     config = tiny_config(tmp_path / "runs", "reports-fail")
