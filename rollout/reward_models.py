@@ -92,14 +92,17 @@ class RewardModels:
     def input_ids(self, name: str, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """The tokens reward model ``name`` reads for a conversation: its last ``max_tokens``,
         or fewer where the model has fewer positions (``max_position_embeddings``), after the
-        leading [CLS] of an encoder (BERT, RoBERTa), which classifies from its state."""
+        leading [CLS] of an encoder (BERT, RoBERTa), which classifies from its state, or the
+        leading BOS of a decoder (Llama 3's, Gemma's templates), which began every text it
+        learned on."""
         self.check(name)
         tokenizer = self.tokenizers[name]
         ids = _render(tokenizer, messages)
         limit = self.max_tokens[name]
         if len(ids) <= limit:
             return ids
-        head = ids[:1] if tokenizer.cls_token_id is not None and ids[0] == tokenizer.cls_token_id else []
+        leading = {tokenizer.cls_token_id, tokenizer.bos_token_id} - {None}
+        head = ids[:1] if ids[0] in leading else []
         return head + ids[len(ids) - limit + len(head) :]
 
     async def score(

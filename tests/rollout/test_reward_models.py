@@ -532,6 +532,34 @@ def test_an_encoder_checkpoint_cut_to_its_positions_keeps_the_cls_token_it_class
     assert_reads_and_scores(tmp_path, messages, [tokenizer.cls_token_id, *full[-15:]])
 
 
+def test_a_decoder_checkpoint_cut_to_its_last_tokens_keeps_the_bos_its_template_starts_with(tiny, tmp_path):
+    """Llama 3's, Gemma's and Mistral's chat templates (those of their reward models, Skywork's
+    among them) start with the BOS, which the model has seen first in every text it learned on:
+    a conversation cut to its last tokens lost it, and was scored without it, silently."""
+    tiny[1].save_pretrained(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)  # a copy: the module's stays as it is
+    tokenizer.chat_template = "{{ bos_token }}" + tokenizer.chat_template
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=16,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(6)
+    LlamaForSequenceClassification(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "guess " + " ".join(map(str, range(3, 15)))}, MESSAGES[1]]
+    full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    assert len(full) > 16 and full[0] == tokenizer.bos_token_id
+    assert_reads_and_scores(tmp_path, messages, [tokenizer.bos_token_id, *full[-15:]])
+
+
 def test_a_causal_lm_given_as_a_reward_model_is_refused_naming_the_head_it_lacks(tiny, tmp_path):
     """A policy checkpoint (no score head) loaded as a reward model got a head initialised at
     random, with a log line: every rollout of its env was scored by noise."""
