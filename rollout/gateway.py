@@ -524,6 +524,10 @@ class Session:
     max_turns: int | None = None
     """Most turns the session may generate (a self-driving env's program's model calls, which
     the rollout service bounds as it bounds the turns it drives); None: no limit."""
+    seed: int | None = None
+    """The rollout's sampling seed (the rollout service's request's): a model call over HTTP that
+    sends no seed samples with it hashed with the session's length, so a self-driving env's
+    rollout is reproducible from it; None: such calls are unseeded."""
     _pending: list[dict[str, Any]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     _generating: asyncio.Future | None = None

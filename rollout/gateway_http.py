@@ -43,7 +43,10 @@ of its first request, as it keeps its tools: its prompt holds what they rendered
 request that sends others (or none, after some) is refused. ``seed`` is honoured (on a
 training server a request's, on every endpoint, is first hashed with its session and the
 session's length when its turn starts: an agent program that sends one seed on every request
-would otherwise sample every rollout alike, and each turn with the same random numbers); ``n`` > 1,
+would otherwise sample every rollout alike, and each turn with the same random numbers). A request
+that sends none, on a session the rollout service opened with a seed (``Session.seed``, its
+request's), samples with that seed hashed with the session's length: a self-driving env's rollout
+is reproducible from its seed, each call sampling with its own; ``n`` > 1,
 stop strings (but the text of a token a turn stops at anyway, ``<|im_end|>`` say), a text
 completion's ``logprobs`` > 0, and a field of :data:`NEUTRAL` (``add_generation_prompt``,
 ``continue_final_message``, ``skip_special_tokens``, ``stop_token_ids``, ``min_tokens``,
@@ -886,10 +889,12 @@ def create_app(
             stop_ids=stop,
             seed=body.seed,
         )
+        # made by the turn under the session's lock: two requests waiting on one turn would
+        # otherwise hash the same length
         if sampling.fixed and session is not None and body.seed is not None:
-            # made by the turn under the session's lock: two requests waiting on one turn would
-            # otherwise hash the same length
             return lambda: replace(asked, seed=_session_seed(body.seed, session))
+        if session is not None and body.seed is None and session.seed is not None:
+            return lambda: replace(asked, seed=mixed_seed(session.seed, len(session.tokens)))
         return asked
 
     def openai_only(body: CompletionRequest | ChatRequest) -> None:

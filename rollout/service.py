@@ -7,7 +7,8 @@
   that drives itself (``drives_itself = True``, e.g. ``agent``) is handed its session on
   the service's own HTTP gateway (:class:`~rollout.gateway_http.GatewayServer` on
   127.0.0.1, started once per service) and RUN awaits ``env.run()`` while its program
-  calls the OpenAI endpoints, each call recorded token-exactly in the rollout's session;
+  calls the OpenAI endpoints, each call recorded token-exactly in the rollout's session (one
+  that sends no seed samples with the rollout's, hashed with the session's length);
 - EVAL scores the episode: the env's ``evaluate()``, or the reward model its config names
   (``rollout.reward_models``).
 
@@ -621,6 +622,7 @@ class RolloutService:
             if drives_itself:
                 # its program's model calls are its turns: capped as those of a driven env are
                 session.max_turns = min(self.config.max_turns, env.config.max_turns)
+                session.seed = request.seed  # of its program's calls that send none
                 server = await self.gateway_server()
                 env.attach_gateway(GatewaySession(f"{server.url}/v1", server.token, session.session_id))
                 attach_actions = getattr(env, "attach_actions", None)

@@ -1018,6 +1018,54 @@ def test_a_self_driving_program_samples_at_the_services_temperature_and_may_not_
     assert sampled == [(0.7, 1.0)]
 
 
+class UnseededProgram(SamplingProgram):
+    """Three chat calls, the first two sending no seed (as most scaffolds do), the last its own."""
+
+    asked = [{}, {}, {"seed": 5}]
+
+
+def two_turns(result: RolloutResult) -> list[int]:
+    """The tokens of the first two turns of ``result``'s record (prompts and actions)."""
+    record = result.record
+    return [token for token, turn in zip(record["tokens"], record["turn"], strict=True) if turn < 2]
+
+
+@pytest.mark.parametrize("fixed", [True, False], ids=["training", "evaluation"])
+def test_a_self_driving_programs_unseeded_calls_sample_with_seeds_of_the_rollouts_seed(tiny, fixed):
+    """A program's calls that send no seed were unseeded whatever the rollout's seed, so an
+    evaluation of a self-driving env was not reproducible from its seed. They now sample with
+    the rollout's seed hashed with the session's length: each call its own, the same for the
+    same rollout seed; unseeded for a rollout without one. A seed the program sends keeps its
+    meaning (its own in an evaluation, hashed with its session in training)."""
+
+    async def body():
+        model, tokenizer = tiny
+        engine = RecordingEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig())
+        config = ServiceConfig(scheduler="none", max_new_tokens=4, temperature=1.0)
+        service = RolloutService(gateway, lambda task: UnseededProgram(), config, fixed_sampling=fixed)
+        results = []
+        try:
+            for seed in (1, 1, 2, None):
+                results.append(await service.process(RolloutRequest(task=arith_task(), seed=seed)))
+        finally:
+            await service.close()
+            await engine.close()
+        return results, [p.seed for p in engine.params]
+
+    results, seeds = asyncio.run(body())
+    assert [r.turns for r in results] == [3] * 4, [r.error for r in results]
+    first, again, other, unseeded = (seeds[i : i + 3] for i in range(0, 12, 3))
+    assert None not in first and len(set(first)) == 3 and 5 not in first[:2]
+    assert first[:2] == again[:2] and two_turns(results[0]) == two_turns(results[1])
+    assert not set(other[:2]) & set(first[:2])
+    assert unseeded[:2] == [None, None]
+    if fixed:
+        assert 5 not in (first[2], unseeded[2])
+    else:
+        assert first[2] == again[2] == other[2] == unseeded[2] == 5
+
+
 @pytest.mark.parametrize("retried", [False, True])
 def test_an_engine_failure_a_self_driving_program_gives_up_on_is_an_infra_error(tiny, retried):
     """The program of a self-driving env sees an engine failure only as an HTTP 503: when it
