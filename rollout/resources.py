@@ -304,7 +304,8 @@ class ServiceManager:
     ) -> AsyncIterator[torch.nn.Module]:
         """The service's module on the device for the body (loaded, and others evicted, as
         needed). ``waiting()`` scopes each wait for the device (for the lock another's load
-        holds, for room or for an earlier caller): a rollout's clock books it as queue time."""
+        holds, for room or for an earlier caller, and for the service's own load): a rollout's
+        clock books it as queue time."""
         if name not in self._modules:
             raise KeyError(f"unknown service {name!r}; registered: {sorted(self._modules)}")
         turn = object()
@@ -318,8 +319,8 @@ class ServiceManager:
                         name not in self._resident and not self._make_room(self._sizes[name])
                     ):
                         await self._changed.wait()
-                if name not in self._resident:
-                    await self._load(name)
+                    if name not in self._resident:
+                        await self._load(name)
                 self._resident.move_to_end(name)
                 self._in_use[name] = self._in_use.get(name, 0) + 1
             finally:

@@ -636,3 +636,36 @@ def test_a_caller_cancelled_while_it_gives_its_service_back_leaves_it_evictable(
         assert manager.evictions == ["a"]
 
     asyncio.run(main())
+
+
+def test_a_services_load_is_inside_a_wait_for_the_device(monkeypatch):
+    """The copy onto the device (seconds for a model of gigabytes) ran outside every
+    ``waiting()`` scope, so a rollout's clock charged it to its budget as the model's own
+    work; the caller waits for it as it waits for room, and the scope now holds it."""
+    manager = ServiceManager(device="cpu", budget_bytes=SERVICE_BYTES)
+    manager.register("a", make_service(0))
+    events = []
+    real = manager._copy_in
+
+    def copy_in(*args):
+        events.append("load")
+        real(*args)
+
+    @contextlib.contextmanager
+    def waiting():
+        events.append("wait")
+        try:
+            yield
+        finally:
+            events.append("end")
+
+    monkeypatch.setattr(manager, "_copy_in", copy_in)
+
+    async def main():
+        async with manager.use("a", waiting):
+            events.append("body")
+
+    asyncio.run(main())
+    load, body = events.index("load"), events.index("body")
+    assert events[:load].count("wait") == events[:load].count("end") + 1, events
+    assert "body" not in events[:load] and events[:body].count("wait") == events[:body].count("end"), events

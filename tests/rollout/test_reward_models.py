@@ -367,6 +367,44 @@ def test_a_rollout_waiting_for_device_room_for_its_reward_model_waits_as_queue_t
     assert first.status == "timeout"  # its own forward is active time
 
 
+def test_a_rollout_whose_reward_model_loads_slowly_waits_for_the_load_as_queue_time(
+    tiny, judges, monkeypatch
+):
+    """Moving a reward model onto the device (its first call, or one evicted since for
+    another's) counted against the rollout's budget: a load longer than the time left ended an
+    episode the policy finished as a timeout, never scored. The load is queue time now, as the
+    waits for the device before it are, and the episode is scored."""
+    model, tokenizer = tiny
+    config = ServiceConfig(
+        max_new_tokens=8,
+        max_turns=1,
+        timeout_s=5,
+        reward_models={"judge-a": RewardModelConfig(path=judges["judge-a"])},
+    )
+
+    async def body():
+        engine = TorchEngine(model, tokenizer)
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig(max_context_tokens=1024))
+        service = RolloutService(gateway, judged_env, config)
+        manager = service.rewards.manager
+        copy_in = manager._copy_in
+
+        def slow_copy_in(*args):
+            time.sleep(config.timeout_s + 0.5)  # longer than the whole budget, as a large model's copy is
+            copy_in(*args)
+
+        monkeypatch.setattr(manager, "_copy_in", slow_copy_in)
+        task = registry.task_set("arith", "train", seed=0, n=1)[0]
+        try:
+            return await service.process(RolloutRequest(task=task, seed=1))
+        finally:
+            await engine.close()
+
+    result = asyncio.run(body())
+    assert result.status in ("ok", "truncated"), result.error
+    assert result.reward is not None and result.timing["queue"] >= config.timeout_s
+
+
 def test_an_env_naming_an_unconfigured_reward_model_is_a_config_error():
     with pytest.raises(
         ValueError, match=r"envs.arith.reward_model: 'judge' is not one of service.reward_models"
