@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
@@ -45,11 +46,13 @@ def mixed_seed(*parts: object) -> int:
 
 
 def _integer(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An exact integer: a Python or numpy one, never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _real(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """A real number: a Python or numpy one, never a bool (numpy's is not a number)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -90,13 +93,18 @@ class SamplingParams:
         # torch engine's thread, stopping it for every request
         if not isinstance(self.stop_ids, tuple | list):
             raise InvalidRequest(f"stop_ids must be a tuple of token ids, got {type(self.stop_ids).__name__}")
-        bad = [token for token in self.stop_ids if isinstance(token, bool) or not isinstance(token, int)]
+        bad = [token for token in self.stop_ids if not _integer(token)]
         if bad:
             raise InvalidRequest(f"stop_ids must be token ids, got {bad[0]!r}")
-        if self.seed is not None and (
-            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not -(2**63) <= self.seed < 2**64
-        ):
-            raise InvalidRequest(f"seed must be a 64-bit integer in [-2**63, 2**64), got {self.seed}")
+        if self.seed is not None and not (_integer(self.seed) and -(2**63) <= int(self.seed) < 2**64):
+            raise InvalidRequest(f"seed must be a 64-bit integer in [-2**63, 2**64), got {self.seed!r}")
+        # numpy numbers (a seed drawn with numpy) as the Python ones they equal: engines put
+        # them in JSON (vLLM) and compare token ids with them
+        for name, kind in (("max_new_tokens", int), ("temperature", float), ("top_p", float)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        object.__setattr__(self, "stop_ids", tuple(int(token) for token in self.stop_ids))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
 
 @dataclass

@@ -21,6 +21,7 @@ import asyncio
 import glob
 import inspect
 import math
+import numbers
 import os
 import random
 import threading
@@ -346,7 +347,14 @@ class TorchEngine:
             )
         prompt = []
         for index, token in enumerate(prompt_ids):
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+            # numpy ids (an np.array prompt) are the ints they equal; an id out of range and
+            # anything else (a bool, a float, a tensor's element) are refused
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+                raise InvalidRequest(
+                    f"prompt_ids[{index}] = {token!r} is a {type(token).__name__}, not a token id "
+                    f"(an integer in [0, {self.vocab_size}))"
+                )
+            if not 0 <= token < self.vocab_size:
                 raise InvalidRequest(
                     f"prompt_ids[{index}] = {token!r} is not a token id in [0, {self.vocab_size})"
                 )

@@ -13,6 +13,7 @@ import shutil
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -750,7 +751,7 @@ def test_bad_requests_fail_clearly_while_the_engine_keeps_serving(tiny, tmp_path
                 ([], "prompt_ids is empty"),
                 ([5, vocab], rf"prompt_ids\[1\] = {vocab} is not a token id in \[0, {vocab}\)"),
                 ([-1], r"prompt_ids\[0\] = -1 is not a token id"),
-                ([5, True], r"prompt_ids\[1\] = True is not a token id"),
+                ([5, True], r"prompt_ids\[1\] = True is a bool, not a token id \(an integer in \[0, "),
                 ([5] * 97, "prompt has 97 tokens, leaving no room to generate in the model's 96 positions"),
                 ([5] * 96, "prompt has 96 tokens, leaving no room to generate in the model's 96 positions"),
             ]
@@ -810,6 +811,51 @@ def test_malformed_stop_ids_and_seeds_are_invalid_requests(kwargs, message):
     float token budget (2.5) generated 3 tokens, a string temperature was a TypeError."""
     with pytest.raises(InvalidRequest, match=message):
         SamplingParams(**kwargs)
+
+
+def test_numpy_numbers_are_sampling_params_of_their_python_values():
+    """A seed drawn with numpy (np.int64) was refused as "seed must be a 64-bit integer …,
+    got 3", a np.float32 temperature as not a finite number: exact numbers of another type
+    now stand for their Python values, which a vLLM request can put in its JSON."""
+    params = SamplingParams(
+        max_new_tokens=np.int64(3),
+        temperature=np.float32(0.5),
+        top_p=np.float64(0.9),
+        stop_ids=[np.int32(4), 5],
+        seed=np.uint64(2**64 - 1),
+    )
+    assert params == SamplingParams(
+        max_new_tokens=3, temperature=0.5, top_p=0.9, stop_ids=(4, 5), seed=2**64 - 1
+    )
+    fields = (params.max_new_tokens, params.temperature, params.top_p, *params.stop_ids, params.seed)
+    assert [type(value) for value in fields] == [int, float, float, int, int, int]
+    with pytest.raises(InvalidRequest, match=r"seed must be a 64-bit integer .*, got np.float64\(3.0\)"):
+        SamplingParams(seed=np.float64(3))
+    with pytest.raises(InvalidRequest, match="max_new_tokens must be an integer, got np.True_"):
+        SamplingParams(max_new_tokens=np.bool_(True))
+
+
+def test_a_prompt_of_numpy_token_ids_samples_what_its_list_does_and_a_tensor_is_refused_clearly(tiny):
+    """A prompt of numpy ids (``np.array``) was refused as "prompt_ids[0] = np.int64(5) is
+    not a token id in [0, V)", although 5 is; a tensor's elements are refused as tensors."""
+    model, _ = tiny
+    params = SamplingParams(max_new_tokens=4, seed=5)
+
+    async def run():
+        engine = engine_for(model)
+        try:
+            from_numpy = await engine.generate("numpy", np.array([5, 6, 7]), params)
+            from_list = await engine.generate("list", [5, 6, 7], params)
+            with pytest.raises(
+                InvalidRequest, match=r"prompt_ids\[0\] = tensor\(5\) is a Tensor, not a token id"
+            ):
+                await engine.generate("tensor", torch.tensor([5, 6, 7]), params)
+            return from_numpy, from_list
+        finally:
+            await engine.close()
+
+    from_numpy, from_list = asyncio.run(run())
+    assert from_numpy.token_ids == from_list.token_ids and from_numpy.logprobs == from_list.logprobs
 
 
 def test_a_request_whose_distribution_cannot_be_sampled_fails_alone():
