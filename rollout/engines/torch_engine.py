@@ -387,7 +387,27 @@ class TorchEngine:
                     f"weights in {path!r}: {name} has shape {tuple(tensor.shape)}, "
                     f"the model expects {tuple(expected[name].shape)}"
                 )
+        self._check_ties(path, state_dict, expected)
         return state_dict
+
+    @staticmethod
+    def _check_ties(
+        path: str, state_dict: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+    ) -> None:
+        """Refuse a checkpoint that holds apart tensors the model ties (an untied checkpoint's
+        output head and input embedding): both would load into the model's one tensor, the
+        later overwriting the earlier, serving a model that is neither."""
+        tied: dict[tuple, str] = {}
+        for name, tensor in expected.items():
+            if name not in state_dict or tensor.numel() == 0:
+                continue
+            # one tensor under two names, not a view of another tensor's first elements
+            first = tied.setdefault((tensor.data_ptr(), tensor.shape, tensor.stride()), name)
+            if first != name and not torch.equal(state_dict[first], state_dict[name]):
+                raise EngineError(
+                    f"weights in {path!r}: the checkpoint holds {first} and {name} apart, which the "
+                    "model ties (one tensor): a checkpoint of a model with other tie_word_embeddings"
+                )
 
     def _read_converted(self, path: str) -> dict[str, torch.Tensor]:
         """The version's tensors in the model's layout where the checkpoint's differs

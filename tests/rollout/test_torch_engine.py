@@ -1315,3 +1315,41 @@ def test_mixture_of_experts_engine_loads_versions_in_their_checkpoint_layout(tin
     assert version == 1 and before.versions == [0] * 6 and after.versions == [1] * 6
     assert_logprobs_match(before.logprobs, reference_logprobs(first, prompt, before.token_ids))
     assert_logprobs_match(after.logprobs, reference_logprobs(second, prompt, after.token_ids))
+
+
+def test_a_version_that_holds_the_models_tied_tensors_apart_is_refused(tiny, tmp_path):
+    """The tiny model ties its output head to its input embedding (one tensor). A version
+    holding the two apart (an untied checkpoint) loaded without a word: both names wrote
+    into the one tensor, the later winning, so the engine served the checkpoint's head as
+    its input embedding: a model no trainer has, whose log-probs match nobody's."""
+    model, _ = tiny
+    assert model.config.tie_word_embeddings, "precondition: the engine's model is tied"
+    embedding = "model.embed_tokens.weight"
+    untied = tmp_path / "untied"
+    untied.mkdir()
+    tensors = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    tensors["lm_head.weight"] = tensors[embedding] + 1
+    save_file(tensors, untied / MODEL_FILE)
+    same = tmp_path / "same"
+    same.mkdir()
+    tensors["lm_head.weight"] = tensors[embedding].clone()
+    save_file(tensors, same / MODEL_FILE)
+    prompt = [2, 40, 41, 42]
+    params = SamplingParams(max_new_tokens=4, seed=0)
+
+    async def run():
+        engine = engine_for(model)
+        try:
+            with pytest.raises(
+                EngineError, match=rf"holds {embedding} and lm_head.weight apart, which the model ties"
+            ):
+                await engine.load_version(1, str(untied))
+            kept = engine.version, await engine.generate("s", prompt, params)
+            await engine.load_version(2, str(same))  # both names, equal: what the model ties
+            return kept, engine.version
+        finally:
+            await engine.close()
+
+    (version, generation), loaded = asyncio.run(run())
+    assert version == 0 and loaded == 2
+    assert_logprobs_match(generation.logprobs, reference_logprobs(model, prompt, generation.token_ids))
