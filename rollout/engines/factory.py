@@ -31,6 +31,7 @@ def build_engines(
     ``EngineError``); ``store`` lets actors on other nodes fetch the version themselves, and
     ``placements`` (one per replica, in order) places each actor in its bundle of a placement
     group the caller holds (``rollout.ray_actors.in_bundle``); None: Ray places them freely.
+    A local replica that fails to load raises its error once those built before it are stopped.
     """
     if config.kind == "vllm":
         # the servers' weights are unknown until ``version`` is loaded onto them
@@ -60,15 +61,26 @@ def build_engines(
         ]
         return wait_started(engines, config.load_timeout_s)
     gpus = torch.cuda.device_count()
-    return [
-        TorchEngine.from_config(
-            config.torch.model_copy(update={"device": replica_device(config.torch.device, i, gpus)}),
-            model_dir,
-            name=f"torch-{i}",
-            version=version,
-        )
-        for i in range(config.replicas)
-    ]
+    engines: list[TorchEngine] = []
+    try:
+        for i in range(config.replicas):
+            device = replica_device(config.torch.device, i, gpus)
+            engines.append(
+                TorchEngine.from_config(
+                    config.torch.model_copy(update={"device": device}),
+                    model_dir,
+                    name=f"torch-{i}",
+                    version=version,
+                )
+            )
+    except BaseException:
+        # the caller never gets the replicas built before the one that failed (out of GPU
+        # memory): stopped and let go here, else they hold their GPUs for the process's life
+        for engine in engines:
+            engine.close_now()
+        engines.clear()
+        raise
+    return engines
 
 
 def replica_device(device: str, index: int, gpus: int) -> str:

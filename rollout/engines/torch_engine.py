@@ -320,10 +320,19 @@ class TorchEngine:
 
     async def close(self) -> None:
         """Stop the engine thread; requests still waiting fail with ``EngineError``."""
+        self._stop_thread()
+        await asyncio.to_thread(self._thread.join)
+
+    def close_now(self) -> None:
+        """:meth:`close` for a caller outside an event loop (``build_engines``): returns once
+        the engine thread has stopped."""
+        self._stop_thread()
+        self._thread.join()
+
+    def _stop_thread(self) -> None:
         with self._cond:
             self._closed = True
             self._cond.notify()
-        await asyncio.to_thread(self._thread.join)
 
     # -- validation and weight loading -----------------------------------------------------
 

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from rl.models import TinyModelConfig, build_tiny_model, load_policy, publish_policy
 from rollout.engines.base import MIN_TEMPERATURE, Engine, EngineError, InvalidRequest, SamplingParams
-from rollout.engines.factory import EngineConfig, replica_device
+from rollout.engines.factory import EngineConfig, build_engines, replica_device
 from rollout.engines.torch_engine import TorchEngine, TorchEngineConfig, sampling_logprobs
 from rollout.ray_engine import actor_device
 from rollout.router import Router, RouterConfig
@@ -1353,3 +1353,25 @@ def test_a_version_that_holds_the_models_tied_tensors_apart_is_refused(tiny, tmp
     (version, generation), loaded = asyncio.run(run())
     assert version == 0 and loaded == 2
     assert_logprobs_match(generation.logprobs, reference_logprobs(model, prompt, generation.token_ids))
+
+
+def test_replicas_built_before_one_that_fails_to_load_are_stopped(weights, monkeypatch):
+    """Local replicas load one after another; when one fails (out of GPU memory) the caller
+    gets the error and never the replicas built before it, which went on running on their
+    threads, holding their GPUs for the process's life (a retried start ran out of memory)."""
+    built: list[TorchEngine] = []
+    load = TorchEngine.from_config
+
+    def second_runs_out_of_memory(config, model, **kwargs):
+        if built:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        built.append(load(config, model, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(TorchEngine, "from_config", second_runs_out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory"):
+        build_engines(EngineConfig(replicas=3), weights.load(0), 0)
+    (first,) = built
+    assert not asyncio.run(first.health())
+    with pytest.raises(EngineError, match="is not serving: closed"):
+        asyncio.run(first.generate("s", [5, 6], SamplingParams(max_new_tokens=1)))
