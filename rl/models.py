@@ -187,7 +187,10 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
     naming them: ``from_pretrained`` only logs the tensors it lacks (a dropped tensor, a config
     of more layers or of another architecture, a causal LM loaded as a reward model without its
     score head) and initialises them at random. Tensors the model has no place for (a config of
-    fewer layers, a checkpoint's extra head) are left out with a warning naming them. A weights
+    fewer layers, a checkpoint's extra head) are left out with a warning naming them. A tensor
+    of another shape than the config gives it (a ``vocab_size`` padded past the checkpoint's
+    rows) is a ``ValueError`` naming both shapes, where transformers' error names neither the
+    tensor nor the checkpoint and points to a report it logged. A weights
     file that does not read (a download cut short) is a ``ValueError`` naming it, where
     safetensors names none. A local folder holding no weights file is a ``FileNotFoundError``
     (transformers raises a plain ``OSError``, which the tasks retry as storage's).
@@ -198,7 +201,7 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
     try:
         with PRETRAINED_LOAD_LOCK:
             model, info = model_class.from_pretrained(
-                str(path), dtype=dtype, output_loading_info=True, **OWN_LAYERS
+                str(path), dtype=dtype, output_loading_info=True, ignore_mismatched_sizes=True, **OWN_LAYERS
             )
     except SafetensorError as error:
         raise ValueError(
@@ -210,6 +213,17 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
             f"the checkpoint in {str(path)!r} does not fill the {type(model).__name__} its config.json "
             f"names: it lacks {missing[:5]}{' and more' if len(missing) > 5 else ''} ({len(missing)} in "
             f"all; it holds {len(unexpected)} the model has no place for)"
+        )
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if mismatched:
+        shapes = [
+            f"{name}: {tuple(stored)} in the checkpoint, {tuple(wanted)} in the model"
+            for name, stored, wanted in mismatched
+        ]
+        raise ValueError(
+            f"the checkpoint in {str(path)!r} holds tensors of other shapes than the {type(model).__name__} its "
+            f"config.json names: {'; '.join(shapes[:5])}{' and more' if len(shapes) > 5 else ''} "
+            f"({len(shapes)} in all)"
         )
     if unexpected:  # a checkpoint may carry more than its model uses (a head, extra layers)
         log.warning(

@@ -534,6 +534,33 @@ def test_a_checkpoint_whose_weights_do_not_fill_its_model_is_refused_naming_the_
         load_trained_policy(path)
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (
+            {"vocab_size": 576},
+            r"model\.embed_tokens\.weight: \(512, 32\) in the checkpoint, \(576, 32\) in the model",
+        ),
+        (
+            {"intermediate_size": 48},
+            r"model\.layers\.0\.mlp\.down_proj\.weight: \(32, 64\) in the checkpoint",
+        ),
+    ],
+    ids=["padded-vocab", "narrower-mlp"],
+)
+def test_a_checkpoint_whose_tensors_have_other_shapes_than_its_config_is_refused_naming_them(
+    tiny, tmp_path, fields, message
+):
+    """A config.json padded to a larger vocabulary than its weights (or of another width):
+    ``from_pretrained`` raised a RuntimeError saying only to look at a report it had logged,
+    naming neither the checkpoint nor a tensor."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    _edit_config(path, **fields)
+    with pytest.raises(ValueError, match=message) as raised:
+        load_policy(path)
+    assert path in str(raised.value)
+
+
 def test_an_engine_built_from_a_checkpoint_missing_a_tensor_is_refused_naming_it(tiny, tmp_path):
     """The torch engine loads a path as the trainer does (``load_checked``): a tensor the
     checkpoint lacks is not served at random."""
