@@ -494,10 +494,11 @@ class ValueModel(nn.Module):
     def load(
         cls, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> ValueModel:
-        """A value model from a local version directory written by ``publish``."""
+        """A value model from a local version directory written by ``publish``, in eval mode
+        (as ``load_policy``'s: ``from_config`` builds its backbone in train mode, dropout on)."""
         with open(os.path.join(path, "config.json")) as handle:
             config_dict = json.load(handle)
         config = AutoConfig.for_model(**config_dict)
         model = cls.from_config(config)
         model.load_state_dict(load_file(os.path.join(path, MODEL_FILE)))
-        return placed(model, device, dtype)
+        return placed(model, device, dtype).eval()

@@ -330,6 +330,20 @@ def test_value_model_round_trips_through_its_own_weight_store(tiny, store, tmp_p
         torch.testing.assert_close(loaded(ids), value(ids), rtol=0, atol=0)
 
 
+def test_a_loaded_value_model_computes_the_values_it_was_published_with(local_store, tmp_path):
+    """``ValueModel.load`` built its backbone with ``from_config``, which leaves it in train
+    mode: GPT-2's dropout (0.1 by default) made the loaded model's values random, where
+    ``load_policy`` gives a model in eval mode."""
+    value = ValueModel.from_policy(tiny_causal_lm("gpt2", vocab_size=64))
+    torch.nn.init.normal_(value.head.weight)
+    value_weights = WeightStore(local_store, cache_dir=tmp_path / "cache", prefix="value")
+    loaded = ValueModel.load(value_weights.load(value.publish(value_weights, step=1)))
+    assert not any(module.training for module in loaded.modules())
+    ids = torch.randint(4, 64, (2, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids), value(ids), rtol=0, atol=0)
+
+
 def test_the_torch_engine_serves_a_checkpoint_with_a_vision_tower_by_its_text_config(tiny):
     """``Gemma3ForConditionalGeneration``'s config keeps the vocabulary and positions in its
     ``text_config``: the engine failed to start (no ``vocab_size``), and would have taken the
