@@ -341,12 +341,17 @@ def publish_policy(
 def restore_master_weights(model: PreTrainedModel, version_dir: str | os.PathLike) -> bool:
     """Put back the parameters a version kept as trained (``MASTER_WEIGHTS_FILE``) into
     ``model``, loaded from that version; False when it has none (its weights are the
-    policy's own)."""
+    policy's own). A file that does not read, or does not hold ``model``'s parameters, is a
+    ``ValueError`` naming it."""
     path = os.path.join(version_dir, MASTER_WEIGHTS_FILE)
     if not os.path.isfile(path):
         return False
     with open(path, "rb") as handle:
-        master = load_safetensors(handle.read())
+        data = handle.read()
+    try:
+        master = load_safetensors(data)
+    except SafetensorError as error:  # a copy cut short: safetensors names no file
+        raise ValueError(f"{path} does not read: {error}") from error
     params = dict(model.named_parameters())
     # copy_ would broadcast a tensor of another shape (a (1,) into a norm's (H,)) without a word
     reshaped = sorted(name for name in set(master) & set(params) if master[name].shape != params[name].shape)

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import threading
 
 import pytest
@@ -452,6 +453,19 @@ def test_a_master_file_whose_tensor_has_another_shape_is_refused_before_anything
         restore_master_weights(model, tmp_path)
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
+
+
+def test_a_version_whose_master_file_is_cut_short_is_refused_naming_the_file(tiny, weights, tmp_path):
+    """A version folder copied by hand (``model.path``) whose ``policy_master.safetensors`` a
+    copy cut short: safetensors said 'incomplete metadata, file not fully covered', naming
+    neither the file nor the folder, where a weights file cut short is named."""
+    model, tokenizer = tiny
+    copy_dir = tmp_path / "copy"
+    shutil.copytree(weights.load(publish_policy(weights, model, tokenizer, dtype="bfloat16")), copy_dir)
+    master = copy_dir / MASTER_WEIGHTS_FILE
+    master.write_bytes(master.read_bytes()[: master.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(master))} does not read"):
+        load_trained_policy(copy_dir)
 
 
 def test_value_model_round_trips_whatever_dtype_its_config_names(tiny, weights, local_store, tmp_path):
