@@ -38,7 +38,7 @@ from transformers import (
     Qwen2Config,
     Qwen3Config,
 )
-from transformers.core_model_loading import revert_weight_conversion
+from transformers.core_model_loading import build_glob_alternation, revert_weight_conversion
 from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME
 from transformers.utils.output_capturing import OutputRecorder
 
@@ -68,15 +68,35 @@ def placed(model: ModelT, device: str | torch.device, dtype: torch.dtype) -> Mod
     ``inv_freq``) keep their dtype: ``from_pretrained`` leaves them float32 whatever the
     weights' dtype, and rounded to bfloat16 they turn every position by a growing error
     (0.6 rad at position 512 with Qwen3's RoPE settings), so a bfloat16 engine would sample
-    from another model than the one the trainer scores.
+    from another model than the one the trainer scores. So do the tensors ``from_pretrained``
+    in ``dtype`` keeps in float32 (:func:`_kept_float32`: the routers of GLM-4.5 and
+    DeepSeek-V3), which rounded would pick other experts.
     """
-    persistent = model.state_dict().keys()
+    persistent = model.state_dict(keep_vars=True)
     computed = {name: buffer for name, buffer in model.named_buffers() if name not in persistent}
+    float32 = {name: persistent[name].detach() for name in _kept_float32(model, dtype)}
     model.to(device=device, dtype=dtype)
     for name, buffer in computed.items():
         owner, _, attribute = name.rpartition(".")
         setattr(model.get_submodule(owner), attribute, buffer.to(device))
+    state = model.state_dict(keep_vars=True)
+    for name, tensor in float32.items():
+        state[name].data = tensor.to(device=device, dtype=torch.float32)
     return model
+
+
+def _kept_float32(model: nn.Module, dtype: torch.dtype) -> set[str]:
+    """The names in ``model``'s ``state_dict`` that ``from_pretrained`` in ``dtype`` keeps in
+    float32: those its Hugging Face models list in ``_keep_in_fp32_modules_strict`` for
+    bfloat16 and float16 (the routers of GLM-4.5 and DeepSeek-V3), and in
+    ``_keep_in_fp32_modules`` for float16."""
+    kept: set[str] = set()
+    for prefix, module in model.named_modules():
+        plan = module._get_dtype_plan(dtype) if isinstance(module, PreTrainedModel) else None
+        if plan:  # patterns searched in the names, as from_pretrained does
+            pattern = build_glob_alternation(list(plan))[0]
+            kept |= {f"{prefix}.{name}".lstrip(".") for name in module.state_dict() if pattern.search(name)}
+    return kept
 
 
 def build_tiny_model(config: TinyModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

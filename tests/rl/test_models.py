@@ -15,7 +15,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForSequenceClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from rl.models import (
     MASTER_WEIGHTS_FILE,
@@ -191,6 +191,48 @@ def test_placed_in_bfloat16_computes_what_a_bfloat16_checkpoint_load_computes(we
     assert ids.shape[1] > 300
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def test_placed_in_bfloat16_keeps_the_routers_a_bfloat16_checkpoint_load_keeps_in_float32(tiny, tmp_path):
+    """GLM-4.5 and DeepSeek-V3 keep their routers (``gate.weight``, ``e_score_correction_bias``)
+    in float32 whatever dtype they are loaded in (``_keep_in_fp32_modules_strict``): cast in
+    place they were rounded to bfloat16, the torch engine's too, so its experts were picked
+    otherwise than from the same weights loaded."""
+    _, tokenizer = tiny
+    config = AutoConfig.for_model(
+        "glm4_moe",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if ".mlp.gate." in name:
+                tensor.normal_(0, 0.3)
+    path = _checkpoint((model, tokenizer), tmp_path / "checkpoint")
+    reference, _ = load_policy(path, dtype=torch.bfloat16)
+    cast = placed(load_policy(path)[0], "cpu", torch.bfloat16)
+    routers = {name for name, t in reference.state_dict().items() if t.dtype == torch.float32}
+    assert routers and all(".mlp.gate." in name for name in routers)
+    assert {name for name, t in cast.state_dict().items() if t.dtype == torch.float32} == routers
+    engine = TorchEngine(path, device="cpu", dtype="bfloat16")
+    asyncio.run(engine.close())
+    assert {name for name, t in engine.model.state_dict().items() if t.dtype == torch.float32} == routers
+    ids = torch.tensor([tokenizer.encode("What is 12+30? 42 " * 4, add_special_tokens=False)])
+    with torch.no_grad():
+        torch.testing.assert_close(cast(ids).logits, reference(ids).logits, rtol=0, atol=0)
 
 
 def test_bad_tiny_config_names_the_field():
