@@ -418,7 +418,9 @@ def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
     Transformers marks them as the modules whose outputs it records as a model's
     ``attentions`` (``PreTrainedModel._can_record_outputs``: a class, a class name, an
     ``OutputRecorder`` or a list of these). A model that marks none (Bloom, Falcon, GPT-Neo,
-    MPT) names their classes ``…Attention``.
+    MPT) names their classes ``…Attention``. The linear attention of the hybrid models
+    (Qwen3-Next, Qwen3.5: three layers in four) is marked neither way: it is the block a
+    layer holds as ``linear_attn``.
     """
     specs = model.can_record_outputs.get("attentions", [])
     targets = [
@@ -434,7 +436,11 @@ def attention_modules(model: PreTrainedModel) -> list[nn.Module]:
             for target in targets
         )
 
-    return [module for module in model.modules() if is_attention(module)]
+    return [
+        module
+        for name, module in model.named_modules()
+        if is_attention(module) or name.rpartition(".")[2] == "linear_attn"
+    ]
 
 
 class ValueModel(nn.Module):

@@ -330,6 +330,36 @@ def test_freeze_attention_freezes_exactly_the_attention_blocks_of_each_architect
     assert any(name.startswith("backbone.") for name in changed)
 
 
+def test_freeze_attention_freezes_the_linear_attention_of_a_hybrid_model():
+    """Qwen3-Next (and Qwen3.5) mix a full attention block every fourth layer (``self_attn``)
+    with linear attention in the others (``linear_attn``), which transformers does not mark
+    as attention: three of every four layers' attention stayed trainable."""
+    config = AutoConfig.for_model(
+        "qwen3_next",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    )
+    torch.manual_seed(0)
+    value = ValueModel.from_policy(AutoModelForCausalLM.from_config(config))
+    frozen = set(value.freeze_attention())
+    blocks = {name for name, _ in value.named_parameters() if re.search(r"\.(self_attn|linear_attn)\.", name)}
+    assert frozen == blocks
+    assert {name.split(".")[3] for name in frozen} == {"self_attn", "linear_attn"}
+
+
 def test_disable_dropout_switches_off_the_dropout_a_model_reads_from_its_config():
     """Falcon's layers read ``hidden_dropout`` and ``attention_dropout`` from the config on
     every forward pass instead of copying them at construction."""
