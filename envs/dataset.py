@@ -10,10 +10,11 @@ function runs on a thread too (without a limit: it cannot be stopped), for the s
 its cost on the model's answer is unknown (a symbolic checker's on ``9**9**9**9``, say).
 The file must hold a row, and every row must be an object with a non-null prompt and answer
 (and id, when ``id_field`` is set), each text or a number, not a list or an object (a
-chat-format prompt, a list of answers); for the exact and regex verifiers, an answer that is
-not blank, for the regex one, an answer that compiles, and for the numeric one, an answer that
-is a number. A bad row fails the load with its file and where it is (a JSON-lines file's line,
-from 1; a Parquet file's or JSON array's row, from 0), a file that is no Parquet with its name.
+chat-format prompt, a list of answers), the prompt and id not blank; for the exact and regex
+verifiers, an answer that is not blank, for the regex one, an answer that compiles, and for the
+numeric one, an answer that is a number. A bad row fails the load with its file and where it
+is (a JSON-lines file's line, from 1; a Parquet file's or JSON array's row, from 0), a file
+that is no Parquet with its name.
 A binary column is read as UTF-8 text, a boolean as JSON writes it (``true``; the exact
 verifier takes ``True`` for it too), and an integral float as its integer (``2``, not ``2.0``).
 Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
@@ -219,9 +220,10 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
             except UnicodeError as exc:
                 raise ValueError(f"{where}: {field!r} is not UTF-8 text: {exc}") from exc
             row[field] = _text(row[field])
-        id_field = config.id_field or config.prompt_field
-        if not row[id_field].strip():
-            raise ValueError(f"{where} has a blank {id_field!r} (the task's id)")
+        if not row[config.prompt_field].strip():
+            raise ValueError(f"{where} has a blank {config.prompt_field!r} (the user message)")
+        if config.id_field and not row[config.id_field].strip():
+            raise ValueError(f"{where} has a blank {config.id_field!r} (the task's id)")
         if config.verifier in ("exact", "regex") and not row[config.answer_field].strip():
             # the model's answer is stripped: a blank one would be scored right
             raise ValueError(f"{where} has a blank {config.answer_field!r} (the reference)")

@@ -1614,6 +1614,16 @@ def test_dataset_bad_files_fail_the_load_naming_file_and_row(tmp_path, name, con
         task_set("dataset", "train", 0, 1, {"path": str(path)} | config)
 
 
+def test_dataset_refuses_a_blank_prompt_when_the_id_is_another_field(tmp_path):
+    """Only the id was checked for blanks: with ``id_field`` set, a row whose prompt was empty
+    (a lost column, an export gone wrong) loaded, and the model was asked an empty message."""
+    path = tmp_path / "blank.jsonl"
+    rows = [{"qid": "a", "prompt": "q", "answer": "1"}, {"qid": "b", "prompt": " \n", "answer": "2"}]
+    path.write_text("\n".join(map(json.dumps, rows)))
+    with pytest.raises(ValueError, match="line 2 of .*blank.jsonl has a blank 'prompt'"):
+        task_set("dataset", "train", 0, 1, {"path": str(path), "id_field": "qid"})
+
+
 @pytest.mark.parametrize(
     ("field", "value", "kind"),
     [
