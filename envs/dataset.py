@@ -8,13 +8,13 @@ model's, and a reference pattern that backtracks on some answer would otherwise 
 event loop, and every rollout of the worker with it, for as long as it takes. A Python
 function runs on a thread too (without a limit: it cannot be stopped), for the same reason:
 its cost on the model's answer is unknown (a symbolic checker's on ``9**9**9**9``, say).
-The file must hold a row, and every row must be an object with a non-null prompt and answer
-(and id, when ``id_field`` is set), each text or a number, not a list or an object (a
-chat-format prompt, a list of answers), the prompt and id not blank; for the exact and regex
-verifiers, an answer that is not blank, for the regex one, an answer that compiles, and for the
-numeric one, an answer that is a number. A bad row fails the load with its file and where it
-is (a JSON-lines file's line, from 1; a Parquet file's or JSON array's row, from 0), a file
-that is no Parquet with its name.
+The file must hold a row, and every row must be an object with a prompt and answer (and id,
+when ``id_field`` is set), none of them null or NaN (a missing value), each text or a number,
+not a list or an object (a chat-format prompt, a list of answers), the prompt and id not
+blank; for the exact and regex verifiers, an answer that is not blank, for the regex one, an
+answer that compiles, and for the numeric one, an answer that is a number. A bad row fails
+the load with its file and where it is (a JSON-lines file's line, from 1; a Parquet file's or
+JSON array's row, from 0), a file that is no Parquet with its name.
 A binary column is read as UTF-8 text, a boolean as JSON writes it (``true``; the exact
 verifier takes ``True`` for it too), and an integral float as its integer (``2``, not ``2.0``).
 Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
@@ -209,6 +209,8 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
                 raise ValueError(f"{where} has no field {field!r} (fields: {sorted(row)})")
             if row[field] is None:
                 raise ValueError(f"{where} has a null {field!r}")
+            if isinstance(row[field], float) and math.isnan(row[field]):  # numpy's missing value
+                raise ValueError(f"{where} has a NaN {field!r} (a missing value?)")
             if isinstance(row[field], (list, dict)):  # str() would show the model a Python repr
                 kind = type(row[field]).__name__
                 raise ValueError(f"{where}: {field!r} holds a {kind}, not text or a number")

@@ -1625,6 +1625,26 @@ def test_dataset_refuses_a_blank_prompt_when_the_id_is_another_field(tmp_path):
 
 
 @pytest.mark.parametrize(
+    ("name", "field"), [("data.jsonl", "prompt"), ("data.jsonl", "answer"), ("data.parquet", "answer")]
+)
+def test_dataset_refuses_a_nan_field(tmp_path, name, field):
+    """NaN is how numpy and ``json.dumps`` of a pandas row write a missing value; it loaded as
+    the text ``nan``: a prompt ``nan`` shown to the model, a reference ``nan`` the exact
+    verifier scored the answer ``nan`` right against."""
+    rows = [{"prompt": f"q{i}", "answer": float(i)} for i in range(4)]  # a float column, as pandas makes
+    rows[2][field] = float("nan")
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        where = "row 2"
+    else:
+        path.write_text("\n".join(map(json.dumps, rows)))
+        where = "line 3"
+    with pytest.raises(ValueError, match=f"{where} of .*{name} has a NaN '{field}'"):
+        task_set("dataset", "train", 0, 1, {"path": str(path)})
+
+
+@pytest.mark.parametrize(
     ("field", "value", "kind"),
     [
         ("prompt", [{"role": "user", "content": "hi"}], "list"),
