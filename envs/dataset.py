@@ -16,7 +16,8 @@ answer that compiles, and for the numeric one, an answer that is a number. A bad
 the load with its file and where it is (a JSON-lines file's line, from 1; a Parquet file's or
 JSON array's row, from 0), a file that is no Parquet with its name.
 A binary column is read as UTF-8 text, a boolean as JSON writes it (``true``; the exact
-verifier takes ``True`` for it too), and an integral float as its integer (``2``, not ``2.0``).
+verifier takes ``True`` for it too), an integral float as its integer (``2``, not ``2.0``), and
+a float32 as the shortest decimal it holds (``1.1``, not ``1.100000023841858``).
 Rows are split into train and eval by a hash of their prompt (less the whitespace around it),
 so the splits never share a prompt, even one that occurs under several ids or with a trailing
 newline; ``id_field`` only names the task. A prompt given again must come with the same
@@ -41,6 +42,7 @@ from decimal import Decimal, InvalidOperation, Overflow
 from typing import ClassVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import regex
 from pydantic import Field, field_validator
@@ -188,9 +190,10 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
     if config.path.endswith(".parquet"):
         with opener(config.path, "rb") as handle:
             try:
-                rows = pq.read_table(handle).to_pylist()
+                table = pq.read_table(handle)
             except pa.ArrowInvalid as exc:
                 raise ValueError(f"{config.path} is not a Parquet file pyarrow can read: {exc}") from exc
+        rows = _float32_as_written(table).to_pylist()
         places = [f"row {i}" for i in range(len(rows))]
     else:  # .jsonl or .json (the config checks the path's ending)
         with opener(config.path, "rb") as handle:
@@ -250,6 +253,17 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
             "a 'pkg.mod:fn' verifier)"
         )
     return tuple(rows)
+
+
+def _float32_as_written(table: pa.Table) -> pa.Table:
+    """``table`` with each float32 column widened through the shortest decimal of each value
+    (``1.1``), not its binary value (``1.100000023841858``, far from a number written ``1.1``
+    to the exact verifier, and from ``12345.6`` to the numeric one's tolerance)."""
+    for index, field in enumerate(table.schema):
+        if pa.types.is_float32(field.type):
+            shortest = pc.cast(table.column(index), pa.string())
+            table = table.set_column(index, field.name, pc.cast(shortest, pa.float64()))
+    return table
 
 
 def _same_reference(answer: str, other: str, verifier: str) -> bool:

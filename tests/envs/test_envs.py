@@ -1361,6 +1361,26 @@ def test_dataset_binary_parquet_columns_are_read_as_text(tmp_path):
         task_set("dataset", "train", 0, 1, {"path": str(bad)})
 
 
+def test_dataset_float32_parquet_columns_read_as_the_numbers_written(tmp_path):
+    """A float32 column (Hugging Face's ``Value("float32")``, numpy's float32) came back widened
+    to the float64 of its binary value: the reference written 1.1 was ``1.100000023841858``, so
+    the exact verifier scored the answer ``1.1`` wrong, and 12345.6 was ``12345.599609375``, too
+    far from the answer ``12345.6`` for the numeric verifier's tolerance."""
+    path = tmp_path / "f32.parquet"
+    answers = [1.1, 12345.6, 3.0, 0.1]
+    prompts = [f"q{i}" for i in range(len(answers))]
+    pq.write_table(pa.table({"prompt": prompts, "answer": pa.array(answers, pa.float32())}), path)
+    for verifier in ("exact", "numeric"):
+        config = {"path": str(path), "verifier": verifier, "eval_fraction": 0.5}
+        tasks = [task for split in ("train", "eval") for task in task_set("dataset", split, 0, 100, config)]
+        by_prompt = {task.prompt: task for task in tasks}
+        written = {"q0": "1.1", "q1": "12345.6", "q2": "3", "q3": "0.1"}
+        assert {prompt: task.data["answer"] for prompt, task in by_prompt.items()} == written
+        for prompt, task in by_prompt.items():
+            result, final = asyncio.run(play("dataset", task, [written[prompt]], **config))
+            assert result.reward == final == 1.0, (verifier, prompt)
+
+
 @pytest.mark.parametrize("name", ["data.jsonl", "data.parquet"])
 def test_dataset_boolean_and_integral_float_fields_read_as_json_writes_them(tmp_path, name):
     """A JSON or Parquet ``true`` was the reference ``True``, and a float column's ``2.0``
