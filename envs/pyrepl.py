@@ -168,7 +168,9 @@ class PythonRepl:
 
     def _run(self, code: str, timeout: float | None) -> ReplResult:
         if not self.alive:
-            raise SandboxError("died", "the Python interpreter is not running")
+            if self.closed or self.sandbox.closed:
+                raise SandboxError("died", "the Python interpreter is not running")
+            self._died(time.monotonic())  # it ended on its own since the last run (a thread's exit)
         config = self.sandbox.config
         timeout = config.timeout_s if timeout is None else timeout
         started = time.monotonic()
