@@ -462,6 +462,8 @@ class _DurationEstimates:
     """Running mean of the single-unit duration ``T_1`` observed per action kind."""
 
     def __init__(self, default: float, alpha: float = 0.2):
+        if not (math.isfinite(default) and default >= 0):
+            raise ValueError(f"scheduler default_duration must be finite and >= 0, got {default}")
         self.default = default
         self.alpha = alpha
         self._t1: dict[str, float] = {}
