@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from rollout.scheduler import ActionPolicy, Grant, Policy, ResourceRequest, StaticPolicy, amdahl_efficiency
 
@@ -60,6 +60,15 @@ class ActionWorkload(BaseModel):
     )
     services_per_gpu: int = Field(2, ge=1, description="Services a GPU keeps resident (LRU) when pooled.")
     seed: int = Field(0, description="Random seed of the replayed workload.")
+
+    @model_validator(mode="after")
+    def _ranges_in_order(self) -> ActionWorkload:
+        for low, high in (("turns_min", "turns_max"), ("serial_min", "serial_max")):
+            if getattr(self, low) > getattr(self, high):
+                raise ValueError(
+                    f"{low} ({getattr(self, low)}) must not exceed {high} ({getattr(self, high)})"
+                )
+        return self
 
 
 @dataclass

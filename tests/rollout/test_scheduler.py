@@ -844,3 +844,19 @@ def test_the_simulated_cluster_replays_a_hand_worked_burst_through_both_policies
     for run in (ours, static):
         assert len(run.by_kind["reward"]) == 2
         assert run.peak["cpu"] <= 2 and run.peak["gpu"] <= 1
+
+
+@pytest.mark.parametrize(
+    "fields, named",
+    [
+        ({"turns_min": 10, "turns_max": 4}, "turns_min"),
+        ({"serial_min": 0.3, "serial_max": 0.1}, "serial_min"),
+    ],
+)
+def test_a_simulated_workload_whose_range_is_reversed_is_refused(fields, named):
+    """turns_min above turns_max was accepted and failed only once replayed, with
+    'empty range for randrange() (10, 5, -5)'; a reversed serial range ran silently."""
+    from rollout.simcluster import ActionWorkload
+
+    with pytest.raises(ValueError, match=f"{named} .* must not exceed"):
+        ActionWorkload(**fields)
