@@ -15,6 +15,7 @@ from typing import Any
 import aiohttp
 from botocore.exceptions import BotoCoreError, ParamValidationError, PartialCredentialsError, ProfileNotFound
 from deltalake.exceptions import CommitFailedError
+from huggingface_hub.errors import HFValidationError, RepositoryNotFoundError, RevisionNotFoundError
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.events import emit_event
@@ -83,14 +84,38 @@ endpoint answers in plain http (botocore's ``SSLError``: the wrong TLS version; 
 corrupt TLS message)."""
 
 
+PERMANENT_HUB_ERRORS: tuple[type[Exception], ...] = (
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+    HFValidationError,
+)
+"""The Hugging Face Hub client's errors that say the same on every attempt: a repo that does
+not exist or that the token may not read (``GatedRepoError`` is one), a revision it lacks, an
+id that cannot name a repo. transformers raises each as a plain ``OSError`` it causes."""
+
+
+def _caused_by_hub_refusal(error: BaseException) -> bool:
+    """Whether ``error`` or an error that caused it is one of :data:`PERMANENT_HUB_ERRORS`."""
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, PERMANENT_HUB_ERRORS):
+            return True
+        seen.add(id(cause))
+        cause = cause.__cause__
+    return False
+
+
 def is_transient(error: BaseException) -> bool:
     """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS` but not
-    :data:`PERMANENT_OS_ERRORS`, :data:`PERMANENT_BOTOCORE_ERRORS` nor one saying
-    :data:`PERMANENT_ERROR_TEXTS`, or a Ray actor, worker or node lost under a task; not an
-    error raised inside one)."""
+    :data:`PERMANENT_OS_ERRORS`, :data:`PERMANENT_BOTOCORE_ERRORS`, one saying
+    :data:`PERMANENT_ERROR_TEXTS` nor one caused by :data:`PERMANENT_HUB_ERRORS`, or a Ray
+    actor, worker or node lost under a task; not an error raised inside one)."""
     wrapped = getattr(error, "kwargs", {}).get("error") if isinstance(error, BotoCoreError) else None
-    if isinstance(error, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS) or isinstance(
-        wrapped, ssl.SSLCertVerificationError
+    if (
+        isinstance(error, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS)
+        or isinstance(wrapped, ssl.SSLCertVerificationError)
+        or _caused_by_hub_refusal(error)
     ):
         return False
     if isinstance(error, OSError) and any(text in str(error) for text in PERMANENT_ERROR_TEXTS):

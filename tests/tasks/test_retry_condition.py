@@ -1,5 +1,6 @@
 """Which errors a task's retries (``tasks.common.STORAGE_RETRIES``) are spent on, as
-deltalake raises them from a real S3-compatible server."""
+deltalake raises them from a real S3-compatible server, and transformers for a checkpoint
+on the Hugging Face Hub."""
 
 from __future__ import annotations
 
@@ -11,11 +12,20 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
+import transformers
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
+from huggingface_hub.errors import (
+    GatedRepoError,
+    HfHubHTTPError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 from prefect.states import Failed
 
 from storage.config import RunStore, StorageConfig
@@ -146,3 +156,48 @@ def test_https_to_an_endpoint_that_speaks_http_is_not_retried(s3_server: S3Serve
         with pytest.raises(OSError) as raised:
             read()
         assert retry_if_transient(None, None, Failed(data=raised.value)) is False, raised.value
+
+
+def hub_error(
+    status: int, error: type[HfHubHTTPError] | None = None
+) -> HfHubHTTPError | LocalEntryNotFoundError:
+    """What the Hugging Face Hub client raises for an answer of ``status`` (``error``: its
+    class for it), or, when ``status`` is 0, for a Hub it could not reach."""
+    if not status:
+        return LocalEntryNotFoundError("cannot reach the Hub, and the files are not cached")
+    request = httpx.Request("GET", "https://huggingface.co/api/models/org/model")
+    return (error or HfHubHTTPError)(f"{status} answered", response=httpx.Response(status, request=request))
+
+
+def loading_error(error: Exception, monkeypatch: pytest.MonkeyPatch) -> OSError:
+    """What loading a checkpoint by its Hub id (``model.path``: the warm start's, the
+    trainer's base) raises when the Hub client raises ``error``: transformers raises each as a
+    plain ``OSError`` caused by it."""
+
+    def download(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(transformers.utils.hub, "hf_hub_download", download)
+    with pytest.raises(OSError) as raised:
+        transformers.AutoConfig.from_pretrained("org/model")
+    return raised.value
+
+
+@pytest.mark.parametrize(
+    ("status", "error"),
+    [(401, RepositoryNotFoundError), (403, GatedRepoError), (404, RevisionNotFoundError)],
+    ids=["NoSuchRepo", "Gated", "NoSuchRevision"],
+)
+def test_a_hub_checkpoint_that_is_not_there_or_not_allowed_is_not_retried(status, error, monkeypatch):
+    """A ``model.path`` naming a Hub repo that does not exist (or is private), a gated one
+    this token may not read, or a revision it lacks: transformers raises each as a plain
+    ``OSError``, which was retried three times (~21 s, each attempt's load) to fail the same way."""
+    raised = loading_error(hub_error(status, error), monkeypatch)
+    assert type(raised) is OSError
+    assert retry_if_transient(None, None, Failed(data=raised)) is False, raised
+
+
+@pytest.mark.parametrize("status", [0, 503], ids=["Unreachable", "Unavailable"])
+def test_a_hub_that_fails_for_a_moment_is_retried(status, monkeypatch):
+    raised = loading_error(hub_error(status), monkeypatch)
+    assert retry_if_transient(None, None, Failed(data=raised)) is True, raised
