@@ -40,6 +40,7 @@ from tasks.common import (
     deadline_once_started,
     reporting,
     run_store,
+    said,
     watch_signal,
 )
 
@@ -256,8 +257,9 @@ def run_trainer(
                 )
                 error = None
             except Exception as exc:  # storage unreachable for a moment: the next read retries
-                log.warning("could not read the rollout workers' status, no elastic decision: %s", exc)
-                read, error = None, f"could not read the rollout workers' status: {exc}"
+                error = f"could not read the rollout workers' status: {said(exc)}"
+                log.warning("%s; no elastic decision", error)
+                read = None
             status_cache.update(read_at=time.monotonic(), read=read, error=error)
         return status_cache["read"]
 

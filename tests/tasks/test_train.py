@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 
@@ -11,6 +13,7 @@ from flows.config import RunConfig
 from rl.models import ensure_base_version, load_policy, publish_policy
 from rl.trainer import Trainer
 from storage.config import RunStore, StorageConfig
+from storage.status import RolloutStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.train import run_trainer
@@ -95,3 +98,41 @@ def test_a_rerun_that_trains_nothing_says_it_took_no_step(tmp_path):
 
     again = run_trainer(run, time.time() + 600, drain=True)
     assert (again["steps"], again["new_steps"], again["versions"]) == (1, 0, [])
+
+
+@pytest.mark.parametrize(
+    ("error", "shown", "hidden"),
+    [
+        (TimeoutError(), "TimeoutError", None),
+        (
+            OSError("AccessDenied: <AWSAccessKeyId>AKIAABCDEFGHIJKLMNOP</AWSAccessKeyId>"),
+            "AccessDenied",
+            "AKIAABCDEFGHIJKLMNOP",
+        ),
+    ],
+    ids=["bare", "echoed-key-id"],
+)
+def test_a_skipped_decision_says_what_failed_the_status_read_masked(
+    tmp_path, monkeypatch, caplog, error, shown, hidden
+):
+    """The workers' statuses cannot be read: each ``train_steps`` row (kept for the run's
+    life) and the warning say why. A bare ``TimeoutError`` (fsspec's timeout is one) left
+    only "could not read the rollout workers' status: ", and a key id an S3 error body
+    echoed was recorded and logged as it was."""
+    run = RunConfig(run_id="unread", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 4, seed=1), per_shard=4)
+
+    def unreadable(self):
+        raise error
+
+    monkeypatch.setattr(RolloutStatusBoard, "read", unreadable)
+    with caplog.at_level(logging.WARNING, logger="tasks.train"):
+        assert run_trainer(run, time.time() + 600, drain=True)["steps"] == 1
+    (row,) = Tables(store).read("train_steps").to_pylist()
+    skipped = json.loads(row["extra"])["elastic"]["skipped"]
+    (warned, *_) = [r.getMessage() for r in caplog.records if "rollout workers' status" in r.getMessage()]
+    for said in (skipped, warned):
+        assert shown in said, said
+        assert hidden is None or hidden not in said, said
