@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import math
 import posixpath
@@ -39,8 +40,7 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 """Errors a second attempt can clear: storage and network I/O (``TimeoutError`` and
 ``ConnectionError`` are ``OSError``s; deltalake raises its S3 errors as ``OSError``; s3fs
 lets aiohttp's through, e.g. ``ClientPayloadError`` for a download a dropped connection cut
-short), a Delta commit that lost a race. :data:`PERMANENT_OS_ERRORS`,
-:data:`PERMANENT_BOTOCORE_ERRORS` and those saying :data:`PERMANENT_ERROR_TEXTS` are excepted."""
+short), a Delta commit that lost a race. :func:`is_transient` names those excepted."""
 
 PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
     FileNotFoundError,
@@ -54,6 +54,11 @@ PERMANENT_OS_ERRORS: tuple[type[OSError], ...] = (
 model path that does not exist), taken (``VersionTaken``), forbidden or of the wrong kind,
 or a server whose certificate this machine does not trust (botocore's ``SSLError`` wraps
 one)."""
+
+PERMANENT_ERRNOS = frozenset({errno.EROFS})
+"""Errnos of a plain ``OSError`` that say the same on every attempt: a write to a read-only
+file system (a local ``storage.root`` on a volume mounted ``ro``; fsspec raises it as a plain
+``OSError``, where a forbidden path is a ``PermissionError``)."""
 
 PERMANENT_BOTOCORE_ERRORS: tuple[type[BotoCoreError], ...] = (
     ProfileNotFound,
@@ -109,8 +114,9 @@ def _caused_by_hub_refusal(error: BaseException) -> bool:
 def is_transient(error: BaseException) -> bool:
     """Whether ``error`` is one a retry can clear (:data:`TRANSIENT_ERRORS` but not
     :data:`PERMANENT_OS_ERRORS`, :data:`PERMANENT_BOTOCORE_ERRORS`, one saying
-    :data:`PERMANENT_ERROR_TEXTS` nor one caused by :data:`PERMANENT_HUB_ERRORS`, or a Ray
-    actor, worker or node lost under a task; not an error raised inside one)."""
+    :data:`PERMANENT_ERROR_TEXTS` or of :data:`PERMANENT_ERRNOS` nor one caused by
+    :data:`PERMANENT_HUB_ERRORS`; or a Ray actor, worker or node lost under a task, not an
+    error raised inside one)."""
     wrapped = getattr(error, "kwargs", {}).get("error") if isinstance(error, BotoCoreError) else None
     if (
         isinstance(error, PERMANENT_OS_ERRORS + PERMANENT_BOTOCORE_ERRORS)
@@ -118,7 +124,9 @@ def is_transient(error: BaseException) -> bool:
         or _caused_by_hub_refusal(error)
     ):
         return False
-    if isinstance(error, OSError) and any(text in str(error) for text in PERMANENT_ERROR_TEXTS):
+    if isinstance(error, OSError) and (
+        error.errno in PERMANENT_ERRNOS or any(text in str(error) for text in PERMANENT_ERROR_TEXTS)
+    ):
         return False
     if isinstance(error, TRANSIENT_ERRORS):
         return True

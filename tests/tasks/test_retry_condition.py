@@ -5,8 +5,10 @@ on the Hugging Face Hub."""
 from __future__ import annotations
 
 import datetime
+import errno
 import http.server
 import ipaddress
+import os
 import ssl
 import threading
 from collections.abc import Iterator
@@ -201,3 +203,14 @@ def test_a_hub_checkpoint_that_is_not_there_or_not_allowed_is_not_retried(status
 def test_a_hub_that_fails_for_a_moment_is_retried(status, monkeypatch):
     raised = loading_error(hub_error(status), monkeypatch)
     assert retry_if_transient(None, None, Failed(data=raised)) is True, raised
+
+
+def test_a_store_on_a_read_only_file_system_is_not_retried():
+    """A local ``storage.root`` on a read-only mount (a volume mounted ``ro``): every write
+    fails as fsspec raises it here, a plain ``OSError`` of errno ``EROFS``, on every attempt;
+    it was retried three times (~21 s, and the trainer's load on each), where a forbidden
+    path's ``PermissionError`` fails at once."""
+    error = OSError(errno.EROFS, os.strerror(errno.EROFS))
+    assert type(error) is OSError  # no subclass of its own, as EACCES has
+    assert retry_if_transient(None, None, Failed(data=error)) is False
+    assert retry_if_transient(None, None, Failed(data=OSError(errno.EIO, os.strerror(errno.EIO)))) is True
