@@ -232,7 +232,7 @@ def send_signal(
         except Exception as exc:
             if wait is None:
                 raise
-            log.warning("could not raise signal %r (%s); trying again in %.1f s", name, exc, wait)
+            log.warning("could not raise signal %r: %s; trying again in %.1f s", name, said(exc), wait)
             time.sleep(wait)
 
 
@@ -251,7 +251,7 @@ def read_signal(
         except Exception as exc:
             if wait is None:
                 raise
-            log.warning("could not read signal %r (%s); trying again in %.1f s", name, exc, wait)
+            log.warning("could not read signal %r: %s; trying again in %.1f s", name, said(exc), wait)
             time.sleep(wait)
 
 
