@@ -274,7 +274,7 @@ def run_trainer(
         try:
             plans.publish(plan)
         except Exception as exc:  # the next decision publishes again; workers keep the last plan
-            log.warning("could not publish the elastic plan: %s", exc)
+            log.warning("could not publish the elastic plan: %s", said(exc))
             return False
         published.update(plan=roles, at=time.monotonic())
         return True
@@ -353,7 +353,7 @@ def run_trainer(
             if not role.publish(trainer_status(tokens, running, newest_read)):
                 return
         except Exception as exc:  # the next one replaces it; a stale status holds no rollout back
-            log.warning("could not publish the trainer's status: %s", exc)
+            log.warning("could not publish the trainer's status: %s", said(exc))
             return
         reported.update(tokens=tokens, newest_read=newest_read, at=time.monotonic())
 

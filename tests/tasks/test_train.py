@@ -13,7 +13,7 @@ from flows.config import RunConfig
 from rl.models import ensure_base_version, load_policy, publish_policy
 from rl.trainer import Trainer
 from storage.config import RunStore, StorageConfig
-from storage.status import RolloutStatusBoard
+from storage.status import ElasticPlanBoard, RolloutStatusBoard, TrainerStatusBoard
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.train import run_trainer
@@ -136,3 +136,45 @@ def test_a_skipped_decision_says_what_failed_the_status_read_masked(
     for said in (skipped, warned):
         assert shown in said, said
         assert hidden is None or hidden not in said, said
+
+
+@pytest.mark.parametrize(
+    ("error", "shown", "hidden"),
+    [
+        (TimeoutError(), "TimeoutError", None),
+        (
+            OSError("AccessDenied: <AWSAccessKeyId>AKIAABCDEFGHIJKLMNOP</AWSAccessKeyId>"),
+            "AccessDenied",
+            "AKIAABCDEFGHIJKLMNOP",
+        ),
+    ],
+    ids=["bare", "echoed-key-id"],
+)
+def test_a_plan_or_status_the_store_refused_is_logged_saying_what_failed_masked(
+    tmp_path, monkeypatch, caplog, error, shown, hidden
+):
+    """The elastic plan and the trainer's last status (``running`` false) cannot be
+    published: the warnings said "could not publish the elastic plan: " and nothing more for
+    a bare ``TimeoutError``, and logged a key id an S3 error body echoed as it was."""
+    run = RunConfig(run_id="refused", storage=StorageConfig(root=str(tmp_path / "runs")), sao=config())
+    store = RunStore(run.storage, run.run_id)
+    ensure_base_version(WeightStore(store), TINY)
+    write_shards(store, make_trajectories(store, 4, seed=1), per_shard=4)
+    publish_status = TrainerStatusBoard.publish
+
+    def refused(self, plan):
+        raise error
+
+    def refusing_the_last(self, status):
+        if not status.running:
+            raise error
+        publish_status(self, status)
+
+    monkeypatch.setattr(ElasticPlanBoard, "publish", refused)
+    monkeypatch.setattr(TrainerStatusBoard, "publish", refusing_the_last)
+    with caplog.at_level(logging.WARNING, logger="tasks.train"):
+        assert run_trainer(run, time.time() + 600, drain=True)["steps"] == 1
+    for opening in ("could not publish the elastic plan", "could not publish the trainer's status"):
+        (warned, *_) = [r.getMessage() for r in caplog.records if r.getMessage().startswith(opening)]
+        assert shown in warned, warned
+        assert hidden is None or hidden not in warned, warned
