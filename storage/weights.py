@@ -35,7 +35,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -185,6 +185,32 @@ def _safetensors_ready(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torc
     return ready
 
 
+def kept_float32(names: Iterable[str], model_config: Mapping, dtype: torch.dtype) -> set[str]:
+    """The ``names`` that ``from_pretrained`` of ``model_config``'s model in ``dtype`` keeps in
+    float32: those its Hugging Face class lists in ``_keep_in_fp32_modules_strict`` for bfloat16
+    and float16 (the routers of GLM-4.5 and DeepSeek-V3), and in ``_keep_in_fp32_modules`` for
+    float16; as ``rl.models.placed`` keeps them in the trainer. The class is the config's
+    ``architectures``, or the causal LM of its ``model_type``; none for a class transformers
+    does not have (a model of remote code)."""
+    import transformers
+    from transformers.core_model_loading import build_glob_alternation
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    classes = model_config.get("architectures") or [
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_config.get("model_type"))
+    ]
+    plan: dict = {}
+    for class_name in filter(None, classes):
+        model_class = getattr(transformers, class_name, None)
+        if isinstance(model_class, type) and issubclass(model_class, transformers.PreTrainedModel):
+            # the plan from_pretrained takes, from the class's lists alone (no model is built)
+            plan |= transformers.PreTrainedModel._get_dtype_plan(model_class, dtype)
+    if not plan:
+        return set()
+    pattern = build_glob_alternation(list(plan))[0]
+    return {name for name in names if pattern.search(name)}
+
+
 def _index(tensors: Mapping[str, torch.Tensor]) -> dict:
     """``model.safetensors.index.json`` of one file holding ``tensors``, as Hugging Face writes it."""
     total = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -318,7 +344,8 @@ class WeightStore:
                 claim of ``version`` left without a manifest by an attempt that failed is
                 taken back instead of raising :class:`VersionTaken`.
             dtype: store the floating-point tensors in this dtype (tied ones still once) and
-                say so in ``config.json``; default: as given.
+                say so in ``config.json``, but those a load in ``dtype`` keeps in float32 in
+                float32 (:func:`kept_float32`); default: as given.
             before_commit: called once the files are uploaded, just before the manifest makes
                 the version complete; what it raises stops the publish, and the version stays
                 incomplete, as a publish killed there leaves it (``retain`` deletes it).
@@ -337,7 +364,13 @@ class WeightStore:
         with tempfile.TemporaryDirectory(prefix="treadle-publish-") as staging:
             tensors = _safetensors_ready(state_dict)
             if dtype is not None:
-                tensors = {name: t.to(dtype) if t.is_floating_point() else t for name, t in tensors.items()}
+                import torch
+
+                kept = kept_float32(tensors, model_config, dtype)
+                tensors = {
+                    name: t.to(torch.float32 if name in kept else dtype) if t.is_floating_point() else t
+                    for name, t in tensors.items()
+                }
                 model_config = model_config | {"dtype": str(dtype).removeprefix("torch.")}
             save_file(tensors, os.path.join(staging, MODEL_FILE), metadata={"format": "pt"})
             Path(staging, MODEL_INDEX_FILE).write_text(json.dumps(_index(tensors), indent=2, sort_keys=True))
