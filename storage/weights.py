@@ -378,8 +378,18 @@ class WeightStore:
             if tokenizer_dir is not None:
                 self._stage_tokenizer(Path(tokenizer_dir), Path(staging))
             for name, payload in extra_files.items():
-                Path(staging, name).parent.mkdir(parents=True, exist_ok=True)
-                Path(staging, name).write_bytes(payload)
+                path = Path(staging, name)
+                try:
+                    if path.exists():
+                        raise FileExistsError(name)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_bytes(payload)
+                except (FileExistsError, NotADirectoryError):
+                    # written over a tokenizer file, it would also leave the engines' part (PARTS)
+                    raise ValueError(
+                        f"extra file name {name!r} clashes with a tokenizer file or another extra file "
+                        "(they share a name, or one is a file where the other needs a folder)"
+                    ) from None
             files = {
                 path.relative_to(staging).as_posix(): sha256_file(path)
                 for path in sorted(Path(staging).rglob("*"))

@@ -1372,3 +1372,21 @@ def test_a_bfloat16_publish_keeps_the_routers_a_bfloat16_load_keeps_in_float32(w
     served = AutoModelForCausalLM.from_pretrained(local, dtype=torch.bfloat16).state_dict()
     for name, tensor in routers.items():
         assert torch.equal(served[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    "extra_files",
+    [
+        {"tokenizer.json": b"optimizer"},  # it replaced the tokenizer, then left out of the engines' part
+        {"tokenizer.json/state": b"x"},
+        {"state": b"x", "state/inner": b"y"},
+        {"state/inner": b"y", "state": b"x"},
+    ],
+)
+def test_an_extra_file_that_clashes_with_a_tokenizer_file_or_another_extra_is_refused(
+    weights, tokenizer_dir, extra_files
+):
+    name = next(reversed(extra_files))
+    with pytest.raises(ValueError, match=f"extra file name {name!r} clashes with"):
+        publish_model(weights, tiny_llama(seed=0), tokenizer_dir, extra_files=extra_files)
+    assert weights.list() == [] and weights.latest() is None
