@@ -913,9 +913,11 @@ class WeightStore:
         """Check that each of ``files`` (name -> sha256) is in ``local_dir`` with its digest."""
         for name, expected in files.items():
             path = os.path.join(local_dir, name)
-            if not os.path.isfile(path):
-                raise _missing_file(version, name)
-            actual = sha256_file(path)
+            try:
+                actual = sha256_file(path)
+            # missing, or deleted meanwhile by the tidy of another store sharing the cache
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise _missing_file(version, name) from None
             if actual != expected:
                 raise _corrupt_file(version, name, actual, expected)
 

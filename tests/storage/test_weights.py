@@ -1390,3 +1390,29 @@ def test_an_extra_file_that_clashes_with_a_tokenizer_file_or_another_extra_is_re
     with pytest.raises(ValueError, match=f"extra file name {name!r} clashes with"):
         publish_model(weights, tiny_llama(seed=0), tokenizer_dir, extra_files=extra_files)
     assert weights.list() == [] and weights.latest() is None
+
+
+def test_a_cached_copy_deleted_between_a_files_check_and_its_hashing_is_fetched_again(
+    store, tmp_path, tokenizer_dir, monkeypatch
+):
+    """A ``one_copy`` store sharing the cache deletes a copy file by file while another load
+    verifies it: a file found present, then gone when opened to hash it, raised a bare
+    ``FileNotFoundError`` out of the load (which ``load_newest`` does not pass over either)."""
+    weights = WeightStore(store, cache_dir=tmp_path / "cache")
+    other = WeightStore(RunStore(store.config, store.run_id), cache_dir=tmp_path / "cache")
+    model = tiny_llama(seed=0)
+    publish_model(weights, model, tokenizer_dir)
+    held = Path(weights.load(0, "serving"))
+    hash_file = weights_module.sha256_file
+
+    def hash_once_the_copy_is_gone(path):
+        if Path(path).parent == held:
+            Path(path).unlink(missing_ok=True)
+        return hash_file(path)
+
+    monkeypatch.setattr(weights_module, "sha256_file", hash_once_the_copy_is_gone)
+    serving = other.load(0, "serving")
+    monkeypatch.setattr(weights_module, "sha256_file", hash_file)
+    loaded = AutoModelForCausalLM.from_pretrained(serving).eval()
+    ids = torch.tensor([[1, 4, 5]])
+    torch.testing.assert_close(logits_of(loaded, ids), logits_of(model, ids), rtol=0, atol=0)
