@@ -8,9 +8,12 @@ an execution, so the default 24 executions are 1.4M tokens.
 Measured side by side in one run:
 - ours: ``rl.processor.process_shard`` on the Arrow table (all of it: checks, prefix trees,
   dedup sampling, weights, the processed table and the trajectory rows);
-- straightforward (best of 2 runs; ours best of ``--repeats``): the same dedup written
-  per trajectory in plain Python — a dict trie walked token by token, and the gains
-  recomputed by walking every candidate path after each pick.
+- straightforward: the same dedup written per trajectory in plain Python — a dict trie
+  walked token by token, and the gains recomputed by walking every candidate path after
+  each pick.
+
+Each side runs ``--repeats`` times, the two taking turns (:func:`alternated_best`); the
+best run of each counts.
 
 With ``j_max`` unlimited both must train exactly the number of distinct trainable tokens
 (asserted). The last line is a JSON object:
@@ -27,6 +30,7 @@ import json
 import random
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from itertools import accumulate
 
 import numpy as np
@@ -193,10 +197,25 @@ def straightforward_process(table: pa.Table, j_max: int | None, seed: int) -> di
     return train_masks
 
 
+def alternated_best(sides: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[float, object]]:
+    """Each side's fewest seconds over ``repeats`` runs and its last run's result; the sides
+    take turns, so that the machine's drift (neighbours' load, clock changes) reaches both alike."""
+    seconds: dict[str, list[float]] = {name: [] for name in sides}
+    results: dict[str, object] = {}
+    for _ in range(repeats):
+        for name, run in sides.items():
+            start = time.perf_counter()
+            results[name] = run()
+            seconds[name].append(time.perf_counter() - start)
+    return {name: (min(seconds[name]), results[name]) for name in sides}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--executions", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=5, help="runs of ours; the best counts")
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="runs of each side, alternated; the best counts"
+    )
     args = parser.parse_args()
     if args.executions < 1 or args.repeats < 1:
         parser.error("--executions and --repeats must be at least 1")
@@ -207,19 +226,15 @@ def main() -> None:
     print(f"workload: {args.executions} executions, {table.num_rows} trajectories, {tokens_in} tokens")
 
     config = ProcessorConfig(j_max=None, progress_weight=0.5)
-    ours_seconds = []
-    for _ in range(args.repeats):
-        start = time.perf_counter()
-        result = process_shard(table, config, shard_id="bench")
-        ours_seconds.append(time.perf_counter() - start)
-    ours = min(ours_seconds)
-
-    straightforward_seconds = []
-    for _ in range(2):
-        start = time.perf_counter()
-        reference = straightforward_process(table, None, seed=0)
-        straightforward_seconds.append(time.perf_counter() - start)
-    straightforward = min(straightforward_seconds)
+    best = alternated_best(
+        {
+            "ours": lambda: process_shard(table, config, shard_id="bench"),
+            "straightforward": lambda: straightforward_process(table, None, seed=0),
+        },
+        args.repeats,
+    )
+    ours, result = best["ours"]
+    straightforward, reference = best["straightforward"]
     start = time.perf_counter()
     trie_only(table)
     trie_seconds = time.perf_counter() - start

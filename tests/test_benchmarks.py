@@ -1,0 +1,25 @@
+"""The pure helpers of ``benchmarks/`` that decide what a benchmark's ratio compares."""
+
+from __future__ import annotations
+
+from benchmarks.bench_processor import alternated_best
+
+
+def test_the_processor_sides_run_as_often_as_each_other_taking_turns():
+    calls: list[str] = []
+
+    def side(name: str):
+        def run() -> str:
+            calls.append(name)
+            return f"{name}-{calls.count(name)}"
+
+        return run
+
+    best = alternated_best({"ours": side("ours"), "straightforward": side("straightforward")}, repeats=3)
+
+    assert calls == ["ours", "straightforward"] * 3
+    assert {name: result for name, (_, result) in best.items()} == {
+        "ours": "ours-3",
+        "straightforward": "straightforward-3",
+    }
+    assert all(seconds >= 0 for seconds, _ in best.values())
