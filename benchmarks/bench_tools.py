@@ -1,6 +1,7 @@
 """Tool-call latency: a command in the persistent pty bash vs a fresh ``bash -c`` per command.
 
-Both run under the same isolation backend (bwrap when installed), side by side in one run.
+Both run under the same isolation backend (bwrap when installed), side by side in one run,
+the same number of times, alternating.
 ``ratio`` = fresh-process median / persistent median (targets: persistent median <= 5 ms,
 ratio >= 10). :func:`bench_http_transport` also times a request round trip to the rollout
 service's HTTP API (``GET /status`` with the bearer token) over a Unix domain socket against
@@ -18,6 +19,7 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -32,28 +34,33 @@ from rollout.service_http import ServiceServer
 COMMAND = "echo $((6 * 7))"
 
 
-def median_ms(fn, repeats: int) -> float:
-    samples = []
+def alternated_medians_ms(sides: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median milliseconds of each side over ``repeats`` calls, the sides taking turns, so
+    that the machine's drift (neighbours' load) reaches both alike."""
+    samples: dict[str, list[float]] = {name: [] for name in sides}
     for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - started) * 1000)
-    return statistics.median(samples)
+        for name, call in sides.items():
+            started = time.perf_counter()
+            call()
+            samples[name].append((time.perf_counter() - started) * 1000)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
-def bench_shell(repeats: int = 200) -> dict:
-    """Median round trip of ``COMMAND`` in the persistent shell and in a fresh sandboxed bash."""
+def bench_shell(repeats: int = 100) -> dict:
+    """Median round trip of ``COMMAND`` in the persistent shell and in a fresh sandboxed bash,
+    alternated."""
     with Sandbox(SandboxConfig(timeout_s=30)) as sandbox:
         shell = Shell(sandbox)
         assert shell.run(COMMAND).output == "42\n"
         assert sandbox.run(COMMAND).output == "42\n"
-        persistent = median_ms(lambda: shell.run(COMMAND), repeats)
-        fresh = median_ms(lambda: sandbox.run(COMMAND), max(repeats // 4, 10))
+        median = alternated_medians_ms(
+            {"persistent": lambda: shell.run(COMMAND), "fresh": lambda: sandbox.run(COMMAND)}, repeats
+        )
         return {
             "backend": sandbox.backend,
-            "persistent_median_ms": round(persistent, 3),
-            "fresh_median_ms": round(fresh, 3),
-            "ratio": round(fresh / persistent, 2),
+            "persistent_median_ms": round(median["persistent"], 3),
+            "fresh_median_ms": round(median["fresh"], 3),
+            "ratio": round(median["fresh"] / median["persistent"], 2),
         }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks.bench_processor import alternated_best
+from benchmarks.bench_tools import alternated_medians_ms
 
 
 def test_the_processor_sides_run_as_often_as_each_other_taking_turns():
@@ -23,3 +24,14 @@ def test_the_processor_sides_run_as_often_as_each_other_taking_turns():
         "straightforward": "straightforward-3",
     }
     assert all(seconds >= 0 for seconds, _ in best.values())
+
+
+def test_the_persistent_and_fresh_shell_are_timed_as_often_as_each_other_taking_turns():
+    calls: list[str] = []
+    medians = alternated_medians_ms(
+        {"persistent": lambda: calls.append("persistent"), "fresh": lambda: calls.append("fresh")}, repeats=4
+    )
+
+    assert calls == ["persistent", "fresh"] * 4
+    assert set(medians) == {"persistent", "fresh"}
+    assert all(median >= 0 for median in medians.values())
