@@ -117,9 +117,21 @@ async def main(args) -> dict:
     }
 
 
-if __name__ == "__main__":
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=128, help="prompts per configuration")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    print(json.dumps(asyncio.run(main(parser.parse_args()))))
+    args = parser.parse_args(argv)
+    for name, value in (
+        ("--prompts", args.prompts),
+        ("--new-tokens", args.new_tokens),
+        ("--threads", args.threads),
+    ):
+        if value < 1:
+            parser.error(f"{name} must be at least 1, not {value}")
+    return args
+
+
+if __name__ == "__main__":
+    print(json.dumps(asyncio.run(main(parse_args()))))

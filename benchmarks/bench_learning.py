@@ -245,7 +245,7 @@ def run_seed(args, seed: int) -> dict[str, float]:
     return gains
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/tiny.yaml", help="Run config of version 0 and the arms.")
     parser.add_argument("--seeds", type=int, default=1, help="Seeds; the medians are reported.")
@@ -272,12 +272,22 @@ def main() -> None:
         default="arith,guess",
         help="Comma-separated environments to run the arms on (arith, guess).",
     )
-    args = parser.parse_args()
-    if args.seeds < 1:
-        parser.error(f"--seeds must be at least 1, got {args.seeds}")
+    args = parser.parse_args(argv)
+    for name in ("seeds", "guess_turns", "eval_tasks", "demos"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    # with --eval-every 0 the held-out evals would run back to back, taking the arms' CPU
+    for name in ("arith_seconds", "guess_seconds", "eval_every", "warm_start_seconds"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be above 0, got {getattr(args, name)}")
     args.envs = args.envs.split(",")
     if not args.envs or not set(args.envs) <= {"arith", "guess"}:
         parser.error(f"--envs must name arith and/or guess, got {','.join(args.envs)!r}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory(prefix="treadle-bench-learning-") as tmp:
         args.root = args.root or str(Path(tmp))

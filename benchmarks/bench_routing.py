@@ -75,13 +75,21 @@ async def run_workload(model, tokenizer, policy: str, args) -> dict:
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=64)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("sessions", "turns", "replicas", "new_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model, tokenizer = build_tiny_model(TinyModelConfig())

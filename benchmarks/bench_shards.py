@@ -210,7 +210,7 @@ def memory_pass(side: str, args: argparse.Namespace, trajectories: int) -> int:
     return json.loads(out.strip().splitlines()[-1])["peak_rss_growth_bytes"]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
         "--trajectories", type=int, default=20_480, help="trajectories written and read per pass"
@@ -227,7 +227,15 @@ def main() -> None:
     )
     parser.add_argument("--root", default=None, help="local folder for the data (default: a temp dir)")
     parser.add_argument("--memory-pass", choices=["treadle", "raw"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for name in ("trajectories", "flush_records", "batch_rows", "tokens", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, not {getattr(args, name)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     pool = [make_batch(seed, args.batch_rows, args.tokens) for seed in range(4)]
     num_batches = -(-args.trajectories // args.batch_rows)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+
+import pytest
+
 from benchmarks.bench_processor import alternated_best
 from benchmarks.bench_tools import alternated_medians_ms
 
@@ -35,3 +39,28 @@ def test_the_persistent_and_fresh_shell_are_timed_as_often_as_each_other_taking_
     assert calls == ["persistent", "fresh"] * 4
     assert set(medians) == {"persistent", "fresh"}
     assert all(median >= 0 for median in medians.values())
+
+
+@pytest.mark.parametrize(
+    ("bench", "argv", "flag"),
+    [
+        ("bench_engine", ["--prompts", "0"], "--prompts"),
+        ("bench_engine", ["--new-tokens", "0"], "--new-tokens"),
+        ("bench_routing", ["--sessions", "0"], "--sessions"),
+        ("bench_routing", ["--turns", "0"], "--turns"),
+        ("bench_routing", ["--replicas", "0"], "--replicas"),
+        ("bench_shards", ["--repeats", "0"], "--repeats"),
+        ("bench_shards", ["--batch-rows", "0"], "--batch-rows"),
+        ("bench_shards", ["--trajectories", "0"], "--trajectories"),
+        ("bench_learning", ["--eval-every", "0"], "--eval-every"),
+        ("bench_learning", ["--arith-seconds", "-1"], "--arith-seconds"),
+    ],
+)
+def test_a_size_a_benchmark_cannot_run_with_is_refused_naming_its_flag(bench, argv, flag, capsys):
+    module = importlib.import_module(f"benchmarks.{bench}")
+
+    with pytest.raises(SystemExit) as exited:
+        module.parse_args(argv)
+
+    assert exited.value.code == 2
+    assert flag in capsys.readouterr().err
