@@ -139,7 +139,7 @@ def run_side(side: str, args: argparse.Namespace) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2048, help="tokens in the micro-batch (2 rows)")
     parser.add_argument(
@@ -153,6 +153,16 @@ def main() -> None:
         parser.error(
             f"--action-share must be in (0, 1]: with none the two sides have nothing to compare, not {args.action_share}"
         )
+    if not inputs(args.tokens, args.action_share)[2].any():
+        parser.error(
+            f"--tokens {args.tokens} with --action-share {args.action_share} draws no action token: "
+            "the two sides would have nothing to compare; raise either"
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.side:
         print(json.dumps(one_pass(args.side, args.tokens, args.action_share)))
         return

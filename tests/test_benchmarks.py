@@ -54,6 +54,7 @@ def test_the_persistent_and_fresh_shell_are_timed_as_often_as_each_other_taking_
         ("bench_shards", ["--trajectories", "0"], "--trajectories"),
         ("bench_learning", ["--eval-every", "0"], "--eval-every"),
         ("bench_learning", ["--arith-seconds", "-1"], "--arith-seconds"),
+        ("bench_train_memory", ["--tokens", "8", "--action-share", "0.05"], "--action-share"),
     ],
 )
 def test_a_size_a_benchmark_cannot_run_with_is_refused_naming_its_flag(bench, argv, flag, capsys):
