@@ -12,8 +12,8 @@ Measured side by side in one run:
   walked token by token, and the gains recomputed by walking every candidate path after
   each pick.
 
-Each side runs ``--repeats`` times, the two taking turns (:func:`alternated_best`); the
-best run of each counts.
+Each side, and the trie walk alone (``ratio_vs_trie_walk_only``), runs ``--repeats`` times,
+taking turns (:func:`alternated_best`); the best run of each counts.
 
 With ``j_max`` unlimited both must train exactly the number of distinct trainable tokens
 (asserted). The last line is a JSON object:
@@ -230,14 +230,13 @@ def main() -> None:
         {
             "ours": lambda: process_shard(table, config, shard_id="bench"),
             "straightforward": lambda: straightforward_process(table, None, seed=0),
+            "trie walk": lambda: trie_only(table),
         },
         args.repeats,
     )
     ours, result = best["ours"]
     straightforward, reference = best["straightforward"]
-    start = time.perf_counter()
-    trie_only(table)
-    trie_seconds = time.perf_counter() - start
+    trie_seconds, _ = best["trie walk"]
 
     distinct = sum(sum(mask) for mask in reference.values())
     counters = result.counters
