@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -534,13 +535,13 @@ def unused_port() -> int:
         return sock.getsockname()[1]
 
 
-def _start_server(port: int) -> subprocess.Popen:
+def _start_server(port: int) -> _TemporaryServer:
     """A flow command's temporary Prefect server on 127.0.0.1:``port``, stopped at exit."""
     # with its UI, which the flow run's "View at" link names; without the scheduler, as in
     # Prefect's ephemeral mode: it would add runs of the local database's deployments
     command, env = prefect_server("127.0.0.1", port, "--no-scheduler")
     try:
-        server = subprocess.Popen(
+        server = _TemporaryServer(
             command,
             env=env,
             stdin=subprocess.DEVNULL,
@@ -556,6 +557,25 @@ def _start_server(port: int) -> subprocess.Popen:
     # before Prefect's own exit handlers, which run first and send their last logs and events
     atexit.register(_stop_server, server)
     return server
+
+
+class _TemporaryServer(subprocess.Popen):
+    """A flow command's Prefect server, what it writes to stderr copied onto the command's
+    until the command stops it (:func:`_stop_server`): stopped while a request's database
+    connection was being given back, a server logs that cancellation's traceback
+    (sqlalchemy's "Exception during reset"), after the command's work is done."""
+
+    def __init__(self, command: list[str], **options) -> None:
+        super().__init__(command, stderr=subprocess.PIPE, text=True, errors="replace", **options)
+        self.stopping = threading.Event()
+        self.relay = threading.Thread(target=self._relay, name="prefect-server-stderr", daemon=True)
+        self.relay.start()
+
+    def _relay(self) -> None:
+        for line in self.stderr:  # read to the end, so that the server never blocks on a full pipe
+            if not self.stopping.is_set():
+                sys.stderr.write(line)
+                sys.stderr.flush()
 
 
 def _answers(server: subprocess.Popen, port: int, timeout: float) -> bool:
@@ -664,8 +684,10 @@ def _healthy(url: str) -> bool:
         return False
 
 
-def _stop_server(server: subprocess.Popen) -> None:
-    """Stop ``server``, the leader of its own process group, and whatever it started."""
+def _stop_server(server: _TemporaryServer) -> None:
+    """Stop ``server``, the leader of its own process group, and whatever it started (what it
+    says from then on is not relayed)."""
+    server.stopping.set()
     if server.poll() is None:
         os.killpg(server.pid, signal.SIGTERM)
         try:

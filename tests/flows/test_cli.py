@@ -39,6 +39,8 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.cli import (
     TABLES,
     VIEWS,
+    _stop_server,
+    _TemporaryServer,
     _unreachable_api,
     inspect_run,
     main,
@@ -1655,6 +1657,42 @@ LOST_API_LINE = re.compile(
     r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage"
 )
 """The one line a flow command ends with when its temporary Prefect server is gone."""
+
+
+STOPPED_NOISILY = """
+import signal, sys, time
+
+def stopped(*_):
+    print("Traceback: a connection's reset cancelled", file=sys.stderr, flush=True)
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, stopped)
+print("a warning while running", file=sys.stderr, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_temporary_server_says_on_the_commands_stderr_what_it_says_until_the_command_stops_it(capsys):
+    """A flow command's Prefect server stopped at the command's exit while a request's database
+    connection was being given back printed sqlalchemy's traceback of the cancelled reset on
+    the command's terminal, after its work was done. What the server says while it runs still
+    reaches the command's stderr; from its stop on, nothing does."""
+    server = _TemporaryServer(
+        [sys.executable, "-c", STOPPED_NOISILY],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    said = ""
+    deadline = time.monotonic() + 60
+    while "a warning while running" not in said:
+        assert time.monotonic() < deadline and server.poll() is None, said
+        time.sleep(0.05)
+        said += capsys.readouterr().err
+    _stop_server(server)
+    server.relay.join(timeout=60)
+    assert not server.relay.is_alive() and server.returncode == 0
+    assert "Traceback" not in said + capsys.readouterr().err
 
 
 def test_a_prefect_api_lost_during_a_flow_run_ends_the_command_at_once_with_one_line(
