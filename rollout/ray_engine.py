@@ -15,6 +15,7 @@ import contextlib
 import os
 import signal
 import threading
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -209,6 +210,9 @@ class EngineHost:
         # one load at a time: a load lets go of the copy before it (one_copy deletes it), so an
         # older fetch finishing last would delete the newer copy and serve the older version
         self._loading = asyncio.Lock()
+        # a restarted actor's process may have the pid the dead one had (on another node, in a
+        # container started alike): this id is the one process's, never another's
+        self.incarnation = uuid.uuid4().hex
         path, version = _start_dir(model_dir, version, self.weights)
         self.engine = TorchEngine.from_config(
             TorchEngineConfig.model_validate(config | {"device": actor_device(config["device"])}),
@@ -220,15 +224,15 @@ class EngineHost:
     async def generate(self, session_id: str, prompt_ids: list[int], params: SamplingParams) -> Generation:
         return await self.engine.generate(session_id, prompt_ids, params)
 
-    async def load_version(self, version: int, path: str) -> tuple[int, int]:
-        """Load ``version`` from ``path``; returns the version served and this process's id."""
+    async def load_version(self, version: int, path: str) -> tuple[int, str]:
+        """Load ``version`` from ``path``; returns the version served and :attr:`incarnation`."""
         # a version fetched from the store takes seconds to minutes: in a thread, so the
         # actor goes on answering generations and health probes meanwhile
         async with self._loading:
             # a cancelled load (timed out) holds the lock until its fetch's thread is done
             local = await to_thread_to_the_end(_local_dir, path, version, self.weights)
             await self.engine.load_version(version, local)
-        return self.engine.version, os.getpid()
+        return self.engine.version, self.incarnation
 
     def end_session(self, session_id: str) -> None:
         self.engine.end_session(session_id)
@@ -236,10 +240,10 @@ class EngineHost:
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def health(self) -> tuple[bool, int, int]:
-        """Whether the engine is up, this process's id (another one: Ray restarted the actor)
+    async def health(self) -> tuple[bool, str, int]:
+        """Whether the engine is up, :attr:`incarnation` (another one: Ray restarted the actor)
         and the version it serves."""
-        return await self.engine.health(), os.getpid(), self.engine.version
+        return await self.engine.health(), self.incarnation, self.engine.version
 
     async def close(self) -> None:
         await self.engine.close()
@@ -298,8 +302,8 @@ class RayEngine:
         options = {"max_restarts": -1, **(actor_options or engine_actor_resources(config))}
         self.name = name
         self.version = version
-        self._loaded_in: int | None = None
-        """Process id of the actor that loaded ``version``; None while the actor serves what it
+        self._loaded_in: str | None = None
+        """Incarnation of the actor that loaded ``version``; None while the actor serves what it
         started on, which every probe reports (a restarted actor's may differ from the first's)."""
         self.actor_options = options
         self.actor = EngineActor.options(**options).remote(
@@ -349,10 +353,10 @@ class RayEngine:
 
     async def health(self) -> bool:
         try:
-            healthy, pid, served = await self._call("health")
+            healthy, incarnation, served = await self._call("health")
         except EngineError:
             return False
-        if self._loaded_in is None or pid != self._loaded_in:
+        if self._loaded_in is None or incarnation != self._loaded_in:
             # Ray restarted the actor on model_dir (or the latest version, see _start_dir): what
             # it loaded went with the old process
             self.version, self._loaded_in = served, None
