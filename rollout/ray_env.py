@@ -47,29 +47,47 @@ def _rebuilt(cls: type[BaseException], args: tuple, state: dict) -> BaseExceptio
 
 
 class _Carried(Exception):
-    """Carries an env's exception that pickling cannot rebuild (an ``__init__`` whose arguments
-    are not its ``args``, as ``SandboxError``'s): unpickled, it is that exception again."""
+    """Carries an env's exception that pickling cannot rebuild as it was (an ``__init__`` whose
+    arguments are not its ``args``, as ``SandboxError``'s; an attribute pickling refuses, a lock
+    or a client): unpickled, it is that exception again, less such attributes."""
 
     def __init__(self, exc: BaseException):
         super().__init__(str(exc))
         self.exc = exc
 
     def __reduce__(self):
-        return _rebuilt, (type(self.exc), self.exc.args, vars(self.exc))
+        exc = self.exc
+        args = exc.args if _pickles(exc.args) else (str(exc),)
+        return _rebuilt, (
+            type(exc),
+            args,
+            {key: value for key, value in vars(exc).items() if _pickles(value)},
+        )
 
 
-def _survives_pickling(exc: Exception) -> bool:
+def _pickles(value: Any) -> bool:
     try:
-        cloudpickle.loads(cloudpickle.dumps(exc))
+        cloudpickle.dumps(value)
     except Exception:
         return False
     return True
 
 
+def _survives_pickling(exc: Exception) -> bool:
+    """Whether ``exc`` unpickles as itself: its type and message (one whose ``__init__`` makes
+    its message from its argument unpickled with the message made twice)."""
+    try:
+        rebuilt = cloudpickle.loads(cloudpickle.dumps(exc))
+        return type(rebuilt) is type(exc) and str(rebuilt) == str(exc)
+    except Exception:
+        return False
+
+
 @contextlib.contextmanager
 def _crossing_ray() -> Iterator[None]:
     """Run an env's code, its exceptions made to come back as themselves on the driver: one Ray
-    could not rebuild there came back as an ``UnserializableException``, a lost worker's."""
+    could not rebuild there came back as an ``UnserializableException``, a lost worker's, and
+    one it could not pickle as Ray's bare ``RayError`` quoting the actor's traceback."""
     try:
         yield
     except Exception as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 
 import pytest
@@ -214,3 +215,57 @@ def test_a_call_its_env_is_closed_under_is_host_lost_and_a_closed_pool_makes_no_
             pool.make_env(task)
 
     asyncio.run(body())
+
+
+def test_an_env_error_pickling_mangles_or_cannot_carry_comes_back_as_itself(monkeypatch):
+    """Ray sends an env's exception to the driver pickled. One whose ``__init__`` builds its
+    message from its argument came back with the message built twice ('exit code exit code 3');
+    one holding an attribute pickling refuses (a lock, a client) came back as Ray's bare
+    ``RayError`` 'Exception ... isn't serializable' with the actor's traceback, its type and
+    message lost, where the local env gives the env's own error."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+
+    class ExitCode(Exception):
+        def __init__(self, code: int):
+            super().__init__(f"exit code {code}")
+            self.code = code
+
+    @registry.register
+    class CodedSums(ArithEnv):
+        name = "coded_sums"
+
+        async def step(self, action):
+            raise ExitCode(3)
+
+    @registry.register
+    class LockedSums(ArithEnv):
+        name = "locked_sums"
+
+        async def step(self, action):
+            exc = RuntimeError("the judge refused: quota exceeded")
+            exc.lock = threading.Lock()
+            raise exc
+
+    async def raised(name: str) -> BaseException:
+        task = registry.task_set(name, "train", seed=0, n=1)[0]
+        env = pool.make_env(task)
+        await env.reset(task)
+        try:
+            await env.step("1")
+        except Exception as exc:
+            return exc
+        finally:
+            await env.close()
+        raise AssertionError(f"{name}'s step raised nothing")
+
+    pool = RayEnvPool({name: registry.make_config(name) for name in ("coded_sums", "locked_sums")})
+
+    async def body():
+        try:
+            return await raised("coded_sums"), await raised("locked_sums")
+        finally:
+            pool.close()
+
+    coded, locked = asyncio.run(body())
+    assert (type(coded), str(coded), coded.code) == (ExitCode, "exit code 3", 3)
+    assert (type(locked), str(locked)) == (RuntimeError, "the judge refused: quota exceeded")
