@@ -290,11 +290,19 @@ class RayEnvPool:
         return RayEnv(next(self._next), task.env)
 
     def close(self) -> None:
-        """Close every env still open and stop the actors."""
+        """Close every env still open and stop the actors; nothing once closed."""
+        if not self.actors:
+            return
+        closing = [actor.close_all.remote() for actor in self.actors]
         try:
-            ray.get([actor.close_all.remote() for actor in self.actors], timeout=60)
-        except RayError as exc:  # a worker dead, restarting or too slow: it is stopped all the same
-            log.warning("closing environment workers: %s", exc)
+            # every worker's answer, each on its own: a ray.get of them all raises at the first
+            # that failed (a worker that died closing its envs), the others still closing theirs
+            ray.wait(closing, num_returns=len(closing), timeout=60)
+            for name, closed in zip(self.names, closing, strict=True):
+                try:
+                    ray.get(closed, timeout=0)
+                except RayError as exc:  # dead, restarting or too slow: it is stopped all the same
+                    log.warning("closing environment worker %s: %s", name, exc)
         finally:
             for actor in self.actors:
                 ray.kill(actor)

@@ -269,3 +269,43 @@ def test_an_env_error_pickling_mangles_or_cannot_carry_comes_back_as_itself(monk
     coded, locked = asyncio.run(body())
     assert (type(coded), str(coded), coded.code) == (ExitCode, "exit code 3", 3)
     assert (type(locked), str(locked)) == (RuntimeError, "the judge refused: quota exceeded")
+
+
+def test_closing_the_pool_waits_for_every_workers_closes_when_one_worker_dies_in_its_own(
+    tmp_path, monkeypatch
+):
+    """The pool's close waited for every worker's close of its envs with one ``ray.get``, which
+    raises at the first worker that fails: one whose process died closing its envs (an env's
+    close that crashed it, the OOM killer) had the others killed while they still closed
+    theirs, whose sandboxes and outside resources were then never let go."""
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    closed = tmp_path / "closed"
+
+    @registry.register
+    class CrashingSums(ArithEnv):
+        name = "crashing_sums"
+
+        async def close(self):
+            os._exit(1)
+
+    @registry.register
+    class SlowToCloseSums(ArithEnv):
+        name = "slow_to_close_sums"
+
+        async def close(self):
+            await asyncio.sleep(2)
+            closed.touch()
+
+    configs = {name: registry.make_config(name) for name in ("crashing_sums", "slow_to_close_sums")}
+
+    async def body():
+        pool = RayEnvPool(configs, num_workers=2)
+        try:
+            for name in configs:  # one on each worker, in turn
+                task = registry.task_set(name, "train", seed=0, n=1)[0]
+                await pool.make_env(task).reset(task)
+        finally:
+            pool.close()
+
+    asyncio.run(body())
+    assert closed.exists(), "the env on the worker that did not die was not closed"
