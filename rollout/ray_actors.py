@@ -8,6 +8,7 @@ call on it fails for the rest of the run.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -145,16 +146,28 @@ def _cluster_resources() -> str:
 
 def _failed_starts(ready: list, refs: dict) -> list[tuple[str, str]]:
     """The name and error of each actor whose answered ``ready`` probe says it will never
-    start: its constructor raised (the error's own line, the last of the traceback Ray
-    quotes), or Ray cannot place or prepare it (``ActorUnschedulableError``: the node it is
-    held to is gone; ``RuntimeEnvSetupError``). One that died after it started is restarted."""
+    start: its constructor raised (:func:`_raised`), or Ray cannot place or prepare it
+    (``ActorUnschedulableError``: the node it is held to is gone; ``RuntimeEnvSetupError``).
+    One that died after it started is restarted."""
     failed = []
     for ref in ready:
         try:
             ray.get(ref)
         except RayActorError as exc:
             if exc.actor_init_failed:
-                failed.append((refs[ref], str(exc).strip().splitlines()[-1]))
+                failed.append((refs[ref], _raised(str(exc))))
         except RayError as exc:
             failed.append((refs[ref], f"{type(exc).__name__}: {' '.join(str(exc).split())}"))
     return failed
+
+
+def _raised(quoted: str) -> str:
+    """The error a constructor raised, in one line, from the traceback Ray ``quoted`` for it:
+    what follows its last frame, the error's type and message, whose lines may be several (a
+    CUDA error's first says what failed, its last how to debug it)."""
+    lines = quoted.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith('  File "')]
+    after = lines[frames[-1] + 1 :] if frames else lines[-1:]
+    # the last frame's code and its carets, indented, come before the error
+    error = list(itertools.dropwhile(lambda line: line[:1].isspace(), after))
+    return " ".join(" ".join(error).split()) or lines[-1]
