@@ -285,12 +285,16 @@ def run_rollouts(
 
 
 def max_rollouts(config: RunConfig) -> int | None:
-    """The run's limit of rollouts, the total of its quota: the smaller of ``stop.max_rollouts``
-    and ``orchestrator.max_rollouts`` (each an "at most"); None: no limit."""
+    """The run's limit of rollouts, the total of its quota and of its progress bar: the smaller
+    of ``stop.max_rollouts`` and ``orchestrator.max_rollouts`` (each an "at most"), down to a
+    whole number of groups (a group launches whole, so the run finishes no more); None: no limit."""
     limits = [
         limit for limit in (config.stop.max_rollouts, config.orchestrator.max_rollouts) if limit is not None
     ]
-    return min(limits, default=None)
+    if not limits:
+        return None
+    group = config.orchestrator.group_size
+    return min(limits) // group * group
 
 
 def connect_run_ray(config: RunConfig, task_cpus: int = 0) -> None:

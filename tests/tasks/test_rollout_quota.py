@@ -98,3 +98,17 @@ def test_a_worker_finishes_no_more_rollouts_than_the_runs_stop_max_rollouts(tmp_
     ensure_base_version(WeightStore(RunStore(run.storage, run.run_id)), TINY)
     result = run_rollouts(run, time.time() + 300, "w0", flush_records=1)
     assert result["orchestrator"]["finished"] == 2
+
+
+@pytest.mark.parametrize(
+    ("stop", "orchestrator", "limit"), [(10, None, 8), (None, 11, 8), (10, 13, 8), (12, None, 12)]
+)
+def test_a_runs_rollout_limit_in_group_mode_is_the_whole_groups_it_can_finish(stop, orchestrator, limit):
+    """Groups launch whole: with groups of 4 a limit of 10 finishes 8, so the quota and the
+    progress bar's total are 8, not a 10 the run never reaches."""
+    run = RunConfig(
+        stop={"max_rollouts": stop},
+        orchestrator={"group_size": 4, "concurrency": 4, "max_rollouts": orchestrator},
+        sao={"mode": "grpo"},
+    )
+    assert max_rollouts(run) == limit
