@@ -545,8 +545,6 @@ class Orchestrator:
             return
         self.stats.groups_kept += 1
         self._write(group.results)
-        if self.config.target_groups is not None and self.stats.groups_kept >= self.config.target_groups:
-            self.stats.cancelled_redundant += len(self._in_flight)
 
     def _write(self, results: list[RolloutResult]) -> None:
         if not results:
@@ -577,6 +575,7 @@ class Orchestrator:
             if redundant:
                 self._in_flight.pop(job)
                 self._groups.pop(job)
+                self.stats.cancelled_redundant += 1
                 if not job.cancelled():
                     job.exception()  # retrieved: what it raised is as redundant as its result
                 continue

@@ -214,6 +214,7 @@ def test_group_mode_filters_uniform_groups_refills_and_cancels_redundant(tiny):
         assert len({m["prompt_id"] for m in members}) == 1
         assert len({m["reward"] for m in members}) > 1
     assert stats.cut_short == []
+    assert stats.cancelled_redundant == stats.tasks["arith"].started - stats.finished
 
 
 def test_backpressure_pauses_launching_until_the_trainer_catches_up(tiny):
@@ -1201,3 +1202,30 @@ def test_a_group_whose_members_all_errored_is_filtered_with_its_infra_errors_wri
     _, stats = asyncio.run(run(tiny, config, streams("arith"), sink, make_env=lambda task: HostAlwaysLost()))
     assert stats.groups_filtered == 1 and stats.groups_kept == 0
     assert sink.writes == [4] and {record["status"] for record in sink.records} == {"infra_error"}
+
+
+def test_rollouts_a_stop_cuts_short_are_not_counted_as_redundant_once_the_target_is_kept(tiny):
+    """Two groups of four, each with one member stuck; a stop before ``target_groups`` (1) is
+    kept cuts both stuck members short and writes both groups, the first reaching the target:
+    nothing was cancelled as redundant, and the result must not say so."""
+
+    async def during(orchestrator):
+        while orchestrator.stats.finished < 6:
+            await asyncio.sleep(0.01)
+        orchestrator.stop()
+
+    sink = ListSink()
+    config = OrchestratorConfig(
+        mix={"arith": 1.0},
+        concurrency=8,
+        group_size=4,
+        target_groups=1,
+        filter_uniform_groups=False,
+        max_rollouts=8,
+    )
+    OneStuckInFour.made = itertools.count()
+    _, stats = asyncio.run(
+        run(tiny, config, streams("arith"), sink, make_env=lambda task: OneStuckInFour(), during=during)
+    )
+    assert len(stats.cut_short) == 2 and stats.groups_kept == 2 and sink.writes == [3, 3]
+    assert stats.cancelled_redundant == 0
