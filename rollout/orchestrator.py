@@ -421,7 +421,13 @@ class Orchestrator:
 
     def _launch_group(self) -> _Group:
         name = self._next_task_name()
-        task = next(self.tasks[name])
+        try:
+            task = next(self.tasks[name])
+        except StopIteration:  # raised on, it would end run() as "coroutine raised StopIteration"
+            raise ValueError(
+                f"the task stream of {name!r} ran out: an orchestrator's task streams must be endless "
+                "(itertools.cycle a finite one)"
+            ) from None
         size = self.config.group_size
         group = _Group(group_id=uuid.uuid4().hex if size > 1 else "", size=size)
         for _ in range(size):

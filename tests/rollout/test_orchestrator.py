@@ -1229,3 +1229,14 @@ def test_rollouts_a_stop_cuts_short_are_not_counted_as_redundant_once_the_target
     )
     assert len(stats.cut_short) == 2 and stats.groups_kept == 2 and sink.writes == [3, 3]
     assert stats.cancelled_redundant == 0
+
+
+def test_a_task_stream_that_runs_out_ends_the_run_saying_which(tiny):
+    """``tasks`` must be endless; one that is not ends the run with an error naming it, after
+    its rollouts are written, not with Python's 'coroutine raised StopIteration'."""
+    sink = ListSink()
+    config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=1, max_rollouts=4)
+    finite = {"arith": iter(registry.task_set("arith", "train", seed=0, n=2))}
+    with pytest.raises(ValueError, match="the task stream of 'arith' ran out"):
+        asyncio.run(run(tiny, config, finite, sink))
+    assert len(sink.records) == 2 and sink.flushes == 1
