@@ -146,7 +146,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--action-share", type=float, default=0.4, help="share of positions that are action tokens"
     )
     parser.add_argument("--side", choices=["treadle", "full"], help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.tokens < 4:
         parser.error(f"--tokens must be at least 4 (two rows of two), not {args.tokens}")
     if not 0 < args.action_share <= 1:
