@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import fcntl
+import http.client
 import importlib
 import os
 import pathlib
@@ -680,7 +681,7 @@ def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
             return response.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # a program that is no HTTP server holds the port
         return False
 
 

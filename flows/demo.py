@@ -8,6 +8,7 @@ profile); without one, the server started by ``make ui`` when one answers on 127
 
 from __future__ import annotations
 
+import http.client
 import os
 import shlex
 import sys
@@ -27,7 +28,7 @@ def _ui_running() -> bool:
     try:
         with urllib.request.urlopen(f"{UI_URL}/api/health", timeout=1) as response:
             return response.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # a program that is no HTTP server holds the port
         return False
 
 

@@ -39,6 +39,7 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from flows.cli import (
     TABLES,
     VIEWS,
+    _healthy,
     _stop_server,
     _TemporaryServer,
     _unreachable_api,
@@ -1657,6 +1658,32 @@ LOST_API_LINE = re.compile(
     r"Connection refused\): the flow run's state there is not its last; what the run wrote is in its storage"
 )
 """The one line a flow command ends with when its temporary Prefect server is gone."""
+
+
+def test_a_port_held_by_a_program_that_is_no_http_server_is_no_prefect_api(monkeypatch):
+    """A flow command's temporary server's port taken meanwhile by a program that answers in
+    no HTTP (a Ray port, say) ended the command on http.client's BadStatusLine traceback, as
+    did ``make demo`` with such a program on the UI's port 4200: neither is a Prefect API."""
+    import flows.demo
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def answer_in_binary() -> None:
+            for _ in range(2):
+                connection, _ = listener.accept()
+                with connection:
+                    connection.recv(1024)
+                    connection.sendall(b"@@@\xfe\x01\x00\r\n\r\n")
+
+        answering = threading.Thread(target=answer_in_binary, daemon=True)
+        answering.start()
+        monkeypatch.setattr(flows.demo, "UI_URL", f"http://127.0.0.1:{port}")
+        assert _healthy(f"http://127.0.0.1:{port}/api") is False
+        assert flows.demo._ui_running() is False
+        answering.join(timeout=30)
 
 
 STOPPED_NOISILY = """
