@@ -571,9 +571,14 @@ def conform(name: str, rows: Sequence[Mapping[str, Any]] | pa.Table) -> pa.Table
         source = pa.table(columns, names=schema.names)
         for field in schema:
             found = source.column(field.name).type
-            # Arrow casts 2 and 0.5 to True without a word
-            if pa.types.is_boolean(field.type) and not (
-                pa.types.is_boolean(found) or pa.types.is_null(found)
+            # Arrow casts 2 and 0.5 to True, and an integer to a timestamp as microseconds
+            # since 1970 (epoch seconds as a moment of January 1st, 1970), without a word
+            if (
+                pa.types.is_boolean(field.type)
+                and not (pa.types.is_boolean(found) or pa.types.is_null(found))
+            ) or (
+                pa.types.is_timestamp(field.type)
+                and (pa.types.is_integer(found) or pa.types.is_floating(found))
             ):
                 raise SchemaError(
                     f"table {name!r}: column {field.name!r} has type {found}, expected {field.type}"

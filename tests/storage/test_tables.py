@@ -186,6 +186,20 @@ def test_a_number_given_for_a_timestamp_is_refused_not_read_as_microseconds(loca
     assert tables.version("evals") is None
 
 
+@pytest.mark.parametrize("type", [pa.int64(), pa.uint32()])
+def test_a_table_column_of_numbers_for_a_timestamp_is_refused_not_read_as_microseconds(local_store, type):
+    """Arrow casts an integer column to a timestamp as microseconds since 1970: a table of
+    epoch seconds (``int(time.time())``) was stored as a moment of January 1st, 1970."""
+    tables = Tables(local_store)
+    rows = pa.Table.from_pylist([eval_row(0.5)]).drop_columns(["time"])
+    rows = rows.append_column("time", pa.array([1767225600], type))
+    with pytest.raises(
+        SchemaError, match=rf"table 'evals': column 'time' has type {type}, expected timestamp\[us, tz=UTC\]"
+    ):
+        tables.append("evals", rows)
+    assert tables.version("evals") is None
+
+
 def eval_row(reward: float) -> dict:
     return {
         "version": 0,
