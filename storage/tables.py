@@ -187,8 +187,13 @@ ANSI_CODES = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 
 
 class StaleOffsetError(ValueError):
-    """An offset given to :meth:`Tables.changes` that the table's log never reached: the
-    table was recreated, or the offset was kept from another run's."""
+    """An offset given to :meth:`Tables.changes` that the table's log never reached (the
+    table was recreated, or the offset was kept from another run's), or one older than a
+    vacuum's retention, whose later commits' data files the vacuum removed."""
+
+
+MISSING_FILE = re.compile(r"Object at location (\S+) not found")
+"""What deltalake's error says of a data file the store does not have, local or on S3."""
 
 
 def without_ansi_codes(text: str) -> str:
@@ -357,13 +362,13 @@ class Tables:
         Compaction commits add no data and are not returned. With ``after`` < 0 (from the
         start) the rows are the table's snapshot at the latest version, each with that
         version as ``_commit_version`` and in no particular order: the change feed of the
-        first versions reads their data files, which ``optimize`` + ``vacuum`` delete. A
-        later version whose files were vacuumed cannot be read.
+        first versions reads their data files, which ``optimize`` + ``vacuum`` delete.
 
         An ``after`` past the latest version, or >= 0 for a table that does not exist, raises
         :class:`StaleOffsetError`: a table's log never goes back, so the offset is not this
         table's (it was recreated, or the offset is another run's), and reading on from it
-        would return nothing forever.
+        would return nothing forever. So does one whose later commits' data files a vacuum
+        removed: every retry would fail alike.
         """
         table = self._open(name)
         if table is None:
@@ -387,10 +392,20 @@ class Tables:
             return snapshot.append_column(
                 "_commit_version", pa.array([latest] * snapshot.num_rows, pa.int64())
             ), latest
-        data = pa.concat_tables(
-            _inserted(name, table, start, min(start + CDF_COMMITS - 1, latest))
-            for start in range(after + 1, latest + 1, CDF_COMMITS)
-        )
+        try:
+            data = pa.concat_tables(
+                _inserted(name, table, start, min(start + CDF_COMMITS - 1, latest))
+                for start in range(after + 1, latest + 1, CDF_COMMITS)
+            )
+        except OSError as exc:
+            missing = MISSING_FILE.search(str(exc))
+            if missing is None:
+                raise
+            raise StaleOffsetError(
+                f"table {name!r}: asked for its changes after version {after}, but the data file "
+                f"{posixpath.basename(missing.group(1))} of a later commit was removed by a vacuum (the "
+                "offset is older than its retention); read it from the start (after=-1)"
+            ) from None
         return data.take(pc.sort_indices(data.column("_commit_version"))), latest
 
     @_credentials_masked

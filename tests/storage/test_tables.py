@@ -302,6 +302,24 @@ def test_changes_from_the_start_read_the_snapshot_so_vacuum_cannot_break_them(st
     assert rows.column("_commit_version").to_pylist() == [offset] * 4
 
 
+def test_changes_after_a_version_whose_files_vacuum_removed_are_refused_saying_to_read_from_the_start(store):
+    """A consumer whose offset is older than the vacuum's retention reads commits whose data
+    files are gone: every retry fails alike, so the read says so, as a stale offset, not as a
+    storage error a task retries."""
+    tables = Tables(store)
+    for version in range(4):
+        tables.append("weights", [weight_row(version)])
+    tables.optimize("weights")
+    assert tables.vacuum("weights", retention_hours=0)
+    with pytest.raises(
+        StaleOffsetError, match=r"'weights'.*after version 1,.*removed by a vacuum.*after=-1"
+    ) as raised:
+        tables.changes("weights", after=1)
+    assert not is_transient(raised.value)
+    rows, _ = tables.changes("weights")
+    assert sorted(rows.column("version").to_pylist()) == [0, 1, 2, 3]
+
+
 def test_a_reused_snapshot_is_loaded_again_after_snapshot_appends(store, monkeypatch):
     # a snapshot carried across commits goes over every commit since its load on each
     # append, so one Tables object must not carry it forever
