@@ -261,7 +261,9 @@ class Tables:
         call's number): when the store lost the reply to a commit that landed, deltalake's
         retry finds the commit there and, without it, took it for another writer's and
         committed the same data file again, which the change feed (:meth:`changes`) then read
-        twice. With it that retry conflicts, and the next attempt finds the call's number.
+        twice. With it that retry conflicts, and the next attempt finds the call's number. An
+        error deltalake raises once the commit has landed (writing the checkpoint that follows
+        every 100th commit) is logged, and the call says the rows were appended.
 
         A table created by an older treadle is brought up to the canonical schema first (see
         :meth:`_upgrade`)."""
@@ -319,6 +321,15 @@ class Tables:
                     without_ansi_codes(str(exc)),
                 )
                 time.sleep(0.05 * 2**attempt)
+            except (DeltaError, OSError) as exc:
+                if not self._landed(name, writer, nonce):
+                    raise
+                log.warning(
+                    "table %s: the append landed, but deltalake failed after its commit: %s",
+                    name,
+                    self.store.config.redacted(without_ansi_codes(str(exc))),
+                )
+                return True
 
     @_credentials_masked
     def read(self, name: str, columns: Sequence[str] | None = None) -> pa.Table:
@@ -540,6 +551,17 @@ class Tables:
                 if not next(f for f in table.schema().fields if f.name == field.name).nullable:
                     raise
         return table
+
+    def _landed(self, name: str, writer: str, nonce: int) -> bool:
+        """Whether the commit of the append numbered ``nonce`` is in the log of ``name`` (False
+        when the log cannot be loaded). deltalake raises the errors of the steps after a commit
+        that landed (the checkpoint it writes after every 100th commit: an S3 503 on it), which
+        would have the caller append the rows again."""
+        try:
+            table = self._open(name)
+        except (DeltaError, OSError):
+            return False
+        return table is not None and table.transaction_version(writer) == nonce
 
     def _create(self, name: str) -> DeltaTable:
         """Table ``name``, created empty unless it exists."""

@@ -646,6 +646,22 @@ def test_a_retried_commit_conflict_is_logged_without_colour_codes(local_store, m
     assert "\x1b" not in logged
 
 
+def test_an_append_whose_commit_landed_but_whose_checkpoint_failed_says_it_was_appended(local_store, caplog):
+    """deltalake writes a checkpoint after every 100th commit, once the commit has landed: a
+    failed checkpoint write (an S3 503) raised from the append although its rows were in the
+    table, and the task's retry appended them again."""
+    tables = Tables(local_store)
+    write_deltalake(
+        tables.uri("weights"),
+        pa.Table.from_pylist([weight_row(0)], schema=TABLE_SCHEMAS["weights"]),
+        configuration=TABLE_CONFIGURATION | {"delta.checkpointInterval": "2"},
+    )
+    os.makedirs(os.path.join(local_store.path("tables", "weights", "_delta_log"), "_last_checkpoint", "x"))
+    assert tables.append("weights", [weight_row(1)], once="weights/1")
+    assert sorted(tables.read("weights").column("version").to_pylist()) == [0, 1]
+    assert "table weights: the append landed, but deltalake failed after its commit" in caplog.text
+
+
 def test_two_processes_appending_at_once_lose_nothing(store):
     import json
 
