@@ -182,6 +182,9 @@ def beyond_float32(wide: pa.Array | pa.ChunkedArray, narrow: pa.Array | pa.Chunk
     holds an infinity, in a list entry or struct field too, that ``wide`` holds as a finite
     number: Arrow casts 1e39 to a float32 infinity without a word."""
     if isinstance(wide, pa.ChunkedArray):
+        if [len(chunk) for chunk in wide.chunks] != [len(chunk) for chunk in narrow.chunks]:
+            # a table's cast may rechunk a column (to line it up with a column of other chunks)
+            return beyond_float32(wide.combine_chunks(), narrow.combine_chunks())
         pairs = zip(wide.chunks, narrow.chunks, strict=True)
         return np.concatenate([np.zeros(0, dtype=bool), *(beyond_float32(w, n) for w, n in pairs)])
     if pa.types.is_floating(wide.type):

@@ -495,3 +495,27 @@ def test_error_text_writes_a_lone_surrogate_as_its_escape_so_the_record_stays_wr
     text = error_text("UnicodeDecodeError in output b'\udcff'")
     assert text == "UnicodeDecodeError in output b'\\udcff'"
     assert validate(to_table([make_record(0) | {"status": "env_error", "error": text}])).num_rows == 1
+
+
+def test_a_table_read_in_several_batches_casts_and_is_checked_whatever_its_columns_chunks():
+    """A shard of the first record version read in two record batches gets its ``error``
+    as one chunk of nulls, and Arrow's cast then rechunks every column: the float32 range
+    check paired the chunks of the columns before and after the cast and raised a bare
+    ``ValueError: zip() argument 2 is shorter than argument 1``."""
+    table = make_table(0, 4).drop_columns(["error"])
+    wide = table.set_column(
+        table.schema.get_field_index("reward"), "reward", table.column("reward").cast(pa.float64())
+    )
+    batches = pa.Table.from_batches(wide.to_batches(max_chunksize=2))
+    read = cast(batches)
+    assert read.column("reward").to_pylist() == table.column("reward").to_pylist()
+    assert read.column("error").null_count == 4
+    rewards = batches.column("reward").to_pylist()
+    beyond = batches.set_column(
+        batches.schema.get_field_index("reward"),
+        "reward",
+        pa.chunked_array([rewards[:2], [*rewards[2:3], 1e39]]),
+    )
+    trajectory_id = batches.column("trajectory_id")[3].as_py()
+    with pytest.raises(SchemaError, match=rf"trajectory '{trajectory_id}', column 'reward': a number beyond"):
+        cast(beyond)

@@ -87,6 +87,17 @@ def test_append_and_read_back_in_the_canonical_schema(store):
     assert rows[2]["created_at"] == datetime(2026, 1, 2, tzinfo=UTC)
 
 
+def test_a_table_of_several_chunks_whose_columns_are_cast_is_appended(local_store):
+    """A table built from several batches, a nullable column left out (added as one chunk
+    of nulls): Arrow's cast rechunks its columns, and the float32 range check failed the
+    append with a bare ``ValueError`` of pyarrow."""
+    tables = Tables(local_store)
+    rows = pa.Table.from_pylist([weight_row(version) for version in range(4)]).drop_columns(["tag"])
+    rows = pa.Table.from_batches(rows.to_batches(max_chunksize=2))
+    assert tables.append("weights", rows)
+    assert sorted(tables.read("weights").column("version").to_pylist()) == [0, 1, 2, 3]
+
+
 def test_bad_rows_are_refused_naming_table_and_column(store):
     tables = Tables(store)
     row = weight_row(0)
