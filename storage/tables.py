@@ -349,7 +349,9 @@ class Tables:
             return schema.empty_table()
         present = {field.name for field in table.schema().fields}
         return _cast_to(
-            schema, _fetched(name, lambda: table.scan(columns=[n for n in schema.names if n in present]))
+            name,
+            schema,
+            _fetched(name, lambda: table.scan(columns=[n for n in schema.names if n in present])),
         )
 
     @_credentials_masked
@@ -763,7 +765,7 @@ def _inserted(name: str, table: DeltaTable, first: int, last: int) -> pa.Table:
 
 def _cast_read(name: str, table: pa.Table) -> pa.Table:
     """Delta gives back e.g. ``string_view`` and nullable fields; restore the canonical schema."""
-    return _cast_to(schema_of(name), table)
+    return _cast_to(name, schema_of(name), table)
 
 
 def _small_files(table: DeltaTable) -> int:
@@ -772,12 +774,13 @@ def _small_files(table: DeltaTable) -> int:
     return int(pc.sum(pc.less(sizes, SMALL_FILE_BYTES)).as_py() or 0)
 
 
-def _cast_to(schema: pa.Schema, table: pa.Table) -> pa.Table:
-    """``table``'s columns of ``schema``, cast to it; a nullable column the table lacks (added
-    to the canonical schema after the table was made) reads as nulls."""
+def _cast_to(name: str, schema: pa.Schema, table: pa.Table) -> pa.Table:
+    """``table``'s columns of ``schema`` (read from table ``name``), cast to it; a nullable
+    column the table lacks (added to the canonical schema after the table was made) reads as
+    nulls."""
     missing = [f.name for f in schema if f.name not in table.column_names and not f.nullable]
     if missing:
-        raise SchemaError(f"the table lacks the required columns {missing}")
+        raise SchemaError(f"table {name!r} lacks the required columns {missing}")
     columns = [
         pc.cast(table.column(f.name), f.type)
         if f.name in table.column_names

@@ -918,7 +918,9 @@ def test_a_table_lacking_a_required_column_is_refused_naming_it(local_store):
     write_deltalake(uri, pa.Table.from_pylist([old_row], schema=old_schema), mode="append")
     with pytest.raises(SchemaError, match=r"lacks the required columns \['reward_mean'\]"):
         Tables(local_store).append("train_steps", [step_row(2, 0.25)])
-    with pytest.raises(SchemaError, match=r"lacks the required columns \['reward_mean'\]"):
+    with pytest.raises(
+        SchemaError, match=r"table 'train_steps' lacks the required columns \['reward_mean'\]"
+    ):
         Tables(local_store).read("train_steps")
     assert DeltaTable(uri).version() == 0, "nothing committed"
 
