@@ -40,8 +40,8 @@ _SECRET_SETTING_NAME = (
     r"|password)"
 )
 SECRET_SETTING = re.compile(
-    rf"(?P<name>(?<![\w.-])(?:(?P<quote>['\"])(?:{_SECRET_ENV_NAME}|{_SECRET_SETTING_NAME})(?P=quote)[ \t]*[:=]"
-    rf"|{_SECRET_ENV_NAME}[ \t]*=|(?m:^)[ \t]*{_SECRET_ENV_NAME}[ \t]*:|{_SECRET_SETTING_NAME}[ \t]*=)[ \t]*)"
+    rf"(?P<name>(?<![\w.-])(?:(?P<quote>['\"])(?:{_SECRET_ENV_NAME}|{_SECRET_SETTING_NAME})(?P=quote)[ \t]*[:=](?!=)"
+    rf"|{_SECRET_ENV_NAME}[ \t]*=(?!=)|(?m:^)[ \t]*{_SECRET_ENV_NAME}[ \t]*:|{_SECRET_SETTING_NAME}[ \t]*=(?!=))[ \t]*)"
     r"(?:(?P<open>['\"])[^\n]*?(?P=open)|(?P<unclosed>['\"]?)[^\s'\"&,;]+)"
 )
 """A secret's value where a name says what it is: an environment's (``AWS_SECRET_ACCESS_KEY=…``,
@@ -49,7 +49,8 @@ SECRET_SETTING = re.compile(
 credentials file's or a URL query's setting (``aws_session_token = …``, ``?access_token=…``).
 Lower-case names are only these settings' (``eos_token=</s>``, ``max_tokens=100`` are no
 secrets), and a name followed by ``:`` is a setting only quoted or opening a line (``wrong
-password: try again``, ``variable HF_TOKEN: not set`` are none)."""
+password: try again``, ``variable HF_TOKEN: not set`` are none), and one followed by ``==``
+compares (``assert PAD_TOKEN == 0`` in a traceback)."""
 
 AUTHORIZATION = re.compile(r"(?P<name>\bauthorization['\"]?[ \t]*[:=][ \t]*['\"]?)[^'\"\n]+", re.IGNORECASE)
 """An ``Authorization`` header's value, whatever its scheme (``Bearer``, ``Basic``, ``token``,

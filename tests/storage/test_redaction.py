@@ -104,3 +104,15 @@ def test_settings_that_only_look_secret_are_kept():
         "wrong password: try again; the token: expired; Bearer token rejected; variable HF_TOKEN: not set"
     )
     assert redact(text) == text
+
+
+def test_a_comparison_with_a_secret_looking_name_is_kept():
+    # a traceback's source line compares, it sets nothing: `==` is no `=` of a setting
+    text = (
+        "    assert PAD_TOKEN == 0\n"
+        "    if SECRET_KEY==expected: return\n"
+        "    if api_key == None: raise\n"
+        "    if password==confirm: ok\n"
+        "    env['HF_TOKEN'] == token"
+    )
+    assert redact(text) == text
