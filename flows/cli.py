@@ -560,6 +560,11 @@ def _start_server(port: int) -> _TemporaryServer:
     return server
 
 
+RELAY_DRAIN_S = 2.0
+"""How long an exited server's stderr is relayed on at the command's exit (a process it started
+may hold the pipe open)."""
+
+
 class _TemporaryServer(subprocess.Popen):
     """A flow command's Prefect server, what it writes to stderr copied onto the command's
     until the command stops it (:func:`_stop_server`): stopped while a request's database
@@ -687,7 +692,10 @@ def _healthy(url: str) -> bool:
 
 def _stop_server(server: _TemporaryServer) -> None:
     """Stop ``server``, the leader of its own process group, and whatever it started (what it
-    says from then on is not relayed)."""
+    says from then on is not relayed). One that exited on its own has the rest of what it said
+    relayed first: why it exited (a migration that failed) is in its last lines."""
+    if server.poll() is not None:
+        server.relay.join(timeout=RELAY_DRAIN_S)
     server.stopping.set()
     if server.poll() is None:
         os.killpg(server.pid, signal.SIGTERM)

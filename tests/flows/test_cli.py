@@ -1722,6 +1722,31 @@ def test_a_temporary_server_says_on_the_commands_stderr_what_it_says_until_the_c
     assert "Traceback" not in said + capsys.readouterr().err
 
 
+EXITED_SAYING_WHY = """
+import sys
+sys.stderr.write("-\\n" * 30_000)  # a pipe's worth of short lines, relayed one by one
+print("the reason it exited: database is locked", file=sys.stderr, flush=True)
+sys.exit(3)
+"""
+
+
+def test_a_temporary_server_that_exited_on_its_own_has_all_it_said_relayed(capsys):
+    """A server that exited at its start (a migration that failed) said why on its stderr,
+    which the command relays: the command, then ending with 'the temporary Prefect server
+    exited with status 3', stopped the relay at its exit before it had copied the last lines,
+    the reason among them."""
+    server = _TemporaryServer(
+        [sys.executable, "-c", EXITED_SAYING_WHY],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    assert server.wait(timeout=60) == 3
+    _stop_server(server)
+    server.relay.join(timeout=60)
+    assert "the reason it exited: database is locked" in capsys.readouterr().err
+
+
 def test_a_prefect_api_lost_during_a_flow_run_ends_the_command_at_once_with_one_line(
     tmp_path, migrated_prefect_db
 ):
