@@ -35,7 +35,7 @@ def _ui_running() -> bool:
 @flow_command
 def main(argv: list[str] | None = None) -> None:
     from prefect.context import refresh_global_settings_context
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
     # an API the environment or the Prefect profile names (`prefect config set PREFECT_API_URL=…`) is kept
     if PREFECT_API_URL.value() is None and _ui_running():
@@ -82,6 +82,12 @@ def main(argv: list[str] | None = None) -> None:
         print(f"arith gain: {arith:+.3f}")
     print(f"finished in {time.monotonic() - started:.0f} s")
     where = run_arguments(args.config or default_config(), config)
+    # the UI of the API the run reported to (Prefect's own setting: the API's server, Cloud's app)
+    ui = (
+        f"open {without_credentials(PREFECT_UI_URL.value())} (flow runs, artifacts, events)"
+        if api
+        else "run `make ui`, then `make demo` again to see the run there"
+    )
     print(
         f"""
 Where to look:
@@ -93,7 +99,7 @@ Where to look:
                           "SELECT version, env, reward FROM evals ORDER BY version, env"
   what it trained on:   .venv/bin/treadle sql {where} \\
                           "SELECT step, task, reward, text FROM trained ORDER BY step DESC LIMIT 5"
-  UI:                   {"open " + UI_URL + " (flow runs, artifacts, events)" if api else "run `make ui`, then `make demo` again to see the run there"}"""
+  UI:                   {ui}"""
     )
     if "arith" in config.orchestrator.mix and (arith is None or round(arith, 6) < 0.15):
         print("note: the arith gain is below the 0.15 this demo aims for on this machine", file=sys.stderr)

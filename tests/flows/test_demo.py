@@ -1,0 +1,41 @@
+"""What ``make demo`` prints once its run is over: where to look, each place one that exists."""
+
+from __future__ import annotations
+
+import pytest
+from prefect.settings import PREFECT_API_URL, temporary_settings
+
+
+@pytest.fixture
+def finished_demo(monkeypatch, tmp_path, capsys):
+    """Run the demo command with ``argv`` on a pipeline that returns at once, under the
+    Prefect API ``api``; what it printed."""
+    import flows.cli
+    import flows.demo
+    import flows.pipeline
+
+    def pipeline(config):
+        return {
+            "before": {"reward": {"arith": 0.1}},
+            "after": {"reward": {"arith": 0.3}},
+            "gain": {"arith": 0.2},
+        }
+
+    monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
+    monkeypatch.setattr(flows.cli, "inspect_run", lambda store: "weight versions: 1 published")
+    monkeypatch.setattr(flows.demo, "_ui_running", lambda: False)
+
+    def run(api: str, *argv: str) -> str:
+        with temporary_settings({PREFECT_API_URL: api}):
+            flows.demo.main(["--set", f"storage.root={tmp_path}/runs", *argv])
+        return capsys.readouterr().out
+
+    return run
+
+
+def test_the_demo_points_at_the_ui_of_the_prefect_api_it_reported_to(finished_demo):
+    """It said to open http://127.0.0.1:4200 whatever API the run reported to: a server the
+    environment or the profile named elsewhere showed the run at an address with no UI."""
+    out = finished_demo("http://user:password@gpu-box:4300/api")
+    (ui,) = [line for line in out.splitlines() if line.strip().startswith("UI:")]
+    assert "open http://gpu-box:4300 " in ui and "4200" not in ui and "password" not in out
