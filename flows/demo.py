@@ -82,6 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"arith gain: {arith:+.3f}")
     print(f"finished in {time.monotonic() - started:.0f} s")
     where = run_arguments(args.config or default_config(), config)
+    treadle = treadle_command()
     # the UI of the API the run reported to (Prefect's own setting: the API's server, Cloud's app)
     ui = (
         f"open {without_credentials(PREFECT_UI_URL.value())} (flow runs, artifacts, events)"
@@ -94,15 +95,26 @@ Where to look:
   tables (Delta Lake):  {store.url("tables")}/{{shards,trajectories,train_steps,weights,evals}}
   weight versions:      {store.url("weights")}
   curves:               {store.url("reports", "curves.png")}
-  summary again:        .venv/bin/treadle inspect {where}
-  SQL (duckdb):         .venv/bin/treadle sql {where} \\
+  summary again:        {treadle} inspect {where}
+  SQL (duckdb):         {treadle} sql {where} \\
                           "SELECT version, env, reward FROM evals ORDER BY version, env"
-  what it trained on:   .venv/bin/treadle sql {where} \\
+  what it trained on:   {treadle} sql {where} \\
                           "SELECT step, task, reward, text FROM trained ORDER BY step DESC LIMIT 5"
   UI:                   {ui}"""
     )
     if "arith" in config.orchestrator.mix and (arith is None or round(arith, 6) < 0.15):
         print("note: the arith gain is below the 0.15 this demo aims for on this machine", file=sys.stderr)
+
+
+def treadle_command() -> str:
+    """The ``treadle`` command of this Python's environment, quoted for a shell: its script
+    beside the interpreter (relative to the current directory when inside it:
+    ``.venv/bin/treadle``), else the module it runs."""
+    script = os.path.join(os.path.dirname(sys.executable), "treadle")
+    if not os.access(script, os.X_OK):
+        return shlex.join([sys.executable, "-m", "flows.cli"])
+    relative = os.path.relpath(script)
+    return shlex.quote(script if relative.startswith(os.pardir) else relative)
 
 
 def run_arguments(config_path: str, config: RunConfig) -> str:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -39,3 +42,21 @@ def test_the_demo_points_at_the_ui_of_the_prefect_api_it_reported_to(finished_de
     out = finished_demo("http://user:password@gpu-box:4300/api")
     (ui,) = [line for line in out.splitlines() if line.strip().startswith("UI:")]
     assert "open http://gpu-box:4300 " in ui and "4200" not in ui and "password" not in out
+
+
+def test_the_demo_names_a_treadle_command_that_exists_wherever_it_was_started(
+    finished_demo, monkeypatch, tmp_path
+):
+    """It named .venv/bin/treadle, relative to the current directory: a demo started from
+    another directory (it then reads the repository's config), or by a Python of another
+    environment, printed `treadle inspect` and `treadle sql` commands that were not there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    out = finished_demo("http://127.0.0.1:4300/api")
+    labels = ("summary again:", "SQL (duckdb):", "what it trained on:")
+    commands = [line.split(":", 1)[1] for line in out.splitlines() if line.strip().startswith(labels)]
+    assert len(commands) == 3, out
+    for command in commands:
+        executable = shlex.split(command.removesuffix("\\"))[0]
+        assert os.access(executable, os.X_OK), command
