@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"finished in {time.monotonic() - started:.0f} s")
     where = run_arguments(args.config or default_config(), config)
     treadle = treadle_command()
+    curves = store.url("reports", "curves.png")
+    if not store.fs.exists(store.path("reports", "curves.png")):  # the report logged why
+        curves = "not stored (the report artifact holds them; the run's logs say why)"
     # the UI of the API the run reported to (Prefect's own setting: the API's server, Cloud's app)
     ui = (
         f"open {without_credentials(PREFECT_UI_URL.value())} (flow runs, artifacts, events)"
@@ -94,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
 Where to look:
   tables (Delta Lake):  {store.url("tables")}/{{shards,trajectories,train_steps,weights,evals}}
   weight versions:      {store.url("weights")}
-  curves:               {store.url("reports", "curves.png")}
+  curves:               {curves}
   summary again:        {treadle} inspect {where}
   SQL (duckdb):         {treadle} sql {where} \\
                           "SELECT version, env, reward FROM evals ORDER BY version, env"

@@ -60,3 +60,25 @@ def test_the_demo_names_a_treadle_command_that_exists_wherever_it_was_started(
     for command in commands:
         executable = shlex.split(command.removesuffix("\\"))[0]
         assert os.access(executable, os.X_OK), command
+
+
+@pytest.mark.parametrize("stored", [True, False])
+def test_the_demo_names_the_curves_file_only_where_the_report_stored_it(finished_demo, monkeypatch, stored):
+    """The report goes on without storing the curves when the store fails to take them (they
+    are in its artifact): the demo named the file all the same."""
+    import flows.pipeline
+    from tasks.common import run_store
+
+    def pipeline(config):
+        if stored:
+            store = run_store(config)
+            store.fs.makedirs(store.path("reports"), exist_ok=True)
+            with store.fs.open(store.path("reports", "curves.png"), "wb") as out:
+                out.write(b"png")
+        return {"before": {"reward": {}}, "after": {"reward": {}}, "gain": {}}
+
+    monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
+    out = finished_demo("http://127.0.0.1:4300/api", "--run-id", "curves")
+    (line,) = [line for line in out.splitlines() if line.strip().startswith("curves:")]
+    named = line.split(":", 1)[1].strip()
+    assert os.path.isfile(named) if stored else "curves.png" not in named, line
