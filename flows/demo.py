@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
         refresh_global_settings_context()
     from flows.cli import inspect_run, temporary_api, weight_versions, without_credentials
     from flows.cli_args import default_config, parse
-    from flows.config import pipeline_devices
+    from flows.config import RunConfig, pipeline_devices
 
     # the checks of the pipeline's own command (flows.pipeline.main), whose flow this runs
     config, args = parse(
@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     from flows.pipeline import pipeline
     from tasks.common import run_store
 
-    if args.run_id is None and not any(item.partition("=")[0] == "run_id" for item in args.set):
+    # the embedded default's run id gets a new one each demo; a run id given or a file's own is kept
+    named = args.run_id is not None or any(item.partition("=")[0] == "run_id" for item in args.set)
+    if not named and config.run_id == RunConfig.model_fields["run_id"].default:
         config = config.model_copy(update={"run_id": time.strftime("demo-%Y%m%d-%H%M%S")})
     weight_versions(run_store(config))
     api = PREFECT_API_URL.value()

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import pathlib
 import shlex
 
 import pytest
 from prefect.settings import PREFECT_API_URL, temporary_settings
+
+from flows.cli_args import REPO_CONFIG
 
 
 @pytest.fixture
@@ -82,3 +85,25 @@ def test_the_demo_names_the_curves_file_only_where_the_report_stored_it(finished
     (line,) = [line for line in out.splitlines() if line.strip().startswith("curves:")]
     named = line.split(":", 1)[1].strip()
     assert os.path.isfile(named) if stored else "curves.png" not in named, line
+
+
+def test_the_demo_runs_under_the_run_id_its_config_file_names(monkeypatch, tmp_path):
+    """Only the embedded default's run id ('demo') is replaced by a new one for each demo: a
+    config file naming its own run was run under a new demo-<time> id, its run_id ignored."""
+    import flows.demo
+    import flows.pipeline
+
+    class Started(Exception):
+        pass
+
+    def pipeline(config):
+        raise Started(config.run_id)
+
+    tiny = pathlib.Path(REPO_CONFIG).read_text()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(tiny.replace("run_id: demo\n", "run_id: exp7\n"))
+    monkeypatch.setattr(flows.demo, "_ui_running", lambda: False)
+    monkeypatch.setattr(flows.pipeline, "pipeline", pipeline)
+    with pytest.raises(Started) as started:
+        flows.demo.main(["--config", str(mine), "--set", f"storage.root={tmp_path}/runs"])
+    assert started.value.args[0] == "exp7"
