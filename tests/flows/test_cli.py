@@ -975,7 +975,12 @@ def test_sql_prints_the_rows_it_has_before_the_query_ends_and_a_late_error_in_on
     result = treadle("sql", *run, late)
     assert result.returncode == 1
     assert result.stdout.startswith("i\n0\n1\n2\n"), result.stdout[:100]
-    assert result.stderr == "error: Invalid Input Error: late failure\n"
+    # on a loaded machine duckdb may report the failure as its threads' interruption, which the
+    # failing thread's error caused (seen once in a test run beside others)
+    assert result.stderr in (
+        "error: Invalid Input Error: late failure\n",
+        "error: INTERRUPT Error: Interrupted!\n",
+    ), result.stderr
 
 
 @pytest.mark.parametrize("missing", ["duckdb", "duckdb_extension_delta"])
