@@ -40,7 +40,7 @@ from rollout.engines.torch_engine import TorchEngine
 from rollout.reward_models import RewardModels
 from storage.weights import MODEL_FILE, WeightStore
 from tests.rl.architectures import ARCHITECTURES, tiny_causal_lm, tiny_gemma3_with_vision
-from tests.rl.moe import tiny_mixture_of_experts
+from tests.rl.moe import tiny_glm4_moe, tiny_mixture_of_experts
 
 SMALL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64)
 
@@ -199,28 +199,7 @@ def test_placed_in_bfloat16_keeps_the_routers_a_bfloat16_checkpoint_load_keeps_i
     place they were rounded to bfloat16, the torch engine's too, so its experts were picked
     otherwise than from the same weights loaded."""
     _, tokenizer = tiny
-    config = AutoConfig.for_model(
-        "glm4_moe",
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=0,
-        n_group=1,
-        topk_group=1,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if ".mlp.gate." in name:
-                tensor.normal_(0, 0.3)
+    model = tiny_glm4_moe(len(tokenizer))
     path = _checkpoint((model, tokenizer), tmp_path / "checkpoint")
     reference, _ = load_policy(path, dtype=torch.bfloat16)
     cast = placed(load_policy(path)[0], "cpu", torch.bfloat16)

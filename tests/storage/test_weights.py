@@ -24,7 +24,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
-    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     LlamaConfig,
@@ -49,6 +48,7 @@ from storage.weights import (
     versions_ahead,
 )
 from tests.conftest import readme_query
+from tests.rl.moe import tiny_glm4_moe
 
 
 @pytest.fixture
@@ -1327,39 +1327,11 @@ def test_a_recent_chain_follows_parents_and_extends_a_known_one_with_one_read(we
     assert weights.recent_chain(5, 10, known=[0, 1, 2, 4]) == [0, 1, 2, 4, 5] and read == [5]
 
 
-def tiny_glm4_moe() -> torch.nn.Module:
-    """A float32 GLM-4.5-style MoE whose routers hold values bfloat16 cannot represent."""
-    config = AutoConfig.for_model(
-        "glm4_moe",
-        vocab_size=12,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        first_k_dense_replace=0,
-        n_group=1,
-        topk_group=1,
-    )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.config.architectures = [type(model).__name__]
-    with torch.no_grad():
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if ".mlp.gate." in name:
-                tensor.normal_(0, 0.3)
-    return model.eval()
-
-
 def test_a_bfloat16_publish_keeps_the_routers_a_bfloat16_load_keeps_in_float32(weights, tokenizer_dir):
     """GLM-4.5 and DeepSeek-V3 keep their routers in float32 whatever dtype they load in
     (``_keep_in_fp32_modules_strict``), as the trainer does (``rl.models.placed``): published
     in bfloat16 they were rounded, so an engine picked other experts than the trainer."""
-    model = tiny_glm4_moe()
+    model = tiny_glm4_moe(12)
     routers = {name: t for name, t in model.state_dict().items() if ".mlp.gate." in name}
     assert routers and not all(torch.equal(t, t.bfloat16().float()) for t in routers.values())
 

@@ -100,7 +100,7 @@ def test_a_rerun_that_trains_nothing_says_it_took_no_step(tmp_path):
     assert (again["steps"], again["new_steps"], again["versions"]) == (1, 0, [])
 
 
-@pytest.mark.parametrize(
+STORE_ERRORS = pytest.mark.parametrize(
     ("error", "shown", "hidden"),
     [
         (TimeoutError(), "TimeoutError", None),
@@ -112,6 +112,11 @@ def test_a_rerun_that_trains_nothing_says_it_took_no_step(tmp_path):
     ],
     ids=["bare", "echoed-key-id"],
 )
+"""A store's errors a warning must say: one without a message (fsspec's bare timeout), and
+one whose S3 error body echoes a key id (``shown`` must be in the warning, ``hidden`` not)."""
+
+
+@STORE_ERRORS
 def test_a_skipped_decision_says_what_failed_the_status_read_masked(
     tmp_path, monkeypatch, caplog, error, shown, hidden
 ):
@@ -138,18 +143,7 @@ def test_a_skipped_decision_says_what_failed_the_status_read_masked(
         assert hidden is None or hidden not in said, said
 
 
-@pytest.mark.parametrize(
-    ("error", "shown", "hidden"),
-    [
-        (TimeoutError(), "TimeoutError", None),
-        (
-            OSError("AccessDenied: <AWSAccessKeyId>AKIAABCDEFGHIJKLMNOP</AWSAccessKeyId>"),
-            "AccessDenied",
-            "AKIAABCDEFGHIJKLMNOP",
-        ),
-    ],
-    ids=["bare", "echoed-key-id"],
-)
+@STORE_ERRORS
 def test_a_plan_or_status_the_store_refused_is_logged_saying_what_failed_masked(
     tmp_path, monkeypatch, caplog, error, shown, hidden
 ):
