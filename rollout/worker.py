@@ -249,6 +249,8 @@ class RolloutWorker:
         self._retry: tuple[int, int, float] | None = None
         """A version whose load failed: (version, failures in a row, monotonic time before which
         it is not tried again)."""
+        self._reload_retry: dict[str, tuple[int, int, float]] = {}
+        """Per replica in service that failed the health check's reload: as ``_retry``."""
         self._shards_at_version = 0
         self.orchestrator: Orchestrator | None = None
         self.service: RolloutService | None = None
@@ -821,7 +823,7 @@ class RolloutWorker:
         other weights; none comes back while that version is too stale (``max_staleness``), nor a
         vLLM server that holds fewer tokens than a session may (:meth:`_check_context`: one down
         at start missed the start's check). One in service that missed a load (a failed probe in
-        ``sync_weights``) loads it too."""
+        ``sync_weights``) loads it too, tried again later and later while it fails (:meth:`_reload_due`)."""
         interval = self.router.config.health_check_s
         if interval is None:
             return
@@ -832,7 +834,11 @@ class RolloutWorker:
                 async with self._loading:  # not while sync_weights moves the version on
                     version = self.version
                     stale = [
-                        e for e in self.engines if e.name in self.router.replicas and e.version != version
+                        e
+                        for e in self.engines
+                        if e.name in self.router.replicas
+                        and e.version != version
+                        and self._reload_due(e.name)
                     ]
                     if stale:
                         path = await asyncio.to_thread(self.weights.load, version, "serving")
@@ -854,18 +860,32 @@ class RolloutWorker:
             if await wait_through_cancels(reloads):
                 raise asyncio.CancelledError
 
+    def _reload_due(self, replica: str) -> bool:
+        """Whether the health check may try to load the worker's version into ``replica`` now:
+        after each failure in a row it waits twice as long (``retry_wait_s``), as the weight
+        loop does, rather than loading the version's files again at every probe."""
+        retry = self._reload_retry.get(replica)
+        return retry is None or retry[0] != self.version or time.monotonic() >= retry[2]
+
     async def _reload(self, engine: Engine, version: int, path: str) -> None:
-        """:meth:`_load` for the health check, whose next probe retries a replica that fails."""
+        """:meth:`_load` for the health check, whose probes retry a replica that fails."""
         try:
             await self._load(engine, version, path)
         except Exception as exc:
+            retry = self._reload_retry.get(engine.name)
+            failures = 1 if retry is None or retry[0] != version else retry[1] + 1
+            wait = self.retry_wait_s(failures)
+            self._reload_retry[engine.name] = (version, failures, time.monotonic() + wait)
             log.warning(
-                "worker %s: replica %s failed to load weight version %d (the next probe retries it): %s",
+                "worker %s: replica %s failed to load weight version %d (tried again in %.1f s): %s",
                 self.name,
                 engine.name,
                 version,
+                wait,
                 exc,
             )
+        else:
+            self._reload_retry.pop(engine.name, None)
 
     async def _load_current_version(self, engine: Engine) -> None:
         async with self._loading:  # not while sync_weights moves the version on
@@ -878,6 +898,7 @@ class RolloutWorker:
             await self._check_context([engine])
             path = await asyncio.to_thread(self.weights.load, self.version, "serving")
             await self._load(engine, self.version, path)
+            self._reload_retry.pop(engine.name, None)
 
     async def _load(self, engine: Engine, version: int, path: str) -> None:
         """``engine.load_version``, failed with an ``EngineError`` after the engine config's
