@@ -239,6 +239,8 @@ class Router:
         """Per replica taken out for failing requests since it last served one, its last quarantine."""
         self._out_until: dict[str, float] = {}
         """Per replica down in quarantine, the ``time.monotonic()`` before which it stays out."""
+        self._unrestored: dict[str, str] = {}
+        """Per replica down that answers its probe, why its last restore failed (warned of once)."""
         for engine in engines:
             self.add(engine)
 
@@ -295,6 +297,7 @@ class Router:
             )
         self._down.pop(engine.name, None)
         self._out_until.pop(engine.name, None)
+        self._unrestored.pop(engine.name, None)
         self._engines[engine.name] = engine
         self._ring.add(engine.name)
 
@@ -546,7 +549,15 @@ class Router:
                     try:
                         await restore(engine)
                     except Exception as exc:  # the next check tries again
-                        logger.warning("replica %s is healthy again but could not be restored: %s", name, exc)
+                        # warned of once per error, not at every check while it lasts
+                        if self._unrestored.get(name) != str(exc):
+                            logger.warning(
+                                "replica %s is healthy again but could not be restored (tried again at every "
+                                "health check, warned of again if the error changes): %s",
+                                name,
+                                exc,
+                            )
+                        self._unrestored[name] = str(exc)
                         continue
                 # a concurrent check may have put it back meanwhile, and a request into quarantine
                 if name in self._down and self._quarantine_left_s(name) <= 0:

@@ -4,6 +4,7 @@ minimal remapping when replicas come and go, failover of a dead replica."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import random
 
@@ -468,6 +469,48 @@ def test_a_session_ended_while_its_failed_replica_is_probed_is_not_pinned_again(
     assert other != failing.name
     assert router.assignment("s") is None and router.load(other) == 0
     assert router.session_ages() == {other: []} and router.sessions_ended == 1
+
+
+def test_a_replica_that_keeps_failing_its_restore_is_warned_of_once_per_error(caplog):
+    """A replica whose probe answers but whose restore keeps failing (its worker's version too
+    stale, its weights unreadable) was warned of at every health check while it lasted; now once
+    per error, again when the error changes, and again after it came back and failed anew."""
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="sticky"))
+    up = {"r0": False, "r1": True}
+    errors = ["weights unreadable"] * 3 + ["version 4 is too stale"] * 2 + [None] + ["weights unreadable"]
+
+    _answer_health_from(engines, up)
+
+    async def restore(engine) -> None:
+        error = errors.pop(0)
+        if error is not None:
+            raise OSError(error)
+
+    async def body():
+        try:
+            await router.check_health(restore=restore)
+            up["r0"] = True
+            for _ in range(6):
+                await router.check_health(restore=restore)
+            assert sorted(router.replicas) == ["r0", "r1"]
+            up["r0"] = False
+            await router.check_health(restore=restore)
+            up["r0"] = True
+            await router.check_health(restore=restore)
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    with caplog.at_level(logging.WARNING, logger="rollout.router"):
+        asyncio.run(body())
+    warned = [
+        r.getMessage().rpartition(": ")[2]
+        for r in caplog.records
+        if "could not be restored" in r.getMessage()
+    ]
+    assert warned == ["weights unreadable", "version 4 is too stale", "weights unreadable"]
+    assert errors == []
 
 
 def test_a_recovered_replica_is_restored_before_it_is_back_in_service():
