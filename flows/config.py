@@ -246,7 +246,8 @@ class RunConfig(BaseModel):
     )
     ray_address: str | None = Field(
         None,
-        description="Ray cluster address ('auto', ray://host:10001); None or 'local' starts a local Ray.",
+        description="Ray cluster address ('auto', ray://host:10001) of a cluster 'ray' run, refused with "
+        "cluster 'local'; None or 'local' starts a local Ray.",
     )
     ray_node_ip: str | None = Field(
         "127.0.0.1",
@@ -290,6 +291,17 @@ class RunConfig(BaseModel):
                 f"{value} is no node's address: give this machine's own, or null for Ray's choice"
             )
         return value
+
+    @model_validator(mode="after")
+    def _ray_address_needs_ray(self) -> RunConfig:
+        # else the run went ahead in this process's threads, the cluster named idle; the
+        # address is not echoed (errors hide the config's values)
+        if self.cluster != "ray" and self.ray_address is not None:
+            raise ValueError(
+                f"ray_address is set, but cluster is {self.cluster!r}, which runs no Ray: set cluster "
+                "to 'ray' to run on that Ray cluster, or leave ray_address unset"
+            )
+        return self
 
     @field_validator("run_id")
     @classmethod

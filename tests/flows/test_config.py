@@ -282,7 +282,7 @@ def test_an_empty_ray_address_starts_a_local_ray_as_none_does(tmp_path):
     """A form's or a file's empty field: Ray refused it ("Invalid address format: ") once
     the warm start and the first evaluation were over."""
     assert load_config(write_config(tmp_path, "ray_address: ''\n")).ray_address is None
-    assert RunConfig(ray_address="auto").ray_address == "auto"
+    assert RunConfig(cluster="ray", ray_address="auto").ray_address == "auto"
 
 
 def test_a_check_of_the_whole_config_fails_with_its_own_message_alone(tmp_path):
@@ -487,6 +487,7 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
         "storage.access_key_id=2024",
         "storage.secret_access_key=123456",
         "storage.session_token=1.50",
+        "cluster=ray",
         "ray_address=2024-12-03",
         "storage.retries=5",
     ]
@@ -1059,3 +1060,17 @@ def test_a_vllm_api_key_that_comes_back_masked_is_refused_and_the_form_never_off
         load_flow_from_entrypoint("flows.pipeline:pipeline", use_placeholder_flow=False)
     )
     assert "api_key" not in schema.model_dump()["definitions"]["VLLMEngineConfig"]["properties"]
+
+
+@pytest.mark.parametrize("address", ["ray://10.0.0.5:10001", "auto", "local"])
+def test_a_ray_address_without_cluster_ray_is_refused_at_load(address):
+    """``--set ray_address=…`` without ``cluster=ray`` was taken and ignored: the run went
+    ahead in this process's threads, on this machine, and the cluster named stayed idle."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(TINY, {"ray_address": address})
+    assert str(refused.value) == (
+        f"invalid run config {TINY}: ray_address is set, but cluster is 'local', which runs no Ray: "
+        "set cluster to 'ray' to run on that Ray cluster, or leave ray_address unset"
+    )
+    config = load_config(TINY, {"cluster": "ray", "ray_address": address})
+    assert (config.cluster, config.ray_address) == ("ray", address)
