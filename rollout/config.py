@@ -68,6 +68,13 @@ class EngineConfig(BaseModel):
     def _servers_for_vllm(self) -> EngineConfig:
         if self.kind == "vllm" and not self.vllm:
             raise ValueError("engine.kind is 'vllm' but engine.vllm lists no server")
+        if self.kind == "vllm" and self.replicas != 1:
+            # else ignored: the worker rolled out on the servers listed, however many were asked for
+            raise ValueError(
+                f"engine.replicas ({self.replicas}) counts TorchEngine replicas, and with engine.kind "
+                f"'vllm' a worker runs one replica per server engine.vllm lists ({len(self.vllm)}): list "
+                "a server for each replica, or leave engine.replicas at 1"
+            )
         if self.kind == "torch" and self.vllm:
             # else the run rolled out on an in-process model, its servers idle, without a word
             count = len(self.vllm)

@@ -348,6 +348,20 @@ def test_vllm_servers_listed_for_a_torch_engine_are_refused_without_showing_them
     assert load_config(TINY, {"engine": {"kind": "vllm", "vllm": servers}}).engine.replica_count == 1
 
 
+def test_torch_replicas_asked_of_a_vllm_engine_are_refused():
+    """With ``engine.kind`` vllm a worker runs one replica per server of ``engine.vllm``:
+    ``engine.replicas: 4`` was taken and ignored, the run rolling out on the two servers listed."""
+    servers = [{"base_url": "http://127.0.0.1:8000"}, {"base_url": "http://127.0.0.1:8001"}]
+    with pytest.raises(ConfigError) as refused:
+        load_config(TINY, {"engine": {"kind": "vllm", "vllm": servers, "replicas": 4}})
+    assert str(refused.value) == (
+        f"invalid run config {TINY}: engine: engine.replicas (4) counts TorchEngine replicas, and with "
+        "engine.kind 'vllm' a worker runs one replica per server engine.vllm lists (2): list a server "
+        "for each replica, or leave engine.replicas at 1"
+    )
+    assert load_config(TINY, {"engine": {"kind": "vllm", "vllm": servers}}).engine.replica_count == 2
+
+
 @pytest.mark.parametrize(
     ("steps", "every", "on_stop"), [(6, 2, False), (5, 2, True), (5, None, True), (5, 2, False)]
 )
