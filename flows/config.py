@@ -255,7 +255,8 @@ class RunConfig(BaseModel):
             "Address of the local Ray that a run without ray_address (or with 'local') starts: on 127.0.0.1 its "
             "processes listen on loopback only; on another address of this machine (for other nodes "
             "to join) or null (Ray picks it, or joins the cluster RAY_ADDRESS or `ray start` names) "
-            "on every interface."
+            "on every interface. Another address is refused where no local Ray starts (cluster "
+            "'local', or a ray_address to join)."
         ),
     )
     seed: int = Field(0, description="Seed of task sampling and everything not seeded elsewhere.")
@@ -293,13 +294,25 @@ class RunConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
-    def _ray_address_needs_ray(self) -> RunConfig:
+    def _ray_settings_need_their_ray(self) -> RunConfig:
         # else the run went ahead in this process's threads, the cluster named idle; the
         # address is not echoed (errors hide the config's values)
         if self.cluster != "ray" and self.ray_address is not None:
             raise ValueError(
                 f"ray_address is set, but cluster is {self.cluster!r}, which runs no Ray: set cluster "
                 "to 'ray' to run on that Ray cluster, or leave ray_address unset"
+            )
+        if self.ray_node_ip not in ("127.0.0.1", None):
+            # else taken and ignored: no Ray of the run's own listened on it
+            if self.cluster != "ray":
+                why, fix = f"cluster is {self.cluster!r}, which starts no Ray", "set cluster to 'ray'"
+            elif self.ray_address not in (None, "local"):
+                why, fix = "ray_address names a cluster to join", "set ray_address to 'local' or null"
+            else:
+                return self
+            raise ValueError(
+                f"ray_node_ip is the address of the local Ray a run starts, and {why}: leave ray_node_ip "
+                f"at 127.0.0.1, or {fix}"
             )
         return self
 

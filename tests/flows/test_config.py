@@ -274,8 +274,33 @@ def test_compaction_settings_up_to_the_limits_their_refusals_name_load(tmp_path,
 
 def test_a_local_ray_is_on_loopback_unless_the_config_names_another_address_or_leaves_it_to_ray(tmp_path):
     assert RunConfig().ray_node_ip == "127.0.0.1"
-    assert load_config(write_config(tmp_path, "ray_node_ip: 10.0.0.5\n")).ray_node_ip == "10.0.0.5"
-    assert load_config(write_config(tmp_path, "ray_node_ip: null\n")).ray_node_ip is None
+    assert (
+        load_config(write_config(tmp_path, "cluster: ray\nray_node_ip: 10.0.0.5\n")).ray_node_ip == "10.0.0.5"
+    )
+    assert load_config(write_config(tmp_path, "cluster: ray\nray_node_ip: null\n")).ray_node_ip is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ({}, "cluster is 'local', which starts no Ray"),
+        ({"cluster": "ray", "ray_address": "ray://10.0.0.1:10001"}, "ray_address names a cluster to join"),
+        ({"cluster": "ray", "ray_address": "auto"}, "ray_address names a cluster to join"),
+    ],
+)
+def test_a_ray_node_ip_that_no_local_ray_would_start_on_is_refused_at_load(overrides, why):
+    """``ray_node_ip`` is the address of the local Ray a run starts: with cluster 'local', or
+    a ray_address to join, it was taken and ignored (no Ray listened on it)."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(TINY, overrides | {"ray_node_ip": "10.0.0.5"})
+    assert str(refused.value) == (
+        f"invalid run config {TINY}: ray_node_ip is the address of the local Ray a run starts, and "
+        f"{why}: leave ray_node_ip at 127.0.0.1"
+        + (", or set cluster to 'ray'" if not overrides else ", or set ray_address to 'local' or null")
+    )
+    for address in ("local", None):
+        config = load_config(TINY, {"cluster": "ray", "ray_address": address, "ray_node_ip": "10.0.0.5"})
+        assert config.ray_node_ip == "10.0.0.5"
 
 
 def test_an_empty_ray_address_starts_a_local_ray_as_none_does(tmp_path):
