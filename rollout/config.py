@@ -7,7 +7,9 @@ Kept apart from that code so that a run config loads without torch and transform
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -15,6 +17,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rl.config import TorchDevice, TorchDtype
 from rollout.engines.base import MIN_TEMPERATURE
 from rollout.engines.vllm_engine import VLLMEngineConfig
+
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]*[A-Za-z0-9])?)*")
+"""A DNS host name: dot-separated labels of letters, digits and inner hyphens."""
 
 SEED_STRIDE = 1_000_003
 """Rollout ``n`` of an orchestrator seeded ``seed`` samples with seed ``seed * SEED_STRIDE + n``."""
@@ -340,6 +345,20 @@ class GatewayHTTPConfig(BaseModel):
         description="The worker runs none of its own rollouts (orchestrator.mix): it serves the API and "
         "loads each new weight version until the deadline or a stop. Needs port.",
     )
+
+    @field_validator("host")
+    @classmethod
+    def _host_is_an_address(cls, value: str) -> str:
+        # else the worker failed as it started serving, after the warm start, with a traceback
+        try:
+            ipaddress.ip_address(value)
+        except ValueError:
+            if not _HOST_NAME.fullmatch(value):
+                raise ValueError(
+                    "must be an IP address or a host name to listen on (127.0.0.1, 0.0.0.0, ::, "
+                    "localhost), without a scheme or a port (that is gateway_http.port)"
+                ) from None
+        return value
 
     @model_validator(mode="after")
     def _serving(self) -> GatewayHTTPConfig:

@@ -1113,3 +1113,21 @@ def test_a_ray_address_without_cluster_ray_is_refused_at_load(address):
     )
     config = load_config(TINY, {"cluster": "ray", "ray_address": address})
     assert (config.cluster, config.ray_address) == ("ray", address)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0:8080", "http://0.0.0.0", "my host", "[::1]", "-host"])
+def test_a_gateway_host_that_names_no_address_is_refused_at_load(host):
+    """A host with a port or a scheme was taken, and the rollout worker failed as it started
+    serving the API, after the warm start, with the server's traceback."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(TINY, {"gateway_http": {"port": 0, "host": host}})
+    assert str(refused.value) == (
+        f"invalid run config {TINY}: gateway_http.host: must be an IP address or a host name to "
+        "listen on (127.0.0.1, 0.0.0.0, ::, localhost), without a scheme or a port (that is "
+        "gateway_http.port)"
+    )
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost", "gw-1.internal"])
+def test_a_gateway_host_naming_an_address_loads(host):
+    assert load_config(TINY, {"gateway_http": {"port": 0, "host": host}}).gateway_http.host == host
