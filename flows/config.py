@@ -274,6 +274,13 @@ class RunConfig(BaseModel):
     @field_validator("ray_address")
     @classmethod
     def _ray_address(cls, value: str | None) -> str | None:
+        if value and value.lower().startswith(("http://", "https://")):
+            # else ray.init refused it as the run joined, after the warm start
+            raise ValueError(
+                "an http(s):// address is the Ray dashboard's, for job submission, which a run cannot "
+                "join: give the Ray client's ray://head:10001, the head's head:6379, or 'auto' on a node "
+                "of the cluster"
+            )
         return value or None  # a form's empty field: ray.init refuses ""
 
     @field_validator("ray_node_ip")

@@ -1131,3 +1131,17 @@ def test_a_gateway_host_that_names_no_address_is_refused_at_load(host):
 @pytest.mark.parametrize("host", ["127.0.0.1", "0.0.0.0", "::", "::1", "localhost", "gw-1.internal"])
 def test_a_gateway_host_naming_an_address_loads(host):
     assert load_config(TINY, {"gateway_http": {"port": 0, "host": host}}).gateway_http.host == host
+
+
+@pytest.mark.parametrize("address", ["http://10.0.0.1:8265", "HTTPS://ray.example.com"])
+def test_a_ray_address_over_http_is_refused_at_load(address):
+    """The dashboard's job-submission address (RAY_ADDRESS=http://head:8265 for ``ray job
+    submit``) is no address a driver joins: Ray refused it once the warm start and the first
+    evaluation were over."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(TINY, {"cluster": "ray", "ray_address": address})
+    assert str(refused.value) == (
+        f"invalid run config {TINY}: ray_address: an http(s):// address is the Ray dashboard's, for "
+        "job submission, which a run cannot join: give the Ray client's ray://head:10001, the head's "
+        "head:6379, or 'auto' on a node of the cluster"
+    )
