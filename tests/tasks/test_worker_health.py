@@ -247,6 +247,7 @@ def test_a_reload_the_health_check_runs_is_awaited_whatever_the_others_do(local_
     run = RunConfig(engine={"replicas": 2}, orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
     ensure_base_version(WeightStore(local_store), TINY)
     worker = make_worker(local_store, run, router=RouterConfig(health_check_s=0.05), weight_poll_s=600)
+    worker.retry_wait_s = lambda failures: 0.05  # not the minute a weight_poll_s of 600 gives
     held_while_torch_1_loads = []
 
     def failure_logged() -> bool:
