@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(PY) -m flows.demo
 
-# Two workers, each taking whole files (module fixtures such as the Ray session stay in one).
+# Two workers, each taking whole files (module fixtures such as the Ray session stay in one);
+# tests/conftest.py makes the test_ray*.py files one unit, so that no worker waits on the other's Ray.
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 

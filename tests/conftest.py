@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
+from xdist.scheduler import LoadFileScheduling
 
 from storage.config import RunStore, StorageConfig
 
@@ -161,13 +162,38 @@ def one_ray_at_a_time() -> Iterator[None]:
     other runs of the suite): a worker once died ("node down") while its Ray cluster ran beside
     the local Rays that ``test_ray_local`` stops mid-start, and Ray instances started side by
     side on one machine race for ports now and then (its dashboard agent's; the raylet shares
-    its agent's fate, and its driver, the worker, the raylet's)."""
+    its agent's fate, and its driver, the worker, the raylet's). A test that starts Ray holds
+    it, in a ``test_ray*.py`` file (:class:`RayFilesInOneUnit`)."""
     with open(os.path.join(tempfile.gettempdir(), "treadle-tests-ray.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+RAY_UNIT = "the test files that start Ray"
+
+
+class RayFilesInOneUnit(LoadFileScheduling):
+    """pytest-xdist's ``loadfile``, but every ``test_ray*.py`` file (the tests that start Ray
+    live there) is in one unit of work, handed out first: run on two workers, they waited for
+    each other's Ray in :func:`one_ray_at_a_time`, a worker idle meanwhile (about two minutes
+    of the suite's time)."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = super()._split_scope(nodeid)
+        return RAY_UNIT if os.path.basename(path).startswith("test_ray") else path
+
+    def _assign_work_unit(self, node) -> None:
+        if RAY_UNIT in self.workqueue:
+            self.workqueue.move_to_end(RAY_UNIT, last=False)
+        super()._assign_work_unit(node)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadFileScheduling | None:
+    return RayFilesInOneUnit(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 def free_port() -> int:

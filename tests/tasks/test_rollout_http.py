@@ -19,7 +19,6 @@ import pytest
 from flows.config import RunConfig
 from rl.models import build_tiny_model, ensure_base_version, publish_policy
 from rollout.gateway_http import RETRY_AFTER_S, SESSION_HEADER
-from rollout.ray_engine import engine_actor_resources
 from rollout.worker import RolloutWorker
 from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader
@@ -27,7 +26,7 @@ from storage.status import InUse, RolloutStatusBoard, TrainerStatus, TrainerStat
 from storage.tables import Tables
 from storage.weights import WeightStore
 from tasks.process import run_processor
-from tasks.rollout import rollout_actor_resources, rollout_detail, run_rollouts
+from tasks.rollout import rollout_detail, run_rollouts
 from tests.conftest import free_port
 from tests.rl.test_trainer import TINY
 from tests.rollout.test_gateway_http_write import recorded
@@ -521,28 +520,3 @@ def test_a_harness_opening_a_rollout_while_the_trainer_lags_is_told_to_retry_and
             await worker.close()
 
     asyncio.run(asyncio.wait_for(body(), WAIT_S))
-
-
-def test_a_serve_only_worker_on_ray_starts_its_engines_and_no_env_workers(tmp_path, monkeypatch):
-    """Serving only, the worker runs no env: on Ray it still started an env worker per engine
-    replica, each holding a CPU of the run's placement group for nothing."""
-    import ray
-    from ray._private import state
-
-    monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
-    port = free_port()
-    run, _ = serving_run(tmp_path, port, serve_only=True)
-    run = run.model_copy(update={"cluster": "ray"})
-    assert rollout_actor_resources(run) == [engine_actor_resources(run.engine.torch)]  # one replica
-    try:
-        with (
-            serving_worker(run) as (worker, stop),
-            httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60) as client,
-        ):
-            until_serving(client, worker)
-            started = {actor["ActorClassName"] for actor in state.actors().values()}
-            stop.set()
-            worker.result(WAIT_S)
-    finally:
-        ray.shutdown()
-    assert started == {"EngineHost"}
