@@ -520,10 +520,12 @@ class HeldRole:
     ``owner`` id.
 
     Every publish first reads the status back, and so does :meth:`holds`. When another
-    holder's fresh running status has replaced this one's (two started at once, or this
-    one's renewals stalled past ``max_age_s`` and another took the role), the role is lost:
+    holder's running status has replaced this one's (two started at once, or this one's
+    renewals stalled past ``max_age_s`` and another took the role), the role is lost:
     :attr:`lost` is set and this holder publishes nothing more, leaving the status to the new
-    holder."""
+    holder. Before this holder's first publish only a fresh one holds the role (a stale one
+    is a dead holder's); after it, any other running one was written since, by a live
+    process, however its date reads on this machine's clock."""
 
     def __init__(
         self,
@@ -538,13 +540,15 @@ class HeldRole:
         self.lost = threading.Event()
         self._max_age_s = max_age_s
         self._lock = threading.Lock()  # a read-back and its publish are one step
+        self._published = False
 
     @property
     def taken(self) -> str:
         """Why a holder stops whose role another process took."""
         return (
             f"{self.what} was taken over by another process (this one's status went unrenewed for "
-            f"over {self._max_age_s:.0f} s, or both started at once)"
+            f"over {self._max_age_s:.0f} s, both started at once, or their machines' clocks differ "
+            "by more than that)"
         )
 
     def claim(
@@ -576,7 +580,8 @@ class HeldRole:
                 current is not None
                 and current.owner != self.owner
                 and current.running
-                and is_fresh(current.time, time.time(), self._max_age_s)
+                # read stale, it may still be a live holder's whose clock differs from this one's
+                and (self._published or is_fresh(current.time, time.time(), self._max_age_s))
             ):
                 log.error("%s", self.taken)
                 self.lost.set()
@@ -588,4 +593,5 @@ class HeldRole:
             if not self._holds():
                 return False
             self._publish(status.model_copy(update={"owner": self.owner}))
+            self._published = True
             return True

@@ -318,6 +318,31 @@ def test_a_held_role_is_lost_to_another_holders_fresh_running_status_only(store)
     assert fourth.publish(trainer_status()) and board.read().owner == fourth.owner  # a stopped one neither
 
 
+@pytest.mark.parametrize("skew_s", [-60.0, 60.0])
+def test_a_holder_whose_clock_is_off_yields_the_role_another_took_from_it(local_store, monkeypatch, skew_s):
+    """Machines whose clocks differ by more than the age limit: the newcomer takes the role
+    (the holder's status reads stale to it), and the holder, to which the newcomer's status
+    read stale as well, kept publishing; both held it (two workers under one name)."""
+    board = TrainerStatusBoard(local_store)
+    real_time = time.time
+
+    def trainer_status() -> TrainerStatus:
+        return TrainerStatus(time=time.time(), buffered_tokens=0, token_budget=8)
+
+    def off_clock() -> float:
+        return real_time() + skew_s
+
+    holder, newcomer = (HeldRole(board.read, board.publish, name, max_age_s=30.0) for name in ("a", "b"))
+    monkeypatch.setattr(time, "time", off_clock)
+    assert holder.publish(trainer_status())
+    monkeypatch.setattr(time, "time", real_time)
+    assert newcomer.publish(trainer_status())  # the holder's status reads 60 s off: no holder
+    monkeypatch.setattr(time, "time", off_clock)
+    assert not holder.publish(trainer_status()) and holder.lost.is_set()
+    monkeypatch.setattr(time, "time", real_time)
+    assert newcomer.holds() and board.read().owner == newcomer.owner
+
+
 def test_of_two_holders_started_at_once_one_keeps_the_claim(store):
     """Both read no holder before either writes: each claim's read-back after the settle
     finds the later write, so exactly one of them holds the role."""
