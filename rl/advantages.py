@@ -191,12 +191,18 @@ def gae(
     return advantages, returns
 
 
+def _as_keys(ids: Sequence[Hashable] | torch.Tensor) -> list[Hashable]:
+    """``ids`` as a list of hashable values: a tensor's elements hash by identity, so read one by
+    one every row of a tensor would be a key of its own."""
+    return ids.tolist() if isinstance(ids, torch.Tensor) else list(ids)
+
+
 def group_advantages(
     rewards: torch.Tensor,
     group_ids: Sequence[Hashable] | torch.Tensor,
     normalize_std: bool = False,
     eps: float = 1e-6,
-    execution_ids: Sequence[Hashable] | None = None,
+    execution_ids: Sequence[Hashable] | torch.Tensor | None = None,
     weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """GRPO advantages (Shao et al. 2024, DeepSeekMath §4.1.2): reward minus its group's mean.
@@ -216,7 +222,8 @@ def group_advantages(
         group_ids: ``N`` hashable group ids (or an ``(N,)`` integer tensor).
         normalize_std: divide by the group's std.
         eps: added to the std.
-        execution_ids: ``N`` hashable execution ids; None: every row is an execution.
+        execution_ids: ``N`` hashable execution ids (or an ``(N,)`` integer tensor); None: every
+            row is an execution.
         weights: ``(N,)`` float ≥ 0, each row's share of its execution (e.g. its total loss
             weight); None: equal shares.
 
@@ -225,10 +232,10 @@ def group_advantages(
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be (N,), got shape {tuple(rewards.shape)}")
-    keys = group_ids.tolist() if isinstance(group_ids, torch.Tensor) else list(group_ids)
+    keys = _as_keys(group_ids)
     if len(keys) != rewards.shape[0]:
         raise ValueError(f"got {len(keys)} group ids for {rewards.shape[0]} rewards")
-    executions = range(len(keys)) if execution_ids is None else list(execution_ids)
+    executions = range(len(keys)) if execution_ids is None else _as_keys(execution_ids)
     if len(executions) != len(keys):
         raise ValueError(f"got {len(executions)} execution ids for {len(keys)} rewards")
     if weights is not None and weights.shape != rewards.shape:

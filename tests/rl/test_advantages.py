@@ -414,3 +414,12 @@ def test_adaptive_lambda_formula():
     torch.testing.assert_close(got, torch.tensor(want))
     with pytest.raises(ValueError, match="alpha"):
         adaptive_lambda(lengths, alpha=0.0)
+
+
+def test_group_advantages_takes_execution_ids_as_a_tensor_like_group_ids():
+    # a tensor's elements hash by identity: taken one by one, every row was an execution of its own
+    rewards, groups = torch.tensor([1.0, 1.0, 0.0]), torch.tensor([5, 5, 5])
+    as_list = group_advantages(rewards, groups, execution_ids=[0, 0, 1])
+    as_tensor = group_advantages(rewards, groups, execution_ids=torch.tensor([0, 0, 1]))
+    torch.testing.assert_close(as_tensor, as_list)
+    torch.testing.assert_close(as_list, torch.tensor([0.5, 0.5, -0.5]))
