@@ -170,10 +170,13 @@ def gae(
         lam: GAE λ, a float or a ``(B,)`` tensor.
 
     Returns:
-        ``(advantages, returns)``, both ``(B, T)``, zero where ``mask`` is false.
+        ``(advantages, returns)``, both ``(B, T)`` in the values' dtype, zero where ``mask`` is
+        false.
     """
     _check_shapes(rewards, values, mask)
-    values = values.detach()
+    dtype = values.dtype
+    # bfloat16 is worked on in float32 and only the results rounded, as in skip_observation_gae
+    values = values.detach().to(torch.float32 if dtype == torch.bfloat16 else dtype)
     lam_rows = _as_row_tensor(lam, values, "lam")
     rewards = rewards.to(values.dtype)
     batch, length = values.shape
@@ -188,7 +191,7 @@ def gae(
         next_value = torch.where(is_step, values[:, t], torch.zeros_like(next_value))
         next_advantage = advantage_t
     returns = torch.where(mask, advantages + values, torch.zeros_like(values))
-    return advantages, returns
+    return advantages.to(dtype), returns.to(dtype)
 
 
 def _as_keys(ids: Sequence[Hashable] | torch.Tensor) -> list[Hashable]:

@@ -270,6 +270,29 @@ def test_plain_gae_matches_reference(seed, batch, length):
     torch.testing.assert_close(returns, torch.tensor(want_ret, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("lam", [0.999, torch.tensor([0.999, 0.99])])
+def test_plain_gae_on_bfloat16_keeps_lambda_near_1_and_chains_in_float32(lam):
+    # as skip_observation_gae: λ cast to bfloat16 read 0.999 as 1.0 (and 0.99 as 0.988), and a
+    # bfloat16 chain rounded every step; the first of 300 tokens got 1.0, not 0.999^299 = 0.74
+    mask = [[True] * 300 + [False] * 100, [True] * 400]
+    rewards = [[0.0] * 299 + [1.0] + [0.0] * 100, [0.0] * 399 + [1.0]]
+    values = [[0.0] * 400 for _ in mask]
+    lam_rows = lam.tolist() if isinstance(lam, torch.Tensor) else [lam] * 2
+
+    advantages, returns = gae(
+        torch.tensor(rewards, dtype=torch.bfloat16),
+        torch.tensor(values, dtype=torch.bfloat16),
+        torch.tensor(mask),
+        1.0,
+        lam,
+    )
+    want_adv, want_ret = reference_gae(rewards, values, mask, 1.0, lam_rows)
+
+    assert advantages.dtype == returns.dtype == torch.bfloat16
+    for got, want in ((advantages, want_adv), (returns, want_ret)):
+        torch.testing.assert_close(got.double(), torch.tensor(want, dtype=torch.float64), rtol=2**-8, atol=0)
+
+
 def test_skip_gae_equals_plain_gae_without_observations():
     rng = random.Random(3)
     values = torch.tensor([[rng.gauss(0, 1) for _ in range(10)] for _ in range(3)], dtype=torch.float64)
