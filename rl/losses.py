@@ -144,6 +144,10 @@ def value_loss(
         )
     if clip is not None and old_values is None:
         raise ValueError("a clipped value loss needs old_values")
+    if clip is not None and old_values.shape != values.shape:
+        raise ValueError(
+            f"old_values must be {tuple(values.shape)} like values, got {tuple(old_values.shape)}"
+        )
     num_tokens = int(mask.sum())
     # in float32 at least: the float32 targets rounded to bfloat16 are off by up to 0.25 at 100
     values = values.to(torch.promote_types(values.dtype, torch.float32))

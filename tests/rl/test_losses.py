@@ -364,6 +364,14 @@ def test_clipped_value_loss_needs_old_values():
         value_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool), clip=0.2)
 
 
+@pytest.mark.parametrize("old_shape", [(2, 1), (3,)])
+def test_clipped_value_loss_refuses_old_values_of_another_shape(old_shape):
+    # broadcast against (2, 3), one old value per row (or per column) clipped every token silently
+    values, mask = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="old_values must be"):
+        value_loss(values, torch.ones(2, 3), mask, old_values=torch.zeros(old_shape), clip=0.2)
+
+
 def reference_explained_variance(values, returns, mask):
     pairs = [
         (v, r)
