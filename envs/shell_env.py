@@ -2,10 +2,11 @@
 
 Three kinds of task: ``put hello in a.txt`` (checked: the file's content), ``which file has
 KEY?`` and ``how many files in d1?`` (answered with ``answer: ...``). Every other action is a
-shell command; the observation is its output (past ``max_observation_chars``, its end, after a
-line saying how many characters were cut) and, when it failed, ``[exit N]``, or
-``[stopped: KIND: ...]`` when the sandbox stopped it (a shell it killed starts afresh, in the
-directory the last command that ended left). ``done`` ends the episode without an answer.
+shell command (written in Markdown code blocks, the last block's); the observation is its
+output (past ``max_observation_chars``, its end, after a line saying how many characters were
+cut) and, when it failed, ``[exit N]``, or ``[stopped: KIND: ...]`` when the sandbox stopped
+it (a shell it killed starts afresh, in the directory the last command that ended left).
+``done`` ends the episode without an answer.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from envs.base import (
     Split,
     StepResult,
     Task,
+    fenced_blocks,
     in_eval_split,
     sample_unique,
     stopped,
@@ -164,8 +166,10 @@ class ShellEnv(Env):
         if text == "done":
             return self._ended(StepResult([], 0.0, True, 0.0, {"scored_at": "eval"}))
         done = self.turns >= self.config.max_turns
+        # run with its fences, bash takes them for command substitutions
+        command = (fenced_blocks(text) or [text])[-1]
         try:
-            result = await asyncio.to_thread(self.shell.run, text)
+            result = await asyncio.to_thread(self.shell.run, command)
         except SandboxError as exc:
             if not self._by_action(exc):
                 raise

@@ -1299,6 +1299,25 @@ def test_shell_write_check_fails_a_file_that_holds_more_than_the_word_past_what_
         assert score == want, command
 
 
+@needs_bwrap
+def test_shell_runs_the_command_of_a_fenced_block():
+    """A command written in a Markdown block, as a chat model writes it, ran with its fences:
+    bash took them for command substitutions and ran the command's output as a command
+    ('bash: red: command not found'), or its own effects alone."""
+    actions = ["I will write it.\n```bash\necho red > a.txt\ncat a.txt\n```\nThen check.", "done"]
+
+    async def run():
+        env = make("shell", sandbox=SMALL)
+        await env.reset(WRITE_RED)
+        try:
+            return [await env.step(action) for action in actions], await env.evaluate()
+        finally:
+            await env.close()
+
+    results, score = asyncio.run(run())
+    assert results[0].observation[0]["content"] == "red" and score == 1.0
+
+
 def test_shell_eval_tasks_have_no_train_twin():
     """File contents do not decide a count or find answer: an eval task must not have a train
     task asking the same question of the same file names with the same answer."""
