@@ -102,6 +102,7 @@ class ArithEnv(Env):
 
     async def reset(self, task: Task) -> list[dict[str, str]]:
         self._start(task)
+        require_task_data(task)
         self.answer: str | None = None
         return user(task.prompt)
 
@@ -117,3 +118,14 @@ class ArithEnv(Env):
     async def evaluate(self) -> float:
         task = self._require_task()
         return float(self.answer == str(solve(task.data["a"], task.data["op"], task.data["b"])))
+
+
+def require_task_data(task: Task) -> None:
+    """Raise ValueError unless ``task.data`` holds int operands ``a`` and ``b`` and an operator
+    :func:`solve` knows: a task sent by a client with another operator (``*``) was scored as a
+    subtraction, and one with text operands as their concatenation."""
+    data = task.data
+    if not (all(type(data.get(name)) is int for name in ("a", "b")) and data.get("op") in ("+", "-")):
+        raise ValueError(
+            f"arith task {task.id!r}: data must hold int a and b and op '+' or '-', got {data!r:.200}"
+        )

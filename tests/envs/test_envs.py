@@ -151,6 +151,25 @@ def test_arith_rewards_the_exact_answer_and_scores_digits_right_from_the_right(o
     assert result.info == {"expected": 47 if op == "+" else -23}
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"a": 3, "b": 4, "op": "*"},
+        {"a": "3", "b": "4", "op": "+"},
+        {"a": 3, "b": True, "op": "+"},
+        {"a": 3.5, "b": 4, "op": "-"},
+        {"a": 3, "op": "+"},
+    ],
+)
+def test_arith_task_it_cannot_score_is_refused_at_reset(data):
+    """A task sent by a client with another operator was scored as a subtraction (``3*4=``
+    rewarded ``-1``), with text operands as their concatenation (``"3"+"4"`` rewarded ``34``);
+    a missing operand raised a KeyError at the step."""
+    task = Task(env="arith", id="t", prompt="3*4=", data=data)
+    with pytest.raises(ValueError, match="arith task 't': data must hold int a and b and op '\\+' or '-'"):
+        asyncio.run(make("arith").reset(task))
+
+
 def test_arith_draws_every_operand_from_zero_to_max_operand():
     config = {"max_operand": 3, "ops": ["+", "-"]}
     drawn = [
