@@ -130,6 +130,7 @@ class GuessEnv(Env):
 
     async def reset(self, task: Task) -> list[dict[str, str]]:
         self._start(task)
+        require_task_data(task)
         self.low, self.high = task.data["low"], task.data["high"]
         self.found = False
         return user(task.prompt)
@@ -164,3 +165,14 @@ class GuessEnv(Env):
     async def evaluate(self) -> float:
         self._require_task()
         return float(self.found)
+
+
+def require_task_data(task: Task) -> None:
+    """Raise ValueError unless ``task.data`` holds int ``low``, ``target`` and ``high`` in that
+    order: a task sent by a client with its number outside its window reached full progress
+    without it being found, and an empty window divided by zero."""
+    values = [task.data.get(name) for name in ("low", "target", "high")]
+    if not (all(type(value) is int for value in values) and values == sorted(values)):
+        raise ValueError(
+            f"guess task {task.id!r}: data must hold int low <= target <= high, got {task.data!r:.200}"
+        )

@@ -475,6 +475,25 @@ def test_guess_progress_is_full_only_when_the_number_is_found():
     assert found.reward == found.progress == 1.0
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        {"target": 20, "low": 1, "high": 16},
+        {"target": 5, "low": 6, "high": 5},
+        {"target": "8", "low": 1, "high": 16},
+        {"target": 8, "low": 1.0, "high": 16},
+        {"low": 1, "high": 16},
+    ],
+)
+def test_guess_task_it_cannot_play_is_refused_at_reset(data):
+    """A task sent by a client with its number outside its window reached full progress
+    unfound (16 in 1-16 for 20: ``higher``, no number left); an empty window divided by zero,
+    a text number or a missing one failed the step (TypeError, KeyError)."""
+    task = Task(env="guess", id="t", prompt="guess 1-16", data=data)
+    with pytest.raises(ValueError, match="guess task 't': data must hold int low <= target <= high"):
+        asyncio.run(make("guess").reset(task))
+
+
 def test_guess_answers_number_to_what_is_not_an_ascii_number():
     task = task_set("guess", "train", seed=4, n=1)[0]
 
