@@ -85,6 +85,7 @@ class PyToolEnv(Env):
 
     async def reset(self, task: Task) -> list[dict[str, str]]:
         self._start(task)
+        require_task_data(task)
         sandbox = await self._new_sandbox()
         self.repl = await to_thread_to_the_end(PythonRepl, sandbox, discard=PythonRepl.close)
         self.answer: str | None = None
@@ -141,3 +142,11 @@ class PyToolEnv(Env):
     async def evaluate(self) -> float:
         task = self._require_task()
         return float(self.answer == str(task.data["answer"]))
+
+
+def require_task_data(task: Task) -> None:
+    """Raise ValueError unless ``task.data`` holds an int ``answer``: a task sent by a client
+    with ``42.0`` scored the right answer ``42`` 0, and one without failed its step."""
+    answer = task.data.get("answer")
+    if type(answer) is not int:
+        raise ValueError(f"pytool task {task.id!r}: data must hold an int answer, got {task.data!r:.200}")

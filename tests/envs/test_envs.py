@@ -896,6 +896,17 @@ def test_closed_envs_leave_no_open_fds_or_zombies():
     assert len(kept) == len(episodes)
 
 
+@pytest.mark.parametrize("data", [{"expr": "6*7%50", "answer": 42.0}, {"expr": "6*7%50", "answer": True}, {}])
+def test_pytool_task_it_cannot_score_is_refused_at_reset(data):
+    """A task sent by a client with an answer that is no int (``42.0``, as a table with a gap
+    stores it) scored the right answer 0 (``42`` is not ``42.0``); one without an answer made a
+    sandbox and failed the step with a KeyError."""
+    env = make("pytool", sandbox=SMALL)
+    with pytest.raises(ValueError, match="pytool task 't': data must hold an int answer"):
+        asyncio.run(env.reset(Task(env="pytool", id="t", prompt="calc 6*7%50", data=data)))
+    assert env.sandbox is None
+
+
 @needs_bwrap
 def test_pytool_runs_python_then_answers():
     task = task_set("pytool", "train", seed=5, n=1)[0]
