@@ -189,10 +189,14 @@ class ShellEnv(Env):
     async def evaluate(self) -> float:
         task = self._require_task()
         data = task.data
-        if data["kind"] != "write":
-            return float(self.answer is not None and self.answer.removeprefix("./") == data["answer"])
+        if data["kind"] == "count":
+            return float(self.answer == data["answer"])
         if self.sandbox is None:
             return 0.0
+        if data["kind"] == "find":
+            return float(
+                self.answer is not None and answered_path(self.answer, self.sandbox.workdir) == data["answer"]
+            )
         path = os.path.join(self.sandbox.workdir, data["file"])
         # a byte more: a file longer than what is read is not the word, whatever it starts with
         content = await asyncio.to_thread(read_regular_file, path, MAX_CHECKED_BYTES + 1)
@@ -201,6 +205,13 @@ class ShellEnv(Env):
             and len(content) <= MAX_CHECKED_BYTES
             and content.strip() == data["content"].encode()
         )
+
+
+def answered_path(answer: str, workdir: str) -> str:
+    """The file ``answer`` names, as a path from ``workdir``: ``./d1/f0.txt`` and the absolute
+    path a command run in it prints (``grep -rl KEY "$PWD"``) both name ``d1/f0.txt``."""
+    path = os.path.normpath(answer)
+    return os.path.relpath(path, workdir) if os.path.isabs(path) else path
 
 
 def require_task_data(task: Task) -> None:

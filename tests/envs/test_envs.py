@@ -1367,6 +1367,31 @@ def test_shell_runs_the_command_of_a_fenced_block():
     assert results[0].observation[0]["content"] == "red" and score == 1.0
 
 
+@needs_bwrap
+def test_shell_find_answer_may_name_the_file_by_its_absolute_path():
+    """The file found by ``grep -rl owl "$PWD"`` or ``find "$PWD"``, answered by the path the
+    shell printed, scored 0: only ``d1/f0.txt`` and ``./d1/f0.txt`` named it."""
+    files = {"d1/f0.txt": "owl", "d2/f0.txt": "red"}
+    task = Task(
+        env="shell",
+        id="find",
+        prompt="which file has owl?",
+        data={"kind": "find", "files": files, "answer": "d1/f0.txt"},
+    )
+
+    async def score(answer):
+        env = make("shell", sandbox=SMALL)
+        await env.reset(task)
+        try:
+            await env.step(f"answer: {answer.format(workdir=env.sandbox.workdir)}")
+            return await env.evaluate()
+        finally:
+            await env.close()
+
+    answers = ["{workdir}/d1/f0.txt", "/d1/f0.txt", "{workdir}/d2/f0.txt"]
+    assert [asyncio.run(score(answer)) for answer in answers] == [1.0, 0.0, 0.0]
+
+
 def test_shell_eval_tasks_have_no_train_twin():
     """File contents do not decide a count or find answer: an eval task must not have a train
     task asking the same question of the same file names with the same answer."""
