@@ -191,12 +191,11 @@ class ShellEnv(Env):
         data = task.data
         if data["kind"] == "count":
             return float(self.answer == data["answer"])
-        if self.sandbox is None:
-            return 0.0
+        workdir = None if self.sandbox is None else self.sandbox.workdir
         if data["kind"] == "find":
-            return float(
-                self.answer is not None and answered_path(self.answer, self.sandbox.workdir) == data["answer"]
-            )
+            return float(self.answer is not None and answered_path(self.answer, workdir) == data["answer"])
+        if workdir is None:
+            return 0.0
         path = os.path.join(self.sandbox.workdir, data["file"])
         # a byte more: a file longer than what is read is not the word, whatever it starts with
         content = await asyncio.to_thread(read_regular_file, path, MAX_CHECKED_BYTES + 1)
@@ -207,11 +206,12 @@ class ShellEnv(Env):
         )
 
 
-def answered_path(answer: str, workdir: str) -> str:
+def answered_path(answer: str, workdir: str | None) -> str:
     """The file ``answer`` names, as a path from ``workdir``: ``./d1/f0.txt`` and the absolute
-    path a command run in it prints (``grep -rl KEY "$PWD"``) both name ``d1/f0.txt``."""
+    path a command run in it prints (``grep -rl KEY "$PWD"``) both name ``d1/f0.txt``; an
+    absolute path stays one once the sandbox (``workdir`` None) is gone."""
     path = os.path.normpath(answer)
-    return os.path.relpath(path, workdir) if os.path.isabs(path) else path
+    return os.path.relpath(path, workdir) if workdir is not None and os.path.isabs(path) else path
 
 
 def require_task_data(task: Task) -> None:

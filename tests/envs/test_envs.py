@@ -1391,6 +1391,15 @@ def test_shell_find_answer_may_name_the_file_by_its_absolute_path():
     answers = ["{workdir}/d1/f0.txt", "/d1/f0.txt", "{workdir}/d2/f0.txt"]
     assert [asyncio.run(score(answer)) for answer in answers] == [1.0, 0.0, 0.0]
 
+    async def score_once_closed(answer):
+        env = make("shell", sandbox=SMALL)
+        await env.reset(task)
+        await env.step(f"answer: {answer}")
+        await env.close()
+        return await env.evaluate()
+
+    assert [asyncio.run(score_once_closed(answer)) for answer in ("./d1/f0.txt", "/d1/f0.txt")] == [1.0, 0.0]
+
 
 def test_shell_eval_tasks_have_no_train_twin():
     """File contents do not decide a count or find answer: an eval task must not have a train
