@@ -32,10 +32,11 @@ and each reply's tool calls are parsed out of the model's text (``rollout.tool_c
 the message's ``tool_calls``, with ``finish_reason`` ``tool_calls``, as vLLM does with a
 tool-call parser. A session keeps the tools of its first request; a resent assistant message
 matches the one returned when its calls name the same functions with equal arguments.
-``tool_choice`` may be ``auto`` or ``none`` (nothing parsed); forcing a call would need
-constrained decoding, so ``required`` and a named function are refused, as are the
-deprecated ``functions`` and ``function_call``, and ``parallel_tool_calls: false``: a reply's
-calls are all the ones the model wrote, which one request cannot limit.
+``tool_choice`` may be ``auto`` or ``none`` (nothing parsed; also without tools, as vLLM
+takes it); forcing a call would need constrained decoding, so ``required`` and a named
+function are refused, as are the deprecated ``functions`` and ``function_call``, and
+``parallel_tool_calls: false``: a reply's calls are all the ones the model wrote, which one
+request cannot limit.
 
 ``chat_template_kwargs`` (vLLM's) are template variables over the run's
 ``GatewayConfig.chat_template_kwargs`` (Qwen3's ``enable_thinking`` …). A session keeps those
@@ -1167,8 +1168,8 @@ def _check_tool_fields(body: ChatRequest) -> None:
     if body.functions:
         raise InvalidRequest("functions is the deprecated form of tools: send tools")
     if body.tool_choice is None or body.tool_choice in ("auto", "none"):
-        if body.tool_choice is not None and not body.tools:
-            raise InvalidRequest(f"tool_choice {body.tool_choice!r} without tools")
+        if body.tool_choice == "auto" and not body.tools:  # "none" asks for nothing, as vLLM reads it
+            raise InvalidRequest("tool_choice 'auto' without tools")
         return
     raise InvalidRequest(
         f"tool_choice {body.tool_choice!r} is not supported: forcing a tool call needs constrained "

@@ -1458,6 +1458,26 @@ def test_request_fields_the_gateway_does_not_do_are_refused_naming_them(tiny):
     asyncio.run(body())
 
 
+def test_tool_choice_none_without_tools_asks_for_nothing_and_is_served(tiny):
+    """As vLLM serves it: a harness that turns tool calls off on a request without tools asks
+    for nothing the gateway does not do; ``auto`` without tools is still refused."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            headers = {SESSION_HEADER: await open_session(client)}
+            chat = {"messages": USER, "max_tokens": 2, "tool_choice": "none"}
+            response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+            assert response.status_code == 200, response.text
+            assert "tool_calls" not in response.json()["choices"][0]["message"]
+            headers = {SESSION_HEADER: await open_session(client)}
+            chat = {"messages": USER, "max_tokens": 2, "tool_choice": "auto"}
+            response = await client.post("/v1/chat/completions", json=chat, headers=headers)
+            assert response.status_code == 400, response.text
+            assert "tool_choice 'auto' without tools" in response.json()["error"]["message"]
+
+    asyncio.run(body())
+
+
 def test_a_token_budget_below_one_is_refused_naming_the_field_the_client_sent(tiny):
     """A client that sends ``max_tokens: 0`` is told about ``max_tokens``, not about the
     engines' ``max_new_tokens``, which it never sent."""
