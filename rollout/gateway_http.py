@@ -703,6 +703,13 @@ class RecordSink:
                 raise InvalidRequest(
                     f"record {i}: unknown fields {unknown}; send records as the record endpoint answers them"
                 )
+            timing = record.get("timing")
+            # the table's timing struct would drop them without a word
+            unknown = sorted(set(timing) - set(TIMING_KEYS)) if isinstance(timing, dict) else []
+            if unknown:
+                raise InvalidRequest(
+                    f"record {i}: unknown timing entries {unknown}; expected some of {TIMING_KEYS}"
+                )
         try:
             table = to_table(records)
             problems = rows_with_errors(table)

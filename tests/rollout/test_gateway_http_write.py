@@ -61,6 +61,11 @@ def test_an_execution_is_written_whole_into_one_shard_and_a_bad_one_writes_nothi
             refusals = {
                 "two executions": ([root, other], "the records hold executions"),
                 "an unknown field": ([{**root, "rewrd": 1.0}], "record 0: unknown fields ['rewrd']"),
+                # the table's timing would drop it without a word
+                "an unknown timing entry": (
+                    [root, {**branch, "timing": {"run": 1.0, "total": 3.0}}],
+                    "record 1: unknown timing entries ['total']",
+                ),
                 "a schema error": ([root, {**branch, **cut}], "record 1: "),
                 "schema errors": ([{**root, **cut}, {**branch, **cut}], " (and 1 more records)"),
                 "a repeated id": (
