@@ -82,6 +82,9 @@ class SFTConfig(BaseModel):
 
     lr: float = Field(3e-3, gt=0, description="AdamW learning rate.")
     batch_size: int = Field(64, ge=1, description="Demonstrations per optimizer step.")
+    micro_token_budget: int = Field(
+        8192, ge=1, description="Padded tokens (rows × longest row) per forward pass; gradients accumulate."
+    )
     max_steps: int = Field(400, ge=1, description="Optimizer steps at most.")
     max_seconds: float = Field(60.0, gt=0, description="Wall-clock budget; training stops when it runs out.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")

@@ -68,6 +68,23 @@ def length_bucketed_batches(
     return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
 
 
+def micro_batches(lengths: Sequence[int], picked: Sequence[int], budget: int) -> list[list[int]]:
+    """Split ``picked`` (in order) so that rows × longest row ≤ ``budget`` in every part (a
+    single longer row is a part of its own), as the trainer splits its batches."""
+    parts: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for index in picked:
+        longest = max(longest, lengths[index])
+        if current and longest * (len(current) + 1) > budget:
+            parts.append(current)
+            current, longest = [], lengths[index]
+        current.append(index)
+    if current:
+        parts.append(current)
+    return parts
+
+
 def supervised_warm_start(
     model: torch.nn.Module,
     sequences: Sequence[Sequence[int]],
@@ -139,19 +156,29 @@ def supervised_warm_start(
             if not batches:
                 batches = length_bucketed_batches(lengths, config.batch_size, generator)
             picked = batches.pop()
-            input_ids, attention_mask, loss_mask = pad_batch(
-                [sequences[i] for i in picked], [masks[i] for i in picked], pad_id
-            )
-            loss_mask = loss_mask.to(device)
-            token_logp = token_logprobs(
-                model, input_ids.to(device), attention_mask.to(device), where=loss_mask
-            )
-            loss = masked_nll(token_logp, loss_mask)
+            # each part's mean weighed by its share of the step's trained tokens: the loss and
+            # gradient of the whole batch in one pass
+            counts = {i: sum(masks[i][1:]) for i in picked}
+            total = max(sum(counts.values()), 1)
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = 0.0
+            for part in micro_batches(lengths, picked, config.micro_token_budget):
+                trained = sum(counts[i] for i in part)
+                if not trained:
+                    continue
+                input_ids, attention_mask, loss_mask = pad_batch(
+                    [sequences[i] for i in part], [masks[i] for i in part], pad_id
+                )
+                loss_mask = loss_mask.to(device)
+                token_logp = token_logprobs(
+                    model, input_ids.to(device), attention_mask.to(device), where=loss_mask
+                )
+                part_loss = masked_nll(token_logp, loss_mask) * (trained / total)
+                part_loss.backward()
+                loss += part_loss.item()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
-            losses.append(loss.item())
+            losses.append(loss)
             if on_step is not None:
                 on_step(step, losses[-1])
             # checked after a step: a budget spent before the first would leave no loss to report

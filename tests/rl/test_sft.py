@@ -146,3 +146,42 @@ def test_demonstrations_whose_masks_train_no_token_are_refused():
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
     masks[1][3] = True
     assert len(supervised_warm_start(model, sequences, masks, 0, SFTConfig(max_steps=2))) == 2
+
+
+def test_a_step_runs_its_demonstrations_in_micro_batches_within_the_token_budget():
+    """A step ran its ``batch_size`` demonstrations in one forward pass whatever their length:
+    64 code demonstrations of 300 tokens are 19,200 at once, some 60 GiB of activations for
+    Qwen3-0.6B in float32 (configs/qwen3-0.6b-gpu.yaml's count), where the trainer keeps to its
+    ``micro_token_budget``. A step now accumulates gradients over micro-batches of at most
+    ``micro_token_budget`` padded tokens, to the loss and gradient of a slow reference: the
+    whole batch, one demonstration and one token at a time."""
+    model, _ = build_tiny_model(SMALL)
+    rng = random.Random(0)
+    sequences = [[rng.randrange(4, 500) for _ in range(rng.randint(5, 12))] for _ in range(6)]
+    masks = [[index >= len(tokens) // 2 for index in range(len(tokens))] for tokens in sequences]
+    masks[0] = [False] * len(sequences[0])  # one that trains nothing
+    config = SFTConfig(max_steps=1, batch_size=6, micro_token_budget=24, lr=1e-2)
+    reference = copy.deepcopy(model)
+    reference.train()
+    total, count = 0.0, 0
+    for tokens, mask in zip(sequences, masks, strict=True):
+        logits = reference(torch.tensor([tokens])).logits[0].float()
+        for t in range(1, len(tokens)):
+            if mask[t]:
+                total = total - torch.log_softmax(logits[t - 1], -1)[tokens[t]]
+                count += 1
+    reference_loss = total / count
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    reference_loss.backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
+    optimizer.step()
+
+    padded_tokens = []
+    hook = lambda module, args: padded_tokens.append(args[0].numel())  # noqa: E731
+    model.get_input_embeddings().register_forward_pre_hook(hook)
+    losses = supervised_warm_start(model, sequences, masks, 0, config)
+    assert padded_tokens and max(padded_tokens) <= 24
+    assert losses == pytest.approx([reference_loss.item()], rel=1e-5)
+    # the step's gradient (Adam's first step moves by ±lr wherever it is not 0, whatever its size)
+    for (name, trained), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(trained.grad, expected.grad, rtol=1e-4, atol=1e-7), name
