@@ -71,9 +71,38 @@ def demonstration_data(
                 f"warm_start: {count} demonstrations of {name}: {exc}; set warm_start.demos.{name} "
                 "(0 leaves it out) or turn warm_start off"
             ) from None
+        _check_action_lengths(config, name, msks, log)
         sequences += seqs
         masks += msks
     return sequences, masks
+
+
+def action_lengths(mask: list[bool]) -> list[int]:
+    """Tokens of each action of a demonstration (the runs of true in its loss ``mask``, each
+    ending with its stop token)."""
+    runs = [0]
+    for trained in mask:
+        if trained:
+            runs[-1] += 1
+        elif runs[-1]:
+            runs.append(0)
+    return [run for run in runs if run]
+
+
+def _check_action_lengths(
+    config: RunConfig, name: str, masks: list[list[bool]], log: Callable[[str], None] | None
+) -> None:
+    """Tell ``log`` how many of env ``name``'s demonstrated actions ``service.max_new_tokens``
+    would cut: the warm start would teach actions that a rollout never finishes."""
+    lengths = [length for mask in masks for length in action_lengths(mask)]
+    over = [length for length in lengths if length > config.service.max_new_tokens]
+    if over and log is not None:
+        log(
+            f"warm start: {len(over)} of {len(lengths)} demonstrated actions of {name} are longer than "
+            f"service.max_new_tokens={config.service.max_new_tokens} (the longest {max(over)} tokens, its "
+            "stop token included): rollouts cut them short, so the policy learns actions it cannot "
+            "finish; raise service.max_new_tokens"
+        )
 
 
 def _progress(log: Callable[[str], None] | None, name: str, count: int) -> Callable[[], None]:

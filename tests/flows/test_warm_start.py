@@ -447,6 +447,33 @@ def test_the_warm_start_tells_how_many_demonstrations_it_has_played(tmp_path, mo
     assert lines[-1] in built, "the warm start of the base version told nothing of its demonstrations"
 
 
+def test_demonstrated_actions_longer_than_an_actions_token_budget_are_told(tmp_path):
+    """With ``service.max_new_tokens`` below a demonstrated action's tokens (code's run to a
+    dozen and more, tiny.yaml's budget is 4), the warm start taught actions that every rollout
+    cut short, and said nothing."""
+    _, tokenizer = build_tiny_model(tiny_config(tmp_path / "runs").model.tiny)
+    demos = {"warm_start": {"demos": {"arith": 4}}}
+    _, masks = demonstration_data(tiny_config(tmp_path / "runs", **demos), tokenizer, ["arith"])
+    lengths = []
+    for mask in masks:
+        starts = [i for i, trained in enumerate(mask) if trained and (i == 0 or not mask[i - 1])]
+        lengths += [next((j for j in range(i, len(mask)) if not mask[j]), len(mask)) - i for i in starts]
+    assert weight_tasks.action_lengths([False, True, True, False, True]) == [2, 1]
+    assert [weight_tasks.action_lengths(mask) for mask in masks] == [[n] for n in lengths]
+    for budget in (max(lengths), min(lengths) - 1, max(lengths) - 1):
+        lines: list[str] = []
+        config = tiny_config(tmp_path / "runs", service={"max_new_tokens": budget}, **demos)
+        demonstration_data(config, tokenizer, ["arith"], log=lines.append)
+        over = sum(n > budget for n in lengths)
+        told = (
+            f"warm start: {over} of {len(lengths)} demonstrated actions of arith are longer than "
+            f"service.max_new_tokens={budget} (the longest {max(lengths)} tokens, its stop token included): "
+            "rollouts cut them short, so the policy learns actions it cannot finish; raise "
+            "service.max_new_tokens"
+        )
+        assert lines == ([told] if over else []), budget
+
+
 def test_the_demonstrations_are_played_as_many_at_once_as_the_runs_concurrency(tmp_path, monkeypatch):
     """Each demonstration waits on its env (a sandbox's processes): played one at a time, two
     thousand shell demonstrations took minutes on a machine holding ``orchestrator.concurrency``."""
