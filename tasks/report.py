@@ -304,7 +304,9 @@ def latest_evals(evals: pa.Table, setups: Mapping[str, str] | None = None) -> pa
     stands."""
 
     def rank(row: dict) -> tuple[bool, Any]:
-        return setups is not None and row.get("setup") == setups.get(row["env"]), row["time"]
+        # an env out of the mix has no setup of the run's: a row recorded without one is not its
+        own = setups is not None and row["env"] in setups and row.get("setup") == setups[row["env"]]
+        return own, row["time"]
 
     latest: dict[tuple[int, str], dict] = {}
     for row in evals.to_pylist():

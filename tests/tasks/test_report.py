@@ -368,3 +368,28 @@ def test_a_run_of_one_policy_step_shows_its_losses_as_points(tmp_path, monkeypat
     (losses,) = [axes for axes in figures[0].axes if axes.get_title() == "losses"]
     assert [line.get_label() for line in losses.get_lines()] == ["policy", "value"]
     assert all(line.get_marker() not in (None, "None", "", " ") for line in losses.get_lines())
+
+
+def test_an_env_left_out_of_the_mix_shows_its_latest_evaluation_not_one_without_a_setup(
+    tmp_path, monkeypatch
+):
+    """An env the run no longer evaluates has no setup of the run's: its row recorded before
+    setups were (null setup) matched that absent setup and stood over a later measurement."""
+    config = tiny_config(tmp_path / "runs", "env-dropped")
+    assert "code" not in report.run_setups(config)
+    row = {"version": 1, "env": "code", "count": 4, "tasks": 4}
+    Tables(run_store(config)).append(
+        "evals",
+        [
+            row | {"reward": 0.25, "time": START, "setup": None},
+            row | {"reward": 0.5, "time": START + timedelta(hours=1), "setup": "measured-later"},
+        ],
+    )
+    made = {}
+    monkeypatch.setattr(
+        report, "create_table_artifact", lambda rows, key, description: made.update({key: rows})
+    )
+    report.report_evals(config)
+    assert made[f"{report.artifact_key('env-dropped')}-evals"] == [
+        {"version": 1, "env": "code", "reward": 0.5, "count": 4}
+    ]
