@@ -510,6 +510,8 @@ class Session:
     without a tokenizer that has a chat template)."""
     transcript: str = ""
     """The text-completion history as the client has seen it (prompts plus completions)."""
+    transcript_tokens: int = 0
+    """How many of :attr:`tokens` :attr:`transcript` stands for (see :meth:`keep_transcript`)."""
     turns: list[TurnResult] = field(default_factory=list)
     closed: bool = False
     """Set by :meth:`Gateway.close`; a turn still waiting for the session's lock then fails."""
@@ -600,6 +602,27 @@ class Session:
         self.gateway.check_ids(token_ids, what="token_ids")
         self._pending_flush()
         self._append(list(token_ids))
+
+    def text_suffix(self, prompt: str) -> str:
+        """What a text prompt adds to :attr:`transcript`; :class:`InvalidRequest` when it does
+        not extend it, or when tokens past the transcript were placed otherwise (chat messages,
+        token ids): the prompt cannot show them, and its client would not know the policy saw them."""
+        unseen = len(self.tokens) - self.transcript_tokens
+        if unseen:
+            raise InvalidRequest(
+                f"session {self.session_id!r} holds {unseen} tokens no text prompt sent (chat messages or "
+                "token ids placed them), so a text prompt cannot be checked against its context; send "
+                "the prompt as token ids, or use another session"
+            )
+        if not prompt.startswith(self.transcript):
+            raise InvalidRequest(
+                "the prompt does not extend the session's history (earlier prompts plus completions)"
+            )
+        return prompt[len(self.transcript) :]
+
+    def keep_transcript(self, text: str) -> None:
+        """Make ``text`` the :attr:`transcript`, standing for all of :attr:`tokens`."""
+        self.transcript, self.transcript_tokens = text, len(self.tokens)
 
     def _check_no_turn_generating(self) -> None:
         # the turn generating now did not see them, yet they would sit before its action

@@ -9,7 +9,8 @@ session id in the ``X-Treadle-Session`` header; every request is recorded token-
   of text parts is their texts joined by newlines (vLLM's reading); other parts are refused, as
   is a message of a role the chat template leaves out of the prompt (Qwen's drop ``developer``).
 - ``/v1/completions``: a text prompt must extend the session's transcript (prompts plus
-  returned completions); only the new suffix is encoded. A token-id prompt must extend
+  returned completions); only the new suffix is encoded, and a session holding tokens no text
+  prompt sent (a chat turn's, token ids) refuses it. A token-id prompt must extend
   the session's tokens. Either way a request retried after an error appends nothing twice.
 - ``/v1/generate``: token ids in (appended verbatim), token ids, log-probs and versions out.
   The tokens stay appended when the generation fails, so a retry must not send them again.
@@ -1076,7 +1077,7 @@ def create_app(
         if isinstance(body.prompt, str):
             # no await since the turn released the session: the next request sees this (a
             # replayed turn leaves it as the original turn did)
-            session.transcript = body.prompt + turn.text
+            session.keep_transcript(body.prompt + turn.text)
         choice: dict[str, Any] = {
             "index": 0,
             "text": turn.text,
@@ -1232,11 +1233,7 @@ async def _append_text_prompt(
                 add_special_tokens=add_special_tokens,
             )
         )
-    elif not prompt.startswith(session.transcript):
-        raise InvalidRequest(
-            "the prompt does not extend the session's history (earlier prompts plus completions)"
-        )
-    elif suffix := prompt[len(session.transcript) :]:
+    elif suffix := session.text_suffix(prompt):
         session.add_tokens(
             await session.tokenized(
                 len(suffix),
@@ -1246,7 +1243,7 @@ async def _append_text_prompt(
                 add_special_tokens=False,
             )
         )
-    session.transcript = prompt
+    session.keep_transcript(prompt)
 
 
 def _append_token_prompt(gateway: Gateway, session: Session, prompt: list[int]) -> None:

@@ -1658,6 +1658,45 @@ def test_a_completion_prompt_must_be_non_empty_and_extend_the_session(tiny):
     asyncio.run(body())
 
 
+def test_a_text_prompt_on_a_session_whose_tokens_no_text_prompt_placed_is_refused(tiny):
+    """A text prompt is checked against the text earlier prompts and completions hold; after a
+    chat turn or token ids (a token prompt, /v1/generate) the session holds tokens that text does
+    not show, so a text prompt would be appended whole behind context its client never sent: it
+    is refused and changes nothing. Token prompts, checked against the tokens, may follow text."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            chat_sid, token_sid, text_sid = [await open_session(client) for _ in range(3)]
+            before = [
+                ("/v1/chat/completions", {"messages": USER, "max_tokens": 2}, chat_sid),
+                ("/v1/completions", {"prompt": [1, 40, 41], "max_tokens": 2}, token_sid),
+                ("/v1/completions", {"prompt": "What is 2 + 3?", "max_tokens": 2}, text_sid),
+            ]
+            for path, request, sid in before:
+                response = await client.post(path, json=request, headers={SESSION_HEADER: sid})
+                assert response.status_code == 200, response.text
+            text = gateway.session(text_sid)
+            extended = await client.post(
+                "/v1/completions",
+                json={"prompt": [*text.tokens, 42], "max_tokens": 2},
+                headers={SESSION_HEADER: text_sid},
+            )
+            assert extended.status_code == 200, extended.text
+            for sid in (chat_sid, token_sid, text_sid):
+                session = gateway.session(sid)
+                held, turns = list(session.tokens), session.num_turns
+                response = await client.post(
+                    "/v1/completions",
+                    json={"prompt": session.transcript + " 5", "max_tokens": 2},
+                    headers={SESSION_HEADER: sid},
+                )
+                assert response.status_code == 400, (sid, response.text)
+                assert "no text prompt sent" in response.json()["error"]["message"]
+                assert session.tokens == held and session.num_turns == turns
+
+    asyncio.run(body())
+
+
 def sse_chunks(response: httpx.Response) -> list:
     """The JSON chunks of a server-sent event stream, which must end with ``[DONE]``."""
     events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
