@@ -500,6 +500,9 @@ class Session:
     messages: list[dict[str, Any]] = field(default_factory=list)
     """The conversation as the gateway has seen it (assistant messages as returned:
     :attr:`TurnResult.message`)."""
+    message_tokens: int = 0
+    """How many of :attr:`tokens` :attr:`messages` stand for: all of them until tokens are
+    placed otherwise (:meth:`add_tokens`)."""
     tools: list[dict[str, Any]] | None = None
     """The tool definitions rendered into the first prompt (fixed for the session's life)."""
     template_kwargs: dict[str, Any] | None = None
@@ -677,8 +680,11 @@ class Session:
 
     def _take(self, new: list[dict[str, Any]], ids: list[int]) -> None:
         self.gateway.check_ids(ids, what="rendered messages")
+        covered = self.message_tokens == len(self.tokens)
         self._append(ids)
         self.messages.extend(new)
+        if covered:
+            self.message_tokens = len(self.tokens)
 
     def _append(self, ids: list[int]) -> None:
         n = len(ids)
@@ -817,6 +823,7 @@ class Session:
                 message=message,
             )
             n = len(result.token_ids)
+            covered = self.message_tokens == len(self.tokens)
             self.tokens.extend(result.token_ids)
             self.logprobs.extend(result.logprobs)
             self.action_mask.extend([True] * n)
@@ -824,6 +831,8 @@ class Session:
             self.versions.extend(result.versions)
             self.turns.append(result)
             self.messages.append(result.message)
+            if covered:
+                self.message_tokens = len(self.tokens)
             self._last_request = (request, len(self.tokens))
             return result
 

@@ -5,7 +5,8 @@ session id in the ``X-Treadle-Session`` header; every request is recorded token-
 
 - ``/v1/chat/completions``: the request resends the whole conversation; the messages the
   session already holds are matched (never re-tokenized) and only the messages beyond
-  them are appended as tokens through the chat template. A message's content is text: a list
+  them are appended as tokens through the chat template; a session holding tokens no message
+  placed (a text prompt's, token ids) refuses the request. A message's content is text: a list
   of text parts is their texts joined by newlines (vLLM's reading); other parts are refused, as
   is a message of a role the chat template leaves out of the prompt (Qwen's drop ``developer``).
 - ``/v1/completions``: a text prompt must extend the session's transcript (prompts plus
@@ -1194,7 +1195,14 @@ def _same_message(seen: dict[str, Any], sent: dict[str, Any]) -> bool:
 
 
 def _new_messages(session: Session, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Messages beyond what ``session`` holds; the rest must match its history."""
+    """Messages beyond what ``session`` holds; the rest must match its history, which must
+    stand for all its tokens."""
+    if unseen := len(session.tokens) - session.message_tokens:
+        raise InvalidRequest(
+            f"session {session.session_id!r} holds {unseen} tokens no chat message placed (a text or "
+            "token-id prompt, or /v1/generate), so the conversation cannot be checked against its "
+            "context; use another session"
+        )
     history = session.messages
     nothing_new = len(messages) == len(history) and bool(history) and history[-1].get("role") == "assistant"
     if len(messages) < len(history) or nothing_new:

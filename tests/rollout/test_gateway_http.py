@@ -1697,6 +1697,50 @@ def test_a_text_prompt_on_a_session_whose_tokens_no_text_prompt_placed_is_refuse
     asyncio.run(body())
 
 
+def test_a_chat_request_on_a_session_whose_tokens_no_chat_message_placed_is_refused(tiny):
+    """A conversation is checked against the messages that placed the session's tokens; after a
+    text or token prompt, or tokens sent to /v1/generate, the session holds tokens no message
+    shows, so new messages would be appended behind context the client's conversation lacks:
+    the request is refused saying so and changes nothing."""
+
+    async def body():
+        async with serving(tiny) as (gateway, _, client):
+            text_sid, generate_sid = await open_session(client), await open_session(client)
+            text = await client.post(
+                "/v1/completions",
+                json={"prompt": "What is 2 + 3?", "max_tokens": 2},
+                headers={SESSION_HEADER: text_sid},
+            )
+            assert text.status_code == 200, text.text
+            chat = await client.post(
+                "/v1/chat/completions",
+                json={"messages": USER, "max_tokens": 2},
+                headers={SESSION_HEADER: generate_sid},
+            )
+            assert chat.status_code == 200, chat.text
+            tokens = await client.post(
+                "/v1/generate",
+                json={"token_ids": [40, 41], "max_new_tokens": 2},
+                headers={SESSION_HEADER: generate_sid},
+            )
+            assert tokens.status_code == 200, tokens.text
+            for sid in (text_sid, generate_sid):
+                session = gateway.session(sid)
+                held, turns = list(session.tokens), session.num_turns
+                # the session's history as it holds it, which the check of a resent one accepts
+                conversation = [*session.messages, {"role": "user", "content": "and 4 + 4?"}]
+                response = await client.post(
+                    "/v1/chat/completions",
+                    json={"messages": conversation, "max_tokens": 2},
+                    headers={SESSION_HEADER: sid},
+                )
+                assert response.status_code == 400, (sid, response.text)
+                assert "no chat message placed" in response.json()["error"]["message"]
+                assert session.tokens == held and session.num_turns == turns
+
+    asyncio.run(body())
+
+
 def sse_chunks(response: httpx.Response) -> list:
     """The JSON chunks of a server-sent event stream, which must end with ``[DONE]``."""
     events = [line.removeprefix("data: ") for line in response.text.split("\n\n") if line]
