@@ -31,7 +31,7 @@ from tokenizers import AddedToken, Tokenizer
 from rollout.engines.base import ContextLimit, EngineError, Generation, InvalidRequest, SamplingParams
 from rollout.router import Router, check_end
 from rollout.tool_calls import TAGS, ToolCallFormat, tool_call_message, with_object_arguments
-from storage.schema import LOGPROB_SLACK, MAX_ERROR_CHARS, STATUSES, error_text
+from storage.schema import LOGPROB_SLACK, MAX_ERROR_CHARS, MAX_TURN, STATUSES, error_text
 
 TIMING_KEYS = ("init", "run", "eval", "queue")
 """The entries of a record's ``timing``, in seconds (``storage.schema.TIMING_TYPE``)."""
@@ -750,6 +750,11 @@ class Session:
             if self.max_turns is not None and self.num_turns >= self.max_turns:
                 self._out_of_context(
                     f"session {self.session_id!r} has generated its max_turns={self.max_turns} turns"
+                )
+            if self.num_turns >= MAX_TURN:  # context appended after the last turn takes the next index
+                self._out_of_context(
+                    f"session {self.session_id!r} has generated {MAX_TURN} turns, the most a record's "
+                    "turn index holds"
                 )
             if callable(params):
                 params = params()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import rollout.gateway as gateway_module
+import storage.schema as schema
 from rl.models import TinyModelConfig, build_tiny_model, model_eos_ids, publish_policy
 from rl.processor import process_shard
 from rollout.engines.base import ContextLimit, EngineError, InvalidRequest, SamplingParams
@@ -843,6 +844,27 @@ def test_a_session_generates_exactly_its_max_turns(tiny):
             with pytest.raises(ContextLimit, match="max_turns=2"):
                 await session.generate(SamplingParams(max_new_tokens=2, seed=0))
             assert session.num_turns == 2 and "max_turns=2" in session.context_limit
+
+    asyncio.run(body())
+
+
+def test_a_session_without_max_turns_stops_at_the_turns_a_records_turn_index_holds(tiny, monkeypatch):
+    """A record's turn index is an int16 (at most ``MAX_TURN``): a session past it, one a harness
+    steps a token at a time through a long context, would make a record refused when written, the
+    rollout lost after it counted as done; its turn past the bound is a context limit instead."""
+    monkeypatch.setattr(schema, "MAX_TURN", 2)
+    monkeypatch.setattr(gateway_module, "MAX_TURN", 2, raising=False)
+
+    async def body():
+        async with running_gateway(tiny) as gateway:
+            session = gateway.open(task="t", prompt_id="p")
+            session.add_messages(USER)
+            with pytest.raises(ContextLimit, match="turn index"):
+                for _ in range(4):
+                    await session.generate(SamplingParams(max_new_tokens=1, seed=0))
+                    session.add_tokens([7])
+            assert session.num_turns == 2 and "turn index" in session.context_limit
+            validate(to_table([session.record()], TRAJECTORY_SCHEMA))
 
     asyncio.run(body())
 
