@@ -437,8 +437,9 @@ class VLLMEngine:
 
     def stats(self) -> EngineStats:
         """Counters of this client; ``queue_depth`` is the requests waiting for room: held by
-        the server's scheduler (:data:`WAITING_GAUGE`) and held here while a reload runs, not
-        the ones generating (``extra["in_flight"]`` counts every request sent and not yet
+        the server's scheduler (:data:`WAITING_GAUGE`), held here while a reload runs, and
+        waiting here for one of the ``max_connections`` (unseen by the server), not the ones
+        generating (``extra["in_flight"]`` counts every request sent and not yet
         answered; ``extra["queue_read"]`` is 0 when the server's gauge could not be read).
         Asks the server's ``/metrics``, so it may take up to ``connect_timeout_s``: call it off
         the event loop."""
@@ -446,7 +447,9 @@ class VLLMEngine:
             prefill_computed=self._stats.prefill_computed,
             prefill_reused=self._stats.prefill_reused,
             decode_tokens=self._stats.decode_tokens,
-            queue_depth=self._held + self._server_waiting(),
+            queue_depth=self._held
+            + max(0, self._inflight - self.config.max_connections)
+            + self._server_waiting(),
             requests=self._stats.requests,
             extra=dict(self._stats.extra)
             | {"in_flight": float(self._inflight), "queue_read": float(not self._metrics_failing)},

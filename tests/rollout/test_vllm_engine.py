@@ -417,6 +417,28 @@ def test_queue_depth_counts_requests_the_server_holds_waiting_not_those_generati
     asyncio.run(_with_server(model, body, max_num_seqs=2))
 
 
+def test_queue_depth_counts_requests_waiting_for_one_of_the_clients_connections(tiny):
+    """Past ``max_connections`` a request waits in the client for a connection, unseen by the
+    server's gauge: it waits for room all the same (vLLM's own default max_num_seqs is up to 1024)."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        await engine.max_model_len()
+        server.app.state.hold = asyncio.Event()
+        params = SamplingParams(max_new_tokens=2, seed=1)
+        tasks = [asyncio.create_task(engine.generate(f"s{i}", PROMPT, params)) for i in range(5)]
+        try:
+            await _until(lambda: asyncio.to_thread(lambda: server.app.state.scheduler["running"] == 2))
+            stats = await asyncio.to_thread(engine.stats)
+        finally:
+            server.app.state.hold.set()
+            await asyncio.gather(*tasks)
+        assert (stats.queue_depth, stats.extra["in_flight"]) == (3, 5)
+        assert (await asyncio.to_thread(engine.stats)).queue_depth == 0
+
+    asyncio.run(_with_server(model, body, max_connections=2))
+
+
 def test_queue_depth_counts_requests_held_back_by_a_reload(tiny, tmp_path):
     model = _fresh_model(tiny)
     tiny[0].save_pretrained(tmp_path / "v7")
