@@ -236,6 +236,14 @@ class VLLMEngine:
                 if broken and attempt < self.config.retries:
                     logger.info("vLLM server %s: %s on %s, retrying", self.name, type(exc).__name__, path)
                     continue
+                if isinstance(exc, httpx.ReadTimeout | httpx.WriteTimeout):
+                    # the server was reached: a busy or stuck one, not a network fault
+                    setting = "connect_timeout_s" if "timeout" in kwargs else "timeout_s"
+                    raise EngineError(
+                        f"vLLM server {self.name} did not answer {path} within "
+                        f"{getattr(self.config, setting):g} s ({setting}): "
+                        f"{type(exc).__name__}; it may still be running the request"
+                    ) from exc
                 raise EngineError(
                     f"vLLM server {self.name} unreachable on {path}: {type(exc).__name__}: {exc}"
                 ) from exc
