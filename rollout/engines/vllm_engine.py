@@ -373,7 +373,8 @@ class VLLMEngine:
                 "skip_special_tokens": False,
                 "user": session_id,
             }
-            headers = {"X-Request-Id": f"{session_id}-{uuid.uuid4().hex[:8]}"}
+            # a header takes ASCII only, and a line break in one would end it
+            headers = {"X-Request-Id": f"{urllib.parse.quote(session_id, safe='')}-{uuid.uuid4().hex[:8]}"}
             data = await self._json("POST", "/v1/completions", json=body, headers=headers)
         finally:
             async with self._gate:

@@ -236,6 +236,20 @@ def test_bad_requests_are_invalid_and_the_server_keeps_serving(tiny):
     asyncio.run(_with_server(model, body))
 
 
+def test_any_session_id_is_served_as_by_the_torch_engine(tiny):
+    """The session id names the request to the server in a header, which takes ASCII only:
+    one outside it failed with a UnicodeEncodeError, one with a line break as the server
+    unreachable (counted against a healthy replica by the router)."""
+    model = _fresh_model(tiny)
+
+    async def body(server, engine):
+        for session_id in ("sessão-1", "tâche/漢字", "a\r\nX-Injected: 1"):
+            gen = await engine.generate(session_id, PROMPT, SamplingParams(max_new_tokens=2, seed=0))
+            assert len(gen.token_ids) == 2
+
+    asyncio.run(_with_server(model, body))
+
+
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/completions"])
 def test_an_answer_that_is_not_json_is_an_engine_error_and_the_server_keeps_serving(tiny, path):
     """A proxy in front of the server may answer 200 with a page of its own: that is the
