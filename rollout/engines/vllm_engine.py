@@ -19,7 +19,8 @@ vLLM cannot share an environment with Prefect, so it runs from ``deployments/vll
   config. A server refusing a request past its context (its ``max_model_len`` changed since it
   was read) is a ``ContextLimit``. The served model's name and length are read again after a
   404 (a server relaunched under another name) or a restart the health check finds.
-- weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``POST /collective_rpc`` calling
+- weight reload (dev mode, ``VLLM_SERVER_DEV_MODE=1``): ``GET /server_info`` first, refused
+  when it names a ``--logprobs-mode`` other than ``processed_logprobs``; ``POST /collective_rpc`` calling
   the worker extension ``treadle_reload_weights(path)`` of
   ``deployments/vllm/treadle_vllm_ext.py``, then ``POST /reset_prefix_cache`` so no cached
   block computed by the old weights is reused; vLLM refuses that reset (``{"success": false}``)
@@ -397,6 +398,7 @@ class VLLMEngine:
         try:
             async with self._gate:
                 await self._gate.wait_for(lambda: self._inflight == 0)
+            await self._check_logprobs_mode()
             # from here on the server may hold some of the new weights: no token may carry
             # the old tag until this load has finished
             self.version = UNKNOWN_VERSION
@@ -416,6 +418,23 @@ class VLLMEngine:
             async with self._gate:
                 self._reloading = False
                 self._gate.notify_all()
+
+    async def _check_logprobs_mode(self) -> None:
+        """Refuse a server whose ``GET /server_info`` (dev mode) names a ``--logprobs-mode`` other
+        than ``processed_logprobs``: vLLM's default, ``raw_logprobs``, returns log-probs before
+        temperature and top-p, wrong for training though nothing else tells. A server that names
+        none (no such endpoint or field) is taken as it is."""
+        try:
+            info = await self._json("GET", "/server_info", params={"config_format": "json"})
+            mode = info["vllm_config"]["model_config"]["logprobs_mode"]
+        except (EngineError, InvalidRequest, *_WRONG_SHAPE):
+            return
+        if mode != "processed_logprobs":
+            raise EngineError(
+                f"vLLM server {self.name} runs with --logprobs-mode {mode}: its log-probs are not those of the "
+                "distribution it samples from, which training needs; start it with --logprobs-mode "
+                "processed_logprobs, as deployments/vllm/launch.sh does"
+            )
 
     async def _reset_prefix_cache(self) -> None:
         """``POST /reset_prefix_cache`` until the server says it reset, for up to ``reset_wait_s``."""

@@ -537,6 +537,24 @@ def test_a_reload_that_fails_midway_refuses_to_generate_until_a_reload_succeeds(
     asyncio.run(_with_server(model, body))
 
 
+def test_a_reload_on_a_server_returning_raw_log_probs_is_refused_naming_the_flag(tiny, tmp_path):
+    """vLLM's default ``--logprobs-mode raw_logprobs`` returns log-probs before temperature and
+    top-p, not those of the distribution sampled from, which the trainer's ratios assume."""
+    model = _fresh_model(tiny)
+    tiny[0].save_pretrained(tmp_path / "v1")
+
+    async def body(server, engine):
+        server.app.state.logprobs_mode = "raw_logprobs"
+        with pytest.raises(EngineError, match="--logprobs-mode raw_logprobs.*processed_logprobs"):
+            await engine.load_version(1, str(tmp_path / "v1"))
+        assert engine.version == 0 and not [e for e in server.events if e[0] == "reload"]
+        server.app.state.logprobs_mode = "processed_logprobs"
+        await engine.load_version(1, str(tmp_path / "v1"))
+        assert engine.version == 1
+
+    asyncio.run(_with_server(model, body))
+
+
 def test_a_reload_on_a_server_without_dev_mode_names_the_setting_it_needs(tiny, tmp_path):
     """vLLM serves /collective_rpc and /reset_prefix_cache only with VLLM_SERVER_DEV_MODE=1;
     without it they answer 404 as any unknown path: the error says what to set."""

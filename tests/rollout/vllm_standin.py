@@ -24,6 +24,8 @@ model doing a plain forward pass per token:
   does: false, resetting nothing, while a request is running and holds blocks; an empty 200, as
   vLLM answered before, while ``app.state.empty_reset`` is True; its next call answers 500 while
   ``"/reset_prefix_cache"`` is in ``app.state.fail_next``).
+- only with ``dev_mode``: ``GET /server_info?config_format=json``, of which only
+  ``vllm_config.model_config.logprobs_mode`` (``app.state.logprobs_mode``, vLLM's ``--logprobs-mode``).
 - any path in ``app.state.garble_next``: its next call answers 200 with an HTML page, as a
   proxy in front of a server can; any path in ``app.state.reshape_next`` (path -> function of
   the JSON answer, None for an empty one): its next answer is the function's result, JSON of a
@@ -108,6 +110,7 @@ def create_standin_app(
     app.state.hold = None
     app.state.scheduler = scheduler
     app.state.empty_reset = False
+    app.state.logprobs_mode = "processed_logprobs"  # vLLM's --logprobs-mode, in /server_info
     started = 1.7e9 + next(_STARTS)
 
     @app.middleware("http")
@@ -285,6 +288,13 @@ def _add_dev_endpoints(app: FastAPI, model, cache: list[list[int]], events: list
             )
         events.append(("reload", path))
         return {"results": [f"loaded {len(state)} tensors from {path}"]}
+
+    @app.get("/server_info")
+    async def server_info(config_format: str = "text"):
+        # vLLM's answer holds the whole VllmConfig (and more): only the field the engine reads
+        model_config = {"logprobs_mode": app.state.logprobs_mode}
+        config = {"model_config": model_config} if config_format == "json" else str(model_config)
+        return {"vllm_config": config}
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache():
