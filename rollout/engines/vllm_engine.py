@@ -382,6 +382,11 @@ class VLLMEngine:
                 self._inflight -= 1
                 self._gate.notify_all()
         generation = _parse_completion(data, self.name, version)
+        last = generation.token_ids[-1] if generation.token_ids else None
+        if generation.finish_reason == "length" and last in params.stop_ids:
+            # vLLM versions whose check_stop tests the length cap before the stop ids answer
+            # "length" for a stop token sampled last: the action ended at it (TorchEngine's "stop")
+            generation.finish_reason = "stop"
         cached = generation.cached_tokens
         self._stats.requests += 1
         self._stats.prefill_computed += generation.prompt_tokens - cached

@@ -116,6 +116,28 @@ def test_stop_token_is_kept_in_the_action(tiny):
     asyncio.run(_with_server(model, body))
 
 
+def test_a_stop_token_sampled_at_the_budget_ends_the_action_as_in_the_torch_engine(tiny):
+    """vLLM versions whose ``check_stop`` tests the length cap before the stop ids answer
+    ``length`` for a stop token sampled as the last one allowed: the action ended at its stop
+    token all the same (TorchEngine's ``stop``), not truncated."""
+    model = _fresh_model(tiny)
+
+    def length_first(answer):
+        answer["choices"][0]["finish_reason"] = "length"
+        return answer
+
+    async def body(server, engine):
+        every_id = tuple(range(model.config.vocab_size))
+        server.app.state.reshape_next["/v1/completions"] = length_first
+        gen = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=1, stop_ids=every_id, seed=1))
+        assert gen.finish_reason == "stop" and len(gen.token_ids) == 1
+        server.app.state.reshape_next["/v1/completions"] = length_first
+        cut = await engine.generate("s", PROMPT, SamplingParams(max_new_tokens=2, stop_ids=(), seed=1))
+        assert cut.finish_reason == "length"
+
+    asyncio.run(_with_server(model, body))
+
+
 def test_only_stop_ids_end_a_generation_as_in_the_torch_engine(tiny):
     """EOS ends a generation only when ``stop_ids`` list it, in both engines: vLLM stops at
     the model's EOS ids unless told to ignore them. Here every id is an EOS of the model."""
