@@ -993,10 +993,15 @@ class Trainer:
         advantages = self._advantages(parts, samples)
         if config.normalize_advantages:
             flat = torch.cat([a[p.train_mask] for a, p in zip(advantages, parts, strict=True)])
-            mean, std = flat.mean(), flat.std() if flat.numel() > 1 else torch.tensor(1.0)
-            advantages = [
-                (a - mean) / (std + 1e-8) * p.action_mask for a, p in zip(advantages, parts, strict=True)
-            ]
+            if bool(flat.min() == flat.max()):
+                # equal advantages carry no signal; their float mean can miss them by an ulp,
+                # which a std of that ulp would blow up to advantages near ±1
+                advantages = [torch.zeros_like(a) for a in advantages]
+            else:
+                mean, std = flat.mean(), flat.std()
+                advantages = [
+                    (a - mean) / (std + 1e-8) * p.action_mask for a, p in zip(advantages, parts, strict=True)
+                ]
 
         self.policy_optimizer.zero_grad(set_to_none=True)
         policy_loss = 0.0

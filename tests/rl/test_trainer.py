@@ -1214,6 +1214,17 @@ def test_normalize_advantages_whitens_the_advantages_of_the_policy_step(store):
     assert normalized.extra["advantage_std"] == pytest.approx(1.0, abs=1e-5)
 
 
+def test_normalize_advantages_leaves_a_batch_of_equal_advantages_at_zero_not_at_float_noise(store):
+    """Every trained token's advantage 0.1 (a critic still at 0, λ = γ = 1, equal rewards):
+    the float mean misses 0.1 by an ulp, and divided by a std of about that ulp every advantage
+    read −0.42, a step lowering every sampled token's probability on a batch with no signal."""
+    records = with_rewards(make_trajectories(store, 4, seed=25), [0.1] * 4)
+    metrics, _ = one_step(store, records, value_steps=0, lam=1.0, normalize_advantages=True)
+
+    assert metrics.extra["advantage_mean"] == 0.0
+    assert metrics.extra["grad_norm"] == 0.0
+
+
 def test_grpo_normalize_std_divides_each_advantage_by_its_group_std(store):
     # groups are rows (0, 1) and (2, 3): advantages ±0.5, group std 1/√2
     records = with_rewards(make_trajectories(store, 4, seed=26), [0.0, 1.0, 1.0, 0.0])
