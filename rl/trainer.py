@@ -959,7 +959,8 @@ class Trainer:
         update. A critic step with a non-finite loss or gradient norm (a reward too large for
         float32 arithmetic) rejects the batch before the policy step, without that critic
         step. In GRPO a non-finite policy loss or gradient norm rejects the batch too, no
-        model having moved on it.
+        model having moved on it. A batch that gives the policy a zero gradient is trained
+        without its optimizer step.
 
         Raises:
             NonFinitePolicy: before any update, when a policy parameter is not finite; in SAO,
@@ -1046,7 +1047,11 @@ class Trainer:
                 f"{self.version} and trains the rows consumed since again (and meets these shards again, "
                 "should their rewards or loss weights be what overflows)"
             )
-        self.policy_optimizer.step()
+        # a batch with no gradient (every trained token outside the DIS interval, every
+        # advantage 0) leaves the policy as it is: AdamW would still move every weight by its
+        # momentum and weight decay
+        if grad_norm > 0:
+            self.policy_optimizer.step()
 
         self.step += 1
         self._steps_since_publish += 1

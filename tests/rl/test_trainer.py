@@ -1225,6 +1225,27 @@ def test_normalize_advantages_leaves_a_batch_of_equal_advantages_at_zero_not_at_
     assert metrics.extra["grad_norm"] == 0.0
 
 
+@pytest.mark.parametrize("mode", ["sao", "grpo"])
+def test_a_batch_whose_every_trained_token_dis_masks_leaves_the_policy_as_it_is(store, mode):
+    """After a step with a gradient, a batch whose every ratio is below 1 − ε_low gives a zero
+    gradient; AdamW stepped on it anyway and moved every weight by its momentum (about 0.9 of
+    the step before) and its weight decay, on a batch the DIS loss masks whole."""
+    trainer = Trainer(store, config(mode=mode, weight_decay=0.1))
+    first = with_rewards(make_trajectories(store, 4, seed=3), [1.0, 0.0, 2.0, -1.0])
+    assert trainer._train_step(open_batch(trainer, first)).extra["grad_norm"] > 0
+    masked = with_rewards(make_trajectories(store, 4, seed=4), [1.0, 0.0, 2.0, -1.0])
+    for record in masked:
+        record["logprobs"] = [
+            lp + 1.0 if m else lp for lp, m in zip(record["logprobs"], record["action_mask"], strict=True)
+        ]
+    before = parameters(trainer.policy)
+
+    metrics = trainer._train_step(open_batch(trainer, masked, "processed/x/1"))
+    assert metrics.row["masked_fraction"] == 1.0 and metrics.extra["grad_norm"] == 0.0
+    assert unchanged(trainer.policy, before)
+    assert trainer.step == 2
+
+
 def test_grpo_normalize_std_divides_each_advantage_by_its_group_std(store):
     # groups are rows (0, 1) and (2, 3): advantages ±0.5, group std 1/√2
     records = with_rewards(make_trajectories(store, 4, seed=26), [0.0, 1.0, 1.0, 0.0])
