@@ -31,7 +31,8 @@ never trained on); a sandbox that stopped the agent's command, or an environment
 raised (a ``CancelledError`` of its own included: only a cancel of the rollout cancels it),
 whose output the gateway rejects (a malformed message, a token outside the vocabulary) or
 whose reward or progress the record cannot hold (not a number, not finite, no reward,
-progress outside [0, 1]), is ``env_error``; running out of the time budget is ``timeout``
+progress outside [0, 1]), or whose program's conversation its reward model cannot read (text
+prompts or token ids: :func:`program_chat`), is ``env_error``; running out of the time budget is ``timeout``
 (a stage whose env call returns past it included: one that blocked the event loop, or went
 on when cancelled; and one that, cancelled at it, raised an error of its own instead);
 running out of turns or context is ``truncated``. The record's ``error`` says why (``None``
@@ -271,6 +272,20 @@ def _declared(env: Env, method: str, *args: Any) -> ResourceRequest | None:
     """What the env declares an action needs; an env proxy running elsewhere (a Ray actor) declares nothing."""
     declare = getattr(env, method, None)
     return declare(*args) if declare is not None else None
+
+
+def program_chat(session: Session, scorer: str) -> list[dict[str, Any]]:
+    """The conversation a self-driving program held through ``session``, for reward model
+    ``scorer`` to read; ``ValueError`` when some of its tokens are no chat message's (text
+    prompts, token ids): the messages would hold the replies without what they answered."""
+    unplaced = len(session.tokens) - session.message_tokens
+    if unplaced:
+        raise ValueError(
+            f"reward model {scorer!r} reads the rollout's chat messages, but {unplaced} of its "
+            f"{len(session.tokens)} tokens are in none (the program sent text prompts or token ids); "
+            "have the program call /v1/chat/completions only, or score the env with its own evaluate()"
+        )
+    return session.messages
 
 
 def _raise_engine_error(session: Session) -> None:
@@ -645,7 +660,7 @@ class RolloutService:
             scorer = getattr(getattr(env, "config", None), "reward_model", None)
             if scorer is not None:
                 needs, evaluate = self._reward_call(
-                    scorer, session.messages if drives_itself else state["history"], clock
+                    scorer, program_chat(session, scorer) if drives_itself else state["history"], clock
                 )
             else:
                 needs = _declared(env, "eval_request")

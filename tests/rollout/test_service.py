@@ -1223,6 +1223,57 @@ def test_a_self_driving_program_refused_past_max_turns_is_truncated_and_still_sc
     assert "max_turns=2" in result.error
 
 
+class TextPromptProgram(OneCallProgram):
+    """A self-driving env scored by a reward model whose program prompts with text (``/v1/completions``)."""
+
+    async def run(self) -> StepResult:
+        gateway = self.gateway
+        headers = {"Authorization": f"Bearer {gateway.api_key}", gateway.header: gateway.session_id}
+        async with httpx.AsyncClient() as client:
+            await client.post(
+                f"{gateway.base_url}/completions",
+                headers=headers,
+                json={"model": "policy", "prompt": "2+2=", "max_tokens": 4},
+            )
+        return StepResult([], 0.0, True, 0.0)
+
+
+class RecordingJudge:
+    """Stands for ``service.rewards``: scores every conversation 0.5 and keeps what it read."""
+
+    def __init__(self):
+        self.read: list[list[dict]] = []
+
+    def check(self, name: str) -> None:
+        pass
+
+    async def score(self, name, messages, waiting) -> float:
+        self.read.append(list(messages))
+        return 0.5
+
+
+def test_a_reward_model_is_not_given_a_self_driving_conversation_without_its_text_prompts(tiny):
+    # the session's messages hold only the replies to text prompts: the judge scored the
+    # replies without what the policy was asked
+    async def body():
+        model, tokenizer = tiny
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig())
+        env = TextPromptProgram(EnvConfig(reward_model="judge"))
+        service = RolloutService(gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=4))
+        service.rewards = judge = RecordingJudge()
+        try:
+            return await service.process(RolloutRequest(task=arith_task())), judge.read
+        finally:
+            await service.close()
+            await engine.close()
+
+    result, read = asyncio.run(body())
+    assert read == []
+    assert (result.status, result.reward, result.turns) == ("env_error", None, 1)
+    assert "/v1/chat/completions" in result.error and "judge" in result.error
+
+
 def test_a_client_that_drops_its_process_request_cancels_its_rollout(tiny):
     """A client gone (its timeout ran out, its process died) gets no answer: its rollout
     must not go on holding a slot and its env until it ends on its own (here: never)."""
