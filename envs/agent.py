@@ -11,7 +11,7 @@ in :data:`FORWARDED` are forwarded; anything else (the gateway's session admin i
 answered 403. Every model call the agent makes is therefore recorded token-exactly by the
 gateway; it samples at the run's ``service.temperature`` and ``top_p`` (leave them unset: a training rollout's call asking
 for others is refused with HTTP 400, as the trainer could not compare its log-probs). After the
-program ends, the EVAL command runs in the same sandbox and prints the score (a number in [0, 1]; NaN
+program ends (the relay then takes no more connections), the EVAL command runs in the same sandbox and prints the score (a number in [0, 1]; NaN
 scores 0) as the last line of its output.
 
 Between model calls the program acts (runs its tools), and that is what the rollout service's
@@ -281,6 +281,8 @@ class AgentEnv(Env):
         finally:
             if self.actions is not None:
                 self.actions.waiting()
+            # what the program left runs on in EVAL: a model call from there is no turn of its
+            self._stop_serving()
         info = {
             "exit_code": self.result.exit_code,
             "gateway_requests": self.requests,
@@ -311,10 +313,14 @@ class AgentEnv(Env):
             ) from None
         return clamp_score(score)
 
-    async def close(self) -> None:
+    def _stop_serving(self) -> None:
+        """Accept no more connections to the relay (those in flight go on until :meth:`close`)."""
         if self._server is not None:
             self._server.close()
             self._server = None
+
+    async def close(self) -> None:
+        self._stop_serving()
         # closing the server leaves the connections it accepted: a relay waiting for the
         # gateway's answer would hold its two connections until the gateway answered
         relays = list(self._relays)

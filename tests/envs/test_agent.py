@@ -782,3 +782,25 @@ def test_an_agent_program_past_its_limits_is_stopped(upstream, command, kind):
         asyncio.run(episode())
     assert error.value.kind == kind
     assert time.monotonic() - started < 10
+
+
+# EVAL runs what the program left (its code under test); that code calls the model itself
+CALL_FROM_EVAL = r"""python3 - <<'PY'
+import socket
+try:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(".gateway.sock")
+        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.recv(100)
+except OSError:
+    pass
+print(1.0)
+PY"""
+
+
+def test_agent_relay_forwards_no_model_call_once_the_program_has_ended(upstream):
+    """The relay kept serving after the program ended: code the program left, run by EVAL,
+    made model calls through the socket in its folder, recorded in the episode after its end
+    and outside its action grants."""
+    assert scored(upstream, config(command="true", eval_command=CALL_FROM_EVAL)) == 1.0
+    assert Upstream.requests == []
