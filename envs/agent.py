@@ -110,6 +110,9 @@ GATEWAY_SOCKET = ".gateway.sock"
 """The gateway's Unix socket in an episode's sandbox folder, which the program's relay reaches."""
 SOCKET_PATH_MAX = 107
 """Bytes of the longest path a Unix socket address holds (``sun_path`` less its NUL)."""
+ENV_STRING_MAX = 128 * 1024
+"""Bytes of the longest environment string Linux passes to a program (``MAX_ARG_STRLEN``, its
+NUL included): ``TREADLE_TASK=<prompt>`` must fit."""
 _HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
 """An HTTP header name (RFC 9110 token)."""
 
@@ -137,6 +140,14 @@ class AgentTask(BaseModel):
     data: dict = Field(
         default_factory=dict, description="Extra fields written to task.json for the agent and EVAL."
     )
+
+    @field_validator("prompt")
+    @classmethod
+    def _passable(cls, value: str) -> str:
+        problem = prompt_problem(value)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
 
     @field_validator("data")
     @classmethod
@@ -249,6 +260,10 @@ class AgentEnv(Env):
         if self.gateway is None:
             raise RuntimeError("agent env: call attach_gateway(...) before reset")
         self._start(task)
+        problem = prompt_problem(task.prompt)
+        if problem is not None:
+            # else the program never starts, and EVAL scores the nothing it did
+            raise ValueError(f"agent task {task.id!r}: {problem}")
         sandbox = await self._new_sandbox()
         write_anew(sandbox.workdir, "task.json", task_json(task))
         self.socket_path = os.path.join(sandbox.workdir, GATEWAY_SOCKET)
@@ -425,6 +440,20 @@ class AgentEnv(Env):
                 if stream is not None:
                     with contextlib.suppress(Exception):
                         stream.close()
+
+
+def prompt_problem(prompt: str) -> str | None:
+    """Why ``prompt`` cannot be passed as ``TREADLE_TASK`` (a NUL byte, or too long for an
+    environment string: :data:`ENV_STRING_MAX`), or None when it can."""
+    if "\0" in prompt:
+        return "its prompt cannot be passed as TREADLE_TASK: it holds a NUL byte"
+    size = len(f"TREADLE_TASK={prompt}".encode()) + 1
+    if size > ENV_STRING_MAX:
+        return (
+            f"its prompt cannot be passed as TREADLE_TASK: {size} bytes as an environment string, "
+            f"over Linux's {ENV_STRING_MAX}"
+        )
+    return None
 
 
 def task_json(task: Task) -> str:

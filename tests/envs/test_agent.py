@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from envs.agent import MAX_BODY, AgentConfig, AgentEnv, GatewaySession
-from envs.base import in_eval_split
+from envs.base import Task, in_eval_split
 from envs.registry import make, task_set
 from envs.sandbox import SandboxConfig, SandboxError, bwrap_path
 
@@ -804,3 +804,31 @@ def test_agent_relay_forwards_no_model_call_once_the_program_has_ended(upstream)
     and outside its action grants."""
     assert scored(upstream, config(command="true", eval_command=CALL_FROM_EVAL)) == 1.0
     assert Upstream.requests == []
+
+
+def test_agent_task_whose_prompt_no_environment_variable_can_hold_is_refused_at_reset(upstream):
+    """A prompt past Linux's 128 KiB for one environment string (or holding a NUL) cannot be
+    given as ``TREADLE_TASK``: the program never started ("Argument list too long", reported as
+    its exit status 1, or as the sandbox's ``start_failed``) and EVAL scored the nothing it did.
+    The longest prompt that fits still runs; a task config with a longer one is refused."""
+    longest = (128 * 1024 - len("TREADLE_TASK=") - 1 - 2) * "x" + "é"
+    same_as_task_json = (
+        "import json, os; assert os.environ['TREADLE_TASK'] == json.load(open('task.json'))['prompt']"
+    )
+    cfg = config(command=f"python3 -c {shlex.quote(same_as_task_json)}")
+    env = make("agent", cfg)
+    env.attach_gateway(GatewaySession(upstream, "k", "s"))
+
+    async def episode(prompt):
+        try:
+            await env.reset(Task(env="agent", id="t", prompt=prompt))
+            return (await env.run()).info["exit_code"]
+        finally:
+            await env.close()
+
+    assert asyncio.run(episode(longest)) == 0
+    for prompt in (longest + "x", "a\0b"):
+        with pytest.raises(ValueError, match="agent task 't': its prompt cannot be passed as TREADLE_TASK"):
+            asyncio.run(episode(prompt))
+    with pytest.raises(ValueError, match="cannot be passed as TREADLE_TASK: 131073 bytes"):
+        make("agent", config(tasks=[{"id": "t", "prompt": longest + "x"}]))
