@@ -9,10 +9,11 @@ forwards the HTTP request to the gateway with the real bearer token and the sess
 in (the agent can neither see the token nor pick another session). Only the inference endpoints
 in :data:`FORWARDED` are forwarded; anything else (the gateway's session admin included) is
 answered 403. Every model call the agent makes is therefore recorded token-exactly by the
-gateway; it samples at the run's ``service.temperature`` and ``top_p`` (leave them unset: a training rollout's call asking
-for others is refused with HTTP 400, as the trainer could not compare its log-probs). After the
-program ends (the relay then takes no more connections), the EVAL command runs in the same sandbox and prints the score (a number in [0, 1]; NaN
-scores 0) as the last line of its output.
+gateway; it samples at the run's ``service.temperature`` and ``top_p`` (leave them unset: a
+training rollout's call asking for others is refused with HTTP 400, as the trainer could not
+compare its log-probs). After the program ends (the relay then takes no more connections), the
+EVAL command runs in the same sandbox and prints the score (a number in [0, 1]; NaN scores 0)
+as the last line of its output.
 
 Between model calls the program acts (runs its tools), and that is what the rollout service's
 scheduler grants resources to (``attach_actions``): the program starts on the cores granted
