@@ -7,14 +7,17 @@ A :class:`Sample` is one trajectory row of a processed shard, checked and ready 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from storage.schema import EXCLUDED_STATUSES
+
+Item = TypeVar("Item")
 
 
 @dataclass
@@ -187,17 +190,24 @@ def take_batch(buffer: deque[Sample], token_budget: int, keep_groups: bool = Fal
     return batch
 
 
-def micro_batches(samples: Sequence[Sample], micro_token_budget: int) -> list[list[Sample]]:
-    """Split ``samples`` (in order) so that rows × longest row ≤ ``micro_token_budget``
-    in every part (a single longer row is a part of its own)."""
-    parts: list[list[Sample]] = []
-    current: list[Sample] = []
+def _sample_tokens(sample: Sample) -> int:
+    return sample.num_tokens
+
+
+def micro_batches(
+    samples: Sequence[Item], micro_token_budget: int, tokens: Callable[[Item], int] = _sample_tokens
+) -> list[list[Item]]:
+    """Split ``samples`` (in order; each of ``tokens(sample)`` tokens, a :class:`Sample`'s
+    by default) so that rows × longest row ≤ ``micro_token_budget`` in every part (a single
+    longer row is a part of its own)."""
+    parts: list[list[Item]] = []
+    current: list[Item] = []
     longest = 0
     for sample in samples:
-        new_longest = max(longest, sample.num_tokens)
+        new_longest = max(longest, tokens(sample))
         if current and new_longest * (len(current) + 1) > micro_token_budget:
             parts.append(current)
-            current, new_longest = [], sample.num_tokens
+            current, new_longest = [], tokens(sample)
         current.append(sample)
         longest = new_longest
     if current:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from rl.batching import micro_batches
 from rl.config import SFTConfig
 from rl.logprobs import token_logprobs
 
@@ -66,23 +67,6 @@ def length_bucketed_batches(
         chunk = sorted(order[start : start + pool], key=lambda i: lengths[i])
         batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
     return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
-
-
-def micro_batches(lengths: Sequence[int], picked: Sequence[int], budget: int) -> list[list[int]]:
-    """Split ``picked`` (in order) so that rows × longest row ≤ ``budget`` in every part (a
-    single longer row is a part of its own), as the trainer splits its batches."""
-    parts: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for index in picked:
-        longest = max(longest, lengths[index])
-        if current and longest * (len(current) + 1) > budget:
-            parts.append(current)
-            current, longest = [], lengths[index]
-        current.append(index)
-    if current:
-        parts.append(current)
-    return parts
 
 
 def supervised_warm_start(
@@ -162,7 +146,7 @@ def supervised_warm_start(
             total = max(sum(counts.values()), 1)
             optimizer.zero_grad(set_to_none=True)
             loss = 0.0
-            for part in micro_batches(lengths, picked, config.micro_token_budget):
+            for part in micro_batches(picked, config.micro_token_budget, tokens=lengths.__getitem__):
                 trained = sum(counts[i] for i in part)
                 if not trained:
                     continue
