@@ -288,6 +288,12 @@ def program_chat(session: Session, scorer: str) -> list[dict[str, Any]]:
     return session.messages
 
 
+def _out_of_turns(session: Session) -> bool:
+    """Whether ``session`` has generated its ``max_turns``: a self-driving program's call past
+    them is refused as out of context (``Session.context_limit``), though it is out of turns."""
+    return session.max_turns is not None and session.num_turns >= session.max_turns
+
+
 def _raise_engine_error(session: Session) -> None:
     """Raise the engine failure of ``session``'s last turn, if it failed."""
     if session.engine_error is not None:
@@ -675,7 +681,7 @@ class RolloutService:
             state["reward"] = checked_reward(reward, task.env)
             if not state["done"] or session.turns and session.turns[-1].truncated:
                 status = "truncated"
-                if session.context_limit is not None:
+                if session.context_limit is not None and not _out_of_turns(session):
                     error = f"context limit: {session.context_limit}"
         except RolloutTimeout as exc:
             status, error = "timeout", str(exc)
@@ -822,8 +828,7 @@ class RolloutService:
             result = await self._watched(env, "run")
         except Exception:
             _raise_engine_error(session)
-            out_of_turns = session.max_turns is not None and session.num_turns >= session.max_turns
-            if session.context_limit is not None and out_of_turns:
+            if session.context_limit is not None and _out_of_turns(session):
                 return  # not done: EVAL scores its work, truncated
             if session.context_limit is not None:
                 raise ContextLimit(f"the program's last model call: {session.context_limit}") from None

@@ -221,6 +221,6 @@ def test_the_agent_programs_model_calls_are_capped_by_max_turns(tiny, env_turns,
     assert envs[0].requests == 3, "the program asked for its third turn"
     assert len(calls) == 2 and result.turns == 2
     assert envs[0].result.exit_code != 0 and "HTTP Error 400" in envs[0].result.output
-    assert result.status == "truncated" and "max_turns=2" in result.error
+    assert (result.status, result.error) == ("truncated", None), "out of turns, not of context"
     assert result.reward == 1.0, "the program's work is scored, as a truncated rollout's is"
     assert len(action_spans(result.record["action_mask"])) == 2
