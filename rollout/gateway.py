@@ -529,6 +529,10 @@ class Session:
     max_turns: int | None = None
     """Most turns the session may generate (a self-driving env's program's model calls, which
     the rollout service bounds as it bounds the turns it drives); None: no limit."""
+    max_new_tokens: int | None = None
+    """Most tokens one turn may generate, whatever its request asks (a self-driving env's
+    program's model calls, which the rollout service holds to the budget of a driven env's
+    action); None: the request's."""
     seed: int | None = None
     """The rollout's sampling seed (the rollout service's request's): a model call over HTTP that
     sends no seed samples with it hashed with the session's length, so a self-driving env's
@@ -778,9 +782,10 @@ class Session:
                     f"prompt of {len(self.tokens)} tokens leaves no room under "
                     f"max_context_tokens={self.gateway.config.max_context_tokens}"
                 )
-            if params.max_new_tokens > room:
+            budget = room if self.max_new_tokens is None else min(room, self.max_new_tokens)
+            if params.max_new_tokens > budget:
                 params = SamplingParams(
-                    max_new_tokens=room,
+                    max_new_tokens=budget,
                     temperature=params.temperature,
                     top_p=params.top_p,
                     stop_ids=params.stop_ids,

@@ -457,7 +457,9 @@ class RolloutService:
         gateway: the TITO gateway that records every token.
         make_env: builds a fresh environment for a task (one instance per rollout).
         config: :class:`ServiceConfig`; a self-driving program's model call that leaves
-            ``temperature`` or ``top_p`` unset samples at its ``temperature`` and ``top_p``.
+            ``temperature`` or ``top_p`` unset samples at its ``temperature`` and ``top_p``,
+            and every one generates at most its ``max_new_tokens`` (one that asks for more, or
+            leaves its budget unset, gets that budget, as a driven env's action does).
         fixed_sampling: refuse (HTTP 400) a program's call that asks for another temperature or
             top_p: training rollouts, whose log-probs the trainer compares with its own at the
             run's; ``False`` (evaluation) lets the program choose.
@@ -641,8 +643,9 @@ class RolloutService:
             env = self.make_env(task)
             drives_itself = getattr(env, "drives_itself", False)
             if drives_itself:
-                # its program's model calls are its turns: capped as those of a driven env are
+                # its program's model calls are its turns: capped in number and length as a driven env's are
                 session.max_turns = min(self.config.max_turns, env.config.max_turns)
+                session.max_new_tokens = self.config.max_new_tokens
                 session.seed = request.seed  # of its program's calls that send none
                 server = await self.gateway_server()
                 env.attach_gateway(GatewaySession(f"{server.url}/v1", server.token, session.session_id))

@@ -1018,6 +1018,34 @@ def test_a_self_driving_program_samples_at_the_services_temperature_and_may_not_
     assert sampled == [(0.7, 1.0)]
 
 
+class TokenBudgetProgram(SamplingProgram):
+    """Two chat calls: one that leaves its token budget unset, one that asks for more than the service's."""
+
+    asked = [{"max_tokens": None}, {"max_tokens": 50}]
+
+
+def test_a_self_driving_programs_calls_generate_at_most_the_services_max_new_tokens(tiny):
+    """As the actions of a driven env do: a call that left its budget unset took the
+    gateway's max_new_tokens (256 by default), and one that asked for more got it."""
+
+    async def body():
+        model, tokenizer = tiny
+        engine = RecordingEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig())
+        env = TokenBudgetProgram()
+        service = RolloutService(gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=3))
+        try:
+            result = await service.process(RolloutRequest(task=arith_task()))
+        finally:
+            await service.close()
+            await engine.close()
+        return result, env.answers, [p.max_new_tokens for p in engine.params]
+
+    result, answers, budgets = asyncio.run(body())
+    assert answers == [(200, None), (200, None)]
+    assert budgets == [3, 3] and result.turns == 2
+
+
 class UnseededProgram(SamplingProgram):
     """Three chat calls, the first two sending no seed (as most scaffolds do), the last its own."""
 
