@@ -15,6 +15,10 @@ class Heartbeat:
     a beat that fails is logged and the next one still comes."""
 
     def __init__(self, beat: Callable[[], None], every_s: float, what: str):
+        # 0, a negative or NaN wait returns at once (a busy loop of beats); a wait past
+        # TIMEOUT_MAX raises on the thread, which would then die without a word
+        if not 0 < every_s <= threading.TIMEOUT_MAX:
+            raise ValueError(f"{what}: every_s must be a positive number of seconds, got {every_s}")
         self._stopped = threading.Event()
         self._thread = threading.Thread(
             target=self._beats, args=(beat, every_s, what), name=what, daemon=True

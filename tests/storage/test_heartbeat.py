@@ -6,6 +6,8 @@ import logging
 import threading
 import time
 
+import pytest
+
 from storage.heartbeat import Heartbeat
 
 
@@ -66,3 +68,13 @@ def test_a_beat_failing_with_an_empty_message_says_what_failed(caplog):
         wait_until(lambda: len(calls) >= 1)
         heartbeat.stop()
     assert caplog.records[0].getMessage() == "claim renewal failed: TimeoutError"
+
+
+def test_a_pace_that_is_not_a_positive_number_of_seconds_is_refused():
+    """0, a negative or NaN pace beat without pause (a storage write in a busy loop); an
+    infinite one killed the thread at its first wait, so the status went stale unsaid."""
+    calls = []
+    for every_s in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=f"every_s must be a positive number of seconds, got {every_s}"):
+            Heartbeat(lambda: calls.append(1), every_s=every_s, what="status heartbeat")
+    assert calls == []
