@@ -26,6 +26,10 @@ from storage.config import RunStore
 log = logging.getLogger(__name__)
 
 
+class LeaseLost(RuntimeError):
+    """A holder found a slot it renews taken by another holder while its work ran."""
+
+
 class SlotLease:
     """A lease on the slots of ``slot_s`` seconds in ``folder`` (a path of ``store``)."""
 
@@ -35,6 +39,8 @@ class SlotLease:
         self.slot_s = slot_s
         self.holder = f"{uuid.uuid4().hex} pid {os.getpid()} on {socket.gethostname()}\n".encode()
         self.held: list[str] = []
+        self.lost: list[int] = []
+        """Slots a renewal found taken by another holder."""
 
     def take(self, now: float) -> bool:
         """Take the slot of ``now`` and the next one; False (holding nothing) when another
@@ -64,6 +70,8 @@ class SlotLease:
             try:
                 self._create(leased)
             except FileExistsError:
+                if leased not in self.lost:
+                    self.lost.append(leased)
                 log.error(
                     "lease %s is held by another holder: the work it guards may now run twice at once "
                     "(was this process paused for a whole slot of %s s?)",
@@ -84,8 +92,11 @@ class SlotLease:
 
     @contextlib.contextmanager
     def kept(self) -> Iterator[None]:
-        """Renew the lease on a thread while the body runs, and release it after."""
+        """Renew the lease on a thread while the body runs, and release it after; raise
+        :class:`LeaseLost` after a body that completed when a renewal found a slot taken (the
+        work cannot be stopped midway, but must not end as if it had been alone)."""
         stop = threading.Event()
+        self.lost = []
 
         def renewing() -> None:
             while not stop.wait(self.slot_s / 3):
@@ -102,6 +113,12 @@ class SlotLease:
             stop.set()
             thread.join()
             self.release()
+        if self.lost:
+            raise LeaseLost(
+                f"lease {self.folder}: slot {self.lost[0]} was taken by another holder while this one's work "
+                f"ran (was this process paused for a whole slot of {self.slot_s} s?): the work it guards "
+                "may have run twice at once"
+            )
 
     def _slot(self, now: float) -> int:
         return int(now // self.slot_s)

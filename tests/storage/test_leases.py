@@ -6,7 +6,7 @@ import posixpath
 
 import pytest
 
-from storage.leases import SlotLease
+from storage.leases import LeaseLost, SlotLease
 
 
 @pytest.mark.parametrize("failing", [0, 1])
@@ -46,3 +46,27 @@ def test_a_create_that_failed_and_made_no_lease_raises_and_leaves_none(store, mo
     monkeypatch.undo()
     assert lease.held == []
     assert SlotLease(store, folder, slot).take(100.0)
+
+
+def test_a_lease_lost_while_its_work_ran_fails_the_work_saying_it_may_have_run_twice(store):
+    """A holder paused for a whole slot finds the next slot taken by another holder, whose
+    work (a compaction, whose rows deltalake then holds twice) runs at once with its own: the
+    renewal only logged it, and the work ended as if it had been alone."""
+    folder, slot = store.path("status", "leases"), 1000.0
+    lease, other = SlotLease(store, folder, slot), SlotLease(store, folder, slot)
+    assert lease.take(100_000.0)  # slots 100 and 101
+    lost = r"slot 102 .* taken by another holder .* may have run twice"
+    with pytest.raises(LeaseLost, match=lost), lease.kept():
+        assert other.take(102_000.0)  # this holder paused through slot 101
+        lease.renew(101_500.0)
+    assert lease.held == [] and [posixpath.basename(p) for p in other.held] == ["102", "103"]
+
+
+def test_a_lease_lost_while_its_work_failed_leaves_the_work_s_error(store):
+    folder, slot = store.path("status", "leases"), 1000.0
+    lease = SlotLease(store, folder, slot)
+    assert lease.take(100_000.0)
+    with pytest.raises(KeyError, match="the work's own error"), lease.kept():
+        assert SlotLease(store, folder, slot).take(102_000.0)
+        lease.renew(101_500.0)
+        raise KeyError("the work's own error")
