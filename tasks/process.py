@@ -40,6 +40,9 @@ log = logging.getLogger(__name__)
 
 STATUS_EVERY_S = 5.0
 """How often a running processor renews its status (it goes stale after 30 s)."""
+TOKENIZER_RETRY_S = 60.0
+"""How long the rows of a processor whose tokenizer did not load go without text before it
+tries to load it again."""
 DRAIN_SECONDS = 10.0
 """How long past the run's deadline a process task given none goes on, to process the last
 shards of the rollouts that end at it."""
@@ -59,14 +62,27 @@ def shard_processor(
     store = run_store(config)
     weights = WeightStore(store, one_copy=True)
     loaded: list = []
+    failed: list[tuple[float, str]] = []  # the last failed load: when, and why (one at most)
 
     def decode(ids: list[int]) -> str:
         if not loaded:
+            # each row of a shard decodes: a load that failed would otherwise fetch every
+            # version's tokenizer again for each of them
+            if failed and time.monotonic() - failed[-1][0] < TOKENIZER_RETRY_S:
+                raise LookupError(
+                    f"{failed[-1][1]} (the tokenizer is loaded again {TOKENIZER_RETRY_S:.0f} s after that)"
+                )
             try:
-                _, path = weights.load_newest("tokenizer")
-            except FileNotFoundError:
-                raise LookupError(f"run {config.run_id} has no weight version, so no tokenizer yet") from None
-            loaded.append(load_tokenizer(path))
+                try:
+                    _, path = weights.load_newest("tokenizer")
+                except FileNotFoundError:
+                    raise LookupError(
+                        f"run {config.run_id} has no weight version, so no tokenizer yet"
+                    ) from None
+                loaded.append(load_tokenizer(path))
+            except Exception as exc:
+                failed[:] = [(time.monotonic(), f"{type(exc).__name__}: {exc}")]
+                raise
             weights.release()
         return loaded[0].decode(ids, skip_special_tokens=False)
 

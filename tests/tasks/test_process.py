@@ -6,6 +6,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -58,6 +59,39 @@ def test_a_processor_decodes_with_the_newest_tokenizer_that_verifies(tmp_path):
     assert len(shard_processor(config).poll()) == 1
     texts = Tables(store).read("trajectories").column("text").to_pylist()
     assert len(texts) == 2 and all(texts), texts
+
+
+def test_a_processor_whose_tokenizer_does_not_load_tries_again_after_a_while_not_at_every_row(
+    tmp_path, monkeypatch
+):
+    """Every row's decode fetched and hashed each version's tokenizer again (on S3, a
+    shard of a thousand rows: a thousand downloads of every retained version's tokenizer)."""
+    config = tiny_config(tmp_path / "runs", "process-no-tokenizer")
+    store = run_store(config)
+    weights = WeightStore(store)
+    ensure_base_version(weights, TINY)
+    first, later = raw_records(store, 4, seed=1), raw_records(store, 2, seed=2)
+    commit_raw(store, first)
+    tokenizer = Path(weights.version_path(0), "tokenizer.json")
+    good = tokenizer.read_bytes()
+    tokenizer.write_bytes(good[:10])
+    loads = []
+    load_newest = WeightStore.load_newest
+    monkeypatch.setattr(WeightStore, "load_newest", lambda self, *a: loads.append(a) or load_newest(self, *a))
+    processor = shard_processor(config)
+    assert len(processor.poll()) == 1
+    assert Tables(store).read("trajectories").column("text").to_pylist() == [None] * 4
+    assert len(loads) == 1
+
+    tokenizer.write_bytes(good)
+    monkeypatch.setattr(process_task, "TOKENIZER_RETRY_S", 0.0)
+    commit_raw(store, later)
+    assert len(processor.poll()) == 1
+    rows = Tables(store).read("trajectories").to_pylist()
+    assert [bool(r["text"]) for r in rows if r["trajectory_id"] in {t["trajectory_id"] for t in later}] == [
+        True
+    ] * 2
+    assert len(loads) == 2
 
 
 def test_a_processor_keeps_no_copy_of_the_tokenizer_it_loaded_in_the_weight_cache(tmp_path):
