@@ -118,9 +118,17 @@ def combine_reward(reward: float | None, progress: float | None, config: Process
     0, and so does missing progress (no gradable artifact gives reward 0).
     """
     base = 0.0 if reward is None else float(reward)
-    if base >= config.success_threshold or base < 0 or progress is None:
+    if progress is None or not _progress_counts(base, config):
         return base
     return max(base, config.progress_weight * float(progress))
+
+
+def _progress_counts(reward: float, config: ProcessorConfig) -> bool:
+    """Whether partial progress can raise ``reward``: it is not negative, and under the
+    success threshold compared at the float32 precision a shard stores rewards with (0.7
+    reads back as 0.69999999, under a threshold of 0.7 taken as a float64)."""
+    with np.errstate(over="ignore"):  # a threshold past float32's range is inf: nothing reaches it
+        return reward >= 0 and bool(np.float32(reward) < np.float32(config.success_threshold))
 
 
 @dataclass
@@ -458,7 +466,7 @@ def _score(
         for w in live
         if config.progress_weight > 0
         and state.progress_in[w] is None
-        and 0 <= (0.0 if state.reward_in[w] is None else state.reward_in[w]) < config.success_threshold
+        and _progress_counts(0.0 if state.reward_in[w] is None else state.reward_in[w], config)
     ]
     rescored: float | None = None
     if needs_rescore and rescore is not None:

@@ -741,6 +741,18 @@ def test_a_reward_exactly_at_the_success_threshold_is_a_success():
     assert combine_reward(0.29, 1.0, ProcessorConfig(success_threshold=0.3)) == pytest.approx(0.5)
 
 
+@pytest.mark.parametrize("threshold", [0.7, 0.9, 0.1])
+def test_a_reward_at_the_success_threshold_is_a_success_once_stored_as_float32(threshold):
+    """A shard holds rewards as float32: 0.7 reads back as 0.69999999, under the threshold,
+    so a row at it was taken for a failure, rescored, and raised to its progress (1.0)."""
+    calls = []
+    rows = [record("a", "e", [1, 2, 3], [False, True, True], reward=threshold, progress=None)]
+    config = ProcessorConfig(success_threshold=threshold, progress_weight=1.0)
+    result = process_shard(to_table(rows), config, shard_id="s", rescore=lambda t: calls.append(t) or 1.0)
+    assert result.processed.column("reward").to_pylist() == [pytest.approx(threshold)]
+    assert calls == []
+
+
 def two_path_execution(eid, *, reward, progress=None, status="ok"):
     return [
         record(
