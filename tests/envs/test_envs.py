@@ -1120,6 +1120,9 @@ FENCED_SOLUTIONS = {
     "py tag, CRLF": "```py\r\n{solution}\r\n```\r\n",
     "draft then answer": "Draft:\n```python\ndef f(x):\n    return 0\n```\nFixed:\n```python\n{solution}\n```",
     "answer then usage": "```python\n{solution}\n```\nUse it so:\n```python\nprint(f(3))\n```",
+    "tildes": "Here it is:\n~~~python\n{solution}\n~~~\nDone.",
+    "tildes, longer close": "~~~~\n{solution}\n~~~~~~",
+    "four backticks": "````python\n{solution}\n````\nDone.",
 }
 
 
@@ -1133,6 +1136,15 @@ def test_code_solution_is_taken_from_a_fenced_block_of_the_reply(case):
         solution = solution.replace("\n", "\r\n")
     reply = FENCED_SOLUTIONS[case].format(solution=solution)
     assert code.solution_source(reply).strip() == solution.strip()
+
+
+@pytest.mark.parametrize("fence", ["````", "~~~", "~~~~"])
+def test_code_solution_in_a_longer_or_tilde_fence_keeps_the_backtick_fences_it_holds(fence):
+    """A block fenced with ``~~~`` or four backticks, which Markdown gives for code that holds
+    a line of three backticks, was not found: the whole reply ran as the source and scored 0."""
+    solution = 'def f(x):\n    """Use it so:\n```\nf(3)\n```\n"""\n    return x * 3 + 1'
+    reply = f"Here it is:\n{fence} python\n{solution}\n{fence}\nIt returns the value asked for."
+    assert code.solution_source(reply).strip() == solution
 
 
 def test_code_solution_without_a_complete_fenced_block_is_the_reply_itself():
