@@ -70,14 +70,20 @@ request = json.loads(sys.stdin.readline())
 tests, scores = request["tests"], request["scores"]
 print(request["started"], "started", flush=True)
 read, write = os.pipe()
-inputs = json.dumps([x for x, _ in tests])
-args = [str(write), inputs, str(request["max_workers"]), str(request["call_s"])]
+given, give = os.pipe()  # the inputs: no command-line argument holds more than 128 KiB
+args = [str(write), str(given), str(request["max_workers"]), str(request["call_s"])]
 child = subprocess.Popen(
     [sys.executable, "-I", "-c", request["runner"], *args],
-    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=[write],
-    preexec_fn=drop_capabilities,
+    stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    pass_fds=[write, given], preexec_fn=drop_capabilities,
 )
 os.close(write)
+os.close(given)
+try:
+    with os.fdopen(give, "w") as pipe:
+        json.dump([x for x, _ in tests], pipe)
+except BrokenPipeError:  # the runner ended before it read them
+    pass
 with os.fdopen(read, "rb") as pipe:
     reply = pipe.read()
 child.wait()
@@ -91,15 +97,17 @@ if isinstance(results, list):
 print(scores[passed], flush=True)
 """
 
-# Runs the solution on the inputs, split over one forked worker per core it was started on (at
+# Runs the solution on the inputs (read off a pipe the tester writes, closed before the
+# solution loads), split over one forked worker per core it was started on (at
 # most max_workers); a chunk whose worker cannot be forked (the process limit) runs in the
 # runner itself. Writes a JSON list to the pipe: f(x) where that is an int JSON can write
 # (Python's int-to-text limit, 4300 digits by default), else null (as for a call that ran
 # past call_s seconds).
 RUNNER = r"""
 import json, os, signal, sys
-out, inputs, max_workers = int(sys.argv[1]), json.loads(sys.argv[2]), int(sys.argv[3])
-call_s = float(sys.argv[4])
+out, max_workers, call_s = int(sys.argv[1]), int(sys.argv[3]), float(sys.argv[4])
+with os.fdopen(int(sys.argv[2])) as given:
+    inputs = json.load(given)
 namespace = {}
 exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
 f = namespace["f"]

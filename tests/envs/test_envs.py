@@ -1054,6 +1054,15 @@ def test_code_a_call_that_never_returns_loses_its_own_test_only(hang):
     assert score == 0.75
 
 
+@needs_bwrap
+def test_code_tests_whose_inputs_outgrow_one_command_line_argument_are_scored():
+    """The inputs went to the solution's interpreter as one command-line argument, which Linux
+    holds to 128 KiB: past that the interpreter never started and every solution scored 0."""
+    tests = [[list(range(i, i + 3000)), i] for i in range(10)]  # about 180 KB of JSON
+    _, score = asyncio.run(play("code", code_task(tests), ["def f(x):\n    return x[0]\n"], sandbox=SMALL))
+    assert score == 1.0
+
+
 @pytest.mark.parametrize(
     "tests", [[], [[1]], [[1, 4.5]], [[1, "4"]], [[1, True]], [[1, 4], [2, 7, 9]], "[[1, 4]]", None]
 )
@@ -1101,8 +1110,8 @@ def test_code_answers_are_ints_not_bools_even_written_past_the_runner():
     by the solution straight to the tester's pipe."""
     task = code_task([[x, 1] for x in range(4)])
     past_the_runner = (
-        "import json, os, sys\n"
-        "os.write(int(sys.argv[1]), json.dumps([True] * len(json.loads(sys.argv[2]))).encode())\n"
+        "import __main__, json, os, sys\n"
+        "os.write(int(sys.argv[1]), json.dumps([True] * len(__main__.inputs)).encode())\n"
         "os._exit(0)\n"
     )
     for solution, want in (
@@ -1293,8 +1302,8 @@ def test_code_cheats_score_nothing(cheat, backend):
 # Reads what the tester printed before the solution ran off its output pipe, which bwrap's init
 # holds (/proc/1/fd/1), and prints each word it found as the pass marker, all tests passed.
 STEAL_THE_MARKER = """
-import json, os, signal, sys, time
-tests = len(json.loads(sys.argv[2]))
+import __main__, os, signal, time
+tests = len(__main__.inputs)
 pipe = os.open("/proc/1/fd/1", os.O_RDONLY | os.O_NONBLOCK)
 printed, until = b"", time.monotonic() + 10
 while not printed.endswith(b"\\n") and time.monotonic() < until:
