@@ -218,20 +218,25 @@ def stopped(exc: SandboxError, max_chars: int) -> str:
     return f"{shown}\n[stopped: {exc.kind}: {exc.reason}]".strip()
 
 
-# A fence is three or more backticks or tildes; its block ends at a line of at least as many of
-# the same character, so a longer fence holds shorter ones. A backtick fence's tag holds no
-# backtick (else the line is inline code), a tilde fence's may.
+# A fence is three or more backticks or tildes, indented up to three spaces (a block in a list
+# item); its block ends at a line of at least as many of the same character, so a longer fence
+# holds shorter ones. A backtick fence's tag holds no backtick (else the line is inline code),
+# a tilde fence's may.
 FENCED_BLOCK = re.compile(
-    r"^(?P<fence>`{3,}(?![^\n]*`)|~{3,}(?!~))[^\n]*\n(?P<body>.*?)"
-    r"^(?P=fence)(?:(?<=`)`*|(?<=~)~*)[ \t\r]*$",
+    r"^(?P<indent> {0,3})(?P<fence>`{3,}(?![^\n]*`)|~{3,}(?!~))[^\n]*\n(?P<body>.*?)"
+    r"^ {0,3}(?P=fence)(?:(?<=`)`*|(?<=~)~*)[ \t\r]*$",
     re.MULTILINE | re.DOTALL,
 )
 
 
 def fenced_blocks(text: str) -> list[str]:
     """The contents of the complete Markdown code blocks in ``text`` (fenced with backticks or
-    tildes, any language tag or none), in order: where a chat model puts the code of its reply."""
-    return [match.group("body") for match in FENCED_BLOCK.finditer(text)]
+    tildes, any language tag or none), in order, each line less up to as many leading spaces as
+    its opening fence had: where a chat model puts the code of its reply."""
+    return [
+        re.sub(rf"(?m)^ {{0,{len(match.group('indent'))}}}", "", match.group("body"))
+        for match in FENCED_BLOCK.finditer(text)
+    ]
 
 
 def write_anew(folder: str, name: str, text: str) -> None:

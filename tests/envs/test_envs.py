@@ -1156,6 +1156,13 @@ def test_code_solution_in_a_longer_or_tilde_fence_keeps_the_backtick_fences_it_h
     assert code.solution_source(reply).strip() == solution
 
 
+def test_code_solution_in_a_fenced_block_indented_in_a_list_item_is_its_code_dedented():
+    """Markdown lets a fence be indented up to three spaces (a block in a list item), its
+    lines losing that indent: such a block was not found, and the whole reply ran as source."""
+    reply = "1. Define it:\n   ```python\n   def f(x):\n       return x * 3 + 1\n   ```\n2. Call it."
+    assert code.solution_source(reply) == "def f(x):\n    return x * 3 + 1\n"
+
+
 def test_code_solution_without_a_complete_fenced_block_is_the_reply_itself():
     assert code.solution_source("def f(x):\n    return 1\n") == "def f(x):\n    return 1\n"
     cut = "```python\ndef f(x):\n    return 1"  # a reply cut at its token limit
