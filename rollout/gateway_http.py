@@ -84,8 +84,15 @@ harness can reach it any more. Sessions opened in-process (the rollout service's
 ended so: their opener closes each, and their pauses (a tool call, a test run) are bounded
 by its rollout's timeout.
 
+A server without ``session_admin`` (the rollout service's, whose token a self-driving env's program
+holds) serves only the inference endpoints (``/v1/chat/completions``, ``/v1/completions``,
+``/v1/generate``, ``/v1/models``) on the sessions opened in-process: opening, recording, writing
+or closing one is a 403, as a session the program opened would generate past its rollout's
+budget and seed and never reach its result.
+
 Every endpoint but ``/health`` needs ``Authorization: Bearer <token>``. Errors are JSON
-``{"error": {"message", "type", "code"}}``: 401 bad token, 404 unknown (or idle-ended)
+``{"error": {"message", "type", "code"}}``: 401 bad token, 403 session administration on a
+server without it, 404 unknown (or idle-ended)
 session, 400 bad input (a prompt past the context in OpenAI's words, with its code
 ``context_length_exceeded``, which harnesses match to end an episode; else the code is the
 status), 413 a body over the server's limit, 503 engine failure, a write that
@@ -476,6 +483,14 @@ class _Unauthorized(Exception):
     pass
 
 
+class _NoSessionAdmin(Exception):
+    pass
+
+
+INFERENCE = "/v1/chat/completions, /v1/completions, /v1/generate and /v1/models"
+"""The endpoints a server without session administration serves (besides ``/health``)."""
+
+
 _ID = TypeAdapter(Id)
 
 
@@ -770,13 +785,15 @@ def create_app(
     idle: IdleSessions | None = None,
     sink: RecordSink | None = None,
     backpressure: Callable[[], str | None] | None = None,
+    session_admin: bool = True,
 ) -> FastAPI:
     """The FastAPI app serving ``gateway`` at ``sampling`` (default: temperature and top_p 1,
     not fixed); requests must carry ``Bearer token``. The sessions it opens are given to
     ``idle``, which is told of every request naming one (whoever sweeps it ends them). The
     records it is asked to write go to ``sink``; without one such a request is refused. While
     ``backpressure`` answers why (not None), a new rollout is refused with a 429, counted in
-    ``app.state.sessions_refused``."""
+    ``app.state.sessions_refused``. Without ``session_admin`` it serves only the inference
+    endpoints, on sessions opened in-process: opening, recording, writing or closing one is a 403."""
     sampling = sampling or RunSampling()
     if not token:
         raise ValueError("the gateway needs a non-empty bearer token")
@@ -797,6 +814,20 @@ def create_app(
     async def _unauthorized(request: Request, exc: _Unauthorized):
         return _error(
             401, "authentication_error", "missing or wrong bearer token", {"WWW-Authenticate": "Bearer"}
+        )
+
+    def administer() -> None:
+        if not session_admin:
+            raise _NoSessionAdmin
+
+    @app.exception_handler(_NoSessionAdmin)
+    async def _no_session_admin(request: Request, exc: _NoSessionAdmin):
+        return _error(
+            403,
+            "permission_error",
+            f"{request.method} {request.url.path} is session administration, which this server does not "
+            f"serve: it serves only the inference endpoints ({INFERENCE}), on the session you were "
+            f"handed (named in the {SESSION_HEADER} header)",
         )
 
     def named(request: Request) -> str | None:
@@ -829,9 +860,13 @@ def create_app(
             return _error(
                 404,
                 "not_found_error",
-                f"{request.method} {request.url.path} is not served: the gateway serves the OpenAI API's "
-                "/v1/chat/completions, /v1/completions and /v1/models, and /v1/sessions, /v1/generate and "
-                "/v1/records",
+                f"{request.method} {request.url.path} is not served: the gateway serves "
+                + (
+                    "the OpenAI API's /v1/chat/completions, /v1/completions and /v1/models, and "
+                    "/v1/sessions, /v1/generate and /v1/records"
+                    if session_admin
+                    else INFERENCE
+                ),
                 exc.headers,
             )
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
@@ -867,6 +902,7 @@ def create_app(
     if idle is not None:
         app.router.route_class = InProgress
     auth = [Depends(authorize)]
+    admin = [*auth, Depends(administer)]  # the token's check first: a 401 before a 403
 
     def session_of(session_id: str | None) -> Session:
         if not session_id:
@@ -964,7 +1000,7 @@ def create_app(
             "execution_id": info.execution_id,
         }
 
-    @app.post("/v1/sessions", dependencies=auth)
+    @app.post("/v1/sessions", dependencies=admin)
     async def open_session(body: OpenSessionRequest) -> Any:
         retried = idle.retried(body) if idle is not None else None
         if retried is not None:
@@ -990,11 +1026,11 @@ def create_app(
             raise InvalidRequest("this server writes no records: write them into a raw shard yourself")
         return sink
 
-    @app.post("/v1/records", dependencies=auth)
+    @app.post("/v1/records", dependencies=admin)
     async def write_records(body: WriteRequest) -> dict[str, Any]:
         return writing().execution(body.records)
 
-    @app.post("/v1/sessions/{session_id}/record", dependencies=auth)
+    @app.post("/v1/sessions/{session_id}/record", dependencies=admin)
     async def record(session_id: str, body: RecordRequest) -> dict[str, Any]:
         session = gateway.session(session_id)
         if body.write:
@@ -1028,7 +1064,7 @@ def create_app(
             idle.recorded(session_id)
         return record
 
-    @app.delete("/v1/sessions/{session_id}", dependencies=auth)
+    @app.delete("/v1/sessions/{session_id}", dependencies=admin)
     async def close_session(session_id: str, continued_in: str | None = None) -> dict[str, Any]:
         if continued_in is not None:
             _query_id("continued_in", continued_in)
@@ -1291,7 +1327,9 @@ class GatewayServer(AppServer):
     None keeps it until it is deleted or the server stops (:meth:`stop` ends those still open).
     With ``write`` (see :class:`RecordSink`) it writes the records it is asked to. While
     ``backpressure`` answers why a new rollout must wait for the trainer (not None),
-    ``POST /v1/sessions`` of one is refused with a 429 (see the module docstring)."""
+    ``POST /v1/sessions`` of one is refused with a 429 (see the module docstring). Without
+    ``session_admin`` (a server handed to programs that must use only the session they were
+    given) it opens, records, writes and closes no session: those requests are a 403."""
 
     def __init__(
         self,
@@ -1310,6 +1348,7 @@ class GatewayServer(AppServer):
         idle_timeout_s: float | None = IDLE_TIMEOUT_S,
         write: Callable[[pa.Table], Any] | None = None,
         backpressure: Callable[[], str | None] | None = None,
+        session_admin: bool = True,
     ):
         self.token = bearer_token(token)
         self.idle = IdleSessions(gateway, idle_timeout_s)
@@ -1323,6 +1362,7 @@ class GatewayServer(AppServer):
                 self.idle,
                 RecordSink(write) if write else None,
                 backpressure,
+                session_admin,
             ),
             host=host,
             port=port,

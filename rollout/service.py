@@ -527,11 +527,16 @@ class RolloutService:
         return True
 
     async def gateway_server(self) -> GatewayServer:
-        """The HTTP gateway that self-driving envs talk to (started on first use, 127.0.0.1)."""
+        """The HTTP gateway that self-driving envs talk to (started on first use, 127.0.0.1).
+        It serves no session administration: a program holding its token must use only the
+        session it was handed (one it opened would generate past its rollout's budget and seed,
+        and never reach the rollout's result)."""
         async with self._gateway_server_lock:
             if self._gateway_server is None:
                 sampling = RunSampling(self.config.temperature, self.config.top_p, self.fixed_sampling)
-                self._gateway_server = await GatewayServer(self.gateway, sampling=sampling).start()
+                self._gateway_server = await GatewayServer(
+                    self.gateway, sampling=sampling, session_admin=False
+                ).start()
             return self._gateway_server
 
     async def close(self) -> None:

@@ -97,6 +97,7 @@ async def serving(
     sampling: RunSampling | None = None,
     idle_timeout_s: float | None = IDLE_TIMEOUT_S,
     backpressure: Callable[[], str | None] | None = None,
+    session_admin: bool = True,
 ):
     model, tokenizer = tiny
     engines = [SlowTorchEngine(copy.deepcopy(model), tokenizer, name="live", delay=delay)]
@@ -108,7 +109,12 @@ async def serving(
         router, tokenizer, GatewayConfig(max_context_tokens=max_context_tokens, max_new_tokens=8)
     )
     server = await GatewayServer(
-        gateway, uds=uds, sampling=sampling, idle_timeout_s=idle_timeout_s, backpressure=backpressure
+        gateway,
+        uds=uds,
+        sampling=sampling,
+        idle_timeout_s=idle_timeout_s,
+        backpressure=backpressure,
+        session_admin=session_admin,
     ).start()
     transport = httpx.AsyncHTTPTransport(uds=uds) if uds else None
     client = httpx.AsyncClient(
@@ -219,6 +225,41 @@ def test_a_client_of_an_endpoint_not_served_is_told_which_are(tiny):
             async with httpx.AsyncClient(base_url=server.url) as anonymous:
                 response = await anonymous.post("/v1/responses", json={})
                 assert response.status_code == 404 and response.json()["error"]["message"] == "Not Found"
+
+    asyncio.run(body())
+
+
+def test_a_server_without_session_admin_serves_only_inference_on_the_sessions_opened_in_process(tiny):
+    """The rollout service's server (``session_admin=False``) is handed to self-driving programs
+    with its token: opening, recording, writing or closing a session there is a 403 naming what
+    is served (after the token's check), while a session opened in-process is served."""
+
+    async def body():
+        async with serving(tiny, session_admin=False) as (gateway, server, client):
+            sid = gateway.open(task="arith", prompt_id="p1").session_id
+            refused = [
+                await client.post("/v1/sessions", json={"task": "arith", "prompt_id": "p2"}),
+                await client.post(f"/v1/sessions/{sid}/record", json={"reward": 1.0}),
+                await client.post("/v1/records", json={"records": [{}]}),
+                await client.delete(f"/v1/sessions/{sid}"),
+            ]
+            for response in refused:
+                assert response.status_code == 403, response.text
+                error = response.json()["error"]
+                assert error["type"] == "permission_error"
+                assert error["message"].startswith(f"{response.request.method} {response.request.url.path} ")
+                assert "only the inference endpoints" in error["message"]
+                assert "/v1/chat/completions" in error["message"]
+            assert gateway.sessions == [sid] and not gateway.session(sid).closed
+            async with httpx.AsyncClient(base_url=server.url) as anonymous:
+                assert (await anonymous.post("/v1/sessions", json={})).status_code == 401
+            served = await client.post(
+                "/v1/generate", json={"token_ids": [1, 2]}, headers={SESSION_HEADER: sid}
+            )
+            assert served.status_code == 200, served.text
+            unknown = await client.post("/v1/responses", json={})
+            assert unknown.status_code == 404 and "/v1/sessions" not in unknown.json()["error"]["message"]
+            gateway.close(sid)
 
     asyncio.run(body())
 

@@ -908,6 +908,54 @@ class OneCallProgram(ArithEnv):
         return 0.0
 
 
+class AdministeringProgram(OneCallProgram):
+    """A self-driving program that, besides its one chat call, tries the gateway's session
+    administration with the token it was handed, and keeps each answer's status and error."""
+
+    async def run(self) -> StepResult:
+        gateway = self.gateway
+        headers = {"Authorization": f"Bearer {gateway.api_key}"}
+        own = f"{gateway.base_url}/sessions/{gateway.session_id}"
+        async with httpx.AsyncClient(headers=headers) as client:
+            answers = [
+                await client.post(f"{gateway.base_url}/sessions", json={"task": "arith", "prompt_id": "p"}),
+                await client.post(f"{own}/record", json={"reward": 1.0}),
+                await client.post(f"{gateway.base_url}/records", json={"records": [{}]}),
+                await client.delete(own),
+            ]
+        self.answers = [
+            (a.status_code, a.json()["error"]["message"] if a.is_error else None) for a in answers
+        ]
+        return await super().run()
+
+
+def test_a_self_driving_program_may_not_open_record_or_close_sessions_with_its_token(tiny):
+    """A custom self-driving env holds the token of the service's HTTP gateway: it opened
+    sessions of its own (generating past its rollout's budget and seed, never recorded in its
+    result, open until the idle timeout) and could record or delete its rollout's. The service's
+    gateway refuses session administration with a 403 naming what it serves."""
+
+    async def body():
+        model, tokenizer = tiny
+        engine = TorchEngine(model, tokenizer, name="torch-0")
+        gateway = Gateway(Router([engine]), tokenizer, GatewayConfig())
+        env = AdministeringProgram()
+        service = RolloutService(gateway, lambda task: env, ServiceConfig(scheduler="none", max_new_tokens=4))
+        try:
+            result = await service.process(RolloutRequest(task=arith_task()))
+            return result, env.answers, gateway.sessions
+        finally:
+            await service.close()
+            await engine.close()
+
+    result, answers, still_open = asyncio.run(body())
+    assert [status for status, _ in answers] == [403] * 4, answers
+    assert all("only the inference endpoints" in message for _, message in answers), answers
+    assert still_open == []
+    assert result.status in ("ok", "truncated"), result.error
+    assert result.turns == 1
+
+
 class FailingOnceEngine(TorchEngine):
     """Fails its first ``failures`` generations (a replica that died, or a transient failure)."""
 
