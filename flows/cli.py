@@ -718,6 +718,15 @@ def _port(text: str) -> int:
     return port
 
 
+def _waited(process: subprocess.Popen) -> int:
+    """``process.wait()`` that runs this process's signal handlers within 50 ms of a signal. A
+    plain one blocks in ``waitpid``, which a signal that lands just before the call (or that
+    the kernel gives another thread) does not wake: its handler would wait for the process's end."""
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return process.wait(timeout=3600)  # with a timeout it polls, sleeping 50 ms at most
+
+
 def _ui(args) -> None:
     from flows.demo import UI_URL
 
@@ -734,9 +743,9 @@ def _ui(args) -> None:
         # shuts down as on Ctrl-C, then so do we
         before = signal.signal(signal.SIGTERM, lambda *_: process.send_signal(signal.SIGTERM))
         try:
-            code = process.wait()
+            code = _waited(process)
         except KeyboardInterrupt:  # Ctrl-C reached the server too: it shuts down, then so do we
-            code = process.wait()
+            code = _waited(process)
         finally:
             signal.signal(signal.SIGTERM, before)
     raise SystemExit(code)

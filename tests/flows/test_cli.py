@@ -1409,6 +1409,46 @@ def test_ui_stopped_lets_the_server_shut_down_and_exits_without_a_traceback(tmp_
     assert process.returncode == 0
 
 
+def test_ui_stops_on_a_sigterm_that_does_not_wake_its_wait(tmp_path):
+    """A SIGTERM that lands just before ``treadle ui`` blocks waiting for its server (or that
+    the kernel gives another of its threads) runs its handler only once the main thread runs
+    Python again: it blocked in ``waitpid`` until the server ended, which it never did (a
+    flaky failure of the test above). Here a thread of treadle's takes the signal."""
+    fake = tmp_path / "prefect"
+    fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
+    fake.chmod(0o755)
+    probe = (
+        "import shutil, signal, threading, flows.cli\n"
+        f"shutil.which = lambda *a, **k: {str(fake)!r}\n"
+        "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+        "def takes_it():\n"
+        "    signal.sigwait({signal.SIGUSR1})\n"
+        "    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)\n"
+        "threading.Thread(target=takes_it, daemon=True).start()\n"
+        "flows.cli.main(['ui'])\n"
+    )
+    process = subprocess.Popen(
+        [sys.executable, "-c", probe],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        for line in process.stdout:
+            if line == "server ready\n":
+                break
+        os.kill(process.pid, signal.SIGUSR1)
+        out, err = process.communicate(timeout=20)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert "server stopped" in out and "Traceback" not in err, err
+    assert process.returncode == 0
+
+
 def test_every_command_says_what_it_does(capfd, monkeypatch):
     def help_of(*command: str) -> str:
         with pytest.raises(SystemExit) as done:
