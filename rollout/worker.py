@@ -776,13 +776,22 @@ class RolloutWorker:
 
     def _write_harness_records(self, table: pa.Table) -> None:
         """Buffer the records a harness sent over HTTP (``GatewayServer``'s ``write``); raises
-        only when they will not be committed (the writer closed, or the worker's name taken). A
-        flush this write sets off that fails keeps them for the next one, as the flusher's does:
-        the harness is told they are written, and its resend is refused rather than committed twice."""
+        only when they will not be committed (the writer closed, or the worker's name taken), or,
+        buffering none, while the writer holds more than its ``max_unsaved_records`` whose commits
+        failed (the store is down): the harness keeps them and sends them again, rather than this
+        worker holding ever more in memory, lost if it dies. A flush this write sets off that fails
+        keeps them for the next one, as the flusher's does: the harness is told they are written,
+        and its resend is refused rather than committed twice."""
         if self.writer.closed:
             raise RuntimeError(f"worker {self.name} is stopping: its raw shards take no more records")
         if self._name_taken is not None:  # a flush would buffer them and answer them written
             raise InUse(str(self._name_taken))
+        unsaved, bound = self.writer.unsaved_records, self.writer.max_unsaved_records
+        if unsaved > bound:
+            raise RuntimeError(
+                f"worker {self.name} holds {unsaved} records whose commits to its raw shards failed, more "
+                f"than its max_unsaved_records={bound}: it takes no more until the store takes those"
+            )
         try:
             self.writer.write_table(table)
         except InUse as exc:

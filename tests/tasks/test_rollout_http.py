@@ -345,7 +345,9 @@ def test_a_serve_only_worker_stopped_under_generating_requests_answers_each(tmp_
 def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refused(tmp_path, monkeypatch):
     """A write that the worker's writer buffered but whose commit failed in the request (the store
     down past its max_unsaved_records) is kept for the next flush: answered as written, and a
-    resend is refused, so that each trajectory is committed once."""
+    resend is refused, so that each trajectory is committed once. Past that bound a write is
+    refused (503, nothing buffered) rather than held in memory without end while the store is
+    down; sent again once the store is back, it is written."""
     monkeypatch.setenv("TREADLE_GATEWAY_TOKEN", TOKEN)
     run, store = serving_run(tmp_path, 0, serve_only=True)
     store_down = threading.Event()
@@ -358,7 +360,10 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
     worker = make_worker(
         store, run, http=run.gateway_http, flush_records=1, flush_seconds=600, before_commit=before_commit
     )
-    ids = [f"t{i}" for i in range(worker.writer.max_unsaved_records + 2)]
+    ids = [f"t{i}" for i in range(worker.writer.max_unsaved_records + 1)]
+
+    def execution(record: dict, tid: str) -> dict:
+        return {"records": [{**record, "trajectory_id": tid, "execution_id": tid}]}
 
     async def body():
         await worker.start()
@@ -367,11 +372,19 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
             async with harness_client(worker, running) as client:
                 record = await recorded(client)
                 for tid in ids:
-                    execution = {"records": [{**record, "trajectory_id": tid, "execution_id": tid}]}
-                    answer = await client.post("/v1/records", json=execution)
+                    answer = await client.post("/v1/records", json=execution(record, tid))
                     assert answer.status_code == 200, answer.text
-                resent = await client.post("/v1/records", json=execution)
+                resent = await client.post("/v1/records", json=execution(record, ids[-1]))
                 assert resent.status_code == 400 and "written already" in resent.text
+                held = worker.writer.unsaved_records
+                refused = await client.post("/v1/records", json=execution(record, "late"))
+                assert refused.status_code == 503 and "send it again" in refused.text, refused.text
+                assert "max_unsaved_records" in refused.text
+                assert worker.writer.unsaved_records == held and worker.harness_records == len(ids)
+                store_down.clear()
+                worker.writer.flush()  # what the worker's flusher does once the records are due
+                again = await client.post("/v1/records", json=execution(record, "late"))
+                assert again.status_code == 200, again.text
             worker.stop()
             await running
         finally:
@@ -384,7 +397,7 @@ def test_a_harness_write_buffered_but_not_committed_is_kept_and_its_resend_refus
     written = [
         tid for shard in reader.poll()[0] for tid in reader.read(shard).column("trajectory_id").to_pylist()
     ]
-    assert sorted(written) == sorted(ids)
+    assert sorted(written) == sorted([*ids, "late"])
 
 
 def test_a_harness_write_counts_its_records_and_is_refused_once_the_workers_name_is_taken(
