@@ -18,7 +18,8 @@
 - **Group mode** (GRPO baseline): ``group_size`` rollouts per prompt; with DAPO-style
   filtering a group whose rewards, as the trainer trains them (``trained_reward``: lifted by
   partial progress, a timeout's counting as 0; env and infra errors left out), are all equal is
-  dropped, slots are refilled at once,
+  dropped (but for its env and infra errors, written for the run's failure counts), slots are
+  refilled at once,
   and once ``target_groups`` informative groups exist the redundant in-flight rollouts
   are cancelled. A group whose member fails outside the service's classification or is
   cut short by a stop goes on with the members that finished, as a smaller group.
@@ -547,7 +548,7 @@ class Orchestrator:
         uniform = len(set(scored)) <= 1
         if self.config.filter_uniform_groups and uniform:
             self.stats.groups_filtered += 1
-            self._write([r for r in group.results if r.status == "infra_error"])
+            self._write([r for r in group.results if r.status in EXCLUDED_STATUSES])
             return
         self.stats.groups_kept += 1
         self._write(group.results)

@@ -978,10 +978,10 @@ class OneFailsInFour(CoinEnv):
         return 1.0
 
 
-def test_a_group_uniform_but_for_an_errored_member_is_filtered_and_only_its_infra_error_written(tiny):
+def test_a_group_uniform_but_for_an_errored_member_is_filtered_and_only_its_errored_member_written(tiny):
     """Env and infra errors are never trained on, so they leave a group's rewards 1, 1, 1
-    uniform (counted as reward 0 it would be kept); of a filtered group only the infra_error
-    row is written, for the run's failure counts."""
+    uniform (counted as reward 0 it would be kept); of a filtered group only the errored rows
+    are written, for the run's failure counts: an env that crashed as well as a lost host."""
     sink = ListSink()
     config = OrchestratorConfig(mix={"arith": 1.0}, concurrency=4, group_size=4, max_rollouts=8)
     OneFailsInFour.made = itertools.count()
@@ -989,7 +989,9 @@ def test_a_group_uniform_but_for_an_errored_member_is_filtered_and_only_its_infr
     statuses = stats.tasks["arith"].statuses
     assert stats.finished == 8 and statuses["infra_error"] == 1 and statuses["env_error"] == 1
     assert stats.groups_filtered == 2 and stats.groups_kept == 0
-    assert sink.writes == [1] and [record["status"] for record in sink.records] == ["infra_error"]
+    assert sink.writes == [1, 1]
+    assert [record["status"] for record in sink.records] == ["infra_error", "env_error"]
+    assert "a bug in the env (injected)" in sink.records[1]["error"]
 
 
 def test_each_start_goes_to_the_task_furthest_below_its_share(tiny):
