@@ -723,7 +723,8 @@ class RolloutWorker:
         self._emptied = empty
 
     async def run(self, max_seconds: float | None = None) -> OrchestratorStats:
-        """Run rollouts until the orchestrator's stop condition, ``max_seconds`` or :meth:`stop`."""
+        """Run rollouts until the orchestrator's stop condition, ``max_seconds`` (None: no limit;
+        0 stops at once) or :meth:`stop`."""
         if self.orchestrator is None:
             await self.start()
         follower = asyncio.create_task(self._follow_weights())
@@ -731,7 +732,8 @@ class RolloutWorker:
         queue_reader = asyncio.create_task(self.follow_trainer())
         flusher = asyncio.create_task(self._flush_when_due())
         prober = asyncio.create_task(self._check_health())
-        timer = asyncio.get_running_loop().call_later(max_seconds, self.stop) if max_seconds else None
+        loop = asyncio.get_running_loop()
+        timer = None if max_seconds is None else loop.call_later(max_seconds, self.stop)
         try:
             await self._serve_http()
             if self.http is not None and self.http.serve_only:

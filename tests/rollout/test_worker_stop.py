@@ -77,3 +77,20 @@ def test_a_worker_stopped_before_it_started_runs_no_rollout(local_store):
     stats = asyncio.run(body())
     assert stats.tasks["arith"].started == 0
     assert worker.writer.committed == 0
+
+
+def test_a_worker_given_no_time_stops_at_once(local_store):
+    """``run(max_seconds=0)`` (a deadline already reached) stops at once, as any other
+    ``max_seconds`` stops at its end: taken for no limit, it ran rollouts for ever."""
+    run = RunConfig(orchestrator={"mix": {"arith": 1.0}, "concurrency": 2})
+    ensure_base_version(WeightStore(local_store), TINY)
+    worker = make_worker(local_store, run, flush_seconds=600)
+
+    async def body():
+        try:
+            return await asyncio.wait_for(worker.run(max_seconds=0), 20)
+        finally:
+            await worker.close()
+
+    stats = asyncio.run(body())
+    assert stats.finished + len(stats.cut_short) == stats.tasks["arith"].started <= 2
