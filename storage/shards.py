@@ -80,6 +80,11 @@ file. A writer's file waits for its ``shards`` commit, one Delta append (retries
 included: seconds, a few minutes at worst); a file younger than this may still be
 committed, and sweeping it would leave that commit pointing at nothing."""
 
+MAX_RETRY_WAIT_S = 300.0
+"""Longest wait (seconds; ``flush_seconds`` when longer) of a :class:`BackgroundShardWriter`
+between tries of a commit that keeps failing: each failure doubles the wait, from
+``flush_seconds``."""
+
 NAME_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
 """What a worker or shard kind name may hold (it names a folder of shards): not starting with
 '.', so never ``.`` or ``..`` (``shards/raw/..`` is ``shards/``)."""
@@ -636,6 +641,11 @@ class BackgroundShardWriter(ShardWriter):
     loses nothing. Once more than ``max_unsaved_records`` records would wait that way,
     ``flush`` commits in the caller's thread instead and raises as :class:`ShardWriter`
     does, records kept. ``close`` commits what is left and waits for it.
+
+    A failed commit is due again (``flush_if_due``) later and later while commits keep
+    failing: each failure doubles the wait, from ``flush_seconds`` up to
+    :data:`MAX_RETRY_WAIT_S`. A caller that calls ``flush_if_due`` on a timer thus does not
+    run, past ``max_unsaved_records``, a commit in its thread at every tick of an outage.
     """
 
     def __init__(self, *args: Any, max_unsaved_records: int | None = None, **kwargs: Any):
@@ -645,7 +655,10 @@ class BackgroundShardWriter(ShardWriter):
         self._in_flight: Future[None] | None = None
         self._unsaved: pa.Table | None = None
         """Records handed over whose commit has not landed: in flight, or failed."""
-        self._handed_at = 0.0
+        self._failures = 0
+        """Commits failed in a row (set on the thread that ran them)."""
+        self._retry_at = 0.0
+        """When (``time.monotonic``) a failed commit is tried again."""
 
     @property
     def unsaved_records(self) -> int:
@@ -662,19 +675,18 @@ class BackgroundShardWriter(ShardWriter):
         if retrying and self.unsaved_records > self.max_unsaved_records:
             self._commit_unsaved(self._unsaved)
             return None
-        self._handed_at = time.monotonic()
         self._in_flight = self._committer.submit(
             contextvars.copy_context().run, self._commit_unsaved, self._unsaved
         )
         return None
 
     def _due(self) -> bool:
-        """Also due when a failed commit's records have waited ``flush_seconds`` since they
-        were handed over: with no record written after them they would wait for ``close``."""
+        """Also due when a failed commit's wait before its next try is over: with no record
+        written after them its records would wait for ``close``."""
         if super()._due():
             return True
         failed = self._unsaved is not None and (self._in_flight is None or self._in_flight.done())
-        return failed and time.monotonic() - self._handed_at >= self.flush_seconds
+        return failed and time.monotonic() >= self._retry_at
 
     def commit(self, table: pa.Table, seq: int) -> ShardInfo:
         self._settle()
@@ -708,9 +720,15 @@ class BackgroundShardWriter(ShardWriter):
     def _commit_unsaved(self, table: pa.Table) -> None:
         """Commit ``table``, the unsaved records; they stay unsaved (what is left to retry of
         them) unless it lands, and are no longer counted so once it has, before ``on_commit``
-        hears of it."""
-        table = self._retryable(table, self._keep_unsaved)
-        info = self._commit_next(table) if table.num_rows else None
+        hears of it. A failure sets when the next try is due (:data:`MAX_RETRY_WAIT_S`)."""
+        try:
+            table = self._retryable(table, self._keep_unsaved)
+            info = self._commit_next(table) if table.num_rows else None
+        except Exception:
+            self._failures += 1
+            self._retry_at = time.monotonic() + _retry_wait(self._failures, self.flush_seconds)
+            raise
+        self._failures = 0
         self._unsaved = None
         if info is not None:
             self._announce(info)
@@ -1009,6 +1027,12 @@ def _modified(info: Mapping[str, Any]) -> float:
 def quarantine_path(path: str) -> str:
     """Where a bad shard at ``path`` (``shards/<kind>/…``) is moved: ``shards/quarantine/<kind>/…``."""
     return posixpath.join("shards", "quarantine", posixpath.relpath(path, "shards"))
+
+
+def _retry_wait(failures: int, flush_seconds: float) -> float:
+    """Seconds before the next try of a commit after ``failures`` failed in a row: doubled at
+    each, from ``flush_seconds`` up to :data:`MAX_RETRY_WAIT_S` (or ``flush_seconds``)."""
+    return min(flush_seconds * 2.0 ** min(failures - 1, 32), max(MAX_RETRY_WAIT_S, flush_seconds))
 
 
 def _merged(pieces: list[pa.Table]) -> pa.Table:

@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import errno
 import io
+import itertools
 import logging
 import multiprocessing
 import os
@@ -775,6 +776,40 @@ def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_rais
     assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2", "t3"]]
     with pytest.raises(RuntimeError, match="closed"):
         writer.write(make_record(9))
+
+
+def test_a_store_outage_is_retried_at_growing_intervals_not_at_every_flush(store, monkeypatch):
+    """Past ``max_unsaved_records`` a flush commits in the caller's thread (the event loop): a
+    rollout worker's flusher calls ``flush_if_due`` every second, and each call ran a blocking
+    commit against the unreachable store."""
+    writer = BackgroundShardWriter(store, "w0", flush_records=2, flush_seconds=1, max_unsaved_records=3)
+    clock, attempts = [0.0], []
+    monkeypatch.setattr(shard_module.time, "monotonic", lambda: clock[0])
+
+    def down(*args):
+        attempts.append(clock[0])
+        raise OSError("endpoint unreachable (injected)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(writer.tables, "append", down)
+        writer.write_table(make_table(0, 2))  # fails on the commit thread
+        concurrent.futures.wait([writer._in_flight])
+        with pytest.raises(OSError, match="unreachable"):
+            writer.write_table(make_table(2, 2))  # past the bound: raised, records kept
+        for _ in range(60):  # the flusher's minute
+            clock[0] += 1
+            with contextlib.suppress(OSError):
+                writer.flush_if_due()
+        assert writer.unsaved_records == 4
+        gaps = [later - earlier for earlier, later in itertools.pairwise(attempts)]
+        assert len(attempts) <= 7 and gaps == sorted(gaps) and gaps[-1] > gaps[0], attempts
+    clock[0] += 3600
+    writer.flush_if_due()  # the store is back: committed at the next try
+    assert writer.unsaved_records == 0
+    writer.close()
+    reader = ShardReader(store)
+    shards, _ = reader.poll()
+    assert [ids_of(reader.read(s)) for s in shards] == [["t0", "t1", "t2", "t3"]]
 
 
 def hours_later(monkeypatch: pytest.MonkeyPatch, hours: float) -> None:
