@@ -185,8 +185,8 @@ def parse(
         except yaml.YAMLError as exc:
             parser.error(f"--set {key}: its value is not YAML ({yaml_problem(exc)})")
         annotation = _annotation(key)
-        if isinstance(parsed, dict) and typing.get_origin(annotation) is dict:
-            parsed = Replacement(parsed)
+        if isinstance(parsed, dict):
+            parsed = _replacing(parsed, annotation)
         elif isinstance(parsed, (int, float, datetime.date)) and _text_only(annotation):
             parsed = value  # run_id=2024 names a run, not a number
         node[leaf] = parsed
@@ -229,6 +229,21 @@ def _annotation(key: str) -> Any:
             return None
         annotation = _field_type(model, name)
     return annotation
+
+
+def _replacing(value: Any, annotation: Any) -> Any:
+    """``value``, given for a field of type ``annotation``, with each mapping in it that lands
+    on a mapping field made a :class:`Replacement` (that field's whole value), whether given
+    for the field itself (``orchestrator.mix={arith: 1.0}``) or inside a section's mapping
+    (``orchestrator={mix: {arith: 1.0}}``); a section's own mapping still merges."""
+    if not isinstance(value, dict):
+        return value
+    if any(typing.get_origin(kind) is dict for kind in _kinds(annotation)):
+        return Replacement(value)
+    model = _section_model(annotation)
+    if model is None:
+        return value
+    return {name: _replacing(inner, _field_type(model, name)) for name, inner in value.items()}
 
 
 def _field_type(model: type[BaseModel], name: str) -> Any:

@@ -517,6 +517,16 @@ def test_a_mapping_set_on_the_command_line_replaces_a_mapping_field_and_updates_
     assert config.envs.configured()["arith"].max_operand == 9
 
 
+def test_a_mapping_field_inside_a_section_set_on_the_command_line_is_its_whole_value():
+    """``orchestrator={mix: {arith: 1.0}}`` names the whole mix, as ``orchestrator.mix={arith: 1.0}``
+    does: merged, the file's guess stayed in it."""
+    sets = ["orchestrator={mix: {arith: 1.0}}", "warm_start={demos: {arith: 5}}"]
+    config, _ = parse("test", with_sets(sets))
+    assert config.orchestrator.mix == {"arith": 1.0}
+    assert config.warm_start.demos == {"arith": 5}
+    assert config.orchestrator.concurrency == load_config(TINY).orchestrator.concurrency
+
+
 def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
     """YAML reads ``2024`` and ``1.50`` as numbers and ``2024-12-03`` as a date; a field that
     holds text (a run id, a key) gets the characters given, while a number field still gets
