@@ -219,16 +219,29 @@ def parse(
 
 def _annotation(key: str) -> Any:
     """The type of the :class:`RunConfig` field that dotted ``key`` names (a registered
-    environment's fields included), None when it names none. A mapping given for a field of
+    environment's fields and a mapping field's entries included), None when it names none. A mapping given for a field of
     type ``dict`` (``orchestrator.mix``) replaces it; one given for a section (a model, or a
     model or None: ``envs.agent``) merges into it."""
     annotation: Any = RunConfig
     for name in key.split("."):
         model = _section_model(annotation)
-        if model is None:
+        if model is not None:
+            annotation = _field_type(model, name)
+        elif (values := _mapping_values(annotation)) is not None:
+            annotation = values
+        else:
             return None
-        annotation = _field_type(model, name)
     return annotation
+
+
+def _mapping_values(annotation: Any) -> Any:
+    """The type of the values of a mapping field of this type (``dict[str, V]``, or that or
+    None): what a key inside it (``envs.code.sandbox.env.PORT``) is set to; None when it holds
+    no mapping."""
+    for kind in _kinds(annotation):
+        if typing.get_origin(kind) is dict:
+            return typing.get_args(kind)[1]
+    return None
 
 
 def _replacing(value: Any, annotation: Any) -> Any:

@@ -549,6 +549,15 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
     assert config.storage.retries == 5
 
 
+def test_a_value_set_on_the_command_line_for_a_text_entry_of_a_mapping_stays_text():
+    """An environment variable of a sandbox (``dict[str, str]``) set with ``--set`` gets the
+    characters given, as a text field does: refused before, "Input should be a valid string"."""
+    config, _ = parse(
+        "test", with_sets(["envs.arith.sandbox.env.PORT=8080", "envs.arith.sandbox.env.V=1.50"])
+    )
+    assert config.envs.arith.sandbox.env == {"PORT": "8080", "V": "1.50"}
+
+
 def test_a_secret_set_on_the_command_line_is_warned_of_without_showing_it(capsys):
     """A key given with ``--set`` is in the command line, which ``ps`` shows every user of the
     machine and the shell keeps in its history: it is taken, with a warning naming the field
