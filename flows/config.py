@@ -859,13 +859,31 @@ def evaluate_devices(config: RunConfig) -> dict[str, str]:
 
 
 def rollout_devices(config: RunConfig) -> dict[str, str]:
-    """The torch devices a rollout worker uses in its own process, by field: with cluster
-    'local', the engines' (``engine.kind`` torch) and the reward models'; on Ray the engines
-    run on the cluster's nodes, and no reward model is served."""
+    """The torch devices a rollout worker uses in its own process, by field: the trainer's
+    where it would warm-start the run (:func:`_warm_start_devices`) and, with cluster 'local',
+    the engines' (``engine.kind`` torch) and the reward models'; on Ray the engines run on the
+    cluster's nodes, and no reward model is served."""
+    warm_start = _warm_start_devices(config)
     if config.cluster != "local":
-        return {}
+        return warm_start
     engines = {"engine.torch.device": config.engine.torch.device} if config.engine.kind == "torch" else {}
-    return engines | _reward_devices(config)
+    return warm_start | engines | _reward_devices(config)
+
+
+WARM_START_DEVICE = "trainer_device (the warm start's, as the run has no weight version yet)"
+"""The field :func:`_warm_start_devices` names: a rollout worker's user may not expect it to
+train at all."""
+
+
+def _warm_start_devices(config: RunConfig) -> dict[str, str]:
+    """``trainer_device`` when the flow's warm start would train there in its own process (a
+    rollout worker's, a Ray pipeline's: neither trains otherwise) and this machine lacks it:
+    warm start on and no weight version in the run's store, read only then. Without this
+    check the warm start failed with torch's error."""
+    devices = {WARM_START_DEVICE: config.trainer_device}
+    if not config.warm_start.enabled or missing_device(devices) is None or _has_weights(config):
+        return {}
+    return devices
 
 
 def _reward_devices(config: RunConfig) -> dict[str, str]:
@@ -891,7 +909,8 @@ def evaluate_paths(config: RunConfig) -> str | None:
 def pipeline_devices(config: RunConfig) -> dict[str, str]:
     """The torch devices the pipeline uses in its own process, by field: the evaluation
     engine's (every evaluation runs there) and, with cluster 'local', the trainer's and the
-    rollout worker's; on Ray the trainer and the rollout engines run on the cluster's nodes."""
+    rollout worker's; on Ray the trainer and the rollout engines run on the cluster's nodes,
+    and the trainer's device is the warm start's alone (:func:`rollout_devices`)."""
     devices = train_devices(config) if config.cluster == "local" else {}
     return devices | evaluate_devices(config) | rollout_devices(config)
 

@@ -846,9 +846,12 @@ def test_a_cuda_device_is_missing_from_the_first_index_the_machine_does_not_show
 
 def test_a_ray_pipeline_checks_the_devices_of_its_own_process_alone():
     """On Ray the trainer runs on a cluster node (given its GPU as ``cuda``), so the
-    pipeline's own machine need not show the trainer's device; the evaluation engine runs
-    in the pipeline's process on either cluster."""
-    config = load_config(TINY, {"cluster": "ray", "trainer_device": "cuda:99"})
+    pipeline's own machine need not show the trainer's device where it does not warm-start
+    the run there (test_flow_checks checks one that does); the evaluation engine runs in the
+    pipeline's process on either cluster."""
+    config = load_config(
+        TINY, {"cluster": "ray", "trainer_device": "cuda:99", "warm_start": {"enabled": False}}
+    )
     assert pipeline_devices(config) == {"engine.torch.device": "cpu"}
     assert missing_device(pipeline_devices(config)) is None
     local = config.model_copy(update={"cluster": "local"})

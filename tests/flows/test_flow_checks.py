@@ -28,6 +28,7 @@ from envs.base import in_eval_split
 from envs.dataset import DatasetConfig
 from envs.sandbox import Sandbox, SandboxConfig, folder_path_bytes
 from flows.config import (
+    WARM_START_DEVICE,
     Replacement,
     _float32_bytes,
     _merge,
@@ -37,6 +38,7 @@ from flows.config import (
     missing_gateway_token,
     missing_path,
     missing_sandbox_root,
+    pipeline_devices,
     reward_not_one_label,
     reward_over_budget,
     rollout_devices,
@@ -100,6 +102,32 @@ def test_a_rollout_run_on_a_cuda_device_the_machine_lacks_fails_before_the_warm_
         flows.rollout.rollout(config, return_state=True), rf"^{field} is 'cuda:99', but this machine shows "
     )
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_rollout_run_that_would_warm_start_on_a_cuda_device_the_machine_lacks_fails_before_it(tmp_path):
+    """A rollout worker of a run with no weight version warm-starts it in its own process, on
+    the trainer's device: that failed in the warm start with torch's error, unchecked."""
+    config = tiny_config(tmp_path / "runs", "no-such-gpu", trainer_device="cuda:99")
+    failed_with(
+        flows.rollout.rollout(config, return_state=True),
+        r"^trainer_device \(the warm start's, as the run has no weight version yet\) is 'cuda:99', but this "
+        "machine shows ",
+    )
+    assert not (tmp_path / "runs").exists(), "nothing of the run was written"
+
+
+def test_a_worker_checks_the_trainers_device_only_where_it_would_warm_start(tmp_path):
+    """On Ray the pipeline's trainer runs on a cluster node, but its warm start in the
+    pipeline's own process; a run that has a weight version, or a warm start turned off,
+    trains nothing in a rollout worker's or a Ray pipeline's process."""
+    fresh = tiny_config(tmp_path / "runs", "no-such-gpu", trainer_device="cuda:99", cluster="ray")
+    assert rollout_devices(fresh) == {WARM_START_DEVICE: "cuda:99"}
+    assert pipeline_devices(fresh) == {"engine.torch.device": "cpu", WARM_START_DEVICE: "cuda:99"}
+    off = fresh.model_copy(update={"warm_start": fresh.warm_start.model_copy(update={"enabled": False})})
+    assert rollout_devices(off) == {}
+    build_base_version(off.model_copy(update={"trainer_device": "cpu"}), log=lambda line: None)
+    assert rollout_devices(fresh) == {}
+    assert pipeline_devices(fresh) == {"engine.torch.device": "cpu"}
 
 
 @pytest.mark.parametrize("missing", ["ray", "prefect_ray"])
