@@ -507,16 +507,25 @@ class RunConfig(BaseModel):
 def booleans_for_numbers(model: type[BaseModel], data: Any, prefix: str = "") -> list[str]:
     """The dotted fields of ``data`` (the input of ``model``) given a boolean where ``model``
     takes an int or a float (and no boolean), in its sections, mappings and lists too (an item
-    named by its index: ``gateway.eos_token_ids[1]``)."""
+    named by its index: ``gateway.eos_token_ids[1]``), and in a registered environment's
+    mapping under ``envs``, against its own config."""
     if not isinstance(data, dict):
         return []
-    return [
+    fields = [
         where
         for name, field in model.model_fields.items()
         if (field.alias or name) in data
         for where in _booleans_in(
             field.annotation, data[field.alias or name], f"{prefix}{field.alias or name}"
         )
+    ]
+    if model is not EnvsConfig:
+        return fields
+    registered = [name for name in data if name not in model.model_fields and name in REGISTRY]
+    return fields + [
+        where
+        for name in registered
+        for where in booleans_for_numbers(REGISTRY[name].config_cls, data[name], f"{prefix}{name}.")
     ]
 
 

@@ -949,6 +949,20 @@ def test_a_registered_environment_takes_a_mapping_checked_against_its_own_config
             load_config(write_config(tmp_path, text))
 
 
+def test_a_boolean_for_a_number_of_a_registered_environment_is_refused_naming_the_field(
+    monkeypatch, tmp_path
+):
+    """As for a built-in environment's (``envs.arith.max_operand: true``): pydantic's lax mode
+    took it for 1, and a registered environment's mapping was not checked for it."""
+
+    class Sums(ArithEnv):
+        name = "sums"
+
+    monkeypatch.setitem(registry.REGISTRY, Sums.name, Sums)  # what registry.register does
+    with pytest.raises(ConfigError, match=r"envs\.sums\.max_operand: a boolean where a number is wanted"):
+        load_config(write_config(tmp_path, "envs:\n  sums: {max_operand: true}\n"))
+
+
 @pytest.mark.parametrize("entrypoint", ["pipeline", "rollout", "process", "train", "evaluate", "maintain"])
 def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
     """The Prefect server stores a run's parameters as it gets them: the form offers no
