@@ -12,7 +12,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, SecretStr
@@ -310,7 +310,13 @@ def _holds_a_list(annotation: Any) -> bool:
 
 
 def _text_only(annotation: Any) -> bool:
-    """Whether a field of this type holds text and nothing else (``str``, a secret, or
-    either or None)."""
+    """Whether a field of this type holds text and nothing else (``str``, a secret, a choice
+    of words such as ``Literal["no", "bf16"]``, whose ``no`` YAML reads as false, or either
+    or None)."""
     kinds = _kinds(annotation) - {type(None)}
-    return bool(kinds) and kinds <= {str, SecretStr}
+    return bool(kinds) and all(kind in (str, SecretStr) or _words(kind) for kind in kinds)
+
+
+def _words(kind: Any) -> bool:
+    """Whether ``kind`` is a choice of words (a ``Literal`` of strings alone)."""
+    return typing.get_origin(kind) is Literal and all(isinstance(word, str) for word in typing.get_args(kind))

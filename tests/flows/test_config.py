@@ -549,6 +549,13 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
     assert config.storage.retries == 5
 
 
+def test_a_choice_set_on_the_command_line_that_yaml_reads_as_a_boolean_stays_text():
+    """``sao.mixed_precision=no`` turns bfloat16 off: YAML reads ``no`` as false, which the
+    field's choices refused ("Input should be 'no' or 'bf16'", as it was given 'no')."""
+    config, _ = parse("test", with_sets(["sao.mixed_precision=no"]))
+    assert config.sao.mixed_precision == "no"
+
+
 def test_a_value_set_on_the_command_line_for_a_text_entry_of_a_mapping_stays_text():
     """An environment variable of a sandbox (``dict[str, str]``) set with ``--set`` gets the
     characters given, as a text field does: refused before, "Input should be a valid string"."""
