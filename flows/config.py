@@ -568,8 +568,9 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     warm start, a missing reward model as the rollout service starts and a missing dataset
     file at the first task drawn, after the run started. A checkpoint path that is not there
     may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``), which loads from the Hub: only
-    one that cannot be an id is refused. ``model``, ``reward_models``: whether the flow
-    loads ``model.path`` (it may warm-start) and the reward models an env of the mix names
+    one that cannot be an id is refused, and ``model.path`` only for a run with no weight
+    version (the store is read then), whose warm start alone reads it. ``model``,
+    ``reward_models``: whether the flow loads ``model.path`` (it may warm-start) and the reward models an env of the mix names
     (it serves a rollout service, :meth:`RunConfig.mix_service`); the dataset is read by
     every flow that draws tasks, all of them of the mix: one set for a run whose mix leaves
     ``dataset`` out is read by none, and not checked. A local ``storage.root`` that is a
@@ -596,7 +597,9 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
             try:
                 validate_repo_id(path)
             except HFValidationError:
-                return f"{field} {path!r} is neither a local directory nor a Hugging Face model id"
+                # only the warm start of a run with no version reads model.path
+                if field != "model.path" or not _has_weights(config):
+                    return f"{field} {path!r} is neither a local directory nor a Hugging Face model id"
     dataset = config.envs.dataset
     if (
         dataset is not None

@@ -875,7 +875,9 @@ def test_each_flow_checks_what_it_uses_in_its_own_process(tmp_path):
     judged = {"service": judge, "envs": {"arith": {"reward_model": "judge"}}}
     assert train_paths(load_config(TINY, judged)) is None
     assert missing_path(load_config(TINY, judged)).startswith("service.reward_models.judge.path ")
-    moved = load_config(TINY, {"model": {"path": str(tmp_path / "moved-model")}})
+    moved = load_config(
+        TINY, {"model": {"path": str(tmp_path / "moved-model")}, "storage": {"root": str(tmp_path / "runs")}}
+    )
     assert missing_path(moved).startswith("model.path ")
     assert evaluate_paths(moved) is None
     on_gpus = judged | {

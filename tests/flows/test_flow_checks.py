@@ -252,6 +252,19 @@ def test_a_flow_run_whose_model_path_is_missing_fails_before_the_warm_start(tmp_
     assert not (tmp_path / "runs").exists(), "nothing of the run was written"
 
 
+def test_a_missing_model_path_is_no_reason_to_refuse_a_run_that_has_a_weight_version(tmp_path):
+    """model.path is read only by the warm start of a run with no version: a trainer or a
+    rollout worker of a run that has one, on a machine without the base checkpoint's folder
+    (versions on shared storage), was refused for it, as it would never read it."""
+    config = tiny_config(tmp_path / "runs", "moved-checkpoint", warm_start=NO_WARM_START)
+    moved = config.model_copy(
+        update={"model": config.model.model_copy(update={"path": str(tmp_path / "moved")})}
+    )
+    assert missing_path(moved).startswith("model.path ")
+    build_base_version(config, log=lambda line: None)
+    assert missing_path(moved) is None and train_paths(moved) is None
+
+
 def test_a_rollout_run_whose_reward_model_is_missing_fails_before_the_warm_start(tmp_path):
     """Its rollout service loads the reward models as it starts, once the warm start is over."""
     missing = str(tmp_path / "no-such-judge")
