@@ -908,8 +908,13 @@ def _reward_devices(config: RunConfig) -> dict[str, str]:
 
 
 def train_paths(config: RunConfig) -> str | None:
-    """:func:`missing_path` of what the train flow reads: it serves no reward model."""
-    return missing_path(config, reward_models=False)
+    """:func:`missing_path` of what the train flow reads: it serves no reward model, and draws
+    tasks (the dataset's) only to warm-start a run with no weight version (the store is read
+    for that only when the dataset is missing)."""
+    problem = missing_path(config, reward_models=False)
+    if problem is None or not problem.startswith("envs.dataset.path "):
+        return problem
+    return problem if config.warm_start.enabled and not _has_weights(config) else None
 
 
 def evaluate_paths(config: RunConfig) -> str | None:

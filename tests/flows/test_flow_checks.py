@@ -947,6 +947,21 @@ def test_a_dataset_no_env_of_the_mix_draws_from_blocks_no_run_and_is_checked_onc
     assert missing_path(used) == evaluate_paths(used) == f"envs.dataset.path {str(absent)!r} does not exist"
 
 
+def test_a_train_run_checks_the_dataset_only_where_its_warm_start_draws_from_it(tmp_path):
+    """The train flow draws tasks only to warm-start a run with no weight version: a trainer
+    on a machine without the rollout workers' dataset file was refused for a file it would
+    never read, with the warm start off or the run holding a version."""
+    absent = tmp_path / "no-such.jsonl"
+    off = tiny_config(tmp_path / "runs", "absent-dataset", **dataset_only(absent))
+    assert train_paths(off) is None
+    on = off.model_copy(update={"warm_start": off.warm_start.model_copy(update={"enabled": True})})
+    assert train_paths(on) == f"envs.dataset.path {str(absent)!r} does not exist"
+    build_base_version(
+        tiny_config(tmp_path / "runs", "absent-dataset", warm_start=NO_WARM_START), log=lambda line: None
+    )
+    assert train_paths(on) is None
+
+
 @pytest.mark.parametrize("beside", ["consolidated.safetensors", "adapter_model.safetensors"])
 def test_a_checkpoints_size_counts_only_the_files_its_load_reads(tmp_path, judge, beside):
     """A folder may hold safetensors files its load never reads (Mistral's repositories keep
