@@ -1038,7 +1038,8 @@ def _problem(error: dict[str, Any]) -> str:
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.safe_load``, refusing a key given twice in a mapping: PyYAML keeps the last
-    one silently, so a section written twice lost the first one's fields."""
+    one silently, so a section written twice lost the first one's fields. Its booleans are
+    ``true`` and ``false`` alone, as in YAML 1.2 (set below)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen = set()
@@ -1054,6 +1055,17 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep)
+
+
+# YAML 1.1 reads yes/no/on/off as booleans too: `mixed_precision: no` was false, which the
+# field's choices refuse; a flag (pydantic) still takes the words as text.
+_UniqueKeyLoader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF")
+)
 
 
 def yaml_problem(exc: yaml.YAMLError) -> str:

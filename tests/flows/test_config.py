@@ -556,6 +556,24 @@ def test_a_choice_set_on_the_command_line_that_yaml_reads_as_a_boolean_stays_tex
     assert config.sao.mixed_precision == "no"
 
 
+def test_yes_no_on_and_off_in_a_config_file_are_text_for_text_fields_and_booleans_for_flags(tmp_path):
+    """YAML 1.1 reads ``no``, ``on`` and ``off`` as booleans: ``mixed_precision: no`` (the
+    README's way to turn bfloat16 off) was refused ("Input should be 'no' or 'bf16'") and a
+    sandbox variable ``DEBUG: on`` was refused as no string. Only ``true`` and ``false`` are
+    booleans now, as in YAML 1.2; a flag still takes ``no`` and ``on``."""
+    path = tmp_path / "run.yaml"
+    path.write_text(
+        "sao:\n  mixed_precision: no\n  adaptive_lambda: on\n  normalize_advantages: false\n"
+        "warm_start:\n  enabled: off\n"
+        "envs:\n  code:\n    sandbox:\n      env: {DEBUG: on, QUIET: No}\n"
+    )
+    config = load_config(path)
+    assert config.sao.mixed_precision == "no"
+    assert config.sao.adaptive_lambda is True and config.sao.normalize_advantages is False
+    assert config.warm_start.enabled is False
+    assert config.envs.code.sandbox.env == {"DEBUG": "on", "QUIET": "No"}
+
+
 def test_a_value_set_on_the_command_line_for_a_text_entry_of_a_mapping_stays_text():
     """An environment variable of a sandbox (``dict[str, str]``) set with ``--set`` gets the
     characters given, as a text field does: refused before, "Input should be a valid string"."""
