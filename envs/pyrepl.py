@@ -9,7 +9,9 @@ stream the code kept, a logging handler's, writes to the run going on) and cappe
 server at ``max_output_bytes`` bytes of UTF-8; bytes that child processes write straight to
 file descriptors are discarded. The code's stdin is ``/dev/null``: ``input()`` raises ``EOFError``
 rather than waiting on the request channel. A copy of the server that the code forks exits once
-the code is done in it, without answering or reading another request.
+the code is done in it, without answering or reading another request. The sandbox's
+``cpu_seconds`` (RLIMIT_CPU) holds the interpreter over its whole life, not each run: one killed
+for it says so (``cpu_limit``).
 """
 
 from __future__ import annotations
@@ -253,7 +255,17 @@ class PythonRepl:
         status = -1 if status is None else status
         said = self._start_errors()
         self.close()
-        self.sandbox.check(ExecResult(status, "", time.monotonic() - started))
+        try:
+            self.sandbox.check(ExecResult(status, "", time.monotonic() - started))
+        except SandboxError as exc:
+            if exc.kind != "cpu_limit":
+                raise
+            # RLIMIT_CPU counts the interpreter's whole life: the run it stopped may have used little
+            raise SandboxError(
+                "cpu_limit",
+                f"the Python interpreter used its {self.sandbox.config.cpu_seconds} CPU seconds, "
+                "counted over every run since it started; it was killed",
+            ) from None
         raise SandboxError(
             "died", f"the Python interpreter exited with status {status}" + (f": {said}" if said else "")
         )

@@ -31,3 +31,20 @@ def test_an_interpreter_that_ended_between_runs_is_reported_with_its_status_and_
             assert repl.closed and repl._wake is None and repl.proc.returncode == 5
         finally:
             repl.close()
+
+
+def test_an_interpreter_out_of_cpu_time_says_the_limit_counts_every_run_since_it_started():
+    """RLIMIT_CPU holds the persistent interpreter to ``cpu_seconds`` over its whole life, so a
+    short run after longer ones was stopped as 'command used its 1 CPU seconds': a reason that
+    was false of that run, and told the model (and the run's log) nothing of what to change."""
+    with Sandbox(SMALL.model_copy(update={"cpu_seconds": 1})) as sandbox:
+        repl = PythonRepl(sandbox)
+        try:
+            busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < {}: pass"
+            repl.run(busy.format(0.7))
+            with pytest.raises(SandboxError) as exc:
+                repl.run(busy.format(0.5))  # killed at 1 s of the interpreter's, under 0.5 s of its own
+            assert exc.value.kind == "cpu_limit"
+            assert "counted over every run since it started" in exc.value.reason
+        finally:
+            repl.close()
