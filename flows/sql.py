@@ -132,7 +132,7 @@ def connect(store: RunStore):
             [
                 *credentials,
                 options["AWS_REGION"],
-                endpoint or "s3.amazonaws.com",
+                endpoint or aws_endpoint(options["AWS_REGION"]),
                 not url.startswith("http://"),
             ],
         )
@@ -258,6 +258,14 @@ def role_credentials() -> tuple[str, str, str]:
         return "", "", ""
     frozen = found.get_frozen_credentials()
     return frozen.access_key, frozen.secret_key, frozen.token or ""
+
+
+def aws_endpoint(region: str) -> str:
+    """AWS's S3 endpoint of ``region``: the views' requests are path-style, which AWS serves
+    only at the bucket's own region's endpoint (``s3.amazonaws.com`` answers a bucket of
+    another region with a redirect, which duckdb does not follow)."""
+    domain = "amazonaws.com.cn" if region.startswith("cn-") else "amazonaws.com"
+    return f"s3.{region}.{domain}"
 
 
 def _delta_scan_url(url: str) -> str:

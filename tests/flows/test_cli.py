@@ -600,6 +600,32 @@ def test_inspect_and_sql_reach_a_run_on_an_s3_compatible_store(s3_server, tmp_pa
         assert s3_server.secret_access_key not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize(
+    ("region", "endpoint"),
+    [("eu-west-1", "s3.eu-west-1.amazonaws.com"), ("cn-north-1", "s3.cn-north-1.amazonaws.com.cn")],
+)
+def test_sql_on_aws_s3_sends_its_path_style_requests_to_the_buckets_regional_endpoint(
+    monkeypatch, region, endpoint
+):
+    """With no endpoint configured (AWS itself), the views' requests are path-style, which AWS
+    serves only at the bucket's own region's endpoint: at ``s3.amazonaws.com`` a bucket outside
+    us-east-1 answered with a redirect, which duckdb does not follow, and no view could be read."""
+    monkeypatch.setattr(
+        "flows.sql.Tables", lambda store: type("Unwritten", (), {"columns": lambda self, name: None})()
+    )
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    config = StorageConfig(
+        root="s3://a-bucket/runs", region=region, access_key_id="AKIDEXAMPLE", secret_access_key="s"
+    )
+
+    secret = (
+        connect(RunStore(config, "r")).execute("SELECT secret_string FROM duckdb_secrets()").fetchone()[0]
+    )
+
+    assert f";endpoint={endpoint};" in secret and ";url_style=path;" in secret
+
+
 def test_sql_reaches_a_run_under_an_s3a_root(s3_server):
     """``storage.root`` may be ``s3a://``; the delta extension hands the S3 secret only to
     ``s3://`` paths (without it, it asked the instance metadata service for credentials)."""
