@@ -10,6 +10,8 @@ the forward pass and again in the backward pass (the head's matmul runs twice pe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -40,6 +42,7 @@ def token_logprobs(
             ``attention_mask`` keeps); the others read 0.
         temperature: divides the logits, as an engine sampling at it does: the trainer's
             log-probs compare with the rollout's only at the temperature the rollout used.
+            A finite number above 0, or a ``ValueError``.
 
     Returns:
         ``(B, T)`` float32; a row's first attended token (no context) reads 0, as does
@@ -51,6 +54,9 @@ def token_logprobs(
     for name, mask in (("attention_mask", attention_mask), ("where", where)):
         if mask is not None and mask.dtype != torch.bool:
             raise ValueError(f"{name} must be a bool tensor, got {mask.dtype}")
+    # logits / 0 are NaN, and a negative one gives the log-probs of the reversed logits
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number above 0, got {temperature}")
     wanted = attention_mask if where is None else where & attention_mask
     # a token is predicted from the one before it, which padding is not
     wanted = wanted[:, 1:] & attention_mask[:, :-1]

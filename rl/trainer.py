@@ -235,7 +235,8 @@ class Trainer:
     Raises:
         FileNotFoundError: when the store holds no weight version to start from (publish
             one first, e.g. with ``rl.models.ensure_base_version``).
-        ValueError: for float16 or bfloat16 parameters.
+        ValueError: for float16 or bfloat16 parameters, or a temperature that is not a finite
+            number above 0.
     """
 
     def __init__(
@@ -258,6 +259,9 @@ class Trainer:
                 f"every weight above about 256·lr, {256 * config.lr:g} here, so the policy barely moves); "
                 "keep float32 and set mixed_precision='bf16' for half-precision matmuls"
             )
+        # refused here, not at the first policy step: its critic steps would be taken by then
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise ValueError(f"temperature must be a finite number above 0, got {temperature}")
         self.store = store
         self.config = config
         self.temperature = temperature

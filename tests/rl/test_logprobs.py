@@ -211,3 +211,13 @@ def test_left_padding_gives_the_log_probs_of_the_unpadded_sequence(model_type):
     expected = torch.log_softmax(logits[:-1], -1).gather(-1, tokens[1:, None])[:, 0].float()
     torch.testing.assert_close(padded[0, 5:], expected, atol=1e-5, rtol=1e-5)
     assert (padded[0, :5] == 0).all()
+
+
+@pytest.mark.parametrize("temperature", [0.0, -0.7, float("nan"), float("inf")])
+def test_a_temperature_that_is_not_a_positive_number_is_refused(temperature):
+    """Dividing by it gave NaN log-probs at 0 and those of softmax(−logits / 0.7) at −0.7,
+    each without an error."""
+    model = plain_head_model(LlamaConfig)
+    input_ids, attention_mask, where = batch(seed=5)
+    with pytest.raises(ValueError, match=f"temperature must be a finite number above 0, got {temperature}"):
+        token_logprobs(model, input_ids, attention_mask, where=where, temperature=temperature)

@@ -553,6 +553,14 @@ def test_bfloat16_parameters_are_refused_at_once(store):
         Trainer(store, config(), dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("temperature", [0.0, -1.0])
+def test_a_sampling_temperature_that_is_not_a_positive_number_is_refused_at_once(store, temperature):
+    """At 0 every policy log-prob was NaN: the first batch's critic steps were taken, then the
+    trainer stopped blaming the batch's rewards; at −1 it trained on reversed logits."""
+    with pytest.raises(ValueError, match=f"temperature must be a finite number above 0, got {temperature}"):
+        Trainer(store, config(), temperature=temperature)
+
+
 def test_rejects_bad_data_with_reasons_and_keeps_training(store, caplog):
     good = make_trajectories(store, 4, seed=3)
     bad_rows = make_trajectories(store, 4, seed=4)
