@@ -1342,7 +1342,7 @@ def test_ui_exits_with_the_servers_status_and_says_how_to_reach_it(monkeypatch, 
         def __exit__(self, *exc):
             return False
 
-        def wait(self):
+        def wait(self, timeout=None):
             return len(started)
 
     monkeypatch.setattr(subprocess, "Popen", Server)
