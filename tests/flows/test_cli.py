@@ -1394,24 +1394,14 @@ while True:
 """
 
 
-@pytest.mark.parametrize(
-    "stop",
-    [
-        lambda pid: os.killpg(pid, signal.SIGINT),  # Ctrl-C: the terminal's foreground group
-        lambda pid: os.kill(pid, signal.SIGTERM),  # a service manager's stop, `kill`: treadle alone
-    ],
-    ids=["ctrl-c", "sigterm"],
-)
-def test_ui_stopped_lets_the_server_shut_down_and_exits_without_a_traceback(tmp_path, stop):
-    """Ctrl-C, as ``treadle ui`` says to stop it: the server (here a stand-in that takes a
-    second to shut down) got SIGKILL a quarter of a second after it, and treadle printed a
-    KeyboardInterrupt traceback. A SIGTERM to treadle alone left the server running, orphaned."""
+def ui_stopped(tmp_path, stop, setup: str = "") -> subprocess.CompletedProcess:
+    """``treadle ui`` in its own process group (``setup``: Python it runs first), its Prefect
+    server the stand-in ``FAKE_SERVER``, stopped by ``stop(pid)`` once the server is ready; what
+    it printed and its status. The group is killed after (a server that outlived treadle too)."""
     fake = tmp_path / "prefect"
     fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
     fake.chmod(0o755)
-    probe = (
-        f"import shutil, flows.cli\nshutil.which = lambda *a, **k: {str(fake)!r}\nflows.cli.main(['ui'])\n"
-    )
+    probe = f"import shutil, flows.cli\nshutil.which = lambda *a, **k: {str(fake)!r}\n{setup}flows.cli.main(['ui'])\n"
     process = subprocess.Popen(
         [sys.executable, "-c", probe],
         cwd=REPO,
@@ -1427,12 +1417,27 @@ def test_ui_stopped_lets_the_server_shut_down_and_exits_without_a_traceback(tmp_
         stop(process.pid)
         out, err = process.communicate(timeout=60)
     finally:
-        # the whole group: a server that outlived treadle (the failure this test catches) too
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-    assert "server stopped" in out and "Traceback" not in err, err
-    assert process.returncode == 0
+    return subprocess.CompletedProcess(process.args, process.returncode, out, err)
+
+
+@pytest.mark.parametrize(
+    "stop",
+    [
+        lambda pid: os.killpg(pid, signal.SIGINT),  # Ctrl-C: the terminal's foreground group
+        lambda pid: os.kill(pid, signal.SIGTERM),  # a service manager's stop, `kill`: treadle alone
+    ],
+    ids=["ctrl-c", "sigterm"],
+)
+def test_ui_stopped_lets_the_server_shut_down_and_exits_without_a_traceback(tmp_path, stop):
+    """Ctrl-C, as ``treadle ui`` says to stop it: the server (here a stand-in that takes a
+    second to shut down) got SIGKILL a quarter of a second after it, and treadle printed a
+    KeyboardInterrupt traceback. A SIGTERM to treadle alone left the server running, orphaned."""
+    stopped = ui_stopped(tmp_path, stop)
+    assert "server stopped" in stopped.stdout and "Traceback" not in stopped.stderr, stopped.stderr
+    assert stopped.returncode == 0
 
 
 def test_ui_stops_on_a_sigterm_that_does_not_wake_its_wait(tmp_path):
@@ -1440,39 +1445,17 @@ def test_ui_stops_on_a_sigterm_that_does_not_wake_its_wait(tmp_path):
     the kernel gives another of its threads) runs its handler only once the main thread runs
     Python again: it blocked in ``waitpid`` until the server ended, which it never did (a
     flaky failure of the test above). Here a thread of treadle's takes the signal."""
-    fake = tmp_path / "prefect"
-    fake.write_text(f"#!{sys.executable}\n{FAKE_SERVER}")
-    fake.chmod(0o755)
-    probe = (
-        "import shutil, signal, threading, flows.cli\n"
-        f"shutil.which = lambda *a, **k: {str(fake)!r}\n"
+    setup = (
+        "import signal, threading\n"
         "signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
         "def takes_it():\n"
         "    signal.sigwait({signal.SIGUSR1})\n"
         "    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)\n"
         "threading.Thread(target=takes_it, daemon=True).start()\n"
-        "flows.cli.main(['ui'])\n"
     )
-    process = subprocess.Popen(
-        [sys.executable, "-c", probe],
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        for line in process.stdout:
-            if line == "server ready\n":
-                break
-        os.kill(process.pid, signal.SIGUSR1)
-        out, err = process.communicate(timeout=20)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    assert "server stopped" in out and "Traceback" not in err, err
-    assert process.returncode == 0
+    stopped = ui_stopped(tmp_path, lambda pid: os.kill(pid, signal.SIGUSR1), setup)
+    assert "server stopped" in stopped.stdout and "Traceback" not in stopped.stderr, stopped.stderr
+    assert stopped.returncode == 0
 
 
 def test_every_command_says_what_it_does(capfd, monkeypatch):
