@@ -25,6 +25,13 @@ LOGIT_CHUNK_ELEMENTS = 1 << 27
 """Logits worked out in one go (512 MiB in float32): ``LOGIT_CHUNK_ELEMENTS // V`` positions."""
 
 
+def check_temperature(temperature: float) -> None:
+    """Raise a ``ValueError`` unless ``temperature`` is a finite number above 0: logits / 0
+    are NaN, and a negative one gives the log-probs of the reversed logits."""
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number above 0, got {temperature}")
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -54,9 +61,7 @@ def token_logprobs(
     for name, mask in (("attention_mask", attention_mask), ("where", where)):
         if mask is not None and mask.dtype != torch.bool:
             raise ValueError(f"{name} must be a bool tensor, got {mask.dtype}")
-    # logits / 0 are NaN, and a negative one gives the log-probs of the reversed logits
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number above 0, got {temperature}")
+    check_temperature(temperature)
     wanted = attention_mask if where is None else where & attention_mask
     # a token is predicted from the one before it, which padding is not
     wanted = wanted[:, 1:] & attention_mask[:, :-1]

@@ -38,7 +38,7 @@ from safetensors.torch import save as save_safetensors
 from rl.advantages import adaptive_lambda, group_advantages, skip_observation_gae
 from rl.batching import Batch, Sample, micro_batches, pad_batch, samples_from_table, take_batch
 from rl.config import SAOConfig
-from rl.logprobs import token_logprobs
+from rl.logprobs import check_temperature, token_logprobs
 from rl.losses import dis_policy_loss, explained_variance, value_loss
 from rl.models import (
     ValueModel,
@@ -260,8 +260,7 @@ class Trainer:
                 "keep float32 and set mixed_precision='bf16' for half-precision matmuls"
             )
         # refused here, not at the first policy step: its critic steps would be taken by then
-        if not (math.isfinite(temperature) and temperature > 0):
-            raise ValueError(f"temperature must be a finite number above 0, got {temperature}")
+        check_temperature(temperature)
         self.store = store
         self.config = config
         self.temperature = temperature
