@@ -562,7 +562,9 @@ def _options(annotation: Any) -> tuple[Any, ...]:
     return (annotation,)
 
 
-def missing_path(config: RunConfig, model: bool = True, reward_models: bool = True) -> str | None:
+def missing_path(
+    config: RunConfig, model: bool = True, reward_models: bool = True, dataset: bool = True
+) -> str | None:
     """The first local path of ``config`` that does not exist, as one line naming its field;
     None when all are there. Without this check a missing ``model.path`` is found at the
     warm start, a missing reward model as the rollout service starts and a missing dataset
@@ -570,10 +572,9 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
     may be a Hugging Face Hub model id (``Qwen/Qwen3-0.6B``), which loads from the Hub: only
     one that cannot be an id is refused, and ``model.path`` only for a run with no weight
     version (the store is read then), whose warm start alone reads it. ``model``,
-    ``reward_models``: whether the flow loads ``model.path`` (it may warm-start) and the reward models an env of the mix names
-    (it serves a rollout service, :meth:`RunConfig.mix_service`); the dataset is read by
-    every flow that draws tasks, all of them of the mix: one set for a run whose mix leaves
-    ``dataset`` out is read by none, and not checked. A local ``storage.root`` that is a
+    ``reward_models``, ``dataset``: whether the flow loads ``model.path`` (it may warm-start),
+    the reward models an env of the mix names (it serves a rollout service,
+    :meth:`RunConfig.mix_service`) and the dataset (:func:`missing_dataset`). A local ``storage.root`` that is a
     file, or lies under one, is refused too (it need not exist: it is created); it failed
     once the flow had started, reading the run's ``LATEST``."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -600,6 +601,13 @@ def missing_path(config: RunConfig, model: bool = True, reward_models: bool = Tr
                 # only the warm start of a run with no version reads model.path
                 if field != "model.path" or not _has_weights(config):
                     return f"{field} {path!r} is neither a local directory nor a Hugging Face model id"
+    return missing_dataset(config) if dataset else None
+
+
+def missing_dataset(config: RunConfig) -> str | None:
+    """``envs.dataset.path`` as one line when it is a local file that does not exist; None
+    otherwise. Every flow that draws tasks reads it, all of them of the mix: one set for a
+    run whose mix leaves ``dataset`` out is read by none, and not checked."""
     dataset = config.envs.dataset
     if (
         dataset is not None
@@ -911,10 +919,9 @@ def train_paths(config: RunConfig) -> str | None:
     """:func:`missing_path` of what the train flow reads: it serves no reward model, and draws
     tasks (the dataset's) only to warm-start a run with no weight version (the store is read
     for that only when the dataset is missing)."""
-    problem = missing_path(config, reward_models=False)
-    if problem is None or not problem.startswith("envs.dataset.path "):
-        return problem
-    return problem if config.warm_start.enabled and not _has_weights(config) else None
+    dataset = missing_dataset(config)
+    warm_starts = dataset is not None and config.warm_start.enabled and not _has_weights(config)
+    return missing_path(config, reward_models=False, dataset=False) or (dataset if warm_starts else None)
 
 
 def evaluate_paths(config: RunConfig) -> str | None:
