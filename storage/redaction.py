@@ -22,12 +22,22 @@ token, and what was signed (its canonical request holds the token's header)."""
 AWS_KEY_ID = re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[A-Z0-9]{16}(?![A-Z0-9])")
 """An AWS access key id (long-term ``AKIA…``, temporary ``ASIA…``)."""
 
+_ESCAPED_BREAK = r"(?<=\\[nrt])"
+"""Just after a line break or a tab as a repr escapes it (``\\n``): where a line of the
+message starts in ``repr(error)``, which ``tasks.common.said`` masks."""
+_ESCAPED_LINE_START = r"(?<=\\[nr])"
+_VALUE_CHAR = r"(?:[^\\{stop}]|\\(?![nrt]))"
+"""One character of a value ending at ``stop`` or at a line break or tab a repr escaped."""
+
 URL_USER_INFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?#'\"<>]+@")
 """The user info of a URL (``https://user:password@host``, ``https://token@host``): up to
 the authority's last ``@``, as URL parsers take it (a password may hold one)."""
 
 SIGNED_REQUEST = re.compile(
-    r"(?P<name>\bX-Amz-(?:Credential|Security-Token|Signature)\s*[=:]\s*)[^\s&#'\"<>]+", re.IGNORECASE
+    rf"(?P<name>(?:\b|{_ESCAPED_BREAK})X-Amz-(?:Credential|Security-Token|Signature)\s*[=:]\s*)"
+    + _VALUE_CHAR.format(stop=r"\s&#'\"<>")
+    + "+",
+    re.IGNORECASE,
 )
 """What makes a presigned S3 URL a credential until it expires (its query's key id, session
 token and signature), and a signed request's session token header."""
@@ -40,9 +50,9 @@ _SECRET_SETTING_NAME = (
     r"|password)"
 )
 SECRET_SETTING = re.compile(
-    rf"(?P<name>(?<![\w.-])(?:(?P<quote>['\"])(?:{_SECRET_ENV_NAME}|{_SECRET_SETTING_NAME})(?P=quote)[ \t]*[:=](?!=)"
-    rf"|{_SECRET_ENV_NAME}[ \t]*=(?!=)|(?m:^)[ \t]*{_SECRET_ENV_NAME}[ \t]*:|{_SECRET_SETTING_NAME}[ \t]*=(?!=))[ \t]*)"
-    r"(?:(?P<open>['\"])[^\n]*?(?P=open)|(?P<unclosed>['\"]?)[^\s'\"&,;]+)"
+    rf"(?P<name>(?:(?<![\w.-])|{_ESCAPED_BREAK})(?:(?P<quote>['\"])(?:{_SECRET_ENV_NAME}|{_SECRET_SETTING_NAME})(?P=quote)[ \t]*[:=](?!=)"
+    rf"|{_SECRET_ENV_NAME}[ \t]*=(?!=)|(?:(?m:^)|{_ESCAPED_LINE_START})[ \t]*{_SECRET_ENV_NAME}[ \t]*:|{_SECRET_SETTING_NAME}[ \t]*=(?!=))[ \t]*)"
+    r"(?:(?P<open>['\"])[^\n]*?(?P=open)|(?P<unclosed>['\"]?)" + _VALUE_CHAR.format(stop=r"\s'\"&,;") + "+)"
 )
 """A secret's value where a name says what it is: an environment's (``AWS_SECRET_ACCESS_KEY=…``,
 ``'HF_TOKEN': '…'`` in a dump of ``os.environ``, ``GITHUB_TOKEN: …`` opening a line), a
@@ -52,7 +62,12 @@ secrets), and a name followed by ``:`` is a setting only quoted or opening a lin
 password: try again``, ``variable HF_TOKEN: not set`` are none), and one followed by ``==``
 compares (``assert PAD_TOKEN == 0`` in a traceback)."""
 
-AUTHORIZATION = re.compile(r"(?P<name>\bauthorization['\"]?[ \t]*[:=][ \t]*['\"]?)[^'\"\n]+", re.IGNORECASE)
+AUTHORIZATION = re.compile(
+    rf"(?P<name>(?:\b|{_ESCAPED_BREAK})authorization['\"]?[ \t]*[:=][ \t]*['\"]?)"
+    + _VALUE_CHAR.format(stop=r"'\"\n")
+    + "+",
+    re.IGNORECASE,
+)
 """An ``Authorization`` header's value, whatever its scheme (``Bearer``, ``Basic``, ``token``,
 an AWS signature), up to its quote or the line's end."""
 

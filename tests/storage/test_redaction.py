@@ -116,3 +116,18 @@ def test_a_comparison_with_a_secret_looking_name_is_kept():
         "    env['HF_TOKEN'] == token"
     )
     assert redact(text) == text
+
+
+def test_a_secret_opening_a_line_of_an_errors_repr_is_masked():
+    """``said`` logs ``redact(repr(error))``, and a repr writes the message's line breaks as
+    ``\\n``: a header or a setting opening a line then followed a letter, not a line's start,
+    and was not masked at all (a masked value ran on over the next lines)."""
+    message = (
+        "tool failed:\nAuthorization: Bearer abc123\nHF_TOKEN=hf_abc\n  GITHUB_TOKEN: ghp_abc\r\n"
+        "X-Amz-Security-Token: IQoJb3\nHOME=/root"
+    )
+    masked = (
+        f"tool failed:\nAuthorization: {MASKED}\nHF_TOKEN={MASKED}\n  GITHUB_TOKEN: {MASKED}\r\n"
+        f"X-Amz-Security-Token: {MASKED}\nHOME=/root"
+    )
+    assert redact(repr(RuntimeError(message))) == repr(RuntimeError(masked))
