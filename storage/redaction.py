@@ -33,8 +33,12 @@ URL_USER_INFO = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]{0,31}://)[^\s/?
 """The user info of a URL (``https://user:password@host``, ``https://token@host``): up to
 the authority's last ``@``, as URL parsers take it (a password may hold one)."""
 
+_HEADER_NAME_END = r"(?:['\"]?[ \t]*[=:]|['\"][ \t]*,)[ \t]*(?:b?['\"])?"
+"""From the end of a header's name to its value: ``: ``, ``=`` in a query, ``': b'`` in a
+dict of bytes (botocore's), ``', '`` in a (name, value) pair (an ASGI scope's)."""
+
 SIGNED_REQUEST = re.compile(
-    rf"(?P<name>(?:\b|{_ESCAPED_BREAK})X-Amz-(?:Credential|Security-Token|Signature)\s*[=:]\s*)"
+    rf"(?P<name>(?:\b|{_ESCAPED_BREAK})X-Amz-(?:Credential|Security-Token|Signature){_HEADER_NAME_END})"
     + _VALUE_CHAR.format(stop=r"\s&#'\"<>")
     + "+",
     re.IGNORECASE,
@@ -50,8 +54,8 @@ _SECRET_SETTING_NAME = (
     r"|password)"
 )
 SECRET_SETTING = re.compile(
-    rf"(?P<name>(?:(?<![\w.-])|{_ESCAPED_BREAK})(?:(?P<quote>['\"])(?:{_SECRET_ENV_NAME}|{_SECRET_SETTING_NAME})(?P=quote)[ \t]*[:=](?!=)"
-    rf"|{_SECRET_ENV_NAME}[ \t]*=(?!=)|(?:(?m:^)|{_ESCAPED_LINE_START})[ \t]*{_SECRET_ENV_NAME}[ \t]*:|{_SECRET_SETTING_NAME}[ \t]*=(?!=))[ \t]*)"
+    rf"(?P<name>(?:(?<![\w.-])|{_ESCAPED_BREAK})(?:b?(?P<quote>['\"])(?:{_SECRET_ENV_NAME}|{_SECRET_SETTING_NAME})(?P=quote)[ \t]*[:=](?!=)"
+    rf"|{_SECRET_ENV_NAME}[ \t]*=(?!=)|(?:(?m:^)|{_ESCAPED_LINE_START})[ \t]*{_SECRET_ENV_NAME}[ \t]*:|{_SECRET_SETTING_NAME}[ \t]*=(?!=))[ \t]*(?:b(?=['\"]))?)"
     r"(?:(?P<open>['\"])[^\n]*?(?P=open)|(?P<unclosed>['\"]?)" + _VALUE_CHAR.format(stop=r"\s'\"&,;") + "+)"
 )
 """A secret's value where a name says what it is: an environment's (``AWS_SECRET_ACCESS_KEY=…``,
@@ -63,7 +67,7 @@ password: try again``, ``variable HF_TOKEN: not set`` are none), and one followe
 compares (``assert PAD_TOKEN == 0`` in a traceback)."""
 
 AUTHORIZATION = re.compile(
-    rf"(?P<name>(?:\b|{_ESCAPED_BREAK})authorization['\"]?[ \t]*[:=][ \t]*['\"]?)"
+    rf"(?P<name>(?:\b|{_ESCAPED_BREAK})authorization{_HEADER_NAME_END})"
     + _VALUE_CHAR.format(stop=r"'\"\n")
     + "+",
     re.IGNORECASE,

@@ -131,3 +131,32 @@ def test_a_secret_opening_a_line_of_an_errors_repr_is_masked():
         f"X-Amz-Security-Token: {MASKED}\nHOME=/root"
     )
     assert redact(repr(RuntimeError(message))) == repr(RuntimeError(masked))
+
+
+@pytest.mark.parametrize(
+    ("text", "masked"),
+    [
+        # an ASGI scope's headers, and a dict of them as bytes
+        (
+            "[(b'authorization', b'Bearer abc123'), (b'host', b'gw')]",
+            f"[(b'authorization', b'{MASKED}'), (b'host', b'gw')]",
+        ),
+        ("[('Authorization', 'Bearer abc123')]", f"[('Authorization', '{MASKED}')]"),
+        ("{b'Authorization': b'Bearer abc123'}", f"{{b'Authorization': b'{MASKED}'}}"),
+        # botocore's prepared request, its headers' values bytes
+        (
+            "headers={'X-Amz-Security-Token': b'IQoJb3JpZ2lu', 'Authorization': b'AWS4-HMAC-SHA256 "
+            "Credential=minioadmin/20260101/us-east-1/s3/aws4_request, Signature=abc'}",
+            f"headers={{'X-Amz-Security-Token': b'{MASKED}', 'Authorization': b'{MASKED}'}}",
+        ),
+        (
+            "environ({b'HF_TOKEN': b'hf_abc', b'HOME': b'/root'})",
+            f"environ({{b'HF_TOKEN': b'{MASKED}', b'HOME': b'/root'}})",
+        ),
+    ],
+)
+def test_a_header_or_a_setting_given_as_bytes_or_in_a_pair_is_masked(text, masked):
+    """A header as bytes (an ASGI scope's, botocore's) or as a (name, value) pair kept the
+    value whole: the masking took the ``b`` before its quote for the value, or found no
+    ``:`` after the name."""
+    assert redact(text) == masked
