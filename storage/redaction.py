@@ -75,14 +75,19 @@ AUTHORIZATION = re.compile(
 """An ``Authorization`` header's value, whatever its scheme (``Bearer``, ``Basic``, ``token``,
 an AWS signature), up to its quote or the line's end."""
 
+BEARER_TOKEN = re.compile(r"(?P<scheme>\b(?i:bearer)[ \t]+)(?=[\w~+/-]*[\d.~+/-])[\w.~+/-]+=*")
+"""A bearer token wherever it stands (``Illegal header value b'Bearer …\\n'`` from h11, of a
+key that kept its file's newline): a token holds a digit or a punctuation mark, which the
+words after "Bearer" in a sentence (``Bearer token rejected``) do not."""
+
 
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     """``text`` with each of ``secrets`` masked wherever it appears (the longest first: one
     that holds another is masked whole), the elements of an S3 error body that echo
     credentials (:data:`ECHOED_CREDENTIALS`), a URL's user info (:data:`URL_USER_INFO`), a
     presigned URL's credentials (:data:`SIGNED_REQUEST`), a named secret's value
-    (:data:`SECRET_SETTING`), an ``Authorization`` header's (:data:`AUTHORIZATION`) and any
-    AWS key id (:data:`AWS_KEY_ID`)."""
+    (:data:`SECRET_SETTING`), an ``Authorization`` header's (:data:`AUTHORIZATION`), a bearer
+    token wherever it stands (:data:`BEARER_TOKEN`) and any AWS key id (:data:`AWS_KEY_ID`)."""
     for value in sorted(filter(None, secrets), key=len, reverse=True):
         text = text.replace(value, MASKED)
     text = ECHOED_CREDENTIALS.sub(rf"\g<open>{MASKED}\g<close>", text)
@@ -90,6 +95,7 @@ def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
     text = SIGNED_REQUEST.sub(rf"\g<name>{MASKED}", text)
     text = SECRET_SETTING.sub(_masked_setting, text)
     text = AUTHORIZATION.sub(rf"\g<name>{MASKED}", text)
+    text = BEARER_TOKEN.sub(rf"\g<scheme>{MASKED}", text)
     return AWS_KEY_ID.sub(MASKED, text)
 
 

@@ -160,3 +160,15 @@ def test_a_header_or_a_setting_given_as_bytes_or_in_a_pair_is_masked(text, maske
     value whole: the masking took the ``b`` before its quote for the value, or found no
     ``:`` after the name."""
     assert redact(text) == masked
+
+
+def test_a_bearer_token_outside_an_authorization_header_is_masked():
+    """h11 refuses a header value holding a line break (a key read from a file, its newline
+    kept) naming the value: the vLLM engine's ``VLLM_API_KEY`` was whole in the gateway's
+    error, which names no header."""
+    assert redact("LocalProtocolError: Illegal header value b'Bearer sk-abc123\\n'") == (
+        f"LocalProtocolError: Illegal header value b'Bearer {MASKED}\\n'"
+    )
+    assert redact("auth = 'bearer eyJhbGciOiJIUzI1NiJ9.e30.sig'") == f"auth = 'bearer {MASKED}'"
+    text = 'Bearer token rejected; WWW-Authenticate: Bearer realm="api", error="invalid_token"'
+    assert redact(text) == text
