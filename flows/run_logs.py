@@ -64,7 +64,12 @@ class _RunLogHandler(APILogHandler):
             return
         if repeat == REPEATS_PER_WINDOW:
             note = f" (the rest within {REPEAT_WINDOW_S:.0f} s of the first: on the worker's console only)"
-            record = logging.makeLogRecord({**record.__dict__, "msg": record.getMessage() + note, "args": ()})
+            try:
+                message = record.getMessage()
+            except Exception:  # its arguments do not fit its template: a logging call never raises
+                self.handleError(record)
+                return
+            record = logging.makeLogRecord({**record.__dict__, "msg": message + note, "args": ()})
         super().emit(record)
 
     def prepare(self, record: logging.LogRecord) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 import warnings
 
 from prefect import flow
@@ -16,6 +17,7 @@ from flows.run_logs import (
     EVENTS_CLIENT_LOGGER,
     REPEATS_PER_WINDOW,
     SERVICES_LOGGER,
+    _RunLogHandler,
     _unsent_event_errors,
     module_logs_to_run,
     one_line_per_unsent_event,
@@ -183,3 +185,22 @@ def test_only_the_events_workers_error_right_after_its_clients_warning_on_its_th
         "Service 'APILogWorker' failed to process item 'log'",
         error,
     ]
+
+
+def test_a_record_whose_message_cannot_be_formatted_never_raises_at_its_caller(monkeypatch):
+    """A logging call does not raise: a record whose arguments do not fit its template goes to
+    ``handleError`` (a "--- Logging error ---" on stderr) as any handler's does. The run log
+    handler formatted the message itself at its last repeat of the window, outside Prefect's
+    ``emit``, and so raised the TypeError into the code that logged it, there alone."""
+    handled = []
+    handler = _RunLogHandler(uuid.uuid4())
+    monkeypatch.setattr(handler, "handleError", handled.append)
+    logger = logging.getLogger("rollout.badly_formatted")
+    monkeypatch.setattr(logger, "propagate", False)  # pytest's capture handlers raise on such a record
+    logger.addHandler(handler)
+    try:
+        for _ in range(REPEATS_PER_WINDOW):
+            logger.warning("replica %d is down", "r0")
+    finally:
+        logger.removeHandler(handler)
+    assert len(handled) == REPEATS_PER_WINDOW
