@@ -6,11 +6,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import logging
 import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from storage.redaction import redact
+
 T = TypeVar("T")
+
+log = logging.getLogger(__name__)
 
 
 def run_async(main: Coroutine[Any, Any, T]) -> T:
@@ -24,7 +29,9 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
     whatever line the loop ran, often inside a background task, which asyncio then ended with
     that error while ``main`` ran on as though no signal had come. A second signal during the
     cleanup is raised at once (the loop's thread still finishes the cleanup before the
-    interpreter exits). Off the main thread, where no handler runs, it is ``asyncio.run(main)``."""
+    interpreter exits). An error ``main`` ends with after the cancel (its cleanup failed) is
+    logged, as the signal's exception is raised in its place. Off the main thread, where no
+    handler runs, it is ``asyncio.run(main)``."""
     if threading.current_thread() is not threading.main_thread():
         return asyncio.run(main)
     loop = _LoopThread(main)
@@ -35,10 +42,20 @@ def run_async(main: Coroutine[Any, Any, T]) -> T:
         loop.cancel()
         if loop.started():
             _wait(loop.finished)
+            _log_failure(loop)
         else:  # a thread that still starts closes main unrun; one that could not start never will
             main.close()
         raise
     return loop.outcome()
+
+
+def _log_failure(loop: _LoopThread) -> None:
+    error = loop.error()
+    if error is not None and not isinstance(error, asyncio.CancelledError):
+        log.error(
+            "the async work failed as it stopped for a signal (the signal is raised, not this): %s",
+            redact(repr(error)),
+        )
 
 
 WAKE_SECONDS = 0.1
@@ -107,6 +124,10 @@ class _LoopThread:
         if task is not None:
             with contextlib.suppress(RuntimeError):  # the loop closed: main has ended
                 task.get_loop().call_soon_threadsafe(task.cancel)
+
+    def error(self) -> BaseException | None:
+        """What ``main`` raised, once it has ended."""
+        return self._error
 
     def outcome(self) -> Any:
         if self._error is not None:

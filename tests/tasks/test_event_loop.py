@@ -90,6 +90,36 @@ def test_a_main_that_stops_gracefully_on_cancellation_still_raises_the_signal(si
     assert log == ["background ran on", "stopped early"]
 
 
+def test_an_error_of_mains_cleanup_after_the_signal_is_logged_not_lost(sigterm_raises_stopped, caplog):
+    """The signal's exception is raised in place of what main ended with; an error its cleanup
+    raised (rollouts it could not commit) was dropped without a word, where asyncio.run shows
+    it. It is logged, its secrets masked."""
+
+    async def main() -> None:
+        sigterm_from_a_background_task([])
+        try:
+            await asyncio.sleep(60)
+        finally:
+            raise RuntimeError("could not commit the rollouts to s3://key:hunter2@bucket/run")
+
+    with pytest.raises(Stopped):
+        run_async(main())
+    [record] = [r for r in caplog.records if r.name == "tasks.event_loop"]
+    assert record.levelname == "ERROR"
+    assert "could not commit the rollouts" in record.getMessage()
+    assert "hunter2" not in record.getMessage()
+
+
+def test_a_main_cancelled_by_the_signal_logs_nothing(sigterm_raises_stopped, caplog):
+    async def main() -> None:
+        sigterm_from_a_background_task([])
+        await asyncio.sleep(60)
+
+    with pytest.raises(Stopped):
+        run_async(main())
+    assert not [r for r in caplog.records if r.name == "tasks.event_loop"]
+
+
 def test_a_signal_the_kernel_gives_to_the_loops_thread_still_stops_main_at_once(sigterm_raises_stopped):
     """A process-wide signal goes to any thread that does not block it, and Python runs its
     handler in the main thread only once that thread runs again: one waiting on the loop
