@@ -48,7 +48,7 @@ def connect_ray(
     or start a local Ray instance on ``node_ip`` when ``address`` is None or 'local'; nothing
     when already connected. On 127.0.0.1 every process of the instance listens on loopback
     only, on another address on every interface. With ``node_ip`` None, or ``RAY_ADDRESS`` set
-    and ``address`` None, ``ray.init()`` decides as it does alone: it joins the cluster that
+    (to other than 'local') and ``address`` None, ``ray.init()`` decides as it does alone: it joins the cluster that
     ``RAY_ADDRESS`` or a ``ray start`` on this machine names, else starts one on the machine's
     address. A SIGTERM handler the process installed is kept: ``ray.init`` makes SIGTERM
     ``sys.exit``, which took the place of a Prefect flow run's handler (by which a deployment
@@ -63,7 +63,8 @@ def connect_ray(
     a free CPU), so each needs one of its own, whatever the machine's cores."""
     if ray.is_initialized():
         return
-    local = address == "local" or (address is None and not os.environ.get("RAY_ADDRESS"))
+    # RAY_ADDRESS=local asks Ray for a new local instance, as no address does
+    local = address == "local" or (address is None and os.environ.get("RAY_ADDRESS", "") in ("", "local"))
     with _signals_held(hold=local):
         if not local or node_ip is None:
             ray.init(address=address, include_dashboard=False)

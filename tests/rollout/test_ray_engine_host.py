@@ -99,3 +99,22 @@ def test_an_actor_restarted_in_a_process_of_the_same_pid_is_seen_serving_its_sta
     assert healthy
     assert served == [0] * len(served)
     assert version == 0, "the engine still claims the version loaded onto its dead actor"
+
+
+@pytest.mark.parametrize("ray_address", [None, "", "local"])
+def test_ray_address_local_in_the_environment_starts_the_runs_own_ray_on_loopback(monkeypatch, ray_address):
+    """``RAY_ADDRESS=local`` asks Ray for a new local instance, as no address does: the run's
+    was started by ``ray.init()`` alone, on the machine's address (every interface) and with
+    Ray's CPU count rather than the run's, as though it named a cluster to join."""
+    started = []
+    monkeypatch.setattr(ray_engine.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray_engine.ray, "init", lambda **kwargs: started.append(("init", kwargs)))
+    monkeypatch.setattr(
+        ray_engine, "_start_on_loopback", lambda num_cpus: started.append(("loopback", num_cpus))
+    )
+    if ray_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    ray_engine.connect_ray(None, num_cpus=5)
+    assert started == [("loopback", 5)]
