@@ -361,7 +361,10 @@ class AppServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.name}" if self.uds else f"http://{self.host}:{self.port}"
+        if self.uds:
+            return f"http://{self.name}"
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 address
+        return f"http://{host}:{self.port}"
 
     async def start(self):
         """Start serving; returns once the socket is bound (cancelled, it stops the server first)."""

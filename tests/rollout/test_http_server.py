@@ -242,3 +242,15 @@ def test_a_connection_past_max_connections_is_closed_at_once_and_one_comes_in_on
 def test_a_max_connections_below_one_is_refused(limit):
     with pytest.raises(ValueError, match="max_connections must be at least 1"):
         AppServer(hello, max_connections=limit)
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [("127.0.0.1", "http://127.0.0.1:8123"), ("::", "http://[::]:8123"), ("::1", "http://[::1]:8123")],
+)
+def test_the_url_of_a_server_on_an_ipv6_address_brackets_it(host, url):
+    """A worker told to listen on ``::`` logged and reported its gateway at ``http://:::8123``,
+    which no client parses (httpx: "Invalid port")."""
+    server = AppServer(hello, host=host, port=8123)
+    assert server.url == url
+    assert httpx.URL(server.url).port == 8123
