@@ -8,6 +8,8 @@ publish the elastic plan", "a dead holder goes stale"), which reach only the con
 The loggers' levels are left as they are: with Prefect's logging config the root is at
 WARNING, so warnings and errors are what the UI shows. A message repeated many times a
 minute reaches the UI :data:`REPEATS_PER_WINDOW` times a minute, and the console every time.
+What reaches the UI is masked (``storage.redaction.redact``): URLs' user info, AWS key ids,
+credentials an S3 error echoes, named secrets' values.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ from uuid import UUID
 from prefect.context import FlowRunContext, TaskRunContext
 from prefect.logging.handlers import APILogHandler
 from prefect.settings import PREFECT_LOGGING_EXTRA_LOGGERS
+
+from storage.redaction import redact
 
 PACKAGES = ("storage", "envs", "rollout", "rl", "tasks")
 """Loggers (and their children) whose records go to the flow run."""
@@ -71,6 +75,10 @@ class _RunLogHandler(APILogHandler):
                 return
             record = logging.makeLogRecord({**record.__dict__, "msg": message + note, "args": ()})
         super().emit(record)
+
+    def format(self, record: logging.LogRecord) -> str:
+        # a record may quote an error as it came: the API stores it for whoever sees the run
+        return redact(super().format(record))
 
     def prepare(self, record: logging.LogRecord) -> dict[str, Any]:
         if (

@@ -9,8 +9,9 @@ import warnings
 
 from prefect import flow
 from prefect.context import FlowRunContext
+from prefect.logging import handlers
 from prefect.logging.handlers import APILogHandler
-from prefect.settings import PREFECT_LOGGING_EXTRA_LOGGERS, temporary_settings
+from prefect.settings import PREFECT_LOGGING_EXTRA_LOGGERS, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 
 from flows.maintain import maintain
 from flows.run_logs import (
@@ -204,3 +205,28 @@ def test_a_record_whose_message_cannot_be_formatted_never_raises_at_its_caller(m
     finally:
         logger.removeHandler(handler)
     assert len(handled) == REPEATS_PER_WINDOW
+
+
+def test_what_a_module_logs_reaches_the_prefect_api_with_its_credentials_masked(monkeypatch):
+    """A module's record that quotes an error as it came (``storage.leases``' "could not renew
+    lease …: %s", a worker's "could not read …") went to the Prefect API, stored and shown to
+    whoever can see the run, with any credentials it held; that copy is masked as the
+    project's errors are (``storage.redaction.redact``), its traceback too."""
+    sent = []
+    monkeypatch.setattr(handlers, "_api_log_sink", sent.append)
+    handler = _RunLogHandler(uuid.uuid4())
+    logger = logging.getLogger("storage.leaky")
+    monkeypatch.setattr(logger, "propagate", False)
+    logger.addHandler(handler)
+    try:
+        with temporary_settings({PREFECT_LOGGING_TO_API_ENABLED: True}):
+            try:
+                raise OSError("cannot reach https://ci:hunter2@minio.example:9000/runs")
+            except OSError as exc:
+                logger.warning("could not renew lease %s: %s", "runs/x", exc, exc_info=True)
+    finally:
+        logger.removeHandler(handler)
+    [log] = sent
+    assert "could not renew lease runs/x: cannot reach https://" in log["message"]
+    assert "OSError" in log["message"]  # the traceback is kept
+    assert "hunter2" not in log["message"]
