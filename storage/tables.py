@@ -381,7 +381,8 @@ class Tables:
         :class:`StaleOffsetError`: a table's log never goes back, so the offset is not this
         table's (it was recreated, or the offset is another run's), and reading on from it
         would return nothing forever. So does one whose later commits' data files a vacuum
-        removed: every retry would fail alike.
+        removed: every retry would fail alike. A data file the table's latest snapshot still
+        lists but the store lacks raises ``FileNotFoundError`` naming it.
         """
         table = self._open(name)
         if table is None:
@@ -414,10 +415,18 @@ class Tables:
             missing = MISSING_FILE.search(str(exc))
             if missing is None:
                 raise
+            file = posixpath.basename(missing.group(1))
+            # a file the latest snapshot still lists is no vacuum's: a read from the start fails on it too
+            if file in {posixpath.basename(uri) for uri in table.file_uris()}:
+                raise FileNotFoundError(
+                    f"table {name!r}: its data file {file} is missing from the store, though its log "
+                    "still lists it (deleted outside Delta?): no read of the table succeeds until it "
+                    "is restored"
+                ) from None
             raise StaleOffsetError(
                 f"table {name!r}: asked for its changes after version {after}, but the data file "
-                f"{posixpath.basename(missing.group(1))} of a later commit was removed by a vacuum (the "
-                "offset is older than its retention); read it from the start (after=-1)"
+                f"{file} of a later commit was removed by a vacuum (the offset is older than its "
+                "retention); read it from the start (after=-1)"
             ) from None
         return data.take(pc.sort_indices(data.column("_commit_version"))), latest
 

@@ -331,6 +331,24 @@ def test_changes_after_a_version_whose_files_vacuum_removed_are_refused_saying_t
     assert sorted(rows.column("version").to_pylist()) == [0, 1, 2, 3]
 
 
+def test_changes_after_a_version_whose_data_file_is_lost_though_listed_say_so_not_blame_a_vacuum(local_store):
+    """A data file the log still lists, gone from the store (deleted by hand, a lost disk):
+    the change feed was refused as an offset older than a vacuum's retention, telling the
+    reader to read from the start, which fails alike on the same file."""
+    tables = Tables(local_store)
+    for version in range(3):
+        tables.append("weights", [weight_row(version)])
+    first = set(DeltaTable(tables.uri("weights"), version=0).file_uris())
+    lost = next(uri for uri in tables._open("weights").file_uris() if uri not in first)
+    os.remove(lost)
+    with pytest.raises(
+        FileNotFoundError, match=r"^table 'weights': its data file part-\S+ is missing"
+    ) as raised:
+        tables.changes("weights", after=0)
+    assert posixpath.basename(lost) in str(raised.value) and "vacuum" not in str(raised.value)
+    assert not is_transient(raised.value)
+
+
 def test_a_reused_snapshot_is_loaded_again_after_snapshot_appends(store, monkeypatch):
     # a snapshot carried across commits goes over every commit since its load on each
     # append, so one Tables object must not carry it forever
