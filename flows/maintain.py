@@ -49,9 +49,12 @@ def compact_table(config: RunConfig, table: str, retention_hours: int) -> dict[s
     # lost rows' absence the table's state, past restoring the empty commit's file
     tables.check_log(table)
     optimized = tables.optimize(table)
-    removed = tables.vacuum(table, retention_hours=retention_hours)
     if optimized is None:
-        optimized = {"skipped": "being compacted by another process (storage.tables.COMPACTION_SLOT_S)"}
+        # that compaction's new files are listed by no commit until it commits: a vacuum would
+        # delete those older than the retention, and its commit then list them
+        skipped = "being compacted by another process (storage.tables.COMPACTION_SLOT_S)"
+        return {"table": table, "optimize": {"skipped": skipped}, "vacuumed_files": 0}
+    removed = tables.vacuum(table, retention_hours=retention_hours)
     return {"table": table, "optimize": optimized, "vacuumed_files": len(removed)}
 
 
@@ -83,7 +86,8 @@ def maintain(
     keep_last: Annotated[int, Field(ge=1)] = 5,
     retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS, le=MAX_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
-    """Compact and vacuum every table, drop old weight versions (and the temporary files of
+    """Compact and vacuum every table (one another process is compacting is left to the next
+    run), drop old weight versions (and the temporary files of
     LATEST, CLAIM and manifests that killed publishes left, once an hour old), delete shard files that no
     commit lists (left by writers that died) and abort the incomplete multipart uploads of
     writers killed while sending a large file to S3 (their parts are stored, and billed,
@@ -141,7 +145,7 @@ def summary(result: dict[str, Any]) -> str:
         if optimize is None:
             done = table["skipped"]
         elif "skipped" in optimize:
-            done = f"not compacted, {optimize['skipped']}; vacuumed {table['vacuumed_files']} files"
+            done = f"neither compacted nor vacuumed, {optimize['skipped']}"
         else:
             removed, added = optimize.get("numFilesRemoved", 0), optimize.get("numFilesAdded", 0)
             compacted = f"compacted {removed} files into {added}" if removed else "nothing to compact"

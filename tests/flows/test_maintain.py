@@ -6,6 +6,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import time
 import types
 import uuid
@@ -16,13 +17,21 @@ from prefect.exceptions import ParameterTypeError
 from prefect.states import Failed
 from prefect.utilities.callables import parameter_schema
 
-from flows.maintain import MAX_RETENTION_HOURS, MIN_RETENTION_HOURS, _first_line, maintain
+from flows.maintain import (
+    MAX_RETENTION_HOURS,
+    MIN_RETENTION_HOURS,
+    _first_line,
+    compact_table,
+    maintain,
+    summary,
+)
 from flows.maintain import main as maintain_main
 from rl.models import load_policy, publish_policy
 from storage import shards as shard_module
 from storage.config import RunStore, StorageConfig
+from storage.leases import SlotLease
 from storage.shards import ShardReader, ShardWriter
-from storage.tables import TABLE_SCHEMAS, Tables
+from storage.tables import COMPACTION_PREFIX, COMPACTION_SLOT_S, TABLE_SCHEMAS, Tables
 from storage.weights import WeightStore
 from tasks.common import run_store
 from tasks.weights import build_base_version
@@ -177,6 +186,38 @@ def _run_with_history(tmp_path, run_id):
     two_hours_ago = time.time() - 7200
     os.utime(store.path(orphan), (two_hours_ago, two_hours_ago))
     return config, store, orphan
+
+
+def test_a_table_another_process_is_compacting_is_left_unvacuumed(tmp_path):
+    """A compaction's new files are listed by no commit until it commits: a vacuum meanwhile
+    deleted those older than the retention (a compaction running past it), and the commit
+    then listed files that were gone in place of the ones it removed. maintain vacuumed a table
+    whose compaction lease another process held, though compaction and vacuum must not overlap."""
+    config, store, _ = _run_with_history(tmp_path, "maintain-compacting")
+    assert SlotLease(store, store.path(COMPACTION_PREFIX, "evals"), COMPACTION_SLOT_S).take(time.time())
+    folder = store.path("tables", "evals")
+    written = os.path.join(folder, "part-00000-being-compacted-c000.zstd.parquet")
+    shutil.copy(glob.glob(os.path.join(folder, "*.parquet"))[0], written)
+    two_hours_ago = time.time() - 7200
+    os.utime(written, (two_hours_ago, two_hours_ago))
+
+    result = compact_table.fn(config, "evals", retention_hours=1)
+
+    assert os.path.exists(written)
+    assert result["vacuumed_files"] == 0
+    assert summary({**EMPTY_RESULT, "tables": [result]}).splitlines()[0] == (
+        "evals: neither compacted nor vacuumed, being compacted by another process "
+        "(storage.tables.COMPACTION_SLOT_S)"
+    )
+
+
+EMPTY_RESULT = {
+    "tables": [],
+    "removed_versions": [],
+    "removed_latest_temps": [],
+    "removed_shard_files": [],
+    "aborted_uploads": [],
+}
 
 
 def test_maintain_prints_a_short_summary_of_what_it_did(tmp_path, capsys):
