@@ -87,11 +87,10 @@ def maintain(
     retention_hours: Annotated[int, Field(ge=MIN_RETENTION_HOURS, le=MAX_RETENTION_HOURS)] = 168,
 ) -> dict[str, Any]:
     """Compact and vacuum every table (one another process is compacting is left to the next
-    run), drop old weight versions (and the temporary files of
-    LATEST, CLAIM and manifests that killed publishes left, once an hour old), delete shard files that no
-    commit lists (left by writers that died) and abort the incomplete multipart uploads of
-    writers killed while sending a large file to S3 (their parts are stored, and billed,
-    until then). A step that fails (a table whose log or files cannot be read) leaves the
+    run), drop old weight versions (and the temporary files of LATEST, CLAIM and manifests
+    that killed publishes left, once an hour old), delete shard files that no commit lists
+    (left by writers that died) and abort the incomplete multipart uploads of writers killed
+    while sending a large file to S3 (their parts are stored, and billed, until then). A step that fails (a table whose log or files cannot be read) leaves the
     others to run; the flow then raises naming each.
 
     Args:
