@@ -163,6 +163,15 @@ def _ties(module: torch.nn.Module) -> list[tuple[str, str]]:
     return ties
 
 
+def _tie(module: torch.nn.Module, ties: list[tuple[str, str]]) -> None:
+    """Make each tied name hold its owner's tensor again."""
+    for name, owner in ties:
+        holder, _, leaf = name.rpartition(".")
+        submodule = module.get_submodule(holder)
+        shared = module.get_parameter if leaf in submodule._parameters else module.get_buffer
+        setattr(submodule, leaf, shared(owner))
+
+
 def state_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's parameters and buffers: what it holds on a device."""
     return sum(t.numel() * t.element_size() for _, t in _tensors(module))
@@ -269,12 +278,19 @@ class ServiceManager:
     def _copy_in(
         self, module: torch.nn.Module, parked: dict[str, torch.Tensor], ties: list[tuple[str, str]]
     ) -> None:
-        module.to_empty(device=self.device)
-        for name, owner in ties:
-            holder, _, leaf = name.rpartition(".")
-            submodule = module.get_submodule(holder)
-            shared = module.get_parameter if leaf in submodule._parameters else module.get_buffer
-            setattr(submodule, leaf, shared(owner))
+        # tied on ``meta`` first, then each tensor made once on the device: ``to_empty`` would
+        # make one copy per name of a tied tensor, past the bytes budgeted for it
+        _tie(module, ties)
+        # keyed by id, holding each meta tensor too so that no other object takes its id
+        made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+        def empty(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in made:
+                made[id(tensor)] = (tensor, torch.empty_like(tensor, device=self.device))
+            return made[id(tensor)][1]
+
+        module._apply(empty)
+        _tie(module, ties)
         with torch.no_grad():
             for key, tensor in _tensors(module):
                 tensor.copy_(parked[key], non_blocking=True)

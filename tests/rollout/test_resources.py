@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rollout import resources
 from rollout.resources import CpuManager, ServiceManager, state_bytes
@@ -294,6 +295,51 @@ def test_a_service_with_tied_weights_loads_them_tied_every_time():
         assert manager.evictions == ["tied", "other"]
 
     asyncio.run(main())
+
+
+class _DeviceBytes(TorchDispatchMode):
+    """Counts the bytes of the empty tensors made on ``device`` (a load's allocations)."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.device = torch.device(device)
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket in (
+            torch.ops.aten.empty_like,
+            torch.ops.aten.empty,
+            torch.ops.aten.empty_strided,
+        ):
+            self.bytes += out.nbytes if out.device == self.device else 0
+        return out
+
+
+def test_a_tied_tensor_is_put_on_the_device_once_per_load(monkeypatch):
+    """The load materialised each name of a tied tensor apart (a module moved to ``meta``
+    holds one copy per name) and tied them after: a BART or T5 reward model took its shared
+    embedding two or three times over on the device, past the bytes budgeted for it, for the
+    length of the load."""
+    manager = ServiceManager(device="cpu", budget_bytes=8 * 4 * 4)
+    manager.register("tied", TiedService())
+    real = manager._copy_in
+    counted = []
+
+    def copy_in(*args):
+        with _DeviceBytes(manager.device) as allocated:
+            real(*args)
+        counted.append(allocated.bytes)
+
+    monkeypatch.setattr(manager, "_copy_in", copy_in)
+
+    async def main():
+        async with manager.use("tied") as module:
+            assert module.out.weight is module.embed.weight
+            torch.testing.assert_close(module(torch.arange(8)), TiedService()(torch.arange(8)))
+
+    asyncio.run(main())
+    assert counted == [state_bytes(TiedService())] == [manager.budget_bytes]
 
 
 def test_a_service_is_last_used_when_its_call_ends():
