@@ -136,6 +136,7 @@ class _GpuPool:
     A call goes to a free GPU where its service is resident; otherwise the service is
     loaded (evict on execution) onto the free GPU that loses least: one with an empty slot,
     else the one whose least recently used service was used longest ago (LRU over the pool).
+    A service is last used when its call ends, as ``ServiceManager`` counts it.
     """
 
     def __init__(self, gpus: int, per_gpu: int):
@@ -164,6 +165,12 @@ class _GpuPool:
         res[service] = next(self._calls)
         res.move_to_end(service)
         return g, hit is None
+
+    def give_back(self, g: int, service: int) -> None:
+        """GPU ``g``'s call to ``service`` ended: the GPU is free and the service last used now."""
+        self.busy[g] = False
+        self.resident[g][service] = next(self._calls)
+        self.resident[g].move_to_end(service)
 
 
 @dataclass
@@ -243,7 +250,7 @@ def simulate_actions(
             for name, a in grant.allocation.items():
                 used[name] -= a
             if gpu >= 0:
-                gpus.busy[gpu] = False
+                gpus.give_back(gpu, action.service)
             act = now - grant.enqueued_at
             completion.append(act)
             kind_name = grant.request.kind.split("/")[0]

@@ -860,3 +860,25 @@ def test_a_simulated_workload_whose_range_is_reversed_is_refused(fields, named):
 
     with pytest.raises(ValueError, match=f"{named} .* must not exceed"):
         ActionWorkload(**fields)
+
+
+def test_the_simulated_gpu_pool_evicts_the_service_whose_call_ended_longest_ago(monkeypatch):
+    """Two pooled GPUs, one service each. A long call to service 0 (0-104 s, its load
+    included) begins before a short call to service 1 (0.5-5.5 s) and ends after it: service 1
+    is the least recently used, as ``ServiceManager`` (last used when its call ends) counts it,
+    so service 2 evicts it and a later call to service 0 finds 0 resident. Stamped when calls
+    began, service 0 was evicted, just used, and loaded again."""
+    from rollout import simcluster
+
+    def reward_call(tid, start, service, think, t1):
+        request = ResourceRequest(demand={"gpu": 1}, duration=t1, kind=f"reward/{service}", trajectory_id=tid)
+        return simcluster._Trajectory(tid, start, [simcluster._Action(think, request, t1, service)])
+
+    calls = [(0, 0.0, 100.0), (1, 0.5, 1.0), (2, 200.0, 1.0), (0, 300.0, 1.0)]
+    trajectories = [reward_call(f"t{i}", 0.0, s, at, t1) for i, (s, at, t1) in enumerate(calls)]
+    monkeypatch.setattr(simcluster, "action_trajectories", lambda workload: trajectories)
+    workload = simcluster.ActionWorkload(services=3, services_per_gpu=1, load_s=4.0)
+
+    run = simcluster.run_ours(workload, cores=1, gpus=2)
+    assert run.service_loads == 3
+    assert run.completion_times == pytest.approx([5.0, 104.0, 5.0, 1.0])
