@@ -124,11 +124,17 @@ def _end_all(store: RunStore, signals: str, runs: Sequence[PrefectFuture]) -> bo
     return sent
 
 
-def untrained_warning(rollouts: dict[str, Any], http: GatewayHTTPConfig) -> str:
-    """Why a run took no policy step, from what its rollout task returned (``rollouts``): what
-    the worker finished and wrote, the groups it dropped for equal rewards (never written), and,
-    for a worker serving the gateway's HTTP API (``http``), the records harnesses had it write:
-    a worker serving only runs none of its own."""
+def untrained_warning(rollouts: dict[str, Any], http: GatewayHTTPConfig, trained: dict[str, Any]) -> str:
+    """Why a run took no policy step, from what its rollout and train tasks returned
+    (``rollouts``, ``trained``): a run already at its ``stop.max_policy_steps`` (a rerun), else
+    what the worker finished and wrote, the groups it dropped for equal rewards (never written),
+    and, for a worker serving the gateway's HTTP API (``http``), the records harnesses had it
+    write: a worker serving only runs none of its own."""
+    if trained["stop_reason"] == "max_steps":
+        return (
+            f"no policy step: the run was already at policy step {trained['steps']}, its "
+            "stop.max_policy_steps (which counts the steps of earlier flow runs too): raise it to train further"
+        )
     orchestrator = rollouts["orchestrator"]
     count = rollouts["harness_records"]
     harnesses = (
@@ -295,7 +301,7 @@ def pipeline(config: RunConfig = RunConfig()) -> dict[str, Any]:
             )
             generated, processed, trained = _wind_down(config, signals, *runs)
         if not trained["new_steps"]:
-            logger.warning(untrained_warning(generated, config.gateway_http))
+            logger.warning(untrained_warning(generated, config.gateway_http, trained))
         after = evaluate_task(config, reuse=True)
         report_task(config)
         gain = {

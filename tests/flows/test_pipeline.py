@@ -817,13 +817,13 @@ def test_the_warning_of_a_run_that_took_no_policy_step_tells_the_groups_dropped_
     """A GRPO run whose untrained policy failed every task (12844 rollouts, all 3211 groups
     dropped for equal rewards) logged "Policy steps: 0" and ended Completed, with no word why."""
     stats = {"finished": 12844, "written": 0, "groups_kept": 0, "groups_filtered": 3211}
-    assert pipeline_module.untrained_warning(worker_result(stats), GatewayHTTPConfig()) == (
+    assert pipeline_module.untrained_warning(worker_result(stats), GatewayHTTPConfig(), UNTRAINED) == (
         "no policy step: the trainer got too little to train on; 0 of 12844 rollouts finished were "
         "written, 3211 of 3211 groups dropped with every reward in them equal "
         "(orchestrator.filter_uniform_groups)"
     )
     stats = {"finished": 40, "written": 40, "groups_kept": 0, "groups_filtered": 0}
-    assert pipeline_module.untrained_warning(worker_result(stats), GatewayHTTPConfig()) == (
+    assert pipeline_module.untrained_warning(worker_result(stats), GatewayHTTPConfig(), UNTRAINED) == (
         "no policy step: the trainer got too little to train on; 40 of 40 rollouts finished were written"
     )
 
@@ -832,6 +832,9 @@ def worker_result(orchestrator: dict[str, int], harness_records: int = 0) -> dic
     """What the rollout task returns, as far as the warning of a run without a policy step reads it."""
     return {"orchestrator": orchestrator, "harness_records": harness_records}
 
+
+UNTRAINED = {"steps": 0, "new_steps": 0, "stop_reason": "drained"}
+"""What the train task returns, as far as that warning reads it, for a run that got too little to train on."""
 
 NOTHING_OF_ITS_OWN = {"finished": 0, "written": 0, "groups_kept": 0, "groups_filtered": 0}
 
@@ -846,7 +849,9 @@ def test_the_warning_of_a_serve_only_run_that_took_no_policy_step_tells_what_har
     """It said "0 of 0 rollouts finished were written": a serve-only worker runs none, and the
     records harnesses had it write, the run's only ones, went unmentioned."""
     http = GatewayHTTPConfig(port=0, serve_only=True)
-    assert pipeline_module.untrained_warning(worker_result(NOTHING_OF_ITS_OWN, harness_records), http) == (
+    assert pipeline_module.untrained_warning(
+        worker_result(NOTHING_OF_ITS_OWN, harness_records), http, UNTRAINED
+    ) == (
         "no policy step: the trainer got too little to train on; the rollout worker served harnesses only "
         f"(gateway_http.serve_only), and {said}"
     )
@@ -855,7 +860,20 @@ def test_the_warning_of_a_serve_only_run_that_took_no_policy_step_tells_what_har
 def test_the_warning_of_a_run_serving_harnesses_beside_its_own_rollouts_tells_what_they_wrote():
     stats = {"finished": 8, "written": 8, "groups_kept": 2, "groups_filtered": 0}
     http = GatewayHTTPConfig(port=0)
-    assert pipeline_module.untrained_warning(worker_result(stats, 2), http) == (
+    assert pipeline_module.untrained_warning(worker_result(stats, 2), http, UNTRAINED) == (
         "no policy step: the trainer got too little to train on; 8 of 8 rollouts finished were written, "
         "and harnesses wrote 2 records"
+    )
+
+
+def test_the_warning_of_a_rerun_already_at_its_max_policy_steps_says_so_not_that_data_was_short():
+    """A rerun of a run whose step counter had reached stop.max_policy_steps: the trainer stops
+    at once, and the run was warned that the trainer "got too little to train on", naming the
+    few rollouts written before the stop, which sent its user looking at the rollouts."""
+    stats = {"finished": 8, "written": 8, "groups_kept": 2, "groups_filtered": 0}
+    trained = {"steps": 40, "new_steps": 0, "stop_reason": "max_steps"}
+    warning = pipeline_module.untrained_warning(worker_result(stats), GatewayHTTPConfig(), trained)
+    assert warning == (
+        "no policy step: the run was already at policy step 40, its stop.max_policy_steps (which counts "
+        "the steps of earlier flow runs too): raise it to train further"
     )
