@@ -212,8 +212,9 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
     rows) is a ``ValueError`` naming both shapes, where transformers' error names neither the
     tensor nor the checkpoint and points to a report it logged. A weights
     file that does not read (a download cut short) is a ``ValueError`` naming it, where
-    safetensors names none. A local folder holding no weights file is a ``FileNotFoundError``
-    (transformers raises a plain ``OSError``, which the tasks retry as storage's).
+    safetensors names none, and so is a weights index cut short, where json names none. A
+    local folder holding no weights file is a ``FileNotFoundError`` (transformers raises a
+    plain ``OSError``, which the tasks retry as storage's).
     """
     names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in names):
@@ -226,6 +227,10 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
     except SafetensorError as error:
         raise ValueError(
             f"the weights files {_unreadable_weights(path)} of {str(path)!r} do not read: {error}"
+        ) from error
+    except json.JSONDecodeError as error:  # an index cut short: json names no file
+        raise ValueError(
+            f"the weights index {_unreadable_indexes(path)} of {str(path)!r} does not read: {error}"
         ) from error
     missing, unexpected = (sorted(info.get(kind) or ()) for kind in ("missing_keys", "unexpected_keys"))
     if missing:
@@ -276,6 +281,20 @@ def _unreadable_weights(path: str | os.PathLike) -> list[str]:
                 pass
         except SafetensorError:
             unreadable.append(file.name)
+    return unreadable
+
+
+def _unreadable_indexes(path: str | os.PathLike) -> list[str]:
+    """The weights index files of the local directory ``path`` that are not JSON (cut short)."""
+    unreadable = []
+    for name in (SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_INDEX_NAME):
+        try:
+            with open(os.path.join(path, name)) as handle:
+                json.load(handle)
+        except FileNotFoundError:
+            continue
+        except ValueError:
+            unreadable.append(name)
     return unreadable
 
 

@@ -729,3 +729,19 @@ def test_a_checkpoint_whose_index_names_a_missing_file_is_refused_naming_it(tiny
     os.remove(os.path.join(path, "model-00001-of-00002.safetensors"))
     with pytest.raises(FileNotFoundError, match="model-00001-of-00002.safetensors"):
         load_policy(path)
+
+
+def test_a_checkpoint_whose_weights_index_is_cut_short_is_refused_naming_it(tiny, tmp_path):
+    """json said 'Unterminated string starting at: line 1 column 760', naming neither the
+    checkpoint nor its index, where a weights file cut short is named."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    _shard(path)
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as handle:
+        text = handle.read()
+    with open(index, "w") as handle:
+        handle.write(text[: len(text) // 2])
+    with pytest.raises(
+        ValueError, match=r"\['model.safetensors.index.json'\] of .*checkpoint.* does not read"
+    ):
+        load_policy(path)
