@@ -21,6 +21,7 @@ import tempfile
 from typing import TypeVar
 
 import torch
+from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import load_file
@@ -153,6 +154,7 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
     """The tokenizer saved in a local model directory; a ``ValueError`` naming the directory
     and its files where none loads (transformers' own error names neither, and one folder
     without tokenizer files is told to install sentencepiece or tiktoken)."""
+    check_local_or_hub(path)
     try:
         return AutoTokenizer.from_pretrained(str(path))
     except (OSError, ValueError) as error:
@@ -163,6 +165,21 @@ def load_tokenizer(path: str | os.PathLike) -> PreTrainedTokenizerBase:
         raise ValueError(
             f"no tokenizer loads from {str(path)!r} ({lacks}its files: {files}): {error}"
         ) from error
+
+
+def check_local_or_hub(path: str | os.PathLike) -> None:
+    """Raise a ``FileNotFoundError`` naming ``path`` unless it is a local directory or could be
+    a Hugging Face Hub model id: transformers takes any other path for an id and raises a plain
+    ``OSError`` ('Repo id must be in the form …', or for a file, that it is no valid config),
+    which says nothing of a missing folder and which the tasks retry as storage's."""
+    if os.path.isdir(path):
+        return
+    try:
+        validate_repo_id(str(path))
+    except HFValidationError:
+        raise FileNotFoundError(
+            f"{str(path)!r} is neither a local directory nor a Hugging Face model id"
+        ) from None
 
 
 def padding_id(tokenizer, model: PreTrainedModel) -> int:
@@ -214,8 +231,10 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
     file that does not read (a download cut short) is a ``ValueError`` naming it, where
     safetensors names none, and so is a weights index cut short, where json names none. A
     local folder holding no weights file is a ``FileNotFoundError`` (transformers raises a
-    plain ``OSError``, which the tasks retry as storage's).
+    plain ``OSError``, which the tasks retry as storage's), as is a path that is neither a
+    local folder nor a Hub id (:func:`check_local_or_hub`).
     """
+    check_local_or_hub(path)
     names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
     if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, name)) for name in names):
         raise FileNotFoundError(f"{str(path)!r} holds no weights: none of {', '.join(names)}")

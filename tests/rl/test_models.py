@@ -745,3 +745,17 @@ def test_a_checkpoint_whose_weights_index_is_cut_short_is_refused_naming_it(tiny
         ValueError, match=r"\['model.safetensors.index.json'\] of .*checkpoint.* does not read"
     ):
         load_policy(path)
+
+
+@pytest.mark.parametrize("name", ["no-such-checkpoint", "model.safetensors"])
+def test_a_checkpoint_path_that_is_no_folder_nor_a_hub_id_is_a_file_not_found_naming_it(tiny, tmp_path, name):
+    """transformers took it for a Hub id and raised a plain OSError ('Repo id must be in the
+    form ...'; for a weights file given as the path, 'the config file at ... is not a valid JSON
+    file'), which the tasks retried as a storage blip and which does not say the folder is not
+    there."""
+    path = os.path.join(_checkpoint(tiny, tmp_path / "checkpoint"), name)
+    message = rf"{re.escape(repr(path))} is neither a local directory nor a Hugging Face model id"
+    with pytest.raises(FileNotFoundError, match=message):
+        load_policy(path)
+    with pytest.raises(FileNotFoundError, match=message):
+        load_tokenizer(path)
