@@ -386,14 +386,27 @@ def publish_policy(
         # what save_pretrained writes: vLLM picks its class by architectures and serves in dtype
         # ('auto'), which a config built rather than loaded lacks or a cast model has stale
         written = {"architectures": [type(model).__name__], "dtype": str(model.dtype).removeprefix("torch.")}
+        config = model.config.to_dict() | written
+        if not _head_is_input_embedding(model):
+            # a config saying tied over a head of its own (transformers then loads both): vLLM
+            # would skip the head and score with the input embedding
+            config["tie_word_embeddings"] = False
+            if isinstance(config.get("text_config"), dict):
+                config["text_config"] = config["text_config"] | {"tie_word_embeddings": False}
         return weights.publish(
             checkpoint_state_dict(model),
-            model.config.to_dict() | written,
+            config,
             tokenizer_dir,
             extra_files=extra_files,
             dtype=target,
             **publish_kwargs,
         )
+
+
+def _head_is_input_embedding(model: PreTrainedModel) -> bool:
+    """Whether ``model``'s output head is its input embedding (tied) or it has none."""
+    head = model.get_output_embeddings()
+    return head is None or getattr(head, "weight", None) is model.get_input_embeddings().weight
 
 
 def restore_master_weights(model: PreTrainedModel, version_dir: str | os.PathLike) -> bool:

@@ -759,3 +759,23 @@ def test_a_checkpoint_path_that_is_no_folder_nor_a_hub_id_is_a_file_not_found_na
         load_policy(path)
     with pytest.raises(FileNotFoundError, match=message):
         load_tokenizer(path)
+
+
+def test_a_policy_whose_head_is_not_its_embedding_is_published_untied_whatever_its_config_says(
+    weights, tmp_path
+):
+    """A checkpoint whose config says tie_word_embeddings but that holds an lm_head.weight of
+    its own (a fine-tune saved untied): transformers loads it untied, the trainer trains both,
+    and the version said tie_word_embeddings: true over both tensors, so vLLM, which then skips
+    lm_head.weight and scores with the input embedding, served another policy."""
+    untied = build_tiny_model(SMALL.model_copy(update={"tie_word_embeddings": False}))
+    path = _checkpoint(untied, tmp_path / "checkpoint")
+    _edit_config(path, tie_word_embeddings=True)
+    policy, tokenizer = load_policy(path)
+    assert policy.lm_head.weight is not policy.model.embed_tokens.weight
+    version = weights.load(publish_policy(weights, policy, tokenizer))
+    with open(os.path.join(version, "config.json")) as handle:
+        assert json.load(handle)["tie_word_embeddings"] is False
+    assert torch.equal(
+        load_file(os.path.join(version, MODEL_FILE))["lm_head.weight"], untied[0].lm_head.weight
+    )
