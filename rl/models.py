@@ -577,10 +577,23 @@ class ValueModel(nn.Module):
         cls, path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
     ) -> ValueModel:
         """A value model from a local version directory written by ``publish``, in eval mode
-        (as ``load_policy``'s: ``from_config`` builds its backbone in train mode, dropout on)."""
+        (as ``load_policy``'s: ``from_config`` builds its backbone in train mode, dropout on).
+        A weights file that does not read, or that holds other tensors than the value model of
+        the folder's ``config.json`` (a policy's version), is a ``ValueError`` naming it."""
         with open(os.path.join(path, "config.json")) as handle:
             config_dict = json.load(handle)
         config = AutoConfig.for_model(**config_dict)
         model = cls.from_config(config)
-        model.load_state_dict(load_file(os.path.join(path, MODEL_FILE)))
+        file = os.path.join(path, MODEL_FILE)
+        try:
+            state = load_file(file)
+        except SafetensorError as error:  # a copy cut short: safetensors names no file
+            raise ValueError(f"{file} does not read: {error}") from error
+        expected = set(model.state_dict())
+        if set(state) != expected:
+            raise ValueError(
+                f"{str(path)!r} holds no value model of its config.json (a policy's version?): it lacks "
+                f"{sorted(expected - set(state))[:5]} and holds {sorted(set(state) - expected)[:5]} unknown to it"
+            )
+        model.load_state_dict(state)
         return placed(model, device, dtype).eval()

@@ -779,3 +779,24 @@ def test_a_policy_whose_head_is_not_its_embedding_is_published_untied_whatever_i
     assert torch.equal(
         load_file(os.path.join(version, MODEL_FILE))["lm_head.weight"], untied[0].lm_head.weight
     )
+
+
+def test_a_value_model_loaded_from_a_policy_version_or_a_file_cut_short_is_refused_naming_it(
+    tiny, weights, tmp_path
+):
+    """A policy's version given for the value model's (the store without its value prefix)
+    raised torch's RuntimeError listing every key, and a weights file cut short safetensors'
+    'incomplete metadata', neither naming the folder nor what it holds."""
+    model, tokenizer = tiny
+    policy_version = weights.load(publish_policy(weights, model, tokenizer))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(policy_version))}.* holds no value model"):
+        ValueModel.load(policy_version)
+    value_weights = WeightStore(weights.store, cache_dir=tmp_path / "cache", prefix="value")
+    copy_dir = tmp_path / "value-copy"
+    shutil.copytree(
+        value_weights.load(ValueModel.from_policy(model).publish(value_weights, step=1)), copy_dir
+    )
+    cut = copy_dir / MODEL_FILE
+    cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"{re.escape(str(cut))} does not read"):
+        ValueModel.load(copy_dir)
