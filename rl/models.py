@@ -18,6 +18,7 @@ import logging
 import os
 import pathlib
 import tempfile
+import zipfile
 from typing import TypeVar
 
 import torch
@@ -227,12 +228,12 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
     fewer layers, a checkpoint's extra head) are left out with a warning naming them. A tensor
     of another shape than the config gives it (a ``vocab_size`` padded past the checkpoint's
     rows) is a ``ValueError`` naming both shapes, where transformers' error names neither the
-    tensor nor the checkpoint and points to a report it logged. A weights
-    file that does not read (a download cut short) is a ``ValueError`` naming it, where
-    safetensors names none, and so is a weights index cut short, where json names none. A
-    local folder holding no weights file is a ``FileNotFoundError`` (transformers raises a
-    plain ``OSError``, which the tasks retry as storage's), as is a path that is neither a
-    local folder nor a Hub id (:func:`check_local_or_hub`).
+    tensor nor the checkpoint and points to a report it logged. A weights file that does not
+    read (a download cut short) is a ``ValueError`` naming it, where safetensors or torch names
+    none, and so is a weights index cut short, where json names none. A local folder holding
+    no weights file is a ``FileNotFoundError`` (transformers raises a plain ``OSError``, which
+    the tasks retry as storage's), as is a path that is neither a local folder nor a Hub id
+    (:func:`check_local_or_hub`).
     """
     check_local_or_hub(path)
     names = (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME, WEIGHTS_INDEX_NAME)
@@ -247,6 +248,11 @@ def load_checked(model_class: type, path: str | os.PathLike, dtype: torch.dtype)
         raise ValueError(
             f"the weights files {_unreadable_weights(path)} of {str(path)!r} do not read: {error}"
         ) from error
+    except RuntimeError as error:  # torch's, for a pytorch_model.bin cut short, names no file
+        unreadable = _unreadable_weights(path)
+        if not unreadable:
+            raise
+        raise ValueError(f"the weights files {unreadable} of {str(path)!r} do not read: {error}") from error
     except json.JSONDecodeError as error:  # an index cut short: json names no file
         raise ValueError(
             f"the weights index {_unreadable_indexes(path)} of {str(path)!r} does not read: {error}"
@@ -291,14 +297,21 @@ def load_policy(
 
 
 def _unreadable_weights(path: str | os.PathLike) -> list[str]:
-    """The ``*.safetensors`` files of the local directory ``path`` whose header does not read
-    or whose tensors it places past the file's end (a download cut short)."""
+    """The weights files of the local directory ``path`` that a download cut short: the
+    ``*.safetensors`` whose header does not read or places tensors past the file's end, and
+    the ``*.bin`` that are neither a whole zip archive (``torch.save``'s format) nor a pickle
+    (its format before torch 1.6)."""
     unreadable = []
     for file in sorted(pathlib.Path(path).glob("*.safetensors")):
         try:
             with safe_open(file, "pt"):
                 pass
         except SafetensorError:
+            unreadable.append(file.name)
+    for file in sorted(pathlib.Path(path).glob("*.bin")):
+        with open(file, "rb") as handle:
+            pickled = handle.read(1) == b"\x80"  # pickle's PROTO opcode
+        if not (pickled or zipfile.is_zipfile(file)):
             unreadable.append(file.name)
     return unreadable
 

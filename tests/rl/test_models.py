@@ -800,3 +800,21 @@ def test_a_value_model_loaded_from_a_policy_version_or_a_file_cut_short_is_refus
     cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
     with pytest.raises(ValueError, match=rf"{re.escape(str(cut))} does not read"):
         ValueModel.load(copy_dir)
+
+
+def test_a_pytorch_weights_file_cut_short_is_refused_naming_it(tiny, tmp_path):
+    """A checkpoint in torch.save's format (pytorch_model.bin, as older ones are) whose file a
+    download cut short raised torch's RuntimeError 'PytorchStreamReader failed reading zip
+    archive', naming neither the checkpoint nor the file, where a safetensors file is named."""
+    path = _checkpoint(tiny, tmp_path / "checkpoint")
+    tensors = load_file(os.path.join(path, MODEL_FILE))
+    os.remove(os.path.join(path, MODEL_FILE))
+    weights_file = os.path.join(path, "pytorch_model.bin")
+    torch.save(tensors, weights_file)
+    assert load_policy(path)[0].num_parameters() == tiny[0].num_parameters()
+    with open(weights_file, "rb") as handle:
+        data = handle.read()
+    with open(weights_file, "wb") as handle:
+        handle.write(data[: len(data) // 2])
+    with pytest.raises(ValueError, match=r"\['pytorch_model.bin'\] of .*checkpoint.* do not read"):
+        load_policy(path)
