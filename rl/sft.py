@@ -93,6 +93,11 @@ def supervised_warm_start(
     # ids past the embedding (a tokenizer's tokens added without resizing the model): an
     # IndexError deep in torch on CPU, a device-side assert on a GPU
     rows = model.get_input_embeddings().num_embeddings
+    if pad_id is None or not 0 <= pad_id < rows:  # None: a tokenizer's pad_token_id where it has none
+        raise ValueError(
+            f"pad_id {pad_id} is no row of the {rows} of the model's input embedding: pad with "
+            "rl.models.padding_id(tokenizer, model)"
+        )
     for index, (tokens, mask) in enumerate(zip(sequences, masks, strict=True)):
         # a batch of only empty rows is a reshape error deep in the model's attention
         if not tokens:

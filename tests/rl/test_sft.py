@@ -185,3 +185,20 @@ def test_a_step_runs_its_demonstrations_in_micro_batches_within_the_token_budget
     # the step's gradient (Adam's first step moves by ±lr wherever it is not 0, whatever its size)
     for (name, trained), expected in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.allclose(trained.grad, expected.grad, rtol=1e-4, atol=1e-7), name
+
+
+@pytest.mark.parametrize("pad_id", [512, None])
+def test_a_padding_id_outside_the_models_embedding_is_refused(pad_id):
+    """A tokenizer's own pad token added without resizing the model (Llama 3 given '<|pad|>')
+    gave an IndexError deep in torch at the first batch of demonstrations of two lengths (a
+    device-side assert on a GPU), and one without a pad token (None) a TypeError from
+    torch.full; neither named the padding id."""
+    model, _ = build_tiny_model(SMALL)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    sequences = [[5, 6, 7], [5, 6, 7, 8]]
+    masks = [[False, True, True], [False, True, True, True]]
+    with pytest.raises(
+        ValueError, match=rf"pad_id {pad_id} is no row of the 512 of the model's input embedding"
+    ):
+        supervised_warm_start(model, sequences, masks, pad_id, SFTConfig(max_steps=1))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
