@@ -16,7 +16,9 @@ that lowered ``ulimit -n`` below it forbids, and the shell would die.)
 The terminal is switched to non-canonical mode with echo off (no line-length limit, no echoed
 input), set again before each command, and bash runs without readline. ``PAGER`` and
 ``GIT_PAGER`` are ``cat`` unless the sandbox's ``env`` sets them; a program meant for a
-terminal (``less``, ``vi``, ``top``) runs into its timeout.
+terminal (``less``, ``vi``, ``top``) runs into its timeout. The sandbox's ``cpu_seconds``
+(RLIMIT_CPU) holds bash over its whole life, what its builtins and loops ran in every command:
+a shell killed for it says so (``cpu_limit``).
 """
 
 from __future__ import annotations
@@ -214,12 +216,28 @@ class Shell:
                 output = _printed(buffer, cap)
                 seconds = time.monotonic() - started  # before close(), which may wait for the tree
                 self.close()
-                self.sandbox.check(ExecResult(status, output, seconds))
+                self._check_died(ExecResult(status, output, seconds))
                 reason = f"the shell exited with status {status}"
                 if not wrap:  # the start's own command: what it printed is the sandbox's or bash's
                     reason += f": {output.strip()[:1000]}"
                 raise SandboxError("died", reason, output) from None
             buffer += chunk or b""
+
+    def _check_died(self, result: ExecResult) -> None:
+        """Raise what the sandbox's check makes of the shell's own end (``result``)."""
+        try:
+            self.sandbox.check(result)
+        except SandboxError as exc:
+            if exc.kind != "cpu_limit":
+                raise
+            # RLIMIT_CPU counts the shell's whole life (its builtins and loops over every
+            # command): the command it stopped may have used little
+            raise SandboxError(
+                "cpu_limit",
+                f"the shell used its {self.sandbox.config.cpu_seconds} CPU seconds, counted over "
+                "every command since it started; it was killed",
+                result.output,
+            ) from None
 
     def _exit_status(self) -> int:
         """Exit status of the exited shell (negative: the signal that killed it)."""

@@ -1131,6 +1131,23 @@ def test_a_shell_started_in_a_killed_shells_directory_goes_back_there():
         assert (shell.run("echo ok", timeout=2).output, shell.cwd) == ("ok\n", None)
 
 
+def test_a_shell_out_of_cpu_time_says_the_limit_counts_every_command_since_it_started():
+    """RLIMIT_CPU holds the persistent bash to ``cpu_seconds`` over its whole life: the builtins
+    and loops it runs itself add up across commands, so a short loop after a longer one was
+    stopped as 'command used its 1 CPU seconds', a reason false of that command."""
+    busy = (
+        "read -a s </proc/$$/stat; t=$((s[13] + s[14])); "
+        "while read -a s </proc/$$/stat; ((s[13] + s[14] - t < {})); do :; done"
+    )
+    with Sandbox(SMALL.model_copy(update={"cpu_seconds": 1})) as box:
+        shell = Shell(box)
+        shell.run(busy.format(70))  # 0.7 s of the shell's own (100 ticks a second)
+        with pytest.raises(SandboxError) as raised:
+            shell.run(busy.format(50))  # killed at 1 s of the shell's, under 0.5 s of its own
+        assert raised.value.kind == "cpu_limit"
+        assert "counted over every command since it started" in raised.value.reason
+
+
 @pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 def test_a_command_that_pages_what_it_prints_to_a_terminal_prints_it_all():
     """git (like man, psql, journalctl) sends what it prints to a terminal through a pager,
