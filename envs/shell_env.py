@@ -128,13 +128,7 @@ class ShellEnv(Env):
         require_task_data(task)
         sandbox = await self._new_sandbox()
         for path, content in task.data.get("files", {}).items():
-            full = os.path.join(sandbox.workdir, path)
-            os.makedirs(os.path.dirname(full), exist_ok=True)
-            with open(full, "w", encoding="utf-8") as handle:
-                handle.write(content + "\n")
-            if sandbox.uid is not None:
-                os.chown(os.path.dirname(full), sandbox.uid, sandbox.uid)
-                os.chown(full, sandbox.uid, sandbox.uid)
+            write_task_file(sandbox.workdir, path, content, sandbox.uid)
         self.shell = await to_thread_to_the_end(Shell, sandbox, discard=Shell.close)
         self.answer: str | None = None
         return user(task.prompt)
@@ -204,6 +198,23 @@ class ShellEnv(Env):
             and len(content) <= MAX_CHECKED_BYTES
             and content.strip() == data["content"].encode()
         )
+
+
+def write_task_file(workdir: str, path: str, content: str, uid: int | None) -> None:
+    """Write ``content`` and a line break to ``path`` in ``workdir``, the file and every folder
+    made for it given to ``uid`` (the sandbox's, when the worker is root) for the model to change."""
+    parts = path.split("/")
+    folder = workdir
+    for part in parts[:-1]:
+        folder = os.path.join(folder, part)
+        os.makedirs(folder, exist_ok=True)
+        if uid is not None:
+            os.chown(folder, uid, uid)
+    full = os.path.join(folder, parts[-1])
+    with open(full, "w", encoding="utf-8") as handle:
+        handle.write(content + "\n")
+    if uid is not None:
+        os.chown(full, uid, uid)
 
 
 def answered_path(answer: str, workdir: str | None) -> str:

@@ -1429,6 +1429,29 @@ def test_shell_find_answer_may_name_the_file_by_its_absolute_path():
     assert [asyncio.run(score_once_closed(answer)) for answer in ("./d1/f0.txt", "/d1/f0.txt")] == [1.0, 0.0]
 
 
+@needs_bwrap
+def test_shell_task_files_in_nested_folders_are_the_sandboxs_to_change():
+    """A client's task with a file two folders deep (``a/b/f.txt``): only the innermost folder
+    was given to the sandbox's uid, so ``a`` stayed the worker's (root's) and the model could
+    neither make a file in it nor remove what the task put there."""
+    task = Task(
+        env="shell",
+        id="nested",
+        prompt="how many files in a?",
+        data={"kind": "count", "files": {"a/b/f.txt": "owl"}, "answer": "1"},
+    )
+
+    async def run():
+        env = make("shell", sandbox=SMALL)
+        await env.reset(task)
+        try:
+            return await env.step("touch a/new && rm -r a/b && echo ok")
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()).observation[0]["content"] == "ok"
+
+
 def test_shell_eval_tasks_have_no_train_twin():
     """File contents do not decide a count or find answer: an eval task must not have a train
     task asking the same question of the same file names with the same answer."""
