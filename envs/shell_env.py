@@ -229,7 +229,8 @@ def require_task_data(task: Task) -> None:
     """Raise ValueError unless ``task.data`` is a task of this env: a known ``kind``; for
     ``write`` the ``file`` to check and its ``content``; else the ``files`` to write (path to
     text) and the ``answer``. Every path must stay in the working directory: a task sent by a
-    client with ``../`` or an absolute path in ``files`` had the worker, as root, write there."""
+    client with ``../`` or an absolute path in ``files`` had the worker, as root, write there;
+    and none of ``files`` may be a folder of another (its write failed with an OSError)."""
     data = task.data
     kind = data.get("kind")
     if kind == "write":
@@ -241,8 +242,10 @@ def require_task_data(task: Task) -> None:
         if not isinstance(files, dict) or not all(isinstance(text, str) for text in files.values()):
             problem = "files must map paths to texts"
         else:
-            problem = next(filter(None, map(_path_problem, files)), None) or (
-                None if isinstance(data.get("answer"), str) else "answer must be a text"
+            problem = (
+                next(filter(None, map(_path_problem, files)), None)
+                or _folder_clash(files)
+                or (None if isinstance(data.get("answer"), str) else "answer must be a text")
             )
     else:
         problem = f"kind must be write, find or count, got {kind!r}"
@@ -257,6 +260,13 @@ def _path_problem(path: object) -> str | None:
     if path.startswith("/") or any(part in ("", ".", "..") for part in path.split("/")):
         return f"a path must be relative, without empty, '.' or '..' parts, got {path!r:.200}"
     return None
+
+
+def _folder_clash(paths: dict[str, str]) -> str | None:
+    """Why ``paths`` cannot all be written (one names a folder of another), or None."""
+    folders = {path.rsplit("/", i)[0] for path in paths for i in range(1, path.count("/") + 1)}
+    clash = next((path for path in paths if path in folders), None)
+    return None if clash is None else f"{clash!r:.200} is both a file and a folder of another file"
 
 
 def read_regular_file(path: str, size: int) -> bytes | None:

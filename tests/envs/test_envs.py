@@ -1083,6 +1083,8 @@ def test_code_task_with_malformed_tests_is_refused_at_reset_not_scored_zero(test
         ({"kind": "find", "files": {"{outside}": "red"}, "answer": "x"}, "relative, without empty"),
         ({"kind": "count", "files": {"d1//f.txt": "red"}, "answer": "1"}, "relative, without empty"),
         ({"kind": "count", "files": {"d1/f.txt": 3}, "answer": "1"}, "files must map paths to texts"),
+        ({"kind": "count", "files": {"d1/e/f.txt": "red", "d1/e": "red"}, "answer": "1"}, "both a file"),
+        ({"kind": "find", "files": {"d1": "red", "d1/f.txt": "owl"}, "answer": "d1"}, "both a file"),
         ({"kind": "count", "files": {"d1/f.txt": "red"}}, "answer must be a text"),
         ({"kind": "write", "file": "../../x.txt", "content": "red"}, "relative, without empty"),
         ({"kind": "write", "file": "a.txt"}, "content must be a text"),
