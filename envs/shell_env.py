@@ -190,9 +190,10 @@ class ShellEnv(Env):
             return float(self.answer is not None and answered_path(self.answer, workdir) == data["answer"])
         if workdir is None:
             return 0.0
-        path = os.path.join(self.sandbox.workdir, data["file"])
         # a byte more: a file longer than what is read is not the word, whatever it starts with
-        content = await asyncio.to_thread(read_regular_file, path, MAX_CHECKED_BYTES + 1)
+        content = await asyncio.to_thread(
+            read_regular_file, self.sandbox.workdir, data["file"], MAX_CHECKED_BYTES + 1
+        )
         return float(
             content is not None
             and len(content) <= MAX_CHECKED_BYTES
@@ -269,18 +270,31 @@ def _folder_clash(paths: dict[str, str]) -> str | None:
     return None if clash is None else f"{clash!r:.200} is both a file and a folder of another file"
 
 
-def read_regular_file(path: str, size: int) -> bytes | None:
-    """The first ``size`` bytes of ``path`` if it is a regular file, else None.
+def read_regular_file(workdir: str, path: str, size: int) -> bytes | None:
+    """The first ``size`` bytes of ``path`` (relative, in ``workdir``) if it is a regular file
+    there, else None.
 
-    What the model left running in the sandbox may swap the file for a FIFO or a link at any
-    moment: the open neither blocks on a FIFO nor follows a link, and the type is checked on
-    the file actually opened.
+    What the model left running in the sandbox may swap the file, or a folder on its way, for a
+    FIFO or a link at any moment: no open blocks on a FIFO or follows a link (a folder linked to
+    a host path had the worker, as root, read the host's file), and the type is checked on the
+    file actually opened.
     """
+    *folders, name = path.split("/")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(workdir, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return None
     try:
-        return os.read(fd, size) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+        for folder in folders:
+            inner = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        file = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        return None
     finally:
         os.close(fd)
+    try:
+        return os.read(file, size) if stat.S_ISREG(os.fstat(file).st_mode) else None
+    finally:
+        os.close(file)

@@ -778,6 +778,35 @@ def test_shell_eval_never_opens_a_fifo_the_model_swapped_in(monkeypatch):
 
 
 @needs_bwrap
+def test_shell_eval_never_follows_a_folder_the_model_made_a_link_out_of_the_sandbox(tmp_path):
+    """The model can make the checked file's folder a link to a host path (``ln -s /etc d``):
+    the worker, as root, then read the host's file, and a 1 told the model what it holds."""
+    outside = tmp_path / "host"
+    outside.mkdir()
+    (outside / "a.txt").write_text("red\n")
+    task = Task(
+        env="shell",
+        id="write:red:d",
+        prompt="put red in d/a.txt",
+        data={"kind": "write", "file": "d/a.txt", "content": "red"},
+    )
+
+    async def run():
+        env = make("shell", sandbox=SMALL)
+        await env.reset(task)
+        try:
+            os.symlink(outside, os.path.join(env.sandbox.workdir, "d"))
+            linked = await env.evaluate()
+            os.remove(os.path.join(env.sandbox.workdir, "d"))
+            await env.step("mkdir d && echo red > d/a.txt")
+            return linked, await env.evaluate()
+        finally:
+            await env.close()
+
+    assert asyncio.run(run()) == (0.0, 1.0)
+
+
+@needs_bwrap
 def test_pytool_runs_the_sandbox_stops_are_failed_actions():
     task = task_set("pytool", "train", seed=5, n=1)[0]
     actions = ["run: raise MemoryError", "run: while True: pass", "run: import os; os._exit(0)", "run: 6 * 7"]
