@@ -197,8 +197,8 @@ def check_end(session_id: str, continued_in: str | None, expired: bool, idle_s: 
 class Router:
     """Assigns sessions to engine replicas and forwards their generation requests.
 
-    ``load`` of a replica is the number of sessions assigned to it that have not ended;
-    call :meth:`end_session` when a rollout finishes. ``migrations`` counts sessions moved
+    ``load`` of a replica is the number of sessions assigned to it that have not ended (under
+    ``round_robin``, its requests generating); call :meth:`end_session` when a rollout finishes. ``migrations`` counts sessions moved
     off draining replicas; ``sessions_ended`` counts ended sessions and ``session_lengths``
     holds the last ``SESSION_LENGTHS_KEPT`` of their lengths (seconds from first routing to
     end; not tracked under ``round_robin``, which pins nothing). A compacted rollout's
@@ -225,6 +225,8 @@ class Router:
         self._rr = 0
         self._draining: set[str] = set()
         self._in_flight: Counter[str] = Counter()
+        self._requests: Counter[str] = Counter()
+        """Per replica, the requests generating on it (``round_robin``'s load: it pins nothing)."""
         self.migrations = 0
         self._started: dict[str, float] = {}
         self.sessions_ended = 0
@@ -253,7 +255,10 @@ class Router:
         return self._engines[name]
 
     def load(self, name: str) -> int:
-        """Sessions currently assigned (pinned) to replica ``name``; a draining one is empty at 0."""
+        """Sessions currently assigned (pinned) to replica ``name``; under ``round_robin``, which
+        pins nothing, the requests generating on it. A draining one is empty at 0."""
+        if self.config.policy == "round_robin":
+            return self._requests[name]
         return self._load[name]
 
     @property
@@ -455,9 +460,7 @@ class Router:
         engine = self.route(session_id)
         self._in_flight[session_id] += 1
         try:
-            generation = await _finished(engine, session_id, prompt_ids, params)
-            self._served(engine.name)
-            return generation
+            return await self._served_by(engine, session_id, prompt_ids, params)
         except EngineError as exc:
             if not self.config.failover:
                 raise
@@ -476,13 +479,24 @@ class Router:
             if self.config.policy != "round_robin" and session_id not in self._started:
                 raise  # end_session ran during the probe: routing again would pin it for good
             retry = self.route(session_id)
-            generation = await _finished(retry, session_id, prompt_ids, params)
-            self._served(retry.name)
-            return generation
+            return await self._served_by(retry, session_id, prompt_ids, params)
         finally:
             self._in_flight[session_id] -= 1
             if not self._in_flight[session_id]:
                 del self._in_flight[session_id]
+
+    async def _served_by(
+        self, engine: Engine, session_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> Generation:
+        self._requests[engine.name] += 1
+        try:
+            generation = await _finished(engine, session_id, prompt_ids, params)
+        finally:
+            self._requests[engine.name] -= 1
+            if not self._requests[engine.name]:
+                del self._requests[engine.name]
+        self._served(engine.name)
+        return generation
 
     def _served(self, name: str) -> None:
         self._failing.pop(name, None)
@@ -591,7 +605,7 @@ class Router:
         """When every replica in service is draining, the least loaded one accepts again."""
         draining = [n for n in self._engines if n in self._draining]
         if draining and len(draining) == len(self._engines):
-            reopened = min(draining, key=lambda n: self._load[n])
+            reopened = min(draining, key=self.load)
             self.undrain(reopened)
             logger.warning(
                 "%s and every replica in service is draining: %s takes new sessions again", why, reopened

@@ -1247,3 +1247,34 @@ def test_a_request_a_replica_serves_as_a_retry_starts_its_count_of_failing_sessi
 
     assert _run(router, engines, requests).engine == "r1"
     assert router.replicas == ["r1"] and router.down == ["r0"]
+
+
+def test_under_round_robin_a_draining_replica_is_empty_only_once_its_requests_in_flight_end():
+    """Round-robin pins no session, so a replica's load is its requests in flight: the worker
+    reports a draining replica as empty (the trainer then takes it) at load 0, which must not
+    come while a generation still runs on it."""
+    engines = _replicas(2)
+    router = Router(engines, RouterConfig(policy="round_robin"))
+
+    async def body():
+        release = asyncio.Event()
+        for engine in engines:
+
+            async def generate(session_id, prompt_ids, params, name=engine.name) -> Generation:
+                await release.wait()
+                return Generation([5], [-0.5], [0], "stop", engine=name)
+
+            engine.generate = generate
+        try:
+            turn = asyncio.create_task(router.generate("s", [1, 2], SamplingParams(max_new_tokens=1)))
+            await asyncio.sleep(0)
+            router.drain("r0")
+            assert (router.load("r0"), router.load("r1")) == (1, 0)
+            release.set()
+            assert (await turn).engine == "r0"
+            assert (router.load("r0"), router.load("r1")) == (0, 0)
+        finally:
+            for engine in engines:
+                await engine.close()
+
+    asyncio.run(body())
