@@ -167,10 +167,11 @@ class HashRing:
         if not self._points:
             return []
         start = bisect.bisect(self._points, _hash(key)) % len(self._points)
+        distinct = len(set(self._owners))
         seen: dict[str, None] = {}
         for i in range(len(self._points)):
             seen.setdefault(self._owners[(start + i) % len(self._points)])
-            if len(seen) == len(set(self._owners)):
+            if len(seen) == distinct:
                 break
         return list(seen)
 
@@ -198,8 +199,9 @@ class Router:
     """Assigns sessions to engine replicas and forwards their generation requests.
 
     ``load`` of a replica is the number of sessions assigned to it that have not ended (under
-    ``round_robin``, its requests generating); call :meth:`end_session` when a rollout finishes. ``migrations`` counts sessions moved
-    off draining replicas; ``sessions_ended`` counts ended sessions and ``session_lengths``
+    ``round_robin``, its requests generating); call :meth:`end_session` when a rollout
+    finishes. ``migrations`` counts sessions moved off draining replicas; ``sessions_ended``
+    counts ended sessions and ``session_lengths``
     holds the last ``SESSION_LENGTHS_KEPT`` of their lengths (seconds from first routing to
     end; not tracked under ``round_robin``, which pins nothing). A compacted rollout's
     contexts are sessions one after another, each ended as its branch opens
