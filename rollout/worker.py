@@ -933,7 +933,8 @@ class RolloutWorker:
         return sum(self.replica_sessions().values())
 
     def replica_sessions(self) -> dict[str, int]:
-        """Sessions pinned to each replica in service (a draining replica is empty at 0)."""
+        """Sessions pinned to each replica in service, or under the router's ``round_robin`` (which
+        pins none) its requests generating: ``Router.load``; a draining replica is empty at 0."""
         if self.router is None:
             return {}
         return {name: self.router.load(name) for name in self.router.replicas}
