@@ -4,7 +4,8 @@ worker's console.
 Prefect sends the records of its run loggers to the API; the modules of ``storage``,
 ``envs``, ``rollout``, ``rl`` and ``tasks`` log through their own loggers ("could not
 publish the elastic plan", "a dead holder goes stale"), which reach only the console.
-:func:`module_logs_to_run` hands them to Prefect's API handler for as long as a flow runs.
+:func:`module_logs_to_run` hands them to Prefect's API handler for as long as a flow runs, and
+for as long as a task of it runs in a process of its own (a Ray worker, with ``cluster: ray``).
 The loggers' levels are left as they are: with Prefect's logging config the root is at
 WARNING, so warnings and errors are what the UI shows. A message repeated many times a
 minute reaches the UI :data:`REPEATS_PER_WINDOW` times a minute, and the console every time.
@@ -96,8 +97,10 @@ _attached: _RunLogHandler | None = None
 @contextlib.contextmanager
 def module_logs_to_run() -> Iterator[None]:
     """While the body runs, send the records of :data:`PACKAGES` to the current flow run's
-    logs. Outside a flow run, or inside one that already sends them (a nested flow), it
-    does nothing; a logger named in ``PREFECT_LOGGING_EXTRA_LOGGERS`` already has Prefect's
+    logs: a flow's body enters it, and so does a task's that may run in another process (on a
+    Ray worker, where the flow's handler is not). Outside a flow run, or inside one this
+    process already sends them for (a nested flow, a task in the flow's process), it does
+    nothing; a logger named in ``PREFECT_LOGGING_EXTRA_LOGGERS`` already has Prefect's
     own handler, so its records (and its children's) are left to it."""
     global _attached
     context = FlowRunContext.get()

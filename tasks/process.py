@@ -14,6 +14,7 @@ from prefect import task
 from prefect.events import emit_event
 
 from flows.config import RunConfig
+from flows.run_logs import module_logs_to_run
 from rl.models import load_tokenizer
 from rl.process_loop import ProcessedShard, ShardProcessor
 from storage.heartbeat import Heartbeat
@@ -211,23 +212,24 @@ def process_shards(
     is :data:`DRAIN_SECONDS` past the one the rollouts task sharing ``signals`` raises in
     signal ``started`` once its worker is up; ``rollouts-done`` first, it processes what is
     pending once and ends."""
-    if deadline is None and signals is None:
-        raise ValueError(
-            "the process-shards task needs a deadline, or the signals key of a rollouts task that raises it"
-        )
-    store = run_store(config)
-    with watch_signal(store, signals, "rollouts-done") as rollouts_done:
+    with module_logs_to_run():
+        if deadline is None and signals is None:
+            raise ValueError(
+                "the process-shards task needs a deadline, or the signals key of a rollouts task that raises it"
+            )
+        store = run_store(config)
+        with watch_signal(store, signals, "rollouts-done") as rollouts_done:
 
-        def deadline_from_start() -> float:
-            started = deadline_once_started(store, signals, rollouts_done)
-            return time.time() if started is None else started + DRAIN_SECONDS
+            def deadline_from_start() -> float:
+                started = deadline_once_started(store, signals, rollouts_done)
+                return time.time() if started is None else started + DRAIN_SECONDS
 
-        return run_processor(
-            config,
-            deadline_from_start if deadline is None else deadline,
-            on_shard=lambda outcome: _emit(config, outcome),
-            stop=rollouts_done,
-        )
+            return run_processor(
+                config,
+                deadline_from_start if deadline is None else deadline,
+                on_shard=lambda outcome: _emit(config, outcome),
+                stop=rollouts_done,
+            )
 
 
 @task(name="process-pending", **SIDE_EFFECTS, **STORAGE_RETRIES)

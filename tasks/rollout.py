@@ -14,6 +14,7 @@ from prefect import task
 from prefect.events import emit_event
 
 from flows.config import RunConfig
+from flows.run_logs import module_logs_to_run
 from rl.processor import combine_reward
 from rollout.router import RouterConfig
 from rollout.worker import RolloutWorker
@@ -447,64 +448,67 @@ def rollouts(
     ``signals`` (a key of :func:`tasks.common.send_signal`) it also stops at signal ``stop``,
     and raises its deadline as signal ``started`` for the tasks that share it. ``placements``
     places its Ray actors (see :func:`run_rollouts`)."""
-    from tasks.report import ProgressReporter
+    with module_logs_to_run():
+        from tasks.report import ProgressReporter
 
-    limit = max_rollouts(config)
-    # against a limit the bar counts the run's rollouts, as the limit does: every worker's and
-    # every earlier flow run's, finished or in flight (claimed and not given back)
-    quota = None if limit is None else RunQuota(run_store(config), "rollouts", limit)
-    progress = ProgressReporter(
-        "Rollouts finished" if quota is None else "Rollouts of the run, done or in flight",
-        total=limit,
-    )
-
-    def counted(finished: int) -> int:
-        """The bar's count, given the rollouts this worker finished."""
-        return finished if quota is None else quota.claimed()
-
-    def detail(status: dict[str, Any]) -> str:
-        """What the progress line says after the count, from the worker's status."""
-        return f"this worker finished {status['orchestrator']['finished']}, {rollout_detail(status)}"
-
-    def committed(info: ShardInfo) -> None:
-        emit_event(
-            event="treadle.shard.committed",
-            resource=run_resource(config),
-            payload={
-                "shard_id": info.shard_id,
-                "rows": info.num_rows,
-                "tokens": info.num_tokens,
-                "min_version": info.min_version,
-                "max_version": info.max_version,
-            },
+        limit = max_rollouts(config)
+        # against a limit the bar counts the run's rollouts, as the limit does: every worker's and
+        # every earlier flow run's, finished or in flight (claimed and not given back)
+        quota = None if limit is None else RunQuota(run_store(config), "rollouts", limit)
+        progress = ProgressReporter(
+            "Rollouts finished" if quota is None else "Rollouts of the run, done or in flight",
+            total=limit,
         )
 
-    def deadline_from_start() -> float:
-        store = run_store(config)
-        # a retry keeps the deadline its first attempt gave the tasks that share it
-        held = None if signals is None else read_signal(store, signals, "started")
-        end = deadline_of(config) if held is None else float(held)
-        progress.time_toward(end)
-        if signals is not None and held is None:
-            send_signal(store, signals, "started", content=repr(end))
-        return end
+        def counted(finished: int) -> int:
+            """The bar's count, given the rollouts this worker finished."""
+            return finished if quota is None else quota.claimed()
 
-    with watch_signal(run_store(config), signals, "stop") as stop:
-        result = run_rollouts(
-            config,
-            deadline_from_start,
-            worker_name,
-            on_progress=lambda s: progress.update(counted(s["orchestrator"]["finished"]), detail=detail(s)),
-            on_shard=committed,
-            stop=stop,
-            placements=placements,
+        def detail(status: dict[str, Any]) -> str:
+            """What the progress line says after the count, from the worker's status."""
+            return f"this worker finished {status['orchestrator']['finished']}, {rollout_detail(status)}"
+
+        def committed(info: ShardInfo) -> None:
+            emit_event(
+                event="treadle.shard.committed",
+                resource=run_resource(config),
+                payload={
+                    "shard_id": info.shard_id,
+                    "rows": info.num_rows,
+                    "tokens": info.num_tokens,
+                    "min_version": info.min_version,
+                    "max_version": info.max_version,
+                },
+            )
+
+        def deadline_from_start() -> float:
+            store = run_store(config)
+            # a retry keeps the deadline its first attempt gave the tasks that share it
+            held = None if signals is None else read_signal(store, signals, "started")
+            end = deadline_of(config) if held is None else float(held)
+            progress.time_toward(end)
+            if signals is not None and held is None:
+                send_signal(store, signals, "started", content=repr(end))
+            return end
+
+        with watch_signal(run_store(config), signals, "stop") as stop:
+            result = run_rollouts(
+                config,
+                deadline_from_start,
+                worker_name,
+                on_progress=lambda s: progress.update(
+                    counted(s["orchestrator"]["finished"]), detail=detail(s)
+                ),
+                on_shard=committed,
+                stop=stop,
+                placements=placements,
+            )
+        # the quota's storage may fail for a moment: the rollouts are committed already
+        last_report = reporting(
+            lambda: progress.update(
+                counted(result["orchestrator"]["finished"]), final=True, detail=detail(result)
+            ),
+            f"last progress report of worker {worker_name}",
         )
-    # the quota's storage may fail for a moment: the rollouts are committed already
-    last_report = reporting(
-        lambda: progress.update(
-            counted(result["orchestrator"]["finished"]), final=True, detail=detail(result)
-        ),
-        f"last progress report of worker {worker_name}",
-    )
-    last_report()
-    return result
+        last_report()
+        return result

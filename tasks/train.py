@@ -13,6 +13,7 @@ from typing import Any
 from prefect import task
 
 from flows.config import RunConfig
+from flows.run_logs import module_logs_to_run
 from rl.trainer import Trainer
 from rollout.elastic import PolicyInputs
 from rollout.elastic_plan import ElasticPlanner
@@ -413,38 +414,39 @@ def train(
     the one the rollouts task sharing ``signals`` raises in signal ``started`` once its worker
     is up: the trainer loads meanwhile, and trains nothing when ``stop`` or ``processed``
     comes first."""
-    from tasks.report import ProgressReporter
+    with module_logs_to_run():
+        from tasks.report import ProgressReporter
 
-    if deadline is None and signals is None:
-        raise ValueError(
-            "the train task needs a deadline, or the signals key of a rollouts task that raises it"
-        )
-    progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps, deadline=deadline)
+        if deadline is None and signals is None:
+            raise ValueError(
+                "the train task needs a deadline, or the signals key of a rollouts task that raises it"
+            )
+        progress = ProgressReporter("Policy steps", total=config.stop.max_policy_steps, deadline=deadline)
 
-    store = run_store(config)
-    with (
-        watch_signal(store, signals, "stop") as stop,
-        watch_signal(store, signals, "processed") as processed,
-    ):
+        store = run_store(config)
+        with (
+            watch_signal(store, signals, "stop") as stop,
+            watch_signal(store, signals, "processed") as processed,
+        ):
 
-        def deadline_from_start() -> float:
-            started = deadline_once_started(store, signals, stop, processed)
-            end = time.time() if started is None else started
-            progress.time_toward(end)
-            return end
+            def deadline_from_start() -> float:
+                started = deadline_once_started(store, signals, stop, processed)
+                end = time.time() if started is None else started
+                progress.time_toward(end)
+                return end
 
-        result = run_trainer(
-            config,
-            deadline_from_start if deadline is None else deadline,
-            on_step=lambda row: progress.update(
-                row["step"],
-                detail=f"version {row['version']}, reward {row['reward_mean']:.2f}, "
-                f"masked {row['masked_fraction']:.3f}, staleness {row['staleness_mean']:.1f}",
-            ),
-            on_publish=lambda version: announce_version(config, version),
-            stop=stop,
-            drain=drain,
-            drain_event=processed,
-        )
-    progress.update(result["steps"], final=True)
-    return result
+            result = run_trainer(
+                config,
+                deadline_from_start if deadline is None else deadline,
+                on_step=lambda row: progress.update(
+                    row["step"],
+                    detail=f"version {row['version']}, reward {row['reward_mean']:.2f}, "
+                    f"masked {row['masked_fraction']:.3f}, staleness {row['staleness_mean']:.1f}",
+                ),
+                on_publish=lambda version: announce_version(config, version),
+                stop=stop,
+                drain=drain,
+                drain_event=processed,
+            )
+        progress.update(result["steps"], final=True)
+        return result

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import logging
 import os
 import re
 import sys
@@ -35,6 +36,7 @@ from rollout.ray_env import RayEnvPool
 from rollout.router import Router
 from storage.config import RunStore, StorageConfig
 from storage.shards import ShardReader
+from storage.status import ProcessOffset, ProcessOffsetBoard
 from storage.weights import WeightStore
 from tasks.rollout import run_rollouts
 from tests.conftest import one_ray_at_a_time
@@ -501,12 +503,15 @@ def test_run_rollouts_on_ray_writes_shards(run, tmp_path):
 
 @pytest.mark.slow
 def test_pipeline_flow_runs_its_tasks_on_ray(tmp_path, prefect_api):
-    """The three long-running tasks run as Ray tasks and return their counters.
+    """The three long-running tasks run as Ray tasks and return their counters, and what the
+    project's modules log in them reaches the flow run's logs, as it does from the flow's own
+    process (a saved process offset past the shards log: the processor warns and starts over).
 
     How many rollouts fit before the deadline depends on how fast Ray starts its workers,
     so only what holds for any count is asserted (rollouts themselves are checked above)."""
     from flows.pipeline import pipeline
     from tests.flows.conftest import tiny_config
+    from tests.flows.prefect_api import run_logs
 
     config = tiny_config(
         tmp_path / "runs",
@@ -516,10 +521,17 @@ def test_pipeline_flow_runs_its_tasks_on_ray(tmp_path, prefect_api):
         eval={"tasks_per_env": 2},
         stop={"max_seconds": 10},
     )
+    ProcessOffsetBoard(RunStore(config.storage, config.run_id)).publish(ProcessOffset(offset=999, time=0.0))
     state = pipeline(config, return_state=True)
     result = state.result()
 
     assert state.is_completed()
+    warned = [
+        message
+        for name, level, message in run_logs(state.state_details.flow_run_id)
+        if name == "rl.process_loop" and level == logging.WARNING
+    ]
+    assert len(warned) == 1 and warned[0].startswith("the saved process offset 999 is past the shards log")
     assert result["processed"].get("trajectories_in", 0) == result["rollouts"]["written"]
     assert result["trained"]["stop_reason"] == "max_seconds"
     store = RunStore(config.storage, config.run_id)
