@@ -480,7 +480,7 @@ def prefect_server(host: str, port: int, *options: str) -> tuple[list[str], dict
 def temporary_api() -> None:
     """Start a Prefect server of this process's own on 127.0.0.1 and point the Prefect API at
     it for the rest of the process (stopped at exit), when no API is set (environment or
-    profile): what a flow command does just before its flow run, after the checks that would
+    profile; an empty value sets none, as Prefect takes it): what a flow command does just before its flow run, after the checks that would
     fail it (the server takes seconds to start). Prefect's ephemeral mode starts its server in
     the command's process group: Ctrl-C stopped that server too, and the flow engine then tried
     for a minute or more to report the flow run Crashed to it, and ended with a ConnectError
@@ -492,7 +492,7 @@ def temporary_api() -> None:
         PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
     )
 
-    if PREFECT_API_URL.value() is not None:
+    if PREFECT_API_URL.value():
         return
     timeout = PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value()
     taken = []

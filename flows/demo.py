@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
     # an API the environment or the Prefect profile names (`prefect config set PREFECT_API_URL=…`) is kept
-    if PREFECT_API_URL.value() is None and _ui_running():
+    if not PREFECT_API_URL.value() and _ui_running():
         os.environ["PREFECT_API_URL"] = f"{UI_URL}/api"
         refresh_global_settings_context()
     from flows.cli import inspect_run, temporary_api, weight_versions, without_credentials

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pytest
 import torch
 from deltalake import write_deltalake
+from prefect.context import refresh_global_settings_context
 from prefect.settings import PREFECT_API_URL, temporary_settings
 
 from flows.cli import (
@@ -2111,6 +2112,37 @@ def test_the_demo_names_its_prefect_api_without_credentials(monkeypatch, capsys)
         flows.demo.main([])
     out = capsys.readouterr().out
     assert "Prefect: server http://127.0.0.1:4300/api" in out and "password" not in out
+
+
+def test_an_empty_prefect_api_url_names_no_api(monkeypatch):
+    """``PREFECT_API_URL=`` (set, but empty) names no API, as Prefect takes it (ephemeral mode):
+    a flow command started no temporary server of its own, and the demo did not use the UI's."""
+    import flows.demo
+    import flows.pipeline
+
+    class Started(Exception):
+        pass
+
+    def start_server(port):
+        raise Started(port)
+
+    monkeypatch.setattr(flows.cli, "_start_server", start_server)
+    with temporary_settings({PREFECT_API_URL: ""}), pytest.raises(Started):
+        flows.cli.temporary_api()
+
+    def pipeline(config):
+        raise KeyError("started")
+
+    with monkeypatch.context() as patched:
+        patched.setenv("PREFECT_API_URL", "")
+        patched.setattr(flows.demo, "_ui_running", lambda: True)
+        patched.setattr(flows.cli, "temporary_api", lambda: None)
+        patched.setattr(flows.pipeline, "pipeline", pipeline)
+        with temporary_settings({PREFECT_API_URL: ""}), pytest.raises(KeyError):
+            flows.demo.main([])
+        chosen = os.environ["PREFECT_API_URL"]
+    refresh_global_settings_context()  # the environment's value back in Prefect's settings
+    assert chosen == f"{flows.demo.UI_URL}/api"
 
 
 def test_the_demo_names_the_model_and_devices_it_runs_on(monkeypatch, capsys, tmp_path):
