@@ -480,11 +480,11 @@ def prefect_server(host: str, port: int, *options: str) -> tuple[list[str], dict
 def temporary_api() -> None:
     """Start a Prefect server of this process's own on 127.0.0.1 and point the Prefect API at
     it for the rest of the process (stopped at exit), when no API is set (environment or
-    profile; an empty value sets none, as Prefect takes it): what a flow command does just before its flow run, after the checks that would
-    fail it (the server takes seconds to start). Prefect's ephemeral mode starts its server in
-    the command's process group: Ctrl-C stopped that server too, and the flow engine then tried
-    for a minute or more to report the flow run Crashed to it, and ended with a ConnectError
-    traceback. This server has a session of its own, out of reach of the terminal's signals."""
+    profile; an empty value sets none, as Prefect takes it): what a flow command does just
+    before its flow run, after the checks that would fail it (the server takes seconds to
+    start). Prefect's ephemeral mode starts its server in the command's process group: Ctrl-C
+    stopped that server too, and the flow engine then tried for a minute or more to report the
+    flow run Crashed to it, and ended with a ConnectError traceback. This server has a session of its own, out of reach of the terminal's signals."""
     from prefect.context import refresh_global_settings_context
     from prefect.settings import (
         PREFECT_API_URL,
