@@ -283,7 +283,7 @@ def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """Every problem in ``table`` as ``(trajectory_id, column, what is wrong)``.
 
     Checks: required ids present (not null, empty or whitespace only), per-token lists of equal length with no null entry,
-    finite log-probs ≤ 0 and versions ≥ 0 on action tokens, turn indexes in
+    token ids ≥ 0, finite log-probs ≤ 0 and versions ≥ 0 on action tokens, turn indexes in
     [0, :data:`MAX_TURN`], ``status`` in
     :data:`STATUSES`, ``progress`` null or in [0, 1], ``reward`` null or finite, ``error``
     null or at most :data:`MAX_ERROR_CHARS` characters, and for
@@ -429,6 +429,10 @@ def _token_problems(
     worked out for a check that fails somewhere."""
     good = np.flatnonzero(~bad_rows)
     rows = batch if len(good) == batch.num_rows else batch.take(pa.array(good))
+    tokens = _flat(rows.column("tokens"), 0)
+    # a negative id (-100, the labels' ignore index) is in no vocabulary: the trainer would
+    # refuse the whole shard it lands in, every other row with it
+    tokens_ok = int(tokens.min(initial=0)) >= 0
     mask = _flat(rows.column("action_mask"), False)
     logprobs = _flat(rows.column("logprobs"), np.nan)
     versions = _flat(rows.column("versions"), -1)
@@ -439,19 +443,21 @@ def _token_problems(
     turn = _flat(rows.column("turn"), 0)
     # seen as unsigned, a negative index is above the bound too: one pass checks both ends
     turn_ok = int(turn.view(np.uint16).max(initial=0)) <= MAX_TURN
-    if logprobs_ok and versions_ok and train_ok and weight_ok and turn_ok:
+    if tokens_ok and logprobs_ok and versions_ok and train_ok and weight_ok and turn_ok:
         return []
     row_of_token = np.repeat(good, n_tokens[good])
     located = []
+    if not tokens_ok:
+        located.append((0, np.unique(row_of_token[tokens < 0]), "tokens", "negative token id"))
     if not logprobs_ok:
         nonfinite = np.unique(row_of_token[mask & ~np.isfinite(logprobs)])
         positive = np.setdiff1d(row_of_token[mask & (logprobs > LOGPROB_SLACK)], nonfinite)
-        located.append((0, nonfinite, "logprobs", "non-finite log-prob on an action token"))
-        located.append((0, positive, "logprobs", "positive log-prob on an action token"))
+        located.append((1, nonfinite, "logprobs", "non-finite log-prob on an action token"))
+        located.append((1, positive, "logprobs", "positive log-prob on an action token"))
     if not versions_ok:
         located.append(
             (
-                1,
+                2,
                 np.unique(row_of_token[mask & (versions < 0)]),
                 "versions",
                 "negative version on an action token",
@@ -459,14 +465,14 @@ def _token_problems(
         )
     if not train_ok:
         located.append(
-            (2, np.unique(row_of_token[train & ~mask]), "train_mask", "trains a token outside action_mask")
+            (3, np.unique(row_of_token[train & ~mask]), "train_mask", "trains a token outside action_mask")
         )
     if not weight_ok:
         bad_weight = ~(np.isfinite(weight) & (weight >= 0))
-        located.append((3, np.unique(row_of_token[bad_weight]), "loss_weight", "negative or non-finite"))
+        located.append((4, np.unique(row_of_token[bad_weight]), "loss_weight", "negative or non-finite"))
     if not turn_ok:
         bad_turn = (turn < 0) | (turn > MAX_TURN)
-        located.append((4, np.unique(row_of_token[bad_turn]), "turn", f"turn index outside [0, {MAX_TURN}]"))
+        located.append((5, np.unique(row_of_token[bad_turn]), "turn", f"turn index outside [0, {MAX_TURN}]"))
     return [(int(row), check, column, what) for check, bad, column, what in located for row in bad]
 
 

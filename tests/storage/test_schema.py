@@ -44,6 +44,7 @@ def test_a_valid_table_passes():
         ({"logprobs": [0.5] * 24}, "logprobs", "positive log-prob"),
         ({"versions": [-1] * 24}, "versions", "negative version"),
         ({"tokens": [None] + [7] * 23}, "tokens", "has null entries"),
+        ({"tokens": [-100] + [7] * 23}, "tokens", "negative token id"),
         ({"progress": 1.5}, "progress", "1.5 is outside [0, 1]"),
         ({"progress": float("nan")}, "progress", "nan is outside [0, 1]"),
         ({"reward": float("nan")}, "reward", "nan is not finite"),
@@ -292,6 +293,8 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     for row in rows:
         if any(len(row[name]) != len(row["tokens"]) or None in row[name] for name in token_columns):
             continue
+        if any(t < 0 for t in row["tokens"]):
+            errors.append((row["trajectory_id"], "tokens", "negative token id"))
         action = [i for i, generated in enumerate(row["action_mask"]) if generated]
         logprobs = [row["logprobs"][i] for i in action]
         if not all(np.isfinite(lp) for lp in logprobs):
@@ -327,7 +330,7 @@ def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypat
         record["versions"] = np.where(mask, 1, -1).tolist()
         record["train_mask"] = (mask & (rng.random(n) < 0.7)).tolist()
         record["loss_weight"] = [1.0] * n
-        fault = rng.integers(0, 14)
+        fault = rng.integers(0, 15)
         if fault == 1 and n:
             record["logprobs"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, 0.3]))
         elif fault == 2 and n:
@@ -355,6 +358,8 @@ def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypat
             record["execution_id"] = " \t"
         elif fault == 13:  # characters, not UTF-8 bytes, are counted: the bound and one past it
             record["error"] = "é" * int(rng.choice([MAX_ERROR_CHARS, MAX_ERROR_CHARS + 1]))
+        elif fault == 14 and n:
+            record["tokens"][int(rng.integers(n))] = -1
         records.append(record)
     table = to_table(records, PROCESSED_SCHEMA)
     table = pa.concat_tables([table.slice(0, len(records) // 2), table.slice(len(records) // 2)])
