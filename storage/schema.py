@@ -141,8 +141,9 @@ def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTOR
         values = [row.get(field.name) for row in rows]
         try:
             wide = _array(values, widened(field.type))
-        except (pa.ArrowException, TypeError, ValueError, OverflowError) as exc:
-            raise SchemaError(f"column {field.name!r}: cannot convert to {field.type}: {exc}") from exc
+        except _CONVERSION_ERRORS as exc:
+            where = _unconvertible_row(rows, values, widened(field.type))
+            raise SchemaError(f"{where}column {field.name!r}: cannot convert to {field.type}: {exc}") from exc
         columns[field.name] = wide.cast(field.type)
         if wide.type != field.type:
             beyond = np.flatnonzero(beyond_float32(wide, columns[field.name]))
@@ -151,6 +152,22 @@ def to_table(records: Iterable[Mapping[str, Any]], schema: pa.Schema = TRAJECTOR
                     _beyond_float32(rows[beyond[0]].get("trajectory_id"), beyond[0], field.name)
                 )
     return pa.table(columns, schema=schema)
+
+
+_CONVERSION_ERRORS = (pa.ArrowException, TypeError, ValueError, OverflowError)
+"""What :func:`_array` raises for a value that does not fit the column's type."""
+
+
+def _unconvertible_row(rows: list[Mapping[str, Any]], values: list[Any], type: pa.DataType) -> str:
+    """``"trajectory 'id', "`` (:func:`row_name`) of the first row whose value alone does not
+    convert to ``type``; ``""`` when each converts alone. Only run once a column failed."""
+    for row, value in enumerate(values):
+        try:
+            _array([value], type)
+        except _CONVERSION_ERRORS:
+            trajectory_id = rows[row].get("trajectory_id")
+            return row_name(trajectory_id if isinstance(trajectory_id, str) else None, row) + ", "
+    return ""
 
 
 def _array(values: list[Any], type: pa.DataType) -> pa.Array:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -167,6 +169,23 @@ def test_type_and_missing_column_errors_name_the_column():
 def test_a_float_or_bool_given_for_an_integer_column_is_refused_not_truncated(change, column):
     with pytest.raises(SchemaError, match=f"column '{column}': cannot convert to .*int"):
         to_table([make_record(0) | change])
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"tokens": [1.5] * 24}, "trajectory 't2', column 'tokens'"),
+        ({"reward": "high"}, "trajectory 't2', column 'reward'"),
+        ({"trajectory_id": 7}, "row 2 (trajectory id None), column 'trajectory_id'"),
+    ],
+)
+def test_a_value_that_cannot_be_converted_is_named_with_its_trajectory(change, named):
+    """A batch of records (a POST /v1/records body) with one bad value was refused naming only
+    the column, so its sender could not tell which record to mend."""
+    records = [make_record(i) for i in range(4)]
+    records[2] |= change
+    with pytest.raises(SchemaError, match=re.escape(f"{named}: cannot convert to ")):
+        to_table(records)
 
 
 @pytest.mark.parametrize(
