@@ -265,8 +265,8 @@ def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
     table = table.select(schema.names)
     try:
         cast_table = table.cast(schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
-        raise SchemaError(f"cannot cast to the canonical schema: {exc}") from exc
+    except _CAST_ERRORS as exc:
+        raise SchemaError(f"{_uncastable(table, schema)}cannot cast to the canonical schema: {exc}") from exc
     for field in schema:
         column = table.column(field.name)
         if column.type == field.type:
@@ -276,6 +276,44 @@ def cast(table: pa.Table, schema: pa.Schema = TRAJECTORY_SCHEMA) -> pa.Table:
             trajectory_id = cast_table.column("trajectory_id")[beyond[0]].as_py()
             raise SchemaError(_beyond_float32(trajectory_id, beyond[0], field.name))
     return cast_table
+
+
+_CAST_ERRORS = (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError)
+"""What Arrow's cast raises for a value or a type that does not fit."""
+
+
+def _uncastable(table: pa.Table, schema: pa.Schema) -> str:
+    """``"trajectory 'id', column 'x': "`` (:func:`row_name`) for the first column of
+    ``table`` that does not cast to its ``schema`` type and the first row of it that does
+    not (only the column, and its type, when no value of that type casts); ``""`` when
+    each column casts alone. Only run once a cast failed."""
+    for field in schema:
+        column = table.column(field.name)
+        if _casts(column, field.type, np.arange(len(column))):
+            continue
+        if not _casts(column, field.type, np.arange(0)):
+            return f"column {field.name!r} has type {column.type}, expected {field.type}: "
+        low, high = 0, len(column)  # the first row that fails lies in [low, high)
+        while high - low > 1:
+            middle = (low + high) // 2
+            if _casts(column, field.type, np.arange(low, middle)):
+                low = middle
+            else:
+                high = middle
+        trajectory_id = table.column("trajectory_id")[low].as_py()
+        name = row_name(trajectory_id if isinstance(trajectory_id, str) else None, low)
+        return f"{name}, column {field.name!r}: "
+    return ""
+
+
+def _casts(column: pa.ChunkedArray, type: pa.DataType, rows: np.ndarray) -> bool:
+    """Whether ``column``'s ``rows`` cast to ``type``: taken, not sliced, as a sliced list
+    casts every value of the lists around it too."""
+    try:
+        column.take(rows).cast(type)
+    except _CAST_ERRORS:
+        return False
+    return True
 
 
 ID_COLUMNS = ("trajectory_id", "execution_id", "task", "prompt_id")

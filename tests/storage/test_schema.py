@@ -250,6 +250,34 @@ def test_cast_refuses_a_column_of_another_kind_for_an_integer_or_boolean_one(col
         cast(table)
 
 
+@pytest.mark.parametrize(
+    ("column", "values"),
+    [
+        ("tokens", pa.array([[7] * 24, [7] * 23 + [2**40], [2**40] * 24], pa.list_(pa.int64()))),
+        ("turn", pa.array([[0] * 24, [40000] * 24, [0] * 24], pa.list_(pa.int64()))),
+        ("reward", pa.array(["1", "high", "x"])),
+    ],
+)
+def test_a_value_cast_cannot_fit_is_named_with_its_trajectory_and_column(column, values):
+    """Arrow's own message (``Integer value 1099511627776 not in range``) named neither the
+    column nor the row."""
+    table = make_table(0, 3)
+    table = table.set_column(table.schema.get_field_index(column), column, values)
+    table = pa.concat_tables([table.slice(0, 1), table.slice(1)])  # the row in a later chunk
+    with pytest.raises(SchemaError, match=f"^trajectory 't1', column '{column}': cannot cast to "):
+        cast(table)
+
+
+def test_a_column_whose_type_cast_cannot_fit_is_named_with_its_type_not_a_row():
+    table = make_table(0, 2)
+    timing = pa.array(["1 s", "2 s"])
+    table = table.set_column(table.schema.get_field_index("timing"), "timing", timing)
+    with pytest.raises(
+        SchemaError, match="^" + re.escape(f"column 'timing' has type {timing.type}, expected")
+    ):
+        cast(table)
+
+
 def test_cast_takes_integers_in_any_list_layout():
     table = make_table(0, 2)
     for layout in (pa.large_list(pa.int64()), pa.list_(pa.int64(), 24)):
