@@ -215,8 +215,11 @@ def beyond_float32(wide: pa.Array | pa.ChunkedArray, narrow: pa.Array | pa.Chunk
         if entries.any():
             rows[pc.list_parent_indices(wide).to_numpy()[entries]] = True
     elif pa.types.is_struct(wide.type):
-        for wide_field, narrow_field in zip(wide.flatten(), narrow.flatten(), strict=True):
-            rows |= beyond_float32(wide_field, narrow_field)
+        # by name: a cast matches a struct's fields so, whatever their order or number
+        wide_fields = dict(zip([field.name for field in wide.type], wide.flatten(), strict=True))
+        for field, narrow_field in zip(narrow.type, narrow.flatten(), strict=True):
+            if field.name in wide_fields:
+                rows |= beyond_float32(wide_fields[field.name], narrow_field)
     return rows
 
 

@@ -278,6 +278,33 @@ def test_a_column_whose_type_cast_cannot_fit_is_named_with_its_type_not_a_row():
         cast(table)
 
 
+@pytest.mark.parametrize(
+    "timing",
+    [
+        {"init": 0.1, "run": 1.0, "eval": 0.2},
+        {"init": 0.1, "run": 1.0, "eval": 0.2, "queue": 0.0, "load": 3.0},
+        {"queue": 0.0, "eval": 0.2, "run": 1.0, "init": 0.1},
+    ],
+    ids=["one-entry-short", "one-entry-more", "reordered"],
+)
+def test_cast_takes_a_timing_struct_of_other_entries_by_name(timing):
+    """A timing struct of three entries or five raised zip()'s ValueError (the float32 range
+    check paired the entries by position), not a cast nor a SchemaError."""
+    records = [make_record(i) | {"timing": timing} for i in range(2)]
+    cast_timing = cast(pa.Table.from_pylist(records)).column("timing").to_pylist()
+    expected = {key: timing.get(key) for key in ("init", "run", "eval", "queue")}
+    assert cast_timing == [pytest.approx(expected)] * 2
+
+
+def test_a_timing_entry_beyond_float32s_range_is_found_by_name_in_a_reordered_struct():
+    records = [
+        make_record(i) | {"timing": {"run": 1.0, "init": 0.1, "eval": 0.2, "queue": 0.0}} for i in range(2)
+    ]
+    records[1]["timing"] = {"run": 1e39, "init": float("nan"), "eval": 0.2, "queue": 0.0}
+    with pytest.raises(SchemaError, match="trajectory 't1', column 'timing': a number beyond float32"):
+        cast(pa.Table.from_pylist(records))
+
+
 def test_cast_takes_integers_in_any_list_layout():
     table = make_table(0, 2)
     for layout in (pa.large_list(pa.int64()), pa.list_(pa.int64(), 24)):
