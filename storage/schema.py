@@ -322,7 +322,8 @@ def _casts(column: pa.ChunkedArray, type: pa.DataType, rows: np.ndarray) -> bool
 ID_COLUMNS = ("trajectory_id", "execution_id", "task", "prompt_id")
 """Columns that must hold a string with something other than whitespace in it: the
 identity of a trajectory. ``parent_id`` and ``group_id`` are null where there is no
-parent or group, and ``engine`` is only informative."""
+parent or group (a blank ``group_id`` is refused: GRPO would take every row holding it, of
+any prompt, as one group), and ``engine`` is only informative."""
 
 PROCESSED_TOKEN_COLUMNS = ("train_mask", "loss_weight")
 """Per-token list columns only processed records have."""
@@ -340,7 +341,8 @@ TOKEN_BLOCK = 1 << 18
 def find_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
     """Every problem in ``table`` as ``(trajectory_id, column, what is wrong)``.
 
-    Checks: required ids present (not null, empty or whitespace only), per-token lists of equal length with no null entry,
+    Checks: required ids present (not null, empty or whitespace only), ``group_id`` null or
+    not blank, per-token lists of equal length with no null entry,
     token ids ≥ 0, finite log-probs ≤ 0 and versions ≥ 0 on action tokens, turn indexes in
     [0, :data:`MAX_TURN`], ``status`` in
     :data:`STATUSES`, ``progress`` null or in [0, 1], ``reward`` null or finite, ``error``
@@ -432,6 +434,11 @@ def _problems(table: pa.Table) -> list[_Problem]:
         for row in np.flatnonzero(_blank_strings(column)):
             what = "missing id" if not column[row].as_py() else "id is whitespace only"
             add((0, row, position), row, name, what)
+
+    group = table.column("group_id")
+    blank_group = pc.is_valid(group).to_numpy(zero_copy_only=False) & _blank_strings(group)
+    for row in np.flatnonzero(blank_group):
+        add((0, row, len(ID_COLUMNS)), row, "group_id", "id is blank; a row of no group has a null group_id")
 
     lengths = {name: _list_lengths(table.column(name)) for name in token_columns}
     n_tokens = lengths["tokens"]

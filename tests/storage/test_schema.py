@@ -113,7 +113,18 @@ def test_a_blank_id_is_refused_and_a_blank_trajectory_id_is_named_by_its_row(col
     assert str(info.value) == f"{who}, column {column!r}: {what}"
 
 
-def test_optional_ids_may_be_null_or_blank():
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_group_id_is_refused_not_taken_as_one_group_of_every_such_row(blank):
+    """A record sent to POST /v1/records with ``group_id: ""`` (no group, as a client without
+    null writes it) validated, and GRPO then took every such row, of any prompt, as one group."""
+    records = [make_record(i) for i in range(3)]
+    records[1]["group_id"] = blank
+    assert find_errors(to_table(records)) == [
+        ("t1", "group_id", "id is blank; a row of no group has a null group_id")
+    ]
+
+
+def test_parent_and_group_ids_may_be_null_and_the_engine_blank():
     records = [make_record(i) for i in range(2)]
     records[0] |= {"group_id": None, "parent_id": None, "engine": None}
     records[1] |= {"group_id": "g", "parent_id": "t0", "branch_at": 4, "engine": ""}
@@ -336,6 +347,10 @@ def _reference_errors(table: pa.Table) -> list[tuple[str | None, str, str]]:
                 errors.append((row["trajectory_id"], name, "missing id"))
             elif row[name].isspace():
                 errors.append((row["trajectory_id"], name, "id is whitespace only"))
+        if row["group_id"] is not None and not row["group_id"].strip():
+            errors.append(
+                (row["trajectory_id"], "group_id", "id is blank; a row of no group has a null group_id")
+            )
     for name in token_columns:
         for row in rows:
             if len(row[name]) != len(row["tokens"]):
@@ -404,7 +419,7 @@ def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypat
         record["versions"] = np.where(mask, 1, -1).tolist()
         record["train_mask"] = (mask & (rng.random(n) < 0.7)).tolist()
         record["loss_weight"] = [1.0] * n
-        fault = rng.integers(0, 15)
+        fault = rng.integers(0, 16)
         if fault == 1 and n:
             record["logprobs"][int(rng.integers(n))] = float(rng.choice([np.nan, np.inf, 0.3]))
         elif fault == 2 and n:
@@ -434,6 +449,8 @@ def test_find_errors_matches_a_row_by_row_reference(seed, token_block, monkeypat
             record["error"] = "é" * int(rng.choice([MAX_ERROR_CHARS, MAX_ERROR_CHARS + 1]))
         elif fault == 14 and n:
             record["tokens"][int(rng.integers(n))] = -1
+        elif fault == 15:
+            record["group_id"] = str(rng.choice(["", " ", "g"]))
         records.append(record)
     table = to_table(records, PROCESSED_SCHEMA)
     table = pa.concat_tables([table.slice(0, len(records) // 2), table.slice(len(records) // 2)])
