@@ -292,10 +292,10 @@ def wait_until_free(
     if free(first):
         return
     log.warning(
-        "%s: a running holder published its status %.1f s ago; waiting up to %.0f s for it to go "
+        "%s: a running holder published its status %s; waiting up to %.0f s for it to go "
         "stale (one that died) before taking its place",
         what,
-        time.time() - first.time,
+        _written(first.time, time.time()),
         max_age_s,
     )
     while True:
@@ -306,8 +306,16 @@ def wait_until_free(
         if current.time != first.time:
             raise InUse(
                 f"{what} is in use: a running process updated its status "
-                f"{time.time() - current.time:.1f} s ago; {advice}"
+                f"{_written(current.time, time.time())}; {advice}"
             )
+
+
+def _written(written: float, now: float) -> str:
+    """When a status written at ``written`` (its writer's clock) was written, seen at ``now``:
+    a writer whose clock is ahead of this one's dates it in the future."""
+    if written <= now:
+        return f"{now - written:.1f} s ago"
+    return f"dated {written - now:.0f} s ahead of this machine's clock"
 
 
 def summarize(

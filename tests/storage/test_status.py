@@ -436,3 +436,20 @@ def test_a_status_write_that_fails_leaves_no_temp_file(local_store, monkeypatch)
     assert local_store.fs.ls(local_store.path(ROLLOUT_STATUS_PREFIX), detail=False) == [
         local_store.path(ROLLOUT_STATUS_PREFIX, "w0.json")
     ]
+
+
+def test_a_holder_whose_clock_is_ahead_is_said_to_be_ahead_not_negative_seconds_old(caplog):
+    """Its status was said to be published "-10.0 s ago", a clue to nothing."""
+    ahead = time.time() + 10
+    statuses = iter([ahead, ahead + 2])
+
+    def read() -> RolloutStatus:
+        return RolloutStatus(
+            worker="w0", time=next(statuses), engine_queue_depth=0, live_sessions=0, running=True
+        )
+
+    with caplog.at_level(logging.WARNING, logger="storage.status"), pytest.raises(InUse) as raised:
+        wait_until_free(read, "w0", "rename it", max_age_s=30, poll_s=0)
+    assert "published its status dated 10 s ahead of this machine's clock;" in caplog.text
+    assert "updated its status dated 12 s ahead of this machine's clock;" in str(raised.value)
+    assert " s ago" not in caplog.text + str(raised.value)
