@@ -4,7 +4,7 @@ A small server (:data:`SERVER`, stdlib only) runs in the sandbox, says ``ready``
 then reads one JSON request per line on stdin (``{"code": "...", "id": nonce}``); it executes
 the code in one persistent namespace, echoes the value of a final expression like a REPL, and
 answers one JSON line (``{"id", "output", "error", "truncated"}``) on its original stdout.
-Output is captured from ``sys.stdout``/``sys.stderr`` (one object for every run, so that a
+Output is captured from ``sys.stdout``/``sys.stderr`` and their ``buffer`` (one object for every run, so that a
 stream the code kept, a logging handler's, writes to the run going on) and capped inside the
 server at ``max_output_bytes`` bytes of UTF-8; bytes that child processes write straight to
 file descriptors are discarded. The code's stdin is ``/dev/null``: ``input()`` raises ``EOFError``
@@ -53,8 +53,21 @@ proto.write("ready\n"); proto.flush()
 class OutputLimit(BaseException):
     pass
 
+class CappedBytes(io.BufferedIOBase):
+    # sys.stdout.buffer: bytes written there join the same capped output, in order
+    def __init__(self, text):
+        self.text = text
+    def writable(self):
+        return True
+    def write(self, b):
+        data = bytes(memoryview(b))
+        self.text.write(data.decode("utf-8", "replace"))
+        return len(data)
+
 class Capped(io.TextIOBase):
+    encoding = "utf-8"
     def __init__(self):
+        self.buffer = CappedBytes(self)
         self.clear()
     def clear(self):
         self.parts, self.size = [], 0

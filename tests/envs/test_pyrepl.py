@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from envs.pyrepl import PythonRepl
+from envs.pyrepl import PythonRepl, ReplResult
 from envs.sandbox import Sandbox, SandboxConfig, SandboxError
 
 SMALL = SandboxConfig(cpu_seconds=5, memory_mb=256, max_processes=32, timeout_s=10)
@@ -46,5 +46,21 @@ def test_an_interpreter_out_of_cpu_time_says_the_limit_counts_every_run_since_it
                 repl.run(busy.format(0.5))  # killed at 1 s of the interpreter's, under 0.5 s of its own
             assert exc.value.kind == "cpu_limit"
             assert "counted over every run since it started" in exc.value.reason
+        finally:
+            repl.close()
+
+
+def test_code_that_writes_bytes_to_stdouts_buffer_prints_them_in_order_and_capped():
+    """``sys.stdout.buffer.write(b'...')``, the fast output of competitive programming, raised
+    AttributeError ('Capped' object has no attribute 'buffer'), and ``sys.stdout.encoding`` was
+    None, where plain Python has both."""
+    with Sandbox(SMALL.model_copy(update={"max_output_bytes": 256})) as sandbox:
+        repl = PythonRepl(sandbox)
+        try:
+            code = "import sys\nprint('a')\nn = sys.stdout.buffer.write(b'1 2\\n')\nsys.stdout.buffer.flush()\nn, sys.stdout.encoding"
+            assert repl.run(code) == ReplResult("a\n1 2\n(4, 'utf-8')\n", None, False)
+            with pytest.raises(SandboxError) as exc:
+                repl.run("sys.stdout.buffer.write(b'x' * 300)")
+            assert exc.value.kind == "output_limit" and exc.value.output == "x" * 256
         finally:
             repl.close()
