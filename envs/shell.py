@@ -1,17 +1,19 @@
 """A persistent bash on a pseudo-terminal inside a sandbox.
 
 The shell survives between actions (``cd``, exported variables and files persist). Each command
-is sent as one ``eval $'…'`` with stdin from ``/dev/null``, followed on the same line by a
-``printf`` of an end marker that holds a fresh random nonce, the exit status and the working
-directory the command left (a shell killed for a command starts afresh there), so neither the
-command's output nor a guess can fake the end of a command. The marker goes to descriptor
+is sent as one ``\\builtin eval $'…'`` with stdin from ``/dev/null``, followed on the same
+line by a ``printf`` of an end marker that holds a fresh random nonce, the exit status and the
+working directory the command left (a shell killed for a command starts afresh there), so neither
+the command's output nor a guess can fake the end of a command. The marker goes to descriptor
 ``MARK_FD``, a copy of the terminal the shell opens as it starts, so a command that sends its
-own output elsewhere (``exec >out.log 2>&1``) still ends. It is ``builtin printf``, which a
-function named ``printf`` does not shadow. A command that closes or moves ``MARK_FD``, defines
-a function named ``builtin`` or disables the builtin (``enable -n printf``) does hide it, and
-runs into its timeout like one that never ends. (It stays open through the command: closed
-for it and restored after, it would have to be made again at its number, which a command
-that lowered ``ulimit -n`` below it forbids, and the shell would die.)
+own output elsewhere (``exec >out.log 2>&1``) still ends. Both go through ``\\builtin``, which
+no function or alias of the agent's named ``eval`` or ``printf`` shadows, nor (quoted) an alias
+named ``builtin``. A command that closes or moves ``MARK_FD``, defines a function named
+``builtin`` (bash lets one shadow any builtin, and every way to reach one can be a function) or
+disables the builtin (``enable -n printf``) does hide it, and runs into its timeout like one
+that never ends. (It stays open through the command: closed for it and restored after, it would
+have to be made again at its number, which a command that lowered ``ulimit -n`` below it
+forbids, and the shell would die.)
 
 The terminal is switched to non-canonical mode with echo off (no line-length limit, no echoed
 input), set again before each command, and bash runs without readline. ``PAGER`` and
@@ -161,12 +163,12 @@ class Shell:
         # next command would show in its own output, and past 4095 bytes, cut, never end
         termios.tcsetattr(self.fd, termios.TCSANOW, self._modes)
         nonce = secrets.token_hex(8)
-        body = f"eval {ansi_c_quote(command)} </dev/null" if wrap else command
+        body = f"\\builtin eval {ansi_c_quote(command)} </dev/null" if wrap else command
         # one line, which bash reads whole before it runs any of it: a printf on a line of its
         # own could stay in the terminal past bash's 1024-byte read, for the command to read.
         # Its trace (``set -x``) goes nowhere; "${PWD-}": with ``set -u`` an unset PWD is an error
         template = f"'\\036TRD{nonce}:%s:%.{MAX_CWD_BYTES}s\\036'"
-        marker = f'builtin printf {template} "$?" "${{PWD-}}" >&{MARK_FD}'
+        marker = f'\\builtin printf {template} "$?" "${{PWD-}}" >&{MARK_FD}'
         line = f"{body}; {{ {marker}; }} 2>/dev/null\n"
         started = time.monotonic()
         if not write_all(self.fd, line.encode(), started + timeout, self._wake):

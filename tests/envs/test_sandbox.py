@@ -1095,6 +1095,22 @@ def test_a_command_that_sends_its_output_elsewhere_leaves_the_end_marker_reachab
             assert shell.run("builtin echo $X").output == "kept\n"
 
 
+@pytest.mark.parametrize(
+    "definition", ["eval() { echo hijacked; }", "alias eval='echo hijacked'", "alias builtin='echo hijacked'"]
+)
+def test_a_function_or_alias_the_agent_names_like_the_shells_wrapper_leaves_later_commands_their_meaning(
+    definition,
+):
+    """Each command ran as ``eval $'…'``: an agent's function or alias named ``eval`` ran
+    in place of every later command (which printed 'hijacked' instead of what it said), and an
+    alias named ``builtin`` hid every end marker, each command a timeout."""
+    with Sandbox(SMALL) as box:
+        shell = Shell(box)
+        shell.run(f"X=kept; {definition}", timeout=2)
+        result = shell.run("echo $X; (exit 3)", timeout=2)
+        assert (result.output, result.exit_code) == ("kept\n", 3)
+
+
 def test_a_traced_shell_shows_the_commands_trace_and_not_the_end_markers():
     """With ``set -x`` (an agent debugging its script) every command's output ended on the
     trace of the shell's own end-marker ``printf``, its nonce and working directory."""
