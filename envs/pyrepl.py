@@ -4,10 +4,10 @@ A small server (:data:`SERVER`, stdlib only) runs in the sandbox, says ``ready``
 then reads one JSON request per line on stdin (``{"code": "...", "id": nonce}``); it executes
 the code in one persistent namespace, echoes the value of a final expression like a REPL, and
 answers one JSON line (``{"id", "output", "error", "truncated"}``) on its original stdout.
-Output is captured from ``sys.stdout``/``sys.stderr`` and their ``buffer`` (one object for every run, so that a
-stream the code kept, a logging handler's, writes to the run going on) and capped inside the
-server at ``max_output_bytes`` bytes of UTF-8; bytes that child processes write straight to
-file descriptors are discarded. The code's stdin is ``/dev/null``: ``input()`` raises ``EOFError``
+Output is captured from ``sys.stdout``/``sys.stderr`` and their ``buffer`` (one object for
+every run, so that a stream the code kept, a logging handler's, writes to the run going on) and
+capped inside the server at ``max_output_bytes`` bytes of UTF-8; bytes that child processes
+write straight to file descriptors are discarded. The code's stdin is ``/dev/null``: ``input()`` raises ``EOFError``
 rather than waiting on the request channel. A copy of the server that the code forks exits once
 the code is done in it, without answering or reading another request. The sandbox's
 ``cpu_seconds`` (RLIMIT_CPU) holds the interpreter over its whole life, not each run: one killed
