@@ -23,7 +23,8 @@ so the splits never share a prompt, even one that occurs under several ids or wi
 newline; ``id_field`` only names the task. A prompt given again must come with the same
 reference (the same number, for the numeric verifier): with another, one answer would score 1
 on one task and 0 on its twin, and the load fails naming both rows of the first such prompt
-and how many rows more are like it.
+and how many rows more are like it. An id (``id_field``) given again must come with the same
+prompt: the split goes by the prompt, so one id over two would name a task of each split.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
         raise ValueError(f"{config.path} holds no rows")
     required = (config.prompt_field, config.answer_field, *([config.id_field] if config.id_field else []))
     asked: dict[str, tuple[str, str]] = {}  # prompt, as the split keys it -> its first answer, where
+    named: dict[str, tuple[str, str]] = {}  # id -> its first prompt, as the split keys it, where
     conflicts: list[str] = []
     for place, row in zip(places, rows, strict=True):
         where = f"{place} of {config.path}"
@@ -240,6 +242,14 @@ def _read_rows(config: DatasetConfig) -> tuple[dict, ...]:
         if config.verifier == "numeric" and not _is_number(row[config.answer_field]):
             raise ValueError(f"{where}: reference is not a number: {row[config.answer_field]!r:.80}")
         prompt, answer = row[config.prompt_field].strip(), row[config.answer_field]
+        if config.id_field:
+            # one id over two prompts would be one task name in both splits
+            named_prompt, named_place = named.setdefault(row[config.id_field], (prompt, place))
+            if named_prompt != prompt:
+                raise ValueError(
+                    f"{where}: id {row[config.id_field]!r:.80} names the prompt {prompt!r:.80}, but "
+                    f"{named_prompt!r:.80} at {named_place}: give each prompt an id of its own"
+                )
         first, first_place = asked.setdefault(prompt, (answer, place))
         if not _same_reference(answer, first, config.verifier):
             # the same answer would score 1 on one task and 0 on its twin

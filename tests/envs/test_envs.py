@@ -1977,6 +1977,28 @@ def test_dataset_split_keeps_a_prompt_under_many_ids_in_one_split(tmp_path):
     assert {t.id for t in train} | {t.id for t in evals} == {row["qid"] for row in rows}
 
 
+@pytest.mark.parametrize("name", ["data.jsonl", "data.parquet"])
+def test_dataset_refuses_an_id_given_to_two_prompts(tmp_path, name):
+    """Two prompts under one id were two tasks of one name, each split by its own prompt: the
+    id was held out for eval and trained on, and the trajectories' prompt_id named both."""
+    rows = [{"qid": f"id{i}", "prompt": f"q{i}", "answer": str(i)} for i in range(4)]
+    rows += [{"qid": "id1", "prompt": " q1\n", "answer": "1"}, {"qid": "id2", "prompt": "q2", "answer": "2"}]
+    rows += [{"qid": "id3", "prompt": "q7", "answer": "7"}]
+    path = tmp_path / name
+    if name.endswith(".parquet"):
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        first, second = "row 3", "row 6"
+    else:
+        path.write_text("\n".join(map(json.dumps, rows)))
+        first, second = "line 4", "line 7"
+    with pytest.raises(
+        ValueError,
+        match=rf"{second} of .*{name}: id 'id3' names the prompt 'q7', but 'q3' at {first}: give each "
+        "prompt an id of its own",
+    ):
+        task_set("dataset", "train", 0, 1, {"path": str(path), "id_field": "qid"})
+
+
 def test_dataset_split_keeps_a_prompt_written_with_surrounding_whitespace_in_one_split(tmp_path):
     rows = [{"prompt": prompt, "answer": str(i)} for i in range(100) for prompt in (f"q{i}", f" q{i}\n")]
     path = tmp_path / "data.jsonl"
