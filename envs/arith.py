@@ -7,6 +7,7 @@ never has its commuted twin in train.
 from __future__ import annotations
 
 import random
+import re
 from typing import Literal
 
 from pydantic import Field
@@ -62,6 +63,23 @@ def split_key(a: int, op: str, b: int) -> str:
     return f"{a}{op}{b}="
 
 
+INTEGER = re.compile(r"([+\-\u2212]?)([0-9]+)\.?")
+"""An integer as a model may write one: a sign (``+``, or U+2212, the typeset minus) and a
+period ending its sentence."""
+
+
+def written_number(answer: str) -> str:
+    """``answer`` less the whitespace around it, as ``str(int)`` writes the integer it holds
+    (``+047.`` is ``47``); one that holds none, as it is. No ``int()``: past 4300 digits it raises."""
+    text = answer.strip()
+    match = INTEGER.fullmatch(text)
+    if match is None:
+        return text
+    sign, digits = match.groups()
+    digits = digits.lstrip("0") or "0"
+    return f"-{digits}" if sign in ("-", "\u2212") and digits != "0" else digits
+
+
 def digit_progress(answer: str, expected: int) -> float:
     """Share of the expected digits the answer has right, aligned from the right."""
     want = str(expected)
@@ -71,7 +89,8 @@ def digit_progress(answer: str, expected: int) -> float:
 
 
 class ArithEnv(Env):
-    """Answer ``a+b=`` with the number; reward 1 when exact, progress = share of right digits."""
+    """Answer ``a+b=`` with the number; reward 1 when exact (however its sign is written, with
+    leading zeros or a period after it), progress = share of right digits."""
 
     name = "arith"
     config_cls = ArithConfig
@@ -108,7 +127,7 @@ class ArithEnv(Env):
 
     async def step(self, action: str) -> StepResult:
         task = self._next_turn()
-        self.answer = action.strip()
+        self.answer = written_number(action)
         expected = solve(task.data["a"], task.data["op"], task.data["b"])
         reward = float(self.answer == str(expected))
         return self._ended(

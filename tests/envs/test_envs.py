@@ -141,6 +141,15 @@ def test_arith_commuted_twins_share_a_split():
         ("+", "74", 0.0, 0.0),
         ("-", "-23", 1.0, 1.0),
         ("-", "23", 0.0, 2 / 3),
+        # the number written another way is the number: a sign, a sentence's period, a typeset minus
+        ("+", "+47", 1.0, 1.0),
+        ("+", "47.", 1.0, 1.0),
+        ("+", "047", 1.0, 1.0),
+        ("-", "\u221223", 1.0, 1.0),
+        ("-", " -23.\n", 1.0, 1.0),
+        ("+", "47..", 0.0, 0.0),
+        ("+", "4 7", 0.0, 1 / 3),
+        ("+", "9" * 5000, 0.0, 0.0),  # past int()'s 4300 digits: wrong, not a ValueError
     ],
 )
 def test_arith_rewards_the_exact_answer_and_scores_digits_right_from_the_right(op, action, reward, progress):
