@@ -115,7 +115,7 @@ def _numeric(answer: str, reference: str, tolerance: float) -> float:
     floats: two long numerals one float apart (``2**64`` and ``2**64 - 1``) are one number as
     floats, and a numeral past the float range (``1e999``) is infinity."""
     try:
-        got, want = Decimal(answer), Decimal(reference)
+        got, want = Decimal(_numeral(answer)), Decimal(_numeral(reference))
     except InvalidOperation:
         return 0.0
     if got.is_nan() or want.is_nan():
@@ -126,6 +126,11 @@ def _numeric(answer: str, reference: str, tolerance: float) -> float:
         return float(abs(got - want) <= Decimal(repr(tolerance)))
     except Overflow:  # a difference past the decimal range is past any tolerance
         return 0.0
+
+
+def _numeral(text: str) -> str:
+    """``text`` as Python reads a number: U+2212, the typeset minus (``−5``, ``1e−6``), as ``-``."""
+    return text.strip().replace("\u2212", "-")
 
 
 def make_verifier(config: DatasetConfig) -> Callable[[str, str], float]:
@@ -299,7 +304,7 @@ def _text(value: object) -> str:
 def _is_number(text: str) -> bool:
     """Whether the numeric verifier can ever match ``text`` (NaN equals nothing)."""
     try:
-        return not math.isnan(float(text.strip()))
+        return not math.isnan(float(_numeral(text)))
     except ValueError:
         return False
 

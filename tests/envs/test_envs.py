@@ -2096,12 +2096,25 @@ def test_dataset_verifier_returning_nan_scores_zero(tmp_path):
         ("inf", "inf", 1.0),
         ("1", "1e999999999", 0.0),
         ("1", "sNaN", 0.0),
+        ("-5", "\u22125", 1.0),  # U+2212, the typeset minus
+        ("\u22125", "-5.", 1.0),
+        ("-5", "\u2212\u22125", 0.0),
+        ("0", "1e\u22127", 1.0),
     ],
 )
 def test_dataset_numeric_verifier_compares_the_numbers_written_not_their_floats(reference, answer, score):
     task = Task(env="dataset", id="q", prompt="q", data={"answer": reference})
     result, final = asyncio.run(play("dataset", task, [answer], verifier="numeric"))
     assert result.reward == final == score
+
+
+def test_dataset_numeric_verifier_takes_a_reference_written_with_the_typeset_minus(tmp_path):
+    """It was refused as no number, though the answer ``-5`` is the number it writes."""
+    path = tmp_path / "data.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": f"\u2212{i}"}) for i in range(20)))
+    task = task_set("dataset", "train", 0, 1, {"path": str(path), "verifier": "numeric"})[0]
+    result, _ = asyncio.run(play("dataset", task, [f"-{task.prompt[1:]}"], verifier="numeric"))
+    assert result.reward == 1.0
 
 
 def test_registry_knows_every_env():
