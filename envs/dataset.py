@@ -333,9 +333,27 @@ def _json_rows(path: str, data: bytes) -> tuple[list, list[str]]:
             try:
                 rows.append(json.loads(line))
             except ValueError as exc:
+                _refuse_one_object(path, text)
                 raise ValueError(f"{path} line {number}: {exc}") from exc
             places.append(f"line {number}")
     return rows, places
+
+
+def _refuse_one_object(path: str, text: str) -> None:
+    """Raise, saying so, where a ``.json`` file that does not read as JSON lines is one object
+    over several lines (its rows under a key, as some Hugging Face files keep them): its first
+    line alone is no JSON, and saying only that would call a valid file malformed."""
+    if not path.endswith(".json"):
+        return
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return
+    if isinstance(value, dict):
+        raise ValueError(
+            f"{path} holds one JSON object (keys: {sorted(value)!r:.200}), not an array of rows nor "
+            "one row a line: write its rows as a JSON array or JSON lines"
+        )
 
 
 class DatasetEnv(Env):

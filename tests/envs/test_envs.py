@@ -1767,6 +1767,12 @@ def test_dataset_regex_verifier_has_a_time_limit_and_leaves_the_event_loop_free(
             "marked.jsonl line 2 is not UTF-8",
         ),
         ("array.json", b'[{"prompt": "q", "answer": "a"},', {}, "array.json: not valid JSON"),
+        (  # a Hugging Face or SQuAD-style file: its rows under a key, over several lines
+            "object.json",
+            json.dumps({"version": 1, "data": [{"prompt": "q", "answer": "a"}]}, indent=2).encode(),
+            {},
+            r"object.json holds one JSON object \(keys: \['data', 'version'\]\), not an array of rows",
+        ),
         (
             "surrogate.jsonl",
             b'{"prompt": "q", "answer": "a"}\n{"prompt": "r \\ud83d", "answer": "b"}',
