@@ -379,6 +379,8 @@ class DatasetEnv(Env):
                 f"(eval_fraction {cfg.eval_fraction}, by a hash of each prompt): add rows or change "
                 "eval_fraction"
             )
+        # in an order of their own, not the file's: a copy of the rows in another order draws the same
+        tasks.sort(key=lambda task: (task.id, task.prompt, task.data["answer"]))
         rng = random.Random(f"{seed}/{split}")
         rng.shuffle(tasks)
         return [tasks[i % len(tasks)] for i in range(n)]

@@ -2058,6 +2058,19 @@ def test_dataset_tasks_are_the_split_shuffled_by_seed_and_repeated_past_its_end(
     ]
 
 
+def test_dataset_tasks_of_a_seed_are_the_same_whatever_the_order_of_the_rows(tmp_path):
+    """The same rows in another order (a re-export, a shuffled copy) gave another shuffle, so an
+    evaluation measured other held-out problems than the last run's, on the same seed."""
+    rows = [{"qid": f"r{i}", "prompt": f"q{i % 30}", "answer": str(i % 30)} for i in range(60)]
+    tasks = []
+    for name, ordered in (("a.jsonl", rows), ("b.jsonl", rows[::-1])):
+        path = tmp_path / name
+        path.write_text("\n".join(map(json.dumps, ordered)))
+        config = {"path": str(path), "id_field": "qid", "eval_fraction": 0.3}
+        tasks.append([task_set("dataset", split, 7, 10, config) for split in ("train", "eval")])
+    assert tasks[0] == tasks[1]
+
+
 def test_dataset_episode_without_an_answer_scores_zero_on_a_reused_env(tmp_path):
     """A reset env must not keep the last episode's score for one that ends with no step."""
     path = tmp_path / "data.jsonl"
