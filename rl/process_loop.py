@@ -68,8 +68,10 @@ class ShardProcessor:
         self.raw = ShardReader(self.store, kind="raw", tables=self.tables)
         self.board = ProcessOffsetBoard(self.store)
         self._writers: dict[str, ShardWriter] = {}
+        self.table_id: str | None = None
+        """The ``shards`` table's identity (``Tables.identity``) the offset is a version of."""
         self.offset, shards = self._resume()
-        self._saved, self._saved_at = self.offset, 0.0
+        self._saved, self._saved_at = (self.offset, self.table_id), 0.0
         # raw shards after the offset have their twins after it too: committed later
         self._twins = _twins_in(shards)
         self._polled_twins: set[tuple[str, int]] = set()
@@ -85,8 +87,11 @@ class ShardProcessor:
 
     def _resume(self) -> tuple[int, pa.Table]:
         """The saved offset and the ``shards`` rows committed after it; -1 and the whole log
-        when no offset is saved or the log no longer has what followed it."""
+        when no offset is saved or the log no longer has what followed it (a table recreated
+        since it was saved, which counts its versions anew, included)."""
         saved = self.board.read()
+        # read first: a table recreated after this read fails the next poll, never skips
+        self.table_id = self.tables.identity("shards")
         if saved is not None:
             latest = self.tables.version("shards")
             if latest is None or saved.offset > latest:
@@ -98,8 +103,8 @@ class ShardProcessor:
                 )
             else:
                 try:
-                    return saved.offset, self.tables.changes("shards", saved.offset)[0]
-                except Exception as exc:  # the change files after it were vacuumed
+                    return saved.offset, self.tables.changes("shards", saved.offset, saved.table_id)[0]
+                except Exception as exc:  # change files after it vacuumed, or the table recreated since
                     log.warning(
                         "cannot read the shards log after the saved process offset %d (%s); "
                         "processing from the beginning of the log",
@@ -110,9 +115,9 @@ class ShardProcessor:
 
     def save(self) -> None:
         """Save the offset, so that a new processor of the run starts there."""
-        if self.offset != self._saved:
-            self.board.publish(ProcessOffset(offset=self.offset, time=time.time()))
-            self._saved = self.offset
+        if (self.offset, self.table_id) != self._saved:
+            self.board.publish(ProcessOffset(offset=self.offset, time=time.time(), table_id=self.table_id))
+            self._saved = (self.offset, self.table_id)
         self._saved_at = time.monotonic()
 
     def _read_recorded(self) -> set[str]:
@@ -127,7 +132,9 @@ class ShardProcessor:
         next poll sees them all again, and skips those already processed.
         """
         self._polled_twins = set()
-        shards, latest = self.raw.poll(self.offset)
+        if self.table_id is None:  # none yet when this processor started
+            self.table_id = self.tables.identity("shards")
+        shards, latest = self.raw.poll(self.offset, self.table_id)
         processed = [self._process(shard) for shard in shards]
         self.offset = latest
         # no raw shard up to the offset is polled again: only the twins, and the recorded
@@ -158,7 +165,7 @@ class ShardProcessor:
     def _process(self, raw: ShardInfo) -> ProcessedShard:
         if self._twins_unsure:
             # the poll that raised left the offset where it was
-            found = _twins_in(self.tables.changes("shards", self.offset)[0])
+            found = _twins_in(self.tables.changes("shards", self.offset, self.table_id)[0])
             self._twins |= found
             self._polled_twins |= found
             self._twins_unsure = False

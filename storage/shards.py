@@ -774,12 +774,13 @@ class ShardReader:
         self.schema = _schema_for(kind, schema)
         self.tables = tables or Tables(store)
 
-    def poll(self, after: int = -1) -> tuple[list[ShardInfo], int]:
+    def poll(self, after: int = -1, identity: str | None = None) -> tuple[list[ShardInfo], int]:
         """Shards of this kind committed in Delta log versions > ``after``, in commit
         order (from the start, whose rows share one version: by number, which keeps each
         worker's shards in the order they were committed, whatever the writers' clocks), and
-        the offset to pass next time."""
-        rows, latest = self.tables.changes("shards", after)
+        the offset to pass next time. ``identity``: the ``shards`` table's that ``after`` was
+        taken in (see :meth:`Tables.changes`)."""
+        rows, latest = self.tables.changes("shards", after, identity)
         rows = rows.filter(pc.equal(rows.column("kind"), self.kind))
         rows = rows.sort_by([("_commit_version", "ascending"), ("seq", "ascending")])
         fields = ShardInfo.__dataclass_fields__

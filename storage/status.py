@@ -483,6 +483,11 @@ class ProcessOffset(BaseModel):
         ge=0, description="Delta version of ``shards`` up to which every raw shard has been processed."
     )
     time: float = Field(allow_inf_nan=False, description="Epoch seconds at which it was written.")
+    table_id: str | None = Field(
+        None,
+        description="Delta metadata id of the ``shards`` table ``offset`` is a version of: a table "
+        "recreated since counts its versions anew (None: saved by an older treadle, unknown).",
+    )
 
 
 class ProcessOffsetBoard(_ObjectBoard):

@@ -361,6 +361,13 @@ class Tables:
         return None if table is None else table.version()
 
     @_credentials_masked
+    def identity(self, name: str) -> str | None:
+        """The id ``name``'s Delta metadata was created with, or None when it does not exist yet:
+        a table deleted and created again has a new one, though its versions count up alike."""
+        table = self._open(name)
+        return None if table is None else table.metadata().id
+
+    @_credentials_masked
     def columns(self, name: str) -> list[str] | None:
         """Columns of ``name`` as its log has them (a table made by an older treadle lacks
         the columns added since, until its next append), or None when it does not exist yet."""
@@ -368,7 +375,7 @@ class Tables:
         return None if table is None else [field.name for field in table.schema().fields]
 
     @_credentials_masked
-    def changes(self, name: str, after: int = -1) -> tuple[pa.Table, int]:
+    def changes(self, name: str, after: int = -1, identity: str | None = None) -> tuple[pa.Table, int]:
         """Rows appended by commits with log version > ``after``, in commit order, with a
         ``_commit_version`` column; and the latest version (the next ``after``).
 
@@ -383,6 +390,10 @@ class Tables:
         would return nothing forever. So does one whose later commits' data files a vacuum
         removed: every retry would fail alike. A data file the table's latest snapshot still
         lists but the store lacks raises ``FileNotFoundError`` naming it.
+
+        ``identity`` (:meth:`identity` of the table ``after`` was taken in; None: unknown)
+        catches a recreated table whose log has passed ``after`` by now: its versions up to
+        ``after`` were never read, so that raises :class:`StaleOffsetError` too.
         """
         table = self._open(name)
         if table is None:
@@ -392,6 +403,12 @@ class Tables:
                     "does not exist (deleted, or the offset is another run's)"
                 )
             return _with_commit_version(schema_of(name).empty_table()), after
+        if after >= 0 and identity is not None and table.metadata().id != identity:
+            raise StaleOffsetError(
+                f"table {name!r}: asked for its changes after version {after} of the table with id "
+                f"{identity}, but the table now has id {table.metadata().id}: it was recreated since; "
+                "read it from the start (after=-1)"
+            )
         latest = table.version()
         if latest < after:
             raise StaleOffsetError(

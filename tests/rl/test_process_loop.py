@@ -14,7 +14,7 @@ from rl.process_loop import ShardProcessor
 from storage.schema import NewerSchemaError
 from storage.shards import ShardReader, ShardWriter
 from storage.status import InUse, ProcessOffset, ProcessOffsetBoard
-from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, Tables
+from storage.tables import TABLE_CONFIGURATION, TABLE_SCHEMAS, StaleOffsetError, Tables
 from tests.rl.test_processor import record
 from tests.storage.foreign_shards import commit_foreign_file, first_version, ipc_bytes
 from tests.storage.records import make_table
@@ -127,10 +127,10 @@ def test_a_new_processor_starts_at_the_saved_offset_and_reads_no_table_whole(loc
         whole.append(name)
         return real_read(self, name, columns)
 
-    def changes(self, name, after=-1):
+    def changes(self, name, after=-1, identity=None):
         if after < 0:
             whole.append(name)
-        return real_changes(self, name, after)
+        return real_changes(self, name, after, identity)
 
     monkeypatch.setattr(Tables, "read", read)
     monkeypatch.setattr(Tables, "changes", changes)
@@ -193,10 +193,10 @@ def test_a_saved_offset_the_log_cannot_follow_falls_back_to_the_whole_log(
     if offset == 0:
         real = Tables.changes
 
-        def vacuumed(self, name, after=-1):
+        def vacuumed(self, name, after=-1, identity=None):
             if after >= 0:
                 raise FileNotFoundError("a change file of version 1 is gone")
-            return real(self, name, after)
+            return real(self, name, after, identity)
 
         monkeypatch.setattr(Tables, "changes", vacuumed)
     outcomes = ShardProcessor(local_store).poll()
@@ -400,3 +400,47 @@ def test_an_offset_save_that_fails_is_tried_again_a_save_interval_later_not_at_e
         processor.poll()
     assert len(attempts) == 1
     assert len([r for r in caplog.records if "could not save the process offset" in r.getMessage()]) == 1
+
+
+def test_a_saved_offset_of_a_recreated_shards_table_is_dropped_and_nothing_is_skipped(local_store, caplog):
+    """The run's ``tables/`` and ``shards/`` deleted but ``status/`` kept: the new ``shards``
+    log is past the saved offset, yet its first versions are no processor's; the saved offset
+    names the table it was taken in, so it is dropped with a warning."""
+    commit_raw_shards(local_store, range(3))
+    processor = ShardProcessor(local_store)
+    processor.poll()
+    processor.save()
+    assert ProcessOffsetBoard(local_store).read().offset == 2
+    for folder in ("tables", "shards"):
+        local_store.fs.rm(local_store.path(folder), recursive=True)
+    commit_raw_shards(local_store, range(10, 20))
+    outcomes = ShardProcessor(local_store).poll()
+    assert [o.skipped for o in outcomes] == [None] * 10
+    assert "was recreated" in caplog.text
+    assert processed_ids(local_store) == sorted(f"t{i}" for i in range(10, 20))
+
+
+def test_a_running_processor_whose_shards_table_is_recreated_stops_rather_than_skip(local_store):
+    """Recreated under a running processor and grown past its offset, the new log is refused
+    as an offset past the log is; the processor started next reads the new table whole."""
+    commit_raw_shards(local_store, range(3))
+    processor = ShardProcessor(local_store)
+    processor.poll()
+    processor.save()
+    for folder in ("tables", "shards"):
+        local_store.fs.rm(local_store.path(folder), recursive=True)
+    commit_raw_shards(local_store, range(10, 20))
+    with pytest.raises(StaleOffsetError, match="recreated"):
+        processor.poll()
+    assert len(ShardProcessor(local_store).poll()) == 10
+    assert processed_ids(local_store) == sorted(f"t{i}" for i in range(10, 20))
+
+
+def test_a_saved_offset_without_the_tables_identity_is_still_followed(local_store):
+    """An offset saved by an older treadle names no table: it is followed as before."""
+    commit_raw_shards(local_store, range(2))
+    ShardProcessor(local_store).poll()
+    ProcessOffsetBoard(local_store).publish(ProcessOffset(offset=1, time=0.0))
+    commit_raw_shards(local_store, range(2, 3))
+    outcomes = ShardProcessor(local_store).poll()
+    assert [(o.raw.shard_id, o.skipped) for o in outcomes] == [("raw/w0/00000002", None)]
