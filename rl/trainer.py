@@ -376,6 +376,21 @@ class Trainer:
             done=set(state.get("consumed_shards", [])),
             rows={shard: set(rows) for shard, rows in state.get("partial_rows", {}).items()},
         )
+        self.shards_id = self.tables.identity("shards")
+        """Identity (``Tables.identity``) of the ``shards`` table whose shards the consumption
+        marks and the offset name (None: no table yet)."""
+        saved_shards_id = state.get("shards_table_id")  # None: saved by an older treadle, unknown
+        if saved_shards_id is not None and saved_shards_id != self.shards_id:
+            # a recreated table numbers each worker's shards from 0 again, below the old marks
+            logger.warning(
+                "the shards table was recreated since weight version %d was published (its id was %s, "
+                "now %s): the version's consumption marks name the old table's shards, so they are "
+                "dropped and every shard of the new table is trained",
+                version,
+                saved_shards_id,
+                self.shards_id or "none, not created yet",
+            )
+            self.consumption = _Consumption()
         self._steps_since_publish = 0
         # rows recorded before ``WeightStore.record`` existed carry no id that it would find
         recorded = set(self.tables.read("weights").column("version").to_pylist())
@@ -419,6 +434,7 @@ class Trainer:
             "consumed_through": dict(sorted(consumption.through.items())),
             "consumed_shards": sorted(consumption.done),
             "partial_rows": {shard: sorted(rows) for shard, rows in consumption.rows.items()},
+            "shards_table_id": self.shards_id,
         }
         extra = {
             STATE_FILE: json.dumps(state).encode(),
@@ -489,7 +505,11 @@ class Trainer:
         the next call meets it again. Let go of first, a trainer that went on would never read
         it, and its worker's mark, passing over numbers it never met, would count it consumed.
         """
-        infos, self.offset = self.reader.poll(self.offset)
+        if self.shards_id is None:  # none yet when this trainer resumed
+            self.shards_id = self.tables.identity("shards")
+        # a table recreated under this trainer raises (StaleOffsetError) rather than pass its
+        # first versions over
+        infos, self.offset = self.reader.poll(self.offset, self.shards_id)
         # by number, which ShardReader.poll gives already: the marks rely on it, so the trainer
         # does not leave it to the reader
         self.unread.extend(sorted(infos, key=lambda info: info.seq))

@@ -54,7 +54,7 @@ from storage.config import RunStore, StorageConfig
 from storage.schema import PROCESSED_SCHEMA, TRAJECTORY_SCHEMA, NewerSchemaError, to_table
 from storage.shards import ShardInfo, ShardReader, ShardWriter
 from storage.status import HeldRole, TrainerStatus, TrainerStatusBoard
-from storage.tables import Tables, one_row_per_step
+from storage.tables import StaleOffsetError, Tables, one_row_per_step
 from storage.weights import CLAIM_FILE, WeightStore
 from tests.conftest import readme_query
 from tests.rl.synthetic import TINY, config, make_trajectories, write_shards
@@ -1702,7 +1702,9 @@ def test_shards_read_in_any_order_are_each_trained_once(store, monkeypatch):
     trainer = Trainer(store, config(publish_every=1))
     real = trainer.reader.poll
     monkeypatch.setattr(
-        trainer.reader, "poll", lambda after=-1: (list(reversed(real(after)[0])), real(after)[1])
+        trainer.reader,
+        "poll",
+        lambda after=-1, identity=None: (list(reversed(real(after, identity)[0])), real(after, identity)[1]),
     )
     assert trainer.ingest() == 2 and len(trainer.buffer) == 3
     trainer.run(drain=True)
@@ -2373,3 +2375,30 @@ def test_a_trainer_resumes_past_a_garbled_latest_and_below_a_version_that_does_n
     resumed.run(drain=True)
     assert [manifest["version"] for manifest in version_chain(weights)] == [0, 2, 3]
     assert consumed_rows(weights) == {info.shard_id: 3 for info in infos}
+
+
+def test_a_resumed_trainer_whose_shards_table_was_recreated_trains_the_new_tables_shards(store, caplog):
+    """The run's ``tables/`` and ``shards/`` deleted, its weight versions kept: the new table
+    numbers the worker's shards from 0 again, below the saved mark, yet none of them is consumed."""
+    write_shards(store, make_trajectories(store, 6, seed=70), per_shard=3)
+    Trainer(store, config(publish_every=1)).run(drain=True)
+    for folder in ("tables", "shards"):
+        store.fs.rm(store.path(folder), recursive=True)
+    write_shards(store, make_trajectories(store, 6, seed=71), per_shard=3)
+    resumed = Trainer(store, config(publish_every=1))
+    assert resumed.ingest() == 2 and len(resumed.buffer) == 6
+    assert "recreated" in caplog.text
+
+
+def test_a_trainer_whose_shards_table_is_recreated_under_it_stops_rather_than_pass_shards_over(store):
+    """Recreated under a running trainer and grown past its offset, the new log is refused as
+    an offset past the log is; the trainer resumed next trains the new table's shards."""
+    write_shards(store, make_trajectories(store, 6, seed=72), per_shard=3)
+    trainer = Trainer(store, config(publish_every=1))
+    trainer.run(drain=True)
+    for folder in ("tables", "shards"):
+        store.fs.rm(store.path(folder), recursive=True)
+    write_shards(store, make_trajectories(store, 9, seed=73), per_shard=3)
+    with pytest.raises(StaleOffsetError, match="recreated"):
+        trainer.ingest()
+    assert Trainer(store, config(publish_every=1)).ingest() == 3
