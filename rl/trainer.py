@@ -286,6 +286,8 @@ class Trainer:
         self._stale_since_publish = 0
         self._rejected_since_publish = 0
         self._trained_since_publish = 0
+        self._pretrained_since_publish = 0
+        """Value pretraining steps since the last version (a stop publishes them)."""
         self._step_extra: Callable[[], dict] | None = None
         self._unwritten_rows: list[dict] = []
         """``train_steps`` rows whose append failed, oldest first: appended with the next row."""
@@ -475,6 +477,7 @@ class Trainer:
         consumption.since_publish_rows = Counter()
         self._steps_since_publish = 0
         self._stale_since_publish = self._rejected_since_publish = self._trained_since_publish = 0
+        self._pretrained_since_publish = 0
         self.weights.record(self.tables, version)
         if self.config.keep_versions is not None:
             try:
@@ -691,6 +694,15 @@ class Trainer:
         self._step_extra = step_extra
         started = time.monotonic()
         versions: list[int] = []
+
+        def stopping() -> bool:
+            """Whether a stop condition the loop checks between steps holds (max_steps aside)."""
+            return (
+                (role is not None and role.lost.is_set())
+                or (max_seconds is not None and time.monotonic() - started >= max_seconds)
+                or stop_event.is_set()
+            )
+
         while True:
             if role is not None and role.lost.is_set():
                 stop_reason = "abandoned"
@@ -718,7 +730,9 @@ class Trainer:
             nothing_new = new_shards == 0 and not self.unread
             full = self.buffered_tokens() >= self.config.token_budget
             if full or (draining and nothing_new and self.buffer):
-                self._pretrain_value()
+                self._pretrain_value(stopping)
+                if stopping():  # the loop's checks above say which
+                    continue
                 metrics = self._train_step(
                     take_batch(self.buffer, self.config.token_budget, self._keep_groups)
                 )
@@ -794,8 +808,11 @@ class Trainer:
         return every is not None and self._steps_since_publish >= every
 
     def _publishes_at_stop(self) -> bool:
-        """Whether a stop publishes: ``publish_on_stop``, and steps or consumption since the last version."""
-        return self.config.publish_on_stop and bool(self._steps_since_publish or self._pending_consumption())
+        """Whether a stop publishes: ``publish_on_stop``, and steps (policy or value pretraining)
+        or consumption since the last version."""
+        return self.config.publish_on_stop and bool(
+            self._steps_since_publish or self._pretrained_since_publish or self._pending_consumption()
+        )
 
     def _pending_consumption(self) -> bool:
         return bool(
@@ -806,10 +823,12 @@ class Trainer:
     def _keep_groups(self) -> bool:
         return self.config.mode == "grpo"
 
-    def _pretrain_value(self) -> None:
+    def _pretrain_value(self, stopping: Callable[[], bool] = lambda: False) -> None:
         """Critic-only steps over the buffered batches before the first policy step.
 
-        The batches are not consumed: their policy step comes after.
+        The batches are not consumed: their policy step comes after. Once ``stopping()`` holds
+        no further step is taken (those of a large critic take minutes); the steps taken are
+        published by the stop, and the rest are taken by the trainer that resumes.
         """
         if self.value_model is None or self.value_pretrain_done >= self.config.value_pretrain_steps:
             return
@@ -823,7 +842,11 @@ class Trainer:
         attempts = skipped_in_a_row = 0
         # a step the critic skips (non-finite loss or gradient norm) does not count; once every
         # batch skipped in a row, the rest waits for the next policy step's buffer
-        while self.value_pretrain_done < self.config.value_pretrain_steps and skipped_in_a_row < len(batches):
+        while (
+            self.value_pretrain_done < self.config.value_pretrain_steps
+            and skipped_in_a_row < len(batches)
+            and not stopping()
+        ):
             parts = self._parts(batches[attempts % len(batches)])
             attempts += 1
             stats = self._value_step(parts, self._old_values(parts))
@@ -833,9 +856,10 @@ class Trainer:
             skipped_in_a_row = 0
             losses.append(stats["value_loss"])
             self.value_pretrain_done += 1
+            self._pretrained_since_publish += 1
         if losses:
             logger.info("value pretraining: %d steps, loss %.4f -> %.4f", len(losses), losses[0], losses[-1])
-        if self.value_pretrain_done < self.config.value_pretrain_steps:
+        if self.value_pretrain_done < self.config.value_pretrain_steps and skipped_in_a_row == len(batches):
             logger.warning(
                 "value pretraining: every buffered batch gives a non-finite critic loss or gradient norm; "
                 "%d of %d steps done, the rest are tried before the next policy step",

@@ -1493,6 +1493,27 @@ def test_value_pretraining_steps_only_the_critic_before_the_first_policy_step(st
     assert Trainer(store, config(value_pretrain_steps=3)).value_pretrain_done == 3  # not redone on resume
 
 
+def test_a_stop_during_value_pretraining_ends_it_and_publishes_the_critics_steps(store):
+    """A stop raised while the critic pretrains (50 steps of a large critic take minutes) is
+    heeded at its next step, not after all of them and a policy step; the critic's steps so
+    far are published, so a resumed trainer does not take them again."""
+    write_shards(store, make_trajectories(store, 8, seed=27), per_shard=8)
+    trainer = Trainer(store, config(value_pretrain_steps=50))
+    stop = threading.Event()
+    critic_steps = []
+
+    def step_taken(*_) -> None:
+        critic_steps.append(1)
+        if len(critic_steps) == 2:
+            stop.set()
+
+    trainer.value_optimizer.register_step_post_hook(step_taken)
+    summary = trainer.run(stop_event=stop)
+    assert (summary.stop_reason, summary.steps, len(critic_steps)) == ("stop_event", 0, 2)
+    assert len(summary.versions) == 1
+    assert Trainer(store, config(value_pretrain_steps=50)).value_pretrain_done == 2
+
+
 @pytest.mark.parametrize(("good_batches", "done"), [(1, 3), (0, 0)])
 def test_a_value_pretraining_step_the_critic_skips_does_not_count(store, good_batches, done):
     """A buffered batch whose reward overflows the critic's loss takes no critic step: it
