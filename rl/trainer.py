@@ -50,7 +50,7 @@ from rl.models import (
     publish_policy,
 )
 from storage.config import RunStore
-from storage.schema import NewerSchemaError, SchemaError
+from storage.schema import SchemaError
 from storage.shards import ShardInfo, ShardReader
 from storage.status import HeldRole, InUse
 from storage.tables import Tables, conform
@@ -721,8 +721,10 @@ class Trainer:
             draining = drain or (drain_event is not None and drain_event.is_set())
             try:
                 new_shards = self.ingest()
-            except NewerSchemaError:
-                # the run stops here until treadle is upgraded: what it trained so far is kept
+            except Exception:
+                # a shard of a newer treadle stops the run until treadle is upgraded, a storage
+                # error (a poll or a fetch that timed out) until the task's retry resumes from
+                # LATEST: what it trained so far is kept either way
                 self._publish_before_failing(on_publish, role)
                 raise
             self.drop_stale()
@@ -793,9 +795,9 @@ class Trainer:
         self, on_publish: Callable[[int], None] | None, role: HeldRole | None
     ) -> None:
         """As a clean stop does (``publish_on_stop``), before the run fails on data this
-        treadle cannot read: the steps since the last version would be lost with it, a whole
-        night's for a run that publishes only at its stop. What fails here is logged, so that
-        the error the run fails with stays the data's."""
+        treadle cannot read or on a storage error reading it: the steps since the last version
+        would be lost with it, a whole night's for a run that publishes only at its stop. What
+        fails here is logged, so that the error the run fails with stays the first one."""
         try:
             self._flush_unwritten_rows()
             if self._publishes_at_stop():

@@ -435,6 +435,31 @@ def test_a_processed_shard_of_a_newer_treadle_stops_the_trainer_once_it_publishe
     assert trainer.version == 1 and version_chain(trainer.weights)[-1]["step"] == 1
 
 
+def test_a_storage_error_reading_the_shards_fails_the_trainer_once_it_published_what_it_trained(
+    store, monkeypatch
+):
+    """A transient error fetching a shard (or polling the log) fails the run, whose task
+    retries from LATEST: without a publish first, every step since the last version was lost
+    with it, all of a night's for a run that publishes only at its stop."""
+    infos = write_shards(store, make_trajectories(store, 8, seed=45), per_shard=4)  # 44 tokens each
+    trainer = Trainer(store, config(publish_every=None, read_ahead_batches=1))
+    real = trainer.reader.read
+
+    def flaky(info):
+        if info.seq == 1:
+            raise OSError("connection reset while fetching the shard")
+        return real(info)
+
+    monkeypatch.setattr(trainer.reader, "read", flaky)
+    with pytest.raises(OSError, match="connection reset"):
+        trainer.run(drain=True)
+    assert trainer.version == 1 and version_chain(trainer.weights)[-1]["step"] == 1
+    assert consumed_rows(trainer.weights) == {infos[0].shard_id: 4}
+    resumed = Trainer(store, config(publish_every=None))
+    assert resumed.run(drain=True).steps == 2
+    assert consumed_rows(resumed.weights) == {info.shard_id: 4 for info in infos}
+
+
 def test_publishing_only_at_the_stop_needs_publish_on_stop():
     with pytest.raises(
         ValueError, match="publish_every null publishes only at the stop: it needs publish_on_stop"
