@@ -621,15 +621,21 @@ class Trainer:
         """Samples (trajectories) waiting in the buffer (safe to call from another thread)."""
         return len(tuple(self.buffer))
 
+    def _unread_to_train(self) -> list[ShardInfo]:
+        """The shards not read yet, less those consumed already: a restarted trainer polls the
+        whole log, and the consumed shards numbered above the first it reads wait in ``unread``
+        until the read-ahead reaches them (safe to call from another thread)."""
+        return [info for info in tuple(self.unread) if not self.consumption.consumed(info)]
+
     def queued_tokens(self) -> int:
         """Tokens waiting to be trained: the buffer's and those of the shards not read yet (as
         their commits count them; safe to call from another thread)."""
-        return self.buffered_tokens() + sum(info.num_tokens for info in tuple(self.unread))
+        return self.buffered_tokens() + sum(info.num_tokens for info in self._unread_to_train())
 
     def queued_samples(self) -> int:
         """Trajectories waiting to be trained: the buffer's and the rows of the shards not read
         yet (safe to call from another thread)."""
-        return self.buffered_samples() + sum(info.num_rows for info in tuple(self.unread))
+        return self.buffered_samples() + sum(info.num_rows for info in self._unread_to_train())
 
     def idle_seconds_at(self, now: float) -> float:
         """Seconds waited for new shards up to monotonic time ``now``, the wait in progress
@@ -640,7 +646,7 @@ class Trainer:
 
     def unconsumed_shards(self) -> int:
         """Shards whose rows wait in the buffer, and those not read yet (safe from another thread)."""
-        unread = {info.shard_id for info in tuple(self.unread)}
+        unread = {info.shard_id for info in self._unread_to_train()}
         return len({sample.shard_id for sample in tuple(self.buffer)} | unread)
 
     # -- the loop ------------------------------------------------------------------------

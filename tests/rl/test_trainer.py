@@ -251,6 +251,23 @@ def test_a_backlog_past_the_read_ahead_waits_in_storage_and_each_row_is_trained_
     assert trainer.newest_read == {"proc": infos[-1].seq} and not trainer.unread
 
 
+def test_a_restarted_trainer_counts_no_consumed_shard_as_waiting(store):
+    """Restarted, the trainer polls the whole log: one worker's shards are consumed, a newer
+    worker's (numbered from 0 again) are not. Shards wait in order of number, so those of the
+    first past the read-ahead were counted as queued though consumed: the rollout workers'
+    backpressure and the elastic controller saw a backlog that was not there."""
+    write_shards(store, make_trajectories(store, 24, seed=7), per_shard=4, worker="a")
+    Trainer(store, config()).run(drain=True)
+    write_shards(store, make_trajectories(store, 16, seed=8), per_shard=4, worker="b")
+    trainer = Trainer(store, config(read_ahead_batches=1))
+    assert trainer.ingest() == 1 and trainer.buffered_samples() == 4
+    assert (trainer.queued_samples(), trainer.queued_tokens(), trainer.unconsumed_shards()) == (
+        16,
+        16 * 11,
+        4,
+    )
+
+
 def test_the_read_ahead_stops_once_the_buffer_holds_exactly_its_tokens(store):
     write_shards(store, make_trajectories(store, 6, seed=7), per_shard=2)  # 3 shards of 22 tokens
     trainer = Trainer(store, config(read_ahead_batches=1))
