@@ -701,28 +701,26 @@ class Trainer:
         started = time.monotonic()
         versions: list[int] = []
 
-        def stopping() -> bool:
-            """Whether a stop condition the loop checks between steps holds (max_steps aside)."""
-            return (
-                (role is not None and role.lost.is_set())
-                or (max_seconds is not None and time.monotonic() - started >= max_seconds)
-                or stop_event.is_set()
-            )
-
-        while True:
+        def stop_reason_now() -> str | None:
+            """Why the loop stops between steps now, or None to go on."""
             if role is not None and role.lost.is_set():
-                stop_reason = "abandoned"
-                break
+                return "abandoned"
             if max_steps is not None and self.step >= max_steps:
-                stop_reason = "max_steps"
-                break
+                return "max_steps"
             # before the event: a deadline that passed during a step is why the run ends, even
             # when a stop the same deadline caused elsewhere (the pipeline's) arrived meanwhile
             if max_seconds is not None and time.monotonic() - started >= max_seconds:
-                stop_reason = "max_seconds"
-                break
+                return "max_seconds"
             if stop_event.is_set():
-                stop_reason = "stop_event"
+                return "stop_event"
+            return None
+
+        def stopping() -> bool:
+            return stop_reason_now() is not None
+
+        while True:
+            stop_reason = stop_reason_now()
+            if stop_reason is not None:
                 break
             draining = drain or (drain_event is not None and drain_event.is_set())
             try:
@@ -739,7 +737,7 @@ class Trainer:
             full = self.buffered_tokens() >= self.config.token_budget
             if full or (draining and nothing_new and self.buffer):
                 self._pretrain_value(stopping)
-                if stopping():  # the loop's checks above say which
+                if stopping():  # the loop's next check says which
                     continue
                 metrics = self._train_step(
                     take_batch(self.buffer, self.config.token_budget, self._keep_groups)
