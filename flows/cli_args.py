@@ -29,6 +29,7 @@ from flows.config import (
     missing_gateway_token,
     missing_path,
     missing_ray,
+    read_yaml,
     rollout_problem,
     too_few_demos,
     unreachable_ray,
@@ -181,7 +182,7 @@ def parse(
             parser.error(f"--set {key}: fields inside {key} are set by another --set")
         dotted.update(".".join(parents[:depth]) for depth in range(1, len(parents) + 1))
         try:
-            parsed = yaml.safe_load(value)
+            parsed = read_yaml(value)
         except yaml.YAMLError as exc:
             parser.error(f"--set {key}: its value is not YAML ({yaml_problem(exc)})")
         annotation = _annotation(key)

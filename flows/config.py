@@ -1018,7 +1018,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = yaml.load(Path(path).read_text(), Loader=_UniqueKeyLoader)
+            data = read_yaml(Path(path).read_text())
         except (OSError, UnicodeDecodeError) as exc:
             raise ConfigError(f"cannot read run config {path}: {exc}") from exc
         except yaml.YAMLError as exc:
@@ -1033,6 +1033,12 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     except ValidationError as exc:
         problems = "; ".join(_problem(err) for err in exc.errors())
         raise ConfigError(f"invalid run config{f' {path}' if path else ''}: {problems}") from None
+
+
+def read_yaml(text: str) -> Any:
+    """``text`` read as a run config reads (YAML 1.2's booleans, no key given twice), for
+    the file and a ``--set`` value alike."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)
 
 
 def _problem(error: dict[str, Any]) -> str:

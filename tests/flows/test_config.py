@@ -574,6 +574,19 @@ def test_yes_no_on_and_off_in_a_config_file_are_text_for_text_fields_and_boolean
     assert config.envs.code.sandbox.env == {"DEBUG": "on", "QUIET": "No"}
 
 
+def test_a_mapping_set_on_the_command_line_reads_as_the_config_file_does(capsys):
+    """``--set`` read its value as YAML 1.1, the file as YAML 1.2's booleans with no key
+    given twice: ``sao={mixed_precision: no}`` and a sandbox variable ``{DEBUG: on}`` were
+    refused though the file takes them, and ``sao={lr: 0.1, lr: 0.2}`` kept 0.2 silently."""
+    config, _ = parse("test", with_sets(["sao={mixed_precision: no}", "envs.arith.sandbox.env={DEBUG: on}"]))
+    assert config.sao.mixed_precision == "no"
+    assert config.envs.arith.sandbox.env == {"DEBUG": "on"}
+    with pytest.raises(SystemExit) as exited:
+        parse("test", with_sets(["sao={lr: 0.1, lr: 0.2}"]))
+    assert exited.value.code == 2
+    assert "--set sao: its value is not YAML (duplicate key 'lr'" in capsys.readouterr().err
+
+
 def test_a_value_set_on_the_command_line_for_a_text_entry_of_a_mapping_stays_text():
     """An environment variable of a sandbox (``dict[str, str]``) set with ``--set`` gets the
     characters given, as a text field does: refused before, "Input should be a valid string"."""
