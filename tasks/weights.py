@@ -265,8 +265,9 @@ def evaluate_version(
     policy are not). An env whose every rollout failed so (an engine or a sandbox that never
     worked) measured nothing: that raises ``RuntimeError`` naming it, and nothing is recorded.
 
-    ``once``: an id of this evaluation (see ``Tables.append``): a second call with it, a retry
-    of one whose rows landed before it raised, records nothing.
+    ``once``: an id of this evaluation (see ``Tables.append``): a second call with it that
+    measures the same version, a retry of one whose rows landed before it raised, records
+    nothing; one that measures another (the newest moved on meanwhile) records its rows.
 
     ``tasks``: :func:`held_out_tasks` of ``config`` where the caller listed them already; each
     row's setup is that of the tasks measured."""
@@ -296,7 +297,7 @@ def evaluate_version(
             }
             for env in result.reward
         ],
-        once=once,
+        once=None if once is None else f"{once}/{result.version}",
     )
     return result
 

@@ -579,6 +579,48 @@ def test_a_retried_evaluation_whose_rows_landed_before_it_raised_records_them_on
     ]
 
 
+def test_a_retried_evaluation_of_the_newest_version_records_the_version_the_retry_measured(
+    tmp_path, monkeypatch
+):
+    """The first attempt's rows of version 1 land and it raises; the trainer publishes
+    version 2 meanwhile, which the retry (the newest, as asked) measures: its append carried
+    the first attempt's id and recorded nothing, so the flow returned version 2's reward
+    while the ``evals`` table held no row of it."""
+    import tasks.weights
+    from flows.evaluate import evaluate
+
+    config = tiny_config(tmp_path / "runs", "eval-moved", warm_start={"enabled": False})
+    holding_versions(config, 1)
+    weights = WeightStore(run_store(config))
+    monkeypatch.setattr(
+        tasks.weights, "evaluate_weights", lambda c, v, tasks=None: _measured(c, weights.latest(), tasks)
+    )
+    monkeypatch.setattr(
+        tasks.weights, "evaluate_task", tasks.weights.evaluate_task.with_options(retry_delay_seconds=0)
+    )
+    real_append = Tables.append
+
+    def lands_then_raises(self, name, rows, once=None):
+        appended = real_append(self, name, rows, once)
+        if name == "evals" and weights.latest() == 1:
+            weights.publish({"w": torch.zeros(2)}, {}, None, step=2)
+            raise OSError("connection reset before the reply")
+        return appended
+
+    monkeypatch.setattr(Tables, "append", lands_then_raises)
+
+    result = evaluate(config)
+
+    assert result["version"] == 2
+    rows = Tables(run_store(config)).read("evals").to_pylist()
+    assert sorted((r["version"], r["env"]) for r in rows) == [
+        (1, "arith"),
+        (1, "guess"),
+        (2, "arith"),
+        (2, "guess"),
+    ]
+
+
 def test_an_evaluation_runs_no_more_rollouts_at_once_than_the_runs_concurrency(tmp_path, monkeypatch):
     """``orchestrator.concurrency`` is what the run's machine holds of rollouts in flight (their
     sandboxes, agent programs); an evaluation ran 64 at once whatever it said."""
