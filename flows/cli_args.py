@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import difflib
 import functools
 import os
 import re
@@ -180,6 +181,8 @@ def parse(
                 )
         if key in dotted:
             parser.error(f"--set {key}: fields inside {key} are set by another --set")
+        if (unknown := _unknown_field(key)) is not None:
+            parser.error(f"--set {key}: {unknown}")
         dotted.update(".".join(parents[:depth]) for depth in range(1, len(parents) + 1))
         try:
             parsed = read_yaml(value)
@@ -233,6 +236,36 @@ def _annotation(key: str) -> Any:
         else:
             return None
     return annotation
+
+
+def _unknown_field(key: str) -> str | None:
+    """Why dotted ``key`` names no field: the first of its parts that a section refusing
+    unknown fields lacks, and the name of that section nearest to it (the config's own error
+    named none: "Extra inputs are not permitted"); None when it may name one (what a value
+    or a mapping's entries take is left to the config's validation)."""
+    annotation: Any = RunConfig
+    parts = key.split(".")
+    for depth, name in enumerate(parts):
+        model = _section_model(annotation)
+        if model is None:
+            annotation = _mapping_values(annotation)
+            if annotation is None:
+                return None
+            continue
+        annotation = _field_type(model, name)
+        if annotation is None and model.model_config.get("extra") == "forbid":
+            section = ".".join(parts[:depth])
+            names = sorted({field.alias or field_name for field_name, field in model.model_fields.items()})
+            nearest = difflib.get_close_matches(name, names, n=1)
+            hint = (
+                f"did you mean {'.'.join([*parts[:depth], nearest[0]])}?"
+                if nearest
+                else f"its fields: {', '.join(names)}"
+            )
+            return f"{section or 'the run config'} has no field {name!r}; {hint}"
+        if annotation is None:
+            return None
+    return None
 
 
 def _mapping_values(annotation: Any) -> Any:

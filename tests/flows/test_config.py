@@ -490,6 +490,32 @@ def test_conflicting_overrides_fail_naming_the_option(capsys, sets, message):
     assert "hunter2" not in err
 
 
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("sao.lrr=1e-4", "--set sao.lrr: sao has no field 'lrr'; did you mean sao.lr?"),
+        (
+            "stpo.max_seconds=60",
+            "--set stpo.max_seconds: the run config has no field 'stpo'; did you mean stop?",
+        ),
+        (
+            "envs.arith.max_opernd=9",
+            "--set envs.arith.max_opernd: envs.arith has no field 'max_opernd'; did you mean envs.arith.max_operand?",
+        ),
+        ("stop.zzz=1", "--set stop.zzz: stop has no field 'zzz'; its fields: "),
+    ],
+)
+def test_a_field_the_config_lacks_set_on_the_command_line_is_refused_with_the_nearest_name(
+    capsys, given, said
+):
+    """A mistyped ``--set`` key was refused as "sao.lrr: Extra inputs are not permitted", naming
+    no field the user may have meant."""
+    with pytest.raises(SystemExit) as exited:
+        parse("test", with_sets([given]))
+    assert exited.value.code == 2
+    assert said in capsys.readouterr().err
+
+
 def test_a_field_set_twice_takes_the_last_value():
     sets = ["orchestrator.mix={arith: 0.2}", "orchestrator.mix={arith: 0.4}"]
     config, _ = parse("test", with_sets(sets))
