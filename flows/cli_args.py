@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import difflib
 import functools
 import os
@@ -184,15 +183,18 @@ def parse(
         if (unknown := _unknown_field(key)) is not None:
             parser.error(f"--set {key}: {unknown}")
         dotted.update(".".join(parents[:depth]) for depth in range(1, len(parents) + 1))
-        try:
-            parsed = read_yaml(value)
-        except yaml.YAMLError as exc:
-            parser.error(f"--set {key}: its value is not YAML ({yaml_problem(exc)})")
         annotation = _annotation(key)
+        if _text_only(annotation) and not value.lstrip().startswith(("'", '"')):
+            # a run id, a path, a shell command: YAML read 2024 as a number, '[ -f x ] && y' as
+            # a list that does not parse, 'echo a: b' as a mapping, 'echo done #1' as 'echo done'
+            parsed = None if _NULL.fullmatch(value.strip()) else value.strip()
+        else:
+            try:
+                parsed = read_yaml(value)
+            except yaml.YAMLError as exc:
+                parser.error(f"--set {key}: its value is not YAML ({yaml_problem(exc)})")
         if isinstance(parsed, dict):
             parsed = _replacing(parsed, annotation)
-        elif isinstance(parsed, (int, float, datetime.date)) and _text_only(annotation):
-            parsed = value  # run_id=2024 names a run, not a number
         node[leaf] = parsed
         for field in _secrets_in(key, parsed, annotation):
             print(
@@ -219,6 +221,10 @@ def parse(
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)
     return config, args
+
+
+_NULL = re.compile(r"~|null|Null|NULL|")
+"""What YAML reads as null: a text field that may be unset is unset by it."""
 
 
 def _annotation(key: str) -> Any:

@@ -474,9 +474,8 @@ def with_sets(sets: list[str]) -> list[str]:
             "--set needs KEY=VALUE: no '=' after 'storage.secret_access_key'",
         ),
         (
-            ["storage.secret_access_key=hunter2: [x"],
-            "--set storage.secret_access_key: its value is not YAML (expected ',' or ']', but got "
-            "'<stream end>' at line 1, column 12)",
+            ["storage={secret_access_key: hunter2: [x}"],
+            "--set storage: its value is not YAML (expected ',' or '}', but got ':' at line 1, column 28)",
         ),
     ],
 )
@@ -573,6 +572,24 @@ def test_a_value_set_on_the_command_line_for_a_text_field_stays_text():
     assert config.storage.session_token.get_secret_value() == "1.50"
     assert config.ray_address == "2024-12-03"
     assert config.storage.retries == 5
+
+
+def test_a_shell_command_set_on_the_command_line_for_a_text_field_is_the_characters_given():
+    """YAML read a text field's value as a list that does not parse (``[ -f x ] && ...``,
+    refused as "not YAML"), a mapping (``echo a: b``, refused as no string) or text and a
+    comment (``echo done #1`` became ``echo done``). A text field now gets the characters
+    given unless they are quoted, and ``null`` still unsets a field that may be unset."""
+    sets = [
+        "envs.agent.command=[ -f setup.sh ] && sh setup.sh",
+        "envs.agent.eval_command=echo a: b #1",
+        "ray_address=null",
+        "run_id='007'",
+    ]
+    config, _ = parse("test", with_sets(sets))
+    assert config.envs.agent.command == "[ -f setup.sh ] && sh setup.sh"
+    assert config.envs.agent.eval_command == "echo a: b #1"
+    assert config.ray_address is None
+    assert config.run_id == "007"
 
 
 def test_a_choice_set_on_the_command_line_that_yaml_reads_as_a_boolean_stays_text():
