@@ -139,7 +139,7 @@ def parse(
     from flows.run_logs import one_line_per_unsent_event  # imports Prefect: after its defaults
 
     one_line_per_unsent_event()
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(prog=_prog(), description=description)
     parser.add_argument(
         "--config",
         help=f"Run config YAML (default: {DEFAULT_CONFIG} in the current directory, else {REPO_CONFIG}).",
@@ -221,6 +221,18 @@ def parse(
         print(f"error: {problem}", file=sys.stderr)
         raise SystemExit(2)
     return config, args
+
+
+def _prog() -> str | None:
+    """``python -m flows.<flow>`` where the flow's module runs as ``__main__`` (argparse named
+    its file, ``evaluate.py``: a command that runs nothing); None, argparse's own, otherwise
+    (``treadle run <flow>`` names itself in ``sys.argv``)."""
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    file = getattr(main, "__file__", None)
+    if spec is None or file is None or not sys.argv or os.path.abspath(sys.argv[0]) != os.path.abspath(file):
+        return None
+    return f"python -m {spec.name.removesuffix('.__main__')}"
 
 
 _NULL = re.compile(r"~|null|Null|NULL|")

@@ -515,6 +515,24 @@ def test_a_field_the_config_lacks_set_on_the_command_line_is_refused_with_the_ne
     assert said in capsys.readouterr().err
 
 
+def test_a_flow_run_as_a_module_names_the_command_that_runs_it_in_its_usage(capsys, monkeypatch):
+    """``python -m flows.evaluate --help`` said ``usage: evaluate.py [-h] ...`` (argparse
+    names the file), and so did every usage error: a command that runs nothing."""
+    import types
+
+    import flows.evaluate
+
+    main = types.ModuleType("__main__")
+    main.__file__ = flows.evaluate.__file__
+    main.__spec__ = flows.evaluate.__spec__
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    monkeypatch.setattr(sys, "argv", [flows.evaluate.__file__, "--help"])
+    with pytest.raises(SystemExit) as exited:
+        parse("test", ["--help"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.startswith("usage: python -m flows.evaluate [-h]")
+
+
 def test_a_field_set_twice_takes_the_last_value():
     sets = ["orchestrator.mix={arith: 0.2}", "orchestrator.mix={arith: 0.4}"]
     config, _ = parse("test", with_sets(sets))
