@@ -213,42 +213,44 @@ def build_base_version(
         log(
             f"warm start: {len(losses)} steps on {len(sequences)} demonstrations, loss {losses[0]:.3f} → {losses[-1]:.3f}"
         )
-    try:
-        version = publish_policy(
-            weights,
-            model,
-            tokenizer,
-            config.sao.publish_dtype,
-            step=0,
-            metadata=metadata,
-            tag="base",
-            version=0,
-            owner=owner,
-        )
-    except VersionTaken:  # another flow of this run (a trainer, a worker) got there first
-        log(f"another process is publishing version 0 of run {config.run_id}; using that one")
-        latest = _wait_for_version(weights)
-        if latest is not None:
-            return latest
-        log(
-            f"version 0 of run {config.run_id} was claimed and its claim not renewed for "
-            f"{BASE_VERSION_WAIT_S:.0f} s (its process died?); publishing this base as the next version"
-        )
-        version = publish_policy(
-            weights, model, tokenizer, config.sao.publish_dtype, step=0, metadata=metadata, tag="base"
-        )
+    version = 0
+    while True:
+        try:
+            version = publish_policy(
+                weights,
+                model,
+                tokenizer,
+                config.sao.publish_dtype,
+                step=0,
+                metadata=metadata,
+                tag="base",
+                version=version,
+                owner=owner,
+            )
+            break
+        except VersionTaken:  # another flow of this run (a trainer, a worker) got there first
+            log(f"another process is publishing version {version} of run {config.run_id}; using that one")
+            latest = _wait_for_version(weights, version)
+            if latest is not None:
+                return latest
+            # the next number, claimed as this one was: of flows that gave up together, one publishes
+            log(
+                f"version {version} of run {config.run_id} was claimed and its claim not renewed for "
+                f"{BASE_VERSION_WAIT_S:.0f} s (its process died?); publishing this base as the next version"
+            )
+            version += 1
     if weights.record(Tables(store), version) and on_publish is not None:
         on_publish(version)
     return version
 
 
-def _wait_for_version(weights: WeightStore) -> int | None:
-    """The latest version once version 0 is published whole; None once its claim has gone
-    ``BASE_VERSION_WAIT_S`` without renewal (its publisher died)."""
+def _wait_for_version(weights: WeightStore, version: int) -> int | None:
+    """The latest version once the base ``version`` is published whole; None once its claim
+    has gone ``BASE_VERSION_WAIT_S`` without renewal (its publisher died)."""
     while (latest := weights.latest()) is None:
         if weights.list():  # written whole, its LATEST write failed
             return weights.recover_latest()
-        if weights.claim_age(0) >= BASE_VERSION_WAIT_S:
+        if weights.claim_age(version) >= BASE_VERSION_WAIT_S:
             return None
         time.sleep(1.0)
     return latest

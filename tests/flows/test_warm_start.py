@@ -69,6 +69,28 @@ def test_a_version_zero_claimed_by_a_process_that_died_is_given_up_on(tmp_path, 
     assert Tables(store).read("weights").column("version").to_pylist() == [1]
 
 
+def test_flows_that_give_up_on_a_dead_claim_together_publish_one_base(tmp_path, monkeypatch):
+    """Two flows found version 0's claim dead: the first claimed version 1 and publishes it;
+    the second published its own base as version 2 at once, so the run held two bases and
+    its trainer and workers could start from different ones. It now waits for version 1 as
+    it waits for version 0."""
+    config = tiny_config(tmp_path / "runs", "warm-dead-two", warm_start={"enabled": False})
+    store = run_store(config)
+    weights = WeightStore(store)
+    renewed = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    store.create_exclusive(posixpath.join(weights.version_path(0), CLAIM_FILE), f"{renewed} pid 1\n".encode())
+    claim = f"{datetime.now(UTC).isoformat()} pid 2 owner other-flow\n".encode()
+    store.create_exclusive(posixpath.join(weights.version_path(1), CLAIM_FILE), claim)
+
+    def other_flow_publishes(seconds: float) -> None:
+        if not weights.list():
+            weights.publish({"w": torch.zeros(2)}, {}, None, tag="base", version=1, owner="other-flow")
+
+    monkeypatch.setattr(weight_tasks.time, "sleep", other_flow_publishes)
+    assert build_base_version(config, log=print) == 1
+    assert weights.list() == [1] and weights.latest() == 1
+
+
 def test_a_trainer_starting_before_the_base_version_is_recorded_leaves_it_one_row(tmp_path, monkeypatch):
     """The trainer finds version 0 published and its row missing, and records it; the base's
     publisher then records it too."""
