@@ -153,8 +153,8 @@ class StorageConfig(BaseModel):
     )
     session_token: SkipJsonSchema[SecretStr | None] = Field(
         None,
-        description="S3 session token of temporary credentials; defaults to AWS_SESSION_TOKEN when the "
-        "key id and secret come from the environment too.",
+        description="S3 session token of temporary credentials, set only with access_key_id and "
+        "secret_access_key; defaults to AWS_SESSION_TOKEN when the key id and secret come from the environment too.",
         exclude_if=_unset,
     )
     connect_timeout: float = Field(
@@ -235,6 +235,14 @@ class StorageConfig(BaseModel):
             raise ValueError(
                 f"{given} is set but {missing} is not: give both, or neither and set AWS_ACCESS_KEY_ID "
                 "and AWS_SECRET_ACCESS_KEY in the environment"
+            )
+        # without the pair, s3fs and deltalake dropped it and signed as the machine's role; and a
+        # token goes with the key it was issued with, as the environment's goes only with its own
+        if self.session_token and not self.access_key_id:
+            raise ValueError(
+                "session_token is set but access_key_id and secret_access_key are not: give the token "
+                "with its key pair, or all three as AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and "
+                "AWS_SESSION_TOKEN in the environment"
             )
         return self
 

@@ -1082,7 +1082,7 @@ def test_no_credential_can_travel_in_a_deployment_runs_parameters(entrypoint):
             jsonschema.validate(bad_run, schema)  # refused by the server, before a worker starts
     for keys in (
         {"access_key_id": "AKIAEXAMPLE", "secret_access_key": "EXAMPLE"},
-        {"session_token": "EXAMPLE"},
+        {"access_key_id": "AKIAEXAMPLE", "secret_access_key": "EXAMPLE", "session_token": "EXAMPLE"},
     ):
         for keyed in ({"storage": keys}, {"envs": {"dataset": {"storage": keys}}}):
             with_key = RunConfig.model_validate(keyed).model_dump(mode="json")

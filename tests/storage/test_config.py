@@ -210,6 +210,23 @@ def test_half_of_a_key_pair_is_refused_naming_the_half_that_is_missing(monkeypat
     assert "TOP-SECRET-VALUE" not in str(error.value)
 
 
+@pytest.mark.parametrize("environment_keys", [False, True])
+def test_a_session_token_without_the_key_pair_it_belongs_to_is_refused(monkeypatch, environment_keys):
+    """Given no key pair, s3fs and deltalake dropped the token without a word and signed with
+    the machine's role, another identity; with the environment's pair, it went with a key it
+    was not issued for."""
+    for variable in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        if environment_keys:
+            monkeypatch.setenv(variable, "from-the-environment")
+        else:
+            monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(
+        ValidationError, match="session_token is set but access_key_id and secret_access_key are not"
+    ) as error:
+        StorageConfig(root="s3://bucket", session_token="TOP-SECRET-TOKEN")
+    assert "TOP-SECRET-TOKEN" not in str(error.value)
+
+
 def test_temporary_credentials_carry_their_session_token(monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "env-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "env-secret")
