@@ -638,9 +638,9 @@ class BackgroundShardWriter(ShardWriter):
     still runs, so at most one shard is in flight. A commit that fails is logged and its
     records go into the next flush's shard (due ``flush_seconds`` after they were handed
     over, even when no record is written after them), so a store that is unreachable for a while
-    loses nothing. Once more than ``max_unsaved_records`` records would wait that way,
-    ``flush`` commits in the caller's thread instead and raises as :class:`ShardWriter`
-    does, records kept. ``close`` commits what is left and waits for it.
+    loses nothing. Once more than ``max_unsaved_records`` records (8 x ``flush_records`` unless
+    given) would wait that way, ``flush`` commits in the caller's thread instead and raises as
+    :class:`ShardWriter` does, records kept. ``close`` commits what is left and waits for it.
 
     A failed commit is due again (``flush_if_due``) later and later while commits keep
     failing: each failure doubles the wait, from ``flush_seconds`` up to
@@ -649,8 +649,12 @@ class BackgroundShardWriter(ShardWriter):
     """
 
     def __init__(self, *args: Any, max_unsaved_records: int | None = None, **kwargs: Any):
+        if max_unsaved_records is not None and max_unsaved_records < 0:
+            raise ValueError(f"max_unsaved_records must be >= 0, got {max_unsaved_records}")
         super().__init__(*args, **kwargs)
-        self.max_unsaved_records = max_unsaved_records or 8 * self.flush_records
+        self.max_unsaved_records = (
+            8 * self.flush_records if max_unsaved_records is None else max_unsaved_records
+        )
         self._committer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"shards-{self.worker}")
         self._in_flight: Future[None] | None = None
         self._unsaved: pa.Table | None = None

@@ -778,6 +778,16 @@ def test_past_max_unsaved_records_a_flush_commits_in_the_callers_thread_and_rais
         writer.write(make_record(9))
 
 
+def test_a_max_unsaved_records_of_0_is_kept_and_a_negative_one_refused(local_store, monkeypatch):
+    """0 (no record waits for a retry on the commit thread) was taken as unset and became
+    8 x flush_records, and a negative bound passed."""
+    writer = BackgroundShardWriter(local_store, "w0", flush_records=2, max_unsaved_records=0)
+    assert writer.max_unsaved_records == 0
+    writer.close()
+    with pytest.raises(ValueError, match="max_unsaved_records must be >= 0, got -1"):
+        BackgroundShardWriter(local_store, "w1", max_unsaved_records=-1)
+
+
 def test_a_store_outage_is_retried_at_growing_intervals_not_at_every_flush(store, monkeypatch):
     """Past ``max_unsaved_records`` a flush commits in the caller's thread (the event loop): a
     rollout worker's flusher calls ``flush_if_due`` every second, and each call ran a blocking
