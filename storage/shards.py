@@ -195,7 +195,7 @@ class ShardWriter:
         before_commit: Callable[[], None] | None = None,
     ):
         _check_name("worker", worker)
-        _check_name("kind", kind)
+        _check_kind(kind)
         if flush_records < 1:
             raise ValueError(f"flush_records must be ≥ 1, got {flush_records}")
         if flush_seconds <= 0:
@@ -772,7 +772,7 @@ class ShardReader:
         schema: pa.Schema | None = None,
         tables: Tables | None = None,
     ):
-        _check_name("kind", kind)
+        _check_kind(kind)
         self.store = store
         self.kind = kind
         self.schema = _schema_for(kind, schema)
@@ -1132,6 +1132,19 @@ def _schema_diff(actual: pa.Schema, expected: pa.Schema) -> str:
         + changed
     )
     return "; ".join(parts) or "column order differs"
+
+
+RESERVED_KINDS = ("tmp", "quarantine")
+"""Folders under ``shards/`` that are no kind's: writers' temp files and the quarantine."""
+
+
+def _check_kind(kind: str) -> None:
+    _check_name("kind", kind)
+    if kind in RESERVED_KINDS:
+        raise ValueError(
+            f"kind {kind!r} names the folder of shards/ that holds "
+            f"{'temp files' if kind == 'tmp' else 'quarantined shards'}; choose another name"
+        )
 
 
 def _check_name(what: str, value: str) -> None:

@@ -927,6 +927,20 @@ def test_a_worker_name_that_is_not_a_folder_of_its_own_is_refused(local_store, n
     assert not local_store.fs.exists(local_store.path("shards"))
 
 
+@pytest.mark.parametrize("kind", ["tmp", "quarantine"])
+def test_a_kind_named_like_a_folder_the_shards_share_is_refused(local_store, kind):
+    """A kind "tmp" kept its shards where writers keep their temp files (swept whatever their
+    commits on a run whose shards table is lost), and a kind "quarantine" where bad shards go
+    (counted as quarantined, never swept)."""
+    for make in (
+        lambda: ShardWriter(local_store, "w0", kind=kind, schema=TRAJECTORY_SCHEMA),
+        lambda: ShardReader(local_store, kind=kind, schema=TRAJECTORY_SCHEMA),
+    ):
+        with pytest.raises(ValueError, match=f"kind {kind!r} names the folder of"):
+            make()
+    assert not local_store.fs.exists(local_store.path("shards"))
+
+
 def test_records_that_do_not_fit_the_types_or_columns_are_refused_at_the_call(local_store):
     writer = ShardWriter(local_store, "w0", flush_records=10)
     writer.write(make_record(0))
