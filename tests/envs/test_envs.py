@@ -49,6 +49,14 @@ async def play(name, task, actions, **config):
         await env.close()
 
 
+def write_rows(path, rows):
+    """A dataset file of ``rows``: Parquet when ``path`` ends in ``.parquet``, else JSON lines."""
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("\n".join(map(json.dumps, rows)))
+
+
 @pytest.mark.parametrize("name", ["arith", "guess", "pytool", "code", "shell"])
 def test_splits_are_disjoint_and_reproducible(name):
     train = task_set(name, "train", seed=1, n=20)
@@ -1506,11 +1514,9 @@ def test_shell_eval_tasks_have_no_train_twin():
 
 def test_dataset_jsonl_parquet_and_verifiers(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": str(i * 1.5)} for i in range(40)]
-    jsonl = tmp_path / "data.jsonl"
-    jsonl.write_text("\n".join(json.dumps(r) for r in rows))
-    parquet = tmp_path / "data.parquet"
-    pq.write_table(pa.Table.from_pylist(rows), parquet)
+    jsonl, parquet = tmp_path / "data.jsonl", tmp_path / "data.parquet"
     for path in (jsonl, parquet):
+        write_rows(path, rows)
         train = task_set("dataset", "train", 0, 30, {"path": str(path)})
         evals = task_set("dataset", "eval", 0, 5, {"path": str(path)})
         assert not {t.id for t in train} & {t.id for t in evals}
@@ -1581,10 +1587,7 @@ def test_dataset_boolean_and_integral_float_fields_read_as_json_writes_them(tmp_
     verifier scored the answers ``true`` and ``2`` wrong."""
     rows = [{"prompt": f"q{i}", "flag": i % 2 == 0, "value": [2.0, -3.0, 2.5][i % 3]} for i in range(12)]
     path = tmp_path / name
-    if name.endswith(".parquet"):
-        pq.write_table(pa.Table.from_pylist(rows), path)
-    else:
-        path.write_text("\n".join(map(json.dumps, rows)))
+    write_rows(path, rows)
     for field, text in (
         ("flag", {True: "true", False: "false"}),
         ("value", {2.0: "2", -3.0: "-3", 2.5: "2.5"}),
@@ -1838,7 +1841,7 @@ def test_dataset_refuses_a_blank_prompt_when_the_id_is_another_field(tmp_path):
     (a lost column, an export gone wrong) loaded, and the model was asked an empty message."""
     path = tmp_path / "blank.jsonl"
     rows = [{"qid": "a", "prompt": "q", "answer": "1"}, {"qid": "b", "prompt": " \n", "answer": "2"}]
-    path.write_text("\n".join(map(json.dumps, rows)))
+    write_rows(path, rows)
     with pytest.raises(ValueError, match="line 2 of .*blank.jsonl has a blank 'prompt'"):
         task_set("dataset", "train", 0, 1, {"path": str(path), "id_field": "qid"})
 
@@ -1853,12 +1856,8 @@ def test_dataset_refuses_a_nan_field(tmp_path, name, field):
     rows = [{"prompt": f"q{i}", "answer": float(i)} for i in range(4)]  # a float column, as pandas makes
     rows[2][field] = float("nan")
     path = tmp_path / name
-    if name.endswith(".parquet"):
-        pq.write_table(pa.Table.from_pylist(rows), path)
-        where = "row 2"
-    else:
-        path.write_text("\n".join(map(json.dumps, rows)))
-        where = "line 3"
+    write_rows(path, rows)
+    where = "row 2" if name.endswith(".parquet") else "line 3"
     with pytest.raises(ValueError, match=f"{where} of .*{name} has a NaN '{field}'"):
         task_set("dataset", "train", 0, 1, {"path": str(path)})
 
@@ -1877,7 +1876,7 @@ def test_dataset_refuses_a_prompt_answer_or_id_that_is_no_text_or_number(tmp_pat
     rows = [{"prompt": "q", "answer": "4", "qid": "a"}, {"prompt": "r", "answer": "5", "qid": "b"}]
     rows[1][field] = value
     path = tmp_path / "nested.jsonl"
-    path.write_text("\n".join(map(json.dumps, rows)))
+    write_rows(path, rows)
     with pytest.raises(ValueError, match=f"line 2 of .*nested.jsonl: '{field}' holds a {kind}, not text"):
         task_set("dataset", "train", 0, 1, {"path": str(path), "id_field": "qid"})
 
@@ -1893,12 +1892,8 @@ def test_dataset_refuses_a_prompt_given_twice_with_different_answers(tmp_path, n
         {"prompt": "q3", "answer": "7"},
     ]
     path = tmp_path / name
-    if name.endswith(".parquet"):
-        pq.write_table(pa.Table.from_pylist(rows), path)
-        first, second = "row 1", "row 4"
-    else:
-        path.write_text("\n".join(map(json.dumps, rows)))
-        first, second = "line 2", "line 5"
+    write_rows(path, rows)
+    first, second = ("row 1", "row 4") if name.endswith(".parquet") else ("line 2", "line 5")
     with pytest.raises(
         ValueError,
         match=rf"{second} of .*{name}: prompt 'q1' has the answer '5', but '1' at {first} \(and 2 more rows "
@@ -1912,7 +1907,7 @@ def test_dataset_takes_a_prompt_given_twice_with_one_answer(tmp_path):
     rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(10)]
     rows += [{"prompt": "q1", "answer": " 1\n"}, {"prompt": "q2", "answer": "2.0"}]
     path = tmp_path / "data.jsonl"
-    path.write_text("\n".join(map(json.dumps, rows)))
+    write_rows(path, rows)
     config = {"path": str(path), "eval_fraction": 0.5, "verifier": "numeric"}
     tasks = [task for split in ("train", "eval") for task in task_set("dataset", split, 0, 100, config)]
     assert {task.prompt for task in tasks} == {row["prompt"] for row in rows}
@@ -1985,7 +1980,7 @@ def test_dataset_split_keeps_a_prompt_under_many_ids_in_one_split(tmp_path):
         {"qid": f"{i}-{copy}", "prompt": f"q{i}", "answer": str(i)} for i in range(100) for copy in range(4)
     ]
     path = tmp_path / "data.jsonl"
-    path.write_text("\n".join(map(json.dumps, rows)))
+    write_rows(path, rows)
     config = {"path": str(path), "id_field": "qid"}
     train, evals = (task_set("dataset", split, 0, 1000, config) for split in ("train", "eval"))
     assert not {t.prompt for t in train} & {t.prompt for t in evals}
@@ -2000,12 +1995,8 @@ def test_dataset_refuses_an_id_given_to_two_prompts(tmp_path, name):
     rows += [{"qid": "id1", "prompt": " q1\n", "answer": "1"}, {"qid": "id2", "prompt": "q2", "answer": "2"}]
     rows += [{"qid": "id3", "prompt": "q7", "answer": "7"}]
     path = tmp_path / name
-    if name.endswith(".parquet"):
-        pq.write_table(pa.Table.from_pylist(rows), path)
-        first, second = "row 3", "row 6"
-    else:
-        path.write_text("\n".join(map(json.dumps, rows)))
-        first, second = "line 4", "line 7"
+    write_rows(path, rows)
+    first, second = ("row 3", "row 6") if name.endswith(".parquet") else ("line 4", "line 7")
     with pytest.raises(
         ValueError,
         match=rf"{second} of .*{name}: id 'id3' names the prompt 'q7', but 'q3' at {first}: give each "
@@ -2017,7 +2008,7 @@ def test_dataset_refuses_an_id_given_to_two_prompts(tmp_path, name):
 def test_dataset_split_keeps_a_prompt_written_with_surrounding_whitespace_in_one_split(tmp_path):
     rows = [{"prompt": prompt, "answer": str(i)} for i in range(100) for prompt in (f"q{i}", f" q{i}\n")]
     path = tmp_path / "data.jsonl"
-    path.write_text("\n".join(map(json.dumps, rows)))
+    write_rows(path, rows)
     train, evals = (task_set("dataset", split, 0, 1000, {"path": str(path)}) for split in ("train", "eval"))
     assert not {t.prompt.strip() for t in train} & {t.prompt.strip() for t in evals}
 
