@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench lint ui clean
+.PHONY: setup demo test durations bench lint ui clean
 
 setup: $(STAMP)
 
@@ -18,9 +18,15 @@ demo: setup
 	$(PY) -m flows.demo
 
 # Two workers, each taking whole files (module fixtures such as the Ray session stay in one);
-# tests/conftest.py makes the test_ray*.py files one unit, so that no worker waits on the other's Ray.
+# tests/conftest.py makes the test_ray*.py files one unit, so that no worker waits on the other's Ray,
+# and hands the longest files out first (as tests/durations.json recorded them).
 test: setup
 	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+# The whole suite, as make test runs it, writing the seconds each test file took to
+# tests/durations.json: the workers are handed the longest files first.
+durations: setup
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --record-durations
 
 bench: setup
 	@for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

@@ -8,9 +8,11 @@ travel in ``StorageConfig`` fields, never through the environment.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fcntl
 import http.server
+import json
 import logging
 import os
 import re
@@ -174,26 +176,73 @@ def one_ray_at_a_time() -> Iterator[None]:
 
 RAY_UNIT = "the test files that start Ray"
 
+DURATIONS = Path(__file__).with_name("durations.json")
+"""The seconds each test file took when last run with ``--record-durations`` (``make durations``
+runs the whole suite so): :class:`RayFilesInOneUnit` hands the longest work out first."""
+
+UNRECORDED_SECONDS_PER_TEST = 0.5
+"""What a test of a file that :data:`DURATIONS` lacks is taken to last: about the suite's mean."""
+
 
 class RayFilesInOneUnit(LoadFileScheduling):
     """pytest-xdist's ``loadfile``, but every ``test_ray*.py`` file (the tests that start Ray
-    live there) is in one unit of work, handed out first: run on two workers, they waited for
-    each other's Ray in :func:`one_ray_at_a_time`, a worker idle meanwhile (about two minutes
-    of the suite's time)."""
+    live there) is in one unit of work: run on two workers, they waited for each other's Ray in
+    :func:`one_ray_at_a_time`, a worker idle meanwhile (about two minutes of the suite's time).
+
+    The units are handed out longest first, as :data:`DURATIONS` recorded them, not as
+    pytest-xdist orders them (most tests first): its order left the files of a few long tests
+    (a real Prefect server and worker, three flow processes on S3) to the end, run by one
+    worker while the other had nothing left (some 40 s of the suite's 1,150 here)."""
+
+    def __init__(self, config: pytest.Config, log=None) -> None:
+        super().__init__(config, log)
+        self.recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
 
     def _split_scope(self, nodeid: str) -> str:
         path = super()._split_scope(nodeid)
         return RAY_UNIT if os.path.basename(path).startswith("test_ray") else path
 
+    def _expected_seconds(self, unit: str) -> float:
+        tests = collections.Counter(nodeid.split("::", 1)[0] for nodeid in self.workqueue[unit])
+        return sum(
+            self.recorded.get(path, UNRECORDED_SECONDS_PER_TEST * count) for path, count in tests.items()
+        )
+
     def _assign_work_unit(self, node) -> None:
-        if RAY_UNIT in self.workqueue:
-            self.workqueue.move_to_end(RAY_UNIT, last=False)
+        for unit in sorted(self.workqueue, key=self._expected_seconds, reverse=True):
+            self.workqueue.move_to_end(unit)
         super()._assign_work_unit(node)
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log) -> LoadFileScheduling | None:
     return RayFilesInOneUnit(config, log) if config.getvalue("dist") == "loadfile" else None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help=f"record the seconds each test file run took in {DURATIONS.name}",
+    )
+
+
+FILE_SECONDS: collections.Counter[str] = collections.Counter()
+"""The seconds each test file's tests have taken so far, set-up and tear-down included."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # on pytest-xdist's controller, which hears every worker's reports
+    if session.config.getoption("record_durations") and not hasattr(session.config, "workerinput"):
+        recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
+        recorded |= {path: round(seconds, 1) for path, seconds in FILE_SECONDS.items()}
+        root = session.config.rootpath
+        kept = {path: recorded[path] for path in sorted(recorded) if (root / path).exists()}
+        DURATIONS.write_text(json.dumps(kept, indent=1) + "\n")
 
 
 def free_port() -> int:
