@@ -479,9 +479,9 @@ def test_the_train_task_publishes_a_drain_and_never_the_last_accepting_replica(t
 
 def test_a_two_replica_pipeline_lends_a_replica_to_training_and_loses_no_rollout(tmp_path):
     """Rollouts (2 engine replicas, multi-turn guess), processing and training side by side
-    for 30 s, steered by a controller that lends a replica to training whenever a shard
-    waits: a replica is drained and handed over during the run, and every rollout started
-    still finishes, is written, processed and counted."""
+    until a replica was lent, steered by a controller that lends a replica to training
+    whenever a shard waits: a replica is drained and handed over during the run, and every
+    rollout started still finishes, is written, processed and counted."""
     run = RunConfig(
         run_id="elastic-pipeline",
         storage=StorageConfig(root=str(tmp_path / "runs")),
@@ -503,21 +503,51 @@ def test_a_two_replica_pipeline_lends_a_replica_to_training_and_loses_no_rollout
             cooldown_s=0,
         )
     )
-    deadline = time.time() + 30
+    # the rollouts end once a replica was lent and the worker drained one, with two steps
+    # taken (a step's cost needs one before it); the deadline is only a bound
+    deadline = time.time() + 120
     statuses: list[dict] = []
+    steps: list[dict] = []
     results: dict = {}
+    enough, rollouts_done, processed = threading.Event(), threading.Event(), threading.Event()
 
-    def go(name, fn, *args, **kwargs):
-        results[name] = fn(*args, **kwargs)
+    def seen(log: list, item) -> None:
+        log.append(item)
+        if (
+            len(steps) >= 2
+            and any(m.target == "train" for m in planner.controller.moves)
+            and any(s["draining"] for s in statuses)
+        ):
+            enough.set()
+
+    def go(name, done, fn, *args, **kwargs):
+        try:
+            results[name] = fn(*args, **kwargs)
+        finally:
+            done.set()
 
     threads = [
         threading.Thread(
             target=go,
-            args=("rollouts", run_rollouts, run, deadline),
-            kwargs={"on_progress": statuses.append, "progress_every_s": 0.3, "flush_records": 8},
+            args=("rollouts", rollouts_done, run_rollouts, run, deadline),
+            kwargs={
+                "on_progress": lambda status: seen(statuses, status),
+                "progress_every_s": 0.3,
+                "flush_records": 8,
+                "stop": enough,
+            },
         ),
-        threading.Thread(target=go, args=("process", run_processor, run, deadline + 5)),
-        threading.Thread(target=go, args=("train", run_trainer, run, deadline), kwargs={"elastic": planner}),
+        # processing ends once the rollouts wrote their last shard, and training once it is processed
+        threading.Thread(
+            target=go,
+            args=("process", processed, run_processor, run, deadline),
+            kwargs={"stop": rollouts_done},
+        ),
+        threading.Thread(
+            target=go,
+            args=("train", threading.Event(), run_trainer, run, deadline),
+            kwargs={"elastic": planner, "on_step": lambda row: seen(steps, row), "stop": processed},
+        ),
     ]
     for thread in threads:
         thread.start()
