@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -59,6 +60,7 @@ from storage.weights import CLAIM_FILE, WeightStore
 from tests.conftest import readme_query
 from tests.rl.synthetic import TINY, config, make_trajectories, write_shards
 from tests.storage.foreign_shards import commit_foreign_file, ipc_bytes
+from tests.storage.test_crash import stopped
 from tests.storage.test_weights import readme_totals
 
 REPO = Path(__file__).resolve().parents[2]
@@ -2012,21 +2014,42 @@ def test_the_idle_seconds_count_the_wait_in_progress(store):
     )
 
 
-CHILD = """
-import sys
-from rl.config import SAOConfig
-from rl.batching import micro_batches, pad_batch, samples_from_table, take_batch
+FORKER = """
+import os, sys, traceback
 from rl.config import SAOConfig
 from rl.trainer import Trainer
 from storage.config import RunStore, StorageConfig
-store = RunStore(StorageConfig(root=sys.argv[1]), sys.argv[2])
-config = SAOConfig(lr=1e-3, value_lr=1e-3, token_budget=33, micro_token_budget=33, max_staleness=1000,
-                    publish_every=int(sys.argv[3]))
-trainer = Trainer(store, config)
-print("ready", flush=True)
-trainer.run(drain=True, progress=lambda row: print("step", row["step"], flush=True))
-print("done", flush=True)
+
+def say(line):
+    # one write, so that the forker's lines and its trainer's never interleave
+    os.write(1, f"{line}\\n".encode())
+
+def train(publish_every):
+    store = RunStore(StorageConfig(root=sys.argv[1]), sys.argv[2])
+    config = SAOConfig(lr=1e-3, value_lr=1e-3, token_budget=33, micro_token_budget=33, max_staleness=1000,
+                       publish_every=publish_every)
+    Trainer(store, config).run(drain=True, progress=lambda row: say(f"step {row['step']}"))
+
+for line in sys.stdin:
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            train(int(line))
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+    say(f"trainer {pid}")
+    _, status = os.waitpid(pid, 0)
+    say(f"ended {os.waitstatus_to_exitcode(status)}")
 """
+"""Forks one trainer per line of stdin (its ``publish_every``) from a process that imported
+torch and the trainer once (a fresh interpreter per trainer spent most of the test importing
+them): each trainer is still a process of its own, building its trainer from the store,
+draining it unless killed with SIGKILL."""
 
 
 def killed_child_env(tmp_path) -> dict[str, str]:
@@ -2044,34 +2067,44 @@ def test_exactly_once_across_sigkill_restarts(store, tmp_path):
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
-    env = killed_child_env(tmp_path)
+    forker = subprocess.Popen(
+        [sys.executable, "-c", FORKER, store.config.root, store.run_id],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=killed_child_env(tmp_path),
+        cwd=REPO,
+        start_new_session=True,  # its own process group, with its trainer: stopped() kills them all
+    )
     kills = 0
-    for attempt in range(4):
-        child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, store.config.root, store.run_id, str(rng.choice([1, 2]))],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=env,
-            cwd=REPO,
-        )
-        kill_after = rng.randint(1, 4) if attempt < 3 else None
-        steps_seen = 0
-        for line in child.stdout:
-            if line.startswith("step"):
-                steps_seen += 1
-            if kill_after is not None and steps_seen >= kill_after:
-                # let it run a random little further: mid-step, mid-publish or between steps
-                threading.Event().wait(rng.uniform(0, 0.4))
-                child.send_signal(signal.SIGKILL)
-                kills += 1
+    try:
+        for attempt in range(4):
+            forker.stdin.write(f"{rng.choice([1, 2])}\n")
+            forker.stdin.flush()
+            kill_after = rng.randint(1, 4) if attempt < 3 else None
+            pid, steps_seen = None, 0
+            # the forker names the trainer while it runs: some of its steps may come first
+            while not (line := forker.stdout.readline().strip()).startswith("ended"):
+                assert line, stopped(forker)  # the forker died
+                if line.startswith("trainer "):
+                    pid = int(line.split()[1])
+                elif line.startswith("step"):
+                    steps_seen += 1
+                if pid is not None and kill_after is not None and steps_seen >= kill_after:
+                    # let it run a random little further: mid-step, mid-publish or between steps
+                    threading.Event().wait(rng.uniform(0, 0.4))
+                    with contextlib.suppress(ProcessLookupError):  # it drained first
+                        os.kill(pid, signal.SIGKILL)
+                    kills += 1
+                    kill_after = None
+            returncode = int(line.split()[1])
+            if returncode == 0:
                 break
-        child.wait(timeout=300)
-        child.stdout.close()
-        if child.returncode == 0:
-            break
-        assert child.returncode == -signal.SIGKILL, f"trainer failed (seed {seed})"
-    assert child.returncode == 0, f"the last trainer did not drain (seed {seed})"
+            assert returncode == -signal.SIGKILL, f"trainer failed (seed {seed}): {stopped(forker)}"
+    finally:
+        stopped(forker)
+    assert returncode == 0, f"the last trainer did not drain (seed {seed})"
     assert kills >= 1
 
     weights = WeightStore(store)
