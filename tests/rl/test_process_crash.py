@@ -89,17 +89,21 @@ polls until no raw shard is left and saves its offset (as a ``process-pending`` 
 exiting 0, unless killed; it announces on stdout each storage operation it begins."""
 
 
-def commit_wave(stores: list[RunStore], wave: int) -> None:
+def commit_wave(writers: dict[tuple[RunStore, str], ShardWriter], stores: list[RunStore], wave: int) -> None:
     """Two raw shards of three branching executions each (some exact retries), the same in
-    each store; by worker ``w0`` or ``w1``."""
+    each store; by worker ``w0`` or ``w1``, whose writers ``writers`` keeps from wave to wave
+    (a new one would read the whole ``shards`` log for its next number)."""
+    worker = f"w{wave % 2}"
     for shard in range(2):
         rng = np.random.default_rng(100 * wave + shard)
         records = []
         for execution in range(3):
             records += random_execution(rng, f"s{wave}-{shard}x{execution}", int(rng.integers(1, 5)))
         for store in stores:
-            with ShardWriter(store, f"w{wave % 2}", flush_records=len(records)) as writer:
-                writer.write_many(records)
+            if (store, worker) not in writers:
+                writers[(store, worker)] = ShardWriter(store, worker, flush_records=10**6)
+            writers[(store, worker)].write_many(records)
+            assert writers[(store, worker)].flush() is not None
 
 
 def life(forker: subprocess.Popen, kill_in: str | None, nth: int, delay_s: float) -> str:
@@ -155,10 +159,11 @@ def test_processors_killed_at_random_points_process_every_shard_exactly_once(loc
     )
     rng = random.Random(4321)
     kills = waves = 0
+    writers: dict[tuple[RunStore, str], ShardWriter] = {}
     try:
         while kills < KILLS:
             assert waves < 2 * KILLS, f"only {kills} of the processors were killed in {waves} waves"
-            commit_wave([local_store, reference], waves)
+            commit_wave(writers, [local_store, reference], waves)
             waves += 1
             kill_in = rng.choice(MOMENTS)
             ended = life(forker, kill_in, rng.randint(1, 2), rng.uniform(0.0, 0.03))
