@@ -1033,6 +1033,18 @@ def test_the_pipeline_starts_a_local_ray_with_a_cpu_for_each_of_its_tasks_and_ac
     assert asked == [3 + 3 + 2]
 
 
+def placeable_only_given_long_enough(monkeypatch, *kinds: str) -> None:
+    """Give the probes of the pipeline's ``kinds`` tasks, which this cluster places, long enough
+    to start on a loaded machine, whatever ``engine.load_timeout_s``: the test's own, short, is
+    then waited out in full only by what the cluster cannot hold."""
+    wait_placeable = ray_actors.wait_placeable
+
+    def waited(kind, options, timeout_s, setting):
+        wait_placeable(kind, options, 120 if kind in kinds else timeout_s, setting)
+
+    monkeypatch.setattr(ray_actors, "wait_placeable", waited)
+
+
 def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_tasks(monkeypatch):
     """The trainer on CUDA asks Ray for a GPU, which no node of this cluster has: Ray would
     keep the train task pending for ever, and the flow waiting on it once the rollouts and
@@ -1049,10 +1061,10 @@ def test_a_pipeline_whose_trainer_no_node_can_place_fails_before_submitting_its_
         recording_runner(lambda task, parameters: submitted.append(task.name)),
     )
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
-    # long enough for the tasks this cluster can place to start on a loaded machine
-    config = RunConfig(run_id="no-gpu", cluster="ray", trainer_device="cuda", engine={"load_timeout_s": 10})
+    placeable_only_given_long_enough(monkeypatch, "process-shards")
+    config = RunConfig(run_id="no-gpu", cluster="ray", trainer_device="cuda", engine={"load_timeout_s": 1})
 
-    with pytest.raises(ActorStartError, match=r"^the train task did not start within 10 s .*'num_gpus': 1"):
+    with pytest.raises(ActorStartError, match=r"^the train task did not start within 1 s .*'num_gpus': 1"):
         pipeline._run_on_ray(config, signals="s")
     assert submitted == []
 
@@ -1076,21 +1088,21 @@ def test_a_pipeline_whose_tasks_and_actors_the_cluster_cannot_hold_at_once_fails
         recording_runner(lambda task, parameters: submitted.append(task.name)),
     )
     monkeypatch.setattr(pipeline, "_wind_down", lambda config, signals, *runs: runs)
-    # long enough for the tasks this cluster can place to start on a loaded machine
-    config = RunConfig(run_id="too-big", cluster="ray", engine={"replicas": 2, "load_timeout_s": 10})
+    placeable_only_given_long_enough(monkeypatch, "process-shards", "train")
+    config = RunConfig(run_id="too-big", cluster="ray", engine={"replicas": 2, "load_timeout_s": 1})
 
     with pytest.raises(
         ActorStartError,
         match=r"^processing, training and the rollout worker's actors did not fit on the Ray cluster at once "
-        r"within 10 s \(engine.load_timeout_s\), asking for \[\{'num_cpus': 1\}, \{'num_cpus': 1, 'num_gpus': 0\}, "
+        r"within 1 s \(engine.load_timeout_s\), asking for \[\{'num_cpus': 1\}, \{'num_cpus': 1, 'num_gpus': 0\}, "
         r"(\{'num_cpus': 1\}, ){3}\{'num_cpus': 1\}\]: .*'CPU': 4\.0",
     ):
         pipeline._run_on_ray(config, signals="s")
     assert submitted == []
 
-    pipeline._run_on_ray(
-        config.model_copy(update={"engine": config.engine.model_copy(update={"replicas": 1})}), "s"
-    )
+    # long enough for the group this cluster holds to be placed on a loaded machine
+    fits = config.engine.model_copy(update={"replicas": 1, "load_timeout_s": 120})
+    pipeline._run_on_ray(config.model_copy(update={"engine": fits}), "s")
     assert sorted(submitted) == ["process-shards", "rollouts", "train"]
 
 
