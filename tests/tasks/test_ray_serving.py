@@ -9,7 +9,7 @@ import ray
 from ray._private import state
 
 from rollout.ray_engine import engine_actor_resources
-from tasks.rollout import rollout_actor_resources
+from tasks.rollout import connect_run_ray, rollout_actor_resources
 from tests.conftest import free_port, one_ray_at_a_time
 from tests.tasks.test_rollout_http import TOKEN, WAIT_S, serving_run, serving_worker, until_serving
 
@@ -23,6 +23,10 @@ def test_a_serve_only_worker_on_ray_starts_its_engines_and_no_env_workers(tmp_pa
     run = run.model_copy(update={"cluster": "ray"})
     assert rollout_actor_resources(run) == [engine_actor_resources(run.engine.torch)]  # one replica
     with one_ray_at_a_time():
+        # as the worker would connect (it then finds Ray connected), but on the main thread: the
+        # shutdown of a driver connected from a thread since ended waited out 15 s of Ray's own
+        # time-outs flushing its task events and metrics
+        connect_run_ray(run)
         try:
             with (
                 serving_worker(run) as (worker, stop),
