@@ -40,7 +40,7 @@ import psutil
 import ray
 
 from flows.config import RunConfig
-from rollout.ray_engine import connect_ray
+from tasks.rollout import connect_run_ray
 
 
 @ray.remote
@@ -53,8 +53,8 @@ def own_handler(signum, frame):
 
 
 signal.signal(signal.SIGTERM, own_handler)  # as a Prefect flow run installs its own
-config = RunConfig(cluster="ray", ray_address=sys.argv[1] or None)
-connect_ray(config.ray_address, config.ray_node_ip)
+config = RunConfig(cluster="ray", ray_address=sys.argv[1] or None, engine={"replicas": int(sys.argv[2])})
+connect_run_ray(config, task_cpus=2)
 sigterm_kept = signal.getsignal(signal.SIGTERM) is own_handler
 assert ray.get(ping.remote()) == "pong"  # a worker is up and listening too
 driver = psutil.Process()  # its core worker listens too
@@ -68,7 +68,8 @@ for process in [driver, *children]:
                 listening.append((process.name(), connection.laddr.ip, connection.laddr.port))
     except psutil.NoSuchProcess:
         pass
-print(json.dumps({"listening": listening, "started": started, "sigterm_kept": sigterm_kept}))
+cpus = ray.cluster_resources()["CPU"]
+print(json.dumps({"listening": listening, "started": started, "sigterm_kept": sigterm_kept, "cpus": cpus}))
 ray.shutdown()
 """
 
@@ -93,12 +94,12 @@ def _stop_leftovers(started: list[tuple[int, float]]) -> None:
     psutil.wait_procs(leftovers, timeout=30)
 
 
-def report_of(script: str, argument: str) -> dict:
-    """The JSON last line ``script`` prints, run with ``argument`` in a fresh interpreter
+def report_of(script: str, *arguments: str) -> dict:
+    """The JSON last line ``script`` prints, run with ``arguments`` in a fresh interpreter
     that starts a Ray of its own (``RAY_ADDRESS`` unset)."""
     env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
     run = subprocess.run(
-        [sys.executable, "-c", script, argument],
+        [sys.executable, "-c", script, *arguments],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -110,40 +111,24 @@ def report_of(script: str, argument: str) -> dict:
 
 
 @pytest.mark.parametrize("address", ["", "local"])
-def test_a_local_ray_started_by_a_run_listens_on_loopback_only(address):
+def test_a_local_ray_started_by_a_run_listens_on_loopback_only_with_a_cpu_for_each_of_its_tasks_and_actors(
+    address,
+):
     """``ray_address: local`` (``ray.init``'s own word for a new local instance) starts one on
-    ``ray_node_ip`` too: it went to Ray's default, the machine's address on every interface."""
-    report = report_of(SCRIPT, address)
+    ``ray_node_ip`` too: it went to Ray's default, the machine's address on every interface.
+
+    The run's tasks and actors wait on each other: with Ray's one CPU per core, a 2-core
+    machine ran the pipeline's process and train tasks and kept the rollout worker's env and
+    engine actors pending until the trainer's deadline, and the run wrote no rollout. Both are
+    checked on one start: each Ray start here takes seconds."""
+    replicas = os.cpu_count()
+    report = report_of(SCRIPT, address, str(replicas))
     _stop_leftovers(report["started"])
     names = {name for name, _, _ in report["listening"]}
     assert {"gcs_server", "raylet"} <= names, report["listening"]
     beyond = [(name, ip, port) for name, ip, port in report["listening"] if not _on_loopback(ip)]
     assert beyond == [], f"Ray processes listening beyond loopback: {beyond}"
     assert report["sigterm_kept"], "ray.init's SIGTERM handler replaced the process's own"
-
-
-SIZED_SCRIPT = """
-import json
-import sys
-
-import ray
-
-from flows.config import RunConfig
-from tasks.rollout import connect_run_ray
-
-config = RunConfig(cluster="ray", engine={"replicas": int(sys.argv[1])})
-connect_run_ray(config, task_cpus=2)
-print(json.dumps({"cpus": ray.cluster_resources()["CPU"]}))
-ray.shutdown()
-"""
-
-
-def test_the_local_ray_a_run_starts_has_a_cpu_for_each_of_its_tasks_and_actors_beyond_the_cores():
-    """The run's tasks and actors wait on each other: with Ray's one CPU per core, a 2-core
-    machine ran the pipeline's process and train tasks and kept the rollout worker's env and
-    engine actors pending until the trainer's deadline, and the run wrote no rollout."""
-    replicas = os.cpu_count()
-    report = report_of(SIZED_SCRIPT, str(replicas))
     # an env worker and an engine actor per replica, and the two tasks
     assert report["cpus"] == 2 * replicas + 2
 
