@@ -489,8 +489,11 @@ def test_a_pipeline_whose_rollout_worker_never_comes_up_ends_when_the_store_refu
             raise OSError(28, "No space left on device (injected)")
         return pipe_file(fs, path, *args, **kwargs)
 
+    def unretried(store, key, name, *args):  # no store to wait for here: refused at the first try
+        send_signal(store, key, name, ())
+
     monkeypatch.setattr(fs_type, "pipe_file", full)
-    monkeypatch.setattr(pipeline_module, "WIND_DOWN_RETRY_S", ())  # no store to wait for here
+    monkeypatch.setattr(pipeline_module, "send_signal", unretried)
     state = _pipeline_in_thread(config)
     with pytest.raises(ValueError, match=r"^the engines did not load \(injected\)$"):
         state.result()
