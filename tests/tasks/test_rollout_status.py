@@ -273,7 +273,7 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(
     numbers) but keeps them in the quarantine, publishes no stopped status over the new
     holder's, and raises InUse. It finds out at its next status (``status``) or, with no
     status due, when it would commit (``commit``: its statuses every 1,000 s, its last shard
-    at the deadline)."""
+    once it is stopped)."""
     run, store = small_worker_run(tmp_path, "taken-worker")
     board = RolloutStatusBoard(store)
     written = published_by(monkeypatch, RolloutStatusBoard)
@@ -291,10 +291,19 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(
         if status["orchestrator"]["finished"]:
             finished.set()
 
-    every_s, deadline = (0.1, time.time() + WAIT_S) if noticed_at == "status" else (1000.0, time.time() + 20)
+    every_s = 0.1 if noticed_at == "status" else 1000.0
+    stop = threading.Event()
     with ThreadPoolExecutor(1) as pool:
         rollouts = pool.submit(
-            run_rollouts, run, deadline, "w0", on_progress, every_s, flush_records=10_000, flush_seconds=3600
+            run_rollouts,
+            run,
+            time.time() + WAIT_S,
+            "w0",
+            on_progress,
+            every_s,
+            stop,
+            flush_records=10_000,
+            flush_seconds=3600,
         )
         if noticed_at == "status":
             assert finished.wait(WAIT_S)
@@ -317,6 +326,8 @@ def test_a_worker_whose_name_was_taken_commits_nothing_more_and_stops(
             )
 
         with kept_fresh(new_worker, 0.02):
+            if noticed_at == "commit":  # no status due: the worker ends, and commits its last shard
+                stop.set()
             with pytest.raises(InUse, match="'w0' was taken over by another process"):
                 rollouts.result(timeout=WAIT_S)
             assert board.read_worker("w0").owner == "new" and board.read_worker("w0").running
