@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from datetime import timedelta
 from pathlib import Path
 from uuid import uuid4
 
@@ -25,6 +26,7 @@ from prefect.client.schemas.actions import DeploymentUpdate, WorkPoolCreate
 from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 from prefect.deployments import run_deployment
 from prefect.events import Event
+from prefect.events.schemas.automations import AutomationCore
 from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.states import Cancelling
 from prefect.workers.process import ProcessWorker
@@ -165,11 +167,27 @@ def test_deployments_run_on_a_real_server_and_worker(tmp_path):
             assert "definitions" in schema, str(schema)[:3000]
             assert schema["definitions"]["RunConfig"]["properties"]["sao"]["description"]
 
-            # the trigger's automation runs the process deployment for this test's run
+            # the trigger's automation runs the process deployment for this test's run, at once
+            # rather than 30 s after the commit, as it is deployed to
             process_deployment = deployments["process/on-commit"]
             client.update_deployment(
                 process_deployment.id,
                 DeploymentUpdate(parameters={"config": config.model_dump(mode="json"), "continuous": False}),
+            )
+            (on_commit,) = client.read_resource_related_automations(
+                f"prefect.deployment.{process_deployment.id}"
+            )
+            (action,) = on_commit.actions
+            assert (action.deployment_id, action.schedule_after) == (
+                process_deployment.id,
+                timedelta(seconds=30),
+            )
+            client.update_automation(
+                on_commit.id,
+                AutomationCore(
+                    **on_commit.model_dump(exclude={"id", "actions", "owner_resource"}),  # not updatable
+                    actions=[action.model_copy(update={"schedule_after": timedelta(0)})],
+                ),
             )
             worker = start(
                 [str(PREFECT), "worker", "start", "--pool", "cpu", "--type", "process"],
