@@ -1,10 +1,11 @@
 """deployments/prefect.yaml on a real ``prefect server``, executed by a real process worker.
 
-The server, its SQLite database (PREFECT_HOME) and the worker are this test's own
-processes on 127.0.0.1; each runs in its own process group, killed at the end. The test
-registers every deployment with ``prefect deploy --all``, runs ``evaluate/on-demand``
-through the API, and fires the ``process/on-commit`` automation with a shard-commit event;
-then it reads flow-run states, artifacts and events back through the Prefect client.
+The server and its SQLite database (PREFECT_HOME) are the module's, every deployment
+registered there once with ``prefect deploy --all``; the workers are each test's own. All are
+processes on 127.0.0.1, each in its own process group, killed at the end. One test runs
+``evaluate/on-demand`` through the API and fires the ``process/on-commit`` automation with a
+shard-commit event, then reads flow-run states, artifacts and events back through the Prefect
+client; the other cancels a ``rollout/gpu-worker`` run.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from uuid import uuid4
@@ -82,7 +85,9 @@ def wait_healthy(url: str, server: subprocess.Popen, log: Path, timeout_s: float
 def start_server(tmp_path: Path, processes: list[subprocess.Popen]) -> tuple[str, dict[str, str]]:
     """Start a ``prefect server`` on a free port of 127.0.0.1, its database in ``tmp_path``
     (added to ``processes``, which the caller stops), and wait until it answers; its API URL
-    and the environment of the processes that use it."""
+    and the environment of the processes that use it. Without the scheduler: no test here runs
+    a deployment by its schedule, and train/nightly's at 02:00 would be the gpu pool's worker's
+    to run."""
     port = free_port()
     api_url = f"http://127.0.0.1:{port}/api"
     env = dict(
@@ -95,10 +100,53 @@ def start_server(tmp_path: Path, processes: list[subprocess.Popen]) -> tuple[str
         OMP_NUM_THREADS="1",
     )
     log = tmp_path / "server.log"
-    server = start([str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port)], env, log)
+    command = [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(port), "--no-scheduler"]
+    server = start(command, env, log)
     processes.append(server)
     wait_healthy(api_url, server, log)
     return api_url, env
+
+
+@dataclass
+class Deployed:
+    """The module's Prefect server, its ``cpu`` and ``gpu`` process pools, and every deployment
+    of deployments/prefect.yaml registered there: each test starts the workers it needs."""
+
+    api_url: str
+    env: dict[str, str]
+    server_log: Path
+
+
+@pytest.fixture(scope="module")
+def deployed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployed]:
+    """One server for the module's tests (each start migrated a fresh database), with every
+    deployment registered by ``prefect deploy --all``."""
+    tmp_path = tmp_path_factory.mktemp("prefect-server")
+    processes: list[subprocess.Popen] = []
+    try:
+        api_url, env = start_server(tmp_path, processes)
+        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+            for pool in ("cpu", "gpu"):
+                client.create_work_pool(
+                    WorkPoolCreate(
+                        name=pool,
+                        type="process",
+                        base_job_template=ProcessWorker.get_default_base_job_template(),
+                    )
+                )
+        deploy = subprocess.run(
+            [str(PREFECT), "--no-prompt", "deploy", "--all", "--prefect-file", "deployments/prefect.yaml"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+        yield Deployed(api_url, env, tmp_path / "server.log")
+    finally:
+        for process in processes:
+            stop(process)
 
 
 def write_raw_shards(config) -> list[str]:
@@ -115,38 +163,13 @@ def write_raw_shards(config) -> list[str]:
 
 
 @pytest.mark.slow
-def test_deployments_run_on_a_real_server_and_worker(tmp_path):
+def test_deployments_run_on_a_real_server_and_worker(tmp_path, deployed):
     config = tiny_config(tmp_path / "runs", "demo", warm_start={"enabled": False}, eval={"tasks_per_env": 3})
     build_base_version(config)
     raw_shards = write_raw_shards(config)
     processes: list[subprocess.Popen] = []
     try:
-        api_url, env = start_server(tmp_path, processes)
-        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-            for pool in ("cpu", "gpu"):
-                client.create_work_pool(
-                    WorkPoolCreate(
-                        name=pool,
-                        type="process",
-                        base_job_template=ProcessWorker.get_default_base_job_template(),
-                    )
-                )
-            deploy = subprocess.run(
-                [
-                    str(PREFECT),
-                    "--no-prompt",
-                    "deploy",
-                    "--all",
-                    "--prefect-file",
-                    "deployments/prefect.yaml",
-                ],
-                cwd=REPO,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )
-            assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+        with temporary_settings({PREFECT_API_URL: deployed.api_url}), get_client(sync_client=True) as client:
             deployments = {
                 f"{client.read_flow(d.flow_id).name}/{d.name}": d for d in client.read_deployments()
             }
@@ -191,7 +214,7 @@ def test_deployments_run_on_a_real_server_and_worker(tmp_path):
             )
             worker = start(
                 [str(PREFECT), "worker", "start", "--pool", "cpu", "--type", "process"],
-                env,
+                deployed.env,
                 tmp_path / "worker.log",
                 cwd=tmp_path,
             )
@@ -210,7 +233,7 @@ def test_deployments_run_on_a_real_server_and_worker(tmp_path):
 
             evaluation = wait_final(client, evaluation.id, tmp_path)
             assert evaluation.state.is_completed(), evaluation.state.message
-            triggered = wait_for_flow_run(client, process_deployment.id, tmp_path)
+            triggered = wait_for_flow_run(client, process_deployment.id, tmp_path, deployed.server_log)
             assert triggered.state.is_completed(), triggered.state.message
 
             (table,) = [a for a in artifacts_of([evaluation.id]) if a.type == "table"]
@@ -249,7 +272,7 @@ def wait_final(client, flow_run_id, tmp_path: Path, timeout_s: float = 300):
         time.sleep(1)
 
 
-def wait_for_flow_run(client, deployment_id, tmp_path: Path, timeout_s: float = 300):
+def wait_for_flow_run(client, deployment_id, tmp_path: Path, server_log: Path, timeout_s: float = 300):
     """The first flow run of ``deployment_id`` once it is final (an automation creates it)."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -259,14 +282,14 @@ def wait_for_flow_run(client, deployment_id, tmp_path: Path, timeout_s: float = 
         if runs:
             return wait_final(client, runs[0].id, tmp_path, max(deadline - time.monotonic(), 1))
         assert time.monotonic() < deadline, (
-            f"no run of the triggered deployment: {(tmp_path / 'server.log').read_text()[-3000:]}"
+            f"no run of the triggered deployment: {server_log.read_text()[-3000:]}"
         )
         time.sleep(1)
 
 
 @pytest.mark.slow
 def test_a_rollout_deployment_cancelled_through_the_api_ends_cancelled_with_every_finished_rollout_committed(
-    tmp_path,
+    tmp_path, deployed
 ):
     """Cancel in the UI: the worker sends the flow run's process SIGTERM, which Prefect's
     handler raises wherever the main thread is, an event-loop task among them. The rollouts
@@ -279,29 +302,11 @@ def test_a_rollout_deployment_cancelled_through_the_api_ends_cancelled_with_ever
     raw = tmp_path / "runs" / "cancel" / "shards" / "raw"
     processes: list[subprocess.Popen] = []
     try:
-        api_url, env = start_server(tmp_path, processes)
-        with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
-            client.create_work_pool(
-                WorkPoolCreate(
-                    name="gpu",
-                    type="process",
-                    base_job_template=ProcessWorker.get_default_base_job_template(),
-                )
-            )
-            deploy = subprocess.run(
-                [str(PREFECT), "--no-prompt", "deploy", "--name", "gpu-worker", "--prefect-file",
-                 "deployments/prefect.yaml"],
-                cwd=REPO,
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=300,
-            )  # fmt: skip
-            assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+        with temporary_settings({PREFECT_API_URL: deployed.api_url}), get_client(sync_client=True) as client:
             processes.append(
                 start(
                     [str(PREFECT), "worker", "start", "--pool", "gpu", "--type", "process"],
-                    env,
+                    deployed.env,
                     tmp_path / "worker.log",
                     cwd=tmp_path,
                 )
